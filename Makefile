@@ -1,0 +1,35 @@
+# Two entry points (see README): `make demo` and `make test`. Both create ./.venv on first
+# use. torch is pinned to the CPU build available on our CI machines; on a CUDA machine,
+# install your own torch first and use `pip install --no-build-isolation -e .` directly.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+NPROC  ?= 2
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.fusedist-installed
+NATIVE := $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
+
+.PHONY: demo test bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)" numpy "triton>=3.0" pytest hypothesis pybind11 ninja "setuptools>=64" wheel
+
+$(STAMP): $(BIN)/python setup.py pyproject.toml $(NATIVE)
+	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/pytest tests $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py $(ARGS)
+
+clean:
+	rm -rf build *.egg-info fusedist/*.so

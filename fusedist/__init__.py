@@ -1,0 +1,64 @@
+"""fusedist: fused distributed-training ops for PyTorch.
+
+A drop-in layer over ``torch.distributed``: swap one import and keep the numerics.
+
+Public surface (everything else is private)::
+
+    fusedist.init_distributed          # torchrun env -> process group (+ device binding)
+    fusedist.DistributedDataParallel   # bucketed, overlapped gradient all-reduce
+    fusedist.ZeroRedundancyOptimizer   # ZeRO stage 1/2 on flat buffers
+    fusedist.clip_grad_norm_           # global grad norm clip, fused with the optimizer
+    fusedist.optim.FusedAdam / FusedAdamW / FusedSGD / FusedLAMB
+    fusedist.amp.GradScaler
+    fusedist.nn.SyncBatchNorm
+    fusedist.checkpoint.save / load
+    fusedist.cuda_ext_available / cuda_ext_error
+
+Heavy submodules load on first use, so ``import fusedist`` is cheap and never fails because
+an optional compiled extension is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._extension import cuda_ext_available, cuda_ext_error
+from .distributed import DistributedInfo, init_distributed
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute); attribute None means the module itself.
+_LAZY = {
+    "DistributedDataParallel": ("fusedist.ddp", "DistributedDataParallel"),
+    "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
+    "clip_grad_norm_": ("fusedist.optim", "clip_grad_norm_"),
+    "optim": ("fusedist.optim", None),
+    "amp": ("fusedist.amp", None),
+    "nn": ("fusedist.nn", None),
+    "checkpoint": ("fusedist.checkpoint", None),
+    "comm": ("fusedist.comm", None),
+}
+
+__all__ = [
+    "DistributedInfo",
+    "init_distributed",
+    "cuda_ext_available",
+    "cuda_ext_error",
+    "__version__",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'fusedist' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

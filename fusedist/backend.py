@@ -1,0 +1,85 @@
+"""One place that decides which implementation runs a kernel.
+
+Fallback chain, chosen per device type and logged once:
+
+* CUDA tensors: compiled Triton kernels (``triton``) -> pure PyTorch (``torch``).
+* CPU tensors: the C++ CPU extension where an op has one (``cpu_ext``) -> pure PyTorch
+  (``torch``); with ``TRITON_INTERPRET=1`` set, the Triton kernels run under the
+  interpreter (``triton``), which is how CI tests them.
+
+``FUSEDIST_KERNEL_BACKEND=auto|triton|torch|cpu_ext`` overrides the choice (``auto`` is the
+default). The pure-PyTorch path computes the same math and doubles as the test oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("fusedist")
+
+BACKENDS = ("triton", "torch", "cpu_ext")
+_logged: set[tuple[str, str]] = set()
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken triton install is "not available"
+        return False
+    return True
+
+
+def requested_backend() -> str:
+    value = os.environ.get("FUSEDIST_KERNEL_BACKEND", "auto").strip().lower()
+    if value not in BACKENDS + ("auto",):
+        raise ValueError(
+            f"FUSEDIST_KERNEL_BACKEND={value!r} is not one of auto, {', '.join(BACKENDS)}"
+        )
+    return value
+
+
+def select_backend(op: str, device: torch.device | str, *, has_cpu_ext: bool = False) -> str:
+    """Return the backend that runs ``op`` on ``device``: 'triton', 'cpu_ext' or 'torch'.
+
+    ``has_cpu_ext`` says whether ``op`` has a C++ CPU implementation that is built.
+    """
+    device = torch.device(device)
+    requested = requested_backend()
+    if requested == "auto":
+        if device.type == "cuda":
+            choice = "triton" if triton_available() else "torch"
+        elif triton_interpreting() and triton_available():
+            choice = "triton"
+        elif has_cpu_ext:
+            choice = "cpu_ext"
+        else:
+            choice = "torch"
+    else:
+        choice = requested
+        if choice == "triton" and not triton_available():
+            raise RuntimeError("FUSEDIST_KERNEL_BACKEND=triton but triton cannot be imported")
+        if choice == "triton" and device.type == "cpu" and not triton_interpreting():
+            raise RuntimeError(
+                "FUSEDIST_KERNEL_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                "(set before triton is imported)"
+            )
+        if choice == "cpu_ext" and (device.type != "cpu" or not has_cpu_ext):
+            raise RuntimeError(
+                f"FUSEDIST_KERNEL_BACKEND=cpu_ext but {op} has no built CPU extension for "
+                f"{device.type} tensors"
+            )
+    key = (op, f"{device.type}:{choice}")
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("fusedist: %s on %s tensors uses the %s backend", op, device.type, choice)
+    return choice

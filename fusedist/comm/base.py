@@ -1,0 +1,215 @@
+"""The communicator interface every fusedist feature talks to.
+
+Two implementations sit behind it: :class:`~fusedist.comm.torch_comm.TorchCommunicator`
+(``torch.distributed``: gloo on CPU, NCCL through torch on GPU) and the direct-NCCL
+communicator of the CUDA extension. Code above this interface (DDP, ZeRO, SyncBN) must not
+care which one runs.
+
+Every collective returns a :class:`CommHandle`. ``wait()`` is idempotent and bounded by a
+timeout, so a rank that never joins a collective turns into a :class:`CollectiveError`
+naming the operation, its tag and the rank -- never a silent hang.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import itertools
+from typing import Callable, Optional
+
+import torch
+
+from ..distributed import collective_timeout
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete within its timeout."""
+
+    def __init__(self, message: str, *, op: str = "", tag: str = "", rank: int = -1, seq: int = -1):
+        super().__init__(message)
+        self.op, self.tag, self.rank, self.seq = op, tag, rank, seq
+
+
+class CommHandle:
+    """An in-flight (or finished) collective.
+
+    ``wait()`` blocks until the result is usable by the caller (on CUDA: until the caller's
+    current stream is ordered after it), runs the completion callbacks once, and raises
+    :class:`CollectiveError` on failure or timeout. Calling it again is a no-op.
+    """
+
+    def __init__(
+        self,
+        comm: "Communicator",
+        work,
+        *,
+        op: str,
+        tag: str,
+        seq: int,
+        timeout: datetime.timedelta,
+    ):
+        self._comm = comm
+        self._work = work
+        self.op, self.tag, self.seq = op, tag, seq
+        self._timeout = timeout
+        self._callbacks: list[Callable[[], None]] = []
+        self._done = work is None
+        self._error: Optional[BaseException] = None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` inside ``wait()`` once the collective has completed (or now, if it has)."""
+        if self._done:
+            fn()
+        else:
+            self._callbacks.append(fn)
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return
+        timeout = timeout or self._timeout
+        try:
+            self._comm._wait_work(self._work, timeout)
+        except CollectiveError as exc:
+            self._error = exc
+            raise
+        except Exception as exc:  # noqa: BLE001 - backend errors come in many types
+            self._error = CollectiveError(
+                f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
+                f"{self._comm.rank} of {self._comm.world_size}: {exc}",
+                op=self.op,
+                tag=self.tag,
+                rank=self._comm.rank,
+                seq=self.seq,
+            )
+            self._comm._on_failure(self, self._error)
+            raise self._error from exc
+        self._done = True
+        self._work = None
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+
+class Communicator(abc.ABC):
+    """Collectives over one process group, on flat contiguous tensors.
+
+    Shapes: ``reduce_scatter(output, input)`` needs ``input.numel() == world_size *
+    output.numel()``; ``all_gather(output, input)`` needs ``output.numel() == world_size *
+    input.numel()``. Rank ``r`` owns the ``r``-th slice.
+    """
+
+    #: Short name of the implementation ("torch", "nccl").
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout or collective_timeout()
+        self._seq = itertools.count()
+        #: Optional observer with ``on_launch(comm, handle)`` / ``on_failure(comm, handle,
+        #: error)``; the reliability monitor plugs in here.
+        self.observer = None
+
+    # ---- the interface
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: str): ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str): ...
+
+    @abc.abstractmethod
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor): ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int): ...
+
+    @abc.abstractmethod
+    def _wait_work(self, work, timeout: datetime.timedelta) -> None:
+        """Block until ``work`` is complete; raise on error or after ``timeout``."""
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device), tag="barrier")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # ---- public wrappers: validation, sequence numbers, handles
+    def all_reduce(self, tensor, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
+        self._check_op(op)
+        self._check_flat("all_reduce", tensor)
+        return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op))
+
+    def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
+        self._check_op(op)
+        self._check_flat("reduce_scatter", output, input)
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"fusedist reduce_scatter{_tag(tag)}: input has {input.numel()} elements, expected "
+                f"world_size ({self.world_size}) x output ({output.numel()})"
+            )
+        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op))
+
+    def all_gather(self, output, input, *, async_op: bool = False, tag: str = "") -> CommHandle:
+        self._check_flat("all_gather", output, input)
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"fusedist all_gather{_tag(tag)}: output has {output.numel()} elements, expected "
+                f"world_size ({self.world_size}) x input ({input.numel()})"
+            )
+        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input))
+
+    def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"fusedist broadcast{_tag(tag)}: src={src} outside world_size {self.world_size}")
+        self._check_flat("broadcast", tensor)
+        return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src))
+
+    # ---- helpers
+    def _launch(self, op: str, tag: str, async_op: bool, start) -> CommHandle:
+        seq = next(self._seq)
+        with torch.profiler.record_function(f"fusedist::{op}"):
+            try:
+                work = start()
+            except Exception as exc:  # noqa: BLE001
+                raise CollectiveError(
+                    f"fusedist: launching {op}{_tag(tag)} (collective #{seq}) failed on rank "
+                    f"{self.rank} of {self.world_size}: {exc}",
+                    op=op, tag=tag, rank=self.rank, seq=seq,
+                ) from exc
+        handle = CommHandle(self, work, op=op, tag=tag, seq=seq, timeout=self.timeout)
+        if self.observer is not None:
+            self.observer.on_launch(self, handle)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _on_failure(self, handle: CommHandle, error: BaseException) -> None:
+        if self.observer is not None:
+            self.observer.on_failure(self, handle, error)
+
+    @staticmethod
+    def _check_op(op: str) -> None:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"fusedist: reduce op must be one of {REDUCE_OPS}, got {op!r}")
+
+    @staticmethod
+    def _check_flat(name: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"fusedist {name}: tensors must be contiguous (got strides {t.stride()})")
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError(f"fusedist {name}: dtype mismatch {[t.dtype for t in tensors]}")
+
+
+def _tag(tag: str) -> str:
+    return f" [{tag}]" if tag else ""

@@ -1,0 +1,142 @@
+"""One multi-process harness for every distributed test.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initializes a
+process group in each through a ``file://`` rendezvous on a fresh temp file (no ports), runs
+``fn(rank, world_size, *args, **kwargs)`` and returns the per-rank results in rank order.
+
+Failures are never silent and never hang the test run: a rank that raises is reported with
+its traceback (and the others' fate), and if any rank does not finish within ``timeout``
+seconds all are killed and the report says which ranks were still running.
+
+``fn`` must be importable by name (a module-level function), because children are spawned.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+class DistributedRunError(RuntimeError):
+    """One or more ranks failed or timed out; ``failures`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn, args, kwargs, results):
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if backend is not None:
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+            )
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            if backend is not None and dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = "gloo",
+    timeout: float = 120.0,
+    pg_timeout: float = 30.0,
+    threads: int = 1,
+    env: dict[str, str] | None = None,
+    expect_failure: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` spawned ranks; return results in rank order.
+
+    Args:
+        backend: process-group backend, or None to leave initialization to ``fn``.
+        timeout: wall-clock limit for the whole run; ranks still running are killed.
+        pg_timeout: the process group's collective timeout (seconds).
+        threads: torch intra-op threads per rank (1 keeps a 2-core machine sane).
+        env: extra environment variables for the children.
+        expect_failure: return a list of ``("error", traceback)`` / ``("ok", value)`` pairs
+            instead of raising when ranks fail (for tests of failure behaviour).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="fusedist-rdzv-")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(rank, world_size, init_file, backend, pg_timeout, threads, dict(env or {}),
+                      fn, args, kwargs, results),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        outcome: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+                outcome[rank] = (ok, value)
+                continue
+            except queue_mod.Empty:
+                pass
+            # A child that died without reporting (segfault, os._exit, SIGKILL) will never
+            # put a result: record it instead of waiting for the deadline.
+            for rank, p in enumerate(procs):
+                if rank not in outcome and not p.is_alive() and p.exitcode is not None:
+                    try:  # its result may still be in flight in the queue
+                        r, ok, value = results.get(timeout=0.5)
+                        outcome[r] = (ok, value)
+                    except queue_mod.Empty:
+                        outcome[rank] = (False, f"rank {rank} exited with code {p.exitcode} without reporting")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+    hung = [r for r in range(world_size) if r not in outcome]
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    for r in hung:
+        failures[r] = f"rank {r} did not finish within {timeout:.0f} s (killed)"
+    if expect_failure:
+        return [("ok", outcome[r][1]) if r in outcome and outcome[r][0] else ("error", failures[r])
+                for r in range(world_size)]
+    if failures:
+        lines = [f"{len(failures)} of {world_size} ranks failed" + (f"; hung: {hung}" if hung else "")]
+        for r in sorted(failures):
+            lines.append(f"--- rank {r} ---\n{failures[r]}")
+        raise DistributedRunError("\n".join(lines), failures)
+    return [outcome[r][1] for r in range(world_size)]

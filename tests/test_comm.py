@@ -1,0 +1,133 @@
+"""The torch.distributed communicator: exact values, async handles, misuse, timeouts."""
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+
+from fusedist.testing import run_distributed
+
+
+def _collectives(rank, world_size):
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, get_communicator
+
+    comm = get_communicator()
+    assert comm is get_communicator()  # cached
+    out = {}
+    # all_reduce: fill with rank + 1, the exact sum is known.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        t = torch.full((7,), rank + 1, dtype=dtype)
+        comm.all_reduce(t)
+        out[f"ar_{dtype}"] = t.tolist()
+    t = torch.full((5,), float(rank + 1))
+    comm.all_reduce(t, op="max")
+    out["ar_max"] = t.tolist()
+    # async: launch two, wait in reverse order; wait twice is a no-op.
+    a, b = torch.full((3,), 1.0), torch.full((1000,), float(rank))
+    ha = comm.all_reduce(a, async_op=True, tag="a")
+    hb = comm.all_reduce(b, async_op=True, tag="b")
+    hb.wait(); ha.wait(); ha.wait()
+    fired = []
+    ha.add_done_callback(lambda: fired.append(1))
+    out["async"] = (a.tolist(), b[:2].tolist(), fired)
+    # reduce_scatter: rank r gets slice r of the sum.
+    inp = torch.arange(world_size * 4, dtype=torch.float32) * (rank + 1)
+    rs = torch.empty(4)
+    comm.reduce_scatter(rs, inp)
+    out["rs"] = rs.tolist()
+    # all_gather: concatenation in rank order.
+    ag = torch.empty(world_size * 2)
+    comm.all_gather(ag, torch.full((2,), float(rank)))
+    out["ag"] = ag.tolist()
+    # broadcast from the last rank.
+    bc = torch.full((3,), float(rank))
+    comm.broadcast(bc, src=world_size - 1)
+    out["bc"] = bc.tolist()
+    # misuse
+    with pytest.raises(ValueError, match="expected world_size"):
+        comm.reduce_scatter(torch.empty(3), torch.empty(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(torch.empty(4, 4).t())
+    with pytest.raises(ValueError, match="reduce op"):
+        comm.all_reduce(torch.empty(4), op="prod")
+    # timeout: only rank 0 enters a collective; it must raise, naming op, tag and rank.
+    dist.barrier()
+    if rank == 0:
+        comm.timeout = datetime.timedelta(seconds=2)
+        start = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            comm.all_reduce(torch.ones(1), tag="lonely")
+        out["timeout"] = (time.monotonic() - start, str(info.value))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_exact(world_size):
+    results = run_distributed(_collectives, world_size, pg_timeout=10)
+    total = sum(r + 1 for r in range(world_size))
+    for rank, out in enumerate(results):
+        for key in ("ar_torch.float32", "ar_torch.bfloat16", "ar_torch.float16", "ar_torch.int64"):
+            assert out[key] == [total] * 7, key
+        assert out["ar_max"] == [world_size] * 5
+        a, b2, fired = out["async"]
+        assert a == [world_size] * 3
+        assert b2 == [sum(range(world_size))] * 2
+        assert fired == [1]
+        expected_rs = [(rank * 4 + i) * total for i in range(4)]
+        assert out["rs"] == expected_rs
+        assert out["ag"] == [float(r) for r in range(world_size) for _ in range(2)]
+        assert out["bc"] == [float(world_size - 1)] * 3
+    elapsed, message = results[0]["timeout"]
+    assert elapsed < 15
+    assert "all_reduce" in message and "lonely" in message and "rank 0" in message
+
+
+def _init_from_env(rank, world_size, init_file):
+    import fusedist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1")
+    info = fusedist.init_distributed(timeout=20)
+    assert fusedist.init_distributed() == info  # idempotent
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return (info.rank, info.world_size, info.backend, info.device.type, t.item())
+
+
+def test_init_distributed_from_torchrun_env():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = run_distributed(_init_from_env, 2, None, backend=None, env={"MASTER_PORT": str(port)})
+    assert results == [(0, 2, "gloo", "cpu", 2.0), (1, 2, "gloo", "cpu", 2.0)]
+
+
+def test_init_distributed_incomplete_env(monkeypatch):
+    import fusedist
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="missing WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*torchrun"):
+        fusedist.init_distributed()
+
+
+def _raise_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+def test_harness_reports_failing_rank():
+    from fusedist.testing import DistributedRunError
+
+    with pytest.raises(DistributedRunError, match="boom on purpose") as info:
+        run_distributed(_raise_on_rank1, 2, backend=None)
+    assert list(info.value.failures) == [1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import time
@@ -52,7 +53,9 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
         finally:
             if backend is not None and dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Plain pickle to bytes: torch's multiprocessing reducers would share tensors through
+        # this process's file descriptors, which vanish when it exits.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -104,7 +107,7 @@ def run_distributed(
                 break
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 0.5))
-                outcome[rank] = (ok, value)
+                outcome[rank] = (ok, pickle.loads(value) if ok else value)
                 continue
             except queue_mod.Empty:
                 pass
@@ -114,7 +117,7 @@ def run_distributed(
                 if rank not in outcome and not p.is_alive() and p.exitcode is not None:
                     try:  # its result may still be in flight in the queue
                         r, ok, value = results.get(timeout=0.5)
-                        outcome[r] = (ok, value)
+                        outcome[r] = (ok, pickle.loads(value) if ok else value)
                     except queue_mod.Empty:
                         outcome[rank] = (False, f"rank {rank} exited with code {p.exitcode} without reporting")
     finally:

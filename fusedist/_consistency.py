@@ -1,0 +1,57 @@
+"""Cross-rank agreement checks that fail on *every* rank with the same readable message.
+
+torch's checks raise on the rank that notices and leave the others blocked in the next
+collective ("connection closed by peer"). Here each rank all-gathers a small description
+(a fingerprint), every rank compares all of them, so every rank reaches the same verdict
+and raises the same error naming the first difference and the ranks involved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks disagree about something that must be identical (model, layout, step...)."""
+
+
+def gather_objects(obj: Any, process_group=None) -> list[Any]:
+    world = dist.get_world_size(process_group)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
+
+
+def describe_difference(entries_by_rank: Sequence[Sequence[Any]], label) -> str | None:
+    """Find the first index where the ranks' entry lists differ; return a message or None.
+
+    ``label(entry)`` renders one entry for the message (e.g. "weight: (4, 3) float32").
+    """
+    reference = entries_by_rank[0]
+    lengths = [len(e) for e in entries_by_rank]
+    for index in range(max(lengths)):
+        values = [e[index] if index < len(e) else None for e in entries_by_rank]
+        if all(v == values[0] for v in values):
+            continue
+        groups: dict[str, list[int]] = {}
+        for rank, v in enumerate(values):
+            groups.setdefault("<missing>" if v is None else label(v), []).append(rank)
+        detail = "; ".join(f"ranks {ranks}: {text}" for text, ranks in groups.items())
+        return f"first difference at entry #{index}: {detail}"
+    if len(set(lengths)) > 1:  # pragma: no cover - caught above via <missing>
+        return f"entry counts differ across ranks: {lengths} (rank 0 has {len(reference)})"
+    return None
+
+
+def check_same_across_ranks(entries: Sequence[Any], what: str, label=str, process_group=None, hint: str = "") -> None:
+    """Raise :class:`RankMismatchError` on every rank unless all ranks pass equal ``entries``."""
+    everyone = gather_objects(list(entries), process_group)
+    difference = describe_difference(everyone, label)
+    if difference is not None:
+        counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
+        raise RankMismatchError(
+            f"fusedist: {what} differs across ranks (this is rank {dist.get_rank(process_group)}); "
+            f"{difference}. Entry counts: {counts}.{(' ' + hint) if hint else ''}"
+        )

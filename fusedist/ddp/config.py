@@ -1,0 +1,47 @@
+"""Configuration of :class:`fusedist.DistributedDataParallel`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    """Target bucket size. Large enough to amortize per-collective latency, small enough that
+    the first buckets are ready (and launched) early in backward. Same default as torch."""
+
+    first_bucket_cap_mb: float = 1.0
+    """The first bucket (the last layers, whose gradients are ready first) is small so that
+    communication starts as early as possible in backward."""
+
+    broadcast_buffers: bool = True
+    """Broadcast buffers (e.g. BatchNorm running stats) from rank 0 at every training forward,
+    so every rank evaluates with the same statistics (torch's default)."""
+
+    find_unused_parameters: bool = False
+    """Tolerate parameters that receive no gradient in an iteration: their bucket slots are
+    zero-filled and reduced at the end of backward (costs one small extra all-reduce of a
+    used-map and less overlap for those buckets). Off by default: unused parameters are
+    then reported as an error after backward instead of hanging the next step."""
+
+    gradient_as_bucket_view: bool = True
+    """``param.grad`` are views into the flat bucket buffers: no per-step copy and no second
+    copy of the gradients in memory."""
+
+    reduce_dtype: Optional[torch.dtype] = None
+    """Reduce in this dtype (e.g. bfloat16 to halve the bytes on the wire); the result is
+    written back in the gradient's dtype. None: reduce in the gradient's dtype."""
+
+    def __post_init__(self):
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"DistributedDataParallel: {name} must be a positive number of MiB, got {value!r}")
+        if self.reduce_dtype is not None and not (
+            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
+        ):
+            raise ValueError(f"DistributedDataParallel: reduce_dtype must be a floating dtype, got {self.reduce_dtype!r}")

@@ -1,0 +1,333 @@
+"""Gradient readiness tracking and bucket launches during backward.
+
+Note [bucket readiness]
+    Every trainable parameter has a post-accumulate-grad hook. When a parameter's gradient
+    has been accumulated (into its view in the flat buffer) the hook decrements its bucket's
+    pending count; a bucket whose count reaches zero is *ready*. Ready buckets are launched
+    strictly in bucket-index order (bucket i only after buckets < i), because collectives must
+    be issued in the same order on every rank: gloo and NCCL match them by issue order, and
+    two ranks whose gradients become ready in a different order would otherwise pair up
+    different buckets. The last step of backward (an autograd-engine callback queued by the
+    first hook) launches what is left, waits for every bucket, and averages. So
+    ``loss.backward()`` returns with synchronized gradients, like torch DDP.
+
+Note [unused parameters]
+    A parameter whose hook did not fire by the end of backward is unused this iteration. Its
+    slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
+    rank issues the same collectives. With ``find_unused_parameters=True`` a small used-map
+    all-reduce (issued after all buckets, so the order stays the same on every rank) tells
+    which parameters no rank used: those keep ``grad=None``, as in torch. With it False the
+    rank raises after the collectives completed, naming the parameters, instead of leaving
+    the other ranks to hang in the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch.autograd import Variable
+
+from .._timeline import Timeline, now_us
+from ..comm import CommHandle, Communicator
+from .config import DDPConfig
+from .layout import Bucket, GradLayout, build_layout
+
+MiB = 1024 * 1024
+
+
+class GradSyncStrategy:
+    """How a bucket's gradients are combined across ranks.
+
+    ``launch`` starts the (asynchronous) collective and returns its handle; ``finish`` waits
+    for it and leaves the bucket's result where the consumer expects it. The default averages
+    with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
+    """
+
+    def launch(self, reducer: "Reducer", bucket: Bucket) -> CommHandle:
+        raise NotImplementedError
+
+    def finish(self, reducer: "Reducer", bucket: Bucket, handle: CommHandle) -> None:
+        raise NotImplementedError
+
+
+def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post) divisors whose product is ``world_size``.
+
+    fp32/bf16: divide fully before the sum (torch DDP's numerics). fp16: split the division
+    around the sum (sqrt each side) so neither the sum can overflow nor small gradients
+    underflow to zero.
+    """
+    if dtype == torch.float16 and world_size > 1:
+        pre = float(2 ** round(math.log2(math.sqrt(world_size))))
+        return pre, world_size / pre
+    return float(world_size), 1.0
+
+
+class AllReduceAverage(GradSyncStrategy):
+    """Average a bucket with one all-reduce, optionally in a narrower ``reduce_dtype``."""
+
+    def launch(self, reducer, bucket):
+        data = bucket.data
+        reduce_dtype = reducer.config.reduce_dtype or data.dtype
+        pre, _ = divide_factors(reducer.world_size, reduce_dtype)
+        if reduce_dtype != data.dtype:
+            wire = data.to(reduce_dtype)
+            wire.div_(pre)
+        else:
+            wire = data.div_(pre)
+        reducer.bucket_scratch[bucket.index] = wire
+        return reducer.comm.all_reduce(wire, async_op=True, tag=f"ddp bucket {bucket.index}")
+
+    def finish(self, reducer, bucket, handle):
+        handle.wait()
+        wire = reducer.bucket_scratch.pop(bucket.index)
+        reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
+        _, post = divide_factors(reducer.world_size, reduce_dtype)
+        if wire.data_ptr() != bucket.data.data_ptr():
+            bucket.data.copy_(wire)
+        if post != 1.0:
+            bucket.data.div_(post)
+
+
+class Reducer:
+    """Owns the gradient layout, the hooks and the per-backward state of one DDP module."""
+
+    def __init__(
+        self,
+        params: list,
+        names: list,
+        comm: Communicator,
+        config: DDPConfig,
+        device: torch.device,
+        timeline: Timeline,
+    ):
+        self.params = params
+        self.names = names
+        self.index_of = {p: i for i, p in enumerate(params)}
+        self.comm = comm
+        self.world_size = comm.world_size
+        self.config = config
+        self.device = device
+        self.timeline = timeline
+        self.strategy: GradSyncStrategy = AllReduceAverage()
+        self.bucket_scratch: dict[int, torch.Tensor] = {}
+        self.layout_listeners: list[Callable[[GradLayout], None]] = []
+        # Expected readiness order before anything is observed: reverse registration order
+        # (the last layers' gradients are produced first), like torch DDP.
+        self.layout = self._build(list(reversed(range(len(params)))))
+        self.layout_final = False  # becomes True after the rebuild from observed order
+        for p in params:
+            self._attach_grad(p)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+        self.next_backward_sync = True
+        self.in_backward = False
+        self._observed_order: Optional[list[int]] = None
+        self._warned_unused = False
+        self.last_stats: dict = {}
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ layout
+    def _build(self, order: list[int]) -> GradLayout:
+        return build_layout(
+            [self.params[i] for i in order],
+            [self.names[i] for i in order],
+            bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
+            first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
+            world_size=self.world_size,
+            device=self.device,
+        )
+
+    def _attach_grad(self, p) -> None:
+        """Make ``p.grad`` the buffer view (keeping any existing gradient value)."""
+        view = self.layout.grad_view(p)
+        if p.grad is not None:
+            view.copy_(p.grad)
+        if self.config.gradient_as_bucket_view:
+            if p.grad is not None:
+                p.grad = view
+
+    def _rebuild(self, observed: list[int]) -> None:
+        """Re-bucket by the readiness order rank 0 observed, carrying gradient values over.
+
+        Rank 0's order is broadcast so every rank builds the identical layout (ranks can
+        observe different orders, and the layouts must match for the collectives to pair).
+        """
+        n = len(self.params)
+        order = torch.full((n,), -1, dtype=torch.int64, device=self.comm.device)
+        seen = list(dict.fromkeys(observed))
+        order[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
+        self.comm.broadcast(order, src=0, tag="ddp bucket rebuild")
+        chosen = [i for i in order.tolist() if i >= 0]
+        rest = [i for i in reversed(range(n)) if i not in set(chosen)]
+        new_order = chosen + rest
+        old = self.layout
+        new = self._build(new_order)
+        if new.fingerprint() == old.fingerprint():
+            self.layout_final = True
+            return
+        for p in self.params:
+            new.grad_view(p).copy_(old.grad_view(p))
+            if p.grad is not None and self.config.gradient_as_bucket_view:
+                p.grad = new.grad_view(p)
+        self.layout = new
+        self.layout_final = True
+        self.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
+        for listener in self.layout_listeners:
+            listener(new)
+
+    # ------------------------------------------------------------------ backward
+    def prepare_forward(self, sync: bool) -> None:
+        self.next_backward_sync = sync
+
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        self.sync = self.next_backward_sync
+        self.pending = [len(b.params) for b in self.layout.buckets]
+        self.handles: list[Optional[CommHandle]] = [None] * len(self.layout.buckets)
+        self.ready_params: set = set()
+        self.next_launch = 0
+        self.t_begin = now_us()
+        self.t_launch: dict[int, float] = {}
+        self.t_last_grad = self.t_begin
+        if self._observed_order is None and self.sync and not self.layout_final:
+            self._observed_order = []
+        Variable._execution_engine.queue_callback(self._finish_backward)
+        self.timeline.instant("backward begins", sync=self.sync)
+
+    def _on_grad_ready(self, p) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+        grad = p.grad
+        index = self.index_of[p]
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"fusedist DDP: parameter '{self.names[index]}' received a sparse gradient; sparse "
+                "gradients are not supported (use nn.Embedding(sparse=False))"
+            )
+        view = self.layout.grad_view(p)
+        if grad.data_ptr() != view.data_ptr():
+            # The gradient is a fresh tensor (zero_grad(set_to_none=True), or gradient views
+            # disabled): it holds this parameter's whole gradient, so copy, don't add.
+            view.copy_(grad)
+            if self.config.gradient_as_bucket_view:
+                p.grad = view
+        self.t_last_grad = now_us()
+        if self._observed_order is not None:
+            self._observed_order.append(index)
+        if not self.sync:
+            return
+        if p in self.ready_params:
+            raise RuntimeError(
+                f"fusedist DDP: parameter '{self.names[index]}' received its gradient twice in one "
+                "backward (reentrant activation checkpointing or a second backward through the "
+                "same graph); this is not supported with gradient synchronization"
+            )
+        self.ready_params.add(p)
+        bucket = self.layout.slots[p].bucket
+        self.pending[bucket.index] -= 1
+        if self.pending[bucket.index] == 0:
+            self.timeline.instant(f"bucket {bucket.index} ready")
+            self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        buckets = self.layout.buckets
+        while self.next_launch < len(buckets) and self.pending[self.next_launch] == 0:
+            bucket = buckets[self.next_launch]
+            self.t_launch[bucket.index] = now_us()
+            self.handles[bucket.index] = self.strategy.launch(self, bucket)
+            self.next_launch += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            if self.sync:
+                self._synchronize()
+            elif self._observed_order is not None and not self.layout_final:
+                self._observed_order = None  # only a synchronized backward defines the order
+        finally:
+            self.in_backward = False
+            self.next_backward_sync = True
+            self.iteration += 1
+
+    def _synchronize(self) -> None:
+        t_compute_end = now_us()
+        unused = [p for p in self.params if p not in self.ready_params]
+        had_grad = {p: p.grad is not None for p in unused}
+        for p in unused:
+            if p.grad is None:
+                self.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
+            self.pending[self.layout.slots[p].bucket.index] -= 1
+        if unused:
+            self._launch_in_order()
+        assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
+        t_done: dict[int, float] = {}
+        for bucket in self.layout.buckets:
+            self.strategy.finish(self, bucket, self.handles[bucket.index])
+            t_done[bucket.index] = now_us()
+            self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
+                               self.t_launch[bucket.index], t_done[bucket.index], tid=1,
+                               numel=bucket.numel)
+        if not self.config.gradient_as_bucket_view:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.copy_(self.layout.grad_view(p))
+        if self.config.find_unused_parameters:
+            # Every rank, every synchronized iteration: a rank with nothing unused must still
+            # take part in the used-map all-reduce (Note [unused parameters]).
+            self._settle_unused(unused, had_grad)
+        t_end = now_us()
+        first_launch = min(self.t_launch.values()) if self.t_launch else t_compute_end
+        span = max(t_end - first_launch, 1e-9)
+        exposed = max(t_end - max(t_compute_end, first_launch), 0.0)
+        self.last_stats = {
+            "backward_us": t_compute_end - self.t_begin,
+            "comm_span_us": span,
+            "exposed_comm_us": exposed,
+            "hidden_fraction": max(0.0, 1.0 - exposed / span),
+            "first_launch_before_last_grad": first_launch < self.t_last_grad,
+            "buckets": len(self.layout.buckets),
+        }
+        self.timeline.span("exposed communication", max(t_compute_end, first_launch), t_end, tid=2)
+        if self._observed_order is not None and not self.layout_final:
+            observed, self._observed_order = self._observed_order, None
+            self._rebuild(observed)
+        if unused and not self.config.find_unused_parameters:
+            names = [self.names[self.index_of[p]] for p in unused]
+            raise RuntimeError(
+                f"fusedist DDP (rank {self.comm.rank}): {len(names)} parameter(s) received no "
+                f"gradient in this backward: {names[:10]}{' ...' if len(names) > 10 else ''}. "
+                "Pass find_unused_parameters=True to DistributedDataParallel if parts of the model "
+                "are legitimately unused in some iterations, or make sure every parameter takes part "
+                "in computing the loss."
+            )
+
+    def _settle_unused(self, unused: list, had_grad: dict) -> None:
+        used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
+        for p in self.ready_params:
+            used[self.index_of[p]] = 1
+        self.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
+        globally_unused = []
+        for p in unused:
+            if used[self.index_of[p]].item() == 0:
+                globally_unused.append(self.names[self.index_of[p]])
+                if not had_grad[p]:
+                    p.grad = None
+            elif p.grad is None:
+                p.grad = self.layout.grad_view(p) if self.config.gradient_as_bucket_view else (
+                    self.layout.grad_view(p).clone())
+        if globally_unused and not self._warned_unused:
+            self._warned_unused = True
+            warnings.warn(
+                f"fusedist DDP: {len(globally_unused)} parameter(s) received no gradient on any rank "
+                f"in iteration {self.iteration}: {globally_unused[:10]} (reported once)",
+                stacklevel=2,
+            )
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

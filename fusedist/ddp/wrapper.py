@@ -1,0 +1,212 @@
+"""``fusedist.DistributedDataParallel``: a drop-in for ``torch.nn.parallel.DistributedDataParallel``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._consistency import check_same_across_ranks
+from .._timeline import Timeline
+from ..comm import get_communicator
+from .config import DDPConfig
+from .reducer import Reducer
+
+_TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params", "init_sync",
+                       "param_to_hook_all_reduce", "device_mesh", "skip_all_reduce_unused_params"}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    devices = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
+        raise ValueError(
+            f"fusedist.DistributedDataParallel: the module's parameters live on several devices: "
+            f"{listing}. Move the whole module to one device (module.to(device)) before wrapping."
+        )
+    return next(iter(devices)) if devices else torch.device("cpu")
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism with bucketed gradient all-reduce overlapped with backward.
+
+    Same use as torch's: wrap the model, call it, ``loss.backward()`` returns averaged
+    gradients. Differences that users see:
+
+    * construction verifies that every rank holds the same parameters (names, shapes, dtypes)
+      and raises on *every* rank, naming the first differing parameter and the ranks;
+    * gradients live in flat per-dtype buffers (``param.grad`` are views, no copies);
+    * ``reduce_dtype`` reduces in a narrower dtype (e.g. bf16) to halve the bytes on the wire;
+    * ``FUSEDIST_TIMELINE=<path>`` writes a per-rank Chrome trace of bucket events.
+
+    Args:
+        module: the model (on one device).
+        device_ids, output_device, dim: accepted for compatibility with torch. On CUDA,
+            ``device_ids`` must name the module's device; on CPU it must be None.
+        process_group: the data-parallel group (default: the world).
+        bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, find_unused_parameters,
+            gradient_as_bucket_view, reduce_dtype: see :class:`~fusedist.ddp.config.DDPConfig`.
+        static_graph, check_reduction: torch options accepted for compatibility (the bucket
+            layout is always rebuilt once from the observed order; no extra checks needed).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group=None,
+        bucket_cap_mb: Optional[float] = None,
+        find_unused_parameters: bool = False,
+        *,
+        first_bucket_cap_mb: float = 1.0,
+        gradient_as_bucket_view: bool = True,
+        reduce_dtype: Optional[torch.dtype] = None,
+        **torch_options,
+    ):
+        super().__init__()
+        unknown = set(torch_options) - _TORCH_ONLY_OPTIONS
+        if unknown:
+            raise TypeError(f"fusedist.DistributedDataParallel got unexpected keyword argument(s) {sorted(unknown)}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "fusedist.DistributedDataParallel: torch.distributed is not initialized; call "
+                "fusedist.init_distributed() (under torchrun) before wrapping the model"
+            )
+        self.module = module
+        self.config = DDPConfig(
+            bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            reduce_dtype=reduce_dtype,
+        )
+        self.process_group = process_group
+        self.dim = dim
+        self.device = _module_device(module)
+        self._check_device_ids(device_ids, output_device)
+        self.comm = get_communicator(process_group, self.device)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for name, p in named:
+            if not (p.dtype.is_floating_point):
+                raise TypeError(
+                    f"fusedist.DistributedDataParallel: parameter '{name}' has dtype {p.dtype}; only "
+                    "floating-point parameters can be trained (complex parameters are not supported)"
+                )
+        self._check_ranks_agree()
+        self._broadcast_state()
+
+        self.timeline = Timeline.from_env(self.rank)
+        self.reducer = Reducer(
+            [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
+        )
+        for _, p in named:
+            p._fusedist_ddp = self  # lets ZeroRedundancyOptimizer find the wrapper of its params
+        self._no_sync_depth = 0
+
+    # ------------------------------------------------------------------ construction checks
+    def _check_device_ids(self, device_ids, output_device) -> None:
+        if self.device.type == "cpu":
+            if device_ids:
+                raise ValueError(
+                    f"fusedist.DistributedDataParallel: device_ids={device_ids} given for a module on "
+                    "CPU; pass device_ids=None for CPU modules"
+                )
+            return
+        if device_ids is not None:
+            ids = [torch.device(d if not isinstance(d, int) else f"cuda:{d}") for d in device_ids]
+            if len(ids) != 1 or ids[0] != self.device:
+                raise ValueError(
+                    f"fusedist.DistributedDataParallel: device_ids={device_ids} but the module is on "
+                    f"{self.device}; single-device modules take device_ids=[their device]"
+                )
+
+    def _check_ranks_agree(self) -> None:
+        entries = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for n, p in self.module.named_parameters()]
+        entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
+        check_same_across_ranks(
+            entries,
+            "the model (parameters and buffers)",
+            label=lambda e: f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)"),
+            process_group=self.process_group,
+            hint="Every rank must build the same model before wrapping it in DistributedDataParallel.",
+        )
+
+    def _broadcast_state(self) -> None:
+        tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+        self._broadcast_coalesced(tensors, tag="ddp initial state")
+
+    def _broadcast_coalesced(self, tensors, tag: str) -> None:
+        if self.world_size == 1:
+            return
+        by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else group[0].reshape(-1).clone()
+            self.comm.broadcast(flat, src=0, tag=f"{tag} {dtype}")
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    # ------------------------------------------------------------------ use
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            if self.config.broadcast_buffers and self.module.training:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    self._broadcast_coalesced(buffers, tag="ddp buffers")
+            self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally for backward passes whose forward runs in this context;
+        the first synchronized backward afterwards reduces the accumulated sum."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def comm_stats(self) -> dict:
+        """Timing of the last synchronized backward: ``backward_us``, ``comm_span_us`` (first
+        launch to last bucket done), ``exposed_comm_us`` (the part after backward compute
+        ended), ``hidden_fraction`` and ``first_launch_before_last_grad`` (overlap proof)."""
+        return dict(self.reducer.last_stats)
+
+    @property
+    def buckets(self):
+        return self.reducer.layout.buckets
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Like torch DDP's, but also accepts a state dict saved from the bare module (keys
+        without the ``module.`` prefix)."""
+        if assign:
+            raise ValueError(
+                "fusedist.DistributedDataParallel.load_state_dict(assign=True) would replace the "
+                "parameters the gradient hooks are attached to; load with assign=False"
+            )
+        keys = list(state_dict.keys())
+        if keys and not any(k.startswith("module.") for k in keys):
+            metadata = getattr(state_dict, "_metadata", None)
+            state_dict = OrderedDict(("module." + k, v) for k, v in state_dict.items())
+            if metadata is not None:
+                state_dict._metadata = OrderedDict(
+                    (("module." + k) if k else "module", v) for k, v in metadata.items()
+                )
+        return super().load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,81 @@
+"""Small models shared by the distributed tests (deterministic given the seed)."""
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=16, hidden=32, d_out=4, layers=3):
+        super().__init__()
+        dims = [d_in] + [hidden] * (layers - 1) + [d_out]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+    @staticmethod
+    def batch(gen, n=8):
+        return torch.randn(n, 16, generator=gen), torch.randn(n, 4, generator=gen)
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+    @staticmethod
+    def batch(gen, n=4):
+        return torch.randn(n, 3, 8, 8, generator=gen), torch.randn(n, 4, generator=gen)
+
+
+class TiedLM(nn.Module):
+    """Embedding whose weight is tied to the output projection."""
+
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(self.norm(torch.tanh(self.mix(self.embed(tokens)))))
+
+    @staticmethod
+    def batch(gen, n=4):
+        tokens = torch.randint(0, 50, (n, 6), generator=gen)
+        return tokens, torch.randint(0, 50, (n, 6), generator=gen)
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+    @staticmethod
+    def batch(gen, n=8):
+        return MLP.batch(gen, n)
+
+
+def loss_fn(model_cls, out, target):
+    if model_cls is TiedLM:
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return nn.functional.mse_loss(out, target)

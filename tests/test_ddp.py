@@ -1,0 +1,283 @@
+"""fusedist.DistributedDataParallel against torch DDP (gloo, world sizes 2 and 3).
+
+Tolerance: both sides compute the same fp32 math (pre-divided all-reduce of the same
+gradients), so differences come only from summation order in gloo vs bucket boundaries:
+1e-5 absolute after 10 steps is ~100 ulps of the parameter magnitudes involved.
+"""
+
+import copy
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from fusedist.testing import run_distributed
+
+BUCKET_CONFIGS = {
+    "tiny": dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002),  # ~many buckets
+    "one": dict(bucket_cap_mb=100.0, first_bucket_cap_mb=100.0),  # a single bucket
+    "default": dict(),
+}
+
+
+def _train_pair(rank, model_cls, fused_kwargs, steps=10, micro=1, torch_kwargs=None, zero_grad_none=True):
+    """Train a torch-DDP and a fusedist-DDP copy of one model on the same per-rank data."""
+    import fusedist
+
+    torch.manual_seed(1234)  # identical init on every rank...
+    base = model_cls()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **(torch_kwargs or {}))
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **fused_kwargs)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)  # ...different data per rank
+    for _ in range(steps):
+        opt_ref.zero_grad(set_to_none=zero_grad_none)
+        opt_ours.zero_grad(set_to_none=zero_grad_none)
+        for m in range(micro):
+            x, y = model_cls.batch(gen)
+            for model in (ref, ours):
+                ctx = model.no_sync() if m < micro - 1 else _nullcontext()
+                with ctx:
+                    loss = models.loss_fn(model_cls, model(x), y)
+                    loss.backward()
+        opt_ref.step()
+        opt_ours.step()
+    diffs = {}
+    for (name, p_ref), (_, p_ours) in zip(ref.module.named_parameters(), ours.module.named_parameters()):
+        diffs[name] = (p_ref - p_ours).abs().max().item()
+    for (name, b_ref), (_, b_ours) in zip(ref.module.named_buffers(), ours.module.named_buffers()):
+        if b_ref.is_floating_point():
+            diffs["buffer " + name] = (b_ref - b_ours).abs().max().item()
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    return diffs, flat, ours
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _parity_worker(rank, world_size):
+    results = {}
+    for model_cls in (models.MLP, models.ConvBN, models.TiedLM):
+        for cfg_name, cfg in BUCKET_CONFIGS.items():
+            diffs, flat, ours = _train_pair(rank, model_cls, cfg)
+            results[(model_cls.__name__, cfg_name)] = (max(diffs.values()), flat, len(ours.buckets))
+    # no_sync: 4 micro-batches accumulated, then one synchronized backward.
+    diffs, flat, _ = _train_pair(rank, models.MLP, BUCKET_CONFIGS["tiny"], steps=3, micro=4)
+    results[("MLP", "no_sync x4")] = (max(diffs.values()), flat, 0)
+    # gradients not kept as bucket views; zero_grad(set_to_none=False).
+    diffs, flat, _ = _train_pair(rank, models.ConvBN, dict(gradient_as_bucket_view=False), steps=4)
+    results[("ConvBN", "grad copies")] = (max(diffs.values()), flat, 0)
+    diffs, flat, _ = _train_pair(rank, models.MLP, BUCKET_CONFIGS["tiny"], steps=4, zero_grad_none=False)
+    results[("MLP", "zero_grad(set_to_none=False)")] = (max(diffs.values()), flat, 0)
+    # bf16 reduction: one bf16 rounding of pre-divided gradients per step.
+    diffs, flat, _ = _train_pair(rank, models.MLP, dict(reduce_dtype=torch.bfloat16), steps=4)
+    results[("MLP", "reduce bf16")] = (max(diffs.values()), flat, 0)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parity_with_torch_ddp(world_size):
+    per_rank = run_distributed(_parity_worker, world_size, timeout=300)
+    for key, (max_diff, flat0, nbuckets) in per_rank[0].items():
+        tol = 2e-3 if key[1] == "reduce bf16" else 1e-5
+        assert max_diff < tol, f"{key}: max |torch - fusedist| = {max_diff}"
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][key][1], flat0), f"{key}: rank {rank} diverged from rank 0"
+    # The bucket configurations really differ.
+    assert per_rank[0][("MLP", "tiny")][2] > 3
+    assert per_rank[0][("MLP", "one")][2] == 1
+
+
+def _unused_worker(rank, world_size):
+    import fusedist
+
+    out = {}
+    # find_unused_parameters=True: parity with torch and a one-time warning naming them.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diffs, _, ours = _train_pair(rank, models.WithUnused, dict(find_unused_parameters=True), steps=3,
+                                     torch_kwargs=dict(find_unused_parameters=True))
+    out["find_unused_diff"] = max(diffs.values())
+    out["unused_grad_is_none"] = ours.module.unused.weight.grad is None
+    out["warnings"] = [str(w.message) for w in caught if "received no gradient" in str(w.message)]
+    # find_unused_parameters=False: a clear error after backward, then the next step still works.
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.WithUnused())
+    x, y = models.WithUnused.batch(torch.Generator().manual_seed(rank))
+    try:
+        nn.functional.mse_loss(model(x), y).backward()
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    # Used only on rank 0: with find_unused_parameters=True the grads are averaged over ranks.
+    torch.manual_seed(0)
+    base = models.WithUnused()
+    model = fusedist.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    loss = nn.functional.mse_loss(model(x), y)
+    if rank == 0:
+        loss = loss + model.module.unused(x).pow(2).mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss.backward()
+    g = model.module.unused.weight.grad
+    out["partially_used_grad"] = None if g is None else g.clone()
+    out["rank_local_unused_grad"] = torch.autograd.grad(base.unused(x).pow(2).mean(), base.unused.weight)[0]
+    return out
+
+
+def test_unused_parameters():
+    r0, r1 = run_distributed(_unused_worker, 2)
+    for out in (r0, r1):
+        assert out["find_unused_diff"] < 1e-5
+        assert out["unused_grad_is_none"]
+        assert len(out["warnings"]) == 1 and "unused.weight" in out["warnings"][0]
+        assert out["error"] and "no gradient" in out["error"] and "unused.weight" in out["error"]
+        assert "find_unused_parameters=True" in out["error"]
+    # rank 0 used the parameter, rank 1 did not: both hold the average (rank 0's grad / 2).
+    torch.testing.assert_close(r0["partially_used_grad"], r0["rank_local_unused_grad"] / 2)
+    torch.testing.assert_close(r1["partially_used_grad"], r0["rank_local_unused_grad"] / 2)
+
+
+def _mismatch_worker(rank, world_size):
+    import fusedist
+
+    model = models.MLP(hidden=32 if rank != 1 else 33)
+    fusedist.DistributedDataParallel(model)
+    return "constructed"
+
+
+def test_mismatched_model_raises_on_every_rank():
+    import time
+
+    start = time.monotonic()
+    outcome = run_distributed(_mismatch_worker, 3, expect_failure=True, timeout=60)
+    assert time.monotonic() - start < 30
+    for status, text in outcome:
+        assert status == "error"
+        assert "differs across ranks" in text
+        assert "layers.0.weight" in text and "(33, 16)" in text and "(32, 16)" in text
+        assert "[1]" in text  # the odd rank is named
+
+
+def _overlap_worker(rank, world_size, trace):
+    import fusedist
+
+    os.environ["FUSEDIST_TIMELINE"] = trace
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(
+        models.MLP(d_in=64, hidden=256, layers=6), bucket_cap_mb=0.25, first_bucket_cap_mb=0.05
+    )
+    gen = torch.Generator().manual_seed(rank)
+    stats = []
+    for _ in range(3):
+        x = torch.randn(64, 16, generator=gen).repeat(1, 4)
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        stats.append(model.comm_stats())
+    model.timeline.flush()
+    return stats
+
+
+def test_first_bucket_launches_before_backward_ends(tmp_path):
+    trace = str(tmp_path / "trace")
+    per_rank = run_distributed(_overlap_worker, 2, trace)
+    for stats in per_rank:
+        assert all(s["buckets"] > 2 for s in stats)
+        assert all(s["first_launch_before_last_grad"] for s in stats), stats
+    events = json.load(open(trace + ".rank0.json"))["traceEvents"]
+    names = [e["name"] for e in events]
+    assert any(n.startswith("AllReduceAverage bucket 0") for n in names)
+    assert "buckets rebuilt" in names or all(s["buckets"] > 2 for s in per_rank[0])
+    # In the trace, bucket 0's all-reduce starts before the last bucket is ready.
+    last_iter = [e for e in events if e["name"] == "backward begins"][-1]["ts"]
+    launches = [e for e in events if e["name"].startswith("AllReduceAverage bucket 0") and e["ts"] >= last_iter]
+    readies = [e for e in events if e["name"].endswith("ready") and e["ts"] >= last_iter]
+    assert launches and readies and launches[0]["ts"] < max(r["ts"] for r in readies)
+
+
+def _fp16_worker(rank, world_size):
+    import fusedist
+
+    lin = nn.Linear(4, 1, bias=False).half()
+    model = fusedist.DistributedDataParallel(lin)
+    x = torch.full((1, 4), 250.0, dtype=torch.float16)
+    (model(x) * 240.0).sum().backward()  # each rank's gradient is 60000: the sum overflows fp16
+    return lin.weight.grad.float()
+
+
+def test_fp16_average_does_not_overflow():
+    grads = run_distributed(_fp16_worker, 2)
+    for g in grads:
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, torch.full_like(g, 60000.0), rtol=1e-3, atol=0)
+
+
+def _state_dict_worker(rank, world_size):
+    import fusedist
+
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.ConvBN())
+    ref = nn.parallel.DistributedDataParallel(models.ConvBN())
+    keys_match = list(model.state_dict().keys()) == list(ref.state_dict().keys())
+    torch.manual_seed(1)
+    bare = models.ConvBN()
+    model.load_state_dict(bare.state_dict())  # no "module." prefix
+    loaded_bare = all(torch.equal(a, b) for a, b in zip(model.module.state_dict().values(), bare.state_dict().values()))
+    torch.manual_seed(2)
+    other = fusedist.DistributedDataParallel(models.ConvBN())
+    model.load_state_dict(other.state_dict())  # with the prefix
+    loaded_prefixed = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    # Training still works after loading (hooks attached to the same parameters).
+    x, y = models.ConvBN.batch(torch.Generator().manual_seed(rank))
+    nn.functional.mse_loss(model(x), y).backward()
+    grads_synced = model.module.head.weight.grad.clone()
+    return keys_match, loaded_bare, loaded_prefixed, grads_synced
+
+
+def test_state_dict_round_trip():
+    results = run_distributed(_state_dict_worker, 2)
+    for keys_match, loaded_bare, loaded_prefixed, _ in results:
+        assert keys_match and loaded_bare and loaded_prefixed
+    assert torch.equal(results[0][3], results[1][3])
+
+
+def _bad_input_worker(rank, world_size):
+    import fusedist
+
+    errors = {}
+    try:
+        fusedist.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0])
+    except ValueError as exc:
+        errors["device_ids"] = str(exc)
+    try:
+        fusedist.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
+    except ValueError as exc:
+        errors["cap"] = str(exc)
+    try:
+        fusedist.DistributedDataParallel(nn.Linear(2, 2), not_an_option=True)
+    except TypeError as exc:
+        errors["kwarg"] = str(exc)
+    emb = fusedist.DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+    except RuntimeError as exc:
+        errors["sparse"] = str(exc)
+    return errors
+
+
+def test_bad_input_messages():
+    for errors in run_distributed(_bad_input_worker, 2):
+        assert "device_ids=None for CPU" in errors["device_ids"]
+        assert "bucket_cap_mb must be a positive" in errors["cap"]
+        assert "not_an_option" in errors["kwarg"]
+        assert "sparse gradient" in errors["sparse"] and "'weight'" in errors["sparse"]

@@ -44,6 +44,7 @@ int nccl_version() {
 }
 
 void scale_(uintptr_t data, size_t count, int dtype, double factor, uintptr_t stream, int device) {
+  check_scale_dtype(dtype);
   DeviceGuard guard(device);
   check_stream_device(as_stream(stream), device, "scale_");
   if (count > 0) check_device_pointer(reinterpret_cast<const void*>(data), device, "scale_");

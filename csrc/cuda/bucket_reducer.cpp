@@ -90,12 +90,12 @@ BucketReducer::BucketReducer(std::shared_ptr<NcclComm> comm, std::shared_ptr<Com
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
     nccl_dtype_size(bucket.dtype);
-    const bool scales = pre_factor_ != 1.0 || post_factor_ != 1.0;
-    if (scales && !(bucket.dtype == ncclFloat16 || bucket.dtype == ncclBfloat16 ||
-                    bucket.dtype == ncclFloat32 || bucket.dtype == ncclFloat64)) {
-      throw std::invalid_argument("fusedist: " + describe(static_cast<int>(b)) + " has dtype " +
-                                  nccl_dtype_name(bucket.dtype) +
-                                  "; averaging/scaling needs a floating dtype");
+    if (pre_factor_ != 1.0 || post_factor_ != 1.0) {
+      try {
+        check_scale_dtype(bucket.dtype);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(describe(static_cast<int>(b)) + ": " + e.what());
+      }
     }
     if (bucket.numel > 0) {
       check_device_pointer(reinterpret_cast<const void*>(bucket.data), comm_->device(),

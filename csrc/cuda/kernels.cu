@@ -44,7 +44,19 @@ void launch_typed(void* data, size_t count, double factor, cudaStream_t stream) 
 
 }  // namespace
 
+void check_scale_dtype(int dtype) {
+  nccl_dtype_size(dtype);  // unknown codes get the full list of supported dtypes
+  if (dtype != ncclFloat16 && dtype != ncclBfloat16 && dtype != ncclFloat32 &&
+      dtype != ncclFloat64) {
+    throw std::invalid_argument(std::string("fusedist: scaling (averaging) needs a floating "
+                                            "dtype, got ") +
+                                nccl_dtype_name(dtype) +
+                                "; reduce integer buffers with op='sum' and no divide factor");
+  }
+}
+
 void launch_scale(void* data, size_t count, int dtype, double factor, cudaStream_t stream) {
+  check_scale_dtype(dtype);
   if (count == 0) return;
   switch (dtype) {
     case ncclFloat16:
@@ -56,10 +68,7 @@ void launch_scale(void* data, size_t count, int dtype, double factor, cudaStream
     case ncclFloat64:
       return launch_typed<double>(data, count, factor, stream);
     default:
-      throw std::invalid_argument(std::string("fusedist: scaling (averaging) needs a floating "
-                                              "dtype, got ") +
-                                  nccl_dtype_name(dtype) +
-                                  "; reduce integer buffers with op='sum' and no divide factor");
+      check_scale_dtype(dtype);  // throws
   }
 }
 

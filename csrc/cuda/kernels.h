@@ -12,4 +12,7 @@ namespace fusedist {
 // (fp64 for float64) and rounded once. Throws std::invalid_argument for other dtypes.
 void launch_scale(void* data, size_t count, int dtype, double factor, cudaStream_t stream);
 
+// Throws std::invalid_argument unless launch_scale supports `dtype` (no device access).
+void check_scale_dtype(int dtype);
+
 }  // namespace fusedist

@@ -90,6 +90,11 @@ def _parity_with_torch_nccl(rank, world_size):
         ours.all_reduce(torch.zeros(4, dtype=torch.complex64, device="cuda"))
     with pytest.raises(CollectiveError, match="works on cuda:0 .* got a tensor on cpu"):
         ours.all_reduce(torch.zeros(4))
+    # close() tears NCCL down; later collectives say so instead of touching freed state.
+    ours.close()
+    ours.close()  # idempotent
+    with pytest.raises(CollectiveError, match="destroyed"):
+        ours.all_reduce(torch.zeros(4, device="cuda"))
     return checked
 
 

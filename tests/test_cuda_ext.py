@@ -279,3 +279,82 @@ def test_bucket_schedule_misuse_is_explained():
     with pytest.raises(ValueError, match="bucket 1 expects 0 gradients"):
         C.BucketSchedule([1, 0])
     assert C.BucketSchedule([]).launched_count == 0
+
+
+# ----------------------------------------------------------------------------- the NCCL boundary
+
+_FAKE_NCCL = r"""
+#include <stdlib.h>
+#include <string.h>
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef void* ncclComm_t;
+int ncclGetVersion(int* v) { const char* e = getenv("FAKE_NCCL_VERSION"); *v = e ? atoi(e) : 22704; return 0; }
+int ncclGetUniqueId(ncclUniqueId* id) {
+  if (getenv("FAKE_NCCL_FAIL")) return 2;
+  memset(id->internal, 7, sizeof(id->internal));
+  return 0;
+}
+const char* ncclGetErrorString(int r) { return r == 2 ? "unhandled system error (fake)" : "fake"; }
+int ncclCommInitRank(ncclComm_t* c, int n, ncclUniqueId id, int r) { return 0; }
+int ncclCommDestroy(ncclComm_t c) { return 0; }
+#ifndef OMIT_ABORT
+int ncclCommAbort(ncclComm_t c) { return 0; }
+#endif
+int ncclCommGetAsyncError(ncclComm_t c, int* e) { *e = 0; return 0; }
+int ncclAllReduce() { return 0; }
+int ncclReduceScatter() { return 0; }
+int ncclAllGather() { return 0; }
+int ncclBroadcast() { return 0; }
+int ncclGroupStart() { return 0; }
+int ncclGroupEnd() { return 0; }
+"""
+
+_FAKE_NCCL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import fusedist._C as C
+    from fusedist.comm.nccl_comm import load_nccl
+    full, partial = sys.argv[1], sys.argv[2]
+
+    def fails(fn, *needles, kind=RuntimeError):
+        try:
+            fn()
+        except kind as exc:
+            assert all(n in str(exc) for n in needles), str(exc)
+        else:
+            raise AssertionError("did not raise")
+
+    fails(lambda: C.load_nccl(partial), "has no symbol ncclCommAbort")
+    os.environ["FAKE_NCCL_VERSION"] = "20804"
+    fails(lambda: C.load_nccl(full), "NCCL version 20804", "needs NCCL >= 2.10")
+    del os.environ["FAKE_NCCL_VERSION"]
+    assert C.nccl_library() == ""
+    fails(C.get_unique_id, "NCCL is not loaded")
+    os.environ["FUSEDIST_NCCL_LIBRARY"] = full
+    assert load_nccl() == 22704 and C.nccl_library() == full
+    assert C.load_nccl("/elsewhere/libnccl.so.2") == 22704  # first successful load wins
+    assert C.get_unique_id() == bytes([7]) * C.NCCL_UNIQUE_ID_BYTES
+    os.environ["FAKE_NCCL_FAIL"] = "1"
+    fails(C.get_unique_id, "ncclGetUniqueId", "unhandled system error (fake)", "NCCL_DEBUG=WARN",
+          kind=C.NcclError)
+    print("done")
+    """
+)
+
+
+def test_nccl_boundary_against_a_fake_library(tmp_path):
+    """dlopen/dlsym, the version gate and NCCL_CHECK's message, with a stand-in libnccl."""
+    _C()
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in NCCL library")
+    src = tmp_path / "fake_nccl.c"
+    src.write_text(_FAKE_NCCL)
+    full, partial = tmp_path / "libfakenccl.so", tmp_path / "libfakenccl_partial.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(full), str(src)], check=True)
+    subprocess.run([cc, "-shared", "-fPIC", "-DOMIT_ABORT", "-o", str(partial), str(src)], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NCCL", "FUSEDIST_NCCL"))}
+    proc = subprocess.run([sys.executable, "-c", _FAKE_NCCL_SCRIPT, str(full), str(partial)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.strip().endswith("done"), proc.stdout

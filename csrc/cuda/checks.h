@@ -38,8 +38,11 @@ struct NcclError : std::runtime_error {
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t res, const char* call, const char* file,
                                           int line) {
+  // Calls are spelled nccl().AllReduce(...) (the dlopen'ed table); report NCCL's own name.
+  std::string name(call);
+  if (name.rfind("nccl().", 0) == 0) name = "nccl" + name.substr(7);
   std::ostringstream msg;
-  msg << "fusedist: NCCL call " << call << " failed with code " << static_cast<int>(res) << ": "
+  msg << "fusedist: NCCL call " << name << " failed with code " << static_cast<int>(res) << ": "
       << nccl().GetErrorString(res) << " at " << file << ":" << line;
   if (res == ncclUnhandledCudaError || res == ncclSystemError || res == ncclRemoteError) {
     msg << " (run with NCCL_DEBUG=WARN for NCCL's own diagnosis)";

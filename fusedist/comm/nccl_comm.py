@@ -107,7 +107,9 @@ class NcclCommunicator(Communicator):
         timeout: bound on each ``wait()`` (default :func:`fusedist.distributed.collective_timeout`).
         blocking_wait: ``wait()`` also blocks the host until the collective completed, which
             is what makes the timeout and asynchronous-error detection possible. With False,
-            ``wait()`` only orders the caller's stream and checks NCCL's error state once.
+            ``wait()`` only orders the caller's stream and checks NCCL's error state once
+            (the host runs ahead; a hung collective then shows up as a hang, not an error).
+            Default: ``FUSEDIST_NCCL_BLOCKING_WAIT`` (``1``).
 
     The communicator is bound to the CUDA device current at construction; tensors must live
     there. Raises :class:`NcclUnavailableError` on every rank when any rank cannot run it
@@ -117,7 +119,12 @@ class NcclCommunicator(Communicator):
     name = "nccl"
 
     def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None, *,
-                 blocking_wait: bool = True):
+                 blocking_wait: Optional[bool] = None):
+        if blocking_wait is None:
+            flag = os.environ.get("FUSEDIST_NCCL_BLOCKING_WAIT", "1").strip()
+            if flag not in ("0", "1"):
+                raise ValueError(f"FUSEDIST_NCCL_BLOCKING_WAIT must be 0 or 1, got {flag!r}")
+            blocking_wait = flag == "1"
         problem = _local_problem()
         if not dist.is_initialized():
             raise NcclUnavailableError(

@@ -127,7 +127,7 @@ def cuda_extension(cuda_home: str) -> Extension | None:
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17", "-fvisibility=hidden",
                     f'-DFUSEDIST_CUDA_ARCHS="{cuda_arch_list()}"'],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC"]
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC,-fvisibility=hidden"]
             + cuda_gencode_flags(),
         },
         language="c++",

@@ -183,13 +183,16 @@ def test_nccl_communicator_fails_on_all_ranks_together_without_driver():
         assert res["sum"] == [3.0] * 4
 
 
-def test_communicator_needs_process_group():
+def test_communicator_without_process_group_explains_the_first_problem(monkeypatch):
     _C()
-    from fusedist.comm.nccl_comm import NcclCommunicator, NcclUnavailableError
+    from fusedist.comm import nccl_comm
 
-    # No process group here: the error still explains the first real problem.
-    with pytest.raises(NcclUnavailableError, match="driver" if not HAS_DRIVER else "not initialized"):
-        NcclCommunicator()
+    if not HAS_DRIVER:  # the missing driver is the first thing to fix
+        with pytest.raises(nccl_comm.NcclUnavailableError, match="driver"):
+            nccl_comm.NcclCommunicator()
+    monkeypatch.setattr(nccl_comm, "_local_problem", lambda: None)
+    with pytest.raises(nccl_comm.NcclUnavailableError, match="torch.distributed is not initialized"):
+        nccl_comm.NcclCommunicator()
 
 
 def test_reducer_rejects_other_communicators():

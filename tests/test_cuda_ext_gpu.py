@@ -148,6 +148,17 @@ def _scale_and_reducer(rank, world_size):
         reducer.mark_ready(1)
         reducer.mark_ready(1)
     reducer.reset()
+    # ZeRO stage 2 mode: reduce-scatter into a shard (world size 1: the shard is the whole
+    # bucket), scaled twice as in Note [pre/post division]; the bucket keeps the pre-scaling.
+    bucket = torch.randn(1024, generator=gen).cuda()
+    orig, shard = bucket.clone(), torch.empty(1024, device="cuda")
+    rs = CudaBucketReducer(comm, [bucket], [2], divide_factor=4.0, predivide_factor=2.0, shards=[shard])
+    assert rs.mark_ready(0) == [] and rs.mark_ready(0) == [0]
+    rs.finalize()
+    assert torch.equal(shard, (orig * 0.5) * 0.5)
+    assert torch.equal(bucket, orig * 0.5)
+    with pytest.raises(ValueError, match="shard 0 .* must be a contiguous torch.float32 tensor of bucket numel"):
+        CudaBucketReducer(comm, [bucket], [1], shards=[torch.empty(3, device="cuda")])
     # Default predivide for fp16 buckets is the whole divide factor (the sum cannot overflow);
     # other dtypes divide after the sum.
     big = torch.full((8,), 60000.0, dtype=torch.float16, device="cuda")

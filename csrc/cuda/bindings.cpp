@@ -149,20 +149,26 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::shared_ptr<NcclComm> comm, std::shared_ptr<CommStream> stream,
                        std::vector<uintptr_t> data, std::vector<size_t> numels,
                        std::vector<int> dtypes, std::vector<int> grads_per_bucket,
-                       std::vector<std::string> tags, double predivide, double divide) {
+                       std::vector<std::string> tags, double predivide, double divide,
+                       std::vector<uintptr_t> shards) {
              const size_t n = data.size();
-             if (numels.size() != n || dtypes.size() != n || tags.size() != n) {
+             if (numels.size() != n || dtypes.size() != n || tags.size() != n ||
+                 (!shards.empty() && shards.size() != n)) {
                throw std::invalid_argument(
-                   "fusedist: BucketReducer needs equally long data/numels/dtypes/tags lists");
+                   "fusedist: BucketReducer needs equally long data/numels/dtypes/tags(/shards) "
+                   "lists");
              }
              std::vector<Bucket> buckets;
-             for (size_t i = 0; i < n; ++i) buckets.push_back({data[i], numels[i], dtypes[i], tags[i]});
+             for (size_t i = 0; i < n; ++i) {
+               buckets.push_back({data[i], numels[i], dtypes[i], tags[i],
+                                  shards.empty() ? uintptr_t(0) : shards[i]});
+             }
              return new BucketReducer(std::move(comm), std::move(stream), std::move(buckets),
                                       std::move(grads_per_bucket), predivide, divide);
            }),
            py::arg("comm"), py::arg("stream"), py::arg("data"), py::arg("numels"),
            py::arg("dtypes"), py::arg("grads_per_bucket"), py::arg("tags"),
-           py::arg("predivide"), py::arg("divide"))
+           py::arg("predivide"), py::arg("divide"), py::arg("shards") = std::vector<uintptr_t>{})
       .def("mark_ready", &BucketReducer::mark_ready, py::arg("bucket"), py::arg("producer_stream"))
       .def("finalize", &BucketReducer::finalize, py::arg("consumer_stream"), py::arg("timeout_s"),
            py::arg("blocking") = true, py::call_guard<py::gil_scoped_release>())

@@ -101,6 +101,19 @@ BucketReducer::BucketReducer(std::shared_ptr<NcclComm> comm, std::shared_ptr<Com
       check_device_pointer(reinterpret_cast<const void*>(bucket.data), comm_->device(),
                            describe(static_cast<int>(b)).c_str());
     }
+    if (bucket.shard != 0) {
+      if (bucket.numel % static_cast<size_t>(comm_->world_size()) != 0) {
+        throw std::invalid_argument("fusedist: " + describe(static_cast<int>(b)) + " has " +
+                                    std::to_string(bucket.numel) +
+                                    " elements, not a multiple of world_size " +
+                                    std::to_string(comm_->world_size()) +
+                                    "; pad it to reduce-scatter into shards");
+      }
+      if (bucket.numel > 0) {
+        check_device_pointer(reinterpret_cast<const void*>(bucket.shard), comm_->device(),
+                             (describe(static_cast<int>(b)) + " shard").c_str());
+      }
+    }
     done_.push_back(std::make_shared<Event>(comm_->device()));
   }
 }
@@ -110,6 +123,15 @@ std::string BucketReducer::describe(int bucket) const {
   const std::string& tag = buckets_.at(bucket).tag;
   if (!tag.empty()) s += " [" + tag + "]";
   return s;
+}
+
+size_t BucketReducer::shard_numel(int bucket) const {
+  return buckets_.at(bucket).numel / static_cast<size_t>(comm_->world_size());
+}
+
+std::string BucketReducer::op_name(int bucket) const {
+  return (buckets_.at(bucket).shard != 0 ? "reduce_scatter of " : "all_reduce of ") +
+         describe(bucket);
 }
 
 std::vector<int> BucketReducer::mark_ready(int bucket, uintptr_t producer_stream) {
@@ -133,8 +155,14 @@ void BucketReducer::launch(const std::vector<int>& run, cudaStream_t producer) {
   try {
     for (int b : run) {
       const Bucket& bucket = buckets_[b];
-      comm_->all_reduce(bucket.data, bucket.data, bucket.numel, bucket.dtype, ncclSum,
-                        stream_->handle(), "all_reduce of " + describe(b));
+      if (bucket.numel == 0) continue;  // nothing to send; NCCL gets no zero-size calls
+      if (bucket.shard != 0) {
+        comm_->reduce_scatter(bucket.data, bucket.shard, shard_numel(b), bucket.dtype, ncclSum,
+                              stream_->handle(), op_name(b));
+      } else {
+        comm_->all_reduce(bucket.data, bucket.data, bucket.numel, bucket.dtype, ncclSum,
+                          stream_->handle(), op_name(b));
+      }
     }
   } catch (...) {
     try {
@@ -147,8 +175,14 @@ void BucketReducer::launch(const std::vector<int>& run, cudaStream_t producer) {
   for (int b : run) {
     // Note [pre/post division]: after ncclGroupEnd, so it runs after the collective.
     if (post_factor_ != 1.0) {
-      launch_scale(reinterpret_cast<void*>(buckets_[b].data), buckets_[b].numel,
-                   buckets_[b].dtype, post_factor_, s);
+      const Bucket& bucket = buckets_[b];
+      if (bucket.shard != 0) {
+        launch_scale(reinterpret_cast<void*>(bucket.shard), shard_numel(b), bucket.dtype,
+                     post_factor_, s);
+      } else {
+        launch_scale(reinterpret_cast<void*>(bucket.data), bucket.numel, bucket.dtype,
+                     post_factor_, s);
+      }
     }
     done_[b]->record(s);  // bucket b is final once this event completes
   }
@@ -170,7 +204,7 @@ void BucketReducer::finalize(uintptr_t consumer_stream, double timeout_s, bool b
     for (int b = 0; b < num_buckets(); ++b) {
       // In launch order, so a failure names the first bucket that did not complete.
       double left = std::chrono::duration<double>(deadline - clock::now()).count();
-      comm_->wait(*done_[b], left > 0 ? left : 0.0, "all_reduce of " + describe(b));
+      comm_->wait(*done_[b], left > 0 ? left : 0.0, op_name(b));
     }
   } else {
     comm_->check_async_error("bucket reduction");
@@ -183,7 +217,7 @@ void BucketReducer::reset(double timeout_s) {
   schedule_.reset();
   if (comm_->is_aborted()) return;
   for (int b = 0; b < launched; ++b) {
-    comm_->wait(*done_[b], timeout_s, "all_reduce of " + describe(b) + " (reset)");
+    comm_->wait(*done_[b], timeout_s, op_name(b) + " (reset)");
   }
 }
 

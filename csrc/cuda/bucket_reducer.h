@@ -1,5 +1,5 @@
 // Bucketed gradient reduction in C++: ready counts per bucket -> launch when full -> finalize
-// waits and scales.
+// waits and scales. Each bucket is all-reduced in place, or reduce-scattered into a shard.
 //
 // Note [bucket launch order]
 // --------------------------
@@ -57,10 +57,14 @@ class BucketSchedule {
 };
 
 struct Bucket {
-  uintptr_t data;  // device pointer of the flat bucket buffer (reduced in place)
+  uintptr_t data;  // device pointer of the flat bucket buffer
   size_t numel;
   int dtype;  // ncclDataType_t code
   std::string tag;
+  // 0: all-reduce `data` in place (DDP). Otherwise the device pointer of this rank's shard
+  // (numel / world_size elements): `data` is reduce-scattered into it (ZeRO stage 2) and
+  // `data` itself is left pre-scaled, not reduced.
+  uintptr_t shard = 0;
 };
 
 class BucketReducer {
@@ -86,6 +90,8 @@ class BucketReducer {
  private:
   void launch(const std::vector<int>& run, cudaStream_t producer);
   std::string describe(int bucket) const;
+  std::string op_name(int bucket) const;
+  size_t shard_numel(int bucket) const;
 
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<CommStream> stream_;

@@ -1,8 +1,9 @@
 """Python face of the C++ bucket reducer (``fusedist._C.BucketReducer``).
 
 The reducer owns the per-iteration state of bucketed gradient averaging: it counts ready
-gradients per bucket, launches a bucket's all-reduce on the communicator's comm stream as soon
-as the bucket (and every bucket before it) is full, and ``finalize()`` orders the caller's
+gradients per bucket, launches a bucket's all-reduce (or, for ZeRO stage 2, reduce-scatter into
+a shard) on the communicator's comm stream as soon as the bucket (and every bucket before it)
+is full, and ``finalize()`` orders the caller's
 stream after all of them (and, by default, waits on the host with the collective timeout).
 Counting, launching and scaling happen in C++, so a backward hook costs one call.
 
@@ -49,6 +50,10 @@ class CudaBucketReducer:
             division]). Default: the whole ``divide_factor`` when a bucket is float16 (the fp16
             sum cannot overflow then), else 1 (exact sum-then-divide).
         tags: a name per bucket for error messages (default ``"bucket<i>"``).
+        shards: ZeRO stage 2 instead of DDP: one tensor per bucket with ``numel / world_size``
+            elements (same dtype and device) that receives this rank's slice of the reduced
+            bucket through a reduce-scatter; the bucket itself is then left pre-scaled, not
+            reduced. Bucket sizes must be multiples of the world size.
         timeout: bound on ``finalize()``'s wait (default: the communicator's timeout).
     """
 
@@ -63,6 +68,7 @@ class CudaBucketReducer:
         predivide_factor: Optional[float] = None,
         tags: Optional[Sequence[str]] = None,
         timeout: Optional[datetime.timedelta] = None,
+        shards: Optional[Sequence[torch.Tensor]] = None,
     ):
         if not isinstance(communicator, NcclCommunicator):
             raise TypeError(
@@ -84,6 +90,20 @@ class CudaBucketReducer:
                     f"{communicator.device}, got device {b.device}, contiguous={b.is_contiguous()}"
                 )
             codes.append(nccl_dtype(b.dtype, f"bucket {i} [{tags[i]}]"))
+        if shards is not None:
+            shards = list(shards)
+            if len(shards) != len(buckets):
+                raise ValueError(f"CudaBucketReducer: {len(shards)} shards for {len(buckets)} buckets")
+            world = communicator.world_size
+            for i, (b, s) in enumerate(zip(buckets, shards)):
+                if b.numel() % world or s.numel() != b.numel() // world or s.dtype != b.dtype \
+                        or s.device != b.device or not s.is_contiguous():
+                    raise ValueError(
+                        f"CudaBucketReducer: shard {i} [{tags[i]}] must be a contiguous {b.dtype} "
+                        f"tensor of bucket numel / world_size = {b.numel()} / {world} elements on "
+                        f"{b.device} (bucket numel a multiple of world_size); got {s.numel()} "
+                        f"{s.dtype} elements on {s.device}"
+                    )
         if divide_factor is None:
             divide_factor = float(communicator.world_size) if average else 1.0
         if predivide_factor is None:
@@ -91,7 +111,8 @@ class CudaBucketReducer:
         if divide_factor != 1.0 and any(c not in FLOATING_CODES for c in codes):
             raise TypeError("CudaBucketReducer: averaging/dividing needs floating-point buckets")
         self.communicator = communicator
-        self.buckets = list(buckets)  # keeps the memory alive for the C++ side
+        self.buckets = list(buckets)  # keep the memory alive for the C++ side
+        self.shards = shards
         self.tags = tags
         self.divide_factor = float(divide_factor)
         self.predivide_factor = float(predivide_factor)
@@ -100,8 +121,9 @@ class CudaBucketReducer:
             communicator._comm, communicator._stream,
             [b.data_ptr() for b in buckets], [b.numel() for b in buckets], codes,
             [int(n) for n in grads_per_bucket], tags, self.predivide_factor, self.divide_factor,
+            [s.data_ptr() for s in shards] if shards is not None else [],
         )
-        for b in self.buckets:
+        for b in self.buckets + (shards or []):
             # Ordering 3 of Note [comm stream ordering]: the buckets are used on the comm stream.
             b.record_stream(communicator.torch_stream)
 

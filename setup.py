@@ -63,8 +63,11 @@ def find_cuda_home() -> str | None:
     nvcc = shutil.which("nvcc")
     if nvcc:
         try:
+            # A dry run of a (never executed) compile prints nvcc's settings, TOP among them;
+            # ``--version`` alone does not.
             out = subprocess.run(
-                [nvcc, "--dryrun", "-v", "--version"], capture_output=True, text=True, timeout=60
+                [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                capture_output=True, text=True, timeout=60,
             )
             match = re.search(r"^#\$ TOP=(.+)$", out.stderr + out.stdout, re.M)
             if match:
@@ -82,8 +85,12 @@ def find_cuda_home() -> str | None:
     return None
 
 
+def cuda_arch_list() -> str:
+    return os.environ.get("FUSEDIST_CUDA_ARCH_LIST", "8.0;9.0")
+
+
 def cuda_gencode_flags() -> list[str]:
-    arch_list = os.environ.get("FUSEDIST_CUDA_ARCH_LIST", "8.0;9.0")
+    arch_list = cuda_arch_list()
     flags = []
     for arch in re.split(r"[;, ]+", arch_list.strip()):
         if not arch:
@@ -118,8 +125,9 @@ def cuda_extension(cuda_home: str) -> Extension | None:
         # library path; NCCL is dlopen'ed (see csrc/cuda/nccl_loader.cpp).
         libraries=["cudart_static", "dl", "rt", "pthread"],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17", "-fvisibility=hidden"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC"]
+            "cxx": ["-O3", "-std=c++17", "-fvisibility=hidden",
+                    f'-DFUSEDIST_CUDA_ARCHS="{cuda_arch_list()}"'],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC,-fvisibility=hidden"]
             + cuda_gencode_flags(),
         },
         language="c++",
@@ -174,7 +182,7 @@ class BuildExt(build_ext):
         build_temp = os.path.join(self.build_temp, ext.name)
         os.makedirs(build_temp, exist_ok=True)
         includes = [f"-I{d}" for d in ext.include_dirs]
-        objects = []
+        commands, objects = [], []
         for src in ext.sources:
             obj = os.path.join(build_temp, os.path.basename(src) + ".o")
             if src.endswith(".cu"):
@@ -183,8 +191,16 @@ class BuildExt(build_ext):
                 cxx = os.environ.get("CXX", "g++")
                 cmd = [cxx, "-c", src, "-o", obj, "-fPIC", *includes, *flags["cxx"]]
             self.announce(" ".join(cmd), level=2)
-            subprocess.check_call(cmd)
+            commands.append(cmd)
             objects.append(obj)
+        # The translation units are independent: compile them concurrently (the pybind11
+        # bindings and the nvcc unit dominate the build time).
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs = max(1, min(len(commands), os.cpu_count() or 1))
+        with ThreadPoolExecutor(jobs) as pool:
+            for future in [pool.submit(subprocess.check_call, cmd) for cmd in commands]:
+                future.result()
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         cxx = os.environ.get("CXX", "g++")

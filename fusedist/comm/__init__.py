@@ -57,3 +57,18 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
         comm = _cuda_factory(process_group) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
     return entry[1]
+
+
+def _register_direct_nccl() -> None:
+    # Guarded: only when the CUDA extension imported (importing it touches no driver). The
+    # factory itself falls back to torch.distributed, on all ranks together, when NCCL or a
+    # GPU is missing at run time.
+    from .._extension import cuda_ext_available
+
+    if cuda_ext_available():
+        from .nccl_comm import make_nccl_communicator
+
+        register_cuda_communicator(make_nccl_communicator)
+
+
+_register_direct_nccl()

@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# GPU checks for fusedist, for a machine with one NVIDIA GPU and no network.
+#
+# Expects torch (CUDA build), triton, ninja, pybind11, setuptools and NCCL (the nvidia-nccl
+# wheel torch depends on) to be installed already; installs nothing from the network.
+#
+#   1. builds fusedist in place (editable, --no-build-isolation) with the CUDA extension
+#      required and compiled for this GPU's architecture only;
+#   2. runs the GPU test tier (pytest -m gpu): direct-NCCL communicator vs torch's NCCL,
+#      comm-stream overlap, timeouts, and the compiled Triton kernels of every feature;
+#   3. runs each benchmarks/bench_*.py, on CUDA when the script has a --device option;
+#   4. prints a summary table last (also saved under benchmarks/results/).
+#
+# Usage: benchmarks/gpu/run_checks.sh           (PYTHON=... picks the interpreter)
+# Whole run is bounded to ~8 minutes; each step has its own time limit.
+# Exit status: 0 all checks passed, 1 some check failed, 2 the machine cannot run them.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT" || exit 2
+PY="${PYTHON:-python3}"
+BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-470}"  # stay under 8 minutes in total
+STAMP="$(date -u +%F)"
+WORK="$ROOT/build/gpu-checks"
+RESULTS="$ROOT/benchmarks/results"
+rm -rf "$WORK" && mkdir -p "$WORK/report" "$RESULTS" || exit 2
+
+ROWS=()      # "check|status|seconds|detail" lines for the summary table
+FAILED=0
+
+say() { printf '\n== %s\n' "$*"; }
+row() { ROWS+=("$1|$2|$3|$4"); [ "$2" = FAIL ] && FAILED=1; return 0; }
+left() { echo $((BUDGET_S - SECONDS)); }
+
+# Runs "$@" with a time limit (seconds, first argument), output to a log; prints the log's tail
+# on failure. Sets RC and TOOK.
+run_step() {
+    local limit="$1" log="$2"
+    shift 2
+    local start=$SECONDS
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    RC=$?
+    TOOK=$((SECONDS - start))
+    if [ "$RC" -ne 0 ]; then
+        [ "$RC" -eq 124 ] && echo "   (stopped after ${limit} s)"
+        tail -n 25 "$log" | sed 's/^/   | /'
+    fi
+}
+
+# ----------------------------------------------------------------------------- prerequisites
+say "prerequisites"
+if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "fusedist GPU checks: no Python interpreter '$PY' (set PYTHON=...)" >&2
+    exit 2
+fi
+missing="$("$PY" - <<'EOF'
+import importlib.util
+need = ["torch", "triton", "pybind11", "setuptools", "pytest"]
+print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
+EOF
+)"
+if [ -n "$missing" ]; then
+    echo "fusedist GPU checks: missing Python packages: $missing (this script installs nothing;" \
+         "install them first)" >&2
+    exit 2
+fi
+if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ]; then
+    echo "fusedist GPU checks: nvcc is not on the PATH and CUDA_HOME is not set: the CUDA" \
+         "extension cannot be built" >&2
+    exit 2
+fi
+"$PY" -c "import torch, triton; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| triton', triton.__version__)"
+
+# ----------------------------------------------------------------------------- the GPU
+gpu_info="$("$PY" - <<'EOF' 2>&1
+import torch
+if not torch.cuda.is_available():
+    reason = "torch has no CUDA support" if torch.version.cuda is None else "no CUDA device/driver visible"
+    raise SystemExit(f"NO_GPU: {reason} (torch {torch.__version__})")
+major, minor = torch.cuda.get_device_capability(0)
+print(f"{major}.{minor}|{torch.cuda.get_device_name(0)}|{torch.cuda.device_count()}")
+EOF
+)"
+gpu_rc=$?
+if [ "$gpu_rc" -ne 0 ]; then
+    echo "fusedist GPU checks: ${gpu_info##*NO_GPU: }." >&2
+    echo "These checks need one NVIDIA GPU; nothing was built or run. (On a machine without a" \
+         "GPU, \`make test\` compiles the extension and runs the CPU tiers.)" >&2
+    exit 2
+fi
+IFS='|' read -r ARCH GPU_NAME GPU_COUNT <<<"$gpu_info"
+echo "GPU: $GPU_NAME (sm_${ARCH/./}), $GPU_COUNT visible"
+[ "$GPU_COUNT" -gt 1 ] && echo "note: only GPU 0 is used (NCCL refuses several ranks on one GPU anyway)"
+
+# ----------------------------------------------------------------------------- build
+say "build (FUSEDIST_BUILD_CUDA=1, arch $ARCH)"
+run_step 300 "$WORK/build.log" env FUSEDIST_BUILD_CUDA=1 FUSEDIST_CUDA_ARCH_LIST="$ARCH" \
+    "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .
+if [ "$RC" -eq 0 ]; then
+    row "build fusedist (sm_${ARCH/./})" ok "$TOOK" "editable install, --no-build-isolation"
+else
+    row "build fusedist (sm_${ARCH/./})" FAIL "$TOOK" "see $WORK/build.log"
+fi
+ext_info="$("$PY" - <<'EOF' 2>&1
+import fusedist
+if not fusedist.cuda_ext_available():
+    raise SystemExit(f"fusedist._C did not load: {fusedist.cuda_ext_error()}")
+import fusedist._C as C
+from fusedist.comm.nccl_comm import load_nccl
+try:
+    version = load_nccl()
+except Exception as exc:  # one line for the table
+    raise SystemExit(" ".join(str(exc).split())[:300])
+print(f"CUDA runtime {C.build_info()['cuda_runtime']}, NCCL {version} from {C.nccl_library()}")
+EOF
+)"
+ext_rc=$?
+if [ "$ext_rc" -eq 0 ]; then
+    row "import fusedist._C + load NCCL" ok 0 "$ext_info"
+else
+    row "import fusedist._C + load NCCL" FAIL 0 "$(echo "$ext_info" | tail -n 1)"
+fi
+echo "$ext_info"
+
+# ----------------------------------------------------------------------------- GPU test tier
+say "pytest -m gpu"
+limit=$(( $(left) - 90 )); [ "$limit" -gt 300 ] && limit=300
+if [ "$limit" -lt 30 ]; then
+    row "pytest -m gpu" FAIL 0 "no time left in the budget"
+else
+    # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
+    run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
+        "$PY" -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+        --junitxml="$WORK/report/gpu-tests.xml"
+    tail -n 5 "$WORK/pytest.log"
+    summary="$("$PY" - "$WORK/report/gpu-tests.xml" <<'EOF' 2>/dev/null
+import collections, sys, xml.etree.ElementTree as ET
+per_file = collections.defaultdict(collections.Counter)
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    name = case.get("classname", "?").split(".")[-1]
+    outcome = "passed"
+    for child in case:
+        if child.tag in ("failure", "error"):
+            outcome = "failed"
+        elif child.tag == "skipped":
+            outcome = "skipped"
+    per_file[name][outcome] += 1
+for name, c in sorted(per_file.items()):
+    print(f"{name}|{c['passed']}|{c['failed']}|{c['skipped']}")
+EOF
+)"
+    if [ -z "$summary" ]; then
+        row "pytest -m gpu" FAIL "$TOOK" "no test report (exit $RC); see $WORK/pytest.log"
+    else
+        while IFS='|' read -r file passed failed skipped; do
+            status=ok; [ "$failed" -gt 0 ] && status=FAIL
+            [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && status=skipped
+            row "  tests/$file.py" "$status" "" "$passed passed, $failed failed, $skipped skipped"
+        done <<<"$summary"
+        status=ok; [ "$RC" -ne 0 ] && status=FAIL
+        row "pytest -m gpu (all)" "$status" "$TOOK" "exit $RC; log $WORK/pytest.log"
+    fi
+    if [ -f "$WORK/report/overlap.json" ]; then
+        overlap="$("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"comm {d['comm_ms']:.1f} ms + compute {d['compute_ms']:.1f} ms -> together {d['together_ms']:.1f} ms ({100*d['hidden_fraction_of_shorter']:.0f}% of the shorter hidden)\")" "$WORK/report/overlap.json")"
+        row "comm stream overlap (CUDA events)" info "" "$overlap"
+    fi
+fi
+
+# ----------------------------------------------------------------------------- benchmarks
+say "benchmarks"
+shopt -s nullglob
+benches=(benchmarks/bench_*.py)
+[ ${#benches[@]} -eq 0 ] && row "benchmarks" skipped "" "no benchmarks/bench_*.py in this checkout"
+for bench in "${benches[@]}"; do
+    name="$(basename "$bench" .py)"
+    budget=$(( $(left) - 15 )); [ "$budget" -gt 90 ] && budget=90
+    if [ "$budget" -lt 20 ]; then
+        row "$name" skipped "" "time budget spent"
+        continue
+    fi
+    args=()
+    grep -q -- "--device" "$bench" && args+=(--device cuda)
+    grep -q -- "--quick" "$bench" && args+=(--quick)
+    run_step "$budget" "$WORK/$name.log" env -u TRITON_INTERPRET "$PY" "$bench" ${args[@]+"${args[@]}"}
+    last="$(grep -v '^\s*$' "$WORK/$name.log" | tail -n 1 | cut -c1-100)"
+    if [ "$RC" -eq 0 ]; then
+        row "$name ${args[*]}" ok "$TOOK" "$last"
+    else
+        row "$name ${args[*]}" FAIL "$TOOK" "exit $RC: $last"
+    fi
+done
+
+# ----------------------------------------------------------------------------- summary (last)
+table="$WORK/summary.md"
+{
+    echo "# fusedist GPU checks, $STAMP"
+    echo
+    echo "GPU: $GPU_NAME (sm_${ARCH/./}); $("$PY" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" 2>/dev/null); ${ext_info}"
+    echo "CPU: $(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(nproc) cores; total ${SECONDS} s"
+    echo
+    echo "| check | status | s | detail |"
+    echo "|---|---|---|---|"
+    for r in "${ROWS[@]}"; do
+        IFS='|' read -r check status took detail <<<"$r"
+        echo "| $check | $status | $took | ${detail//|//} |"
+    done
+} >"$table"
+cp "$table" "$RESULTS/gpu_checks_${STAMP}.md"
+for f in "$WORK"/report/*.json; do cp "$f" "$RESULTS/gpu_checks_${STAMP}_$(basename "$f")"; done
+say "summary (saved to benchmarks/results/gpu_checks_${STAMP}.md)"
+cat "$table"
+exit "$FAILED"

@@ -1,0 +1,182 @@
+// Python bindings of fusedist._C: the only file that includes pybind11.
+//
+// Everything crosses the boundary as plain values: device pointers and cudaStream_t handles
+// as integers (Tensor.data_ptr(), torch.cuda.Stream.cuda_stream), dtypes and reduce ops as
+// NCCL codes. The torch-dtype -> NCCL-code map lives in fusedist/comm/_nccl_types.py.
+// Importing the module touches neither the CUDA driver nor NCCL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cuda_runtime_api.h>
+
+#include "bucket_reducer.h"
+#include "checks.h"
+#include "comm_stream.h"
+#include "communicator.h"
+#include "kernels.h"
+#include "nccl_api.h"
+
+namespace py = pybind11;
+using namespace fusedist;
+
+#ifndef FUSEDIST_CUDA_ARCHS
+#define FUSEDIST_CUDA_ARCHS "unknown"
+#endif
+
+namespace {
+
+int device_count() {
+  int count = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDeviceCount(&count));
+  return count;
+}
+
+py::bytes get_unique_id() {
+  ncclUniqueId id;
+  FUSEDIST_NCCL_CHECK(nccl().GetUniqueId(&id));
+  return py::bytes(id.internal, kNcclUniqueIdBytes);
+}
+
+int nccl_version() {
+  int version = 0;
+  FUSEDIST_NCCL_CHECK(nccl().GetVersion(&version));
+  return version;
+}
+
+void scale_(uintptr_t data, size_t count, int dtype, double factor, uintptr_t stream, int device) {
+  check_scale_dtype(dtype);
+  DeviceGuard guard(device);
+  check_stream_device(as_stream(stream), device, "scale_");
+  if (count > 0) check_device_pointer(reinterpret_cast<const void*>(data), device, "scale_");
+  launch_scale(reinterpret_cast<void*>(data), count, dtype, factor, as_stream(stream));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusedist CUDA/NCCL extension (torch-ABI independent; NCCL loaded with dlopen)";
+
+  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+  py::register_exception<NcclError>(m, "NcclError", PyExc_RuntimeError);
+
+  m.attr("NCCL_UNIQUE_ID_BYTES") = kNcclUniqueIdBytes;
+  m.def("build_info", []() {
+    py::dict info;
+    info["cuda_runtime"] = CUDART_VERSION;
+    info["archs"] = FUSEDIST_CUDA_ARCHS;
+    return info;
+  }, "CUDA runtime version the module was compiled against and its arch list.");
+  m.def("device_count", &device_count,
+        "Number of visible CUDA devices; raises CudaError (explaining a missing driver) when "
+        "the CUDA runtime cannot initialize.");
+  m.def("load_nccl", [](const std::string& path) {
+    load_nccl(path);
+    return nccl_version();
+  }, py::arg("path") = "",
+        "dlopen NCCL (path, else $FUSEDIST_NCCL_LIBRARY, else libnccl.so.2) and return its "
+        "version code; idempotent. Raises RuntimeError naming the library when it cannot load.");
+  m.def("nccl_library", &nccl_library_path, "Where NCCL was loaded from ('' if not loaded).");
+  m.def("nccl_version", &nccl_version);
+  m.def("get_unique_id", &get_unique_id,
+        "A fresh 128-byte ncclUniqueId (call on one rank, share with all).");
+  m.def("scale_", &scale_, py::arg("data"), py::arg("count"), py::arg("dtype"),
+        py::arg("factor"), py::arg("stream"), py::arg("device"),
+        "In-place data *= factor on `stream` (floating NCCL dtype codes only).");
+
+  py::class_<Event, std::shared_ptr<Event>>(m, "Event")
+      .def(py::init<int>(), py::arg("device"))
+      .def("record", [](Event& e, uintptr_t s) { e.record(as_stream(s)); }, py::arg("stream"))
+      .def("query", &Event::query)
+      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("block", [](const Event& e, uintptr_t s) { e.block(as_stream(s)); }, py::arg("stream"),
+           "Make `stream` wait for this event (host does not block).")
+      .def_property_readonly("device", &Event::device);
+
+  py::class_<CommStream, std::shared_ptr<CommStream>>(m, "CommStream")
+      .def(py::init<int, bool>(), py::arg("device"), py::arg("high_priority") = true)
+      .def_property_readonly("handle", &CommStream::handle)
+      .def_property_readonly("device", &CommStream::device)
+      .def_property_readonly("priority", &CommStream::priority)
+      .def("wait_for", [](CommStream& c, uintptr_t s) { c.wait_for(as_stream(s)); },
+           py::arg("producer"))
+      .def("record_done", &CommStream::record_done)
+      .def("make_wait",
+           [](const CommStream& c, uintptr_t s, const Event& e) { c.make_wait(as_stream(s), e); },
+           py::arg("consumer"), py::arg("done"));
+
+  py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
+      .def(py::init([](py::bytes uid, int world_size, int rank, int device) {
+             std::string id = uid;
+             py::gil_scoped_release release;  // blocks until every rank has joined
+             return std::make_shared<NcclComm>(id, world_size, rank, device);
+           }),
+           py::arg("unique_id"), py::arg("world_size"), py::arg("rank"), py::arg("device"))
+      .def_property_readonly("rank", &NcclComm::rank)
+      .def_property_readonly("world_size", &NcclComm::world_size)
+      .def_property_readonly("device", &NcclComm::device)
+      .def("all_reduce", &NcclComm::all_reduce, py::arg("send"), py::arg("recv"),
+           py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
+           py::arg("what") = "all_reduce")
+      .def("reduce_scatter", &NcclComm::reduce_scatter, py::arg("send"), py::arg("recv"),
+           py::arg("recv_count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
+           py::arg("what") = "reduce_scatter")
+      .def("all_gather", &NcclComm::all_gather, py::arg("send"), py::arg("recv"),
+           py::arg("send_count"), py::arg("dtype"), py::arg("stream"),
+           py::arg("what") = "all_gather")
+      .def("broadcast", &NcclComm::broadcast, py::arg("send"), py::arg("recv"), py::arg("count"),
+           py::arg("dtype"), py::arg("root"), py::arg("stream"), py::arg("what") = "broadcast")
+      .def("group_start", &NcclComm::group_start)
+      .def("group_end", &NcclComm::group_end)
+      .def("check_async_error", &NcclComm::check_async_error, py::arg("what"))
+      .def("wait", &NcclComm::wait, py::arg("done"), py::arg("timeout_s"), py::arg("what"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("abort", &NcclComm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &NcclComm::destroy, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("aborted", &NcclComm::is_aborted)
+      .def_property_readonly("abort_reason", &NcclComm::abort_reason);
+
+  py::class_<BucketSchedule>(m, "BucketSchedule")
+      .def(py::init<std::vector<int>>(), py::arg("grads_per_bucket"))
+      .def("mark_ready", &BucketSchedule::mark_ready, py::arg("bucket"))
+      .def("check_complete", &BucketSchedule::check_complete)
+      .def("reset", &BucketSchedule::reset)
+      .def_property_readonly("num_buckets", &BucketSchedule::num_buckets)
+      .def_property_readonly("launched_count", &BucketSchedule::launched_count)
+      .def("ready_count", &BucketSchedule::ready_count, py::arg("bucket"))
+      .def("expected_count", &BucketSchedule::expected_count, py::arg("bucket"));
+
+  py::class_<BucketReducer>(m, "BucketReducer")
+      .def(py::init([](std::shared_ptr<NcclComm> comm, std::shared_ptr<CommStream> stream,
+                       std::vector<uintptr_t> data, std::vector<size_t> numels,
+                       std::vector<int> dtypes, std::vector<int> grads_per_bucket,
+                       std::vector<std::string> tags, double predivide, double divide,
+                       std::vector<uintptr_t> shards) {
+             const size_t n = data.size();
+             if (numels.size() != n || dtypes.size() != n || tags.size() != n ||
+                 (!shards.empty() && shards.size() != n)) {
+               throw std::invalid_argument(
+                   "fusedist: BucketReducer needs equally long data/numels/dtypes/tags(/shards) "
+                   "lists");
+             }
+             std::vector<Bucket> buckets;
+             for (size_t i = 0; i < n; ++i) {
+               buckets.push_back({data[i], numels[i], dtypes[i], tags[i],
+                                  shards.empty() ? uintptr_t(0) : shards[i]});
+             }
+             return new BucketReducer(std::move(comm), std::move(stream), std::move(buckets),
+                                      std::move(grads_per_bucket), predivide, divide);
+           }),
+           py::arg("comm"), py::arg("stream"), py::arg("data"), py::arg("numels"),
+           py::arg("dtypes"), py::arg("grads_per_bucket"), py::arg("tags"),
+           py::arg("predivide"), py::arg("divide"), py::arg("shards") = std::vector<uintptr_t>{})
+      .def("mark_ready", &BucketReducer::mark_ready, py::arg("bucket"), py::arg("producer_stream"))
+      .def("finalize", &BucketReducer::finalize, py::arg("consumer_stream"), py::arg("timeout_s"),
+           py::arg("blocking") = true, py::call_guard<py::gil_scoped_release>())
+      .def("reset", &BucketReducer::reset, py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_buckets", &BucketReducer::num_buckets)
+      .def_property_readonly("launched_count",
+                             [](const BucketReducer& r) { return r.schedule().launched_count(); })
+      .def("ready_count",
+           [](const BucketReducer& r, int b) { return r.schedule().ready_count(b); });
+}

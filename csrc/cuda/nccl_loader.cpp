@@ -1,0 +1,125 @@
+// dlopen-based NCCL loader (see nccl_api.h for why NCCL is not linked).
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include "nccl_api.h"
+
+namespace fusedist {
+namespace {
+
+NcclApi g_api{};
+bool g_loaded = false;
+std::string g_path;
+std::mutex g_mutex;
+
+template <typename Fn>
+void bind(void* lib, const char* name, Fn& slot, const std::string& path) {
+  void* sym = dlsym(lib, name);
+  if (sym == nullptr) {
+    throw std::runtime_error("fusedist: " + path + " has no symbol " + name +
+                             " (NCCL too old? fusedist needs NCCL >= 2.10)");
+  }
+  slot = reinterpret_cast<Fn>(sym);
+}
+
+}  // namespace
+
+const NcclApi& load_nccl(const std::string& requested) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_loaded) return g_api;
+  std::string path = requested;
+  if (path.empty()) {
+    const char* env = std::getenv("FUSEDIST_NCCL_LIBRARY");
+    path = (env != nullptr && *env != '\0') ? env : "libnccl.so.2";
+  }
+  // RTLD_GLOBAL is not needed: nothing resolves symbols against NCCL through us.
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    std::ostringstream msg;
+    msg << "fusedist: cannot dlopen the NCCL library '" << path << "': " << (why ? why : "?")
+        << ". Install NCCL (e.g. the nvidia-nccl-cu12/cu13 wheel a CUDA build of torch depends "
+           "on), import torch first so its libnccl is already loaded, or point "
+           "FUSEDIST_NCCL_LIBRARY at libnccl.so.2.";
+    throw std::runtime_error(msg.str());
+  }
+  NcclApi api{};
+  try {
+    bind(lib, "ncclGetVersion", api.GetVersion, path);
+    bind(lib, "ncclGetUniqueId", api.GetUniqueId, path);
+    bind(lib, "ncclCommInitRank", api.CommInitRank, path);
+    bind(lib, "ncclCommDestroy", api.CommDestroy, path);
+    bind(lib, "ncclCommAbort", api.CommAbort, path);
+    bind(lib, "ncclCommGetAsyncError", api.CommGetAsyncError, path);
+    bind(lib, "ncclGetErrorString", api.GetErrorString, path);
+    bind(lib, "ncclAllReduce", api.AllReduce, path);
+    bind(lib, "ncclReduceScatter", api.ReduceScatter, path);
+    bind(lib, "ncclAllGather", api.AllGather, path);
+    bind(lib, "ncclBroadcast", api.Broadcast, path);
+    bind(lib, "ncclGroupStart", api.GroupStart, path);
+    bind(lib, "ncclGroupEnd", api.GroupEnd, path);
+  } catch (...) {
+    dlclose(lib);
+    throw;
+  }
+  int version = 0;
+  if (api.GetVersion(&version) != ncclSuccess || version < 21000) {
+    dlclose(lib);
+    throw std::runtime_error("fusedist: " + path + " reports NCCL version " +
+                             std::to_string(version) + "; fusedist needs NCCL >= 2.10 (ncclAvg)");
+  }
+  // The library stays loaded for the life of the process (communicators may outlive any
+  // Python object that could own the handle).
+  g_api = api;
+  g_path = path;
+  g_loaded = true;
+  return g_api;
+}
+
+const NcclApi& nccl() {
+  if (!g_loaded) {
+    throw std::runtime_error("fusedist: NCCL is not loaded yet (call fusedist._C.load_nccl())");
+  }
+  return g_api;
+}
+
+std::string nccl_library_path() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_loaded ? g_path : std::string();
+}
+
+size_t nccl_dtype_size(int dtype) {
+  switch (dtype) {
+    case ncclInt8:
+    case ncclUint8:
+      return 1;
+    case ncclFloat16:
+    case ncclBfloat16:
+      return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32:
+      return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64:
+      return 8;
+    default:
+      throw std::invalid_argument("fusedist: unsupported NCCL dtype code " +
+                                  std::to_string(dtype) +
+                                  " (supported: int8, uint8, int32, uint32, int64, uint64, "
+                                  "float16, float32, float64, bfloat16)");
+  }
+}
+
+const char* nccl_dtype_name(int dtype) {
+  static const char* names[] = {"int8",    "uint8",   "int32",   "uint32",  "int64",
+                                "uint64",  "float16", "float32", "float64", "bfloat16"};
+  return (dtype >= 0 && dtype <= ncclBfloat16) ? names[dtype] : "unknown";
+}
+
+}  // namespace fusedist

@@ -1,0 +1,297 @@
+"""Direct-NCCL communicator on the CUDA extension (``fusedist._C``).
+
+:class:`NcclCommunicator` implements :class:`~fusedist.comm.base.Communicator` by calling NCCL
+itself -- not through ``torch.distributed`` -- on a dedicated high-priority comm stream. The
+process group is used once, at construction, to agree on readiness and share the NCCL unique
+id; every collective afterwards goes straight to NCCL.
+
+Stream semantics (Note [comm stream ordering] in ``csrc/cuda/comm_stream.h``): a collective
+starts after everything the caller enqueued on its current stream before the call, and
+``handle.wait()`` orders the caller's *current* stream after it. With ``blocking_wait`` (the
+default) ``wait()`` also blocks the host until the collective finished, polling NCCL for
+asynchronous errors; past the timeout the NCCL communicator is aborted and
+:class:`~fusedist.comm.base.CollectiveError` names the operation, its tag and the rank.
+
+``get_communicator(device="cuda")`` returns one of these when the extension is built (see
+:func:`make_nccl_communicator`); ``FUSEDIST_COMM=torch`` opts out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import importlib.util
+import logging
+import os
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _extension
+from ._nccl_types import nccl_dtype, nccl_op
+from .base import Communicator
+from .torch_comm import TorchCommunicator
+
+__all__ = ["NcclCommunicator", "NcclUnavailableError", "load_nccl", "make_nccl_communicator"]
+
+log = logging.getLogger(__name__)
+
+
+class NcclUnavailableError(RuntimeError):
+    """The direct-NCCL path cannot run here (on at least one rank); the message says why."""
+
+
+# ----------------------------------------------------------------------------- loading NCCL
+
+_load_lock = threading.Lock()
+
+
+def _nccl_candidates() -> list[str]:
+    """Where to look for libnccl, in order: the soname (finds the copy torch already loaded,
+    or one on the loader path), then the NCCL wheels' ``nvidia/*/lib`` folders."""
+    found = ["libnccl.so.2"]
+    spec = importlib.util.find_spec("nvidia")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        found += sorted(glob.glob(os.path.join(root, "*", "lib", "libnccl.so*")))
+    return found
+
+
+def load_nccl() -> int:
+    """Load NCCL into the extension once and return its version code (e.g. 22704).
+
+    ``FUSEDIST_NCCL_LIBRARY`` (a path) wins when set. Raises :class:`NcclUnavailableError`
+    listing everything tried.
+    """
+    C = _extension.require("_C")
+    with _load_lock:
+        if C.nccl_library():
+            return C.nccl_version()
+        explicit = os.environ.get("FUSEDIST_NCCL_LIBRARY")
+        if explicit:
+            try:
+                return C.load_nccl(explicit)
+            except RuntimeError as exc:
+                raise NcclUnavailableError(f"FUSEDIST_NCCL_LIBRARY={explicit!r}: {exc}") from None
+        errors = []
+        for candidate in _nccl_candidates():
+            try:
+                return C.load_nccl(candidate)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        raise NcclUnavailableError("fusedist: NCCL could not be loaded:\n  " + "\n  ".join(errors))
+
+
+# ----------------------------------------------------------------------------- communicator
+
+
+class _Work:
+    """One launched collective: its done event and the tensors it must keep alive."""
+
+    __slots__ = ("done", "op", "tensors")
+
+    def __init__(self, done, op: str, tensors):
+        self.done, self.op, self.tensors = done, op, tensors
+
+    def is_completed(self) -> bool:
+        return self.done.query()
+
+
+class NcclCommunicator(Communicator):
+    """Collectives through NCCL directly, on a dedicated high-priority CUDA stream.
+
+    Args:
+        process_group: the group whose ranks form the NCCL communicator (default: WORLD). It
+            is used only at construction (readiness check and unique-id exchange).
+        timeout: bound on each ``wait()`` (default :func:`fusedist.distributed.collective_timeout`).
+        blocking_wait: ``wait()`` also blocks the host until the collective completed, which
+            is what makes the timeout and asynchronous-error detection possible. With False,
+            ``wait()`` only orders the caller's stream and checks NCCL's error state once
+            (the host runs ahead; a hung collective then shows up as a hang, not an error).
+            Default: ``FUSEDIST_NCCL_BLOCKING_WAIT`` (``1``).
+
+    The communicator is bound to the CUDA device current at construction; tensors must live
+    there. Raises :class:`NcclUnavailableError` on every rank when any rank cannot run it
+    (no extension, no driver, no NCCL), so all ranks take the same decision.
+    """
+
+    name = "nccl"
+
+    def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None, *,
+                 blocking_wait: Optional[bool] = None):
+        if blocking_wait is None:
+            flag = os.environ.get("FUSEDIST_NCCL_BLOCKING_WAIT", "1").strip()
+            if flag not in ("0", "1"):
+                raise ValueError(f"FUSEDIST_NCCL_BLOCKING_WAIT must be 0 or 1, got {flag!r}")
+            blocking_wait = flag == "1"
+        problem = _local_problem()
+        if not dist.is_initialized():
+            raise NcclUnavailableError(
+                problem
+                or "fusedist: torch.distributed is not initialized; call fusedist.init_distributed() "
+                "(under torchrun) or torch.distributed.init_process_group() first"
+            )
+        self.group = process_group
+        super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
+        C = _extension.require("_C") if problem is None else None
+        unique_id = None
+        if problem is None and self.rank == 0:
+            try:
+                unique_id = C.get_unique_id()
+            except RuntimeError as exc:
+                problem = f"ncclGetUniqueId failed: {exc}"
+        # One exchange settles both questions: can every rank run NCCL directly, and which id
+        # do they join? A rank that raised alone would leave the others blocked in
+        # ncclCommInitRank, which has no timeout.
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (problem, unique_id), group=process_group)
+        failures = {r: p for r, (p, _) in enumerate(gathered) if p}
+        if failures:
+            detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failures.items()))
+            raise NcclUnavailableError(f"fusedist: the direct-NCCL communicator cannot run ({detail})")
+        unique_id = gathered[0][1]
+        self._device = torch.cuda.current_device()
+        self.blocking_wait = blocking_wait
+        self._comm = C.NcclComm(unique_id, self.world_size, self.rank, self._device)
+        # The one owner of the comm stream: every collective of this communicator (and of the
+        # bucket reducers built on it) runs there. See Note [comm stream ordering].
+        self._stream = C.CommStream(self._device, high_priority=True)
+        # The same stream as torch sees it, for Tensor.record_stream (ordering 3 of the note).
+        self.torch_stream = torch.cuda.ExternalStream(self._stream.handle, device=self._device)
+        self.nccl_version = C.nccl_version()
+
+    # ---- Communicator interface
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._device)
+
+    def _all_reduce(self, tensor, op):
+        dtype, red = nccl_dtype(tensor.dtype, "all_reduce"), nccl_op(op, "all_reduce")
+
+        def launch(stream):
+            ptr = tensor.data_ptr()
+            self._comm.all_reduce(ptr, ptr, tensor.numel(), dtype, red, stream, "all_reduce")
+
+        return self._enqueue("all_reduce", (tensor,), tensor.numel(), launch)
+
+    def _reduce_scatter(self, output, input, op):
+        dtype, red = nccl_dtype(input.dtype, "reduce_scatter"), nccl_op(op, "reduce_scatter")
+
+        def launch(stream):
+            self._comm.reduce_scatter(input.data_ptr(), output.data_ptr(), output.numel(), dtype,
+                                      red, stream, "reduce_scatter")
+
+        return self._enqueue("reduce_scatter", (output, input), output.numel(), launch)
+
+    def _all_gather(self, output, input):
+        dtype = nccl_dtype(input.dtype, "all_gather")
+
+        def launch(stream):
+            self._comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), dtype,
+                                  stream, "all_gather")
+
+        return self._enqueue("all_gather", (output, input), input.numel(), launch)
+
+    def _broadcast(self, tensor, src):
+        dtype = nccl_dtype(tensor.dtype, "broadcast")
+
+        def launch(stream):
+            ptr = tensor.data_ptr()
+            self._comm.broadcast(ptr, ptr, tensor.numel(), dtype, src, stream, "broadcast")
+
+        return self._enqueue("broadcast", (tensor,), tensor.numel(), launch)
+
+    def _wait_work(self, work: _Work, timeout: datetime.timedelta) -> None:
+        # Ordering 2 of Note [comm stream ordering]: whoever waits reads the result next.
+        consumer = torch.cuda.current_stream(self._device).cuda_stream
+        self._stream.make_wait(consumer, work.done)
+        if self.blocking_wait:
+            self._comm.wait(work.done, timeout.total_seconds(), work.op)
+        else:
+            self._comm.check_async_error(work.op)
+        work.tensors = ()
+
+    # ---- helpers
+    def _enqueue(self, op: str, tensors, count: int, launch) -> _Work:
+        self._check_tensors(op, tensors)
+        producer = torch.cuda.current_stream(self._device).cuda_stream
+        # Ordering 1: the collective reads what the caller enqueued so far.
+        self._stream.wait_for(producer)
+        if count > 0:  # NCCL gets no zero-size calls (null data pointers)
+            launch(self._stream.handle)
+        for t in tensors:
+            # Ordering 3: keep the caching allocator from reusing the memory too early.
+            t.record_stream(self.torch_stream)
+        return _Work(self._stream.record_done(), op, tensors)
+
+    def _check_tensors(self, op: str, tensors) -> None:
+        for t in tensors:
+            if t.device.type != "cuda" or t.device.index != self._device:
+                raise ValueError(
+                    f"fusedist {op}: the NCCL communicator works on cuda:{self._device} (the "
+                    f"device current when it was created) but got a tensor on {t.device}; move "
+                    f"the tensor, or use the communicator of that device "
+                    f"(get_communicator(device=...))"
+                )
+
+    @staticmethod
+    def _comm_extension():
+        return _extension.require("_C")
+
+    @property
+    def comm_stream(self) -> torch.cuda.Stream:
+        """The dedicated comm stream as a torch stream (read-only use: record_stream, events)."""
+        return self.torch_stream
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator after its work completed. Idempotent; later
+        collectives raise."""
+        torch.cuda.synchronize(self._device)
+        self._comm.destroy()
+
+    def __repr__(self) -> str:
+        return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "
+                f"device=cuda:{self._device}, nccl={self.nccl_version})")
+
+
+def _local_problem() -> Optional[str]:
+    """Why this process cannot run the direct-NCCL path, or None when it can."""
+    if not _extension.cuda_ext_available():
+        return f"the CUDA extension is not built ({_extension.cuda_ext_error()})"
+    C = _extension.require("_C")
+    try:
+        count = C.device_count()
+    except RuntimeError as exc:
+        return str(exc)
+    if count == 0:
+        return "no CUDA device is visible (CUDA_VISIBLE_DEVICES?)"
+    if not torch.cuda.is_available():
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    try:
+        load_nccl()
+    except NcclUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+_fallback_logged = False
+
+
+def make_nccl_communicator(process_group=None) -> Communicator:
+    """The factory :func:`fusedist.comm.get_communicator` uses for CUDA tensors.
+
+    Returns an :class:`NcclCommunicator`; if the direct path cannot run on some rank, every
+    rank falls back to :class:`TorchCommunicator` together (logged once) -- unless
+    ``FUSEDIST_COMM=nccl`` asked for NCCL explicitly, in which case the error is raised.
+    """
+    global _fallback_logged
+    try:
+        return NcclCommunicator(process_group)
+    except NcclUnavailableError as exc:
+        if os.environ.get("FUSEDIST_COMM", "auto").lower() == "nccl":
+            raise
+        if not _fallback_logged:
+            log.warning("fusedist: using torch.distributed for CUDA collectives: %s", exc)
+            _fallback_logged = True
+        return TorchCommunicator(process_group)

@@ -1,0 +1,264 @@
+"""GPU tier of the CUDA/NCCL extension (auto-skipped without a CUDA device).
+
+NCCL refuses two ranks on one GPU, so these run with world size 1 against torch's own NCCL
+backend in the same process; multi-rank behaviour of the interface is covered by the gloo
+tests. Each check runs in a spawned process (fresh CUDA context, so an aborted communicator or
+a failed kernel cannot leak into other tests).
+"""
+
+import datetime
+import json
+import os
+
+import pytest
+import torch
+
+import fusedist
+from fusedist.testing import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+
+def _report(name, values):
+    """Leave a measurement for benchmarks/gpu/run_checks.sh's summary table (when it asks)."""
+    folder = os.environ.get("FUSEDIST_GPU_REPORT_DIR")
+    if folder:
+        with open(os.path.join(folder, f"{name}.json"), "w") as f:
+            json.dump(values, f)
+
+
+def _require_ext():
+    assert fusedist.cuda_ext_available(), f"fusedist._C did not load: {fusedist.cuda_ext_error()}"
+
+
+def _random(n, dtype, gen):
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=gen) * 3).to(dtype).cuda()
+    return torch.randint(0, 100, (n,), generator=gen).to(dtype).cuda()
+
+
+def _parity_with_torch_nccl(rank, world_size):
+    from fusedist.comm import CollectiveError, TorchCommunicator, get_communicator
+    from fusedist.comm.nccl_comm import NcclCommunicator
+
+    ours = get_communicator(device="cuda")
+    assert isinstance(ours, NcclCommunicator), type(ours)
+    theirs = TorchCommunicator()
+    gen = torch.Generator().manual_seed(1234)
+    checked = 0
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8)
+    for dtype in dtypes:
+        for n in (1, 17 * 257, 65537, 0):
+            for op in ("sum", "avg", "max", "min"):
+                x = _random(n, dtype, gen)
+                a, b = x.clone(), x.clone()
+                ours.all_reduce(a, op=op)
+                theirs.all_reduce(b, op=op)
+                assert torch.equal(a, b), (dtype, n, op)
+                checked += 1
+            x = _random(n * world_size, dtype, gen)
+            out_a, out_b = torch.empty(n, dtype=dtype, device="cuda"), torch.empty(n, dtype=dtype, device="cuda")
+            ours.reduce_scatter(out_a, x.clone())
+            theirs.reduce_scatter(out_b, x.clone())
+            assert torch.equal(out_a, out_b), ("reduce_scatter", dtype, n)
+            y = _random(n, dtype, gen)
+            ga = torch.empty(n * world_size, dtype=dtype, device="cuda")
+            gb = torch.empty_like(ga)
+            ours.all_gather(ga, y)
+            theirs.all_gather(gb, y)
+            assert torch.equal(ga, gb) and torch.equal(ga[:n], y), ("all_gather", dtype, n)
+            a, b = y.clone(), y.clone()
+            ours.broadcast(a, src=0)
+            theirs.broadcast(b, src=0)
+            assert torch.equal(a, b), ("broadcast", dtype, n)
+            checked += 3
+    # Stream ordering without host blocking: the producer writes `src` behind a long kernel,
+    # the collective must wait for that write (ordering 1), and the consumer must read `dst`
+    # only after the copy (ordering 2) although wait() does not block the host here.
+    ours.blocking_wait = False
+    src = torch.zeros(16 << 20, device="cuda")
+    dst = torch.zeros_like(src)
+    torch.cuda._sleep(50_000_000)
+    src.fill_(5.0)
+    h = ours.all_gather(dst, src, async_op=True, tag="ordering")
+    h.wait()
+    h.wait()  # idempotent
+    assert bool((dst == 5.0).all()), "consumer read the all_gather output before it was written"
+    ours.blocking_wait = True
+    # Misuse is explained.
+    with pytest.raises(CollectiveError, match="NCCL does not support torch.complex64"):
+        ours.all_reduce(torch.zeros(4, dtype=torch.complex64, device="cuda"))
+    with pytest.raises(CollectiveError, match="works on cuda:0 .* got a tensor on cpu"):
+        ours.all_reduce(torch.zeros(4))
+    # close() tears NCCL down; later collectives say so instead of touching freed state.
+    ours.close()
+    ours.close()  # idempotent
+    with pytest.raises(CollectiveError, match="destroyed"):
+        ours.all_reduce(torch.zeros(4, device="cuda"))
+    return checked
+
+
+def test_world1_communicator_equals_torch_nccl():
+    _require_ext()
+    (checked,) = run_distributed(_parity_with_torch_nccl, 1, backend="nccl", timeout=300)
+    assert checked == 6 * 4 * 7
+
+
+def _scale_and_reducer(rank, world_size):
+    import fusedist._C as C
+    from fusedist.comm import get_communicator
+    from fusedist.comm.cuda_reducer import CudaBucketReducer
+
+    comm = get_communicator(device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator().manual_seed(7)
+    codes = {torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+    # The scale kernel against torch's mul_: both multiply in fp32 (fp64 for fp64) and round
+    # once, so the results must be bit-identical.
+    for dtype, code in codes.items():
+        for n in (1, 1000, 65537):
+            x = (torch.randn(n, generator=gen) * 100).to(dtype).cuda()
+            ref = x.clone().mul_(0.3)
+            C.scale_(x.data_ptr(), n, code, 0.3, stream, 0)
+            assert torch.equal(x, ref), (dtype, n)
+
+    # The bucket reducer: three buckets of different dtypes, gradients reported out of order.
+    sizes, dtypes, grads = [1000, 17, 4099], [torch.float32, torch.float16, torch.bfloat16], [2, 1, 3]
+    buckets = [(torch.randn(n, generator=gen) * 50).to(d).cuda() for n, d in zip(sizes, dtypes)]
+    reducer = CudaBucketReducer(comm, buckets, grads, divide_factor=8.0, predivide_factor=2.0,
+                                tags=["layer3", "layer2", "layer1"])
+    for iteration in range(2):
+        originals = [b.clone() for b in buckets]
+        launched = []
+        for b in (2, 1, 2, 0, 2, 0):
+            launched += reducer.mark_ready(b)
+        assert launched == [0, 1, 2]
+        reducer.finalize()
+        for orig, out in zip(originals, buckets):
+            # world size 1: sum == input, so the result is the two roundings of Note
+            # [pre/post division] done by torch: x * (1/2) -> dtype, then * (2/8) -> dtype.
+            ref = (orig.float() * 0.5).to(orig.dtype).float().mul(0.25).to(orig.dtype)
+            assert torch.equal(out, ref), (iteration, orig.dtype)
+    # Misuse.
+    reducer.mark_ready(0)
+    with pytest.raises(RuntimeError, match=r"bucket 0 has 1 of 2"):
+        reducer.finalize()
+    reducer.reset()
+    with pytest.raises(RuntimeError, match="bucket 1 was marked ready more often"):
+        reducer.mark_ready(1)
+        reducer.mark_ready(1)
+    reducer.reset()
+    # ZeRO stage 2 mode: reduce-scatter into a shard (world size 1: the shard is the whole
+    # bucket), scaled twice as in Note [pre/post division]; the bucket keeps the pre-scaling.
+    bucket = torch.randn(1024, generator=gen).cuda()
+    orig, shard = bucket.clone(), torch.empty(1024, device="cuda")
+    rs = CudaBucketReducer(comm, [bucket], [2], divide_factor=4.0, predivide_factor=2.0, shards=[shard])
+    assert rs.mark_ready(0) == [] and rs.mark_ready(0) == [0]
+    rs.finalize()
+    assert torch.equal(shard, (orig * 0.5) * 0.5)
+    assert torch.equal(bucket, orig * 0.5)
+    with pytest.raises(ValueError, match="shard 0 .* must be a contiguous torch.float32 tensor of bucket numel"):
+        CudaBucketReducer(comm, [bucket], [1], shards=[torch.empty(3, device="cuda")])
+    # Default predivide for fp16 buckets is the whole divide factor (the sum cannot overflow);
+    # other dtypes divide after the sum.
+    big = torch.full((8,), 60000.0, dtype=torch.float16, device="cuda")
+    half = CudaBucketReducer(comm, [big], [1], divide_factor=4.0)
+    assert half.predivide_factor == 4.0
+    half.mark_ready(0)
+    half.finalize()
+    assert torch.equal(big, torch.full_like(big, 15000.0))
+    single = CudaBucketReducer(comm, [torch.ones(8, device="cuda")], [1], divide_factor=4.0)
+    assert single.predivide_factor == 1.0
+    with pytest.raises(TypeError, match="floating-point buckets"):
+        CudaBucketReducer(comm, [torch.ones(8, dtype=torch.int64, device="cuda")], [1], divide_factor=2.0)
+    return True
+
+
+def test_scale_kernel_and_bucket_reducer():
+    _require_ext()
+    assert run_distributed(_scale_and_reducer, 1, backend="nccl", timeout=300) == [True]
+
+
+def _overlap(rank, world_size):
+    from fusedist.comm import get_communicator
+
+    comm = get_communicator(device="cuda")
+    src = torch.randn(64 << 20, device="cuda")  # 256 MiB: world-size-1 all_gather is a copy
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+
+    def timed(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def comm_only(k):
+        def run():
+            handles = [comm.all_gather(dst, src, async_op=True) for _ in range(k)]
+            for h in handles:
+                h.wait()
+        return run
+
+    k = 4
+    while timed(comm_only(k)) < 20 and k < 4096:  # enough comm work to measure (>= 20 ms)
+        k *= 2
+    t_comm = min(timed(comm_only(k)) for _ in range(3))
+    cycles = 1 << 20
+    while timed(lambda: torch.cuda._sleep(cycles)) < t_comm:
+        cycles *= 2
+    t_compute = min(timed(lambda: torch.cuda._sleep(cycles)) for _ in range(3))
+
+    def both():
+        # The collectives are enqueued first (they wait only for work already on the current
+        # stream), then the compute kernel: the DDP pattern of reducing bucket i while the
+        # backward of bucket i+1 runs.
+        handles = [comm.all_gather(dst, src, async_op=True) for _ in range(k)]
+        torch.cuda._sleep(cycles)
+        for h in handles:
+            h.wait()
+
+    t_both = min(timed(both) for _ in range(3))
+    return t_comm, t_compute, t_both, k
+
+
+def test_comm_stream_overlaps_compute():
+    _require_ext()
+    ((t_comm, t_compute, t_both, k),) = run_distributed(_overlap, 1, backend="nccl", timeout=300)
+    serial = t_comm + t_compute
+    _report("overlap", {"comm_ms": t_comm, "compute_ms": t_compute, "together_ms": t_both,
+                        "hidden_fraction_of_shorter": (serial - t_both) / min(t_comm, t_compute)})
+    print(f"comm {t_comm:.1f} ms ({k} all_gathers), compute {t_compute:.1f} ms, together {t_both:.1f} ms, "
+          f"serial would be {serial:.1f} ms")
+    # Serial execution would take t_comm + t_compute; full overlap max(t_comm, t_compute).
+    # Require at least a third of the shorter phase to be hidden.
+    assert t_both < serial - min(t_comm, t_compute) / 3, (t_comm, t_compute, t_both)
+
+
+def _timeout(rank, world_size):
+    from fusedist.comm import CollectiveError, get_communicator
+
+    comm = get_communicator(device="cuda")
+    comm.timeout = datetime.timedelta(seconds=0.5)
+    x = torch.ones(1024, device="cuda")
+    # The producer stream is busy for ~seconds, so the collective (ordered after it) cannot
+    # finish within the timeout: the wait must give up, abort NCCL and name op, tag and rank.
+    torch.cuda._sleep(4_000_000_000)
+    handle = comm.all_reduce(x, async_op=True, tag="grad-bucket-7")
+    with pytest.raises(CollectiveError) as info:
+        handle.wait()
+    message = str(info.value)
+    for needle in ("all_reduce", "grad-bucket-7", "rank 0 of 1", "did not complete within 0.5 s", "aborted"):
+        assert needle in message, message
+    assert info.value.op == "all_reduce" and info.value.tag == "grad-bucket-7" and info.value.rank == 0
+    with pytest.raises(CollectiveError, match="aborted earlier"):
+        comm.all_reduce(x, tag="after-abort")
+    return message
+
+
+def test_wait_timeout_aborts_and_names_the_collective():
+    _require_ext()
+    (message,) = run_distributed(_timeout, 1, backend="nccl", timeout=300)
+    print(message)

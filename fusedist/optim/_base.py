@@ -39,6 +39,9 @@ class FusedOptimizerBase(Optimizer):
     _state_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict):
+        # torch's load_state_dict adds this key to every group; having it from the start keeps
+        # state_dict() stable across a save/load round trip.
+        defaults = {**defaults, "differentiable": False}
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -171,6 +174,10 @@ class FusedOptimizerBase(Optimizer):
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # A state dict from torch's optimizer lacks fusedist's own keys: use our defaults.
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         id_map = {
             old_id: p
             for old_group, group in zip(saved_groups, self.param_groups)

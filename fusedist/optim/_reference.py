@@ -52,14 +52,16 @@ def _step_value(step, i: int):
 
 def check_and_norm(grads, inv_scale):
     device = grads[0].device
-    bad = torch.zeros((), dtype=torch.float32, device=device)
-    sumsq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        g32 = g.float()
-        bad = torch.maximum(bad, (~torch.isfinite(g32)).any().float())
-        if inv_scale is not None:
-            g32 = g32 * inv_scale.reshape(()).float()
-        sumsq = sumsq + (g32 * g32).sum()
+    norms = torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
+    if inv_scale is not None:
+        norms = norms * inv_scale.reshape(()).float()
+    sumsq = (norms * norms).sum()
+    # A non-finite norm can also come from squares overflowing fp32 (|g| > 1.8e19, bf16 only),
+    # so the flag looks at the elements, as the kernel does.
+    if device.type == "cpu" and bool(torch.isfinite(norms).all()):
+        bad = torch.zeros((), dtype=torch.float32)
+    else:
+        bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
     return bad.reshape(1), sumsq.reshape(1)
 
 
@@ -69,6 +71,11 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     if skip:
         return
     factor = _grad_factor(inv_scale, clip_coef)
+    if skip_mask is None and not any(isinstance(s, torch.Tensor) and s.device.type != "cpu"
+                                     for s in (step if isinstance(step, (list, tuple)) else [step])):
+        return _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                             bias_correction=bias_correction, maximize=maximize)
     for i, (param, grad, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         master = None if masters is None else masters[i]
         dtype = _compute_dtype(m)
@@ -99,6 +106,42 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
         if master is not None:
             _commit(master, p, skip_mask)
         _commit(param, p, skip_mask)
+
+
+def _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, *, lr, beta1, beta2, eps,
+                  weight_decay, adamw, bias_correction, maximize):
+    """The same math with torch's foreach ops (the fast CPU fallback); the step counts are
+    host-readable here, so the bias corrections are host doubles, exactly as torch computes them."""
+    dtype = exp_avgs[0].dtype
+    weights = list(masters) if masters is not None else list(params)
+    in_place = all(w.dtype == dtype for w in weights)
+    p = weights if in_place else [w.to(dtype) for w in weights]
+    g = [x.to(dtype) for x in grads]
+    if factor is not None:
+        g = torch._foreach_mul(g, factor.to(dtype))
+    if maximize:
+        g = torch._foreach_neg(g)
+    if adamw:
+        torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+    elif weight_decay != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(p, weight_decay))
+    steps = [float(_step_value(step, i)) for i in range(len(params))]
+    if bias_correction:
+        step_sizes = [-(lr / (1.0 - beta1 ** s)) for s in steps]
+        bc2_sqrt = [(1.0 - beta2 ** s) ** 0.5 for s in steps]
+    else:
+        step_sizes, bc2_sqrt = [-lr] * len(steps), [1.0] * len(steps)
+    torch._foreach_lerp_(exp_avgs, g, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, 1.0 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, exp_avgs, denom, step_sizes)
+    if not in_place:
+        torch._foreach_copy_(weights, p)
+    if masters is not None:
+        torch._foreach_copy_(list(params), weights)
 
 
 def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampening,

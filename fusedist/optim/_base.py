@@ -149,6 +149,11 @@ class FusedOptimizerBase(Optimizer):
                         )
                     if not g.is_floating_point():
                         raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}")
+                    if g.shape != p.shape or g.device != p.device:
+                        raise ValueError(
+                            f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
+                            f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
+                        )
                     state = self.state[p]
                     if len(state) == 0:
                         self._init_state(group, p, state)
@@ -187,12 +192,18 @@ class FusedOptimizerBase(Optimizer):
             p = id_map.get(old_id)
             if p is None:
                 continue
+            state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             restored = {}
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
                     value = value.detach().to(device=p.device, copy=True)
                     if key == "step":
-                        value = value.to(torch.float32)
+                        value = value.to(torch.float32).reshape(())
+                    elif key in self._state_keys or key in ("master_param", "momentum_buffer"):
+                        # The kernels read states as fp32 (a torch state dict for bf16 params
+                        # holds bf16 moments): widen, which is exact, and make contiguous.
+                        value = value.to(dtype=torch.float32 if key == "master_param" else state_dtype,
+                                         memory_format=torch.contiguous_format)
                 restored[key] = value
             self.state[p] = restored
 

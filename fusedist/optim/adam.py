@@ -57,6 +57,7 @@ class FusedAdam(FusedOptimizerBase):
             weight_decay=group["weight_decay"], adamw=self._adamw, step=[s["step"] for s in states],
             bias_correction=group["bias_correction"], maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+            validate=False,
         )
 
 

@@ -15,6 +15,9 @@ Every function takes parallel lists of tensors and updates them in place. Conven
   ``found_inf != 0`` nothing at all is written. The flag is read on the device (Note
   [found-inf masking] in ``triton_kernels/multi_tensor.py``): the CUDA path never
   synchronizes the host.
+* ``validate``: check list lengths, shapes, devices and state dtypes (default). Callers that
+  created the states themselves and checked the gradients (the fused optimizers) pass False:
+  per-tensor checks cost ~1 us each, which adds up over hundreds of small tensors.
 * ``step``: the step count *of this update* (already incremented), either one number for all
   tensors or a list of fp32 scalar tensors on the device, one per parameter (what the fused
   optimizers keep, so a skipped step can be undone on the device).
@@ -122,21 +125,51 @@ def _effective_factor(inv_scale: Optional[Tensor], clip_coef: Optional[Tensor]) 
 # ----------------------------------------------------------------------------- bucketing
 
 
-def _bucketize(params, grads, masters, state_lists, step, kernel_ok_extra=()):
-    """Group tensor indices by (device, param dtype, grad dtype, has master, kernel-eligible)."""
+def _bucketize(params, grads, masters, state_lists, check_states=True):
+    """Group tensor indices by (device, param dtype, grad dtype, has master, kernel-eligible).
+
+    The common case (one device and dtype pair, everything contiguous) is recognized with a few
+    list passes; Python overhead per step matters when hundreds of small tensors are stepped.
+    ``check_states=False`` trusts that states and masters are contiguous fp32 (the fused
+    optimizers create them so)."""
+    n = len(params)
+    if masters is None:
+        has_master = [False] * n
+    else:
+        has_master = [m is not None for m in masters]
+    p_dtypes = {p.dtype for p in params}
+    g_dtypes = {g.dtype for g in grads}
+    devices = {p.device for p in params}
+    if (
+        len(p_dtypes) == 1 and len(g_dtypes) == 1 and len(devices) == 1
+        and len(set(has_master)) == 1
+        and p_dtypes <= set(_KERNEL_DTYPES) and g_dtypes <= set(_KERNEL_DTYPES)
+        and all(p.is_contiguous() for p in params) and all(g.is_contiguous() for g in grads)
+        and (not check_states or _states_eligible(masters, state_lists, range(n)))
+    ):
+        return {(params[0].device, params[0].dtype, grads[0].dtype, has_master[0], True): list(range(n))}
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, g) in enumerate(zip(params, grads)):
-        master = None if masters is None else masters[i]
         eligible = (
             p.dtype in _KERNEL_DTYPES
             and g.dtype in _KERNEL_DTYPES
             and p.is_contiguous()
             and g.is_contiguous()
-            and all(lst is None or lst[i].is_contiguous() and lst[i].dtype == torch.float32 for lst in state_lists)
-            and (master is None or (master.is_contiguous() and master.dtype == torch.float32))
+            and (not check_states or _states_eligible(masters, state_lists, (i,)))
         )
-        buckets[(p.device, p.dtype, g.dtype, master is not None, eligible)].append(i)
+        buckets[(p.device, p.dtype, g.dtype, has_master[i], eligible)].append(i)
     return buckets
+
+
+def _states_eligible(masters, state_lists, indices) -> bool:
+    for lst in (masters, *state_lists):
+        if lst is None:
+            continue
+        for i in indices:
+            t = lst[i]
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+                return False
+    return True
 
 
 def _take(lst, idx):
@@ -210,19 +243,21 @@ def adam_update(
     inv_scale: Optional[Tensor] = None,
     clip_coef: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    validate: bool = True,
 ) -> None:
     """Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) on a
     list of tensors; math of ``torch.optim.Adam``/``AdamW`` (``amsgrad=False``)."""
     if not params:
         return
-    _check_lists("adam_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
+    if validate:
+        _check_lists("adam_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
     _check_hyper("adam_update", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     device = params[0].device
     for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
         _check_scalar_tensor(name, t, device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  bias_correction=bias_correction, maximize=maximize)
-    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), step)
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
     has_cpu_ext = _has_cpu_adam()
     for (dev, _, _, has_master, eligible), idx in buckets.items():
         b_params, b_grads = _take(params, idx), _take(grads, idx)
@@ -256,6 +291,7 @@ def sgd_update(
     inv_scale: Optional[Tensor] = None,
     clip_coef: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    validate: bool = True,
 ) -> None:
     """SGD with momentum/dampening/nesterov/weight decay, math of ``torch.optim.SGD``.
 
@@ -269,7 +305,8 @@ def sgd_update(
         raise ValueError("sgd_update: momentum != 0 needs momentum_buffers")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("sgd_update: nesterov momentum requires momentum > 0 and dampening = 0")
-    _check_lists("sgd_update", params, grads=grads, momentum_buffers=momentum_buffers, masters=masters)
+    if validate:
+        _check_lists("sgd_update", params, grads=grads, momentum_buffers=momentum_buffers, masters=masters)
     _check_hyper("sgd_update", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     device = params[0].device
     for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
@@ -277,7 +314,7 @@ def sgd_update(
     bufs = momentum_buffers if momentum != 0 else None
     hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov, maximize=maximize)
-    for (dev, _, _, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,), step).items():
+    for (dev, _, _, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,), check_states=validate).items():
         impl = _kernels() if _backend_for("sgd_update", dev, eligible) == "triton" else _reference
         impl.sgd(_take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None,
                  _take(bufs, idx), _take_step(step, idx), inv_scale=inv_scale, clip_coef=clip_coef,
@@ -306,6 +343,7 @@ def lamb_update(
     clip_coef: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     global_grad_sumsq: Optional[Tensor] = None,
+    validate: bool = True,
 ) -> None:
     """LAMB with apex ``FusedLAMB`` semantics, in two passes over the parameters.
 
@@ -318,7 +356,8 @@ def lamb_update(
     """
     if not params:
         return
-    _check_lists("lamb_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
+    if validate:
+        _check_lists("lamb_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
     _check_hyper("lamb_update", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  max_grad_norm=max_grad_norm)
     device = params[0].device
@@ -334,7 +373,7 @@ def lamb_update(
         global_div = torch.ones(1, dtype=torch.float32, device=device)
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
     use_ratio = use_nvlamb or weight_decay != 0
-    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), step)
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
     for (dev, _, _, has_master, eligible), idx in buckets.items():
         impl = _kernels() if _backend_for("lamb_update", dev, eligible) == "triton" else _reference
         b_params = _take(params, idx)

@@ -74,4 +74,5 @@ class FusedLAMB(FusedOptimizerBase):
             grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
             use_nvlamb=self.use_nvlamb, inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             global_grad_sumsq=self._global_sumsq,
+            validate=False,
         )

@@ -56,4 +56,5 @@ class FusedSGD(FusedOptimizerBase):
             masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             step=[s["step"] for s in states], inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+            validate=False,
         )

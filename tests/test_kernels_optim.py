@@ -227,6 +227,17 @@ def test_non_contiguous_and_fp64_use_reference(device):
     F.sgd_update([p64], [torch.ones_like(p64)], None, None, lr=0.5)
 
 
+def test_empty_tensors_are_fine(device):
+    empty = [torch.zeros(0, device=device), torch.zeros(0, 3, device=device)]
+    bad, sumsq = F.check_and_norm(empty)
+    assert bad.item() == 0 and sumsq.item() == 0
+    F.adam_update(empty, empty, [e.clone() for e in empty], [e.clone() for e in empty], None, lr=0.1,
+                  beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, step=1)
+    params, grads, m, v, _ = _make((0, 5), torch.float32, torch.float32, device)
+    F.lamb_update(params, grads, m, v, None, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, step=1)
+    F.sgd_update(params, grads, m, None, lr=0.1, momentum=0.9, step=1)
+
+
 def test_functional_errors(device):
     p = torch.zeros(4, device=device)
     with pytest.raises(ValueError, match="grads has 2 entries"):

@@ -421,6 +421,9 @@ def check_and_norm(grads, inv_scale):
     device = grads[0].device
     block, iters, warps = launch_config()
     table = chunk_table([grads], [g.numel() for g in grads], block * iters, device)
+    if table.n_chunks == 0:  # only empty tensors
+        zero = torch.zeros(1, dtype=torch.float32, device=device)
+        return zero, zero.clone()
     partial_bad = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     partial_sumsq = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     _check_and_norm_kernel[(table.n_chunks,)](
@@ -448,6 +451,8 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        return
     dummy = exp_avgs[0]
     _adam_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
@@ -472,6 +477,8 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        return
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     _sgd_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
@@ -498,6 +505,9 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        zeros = torch.zeros(table.n_tensors, dtype=torch.float32, device=device)
+        return zeros, zeros.clone()
     partial_p2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     partial_u2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     dummy = partial_p2
@@ -522,6 +532,8 @@ def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
     device = params[0].device
     block, iters, warps = launch_config()
     table = chunk_table([params, masters, updates], [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        return
     _lamb_stage2_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(found_inf, ratios), ratios, float(lr),

@@ -168,7 +168,8 @@ class FusedOptimizerBase(Optimizer):
                                  clip_coef=clip_coef, found_inf=found_inf)
                 if found_inf is not None:
                     # A skipped step does not count (decided on the device, like torch's fused Adam).
-                    torch._foreach_sub_(steps, found_inf.reshape(()))
+                    # (_foreach_add_ has a Tensor overload; _foreach_sub_ would read the flag on the host.)
+                    torch._foreach_add_(steps, found_inf.reshape(()), alpha=-1.0)
         finally:
             self._fusedist_clear_protocol()
         return loss

@@ -64,14 +64,19 @@ class FusedOptimizerBase(Optimizer):
         self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
 
     def _fusedist_grad_params(self) -> list[torch.Tensor]:
-        """Parameters whose gradients the norm of :meth:`_fusedist_check_and_norm` covers."""
+        """Parameters whose gradients the *global* norm of :meth:`_fusedist_check_and_norm`
+        covers (what clip_grad_norm_ compares its argument with). A sharded optimizer returns
+        every model parameter here, since its reduced norm covers them all."""
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
+    def _fusedist_local_grads(self) -> list[torch.Tensor]:
+        """Gradients this rank reads in the check pass (its shard, for a sharded optimizer)."""
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
-        """One read-only pass: (found_inf, sum of squares of grad*inv_scale), combined by
-        :meth:`_fusedist_reduce_found_inf_and_norm`."""
-        grads = [p.grad for p in self._fusedist_grad_params()]
-        found_inf, sumsq = functional.check_and_norm(grads, inv_scale)
+        """One read-only pass over :meth:`_fusedist_local_grads`: (found_inf, sum of squares of
+        grad*inv_scale), made global by :meth:`_fusedist_reduce_found_inf_and_norm`."""
+        found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale)
         return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
 
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):

@@ -131,7 +131,11 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
     parser.add_argument("--no-write", action="store_true", help="print only, do not write results/")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0: torch's default); 1 gives steadier numbers on a shared machine")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

@@ -225,6 +225,37 @@ def test_load_torch_adamw_state_dict_continues_like_torch():
     _assert_params_close(ours, theirs)
 
 
+def test_load_torch_sgd_state_dict_continues_like_torch():
+    """torch's SGD state has no step count: the loaded momentum buffers must not be reset."""
+    theirs = _params()
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, nesterov=True)
+    for step in range(3):
+        _set_grads(theirs, _grads(step))
+        ref.step()
+    ours = _clone_params(theirs)
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9, nesterov=True)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for step in range(3, 6):
+        _set_grads(theirs, _grads(step))
+        _set_grads(ours, _grads(step))
+        ref.step()
+        opt.step()
+    _assert_params_close(ours, theirs)
+
+
+def test_master_weights_created_for_a_loaded_state():
+    params = _params(torch.bfloat16)
+    ref = torch.optim.AdamW(params, lr=1e-3)
+    _set_grads(params, _grads(0))
+    ref.step()
+    opt = FusedAdamW(params, lr=1e-3, master_weights=True)
+    opt.load_state_dict(ref.state_dict())
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32  # widened from bf16
+    opt.step()
+    assert opt.state[params[0]]["master_param"].dtype == torch.float32
+    assert torch.equal(params[0].detach(), opt.state[params[0]]["master_param"].to(torch.bfloat16))
+
+
 def test_mixed_dtype_groups_and_zero_grad(backend):
     p32 = _params(seed=3)[:2]
     p16 = _params(torch.float16, seed=4)[2:]

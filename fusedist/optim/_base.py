@@ -116,12 +116,17 @@ class FusedOptimizerBase(Optimizer):
         raise NotImplementedError
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        """Create the per-parameter state: step, master, and the keys in ``_state_keys``."""
+        """Create what is missing of the per-parameter state: ``step``, the keys in
+        ``_state_keys`` and, for bf16/fp16 parameters of a ``master_weights`` group, the FP32
+        ``master_param``. Called every step (a few dict lookups), so a state loaded from
+        torch's optimizer, or a group switched to master weights later, is completed lazily."""
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         for key in self._state_keys:
-            state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
-        if group.get("master_weights", False) and p.dtype in _HALF:
+            if state.get(key) is None:
+                state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+        if "master_param" not in state and p.dtype in _HALF and group.get("master_weights", False):
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
@@ -160,8 +165,7 @@ class FusedOptimizerBase(Optimizer):
                             f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
                         )
                     state = self.state[p]
-                    if len(state) == 0:
-                        self._init_state(group, p, state)
+                    self._init_state(group, p, state)
                     params.append(p)
                     grads.append(g)
                     states.append(state)

@@ -62,6 +62,7 @@ def _assert_params_close(ours, theirs, atol=1e-6):
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, betas=(0.8, 0.99))),
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05), dict(weight_decay=0.0, eps=1e-6)),
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, maximize=True), dict(lr=2e-2)),
+    (FusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), dict(lr=2e-2)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3), dict(lr=0.02, dampening=0.1)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), dict(momentum=0.5)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.1), dict(weight_decay=0.01, maximize=True)),
@@ -283,6 +284,8 @@ def test_clear_errors():
         FusedAdam([torch.zeros(2)], betas=(0.9, float("inf")))
     with pytest.raises(ValueError, match="amsgrad"):
         FusedAdam([torch.zeros(2)], amsgrad=True)
+    with pytest.raises(ValueError, match="fused=False"):
+        FusedAdamW([torch.zeros(2)], fused=False)
     p = torch.zeros(3, requires_grad=True)
     opt = FusedAdam([p], lr=0.1)
     p.grad = torch.zeros(3).to_sparse()

@@ -19,8 +19,8 @@ class FusedSGD(FusedOptimizerBase):
                  *, maximize=False, foreach=None, differentiable=False, fused=None, master_weights=False):
         if differentiable:
             raise ValueError("FusedSGD: differentiable=True is not supported")
-        if foreach or fused:
-            raise ValueError("FusedSGD: foreach/fused select torch's implementations; this optimizer is always fused")
+        if fused is False:
+            raise ValueError("FusedSGD: fused=False asks for torch's unfused implementation; use torch.optim.SGD")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights)
         super().__init__(params, defaults)

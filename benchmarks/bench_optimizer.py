@@ -178,7 +178,10 @@ def main(argv=None):
         "torch: grad upcast + GradScaler.unscale_ + clip_grad_norm_ + GradScaler.step(AdamW(fused=True)) "
         "+ update + bf16 write-back (bf16+master); fp32 rows have no masters.\n"
         f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled)."
-        + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms." if device.type == "cuda" else "")
+        + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms." if device.type == "cuda" else
+           "\nOn CPU fusedist_backend says what ran: 'torch' is the pure-PyTorch reference (about a dozen foreach "
+           "passes), against torch's single-pass C++ fused AdamW; the C++ CPU Adam ('cpu_ext') is the intended fast "
+           "CPU path. CPU timings on a shared machine are noisy: see loadavg_1m and the p20/p80 columns.")
     )
     if not args.no_write:
         md, csv_path = write_results(f"optimizer_{device.type}", rows, notes, environment())

@@ -227,6 +227,23 @@ def test_non_contiguous_and_fp64_use_reference(device):
     F.sgd_update([p64], [torch.ones_like(p64)], None, None, lr=0.5)
 
 
+def test_bf16_write_back_rounds_like_torch(device):
+    """The kernel's fp32 -> bf16 rounding (done with integer ops) equals torch's ``.to``,
+    bit for bit, including ties, values rounding to inf, subnormals, -0.0 and NaN payloads."""
+    specials = torch.tensor([1.5441, -2.0000001, 3.3895e38, 3.4e38, 1e-40, -0.0, 0.0, 1.00390625, 1.01171875])
+    nans = torch.tensor([0x7FFFFFFF, 0x7FC00000, -1, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    master = torch.cat([specials, nans, torch.randn(5000) * 100]).to(device)
+    param = torch.zeros_like(master, dtype=torch.bfloat16)
+    # lr = 0 and no decay: the master keeps its value and the parameter receives its rounding.
+    _kernels().sgd([param], [torch.zeros_like(master)], [master], None, 1, lr=0.0, momentum=0.0,
+                   dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                   inv_scale=None, clip_coef=None, found_inf=None)
+    expected = master.to(torch.bfloat16)
+    same_bits = param.view(torch.int16) == expected.view(torch.int16)
+    assert bool((same_bits | (param.isnan() & expected.isnan())).all())
+    assert param[3].isinf() and param.isnan().sum() == 4
+
+
 def test_empty_tensors_are_fine(device):
     empty = [torch.zeros(0, device=device), torch.zeros(0, 3, device=device)]
     bad, sumsq = F.check_and_norm(empty)

@@ -197,12 +197,14 @@ def _to_param(x, DTYPE: tl.constexpr):
     """fp32 -> parameter dtype, rounding to nearest even like torch's ``.to()``.
 
     bf16 is rounded with integer ops: Triton's interpreter truncates fp32 -> bf16 casts, and
-    doing it by hand gives bit-identical results on every backend (inf/nan survive: the bias
-    never carries out of an all-ones exponent into the sign)."""
+    doing it by hand gives bit-identical results on every backend. Finite values that round
+    past the largest bf16 become inf, as they should; NaN is mapped to the canonical bf16 NaN
+    (adding the rounding bias to a NaN payload could carry into the sign bit)."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif DTYPE == tl.float16:
         return x.to(tl.float16)
     else:

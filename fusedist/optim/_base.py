@@ -53,6 +53,9 @@ class FusedOptimizerBase(Optimizer):
                     )
             self._validate_group(group, gi)
         self._fusedist_clear_protocol()
+        # ids of parameters whose state _init_state has completed (cleared on load_state_dict):
+        # spares per-step dict lookups for every parameter.
+        self._fusedist_ready: set[int] = set()
 
     # -- protocol state (Note [scaler protocol]) ----------------------------------------------
 
@@ -118,8 +121,9 @@ class FusedOptimizerBase(Optimizer):
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
         """Create what is missing of the per-parameter state: ``step``, the keys in
         ``_state_keys`` and, for bf16/fp16 parameters of a ``master_weights`` group, the FP32
-        ``master_param``. Called every step (a few dict lookups), so a state loaded from
-        torch's optimizer, or a group switched to master weights later, is completed lazily."""
+        ``master_param``. Runs on a parameter's first step and on the first step after
+        ``load_state_dict``, so a state loaded from torch's optimizer is completed lazily.
+        (``master_weights`` is therefore read when a parameter's state is created.)"""
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -165,7 +169,9 @@ class FusedOptimizerBase(Optimizer):
                             f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
                         )
                     state = self.state[p]
-                    self._init_state(group, p, state)
+                    if not state or id(p) not in self._fusedist_ready:
+                        self._init_state(group, p, state)
+                        self._fusedist_ready.add(id(p))
                     params.append(p)
                     grads.append(g)
                     states.append(state)
@@ -189,6 +195,7 @@ class FusedOptimizerBase(Optimizer):
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
+        self._fusedist_ready = set()
         for group in self.param_groups:
             # A state dict from torch's optimizer lacks fusedist's own keys: use our defaults.
             for key, value in self.defaults.items():

@@ -284,3 +284,29 @@ def test_gpu_kernels_match_reference_large():
     _reference.adam(ref[0], grads, ref[3], ref[1], ref[2], 7, **hyper)
     _assert_close(masters, ref[3])
     _assert_close(m, ref[1])
+
+
+def test_cpu_ext_dispatch_point(monkeypatch):
+    """The C++ CPU Adam plugs in as ``fusedist.optim._cpu_adam.adam_update`` with the contract's
+    signature; a stand-in module checks that the backend selector routes CPU buckets to it."""
+    import sys
+    import types
+
+    calls = []
+
+    def adam_update(params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay,
+                    adamw, step, bias_correction, maximize, inv_scale, clip_coef, found_inf):
+        calls.append(len(params))
+        _reference.adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, lr=lr, beta1=beta1, beta2=beta2,
+                        eps=eps, weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
+                        maximize=maximize, inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf)
+
+    stand_in = types.ModuleType("fusedist.optim._cpu_adam")
+    stand_in.adam_update = adam_update
+    monkeypatch.setitem(sys.modules, "fusedist.optim._cpu_adam", stand_in)
+    monkeypatch.setattr(F, "_has_cpu_adam", lambda: True)
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "cpu_ext")
+    params, grads, m, v, _ = _make((3, 9), torch.float32, torch.float32, torch.device("cpu"))
+    F.adam_update(params, grads, m, v, None, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                  adamw=True, step=1)
+    assert calls == [2]

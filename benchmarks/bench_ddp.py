@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import hardware_summary, write_report  # noqa: E402
+from _common import write_results  # noqa: E402
 
 
 def make_model(width: int, layers: int) -> nn.Module:
@@ -143,8 +143,8 @@ def main(argv=None):
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        path = write_report("ddp", "fusedist DDP vs torch DDP (CPU, gloo)", text, rows)
-        print(f"\nwritten: {path}")
+        md, _ = write_results("ddp_cpu", rows, "fusedist DDP vs torch DDP (CPU, gloo)\n\n" + text)
+        print(f"\nwritten: {md}")
 
 
 if __name__ == "__main__":

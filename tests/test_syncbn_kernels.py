@@ -97,18 +97,35 @@ def test_welford_stable_with_large_offset():
     torch.testing.assert_close(m2, ref_m2, rtol=1e-3, atol=0)
 
 
+class _Recorder:
+    """Wraps a kernel to record the grids it is launched with."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
 def test_many_row_splits_and_tiles(monkeypatch):
-    """Several programs along the row axis (partial rows merged by the combine kernel) and
-    several spatial tiles per sample, including a program left without rows."""
+    """Several programs along the row axis (partial rows merged by the combine kernel in more
+    than one chunk), several spatial tiles per sample, and the GPU's block-size choices."""
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_reduction_tile", lambda device: 16)
-    monkeypatch.setattr(kernels, "_row_splits", lambda units, c_blocks, device: min(units, 5))
+    monkeypatch.setattr(kernels, "_row_splits", lambda units, c_blocks, device: min(units, 37))
     for layout in ("contiguous", "channels_last"):
-        x = _make((3, 4, 5, 7), layout, torch.float32, seed=4)
+        x = _make((12, 4, 5, 7), layout, torch.float32, seed=4)
+        launches = []
+        real_partial = kernels._welford_partial_kernel
+        monkeypatch.setattr(kernels, "_welford_partial_kernel", _Recorder(real_partial, launches))
         mean, m2, count = _stats(kernels.welford_stats, x, ncs_layout(x))
+        monkeypatch.setattr(kernels, "_welford_partial_kernel", real_partial)
+        assert launches[0][1] > 32, "more partial rows than one combine chunk"
         ref_mean, ref_m2 = _oracle_stats(x)
         torch.testing.assert_close(mean, ref_mean, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(m2, ref_m2, rtol=1e-5, atol=1e-5)
-        dy = _make((3, 4, 5, 7), layout, torch.float32, offset=0, scale=1, seed=5)
+        dy = _make((12, 4, 5, 7), layout, torch.float32, offset=0, scale=1, seed=5)
         invstd = torch.rsqrt(m2 / count + 1e-5).float()
         got = kernels.backward_reduce(dy, x, ncs_layout(x), mean.float(), invstd)
         want = reference.backward_reduce(dy, x, mean.float(), invstd)
@@ -201,7 +218,7 @@ def _aot_compile_all() -> None:
     compile_(kernels._welford_combine_kernel,
              {"mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "count_part_ptr": "*i32",
               "mean_out_ptr": "*fp64", "m2_out_ptr": "*fp64", "count_out_ptr": "*fp64"},
-             ("P", "C", "total_count"), {"BLOCK_C": 1024})
+             ("P", "C", "total_count"), {"BLOCK_P": 32, "BLOCK_C": 64})
     print("compiled")
 
 

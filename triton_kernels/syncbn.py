@@ -9,8 +9,8 @@ Channels-last and ``(N, C)`` inputs arrive with the batch folded into ``S`` (``N
 which gives full tiles instead of one short row per sample.
 
 Statistics are fp32 whatever the input dtype (fp32, fp16, bf16). Reductions write one row
-of partial results per program along the row axis and a second, tiny kernel (or a fixed-order
-torch sum) combines the rows, so results are deterministic: no atomics anywhere.
+of partial results per program along the row axis and a second, small kernel (or a
+fixed-order torch sum) combines the rows, so results are deterministic: no atomics anywhere.
 
 Launchers (the only public functions) take the tensors plus the ``(N, C, S, stride_n,
 stride_c, stride_s)`` layout computed by ``fusedist.nn._layout``; they choose block sizes and
@@ -84,29 +84,44 @@ def _welford_partial_kernel(
 @triton.jit
 def _welford_combine_kernel(
     mean_part_ptr, m2_part_ptr, count_part_ptr, mean_out_ptr, m2_out_ptr, count_out_ptr,
-    P, C, total_count, BLOCK_C: tl.constexpr,
+    P, C, total_count, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Merge P partial (count, mean, M2) rows in row order (Chan et al.): deterministic, and
-    rows with count 0 contribute nothing. Outputs are cast to the output pointers' dtype;
-    ``total_count`` (known exactly on the host) is written to ``count_out``."""
+    """Merge P partial (count, mean, M2) rows with the k-way parallel formula
+
+        n = sum n_p,  mean = sum n_p mean_p / n,  M2 = sum M2_p + sum n_p (mean_p - mean)^2
+
+    in two vectorized passes over the rows (a row-by-row Chan update would be a chain of P
+    dependent global loads). Rows with n_p = 0 contribute nothing; the order of the sums is
+    fixed, so the result is deterministic. Outputs are cast to the output pointers' dtype;
+    ``total_count`` (known exactly on the host) is written to ``count_out``.
+    """
     pid = tl.program_id(0)
     c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < C
-    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
-    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    count = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for p in range(0, P):
-        part_count = tl.load(count_part_ptr + p).to(tl.float32)
-        part_mean = tl.load(mean_part_ptr + p * C + c, mask=c_mask, other=0.0)
-        part_m2 = tl.load(m2_part_ptr + p * C + c, mask=c_mask, other=0.0)
-        new_count = count + part_count
-        ratio = part_count / tl.maximum(new_count, 1.0)
-        delta = part_mean - mean
-        mean += delta * ratio
-        m2 += part_m2 + delta * delta * (count * ratio)
-        count = new_count
+    p_lane = tl.arange(0, BLOCK_P)
+    weighted = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    counts = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + p_lane
+        p_mask = p < P
+        n_p = tl.load(count_part_ptr + p, mask=p_mask, other=0).to(tl.float32)
+        m_p = tl.load(mean_part_ptr + p[:, None] * C + c[None, :],
+                      mask=p_mask[:, None] & c_mask[None, :], other=0.0)
+        weighted += n_p[:, None] * m_p
+        counts += n_p
+    mean = tl.sum(weighted, axis=0) / tl.maximum(tl.sum(counts, axis=0), 1.0)
+    m2_acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + p_lane
+        p_mask = p < P
+        mask = p_mask[:, None] & c_mask[None, :]
+        n_p = tl.load(count_part_ptr + p, mask=p_mask, other=0).to(tl.float32)
+        m_p = tl.load(mean_part_ptr + p[:, None] * C + c[None, :], mask=mask, other=0.0)
+        m2_p = tl.load(m2_part_ptr + p[:, None] * C + c[None, :], mask=mask, other=0.0)
+        dev = m_p - mean[None, :]
+        m2_acc += m2_p + n_p[:, None] * dev * dev
     tl.store(mean_out_ptr + c, mean, mask=c_mask)
-    tl.store(m2_out_ptr + c, m2, mask=c_mask)
+    tl.store(m2_out_ptr + c, tl.sum(m2_acc, axis=0), mask=c_mask)
     if pid == 0:
         tl.store(count_out_ptr, total_count)
 
@@ -258,10 +273,13 @@ def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch
         N, C, S, stride_n, stride_c, stride_s, num_s_tiles, split,
         BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
     )
-    combine_block = min(triton.next_power_of_2(C), 1024 if not _interpreting() else 65536)
-    _welford_combine_kernel[(triton.cdiv(C, combine_block),)](
+    if _interpreting():
+        block_p, block_cc = triton.next_power_of_2(split), triton.next_power_of_2(C)
+    else:
+        block_p, block_cc = min(triton.next_power_of_2(split), 32), min(triton.next_power_of_2(C), 64)
+    _welford_combine_kernel[(triton.cdiv(C, block_cc),)](
         mean_part, m2_part, count_part, mean_out, m2_out, count_out, split, C, N * S,
-        BLOCK_C=combine_block,
+        BLOCK_P=block_p, BLOCK_C=block_cc,
     )
 
 

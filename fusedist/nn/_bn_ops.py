@@ -57,13 +57,12 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, layout: NCSLayout, mean: 
 
 def channel_affine(u: torch.Tensor, layout: NCSLayout, p, q, v=None, r=None, t=None, b=None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``(u - p) * q [+ (v - r) * t] [+ b]`` per channel, in a new tensor with u's strides
-    (v, when given, must share them)."""
-    out = torch.empty_like(u, dtype=out_dtype or u.dtype)
-    if u.numel() == 0:
-        return out
+    """``(u - p) * q [+ (v - r) * t] [+ b]`` per channel, in a new tensor (v, when given,
+    must share u's strides). The kernels write u's strides; the reference path returns what
+    torch's ops return (the same memory format for contiguous/channels_last tensors)."""
     kernels = _kernels(u)
-    if kernels is None:
-        return reference.channel_affine(out, u, p, q, v, r, t, b)
+    if kernels is None or u.numel() == 0:
+        return reference.channel_affine(u, p, q, v, r, t, b, out_dtype=out_dtype)
+    out = torch.empty_like(u, dtype=out_dtype or u.dtype)
     assert out.stride() == u.stride(), "dense inputs give empty_like outputs with equal strides"
     return kernels.channel_affine(out, u, layout, p, q, v, r, t, b)

@@ -443,3 +443,63 @@ def _converted_model_rank(rank, world_size, sizes, layout):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_converted_model_trains_like_global_batch(layout):
     assert run_distributed(_converted_model_rank, 2, (3, 5), layout) == [True, True]
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+def _cuda_case(x_global, dy_global, sizes, rank, layout, dtype, device):
+    """This rank's output/input-grad/param-grads vs nn.BatchNorm on the global batch (fp64
+    oracle for half precision, with the error budget of the half-precision tests above)."""
+    C, dim = x_global.shape[1], x_global.dim()
+    ours = SyncBatchNorm(C).to(device)
+    ref = _BN[dim](C).to(device, torch.float64)
+    x = _to_layout(_rank_slice(x_global, sizes, rank).to(device, dtype), layout).requires_grad_(True)
+    y = ours(x)
+    (y.float() * _rank_slice(dy_global, sizes, rank).to(device)).sum().backward()
+    xg = x_global.to(device, torch.float64).requires_grad_(True)
+    y_ref = ref(xg)
+    (y_ref * dy_global.to(device, torch.float64)).sum().backward()
+    eps = {torch.float32: 1e-5, torch.bfloat16: HALF_EPS[torch.bfloat16], torch.float16: HALF_EPS[torch.float16]}[dtype]
+    scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
+    my_y, my_dx = _rank_slice(y_ref, sizes, rank), _rank_slice(xg.grad, sizes, rank)
+    assert (y.double() - my_y).abs().max().item() <= eps * scale(my_y)
+    assert (x.grad.double() - my_dx).abs().max().item() <= eps * scale(my_dx)
+    return ours, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cuda_single_process_matches_batchnorm(dtype, layout):
+    """Compiled kernels on CUDA through the module, one process (world of one)."""
+    for tail in ((), (33,), (7, 9), (3, 4, 5)):
+        xs, dys, _, _ = _global_data((37,), 24, tail, seed=5, steps=1)
+        if dtype != torch.float32:
+            xs, dys = [x.to(dtype).float() for x in xs], [d.to(dtype).float() for d in dys]
+        ours, ref = _cuda_case(xs[0], dys[0], (37,), 0, layout, dtype, "cuda")
+        torch.testing.assert_close(ours.weight.grad.double(), ref.weight.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.running_var.double(), ref.running_var, rtol=1e-5, atol=1e-5)
+
+
+def _nccl_rank(rank, world_size, sizes):
+    torch.cuda.set_device(rank)
+    xs, dys, _, _ = _global_data(sizes, 16, (6, 6), seed=9, steps=1)
+    out = []
+    for layout in ("contiguous", "channels_last"):
+        ours, ref = _cuda_case(xs[0], dys[0], sizes, rank, layout, torch.float32, f"cuda:{rank}")
+        gw = _all_reduce_sum(ours.weight.grad)
+        torch.testing.assert_close(gw.double(), ref.weight.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.running_mean.double(), ref.running_mean, rtol=1e-5, atol=1e-5)
+        out.append(ours.running_var.cpu().tolist())
+    return out
+
+
+@pytest.mark.gpu
+def test_nccl_unequal_batches():
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip(f"needs 2 CUDA devices, found {count}")
+    sizes = (5, 0, 3)[: min(count, 3)] if count >= 3 else (5, 3)
+    results = run_distributed(_nccl_rank, len(sizes), sizes, backend="nccl", timeout=300)
+    assert all(r == results[0] for r in results), "running stats differ across ranks"

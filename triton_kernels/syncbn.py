@@ -40,6 +40,11 @@ def _welford_partial_kernel(
     traffic in the loop); the lanes are merged once at the end with the parallel formula
     M2 = sum M2_l + sum n_l (mean_l - mean)^2, which subtracts the global mean rather than
     squaring raw values, so it stays stable when |mean| >> std.
+
+    Lane counts need no per-element bookkeeping: every tile covers all lanes except the last
+    tile of each sample, which covers lanes < ``rem``. So a lane has seen ``seen_full +
+    seen_last`` values if it is below ``rem`` and ``seen_full`` otherwise, and the Welford
+    step 1/count costs two divisions per tile instead of one per element.
     """
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -50,12 +55,17 @@ def _welford_partial_kernel(
         c_off = c.to(tl.int64) * stride_c
     else:
         c_off = c * stride_c
-    lane_count = tl.zeros([BLOCK_S], dtype=tl.float32)
+    rem = S - (num_s_tiles - 1) * BLOCK_S
+    in_last_tile = s_lane < rem
+    seen_full = tl.zeros([1], dtype=tl.float32)
+    seen_last = tl.zeros([1], dtype=tl.float32)
     lane_mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     lane_m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     for u in range(pid_r, N * num_s_tiles, SPLIT):
         n = u // num_s_tiles
-        s = (u - n * num_s_tiles) * BLOCK_S + s_lane
+        s_tile = u - n * num_s_tiles
+        is_last = (s_tile == num_s_tiles - 1).to(tl.float32)
+        s = s_tile * BLOCK_S + s_lane
         s_mask = s < S
         if WIDE_INDEX:
             s_off = s.to(tl.int64) * stride_s
@@ -63,12 +73,16 @@ def _welford_partial_kernel(
             s_off = s * stride_s
         ptrs = x_ptr + n.to(tl.int64) * stride_n + s_off[:, None] + c_off[None, :]
         v = tl.load(ptrs, mask=s_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-        lane_count += s_mask.to(tl.float32)
+        seen_last += is_last
+        seen_full += 1.0 - is_last
+        step_low = 1.0 / tl.maximum(seen_full + seen_last, 1.0)
+        step_high = 1.0 / tl.maximum(seen_full, 1.0)
         # Rows past S keep their state: a zero step, and no M2 contribution.
-        step = tl.where(s_mask, 1.0 / tl.maximum(lane_count, 1.0), 0.0)
+        step = tl.where(s_mask, tl.where(in_last_tile, step_low, step_high), 0.0)
         delta = v - lane_mean
         lane_mean += delta * step[:, None]
         lane_m2 += tl.where(s_mask[:, None], delta * (v - lane_mean), 0.0)
+    lane_count = seen_full + tl.where(in_last_tile, seen_last, 0.0)
     # lane counts are small exact integers; their total is summed as an integer so that it
     # stays exact past 2**24
     count = tl.sum(lane_count.to(tl.int32), axis=0)

@@ -178,6 +178,9 @@ def _cpu_rank(rank, world_size, shapes, reps):
 
     from fusedist.nn import SyncBatchNorm
 
+    # a group of one rank per rank: the same layer and math with nobody to talk to, which
+    # separates the cost of the statistics path from the cost of the collectives
+    solo_groups = [dist.new_group([r]) for r in range(world_size)]
     out = []
     for shape in shapes:
         for memory_format in (("NCHW", "NHWC") if len(shape) == 4 else ("NC",)):
@@ -190,6 +193,7 @@ def _cpu_rank(rank, world_size, shapes, reps):
             C = shape[1]
             plain = (nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d)(C)
             synced = SyncBatchNorm(C)
+            solo = SyncBatchNorm(C, process_group=solo_groups[rank])
 
             def step(module):
                 def run():
@@ -198,10 +202,11 @@ def _cpu_rank(rank, world_size, shapes, reps):
                 return run
 
             dist.barrier()
-            timings = _time_round_robin({"bn": step(plain), "sync": step(synced)}, reps)
-            out.append({"shape": "x".join(map(str, shape)), "layout": memory_format,
-                        "bn_ms": timings["bn"][0] * 1e3, "bn_min_ms": timings["bn"][1] * 1e3,
-                        "sync_ms": timings["sync"][0] * 1e3, "sync_min_ms": timings["sync"][1] * 1e3})
+            timings = _time_round_robin({"bn": step(plain), "solo": step(solo), "sync": step(synced)}, reps)
+            row = {"shape": "x".join(map(str, shape)), "layout": memory_format}
+            for name, (median, best) in timings.items():
+                row[f"{name}_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+            out.append(row)
     return out
 
 
@@ -213,13 +218,16 @@ def bench_cpu(reps: int) -> list[dict]:
     rows = []
     for i, row in enumerate(per_rank[0]):
         # a synchronized step ends together on both ranks: report the slower rank's median
-        sync_ms = max(r[i]["sync_ms"] for r in per_rank)
-        bn_ms = max(r[i]["bn_ms"] for r in per_rank)
+        worst = {k: max(r[i][f"{k}_ms"] for r in per_rank) for k in ("bn", "solo", "sync")}
+        best = {k: min(r[i][f"{k}_min_ms"] for r in per_rank) for k in ("bn", "solo", "sync")}
         rows.append({"shape (per rank)": row["shape"], "layout": row["layout"],
-                     "BatchNorm_ms": bn_ms, "SyncBN_ms": sync_ms,
-                     "BatchNorm_min_ms": min(r[i]["bn_min_ms"] for r in per_rank),
-                     "SyncBN_min_ms": min(r[i]["sync_min_ms"] for r in per_rank),
-                     "sync_cost_ratio": sync_ms / bn_ms})
+                     "BatchNorm_ms": worst["bn"], "SyncBN_1rank_ms": worst["solo"],
+                     "SyncBN_2ranks_ms": worst["sync"],
+                     "BatchNorm_min_ms": best["bn"], "SyncBN_1rank_min_ms": best["solo"],
+                     "SyncBN_2ranks_min_ms": best["sync"],
+                     "ratio_1rank": worst["solo"] / worst["bn"],
+                     "ratio_2ranks": worst["sync"] / worst["bn"],
+                     "ratio_2ranks_min": best["sync"] / best["bn"]})
     return rows
 
 
@@ -240,10 +248,12 @@ def main() -> None:
         write_results("syncbn_cpu", rows, "\n".join([
             "# SyncBatchNorm on CPU: fusedist SyncBatchNorm vs nn.BatchNorm, forward+backward",
             "",
-            f"{env_line}. Two ranks on gloo, one torch thread each, same per-rank batch for both "
-            "contenders, timed round-robin; median of the slower rank (min: least disturbed "
-            "repetition). `sync_cost_ratio` = SyncBN / BatchNorm: the price of global "
-            "statistics (one all-gather forward, one all-reduce backward, pure-PyTorch path).",
+            f"{env_line}. Two ranks on gloo, one torch thread each, the same per-rank batch for "
+            "every contender, timed round-robin; `_ms`: median of the slower rank, `_min_ms`: "
+            "least disturbed repetition. `SyncBN_1rank`: fusedist SyncBatchNorm over a group of "
+            "one (same math, no collective); `SyncBN_2ranks`: synchronized over both ranks (one "
+            "all-gather forward, one all-reduce backward). Ratios are against nn.BatchNorm on the "
+            "same batch: the cost of the pure-PyTorch statistics path and of being synchronized.",
         ]))
     if not args.skip_cuda and torch.cuda.is_available():
         rows = bench_cuda(args.batch, [torch.float32, torch.float16])

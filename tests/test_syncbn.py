@@ -203,7 +203,19 @@ def _check_case(rank, world_size, case):
 
 
 def _cases_rank(rank, world_size, cases):
-    return [_check_case(rank, world_size, case) for case in cases]
+    import os
+
+    results = []
+    default = os.environ.get("FUSEDIST_KERNEL_BACKEND", "auto")
+    for case in cases:
+        # FUSEDIST_KERNEL_BACKEND is read at every call: "torch" selects the pure-PyTorch
+        # (CPU fallback) path instead of the interpreted Triton kernels for this case
+        os.environ["FUSEDIST_KERNEL_BACKEND"] = case.get("backend", default)
+        try:
+            results.append(_check_case(rank, world_size, case))
+        finally:
+            os.environ["FUSEDIST_KERNEL_BACKEND"] = default
+    return results
 
 
 def _assert_identical_running_stats(results):
@@ -241,23 +253,16 @@ WORLD3_CASES = [
     dict(sizes=(0, 3, 2), C=3, tail=(2, 2), layout="channels_last", dtype=F32),
     dict(sizes=(1, 0, 1), C=4, tail=(), layout="contiguous", dtype=F32),  # 2 values in all
     dict(sizes=(4, 1, 6), C=3, tail=(2, 2, 3), layout="channels_last", dtype=BF16, seed=3),
+    # the same checks on the pure-PyTorch path
+    dict(sizes=(4, 1, 6), C=5, tail=(3, 3), layout="channels_last", dtype=F32, backend="torch"),
+    dict(sizes=(2, 0, 3), C=3, tail=(4,), layout="contiguous", dtype=F32, backend="torch"),
+    dict(sizes=(4, 1, 6), C=3, tail=(2, 2), layout="contiguous", dtype=BF16, backend="torch"),
 ]
 
 
 @pytest.mark.parametrize("world_size,cases", [(2, WORLD2_CASES), (3, WORLD3_CASES)], ids=["ws2", "ws3"])
 def test_matches_batchnorm_on_global_batch(world_size, cases):
     results = run_distributed(_cases_rank, world_size, cases, timeout=240)
-    _assert_identical_running_stats(results)
-
-
-def test_pure_pytorch_path_matches_too():
-    """The reference (CPU fallback) path, selected with FUSEDIST_KERNEL_BACKEND=torch, also
-    matches -- and fp64 inputs, which always take it."""
-    cases = [
-        dict(sizes=(4, 1, 6), C=5, tail=(3, 3), layout="channels_last", dtype=F32),
-        dict(sizes=(2, 0, 3), C=3, tail=(4,), layout="contiguous", dtype=F32),
-    ]
-    results = run_distributed(_cases_rank, 3, cases, env={"FUSEDIST_KERNEL_BACKEND": "torch"}, timeout=240)
     _assert_identical_running_stats(results)
 
 
@@ -292,14 +297,24 @@ def _collective_counts_rank(rank, world_size):
     return counts
 
 
-def test_one_collective_per_pass():
-    for counts in run_distributed(_collective_counts_rank, 2):
-        # the first synchronized forward of a layer also checks channel agreement, once
-        assert counts["fwd0"] == ["sync_batch_norm.check", "sync_batch_norm.stats"]
-        assert counts["fwd1"] == ["sync_batch_norm.stats"]
-        assert counts["bwd0"] == counts["bwd1"] == ["sync_batch_norm.grad"]
-        assert counts["bwd_no_input_grad"] == []
-        assert counts["fp64"] == ["sync_batch_norm.stats", "sync_batch_norm.grad"]
+def _protocol_rank(rank, world_size):
+    return _collective_counts_rank(rank, world_size), _mismatch_rank(rank, world_size)
+
+
+def test_collectives_and_cross_rank_errors():
+    """One collective per pass, and errors that involve other ranks raised on every rank."""
+    for counts, errors in run_distributed(_protocol_rank, 2):
+        _check_counts(counts)
+        _check_errors(errors)
+
+
+def _check_counts(counts):
+    # the first synchronized forward of a layer also checks channel agreement, once
+    assert counts["fwd0"] == ["sync_batch_norm.check", "sync_batch_norm.stats"]
+    assert counts["fwd1"] == ["sync_batch_norm.stats"]
+    assert counts["bwd0"] == counts["bwd1"] == ["sync_batch_norm.grad"]
+    assert counts["bwd_no_input_grad"] == []
+    assert counts["fp64"] == ["sync_batch_norm.stats", "sync_batch_norm.grad"]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -321,13 +336,12 @@ def _mismatch_rank(rank, world_size):
     return out
 
 
-def test_cross_rank_errors_are_raised_on_every_rank():
-    for rank, out in enumerate(run_distributed(_mismatch_rank, 2)):
-        assert "ranks disagree on the number of channels" in out["channels"]
-        assert "[4, 5]" in out["channels"], out["channels"]
-        assert "more than 1 value per channel" in out["count"]
-        assert "[1, 0]" in out["count"], out["count"]
-        assert out["after"] == (2, 3)
+def _check_errors(out):
+    assert "ranks disagree on the number of channels" in out["channels"]
+    assert "[4, 5]" in out["channels"], out["channels"]
+    assert "more than 1 value per channel" in out["count"]
+    assert "[1, 0]" in out["count"], out["count"]
+    assert out["after"] == (2, 3)
 
 
 def test_local_input_errors():
@@ -417,7 +431,11 @@ def test_convert_sync_batchnorm_keeps_weights_and_buffers():
     assert isinstance(SyncBatchNorm.convert_sync_batchnorm(nn.SyncBatchNorm(2)), SyncBatchNorm)
 
 
-def _converted_model_rank(rank, world_size, sizes, layout):
+def _converted_model_rank(rank, world_size, sizes):
+    return [_converted_model_check(rank, sizes, layout) for layout in ("contiguous", "channels_last")]
+
+
+def _converted_model_check(rank, sizes, layout):
     """A converted ResNet-like model on each rank's slice == the original on the global batch."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(sum(sizes), 3, 6, 6, generator=g)
@@ -440,9 +458,8 @@ def _converted_model_rank(rank, world_size, sizes, layout):
     return True
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_converted_model_trains_like_global_batch(layout):
-    assert run_distributed(_converted_model_rank, 2, (3, 5), layout) == [True, True]
+def test_converted_model_trains_like_global_batch():
+    assert run_distributed(_converted_model_rank, 2, (3, 5)) == [[True, True]] * 2
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -25,16 +25,15 @@ from ._layout import NCSLayout, as_ncs, like_layout
 from ._sync_stats import GRAD_TAG, combine, gather_payloads
 
 
+def _scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-channel weight * invstd (invstd alone without affine), contiguous for the kernels."""
+    return (invstd if weight is None else invstd * weight.to(invstd.dtype)).contiguous()
+
+
 def _normalize(x: torch.Tensor, layout: NCSLayout, mean: torch.Tensor, invstd: torch.Tensor,
                weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    acc = mean.dtype
-    scale = invstd if weight is None else invstd * weight.to(acc)
-    shift = None if bias is None else bias.to(acc).contiguous()
-    return ops.channel_affine(x, layout, mean, scale.contiguous(), b=shift)
-
-
-def _input_grad_scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
-    return invstd if weight is None else invstd * weight.to(invstd.dtype)
+    shift = None if bias is None else bias.to(mean.dtype).contiguous()
+    return ops.channel_affine(x, layout, mean, _scale(invstd, weight), b=shift)
 
 
 def _param_grads(ctx, sums: torch.Tensor, weight: Optional[torch.Tensor]):
@@ -81,9 +80,9 @@ class BatchStatsNorm(torch.autograd.Function):
             if ctx.comm is not None:
                 ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG)
             mean_dy, mean_dy_xhat = sums[0] / ctx.count, sums[1] / ctx.count
-            k = _input_grad_scale(invstd, weight)
+            k = _scale(invstd, weight)
             grad_x = ops.channel_affine(
-                dy, ctx.layout, mean_dy.contiguous(), k.contiguous(),
+                dy, ctx.layout, mean_dy.contiguous(), k,
                 v=x, r=mean, t=(-k * invstd * mean_dy_xhat).contiguous(), out_dtype=x.dtype,
             )
         return grad_x, grad_w, grad_b, None, None, None, None, None
@@ -114,6 +113,6 @@ class RunningStatsNorm(torch.autograd.Function):
             grad_w, grad_b = _param_grads(ctx, ops.backward_reduce(dy, x, ctx.layout, mean, invstd), weight)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            k = _input_grad_scale(invstd, weight).contiguous()
+            k = _scale(invstd, weight)
             grad_x = ops.channel_affine(dy, ctx.layout, torch.zeros_like(k), k, out_dtype=x.dtype)
         return grad_x, grad_w, grad_b, None, None, None

@@ -10,6 +10,7 @@ Multi-process cases run under gloo with world sizes 2 and 3 and unequal per-rank
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -155,7 +156,9 @@ def _check_case(rank, world_size, case):
         assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (torch's own: {torch_err:.3g})"
         return err
 
-    errors = {}
+    from fusedist.backend import select_backend
+
+    errors = {"backend": select_backend("sync_batch_norm", "cpu")}
     my_ref_y = _rank_slice(ref_y, sizes, rank)
     assert y.shape == my_ref_y.shape and y.dtype == dtype
     if layout == "channels_last" and dim >= 4 and y.numel():
@@ -203,7 +206,6 @@ def _check_case(rank, world_size, case):
 
 
 def _cases_rank(rank, world_size, cases):
-    import os
 
     results = []
     default = os.environ.get("FUSEDIST_KERNEL_BACKEND", "auto")
@@ -264,6 +266,9 @@ WORLD3_CASES = [
 def test_matches_batchnorm_on_global_batch(world_size, cases):
     results = run_distributed(_cases_rank, world_size, cases, timeout=240)
     _assert_identical_running_stats(results)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels really ran (interpreted)
+        used = [r[2]["backend"] for r in results[0]]
+        assert used == [case.get("backend", "triton") for case in cases], used
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -89,12 +89,24 @@ def test_welford_stats_match_fp64(shape, layout, dtype):
 
 def test_welford_stable_with_large_offset():
     """|mean| / std = 1e4: the naive E[x^2] - E[x]^2 in fp32 loses every digit here."""
-    x = _make((16, 3, 8, 8), "contiguous", torch.float32, offset=1e4, scale=1.0, seed=3)
-    mean, m2, _ = _stats(kernels.welford_stats, x, ncs_layout(x))
-    ref_mean, ref_m2 = _oracle_stats(x)
-    torch.testing.assert_close(mean, ref_mean, rtol=1e-7, atol=0)
-    # fp32 ulp at 1e4 is ~1e-3; relative M2 error stays ~1e-4, not O(1)
-    torch.testing.assert_close(m2, ref_m2, rtol=1e-3, atol=0)
+    for layout in ("contiguous", "channels_last"):
+        x = _make((16, 3, 8, 8), layout, torch.float32, offset=1e4, scale=1.0, seed=3)
+        ref_mean, ref_m2 = _oracle_stats(x)
+        for mean, m2, _ in (_stats(kernels.welford_stats, x, ncs_layout(x)),
+                            _stats(reference.welford_stats, x)):
+            torch.testing.assert_close(mean, ref_mean, rtol=3e-7, atol=0)  # a few fp32 ulps
+            # fp32 ulp at 1e4 is ~1e-3 (= std * 1e-3): the M2 error stays ~1e-3 relative,
+            # where sum(x^2) - n mean^2 would lose every digit
+            torch.testing.assert_close(m2, ref_m2, rtol=2e-3, atol=0)
+        # backward sums: sum(dy * (x - mean) * invstd) must not cancel either
+        dy = _make((16, 3, 8, 8), layout, torch.float32, offset=0.0, scale=1.0, seed=4)
+        mean32, invstd = ref_mean.float(), torch.rsqrt(ref_m2 / 1024).float()
+        xhat64 = (x.double() - ref_mean.view(1, -1, 1, 1)) * invstd.double().view(1, -1, 1, 1)
+        want = torch.stack([dy.double().sum((0, 2, 3)), (dy.double() * xhat64).sum((0, 2, 3))])
+        for got in (kernels.backward_reduce(dy, x, ncs_layout(x), mean32, invstd),
+                    reference.backward_reduce(dy, x, mean32, invstd)):
+            # x - mean is exact to ~1 fp32 ulp of 1e4 = 1e-3 std per element
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=0.05)
 
 
 class _Recorder:

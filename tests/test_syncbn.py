@@ -298,6 +298,16 @@ def _collective_counts_rank(rank, world_size):
     bn.double()
     bn(torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
     counts["fp64"] = list(observer.launched)
+    # a group of one rank: plain BatchNorm on the local batch, nothing to talk about
+    import torch.distributed as dist
+
+    solo_groups = [dist.new_group([r]) for r in range(world_size)]  # collective: all ranks
+    observer.launched.clear()
+    solo, plain = SyncBatchNorm(4, process_group=solo_groups[rank]), nn.BatchNorm1d(4)
+    x = torch.randn(3 + rank, 4, 5)
+    torch.testing.assert_close(solo(x), plain(x), **FP32_TOL)
+    torch.testing.assert_close(solo.running_var, plain.running_var, **FP32_TOL)
+    counts["solo_group"] = list(observer.launched)
     comm.observer = None
     return counts
 
@@ -320,6 +330,7 @@ def _check_counts(counts):
     assert counts["bwd0"] == counts["bwd1"] == ["sync_batch_norm.grad"]
     assert counts["bwd_no_input_grad"] == []
     assert counts["fp64"] == ["sync_batch_norm.stats", "sync_batch_norm.grad"]
+    assert counts["solo_group"] == []
 
 
 # ----------------------------------------------------------------------------- errors

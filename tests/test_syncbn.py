@@ -10,6 +10,7 @@ Multi-process cases run under gloo with world sizes 2 and 3 and unequal per-rank
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import pytest
@@ -56,14 +57,15 @@ def _rank_slice(t, sizes, rank):
     return t[start:start + sizes[rank]]
 
 
-def _make_pair(C, dim, weight, bias, dtype_params=torch.float32, **kw):
+def _make_pair(C, dim, weight, bias_init, dtype_params=torch.float32, **kw):
     ours = SyncBatchNorm(C, **kw)
     ref = _BN[dim](C, **kw)
     for m in (ours, ref):
         if m.affine:
             with torch.no_grad():
                 m.weight.copy_(weight)
-                m.bias.copy_(bias)
+                if m.bias is not None:
+                    m.bias.copy_(bias_init)
         m.to(dtype_params)
     return ours, ref
 
@@ -85,7 +87,8 @@ def _run_steps(module, xs, dys, layout, dtype, train=True):
 def _grads(module):
     if not module.affine:
         return None, None
-    return module.weight.grad.clone(), module.bias.grad.clone()
+    bias_grad = torch.zeros(0) if module.bias is None else module.bias.grad.clone()
+    return module.weight.grad.clone(), bias_grad
 
 
 def _all_reduce_sum(t):
@@ -246,6 +249,8 @@ WORLD2_CASES = [
     dict(sizes=(3, 5), C=4, tail=(3,), layout="contiguous", dtype=F32, kw=dict(affine=False)),
     dict(sizes=(3, 5), C=4, tail=(3,), layout="contiguous", dtype=F32, kw=dict(track_running_stats=False)),
 ]
+if "bias" in inspect.signature(nn.BatchNorm1d.__init__).parameters:  # torch >= 2.13
+    WORLD2_CASES.append(dict(sizes=(3, 5), C=4, tail=(3,), layout="channels_last", dtype=F32, kw=dict(bias=False)))
 
 WORLD3_CASES = [
     dict(sizes=(4, 1, 6), C=5, tail=(3, 3), layout="contiguous", dtype=F32),
@@ -445,6 +450,10 @@ def test_convert_sync_batchnorm_keeps_weights_and_buffers():
     root = SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm3d(2, momentum=None, eps=1e-3))
     assert isinstance(root, SyncBatchNorm) and root.momentum is None and root.eps == 1e-3
     assert isinstance(SyncBatchNorm.convert_sync_batchnorm(nn.SyncBatchNorm(2)), SyncBatchNorm)
+    if "bias" in inspect.signature(nn.BatchNorm1d.__init__).parameters:  # torch >= 2.13
+        no_bias = SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3, bias=False))
+        assert no_bias.bias is None and no_bias.weight is not None
+        assert no_bias.state_dict().keys() == nn.BatchNorm1d(3, bias=False).state_dict().keys()
 
 
 def _converted_model_rank(rank, world_size, sizes):

@@ -16,6 +16,8 @@ BatchNorm on the local batch (same kernels, no communication).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,6 +25,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..comm import Communicator, get_communicator
 from ._function import BatchStatsNorm, RunningStatsNorm
 from ._sync_stats import check_channels_agree
+
+
+# torch >= 2.13 can drop the additive bias of an affine BatchNorm (keyword-only ``bias``).
+_BASE_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
 def _rank_suffix() -> str:
@@ -37,7 +43,7 @@ class SyncBatchNorm(_BatchNorm):
     Args mirror ``torch.nn.SyncBatchNorm``: ``num_features`` (C of an ``(N, C, ...)``
     input), ``eps``, ``momentum`` (None: cumulative average), ``affine``,
     ``track_running_stats``, ``process_group`` (None: the default group), ``device``,
-    ``dtype``.
+    ``dtype`` and, where torch has it (>= 2.13), the keyword-only ``bias``.
 
     Inputs may be 2-D to 5-D (any ``(N, C, *)``), fp32/fp16/bf16 (statistics in fp32) or
     fp64 (statistics in fp64, pure-PyTorch path), contiguous or channels_last. Every rank
@@ -47,9 +53,17 @@ class SyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, process_group=None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, bias: bool = True):
+        extra = {}
+        if not bias:
+            if not _BASE_TAKES_BIAS:
+                raise ValueError(
+                    f"SyncBatchNorm(bias=False) needs torch >= 2.13 (this is {torch.__version__}); "
+                    "use affine=False, or keep the bias"
+                )
+            extra["bias"] = False
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, **extra)
         self.process_group = process_group
         # Communicators (by id) this layer has run the channel agreement check on.
         self._channels_checked: set[int] = set()
@@ -113,8 +127,9 @@ class SyncBatchNorm(_BatchNorm):
         (the module itself unless it is a BatchNorm)."""
         converted = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            extra = {} if getattr(module, "bias", None) is not None or not module.affine else {"bias": False}
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group)
+                            module.track_running_stats, process_group, **extra)
             if module.affine:
                 with torch.no_grad():
                     converted.weight = module.weight

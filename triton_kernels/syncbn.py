@@ -256,8 +256,9 @@ def _wide_index(layout, C: int, S: int) -> bool:
 
 
 def _row_splits(num_units: int, num_c_blocks: int, device: torch.device) -> int:
-    """Programs along the row axis: about four waves of programs on a GPU, one (or few) under
-    the interpreter, where every program costs ~1 ms regardless of size."""
+    """Programs along the row axis: about four waves of programs on a GPU; two on CPU (the
+    interpreter), where every program costs ~1 ms regardless of size but the partial-row
+    combine should still be exercised."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         target = max(1, (4 * sms) // max(num_c_blocks, 1))
@@ -267,6 +268,8 @@ def _row_splits(num_units: int, num_c_blocks: int, device: torch.device) -> int:
 
 
 def _reduction_tile(device: torch.device) -> int:
+    """Elements per reduction tile: 2048 keeps two fp32 accumulator tiles in registers at 4
+    warps; the interpreter wants the largest tiles it can get."""
     return 65536 if _interpreting() else 2048
 
 

@@ -240,9 +240,14 @@ def main() -> None:
     parser.add_argument("--skip-cuda", action="store_true")
     parser.add_argument("--reps", type=int, default=30, help="CPU repetitions per contender")
     parser.add_argument("--batch", type=int, default=64, help="per-GPU batch for the ResNet-50 shapes")
+    parser.add_argument("--note", default="", help="a sentence about the run's conditions, added to the report")
     args = parser.parse_args()
     info = hardware()
+    if os.name == "posix":
+        info["load avg (1 min, at start)"] = f"{os.getloadavg()[0]:.1f}"
     env_line = ", ".join(f"{k} {v}" for k, v in info.items())
+    if args.note:
+        env_line += f". {args.note.rstrip('.')}"
     if not args.skip_cpu:
         rows = bench_cpu(args.reps)
         write_results("syncbn_cpu", rows, "\n".join([

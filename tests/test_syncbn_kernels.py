@@ -247,3 +247,24 @@ def test_aot_compile_for_sm90():
 
 if __name__ == "__main__":
     _aot_compile_all()
+
+
+def test_parallel_welford_combine_over_uneven_ranks():
+    """The cross-rank combine of per-rank (count, mean, M2) payloads equals the statistics of
+    the whole batch, for uneven splits with empty and single-sample ranks (no processes
+    needed: this is the math the all-gather feeds)."""
+    from fusedist.nn._bn_ops import stats_payload
+    from fusedist.nn._sync_stats import combine
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(12, 3, 5, generator=g) * 2 + 7).to(DEVICE)
+    ref_mean, ref_m2 = _oracle_stats(x)
+    for sizes in ((12,), (5, 7), (0, 12), (1, 0, 11), (4, 1, 6, 0, 1), (1,) * 12):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        payloads = [stats_payload(*as_ncs(x[s:s + n])) for s, n in zip(starts, sizes)]
+        stats = combine(torch.stack(payloads), 3)
+        assert stats.count == 60 and stats.rank_counts == [n * 5 for n in sizes]
+        torch.testing.assert_close(stats.mean, ref_mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(stats.m2, ref_m2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"more than 1 value per channel .* \[1, 0\]"):
+        combine(torch.stack([stats_payload(*as_ncs(x[:1, :, :1])), stats_payload(*as_ncs(x[:0, :, :1]))]), 3)

@@ -75,6 +75,9 @@ def ncs_layout(x: torch.Tensor) -> NCSLayout | None:
 def as_ncs(x: torch.Tensor) -> tuple[torch.Tensor, NCSLayout]:
     """``x`` (copied to contiguous only if its layout has no dense ``(N, C, S)`` view) and
     its layout."""
+    if x.numel() == 0:  # nothing is read or written; any strides will do
+        N, C, S = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+        return x, NCSLayout(N, C, S, C * S, S, 1)
     layout = ncs_layout(x)
     if layout is None:
         x = x.contiguous()

@@ -34,7 +34,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 
 import torch

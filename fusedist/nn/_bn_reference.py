@@ -1,0 +1,119 @@
+"""Pure-PyTorch SyncBatchNorm math: the CPU fallback and the oracle of the Triton kernels.
+
+Each function computes what its kernel launcher in ``triton_kernels/syncbn.py`` computes
+(same inputs, same outputs) in ``acc_dtype`` (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64
+inputs), on any strides: reductions run over every dim but 1 and elementwise results keep
+the input's memory format.
+
+Where an fp32/fp64 input allows it, the work is handed to torch's own fused, multithreaded
+BatchNorm primitives used in *inference form*, which evaluate exactly the expression needed:
+with running_mean = p, running_var = 1 and eps = 0, ``F.batch_norm`` returns
+``(u - p) / sqrt(1) * q + b = (u - p) * q + b``, and ``native_batch_norm_backward`` with
+p = 0 returns ``sum(a)`` and ``sum(a * b)``, each in one pass. (``torch.var_mean`` over several
+dims and chains of broadcast elementwise ops are 3-40x slower on CPU.) Half-precision inputs take the plain
+upcast-to-fp32 path, because those primitives would round intermediate sums to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reduce_dims(x: torch.Tensor) -> list[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _fused_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in (torch.float32, torch.float64) for t in tensors)
+
+
+def _centered_scaled(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     b: torch.Tensor | None = None) -> torch.Tensor:
+    """(u - p) * q (+ b) per channel in one fused pass; u is fp32 or fp64."""
+    acc = u.dtype
+    ones = torch.ones_like(p, dtype=acc)
+    return F.batch_norm(u, p.to(acc), ones, q.to(acc), None if b is None else b.to(acc),
+                        training=False, momentum=0.0, eps=0.0)
+
+
+def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (sum(a * b), sum(a)) in one fused pass (fp32/fp64 a and b).
+
+    torch's kernel may evaluate sum(dy * (x - p)) as sum(dy * x) - p * sum(dy), which
+    cancels catastrophically when |p| >> std; with p = 0 both forms are the plain dot product,
+    so callers center their operand first."""
+    zeros = torch.zeros(a.shape[1], dtype=a.dtype, device=a.device)
+    ones = torch.ones_like(zeros)
+    _, dot, total = torch.ops.aten.native_batch_norm_backward(
+        a, b, None, zeros, ones, None, None, False, 0.0, [False, True, True])
+    return dot, total
+
+
+def welford_stats(x: torch.Tensor, mean_out: torch.Tensor, m2_out: torch.Tensor,
+                  count_out: torch.Tensor) -> None:
+    """Per-channel count, mean and M2 = sum((x - mean)^2) of ``x`` into the output tensors.
+
+    Two passes (the mean, then the squared deviations from it): as stable as Welford, and
+    the textbook definition the kernels are checked against.
+    """
+    count = x.numel() // x.shape[1]
+    count_out.fill_(count)
+    if count == 0:
+        mean_out.zero_()
+        m2_out.zero_()
+        return
+    xa = x.to(acc_dtype(x.dtype))
+    mean = xa.sum(_reduce_dims(x)) / count
+    centered = _centered_scaled(xa, mean, torch.ones_like(mean))
+    mean_out.copy_(mean)
+    m2_out.copy_(_channel_dot(centered, centered)[0])
+
+
+def backward_reduce(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                    invstd: torch.Tensor) -> torch.Tensor:
+    """Per-channel ``[sum(dy), sum(dy * xhat)]`` as a (2, C) tensor in the accumulation dtype,
+    with ``xhat = (x - mean) * invstd``."""
+    acc = acc_dtype(x.dtype)
+    if _fused_ok(dy, x) and dy.dtype == x.dtype:
+        xhat = _centered_scaled(x, mean, invstd)
+        sum_dy_xhat, sum_dy = _channel_dot(dy, xhat)
+        return torch.stack([sum_dy, sum_dy_xhat])
+    dims = _reduce_dims(x)
+    dy_acc = dy.to(acc)
+    xhat = (x.to(acc) - _per_channel(mean.to(acc), x)) * _per_channel(invstd.to(acc), x)
+    return torch.stack([dy_acc.sum(dims), (dy_acc * xhat).sum(dims)])
+
+
+def channel_affine(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                   v: torch.Tensor | None = None, r: torch.Tensor | None = None,
+                   t: torch.Tensor | None = None, b: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(u - p) * q [+ (v - r) * t] [+ b]`` with per-channel p, q, r, t, b, as a new tensor
+    of ``out_dtype`` (default u's) in u's memory format."""
+    out_dtype = out_dtype or u.dtype
+    if _fused_ok(u, *(() if v is None else (v,))):
+        if v is None:
+            return _centered_scaled(u, p, q, b).to(out_dtype)
+        # (v - r) t + (b - p q) in one pass, then + u q in place: two passes in all
+        acc = u.dtype
+        shift = -(p.to(acc) * q.to(acc))
+        if b is not None:
+            shift += b.to(acc)
+        res = _centered_scaled(v.to(acc), r, t, shift)
+        return res.addcmul_(u, _per_channel(q.to(acc), u)).to(out_dtype)
+    acc = acc_dtype(u.dtype)
+    res = (u.to(acc) - _per_channel(p.to(acc), u)) * _per_channel(q.to(acc), u)
+    if v is not None:
+        res = res + (v.to(acc) - _per_channel(r.to(acc), u)) * _per_channel(t.to(acc), u)
+    if b is not None:
+        res = res + _per_channel(b.to(acc), u)
+    return res.to(out_dtype)

@@ -85,14 +85,19 @@ def _scaled(scaler, loss):
     return scaler.scale_loss(loss) if isinstance(scaler, ProtocolScaler) else scaler.scale(loss)
 
 
-def _train(rank, model, opt, *, zero, steps, scaler_kind=None, clip=None, inject_at=None, micro=1):
-    """``steps`` optimizer steps on rank-dependent data; returns the final flat parameters."""
+def _train(rank, model, opt, *, zero, steps, scaler_kind=None, clip=None, inject_at=None, micro=1,
+           large_batch=False):
+    """``steps`` optimizer steps on rank-dependent data; returns the final flat parameters.
+    ``micro`` micro-batches per step (all but the last under no_sync), or with ``large_batch``
+    the same samples in one batch."""
     scaler = _make_scaler(scaler_kind)
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(steps):
         opt.zero_grad()
         xs, ys = models.MLP.batch(gen, n=8 * micro)
-        for m in range(micro):
+        if large_batch:
+            nn.functional.mse_loss(model(xs), ys).backward()
+        for m in range(0 if large_batch else micro):
             x, y = xs[m * 8:(m + 1) * 8], ys[m * 8:(m + 1) * 8]
             ctx = model.no_sync() if m < micro - 1 else _Null()
             with ctx:
@@ -166,3 +171,70 @@ def test_zero_matches_unsharded_adamw(world_size):
         assert diff < 1e-5, f"{key}: max |AdamW - ZeRO| = {diff}"
         for rank in range(1, world_size):
             assert torch.equal(per_rank[rank][key][1], flat0), f"{key}: rank {rank} diverged from rank 0"
+
+
+def _no_sync_and_memory_worker(rank, world_size):
+    import fusedist
+
+    out = {}
+    # no_sync: 4 micro-batches accumulated locally, reduce-scattered on the last one, equal
+    # one step on the 4x batch (unsharded AdamW under DDP).
+    torch.manual_seed(1234)
+    base = models.MLP()
+    ref = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), _inner_class(), stage=2, lr=1e-2)
+    a = _train(rank, ref, opt_ref, zero=False, steps=4, micro=4, large_batch=True)
+    b = _train(rank, ours, opt, zero=True, steps=4, micro=4)
+    out["no_sync_diff"] = (a - b).abs().max().item()
+    # Stage 2 keeps only the gradient shard: p.grad is None after a synchronized backward.
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    opt.zero_grad()
+    nn.functional.mse_loss(ours(x), y).backward()
+    out["grads_none"] = all(p.grad is None for p in ours.parameters())
+    out["grad_buffers_freed"] = all(buf.untyped_storage().nbytes() == 0 for buf in ours.reducer.layout.buffers.values())
+    shard = torch.cat(list(opt.gradient_shards().values()))
+    out["shard_numel"] = shard.numel()
+    # A step after a no_sync-only backward is refused (its gradients were never reduced).
+    opt.zero_grad()
+    with ours.no_sync():
+        nn.functional.mse_loss(ours(x), y).backward()
+    try:
+        opt.step()
+        out["no_sync_step_error"] = None
+    except RuntimeError as exc:
+        out["no_sync_step_error"] = str(exc)
+    nn.functional.mse_loss(ours(x), y).backward()  # the synchronized backward makes it valid
+    opt.step()
+
+    # Memory per rank: a model with an odd parameter count, AdamW (fp32 master + 2 moments).
+    torch.manual_seed(0)
+    big = fusedist.DistributedDataParallel(models.MLP(d_in=16, hidden=97, layers=4), **TINY_BUCKETS)
+    opt = fusedist.ZeroRedundancyOptimizer(big.parameters(), torch.optim.AdamW, stage=1, lr=1e-3)
+    nn.functional.mse_loss(big(x), y).backward()
+    opt.step()
+    out["psi"] = sum(p.numel() for p in big.parameters())
+    out["stats"] = opt.memory_stats()
+    out["buckets"] = len(big.buckets)
+    out["pieces"] = len(opt._pieces)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_sync_stage2_and_memory(world_size):
+    per_rank = run_distributed(_no_sync_and_memory_worker, world_size, timeout=120)
+    for out in per_rank:
+        assert out["no_sync_diff"] < 1e-5, out["no_sync_diff"]
+        assert out["grads_none"] and out["grad_buffers_freed"]
+        assert out["no_sync_step_error"] and "no_sync" in out["no_sync_step_error"]
+        stats, psi = out["stats"], out["psi"]
+        # Each rank holds 1/N of the padded flat space: at most SHARD_ALIGN (16) padding
+        # elements per bucket beyond psi/N.
+        assert psi / world_size <= stats["shard_elements"] <= psi / world_size + 16 * out["buckets"]
+        # AdamW: fp32 master (4 B) + exp_avg (4 B) + exp_avg_sq (4 B) per element, plus one
+        # 4-byte step counter per inner tensor.
+        assert stats["total_bytes"] == 12 * stats["shard_elements"] + 4 * out["pieces"], stats
+        assert abs(stats["total_bytes"] - 12 * psi / world_size) <= 12 * 16 * out["buckets"] + 4 * out["pieces"]
+    assert sum(out["shard_numel"] for out in per_rank) >= per_rank[0]["psi"] * 0  # shards exist on every rank
+    assert all(out["shard_numel"] > 0 for out in per_rank)

@@ -142,8 +142,16 @@ class _Null:
 
 
 def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_at=None, groups=True, micro=1,
-          model_kwargs=None):
+          model_kwargs=None, kernels="torch"):
+    """Train unsharded AdamW and ZeRO(FusedAdamW) copies of one model; max |difference|.
+
+    ``kernels="torch"`` runs FusedAdamW's pure-PyTorch path (its Triton kernels are tested
+    against it elsewhere; under the CPU interpreter they cost ~0.5 s per step here)."""
+    import os
+
     import fusedist
+
+    os.environ["FUSEDIST_KERNEL_BACKEND"] = kernels
 
     torch.manual_seed(1234)
     base = models.MLP(**(model_kwargs or {}))
@@ -170,6 +178,10 @@ def _parity_worker(rank, world_size):
         out[(stage, "clip")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05, inject_at=3)
         out[(stage, "scaler+overflow+clip")] = (diff, flat)
+        if stage == 2 and world_size == 2:  # once with the Triton kernels (interpreted on CPU)
+            diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05,
+                                  inject_at=3, kernels="auto", steps=5)
+            out[(stage, "scaler+overflow+clip, triton kernels")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", inject_at=5, groups=False)
         out[(stage, "scaler, no unscale_")] = (diff, flat)
     return out

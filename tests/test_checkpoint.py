@@ -84,7 +84,8 @@ def _save_worker(rank, world_size, directory):
 
     model, opt = _zero_model(rank, world_size, stage=2, seed=0)
     _run_steps(model, opt, 0, 4, rank, world_size)
-    fusedist.checkpoint.save(directory, model, opt, extra={"step": 4, "note": "hello"})
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=1234.0)
+    fusedist.checkpoint.save(directory, model, opt, scaler, extra={"step": 4, "note": "hello"})
     files = sorted(os.listdir(directory))
     final = _run_steps(model, opt, 4, 8, rank, world_size)
 
@@ -141,9 +142,10 @@ def _load_worker(rank, world_size, directory, stage):
     import fusedist
 
     model, opt = _zero_model(rank, world_size, stage=stage, seed=99)
-    extra = fusedist.checkpoint.load(directory, model, opt)
+    scaler = fusedist.amp.GradScaler("cpu")
+    extra = fusedist.checkpoint.load(directory, model, opt, scaler)
     final = _run_steps(model, opt, 4, 8, rank, world_size)
-    return extra, final, opt.memory_stats()["shard_elements"]
+    return extra, final, scaler.get_scale()
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +173,9 @@ def test_load_at_world_size_3_reshards(saved):
     directory, per_rank = saved
     uninterrupted = per_rank[0]["final"]
     results = run_distributed(_load_worker, 3, directory, 1, timeout=180)
-    for extra, final, _ in results:
+    for extra, final, scale in results:
         assert extra == {"step": 4, "note": "hello"}
+        assert scale == 1234.0
         assert (final - uninterrupted).abs().max().item() < 1e-5
 
 

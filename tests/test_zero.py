@@ -344,6 +344,24 @@ def _misuse_worker(rank, world_size):
         opt.clip_grad_norm_(1.0, norm_type=float("inf"))
     except ValueError as exc:
         errors["norm type"] = str(exc)
+
+    # bf16 parameters: FP32 master shards; stage 1 (bf16 all-reduce) and stage 2 (bf16
+    # reduce-scatter) agree to bf16 resolution, and the masters are FP32.
+    finals = {}
+    for stage in (1, 2):
+        torch.manual_seed(3)
+        model = fusedist.DistributedDataParallel(models.MLP().to(torch.bfloat16), **TINY_BUCKETS)
+        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = models.MLP.batch(gen)
+            model.zero_grad()
+            nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+        opt.wait_for_params()
+        finals[stage] = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        errors[f"bf16 master bytes {stage}"] = opt.memory_stats()["master_bytes"] == 4 * opt.memory_stats()["shard_elements"]
+    errors["bf16 stage1 vs stage2"] = (finals[1] - finals[2]).abs().max().item()
     return errors
 
 
@@ -355,3 +373,7 @@ def test_misuse_is_reported(zero_run):
         assert "missing" in errors["subset"] and "layers." in errors["subset"]
         assert "already has a stage-2 optimizer" in errors["two stage-2 optimizers"]
         assert "norm_type=2" in errors["norm type"]
+        assert errors["bf16 master bytes 1"] and errors["bf16 master bytes 2"]
+        # bf16 has 8 mantissa bits: one rounding of a parameter near 0.5 is ~2e-3; the two
+        # stages sum the bf16 gradients in different orders.
+        assert errors["bf16 stage1 vs stage2"] < 2e-2

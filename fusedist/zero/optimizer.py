@@ -60,7 +60,9 @@ class ZeroRedundancyOptimizer(Optimizer):
       pass ``overlap_param_gather=False`` (every gather is then waited for inside ``step()``).
     * What ``p.grad`` holds: stage 1 -- the full averaged gradient, as with DDP alone. Stage 2
       -- None after every synchronized backward (only the shard is kept; read it with
-      :meth:`gradient_shards`). Clip with :meth:`clip_grad_norm_` (any stage), which combines
+      :meth:`gradient_shards`). Stage-2 gradients accumulate over synchronized backward passes
+      until ``step()``, which consumes them (so either ``optimizer.zero_grad()`` or
+      ``model.zero_grad()`` works in the loop). Clip with :meth:`clip_grad_norm_` (any stage), which combines
       the shards' norms with one small all-reduce; ``torch.nn.utils.clip_grad_norm_`` on the
       parameters would see no gradients in stage 2.
     * GradScaler: ``fusedist.amp.GradScaler`` (Note [scaler protocol]): the found-inf flag and
@@ -440,6 +442,11 @@ class ZeroRedundancyOptimizer(Optimizer):
                 inner_group.update(zstate.hyperparameters(group))
             self._inner_step()
             self._publish_params()
+            # Stage 2: step() consumes the gradient shard, so the next synchronized backward
+            # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
+            # reach the shard). Several synchronized backward passes *before* a step still
+            # accumulate, as in torch.
+            self._grads_present = False
         finally:
             self._fusedist_clear_protocol()
         return loss
@@ -467,6 +474,14 @@ class ZeroRedundancyOptimizer(Optimizer):
                 inner.grad_scale, inner.found_inf = None, None
         elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
             inner.step()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_params"):
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer.add_param_group after construction is not supported: the "
+                "flat partition covers the parameters given at construction"
+            )
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

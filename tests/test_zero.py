@@ -113,7 +113,10 @@ def _train(rank, model, opt, *, zero, steps, scaler_kind=None, clip=None, inject
         if scaler is not None and clip is not None:
             scaler.unscale_(opt)
         if clip is not None:
-            if zero:
+            if zero == "fusedist.clip_grad_norm_":
+                import fusedist
+                fusedist.clip_grad_norm_(model.parameters(), clip)
+            elif zero:
                 opt.clip_grad_norm_(clip)
             else:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -142,7 +145,7 @@ class _Null:
 
 
 def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_at=None, groups=True, micro=1,
-          model_kwargs=None, kernels="torch"):
+          model_kwargs=None, kernels="torch", clip_api="optimizer"):
     """Train unsharded AdamW and ZeRO(FusedAdamW) copies of one model; max |difference|.
 
     ``kernels="torch"`` runs FusedAdamW's pure-PyTorch path (its Triton kernels are tested
@@ -163,7 +166,8 @@ def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_a
     opt = fusedist.ZeroRedundancyOptimizer(our_params, _inner_class(), stage=stage, lr=1e-2)
     a = _train(rank, ref, opt_ref, zero=False, steps=steps, scaler_kind="torch" if scaler else None,
                clip=clip, inject_at=inject_at, micro=micro)
-    b = _train(rank, ours, opt, zero=True, steps=steps, scaler_kind=scaler, clip=clip,
+    b = _train(rank, ours, opt, zero=True if clip_api == "optimizer" else clip_api, steps=steps,
+               scaler_kind=scaler, clip=clip,
                inject_at=inject_at, micro=micro)
     return (a - b).abs().max().item(), b, opt
 
@@ -178,6 +182,10 @@ def _parity_worker(rank, world_size):
         out[(stage, "clip")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05, inject_at=3)
         out[(stage, "scaler+overflow+clip")] = (diff, flat)
+        if stage == 1:  # p.grad holds full gradients: fusedist.clip_grad_norm_ takes its fast path
+            diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05,
+                                  inject_at=3, clip_api="fusedist.clip_grad_norm_")
+            out[(stage, "scaler+overflow+fusedist.clip_grad_norm_")] = (diff, flat)
         if stage == 2 and world_size == 2:  # once with the Triton kernels (interpreted on CPU)
             diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05,
                                   inject_at=3, kernels="auto", steps=5)

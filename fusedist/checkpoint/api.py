@@ -12,6 +12,10 @@ Both files are dicts of named *sections*; adding per-rank state (RNG states, dat
 position) means adding a section to ``_rank_sections`` / ``_common_sections`` and consuming it
 in ``load`` -- older checkpoints simply lack the section.
 
+The directory must be visible to every rank (a shared filesystem): ranks write their own
+files into it, and at load every rank reads every optimizer shard file (resharding needs the
+slices of all of them; CPU memory for the load is about the full optimizer state).
+
 Model keys are saved without DDP's ``module.`` prefix (the bare module's ``state_dict()``);
 ``load`` accepts a bare module or a (fusedist or torch) DDP wrapper, and checkpoints whose
 keys carry the prefix.
@@ -113,13 +117,20 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     zero = isinstance(optimizer, ZeroRedundancyOptimizer)
     if zero:
         optimizer.wait_for_params()
-    mine = {}
-    sections = _rank_sections(optimizer)
-    if sections:
-        name = rank_file(world.rank)
-        mine[name] = dict(_files.atomic_torch_save(os.path.join(directory, name), sections),
-                          rank=world.rank, sections=sorted(sections))
-    everyone = world.all_gather(mine)
+    mine, error = {}, None
+    try:
+        sections = _rank_sections(optimizer)
+        if sections:
+            name = rank_file(world.rank)
+            mine[name] = dict(_files.atomic_torch_save(os.path.join(directory, name), sections),
+                              rank=world.rank, sections=sorted(sections))
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
+        error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
+    everyone = world.all_gather((mine, error))
+    failed = [e for _, e in everyone if e is not None]
+    if failed:
+        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
+    everyone = [m for m, _ in everyone]
     if world.rank == 0:
         files = {}
         for entry in everyone:
@@ -185,6 +196,8 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None) ->
         error = None
     except (CheckpointError, zstate.StateDictError) as exc:
         plan, error = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
+        plan, error = None, f"fusedist.checkpoint: reading {directory} failed: {type(exc).__name__}: {exc}"
     errors = world.all_gather(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:

@@ -179,19 +179,26 @@ def test_load_at_world_size_3_reshards(saved):
         assert (final - uninterrupted).abs().max().item() < 1e-5
 
 
-def test_load_at_world_size_1_without_ddp(saved):
+def test_load_at_world_size_1_without_ddp(saved, monkeypatch):
     """A single process without torch.distributed: into a ZeroRedundancyOptimizer of world size
-    1, and into an unsharded torch.optim.AdamW (the consolidated state)."""
+    1, and into unsharded optimizers (the consolidated state): torch.optim.AdamW and
+    fusedist's FusedAdamW (same state keys; its pure-PyTorch path, kernels are tested apart)."""
     import fusedist
+    from fusedist.optim import FusedAdamW
 
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "torch")
     directory, per_rank = saved
     uninterrupted = per_rank[0]["final"]
     assert not dist.is_initialized()
-    for kind in ("zero", "torch"):
+    for kind in ("zero", "torch", "zero+FusedAdamW", "FusedAdamW"):
         torch.manual_seed(99)
         model = models.MLP()
         if kind == "zero":
             opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, lr=1e-2)
+        elif kind == "zero+FusedAdamW":
+            opt = fusedist.ZeroRedundancyOptimizer(_groups(model), FusedAdamW, lr=1e-2)
+        elif kind == "FusedAdamW":
+            opt = FusedAdamW(_groups(model), lr=1e-2)
         else:
             opt = torch.optim.AdamW(_groups(model), lr=1e-2)
         extra = fusedist.checkpoint.load(directory, model, opt)

@@ -661,12 +661,21 @@ class ZeroRedundancyOptimizer(Optimizer):
                     for key, v in donor.items():
                         st[key] = torch.zeros_like(v) if (isinstance(v, torch.Tensor) and v.dim() > 0) else (
                             v.clone() if isinstance(v, torch.Tensor) else v)
-        self.inner.state.clear()
-        for t, st in new_state.items():
-            if st:
-                self.inner.state[t] = st
+        # Through the inner optimizer's own load_state_dict, so it places each state tensor
+        # where it wants it (e.g. torch keeps a non-capturable Adam's ``step`` on the CPU).
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update(zstate.hyperparameters(group))
+        index_of = {}
+        groups = []
+        for inner_group in self.inner.param_groups:
+            ids = []
+            for t in inner_group["params"]:
+                index_of[t] = len(index_of)
+                ids.append(index_of[t])
+            groups.append(dict(zstate.hyperparameters(inner_group), params=ids))
+        self.inner.state.clear()
+        self.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
+                                    "param_groups": groups})
 
     @staticmethod
     def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:

@@ -182,6 +182,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         if reducer.in_backward:
             raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
         reducer.strategy = ReduceScatterToShard(self)
+        for p in self._params:
+            # Lets a global clip (fusedist.clip_grad_norm_) find the optimizer that holds these
+            # parameters' gradients: p.grad is None in stage 2.
+            p._fusedist_zero = self
         release_grad_buffers(reducer)  # gradients live in shards from now on
         reducer.layout_listeners.append(self._on_layout_change)
 
@@ -341,6 +345,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
 
     def _fusedist_grad_params(self) -> list:
+        """The parameters the global norm covers: all of them in stage 2 (their gradients are
+        the shards), those with ``p.grad`` in stage 1."""
+        if self.stage == 2:
+            return list(self._params)
         return [p for p in self._params if p.grad is not None]
 
     @torch.no_grad()

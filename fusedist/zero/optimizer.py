@@ -571,6 +571,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             "optimizer_class": self.optimizer_class.__name__,
             "param_groups": self._group_dicts(),
             "param_meta": self._meta(),
+            # Informational: loading never needs it (fragments are layout independent).
+            "layout": None if self._partition is None else [
+                {"bucket": bs.bucket.index, "dtype": str(bs.bucket.dtype), "numel": bs.bucket.numel,
+                 "shard": (bs.lo, bs.hi)} for bs in self._partition.bucket_shards],
             "fragments": fragments,
         }
 

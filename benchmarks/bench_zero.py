@@ -129,7 +129,6 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
             opt.wait_for_params()
             state = opt.memory_stats()["total_bytes"]
         results[name] = (timing, state)
-        del model, opt
     psi = sum(p.numel() for p in _MLP(d, layers).parameters())
     base_t, base_mem = results["ddp+adamw"]
     rows = []

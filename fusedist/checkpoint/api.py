@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

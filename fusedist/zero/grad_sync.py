@@ -96,6 +96,10 @@ class ReduceScatterToShard(GradSyncStrategy):
                 dst.div_(post)
 
     def after_sync(self, reducer) -> None:
+        # Parameters no rank used this iteration (DDP left their grad None, Note [unused
+        # parameters]); their shard slices hold zeros.
+        self.zero._note_params_without_grad(
+            [i for i, p in enumerate(self.zero._params) if p.grad is None])
         if self._full_this_backward:
             part = self.zero._ensure_partition()
             layout = reducer.layout

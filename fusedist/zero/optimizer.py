@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -134,6 +135,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._gather_handles: dict[int, object] = {}
         self._forward_hooks: list = []
         self._pending_load: Optional[tuple] = None
+        self._warned_no_grad = False
         self._fusedist_clear_protocol()
 
     # ------------------------------------------------------------------ construction
@@ -323,8 +325,22 @@ class ZeroRedundancyOptimizer(Optimizer):
             return self._grads_present
         return any(p.grad is not None for p in self._params)
 
+    def _note_params_without_grad(self, indices) -> None:
+        """Warn once: parameters without a gradient are stepped with a zero gradient (their
+        elements share flat tensors with the others), where torch skips them."""
+        if indices and not self._warned_no_grad:
+            self._warned_no_grad = True
+            warnings.warn(
+                f"ZeroRedundancyOptimizer: {len(indices)} parameter(s) (indices {indices[:10]}) have no "
+                "gradient this step; they are stepped with a zero gradient (weight decay and moment "
+                "decay still apply, and they share their shard's step count), whereas torch optimizers "
+                "skip parameters whose grad is None (reported once)",
+                stacklevel=3,
+            )
+
     @torch.no_grad()
     def _collect_stage1_grads(self) -> None:
+        self._note_params_without_grad([i for i, p in enumerate(self._params) if p.grad is None])
         for shard in self._grad_shards.values():
             shard.zero_()  # a parameter without a gradient steps with zero gradient
         for dst, src in self._stage1_grad_views():

@@ -53,6 +53,17 @@ class GradSyncStrategy:
     def finish(self, reducer: "Reducer", bucket: Bucket, handle: CommHandle) -> None:
         raise NotImplementedError
 
+    # Lifecycle hooks for strategies that manage the gradient buffers themselves (ZeRO stage
+    # 2 releases them between backward passes). The defaults do nothing, so the all-reduce
+    # path is unchanged.
+    def begin_backward(self, reducer: "Reducer") -> None:
+        """Called at the start of every backward (synchronized or not), before the first
+        gradient is accumulated into the buffers."""
+
+    def after_sync(self, reducer: "Reducer") -> None:
+        """Called at the end of every synchronized backward, after every bucket finished and
+        after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
+
 
 def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
     """(pre, post) divisors whose product is ``world_size``.
@@ -196,6 +207,7 @@ class Reducer:
         self.t_last_grad = self.t_begin
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
+        self.strategy.begin_backward(self)
         Variable._execution_engine.queue_callback(self._finish_backward)
         self.timeline.instant("backward begins", sync=self.sync)
 
@@ -295,6 +307,7 @@ class Reducer:
         if self._observed_order is not None and not self.layout_final:
             observed, self._observed_order = self._observed_order, None
             self._rebuild(observed)
+        self.strategy.after_sync(self)
         if unused and not self.config.find_unused_parameters:
             names = [self.names[self.index_of[p]] for p in unused]
             raise RuntimeError(

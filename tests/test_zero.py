@@ -182,10 +182,11 @@ def _parity_worker(rank, world_size):
         out[(stage, "clip")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05, inject_at=3)
         out[(stage, "scaler+overflow+clip")] = (diff, flat)
-        if stage == 1:  # p.grad holds full gradients: fusedist.clip_grad_norm_ takes its fast path
-            diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05,
-                                  inject_at=3, clip_api="fusedist.clip_grad_norm_")
-            out[(stage, "scaler+overflow+fusedist.clip_grad_norm_")] = (diff, flat)
+        # Stage 1: p.grad holds full gradients and fusedist.clip_grad_norm_ takes its fast path;
+        # stage 2: p.grad is None and it dispatches to the optimizer owning the shards.
+        diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05,
+                              inject_at=3, clip_api="fusedist.clip_grad_norm_")
+        out[(stage, "scaler+overflow+fusedist.clip_grad_norm_")] = (diff, flat)
         if stage == 2 and world_size == 2:  # once with the Triton kernels (interpreted on CPU)
             diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05,
                                   inject_at=3, kernels="auto", steps=5)

@@ -73,6 +73,17 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
+    # ZeRO stage 2 keeps only gradient shards (p.grad is None): the optimizer that owns the
+    # shards computes the global norm across ranks and clips inline.
+    zero_owners = {id(o): o for o in (getattr(p, "_fusedist_zero", None) for p in params) if o is not None}
+    if zero_owners:
+        owner = next(iter(zero_owners.values()))
+        if len(zero_owners) > 1 or {id(p) for p in params} != {id(p) for p in owner._params}:
+            raise ValueError(
+                "fusedist.clip_grad_norm_: these parameters are sharded by ZeroRedundancyOptimizer "
+                "stage 2; pass exactly that optimizer's parameters (or call optimizer.clip_grad_norm_)"
+            )
+        return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)
     with_grad = [p for p in params if p.grad is not None]
     ids = {id(p) for p in with_grad}

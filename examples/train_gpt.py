@@ -36,12 +36,16 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=["fused", "torch"], default="fused",
                    help="fusedist.optim.FusedAdamW (default) or torch.optim.AdamW")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0, help="ZeRO stage (0: off)")
-    p.add_argument("--fp16", action="store_true",
-                   help="fp16 model weights with FP32 master weights and the fused GradScaler")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=2, help="ZeRO stage (0: off)")
+    p.add_argument("--precision", choices=["fp16", "fp32"], default="fp16",
+                   help="fp16: fp16 weights, FP32 master weights in the optimizer, fused GradScaler")
+    p.add_argument("--save", metavar="DIR", help="write a fusedist checkpoint here at the end")
+    p.add_argument("--resume", metavar="DIR", help="load a fusedist checkpoint (any world size) first")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.fp16 = args.precision == "fp16"
+    return args
 
 
 class Progress:
@@ -76,7 +80,7 @@ def build_optimizer(args, model, ddp):
     if args.optimizer == "fused":
         return fusedist.optim.FusedAdamW(params, master_weights=args.fp16, **kwargs)
     if args.fp16:
-        raise SystemExit("--fp16 needs FP32 master weights: use --optimizer fused")
+        raise SystemExit("--precision fp16 needs FP32 master weights: use --optimizer fused")
     return torch.optim.AdamW(params, **kwargs)
 
 
@@ -94,6 +98,11 @@ def main(argv=None):
     opt = build_optimizer(args, model, ddp)
     scaler = fusedist.amp.GradScaler(device.type, init_scale=2.0**12) if args.fp16 else None
     gen = torch.Generator().manual_seed(1000 + rank)
+    start_step = 0
+    if args.resume:
+        extra = fusedist.checkpoint.load(args.resume, ddp, opt, scaler)
+        start_step = extra["step"]
+        gen.set_state(extra["generators"][rank] if rank < len(extra["generators"]) else gen.get_state())
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"fusedist demo: GPT {n_params / 1e6:.2f}M params, {world} rank(s) on {device.type} ({info.backend}), "
@@ -103,7 +112,7 @@ def main(argv=None):
     progress = Progress(args.steps, rank == 0)
     losses, step_times, hidden = [], [], []
     tokens_per_step = args.batch * args.context * world
-    for step in range(1, args.steps + 1):
+    for step in range(start_step + 1, start_step + args.steps + 1):
         t0 = time.perf_counter()
         x, y = data.batch(gen, args.batch, args.context)
         x, y = x.to(device), y.to(device)
@@ -121,7 +130,15 @@ def main(argv=None):
         step_times.append(time.perf_counter() - t0)
         losses.append(loss_value)
         hidden.append(ddp.comm_stats().get("hidden_fraction", 0.0))
-        progress.update(step, loss_value, tokens_per_step / step_times[-1])
+        progress.update(step - start_step, loss_value, tokens_per_step / step_times[-1])
+
+    if args.save:
+        generators = [None] * world
+        torch.distributed.all_gather_object(generators, gen.get_state())
+        fusedist.checkpoint.save(args.save, ddp, opt, scaler, extra={"step": start_step + args.steps,
+                                                                     "generators": generators})
+        if rank == 0:
+            print(f"checkpoint written to {args.save} (step {start_step + args.steps})")
 
     if rank == 0:
         warm = step_times[min(10, len(step_times) - 1):]

@@ -35,6 +35,8 @@ from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .layout import Bucket, GradLayout, build_layout
+from ..reliability import attach_monitor, checks_enabled
+from ..reliability.step_check import StepCheck, layout_crc
 
 MiB = 1024 * 1024
 
@@ -131,6 +133,18 @@ class Reducer:
         self.last_stats: dict = {}
         self.iteration = 0
 
+        # [reliability] counters the per-step cross-rank check and the optimizer guard read
+        # (Note [step check] in fusedist/reliability/step_check.py). None of it touches gradients.
+        self.sync_steps = 0  # synchronized backwards completed
+        self.backward_count = 0  # all backwards completed (== iteration; named for the guard)
+        self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
+        self.last_backward_synced = True
+        self._layout_crc: Optional[tuple] = None
+        self.step_check = StepCheck(comm) if checks_enabled() and self.world_size > 1 else None
+        self.monitor = attach_monitor(comm)
+        if self.monitor is not None:
+            self.monitor.context_providers.append(self.position)
+
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> GradLayout:
         return build_layout(
@@ -180,6 +194,16 @@ class Reducer:
         for listener in self.layout_listeners:
             listener(new)
 
+    def position(self) -> dict:
+        """Where training is, for stall reports (fusedist.reliability)."""
+        return {
+            "ddp_step": self.sync_steps,
+            "ddp_backward": self.iteration,
+            "optimizer_steps": self.optimizer_steps,
+            "in_backward": self.in_backward,
+            "buckets_launched": f"{getattr(self, 'next_launch', 0)}/{len(self.layout.buckets)}",
+        }
+
     # ------------------------------------------------------------------ backward
     def prepare_forward(self, sync: bool) -> None:
         self.next_backward_sync = sync
@@ -197,6 +221,8 @@ class Reducer:
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
         Variable._execution_engine.queue_callback(self._finish_backward)
+        if self.monitor is not None:  # [reliability] stamps this step on the collective history
+            self.monitor.step_hint = self.sync_steps
         self.timeline.instant("backward begins", sync=self.sync)
 
     def _on_grad_ready(self, p) -> None:
@@ -252,6 +278,11 @@ class Reducer:
             self.in_backward = False
             self.next_backward_sync = True
             self.iteration += 1
+            # [reliability] read by the optimizer guard and the step check
+            self.backward_count += 1
+            self.last_backward_synced = self.sync
+            if self.sync:
+                self.sync_steps += 1
 
     def _synchronize(self) -> None:
         t_compute_end = now_us()
@@ -264,6 +295,9 @@ class Reducer:
         if unused:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
+        # [reliability] issued after the last bucket: the same place in every rank's
+        # collective order (Note [step check]).
+        check = self._launch_step_check(unused) if self.step_check is not None else None
         t_done: dict[int, float] = {}
         for bucket in self.layout.buckets:
             self.strategy.finish(self, bucket, self.handles[bucket.index])
@@ -271,6 +305,11 @@ class Reducer:
             self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
                                self.t_launch[bucket.index], t_done[bucket.index], tid=1,
                                numel=bucket.numel)
+        if check is not None:
+            self.step_check.finish(check, {
+                "buckets": len(self.layout.buckets),
+                "unused_names": [self.names[self.index_of[p]] for p in unused],
+            })
         if not self.config.gradient_as_bucket_view:
             for p in self.params:
                 if p.grad is not None:
@@ -304,6 +343,19 @@ class Reducer:
                 "are legitimately unused in some iterations, or make sure every parameter takes part "
                 "in computing the loss."
             )
+
+    def _launch_step_check(self, unused: list):
+        last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
+        if self._layout_crc is None or self._layout_crc[0] is not self.layout:
+            self._layout_crc = (self.layout, layout_crc(self.layout))
+        return self.step_check.launch([
+            self.sync_steps,
+            self.iteration,
+            self.optimizer_steps,
+            self._layout_crc[1],
+            last_seq,
+            0 if self.config.find_unused_parameters else len(unused),
+        ])
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)

@@ -15,6 +15,8 @@ from .._timeline import Timeline
 from ..comm import get_communicator
 from .config import DDPConfig
 from .reducer import Reducer
+from ..reliability import checks_enabled
+from ..reliability import optimizer_guard
 
 _TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params", "init_sync",
                        "param_to_hook_all_reduce", "device_mesh", "skip_all_reduce_unused_params"}
@@ -114,6 +116,12 @@ class DistributedDataParallel(nn.Module):
         for _, p in named:
             p._fusedist_ddp = self  # lets ZeroRedundancyOptimizer find the wrapper of its params
         self._no_sync_depth = 0
+        # [reliability] bucket layouts compared across ranks when built and when rebuilt;
+        # optimizer.step() misuse caught on the rank that makes it.
+        self._check_layout_agrees(self.reducer.layout)
+        self.reducer.layout_listeners.append(self._check_layout_agrees)
+        if checks_enabled():
+            optimizer_guard.install()
 
     # ------------------------------------------------------------------ construction checks
     def _check_device_ids(self, device_ids, output_device) -> None:
@@ -142,6 +150,20 @@ class DistributedDataParallel(nn.Module):
             label=lambda e: f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)"),
             process_group=self.process_group,
             hint="Every rank must build the same model before wrapping it in DistributedDataParallel.",
+        )
+
+    def _check_layout_agrees(self, layout) -> None:
+        """Every rank must bucket the gradients identically, or the bucket collectives pair
+        up tensors of different sizes (a gloo error or an NCCL hang). Differences come from
+        per-rank bucket_cap_mb / first_bucket_cap_mb / reduce settings."""
+        if self.world_size == 1:
+            return
+        check_same_across_ranks(
+            layout.fingerprint(),
+            "the gradient bucket layout",
+            label=lambda b: f"bucket {b[0]} ({b[1]}, {b[2]} elements, params {[n for n, _ in b[3]][:4]}...)",
+            process_group=self.process_group,
+            hint="Pass the same bucket_cap_mb, first_bucket_cap_mb and gradient_as_bucket_view on every rank.",
         )
 
     def _broadcast_state(self) -> None:

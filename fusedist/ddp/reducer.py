@@ -136,6 +136,7 @@ class Reducer:
         # [reliability] counters the per-step cross-rank check and the optimizer guard read
         # (Note [step check] in fusedist/reliability/step_check.py). None of it touches gradients.
         self.sync_steps = 0  # synchronized backwards completed
+        self.forwards = 0  # training forwards (DistributedDataParallel.forward with grad enabled)
         self.backward_count = 0  # all backwards completed (== iteration; named for the guard)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.last_backward_synced = True
@@ -199,6 +200,7 @@ class Reducer:
         return {
             "ddp_step": self.sync_steps,
             "ddp_backward": self.iteration,
+            "ddp_forwards": self.forwards,
             "optimizer_steps": self.optimizer_steps,
             "in_backward": self.in_backward,
             "buckets_launched": f"{getattr(self, 'next_launch', 0)}/{len(self.layout.buckets)}",
@@ -207,6 +209,7 @@ class Reducer:
     # ------------------------------------------------------------------ backward
     def prepare_forward(self, sync: bool) -> None:
         self.next_backward_sync = sync
+        self.forwards += 1  # [reliability] compared across ranks by the step check
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -350,6 +353,7 @@ class Reducer:
             self._layout_crc = (self.layout, layout_crc(self.layout))
         return self.step_check.launch([
             self.sync_steps,
+            self.forwards,
             self.iteration,
             self.optimizer_steps,
             self._layout_crc[1],

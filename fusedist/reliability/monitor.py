@@ -13,6 +13,7 @@ training loop's ``except``) leaves a "crashed" entry so the survivors' reports n
 
 from __future__ import annotations
 
+import atexit
 import collections
 import sys
 import threading
@@ -29,6 +30,7 @@ HISTORY = 16
 _monitors: "weakref.WeakSet[CollectiveMonitor]" = weakref.WeakSet()
 _hook_lock = threading.Lock()
 _hook_installed = False
+_crashed = False
 
 
 class StallError(CollectiveError):
@@ -57,6 +59,9 @@ class CollectiveMonitor:
         self.context_providers: list[Callable[[], dict]] = []
         self.generation = 0
         self.reports: list[str] = []
+        # Held from the start: the process group (and its store handle) may be destroyed by the
+        # time a crash or exit entry is published.
+        self.store = stall_report.default_store()
         _monitors.add(self)
 
     # ---- observer interface (see Communicator._launch / CommHandle.wait)
@@ -69,7 +74,9 @@ class CollectiveMonitor:
         if isinstance(error, StallError):
             return error
         started = self.launch_times.get(handle.seq % HISTORY)
-        entry = self._entry(kind="failure", error=_short(error))
+        # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
+        reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
+        entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
         entry["waiting_on"] = {
             "op": handle.op,
             "tag": handle.tag,
@@ -80,7 +87,7 @@ class CollectiveMonitor:
         # remaining buckets of the same backward) reuse what the store already holds.
         window = stall_report.report_window_s(comm.timeout.total_seconds()) if not self.reports else 0.0
         report = stall_report.exchange(
-            stall_report.default_store(), self.group_name, self.generation, comm.rank, comm.world_size, entry, window
+            self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank, comm.world_size, entry, window
         )
         if report is None:
             report = "Stall report unavailable: the torch.distributed store could not be reached."
@@ -103,11 +110,13 @@ class CollectiveMonitor:
     def _entry(self, kind: str, error: str) -> dict:
         return {"kind": kind, "error": error, "context": self.context(), "recent": list(self.history)}
 
-    def publish_crash(self, error: BaseException) -> None:
-        entry = self._entry(kind="crash", error=_short(error))
-        store = stall_report.default_store()
-        if store is not None:
-            stall_report.publish(store, self.group_name, self.generation, self.comm.rank, entry)
+    def publish(self, kind: str, error: str) -> None:
+        """Leave a ``crash`` or ``exit`` entry for the survivors' stall reports."""
+        if self.reports:
+            return  # this rank already published a failure entry; keep it
+        if self.store is not None:
+            stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank,
+                                 self._entry(kind=kind, error=error))
 
 
 def _short(error: BaseException, limit: int = 400) -> str:
@@ -123,9 +132,23 @@ def publish_crash(error: BaseException) -> None:
     ``sys.excepthook``); call it yourself from an ``except`` that ends a rank's training.
     Never raises.
     """
+    global _crashed
+    _crashed = True
     for monitor in list(_monitors):
         try:
-            monitor.publish_crash(error)
+            monitor.publish("crash", _short(error))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _publish_exit() -> None:
+    """atexit: a rank that leaves the training loop early (fewer iterations than the others)
+    shows up in their reports as "exited" with its last position, not as a mystery."""
+    if _crashed:
+        return
+    for monitor in list(_monitors):
+        try:
+            monitor.publish("exit", "")
         except Exception:  # noqa: BLE001
             pass
 
@@ -143,6 +166,7 @@ def _install_excepthook() -> None:
             previous(exc_type, exc, tb)
 
         sys.excepthook = hook
+        atexit.register(_publish_exit)
         _hook_installed = True
 
 

@@ -104,11 +104,11 @@ def _describe_op(entry: dict) -> str:
 
 
 def _position(entry: dict) -> str:
-    parts = []
-    for key, label in (("ddp_step", "DDP step"), ("ddp_backward", "backward #"), ("optimizer_steps", "optimizer steps")):
-        if key in entry.get("context", {}):
-            parts.append(f"{label} {entry['context'][key]}" if key != "ddp_backward" else f"backward #{entry['context'][key]}")
-    if entry.get("context", {}).get("in_backward"):
+    ctx = entry.get("context", {})
+    labels = (("ddp_step", "DDP step {}"), ("ddp_forwards", "{} training forwards"),
+              ("optimizer_steps", "{} optimizer steps"), ("buckets_launched", "buckets launched {}"))
+    parts = [fmt.format(ctx[key]) for key, fmt in labels if key in ctx]
+    if ctx.get("in_backward"):
         parts.append("inside backward")
     return ", ".join(parts)
 
@@ -141,6 +141,12 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
         where = f" on {entry.get('host')} pid {entry.get('pid')}"
         pos = _position(entry)
         pos = f"; at {pos}" if pos else ""
+        if entry.get("kind") == "exit":
+            lines.append(
+                f"  rank {rank}{where}: EXITED without an error{pos}; {_history(entry)} -- it ran fewer "
+                "iterations or collectives than the ranks still waiting"
+            )
+            continue
         if entry.get("kind") == "crash":
             lines.append(
                 f"  rank {rank}{where}: CRASHED with {entry.get('error')} (outside fusedist "

@@ -8,6 +8,7 @@ Note [step check]
     on every rank), each rank contributes a few integers describing where it is:
 
         sync_step        synchronized backwards completed before this one
+        forward          training forwards (grad enabled) so far, this step's included
         backward         all backwards (no_sync ones included)
         optimizer_steps  optimizer steps taken on this model's parameters
         layout           CRC of the gradient bucket layout
@@ -34,11 +35,13 @@ import torch
 from .._consistency import RankMismatchError
 from ..comm import Communicator
 
-FIELDS = ("sync_step", "backward", "optimizer_steps", "layout", "collective_seq", "unused")
+FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused")
 
 _EXPLAIN = {
     "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
     "mixed gradients of different steps",
+    "forward": "ranks ran a different number of training forward passes (e.g. a rank computed a loss "
+    "and skipped its backward/step, or ran an extra forward)",
     "backward": "ranks ran a different number of backward passes (e.g. one more micro-batch under no_sync())",
     "optimizer_steps": "optimizer.step() was called on a different iteration on some ranks",
     "layout": "the gradient bucket layouts differ",

@@ -1,0 +1,112 @@
+"""Shared helpers of the benchmark scripts: timing, hardware/version header, result files.
+
+* :func:`bench_ms` times a callable: ``triton.testing.do_bench`` on CUDA (median and 20/80%
+  quantiles over CUDA-event timings, with cache flushing between runs), a repeated
+  ``perf_counter`` timer on CPU. Both return milliseconds.
+* :func:`environment` describes the machine (date, CPU model, cores, GPU, versions).
+* :func:`write_results` writes ``benchmarks/results/<name>_<date>.md`` and ``.csv``: a table of
+  the rows with the environment in the header, so a result file always says where it came from.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - triton is optional for CPU runs
+        triton_version = "not installed"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def time_cpu(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 20) -> dict:
+    """Median and 20/80% quantiles (ms) of ``repeats`` timed calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
+    return {"median_ms": statistics.median(samples), "p20_ms": q[1], "p80_ms": q[7]}
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> dict:
+    import triton.testing
+
+    median, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device | str, **kwargs) -> dict:
+    """Time ``fn`` on ``device`` with the right timer (see module docstring)."""
+    if torch.device(device).type == "cuda":
+        return time_cuda(fn, **kwargs)
+    return time_cpu(fn, **kwargs)
+
+
+def _markdown_table(rows: Sequence[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in rows:
+        cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(name: str, rows: Sequence[dict], markdown: str = "", env: dict | None = None) -> tuple[str, str]:
+    """Write ``results/<name>_<date>.md`` (environment, ``markdown`` notes, table) and
+    ``.csv`` (one line per row, environment columns appended). Returns both paths."""
+    env = env or environment()
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    base = os.path.join(RESULTS_DIR, f"{name}_{env['date']}")
+    header = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    with open(base + ".md", "w", encoding="utf-8") as f:
+        f.write(f"# {name} ({env['date']})\n\n{header}\n\n")
+        if markdown:
+            f.write(markdown.strip() + "\n\n")
+        f.write(_markdown_table(rows))
+    with open(base + ".csv", "w", newline="", encoding="utf-8") as f:
+        if rows:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + list(env))
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({**row, **env})
+    return base + ".md", base + ".csv"

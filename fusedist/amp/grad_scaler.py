@@ -1,0 +1,289 @@
+"""GradScaler: torch.amp.GradScaler, plus a fused step, hysteresis, min_scale and a skip signal.
+
+# Note [scaler protocol]
+An optimizer opts in with the class attribute ``_fusedist_fused = True`` (fusedist's fused
+optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
+
+* ``step(closure=None)`` that reads, applies and then clears (sets to None) these attributes:
+
+  - ``grad_scale``: Tensor or None. The loss scale; the gradients are divided by it inline.
+    Set by ``GradScaler.step`` when ``unscale_`` was not called (same name and meaning as
+    torch's fused Adam); None after ``unscale_``.
+  - ``_fusedist_inv_scale``: Tensor or None. Set by ``GradScaler.unscale_``: the gradients are
+    *logically* unscaled but still hold the scaled values; the update multiplies by it inline.
+  - ``_fusedist_clip_coef``: Tensor or None. Set by ``fusedist.clip_grad_norm_`` (fast path);
+    the update multiplies the gradients by it inline.
+  - ``found_inf``: Tensor or None. 1-element fp32 on the device; when nonzero the step writes
+    nothing and does not advance the step count (decided on the device).
+  - ``_fusedist_grad_sumsq``: Tensor or None. Set by ``unscale_``: global sum of squares of the
+    unscaled gradients, read by ``clip_grad_norm_``.
+
+* ``_fusedist_check_and_norm(inv_scale) -> (found_inf, sumsq)``: one read-only pass over the
+  gradients it steps; it must return the *global* values, combining local ones through
+  ``_fusedist_reduce_found_inf_and_norm(found_inf, sumsq)``. A sharded optimizer (ZeRO)
+  overrides that hook to all-reduce (max for the flag, sum for the squares) so every rank
+  skips together and clips with the same norm.
+* ``_fusedist_grad_params()``: the parameters whose gradients that norm covers (what
+  ``clip_grad_norm_`` compares its argument with to take the fast path).
+* ``_fusedist_materialize_unscale()``: multiply the gradients by a pending
+  ``_fusedist_inv_scale`` in place and clear it (slow path for callers needing real values).
+
+The iteration then costs two passes over the gradients and no host synchronization::
+
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)        # pass 1 (read-only): found_inf + sumsq; records inv_scale
+    fusedist.clip_grad_norm_(model.parameters(), 1.0)   # no pass: norm = sqrt(sumsq),
+                                                       # records the clip coefficient
+    scaler.step(opt)            # pass 2: the update, grad * inv_scale * clip_coef, masked
+    scaler.update()             #          by found_inf on the device
+
+Without ``unscale_``, ``step`` runs the check pass itself (flag only) and passes
+``grad_scale``. After ``unscale_`` on a fused optimizer, ``p.grad`` still holds the *scaled*
+gradient (read it only through ``clip_grad_norm_``, or call
+``optimizer._fusedist_materialize_unscale()`` first).
+
+For any other optimizer every method is torch's own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from ..optim.clip import register_pending_unscale
+
+MIN_SCALE_POLICIES = ("warn", "raise")
+
+
+def is_fused(optimizer) -> bool:
+    return bool(getattr(optimizer, "_fusedist_fused", False))
+
+
+class _LazyHostFlag:
+    """Reads a device flag without stalling the stream: the value is copied to host memory
+    asynchronously and looked at on a later call, once the copy has completed."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, Any]] = []
+
+    def record(self, flag: torch.Tensor) -> None:
+        if flag.device.type == "cuda":
+            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((host, event))
+        else:
+            self._pending.append((flag.clone(), None))
+
+    def poll(self) -> bool:
+        """True if any completed copy held a nonzero value (completed ones are dropped)."""
+        hit, keep = False, []
+        for host, event in self._pending:
+            if event is not None and not event.query():
+                keep.append((host, event))
+            elif bool(host.any()):
+                hit = True
+        self._pending = keep
+        return hit
+
+
+class GradScaler(_TorchGradScaler):
+    """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
+
+    With a fused optimizer (Note [scaler protocol]) ``unscale_`` and ``step`` do no separate
+    unscale pass and never synchronize the host. Extra keyword-only arguments:
+
+    * ``hysteresis`` (default 1 = torch): the scale backs off on the ``hysteresis``-th
+      *consecutive* overflow, and on every further overflow until a step succeeds; a finite
+      step resets the count. Every overflowing step is skipped regardless.
+    * ``min_scale`` (default None = no floor): backoff never goes below it.
+      ``min_scale_policy`` says what happens when the gradients still overflow at the floor:
+      ``"warn"`` keeps skipping those steps and warns (the flag is read asynchronously, so the
+      warning can come one ``update()`` late; no host sync), ``"raise"`` raises RuntimeError
+      from ``update()`` (this reads the flag, a host sync per ``update()``).
+
+    ``last_step_skipped_tensor`` is a device bool tensor (set by ``update()``): True when an
+    optimizer step of the last iteration was skipped for inf/nan gradients. The property
+    ``last_step_skipped`` reads it (a host sync, only when read).
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
+                 hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn"):
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        if int(hysteresis) != hysteresis or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
+        if min_scale is not None and not (0 < float(min_scale) <= init_scale):
+            raise ValueError(f"min_scale must be in (0, init_scale={init_scale}], got {min_scale!r}")
+        if min_scale_policy not in MIN_SCALE_POLICIES:
+            raise ValueError(f"min_scale_policy must be one of {MIN_SCALE_POLICIES}, got {min_scale_policy!r}")
+        self._hysteresis = int(hysteresis)
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._min_scale_policy = min_scale_policy
+        self._init_hysteresis_tracker = self._hysteresis
+        self._hysteresis_tracker: Optional[torch.Tensor] = None
+        self.last_step_skipped_tensor: Optional[torch.Tensor] = None
+        self._min_scale_flag = _LazyHostFlag()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last iteration's step was skipped (reads a device flag: a host sync)."""
+        if self.last_step_skipped_tensor is None:
+            return False
+        return bool(self.last_step_skipped_tensor.item())
+
+    # -- fused protocol ------------------------------------------------------------------------
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._enabled or not is_fused(optimizer):
+            return super().unscale_(optimizer)
+        self._check_scale_growth_tracker("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # Reciprocal in fp64, as torch does.
+        inv_scale = self._scale.double().reciprocal().float().reshape(1)
+        found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
+        optimizer._fusedist_inv_scale = inv_scale
+        optimizer._fusedist_grad_sumsq = sumsq
+        optimizer._fusedist_clip_coef = None
+        register_pending_unscale(optimizer)
+        optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        if not self._enabled or not is_fused(optimizer):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if optimizer_state["stage"] is OptState.READY:
+            found_inf, _ = optimizer._fusedist_check_and_norm(None)
+            optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
+            optimizer.grad_scale = self._scale
+        else:
+            optimizer.grad_scale = None
+        found = list(optimizer_state["found_inf_per_device"].values())
+        optimizer.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            if hasattr(optimizer, "_fusedist_clear_protocol"):
+                optimizer._fusedist_clear_protocol()
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    # -- scale update --------------------------------------------------------------------------
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        found_infs = [
+            found_inf.to(device=_scale.device, non_blocking=True).reshape(())
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
+        self.last_step_skipped_tensor = found_inf > 0
+        if self._hysteresis == 1 and self._min_scale is None:
+            # Exactly torch's update (same kernel).
+            torch._amp_update_scale_(_scale, _growth_tracker, found_inf.clone(), self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+        else:
+            self._update_with_hysteresis(_scale, _growth_tracker, self.last_step_skipped_tensor)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _update_with_hysteresis(self, scale: torch.Tensor, growth_tracker: torch.Tensor,
+                                found: torch.Tensor) -> None:
+        """torch's growth/backoff rule, with backoff delayed by hysteresis and floored at
+        min_scale; all tensor ops, no host sync."""
+        hyst = self._hysteresis_tracker
+        new_hyst = torch.where(found, hyst - 1, torch.full_like(hyst, self._hysteresis))
+        backoff = found & (new_hyst <= 0)
+        successful = growth_tracker + 1
+        grow = (~found) & (successful >= self._growth_interval)
+        grown = scale * self._growth_factor
+        grow = grow & torch.isfinite(grown)  # torch keeps the scale if growing overflows it
+        shrunk = scale * self._backoff_factor
+        if self._min_scale is not None:
+            at_floor = backoff & (scale <= self._min_scale)
+            shrunk = torch.clamp(shrunk, min=self._min_scale)
+            self._check_min_scale(at_floor)
+        new_scale = torch.where(backoff, shrunk, torch.where(grow, grown, scale))
+        new_tracker = torch.where(found | grow, torch.zeros_like(growth_tracker), successful)
+        scale.copy_(new_scale)
+        growth_tracker.copy_(new_tracker)
+        hyst.copy_(torch.clamp(new_hyst, min=0))
+
+    def _check_min_scale(self, at_floor: torch.Tensor) -> None:
+        message = (
+            f"GradScaler: gradients overflow although the loss scale is at min_scale="
+            f"{self._min_scale}; those optimizer steps are skipped. The model or data likely "
+            "produce inf/nan independently of the scale (check the loss, learning rate, inputs)."
+        )
+        if self._min_scale_policy == "raise":
+            if bool(at_floor.item()):
+                raise RuntimeError(message)
+            return
+        self._min_scale_flag.record(at_floor)
+        if self._min_scale_flag.poll():
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- checkpointing -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if state:
+            state["hysteresis"] = self._hysteresis
+            state["_hysteresis_tracker"] = (
+                self._init_hysteresis_tracker if self._hysteresis_tracker is None
+                else int(self._hysteresis_tracker.item())
+            )
+            state["min_scale"] = self._min_scale
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        # A torch GradScaler state dict has none of these keys: keep this scaler's settings.
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = (
+                self._init_hysteresis_tracker if self._hysteresis_tracker is None
+                else int(self._hysteresis_tracker.item())
+            )
+            state["_hysteresis_tracker"] = None
+            state["last_step_skipped_tensor"] = None
+            state["_min_scale_flag"] = _LazyHostFlag()
+        return state

@@ -1,0 +1,219 @@
+"""Shared machinery of the fused optimizers: validation, state, master weights, and the
+fused side of the GradScaler protocol (Note [scaler protocol] in fusedist/amp/grad_scaler.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from . import functional
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_finite_hyper(owner: str, **values: Any) -> None:
+    for name, value in values.items():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for v in items:
+            if isinstance(v, torch.Tensor):
+                raise TypeError(f"{owner}: {name} must be a Python number, got a tensor (tensor hyperparameters are not supported)")
+            if not math.isfinite(float(v)):
+                raise ValueError(f"{owner}: hyperparameter {name}={value} is not finite")
+
+
+class FusedOptimizerBase(Optimizer):
+    """Base of FusedAdam/AdamW/SGD/LAMB.
+
+    Subclasses implement :meth:`_validate_group` and :meth:`_step_group`; this class owns
+    state creation (fp32 optimizer states, an fp32 ``master_param`` for bf16/fp16 parameters
+    when the group has ``master_weights=True``, a per-parameter fp32 ``step`` tensor on the
+    parameter's device) and the scaler protocol attributes.
+    """
+
+    # Note [scaler protocol]: marks this optimizer for fusedist.amp.GradScaler.
+    _fusedist_fused = True
+    _state_keys: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict):
+        # torch's load_state_dict adds this key to every group; having it from the start keeps
+        # state_dict() stable across a save/load round trip.
+        defaults = {**defaults, "differentiable": False}
+        super().__init__(params, defaults)
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.is_complex() or not p.is_floating_point():
+                    raise TypeError(
+                        f"{type(self).__name__}: param {pi} of param group {gi} has dtype {p.dtype}; "
+                        "only real floating-point parameters (float32/float16/bfloat16/float64) "
+                        "are supported. For complex parameters use torch.view_as_real."
+                    )
+            self._validate_group(group, gi)
+        self._fusedist_clear_protocol()
+
+    # -- protocol state (Note [scaler protocol]) ----------------------------------------------
+
+    def _fusedist_clear_protocol(self) -> None:
+        self.grad_scale: Optional[torch.Tensor] = None
+        self.found_inf: Optional[torch.Tensor] = None
+        self._fusedist_inv_scale: Optional[torch.Tensor] = None
+        self._fusedist_clip_coef: Optional[torch.Tensor] = None
+        self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
+
+    def _fusedist_grad_params(self) -> list[torch.Tensor]:
+        """Parameters whose gradients the norm of :meth:`_fusedist_check_and_norm` covers."""
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
+        """One read-only pass: (found_inf, sum of squares of grad*inv_scale), combined by
+        :meth:`_fusedist_reduce_found_inf_and_norm`."""
+        grads = [p.grad for p in self._fusedist_grad_params()]
+        found_inf, sumsq = functional.check_and_norm(grads, inv_scale)
+        return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
+
+    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
+        """Combine the local flag and sum of squares into the global ones. Identity here; a
+        sharded optimizer (ZeRO) overrides it to all-reduce ``found_inf`` with max and
+        ``sumsq`` with sum, so every rank sees the same flag and norm."""
+        return found_inf, sumsq
+
+    def _fusedist_materialize_unscale(self) -> None:
+        """Apply a pending ``inv_scale`` to the gradients in place (the slow path, used when a
+        caller needs unscaled ``.grad`` values, e.g. clip_grad_norm_ on a different set of
+        parameters). Afterwards the optimizer behaves as after torch's ``unscale_``."""
+        inv = self._fusedist_inv_scale
+        if inv is None:
+            return
+        grads = [p.grad for p in self._fusedist_grad_params()]
+        if grads:
+            torch._foreach_mul_(grads, inv.reshape(()))
+        self._fusedist_inv_scale = None
+        self._fusedist_grad_sumsq = None
+
+    def _effective_inv_scale(self) -> Optional[torch.Tensor]:
+        if self.grad_scale is not None:
+            # torch computes the reciprocal in fp64 (fp32 division can be imprecise).
+            return self.grad_scale.double().reciprocal().float().reshape(1)
+        if self._fusedist_inv_scale is not None:
+            return self._fusedist_inv_scale.reshape(1)
+        return None
+
+    # -- hooks for subclasses -----------------------------------------------------------------
+
+    def _validate_group(self, group: dict, index: int) -> None:
+        raise NotImplementedError
+
+    def _step_group(self, group: dict, params: list, grads: list, states: list, *,
+                    inv_scale, clip_coef, found_inf) -> None:
+        raise NotImplementedError
+
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        """Create the per-parameter state: step, master, and the keys in ``_state_keys``."""
+        state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in self._state_keys:
+            state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+        if group.get("master_weights", False) and p.dtype in _HALF:
+            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+    # -- torch.optim.Optimizer API ------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            inv_scale = self._effective_inv_scale()
+            clip_coef = self._fusedist_clip_coef
+            found_inf = self.found_inf
+            if found_inf is not None:
+                found_inf = found_inf.reshape(1).to(torch.float32)
+            if clip_coef is not None:
+                clip_coef = clip_coef.reshape(1).to(torch.float32)
+            for gi, group in enumerate(self.param_groups):
+                self._validate_group(group, gi)
+                params, grads, states = [], [], []
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    g = p.grad
+                    if g.is_sparse:
+                        raise RuntimeError(
+                            f"{type(self).__name__} does not support sparse gradients (param {pi} of "
+                            f"param group {gi}); use torch.optim.SparseAdam or a dense gradient."
+                        )
+                    if not g.is_floating_point():
+                        raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}")
+                    if g.shape != p.shape or g.device != p.device:
+                        raise ValueError(
+                            f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
+                            f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
+                        )
+                    state = self.state[p]
+                    if len(state) == 0:
+                        self._init_state(group, p, state)
+                    params.append(p)
+                    grads.append(g)
+                    states.append(state)
+                if not params:
+                    continue
+                steps = [s["step"] for s in states]
+                torch._foreach_add_(steps, 1.0)
+                self._step_group(group, params, grads, states, inv_scale=inv_scale,
+                                 clip_coef=clip_coef, found_inf=found_inf)
+                if found_inf is not None:
+                    # A skipped step does not count (decided on the device, like torch's fused Adam).
+                    torch._foreach_sub_(steps, found_inf.reshape(()))
+        finally:
+            self._fusedist_clear_protocol()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Like torch's, but state tensors keep their saved dtype (torch casts them to the
+        parameter's dtype, which would round fp32 master weights and moments to bf16)."""
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # A state dict from torch's optimizer lacks fusedist's own keys: use our defaults.
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        id_map = {
+            old_id: p
+            for old_group, group in zip(saved_groups, self.param_groups)
+            for old_id, p in zip(old_group["params"], group["params"])
+        }
+        for old_id, values in saved_state.items():
+            p = id_map.get(old_id)
+            if p is None:
+                continue
+            state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            restored = {}
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().to(device=p.device, copy=True)
+                    if key == "step":
+                        value = value.to(torch.float32).reshape(())
+                    elif key in self._state_keys or key in ("master_param", "momentum_buffer"):
+                        # The kernels read states as fp32 (a torch state dict for bf16 params
+                        # holds bf16 moments): widen, which is exact, and make contiguous.
+                        value = value.to(dtype=torch.float32 if key == "master_param" else state_dtype,
+                                         memory_format=torch.contiguous_format)
+                restored[key] = value
+            self.state[p] = restored
+
+    def master_params(self) -> Iterable[torch.Tensor]:
+        """The FP32 weights the optimizer steps: the master copy where one exists."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield self.state[p].get("master_param", p) if p in self.state else p
+
+
+def masters_of(states: list) -> Optional[list]:
+    masters = [s.get("master_param") for s in states]
+    return masters if any(m is not None for m in masters) else None

@@ -1,0 +1,67 @@
+"""FusedAdam and FusedAdamW: torch.optim.Adam/AdamW semantics, one multi-tensor launch per
+dtype bucket, optional FP32 master weights, and the fused GradScaler protocol."""
+
+from __future__ import annotations
+
+from . import functional
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+
+
+class FusedAdam(FusedOptimizerBase):
+    """Drop-in for ``torch.optim.Adam`` (L2 weight decay added to the gradient).
+
+    Constructor keywords are torch's, plus ``master_weights``: with True, bf16/fp16
+    parameters get an FP32 copy in ``state["master_param"]``; the update runs on it and the
+    parameter receives its rounded value, so the low-precision weights follow the FP32
+    trajectory. Optimizer states (``exp_avg``, ``exp_avg_sq``) are FP32 for every parameter
+    dtype (fp64 for fp64 parameters). ``amsgrad``, ``capturable``, ``differentiable``,
+    ``foreach`` and ``fused`` are not supported: True raises.
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+    _adamw = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False,
+                 *, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 master_weights=False, bias_correction=True):
+        if weight_decay is None:
+            weight_decay = 1e-2 if self._adamw else 0.0
+        name = type(self).__name__
+        for flag, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(f"{name}: {flag}=True is not supported")
+        if foreach or fused:
+            raise ValueError(f"{name}: foreach/fused select torch's implementations; this optimizer is always fused")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                        master_weights=master_weights, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group, index):
+        name = f"{type(self).__name__} (param group {index})"
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        check_finite_hyper(name, lr=lr, betas=group["betas"], eps=eps, weight_decay=wd)
+        if lr < 0:
+            raise ValueError(f"{name}: invalid learning rate {lr}")
+        if eps < 0:
+            raise ValueError(f"{name}: invalid epsilon {eps}")
+        if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
+        if wd < 0:
+            raise ValueError(f"{name}: invalid weight_decay {wd}")
+
+    def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
+        beta1, beta2 = group["betas"]
+        functional.adam_update(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=self._adamw, step=[s["step"] for s in states],
+            bias_correction=group["bias_correction"], maximize=group["maximize"],
+            inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+            validate=False,
+        )
+
+
+class FusedAdamW(FusedAdam):
+    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2); see FusedAdam."""
+
+    _adamw = True

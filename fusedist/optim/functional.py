@@ -1,0 +1,394 @@
+"""Functional multi-tensor optimizer API: the contract fused optimizers, ZeRO and the CPU
+extension share.
+
+Every function takes parallel lists of tensors and updates them in place. Conventions:
+
+* ``params``: model parameters (fp32, bf16 or fp16; fp64 runs on the reference path).
+* ``grads``: same shapes, any float dtype, possibly still loss-scaled.
+* optimizer states (``exp_avgs``, ``exp_avg_sqs``, ``momentum_buffers``): fp32 (fp64 for fp64
+  parameters).
+* ``masters``: None, or a list of fp32 master copies (entries may be None for parameters that
+  are their own master). With a master, the update runs on the master and the parameter
+  receives the cast of the new master value in the same pass.
+* ``inv_scale``, ``clip_coef``, ``found_inf``: None or 1-element fp32 tensors on the
+  parameters' device. The gradient used is ``grad * inv_scale * clip_coef``; when
+  ``found_inf != 0`` nothing at all is written. The flag is read on the device (Note
+  [found-inf masking] in ``triton_kernels/multi_tensor.py``): the CUDA path never
+  synchronizes the host.
+* ``validate``: check list lengths, shapes, devices and state dtypes (default). Callers that
+  created the states themselves and checked the gradients (the fused optimizers) pass False:
+  per-tensor checks cost ~1 us each, which adds up over hundreds of small tensors.
+* ``step``: the step count *of this update* (already incremented), either one number for all
+  tensors or a list of fp32 scalar tensors on the device, one per parameter (what the fused
+  optimizers keep, so a skipped step can be undone on the device).
+
+Dispatch: each call is split into buckets of tensors sharing device and dtypes, and each bucket
+goes to the backend :func:`fusedist.backend.select_backend` picks: ``triton`` (multi-tensor
+kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``), ``cpu_ext`` (the C++ CPU Adam, when built)
+or ``torch`` (:mod:`fusedist.optim._reference`, the same math in PyTorch). Tensors the kernels
+cannot take (fp64, non-contiguous) always use the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import torch
+
+from .. import _extension
+from ..backend import select_backend
+from . import _reference
+
+Tensor = torch.Tensor
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernels():
+    # Imported lazily: the module imports triton (see fusedist/backend.py).
+    from ..triton_kernels import multi_tensor
+
+    return multi_tensor
+
+
+# ----------------------------------------------------------------------------- cpu_ext hook
+#
+# Dispatch point of the C++ CPU Adam (``fusedist._cpu_ops``). Its owner adds the adapter module
+# ``fusedist/optim/_cpu_adam.py`` exposing
+#
+#     adam_update(params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps,
+#                 weight_decay, adamw, step, bias_correction, maximize, inv_scale, clip_coef,
+#                 found_inf) -> None
+#
+# with exactly the semantics of :func:`adam_update` for one bucket (CPU tensors of one dtype
+# combination). Until both the adapter and the extension exist, ``has_cpu_ext`` is False and
+# the backend selector never picks ``cpu_ext``.
+
+
+def _has_cpu_adam() -> bool:
+    return (
+        importlib.util.find_spec(f"{__package__}._cpu_adam") is not None
+        and _extension.is_available("_cpu_ops")
+    )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_scalar_tensor(name: str, t: Optional[Tensor], device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+        raise TypeError(f"{name} must be None or a 1-element float32 tensor, got {t!r}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the parameters are on {device}")
+
+
+def _check_lists(op: str, params: Sequence[Tensor], **lists) -> None:
+    n = len(params)
+    for name, lst in lists.items():
+        if lst is None:
+            continue
+        if len(lst) != n:
+            raise ValueError(f"{op}: {name} has {len(lst)} entries but params has {n}")
+    for i, p in enumerate(params):
+        if not p.is_floating_point():
+            raise TypeError(f"{op}: params[{i}] has dtype {p.dtype}; only floating-point parameters are supported")
+        for name, lst in lists.items():
+            if lst is None or lst[i] is None:
+                continue
+            t = lst[i]
+            if t.shape != p.shape:
+                raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")
+            if t.device != p.device:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[{i}] is on {p.device}")
+            if t.is_sparse:
+                raise RuntimeError(f"{op}: {name}[{i}] is sparse; fused optimizers support dense tensors only")
+
+
+def _check_hyper(op: str, **values) -> None:
+    for name, value in values.items():
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{op}: hyperparameter {name}={value} is not finite")
+
+
+def _effective_factor(inv_scale: Optional[Tensor], clip_coef: Optional[Tensor]) -> Optional[Tensor]:
+    if inv_scale is None:
+        return clip_coef
+    if clip_coef is None:
+        return inv_scale
+    return (inv_scale.reshape(1) * clip_coef.reshape(1))
+
+
+# ----------------------------------------------------------------------------- bucketing
+
+
+def _bucketize(params, grads, masters, state_lists, check_states=True):
+    """Group tensor indices by (device, param dtype, grad dtype, has master, kernel-eligible).
+
+    The common case (one device and dtype pair, everything contiguous) is recognized with a few
+    list passes; Python overhead per step matters when hundreds of small tensors are stepped.
+    ``check_states=False`` trusts that states and masters are contiguous fp32 (the fused
+    optimizers create them so)."""
+    n = len(params)
+    if masters is None:
+        has_master = [False] * n
+    else:
+        has_master = [m is not None for m in masters]
+    p_dtypes = {p.dtype for p in params}
+    g_dtypes = {g.dtype for g in grads}
+    devices = {p.device for p in params}
+    if (
+        len(p_dtypes) == 1 and len(g_dtypes) == 1 and len(devices) == 1
+        and len(set(has_master)) == 1
+        and p_dtypes <= set(_KERNEL_DTYPES) and g_dtypes <= set(_KERNEL_DTYPES)
+        and all(p.is_contiguous() for p in params) and all(g.is_contiguous() for g in grads)
+        and (not check_states or _states_eligible(masters, state_lists, range(n)))
+    ):
+        return {(params[0].device, params[0].dtype, grads[0].dtype, has_master[0], True): list(range(n))}
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        eligible = (
+            p.dtype in _KERNEL_DTYPES
+            and g.dtype in _KERNEL_DTYPES
+            and p.is_contiguous()
+            and g.is_contiguous()
+            and (not check_states or _states_eligible(masters, state_lists, (i,)))
+        )
+        buckets[(p.device, p.dtype, g.dtype, has_master[i], eligible)].append(i)
+    return buckets
+
+
+def _states_eligible(masters, state_lists, indices) -> bool:
+    for lst in (masters, *state_lists):
+        if lst is None:
+            continue
+        for i in indices:
+            t = lst[i]
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+                return False
+    return True
+
+
+def _take(lst, idx):
+    return None if lst is None else [lst[i] for i in idx]
+
+
+def _take_step(step, idx):
+    return [step[i] for i in idx] if isinstance(step, (list, tuple)) else step
+
+
+def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: bool = False) -> str:
+    choice = select_backend(op, device, has_cpu_ext=has_cpu_ext)
+    if choice == "triton" and not eligible:
+        return "torch"
+    return choice
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None):
+    """One read-only pass over ``grads``: returns ``(found_inf, sumsq)``, 1-element fp32 tensors.
+
+    ``found_inf`` is 1.0 if any gradient element (as stored, i.e. still scaled) is inf or nan;
+    ``sumsq`` is the sum of squares of ``grad * inv_scale`` in fp32 (the squared global L2
+    norm of the unscaled gradients). No gradient is written and the host is not synchronized.
+    """
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        device = inv_scale.device if inv_scale is not None else torch.device("cpu")
+        zero = torch.zeros(1, dtype=torch.float32, device=device)
+        return zero, zero.clone()
+    device = grads[0].device
+    _check_scalar_tensor("inv_scale", inv_scale, device)
+    bads, sumsqs = [], []
+    buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+    for i, g in enumerate(grads):
+        if g.is_sparse:
+            raise RuntimeError(f"check_and_norm: grads[{i}] is sparse; only dense gradients are supported")
+        if not g.is_floating_point():
+            raise TypeError(f"check_and_norm: grads[{i}] has dtype {g.dtype}; expected a floating-point gradient")
+        if g.device != device:
+            raise ValueError(f"check_and_norm: grads[{i}] is on {g.device}, grads[0] on {device}")
+        buckets[(g.dtype, g.dtype in _KERNEL_DTYPES and g.is_contiguous())].append(g)
+    for (_, eligible), bucket in buckets.items():
+        impl = _kernels() if _backend_for("check_and_norm", device, eligible) == "triton" else _reference
+        bad, sumsq = impl.check_and_norm(bucket, inv_scale)
+        bads.append(bad)
+        sumsqs.append(sumsq)
+    if len(bads) == 1:
+        return bads[0], sumsqs[0]
+    return torch.stack(bads).amax().reshape(1), torch.stack(sumsqs).sum().reshape(1)
+
+
+def adam_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    masters: Optional[Sequence[Optional[Tensor]]],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    step,
+    bias_correction: bool = True,
+    maximize: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    clip_coef: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    validate: bool = True,
+) -> None:
+    """Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) on a
+    list of tensors; math of ``torch.optim.Adam``/``AdamW`` (``amsgrad=False``)."""
+    if not params:
+        return
+    if validate:
+        _check_lists("adam_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
+    _check_hyper("adam_update", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    device = params[0].device
+    for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
+        _check_scalar_tensor(name, t, device)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                 bias_correction=bias_correction, maximize=maximize)
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
+    has_cpu_ext = _has_cpu_adam()
+    for (dev, _, _, has_master, eligible), idx in buckets.items():
+        b_params, b_grads = _take(params, idx), _take(grads, idx)
+        b_masters = _take(masters, idx) if has_master else None
+        b_m, b_v, b_step = _take(exp_avgs, idx), _take(exp_avg_sqs, idx), _take_step(step, idx)
+        backend = _backend_for("adam_update", dev, eligible, has_cpu_ext)
+        if backend == "cpu_ext":
+            from . import _cpu_adam  # the C++ CPU Adam adapter (see the cpu_ext hook above)
+
+            _cpu_adam.adam_update(b_params, b_grads, b_m, b_v, b_masters, step=b_step,
+                                  inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf, **hyper)
+            continue
+        impl = _kernels() if backend == "triton" else _reference
+        impl.adam(b_params, b_grads, b_masters, b_m, b_v, b_step, inv_scale=inv_scale,
+                  clip_coef=clip_coef, found_inf=found_inf, **hyper)
+
+
+def sgd_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Optional[Sequence[Tensor]],
+    masters: Optional[Sequence[Optional[Tensor]]],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    step=1,
+    inv_scale: Optional[Tensor] = None,
+    clip_coef: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    validate: bool = True,
+) -> None:
+    """SGD with momentum/dampening/nesterov/weight decay, math of ``torch.optim.SGD``.
+
+    ``momentum_buffers`` is required when ``momentum != 0`` (None otherwise). Where ``step``
+    equals 1 the buffer is initialized with the gradient, as torch does on a parameter's first
+    step, whatever the buffer held.
+    """
+    if not params:
+        return
+    if momentum != 0 and momentum_buffers is None:
+        raise ValueError("sgd_update: momentum != 0 needs momentum_buffers")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("sgd_update: nesterov momentum requires momentum > 0 and dampening = 0")
+    if validate:
+        _check_lists("sgd_update", params, grads=grads, momentum_buffers=momentum_buffers, masters=masters)
+    _check_hyper("sgd_update", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
+    device = params[0].device
+    for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
+        _check_scalar_tensor(name, t, device)
+    bufs = momentum_buffers if momentum != 0 else None
+    hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                 nesterov=nesterov, maximize=maximize)
+    for (dev, _, _, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,), check_states=validate).items():
+        impl = _kernels() if _backend_for("sgd_update", dev, eligible) == "triton" else _reference
+        impl.sgd(_take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None,
+                 _take(bufs, idx), _take_step(step, idx), inv_scale=inv_scale, clip_coef=clip_coef,
+                 found_inf=found_inf, **hyper)
+
+
+def lamb_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    masters: Optional[Sequence[Optional[Tensor]]],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step,
+    bias_correction: bool = True,
+    adam_w_mode: bool = True,
+    grad_averaging: bool = True,
+    max_grad_norm: float = 1.0,
+    use_nvlamb: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    clip_coef: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    global_grad_sumsq: Optional[Tensor] = None,
+    validate: bool = True,
+) -> None:
+    """LAMB with apex ``FusedLAMB`` semantics, in two passes over the parameters.
+
+    1. The global gradient norm (of ``grad * inv_scale * clip_coef`` over *all* tensors of the
+       call; pass ``global_grad_sumsq`` to supply it, e.g. reduced across ranks) clips the
+       gradient to ``max_grad_norm`` (``<= 0`` disables), then Adam moments and the raw update
+       ``u = m_hat / (sqrt(v_hat) + eps) (+ wd * p)`` are formed, with per-tensor ||p||, ||u||.
+    2. ``p -= lr * ratio * u`` with the trust ratio ``||p|| / ||u||`` (1 where either is 0, or
+       when ``weight_decay == 0`` and not ``use_nvlamb``).
+    """
+    if not params:
+        return
+    if validate:
+        _check_lists("lamb_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
+    _check_hyper("lamb_update", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 max_grad_norm=max_grad_norm)
+    device = params[0].device
+    for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
+        _check_scalar_tensor(name, t, device)
+    if global_grad_sumsq is None:
+        _, global_grad_sumsq = check_and_norm(grads, _effective_factor(inv_scale, clip_coef))
+    if max_grad_norm > 0:
+        norm = global_grad_sumsq.reshape(1).sqrt()
+        # apex: divide by norm / max_norm when the norm exceeds max_norm, else by 1.
+        global_div = torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
+    else:
+        global_div = torch.ones(1, dtype=torch.float32, device=device)
+    beta3 = 1.0 - beta1 if grad_averaging else 1.0
+    use_ratio = use_nvlamb or weight_decay != 0
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
+    for (dev, _, _, has_master, eligible), idx in buckets.items():
+        impl = _kernels() if _backend_for("lamb_update", dev, eligible) == "triton" else _reference
+        b_params = _take(params, idx)
+        b_masters = _take(masters, idx) if has_master else None
+        b_m = _take(exp_avgs, idx)
+        updates = [torch.empty_like(m) for m in b_m]
+        p2, u2 = impl.lamb_stage1(
+            b_params, _take(grads, idx), b_masters, b_m, _take(exp_avg_sqs, idx), updates,
+            _take_step(step, idx), global_div, beta1=beta1, beta2=beta2, beta3=beta3, eps=eps,
+            weight_decay=weight_decay, adamw=adam_w_mode, bias_correction=bias_correction,
+            inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+        )
+        if use_ratio:
+            p_norm, u_norm = p2.sqrt(), u2.sqrt()
+            ratios = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
+        else:
+            ratios = torch.ones_like(p2)
+        impl.lamb_stage2(b_params, b_masters, updates, ratios, lr=lr, found_inf=found_inf)

@@ -1,0 +1,78 @@
+"""FusedLAMB: apex FusedLAMB semantics (global grad-norm clipping, per-tensor trust ratio)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+
+
+class FusedLAMB(FusedOptimizerBase):
+    """LAMB (You et al., 2019) with the constructor keywords of ``apex.optimizers.FusedLAMB``.
+
+    Per step: the gradients are clipped to a global norm of ``max_grad_norm`` (over all param
+    groups, as apex does; ``<= 0`` disables), Adam moments give the update
+    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * p`` (``adam_w_mode``; otherwise the decay
+    is added to the gradient), and each tensor moves by ``lr * ||p|| / ||u|| * u``. The trust
+    ratio is 1 when either norm is 0, or when ``weight_decay == 0`` and ``use_nvlamb`` is False.
+    The step count is per parameter (apex keeps one per group; they agree unless parameters
+    start receiving gradients at different steps). Costs one extra read pass over the
+    gradients for the global norm.
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
+                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, *, master_weights=False):
+        if amsgrad:
+            raise ValueError("FusedLAMB: amsgrad=True is not supported")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        max_grad_norm=max_grad_norm, master_weights=master_weights)
+        self.adam_w_mode = adam_w_mode
+        self.set_grad_none = set_grad_none
+        self.use_nvlamb = use_nvlamb
+        super().__init__(params, defaults)
+
+    def zero_grad(self, set_to_none: bool | None = None):
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _validate_group(self, group, index):
+        name = f"FusedLAMB (param group {index})"
+        check_finite_hyper(name, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                           weight_decay=group["weight_decay"], max_grad_norm=group["max_grad_norm"])
+        beta1, beta2 = group["betas"]
+        if group["lr"] < 0 or group["eps"] < 0 or group["weight_decay"] < 0:
+            raise ValueError(f"{name}: lr, eps and weight_decay must be >= 0")
+        if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # apex clips with the norm over every parameter of every group: compute it once.
+        factor = functional._effective_factor(self._effective_inv_scale(), self._fusedist_clip_coef)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
+        try:
+            super().step()
+        finally:
+            self._global_sumsq = None
+        return loss
+
+    def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
+        beta1, beta2 = group["betas"]
+        functional.lamb_update(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], step=[s["step"] for s in states],
+            bias_correction=group["bias_correction"], adam_w_mode=self.adam_w_mode,
+            grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
+            use_nvlamb=self.use_nvlamb, inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+            global_grad_sumsq=self._global_sumsq,
+            validate=False,
+        )

@@ -1,0 +1,60 @@
+"""FusedSGD: torch.optim.SGD semantics as one multi-tensor launch per dtype bucket."""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+
+
+class FusedSGD(FusedOptimizerBase):
+    """Drop-in for ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize),
+    plus ``master_weights`` (see :class:`FusedAdam`). The momentum buffer is FP32 and is kept
+    as ``state["momentum_buffer"]`` like torch's (created zero, filled with the gradient on the
+    parameter's first step, which is decided on the device so a skipped first step is safe).
+    """
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                 *, maximize=False, foreach=None, differentiable=False, fused=None, master_weights=False):
+        if differentiable:
+            raise ValueError("FusedSGD: differentiable=True is not supported")
+        if foreach or fused:
+            raise ValueError("FusedSGD: foreach/fused select torch's implementations; this optimizer is always fused")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group, index):
+        name = f"FusedSGD (param group {index})"
+        check_finite_hyper(name, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                           weight_decay=group["weight_decay"])
+        if group["lr"] < 0:
+            raise ValueError(f"{name}: invalid learning rate {group['lr']}")
+        if group["momentum"] < 0:
+            raise ValueError(f"{name}: invalid momentum {group['momentum']}")
+        if group["weight_decay"] < 0:
+            raise ValueError(f"{name}: invalid weight_decay {group['weight_decay']}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"{name}: nesterov momentum requires a momentum and zero dampening")
+
+    def _init_state(self, group, p, state):
+        super()._init_state(group, p, state)
+        if group["momentum"] != 0:
+            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+
+    def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
+        momentum = group["momentum"]
+        if momentum != 0:
+            for s, p in zip(states, params):
+                if "momentum_buffer" not in s:  # momentum switched on after the first step
+                    s["momentum_buffer"] = p.detach().to(torch.float64 if p.dtype == torch.float64 else torch.float32).zero_()
+                    s["step"].zero_().add_(1.0)
+        functional.sgd_update(
+            params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
+            masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
+            weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
+            step=[s["step"] for s in states], inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+            validate=False,
+        )

@@ -1,0 +1,258 @@
+"""Multi-tensor optimizer kernels (Triton; interpreter on CPU) against the pure-PyTorch reference.
+
+Both paths compute in fp32 with the same operation order, so fp32 results agree to a few ulp;
+the tolerance below (2e-6 relative + 1e-7 absolute) allows for the fp64-vs-fp32 rounding of
+the bias corrections and for ``exp2(s * log2(beta))`` against ``beta ** s``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedist.optim import _reference
+from fusedist.optim import functional as F
+
+from fusedist.backend import triton_available, triton_interpreting
+
+pytestmark = pytest.mark.skipif(
+    not triton_available() or (not torch.cuda.is_available() and not triton_interpreting()),
+    reason="needs Triton with CUDA or TRITON_INTERPRET=1",
+)
+
+SIZES = (1, 7, 1023, 65537)
+RTOL, ATOL = 2e-6, 1e-7
+
+
+@pytest.fixture
+def device():
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _kernels():
+    return F._kernels()
+
+
+def _make(sizes, param_dtype, grad_dtype, device, seed=0, with_master=False):
+    gen = torch.Generator().manual_seed(seed)
+    p32 = [torch.randn(n, generator=gen) for n in sizes]
+    params = [p.to(device=device, dtype=param_dtype) for p in p32]
+    grads = [torch.randn(n, generator=gen).to(device=device, dtype=grad_dtype) for n in sizes]
+    m = [torch.randn(n, generator=gen).to(device) * 0.1 for n in sizes]
+    v = [torch.rand(n, generator=gen).to(device) * 0.01 for n in sizes]
+    masters = [p.to(device) for p in p32] if with_master else None
+    return params, grads, m, v, masters
+
+
+def _clone(xs):
+    return None if xs is None else [x.clone() for x in xs]
+
+
+def _assert_close(actual, expected):
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+
+
+def _scalars(device, inv=0.25, clip=0.5):
+    return (torch.tensor([inv], device=device), torch.tensor([clip], device=device))
+
+
+@pytest.mark.parametrize("param_dtype,grad_dtype,with_master", [
+    (torch.float32, torch.float32, False),
+    (torch.bfloat16, torch.bfloat16, True),
+    (torch.float16, torch.float32, True),
+    (torch.bfloat16, torch.float16, False),
+])
+@pytest.mark.parametrize("adamw", [False, True])
+def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, with_master, adamw):
+    params, grads, m, v, masters = _make(SIZES, param_dtype, grad_dtype, device, with_master=with_master)
+    ref = [_clone(params), _clone(m), _clone(v), _clone(masters)]
+    inv, clip = _scalars(device)
+    steps = [torch.tensor(float(k + 1), device=device) for k in range(len(SIZES))]  # per-tensor steps
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=adamw,
+                 bias_correction=True, maximize=False, inv_scale=inv, clip_coef=clip, found_inf=None)
+    _kernels().adam(params, grads, masters, m, v, steps, **hyper)
+    _reference.adam(ref[0], grads, ref[3], ref[1], ref[2], steps, **hyper)
+    _assert_close(m, ref[1])
+    _assert_close(v, ref[2])
+    if with_master:
+        _assert_close(masters, ref[3])
+        for p, w in zip(params, masters):  # the parameter is exactly the cast of its master
+            assert torch.equal(p, w.to(param_dtype))
+    else:
+        # Low-precision results may differ by one rounding step of the parameter dtype.
+        for p, r in zip(params, ref[0]):
+            tol = dict(rtol=RTOL, atol=ATOL) if param_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(p.float(), r.float(), **tol)
+
+
+@pytest.mark.parametrize("momentum,dampening,nesterov,first", [
+    (0.0, 0.0, False, False), (0.9, 0.0, False, True), (0.9, 0.1, False, False), (0.9, 0.0, True, False),
+])
+def test_sgd_kernel_matches_reference(device, momentum, dampening, nesterov, first):
+    params, grads, bufs, _, masters = _make(SIZES, torch.bfloat16, torch.float32, device, with_master=True)
+    bufs = bufs if momentum else None
+    ref = [_clone(params), _clone(bufs), _clone(masters)]
+    inv, clip = _scalars(device)
+    step = 1 if first else 5
+    hyper = dict(lr=0.05, momentum=momentum, dampening=dampening, weight_decay=0.01, nesterov=nesterov,
+                 maximize=True, inv_scale=inv, clip_coef=clip, found_inf=None)
+    _kernels().sgd(params, grads, masters, bufs, step, **hyper)
+    _reference.sgd(ref[0], grads, ref[2], ref[1], step, **hyper)
+    _assert_close(masters, ref[2])
+    if bufs is not None:
+        _assert_close(bufs, ref[1])
+
+
+def test_lamb_kernels_match_reference(device):
+    params, grads, m, v, _ = _make(SIZES, torch.float32, torch.bfloat16, device)
+    ref = [_clone(params), _clone(m), _clone(v)]
+    upd = [torch.empty_like(x) for x in m]
+    ref_upd = [torch.empty_like(x) for x in m]
+    div = torch.tensor([3.0], device=device)
+    hyper = dict(beta1=0.9, beta2=0.999, beta3=0.1, eps=1e-6, weight_decay=0.01, adamw=True,
+                 bias_correction=True, inv_scale=None, clip_coef=None, found_inf=None)
+    p2, u2 = _kernels().lamb_stage1(params, grads, None, m, v, upd, 3, div, **hyper)
+    rp2, ru2 = _reference.lamb_stage1(ref[0], grads, None, ref[1], ref[2], ref_upd, 3, div, **hyper)
+    _assert_close(upd, ref_upd)
+    torch.testing.assert_close(p2, rp2, rtol=1e-5, atol=0)  # fp32 sums in different orders
+    torch.testing.assert_close(u2, ru2, rtol=1e-5, atol=0)
+    ratios = (rp2.sqrt() / ru2.sqrt())
+    _kernels().lamb_stage2(params, None, upd, ratios, lr=1e-2, found_inf=None)
+    _reference.lamb_stage2(ref[0], None, ref_upd, ratios, lr=1e-2, found_inf=None)
+    _assert_close(params, ref[0])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_and_norm_matches_reference(device, grad_dtype):
+    _, grads, _, _, _ = _make(SIZES, torch.float32, grad_dtype, device)
+    inv = torch.tensor([0.125], device=device)
+    bad, sumsq = _kernels().check_and_norm(grads, inv)
+    expected = sum(((g.double() * 0.125) ** 2).sum() for g in grads)
+    assert bad.item() == 0.0
+    # fp32 accumulation of ~67k squares: relative error well under 1e-5.
+    torch.testing.assert_close(sumsq.double(), expected.reshape(1), rtol=1e-5, atol=0)
+    grads[2][17] = float("nan")
+    assert _kernels().check_and_norm(grads, inv)[0].item() == 1.0
+    grads[2][17] = 0
+    grads[3][65536] = float("inf")  # last element of the last chunk
+    assert _kernels().check_and_norm(grads, None)[0].item() == 1.0
+
+
+def test_check_and_norm_reads_only(device):
+    _, grads, _, _, _ = _make(SIZES, torch.float32, torch.float16, device)
+    before = _clone(grads)
+    F.check_and_norm(grads, torch.tensor([0.5], device=device))
+    for g, b in zip(grads, before):
+        assert torch.equal(g, b)
+
+
+@pytest.mark.parametrize("op", ["adam", "sgd", "lamb"])
+@pytest.mark.parametrize("bad_value", [float("inf"), float("nan")])
+def test_found_inf_writes_nothing(device, op, bad_value):
+    params, grads, m, v, masters = _make(SIZES, torch.bfloat16, torch.float16, device, with_master=True)
+    grads[1][3] = bad_value
+    found_inf, _ = F.check_and_norm(grads)
+    assert found_inf.item() == 1.0
+    snapshot = [_clone(x) for x in (params, m, v, masters)]
+    steps = [torch.tensor(1.0, device=device) for _ in SIZES]
+    if op == "adam":
+        F.adam_update(params, grads, m, v, masters, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.1, adamw=True, step=steps, found_inf=found_inf)
+    elif op == "sgd":
+        F.sgd_update(params, grads, m, masters, lr=0.1, momentum=0.9, step=steps, found_inf=found_inf)
+    else:
+        F.lamb_update(params, grads, m, v, masters, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
+                      weight_decay=0.01, step=steps, found_inf=found_inf)
+    for now, before in zip((params, m, v, masters), snapshot):
+        for a, b in zip(now, before):
+            assert torch.equal(a, b)
+
+
+def test_mixed_dtypes_in_one_call_bucket_correctly(device):
+    """One functional call with fp32, bf16 (+master) and fp16 params and mixed grad dtypes."""
+    gen = torch.Generator().manual_seed(3)
+    dtypes = [(torch.float32, torch.float32, False), (torch.bfloat16, torch.float32, True),
+              (torch.float16, torch.float16, False), (torch.bfloat16, torch.bfloat16, True)]
+    params, grads, m, v, masters = [], [], [], [], []
+    for k, (pd, gd, master) in enumerate(dtypes):
+        p = torch.randn(300 + k, generator=gen)
+        params.append(p.to(device=device, dtype=pd))
+        grads.append(torch.randn(300 + k, generator=gen).to(device=device, dtype=gd))
+        m.append(torch.zeros(300 + k, device=device))
+        v.append(torch.zeros(300 + k, device=device))
+        masters.append(p.to(device) if master else None)
+    ref = [_clone(params), _clone(m), _clone(v), [None if w is None else w.clone() for w in masters]]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=False, step=1)
+    F.adam_update(params, grads, m, v, masters, **hyper)
+    for i in range(len(dtypes)):
+        _reference.adam([ref[0][i]], [grads[i]], None if ref[3][i] is None else [ref[3][i]],
+                        [ref[1][i]], [ref[2][i]], 1, bias_correction=True, maximize=False,
+                        inv_scale=None, clip_coef=None, found_inf=None,
+                        **{k: val for k, val in hyper.items() if k != "step"})
+    _assert_close(m, ref[1])
+    _assert_close(v, ref[2])
+
+
+def test_reference_backend_and_triton_backend_agree(device, monkeypatch):
+    """FUSEDIST_KERNEL_BACKEND=torch vs the Triton path through the public functional API."""
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", backend)
+        params, grads, m, v, masters = _make((5, 1023), torch.bfloat16, torch.bfloat16, device, with_master=True)
+        inv, clip = _scalars(device)
+        zero = torch.zeros(1, device=device)
+        F.adam_update(params, grads, m, v, masters, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.1, adamw=True, step=2, inv_scale=inv, clip_coef=clip, found_inf=zero)
+        bad, sumsq = F.check_and_norm(grads, inv)
+        results[backend] = (masters, m, v, sumsq)
+    for a, b in zip(results["torch"][:3], results["triton"][:3]):
+        _assert_close(a, b)
+    torch.testing.assert_close(results["torch"][3], results["triton"][3], rtol=1e-5, atol=0)
+
+
+def test_non_contiguous_and_fp64_use_reference(device):
+    base = torch.randn(8, 6, device=device)
+    p = base.t()  # non-contiguous
+    g = torch.randn(6, 8, device=device)
+    m, v = torch.zeros(6, 8, device=device), torch.zeros(6, 8, device=device)
+    expected = p.clone()
+    _reference.adam([expected], [g], None, [m.clone()], [v.clone()], 1, lr=0.1, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.0, adamw=False, bias_correction=True, maximize=False,
+                    inv_scale=None, clip_coef=None, found_inf=None)
+    F.adam_update([p], [g], [m], [v], None, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                  adamw=False, step=1)
+    assert torch.equal(base.t(), expected)
+    p64 = torch.randn(10, dtype=torch.float64, device=device)
+    F.sgd_update([p64], [torch.ones_like(p64)], None, None, lr=0.5)
+
+
+def test_functional_errors(device):
+    p = torch.zeros(4, device=device)
+    with pytest.raises(ValueError, match="grads has 2 entries"):
+        F.adam_update([p], [p, p], [p], [p], None, lr=1, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0,
+                      adamw=True, step=1)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] has shape"):
+        F.adam_update([p], [p], [torch.zeros(5, device=device)], [p], None, lr=1, beta1=0.9, beta2=0.9,
+                      eps=1e-8, weight_decay=0, adamw=True, step=1)
+    with pytest.raises(ValueError, match="lr=nan is not finite"):
+        F.sgd_update([p], [p], None, None, lr=float("nan"))
+    with pytest.raises(TypeError, match="found_inf must be None or a 1-element float32"):
+        F.sgd_update([p], [p], None, None, lr=1.0, found_inf=torch.zeros(2, device=device))
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.int64"):
+        F.sgd_update([torch.zeros(3, dtype=torch.long)], [torch.zeros(3)], None, None, lr=1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_reference_large():
+    """Compiled kernels on a large, multi-chunk list (runs only with CUDA)."""
+    device = torch.device("cuda")
+    params, grads, m, v, masters = _make((1, 4097, 3_000_001), torch.bfloat16, torch.bfloat16, device,
+                                         with_master=True)
+    ref = [_clone(params), _clone(m), _clone(v), _clone(masters)]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True,
+                 bias_correction=True, maximize=False, inv_scale=None, clip_coef=None, found_inf=None)
+    _kernels().adam(params, grads, masters, m, v, 7, **hyper)
+    _reference.adam(ref[0], grads, ref[3], ref[1], ref[2], 7, **hyper)
+    _assert_close(masters, ref[3])
+    _assert_close(m, ref[1])

@@ -1,0 +1,530 @@
+"""Multi-tensor Triton kernels for the optimizer phase: check-and-norm, Adam/AdamW, SGD, LAMB.
+
+One launch covers a whole list of tensors that share a dtype combination. The host builds a
+*chunk table* (like apex's ``multi_tensor_apply``): every program owns one chunk of
+``BLOCK * ITERS`` elements of one tensor and finds its tensor's addresses in a pointer table.
+
+Table layout (one int64 device tensor per launch, see :class:`ChunkTable`)::
+
+    ptrs[role, t]   data_ptr of tensor t for each role (grad, param, master, exp_avg, ...)
+    numels[t]       element count of tensor t
+    chunk_t[c]      tensor index of chunk c
+    chunk_start[c]  first element of chunk c inside its tensor
+
+# Note [found-inf masking]
+The update kernels never branch on the found-inf flag on the host: each program loads the
+flag and folds ``found_inf == 0`` into its load/store mask, so when it is set every load and
+store is masked off and nothing is written. This is what keeps the AMP step free of host
+synchronization: the decision is made on the device, after the flag has been computed by an
+earlier kernel in the same stream.
+
+The math lives in the kernels below and, identically, in ``fusedist/optim/_reference.py``
+(the pure-PyTorch path and test oracle). Keep the two in step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+_TORCH_TO_TL = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch_config() -> tuple[int, int, int]:
+    """(BLOCK, ITERS, num_warps) for the elementwise kernels.
+
+    Under the interpreter every program costs ~1 ms of Python, so chunks are made large
+    there; on a GPU a 4096-element chunk (4 x 1024) keeps enough programs in flight for small
+    tensors while amortizing the table lookups for large ones.
+    """
+    if _interpreting():
+        return 65536, 1, 1
+    return 1024, 4, 4
+
+
+def tl_dtype(dtype: torch.dtype):
+    try:
+        return _TORCH_TO_TL[dtype]
+    except KeyError:
+        raise TypeError(f"fusedist multi-tensor kernels support float32/float16/bfloat16, got {dtype}") from None
+
+
+class ChunkTable:
+    """Pointer + chunk table of one launch, uploaded to the device in a single copy.
+
+    ``roles`` is a list of tensor lists (all the same length); a role entry may be a list of
+    tensors whose ``data_ptr`` is taken, or None to fill the row with zeros (unused role).
+    """
+
+    def __init__(self, roles: list, numels: list[int], chunk: int, device: torch.device):
+        n = len(numels)
+        chunk_t: list[int] = []
+        chunk_start: list[int] = []
+        for t, numel in enumerate(numels):
+            for start in range(0, numel, chunk):
+                chunk_t.append(t)
+                chunk_start.append(start)
+        rows: list[int] = []
+        for role in roles:
+            rows.extend([0] * n if role is None else [x.data_ptr() for x in role])
+        host = torch.tensor(rows + list(numels) + chunk_t + chunk_start, dtype=torch.int64)
+        if device.type == "cuda":
+            # Pinned + non_blocking: the upload is queued on the stream, no host sync.
+            host = host.pin_memory()
+            table = host.to(device, non_blocking=True)
+        else:
+            table = host
+        self._host = host  # keeps the pinned source alive until the copy has run
+        self.table = table
+        self.n_tensors = n
+        self.n_roles = len(roles)
+        self.n_chunks = len(chunk_t)
+        self.ptrs = table[: self.n_roles * n]
+        self.numels = table[self.n_roles * n : (self.n_roles + 1) * n]
+        base = (self.n_roles + 1) * n
+        self.chunk_t = table[base : base + self.n_chunks]
+        self.chunk_start = table[base + self.n_chunks :]
+
+
+_TABLE_CACHE: "OrderedDict[tuple, ChunkTable]" = OrderedDict()
+_TABLE_CACHE_SIZE = 64
+
+
+def chunk_table(roles: list, numels: list[int], chunk: int, device: torch.device) -> ChunkTable:
+    """Cached :class:`ChunkTable`: an optimizer steps the same tensors every iteration, so
+    after the first step a launch costs no table upload. The key is the addresses and sizes
+    themselves, so a hit is correct even if the tensors behind an address changed."""
+    key = (device, chunk, tuple(numels)) + tuple(
+        None if role is None else tuple(x.data_ptr() for x in role) for role in roles
+    )
+    table = _TABLE_CACHE.get(key)
+    if table is None:
+        table = ChunkTable(roles, numels, chunk, device)
+        _TABLE_CACHE[key] = table
+        if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+            _TABLE_CACHE.popitem(last=False)
+    else:
+        _TABLE_CACHE.move_to_end(key)
+    return table
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _chunk_coords(numels, chunk_t, chunk_start):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_t + pid)
+    start = tl.load(chunk_start + pid)
+    n = tl.load(numels + t)
+    return pid, t, start, n
+
+
+@triton.jit
+def _role_ptr(ptrs, role: tl.constexpr, n_tensors, t, DTYPE: tl.constexpr):
+    return tl.load(ptrs + role * n_tensors + t).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _check_and_norm_kernel(
+    ptrs, numels, chunk_t, chunk_start, n_tensors,
+    inv_scale_ptr, partial_bad, partial_sumsq,
+    GRAD_DTYPE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
+    scale = 1.0
+    if HAS_INV_SCALE:
+        scale = tl.load(inv_scale_ptr)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    bad = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # The flag looks at the gradient as stored (like torch's unscale check); inf and
+        # nan both fail `abs(g) < inf`.
+        bad = tl.maximum(bad, tl.where(tl.abs(g) < float("inf"), 0.0, 1.0))
+        g = g * scale
+        acc += g * g
+    tl.store(partial_bad + pid, tl.max(bad, axis=0))
+    tl.store(partial_sumsq + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr):
+    factor = 1.0
+    if HAS_INV_SCALE:
+        factor = factor * tl.load(inv_scale_ptr)
+    if HAS_CLIP:
+        factor = factor * tl.load(clip_ptr)
+    return factor
+
+
+@triton.jit
+def _live_numel(n, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
+    # Note [found-inf masking]: a set flag shrinks the live range to zero elements.
+    if HAS_FOUND_INF:
+        n = tl.where(tl.load(found_inf_ptr) == 0.0, n, 0)
+    return n
+
+
+@triton.jit
+def _load_step(ptrs, n_tensors, t, step, STEP_ROLE: tl.constexpr):
+    if STEP_ROLE >= 0:
+        s = tl.load(_role_ptr(ptrs, STEP_ROLE, n_tensors, t, tl.float32))
+    else:
+        s = step
+    return s
+
+
+@triton.jit
+def _to_param(x, DTYPE: tl.constexpr):
+    """fp32 -> parameter dtype, rounding to nearest even like torch's ``.to()``.
+
+    bf16 is rounded with integer ops: Triton's interpreter truncates fp32 -> bf16 casts, and
+    doing it by hand gives bit-identical results on every backend (inf/nan survive: the bias
+    never carries out of an all-ones exponent into the sign)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+@triton.jit
+def _bias_correction(log2_beta, s):
+    # 1 - beta**s, evaluated in fp64 (one scalar per program, so free): in fp32 the
+    # cancellation in 1 - 0.999**s costs ~5e-6 relative error early in training, while torch
+    # computes it in double on the host. log2(beta) comes from the host in double precision.
+    return 1.0 - tl.exp2(tl.cast(s, tl.float64) * tl.cast(log2_beta, tl.float64))
+
+
+# Roles of the Adam table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq, 5 step
+@triton.jit
+def _adam_kernel(
+    ptrs, numels, chunk_t, chunk_start, n_tensors,
+    inv_scale_ptr, clip_ptr, found_inf_ptr,
+    lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, decay, step,
+    GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
+    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
+    factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
+    s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
+    step_size = lr
+    bc2_sqrt = 1.0
+    if BIAS_CORRECTION:
+        step_size = (tl.cast(lr, tl.float64) / _bias_correction(log2_beta1, s)).to(tl.float32)
+        bc2_sqrt = tl.sqrt(_bias_correction(log2_beta2, s)).to(tl.float32)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
+    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE)
+    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
+    m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32)
+    v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * factor
+        if MAXIMIZE:
+            g = -g
+        if HAS_MASTER:
+            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if ADAMW:
+            p = p * decay  # decay = 1 - lr * weight_decay, rounded once on the host like torch
+        else:
+            g = g + weight_decay * p
+        m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
+        v = v * beta2 + (1.0 - beta2) * (g * g)
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - step_size * (m / denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_MASTER:
+            tl.store(w_ptr + offs, p, mask=mask)
+        tl.store(p_ptr + offs, _to_param(p, PARAM_DTYPE), mask=mask)
+
+
+# Roles of the SGD table: 0 grad, 1 param, 2 master, 3 momentum_buffer, 4 step
+@triton.jit
+def _sgd_kernel(
+    ptrs, numels, chunk_t, chunk_start, n_tensors,
+    inv_scale_ptr, clip_ptr, found_inf_ptr,
+    lr, momentum, dampening, weight_decay, step,
+    GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
+    factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
+    s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
+    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE)
+    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
+    b_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        d = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * factor
+        if MAXIMIZE:
+            d = -d
+        if HAS_MASTER:
+            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        d = d + weight_decay * p
+        if HAS_MOMENTUM:
+            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            # First step of this tensor: torch initializes the buffer with the gradient.
+            buf = tl.where(s == 1.0, d, buf * momentum + (1.0 - dampening) * d)
+            tl.store(b_ptr + offs, buf, mask=mask)
+            if NESTEROV:
+                d = d + momentum * buf
+            else:
+                d = buf
+        p = p - lr * d
+        if HAS_MASTER:
+            tl.store(w_ptr + offs, p, mask=mask)
+        tl.store(p_ptr + offs, _to_param(p, PARAM_DTYPE), mask=mask)
+
+
+# Roles of the LAMB stage-1 table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq,
+# 5 update (fp32 scratch), 6 step
+@triton.jit
+def _lamb_stage1_kernel(
+    ptrs, numels, chunk_t, chunk_start, n_tensors,
+    inv_scale_ptr, clip_ptr, found_inf_ptr, global_div_ptr,
+    partial_p2, partial_u2,
+    beta1, beta2, log2_beta1, log2_beta2, beta3, eps, weight_decay, step,
+    GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
+    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
+    factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
+    factor = factor / tl.load(global_div_ptr)
+    s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
+    bc1 = 1.0
+    bc2 = 1.0
+    if BIAS_CORRECTION:
+        bc1 = _bias_correction(log2_beta1, s).to(tl.float32)
+        bc2 = _bias_correction(log2_beta2, s).to(tl.float32)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
+    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE)
+    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
+    m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32)
+    v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32)
+    u_ptr = _role_ptr(ptrs, 5, n_tensors, t, tl.float32)
+    acc_p = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * factor
+        if HAS_MASTER:
+            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if not ADAMW:
+            g = g + weight_decay * p
+        m = m * beta1 + beta3 * g
+        v = v * beta2 + (1.0 - beta2) * (g * g)
+        u = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+        if ADAMW:
+            u = u + weight_decay * p
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(u_ptr + offs, u, mask=mask)
+        acc_p += p * p
+        acc_u += u * u
+    tl.store(partial_p2 + pid, tl.sum(acc_p, axis=0))
+    tl.store(partial_u2 + pid, tl.sum(acc_u, axis=0))
+
+
+# Roles of the LAMB stage-2 table: 0 param, 1 master, 2 update
+@triton.jit
+def _lamb_stage2_kernel(
+    ptrs, numels, chunk_t, chunk_start, n_tensors,
+    found_inf_ptr, ratio_ptr, lr,
+    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
+    ratio = tl.load(ratio_ptr + t)
+    p_ptr = _role_ptr(ptrs, 0, n_tensors, t, PARAM_DTYPE)
+    w_ptr = _role_ptr(ptrs, 1, n_tensors, t, tl.float32)
+    u_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        if HAS_MASTER:
+            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        p = p - (lr * ratio) * u
+        if HAS_MASTER:
+            tl.store(w_ptr + offs, p, mask=mask)
+        tl.store(p_ptr + offs, _to_param(p, PARAM_DTYPE), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+#
+# Each launcher takes one *bucket*: lists of tensors that share device and dtypes, all
+# contiguous. Bucketing and validation happen in fusedist/optim/functional.py.
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else float("-inf")
+
+
+def _scalar_or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    return dummy if t is None else t
+
+
+def check_and_norm(grads, inv_scale):
+    """Return (bad, sumsq) fp32 1-element tensors for one bucket; reads the grads only."""
+    device = grads[0].device
+    block, iters, warps = launch_config()
+    table = chunk_table([grads], [g.numel() for g in grads], block * iters, device)
+    partial_bad = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
+    partial_sumsq = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
+    _check_and_norm_kernel[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
+        _scalar_or_dummy(inv_scale, partial_bad), partial_bad, partial_sumsq,
+        GRAD_DTYPE=tl_dtype(grads[0].dtype), HAS_INV_SCALE=inv_scale is not None,
+        BLOCK=block, ITERS=iters, num_warps=warps,
+    )
+    return partial_bad.amax().reshape(1), partial_sumsq.sum().reshape(1)
+
+
+def _step_role(step, n_roles_before: int):
+    """Steps are either one host number for the bucket or a list of fp32 device tensors."""
+    if isinstance(step, (list, tuple)):
+        return step, n_roles_before, 0.0
+    return None, -1, float(step)
+
+
+def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps,
+         weight_decay, adamw, bias_correction, maximize, inv_scale, clip_coef, found_inf):
+    device = params[0].device
+    block, iters, warps = launch_config()
+    steps, step_role, step_scalar = _step_role(step, 5)
+    roles = [grads, params, masters, exp_avgs, exp_avg_sqs]
+    if steps is not None:
+        roles.append(steps)
+    table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    dummy = exp_avgs[0]
+    _adam_kernel[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
+        _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
+        _scalar_or_dummy(found_inf, dummy),
+        float(lr), float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(eps), float(weight_decay),
+        1.0 - float(lr) * float(weight_decay), step_scalar,
+        GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
+        HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
+        HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
+        STEP_ROLE=step_role, ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
+        MAXIMIZE=bool(maximize), BLOCK=block, ITERS=iters, num_warps=warps,
+    )
+
+
+def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampening,
+        weight_decay, nesterov, maximize, inv_scale, clip_coef, found_inf):
+    device = params[0].device
+    block, iters, warps = launch_config()
+    steps, step_role, step_scalar = _step_role(step, 4)
+    roles = [grads, params, masters, momentum_buffers]
+    if steps is not None:
+        roles.append(steps)
+    table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    dummy = torch.empty(1, dtype=torch.float32, device=device)
+    _sgd_kernel[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
+        _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
+        _scalar_or_dummy(found_inf, dummy),
+        float(lr), float(momentum), float(dampening), float(weight_decay), step_scalar,
+        GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
+        HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
+        HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
+        STEP_ROLE=step_role, HAS_MOMENTUM=momentum_buffers is not None,
+        NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
+        BLOCK=block, ITERS=iters, num_warps=warps,
+    )
+
+
+def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, global_div, *,
+                beta1, beta2, beta3, eps, weight_decay, adamw, bias_correction,
+                inv_scale, clip_coef, found_inf):
+    """Moments + raw update ``u`` into ``updates``; returns per-tensor (||p||^2, ||u||^2)."""
+    device = params[0].device
+    block, iters, warps = launch_config()
+    steps, step_role, step_scalar = _step_role(step, 6)
+    roles = [grads, params, masters, exp_avgs, exp_avg_sqs, updates]
+    if steps is not None:
+        roles.append(steps)
+    table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    partial_p2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
+    partial_u2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
+    dummy = partial_p2
+    _lamb_stage1_kernel[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
+        _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
+        _scalar_or_dummy(found_inf, dummy), global_div, partial_p2, partial_u2,
+        float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(beta3), float(eps), float(weight_decay), step_scalar,
+        GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
+        HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
+        HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
+        STEP_ROLE=step_role, ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
+        BLOCK=block, ITERS=iters, num_warps=warps,
+    )
+    chunk_t = table.chunk_t
+    p2 = torch.zeros(table.n_tensors, dtype=torch.float32, device=device).index_add_(0, chunk_t, partial_p2)
+    u2 = torch.zeros(table.n_tensors, dtype=torch.float32, device=device).index_add_(0, chunk_t, partial_u2)
+    return p2, u2
+
+
+def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
+    device = params[0].device
+    block, iters, warps = launch_config()
+    table = chunk_table([params, masters, updates], [p.numel() for p in params], block * iters, device)
+    _lamb_stage2_kernel[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
+        _scalar_or_dummy(found_inf, ratios), ratios, float(lr),
+        PARAM_DTYPE=tl_dtype(params[0].dtype), HAS_MASTER=masters is not None,
+        HAS_FOUND_INF=found_inf is not None, BLOCK=block, ITERS=iters, num_warps=warps,
+    )

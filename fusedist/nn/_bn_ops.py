@@ -1,0 +1,69 @@
+"""SyncBatchNorm's local (per-rank) computations, each routed to one implementation.
+
+``fusedist.backend.select_backend`` picks Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``)
+or the pure-PyTorch reference. The kernels compute in fp32, so fp64 inputs always take the
+reference path (which computes in fp64). Empty inputs never launch a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import select_backend
+from . import _bn_reference as reference
+from ._layout import NCSLayout
+
+OP_NAME = "sync_batch_norm"
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernels(x: torch.Tensor):
+    """The Triton launcher module when it should run ``x``, else None (imported lazily:
+    importing it imports triton)."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return None
+    if select_backend(OP_NAME, x.device) != "triton":
+        return None
+    from ..triton_kernels import syncbn
+
+    return syncbn
+
+
+def stats_payload(x: torch.Tensor, layout: NCSLayout) -> torch.Tensor:
+    """This rank's ``[count, mean (C), M2 (C)]`` as one flat fp64 tensor on x's device: the
+    message the forward all-gather carries (fp64 so that counts stay exact and the
+    cross-rank combine adds no rounding of its own)."""
+    C = layout.C
+    payload = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
+    count, mean, m2 = payload[:1], payload[1:C + 1], payload[C + 1:]
+    kernels = _kernels(x)
+    if kernels is None or x.numel() == 0:
+        reference.welford_stats(x, mean, m2, count)
+    else:
+        kernels.welford_stats(x, layout, mean, m2, count)
+    return payload
+
+
+def backward_reduce(dy: torch.Tensor, x: torch.Tensor, layout: NCSLayout, mean: torch.Tensor,
+                    invstd: torch.Tensor) -> torch.Tensor:
+    """Per-channel ``[sum(dy), sum(dy * xhat)]``, (2, C); dy must share x's strides."""
+    kernels = _kernels(x)
+    if x.numel() == 0:
+        return torch.zeros((2, layout.C), dtype=reference.acc_dtype(x.dtype), device=x.device)
+    if kernels is None:
+        return reference.backward_reduce(dy, x, mean, invstd)
+    return kernels.backward_reduce(dy, x, layout, mean, invstd)
+
+
+def channel_affine(u: torch.Tensor, layout: NCSLayout, p, q, v=None, r=None, t=None, b=None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(u - p) * q [+ (v - r) * t] [+ b]`` per channel, in a new tensor with u's strides
+    (v, when given, must share them)."""
+    out = torch.empty_like(u, dtype=out_dtype or u.dtype)
+    if u.numel() == 0:
+        return out
+    kernels = _kernels(u)
+    if kernels is None:
+        return reference.channel_affine(out, u, p, q, v, r, t, b)
+    assert out.stride() == u.stride(), "dense inputs give empty_like outputs with equal strides"
+    return kernels.channel_affine(out, u, layout, p, q, v, r, t, b)

@@ -1,0 +1,119 @@
+"""Autograd functions of SyncBatchNorm: batch statistics (synchronized or local) and
+running statistics (never synchronized).
+
+Gradients (x̂ = (x - mean) * invstd, n = global count, w = weight):
+
+    grad_weight = sum(dy * x̂)            grad_bias = sum(dy)          (this rank's batch)
+    grad_x      = w * invstd * (dy - sum_g(dy) / n - x̂ * sum_g(dy * x̂) / n)
+
+where sum_g is over the global batch: the two per-channel sums are all-reduced together in
+one collective. Weight and bias gradients stay local, as in torch.nn.SyncBatchNorm: the data
+parallel wrapper reduces them with every other parameter gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..comm import Communicator
+from . import _bn_ops as ops
+from ._bn_reference import acc_dtype
+from ._layout import NCSLayout, as_ncs, like_layout
+from ._sync_stats import GRAD_TAG, combine, gather_payloads
+
+
+def _normalize(x: torch.Tensor, layout: NCSLayout, mean: torch.Tensor, invstd: torch.Tensor,
+               weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    acc = mean.dtype
+    scale = invstd if weight is None else invstd * weight.to(acc)
+    shift = None if bias is None else bias.to(acc).contiguous()
+    return ops.channel_affine(x, layout, mean, scale.contiguous(), b=shift)
+
+
+def _input_grad_scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    return invstd if weight is None else invstd * weight.to(invstd.dtype)
+
+
+def _param_grads(ctx, sums: torch.Tensor, weight: Optional[torch.Tensor]):
+    """Local weight/bias gradients, copied out of ``sums`` before it is all-reduced."""
+    _, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_w = sums[1].to(weight.dtype, copy=True) if need_w else None
+    grad_b = sums[0].to(weight.dtype if weight is not None else sums.dtype, copy=True) if need_b else None
+    return grad_w, grad_b
+
+
+class BatchStatsNorm(torch.autograd.Function):
+    """Normalize with the statistics of the global batch (this rank's alone when ``comm`` is
+    None) and update the running statistics with them, if given."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps: float, momentum: float,
+                comm: Optional[Communicator]):
+        x, layout = as_ncs(x)
+        stats = combine(gather_payloads(ops.stats_payload(x, layout), comm), layout.C)
+        acc = acc_dtype(x.dtype)
+        var = stats.m2 / stats.count
+        mean = stats.mean.to(acc)
+        invstd = torch.rsqrt(var + eps).to(acc)
+        if running_mean is not None:
+            # From the gathered statistics, identical on every rank (Note [bit-identical
+            # statistics] in _sync_stats); the running variance is the unbiased one.
+            unbiased = stats.m2 / (stats.count - 1)
+            running_mean.mul_(1.0 - momentum).add_(stats.mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        y = _normalize(x, layout, mean, invstd, weight, bias)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.layout, ctx.count, ctx.comm = layout, stats.count, comm
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = like_layout(dy, x)
+        sums = ops.backward_reduce(dy, x, ctx.layout, mean, invstd)
+        grad_w, grad_b = _param_grads(ctx, sums, weight)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if ctx.comm is not None:
+                ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG)
+            mean_dy, mean_dy_xhat = sums[0] / ctx.count, sums[1] / ctx.count
+            k = _input_grad_scale(invstd, weight)
+            grad_x = ops.channel_affine(
+                dy, ctx.layout, mean_dy.contiguous(), k.contiguous(),
+                v=x, r=mean, t=(-k * invstd * mean_dy_xhat).contiguous(), out_dtype=x.dtype,
+            )
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class RunningStatsNorm(torch.autograd.Function):
+    """Normalize with given (running) statistics: purely local, no collective."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps: float):
+        x, layout = as_ncs(x)
+        acc = acc_dtype(x.dtype)
+        mean = running_mean.to(acc).contiguous()
+        invstd = torch.rsqrt(running_var.to(acc) + eps)
+        y = _normalize(x, layout, mean, invstd, weight, bias)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.layout = layout
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = like_layout(dy, x)
+        need_params = any(ctx.needs_input_grad[1:3])
+        grad_w = grad_b = None
+        if need_params:
+            grad_w, grad_b = _param_grads(ctx, ops.backward_reduce(dy, x, ctx.layout, mean, invstd), weight)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            k = _input_grad_scale(invstd, weight).contiguous()
+            grad_x = ops.channel_affine(dy, ctx.layout, torch.zeros_like(k), k, out_dtype=x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None

@@ -1,0 +1,130 @@
+"""``fusedist.nn.SyncBatchNorm``: BatchNorm over the global batch of all ranks.
+
+A drop-in for ``torch.nn.SyncBatchNorm`` (same constructor, buffers, state_dict and
+``convert_sync_batchnorm``) that also runs on CPU (gloo), reads channels_last inputs in
+place, and talks to the other ranks once per forward and once per backward:
+
+* forward: one all-gather of every rank's per-channel ``(count, mean, M2)``, merged with the
+  parallel Welford formula, so per-rank batch sizes may differ (an empty batch included);
+* backward: one all-reduce of the per-channel ``sum(dy)`` and ``sum(dy * x̂)`` together;
+* eval mode: no communication at all (running statistics, or this rank's batch statistics
+  when ``track_running_stats=False``, as torch does).
+
+Without an initialized process group, or with a group of one rank, it behaves exactly like
+BatchNorm on the local batch (same kernels, no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..comm import Communicator, get_communicator
+from ._function import BatchStatsNorm, RunningStatsNorm
+from ._sync_stats import check_channels_agree
+
+
+def _rank_suffix() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return f" on rank {dist.get_rank()}"
+    return ""
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization with statistics over all ranks of ``process_group``.
+
+    Args mirror ``torch.nn.SyncBatchNorm``: ``num_features`` (C of an ``(N, C, ...)``
+    input), ``eps``, ``momentum`` (None: cumulative average), ``affine``,
+    ``track_running_stats``, ``process_group`` (None: the default group), ``device``,
+    ``dtype``.
+
+    Inputs may be 2-D to 5-D (any ``(N, C, *)``), fp32/fp16/bf16 (statistics in fp32) or
+    fp64 (statistics in fp64, pure-PyTorch path), contiguous or channels_last. Every rank
+    must call the layer in the same order; the first synchronized call of each layer
+    checks that all ranks agree on ``num_features``.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        self.process_group = process_group
+        # Communicators (by id) this layer has run the channel agreement check on.
+        self._channels_checked: set[int] = set()
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"SyncBatchNorm: expected at least 2D input (N, C, ...), got {input.dim()}D input "
+                f"of shape {tuple(input.shape)}{_rank_suffix()}"
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm(num_features={self.num_features}): expected {self.num_features} "
+                f"channels in dim 1, got {input.shape[1]} (input shape {tuple(input.shape)})"
+                f"{_rank_suffix()}"
+            )
+        if self.weight is not None and self.weight.device != input.device:
+            raise ValueError(
+                f"SyncBatchNorm: input is on {input.device} but the layer's parameters are on "
+                f"{self.weight.device}{_rank_suffix()}; move the module or the input"
+            )
+
+    def _communicator(self, device: torch.device) -> Communicator | None:
+        """The communicator to synchronize over, or None when there is nobody to talk to."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(self.process_group) == 1:
+            return None
+        comm = get_communicator(self.process_group, device)
+        if id(comm) not in self._channels_checked:
+            check_channels_agree(comm, self.num_features, device)
+            self._channels_checked.add(id(comm))
+        return comm
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        average_factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                average_factor = 1.0 / float(self.num_batches_tracked)
+        if not self.training and self.running_mean is not None and self.running_var is not None:
+            return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
+                                          self.running_var, self.eps)
+        # Batch statistics. Only training synchronizes: eval with track_running_stats=False
+        # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
+        update_running = self.training and self.track_running_stats
+        comm = self._communicator(input.device) if self.training else None
+        return BatchStatsNorm.apply(
+            input, self.weight, self.bias,
+            self.running_mean if update_running else None,
+            self.running_var if update_running else None,
+            self.eps, average_factor, comm,
+        )
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
+        """Replace every BatchNorm*D (and torch.nn.SyncBatchNorm) in ``module`` with
+        ``fusedist.nn.SyncBatchNorm``, keeping the very same parameter and buffer tensors (so
+        an optimizer built on them stays valid) and the training flag. Returns the new root
+        (the module itself unless it is a BatchNorm)."""
+        converted = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return converted

@@ -1,0 +1,237 @@
+"""SyncBatchNorm kernels (Triton, interpreted on CPU) against the pure-PyTorch reference and
+an fp64 oracle: statistics, normalize, backward reduce, input gradient, for contiguous,
+channels_last and folded (N, C) layouts, fp32/fp16/bf16 inputs, odd sizes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedist.nn import _bn_reference as reference
+from fusedist.nn._layout import NCSLayout, as_ncs, like_layout, ncs_layout
+
+triton = pytest.importorskip("triton")
+from fusedist.triton_kernels import syncbn as kernels  # noqa: E402  (needs triton)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (shape, memory layout): odd sizes, a single-row tile, a C that is not a power of two,
+# spatial sizes that leave partial tiles.
+CASES = [
+    ((3, 5, 4, 6), "contiguous"),
+    ((3, 5, 4, 6), "channels_last"),
+    ((7, 3), "contiguous"),
+    ((2, 6, 17), "contiguous"),
+    ((2, 6, 17), "channels_last"),
+    ((2, 3, 2, 3, 5), "contiguous"),
+    ((2, 3, 2, 3, 5), "channels_last"),
+    ((1, 4, 1, 1), "contiguous"),
+    ((5, 1, 3, 3), "contiguous"),
+]
+
+
+def _make(shape, layout, dtype, offset=3.0, scale=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * scale + offset
+    x = x.to(dtype)
+    if layout == "channels_last":
+        if x.dim() == 3:  # (N, C, L) stored as (N, L, C)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+            x = x.contiguous(memory_format=fmt)
+    return x.to(DEVICE)
+
+
+def _oracle_stats(x):
+    x64 = x.double()
+    dims = [0] + list(range(2, x.dim()))
+    mean = x64.mean(dims)
+    m2 = ((x64 - mean.view([1, -1] + [1] * (x.dim() - 2))) ** 2).sum(dims)
+    return mean, m2
+
+
+def _stats(fn, x, layout=None):
+    C = x.shape[1]
+    mean, m2, count = (torch.empty(C, dtype=torch.float64, device=x.device),
+                       torch.empty(C, dtype=torch.float64, device=x.device),
+                       torch.empty(1, dtype=torch.float64, device=x.device))
+    if layout is None:
+        fn(x, mean, m2, count)
+    else:
+        fn(x, layout, mean, m2, count)
+    return mean, m2, count
+
+
+@pytest.mark.parametrize("shape,layout", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_welford_stats_match_fp64(shape, layout, dtype):
+    x = _make(shape, layout, dtype)
+    x_view, lay = as_ncs(x)
+    assert x_view.data_ptr() == x.data_ptr(), "contiguous and channels_last are read in place"
+    mean, m2, count = _stats(kernels.welford_stats, x, lay)
+    ref_mean, ref_m2 = _oracle_stats(x)
+    assert count.item() == x.numel() // x.shape[1]
+    # fp32 accumulation of the (exactly representable) input values: a few fp32 ulps of the
+    # result, whatever the input dtype.
+    torch.testing.assert_close(mean, ref_mean, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(m2, ref_m2, rtol=1e-5, atol=1e-5)
+    # and the reference path agrees with the same oracle
+    r_mean, r_m2, r_count = _stats(reference.welford_stats, x)
+    torch.testing.assert_close(r_mean, ref_mean, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(r_m2, ref_m2, rtol=1e-5, atol=1e-5)
+    assert r_count.item() == count.item()
+
+
+def test_welford_stable_with_large_offset():
+    """|mean| / std = 1e4: the naive E[x^2] - E[x]^2 in fp32 loses every digit here."""
+    x = _make((16, 3, 8, 8), "contiguous", torch.float32, offset=1e4, scale=1.0, seed=3)
+    mean, m2, _ = _stats(kernels.welford_stats, x, ncs_layout(x))
+    ref_mean, ref_m2 = _oracle_stats(x)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-7, atol=0)
+    # fp32 ulp at 1e4 is ~1e-3; relative M2 error stays ~1e-4, not O(1)
+    torch.testing.assert_close(m2, ref_m2, rtol=1e-3, atol=0)
+
+
+class _Recorder:
+    """Wraps a kernel to record the grids it is launched with."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_many_row_splits_and_tiles(monkeypatch):
+    """Several programs along the row axis (partial rows merged by the combine kernel in more
+    than one chunk), several spatial tiles per sample, and the GPU's block-size choices."""
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_reduction_tile", lambda device: 16)
+    monkeypatch.setattr(kernels, "_row_splits", lambda units, c_blocks, device: min(units, 37))
+    for layout in ("contiguous", "channels_last"):
+        x = _make((12, 4, 5, 7), layout, torch.float32, seed=4)
+        launches = []
+        real_partial = kernels._welford_partial_kernel
+        monkeypatch.setattr(kernels, "_welford_partial_kernel", _Recorder(real_partial, launches))
+        mean, m2, count = _stats(kernels.welford_stats, x, ncs_layout(x))
+        monkeypatch.setattr(kernels, "_welford_partial_kernel", real_partial)
+        assert launches[0][1] > 32, "more partial rows than one combine chunk"
+        ref_mean, ref_m2 = _oracle_stats(x)
+        torch.testing.assert_close(mean, ref_mean, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(m2, ref_m2, rtol=1e-5, atol=1e-5)
+        dy = _make((12, 4, 5, 7), layout, torch.float32, offset=0, scale=1, seed=5)
+        invstd = torch.rsqrt(m2 / count + 1e-5).float()
+        got = kernels.backward_reduce(dy, x, ncs_layout(x), mean.float(), invstd)
+        want = reference.backward_reduce(dy, x, mean.float(), invstd)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,layout", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_reduce_matches_reference(shape, layout, dtype):
+    x = _make(shape, layout, dtype, seed=1)
+    dy = _make(shape, layout, dtype, offset=0.0, scale=1.0, seed=2)
+    lay = ncs_layout(x)
+    C = shape[1]
+    mean = torch.randn(C, device=DEVICE) + 3
+    invstd = torch.rand(C, device=DEVICE) + 0.5
+    got = kernels.backward_reduce(dy, x, lay, mean, invstd)
+    want = reference.backward_reduce(dy, x, mean, invstd)
+    assert got.shape == (2, C) and got.dtype == torch.float32
+    # both accumulate exactly representable products in fp32, in different orders
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,layout", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_channel_affine_matches_reference(shape, layout, dtype):
+    u = _make(shape, layout, dtype, seed=1)
+    v = _make(shape, layout, dtype, seed=2)
+    lay = ncs_layout(u)
+    C = shape[1]
+    p, q, r, t, b = (torch.randn(C, device=DEVICE) for _ in range(5))
+    for extra in ({}, {"b": b}, {"v": v, "r": r, "t": t}, {"v": v, "r": r, "t": t, "b": b}):
+        got = kernels.channel_affine(torch.empty_like(u), u, lay, p, q, **extra)
+        want = reference.channel_affine(torch.empty_like(u), u, p, q, **extra)
+        assert got.stride() == u.stride(), "the output keeps the input's memory format"
+        # same fp32 expression, one rounding to the output dtype: at most one ulp apart
+        # (fp32 FMA contraction may differ by an ulp before that rounding)
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_layout_view_and_copies():
+    x = torch.randn(2, 3, 4, 5)
+    assert ncs_layout(x) == NCSLayout(2, 3, 20, 60, 20, 1)
+    cl = x.contiguous(memory_format=torch.channels_last)
+    assert ncs_layout(cl) == NCSLayout(1, 3, 40, 120, 1, 3)  # batch folded into the rows
+    assert ncs_layout(torch.randn(6, 4)) == NCSLayout(1, 4, 6, 24, 1, 4)
+    # neither layout: a transposed spatial pair, or a strided slice -> copied to contiguous
+    for odd in (x.transpose(2, 3), x[:, :, ::2]):
+        assert ncs_layout(odd) is None
+        view, lay = as_ncs(odd)
+        assert view.is_contiguous() and lay == ncs_layout(view) and torch.equal(view, odd)
+    # like_layout: a gradient in another layout (or expanded) gets the reference's strides
+    dy = torch.ones(1).expand(2, 3, 4, 5)
+    same = like_layout(dy, cl)
+    assert same.stride() == cl.stride() and torch.equal(same, dy)
+    assert like_layout(cl, cl) is cl
+
+
+def _aot_compile_all() -> None:
+    """Compile every kernel for sm_90 with Triton's CUDA backend (no GPU needed to compile).
+    Runs in a process without TRITON_INTERPRET: interpreted kernels cannot be compiled."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    ints = ("N", "C", "S", "stride_n", "stride_c", "stride_s", "num_s_tiles", "SPLIT")
+
+    def compile_(fn, pointers, scalars, constexprs):
+        sig = dict(pointers)
+        sig.update({name: "i32" for name in scalars})
+        sig.update({name: "constexpr" for name in constexprs})
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target)
+        assert ".entry" in compiled.asm["ptx"], fn
+
+    for x_type in ("*fp32", "*bf16", "*fp16"):
+        for wide in (False, True):
+            compile_(kernels._welford_partial_kernel,
+                     {"x_ptr": x_type, "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32",
+                      "count_part_ptr": "*i32"}, ints,
+                     {"BLOCK_S": 32, "BLOCK_C": 64, "WIDE_INDEX": wide})
+            compile_(kernels._backward_reduce_kernel,
+                     {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
+                      "part_ptr": "*fp32"}, ints,
+                     {"BLOCK_S": 2048, "BLOCK_C": 1, "WIDE_INDEX": wide})
+        compile_(kernels._channel_affine_kernel,
+                 {"out_ptr": x_type, "u_ptr": x_type, "v_ptr": x_type,
+                  **{f"{n}_ptr": "*fp32" for n in "pqrtb"}},
+                 ("C", "S", "stride_n", "stride_c", "stride_s", "num_s_tiles"),
+                 {"HAS_V": True, "HAS_B": True, "BLOCK_S": 64, "BLOCK_C": 64, "WIDE_INDEX": False})
+    compile_(kernels._welford_combine_kernel,
+             {"mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "count_part_ptr": "*i32",
+              "mean_out_ptr": "*fp64", "m2_out_ptr": "*fp64", "count_out_ptr": "*fp64"},
+             ("P", "C", "total_count"), {"BLOCK_P": 32, "BLOCK_C": 64})
+    print("compiled")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile and run the kernels")
+def test_aot_compile_for_sm90():
+    """The kernels compile for a real GPU target, not only under the interpreter (which
+    accepts some programs the compiler rejects)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("this triton install has no ptxas to compile with")
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    _aot_compile_all()

@@ -1,0 +1,321 @@
+"""Triton kernels of SyncBatchNorm: per-channel statistics, normalize, backward.
+
+Every kernel sees its input as a strided 3-D view ``(N, C, S)`` -- batch, channel, the
+flattened spatial dims -- with one stride per dim. Contiguous (NCHW) and channels_last
+(NHWC) tensors are both such views, so neither is copied into the other's layout: a tile is
+``[BLOCK_S, BLOCK_C]`` and Triton's coalescing follows whichever of ``stride_s`` /
+``stride_c`` is 1 (integer arguments equal to 1 are specialized at compile time).
+Channels-last and ``(N, C)`` inputs arrive with the batch folded into ``S`` (``N == 1``),
+which gives full tiles instead of one short row per sample.
+
+Statistics are fp32 whatever the input dtype (fp32, fp16, bf16). Reductions write one row
+of partial results per program along the row axis and a second, small kernel (or a
+fixed-order torch sum) combines the rows, so results are deterministic: no atomics anywhere.
+
+Launchers (the only public functions) take the tensors plus the ``(N, C, S, stride_n,
+stride_c, stride_s)`` layout computed by ``fusedist.nn._layout``; they choose block sizes and
+grids and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _welford_partial_kernel(
+    x_ptr, mean_part_ptr, m2_part_ptr, count_part_ptr,
+    N, C, S, stride_n, stride_c, stride_s, num_s_tiles, SPLIT,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr,
+):
+    """Program (c-block, r) -> count, mean, M2 of its channels over rows u = r, r+SPLIT, ...
+
+    Each lane of the [BLOCK_S, BLOCK_C] tile runs its own Welford recurrence (no cross-lane
+    traffic in the loop); the lanes are merged once at the end with the parallel formula
+    M2 = sum M2_l + sum n_l (mean_l - mean)^2, which subtracts the global mean rather than
+    squaring raw values, so it stays stable when |mean| >> std.
+    """
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    s_lane = tl.arange(0, BLOCK_S)
+    if WIDE_INDEX:
+        c_off = c.to(tl.int64) * stride_c
+    else:
+        c_off = c * stride_c
+    lane_count = tl.zeros([BLOCK_S], dtype=tl.float32)
+    lane_mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    lane_m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for u in range(pid_r, N * num_s_tiles, SPLIT):
+        n = u // num_s_tiles
+        s = (u - n * num_s_tiles) * BLOCK_S + s_lane
+        s_mask = s < S
+        if WIDE_INDEX:
+            s_off = s.to(tl.int64) * stride_s
+        else:
+            s_off = s * stride_s
+        ptrs = x_ptr + n.to(tl.int64) * stride_n + s_off[:, None] + c_off[None, :]
+        v = tl.load(ptrs, mask=s_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        lane_count += s_mask.to(tl.float32)
+        # Rows past S keep their state: a zero step, and no M2 contribution.
+        step = tl.where(s_mask, 1.0 / tl.maximum(lane_count, 1.0), 0.0)
+        delta = v - lane_mean
+        lane_mean += delta * step[:, None]
+        lane_m2 += tl.where(s_mask[:, None], delta * (v - lane_mean), 0.0)
+    # lane counts are small exact integers; their total is summed as an integer so that it
+    # stays exact past 2**24
+    count = tl.sum(lane_count.to(tl.int32), axis=0)
+    mean = tl.sum(lane_mean * lane_count[:, None], axis=0) / tl.maximum(count.to(tl.float32), 1.0)
+    dev = lane_mean - mean[None, :]
+    m2 = tl.sum(lane_m2, axis=0) + tl.sum(dev * dev * lane_count[:, None], axis=0)
+    tl.store(mean_part_ptr + pid_r * C + c, mean, mask=c_mask)
+    tl.store(m2_part_ptr + pid_r * C + c, m2, mask=c_mask)
+    if pid_c == 0:
+        tl.store(count_part_ptr + pid_r, count)
+
+
+@triton.jit
+def _welford_combine_kernel(
+    mean_part_ptr, m2_part_ptr, count_part_ptr, mean_out_ptr, m2_out_ptr, count_out_ptr,
+    P, C, total_count, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Merge P partial (count, mean, M2) rows with the k-way parallel formula
+
+        n = sum n_p,  mean = sum n_p mean_p / n,  M2 = sum M2_p + sum n_p (mean_p - mean)^2
+
+    in two vectorized passes over the rows (a row-by-row Chan update would be a chain of P
+    dependent global loads). Rows with n_p = 0 contribute nothing; the order of the sums is
+    fixed, so the result is deterministic. Outputs are cast to the output pointers' dtype;
+    ``total_count`` (known exactly on the host) is written to ``count_out``.
+    """
+    pid = tl.program_id(0)
+    c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    p_lane = tl.arange(0, BLOCK_P)
+    weighted = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    counts = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + p_lane
+        p_mask = p < P
+        n_p = tl.load(count_part_ptr + p, mask=p_mask, other=0).to(tl.float32)
+        m_p = tl.load(mean_part_ptr + p[:, None] * C + c[None, :],
+                      mask=p_mask[:, None] & c_mask[None, :], other=0.0)
+        weighted += n_p[:, None] * m_p
+        counts += n_p
+    mean = tl.sum(weighted, axis=0) / tl.maximum(tl.sum(counts, axis=0), 1.0)
+    m2_acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + p_lane
+        p_mask = p < P
+        mask = p_mask[:, None] & c_mask[None, :]
+        n_p = tl.load(count_part_ptr + p, mask=p_mask, other=0).to(tl.float32)
+        m_p = tl.load(mean_part_ptr + p[:, None] * C + c[None, :], mask=mask, other=0.0)
+        m2_p = tl.load(m2_part_ptr + p[:, None] * C + c[None, :], mask=mask, other=0.0)
+        dev = m_p - mean[None, :]
+        m2_acc += m2_p + n_p[:, None] * dev * dev
+    tl.store(mean_out_ptr + c, mean, mask=c_mask)
+    tl.store(m2_out_ptr + c, tl.sum(m2_acc, axis=0), mask=c_mask)
+    if pid == 0:
+        tl.store(count_out_ptr, total_count)
+
+
+@triton.jit
+def _backward_reduce_kernel(
+    dy_ptr, x_ptr, mean_ptr, invstd_ptr, part_ptr,
+    N, C, S, stride_n, stride_c, stride_s, num_s_tiles, SPLIT,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr,
+):
+    """Program (c-block, r) -> partial sum(dy) and sum(dy * xhat) of its channels, one pass.
+
+    dy and x share one layout (the launcher makes sure). Row r of ``part`` is laid out as
+    [sum_dy (C) | sum_dy_xhat (C)].
+    """
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    s_lane = tl.arange(0, BLOCK_S)
+    if WIDE_INDEX:
+        c_off = c.to(tl.int64) * stride_c
+    else:
+        c_off = c * stride_c
+    mean = tl.load(mean_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    invstd = tl.load(invstd_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    acc_dy = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    acc_dy_xhat = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for u in range(pid_r, N * num_s_tiles, SPLIT):
+        n = u // num_s_tiles
+        s = (u - n * num_s_tiles) * BLOCK_S + s_lane
+        s_mask = s < S
+        if WIDE_INDEX:
+            s_off = s.to(tl.int64) * stride_s
+        else:
+            s_off = s * stride_s
+        offs = n.to(tl.int64) * stride_n + s_off[:, None] + c_off[None, :]
+        mask = s_mask[:, None] & c_mask[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        acc_dy += dy
+        # masked lanes: dy == 0, so the product is 0 whatever x - mean is
+        acc_dy_xhat += dy * ((x - mean[None, :]) * invstd[None, :])
+    row = part_ptr + pid_r * 2 * C
+    tl.store(row + c, tl.sum(acc_dy, axis=0), mask=c_mask)
+    tl.store(row + C + c, tl.sum(acc_dy_xhat, axis=0), mask=c_mask)
+
+
+@triton.jit
+def _channel_affine_kernel(
+    out_ptr, u_ptr, v_ptr, p_ptr, q_ptr, r_ptr, t_ptr, b_ptr,
+    C, S, stride_n, stride_c, stride_s, num_s_tiles,
+    HAS_V: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr,
+):
+    """out = (u - p[c]) * q[c] + (v - r[c]) * t[c] + b[c], elementwise; out/u/v share a layout.
+
+    Forward: u = x, p = mean, q = weight * invstd, b = bias.
+    Backward: u = dy, p = mean(dy), q = weight * invstd, v = x, r = mean, t = -q * invstd *
+    mean(dy * xhat). Centering before scaling keeps fp32 accuracy when |mean| >> std.
+    """
+    pid_u = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    n = pid_u // num_s_tiles
+    s = (pid_u - n * num_s_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    s_mask = s < S
+    c_mask = c < C
+    if WIDE_INDEX:
+        offs = n.to(tl.int64) * stride_n + s.to(tl.int64)[:, None] * stride_s + c.to(tl.int64)[None, :] * stride_c
+    else:
+        offs = n.to(tl.int64) * stride_n + s[:, None] * stride_s + c[None, :] * stride_c
+    mask = s_mask[:, None] & c_mask[None, :]
+    p = tl.load(p_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = (u - p[None, :]) * q[None, :]
+    if HAS_V:
+        r = tl.load(r_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        out += (v - r[None, :]) * t[None, :]
+    if HAS_B:
+        b = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        out += b[None, :]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+_INT32_LIMIT = 2**31 - 1
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _tile(C: int, S: int, stride_c: int, tile_elems: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_C) for a tile of about ``tile_elems`` elements.
+
+    Channel-contiguous layouts (stride_c == 1) take a wide channel block so that a tile row
+    is one coalesced run; otherwise the spatial run is the contiguous one and gets the room.
+    """
+    c_pow2 = triton.next_power_of_2(max(C, 1))
+    s_pow2 = triton.next_power_of_2(max(S, 1))
+    if stride_c == 1 and C > 1:
+        block_c = min(c_pow2, 64 if not _interpreting() else tile_elems)
+        block_s = max(1, min(s_pow2, tile_elems // block_c))
+    else:
+        block_s = min(s_pow2, tile_elems)
+        block_c = max(1, min(c_pow2, tile_elems // block_s))
+    return block_s, block_c
+
+
+def _wide_index(layout, C: int, S: int) -> bool:
+    _, _, _, _, stride_c, stride_s = layout
+    return (S - 1) * abs(stride_s) + (C - 1) * abs(stride_c) + 1 > _INT32_LIMIT
+
+
+def _row_splits(num_units: int, num_c_blocks: int, device: torch.device) -> int:
+    """Programs along the row axis: about four waves of programs on a GPU, one (or few) under
+    the interpreter, where every program costs ~1 ms regardless of size."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = max(1, (4 * sms) // max(num_c_blocks, 1))
+    else:
+        target = 2
+    return max(1, min(num_units, target))
+
+
+def _reduction_tile(device: torch.device) -> int:
+    return 65536 if _interpreting() else 2048
+
+
+def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch.Tensor,
+                  count_out: torch.Tensor) -> None:
+    """Per-channel count, mean and M2 of ``x`` (fp32 math) into 1-element ``count_out`` and
+    C-element ``mean_out`` / ``m2_out`` (any float dtype; each contiguous)."""
+    N, C, S, stride_n, stride_c, stride_s = layout
+    block_s, block_c = _tile(C, S, stride_c, _reduction_tile(x.device))
+    num_s_tiles = triton.cdiv(S, block_s)
+    num_c_blocks = triton.cdiv(C, block_c)
+    split = _row_splits(N * num_s_tiles, num_c_blocks, x.device)
+    mean_part = torch.empty((split, C), device=x.device, dtype=torch.float32)
+    m2_part = torch.empty_like(mean_part)
+    count_part = torch.empty((split,), device=x.device, dtype=torch.int32)
+    _welford_partial_kernel[(num_c_blocks, split)](
+        x, mean_part, m2_part, count_part,
+        N, C, S, stride_n, stride_c, stride_s, num_s_tiles, split,
+        BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
+    )
+    if _interpreting():
+        block_p, block_cc = triton.next_power_of_2(split), triton.next_power_of_2(C)
+    else:
+        block_p, block_cc = min(triton.next_power_of_2(split), 32), min(triton.next_power_of_2(C), 64)
+    _welford_combine_kernel[(triton.cdiv(C, block_cc),)](
+        mean_part, m2_part, count_part, mean_out, m2_out, count_out, split, C, N * S,
+        BLOCK_P=block_p, BLOCK_C=block_cc,
+    )
+
+
+def backward_reduce(dy: torch.Tensor, x: torch.Tensor, layout, mean: torch.Tensor,
+                    invstd: torch.Tensor) -> torch.Tensor:
+    """Per-channel ``[sum(dy), sum(dy * xhat)]`` as a (2, C) fp32 tensor, one pass over dy
+    and x (which must share ``layout``)."""
+    N, C, S, stride_n, stride_c, stride_s = layout
+    block_s, block_c = _tile(C, S, stride_c, _reduction_tile(x.device))
+    num_s_tiles = triton.cdiv(S, block_s)
+    num_c_blocks = triton.cdiv(C, block_c)
+    split = _row_splits(N * num_s_tiles, num_c_blocks, x.device)
+    part = torch.empty((split, 2, C), device=x.device, dtype=torch.float32)
+    _backward_reduce_kernel[(num_c_blocks, split)](
+        dy, x, mean, invstd, part,
+        N, C, S, stride_n, stride_c, stride_s, num_s_tiles, split,
+        BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
+    )
+    # A fixed-order sum over the split rows: deterministic and a single small launch.
+    return part.sum(dim=0)
+
+
+def channel_affine(out: torch.Tensor, u: torch.Tensor, layout, p: torch.Tensor, q: torch.Tensor,
+                   v: torch.Tensor | None = None, r: torch.Tensor | None = None,
+                   t: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = (u - p) * q [+ (v - r) * t] [+ b]`` with per-channel p, q, r, t, b (fp32,
+    contiguous, C elements); out, u and v share ``layout``. Returns ``out``."""
+    N, C, S, stride_n, stride_c, stride_s = layout
+    block_s, block_c = _tile(C, S, stride_c, 65536 if _interpreting() else 4096)
+    num_s_tiles = triton.cdiv(S, block_s)
+    grid = (N * num_s_tiles, triton.cdiv(C, block_c))
+    has_v, has_b = v is not None, b is not None
+    _channel_affine_kernel[grid](
+        out, u, v if has_v else u, p, q, r if has_v else p, t if has_v else q, b if has_b else p,
+        C, S, stride_n, stride_c, stride_s, num_s_tiles,
+        HAS_V=has_v, HAS_B=has_b,
+        BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
+    )
+    return out

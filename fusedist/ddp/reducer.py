@@ -235,7 +235,8 @@ class Reducer:
         index = self.index_of[p]
         if grad.is_sparse:
             raise RuntimeError(
-                f"fusedist DDP: parameter '{self.names[index]}' received a sparse gradient; sparse "
+                f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[index]}' received a "
+                "sparse gradient; sparse "
                 "gradients are not supported (use nn.Embedding(sparse=False))"
             )
         view = self.layout.grad_view(p)

@@ -29,8 +29,8 @@ def _module_device(module: nn.Module) -> torch.device:
     if len(devices) > 1:
         listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
         raise ValueError(
-            f"fusedist.DistributedDataParallel: the module's parameters live on several devices: "
-            f"{listing}. Move the whole module to one device (module.to(device)) before wrapping."
+            f"fusedist.DistributedDataParallel (rank {dist.get_rank() if dist.is_initialized() else 0}): "
+            f"the module's parameters live on several devices: {listing}. Move the whole module to one device (module.to(device)) before wrapping."
         )
     return next(iter(devices)) if devices else torch.device("cpu")
 

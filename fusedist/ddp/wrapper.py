@@ -103,8 +103,10 @@ class DistributedDataParallel(nn.Module):
         for name, p in named:
             if not (p.dtype.is_floating_point):
                 raise TypeError(
-                    f"fusedist.DistributedDataParallel: parameter '{name}' has dtype {p.dtype}; only "
-                    "floating-point parameters can be trained (complex parameters are not supported)"
+                    f"fusedist.DistributedDataParallel (rank {dist.get_rank()}): parameter '{name}' has "
+                    f"dtype {p.dtype}; only floating-point parameters can be trained (complex "
+                    "parameters are not supported). Store it as real/imaginary float parameters, or "
+                    "set requires_grad=False to keep it as broadcast state"
                 )
         self._check_ranks_agree()
         self._broadcast_state()

@@ -68,14 +68,14 @@ def test_fault_matrix_under_torchrun():
     assert reaction is not None and reaction < TIMEOUT_S + WINDOW_S + SLACK_S, (reaction, out[-3000:])
     for rank in (0, 1):
         assert f"[rank{rank}]: fusedist._consistency.RankMismatchError: fusedist DDP: ranks diverged" in out
-        assert f"this is rank {rank}) at the end of synchronized backward #2, after buckets 0..0" in out
+        assert f"this is rank {rank}) in synchronized backward #2, whose buckets 0..0" in out
     assert "forward: ranks [0]: 3; ranks [1]: 4" in out
 
     # 2b. One rank runs one iteration fewer: the waiting rank's report says it exited early.
     rc, out, reaction = results["exit_early"]
     assert rc != 0, out[-3000:]
-    assert "rank 1 finished 3 steps" in out and "rank 0 finished" not in out
-    assert "rank 1 on" in out and "EXITED without an error; at DDP step 3" in out
+    assert "rank 1 finished 4 steps" in out and "rank 0 finished" not in out
+    assert "rank 1 on" in out and "EXITED without an error; at DDP step 4" in out
     assert "ranks [0] reached all_reduce [ddp bucket 0]" in out
 
 

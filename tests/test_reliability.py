@@ -180,7 +180,7 @@ def test_divergent_ranks_are_reported_on_every_rank():
         skip = errors["skip"]
         assert f"this is rank {rank}" in skip and "synchronized backward #2" in skip
         assert "forward: ranks [0]: 3; ranks [1]: 4" in skip
-        assert "after buckets 0.." in skip
+        assert "whose buckets 0.." in skip
         step = errors["step"]
         assert "optimizer_steps: ranks [0]: 1; ranks [1]: 2" in step
         assert "optimizer.step() was called on a different iteration" in step

@@ -211,6 +211,12 @@ class Reducer:
         self.next_backward_sync = sync
         self.forwards += 1  # [reliability] compared across ranks by the step check
 
+    def settle_checks(self) -> None:
+        """[reliability] Read the last step check's verdict (raises on divergence). Called
+        first thing in a training forward, before any collective of the new step."""
+        if self.step_check is not None:
+            self.step_check.settle()
+
     def _begin_backward(self) -> None:
         self.in_backward = True
         self.sync = self.next_backward_sync
@@ -301,7 +307,8 @@ class Reducer:
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
         # [reliability] issued after the last bucket: the same place in every rank's
         # collective order (Note [step check]).
-        check = self._launch_step_check(unused) if self.step_check is not None else None
+        if self.step_check is not None:
+            self._launch_step_check(unused)
         t_done: dict[int, float] = {}
         for bucket in self.layout.buckets:
             self.strategy.finish(self, bucket, self.handles[bucket.index])
@@ -309,11 +316,6 @@ class Reducer:
             self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
                                self.t_launch[bucket.index], t_done[bucket.index], tid=1,
                                numel=bucket.numel)
-        if check is not None:
-            self.step_check.finish(check, {
-                "buckets": len(self.layout.buckets),
-                "unused_names": [self.names[self.index_of[p]] for p in unused],
-            })
         if not self.config.gradient_as_bucket_view:
             for p in self.params:
                 if p.grad is not None:
@@ -339,6 +341,10 @@ class Reducer:
             observed, self._observed_order = self._observed_order, None
             self._rebuild(observed)
         if unused and not self.config.find_unused_parameters:
+            if self.step_check is not None:
+                # [reliability] if only some ranks ran this branch, raise the every-rank
+                # mismatch instead (the other ranks read it at their next forward).
+                self.step_check.settle()
             names = [self.names[self.index_of[p]] for p in unused]
             raise RuntimeError(
                 f"fusedist DDP (rank {self.comm.rank}): {len(names)} parameter(s) received no "
@@ -352,7 +358,7 @@ class Reducer:
         last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
         if self._layout_crc is None or self._layout_crc[0] is not self.layout:
             self._layout_crc = (self.layout, layout_crc(self.layout))
-        return self.step_check.launch([
+        self.step_check.launch([
             self.sync_steps,
             self.forwards,
             self.iteration,
@@ -360,7 +366,7 @@ class Reducer:
             self._layout_crc[1],
             last_seq,
             0 if self.config.find_unused_parameters else len(unused),
-        ])
+        ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused]})
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)

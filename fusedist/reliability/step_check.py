@@ -21,8 +21,13 @@ Note [step check]
     the vectors, then the same :class:`RankMismatchError` naming the ranks and values.
     Nothing here touches the gradients, so the numerics of the default path are unchanged.
 
-    On CUDA the verdict of step N is read at step N+1 (from a pinned host copy recorded
-    behind an event), so the check never adds a host synchronization to a step.
+    The verdict is read lazily, at the next training forward (or right away when this rank
+    is about to raise its own unused-parameter error): by then the tiny all-reduce has long
+    completed behind the optimizer step, so the check adds no exposed latency to a step and,
+    on CUDA (a pinned host copy behind an event), no host synchronization. The price: a
+    divergence is reported at the start of the step after it happened, and one in the very
+    last step of a run is not reported. Every rank reads the verdict at the same point of
+    its program, so on a mismatch the extra all-gather pairs up.
 """
 
 from __future__ import annotations
@@ -58,42 +63,47 @@ def layout_crc(layout) -> int:
 
 
 class StepCheck:
-    """Launch/finish pair for the check of one DDP reducer (see Note [step check])."""
+    """Launch/settle pair for the check of one DDP reducer (see Note [step check])."""
 
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.k = len(FIELDS)
         self.buf = torch.zeros(2 * self.k, dtype=torch.int64, device=comm.device)
-        self.deferred = comm.device.type == "cuda"
-        self._pending: Optional[tuple] = None  # CUDA: (host copy, event, values, detail) of the last step
+        self.on_cuda = comm.device.type == "cuda"
+        self._pending: Optional[tuple] = None  # (handle, host copy, event, values, detail)
 
-    def launch(self, values: list[int]):
-        """Start the check (async); returns the token for :meth:`finish`."""
-        if self.deferred and self._pending is not None:
-            # Read last step's verdict first: its all-reduce finished long ago.
-            host, event, old_values, detail = self._pending
-            self._pending = None
-            event.synchronize()
-            self._verdict(host.tolist(), old_values, detail)
+    def launch(self, values: list[int], detail: dict) -> None:
+        """Start this step's check (async); its verdict is read by :meth:`settle`."""
+        self.settle()
         local = torch.tensor(values + [-v for v in values], dtype=torch.int64)
-        if self.deferred:  # pinned + non_blocking: a pageable copy would synchronize the host
+        if self.on_cuda:  # pinned + non_blocking: a pageable copy would synchronize the host
             local = local.pin_memory()
-        self.buf.copy_(local, non_blocking=self.deferred)
+        self.buf.copy_(local, non_blocking=self.on_cuda)
         handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag="ddp step check")
-        return handle, values
-
-    def finish(self, token, detail: dict) -> None:
-        """Wait for the check and raise :class:`RankMismatchError` on every rank if it failed."""
-        handle, values = token
-        handle.wait()
-        if self.deferred:
-            host = torch.empty_like(self.buf, device="cpu").pin_memory()
+        host = event = None
+        if self.on_cuda:
+            handle.wait()  # orders the current stream after the all-reduce; no host sync
+            host = torch.empty(self.buf.shape, dtype=self.buf.dtype, pin_memory=True)
             host.copy_(self.buf, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending = (host, event, values, detail)
+        self._pending = (handle, host, event, values, detail)
+
+    def settle(self) -> None:
+        """Read the pending verdict (if any); raise :class:`RankMismatchError` on every rank
+        if the ranks disagreed. Called at the next training forward, by which time the tiny
+        all-reduce has long completed, so the wait costs nothing."""
+        if self._pending is None:
             return
-        self._verdict(self.buf.tolist(), values, detail)
+        handle, host, event, values, detail = self._pending
+        self._pending = None
+        handle.wait()
+        if event is not None:
+            event.synchronize()
+            reduced = host.tolist()
+        else:
+            reduced = self.buf.tolist()
+        self._verdict(reduced, values, detail)
 
     def _verdict(self, reduced: list[int], values: list[int], detail: dict) -> None:
         k = self.k
@@ -110,9 +120,9 @@ class StepCheck:
 def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     """The error text: each differing field, which ranks hold which value, and why it matters."""
     lines = [
-        f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) at the end of "
-        f"synchronized backward #{table[rank][0]}, after buckets 0..{detail.get('buckets', 0) - 1} of this "
-        "step were already reduced:"
+        f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
+        f"backward #{table[rank][0]}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
+        "ranks that were at different points (reported at the next training forward):"
     ]
     for field_index, field in enumerate(FIELDS):
         groups: dict[int, list[int]] = {}

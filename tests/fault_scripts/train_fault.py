@@ -15,7 +15,7 @@ from torch import nn
 
 import fusedist
 
-STEPS = 4
+STEPS = 5
 FAULT_RANK, FAULT_STEP = 1, 2
 
 

@@ -50,6 +50,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "torch_threads": torch.get_num_threads(),
+        # A busy shared machine skews CPU timings; the load says how busy it was.
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else "n/a",
     }
 
 

@@ -131,7 +131,11 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
     parser.add_argument("--no-write", action="store_true", help="print only, do not write results/")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0: torch's default); 1 gives steadier numbers on a shared machine")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -174,7 +178,10 @@ def main(argv=None):
         "torch: grad upcast + GradScaler.unscale_ + clip_grad_norm_ + GradScaler.step(AdamW(fused=True)) "
         "+ update + bf16 write-back (bf16+master); fp32 rows have no masters.\n"
         f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled)."
-        + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms." if device.type == "cuda" else "")
+        + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms." if device.type == "cuda" else
+           "\nOn CPU fusedist_backend says what ran: 'torch' is the pure-PyTorch reference (about a dozen foreach "
+           "passes), against torch's single-pass C++ fused AdamW; the C++ CPU Adam ('cpu_ext') is the intended fast "
+           "CPU path. CPU timings on a shared machine are noisy: see loadavg_1m and the p20/p80 columns.")
     )
     if not args.no_write:
         md, csv_path = write_results(f"optimizer_{device.type}", rows, notes, environment())

@@ -62,6 +62,7 @@ def _assert_params_close(ours, theirs, atol=1e-6):
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, betas=(0.8, 0.99))),
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05), dict(weight_decay=0.0, eps=1e-6)),
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, maximize=True), dict(lr=2e-2)),
+    (FusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), dict(lr=2e-2)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3), dict(lr=0.02, dampening=0.1)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), dict(momentum=0.5)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.1), dict(weight_decay=0.01, maximize=True)),
@@ -225,6 +226,37 @@ def test_load_torch_adamw_state_dict_continues_like_torch():
     _assert_params_close(ours, theirs)
 
 
+def test_load_torch_sgd_state_dict_continues_like_torch():
+    """torch's SGD state has no step count: the loaded momentum buffers must not be reset."""
+    theirs = _params()
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, nesterov=True)
+    for step in range(3):
+        _set_grads(theirs, _grads(step))
+        ref.step()
+    ours = _clone_params(theirs)
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9, nesterov=True)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for step in range(3, 6):
+        _set_grads(theirs, _grads(step))
+        _set_grads(ours, _grads(step))
+        ref.step()
+        opt.step()
+    _assert_params_close(ours, theirs)
+
+
+def test_master_weights_created_for_a_loaded_state():
+    params = _params(torch.bfloat16)
+    ref = torch.optim.AdamW(params, lr=1e-3)
+    _set_grads(params, _grads(0))
+    ref.step()
+    opt = FusedAdamW(params, lr=1e-3, master_weights=True)
+    opt.load_state_dict(ref.state_dict())
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32  # widened from bf16
+    opt.step()
+    assert opt.state[params[0]]["master_param"].dtype == torch.float32
+    assert torch.equal(params[0].detach(), opt.state[params[0]]["master_param"].to(torch.bfloat16))
+
+
 def test_mixed_dtype_groups_and_zero_grad(backend):
     p32 = _params(seed=3)[:2]
     p16 = _params(torch.float16, seed=4)[2:]
@@ -252,6 +284,8 @@ def test_clear_errors():
         FusedAdam([torch.zeros(2)], betas=(0.9, float("inf")))
     with pytest.raises(ValueError, match="amsgrad"):
         FusedAdam([torch.zeros(2)], amsgrad=True)
+    with pytest.raises(ValueError, match="fused=False"):
+        FusedAdamW([torch.zeros(2)], fused=False)
     p = torch.zeros(3, requires_grad=True)
     opt = FusedAdam([p], lr=0.1)
     p.grad = torch.zeros(3).to_sparse()

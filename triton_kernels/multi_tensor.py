@@ -80,6 +80,9 @@ class ChunkTable:
         rows: list[int] = []
         for role in roles:
             rows.extend([0] * n if role is None else [x.data_ptr() for x in role])
+        # Every address 16-byte aligned: the kernels may then promise it to the compiler,
+        # which turns full chunks into 128-bit vector loads and stores.
+        self.aligned = all(ptr % 16 == 0 for ptr in rows)
         host = torch.tensor(rows + list(numels) + chunk_t + chunk_start, dtype=torch.int64)
         if device.type == "cuda":
             # Pinned + non_blocking: the upload is queued on the stream, no host sync.
@@ -124,45 +127,80 @@ def chunk_table(roles: list, numels: list[int], chunk: int, device: torch.device
 # ----------------------------------------------------------------------------- kernels
 
 
+# Note [full and tail chunks]
+# A chunk that lies entirely inside its tensor is processed without masks (MASKED=False), so
+# that, with 16-byte aligned addresses (ALIGNED), the compiler can emit vector loads/stores;
+# only the last chunk of a tensor, or every chunk when the found-inf flag is set (its live
+# range is then empty), takes the masked path. Each kernel's body is therefore a helper
+# instantiated twice.
+
+
 @triton.jit
-def _chunk_coords(numels, chunk_t, chunk_start):
+def _chunk_coords(numels, chunk_t, chunk_start, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_t + pid)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), CHUNK)  # chunks start at multiples of CHUNK
     n = tl.load(numels + t)
     return pid, t, start, n
 
 
 @triton.jit
-def _role_ptr(ptrs, role: tl.constexpr, n_tensors, t, DTYPE: tl.constexpr):
-    return tl.load(ptrs + role * n_tensors + t).to(tl.pointer_type(DTYPE))
+def _role_ptr(ptrs, role: tl.constexpr, n_tensors, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    ptr = tl.load(ptrs + role * n_tensors + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _ld(ptr, offs, n, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def _st(ptr, offs, n, value, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=offs < n)
+    else:
+        tl.store(ptr + offs, value)
+
+
+@triton.jit
+def _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    bad = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        g = _ld(g_ptr, offs, n, MASKED).to(tl.float32)
+        # The flag looks at the gradient as stored (like torch's unscale check); inf and
+        # nan both fail `abs(g) < inf`.
+        bad = tl.maximum(bad, tl.where(tl.abs(g) < float("inf"), 0.0, 1.0))
+        g = g * scale
+        acc += g * g
+    return tl.max(bad, axis=0), tl.sum(acc, axis=0)
 
 
 @triton.jit
 def _check_and_norm_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
     inv_scale_ptr, partial_bad, partial_sumsq,
-    GRAD_DTYPE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
-    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
-    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE, ALIGNED)
     scale = 1.0
     if HAS_INV_SCALE:
         scale = tl.load(inv_scale_ptr)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    bad = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in tl.static_range(ITERS):
-        offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        # The flag looks at the gradient as stored (like torch's unscale check); inf and
-        # nan both fail `abs(g) < inf`.
-        bad = tl.maximum(bad, tl.where(tl.abs(g) < float("inf"), 0.0, 1.0))
-        g = g * scale
-        acc += g * g
-    tl.store(partial_bad + pid, tl.max(bad, axis=0))
-    tl.store(partial_sumsq + pid, tl.sum(acc, axis=0))
+    if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
+        bad, sumsq = _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK, ITERS, False)
+    else:
+        bad, sumsq = _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK, ITERS, True)
+    tl.store(partial_bad + pid, bad)
+    tl.store(partial_sumsq + pid, sumsq)
 
 
 @triton.jit
@@ -186,7 +224,7 @@ def _live_numel(n, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 @triton.jit
 def _load_step(ptrs, n_tensors, t, step, STEP_ROLE: tl.constexpr):
     if STEP_ROLE >= 0:
-        s = tl.load(_role_ptr(ptrs, STEP_ROLE, n_tensors, t, tl.float32))
+        s = tl.load(_role_ptr(ptrs, STEP_ROLE, n_tensors, t, tl.float32, False))
     else:
         s = step
     return s
@@ -197,12 +235,14 @@ def _to_param(x, DTYPE: tl.constexpr):
     """fp32 -> parameter dtype, rounding to nearest even like torch's ``.to()``.
 
     bf16 is rounded with integer ops: Triton's interpreter truncates fp32 -> bf16 casts, and
-    doing it by hand gives bit-identical results on every backend (inf/nan survive: the bias
-    never carries out of an all-ones exponent into the sign)."""
+    doing it by hand gives bit-identical results on every backend. Finite values that round
+    past the largest bf16 become inf, as they should; NaN is mapped to the canonical bf16 NaN
+    (adding the rounding bias to a NaN payload could carry into the sign bit)."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif DTYPE == tl.float16:
         return x.to(tl.float16)
     else:
@@ -217,6 +257,39 @@ def _bias_correction(log2_beta, s):
     return 1.0 - tl.exp2(tl.cast(s, tl.float64) * tl.cast(log2_beta, tl.float64))
 
 
+@triton.jit
+def _adam_chunk(
+    g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, start, n, factor,
+    beta1, beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
+    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
+):
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        g = _ld(g_ptr, offs, n, MASKED).to(tl.float32) * factor
+        if MAXIMIZE:
+            g = -g
+        if HAS_MASTER:
+            p = _ld(w_ptr, offs, n, MASKED)
+        else:
+            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        m = _ld(m_ptr, offs, n, MASKED)
+        v = _ld(v_ptr, offs, n, MASKED)
+        if ADAMW:
+            p = p * decay  # decay = 1 - lr * weight_decay, rounded once on the host like torch
+        else:
+            g = g + weight_decay * p
+        m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
+        v = v * beta2 + (1.0 - beta2) * (g * g)
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - step_size * (m / denom)
+        _st(m_ptr, offs, n, m, MASKED)
+        _st(v_ptr, offs, n, v, MASKED)
+        if HAS_MASTER:
+            _st(w_ptr, offs, n, p, MASKED)
+        _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
+
+
 # Roles of the Adam table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq, 5 step
 @triton.jit
 def _adam_kernel(
@@ -227,9 +300,9 @@ def _adam_kernel(
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
     ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr,
-    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
-    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
     factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
     s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
@@ -238,36 +311,49 @@ def _adam_kernel(
     if BIAS_CORRECTION:
         step_size = (tl.cast(lr, tl.float64) / _bias_correction(log2_beta1, s)).to(tl.float32)
         bc2_sqrt = tl.sqrt(_bias_correction(log2_beta2, s)).to(tl.float32)
-    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
-    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE)
-    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
-    m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32)
-    v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE, ALIGNED)
+    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE, ALIGNED)
+    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
+    m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32, ALIGNED)
+    v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32, ALIGNED)
+    if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
+        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, start, n, factor, beta1, beta2, eps, weight_decay,
+                    decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE, BLOCK, ITERS, False)
+    else:
+        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, start, n, factor, beta1, beta2, eps, weight_decay,
+                    decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE, BLOCK, ITERS, True)
+
+
+@triton.jit
+def _sgd_chunk(
+    g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, dampening, weight_decay,
+    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
+):
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * factor
+        d = _ld(g_ptr, offs, n, MASKED).to(tl.float32) * factor
         if MAXIMIZE:
-            g = -g
+            d = -d
         if HAS_MASTER:
-            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            p = _ld(w_ptr, offs, n, MASKED)
         else:
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        if ADAMW:
-            p = p * decay  # decay = 1 - lr * weight_decay, rounded once on the host like torch
-        else:
-            g = g + weight_decay * p
-        m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
-        v = v * beta2 + (1.0 - beta2) * (g * g)
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p - step_size * (m / denom)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        d = d + weight_decay * p
+        if HAS_MOMENTUM:
+            buf = _ld(b_ptr, offs, n, MASKED)
+            # First step of this tensor: torch initializes the buffer with the gradient.
+            buf = tl.where(s == 1.0, d, buf * momentum + (1.0 - dampening) * d)
+            _st(b_ptr, offs, n, buf, MASKED)
+            if NESTEROV:
+                d = d + momentum * buf
+            else:
+                d = buf
+        p = p - lr * d
         if HAS_MASTER:
-            tl.store(w_ptr + offs, p, mask=mask)
-        tl.store(p_ptr + offs, _to_param(p, PARAM_DTYPE), mask=mask)
+            _st(w_ptr, offs, n, p, MASKED)
+        _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
 
 
 # Roles of the SGD table: 0 grad, 1 param, 2 master, 3 momentum_buffer, 4 step
@@ -280,40 +366,55 @@ def _sgd_kernel(
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
-    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
     factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
     s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
-    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
-    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE)
-    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
-    b_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE, ALIGNED)
+    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE, ALIGNED)
+    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
+    b_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32, ALIGNED)
+    if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
+        _sgd_chunk(g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, dampening, weight_decay,
+                   PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, BLOCK, ITERS, False)
+    else:
+        _sgd_chunk(g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, dampening, weight_decay,
+                   PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, BLOCK, ITERS, True)
+
+
+@triton.jit
+def _lamb_stage1_chunk(
+    g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, u_ptr, start, n, factor,
+    beta1, beta2, beta3, eps, weight_decay, bc1, bc2,
+    HAS_MASTER: tl.constexpr, ADAMW: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
+):
+    acc_p = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        d = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * factor
-        if MAXIMIZE:
-            d = -d
+        g = _ld(g_ptr, offs, n, MASKED).to(tl.float32) * factor
         if HAS_MASTER:
-            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            p = _ld(w_ptr, offs, n, MASKED)
         else:
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        d = d + weight_decay * p
-        if HAS_MOMENTUM:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
-            # First step of this tensor: torch initializes the buffer with the gradient.
-            buf = tl.where(s == 1.0, d, buf * momentum + (1.0 - dampening) * d)
-            tl.store(b_ptr + offs, buf, mask=mask)
-            if NESTEROV:
-                d = d + momentum * buf
-            else:
-                d = buf
-        p = p - lr * d
-        if HAS_MASTER:
-            tl.store(w_ptr + offs, p, mask=mask)
-        tl.store(p_ptr + offs, _to_param(p, PARAM_DTYPE), mask=mask)
+            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        m = _ld(m_ptr, offs, n, MASKED)
+        v = _ld(v_ptr, offs, n, MASKED)
+        if not ADAMW:
+            g = g + weight_decay * p
+        m = m * beta1 + beta3 * g
+        v = v * beta2 + (1.0 - beta2) * (g * g)
+        u = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+        if ADAMW:
+            u = u + weight_decay * p
+        _st(m_ptr, offs, n, m, MASKED)
+        _st(v_ptr, offs, n, v, MASKED)
+        _st(u_ptr, offs, n, u, MASKED)
+        acc_p += p * p
+        acc_u += u * u
+    return tl.sum(acc_p, axis=0), tl.sum(acc_u, axis=0)
 
 
 # Roles of the LAMB stage-1 table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq,
@@ -328,9 +429,9 @@ def _lamb_stage1_kernel(
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
     ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
-    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
     factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
     factor = factor / tl.load(global_div_ptr)
@@ -340,38 +441,36 @@ def _lamb_stage1_kernel(
     if BIAS_CORRECTION:
         bc1 = _bias_correction(log2_beta1, s).to(tl.float32)
         bc2 = _bias_correction(log2_beta2, s).to(tl.float32)
-    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE)
-    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE)
-    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
-    m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32)
-    v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32)
-    u_ptr = _role_ptr(ptrs, 5, n_tensors, t, tl.float32)
-    acc_p = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
+    g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE, ALIGNED)
+    p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE, ALIGNED)
+    w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
+    m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32, ALIGNED)
+    v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32, ALIGNED)
+    u_ptr = _role_ptr(ptrs, 5, n_tensors, t, tl.float32, ALIGNED)
+    if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
+        p2, u2 = _lamb_stage1_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, u_ptr, start, n, factor, beta1, beta2,
+                                    beta3, eps, weight_decay, bc1, bc2, HAS_MASTER, ADAMW, BLOCK, ITERS, False)
+    else:
+        p2, u2 = _lamb_stage1_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, u_ptr, start, n, factor, beta1, beta2,
+                                    beta3, eps, weight_decay, bc1, bc2, HAS_MASTER, ADAMW, BLOCK, ITERS, True)
+    tl.store(partial_p2 + pid, p2)
+    tl.store(partial_u2 + pid, u2)
+
+
+@triton.jit
+def _lamb_stage2_chunk(p_ptr, w_ptr, u_ptr, start, n, lr_ratio, PARAM_DTYPE: tl.constexpr,
+                       HAS_MASTER: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr):
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * factor
         if HAS_MASTER:
-            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            p = _ld(w_ptr, offs, n, MASKED)
         else:
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        if not ADAMW:
-            g = g + weight_decay * p
-        m = m * beta1 + beta3 * g
-        v = v * beta2 + (1.0 - beta2) * (g * g)
-        u = (m / bc1) / (tl.sqrt(v / bc2) + eps)
-        if ADAMW:
-            u = u + weight_decay * p
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        tl.store(u_ptr + offs, u, mask=mask)
-        acc_p += p * p
-        acc_u += u * u
-    tl.store(partial_p2 + pid, tl.sum(acc_p, axis=0))
-    tl.store(partial_u2 + pid, tl.sum(acc_u, axis=0))
+            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        u = _ld(u_ptr, offs, n, MASKED)
+        p = p - lr_ratio * u
+        if HAS_MASTER:
+            _st(w_ptr, offs, n, p, MASKED)
+        _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
 
 
 # Roles of the LAMB stage-2 table: 0 param, 1 master, 2 update
@@ -380,26 +479,18 @@ def _lamb_stage2_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
     found_inf_ptr, ratio_ptr, lr,
     PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
-    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start)
+    pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
-    ratio = tl.load(ratio_ptr + t)
-    p_ptr = _role_ptr(ptrs, 0, n_tensors, t, PARAM_DTYPE)
-    w_ptr = _role_ptr(ptrs, 1, n_tensors, t, tl.float32)
-    u_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32)
-    for i in tl.static_range(ITERS):
-        offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        if HAS_MASTER:
-            p = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        else:
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
-        p = p - (lr * ratio) * u
-        if HAS_MASTER:
-            tl.store(w_ptr + offs, p, mask=mask)
-        tl.store(p_ptr + offs, _to_param(p, PARAM_DTYPE), mask=mask)
+    lr_ratio = lr * tl.load(ratio_ptr + t)
+    p_ptr = _role_ptr(ptrs, 0, n_tensors, t, PARAM_DTYPE, ALIGNED)
+    w_ptr = _role_ptr(ptrs, 1, n_tensors, t, tl.float32, ALIGNED)
+    u_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
+    if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
+        _lamb_stage2_chunk(p_ptr, w_ptr, u_ptr, start, n, lr_ratio, PARAM_DTYPE, HAS_MASTER, BLOCK, ITERS, False)
+    else:
+        _lamb_stage2_chunk(p_ptr, w_ptr, u_ptr, start, n, lr_ratio, PARAM_DTYPE, HAS_MASTER, BLOCK, ITERS, True)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -421,13 +512,16 @@ def check_and_norm(grads, inv_scale):
     device = grads[0].device
     block, iters, warps = launch_config()
     table = chunk_table([grads], [g.numel() for g in grads], block * iters, device)
+    if table.n_chunks == 0:  # only empty tensors
+        zero = torch.zeros(1, dtype=torch.float32, device=device)
+        return zero, zero.clone()
     partial_bad = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     partial_sumsq = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     _check_and_norm_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, partial_bad), partial_bad, partial_sumsq,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), HAS_INV_SCALE=inv_scale is not None,
-        BLOCK=block, ITERS=iters, num_warps=warps,
+        ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
     return partial_bad.amax().reshape(1), partial_sumsq.sum().reshape(1)
 
@@ -448,6 +542,8 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        return
     dummy = exp_avgs[0]
     _adam_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
@@ -459,7 +555,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
         STEP_ROLE=step_role, ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
-        MAXIMIZE=bool(maximize), BLOCK=block, ITERS=iters, num_warps=warps,
+        MAXIMIZE=bool(maximize), ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
 
 
@@ -472,6 +568,8 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        return
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     _sgd_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
@@ -483,7 +581,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
         STEP_ROLE=step_role, HAS_MOMENTUM=momentum_buffers is not None,
         NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
-        BLOCK=block, ITERS=iters, num_warps=warps,
+        ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
 
 
@@ -498,6 +596,9 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        zeros = torch.zeros(table.n_tensors, dtype=torch.float32, device=device)
+        return zeros, zeros.clone()
     partial_p2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     partial_u2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     dummy = partial_p2
@@ -510,7 +611,7 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
         STEP_ROLE=step_role, ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
-        BLOCK=block, ITERS=iters, num_warps=warps,
+        ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
     chunk_t = table.chunk_t
     p2 = torch.zeros(table.n_tensors, dtype=torch.float32, device=device).index_add_(0, chunk_t, partial_p2)
@@ -522,9 +623,11 @@ def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
     device = params[0].device
     block, iters, warps = launch_config()
     table = chunk_table([params, masters, updates], [p.numel() for p in params], block * iters, device)
+    if table.n_chunks == 0:
+        return
     _lamb_stage2_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(found_inf, ratios), ratios, float(lr),
         PARAM_DTYPE=tl_dtype(params[0].dtype), HAS_MASTER=masters is not None,
-        HAS_FOUND_INF=found_inf is not None, BLOCK=block, ITERS=iters, num_warps=warps,
+        HAS_FOUND_INF=found_inf is not None, ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )

@@ -18,13 +18,17 @@ optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
   - ``_fusedist_grad_sumsq``: Tensor or None. Set by ``unscale_``: global sum of squares of the
     unscaled gradients, read by ``clip_grad_norm_``.
 
-* ``_fusedist_check_and_norm(inv_scale) -> (found_inf, sumsq)``: one read-only pass over the
-  gradients it steps; it must return the *global* values, combining local ones through
-  ``_fusedist_reduce_found_inf_and_norm(found_inf, sumsq)``. A sharded optimizer (ZeRO)
-  overrides that hook to all-reduce (max for the flag, sum for the squares) so every rank
-  skips together and clips with the same norm.
-* ``_fusedist_grad_params()``: the parameters whose gradients that norm covers (what
-  ``clip_grad_norm_`` compares its argument with to take the fast path).
+* ``_fusedist_check_and_norm(inv_scale) -> (found_inf, sumsq)``: one read-only pass over
+  ``_fusedist_local_grads()`` (the gradients this rank steps); it must return the *global*
+  values, combining local ones through ``_fusedist_reduce_found_inf_and_norm(found_inf,
+  sumsq)``. A sharded optimizer (ZeRO) overrides that hook to all-reduce (max for the flag,
+  sum for the squares) so every rank skips together and clips with the same norm. The base
+  class (``fusedist.optim._base.FusedOptimizerBase``) implements all of this; a sharded
+  optimizer overrides ``_fusedist_local_grads``, ``_fusedist_grad_params`` and the reduce
+  hook (see tests/test_grad_scaler_distributed.py for a minimal example).
+* ``_fusedist_grad_params()``: the parameters whose gradients the global norm covers (what
+  ``clip_grad_norm_`` compares its argument with to take the fast path; for ZeRO, every model
+  parameter).
 * ``_fusedist_materialize_unscale()``: multiply the gradients by a pending
   ``_fusedist_inv_scale`` in place and clear it (slow path for callers needing real values).
 

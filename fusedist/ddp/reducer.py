@@ -55,6 +55,17 @@ class GradSyncStrategy:
     def finish(self, reducer: "Reducer", bucket: Bucket, handle: CommHandle) -> None:
         raise NotImplementedError
 
+    # Lifecycle hooks for strategies that manage the gradient buffers themselves (ZeRO stage
+    # 2 releases them between backward passes). The defaults do nothing, so the all-reduce
+    # path is unchanged.
+    def begin_backward(self, reducer: "Reducer") -> None:
+        """Called at the start of every backward (synchronized or not), before the first
+        gradient is accumulated into the buffers."""
+
+    def after_sync(self, reducer: "Reducer") -> None:
+        """Called at the end of every synchronized backward, after every bucket finished and
+        after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
+
 
 def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
     """(pre, post) divisors whose product is ``world_size``.
@@ -229,6 +240,7 @@ class Reducer:
         self.t_last_grad = self.t_begin
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
+        self.strategy.begin_backward(self)
         Variable._execution_engine.queue_callback(self._finish_backward)
         if self.monitor is not None:  # [reliability] stamps this step on the collective history
             self.monitor.step_hint = self.sync_steps
@@ -340,6 +352,7 @@ class Reducer:
         if self._observed_order is not None and not self.layout_final:
             observed, self._observed_order = self._observed_order, None
             self._rebuild(observed)
+        self.strategy.after_sync(self)
         if unused and not self.config.find_unused_parameters:
             if self.step_check is not None:
                 # [reliability] if only some ranks ran this branch, raise the every-rank

@@ -53,6 +53,9 @@ class FusedOptimizerBase(Optimizer):
                     )
             self._validate_group(group, gi)
         self._fusedist_clear_protocol()
+        # ids of parameters whose state _init_state has completed (cleared on load_state_dict):
+        # spares per-step dict lookups for every parameter.
+        self._fusedist_ready: set[int] = set()
 
     # -- protocol state (Note [scaler protocol]) ----------------------------------------------
 
@@ -64,14 +67,19 @@ class FusedOptimizerBase(Optimizer):
         self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
 
     def _fusedist_grad_params(self) -> list[torch.Tensor]:
-        """Parameters whose gradients the norm of :meth:`_fusedist_check_and_norm` covers."""
+        """Parameters whose gradients the *global* norm of :meth:`_fusedist_check_and_norm`
+        covers (what clip_grad_norm_ compares its argument with). A sharded optimizer returns
+        every model parameter here, since its reduced norm covers them all."""
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
+    def _fusedist_local_grads(self) -> list[torch.Tensor]:
+        """Gradients this rank reads in the check pass (its shard, for a sharded optimizer)."""
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
-        """One read-only pass: (found_inf, sum of squares of grad*inv_scale), combined by
-        :meth:`_fusedist_reduce_found_inf_and_norm`."""
-        grads = [p.grad for p in self._fusedist_grad_params()]
-        found_inf, sumsq = functional.check_and_norm(grads, inv_scale)
+        """One read-only pass over :meth:`_fusedist_local_grads`: (found_inf, sum of squares of
+        grad*inv_scale), made global by :meth:`_fusedist_reduce_found_inf_and_norm`."""
+        found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale)
         return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
 
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
@@ -111,12 +119,18 @@ class FusedOptimizerBase(Optimizer):
         raise NotImplementedError
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        """Create the per-parameter state: step, master, and the keys in ``_state_keys``."""
+        """Create what is missing of the per-parameter state: ``step``, the keys in
+        ``_state_keys`` and, for bf16/fp16 parameters of a ``master_weights`` group, the FP32
+        ``master_param``. Runs on a parameter's first step and on the first step after
+        ``load_state_dict``, so a state loaded from torch's optimizer is completed lazily.
+        (``master_weights`` is therefore read when a parameter's state is created.)"""
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         for key in self._state_keys:
-            state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
-        if group.get("master_weights", False) and p.dtype in _HALF:
+            if state.get(key) is None:
+                state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+        if "master_param" not in state and p.dtype in _HALF and group.get("master_weights", False):
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
@@ -155,8 +169,9 @@ class FusedOptimizerBase(Optimizer):
                             f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
                         )
                     state = self.state[p]
-                    if len(state) == 0:
+                    if not state or id(p) not in self._fusedist_ready:
                         self._init_state(group, p, state)
+                        self._fusedist_ready.add(id(p))
                     params.append(p)
                     grads.append(g)
                     states.append(state)
@@ -168,7 +183,8 @@ class FusedOptimizerBase(Optimizer):
                                  clip_coef=clip_coef, found_inf=found_inf)
                 if found_inf is not None:
                     # A skipped step does not count (decided on the device, like torch's fused Adam).
-                    torch._foreach_sub_(steps, found_inf.reshape(()))
+                    # (_foreach_add_ has a Tensor overload; _foreach_sub_ would read the flag on the host.)
+                    torch._foreach_add_(steps, found_inf.reshape(()), alpha=-1.0)
         finally:
             self._fusedist_clear_protocol()
         return loss
@@ -179,6 +195,7 @@ class FusedOptimizerBase(Optimizer):
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
+        self._fusedist_ready = set()
         for group in self.param_groups:
             # A state dict from torch's optimizer lacks fusedist's own keys: use our defaults.
             for key, value in self.defaults.items():

@@ -14,8 +14,9 @@ class FusedAdam(FusedOptimizerBase):
     parameters get an FP32 copy in ``state["master_param"]``; the update runs on it and the
     parameter receives its rounded value, so the low-precision weights follow the FP32
     trajectory. Optimizer states (``exp_avg``, ``exp_avg_sq``) are FP32 for every parameter
-    dtype (fp64 for fp64 parameters). ``amsgrad``, ``capturable``, ``differentiable``,
-    ``foreach`` and ``fused`` are not supported: True raises.
+    dtype (fp64 for fp64 parameters). ``decoupled_weight_decay=True`` gives AdamW, as in torch.
+    ``amsgrad``, ``capturable`` and ``differentiable`` are not supported (True raises);
+    ``foreach``/``fused`` are accepted as hints (``fused=False`` raises).
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
@@ -23,17 +24,20 @@ class FusedAdam(FusedOptimizerBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False,
                  *, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 master_weights=False, bias_correction=True):
+                 decoupled_weight_decay=False, master_weights=False, bias_correction=True):
         if weight_decay is None:
             weight_decay = 1e-2 if self._adamw else 0.0
         name = type(self).__name__
         for flag, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
             if value:
                 raise ValueError(f"{name}: {flag}=True is not supported")
-        if foreach or fused:
-            raise ValueError(f"{name}: foreach/fused select torch's implementations; this optimizer is always fused")
+        if fused is False:
+            raise ValueError(f"{name}: fused=False asks for torch's unfused implementation; use torch.optim instead")
+        # ``foreach`` only picks between torch's implementations (same math): accepted as a
+        # hint for drop-in compatibility; this optimizer is always multi-tensor and fused.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
-                        master_weights=master_weights, bias_correction=bias_correction)
+                        master_weights=master_weights, bias_correction=bias_correction,
+                        decoupled_weight_decay=bool(decoupled_weight_decay) or self._adamw)
         super().__init__(params, defaults)
 
     def _validate_group(self, group, index):
@@ -48,13 +52,16 @@ class FusedAdam(FusedOptimizerBase):
             raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
         if wd < 0:
             raise ValueError(f"{name}: invalid weight_decay {wd}")
+        for flag in ("amsgrad", "capturable"):  # e.g. from a loaded torch state dict
+            if group.get(flag):
+                raise ValueError(f"{name}: {flag}=True is not supported")
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         beta1, beta2 = group["betas"]
         functional.adam_update(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=self._adamw, step=[s["step"] for s in states],
+            weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"], step=[s["step"] for s in states],
             bias_correction=group["bias_correction"], maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,

@@ -31,6 +31,7 @@ cannot take (fp64, non-contiguous) always use the reference.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections import defaultdict
@@ -67,6 +68,7 @@ def _kernels():
 # the backend selector never picks ``cpu_ext``.
 
 
+@functools.lru_cache(maxsize=None)
 def _has_cpu_adam() -> bool:
     return (
         importlib.util.find_spec(f"{__package__}._cpu_adam") is not None

@@ -19,8 +19,8 @@ class FusedSGD(FusedOptimizerBase):
                  *, maximize=False, foreach=None, differentiable=False, fused=None, master_weights=False):
         if differentiable:
             raise ValueError("FusedSGD: differentiable=True is not supported")
-        if foreach or fused:
-            raise ValueError("FusedSGD: foreach/fused select torch's implementations; this optimizer is always fused")
+        if fused is False:
+            raise ValueError("FusedSGD: fused=False asks for torch's unfused implementation; use torch.optim.SGD")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights)
         super().__init__(params, defaults)
@@ -39,18 +39,18 @@ class FusedSGD(FusedOptimizerBase):
             raise ValueError(f"{name}: nesterov momentum requires a momentum and zero dampening")
 
     def _init_state(self, group, p, state):
+        if "step" not in state and isinstance(state.get("momentum_buffer"), torch.Tensor):
+            # A state from torch's SGD (no step count): its buffer has seen at least one step.
+            state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
         super()._init_state(group, p, state)
-        if group["momentum"] != 0:
+        if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+            # Zero-filled; the kernel fills it with the gradient where the step count is 1.
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            state["step"].fill_(0.0)
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         momentum = group["momentum"]
-        if momentum != 0:
-            for s, p in zip(states, params):
-                if "momentum_buffer" not in s:  # momentum switched on after the first step
-                    s["momentum_buffer"] = p.detach().to(torch.float64 if p.dtype == torch.float64 else torch.float32).zero_()
-                    s["step"].zero_().add_(1.0)
         functional.sgd_update(
             params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
             masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],

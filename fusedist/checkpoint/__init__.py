@@ -1,0 +1,10 @@
+"""Checkpoints: per-rank atomic files, a manifest written last, resharding at load.
+
+``save(directory, model, optimizer=None, scaler=None, extra=None)`` and
+``load(directory, model, optimizer=None, scaler=None) -> extra``; see :mod:`.api`.
+"""
+
+from ._files import CheckpointError
+from .api import load, save
+
+__all__ = ["save", "load", "CheckpointError"]

@@ -1,0 +1,136 @@
+"""Atomic, checksummed checkpoint files and the manifest that makes a checkpoint complete.
+
+Note [checkpoint atomicity]
+    Every file is written to a temporary name in the same directory, flushed and fsync'ed,
+    then renamed over its final name (``os.replace`` is atomic on POSIX), and the directory is
+    fsync'ed so the rename itself survives a crash. The manifest is written last, by rank 0,
+    after every rank reported its file's size and SHA-256; saving first removes an old
+    manifest. So a directory either has a manifest describing files that were all completely
+    written, or no manifest (an interrupted save), never one that points at half-written or
+    mixed-up files -- and a later corruption is caught by the size/checksum check at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT = "fusedist.checkpoint"
+VERSION = 1
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded (missing, truncated, corrupt or mismatched); nothing was
+    changed in the model, optimizer or scaler."""
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[Any], None]) -> dict:
+    """Write ``path`` atomically (Note [checkpoint atomicity]); return its size and SHA-256."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        info = file_info(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(directory)
+    return info
+
+
+def atomic_torch_save(path: str, obj: Any) -> dict:
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def file_info(path: str) -> dict:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def write_manifest(directory: str, manifest: dict) -> None:
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    atomic_write(os.path.join(directory, MANIFEST), lambda f: f.write(data))
+
+
+def remove_manifest(directory: str) -> None:
+    path = os.path.join(directory, MANIFEST)
+    if os.path.exists(path):
+        os.unlink(path)
+        _fsync_dir(directory)
+
+
+def read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"fusedist.checkpoint: {path} does not exist: {directory!r} holds no complete checkpoint "
+            "(the manifest is written last, so an interrupted save leaves none)"
+        )
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"fusedist.checkpoint: {path} is not valid JSON ({exc})") from exc
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"fusedist.checkpoint: {path} is not a fusedist checkpoint manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"fusedist.checkpoint: {path} has format version {manifest.get('version')}, this fusedist "
+            f"reads versions up to {VERSION}; upgrade fusedist"
+        )
+    return manifest
+
+
+def verify_file(directory: str, name: str, expected: dict) -> str:
+    """The path of ``name`` after checking it exists with the manifest's size and checksum."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"fusedist.checkpoint: shard file {path} is missing (listed in the manifest)")
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        raise CheckpointError(
+            f"fusedist.checkpoint: shard file {path} has {size} bytes, the manifest says "
+            f"{expected['bytes']} (truncated or overwritten)"
+        )
+    if file_info(path)["sha256"] != expected["sha256"]:
+        raise CheckpointError(
+            f"fusedist.checkpoint: shard file {path} is corrupt (SHA-256 differs from the manifest)"
+        )
+    return path
+
+
+def load_file(path: str) -> Any:
+    try:
+        # Checkpoint files are pickles (``extra`` is free-form): load only trusted checkpoints.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
+        raise CheckpointError(f"fusedist.checkpoint: cannot read {path}: {exc}") from exc

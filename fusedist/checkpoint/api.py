@@ -1,0 +1,298 @@
+"""``fusedist.checkpoint.save`` / ``load``: per-rank atomic files, resharding at load.
+
+Layout of a checkpoint directory::
+
+    manifest.json        written last by rank 0: format version, world size, every file's
+                         size and SHA-256, parameter names/shapes, optimizer kind
+    common.pt            rank 0: {"model", "optimizer" (unsharded optimizers), "scaler", "extra"}
+    rank-00000.pt ...    one per rank that holds per-rank state: {"optimizer_shard": the
+                         ZeroRedundancyOptimizer shard (per-parameter fragments)}
+
+Both files are dicts of named *sections*; adding per-rank state (RNG states, data-loader
+position) means adding a section to ``_rank_sections`` / ``_common_sections`` and consuming it
+in ``load`` -- older checkpoints simply lack the section.
+
+The directory must be visible to every rank (a shared filesystem): ranks write their own
+files into it, and at load every rank reads every optimizer shard file (resharding needs the
+slices of all of them; CPU memory for the load is about the full optimizer state).
+
+Model keys are saved without DDP's ``module.`` prefix (the bare module's ``state_dict()``);
+``load`` accepts a bare module or a (fusedist or torch) DDP wrapper, and checkpoints whose
+keys carry the prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..zero import ZeroRedundancyOptimizer
+from ..zero import state as zstate
+from ..zero.optimizer import _to_cpu
+from . import _files
+from ._files import CheckpointError
+
+COMMON = "common.pt"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+# ---------------------------------------------------------------------------- helpers
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare module inside a fusedist or torch DDP wrapper."""
+    from ..ddp import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
+        return model.module
+    return model
+
+
+def _strip_prefix(state: dict) -> dict:
+    keys = list(state)
+    if keys and all(k.startswith("module.") for k in keys):
+        return type(state)((k[len("module."):], v) for k, v in state.items())
+    return state
+
+
+class _World:
+    """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
+    ZeRO, else the default group, else a single process."""
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            self.group = optimizer.process_group
+            self.active = optimizer.comm is not None and optimizer.world_size > 1
+            self.rank, self.size = optimizer.rank, optimizer.world_size
+        elif dist.is_available() and dist.is_initialized():
+            self.group = None
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.active = self.size > 1
+        else:
+            self.group, self.rank, self.size, self.active = None, 0, 1, False
+
+    def all_gather(self, obj) -> list:
+        if not self.active:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        self.all_gather(None)
+
+
+def _param_names(model: torch.nn.Module, params) -> list[str]:
+    names = {p: n for n, p in _unwrap(model).named_parameters()}
+    return [names.get(p, f"<not in model: {tuple(p.shape)}>") for p in params]
+
+
+def _optimizer_params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+# ---------------------------------------------------------------------------- save
+def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None) -> None:
+    """Write a checkpoint of ``model`` (and optimizer, GradScaler, ``extra``) to ``directory``.
+
+    A collective: every rank of the data-parallel group calls it. Each rank holding
+    per-rank state (a ZeroRedundancyOptimizer shard) writes its own file, rank 0 writes the
+    replicated state, and rank 0 writes the manifest last (Note [checkpoint atomicity]);
+    the call returns on every rank once the checkpoint is complete. ``extra`` is any
+    picklable dict (step counters, configuration), returned by :func:`load`.
+    """
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
+    world = _World(optimizer)
+    os.makedirs(directory, exist_ok=True)
+    if world.rank == 0:
+        _files.remove_manifest(directory)  # from here on the directory is not a valid checkpoint
+    world.barrier()
+
+    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+    if zero:
+        optimizer.wait_for_params()
+    mine, error = {}, None
+    try:
+        sections = _rank_sections(optimizer)
+        if sections:
+            name = rank_file(world.rank)
+            mine[name] = dict(_files.atomic_torch_save(os.path.join(directory, name), sections),
+                              rank=world.rank, sections=sorted(sections))
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
+        error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
+    everyone = world.all_gather((mine, error))
+    failed = [e for _, e in everyone if e is not None]
+    if failed:
+        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
+    everyone = [m for m, _ in everyone]
+    if world.rank == 0:
+        files = {}
+        for entry in everyone:
+            files.update(entry)
+        common = _common_sections(model, optimizer, scaler, extra)
+        files[COMMON] = dict(_files.atomic_torch_save(os.path.join(directory, COMMON), common),
+                             rank=0, sections=sorted(common))
+        params = _optimizer_params(optimizer) if optimizer is not None else []
+        manifest = {
+            "format": _files.FORMAT,
+            "version": _files.VERSION,
+            "world_size": world.size,
+            "created_unix": time.time(),
+            "files": files,
+            "optimizer": None if optimizer is None else {
+                "kind": "zero" if zero else "full",
+                "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
+                "stage": optimizer.stage if zero else None,
+                "param_names": _param_names(model, params),
+                "param_shapes": [list(p.shape) for p in params],
+            },
+            "scaler": scaler is not None,
+        }
+        _files.write_manifest(directory, manifest)
+    world.barrier()
+
+
+def _rank_sections(optimizer) -> dict:
+    sections = {}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        sections["optimizer_shard"] = _to_cpu(optimizer.state_dict())
+    return sections
+
+
+def _common_sections(model, optimizer, scaler, extra) -> dict:
+    full_optimizer = None
+    if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
+        full_optimizer = _to_cpu(optimizer.state_dict())
+    return {
+        "model": _to_cpu(_unwrap(model).state_dict()),
+        "optimizer": full_optimizer,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "extra": extra,
+    }
+
+
+# ---------------------------------------------------------------------------- load
+def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None) -> Optional[dict]:
+    """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
+
+    The world size may differ from the one that saved it: ZeroRedundancyOptimizer state is
+    resharded here (each rank reads every shard file it needs and keeps its own slices), an
+    unsharded optimizer receives the consolidated state, and a sharded one can load a
+    checkpoint of an unsharded optimizer. Every file is checked against the manifest (present,
+    size, SHA-256) and every tensor against the model and optimizer *before* anything is
+    modified; on any problem, on any rank, every rank raises :class:`CheckpointError` naming it
+    and the model, optimizer and scaler are untouched. A collective when the optimizer is
+    sharded or torch.distributed is initialized.
+    """
+    world = _World(optimizer)
+    try:
+        plan = _prepare(directory, model, optimizer, scaler)
+        error = None
+    except (CheckpointError, zstate.StateDictError) as exc:
+        plan, error = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
+        plan, error = None, f"fusedist.checkpoint: reading {directory} failed: {type(exc).__name__}: {exc}"
+    errors = world.all_gather(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        prefix = "" if rank == world.rank else f"rank {rank} could not load the checkpoint: "
+        raise CheckpointError(prefix + message)
+    return _apply(plan, model, optimizer, scaler)
+
+
+def _prepare(directory, model, optimizer, scaler) -> dict:
+    manifest = _files.read_manifest(directory)
+    files = manifest["files"]
+    if COMMON not in files:
+        raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {COMMON}")
+    common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]))
+    plan: dict = {"extra": common.get("extra")}
+
+    # Model: the saved keys and shapes must be exactly the module's.
+    target = _unwrap(model)
+    saved = _strip_prefix(common["model"])
+    expected = target.state_dict()
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"fusedist.checkpoint: the model in {directory} does not match: missing keys {missing[:10]}, "
+            f"unexpected keys {unexpected[:10]}"
+        )
+    for k, v in expected.items():
+        if tuple(saved[k].shape) != tuple(v.shape):
+            raise CheckpointError(
+                f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
+                f"is {tuple(v.shape)}"
+            )
+    plan["model"] = saved
+
+    if optimizer is not None:
+        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer)
+    if scaler is not None:
+        if common.get("scaler") is None:
+            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
+        plan["scaler"] = common["scaler"]
+    return plan
+
+
+def _prepare_optimizer(directory, manifest, common, model, optimizer):
+    meta = manifest.get("optimizer")
+    if meta is None:
+        raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+    params = _optimizer_params(optimizer)
+    names = _param_names(model, params)
+    if meta["param_names"] != names or [list(p.shape) for p in params] != meta["param_shapes"]:
+        first = next((i for i, (a, b) in enumerate(zip(meta["param_names"], names)) if a != b), None)
+        detail = (f"parameter {first} is '{meta['param_names'][first]}' in the checkpoint, '{names[first]}' here"
+                  if first is not None else f"{len(meta['param_names'])} parameters saved, {len(names)} here "
+                  "(or shapes differ)")
+        raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
+    source = f"optimizer state in {directory}"
+    if meta["kind"] == "zero":
+        shards = []
+        for name, info in sorted(manifest["files"].items()):
+            if "optimizer_shard" in info.get("sections", []):
+                shards.append(_files.load_file(_files.verify_file(directory, name, info))["optimizer_shard"])
+        if len(shards) != manifest["world_size"]:
+            raise CheckpointError(
+                f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "
+                f"{manifest['world_size']}"
+            )
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.prepare_load(shards, source=source)
+        merged = zstate.merge_fragments(shards)
+        assembled = zstate.assemble(merged, params, range(len(params)), source=source)
+        full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
+        zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
+        return full
+    full = common["optimizer"]
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.prepare_load(full, source=source)
+    zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
+    return full
+
+
+def _apply(plan: dict, model, optimizer, scaler):
+    """Nothing here can fail on validated input: the model, then the optimizer (whose master
+    weights default to the just-loaded parameters), then the scaler."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.wait_for_params()  # no parameter all-gather may land after the load
+    with torch.no_grad():
+        _unwrap(model).load_state_dict(plan["model"])
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.sync_master_from_params()
+        if "optimizer" in plan:
+            optimizer._apply_assembled(*plan["optimizer"])
+    elif optimizer is not None and "optimizer" in plan:
+        optimizer.load_state_dict(plan["optimizer"])
+    if scaler is not None and "scaler" in plan:
+        scaler.load_state_dict(plan["scaler"])
+    return plan["extra"]

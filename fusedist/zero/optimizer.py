@@ -1,0 +1,708 @@
+"""``fusedist.ZeroRedundancyOptimizer``: ZeRO stage 1 and 2 on flat, evenly sharded buffers."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from ..comm import get_communicator
+from . import state as zstate
+from .grad_sync import ReduceScatterToShard, grad_buffers_allocated, release_grad_buffers
+from .partition import FlatParams, FlatPartition, bucketize
+
+MiB = 1024 * 1024
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _default_optimizer_class():
+    try:
+        from ..optim import FusedAdamW
+    except ImportError as exc:  # fusedist.optim not built into this installation
+        raise TypeError(
+            "ZeroRedundancyOptimizer: optimizer_class not given and fusedist.optim.FusedAdamW is "
+            f"unavailable ({exc}); pass optimizer_class=torch.optim.AdamW (or another optimizer)"
+        ) from exc
+    return FusedAdamW
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Shards FP32 master weights and optimizer state (stage 1), and gradients (stage 2),
+    evenly over the data-parallel ranks.
+
+    Drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class,
+    **defaults)``. Unlike torch's (whole parameters assigned greedily, then broadcast), every
+    rank owns an equal contiguous slice of each bucket of the flat parameter space (Note [flat
+    partition] in ``partition.py``): balanced to within padding, and synchronized with
+    reduce-scatter / all-gather, the data-parallel volume.
+
+    * With parameters of a :class:`fusedist.DistributedDataParallel` model the optimizer finds
+      the wrapper itself (``p._fusedist_ddp``) and shards along its gradient buckets. Stage 1:
+      DDP all-reduces, each rank updates its slice, the updated slices are all-gathered per
+      bucket. Stage 2: DDP reduce-scatters each bucket as it becomes ready (Note [stage 2
+      gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the
+      gradients must already be synchronized (e.g. torch DDP, or a single process).
+    * The first ``step()`` builds the shards (after the first synchronized backward, when DDP's
+      bucket layout is final), and re-points every parameter's storage into one flat buffer
+      per dtype so the all-gather writes straight into the parameters. The inner
+      ``optimizer_class`` steps FP32 views of the rank's flat shard, one per run of a param
+      group, so any elementwise torch optimizer works and per-group hyperparameters (and LR
+      schedulers changing ``param_groups``) are honoured.
+    * Parameter all-gathers are issued per bucket at the end of ``step()`` without waiting;
+      with DDP each bucket is waited for by a forward pre-hook of the modules owning its
+      parameters, so the gather overlaps with ``zero_grad``, data loading and the forward of
+      earlier layers. ``step()``, the model's ``state_dict()``, this optimizer's
+      ``state_dict()`` and checkpoint saving wait too. Code that reads parameter tensors
+      directly after ``step()`` (outside forward) must call :meth:`wait_for_params` first, or
+      pass ``overlap_param_gather=False`` (every gather is then waited for inside ``step()``).
+    * What ``p.grad`` holds: stage 1 -- the full averaged gradient, as with DDP alone. Stage 2
+      -- None after every synchronized backward (only the shard is kept; read it with
+      :meth:`gradient_shards`). Stage-2 gradients accumulate over synchronized backward passes
+      until ``step()``, which consumes them (so either ``optimizer.zero_grad()`` or
+      ``model.zero_grad()`` works in the loop). Clip with :meth:`clip_grad_norm_` (any stage), which combines
+      the shards' norms with one small all-reduce; ``torch.nn.utils.clip_grad_norm_`` on the
+      parameters would see no gradients in stage 2.
+    * GradScaler: ``fusedist.amp.GradScaler`` (Note [scaler protocol]): the found-inf flag and
+      the gradient norm are combined across shards in one all-reduce of two numbers, and a
+      fused inner optimizer skips an overflowing step on the device. A non-fused inner
+      optimizer reads the flag on the host (as torch's GradScaler does for it).
+    * Master weights are FP32 copies (FP64 for FP64 parameters). After changing parameters
+      outside the optimizer once it has stepped (e.g. ``model.load_state_dict``), call
+      :meth:`sync_master_from_params` (``fusedist.checkpoint.load`` does).
+
+    Args:
+        params: parameters or param groups (all of one fusedist DDP model, or none).
+        optimizer_class: the per-shard optimizer (default ``fusedist.optim.FusedAdamW``).
+        stage: 1 (shard master weights and optimizer state) or 2 (also gradients; needs DDP).
+        process_group: the data-parallel group when there is no DDP wrapper (with DDP its
+            group is used).
+        bucket_cap_mb: bucket size of the layout built without DDP.
+        overlap_param_gather: wait for parameter all-gathers in forward pre-hooks (needs DDP)
+            instead of at the end of ``step()``.
+        **defaults: hyperparameters for ``optimizer_class``.
+    """
+
+    _fusedist_fused = True  # Note [scaler protocol] (fusedist/amp/grad_scaler.py)
+
+    def __init__(self, params, optimizer_class=None, *, stage: int = 1, process_group=None,
+                 bucket_cap_mb: float = 25.0, overlap_param_gather: bool = True, **defaults):
+        if defaults.pop("overlap_with_ddp", False):
+            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
+                             "a fusedist DistributedDataParallel model instead")
+        defaults.pop("parameters_as_bucket_view", None)  # always true here
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
+        self.optimizer_class = optimizer_class or _default_optimizer_class()
+        self.stage = stage
+        self._inner_defaults = dict(defaults)
+        super().__init__(params, defaults)
+        self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        for i, p in enumerate(self._params):
+            if not p.is_floating_point() or p.is_complex():
+                raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only real "
+                                "floating-point parameters can be sharded")
+        self._fill_group_defaults()
+
+        self.ddp = self._find_ddp()
+        if self.ddp is not None:
+            if process_group is not None and process_group is not self.ddp.process_group:
+                raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
+            self.comm = self.ddp.comm
+        elif dist.is_available() and dist.is_initialized():
+            device = self._params[0].device if self._params else torch.device("cpu")
+            self.comm = get_communicator(process_group, device)
+        else:
+            self.comm = None  # a single process without torch.distributed
+        self.process_group = process_group if self.ddp is None else self.ddp.process_group
+        self.rank = self.comm.rank if self.comm is not None else 0
+        self.world_size = self.comm.world_size if self.comm is not None else 1
+        self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
+        self.overlap_param_gather = overlap_param_gather and self.ddp is not None
+        if stage == 2:
+            self._install_stage2()
+
+        self._partition: Optional[FlatPartition] = None
+        self._grad_shards: dict[torch.dtype, torch.Tensor] = {}
+        self._grads_present = False
+        self._flat_params: Optional[FlatParams] = None
+        self._masters: dict[torch.dtype, torch.Tensor] = {}
+        self._pieces: list[torch.Tensor] = []
+        self.inner: Optional[Optimizer] = None
+        self._gather_handles: dict[int, object] = {}
+        self._forward_hooks: list = []
+        self._pending_load: Optional[tuple] = None
+        self._fusedist_clear_protocol()
+
+    # ------------------------------------------------------------------ construction
+    def _fill_group_defaults(self) -> None:
+        """Fill each group's missing hyperparameters with the inner optimizer's defaults now,
+        so LR schedulers can read them before the (lazy) inner optimizer exists."""
+        for group in self.param_groups:
+            probe_group = {k: v for k, v in group.items() if k != "params"}
+            probe = self.optimizer_class([{"params": [torch.zeros(1, requires_grad=True)], **probe_group}],
+                                         **self._inner_defaults)
+            for k, v in probe.param_groups[0].items():
+                if k != "params":
+                    group.setdefault(k, v)
+
+    def _find_ddp(self):
+        owners = {id(getattr(p, "_fusedist_ddp", None)): getattr(p, "_fusedist_ddp", None) for p in self._params}
+        if len(owners) > 1:
+            raise ValueError(
+                "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
+                "models (or some to none); give one optimizer the parameters of one DDP model"
+            )
+        ddp = next(iter(owners.values()), None)
+        if ddp is None:
+            return None
+        ours, theirs = set(self._params), set(ddp.reducer.params)
+        if ours != theirs:
+            names = dict(zip(ddp.reducer.params, ddp.reducer.names))
+            missing = [names[p] for p in ddp.reducer.params if p not in ours]
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: the optimizer must own every trainable parameter of its DDP model "
+                f"(it shards along DDP's gradient buckets); missing: {missing[:10]}. Set requires_grad=False "
+                "on parameters you do not train before wrapping the model in DistributedDataParallel."
+            )
+        return ddp
+
+    def _install_stage2(self) -> None:
+        if self.ddp is None:
+            raise ValueError(
+                "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "
+                "model: gradients are reduce-scattered by its backward hooks. Wrap the model, or use stage=1."
+            )
+        reducer = self.ddp.reducer
+        if isinstance(reducer.strategy, ReduceScatterToShard):
+            raise ValueError("ZeroRedundancyOptimizer: this DDP model already has a stage-2 optimizer")
+        if reducer.in_backward:
+            raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
+        reducer.strategy = ReduceScatterToShard(self)
+        for p in self._params:
+            # Lets a global clip (fusedist.clip_grad_norm_) find the optimizer that holds these
+            # parameters' gradients: p.grad is None in stage 2.
+            p._fusedist_zero = self
+        release_grad_buffers(reducer)  # gradients live in shards from now on
+        reducer.layout_listeners.append(self._on_layout_change)
+
+    def _on_layout_change(self, layout) -> None:
+        if self._partition is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer: the DDP bucket layout changed after the shards were built")
+
+    # ------------------------------------------------------------------ lazy state
+    def _ensure_partition(self) -> FlatPartition:
+        if self._partition is not None:
+            return self._partition
+        if self.ddp is not None:
+            if not self.ddp.reducer.layout_final:
+                raise RuntimeError(
+                    "ZeroRedundancyOptimizer: the shards follow DDP's gradient buckets, which are final only "
+                    "after the first synchronized backward; call step() after loss.backward() (outside no_sync)"
+                )
+            buckets = self.ddp.reducer.layout.buckets
+        else:
+            names = [f"param {i}" for i in range(len(self._params))]
+            buckets = bucketize(self._params, names, cap_bytes=self.bucket_cap_bytes, world_size=self.world_size)
+        part = FlatPartition(buckets, self._params, self._group_of, self.rank, self.world_size)
+        device = self._params[0].device
+        self._grad_shards = {dt: torch.zeros(n, dtype=self._master_dtype(dt), device=device)
+                             for dt, n in part.shard_numel.items()}
+        self._partition = part
+        return part
+
+    @staticmethod
+    def _master_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _ensure_state(self) -> None:
+        if self.inner is not None:
+            return
+        part = self._ensure_partition()
+        device = self._params[0].device
+        self._flat_params = FlatParams(part, self._params, device)
+        self._masters = {dt: torch.empty(n, dtype=self._master_dtype(dt), device=device)
+                         for dt, n in part.shard_numel.items()}
+        self.sync_master_from_params()
+        self._pieces = []
+        groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
+        for piece in part.pieces:
+            t = self._masters[piece.dtype][piece.start:piece.end]
+            t.grad = self._grad_shards[piece.dtype][piece.start:piece.end]
+            self._pieces.append(t)
+            groups[piece.group]["params"].append(t)
+        self.inner = self.optimizer_class(groups, **self._inner_defaults)
+        if self.overlap_param_gather:
+            self._install_forward_hooks()
+        if self._pending_load is not None:
+            pending, self._pending_load = self._pending_load, None
+            self._apply_assembled(*pending)
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        """Copy the current parameter values into this rank's master shards (needed after
+        parameters were changed outside the optimizer, e.g. by ``model.load_state_dict``)."""
+        if self._flat_params is None:
+            return  # masters are built from the parameters at the first step
+        self.wait_for_params()
+        for bs in self._partition.bucket_shards:
+            dt = bs.bucket.dtype
+            self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
+
+    def _install_forward_hooks(self) -> None:
+        buckets_of: dict = {}
+        for bs in self._partition.bucket_shards:
+            for p in bs.bucket.params:
+                buckets_of.setdefault(p, set()).add(bs.bucket.index)
+        for module in self.ddp.module.modules():
+            needed = set()
+            for p in module._parameters.values():
+                if p is not None and p in buckets_of:
+                    needed |= buckets_of[p]
+            if needed:
+                indices = sorted(needed)
+                self._forward_hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _inp, indices=indices: self._wait_buckets(indices)))
+        # model.state_dict() (and so torch.save of the model) sees the updated parameters too.
+        self._forward_hooks.append(self.ddp.module.register_state_dict_pre_hook(
+            lambda *_args: self.wait_for_params()))
+
+    # ------------------------------------------------------------------ parameter all-gather
+    def _wait_buckets(self, indices) -> None:
+        for i in indices:
+            handle = self._gather_handles.pop(i, None)
+            if handle is not None:
+                handle.wait()
+
+    def wait_for_params(self) -> None:
+        """Block until every parameter all-gather of the last step has landed."""
+        self._wait_buckets(list(self._gather_handles))
+
+    @torch.no_grad()
+    def _publish_params(self) -> None:
+        """Write the updated master shards into the parameters' slices and all-gather them,
+        bucket by bucket, in forward order (DDP's buckets are in backward order)."""
+        fp = self._flat_params
+        for bs in self._partition.bucket_shards:
+            master = self._masters[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo]
+            fp.shard_view(bs).copy_(master)
+        if self.world_size == 1:
+            return
+        for bs in reversed(self._partition.bucket_shards):
+            handle = self.comm.all_gather(fp.bucket_view(bs), fp.shard_view(bs), async_op=True,
+                                          tag=f"zero param gather bucket {bs.bucket.index}")
+            self._gather_handles[bs.bucket.index] = handle
+        if not self.overlap_param_gather:
+            self.wait_for_params()
+
+    # ------------------------------------------------------------------ gradients
+    def _stage1_grad_views(self):
+        """(shard destination, source view) pairs of this rank's gradient slices in ``p.grad``."""
+        part = self._partition
+        pairs = []
+        for e in part.entries:
+            g = self._params[e.index].grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {e.index} has a sparse gradient")
+            pairs.append((self._grad_shards[e.dtype][e.pos:e.pos + e.numel], g.reshape(-1)[e.lo:e.hi]))
+        return pairs
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient slices, wherever they live now (read-only use)."""
+        self._ensure_partition()
+        if self.stage == 2:
+            return list(self._grad_shards.values()) if self._grads_present else []
+        return [src for _, src in self._stage1_grad_views()]
+
+    def _has_any_grad(self) -> bool:
+        if self.stage == 2:
+            return self._grads_present
+        return any(p.grad is not None for p in self._params)
+
+    @torch.no_grad()
+    def _collect_stage1_grads(self) -> None:
+        for shard in self._grad_shards.values():
+            shard.zero_()  # a parameter without a gradient steps with zero gradient
+        for dst, src in self._stage1_grad_views():
+            dst.copy_(src)
+
+    def gradient_shards(self) -> dict:
+        """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32
+        over the rank's slices of the buckets (Note [flat partition])."""
+        return dict(self._grad_shards) if self._grads_present else {}
+
+    # ------------------------------------------------------------------ scaler protocol
+    def _fusedist_clear_protocol(self) -> None:
+        self.grad_scale: Optional[torch.Tensor] = None
+        self.found_inf: Optional[torch.Tensor] = None
+        self._fusedist_inv_scale: Optional[torch.Tensor] = None
+        self._fusedist_clip_coef: Optional[torch.Tensor] = None
+        self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
+
+    def _fusedist_grad_params(self) -> list:
+        """The parameters the global norm covers: all of them in stage 2 (their gradients are
+        the shards), those with ``p.grad`` in stage 1."""
+        if self.stage == 2:
+            return list(self._params)
+        return [p for p in self._params if p.grad is not None]
+
+    @torch.no_grad()
+    def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
+        """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
+        grads = self._local_grads()
+        device = self._params[0].device
+        if grads:
+            # Norms per tensor, then squares summed in fp32: a non-finite gradient element makes
+            # its norm non-finite, so the same pass yields the overflow flag.
+            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            if inv_scale is not None:
+                norms = norms * inv_scale.reshape(())
+            sumsq = norms.pow(2).sum().reshape(1)
+            found = (~torch.isfinite(sumsq)).float()
+        else:
+            sumsq = torch.zeros(1, device=device)
+            found = torch.zeros(1, device=device)
+        return self._fusedist_reduce_found_inf_and_norm(found, sumsq)
+
+    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
+        """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
+        inf/nan) and so are the shards' sums of squares."""
+        if self.comm is None or self.world_size == 1:
+            return found_inf.reshape(1), sumsq.reshape(1)
+        packed = torch.cat([found_inf.reshape(1).float(), sumsq.reshape(1).float()]).to(self.comm.device)
+        self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
+        packed = packed.to(sumsq.device)
+        return (packed[0:1] > 0).float(), packed[1:2]
+
+    def _fusedist_materialize_unscale(self) -> None:
+        inv = self._fusedist_inv_scale
+        if inv is None:
+            return
+        if self.stage == 2:
+            grads = self._local_grads()
+        else:
+            grads = [p.grad for p in self._params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, inv.reshape(()))
+        self._fusedist_inv_scale = None
+        self._fusedist_grad_sumsq = None
+
+    def _effective_inv_scale(self) -> Optional[torch.Tensor]:
+        if self.grad_scale is not None:
+            return self.grad_scale.double().reciprocal().float().reshape(1)
+        return None if self._fusedist_inv_scale is None else self._fusedist_inv_scale.reshape(1)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's shard) to ``max_norm``; returns the
+        total norm before clipping, like ``torch.nn.utils.clip_grad_norm_``.
+
+        The norm costs one all-reduce of two numbers (none after ``GradScaler.unscale_``, which
+        already computed it). The clip coefficient is applied inside ``step()``; ``p.grad`` is
+        not modified. Call it after backward (and after ``scaler.unscale_``), before ``step()``.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_ supports norm_type=2 only, got {norm_type}")
+        sumsq = self._fusedist_grad_sumsq
+        if sumsq is None:
+            _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
+            if self._fusedist_inv_scale is not None:
+                self._fusedist_grad_sumsq = sumsq
+        prev = self._fusedist_clip_coef
+        if prev is not None:  # a second clip sees the first one
+            sumsq = sumsq * prev.reshape(sumsq.shape) ** 2
+        total_norm = sumsq.sqrt().reshape(())
+        if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
+            raise RuntimeError(
+                "The total norm of order 2.0 for gradients is non-finite, so it cannot be clipped. "
+                "To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).float().reshape(1)
+        self._fusedist_clip_coef = coef if prev is None else prev.reshape(1) * coef
+        return total_norm
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self.wait_for_params()
+            if self.stage == 2 and grad_buffers_allocated(self.ddp.reducer) and not self.ddp.reducer.in_backward:
+                raise RuntimeError(
+                    "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
+                    "gradients were never reduced; run the last micro-batch's backward outside no_sync()"
+                )
+            if not self._has_any_grad():
+                return loss
+            self._ensure_state()
+            if self.stage == 1:
+                self._collect_stage1_grads()
+            for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+                inner_group.update(zstate.hyperparameters(group))
+            self._inner_step()
+            self._publish_params()
+            # Stage 2: step() consumes the gradient shard, so the next synchronized backward
+            # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
+            # reach the shard). Several synchronized backward passes *before* a step still
+            # accumulate, as in torch.
+            self._grads_present = False
+        finally:
+            self._fusedist_clear_protocol()
+        return loss
+
+    def _inner_step(self) -> None:
+        inner, found = self.inner, self.found_inf
+        if getattr(inner, "_fusedist_fused", False):
+            inner.grad_scale = self.grad_scale
+            inner._fusedist_inv_scale = self._fusedist_inv_scale
+            inner._fusedist_clip_coef = self._fusedist_clip_coef
+            inner.found_inf = found
+            inner.step()
+            return
+        inv, clip = self._effective_inv_scale(), self._fusedist_clip_coef
+        mult = inv if clip is None else (clip.reshape(1) if inv is None else inv * clip.reshape(1))
+        if mult is not None:
+            torch._foreach_mul_(list(self._grad_shards.values()), mult.reshape(()))
+        if found is None:
+            inner.step()
+        elif getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = None, found.reshape(1).float()
+            try:
+                inner.step()
+            finally:
+                inner.grad_scale, inner.found_inf = None, None
+        elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
+            inner.step()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_params"):
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer.add_param_group after construction is not supported: the "
+                "flat partition covers the parameters given at construction"
+            )
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._grads_present = False  # the next reduce-scatter overwrites the shard
+
+    # ------------------------------------------------------------------ introspection
+    def memory_stats(self) -> dict:
+        """Bytes this rank holds for master weights and optimizer state (≈ 12Ψ/N for Adam in
+        FP32, plus padding), and for its gradient shard. Zero before the first step."""
+        master = sum(t.numel() * t.element_size() for t in self._masters.values())
+        opt_state = 0
+        if self.inner is not None:
+            for st in self.inner.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        opt_state += v.numel() * v.element_size()
+        grads = sum(t.numel() * t.element_size() for t in self._grad_shards.values())
+        part = self._partition
+        return {
+            "master_bytes": master,
+            "optimizer_state_bytes": opt_state,
+            "total_bytes": master + opt_state,
+            "gradient_shard_bytes": grads,
+            "shard_elements": sum(part.shard_numel.values()) if part else 0,
+            "padding_elements": part.padding_elements() if part else 0,
+            "world_size": self.world_size,
+        }
+
+    # ------------------------------------------------------------------ state dicts
+    def _meta(self) -> list[dict]:
+        return zstate.param_meta(self._params)
+
+    def _group_dicts(self) -> list[dict]:
+        out, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            out.append(dict(zstate.hyperparameters(g), params=list(range(start, start + n))))
+            start += n
+        return out
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """This rank's shard as per-parameter fragments (Note [fragments] in ``state.py``)
+        plus metadata. Loading at another world size: :func:`fusedist.checkpoint.load`, or
+        :meth:`load_state_dict` with the list of every rank's state dict."""
+        self.wait_for_params()
+        fragments: dict[int, list] = {}
+        if self.inner is not None:
+            part = self._partition
+            piece_tensor = {piece: t for piece, t in zip(part.pieces, self._pieces)}
+            for e in part.entries:
+                piece = part.piece_of(e)
+                st = self.inner.state.get(piece_tensor[piece], {})
+                if not st:
+                    continue
+                n_piece = piece.end - piece.start
+                off = e.pos - piece.start
+                state = {}
+                for key, v in st.items():
+                    if zstate.is_elementwise(v, n_piece):
+                        state[key] = v[off:off + e.numel].clone()
+                    elif isinstance(v, torch.Tensor) and v.numel() > 1:
+                        raise zstate.StateDictError(
+                            f"ZeroRedundancyOptimizer: state '{key}' of {self.optimizer_class.__name__} is not "
+                            "elementwise; it cannot be split across ranks"
+                        )
+                    else:
+                        state[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                fragments[e.index] = [{
+                    "range": (e.lo, e.hi),
+                    "master": self._masters[e.dtype][e.pos:e.pos + e.numel].clone(),
+                    "state": state,
+                }]
+        return {
+            "format": zstate.FORMAT,
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "optimizer_class": self.optimizer_class.__name__,
+            "param_groups": self._group_dicts(),
+            "param_meta": self._meta(),
+            # Informational: loading never needs it (fragments are layout independent).
+            "layout": None if self._partition is None else [
+                {"bucket": bs.bucket.index, "dtype": str(bs.bucket.dtype), "numel": bs.bucket.numel,
+                 "shard": (bs.lo, bs.hi)} for bs in self._partition.bucket_shards],
+            "fragments": fragments,
+        }
+
+    def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
+        """Gather every rank's shard; rank ``to`` gets a full state dict in torch's format
+        (``{"state", "param_groups"}``) loadable by the unsharded optimizer class, other ranks
+        get None. A collective: every rank must call it."""
+        local = _to_cpu(self.state_dict())
+        if self.comm is None or self.world_size == 1:
+            everyone = [local]
+        else:
+            group = self.process_group
+            dst = dist.get_global_rank(group, to) if group is not None else to
+            everyone = [None] * self.world_size if self.rank == to else None
+            dist.gather_object(local, everyone, dst=dst, group=group)
+            if self.rank != to:
+                return None
+        merged = zstate.merge_fragments(everyone)
+        assembled = zstate.assemble(merged, self._params, range(len(self._params)), source="consolidate_state_dict")
+        return zstate.to_torch_format(assembled, self._params, self._group_dicts())
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load this rank's ``state_dict()``, a list of every rank's (any world size: resharded
+        here), or a full torch-format state dict (e.g. from ``consolidate_state_dict`` or an
+        unsharded optimizer). Everything is validated before anything changes."""
+        self._apply_assembled(*self.prepare_load(state_dict))
+
+    def prepare_load(self, state_dict, source: str = "state dict"):
+        """Validate ``state_dict`` (see :meth:`load_state_dict`) and return what
+        :meth:`_apply_assembled` needs; raises :class:`StateDictError` without changing anything."""
+        sds = state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]
+        if not sds:
+            raise zstate.StateDictError(f"{source}: empty list of state dicts")
+        if all(isinstance(sd, dict) and sd.get("format") == zstate.FORMAT for sd in sds):
+            meta = self._meta()
+            for sd in sds:
+                if [tuple(m["shape"]) for m in sd["param_meta"]] != [m["shape"] for m in meta]:
+                    raise zstate.StateDictError(f"{source}: parameter shapes differ from the optimizer's")
+            frags = zstate.merge_fragments(sds)
+            groups = sds[0]["param_groups"]
+        elif all(isinstance(sd, dict) and "state" in sd and "param_groups" in sd for sd in sds) and len(sds) == 1:
+            frags = zstate.fragments_from_full(sds[0], self._params)
+            groups = sds[0]["param_groups"]
+        else:
+            raise zstate.StateDictError(f"{source}: not a ZeroRedundancyOptimizer or torch optimizer state dict")
+        zstate.check_groups(groups, self.param_groups, source)
+        # Every parameter is assembled (and so validated) now; the rank keeps its own ranges
+        # when the shards exist, else all of it until the first step builds them.
+        assembled = zstate.assemble(frags, self._params, range(len(self._params)), source=source)
+        return assembled, [zstate.hyperparameters(g) for g in groups]
+
+    @torch.no_grad()
+    def _apply_assembled(self, assembled: dict, hyper: list[dict]) -> None:
+        for group, h in zip(self.param_groups, hyper):
+            group.update(h)
+        if self.inner is None:
+            if self.ddp is not None and not self.ddp.reducer.layout_final:
+                # The shards follow DDP's buckets, final only after the first synchronized
+                # backward: keep the (validated) state until the first step builds them.
+                self._pending_load = (assembled, hyper)
+                return
+            self._ensure_state()
+        self.wait_for_params()
+        part = self._partition
+        new_state: dict = {}
+        for piece, t in zip(part.pieces, self._pieces):
+            new_state[t] = {}
+        for e in part.entries:
+            item = assembled.get(e.index)
+            piece = part.piece_of(e)
+            t = self._pieces[part.pieces.index(piece)]
+            if item is None:
+                continue
+            if item["master"] is not None:
+                self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(item["master"][e.lo:e.hi])
+            else:
+                p = self._params[e.index]
+                self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(p.detach().reshape(-1)[e.lo:e.hi])
+            st = new_state[t]
+            n_piece = piece.end - piece.start
+            off = e.pos - piece.start
+            for key, v in item["state"].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if key not in st:
+                        st[key] = torch.zeros(n_piece, dtype=self._state_dtype(v, t), device=t.device)
+                    st[key][off:off + e.numel].copy_(v[e.lo:e.hi])
+                else:
+                    st.setdefault(key, v.clone().to(t.device) if isinstance(v, torch.Tensor) else v)
+        # Pieces holding only padding (or parameters never stepped) take their group's scalars.
+        for piece, t in zip(part.pieces, self._pieces):
+            st = new_state[t]
+            if not st:
+                donor = next((new_state[u] for q, u in zip(part.pieces, self._pieces)
+                              if q.group == piece.group and new_state[u]), None)
+                if donor is not None:
+                    for key, v in donor.items():
+                        st[key] = torch.zeros_like(v) if (isinstance(v, torch.Tensor) and v.dim() > 0) else (
+                            v.clone() if isinstance(v, torch.Tensor) else v)
+        # Through the inner optimizer's own load_state_dict, so it places each state tensor
+        # where it wants it (e.g. torch keeps a non-capturable Adam's ``step`` on the CPU).
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+            inner_group.update(zstate.hyperparameters(group))
+        index_of = {}
+        groups = []
+        for inner_group in self.inner.param_groups:
+            ids = []
+            for t in inner_group["params"]:
+                index_of[t] = len(index_of)
+                ids.append(index_of[t])
+            groups.append(dict(zstate.hyperparameters(inner_group), params=ids))
+        self.inner.state.clear()
+        self.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
+                                    "param_groups": groups})
+
+    @staticmethod
+    def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:
+        return v.dtype if v.is_floating_point() else t.dtype
+
+    def __repr__(self) -> str:
+        return (f"ZeroRedundancyOptimizer(stage={self.stage}, world_size={self.world_size}, "
+                f"optimizer_class={self.optimizer_class.__name__}, groups={len(self.param_groups)})")
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,162 @@
+"""Layout-independent optimizer state: per-parameter *fragments*.
+
+Note [fragments]
+    A sharded state dict stores, for every parameter a rank owns part of, a fragment
+    ``{"range": (lo, hi), "master": Tensor[hi-lo] | None, "state": {key: Tensor[hi-lo] | scalar}}``
+    over the flattened parameter. Fragments do not depend on the bucket layout or the world
+    size, so state saved at N ranks is loaded at M ranks by assembling each needed parameter
+    from whichever fragments cover it and slicing the new range out (resharding at load time).
+    A full (torch-format) state dict is the special case of one fragment ``(0, numel)`` per
+    parameter. Optimizer state must be *elementwise* (a tensor per parameter element, or a
+    scalar such as ``step``); that holds for Adam/AdamW/SGD/Lion-style optimizers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FORMAT = "fusedist.zero/1"
+
+
+class StateDictError(ValueError):
+    """An optimizer state dict does not fit the optimizer it is loaded into."""
+
+
+def param_meta(params) -> list[dict]:
+    return [{"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", "")} for p in params]
+
+
+def is_elementwise(value, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+
+
+def merge_fragments(state_dicts: list[dict]) -> dict[int, list]:
+    merged: dict[int, list] = {}
+    for sd in state_dicts:
+        for index, frags in sd["fragments"].items():
+            merged.setdefault(int(index), []).extend(frags)
+    return merged
+
+
+def fragments_from_full(full: dict, params) -> dict[int, list]:
+    """Fragments of a torch-format state dict ``{"state": {index: {...}}, "param_groups"}``."""
+    out: dict[int, list] = {}
+    for index, values in full.get("state", {}).items():
+        index = int(index)
+        if not 0 <= index < len(params):
+            raise StateDictError(f"state dict has state for parameter {index}, the optimizer has {len(params)}")
+        n = params[index].numel()
+        state, master = {}, None
+        for key, v in values.items():
+            if key == "master_param":
+                master = v.reshape(-1)
+            elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.numel() != n:
+                    raise StateDictError(
+                        f"state '{key}' of parameter {index} has {v.numel()} elements, the parameter has {n} "
+                        "(ZeroRedundancyOptimizer shards only elementwise optimizer state)"
+                    )
+                state[key] = v.reshape(-1)
+            else:
+                state[key] = v
+        out[index] = [{"range": (0, n), "master": master, "state": state}]
+    return out
+
+
+def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -> dict[int, dict]:
+    """Full flat ``{"master", "state"}`` per parameter in ``indices`` from its fragments.
+
+    Raises :class:`StateDictError` naming the parameter when fragments do not cover it exactly
+    once, disagree on keys or scalars, or have the wrong sizes. A parameter with no fragment
+    at all has no state (it was never stepped)."""
+    out: dict[int, dict] = {}
+    for index in indices:
+        frags = frags_by_param.get(index)
+        if not frags:
+            continue
+        p = params[index]
+        n = p.numel()
+        frags = sorted(frags, key=lambda f: f["range"][0])
+        cursor = 0
+        for f in frags:
+            lo, hi = f["range"]
+            if lo != cursor or hi <= lo or hi > n:
+                raise StateDictError(
+                    f"{source}: the fragments of parameter {index} (shape {tuple(p.shape)}) cover "
+                    f"{[tuple(g['range']) for g in frags]}, not exactly [0, {n}) once; shards are missing "
+                    "or come from different checkpoints"
+                )
+            cursor = hi
+        if cursor != n:
+            raise StateDictError(
+                f"{source}: the fragments of parameter {index} (shape {tuple(p.shape)}) end at element "
+                f"{cursor} of {n}; a shard is missing"
+            )
+        keys = set(frags[0]["state"])
+        has_master = frags[0]["master"] is not None
+        state: dict = {}
+        for key in keys:
+            first = frags[0]["state"][key]
+            if isinstance(first, torch.Tensor) and first.dim() > 0:
+                parts = []
+                for f in frags:
+                    v = f["state"].get(key)
+                    lo, hi = f["range"]
+                    if not (isinstance(v, torch.Tensor) and v.numel() == hi - lo):
+                        raise StateDictError(f"{source}: state '{key}' of parameter {index} is inconsistent across shards")
+                    parts.append(v.reshape(-1))
+                state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            else:
+                for f in frags[1:]:
+                    other = f["state"].get(key)
+                    same = (torch.equal(torch.as_tensor(other), torch.as_tensor(first))
+                            if other is not None else False)
+                    if not same:
+                        raise StateDictError(
+                            f"{source}: scalar state '{key}' of parameter {index} differs across shards "
+                            f"({first!r} vs {other!r})"
+                        )
+                state[key] = first
+        for f in frags:
+            if set(f["state"]) != keys or (f["master"] is not None) != has_master:
+                raise StateDictError(f"{source}: shards of parameter {index} hold different state keys")
+        master = torch.cat([f["master"].reshape(-1) for f in frags]) if has_master else None
+        out[index] = {"master": master, "state": state}
+    return out
+
+
+def to_torch_format(assembled: dict[int, dict], params, param_groups: list[dict]) -> dict:
+    """A state dict loadable by an unsharded optimizer over ``params`` (torch's format; FP32
+    master weights of half-precision parameters under ``master_param``, as fusedist's fused
+    optimizers keep them)."""
+    state = {}
+    for index, item in sorted(assembled.items()):
+        p = params[index]
+        entry = {}
+        for key, v in item["state"].items():
+            entry[key] = v.view(p.shape) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+        if item["master"] is not None and p.dtype in (torch.float16, torch.bfloat16):
+            entry["master_param"] = item["master"].view(p.shape)
+        state[index] = entry
+    return {"state": state, "param_groups": [dict(g) for g in param_groups]}
+
+
+def check_groups(saved_groups: list[dict], groups: list[dict], source: str) -> None:
+    """The saved param groups must index the same parameters as the optimizer's."""
+    saved = [list(g["params"]) for g in saved_groups]
+    current = [list(g["params"]) for g in groups]
+    if [len(g) for g in saved] != [len(g) for g in current]:
+        raise StateDictError(
+            f"{source}: param group sizes {[len(g) for g in saved]} do not match the optimizer's "
+            f"{[len(g) for g in current]}"
+        )
+
+
+def hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def flat_or_none(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1)

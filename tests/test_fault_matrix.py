@@ -13,8 +13,8 @@ one; checking every 2 s instead of 0.1 s lets the survivors print their stall re
 Item 3 (inf/nan gradients on one rank) checks numbers, not process exits, so it runs on the
 project's multi-process harness, which returns each rank's values.
 
-Pending items of the fault matrix (need fusedist.checkpoint, not built yet):
-  4.-7. killed mid-save, corrupted/truncated file, exact resume, world-size change.
+Checkpoint items 4.-7. (killed mid-save, corrupted/truncated file, exact resume, world-size
+change) are in tests/test_resume.py and tests/test_checkpoint.py.
 """
 
 import os

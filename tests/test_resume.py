@@ -203,3 +203,29 @@ def test_killed_save_leaves_previous_checkpoint_intact_and_truncation_is_refused
     except CheckpointError as exc:
         assert "common.pt" in str(exc) and "truncated" in str(exc)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+
+
+def test_resumable_sampler_matches_torch_and_resumes_mid_epoch():
+    from torch.utils.data import DistributedSampler
+
+    import pytest
+
+    from fusedist.checkpoint.resume import ResumableDistributedSampler
+
+    data = list(range(37))  # odd size: torch pads the last rank's share
+    for rank in range(3):
+        ours = ResumableDistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=5)
+        ref = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=5)
+        for epoch in (0, 1):
+            ours.set_epoch(epoch)
+            ref.set_epoch(epoch)
+            assert list(ours) == list(ref)
+        ours.advance(4)
+        state = ours.state_dict()
+        resumed = ResumableDistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=5)
+        resumed.load_state_dict(state)
+        assert len(list(ref)) == 13 and list(resumed) == list(ref)[4:]
+        assert list(resumed) == list(ref)  # the offset applies to one pass only
+    other = ResumableDistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=5)
+    with pytest.raises(ValueError, match="num_replicas=3 differs"):
+        other.load_state_dict(state)

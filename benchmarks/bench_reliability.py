@@ -46,14 +46,19 @@ def worker(rank, world_size, args):
     import fusedist
     from fusedist.reliability import monitor_of, optimizer_guard
 
-    torch.manual_seed(0)
-    on = fusedist.DistributedDataParallel(make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb)
+    # Each copy gets its own process group (so the monitor sits on one communicator only);
+    # which copy gets the default group alternates with --swap, to rule out group effects.
+    groups = [None, dist.new_group(list(range(world_size)))]
+    if args.swap:
+        groups.reverse()
     os.environ["FUSEDIST_CHECKS"] = "0"
-    off_group = dist.new_group(list(range(world_size)))
     torch.manual_seed(0)
     off = fusedist.DistributedDataParallel(make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb,
-                                           process_group=off_group)
+                                           process_group=groups[1])
     os.environ["FUSEDIST_CHECKS"] = "1"
+    torch.manual_seed(0)
+    on = fusedist.DistributedDataParallel(make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb,
+                                          process_group=groups[0])
     assert monitor_of(on.comm) is not None and on.reducer.step_check is not None
     assert monitor_of(off.comm) is None and off.reducer.step_check is None
     impls = {"on": on, "off": off}
@@ -62,9 +67,13 @@ def worker(rank, world_size, args):
     for k in impls:  # warm-up, includes the one-time bucket rebuild
         _time_steps(impls[k], opts[k], x, 3, True)
     times = {k: [] for k in impls}
-    for _ in range(args.rounds):
-        for k in impls:
-            times[k] += _time_steps(impls[k], opts[k], x, args.steps, True)
+    ratios = []  # per round: on / off, the paired comparison least sensitive to load drift
+    for round_index in range(args.rounds):  # alternate the order too: on/off, off/on, ...
+        this_round = {}
+        for k in (list(impls) if round_index % 2 == 0 else list(reversed(list(impls)))):
+            this_round[k] = _time_steps(impls[k], opts[k], x, args.steps, True)
+            times[k] += this_round[k]
+        ratios.append(statistics.median(this_round["on"]) / statistics.median(this_round["off"]))
 
     # Components, each timed on its own.
     monitor = monitor_of(on.comm)
@@ -84,6 +93,7 @@ def worker(rank, world_size, args):
     check_launch_us = statistics.median(launch) * 1e6
     collectives_per_step = len(on.buckets) + 1
     return {
+        "round_ratios": ratios,
         "on_ms": statistics.median(times["on"]) * 1e3,
         "off_ms": statistics.median(times["off"]) * 1e3,
         "monitor_us": monitor_us,
@@ -103,8 +113,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--swap", action="store_true", help="checks-on copy on the new group, off on the default")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
@@ -115,6 +126,8 @@ def main(argv=None):
 
     r = run_distributed(worker, args.world_size, args, timeout=1800, pg_timeout=600)[0]
     measured = r["on_ms"] / r["off_ms"] - 1.0
+    quartiles = statistics.quantiles(r["round_ratios"], n=4)
+    paired = statistics.median(r["round_ratios"]) - 1.0
     # Per step: one on_launch per collective, the guard's two hooks and the check's launch; its
     # verdict is read at the next forward, after the round trip completed behind the optimizer.
     component_us = r["monitor_us"] * r["collectives_per_step"] + r["guard_us"] + r["check_launch_us"]
@@ -122,7 +135,8 @@ def main(argv=None):
     rows = [{"checks_on_step_ms": r["on_ms"], "checks_off_step_ms": r["off_ms"], "measured_overhead": measured,
              "monitor_us_per_collective": r["monitor_us"], "guard_us_per_step": r["guard_us"],
              "check_allreduce_us": r["check_roundtrip_us"],
-             "check_launch_us": r["check_launch_us"], "component_overhead_bound": component}]
+             "check_launch_us": r["check_launch_us"], "component_overhead_bound": component,
+             "paired_round_median": paired}]
     lines = [
         f"Model: {args.layers}x Linear({args.width},{args.width}) MLP ({r['params'] / 1e6:.1f}M params), batch "
         f"{args.batch} per rank, {args.world_size} ranks, gloo, bucket_cap_mb={args.bucket_cap_mb} ({r['buckets']} "
@@ -133,8 +147,9 @@ def main(argv=None):
         f"| checks on (default) | {r['on_ms']:.2f} |",
         f"| checks off (FUSEDIST_CHECKS=0) | {r['off_ms']:.2f} |",
         "",
-        f"- measured end-to-end: on / off - 1 = **{100 * measured:+.2f}%** (same run; the noise of a shared "
-        "2-core machine is of the order of 1%)",
+        f"- measured end-to-end: on / off - 1 = **{100 * measured:+.2f}%** on the medians; paired per round "
+        f"(on / off of the same round): median {100 * paired:+.2f}%, quartiles {100 * (quartiles[0] - 1):+.1f}% .. "
+        f"{100 * (quartiles[2] - 1):+.1f}% over {args.rounds} rounds (the spread is this machine's load noise)",
         f"- components: monitor {r['monitor_us']:.2f} us per collective x {r['collectives_per_step']} collectives, "
         f"optimizer guard {r['guard_us']:.2f} us per step, step-check launch {r['check_launch_us']:.0f} us "
         f"(its all-reduce round trip, {r['check_roundtrip_us']:.0f} us here, completes behind the optimizer "

@@ -68,6 +68,13 @@ def soak_worker(rank, world_size, steps, warmup, samples, dim=64, layers=2, batc
     return {"trace": trace, "seconds": time.perf_counter() - t0, "loss_first": losses[0], "loss_last": losses[-1]}
 
 
+def _optimizer_backend() -> str:
+    from fusedist import _extension
+    from fusedist.backend import select_backend
+
+    return select_backend("adam", torch.device("cpu"), has_cpu_ext=_extension.is_available("_cpu_ops"))
+
+
 def growth(trace) -> tuple[float, int]:
     """(RSS growth MiB, live-tensor growth) from the first post-warm-up sample to the last."""
     return trace[-1][1] - trace[0][1], trace[-1][2] - trace[0][2]
@@ -90,7 +97,8 @@ def main(argv=None):
     lines = [
         f"Demo GPT (dim 64, 2 layers, context 32, batch 4 per rank), {args.world_size} ranks, gloo; "
         f"fusedist DDP + FusedAdamW + GradScaler (unscale_ + clip_grad_norm_ every step); "
-        f"{args.steps} steps, samples after a {args.warmup}-step warm-up.",
+        f"{args.steps} steps, samples after a {args.warmup}-step warm-up. Optimizer kernel backend: "
+        f"{_optimizer_backend()}.",
         "",
         "| rank | seconds | loss first -> last | RSS MiB (first -> last sample) | live tensors (first -> last) | "
         "RSS growth MiB | tensor growth |",

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import models
+from conftest import requires_gpus
 from fusedist.testing import run_distributed
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
@@ -240,3 +241,35 @@ class _null:
 
 def test_consistent_irregular_training_is_not_flagged():
     assert run_distributed(_no_false_positive_worker, 2) == [(4, 3), (4, 3)]
+
+
+# ---------------------------------------------------------------- CUDA (the deferred host read)
+def _cuda_skip_worker(rank, world_size):
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    torch.cuda.set_device(rank)
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP().cuda(), device_ids=[rank])
+    assert model.reducer.step_check.on_cuda
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(5):
+            x, y = (t.cuda() for t in models.MLP.batch(gen))
+            opt.zero_grad()
+            loss = (model(x) - y).pow(2).mean()
+            if rank == 1 and step == 2:
+                continue
+            loss.backward()
+            opt.step()
+    except RankMismatchError as exc:
+        return str(exc)
+    return "not detected"
+
+
+@pytest.mark.gpu
+@requires_gpus(2)
+def test_divergence_detected_on_cuda():
+    for text in run_distributed(_cuda_skip_worker, 2, backend="nccl", timeout=120):
+        assert "forward: ranks [0]: 3; ranks [1]: 4" in text

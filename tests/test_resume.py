@@ -1,9 +1,9 @@
-"""Fault matrix, checkpoint items: killed mid-save, truncated file, exact bitwise resume.
+"""Fault matrix, checkpoint items: (4) killed mid-save, (5) truncated file, (6) exact bitwise
+resume, (7) a ZeRO checkpoint continued at another world size.
 
-Covered elsewhere (fusedist.checkpoint's own tests, tests/test_checkpoint.py): corrupted and
-missing files refused with a message naming them, nothing half-loaded
-(test_save_writes_per_rank_files_and_refuses_damaged_ones), and a ZeRO checkpoint loaded at
-a different world size (test_load_at_world_size_3_reshards, ..._at_world_size_1_without_ddp).
+Also covered by fusedist.checkpoint's own tests (tests/test_checkpoint.py): corrupted and
+missing files refused with a message naming them, nothing half-loaded, and resharding at
+load (test_load_at_world_size_3_reshards, ..._at_world_size_1_without_ddp).
 """
 
 import os

@@ -5,6 +5,6 @@
 """
 
 from ._files import CheckpointError
-from .api import load, save
+from .api import load, load_per_rank, save
 
-__all__ = ["save", "load", "CheckpointError"]
+__all__ = ["save", "load", "load_per_rank", "CheckpointError"]  # [resume] load_per_rank

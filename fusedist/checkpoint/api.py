@@ -97,7 +97,8 @@ def _optimizer_params(optimizer) -> list:
 
 
 # ---------------------------------------------------------------------------- save
-def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None) -> None:
+def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,
+         *, per_rank: Optional[dict] = None) -> None:
     """Write a checkpoint of ``model`` (and optimizer, GradScaler, ``extra``) to ``directory``.
 
     A collective: every rank of the data-parallel group calls it. Each rank holding
@@ -105,6 +106,10 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     replicated state, and rank 0 writes the manifest last (Note [checkpoint atomicity]);
     the call returns on every rank once the checkpoint is complete. ``extra`` is any
     picklable dict (step counters, configuration), returned by :func:`load`.
+
+    ``per_rank`` (exact resume, see :mod:`.resume`): a picklable dict of *this rank's* state
+    (RNG states, data position), written into this rank's own file and read back with
+    :func:`load_per_rank`. Pass it on every rank or on none.
     """
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
@@ -120,6 +125,8 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     mine, error = {}, None
     try:
         sections = _rank_sections(optimizer)
+        if per_rank is not None:  # [resume] this rank's RNG / data position (fusedist.checkpoint.resume)
+            sections["per_rank"] = per_rank
         if sections:
             name = rank_file(world.rank)
             mine[name] = dict(_files.atomic_torch_save(os.path.join(directory, name), sections),
@@ -156,6 +163,24 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         }
         _files.write_manifest(directory, manifest)
     world.barrier()
+
+
+def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Optional[int] = None) -> Optional[dict]:
+    """[resume] This rank's ``per_rank`` state saved by :func:`save`, verified against the
+    manifest; None when the checkpoint was written at a different world size (the per-rank
+    state of another partition cannot continue here) or without ``per_rank``. Not a
+    collective. ``rank``/``world_size`` default to the default process group's."""
+    if rank is None or world_size is None:
+        initialized = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if rank is None and initialized else (rank or 0)
+        world_size = dist.get_world_size() if world_size is None and initialized else (world_size or 1)
+    manifest = _files.read_manifest(directory)
+    if manifest["world_size"] != world_size:
+        return None
+    info = manifest["files"].get(rank_file(rank))
+    if info is None or "per_rank" not in info.get("sections", []):
+        return None
+    return _files.load_file(_files.verify_file(directory, rank_file(rank), info))["per_rank"]
 
 
 def _rank_sections(optimizer) -> dict:

@@ -79,8 +79,11 @@ class CommHandle:
         try:
             self._comm._wait_work(self._work, timeout)
         except CollectiveError as exc:
-            self._error = exc
-            raise
+            # [reliability] observed like any other failure; may come back as a stall report.
+            self._error = self._comm._on_failure(self, exc) or exc
+            if self._error is exc:
+                raise
+            raise self._error from exc
         except Exception as exc:  # noqa: BLE001 - backend errors come in many types
             self._error = CollectiveError(
                 f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
@@ -90,7 +93,8 @@ class CommHandle:
                 rank=self._comm.rank,
                 seq=self.seq,
             )
-            self._comm._on_failure(self, self._error)
+            # [reliability] the observer may return a richer error (a stall report): raise that.
+            self._error = self._comm._on_failure(self, self._error) or self._error
             raise self._error from exc
         self._done = True
         self._work = None
@@ -181,11 +185,14 @@ class Communicator(abc.ABC):
             try:
                 work = start()
             except Exception as exc:  # noqa: BLE001
-                raise CollectiveError(
+                error = CollectiveError(
                     f"fusedist: launching {op}{_tag(tag)} (collective #{seq}) failed on rank "
                     f"{self.rank} of {self.world_size}: {exc}",
                     op=op, tag=tag, rank=self.rank, seq=seq,
-                ) from exc
+                )
+                # [reliability] a launch failure is reported like a wait failure.
+                failed = CommHandle(self, None, op=op, tag=tag, seq=seq, timeout=self.timeout)
+                raise self._on_failure(failed, error) or error from exc
         handle = CommHandle(self, work, op=op, tag=tag, seq=seq, timeout=self.timeout)
         if self.observer is not None:
             self.observer.on_launch(self, handle)
@@ -193,9 +200,11 @@ class Communicator(abc.ABC):
             handle.wait()
         return handle
 
-    def _on_failure(self, handle: CommHandle, error: BaseException) -> None:
+    def _on_failure(self, handle: CommHandle, error: BaseException) -> Optional[BaseException]:
+        """Tell the observer; it may return the error to raise instead (a stall report)."""
         if self.observer is not None:
-            self.observer.on_failure(self, handle, error)
+            return self.observer.on_failure(self, handle, error)
+        return None
 
     @staticmethod
     def _check_op(op: str) -> None:

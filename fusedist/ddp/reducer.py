@@ -35,6 +35,8 @@ from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .layout import Bucket, GradLayout, build_layout
+from ..reliability import attach_monitor, checks_enabled
+from ..reliability.step_check import StepCheck, layout_crc
 
 MiB = 1024 * 1024
 
@@ -142,6 +144,19 @@ class Reducer:
         self.last_stats: dict = {}
         self.iteration = 0
 
+        # [reliability] counters the per-step cross-rank check and the optimizer guard read
+        # (Note [step check] in fusedist/reliability/step_check.py). None of it touches gradients.
+        self.sync_steps = 0  # synchronized backwards completed
+        self.forwards = 0  # training forwards (DistributedDataParallel.forward with grad enabled)
+        self.backward_count = 0  # all backwards completed (== iteration; named for the guard)
+        self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
+        self.last_backward_synced = True
+        self._layout_crc: Optional[tuple] = None
+        self.step_check = StepCheck(comm) if checks_enabled() and self.world_size > 1 else None
+        self.monitor = attach_monitor(comm)
+        if self.monitor is not None:
+            self.monitor.context_providers.append(self.position)
+
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> GradLayout:
         return build_layout(
@@ -191,9 +206,27 @@ class Reducer:
         for listener in self.layout_listeners:
             listener(new)
 
+    def position(self) -> dict:
+        """Where training is, for stall reports (fusedist.reliability)."""
+        return {
+            "ddp_step": self.sync_steps,
+            "ddp_backward": self.iteration,
+            "ddp_forwards": self.forwards,
+            "optimizer_steps": self.optimizer_steps,
+            "in_backward": self.in_backward,
+            "buckets_launched": f"{getattr(self, 'next_launch', 0)}/{len(self.layout.buckets)}",
+        }
+
     # ------------------------------------------------------------------ backward
     def prepare_forward(self, sync: bool) -> None:
         self.next_backward_sync = sync
+        self.forwards += 1  # [reliability] compared across ranks by the step check
+
+    def settle_checks(self) -> None:
+        """[reliability] Read the last step check's verdict (raises on divergence). Called
+        first thing in a training forward, before any collective of the new step."""
+        if self.step_check is not None:
+            self.step_check.settle()
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -209,6 +242,8 @@ class Reducer:
             self._observed_order = []
         self.strategy.begin_backward(self)
         Variable._execution_engine.queue_callback(self._finish_backward)
+        if self.monitor is not None:  # [reliability] stamps this step on the collective history
+            self.monitor.step_hint = self.sync_steps
         self.timeline.instant("backward begins", sync=self.sync)
 
     def _on_grad_ready(self, p) -> None:
@@ -218,7 +253,8 @@ class Reducer:
         index = self.index_of[p]
         if grad.is_sparse:
             raise RuntimeError(
-                f"fusedist DDP: parameter '{self.names[index]}' received a sparse gradient; sparse "
+                f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[index]}' received a "
+                "sparse gradient; sparse "
                 "gradients are not supported (use nn.Embedding(sparse=False))"
             )
         view = self.layout.grad_view(p)
@@ -264,6 +300,11 @@ class Reducer:
             self.in_backward = False
             self.next_backward_sync = True
             self.iteration += 1
+            # [reliability] read by the optimizer guard and the step check
+            self.backward_count += 1
+            self.last_backward_synced = self.sync
+            if self.sync:
+                self.sync_steps += 1
 
     def _synchronize(self) -> None:
         t_compute_end = now_us()
@@ -276,6 +317,10 @@ class Reducer:
         if unused:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
+        # [reliability] issued after the last bucket: the same place in every rank's
+        # collective order (Note [step check]).
+        if self.step_check is not None:
+            self._launch_step_check(unused)
         t_done: dict[int, float] = {}
         for bucket in self.layout.buckets:
             self.strategy.finish(self, bucket, self.handles[bucket.index])
@@ -309,6 +354,10 @@ class Reducer:
             self._rebuild(observed)
         self.strategy.after_sync(self)
         if unused and not self.config.find_unused_parameters:
+            if self.step_check is not None:
+                # [reliability] if only some ranks ran this branch, raise the every-rank
+                # mismatch instead (the other ranks read it at their next forward).
+                self.step_check.settle()
             names = [self.names[self.index_of[p]] for p in unused]
             raise RuntimeError(
                 f"fusedist DDP (rank {self.comm.rank}): {len(names)} parameter(s) received no "
@@ -317,6 +366,20 @@ class Reducer:
                 "are legitimately unused in some iterations, or make sure every parameter takes part "
                 "in computing the loss."
             )
+
+    def _launch_step_check(self, unused: list):
+        last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
+        if self._layout_crc is None or self._layout_crc[0] is not self.layout:
+            self._layout_crc = (self.layout, layout_crc(self.layout))
+        self.step_check.launch([
+            self.sync_steps,
+            self.forwards,
+            self.iteration,
+            self.optimizer_steps,
+            self._layout_crc[1],
+            last_seq,
+            0 if self.config.find_unused_parameters else len(unused),
+        ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused]})
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)

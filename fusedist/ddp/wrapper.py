@@ -15,6 +15,8 @@ from .._timeline import Timeline
 from ..comm import get_communicator
 from .config import DDPConfig
 from .reducer import Reducer
+from ..reliability import checks_enabled
+from ..reliability import optimizer_guard
 
 _TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params", "init_sync",
                        "param_to_hook_all_reduce", "device_mesh", "skip_all_reduce_unused_params"}
@@ -27,8 +29,8 @@ def _module_device(module: nn.Module) -> torch.device:
     if len(devices) > 1:
         listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
         raise ValueError(
-            f"fusedist.DistributedDataParallel: the module's parameters live on several devices: "
-            f"{listing}. Move the whole module to one device (module.to(device)) before wrapping."
+            f"fusedist.DistributedDataParallel (rank {dist.get_rank() if dist.is_initialized() else 0}): "
+            f"the module's parameters live on several devices: {listing}. Move the whole module to one device (module.to(device)) before wrapping."
         )
     return next(iter(devices)) if devices else torch.device("cpu")
 
@@ -101,8 +103,10 @@ class DistributedDataParallel(nn.Module):
         for name, p in named:
             if not (p.dtype.is_floating_point):
                 raise TypeError(
-                    f"fusedist.DistributedDataParallel: parameter '{name}' has dtype {p.dtype}; only "
-                    "floating-point parameters can be trained (complex parameters are not supported)"
+                    f"fusedist.DistributedDataParallel (rank {dist.get_rank()}): parameter '{name}' has "
+                    f"dtype {p.dtype}; only floating-point parameters can be trained (complex "
+                    "parameters are not supported). Store it as real/imaginary float parameters, or "
+                    "set requires_grad=False to keep it as broadcast state"
                 )
         self._check_ranks_agree()
         self._broadcast_state()
@@ -114,6 +118,12 @@ class DistributedDataParallel(nn.Module):
         for _, p in named:
             p._fusedist_ddp = self  # lets ZeroRedundancyOptimizer find the wrapper of its params
         self._no_sync_depth = 0
+        # [reliability] bucket layouts compared across ranks when built and when rebuilt;
+        # optimizer.step() misuse caught on the rank that makes it.
+        self._check_layout_agrees(self.reducer.layout)
+        self.reducer.layout_listeners.append(self._check_layout_agrees)
+        if checks_enabled():
+            optimizer_guard.install()
 
     # ------------------------------------------------------------------ construction checks
     def _check_device_ids(self, device_ids, output_device) -> None:
@@ -144,6 +154,20 @@ class DistributedDataParallel(nn.Module):
             hint="Every rank must build the same model before wrapping it in DistributedDataParallel.",
         )
 
+    def _check_layout_agrees(self, layout) -> None:
+        """Every rank must bucket the gradients identically, or the bucket collectives pair
+        up tensors of different sizes (a gloo error or an NCCL hang). Differences come from
+        per-rank bucket_cap_mb / first_bucket_cap_mb / reduce settings."""
+        if self.world_size == 1:
+            return
+        check_same_across_ranks(
+            layout.fingerprint(),
+            "the gradient bucket layout",
+            label=lambda b: f"bucket {b[0]} ({b[1]}, {b[2]} elements, params {[n for n, _ in b[3]][:4]}...)",
+            process_group=self.process_group,
+            hint="Pass the same bucket_cap_mb, first_bucket_cap_mb and gradient_as_bucket_view on every rank.",
+        )
+
     def _broadcast_state(self) -> None:
         tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
         self._broadcast_coalesced(tensors, tag="ddp initial state")
@@ -166,6 +190,7 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            self.reducer.settle_checks()  # [reliability] before this step's first collective
             if self.config.broadcast_buffers and self.module.training:
                 buffers = list(self.module.buffers())
                 if buffers:

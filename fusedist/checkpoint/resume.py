@@ -1,0 +1,128 @@
+"""Exact resume: the per-rank state outside model, optimizer and scaler.
+
+Training N steps, saving, restarting the processes and training N more must give the same
+bits as 2N uninterrupted steps. Model, optimizer (master weights included) and GradScaler
+are in the checkpoint proper; what else decides the next step's numbers is per rank:
+
+* the random number generators (dropout masks, noise, data augmentation): torch's CPU
+  generator, every CUDA device's generator when CUDA is initialized, Python's ``random``
+  and NumPy's global generator;
+* the data position: the sampler's epoch and how many samples of this rank's share of the
+  epoch were already consumed (:class:`ResumableDistributedSampler`).
+
+One trap: every ``iter(DataLoader)`` draws a base seed from the DataLoader's generator,
+which is the *global* torch generator unless one is given -- and a resumed run creates an
+iterator where the uninterrupted run did not. Give the DataLoader its own generator
+(``DataLoader(..., generator=torch.Generator())``) for bitwise resume.
+
+``save(..., per_rank=resume_state(sampler))`` stores it in each rank's own file and
+``restore(load_per_rank(directory), sampler)`` puts it back. The per-rank state belongs to
+a rank *at the world size that saved it*: at a different world size (a resharded ZeRO
+resume) there is no exact continuation -- each rank's data partition changes -- and
+:func:`load_per_rank` returns None, so the caller starts a fresh epoch position.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DistributedSampler
+
+try:  # numpy is optional for fusedist users; its generator is saved when it is importable
+    import numpy as _np
+except ImportError:  # pragma: no cover
+    _np = None
+
+
+def capture_rng_state() -> dict:
+    """Every global generator's state (copies; safe to pickle)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if _np is not None:
+        state["numpy"] = _np.random.get_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Put back what :func:`capture_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "fusedist.checkpoint.resume: the checkpoint holds CUDA generator states but CUDA is not "
+                "available here; an exact resume needs the same kind of devices"
+            )
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and _np is not None:
+        _np.random.set_state(state["numpy"])
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``torch.utils.data.DistributedSampler`` that can start an epoch part-way through.
+
+    Same indices as torch's sampler for the same ``(seed, epoch, num_replicas, rank)``. The
+    training loop reports what it consumed with :meth:`advance` (a DataLoader prefetches, so
+    the sampler cannot know what was actually trained on); :meth:`state_dict` then records
+    ``(epoch, offset)`` and :meth:`load_state_dict` makes the next ``__iter__`` skip the
+    ``offset`` samples already trained on. ``set_epoch`` starts a new epoch at offset 0.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offset = 0  # samples of this rank's share of the current epoch already consumed
+        self._resume_offset = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.offset = 0
+        self._resume_offset = 0
+
+    def advance(self, samples: int) -> None:
+        """Record that ``samples`` more samples of this epoch were trained on."""
+        self.offset += samples
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self._resume_offset = self._resume_offset, 0
+        return iter(indices[start:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self._resume_offset
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+                "num_replicas": self.num_replicas, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_replicas", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"ResumableDistributedSampler: the saved {key}={state[key]!r} differs from this sampler's "
+                    f"{getattr(self, key)!r}; an exact resume needs the same sampler settings and world size"
+                )
+        if not 0 <= state["offset"] <= self.num_samples:
+            raise ValueError(f"ResumableDistributedSampler: saved offset {state['offset']} is outside "
+                             f"[0, {self.num_samples}]")
+        super().set_epoch(state["epoch"])
+        self.offset = self._resume_offset = state["offset"]
+
+
+def resume_state(sampler: Optional[ResumableDistributedSampler] = None) -> dict:
+    """This rank's resume state: generators and (optionally) the sampler position."""
+    return {"rng": capture_rng_state(), "sampler": sampler.state_dict() if sampler is not None else None}
+
+
+def restore(state: Optional[dict], sampler: Optional[ResumableDistributedSampler] = None) -> bool:
+    """Apply :func:`resume_state`'s result; False (nothing changed) when ``state`` is None."""
+    if state is None:
+        return False
+    if sampler is not None:
+        if state.get("sampler") is None:
+            raise ValueError("fusedist.checkpoint.resume: the checkpoint holds no sampler position")
+        sampler.load_state_dict(state["sampler"])
+    restore_rng_state(state["rng"])
+    return True

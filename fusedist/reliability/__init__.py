@@ -1,0 +1,22 @@
+"""Reliability: no silent hangs, consistent errors on every rank.
+
+* :mod:`.monitor` -- the always-on collective monitor (history ring, stall reports through
+  the torch.distributed store, crash entries for ranks that die of an exception);
+* :mod:`.step_check` -- DDP's per-step cross-rank agreement check;
+* :mod:`.optimizer_guard` -- ``optimizer.step()`` misuse checks;
+* :mod:`.stall_report` -- the store protocol and the report text.
+
+``FUSEDIST_CHECKS=0`` turns the per-step parts off (see :func:`checks_enabled`).
+"""
+
+from .config import checks_enabled
+from .monitor import CollectiveMonitor, StallError, attach_monitor, monitor_of, publish_crash
+
+__all__ = [
+    "CollectiveMonitor",
+    "StallError",
+    "attach_monitor",
+    "checks_enabled",
+    "monitor_of",
+    "publish_crash",
+]

@@ -1,0 +1,203 @@
+"""The always-on collective monitor: a few microseconds per collective, a report on failure.
+
+:class:`CollectiveMonitor` plugs into ``Communicator.observer``. On every launch it appends
+``(seq, op, tag, step)`` to a short ring buffer -- nothing else, so the steady state costs
+one tuple per collective. When a collective fails or times out it builds a stall report
+through the store (:mod:`.stall_report`) and hands the communicator a :class:`StallError`
+carrying it, so the error every rank raises names who reached what.
+
+A rank that dies from an uncaught Python exception never reaches a collective failure of its
+own; :func:`publish_crash` (called from a chained ``sys.excepthook``, or by hand from a
+training loop's ``except``) leaves a "crashed" entry so the survivors' reports name it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import sys
+import threading
+import time
+import weakref
+from typing import Callable, Optional
+
+from ..comm.base import CollectiveError, CommHandle, Communicator
+from . import stall_report
+
+#: Collectives remembered per communicator for the report.
+HISTORY = 16
+
+_monitors: "weakref.WeakSet[CollectiveMonitor]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = False
+_crashed = False
+
+
+class StallError(CollectiveError):
+    """A collective failed or timed out; ``report`` says what every rank was doing."""
+
+    def __init__(self, message: str, *, report: Optional[str], cause: BaseException, **where):
+        super().__init__(message, **where)
+        self.report = report
+        self.cause = cause
+
+
+class CollectiveMonitor:
+    """Observer of one communicator: recent-collective history and failure reports.
+
+    ``context_providers`` are callables returning a small dict describing where training is
+    (DDP step, backward number, optimizer steps); they run only when a report is built.
+    """
+
+    def __init__(self, comm: Communicator, group_name: str = "world"):
+        self.comm = comm
+        self.group_name = group_name
+        self.history: collections.deque = collections.deque(maxlen=HISTORY)
+        self.launch_times: dict[int, float] = {}
+        #: Training position stamped into each history entry (set by DDP, cheap int).
+        self.step_hint: int = -1
+        self.context_providers: list[Callable[[], dict]] = []
+        self.generation = 0
+        self.reports: list[str] = []
+        # Held from the start: the process group (and its store handle) may be destroyed by the
+        # time a crash or exit entry is published.
+        self.store = stall_report.default_store()
+        _monitors.add(self)
+
+    # ---- observer interface (see Communicator._launch / CommHandle.wait)
+    def on_launch(self, comm: Communicator, handle: CommHandle) -> None:
+        self.history.append((handle.seq, handle.op, handle.tag, self.step_hint))
+        self.launch_times[handle.seq % HISTORY] = time.monotonic()
+
+    def on_failure(self, comm: Communicator, handle: CommHandle, error: BaseException) -> BaseException:
+        """Publish this rank's state, gather the others', return the error to raise."""
+        if isinstance(error, StallError):
+            return error
+        started = self.launch_times.get(handle.seq % HISTORY)
+        # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
+        reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
+        entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
+        entry["waiting_on"] = {
+            "op": handle.op,
+            "tag": handle.tag,
+            "seq": handle.seq,
+            "age_s": (time.monotonic() - started) if started is not None else None,
+        }
+        # Only the first failure of a communicator waits for the others: later ones (the
+        # remaining buckets of the same backward) reuse what the store already holds.
+        window = stall_report.report_window_s(comm.timeout.total_seconds()) if not self.reports else 0.0
+        report = stall_report.exchange(
+            self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank, comm.world_size, entry, window
+        )
+        if report is None:
+            report = "Stall report unavailable: the torch.distributed store could not be reached."
+        self.reports.append(report)
+        return StallError(
+            f"{error}\n{report}", report=report, cause=error,
+            op=handle.op, tag=handle.tag, rank=comm.rank, seq=handle.seq,
+        )
+
+    # ---- helpers
+    def context(self) -> dict:
+        out: dict = {}
+        for provider in self.context_providers:
+            try:
+                out.update(provider())
+            except Exception:  # noqa: BLE001 - the report must not fail on a bad provider
+                pass
+        return out
+
+    def _entry(self, kind: str, error: str) -> dict:
+        return {"kind": kind, "error": error, "context": self.context(), "recent": list(self.history)}
+
+    def publish(self, kind: str, error: str) -> None:
+        """Leave a ``crash`` or ``exit`` entry for the survivors' stall reports."""
+        if self.reports:
+            return  # this rank already published a failure entry; keep it
+        if self.store is not None:
+            stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank,
+                                 self._entry(kind=kind, error=error))
+
+
+def _short(error: BaseException, limit: int = 400) -> str:
+    text = f"{type(error).__name__}: {error}"
+    text = text.splitlines()[0] if text else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def publish_crash(error: BaseException) -> None:
+    """Tell the other ranks, through the store, that this rank is dying of ``error``.
+
+    Called automatically for uncaught exceptions once a monitor exists (chained
+    ``sys.excepthook``); call it yourself from an ``except`` that ends a rank's training.
+    Never raises.
+    """
+    global _crashed
+    _crashed = True
+    for monitor in list(_monitors):
+        try:
+            monitor.publish("crash", _short(error))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _publish_exit() -> None:
+    """atexit: a rank that leaves the training loop early (fewer iterations than the others)
+    shows up in their reports as "exited" with its last position, not as a mystery."""
+    if _crashed:
+        return
+    for monitor in list(_monitors):
+        try:
+            monitor.publish("exit", "")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _install_excepthook() -> None:
+    global _hook_installed
+    with _hook_lock:
+        if _hook_installed:
+            return
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            if not issubclass(exc_type, (KeyboardInterrupt, CollectiveError)):
+                publish_crash(exc)  # a collective failure already published its own entry
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+        atexit.register(_publish_exit)
+        _hook_installed = True
+
+
+def _group_name(comm: Communicator) -> str:
+    group = getattr(comm, "group", None)
+    if group is None:
+        return "world"
+    try:
+        import torch.distributed as dist
+
+        return "ranks-" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001
+        return f"group-{id(group)}"
+
+
+def monitor_of(comm: Communicator) -> Optional[CollectiveMonitor]:
+    observer = comm.observer
+    return observer if isinstance(observer, CollectiveMonitor) else None
+
+
+def attach_monitor(comm: Communicator) -> Optional[CollectiveMonitor]:
+    """The communicator's monitor, created on first use (None when checks are disabled or a
+    different observer is installed: that observer is left alone)."""
+    from .config import checks_enabled
+
+    existing = monitor_of(comm)
+    if existing is not None or not checks_enabled():
+        return existing
+    if comm.observer is not None:
+        return None
+    monitor = CollectiveMonitor(comm, _group_name(comm))
+    comm.observer = monitor
+    _install_excepthook()
+    return monitor

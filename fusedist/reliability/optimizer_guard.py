@@ -1,0 +1,98 @@
+"""Checks on ``optimizer.step()`` for optimizers over DistributedDataParallel parameters.
+
+Three mistakes that make ranks diverge *silently* are caught where they happen, on the rank
+that makes them, before the step changes any parameter:
+
+* ``step()`` before any backward pass through the DDP model;
+* ``step()`` right after a backward run under ``no_sync()`` (gradients are rank-local sums);
+* an optimizer that mixes DDP-owned parameters with trainable parameters the DDP model does
+  not own (their gradients are never averaged across ranks).
+
+It also counts optimizer steps per DDP model, which the per-step check (Note [step check])
+compares across ranks, so a rank that calls ``step()`` on a different iteration is reported
+on every rank.
+
+Implemented with torch's global optimizer step hooks, so it covers every
+``torch.optim.Optimizer`` subclass (fusedist's fused optimizers included) without their
+cooperation. Parameters are classified once per optimizer (cached until its parameter count
+changes); a step then costs a dictionary lookup and a few attribute reads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+_lock = threading.Lock()
+_installed = False
+# optimizer -> (parameter count, owning DDP wrappers, first unowned trainable parameter or None)
+_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _classify(optimizer):
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _cache.get(optimizer)
+    if cached is not None and cached[0] == count:
+        return cached
+    owners: dict[int, object] = {}
+    unowned = None
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            ddp = getattr(p, "_fusedist_ddp", None)
+            if ddp is not None:
+                owners[id(ddp)] = ddp
+            elif p.requires_grad and unowned is None:
+                unowned = (gi, pi, tuple(p.shape), str(p.dtype))
+    entry = (count, list(owners.values()), unowned)
+    _cache[optimizer] = entry
+    return entry
+
+
+def _pre_step(optimizer, args, kwargs) -> None:
+    _count, owners, unowned = _classify(optimizer)
+    for ddp in owners:
+        reducer = ddp.reducer
+        if unowned is not None:
+            gi, pi, shape, dtype = unowned
+            raise ValueError(
+                f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameters of a "
+                f"DistributedDataParallel model and also param_groups[{gi}]['params'][{pi}] (shape "
+                f"{shape}, {dtype}), which that model does not own: its gradient is never averaged "
+                "across ranks, so the ranks' copies would diverge. Build the optimizer from "
+                "ddp_model.parameters() only, or wrap the module that owns that parameter too."
+            )
+        if reducer.backward_count == 0:
+            raise RuntimeError(
+                f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() was called before any "
+                "backward pass through the DistributedDataParallel model, so there are no averaged "
+                "gradients to apply. Call loss.backward() (outside no_sync()) before optimizer.step()."
+            )
+        if not reducer.last_backward_synced:
+            raise RuntimeError(
+                f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() after a backward pass "
+                "whose forward ran under no_sync(): the gradients are this rank's local sums, not "
+                "averaged across ranks, so the ranks would diverge. Run the last micro-batch's "
+                "forward and backward outside no_sync() before stepping."
+            )
+
+
+def _post_step(optimizer, args, kwargs) -> None:
+    _count, owners, _unowned = _classify(optimizer)
+    for ddp in owners:
+        ddp.reducer.optimizer_steps += 1
+
+
+def install() -> None:
+    """Register the global hooks once per process (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_pre_step)
+        register_optimizer_step_post_hook(_post_step)
+        _installed = True
+
+
+__all__ = ["install"]

@@ -1,0 +1,184 @@
+"""Stall reports exchanged through the ``torch.distributed`` store, not the stuck collective.
+
+When a collective fails or times out, the collective itself cannot carry the diagnosis: the
+peers it would reach are the ones that are gone or stuck. The key-value store the process
+group was rendezvoused through is still there (under torchrun it lives in the launcher's
+agent, so it even outlives crashed workers). Each rank that notices a failure publishes one
+small JSON entry under ``fusedist/stall/<group>/<generation>/<rank>``: what it was waiting
+on, its recent collective history and its training position. It then waits a bounded time
+for the other ranks' entries and renders a report that says which ranks reached which
+operation, which crashed (see :func:`publish_crash`) and which never reported -- dead, or
+stuck outside fusedist collectives. Horovod's stall inspector is the model; unlike it, the
+exchange happens only on failure, so the steady state pays nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+#: Keys live under this prefix in the process group's store.
+KEY_PREFIX = "fusedist/stall"
+
+
+def report_window_s(collective_timeout_s: float) -> float:
+    """How long a rank waits for the others' entries before rendering the report.
+
+    ``FUSEDIST_STALL_REPORT_S`` overrides. Default: 5% of the collective timeout, clamped to
+    [2 s, 15 s]: ranks that hit the same stuck collective time out within a few seconds of
+    each other, and the report must not delay the error by much.
+    """
+    env = os.environ.get("FUSEDIST_STALL_REPORT_S")
+    if env is not None:
+        value = float(env)
+        if not value >= 0:
+            raise ValueError(f"FUSEDIST_STALL_REPORT_S must be >= 0 seconds, got {env!r}")
+        return value
+    return min(15.0, max(2.0, 0.05 * collective_timeout_s))
+
+
+def default_store():
+    """The default process group's store, or None when there is none (never raises)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a report must never fail because the store is odd
+        return None
+
+
+def _key(group: str, generation: int, rank: int) -> str:
+    return f"{KEY_PREFIX}/{group}/{generation}/{rank}"
+
+
+def _bounded(store, seconds: float):
+    """Make blocking store calls give up after ``seconds`` (best effort)."""
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(seconds, 0.1)))
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
+    """Write this rank's entry; False if the store is unreachable."""
+    entry = dict(entry, rank=rank, host=socket.gethostname(), pid=os.getpid(), time=time.time())
+    try:
+        _bounded(store, 5.0)
+        store.set(_key(group, generation, rank), json.dumps(entry, default=str))
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:
+    """Poll for the entries of ``ranks`` until all are there or ``window_s`` has passed."""
+    found: dict[int, dict] = {}
+    deadline = time.monotonic() + window_s
+    _bounded(store, 5.0)
+    while True:
+        for rank in ranks:
+            if rank in found:
+                continue
+            key = _key(group, generation, rank)
+            try:
+                if store.check([key]):
+                    found[rank] = json.loads(store.get(key).decode())
+            except Exception:  # noqa: BLE001 - an unreachable store ends the wait
+                return found
+        if len(found) == len(ranks) or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _describe_op(entry: dict) -> str:
+    w = entry.get("waiting_on") or {}
+    tag = f" [{w['tag']}]" if w.get("tag") else ""
+    return f"{w.get('op', '?')}{tag} (collective #{w.get('seq', '?')})"
+
+
+def _position(entry: dict) -> str:
+    ctx = entry.get("context", {})
+    labels = (("ddp_step", "DDP step {}"), ("ddp_forwards", "{} training forwards"),
+              ("optimizer_steps", "{} optimizer steps"), ("buckets_launched", "buckets launched {}"))
+    parts = [fmt.format(ctx[key]) for key, fmt in labels if key in ctx]
+    if ctx.get("in_backward"):
+        parts.append("inside backward")
+    return ", ".join(parts)
+
+
+def _history(entry: dict, last: int = 4) -> str:
+    recent = entry.get("recent") or []
+    if not recent:
+        return "no fusedist collective issued yet"
+    items = [f"#{seq} {op}{(' [' + tag + ']') if tag else ''}" for seq, op, tag, _step in recent[-last:]]
+    return "last issued: " + ", ".join(items)
+
+
+def render(entries: dict[int, dict], world_size: int, window_s: float, reporter: int) -> str:
+    """A multi-line report: one line per rank, then who reached which operation."""
+    lines = [
+        f"Stall report (rank {reporter}, through the torch.distributed store; waited up to "
+        f"{window_s:.1f} s for {world_size} ranks):"
+    ]
+    reached: dict[str, list[int]] = {}
+    silent = []
+    for rank in range(world_size):
+        entry = entries.get(rank)
+        if entry is None:
+            silent.append(rank)
+            lines.append(
+                f"  rank {rank}: did not report (dead, or alive but stuck outside fusedist "
+                "collectives, e.g. in data loading or a different code path)"
+            )
+            continue
+        where = f" on {entry.get('host')} pid {entry.get('pid')}"
+        pos = _position(entry)
+        pos = f"; at {pos}" if pos else ""
+        if entry.get("kind") == "exit":
+            lines.append(
+                f"  rank {rank}{where}: EXITED without an error{pos}; {_history(entry)} -- it ran fewer "
+                "iterations or collectives than the ranks still waiting"
+            )
+            continue
+        if entry.get("kind") == "crash":
+            lines.append(
+                f"  rank {rank}{where}: CRASHED with {entry.get('error')} (outside fusedist "
+                f"collectives){pos}; {_history(entry)}"
+            )
+            continue
+        op = _describe_op(entry)
+        reached.setdefault(op, []).append(rank)
+        waited = (entry.get("waiting_on") or {}).get("age_s")
+        waited = f" after {waited:.1f} s" if isinstance(waited, (int, float)) else ""
+        lines.append(
+            f"  rank {rank}{where}: failed waiting on {op}{waited}{pos}: {entry.get('error')}; "
+            f"{_history(entry)}"
+        )
+    for op, ranks in reached.items():
+        lines.append(f"  ranks {ranks} reached {op}")
+    if silent:
+        lines.append(f"  ranks {silent} did not report")
+    return "\n".join(lines)
+
+
+def exchange(
+    store,
+    group: str,
+    generation: int,
+    rank: int,
+    world_size: int,
+    entry: dict,
+    window_s: float,
+) -> Optional[str]:
+    """Publish ``entry`` and return the rendered report (None if the store is unreachable)."""
+    if store is None or not publish(store, group, generation, rank, entry):
+        return None
+    others = collect(store, group, generation, list(range(world_size)), window_s)
+    return render(others, world_size, window_s, rank)

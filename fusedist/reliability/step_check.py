@@ -1,0 +1,142 @@
+"""Per-step cross-rank agreement check of DDP: one tiny all-reduce per synchronized backward.
+
+Note [step check]
+    Bucket collectives pair up by issue order, not by meaning: if rank 1 skips a backward,
+    its next step's buckets silently average with rank 0's current ones, and the run only
+    fails (or hangs) at the very end, far from the cause. So at the end of every synchronized
+    backward, after the last bucket was launched (the same position in the collective order
+    on every rank), each rank contributes a few integers describing where it is:
+
+        sync_step        synchronized backwards completed before this one
+        forward          training forwards (grad enabled) so far, this step's included
+        backward         all backwards (no_sync ones included)
+        optimizer_steps  optimizer steps taken on this model's parameters
+        layout           CRC of the gradient bucket layout
+        collective_seq   sequence number of this step's last bucket collective
+        unused           parameters without a gradient (0 with find_unused_parameters)
+
+    The vector ``[v, -v]`` is all-reduced with MAX, giving every rank ``max(v)`` and
+    ``min(v)`` exactly (int64), so every rank reaches the same verdict -- agreement iff
+    max == min -- and on disagreement all of them take the same extra step: an all-gather of
+    the vectors, then the same :class:`RankMismatchError` naming the ranks and values.
+    Nothing here touches the gradients, so the numerics of the default path are unchanged.
+
+    The verdict is read lazily, at the next training forward (or right away when this rank
+    is about to raise its own unused-parameter error): by then the tiny all-reduce has long
+    completed behind the optimizer step, so the check adds no exposed latency to a step and,
+    on CUDA (a pinned host copy behind an event), no host synchronization. The price: a
+    divergence is reported at the start of the step after it happened, and one in the very
+    last step of a run is not reported. Every rank reads the verdict at the same point of
+    its program, so on a mismatch the extra all-gather pairs up.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+from .._consistency import RankMismatchError
+from ..comm import Communicator
+
+FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused")
+
+_EXPLAIN = {
+    "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
+    "mixed gradients of different steps",
+    "forward": "ranks ran a different number of training forward passes (e.g. a rank computed a loss "
+    "and skipped its backward/step, or ran an extra forward)",
+    "backward": "ranks ran a different number of backward passes (e.g. one more micro-batch under no_sync())",
+    "optimizer_steps": "optimizer.step() was called on a different iteration on some ranks",
+    "layout": "the gradient bucket layouts differ",
+    "collective_seq": "ranks issued a different number of fusedist collectives before this step "
+    "(a collective inside rank-dependent code)",
+    "unused": "a different set of parameters received gradients: a different branch of the model ran on some "
+    "ranks (pass find_unused_parameters=True if that is intended)",
+}
+
+
+def layout_crc(layout) -> int:
+    """A rank-independent 31-bit digest of a layout's fingerprint (Python's hash() is salted)."""
+    return zlib.crc32(repr(layout.fingerprint()).encode()) & 0x7FFFFFFF
+
+
+class StepCheck:
+    """Launch/settle pair for the check of one DDP reducer (see Note [step check])."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.k = len(FIELDS)
+        self.buf = torch.zeros(2 * self.k, dtype=torch.int64, device=comm.device)
+        self.on_cuda = comm.device.type == "cuda"
+        self._pending: Optional[tuple] = None  # (handle, host copy, event, values, detail)
+
+    def launch(self, values: list[int], detail: dict) -> None:
+        """Start this step's check (async); its verdict is read by :meth:`settle`."""
+        self.settle()
+        local = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        if self.on_cuda:  # pinned + non_blocking: a pageable copy would synchronize the host
+            local = local.pin_memory()
+        self.buf.copy_(local, non_blocking=self.on_cuda)
+        handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag="ddp step check")
+        host = event = None
+        if self.on_cuda:
+            handle.wait()  # orders the current stream after the all-reduce; no host sync
+            host = torch.empty(self.buf.shape, dtype=self.buf.dtype, pin_memory=True)
+            host.copy_(self.buf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (handle, host, event, values, detail)
+
+    def settle(self) -> None:
+        """Read the pending verdict (if any); raise :class:`RankMismatchError` on every rank
+        if the ranks disagreed. Called at the next training forward, by which time the tiny
+        all-reduce has long completed, so the wait costs nothing."""
+        if self._pending is None:
+            return
+        handle, host, event, values, detail = self._pending
+        self._pending = None
+        handle.wait()
+        if event is not None:
+            event.synchronize()
+            reduced = host.tolist()
+        else:
+            reduced = self.buf.tolist()
+        self._verdict(reduced, values, detail)
+
+    def _verdict(self, reduced: list[int], values: list[int], detail: dict) -> None:
+        k = self.k
+        if all(reduced[i] == -reduced[k + i] for i in range(k)):
+            return
+        # Every rank saw the same max/min, so every rank is here: the all-gather pairs up.
+        mine = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
+        everyone = torch.empty(self.comm.world_size * k, dtype=torch.int64, device=self.comm.device)
+        self.comm.all_gather(everyone, mine, tag="ddp step check details")
+        table = everyone.view(self.comm.world_size, k).tolist()
+        raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
+
+
+def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
+    """The error text: each differing field, which ranks hold which value, and why it matters."""
+    lines = [
+        f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
+        f"backward #{table[rank][0]}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
+        "ranks that were at different points (reported at the next training forward):"
+    ]
+    for field_index, field in enumerate(FIELDS):
+        groups: dict[int, list[int]] = {}
+        for r, row in enumerate(table):
+            groups.setdefault(row[field_index], []).append(r)
+        if len(groups) == 1:
+            continue
+        listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+        lines.append(f"  {field}: {listing} -- {_EXPLAIN[field]}")
+    unused = detail.get("unused_names")
+    if unused:
+        lines.append(f"  parameters without a gradient on rank {rank}: {unused[:10]}{' ...' if len(unused) > 10 else ''}")
+    lines.append(
+        "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
+        "DistributedDataParallel model; look for rank-dependent control flow around the step named above."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""Detection: stall reports through the store, the per-step cross-rank check, layout checks.
+
+Every scenario is bounded: collective timeouts of a few seconds (FUSEDIST_TIMEOUT_S), a short
+report window (FUSEDIST_STALL_REPORT_S) and a wall-clock bound asserted on the whole run.
+"""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from conftest import requires_gpus
+from fusedist.testing import run_distributed
+
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
+
+
+class BranchMLP(models.MLP):
+    """An MLP whose ``short=True`` branch skips the last layer (its parameters get no gradient)."""
+
+    def forward(self, x, short=False):
+        if not short:
+            return super().forward(x)
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return x[:, :4]
+
+
+def _train(model, opt, gen, steps, hook=None):
+    for step in range(steps):
+        x, y = models.MLP.batch(gen)
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        if hook is not None and hook(step, loss) == "skip":
+            continue
+        loss.backward()
+        opt.step()
+
+
+# ---------------------------------------------------------------- stall reports
+def _stuck_outside_worker(rank, world_size):
+    import fusedist
+    from fusedist.reliability import StallError
+
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+
+    def hook(step, loss):
+        if rank == 2 and step == 2:
+            time.sleep(9)  # e.g. a stalled data loader: alive, but in no collective
+
+    try:
+        _train(model, opt, gen, 4, hook)
+    except StallError as exc:
+        return ("stall", str(exc), exc.report)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return ("other", f"{type(exc).__name__}: {exc}", None)
+    return ("finished", "", None)
+
+
+def test_stall_report_names_rank_stuck_outside_collectives():
+    start = time.monotonic()
+    results = run_distributed(_stuck_outside_worker, 3, env=FAST_FAILURE, timeout=90)
+    elapsed = time.monotonic() - start
+    for rank in (0, 1):
+        kind, text, report = results[rank]
+        assert kind == "stall", text
+        assert "all_reduce [ddp bucket" in text and "Stall report" in text
+        assert "ranks [0, 1] reached all_reduce [ddp bucket" in report
+        assert "rank 2: did not report" in report
+        assert "DDP step 2" in report  # where the waiting ranks were
+    # rank 2 woke up to find its peers gone: its own error carries the others' entries.
+    assert results[2][0] in ("stall", "other")
+    assert elapsed < 60
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("injected failure in backward")
+
+
+def _crash_worker(rank, world_size):
+    import fusedist
+    from fusedist.reliability import StallError, publish_crash
+
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP())
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    try:
+        model(x).pow(2).mean().backward()  # one good step
+        out = model(x)
+        if rank == 1:
+            out = _RaiseInBackward.apply(out)
+        out.pow(2).mean().backward()
+    except StallError as exc:
+        return ("stall", exc.report)
+    except ValueError as exc:
+        # Under torchrun the chained sys.excepthook does this for an uncaught exception.
+        publish_crash(exc)
+        time.sleep(1.0)  # keep the process group up while the peer's collective is pending
+        return ("crashed", str(exc))
+    return ("finished", None)
+
+
+def test_stall_report_names_crashed_rank():
+    results = run_distributed(_crash_worker, 2, env=FAST_FAILURE, timeout=60)
+    assert results[1] == ("crashed", "injected failure in backward")
+    kind, report = results[0]
+    assert kind == "stall"
+    assert "rank 1" in report and "CRASHED with ValueError: injected failure in backward" in report
+    assert "ranks [0] reached all_reduce [ddp bucket" in report
+
+
+# ---------------------------------------------------------------- per-step check
+def _divergence_worker(rank, world_size):
+    """Three divergences in one process group: after each, the group is still usable
+    (every rank raised at the same point), so the next scenario starts clean."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    errors = {}
+
+    def fresh(**kwargs):
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(BranchMLP(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, **kwargs)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.Generator().manual_seed(rank)
+
+    # 1. rank 1 computes a loss at step 2 but skips backward and step ("if bad: continue").
+    model, opt, gen = fresh()
+    try:
+        _train(model, opt, gen, 5, lambda step, loss: "skip" if (rank == 1 and step == 2) else None)
+    except RankMismatchError as exc:
+        errors["skip"] = str(exc)
+
+    # 2. rank 0 forgets optimizer.step() at step 1.
+    model, opt, gen = fresh()
+    try:
+        for step in range(4):
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            if not (rank == 0 and step == 1):
+                opt.step()
+    except RankMismatchError as exc:
+        errors["step"] = str(exc)
+
+    # 3. rank 1 runs a different branch (the last layer unused) at step 1.
+    model, opt, gen = fresh()
+    try:
+        for step in range(3):
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            loss = (model(x, short=(rank == 1 and step == 1)) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+    except RankMismatchError as exc:
+        errors["branch"] = str(exc)
+
+    # The group survived all three: a last collective proves it.
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    errors["alive"] = t.item()
+    return errors
+
+
+def test_divergent_ranks_are_reported_on_every_rank():
+    start = time.monotonic()
+    results = run_distributed(_divergence_worker, 2, env=FAST_FAILURE, timeout=90)
+    assert time.monotonic() - start < 60
+    for rank, errors in enumerate(results):
+        assert errors["alive"] == 2.0
+        skip = errors["skip"]
+        assert f"this is rank {rank}" in skip and "synchronized backward #2" in skip
+        assert "forward: ranks [0]: 3; ranks [1]: 4" in skip
+        assert "whose buckets 0.." in skip
+        step = errors["step"]
+        assert "optimizer_steps: ranks [0]: 1; ranks [1]: 2" in step
+        assert "optimizer.step() was called on a different iteration" in step
+        branch = errors["branch"]
+        assert "unused: ranks [0]: 0; ranks [1]: 2" in branch and "different branch" in branch
+    assert "layers.2.weight" in results[1]["branch"]  # the rank that ran the branch names the parameters
+
+
+def _layout_worker(rank, world_size):
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    try:
+        fusedist.DistributedDataParallel(models.MLP(), bucket_cap_mb=0.001 if rank == 1 else 25.0,
+                                         first_bucket_cap_mb=0.001 if rank == 1 else 1.0)
+    except RankMismatchError as exc:
+        return str(exc)
+    return "constructed"
+
+
+def test_bucket_layout_mismatch_is_reported_at_construction():
+    for text in run_distributed(_layout_worker, 2):
+        assert "gradient bucket layout differs across ranks" in text
+        assert "bucket_cap_mb" in text
+
+
+def _no_false_positive_worker(rank, world_size):
+    """no_sync micro-batches, unused parameters with find_unused_parameters, a GradScaler-style
+    skipped step on *every* rank: none of these is a divergence."""
+    import fusedist
+
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(BranchMLP(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = models.MLP.batch(gen)
+            ctx = model.no_sync() if micro == 0 else _null()
+            with ctx:
+                # an unused layer on one rank only: legitimate with find_unused_parameters
+                loss = (model(x, short=(step == 2 and rank == 0)) - y).pow(2).mean()
+                loss.backward()
+        if step != 1:  # every rank skips step 1 (as GradScaler does on a global inf)
+            opt.step()
+    return model.reducer.sync_steps, model.reducer.optimizer_steps
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_consistent_irregular_training_is_not_flagged():
+    assert run_distributed(_no_false_positive_worker, 2) == [(4, 3), (4, 3)]
+
+
+# ---------------------------------------------------------------- CUDA (the deferred host read)
+def _cuda_skip_worker(rank, world_size):
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    torch.cuda.set_device(rank)
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP().cuda(), device_ids=[rank])
+    assert model.reducer.step_check.on_cuda
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(5):
+            x, y = (t.cuda() for t in models.MLP.batch(gen))
+            opt.zero_grad()
+            loss = (model(x) - y).pow(2).mean()
+            if rank == 1 and step == 2:
+                continue
+            loss.backward()
+            opt.step()
+    except RankMismatchError as exc:
+        return str(exc)
+    return "not detected"
+
+
+@pytest.mark.gpu
+@requires_gpus(2)
+def test_divergence_detected_on_cuda():
+    for text in run_distributed(_cuda_skip_worker, 2, backend="nccl", timeout=120):
+        assert "forward: ranks [0]: 3; ranks [1]: 4" in text

@@ -55,7 +55,13 @@ def _train_offloaded(dtype, steps, device="cpu", scale=None):
         off.finish()
         model.zero_grad(set_to_none=True)
     off.close()
-    return model, losses
+    return model, losses, off
+
+
+def _assert_params_are_rounded_masters(off):
+    for k, bucket in enumerate(off.buckets):
+        for j, (p, m) in enumerate(zip(bucket.params, bucket.views(bucket.master))):
+            assert torch.equal(p.detach().cpu(), m.to(p.dtype)), f"bucket {k} param {j}"
 
 
 def _train_direct(dtype, steps):
@@ -81,7 +87,8 @@ def _train_direct(dtype, steps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offloaded_training_equals_direct_update_bitwise(dtype):
-    offloaded, losses_off = _train_offloaded(dtype, 10)
+    offloaded, losses_off, off = _train_offloaded(dtype, 10)
+    _assert_params_are_rounded_masters(off)
     direct, losses_direct = _train_direct(dtype, 10)
     assert losses_off == losses_direct
     for a, b in zip(offloaded.parameters(), direct.parameters()):
@@ -89,7 +96,7 @@ def test_offloaded_training_equals_direct_update_bitwise(dtype):
 
 
 def test_offloaded_training_matches_torch_adamw():
-    offloaded, losses = _train_offloaded(torch.float32, 10)
+    offloaded, losses, _ = _train_offloaded(torch.float32, 10)
     model = _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), **HYPER, foreach=True)
     ref_losses = []
@@ -106,8 +113,8 @@ def test_offloaded_training_matches_torch_adamw():
 
 
 def test_inv_scale_and_deferred_overflow_skip():
-    scaled, _ = _train_offloaded(torch.float32, 3, scale=512.0)
-    plain, _ = _train_offloaded(torch.float32, 3)
+    scaled, _, _ = _train_offloaded(torch.float32, 3, scale=512.0)
+    plain, _, _ = _train_offloaded(torch.float32, 3)
     for a, b in zip(scaled.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
@@ -152,8 +159,8 @@ def test_protocol_misuse_is_reported():
 def test_cuda_offload_equals_cpu_logic():
     """Pinned buffers, side streams and events: same training as the CPU-device run."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    cuda_model, cuda_losses = _train_offloaded(torch.float32, 10, device="cuda")
-    cpu_model, cpu_losses = _train_offloaded(torch.float32, 10)
+    cuda_model, cuda_losses, _ = _train_offloaded(torch.float32, 10, device="cuda")
+    cpu_model, cpu_losses, _ = _train_offloaded(torch.float32, 10)
     # CUDA matmuls sum in another order than CPU ones: fp32 gradients differ by ~1e-7
     # relative, which Adam carries into ulp-level parameter differences.
     torch.testing.assert_close(torch.tensor(cuda_losses), torch.tensor(cpu_losses), rtol=1e-4, atol=1e-6)
@@ -164,5 +171,8 @@ def test_cuda_offload_equals_cpu_logic():
 
 @pytest.mark.gpu
 def test_cuda_offload_bf16_params_follow_their_masters():
-    model, _ = _train_offloaded(torch.bfloat16, 3, device="cuda")
+    model, _, off = _train_offloaded(torch.bfloat16, 3, device="cuda")
+    torch.cuda.synchronize()
     assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in model.parameters())
+    # The copy back delivered exactly the rounded masters (no stale or torn buffers).
+    _assert_params_are_rounded_masters(off)

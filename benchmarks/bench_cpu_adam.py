@@ -16,7 +16,8 @@ every contender alike), median of the repetitions reported:
 Reported: ms per step (median and min; on a shared machine the min is the least disturbed), parameters/s, GB/s at modeled bytes (fp32 Adam: read p, g, m, v and
 write p, m, v = 28 B/param; fusedist bf16+master: 4+2+4+4 read, 4+4+4+2 written = 28 B/param;
 torch's bf16 equivalent: 6 (grad upcast) + 28 + 6 (copy back) = 40 B/param), a same-run
-memory-copy bandwidth (``dst.copy_(src)`` on fp32, 8 B/element), and ratios against torch.
+memory-copy bandwidth (``dst.copy_(src)`` on fp32, 8 B/element, timed inside the same
+round-robin), and ratios against torch.
 
     python benchmarks/bench_cpu_adam.py --sizes 10M,100M --tensors 64
 """
@@ -73,13 +74,6 @@ def round_robin(contenders: dict, reps: int, warmup: int = 2) -> dict[str, list[
             contenders[name]()
             times[name].append(time.perf_counter() - t0)
     return times
-
-
-def copy_bandwidth(numel: int, reps: int) -> float:
-    """GB/s of a plain fp32 tensor copy (8 bytes moved per element), the memory reference."""
-    src, dst = torch.randn(numel), torch.empty(numel)
-    t = round_robin({"copy": lambda: dst.copy_(src)}, reps)["copy"]
-    return 8 * numel / statistics.median(t) / 1e9
 
 
 def fusedist_update():
@@ -180,13 +174,22 @@ def deepspeed_fp32(sizes):
 # ----------------------------------------------------------------------------- cases
 
 
+COPY = "_copy"
+
+
 def run_case(case: str, total: int, count: int, reps: int, builders: dict, bytes_per_param: dict,
-             baseline: str, copy_gbs: float) -> list[dict]:
+             baseline: str) -> list[dict]:
+    """Round-robin the contenders plus an fp32 ``copy_`` of ``total`` elements, so the memory
+    reference is measured under the same conditions as the optimizers."""
     sizes = tensor_sizes(total, count)
     contenders = {name: build(sizes) for name, build in builders.items()}
+    src, dst = torch.randn(total), torch.empty(total)
+    contenders[COPY] = lambda: dst.copy_(src)
     times = round_robin(contenders, reps)
-    del contenders
+    del contenders, src, dst
     gc.collect()
+    copy_times = times.pop(COPY)
+    copy_gbs = 8 * total / statistics.median(copy_times) / 1e9
     base, base_min = statistics.median(times[baseline]), min(times[baseline])
     rows = []
     for name, ts in times.items():
@@ -196,20 +199,20 @@ def run_case(case: str, total: int, count: int, reps: int, builders: dict, bytes
             "case": case, "params": total, "tensors": count, "impl": name,
             "ms_median": round(med * 1e3, 3), "ms_min": round(min(ts) * 1e3, 3),
             "Mparams_per_s": round(total / med / 1e6, 1), "bytes_per_param": bytes_per_param[name],
-            "GB_per_s_modeled": round(gbs, 2), "frac_of_copy_bw": round(gbs / copy_gbs, 2),
+            "GB_per_s_modeled": round(gbs, 2), "copy_GB_per_s": round(copy_gbs, 2),
+            "frac_of_copy_bw": round(gbs / copy_gbs, 2),
             "baseline": baseline, "speedup_median": round(base / med, 2),
             "speedup_min": round(base_min / min(ts), 2), "reps": reps,
         })
     return rows
 
 
-def main_cases(args) -> tuple[list[dict], dict]:
+def main_cases(args) -> list[dict]:
     from fusedist.optim import _cpu_adam
 
-    rows, copy = [], {}
+    rows = []
     for total in args.sizes:
         reps = args.reps if total <= 20_000_000 else max(3, args.reps // 2)
-        copy[total] = copy_bandwidth(total, reps)
         fp32 = {
             "fusedist": lambda s: fusedist_fp32(s),
             "torch_fused": lambda s: torch_fp32(s, fused=True),
@@ -219,28 +222,21 @@ def main_cases(args) -> tuple[list[dict], dict]:
             for isa in _cpu_adam.available_isas():
                 fp32[f"fusedist[{isa}]"] = lambda s, isa=isa: fusedist_fp32(s, isa)
         rows += run_case("fp32", total, args.tensors, reps, fp32, {k: 28 for k in fp32},
-                         "torch_fused", copy[total])
+                         "torch_fused")
         bf16 = {"fusedist": fusedist_bf16_master, "torch_fused_master": torch_bf16_master}
         rows += run_case("bf16+fp32 master", total, args.tensors, reps, bf16,
-                         {"fusedist": 28, "torch_fused_master": 40}, "torch_fused_master",
-                         copy[total])
-        for r in rows:
-            r.setdefault("copy_GB_per_s", round(copy[r["params"]], 2))
-    return rows, copy
+                         {"fusedist": 28, "torch_fused_master": 40}, "torch_fused_master")
+    return rows
 
 
 def deepspeed_only(args) -> None:
     rows = []
     for total in args.sizes:
         reps = args.reps if total <= 20_000_000 else max(3, args.reps // 2)
-        copy = copy_bandwidth(total, reps)
         builders = {"deepspeed_cpu_adam": deepspeed_fp32, "fusedist": fusedist_fp32,
                     "torch_fused": lambda s: torch_fp32(s, fused=True)}
-        case = run_case("fp32 (DeepSpeed run)", total, args.tensors, reps, builders,
-                        {k: 28 for k in builders}, "deepspeed_cpu_adam", copy)
-        for r in case:
-            r["copy_GB_per_s"] = round(copy, 2)
-        rows += case
+        rows += run_case("fp32 (DeepSpeed run)", total, args.tensors, reps, builders,
+                         {k: 28 for k in builders}, "deepspeed_cpu_adam")
     import deepspeed
 
     print("DEEPSPEED_JSON " + json.dumps({"rows": rows, "version": deepspeed.__version__}))
@@ -251,14 +247,14 @@ def run_deepspeed(args) -> tuple[list[dict], str]:
         return [], "not run: pass --deepspeed-python with an interpreter that has deepspeed"
     cmd = [args.deepspeed_python, os.path.abspath(__file__), "--deepspeed-only",
            "--sizes", ",".join(str(s) for s in args.sizes), "--tensors", str(args.tensors),
-           "--reps", str(args.reps)]
+           "--reps", str(args.reps), "--threads", str(torch.get_num_threads())]
     env = dict(os.environ, PYTHONPATH=REPO)
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("DEEPSPEED_JSON "):
             data = json.loads(line[len("DEEPSPEED_JSON "):])
-            return data["rows"], f"deepspeed {data['version']} (op JIT build + run {time.time() - t0:.0f} s)"
+            return data["rows"], f"deepspeed {data['version']} (op load + run {time.time() - t0:.0f} s)"
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
     return [], "failed: " + " | ".join(tail)
 
@@ -281,7 +277,7 @@ def write_report(args, rows, ds_note, load_before, load_after) -> None:
     cpu = sh("lscpu | sed -n 's/^Model name: *//p'")
     cores = os.cpu_count()
     fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(os.path.join(args.out, "bench_cpu_adam.csv"), "w", newline="") as f:
+    with open(os.path.join(args.out, f"bench_cpu_adam{args.tag}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["date", "cpu", "cores", "torch"] + fields)
         writer.writeheader()
         for r in rows:
@@ -313,7 +309,7 @@ def write_report(args, rows, ds_note, load_before, load_after) -> None:
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     lines.append("")
-    with open(os.path.join(args.out, "bench_cpu_adam.md"), "w") as f:
+    with open(os.path.join(args.out, f"bench_cpu_adam{args.tag}.md"), "w") as f:
         f.write("\n".join(lines) + (args.notes or ""))
     print("\n".join(lines))
 
@@ -328,14 +324,19 @@ def main() -> None:
                         help="python of an environment with deepspeed installed (run separately)")
     parser.add_argument("--deepspeed-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--notes", default="", help="markdown appended to the report")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (fusedist follows torch's thread count)")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.deepspeed_only:
         deepspeed_only(args)
         return
     sys.path.insert(0, REPO)
     load_before = sh("cat /proc/loadavg | cut -d' ' -f1-3")
-    rows, _ = main_cases(args)
+    rows = main_cases(args)
     ds_rows, ds_note = run_deepspeed(args)
     load_after = sh("cat /proc/loadavg | cut -d' ' -f1-3")
     write_report(args, rows + ds_rows, ds_note, load_before, load_after)

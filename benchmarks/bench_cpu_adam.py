@@ -248,7 +248,7 @@ def run_deepspeed(args) -> tuple[list[dict], str]:
     cmd = [args.deepspeed_python, os.path.abspath(__file__), "--deepspeed-only",
            "--sizes", ",".join(str(s) for s in args.sizes), "--tensors", str(args.tensors),
            "--reps", str(args.reps), "--threads", str(torch.get_num_threads())]
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(torch.get_num_threads()))
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():

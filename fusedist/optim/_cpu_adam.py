@@ -102,20 +102,22 @@ def _describe_bad_tensor(t, what: str, i: int, shape, dtypes) -> Exception:
     return ValueError(f"{what}[{i}] is not contiguous; make it contiguous (in place of the original)")
 
 
-def _check_tensor(t, what: str, i: int, shape, dtypes) -> None:
-    # One cheap combined test per tensor (this runs for every tensor on every step; the
-    # attributes used here cost ~0.05 us each, t.device ~0.3 us); the message is built only
-    # on failure. get_device() is -1 for CPU (and meta, which is_meta rules out).
-    if not (
-        isinstance(t, torch.Tensor)
-        and t.dtype in dtypes
-        and t.get_device() == -1
-        and not t.is_meta
-        and t.layout == torch.strided
-        and (shape is None or t.shape == shape)
-        and t.is_contiguous()
-    ):
-        raise _describe_bad_tensor(t, what, i, shape, dtypes)
+def _check_list(tensors, what: str, shapes, dtypes) -> None:
+    # One pass per list with the whole test inline: this runs for every tensor on every step
+    # (~0.5 us per tensor), so no per-tensor Python calls and no ``t.device`` (~0.4 us alone;
+    # is_cpu is false for meta tensors too). The message is built only on failure.
+    strided = torch.strided
+    Tensor = torch.Tensor
+    for i, t in enumerate(tensors):
+        if not (
+            isinstance(t, Tensor)
+            and t.dtype in dtypes
+            and t.is_cpu
+            and t.layout == strided
+            and (shapes is None or t.shape == shapes[i])
+            and t.is_contiguous()
+        ):
+            raise _describe_bad_tensor(t, what, i, None if shapes is None else shapes[i], dtypes)
 
 
 def adam_update(
@@ -174,18 +176,17 @@ def adam_update(
 
     half_or_float = tuple(_DTYPE_CODES)
     fp32_only = (torch.float32,)
+    _check_list(params, "params", None, half_or_float)
+    shapes = [p.shape for p in params]
+    _check_list(grads, "grads", shapes, half_or_float)
+    _check_list(exp_avgs, "exp_avgs", shapes, fp32_only)
+    _check_list(exp_avg_sqs, "exp_avg_sqs", shapes, fp32_only)
+    if masters is not None:
+        _check_list(masters, "masters", shapes, fp32_only)
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i in range(n):
-        p = params[i]
-        _check_tensor(p, "params", i, None, half_or_float)
-        shape = p.shape
-        _check_tensor(grads[i], "grads", i, shape, half_or_float)
-        _check_tensor(exp_avgs[i], "exp_avgs", i, shape, fp32_only)
-        _check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, shape, fp32_only)
-        if masters is not None:
-            _check_tensor(masters[i], "masters", i, shape, fp32_only)
-        if p.nelement():
-            groups.setdefault((p.dtype, grads[i].dtype), []).append(i)
+        if params[i].nelement():
+            groups.setdefault((params[i].dtype, grads[i].dtype), []).append(i)
 
     threads = torch.get_num_threads()
     for (param_dtype, grad_dtype), idx in groups.items():

@@ -361,3 +361,24 @@ def test_bad_isa_request(monkeypatch):
     ops = _extension.require("_cpu_ops")
     with pytest.raises(ValueError, match="unknown ISA code 7"):
         ops.convert(0, 0, 0, 0, 0, 7)
+
+
+def test_result_does_not_depend_on_thread_count(isa):
+    """Pieces are independent, so 1 or N OpenMP threads give bitwise the same step."""
+    torch.manual_seed(23)
+    shapes = [(70001,), (5,), (40000,)]  # several 32K-element pieces, uneven tails
+    init = (_rand(shapes), _rand(shapes, torch.bfloat16))
+    results = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            masters, grads = ([t.clone() for t in ts] for ts in init)
+            params = [m.to(torch.bfloat16) for m in masters]
+            exp_avgs, exp_avg_sqs = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+            adam_update(params, grads, exp_avgs, exp_avg_sqs, masters, lr=LR, beta1=0.9, beta2=0.999,
+                        eps=1e-8, weight_decay=0.01, adamw=True, step=1)
+            results.append(masters + params + exp_avgs + exp_avg_sqs)
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -112,8 +112,10 @@ FUSEDIST_TARGET inline void adam_vector(const Broadcast& b, const void* grad, vo
   if (CD != kNone) store_n<CD>(copy, i, n, w);
 }
 
+// noinline: one symbol per instantiation and ISA, so the disassembly check
+// (tests/test_cpu_adam_build.py) finds each path's hot loop; the call is once per piece.
 template <int GD, int WD, int CD, int DM, bool LERP_SMALL>
-FUSEDIST_TARGET void adam_span_typed(const AdamJob& job, int64_t t, int64_t begin,
+FUSEDIST_TARGET __attribute__((noinline)) void adam_span_typed(const AdamJob& job, int64_t t, int64_t begin,
                                      int64_t end) {
   const Broadcast b = broadcast(job.c);
   const void* grad = job.grads[t];

@@ -19,7 +19,11 @@ Note [offload ordering]:
   so it sees the finished gradient; an event marks its completion.
 * The CPU update runs on one worker thread (buckets are updated in the order they became
   ready; the kernel itself is multi-threaded). It waits for the D2H event before reading.
-* H2D: issued from the worker on a dedicated stream after the update; ``finish`` makes the
+* H2D: issued from the worker on a dedicated stream after the update, ordered after every
+  kernel queued before ``bucket_ready`` (it waits on the D2H event). The parameters of a ready
+  bucket must therefore not be read by the rest of this backward -- true unless a weight is
+  shared with a bucket that is not ready yet (put shared weights in the last bucket, or use
+  ``defer=True``). ``finish`` makes the
   caller's current stream wait for it, so later kernels see the new parameters, and also
   blocks the host until all updates are done (the next step reuses the host buffers).
 * Gradient unscaling / overflow skipping / clipping need a global view (every bucket's

@@ -137,16 +137,69 @@ def cuda_extension(cuda_home: str) -> Extension | None:
     return ext
 
 
+# Each wide path is compiled with a function-level target attribute (never a global -m flag,
+# so the module still loads on CPUs without it; CPUID picks the path at run time). A compiler
+# that rejects an attribute -- old GCC/Clang, or a non-x86 target -- just drops that path.
+_CPU_ISA_PROBES = {
+    "FUSEDIST_CPU_NO_AVX2": ("avx,avx2,fma,f16c", "__m256 x = _mm256_set1_ps(1.f); "
+                             "__m128i h = _mm256_cvtps_ph(_mm256_fmadd_ps(x, x, x), 0); "
+                             "return _mm_cvtsi128_si32(h);"),
+    "FUSEDIST_CPU_NO_AVX512": ("avx,avx2,fma,f16c,avx512f", "__m512 x = _mm512_set1_ps(1.f); "
+                               "__m256i h = _mm512_cvtps_ph(_mm512_sqrt_ps(x), 0); "
+                               "return _mm256_extract_epi32(h, 0);"),
+}
+
+
+def _cxx_command() -> list[str]:
+    import shlex
+
+    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    return shlex.split(cxx)
+
+
+def _compiler_accepts(target: str, body: str) -> bool:
+    import tempfile
+
+    source = (
+        "#include <immintrin.h>\n"
+        f'__attribute__((target("{target}"))) int probe() {{ {body} }}\n'
+        "int main() { return 0; }\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.cpp")
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = _cxx_command() + ["-std=c++17", "-O2", "-c", src, "-o", os.path.join(tmp, "probe.o")]
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+
 def cpu_extension() -> Extension | None:
     sources = sorted(glob.glob("csrc/cpu/*.cpp"))
     if not sources:
         return None
+    macros = []
+    for macro, (target, body) in _CPU_ISA_PROBES.items():
+        if not _compiler_accepts(target, body):
+            print(f"fusedist: the C++ compiler rejects target('{target}'); defining {macro}")
+            macros.append((macro, "1"))
     ext = Extension(
         "fusedist._cpu_ops",
         sources=sources,
         include_dirs=["csrc/cpu", "csrc/common"],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp"]},
+        define_macros=macros,
+        # -ffp-contract=off: no implicit FMA contraction, so every ISA path rounds the same
+        # way (see csrc/cpu/adam_impl.h, Note [operation order]). -fno-math-errno: sqrt need
+        # not set errno, which lets the compiler vectorize the portable path; it changes no
+        # value.
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off",
+                    "-fno-math-errno"]
+        },
         extra_link_args=["-fopenmp"],
+        depends=sorted(glob.glob("csrc/cpu/*.h")),
         language="c++",
     )
     ext._fusedist_required = _switch("FUSEDIST_BUILD_CPU") == "1"  # type: ignore[attr-defined]

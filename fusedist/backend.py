@@ -74,10 +74,14 @@ def select_backend(op: str, device: torch.device | str, *, has_cpu_ext: bool = F
                 "(set before triton is imported)"
             )
         if choice == "cpu_ext" and (device.type != "cpu" or not has_cpu_ext):
-            raise RuntimeError(
-                f"FUSEDIST_KERNEL_BACKEND=cpu_ext but {op} has no built CPU extension for "
-                f"{device.type} tensors"
-            )
+            from ._extension import is_available, load_error
+
+            if device.type != "cpu" or not is_available("_cpu_ops"):
+                raise RuntimeError(
+                    f"FUSEDIST_KERNEL_BACKEND=cpu_ext but {op} cannot use the C++ CPU extension on "
+                    f"{device.type} tensors ({load_error('_cpu_ops') or 'CPU tensors only'})"
+                )
+            choice = "torch"  # the extension is built but has no kernel for this op
     key = (op, f"{device.type}:{choice}")
     if key not in _logged:
         _logged.add(key)

@@ -15,12 +15,19 @@ import io
 import pytest
 import torch
 
+from fusedist._extension import is_available
 from fusedist.backend import triton_available, triton_interpreting
 from fusedist.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 _TRITON_OK = triton_available() and (torch.cuda.is_available() or triton_interpreting())
-BACKENDS = [pytest.param("triton", marks=pytest.mark.skipif(not _TRITON_OK, reason="no Triton path here")), "torch"]
+_CPU_EXT_OK = DEVICE.type == "cpu" and is_available("_cpu_ops")
+BACKENDS = [
+    pytest.param("triton", marks=pytest.mark.skipif(not _TRITON_OK, reason="no Triton path here")),
+    "torch",
+    # The C++ CPU Adam (SGD and LAMB have no C++ kernel and run the reference under this setting).
+    pytest.param("cpu_ext", marks=pytest.mark.skipif(not _CPU_EXT_OK, reason="fusedist._cpu_ops not built")),
+]
 SHAPES = [(7,), (33, 5), (1,), (1023,)]
 
 

@@ -269,8 +269,15 @@ def adam_update(
         if backend == "cpu_ext":
             from . import _cpu_adam  # the C++ CPU Adam adapter (see the cpu_ext hook above)
 
-            _cpu_adam.adam_update(b_params, b_grads, b_m, b_v, b_masters, step=b_step,
-                                  inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf, **hyper)
+            # The C++ kernel takes one step count per call: group tensors by step (they differ
+            # only when some parameters skipped steps without a gradient).
+            by_step: dict = {}
+            for j, s in enumerate(b_step if isinstance(b_step, (list, tuple)) else [b_step] * len(b_params)):
+                by_step.setdefault(int(s), []).append(j)
+            for s, js in by_step.items():
+                _cpu_adam.adam_update(_take(b_params, js), _take(b_grads, js), _take(b_m, js), _take(b_v, js),
+                                      _take(b_masters, js) if b_masters is not None else None, step=s,
+                                      inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf, **hyper)
             continue
         impl = _kernels() if backend == "triton" else _reference
         impl.adam(b_params, b_grads, b_masters, b_m, b_v, b_step, inv_scale=inv_scale,

@@ -84,6 +84,9 @@ class ReduceScatterToShard(GradSyncStrategy):
         self._store(bs, out, post)
 
     def _store(self, bs, value: torch.Tensor, post: float = 1.0) -> None:
+        offload = self.zero._offload
+        if offload is not None:
+            offload.before_grad_write(bs)
         dst = self.zero._grad_shards[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo]
         if self._accumulate:
             value = value.to(dst.dtype)
@@ -94,6 +97,8 @@ class ReduceScatterToShard(GradSyncStrategy):
             dst.copy_(value)
             if post != 1.0:
                 dst.div_(post)
+        if offload is not None:
+            offload.grad_ready(bs)  # Note [offload pipeline]: down while backward goes on
 
     def after_sync(self, reducer) -> None:
         # Parameters no rank used this iteration (DDP left their grad None, Note [unused

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from ..comm import get_communicator
 from . import state as zstate
 from .grad_sync import ReduceScatterToShard, grad_buffers_allocated, release_grad_buffers
+from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
 from .partition import FlatParams, FlatPartition, bucketize
 
 MiB = 1024 * 1024
@@ -69,6 +70,13 @@ class ZeroRedundancyOptimizer(Optimizer):
       the gradient norm are combined across shards in one all-reduce of two numbers, and a
       fused inner optimizer skips an overflowing step on the device. A non-fused inner
       optimizer reads the flag on the host (as torch's GradScaler does for it).
+    * ``offload="cpu"`` (ZeRO-Offload, Note [offload pipeline] in ``offload.py``): the master
+      shard and the Adam state live in host memory (pinned with CUDA) and the C++ CPU Adam
+      steps them bucket by bucket; gradient slices go down as their buckets are reduced
+      (stage 2: during backward), updated parameter slices go up and are all-gathered as
+      usual. Only ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math)
+      are supported. ``step()`` reads the GradScaler's found-inf flag on the host (the CPU
+      update needs it there); state dicts and checkpoints are the same as without offload.
     * Master weights are FP32 copies (FP64 for FP64 parameters). After changing parameters
       outside the optimizer once it has stepped (e.g. ``model.load_state_dict``), call
       :meth:`sync_master_from_params` (``fusedist.checkpoint.load`` does).
@@ -82,19 +90,25 @@ class ZeroRedundancyOptimizer(Optimizer):
         bucket_cap_mb: bucket size of the layout built without DDP.
         overlap_param_gather: wait for parameter all-gathers in forward pre-hooks (needs DDP)
             instead of at the end of ``step()``.
+        offload: None (everything on the parameters' device) or ``"cpu"`` (master weights and
+            optimizer state on the host, stepped there; Adam/AdamW only).
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
     _fusedist_fused = True  # Note [scaler protocol] (fusedist/amp/grad_scaler.py)
 
     def __init__(self, params, optimizer_class=None, *, stage: int = 1, process_group=None,
-                 bucket_cap_mb: float = 25.0, overlap_param_gather: bool = True, **defaults):
+                 bucket_cap_mb: float = 25.0, overlap_param_gather: bool = True,
+                 offload: Optional[str] = None, **defaults):
         if defaults.pop("overlap_with_ddp", False):
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
                              "a fusedist DistributedDataParallel model instead")
         defaults.pop("parameters_as_bucket_view", None)  # always true here
         if stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
+        self.offload = "cpu" if offload == "cpu" else None
         self.optimizer_class = optimizer_class or _default_optimizer_class()
         self.stage = stage
         self._inner_defaults = dict(defaults)
@@ -106,6 +120,11 @@ class ZeroRedundancyOptimizer(Optimizer):
                 raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only real "
                                 "floating-point parameters can be sharded")
         self._fill_group_defaults()
+        if self.offload:
+            check_offload_config(self.optimizer_class, self._params)
+            for gi, group in enumerate(self.param_groups):
+                check_offload_group(group, gi)
+        self._offload: Optional[HostShardOffload] = None
 
         self.ddp = self._find_ddp()
         if self.ddp is not None:
@@ -225,14 +244,20 @@ class ZeroRedundancyOptimizer(Optimizer):
         part = self._ensure_partition()
         device = self._params[0].device
         self._flat_params = FlatParams(part, self._params, device)
-        self._masters = {dt: torch.empty(n, dtype=self._master_dtype(dt), device=device)
-                         for dt, n in part.shard_numel.items()}
+        if self.offload:
+            self._offload = HostShardOffload(self)
+            self._masters = self._offload.masters
+            grad_shards = self._offload.host_grads
+        else:
+            self._masters = {dt: torch.empty(n, dtype=self._master_dtype(dt), device=device)
+                             for dt, n in part.shard_numel.items()}
+            grad_shards = self._grad_shards
         self.sync_master_from_params()
         self._pieces = []
         groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
         for piece in part.pieces:
             t = self._masters[piece.dtype][piece.start:piece.end]
-            t.grad = self._grad_shards[piece.dtype][piece.start:piece.end]
+            t.grad = grad_shards[piece.dtype][piece.start:piece.end]
             self._pieces.append(t)
             groups[piece.group]["params"].append(t)
         self.inner = self.optimizer_class(groups, **self._inner_defaults)
@@ -249,6 +274,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self._flat_params is None:
             return  # masters are built from the parameters at the first step
         self.wait_for_params()
+        if self._offload is not None:
+            self._offload.wait_host_buffers()
         for bs in self._partition.bucket_shards:
             dt = bs.bucket.dtype
             self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
@@ -463,8 +490,13 @@ class ZeroRedundancyOptimizer(Optimizer):
                 self._collect_stage1_grads()
             for group, inner_group in zip(self.param_groups, self.inner.param_groups):
                 inner_group.update(zstate.hyperparameters(group))
-            self._inner_step()
-            self._publish_params()
+            if self._offload is not None:
+                self._offload.step()
+                if not self.overlap_param_gather:
+                    self.wait_for_params()
+            else:
+                self._inner_step()
+                self._publish_params()
             # Stage 2: step() consumes the gradient shard, so the next synchronized backward
             # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
             # reach the shard). Several synchronized backward passes *before* a step still
@@ -513,7 +545,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:
         """Bytes this rank holds for master weights and optimizer state (≈ 12Ψ/N for Adam in
-        FP32, plus padding), and for its gradient shard. Zero before the first step."""
+        FP32, plus padding), and for its gradient shard, and how they split between host and
+        device memory (``host_bytes``/``device_bytes``). Zero before the first step."""
         master = sum(t.numel() * t.element_size() for t in self._masters.values())
         opt_state = 0
         if self.inner is not None:
@@ -523,11 +556,23 @@ class ZeroRedundancyOptimizer(Optimizer):
                         opt_state += v.numel() * v.element_size()
         grads = sum(t.numel() * t.element_size() for t in self._grad_shards.values())
         part = self._partition
+        if self._offload is not None:
+            staging = self._offload.host_bytes()
+            host = master + opt_state + staging["gradient_staging"] + staging["param_staging"]
+            device = grads
+        else:
+            host, device = 0, master + opt_state + grads
         return {
             "master_bytes": master,
             "optimizer_state_bytes": opt_state,
             "total_bytes": master + opt_state,
             "gradient_shard_bytes": grads,
+            # Where those bytes live: with offload="cpu", masters, optimizer state and the
+            # pinned staging buffers for gradients (down) and half-precision parameters (up)
+            # are host memory; the gradient shard stays on the device (stage 2 reduces into it).
+            "offload": self.offload,
+            "host_bytes": host,
+            "device_bytes": device,
             "shard_elements": sum(part.shard_numel.values()) if part else 0,
             "padding_elements": part.padding_elements() if part else 0,
             "world_size": self.world_size,
@@ -653,6 +698,8 @@ class ZeroRedundancyOptimizer(Optimizer):
                 return
             self._ensure_state()
         self.wait_for_params()
+        if self._offload is not None:
+            self._offload.wait_host_buffers()
         part = self._partition
         new_state: dict = {}
         for piece, t in zip(part.pieces, self._pieces):

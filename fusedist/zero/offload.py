@@ -1,0 +1,276 @@
+"""ZeRO-Offload for ``ZeroRedundancyOptimizer(..., offload="cpu")``: the rank's FP32 master
+shard and its Adam state live in host memory and are stepped there by the C++ CPU Adam.
+
+Why it exists: for Adam, master weights and the two moments are 12 of the 16 bytes per
+parameter a mixed-precision rank holds in stage 1/2. Keeping them on the host frees that
+device memory; the cost is moving the gradient shard down and the parameter shard up, which
+is hidden by overlapping the copies with backward and with the parameter all-gathers.
+
+Note [offload pipeline]
+    * Backward (stage 2): as soon as a bucket's reduce-scatter has been stored into the
+      device gradient shard, its slice is copied device-to-host on a side stream (it waits for
+      the compute stream first, so it sees the stored gradient) and an event records its
+      completion; the rest of backward keeps running. Stage 1 has no per-bucket reduction
+      hook here: its slices are copied at the start of ``step()``, all issued before the
+      first update, so the copies of later buckets overlap the updates of earlier ones.
+    * If the device gradient shard changed after its copy (e.g. a pending GradScaler unscale
+      was materialized in place, or another backward accumulated into it), the tensor's
+      version counter says so and ``step()`` copies that dtype's shard again.
+    * ``step()`` reads found_inf / inv_scale / clip_coef on the host -- the CPU kernel needs
+      them there, so unlike the device-side fused path this is a host synchronization (one
+      copy of three numbers). Everything on the device stays asynchronous. An overflow (all
+      ranks agree: the flag is all-reduced) skips the update, the copies up and the
+      all-gathers; the parameters are unchanged, as with a skipped non-offloaded step.
+    * Per bucket, in the order gradients landed: wait for its copy down, run the CPU Adam on
+      its segments (unscale and clip applied inline), copy the updated shard up (bf16/fp16
+      parameters: the kernel writes the rounded copy into pinned staging in the same pass),
+      then issue the bucket's all-gather. The CPU update of bucket k+1 overlaps the copy up
+      and all-gather of bucket k.
+    * Host buffers read by an asynchronous copy up are not written again until that copy
+      has completed (its event is waited for before the bucket's next update, and before
+      ``load_state_dict`` / ``sync_master_from_params`` overwrite masters).
+
+With CPU "device" tensors (no GPU), every copy is a plain synchronous ``copy_`` and no
+stream or event exists: the same code path, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _extension
+
+OFFLOAD_CHOICES = (None, "none", "cpu")
+
+
+def supported_optimizer_classes() -> tuple:
+    from ..optim import FusedAdam, FusedAdamW
+    return (FusedAdam, FusedAdamW, torch.optim.Adam, torch.optim.AdamW)
+
+
+def check_offload_config(optimizer_class, params) -> None:
+    """Raise a clear error for anything ``offload="cpu"`` cannot run."""
+    supported = supported_optimizer_classes()
+    if optimizer_class not in supported:
+        names = ", ".join(f"{c.__module__}.{c.__name__}" for c in supported)
+        raise TypeError(
+            f"ZeroRedundancyOptimizer(offload='cpu') runs Adam/AdamW on the host with the C++ CPU "
+            f"kernel; optimizer_class={getattr(optimizer_class, '__name__', optimizer_class)} is not "
+            f"supported. Supported: {names}. Use offload=None for other optimizers."
+        )
+    for i, p in enumerate(params):
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}; the host "
+                "Adam supports float32, bfloat16 and float16 parameters (FP32 masters)"
+            )
+    _extension.require("_cpu_ops")  # raises the build failure and how to rebuild
+
+
+def check_offload_group(group: dict, index: int) -> None:
+    """Options of Adam that the host kernel does not implement raise instead of being ignored."""
+    for flag in ("amsgrad", "capturable", "differentiable"):
+        if group.get(flag):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer(offload='cpu'), param group {index}: {flag}=True is not "
+                "supported by the host Adam"
+            )
+
+
+def _adamw(optimizer_class, group: dict) -> bool:
+    from ..optim import FusedAdamW
+    return bool(group.get("decoupled_weight_decay", False)) or issubclass(
+        optimizer_class, (FusedAdamW, torch.optim.AdamW))
+
+
+class HostShardOffload:
+    """Host masters, host gradient staging and the per-bucket pipeline (Note [offload pipeline])
+    for one :class:`ZeroRedundancyOptimizer`. Built with the shards at the first step."""
+
+    def __init__(self, zero):
+        self.zero = zero
+        part = zero._partition
+        device = zero._params[0].device
+        self.cuda = device.type == "cuda"
+        pin = self.cuda
+        self.masters = {dt: torch.empty(n, dtype=torch.float32, pin_memory=pin)
+                        for dt, n in part.shard_numel.items()}
+        self.host_grads = {dt: torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+                           for dt, n in part.shard_numel.items()}
+        # bf16/fp16 parameters: the kernel writes the rounded master here (half the bytes up).
+        self.staging = {dt: torch.empty(n, dtype=dt, pin_memory=pin)
+                        for dt, n in part.shard_numel.items() if dt != torch.float32}
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h_done: dict[int, torch.cuda.Event] = {}
+        self.h2d_done: dict[int, torch.cuda.Event] = {}
+        self._copied: set[int] = set()  # buckets whose gradient was copied down since the last step
+        self._copied_version: dict[torch.dtype, int] = {}
+        # Per bucket shard: the (piece index, start, end) runs of the flat shard it covers.
+        self.segments: list[list[tuple[int, int, int]]] = []
+        for bs in part.bucket_shards:
+            lo, hi = bs.pos, bs.pos + bs.hi - bs.lo
+            segs = []
+            for k, piece in enumerate(part.pieces):
+                if piece.dtype == bs.bucket.dtype and piece.start < hi and lo < piece.end:
+                    segs.append((k, max(lo, piece.start), min(hi, piece.end)))
+            self.segments.append(segs)
+
+    # ------------------------------------------------------------------ gradients down
+    def before_grad_write(self, bs) -> None:
+        """The device gradient slice of ``bs`` is about to be overwritten: order that after
+        its pending copy down (another backward before ``step()``)."""
+        event = self.d2h_done.get(bs.bucket.index)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def grad_ready(self, bs) -> None:
+        """Copy bucket ``bs``'s gradient slice down (asynchronously on CUDA)."""
+        dt = bs.bucket.dtype
+        n = bs.hi - bs.lo
+        src = self.zero._grad_shards[dt][bs.pos:bs.pos + n]
+        dst = self.host_grads[dt][bs.pos:bs.pos + n]
+        if self.cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h_stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self.d2h_done[bs.bucket.index] = event
+        else:
+            dst.copy_(src)
+        self._copied.add(bs.bucket.index)
+        self._copied_version[dt] = self.zero._grad_shards[dt]._version
+
+    def _refresh_grads(self) -> None:
+        """Copy down whatever is missing or changed since its copy (stage 1: everything)."""
+        shards = self.zero._grad_shards
+        part = self.zero._partition
+        stale = {dt for dt, shard in shards.items() if self._copied_version.get(dt) != shard._version}
+        for bs in part.bucket_shards:
+            if bs.bucket.dtype in stale or bs.bucket.index not in self._copied:
+                self.grad_ready(bs)
+
+    # ------------------------------------------------------------------ step
+    def _host_scalars(self):
+        """found_inf, inv_scale, clip_coef as 1-element fp32 host tensors (or None)."""
+        z = self.zero
+        values = [z.found_inf, z._effective_inv_scale(), z._fusedist_clip_coef]
+        present = [v.reshape(1).float() for v in values if v is not None]
+        if not present:
+            return None, None, None
+        host = torch.cat([v.to(present[0].device) for v in present]).cpu()  # host sync (Note)
+        out, k = [], 0
+        for v in values:
+            if v is None:
+                out.append(None)
+            else:
+                out.append(host[k:k + 1].clone())
+                k += 1
+        return tuple(out)
+
+    def _piece_states(self, pieces):
+        """The inner optimizer's state of each piece, created in its own format if missing;
+        returns the step number this update uses per piece."""
+        inner = self.zero.inner
+        steps = []
+        for t in pieces:
+            st = inner.state[t]
+            if "step" not in st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if st.get(key) is None:
+                    st[key] = torch.zeros_like(t, memory_format=torch.contiguous_format)
+            steps.append(int(st["step"]) + 1)
+        return steps
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One optimizer step over every bucket (Note [offload pipeline]); issues the
+        parameter all-gathers like ``ZeroRedundancyOptimizer._publish_params``."""
+        from ..optim._cpu_adam import adam_update
+
+        z = self.zero
+        part = z._partition
+        fp = z._flat_params
+        inner = z.inner
+        if z.stage == 1:
+            z._collect_stage1_grads()
+        self._refresh_grads()
+        found_inf, inv_scale, clip_coef = self._host_scalars()
+        self._copied.clear()
+        if found_inf is not None and float(found_inf) != 0.0:
+            for event in self.d2h_done.values():
+                event.synchronize()  # nothing may still write the host gradients
+            self.d2h_done.clear()
+            return  # every rank skips: found_inf was all-reduced
+        hyper = []
+        for gi, g in enumerate(inner.param_groups):
+            check_offload_group(g, gi)
+            hyper.append(dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                              eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+                              adamw=_adamw(z.optimizer_class, g), maximize=bool(g.get("maximize", False)),
+                              bias_correction=bool(g.get("bias_correction", True))))
+        steps = self._piece_states(z._pieces)
+        states = [inner.state[t] for t in z._pieces]
+        if self.cuda:
+            # The copies up overwrite parameter slices that queued kernels may still read.
+            self.h2d_stream.wait_stream(torch.cuda.current_stream())
+        for bs, segs in zip(part.bucket_shards, self.segments):
+            index, dt = bs.bucket.index, bs.bucket.dtype
+            if self.cuda:
+                self.d2h_done.pop(index).synchronize()
+                previous_up = self.h2d_done.pop(index, None)
+                if previous_up is not None:
+                    previous_up.synchronize()  # last step's copy up still reading the host buffers
+            master, grad = self.masters[dt], self.host_grads[dt]
+            staging = self.staging.get(dt)
+            for k, lo, hi in segs:
+                piece = part.pieces[k]
+                st = states[k]
+                off_lo, off_hi = lo - piece.start, hi - piece.start
+                adam_update(
+                    [staging[lo:hi] if staging is not None else master[lo:hi]], [grad[lo:hi]],
+                    [st["exp_avg"][off_lo:off_hi]], [st["exp_avg_sq"][off_lo:off_hi]],
+                    [master[lo:hi]] if staging is not None else None,
+                    step=steps[k], inv_scale=inv_scale, clip_coef=clip_coef,
+                    **hyper[piece.group])
+            self._copy_up(bs, staging if staging is not None else master)
+            if z.world_size > 1:
+                z._gather_handles[index] = z.comm.all_gather(
+                    fp.bucket_view(bs), fp.shard_view(bs), async_op=True,
+                    tag=f"zero param gather bucket {index}")
+        for st in states:
+            st["step"] += 1
+        if self.cuda and z.world_size == 1:
+            torch.cuda.current_stream().wait_stream(self.h2d_stream)
+
+    def _copy_up(self, bs, source: torch.Tensor) -> None:
+        n = bs.hi - bs.lo
+        src = source[bs.pos:bs.pos + n]
+        dst = self.zero._flat_params.shard_view(bs)
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.h2d_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.h2d_done[bs.bucket.index] = event
+        # The all-gather (and any later kernel) reads the new slice: device-side wait only.
+        torch.cuda.current_stream().wait_event(event)
+
+    def wait_host_buffers(self) -> None:
+        """Block until no copy up still reads the host masters / staging (before writing them)."""
+        for event in self.h2d_done.values():
+            event.synchronize()
+        self.h2d_done.clear()
+
+    # ------------------------------------------------------------------ accounting
+    def host_bytes(self) -> dict:
+        def size(d):
+            return sum(t.numel() * t.element_size() for t in d.values())
+        return {"master": size(self.masters), "gradient_staging": size(self.host_grads),
+                "param_staging": size(self.staging)}

@@ -40,8 +40,9 @@ def _poison(grad):
 
 
 def _train(rank, model, opt, *, steps, scaler=False, clip=None, clip_api="optimizer", inject_at=None,
-           dtype=torch.float32):
-    """``steps`` steps on rank-dependent data; returns the final flat parameters (fp32)."""
+           dtype=torch.float32, backward_passes=1):
+    """``steps`` steps on rank-dependent data; returns the final flat parameters (fp32).
+    ``backward_passes`` synchronized backward passes accumulate before each step."""
     import fusedist
 
     sc = fusedist.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if scaler else None
@@ -53,7 +54,10 @@ def _train(rank, model, opt, *, steps, scaler=False, clip=None, clip_api="optimi
         hook = None
         if step == inject_at and rank == (dist.get_world_size() - 1 if dist.is_initialized() else 0):
             hook = model.module.layers[0].weight.register_hook(_poison)
-        (sc.scale(loss) if sc else loss).backward()
+        for k in range(backward_passes):
+            if k:  # another synchronized backward: accumulates into the (copied) gradient shard
+                loss = nn.functional.mse_loss(model(x.flip(0).to(dtype)).float(), y)
+            (sc.scale(loss) if sc else loss).backward()
         if hook is not None:
             hook.remove()
         if sc is not None and clip is not None:
@@ -118,6 +122,7 @@ def _offload_worker(rank, world_size, directory):
             ("scaler+overflow+fusedist.clip_grad_norm_", FusedAdamW,
              dict(scaler=True, clip=0.05, inject_at=3, clip_api="fusedist")),
             ("scaler, no unscale_, overflow", torch.optim.AdamW, dict(scaler=True, inject_at=5)),
+            ("two backward passes per step", FusedAdamW, dict(backward_passes=2, clip=0.05)),
         ):
             diff, flat, _, _, opt = _pair(rank, stage=stage, inner=inner, **kw)
             out["parity"][(stage, name)] = (diff, flat)
@@ -156,7 +161,7 @@ def _offload_worker(rank, world_size, directory):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["world1", "world2", "world3"])
 def offload_run(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(f"offload{request.param}"))
     return request.param, directory, run_distributed(_offload_worker, request.param, directory, timeout=300)

@@ -10,14 +10,18 @@ Part 2 -- a training iteration (forward + backward + step) of an MLP:
   ddp+adamw   fusedist DDP, torch.optim.AdamW(fused=True) on full parameters
   zero1       fusedist DDP, ZeroRedundancyOptimizer(stage=1, AdamW(fused=True))
   zero2       fusedist DDP, ZeroRedundancyOptimizer(stage=2, AdamW(fused=True))
-with the memory each rank holds for master weights + optimizer state (memory_stats()).
+  zeroN+offload  the same with offload="cpu": masters and AdamW state in host memory, stepped
+              by the C++ CPU Adam per bucket (on CPU "devices" this measures the offload
+              pipeline's overhead, not the device memory it frees on a GPU)
+with the memory each rank holds for master weights + optimizer state (memory_stats()), and
+for the offload rows how much of the rank's optimizer memory is on the host / device.
 The unsharded baseline holds fp32 moments only (its master weights are the parameters).
 
 Every rank runs the same loop; timings are rank 0's, each repetition after a barrier. gloo
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only]
 """
 
 from __future__ import annotations
@@ -107,14 +111,16 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     x = torch.randn(batch, d, generator=gen).to(device)
     y = torch.randn(batch, d, generator=gen).to(device)
     results = {}
-    for name in ("ddp+adamw", "zero1", "zero2"):
+    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload")
+    for name in names:
         torch.manual_seed(0)
         model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device))
         if name == "ddp+adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         else:
-            opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=int(name[-1]),
-                                                   lr=1e-4, fused=True)
+            stage, _, offload = name[len("zero"):].partition("+")
+            opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=int(stage),
+                                                   lr=1e-4, fused=True, offload="cpu" if offload else None)
 
         def iteration():
             opt.zero_grad()
@@ -127,24 +133,26 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
                         if isinstance(v, torch.Tensor))
         else:
             opt.wait_for_params()
-            state = opt.memory_stats()["total_bytes"]
+            stats = opt.memory_stats()
+            state = (stats["total_bytes"], stats["host_bytes"], stats["device_bytes"])
         results[name] = (timing, state)
     psi = sum(p.numel() for p in _MLP(d, layers).parameters())
     base_t, base_mem = results["ddp+adamw"]
     rows = []
-    for name in ("zero1", "zero2"):
-        t, mem = results[name]
+    for name in names[1:]:
+        t, (mem, host, dev) = results[name]
         rows.append({
             "part": "iteration", "config": f"{name} vs ddp+adamw, MLP {layers}x{d} ({psi / 1e6:.2f}M params), batch {batch}",
             "baseline_ms": base_t[0], "zero_ms": t[0], "ratio_zero/baseline": t[0] / base_t[0],
             "baseline_busbw_GBs": "", "zero_busbw_GBs": "",
             "baseline_p20_p80": f"{base_t[1]:.2f}-{base_t[2]:.2f}", "zero_p20_p80": f"{t[1]:.2f}-{t[2]:.2f}",
             "baseline_state_MB": base_mem / 2**20, "zero_state_MB_per_rank": mem / 2**20,
+            "zero_host_MB": host / 2**20, "zero_device_MB": dev / 2**20,
         })
     return rows
 
 
-def _worker(rank, world_size, device_type, quick):
+def _worker(rank, world_size, device_type, quick, collectives=True):
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -155,7 +163,7 @@ def _worker(rank, world_size, device_type, quick):
         sizes = [1 << 18, 1 << 20, 4 << 20] if quick else [1 << 18, 1 << 20, 4 << 20, 16 << 20]
         model_cfg = dict(d=512, layers=8, batch=64)
     repeats = 5 if quick else 15
-    rows = _collectives(rank, world_size, device, sizes, repeats)
+    rows = _collectives(rank, world_size, device, sizes, repeats) if collectives else []
     rows += _training(rank, world_size, device, repeats=repeats, **model_cfg)
     return rows
 
@@ -165,6 +173,7 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--iterations-only", action="store_true", help="skip the collectives part")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         sys.exit(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
@@ -173,7 +182,8 @@ def main():
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = max(1, (os.cpu_count() or 2) // args.world_size)
-    per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, backend=backend,
+    per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
+                               backend=backend,
                                timeout=1800, pg_timeout=600, threads=threads)
     rows = per_rank[0]
     keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -187,9 +197,13 @@ def main():
         "state = master weights + optimizer state bytes held by one rank. Ratio > 1: ZeRO slower. "
         "On gloo the flat reduce-scatter and all-gather are implemented less efficiently than its "
         "all-reduce (see the reduce_scatter_ms / all_gather_ms columns), so RS+AG exceeds AR there; "
-        "the 1.1x target is for NCCL (run with --device cuda on a GPU machine)."
+        "the 1.1x target is for NCCL (run with --device cuda on a GPU machine). Offload rows: "
+        "zero_host_MB / zero_device_MB split the rank's optimizer memory (host: masters, AdamW state, "
+        "gradient and parameter staging; device: the gradient shard); on CPU both are host RAM, so "
+        "the time ratio there is the cost of the offload pipeline (extra copies, per-bucket calls)."
     )
-    md, csv = write_results(f"zero_{args.device}_ws{args.world_size}", rows, notes, env)
+    name = f"zero_{args.device}_ws{args.world_size}" + ("_iterations" if args.iterations_only else "")
+    md, csv = write_results(name, rows, notes, env)
     for r in rows:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     print("wrote", md, csv)

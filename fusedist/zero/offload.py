@@ -196,9 +196,7 @@ class HostShardOffload:
         part = z._partition
         fp = z._flat_params
         inner = z.inner
-        if z.stage == 1:
-            z._collect_stage1_grads()
-        self._refresh_grads()
+        self._refresh_grads()  # stage 1: ``step()`` just collected the slices into the shard
         found_inf, inv_scale, clip_coef = self._host_scalars()
         self._copied.clear()
         if found_inf is not None and float(found_inf) != 0.0:

@@ -40,7 +40,7 @@ def _poison(grad):
 
 
 def _train(rank, model, opt, *, steps, scaler=False, clip=None, clip_api="optimizer", inject_at=None,
-           dtype=torch.float32, backward_passes=1):
+           dtype=torch.float32, backward_passes=1, materialize=False):
     """``steps`` steps on rank-dependent data; returns the final flat parameters (fp32).
     ``backward_passes`` synchronized backward passes accumulate before each step."""
     import fusedist
@@ -62,6 +62,10 @@ def _train(rank, model, opt, *, steps, scaler=False, clip=None, clip_api="optimi
             hook.remove()
         if sc is not None and clip is not None:
             sc.unscale_(opt)
+            if materialize:
+                # What a clip over another parameter set does: the pending unscale is applied to
+                # the gradients in place -- after stage 2 already copied them to the host.
+                opt._fusedist_materialize_unscale()
         if clip is not None:
             if clip_api == "optimizer":
                 opt.clip_grad_norm_(clip)
@@ -123,6 +127,8 @@ def _offload_worker(rank, world_size, directory):
              dict(scaler=True, clip=0.05, inject_at=3, clip_api="fusedist")),
             ("scaler, no unscale_, overflow", torch.optim.AdamW, dict(scaler=True, inject_at=5)),
             ("two backward passes per step", FusedAdamW, dict(backward_passes=2, clip=0.05)),
+            ("gradients unscaled in place after their copy", FusedAdamW,
+             dict(scaler=True, clip=0.05, inject_at=3, materialize=True)),
         ):
             diff, flat, _, _, opt = _pair(rank, stage=stage, inner=inner, **kw)
             out["parity"][(stage, name)] = (diff, flat)
@@ -249,12 +255,12 @@ def test_offload_rejects_unsupported_configurations():
         fusedist.ZeroRedundancyOptimizer(models.MLP().double().parameters(), torch.optim.AdamW, offload="cpu")
 
 
-def _cuda_pair(stage_model_dtype):
+def _cuda_pair(dtype):
     import fusedist
     from fusedist.optim import FusedAdamW
 
     torch.manual_seed(0)
-    base = models.MLP().cuda().to(stage_model_dtype)
+    base = models.MLP().cuda().to(dtype)
     results = []
     for offload in (None, "cpu"):
         model = copy.deepcopy(base)
@@ -265,7 +271,7 @@ def _cuda_pair(stage_model_dtype):
         for step in range(10):
             x, y = (t.cuda() for t in models.MLP.batch(gen))
             opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x.to(stage_model_dtype)).float(), y)
+            loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
             if step == 3:
                 loss = loss * float("inf")
             scaler.scale(loss).backward()

@@ -21,6 +21,9 @@ Note [offload pipeline]
       copy of three numbers). Everything on the device stays asynchronous. An overflow (all
       ranks agree: the flag is all-reduced) skips the update, the copies up and the
       all-gathers; the parameters are unchanged, as with a skipped non-offloaded step.
+    * The updates start in ``step()``, not during backward: the overflow flag and the clip
+      coefficient depend on every bucket's gradient, and ``step()`` is where they are known.
+      What overlaps backward is the copies down.
     * Per bucket, in the order gradients landed: wait for its copy down, run the CPU Adam on
       its segments (unscale and clip applied inline), copy the updated shard up (bf16/fp16
       parameters: the kernel writes the rounded copy into pinned staging in the same pass),
@@ -70,7 +73,9 @@ def check_offload_config(optimizer_class, params) -> None:
 
 
 def check_offload_group(group: dict, index: int) -> None:
-    """Options of Adam that the host kernel does not implement raise instead of being ignored."""
+    """Options of Adam that the host kernel does not implement raise instead of being ignored.
+    (``foreach``/``fused`` only pick one of torch's implementations of the same math; with
+    offload the host kernel replaces all of them.)"""
     for flag in ("amsgrad", "capturable", "differentiable"):
         if group.get(flag):
             raise ValueError(

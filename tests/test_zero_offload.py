@@ -296,3 +296,30 @@ def test_offload_cuda_pinned_streams_match_device_optimizer(dtype):
     assert stats["host_bytes"] > stats["device_bytes"] > 0
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding step may differ
     assert (a - b).abs().max().item() < tol
+
+
+def test_offload_follows_lr_scheduler(monkeypatch):
+    """Hyperparameters are read from the param groups at every step (an LR schedule changes
+    them); one process, stage 1 without DDP."""
+    import fusedist
+    from fusedist.optim import FusedAdamW
+
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "cpu_ext")
+    torch.manual_seed(3)
+    base = models.MLP()
+    finals = []
+    for offload in (None, "cpu"):
+        model = copy.deepcopy(base)
+        opt = fusedist.ZeroRedundancyOptimizer(_groups(model), FusedAdamW, lr=1e-2, offload=offload,
+                                               bucket_cap_mb=0.0005)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(6):
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+        finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert (finals[0] - finals[1]).abs().max().item() < TOL
+    assert not torch.equal(finals[1], torch.cat([p.detach().reshape(-1) for p in base.parameters()]))

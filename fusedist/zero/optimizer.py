@@ -757,7 +757,8 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return (f"ZeroRedundancyOptimizer(stage={self.stage}, world_size={self.world_size}, "
-                f"optimizer_class={self.optimizer_class.__name__}, groups={len(self.param_groups)})")
+                f"optimizer_class={self.optimizer_class.__name__}, groups={len(self.param_groups)}"
+                + (f", offload={self.offload!r})" if self.offload else ")"))
 
 
 def _to_cpu(obj):

@@ -304,6 +304,10 @@ def test_cpu_ext_dispatch_point(monkeypatch):
     stand_in = types.ModuleType("fusedist.optim._cpu_adam")
     stand_in.adam_update = adam_update
     monkeypatch.setitem(sys.modules, "fusedist.optim._cpu_adam", stand_in)
+    # If the real adapter was imported earlier, `from . import _cpu_adam` finds the package attribute.
+    import fusedist.optim
+
+    monkeypatch.setattr(fusedist.optim, "_cpu_adam", stand_in, raising=False)
     monkeypatch.setattr(F, "_has_cpu_adam", lambda: True)
     monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "cpu_ext")
     params, grads, m, v, _ = _make((3, 9), torch.float32, torch.float32, torch.device("cpu"))

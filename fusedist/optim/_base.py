@@ -11,6 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import functional
+from ._scaler_protocol import ScalerProtocol
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -25,7 +26,7 @@ def check_finite_hyper(owner: str, **values: Any) -> None:
                 raise ValueError(f"{owner}: hyperparameter {name}={value} is not finite")
 
 
-class FusedOptimizerBase(Optimizer):
+class FusedOptimizerBase(ScalerProtocol, Optimizer):
     """Base of FusedAdam/AdamW/SGD/LAMB.
 
     Subclasses implement :meth:`_validate_group` and :meth:`_step_group`; this class owns
@@ -34,8 +35,6 @@ class FusedOptimizerBase(Optimizer):
     parameter's device) and the scaler protocol attributes.
     """
 
-    # Note [scaler protocol]: marks this optimizer for fusedist.amp.GradScaler.
-    _fusedist_fused = True
     _state_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict):
@@ -57,23 +56,12 @@ class FusedOptimizerBase(Optimizer):
         # spares per-step dict lookups for every parameter.
         self._fusedist_ready: set[int] = set()
 
-    # -- protocol state (Note [scaler protocol]) ----------------------------------------------
-
-    def _fusedist_clear_protocol(self) -> None:
-        self.grad_scale: Optional[torch.Tensor] = None
-        self.found_inf: Optional[torch.Tensor] = None
-        self._fusedist_inv_scale: Optional[torch.Tensor] = None
-        self._fusedist_clip_coef: Optional[torch.Tensor] = None
-        self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
+    # -- scaler protocol (Note [scaler protocol]; bookkeeping in ScalerProtocol) --------------
 
     def _fusedist_grad_params(self) -> list[torch.Tensor]:
-        """Parameters whose gradients the *global* norm of :meth:`_fusedist_check_and_norm`
-        covers (what clip_grad_norm_ compares its argument with). A sharded optimizer returns
-        every model parameter here, since its reduced norm covers them all."""
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def _fusedist_local_grads(self) -> list[torch.Tensor]:
-        """Gradients this rank reads in the check pass (its shard, for a sharded optimizer)."""
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
@@ -81,33 +69,6 @@ class FusedOptimizerBase(Optimizer):
         grad*inv_scale), made global by :meth:`_fusedist_reduce_found_inf_and_norm`."""
         found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale)
         return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
-
-    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
-        """Combine the local flag and sum of squares into the global ones. Identity here; a
-        sharded optimizer (ZeRO) overrides it to all-reduce ``found_inf`` with max and
-        ``sumsq`` with sum, so every rank sees the same flag and norm."""
-        return found_inf, sumsq
-
-    def _fusedist_materialize_unscale(self) -> None:
-        """Apply a pending ``inv_scale`` to the gradients in place (the slow path, used when a
-        caller needs unscaled ``.grad`` values, e.g. clip_grad_norm_ on a different set of
-        parameters). Afterwards the optimizer behaves as after torch's ``unscale_``."""
-        inv = self._fusedist_inv_scale
-        if inv is None:
-            return
-        grads = [p.grad for p in self._fusedist_grad_params()]
-        if grads:
-            torch._foreach_mul_(grads, inv.reshape(()))
-        self._fusedist_inv_scale = None
-        self._fusedist_grad_sumsq = None
-
-    def _effective_inv_scale(self) -> Optional[torch.Tensor]:
-        if self.grad_scale is not None:
-            # torch computes the reciprocal in fp64 (fp32 division can be imprecise).
-            return self.grad_scale.double().reciprocal().float().reshape(1)
-        if self._fusedist_inv_scale is not None:
-            return self._fusedist_inv_scale.reshape(1)
-        return None
 
     # -- hooks for subclasses -----------------------------------------------------------------
 

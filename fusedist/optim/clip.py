@@ -38,21 +38,8 @@ def _pending_optimizers() -> list:
 
 
 def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
-    sumsq = opt._fusedist_grad_sumsq
-    prev = opt._fusedist_clip_coef
-    if prev is not None:  # clipped twice: the second norm sees the first clip
-        sumsq = sumsq * prev.reshape(sumsq.shape) ** 2
     # torch returns the norm in the gradients' dtype and computes the coefficient in it.
-    total_norm = sumsq.sqrt().reshape(()).to(grads[0].dtype)
-    if error_if_nonfinite and bool(torch.logical_or(total_norm.isnan(), total_norm.isinf())):
-        raise RuntimeError(
-            "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
-            "cannot be clipped. To disable this error and scale the gradients by the non-finite "
-            "norm anyway, set `error_if_nonfinite=False`"
-        )
-    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).float().reshape(1)
-    opt._fusedist_clip_coef = clip_coef if prev is None else prev.reshape(1) * clip_coef
-    return total_norm
+    return opt._fusedist_record_clip(opt._fusedist_grad_sumsq, max_norm, error_if_nonfinite, grads[0].dtype)
 
 
 def clip_grad_norm_(

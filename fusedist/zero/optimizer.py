@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm import get_communicator
+from ..optim._scaler_protocol import ScalerProtocol
 from . import state as zstate
 from .grad_sync import ReduceScatterToShard, grad_buffers_allocated, release_grad_buffers
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
@@ -30,7 +31,7 @@ def _default_optimizer_class():
     return FusedAdamW
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
     """Shards FP32 master weights and optimizer state (stage 1), and gradients (stage 2),
     evenly over the data-parallel ranks.
 
@@ -95,7 +96,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
-    _fusedist_fused = True  # Note [scaler protocol] (fusedist/amp/grad_scaler.py)
 
     def __init__(self, params, optimizer_class=None, *, stage: int = 1, process_group=None,
                  bucket_cap_mb: float = 25.0, overlap_param_gather: bool = True,
@@ -379,13 +379,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         return dict(self._grad_shards) if self._grads_present else {}
 
     # ------------------------------------------------------------------ scaler protocol
-    def _fusedist_clear_protocol(self) -> None:
-        self.grad_scale: Optional[torch.Tensor] = None
-        self.found_inf: Optional[torch.Tensor] = None
-        self._fusedist_inv_scale: Optional[torch.Tensor] = None
-        self._fusedist_clip_coef: Optional[torch.Tensor] = None
-        self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
-
     def _fusedist_grad_params(self) -> list:
         """The parameters the global norm covers: all of them in stage 2 (their gradients are
         the shards), those with ``p.grad`` in stage 1."""
@@ -421,23 +414,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         packed = packed.to(sumsq.device)
         return (packed[0:1] > 0).float(), packed[1:2]
 
-    def _fusedist_materialize_unscale(self) -> None:
-        inv = self._fusedist_inv_scale
-        if inv is None:
-            return
-        if self.stage == 2:
-            grads = self._local_grads()
-        else:
-            grads = [p.grad for p in self._params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, inv.reshape(()))
-        self._fusedist_inv_scale = None
-        self._fusedist_grad_sumsq = None
+    def _fusedist_local_grads(self) -> list:
+        return self._local_grads()
 
-    def _effective_inv_scale(self) -> Optional[torch.Tensor]:
-        if self.grad_scale is not None:
-            return self.grad_scale.double().reciprocal().float().reshape(1)
-        return None if self._fusedist_inv_scale is None else self._fusedist_inv_scale.reshape(1)
+    def _fusedist_unscale_targets(self) -> list:
+        # Stage 2 keeps gradients only as shards; stage 1 unscales what users see in p.grad.
+        if self.stage == 2:
+            return self._local_grads()
+        return [p.grad for p in self._params if p.grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -455,19 +439,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
             if self._fusedist_inv_scale is not None:
                 self._fusedist_grad_sumsq = sumsq
-        prev = self._fusedist_clip_coef
-        if prev is not None:  # a second clip sees the first one
-            sumsq = sumsq * prev.reshape(sumsq.shape) ** 2
-        total_norm = sumsq.sqrt().reshape(())
-        if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
-            raise RuntimeError(
-                "The total norm of order 2.0 for gradients is non-finite, so it cannot be clipped. "
-                "To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).float().reshape(1)
-        self._fusedist_clip_coef = coef if prev is None else prev.reshape(1) * coef
-        return total_norm
+        return self._fusedist_record_clip(sumsq, max_norm, error_if_nonfinite)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

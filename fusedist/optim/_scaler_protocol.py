@@ -1,0 +1,85 @@
+"""The optimizer side of the GradScaler protocol (Note [scaler protocol] in
+fusedist/amp/grad_scaler.py), shared by the fused optimizers and ZeroRedundancyOptimizer.
+
+A subclass says which gradients it reads (:meth:`_fusedist_local_grads`), which parameters the
+global norm covers (:meth:`_fusedist_grad_params`) and, when it is sharded, how the local
+found-inf flag and sum of squares become global (:meth:`_fusedist_reduce_found_inf_and_norm`).
+The bookkeeping of the scale, the pending unscale and the clip coefficient lives here once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class ScalerProtocol:
+    # Note [scaler protocol]: marks the optimizer for fusedist.amp.GradScaler.
+    _fusedist_fused = True
+
+    def _fusedist_clear_protocol(self) -> None:
+        self.grad_scale: Optional[torch.Tensor] = None
+        self.found_inf: Optional[torch.Tensor] = None
+        self._fusedist_inv_scale: Optional[torch.Tensor] = None
+        self._fusedist_clip_coef: Optional[torch.Tensor] = None
+        self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
+
+    def _fusedist_grad_params(self) -> list:
+        """Parameters whose gradients the *global* norm covers (what clip_grad_norm_ compares
+        its argument with)."""
+        raise NotImplementedError
+
+    def _fusedist_local_grads(self) -> list:
+        """Gradients this rank reads in the check pass (its shard, for a sharded optimizer)."""
+        raise NotImplementedError
+
+    def _fusedist_unscale_targets(self) -> list:
+        """Gradients a materialized unscale writes: those users see in ``p.grad`` by default."""
+        return [p.grad for p in self._fusedist_grad_params() if p.grad is not None]
+
+    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
+        """Combine the local flag and sum of squares into the global ones. Identity here; a
+        sharded optimizer (ZeRO) overrides it to all-reduce them, so every rank sees the same
+        flag and norm."""
+        return found_inf, sumsq
+
+    def _fusedist_materialize_unscale(self) -> None:
+        """Apply a pending ``inv_scale`` to the gradients in place (the slow path, used when a
+        caller needs unscaled ``.grad`` values, e.g. clip_grad_norm_ on a different set of
+        parameters). Afterwards the optimizer behaves as after torch's ``unscale_``."""
+        inv = self._fusedist_inv_scale
+        if inv is None:
+            return
+        grads = self._fusedist_unscale_targets()
+        if grads:
+            torch._foreach_mul_(grads, inv.reshape(()))
+        self._fusedist_inv_scale = None
+        self._fusedist_grad_sumsq = None
+
+    def _effective_inv_scale(self) -> Optional[torch.Tensor]:
+        if self.grad_scale is not None:
+            # torch computes the reciprocal in fp64 (fp32 division can be imprecise).
+            return self.grad_scale.double().reciprocal().float().reshape(1)
+        if self._fusedist_inv_scale is not None:
+            return self._fusedist_inv_scale.reshape(1)
+        return None
+
+    def _fusedist_record_clip(self, sumsq: torch.Tensor, max_norm: float, error_if_nonfinite: bool,
+                              norm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Record the clip coefficient for a global sum of squares; return the total norm
+        (before clipping) in ``norm_dtype``, as torch's clip_grad_norm_ does. The optimizer
+        applies the coefficient inline in its update: no gradient is touched here."""
+        prev = self._fusedist_clip_coef
+        if prev is not None:  # clipped twice: the second norm sees the first clip
+            sumsq = sumsq * prev.reshape(sumsq.shape) ** 2
+        total_norm = sumsq.sqrt().reshape(()).to(norm_dtype)
+        if error_if_nonfinite and bool(torch.logical_or(total_norm.isnan(), total_norm.isinf())):
+            raise RuntimeError(
+                "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                "norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).float().reshape(1)
+        self._fusedist_clip_coef = coef if prev is None else prev.reshape(1) * coef
+        return total_norm

@@ -136,7 +136,7 @@ def main(argv=None):
     ratio_off = rows[2]["step_ms"] / rows[0]["step_ms"]
     lines = [
         f"Model: {args.layers}x Linear({args.width},{args.width}) MLP, {r0['params'] / 1e6:.1f}M params, "
-        f"batch {args.batch} per rank, {args.world_size} ranks, gloo, bucket_cap_mb={args.bucket_cap_mb} "
+        f"batch {args.batch} per rank, {args.world_size} ranks (1 intra-op thread each), gloo, bucket_cap_mb={args.bucket_cap_mb} "
         f"(fusedist: {r0['buckets']} buckets), {args.rounds} alternating rounds x {args.steps} steps.",
         "",
         "| impl | fwd+bwd+sync (ms, median) | fwd+bwd under no_sync (ms) | exposed comm (ms) | exposed / unoverlapped comm |",

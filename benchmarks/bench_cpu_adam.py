@@ -290,7 +290,7 @@ def write_report(args, rows, ds_note, load_before, load_after) -> None:
         f"- fusedist {sh(f'git -C {REPO} rev-parse --short HEAD')}, ISA paths available: "
         f"{_cpu_adam.available_isas()} (default: {_cpu_adam.selected_isa()})",
         f"- Load average (1/5/15 min) before / after: {load_before} / {load_after}"
-        + (" -- the machine was shared with other jobs during this run: expect noise, trust the"
+        + (" -- the load average exceeded 1.5 during this run, so other processes competed for the cores: expect noise, trust the"
            " same-run ratios and the `ms_min` column more than absolute medians"
            if max(float(x) for x in (load_before + " " + load_after).split()[::3]) > 1.5 else ""),
         f"- {args.tensors} tensors of uneven sizes; AdamW lr={HYPER['lr']} wd={HYPER['weight_decay']}; "

@@ -100,16 +100,21 @@ def worker(rank, world_size, args):
             "buckets": len(impls["fusedist"].buckets)}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int) -> None:
+    """The MLP / world / bucket options shared by the DDP benchmarks."""
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--width", type=int, default=1536)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--quick", action="store_true")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p, rounds=5, steps=4)
     p.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
     args = p.parse_args(argv)
     if args.quick:

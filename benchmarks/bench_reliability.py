@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import write_report  # noqa: E402
-from bench_ddp import _time_steps, make_model  # noqa: E402
+from _common import write_results  # noqa: E402
+from bench_ddp import _time_steps, add_model_args, make_model  # noqa: E402
 
 
 def _per_call_us(fn, n: int) -> float:
@@ -108,15 +108,8 @@ def worker(rank, world_size, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--width", type=int, default=1536)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--steps", type=int, default=2)
+    add_model_args(p, rounds=12, steps=2)
     p.add_argument("--swap", action="store_true", help="checks-on copy on the new group, off on the default")
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -142,7 +135,7 @@ def main(argv=None):
         f"{args.batch} per rank, {args.world_size} ranks, gloo, bucket_cap_mb={args.bucket_cap_mb} ({r['buckets']} "
         f"buckets), {args.rounds} alternating rounds x {args.steps} steps, SGD.",
         "",
-        "| | step (ms, median) |",
+        "| | fwd+bwd+sync (ms, median; optimizer step untimed) |",
         "|---|---|",
         f"| checks on (default) | {r['on_ms']:.2f} |",
         f"| checks off (FUSEDIST_CHECKS=0) | {r['off_ms']:.2f} |",
@@ -159,7 +152,8 @@ def main(argv=None):
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        print("written:", write_report("reliability", "Cost of the reliability checks (CPU, gloo)", text, rows))
+        md, _ = write_results("reliability", rows, "Cost of the reliability checks (CPU, gloo)\n\n" + text)
+        print("written:", md)
 
 
 if __name__ == "__main__":

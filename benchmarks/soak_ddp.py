@@ -90,7 +90,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from fusedist.testing import run_distributed
-    from _report import write_report
+    from _common import write_results
 
     results = run_distributed(soak_worker, args.world_size, args.steps, args.warmup, args.samples,
                               timeout=3600, pg_timeout=600)
@@ -113,7 +113,8 @@ def main(argv=None):
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        print("written:", write_report("soak", "Soak: DDP + FusedAdamW + GradScaler (CPU, gloo)", text))
+        md, _ = write_results("soak", [], "Soak: DDP + FusedAdamW + GradScaler (CPU, gloo)\n\n" + text)
+        print("written:", md)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torch import nn
 
 import models
 from conftest import requires_gpus
+from fault_scripts.train_fault import RaiseInBackward
 from fusedist.testing import run_distributed
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
@@ -78,16 +79,6 @@ def test_stall_report_names_rank_stuck_outside_collectives():
     assert elapsed < 60
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ValueError("injected failure in backward")
-
-
 def _crash_worker(rank, world_size):
     import fusedist
     from fusedist.reliability import StallError, publish_crash
@@ -99,7 +90,7 @@ def _crash_worker(rank, world_size):
         model(x).pow(2).mean().backward()  # one good step
         out = model(x)
         if rank == 1:
-            out = _RaiseInBackward.apply(out)
+            out = RaiseInBackward.apply(out)
         out.pow(2).mean().backward()
     except StallError as exc:
         return ("stall", exc.report)

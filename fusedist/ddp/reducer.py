@@ -148,7 +148,6 @@ class Reducer:
         # (Note [step check] in fusedist/reliability/step_check.py). None of it touches gradients.
         self.sync_steps = 0  # synchronized backwards completed
         self.forwards = 0  # training forwards (DistributedDataParallel.forward with grad enabled)
-        self.backward_count = 0  # all backwards completed (== iteration; named for the guard)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.last_backward_synced = True
         self._layout_crc: Optional[tuple] = None
@@ -170,12 +169,12 @@ class Reducer:
 
     def _attach_grad(self, p) -> None:
         """Make ``p.grad`` the buffer view (keeping any existing gradient value)."""
+        if p.grad is None:
+            return
         view = self.layout.grad_view(p)
-        if p.grad is not None:
-            view.copy_(p.grad)
+        view.copy_(p.grad)
         if self.config.gradient_as_bucket_view:
-            if p.grad is not None:
-                p.grad = view
+            p.grad = view
 
     def _rebuild(self, observed: list[int]) -> None:
         """Re-bucket by the readiness order rank 0 observed, carrying gradient values over.
@@ -189,7 +188,8 @@ class Reducer:
         order[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
         self.comm.broadcast(order, src=0, tag="ddp bucket rebuild")
         chosen = [i for i in order.tolist() if i >= 0]
-        rest = [i for i in reversed(range(n)) if i not in set(chosen)]
+        chosen_set = set(chosen)
+        rest = [i for i in reversed(range(n)) if i not in chosen_set]
         new_order = chosen + rest
         old = self.layout
         new = self._build(new_order)
@@ -205,6 +205,11 @@ class Reducer:
         self.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
         for listener in self.layout_listeners:
             listener(new)
+
+    @property
+    def backward_count(self) -> int:
+        """[reliability] All backwards completed, synchronized or not (the optimizer guard)."""
+        return self.iteration
 
     def position(self) -> dict:
         """Where training is, for stall reports (fusedist.reliability)."""
@@ -301,7 +306,6 @@ class Reducer:
             self.next_backward_sync = True
             self.iteration += 1
             # [reliability] read by the optimizer guard and the step check
-            self.backward_count += 1
             self.last_backward_synced = self.sync
             if self.sync:
                 self.sync_steps += 1
@@ -382,13 +386,16 @@ class Reducer:
         ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused]})
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
-        used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
+        # Built on the host and read back once: one transfer each way, not one per parameter.
+        local = [0] * len(self.params)
         for p in self.ready_params:
-            used[self.index_of[p]] = 1
+            local[self.index_of[p]] = 1
+        used = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         self.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
+        used_anywhere = used.tolist()
         globally_unused = []
         for p in unused:
-            if used[self.index_of[p]].item() == 0:
+            if used_anywhere[self.index_of[p]] == 0:
                 globally_unused.append(self.names[self.index_of[p]])
                 if not had_grad[p]:
                     p.grad = None

@@ -1,7 +1,13 @@
 """Benchmark: fusedist's C++ CPU Adam/AdamW against torch.optim.AdamW (and DeepSpeedCPUAdam).
 
-Same run, same machine, steps timed round-robin (so a burst of load from other processes hits
-every contender alike), median of the repetitions reported:
+Same run, same machine, same memory: every contender of a case steps the *same* tensors
+(parameters, gradients, moments; torch's optimizers get them as pre-filled state), so no
+contender is favoured by where its buffers happen to sit (separately allocated buffers of
+the same size differ by up to 20% in speed here). Each repetition times every contender once,
+in a freshly shuffled order (a step right after another memory-bound one runs slower: a fixed
+rotation would bias the pairs). Reported: medians over repetitions, and the median of the
+*paired* ratios (baseline time / contender time within the same repetition), which cancels
+slow drifts of the machine.
 
 1. fp32 parameters: fusedist ``adam_update`` vs ``torch.optim.AdamW(foreach=True)`` and
    ``(fused=True)``; at the smaller size also each fusedist ISA path (avx512/avx2/scalar).
@@ -17,7 +23,7 @@ Reported: ms per step (median and min; on a shared machine the min is the least 
 write p, m, v = 28 B/param; fusedist bf16+master: 4+2+4+4 read, 4+4+4+2 written = 28 B/param;
 torch's bf16 equivalent: 6 (grad upcast) + 28 + 6 (copy back) = 40 B/param), a same-run
 memory-copy bandwidth (``dst.copy_(src)`` on fp32, 8 B/element, timed inside the same
-round-robin), and ratios against torch.
+shuffled rounds), and ratios against torch (paired, of medians, and of minima).
 
     python benchmarks/bench_cpu_adam.py --sizes 10M,100M --tensors 64
 """
@@ -60,16 +66,20 @@ def tensor_sizes(total: int, count: int) -> list[int]:
     return sizes
 
 
-def round_robin(contenders: dict, reps: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Time each callable ``reps`` times, interleaved; returns seconds per call."""
+def shuffled_rounds(contenders: dict, reps: int, warmup: int = 2, seed: int = 0) -> dict[str, list[float]]:
+    """Time each callable ``reps`` times; every repetition runs all of them once, in a new
+    random order. Returns seconds per call, indexed by repetition."""
+    import random
+
+    rng = random.Random(seed)
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in contenders}
     names = list(contenders)
-    for r in range(reps):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
+    for _ in range(reps):
+        rng.shuffle(names)
+        for name in names:
             t0 = time.perf_counter()
             contenders[name]()
             times[name].append(time.perf_counter() - t0)
@@ -86,88 +96,93 @@ def fusedist_update():
 # ----------------------------------------------------------------------------- contenders
 
 
-def fp32_state(sizes, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(n, generator=gen) for n in sizes]
-    grads = [torch.randn(n, generator=gen) for n in sizes]
-    return params, grads
+class SharedState:
+    """The tensors every contender of one case steps: fp32 masters/params, gradients (fp32 or
+    bf16), moments, and for the bf16 case the bf16 parameters and torch's fp32 grad buffers."""
+
+    def __init__(self, sizes, bf16: bool = False, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.sizes = sizes
+        self.masters = [torch.randn(n, generator=gen) for n in sizes]
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        self.m = [torch.zeros(n) for n in sizes]
+        self.v = [torch.zeros(n) for n in sizes]
+        if bf16:
+            self.params = [p.to(torch.bfloat16) for p in self.masters]
+            self.grads = [g.to(torch.bfloat16) for g in grads]
+            self.grad32 = grads  # torch's upcast target, refilled each step
+        else:
+            self.params, self.grads = None, grads
 
 
-def fusedist_fp32(sizes, isa=None):
+def torch_adamw(state: SharedState, **flags):
+    """torch.optim.AdamW over the shared masters, its state pointing at the shared moments."""
+    params = [torch.nn.Parameter(p, requires_grad=True) for p in state.masters]  # shares storage
+    grads = state.grad32 if state.params is not None else state.grads
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = torch.optim.AdamW(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], **flags)
+    for p, m, v in zip(params, state.m, state.v):
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+    return opt
+
+
+def fusedist_fp32(state: SharedState, isa=None):
     adam_update = fusedist_update()
-    params, grads = fp32_state(sizes)
-    m = [torch.zeros(n) for n in sizes]
-    v = [torch.zeros(n) for n in sizes]
-    state = {"step": 0}
+    counter = {"step": 0}
 
     def step():
         if isa is not None:
             os.environ["FUSEDIST_CPU_ISA"] = isa
-        state["step"] += 1
-        adam_update(params, grads, m, v, None, adamw=True, step=state["step"], **HYPER)
+        counter["step"] += 1
+        adam_update(state.masters, state.grads, state.m, state.v, None, adamw=True,
+                    step=counter["step"], **HYPER)
         if isa is not None:
             os.environ.pop("FUSEDIST_CPU_ISA")
 
     return step
 
 
-def torch_fp32(sizes, **flags):
-    params, grads = fp32_state(sizes)
-    params = [p.requires_grad_() for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt = torch.optim.AdamW(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], **flags)
-    return opt.step
+def torch_fp32(state: SharedState, **flags):
+    return torch_adamw(state, **flags).step
 
 
-def fusedist_bf16_master(sizes):
+def fusedist_bf16_master(state: SharedState):
     adam_update = fusedist_update()
-    masters, grads32 = fp32_state(sizes)
-    params = [p.to(torch.bfloat16) for p in masters]
-    grads = [g.to(torch.bfloat16) for g in grads32]
-    del grads32
-    m = [torch.zeros(n) for n in sizes]
-    v = [torch.zeros(n) for n in sizes]
-    state = {"step": 0}
+    counter = {"step": 0}
 
     def step():
-        state["step"] += 1
-        adam_update(params, grads, m, v, masters, adamw=True, step=state["step"], **HYPER)
+        counter["step"] += 1
+        adam_update(state.params, state.grads, state.m, state.v, state.masters, adamw=True,
+                    step=counter["step"], **HYPER)
 
     return step
 
 
-def torch_bf16_master(sizes):
+def torch_bf16_master(state: SharedState):
     """torch's best equivalent: upcast grads, fused AdamW on the FP32 master, copy back."""
-    masters, grads32 = fp32_state(sizes)
-    params = [p.to(torch.bfloat16) for p in masters]
-    grads = [g.to(torch.bfloat16) for g in grads32]
-    masters = [p.requires_grad_() for p in masters]
-    for p, g in zip(masters, grads32):
-        p.grad = g  # preallocated fp32 grad buffers, refilled each step
-    opt = torch.optim.AdamW(masters, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], fused=True)
-    master_grads = [p.grad for p in masters]
+    opt = torch_adamw(state, fused=True)
 
     def step():
-        torch._foreach_copy_(master_grads, grads)
+        torch._foreach_copy_(state.grad32, state.grads)
         opt.step()
         with torch.no_grad():
-            torch._foreach_copy_(params, masters)
+            torch._foreach_copy_(state.params, state.masters)
 
     return step
 
 
-def deepspeed_fp32(sizes):
+def deepspeed_fp32(state: SharedState):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    params, grads = fp32_state(sizes)
-    params = [torch.nn.Parameter(p) for p in params]
-    for p, g in zip(params, grads):
+    params = [torch.nn.Parameter(p) for p in state.masters]
+    for p, g in zip(params, state.grads):
         p.grad = g
     opt = DeepSpeedCPUAdam(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
+    for p, m, v in zip(params, state.m, state.v):
+        opt.state[p] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
     return opt.step
 
 
@@ -178,15 +193,15 @@ COPY = "_copy"
 
 
 def run_case(case: str, total: int, count: int, reps: int, builders: dict, bytes_per_param: dict,
-             baseline: str) -> list[dict]:
-    """Round-robin the contenders plus an fp32 ``copy_`` of ``total`` elements, so the memory
-    reference is measured under the same conditions as the optimizers."""
-    sizes = tensor_sizes(total, count)
-    contenders = {name: build(sizes) for name, build in builders.items()}
+             baseline: str, bf16: bool = False) -> list[dict]:
+    """Time the contenders on one shared state, plus an fp32 ``copy_`` of ``total`` elements
+    in the same shuffled rounds (the memory reference, measured under the same conditions)."""
+    state = SharedState(tensor_sizes(total, count), bf16=bf16)
+    contenders = {name: build(state) for name, build in builders.items()}
     src, dst = torch.randn(total), torch.empty(total)
     contenders[COPY] = lambda: dst.copy_(src)
-    times = round_robin(contenders, reps)
-    del contenders, src, dst
+    times = shuffled_rounds(contenders, reps)
+    del contenders, src, dst, state
     gc.collect()
     copy_times = times.pop(COPY)
     copy_gbs = 8 * total / statistics.median(copy_times) / 1e9
@@ -195,6 +210,7 @@ def run_case(case: str, total: int, count: int, reps: int, builders: dict, bytes
     for name, ts in times.items():
         med = statistics.median(ts)
         gbs = bytes_per_param[name] * total / med / 1e9
+        paired = [b / t for b, t in zip(times[baseline], ts)]
         rows.append({
             "case": case, "params": total, "tensors": count, "impl": name,
             "ms_median": round(med * 1e3, 3), "ms_min": round(min(ts) * 1e3, 3),
@@ -202,6 +218,8 @@ def run_case(case: str, total: int, count: int, reps: int, builders: dict, bytes
             "GB_per_s_modeled": round(gbs, 2), "copy_GB_per_s": round(copy_gbs, 2),
             "frac_of_copy_bw": round(gbs / copy_gbs, 2),
             "baseline": baseline, "speedup_median": round(base / med, 2),
+            "speedup_paired": round(statistics.median(paired), 2),
+            "speedup_paired_min_max": f"{min(paired):.2f}-{max(paired):.2f}",
             "speedup_min": round(base_min / min(ts), 2), "reps": reps,
         })
     return rows
@@ -225,7 +243,7 @@ def main_cases(args) -> list[dict]:
                          "torch_fused")
         bf16 = {"fusedist": fusedist_bf16_master, "torch_fused_master": torch_bf16_master}
         rows += run_case("bf16+fp32 master", total, args.tensors, reps, bf16,
-                         {"fusedist": 28, "torch_fused_master": 40}, "torch_fused_master")
+                         {"fusedist": 28, "torch_fused_master": 40}, "torch_fused_master", bf16=True)
     return rows
 
 
@@ -294,7 +312,8 @@ def write_report(args, rows, ds_note, load_before, load_after) -> None:
            " same-run ratios and the `ms_min` column more than absolute medians"
            if max(float(x) for x in (load_before + " " + load_after).split()[::3]) > 1.5 else ""),
         f"- {args.tensors} tensors of uneven sizes; AdamW lr={HYPER['lr']} wd={HYPER['weight_decay']}; "
-        "medians of round-robin repetitions.",
+        "every contender steps the same tensors; each repetition runs all contenders in a new random order; "
+        "`speedup_paired` = median over repetitions of baseline time / contender time in that repetition.",
         f"- DeepSpeedCPUAdam: {ds_note}",
         "",
         "Modeled bytes/param: fp32 Adam 28; fusedist bf16 + FP32 master 28; torch's bf16 "
@@ -303,7 +322,8 @@ def write_report(args, rows, ds_note, load_before, load_after) -> None:
         "",
     ]
     cols = ["case", "params", "impl", "ms_median", "ms_min", "Mparams_per_s", "GB_per_s_modeled",
-            "copy_GB_per_s", "frac_of_copy_bw", "baseline", "speedup_median", "speedup_min"]
+            "copy_GB_per_s", "frac_of_copy_bw", "baseline", "speedup_paired", "speedup_paired_min_max",
+            "speedup_median", "speedup_min"]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for r in rows:

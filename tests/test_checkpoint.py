@@ -205,3 +205,48 @@ def test_load_at_world_size_1_without_ddp(saved, monkeypatch):
         assert extra["step"] == 4
         final = _run_steps(model, opt, 4, 8, 0, 1)
         assert (final - uninterrupted).abs().max().item() < 1e-5, kind
+
+
+class _Config:
+    """A user object in ``extra``: not loadable by the restricted unpickler."""
+
+    def __init__(self, width):
+        self.width = width
+
+
+def test_untrusted_objects_refused_unless_trusted(tmp_path):
+    """Files load with torch's weights-only unpickler: a checkpoint whose ``extra`` holds an
+    arbitrary object is refused with an error naming the file and ``trusted=True``, leaving the
+    model untouched; ``trusted=True`` loads it. fusedist's own content (model, optimizer, RNG
+    states including NumPy's) loads without it."""
+    import numpy as np
+
+    import fusedist
+    from fusedist.checkpoint import resume
+    from fusedist.checkpoint._files import CheckpointError
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    np.random.seed(7)
+    fusedist.checkpoint.save(str(tmp_path / "plain"), model, opt, extra={"step": 1},
+                             per_rank={"rng": resume.capture_rng_state()})
+    fusedist.checkpoint.save(str(tmp_path / "object"), model, opt, extra={"config": _Config(8)})
+    expected_numpy = np.random.rand(3)
+
+    fresh = nn.Linear(5, 3)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match=r"common\.pt.*trusted=True"):
+        fusedist.checkpoint.load(str(tmp_path / "object"), fresh, torch.optim.AdamW(fresh.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    extra = fusedist.checkpoint.load(str(tmp_path / "object"), fresh, torch.optim.AdamW(fresh.parameters()),
+                                     trusted=True)
+    assert extra["config"].width == 8
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+    assert fusedist.checkpoint.load(str(tmp_path / "plain"), nn.Linear(5, 3))["step"] == 1
+    np.random.seed(123)
+    resume.restore_rng_state(fusedist.checkpoint.load_per_rank(str(tmp_path / "plain"))["rng"])
+    assert np.array_equal(np.random.rand(3), expected_numpy)

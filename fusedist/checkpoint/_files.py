@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 from typing import Any, Callable
 
 import torch
@@ -128,9 +129,26 @@ def verify_file(directory: str, name: str, expected: dict) -> str:
     return path
 
 
-def load_file(path: str) -> Any:
+def load_file(path: str, trusted: bool = False) -> Any:
+    """Read one checkpoint file.
+
+    By default with torch's restricted unpickler (``weights_only=True``): tensors, dtypes and
+    plain containers only, so a tampered file cannot run code at load. Everything fusedist
+    itself writes fits in that (RNG states included, see ``resume.capture_rng_state``); only
+    arbitrary objects a user put into ``extra`` or ``per_rank`` need ``trusted=True``.
+    """
     try:
-        # Checkpoint files are pickles (``extra`` is free-form): load only trusted checkpoints.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as exc:
+        if trusted:
+            raise CheckpointError(f"fusedist.checkpoint: cannot read {path}: {exc}") from exc
+        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise CheckpointError(
+            f"fusedist.checkpoint: {path} holds objects other than tensors and plain containers "
+            f"(e.g. in `extra` or `per_rank`), which the safe loader refuses ({reason}). Pass "
+            "trusted=True to load it with full unpickling -- only for a checkpoint from a source "
+            "you trust: unpickling can run arbitrary code."
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
         raise CheckpointError(f"fusedist.checkpoint: cannot read {path}: {exc}") from exc

@@ -104,8 +104,9 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     A collective: every rank of the data-parallel group calls it. Each rank holding
     per-rank state (a ZeroRedundancyOptimizer shard) writes its own file, rank 0 writes the
     replicated state, and rank 0 writes the manifest last (Note [checkpoint atomicity]);
-    the call returns on every rank once the checkpoint is complete. ``extra`` is any
-    picklable dict (step counters, configuration), returned by :func:`load`.
+    the call returns on every rank once the checkpoint is complete. ``extra`` is a dict
+    (step counters, configuration) returned by :func:`load`; keep it to tensors, numbers,
+    strings and containers of them, or loading it will need ``trusted=True``.
 
     ``per_rank`` (exact resume, see :mod:`.resume`): a picklable dict of *this rank's* state
     (RNG states, data position), written into this rank's own file and read back with
@@ -165,11 +166,13 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     world.barrier()
 
 
-def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Optional[int] = None) -> Optional[dict]:
+def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Optional[int] = None, *,
+                  trusted: bool = False) -> Optional[dict]:
     """[resume] This rank's ``per_rank`` state saved by :func:`save`, verified against the
     manifest; None when the checkpoint was written at a different world size (the per-rank
     state of another partition cannot continue here) or without ``per_rank``. Not a
-    collective. ``rank``/``world_size`` default to the default process group's."""
+    collective. ``rank``/``world_size`` default to the default process group's. ``trusted``:
+    as in :func:`load`."""
     if rank is None or world_size is None:
         initialized = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if rank is None and initialized else (rank or 0)
@@ -180,7 +183,7 @@ def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Option
     info = manifest["files"].get(rank_file(rank))
     if info is None or "per_rank" not in info.get("sections", []):
         return None
-    return _files.load_file(_files.verify_file(directory, rank_file(rank), info))["per_rank"]
+    return _files.load_file(_files.verify_file(directory, rank_file(rank), info), trusted)["per_rank"]
 
 
 def _rank_sections(optimizer) -> dict:
@@ -203,7 +206,8 @@ def _common_sections(model, optimizer, scaler, extra) -> dict:
 
 
 # ---------------------------------------------------------------------------- load
-def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None) -> Optional[dict]:
+def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
+         trusted: bool = False) -> Optional[dict]:
     """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
 
     The world size may differ from the one that saved it: ZeroRedundancyOptimizer state is
@@ -214,10 +218,14 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None) ->
     modified; on any problem, on any rank, every rank raises :class:`CheckpointError` naming it
     and the model, optimizer and scaler are untouched. A collective when the optimizer is
     sharded or torch.distributed is initialized.
+
+    Files are read with torch's restricted unpickler (tensors and plain containers): a
+    checkpoint whose ``extra`` holds other objects is refused unless ``trusted=True``, which
+    unpickles fully -- only for checkpoints from a source you trust.
     """
     world = _World(optimizer)
     try:
-        plan = _prepare(directory, model, optimizer, scaler)
+        plan = _prepare(directory, model, optimizer, scaler, trusted)
         error = None
     except (CheckpointError, zstate.StateDictError) as exc:
         plan, error = None, str(exc)
@@ -232,12 +240,12 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None) ->
     return _apply(plan, model, optimizer, scaler)
 
 
-def _prepare(directory, model, optimizer, scaler) -> dict:
+def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
     manifest = _files.read_manifest(directory)
     files = manifest["files"]
     if COMMON not in files:
         raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {COMMON}")
-    common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]))
+    common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]), trusted)
     plan: dict = {"extra": common.get("extra")}
 
     # Model: the saved keys and shapes must be exactly the module's.
@@ -260,7 +268,7 @@ def _prepare(directory, model, optimizer, scaler) -> dict:
     plan["model"] = saved
 
     if optimizer is not None:
-        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer)
+        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, trusted)
     if scaler is not None:
         if common.get("scaler") is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
@@ -268,7 +276,7 @@ def _prepare(directory, model, optimizer, scaler) -> dict:
     return plan
 
 
-def _prepare_optimizer(directory, manifest, common, model, optimizer):
+def _prepare_optimizer(directory, manifest, common, model, optimizer, trusted: bool = False):
     meta = manifest.get("optimizer")
     if meta is None:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -285,7 +293,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer):
         shards = []
         for name, info in sorted(manifest["files"].items()):
             if "optimizer_shard" in info.get("sections", []):
-                shards.append(_files.load_file(_files.verify_file(directory, name, info))["optimizer_shard"])
+                shards.append(_files.load_file(_files.verify_file(directory, name, info), trusted)["optimizer_shard"])
         if len(shards) != manifest["world_size"]:
             raise CheckpointError(
                 f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "

@@ -42,7 +42,10 @@ def capture_rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if _np is not None:
-        state["numpy"] = _np.random.get_state()
+        # As plain values and a tensor, not NumPy objects: checkpoints load with torch's
+        # restricted (weights-only) unpickler, which refuses NumPy arrays.
+        name, keys, pos, has_gauss, cached = _np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype(_np.int64)), int(pos), int(has_gauss), float(cached))
     return state
 
 
@@ -58,7 +61,10 @@ def restore_rng_state(state: dict) -> None:
             )
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state and _np is not None:
-        _np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        if isinstance(keys, torch.Tensor):
+            keys = keys.numpy().astype(_np.uint32)
+        _np.random.set_state((name, keys, pos, has_gauss, cached))
 
 
 class ResumableDistributedSampler(DistributedSampler):

@@ -8,7 +8,8 @@ Note [bucket readiness]
     be issued in the same order on every rank: gloo and NCCL match them by issue order, and
     two ranks whose gradients become ready in a different order would otherwise pair up
     different buckets. The last step of backward (an autograd-engine callback queued by the
-    first hook) launches what is left, waits for every bucket, and averages. So
+    first hook) launches what is left and finishes (waits for, and averages) every bucket not
+    finished during backward yet (Note [finishing buckets during backward]). So
     ``loss.backward()`` returns with synchronized gradients, like torch DDP.
 
 Note [finishing buckets during backward]
@@ -66,8 +67,10 @@ class GradSyncStrategy:
     """How a bucket's gradients are combined across ranks.
 
     ``launch`` starts the (asynchronous) collective and returns its handle; ``finish`` waits
-    for it and leaves the bucket's result where the consumer expects it. The default averages
-    with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
+    for it and leaves the bucket's result where the consumer expects it. ``finish`` runs once
+    per bucket, in bucket order, either in a gradient hook once the collective has completed
+    or at the end of backward (Note [finishing buckets during backward]). The default
+    averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
     """
 
     def launch(self, reducer: "Reducer", bucket: Bucket) -> CommHandle:

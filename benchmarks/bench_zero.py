@@ -114,14 +114,19 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     x = torch.randn(batch, d, generator=gen).to(device)
     y = torch.randn(batch, d, generator=gen).to(device)
     results = {}
-    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload")
+    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload", "zero2 1-layer buckets")
+    # Stage 2 frees each bucket once reduced: with buckets of about one layer its peak
+    # full-gradient memory in backward is a few layers' worth (the default buckets hold most
+    # of this model in one).
+    layer_mb = (d * d + d) * 4 / 2**20 * 1.01
+    ddp_kwargs = {"zero2 1-layer buckets": dict(bucket_cap_mb=layer_mb, first_bucket_cap_mb=layer_mb)}
     for name in names:
         torch.manual_seed(0)
-        model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device))
+        model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device), **ddp_kwargs.get(name, {}))
         if name == "ddp+adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         else:
-            stage, _, offload = name[len("zero"):].partition("+")
+            stage, _, offload = name[len("zero"):].split(" ")[0].partition("+")
             opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=int(stage),
                                                    lr=1e-4, fused=True, offload="cpu" if offload else None)
 
@@ -132,7 +137,7 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
 
         timing = _time(iteration, device, comm, 3, repeats)
         last = model.reducer.last_stats
-        grad_mem = (last["peak_grad_bytes"], last["grad_bytes"], last["buckets"])
+        grad_mem = (last["peak_grad_bytes"], last["grad_bytes"], last["buckets"], last["buckets_finished_in_backward"])
         if name == "ddp+adamw":
             state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                         if isinstance(v, torch.Tensor))
@@ -145,7 +150,7 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     base_t, base_mem, _ = results["ddp+adamw"]
     rows = []
     for name in names[1:]:
-        t, (mem, host, dev), (peak_grad, all_grad, buckets) = results[name]
+        t, (mem, host, dev), (peak_grad, all_grad, buckets, early) = results[name]
         rows.append({
             "part": "iteration", "config": f"{name} vs ddp+adamw, MLP {layers}x{d} ({psi / 1e6:.2f}M params), batch {batch}",
             "baseline_ms": base_t[0], "zero_ms": t[0], "ratio_zero/baseline": t[0] / base_t[0],
@@ -154,7 +159,7 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
             "baseline_state_MB": base_mem / 2**20, "zero_state_MB_per_rank": mem / 2**20,
             "zero_host_MB": host / 2**20, "zero_device_MB": dev / 2**20,
             "zero_peak_grad_MB_in_backward": peak_grad / 2**20, "grad_MB": all_grad / 2**20,
-            "buckets": buckets,
+            "buckets": buckets, "buckets_finished_in_backward": early,
         })
     return rows
 
@@ -209,7 +214,10 @@ def main():
         "gradient and parameter staging; device: the gradient shard); on CPU both are host RAM, so "
         "the time ratio there is the cost of the offload pipeline (extra copies, per-bucket calls). "
         "zero_peak_grad_MB_in_backward: the most full-gradient memory held during the last backward, "
-        "next to grad_MB, all of it (DDP's default buckets: 1 MiB first, 25 MiB after)."
+        "next to grad_MB, all of it (DDP's default buckets: 1 MiB first, 25 MiB after; the "
+        "'1-layer buckets' row uses buckets of about one layer, so its time ratio also reflects "
+        "the bucket size). The peak drops only where collectives complete while backward still "
+        "runs (buckets_finished_in_backward > 0; Note [finishing buckets during backward])."
     )
     name = f"zero_{args.device}_ws{args.world_size}" + ("_iterations" if args.iterations_only else "")
     md, csv = write_results(name, rows, notes, env)

@@ -460,6 +460,8 @@ def _is_completed_does_not_block(comm):
     """``is_completed()`` on a collective queued behind a long kernel: answers False at once
     (a host synchronization would take the kernel's whole duration)."""
     x = torch.ones(1 << 20, device="cuda")
+    comm.all_reduce(x, tag="warm-up")  # NCCL's lazy setup may synchronize: not in the timed part
+    torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
     handle = comm.all_reduce(x, async_op=True, tag="queued behind a kernel")
     start = time.perf_counter()

@@ -33,6 +33,14 @@ Note [finishing buckets during backward]
     early path stops, and the end-of-backward loop waits for that bucket again -- ``wait()``
     re-raises the recorded error there, where failures surfaced before.
 
+    What it depends on: a bucket is finished early only if its collective has completed by a
+    later gradient hook. On CPU (gloo) and on a GPU whose backward is host-bound, that is the
+    common case. When the GPU is the bottleneck the host enqueues all of backward (and runs
+    every hook) long before the device gets there, so few buckets complete in time and the
+    end-of-backward loop finishes most of them, as before; the stage-2 memory saving then
+    needs a stream-ordered release (finish right after launch with a device-side wait),
+    which this scheme does not do.
+
 Note [unused parameters]
     A parameter whose hook did not fire by the end of backward is unused this iteration. Its
     slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every

@@ -130,7 +130,7 @@ class _NoObserver:
         return None
 
 
-def _scripted_reducer(model, **config):
+def _scripted_reducer(model, timeline_path=None, **config):
     from fusedist._timeline import Timeline
     from fusedist.ddp.config import DDPConfig
     from fusedist.ddp.reducer import Reducer
@@ -138,7 +138,7 @@ def _scripted_reducer(model, **config):
     comm = _scripted_comm()
     names, params = zip(*[(n, p) for n, p in model.named_parameters()])
     reducer = Reducer(list(params), list(names), comm, DDPConfig(**PER_LAYER_BUCKETS, **config),
-                      torch.device("cpu"), Timeline(None, 0))
+                      torch.device("cpu"), Timeline(timeline_path, 0))
     return reducer, comm
 
 
@@ -155,11 +155,14 @@ def _record_finishes(reducer):
 
 
 @pytest.mark.parametrize("gradient_as_bucket_view", [True, False])
-def test_buckets_finish_in_order_during_backward(gradient_as_bucket_view):
+def test_buckets_finish_in_order_during_backward(gradient_as_bucket_view, tmp_path):
+    from fusedist._timeline import now_us
+
     torch.manual_seed(0)
     model = SlowMLP(layers=4, delay_s=0.0)
     reference = copy.deepcopy(model)
-    reducer, comm = _scripted_reducer(model, gradient_as_bucket_view=gradient_as_bucket_view)
+    reducer, comm = _scripted_reducer(model, str(tmp_path / "timeline"),
+                                      gradient_as_bucket_view=gradient_as_bucket_view)
     x, y = models.MLP.batch(torch.Generator().manual_seed(1))
     nn.functional.mse_loss(model(x), y).backward()  # the first backward rebuilds the layout
     assert reducer.layout_final and len(reducer.layout.buckets) == 4
@@ -169,8 +172,10 @@ def test_buckets_finish_in_order_during_backward(gradient_as_bucket_view):
     order = _record_finishes(reducer)
     comm.held = {"ddp bucket 1"}
     seen = {}
+    reducer.timeline.events.clear()
 
     def at_last_gradient(grad):
+        seen["t"] = now_us()
         seen["finished"] = list(order)
         seen["launched"] = reducer.next_launch
         comm.held = set()
@@ -182,6 +187,12 @@ def test_buckets_finish_in_order_during_backward(gradient_as_bucket_view):
     assert seen["finished"] == [0], seen  # bucket 2 completed, but bucket 1 had not
     assert order == [0, 1, 2, 3]
     assert reducer.last_stats["buckets_finished_in_backward"] == 4  # the last one in its own hook
+    # Timeline: one span per bucket, launch to finish; bucket 0's ends before the last
+    # gradient, bucket 1's (held until then) after it.
+    spans = [e for e in reducer.timeline.events if e["name"].startswith("AllReduceAverage bucket")]
+    assert [e["name"] for e in spans] == [f"AllReduceAverage bucket {i}" for i in range(4)]
+    ends = [e["ts"] + e["dur"] for e in spans]
+    assert ends == sorted(ends) and ends[0] < seen["t"] < ends[1]
     # World size 1: the averaged gradient is the local gradient.
     nn.functional.mse_loss(reference(x), y).backward()
     for p, q in zip(model.parameters(), reference.parameters()):

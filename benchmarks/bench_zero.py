@@ -14,7 +14,10 @@ Part 2 -- a training iteration (forward + backward + step) of an MLP:
               by the C++ CPU Adam per bucket (on CPU "devices" this measures the offload
               pipeline's overhead, not the device memory it frees on a GPU)
 with the memory each rank holds for master weights + optimizer state (memory_stats()), and
-for the offload rows how much of the rank's optimizer memory is on the host / device.
+for the offload rows how much of the rank's optimizer memory is on the host / device. Every
+row also gives the most full-gradient memory held during the last backward
+(``reducer.last_stats["peak_grad_bytes"]``) next to all of it: stage 2 releases each bucket
+once its reduce-scatter is stored, so its peak is a few buckets (DDP and stage 1 hold all).
 The unsharded baseline holds fp32 moments only (its master weights are the parameters).
 
 Every rank runs the same loop; timings are rank 0's, each repetition after a barrier. gloo
@@ -111,14 +114,19 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     x = torch.randn(batch, d, generator=gen).to(device)
     y = torch.randn(batch, d, generator=gen).to(device)
     results = {}
-    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload")
+    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload", "zero2 1-layer buckets")
+    # Stage 2 frees each bucket once reduced: with buckets of about one layer its peak
+    # full-gradient memory in backward is a few layers' worth (the default buckets hold most
+    # of this model in one).
+    layer_mb = (d * d + d) * 4 / 2**20 * 1.01
+    ddp_kwargs = {"zero2 1-layer buckets": dict(bucket_cap_mb=layer_mb, first_bucket_cap_mb=layer_mb)}
     for name in names:
         torch.manual_seed(0)
-        model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device))
+        model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device), **ddp_kwargs.get(name, {}))
         if name == "ddp+adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         else:
-            stage, _, offload = name[len("zero"):].partition("+")
+            stage, _, offload = name[len("zero"):].split(" ")[0].partition("+")
             opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=int(stage),
                                                    lr=1e-4, fused=True, offload="cpu" if offload else None)
 
@@ -128,6 +136,8 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
             opt.step()
 
         timing = _time(iteration, device, comm, 3, repeats)
+        last = model.reducer.last_stats
+        grad_mem = (last["peak_grad_bytes"], last["grad_bytes"], last["buckets"], last["buckets_finished_in_backward"])
         if name == "ddp+adamw":
             state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                         if isinstance(v, torch.Tensor))
@@ -135,12 +145,12 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
             opt.wait_for_params()
             stats = opt.memory_stats()
             state = (stats["total_bytes"], stats["host_bytes"], stats["device_bytes"])
-        results[name] = (timing, state)
+        results[name] = (timing, state, grad_mem)
     psi = sum(p.numel() for p in _MLP(d, layers).parameters())
-    base_t, base_mem = results["ddp+adamw"]
+    base_t, base_mem, _ = results["ddp+adamw"]
     rows = []
     for name in names[1:]:
-        t, (mem, host, dev) = results[name]
+        t, (mem, host, dev), (peak_grad, all_grad, buckets, early) = results[name]
         rows.append({
             "part": "iteration", "config": f"{name} vs ddp+adamw, MLP {layers}x{d} ({psi / 1e6:.2f}M params), batch {batch}",
             "baseline_ms": base_t[0], "zero_ms": t[0], "ratio_zero/baseline": t[0] / base_t[0],
@@ -148,6 +158,8 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
             "baseline_p20_p80": f"{base_t[1]:.2f}-{base_t[2]:.2f}", "zero_p20_p80": f"{t[1]:.2f}-{t[2]:.2f}",
             "baseline_state_MB": base_mem / 2**20, "zero_state_MB_per_rank": mem / 2**20,
             "zero_host_MB": host / 2**20, "zero_device_MB": dev / 2**20,
+            "zero_peak_grad_MB_in_backward": peak_grad / 2**20, "grad_MB": all_grad / 2**20,
+            "buckets": buckets, "buckets_finished_in_backward": early,
         })
     return rows
 
@@ -200,7 +212,12 @@ def main():
         "the 1.1x target is for NCCL (run with --device cuda on a GPU machine). Offload rows: "
         "zero_host_MB / zero_device_MB split the rank's optimizer memory (host: masters, AdamW state, "
         "gradient and parameter staging; device: the gradient shard); on CPU both are host RAM, so "
-        "the time ratio there is the cost of the offload pipeline (extra copies, per-bucket calls)."
+        "the time ratio there is the cost of the offload pipeline (extra copies, per-bucket calls). "
+        "zero_peak_grad_MB_in_backward: the most full-gradient memory held during the last backward, "
+        "next to grad_MB, all of it (DDP's default buckets: 1 MiB first, 25 MiB after; the "
+        "'1-layer buckets' row uses buckets of about one layer, so its time ratio also reflects "
+        "the bucket size). The peak drops only where collectives complete while backward still "
+        "runs (buckets_finished_in_backward > 0; Note [finishing buckets during backward])."
     )
     name = f"zero_{args.device}_ws{args.world_size}" + ("_iterations" if args.iterations_only else "")
     md, csv = write_results(name, rows, notes, env)

@@ -235,7 +235,8 @@ def _no_sync_and_memory_worker(rank, world_size):
     opt.zero_grad()
     nn.functional.mse_loss(ours(x), y).backward()
     out["grads_none"] = all(p.grad is None for p in ours.parameters())
-    out["grad_buffers_freed"] = all(buf.untyped_storage().nbytes() == 0 for buf in ours.reducer.layout.buffers.values())
+    layout = ours.reducer.layout
+    out["grad_buffers_freed"] = layout.allocated_bytes == 0 and all(b.data is None for b in layout.buckets)
     shard = torch.cat(list(opt.gradient_shards().values()))
     out["shard_numel"] = shard.numel()
     # A step after a no_sync-only backward is refused (its gradients were never reduced).

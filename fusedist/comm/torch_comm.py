@@ -44,6 +44,8 @@ class TorchCommunicator(Communicator):
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
     def _reduce_scatter(self, output, input, op):
+        if self.backend == "gloo":
+            return _GlooReduceScatter(output, input, _OPS[op], self.group, self.rank, self.world_size)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
     def _all_gather(self, output, input):
@@ -57,3 +59,24 @@ class TorchCommunicator(Communicator):
         # gloo honours the timeout here; for NCCL, wait() orders the current stream after the
         # collective and torch's watchdog enforces the process-group timeout.
         work.wait(timeout=timeout)
+
+
+class _GlooReduceScatter:
+    """gloo's flat reduce-scatter is an all-reduce of a copy of the input whose chunk is copied
+    out in ``wait()``; its work never reports completion (``is_completed()`` stays False), so
+    DDP could not finish such buckets during backward (Note [finishing buckets during
+    backward] in ``fusedist/ddp/reducer.py``). The same two steps here, with a truthful
+    ``is_completed`` (and the reduce op honoured)."""
+
+    def __init__(self, output, input, op, group, rank: int, world_size: int):
+        self.output, self.rank, self.world_size = output, rank, world_size
+        self.buffer = input.clone()  # the input stays unchanged, as reduce-scatter promises
+        self.work = dist.all_reduce(self.buffer, op=op, group=group, async_op=True)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout=None) -> None:
+        self.work.wait(timeout=timeout)
+        self.output.copy_(self.buffer.chunk(self.world_size)[self.rank])
+        self.buffer = None

@@ -1,10 +1,25 @@
-"""Flat gradient buffers and their partition into buckets.
+"""Gradient buffers and their partition into buckets.
 
 One contiguous buffer per gradient dtype; each bucket is a contiguous range of it, and each
 parameter's gradient is a view into its bucket. Buckets are numbered in the order they are
 expected to become ready in backward (that is also the order they are launched in, on every
 rank). Each bucket is padded to a multiple of ``world_size * SHARD_ALIGN`` elements so it can
 be reduce-scattered into equal, aligned shards (ZeRO stage 2).
+
+Note [bucket storage]
+    Two ways to hold the buckets, same offsets and views either way:
+
+    * flat (DDP's default): one buffer per dtype, allocated once; every bucket is a view of
+      it and always allocated.
+    * per bucket (ZeRO stage 2, :meth:`GradLayout.use_bucket_storage`): each bucket owns its
+      tensor, allocated zeroed on demand (:meth:`GradLayout.allocate`, when the bucket's first
+      gradient arrives) and dropped by :meth:`GradLayout.release` once its reduced shard has
+      been stored, so a backward holds only the buckets between "first gradient arrived" and
+      "reduce-scatter finished" -- a few buckets, not every gradient. Zeroed because padding
+      and the slots of parameters without a gradient must read as zero in the collective.
+
+    ``allocated_bytes`` / ``peak_bytes`` account the bucket storage (the full gradients); the
+    reducer resets the peak at the start of each backward and reports it in ``last_stats``.
 """
 
 from __future__ import annotations
@@ -29,11 +44,17 @@ class Bucket:
     params: list
     names: list
     offsets: list  # each param's offset in the dtype buffer
-    data: Optional[torch.Tensor] = None  # view buffer[start:end], set by GradLayout
+    # The bucket's gradients: a view buffer[start:end] (flat storage), or the bucket's own
+    # tensor, None while released (per-bucket storage). Set by GradLayout.
+    data: Optional[torch.Tensor] = None
 
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
     def shard(self, rank: int, world_size: int) -> tuple[int, int]:
         """``[lo, hi)`` offsets (relative to the bucket) of rank's reduce-scatter shard."""
@@ -48,20 +69,75 @@ class ParamSlot:
 
 
 class GradLayout:
-    """Buffers, buckets, and each parameter's slot."""
+    """Buffers, buckets, and each parameter's slot (Note [bucket storage])."""
 
-    def __init__(self, buckets: Sequence[Bucket], sizes: dict, device: torch.device):
+    def __init__(self, buckets: Sequence[Bucket], sizes: dict, device: torch.device,
+                 bucket_storage: bool = False):
         self.buckets = list(buckets)
-        self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        self.device = device
         self.slots: dict[torch.nn.Parameter, ParamSlot] = {}
         for bucket in self.buckets:
-            bucket.data = self.buffers[bucket.dtype][bucket.start:bucket.end]
             for p, off in zip(bucket.params, bucket.offsets):
                 self.slots[p] = ParamSlot(bucket, off)
+        self.total_bytes = sum(b.nbytes for b in self.buckets)
+        if bucket_storage:
+            self.use_bucket_storage()
+            return
+        self.bucket_storage = False
+        self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        for bucket in self.buckets:
+            bucket.data = self.buffers[bucket.dtype][bucket.start:bucket.end]
+        self.allocated_bytes = self.total_bytes
+        self.peak_bytes = self.total_bytes
 
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         slot = self.slots[param]
-        return self.buffers[slot.bucket.dtype][slot.offset:slot.offset + param.numel()].view(param.shape)
+        bucket = slot.bucket
+        if bucket.data is None:
+            raise RuntimeError(
+                f"fusedist: gradient bucket {bucket.index} is released (per-bucket storage); "
+                "allocate it before taking a gradient view"
+            )
+        lo = slot.offset - bucket.start
+        return bucket.data[lo:lo + param.numel()].view(param.shape)
+
+    # ---- storage (Note [bucket storage])
+    def use_bucket_storage(self) -> None:
+        """Switch to one tensor per bucket, every bucket released (current values dropped:
+        callers set ``p.grad = None`` for views they handed out)."""
+        self.bucket_storage = True
+        self.buffers = {}
+        for bucket in self.buckets:
+            bucket.data = None
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+
+    def is_allocated(self, bucket: Bucket) -> bool:
+        return bucket.data is not None
+
+    def allocate(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's storage, allocated zeroed if it was released."""
+        if bucket.data is None:
+            bucket.data = torch.zeros(bucket.numel, dtype=bucket.dtype, device=self.device)
+            self.allocated_bytes += bucket.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return bucket.data
+
+    def release(self, bucket: Bucket) -> None:
+        """Drop the bucket's storage (per-bucket storage only). Its memory is freed once no
+        view of it is referenced any more."""
+        if not self.bucket_storage:
+            raise RuntimeError("fusedist: GradLayout.release needs per-bucket storage (use_bucket_storage())")
+        if bucket.data is not None:
+            bucket.data = None
+            self.allocated_bytes -= bucket.nbytes
+
+    def release_all(self) -> None:
+        for bucket in self.buckets:
+            self.release(bucket)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.allocated_bytes
 
     def fingerprint(self) -> list[tuple]:
         """Bucket structure as plain data, for cross-rank comparison."""
@@ -83,12 +159,13 @@ def build_layout(
     first_bucket_cap_bytes: int,
     world_size: int,
     device: torch.device,
+    bucket_storage: bool = False,
 ) -> GradLayout:
     """Assign ``params`` (in expected readiness order) to buckets, per dtype.
 
     A bucket closes when adding the next parameter would exceed its cap (the first bucket of
     each dtype uses ``first_bucket_cap_bytes``); a parameter larger than the cap gets a bucket
-    of its own.
+    of its own. ``bucket_storage``: one tensor per bucket, all released (Note [bucket storage]).
     """
     pad_to = world_size * SHARD_ALIGN
     open_buckets: dict[torch.dtype, dict] = {}
@@ -130,4 +207,4 @@ def build_layout(
         end = start + _round_up(max(cursor - start, 1), pad_to)
         sizes[b["dtype"]] = end
         buckets.append(Bucket(index, b["dtype"], start, end, b["params"], b["names"], offsets))
-    return GradLayout(buckets, sizes, device)
+    return GradLayout(buckets, sizes, device, bucket_storage=bucket_storage)

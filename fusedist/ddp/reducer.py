@@ -8,8 +8,38 @@ Note [bucket readiness]
     be issued in the same order on every rank: gloo and NCCL match them by issue order, and
     two ranks whose gradients become ready in a different order would otherwise pair up
     different buckets. The last step of backward (an autograd-engine callback queued by the
-    first hook) launches what is left, waits for every bucket, and averages. So
+    first hook) launches what is left and finishes (waits for, and averages) every bucket not
+    finished during backward yet (Note [finishing buckets during backward]). So
     ``loss.backward()`` returns with synchronized gradients, like torch DDP.
+
+Note [finishing buckets during backward]
+    A bucket is *finished* when the strategy has waited for its collective and left the
+    result where the consumer expects it (averaged gradients; for ZeRO stage 2, the rank's
+    shard, after which the bucket's full gradients are released and ZeRO-Offload starts the
+    shard's copy down). After each launch and in every gradient hook of a synchronized
+    backward, launched buckets whose collective has already completed
+    (``CommHandle.is_completed()``, a non-blocking query) are finished, oldest first,
+    stopping at the first one still in flight; the end-of-backward callback finishes the
+    rest. So the work that follows a collective overlaps the rest of backward's compute
+    instead of queuing up behind the last gradient, and stage 2 holds only the few buckets
+    between "first gradient arrived" and "reduce-scatter done" (Note [bucket storage] in
+    ``layout.py``).
+
+    Finishing issues no collective, so ranks may finish different buckets early without
+    affecting the collective order. ``is_completed`` never synchronizes the host: gloo work
+    reads a completion flag; torch's NCCL work queries its end CUDA event (and NCCL's
+    asynchronous error state); the direct-NCCL handle queries its done event
+    (``cudaEventQuery``). A collective that *failed* is not raised from a gradient hook: the
+    early path stops, and the end-of-backward loop waits for that bucket again -- ``wait()``
+    re-raises the recorded error there, where failures surfaced before.
+
+    What it depends on: a bucket is finished early only if its collective has completed by a
+    later gradient hook. On CPU (gloo) and on a GPU whose backward is host-bound, that is the
+    common case. When the GPU is the bottleneck the host enqueues all of backward (and runs
+    every hook) long before the device gets there, so few buckets complete in time and the
+    end-of-backward loop finishes most of them, as before; the stage-2 memory saving then
+    needs a stream-ordered release (finish right after launch with a device-side wait),
+    which this scheme does not do.
 
 Note [unused parameters]
     A parameter whose hook did not fire by the end of backward is unused this iteration. Its
@@ -45,8 +75,10 @@ class GradSyncStrategy:
     """How a bucket's gradients are combined across ranks.
 
     ``launch`` starts the (asynchronous) collective and returns its handle; ``finish`` waits
-    for it and leaves the bucket's result where the consumer expects it. The default averages
-    with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
+    for it and leaves the bucket's result where the consumer expects it. ``finish`` runs once
+    per bucket, in bucket order, either in a gradient hook once the collective has completed
+    or at the end of backward (Note [finishing buckets during backward]). The default
+    averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
     """
 
     def launch(self, reducer: "Reducer", bucket: Bucket) -> CommHandle:
@@ -142,6 +174,10 @@ class Reducer:
         self._observed_order: Optional[list[int]] = None
         self._warned_unused = False
         self.last_stats: dict = {}
+        # Parameters whose grad is None after the last synchronized backward (unused by every
+        # rank, or by this one without find_unused_parameters) -- for consumers that release
+        # the gradients themselves and so cannot ask p.grad (ZeRO stage 2).
+        self.params_without_grad: list = []
         self.iteration = 0
 
         # [reliability] counters the per-step cross-rank check and the optimizer guard read
@@ -157,7 +193,7 @@ class Reducer:
             self.monitor.context_providers.append(self.position)
 
     # ------------------------------------------------------------------ layout
-    def _build(self, order: list[int]) -> GradLayout:
+    def _build(self, order: list[int], bucket_storage: bool = False) -> GradLayout:
         return build_layout(
             [self.params[i] for i in order],
             [self.names[i] for i in order],
@@ -165,6 +201,7 @@ class Reducer:
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
             world_size=self.world_size,
             device=self.device,
+            bucket_storage=bucket_storage,
         )
 
     def _attach_grad(self, p) -> None:
@@ -192,11 +229,14 @@ class Reducer:
         rest = [i for i in reversed(range(n)) if i not in chosen_set]
         new_order = chosen + rest
         old = self.layout
-        new = self._build(new_order)
+        new = self._build(new_order, bucket_storage=old.bucket_storage)
         if new.fingerprint() == old.fingerprint():
             self.layout_final = True
             return
         for p in self.params:
+            if not old.is_allocated(old.slots[p].bucket):
+                continue  # a released bucket reads as zero, as a newly allocated one does
+            new.allocate(new.slots[p].bucket)
             new.grad_view(p).copy_(old.grad_view(p))
             if p.grad is not None and self.config.gradient_as_bucket_view:
                 p.grad = new.grad_view(p)
@@ -220,6 +260,7 @@ class Reducer:
             "optimizer_steps": self.optimizer_steps,
             "in_backward": self.in_backward,
             "buckets_launched": f"{getattr(self, 'next_launch', 0)}/{len(self.layout.buckets)}",
+            "buckets_finished": f"{getattr(self, 'next_finish', 0)}/{len(self.layout.buckets)}",
         }
 
     # ------------------------------------------------------------------ backward
@@ -240,9 +281,14 @@ class Reducer:
         self.handles: list[Optional[CommHandle]] = [None] * len(self.layout.buckets)
         self.ready_params: set = set()
         self.next_launch = 0
+        self.next_finish = 0  # Note [finishing buckets during backward]
+        self.finished_in_hooks = 0
+        self._early_finish_stopped = False
         self.t_begin = now_us()
         self.t_launch: dict[int, float] = {}
+        self.t_done: dict[int, float] = {}
         self.t_last_grad = self.t_begin
+        self.layout.reset_peak()
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
         self.strategy.begin_backward(self)
@@ -262,6 +308,9 @@ class Reducer:
                 "sparse gradient; sparse "
                 "gradients are not supported (use nn.Embedding(sparse=False))"
             )
+        bucket = self.layout.slots[p].bucket
+        if bucket.data is None:  # per-bucket storage: allocated when its first gradient arrives
+            self.layout.allocate(bucket)
         view = self.layout.grad_view(p)
         if grad.data_ptr() != view.data_ptr():
             # The gradient is a fresh tensor (zero_grad(set_to_none=True), or gradient views
@@ -281,11 +330,11 @@ class Reducer:
                 "same graph); this is not supported with gradient synchronization"
             )
         self.ready_params.add(p)
-        bucket = self.layout.slots[p].bucket
         self.pending[bucket.index] -= 1
         if self.pending[bucket.index] == 0:
             self.timeline.instant(f"bucket {bucket.index} ready")
             self._launch_in_order()
+        self._finish_completed()
 
     def _launch_in_order(self) -> None:
         buckets = self.layout.buckets
@@ -294,6 +343,36 @@ class Reducer:
             self.t_launch[bucket.index] = now_us()
             self.handles[bucket.index] = self.strategy.launch(self, bucket)
             self.next_launch += 1
+
+    def _finish_completed(self) -> None:
+        """Finish launched buckets whose collective has completed, oldest first, stopping at
+        the first still in flight (Note [finishing buckets during backward])."""
+        if self._early_finish_stopped:
+            return
+        buckets = self.layout.buckets
+        while self.next_finish < self.next_launch:
+            handle = self.handles[self.next_finish]
+            try:
+                if not handle.is_completed():
+                    return
+                handle.wait()  # completed: returns at once (orders the current CUDA stream)
+            except Exception:  # noqa: BLE001 - re-raised by the end-of-backward wait
+                self._early_finish_stopped = True
+                return
+            self._finish_bucket(buckets[self.next_finish])
+            self.finished_in_hooks += 1
+
+    def _finish_bucket(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s collective and hand its result over (the strategy's finish)."""
+        self.strategy.finish(self, bucket, self.handles[bucket.index])
+        if not self.config.gradient_as_bucket_view and self.layout.is_allocated(bucket):
+            for p in bucket.params:
+                if p.grad is not None:
+                    p.grad.copy_(self.layout.grad_view(p))
+        self.next_finish = bucket.index + 1
+        t_done = self.t_done[bucket.index] = now_us()
+        self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
+                           self.t_launch[bucket.index], t_done, tid=1, numel=bucket.numel)
 
     def _finish_backward(self) -> None:
         try:
@@ -315,9 +394,14 @@ class Reducer:
         unused = [p for p in self.params if p not in self.ready_params]
         had_grad = {p: p.grad is not None for p in unused}
         for p in unused:
-            if p.grad is None:
+            bucket = self.layout.slots[p].bucket
+            if bucket.data is None:
+                self.layout.allocate(bucket)  # zeroed
+            elif p.grad is None:
                 self.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
-            self.pending[self.layout.slots[p].bucket.index] -= 1
+            self.pending[bucket.index] -= 1
+        # Parameters whose grad stays None after this backward (refined by _settle_unused).
+        self.params_without_grad = [p for p in unused if not had_grad[p]]
         if unused:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
@@ -325,17 +409,8 @@ class Reducer:
         # collective order (Note [step check]).
         if self.step_check is not None:
             self._launch_step_check(unused)
-        t_done: dict[int, float] = {}
-        for bucket in self.layout.buckets:
-            self.strategy.finish(self, bucket, self.handles[bucket.index])
-            t_done[bucket.index] = now_us()
-            self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
-                               self.t_launch[bucket.index], t_done[bucket.index], tid=1,
-                               numel=bucket.numel)
-        if not self.config.gradient_as_bucket_view:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.copy_(self.layout.grad_view(p))
+        for bucket in self.layout.buckets[self.next_finish:]:
+            self._finish_bucket(bucket)
         if self.config.find_unused_parameters:
             # Every rank, every synchronized iteration: a rank with nothing unused must still
             # take part in the used-map all-reduce (Note [unused parameters]).
@@ -351,6 +426,13 @@ class Reducer:
             "hidden_fraction": max(0.0, 1.0 - exposed / span),
             "first_launch_before_last_grad": first_launch < self.t_last_grad,
             "buckets": len(self.layout.buckets),
+            # Note [finishing buckets during backward]: finished by gradient hooks, i.e.
+            # before the last gradient's hook returned (the rest at the end of backward).
+            "buckets_finished_in_backward": self.finished_in_hooks,
+            # Note [bucket storage]: full-gradient bytes held at most during this backward
+            # (the bucket storage; a reduce_dtype conversion in flight is extra), and all of them.
+            "peak_grad_bytes": self.layout.peak_bytes,
+            "grad_bytes": self.layout.total_bytes,
         }
         self.timeline.span("exposed communication", max(t_compute_end, first_launch), t_end, tid=2)
         if self._observed_order is not None and not self.layout_final:
@@ -394,14 +476,18 @@ class Reducer:
         self.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
         used_anywhere = used.tolist()
         globally_unused = []
+        without_grad = []
         for p in unused:
             if used_anywhere[self.index_of[p]] == 0:
                 globally_unused.append(self.names[self.index_of[p]])
                 if not had_grad[p]:
                     p.grad = None
-            elif p.grad is None:
+                    without_grad.append(p)
+            elif p.grad is None and self.layout.is_allocated(self.layout.slots[p].bucket):
+                # (a released bucket -- ZeRO stage 2 -- exposes no gradients: its shard holds them)
                 p.grad = self.layout.grad_view(p) if self.config.gradient_as_bucket_view else (
                     self.layout.grad_view(p).clone())
+        self.params_without_grad = without_grad
         if globally_unused and not self._warned_unused:
             self._warned_unused = True
             warnings.warn(

@@ -211,7 +211,9 @@ class DistributedDataParallel(nn.Module):
     def comm_stats(self) -> dict:
         """Timing of the last synchronized backward: ``backward_us``, ``comm_span_us`` (first
         launch to last bucket done), ``exposed_comm_us`` (the part after backward compute
-        ended), ``hidden_fraction`` and ``first_launch_before_last_grad`` (overlap proof)."""
+        ended), ``hidden_fraction`` and ``first_launch_before_last_grad`` (overlap proof);
+        ``buckets_finished_in_backward`` (finished by gradient hooks, before backward ended),
+        ``peak_grad_bytes`` / ``grad_bytes`` (full-gradient memory held at most / in all)."""
         return dict(self.reducer.last_stats)
 
     @property

@@ -1,23 +1,28 @@
 """ZeRO stage 2: reduce-scatter each DDP bucket into the rank's gradient shard during backward.
 
 Note [stage 2 gradients]
-    Installed as the DDP reducer's ``GradSyncStrategy``. A bucket that becomes ready is
-    pre-divided (as DDP's all-reduce does) and reduce-scattered; its output, the rank's slice
-    of the averaged bucket, is copied (first backward after ``zero_grad``) or added (a further
+    Installed as the DDP reducer's ``GradSyncStrategy``; the reducer's layout is switched to
+    per-bucket storage (Note [bucket storage] in ``fusedist/ddp/layout.py``): each bucket's
+    full gradients live in their own tensor, allocated zeroed when the bucket's first gradient
+    arrives. A bucket that becomes ready is pre-divided (as DDP's all-reduce does) and
+    reduce-scattered. When the bucket is finished -- during backward as soon as its
+    reduce-scatter has completed (Note [finishing buckets during backward] in
+    ``fusedist/ddp/reducer.py``), else at its end -- its output, the rank's slice of the
+    averaged bucket, is copied (first backward after ``zero_grad``) or added (a further
     synchronized backward, torch's accumulation semantics) into the optimizer's flat FP32
-    gradient shard. At the end of the synchronized backward every ``p.grad`` is set to None and
-    the full gradient buffers are released (their storage resized to zero); they are
-    re-allocated, zeroed, when the next backward starts. So between a synchronized backward and
-    the next backward -- including the next forward, the activation peak -- a rank holds only
-    its gradient shard.
+    gradient shard, and the bucket's full gradients are released at once (its parameters'
+    ``p.grad`` set to None). So during a synchronized backward a rank holds the full gradients
+    of the few buckets between "first gradient arrived" and "reduce-scatter done" (the
+    reducer's ``last_stats["peak_grad_bytes"]``), and between backward passes -- including the
+    next forward, the activation peak -- only its gradient shard.
 
-    ``no_sync()`` backward passes accumulate into the (re-allocated) full buffers as in DDP;
-    the next synchronized backward reduce-scatters the sum.
+    ``no_sync()`` backward passes accumulate into full buckets as in DDP (nothing is released);
+    the next synchronized backward reduce-scatters the sums and releases them as it goes.
 
     The DDP layout is rebuilt once, at the end of the first synchronized backward (from the
     observed readiness order). That backward all-reduces instead (the shards of the old layout
-    would not match the new one), and the rank's slice is taken from the full averaged
-    gradient in the new layout in ``after_sync``.
+    would not match the new one) and keeps every bucket until its end, and the rank's slice is
+    taken from the full averaged gradient in the new layout in ``after_sync``.
 """
 
 from __future__ import annotations
@@ -28,15 +33,26 @@ from ..ddp.reducer import AllReduceAverage, GradSyncStrategy, divide_factors
 
 
 def release_grad_buffers(reducer) -> None:
-    """Drop the full gradients: ``p.grad = None`` and free the buffers' memory."""
+    """Drop every full gradient: ``p.grad = None`` and release each bucket's storage (the
+    layout is switched to per-bucket storage first if it is still flat)."""
     for p in reducer.params:
         p.grad = None
-    for buf in reducer.layout.buffers.values():
-        buf.untyped_storage().resize_(0)
+    layout = reducer.layout
+    if layout.bucket_storage:
+        layout.release_all()
+    else:
+        layout.use_bucket_storage()
+
+
+def release_bucket(reducer, bucket) -> None:
+    """Drop one bucket's full gradients (its reduced shard is stored)."""
+    for p in bucket.params:
+        p.grad = None  # views of the bucket: they would keep its memory alive
+    reducer.layout.release(bucket)
 
 
 def grad_buffers_allocated(reducer) -> bool:
-    return any(buf.untyped_storage().nbytes() > 0 for buf in reducer.layout.buffers.values())
+    return reducer.layout.allocated_bytes > 0
 
 
 class ReduceScatterToShard(GradSyncStrategy):
@@ -50,11 +66,7 @@ class ReduceScatterToShard(GradSyncStrategy):
         self._outputs: dict[int, torch.Tensor] = {}
 
     def begin_backward(self, reducer) -> None:
-        for buf in reducer.layout.buffers.values():
-            storage = buf.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(buf.numel() * buf.element_size())
-                buf.zero_()  # padding and slots of unused parameters must read as zero
+        # Bucket storage is allocated by the reducer as gradients arrive (Note [bucket storage]).
         if reducer.sync:
             self._full_this_backward = not reducer.layout_final
             self._accumulate = self.zero._grads_present
@@ -82,6 +94,7 @@ class ReduceScatterToShard(GradSyncStrategy):
         _, post = divide_factors(reducer.world_size, out.dtype)
         bs = self.zero._partition.bucket_shards[bucket.index]
         self._store(bs, out, post)
+        release_bucket(reducer, bucket)  # the shard holds this bucket's gradients now
 
     def _store(self, bs, value: torch.Tensor, post: float = 1.0) -> None:
         offload = self.zero._offload
@@ -103,14 +116,13 @@ class ReduceScatterToShard(GradSyncStrategy):
     def after_sync(self, reducer) -> None:
         # Parameters no rank used this iteration (DDP left their grad None, Note [unused
         # parameters]); their shard slices hold zeros.
-        self.zero._note_params_without_grad(
-            [i for i, p in enumerate(self.zero._params) if p.grad is None])
+        without = set(reducer.params_without_grad)
+        self.zero._note_params_without_grad([i for i, p in enumerate(self.zero._params) if p in without])
         if self._full_this_backward:
             part = self.zero._ensure_partition()
-            layout = reducer.layout
             for bs in part.bucket_shards:
-                b = bs.bucket
-                self._store(bs, layout.buffers[b.dtype][b.start + bs.lo:b.start + bs.hi])
+                data = reducer.layout.allocate(bs.bucket)  # (allocated: every bucket was reduced)
+                self._store(bs, data[bs.lo:bs.hi])
             self._full_this_backward = False
         release_grad_buffers(reducer)
         self.zero._grads_present = True

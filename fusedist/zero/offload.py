@@ -10,13 +10,15 @@ Note [offload pipeline]
     * Backward (stage 2): as soon as a bucket's reduce-scatter has been stored into the
       device gradient shard, its slice is copied device-to-host on a side stream (it waits for
       the compute stream first, so it sees the stored gradient) and an event records its
-      completion; nothing waits for it until ``step()``. DDP finishes its buckets (waits for
-      the collectives and stores the results) in one loop at the end of backward, after the
-      last gradient was queued, so on the device a bucket's copy overlaps the reductions and
-      copies of the buckets after it, not backward's compute; overlapping compute too would
-      need DDP to finish buckets during backward. Stage 1 has no per-bucket hook here: its
-      slices are copied at the start of ``step()``, all issued before the first update, so
-      the copies of later buckets overlap the updates of earlier ones.
+      completion; nothing waits for it until ``step()``. DDP finishes a bucket (waits for its
+      collective and stores the result) in the first gradient hook after the collective has
+      completed (Note [finishing buckets during backward] in ``fusedist/ddp/reducer.py``), so
+      the copies of early buckets are issued while backward is still computing the gradients
+      of earlier layers and overlap that compute; only buckets whose collective is still in
+      flight when the last gradient arrives are finished, and copied, at the end of backward.
+      Stage 1 has no per-bucket hook here: its slices are copied at the start of ``step()``,
+      all issued before the first update, so the copies of later buckets overlap the updates
+      of earlier ones.
     * If the device gradient shard changed after its copy (e.g. a pending GradScaler unscale
       was materialized in place, or another backward accumulated into it), the tensor's
       version counter says so and ``step()`` copies that dtype's shard again.

@@ -74,10 +74,11 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
     * ``offload="cpu"`` (ZeRO-Offload, Note [offload pipeline] in ``offload.py``): the master
       shard and the Adam state live in host memory (pinned with CUDA) and the C++ CPU Adam
       steps them bucket by bucket; gradient slices go down as their buckets are reduced
-      (stage 2: as DDP finishes each bucket), updated parameter slices go up and are all-gathered as
-      usual. Only ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math)
-      are supported. ``step()`` reads the GradScaler's found-inf flag on the host (the CPU
-      update needs it there); state dicts and checkpoints are the same as without offload.
+      (stage 2: during backward, as soon as each bucket's reduce-scatter has completed),
+      updated parameter slices go up and are all-gathered as usual. Only
+      ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math) are supported.
+      ``step()`` reads the GradScaler's found-inf flag on the host (the CPU update needs it
+      there); state dicts and checkpoints are the same as without offload.
     * Master weights are FP32 copies (FP64 for FP64 parameters). After changing parameters
       outside the optimizer once it has stepped (e.g. ``model.load_state_dict``), call
       :meth:`sync_master_from_params` (``fusedist.checkpoint.load`` does).

@@ -77,6 +77,14 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
       usual. Only ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math)
       are supported. ``step()`` reads the GradScaler's found-inf flag on the host (the CPU
       update needs it there); state dicts and checkpoints are the same as without offload.
+    * Parameters without a gradient behave as with torch's optimizers. Frozen parameters
+      (``requires_grad=False`` when the optimizer is constructed) stay in ``param_groups``, so
+      state dicts keep torch's indices, but are never sharded, stepped or given state (with
+      DDP the optimizer must own DDP's *trainable* parameters); one that has a gradient at
+      ``step()`` raises, naming it. A trainable parameter without a gradient in a step
+      (stage 1: ``p.grad`` is None; stage 2: no synchronized backward since the last step gave
+      it one, i.e. DDP found it unused on every rank) is skipped: its master, optimizer state
+      and step count stay as they are (Note [piece splitting] in ``partition.py``).
     * Master weights are FP32 copies (FP64 for FP64 parameters). After changing parameters
       outside the optimizer once it has stepped (e.g. ``model.load_state_dict``), call
       :meth:`sync_master_from_params` (``fusedist.checkpoint.load`` does).

@@ -256,84 +256,99 @@ def _same_state(ours, theirs, tol=TOL):
                 assert (mine[key].cpu() - v.cpu()).abs().max().item() < tol, (index, key)
 
 
-def _checkpoint_save_worker(rank, world_size, directory, stage):
+CHECKPOINT_VARIANTS = ((1, None), (2, None), (2, "cpu"))  # (stage, offload)
+
+
+def _variant_dir(directory, stage, offload):
+    return os.path.join(directory, f"stage{stage}-{offload or 'device'}")
+
+
+def _checkpoint_save_worker(rank, world_size, directory):
     """(c) ZeRO at world size 2 with frozen parameters and pieces split by skipped steps (the
     "late" layer never used yet: no state), saved after 5 steps. (d) consolidate_state_dict
-    loads into torch AdamW and equals its state at that point."""
+    loads into torch AdamW and equals its state at that point. One checkpoint per variant."""
     import fusedist
 
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"
-    module, opt = _train_zero(rank, world_size, frozen=True, schedule="some", stage=stage, ddp=True,
-                              inner=None, steps=5, late=True)
-    split = len(opt._pieces)
-    fusedist.checkpoint.save(directory, module, opt, extra={"step": 5})
-    full = opt.consolidate_state_dict()
-    if rank != 0:
-        return dict(split=split)
-    ref_model, ref_opt = _reference(True, "some", world_size, "foreach", steps=5, late=True)
-    torch_opt = torch.optim.AdamW(_groups(copy.deepcopy(ref_model)), lr=1e-2)
-    torch_opt.load_state_dict(full)
-    return dict(split=split, consolidated=full, torch_loaded=torch_opt.state_dict(), ref=ref_opt.state_dict())
+    out = {}
+    for stage, offload in CHECKPOINT_VARIANTS:
+        module, opt = _train_zero(rank, world_size, frozen=True, schedule="some", stage=stage, ddp=True,
+                                  offload=offload, steps=5, late=True)
+        split = len(opt._pieces)
+        fusedist.checkpoint.save(_variant_dir(directory, stage, offload), module, opt, extra={"step": 5})
+        full = opt.consolidate_state_dict()
+        if rank != 0:
+            out[(stage, offload)] = dict(split=split)
+            continue
+        ref_model, ref_opt = _reference(True, "some", world_size, "foreach", steps=5, late=True)
+        torch_opt = torch.optim.AdamW(_groups(copy.deepcopy(ref_model)), lr=1e-2)
+        torch_opt.load_state_dict(full)
+        out[(stage, offload)] = dict(split=split, consolidated=full, torch_loaded=torch_opt.state_dict(),
+                                     ref=ref_opt.state_dict())
+    return out
 
 
-def _checkpoint_load_worker(rank, world_size, directory, stage, save_world):
-    """Load the world-2 checkpoint at ``world_size`` and train steps 5..9."""
+def _checkpoint_load_worker(rank, world_size, directory, save_world):
+    """Load each world-2 checkpoint at ``world_size`` and train steps 5..9."""
     import fusedist
 
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"
-    module = _make(frozen=True)
-    model = fusedist.DistributedDataParallel(module, find_unused_parameters=True, **TINY_BUCKETS)
-    opt = fusedist.ZeroRedundancyOptimizer(_groups(module), stage=stage, lr=1e-2, weight_decay=0.1)
-    extra = fusedist.checkpoint.load(directory, model, opt)
-    assert extra["step"] == 5
-    for step in range(5, STEPS):
-        opt.zero_grad()
-        _local_step(model, step, rank, world_size, "some", late=True, schedule_world=save_world)
-        opt.step()
-    opt.wait_for_params()
-    return _flat(module)
+    out = {}
+    for stage, offload in CHECKPOINT_VARIANTS:
+        module = _make(frozen=True)
+        model = fusedist.DistributedDataParallel(module, find_unused_parameters=True, **TINY_BUCKETS)
+        opt = fusedist.ZeroRedundancyOptimizer(_groups(module), stage=stage, offload=offload, lr=1e-2,
+                                               weight_decay=0.1)
+        extra = fusedist.checkpoint.load(_variant_dir(directory, stage, offload), model, opt)
+        assert extra["step"] == 5
+        for step in range(5, STEPS):
+            opt.zero_grad()
+            _local_step(model, step, rank, world_size, "some", late=True, schedule_world=save_world)
+            opt.step()
+        opt.wait_for_params()
+        out[(stage, offload)] = _flat(module)
+    return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_checkpoint_after_split_reshards(tmp_path, monkeypatch, stage):
+def test_checkpoint_after_split_reshards(tmp_path, monkeypatch):
     import fusedist
 
     monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "torch")  # FusedAdamW's PyTorch path
-
-    directory = str(tmp_path / "ckpt")
-    saved = run_distributed(_checkpoint_save_worker, 2, directory, stage, timeout=240)
-    assert saved[0]["split"] > 2  # skipped steps split the two groups' pieces
-    _same_state(saved[0]["consolidated"], saved[0]["ref"])
-    _same_state(saved[0]["torch_loaded"], saved[0]["ref"])
+    directory = str(tmp_path)
+    saved = run_distributed(_checkpoint_save_worker, 2, directory, timeout=240)[0]
     model = _make(frozen=True)
     names = {p: n for n, p in model.named_parameters()}
     order = [names[p] for g in _groups(model) for p in g["params"]]  # the state dicts' indices
-    # The frozen stem and the not yet used late layer have no state, as in torch.
-    assert sorted(order[i] for i in saved[0]["consolidated"]["state"]) == sorted(
-        n for n in order if n.startswith(("body", "branch", "head")))
+    for variant, item in saved.items():
+        assert item["split"] > 2, variant  # skipped steps split the two groups' pieces
+        _same_state(item["consolidated"], item["ref"])
+        _same_state(item["torch_loaded"], item["ref"])
+        # The frozen stem and the not yet used late layer have no state, as in torch.
+        assert sorted(order[i] for i in item["consolidated"]["state"]) == sorted(
+            n for n in order if n.startswith(("body", "branch", "head"))), variant
 
     # Uninterrupted: 10 steps of torch AdamW. The data is the global batch at every world size,
     # so training resumed at 3 ranks or at 1 process must continue the same trajectory.
-    uninterrupted = {}
-    for impl in ("foreach", "fused"):
-        uninterrupted[impl] = _flat(_reference(True, "some", 2, impl, late=True)[0])
-    at3 = run_distributed(_checkpoint_load_worker, 3, directory, stage, 2, timeout=240)
-    for flat in at3:
-        for ref in uninterrupted.values():
-            assert (flat - ref).abs().max().item() < TOL
-    # One process, no torch.distributed: stage 1 without DDP; the branch schedule of world size 2
-    # is reproduced on the full batch by the row selection.
-    model = _make(frozen=True)
-    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), lr=1e-2, weight_decay=0.1)
-    assert fusedist.checkpoint.load(directory, model, opt)["step"] == 5
-    for step in range(5, STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        rows = _rows(_branch_ranks(step, 2, "some"), 2)
-        nn.functional.mse_loss(model(x, rows, step >= Branchy.LATE_FROM), y).backward()
-        opt.step()
-    for ref in uninterrupted.values():
-        assert (_flat(model) - ref).abs().max().item() < TOL
+    uninterrupted = [_flat(_reference(True, "some", 2, impl, late=True)[0]) for impl in ("foreach", "fused")]
+    at3 = run_distributed(_checkpoint_load_worker, 3, directory, 2, timeout=240)
+    for per_variant in at3:
+        for variant, flat in per_variant.items():
+            for ref in uninterrupted:
+                assert (flat - ref).abs().max().item() < TOL, variant
+    # One process, no torch.distributed (stage 1 without DDP); the branch schedule of world
+    # size 2 is reproduced on the full batch by the row selection.
+    for stage, offload in CHECKPOINT_VARIANTS:
+        model = _make(frozen=True)
+        opt = fusedist.ZeroRedundancyOptimizer(_groups(model), offload=offload, lr=1e-2, weight_decay=0.1)
+        assert fusedist.checkpoint.load(_variant_dir(directory, stage, offload), model, opt)["step"] == 5
+        for step in range(5, STEPS):
+            x, y = _batch(step)
+            opt.zero_grad()
+            rows = _rows(_branch_ranks(step, 2, "some"), 2)
+            nn.functional.mse_loss(model(x, rows, step >= Branchy.LATE_FROM), y).backward()
+            opt.step()
+        for ref in uninterrupted:
+            assert (_flat(model) - ref).abs().max().item() < TOL, (stage, offload)
 
 
 def test_load_torch_state_with_unequal_step_counts():

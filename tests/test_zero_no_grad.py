@@ -65,11 +65,14 @@ def _batch(step):
 
 def _branch_ranks(step, world_size, schedule):
     """Which ranks use the branch at ``step``: "always"; "some" -- everyone, nobody (so its
-    grad is None on every rank), or only rank 0 (others contribute zero)."""
+    grad is None on every rank), or only rank 0 (others contribute zero); "allnone" --
+    everyone or nobody."""
     if schedule == "always":
         return list(range(world_size))
     phase = step % 3
-    return list(range(world_size)) if phase == 0 else ([] if phase == 2 else [0])
+    if phase == 2:
+        return []
+    return [0] if phase == 1 and schedule == "some" else list(range(world_size))
 
 
 def _rows(ranks, world_size):
@@ -96,7 +99,8 @@ def _groups(model, all_params=True):
             dict(params=[p for n, p in params if n.endswith("bias")], weight_decay=0.0, lr=5e-3)]
 
 
-def _reference(frozen, schedule, world_size, impl, steps=STEPS, late=False, model=None, opt=None, start=0):
+def _reference(frozen, schedule, world_size, impl, steps=STEPS, late=False, model=None, opt=None, start=0,
+               clip=None):
     """Single-process torch AdamW on the global batch; returns (model, optimizer)."""
     if model is None:
         model = _make(frozen)
@@ -106,6 +110,8 @@ def _reference(frozen, schedule, world_size, impl, steps=STEPS, late=False, mode
         opt.zero_grad()
         rows = _rows(_branch_ranks(step, world_size, schedule), world_size)
         nn.functional.mse_loss(model(x, rows, late and step >= Branchy.LATE_FROM), y).backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)  # parameters without grad: ignored
         opt.step()
     return model, opt
 
@@ -130,7 +136,7 @@ def _flat(model):
 
 
 def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None, inner=None, groups=True,
-                steps=STEPS, late=False, freeze_late=False):
+                steps=STEPS, late=False, freeze_late=False, clip=None):
     """ZeRO over a fusedist DDP model (ddp=True) or a bare model whose gradients are averaged
     by hand (stage 1 without DDP); returns (module, optimizer)."""
     import fusedist
@@ -149,6 +155,8 @@ def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None,
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad.div_(world_size)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)  # the global norm over every rank's shard
         opt.step()
     opt.wait_for_params()
     return module, opt
@@ -162,10 +170,11 @@ def _parity_worker(rank, world_size):
 
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"  # FusedAdamW's PyTorch path (kernels tested elsewhere)
     refs = {}
-    for frozen, schedule in ((True, "always"), (False, "some"), (True, "some")):
+    for frozen, schedule, clip in ((True, "always", None), (False, "some", None), (True, "some", None),
+                                   (True, "allnone", None), (True, "some", 0.05)):
         for impl in ("foreach", "fused"):
-            model, _ = _reference(frozen, schedule, world_size, impl)
-            refs[(frozen, schedule, impl)] = (_flat(model), model)
+            model, _ = _reference(frozen, schedule, world_size, impl, clip=clip)
+            refs[(frozen, schedule, clip, impl)] = _flat(model)
     configs = []
     for frozen, schedule in ((True, "always"), (False, "some"), (True, "some")):
         for stage in (1, 2):
@@ -175,8 +184,14 @@ def _parity_worker(rank, world_size):
         configs.append(dict(frozen=frozen, schedule=schedule, stage=1, ddp=True, inner=torch.optim.AdamW))
     # Without fusedist DDP (stage 1, gradients averaged outside): frozen, and a branch no rank
     # uses in some steps ("some" uses it on rank 0 only, which only DDP's zero fill covers).
-    configs.append(dict(frozen=True, schedule="always", stage=1, ddp=False, inner=FusedAdamW))
-    configs.append(dict(frozen=True, schedule="always", stage=1, ddp=False, inner=FusedAdamW, offload="cpu"))
+    for schedule in ("always", "allnone"):
+        configs.append(dict(frozen=True, schedule=schedule, stage=1, ddp=False, inner=FusedAdamW))
+        configs.append(dict(frozen=True, schedule=schedule, stage=1, ddp=False, inner=FusedAdamW, offload="cpu"))
+    # A global clip: skipped parameters' (zero) gradient slices do not change the norm.
+    for stage in (1, 2):
+        configs.append(dict(frozen=True, schedule="some", stage=stage, ddp=True, inner=FusedAdamW, clip=0.05))
+    configs.append(dict(frozen=True, schedule="some", stage=2, ddp=True, inner=FusedAdamW, clip=0.05,
+                        offload="cpu"))
     # One param group, every trainable parameter used in every step: nothing is skipped, so
     # nothing is split (one flat tensor for the fused step).
     configs.append(dict(frozen=True, schedule="always", stage=2, ddp=True, inner=FusedAdamW, groups=False,
@@ -185,14 +200,14 @@ def _parity_worker(rank, world_size):
     for cfg in configs:
         module, opt = _train_zero(rank, world_size, **cfg)
         flat = _flat(module)
-        key = (cfg["frozen"], cfg["schedule"])
+        key = (cfg["frozen"], cfg["schedule"], cfg.get("clip"))
         if not cfg.get("groups", True):
             ref_model = _make(cfg["frozen"], freeze_late=True)
             ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
             ref, _ = _reference(cfg["frozen"], cfg["schedule"], world_size, "foreach", model=ref_model, opt=ref_opt)
             diffs = [(flat - _flat(ref)).abs().max().item()]
         else:
-            diffs = [(flat - refs[key + (impl,)][0]).abs().max().item() for impl in ("foreach", "fused")]
+            diffs = [(flat - refs[key + (impl,)]).abs().max().item() for impl in ("foreach", "fused")]
         stem_unchanged = all(torch.equal(p, q) for p, q in zip(module.stem.parameters(),
                                                                 _make(cfg["frozen"]).stem.parameters()))
         out.append(dict(cfg={k: getattr(v, "__name__", v) for k, v in cfg.items()}, diffs=diffs,

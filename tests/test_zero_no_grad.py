@@ -441,6 +441,20 @@ def test_cuda_skips_like_torch(offload):
     _single_process_against_fused_torch(torch.device("cuda"), offload)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu_ext"])
+def test_kernels_skip_like_torch(monkeypatch, backend):
+    """FusedAdamW's implementations (Triton interpreted on CPU, the C++ CPU kernel, PyTorch)
+    with split pieces that have different step counts and some grad=None, one process."""
+    from fusedist import _extension
+
+    if backend == "cpu_ext" and not _extension.is_available("_cpu_ops"):
+        pytest.skip(f"fusedist._cpu_ops is not built: {_extension.load_error('_cpu_ops')}")
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", backend)
+    _single_process_against_fused_torch(torch.device("cpu"), None)
+
+
 def _single_process_against_fused_torch(device, offload):
     import fusedist
 

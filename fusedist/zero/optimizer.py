@@ -475,8 +475,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         """Split the pieces around the ``skipped`` parameters and say which pieces this step
         updates: those holding a parameter with a gradient, and shards of padding only."""
         part = self._partition
-        if skipped:
-            self._split_pieces(part.cuts_around(skipped))
+        if not skipped:
+            return [True] * len(part.pieces)
+        self._split_pieces(part.cuts_around(skipped))
         skipped = set(skipped)
         has_entry = [False] * len(part.pieces)
         stepped = [False] * len(part.pieces)

@@ -103,7 +103,7 @@ class HostShardOffload:
     def __init__(self, zero):
         self.zero = zero
         part = zero._partition
-        device = zero._params[0].device
+        device = zero._device
         self.cuda = device.type == "cuda"
         pin = self.cuda
         self.masters = {dt: torch.empty(n, dtype=torch.float32, pin_memory=pin)
@@ -119,8 +119,14 @@ class HostShardOffload:
         self.h2d_done: dict[int, torch.cuda.Event] = {}
         self._copied: set[int] = set()  # buckets whose gradient was copied down since the last step
         self._copied_version: dict[torch.dtype, int] = {}
-        # Per bucket shard: the (piece index, start, end) runs of the flat shard it covers.
         self.segments: list[list[tuple[int, int, int]]] = []
+        self.build_segments()
+
+    def build_segments(self) -> None:
+        """Per bucket shard: the (piece index, start, end) runs of the flat shard it covers.
+        Rebuilt whenever pieces are split (Note [piece splitting] in ``partition.py``)."""
+        part = self.zero._partition
+        self.segments = []
         for bs in part.bucket_shards:
             lo, hi = bs.pos, bs.pos + bs.hi - bs.lo
             segs = []
@@ -182,12 +188,16 @@ class HostShardOffload:
                 k += 1
         return tuple(out)
 
-    def _piece_states(self, pieces):
-        """The inner optimizer's state of each piece, created in its own format if missing;
-        returns the step number this update uses per piece."""
+    def _piece_states(self, pieces, stepped):
+        """The inner optimizer's state of each piece this step updates, created in its own
+        format if missing; returns the step number this update uses per piece (None for a
+        skipped piece, whose state stays as it is -- or absent, as torch leaves it)."""
         inner = self.zero.inner
         steps = []
-        for t in pieces:
+        for t, active in zip(pieces, stepped):
+            if not active:
+                steps.append(None)
+                continue
             st = inner.state[t]
             if "step" not in st:
                 st["step"] = torch.zeros((), dtype=torch.float32)
@@ -198,9 +208,11 @@ class HostShardOffload:
         return steps
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, stepped) -> None:
         """One optimizer step over every bucket (Note [offload pipeline]); issues the
-        parameter all-gathers like ``ZeroRedundancyOptimizer._publish_params``."""
+        parameter all-gathers like ``ZeroRedundancyOptimizer._publish_params``. Pieces with
+        ``stepped[k]`` False (parameters without a gradient) are left unchanged, their step
+        count included."""
         from ..optim._cpu_adam import adam_update
 
         z = self.zero
@@ -222,8 +234,8 @@ class HostShardOffload:
                               eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
                               adamw=_adamw(z.optimizer_class, g), maximize=bool(g.get("maximize", False)),
                               bias_correction=bool(g.get("bias_correction", True))))
-        steps = self._piece_states(z._pieces)
-        states = [inner.state[t] for t in z._pieces]
+        steps = self._piece_states(z._pieces, stepped)
+        states = [inner.state[t] if active else None for t, active in zip(z._pieces, stepped)]
         if self.cuda:
             # The copies up overwrite parameter slices that queued kernels may still read.
             self.h2d_stream.wait_stream(torch.cuda.current_stream())
@@ -237,6 +249,8 @@ class HostShardOffload:
             master, grad = self.masters[dt], self.host_grads[dt]
             staging = self.staging.get(dt)
             for k, lo, hi in segs:
+                if not stepped[k]:
+                    continue
                 piece = part.pieces[k]
                 st = states[k]
                 off_lo, off_hi = lo - piece.start, hi - piece.start
@@ -252,7 +266,8 @@ class HostShardOffload:
                     fp.bucket_view(bs), fp.shard_view(bs), async_op=True,
                     tag=f"zero param gather bucket {index}")
         for st in states:
-            st["step"] += 1
+            if st is not None:
+                st["step"] += 1
         if self.cuda and z.world_size == 1:
             torch.cuda.current_stream().wait_stream(self.h2d_stream)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -79,6 +78,14 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
       ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math) are supported.
       ``step()`` reads the GradScaler's found-inf flag on the host (the CPU update needs it
       there); state dicts and checkpoints are the same as without offload.
+    * Parameters without a gradient behave as with torch's optimizers. Frozen parameters
+      (``requires_grad=False`` when the optimizer is constructed) stay in ``param_groups``, so
+      state dicts keep torch's indices, but are never sharded, stepped or given state (with
+      DDP the optimizer must own DDP's *trainable* parameters); one that has a gradient at
+      ``step()`` raises, naming it. A trainable parameter without a gradient in a step
+      (stage 1: ``p.grad`` is None; stage 2: no synchronized backward since the last step gave
+      it one, i.e. DDP found it unused on every rank) is skipped: its master, optimizer state
+      and step count stay as they are (Note [piece splitting] in ``partition.py``).
     * Master weights are FP32 copies (FP64 for FP64 parameters). After changing parameters
       outside the optimizer once it has stepped (e.g. ``model.load_state_dict``), call
       :meth:`sync_master_from_params` (``fusedist.checkpoint.load`` does).
@@ -114,15 +121,26 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self.stage = stage
         self._inner_defaults = dict(defaults)
         super().__init__(params, defaults)
+        # Every parameter, in torch's order (state dicts index into it); frozen ones
+        # (requires_grad=False now) are kept there but never sharded, stepped or given state.
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        for i, p in enumerate(self._params):
+        self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
+        if not self._trainable:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: all {len(self._params)} parameters have requires_grad=False; "
+                "there is nothing to shard or optimize"
+            )
+        for i in self._trainable:
+            p = self._params[i]
             if not p.is_floating_point() or p.is_complex():
                 raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only real "
                                 "floating-point parameters can be sharded")
+        self._device = self._params[self._trainable[0]].device
         self._fill_group_defaults()
         if self.offload:
-            check_offload_config(self.optimizer_class, self._params)
+            check_offload_config(self.optimizer_class, [self._params[i] for i in self._trainable])
             for gi, group in enumerate(self.param_groups):
                 check_offload_group(group, gi)
         self._offload: Optional[HostShardOffload] = None
@@ -133,8 +151,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
             self.comm = self.ddp.comm
         elif dist.is_available() and dist.is_initialized():
-            device = self._params[0].device if self._params else torch.device("cpu")
-            self.comm = get_communicator(process_group, device)
+            self.comm = get_communicator(process_group, self._device)
         else:
             self.comm = None  # a single process without torch.distributed
         self.process_group = process_group if self.ddp is None else self.ddp.process_group
@@ -155,7 +172,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self._gather_handles: dict[int, object] = {}
         self._forward_hooks: list = []
         self._pending_load: Optional[tuple] = None
-        self._warned_no_grad = False
+        # Stage 2: trainable parameters some synchronized backward since the last step (or
+        # zero_grad) gave a gradient; the others are skipped by the step (Note [piece splitting]).
+        self._stage2_with_grad: set[int] = set()
         self._fusedist_clear_protocol()
 
     # ------------------------------------------------------------------ construction
@@ -170,8 +189,22 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 if k != "params":
                     group.setdefault(k, v)
 
+    def _trainable_params(self) -> list:
+        return [self._params[i] for i in self._trainable]
+
+    def _param_name(self, index: int) -> str:
+        """``parameter <index> ('<name in the DDP model>', shape ...)`` for error messages."""
+        p = self._params[index]
+        name = None
+        if self.ddp is not None:
+            name = next((n for n, q in self.ddp.module.named_parameters() if q is p), None)
+        label = f"parameter {index}" + (f" ('{name}'" if name else " (")
+        return f"{label}{', ' if name else ''}shape {tuple(p.shape)})"
+
     def _find_ddp(self):
-        owners = {id(getattr(p, "_fusedist_ddp", None)): getattr(p, "_fusedist_ddp", None) for p in self._params}
+        # Frozen parameters are not DDP's (it reduces only trainable ones) and never communicated.
+        trainable = self._trainable_params()
+        owners = {id(getattr(p, "_fusedist_ddp", None)): getattr(p, "_fusedist_ddp", None) for p in trainable}
         if len(owners) > 1:
             raise ValueError(
                 "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
@@ -180,7 +213,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         ddp = next(iter(owners.values()), None)
         if ddp is None:
             return None
-        ours, theirs = set(self._params), set(ddp.reducer.params)
+        ours, theirs = set(trainable), set(ddp.reducer.params)
         if ours != theirs:
             names = dict(zip(ddp.reducer.params, ddp.reducer.names))
             missing = [names[p] for p in ddp.reducer.params if p not in ours]
@@ -203,7 +236,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         if reducer.in_backward:
             raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
         reducer.strategy = ReduceScatterToShard(self)
-        for p in self._params:
+        for p in self._trainable_params():
             # Lets a global clip (fusedist.clip_grad_norm_) find the optimizer that holds these
             # parameters' gradients: p.grad is None in stage 2.
             p._fusedist_zero = self
@@ -226,10 +259,12 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 )
             buckets = self.ddp.reducer.layout.buckets
         else:
-            names = [f"param {i}" for i in range(len(self._params))]
-            buckets = bucketize(self._params, names, cap_bytes=self.bucket_cap_bytes, world_size=self.world_size)
-        part = FlatPartition(buckets, self._params, self._group_of, self.rank, self.world_size)
-        device = self._params[0].device
+            names = [f"param {i}" for i in self._trainable]
+            buckets = bucketize(self._trainable_params(), names, cap_bytes=self.bucket_cap_bytes,
+                                world_size=self.world_size)
+        part = FlatPartition(buckets, self._params, self._group_of, self.rank, self.world_size,
+                             sharded=self._trainable)
+        device = self._device
         self._grad_shards = {dt: torch.zeros(n, dtype=self._master_dtype(dt), device=device)
                              for dt, n in part.shard_numel.items()}
         self._partition = part
@@ -243,7 +278,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         if self.inner is not None:
             return
         part = self._ensure_partition()
-        device = self._params[0].device
+        device = self._device
         self._flat_params = FlatParams(part, self._params, device)
         if self.offload:
             self._offload = HostShardOffload(self)
@@ -254,6 +289,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                              for dt, n in part.shard_numel.items()}
             grad_shards = self._grad_shards
         self.sync_master_from_params()
+        self._piece_grad_source = grad_shards
         self._pieces = []
         groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
         for piece in part.pieces:
@@ -351,28 +387,107 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
     def _has_any_grad(self) -> bool:
         if self.stage == 2:
             return self._grads_present
-        return any(p.grad is not None for p in self._params)
+        return any(self._params[i].grad is not None for i in self._trainable)
 
     def _note_params_without_grad(self, indices) -> None:
-        """Warn once: parameters without a gradient are stepped with a zero gradient (their
-        elements share flat tensors with the others), where torch skips them."""
-        if indices and not self._warned_no_grad:
-            self._warned_no_grad = True
-            warnings.warn(
-                f"ZeroRedundancyOptimizer: {len(indices)} parameter(s) (indices {indices[:10]}) have no "
-                "gradient this step; they are stepped with a zero gradient (weight decay and moment "
-                "decay still apply, and they share their shard's step count), whereas torch optimizers "
-                "skip parameters whose grad is None (reported once)",
-                stacklevel=3,
-            )
+        """Stage 2, after each synchronized backward: ``indices`` are the parameters DDP left
+        without a gradient (no rank used them). The others count as having a gradient until
+        the step consumes the shard (Note [piece splitting])."""
+        if not self._grads_present:
+            self._stage2_with_grad = set()
+        self._stage2_with_grad.update(set(self._trainable).difference(indices))
+
+    def _params_without_grad(self) -> list[int]:
+        """Trainable parameters the coming step skips, as torch would (their grad is None)."""
+        if self.stage == 2:
+            return [i for i in self._trainable if i not in self._stage2_with_grad]
+        return [i for i in self._trainable if self._params[i].grad is None]
+
+    def _check_frozen_grads(self) -> None:
+        for i in self._frozen:
+            if self._params[i].grad is not None:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: {self._param_name(i)} has a gradient, but it had "
+                    "requires_grad=False when the optimizer was constructed, so it was not sharded and "
+                    "cannot be stepped. Set requires_grad before constructing the optimizer (and before "
+                    "wrapping the model in DistributedDataParallel), or set its grad to None."
+                )
 
     @torch.no_grad()
     def _collect_stage1_grads(self) -> None:
-        self._note_params_without_grad([i for i, p in enumerate(self._params) if p.grad is None])
         for shard in self._grad_shards.values():
-            shard.zero_()  # a parameter without a gradient steps with zero gradient
+            shard.zero_()  # slices of parameters without a gradient are skipped, not read
         for dst, src in self._stage1_grad_views():
             dst.copy_(src)
+
+    # ------------------------------------------------------------------ skipping (Note [piece splitting])
+    @torch.no_grad()
+    def _split_pieces(self, cuts: dict) -> None:
+        """Cut the pieces at ``cuts`` (partition.split), keeping ``self._pieces``, the inner
+        optimizer's param groups and state, and the offload segments consistent with them."""
+        part = self._partition
+        old_pieces = list(part.pieces)
+        replaced = part.split(cuts)
+        if not replaced:
+            return
+        inner = self.inner
+        ready = getattr(inner, "_fusedist_ready", None)
+        tensors: list[torch.Tensor] = []
+        for k, (piece, t) in enumerate(zip(old_pieces, self._pieces)):
+            subs = replaced.get(k)
+            if subs is None:
+                tensors.append(t)
+                continue
+            st = inner.state.pop(t, None) or {}
+            if ready is not None:
+                ready.discard(id(t))
+            new = []
+            for sub in subs:
+                u = self._masters[sub.dtype][sub.start:sub.end]
+                u.grad = self._piece_grad_source[sub.dtype][sub.start:sub.end]
+                if st:
+                    inner.state[u] = self._slice_state(st, piece, sub)
+                new.append(u)
+            params = inner.param_groups[piece.group]["params"]
+            at = next(j for j, x in enumerate(params) if x is t)  # identity: == is elementwise
+            params[at:at + 1] = new
+            tensors.extend(new)
+        self._pieces = tensors
+        if self._offload is not None:
+            self._offload.build_segments()
+
+    def _slice_state(self, st: dict, piece, sub) -> dict:
+        n = piece.end - piece.start
+        lo, hi = sub.start - piece.start, sub.end - piece.start
+        out = {}
+        for key, v in st.items():
+            if zstate.is_elementwise(v, n):
+                out[key] = v[lo:hi]  # a view: the pieces together still use the same memory
+            elif isinstance(v, torch.Tensor) and v.numel() > 1:
+                raise zstate.StateDictError(
+                    f"ZeroRedundancyOptimizer: state '{key}' of {self.optimizer_class.__name__} is not "
+                    "elementwise; it cannot be split between parameters"
+                )
+            else:
+                out[key] = v.clone() if isinstance(v, torch.Tensor) else v
+        return out
+
+    def _pieces_to_step(self, skipped) -> list[bool]:
+        """Split the pieces around the ``skipped`` parameters and say which pieces this step
+        updates: those holding a parameter with a gradient, and shards of padding only."""
+        part = self._partition
+        if not skipped:
+            return [True] * len(part.pieces)
+        self._split_pieces(part.cuts_around(skipped))
+        skipped = set(skipped)
+        has_entry = [False] * len(part.pieces)
+        stepped = [False] * len(part.pieces)
+        for e in part.entries:
+            k = part.piece_index(e)
+            has_entry[k] = True
+            if e.index not in skipped:
+                stepped[k] = True
+        return [s or not h for s, h in zip(stepped, has_entry)]
 
     def gradient_shards(self) -> dict:
         """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32
@@ -384,14 +499,14 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         """The parameters the global norm covers: all of them in stage 2 (their gradients are
         the shards), those with ``p.grad`` in stage 1."""
         if self.stage == 2:
-            return list(self._params)
-        return [p for p in self._params if p.grad is not None]
+            return self._trainable_params()
+        return [p for p in self._trainable_params() if p.grad is not None]
 
     @torch.no_grad()
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
         grads = self._local_grads()
-        device = self._params[0].device
+        device = self._device
         if grads:
             # Norms per tensor, then squares summed in fp32: a non-finite gradient element makes
             # its norm non-finite, so the same pass yields the overflow flag.
@@ -422,7 +537,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         # Stage 2 keeps gradients only as shards; stage 1 unscales what users see in p.grad.
         if self.stage == 2:
             return self._local_grads()
-        return [p.grad for p in self._params if p.grad is not None]
+        return [p.grad for p in self._trainable_params() if p.grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -456,6 +571,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                     "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
                     "gradients were never reduced; run the last micro-batch's backward outside no_sync()"
                 )
+            self._check_frozen_grads()
             if not self._has_any_grad():
                 return loss
             self._ensure_state()
@@ -463,21 +579,36 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 self._collect_stage1_grads()
             for group, inner_group in zip(self.param_groups, self.inner.param_groups):
                 inner_group.update(zstate.hyperparameters(group))
+            stepped = self._pieces_to_step(self._params_without_grad())
             if self._offload is not None:
-                self._offload.step()
+                self._offload.step(stepped)
                 if not self.overlap_param_gather:
                     self.wait_for_params()
             else:
-                self._inner_step()
+                skipped = [t for t, s in zip(self._pieces, stepped) if not s]
+                for t in skipped:
+                    t.grad = None  # the inner optimizer skips it, as torch skips grad=None
+                try:
+                    self._inner_step()
+                finally:
+                    self._restore_piece_grads(skipped)
                 self._publish_params()
             # Stage 2: step() consumes the gradient shard, so the next synchronized backward
             # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
             # reach the shard). Several synchronized backward passes *before* a step still
             # accumulate, as in torch.
             self._grads_present = False
+            self._stage2_with_grad = set()
         finally:
             self._fusedist_clear_protocol()
         return loss
+
+    def _restore_piece_grads(self, tensors) -> None:
+        part = self._partition
+        index = {id(t): k for k, t in enumerate(self._pieces)}
+        for t in tensors:
+            piece = part.pieces[index[id(t)]]
+            t.grad = self._piece_grad_source[piece.dtype][piece.start:piece.end]
 
     def _inner_step(self) -> None:
         inner, found = self.inner, self.found_inf
@@ -514,6 +645,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._grads_present = False  # the next reduce-scatter overwrites the shard
+        self._stage2_with_grad = set()
 
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:
@@ -674,15 +806,16 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         if self._offload is not None:
             self._offload.wait_host_buffers()
         part = self._partition
-        new_state: dict = {}
-        for piece, t in zip(part.pieces, self._pieces):
-            new_state[t] = {}
+        # Parameters with different scalar state (a step count, or no state at all: never
+        # stepped) must not share a piece (Note [piece splitting]).
+        self._split_pieces(self._cuts_between_states(assembled))
+        new_state: dict = {t: {} for t in self._pieces}
         for e in part.entries:
             item = assembled.get(e.index)
-            piece = part.piece_of(e)
-            t = self._pieces[part.pieces.index(piece)]
             if item is None:
                 continue
+            k = part.piece_index(e)
+            piece, t = part.pieces[k], self._pieces[k]
             if item["master"] is not None:
                 self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(item["master"][e.lo:e.hi])
             else:
@@ -698,16 +831,6 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                     st[key][off:off + e.numel].copy_(v[e.lo:e.hi])
                 else:
                     st.setdefault(key, v.clone().to(t.device) if isinstance(v, torch.Tensor) else v)
-        # Pieces holding only padding (or parameters never stepped) take their group's scalars.
-        for piece, t in zip(part.pieces, self._pieces):
-            st = new_state[t]
-            if not st:
-                donor = next((new_state[u] for q, u in zip(part.pieces, self._pieces)
-                              if q.group == piece.group and new_state[u]), None)
-                if donor is not None:
-                    for key, v in donor.items():
-                        st[key] = torch.zeros_like(v) if (isinstance(v, torch.Tensor) and v.dim() > 0) else (
-                            v.clone() if isinstance(v, torch.Tensor) else v)
         # Through the inner optimizer's own load_state_dict, so it places each state tensor
         # where it wants it (e.g. torch keeps a non-capturable Adam's ``step`` on the CPU).
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
@@ -723,6 +846,32 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self.inner.state.clear()
         self.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
+
+    def _cuts_between_states(self, assembled: dict) -> dict:
+        """Cuts separating neighbouring parameters whose loaded state differs in its keys or
+        scalar values (or that has state next to one that has none), so each piece gets one
+        consistent state."""
+        def signature(index):
+            item = assembled.get(index)
+            if item is None or not item["state"]:
+                return None
+            sig = []
+            for key, v in sorted(item["state"].items()):
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    sig.append((key, "elementwise"))
+                else:
+                    sig.append((key, float(v) if isinstance(v, torch.Tensor) else v))
+            return tuple(sig)
+
+        part = self._partition
+        cuts: dict = {}
+        previous = None
+        for e in part.entries:
+            sig = signature(e.index)
+            if previous is not None and previous[0] == e.dtype and previous[1] != sig:
+                cuts.setdefault(e.dtype, set()).add(part.owned_start[e.index])
+            previous = (e.dtype, sig)
+        return cuts
 
     @staticmethod
     def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:

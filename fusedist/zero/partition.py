@@ -14,12 +14,31 @@ Note [flat partition]
     *pieces*: maximal runs of the flat shard whose parameters share a param group (padding is
     absorbed into a neighbouring run), so with one param group it steps one flat tensor per
     dtype and hyperparameters of several groups are still honoured.
+
+    Parameters created with ``requires_grad=False`` (frozen) are in no bucket and own no
+    elements: they are never sharded, stepped or given state.
+
+Note [piece splitting]
+    torch optimizers skip a parameter whose gradient is None: its value, its moments and its
+    step count stay as they are. A piece is stepped as one tensor with one step count, so when
+    some of its parameters have no gradient in a step, the piece is split at their boundaries
+    first and the pieces holding only such parameters get ``grad=None`` for that step (the
+    inner optimizer then skips them, as torch does). Splitting slices the piece's elementwise
+    state and copies its scalar state (``step``); pieces never merge again, so a parameter's
+    step count can differ from its neighbours' from then on. Splits happen only when needed:
+    with every parameter receiving a gradient, a group's pieces stay one tensor per dtype.
+
+    Cuts are placed at the start of each entry's *owned range*: ``[entry.pos, next entry's
+    pos)``, the first entry of a dtype starting at 0, so padding stays with the parameter
+    before it and no piece ever holds padding only (except a shard of padding only). Pieces
+    are therefore always unions of owned ranges, and a split never cuts a parameter.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -108,7 +127,10 @@ class FlatPartition:
     """The rank's view of the flat partition (Note [flat partition])."""
 
     def __init__(self, buckets: Sequence[Bucket], params: Sequence[torch.Tensor], group_of: Sequence[int],
-                 rank: int, world_size: int):
+                 rank: int, world_size: int, sharded: Optional[Sequence[int]] = None):
+        """``params`` are all the optimizer's parameters (their indices are the state dicts'
+        indices); ``sharded`` the indices that must lie in a bucket (default: all), the
+        others (frozen parameters) own no elements."""
         self.rank, self.world_size = rank, world_size
         self.buckets = list(buckets)
         index_of = {p: i for i, p in enumerate(params)}
@@ -135,11 +157,23 @@ class FlatPartition:
                 s, e = max(off, first), min(off + p.numel(), last)
                 if s < e:
                     self.entries.append(ShardEntry(index, group_of[index], p.dtype, s - off, e - off, pos + s - first))
-        missing = [i for i in range(len(params)) if i not in self.offset_of]
+        expected = range(len(params)) if sharded is None else sharded
+        missing = [i for i in expected if i not in self.offset_of]
         if missing:
             raise ValueError(f"ZeroRedundancyOptimizer: parameters {missing[:10]} are in no bucket")
         self.entries.sort(key=lambda e: (str(e.dtype), e.pos))
+        self.entry_of: dict[int, ShardEntry] = {e.index: e for e in self.entries}
+        self.owned_start: dict[int, int] = {}  # Note [piece splitting]
+        seen: set = set()
+        for e in self.entries:
+            self.owned_start[e.index] = e.pos if e.dtype in seen else 0
+            seen.add(e.dtype)
+        self.owned_end: dict[int, int] = {}
+        for e, nxt in zip(self.entries, self.entries[1:] + [None]):
+            same = nxt is not None and nxt.dtype == e.dtype
+            self.owned_end[e.index] = nxt.pos if same else self.shard_numel[e.dtype]
         self.pieces = self._pieces()
+        self._index_pieces()
 
     def _pieces(self) -> list[Piece]:
         pieces = []
@@ -159,11 +193,57 @@ class FlatPartition:
                 pieces.append(Piece(dtype, group, start, end))
         return pieces
 
+    def _index_pieces(self) -> None:
+        self._starts: dict[torch.dtype, list[int]] = {}
+        self._slots: dict[torch.dtype, list[int]] = {}
+        order = sorted(range(len(self.pieces)), key=lambda k: (str(self.pieces[k].dtype), self.pieces[k].start))
+        for k in order:
+            piece = self.pieces[k]
+            self._starts.setdefault(piece.dtype, []).append(piece.start)
+            self._slots.setdefault(piece.dtype, []).append(k)
+
+    def piece_index(self, entry: ShardEntry) -> int:
+        """Index in :attr:`pieces` of the piece holding ``entry``."""
+        starts = self._starts.get(entry.dtype, [])
+        j = bisect.bisect_right(starts, entry.pos) - 1
+        if j < 0:
+            raise AssertionError("every shard entry lies in a piece")
+        k = self._slots[entry.dtype][j]
+        assert self.pieces[k].start <= entry.pos < self.pieces[k].end
+        return k
+
     def piece_of(self, entry: ShardEntry) -> Piece:
-        for piece in self.pieces:
-            if piece.dtype == entry.dtype and piece.start <= entry.pos < piece.end:
-                return piece
-        raise AssertionError("every shard entry lies in a piece")
+        return self.pieces[self.piece_index(entry)]
+
+    def cuts_around(self, indices: Iterable[int]) -> dict:
+        """Shard positions to cut at so that the parameters ``indices`` (those this rank owns
+        elements of) are separated from the others (Note [piece splitting])."""
+        cuts: dict[torch.dtype, set] = {}
+        for index in indices:
+            e = self.entry_of.get(index)
+            if e is not None:
+                cuts.setdefault(e.dtype, set()).update((self.owned_start[index], self.owned_end[index]))
+        return cuts
+
+    def split(self, cuts: dict) -> dict[int, list[Piece]]:
+        """Cut pieces at the positions ``cuts[dtype]`` that fall strictly inside them.
+        Returns ``{old piece index: its replacement pieces, in order}`` for the pieces that
+        were cut; :attr:`pieces` keeps its order with each cut piece replaced in place."""
+        replaced: dict[int, list[Piece]] = {}
+        pieces: list[Piece] = []
+        for k, piece in enumerate(self.pieces):
+            inside = sorted(c for c in cuts.get(piece.dtype, ()) if piece.start < c < piece.end)
+            if not inside:
+                pieces.append(piece)
+                continue
+            bounds = [piece.start, *inside, piece.end]
+            subs = [Piece(piece.dtype, piece.group, a, b) for a, b in zip(bounds, bounds[1:])]
+            replaced[k] = subs
+            pieces.extend(subs)
+        if replaced:
+            self.pieces = pieces
+            self._index_pieces()
+        return replaced
 
     def padding_elements(self) -> int:
         """Elements of this rank's flat shards that belong to no parameter."""
@@ -181,8 +261,8 @@ class FlatParams:
     def __init__(self, partition: FlatPartition, params: Sequence[torch.Tensor], device: torch.device):
         self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in partition.sizes.items()}
         with torch.no_grad():
-            for index, p in enumerate(params):
-                off = partition.offset_of[index]
+            for index, off in partition.offset_of.items():
+                p = params[index]
                 flat = self.buffers[p.dtype][off:off + p.numel()]
                 flat.copy_(p.detach().reshape(-1))
                 p.data = flat.view(p.shape)

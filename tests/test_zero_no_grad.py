@@ -136,7 +136,7 @@ def _flat(model):
 
 
 def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None, inner=None, groups=True,
-                steps=STEPS, late=False, freeze_late=False, clip=None):
+                steps=STEPS, late=False, freeze_late=False, clip=None, clip_fn=False):
     """ZeRO over a fusedist DDP model (ddp=True) or a bare model whose gradients are averaged
     by hand (stage 1 without DDP); returns (module, optimizer)."""
     import fusedist
@@ -144,7 +144,9 @@ def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None,
     module = _make(frozen, freeze_late)
     model = (fusedist.DistributedDataParallel(module, find_unused_parameters=True, **TINY_BUCKETS)
              if ddp else module)
-    params = _groups(module) if groups else module.parameters()
+    # clip_fn: the optimizer gets the trainable parameters only and the loop clips with
+    # fusedist.clip_grad_norm_(module.parameters()), frozen ones included (a common script).
+    params = _groups(module, all_params=not clip_fn) if groups else module.parameters()
     opt = fusedist.ZeroRedundancyOptimizer(params, inner, stage=stage, offload=offload, lr=1e-2,
                                            bucket_cap_mb=0.002, weight_decay=0.1)
     for step in range(steps):
@@ -155,7 +157,9 @@ def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None,
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad.div_(world_size)
-        if clip is not None:
+        if clip is not None and clip_fn:
+            fusedist.clip_grad_norm_(module.parameters(), clip)
+        elif clip is not None:
             opt.clip_grad_norm_(clip)  # the global norm over every rank's shard
         opt.step()
     opt.wait_for_params()
@@ -192,6 +196,8 @@ def _parity_worker(rank, world_size):
         configs.append(dict(frozen=True, schedule="some", stage=stage, ddp=True, inner=FusedAdamW, clip=0.05))
     configs.append(dict(frozen=True, schedule="some", stage=2, ddp=True, inner=FusedAdamW, clip=0.05,
                         offload="cpu"))
+    configs.append(dict(frozen=True, schedule="some", stage=2, ddp=True, inner=FusedAdamW, clip=0.05,
+                        clip_fn=True))
     # One param group, every trainable parameter used in every step: nothing is skipped, so
     # nothing is split (one flat tensor for the fused step).
     configs.append(dict(frozen=True, schedule="always", stage=2, ddp=True, inner=FusedAdamW, groups=False,

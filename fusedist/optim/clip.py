@@ -65,10 +65,14 @@ def clip_grad_norm_(
     zero_owners = {id(o): o for o in (getattr(p, "_fusedist_zero", None) for p in params) if o is not None}
     if zero_owners:
         owner = next(iter(zero_owners.values()))
-        if len(zero_owners) > 1 or {id(p) for p in params} != {id(p) for p in owner._params}:
+        # Frozen parameters never have gradients: whether the caller's list (e.g.
+        # model.parameters()) or the optimizer's includes them does not matter.
+        trainable = {id(p) for p in params if p.requires_grad}
+        if len(zero_owners) > 1 or trainable != {id(p) for p in owner._trainable_params()}:
             raise ValueError(
                 "fusedist.clip_grad_norm_: these parameters are sharded by ZeroRedundancyOptimizer "
-                "stage 2; pass exactly that optimizer's parameters (or call optimizer.clip_grad_norm_)"
+                "stage 2; pass exactly that optimizer's trainable parameters (or call "
+                "optimizer.clip_grad_norm_)"
             )
         return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)

@@ -1,13 +1,19 @@
-"""Communicator implemented on ``torch.distributed`` (gloo on CPU, torch's NCCL on GPU)."""
+"""Communicator implemented on ``torch.distributed`` (gloo on CPU, torch's NCCL on GPU).
+
+On gloo, reduce-scatter and all-gather of CPU tensors go through the point-to-point exchange
+of :mod:`.gloo_exchange` (``FUSEDIST_GLOO_COLLECTIVES=builtin`` keeps gloo's own).
+"""
 
 from __future__ import annotations
 
 import datetime
+import itertools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from . import gloo_exchange
 from .base import Communicator
 
 _OPS = {
@@ -19,6 +25,22 @@ _OPS = {
 # torch >= 2.12 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _SequenceCounter:
+    """``itertools.count`` that remembers the number it handed out last: the exchange derives
+    its message tags from the sequence number of the collective being launched."""
+
+    def __init__(self):
+        self._count = itertools.count()
+        self.last = -1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        self.last = next(self._count)
+        return self.last
 
 
 class TorchCommunicator(Communicator):
@@ -33,6 +55,11 @@ class TorchCommunicator(Communicator):
         self.group = process_group
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
+        self._seq = _SequenceCounter()
+        #: Point-to-point reduce-scatter / all-gather for CPU tensors on gloo (None: builtin).
+        self.exchange = None
+        if "gloo" in str(self.backend) and gloo_exchange.mode_from_env() == "p2p":
+            self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size)
 
     @property
     def device(self) -> torch.device:
@@ -43,10 +70,18 @@ class TorchCommunicator(Communicator):
     def _all_reduce(self, tensor, op):
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
+    def _use_exchange(self, tensor, reduces: bool) -> bool:
+        return (self.exchange is not None and tensor.device.type == "cpu"
+                and (not reduces or tensor.dtype in gloo_exchange.REDUCIBLE_DTYPES))
+
     def _reduce_scatter(self, output, input, op):
+        if self._use_exchange(input, reduces=True):
+            return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
     def _all_gather(self, output, input):
+        if self._use_exchange(input, reduces=False):
+            return self.exchange.all_gather(output, input, seq=self._seq.last)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):

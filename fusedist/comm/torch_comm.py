@@ -46,7 +46,10 @@ class _SequenceCounter:
 class TorchCommunicator(Communicator):
     name = "torch"
 
-    def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None):
+    def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None,
+                 gloo_collectives: Optional[str] = None):
+        """``gloo_collectives``: ``"p2p"`` or ``"builtin"`` reduce-scatter / all-gather for CPU
+        tensors on gloo; None reads ``FUSEDIST_GLOO_COLLECTIVES`` (default p2p)."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "fusedist: torch.distributed is not initialized; call fusedist.init_distributed() "
@@ -58,7 +61,10 @@ class TorchCommunicator(Communicator):
         self._seq = _SequenceCounter()
         #: Point-to-point reduce-scatter / all-gather for CPU tensors on gloo (None: builtin).
         self.exchange = None
-        if "gloo" in str(self.backend) and gloo_exchange.mode_from_env() == "p2p":
+        mode = gloo_exchange.mode_from_env() if gloo_collectives is None else gloo_collectives
+        if mode not in gloo_exchange.MODES:
+            raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
+        if "gloo" in str(self.backend) and mode == "p2p":
             self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size)
 
     @property

@@ -86,7 +86,10 @@ def _exchange_checks(rank, world_size, seed):
             for op in OPS:
                 name = f"reduce_scatter {op} {dtype} m={m}"
                 out = torch.full((m,), 7, dtype=dtype)
-                comm.reduce_scatter(out, inp.clone(), op=op)
+                if m == 3 * per_chunk:  # any contiguous shape: 2-D output and input
+                    comm.reduce_scatter(out.view(3, -1), inp.clone().view(3 * world_size, -1), op=op)
+                else:
+                    comm.reduce_scatter(out, inp.clone(), op=op)
                 check(name + " vs rank-order fold", out, _rank_order_fold(parts, op, world_size))
                 if not (op == "avg" and not dtype.is_floating_point):  # gloo has no integer avg
                     want = torch.empty(m, dtype=dtype)

@@ -11,6 +11,9 @@ no ``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all
 * all-gather: rank r sends its input to every peer and receives each peer's slice straight
   into the output.
 
+Memory: a reduce-scatter in flight holds a landing buffer of (N-1)/N of its input (the
+peers' copies of this rank's slice); gloo's own reduce-scatter allocates similar scratch.
+
 ``FUSEDIST_GLOO_COLLECTIVES=p2p`` (default) uses this exchange for CPU tensors on gloo;
 ``builtin`` keeps gloo's own collectives. Every rank of a group must use the same setting
 (a mix turns into a timeout, not a wrong result).
@@ -183,6 +186,7 @@ class GlooExchange:
         ``output`` may be this rank's own slice of ``input`` (in place); any other overlap
         would overwrite data still being sent and is refused.
         """
+        output, input = output.view(-1), input.view(-1)  # any contiguous shape, flat slices
         n, r, m = self.world_size, self.rank, output.numel()
         rows = input.view(n, m)
         in_place = output.data_ptr() == rows[r].data_ptr() and m > 0
@@ -217,6 +221,7 @@ class GlooExchange:
         ``input`` may be this rank's own slice of ``output`` (in place); any other overlap
         is refused.
         """
+        output, input = output.view(-1), input.view(-1)  # any contiguous shape, flat slices
         n, r, m = self.world_size, self.rank, input.numel()
         rows = output.view(n, m)
         in_place = input.data_ptr() == rows[r].data_ptr() and m > 0

@@ -76,17 +76,19 @@ class TorchCommunicator(Communicator):
     def _all_reduce(self, tensor, op):
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
-    def _use_exchange(self, tensor, reduces: bool) -> bool:
-        return (self.exchange is not None and tensor.device.type == "cpu"
-                and (not reduces or tensor.dtype in gloo_exchange.REDUCIBLE_DTYPES))
+    def _use_exchange(self, output, input, reduces: bool) -> bool:
+        # Anything else (CUDA tensors on a gloo group, dtypes the exchange does not reduce) goes
+        # to torch's collectives, which support it or raise their own error.
+        return (self.exchange is not None and output.device.type == "cpu" and input.device.type == "cpu"
+                and (not reduces or input.dtype in gloo_exchange.REDUCIBLE_DTYPES))
 
     def _reduce_scatter(self, output, input, op):
-        if self._use_exchange(input, reduces=True):
+        if self._use_exchange(output, input, reduces=True):
             return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
     def _all_gather(self, output, input):
-        if self._use_exchange(input, reduces=False):
+        if self._use_exchange(output, input, reduces=False):
             return self.exchange.all_gather(output, input, seq=self._seq.last)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 

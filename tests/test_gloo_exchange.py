@@ -259,3 +259,20 @@ def test_failures_time_out_naming_op_tag_rank():
     assert "ranks [0] reached reduce_scatter [lonely]" in report, report
     assert "rank 1: did not report" in report, report
     assert elapsed < 15
+
+
+def test_landing_pool_reuses_the_smallest_fitting_buffer():
+    from fusedist.comm.gloo_exchange import _LandingPool
+
+    pool = _LandingPool(slots=2)
+    a, b = pool.take(100, torch.float32), pool.take(10, torch.float32)
+    assert a.numel() == 100 and b.numel() == 10
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take(8, torch.float32).data_ptr() == b.data_ptr()  # smallest that fits
+    assert pool.take(8, torch.float64).dtype == torch.float64  # never across dtypes
+    assert pool.take(50, torch.float32).data_ptr() == a.data_ptr()
+    assert pool.take(50, torch.float32).data_ptr() != a.data_ptr()  # a is in use: a new one
+    for n in (1, 2, 3):
+        pool.give_back(torch.empty(n))
+    assert sorted(t.numel() for t in pool._free[torch.float32]) == [2, 3]  # at most 2 kept

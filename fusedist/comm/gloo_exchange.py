@@ -12,7 +12,9 @@ no ``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all
   into the output.
 
 Memory: a reduce-scatter in flight holds a landing buffer of (N-1)/N of its input (the
-peers' copies of this rank's slice); gloo's own reduce-scatter allocates similar scratch.
+peers' copies of this rank's slice). Landing buffers are reused (see :class:`_LandingPool`):
+a fresh multi-MiB CPU allocation is page-faulted in as the messages land, which measured
+~15% of a 4M-element reduce-scatter and ~40% of a 16M-element one.
 
 ``FUSEDIST_GLOO_COLLECTIVES=p2p`` (default) uses this exchange for CPU tensors on gloo;
 ``builtin`` keeps gloo's own collectives. Every rank of a group must use the same setting
@@ -26,8 +28,9 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,6 +112,38 @@ def _remaining(deadline: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
 
 
+class _LandingPool:
+    """Reusable landing buffers for reduce-scatters, per dtype.
+
+    A buffer is taken at launch and given back when the exchange completes (never after a
+    failure: a late message may still be written into it). At most ``slots`` free buffers are
+    kept per dtype, so the pool holds about what the most reduce-scatters ever in flight
+    at once needed (DDP's buckets of one backward), not more.
+    """
+
+    def __init__(self, slots: int = 8):
+        self.slots = slots
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # gradient hooks may launch from autograd's threads
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements; hand it back whole."""
+        with self._lock:
+            free = self._free.get(dtype, [])
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fits:
+                best = min(fits, key=lambda i: free[i].numel())  # the smallest that fits
+                return free.pop(best)
+        return torch.empty(numel, dtype=dtype)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(buffer.dtype, [])
+            free.append(buffer)
+            if len(free) > self.slots:
+                free.remove(min(free, key=torch.Tensor.numel))
+
+
 class ExchangeWork:
     """An in-flight exchange, shaped like a torch ``Work`` for the communicator.
 
@@ -122,8 +157,10 @@ class ExchangeWork:
     completion only through ``wait`` (measured), and the reduction runs inside ``wait``.
     """
 
-    def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor]):
+    def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor],
+                 on_success: Optional[Callable[[], None]] = None):
         self.op = op
+        self._on_success = on_success  # runs once, after every message has completed
         # (recv work, peer group rank, peer global rank, chunk index, completion step or None)
         self._receives = receives
         self._sends = sends  # (send work, peer group rank, peer global rank, chunk index)
@@ -149,6 +186,9 @@ class ExchangeWork:
             self._wait_one(work, "sending", peer, global_peer, chunk, deadline, seconds)
         self._done = True
         self._receives, self._sends, self._keep_alive = [], [], ()
+        if self._on_success is not None:
+            self._on_success()
+            self._on_success = None
         return True
 
     def _wait_one(self, work, what, peer, global_peer, chunk, deadline, seconds) -> None:
@@ -178,6 +218,7 @@ class GlooExchange:
         self.global_ranks = (
             list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size))
         )
+        self._landing = _LandingPool()
 
     # ---- public
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int) -> Optional[ExchangeWork]:
@@ -200,7 +241,8 @@ class GlooExchange:
                 output.copy_(rows[0])
             return None
         # Landing zone for the peers' copies of this rank's slice: row i holds peer (r + 1 + i) % n.
-        landing = torch.empty((n - 1, m), dtype=input.dtype, device=input.device)
+        pooled = self._landing.take((n - 1) * m, input.dtype)
+        landing = pooled[:(n - 1) * m].view(n - 1, m)
         peer_row = {(r + 1 + i) % n: i for i in range(n - 1)}
         receives: list = []
         sends: list = []
@@ -213,7 +255,8 @@ class GlooExchange:
                 recv = self._irecv(landing[peer_row[src], lo:hi], src, tag)
                 receives.append((recv, src, self.global_ranks[src], chunk))
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, in_place)
-        return ExchangeWork("reduce_scatter", ordered, sends, (landing, rows, output))
+        return ExchangeWork("reduce_scatter", ordered, sends, (landing, rows, output),
+                            on_success=functools.partial(self._landing.give_back, pooled))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.

@@ -38,12 +38,12 @@ import torch.distributed as dist
 ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
 MODES = ("p2p", "builtin")
 
-#: Bytes per message. Measured on 2 ranks over loopback (fp32, 1M-16M elements): 1 MiB
-#: messages cost ~10-15% over 4 MiB ones (per-message overhead of the gloo transport and of
-#: the Python-side isend/irecv), 16 MiB ones stop overlapping the reduction of one chunk with
-#: the transfer of the next and need a 16 MiB landing zone before the first add can start.
-#: 4 MiB sits on the flat part of the curve. Module-level so tests can shrink it and drive
-#: many chunks through small tensors.
+#: Bytes per message. Measured with 2 ranks over loopback (fp32 RS+AG of 1M-16M elements,
+#: interleaved with an all-reduce, on a busy 2-core machine, so +-15% noise): 1-2 MiB messages
+#: were 10-20% slower than 4 MiB ones (per-message handshakes of gloo's unbound buffers),
+#: 4 and 8 MiB were within noise of each other, and an unchunked 32 MiB message was slower in
+#: two runs of three (the reduction of one chunk no longer overlaps the transfer of the next).
+#: Module-level so tests can shrink it and drive many chunks through small tensors.
 CHUNK_BYTES = 4 << 20
 
 # Note [exchange tags]
@@ -273,9 +273,9 @@ class GlooExchange:
                 "fusedist all_gather: input overlaps output other than at this rank's own slice "
                 f"(rank {r}); pass a separate input or exactly output[{r}*{m}:{r + 1}*{m}]"
             )
-        if m and not in_place:
-            rows[r].copy_(input)
         if n == 1 or m == 0:
+            if m and not in_place:
+                rows[r].copy_(input)
             return None
         receives: list = []
         sends: list = []
@@ -286,6 +286,8 @@ class GlooExchange:
                 sends.append((self._isend(input[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
                 recv = self._irecv(rows[src, lo:hi], src, tag)
                 receives.append((recv, src, self.global_ranks[src], chunk, None))
+        if not in_place:
+            rows[r].copy_(input)  # after posting the messages: the copy overlaps the transfers
         return ExchangeWork("all_gather", receives, sends, (input, output))
 
     # ---- helpers

@@ -39,11 +39,12 @@ ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
 MODES = ("p2p", "builtin")
 
 #: Bytes per message. Measured with 2 ranks over loopback (fp32 RS+AG of 1M-16M elements,
-#: interleaved with an all-reduce, on a busy 2-core machine, so +-15% noise): 1-2 MiB messages
-#: were 10-20% slower than 4 MiB ones (per-message handshakes of gloo's unbound buffers),
-#: 4 and 8 MiB were within noise of each other, and an unchunked 32 MiB message was slower in
-#: two runs of three (the reduction of one chunk no longer overlaps the transfer of the next).
-#: Module-level so tests can shrink it and drive many chunks through small tensors.
+#: interleaved with an all-reduce, four runs on a busy 2-core machine, so +-15% noise): 1 MiB
+#: messages were the slowest in most runs (a handshake per message in gloo's unbound
+#: buffers); 2, 4 and 8 MiB and a single unchunked message were within noise of each other.
+#: 4 MiB bounds each message without paying for many handshakes, and lets the reduction of
+#: one chunk overlap the transfer of the next. Module-level so tests can shrink it and drive
+#: many chunks through small tensors.
 CHUNK_BYTES = 4 << 20
 
 # Note [exchange tags]

@@ -12,6 +12,7 @@ cross many chunks, with sizes that are and are not multiples of the chunk.
 """
 
 import datetime
+import os
 import random
 import time
 
@@ -136,7 +137,8 @@ def _exchange_checks(rank, world_size, seed):
     for name, got, want in expect:
         check(f"in flight {name}", got, want)
 
-    # A subgroup that leaves out rank 1: messages must use global ranks.
+    # A subgroup that leaves out rank 1 (at world size 3: group rank 1 is global rank 2):
+    # messages must go to global ranks.
     members = [r for r in range(world_size) if r != 1]
     sub = dist.new_group(members)
     if rank in members:
@@ -144,8 +146,7 @@ def _exchange_checks(rank, world_size, seed):
         assert sc.exchange is not None and sc.world_size == len(members)
         me = members.index(rank)
         inp = torch.arange(len(members) * 5, dtype=torch.float64) + 100 * rank
-        out = torch.empty(5)
-        out = out.double()
+        out = torch.empty(5, dtype=torch.float64)
         sc.reduce_scatter(out, inp)
         check("subgroup reduce_scatter", out,
               sum(torch.arange(len(members) * 5, dtype=torch.float64) + 100 * r for r in members)[me * 5:me * 5 + 5])
@@ -159,18 +160,21 @@ def _exchange_checks(rank, world_size, seed):
         other = (rank + 1) % world_size
         with pytest.raises(CollectiveError, match="overlaps input"):
             comm.reduce_scatter(buf[other * 4:other * 4 + 4], buf)
-    # The builtin collectives stay selectable.
-    import os
-
-    os.environ["FUSEDIST_GLOO_COLLECTIVES"] = "builtin"
+    # The builtin collectives stay selectable, by environment or per communicator.
     from fusedist.comm import TorchCommunicator
 
-    builtin = TorchCommunicator()
+    os.environ["FUSEDIST_GLOO_COLLECTIVES"] = "builtin"
+    try:
+        builtin = TorchCommunicator()
+    finally:
+        del os.environ["FUSEDIST_GLOO_COLLECTIVES"]
     assert builtin.exchange is None
+    assert TorchCommunicator(gloo_collectives="builtin").exchange is None
+    with pytest.raises(ValueError, match="gloo_collectives must be one of"):
+        TorchCommunicator(gloo_collectives="ring")
     out = torch.empty(2)
     builtin.reduce_scatter(out, torch.ones(2 * world_size))
     check("builtin reduce_scatter", out, torch.full((2,), float(world_size)))
-    del os.environ["FUSEDIST_GLOO_COLLECTIVES"]
     return failures
 
 

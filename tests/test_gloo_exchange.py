@@ -41,7 +41,7 @@ def _rank_order_fold(parts, op, world_size):
     for p in parts[1:]:
         acc = combine(acc, p)
     if op == "avg":
-        acc = acc / world_size if acc.is_floating_point() else acc.div(world_size, rounding_mode="floor")
+        acc = acc / world_size
     return acc
 
 
@@ -58,7 +58,7 @@ def _builtin_tolerance(dtype, op, world_size):
 def _exchange_checks(rank, world_size, seed):
     import torch.distributed as dist
 
-    from fusedist.comm import CollectiveError, get_communicator, gloo_exchange
+    from fusedist.comm import get_communicator, gloo_exchange
     from fusedist.comm.torch_comm import _all_gather_flat, _reduce_scatter_flat
 
     gloo_exchange.CHUNK_BYTES = CHUNK_BYTES
@@ -85,6 +85,8 @@ def _exchange_checks(rank, world_size, seed):
             _all_gather_flat(everyone, inp)
             parts = [p.view(world_size, m)[rank] for p in everyone.view(world_size, -1)]
             for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue  # refused, as by gloo: checked below
                 name = f"reduce_scatter {op} {dtype} m={m}"
                 out = torch.full((m,), 7, dtype=dtype)
                 if m == 3 * per_chunk:  # any contiguous shape: 2-D output and input
@@ -92,10 +94,9 @@ def _exchange_checks(rank, world_size, seed):
                 else:
                     comm.reduce_scatter(out, inp.clone(), op=op)
                 check(name + " vs rank-order fold", out, _rank_order_fold(parts, op, world_size))
-                if not (op == "avg" and not dtype.is_floating_point):  # gloo has no integer avg
-                    want = torch.empty(m, dtype=dtype)
-                    _reduce_scatter_flat(want, inp.clone(), op=getattr(dist.ReduceOp, op.upper()))
-                    check(name + " vs gloo", out, want, *_builtin_tolerance(dtype, op, world_size))
+                want = torch.empty(m, dtype=dtype)
+                _reduce_scatter_flat(want, inp.clone(), op=getattr(dist.ReduceOp, op.upper()))
+                check(name + " vs gloo", out, want, *_builtin_tolerance(dtype, op, world_size))
                 # In place: the output is this rank's slice of the input.
                 work = inp.clone()
                 comm.reduce_scatter(work[rank * m:(rank + 1) * m], work, op=op)
@@ -154,12 +155,20 @@ def _exchange_checks(rank, world_size, seed):
         sc.all_gather(gathered, torch.full((2,), float(rank)))
         check("subgroup all_gather", gathered, torch.tensor([float(r) for r in members]).repeat_interleave(2))
 
-    # Misuse: an output that overlaps someone else's slice of the input.
+    # Misuse, refused before anything is sent: an output overlapping another rank's slice of
+    # the input (or an input overlapping another rank's slice of the output), integer avg.
     if world_size > 1:
         buf = torch.zeros(world_size * 4)
         other = (rank + 1) % world_size
-        with pytest.raises(CollectiveError, match="overlaps input"):
+        with pytest.raises(ValueError, match=rf"output overlaps input other than at this rank's own slice \(rank {rank}\)"):
             comm.reduce_scatter(buf[other * 4:other * 4 + 4], buf)
+        with pytest.raises(ValueError, match="input overlaps output"):
+            comm.all_gather(buf, buf[1:5])  # misaligned: never exactly this rank's slice
+    with pytest.raises(ValueError, match="op='avg' needs a floating-point tensor, got torch.int32"):
+        comm.reduce_scatter(torch.empty(2, dtype=torch.int32), torch.ones(2 * world_size, dtype=torch.int32), op="avg")
+    out = torch.empty(3)
+    comm.reduce_scatter(out, torch.ones(3 * world_size))  # still in step after refusals
+    check("after refusals", out, torch.full((3,), float(world_size)))
     # The builtin collectives stay selectable, by environment or per communicator.
     from fusedist.comm import TorchCommunicator
 

@@ -1,10 +1,12 @@
 """Reduce-scatter and all-gather on a gloo process group, built from point-to-point messages.
 
 Why: gloo's flat ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` are much slower than
-its all-reduce (a reduce-scatter alone takes about twice an all-reduce of the whole tensor),
-so ZeRO's reduce-scatter + all-gather of Ψ cost 2-5x one all-reduce of Ψ, although both
-move the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and chunk,
-no ``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce:
+its all-reduce (a reduce-scatter alone takes 1.5-2x an all-reduce of the whole tensor), so
+ZeRO's reduce-scatter + all-gather of Ψ cost 2-5x one all-reduce of Ψ, although both move
+the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and chunk, no
+``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.8-1.4x
+on 2 ranks, 1M-16M fp32 elements, measured on a busy 2-core machine; benchmarks/bench_zero.py
+times both implementations in the same run):
 
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;
@@ -13,8 +15,13 @@ no ``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all
 
 Memory: a reduce-scatter in flight holds a landing buffer of (N-1)/N of its input (the
 peers' copies of this rank's slice). Landing buffers are reused (see :class:`_LandingPool`):
-a fresh multi-MiB CPU allocation is page-faulted in as the messages land, which measured
-~15% of a 4M-element reduce-scatter and ~40% of a 16M-element one.
+a fresh multi-MiB CPU allocation is page-faulted in as the messages land, which cost ~15% of
+a 4M-element reduce-scatter and ~40% of a 16M-element one in the run that measured it.
+
+Supported: ops sum, avg, max, min on float32/64, bfloat16, float16 and integer tensors (avg
+only on floating-point ones, as gloo); any dtype for all-gather. In place works as with torch:
+a reduce-scatter output may be this rank's slice of the input, an all-gather input this
+rank's slice of the output.
 
 ``FUSEDIST_GLOO_COLLECTIVES=p2p`` (default) uses this exchange for CPU tensors on gloo;
 ``builtin`` keeps gloo's own collectives. Every rank of a group must use the same setting
@@ -72,9 +79,8 @@ _KINDS = {"reduce_scatter": 0, "all_gather": 1}
 # The reduce-scatter combines the contributions of ranks 0, 1, ..., N-1 in that order for
 # every chunk, whatever order they arrive in, so every run computes bit-identical results.
 # Like gloo, it accumulates in the tensor's dtype (bf16 + bf16 rounds to bf16 after each add):
-# for N > 2 the result can differ from gloo's own reduce-scatter in the last bits of half
-# precision types, as gloo's order is not rank order. avg is the sum divided by N in the
-# dtype (integer dtypes: floor division, as torch's integer ``div_(..., rounding_mode="floor")``).
+# for N > 2 floating-point results can differ from gloo's own reduce-scatter in the last bits,
+# as gloo's order is not rank order. avg is the sum divided by N, in the dtype.
 
 #: dtypes the exchange reduces; others go to gloo's builtin collectives.
 REDUCIBLE_DTYPES = (
@@ -89,6 +95,29 @@ def mode_from_env() -> str:
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR} must be one of {MODES}, got {os.environ.get(ENV_VAR)!r}")
     return mode
+
+
+def validate(kind: str, output: torch.Tensor, input: torch.Tensor, op: Optional[str], rank: int,
+             world_size: int) -> None:
+    """Raise ``ValueError`` for what the exchange cannot do: integer avg, and an output that
+    overlaps the input anywhere but at this rank's own slice (it would overwrite data still
+    being sent). Shapes are the communicator's to check; mismatched ones pass through."""
+    whole, part = (input, output) if kind == "reduce_scatter" else (output, input)
+    if op == "avg" and not input.is_floating_point():
+        raise ValueError(
+            f"fusedist {kind}: op='avg' needs a floating-point tensor, got {input.dtype} (as with "
+            "gloo); reduce with 'sum' and divide, or convert to a floating-point dtype"
+        )
+    m = part.numel()
+    if m == 0 or whole.numel() != m * world_size or not _overlaps(whole, part):
+        return
+    if part.data_ptr() != whole.data_ptr() + rank * m * whole.element_size():
+        name = "output" if kind == "reduce_scatter" else "input"
+        other = "input" if kind == "reduce_scatter" else "output"
+        raise ValueError(
+            f"fusedist {kind}: {name} overlaps {other} other than at this rank's own slice (rank "
+            f"{rank}); pass a separate {name}, or exactly {other}.view(-1)[{rank * m}:{(rank + 1) * m}]"
+        )
 
 
 def _tag(kind: str, seq: int, chunk: int) -> int:
@@ -225,18 +254,13 @@ class GlooExchange:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int) -> Optional[ExchangeWork]:
         """Start ``output = reduce(input[r-th slice] over ranks)``; None when already done.
 
-        ``output`` may be this rank's own slice of ``input`` (in place); any other overlap
-        would overwrite data still being sent and is refused.
+        ``output`` may be this rank's own slice of ``input`` (in place); see :func:`validate`.
         """
+        validate("reduce_scatter", output, input, op, self.rank, self.world_size)
         output, input = output.view(-1), input.view(-1)  # any contiguous shape, flat slices
         n, r, m = self.world_size, self.rank, output.numel()
         rows = input.view(n, m)
-        in_place = output.data_ptr() == rows[r].data_ptr() and m > 0
-        if not in_place and _overlaps(output, input):
-            raise ValueError(
-                "fusedist reduce_scatter: output overlaps input other than at this rank's own "
-                f"slice (rank {r}); pass a separate output or exactly input[{r}*{m}:{r + 1}*{m}]"
-            )
+        in_place = m > 0 and output.data_ptr() == rows[r].data_ptr()
         if n == 1 or m == 0:
             if m and not in_place:
                 output.copy_(rows[0])
@@ -262,18 +286,13 @@ class GlooExchange:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
 
-        ``input`` may be this rank's own slice of ``output`` (in place); any other overlap
-        is refused.
+        ``input`` may be this rank's own slice of ``output`` (in place); see :func:`validate`.
         """
+        validate("all_gather", output, input, None, self.rank, self.world_size)
         output, input = output.view(-1), input.view(-1)  # any contiguous shape, flat slices
         n, r, m = self.world_size, self.rank, input.numel()
         rows = output.view(n, m)
-        in_place = input.data_ptr() == rows[r].data_ptr() and m > 0
-        if not in_place and _overlaps(output, input):
-            raise ValueError(
-                "fusedist all_gather: input overlaps output other than at this rank's own slice "
-                f"(rank {r}); pass a separate input or exactly output[{r}*{m}:{r + 1}*{m}]"
-            )
+        in_place = m > 0 and input.data_ptr() == rows[r].data_ptr()
         if n == 1 or m == 0:
             if m and not in_place:
                 rows[r].copy_(input)
@@ -371,7 +390,4 @@ _COMBINE = {"sum": _sum, "avg": _sum, "max": _max, "min": _min}
 
 
 def _divide(out: torch.Tensor, n: int) -> None:
-    if out.is_floating_point():
-        out.div_(n)
-    else:
-        out.div_(n, rounding_mode="floor")
+    out.div_(n)  # floating point only: validate() refuses integer avg

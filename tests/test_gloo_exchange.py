@@ -289,3 +289,9 @@ def test_landing_pool_reuses_the_smallest_fitting_buffer():
     for n in (1, 2, 3):
         pool.give_back(torch.empty(n))
     assert sorted(t.numel() for t in pool._free[torch.float32]) == [2, 3]  # at most 2 kept
+    small = _LandingPool(slots=4, max_bytes=40)
+    for n in (4, 5, 6):
+        small.give_back(torch.empty(n))  # 16, 20, 24 bytes
+    assert sorted(t.numel() for t in small._free[torch.float32]) == [6]  # 40 bytes at most
+    small.give_back(torch.empty(11))  # 44 bytes: larger than the whole budget, not kept
+    assert small.idle_bytes() == 0

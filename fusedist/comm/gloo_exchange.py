@@ -103,6 +103,8 @@ def validate(kind: str, output: torch.Tensor, input: torch.Tensor, op: Optional[
     overlaps the input anywhere but at this rank's own slice (it would overwrite data still
     being sent). Shapes are the communicator's to check; mismatched ones pass through."""
     whole, part = (input, output) if kind == "reduce_scatter" else (output, input)
+    if not (whole.is_contiguous() and part.is_contiguous()):
+        return  # the communicator's check names that problem
     if op == "avg" and not input.is_floating_point():
         raise ValueError(
             f"fusedist {kind}: op='avg' needs a floating-point tensor, got {input.dtype} (as with "
@@ -146,13 +148,14 @@ class _LandingPool:
     """Reusable landing buffers for reduce-scatters, per dtype.
 
     A buffer is taken at launch and given back when the exchange completes (never after a
-    failure: a late message may still be written into it). At most ``slots`` free buffers are
-    kept per dtype, so the pool holds about what the most reduce-scatters ever in flight
-    at once needed (DDP's buckets of one backward), not more.
+    failure: a late message may still be written into it). Idle buffers are bounded: at most
+    ``slots`` per dtype and ``max_bytes`` in all (the smallest go first), so between steps
+    the pool holds at most what the reduce-scatters of one backward had in flight at once,
+    and never more than ``max_bytes`` -- ZeRO shards gradients to save memory.
     """
 
-    def __init__(self, slots: int = 8):
-        self.slots = slots
+    def __init__(self, slots: int = 16, max_bytes: int = 256 << 20):
+        self.slots, self.max_bytes = slots, max_bytes
         self._free: dict[torch.dtype, list[torch.Tensor]] = {}
         self._lock = threading.Lock()  # gradient hooks may launch from autograd's threads
 
@@ -170,8 +173,11 @@ class _LandingPool:
         with self._lock:
             free = self._free.setdefault(buffer.dtype, [])
             free.append(buffer)
-            if len(free) > self.slots:
+            while free and (len(free) > self.slots or self.idle_bytes() > self.max_bytes):
                 free.remove(min(free, key=torch.Tensor.numel))
+
+    def idle_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
 
 
 class ExchangeWork:

@@ -186,8 +186,9 @@ class ExchangeWork:
     ``wait(timeout)`` waits for the receives in a fixed order, running each one's completion
     step (the reduction of a chunk) as it lands, then for the sends, so that afterwards the
     output is final and the input may be reused. It raises ``RuntimeError`` naming the peer
-    and chunk it was waiting for on failure or timeout; after a failure the process group's
-    connections to that peer are closed by gloo, so the work is not retried.
+    and chunk it was waiting for on failure or timeout. A failed exchange is not retried (the
+    communicator keeps its error; gloo closes its connection to a peer whose wait timed out),
+    and its landing buffer is not reused: a late message may still land in it.
 
     ``is_completed()`` is True once ``wait`` has finished: gloo's point-to-point works report
     completion only through ``wait`` (measured), and the reduction runs inside ``wait``.

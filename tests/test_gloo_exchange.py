@@ -61,11 +61,27 @@ def _exchange_checks(rank, world_size, seed):
     from fusedist.comm import get_communicator, gloo_exchange
     from fusedist.comm.torch_comm import _all_gather_flat, _reduce_scatter_flat
 
-    gloo_exchange.CHUNK_BYTES = CHUNK_BYTES
     comm = get_communicator()
     assert comm.exchange is not None, "gloo CPU tensors must use the exchange by default"
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     failures = []
+
+    # The production chunk size: one full chunk and a partial one per slice (~4 MiB messages).
+    m = gloo_exchange.CHUNK_BYTES // 4 + 1000
+    inp = torch.randn(world_size * m, generator=gen)
+    everyone = torch.empty(world_size * world_size * m)
+    _all_gather_flat(everyone, inp)
+    parts = [p.view(world_size, m)[rank] for p in everyone.view(world_size, -1)]
+    big = torch.empty(m)
+    comm.reduce_scatter(big, inp)
+    if not torch.equal(big, _rank_order_fold(parts, "sum", world_size)):
+        failures.append("reduce_scatter at the default chunk size differs from the rank-order sum")
+    gathered = torch.empty(world_size * m)
+    comm.all_gather(gathered, inp[:m])
+    if not torch.equal(gathered, torch.cat([p.view(world_size, m)[0] for p in everyone.view(world_size, -1)])):
+        failures.append("all_gather at the default chunk size differs from the concatenation")
+
+    gloo_exchange.CHUNK_BYTES = CHUNK_BYTES
 
     def check(name, got, want, atol=0.0, rtol=0.0):
         if got.dtype != want.dtype or got.shape != want.shape:

@@ -4,7 +4,9 @@ Part 1 -- collectives for the same Ψ elements (fp32): one all-reduce (what DDP 
 unsharded optimizer moves) against a reduce-scatter of Ψ followed by an all-gather of Ψ
 (what ZeRO stage 2 moves: gradients reduce-scattered in backward, parameters all-gathered
 after the step). Both move 2Ψ(N-1)/N elements per rank on a ring; the target is RS+AG
-within 1.1x of AR. Ratio > 1 means RS+AG is slower.
+within 1.1x of AR. Ratio > 1 means RS+AG is slower. On gloo, RS+AG is timed twice in the
+same run: through fusedist's point-to-point exchange (the communicator's default) and
+through gloo's builtin collectives.
 
 Part 2 -- a training iteration (forward + backward + step) of an MLP:
   ddp+adamw   fusedist DDP, torch.optim.AdamW(fused=True) on full parameters
@@ -24,7 +26,7 @@ Every rank runs the same loop; timings are rank 0's, each repetition after a bar
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only]
 """
 
 from __future__ import annotations
@@ -62,35 +64,60 @@ def _time(fn, device, comm, warmup, repeats):
     return statistics.median(samples), q[1], q[7]
 
 
+def _time_interleaved(fns, device, comm, warmup, repeats):
+    """Median and p20/p80 of each of ``fns``, timed in turn within every repetition, so a
+    shared machine's load drifts alike for all of them and their ratios stay fair."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            comm.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, s in samples.items():
+        q = statistics.quantiles(s, n=10) if len(s) > 1 else s * 9
+        out[name] = (statistics.median(s), q[1], q[7])
+    return out
+
+
 def _collectives(rank, world_size, device, sizes, repeats):
-    from fusedist.comm import get_communicator
+    """One all-reduce of Ψ against RS + AG of Ψ, for every reduce-scatter / all-gather
+    implementation this backend has: on gloo, fusedist's point-to-point exchange (what the
+    communicator uses) and gloo's builtin collectives; on NCCL, the communicator's."""
+    from fusedist.comm import TorchCommunicator, get_communicator
 
     comm = get_communicator(None, device)
+    impls = {"nccl" if device.type == "cuda" else "p2p exchange": comm}
+    if device.type == "cpu":
+        impls["gloo builtin"] = TorchCommunicator(gloo_collectives="builtin")
     rows = []
     for numel in sizes:
         numel = numel // (world_size * 16) * (world_size * 16)
         full = torch.randn(numel, device=device)
         shard = torch.empty(numel // world_size, device=device)
-
-        def all_reduce():
-            comm.all_reduce(full)
-
-        def rs_ag():
-            comm.reduce_scatter(shard, full)
-            comm.all_gather(full, shard)
-
-        ar = _time(all_reduce, device, comm, 2, repeats)
-        rsag = _time(rs_ag, device, comm, 2, repeats)
-        rs = _time(lambda: comm.reduce_scatter(shard, full), device, comm, 2, repeats)
-        ag = _time(lambda: comm.all_gather(full, shard), device, comm, 2, repeats)
+        fns = {"ar": lambda: comm.all_reduce(full)}
+        for impl, c in impls.items():
+            fns[f"rsag {impl}"] = lambda c=c: (c.reduce_scatter(shard, full), c.all_gather(full, shard))
+            fns[f"rs {impl}"] = lambda c=c: c.reduce_scatter(shard, full)
+            fns[f"ag {impl}"] = lambda c=c: c.all_gather(full, shard)
+        t = _time_interleaved(fns, device, comm, 2, repeats)
+        ar = t["ar"]
         busbytes = 2 * numel * 4 * (world_size - 1) / world_size
-        rows.append({
-            "part": "collectives", "config": f"{numel / 1e6:.1f}M fp32",
-            "baseline_ms": ar[0], "zero_ms": rsag[0], "ratio_zero/baseline": rsag[0] / ar[0],
-            "baseline_busbw_GBs": busbytes / ar[0] / 1e6, "zero_busbw_GBs": busbytes / rsag[0] / 1e6,
-            "baseline_p20_p80": f"{ar[1]:.2f}-{ar[2]:.2f}", "zero_p20_p80": f"{rsag[1]:.2f}-{rsag[2]:.2f}",
-            "reduce_scatter_ms": rs[0], "all_gather_ms": ag[0],
-        })
+        for impl in impls:
+            rsag = t[f"rsag {impl}"]
+            rows.append({
+                "part": "collectives", "config": f"{numel / 1e6:.1f}M fp32, RS+AG by {impl}",
+                "baseline_ms": ar[0], "zero_ms": rsag[0], "ratio_zero/baseline": rsag[0] / ar[0],
+                "baseline_busbw_GBs": busbytes / ar[0] / 1e6, "zero_busbw_GBs": busbytes / rsag[0] / 1e6,
+                "baseline_p20_p80": f"{ar[1]:.2f}-{ar[2]:.2f}", "zero_p20_p80": f"{rsag[1]:.2f}-{rsag[2]:.2f}",
+                "reduce_scatter_ms": t[f"rs {impl}"][0], "all_gather_ms": t[f"ag {impl}"][0],
+            })
     return rows
 
 
@@ -164,7 +191,7 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     return rows
 
 
-def _worker(rank, world_size, device_type, quick, collectives=True):
+def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True):
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -176,7 +203,8 @@ def _worker(rank, world_size, device_type, quick, collectives=True):
         model_cfg = dict(d=512, layers=8, batch=64)
     repeats = 5 if quick else 15
     rows = _collectives(rank, world_size, device, sizes, repeats) if collectives else []
-    rows += _training(rank, world_size, device, repeats=repeats, **model_cfg)
+    if iterations:
+        rows += _training(rank, world_size, device, repeats=repeats, **model_cfg)
     return rows
 
 
@@ -185,7 +213,9 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--iterations-only", action="store_true", help="skip the collectives part")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--iterations-only", action="store_true", help="skip the collectives part")
+    only.add_argument("--collectives-only", action="store_true", help="skip the training iterations")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         sys.exit(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
@@ -195,6 +225,7 @@ def main():
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = max(1, (os.cpu_count() or 2) // args.world_size)
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
+                               not args.collectives_only,
                                backend=backend,
                                timeout=1800, pg_timeout=600, threads=threads)
     rows = per_rank[0]
@@ -205,11 +236,14 @@ def main():
                load_avg_1min=round(os.getloadavg()[0], 1))  # a shared machine: say how busy it was
     notes = (
         "Collectives: baseline = one all-reduce of Ψ; zero = reduce-scatter of Ψ + all-gather of Ψ "
-        "(same bytes on a ring). Iteration: forward + backward + optimizer step, rank 0's median; "
+        "(same bytes on a ring), timed interleaved with the all-reduce in every repetition. On gloo "
+        "two rows per size: 'p2p exchange' is what fusedist's communicator uses (point-to-point "
+        "messages, fusedist/comm/gloo_exchange.py), 'gloo builtin' is torch's reduce_scatter / "
+        "all_gather on gloo (FUSEDIST_GLOO_COLLECTIVES=builtin), slower than gloo's all-reduce for the "
+        "same bytes (see the reduce_scatter_ms / all_gather_ms columns). Target: RS+AG within 1.1x of AR. "
+        "Iteration: forward + backward + optimizer step, rank 0's median; "
         "state = master weights + optimizer state bytes held by one rank. Ratio > 1: ZeRO slower. "
-        "On gloo the flat reduce-scatter and all-gather are implemented less efficiently than its "
-        "all-reduce (see the reduce_scatter_ms / all_gather_ms columns), so RS+AG exceeds AR there; "
-        "the 1.1x target is for NCCL (run with --device cuda on a GPU machine). Offload rows: "
+        "Offload rows: "
         "zero_host_MB / zero_device_MB split the rank's optimizer memory (host: masters, AdamW state, "
         "gradient and parameter staging; device: the gradient shard); on CPU both are host RAM, so "
         "the time ratio there is the cost of the offload pipeline (extra copies, per-bucket calls). "
@@ -219,7 +253,8 @@ def main():
         "the bucket size). The peak drops only where collectives complete while backward still "
         "runs (buckets_finished_in_backward > 0; Note [finishing buckets during backward])."
     )
-    name = f"zero_{args.device}_ws{args.world_size}" + ("_iterations" if args.iterations_only else "")
+    suffix = "_iterations" if args.iterations_only else "_collectives" if args.collectives_only else ""
+    name = f"zero_{args.device}_ws{args.world_size}" + suffix
     md, csv = write_results(name, rows, notes, env)
     for r in rows:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})

@@ -1,13 +1,19 @@
-"""Communicator implemented on ``torch.distributed`` (gloo on CPU, torch's NCCL on GPU)."""
+"""Communicator implemented on ``torch.distributed`` (gloo on CPU, torch's NCCL on GPU).
+
+On gloo, reduce-scatter and all-gather of CPU tensors go through the point-to-point exchange
+of :mod:`.gloo_exchange` (``FUSEDIST_GLOO_COLLECTIVES=builtin`` keeps gloo's own).
+"""
 
 from __future__ import annotations
 
 import datetime
+import itertools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from . import gloo_exchange
 from .base import Communicator
 
 _OPS = {
@@ -21,10 +27,29 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _SequenceCounter:
+    """``itertools.count`` that remembers the number it handed out last: the exchange derives
+    its message tags from the sequence number of the collective being launched."""
+
+    def __init__(self):
+        self._count = itertools.count()
+        self.last = -1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        self.last = next(self._count)
+        return self.last
+
+
 class TorchCommunicator(Communicator):
     name = "torch"
 
-    def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None):
+    def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None,
+                 gloo_collectives: Optional[str] = None):
+        """``gloo_collectives``: ``"p2p"`` or ``"builtin"`` reduce-scatter / all-gather for CPU
+        tensors on gloo; None reads ``FUSEDIST_GLOO_COLLECTIVES`` (default p2p)."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "fusedist: torch.distributed is not initialized; call fusedist.init_distributed() "
@@ -33,6 +58,14 @@ class TorchCommunicator(Communicator):
         self.group = process_group
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
+        self._seq = _SequenceCounter()
+        #: Point-to-point reduce-scatter / all-gather for CPU tensors on gloo (None: builtin).
+        self.exchange = None
+        mode = gloo_exchange.mode_from_env() if gloo_collectives is None else gloo_collectives
+        if mode not in gloo_exchange.MODES:
+            raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
+        if "gloo" in str(self.backend) and mode == "p2p":
+            self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size)
 
     @property
     def device(self) -> torch.device:
@@ -43,12 +76,35 @@ class TorchCommunicator(Communicator):
     def _all_reduce(self, tensor, op):
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
+    def _use_exchange(self, output, input, reduces: bool) -> bool:
+        # Anything else (CUDA tensors on a gloo group, dtypes the exchange does not reduce) goes
+        # to torch's collectives, which support it or raise their own error.
+        return (self.exchange is not None and output.device.type == "cpu" and input.device.type == "cpu"
+                and (not reduces or input.dtype in gloo_exchange.REDUCIBLE_DTYPES))
+
+    # Checked before launching, so misuse is a ValueError like the base class's shape checks
+    # (a launch failure would be reported as a failed collective).
+    def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = ""):
+        if self._use_exchange(output, input, reduces=True):
+            gloo_exchange.validate("reduce_scatter", output, input, op, self.rank, self.world_size)
+        return super().reduce_scatter(output, input, op=op, async_op=async_op, tag=tag)
+
+    def all_gather(self, output, input, *, async_op: bool = False, tag: str = ""):
+        if self._use_exchange(output, input, reduces=False):
+            gloo_exchange.validate("all_gather", output, input, None, self.rank, self.world_size)
+        return super().all_gather(output, input, async_op=async_op, tag=tag)
+
     def _reduce_scatter(self, output, input, op):
-        if self.backend == "gloo":
+        if self._use_exchange(output, input, reduces=True):
+            return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last)
+        if "gloo" in str(self.backend) and output.device.type == "cpu":
+            # FUSEDIST_GLOO_COLLECTIVES=builtin (or a dtype the exchange does not reduce)
             return _GlooReduceScatter(output, input, _OPS[op], self.group, self.rank, self.world_size)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
     def _all_gather(self, output, input):
+        if self._use_exchange(output, input, reduces=False):
+            return self.exchange.all_gather(output, input, seq=self._seq.last)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):

@@ -1,0 +1,313 @@
+"""The point-to-point reduce-scatter / all-gather on gloo against torch's builtin collectives.
+
+Oracles, on fresh random inputs (the seed is drawn per run and printed on failure):
+* the same rank-order fold computed locally from every rank's input (gathered with gloo's
+  builtin all-gather): must match bit for bit, on every rank (Note [exchange determinism]);
+* torch's builtin ``reduce_scatter_tensor`` / ``all_gather_into_tensor``: all-gather exactly,
+  reduce-scatter exactly for integers, max/min and two ranks (a + b is commutative), within a
+  few ulps of the dtype otherwise (gloo sums three or more ranks in another order).
+
+The chunk size is shrunk to 64 bytes inside the workers, so tensors of a few dozen elements
+cross many chunks, with sizes that are and are not multiples of the chunk.
+"""
+
+import datetime
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from fusedist.testing import run_distributed
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
+OPS = ("sum", "avg", "max", "min")
+CHUNK_BYTES = 64
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
+
+
+def _random(shape_numel, dtype, gen):
+    if dtype.is_floating_point:
+        return torch.randn(shape_numel, generator=gen, dtype=torch.float64).to(dtype)
+    high = 50 if dtype == torch.uint8 else 1000  # uint8 sums of 3 ranks stay below 256
+    return torch.randint(0, high, (shape_numel,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def _rank_order_fold(parts, op, world_size):
+    """The exchange's documented arithmetic: ((c_0 op c_1) op c_2) ..., in the dtype."""
+    combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = combine(acc, p)
+    if op == "avg":
+        acc = acc / world_size
+    return acc
+
+
+def _builtin_tolerance(dtype, op, world_size):
+    """Tolerance against gloo's own reduce-scatter (atol, rtol)."""
+    if not dtype.is_floating_point or op in ("max", "min") or world_size <= 2:
+        return 0.0, 0.0  # exact: integer arithmetic, selection, or a commutative a + b
+    # Three standard-normal summands, each add rounded in the dtype, in another order: a few
+    # ulps of the largest partial sum (|sum| <~ 6).
+    eps = torch.finfo(dtype).eps
+    return 8 * eps * 6, 4 * eps
+
+
+def _exchange_checks(rank, world_size, seed):
+    import torch.distributed as dist
+
+    from fusedist.comm import get_communicator, gloo_exchange
+    from fusedist.comm.torch_comm import _all_gather_flat, _reduce_scatter_flat
+
+    comm = get_communicator()
+    assert comm.exchange is not None, "gloo CPU tensors must use the exchange by default"
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    failures = []
+
+    # The production chunk size: one full chunk and a partial one per slice (~4 MiB messages).
+    m = gloo_exchange.CHUNK_BYTES // 4 + 1000
+    inp = torch.randn(world_size * m, generator=gen)
+    everyone = torch.empty(world_size * world_size * m)
+    _all_gather_flat(everyone, inp)
+    parts = [p.view(world_size, m)[rank] for p in everyone.view(world_size, -1)]
+    big = torch.empty(m)
+    comm.reduce_scatter(big, inp)
+    if not torch.equal(big, _rank_order_fold(parts, "sum", world_size)):
+        failures.append("reduce_scatter at the default chunk size differs from the rank-order sum")
+    gathered = torch.empty(world_size * m)
+    comm.all_gather(gathered, inp[:m])
+    if not torch.equal(gathered, torch.cat([p.view(world_size, m)[0] for p in everyone.view(world_size, -1)])):
+        failures.append("all_gather at the default chunk size differs from the concatenation")
+
+    gloo_exchange.CHUNK_BYTES = CHUNK_BYTES
+
+    def check(name, got, want, atol=0.0, rtol=0.0):
+        if got.dtype != want.dtype or got.shape != want.shape:
+            failures.append(f"{name}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}")
+        elif atol == 0 and rtol == 0:
+            if not torch.equal(got, want):
+                failures.append(f"{name}: not bit-identical, max diff {(got.double() - want.double()).abs().max()}")
+        elif not torch.allclose(got.double(), want.double(), atol=atol, rtol=rtol):
+            failures.append(f"{name}: max diff {(got.double() - want.double()).abs().max()} > atol {atol}")
+
+    for dtype in DTYPES:
+        per_chunk = max(1, CHUNK_BYTES // torch.empty((), dtype=dtype).element_size())
+        # Slices of 1 element, exactly 3 chunks, and 3 chunks + a remainder; and empty.
+        for m in (1, 3 * per_chunk, 3 * per_chunk + 5, 0):
+            inp = _random(world_size * m, dtype, gen)
+            everyone = torch.empty(world_size * world_size * m, dtype=dtype)
+            _all_gather_flat(everyone, inp)
+            parts = [p.view(world_size, m)[rank] for p in everyone.view(world_size, -1)]
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue  # refused, as by gloo: checked below
+                name = f"reduce_scatter {op} {dtype} m={m}"
+                out = torch.full((m,), 7, dtype=dtype)
+                if m == 3 * per_chunk:  # any contiguous shape: 2-D output and input
+                    comm.reduce_scatter(out.view(3, -1), inp.clone().view(3 * world_size, -1), op=op)
+                else:
+                    comm.reduce_scatter(out, inp.clone(), op=op)
+                check(name + " vs rank-order fold", out, _rank_order_fold(parts, op, world_size))
+                want = torch.empty(m, dtype=dtype)
+                _reduce_scatter_flat(want, inp.clone(), op=getattr(dist.ReduceOp, op.upper()))
+                check(name + " vs gloo", out, want, *_builtin_tolerance(dtype, op, world_size))
+                # In place: the output is this rank's slice of the input.
+                work = inp.clone()
+                comm.reduce_scatter(work[rank * m:(rank + 1) * m], work, op=op)
+                check(name + " in place", work[rank * m:(rank + 1) * m], out)
+            # all_gather, out of place and in place: a concatenation, exact.
+            shard = _random(m, dtype, gen)
+            gathered = torch.empty(world_size * m, dtype=dtype)
+            comm.all_gather(gathered, shard)
+            want = torch.empty(world_size * m, dtype=dtype)
+            _all_gather_flat(want, shard)
+            check(f"all_gather {dtype} m={m}", gathered, want)
+            buf = torch.zeros(world_size * m, dtype=dtype)
+            buf[rank * m:(rank + 1) * m] = shard
+            comm.all_gather(buf, buf[rank * m:(rank + 1) * m])
+            check(f"all_gather in place {dtype} m={m}", buf, want)
+
+    # Several collectives in flight at once, interleaved with all_reduce, waited in reverse
+    # order: integer-valued floats, so every result is exact.
+    m = 3 * (CHUNK_BYTES // 4) + 2
+    handles, expect = [], []
+    for i in range(4):
+        rs_in = torch.arange(world_size * m, dtype=torch.float32) * (rank + 1) + i
+        rs_out = torch.empty(m)
+        handles.append(comm.reduce_scatter(rs_out, rs_in, async_op=True, tag=f"rs {i}"))
+        total = sum(r + 1 for r in range(world_size))
+        expect.append((f"rs {i}", rs_out, ((torch.arange(m) + rank * m) * total + i * world_size).float()))
+        ar = torch.full((m,), float(rank + i))
+        handles.append(comm.all_reduce(ar, async_op=True, tag=f"ar {i}"))
+        expect.append((f"ar {i}", ar, torch.full((m,), float(sum(range(world_size)) + world_size * i))))
+        ag_out = torch.empty(world_size * m)
+        handles.append(comm.all_gather(ag_out, torch.full((m,), float(10 * rank + i)), async_op=True, tag=f"ag {i}"))
+        expect.append((f"ag {i}", ag_out,
+                       torch.tensor([float(10 * r + i) for r in range(world_size)]).repeat_interleave(m)))
+    if world_size > 1:
+        assert not handles[0].is_completed()  # the exchange completes inside wait()
+    for h in reversed(handles):
+        h.wait()
+    assert all(h.is_completed() for h in handles)
+    for name, got, want in expect:
+        check(f"in flight {name}", got, want)
+
+    # A subgroup that leaves out rank 1 (at world size 3: group rank 1 is global rank 2):
+    # messages must go to global ranks.
+    members = [r for r in range(world_size) if r != 1]
+    sub = dist.new_group(members)
+    if rank in members:
+        sc = get_communicator(sub)
+        assert sc.exchange is not None and sc.world_size == len(members)
+        me = members.index(rank)
+        inp = torch.arange(len(members) * 5, dtype=torch.float64) + 100 * rank
+        out = torch.empty(5, dtype=torch.float64)
+        sc.reduce_scatter(out, inp)
+        check("subgroup reduce_scatter", out,
+              sum(torch.arange(len(members) * 5, dtype=torch.float64) + 100 * r for r in members)[me * 5:me * 5 + 5])
+        gathered = torch.empty(len(members) * 2)
+        sc.all_gather(gathered, torch.full((2,), float(rank)))
+        check("subgroup all_gather", gathered, torch.tensor([float(r) for r in members]).repeat_interleave(2))
+
+    # Misuse, refused before anything is sent: an output overlapping another rank's slice of
+    # the input (or an input overlapping another rank's slice of the output), integer avg.
+    if world_size > 1:
+        buf = torch.zeros(world_size * 4)
+        other = (rank + 1) % world_size
+        with pytest.raises(ValueError, match=rf"output overlaps input other than at this rank's own slice \(rank {rank}\)"):
+            comm.reduce_scatter(buf[other * 4:other * 4 + 4], buf)
+        with pytest.raises(ValueError, match="input overlaps output"):
+            comm.all_gather(buf, buf[1:5])  # misaligned: never exactly this rank's slice
+    with pytest.raises(ValueError, match="op='avg' needs a floating-point tensor, got torch.int32"):
+        comm.reduce_scatter(torch.empty(2, dtype=torch.int32), torch.ones(2 * world_size, dtype=torch.int32), op="avg")
+    out = torch.empty(3)
+    comm.reduce_scatter(out, torch.ones(3 * world_size))  # still in step after refusals
+    check("after refusals", out, torch.full((3,), float(world_size)))
+    # The builtin collectives stay selectable, by environment or per communicator.
+    from fusedist.comm import TorchCommunicator
+
+    os.environ["FUSEDIST_GLOO_COLLECTIVES"] = "builtin"
+    try:
+        builtin = TorchCommunicator()
+    finally:
+        del os.environ["FUSEDIST_GLOO_COLLECTIVES"]
+    assert builtin.exchange is None
+    assert TorchCommunicator(gloo_collectives="builtin").exchange is None
+    with pytest.raises(ValueError, match="gloo_collectives must be one of"):
+        TorchCommunicator(gloo_collectives="ring")
+    out = torch.empty(2)
+    builtin.reduce_scatter(out, torch.ones(2 * world_size))
+    check("builtin reduce_scatter", out, torch.full((2,), float(world_size)))
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_exchange_matches_builtin_and_rank_order(world_size):
+    seed = random.randrange(1 << 30)
+    results = run_distributed(_exchange_checks, world_size, seed, timeout=240)
+    for rank, failures in enumerate(results):
+        assert not failures, f"seed {seed}, rank {rank}:\n" + "\n".join(failures)
+
+
+def test_mode_from_env(monkeypatch):
+    from fusedist.comm import gloo_exchange
+
+    monkeypatch.delenv("FUSEDIST_GLOO_COLLECTIVES", raising=False)
+    assert gloo_exchange.mode_from_env() == "p2p"
+    monkeypatch.setenv("FUSEDIST_GLOO_COLLECTIVES", "BUILTIN")
+    assert gloo_exchange.mode_from_env() == "builtin"
+    monkeypatch.setenv("FUSEDIST_GLOO_COLLECTIVES", "ring")
+    with pytest.raises(ValueError, match="FUSEDIST_GLOO_COLLECTIVES must be one of.*'ring'"):
+        gloo_exchange.mode_from_env()
+
+
+def test_tags_stay_in_their_range():
+    from fusedist.comm import gloo_exchange as gx
+
+    tags = {gx._tag(kind, seq, chunk) for kind in ("reduce_scatter", "all_gather")
+            for seq in (0, 1, (1 << gx.SEQ_BITS) - 1) for chunk in (0, 1, (1 << gx.CHUNK_BITS) - 1)}
+    assert len(tags) == 18
+    assert all((1 << 30) <= t < (1 << 31) for t in tags)
+
+
+def _failures(rank, world_size):
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, TorchCommunicator
+    from fusedist.reliability import StallError
+    from fusedist.reliability.monitor import attach_monitor
+
+    out = {}
+    # 1. Ranks out of step: at the same position rank 0 reduce-scatters while rank 1
+    # all-gathers, with messages of the same size. The tags differ in kind: both time out,
+    # neither pairs wrongly.
+    comm = TorchCommunicator(dist.new_group([0, 1]), timeout=datetime.timedelta(seconds=2))
+    comm.all_reduce(torch.ones(1))  # connections up, seq 0 used on both ranks
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            comm.reduce_scatter(torch.empty(4), torch.ones(8), tag="mismatch")
+        else:
+            comm.all_gather(torch.empty(8), torch.ones(4), tag="mismatch")
+        out["mismatch"] = ("completed", time.monotonic() - start)
+    except CollectiveError as exc:
+        out["mismatch"] = (str(exc), time.monotonic() - start)
+
+    # 2. A rank that never joins: rank 0's reduce_scatter times out with a stall report.
+    lonely = TorchCommunicator(dist.new_group([0, 1]))
+    monitor = attach_monitor(lonely)
+    assert monitor is not None
+    lonely.all_reduce(torch.ones(1), tag="warm-up")
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            lonely.reduce_scatter(torch.empty(4), torch.ones(8), tag="lonely")
+            out["lonely"] = ("completed", None, time.monotonic() - start)
+        except StallError as exc:
+            out["lonely"] = (str(exc), exc.report, time.monotonic() - start)
+    else:
+        time.sleep(8)  # alive, but in no collective
+    return out
+
+
+def test_failures_time_out_naming_op_tag_rank():
+    start = time.monotonic()
+    results = run_distributed(_failures, 2, env=FAST_FAILURE, timeout=90)
+    assert time.monotonic() - start < 60
+    for rank, out in enumerate(results):
+        message, elapsed = out["mismatch"]
+        op = "reduce_scatter" if rank == 0 else "all_gather"
+        assert f"{op} (tag 'mismatch'" in message and f"rank {rank} of 2" in message, message
+        assert "did not complete" in message and "rank" in message
+        assert elapsed < 15
+    message, report, elapsed = results[0]["lonely"]
+    assert "reduce_scatter (tag 'lonely'" in message and "rank 0 of 2" in message, message
+    assert "receiving chunk 0 from rank 1" in message
+    assert "ranks [0] reached reduce_scatter [lonely]" in report, report
+    assert "rank 1: did not report" in report, report
+    assert elapsed < 15
+
+
+def test_landing_pool_reuses_the_smallest_fitting_buffer():
+    from fusedist.comm.gloo_exchange import _LandingPool
+
+    pool = _LandingPool(slots=2)
+    a, b = pool.take(100, torch.float32), pool.take(10, torch.float32)
+    assert a.numel() == 100 and b.numel() == 10
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take(8, torch.float32).data_ptr() == b.data_ptr()  # smallest that fits
+    assert pool.take(8, torch.float64).dtype == torch.float64  # never across dtypes
+    assert pool.take(50, torch.float32).data_ptr() == a.data_ptr()
+    assert pool.take(50, torch.float32).data_ptr() != a.data_ptr()  # a is in use: a new one
+    for n in (1, 2, 3):
+        pool.give_back(torch.empty(n))
+    assert sorted(t.numel() for t in pool._free[torch.float32]) == [2, 3]  # at most 2 kept
+    small = _LandingPool(slots=4, max_bytes=40)
+    for n in (4, 5, 6):
+        small.give_back(torch.empty(n))  # 16, 20, 24 bytes
+    assert sorted(t.numel() for t in small._free[torch.float32]) == [6]  # 40 bytes at most
+    small.give_back(torch.empty(11))  # 44 bytes: larger than the whole budget, not kept
+    assert small.idle_bytes() == 0

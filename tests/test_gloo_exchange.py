@@ -146,8 +146,12 @@ def _exchange_checks(rank, world_size, seed):
         handles.append(comm.all_gather(ag_out, torch.full((m,), float(10 * rank + i)), async_op=True, tag=f"ag {i}"))
         expect.append((f"ag {i}", ag_out,
                        torch.tensor([float(10 * r + i) for r in range(world_size)]).repeat_interleave(m)))
-    if world_size > 1:
-        assert not handles[0].is_completed()  # the exchange completes inside wait()
+    # Every collective completes without anyone waiting (the exchanges on their progress
+    # thread, Note [exchange progress]): is_completed() turns True by itself.
+    deadline = time.monotonic() + 60
+    while not all(h.is_completed() for h in handles):
+        assert time.monotonic() < deadline, [h.tag for h in handles if not h.is_completed()]
+        time.sleep(0.01)
     for h in reversed(handles):
         h.wait()
     assert all(h.is_completed() for h in handles)

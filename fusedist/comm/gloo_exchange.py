@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import queue
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -183,62 +184,102 @@ class _LandingPool:
 class ExchangeWork:
     """An in-flight exchange, shaped like a torch ``Work`` for the communicator.
 
-    ``wait(timeout)`` waits for the receives in a fixed order, running each one's completion
-    step (the reduction of a chunk) as it lands, then for the sends, so that afterwards the
-    output is final and the input may be reused. It raises ``RuntimeError`` naming the peer
-    and chunk it was waiting for on failure or timeout. A failed exchange is not retried (the
-    communicator keeps its error; gloo closes its connection to a peer whose wait timed out),
-    and its landing buffer is not reused: a late message may still land in it.
+    Note [exchange progress]
+        gloo's point-to-point works report completion only through ``wait`` (``is_completed``
+        stays False until someone waits; measured), and waiting with a short timeout makes
+        gloo drop the connection, so polling them is not possible. Instead every exchange is
+        driven by its group's *progress thread* (:class:`_ProgressThread`), in launch order:
+        it waits for the receives in a fixed order, runs each one's completion step (the
+        reduction of a chunk) as it lands, then waits for the sends, and sets the work's
+        completion flag. So ``is_completed()`` is a truthful non-blocking query -- DDP finishes
+        buckets during backward when it turns True -- and the reduction runs while the caller
+        computes (torch's kernels release the GIL).
 
-    ``is_completed()`` is True once ``wait`` has finished: gloo's point-to-point works report
-    completion only through ``wait`` (measured), and the reduction runs inside ``wait``.
+    ``wait(timeout)`` waits for that flag. The progress thread's own deadline is the launch
+    time plus the communicator's timeout; on failure or timeout it records a ``RuntimeError``
+    naming the peer and chunk it was waiting for, which ``wait`` raises. A failed exchange is
+    not retried, and its landing buffer is not reused: a late message may still land in it.
     """
 
     def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor],
-                 on_success: Optional[Callable[[], None]] = None):
+                 on_success: Optional[Callable[[], None]] = None, timeout_s: float = 30 * 60.0):
         self.op = op
         self._on_success = on_success  # runs once, after every message has completed
         # (recv work, peer group rank, peer global rank, chunk index, completion step or None)
         self._receives = receives
         self._sends = sends  # (send work, peer group rank, peer global rank, chunk index)
         self._keep_alive = keep_alive  # buffers gloo reads or writes until the work finishes
-        self._next = 0
-        self._done = False
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._finished = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._waiting_for = "not started"  # what the progress thread waits for (for errors)
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._finished.is_set()
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        if self._done:
-            return True
-        seconds = timeout.total_seconds() if timeout is not None else 30 * 60.0
-        deadline = time.monotonic() + seconds
-        while self._next < len(self._receives):
-            work, peer, global_peer, chunk, complete = self._receives[self._next]
-            self._wait_one(work, "receiving", peer, global_peer, chunk, deadline, seconds)
-            if complete is not None:
-                complete()
-            self._next += 1
-        for work, peer, global_peer, chunk in self._sends:
-            self._wait_one(work, "sending", peer, global_peer, chunk, deadline, seconds)
-        self._done = True
-        self._receives, self._sends, self._keep_alive = [], [], ()
-        if self._on_success is not None:
-            self._on_success()
-            self._on_success = None
+        seconds = timeout.total_seconds() if timeout is not None else None
+        if not self._finished.wait(seconds):
+            raise RuntimeError(f"{self.op} exchange did not complete within {seconds:g} s "
+                               f"(still {self._waiting_for})")
+        if self._error is not None:
+            raise self._error
         return True
 
-    def _wait_one(self, work, what, peer, global_peer, chunk, deadline, seconds) -> None:
+    def run(self) -> None:
+        """Drive the exchange to completion (on the progress thread; Note [exchange progress])."""
         try:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"timed out after {seconds:g} s")
-            work.wait(timeout=_remaining(deadline))
+            for work, peer, global_peer, chunk, complete in self._receives:
+                self._wait_one(work, "receiving", peer, global_peer, chunk)
+                if complete is not None:
+                    complete()
+            for work, peer, global_peer, chunk in self._sends:
+                self._wait_one(work, "sending", peer, global_peer, chunk)
+            self._waiting_for = "done"
+            if self._on_success is not None:
+                self._on_success()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            self._error = exc
+        finally:
+            self._receives, self._sends, self._keep_alive, self._on_success = [], [], (), None
+            self._finished.set()
+
+    def _wait_one(self, work, what, peer, global_peer, chunk) -> None:
+        where = f"rank {peer}" + (f" (global rank {global_peer})" if global_peer != peer else "")
+        self._waiting_for = f"{what} chunk {chunk} {'from' if what == 'receiving' else 'to'} {where}"
+        try:
+            if time.monotonic() >= self._deadline:
+                raise TimeoutError(f"timed out after {self._timeout_s:g} s")
+            work.wait(timeout=_remaining(self._deadline))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; say what we waited on
-            where = f"rank {peer}" + (f" (global rank {global_peer})" if global_peer != peer else "")
-            raise RuntimeError(
-                f"{self.op} exchange: {what} chunk {chunk} {'from' if what == 'receiving' else 'to'} "
-                f"{where} did not complete: {exc}"
-            ) from exc
+            raise RuntimeError(f"{self.op} exchange: {self._waiting_for} did not complete: {exc}") from exc
+
+
+class _ProgressThread:
+    """One daemon thread per exchange group that runs launched exchanges in launch order
+    (Note [exchange progress]). Started on first use, and again after a fork."""
+
+    def __init__(self):
+        self._queue: "queue.SimpleQueue[ExchangeWork]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = None
+        self._lock = threading.Lock()
+
+    def submit(self, work: ExchangeWork) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._queue = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._queue,),
+                                                name="fusedist-gloo-exchange", daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+            self._queue.put(work)
+
+    @staticmethod
+    def _loop(q) -> None:
+        while True:
+            q.get().run()
 
 
 class GlooExchange:
@@ -248,10 +289,12 @@ class GlooExchange:
     (``isend``/``irecv`` take global ranks even for a subgroup).
     """
 
-    def __init__(self, group, rank: int, world_size: int):
+    def __init__(self, group, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout.total_seconds() if timeout is not None else 30 * 60.0
+        self._progress = _ProgressThread()
         self.global_ranks = (
             list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size))
         )
@@ -287,8 +330,9 @@ class GlooExchange:
                 recv = self._irecv(landing[peer_row[src], lo:hi], src, tag)
                 receives.append((recv, src, self.global_ranks[src], chunk))
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, in_place)
-        return ExchangeWork("reduce_scatter", ordered, sends, (landing, rows, output),
-                            on_success=functools.partial(self._landing.give_back, pooled))
+        return self._start(ExchangeWork("reduce_scatter", ordered, sends, (landing, rows, output),
+                                        on_success=functools.partial(self._landing.give_back, pooled),
+                                        timeout_s=self.timeout_s))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
@@ -315,9 +359,13 @@ class GlooExchange:
                 receives.append((recv, src, self.global_ranks[src], chunk, None))
         if not in_place:
             rows[r].copy_(input)  # after posting the messages: the copy overlaps the transfers
-        return ExchangeWork("all_gather", receives, sends, (input, output))
+        return self._start(ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s))
 
     # ---- helpers
+    def _start(self, work: ExchangeWork) -> ExchangeWork:
+        self._progress.submit(work)
+        return work
+
     def _isend(self, tensor, peer, tag):
         return dist.isend(tensor, self.global_ranks[peer], group=self.group, tag=tag)
 

@@ -65,7 +65,7 @@ class TorchCommunicator(Communicator):
         if mode not in gloo_exchange.MODES:
             raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
         if "gloo" in str(self.backend) and mode == "p2p":
-            self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size)
+            self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size, self.timeout)
 
     @property
     def device(self) -> torch.device:

@@ -315,15 +315,10 @@ class GlooExchange:
 
         ``output`` may be this rank's own slice of ``input`` (in place); see :func:`validate`.
         """
-        validate("reduce_scatter", output, input, op, self.rank, self.world_size)
-        output, input = output.view(-1), input.view(-1)  # any contiguous shape, flat slices
-        n, r, m = self.world_size, self.rank, output.numel()
-        rows = input.view(n, m)
-        in_place = m > 0 and output.data_ptr() == rows[r].data_ptr()
-        if n == 1 or m == 0:
-            if m and not in_place:
-                output.copy_(rows[0])
+        rows, output, in_place = self._rows("reduce_scatter", input, output, op)
+        if rows is None:
             return None
+        n, r, m = self.world_size, self.rank, output.numel()
         # Landing zone for the peers' copies of this rank's slice: row i holds peer (r + 1 + i) % n.
         pooled = self._landing.take((n - 1) * m, input.dtype)
         landing = pooled[:(n - 1) * m].view(n - 1, m)
@@ -348,15 +343,10 @@ class GlooExchange:
 
         ``input`` may be this rank's own slice of ``output`` (in place); see :func:`validate`.
         """
-        validate("all_gather", output, input, None, self.rank, self.world_size)
-        output, input = output.view(-1), input.view(-1)  # any contiguous shape, flat slices
-        n, r, m = self.world_size, self.rank, input.numel()
-        rows = output.view(n, m)
-        in_place = m > 0 and input.data_ptr() == rows[r].data_ptr()
-        if n == 1 or m == 0:
-            if m and not in_place:
-                rows[r].copy_(input)
+        rows, input, in_place = self._rows("all_gather", output, input, None)
+        if rows is None:
             return None
+        n, r, m = self.world_size, self.rank, input.numel()
         receives: list = []
         sends: list = []
         for chunk, (lo, hi) in enumerate(_chunk_bounds(m, input.element_size())):
@@ -371,6 +361,25 @@ class GlooExchange:
         return self._start(ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s))
 
     # ---- helpers
+    def _rows(self, kind: str, whole: torch.Tensor, part: torch.Tensor, op: Optional[str]):
+        """Validate, then view ``whole`` (reduce-scatter input / all-gather output) as one row per
+        rank; returns (rows or None when nothing is left to exchange, flat ``part``, in place?).
+        A single rank, or empty slices, finish here: the slice is copied across if needed."""
+        output, input = (part, whole) if kind == "reduce_scatter" else (whole, part)
+        validate(kind, output, input, op, self.rank, self.world_size)
+        whole, part = whole.view(-1), part.view(-1)  # any contiguous shape, flat slices
+        n, r, m = self.world_size, self.rank, part.numel()
+        rows = whole.view(n, m)
+        in_place = m > 0 and part.data_ptr() == rows[r].data_ptr()
+        if n == 1 or m == 0:
+            if m and not in_place:
+                if kind == "reduce_scatter":
+                    part.copy_(rows[0])
+                else:
+                    rows[r].copy_(part)
+            return None, part, in_place
+        return rows, part, in_place
+
     def _start(self, work: ExchangeWork) -> ExchangeWork:
         self._progress.submit(work)
         return work

@@ -457,20 +457,10 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             self._offload.build_segments()
 
     def _slice_state(self, st: dict, piece, sub) -> dict:
-        n = piece.end - piece.start
-        lo, hi = sub.start - piece.start, sub.end - piece.start
-        out = {}
-        for key, v in st.items():
-            if zstate.is_elementwise(v, n):
-                out[key] = v[lo:hi]  # a view: the pieces together still use the same memory
-            elif isinstance(v, torch.Tensor) and v.numel() > 1:
-                raise zstate.StateDictError(
-                    f"ZeroRedundancyOptimizer: state '{key}' of {self.optimizer_class.__name__} is not "
-                    "elementwise; it cannot be split between parameters"
-                )
-            else:
-                out[key] = v.clone() if isinstance(v, torch.Tensor) else v
-        return out
+        # Views: the pieces together still use the same memory.
+        return zstate.slice_state(st, piece.end - piece.start, sub.start - piece.start, sub.end - piece.start,
+                                  copy=False, optimizer_name=self.optimizer_class.__name__,
+                                  why="it cannot be split between parameters")
 
     def _pieces_to_step(self, skipped) -> list[bool]:
         """Split the pieces around the ``skipped`` parameters and say which pieces this step
@@ -710,19 +700,10 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 st = self.inner.state.get(piece_tensor[piece], {})
                 if not st:
                     continue
-                n_piece = piece.end - piece.start
                 off = e.pos - piece.start
-                state = {}
-                for key, v in st.items():
-                    if zstate.is_elementwise(v, n_piece):
-                        state[key] = v[off:off + e.numel].clone()
-                    elif isinstance(v, torch.Tensor) and v.numel() > 1:
-                        raise zstate.StateDictError(
-                            f"ZeroRedundancyOptimizer: state '{key}' of {self.optimizer_class.__name__} is not "
-                            "elementwise; it cannot be split across ranks"
-                        )
-                    else:
-                        state[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                state = zstate.slice_state(st, piece.end - piece.start, off, off + e.numel, copy=True,
+                                           optimizer_name=self.optimizer_class.__name__,
+                                           why="it cannot be split across ranks")
                 fragments[e.index] = [{
                     "range": (e.lo, e.hi),
                     "master": self._masters[e.dtype][e.pos:e.pos + e.numel].clone(),

@@ -32,6 +32,24 @@ def is_elementwise(value, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
+def slice_state(state: dict, numel: int, lo: int, hi: int, *, copy: bool, optimizer_name: str,
+                why: str) -> dict:
+    """Elements ``[lo, hi)`` of one optimizer state over ``numel`` elements: elementwise tensors
+    sliced (views, or copies with ``copy``), scalars (e.g. ``step``) cloned. A non-elementwise
+    tensor cannot be divided: ``StateDictError`` saying ``why`` it would have to be."""
+    out = {}
+    for key, v in state.items():
+        if is_elementwise(v, numel):
+            out[key] = v[lo:hi].clone() if copy else v[lo:hi]
+        elif isinstance(v, torch.Tensor) and v.numel() > 1:
+            raise StateDictError(
+                f"ZeroRedundancyOptimizer: state '{key}' of {optimizer_name} is not elementwise; {why}"
+            )
+        else:
+            out[key] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
 def merge_fragments(state_dicts: list[dict]) -> dict[int, list]:
     merged: dict[int, list] = {}
     for sd in state_dicts:

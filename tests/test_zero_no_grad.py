@@ -362,14 +362,20 @@ def test_checkpoint_after_split_reshards(tmp_path, monkeypatch):
         model = _make(frozen=True)
         opt = fusedist.ZeroRedundancyOptimizer(_groups(model), offload=offload, lr=1e-2, weight_decay=0.1)
         assert fusedist.checkpoint.load(_variant_dir(directory, stage, offload), model, opt)["step"] == 5
-        for step in range(5, STEPS):
-            x, y = _batch(step)
-            opt.zero_grad()
-            rows = _rows(_branch_ranks(step, 2, "some"), 2)
-            nn.functional.mse_loss(model(x, rows, step >= Branchy.LATE_FROM), y).backward()
-            opt.step()
+        _single_process_steps(model, opt, 5, STEPS)
         for ref in uninterrupted:
             assert (_flat(model) - ref).abs().max().item() < TOL, (stage, offload)
+
+
+def _single_process_steps(model, opt, start, stop):
+    """Steps ``start``..``stop - 1`` in one process on the global batch, with the branch rows
+    of the 2-rank "some" schedule (the late branch switched on as in the saved run)."""
+    for step in range(start, stop):
+        x, y = _batch(step)
+        opt.zero_grad()
+        rows = _rows(_branch_ranks(step, 2, "some"), 2)
+        nn.functional.mse_loss(model(x, rows, step >= Branchy.LATE_FROM), y).backward()
+        opt.step()
 
 
 def test_load_torch_state_with_unequal_step_counts():
@@ -384,12 +390,7 @@ def test_load_torch_state_with_unequal_step_counts():
     opt.load_state_dict(ref_opt.state_dict())
     _same_state(opt.consolidate_state_dict(), ref_opt.state_dict())
     _reference(True, "some", 2, "foreach", steps=STEPS, late=True, model=ref_model, opt=ref_opt, start=5)
-    for step in range(5, STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        rows = _rows(_branch_ranks(step, 2, "some"), 2)
-        nn.functional.mse_loss(model(x, rows, step >= Branchy.LATE_FROM), y).backward()
-        opt.step()
+    _single_process_steps(model, opt, 5, STEPS)
     assert (_flat(model) - _flat(ref_model)).abs().max().item() < TOL
     _same_state(opt.consolidate_state_dict(), ref_opt.state_dict())
 

@@ -113,3 +113,87 @@ def test_checks_switch_rejects_bad_values(monkeypatch):
 
     with pytest.raises(ValueError, match="FUSEDIST_STALL_REPORT_S"):
         report_window_s(600)
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises when ``armed`` is set (then disarms)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise ValueError("injected failure in backward")
+        return grad
+
+
+class _Net(nn.Module):
+    """Two layers, one bucket each; ``fail_at`` puts the failing identity at the output (before
+    any gradient exists) or between the layers (after the last layer's bucket launched)."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.first, self.last, self.fail_at = nn.Linear(8, 8), nn.Linear(8, 4), fail_at
+
+    def forward(self, x):
+        h = self.first(x)
+        h = _FailOnce.apply(h) if self.fail_at == "middle" else h
+        out = self.last(torch.tanh(h))
+        return _FailOnce.apply(out) if self.fail_at == "output" else out
+
+
+def _interrupted_backward_worker(rank, world_size):
+    """Note [interrupted backward]: every rank's backward raises at the same point."""
+    import warnings
+
+    import fusedist
+
+    out = {}
+    # (where it fails, bucket cap in MB): before any gradient; after the last layer's
+    # gradients but inside the one bucket (nothing launched); after tiny buckets launched.
+    for case, (fail_at, cap) in {"output": ("output", 1e-4), "one bucket": ("middle", 25.0),
+                                 "launched": ("middle", 1e-4)}.items():
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(_Net(fail_at), bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(4, 8, generator=gen)
+        model(x).sum().backward()  # a clean step first (the bucket rebuild happens here)
+        model.zero_grad()
+        _FailOnce.armed = True
+        try:
+            model(x).sum().backward()
+        except ValueError:
+            pass
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                model.zero_grad()
+                model(x).sum().backward()
+                grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                everyone = [torch.empty_like(grads) for _ in range(world_size)]
+                torch.distributed.all_gather(everyone, grads)
+                out[case] = ("ok", all(torch.equal(everyone[0], g) for g in everyone),
+                             [str(w.message) for w in caught])
+            except RuntimeError as exc:
+                out[case] = ("raised", str(exc), [])
+    return out
+
+
+def test_interrupted_backward_is_reset_or_reported():
+    """A backward interrupted before any gradient collective resets with a warning and the next
+    step synchronizes normally; one interrupted after a bucket was launched makes the next
+    forward raise, naming the cause, instead of pairing collectives wrongly."""
+    for r in run_distributed(_interrupted_backward_worker, 2):
+        status, same, _ = r["output"]  # no gradient hook ran: nothing to reset
+        assert status == "ok" and same, r
+        status, same, warned = r["one bucket"]
+        assert status == "ok" and same, r
+        assert any("interrupted by an exception before any gradient collective" in w for w in warned), warned
+        status, message, _ = r["launched"]
+        assert status == "raised", r
+        assert "previous backward did not complete" in message and "gradient bucket collectives" in message, message

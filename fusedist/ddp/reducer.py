@@ -264,6 +264,37 @@ class Reducer:
         }
 
     # ------------------------------------------------------------------ backward
+    def check_previous_backward(self) -> None:
+        """Note [interrupted backward]: called first thing in a training forward.
+
+        An exception raised during backward (in the model's backward, a gradient hook, or a
+        launch) skips the end-of-backward callback, so this rank's per-backward state is left
+        half-way. If no gradient collective was launched yet, nothing is out of step with the
+        other ranks: the state is reset (the gradients accumulated before the exception stay;
+        a warning says so). Otherwise the ranks' collective sequences have diverged and the
+        next collective could pair with the wrong partner: raise, every time, as torch DDP does.
+        """
+        if not self.in_backward:
+            return
+        launched = self.next_launch if self.sync else 0
+        if launched:
+            raise RuntimeError(
+                f"fusedist DDP (rank {self.comm.rank}): the previous backward did not complete (an "
+                f"exception was raised during it) after launching {launched} of "
+                f"{len(self.layout.buckets)} gradient bucket collectives; this rank's collectives are "
+                "now out of step with the other ranks. Fix the cause and restart the job (a new "
+                "process group and DistributedDataParallel wrapper)."
+            )
+        self.in_backward = False
+        self.bucket_scratch.clear()
+        self._observed_order = None  # a partial readiness order; the next backward observes anew
+        warnings.warn(
+            f"fusedist DDP (rank {self.comm.rank}): the previous backward was interrupted by an exception "
+            "before any gradient collective; its partial gradients are still accumulated in .grad "
+            "(call zero_grad() before the next backward)",
+            stacklevel=3,
+        )
+
     def prepare_forward(self, sync: bool) -> None:
         self.next_backward_sync = sync
         self.forwards += 1  # [reliability] compared across ranks by the step check

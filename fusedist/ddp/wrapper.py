@@ -190,6 +190,7 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            self.reducer.check_previous_backward()  # Note [interrupted backward]
             self.reducer.settle_checks()  # [reliability] before this step's first collective
             if self.config.broadcast_buffers and self.module.training:
                 buffers = list(self.module.buffers())

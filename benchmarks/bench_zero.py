@@ -83,6 +83,7 @@ def _time_interleaved(fns, device, comm, warmup, repeats):
     for name, s in samples.items():
         q = statistics.quantiles(s, n=10) if len(s) > 1 else s * 9
         out[name] = (statistics.median(s), q[1], q[7])
+    out["_samples"] = samples  # per repetition, aligned across fns (paired ratios)
     return out
 
 
@@ -111,9 +112,11 @@ def _collectives(rank, world_size, device, sizes, repeats):
         busbytes = 2 * numel * 4 * (world_size - 1) / world_size
         for impl in impls:
             rsag = t[f"rsag {impl}"]
+            paired = [z / b for z, b in zip(t["_samples"][f"rsag {impl}"], t["_samples"]["ar"])]
             rows.append({
                 "part": "collectives", "config": f"{numel / 1e6:.1f}M fp32, RS+AG by {impl}",
                 "baseline_ms": ar[0], "zero_ms": rsag[0], "ratio_zero/baseline": rsag[0] / ar[0],
+                "ratio_paired": statistics.median(paired),
                 "baseline_busbw_GBs": busbytes / ar[0] / 1e6, "zero_busbw_GBs": busbytes / rsag[0] / 1e6,
                 "baseline_p20_p80": f"{ar[1]:.2f}-{ar[2]:.2f}", "zero_p20_p80": f"{rsag[1]:.2f}-{rsag[2]:.2f}",
                 "reduce_scatter_ms": t[f"rs {impl}"][0], "all_gather_ms": t[f"ag {impl}"][0],
@@ -236,7 +239,8 @@ def main():
                load_avg_1min=round(os.getloadavg()[0], 1))  # a shared machine: say how busy it was
     notes = (
         "Collectives: baseline = one all-reduce of Ψ; zero = reduce-scatter of Ψ + all-gather of Ψ "
-        "(same bytes on a ring), timed interleaved with the all-reduce in every repetition. On gloo "
+        "(same bytes on a ring), timed interleaved with the all-reduce in every repetition; ratio_paired = "
+        "median over repetitions of RS+AG time / all-reduce time in that repetition. On gloo "
         "two rows per size: 'p2p exchange' is what fusedist's communicator uses (point-to-point "
         "messages, fusedist/comm/gloo_exchange.py), 'gloo builtin' is FUSEDIST_GLOO_COLLECTIVES=builtin: "
         "gloo's own collectives (its reduce-scatter is an all-reduce of a copy of the input whose slice is "

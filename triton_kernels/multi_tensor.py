@@ -250,6 +250,26 @@ def _to_param(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER: tl.constexpr, MASKED: tl.constexpr):
+    """The FP32 value being optimized: the master weight, or the parameter upcast."""
+    if HAS_MASTER:
+        p = _ld(w_ptr, offs, n, MASKED)
+    else:
+        p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+    return p
+
+
+@triton.jit
+def _st_param(p_ptr, w_ptr, offs, n, p, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+              MASKED: tl.constexpr):
+    """Write the updated FP32 value back: the master (when there is one) and the parameter,
+    rounded to its dtype in the same pass."""
+    if HAS_MASTER:
+        _st(w_ptr, offs, n, p, MASKED)
+    _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
+
+
+@triton.jit
 def _bias_correction(log2_beta, s):
     # 1 - beta**s, evaluated in fp64 (one scalar per program, so free): in fp32 the
     # cancellation in 1 - 0.999**s costs ~5e-6 relative error early in training, while torch
@@ -269,10 +289,7 @@ def _adam_chunk(
         g = _ld(g_ptr, offs, n, MASKED).to(tl.float32) * factor
         if MAXIMIZE:
             g = -g
-        if HAS_MASTER:
-            p = _ld(w_ptr, offs, n, MASKED)
-        else:
-            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        p = _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER, MASKED)
         m = _ld(m_ptr, offs, n, MASKED)
         v = _ld(v_ptr, offs, n, MASKED)
         if ADAMW:
@@ -285,9 +302,7 @@ def _adam_chunk(
         p = p - step_size * (m / denom)
         _st(m_ptr, offs, n, m, MASKED)
         _st(v_ptr, offs, n, v, MASKED)
-        if HAS_MASTER:
-            _st(w_ptr, offs, n, p, MASKED)
-        _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
+        _st_param(p_ptr, w_ptr, offs, n, p, PARAM_DTYPE, HAS_MASTER, MASKED)
 
 
 # Roles of the Adam table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq, 5 step
@@ -336,10 +351,7 @@ def _sgd_chunk(
         d = _ld(g_ptr, offs, n, MASKED).to(tl.float32) * factor
         if MAXIMIZE:
             d = -d
-        if HAS_MASTER:
-            p = _ld(w_ptr, offs, n, MASKED)
-        else:
-            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        p = _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER, MASKED)
         d = d + weight_decay * p
         if HAS_MOMENTUM:
             buf = _ld(b_ptr, offs, n, MASKED)
@@ -351,9 +363,7 @@ def _sgd_chunk(
             else:
                 d = buf
         p = p - lr * d
-        if HAS_MASTER:
-            _st(w_ptr, offs, n, p, MASKED)
-        _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
+        _st_param(p_ptr, w_ptr, offs, n, p, PARAM_DTYPE, HAS_MASTER, MASKED)
 
 
 # Roles of the SGD table: 0 grad, 1 param, 2 master, 3 momentum_buffer, 4 step
@@ -396,10 +406,7 @@ def _lamb_stage1_chunk(
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         g = _ld(g_ptr, offs, n, MASKED).to(tl.float32) * factor
-        if HAS_MASTER:
-            p = _ld(w_ptr, offs, n, MASKED)
-        else:
-            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        p = _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER, MASKED)
         m = _ld(m_ptr, offs, n, MASKED)
         v = _ld(v_ptr, offs, n, MASKED)
         if not ADAMW:
@@ -462,15 +469,10 @@ def _lamb_stage2_chunk(p_ptr, w_ptr, u_ptr, start, n, lr_ratio, PARAM_DTYPE: tl.
                        HAS_MASTER: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr):
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        if HAS_MASTER:
-            p = _ld(w_ptr, offs, n, MASKED)
-        else:
-            p = _ld(p_ptr, offs, n, MASKED).to(tl.float32)
+        p = _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER, MASKED)
         u = _ld(u_ptr, offs, n, MASKED)
         p = p - lr_ratio * u
-        if HAS_MASTER:
-            _st(w_ptr, offs, n, p, MASKED)
-        _st(p_ptr, offs, n, _to_param(p, PARAM_DTYPE), MASKED)
+        _st_param(p_ptr, w_ptr, offs, n, p, PARAM_DTYPE, HAS_MASTER, MASKED)
 
 
 # Roles of the LAMB stage-2 table: 0 param, 1 master, 2 update

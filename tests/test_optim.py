@@ -225,6 +225,11 @@ def test_load_torch_adamw_state_dict_continues_like_torch():
     ours = _clone_params(theirs)
     opt = FusedAdamW(ours, lr=1e-2)
     opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _continue_side_by_side(ref, theirs, opt, ours)
+
+
+def _continue_side_by_side(ref, theirs, opt, ours):
+    """Steps 3-5 of both optimizers on the same gradients; the parameters must stay close."""
     for step in range(3, 6):
         _set_grads(theirs, _grads(step))
         _set_grads(ours, _grads(step))
@@ -243,12 +248,7 @@ def test_load_torch_sgd_state_dict_continues_like_torch():
     ours = _clone_params(theirs)
     opt = FusedSGD(ours, lr=0.05, momentum=0.9, nesterov=True)
     opt.load_state_dict(copy.deepcopy(ref.state_dict()))
-    for step in range(3, 6):
-        _set_grads(theirs, _grads(step))
-        _set_grads(ours, _grads(step))
-        ref.step()
-        opt.step()
-    _assert_params_close(ours, theirs)
+    _continue_side_by_side(ref, theirs, opt, ours)
 
 
 def test_master_weights_created_for_a_loaded_state():

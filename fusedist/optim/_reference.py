@@ -39,6 +39,14 @@ def _grad_factor(inv_scale, clip_coef):
     return factor
 
 
+def _scaled_grad(grad: torch.Tensor, factor, maximize: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient in ``dtype``, times the unscale/clip ``factor`` (None: 1), negated to maximize."""
+    g = grad.to(dtype)
+    if factor is not None:
+        g = g * factor.to(dtype)
+    return -g if maximize else g
+
+
 def _compute_dtype(state: torch.Tensor) -> torch.dtype:
     return state.dtype  # fp32, or fp64 for fp64 parameters
 
@@ -79,11 +87,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     for i, (param, grad, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         master = None if masters is None else masters[i]
         dtype = _compute_dtype(m)
-        g = grad.to(dtype)
-        if factor is not None:
-            g = g * factor.to(dtype)
-        if maximize:
-            g = -g
+        g = _scaled_grad(grad, factor, maximize, dtype)
         p = (master if master is not None else param).to(dtype)
         if adamw:
             p = p * (1.0 - lr * weight_decay)
@@ -153,11 +157,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     for i, (param, grad) in enumerate(zip(params, grads)):
         master = None if masters is None else masters[i]
         dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-        d = grad.to(dtype)
-        if factor is not None:
-            d = d * factor.to(dtype)
-        if maximize:
-            d = -d
+        d = _scaled_grad(grad, factor, maximize, dtype)
         p = (master if master is not None else param).to(dtype)
         d = d + weight_decay * p
         if momentum_buffers is not None:

@@ -8,11 +8,13 @@
 #      required and compiled for this GPU's architecture only;
 #   2. runs the GPU test tier (pytest -m gpu): direct-NCCL communicator vs torch's NCCL,
 #      comm-stream overlap, timeouts, and the compiled Triton kernels of every feature;
-#   3. runs each benchmarks/bench_*.py, on CUDA when the script has a --device option;
+#   3. runs the GPU benchmarks (and the gloo collectives on this host's CPUs);
 #   4. prints a summary table last (also saved under benchmarks/results/).
 #
 # Usage: benchmarks/gpu/run_checks.sh           (PYTHON=... picks the interpreter)
-# Whole run is bounded to ~8 minutes; each step has its own time limit.
+# Whole run is bounded to ~8 minutes (FUSEDIST_GPU_BUDGET_S); each step has its own time limit.
+# FUSEDIST_GPU_BENCHES replaces the benchmark list; FUSEDIST_GPU_ARCHIVE=file.tar.gz packs the
+# logs and result files of the run.
 # Exit status: 0 all checks passed, 1 some check failed, 2 the machine cannot run them.
 set -uo pipefail
 
@@ -23,7 +25,7 @@ BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-470}"  # stay under 8 minutes in total
 STAMP="$(date -u +%F)"
 WORK="$ROOT/build/gpu-checks"
 RESULTS="$ROOT/benchmarks/results"
-rm -rf "$WORK" && mkdir -p "$WORK/report" "$RESULTS" || exit 2
+rm -rf "$WORK" && mkdir -p "$WORK/report" "$RESULTS" && touch "$WORK/.started" || exit 2
 
 ROWS=()      # "check|status|seconds|detail" lines for the summary table
 FAILED=0
@@ -167,28 +169,41 @@ EOF
 fi
 
 # ----------------------------------------------------------------------------- benchmarks
+# One benchmark per line: script and arguments. The default list is the GPU benchmarks plus
+# the gloo collectives on this host's CPUs (a GPU host has more cores than CI, so the
+# reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription).
+# FUSEDIST_GPU_BENCHES replaces the list (newline-separated).
 say "benchmarks"
-shopt -s nullglob
-benches=(benchmarks/bench_*.py)
-[ ${#benches[@]} -eq 0 ] && row "benchmarks" skipped "" "no benchmarks/bench_*.py in this checkout"
-for bench in "${benches[@]}"; do
-    name="$(basename "$bench" .py)"
-    budget=$(( $(left) - 15 )); [ "$budget" -gt 90 ] && budget=90
-    if [ "$budget" -lt 20 ]; then
-        row "$name" skipped "" "time budget spent"
+DEFAULT_BENCHES="bench_optimizer.py --device cuda
+bench_syncbn.py --skip-cpu
+bench_nccl.py --device cuda
+bench_zero.py --collectives-only --world-size 2
+bench_zero.py --collectives-only --world-size 4"
+BENCH_LIMIT_S="${FUSEDIST_GPU_BENCH_LIMIT_S:-120}"
+while IFS= read -r line; do
+    [ -z "${line// }" ] && continue
+    read -r script bench_args <<<"$line"
+    name="$(basename "$script" .py)"
+    tag="$name${bench_args:+ $bench_args}"
+    log="$WORK/$(echo "$tag" | tr -c 'A-Za-z0-9_\n' '_').log"
+    if [ ! -f "benchmarks/$script" ]; then
+        row "$tag" FAIL "" "no benchmarks/$script in this checkout"
         continue
     fi
-    args=()
-    grep -q -- "--device" "$bench" && args+=(--device cuda)
-    grep -q -- "--quick" "$bench" && args+=(--quick)
-    run_step "$budget" "$WORK/$name.log" env -u TRITON_INTERPRET "$PY" "$bench" ${args[@]+"${args[@]}"}
-    last="$(grep -v '^\s*$' "$WORK/$name.log" | tail -n 1 | cut -c1-100)"
-    if [ "$RC" -eq 0 ]; then
-        row "$name ${args[*]}" ok "$TOOK" "$last"
-    else
-        row "$name ${args[*]}" FAIL "$TOOK" "exit $RC: $last"
+    budget=$(( $(left) - 15 )); [ "$budget" -gt "$BENCH_LIMIT_S" ] && budget=$BENCH_LIMIT_S
+    if [ "$budget" -lt 20 ]; then
+        row "$tag" skipped "" "time budget spent"
+        continue
     fi
-done
+    # shellcheck disable=SC2086  # the arguments are words
+    run_step "$budget" "$log" env -u TRITON_INTERPRET "$PY" "benchmarks/$script" $bench_args
+    last="$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-100)"
+    if [ "$RC" -eq 0 ]; then
+        row "$tag" ok "$TOOK" "$last"
+    else
+        row "$tag" FAIL "$TOOK" "exit $RC: $last"
+    fi
+done <<<"${FUSEDIST_GPU_BENCHES:-$DEFAULT_BENCHES}"
 
 # ----------------------------------------------------------------------------- summary (last)
 table="$WORK/summary.md"
@@ -206,7 +221,15 @@ table="$WORK/summary.md"
     done
 } >"$table"
 cp "$table" "$RESULTS/gpu_checks_${STAMP}.md"
+shopt -s nullglob
 for f in "$WORK"/report/*.json; do cp "$f" "$RESULTS/gpu_checks_${STAMP}_$(basename "$f")"; done
 say "summary (saved to benchmarks/results/gpu_checks_${STAMP}.md)"
 cat "$table"
+# FUSEDIST_GPU_ARCHIVE=file.tar.gz: logs, test report and every result file written in this
+# run, for copying off a machine that is handed back afterwards.
+if [ -n "${FUSEDIST_GPU_ARCHIVE:-}" ]; then
+    find "$RESULTS" -newer "$WORK/.started" -type f >"$WORK/new-results.txt"
+    tar -czf "$FUSEDIST_GPU_ARCHIVE" -C "$ROOT" build/gpu-checks \
+        $(sed "s|^$ROOT/||" "$WORK/new-results.txt") && echo "archive: $FUSEDIST_GPU_ARCHIVE"
+fi
 exit "$FAILED"

@@ -101,12 +101,15 @@ def _collectives(rank, world_size, device, sizes, repeats):
     for numel in sizes:
         numel = numel // (world_size * 16) * (world_size * 16)
         full = torch.randn(numel, device=device)
-        shard = torch.empty(numel // world_size, device=device)
+        # As ZeRO calls them: the reduce-scatter of a gradient bucket into a separate shard, the
+        # all-gather of the parameters in place (each rank's shard is its slice of the bucket).
+        grad_shard = torch.empty(numel // world_size, device=device)
+        own = full.view(world_size, -1)[rank]
         fns = {"ar": lambda: comm.all_reduce(full)}
         for impl, c in impls.items():
-            fns[f"rsag {impl}"] = lambda c=c: (c.reduce_scatter(shard, full), c.all_gather(full, shard))
-            fns[f"rs {impl}"] = lambda c=c: c.reduce_scatter(shard, full)
-            fns[f"ag {impl}"] = lambda c=c: c.all_gather(full, shard)
+            fns[f"rsag {impl}"] = lambda c=c: (c.reduce_scatter(grad_shard, full), c.all_gather(full, own))
+            fns[f"rs {impl}"] = lambda c=c: c.reduce_scatter(grad_shard, full)
+            fns[f"ag {impl}"] = lambda c=c: c.all_gather(full, own)
         t = _time_interleaved(fns, device, comm, 2, repeats)
         ar = t["ar"]
         busbytes = 2 * numel * 4 * (world_size - 1) / world_size
@@ -202,7 +205,8 @@ def _worker(rank, world_size, device_type, quick, collectives=True, iterations=T
         model_cfg = dict(d=2048, layers=8, batch=64)
     else:
         device = torch.device("cpu")
-        sizes = [1 << 18, 1 << 20, 4 << 20] if quick else [1 << 18, 1 << 20, 4 << 20, 16 << 20]
+        # 25 MiB of fp32 (6.5M elements) is DDP's default bucket: what ZeRO stage 2 reduce-scatters.
+        sizes = [1 << 18, 1 << 20, 4 << 20] if quick else [1 << 18, 1 << 20, 4 << 20, 25 << 18, 16 << 20]
         model_cfg = dict(d=512, layers=8, batch=64)
     repeats = 5 if quick else 15
     rows = _collectives(rank, world_size, device, sizes, repeats) if collectives else []
@@ -216,6 +220,8 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads per rank (default: cores / world size)")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--iterations-only", action="store_true", help="skip the collectives part")
     only.add_argument("--collectives-only", action="store_true", help="skip the training iterations")
@@ -226,7 +232,7 @@ def main():
     from fusedist.testing import run_distributed
 
     backend = "nccl" if args.device == "cuda" else "gloo"
-    threads = max(1, (os.cpu_count() or 2) // args.world_size)
+    threads = args.threads or max(1, (os.cpu_count() or 2) // args.world_size)
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
                                not args.collectives_only,
                                backend=backend,
@@ -239,7 +245,8 @@ def main():
                load_avg_1min=round(os.getloadavg()[0], 1))  # a shared machine: say how busy it was
     notes = (
         "Collectives: baseline = one all-reduce of Ψ; zero = reduce-scatter of Ψ + all-gather of Ψ "
-        "(same bytes on a ring), timed interleaved with the all-reduce in every repetition; ratio_paired = "
+        "(same bytes on a ring), called as ZeRO calls them (reduce-scatter into a separate gradient shard, "
+        "all-gather in place), timed interleaved with the all-reduce in every repetition; ratio_paired = "
         "median over repetitions of RS+AG time / all-reduce time in that repetition. On gloo "
         "two rows per size: 'p2p exchange' is what fusedist's communicator uses (point-to-point "
         "messages, fusedist/comm/gloo_exchange.py), 'gloo builtin' is FUSEDIST_GLOO_COLLECTIVES=builtin: "
@@ -259,7 +266,7 @@ def main():
         "runs (buckets_finished_in_backward > 0; Note [finishing buckets during backward])."
     )
     suffix = "_iterations" if args.iterations_only else "_collectives" if args.collectives_only else ""
-    name = f"zero_{args.device}_ws{args.world_size}" + suffix
+    name = f"zero_{args.device}_ws{args.world_size}" + suffix + (f"_threads{args.threads}" if args.threads else "")
     md, csv = write_results(name, rows, notes, env)
     for r in rows:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <sstream>
 #include <stdexcept>
 
 #include "checks.h"
@@ -48,15 +47,14 @@ std::vector<int> BucketSchedule::mark_ready(int bucket) {
 
 void BucketSchedule::check_complete() const {
   if (next_launch_ == num_buckets()) return;
-  std::ostringstream msg;
-  msg << "fusedist: finalize() before all gradients were ready:";
+  std::string msg = "fusedist: finalize() before all gradients were ready:";
   for (int b = next_launch_; b < num_buckets(); ++b) {
-    msg << " bucket " << b << " has " << ready_[b] << " of " << expected_[b] << ";";
+    msg += str(" bucket ", b, " has ", ready_[b], " of ", expected_[b], ";");
   }
-  msg << " buckets launch in index order, so a missing gradient also holds back later "
+  msg += " buckets launch in index order, so a missing gradient also holds back later "
          "buckets. Parameters that get no gradient must still be marked ready (or excluded "
          "from the buckets).";
-  throw std::logic_error(msg.str());
+  throw std::logic_error(msg);
 }
 
 void BucketSchedule::reset() {

@@ -4,13 +4,13 @@
 // to Python (fusedist._C.CudaError / fusedist._C.NcclError, both RuntimeError subclasses).
 #pragma once
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
 #include <cuda_runtime_api.h>
 
 #include "nccl_api.h"
+#include "str.h"
 
 namespace fusedist {
 
@@ -26,14 +26,13 @@ struct NcclError : std::runtime_error {
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* call, const char* file,
                                           int line) {
-  std::ostringstream msg;
-  msg << "fusedist: CUDA call " << call << " failed: " << cudaGetErrorName(err) << " ("
-      << cudaGetErrorString(err) << ") at " << file << ":" << line;
+  std::string msg = str("fusedist: CUDA call ", call, " failed: ", cudaGetErrorName(err), " (",
+                        cudaGetErrorString(err), ") at ", file, ":", line);
   if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
-    msg << ". No usable NVIDIA driver/GPU is visible to this process: the CUDA extension needs "
+    msg += ". No usable NVIDIA driver/GPU is visible to this process: the CUDA extension needs "
            "one at run time (it only needs nvcc to build).";
   }
-  throw CudaError(msg.str());
+  throw CudaError(msg);
 }
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t res, const char* call, const char* file,
@@ -41,13 +40,12 @@ struct NcclError : std::runtime_error {
   // Calls are spelled nccl().AllReduce(...) (the dlopen'ed table); report NCCL's own name.
   std::string name(call);
   if (name.rfind("nccl().", 0) == 0) name = "nccl" + name.substr(7);
-  std::ostringstream msg;
-  msg << "fusedist: NCCL call " << name << " failed with code " << static_cast<int>(res) << ": "
-      << nccl().GetErrorString(res) << " at " << file << ":" << line;
+  std::string msg = str("fusedist: NCCL call ", name, " failed with code ", static_cast<int>(res),
+                        ": ", nccl().GetErrorString(res), " at ", file, ":", line);
   if (res == ncclUnhandledCudaError || res == ncclSystemError || res == ncclRemoteError) {
-    msg << " (run with NCCL_DEBUG=WARN for NCCL's own diagnosis)";
+    msg += " (run with NCCL_DEBUG=WARN for NCCL's own diagnosis)";
   }
-  throw NcclError(msg.str());
+  throw NcclError(msg);
 }
 
 #define FUSEDIST_CUDA_CHECK(expr)                                              \

@@ -1,6 +1,5 @@
 #include "comm_stream.h"
 
-#include <sstream>
 #include <stdexcept>
 
 #include "checks.h"
@@ -85,13 +84,12 @@ void check_stream_device(cudaStream_t stream, int device, const char* what) {
   int stream_device = -1;
   FUSEDIST_CUDA_CHECK(cudaStreamGetDevice(stream, &stream_device));
   if (stream_device != device) {
-    std::ostringstream msg;
-    msg << "fusedist: " << what << ": the stream belongs to cuda:" << stream_device
-        << " but the communicator works on cuda:" << device
-        << ". Launch from a stream of cuda:" << device
-        << " (torch.cuda.set_device / torch.cuda.stream) or create the communicator while that "
-           "device is current.";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument(
+        str("fusedist: ", what, ": the stream belongs to cuda:", stream_device,
+            " but the communicator works on cuda:", device, ". Launch from a stream of cuda:",
+            device,
+            " (torch.cuda.set_device / torch.cuda.stream) or create the communicator while that "
+            "device is current."));
   }
 }
 
@@ -111,10 +109,8 @@ void check_device_pointer(const void* ptr, int device, const char* what) {
                                 "tensor with .cuda())");
   }
   if (attr.device != device) {
-    std::ostringstream msg;
-    msg << "fusedist: " << what << ": the buffer lives on cuda:" << attr.device
-        << " but the communicator works on cuda:" << device;
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument(str("fusedist: ", what, ": the buffer lives on cuda:", attr.device,
+                                    " but the communicator works on cuda:", device));
   }
 }
 

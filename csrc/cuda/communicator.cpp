@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -46,9 +45,7 @@ NcclComm::NcclComm(const std::string& unique_id, int world_size, int rank, int d
 }
 
 std::string NcclComm::where() const {
-  std::ostringstream s;
-  s << "rank " << rank_ << " of " << world_size_ << " (cuda:" << device_ << ")";
-  return s.str();
+  return str("rank ", rank_, " of ", world_size_, " (cuda:", device_, ")");
 }
 
 ncclComm_t NcclComm::live(const std::string& what) const {
@@ -155,10 +152,9 @@ void NcclComm::wait(const Event& done, double timeout_s, const std::string& what
     }
     check_async_error(what);
     if (clock::now() >= deadline) {
-      std::ostringstream reason;
-      reason << what << " did not complete within " << timeout_s << " s";
-      abort(reason.str());
-      throw NcclError("fusedist: " + reason.str() + " on " + where() +
+      const std::string reason = str(what, " did not complete within ", timeout_s, " s");
+      abort(reason);
+      throw NcclError("fusedist: " + reason + " on " + where() +
                       "; the NCCL communicator was aborted. Usual causes: a rank that never "
                       "joined this collective (it crashed, or took another code path), or "
                       "ranks issuing collectives in different orders or sizes.");

@@ -3,10 +3,10 @@
 
 #include <cstdlib>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 
 #include "nccl_api.h"
+#include "str.h"
 
 namespace fusedist {
 namespace {
@@ -40,12 +40,11 @@ const NcclApi& load_nccl(const std::string& requested) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
-    std::ostringstream msg;
-    msg << "fusedist: cannot dlopen the NCCL library '" << path << "': " << (why ? why : "?")
-        << ". Install NCCL (e.g. the nvidia-nccl-cu12/cu13 wheel a CUDA build of torch depends "
-           "on), import torch first so its libnccl is already loaded, or point "
-           "FUSEDIST_NCCL_LIBRARY at libnccl.so.2.";
-    throw std::runtime_error(msg.str());
+    throw std::runtime_error(
+        str("fusedist: cannot dlopen the NCCL library '", path, "': ", (why ? why : "?"),
+            ". Install NCCL (e.g. the nvidia-nccl-cu12/cu13 wheel a CUDA build of torch depends "
+            "on), import torch first so its libnccl is already loaded, or point "
+            "FUSEDIST_NCCL_LIBRARY at libnccl.so.2."));
   }
   NcclApi api{};
   try {

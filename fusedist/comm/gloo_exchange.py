@@ -27,7 +27,7 @@ rank's slice of the output.
 ``builtin`` keeps gloo's own collectives. Every rank of a group must use the same setting
 (a mix turns into a timeout, not a wrong result).
 
-See Note [exchange determinism] and Note [exchange tags].
+See Note [exchange determinism], Note [exchange tags] and Note [receives first, sends later].
 """
 
 from __future__ import annotations
@@ -75,6 +75,18 @@ CHUNK_BITS = 16
 SEQ_BITS = KIND_SHIFT - CHUNK_BITS
 _KINDS = {"reduce_scatter": 0, "all_gather": 1}
 
+# Note [receives first, sends later]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A launch posts only the receives; the sends are posted when the exchange is driven (by the
+# progress thread, or by a caller of ``wait``). Why, from how gloo's TCP transport pairs
+# messages: a send whose matching receive the peer has already announced is written to the
+# socket at once *by the thread that posts it*, up to the whole message; a send posted first
+# waits for that announcement and is then written by gloo's event-loop thread, the same
+# thread that reads the peer's incoming data, so the two directions take turns. Posting every
+# receive at launch means the peers' sends find them announced and both directions flow at
+# once; deferring our sends keeps the launch -- called from autograd's gradient hooks in the
+# middle of backward -- from writing megabytes to a socket before it returns.
+#
 # Note [exchange determinism]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The reduce-scatter combines the contributions of ranks 0, 1, ..., N-1 in that order for
@@ -210,7 +222,9 @@ class ExchangeWork:
         self._on_success = on_success  # runs once, after every message has completed
         # (recv work, peer group rank, peer global rank, chunk index, completion step or None)
         self._receives = receives
-        self._sends = sends  # (send work, peer group rank, peer global rank, chunk index)
+        # (send to post: () -> work, peer group rank, peer global rank, chunk index); posted
+        # when the exchange is driven, not at launch (Note [receives first, sends later]).
+        self._sends = sends
         self._keep_alive = keep_alive  # buffers gloo reads or writes until the work finishes
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
@@ -238,11 +252,15 @@ class ExchangeWork:
         if self._finished.is_set() or not self._runner.acquire(blocking=False):
             return
         try:
+            posted = []
+            for post, peer, global_peer, chunk in self._sends:
+                self._waiting_for = f"posting the send of chunk {chunk} to {_where(peer, global_peer)}"
+                posted.append((post(), peer, global_peer, chunk))
             for work, peer, global_peer, chunk, complete in self._receives:
                 self._wait_one(work, "receiving", peer, global_peer, chunk)
                 if complete is not None:
                     complete()
-            for work, peer, global_peer, chunk in self._sends:
+            for work, peer, global_peer, chunk in posted:
                 self._wait_one(work, "sending", peer, global_peer, chunk)
             self._waiting_for = "done"
             if self._on_success is not None:
@@ -255,7 +273,7 @@ class ExchangeWork:
             self._runner.release()
 
     def _wait_one(self, work, what, peer, global_peer, chunk) -> None:
-        where = f"rank {peer}" + (f" (global rank {global_peer})" if global_peer != peer else "")
+        where = _where(peer, global_peer)
         self._waiting_for = f"{what} chunk {chunk} {'from' if what == 'receiving' else 'to'} {where}"
         try:
             if time.monotonic() >= self._deadline:
@@ -263,6 +281,10 @@ class ExchangeWork:
             work.wait(timeout=_remaining(self._deadline))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; say what we waited on
             raise RuntimeError(f"{self.op} exchange: {self._waiting_for} did not complete: {exc}") from exc
+
+
+def _where(peer: int, global_peer: int) -> str:
+    return f"rank {peer}" + (f" (global rank {global_peer})" if global_peer != peer else "")
 
 
 class _ProgressThread:
@@ -330,7 +352,7 @@ class GlooExchange:
             # Ring order spreads the first messages of all ranks over all links.
             for k in range(1, n):
                 dst, src = (r + k) % n, (r - k) % n
-                sends.append((self._isend(rows[dst, lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
+                sends.append((self._send_later(rows[dst, lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
                 recv = self._irecv(landing[peer_row[src], lo:hi], src, tag)
                 receives.append((recv, src, self.global_ranks[src], chunk))
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, in_place)
@@ -353,7 +375,7 @@ class GlooExchange:
             tag = _tag("all_gather", seq, chunk)
             for k in range(1, n):
                 dst, src = (r + k) % n, (r - k) % n
-                sends.append((self._isend(input[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
+                sends.append((self._send_later(input[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
                 recv = self._irecv(rows[src, lo:hi], src, tag)
                 receives.append((recv, src, self.global_ranks[src], chunk, None))
         if not in_place:
@@ -384,8 +406,8 @@ class GlooExchange:
         self._progress.submit(work)
         return work
 
-    def _isend(self, tensor, peer, tag):
-        return dist.isend(tensor, self.global_ranks[peer], group=self.group, tag=tag)
+    def _send_later(self, tensor, peer, tag) -> Callable[[], object]:
+        return functools.partial(dist.isend, tensor, self.global_ranks[peer], group=self.group, tag=tag)
 
     def _irecv(self, tensor, peer, tag):
         return dist.irecv(tensor, self.global_ranks[peer], group=self.group, tag=tag)

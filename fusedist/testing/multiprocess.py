@@ -14,6 +14,7 @@ seconds all are killed and the report says which ranks were still running.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -33,6 +34,9 @@ class DistributedRunError(RuntimeError):
 
 
 def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn, args, kwargs, results):
+    # A rank that dies in native code (a segfault in an extension, NCCL or the CUDA driver)
+    # leaves no Python traceback; faulthandler prints every thread's stack to stderr instead.
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
@@ -58,6 +62,10 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, False, traceback.format_exc()))
+    # Hand the result over before interpreter teardown (extension destructors, CUDA and NCCL
+    # shutdown), so a crash there is reported as such, not as a rank that never answered.
+    results.close()
+    results.join_thread()
 
 
 def run_distributed(
@@ -123,15 +131,24 @@ def run_distributed(
     finally:
         for p in procs:
             p.join(timeout=5)
-        for p in procs:
+        killed = set()
+        for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+                killed.add(rank)
         if os.path.exists(init_file):
             os.unlink(init_file)
 
     hung = [r for r in range(world_size) if r not in outcome]
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    for r, p in enumerate(procs):
+        # A rank that answered and then crashed while exiting (a destructor, NCCL or CUDA
+        # teardown) is a failure too: a training script would die there. One still exiting
+        # after 5 s was killed here; that is not its own crash.
+        if r in outcome and outcome[r][0] and r not in killed and p.exitcode not in (0, None):
+            failures[r] = (f"rank {r} returned its result, then exited with code {p.exitcode} "
+                           "while shutting down (stderr has faulthandler's stack if it crashed)")
     for r in hung:
         failures[r] = f"rank {r} did not finish within {timeout:.0f} s (killed)"
     if expect_failure:

@@ -197,7 +197,7 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     return rows
 
 
-def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True):
+def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True, repeats=0):
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -208,7 +208,7 @@ def _worker(rank, world_size, device_type, quick, collectives=True, iterations=T
         # 25 MiB of fp32 (6.5M elements) is DDP's default bucket: what ZeRO stage 2 reduce-scatters.
         sizes = [1 << 18, 1 << 20, 4 << 20] if quick else [1 << 18, 1 << 20, 4 << 20, 25 << 18, 16 << 20]
         model_cfg = dict(d=512, layers=8, batch=64)
-    repeats = 5 if quick else 15
+    repeats = repeats or (5 if quick else 15)
     rows = _collectives(rank, world_size, device, sizes, repeats) if collectives else []
     if iterations:
         rows += _training(rank, world_size, device, repeats=repeats, **model_cfg)
@@ -220,6 +220,8 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="timed repetitions per case (default: 15, 5 with --quick)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads per rank (default: cores / world size)")
     only = parser.add_mutually_exclusive_group()
@@ -234,7 +236,7 @@ def main():
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.world_size)
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
-                               not args.collectives_only,
+                               not args.collectives_only, args.repeats,
                                backend=backend,
                                timeout=1800, pg_timeout=600, threads=threads)
     rows = per_rank[0]

@@ -204,6 +204,20 @@ def _exchange_checks(rank, world_size, seed):
     out = torch.empty(2)
     builtin.reduce_scatter(out, torch.ones(2 * world_size))
     check("builtin reduce_scatter", out, torch.full((2,), float(world_size)))
+    assert builtin.scratch_bytes() == 0
+
+    # Scratch memory (Note [in-place fold]): a reduce-scatter into a separate output keeps
+    # (N-2)/N of its input as landing buffer, one in place (N-1)/N; both stay pooled after.
+    fresh = TorchCommunicator()
+    held = [fresh.scratch_bytes()]
+    fresh.reduce_scatter(torch.empty(1000), torch.ones(1000 * world_size))
+    held.append(fresh.scratch_bytes())
+    x = torch.ones(1000 * world_size)
+    fresh.reduce_scatter(x[rank * 1000:(rank + 1) * 1000], x)
+    held.append(fresh.scratch_bytes())
+    separate, in_place = 4000 * max(world_size - 2, 0), 4000 * (world_size - 1)
+    if held != [0, separate, separate + in_place]:
+        failures.append(f"scratch bytes {held}, expected {[0, separate, separate + in_place]}")
     return failures
 
 
@@ -315,3 +329,15 @@ def test_landing_pool_reuses_the_smallest_fitting_buffer():
     assert sorted(t.numel() for t in small._free[torch.float32]) == [6]  # 40 bytes at most
     small.give_back(torch.empty(11))  # 44 bytes: larger than the whole budget, not kept
     assert small.idle_bytes() == 0
+
+
+def test_landing_pool_counts_what_it_holds():
+    from fusedist.comm.gloo_exchange import _LandingPool
+
+    pool = _LandingPool()
+    a, b = pool.take(100, torch.float32), pool.take(10, torch.float64)
+    assert pool.held_bytes() == 400 + 80  # both lent out
+    pool.give_back(a)
+    assert pool.held_bytes() == 480 and pool.idle_bytes() == 400  # a idle, b still lent
+    pool.drop(b)  # its exchange failed: not coming back, no longer counted
+    assert pool.held_bytes() == 400

@@ -140,6 +140,11 @@ class Communicator(abc.ABC):
     def _wait_work(self, work, timeout: datetime.timedelta) -> None:
         """Block until ``work`` is complete; raise on error or after ``timeout``."""
 
+    def scratch_bytes(self) -> int:
+        """Host or device memory the communicator holds for its own use between collectives
+        (landing buffers and the like); 0 unless an implementation says otherwise."""
+        return 0
+
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device), tag="barrier")
 

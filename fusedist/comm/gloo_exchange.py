@@ -173,6 +173,7 @@ class _LandingPool:
         self.slots, self.max_bytes = slots, max_bytes
         self._free: dict[torch.dtype, list[torch.Tensor]] = {}
         self._lock = threading.Lock()  # gradient hooks may launch from autograd's threads
+        self._in_flight = 0  # bytes of buffers taken and not yet given back or dropped
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements; hand it back whole."""
@@ -181,18 +182,37 @@ class _LandingPool:
             fits = [i for i, b in enumerate(free) if b.numel() >= numel]
             if fits:
                 best = min(fits, key=lambda i: free[i].numel())  # the smallest that fits
-                return free.pop(best)
-        return torch.empty(numel, dtype=dtype)
+                buffer = free.pop(best)
+            else:
+                buffer = torch.empty(numel, dtype=dtype)
+            self._in_flight += _nbytes(buffer)
+            return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
         with self._lock:
+            self._in_flight -= _nbytes(buffer)
             free = self._free.setdefault(buffer.dtype, [])
             free.append(buffer)
             while free and (len(free) > self.slots or self.idle_bytes() > self.max_bytes):
                 free.remove(min(free, key=torch.Tensor.numel))
 
+    def drop(self, buffer: torch.Tensor) -> None:
+        """Forget a buffer that is not coming back (its exchange failed; a late message may
+        still land in it): it is freed once the failed work is gone."""
+        with self._lock:
+            self._in_flight -= _nbytes(buffer)
+
     def idle_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+        return sum(_nbytes(b) for free in self._free.values() for b in free)
+
+    def held_bytes(self) -> int:
+        """Idle buffers plus those lent to exchanges in flight."""
+        with self._lock:
+            return self.idle_bytes() + self._in_flight
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class ExchangeWork:
@@ -219,9 +239,11 @@ class ExchangeWork:
     """
 
     def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor],
-                 on_success: Optional[Callable[[], None]] = None, timeout_s: float = 30 * 60.0):
+                 on_success: Optional[Callable[[], None]] = None, timeout_s: float = 30 * 60.0,
+                 on_failure: Optional[Callable[[], None]] = None):
         self.op = op
         self._on_success = on_success  # runs once, after every message has completed
+        self._on_failure = on_failure  # runs once, if the exchange failed
         # (recv work, peer group rank, peer global rank, chunk index, completion step or None)
         self._receives = receives
         # (send to post: () -> work, peer group rank, peer global rank, chunk index); posted
@@ -269,8 +291,11 @@ class ExchangeWork:
                 self._on_success()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self._error = exc
+            if self._on_failure is not None:
+                self._on_failure()
         finally:
-            self._receives, self._sends, self._keep_alive, self._on_success = [], [], (), None
+            self._receives, self._sends, self._keep_alive = [], [], ()
+            self._on_success = self._on_failure = None
             self._finished.set()
             self._runner.release()
 
@@ -362,9 +387,11 @@ class GlooExchange:
                 receives.append((self._irecv(into, src, tag), src, self.global_ranks[src], chunk))
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, holder)
-        give_back = functools.partial(self._landing.give_back, pooled) if pooled is not None else None
-        return self._start(ExchangeWork("reduce_scatter", ordered, sends, (landing, rows, output),
-                                        on_success=give_back, timeout_s=self.timeout_s))
+        pool = self._landing
+        return self._start(ExchangeWork(
+            "reduce_scatter", ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
+            on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
+            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
@@ -387,6 +414,11 @@ class GlooExchange:
         if not in_place:
             rows[r].copy_(input)  # after posting the messages: the copy overlaps the transfers
         return self._start(ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s))
+
+    def scratch_bytes(self) -> int:
+        """Bytes of reduce-scatter landing buffers this group holds: pooled between exchanges
+        (at most ``_LandingPool.max_bytes``) and lent to exchanges in flight."""
+        return self._landing.held_bytes()
 
     # ---- helpers
     def _rows(self, kind: str, whole: torch.Tensor, part: torch.Tensor, op: Optional[str]):

@@ -76,6 +76,9 @@ class TorchCommunicator(Communicator):
     def _all_reduce(self, tensor, op):
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
+    def scratch_bytes(self) -> int:
+        return self.exchange.scratch_bytes() if self.exchange is not None else 0
+
     def _use_exchange(self, output, input, reduces: bool) -> bool:
         # Anything else (CUDA tensors on a gloo group, dtypes the exchange does not reduce) goes
         # to torch's collectives, which support it or raise their own error.

@@ -671,6 +671,10 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             "shard_elements": sum(part.shard_numel.values()) if part else 0,
             "padding_elements": part.padding_elements() if part else 0,
             "world_size": self.world_size,
+            # Not in total_bytes: memory of the communicator (shared with DDP), e.g. the gloo
+            # exchange's reduce-scatter landing buffers, (N-2)/N of a bucket at most in flight
+            # per bucket; none with 2 ranks. Zero on NCCL.
+            "communication_scratch_bytes": self.comm.scratch_bytes() if self.comm is not None else 0,
         }
 
     # ------------------------------------------------------------------ state dicts

@@ -4,9 +4,10 @@ Why: gloo's flat ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` are much
 its all-reduce (a reduce-scatter alone takes 1.5-2x an all-reduce of the whole tensor), so
 ZeRO's reduce-scatter + all-gather of Ψ cost 2-5x one all-reduce of Ψ, although both move
 the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and chunk, no
-``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.8-1.4x
-on 2 ranks, 1M-16M fp32 elements, measured on a busy 2-core machine; benchmarks/bench_zero.py
-times both implementations in the same run):
+``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.94x
+at 16.8M fp32 elements, 1.1-1.3x at 1M-6.6M, 2 ranks on a 2-core machine; below ~1M the
+fixed cost of two launches from Python dominates; benchmarks/bench_zero.py times both
+implementations in the same run):
 
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;
@@ -223,7 +224,8 @@ class ExchangeWork:
         stays False until someone waits; measured), and waiting with a short timeout makes
         gloo drop the connection, so polling them is not possible. Instead every exchange is
         driven by its group's *progress thread* (:class:`_ProgressThread`), in launch order:
-        it waits for the receives in a fixed order, runs each one's completion step (the
+        it posts the sends (Note [receives first, sends later]), waits for the receives in a
+        fixed order, runs each one's completion step (the
         reduction of a chunk) as it lands, then waits for the sends, and sets the work's
         completion flag. So ``is_completed()`` is a truthful non-blocking query -- DDP finishes
         buckets during backward when it turns True -- and the reduction runs while the caller
@@ -235,7 +237,8 @@ class ExchangeWork:
     ``wait(timeout)`` waits for that flag. The progress thread's own deadline is the launch
     time plus the communicator's timeout; on failure or timeout it records a ``RuntimeError``
     naming the peer and chunk it was waiting for, which ``wait`` raises. A failed exchange is
-    not retried, and its landing buffer is not reused: a late message may still land in it.
+    not retried, and its landing buffer is not reused: a late message may still land in it (or
+    in the output, which receives one peer's part directly; Note [in-place fold]).
     """
 
     def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor],

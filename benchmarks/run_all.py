@@ -9,6 +9,7 @@ each and its exit status. The GPU benchmarks run from benchmarks/gpu/run_checks.
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,14 +38,20 @@ def main() -> int:
         with open(path) as f:
             quick = not args.full and "--quick" in f.read()
         cmd = [sys.executable, path, *extra] + (["--quick"] if quick else [])
-        print("$", " ".join(cmd[1:]), flush=True)
+        print("$ python", os.path.relpath(path), *cmd[2:], flush=True)
         start = time.monotonic()
+        # Its own process group: a benchmark that runs past the limit is stopped with the
+        # rank processes it spawned, not just its main process.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
-            lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+            output, _ = proc.communicate(timeout=args.timeout)
+            status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+            lines = [line for line in output.splitlines() if line.strip()]
             last = lines[-1][:110] if lines else ""
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             status, last = f"timed out after {args.timeout:.0f} s", ""
         failed |= status != "ok"
         rows.append((script, status, time.monotonic() - start, last))

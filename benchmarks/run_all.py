@@ -3,7 +3,8 @@
     python benchmarks/run_all.py            # (`make bench`)
     python benchmarks/run_all.py --full     # the full sizes (tens of minutes on 2 cores)
 
-Each script writes its own results under benchmarks/results/; this prints the last line of
+Each script writes its own results under benchmarks/results/ (a quick run replaces a
+recorded run of the same name; `git diff` shows what changed); this prints the last line of
 each and its exit status. The GPU benchmarks run from benchmarks/gpu/run_checks.sh instead.
 """
 

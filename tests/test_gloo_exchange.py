@@ -204,6 +204,13 @@ def _exchange_checks(rank, world_size, seed):
     out = torch.empty(2)
     builtin.reduce_scatter(out, torch.ones(2 * world_size))
     check("builtin reduce_scatter", out, torch.full((2,), float(world_size)))
+    if world_size > 1:  # the in-place rule holds for every backend (NCCL and gloo define only it)
+        buf = torch.zeros(world_size * 4)
+        other = (rank + 1) % world_size
+        with pytest.raises(ValueError, match=r"output overlaps input other than at this rank's own slice"):
+            builtin.reduce_scatter(buf[other * 4:other * 4 + 4], buf)
+        with pytest.raises(ValueError, match="input overlaps output"):
+            builtin.all_gather(buf, buf[1:5])
     assert builtin.scratch_bytes() == 0
 
     # Scratch memory (Note [in-place fold]): a reduce-scatter into a separate output keeps

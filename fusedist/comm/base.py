@@ -166,6 +166,7 @@ class Communicator(abc.ABC):
                 f"fusedist reduce_scatter{_tag(tag)}: input has {input.numel()} elements, expected "
                 f"world_size ({self.world_size}) x output ({output.numel()})"
             )
+        check_in_place("reduce_scatter", output, input, self.rank, self.world_size)
         return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op))
 
     def all_gather(self, output, input, *, async_op: bool = False, tag: str = "") -> CommHandle:
@@ -175,6 +176,7 @@ class Communicator(abc.ABC):
                 f"fusedist all_gather{_tag(tag)}: output has {output.numel()} elements, expected "
                 f"world_size ({self.world_size}) x input ({input.numel()})"
             )
+        check_in_place("all_gather", output, input, self.rank, self.world_size)
         return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input))
 
     def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
@@ -223,6 +225,31 @@ class Communicator(abc.ABC):
                 raise ValueError(f"fusedist {name}: tensors must be contiguous (got strides {t.stride()})")
         if len({t.dtype for t in tensors}) > 1:
             raise ValueError(f"fusedist {name}: dtype mismatch {[t.dtype for t in tensors]}")
+
+
+def check_in_place(kind: str, output: torch.Tensor, input: torch.Tensor, rank: int, world_size: int) -> None:
+    """Raise ``ValueError`` when a reduce-scatter's output (an all-gather's input) overlaps the
+    other tensor anywhere but at exactly this rank's slice: the one in-place form NCCL, gloo
+    and the gloo exchange define. Any other overlap overwrites data still being sent, and
+    the result would be silently wrong. Shapes are the caller's to check first."""
+    whole, part = (input, output) if kind == "reduce_scatter" else (output, input)
+    m = part.numel()
+    if m == 0 or whole.numel() != m * world_size or not _overlaps(whole, part):
+        return
+    if part.data_ptr() != whole.data_ptr() + rank * m * whole.element_size():
+        name = "output" if kind == "reduce_scatter" else "input"
+        other = "input" if kind == "reduce_scatter" else "output"
+        raise ValueError(
+            f"fusedist {kind}: {name} overlaps {other} other than at this rank's own slice (rank "
+            f"{rank}); pass a separate {name}, or exactly {other}.view(-1)[{rank * m}:{(rank + 1) * m}]"
+        )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _tag(tag: str) -> str:

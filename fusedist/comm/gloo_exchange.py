@@ -45,6 +45,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .base import check_in_place
+
 ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
 MODES = ("p2p", "builtin")
 
@@ -126,16 +128,7 @@ def validate(kind: str, output: torch.Tensor, input: torch.Tensor, op: Optional[
             f"fusedist {kind}: op='avg' needs a floating-point tensor, got {input.dtype} (as with "
             "gloo); reduce with 'sum' and divide, or convert to a floating-point dtype"
         )
-    m = part.numel()
-    if m == 0 or whole.numel() != m * world_size or not _overlaps(whole, part):
-        return
-    if part.data_ptr() != whole.data_ptr() + rank * m * whole.element_size():
-        name = "output" if kind == "reduce_scatter" else "input"
-        other = "input" if kind == "reduce_scatter" else "output"
-        raise ValueError(
-            f"fusedist {kind}: {name} overlaps {other} other than at this rank's own slice (rank "
-            f"{rank}); pass a separate {name}, or exactly {other}.view(-1)[{rank * m}:{(rank + 1) * m}]"
-        )
+    check_in_place(kind, output, input, rank, world_size)
 
 
 def _tag(kind: str, seq: int, chunk: int) -> int:
@@ -146,13 +139,6 @@ def _tag(kind: str, seq: int, chunk: int) -> int:
 def _chunk_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
     step = max(1, CHUNK_BYTES // element_size)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _remaining(deadline: float) -> datetime.timedelta:

@@ -348,3 +348,4 @@ def test_landing_pool_counts_what_it_holds():
     assert pool.held_bytes() == 480 and pool.idle_bytes() == 400  # a idle, b still lent
     pool.drop(b)  # its exchange failed: not coming back, no longer counted
     assert pool.held_bytes() == 400
+

@@ -45,7 +45,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import check_in_place
 
 ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
 MODES = ("p2p", "builtin")
@@ -115,20 +114,15 @@ def mode_from_env() -> str:
     return mode
 
 
-def validate(kind: str, output: torch.Tensor, input: torch.Tensor, op: Optional[str], rank: int,
-             world_size: int) -> None:
-    """Raise ``ValueError`` for what the exchange cannot do: integer avg, and an output that
-    overlaps the input anywhere but at this rank's own slice (it would overwrite data still
-    being sent). Shapes are the communicator's to check; mismatched ones pass through."""
-    whole, part = (input, output) if kind == "reduce_scatter" else (output, input)
-    if not (whole.is_contiguous() and part.is_contiguous()):
-        return  # the communicator's check names that problem
-    if op == "avg" and not input.is_floating_point():
+def validate_reduce_op(op: str, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` for the one reduction the exchange refuses, as gloo does: avg of an
+    integer tensor. Shapes, contiguity and overlap are the communicator's checks
+    (``Communicator.reduce_scatter`` / ``all_gather``), done before any launch."""
+    if op == "avg" and not dtype.is_floating_point:
         raise ValueError(
-            f"fusedist {kind}: op='avg' needs a floating-point tensor, got {input.dtype} (as with "
+            f"fusedist reduce_scatter: op='avg' needs a floating-point tensor, got {dtype} (as with "
             "gloo); reduce with 'sum' and divide, or convert to a floating-point dtype"
         )
-    check_in_place(kind, output, input, rank, world_size)
 
 
 def _tag(kind: str, seq: int, chunk: int) -> int:
@@ -351,9 +345,10 @@ class GlooExchange:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int) -> Optional[ExchangeWork]:
         """Start ``output = reduce(input[r-th slice] over ranks)``; None when already done.
 
-        ``output`` may be this rank's own slice of ``input`` (in place); see :func:`validate`.
+        ``output`` may be this rank's own slice of ``input`` (in place; the communicator has
+        refused every other overlap). ``op`` passed :func:`validate_reduce_op`.
         """
-        rows, output, in_place = self._rows("reduce_scatter", input, output, op)
+        rows, output, in_place = self._rows("reduce_scatter", input, output)
         if rows is None:
             return None
         n, r, m = self.world_size, self.rank, output.numel()
@@ -364,16 +359,10 @@ class GlooExchange:
         peer_row = {p: i for i, p in enumerate(landed)}
         pooled = self._landing.take(len(landed) * m, input.dtype) if landed else None
         landing = pooled[:len(landed) * m].view(len(landed), m) if landed else None
-        receives: list = []
-        sends: list = []
-        for chunk, (lo, hi) in enumerate(_chunk_bounds(m, input.element_size())):
-            tag = _tag("reduce_scatter", seq, chunk)
-            # Ring order spreads the first messages of all ranks over all links.
-            for k in range(1, n):
-                dst, src = (r + k) % n, (r - k) % n
-                sends.append((self._send_later(rows[dst, lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
-                into = output[lo:hi] if src == direct else landing[peer_row[src], lo:hi]
-                receives.append((self._irecv(into, src, tag), src, self.global_ranks[src], chunk))
+        sends, receives = self._post(
+            "reduce_scatter", seq, m, input.element_size(),
+            send_slice=lambda dst, lo, hi: rows[dst, lo:hi],
+            recv_slice=lambda src, lo, hi: output[lo:hi] if src == direct else landing[peer_row[src], lo:hi])
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, holder)
         pool = self._landing
@@ -385,23 +374,19 @@ class GlooExchange:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
 
-        ``input`` may be this rank's own slice of ``output`` (in place); see :func:`validate`.
+        ``input`` may be this rank's own slice of ``output`` (in place; the communicator has
+        refused every other overlap).
         """
-        rows, input, in_place = self._rows("all_gather", output, input, None)
+        rows, input, in_place = self._rows("all_gather", output, input)
         if rows is None:
             return None
-        n, r, m = self.world_size, self.rank, input.numel()
-        receives: list = []
-        sends: list = []
-        for chunk, (lo, hi) in enumerate(_chunk_bounds(m, input.element_size())):
-            tag = _tag("all_gather", seq, chunk)
-            for k in range(1, n):
-                dst, src = (r + k) % n, (r - k) % n
-                sends.append((self._send_later(input[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
-                recv = self._irecv(rows[src, lo:hi], src, tag)
-                receives.append((recv, src, self.global_ranks[src], chunk, None))
+        sends, receives = self._post(
+            "all_gather", seq, input.numel(), input.element_size(),
+            send_slice=lambda dst, lo, hi: input[lo:hi],
+            recv_slice=lambda src, lo, hi: rows[src, lo:hi])
+        receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
-            rows[r].copy_(input)  # after posting the messages: the copy overlaps the transfers
+            rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
         return self._start(ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s))
 
     def scratch_bytes(self) -> int:
@@ -410,12 +395,10 @@ class GlooExchange:
         return self._landing.held_bytes()
 
     # ---- helpers
-    def _rows(self, kind: str, whole: torch.Tensor, part: torch.Tensor, op: Optional[str]):
-        """Validate, then view ``whole`` (reduce-scatter input / all-gather output) as one row per
-        rank; returns (rows or None when nothing is left to exchange, flat ``part``, in place?).
-        A single rank, or empty slices, finish here: the slice is copied across if needed."""
-        output, input = (part, whole) if kind == "reduce_scatter" else (whole, part)
-        validate(kind, output, input, op, self.rank, self.world_size)
+    def _rows(self, kind: str, whole: torch.Tensor, part: torch.Tensor):
+        """View ``whole`` (reduce-scatter input / all-gather output) as one row per rank; returns
+        (rows or None when nothing is left to exchange, flat ``part``, in place?). A single
+        rank, or empty slices, finish here: the slice is copied across if needed."""
         whole, part = whole.view(-1), part.view(-1)  # any contiguous shape, flat slices
         n, r, m = self.world_size, self.rank, part.numel()
         rows = whole.view(n, m)
@@ -428,6 +411,25 @@ class GlooExchange:
                     rows[r].copy_(part)
             return None, part, in_place
         return rows, part, in_place
+
+    def _post(self, kind: str, seq: int, numel: int, element_size: int, send_slice, recv_slice):
+        """Post the receives of one exchange and prepare its sends (posted when driven; Note
+        [receives first, sends later]): chunk by chunk, one message per peer and chunk, tagged
+        by Note [exchange tags]. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
+        ``recv_slice(src, lo, hi)`` where peer ``src``'s part lands, for elements [lo, hi) of a
+        slice. Returns (sends, receives), each entry (work or send to post, peer, global peer,
+        chunk)."""
+        n, r = self.world_size, self.rank
+        sends: list = []
+        receives: list = []
+        for chunk, (lo, hi) in enumerate(_chunk_bounds(numel, element_size)):
+            tag = _tag(kind, seq, chunk)
+            # Ring order spreads the first messages of all ranks over all links.
+            for k in range(1, n):
+                dst, src = (r + k) % n, (r - k) % n
+                sends.append((self._send_later(send_slice(dst, lo, hi), dst, tag), dst, self.global_ranks[dst], chunk))
+                receives.append((self._irecv(recv_slice(src, lo, hi), src, tag), src, self.global_ranks[src], chunk))
+        return sends, receives
 
     def _start(self, work: ExchangeWork) -> ExchangeWork:
         self._progress.submit(work)
@@ -535,4 +537,4 @@ _COMBINE_INPLACE = {
 
 
 def _divide(out: torch.Tensor, n: int) -> None:
-    out.div_(n)  # floating point only: validate() refuses integer avg
+    out.div_(n)  # floating point only: validate_reduce_op() refuses integer avg

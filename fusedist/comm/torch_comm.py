@@ -89,13 +89,8 @@ class TorchCommunicator(Communicator):
     # (a launch failure would be reported as a failed collective).
     def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = ""):
         if self._use_exchange(output, input, reduces=True):
-            gloo_exchange.validate("reduce_scatter", output, input, op, self.rank, self.world_size)
+            gloo_exchange.validate_reduce_op(op, input.dtype)
         return super().reduce_scatter(output, input, op=op, async_op=async_op, tag=tag)
-
-    def all_gather(self, output, input, *, async_op: bool = False, tag: str = ""):
-        if self._use_exchange(output, input, reduces=False):
-            gloo_exchange.validate("all_gather", output, input, None, self.rank, self.world_size)
-        return super().all_gather(output, input, async_op=async_op, tag=tag)
 
     def _reduce_scatter(self, output, input, op):
         if self._use_exchange(output, input, reduces=True):

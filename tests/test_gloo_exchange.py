@@ -14,6 +14,7 @@ cross many chunks, with sizes that are and are not multiples of the chunk.
 import datetime
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -349,3 +350,39 @@ def test_landing_pool_counts_what_it_holds():
     pool.drop(b)  # its exchange failed: not coming back, no longer counted
     assert pool.held_bytes() == 400
 
+
+class _FakeWork:
+    """Stands in for a torch ``Work``: records whether the exchange already said it was done
+    when the last reference to it went away."""
+
+    def __init__(self, exchange_box, log, fail=False):
+        self._box, self._log, self._fail = exchange_box, log, fail
+
+    def wait(self, timeout=None):
+        if self._fail:
+            raise RuntimeError("connection closed by peer")
+        return True
+
+    def __del__(self):
+        self._log.append(self._box[0].is_completed())
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["completes", "fails"])
+def test_works_are_released_before_completion_is_signalled(fail):
+    # Note [work references]: once is_completed() is True the caller may return and the
+    # interpreter may shut down, so no gloo work may be left for the driving thread to release.
+    from fusedist.comm.gloo_exchange import ExchangeWork
+
+    box, log = [None], []
+    receives = [(_FakeWork(box, log, fail=fail), 1, 1, 0, None), (_FakeWork(box, log), 1, 1, 1, None)]
+    sends = [(lambda: _FakeWork(box, log), 1, 1, chunk) for chunk in (0, 1)]
+    box[0] = work = ExchangeWork("all_gather", receives, sends, ())
+    del receives, sends
+    worker = threading.Thread(target=work.run)
+    worker.start()
+    worker.join()
+    assert work.is_completed()
+    assert log == [False] * 4, log  # every work released before the flag was set
+    if fail:
+        with pytest.raises(RuntimeError, match="receiving chunk 0 from rank 1 did not complete: connection closed"):
+            work.wait()

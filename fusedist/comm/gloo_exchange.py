@@ -40,6 +40,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -259,20 +260,9 @@ class ExchangeWork:
         if self._finished.is_set() or not self._runner.acquire(blocking=False):
             return
         try:
-            posted = []
-            for post, peer, global_peer, chunk in self._sends:
-                self._waiting_for = f"posting the send of chunk {chunk} to {_where(peer, global_peer)}"
-                posted.append((post(), peer, global_peer, chunk))
-            for work, peer, global_peer, chunk, complete in self._receives:
-                self._wait_one(work, "receiving", peer, global_peer, chunk)
-                if complete is not None:
-                    complete()
-            for work, peer, global_peer, chunk in posted:
-                self._wait_one(work, "sending", peer, global_peer, chunk)
-            self._waiting_for = "done"
-            if self._on_success is not None:
-                self._on_success()
+            self._drive()  # its frame, and the gloo works it held, are gone when it returns
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            _drop_frame_locals(exc)
             self._error = exc
             if self._on_failure is not None:
                 self._on_failure()
@@ -281,6 +271,21 @@ class ExchangeWork:
             self._on_success = self._on_failure = None
             self._finished.set()
             self._runner.release()
+
+    def _drive(self) -> None:
+        posted = []
+        for post, peer, global_peer, chunk in self._sends:
+            self._waiting_for = f"posting the send of chunk {chunk} to {_where(peer, global_peer)}"
+            posted.append((post(), peer, global_peer, chunk))
+        for work, peer, global_peer, chunk, complete in self._receives:
+            self._wait_one(work, "receiving", peer, global_peer, chunk)
+            if complete is not None:
+                complete()
+        for work, peer, global_peer, chunk in posted:
+            self._wait_one(work, "sending", peer, global_peer, chunk)
+        self._waiting_for = "done"
+        if self._on_success is not None:
+            self._on_success()
 
     def _wait_one(self, work, what, peer, global_peer, chunk) -> None:
         where = _where(peer, global_peer)
@@ -291,6 +296,29 @@ class ExchangeWork:
             work.wait(timeout=_remaining(self._deadline))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; say what we waited on
             raise RuntimeError(f"{self.op} exchange: {self._waiting_for} did not complete: {exc}") from exc
+
+
+# Note [work references]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Every reference the driving thread holds to a torch ``Work`` is dropped *before* the
+# exchange's completion flag is set. Why: torch destroys a ``Work`` with the GIL released,
+# then takes the GIL back. Once the caller sees the flag it may return, and the interpreter
+# may begin to shut down. Then the progress thread, a daemon, would drop its last references
+# while that happens. A daemon thread that takes the GIL back during shutdown is ended with
+# pthread_exit, and unwinding through torch's no-GIL destructor aborts the process
+# ("terminate called without an active exception"). Such aborts were seen at exit, rarely,
+# in 2-rank runs; they persisted after this change, so it is a precaution against one known
+# way to get them, not their established cause. The work is driven in its
+# own method (``_drive``), whose locals are gone when it returns, and a failure's traceback
+# has its frames' locals cleared before the error is stored.
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of the finished frames in ``exc``'s traceback and those of its causes
+    (Note [work references]); the messages and line numbers stay."""
+    seen: set = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _where(peer: int, global_peer: int) -> str:
@@ -320,7 +348,7 @@ class _ProgressThread:
     @staticmethod
     def _loop(q) -> None:
         while True:
-            q.get().run()
+            q.get().run()  # the exchange is dropped at once: it holds no gloo work any more
 
 
 class GlooExchange:

@@ -15,6 +15,19 @@ import os
 import torch
 import torch.distributed as dist
 
+# Note [binding torch.distributed.nn early]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.distributed.nn.functional writes ``group=group.WORLD`` as default arguments, which
+# Python evaluates once, when the module is first imported. Imported after
+# init_process_group -- torch.optim's first optimizer imports it, through torch._dynamo --
+# those ten defaults hold the default process group for the rest of the process:
+# destroy_process_group() can no longer free it, and it is left to interpreter shutdown,
+# where freeing a gloo group can abort the process (Note [releasing destroyed groups] in
+# fusedist/comm/__init__.py). Imported here, before fusedist can have created a group, they
+# hold None. (3 ms.)
+if dist.is_available():
+    import torch.distributed.nn  # noqa: F401
+
 #: Default timeout of every collective fusedist waits on. Finite on purpose: a rank that dies or
 #: diverges must turn into an error on the others, not a hang. Override with
 #: ``FUSEDIST_TIMEOUT_S`` or ``init_distributed(timeout=...)``.

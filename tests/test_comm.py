@@ -86,6 +86,61 @@ def test_collectives_exact(world_size):
     assert "all_reduce" in message and "lonely" in message and "rank 0" in message
 
 
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _destroyed_group_is_freed(rank, world_size):
+    """Use the group as training does -- a builtin gloo collective, the exchange (its progress
+    thread), a DDP model stepped by a torch optimizer -- then destroy it."""
+    import threading
+    import weakref
+
+    import torch.distributed as dist
+
+    import fusedist
+    from fusedist.comm import get_communicator, release_destroyed_groups
+
+    comm = get_communicator()
+    comm.broadcast(torch.ones(3), src=0)
+    comm.reduce_scatter(torch.empty(2), torch.ones(2 * world_size))
+    model = fusedist.DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # its first one imports torch._dynamo
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    progress = [t for t in threading.enumerate() if t.name == "fusedist-gloo-exchange"]
+    group = weakref.ref(dist.group.WORLD)
+    before = _native_threads()
+    del comm, model, opt
+    dist.destroy_process_group()
+    held_by_cache = group() is not None
+    released = release_destroyed_groups()
+    for t in progress:
+        t.join(timeout=10)
+    return {
+        "held_by_cache": held_by_cache,
+        "released": released,
+        "freed": group() is None,
+        "progress_threads": len(progress),
+        "progress_ended": not any(t.is_alive() for t in progress),
+        "native_threads_ended": before - _native_threads(),
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_destroyed_group_is_freed_before_interpreter_shutdown():
+    """A destroyed gloo group must be freed while the interpreter runs: torch then joins its
+    worker threads. Freed at interpreter shutdown instead, a worker that drops a finished
+    work can abort the process (Note [releasing destroyed groups])."""
+    for out in run_distributed(_destroyed_group_is_freed, 2):
+        assert out["held_by_cache"] and out["released"] == 1  # fusedist held it until released
+        assert out["freed"], "something else still holds the destroyed process group"
+        assert out["progress_threads"] == 1 and out["progress_ended"]
+        # At least gloo's two worker threads (joined when the group is freed) and the progress
+        # thread.
+        assert out["native_threads_ended"] >= 3, out
+
+
 def _init_from_env(rank, world_size, init_file):
     import fusedist
 

@@ -30,6 +30,7 @@ def test_segfault_names_the_rank_and_prints_the_python_stack(capfd):
     assert "Segmentation fault" in err and "_segfault_in_native_code" in err, err[-2000:]
 
 
-def test_crash_during_shutdown_after_answering_is_reported():
-    with pytest.warns(RuntimeWarning, match=r"rank 0 returned its result, then exited with code -11"):
-        assert run_distributed(_crash_while_exiting, 1, backend=None, timeout=60) == [0]
+def test_crash_during_shutdown_after_answering_fails_the_run():
+    with pytest.raises(DistributedRunError, match=r"rank 0 returned its result, then exited with code -11") as info:
+        run_distributed(_crash_while_exiting, 1, backend=None, timeout=60)
+    assert set(info.value.failures) == {0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Callable, Optional
 
@@ -18,6 +19,7 @@ __all__ = [
     "TorchCommunicator",
     "get_communicator",
     "register_cuda_communicator",
+    "release_destroyed_groups",
 ]
 
 _cache: dict = {}
@@ -48,8 +50,10 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
             f"{device.type} tensors (fusedist.cuda_ext_error() says why)"
         )
     # Key on the group object itself (the default group resolved), so a destroyed and
-    # re-created process group gets a fresh communicator. The cache holds the group alive,
-    # which keeps its id from being reused.
+    # re-created process group gets a fresh communicator. The cache holds the group alive
+    # (which keeps its id from being reused) until torch.distributed destroys it (Note
+    # [releasing destroyed groups]).
+    release_destroyed_groups()
     group_obj = process_group if process_group is not None else dist.group.WORLD
     key = (id(group_obj), "nccl" if use_nccl else "torch")
     entry = _cache.get(key)
@@ -57,6 +61,43 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
         comm = _cuda_factory(process_group) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
     return entry[1]
+
+
+# Note [releasing destroyed groups]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Once ``destroy_process_group`` has run, the communicator cache must not keep the group
+# alive. Why: torch frees a ProcessGroupGloo when its last reference goes, and its destructor
+# joins gloo's worker threads, each of which drops its last finished work first. A group
+# kept alive past that point is torch's to free at interpreter shutdown instead, and a worker
+# that drops a finished work then -- its tensors need the GIL to release their Python
+# objects -- is ended by pthread_exit inside a no-throw destructor: the process aborts with
+# "terminate called without an active exception" after the program has finished (seen about
+# once in 150 two-rank runs whose last collective was a gloo broadcast; the core showed a
+# ProcessGroupGloo worker in ``~AsyncBroadcastWork`` -> ``decref_pyobject`` ->
+# ``take_gil``). So every lookup, and an atexit hook, drop the communicators of groups torch
+# no longer has, and stop their helper threads. (A group never destroyed stays torch's
+# business, as without fusedist: call ``destroy_process_group()`` before exiting.)
+def release_destroyed_groups() -> int:
+    """Forget (and stop the helper threads of) the cached communicators whose process group
+    ``torch.distributed`` has destroyed; returns how many. Runs on every
+    :func:`get_communicator` call and at interpreter exit."""
+    stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
+    for key in stale:
+        _, comm = _cache.pop(key)
+        comm.stop_helpers()
+    return len(stale)
+
+
+def _is_registered(group) -> bool:
+    """Whether ``torch.distributed`` still has ``group`` (not destroyed)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if pg_map is None:  # internals moved: fall back to the public, coarser question
+        return dist.is_initialized()
+    return group is not None and group in pg_map
+
+
+atexit.register(release_destroyed_groups)
 
 
 def _register_direct_nccl() -> None:

@@ -145,6 +145,11 @@ class Communicator(abc.ABC):
         (landing buffers and the like); 0 unless an implementation says otherwise."""
         return 0
 
+    def stop_helpers(self) -> None:
+        """Stop the background threads the communicator started for its own use; they start
+        again on the next collective. Called when its process group is destroyed
+        (:func:`fusedist.comm.release_destroyed_groups`). Nothing to stop by default."""
+
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device), tag="barrier")
 

@@ -345,10 +345,19 @@ class _ProgressThread:
                 self._thread.start()
             self._queue.put(work)
 
+    def stop(self) -> None:
+        """Let the thread finish what it was given, then end; the next ``submit`` starts a
+        fresh one (with its own queue, so nothing lands behind the stop)."""
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                self._queue.put(None)
+            self._thread = None
+
     @staticmethod
     def _loop(q) -> None:
-        while True:
-            q.get().run()  # the exchange is dropped at once: it holds no gloo work any more
+        while (work := q.get()) is not None:
+            work.run()
+            del work  # the exchange is dropped at once: it holds no gloo work any more
 
 
 class GlooExchange:
@@ -416,6 +425,11 @@ class GlooExchange:
         if not in_place:
             rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
         return self._start(ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s))
+
+    def stop_progress_thread(self) -> None:
+        """End the progress thread once it has run the exchanges already launched (a later
+        launch starts a new one)."""
+        self._progress.stop()
 
     def scratch_bytes(self) -> int:
         """Bytes of reduce-scatter landing buffers this group holds: pooled between exchanges

@@ -79,6 +79,10 @@ class TorchCommunicator(Communicator):
     def scratch_bytes(self) -> int:
         return self.exchange.scratch_bytes() if self.exchange is not None else 0
 
+    def stop_helpers(self) -> None:
+        if self.exchange is not None:
+            self.exchange.stop_progress_thread()
+
     def _use_exchange(self, output, input, reduces: bool) -> bool:
         # Anything else (CUDA tensors on a gloo group, dtypes the exchange does not reduce) goes
         # to torch's collectives, which support it or raise their own error.

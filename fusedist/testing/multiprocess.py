@@ -22,7 +22,6 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
-import warnings
 from typing import Any, Callable
 
 
@@ -53,20 +52,38 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
-        try:
-            value = fn(rank, world_size, *args, **kwargs)
-        finally:
-            if backend is not None and dist.is_initialized():
-                dist.destroy_process_group()
+        value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle to bytes: torch's multiprocessing reducers would share tensors through
         # this process's file descriptors, which vanish when it exits.
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, False, traceback.format_exc()))
-    # Hand the result over before interpreter teardown (extension destructors, CUDA and NCCL
-    # shutdown), so a crash there is reported as such, not as a rank that never answered.
+    # The answer goes out before the group is destroyed (whose destructor waits for gloo's
+    # workers, so for a collective still stuck on a failed run) and before interpreter
+    # teardown (extension destructors, CUDA and NCCL shutdown), so a crash there is reported
+    # as such, not as a rank that never answered.
+    _release_process_group()
     results.close()
     results.join_thread()
+
+
+def _release_process_group() -> None:
+    """Destroy the process group, also one ``fn`` initialized itself, and let fusedist drop
+    its references to it, so torch frees it (and joins gloo's worker threads) now rather
+    than during interpreter shutdown, where that can abort the process (Note [releasing
+    destroyed groups] in ``fusedist/comm/__init__.py``)."""
+    import gc
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    comm = sys.modules.get("fusedist.comm")
+    if comm is not None:
+        comm.release_destroyed_groups()
+    gc.collect()  # a reference cycle holding it would defer it to shutdown as well
 
 
 def run_distributed(
@@ -145,12 +162,12 @@ def run_distributed(
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}
     for r, p in enumerate(procs):
         # A rank that answered and then crashed while exiting (a destructor, NCCL or CUDA
-        # teardown) is reported as a warning, not a failure: a rare abort at interpreter exit
-        # on gloo (after a peer was left in a timed-out collective) is not yet explained. One
-        # still exiting after 5 s was killed here; that is not its own crash.
+        # teardown) fails the run: a crash at exit is a bug users meet too. One still exiting
+        # after 5 s was killed here (destroying a group waits for a collective still stuck in
+        # a failure test); that is not its own crash.
         if r in outcome and outcome[r][0] and r not in killed and p.exitcode not in (0, None):
-            warnings.warn(f"rank {r} returned its result, then exited with code {p.exitcode} while "
-                          "shutting down (stderr has faulthandler's stack if it crashed)", RuntimeWarning)
+            failures[r] = (f"rank {r} returned its result, then exited with code {p.exitcode} while "
+                           "shutting down (stderr has faulthandler's stack if it crashed)")
     for r in hung:
         failures[r] = f"rank {r} did not finish within {timeout:.0f} s (killed)"
     if expect_failure:

@@ -306,11 +306,12 @@ class ExchangeWork:
 # may begin to shut down. Then the progress thread, a daemon, would drop its last references
 # while that happens. A daemon thread that takes the GIL back during shutdown is ended with
 # pthread_exit, and unwinding through torch's no-GIL destructor aborts the process
-# ("terminate called without an active exception"). Such aborts were seen at exit, rarely,
-# in 2-rank runs; they persisted after this change, so it is a precaution against one known
-# way to get them, not their established cause. The work is driven in its
-# own method (``_drive``), whose locals are gone when it returns, and a failure's traceback
-# has its frames' locals cleared before the error is stored.
+# ("terminate called without an active exception"). The aborts at exit actually seen came
+# from gloo's own worker threads in a group left to interpreter shutdown (Note [releasing
+# destroyed groups] in fusedist/comm/__init__.py); this closes the same door for the
+# progress thread. The work is driven in its own method (``_drive``), whose locals are gone
+# when it returns, and a failure's traceback has its frames' locals cleared before the
+# error is stored.
 def _drop_frame_locals(exc: BaseException) -> None:
     """Clear the locals of the finished frames in ``exc``'s traceback and those of its causes
     (Note [work references]); the messages and line numbers stay."""

@@ -103,7 +103,7 @@ def _destroyed_group_is_freed(rank, world_size):
 
     comm = get_communicator()
     comm.broadcast(torch.ones(3), src=0)
-    comm.reduce_scatter(torch.empty(2), torch.ones(2 * world_size))
+    comm.reduce_scatter(torch.empty(2), torch.ones(2 * world_size), async_op=True).wait()  # on the progress thread
     model = fusedist.DistributedDataParallel(torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # its first one imports torch._dynamo
     model(torch.ones(3, 4)).sum().backward()

@@ -130,6 +130,14 @@ def _exchange_checks(rank, world_size, seed):
             comm.all_gather(buf, buf[rank * m:(rank + 1) * m])
             check(f"all_gather in place {dtype} m={m}", buf, want)
 
+    # all_gather moves any dtype; a complex one goes as its real view (as dist.isend sends it).
+    shard = torch.complex(_random(5, torch.float32, gen), _random(5, torch.float32, gen))
+    gathered = torch.empty(world_size * 5, dtype=torch.complex64)
+    comm.all_gather(gathered, shard)
+    want = torch.empty_like(gathered)
+    _all_gather_flat(want, shard)
+    check("all_gather complex64", gathered, want)
+
     # Several collectives in flight at once, interleaved with all_reduce, waited in reverse
     # order: integer-valued floats, so every result is exact.
     m = 3 * (CHUNK_BYTES // 4) + 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from typing import Callable, Optional
 
@@ -75,16 +76,20 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
 # once in 150 two-rank runs whose last collective was a gloo broadcast; the core showed a
 # ProcessGroupGloo worker in ``~AsyncBroadcastWork`` -> ``decref_pyobject`` ->
 # ``take_gil``). So every lookup, and an atexit hook, drop the communicators of groups torch
-# no longer has, and stop their helper threads. (A group never destroyed stays torch's
-# business, as without fusedist: call ``destroy_process_group()`` before exiting.)
+# no longer has, stop their helper threads, and collect the cycles that held them. (A group
+# never destroyed stays torch's business, as without fusedist: call
+# ``destroy_process_group()`` before exiting.)
 def release_destroyed_groups() -> int:
     """Forget (and stop the helper threads of) the cached communicators whose process group
     ``torch.distributed`` has destroyed; returns how many. Runs on every
     :func:`get_communicator` call and at interpreter exit."""
     stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
     for key in stale:
-        _, comm = _cache.pop(key)
-        comm.stop_helpers()
+        _cache.pop(key)[1].stop_helpers()
+    if stale:
+        # A DDP model or ZeRO optimizer and its communicator form reference cycles; collect
+        # them now, while the interpreter runs, rather than at its shutdown.
+        gc.collect()
     return len(stale)
 
 

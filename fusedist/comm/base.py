@@ -145,6 +145,11 @@ class Communicator(abc.ABC):
         (landing buffers and the like); 0 unless an implementation says otherwise."""
         return 0
 
+    def _progress_in_background(self, work) -> None:
+        """``work`` was launched with ``async_op=True``: the caller will wait later, if at all
+        soon. An implementation whose work only advances when driven hands it to a helper
+        thread here; a synchronous launch is waited for at once instead. Nothing by default."""
+
     def stop_helpers(self) -> None:
         """Stop the background threads the communicator started for its own use; they start
         again on the next collective. Called when its process group is destroyed
@@ -206,6 +211,8 @@ class Communicator(abc.ABC):
                 failed = CommHandle(self, None, op=op, tag=tag, seq=seq, timeout=self.timeout)
                 raise self._on_failure(failed, error) or error from exc
         handle = CommHandle(self, work, op=op, tag=tag, seq=seq, timeout=self.timeout)
+        if async_op:
+            self._progress_in_background(work)
         if self.observer is not None:
             self.observer.on_launch(self, handle)
         if not async_op:

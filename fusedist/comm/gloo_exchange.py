@@ -4,10 +4,11 @@ Why: gloo's flat ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` are much
 its all-reduce (a reduce-scatter alone takes 1.5-2x an all-reduce of the whole tensor), so
 ZeRO's reduce-scatter + all-gather of Ψ cost 2-5x one all-reduce of Ψ, although both move
 the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and chunk, no
-``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.94x
-at 16.8M fp32 elements, 1.1-1.3x at 1M-6.6M, 2 ranks on a 2-core machine; below ~1M the
-fixed cost of two launches from Python dominates; benchmarks/bench_zero.py times both
-implementations in the same run):
+``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.92-0.94x
+at 16.8M fp32 elements, 1.0-1.1x at 4.2M-6.6M, 2 ranks on a 2-core machine). Below that the
+collectives are latency-bound and RS+AG pays two synchronizations where the all-reduce pays
+one (1.3-1.5x at 1M, 1.7-2.4x at 0.3M); benchmarks/bench_zero.py times both implementations
+in the same run:
 
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;
@@ -193,6 +194,10 @@ class _LandingPool:
             return self.idle_bytes() + self._in_flight
 
 
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t  # as dist.isend / irecv do
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -203,8 +208,9 @@ class ExchangeWork:
     Note [exchange progress]
         gloo's point-to-point works report completion only through ``wait`` (``is_completed``
         stays False until someone waits; measured), and waiting with a short timeout makes
-        gloo drop the connection, so polling them is not possible. Instead every exchange is
-        driven by its group's *progress thread* (:class:`_ProgressThread`), in launch order:
+        gloo drop the connection, so polling them is not possible. Instead an exchange
+        launched with ``async_op=True`` is driven by its group's *progress thread*
+        (:class:`_ProgressThread`), in launch order:
         it posts the sends (Note [receives first, sends later]), waits for the receives in a
         fixed order, runs each one's completion step (the
         reduction of a chunk) as it lands, then waits for the sends, and sets the work's
@@ -212,8 +218,10 @@ class ExchangeWork:
         buckets during backward when it turns True -- and the reduction runs while the caller
         computes (torch's kernels release the GIL). A caller that waits before the thread
         got to the exchange drives it itself (whoever starts first finishes it; the other
-        skips it): a collective waited for at once costs no thread hand-off, which measured
-        ~1 ms per collective on a busy 2-core machine.
+        skips it). A synchronous launch never reaches the thread: its caller drives it at
+        once. Waking the thread for it anyway cost 0.4-1 ms per collective on a 2-core
+        machine, the two threads contending for the GIL (RS+AG of 1k fp32 elements, 2 ranks:
+        2.8 against 1.9 ms).
 
     ``wait(timeout)`` waits for that flag. The progress thread's own deadline is the launch
     time plus the communicator's timeout; on failure or timeout it records a ``RuntimeError``
@@ -364,12 +372,13 @@ class _ProgressThread:
 class GlooExchange:
     """Reduce-scatter and all-gather over one gloo process group by point-to-point messages.
 
-    ``rank``/``world_size`` are positions in ``group``; messages go to global ranks
-    (``isend``/``irecv`` take global ranks even for a subgroup).
+    ``rank``/``world_size`` are positions in ``group``, and so are the peers of its messages
+    (posted on the group itself); errors also name a peer's global rank.
     """
 
     def __init__(self, group, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None):
         self.group = group
+        self._pg = group if group is not None else dist.group.WORLD
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout.total_seconds() if timeout is not None else 30 * 60.0
@@ -404,10 +413,10 @@ class GlooExchange:
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, holder)
         pool = self._landing
-        return self._start(ExchangeWork(
+        return ExchangeWork(
             "reduce_scatter", ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
-            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None))
+            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
@@ -425,7 +434,13 @@ class GlooExchange:
         receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
             rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
-        return self._start(ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s))
+        return ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s)
+
+    def progress_in_background(self, work: ExchangeWork) -> None:
+        """Have the progress thread drive ``work`` (in launch order) unless its caller gets to
+        it first; for launches the caller does not wait for at once (Note [exchange
+        progress])."""
+        self._progress.submit(work)
 
     def stop_progress_thread(self) -> None:
         """End the progress thread once it has run the exchanges already launched (a later
@@ -474,15 +489,15 @@ class GlooExchange:
                 receives.append((self._irecv(recv_slice(src, lo, hi), src, tag), src, self.global_ranks[src], chunk))
         return sends, receives
 
-    def _start(self, work: ExchangeWork) -> ExchangeWork:
-        self._progress.submit(work)
-        return work
 
+    # The process group's own send/recv, with group ranks: what dist.isend / dist.irecv call
+    # after their argument checks and rank translation, which cost more than the posting
+    # itself (8 against 3.6 us per message measured) and which the communicator has done.
     def _send_later(self, tensor, peer, tag) -> Callable[[], object]:
-        return functools.partial(dist.isend, tensor, self.global_ranks[peer], group=self.group, tag=tag)
+        return functools.partial(self._pg.send, [_as_real(tensor)], peer, tag)
 
     def _irecv(self, tensor, peer, tag):
-        return dist.irecv(tensor, self.global_ranks[peer], group=self.group, tag=tag)
+        return self._pg.recv([_as_real(tensor)], peer, tag)
 
     def _reduction_schedule(self, receives, rows, landing, peer_row, output, op, holder) -> list:
         """Order the receives chunk by chunk, peers in rank order, each with the step that folds

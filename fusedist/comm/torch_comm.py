@@ -79,6 +79,10 @@ class TorchCommunicator(Communicator):
     def scratch_bytes(self) -> int:
         return self.exchange.scratch_bytes() if self.exchange is not None else 0
 
+    def _progress_in_background(self, work) -> None:
+        if isinstance(work, gloo_exchange.ExchangeWork):
+            self.exchange.progress_in_background(work)
+
     def stop_helpers(self) -> None:
         if self.exchange is not None:
             self.exchange.stop_progress_thread()

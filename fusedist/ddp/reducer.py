@@ -53,9 +53,11 @@ Note [unused parameters]
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -167,7 +169,13 @@ class Reducer:
         self.layout_final = False  # becomes True after the rebuild from observed order
         for p in params:
             self._attach_grad(p)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        # The hooks reach the reducer through a weak reference: torch keeps a tensor's hooks
+        # where the garbage collector cannot see them, so a bound method there would keep the
+        # reducer, the wrapper and the whole model alive after the user dropped the wrapper
+        # (measured: never freed). Once the reducer is gone its hooks are removed.
+        hook = functools.partial(_grad_ready, weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
 
         self.next_backward_sync = True
         self.in_backward = False
@@ -190,7 +198,7 @@ class Reducer:
         self.step_check = StepCheck(comm) if checks_enabled() and self.world_size > 1 else None
         self.monitor = attach_monitor(comm)
         if self.monitor is not None:
-            self.monitor.context_providers.append(self.position)
+            self.monitor.add_context_provider(self.position)
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int], bucket_storage: bool = False) -> GradLayout:
@@ -531,3 +539,14 @@ class Reducer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _grad_ready(reducer_ref: "weakref.ref[Reducer]", p) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._on_grad_ready(p)
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()

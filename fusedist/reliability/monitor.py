@@ -45,8 +45,9 @@ class StallError(CollectiveError):
 class CollectiveMonitor:
     """Observer of one communicator: recent-collective history and failure reports.
 
-    ``context_providers`` are callables returning a small dict describing where training is
-    (DDP step, backward number, optimizer steps); they run only when a report is built.
+    Context providers (:meth:`add_context_provider`) are callables returning a small dict
+    describing where training is (DDP step, backward number, optimizer steps); they run only
+    when a report is built.
     """
 
     def __init__(self, comm: Communicator, group_name: str = "world"):
@@ -56,7 +57,7 @@ class CollectiveMonitor:
         self.launch_times: dict[int, float] = {}
         #: Training position stamped into each history entry (set by DDP, cheap int).
         self.step_hint: int = -1
-        self.context_providers: list[Callable[[], dict]] = []
+        self._context_providers: list[Callable[[], Optional[Callable[[], dict]]]] = []
         self.generation = 0
         self.reports: list[str] = []
         # Held from the start: the process group (and its store handle) may be destroyed by the
@@ -97,14 +98,31 @@ class CollectiveMonitor:
             op=handle.op, tag=handle.tag, rank=comm.rank, seq=handle.seq,
         )
 
+    def add_context_provider(self, provider: Callable[[], dict]) -> None:
+        """Call ``provider()`` for the training position whenever a report is built. A bound
+        method is held weakly. Why: the monitor lives as long as its communicator, which the
+        communicator cache keeps for as long as the process group exists; holding a DDP
+        reducer's method strongly kept every DDP model ever built on the group -- module,
+        gradients, buckets -- alive after the user dropped it."""
+        if hasattr(provider, "__self__") and hasattr(provider, "__func__"):
+            self._context_providers.append(weakref.WeakMethod(provider))
+        else:
+            self._context_providers.append(lambda: provider)
+
     # ---- helpers
     def context(self) -> dict:
         out: dict = {}
-        for provider in self.context_providers:
+        live = []
+        for ref in self._context_providers:
+            provider = ref()
+            if provider is None:
+                continue  # its owner is gone
+            live.append(ref)
             try:
                 out.update(provider())
             except Exception:  # noqa: BLE001 - the report must not fail on a bad provider
                 pass
+        self._context_providers = live
         return out
 
     def _entry(self, kind: str, error: str) -> dict:

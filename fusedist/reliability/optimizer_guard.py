@@ -25,7 +25,9 @@ import weakref
 
 _lock = threading.Lock()
 _installed = False
-# optimizer -> (parameter count, owning DDP wrappers, first unowned trainable parameter or None)
+# optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
+# trainable parameter or None). Weak: a value that reaches its own key keeps the entry alive
+# forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer (through its module's hooks).
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -43,14 +45,19 @@ def _classify(optimizer):
                 owners[id(ddp)] = ddp
             elif p.requires_grad and unowned is None:
                 unowned = (gi, pi, tuple(p.shape), str(p.dtype))
-    entry = (count, list(owners.values()), unowned)
+    entry = (count, [weakref.ref(ddp) for ddp in owners.values()], unowned)
     _cache[optimizer] = entry
     return entry
 
 
+def _owners(entry) -> list:
+    return [ddp for ddp in (ref() for ref in entry[1]) if ddp is not None]
+
+
 def _pre_step(optimizer, args, kwargs) -> None:
-    _count, owners, unowned = _classify(optimizer)
-    for ddp in owners:
+    entry = _classify(optimizer)
+    unowned = entry[2]
+    for ddp in _owners(entry):
         reducer = ddp.reducer
         if unowned is not None:
             gi, pi, shape, dtype = unowned
@@ -77,8 +84,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
 
 
 def _post_step(optimizer, args, kwargs) -> None:
-    _count, owners, _unowned = _classify(optimizer)
-    for ddp in owners:
+    for ddp in _owners(_classify(optimizer)):
         ddp.reducer.optimizer_steps += 1
 
 

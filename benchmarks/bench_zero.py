@@ -94,9 +94,12 @@ def _collectives(rank, world_size, device, sizes, repeats):
     from fusedist.comm import TorchCommunicator, get_communicator
 
     comm = get_communicator(None, device)
-    impls = {"nccl" if device.type == "cuda" else "p2p exchange": comm}
+    # name -> (communicator, launched with async_op=True and then waited, as ZeRO launches
+    # them; on gloo that hands the exchange to its progress thread, Note [exchange progress])
+    impls = {"nccl" if device.type == "cuda" else "p2p exchange": (comm, False)}
     if device.type == "cpu":
-        impls["gloo builtin"] = TorchCommunicator(gloo_collectives="builtin")
+        impls["p2p exchange, async launch"] = (comm, True)
+        impls["gloo builtin"] = (TorchCommunicator(gloo_collectives="builtin"), False)
     rows = []
     for numel in sizes:
         numel = numel // (world_size * 16) * (world_size * 16)
@@ -106,10 +109,11 @@ def _collectives(rank, world_size, device, sizes, repeats):
         grad_shard = torch.empty(numel // world_size, device=device)
         own = full.view(world_size, -1)[rank]
         fns = {"ar": lambda: comm.all_reduce(full)}
-        for impl, c in impls.items():
-            fns[f"rsag {impl}"] = lambda c=c: (c.reduce_scatter(grad_shard, full), c.all_gather(full, own))
-            fns[f"rs {impl}"] = lambda c=c: c.reduce_scatter(grad_shard, full)
-            fns[f"ag {impl}"] = lambda c=c: c.all_gather(full, own)
+        for impl, (c, a) in impls.items():
+            fns[f"rsag {impl}"] = lambda c=c, a=a: (c.reduce_scatter(grad_shard, full, async_op=a).wait(),
+                                                    c.all_gather(full, own, async_op=a).wait())
+            fns[f"rs {impl}"] = lambda c=c, a=a: c.reduce_scatter(grad_shard, full, async_op=a).wait()
+            fns[f"ag {impl}"] = lambda c=c, a=a: c.all_gather(full, own, async_op=a).wait()
         t = _time_interleaved(fns, device, comm, 2, repeats)
         ar = t["ar"]
         busbytes = 2 * numel * 4 * (world_size - 1) / world_size
@@ -250,8 +254,11 @@ def main():
         "(same bytes on a ring), called as ZeRO calls them (reduce-scatter into a separate gradient shard, "
         "all-gather in place), timed interleaved with the all-reduce in every repetition; ratio_paired = "
         "median over repetitions of RS+AG time / all-reduce time in that repetition. On gloo "
-        "two rows per size: 'p2p exchange' is what fusedist's communicator uses (point-to-point "
-        "messages, fusedist/comm/gloo_exchange.py), 'gloo builtin' is FUSEDIST_GLOO_COLLECTIVES=builtin: "
+        "three rows per size: 'p2p exchange' is what fusedist's communicator uses (point-to-point "
+        "messages, fusedist/comm/gloo_exchange.py), called synchronously; 'p2p exchange, async launch' "
+        "the same launched with async_op=True and waited at once, as ZeRO launches them (the exchange "
+        "goes to its progress thread, a hand-off the synchronous call skips); "
+        "'gloo builtin' is FUSEDIST_GLOO_COLLECTIVES=builtin: "
         "gloo's own collectives (its reduce-scatter is an all-reduce of a copy of the input whose slice is "
         "copied out), slower than gloo's all-reduce for the same bytes (see the reduce_scatter_ms / "
         "all_gather_ms columns). Target: RS+AG within 1.1x of AR. "

@@ -4,11 +4,11 @@ Why: gloo's flat ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` are much
 its all-reduce (a reduce-scatter alone takes 1.5-2x an all-reduce of the whole tensor), so
 ZeRO's reduce-scatter + all-gather of Ψ cost 2-5x one all-reduce of Ψ, although both move
 the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and chunk, no
-``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.92-0.94x
-at 16.8M fp32 elements, 1.0-1.1x at 4.2M-6.6M, 2 ranks on a 2-core machine). Below that the
+``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.88-0.94x
+at 16.8M fp32 elements, 0.92-1.11x at 4.2M-6.6M, 2 ranks on a 2-core machine). Below that the
 collectives are latency-bound and RS+AG pays two synchronizations where the all-reduce pays
-one (1.3-1.5x at 1M, 1.7-2.4x at 0.3M); benchmarks/bench_zero.py times both implementations
-in the same run:
+one (1.22-1.36x at 1M, 1.7-2.4x at 0.3M); benchmarks/bench_zero.py times both
+implementations in the same run:
 
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;

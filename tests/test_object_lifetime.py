@@ -1,4 +1,4 @@
-"""Dropped training objects are freed: a DDP model, its optimizer, a ZeRO optimizer.
+"""Dropped training objects are freed: DDP models, their optimizers, ZeRO, SyncBatchNorm.
 
 torch keeps a tensor's hooks where the garbage collector cannot see them, and fusedist's
 process-wide pieces (the communicator cache and its monitor, the optimizer step guard) live
@@ -26,14 +26,21 @@ def _dropped_objects_are_freed(rank, world_size):
     def mlp():
         return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
 
+    def mlp_with_sync_bn():
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+        return fusedist.nn.SyncBatchNorm.convert_sync_batchnorm(net)
+
+    zero = fusedist.ZeroRedundancyOptimizer
     alive = {}
-    cases = {
-        "ddp + torch SGD": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-        "ddp + ZeRO stage 1": lambda m: fusedist.ZeroRedundancyOptimizer(m.parameters(), stage=1, lr=0.1),
-        "ddp + ZeRO stage 2": lambda m: fusedist.ZeroRedundancyOptimizer(m.parameters(), stage=2, lr=0.1),
+    cases = {  # name -> (module, optimizer of the DDP model)
+        "ddp + torch SGD": (mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+        "ddp + ZeRO stage 1": (mlp, lambda m: zero(m.parameters(), stage=1, lr=0.1)),
+        "ddp + ZeRO stage 2": (mlp, lambda m: zero(m.parameters(), stage=2, lr=0.1)),
+        "ddp + ZeRO stage 2, CPU offload": (mlp, lambda m: zero(m.parameters(), stage=2, lr=0.1, offload="cpu")),
+        "SyncBatchNorm + FusedAdamW": (mlp_with_sync_bn, lambda m: fusedist.optim.FusedAdamW(m.parameters(), lr=0.1)),
     }
-    for name, make_opt in cases.items():
-        model = fusedist.DistributedDataParallel(mlp())
+    for name, (make_module, make_opt) in cases.items():
+        model = fusedist.DistributedDataParallel(make_module())
         opt = make_opt(model)
         train(model, opt)
         refs = {"model": weakref.ref(model), "optimizer": weakref.ref(opt),

@@ -489,7 +489,6 @@ class GlooExchange:
                 receives.append((self._irecv(recv_slice(src, lo, hi), src, tag), src, self.global_ranks[src], chunk))
         return sends, receives
 
-
     # The process group's own send/recv, with group ranks: what dist.isend / dist.irecv call
     # after their argument checks and rank translation, which cost more than the posting
     # itself (8 against 3.6 us per message measured) and which the communicator has done.

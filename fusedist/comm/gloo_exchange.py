@@ -377,8 +377,7 @@ class GlooExchange:
     """
 
     def __init__(self, group, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None):
-        self.group = group
-        self._pg = group if group is not None else dist.group.WORLD
+        self.group = group if group is not None else dist.group.WORLD  # messages are posted on it
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout.total_seconds() if timeout is not None else 30 * 60.0
@@ -493,10 +492,10 @@ class GlooExchange:
     # after their argument checks and rank translation, which cost more than the posting
     # itself (8 against 3.6 us per message measured) and which the communicator has done.
     def _send_later(self, tensor, peer, tag) -> Callable[[], object]:
-        return functools.partial(self._pg.send, [_as_real(tensor)], peer, tag)
+        return functools.partial(self.group.send, [_as_real(tensor)], peer, tag)
 
     def _irecv(self, tensor, peer, tag):
-        return self._pg.recv([_as_real(tensor)], peer, tag)
+        return self.group.recv([_as_real(tensor)], peer, tag)
 
     def _reduction_schedule(self, receives, rows, landing, peer_row, output, op, holder) -> list:
         """Order the receives chunk by chunk, peers in rank order, each with the step that folds

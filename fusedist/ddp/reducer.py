@@ -536,8 +536,7 @@ class Reducer:
             )
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        _remove_hooks(self._hooks)
         self._hooks = []
 
 

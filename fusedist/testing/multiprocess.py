@@ -81,9 +81,10 @@ def _release_process_group() -> None:
         return
     dist.destroy_process_group()
     comm = sys.modules.get("fusedist.comm")
-    if comm is not None:
-        comm.release_destroyed_groups()
-    gc.collect()  # a reference cycle holding it would defer it to shutdown as well
+    # Releasing a communicator collects the reference cycles too; otherwise collect here: a
+    # cycle holding the group would defer it to shutdown as well.
+    if comm is None or not comm.release_destroyed_groups():
+        gc.collect()
 
 
 def run_distributed(

@@ -43,6 +43,11 @@ def _collectives(rank, world_size):
     ag = torch.empty(world_size * 2)
     comm.all_gather(ag, torch.full((2,), float(rank)))
     out["ag"] = ag.tolist()
+    # A profiler sees each collective as a fusedist range; without one, no range is entered.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        comm.all_gather(ag, torch.full((2,), float(rank)))
+        comm.all_reduce(torch.ones(2), async_op=True).wait()
+    out["ranges"] = sorted({e.name for e in prof.events() if e.name.startswith("fusedist::")})
     # broadcast from the last rank.
     bc = torch.full((3,), float(rank))
     comm.broadcast(bc, src=world_size - 1)
@@ -81,6 +86,7 @@ def test_collectives_exact(world_size):
         assert out["rs"] == expected_rs
         assert out["ag"] == [float(r) for r in range(world_size) for _ in range(2)]
         assert out["bc"] == [float(world_size - 1)] * 3
+        assert out["ranges"] == ["fusedist::all_gather", "fusedist::all_reduce"]
     elapsed, message = results[0]["timeout"]
     assert elapsed < 15
     assert "all_reduce" in message and "lonely" in message and "rank 0" in message

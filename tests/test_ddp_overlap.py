@@ -102,11 +102,11 @@ def _scripted_comm():
         def _all_reduce(self, tensor, op):
             return self._work(self._tag)
 
-        def _reduce_scatter(self, output, input, op, async_op):
+        def _reduce_scatter(self, output, input, op):
             output.copy_(input)
             return self._work("")
 
-        def _all_gather(self, output, input, async_op):
+        def _all_gather(self, output, input):
             output.copy_(input)
             return self._work("")
 

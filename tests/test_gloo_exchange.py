@@ -167,31 +167,6 @@ def _exchange_checks(rank, world_size, seed):
     for name, got, want in expect:
         check(f"in flight {name}", got, want)
 
-    # Note [receives first, sends later]: a synchronous launch posts its sends with its
-    # receives; an asynchronous one leaves them to whoever drives the exchange.
-    if world_size > 1:
-        launched = []
-        for kind in ("reduce_scatter", "all_gather"):
-            real = getattr(comm.exchange, kind)
-
-            def spy(*args, real=real, **kwargs):
-                work = real(*args, **kwargs)
-                launched.append((len(work._sends), len(work._posted)))
-                return work
-
-            setattr(comm.exchange, kind, spy)
-        try:
-            m = 2 * (CHUNK_BYTES // 4)  # two chunks per peer
-            for async_op in (False, True):
-                comm.reduce_scatter(torch.empty(m), torch.ones(world_size * m), async_op=async_op).wait()
-                comm.all_gather(torch.empty(world_size * m), torch.ones(m), async_op=async_op).wait()
-        finally:
-            del comm.exchange.reduce_scatter, comm.exchange.all_gather
-        messages = 2 * (world_size - 1)
-        want = [(0, messages)] * 2 + [(messages, 0)] * 2  # (still to post, posted) at launch
-        if launched != want:
-            failures.append(f"sends (to post, posted) at launch: {launched}, expected {want}")
-
     # A subgroup that leaves out rank 1 (at world size 3: group rank 1 is global rank 2):
     # messages must go to global ranks.
     members = [r for r in range(world_size) if r != 1]
@@ -409,14 +384,13 @@ def test_works_are_released_before_completion_is_signalled(fail):
     box, log = [None], []
     receives = [(_FakeWork(box, log, fail=fail), 1, 1, 0, None), (_FakeWork(box, log), 1, 1, 1, None)]
     sends = [(lambda: _FakeWork(box, log), 1, 1, chunk) for chunk in (0, 1)]
-    posted = [(_FakeWork(box, log), 1, 1, 2)]  # a send posted at launch (a synchronous one)
-    box[0] = work = ExchangeWork("all_gather", receives, sends, (), posted=posted)
-    del receives, sends, posted
+    box[0] = work = ExchangeWork("all_gather", receives, sends, ())
+    del receives, sends
     worker = threading.Thread(target=work.run)
     worker.start()
     worker.join()
     assert work.is_completed()
-    assert log == [False] * 5, log  # every work released before the flag was set
+    assert log == [False] * 4, log  # every work released before the flag was set
     if fail:
         with pytest.raises(RuntimeError, match="receiving chunk 0 from rank 1 did not complete: connection closed"):
             work.wait()

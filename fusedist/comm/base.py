@@ -128,13 +128,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: str): ...
 
-    # ``async_op`` tells an implementation whether the caller waits at once (False), which may
-    # let it do more at launch (the gloo exchange posts its sends then).
     @abc.abstractmethod
-    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, async_op: bool): ...
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str): ...
 
     @abc.abstractmethod
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool): ...
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor): ...
 
     @abc.abstractmethod
     def _broadcast(self, tensor: torch.Tensor, src: int): ...
@@ -180,7 +178,7 @@ class Communicator(abc.ABC):
                 f"world_size ({self.world_size}) x output ({output.numel()})"
             )
         check_in_place("reduce_scatter", output, input, self.rank, self.world_size)
-        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op, async_op))
+        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op))
 
     def all_gather(self, output, input, *, async_op: bool = False, tag: str = "") -> CommHandle:
         self._check_flat("all_gather", output, input)
@@ -190,7 +188,7 @@ class Communicator(abc.ABC):
                 f"world_size ({self.world_size}) x input ({input.numel()})"
             )
         check_in_place("all_gather", output, input, self.rank, self.world_size)
-        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input, async_op))
+        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input))
 
     def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         if not 0 <= src < self.world_size:

@@ -83,22 +83,20 @@ _KINDS = {"reduce_scatter": 0, "all_gather": 1}
 
 # Note [receives first, sends later]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A launch posts the receives first. Why, from how gloo's TCP transport pairs messages: a
-# send whose matching receive the peer has already announced is written to the socket at
-# once *by the thread that posts it*, up to the whole message; a send posted first waits for
-# that announcement and is then written by gloo's event-loop thread, the same thread that
-# reads the peer's incoming data, so the two directions take turns. Posting every receive
-# first means the peers' sends find them announced and both directions flow at once.
-#
-# When the sends follow depends on who waits. A launch with ``async_op=True`` -- called from
-# autograd's gradient hooks in the middle of backward -- posts only the receives, and the
-# sends are posted when the exchange is driven (by the progress thread, or by a caller of
-# ``wait``), so the launch does not write megabytes to a socket before it returns. A
-# synchronous launch is driven by its caller at once anyway, so it posts its sends right
-# after the receives: every statement between a launch and its sends delays the peers'
-# receives by as much, and below about a million elements that delay is a visible part of
-# the collective (RS+AG of 0.3M fp32 elements, 2 ranks on a 2-core machine: 1.04 against
-# 1.16 ms when the sends waited for the work to be built and driven).
+# A launch posts only the receives; the sends are posted when the exchange is driven (by the
+# progress thread, or by a caller of ``wait``). Why, from how gloo's TCP transport pairs
+# messages: a send whose matching receive the peer has already announced is written to the
+# socket at once *by the thread that posts it*, up to the whole message; a send posted first
+# waits for that announcement and is then written by gloo's event-loop thread, the same
+# thread that reads the peer's incoming data, so the two directions take turns. Posting every
+# receive at launch means the peers' sends find them announced and both directions flow at
+# once; deferring our sends keeps the launch -- called from autograd's gradient hooks in the
+# middle of backward -- from writing megabytes to a socket before it returns.
+# A synchronous launch also defers them, although its caller drives it at once. Posting them
+# right after the receives was measured (2 ranks, 2 cores, 0.26M-1M fp32 elements): faster
+# when the ranks enter together (RS+AG of 0.3M: 1.04 against 1.16 ms, a barrier before each
+# collective), no faster when they do not (RS then AG back to back, as ZeRO and the
+# benchmark run them: within noise of +-0.1x of an all-reduce, in four runs).
 #
 # Note [exchange determinism]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -239,7 +237,7 @@ class ExchangeWork:
 
     def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor],
                  on_success: Optional[Callable[[], None]] = None, timeout_s: float = 30 * 60.0,
-                 on_failure: Optional[Callable[[], None]] = None, posted: Sequence[tuple] = ()):
+                 on_failure: Optional[Callable[[], None]] = None):
         self.op = op
         self._on_success = on_success  # runs once, after every message has completed
         self._on_failure = on_failure  # runs once, if the exchange failed
@@ -248,8 +246,6 @@ class ExchangeWork:
         # (send to post: () -> work, peer group rank, peer global rank, chunk index); posted
         # when the exchange is driven, not at launch (Note [receives first, sends later]).
         self._sends = sends
-        # (send work, peer group rank, peer global rank, chunk index): sends already posted
-        self._posted = list(posted)
         self._keep_alive = keep_alive  # buffers gloo reads or writes until the work finishes
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
@@ -284,20 +280,21 @@ class ExchangeWork:
             if self._on_failure is not None:
                 self._on_failure()
         finally:
-            self._receives, self._sends, self._posted, self._keep_alive = [], [], [], ()
+            self._receives, self._sends, self._keep_alive = [], [], ()
             self._on_success = self._on_failure = None
             self._finished.set()
             self._runner.release()
 
     def _drive(self) -> None:
+        posted = []
         for post, peer, global_peer, chunk in self._sends:
             self._waiting_for = f"posting the send of chunk {chunk} to {_where(peer, global_peer)}"
-            self._posted.append((post(), peer, global_peer, chunk))
+            posted.append((post(), peer, global_peer, chunk))
         for work, peer, global_peer, chunk, complete in self._receives:
             self._wait_one(work, "receiving", peer, global_peer, chunk)
             if complete is not None:
                 complete()
-        for work, peer, global_peer, chunk in self._posted:
+        for work, peer, global_peer, chunk in posted:
             self._wait_one(work, "sending", peer, global_peer, chunk)
         self._waiting_for = "done"
         if self._on_success is not None:
@@ -396,8 +393,7 @@ class GlooExchange:
         self._landing = _LandingPool()
 
     # ---- public
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int,
-                       post_sends: bool = False) -> Optional[ExchangeWork]:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int) -> Optional[ExchangeWork]:
         """Start ``output = reduce(input[r-th slice] over ranks)``; None when already done.
 
         ``output`` may be this rank's own slice of ``input`` (in place; the communicator has
@@ -414,8 +410,8 @@ class GlooExchange:
         peer_row = {p: i for i, p in enumerate(landed)}
         pooled = self._landing.take(len(landed) * m, input.dtype) if landed else None
         landing = pooled[:len(landed) * m].view(len(landed), m) if landed else None
-        sends, posted, receives = self._post(
-            "reduce_scatter", seq, m, input.element_size(), post_sends,
+        sends, receives = self._post(
+            "reduce_scatter", seq, m, input.element_size(),
             send_slice=lambda dst, lo, hi: rows[dst, lo:hi],
             recv_slice=lambda src, lo, hi: output[lo:hi] if src == direct else landing[peer_row[src], lo:hi])
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
@@ -424,11 +420,9 @@ class GlooExchange:
         return ExchangeWork(
             "reduce_scatter", ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
-            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None,
-            posted=posted)
+            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int,
-                   post_sends: bool = False) -> Optional[ExchangeWork]:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
 
         ``input`` may be this rank's own slice of ``output`` (in place; the communicator has
@@ -437,15 +431,14 @@ class GlooExchange:
         rows, input, in_place = self._rows("all_gather", output, input)
         if rows is None:
             return None
-        sends, posted, receives = self._post(
-            "all_gather", seq, input.numel(), input.element_size(), post_sends,
+        sends, receives = self._post(
+            "all_gather", seq, input.numel(), input.element_size(),
             send_slice=lambda dst, lo, hi: input[lo:hi],
             recv_slice=lambda src, lo, hi: rows[src, lo:hi])
+        receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
             rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
-        receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
-        return ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s,
-                            posted=posted)
+        return ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s)
 
     def progress_in_background(self, work: ExchangeWork) -> None:
         """Have the progress thread drive ``work`` (in launch order) unless its caller gets to
@@ -480,13 +473,13 @@ class GlooExchange:
             return None, part, in_place
         return rows, part, in_place
 
-    def _post(self, kind: str, seq: int, numel: int, element_size: int, post_sends: bool, send_slice, recv_slice):
-        """Post the receives of one exchange, and its sends too when ``post_sends`` (else they are
-        posted when the exchange is driven; Note [receives first, sends later]): chunk by chunk,
-        one message per peer and chunk, tagged by Note [exchange tags]. ``send_slice(dst, lo,
-        hi)`` is what goes to peer ``dst``, ``recv_slice(src, lo, hi)`` where peer ``src``'s part
-        lands, for elements [lo, hi) of a slice. Returns (sends to post, sends posted, receives),
-        each entry (send to post / work, peer, global peer, chunk)."""
+    def _post(self, kind: str, seq: int, numel: int, element_size: int, send_slice, recv_slice):
+        """Post the receives of one exchange and prepare its sends (posted when driven; Note
+        [receives first, sends later]): chunk by chunk, one message per peer and chunk, tagged
+        by Note [exchange tags]. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
+        ``recv_slice(src, lo, hi)`` where peer ``src``'s part lands, for elements [lo, hi) of a
+        slice. Returns (sends, receives), each entry (work or send to post, peer, global peer,
+        chunk)."""
         n, r = self.world_size, self.rank
         sends: list = []
         receives: list = []
@@ -497,9 +490,7 @@ class GlooExchange:
                 dst, src = (r + k) % n, (r - k) % n
                 sends.append((self._send_later(send_slice(dst, lo, hi), dst, tag), dst, self.global_ranks[dst], chunk))
                 receives.append((self._irecv(recv_slice(src, lo, hi), src, tag), src, self.global_ranks[src], chunk))
-        if not post_sends:
-            return sends, [], receives
-        return [], [(post(), dst, global_dst, chunk) for post, dst, global_dst, chunk in sends], receives
+        return sends, receives
 
     # The process group's own send/recv, with group ranks: what dist.isend / dist.irecv call
     # after their argument checks and rank translation, which cost more than the posting

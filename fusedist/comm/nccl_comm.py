@@ -175,7 +175,7 @@ class NcclCommunicator(Communicator):
 
         return self._enqueue("all_reduce", (tensor,), tensor.numel(), launch)
 
-    def _reduce_scatter(self, output, input, op, async_op):
+    def _reduce_scatter(self, output, input, op):
         dtype, red = nccl_dtype(input.dtype, "reduce_scatter"), nccl_op(op, "reduce_scatter")
 
         def launch(stream):
@@ -184,7 +184,7 @@ class NcclCommunicator(Communicator):
 
         return self._enqueue("reduce_scatter", (output, input), output.numel(), launch)
 
-    def _all_gather(self, output, input, async_op):
+    def _all_gather(self, output, input):
         dtype = nccl_dtype(input.dtype, "all_gather")
 
         def launch(stream):

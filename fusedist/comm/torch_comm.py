@@ -100,17 +100,17 @@ class TorchCommunicator(Communicator):
             gloo_exchange.validate_reduce_op(op, input.dtype)
         return super().reduce_scatter(output, input, op=op, async_op=async_op, tag=tag)
 
-    def _reduce_scatter(self, output, input, op, async_op):
+    def _reduce_scatter(self, output, input, op):
         if self._use_exchange(output, input, reduces=True):
-            return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last, post_sends=not async_op)
+            return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last)
         if "gloo" in str(self.backend) and output.device.type == "cpu":
             # FUSEDIST_GLOO_COLLECTIVES=builtin (or a dtype the exchange does not reduce)
             return _GlooReduceScatter(output, input, _OPS[op], self.group, self.rank, self.world_size)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
-    def _all_gather(self, output, input, async_op):
+    def _all_gather(self, output, input):
         if self._use_exchange(output, input, reduces=False):
-            return self.exchange.all_gather(output, input, seq=self._seq.last, post_sends=not async_op)
+            return self.exchange.all_gather(output, input, seq=self._seq.last)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):

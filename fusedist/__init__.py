@@ -12,6 +12,7 @@ Public surface (everything else is private)::
     fusedist.amp.GradScaler
     fusedist.nn.SyncBatchNorm
     fusedist.checkpoint.save / load
+    fusedist.RankMismatchError          # ranks disagree (model, bucket layout, steps taken)
     fusedist.cuda_ext_available / cuda_ext_error
 
 Heavy submodules load on first use, so ``import fusedist`` is cheap and never fails because
@@ -37,6 +38,7 @@ _LAZY = {
     "nn": ("fusedist.nn", None),
     "checkpoint": ("fusedist.checkpoint", None),
     "comm": ("fusedist.comm", None),
+    "RankMismatchError": ("fusedist._consistency", "RankMismatchError"),
 }
 
 __all__ = [

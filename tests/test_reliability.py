@@ -181,6 +181,80 @@ def test_divergent_ranks_are_reported_on_every_rank():
     assert "layers.2.weight" in results[1]["branch"]  # the rank that ran the branch names the parameters
 
 
+def _last_step_worker(rank, world_size, directory):
+    """A divergence in the last step of a run has no next forward to be reported at:
+    check_consistency() finds it, and checkpoint.save refuses to write it."""
+    import os
+
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    out = {}
+
+    def fresh():
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(models.MLP())
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.Generator().manual_seed(rank)
+
+    model, opt, gen = fresh()
+    model.check_consistency()  # before any step: nothing to disagree on
+    _train(model, opt, gen, 2)
+    model.check_consistency()  # consistent so far: no error
+    ckpt = os.path.join(directory, "ckpt")
+    fusedist.checkpoint.save(ckpt, model, opt)
+    saved = [p.detach().clone() for p in model.parameters()]
+    # The last step: rank 0 forgets optimizer.step().
+    x, y = models.MLP.batch(gen)
+    opt.zero_grad()
+    (model(x) - y).pow(2).mean().backward()
+    if rank != 0:
+        opt.step()
+    try:
+        fusedist.checkpoint.save(ckpt, model, opt)
+        out["save"] = "saved"
+    except RankMismatchError as exc:
+        out["save"] = str(exc)
+    # The earlier checkpoint is untouched and still loads.
+    restored, restored_opt, _ = fresh()
+    fusedist.checkpoint.load(ckpt, restored, restored_opt)
+    out["restored"] = all(torch.equal(a, b) for a, b in zip(restored.parameters(), saved))
+    try:
+        model.check_consistency()
+        out["again"] = "no error"
+    except RankMismatchError as exc:
+        out["again"] = str(exc)
+
+    # An extra training forward on rank 1 after the last step.
+    model, opt, gen = fresh()
+    _train(model, opt, gen, 1)
+    if rank == 1:
+        model(models.MLP.batch(gen)[0])
+    try:
+        model.check_consistency()
+        out["forward"] = "no error"
+    except RankMismatchError as exc:
+        out["forward"] = str(exc)
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    out["alive"] = t.item()
+    return out
+
+
+def test_last_step_divergence_is_found_before_a_checkpoint_is_written(tmp_path):
+    start = time.monotonic()
+    results = run_distributed(_last_step_worker, 2, str(tmp_path), env=FAST_FAILURE, timeout=90)
+    assert time.monotonic() - start < 60
+    for rank, out in enumerate(results):
+        assert out["alive"] == 2.0
+        save = out["save"]
+        assert f"this is rank {rank}" in save and "after 3 synchronized backward(s)" in save, save
+        assert "check_consistency()" in save
+        assert "optimizer_steps: ranks [0]: 2; ranks [1]: 3" in save, save
+        assert out["restored"], "the checkpoint written before the divergence must still load"
+        assert "optimizer_steps: ranks [0]: 2; ranks [1]: 3" in out["again"]
+        assert "forward: ranks [0]: 1; ranks [1]: 2" in out["forward"], out["forward"]
+
+
 def _layout_worker(rank, world_size):
     import fusedist
     from fusedist._consistency import RankMismatchError

@@ -97,11 +97,24 @@ def _optimizer_params(optimizer) -> list:
 
 
 # ---------------------------------------------------------------------------- save
+def _check_ranks_agree(model: torch.nn.Module) -> None:
+    """Raise ``RankMismatchError`` on every rank, before anything is written or removed, if the
+    ranks of a fusedist DDP model have not run the same steps: a divergence in the last step
+    before a save is otherwise reported at the next training forward -- after the checkpoint
+    of a diverged run was written."""
+    from ..ddp import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model.check_consistency()
+
+
 def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,
          *, per_rank: Optional[dict] = None) -> None:
     """Write a checkpoint of ``model`` (and optimizer, GradScaler, ``extra``) to ``directory``.
 
-    A collective: every rank of the data-parallel group calls it. Each rank holding
+    A collective: every rank of the data-parallel group calls it. A fusedist DDP model is
+    first checked for ranks that diverged (``check_consistency()``): the error leaves any
+    earlier checkpoint in ``directory`` untouched. Each rank holding
     per-rank state (a ZeroRedundancyOptimizer shard) writes its own file, rank 0 writes the
     replicated state, and rank 0 writes the manifest last (Note [checkpoint atomicity]);
     the call returns on every rank once the checkpoint is complete. ``extra`` is a dict
@@ -114,6 +127,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     """
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
+    _check_ranks_agree(model)
     world = _World(optimizer)
     os.makedirs(directory, exist_ok=True)
     if world.rank == 0:

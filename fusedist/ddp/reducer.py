@@ -313,6 +313,27 @@ class Reducer:
         if self.step_check is not None:
             self.step_check.settle()
 
+    def check_consistency(self) -> None:
+        """[reliability] Compare where this rank is with every other rank now; raise
+        :class:`RankMismatchError` on every rank if they differ (Note [step check]).
+
+        The per-step check is read at the next training forward, so a divergence in the last
+        step -- a rank that skipped its last ``optimizer.step()`` or ran an extra forward --
+        has no next forward to be reported at. This reads the pending verdict, then checks the
+        current counters with one more tiny all-reduce, and waits for it. A collective: every
+        rank calls it at the same point (``fusedist.checkpoint.save`` does, before writing)."""
+        self.check_previous_backward()
+        if self.in_backward:
+            raise RuntimeError(
+                f"fusedist DDP (rank {self.comm.rank}): check_consistency() was called during a "
+                "backward pass; call it between steps"
+            )
+        if self.step_check is None:
+            return
+        self.step_check.settle()
+        self._launch_step_check([], checked_now=True)
+        self.step_check.settle()
+
     def _begin_backward(self) -> None:
         self.in_backward = True
         self.sync = self.next_backward_sync
@@ -492,8 +513,9 @@ class Reducer:
                 "in computing the loss."
             )
 
-    def _launch_step_check(self, unused: list):
-        last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
+    def _launch_step_check(self, unused: list, checked_now: bool = False):
+        handles = getattr(self, "handles", None)  # none before the first backward
+        last_seq = handles[-1].seq if handles and handles[-1] is not None else -1
         if self._layout_crc is None or self._layout_crc[0] is not self.layout:
             self._layout_crc = (self.layout, layout_crc(self.layout))
         self.step_check.launch([
@@ -504,7 +526,8 @@ class Reducer:
             self._layout_crc[1],
             last_seq,
             0 if self.config.find_unused_parameters else len(unused),
-        ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused]})
+        ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused],
+            "checked_now": checked_now})
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         # Built on the host and read back once: one transfer each way, not one per parameter.

@@ -209,6 +209,14 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._no_sync_depth -= 1
 
+    def check_consistency(self) -> None:
+        """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the
+        same forwards, backwards and optimizer steps on this model so far. A collective: call
+        it on every rank at the same point, e.g. after the last step of a run (the per-step
+        check reports a divergence at the next training forward, which the last step lacks).
+        ``fusedist.checkpoint.save`` calls it before writing anything."""
+        self.reducer.check_consistency()
+
     def comm_stats(self) -> dict:
         """Timing of the last synchronized backward: ``backward_us``, ``comm_span_us`` (first
         launch to last bucket done), ``exposed_comm_us`` (the part after backward compute

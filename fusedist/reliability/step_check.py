@@ -26,8 +26,11 @@ Note [step check]
     completed behind the optimizer step, so the check adds no exposed latency to a step and,
     on CUDA (a pinned host copy behind an event), no host synchronization. The price: a
     divergence is reported at the start of the step after it happened, and one in the very
-    last step of a run is not reported. Every rank reads the verdict at the same point of
-    its program, so on a mismatch the extra all-gather pairs up.
+    last step of a run has no next forward: ``DistributedDataParallel.check_consistency()``
+    reads the pending verdict and checks the counters once more, at once (and
+    ``fusedist.checkpoint.save`` calls it, so a diverged run is not saved). Every rank reads
+    the verdict at the same point of its program, so on a mismatch the extra all-gather
+    pairs up.
 """
 
 from __future__ import annotations
@@ -119,11 +122,18 @@ class StepCheck:
 
 def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     """The error text: each differing field, which ranks hold which value, and why it matters."""
-    lines = [
-        f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
-        f"backward #{table[rank][0]}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
-        "ranks that were at different points (reported at the next training forward):"
-    ]
+    if detail.get("checked_now"):
+        lines = [
+            f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) after "
+            f"{table[rank][0]} synchronized backward(s), found by check_consistency() (which "
+            "fusedist.checkpoint.save runs before writing):"
+        ]
+    else:
+        lines = [
+            f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
+            f"backward #{table[rank][0]}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
+            "ranks that were at different points (reported at the next training forward):"
+        ]
     for field_index, field in enumerate(FIELDS):
         groups: dict[int, list[int]] = {}
         for r, row in enumerate(table):

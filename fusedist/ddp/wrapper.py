@@ -118,6 +118,7 @@ class DistributedDataParallel(nn.Module):
         for _, p in named:
             p._fusedist_ddp = self  # lets ZeroRedundancyOptimizer find the wrapper of its params
         self._no_sync_depth = 0
+        self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
         # [reliability] bucket layouts compared across ranks when built and when rebuilt;
         # optimizer.step() misuse caught on the rank that makes it.
         self._check_layout_agrees(self.reducer.layout)
@@ -208,6 +209,79 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._no_sync_depth -= 1
+
+    # ------------------------------------------------------------------ torch's hook API
+    def register_comm_hook(self, state, hook) -> None:
+        """torch's built-in communication hooks, mapped onto fusedist's own bucket reduction
+        (which is part of its overlapped pipeline and of ZeRO's reduce-scatter, so it does not
+        call Python hooks per bucket): ``default_hooks.allreduce_hook`` is what this DDP does
+        anyway; ``fp16_compress_hook`` / ``bf16_compress_hook`` reduce in float16 / bfloat16 --
+        cast, divide, sum, cast back, as those hooks do (``reduce_dtype``). Any other hook
+        (PowerSGD, quantization, user code) raises ``NotImplementedError``. ``state`` is the
+        hooks' process group: None or this model's. Once per model, as with torch."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        builtin = {
+            default_hooks.allreduce_hook: None,
+            default_hooks.fp16_compress_hook: torch.float16,
+            default_hooks.bf16_compress_hook: torch.bfloat16,
+        }
+        if hook not in builtin:
+            name = getattr(hook, "__qualname__", repr(hook))
+            raise NotImplementedError(
+                f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is not supported; "
+                "only torch's default_hooks.allreduce_hook, fp16_compress_hook and bf16_compress_hook "
+                "are (the bucket reduction is fused into fusedist's pipeline and calls no Python hook). "
+                "For compression in another dtype pass reduce_dtype=...; for PowerSGD or custom hooks "
+                "use torch.nn.parallel.DistributedDataParallel"
+            )
+        world = dist.group.WORLD
+        if not (state is None or state is self.process_group or (self.process_group is None and state is world)):
+            raise ValueError(
+                "fusedist.DistributedDataParallel.register_comm_hook: state must be None or this model's "
+                "process group; the bucket reduction always runs on the model's group"
+            )
+        self._set_hook_dtype(builtin[hook], getattr(hook, "__name__", "hook"))
+
+    def register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's ``dist.BuiltinCommHookType``: ALLREDUCE (the default) or FP16_COMPRESS."""
+        dtypes = {dist.BuiltinCommHookType.ALLREDUCE: None, dist.BuiltinCommHookType.FP16_COMPRESS: torch.float16}
+        if comm_hook_type not in dtypes:
+            raise NotImplementedError(f"fusedist.DistributedDataParallel: builtin comm hook {comm_hook_type} is not supported")
+        self._set_hook_dtype(dtypes[comm_hook_type], str(comm_hook_type))
+
+    def _set_hook_dtype(self, dtype: Optional[torch.dtype], hook_name: str) -> None:
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"fusedist.DistributedDataParallel: a communication hook ({self._comm_hook}) is already "
+                "registered; register_comm_hook or register_builtin_comm_hook can only be called once"
+            )
+        if self.reducer.in_backward:
+            raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
+        current = self.config.reduce_dtype
+        if current is not None and dtype is not None and current != dtype:
+            raise ValueError(
+                f"fusedist.DistributedDataParallel: the model was built with reduce_dtype={current} and "
+                f"{hook_name} reduces in {dtype}; pass one of them"
+            )
+        if current is not None and dtype is None:
+            raise ValueError(
+                f"fusedist.DistributedDataParallel: the model was built with reduce_dtype={current}, "
+                f"and {hook_name} reduces in the gradients' dtype; pass one of them"
+            )
+        self._comm_hook = hook_name
+        self.config.reduce_dtype = dtype
+
+    def join(self, *args, **kwargs):
+        """Not supported: say so, and how to train without uneven inputs."""
+        raise NotImplementedError(
+            "fusedist.DistributedDataParallel does not support join() (uneven inputs across ranks): "
+            "give every rank the same number of batches -- torch's DistributedSampler pads to equal "
+            "length by default (drop_last=False) or trims (drop_last=True) -- or use "
+            "torch.nn.parallel.DistributedDataParallel for this job"
+        )
+
+    join_hook = join
 
     def check_consistency(self) -> None:
         """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the

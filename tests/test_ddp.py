@@ -118,6 +118,36 @@ def test_parity_with_torch_ddp(world_size):
     assert per_rank[0][("MLP", "one")][2] == 1
 
 
+def _mesh_worker(rank, world_size):
+    """A 2 x 2 mesh: DDP over its 'dp' dimension reduces within pairs of ranks only."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))
+    dp = mesh["dp"]
+    diffs, flat, ours = _train_pair(rank, models.MLP, dict(device_mesh=dp), steps=3,
+                                    torch_kwargs=dict(device_mesh=dp))
+    errors = {}
+    for name, kwargs in (("both", dict(device_mesh=dp, process_group=dp.get_group())), ("2-D", dict(device_mesh=mesh))):
+        try:
+            fusedist.DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return max(diffs.values()), flat, dist.get_process_group_ranks(ours.process_group), errors
+
+
+def test_device_mesh_selects_the_data_parallel_group():
+    results = run_distributed(_mesh_worker, 4, timeout=120)
+    for rank, (max_diff, flat, group, errors) in enumerate(results):
+        assert max_diff < 1e-5, f"rank {rank}: max |torch - fusedist| = {max_diff}"
+        assert group == ([0, 1] if rank < 2 else [2, 3])
+        assert "not both" in errors["both"] and "must be 1-D" in errors["2-D"]
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[2][1], results[3][1])
+    assert not torch.equal(results[0][1], results[2][1])  # different data, separate groups
+
+
 def _unused_worker(rank, world_size):
     import fusedist
 

@@ -18,8 +18,24 @@ from .reducer import Reducer
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
 
+# torch options that change only how torch schedules its own reduction: accepted and ignored
+# (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
 _TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params", "init_sync",
-                       "param_to_hook_all_reduce", "device_mesh", "skip_all_reduce_unused_params"}
+                       "param_to_hook_all_reduce", "skip_all_reduce_unused_params"}
+
+
+def _group_of(process_group, device_mesh):
+    """The data-parallel group given as a group or, as torch's DDP also takes it, a 1-D mesh."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError("fusedist.DistributedDataParallel: pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"fusedist.DistributedDataParallel: device_mesh must be 1-D (the data-parallel dimension, "
+            f"e.g. mesh['dp']), got {device_mesh.ndim} dimensions"
+        )
+    return device_mesh.get_group(mesh_dim=0)
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -52,6 +68,8 @@ class DistributedDataParallel(nn.Module):
         device_ids, output_device, dim: accepted for compatibility with torch. On CUDA,
             ``device_ids`` must name the module's device; on CPU it must be None.
         process_group: the data-parallel group (default: the world).
+        device_mesh: as torch's: a 1-D ``DeviceMesh`` whose group is the data-parallel group
+            (instead of ``process_group``).
         bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, find_unused_parameters,
             gradient_as_bucket_view, reduce_dtype: see :class:`~fusedist.ddp.config.DDPConfig`.
         static_graph, check_reduction: torch options accepted for compatibility (the bucket
@@ -72,6 +90,7 @@ class DistributedDataParallel(nn.Module):
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = True,
         reduce_dtype: Optional[torch.dtype] = None,
+        device_mesh=None,
         **torch_options,
     ):
         super().__init__()
@@ -83,6 +102,8 @@ class DistributedDataParallel(nn.Module):
                 "fusedist.DistributedDataParallel: torch.distributed is not initialized; call "
                 "fusedist.init_distributed() (under torchrun) before wrapping the model"
             )
+        process_group = _group_of(process_group, device_mesh)
+        self.device_mesh = device_mesh
         self.module = module
         self.config = DDPConfig(
             bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,

@@ -109,6 +109,16 @@ def _collectives(rank, world_size, device, sizes, repeats):
         grad_shard = torch.empty(numel // world_size, device=device)
         own = full.view(world_size, -1)[rank]
         fns = {"ar": lambda: comm.all_reduce(full)}
+        if device.type == "cpu":
+            # The floor of the latency-bound range: gloo's own all-to-all (one C++ collective)
+            # moving a reduce-scatter's bytes, plus the same fold.
+            landing = torch.empty_like(full)
+
+            def a2a_reduce_scatter():
+                torch.distributed.all_to_all_single(landing, full)
+                torch.sum(landing.view(world_size, -1), 0, out=grad_shard)
+
+            fns["rs a2a"] = a2a_reduce_scatter
         for impl, (c, a) in impls.items():
             fns[f"rsag {impl}"] = lambda c=c, a=a: (c.reduce_scatter(grad_shard, full, async_op=a).wait(),
                                                     c.all_gather(full, own, async_op=a).wait())
@@ -127,6 +137,7 @@ def _collectives(rank, world_size, device, sizes, repeats):
                 "baseline_busbw_GBs": busbytes / ar[0] / 1e6, "zero_busbw_GBs": busbytes / rsag[0] / 1e6,
                 "baseline_p20_p80": f"{ar[1]:.2f}-{ar[2]:.2f}", "zero_p20_p80": f"{rsag[1]:.2f}-{rsag[2]:.2f}",
                 "reduce_scatter_ms": t[f"rs {impl}"][0], "all_gather_ms": t[f"ag {impl}"][0],
+                "gloo_all_to_all_rs_ms": t["rs a2a"][0] if "rs a2a" in t else "",
             })
     return rows
 
@@ -261,7 +272,9 @@ def main():
         "'gloo builtin' is FUSEDIST_GLOO_COLLECTIVES=builtin: "
         "gloo's own collectives (its reduce-scatter is an all-reduce of a copy of the input whose slice is "
         "copied out), slower than gloo's all-reduce for the same bytes (see the reduce_scatter_ms / "
-        "all_gather_ms columns). Target: RS+AG within 1.1x of AR. "
+        "all_gather_ms columns). gloo_all_to_all_rs_ms: a reduce-scatter built on gloo's own all-to-all (one "
+        "C++ collective) plus the same fold, the floor for the exchange's reduce-scatter where messages are "
+        "latency-bound. Target: RS+AG within 1.1x of AR. "
         "Iteration: forward + backward + optimizer step, rank 0's median; "
         "state = master weights + optimizer state bytes held by one rank. Ratio > 1: ZeRO slower. "
         "Offload rows: "

@@ -187,6 +187,7 @@ class Reducer:
         # the gradients themselves and so cannot ask p.grad (ZeRO stage 2).
         self.params_without_grad: list = []
         self.iteration = 0
+        self.handles: list[Optional[CommHandle]] = []  # this backward's bucket collectives
 
         # [reliability] counters the per-step cross-rank check and the optimizer guard read
         # (Note [step check] in fusedist/reliability/step_check.py). None of it touches gradients.
@@ -338,7 +339,7 @@ class Reducer:
         self.in_backward = True
         self.sync = self.next_backward_sync
         self.pending = [len(b.params) for b in self.layout.buckets]
-        self.handles: list[Optional[CommHandle]] = [None] * len(self.layout.buckets)
+        self.handles = [None] * len(self.layout.buckets)
         self.ready_params: set = set()
         self.next_launch = 0
         self.next_finish = 0  # Note [finishing buckets during backward]
@@ -514,8 +515,7 @@ class Reducer:
             )
 
     def _launch_step_check(self, unused: list, checked_now: bool = False):
-        handles = getattr(self, "handles", None)  # none before the first backward
-        last_seq = handles[-1].seq if handles and handles[-1] is not None else -1
+        last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
         if self._layout_crc is None or self._layout_crc[0] is not self.layout:
             self._layout_crc = (self.layout, layout_crc(self.layout))
         self.step_check.launch([

@@ -309,7 +309,8 @@ class DistributedDataParallel(nn.Module):
         same forwards, backwards and optimizer steps on this model so far. A collective: call
         it on every rank at the same point, e.g. after the last step of a run (the per-step
         check reports a divergence at the next training forward, which the last step lacks).
-        ``fusedist.checkpoint.save`` calls it before writing anything."""
+        ``fusedist.checkpoint.save`` calls it before writing anything. Nothing is checked with
+        ``FUSEDIST_CHECKS=0``."""
         self.reducer.check_consistency()
 
     def comm_stats(self) -> dict:

@@ -234,6 +234,17 @@ def _last_step_worker(rank, world_size, directory):
         out["forward"] = "no error"
     except RankMismatchError as exc:
         out["forward"] = str(exc)
+    # Saved through the bare module with a ZeroRedundancyOptimizer: the optimizer's DDP is checked.
+    model, _, gen = fresh()
+    zero = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    _train(model, zero, gen, 1)
+    if rank == 1:
+        model(models.MLP.batch(gen)[0])
+    try:
+        fusedist.checkpoint.save(os.path.join(directory, "zero"), model.module, zero)
+        out["zero"] = "saved"
+    except RankMismatchError as exc:
+        out["zero"] = str(exc)
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
     out["alive"] = t.item()
@@ -253,6 +264,7 @@ def test_last_step_divergence_is_found_before_a_checkpoint_is_written(tmp_path):
         assert out["restored"], "the checkpoint written before the divergence must still load"
         assert "optimizer_steps: ranks [0]: 2; ranks [1]: 3" in out["again"]
         assert "forward: ranks [0]: 1; ranks [1]: 2" in out["forward"], out["forward"]
+        assert "forward: ranks [0]: 1; ranks [1]: 2" in out["zero"], out["zero"]
 
 
 def _layout_worker(rank, world_size):

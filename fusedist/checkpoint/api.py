@@ -97,15 +97,16 @@ def _optimizer_params(optimizer) -> list:
 
 
 # ---------------------------------------------------------------------------- save
-def _check_ranks_agree(model: torch.nn.Module) -> None:
+def _check_ranks_agree(model: torch.nn.Module, optimizer) -> None:
     """Raise ``RankMismatchError`` on every rank, before anything is written or removed, if the
-    ranks of a fusedist DDP model have not run the same steps: a divergence in the last step
-    before a save is otherwise reported at the next training forward -- after the checkpoint
-    of a diverged run was written."""
+    ranks of a fusedist DDP model (passed, or found by a ZeroRedundancyOptimizer) have not run
+    the same steps: a divergence in the last step before a save is otherwise reported at the
+    next training forward -- after the checkpoint of a diverged run was written."""
     from ..ddp import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        model.check_consistency()
+    ddp = model if isinstance(model, DistributedDataParallel) else getattr(optimizer, "ddp", None)
+    if isinstance(ddp, DistributedDataParallel):
+        ddp.check_consistency()
 
 
 def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,
@@ -127,7 +128,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     """
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
-    _check_ranks_agree(model)
+    _check_ranks_agree(model, optimizer)
     world = _World(optimizer)
     os.makedirs(directory, exist_ok=True)
     if world.rank == 0:

@@ -58,7 +58,7 @@ def _zero_model(rank, world_size, stage, seed):
 def _snapshot(model, opt):
     opt.wait_for_params()
     params = [p.detach().clone() for p in model.parameters()]
-    return params, opt.state_dict()
+    return params, opt.shard_state_dict()
 
 
 def _same_snapshot(a, b):
@@ -148,6 +148,20 @@ def _load_worker(rank, world_size, directory, stage):
     return extra, final, scaler.get_scale()
 
 
+def _resave_worker(rank, world_size, directory, resaved):
+    """Load, save again before any step (a loop that saves at the top of the resumed step),
+    then load that copy into fresh objects and continue."""
+    import fusedist
+
+    model, opt = _zero_model(rank, world_size, stage=2, seed=99)
+    fusedist.checkpoint.load(directory, model, opt)
+    fusedist.checkpoint.save(resaved, model, opt, extra={"step": 4})
+    full = opt.consolidate_state_dict(to=0)  # also before any step: the loaded state, whole
+    model, opt = _zero_model(rank, world_size, stage=2, seed=7)
+    fusedist.checkpoint.load(resaved, model, opt)
+    return _run_steps(model, opt, 4, 8, rank, world_size), None if full is None else len(full["state"])
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ckpt") / "step4")
@@ -177,6 +191,17 @@ def test_load_at_world_size_3_reshards(saved):
         assert extra == {"step": 4, "note": "hello"}
         assert scale == 1234.0
         assert (final - uninterrupted).abs().max().item() < 1e-5
+
+
+def test_save_before_the_first_step_after_a_load_keeps_the_state(saved, tmp_path):
+    # Before the first step DDP's bucket layout is not final and no rank owns a shard yet; the
+    # loaded state must still reach the new checkpoint (Note [replicated shards]).
+    directory, per_rank = saved
+    uninterrupted = per_rank[0]["final"]
+    results = run_distributed(_resave_worker, 3, directory, str(tmp_path / "resaved"), timeout=180)
+    for rank, (final, consolidated) in enumerate(results):
+        assert (final - uninterrupted).abs().max().item() < 1e-5
+        assert consolidated == (len(list(models.MLP().parameters())) if rank == 0 else None)
 
 
 def test_load_at_world_size_1_without_ddp(saved, monkeypatch):

@@ -313,6 +313,36 @@ def _consolidate_worker(rank, world_size):
         fresh.load_state_dict(full)
         out["groups"] = [(g["lr"], g["weight_decay"]) for g in fresh.param_groups]
 
+    # torch's recipe: after consolidate_state_dict(to=0), rank 0's state_dict() is the full
+    # state (what it saves), which every rank then loads; other ranks' is their shard.
+    import torch.distributed as dist
+
+    sd = opt.state_dict()
+    out["state_dict_is_full"] = "state" in sd and "fragments" not in sd
+    box = [sd if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+
+    def fresh_optimizer():
+        model = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+        return fusedist.ZeroRedundancyOptimizer(_groups(model.module), torch.optim.AdamW, stage=2, lr=1e-2)
+
+    again = fresh_optimizer()
+    again.load_state_dict(box[0])
+    reloaded = again.consolidate_state_dict(to=0)  # before its first step: the loaded state
+    if rank == 0:
+        out["recipe_diff"] = max((full["state"][i][k] - reloaded["state"][i][k]).abs().max().item()
+                                 for i in full["state"] for k in ("exp_avg", "exp_avg_sq"))
+    # One rank's shard loaded everywhere would leave the other ranks' parameters without state.
+    shard0 = [opt.shard_state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(shard0, src=0)
+    try:
+        fresh_optimizer().load_state_dict(shard0[0])
+        out["rank0_shard"] = "loaded"
+    except Exception as exc:  # noqa: BLE001
+        out["rank0_shard"] = f"{type(exc).__name__}: {exc}"
+    _train(rank, ours, opt, zero=True, steps=1)
+    out["after_step_is_shard"] = "fragments" in opt.state_dict()
+
     # Stage 1 without a fusedist DDP wrapper: torch DDP synchronizes the gradients.
     torch.manual_seed(1234)
     base = models.MLP()
@@ -332,6 +362,11 @@ def test_consolidate_state_dict(zero_run):
     assert not results[0]["is_none"] and all(r["is_none"] for r in results[1:])
     assert results[0]["state_diff"] < 1e-6
     assert results[0]["groups"] == [(1e-2, 0.1), (5e-3, 0.0)]
+    assert results[0]["state_dict_is_full"] and not any(r["state_dict_is_full"] for r in results[1:])
+    assert results[0]["recipe_diff"] == 0.0
+    for r in results:
+        assert "StateDictError" in r["rank0_shard"] and "shard(s) of ranks [0]" in r["rank0_shard"], r["rank0_shard"]
+    assert all(r["after_step_is_shard"] for r in results)
     for r in results:
         assert r["torch_ddp_diff"] < 1e-5
 

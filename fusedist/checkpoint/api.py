@@ -204,7 +204,7 @@ def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Option
 def _rank_sections(optimizer) -> dict:
     sections = {}
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        sections["optimizer_shard"] = _to_cpu(optimizer.state_dict())
+        sections["optimizer_shard"] = _to_cpu(optimizer.shard_state_dict())
     return sections
 
 

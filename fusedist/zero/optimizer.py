@@ -172,6 +172,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self._gather_handles: dict[int, object] = {}
         self._forward_hooks: list = []
         self._pending_load: Optional[tuple] = None
+        # [state dicts] consolidate_state_dict's full state on its ``to`` rank, returned by
+        # state_dict() until a step or load changes the state, as torch's optimizer does.
+        self._consolidated: Optional[dict] = None
         # Stage 2: trainable parameters some synchronized backward since the last step (or
         # zero_grad) gave a gradient; the others are skipped by the step (Note [piece splitting]).
         self._stage2_with_grad: set[int] = set()
@@ -550,6 +553,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
+        self._consolidated = None  # the state moves on: a gathered copy would be stale
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -691,12 +695,32 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
     @torch.no_grad()
     def state_dict(self) -> dict:
+        """This rank's shard (:meth:`shard_state_dict`) -- except right after
+        :meth:`consolidate_state_dict` on its ``to`` rank, where it is the full state dict
+        gathered there (with the current ``param_groups``) until the next ``step()`` or load,
+        as with torch's ZeroRedundancyOptimizer. So torch's checkpoint recipe --
+        ``consolidate_state_dict(to=0)``, then ``torch.save(optimizer.state_dict())`` on rank 0
+        -- saves the whole optimizer state, not rank 0's shard of it."""
+        if self._consolidated is not None:
+            return zstate.to_torch_format(self._consolidated, self._params, self._group_dicts())
+        return self.shard_state_dict()
+
+    def shard_state_dict(self) -> dict:
         """This rank's shard as per-parameter fragments (Note [fragments] in ``state.py``)
         plus metadata. Loading at another world size: :func:`fusedist.checkpoint.load`, or
-        :meth:`load_state_dict` with the list of every rank's state dict."""
+        :meth:`load_state_dict` with the list of every rank's shard."""
         self.wait_for_params()
         fragments: dict[int, list] = {}
-        if self.inner is not None:
+        replicated = self.inner is None and self._pending_load is not None
+        if replicated:
+            # Note [replicated shards]: loaded before DDP's bucket layout was final, so no rank
+            # owns ranges yet and every rank holds the whole loaded state. Each shard then
+            # carries all of it (marked, so loading takes one); an empty shard would save a
+            # checkpoint without optimizer state.
+            for index, item in self._pending_load[0].items():
+                n = self._params[index].numel()
+                fragments[index] = [{"range": (0, n), "master": item["master"], "state": dict(item["state"])}]
+        elif self.inner is not None:
             part = self._partition
             piece_tensor = {piece: t for piece, t in zip(part.pieces, self._pieces)}
             for e in part.entries:
@@ -726,13 +750,15 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 {"bucket": bs.bucket.index, "dtype": str(bs.bucket.dtype), "numel": bs.bucket.numel,
                  "shard": (bs.lo, bs.hi)} for bs in self._partition.bucket_shards],
             "fragments": fragments,
+            "replicated": replicated,
         }
 
     def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
         """Gather every rank's shard; rank ``to`` gets a full state dict in torch's format
-        (``{"state", "param_groups"}``) loadable by the unsharded optimizer class, other ranks
-        get None. A collective: every rank must call it."""
-        local = _to_cpu(self.state_dict())
+        (``{"state", "param_groups"}``) loadable by the unsharded optimizer class (and from
+        :meth:`state_dict` until the next step), other ranks get None. A collective: every
+        rank must call it."""
+        local = _to_cpu(self.shard_state_dict())
         if self.comm is None or self.world_size == 1:
             everyone = [local]
         else:
@@ -743,13 +769,15 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             if self.rank != to:
                 return None
         merged = zstate.merge_fragments(everyone)
-        assembled = zstate.assemble(merged, self._params, range(len(self._params)), source="consolidate_state_dict")
-        return zstate.to_torch_format(assembled, self._params, self._group_dicts())
+        self._consolidated = zstate.assemble(merged, self._params, range(len(self._params)),
+                                             source="consolidate_state_dict")
+        return zstate.to_torch_format(self._consolidated, self._params, self._group_dicts())
 
     def load_state_dict(self, state_dict) -> None:
-        """Load this rank's ``state_dict()``, a list of every rank's (any world size: resharded
-        here), or a full torch-format state dict (e.g. from ``consolidate_state_dict`` or an
-        unsharded optimizer). Everything is validated before anything changes."""
+        """Load a list of every rank's ``shard_state_dict()`` (any world size: resharded here), or
+        a full torch-format state dict (from ``consolidate_state_dict``, ``state_dict()`` right
+        after it, or an unsharded optimizer). Everything is validated before anything changes;
+        an incomplete set of shards is refused."""
         self._apply_assembled(*self.prepare_load(state_dict))
 
     def prepare_load(self, state_dict, source: str = "state dict"):
@@ -759,6 +787,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         if not sds:
             raise zstate.StateDictError(f"{source}: empty list of state dicts")
         if all(isinstance(sd, dict) and sd.get("format") == zstate.FORMAT for sd in sds):
+            self._check_shard_set(sds, source)
             meta = self._meta()
             for sd in sds:
                 if [tuple(m["shape"]) for m in sd["param_meta"]] != [m["shape"] for m in meta]:
@@ -776,8 +805,27 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         assembled = zstate.assemble(frags, self._params, range(len(self._params)), source=source)
         return assembled, [zstate.hyperparameters(g) for g in groups]
 
+    def _check_shard_set(self, sds: list, source: str) -> None:
+        """Shards load as a complete set: every rank of the world that saved them. A partial set
+        would silently give the parameters of the missing ranks no state (a parameter without
+        fragments was never stepped, as far as the fragments tell)."""
+        if any(sd.get("replicated") for sd in sds):
+            return  # each holds the whole state (merge_fragments takes one)
+        given = sorted((sd.get("rank"), sd.get("world_size")) for sd in sds)
+        sizes = {size for _, size in given}
+        if len(sizes) == 1 and [r for r, _ in given] == list(range(next(iter(sizes)))):
+            return
+        raise zstate.StateDictError(
+            f"{source}: got the ZeroRedundancyOptimizer shard(s) of ranks {[r for r, _ in given]} of a world "
+            f"of {sorted(sizes)} (this is rank {self.rank} of {self.world_size}); a shard holds one rank's "
+            "part of the state, so the other ranks' parameters would load without state. Pass every "
+            "rank's shard (a list) or a full state dict: on the saving side, "
+            "consolidate_state_dict(to=0) and then state_dict() on rank 0, or fusedist.checkpoint.save"
+        )
+
     @torch.no_grad()
     def _apply_assembled(self, assembled: dict, hyper: list[dict]) -> None:
+        self._consolidated = None
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
         if self.inner is None:

@@ -189,13 +189,19 @@ def _last_step_worker(rank, world_size, directory):
     import fusedist
     from fusedist._consistency import RankMismatchError
 
-    out = {}
+    def outcome(fn, *args):
+        try:
+            fn(*args)
+            return "no error"
+        except RankMismatchError as exc:
+            return str(exc)
 
     def fresh():
         torch.manual_seed(0)
         model = fusedist.DistributedDataParallel(models.MLP())
         return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.Generator().manual_seed(rank)
 
+    out = {}
     model, opt, gen = fresh()
     model.check_consistency()  # before any step: nothing to disagree on
     _train(model, opt, gen, 2)
@@ -209,42 +215,26 @@ def _last_step_worker(rank, world_size, directory):
     (model(x) - y).pow(2).mean().backward()
     if rank != 0:
         opt.step()
-    try:
-        fusedist.checkpoint.save(ckpt, model, opt)
-        out["save"] = "saved"
-    except RankMismatchError as exc:
-        out["save"] = str(exc)
+    out["save"] = outcome(fusedist.checkpoint.save, ckpt, model, opt)
     # The earlier checkpoint is untouched and still loads.
     restored, restored_opt, _ = fresh()
     fusedist.checkpoint.load(ckpt, restored, restored_opt)
     out["restored"] = all(torch.equal(a, b) for a, b in zip(restored.parameters(), saved))
-    try:
-        model.check_consistency()
-        out["again"] = "no error"
-    except RankMismatchError as exc:
-        out["again"] = str(exc)
+    out["again"] = outcome(model.check_consistency)
 
     # An extra training forward on rank 1 after the last step.
     model, opt, gen = fresh()
     _train(model, opt, gen, 1)
     if rank == 1:
         model(models.MLP.batch(gen)[0])
-    try:
-        model.check_consistency()
-        out["forward"] = "no error"
-    except RankMismatchError as exc:
-        out["forward"] = str(exc)
+    out["forward"] = outcome(model.check_consistency)
     # Saved through the bare module with a ZeroRedundancyOptimizer: the optimizer's DDP is checked.
     model, _, gen = fresh()
     zero = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     _train(model, zero, gen, 1)
     if rank == 1:
         model(models.MLP.batch(gen)[0])
-    try:
-        fusedist.checkpoint.save(os.path.join(directory, "zero"), model.module, zero)
-        out["zero"] = "saved"
-    except RankMismatchError as exc:
-        out["zero"] = str(exc)
+    out["zero"] = outcome(fusedist.checkpoint.save, os.path.join(directory, "zero"), model.module, zero)
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
     out["alive"] = t.item()

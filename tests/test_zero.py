@@ -8,6 +8,7 @@ step would cause (lr 1e-2 per step).
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -116,6 +117,8 @@ def _train(rank, model, opt, *, zero, steps, scaler_kind=None, clip=None, inject
             if zero == "fusedist.clip_grad_norm_":
                 import fusedist
                 fusedist.clip_grad_norm_(model.parameters(), clip)
+            elif zero == "torch.nn.utils.clip_grad_norm_":
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
             elif zero:
                 opt.clip_grad_norm_(clip)
             else:
@@ -193,6 +196,11 @@ def _parity_worker(rank, world_size):
             out[(stage, "scaler+overflow+clip, triton kernels")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", inject_at=5, groups=False)
         out[(stage, "scaler, no unscale_")] = (diff, flat)
+    # Stage 1 keeps full gradients in p.grad, so torch's own GradScaler and clip_grad_norm_
+    # work on it unchanged (stage 2 refuses them: test_misuse_is_reported).
+    diff, flat, _ = _pair(rank, stage=1, ddp_kwargs=TINY_BUCKETS, scaler="torch", clip=0.05, inject_at=3,
+                          clip_api="torch.nn.utils.clip_grad_norm_")
+    out[(1, "torch's GradScaler+overflow+clip_grad_norm_")] = (diff, flat)
     return out
 
 
@@ -394,6 +402,19 @@ def _misuse_worker(rank, world_size):
     except ValueError as exc:
         errors["norm type"] = str(exc)
 
+    # torch's GradScaler on stage 2 (no p.grad to unscale or check): a clear error at step().
+    torch_scaled = fusedist.DistributedDataParallel(models.MLP())
+    opt = fusedist.ZeroRedundancyOptimizer(torch_scaled.parameters(), torch.optim.AdamW, stage=2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    scaler.scale(nn.functional.mse_loss(torch_scaled(x), y)).backward()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch announces its protocol change
+            scaler.step(opt)
+    except RuntimeError as exc:
+        errors["torch scaler"] = str(exc)
+
     # Parameters no rank uses are skipped, as torch skips grad=None (weight decay would move
     # them otherwise); tests/test_zero_no_grad.py compares this with torch in detail.
     for stage in (1, 2):
@@ -437,6 +458,8 @@ def test_misuse_is_reported(zero_run):
         assert "missing" in errors["subset"] and "layers." in errors["subset"]
         assert "already has a stage-2 optimizer" in errors["two stage-2 optimizers"]
         assert "norm_type=2" in errors["norm type"]
+        assert "cannot be stepped by torch.amp.GradScaler" in errors["torch scaler"]
+        assert "fusedist.amp.GradScaler" in errors["torch scaler"]
         assert errors["bf16 master bytes 1"] and errors["bf16 master bytes 2"]
         for stage in (1, 2):
             assert errors[f"unused unchanged {stage}"]

@@ -119,6 +119,10 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self.offload = "cpu" if offload == "cpu" else None
         self.optimizer_class = optimizer_class or _default_optimizer_class()
         self.stage = stage
+        # Stage 2 keeps no p.grad, which torch.amp.GradScaler unscales and checks: with this
+        # flag torch's scaler hands itself to step() (its custom-optimizer protocol) instead of
+        # failing with "No inf checks were recorded", and step() says what to use instead.
+        self._step_supports_amp_scaling = stage == 2
         self._inner_defaults = dict(defaults)
         super().__init__(params, defaults)
         # Every parameter, in torch's order (state dicts index into it); frozen ones
@@ -552,7 +556,15 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(stage=2) cannot be stepped by torch.amp.GradScaler: stage 2 keeps "
+                "only this rank's shard of the gradients, so p.grad is None where torch's scaler unscales "
+                "and checks for inf/nan (and where torch.nn.utils.clip_grad_norm_ measures, finding 0). "
+                "Use fusedist.amp.GradScaler (same API) and fusedist.clip_grad_norm_ or "
+                "optimizer.clip_grad_norm_, or stage=1"
+            )
         self._consolidated = None  # the state moves on: a gathered copy would be stale
         loss = None
         if closure is not None:

@@ -85,7 +85,7 @@ def release_destroyed_groups() -> int:
     :func:`get_communicator` call and at interpreter exit."""
     stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
     for key in stale:
-        _cache.pop(key)[1].stop_helpers()
+        _drain(_cache.pop(key)[1])  # Note [draining at exit]: nothing left running behind the release
     if stale:
         # A DDP model or ZeRO optimizer and its communicator form reference cycles; collect
         # them now, while the interpreter runs, rather than at its shutdown.
@@ -102,7 +102,32 @@ def _is_registered(group) -> bool:
     return group is not None and group in pg_map
 
 
-atexit.register(release_destroyed_groups)
+# Note [draining at exit]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A collective launched with ``async_op=True`` and never waited for -- typically the
+# parameter all-gathers of ZeRO's last ``step()`` before the script ends -- is still being
+# driven by its group's progress thread when the program returns. That thread waits inside
+# gloo with the GIL released; if the wait returns after the interpreter has begun to
+# finalize, taking the GIL back ends the thread with pthread_exit inside a no-throw C++
+# frame and the process aborts ("terminate called without an active exception", exit code
+# -6), every time, on every rank. So at exit every cached communicator first lets its helper
+# threads finish the work already handed to them (milliseconds when the peers are healthy;
+# at most DRAIN_TIMEOUT_S, so an exit never waits out the full collective timeout), and only
+# then are destroyed groups released.
+DRAIN_TIMEOUT_S = 30.0
+
+
+def _drain(comm: Communicator) -> bool:
+    return comm.stop_helpers(join_timeout=min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
+
+
+def _drain_at_exit() -> None:
+    for _, comm in list(_cache.values()):
+        _drain(comm)
+    release_destroyed_groups()
+
+
+atexit.register(_drain_at_exit)
 
 
 def _register_direct_nccl() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -338,11 +339,20 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 indices = sorted(needed)
                 self._forward_hooks.append(module.register_forward_pre_hook(
                     lambda _m, _inp, indices=indices: self._wait_buckets(indices)))
+        # Note [hooks inside compiled modules]: where hooks may not fire, the DDP wrapper waits.
+        self._compiled_inside = _uses_compile(self.ddp.module)
+        self.ddp.add_param_waiter(self._wait_before_forward)
         # model.state_dict() (and so torch.save of the model) sees the updated parameters too.
         self._forward_hooks.append(self.ddp.module.register_state_dict_pre_hook(
             lambda *_args: self.wait_for_params()))
 
     # ------------------------------------------------------------------ parameter all-gather
+    def _wait_before_forward(self, traced: bool) -> None:
+        """Called by the DDP wrapper before each forward of its module (Note [hooks inside
+        compiled modules]): wait for every all-gather when the forward is compiled."""
+        if traced or self._compiled_inside:
+            self.wait_for_params()
+
     def _wait_buckets(self, indices) -> None:
         for i in indices:
             handle = self._gather_handles.pop(i, None)
@@ -936,3 +946,13 @@ def _to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+
+def _uses_compile(root: torch.nn.Module) -> bool:
+    """Whether ``root`` holds a ``torch.compile``-d module: an ``OptimizedModule``, or one
+    compiled in place with ``Module.compile()``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded once anything was compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and any(
+        isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None for m in root.modules())

@@ -415,6 +415,31 @@ def _misuse_worker(rank, world_size):
     except RuntimeError as exc:
         errors["torch scaler"] = str(exc)
 
+    # Parameters changed between steps (Note [parameters changed outside the optimizer]) are
+    # what the next step updates, as with torch: with lr=0 they stay as set. Loaded right after
+    # a step, while its all-gathers may still be landing.
+    for stage in (1, 2):
+        model = fusedist.DistributedDataParallel(models.MLP(), **TINY_BUCKETS)
+        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.0)
+        gen = torch.Generator().manual_seed(rank)
+
+        def lr0_step():
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        lr0_step()
+        model.module.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.module.state_dict().items()})
+        lr0_step()
+        opt.wait_for_params()
+        loaded = all(torch.all(p == 0.5) for p in model.parameters())
+        with torch.no_grad():
+            model.module.layers[0].weight.mul_(2.0)  # in place, between steps
+        lr0_step()
+        opt.wait_for_params()
+        errors[f"params set between steps kept {stage}"] = loaded and bool(torch.all(model.module.layers[0].weight == 1.0))
+
     # Parameters no rank uses are skipped, as torch skips grad=None (weight decay would move
     # them otherwise); tests/test_zero_no_grad.py compares this with torch in detail.
     for stage in (1, 2):
@@ -459,6 +484,7 @@ def test_misuse_is_reported(zero_run):
         assert "already has a stage-2 optimizer" in errors["two stage-2 optimizers"]
         assert "norm_type=2" in errors["norm type"]
         assert "cannot be stepped by torch.amp.GradScaler" in errors["torch scaler"]
+        assert errors["params set between steps kept 1"] and errors["params set between steps kept 2"]
         assert "fusedist.amp.GradScaler" in errors["torch scaler"]
         assert errors["bf16 master bytes 1"] and errors["bf16 master bytes 2"]
         for stage in (1, 2):

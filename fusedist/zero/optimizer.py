@@ -87,9 +87,11 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
       (stage 1: ``p.grad`` is None; stage 2: no synchronized backward since the last step gave
       it one, i.e. DDP found it unused on every rank) is skipped: its master, optimizer state
       and step count stay as they are (Note [piece splitting] in ``partition.py``).
-    * Master weights are FP32 copies (FP64 for FP64 parameters). After changing parameters
-      outside the optimizer once it has stepped (e.g. ``model.load_state_dict``), call
-      :meth:`sync_master_from_params` (``fusedist.checkpoint.load`` does).
+    * Master weights are FP32 copies (FP64 for FP64 parameters). Parameters changed outside
+      the optimizer between steps (``model.load_state_dict``, in-place ops under
+      ``no_grad``) are taken into the masters by the next ``step()``, as torch's optimizers
+      would use them (Note [parameters changed outside the optimizer]); after writing
+      through ``p.data``, call :meth:`sync_master_from_params`.
 
     Args:
         params: parameters or param groups (all of one fusedist DDP model, or none).
@@ -180,6 +182,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         # [state dicts] consolidate_state_dict's full state on its ``to`` rank, returned by
         # state_dict() until a step or load changes the state, as torch's optimizer does.
         self._consolidated: Optional[dict] = None
+        # Note [parameters changed outside the optimizer]: versions after the last step.
+        self._param_versions: Optional[list] = None
         # Stage 2: trainable parameters some synchronized backward since the last step (or
         # zero_grad) gave a gradient; the others are skipped by the step (Note [piece splitting]).
         self._stage2_with_grad: set[int] = set()
@@ -324,6 +328,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         for bs in self._partition.bucket_shards:
             dt = bs.bucket.dtype
             self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
+        self._record_param_versions()
 
     def _install_forward_hooks(self) -> None:
         buckets_of: dict = {}
@@ -342,8 +347,11 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         # Note [hooks inside compiled modules]: where hooks may not fire, the DDP wrapper waits.
         self._compiled_inside = _uses_compile(self.ddp.module)
         self.ddp.add_param_waiter(self._wait_before_forward)
-        # model.state_dict() (and so torch.save of the model) sees the updated parameters too.
+        # model.state_dict() (and so torch.save of the model) sees the updated parameters too,
+        # and model.load_state_dict() is not overwritten by an all-gather still in flight.
         self._forward_hooks.append(self.ddp.module.register_state_dict_pre_hook(
+            lambda *_args: self.wait_for_params()))
+        self._forward_hooks.append(self.ddp.module.register_load_state_dict_pre_hook(
             lambda *_args: self.wait_for_params()))
 
     # ------------------------------------------------------------------ parameter all-gather
@@ -591,6 +599,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             if not self._has_any_grad():
                 return loss
             self._ensure_state()
+            if self._params_changed_outside():
+                self.sync_master_from_params()  # Note [parameters changed outside the optimizer]
             if self.stage == 1:
                 self._collect_stage1_grads()
             for group, inner_group in zip(self.param_groups, self.inner.param_groups):
@@ -615,9 +625,29 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             # accumulate, as in torch.
             self._grads_present = False
             self._stage2_with_grad = set()
+            self._record_param_versions()
         finally:
             self._fusedist_clear_protocol()
         return loss
+
+    # Note [parameters changed outside the optimizer]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Each rank updates FP32 master shards, not the parameters, and then writes the parameters
+    # from them. Parameters the program changes between steps -- ``model.load_state_dict``,
+    # an in-place ``p.copy_()`` / ``p.clamp_()`` under ``no_grad`` -- would be overwritten by
+    # the next step from the stale masters (measured: loaded weights silently reverted), where
+    # torch's optimizers, its ZeroRedundancyOptimizer too, update whatever the parameters hold.
+    # Such writes bump the parameter's version counter, which the optimizer's own writes never
+    # do (they go through the flat buffer the parameters were re-pointed into, which has its
+    # own counter). So ``step()`` compares the versions with those it recorded last and copies
+    # the parameters into the masters when any moved: a few microseconds when none did.
+    # Writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`.
+    def _record_param_versions(self) -> None:
+        self._param_versions = [self._params[i]._version for i in self._trainable]
+
+    def _params_changed_outside(self) -> bool:
+        recorded = self._param_versions
+        return recorded is not None and recorded != [self._params[i]._version for i in self._trainable]
 
     def _restore_piece_grads(self, tensors) -> None:
         part = self._partition
@@ -901,6 +931,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self.inner.state.clear()
         self.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
+        self._record_param_versions()  # the loaded masters are current (Note [parameters changed outside ...])
 
     def _cuts_between_states(self, assembled: dict) -> dict:
         """Cuts separating neighbouring parameters whose loaded state differs in its keys or

@@ -19,34 +19,25 @@ change) are in tests/test_resume.py and tests/test_checkpoint.py.
 
 import os
 import re
-import subprocess
-import sys
 import time
 
 import torch
+from torchrun_launch import finish, launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_scripts", "train_fault.py")
 TIMEOUT_S, WINDOW_S, SLACK_S = 3.0, 3.0, 15.0
 
 
 def _launch(fault):
-    env = dict(os.environ, FUSEDIST_TIMEOUT_S=str(TIMEOUT_S), FUSEDIST_STALL_REPORT_S=str(WINDOW_S),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--monitor-interval=2", SCRIPT, fault]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(FUSEDIST_TIMEOUT_S=str(TIMEOUT_S), FUSEDIST_STALL_REPORT_S=str(WINDOW_S))
+    return launch(SCRIPT, fault, env=env, monitor_interval=2)
 
 
 def _finish(proc):
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun did not finish within 120 s (a hang):\n{out[-4000:]}")
+    returncode, out = finish(proc, timeout=120)
     ended = time.time()
     fault_at = re.search(r"FAULT_AT ([0-9.]+)", out)
-    return proc.returncode, out, ended - float(fault_at.group(1)) if fault_at else None
+    return returncode, out, ended - float(fault_at.group(1)) if fault_at else None
 
 
 def test_fault_matrix_under_torchrun():

@@ -7,29 +7,17 @@ or without ``destroy_process_group()``. Launched under torchrun, as users run it
 """
 
 import os
-import subprocess
-import sys
+
+from torchrun_launch import finish, launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_scripts", "zero_exit.py")
 
 
-def _launch(stage, ending):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           SCRIPT, str(stage), ending]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def test_script_ending_right_after_step_exits_cleanly():
     cases = [(2, "keep"), (2, "destroy"), (1, "keep")]
-    procs = {case: _launch(*case) for case in cases}  # concurrently: keeps the suite short
+    procs = {case: launch(SCRIPT, str(case[0]), case[1]) for case in cases}  # concurrently: a shorter suite
     for case, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            raise AssertionError(f"{case}: torchrun did not finish within 180 s:\n{out[-3000:]}")
-        assert proc.returncode == 0, f"{case}: exit code {proc.returncode}\n{out[-3000:]}"
+        returncode, out = finish(proc, timeout=180)
+        assert returncode == 0, f"{case}: exit code {returncode}\n{out[-3000:]}"
         assert "terminate called" not in out, f"{case}:\n{out[-3000:]}"
         assert "rank 0 finished" in out and "rank 1 finished" in out

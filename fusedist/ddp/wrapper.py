@@ -238,7 +238,8 @@ class DistributedDataParallel(nn.Module):
     # is always called, eagerly, also from inside a compiled DDP forward), and wait for every
     # all-gather when the forward is compiled -- correct, without the overlap of waiting
     # layer by layer, which an eager forward keeps. ``traced``: this forward is being
-    # compiled (the DDP wrapper itself is compiled).
+    # compiled (the DDP wrapper itself is compiled). Compiled submodules are looked for at
+    # the optimizer's first step: compile the model before that.
     def add_param_waiter(self, waiter) -> None:
         """Call the bound method ``waiter(traced: bool)`` before every forward of the module
         (held weakly: it goes with its owner)."""

@@ -931,7 +931,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         self.inner.state.clear()
         self.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
-        self._record_param_versions()  # the loaded masters are current (Note [parameters changed outside ...])
+        # The loaded masters are current (Note [parameters changed outside the optimizer]).
+        self._record_param_versions()
 
     def _cuts_between_states(self, assembled: dict) -> dict:
         """Cuts separating neighbouring parameters whose loaded state differs in its keys or
@@ -977,7 +978,6 @@ def _to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
-
 
 
 def _uses_compile(root: torch.nn.Module) -> bool:

@@ -239,7 +239,8 @@ class DistributedDataParallel(nn.Module):
     # all-gather when the forward is compiled -- correct, without the overlap of waiting
     # layer by layer, which an eager forward keeps. ``traced``: this forward is being
     # compiled (the DDP wrapper itself is compiled). Compiled submodules are looked for at
-    # the optimizer's first step: compile the model before that.
+    # the optimizer's first step; one compiled later is traced with the hooks in place, and
+    # they fire (measured: exact parity with per-layer and whole-model compile at step 2).
     def add_param_waiter(self, waiter) -> None:
         """Call the bound method ``waiter(traced: bool)`` before every forward of the module
         (held weakly: it goes with its owner)."""

@@ -49,7 +49,11 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device, comm, warmup, repeats):
+def _time(fn, device, comm, warmup, repeats, run=1):
+    """Median and p20/p80 in ms of ``fn``; each sample is ``run`` calls back to back (divided
+    by ``run``), so work one call leaves in flight -- ZeRO's overlapped parameter all-gathers
+    -- is paid by the next call as in a training loop, not hidden in the barrier between
+    samples."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -57,9 +61,10 @@ def _time(fn, device, comm, warmup, repeats):
         comm.barrier()
         _sync(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(run):
+            fn()
         _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
+        samples.append((time.perf_counter() - start) * 1e3 / run)
     q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
     return statistics.median(samples), q[1], q[7]
 
@@ -162,12 +167,16 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     x = torch.randn(batch, d, generator=gen).to(device)
     y = torch.randn(batch, d, generator=gen).to(device)
     results = {}
-    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload", "zero2 1-layer buckets")
+    names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload", "zero2 1-layer buckets",
+             "zero2 gather in step")
     # Stage 2 frees each bucket once reduced: with buckets of about one layer its peak
     # full-gradient memory in backward is a few layers' worth (the default buckets hold most
     # of this model in one).
     layer_mb = (d * d + d) * 4 / 2**20 * 1.01
     ddp_kwargs = {"zero2 1-layer buckets": dict(bucket_cap_mb=layer_mb, first_bucket_cap_mb=layer_mb)}
+    # overlap_param_gather=False: every parameter all-gather completes inside step(), as with
+    # torch's ZeroRedundancyOptimizer; the default overlaps it with the next forward.
+    zero_kwargs = {"zero2 gather in step": dict(overlap_param_gather=False)}
     for name in names:
         torch.manual_seed(0)
         model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device), **ddp_kwargs.get(name, {}))
@@ -176,14 +185,15 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
         else:
             stage, _, offload = name[len("zero"):].split(" ")[0].partition("+")
             opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=int(stage),
-                                                   lr=1e-4, fused=True, offload="cpu" if offload else None)
+                                                   lr=1e-4, fused=True, offload="cpu" if offload else None,
+                                                   **zero_kwargs.get(name, {}))
 
         def iteration():
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
 
-        timing = _time(iteration, device, comm, 3, repeats)
+        timing = _time(iteration, device, comm, 3, repeats, run=4)
         last = model.reducer.last_stats
         grad_mem = (last["peak_grad_bytes"], last["grad_bytes"], last["buckets"], last["buckets_finished_in_backward"])
         if name == "ddp+adamw":
@@ -275,7 +285,10 @@ def main():
         "all_gather_ms columns). gloo_all_to_all_rs_ms: a reduce-scatter built on gloo's own all-to-all (one "
         "C++ collective) plus the same fold, the floor for the exchange's reduce-scatter where messages are "
         "latency-bound. Target: RS+AG within 1.1x of AR. "
-        "Iteration: forward + backward + optimizer step, rank 0's median; "
+        "Iteration: forward + backward + optimizer step, rank 0's median over samples of 4 "
+        "iterations back to back (so the overlapped parameter all-gathers are paid by the next "
+        "iteration, as in training); 'zero2 gather in step' is overlap_param_gather=False (every "
+        "gather completes inside step(), as with torch's ZeroRedundancyOptimizer); "
         "state = master weights + optimizer state bytes held by one rank. Ratio > 1: ZeRO slower. "
         "Offload rows: "
         "zero_host_MB / zero_device_MB split the rank's optimizer memory (host: masters, AdamW state, "

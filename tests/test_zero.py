@@ -148,7 +148,7 @@ class _Null:
 
 
 def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_at=None, groups=True, micro=1,
-          model_kwargs=None, kernels="torch", clip_api="optimizer"):
+          model_kwargs=None, kernels="torch", clip_api="optimizer", zero_kwargs=None):
     """Train unsharded AdamW and ZeRO(FusedAdamW) copies of one model; max |difference|.
 
     ``kernels="torch"`` runs FusedAdamW's pure-PyTorch path (its Triton kernels are tested
@@ -166,7 +166,7 @@ def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_a
     ref_params = _groups(ref.module) if groups else ref.parameters()
     our_params = _groups(ours.module) if groups else ours.parameters()
     opt_ref = torch.optim.AdamW(ref_params, lr=1e-2)
-    opt = fusedist.ZeroRedundancyOptimizer(our_params, _inner_class(), stage=stage, lr=1e-2)
+    opt = fusedist.ZeroRedundancyOptimizer(our_params, _inner_class(), stage=stage, lr=1e-2, **(zero_kwargs or {}))
     a = _train(rank, ref, opt_ref, zero=False, steps=steps, scaler_kind="torch" if scaler else None,
                clip=clip, inject_at=inject_at, micro=micro)
     b = _train(rank, ours, opt, zero=True if clip_api == "optimizer" else clip_api, steps=steps,
@@ -196,6 +196,9 @@ def _parity_worker(rank, world_size):
             out[(stage, "scaler+overflow+clip, triton kernels")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", inject_at=5, groups=False)
         out[(stage, "scaler, no unscale_")] = (diff, flat)
+        # Every parameter gather completed inside step() (no forward hooks).
+        diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, zero_kwargs=dict(overlap_param_gather=False))
+        out[(stage, "overlap_param_gather=False")] = (diff, flat)
     # Stage 1 keeps full gradients in p.grad, so torch's own GradScaler and clip_grad_norm_
     # work on it unchanged (stage 2 refuses them: test_misuse_is_reported).
     diff, flat, _ = _pair(rank, stage=1, ddp_kwargs=TINY_BUCKETS, scaler="torch", clip=0.05, inject_at=3,

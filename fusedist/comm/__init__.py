@@ -117,8 +117,8 @@ def _is_registered(group) -> bool:
 DRAIN_TIMEOUT_S = 30.0
 
 
-def _drain(comm: Communicator) -> bool:
-    return comm.stop_helpers(join_timeout=min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
+def _drain(comm: Communicator) -> None:
+    comm.stop_helpers(join_timeout=min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
 
 
 def _drain_at_exit() -> None:

@@ -151,13 +151,12 @@ class Communicator(abc.ABC):
         soon. An implementation whose work only advances when driven hands it to a helper
         thread here; a synchronous launch is waited for at once instead. Nothing by default."""
 
-    def stop_helpers(self, join_timeout: Optional[float] = None) -> bool:
+    def stop_helpers(self, join_timeout: Optional[float] = None) -> None:
         """Stop the background threads the communicator started for its own use, once they
         have finished the work already handed to them; they start again on the next
-        collective. With ``join_timeout``, wait for them up to so many seconds and return
-        whether they ended. Called when its process group is destroyed and at interpreter
-        exit (:func:`fusedist.comm.release_destroyed_groups`). Nothing to stop by default."""
-        return True
+        collective. With ``join_timeout``, wait for them up to so many seconds. Called when
+        its process group is destroyed and at interpreter exit
+        (:func:`fusedist.comm.release_destroyed_groups`). Nothing to stop by default."""
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device), tag="barrier")

@@ -362,11 +362,10 @@ class _ProgressThread:
                 self._thread.start()
             self._queue.put(work)
 
-    def stop(self, join_timeout: Optional[float] = None) -> bool:
+    def stop(self, join_timeout: Optional[float] = None) -> None:
         """Let the thread finish what it was given, then end; the next ``submit`` starts a
         fresh one (with its own queue, so nothing lands behind the stop). With
-        ``join_timeout``, wait up to that many seconds for it to end; returns whether no
-        thread of this process is left running."""
+        ``join_timeout``, wait up to that many seconds for it to end."""
         with self._lock:
             thread = self._thread if self._pid == os.getpid() else None
             if thread is not None:
@@ -374,7 +373,6 @@ class _ProgressThread:
             self._thread = None
         if thread is not None and join_timeout is not None:
             thread.join(join_timeout)
-        return thread is None or not thread.is_alive()
 
     @staticmethod
     def _loop(q) -> None:
@@ -455,11 +453,11 @@ class GlooExchange:
         progress])."""
         self._progress.submit(work)
 
-    def stop_progress_thread(self, join_timeout: Optional[float] = None) -> bool:
+    def stop_progress_thread(self, join_timeout: Optional[float] = None) -> None:
         """End the progress thread once it has run the exchanges already launched (a later
         launch starts a new one); with ``join_timeout``, wait for that up to so many
-        seconds and return whether it ended."""
-        return self._progress.stop(join_timeout)
+        seconds."""
+        self._progress.stop(join_timeout)
 
     def scratch_bytes(self) -> int:
         """Bytes of reduce-scatter landing buffers this group holds: pooled between exchanges

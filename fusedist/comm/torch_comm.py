@@ -83,10 +83,9 @@ class TorchCommunicator(Communicator):
         if isinstance(work, gloo_exchange.ExchangeWork):
             self.exchange.progress_in_background(work)
 
-    def stop_helpers(self, join_timeout: Optional[float] = None) -> bool:
+    def stop_helpers(self, join_timeout: Optional[float] = None) -> None:
         if self.exchange is not None:
-            return self.exchange.stop_progress_thread(join_timeout)
-        return True
+            self.exchange.stop_progress_thread(join_timeout)
 
     def _use_exchange(self, output, input, reduces: bool) -> bool:
         # Anything else (CUDA tensors on a gloo group, dtypes the exchange does not reduce) goes

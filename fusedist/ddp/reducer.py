@@ -323,12 +323,7 @@ class Reducer:
         has no next forward to be reported at. This reads the pending verdict, then checks the
         current counters with one more tiny all-reduce, and waits for it. A collective: every
         rank calls it at the same point (``fusedist.checkpoint.save`` does, before writing)."""
-        self.check_previous_backward()
-        if self.in_backward:
-            raise RuntimeError(
-                f"fusedist DDP (rank {self.comm.rank}): check_consistency() was called during a "
-                "backward pass; call it between steps"
-            )
+        self.check_previous_backward()  # an interrupted backward is reset or reported first
         if self.step_check is None:
             return
         self.step_check.settle()

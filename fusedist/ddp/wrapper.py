@@ -314,15 +314,11 @@ class DistributedDataParallel(nn.Module):
         if self.reducer.in_backward:
             raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
         current = self.config.reduce_dtype
-        if current is not None and dtype is not None and current != dtype:
+        if current is not None and current != dtype:
+            wire = dtype if dtype is not None else "the gradients' dtype"
             raise ValueError(
                 f"fusedist.DistributedDataParallel: the model was built with reduce_dtype={current} and "
-                f"{hook_name} reduces in {dtype}; pass one of them"
-            )
-        if current is not None and dtype is None:
-            raise ValueError(
-                f"fusedist.DistributedDataParallel: the model was built with reduce_dtype={current}, "
-                f"and {hook_name} reduces in the gradients' dtype; pass one of them"
+                f"{hook_name} reduces in {wire}; pass one of them"
             )
         self._comm_hook = hook_name
         self.config.reduce_dtype = dtype

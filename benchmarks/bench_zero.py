@@ -168,15 +168,17 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     y = torch.randn(batch, d, generator=gen).to(device)
     results = {}
     names = ("ddp+adamw", "zero1", "zero2", "zero1+offload", "zero2+offload", "zero2 1-layer buckets",
-             "zero2 gather in step")
+             "zero1 overlapped gather", "zero2 overlapped gather")
     # Stage 2 frees each bucket once reduced: with buckets of about one layer its peak
     # full-gradient memory in backward is a few layers' worth (the default buckets hold most
     # of this model in one).
     layer_mb = (d * d + d) * 4 / 2**20 * 1.01
     ddp_kwargs = {"zero2 1-layer buckets": dict(bucket_cap_mb=layer_mb, first_bucket_cap_mb=layer_mb)}
-    # overlap_param_gather=False: every parameter all-gather completes inside step(), as with
-    # torch's ZeroRedundancyOptimizer; the default overlaps it with the next forward.
-    zero_kwargs = {"zero2 gather in step": dict(overlap_param_gather=False)}
+    # overlap_param_gather=True: step() returns before the parameter all-gathers land and the
+    # next forward waits for them; by default every gather completes inside step(), as with
+    # torch's ZeroRedundancyOptimizer.
+    overlapped = dict(overlap_param_gather=True)
+    zero_kwargs = {"zero1 overlapped gather": overlapped, "zero2 overlapped gather": overlapped}
     for name in names:
         torch.manual_seed(0)
         model = fusedist.DistributedDataParallel(_MLP(d, layers).to(device), **ddp_kwargs.get(name, {}))
@@ -287,8 +289,9 @@ def main():
         "latency-bound. Target: RS+AG within 1.1x of AR. "
         "Iteration: forward + backward + optimizer step, rank 0's median over samples of 4 "
         "iterations back to back (so the overlapped parameter all-gathers are paid by the next "
-        "iteration, as in training); 'zero2 gather in step' is overlap_param_gather=False (every "
-        "gather completes inside step(), as with torch's ZeroRedundancyOptimizer); "
+        "iteration, as in training); by default every parameter all-gather completes inside step(), as "
+        "with torch's ZeroRedundancyOptimizer; 'overlapped gather' rows are overlap_param_gather=True "
+        "(step() returns before the gathers land, the next forward waits for them); "
         "state = master weights + optimizer state bytes held by one rank. Ratio > 1: ZeRO slower. "
         "Offload rows: "
         "zero_host_MB / zero_device_MB split the rank's optimizer memory (host: masters, AdamW state, "

@@ -44,8 +44,10 @@ def _worker(rank, world_size):
                 opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
             else:
                 opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+                # Overlapped gathers: waited for by forward pre-hooks, which a compiled forward
+                # may skip (Note [hooks inside compiled modules]).
                 opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=int(kind[-1]),
-                                                       lr=1e-2)
+                                                       lr=1e-2, overlap_param_gather=True)
             gen = torch.Generator().manual_seed(rank)
             for _ in range(4):
                 x, y = models.MLP.batch(gen)

@@ -245,7 +245,9 @@ def _zero_world_size_worker(rank, world_size, root, phase, steps):
 
     torch.manual_seed(0 if phase == "before" else 99)  # "after": a different init, the load must win
     model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
-    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    # Overlapped gathers: the checkpoint below is saved while the step's gathers may be landing.
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2,
+                                           overlap_param_gather=True)
     first = 0
     if phase == "after":
         first = checkpoint.load(os.path.join(root, "zero"), model, opt)["step"]

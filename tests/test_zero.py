@@ -196,9 +196,14 @@ def _parity_worker(rank, world_size):
             out[(stage, "scaler+overflow+clip, triton kernels")] = (diff, flat)
         diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", inject_at=5, groups=False)
         out[(stage, "scaler, no unscale_")] = (diff, flat)
-        # Every parameter gather completed inside step() (no forward hooks).
-        diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, zero_kwargs=dict(overlap_param_gather=False))
-        out[(stage, "overlap_param_gather=False")] = (diff, flat)
+        # The parameter gathers waited for by the next forward's pre-hooks (Note [overlapped
+        # parameter gathers]); every other case completes them inside step().
+        overlap = dict(overlap_param_gather=True)
+        diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, zero_kwargs=overlap)
+        out[(stage, "overlap_param_gather=True")] = (diff, flat)
+        diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05, inject_at=3,
+                              zero_kwargs=overlap)
+        out[(stage, "overlap_param_gather=True, scaler+overflow+clip")] = (diff, flat)
     # Stage 1 keeps full gradients in p.grad, so torch's own GradScaler and clip_grad_norm_
     # work on it unchanged (stage 2 refuses them: test_misuse_is_reported).
     diff, flat, _ = _pair(rank, stage=1, ddp_kwargs=TINY_BUCKETS, scaler="torch", clip=0.05, inject_at=3,
@@ -210,7 +215,49 @@ def _parity_worker(rank, world_size):
 def _zero_worker(rank, world_size):
     """Every multi-rank ZeRO check of one world size in one spawn (each spawn costs seconds)."""
     return {"parity": _parity_worker(rank, world_size), "no_sync_memory": _no_sync_and_memory_worker(rank, world_size),
-            "consolidate": _consolidate_worker(rank, world_size), "misuse": _misuse_worker(rank, world_size)}
+            "consolidate": _consolidate_worker(rank, world_size), "misuse": _misuse_worker(rank, world_size),
+            "read_after_step": _read_after_step_worker(rank, world_size)}
+
+
+def _read_after_step_worker(rank, world_size):
+    """Parameters read right after ``step()`` -- as an EMA or ``AveragedModel`` update reads
+    them, with no forward in between -- against unsharded AdamW after the same steps."""
+    import fusedist
+
+    out = {}
+    for stage in (1, 2):
+        torch.manual_seed(7)
+        base = models.MLP()
+        ref = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+        ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        ema = torch.optim.swa_utils.AveragedModel(ours.module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        ema_ref = torch.optim.swa_utils.AveragedModel(ref.module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        gen = torch.Generator().manual_seed(rank)
+        worst = 0.0
+        for _ in range(8):
+            x, y = models.MLP.batch(gen)
+            for model, o, avg in ((ref, opt_ref, ema_ref), (ours, opt, ema)):
+                o.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                o.step()
+                copies = [p.detach().clone() for p in model.parameters()]  # before anything else runs
+                avg.update_parameters(model.module)
+                if model is ours:
+                    worst = max(worst, max((a - b).abs().max().item() for a, b in zip(ref.parameters(), copies)))
+        out[f"params {stage}"] = worst
+        out[f"ema {stage}"] = max((a - b).abs().max().item() for a, b in zip(ema_ref.parameters(), ema.parameters()))
+    return out
+
+
+def test_parameters_are_final_when_step_returns(zero_run):
+    """The default returns final parameters (Note [overlapped parameter gathers]): read before
+    their all-gathers landed, some would hold the previous step's values from other ranks."""
+    _, per_rank = zero_run
+    for rank, r in enumerate(per_rank):
+        for key, diff in r["read_after_step"].items():
+            assert diff < 1e-5, f"rank {rank}, {key}: max |AdamW - ZeRO| read right after step() = {diff}"
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -420,10 +467,11 @@ def _misuse_worker(rank, world_size):
 
     # Parameters changed between steps (Note [parameters changed outside the optimizer]) are
     # what the next step updates, as with torch: with lr=0 they stay as set. Loaded right after
-    # a step, while its all-gathers may still be landing.
-    for stage in (1, 2):
+    # a step -- with overlapped gathers, while they may still be landing.
+    for stage, overlap in ((1, False), (2, False), (1, True), (2, True)):
         model = fusedist.DistributedDataParallel(models.MLP(), **TINY_BUCKETS)
-        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.0)
+        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.0,
+                                               overlap_param_gather=overlap)
         gen = torch.Generator().manual_seed(rank)
 
         def lr0_step():
@@ -441,7 +489,8 @@ def _misuse_worker(rank, world_size):
             model.module.layers[0].weight.mul_(2.0)  # in place, between steps
         lr0_step()
         opt.wait_for_params()
-        errors[f"params set between steps kept {stage}"] = loaded and bool(torch.all(model.module.layers[0].weight == 1.0))
+        errors[f"params set between steps kept {stage}, overlap {overlap}"] = (
+            loaded and bool(torch.all(model.module.layers[0].weight == 1.0)))
 
     # Parameters no rank uses are skipped, as torch skips grad=None (weight decay would move
     # them otherwise); tests/test_zero_no_grad.py compares this with torch in detail.
@@ -487,7 +536,9 @@ def test_misuse_is_reported(zero_run):
         assert "already has a stage-2 optimizer" in errors["two stage-2 optimizers"]
         assert "norm_type=2" in errors["norm type"]
         assert "cannot be stepped by torch.amp.GradScaler" in errors["torch scaler"]
-        assert errors["params set between steps kept 1"] and errors["params set between steps kept 2"]
+        for stage in (1, 2):
+            for overlap in (False, True):
+                assert errors[f"params set between steps kept {stage}, overlap {overlap}"]
         assert "fusedist.amp.GradScaler" in errors["torch scaler"]
         assert errors["bf16 master bytes 1"] and errors["bf16 master bytes 2"]
         for stage in (1, 2):

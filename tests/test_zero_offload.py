@@ -80,7 +80,7 @@ def _train(rank, model, opt, *, steps, scaler=False, clip=None, clip_api="optimi
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
 
-def _pair(rank, *, stage, inner, steps=10, dtype=torch.float32, groups=True, **train_kwargs):
+def _pair(rank, *, stage, inner, steps=10, dtype=torch.float32, groups=True, zero_kwargs=None, **train_kwargs):
     """The same DDP model trained with ZeRO(inner) without and with offload; returns
     (max |difference| of the parameters, offloaded params, both optimizers)."""
     import fusedist
@@ -91,7 +91,8 @@ def _pair(rank, *, stage, inner, steps=10, dtype=torch.float32, groups=True, **t
     for offload in (None, "cpu"):
         model = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
         params = _groups(model.module) if groups else model.parameters()
-        opt = fusedist.ZeroRedundancyOptimizer(params, inner, stage=stage, lr=1e-2, offload=offload)
+        opt = fusedist.ZeroRedundancyOptimizer(params, inner, stage=stage, lr=1e-2, offload=offload,
+                                               **(zero_kwargs or {}))
         runs.append((_train(rank, model, opt, steps=steps, dtype=dtype, **train_kwargs), model, opt))
     (a, _, opt_a), (b, model_b, opt_b) = runs
     return (a - b).abs().max().item(), b, model_b, opt_a, opt_b
@@ -129,6 +130,8 @@ def _offload_worker(rank, world_size, directory):
             ("two backward passes per step", FusedAdamW, dict(backward_passes=2, clip=0.05)),
             ("gradients unscaled in place after their copy", FusedAdamW,
              dict(scaler=True, clip=0.05, inject_at=3, materialize=True)),
+            ("overlapped parameter gathers, scaler+overflow+clip", FusedAdamW,
+             dict(scaler=True, clip=0.05, inject_at=3, zero_kwargs=dict(overlap_param_gather=True))),
         ):
             diff, flat, _, _, opt = _pair(rank, stage=stage, inner=inner, **kw)
             out["parity"][(stage, name)] = (diff, flat)

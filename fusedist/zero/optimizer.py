@@ -53,13 +53,17 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
       ``optimizer_class`` steps FP32 views of the rank's flat shard, one per run of a param
       group, so any elementwise torch optimizer works and per-group hyperparameters (and LR
       schedulers changing ``param_groups``) are honoured.
-    * Parameter all-gathers are issued per bucket at the end of ``step()`` without waiting;
-      with DDP each bucket is waited for by a forward pre-hook of the modules owning its
-      parameters, so the gather overlaps with ``zero_grad``, data loading and the forward of
-      earlier layers. ``step()``, the model's ``state_dict()``, this optimizer's
-      ``state_dict()`` and checkpoint saving wait too. Code that reads parameter tensors
-      directly after ``step()`` (outside forward) must call :meth:`wait_for_params` first, or
-      pass ``overlap_param_gather=False`` (every gather is then waited for inside ``step()``).
+    * Parameter all-gathers are issued per bucket at the end of ``step()``, and by default
+      ``step()`` returns once they have landed: the parameters are final, as with torch's,
+      DeepSpeed's and Megatron's sharded optimizers, so code that reads them right after the
+      step (an EMA or ``torch.optim.swa_utils.AveragedModel`` update, logging) sees the new
+      values. ``overlap_param_gather=True`` (with DDP) returns without waiting: each bucket is
+      waited for by a forward pre-hook of the modules owning its parameters, so the gather
+      overlaps ``zero_grad``, data loading and the forward of earlier layers. The model's
+      ``state_dict()`` / ``load_state_dict()``, this optimizer's ``state_dict()``, checkpoint
+      saving and the next ``step()`` wait too, but any other read of the parameters before the
+      next forward must call :meth:`wait_for_params` first -- it would otherwise see a mix of
+      old and new values (Note [overlapped parameter gathers]).
     * What ``p.grad`` holds: stage 1 -- the full averaged gradient, as with DDP alone. Stage 2
       -- None after every synchronized backward (only the shard is kept; read it with
       :meth:`gradient_shards`). Stage-2 gradients accumulate over synchronized backward passes
@@ -100,8 +104,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         process_group: the data-parallel group when there is no DDP wrapper (with DDP its
             group is used).
         bucket_cap_mb: bucket size of the layout built without DDP.
-        overlap_param_gather: wait for parameter all-gathers in forward pre-hooks (needs DDP)
-            instead of at the end of ``step()``.
+        overlap_param_gather: return from ``step()`` before the parameter all-gathers have
+            landed and wait for them in the next forward's pre-hooks (needs DDP); default False,
+            every gather completes inside ``step()``.
         offload: None (everything on the parameters' device) or ``"cpu"`` (master weights and
             optimizer state on the host, stepped there; Adam/AdamW only).
         **defaults: hyperparameters for ``optimizer_class``.
@@ -109,7 +114,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
 
     def __init__(self, params, optimizer_class=None, *, stage: int = 1, process_group=None,
-                 bucket_cap_mb: float = 25.0, overlap_param_gather: bool = True,
+                 bucket_cap_mb: float = 25.0, overlap_param_gather: bool = False,
                  offload: Optional[str] = None, **defaults):
         if defaults.pop("overlap_with_ddp", False):
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
@@ -371,6 +376,18 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         """Block until every parameter all-gather of the last step has landed."""
         self._wait_buckets(list(self._gather_handles))
 
+    # Note [overlapped parameter gathers]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With ``overlap_param_gather=True`` a parameter read between ``step()`` and the next
+    # forward races with its bucket's all-gather: it sees this rank's slice updated and the
+    # other ranks' slices either old or new. Measured (2 ranks, stage 2, 8 layers of 256x256,
+    # parameters copied right after each of 20 steps): 87 and 124 of 320 copies differed from
+    # the final values -- an EMA or SWA average built from them is silently wrong, and only
+    # sometimes. torch's, DeepSpeed's and Megatron's sharded optimizers return final
+    # parameters by default (Megatron's overlap_param_gather is opt-in too), so a drop-in
+    # must: the overlap is opt-in, and the forward pre-hooks, ``state_dict`` hooks and the
+    # compiled-forward waiter exist only with it. Its gain is what the gathers cost the
+    # iteration (benchmarks/bench_zero.py, rows 'zero2' and 'zero2 overlapped gather').
     @torch.no_grad()
     def _publish_params(self) -> None:
         """Write the updated master shards into the parameters' slices and all-gather them,

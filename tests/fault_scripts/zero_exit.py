@@ -18,7 +18,8 @@ def main(stage: int, destroy: bool) -> None:
     torch.manual_seed(0)
     model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)),
                                              bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)
-    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-3)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-3,
+                                           overlap_param_gather=True)
     gen = torch.Generator().manual_seed(info.rank)
     for _ in range(3):
         opt.zero_grad()

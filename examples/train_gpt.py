@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--save", metavar="DIR", help="write a fusedist checkpoint here at the end")
     p.add_argument("--resume", metavar="DIR", help="load a fusedist checkpoint (any world size) first")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="ZeRO: let step() return before the parameter all-gathers land (the next forward waits)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.fp16 = args.precision == "fp16"
@@ -76,7 +78,8 @@ def build_optimizer(args, model, ddp):
         inner = fusedist.optim.FusedAdamW if args.optimizer == "fused" else torch.optim.AdamW
         if args.fp16:
             kwargs["master_weights"] = True
-        return fusedist.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=inner, stage=args.zero, **kwargs)
+        return fusedist.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=inner, stage=args.zero,
+                                                overlap_param_gather=args.overlap_param_gather, **kwargs)
     if args.optimizer == "fused":
         return fusedist.optim.FusedAdamW(params, master_weights=args.fp16, **kwargs)
     if args.fp16:

@@ -48,6 +48,47 @@ def _misuse_worker(rank, world_size):
     opt.step()
     errors["after_sync_ok"] = model.reducer.optimizer_steps
 
+    # step(closure): the backward runs inside step(), after the step hooks (Note [step with a
+    # closure]): legal on the first step, and judged by the closure's own backward.
+    import copy
+    closure_diffs = {}
+    for kind in ("torch SGD", "ZeRO stage 2"):
+        torch.manual_seed(1)
+        base = models.MLP()
+        ref, ours = (fusedist.DistributedDataParallel(copy.deepcopy(base)) for _ in range(2))
+        if kind == "torch SGD":
+            opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            opt_c = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+        else:
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            opt_c = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+        for step in range(3):
+            x, y = models.MLP.batch(gen)
+            opt_ref.zero_grad()
+            (ref(x) - y).pow(2).mean().backward()
+            opt_ref.step()
+
+            def closure():
+                opt_c.zero_grad()
+                loss = (ours(x) - y).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt_c.step(closure) if step % 2 == 0 else opt_c.step(closure=closure)
+        closure_diffs[kind] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+    errors["closure_diffs"] = closure_diffs
+
+    def no_sync_closure():
+        with model.no_sync():
+            loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    _capture(errors, "no_sync_closure", lambda: opt.step(no_sync_closure), RuntimeError)
+    errors["no_sync_closure_unchanged"] = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    (model(x) - y).pow(2).mean().backward()
+
     # An optimizer given a parameter the DDP model does not own.
     extra = nn.Linear(4, 2)
     opt2 = torch.optim.SGD([{"params": model.parameters()}, {"params": extra.parameters()}], lr=0.1)
@@ -90,6 +131,10 @@ def test_misuse_gets_clear_errors():
         assert f"rank {rank}" in e["no_sync"] and "under no_sync()" in e["no_sync"]
         assert "outside no_sync()" in e["no_sync"]
         assert e["after_sync_ok"] == 1
+        for kind, diff in e["closure_diffs"].items():
+            assert diff < 1e-6, f"rank {rank}, step(closure) with {kind}: max |difference| = {diff}"
+        assert f"rank {rank}" in e["no_sync_closure"] and "under no_sync()" in e["no_sync_closure"]
+        assert e["no_sync_closure_unchanged"]
         assert "param_groups[1]['params'][0]" in e["unowned"] and "(4,)" not in e["unowned"]
         assert "shape (2, 4)" in e["unowned"] and "does not own" in e["unowned"]
         assert "ddp_model.parameters()" in e["unowned"]

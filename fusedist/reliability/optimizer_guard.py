@@ -8,6 +8,10 @@ that makes them, before the step changes any parameter:
 * an optimizer that mixes DDP-owned parameters with trainable parameters the DDP model does
   not own (their gradients are never averaged across ranks).
 
+With ``step(closure)`` the backward runs inside ``step()``, after the hook: the two
+backward checks then run when the closure returns (Note [step with a closure]), still before
+any parameter changes -- optimizers call the closure before their update.
+
 It also counts optimizer steps per DDP model, which the per-step check (Note [step check])
 compares across ranks, so a rank that calls ``step()`` on a different iteration is reported
 on every rank.
@@ -54,20 +58,50 @@ def _owners(entry) -> list:
     return [ddp for ddp in (ref() for ref in entry[1]) if ddp is not None]
 
 
-def _pre_step(optimizer, args, kwargs) -> None:
+# Note [step with a closure]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``optimizer.step(closure)`` (LBFGS always, any torch optimizer optionally) runs forward and
+# backward inside step(), after the pre-step hook: checked there, the first step would raise
+# "before any backward pass" and a closure after a no_sync backward would be judged by the
+# previous backward. The hook passes step() a closure that calls the user's and then checks;
+# optimizers evaluate the closure before their update, so nothing has changed yet when it
+# raises. torch lets a pre-step hook return replaced (args, kwargs).
+def _pre_step(optimizer, args, kwargs):
     entry = _classify(optimizer)
-    unowned = entry[2]
-    for ddp in _owners(entry):
+    owners = _owners(entry)
+    if not owners:
+        return None
+    if entry[2] is not None:
+        _refuse_unowned(optimizer, owners[0], entry[2])
+    # torch passes step()'s own arguments: (optimizer, closure, ...) or closure=...
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is None:
+        _check_backward(optimizer, owners)
+        return None
+    def checked_closure():
+        loss = closure()
+        _check_backward(optimizer, owners)
+        return loss
+
+    if len(args) > 1:
+        return (args[0], checked_closure, *args[2:]), kwargs
+    return args, {**kwargs, "closure": checked_closure}
+
+
+def _refuse_unowned(optimizer, ddp, unowned) -> None:
+    gi, pi, shape, dtype = unowned
+    raise ValueError(
+        f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameters of a "
+        f"DistributedDataParallel model and also param_groups[{gi}]['params'][{pi}] (shape "
+        f"{shape}, {dtype}), which that model does not own: its gradient is never averaged "
+        "across ranks, so the ranks' copies would diverge. Build the optimizer from "
+        "ddp_model.parameters() only, or wrap the module that owns that parameter too."
+    )
+
+
+def _check_backward(optimizer, owners) -> None:
+    for ddp in owners:
         reducer = ddp.reducer
-        if unowned is not None:
-            gi, pi, shape, dtype = unowned
-            raise ValueError(
-                f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameters of a "
-                f"DistributedDataParallel model and also param_groups[{gi}]['params'][{pi}] (shape "
-                f"{shape}, {dtype}), which that model does not own: its gradient is never averaged "
-                "across ranks, so the ranks' copies would diverge. Build the optimizer from "
-                "ddp_model.parameters() only, or wrap the module that owns that parameter too."
-            )
         if reducer.backward_count == 0:
             raise RuntimeError(
                 f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() was called before any "

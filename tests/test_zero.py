@@ -216,7 +216,47 @@ def _zero_worker(rank, world_size):
     """Every multi-rank ZeRO check of one world size in one spawn (each spawn costs seconds)."""
     return {"parity": _parity_worker(rank, world_size), "no_sync_memory": _no_sync_and_memory_worker(rank, world_size),
             "consolidate": _consolidate_worker(rank, world_size), "misuse": _misuse_worker(rank, world_size),
-            "read_after_step": _read_after_step_worker(rank, world_size)}
+            "read_after_step": _read_after_step_worker(rank, world_size),
+            "schedulers": _scheduler_worker(rank, world_size)}
+
+
+def _scheduler_worker(rank, world_size):
+    """LR schedulers that also cycle momentum (OneCycleLR: AdamW's beta1, SGD's momentum)
+    find it in ``optimizer.defaults`` and change it in every group; ZeRO against the
+    unsharded optimizer under the same schedule."""
+    import fusedist
+
+    def sgd(params, **kw):
+        return torch.optim.SGD(params, momentum=0.9, **kw)
+
+    out = {}
+    for stage in (1, 2):
+        for name, inner in (("AdamW", torch.optim.AdamW), ("SGD momentum", sgd)):
+            torch.manual_seed(5)
+            base = models.MLP()
+            ref = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+            ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
+            opt_ref = inner(_groups(ref.module), lr=1e-2)
+            opt = fusedist.ZeroRedundancyOptimizer(_groups(ours.module), inner, stage=stage, lr=1e-2)
+            scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.05, 0.02], total_steps=8)
+                      for o in (opt_ref, opt)]
+            gen = torch.Generator().manual_seed(rank)
+            for _ in range(6):
+                x, y = models.MLP.batch(gen)
+                for model, o, sched in ((ref, opt_ref, scheds[0]), (ours, opt, scheds[1])):
+                    o.zero_grad()
+                    nn.functional.mse_loss(model(x), y).backward()
+                    o.step()
+                    sched.step()
+            out[(stage, name)] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+    return out
+
+
+def test_momentum_cycling_schedulers(zero_run):
+    _, per_rank = zero_run
+    for rank, r in enumerate(per_rank):
+        for key, diff in r["schedulers"].items():
+            assert diff < 1e-5, f"rank {rank}, OneCycleLR with {key}: max |unsharded - ZeRO| = {diff}"
 
 
 def _read_after_step_worker(rank, world_size):

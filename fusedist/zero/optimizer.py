@@ -196,8 +196,10 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
     # ------------------------------------------------------------------ construction
     def _fill_group_defaults(self) -> None:
-        """Fill each group's missing hyperparameters with the inner optimizer's defaults now,
-        so LR schedulers can read them before the (lazy) inner optimizer exists."""
+        """Fill each group's missing hyperparameters, and ``self.defaults``, with the inner
+        optimizer's defaults now, so LR schedulers can read them before the (lazy) inner
+        optimizer exists: OneCycleLR and CyclicLR look for ``betas`` / ``momentum`` in
+        ``optimizer.defaults`` and cycle them in every group."""
         for group in self.param_groups:
             probe_group = {k: v for k, v in group.items() if k != "params"}
             probe = self.optimizer_class([{"params": [torch.zeros(1, requires_grad=True)], **probe_group}],
@@ -205,6 +207,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             for k, v in probe.param_groups[0].items():
                 if k != "params":
                     group.setdefault(k, v)
+            for k, v in probe.defaults.items():
+                self.defaults.setdefault(k, v)
 
     def _trainable_params(self) -> list:
         return [self._params[i] for i in self._trainable]

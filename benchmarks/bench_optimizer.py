@@ -1,7 +1,10 @@
 """Benchmark: the fused AMP optimizer step against torch's, in the same run.
 
-fusedist:  GradScaler.unscale_ -> fusedist.clip_grad_norm_ -> GradScaler.step(FusedAdamW with
-           master_weights=True) -> update. Two passes over the gradients, no host sync.
+fusedist:  GradScaler(lazy_unscale=True).unscale_ -> fusedist.clip_grad_norm_ ->
+           GradScaler.step(FusedAdamW with master_weights=True) -> update. Two passes over the
+           gradients, no host sync. ``fusedist_default_ms``: the same with the default
+           GradScaler, whose unscale_ also writes the unscaled gradients (as torch's does, so
+           torch's clip_grad_norm_ may be used; Note [lazy unscale]).
 torch:     FP32 master weights done torch's way: upcast the bf16 grads into the fp32 masters'
            grads, GradScaler.unscale_ -> torch.nn.utils.clip_grad_norm_ ->
            GradScaler.step(AdamW(fused=True)) -> update, then copy the masters back into the
@@ -70,13 +73,13 @@ def _grads_like(params, dtype):
     return [torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).to(dtype) for p in params]
 
 
-def fusedist_step(shapes, device, mode):
+def fusedist_step(shapes, device, mode, lazy_unscale=True):
     dtype = torch.bfloat16 if mode == "bf16+master" else torch.float32
     params = [torch.empty(s, device=device, dtype=dtype).normal_().requires_grad_() for s in shapes]
     for p, g in zip(params, _grads_like(params, dtype)):
         p.grad = g
     opt = FusedAdamW(params, lr=1e-4, weight_decay=0.01, master_weights=mode == "bf16+master")
-    scaler = GradScaler(device.type)
+    scaler = GradScaler(device.type, lazy_unscale=lazy_unscale)
     scaler.scale(torch.ones((), device=device))  # initializes the scale tensor
 
     def step():
@@ -153,6 +156,10 @@ def main(argv=None):
             ours_t = bench_ms(ours, device, **timing)
             del ours, keep_ours
             gc.collect()
+            default, keep_default = fusedist_step(shapes, device, mode, lazy_unscale=False)
+            default_t = bench_ms(default, device, **timing)
+            del default, keep_default
+            gc.collect()
             theirs, keep_theirs = torch_step(shapes, device, mode)
             theirs_t = bench_ms(theirs, device, **timing)
             del theirs, keep_theirs
@@ -166,6 +173,8 @@ def main(argv=None):
                 "fusedist_ms": ours_t["median_ms"], "fusedist_p20_ms": ours_t["p20_ms"], "fusedist_p80_ms": ours_t["p80_ms"],
                 "torch_ms": theirs_t["median_ms"], "torch_p20_ms": theirs_t["p20_ms"], "torch_p80_ms": theirs_t["p80_ms"],
                 "speedup_vs_torch": theirs_t["median_ms"] / ours_t["median_ms"],
+                "fusedist_default_ms": default_t["median_ms"],
+                "default_speedup_vs_torch": theirs_t["median_ms"] / default_t["median_ms"],
                 "fusedist_GBps": modeled / ours_t["median_ms"] / 1e6,
                 "torch_GBps": modeled / theirs_t["median_ms"] / 1e6,
             }
@@ -174,7 +183,9 @@ def main(argv=None):
             rows.append(row)
             print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     notes = (
-        "fusedist: GradScaler.unscale_ + fusedist.clip_grad_norm_ + GradScaler.step(FusedAdamW) + update.\n"
+        "fusedist: GradScaler(lazy_unscale=True).unscale_ + fusedist.clip_grad_norm_ + GradScaler.step(FusedAdamW) "
+        "+ update; fusedist_default_ms: the same with the default GradScaler, whose unscale_ also writes the "
+        "unscaled gradients in place (as torch's does).\n"
         "torch: grad upcast + GradScaler.unscale_ + clip_grad_norm_ + GradScaler.step(AdamW(fused=True)) "
         "+ update + bf16 write-back (bf16+master); fp32 rows have no masters.\n"
         f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled)."

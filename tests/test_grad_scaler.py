@@ -45,12 +45,15 @@ def _backward(scaler, params, step, inject=None):
 OVERFLOWS = {2: float("inf"), 3: float("nan"), 9: float("inf")}
 
 
-def _run_pair(make_ours, make_theirs, clip, steps=14, scaler_kwargs=None):
+def _run_pair(make_ours, make_theirs, clip, steps=14, scaler_kwargs=None, lazy_unscale=False, clip_api="fusedist"):
+    """``clip_api="torch"``: our side clips with torch.nn.utils.clip_grad_norm_ too -- the
+    loop torch documents for AMP, which must see unscaled gradients after unscale_ (Note
+    [lazy unscale]); then p.grad is compared with torch's after unscale_ as well."""
     scaler_kwargs = scaler_kwargs or dict(init_scale=2.0**10, growth_interval=3)
     ours_p, theirs_p = _params(), None
     theirs_p = _clone(ours_p)
     ours_opt, theirs_opt = make_ours(ours_p), make_theirs(theirs_p)
-    ours_sc = GradScaler(DEVICE.type, **scaler_kwargs)
+    ours_sc = GradScaler(DEVICE.type, lazy_unscale=lazy_unscale, **scaler_kwargs)
     theirs_sc = torch.amp.GradScaler(DEVICE.type, **scaler_kwargs)
     for step in range(steps):
         inject = OVERFLOWS.get(step)
@@ -60,7 +63,11 @@ def _run_pair(make_ours, make_theirs, clip, steps=14, scaler_kwargs=None):
         if clip:
             ours_sc.unscale_(ours_opt)
             theirs_sc.unscale_(theirs_opt)
-            n_ours = clip_grad_norm_(ours_p, 0.5)
+            if not lazy_unscale:
+                for a, b in zip(ours_p, theirs_p):  # unscaled in place, as torch's unscale_ does
+                    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)
+            clip_ours = torch.nn.utils.clip_grad_norm_ if clip_api == "torch" else clip_grad_norm_
+            n_ours = clip_ours(ours_p, 0.5)
             n_theirs = torch.nn.utils.clip_grad_norm_(theirs_p, 0.5)
             torch.testing.assert_close(n_ours, n_theirs, rtol=1e-6, atol=0, equal_nan=True)
         before = [p.detach().clone() for p in ours_p]
@@ -80,10 +87,13 @@ def _run_pair(make_ours, make_theirs, clip, steps=14, scaler_kwargs=None):
     return ours_opt, theirs_opt
 
 
-@pytest.mark.parametrize("clip", [False, True])
-def test_fused_optimizer_matches_torch_scaler_with_overflows(clip):
+@pytest.mark.parametrize("clip,lazy_unscale,clip_api", [
+    (False, False, None), (True, False, "fusedist"), (True, True, "fusedist"), (True, False, "torch")],
+    ids=["no clip", "fusedist clip", "lazy unscale, fusedist clip", "torch clip_grad_norm_"])
+def test_fused_optimizer_matches_torch_scaler_with_overflows(clip, lazy_unscale, clip_api):
     ours, theirs = _run_pair(lambda ps: FusedAdamW(ps, lr=1e-2, weight_decay=0.1),
-                             lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), clip)
+                             lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), clip,
+                             lazy_unscale=lazy_unscale, clip_api=clip_api)
     # Skipped steps do not count: same step number as torch's (which never ran those steps).
     p_ours, p_theirs = ours.param_groups[0]["params"][0], theirs.param_groups[0]["params"][0]
     assert ours.state[p_ours]["step"].item() == theirs.state[p_theirs]["step"].item() == 14 - len(OVERFLOWS)
@@ -105,11 +115,11 @@ def test_plain_torch_optimizer_behaves_like_torch(clip):
     _run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2), clip)
 
 
-def test_fused_step_does_not_write_gradients():
-    """No unscale pass: after unscale_ + clip + step the gradients still hold scaled values."""
+def test_lazy_unscale_does_not_write_gradients():
+    """lazy_unscale=True: after unscale_ + clip + step the gradients still hold scaled values."""
     params = _params()
     opt = FusedAdamW(params, lr=1e-2)
-    scaler = GradScaler(DEVICE.type, init_scale=2.0**8)
+    scaler = GradScaler(DEVICE.type, init_scale=2.0**8, lazy_unscale=True)
     _backward(scaler, params, 0)
     scaled = [p.grad.clone() for p in params]
     scaler.unscale_(opt)

@@ -75,7 +75,7 @@ def _make_scaler(kind):
         return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     try:
         from fusedist.amp import GradScaler
-        return GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        return GradScaler("cpu", init_scale=2.0**10, growth_interval=3, lazy_unscale=kind == "fused lazy")
     except ImportError:
         return ProtocolScaler(2.0**10, 3)
 
@@ -209,6 +209,14 @@ def _parity_worker(rank, world_size):
     diff, flat, _ = _pair(rank, stage=1, ddp_kwargs=TINY_BUCKETS, scaler="torch", clip=0.05, inject_at=3,
                           clip_api="torch.nn.utils.clip_grad_norm_")
     out[(1, "torch's GradScaler+overflow+clip_grad_norm_")] = (diff, flat)
+    # fusedist's scaler unscales stage 1's p.grad in place, so torch's clip works on it too
+    # (Note [lazy unscale]); lazy_unscale=True leaves them scaled for fusedist's clip.
+    diff, flat, _ = _pair(rank, stage=1, ddp_kwargs=TINY_BUCKETS, scaler="fused", clip=0.05, inject_at=3,
+                          clip_api="torch.nn.utils.clip_grad_norm_")
+    out[(1, "GradScaler+overflow+torch's clip_grad_norm_")] = (diff, flat)
+    for stage in (1, 2):
+        diff, flat, _ = _pair(rank, stage=stage, ddp_kwargs=TINY_BUCKETS, scaler="fused lazy", clip=0.05, inject_at=3)
+        out[(stage, "GradScaler(lazy_unscale=True)+overflow+clip")] = (diff, flat)
     return out
 
 

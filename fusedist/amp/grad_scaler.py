@@ -32,7 +32,9 @@ optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
 * ``_fusedist_materialize_unscale()``: multiply the gradients by a pending
   ``_fusedist_inv_scale`` in place and clear it (slow path for callers needing real values).
 
-The iteration then costs two passes over the gradients and no host synchronization::
+With ``GradScaler(lazy_unscale=True)`` the iteration then costs two passes over the
+gradients and no host synchronization (the default adds an in-place unscale to pass 1, Note
+[lazy unscale])::
 
     scaler.scale(loss).backward()
     scaler.unscale_(opt)        # pass 1 (read-only): found_inf + sumsq; records inv_scale
@@ -44,9 +46,22 @@ The iteration then costs two passes over the gradients and no host synchronizati
 Without ``unscale_``, ``step`` runs the check pass itself (flag only) and passes
 ``grad_scale``. After ``unscale_`` on a fused optimizer, ``p.grad`` still holds the *scaled*
 gradient (read it only through ``clip_grad_norm_``, or call
-``optimizer._fusedist_materialize_unscale()`` first).
+``optimizer._fusedist_materialize_unscale()`` first). That is ``GradScaler(lazy_unscale=True)``;
+the default unscales in place (Note [lazy unscale]).
 
 For any other optimizer every method is torch's own.
+
+# Note [lazy unscale]
+The read-only ``unscale_`` above leaves the *scaled* gradients in ``p.grad`` until the step,
+which only fusedist's clip knows how to read. The loop torch documents for AMP --
+``unscale_``, then ``torch.nn.utils.clip_grad_norm_``, then ``step`` -- would measure a norm
+``scale`` times too large and shrink every update by that factor, silently (measured: FusedAdamW
+parameters off by 1e-2 after six steps at lr 1e-2). So by default ``unscale_`` also multiplies
+the gradients in place once its check pass is done, as torch's does, and keeps the recorded
+norm (it is the unscaled gradients' norm), so fusedist's clip still costs no pass; the cost
+is one write of every gradient. ``GradScaler(lazy_unscale=True)`` restores the read-only
+form for loops that clip with fusedist. ZeroRedundancyOptimizer stage 2 is always lazy: its
+gradients are shards only it reads (``p.grad`` is None), so there is nothing to show.
 """
 
 from __future__ import annotations
@@ -100,8 +115,18 @@ class _LazyHostFlag:
 class GradScaler(_TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
-    With a fused optimizer (Note [scaler protocol]) ``unscale_`` and ``step`` do no separate
-    unscale pass and never synchronize the host. Extra keyword-only arguments:
+    With a fused optimizer (Note [scaler protocol]) ``step`` without ``unscale_`` does no
+    separate unscale pass, and nothing synchronizes the host. ``unscale_`` unscales the
+    gradients in place, as torch's does, so ``torch.nn.utils.clip_grad_norm_`` and anything
+    else reading ``p.grad`` sees unscaled values; it also records the global norm, so
+    ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Extra
+    keyword-only arguments:
+
+    * ``lazy_unscale`` (default False): ``unscale_`` only checks and measures the gradients
+      (one read-only pass) and the optimizer's update unscales inline, saving the write of
+      every gradient. ``p.grad`` then keeps the *scaled* values until ``step()``: clip with
+      ``fusedist.clip_grad_norm_`` or ``optimizer.clip_grad_norm_``, not with
+      ``torch.nn.utils.clip_grad_norm_`` (which would measure and clip scaled gradients).
 
     * ``hysteresis`` (default 1 = torch): the scale backs off on the ``hysteresis``-th
       *consecutive* overflow, and on every further overflow until a step succeeds; a finite
@@ -119,8 +144,10 @@ class GradScaler(_TorchGradScaler):
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn"):
+                 hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn",
+                 lazy_unscale: bool = False):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.lazy_unscale = bool(lazy_unscale)
         if int(hysteresis) != hysteresis or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
         if min_scale is not None and not (0 < float(min_scale) <= init_scale):
@@ -166,6 +193,8 @@ class GradScaler(_TorchGradScaler):
         optimizer._fusedist_grad_sumsq = sumsq
         optimizer._fusedist_clip_coef = None
         register_pending_unscale(optimizer)
+        if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():
+            optimizer._fusedist_materialize_unscale(keep_norm=True)  # Note [lazy unscale]
         optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
         optimizer_state["stage"] = OptState.UNSCALED
 

@@ -38,16 +38,27 @@ class ScalerProtocol:
         """Gradients a materialized unscale writes: those users see in ``p.grad`` by default."""
         return [p.grad for p in self._fusedist_grad_params() if p.grad is not None]
 
+    def _fusedist_grads_in_user_view(self) -> bool:
+        """Whether users read the gradients this optimizer steps (``p.grad``): then
+        GradScaler.unscale_ writes them unscaled, as torch's does (Note [lazy unscale]). A
+        sharded optimizer whose gradients exist only as its own shards says no."""
+        return True
+
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
         """Combine the local flag and sum of squares into the global ones. Identity here; a
         sharded optimizer (ZeRO) overrides it to all-reduce them, so every rank sees the same
         flag and norm."""
         return found_inf, sumsq
 
-    def _fusedist_materialize_unscale(self) -> None:
-        """Apply a pending ``inv_scale`` to the gradients in place (the slow path, used when a
-        caller needs unscaled ``.grad`` values, e.g. clip_grad_norm_ on a different set of
-        parameters). Afterwards the optimizer behaves as after torch's ``unscale_``."""
+    def _fusedist_materialize_unscale(self, keep_norm: bool = False) -> None:
+        """Apply a pending ``inv_scale`` to the gradients in place (GradScaler.unscale_ by
+        default, and clip_grad_norm_ on a different set of parameters, which needs unscaled
+        ``.grad`` values). Afterwards the optimizer behaves as after torch's ``unscale_``.
+        ``keep_norm``: the recorded global sum of squares (of the unscaled gradients) stays
+        valid, so fusedist.clip_grad_norm_ of every parameter still needs no pass; a caller
+        about to change some gradients drops it."""
+        if not keep_norm:
+            self._fusedist_grad_sumsq = None
         inv = self._fusedist_inv_scale
         if inv is None:
             return
@@ -55,7 +66,6 @@ class ScalerProtocol:
         if grads:
             torch._foreach_mul_(grads, inv.reshape(()))
         self._fusedist_inv_scale = None
-        self._fusedist_grad_sumsq = None
 
     def _effective_inv_scale(self) -> Optional[torch.Tensor]:
         if self.grad_scale is not None:

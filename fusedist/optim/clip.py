@@ -2,13 +2,13 @@
 ``GradScaler.step`` of a fused optimizer, costs no gradient pass at all.
 
 Fast path (Note [scaler protocol] in fusedist/amp/grad_scaler.py): ``unscale_`` on a fused
-optimizer did not touch the gradients; it recorded ``inv_scale`` and the global sum of squares
-of the unscaled gradients in one read-only pass. When ``clip_grad_norm_`` is then called with
-exactly the parameters that optimizer covers and ``norm_type=2``, the total norm is
-``sqrt(sumsq)`` and the clip coefficient is recorded on the optimizer, which applies it inline
-in its update. Everything else (other parameter sets, other norms, no pending unscale) runs
-torch's own ``clip_grad_norm_``, after applying any pending unscale to the gradients so they
-hold the values torch expects.
+optimizer recorded the global sum of squares of the unscaled gradients in its check pass (and,
+with ``lazy_unscale=True``, left the gradients scaled, recording ``inv_scale`` for the update).
+When ``clip_grad_norm_`` is then called with exactly the parameters that optimizer covers and
+``norm_type=2``, the total norm is ``sqrt(sumsq)`` and the clip coefficient is recorded on the
+optimizer, which applies it inline in its update. Everything else (other parameter sets, other
+norms, no recorded norm) runs torch's own ``clip_grad_norm_``, after applying any pending
+unscale to the gradients so they hold the values torch expects.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ _pending_unscale: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def register_pending_unscale(optimizer) -> None:
-    """Called by GradScaler.unscale_ on a fused optimizer: its gradients are logically
-    unscaled but still hold the scaled values."""
+    """Called by GradScaler.unscale_ on a fused optimizer: it recorded the global norm of the
+    unscaled gradients (which may still hold the scaled values: ``lazy_unscale``)."""
     _pending_unscale.add(optimizer)
 
 
 def _pending_optimizers() -> list:
+    """Optimizers whose gradients' norm was recorded by ``unscale_`` and not used up since."""
     live = []
     for opt in list(_pending_unscale):
-        if getattr(opt, "_fusedist_inv_scale", None) is None:
+        if getattr(opt, "_fusedist_grad_sumsq", None) is None:
             _pending_unscale.discard(opt)
         else:
             live.append(opt)

@@ -527,7 +527,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
     def gradient_shards(self) -> dict:
         """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32
-        over the rank's slices of the buckets (Note [flat partition])."""
+        over the rank's slices of the buckets (Note [flat partition]). With a GradScaler the
+        shards hold the scaled gradients until ``step()``, ``unscale_`` included (Note [lazy
+        unscale] in ``fusedist/amp/grad_scaler.py``)."""
         return dict(self._grad_shards) if self._grads_present else {}
 
     # ------------------------------------------------------------------ scaler protocol
@@ -568,6 +570,11 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
     def _fusedist_local_grads(self) -> list:
         return self._local_grads()
+
+    def _fusedist_grads_in_user_view(self) -> bool:
+        # Stage 2's gradients are shards nobody else reads (p.grad is None): unscaled inline
+        # by the update, which also spares the offload pipeline a second copy of each shard.
+        return self.stage == 1
 
     def _fusedist_unscale_targets(self) -> list:
         # Stage 2 keeps gradients only as shards; stage 1 unscales what users see in p.grad.

@@ -43,6 +43,12 @@ from fusedist.optim import FusedAdamW  # noqa: E402
 from fusedist.optim import functional as F  # noqa: E402
 
 BYTES_PER_PARAM = {"bf16+master": 28, "fp32": 32}  # see module docstring
+# The gradients are set once and reused by every timed step. An unscale that writes them (torch's
+# unscale_, fusedist's default one) multiplies them by 1/scale each step: with torch's default
+# 65536 they turn denormal within a few repetitions, and denormal arithmetic is several times
+# slower on x86, which once inflated every such row. At scale 1 every pass still runs (the
+# multiplications by 1.0 are done), and the values stay as they are.
+LOSS_SCALE = 1.0
 
 
 def gpt_like_shapes(layers: int = 16, d: int = 768, vocab: int = 50304, ctx: int = 1024):
@@ -79,7 +85,7 @@ def fusedist_step(shapes, device, mode, lazy_unscale=True):
     for p, g in zip(params, _grads_like(params, dtype)):
         p.grad = g
     opt = FusedAdamW(params, lr=1e-4, weight_decay=0.01, master_weights=mode == "bf16+master")
-    scaler = GradScaler(device.type, lazy_unscale=lazy_unscale)
+    scaler = GradScaler(device.type, init_scale=LOSS_SCALE, lazy_unscale=lazy_unscale)
     scaler.scale(torch.ones((), device=device))  # initializes the scale tensor
 
     def step():
@@ -104,7 +110,7 @@ def torch_step(shapes, device, mode):
         for m, g in zip(masters, _grads_like(masters, torch.float32)):
             m.grad = g
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
-    scaler = torch.amp.GradScaler(device.type)
+    scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
     scaler.scale(torch.ones((), device=device))
     grads = [m.grad for m in masters]
 
@@ -188,7 +194,9 @@ def main(argv=None):
         "unscaled gradients in place (as torch's does).\n"
         "torch: grad upcast + GradScaler.unscale_ + clip_grad_norm_ + GradScaler.step(AdamW(fused=True)) "
         "+ update + bf16 write-back (bf16+master); fp32 rows have no masters.\n"
-        f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled)."
+        f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled). "
+        "Loss scale 1 on both sides, so the in-place unscales do not drive the reused gradients into "
+        "denormals (the passes run all the same)."
         + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms." if device.type == "cuda" else
            "\nOn CPU fusedist_backend says what ran: 'torch' is the pure-PyTorch reference (about a dozen foreach "
            "passes), against torch's single-pass C++ fused AdamW; the C++ CPU Adam ('cpu_ext') is the intended fast "

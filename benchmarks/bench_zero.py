@@ -124,6 +124,12 @@ def _collectives(rank, world_size, device, sizes, repeats):
                 torch.sum(landing.view(world_size, -1), 0, out=grad_shard)
 
             fns["rs a2a"] = a2a_reduce_scatter
+            # The floor of any point-to-point implementation: the same messages as the exchange
+            # (one per peer and direction) posted straight on the process group, without the
+            # communicator's checks, tags, timeouts and completion tracking.
+            bare_rs, bare_ag = _bare_p2p(full, grad_shard, rank, world_size)
+            fns["rsag bare"] = lambda: (bare_rs(), bare_ag())
+            fns["rs bare"], fns["ag bare"] = bare_rs, bare_ag
         for impl, (c, a) in impls.items():
             fns[f"rsag {impl}"] = lambda c=c, a=a: (c.reduce_scatter(grad_shard, full, async_op=a).wait(),
                                                     c.all_gather(full, own, async_op=a).wait())
@@ -143,8 +149,40 @@ def _collectives(rank, world_size, device, sizes, repeats):
                 "baseline_p20_p80": f"{ar[1]:.2f}-{ar[2]:.2f}", "zero_p20_p80": f"{rsag[1]:.2f}-{rsag[2]:.2f}",
                 "reduce_scatter_ms": t[f"rs {impl}"][0], "all_gather_ms": t[f"ag {impl}"][0],
                 "gloo_all_to_all_rs_ms": t["rs a2a"][0] if "rs a2a" in t else "",
+                "bare_p2p_rsag_ms": t["rsag bare"][0] if "rsag bare" in t else "",
+                "bare_p2p_ratio_paired": statistics.median(
+                    [z / b for z, b in zip(t["_samples"]["rsag bare"], t["_samples"]["ar"])]) if "rsag bare" in t else "",
             })
     return rows
+
+
+def _bare_p2p(full, grad_shard, rank, world_size):
+    """Reduce-scatter and all-gather of ``full`` by bare ``send``/``recv`` on the default
+    group: every receive posted, then every send, then waited; the reduction adds the peers'
+    slices to this rank's own. For measurement only (no checks, no timeout)."""
+    group = torch.distributed.group.WORLD
+    rows = full.view(world_size, -1)
+    peers = [(rank + k) % world_size for k in range(1, world_size)]
+    landing = torch.empty(max(world_size - 2, 0), rows.shape[1])
+
+    def reduce_scatter():
+        # Two ranks: the peer's slice lands in the output itself, as in the exchange.
+        targets = [grad_shard] + list(landing)
+        recvs = [group.recv([targets[i]], src, 901) for i, src in enumerate(peers)]
+        sends = [group.send([rows[dst]], dst, 901) for dst in peers]
+        for w in recvs + sends:
+            w.wait()
+        if world_size > 2:
+            grad_shard.add_(landing.sum(0))
+        grad_shard.add_(rows[rank])
+
+    def all_gather():
+        recvs = [group.recv([rows[src]], src, 902) for src in peers]
+        sends = [group.send([rows[rank]], dst, 902) for dst in peers]
+        for w in recvs + sends:
+            w.wait()
+
+    return reduce_scatter, all_gather
 
 
 class _MLP(nn.Module):
@@ -286,7 +324,10 @@ def main():
         "copied out), slower than gloo's all-reduce for the same bytes (see the reduce_scatter_ms / "
         "all_gather_ms columns). gloo_all_to_all_rs_ms: a reduce-scatter built on gloo's own all-to-all (one "
         "C++ collective) plus the same fold, the floor for the exchange's reduce-scatter where messages are "
-        "latency-bound. Target: RS+AG within 1.1x of AR. "
+        "latency-bound. bare_p2p_rsag_ms / bare_p2p_ratio_paired: RS+AG by the same messages posted "
+        "straight on the process group (bare send/recv, no checks, tags, timeouts or completion "
+        "tracking; the fold included), the floor of any point-to-point implementation. "
+        "Target: RS+AG within 1.1x of AR. "
         "Iteration: forward + backward + optimizer step, rank 0's median over samples of 4 "
         "iterations back to back (so the overlapped parameter all-gathers are paid by the next "
         "iteration, as in training); by default every parameter all-gather completes inside step(), as "

@@ -7,11 +7,13 @@ the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and 
 ``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.88-0.94x
 at 16.8M fp32 elements, 0.92-1.11x at 4.2M-6.6M, 2 ranks on a 2-core machine). Below that the
 collectives are latency-bound and RS+AG pays two synchronizations where the all-reduce pays
-one (1.18-1.36x at 1M, 1.56-2.4x at 0.3M). That floor is gloo's, not this module's: gloo's own
-all-to-all, one C++ collective that moves a reduce-scatter's bytes, was no faster than this
-exchange's reduce-scatter with its fold (0.85 against 0.82 ms at 0.26M elements, 2.8 against
-2.0 ms at 1M, and slower above). benchmarks/bench_zero.py times both implementations
-in the same run:
+one (1.18-1.37x at 1M, 1.52-2.4x at 0.3M). That floor is gloo's, not this module's: the same
+messages posted as bare send/recv on the process group, with none of this module's checks,
+tags or timeouts, measured 1.16-1.41x at 1M and 1.38-1.62x at 0.3M in the same runs, and
+gloo's own all-to-all, one C++ collective that moves a reduce-scatter's bytes, was no faster
+than this exchange's reduce-scatter with its fold (0.85 against 0.82 ms at 0.26M elements,
+2.8 against 2.0 ms at 1M, and slower above). benchmarks/bench_zero.py times all of them in
+the same run:
 
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;

@@ -345,6 +345,17 @@ def _bad_input_worker(rank, world_size):
             pass
     except NotImplementedError as exc:
         errors["join"] = str(exc)
+    # torch's experimental mixed_precision: its reduce_dtype is honoured, casting is refused.
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    errors["mp none"] = str(fusedist.DistributedDataParallel(nn.Linear(2, 2), mixed_precision=None).config.reduce_dtype)
+    errors["mp reduce"] = str(fusedist.DistributedDataParallel(
+        nn.Linear(2, 2), mixed_precision=_MixedPrecision(reduce_dtype=torch.bfloat16)).config.reduce_dtype)
+    try:
+        fusedist.DistributedDataParallel(nn.Linear(2, 2), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    except NotImplementedError as exc:
+        errors["mp cast"] = str(exc)
+    model._set_static_graph()  # accepted, as static_graph=True is
     emb = fusedist.DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
     try:
         emb(torch.tensor([1, 2])).sum().backward()
@@ -365,3 +376,5 @@ def test_bad_input_messages():
         assert "can only be called once" in errors["twice"]
         assert "reduce_dtype=torch.bfloat16" in errors["conflict"] and "float16" in errors["conflict"]
         assert "does not support join()" in errors["join"] and "DistributedSampler" in errors["join"]
+        assert errors["mp none"] == "None" and errors["mp reduce"] == "torch.bfloat16"
+        assert "param_dtype" in errors["mp cast"] and "torch.autocast" in errors["mp cast"]

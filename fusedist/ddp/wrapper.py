@@ -25,6 +25,27 @@ _TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_name
                        "param_to_hook_all_reduce", "skip_all_reduce_unused_params"}
 
 
+def _reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
+    """torch's (experimental) ``mixed_precision=_MixedPrecision(...)``: its ``reduce_dtype``
+    is fusedist's; casting parameters or buffers for the forward is not done here."""
+    if mixed_precision is None:
+        return reduce_dtype
+    param_dtype = getattr(mixed_precision, "param_dtype", None)
+    buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
+    if param_dtype is not None or buffer_dtype is not None:
+        raise NotImplementedError(
+            "fusedist.DistributedDataParallel: mixed_precision with param_dtype/buffer_dtype (forward "
+            "in a cast copy of the parameters) is not supported; run the forward under torch.autocast, "
+            "or cast the module and keep FP32 master weights in the optimizer "
+            "(fusedist.optim.FusedAdamW(master_weights=True)). Its reduce_dtype maps to reduce_dtype=."
+        )
+    mp_reduce = getattr(mixed_precision, "reduce_dtype", None)
+    if reduce_dtype is not None and mp_reduce is not None and mp_reduce != reduce_dtype:
+        raise ValueError(f"fusedist.DistributedDataParallel: reduce_dtype={reduce_dtype} and "
+                         f"mixed_precision.reduce_dtype={mp_reduce} disagree; pass one of them")
+    return reduce_dtype if reduce_dtype is not None else mp_reduce
+
+
 def _group_of(process_group, device_mesh):
     """The data-parallel group given as a group or, as torch's DDP also takes it, a 1-D mesh."""
     if device_mesh is None:
@@ -75,6 +96,8 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view, reduce_dtype: see :class:`~fusedist.ddp.config.DDPConfig`.
         static_graph, check_reduction: torch options accepted for compatibility (the bucket
             layout is always rebuilt once from the observed order; no extra checks needed).
+        mixed_precision: torch's experimental ``_MixedPrecision``; only its ``reduce_dtype``
+            is supported (the same as ``reduce_dtype``).
     """
 
     def __init__(
@@ -95,6 +118,7 @@ class DistributedDataParallel(nn.Module):
         **torch_options,
     ):
         super().__init__()
+        reduce_dtype = _reduce_dtype_from_mixed_precision(torch_options.pop("mixed_precision", None), reduce_dtype)
         unknown = set(torch_options) - _TORCH_ONLY_OPTIONS
         if unknown:
             raise TypeError(f"fusedist.DistributedDataParallel got unexpected keyword argument(s) {sorted(unknown)}")
@@ -333,6 +357,11 @@ class DistributedDataParallel(nn.Module):
         )
 
     join_hook = join
+
+    def _set_static_graph(self) -> None:
+        """torch's (private) way to declare a static graph after construction; as with
+        ``static_graph=True``, nothing to do here (the bucket layout is rebuilt once from the
+        observed order either way)."""
 
     def check_consistency(self) -> None:
         """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the

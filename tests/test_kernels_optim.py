@@ -139,6 +139,29 @@ def test_check_and_norm_matches_reference(device, grad_dtype):
     assert _kernels().check_and_norm(grads, None)[0].item() == 1.0
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_and_norm_unscales_in_place_when_asked(device, grad_dtype):
+    """GradScaler.unscale_'s default (Note [lazy unscale]): the same flag and norm as the
+    read-only pass, and every gradient multiplied by inv_scale in the same kernel -- as torch's
+    unscale_ writes it, inf/nan included."""
+    _, grads, _, _, _ = _make(SIZES, torch.float32, grad_dtype, device)
+    grads[1][5] = float("inf")
+    inv = torch.tensor([0.37], device=device)  # not a power of two: the rounding is checked too
+    expected = [(g.float() * 0.37).to(grad_dtype) for g in grads]
+    bad_ro, sumsq_ro = _kernels().check_and_norm(_clone(grads), inv)
+    bad, sumsq = _kernels().check_and_norm(grads, inv, unscale_in_place=True)
+    assert bad.item() == bad_ro.item() == 1.0
+    torch.testing.assert_close(sumsq, sumsq_ro, rtol=0, atol=0, equal_nan=True)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    # The reference path (CPU, or tensors the kernel does not take) writes the same values.
+    _, ref_grads, _, _, _ = _make(SIZES, torch.float32, grad_dtype, device)
+    ref_grads[1][5] = float("inf")
+    _reference.check_and_norm(ref_grads, inv, unscale_in_place=True)
+    for g, e in zip(ref_grads, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 def test_check_and_norm_reads_only(device):
     _, grads, _, _, _ = _make(SIZES, torch.float32, torch.float16, device)
     before = _clone(grads)

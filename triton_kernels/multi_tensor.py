@@ -169,7 +169,8 @@ def _st(ptr, offs, n, value, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr):
+def _check_and_norm_chunk(g_ptr, start, n, scale, GRAD_DTYPE: tl.constexpr, WRITE_BACK: tl.constexpr,
+                          BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     bad = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(ITERS):
@@ -179,6 +180,8 @@ def _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK: tl.constexpr, ITERS: tl
         # nan both fail `abs(g) < inf`.
         bad = tl.maximum(bad, tl.where(tl.abs(g) < float("inf"), 0.0, 1.0))
         g = g * scale
+        if WRITE_BACK:  # the unscaled gradient, as torch's unscale_ writes it (inf/nan too)
+            _st(g_ptr, offs, n, _to_param(g, GRAD_DTYPE), MASKED)
         acc += g * g
     return tl.max(bad, axis=0), tl.sum(acc, axis=0)
 
@@ -187,7 +190,7 @@ def _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK: tl.constexpr, ITERS: tl
 def _check_and_norm_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
     inv_scale_ptr, partial_bad, partial_sumsq,
-    GRAD_DTYPE: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr, HAS_INV_SCALE: tl.constexpr, WRITE_BACK: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
@@ -196,9 +199,9 @@ def _check_and_norm_kernel(
     if HAS_INV_SCALE:
         scale = tl.load(inv_scale_ptr)
     if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
-        bad, sumsq = _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK, ITERS, False)
+        bad, sumsq = _check_and_norm_chunk(g_ptr, start, n, scale, GRAD_DTYPE, WRITE_BACK, BLOCK, ITERS, False)
     else:
-        bad, sumsq = _check_and_norm_chunk(g_ptr, start, n, scale, BLOCK, ITERS, True)
+        bad, sumsq = _check_and_norm_chunk(g_ptr, start, n, scale, GRAD_DTYPE, WRITE_BACK, BLOCK, ITERS, True)
     tl.store(partial_bad + pid, bad)
     tl.store(partial_sumsq + pid, sumsq)
 
@@ -509,8 +512,9 @@ def _scalar_or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tenso
     return dummy if t is None else t
 
 
-def check_and_norm(grads, inv_scale):
-    """Return (bad, sumsq) fp32 1-element tensors for one bucket; reads the grads only."""
+def check_and_norm(grads, inv_scale, unscale_in_place=False):
+    """Return (bad, sumsq) fp32 1-element tensors for one bucket; reads the grads only, or with
+    ``unscale_in_place`` also writes ``grad * inv_scale`` back in the same pass."""
     device = grads[0].device
     block, iters, warps = launch_config()
     table = chunk_table([grads], [g.numel() for g in grads], block * iters, device)
@@ -523,6 +527,7 @@ def check_and_norm(grads, inv_scale):
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, partial_bad), partial_bad, partial_sumsq,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), HAS_INV_SCALE=inv_scale is not None,
+        WRITE_BACK=unscale_in_place and inv_scale is not None,
         ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
     return partial_bad.amax().reshape(1), partial_sumsq.sum().reshape(1)

@@ -56,10 +56,12 @@ The read-only ``unscale_`` above leaves the *scaled* gradients in ``p.grad`` unt
 which only fusedist's clip knows how to read. The loop torch documents for AMP --
 ``unscale_``, then ``torch.nn.utils.clip_grad_norm_``, then ``step`` -- would measure a norm
 ``scale`` times too large and shrink every update by that factor, silently (measured: FusedAdamW
-parameters off by 1e-2 after six steps at lr 1e-2). So by default ``unscale_`` also multiplies
-the gradients in place once its check pass is done, as torch's does, and keeps the recorded
-norm (it is the unscaled gradients' norm), so fusedist's clip still costs no pass; the cost
-is one write of every gradient. ``GradScaler(lazy_unscale=True)`` restores the read-only
+parameters off by 1e-2 after six steps at lr 1e-2). So by default ``unscale_`` also writes the
+unscaled gradients, as torch's does -- in the check pass itself where that pass reads exactly
+the gradients users see (the fused optimizers; on the GPU one Triton kernel reads and writes
+each gradient once), else in a second pass -- and keeps the recorded norm (it is the unscaled
+gradients' norm), so fusedist's clip still costs no pass; the cost is one write of every
+gradient. ``GradScaler(lazy_unscale=True)`` restores the read-only
 form for loops that clip with fusedist. ZeroRedundancyOptimizer stage 2 is always lazy: its
 gradients are shards only it reads (``p.grad`` is None), so there is nothing to show.
 """
@@ -188,13 +190,15 @@ class GradScaler(_TorchGradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         # Reciprocal in fp64, as torch does.
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
-        found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
-        optimizer._fusedist_inv_scale = inv_scale
+        if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]
+            found_inf, sumsq = optimizer._fusedist_check_norm_and_unscale(inv_scale)
+            optimizer._fusedist_inv_scale = None
+        else:
+            found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
+            optimizer._fusedist_inv_scale = inv_scale
         optimizer._fusedist_grad_sumsq = sumsq
         optimizer._fusedist_clip_coef = None
         register_pending_unscale(optimizer)
-        if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():
-            optimizer._fusedist_materialize_unscale(keep_norm=True)  # Note [lazy unscale]
         optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
         optimizer_state["stage"] = OptState.UNSCALED
 

@@ -64,6 +64,13 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     def _fusedist_local_grads(self) -> list[torch.Tensor]:
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
 
+    def _fusedist_check_norm_and_unscale(self, inv_scale: torch.Tensor):
+        local = self._fusedist_local_grads()
+        if [id(g) for g in local] != [id(g) for g in self._fusedist_unscale_targets()]:
+            return super()._fusedist_check_norm_and_unscale(inv_scale)  # a sharded subclass
+        found_inf, sumsq = functional.check_and_norm(local, inv_scale, unscale_in_place=True)
+        return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
+
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """One read-only pass over :meth:`_fusedist_local_grads`: (found_inf, sum of squares of
         grad*inv_scale), made global by :meth:`_fusedist_reduce_found_inf_and_norm`."""

@@ -58,7 +58,7 @@ def _step_value(step, i: int):
     return float(step)
 
 
-def check_and_norm(grads, inv_scale):
+def check_and_norm(grads, inv_scale, unscale_in_place=False):
     device = grads[0].device
     norms = torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
     if inv_scale is not None:
@@ -70,6 +70,8 @@ def check_and_norm(grads, inv_scale):
         bad = torch.zeros((), dtype=torch.float32)
     else:
         bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+    if unscale_in_place and inv_scale is not None:
+        torch._foreach_mul_(list(grads), inv_scale.reshape(()))
     return bad.reshape(1), sumsq.reshape(1)
 
 

@@ -44,6 +44,16 @@ class ScalerProtocol:
         sharded optimizer whose gradients exist only as its own shards says no."""
         return True
 
+    def _fusedist_check_norm_and_unscale(self, inv_scale: torch.Tensor):
+        """``_fusedist_check_and_norm(inv_scale)``, then the gradients users see unscaled in place
+        (GradScaler.unscale_ by default, Note [lazy unscale]). An optimizer whose check pass
+        reads exactly those gradients does both in one pass."""
+        found_inf, sumsq = self._fusedist_check_and_norm(inv_scale)
+        grads = self._fusedist_unscale_targets()
+        if grads:
+            torch._foreach_mul_(grads, inv_scale.reshape(()))
+        return found_inf, sumsq
+
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
         """Combine the local flag and sum of squares into the global ones. Identity here; a
         sharded optimizer (ZeRO) overrides it to all-reduce them, so every rank sees the same

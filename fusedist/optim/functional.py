@@ -192,12 +192,14 @@ def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: boo
 # ----------------------------------------------------------------------------- public API
 
 
-def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None):
+def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, unscale_in_place: bool = False):
     """One read-only pass over ``grads``: returns ``(found_inf, sumsq)``, 1-element fp32 tensors.
 
     ``found_inf`` is 1.0 if any gradient element (as stored, i.e. still scaled) is inf or nan;
     ``sumsq`` is the sum of squares of ``grad * inv_scale`` in fp32 (the squared global L2
     norm of the unscaled gradients). No gradient is written and the host is not synchronized.
+    ``unscale_in_place``: also write ``grad * inv_scale`` into the gradients, as torch's
+    ``GradScaler.unscale_`` does (the Triton kernel in the same pass).
     """
     grads = [g for g in grads if g is not None]
     if not grads:
@@ -218,7 +220,7 @@ def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None):
         buckets[(g.dtype, g.dtype in _KERNEL_DTYPES and g.is_contiguous())].append(g)
     for (_, eligible), bucket in buckets.items():
         impl = _kernels() if _backend_for("check_and_norm", device, eligible) == "triton" else _reference
-        bad, sumsq = impl.check_and_norm(bucket, inv_scale)
+        bad, sumsq = impl.check_and_norm(bucket, inv_scale, unscale_in_place)
         bads.append(bad)
         sumsqs.append(sumsq)
     if len(bads) == 1:

@@ -183,6 +183,31 @@ def test_nccl_communicator_fails_on_all_ranks_together_without_driver():
         assert res["sum"] == [3.0] * 4
 
 
+def test_nccl_init_is_bounded_by_the_timeout():
+    """Note [bounded NCCL init]: an init that never returns (a rank that died after the id
+    exchange) becomes a CollectiveError naming the rank; one that fails or succeeds passes
+    through unchanged."""
+    import threading
+    import time
+
+    from fusedist.comm.base import CollectiveError
+    from fusedist.comm.nccl_comm import create_within_timeout
+
+    never = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"ncclCommInitRank on rank 1 of 4 did not complete within 0.2 s"):
+        create_within_timeout(never.wait, 0.2, "ncclCommInitRank on rank 1 of 4")
+    assert time.monotonic() - start < 5
+    never.set()  # lets the parked helper thread end
+
+    def fails():
+        raise RuntimeError("ncclInvalidUsage")
+
+    with pytest.raises(RuntimeError, match="ncclInvalidUsage"):
+        create_within_timeout(fails, 5.0, "init")
+    assert create_within_timeout(lambda: "comm", 5.0, "init") == "comm"
+
+
 def test_communicator_without_process_group_explains_the_first_problem(monkeypatch):
     _C()
     from fusedist.comm import nccl_comm

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import _extension
 from ._nccl_types import nccl_dtype, nccl_op
-from .base import Communicator
+from .base import CollectiveError, Communicator
 from .torch_comm import TorchCommunicator
 
 __all__ = ["NcclCommunicator", "NcclUnavailableError", "load_nccl", "make_nccl_communicator"]
@@ -84,6 +84,48 @@ def load_nccl() -> int:
 
 
 # ----------------------------------------------------------------------------- communicator
+
+# Note [bounded NCCL init]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# ncclCommInitRank blocks until every rank has joined and has no timeout of its own. The ranks
+# agree on readiness and the unique id first (one all_gather_object, bounded by the process
+# group's timeout), so a rank that cannot run NCCL is reported on every rank before anyone
+# calls it; a rank that dies after that exchange -- or an NCCL bootstrap that never connects
+# -- would still leave the others blocked in it forever. The call therefore runs on a helper
+# thread (the extension releases the GIL) and the caller waits for it up to the collective
+# timeout, then raises naming the rank. The blocked thread cannot be cancelled (the
+# communicator it would abort does not exist yet): it stays parked as a daemon and the process
+# must be restarted, which the message says. A non-blocking init (ncclConfig_t with
+# blocking=0, then ncclCommAbort) could cancel it, at the price of every later NCCL call
+# possibly returning ncclInProgress.
+
+
+def create_within_timeout(create, timeout_s: float, what: str):
+    """Return ``create()``, run on a helper thread and waited for up to ``timeout_s`` seconds
+    (Note [bounded NCCL init]); its exception is re-raised here. Raises
+    :class:`~fusedist.comm.base.CollectiveError` when it does not return in time."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = create()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="fusedist-nccl-init", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CollectiveError(
+            f"fusedist: {what} did not complete within {timeout_s:g} s: some rank of the group did not "
+            "join the NCCL communicator (it failed, or is stuck, after the ranks exchanged the NCCL "
+            "unique id), or NCCL's bootstrap cannot connect (check NCCL_SOCKET_IFNAME / NCCL_DEBUG=INFO). "
+            "This process cannot recover the NCCL state; restart the job. FUSEDIST_TIMEOUT_S sets "
+            "the limit.",
+            op="nccl init")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class _Work:
@@ -143,7 +185,7 @@ class NcclCommunicator(Communicator):
                 problem = f"ncclGetUniqueId failed: {exc}"
         # One exchange settles both questions: can every rank run NCCL directly, and which id
         # do they join? A rank that raised alone would leave the others blocked in
-        # ncclCommInitRank, which has no timeout.
+        # ncclCommInitRank (Note [bounded NCCL init]).
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (problem, unique_id), group=process_group)
         failures = {r: p for r, (p, _) in enumerate(gathered) if p}
@@ -153,7 +195,9 @@ class NcclCommunicator(Communicator):
         unique_id = gathered[0][1]
         self._device = torch.cuda.current_device()
         self.blocking_wait = blocking_wait
-        self._comm = C.NcclComm(unique_id, self.world_size, self.rank, self._device)
+        self._comm = create_within_timeout(
+            lambda: C.NcclComm(unique_id, self.world_size, self.rank, self._device),
+            self.timeout.total_seconds(), f"ncclCommInitRank on rank {self.rank} of {self.world_size}")
         # The one owner of the comm stream: every collective of this communicator (and of the
         # bucket reducers built on it) runs there. See Note [comm stream ordering].
         self._stream = C.CommStream(self._device, high_priority=True)

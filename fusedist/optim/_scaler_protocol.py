@@ -60,15 +60,12 @@ class ScalerProtocol:
         flag and norm."""
         return found_inf, sumsq
 
-    def _fusedist_materialize_unscale(self, keep_norm: bool = False) -> None:
-        """Apply a pending ``inv_scale`` to the gradients in place (GradScaler.unscale_ by
-        default, and clip_grad_norm_ on a different set of parameters, which needs unscaled
-        ``.grad`` values). Afterwards the optimizer behaves as after torch's ``unscale_``.
-        ``keep_norm``: the recorded global sum of squares (of the unscaled gradients) stays
-        valid, so fusedist.clip_grad_norm_ of every parameter still needs no pass; a caller
-        about to change some gradients drops it."""
-        if not keep_norm:
-            self._fusedist_grad_sumsq = None
+    def _fusedist_materialize_unscale(self) -> None:
+        """Apply a pending ``inv_scale`` (``lazy_unscale``) to the gradients in place, for a
+        caller that needs unscaled ``.grad`` values and may change them (clip_grad_norm_ on a
+        different set of parameters): the recorded norm is dropped either way. Afterwards the
+        optimizer behaves as after torch's ``unscale_``."""
+        self._fusedist_grad_sumsq = None
         inv = self._fusedist_inv_scale
         if inv is None:
             return

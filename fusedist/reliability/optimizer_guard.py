@@ -78,6 +78,7 @@ def _pre_step(optimizer, args, kwargs):
     if closure is None:
         _check_backward(optimizer, owners)
         return None
+
     def checked_closure():
         loss = closure()
         _check_backward(optimizer, owners)

@@ -115,6 +115,51 @@ def test_plain_torch_optimizer_behaves_like_torch(clip):
     _run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2), clip)
 
 
+def test_gradients_written_after_unscale_are_measured_afresh():
+    """Note [gradients changed after unscale_]: with the default (in-place) unscale_, code may
+    write p.grad before clipping, as with torch; fusedist's clip then measures what is there
+    instead of the norm recorded by unscale_."""
+    ours_p = _params()
+    theirs_p = _clone(ours_p)
+    ours_opt, theirs_opt = FusedAdamW(ours_p, lr=1e-2), torch.optim.AdamW(theirs_p, lr=1e-2)
+    ours_sc, theirs_sc = GradScaler(DEVICE.type, init_scale=4.0), torch.amp.GradScaler(DEVICE.type, init_scale=4.0)
+    for sc, ps, opt in ((ours_sc, ours_p, ours_opt), (theirs_sc, theirs_p, theirs_opt)):
+        _backward(sc, ps, 0)
+        sc.unscale_(opt)
+        with torch.no_grad():
+            ps[1].grad.mul_(3.0)  # e.g. a per-layer gradient multiplier
+    n_ours = clip_grad_norm_(ours_p, 0.5)
+    n_theirs = torch.nn.utils.clip_grad_norm_(theirs_p, 0.5)
+    torch.testing.assert_close(n_ours, n_theirs, rtol=1e-6, atol=0)
+    ours_sc.step(ours_opt)
+    theirs_sc.step(theirs_opt)
+    for a, b in zip(ours_p, theirs_p):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("writer", ["torch clip_grad_norm_", "hand-written"])
+def test_lazy_unscale_refuses_gradients_written_while_scaled(writer):
+    """lazy_unscale=True leaves scaled values in p.grad; a write to them (torch's clip measures
+    a norm 'scale' times too large) is refused before any parameter changes."""
+    params = _params()
+    opt = FusedAdamW(params, lr=1e-2)
+    scaler = GradScaler(DEVICE.type, init_scale=2.0**8, lazy_unscale=True)
+    _backward(scaler, params, 0)
+    scaler.unscale_(opt)
+    before = [p.detach().clone() for p in params]
+    if writer == "torch clip_grad_norm_":
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        with pytest.raises(RuntimeError, match=r"written after GradScaler\(lazy_unscale=True\).unscale_"):
+            scaler.step(opt)
+    else:
+        with torch.no_grad():
+            params[0].grad.add_(1.0)
+        with pytest.raises(RuntimeError, match="fusedist.clip_grad_norm_"):
+            clip_grad_norm_(params, 1.0)
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+
+
 def test_lazy_unscale_does_not_write_gradients():
     """lazy_unscale=True: after unscale_ + clip + step the gradients still hold scaled values."""
     params = _params()

@@ -198,6 +198,7 @@ class GradScaler(_TorchGradScaler):
             optimizer._fusedist_inv_scale = inv_scale
         optimizer._fusedist_grad_sumsq = sumsq
         optimizer._fusedist_clip_coef = None
+        optimizer._fusedist_record_grad_versions()  # Note [gradients changed after unscale_]
         register_pending_unscale(optimizer)
         optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
         optimizer_state["stage"] = OptState.UNSCALED
@@ -211,6 +212,7 @@ class GradScaler(_TorchGradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        optimizer._fusedist_refuse_changed_lazy_grads()  # Note [gradients changed after unscale_]
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)
             optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}

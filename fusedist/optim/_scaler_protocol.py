@@ -24,6 +24,37 @@ class ScalerProtocol:
         self._fusedist_inv_scale: Optional[torch.Tensor] = None
         self._fusedist_clip_coef: Optional[torch.Tensor] = None
         self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
+        self._fusedist_grad_versions: Optional[list] = None
+
+    # Note [gradients changed after unscale_]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # unscale_ records the gradients' norm (and, lazily, a pending inv_scale) for what the
+    # gradients hold *then*. Code that writes them afterwards -- torch's clip_grad_norm_, a
+    # hand-written clip or noise -- makes the recorded norm stale, and with a pending
+    # inv_scale it worked on scaled values. unscale_ therefore records the tensors' version
+    # counters: fusedist's clip then measures afresh instead of using a stale norm, and a
+    # lazy unscale_ followed by writes raises at step() instead of stepping silently wrong.
+    def _fusedist_record_grad_versions(self) -> None:
+        # Addresses, not ids: a sharded optimizer hands out fresh views of the same shards.
+        self._fusedist_grad_versions = [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
+
+    def _fusedist_grads_changed(self) -> bool:
+        """Whether the gradients were written or replaced since unscale_ recorded them."""
+        recorded = self._fusedist_grad_versions
+        if recorded is None:
+            return False
+        return recorded != [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
+
+    def _fusedist_refuse_changed_lazy_grads(self) -> None:
+        if self._fusedist_inv_scale is not None and self._fusedist_grads_changed():
+            raise RuntimeError(
+                f"fusedist: {type(self).__name__}'s gradients were written after "
+                "GradScaler(lazy_unscale=True).unscale_, while they still held the *scaled* values (e.g. "
+                "by torch.nn.utils.clip_grad_norm_, which then measured a norm 'scale' times too large): "
+                "stepping would apply a wrong update. Clip with fusedist.clip_grad_norm_ (or "
+                "optimizer.clip_grad_norm_), or build the GradScaler without lazy_unscale=True so that "
+                "unscale_ writes the unscaled gradients as torch's does."
+            )
 
     def _fusedist_grad_params(self) -> list:
         """Parameters whose gradients the *global* norm covers (what clip_grad_norm_ compares

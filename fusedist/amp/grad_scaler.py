@@ -212,7 +212,8 @@ class GradScaler(_TorchGradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        optimizer._fusedist_refuse_changed_lazy_grads()  # Note [gradients changed after unscale_]
+        if optimizer._fusedist_inv_scale is not None:  # lazy: Note [gradients changed after unscale_]
+            optimizer._fusedist_check_grads_since_unscale()
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)
             optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}

@@ -38,15 +38,14 @@ class ScalerProtocol:
         # Addresses, not ids: a sharded optimizer hands out fresh views of the same shards.
         self._fusedist_grad_versions = [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
 
-    def _fusedist_grads_changed(self) -> bool:
-        """Whether the gradients were written or replaced since unscale_ recorded them."""
+    def _fusedist_check_grads_since_unscale(self) -> bool:
+        """Whether the gradients were written or replaced since unscale_ recorded them; raises
+        when they were while a lazy unscale_ is pending (they held the scaled values)."""
         recorded = self._fusedist_grad_versions
         if recorded is None:
             return False
-        return recorded != [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
-
-    def _fusedist_refuse_changed_lazy_grads(self) -> None:
-        if self._fusedist_inv_scale is not None and self._fusedist_grads_changed():
+        written = recorded != [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
+        if written and self._fusedist_inv_scale is not None:
             raise RuntimeError(
                 f"fusedist: {type(self).__name__}'s gradients were written after "
                 "GradScaler(lazy_unscale=True).unscale_, while they still held the *scaled* values (e.g. "
@@ -55,6 +54,7 @@ class ScalerProtocol:
                 "optimizer.clip_grad_norm_), or build the GradScaler without lazy_unscale=True so that "
                 "unscale_ writes the unscaled gradients as torch's does."
             )
+        return written
 
     def _fusedist_grad_params(self) -> list:
         """Parameters whose gradients the *global* norm covers (what clip_grad_norm_ compares

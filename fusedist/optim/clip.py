@@ -81,8 +81,7 @@ def clip_grad_norm_(
     ids = {id(p) for p in with_grad}
     pending = _pending_optimizers() if ids else []
     for opt in pending:
-        opt._fusedist_refuse_changed_lazy_grads()  # Note [gradients changed after unscale_]
-        if opt._fusedist_grads_changed():
+        if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
             opt._fusedist_grad_sumsq = None  # stale: measured afresh below
     if pending and float(norm_type) == 2.0:
         for opt in pending:

@@ -593,9 +593,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_ supports norm_type=2 only, got {norm_type}")
-        self._fusedist_refuse_changed_lazy_grads()  # Note [gradients changed after unscale_]
+        written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
         sumsq = self._fusedist_grad_sumsq
-        if sumsq is None or self._fusedist_grads_changed():
+        if sumsq is None or written:
             _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
             if self._fusedist_inv_scale is not None:
                 self._fusedist_grad_sumsq = sumsq

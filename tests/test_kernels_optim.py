@@ -86,6 +86,54 @@ def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, with_mas
             torch.testing.assert_close(p.float(), r.float(), **tol)
 
 
+@pytest.mark.parametrize("with_master", [False, True])
+def test_adam_amsgrad_kernel_matches_reference(device, with_master):
+    """AMSGrad in the fused pass: the running maximum, including a nan in v (torch.maximum
+    propagates it) and a stored maximum above the new v."""
+    params, grads, m, v, masters = _make(SIZES, torch.bfloat16 if with_master else torch.float32,
+                                         torch.float32, device, with_master=with_master)
+    vmax = [x * torch.where(torch.rand_like(x) < 0.5, 2.0, 0.5) for x in v]
+    v[2][5] = float("nan")
+    ref = [_clone(params), _clone(m), _clone(v), _clone(masters), _clone(vmax)]
+    steps = [torch.tensor(float(k + 3), device=device) for k in range(len(SIZES))]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=True,
+                 bias_correction=True, maximize=False, inv_scale=None, clip_coef=None, found_inf=None)
+    _kernels().adam(params, grads, masters, m, v, steps, max_exp_avg_sqs=vmax, **hyper)
+    _reference.adam(ref[0], grads, ref[3], ref[1], ref[2], steps, max_exp_avg_sqs=ref[4], **hyper)
+    assert vmax[2][5].isnan() and ref[4][2][5].isnan()
+    for ours, theirs in ((vmax, ref[4]), (masters, ref[3]) if with_master else (params, ref[0])):
+        for a, e in zip(ours, theirs):
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+def test_dense_layouts_take_the_kernels(device, monkeypatch):
+    """channels_last and transposed tensors whose gradient and states share their layout are
+    walked as flat memory by the kernels (no reference fallback), with the reference's result."""
+    gen = torch.Generator().manual_seed(5)
+    p = [torch.randn(4, 3, 5, 5, generator=gen).to(device).to(memory_format=torch.channels_last),
+         torch.randn(9, 6, generator=gen).to(device).t()]
+    g = [torch.randn_like(x, memory_format=torch.preserve_format) for x in p]
+    m = [torch.randn_like(x, memory_format=torch.preserve_format) * 0.1 for x in p]
+    v = [torch.rand_like(x, memory_format=torch.preserve_format) * 0.01 for x in p]
+    expected = [_clone(p), _clone(m), _clone(v)]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=True, step=2)
+    for lst in expected:
+        for i, x in enumerate(lst):
+            lst[i] = x.contiguous()
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "torch")
+    F.adam_update(expected[0], [x.contiguous() for x in g], expected[1], expected[2], None, **hyper)
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "triton")
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("a dense layout fell back to the reference path")
+
+    monkeypatch.setattr(_reference, "adam", no_fallback)
+    F.adam_update(p, g, m, v, None, **hyper)
+    _assert_close(p, expected[0])
+    _assert_close(m, expected[1])
+    assert p[0].is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("momentum,dampening,nesterov,first", [
     (0.0, 0.0, False, False), (0.9, 0.0, False, True), (0.9, 0.1, False, False), (0.9, 0.0, True, False),
 ])

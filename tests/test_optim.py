@@ -289,8 +289,8 @@ def test_clear_errors():
         FusedAdamW([torch.zeros(2)], lr=float("nan"))
     with pytest.raises(ValueError, match="betas"):
         FusedAdam([torch.zeros(2)], betas=(0.9, float("inf")))
-    with pytest.raises(ValueError, match="amsgrad"):
-        FusedAdam([torch.zeros(2)], amsgrad=True)
+    with pytest.raises(ValueError, match="capturable"):
+        FusedAdam([torch.zeros(2)], capturable=True)
     with pytest.raises(ValueError, match="fused=False"):
         FusedAdamW([torch.zeros(2)], fused=False)
     p = torch.zeros(3, requires_grad=True)

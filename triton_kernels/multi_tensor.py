@@ -282,10 +282,10 @@ def _bias_correction(log2_beta, s):
 
 @triton.jit
 def _adam_chunk(
-    g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, start, n, factor,
+    g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor,
     beta1, beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
     PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
-    BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
+    AMSGRAD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
 ):
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -301,14 +301,21 @@ def _adam_chunk(
             g = g + weight_decay * p
         m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
         v = v * beta2 + (1.0 - beta2) * (g * g)
-        denom = tl.sqrt(v) / bc2_sqrt + eps
+        if AMSGRAD:  # the denominator uses the running maximum of v (torch.maximum: nan wins)
+            vmax = _ld(vmax_ptr, offs, n, MASKED)
+            vmax = tl.where((v > vmax) | (v != v), v, vmax)
+            _st(vmax_ptr, offs, n, vmax, MASKED)
+            denom = tl.sqrt(vmax) / bc2_sqrt + eps
+        else:
+            denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p - step_size * (m / denom)
         _st(m_ptr, offs, n, m, MASKED)
         _st(v_ptr, offs, n, v, MASKED)
         _st_param(p_ptr, w_ptr, offs, n, p, PARAM_DTYPE, HAS_MASTER, MASKED)
 
 
-# Roles of the Adam table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq, 5 step
+# Roles of the Adam table: 0 grad, 1 param, 2 master, 3 exp_avg, 4 exp_avg_sq,
+# 5 max_exp_avg_sq (AMSGrad), 6 step
 @triton.jit
 def _adam_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
@@ -317,7 +324,7 @@ def _adam_kernel(
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
-    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr,
+    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
@@ -334,12 +341,15 @@ def _adam_kernel(
     w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
     m_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32, ALIGNED)
     v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32, ALIGNED)
+    vmax_ptr = _role_ptr(ptrs, 5, n_tensors, t, tl.float32, ALIGNED)
     if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
-        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, start, n, factor, beta1, beta2, eps, weight_decay,
-                    decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE, BLOCK, ITERS, False)
+        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor, beta1, beta2, eps,
+                    weight_decay, decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE,
+                    AMSGRAD, BLOCK, ITERS, False)
     else:
-        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, start, n, factor, beta1, beta2, eps, weight_decay,
-                    decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE, BLOCK, ITERS, True)
+        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor, beta1, beta2, eps,
+                    weight_decay, decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE,
+                    AMSGRAD, BLOCK, ITERS, True)
 
 
 @triton.jit
@@ -541,11 +551,12 @@ def _step_role(step, n_roles_before: int):
 
 
 def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps,
-         weight_decay, adamw, bias_correction, maximize, inv_scale, clip_coef, found_inf):
+         weight_decay, adamw, bias_correction, maximize, inv_scale, clip_coef, found_inf,
+         max_exp_avg_sqs=None):
     device = params[0].device
     block, iters, warps = launch_config()
-    steps, step_role, step_scalar = _step_role(step, 5)
-    roles = [grads, params, masters, exp_avgs, exp_avg_sqs]
+    steps, step_role, step_scalar = _step_role(step, 6)
+    roles = [grads, params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
     if steps is not None:
         roles.append(steps)
     table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
@@ -562,7 +573,8 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
         STEP_ROLE=step_role, ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
-        MAXIMIZE=bool(maximize), ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
+        MAXIMIZE=bool(maximize), AMSGRAD=max_exp_avg_sqs is not None, ALIGNED=table.aligned,
+        BLOCK=block, ITERS=iters, num_warps=warps,
     )
 
 

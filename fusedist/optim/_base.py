@@ -97,9 +97,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         for key in self._state_keys:
             if state.get(key) is None:
-                state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+                # Laid out like the parameter (as torch's optimizers make them), so a dense
+                # parameter in any memory format steps on the kernels' flat path.
+                state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
         if "master_param" not in state and p.dtype in _HALF and group.get("master_weights", False):
-            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format, copy=True)
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
 
@@ -117,34 +119,13 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 found_inf = found_inf.reshape(1).to(torch.float32)
             if clip_coef is not None:
                 clip_coef = clip_coef.reshape(1).to(torch.float32)
-            for gi, group in enumerate(self.param_groups):
-                self._validate_group(group, gi)
-                params, grads, states = [], [], []
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    g = p.grad
-                    if g.is_sparse:
-                        raise RuntimeError(
-                            f"{type(self).__name__} does not support sparse gradients (param {pi} of "
-                            f"param group {gi}); use torch.optim.SparseAdam or a dense gradient."
-                        )
-                    if not g.is_floating_point():
-                        raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}")
-                    if g.shape != p.shape or g.device != p.device:
-                        raise ValueError(
-                            f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
-                            f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
-                        )
-                    state = self.state[p]
-                    if not state or id(p) not in self._fusedist_ready:
-                        self._init_state(group, p, state)
-                        self._fusedist_ready.add(id(p))
-                    params.append(p)
-                    grads.append(g)
-                    states.append(state)
+            # Validate every group before anything changes: a bad gradient in the last group
+            # must not leave the earlier ones stepped (Note [validate, then mutate]).
+            work = [(group, *self._collect_group(group, gi)) for gi, group in enumerate(self.param_groups)]
+            for group, params, grads in work:
                 if not params:
                     continue
+                states = [self._ready_state(group, p) for p in params]
                 steps = [s["step"] for s in states]
                 torch._foreach_add_(steps, 1.0)
                 self._step_group(group, params, grads, states, inv_scale=inv_scale,
@@ -157,11 +138,54 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             self._fusedist_clear_protocol()
         return loss
 
+    # Note [validate, then mutate]
+    # An optimizer step, a state-dict load: either it completes or it changes nothing. Every
+    # check that can fail (hyperparameters, gradient dtype/shape/device/sparsity, a state dict
+    # the optimizer could not step) runs before the first write, and each error names the
+    # tensor by its real position (param i of param group g).
+
+    def _collect_group(self, group: dict, gi: int) -> tuple[list, list]:
+        """The parameters of group ``gi`` that have a gradient, and the gradients, checked."""
+        self._validate_group(group, gi)
+        params, grads = [], []
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (param {pi} of "
+                    f"param group {gi}); use torch.optim.SparseAdam or a dense gradient."
+                )
+            if not g.is_floating_point():
+                raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}")
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(
+                    f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
+                    f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
+                )
+            params.append(p)
+            grads.append(g)
+        return params, grads
+
+    def _ready_state(self, group: dict, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state or id(p) not in self._fusedist_ready:
+            self._init_state(group, p, state)
+            self._fusedist_ready.add(id(p))
+        return state
+
+    # State tensors the kernels read: fp32 (fp64 for fp64 parameters), laid out like the parameter.
+    _KERNEL_STATE_KEYS = ("master_param", "momentum_buffer", "max_exp_avg_sq")
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Like torch's, but state tensors keep their saved dtype (torch casts them to the
-        parameter's dtype, which would round fp32 master weights and moments to bf16)."""
+        parameter's dtype, which would round fp32 master weights and moments to bf16), and a
+        state dict this optimizer could not step is refused before anything changes (Note
+        [validate, then mutate])."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
+        self._check_loadable(saved_groups, saved_state)
         super().load_state_dict(state_dict)
         self._fusedist_ready = set()
         for group in self.param_groups:
@@ -177,20 +201,41 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             p = id_map.get(old_id)
             if p is None:
                 continue
-            state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            restored = {}
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    value = value.detach().to(device=p.device, copy=True)
-                    if key == "step":
-                        value = value.to(torch.float32).reshape(())
-                    elif key in self._state_keys or key in ("master_param", "momentum_buffer"):
-                        # The kernels read states as fp32 (a torch state dict for bf16 params
-                        # holds bf16 moments): widen, which is exact, and make contiguous.
-                        value = value.to(dtype=torch.float32 if key == "master_param" else state_dtype,
-                                         memory_format=torch.contiguous_format)
-                restored[key] = value
-            self.state[p] = restored
+            self.state[p] = {key: self._loaded_value(key, value, p) for key, value in values.items()}
+
+    def _check_loadable(self, saved_groups: list, saved_state: dict) -> None:
+        """Every check of :meth:`load_state_dict` that can fail, on the saved groups merged
+        with this optimizer's parameters, before torch's loader writes anything."""
+        if len(saved_groups) != len(self.param_groups):
+            return  # torch's loader reports this one, before writing
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                return  # likewise
+            merged = {**self.defaults, **{k: v for k, v in saved.items() if k != "params"},
+                      "params": group["params"]}
+            self._validate_group(merged, gi)
+            for pi, (old_id, p) in enumerate(zip(saved["params"], group["params"])):
+                for key, value in saved_state.get(old_id, {}).items():
+                    if not isinstance(value, torch.Tensor) or key == "step":
+                        continue
+                    if value.shape != p.shape:
+                        raise ValueError(
+                            f"{type(self).__name__}.load_state_dict: state {key!r} of param {pi} of param "
+                            f"group {gi} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
+                            "the state dict belongs to other parameters (nothing was loaded)"
+                        )
+
+    def _loaded_value(self, key: str, value, p: torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if key == "step":
+            return value.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+        if key in self._state_keys or key in self._KERNEL_STATE_KEYS:
+            # The kernels read states as fp32 (a torch state dict for bf16 params holds bf16
+            # moments): widen, which is exact, laid out like the parameter.
+            dtype = torch.float32 if key == "master_param" or p.dtype != torch.float64 else torch.float64
+            return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
+        return value.detach().to(device=p.device, copy=True)
 
     def master_params(self) -> Iterable[torch.Tensor]:
         """The FP32 weights the optimizer steps: the master copy where one exists."""

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _extension
+from ._layout import is_dense, layout_of
 
 __all__ = ["adam_update", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
 
@@ -99,25 +100,41 @@ def _describe_bad_tensor(t, what: str, i: int, shape, dtypes) -> Exception:
         return TypeError(f"{what}[{i}] has dtype {t.dtype}; expected one of {allowed}")
     if shape is not None and t.shape != shape:
         return ValueError(f"{what}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(shape)}")
-    return ValueError(f"{what}[{i}] is not contiguous; make it contiguous (in place of the original)")
+    if what == "params":
+        return ValueError(f"params[{i}] (strides {t.stride()}) does not cover its elements densely; "
+                          "the kernel walks memory linearly (fusedist.optim.functional routes such "
+                          "tensors to the reference path)")
+    return ValueError(f"{what}[{i}] has strides {t.stride()}, unlike params[{i}]; the kernel walks "
+                      "every tensor of an index in the same memory order")
 
 
-def _check_list(tensors, what: str, shapes, dtypes) -> None:
+def _walkable(t: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
+    """``t`` can be walked as flat memory in step with ``param`` (None: ``t`` is the parameter):
+    both contiguous, or both dense with one layout (channels_last, transposed)."""
+    if param is None:
+        return is_dense(t)
+    if t.is_contiguous() and param.is_contiguous():
+        return True
+    return is_dense(param) and layout_of(t) == layout_of(param)
+
+
+def _check_list(tensors, what: str, params, dtypes) -> None:
     # One pass per list with the whole test inline: this runs for every tensor on every step
     # (~0.5 us per tensor), so no per-tensor Python calls and no ``t.device`` (~0.4 us alone;
     # is_cpu is false for meta tensors too). The message is built only on failure.
     strided = torch.strided
     Tensor = torch.Tensor
     for i, t in enumerate(tensors):
+        p = None if params is None else params[i]
         if not (
             isinstance(t, Tensor)
             and t.dtype in dtypes
             and t.is_cpu
             and t.layout == strided
-            and (shapes is None or t.shape == shapes[i])
-            and t.is_contiguous()
+            and (p is None or t.shape == p.shape)
+            and ((t.is_contiguous() and (p is None or p.is_contiguous())) or _walkable(t, p))
         ):
-            raise _describe_bad_tensor(t, what, i, None if shapes is None else shapes[i], dtypes)
+            raise _describe_bad_tensor(t, what, i, None if p is None else p.shape, dtypes)
 
 
 def adam_update(
@@ -177,12 +194,11 @@ def adam_update(
     half_or_float = tuple(_DTYPE_CODES)
     fp32_only = (torch.float32,)
     _check_list(params, "params", None, half_or_float)
-    shapes = [p.shape for p in params]
-    _check_list(grads, "grads", shapes, half_or_float)
-    _check_list(exp_avgs, "exp_avgs", shapes, fp32_only)
-    _check_list(exp_avg_sqs, "exp_avg_sqs", shapes, fp32_only)
+    _check_list(grads, "grads", params, half_or_float)
+    _check_list(exp_avgs, "exp_avgs", params, fp32_only)
+    _check_list(exp_avg_sqs, "exp_avg_sqs", params, fp32_only)
     if masters is not None:
-        _check_list(masters, "masters", shapes, fp32_only)
+        _check_list(masters, "masters", params, fp32_only)
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i in range(n):
         if params[i].nelement():

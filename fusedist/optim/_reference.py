@@ -76,7 +76,8 @@ def check_and_norm(grads, inv_scale, unscale_in_place=False):
 
 
 def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps,
-         weight_decay, adamw, bias_correction, maximize, inv_scale, clip_coef, found_inf):
+         weight_decay, adamw, bias_correction, maximize, inv_scale, clip_coef, found_inf,
+         max_exp_avg_sqs=None):
     skip, skip_mask = _skip_now(found_inf)
     if skip:
         return
@@ -85,7 +86,8 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
                                      for s in (step if isinstance(step, (list, tuple)) else [step])):
         return _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                             bias_correction=bias_correction, maximize=maximize)
+                             bias_correction=bias_correction, maximize=maximize,
+                             max_exp_avg_sqs=max_exp_avg_sqs)
     for i, (param, grad, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         master = None if masters is None else masters[i]
         dtype = _compute_dtype(m)
@@ -105,7 +107,12 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
             step_size, bc2_sqrt = step_size.to(dtype), bc2_sqrt.to(dtype)
         m_new = m + (1.0 - beta1) * (g - m)
         v_new = v * beta2 + (1.0 - beta2) * (g * g)
-        denom = v_new.sqrt() / bc2_sqrt + eps
+        if max_exp_avg_sqs is not None:  # AMSGrad: the running maximum of v
+            vmax_new = torch.maximum(max_exp_avg_sqs[i], v_new)
+            _commit(max_exp_avg_sqs[i], vmax_new, skip_mask)
+            denom = vmax_new.sqrt() / bc2_sqrt + eps
+        else:
+            denom = v_new.sqrt() / bc2_sqrt + eps
         p = p - step_size * (m_new / denom)
         _commit(m, m_new, skip_mask)
         _commit(v, v_new, skip_mask)
@@ -115,7 +122,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
 
 
 def _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, *, lr, beta1, beta2, eps,
-                  weight_decay, adamw, bias_correction, maximize):
+                  weight_decay, adamw, bias_correction, maximize, max_exp_avg_sqs=None):
     """The same math with torch's foreach ops (the fast CPU fallback); the step counts are
     host-readable here, so the bias corrections are host doubles, exactly as torch computes them."""
     dtype = exp_avgs[0].dtype
@@ -140,7 +147,11 @@ def _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, *
     torch._foreach_lerp_(exp_avgs, g, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, g, g, 1.0 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+    if max_exp_avg_sqs is not None:  # AMSGrad: the running maximum of v
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        denom = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(p, exp_avgs, denom, step_sizes)

@@ -3,6 +3,8 @@ dtype bucket, optional FP32 master weights, and the fused GradScaler protocol.""
 
 from __future__ import annotations
 
+import torch
+
 from . import functional
 from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
 
@@ -14,8 +16,10 @@ class FusedAdam(FusedOptimizerBase):
     parameters get an FP32 copy in ``state["master_param"]``; the update runs on it and the
     parameter receives its rounded value, so the low-precision weights follow the FP32
     trajectory. Optimizer states (``exp_avg``, ``exp_avg_sq``) are FP32 for every parameter
-    dtype (fp64 for fp64 parameters). ``decoupled_weight_decay=True`` gives AdamW, as in torch.
-    ``amsgrad``, ``capturable`` and ``differentiable`` are not supported (True raises);
+    dtype (fp64 for fp64 parameters). ``decoupled_weight_decay=True`` gives AdamW, as in
+    torch. ``amsgrad=True`` keeps torch's ``max_exp_avg_sq`` state (fp32) and runs in the same
+    fused pass on the GPU (on the CPU it takes the PyTorch path: the C++ kernel has no
+    AMSGrad). ``capturable`` and ``differentiable`` are not supported (True raises);
     ``foreach``/``fused`` are accepted as hints (``fused=False`` raises).
     """
 
@@ -28,14 +32,14 @@ class FusedAdam(FusedOptimizerBase):
         if weight_decay is None:
             weight_decay = 1e-2 if self._adamw else 0.0
         name = type(self).__name__
-        for flag, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+        for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
             if value:
                 raise ValueError(f"{name}: {flag}=True is not supported")
         if fused is False:
             raise ValueError(f"{name}: fused=False asks for torch's unfused implementation; use torch.optim instead")
         # ``foreach`` only picks between torch's implementations (same math): accepted as a
         # hint for drop-in compatibility; this optimizer is always multi-tensor and fused.
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad), maximize=maximize,
                         master_weights=master_weights, bias_correction=bias_correction,
                         decoupled_weight_decay=bool(decoupled_weight_decay) or self._adamw)
         super().__init__(params, defaults)
@@ -52,19 +56,29 @@ class FusedAdam(FusedOptimizerBase):
             raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
         if wd < 0:
             raise ValueError(f"{name}: invalid weight_decay {wd}")
-        for flag in ("amsgrad", "capturable"):  # e.g. from a loaded torch state dict
-            if group.get(flag):
-                raise ValueError(f"{name}: {flag}=True is not supported")
+        if group.get("capturable"):  # e.g. from a loaded torch state dict
+            raise ValueError(f"{name}: capturable=True is not supported")
+
+    def _init_state(self, group, p, state):
+        super()._init_state(group, p, state)
+        if group.get("amsgrad") and state.get("max_exp_avg_sq") is None:
+            state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"], memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         beta1, beta2 = group["betas"]
+        max_exp_avg_sqs = None
+        if group.get("amsgrad"):
+            for p, s in zip(params, states):  # amsgrad may be switched on after the state was made
+                if "max_exp_avg_sq" not in s:
+                    self._init_state(group, p, s)
+            max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
         functional.adam_update(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"], step=[s["step"] for s in states],
             bias_correction=group["bias_correction"], maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
-            validate=False,
+            validate=False, max_exp_avg_sqs=max_exp_avg_sqs,
         )
 
 

@@ -26,7 +26,9 @@ Dispatch: each call is split into buckets of tensors sharing device and dtypes, 
 goes to the backend :func:`fusedist.backend.select_backend` picks: ``triton`` (multi-tensor
 kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``), ``cpu_ext`` (the C++ CPU Adam, when built)
 or ``torch`` (:mod:`fusedist.optim._reference`, the same math in PyTorch). Tensors the kernels
-cannot take (fp64, non-contiguous) always use the reference.
+cannot take (fp64; strided slices; a gradient or state laid out unlike its parameter) always
+use the reference. Dense tensors in any memory format (channels_last, transposed) take the
+kernels: they are walked as flat memory, so their companions must share their layout.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from .. import _extension
 from ..backend import select_backend
 from . import _reference
+from ._layout import is_dense, layout_of
 
 Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -127,18 +130,32 @@ def _effective_factor(inv_scale: Optional[Tensor], clip_coef: Optional[Tensor]) 
 # ----------------------------------------------------------------------------- bucketing
 
 
+def _walkable_together(p: Tensor, companions) -> bool:
+    """Whether the kernels may treat ``p`` and its companions (gradient, states, master) as
+    flat arrays walked in step: all dense, with one memory layout. Anything else (a strided
+    slice, a gradient laid out unlike its parameter) takes the reference path."""
+    if p.is_contiguous():
+        return all(t is None or t.is_contiguous() for t in companions)
+    if not is_dense(p):
+        return False
+    layout = layout_of(p)
+    return all(t is None or layout_of(t) == layout for t in companions)
+
+
 def _bucketize(params, grads, masters, state_lists, check_states=True):
     """Group tensor indices by (device, param dtype, grad dtype, has master, kernel-eligible).
 
     The common case (one device and dtype pair, everything contiguous) is recognized with a few
     list passes; Python overhead per step matters when hundreds of small tensors are stepped.
-    ``check_states=False`` trusts that states and masters are contiguous fp32 (the fused
+    Layouts are always checked (a parameter's memory format can change after its states were
+    made); ``check_states=False`` trusts that states and masters are fp32 (the fused
     optimizers create them so)."""
     n = len(params)
     if masters is None:
         has_master = [False] * n
     else:
         has_master = [m is not None for m in masters]
+    companions = [lst for lst in (masters, *state_lists) if lst is not None]
     p_dtypes = {p.dtype for p in params}
     g_dtypes = {g.dtype for g in grads}
     devices = {p.device for p in params}
@@ -147,7 +164,8 @@ def _bucketize(params, grads, masters, state_lists, check_states=True):
         and len(set(has_master)) == 1
         and p_dtypes <= set(_KERNEL_DTYPES) and g_dtypes <= set(_KERNEL_DTYPES)
         and all(p.is_contiguous() for p in params) and all(g.is_contiguous() for g in grads)
-        and (not check_states or _states_eligible(masters, state_lists, range(n)))
+        and all(t is None or t.is_contiguous() for lst in companions for t in lst)
+        and (not check_states or _states_fp32(companions, range(n)))
     ):
         return {(params[0].device, params[0].dtype, grads[0].dtype, has_master[0], True): list(range(n))}
     buckets: dict[tuple, list[int]] = defaultdict(list)
@@ -155,21 +173,18 @@ def _bucketize(params, grads, masters, state_lists, check_states=True):
         eligible = (
             p.dtype in _KERNEL_DTYPES
             and g.dtype in _KERNEL_DTYPES
-            and p.is_contiguous()
-            and g.is_contiguous()
-            and (not check_states or _states_eligible(masters, state_lists, (i,)))
+            and _walkable_together(p, [g] + [lst[i] for lst in companions])
+            and (not check_states or _states_fp32(companions, (i,)))
         )
         buckets[(p.device, p.dtype, g.dtype, has_master[i], eligible)].append(i)
     return buckets
 
 
-def _states_eligible(masters, state_lists, indices) -> bool:
-    for lst in (masters, *state_lists):
-        if lst is None:
-            continue
+def _states_fp32(companions, indices) -> bool:
+    for lst in companions:
         for i in indices:
             t = lst[i]
-            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+            if t is not None and t.dtype != torch.float32:
                 return False
     return True
 
@@ -183,10 +198,11 @@ def _take_step(step, idx):
 
 
 def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: bool = False) -> str:
+    """The backend for one bucket: tensors the kernels cannot walk (``eligible`` False) always
+    take the reference path, whichever backend was asked for, so every layout torch's
+    optimizers accept steps here too."""
     choice = select_backend(op, device, has_cpu_ext=has_cpu_ext)
-    if choice == "triton" and not eligible:
-        return "torch"
-    return choice
+    return choice if eligible else "torch"
 
 
 # ----------------------------------------------------------------------------- public API
@@ -217,7 +233,7 @@ def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, 
             raise TypeError(f"check_and_norm: grads[{i}] has dtype {g.dtype}; expected a floating-point gradient")
         if g.device != device:
             raise ValueError(f"check_and_norm: grads[{i}] is on {g.device}, grads[0] on {device}")
-        buckets[(g.dtype, g.dtype in _KERNEL_DTYPES and g.is_contiguous())].append(g)
+        buckets[(g.dtype, g.dtype in _KERNEL_DTYPES and is_dense(g))].append(g)
     for (_, eligible), bucket in buckets.items():
         impl = _kernels() if _backend_for("check_and_norm", device, eligible) == "triton" else _reference
         bad, sumsq = impl.check_and_norm(bucket, inv_scale, unscale_in_place)
@@ -248,21 +264,24 @@ def adam_update(
     clip_coef: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     validate: bool = True,
+    max_exp_avg_sqs: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) on a
-    list of tensors; math of ``torch.optim.Adam``/``AdamW`` (``amsgrad=False``)."""
+    list of tensors; math of ``torch.optim.Adam``/``AdamW``. ``max_exp_avg_sqs`` (fp32 states,
+    the running maximum of ``exp_avg_sq``) turns on AMSGrad, as torch's ``amsgrad=True``."""
     if not params:
         return
     if validate:
-        _check_lists("adam_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
+        _check_lists("adam_update", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters,
+                     max_exp_avg_sqs=max_exp_avg_sqs)
     _check_hyper("adam_update", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     device = params[0].device
     for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
         _check_scalar_tensor(name, t, device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  bias_correction=bias_correction, maximize=maximize)
-    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
-    has_cpu_ext = _has_cpu_adam()
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), check_states=validate)
+    has_cpu_ext = _has_cpu_adam() and max_exp_avg_sqs is None  # the C++ kernel has no AMSGrad
     for (dev, _, _, has_master, eligible), idx in buckets.items():
         b_params, b_grads = _take(params, idx), _take(grads, idx)
         b_masters = _take(masters, idx) if has_master else None
@@ -283,7 +302,8 @@ def adam_update(
             continue
         impl = _kernels() if backend == "triton" else _reference
         impl.adam(b_params, b_grads, b_masters, b_m, b_v, b_step, inv_scale=inv_scale,
-                  clip_coef=clip_coef, found_inf=found_inf, **hyper)
+                  clip_coef=clip_coef, found_inf=found_inf, max_exp_avg_sqs=_take(max_exp_avg_sqs, idx),
+                  **hyper)
 
 
 def sgd_update(

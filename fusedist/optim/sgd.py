@@ -46,7 +46,7 @@ class FusedSGD(FusedOptimizerBase):
         if group["momentum"] != 0 and state.get("momentum_buffer") is None:
             # Zero-filled; the kernel fills it with the gradient where the step count is 1.
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["step"].fill_(0.0)
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):

@@ -1,0 +1,32 @@
+"""Which tensors the elementwise optimizer kernels can walk as flat memory.
+
+The kernels (Triton and the C++ CPU Adam) see a tensor as ``data_ptr`` and ``numel``. That is
+right for any tensor whose elements fill ``numel`` consecutive slots in some order of its
+dimensions -- contiguous, channels_last, a transposed weight -- provided every tensor stepped
+together with it (gradient, states, master) stores each logical element at the same offset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` consecutive elements in some order of its
+    dimensions (non-overlapping and dense, in torch's terms)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def layout_of(t: torch.Tensor) -> tuple:
+    """Strides of the dimensions with more than one element: two dense tensors of one shape
+    and equal layouts store each logical element at the same memory offset."""
+    return tuple(st for sz, st in zip(t.shape, t.stride()) if sz != 1)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fusedist.optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
-from fusedist.optim._layout import is_dense
+from fusedist._memory_layout import is_dense
 
 from test_optim import BACKENDS, DEVICE  # noqa: F401 - the backend fixture's parameters
 
@@ -224,3 +224,36 @@ def test_refused_state_dict_changes_nothing(damage, message):
         opt.load_state_dict(incoming)
     _assert_same_snapshot(before, _state_snapshot(opt))
     opt.step()  # still steps
+
+
+def _ddp_channels_last_worker(rank, world_size):
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    base = base.to(memory_format=torch.channels_last)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = FusedAdamW(ours.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + rank)
+    for _ in range(4):
+        x = torch.randn(4, 3, 10, 10, generator=gen).to(memory_format=torch.channels_last)
+        for model, o in ((ours, opt), (ref, opt_ref)):
+            o.zero_grad()
+            model(x).square().mean().backward()
+            o.step()
+    conv = ours.module[0].weight
+    return {
+        "diff": max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters())),
+        "channels_last": conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous(),
+        "grad_like_param": conv.grad.stride() == conv.stride(),
+    }
+
+
+def test_ddp_with_channels_last_and_fused_adamw_matches_torch_ddp():
+    from fusedist.testing import run_distributed
+
+    for result in run_distributed(_ddp_channels_last_worker, world_size=2):
+        assert result["diff"] < 1e-5, result
+        assert result["channels_last"] and result["grad_like_param"], result

@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._memory_layout import is_dense
+
 #: Shard starts are aligned to this many elements (64 bytes of fp32): aligned vector loads.
 SHARD_ALIGN = 16
 
@@ -68,6 +70,17 @@ class ParamSlot:
     offset: int  # in the dtype buffer
 
 
+def shaped_like(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``flat`` (a 1-D slot of ``param.numel()`` elements) seen with ``param``'s shape and, for
+    a dense parameter, its strides: a channels_last weight gets a channels_last gradient (as
+    torch's DDP and autograd give it), so optimizers walk both in one memory order. Everything
+    that maps a parameter to a flat slot (gradient views, ZeRO's parameter storage) goes through
+    here, so the slot's element order is the same everywhere."""
+    if param.is_contiguous() or not is_dense(param):
+        return flat.view(param.shape)
+    return flat.as_strided(param.shape, param.stride())
+
+
 class GradLayout:
     """Buffers, buckets, and each parameter's slot (Note [bucket storage])."""
 
@@ -99,7 +112,7 @@ class GradLayout:
                 "allocate it before taking a gradient view"
             )
         lo = slot.offset - bucket.start
-        return bucket.data[lo:lo + param.numel()].view(param.shape)
+        return shaped_like(bucket.data[lo:lo + param.numel()], param)
 
     # ---- storage (Note [bucket storage])
     def use_bucket_storage(self) -> None:

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _extension
-from ._layout import is_dense, layout_of
+from .._memory_layout import is_dense, layout_of
 
 __all__ = ["adam_update", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
 

@@ -44,7 +44,7 @@ import torch
 from .. import _extension
 from ..backend import select_backend
 from . import _reference
-from ._layout import is_dense, layout_of
+from .._memory_layout import is_dense, layout_of
 
 Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,9 +1,11 @@
-"""Which tensors the elementwise optimizer kernels can walk as flat memory.
+"""Which tensors can be handled as flat memory: the elementwise optimizer kernels and the
+flat gradient / parameter buffers of DDP and ZeRO.
 
-The kernels (Triton and the C++ CPU Adam) see a tensor as ``data_ptr`` and ``numel``. That is
-right for any tensor whose elements fill ``numel`` consecutive slots in some order of its
-dimensions -- contiguous, channels_last, a transposed weight -- provided every tensor stepped
-together with it (gradient, states, master) stores each logical element at the same offset.
+The optimizer kernels (Triton and the C++ CPU Adam) see a tensor as ``data_ptr`` and
+``numel``. That is right for any tensor whose elements fill ``numel`` consecutive slots in some
+order of its dimensions -- contiguous, channels_last, a transposed weight -- provided every
+tensor stepped together with it (gradient, states, master) stores each logical element at the
+same offset.
 """
 
 from __future__ import annotations

@@ -221,3 +221,31 @@ def build_layout(
         sizes[b["dtype"]] = end
         buckets.append(Bucket(index, b["dtype"], start, end, b["params"], b["names"], offsets))
     return GradLayout(buckets, sizes, device, bucket_storage=bucket_storage)
+
+
+def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Parameter], names: Sequence[str], *,
+                   bucket_cap_bytes: int, world_size: int) -> list[Bucket]:
+    """``existing`` (copied, same ranges) followed by new buckets for ``params`` placed after
+    them in each dtype's buffer, numbered on. The existing buckets and so every shard of them
+    stay where they are: what a sharded optimizer over them needs when parameters join
+    (Note [trainable set changes] in ``trainable.py``)."""
+    out = [dataclasses.replace(b, params=list(b.params), names=list(b.names), offsets=list(b.offsets), data=None)
+           for b in existing]
+    sizes: dict[torch.dtype, int] = {}
+    for b in out:
+        sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.end)
+    fresh = build_layout(params, names, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=bucket_cap_bytes,
+                         world_size=world_size, device=torch.device("meta"), bucket_storage=True).buckets
+    for b in fresh:
+        shift = sizes.get(b.dtype, 0)
+        out.append(Bucket(len(out), b.dtype, b.start + shift, b.end + shift, b.params, b.names,
+                          [o + shift for o in b.offsets]))
+    return out
+
+
+def layout_of(buckets: Sequence[Bucket], device: torch.device, bucket_storage: bool) -> GradLayout:
+    """A layout over ready-made ``buckets`` (their buffers sized to the furthest bucket)."""
+    sizes: dict[torch.dtype, int] = {}
+    for b in buckets:
+        sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.end)
+    return GradLayout(buckets, sizes, device, bucket_storage=bucket_storage)

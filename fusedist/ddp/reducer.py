@@ -67,6 +67,7 @@ from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .layout import Bucket, GradLayout, build_layout
+from .trainable import apply_change as apply_trainable_change
 from ..reliability import attach_monitor, checks_enabled
 from ..reliability.step_check import StepCheck, layout_crc
 
@@ -173,9 +174,21 @@ class Reducer:
         # where the garbage collector cannot see them, so a bound method there would keep the
         # reducer, the wrapper and the whole model alive after the user dropped the wrapper
         # (measured: never freed). Once the reducer is gone its hooks are removed.
-        hook = functools.partial(_grad_ready, weakref.ref(self))
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        self._hook = functools.partial(_grad_ready, weakref.ref(self))
+        self._hooked: set = set()
+        self._hooks: list = []
+        for p in params:
+            self.ensure_hook(p)
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        # Note [trainable set changes] (trainable.py): the module's requires_grad flags, layout
+        # parameters that are frozen now (inactive: no gradient expected, slot sent as zeros),
+        # ones frozen since the last forward, and whether the layout may only grow (ZeRO).
+        self.tracker = None
+        self.inactive: set = set()
+        self.frozen_now: set = set()
+        self.append_only = False
+        self.caught_up: list = []  # parameters averaged outside the buckets in the last backward
+        self.caught_up_now: set = set()
 
         self.next_backward_sync = True
         self.in_backward = False
@@ -212,6 +225,25 @@ class Reducer:
             device=self.device,
             bucket_storage=bucket_storage,
         )
+
+    def ensure_hook(self, p) -> None:
+        if p not in self._hooked:
+            self._hooked.add(p)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def is_active(self, p) -> bool:
+        """Whether ``p``'s gradient is reduced by the buckets (Note [trainable set changes])."""
+        return p in self.index_of and p not in self.inactive
+
+    def set_params(self, params: list, names: list) -> None:
+        self.params, self.names = list(params), list(names)
+        self.index_of = {p: i for i, p in enumerate(self.params)}
+        self._observed_order = None
+        for p in self.params:
+            self.ensure_hook(p)
+
+    def add_params(self, params: list, names: list) -> None:
+        self.set_params(self.params + list(params), self.names + list(names))
 
     def _attach_grad(self, p) -> None:
         """Make ``p.grad`` the buffer view (keeping any existing gradient value)."""
@@ -333,7 +365,9 @@ class Reducer:
     def _begin_backward(self) -> None:
         self.in_backward = True
         self.sync = self.next_backward_sync
-        self.pending = [len(b.params) for b in self.layout.buckets]
+        inactive = self.inactive
+        self.pending = [len(b.params) - (sum(p in inactive for p in b.params) if inactive else 0)
+                        for b in self.layout.buckets]
         self.handles = [None] * len(self.layout.buckets)
         self.ready_params: set = set()
         self.next_launch = 0
@@ -356,8 +390,10 @@ class Reducer:
     def _on_grad_ready(self, p) -> None:
         if not self.in_backward:
             self._begin_backward()
+        index = self.index_of.get(p)
+        if index is None or p in self.inactive:
+            return  # trainable since the last layout (Note [trainable set changes])
         grad = p.grad
-        index = self.index_of[p]
         if grad.is_sparse:
             raise RuntimeError(
                 f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[index]}' received a "
@@ -423,7 +459,7 @@ class Reducer:
         self.strategy.finish(self, bucket, self.handles[bucket.index])
         if not self.config.gradient_as_bucket_view and self.layout.is_allocated(bucket):
             for p in bucket.params:
-                if p.grad is not None:
+                if p.grad is not None and p not in self.inactive:
                     p.grad.copy_(self.layout.grad_view(p))
         self.next_finish = bucket.index + 1
         t_done = self.t_done[bucket.index] = now_us()
@@ -447,9 +483,12 @@ class Reducer:
 
     def _synchronize(self) -> None:
         t_compute_end = now_us()
-        unused = [p for p in self.params if p not in self.ready_params]
-        had_grad = {p: p.grad is not None for p in unused}
-        for p in unused:
+        # Frozen since the layout was built: no gradient expected (Note [trainable set changes]).
+        frozen = self.frozen_now
+        missing = [p for p in self.params if p not in self.ready_params and p not in self.inactive]
+        unused = [p for p in missing if p not in frozen] if frozen else missing
+        had_grad = {p: p.grad is not None for p in missing}
+        for p in missing:
             bucket = self.layout.slots[p].bucket
             if bucket.data is None:
                 self.layout.allocate(bucket)  # zeroed
@@ -457,8 +496,8 @@ class Reducer:
                 self.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
             self.pending[bucket.index] -= 1
         # Parameters whose grad stays None after this backward (refined by _settle_unused).
-        self.params_without_grad = [p for p in unused if not had_grad[p]]
-        if unused:
+        self.params_without_grad = [p for p in unused if not had_grad[p]] + list(self.inactive) + list(frozen)
+        if missing:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
         # [reliability] issued after the last bucket: the same place in every rank's
@@ -494,6 +533,8 @@ class Reducer:
         if self._observed_order is not None and not self.layout_final:
             observed, self._observed_order = self._observed_order, None
             self._rebuild(observed)
+        if self.tracker is not None and self.tracker.target is not None:
+            apply_trainable_change(self)  # Note [trainable set changes]
         self.strategy.after_sync(self)
         if unused and not self.config.find_unused_parameters:
             if self.step_check is not None:
@@ -521,8 +562,10 @@ class Reducer:
             self._layout_crc[1],
             last_seq,
             0 if self.config.find_unused_parameters else len(unused),
+            self.tracker.crc if self.tracker is not None else 0,
         ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused],
-            "checked_now": checked_now})
+            "checked_now": checked_now,
+            "describe_trainable": self.tracker.describe_mismatch if self.tracker is not None else None})
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         # Built on the host and read back once: one transfer each way, not one per parameter.
@@ -544,7 +587,7 @@ class Reducer:
                 # (a released bucket -- ZeRO stage 2 -- exposes no gradients: its shard holds them)
                 p.grad = self.layout.grad_view(p) if self.config.gradient_as_bucket_view else (
                     self.layout.grad_view(p).clone())
-        self.params_without_grad = without_grad
+        self.params_without_grad = without_grad + list(self.inactive) + list(self.frozen_now)
         if globally_unused and not self._warned_unused:
             self._warned_unused = True
             warnings.warn(
@@ -555,7 +598,8 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         _remove_hooks(self._hooks)
-        self._hooks = []
+        self._hooks.clear()
+        self._hooked = set()
 
 
 def _grad_ready(reducer_ref: "weakref.ref[Reducer]", p) -> None:

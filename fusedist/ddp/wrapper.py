@@ -16,6 +16,7 @@ from .._timeline import Timeline
 from ..comm import get_communicator
 from .config import DDPConfig
 from .reducer import Reducer
+from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
 
@@ -163,6 +164,8 @@ class DistributedDataParallel(nn.Module):
         )
         for _, p in named:
             p._fusedist_ddp = self  # lets ZeroRedundancyOptimizer find the wrapper of its params
+        # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
+        self.reducer.tracker = TrainableTracker(list(module.named_parameters()), self)
         self._no_sync_depth = 0
         self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
         self._param_waiters: list = []  # Note [hooks inside compiled modules]
@@ -244,6 +247,7 @@ class DistributedDataParallel(nn.Module):
                 buffers = list(self.module.buffers())
                 if buffers:
                     self._broadcast_coalesced(buffers, tag="ddp buffers")
+            self.reducer.tracker.observe(self.reducer)  # Note [trainable set changes]
             self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
         # Called even with no waiter: a compiled DDP forward must not have a branch that
         # dynamo resolved while the list was still empty.

@@ -38,8 +38,8 @@ _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _classify(optimizer):
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     cached = _cache.get(optimizer)
-    if cached is not None and cached[0] == count:
-        return cached
+    if cached is not None and cached[0] == count and cached[2] is None:
+        return cached  # (an unowned parameter is looked at again: DDP may have taken it on since)
     owners: dict[int, object] = {}
     unowned = None
     for gi, group in enumerate(optimizer.param_groups):
@@ -91,6 +91,19 @@ def _pre_step(optimizer, args, kwargs):
 
 def _refuse_unowned(optimizer, ddp, unowned) -> None:
     gi, pi, shape, dtype = unowned
+    p = optimizer.param_groups[gi]["params"][pi]
+    name = next((n for n, q in ddp.module.named_parameters() if q is p), None)
+    if name is not None:  # Note [trainable set changes] in fusedist/ddp/trainable.py
+        if p.grad is None:
+            return  # unfrozen since the last backward: nothing to apply yet, as with torch
+        raise ValueError(
+            f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameter '{name}' of the "
+            "DistributedDataParallel model, which had requires_grad=False when the model was wrapped; its "
+            "gradient was not averaged across ranks, because no synchronized backward of a training "
+            "forward through the model has run since it became trainable (the model takes it on then). "
+            "Run forward and backward through the DistributedDataParallel model (outside no_sync()) "
+            "before optimizer.step()."
+        )
     raise ValueError(
         f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameters of a "
         f"DistributedDataParallel model and also param_groups[{gi}]['params'][{pi}] (shape "

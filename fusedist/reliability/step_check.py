@@ -14,6 +14,8 @@ Note [step check]
         layout           CRC of the gradient bucket layout
         collective_seq   sequence number of this step's last bucket collective
         unused           parameters without a gradient (0 with find_unused_parameters)
+        trainable        CRC of the module's requires_grad flags at this step's forward
+                         (Note [trainable set changes] in fusedist/ddp/trainable.py)
 
     The vector ``[v, -v]`` is all-reduced with MAX, giving every rank ``max(v)`` and
     ``min(v)`` exactly (int64), so every rank reaches the same verdict -- agreement iff
@@ -43,7 +45,7 @@ import torch
 from .._consistency import RankMismatchError
 from ..comm import Communicator
 
-FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused")
+FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable")
 
 _EXPLAIN = {
     "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
@@ -57,6 +59,8 @@ _EXPLAIN = {
     "(a collective inside rank-dependent code)",
     "unused": "a different set of parameters received gradients: a different branch of the model ran on some "
     "ranks (pass find_unused_parameters=True if that is intended)",
+    "trainable": "ranks changed requires_grad of different parameters after wrapping the model (frozen or "
+    "unfrozen on some ranks only); change the same parameters on every rank, before the same forward",
 }
 
 
@@ -117,6 +121,10 @@ class StepCheck:
         everyone = torch.empty(self.comm.world_size * k, dtype=torch.int64, device=self.comm.device)
         self.comm.all_gather(everyone, mine, tag="ddp step check details")
         table = everyone.view(self.comm.world_size, k).tolist()
+        column = FIELDS.index("trainable")
+        describe = detail.get("describe_trainable")
+        if describe is not None and len({row[column] for row in table}) > 1:
+            detail = dict(detail, trainable_lines=describe(self.comm))  # a collective: same verdict everywhere
         raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
 
 
@@ -142,6 +150,7 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
             continue
         listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         lines.append(f"  {field}: {listing} -- {_EXPLAIN[field]}")
+    lines.extend(detail.get("trainable_lines", ()))
     unused = detail.get("unused_names")
     if unused:
         lines.append(f"  parameters without a gradient on rank {rank}: {unused[:10]}{' ...' if len(unused) > 10 else ''}")

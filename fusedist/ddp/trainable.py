@@ -1,0 +1,236 @@
+"""Parameters whose ``requires_grad`` changes after the model was wrapped (progressive unfreezing).
+
+Note [trainable set changes]
+    torch DDP fixes the reduced parameters at construction: one unfrozen later is trained on
+    each rank's local gradient (the ranks drift apart), one frozen later stalls
+    ``find_unused_parameters=False``. fusedist follows the module instead:
+
+    * Every training forward compares the parameters' ``requires_grad`` flags with those the
+      bucket layout was built from (a list comparison; the CRC below only when they differ).
+      A newly trainable parameter gets its gradient hook then, so its backward reaches the
+      reducer.
+    * The flags' CRC is a field of the per-step check (Note [step check]): ranks that changed
+      different sets raise :class:`RankMismatchError` on every rank, naming the parameters and
+      the ranks (:func:`describe_mismatch`).
+    * The backward of that forward still runs on the old layout, so every rank issues the same
+      bucket collectives whatever it changed: a newly frozen parameter's slot is sent as zeros
+      and its gradient left alone; a newly trainable one gets its local gradient from autograd.
+    * At the end of that backward a rank whose flags changed reads the step check's verdict at
+      once (a mismatch raises there; the other ranks raise at their next forward). Then every
+      rank averages the newly trainable parameters' gradients with one extra all-reduce per
+      dtype, divided as the buckets are, and re-buckets: plain DDP rebuilds the layout without
+      the frozen parameters (and re-observes the readiness order at the next synchronized
+      backward); with a ZeroRedundancyOptimizer, whose shards follow the buckets, the layout
+      only grows (``Reducer.append_only``): new parameters get new buckets at the end, frozen
+      ones keep a slot sent as zeros, so no other parameter's shard moves.
+
+    So the optimizer step after that backward sees averaged gradients, as torch DDP built with
+    the parameter already trainable would give. With ``FUSEDIST_CHECKS=0`` there is no step
+    check and so no cross-rank comparison: every rank must change the same parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from collections import OrderedDict
+
+import torch
+
+from .layout import append_buckets, layout_of
+
+
+def flags_crc(flags: list) -> int:
+    """A rank-independent 31-bit digest of the requires_grad flags."""
+    return zlib.crc32(bytes(flags)) & 0x7FFFFFFF
+
+
+class TrainableTracker:
+    """The module's parameters and the flags the reducer's layout was built from."""
+
+    def __init__(self, named, owner):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.layout_flags = [p.requires_grad for p in self.params]
+        self.layout_crc = flags_crc(self.layout_flags)
+        self.target = None  # flags seen at a training forward that the layout does not follow yet
+        self.target_crc = self.layout_crc
+        self.owner = weakref.ref(owner)
+
+    @property
+    def crc(self) -> int:
+        """The flags of the last training forward (the step check's ``trainable`` field)."""
+        return self.target_crc
+
+    def observe(self, reducer) -> None:
+        """Called by every training forward; cheap unless the flags changed."""
+        flags = [p.requires_grad for p in self.params]
+        if flags == (self.target if self.target is not None else self.layout_flags):
+            return
+        if flags == self.layout_flags:
+            self.target, self.target_crc = None, self.layout_crc
+            reducer.frozen_now = set()
+            return
+        self.target, self.target_crc = flags, flags_crc(flags)
+        reducer.frozen_now = {p for p, f in zip(self.params, flags) if not f and reducer.is_active(p)}
+        for p, f, name in zip(self.params, flags, self.names):
+            if f and not reducer.is_active(p):
+                _check_trainable_dtype(reducer, p, name)
+                reducer.ensure_hook(p)
+
+    def describe_mismatch(self, comm) -> list[str]:
+        """Lines naming the parameters whose flags differ across ranks. A collective: every rank
+        calls it when the step check's ``trainable`` field differs (the same verdict everywhere)."""
+        flags = self.target if self.target is not None else self.layout_flags
+        mine = torch.tensor(flags, dtype=torch.uint8, device=comm.device)
+        everyone = torch.empty(comm.world_size * len(flags), dtype=torch.uint8, device=comm.device)
+        comm.all_gather(everyone, mine, tag="ddp trainable flags")
+        table = everyone.view(comm.world_size, len(flags)).tolist()
+        lines = []
+        for i, name in enumerate(self.names):
+            column = [row[i] for row in table]
+            if len(set(column)) > 1:
+                on = [r for r, v in enumerate(column) if v]
+                off = [r for r, v in enumerate(column) if not v]
+                lines.append(f"  parameter '{name}': requires_grad=True on ranks {on}, False on ranks {off}")
+        return lines[:10] + (["  ..."] if len(lines) > 10 else [])
+
+
+def _check_trainable_dtype(reducer, p, name: str) -> None:
+    if not p.dtype.is_floating_point:
+        raise TypeError(
+            f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameter '{name}' became "
+            f"trainable with dtype {p.dtype}; only floating-point parameters can be trained"
+        )
+
+
+def apply_change(reducer) -> None:
+    """At the end of the synchronized backward after the flags changed: agree, average the
+    newly trainable parameters' gradients, re-bucket (Note [trainable set changes])."""
+    tracker = reducer.tracker
+    flags = tracker.target
+    if reducer.step_check is not None:
+        reducer.step_check.settle()  # raises RankMismatchError if the ranks changed different sets
+    names = dict(zip(tracker.params, tracker.names))
+    wanted = [p for p, f in zip(tracker.params, flags) if f]
+    newly = [p for p in wanted if not reducer.is_active(p)]
+    _average(reducer, newly, names)
+    if reducer.append_only:
+        _grow(reducer, wanted, newly, names)
+    else:
+        _rebuild(reducer, wanted, names)
+    reducer.caught_up = newly
+    reducer.frozen_now = set()
+    tracker.layout_flags, tracker.layout_crc = flags, tracker.target_crc
+    tracker.target = None
+    owner = tracker.owner()
+    for p in newly:
+        p._fusedist_ddp = owner  # the optimizer guard and ZeRO find the wrapper through it
+    reducer.timeline.instant("trainable set changed", added=len(newly))
+    for listener in reducer.layout_listeners:
+        listener(reducer.layout)
+
+
+@torch.no_grad()
+def _average(reducer, params: list, names: dict) -> None:
+    """Average ``params``' local gradients across ranks (None where no rank has one)."""
+    if not params:
+        return
+    from .reducer import divide_factors
+
+    comm, world = reducer.comm, reducer.world_size
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(f"fusedist DDP (rank {comm.rank}): parameter '{names[p]}' received a sparse "
+                               "gradient; sparse gradients are not supported (use nn.Embedding(sparse=False))")
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm.device)
+    if world > 1:
+        comm.all_reduce(has, op="max", tag="ddp unfrozen used-map")
+    used = [bool(v) for v in has.tolist()]
+    by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
+    for p, u in zip(params, used):
+        if u:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        else:
+            p.grad = None
+    for dtype, group in by_dtype.items():
+        reduce_dtype = reducer.config.reduce_dtype or dtype
+        pre, post = divide_factors(world, reduce_dtype)
+        wire = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        wire = wire.to(device=comm.device, dtype=reduce_dtype).div_(pre)
+        if world > 1:
+            comm.all_reduce(wire, tag=f"ddp unfrozen gradients {dtype}")
+        if post != 1.0:
+            wire.div_(post)
+        offset = 0
+        for p in group:
+            p.grad = wire[offset:offset + p.numel()].view(p.shape).to(device=p.device, dtype=dtype, copy=True)
+            offset += p.numel()
+
+
+def _carry(reducer, old, new, params) -> None:
+    """Move gradient values from ``old`` to ``new`` for ``params`` (views follow)."""
+    as_view = reducer.config.gradient_as_bucket_view
+    for p in params:
+        if p not in new.slots:
+            continue
+        bucket = new.slots[p].bucket
+        src = None
+        if p in reducer.caught_up_now:
+            src = p.grad
+        elif p in old.slots and old.is_allocated(old.slots[p].bucket):
+            src = old.grad_view(p)
+        if src is None or (new.bucket_storage and not new.is_allocated(bucket)):
+            continue
+        view = new.grad_view(p)
+        was_view = p.grad is not None and p.grad.data_ptr() == src.data_ptr()
+        view.copy_(src)
+        if as_view and was_view:
+            p.grad = view
+
+
+def _grow(reducer, wanted: list, newly: list, names: dict) -> None:
+    """Append-only: new buckets for parameters not in the layout; frozen ones go inactive."""
+    old = reducer.layout
+    wanted_set = set(wanted)
+    joining = [p for p in newly if p not in reducer.index_of]
+    buckets = append_buckets(old.buckets, list(reversed(joining)), [names[p] for p in reversed(joining)],
+                             bucket_cap_bytes=int(reducer.config.bucket_cap_mb * 1024 * 1024),
+                             world_size=reducer.world_size)
+    new = layout_of(buckets, reducer.device, old.bucket_storage)
+    reducer.add_params(joining, [names[p] for p in joining])
+    reducer.caught_up_now = set(newly)
+    _carry(reducer, old, new, reducer.params)
+    reducer.caught_up_now = set()
+    reducer.layout = new
+    reducer.inactive = {p for p in reducer.params if p not in wanted_set}
+    _zero_inactive(reducer)
+
+
+def _zero_inactive(reducer) -> None:
+    """Inactive slots must read as zero in the bucket collectives; their gradients stay the
+    user's (a view into the bucket is replaced by a copy first)."""
+    layout = reducer.layout
+    for p in reducer.inactive:
+        if not layout.is_allocated(layout.slots[p].bucket):
+            continue
+        view = layout.grad_view(p)
+        if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            p.grad = p.grad.clone()
+        view.zero_()
+
+
+def _rebuild(reducer, wanted: list, names: dict) -> None:
+    """Plain DDP: a layout over the trainable parameters only, in the current bucket order
+    with the new ones last; the readiness order is observed again at the next backward."""
+    old = reducer.layout
+    order = [p for b in old.buckets for p in b.params if p in set(wanted)]
+    order += [p for p in reversed(wanted) if p not in set(order)]
+    reducer.caught_up_now = {p for p in wanted if not reducer.is_active(p)}
+    reducer.set_params(list(reversed(order)), [names[p] for p in reversed(order)])
+    new = reducer._build(list(reversed(range(len(order)))), bucket_storage=old.bucket_storage)
+    _carry(reducer, old, new, reducer.params)
+    reducer.caught_up_now = set()
+    reducer.layout = new
+    reducer.inactive = set()
+    reducer.layout_final = False

@@ -1,0 +1,206 @@
+"""DDP with parameters whose requires_grad changes after wrapping (progressive unfreezing;
+Note [trainable set changes] in fusedist/ddp/trainable.py).
+
+Oracles: torch DDP whose model was wrapped with the parameter already trainable, and torch
+optimizers in one process on the global batch with the same freeze schedule (DDP averages
+per-rank mean losses over equal chunks, i.e. the global mean loss). Tolerance 1e-5 (fp32,
+gradients differ in summation order only); a gradient that is not averaged moves a parameter
+by ~1e-2 per step (lr 0.1 on rank-dependent data), a frozen parameter that is stepped by
+weight decay or momentum likewise.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+GLOBAL_BATCH = 12  # divisible by 2 and 3
+TOL = 1e-5
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _batch(step, rank=None, world_size=1):
+    gen = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 2, generator=gen)
+    if rank is None:
+        return x, y
+    chunk = GLOBAL_BATCH // world_size
+    return x[rank * chunk:(rank + 1) * chunk], y[rank * chunk:(rank + 1) * chunk]
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _apply(schedule, model, step):
+    for name, flag in schedule.get(step, {}).items():
+        model.get_parameter(name).requires_grad_(flag)
+
+
+def _single_process(schedule, opt_fn, steps, micro=1):
+    """torch optimizer on the global batch, requires_grad changed at the same steps."""
+    model = _model()
+    _apply(schedule, model, -1)
+    opt = opt_fn(model.parameters())
+    for step in range(steps):
+        _apply(schedule, model, step)
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = _batch(step * micro + m)
+            (nn.functional.mse_loss(model(x), y) / micro).backward()
+        opt.step()
+    return _flat(model)
+
+
+def _fusedist(rank, world_size, schedule, opt_fn, steps, micro=1, **ddp_kwargs):
+    import fusedist
+
+    model = _model()
+    _apply(schedule, model, -1)  # frozen when wrapped
+    ddp = fusedist.DistributedDataParallel(model, **ddp_kwargs)
+    opt = opt_fn(ddp.parameters())
+    for step in range(steps):
+        _apply(schedule, model, step)
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = _batch(step * micro + m, rank, world_size)
+            ctx = ddp.no_sync() if m < micro - 1 else _null()
+            with ctx:
+                (nn.functional.mse_loss(ddp(x), y) / micro).backward()
+        opt.step()
+    return _flat(model)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+# name -> (schedule {step: {param: requires_grad}}, step -1 = before wrapping, ddp kwargs, micro)
+SCENARIOS = {
+    "unfreeze at step 3": ({-1: {"0.weight": False, "0.bias": False}, 3: {"0.weight": True, "0.bias": True}},
+                           {}, 1),
+    "freeze at step 2, find_unused_parameters=False": ({2: {"2.weight": False}}, {}, 1),
+    "freeze then unfreeze": ({2: {"2.weight": False, "4.bias": False}, 4: {"2.weight": True}}, {}, 1),
+    "unfreeze under no_sync accumulation": ({-1: {"0.weight": False}, 2: {"0.weight": True}}, {}, 2),
+    "unfreeze, several buckets, grads not bucket views": (
+        {-1: {"0.weight": False, "2.bias": False}, 1: {"0.weight": True, "2.bias": True}, 3: {"4.weight": False}},
+        dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005, gradient_as_bucket_view=False), 1),
+    "unfreeze with find_unused_parameters": ({-1: {"0.weight": False}, 1: {"0.weight": True}},
+                                             dict(find_unused_parameters=True), 1),
+}
+
+
+def _parity_worker(rank, world_size):
+    import fusedist
+
+    out = {}
+    # The issue's example: frozen when wrapped, unfrozen before the optimizer is built and
+    # before the first forward. Oracle: torch DDP wrapped with the parameter trainable.
+    model = _model()
+    ref = copy.deepcopy(model)
+    model[0].weight.requires_grad_(False)
+    ddp = fusedist.DistributedDataParallel(model)
+    model[0].weight.requires_grad_(True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    ref_opt = torch.optim.SGD(ref_ddp.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = _batch(step, rank, world_size)
+        for m, o in ((ddp, opt), (ref_ddp, ref_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    out["issue example vs torch DDP"] = (_flat(model) - _flat(ref)).abs().max().item()
+    out["layout holds the unfrozen parameter"] = any(
+        p is model[0].weight for b in ddp.buckets for p in b.params)
+    for name, (schedule, kwargs, micro) in SCENARIOS.items():
+        for opt_name, opt_fn in (("sgd", _sgd), ("adamw", _adamw)):
+            ours = _fusedist(rank, world_size, schedule, opt_fn, 6, micro, **kwargs)
+            out[f"{name} ({opt_name})"] = (ours - _single_process(schedule, opt_fn, 6, micro)).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
+def test_trainability_changes_after_wrapping_match_torch(world_size):
+    for per_rank in run_distributed(_parity_worker, world_size, timeout=300):
+        assert per_rank.pop("layout holds the unfrozen parameter")
+        for name, diff in per_rank.items():
+            assert diff < TOL, (name, diff)
+
+
+def _mismatch_worker(rank, world_size):
+    """Each case on a fresh model, all on one process group."""
+    import fusedist
+
+    out = {}
+    for case in ("unfreeze on rank 1", "freeze on rank 0"):
+        model = _model()
+        if case.startswith("unfreeze"):
+            model[0].weight.requires_grad_(False)
+        ddp = fusedist.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        try:
+            for step in range(4):
+                if step == 1 and case == "unfreeze on rank 1" and rank == 1:
+                    model[0].weight.requires_grad_(True)
+                if step == 1 and case == "freeze on rank 0" and rank == 0:
+                    model[2].weight.requires_grad_(False)
+                x, y = _batch(step, rank, world_size)
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            out[case] = None
+        except fusedist.RankMismatchError as exc:
+            out[case] = (step, str(exc))
+    # Unfrozen after the last synchronized backward and stepped after a no_sync one: the
+    # gradient is local, and the guard names the parameter and the cause.
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    ddp = fusedist.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, y = _batch(0, rank, world_size)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    model[0].weight.requires_grad_(True)
+    opt.step()  # no gradient yet for the unfrozen weight: skipped, as torch does
+    before = _flat(model)
+    with ddp.no_sync():
+        nn.functional.mse_loss(ddp(x), y).backward()
+    try:
+        opt.step()
+        out["guard"] = None
+    except ValueError as exc:
+        out["guard"] = str(exc)
+    out["guard left parameters unchanged"] = torch.equal(before, _flat(model))
+    return out
+
+
+def test_trainability_changed_on_some_ranks_raises_on_every_rank():
+    results = run_distributed(_mismatch_worker, 2, timeout=180)
+    for rank, out in enumerate(results):
+        step, text = out["unfreeze on rank 1"]
+        assert step == (1 if rank == 1 else 2), (rank, step)  # the changed rank at once, the other next forward
+        assert "parameter '0.weight': requires_grad=True on ranks [1], False on ranks [0]" in text, text
+        assert "trainable:" in text
+        step, text = out["freeze on rank 0"]
+        assert "parameter '2.weight': requires_grad=True on ranks [1], False on ranks [0]" in text, text
+        assert "parameter '0.weight'" in out["guard"] and "requires_grad=False when the model was wrapped" in out["guard"]
+        assert out["guard left parameters unchanged"]

@@ -81,6 +81,18 @@ def shaped_like(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(param.shape, param.stride())
 
 
+def flat_like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (shaped like ``param``) as 1-D in the element order of ``param``'s slot (the
+    inverse of :func:`shaped_like`): a view when ``t`` is laid out like the slot, else a copy."""
+    if param.is_contiguous() or not is_dense(param):
+        return t.reshape(-1)
+    if t.stride() == param.stride():
+        return t.as_strided((t.numel(),), (1,))
+    out = torch.empty(param.numel(), dtype=t.dtype, device=t.device)
+    shaped_like(out, param).copy_(t)
+    return out
+
+
 class GradLayout:
     """Buffers, buckets, and each parameter's slot (Note [bucket storage])."""
 

@@ -17,6 +17,7 @@ from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, ch
 from .partition import FlatParams, FlatPartition, bucketize
 
 MiB = 1024 * 1024
+from ..ddp.layout import flat_like
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -420,7 +421,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 continue
             if g.is_sparse:
                 raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {e.index} has a sparse gradient")
-            pairs.append((self._grad_shards[e.dtype][e.pos:e.pos + e.numel], g.reshape(-1)[e.lo:e.hi]))
+            flat = flat_like(g, self._params[e.index])  # the slot's (memory) order
+            pairs.append((self._grad_shards[e.dtype][e.pos:e.pos + e.numel], flat[e.lo:e.hi]))
         return pairs
 
     def _local_grads(self) -> list[torch.Tensor]:
@@ -934,7 +936,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(item["master"][e.lo:e.hi])
             else:
                 p = self._params[e.index]
-                self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(p.detach().reshape(-1)[e.lo:e.hi])
+                self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(flat_like(p.detach(), p)[e.lo:e.hi])
             st = new_state[t]
             n_piece = piece.end - piece.start
             off = e.pos - piece.start

@@ -42,7 +42,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..ddp.layout import SHARD_ALIGN, Bucket
+from ..ddp.layout import SHARD_ALIGN, Bucket, shaped_like
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -255,7 +255,9 @@ class FlatParams:
 
     Parameters are re-pointed into it (``p.data`` becomes a view), so the updated shards can
     be all-gathered in place, straight into the parameters every rank computes with. Values
-    are unchanged; user code keeps using the same ``Parameter`` objects.
+    and memory formats are unchanged (a channels_last weight stays channels_last: its slot
+    holds it in memory order, as DDP's gradient slot does, ``shaped_like``); user code keeps
+    using the same ``Parameter`` objects.
     """
 
     def __init__(self, partition: FlatPartition, params: Sequence[torch.Tensor], device: torch.device):
@@ -263,9 +265,9 @@ class FlatParams:
         with torch.no_grad():
             for index, off in partition.offset_of.items():
                 p = params[index]
-                flat = self.buffers[p.dtype][off:off + p.numel()]
-                flat.copy_(p.detach().reshape(-1))
-                p.data = flat.view(p.shape)
+                view = shaped_like(self.buffers[p.dtype][off:off + p.numel()], p)
+                view.copy_(p.detach())
+                p.data = view
 
     def shard_view(self, bs: BucketShard) -> torch.Tensor:
         b = bs.bucket

@@ -3,7 +3,10 @@
 Note [fragments]
     A sharded state dict stores, for every parameter a rank owns part of, a fragment
     ``{"range": (lo, hi), "master": Tensor[hi-lo] | None, "state": {key: Tensor[hi-lo] | scalar}}``
-    over the flattened parameter. Fragments do not depend on the bucket layout or the world
+    over the flattened parameter, in its memory order (a channels_last weight's elements as
+    they lie in memory: ``flat_like`` / ``shaped_like`` in ``fusedist/ddp/layout.py``; a full
+    state dict is converted with the parameter's layout, so it loads into any memory format,
+    a sharded one into parameters of the saving run's format). Fragments do not depend on the bucket layout or the world
     size, so state saved at N ranks is loaded at M ranks by assembling each needed parameter
     from whichever fragments cover it and slicing the new range out (resharding at load time).
     A full (torch-format) state dict is the special case of one fragment ``(0, numel)`` per
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from ..ddp.layout import flat_like, shaped_like
 
 FORMAT = "fusedist.zero/1"
 
@@ -76,14 +81,14 @@ def fragments_from_full(full: dict, params) -> dict[int, list]:
         state, master = {}, None
         for key, v in values.items():
             if key == "master_param":
-                master = v.reshape(-1)
+                master = flat_like(v, params[index])
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 if v.numel() != n:
                     raise StateDictError(
                         f"state '{key}' of parameter {index} has {v.numel()} elements, the parameter has {n} "
                         "(ZeroRedundancyOptimizer shards only elementwise optimizer state)"
                     )
-                state[key] = v.reshape(-1)
+                state[key] = flat_like(v, params[index])
             else:
                 state[key] = v
         out[index] = [{"range": (0, n), "master": master, "state": state}]
@@ -161,9 +166,9 @@ def to_torch_format(assembled: dict[int, dict], params, param_groups: list[dict]
         p = params[index]
         entry = {}
         for key, v in item["state"].items():
-            entry[key] = v.view(p.shape) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            entry[key] = shaped_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
         if item["master"] is not None and p.dtype in (torch.float16, torch.bfloat16):
-            entry["master_param"] = item["master"].view(p.shape)
+            entry["master_param"] = shaped_like(item["master"], p)
         state[index] = entry
     return {"state": state, "param_groups": [dict(g) for g in param_groups]}
 

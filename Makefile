@@ -11,12 +11,16 @@ NATIVE := $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
 
 .PHONY: demo test bench install clean
 
+# lightning: the optional Lightning strategy (fusedist[lightning]) is tested too.
+DEPS   := numpy "triton>=3.0" pytest hypothesis pybind11 ninja "setuptools>=64" wheel "lightning>=2.4"
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)" numpy "triton>=3.0" pytest hypothesis pybind11 ninja "setuptools>=64" wheel
 
-$(STAMP): $(BIN)/python setup.py pyproject.toml $(NATIVE)
+# Re-run when the dependency list changes, so an existing .venv picks up new ones.
+$(STAMP): $(BIN)/python Makefile setup.py pyproject.toml $(NATIVE)
+	$(BIN)/pip install -q "$(TORCH)" $(DEPS)
 	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

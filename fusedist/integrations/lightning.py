@@ -1,0 +1,245 @@
+"""``FusedistStrategy``: PyTorch Lightning's DDP strategy, with fusedist underneath.
+
+``L.Trainer(strategy=FusedistStrategy(), devices=N, precision="bf16-mixed")`` trains the
+LightningModule with :class:`fusedist.DistributedDataParallel`; optionally the optimizer that
+``configure_optimizers`` returns is swapped for its fused counterpart (torch's Adam, AdamW and
+SGD -> ``fusedist.optim.FusedAdam/FusedAdamW/FusedSGD``, same hyperparameters and param
+groups) and sharded with :class:`fusedist.ZeroRedundancyOptimizer` (``zero_stage=1|2``).
+
+Lightning's precision plugins keep their behaviour, routed to fusedist where the fused path
+needs it (Note [Lightning precision]): ``"16-mixed"`` scales with ``fusedist.amp.GradScaler``
+(torch's cannot step a stage-2 optimizer), and gradient clipping by norm
+(``Trainer(gradient_clip_val=...)``) goes through ``fusedist.clip_grad_norm_`` or the ZeRO
+optimizer's own clip, which see the sharded gradients that torch's clip would miss.
+
+Install with ``pip install fusedist[lightning]``; launch as any Lightning DDP job (Lightning's
+own launcher, or ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+
+import fusedist
+from fusedist.ddp import DistributedDataParallel
+from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
+
+__all__ = ["FusedistStrategy"]
+
+# torch optimizer -> its fused drop-in (same constructor keywords).
+_FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
+
+
+class FusedistStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with fusedist's DDP, fused optimizers and ZeRO.
+
+    Args:
+        zero_stage: 0 (plain data parallelism), 1 or 2 (``fusedist.ZeroRedundancyOptimizer``
+            over the optimizer ``configure_optimizers`` returns).
+        fused_optimizer: replace torch's Adam/AdamW/SGD by fusedist's fused ones (other
+            optimizers are kept as they are). With ``precision="16-true"/"bf16-true"`` the
+            fused optimizer keeps FP32 master weights.
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``,
+            ``ddp_comm_hook``, ...) and fusedist ``DistributedDataParallel`` keywords
+            (``bucket_cap_mb``, ``find_unused_parameters``, ``reduce_dtype``, ...).
+    """
+
+    strategy_name = "fusedist"
+
+    def __init__(self, *, zero_stage: int = 0, fused_optimizer: bool = True, **kwargs: Any) -> None:
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"FusedistStrategy: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        super().__init__(**kwargs)
+        self.zero_stage = zero_stage
+        self.fused_optimizer = bool(fused_optimizer)
+
+    # -- precision (Note [Lightning precision]) ----------------------------------------------
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else _FusedistPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else _adapt_precision(plugin)
+
+    # -- model and optimizers -----------------------------------------------------------------
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        if self._ddp_comm_hook is not None:
+            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        master_weights = isinstance(self.precision_plugin, HalfPrecision)
+        for i, optimizer in enumerate(self.optimizers):
+            new = self._convert_optimizer(optimizer, master_weights)
+            if new is not optimizer:
+                _repoint_schedulers(self.lr_scheduler_configs, optimizer, new)
+                self.optimizers[i] = new
+
+    def _convert_optimizer(self, optimizer: torch.optim.Optimizer, master_weights: bool):
+        cls = type(optimizer)
+        fused = _FUSED.get(cls) if self.fused_optimizer else None
+        if fused is None and self.zero_stage == 0:
+            return optimizer
+        if optimizer.state:
+            raise RuntimeError(f"FusedistStrategy: {cls.__name__} already has state; it must be converted "
+                               "before its first step (return a fresh optimizer from configure_optimizers)")
+        target = fused or cls
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in _keywords(target)}
+        if fused is not None:
+            defaults["master_weights"] = master_weights
+        groups = [dict(group) for group in optimizer.param_groups]
+        if self.zero_stage == 0:
+            return target(groups, **defaults)
+        return fusedist.ZeroRedundancyOptimizer(groups, target, stage=self.zero_stage, **defaults)
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Gradient accumulation: the micro-batches before the last skip the all-reduce."""
+        if isinstance(self.model, DistributedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module  # unwrap, as Lightning does for torch's DDP
+        super().teardown()
+
+
+# Note [Lightning precision]
+# Lightning's precision plugins own the backward, the optimizer step and gradient clipping.
+# Two of their steps go wrong on a fused or sharded optimizer: torch.amp.GradScaler cannot
+# step ZeRO stage 2 (it keeps no p.grad), and Lightning skips unscale_ for an optimizer that
+# unscales inside step() and then refuses to clip; torch.nn.utils.clip_grad_norm_ measures
+# p.grad, which stage 2 does not have. The adapters below keep each plugin (autocast, dtype
+# conversion, scaler state in checkpoints) and swap only those steps: fusedist's GradScaler
+# (same API and state dict), an unscale_ before the clip for every optimizer, and the clip of
+# fusedist.clip_grad_norm_ / ZeroRedundancyOptimizer.clip_grad_norm_.
+
+
+def _clip_by_norm(optimizer, clip_val: float) -> None:
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+    if hasattr(optimizer, "clip_grad_norm_"):  # ZeroRedundancyOptimizer: the shards' global norm
+        optimizer.clip_grad_norm_(clip_val)
+    else:
+        fusedist.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip_val)
+
+
+class _FusedistPrecision(Precision):
+    """``"32-true"`` (and ``"64-true"`` style plain precision): fusedist's clip."""
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        _clip_by_norm(optimizer, clip_val)
+
+
+class _FusedistHalfPrecision(HalfPrecision):
+    """``"16-true"`` / ``"bf16-true"``: the module in half precision (FP32 masters in the
+    fused optimizer), fusedist's clip."""
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        _clip_by_norm(optimizer, clip_val)
+
+
+class _FusedistMixedPrecision(MixedPrecision):
+    """``"16-mixed"`` / ``"bf16-mixed"``: autocast as Lightning does; fp16 scales with
+    fusedist's GradScaler and always unscales before the clip."""
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if not skip_unscaling:
+            self.scaler.unscale_(optimizer)  # read-only on stage 2; the step applies it
+        self._after_closure(model, optimizer)
+        if skip_unscaling:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        # MixedPrecision refuses to clip for optimizers that unscale in step(); fusedist's
+        # scaler has unscaled (or recorded the unscale) already.
+        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        Precision.clip_gradients(self, optimizer, clip_val=clip_val, **kwargs)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        _clip_by_norm(optimizer, clip_val)
+
+
+def _adapt_precision(plugin: Precision) -> Precision:
+    if isinstance(plugin, (_FusedistPrecision, _FusedistHalfPrecision, _FusedistMixedPrecision)):
+        return plugin
+    kind = type(plugin)
+    if kind is Precision:
+        return _FusedistPrecision()
+    if kind is HalfPrecision:
+        return _FusedistHalfPrecision(plugin.precision)
+    if kind is MixedPrecision:
+        return _FusedistMixedPrecision(plugin.precision, plugin.device, scaler=_fusedist_scaler(plugin))
+    raise ValueError(
+        f"FusedistStrategy: the precision plugin {kind.__name__} is not supported; use precision="
+        "'32-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"
+    )
+
+
+def _fusedist_scaler(plugin: MixedPrecision):
+    """fusedist's GradScaler with the settings of the plugin's torch scaler (None for bf16)."""
+    torch_scaler = plugin.scaler
+    if torch_scaler is None or isinstance(torch_scaler, fusedist.amp.GradScaler):
+        return torch_scaler
+    return fusedist.amp.GradScaler(
+        plugin.device, init_scale=torch_scaler._init_scale, growth_factor=torch_scaler._growth_factor,
+        backoff_factor=torch_scaler._backoff_factor, growth_interval=torch_scaler._growth_interval,
+        enabled=torch_scaler._enabled,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(cls) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(cls.__init__).parameters)
+
+
+def _repoint_schedulers(configs, old, new) -> None:
+    """LR schedulers built on ``old`` drive ``new`` (whose groups carry their ``initial_lr``)."""
+    for config in configs:
+        scheduler = config.scheduler
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+            _track_step_calls(new)
+
+
+def _track_step_calls(optimizer) -> None:
+    # torch's LRScheduler marks optimizer.step to warn when the scheduler steps first; the
+    # new optimizer gets the same mark (held weakly, as torch does).
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)
+    func = step.__func__
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        opt = owner()
+        opt._opt_called = True
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper

@@ -2,9 +2,12 @@
 
 ``save(directory, model, optimizer=None, scaler=None, extra=None)`` and
 ``load(directory, model, optimizer=None, scaler=None) -> extra``; see :mod:`.api`.
+``Checkpointer`` (:mod:`.periodic`): periodic asynchronous saves, retention, automatic resume.
 """
 
 from ._files import CheckpointError
 from .api import load, load_per_rank, save
+from .periodic import Checkpointer
+from .sampler import ElasticDistributedSampler
 
-__all__ = ["save", "load", "load_per_rank", "CheckpointError"]  # [resume] load_per_rank
+__all__ = ["save", "load", "load_per_rank", "CheckpointError", "Checkpointer", "ElasticDistributedSampler"]  # [resume] load_per_rank

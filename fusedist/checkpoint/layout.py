@@ -1,0 +1,103 @@
+"""Step-numbered checkpoint directories: naming, finding the latest complete one, retention.
+
+A periodic job writes ``<root>/step-00000010``, ``<root>/step-00000020``, ... each a complete
+:func:`fusedist.checkpoint.save`-format checkpoint once its manifest exists (Note [checkpoint
+atomicity]). Nothing here needs a process group: rank 0 decides, the others are told.
+
+A directory counts as *complete* when its manifest parses, names the same step, and every
+file it lists exists with the listed size. That catches an interrupted save (no manifest)
+and truncation without reading the data; checksums are verified when the checkpoint is
+loaded. Anything else under ``root`` (marker files, other runs' directories) is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+from typing import Optional
+
+from . import _files
+from ._files import CheckpointError
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One ``step-N`` directory under the root and whether it can be loaded."""
+
+    step: int
+    path: str
+    complete: bool
+    reason: str = ""  # why it is not complete
+
+
+def _check(step: int, path: str) -> Entry:
+    try:
+        manifest = _files.read_manifest(path)
+    except CheckpointError as exc:
+        reason = "no manifest (the save was interrupted)" if "does not exist" in str(exc) else str(exc)
+        return Entry(step, path, False, reason)
+    saved = manifest.get("checkpointer", {}).get("step", step)
+    if saved != step:
+        return Entry(step, path, False, f"its manifest is for step {saved}")
+    for name, info in manifest.get("files", {}).items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return Entry(step, path, False, f"{name} listed in the manifest is missing")
+        if os.path.getsize(file) != info.get("bytes"):
+            return Entry(step, path, False, f"{name} has {os.path.getsize(file)} bytes, the manifest says "
+                                            f"{info.get('bytes')} (truncated)")
+    return Entry(step, path, True)
+
+
+def scan(root: str) -> list[Entry]:
+    """Every ``step-N`` directory under ``root``, newest first ([] if ``root`` does not exist)."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isdir(path):
+            found.append(_check(int(match.group(1)), path))
+    return sorted(found, key=lambda e: e.step, reverse=True)
+
+
+def latest_complete(root: str) -> Optional[Entry]:
+    """The complete checkpoint with the highest step, or None."""
+    return next((e for e in scan(root) if e.complete), None)
+
+
+def remove(path: str) -> None:
+    """Delete a checkpoint directory, manifest first: a crash half-way leaves an incomplete
+    directory (skipped at the next start), never a complete-looking one with files missing."""
+    _files.remove_manifest(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def retain(root: str, keep: Optional[int], newest: int) -> list[int]:
+    """Apply retention after the checkpoint of step ``newest`` completed: keep the ``keep``
+    newest complete checkpoints (None keeps all) and drop incomplete directories older than
+    ``newest`` (interrupted saves that a complete checkpoint has superseded). Directories of
+    steps above ``newest`` are never touched. Returns the removed steps."""
+    removed = []
+    complete = 0
+    for entry in scan(root):
+        if entry.step > newest:
+            continue
+        if entry.complete:
+            complete += 1
+            if keep is None or complete <= keep:
+                continue
+        elif entry.step == newest:
+            continue
+        remove(entry.path)
+        removed.append(entry.step)
+    return sorted(removed)

@@ -1,0 +1,344 @@
+"""``Checkpointer``: periodic, asynchronous checkpoints with retention and automatic resume.
+
+A job that survives failures restarts its processes (``torchrun --max-restarts``) and
+continues from the latest complete checkpoint, losing only the steps since it::
+
+    ckpt = fusedist.checkpoint.Checkpointer("ckpt", every_steps=100, keep=3)
+    start = ckpt.restore(model, opt, scaler, lr_scheduler=sched, sampler=sampler)  # 0 on a fresh start
+    for step in range(start, total_steps):
+        ...                                   # one training step
+        ckpt.maybe_save(step + 1)             # after step + 1 completed steps
+    ckpt.close()                              # waits for the save in flight
+    torch.distributed.destroy_process_group()
+
+What a checkpoint holds: model, optimizer (ZeRO shards, offloaded state included), GradScaler,
+LR scheduler, every rank's RNG states, the data position of an
+:class:`~fusedist.checkpoint.ElasticDistributedSampler` (or a ``ResumableDistributedSampler``,
+same world size only), the step, and a user ``extra`` dict. It is an ordinary
+:func:`fusedist.checkpoint.save`-format directory ``<directory>/step-<N>``, so
+:func:`~fusedist.checkpoint.load` reads it too, at any world size.
+
+Note [asynchronous save]
+    The training thread pays for a snapshot only: a consistency check of the ranks, then a
+    copy of every tensor into reused host buffers (``staging.py``). Serialization, checksums,
+    fsyncs, the manifest and retention run on a background thread (``_writer.py``) that talks
+    to the other ranks over a process group of its own. One save is in flight at a time: the
+    next save (and ``close()``, and interpreter exit) first waits for it, so the staging
+    buffers are never overwritten while being written, and its error, if any, is raised in
+    the training thread there, on every rank. The checkpoint becomes visible (its manifest
+    written) only once every rank's files are complete; a process killed before that leaves
+    a directory without a manifest, which ``restore`` skips with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from . import _files, api, layout, resume
+from ._files import CheckpointError
+from ._writer import BackgroundWriter, Coordinator
+from .sampler import ElasticDistributedSampler
+from .staging import StagingBuffers
+
+
+def _is_zero(optimizer) -> bool:
+    from ..zero import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+class Checkpointer:
+    """Step-numbered checkpoints under ``directory``, every ``every_steps`` steps, keeping the
+    ``keep`` newest complete ones (None: all), written asynchronously unless
+    ``async_save=False``.
+
+    Construction is a collective (it creates the saves' own process group): every rank
+    builds the Checkpointer at the same point, after the process group is initialized.
+    ``directory`` must be on a filesystem every rank sees.
+    """
+
+    def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
+                 async_save: bool = True):
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"Checkpointer: keep must be a positive int or None (keep all), got {keep!r}")
+        self.directory, self.every_steps, self.keep, self.async_save = directory, every_steps, keep, async_save
+        self._coord = Coordinator()
+        self.rank, self.world_size = self._coord.rank, self._coord.size
+        self._staging = StagingBuffers()
+        self._writer = BackgroundWriter(f"fusedist.checkpoint.Checkpointer({directory!r}) on rank {self.rank}")
+        self._state: Optional[dict] = None
+        self.last_saved_step: Optional[int] = None
+        self.restored_step: Optional[int] = None
+        self.restored_world_size: Optional[int] = None
+        self.extra: Optional[dict] = None  # the user `extra` of the restored checkpoint
+        self.stats: list[dict] = []  # per save: step, wait_s, stall_s, bytes (and persist_s once known)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, model: torch.nn.Module, optimizer=None, scaler=None, *, lr_scheduler=None, sampler=None,
+                step: Optional[int] = None, trusted: bool = False) -> int:
+        """Load the latest complete checkpoint into the given objects and return its step (the
+        number of completed training steps), or 0 when there is none. A collective.
+
+        Also registers the objects that later saves write. Incomplete directories (a save
+        killed mid-write) are skipped with a warning; a complete one that fails to load (a
+        corrupt file) is reported and the next older one is tried. ``step`` picks a specific
+        checkpoint instead. At the world size that saved it, everything -- RNG states and the
+        data position included -- continues bit for bit; at another world size the optimizer
+        is resharded and an ElasticDistributedSampler re-splits the rest of the epoch, while
+        the per-rank RNG states (which belong to the old ranks) are left as the script set
+        them. Create DataLoader iterators after this call.
+        """
+        if _is_zero(optimizer) and optimizer.world_size != self.world_size:
+            raise ValueError(
+                f"Checkpointer (rank {self.rank}): the ZeroRedundancyOptimizer shards over {optimizer.world_size} "
+                f"ranks, the job has {self.world_size}; the Checkpointer saves the whole job's state"
+            )
+        self._writer.wait()
+        self._state = dict(model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler,
+                           sampler=sampler)
+        candidates = self._coord.broadcast(self._candidates(step) if self.rank == 0 else None)
+        if isinstance(candidates, str):
+            raise CheckpointError(candidates)
+        failures = []
+        for saved_step, path in candidates:
+            error = None
+            try:
+                extra = api.load(path, model, optimizer, scaler, trusted=trusted)
+            except CheckpointError as exc:
+                error = str(exc)
+            else:
+                try:
+                    per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
+                except CheckpointError as exc:
+                    error = str(exc)
+                errors = [e for e in self._coord.all_gather(error) if e is not None]
+                error = errors[0] if errors else None
+            if error is None:
+                self._apply(saved_step, path, extra, per_rank)
+                return saved_step
+            failures.append(f"step {saved_step} ({path}): {error}")
+            if self.rank == 0 and saved_step != candidates[-1][0]:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: the checkpoint of step {saved_step} in {path} "
+                              f"could not be loaded ({error}); trying the previous one", stacklevel=2)
+        if failures:
+            raise CheckpointError("fusedist.checkpoint.Checkpointer: no checkpoint under "
+                                  f"{self.directory} could be loaded: " + "; ".join(failures))
+        return 0
+
+    def _candidates(self, step: Optional[int]):
+        """Rank 0: the complete checkpoints to try, newest first, or an error message."""
+        entries = layout.scan(self.directory)
+        if step is not None:
+            chosen = [e for e in entries if e.step == step]
+            if not chosen or not chosen[0].complete:
+                why = chosen[0].reason if chosen else "there is no such directory"
+                return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {self.directory}: {why} "
+                        f"(complete checkpoints: steps {[e.step for e in entries if e.complete]})")
+            return [(step, chosen[0].path)]
+        complete = [(e.step, e.path) for e in entries if e.complete]
+        newest = complete[0][0] if complete else -1
+        for e in entries:
+            if not e.complete and e.step > newest:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {e.path} "
+                              f"(step {e.step}): {e.reason}", stacklevel=3)
+        return complete
+
+    def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
+        state = self._state
+        meta = extra or {}
+        if state["lr_scheduler"] is not None:
+            if meta.get("lr_scheduler") is None:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state")
+            state["lr_scheduler"].load_state_dict(meta["lr_scheduler"])
+        saved_world = meta.get("world_size", self.world_size)
+        sampler = state["sampler"]
+        if isinstance(sampler, ElasticDistributedSampler):
+            if meta.get("sampler") is None:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position")
+            sampler.load_state_dict(meta["sampler"])
+        elif sampler is not None:
+            if per_rank is not None and per_rank.get("sampler") is not None:
+                sampler.load_state_dict(per_rank["sampler"])
+            elif self.rank == 0:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: the data position in {path} was saved at world size "
+                              f"{saved_world} by a {type(sampler).__name__}, whose position belongs to one rank; it "
+                              "is not restored here. Use ElasticDistributedSampler to resume at another world size",
+                              stacklevel=3)
+        if per_rank is not None:
+            resume.restore_rng_state(per_rank["rng"])
+        self.restored_step = self.last_saved_step = step
+        self.restored_world_size = saved_world
+        self.extra = meta.get("user")
+
+    # ------------------------------------------------------------------ save
+    def maybe_save(self, step: int, extra: Optional[dict] = None) -> bool:
+        """Save if ``step`` (completed training steps) is a multiple of ``every_steps``; returns
+        whether a save started. Call it on every rank after each step."""
+        if self.every_steps is None or step % self.every_steps or step == self.last_saved_step:
+            return False
+        self.save(step, extra)
+        return True
+
+    def save(self, step: int, extra: Optional[dict] = None) -> None:
+        """Write the checkpoint of ``step`` now (asynchronously unless ``async_save=False``).
+        A collective. ``extra``: a dict of plain values returned as ``self.extra`` at restore."""
+        if self._state is None:
+            raise RuntimeError("fusedist.checkpoint.Checkpointer: call restore(model, optimizer, ...) before saving; "
+                               "it registers what a checkpoint holds (and returns 0 on a fresh start)")
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(f"fusedist.checkpoint.Checkpointer.save: extra must be a dict, got {type(extra).__name__}")
+        t0 = time.perf_counter()
+        self._wait_previous()
+        t1 = time.perf_counter()
+        state = self._state
+        api._check_ranks_agree(state["model"], state["optimizer"])
+        snapshot = self._snapshot(step, extra)
+        t2 = time.perf_counter()
+        record = {"step": step, "wait_s": t1 - t0, "stall_s": t2 - t0, "bytes": self._staging.bytes,
+                  "async": self.async_save}
+        self.stats.append(record)
+        self.last_saved_step = step
+        if self.async_save:
+            self._writer.submit(lambda: self._persist(step, snapshot, record))
+        else:
+            self._persist(step, snapshot, record)
+            record["stall_s"] = time.perf_counter() - t0
+
+    def _wait_previous(self) -> None:
+        try:
+            self._writer.wait()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a peer died during the exchange
+            raise CheckpointError(
+                f"fusedist.checkpoint.Checkpointer: rank {self.rank}: the asynchronous save of step "
+                f"{self.last_saved_step} to {self.directory} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def wait(self) -> None:
+        """Block until the save in flight is complete on every rank; raise its error."""
+        self._wait_previous()
+
+    def close(self) -> None:
+        """Finish the save in flight. Call before ``destroy_process_group()``."""
+        self._wait_previous()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way: finish the save if it can, never mask the exception
+            self.close()
+        except Exception as err:  # noqa: BLE001
+            warnings.warn(str(err), stacklevel=2)
+
+    def _snapshot(self, step: int, extra: Optional[dict]) -> dict:
+        """Copies of everything the checkpoint holds (the only part the training loop waits for)."""
+        s = self._state
+        model, optimizer = s["model"], s["optimizer"]
+        zero = _is_zero(optimizer)
+        if zero:
+            optimizer.wait_for_params()
+        sampler = s["sampler"]
+        per_rank = {"rng": resume.capture_rng_state()}
+        if sampler is not None and not isinstance(sampler, ElasticDistributedSampler):
+            per_rank["sampler"] = sampler.state_dict()
+        sections = {"per_rank": per_rank}
+        if zero:
+            sections["optimizer_shard"] = optimizer.shard_state_dict()
+        common = manifest = None
+        if self.rank == 0:
+            meta = {"step": step, "world_size": self.world_size, "user": extra,
+                    "lr_scheduler": s["lr_scheduler"].state_dict() if s["lr_scheduler"] is not None else None,
+                    "sampler": sampler.state_dict() if isinstance(sampler, ElasticDistributedSampler) else None}
+            common = {"model": api._unwrap(model).state_dict(),
+                      "optimizer": optimizer.state_dict() if optimizer is not None and not zero else None,
+                      "scaler": s["scaler"].state_dict() if s["scaler"] is not None else None,
+                      "extra": meta}
+            manifest = self._manifest_base(step, model, optimizer)
+        staged = self._staging.stage({"sections": sections, "common": common})
+        return dict(staged, manifest=manifest)
+
+    def _manifest_base(self, step: int, model, optimizer) -> dict:
+        """The manifest :func:`fusedist.checkpoint.load` expects, less the file list."""
+        zero = _is_zero(optimizer)
+        params = api._optimizer_params(optimizer) if optimizer is not None else []
+        return {
+            "format": _files.FORMAT,
+            "version": _files.VERSION,
+            "world_size": self.world_size,
+            "optimizer": None if optimizer is None else {
+                "kind": "zero" if zero else "full",
+                "class": optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__,
+                "stage": optimizer.stage if zero else None,
+                "param_names": api._param_names(model, params),
+                "param_shapes": [list(p.shape) for p in params],
+            },
+            "scaler": self._state["scaler"] is not None,
+            "checkpointer": {"step": step},
+        }
+
+    # ------------------------------------------------------------------ persist (background)
+    def _persist(self, step: int, snapshot: dict, record: dict) -> None:
+        """Write ``snapshot`` as ``step-<N>`` on every rank, the manifest last; then retention."""
+        start = time.perf_counter()
+        path = layout.step_dir(self.directory, step)
+        rank = self.rank
+
+        def agree(error: Optional[str], what: str) -> list:
+            everyone = self._coord.all_gather(error)
+            failed = [e for e in everyone if e is not None]
+            if failed:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: saving step {step} to {path} failed "
+                                      f"({what}): {failed[0]}; the checkpoint is incomplete and will be skipped")
+            return everyone
+
+        error = None
+        if rank == 0:
+            try:
+                if os.path.exists(path):  # left by a save killed before a restart: start clean
+                    layout.remove(path)
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                error = f"rank 0 could not create {path}: {exc}"
+        agree(error, "creating the directory")
+
+        name = api.rank_file(rank)
+        mine, error = {}, None
+        try:
+            info = _files.atomic_torch_save(os.path.join(path, name), snapshot["sections"])
+            mine[name] = dict(info, rank=rank, sections=sorted(snapshot["sections"]))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = f"rank {rank} could not write {os.path.join(path, name)}: {type(exc).__name__}: {exc}"
+        files = self._coord.all_gather((mine, error))
+        agree(next((e for _, e in files if e is not None), None), "writing the rank files")
+
+        error = None
+        if rank == 0:
+            try:
+                manifest = dict(snapshot["manifest"], files={}, created_unix=time.time())
+                for entry, _ in files:
+                    manifest["files"].update(entry)
+                common = snapshot["common"]
+                manifest["files"][api.COMMON] = dict(
+                    _files.atomic_torch_save(os.path.join(path, api.COMMON), common), rank=0, sections=sorted(common))
+                _files.write_manifest(path, manifest)
+            except Exception as exc:  # noqa: BLE001
+                error = f"rank 0 could not complete {path}: {type(exc).__name__}: {exc}"
+        agree(error, "writing the manifest")
+        record["persist_s"] = time.perf_counter() - start
+        if rank == 0:
+            try:
+                record["removed"] = layout.retain(self.directory, self.keep, step)
+            except OSError as exc:  # the new checkpoint is complete; old ones stay a while longer
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} failed: {exc}")

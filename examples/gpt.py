@@ -93,3 +93,19 @@ class CharDataset:
         x = torch.stack([self.data[s:s + context] for s in starts.tolist()])
         y = torch.stack([self.data[s + 1:s + context + 1] for s in starts.tolist()])
         return x, y
+
+
+class CharWindows(torch.utils.data.Dataset):
+    """Non-overlapping (input, target) windows of a token sequence: a map-style dataset, so a
+    DistributedSampler can split epochs over ranks and a checkpoint can record how far an
+    epoch got."""
+
+    def __init__(self, tokens: torch.Tensor, context: int):
+        self.tokens, self.context = tokens, context
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.context
+
+    def __getitem__(self, i: int):
+        s = i * self.context
+        return self.tokens[s:s + self.context], self.tokens[s + 1:s + self.context + 1]

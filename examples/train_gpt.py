@@ -6,12 +6,21 @@
 Everything fusedist offers is switchable, so the same script shows each piece at work:
 DistributedDataParallel (always), the fused AdamW with FP32 master weights, the fused
 GradScaler, and ZeRO stage 1/2.
+
+A job that survives failures: checkpoints every N steps (asynchronous), and after a restart
+by ``torchrun --max-restarts`` (or a relaunch at another rank count) it resumes from the
+latest complete one by itself:
+
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py \
+        --checkpoint-dir ckpt --checkpoint-every 50
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import math
 import statistics
 import sys
 import time
@@ -22,7 +31,11 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fusedist  # noqa: E402
-from gpt import GPT, CharDataset, generate_corpus  # noqa: E402
+from gpt import GPT, CharDataset, CharWindows, generate_corpus  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from fusedist.checkpoint import Checkpointer, ElasticDistributedSampler  # noqa: E402
+from fusedist.checkpoint.resume import resume_state, restore_rng_state  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -45,8 +58,21 @@ def parse_args(argv=None):
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO: let step() return before the parameter all-gathers land (the next forward waits)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: linear warmup over 10%% of --steps, then cosine decay to 10%% of --lr")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save step-numbered checkpoints here and resume from the latest complete one "
+                        "(--steps is then the run's total step count)")
+    p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="steps between checkpoints")
+    p.add_argument("--checkpoint-keep", type=int, default=3, metavar="K", help="complete checkpoints kept")
+    p.add_argument("--sync-checkpoint", action="store_true", help="save in the training thread (default: async)")
+    p.add_argument("--fail-at-step", type=int, metavar="K",
+                   help="testing: rank 1 exits hard after step K, once (a marker file in --checkpoint-dir "
+                        "keeps it from failing again after the restart)")
     args = p.parse_args(argv)
     args.fp16 = args.precision == "fp16"
+    if args.fail_at_step is not None and not args.checkpoint_dir:
+        p.error("--fail-at-step needs --checkpoint-dir (its marker file lives there)")
     return args
 
 
@@ -87,6 +113,41 @@ def build_optimizer(args, model, ddp):
     return torch.optim.AdamW(params, **kwargs)
 
 
+def lr_schedule(args, opt):
+    if args.lr_schedule == "constant":
+        return None
+    warmup = max(1, args.steps // 10)
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def fail_once(args, rank: int, step: int) -> None:
+    """--fail-at-step: rank 1 dies as a bad host would (no cleanup, no exception)."""
+    if args.fail_at_step != step or rank != 1:
+        return
+    marker = os.path.join(args.checkpoint_dir, f"failed-at-step-{step}")
+    if os.path.exists(marker):
+        return
+    with open(marker, "w") as f:
+        f.write("rank 1 exited here once (--fail-at-step)\n")
+    print(f"rank 1: failing at step {step} (--fail-at-step)", flush=True)
+    os._exit(1)
+
+
+def parameter_digest(model) -> str:
+    digest = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def main(argv=None):
     args = parse_args(argv)
     info = fusedist.init_distributed()
@@ -100,24 +161,58 @@ def main(argv=None):
     ddp = fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=0.25)
     opt = build_optimizer(args, model, ddp)
     scaler = fusedist.amp.GradScaler(device.type, init_scale=2.0**12) if args.fp16 else None
-    gen = torch.Generator().manual_seed(1000 + rank)
-    start_step = 0
-    if args.resume:
+    sched = lr_schedule(args, opt)
+    # Epochs of non-overlapping windows split over the ranks; the sampler's position is saved
+    # independently of the world size, so a resume at another rank count re-splits the epoch.
+    windows = CharWindows(data.data, args.context)
+    sampler = ElasticDistributedSampler(windows, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    # Its own generator: every iter() draws a seed from it, and a resumed run calls iter()
+    # where the uninterrupted one did not (Note in fusedist/checkpoint/resume.py).
+    loader = DataLoader(windows, batch_size=args.batch, sampler=sampler, drop_last=True, generator=torch.Generator())
+    start_step, ckpt = 0, None
+    if args.checkpoint_dir:
+        ckpt = Checkpointer(args.checkpoint_dir, every_steps=args.checkpoint_every, keep=args.checkpoint_keep,
+                            async_save=not args.sync_checkpoint)
+        start_step = ckpt.restore(ddp, opt, scaler, lr_scheduler=sched, sampler=sampler)
+        if start_step and rank == 0:
+            moved = ckpt.restored_world_size != world
+            print(f"resumed from step {start_step}"
+                  + (f" (saved at world size {ckpt.restored_world_size}, now {world}: optimizer resharded, data "
+                     f"re-split at epoch {sampler.epoch}, sample {sampler.consumed} of {len(windows)})" if moved else ""),
+                  flush=True)
+    elif args.resume:
         extra = fusedist.checkpoint.load(args.resume, ddp, opt, scaler)
         start_step = extra["step"]
-        gen.set_state(extra["generators"][rank] if rank < len(extra["generators"]) else gen.get_state())
+        if extra.get("sampler") is not None:
+            sampler.load_state_dict(extra["sampler"])
+        if extra.get("lr_scheduler") is not None and sched is not None:
+            sched.load_state_dict(extra["lr_scheduler"])
+        mine = fusedist.checkpoint.load_per_rank(args.resume)
+        if mine is not None:  # same world size: this rank's generators continue exactly
+            restore_rng_state(mine["rng"])
+    end_step = args.steps if args.checkpoint_dir else start_step + args.steps
+    batches = iter(loader)
+
+    def next_batch():
+        nonlocal batches
+        try:
+            return next(batches)
+        except StopIteration:
+            sampler.set_epoch(sampler.epoch + 1)
+            batches = iter(loader)
+            return next(batches)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"fusedist demo: GPT {n_params / 1e6:.2f}M params, {world} rank(s) on {device.type} ({info.backend}), "
               f"optimizer={type(opt).__name__}{' (ZeRO-%d)' % args.zero if args.zero else ''}, "
               f"{'fp16 + master weights + GradScaler' if args.fp16 else 'fp32'}", flush=True)
 
-    progress = Progress(args.steps, rank == 0)
+    progress = Progress(max(end_step - start_step, 1), rank == 0)
     losses, step_times, hidden = [], [], []
     tokens_per_step = args.batch * args.context * world
-    for step in range(start_step + 1, start_step + args.steps + 1):
+    for step in range(start_step + 1, end_step + 1):
         t0 = time.perf_counter()
-        x, y = data.batch(gen, args.batch, args.context)
+        x, y = next_batch()
         x, y = x.to(device), y.to(device)
         logits = ddp(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -129,26 +224,40 @@ def main(argv=None):
         else:
             loss.backward()
             opt.step()
+        if sched is not None:
+            sched.step()
+        sampler.advance(len(x))
         loss_value = loss.item()  # the one host sync per step, for the progress bar
         step_times.append(time.perf_counter() - t0)
         losses.append(loss_value)
         hidden.append(ddp.comm_stats().get("hidden_fraction", 0.0))
         progress.update(step - start_step, loss_value, tokens_per_step / step_times[-1])
+        if ckpt is not None:
+            ckpt.maybe_save(step)
+            fail_once(args, rank, step)
 
+    if ckpt is not None:
+        ckpt.close()  # the save in flight completes before the process group goes away
     if args.save:
-        generators = [None] * world
-        torch.distributed.all_gather_object(generators, gen.get_state())
-        fusedist.checkpoint.save(args.save, ddp, opt, scaler, extra={"step": start_step + args.steps,
-                                                                     "generators": generators})
+        fusedist.checkpoint.save(args.save, ddp, opt, scaler, per_rank=resume_state(), extra={
+            "step": end_step, "sampler": sampler.state_dict(),
+            "lr_scheduler": sched.state_dict() if sched is not None else None})
         if rank == 0:
-            print(f"checkpoint written to {args.save} (step {start_step + args.steps})")
+            print(f"checkpoint written to {args.save} (step {end_step})")
+    if losses:
+        last = torch.tensor([losses[-1]], dtype=torch.float64)
+        torch.distributed.all_reduce(last)
+        digest = parameter_digest(model) if rank == 0 else ""
+        if rank == 0:
+            print(f"final loss {last.item() / world:.6f}")
+            print(f"final parameters sha256 {digest}")
 
-    if rank == 0:
+    if rank == 0 and losses:
         warm = step_times[min(10, len(step_times) - 1):]
         k = min(10, len(losses))
         med = statistics.median(warm)
         print("\nsummary")
-        print(f"  steps                 {args.steps}  ({tokens_per_step * args.steps / 1e6:.2f}M tokens)")
+        print(f"  steps                 {len(losses)}  ({tokens_per_step * len(losses) / 1e6:.2f}M tokens)")
         print(f"  loss                  {statistics.mean(losses[:k]):.3f} -> {statistics.mean(losses[-k:]):.3f}"
               f"  (mean of first / last {k} steps)")
         print(f"  step time (median)    {med * 1e3:.1f} ms   ({tokens_per_step / med:,.0f} tokens/s)")

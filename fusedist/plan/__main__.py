@@ -1,0 +1,5 @@
+"""``python -m fusedist.plan``."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""``python -m fusedist.plan``: argument parsing, validation, output.
+
+Bad input ends with one line on stderr naming the flag, and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import hardware, memory, timing
+from .errors import PlanError
+from .model import ARCHS, ModelSpec, from_hf_config, validate
+from .plan import Job, build_plan
+
+PROG = "python -m fusedist.plan"
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise PlanError("usage", message)
+
+
+def _count(text: str) -> float:
+    """A count such as ``7.5e9``, ``124M`` or ``7B``."""
+    t = text.strip().lower().replace("_", "")
+    scale = _SUFFIX.get(t[-1:], None)
+    try:
+        return float(t[:-1]) * scale if scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=(
+        "Memory, communication and step time of data-parallel and ZeRO training, per GPU. "
+        "Memory in GB = 1e9 bytes; bandwidths in GB/s per GPU and direction."))
+    m = p.add_argument_group("model (one of: --params, the shape, --hf-config)")
+    m.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 7B")
+    m.add_argument("--arch", default="gpt", help=f"block shape for the shape flags: {', '.join(ARCHS)} (default gpt)")
+    for flag in ("layers", "hidden", "heads", "vocab", "ffn-hidden", "kv-heads"):
+        m.add_argument(f"--{flag}", type=int)
+    m.add_argument("--hf-config", help="a Hugging Face config.json")
+    j = p.add_argument_group("job")
+    j.add_argument("--gpus", type=int, help="data-parallel GPUs N (with --measure: the torchrun world size)")
+    j.add_argument("--gpus-per-node", type=int, default=8)
+    j.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch (default 1)")
+    j.add_argument("--global-batch", type=int, help="sequences per optimizer step (sets gradient accumulation)")
+    j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum)")
+    j.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    j.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    j.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    h = p.add_argument_group("hardware")
+    h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
+    h.add_argument("--gpu-memory-gb", type=float)
+    h.add_argument("--peak-tflops", type=float, help="dense peak for the run's precision")
+    h.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU per direction within a node")
+    h.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU per direction between nodes")
+    h.add_argument("--pcie-gbps", type=float, help="GB/s per direction host <-> GPU (offload)")
+    h.add_argument("--mfu", type=float, default=timing.DEFAULT_MFU,
+                   help=f"assumed model FLOPs utilisation (default {timing.DEFAULT_MFU})")
+    o = p.add_argument_group("other")
+    o.add_argument("--convention", default="fusedist", choices=memory.CONVENTIONS,
+                   help="model states as fusedist allocates them (default) or as the ZeRO paper counts")
+    o.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    o.add_argument("--scratch-gb", type=float, default=1.0, help="allowance for workspaces (default 1)")
+    o.add_argument("--ref-lr", type=float, help="learning rate tuned at --ref-batch")
+    o.add_argument("--ref-batch", type=int)
+    o.add_argument("--json", action="store_true", help="print the plan as JSON")
+    o.add_argument("--measure", action="store_true",
+                   help="under torchrun: train the model with fusedist DDP, ZeRO-1, ZeRO-2 and compare")
+    o.add_argument("--steps", type=int, default=6, help="--measure: steps per strategy (default 6)")
+    return p
+
+
+def model_spec(args) -> ModelSpec:
+    given = [name for name, on in (("--params", args.params is not None), ("--hf-config", args.hf_config),
+                                   ("the shape flags", any(getattr(args, f) is not None for f in _SHAPE_FLAGS)))
+             if on]
+    if not given:
+        raise PlanError("--params", "give the model: --params, its shape (--layers --hidden --heads --seq "
+                                    "--vocab) or --hf-config")
+    if len(given) > 1:
+        raise PlanError("--params" if "--params" in given else "--hf-config",
+                        f"give the model one way, not {' and '.join(given)}")
+    if args.hf_config:
+        spec = from_hf_config(args.hf_config)
+        if args.arch != "gpt" or args.ffn_hidden or args.kv_heads:
+            raise PlanError("--hf-config", "--arch/--ffn-hidden/--kv-heads come from the config")
+        return spec
+    if args.params is not None:
+        if args.params <= 0:
+            raise PlanError("--params", f"must be positive, got {args.params:g}")
+        return ModelSpec(params=int(round(args.params)), source="params")
+    if args.arch not in ARCHS:
+        raise PlanError("--arch", f"unknown architecture {args.arch!r} (choose {', '.join(ARCHS)})")
+    for f in (*_SHAPE_FLAGS, "seq"):
+        if getattr(args, f) is None:
+            raise PlanError(f"--{f}", "missing: the shape needs --layers --hidden --heads --seq --vocab")
+    spec = ModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                     kv_heads=args.kv_heads, seq=args.seq, vocab=args.vocab, ffn_hidden=args.ffn_hidden)
+    validate(spec)
+    return spec
+
+
+def job_of(args, spec: ModelSpec, gpus: int) -> Job:
+    seq = args.seq if args.seq is not None else spec.seq
+    if seq is None:
+        raise PlanError("--seq", "needed (tokens per step)")
+    checks = (("--gpus", gpus), ("--gpus-per-node", args.gpus_per_node), ("--micro-batch", args.micro_batch),
+              ("--global-batch", args.global_batch), ("--seq", seq), ("--ref-batch", args.ref_batch),
+              ("--bucket-cap-mb", args.bucket_cap_mb), ("--ref-lr", args.ref_lr), ("--steps", args.steps))
+    for flag, value in checks:
+        if value is not None and not value > 0:
+            raise PlanError(flag, f"must be positive, got {value:g}")
+    if args.scratch_gb < 0:
+        raise PlanError("--scratch-gb", f"must not be negative, got {args.scratch_gb:g}")
+    if not 0 < args.mfu <= 1:
+        raise PlanError("--mfu", f"must be in (0, 1], got {args.mfu:g}")
+    if gpus > args.gpus_per_node and gpus % args.gpus_per_node:
+        raise PlanError("--gpus-per-node", f"{args.gpus} GPUs are not whole nodes of {args.gpus_per_node}")
+    if (args.ref_lr is None) != (args.ref_batch is None):
+        raise PlanError("--ref-batch" if args.ref_batch is None else "--ref-lr", "give --ref-lr and --ref-batch together")
+    return Job(gpus=gpus, micro_batch=args.micro_batch, seq=seq, gpus_per_node=args.gpus_per_node,
+               global_batch=args.global_batch, precision=args.precision, recompute=args.recompute,
+               optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
+               bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
+               ref_batch=args.ref_batch)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        spec = model_spec(args)
+        hw = hardware.resolve(args.gpu, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
+                              args.inter_node_gbps, args.pcie_gbps)
+        if args.measure:
+            world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+            if world < 2:
+                raise PlanError("--measure", f"run under torchrun with 2 or more ranks, e.g. torchrun "
+                                             f"--nproc_per_node=2 -m fusedist.plan --measure ...")
+            if args.gpus is not None and args.gpus != world:
+                raise PlanError("--gpus", f"{args.gpus} differs from the torchrun world size {world}")
+            if not spec.has_shape:
+                raise PlanError("--measure", "needs the model's shape or --hf-config, not --params")
+            job = job_of(args, spec, world)
+        else:
+            if args.gpus is None:
+                raise PlanError("--gpus", "missing: the number of data-parallel GPUs")
+            job = job_of(args, spec, args.gpus)
+        plan = build_plan(spec, job, hw)
+    except PlanError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.measure:
+        from .measure import run  # imports torch.distributed only when measuring
+        return run(spec, job, hw, plan, steps=args.steps, as_json=args.json)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        from .report import format_plan
+        print(format_plan(plan))
+    return 0

@@ -1,0 +1,88 @@
+"""GPU presets: memory, peak dense tensor-core throughput, link bandwidths.
+
+Figures are the vendors' datasheet values for the SXM parts, as published by NVIDIA:
+
+* "NVIDIA H100 Tensor Core GPU" datasheet (H100 SXM): 80 GB HBM3; BF16/FP16 Tensor Core
+  1,979 TFLOPS *with sparsity*, so 989 dense; TF32 989 with sparsity, so 494 dense; NVLink
+  900 GB/s; PCIe Gen5 128 GB/s.
+* "NVIDIA H200 Tensor Core GPU" datasheet (H200 SXM): 141 GB HBM3e; BF16/FP16 1,979 TFLOPS
+  with sparsity (989 dense); TF32 989 with sparsity (494 dense); NVLink 900 GB/s; PCIe Gen5
+  128 GB/s.
+* "NVIDIA A100 Tensor Core GPU" datasheet (A100 80GB SXM): 80 GB HBM2e; BF16/FP16 312 TFLOPS
+  dense (624 with sparsity); TF32 156 dense; NVLink 600 GB/s; PCIe Gen4 64 GB/s.
+* Inter-node: one InfiniBand adapter per GPU as in NVIDIA's DGX systems -- DGX H100 / DGX
+  H200 user guides: 8x ConnectX-7 at 400 Gb/s (NDR) = 50 GB/s per GPU; DGX A100 user guide:
+  8x ConnectX-6 at 200 Gb/s (HDR) = 25 GB/s per GPU.
+
+Conventions: memory in decimal GB (10^9 bytes; the driver reports a little more usable memory,
+so this errs on the safe side). Bandwidths in GB/s *per GPU and direction*: the datasheets'
+NVLink and PCIe figures add both directions, so the presets carry half of them (450, 300,
+64, 32); InfiniBand is quoted per direction (400 Gb/s = 50 GB/s). These are peaks: NCCL's
+measured bus bandwidth is typically 70-90% of them, which ``--intra-node-gbps`` /
+``--inter-node-gbps`` can express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .errors import PlanError
+
+GB = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_gb: float           # decimal GB per GPU
+    peak_tflops_16bit: float   # dense BF16/FP16 tensor-core TFLOPS
+    peak_tflops_tf32: float    # dense TF32 tensor-core TFLOPS (used for --precision fp32)
+    intra_node_gbps: float     # GB/s per GPU per direction (NVLink)
+    inter_node_gbps: float     # GB/s per GPU per direction (InfiniBand)
+    pcie_gbps: float           # GB/s per direction, host <-> GPU (offload)
+
+    def peak_flops(self, precision: str) -> float:
+        tflops = self.peak_tflops_tf32 if precision == "fp32" else self.peak_tflops_16bit
+        return tflops * 1e12
+
+
+PRESETS = {
+    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64),
+    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64),
+    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32),
+}
+CHOICES = (*PRESETS, "custom")
+
+
+def resolve(gpu: str, memory_gb: Optional[float] = None, peak_tflops: Optional[float] = None,
+            intra_node_gbps: Optional[float] = None, inter_node_gbps: Optional[float] = None,
+            pcie_gbps: Optional[float] = None) -> Hardware:
+    """The preset named ``gpu`` with any given figure overriding it; ``custom`` needs memory
+    and peak (bandwidths default to the H100's)."""
+    for flag, value in (("--gpu-memory-gb", memory_gb), ("--peak-tflops", peak_tflops),
+                        ("--intra-node-gbps", intra_node_gbps), ("--inter-node-gbps", inter_node_gbps),
+                        ("--pcie-gbps", pcie_gbps)):
+        if value is not None and not value > 0:
+            raise PlanError(flag, f"must be positive, got {value:g}")
+    key = (gpu or "").lower()
+    if key == "custom":
+        if memory_gb is None or peak_tflops is None:
+            raise PlanError("--gpu", "custom needs --gpu-memory-gb and --peak-tflops")
+        base = dataclasses.replace(PRESETS["h100"], name="custom")
+    elif key in PRESETS:
+        base = PRESETS[key]
+    else:
+        raise PlanError("--gpu", f"unknown GPU {gpu!r} (choose {', '.join(CHOICES)})")
+    changes = {}
+    if memory_gb is not None:
+        changes["memory_gb"] = memory_gb
+    if peak_tflops is not None:  # one figure for the run's precision
+        changes["peak_tflops_16bit"] = changes["peak_tflops_tf32"] = peak_tflops
+    if intra_node_gbps is not None:
+        changes["intra_node_gbps"] = intra_node_gbps
+    if inter_node_gbps is not None:
+        changes["inter_node_gbps"] = inter_node_gbps
+    if pcie_gbps is not None:
+        changes["pcie_gbps"] = pcie_gbps
+    return dataclasses.replace(base, **changes)

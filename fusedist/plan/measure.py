@@ -1,0 +1,259 @@
+"""``--measure``: train the model with fusedist's DDP, ZeRO-1 and ZeRO-2 (and ZeRO-2 with
+``offload="cpu"`` for Adam) under torchrun and put the planner's numbers next to measured ones.
+
+What is measured, per strategy, on each rank, from public objects:
+
+* model states: the distinct storages of the parameters and of ``p.grad`` (flat buffers,
+  padding included), plus the optimizer's state (DDP: every tensor in ``optimizer.state``,
+  FP32 masters included; ZeRO: ``memory_stats()``, whose device/host split also gives the
+  offloaded bytes);
+* communication: every collective the communicator issues during the timed steps, counted
+  by wrapping its public methods for the run: payload bytes times the ring algorithm's
+  per-rank factor (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the full
+  buffer), per step. Small control collectives (the per-step cross-rank check) are included;
+* step time (median of the timed steps) and, for comparison with the compute model, the
+  model FLOPs utilisation it implies against this process's own matmul rate;
+* activations: bytes of the tensors autograd saves for backward in one forward (parameters
+  excluded); the planner's figure is Megatron's layer (Korthikanti et al.), so this is shown,
+  not checked; peak allocated device memory on CUDA.
+
+fusedist has no ZeRO-3: zero3 and zero3_offload are reported as not measured.
+Gradient accumulation is not exercised (one micro-batch per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .memory import STRATEGIES
+from .model import count_params
+from .plan import build_plan
+from .torch_model import Transformer
+
+TOLERANCE = 0.05
+NOT_MEASURED = "not measured (fusedist has no ZeRO-3 yet)"
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_PAYLOAD = {  # which argument is the collective's full buffer
+    "all_reduce": lambda a, k: a[0], "broadcast": lambda a, k: a[0],
+    "reduce_scatter": lambda a, k: a[1], "all_gather": lambda a, k: a[0],
+}
+
+
+class CommCounter:
+    """Counts the collectives of ``comm`` while active (instance attributes shadow its
+    methods; :meth:`close` removes them)."""
+
+    def __init__(self, comm):
+        self.comm, self.active, self.bytes, self.calls = comm, False, 0.0, {}
+        n = comm.world_size
+        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "all_gather": (n - 1) / n, "broadcast": (n - 1) / n}
+        for op, payload in _PAYLOAD.items():
+            setattr(comm, op, self._wrap(op, getattr(comm, op), payload, factor[op]))
+
+    def _wrap(self, op, method, payload, factor):
+        def counted(*args, **kwargs):
+            if self.active:
+                t = payload(args, kwargs)
+                self.bytes += factor * t.numel() * t.element_size()
+                self.calls[op] = self.calls.get(op, 0) + 1
+            return method(*args, **kwargs)
+        return counted
+
+    def close(self):
+        for op in _PAYLOAD:
+            self.comm.__dict__.pop(op, None)
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _saved_activation_bytes(model, tokens, targets) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+    del loss
+    return sum(seen.values())
+
+
+def _matmul_flops(dtype, device) -> float:
+    """This process's dense matmul rate (FLOP/s) in ``dtype``: the "peak" the achieved MFU
+    is measured against."""
+    a = torch.randn(1024, 1024, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / best
+
+
+def _optimizer(strategy, params, job):
+    import fusedist
+    from fusedist.optim import FusedAdamW, FusedSGD
+    adam = job.optimizer == "adamw"
+    kw = {"lr": 1e-4, "weight_decay": 0.0} if adam else {"lr": 1e-4, "momentum": 0.9}
+    if strategy == "ddp":
+        if job.precision == "fp32":
+            return (torch.optim.AdamW if adam else torch.optim.SGD)(params, **kw)
+        return (FusedAdamW if adam else FusedSGD)(params, master_weights=True, **kw)
+    inner = torch.optim.AdamW if adam else torch.optim.SGD
+    stage = 1 if strategy == "zero1" else 2
+    return fusedist.ZeroRedundancyOptimizer(params, inner, stage=stage, offload="cpu" if "offload" in strategy
+                                            else None, **kw)
+
+
+def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
+    import fusedist
+    torch.manual_seed(0)
+    dtype = _DTYPES[job.precision]
+    model = Transformer(spec).to(device=device, dtype=dtype)
+    params_counted = sum(p.numel() for p in model.parameters())
+    ddp = fusedist.DistributedDataParallel(model)
+    opt = _optimizer(strategy, ddp.parameters(), job)
+    counter = CommCounter(ddp.comm)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    times = []
+    try:
+        for i in range(warmup + steps):
+            tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
+            counter.active = i >= warmup
+            t0 = time.perf_counter()
+            logits = ddp(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        counter.active = False
+    finally:
+        counter.close()
+    params = list(model.parameters())
+    states = _storage_bytes(params) + _storage_bytes(p.grad for p in params)
+    host = 0
+    if strategy == "ddp":
+        states += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor))
+    else:
+        ms = opt.memory_stats()
+        states += ms["device_bytes"]
+        host = ms["host_bytes"]
+    tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
+    saved = _saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
+    result = {"params": params_counted, "model_states_bytes": states, "host_bytes": host,
+              "comm_bytes_per_step": counter.bytes / steps, "collectives_per_step":
+              {k: v / steps for k, v in counter.calls.items()}, "step_s": statistics.median(times),
+              "saved_activation_bytes": saved}
+    del opt, ddp, model
+    return result
+
+
+def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool = False) -> int:
+    """Measure under torchrun; rank 0 prints. Exit status 1 when a model-state or
+    communication figure is off the prediction by more than 5%."""
+    import fusedist
+    info = fusedist.init_distributed()
+    job = dataclasses.replace(job, convention="fusedist", global_batch=None)
+    plan = build_plan(spec, job, hw)  # what fusedist allocates, one micro-batch per step
+    peak = _matmul_flops(_DTYPES[job.precision], info.device)
+    strategies = ["ddp", "zero1", "zero2"] + (["zero2_offload"] if job.optimizer == "adamw" else [])
+    measured = {}
+    for s in strategies:
+        m = measure_one(spec, job, s, steps, warmup, info.device)
+        mem, com = plan["memory"][s], plan["comm"][s]
+        predicted_compute = plan["time"][s]["compute_s"] * job.mfu * hw.peak_flops(job.precision) / peak
+        m.update({
+            "predicted_model_states_bytes": mem["model_states_bytes"], "predicted_host_bytes": mem["host_bytes"],
+            "predicted_comm_bytes_per_step": com["bytes_per_step"],
+            "predicted_activation_bytes": mem["activation_bytes"],
+            "model_states_error": m["model_states_bytes"] / mem["model_states_bytes"] - 1,
+            "comm_error": m["comm_bytes_per_step"] / com["bytes_per_step"] - 1,
+            "matmul_flops": peak, "achieved_mfu": predicted_compute / m["step_s"],
+        })
+        if s.endswith("offload"):
+            m["host_error"] = m["host_bytes"] / mem["host_bytes"] - 1
+        if info.device.type == "cuda":
+            m["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(info.device)
+            torch.cuda.reset_peak_memory_stats(info.device)
+        measured[s] = m
+    for s in STRATEGIES:
+        measured.setdefault(s, NOT_MEASURED) if s.startswith("zero3") else None
+    ok = all(abs(m[k]) <= TOLERANCE for m in measured.values() if isinstance(m, dict)
+             for k in ("model_states_error", "comm_error", "host_error") if k in m)
+    assert count_params(spec) == measured["ddp"]["params"], "the built model differs from the count"
+    if info.rank == 0:
+        if as_json:
+            print(json.dumps({"plan": plan, "measured": measured, "within_tolerance": ok,
+                              "tolerance": TOLERANCE}, indent=2))
+        else:
+            print(format_measured(plan, measured, info, steps, warmup, ok))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def _b(x: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.3f} {unit}"
+    return f"{x:.0f} B"
+
+
+def format_measured(plan, measured, info, steps, warmup, ok) -> str:
+    from .report import model_line
+    i = plan["inputs"]
+    out = [model_line(plan),
+           f"measured on {i['gpus']} ranks ({info.device.type}, {info.backend}), {i['precision']}, {i['optimizer']}, "
+           f"micro-batch {i['micro_batch']} x seq {i['seq']}, {steps} timed steps after {warmup} warm-up; "
+           "predictions in the fusedist convention",
+           "",
+           f"{'strategy':<15}{'model states: predicted':>25}{'measured':>13}{'diff':>8}"
+           f"{'comm/step: predicted':>23}{'measured':>13}{'diff':>8}{'step':>10}{'MFU':>7}"]
+    for s in STRATEGIES:
+        m = measured[s]
+        if not isinstance(m, dict):
+            out.append(f"{s:<15}{m}")
+            continue
+        out.append(f"{s:<15}{_b(m['predicted_model_states_bytes']):>25}{_b(m['model_states_bytes']):>13}"
+                   f"{m['model_states_error']:>+8.2%}{_b(m['predicted_comm_bytes_per_step']):>23}"
+                   f"{_b(m['comm_bytes_per_step']):>13}{m['comm_error']:>+8.2%}"
+                   f"{m['step_s'] * 1e3:>8.1f}ms{m['achieved_mfu']:>7.1%}")
+        if "host_error" in m:
+            out.append(f"{'  host':<15}{_b(m['predicted_host_bytes']):>25}{_b(m['host_bytes']):>13}"
+                       f"{m['host_error']:>+8.2%}")
+    d = measured["ddp"]
+    out += ["",
+            f"MFU: the step's 6*params*tokens FLOPs against this process's matmul rate "
+            f"({d['matmul_flops'] / 1e9:.1f} GFLOP/s); use it as --mfu for this machine",
+            f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
+            f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",
+            "peak allocated: " + (_b(d["peak_allocated_bytes"]) if "peak_allocated_bytes" in d else "n/a on CPU"),
+            f"model states and communication within {TOLERANCE:.0%}: {'yes' if ok else 'NO'}"]
+    return "\n".join(out)

@@ -1,0 +1,125 @@
+"""Memory per GPU: model states, activations, temporary buffers.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", arXiv:1910.02054, Section 3.1 and Figure 1):
+mixed-precision Adam holds 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit gradients and KΨ of
+optimizer state, K = 12 (FP32 master weights, momentum, variance). Per GPU, with N
+data-parallel ranks:
+
+    DDP     (2 + 2 + K)·Ψ          ZeRO-1  4Ψ + K·Ψ/N
+    ZeRO-2  2Ψ + (2 + K)·Ψ/N       ZeRO-3  (2 + 2 + K)·Ψ/N
+
+ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840) moves the K term (and, for stage 3, the
+parameters: ZeRO-Infinity, arXiv:2104.07857) to host memory, reported as ``host_bytes``.
+fp32 training replaces the 2s by 4s and drops the master copy (K = 8 for Adam); SGD with
+momentum keeps one state instead of two (K = 8 mixed, 4 in fp32).
+
+Two conventions (``--convention``):
+
+* ``paper``: exactly the formulas above.
+* ``fusedist`` (default): what fusedist's DDP and ZeroRedundancyOptimizer allocate, which
+  ``--measure`` checks. The differences:
+  - ZeRO keeps an FP32 gradient shard (4Ψ/N bytes) at both stages: stage 1 copies its slice
+    of the averaged gradient there, stage 2 reduce-scatters into it. So ZeRO-1 is
+    ``(p+g)Ψ + (K+4)Ψ/N`` and ZeRO-2 ``pΨ + (K+4)Ψ/N`` (the paper's ZeRO-2 has gΨ/N).
+  - ZeRO keeps FP32 master weights even for fp32 parameters, so K = 12 for Adam (8 for SGD)
+    at every precision; DDP with fp32 parameters needs no master (K = 8 for Adam).
+  - ZeRO-2 offload keeps the FP32 gradient shard on the device and, on the host, an FP32
+    gradient staging shard and (16-bit parameters) a 16-bit parameter staging shard.
+  - Each gradient bucket is padded to a multiple of N·16 elements (shard alignment): at
+    most N·16 elements per bucket (one bucket per 25 MiB), not modelled (< 0.01% for any
+    model worth planning).
+  - fusedist has no ZeRO-3 yet: zero3 / zero3_offload use the paper's formulas with the K
+    above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+CONVENTIONS = ("fusedist", "paper")
+MiB = 1 << 20
+
+
+def param_bytes(precision: str) -> int:
+    """Bytes of one parameter (and one gradient) in the model's precision."""
+    return 4 if precision == "fp32" else 2
+
+
+def optimizer_k(precision: str, optimizer: str, strategy: str = "ddp", convention: str = "paper") -> int:
+    """K: optimizer-state bytes per parameter (ZeRO paper, Section 3.1; K = 12 for
+    mixed-precision Adam: FP32 master 4 + momentum 4 + variance 4)."""
+    states = 8 if optimizer == "adamw" else 4  # Adam: momentum + variance; SGD: momentum
+    master = 4
+    if precision == "fp32" and not (convention == "fusedist" and strategy != "ddp"):
+        master = 0  # fp32 parameters are their own master (fusedist's ZeRO keeps one anyway)
+    return states + master
+
+
+@dataclasses.dataclass
+class ModelStates:
+    device: float
+    host: float
+    terms: dict  # name -> bytes per GPU (device) or "host:<name>"
+
+
+def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: str = "adamw",
+                 convention: str = "fusedist") -> ModelStates:
+    """Model-state bytes per GPU for ``strategy`` (see the module docstring)."""
+    p = g = param_bytes(precision)
+    k = optimizer_k(precision, optimizer, strategy, convention)
+    fused = convention == "fusedist"
+    shard = psi / n
+    if strategy == "ddp":
+        # (2 + 2 + K)Ψ -- ZeRO paper, Figure 1 "Baseline"
+        terms = {"params": p * psi, "grads": g * psi, "optimizer": k * psi}
+    elif strategy == "zero1":
+        # 4Ψ + KΨ/N -- ZeRO paper, Figure 1 "Pos"
+        terms = {"params": p * psi, "grads": g * psi, "optimizer": k * shard}
+        if fused:
+            terms["grad_shard"] = 4 * shard  # fusedist: FP32 gradient shard
+    elif strategy == "zero2":
+        # 2Ψ + (2 + K)Ψ/N -- ZeRO paper, Figure 1 "Pos+g"
+        terms = {"params": p * psi, "optimizer": k * shard}
+        terms["grad_shard"] = (4 if fused else g) * shard
+    elif strategy == "zero3":
+        # (2 + 2 + K)Ψ/N -- ZeRO paper, Figure 1 "Pos+g+p"
+        terms = {"params": p * shard, "grad_shard": g * shard, "optimizer": k * shard}
+    elif strategy == "zero2_offload":
+        # ZeRO-Offload: the K term on the host
+        terms = {"params": p * psi, "grad_shard": (4 if fused else g) * shard, "host:optimizer": k * shard}
+        if fused:
+            terms["host:grad_staging"] = 4 * shard
+            if p < 4:
+                terms["host:param_staging"] = p * shard
+    elif strategy == "zero3_offload":
+        # ZeRO-Infinity style: K and the parameter shard on the host
+        terms = {"grad_shard": g * shard, "host:params": p * shard, "host:optimizer": k * shard}
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    device = sum(v for name, v in terms.items() if not name.startswith("host:"))
+    host = sum(v for name, v in terms.items() if name.startswith("host:"))
+    return ModelStates(device, host, terms)
+
+
+def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bucket_cap_mb: float,
+               scratch_bytes: float) -> float:
+    """Temporary buffers per GPU besides model states and activations.
+
+    * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
+      gradients; fusedist and torch DDP make ``p.grad`` views of them).
+    * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
+      stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``).
+    * ZeRO-3: additionally the two largest gathered units (one in use, one prefetched; a
+      unit = one transformer block, ZeRO paper Section 5.3).
+    * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
+    """
+    g = param_bytes(precision)
+    buckets = min(2 * bucket_cap_mb * MiB, g * psi)
+    extra = 0.0
+    if strategy.startswith("zero2"):
+        extra = buckets
+    elif strategy.startswith("zero3"):
+        extra = buckets + 2 * unit_params * g
+    return extra + scratch_bytes

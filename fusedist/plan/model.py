@@ -1,0 +1,197 @@
+"""Parameter and activation counts of a decoder-only transformer, from its shape or from a
+Hugging Face ``config.json``.
+
+Two block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
+
+* ``gpt`` (GPT-2): learned position embeddings, LayerNorm with bias, biased projections,
+  GELU MLP of ``ffn_hidden`` (default 4h), input embedding tied to the output layer.
+  GPT-2 124M: 124,439,808 parameters.
+* ``llama``: rotary positions (no parameters), RMSNorm without bias, bias-free projections,
+  grouped-query attention (``kv_heads``), SwiGLU MLP (three matrices), untied output layer
+  unless the config ties it. Llama-2-7B: 6,738,415,616 parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+from .errors import PlanError
+
+ARCHS = ("gpt", "llama")
+
+# Hugging Face model_type values whose blocks have the llama shape counted here.
+_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "yi", "internlm2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model's shape. ``params`` alone (no shape) supports model-state and communication
+    arithmetic but no activation estimate."""
+
+    arch: str = "gpt"
+    layers: Optional[int] = None
+    hidden: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    seq: Optional[int] = None
+    vocab: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    tied: Optional[bool] = None
+    params: Optional[int] = None  # given directly (--params)
+    source: str = "shape"
+
+    @property
+    def has_shape(self) -> bool:
+        return self.layers is not None
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 4 * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.tied if self.tied is not None else self.arch == "gpt"
+
+
+def validate(spec: ModelSpec) -> None:
+    """Raise :class:`PlanError` naming the flag for a shape that cannot exist."""
+    if spec.params is not None and spec.params <= 0:
+        raise PlanError("--params", f"must be positive, got {spec.params:g}")
+    if not spec.has_shape:
+        return
+    for flag, value in (("--layers", spec.layers), ("--hidden", spec.hidden), ("--heads", spec.heads),
+                        ("--seq", spec.seq), ("--vocab", spec.vocab), ("--ffn-hidden", spec.ffn_hidden),
+                        ("--kv-heads", spec.kv_heads)):
+        if value is not None and value <= 0:
+            raise PlanError(flag, f"must be positive, got {value}")
+    if spec.hidden % spec.heads:
+        raise PlanError("--heads", f"{spec.heads} heads do not divide --hidden {spec.hidden}")
+    if spec.heads % spec.kv:
+        raise PlanError("--kv-heads", f"{spec.kv} key/value heads do not divide --heads {spec.heads}")
+    if spec.arch not in ARCHS:
+        raise PlanError("--arch", f"unknown architecture {spec.arch!r} (choose {', '.join(ARCHS)})")
+
+
+def layer_params(spec: ModelSpec) -> int:
+    """Parameters of one transformer block."""
+    h, f = spec.hidden, spec.ffn
+    kv_dim = spec.kv * (h // spec.heads)
+    if spec.arch == "gpt":
+        attn = h * (h + 2 * kv_dim) + (h + 2 * kv_dim) + h * h + h  # fused qkv + out, with biases
+        mlp = h * f + f + f * h + h
+        norms = 2 * 2 * h  # two LayerNorms, weight and bias
+    else:
+        attn = h * (h + 2 * kv_dim) + h * h  # q, k, v, o without bias
+        mlp = 3 * h * f  # gate, up, down (SwiGLU)
+        norms = 2 * h  # two RMSNorms, weight only
+    return attn + mlp + norms
+
+
+def embedding_params(spec: ModelSpec) -> int:
+    """Input embedding, position embedding (gpt), final norm and an untied output layer."""
+    h, v = spec.hidden, spec.vocab
+    n = v * h
+    if spec.arch == "gpt":
+        n += spec.seq * h + 2 * h
+    else:
+        n += h
+    if not spec.tied_embeddings:
+        n += v * h
+    return n
+
+
+def count_params(spec: ModelSpec) -> int:
+    """Ψ: every trainable parameter, counted once (tied weights once)."""
+    if not spec.has_shape:
+        return int(spec.params)
+    return spec.layers * layer_params(spec) + embedding_params(spec)
+
+
+def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
+                     tp: int = 1) -> Optional[int]:
+    """Activation memory of one micro-batch held for the backward pass, in bytes.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198), Section 4: per layer ``s·b·h·(34 + 5·a·s/h)`` bytes with 16-bit
+    activations and 1-byte dropout masks (eq. 1); ``34·s·b·h`` with selective recomputation
+    (Section 4.2, the ``5·a·s/h`` attention term recomputed); ``2·s·b·h``, the layer's input,
+    with full recomputation. Output side (Section 4.3): the input embedding's dropout mask
+    ``s·b·h``, the final norm's and output layer's inputs ``4·s·b·h``, fp32 logits
+    ``4·s·b·v``. Everything divided by ``t`` under tensor + sequence parallelism (eq. 5).
+    fp32 activations: the 2-byte tensors (32 of the 34, 4 of the 5) double, the masks stay.
+    The formula is for Megatron's GPT block (4h MLP, unfused attention, dropout); for other
+    blocks it is an estimate.
+    """
+    if not spec.has_shape:
+        return None
+    s, b, h, a, v = seq, micro_batch, spec.hidden, spec.heads, spec.vocab
+    sbh = s * b * h
+    wide = precision == "fp32"
+    if recompute == "full":
+        per_layer = (4 if wide else 2) * sbh
+    elif recompute == "selective":
+        per_layer = (66 if wide else 34) * sbh
+    else:
+        # 34·sbh + 5·a·s²·b  (=  s·b·h·(34 + 5·a·s/h), kept in integers)
+        per_layer = (66 if wide else 34) * sbh + (9 if wide else 5) * a * s * s * b
+    outside = sbh + (8 if wide else 4) * sbh + 4 * s * b * v
+    return (spec.layers * per_layer + outside) // tp
+
+
+# ---------------------------------------------------------------- Hugging Face configs
+def from_hf_config(path: str) -> ModelSpec:
+    """A :class:`ModelSpec` from a Hugging Face ``config.json`` (llama-style keys, or GPT-2's
+    ``n_embd``/``n_layer``/``n_head``/``n_positions``/``n_inner``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as exc:
+        raise PlanError("--hf-config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError("--hf-config", f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise PlanError("--hf-config", f"{path} does not hold a JSON object")
+    model_type = str(cfg.get("model_type", "")).lower()
+    if model_type == "gpt2" or ("n_embd" in cfg and "hidden_size" not in cfg):
+        keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
+                "vocab": "vocab_size"}
+        arch, ffn_key, kv_key = "gpt", "n_inner", None
+    else:
+        keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "seq": "max_position_embeddings", "vocab": "vocab_size"}
+        arch, ffn_key, kv_key = "llama", "intermediate_size", "num_key_value_heads"
+        if model_type and model_type not in _LLAMA_LIKE:
+            arch = "llama"  # counted as a llama-shaped block; stated in the output's inputs.source
+    values = {}
+    for field, key in keys.items():
+        values[field] = _positive_int(cfg, key, path, required=True)
+    ffn = _positive_int(cfg, ffn_key, path) if ffn_key else None
+    kv = _positive_int(cfg, kv_key, path) if kv_key else None
+    tied = cfg.get("tie_word_embeddings")
+    spec = ModelSpec(arch=arch, ffn_hidden=ffn, kv_heads=kv,
+                     tied=bool(tied) if tied is not None else (arch == "gpt"),
+                     source=f"hf-config:{model_type or 'unknown'}", **values)
+    try:
+        validate(spec)
+    except PlanError as exc:
+        raise PlanError("--hf-config", f"{path}: {exc}") from None
+    return spec
+
+
+def _positive_int(cfg: dict, key: str, path: str, required: bool = False) -> Optional[int]:
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise PlanError("--hf-config", f"{path} has no {key!r}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError("--hf-config", f"{path}: {key!r} must be a positive integer, got {value!r}")
+    return value

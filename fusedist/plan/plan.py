@@ -1,0 +1,124 @@
+"""Putting the pieces together: one plan (the ``--json`` document) for a model, a job and
+a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from . import comm, memory, suggest, timing
+from .hardware import Hardware
+from .model import ModelSpec, activation_bytes, count_params, layer_params
+from .memory import STRATEGIES
+
+GB = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    gpus: int
+    micro_batch: int
+    seq: int
+    gpus_per_node: int = 8
+    global_batch: Optional[int] = None
+    precision: str = "bf16"
+    recompute: str = "none"
+    optimizer: str = "adamw"
+    convention: str = "fusedist"
+    mfu: float = timing.DEFAULT_MFU
+    bucket_cap_mb: float = 25.0
+    scratch_gb: float = 1.0
+    ref_lr: Optional[float] = None
+    ref_batch: Optional[int] = None
+
+
+def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy: str,
+                  dp: int, tp: int = 1, pp: int = 1) -> dict:
+    """Bytes per GPU of ``strategy`` with ``dp`` data-parallel ranks, the model split ``tp``
+    ways by tensor and ``pp`` ways by pipeline parallelism."""
+    shard_psi = psi / (tp * pp)
+    states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention)
+    act = activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp)
+    unit = layer_params(spec) / tp if spec.has_shape else 0.0
+    temp = memory.temp_bytes(strategy, shard_psi, job.precision, unit, job.bucket_cap_mb, job.scratch_gb * GB)
+    total = states.device + (act or 0) + temp
+    capacity = hw.memory_gb * GB
+    return {
+        "model_states_bytes": int(round(states.device)),
+        "activation_bytes": act,
+        "temp_bytes": int(round(temp)),
+        "total_bytes": int(round(total)),
+        "host_bytes": int(round(states.host)),
+        "fits": bool(total <= capacity),
+        "headroom_bytes": int(round(capacity - total)),
+        "terms": {k: int(round(v)) for k, v in states.terms.items()},
+    }
+
+
+def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
+    """The full plan: ``inputs``, ``memory``, ``comm``, ``time``, ``suggestion``."""
+    psi = count_params(spec)
+    n = job.gpus
+    accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, n)
+    tokens = global_batch * job.seq
+    gbps = comm.bandwidth_gbps(n, job.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
+    peak = hw.peak_flops(job.precision)
+
+    mem, com, tim = {}, {}, {}
+    for s in STRATEGIES:
+        mem[s] = _memory_entry(spec, psi, job, hw, s, n)
+        nbytes = comm.bytes_per_step(psi, n, s, job.precision, job.convention, accum)
+        com_s = comm.seconds(nbytes, gbps)
+        pcie = comm.pcie_bytes(psi, n, s, job.precision, job.convention)
+        pcie_s = comm.seconds(pcie, hw.pcie_gbps)
+        com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
+                  "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s}
+        compute_s = timing.compute_seconds(psi, tokens, n, peak, job.mfu, job.recompute)
+        tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens)
+
+    best = suggest.cheapest(mem, tim)
+    layout = None
+    if best is None:
+        def total_of(strategy, dp, tp, pp):
+            e = _memory_entry(spec, psi, job, hw, strategy, dp, tp, pp)
+            return e["total_bytes"], e["fits"]
+        layout = suggest.layout(n, job.gpus_per_node, spec.heads, spec.layers, total_of)
+    if layout is not None:
+        accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, layout["dp"])
+    lr = suggest.learning_rate(job.ref_lr, job.ref_batch, global_batch)
+
+    inputs = {
+        "model": {k: v for k, v in dataclasses.asdict(spec).items() if v is not None},
+        "params": psi,
+        "gpus": n, "gpus_per_node": job.gpus_per_node, "micro_batch": job.micro_batch,
+        "global_batch": job.global_batch, "seq": job.seq, "precision": job.precision,
+        "recompute": job.recompute, "optimizer": job.optimizer, "convention": job.convention,
+        "gpu": dataclasses.asdict(hw),
+        "assumptions": {
+            "mfu": job.mfu,
+            "peak_flops": peak,
+            "peak_flops_kind": "tf32 dense" if job.precision == "fp32" else "bf16/fp16 dense",
+            "K": {s: memory.optimizer_k(job.precision, job.optimizer, s.replace("_offload", ""), job.convention)
+                  for s in STRATEGIES},
+            "bucket_cap_mb": job.bucket_cap_mb,
+            "scratch_bytes": int(job.scratch_gb * GB),
+            "tokens_per_step": tokens,
+            "bytes_unit": "GB = 1e9 bytes in the table",
+        },
+    }
+    if not spec.has_shape:
+        inputs["assumptions"]["activations"] = "not estimated: the model was given by --params, not its shape"
+    return {
+        "inputs": inputs,
+        "memory": mem,
+        "comm": com,
+        "time": tim,
+        "suggestion": {
+            "strategy": best if best is not None else (layout["strategy"] if layout else None),
+            "layout": layout if layout is not None else ({"dp": n, "tp": 1, "pp": 1, "strategy": best}
+                                                        if best else None),
+            "grad_accum_steps": accum,
+            "global_batch": global_batch,
+            "lr": lr,
+        },
+    }

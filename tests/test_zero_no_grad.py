@@ -254,10 +254,20 @@ def test_frozen_parameters_are_in_state_dicts_like_torch(monkeypatch):
     assert sorted(full["state"]) == sorted(theirs["state"])  # frozen stem: no state on either side
     _same_state(full, theirs)
 
-    model.stem.weight.requires_grad_(True)
+    # Unfrozen after construction: it joins the shards and is stepped as torch steps it
+    # (Note [growing the partition] in fusedist/zero/grow.py).
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.stem.weight.requires_grad_(True)
+        o.zero_grad()
+        _local_step(m, 3, 0, 1, "always")
+        o.step()
+    assert (_flat(model) - _flat(ref)).abs().max().item() < TOL
+    _same_state(opt.consolidate_state_dict(), ref_opt.state_dict())
+    # A gradient on a parameter that is still frozen cannot be stepped: named, with the cause.
     opt.zero_grad()
-    _local_step(model, 3, 0, 1, "always")
-    with pytest.raises(RuntimeError, match=r"parameter 0 \(shape \(24, 16\)\) has a gradient.*requires_grad=False"):
+    model.stem.bias.grad = torch.ones_like(model.stem.bias)
+    with pytest.raises(RuntimeError, match=r"parameter 5 \(shape \(24,\)\) has a gradient, but it is not sharded.*"
+                                           r"requires_grad=False"):
         opt.step()
 
     everything_frozen = _make(frozen=True)

@@ -98,3 +98,115 @@ def test_zero_keeps_channels_last_and_matches_adamw():
             assert item["channels_last"] == [True, True], (key, item)
             assert item["diff"] < TOL, (key, item)
             assert item.get("state_diff", 0.0) < TOL, (key, item)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 2))
+    model[0].requires_grad_(False)  # the layer unfrozen at step UNFREEZE_AT
+    return model
+
+
+def _base_groups(model, all_params):
+    """Weights decay, biases do not; with ``all_params`` the frozen layer is in them too (a
+    fine-tuning script passing model.parameters())."""
+    named = [(n, p) for n, p in model.named_parameters() if all_params or p.requires_grad]
+    return [dict(params=[p for n, p in named if n.endswith("weight")], weight_decay=0.1),
+            dict(params=[p for n, p in named if n.endswith("bias")], weight_decay=0.0, lr=5e-3)]
+
+
+def _unfrozen_group(model):
+    return dict(params=list(model[0].parameters()), lr=2e-2, weight_decay=0.05)
+
+
+def _reference(how, inner_kind):
+    """Unsharded torch optimizer on the global batch, the same unfreezing schedule."""
+    model = _mlp()
+    opt = _torch_opt(inner_kind, _base_groups(model, how == "frozen at construction"))
+    for step in range(STEPS):
+        if step == UNFREEZE_AT:
+            model[0].requires_grad_(True)
+            if how == "add_param_group":
+                opt.add_param_group(_unfrozen_group(model))
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _torch_opt(kind, groups):
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+
+
+def _zero_run(rank, world_size, how, inner_kind, stage, ddp, overlap=False):
+    import torch.distributed as dist
+
+    import fusedist
+
+    module = _mlp()
+    model = fusedist.DistributedDataParallel(module, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001) if ddp else module
+    inner = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "fused": fusedist.optim.FusedAdamW}[inner_kind]
+    hyper = dict(lr=1e-2, momentum=0.9, weight_decay=0.01) if inner_kind == "sgd" else dict(lr=1e-2, weight_decay=0.1)
+    opt = fusedist.ZeroRedundancyOptimizer(_base_groups(module, how == "frozen at construction"), inner, stage=stage,
+                                           overlap_param_gather=overlap, bucket_cap_mb=0.002, **hyper)
+    for step in range(STEPS):
+        if step == UNFREEZE_AT:
+            module[0].requires_grad_(True)
+            if how == "add_param_group":
+                opt.add_param_group(_unfrozen_group(module))
+        x, y = _batch(step, rank, world_size)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if not ddp:
+            for p in module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world_size)
+        opt.step()
+    opt.wait_for_params()
+    return module, opt
+
+
+def _grow_worker(rank, world_size):
+    os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"  # FusedAdamW's PyTorch path (kernels tested elsewhere)
+    configs = []
+    for how in ("add_param_group", "frozen at construction"):
+        for stage in (1, 2):
+            configs.append(dict(how=how, inner_kind="fused", stage=stage, ddp=True))
+        configs.append(dict(how=how, inner_kind="adamw", stage=1, ddp=False))
+    configs += [dict(how="add_param_group", inner_kind="sgd", stage=2, ddp=True),
+                dict(how="add_param_group", inner_kind="adamw", stage=2, ddp=True, overlap=True)]
+    refs = {}
+    out = []
+    for cfg in configs:
+        key = (cfg["how"], "sgd" if cfg["inner_kind"] == "sgd" else "adamw")
+        if key not in refs:
+            refs[key] = _reference(*key)
+        ref_model, ref_opt = refs[key]
+        module, opt = _zero_run(rank, world_size, **cfg)
+        item = dict(cfg=cfg, diff=(_flat(module) - _flat(ref_model)).abs().max().item())
+        full = opt.consolidate_state_dict()
+        if rank == 0:
+            theirs = ref_opt.state_dict()
+            item["groups"] = [len(g["params"]) for g in full["param_groups"]] == [
+                len(g["params"]) for g in theirs["param_groups"]]
+            item["state_keys"] = sorted(full["state"]) == sorted(theirs["state"])
+            item["state_diff"] = max(
+                (full["state"][i][k].float() - v.float()).abs().max().item() if k != "step"
+                else abs(float(full["state"][i][k]) - float(v))
+                for i, st in theirs["state"].items() for k, v in st.items() if k in full["state"].get(i, {}))
+        out.append(item)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
+def test_parameters_joining_after_construction_match_unsharded(world_size):
+    for per_rank in run_distributed(_grow_worker, world_size, timeout=400):
+        for item in per_rank:
+            assert item["diff"] < TOL, item
+            if "groups" in item:
+                assert item["groups"] and item["state_keys"], item
+                assert item["state_diff"] < TOL, item

@@ -115,6 +115,7 @@ def apply_change(reducer) -> None:
     wanted = [p for p, f in zip(tracker.params, flags) if f]
     newly = [p for p in wanted if not reducer.is_active(p)]
     _average(reducer, newly, names)
+    reducer.params_without_grad += [p for p in newly if p.grad is None]
     if reducer.append_only:
         _grow(reducer, wanted, newly, names)
     else:
@@ -180,8 +181,12 @@ def _carry(reducer, old, new, params) -> None:
             src = p.grad
         elif p in old.slots and old.is_allocated(old.slots[p].bucket):
             src = old.grad_view(p)
-        if src is None or (new.bucket_storage and not new.is_allocated(bucket)):
+        if src is None:
             continue
+        if not new.is_allocated(bucket):
+            if p in reducer.caught_up_now:
+                continue  # per-bucket storage (ZeRO stage 2): the averaged gradient stays in p.grad
+            new.allocate(bucket)
         view = new.grad_view(p)
         was_view = p.grad is not None and p.grad.data_ptr() == src.data_ptr()
         view.copy_(src)

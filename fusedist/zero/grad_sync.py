@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..ddp.reducer import AllReduceAverage, GradSyncStrategy, divide_factors
+from .grow import store_caught_up
 
 
 def release_grad_buffers(reducer) -> None:
@@ -124,5 +125,7 @@ class ReduceScatterToShard(GradSyncStrategy):
                 data = reducer.layout.allocate(bs.bucket)  # (allocated: every bucket was reduced)
                 self._store(bs, data[bs.lo:bs.hi])
             self._full_this_backward = False
+        # Parameters DDP took on in this backward (Note [growing the partition] in grow.py).
+        store_caught_up(self.zero, reducer, self._accumulate)
         release_grad_buffers(reducer)
         self.zero._grads_present = True

@@ -14,10 +14,11 @@ from ..optim._scaler_protocol import ScalerProtocol
 from . import state as zstate
 from .grad_sync import ReduceScatterToShard, grad_buffers_allocated, release_grad_buffers
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
+from . import grow
 from .partition import FlatParams, FlatPartition, bucketize
+from ..ddp.layout import flat_like
 
 MiB = 1024 * 1024
-from ..ddp.layout import flat_like
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -160,6 +161,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
         self.ddp = self._find_ddp()
         if self.ddp is not None:
+            self.ddp.reducer.append_only = True  # the shards follow its buckets: grow, never move
             if process_group is not None and process_group is not self.ddp.process_group:
                 raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
             self.comm = self.ddp.comm
@@ -225,26 +227,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
 
     def _find_ddp(self):
         # Frozen parameters are not DDP's (it reduces only trainable ones) and never communicated.
-        trainable = self._trainable_params()
-        owners = {id(getattr(p, "_fusedist_ddp", None)): getattr(p, "_fusedist_ddp", None) for p in trainable}
-        if len(owners) > 1:
-            raise ValueError(
-                "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
-                "models (or some to none); give one optimizer the parameters of one DDP model"
-            )
-        ddp = next(iter(owners.values()), None)
-        if ddp is None:
-            return None
-        ours, theirs = set(trainable), set(ddp.reducer.params)
-        if ours != theirs:
-            names = dict(zip(ddp.reducer.params, ddp.reducer.names))
-            missing = [names[p] for p in ddp.reducer.params if p not in ours]
-            raise ValueError(
-                f"ZeroRedundancyOptimizer: the optimizer must own every trainable parameter of its DDP model "
-                f"(it shards along DDP's gradient buckets); missing: {missing[:10]}. Set requires_grad=False "
-                "on parameters you do not train before wrapping the model in DistributedDataParallel."
-            )
-        return ddp
+        return grow.find_ddp(self)
 
     def _install_stage2(self) -> None:
         if self.ddp is None:
@@ -266,13 +249,13 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         reducer.layout_listeners.append(self._on_layout_change)
 
     def _on_layout_change(self, layout) -> None:
-        if self._partition is not None:
-            raise RuntimeError("ZeroRedundancyOptimizer: the DDP bucket layout changed after the shards were built")
+        grow.on_layout_change(self, layout)  # Note [growing the partition]
 
     # ------------------------------------------------------------------ lazy state
     def _ensure_partition(self) -> FlatPartition:
         if self._partition is not None:
             return self._partition
+        grow.refresh_sharded(self)  # Note [growing the partition]
         if self.ddp is not None:
             if not self.ddp.reducer.layout_final:
                 raise RuntimeError(
@@ -455,10 +438,13 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         for i in self._frozen:
             if self._params[i].grad is not None:
                 raise RuntimeError(
-                    f"ZeroRedundancyOptimizer: {self._param_name(i)} has a gradient, but it had "
-                    "requires_grad=False when the optimizer was constructed, so it was not sharded and "
-                    "cannot be stepped. Set requires_grad before constructing the optimizer (and before "
-                    "wrapping the model in DistributedDataParallel), or set its grad to None."
+                    f"ZeroRedundancyOptimizer: {self._param_name(i)} has a gradient, but it is not sharded: "
+                    "it had requires_grad=False when the optimizer was constructed and "
+                    + ("its DistributedDataParallel model does not reduce it yet (it takes a parameter on "
+                       "in the synchronized backward of a training forward that saw it trainable)"
+                       if self.ddp is not None else "it still has requires_grad=False")
+                    + ". Set requires_grad=True before the forward that trains it (it then joins the "
+                    "shards), or set its grad to None."
                 )
 
     @torch.no_grad()
@@ -626,6 +612,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                     "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
                     "gradients were never reduced; run the last micro-batch's backward outside no_sync()"
                 )
+            grow.join_pending(self)  # Note [growing the partition]
             self._check_frozen_grads()
             if not self._has_any_grad():
                 return loss
@@ -712,11 +699,10 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             inner.step()
 
     def add_param_group(self, param_group: dict) -> None:
+        """As torch's: the group's trainable parameters are sharded and stepped like the others
+        (progressive unfreezing; Note [growing the partition] in ``grow.py``)."""
         if hasattr(self, "_params"):
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer.add_param_group after construction is not supported: the "
-                "flat partition covers the parameters given at construction"
-            )
+            return grow.add_param_group(self, param_group)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -245,6 +245,32 @@ class FlatPartition:
             self._index_pieces()
         return replaced
 
+    def keep_pieces_of(self, old: "FlatPartition") -> None:
+        """This partition grew from ``old`` by appended buckets (Note [growing the partition] in
+        ``grow.py``): keep ``old``'s pieces, splits included, and add pieces for the new slices
+        of each dtype. Owned ranges end at the old shard's end, so later cuts never join the
+        two regions."""
+        pieces = list(old.pieces)
+        for dtype, total in self.shard_numel.items():
+            barrier = old.shard_numel.get(dtype, 0)
+            fresh = [e for e in self.entries if e.dtype == dtype and e.pos >= barrier]
+            for e in self.entries:
+                if e.dtype == dtype and e.pos < barrier:
+                    self.owned_end[e.index] = min(self.owned_end[e.index], barrier)
+            if fresh:
+                self.owned_start[fresh[0].index] = barrier
+            if total == barrier:
+                continue
+            runs = [[fresh[0].group if fresh else 0, barrier]]  # leading padding joins the first run
+            for e in fresh[1:]:
+                if e.group != runs[-1][0]:
+                    runs.append([e.group, e.pos])
+            for k, (group, start) in enumerate(runs):
+                end = runs[k + 1][1] if k + 1 < len(runs) else total
+                pieces.append(Piece(dtype, group, start, end))
+        self.pieces = pieces
+        self._index_pieces()
+
     def padding_elements(self) -> int:
         """Elements of this rank's flat shards that belong to no parameter."""
         return sum(self.shard_numel.values()) - sum(e.numel for e in self.entries)

@@ -1,0 +1,251 @@
+"""Parameters that join a ZeroRedundancyOptimizer after construction.
+
+Note [growing the partition]
+    torch's ZeroRedundancyOptimizer.add_param_group keeps every parameter where it was and
+    adds the new ones, so frozen layers can be made trainable as training progresses. Here
+    the flat partition (Note [flat partition]) only grows: joining parameters get new buckets
+    after the existing ones -- DDP appends them to its layout (Note [trainable set changes]
+    in ``fusedist/ddp/trainable.py``), without DDP they are bucketed here -- so every rank's
+    slices of the existing buckets, with their masters, optimizer state and piece splits, stay
+    where they are. Growing reallocates the flat parameter buffers, the masters and the
+    gradient shards with room for the new slices (copying the old contents; the new masters
+    come from the parameters), re-points the inner optimizer's pieces (their state moves with
+    them) and appends pieces for the new slices to their param groups.
+
+    Who joins: the parameters of a group added with :meth:`add_param_group`, and parameters
+    that were frozen (``requires_grad=False``) when the optimizer was constructed and are
+    trainable now. With DDP they join when DDP takes them on: in the synchronized backward
+    after the first training forward that saw them trainable, whose averaged gradient the next
+    ``step()`` applies. Without DDP they join at the first ``step()`` that sees them trainable.
+    A parameter frozen later stays sharded; it gets no gradient, so steps skip it as torch's
+    optimizers skip a parameter whose grad is None. ``offload="cpu"``: joining before the first
+    step only (the host pipeline's buffers are not regrown).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from ..ddp.layout import append_buckets
+from . import state as zstate
+from .partition import FlatParams, FlatPartition
+
+
+def find_ddp(zero):
+    """The fusedist DDP model owning the trainable parameters (None without one). Parameters
+    the model does not reduce yet are accepted if they are the model's: trainable since it
+    was wrapped, it takes them on at its next training forward."""
+    trainable = zero._trainable_params()
+    owners = {id(d): d for d in (getattr(p, "_fusedist_ddp", None) for p in trainable) if d is not None}
+    ddp = next(iter(owners.values()), None)
+    module_params = set(ddp.module.parameters()) if ddp is not None else set()
+    if len(owners) > 1 or any(getattr(p, "_fusedist_ddp", None) is None and p not in module_params
+                              for p in trainable) and ddp is not None:
+        raise ValueError(
+            "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
+            "models (or some to none); give one optimizer the parameters of one DDP model"
+        )
+    if ddp is None:
+        return None
+    missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in set(zero._params)]
+    if missing:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer: the optimizer must own every trainable parameter of its DDP model "
+            f"(it shards along DDP's gradient buckets); missing: {missing[:10]}. Set requires_grad=False "
+            "on parameters you do not train before wrapping the model in DistributedDataParallel."
+        )
+    return ddp
+
+
+def refresh_sharded(zero) -> None:
+    """Before the partition exists: the parameters to shard are those DDP reduces (with DDP),
+    or those trainable now."""
+    if zero.ddp is not None:
+        _check_held(zero, zero.ddp.reducer.params, zero.ddp.reducer.names)
+        inside = set(zero.ddp.reducer.params)
+        sharded = [i for i, p in enumerate(zero._params) if p in inside]
+    else:
+        sharded = [i for i, p in enumerate(zero._params) if p.requires_grad]
+    _set_sharded(zero, sharded)
+
+
+def _set_sharded(zero, sharded) -> None:
+    chosen = set(sharded)
+    zero._trainable = sorted(chosen)
+    zero._frozen = [i for i in range(len(zero._params)) if i not in chosen]
+    if zero.stage == 2:
+        for i in zero._trainable:
+            zero._params[i]._fusedist_zero = zero  # fusedist.clip_grad_norm_ finds the shards
+
+
+def _check_held(zero, params, names) -> None:
+    held = set(zero._params)
+    missing = [n for p, n in zip(params, names) if p not in held]
+    if missing:
+        raise RuntimeError(
+            f"ZeroRedundancyOptimizer (rank {zero.rank}): parameter(s) {missing[:10]} became trainable in its "
+            "DistributedDataParallel model, which now reduces their gradients, but this optimizer does "
+            "not hold them: add them with optimizer.add_param_group({'params': [...]}) before the "
+            "training forward that first trains them (torch's ZeroRedundancyOptimizer takes them the same way)"
+        )
+
+
+def add_param_group(zero, param_group: dict) -> None:
+    """torch's ``add_param_group``: the group's trainable parameters join the partition."""
+    zero.wait_for_params()
+    Optimizer.add_param_group(zero, param_group)  # torch's checks (duplicates) and defaults
+    gi = len(zero.param_groups) - 1
+    zero._fill_group_defaults()
+    new = list(zero.param_groups[gi]["params"])
+    for p in new:
+        if p.requires_grad and (not p.is_floating_point() or p.is_complex()):
+            zero.param_groups.pop()
+            raise TypeError(f"ZeroRedundancyOptimizer.add_param_group: a parameter has dtype {p.dtype}; only "
+                            "real floating-point parameters can be sharded")
+    start = len(zero._params)
+    zero._params.extend(new)
+    zero._group_of.extend([gi] * len(new))
+    zero._frozen.extend(range(start, start + len(new)))
+    zero._consolidated = None
+    if zero.inner is not None:
+        zero.inner.add_param_group(dict(zstate.hyperparameters(zero.param_groups[gi]), params=[]))
+    join_pending(zero)
+
+
+def join_pending(zero) -> None:
+    """Shard what should be sharded now and is not (Note [growing the partition])."""
+    part = zero._partition
+    if part is None:
+        return  # the first step builds the partition with them
+    if zero.ddp is not None:
+        on_layout_change(zero, zero.ddp.reducer.layout)
+        return
+    joining = [i for i in zero._frozen if zero._params[i].requires_grad]
+    if not joining:
+        return
+    params = [zero._params[i] for i in reversed(joining)]  # bucketed like bucketize: reverse order
+    buckets = append_buckets(part.buckets, params, [f"param {i}" for i in reversed(joining)],
+                             bucket_cap_bytes=zero.bucket_cap_bytes, world_size=zero.world_size)
+    _grow(zero, buckets)
+
+
+def on_layout_change(zero, layout) -> None:
+    """DDP's layout listener: take on the parameters of buckets DDP appended."""
+    part = zero._partition
+    if part is None:
+        return
+    old, new = part.buckets, layout.buckets
+    same = len(new) >= len(old) and all(
+        a.dtype == b.dtype and a.start == b.start and a.end == b.end and a.offsets == b.offsets
+        and len(a.params) == len(b.params) and all(x is y for x, y in zip(a.params, b.params))
+        for a, b in zip(old, new))
+    if not same:
+        raise RuntimeError("ZeroRedundancyOptimizer: the DDP bucket layout changed after the shards were built")
+    if len(new) == len(old):
+        return  # parameters frozen since: they keep their slices and are skipped without a gradient
+    added = [(p, n) for b in new[len(old):] for p, n in zip(b.params, b.names)]
+    _check_held(zero, [p for p, _ in added], [n for _, n in added])
+    _grow(zero, list(new))
+
+
+@torch.no_grad()
+def _grow(zero, buckets: list) -> None:
+    zero.wait_for_params()
+    if zero._offload is not None:
+        raise NotImplementedError(
+            "ZeroRedundancyOptimizer(offload='cpu'): parameters cannot join after the first step (the host "
+            "pipeline's buffers are not regrown); set requires_grad and add_param_group before the first "
+            "step, or use offload=None"
+        )
+    old = zero._partition
+    index_of = {p: i for i, p in enumerate(zero._params)}
+    sharded = sorted({index_of[p] for b in buckets for p in b.params})
+    _set_sharded(zero, sharded)
+    part = FlatPartition(buckets, zero._params, zero._group_of, zero.rank, zero.world_size, sharded=sharded)
+    part.keep_pieces_of(old)
+    zero._grad_shards = _regrow(zero._grad_shards, part, zero, torch.zeros)
+    zero._partition = part
+    if zero.inner is not None:
+        _regrow_state(zero, old, part)
+    zero._record_param_versions()
+
+
+def _regrow(tensors: dict, part, zero, alloc) -> dict:
+    """Per-dtype flat shards sized for ``part``, the old contents copied to their front."""
+    out = {}
+    for dt, n in part.shard_numel.items():
+        t = alloc(n, dtype=zero._master_dtype(dt), device=zero._device)
+        previous = tensors.get(dt)
+        if previous is not None:
+            t[:previous.numel()].copy_(previous)
+        out[dt] = t
+    return out
+
+
+def _regrow_state(zero, old, part) -> None:
+    """Masters, flat parameters and the inner optimizer's pieces for the grown partition."""
+    zero._flat_params = FlatParams(part, zero._params, zero._device)  # current values, re-pointed
+    masters = _regrow(zero._masters, part, zero, torch.empty)
+    for bs in part.bucket_shards[len(old.bucket_shards):]:
+        masters[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo].copy_(zero._flat_params.shard_view(bs))
+    inner = zero.inner
+    ready = getattr(inner, "_fusedist_ready", None)
+    tensors = []
+    for k, piece in enumerate(part.pieces):
+        t = masters[piece.dtype][piece.start:piece.end]
+        t.grad = zero._grad_shards[piece.dtype][piece.start:piece.end]
+        params = inner.param_groups[piece.group]["params"]
+        if k < len(zero._pieces):
+            before = zero._pieces[k]
+            st = inner.state.pop(before, None)
+            if st:
+                inner.state[t] = st
+            if ready is not None:
+                ready.discard(id(before))
+            at = next(j for j, x in enumerate(params) if x is before)  # identity: == is elementwise
+            params[at] = t
+        else:
+            params.append(t)
+        tensors.append(t)
+    zero._masters = masters
+    zero._piece_grad_source = zero._grad_shards
+    zero._pieces = tensors
+    if zero.overlap_param_gather:
+        _hook_new_buckets(zero, part.bucket_shards[len(old.bucket_shards):])
+
+
+def _hook_new_buckets(zero, shards) -> None:
+    """Forward pre-hooks waiting for the new buckets' gathers (Note [overlapped parameter gathers])."""
+    buckets_of: dict = {}
+    for bs in shards:
+        for p in bs.bucket.params:
+            buckets_of.setdefault(p, set()).add(bs.bucket.index)
+    for module in zero.ddp.module.modules():
+        needed = set()
+        for p in module._parameters.values():
+            if p is not None and p in buckets_of:
+                needed |= buckets_of[p]
+        if needed:
+            indices = sorted(needed)
+            zero._forward_hooks.append(module.register_forward_pre_hook(
+                lambda _m, _inp, indices=indices: zero._wait_buckets(indices)))
+
+
+def store_caught_up(zero, reducer, accumulate: bool) -> None:
+    """Stage 2: the gradients DDP averaged outside its buckets in this backward (parameters it
+    took on, Note [trainable set changes]) go into this rank's gradient shard."""
+    caught, reducer.caught_up = reducer.caught_up, []
+    if not caught:
+        return
+    from ..ddp.layout import flat_like
+
+    part = zero._ensure_partition()
+    index_of = {p: i for i, p in enumerate(zero._params)}
+    for p in caught:
+        e = part.entry_of.get(index_of.get(p, -1))
+        if p.grad is None or e is None:
+            continue
+        src = flat_like(p.grad, p)[e.lo:e.hi]
+        dst = zero._grad_shards[e.dtype][e.pos:e.pos + e.numel]
+        dst.add_(src) if accumulate else dst.copy_(src)

@@ -5,10 +5,12 @@ import subprocess
 import sys
 
 
-def launch(script: str, *args: str, env: dict | None = None, monitor_interval: float | None = None):
-    """Start ``torchrun --standalone --nproc_per_node=2 script args...``; output merged."""
+def launch(script: str, *args: str, env: dict | None = None, monitor_interval: float | None = None,
+           nproc: int = 2, torchrun_args: tuple = ()):
+    """Start ``torchrun --standalone --nproc_per_node=<nproc> <torchrun_args> script args...``;
+    output merged."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
     if monitor_interval is not None:
         cmd.append(f"--monitor-interval={monitor_interval:g}")
     return subprocess.Popen(cmd + [script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -219,7 +219,9 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - e.g. a peer died during the exchange
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: rank {self.rank}: the asynchronous save of step "
-                f"{self.last_saved_step} to {self.directory} failed: {type(exc).__name__}: {exc}"
+                f"{self.last_saved_step} to {layout.step_dir(self.directory, self.last_saved_step)} failed: "
+                f"{type(exc).__name__}: {exc} (the checkpoint is incomplete and will be skipped; earlier ones are "
+                "unaffected)"
             ) from exc
 
     def wait(self) -> None:

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch.distributed as dist
+from .comm import Communicator
+from .comm.objects import all_gather_object
 
 
 class RankMismatchError(RuntimeError):
     """Ranks disagree about something that must be identical (model, layout, step...)."""
 
 
-def gather_objects(obj: Any, process_group=None) -> list[Any]:
-    world = dist.get_world_size(process_group)
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=process_group)
-    return out
+def gather_objects(obj: Any, comm: Communicator, op: str) -> list[Any]:
+    """Every rank's ``obj`` through the monitored path: a rank that never joins becomes a
+    StallError naming ``op`` and the absent rank, not a raw backend timeout."""
+    return all_gather_object(comm, obj, tag=op)
 
 
 def describe_difference(entries_by_rank: Sequence[Sequence[Any]], label) -> str | None:
@@ -45,13 +45,15 @@ def describe_difference(entries_by_rank: Sequence[Sequence[Any]], label) -> str 
     return None
 
 
-def check_same_across_ranks(entries: Sequence[Any], what: str, label=str, process_group=None, hint: str = "") -> None:
-    """Raise :class:`RankMismatchError` on every rank unless all ranks pass equal ``entries``."""
-    everyone = gather_objects(list(entries), process_group)
+def check_same_across_ranks(entries: Sequence[Any], what: str, label=str, *, comm: Communicator, op: str,
+                            hint: str = "") -> None:
+    """Raise :class:`RankMismatchError` on every rank unless all ranks pass equal ``entries``.
+    ``op`` names the exchange in errors and stall reports (e.g. "... construction: model check")."""
+    everyone = gather_objects(list(entries), comm, op)
     difference = describe_difference(everyone, label)
     if difference is not None:
         counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
         raise RankMismatchError(
-            f"fusedist: {what} differs across ranks (this is rank {dist.get_rank(process_group)}); "
+            f"fusedist: {what} differs across ranks (this is rank {comm.rank}); "
             f"{difference}. Entry counts: {counts}.{(' ' + hint) if hint else ''}"
         )

@@ -52,7 +52,28 @@ def _collectives(rank, world_size):
     bc = torch.full((3,), float(rank))
     comm.broadcast(bc, src=world_size - 1)
     out["bc"] = bc.tolist()
+    # gather to the last rank: rank order there, nothing elsewhere; the default (all-gather
+    # based) implementation, for communicators without a rooted gather, gives the same.
+    from fusedist.comm import Communicator
+    from fusedist.comm.objects import all_gather_object, broadcast_object, gather_object
+
+    dst = world_size - 1
+    gathered = []
+    for fallback in (False, True):
+        if fallback:
+            comm._gather = lambda o, i, d: Communicator._gather(comm, o, i, d)
+        g = torch.empty(world_size * 2) if rank == dst else None
+        comm.gather(g, torch.full((2,), float(rank)), dst, tag="gather")
+        gathered.append(None if g is None else g.tolist())
+    del comm._gather
+    out["gather"] = gathered
+    # Python objects of different sizes, through the same collectives.
+    out["objects"] = (all_gather_object(comm, {"rank": rank, "pad": "x" * 100 * rank}, tag="objects"),
+                      gather_object(comm, ("r", rank), dst, tag="objects to dst"),
+                      broadcast_object(comm, {"from": rank} if rank == dst else None, dst, tag="object from dst"))
     # misuse
+    with pytest.raises(ValueError, match="pass an output on rank dst"):
+        comm.gather(None if rank == dst else torch.empty(world_size), torch.empty(1), dst)
     with pytest.raises(ValueError, match="expected world_size"):
         comm.reduce_scatter(torch.empty(3), torch.empty(4))
     with pytest.raises(ValueError, match="contiguous"):
@@ -87,6 +108,12 @@ def test_collectives_exact(world_size):
         assert out["ag"] == [float(r) for r in range(world_size) for _ in range(2)]
         assert out["bc"] == [float(world_size - 1)] * 3
         assert out["ranges"] == ["fusedist::all_gather", "fusedist::all_reduce"]
+        expected_gather = [float(r) for r in range(world_size) for _ in range(2)] if rank == world_size - 1 else None
+        assert out["gather"] == [expected_gather] * 2
+        everyone, at_dst, broadcast = out["objects"]
+        assert broadcast == {"from": world_size - 1}
+        assert everyone == [{"rank": r, "pad": "x" * 100 * r} for r in range(world_size)]
+        assert at_dst == ([("r", r) for r in range(world_size)] if rank == world_size - 1 else None)
     elapsed, message = results[0]["timeout"]
     assert elapsed < 15
     assert "all_reduce" in message and "lonely" in message and "rank 0" in message

@@ -111,6 +111,100 @@ def test_stall_report_names_crashed_rank():
     assert "ranks [0] reached all_reduce [ddp bucket" in report
 
 
+# ---------------------------------------------------------------- construction, consolidation, checkpoints
+def _lone_exchange_worker(rank, world_size, directory):
+    """Exchanges made by one rank only, each on its own group (a timed-out exchange leaves its
+    group unusable): (1) checkpoint.save on rank 0 while rank 1 consolidates, (2)
+    consolidate_state_dict on rank 0 while rank 1 trains on, (3) DDP wrapped on rank 0 only
+    while rank 1 waits in a Checkpointer exchange."""
+    import torch.distributed as dist
+
+    import fusedist
+    from fusedist.checkpoint._writer import Coordinator
+    from fusedist.comm import CollectiveError
+    from fusedist.reliability import StallError
+
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]  # made while both ranks are here
+    coordinator = Coordinator()
+    out = {}
+
+    # (1) Ranks in different checkpoint/consolidation exchanges: told at once, group still usable.
+    torch.manual_seed(0)
+    module = models.MLP()
+    opt = fusedist.ZeroRedundancyOptimizer(module.parameters(), torch.optim.SGD, process_group=groups[0], lr=0.1)
+    try:
+        if rank == 0:
+            fusedist.checkpoint.save(directory, module, opt)
+        else:
+            opt.consolidate_state_dict(to=0)
+    except CollectiveError as exc:
+        out["mismatch"] = (type(exc).__name__, str(exc))
+    out["after_mismatch"] = opt.consolidate_state_dict(to=0) is not None  # both ranks, in step
+
+    # (2) consolidate_state_dict on rank 0 only; rank 1 runs a training step meanwhile.
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP(), process_group=groups[1])
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    _train(model, opt, gen, 1)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            opt.consolidate_state_dict(to=0)
+        else:
+            _train(model, opt, gen, 1)
+    except StallError as exc:
+        out["consolidate"] = (str(exc), exc.report, time.monotonic() - start)
+
+    # (3) DistributedDataParallel on rank 0 only (default group); rank 1 meanwhile waits for
+    # rank 0 in an exchange of the checkpoint writer's group, which never comes.
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            fusedist.DistributedDataParallel(models.MLP())
+        else:
+            coordinator.all_gather(None, "test exchange")
+    except StallError as exc:
+        out["construction"] = (str(exc), exc.report, time.monotonic() - start)
+    if rank == 1:
+        time.sleep(3)  # keep the default group up until rank 0 has its report
+    return out
+
+
+def test_exchanges_made_by_one_rank_are_bounded_and_reported(tmp_path):
+    """Construction checks, consolidation and checkpoint exchanges go through the monitored
+    path: bounded by FUSEDIST_TIMEOUT_S (3 s, not the group's 30 s), a StallError naming the op
+    and the absent rank, and reports that say which op each rank was in."""
+    env = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "2"}
+    results = run_distributed(_lone_exchange_worker, 2, str(tmp_path / "ckpt"), env=env, timeout=90)
+    # (1) every rank names both calls, and the group stays usable.
+    for rank in (0, 1):
+        kind, text = results[rank]["mismatch"]
+        assert kind == "CollectiveError", text
+        assert ("rank 0: fusedist.checkpoint.save: manifest removed; "
+                "rank 1: ZeroRedundancyOptimizer.consolidate_state_dict") in text, text
+    assert [r["after_mismatch"] for r in results] == [True, False]
+    # (2) rank 0 waited in consolidate_state_dict, rank 1 in its gradient all-reduce.
+    text, report, elapsed = results[0]["consolidate"]
+    assert "all_gather [ZeroRedundancyOptimizer.consolidate_state_dict]" in text and "rank 1" in text, text
+    assert "rank 1" in report and "failed waiting on all_reduce [ddp bucket" in report, report
+    assert elapsed < 10
+    text, report, elapsed = results[1]["consolidate"]
+    assert "all_reduce [ddp bucket" in text
+    assert "ranks [0] reached all_gather [ZeroRedundancyOptimizer.consolidate_state_dict]" in report, report
+    assert elapsed < 10
+    # (3) the construction-time model check names itself and the rank that never wrapped.
+    text, report, elapsed = results[0]["construction"]
+    assert "DistributedDataParallel construction: model check" in text, text
+    assert "from rank 1" in text and "rank 1: did not report" in report, report
+    assert "ranks [0] reached all_gather [DistributedDataParallel construction: model check]" in report
+    assert elapsed < 8
+    text, report, elapsed = results[1]["construction"]
+    assert "all_gather [fusedist.checkpoint.Checkpointer test exchange]" in text and "from rank 0" in text, text
+    assert "rank 0: did not report" in report, report
+    assert elapsed < 8
+
+
 # ---------------------------------------------------------------- per-step check
 def _divergence_worker(rank, world_size):
     """Three divergences in one process group: after each, the group is still usable

@@ -22,34 +22,38 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ..comm import get_communicator
+from ..comm.objects import all_gather_object, broadcast_object
 from ..distributed import collective_timeout
 
 
 class Coordinator:
     """Rank, world size and object exchanges for checkpoint saves, on a dedicated gloo group
-    (created collectively: every rank constructs it at the same point of the program)."""
+    (created collectively: every rank constructs it at the same point of the program). The
+    exchanges go through the group's communicator: bounded by the collective timeout, and a
+    rank missing from one is named in a StallError whose report says where each rank is."""
+
+    NAME = "fusedist.checkpoint.Checkpointer"
 
     def __init__(self):
+        self.comm = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             self.group = dist.new_group(backend="gloo", timeout=collective_timeout())
+            self.comm = get_communicator(self.group)
         else:
             self.rank, self.size, self.group = 0, 1, None
 
-    def all_gather(self, obj) -> list:
-        if self.group is None:
+    def all_gather(self, obj, what: str = "exchange") -> list:
+        if self.comm is None:
             return [obj]
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return all_gather_object(self.comm, obj, tag=f"{self.NAME} {what}")
 
-    def broadcast(self, obj):
+    def broadcast(self, obj, what: str = "broadcast from rank 0"):
         """Rank 0's ``obj`` on every rank."""
-        if self.group is None:
+        if self.comm is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return broadcast_object(self.comm, obj, 0, tag=f"{self.NAME} {what}")
 
 
 class BackgroundWriter:

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..comm import get_communicator
+from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
 from ..zero.optimizer import _to_cpu
@@ -62,29 +64,31 @@ def _strip_prefix(state: dict) -> dict:
 
 class _World:
     """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
-    ZeRO, else the default group, else a single process."""
+    ZeRO, else the default group, else a single process. Its exchanges go through the
+    communicator (bounded, monitored), so a rank missing from a save or load is named in a
+    StallError, and ranks in different checkpoint calls are told which call each is in."""
 
     def __init__(self, optimizer):
+        self.comm = None
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            self.group = optimizer.process_group
-            self.active = optimizer.comm is not None and optimizer.world_size > 1
             self.rank, self.size = optimizer.rank, optimizer.world_size
+            if optimizer.comm is not None and optimizer.world_size > 1:
+                self.comm = optimizer.comm
         elif dist.is_available() and dist.is_initialized():
-            self.group = None
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
-            self.active = self.size > 1
+            if self.size > 1:
+                self.comm = get_communicator(None)
         else:
-            self.group, self.rank, self.size, self.active = None, 0, 1, False
+            self.rank, self.size = 0, 1
 
-    def all_gather(self, obj) -> list:
-        if not self.active:
+    def all_gather(self, obj, what: str) -> list:
+        """Every rank's ``obj``; ``what`` names the step in errors and stall reports."""
+        if self.comm is None:
             return [obj]
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return all_gather_object(self.comm, obj, tag=f"fusedist.checkpoint.{what}")
 
-    def barrier(self) -> None:
-        self.all_gather(None)
+    def barrier(self, what: str) -> None:
+        self.all_gather(None, what)
 
 
 def _param_names(model: torch.nn.Module, params) -> list[str]:
@@ -133,7 +137,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     os.makedirs(directory, exist_ok=True)
     if world.rank == 0:
         _files.remove_manifest(directory)  # from here on the directory is not a valid checkpoint
-    world.barrier()
+    world.barrier("save: manifest removed")
 
     zero = isinstance(optimizer, ZeroRedundancyOptimizer)
     if zero:
@@ -149,7 +153,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
                               rank=world.rank, sections=sorted(sections))
     except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
         error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
-    everyone = world.all_gather((mine, error))
+    everyone = world.all_gather((mine, error), "save: rank files written")
     failed = [e for _, e in everyone if e is not None]
     if failed:
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
@@ -178,7 +182,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
             "scaler": scaler is not None,
         }
         _files.write_manifest(directory, manifest)
-    world.barrier()
+    world.barrier("save: manifest written")
 
 
 def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Optional[int] = None, *,
@@ -246,7 +250,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         plan, error = None, str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
         plan, error = None, f"fusedist.checkpoint: reading {directory} failed: {type(exc).__name__}: {exc}"
-    errors = world.all_gather(error)
+    errors = world.all_gather(error, "load: files checked")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]

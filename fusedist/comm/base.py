@@ -198,6 +198,30 @@ class Communicator(abc.ABC):
         self._check_flat("broadcast", tensor)
         return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src))
 
+    def gather(self, output, input, dst: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
+        """Rank ``dst`` receives every rank's ``input`` into ``output`` (``world_size x input``,
+        rank order); the other ranks pass ``output=None``. Why not an all-gather: consolidating
+        sharded state on one rank should not make every rank receive (and hold) all of it."""
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"fusedist gather{_tag(tag)}: dst={dst} outside world_size {self.world_size}")
+        if (output is not None) != (self.rank == dst):
+            raise ValueError(f"fusedist gather{_tag(tag)}: pass an output on rank dst={dst} only "
+                             f"(this is rank {self.rank})")
+        self._check_flat("gather", input, *([] if output is None else [output]))
+        if output is not None and output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"fusedist gather{_tag(tag)}: output has {output.numel()} elements, expected "
+                f"world_size ({self.world_size}) x input ({input.numel()})"
+            )
+        return self._launch("gather", tag, async_op, lambda: self._gather(output, input, dst))
+
+    def _gather(self, output, input, dst: int):
+        """Default for implementations without a rooted gather: an all-gather, into scratch
+        on the ranks other than ``dst``."""
+        if output is None:
+            output = torch.empty(input.numel() * self.world_size, dtype=input.dtype, device=input.device)
+        return self._all_gather(output, input)
+
     # ---- helpers
     def _launch(self, op: str, tag: str, async_op: bool, start) -> CommHandle:
         seq = next(self._seq)

@@ -113,6 +113,11 @@ class TorchCommunicator(Communicator):
             return self.exchange.all_gather(output, input, seq=self._seq.last)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 
+    def _gather(self, output, input, dst):
+        global_dst = dist.get_global_rank(self.group, dst) if self.group is not None else dst
+        chunks = list(output.chunk(self.world_size)) if output is not None else None
+        return dist.gather(input, chunks, dst=global_dst, group=self.group, async_op=True)
+
     def _broadcast(self, tensor, src):
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)

@@ -201,7 +201,7 @@ class DistributedDataParallel(nn.Module):
             entries,
             "the model (parameters and buffers)",
             label=lambda e: f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)"),
-            process_group=self.process_group,
+            comm=self.comm, op="DistributedDataParallel construction: model check",
             hint="Every rank must build the same model before wrapping it in DistributedDataParallel.",
         )
 
@@ -215,7 +215,7 @@ class DistributedDataParallel(nn.Module):
             layout.fingerprint(),
             "the gradient bucket layout",
             label=lambda b: f"bucket {b[0]} ({b[1]}, {b[2]} elements, params {[n for n, _ in b[3]][:4]}...)",
-            process_group=self.process_group,
+            comm=self.comm, op="DistributedDataParallel: bucket layout check",
             hint="Pass the same bucket_cap_mb, first_bucket_cap_mb and gradient_as_bucket_view on every rank.",
         )
 

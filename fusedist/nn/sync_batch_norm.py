@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm import Communicator, get_communicator
+from ..reliability import attach_monitor
 from ._function import BatchStatsNorm, RunningStatsNorm
 from ._sync_stats import check_channels_agree
 
@@ -94,6 +95,7 @@ class SyncBatchNorm(_BatchNorm):
             return None
         comm = get_communicator(self.process_group, device)
         if id(comm) not in self._channels_checked:
+            attach_monitor(comm)  # [reliability] a missing rank is named in a stall report
             check_channels_agree(comm, self.num_features, device)
             self._channels_checked.add(id(comm))
         return comm

@@ -189,13 +189,17 @@ def _install_excepthook() -> None:
 
 
 def _group_name(comm: Communicator) -> str:
+    """The group's key in the store. torch's group name is part of it: two groups of the same
+    ranks (say, one per model, or a fresh one after a failure) must not read each other's
+    stall entries, which would name ops of the other group."""
     group = getattr(comm, "group", None)
     if group is None:
         return "world"
     try:
         import torch.distributed as dist
 
-        return "ranks-" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
+        name = getattr(group, "group_name", "")
+        return "ranks-" + "-".join(str(r) for r in dist.get_process_group_ranks(group)) + (f"-pg{name}" if name else "")
     except Exception:  # noqa: BLE001
         return f"group-{id(group)}"
 

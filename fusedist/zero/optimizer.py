@@ -10,7 +10,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm import get_communicator
+from ..comm.objects import gather_object
 from ..optim._scaler_protocol import ScalerProtocol
+from ..reliability import attach_monitor
 from . import state as zstate
 from .grad_sync import ReduceScatterToShard, grad_buffers_allocated, release_grad_buffers
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
@@ -167,6 +169,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             self.comm = self.ddp.comm
         elif dist.is_available() and dist.is_initialized():
             self.comm = get_communicator(process_group, self._device)
+            attach_monitor(self.comm)  # [reliability] stall reports without a DDP model too
         else:
             self.comm = None  # a single process without torch.distributed
         self.process_group = process_group if self.ddp is None else self.ddp.process_group
@@ -831,10 +834,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         if self.comm is None or self.world_size == 1:
             everyone = [local]
         else:
-            group = self.process_group
-            dst = dist.get_global_rank(group, to) if group is not None else to
-            everyone = [None] * self.world_size if self.rank == to else None
-            dist.gather_object(local, everyone, dst=dst, group=group)
+            # Through the monitored path: a rank that never calls it is named in a StallError.
+            everyone = gather_object(self.comm, local, to, tag="ZeroRedundancyOptimizer.consolidate_state_dict")
             if self.rank != to:
                 return None
         merged = zstate.merge_fragments(everyone)

@@ -1,0 +1,126 @@
+"""Python objects exchanged through a communicator's collectives (construction checks,
+checkpoint agreement, optimizer-state consolidation).
+
+Why not torch's ``all_gather_object`` / ``gather_object``: they wait on the process group's
+own timeout and fail with gloo's raw error ("Timed out waiting 30000ms for send operation",
+"Connection closed by peer"), naming neither the call nor the rank that is missing. Built on
+the communicator's tensor collectives, an object exchange is bounded by the collective
+timeout, tagged with what it is for, and observed by the reliability monitor, so a rank that
+never joins turns into a :class:`~fusedist.reliability.StallError` whose report says which op
+each rank is in.
+
+Every exchange starts with a fixed-size header (payload size and the exchange's name) that
+all ranks gather; only then does the payload move. Ranks that reach *different* exchanges at
+the same point (one in ``checkpoint.save``, another in ``consolidate_state_dict``) would
+otherwise pair their messages silently; the header lets every rank see it and raise the same
+:class:`CollectiveError` naming what each rank was in, with the group still in step.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Optional
+
+import torch
+
+from .base import CollectiveError, Communicator
+
+#: Bytes of an exchange's name carried in the header (longer names are cut).
+NAME_BYTES = 96
+
+
+def all_gather_object(comm: Communicator, obj: Any, *, tag: str) -> list:
+    """Every rank's ``obj``, in rank order, on every rank. A collective; ``tag`` names it in
+    errors and stall reports (e.g. "DistributedDataParallel construction: model check")."""
+    if comm.world_size == 1:
+        return [obj]
+    payload = _encode(obj, comm.device)
+    sizes = _exchange_headers(comm, payload.numel(), tag)
+    width = max(sizes)
+    padded = _padded(payload, width)
+    out = torch.empty(width * comm.world_size, dtype=torch.uint8, device=comm.device)
+    comm.all_gather(out, padded, tag=tag)
+    return _decode_rows(out, sizes)
+
+
+def gather_object(comm: Communicator, obj: Any, dst: int, *, tag: str) -> Optional[list]:
+    """Every rank's ``obj`` in rank order on rank ``dst`` (group rank), None on the others. A
+    collective; only ``dst`` receives the payloads."""
+    if comm.world_size == 1:
+        return [obj]
+    payload = _encode(obj, comm.device)
+    sizes = _exchange_headers(comm, payload.numel(), tag)
+    width = max(sizes)
+    padded = _padded(payload, width)
+    out = torch.empty(width * comm.world_size, dtype=torch.uint8, device=comm.device) if comm.rank == dst else None
+    comm.gather(out, padded, dst, tag=tag)
+    return _decode_rows(out, sizes) if out is not None else None
+
+
+def broadcast_object(comm: Communicator, obj: Any, src: int, *, tag: str) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored). A collective."""
+    if comm.world_size == 1:
+        return obj
+    payload = _encode(obj, comm.device) if comm.rank == src else None
+    sizes = _exchange_headers(comm, payload.numel() if payload is not None else 0, tag)
+    if payload is None:
+        payload = torch.empty(sizes[src], dtype=torch.uint8, device=comm.device)
+    comm.broadcast(payload, src, tag=tag)
+    return obj if comm.rank == src else _decode_rows(payload, [sizes[src]])[0]
+
+
+def _monitored(comm: Communicator) -> None:
+    """Attach the reliability monitor (idempotent), so a failed exchange raises with a stall
+    report. Imported here: the reliability package builds on this one."""
+    from ..reliability import attach_monitor
+
+    attach_monitor(comm)
+
+
+def _exchange_headers(comm: Communicator, nbytes: int, tag: str) -> list[int]:
+    """Gather every rank's (payload size, exchange name); return the sizes, or raise on every
+    rank if the ranks are in different exchanges."""
+    _monitored(comm)
+    name = tag.encode()[:NAME_BYTES]
+    header = torch.zeros(1 + NAME_BYTES, dtype=torch.int64)
+    header[0] = nbytes
+    header[1 : 1 + len(name)] = torch.tensor(list(name), dtype=torch.int64)
+    header = header.to(comm.device)
+    everyone = torch.empty(comm.world_size * header.numel(), dtype=torch.int64, device=comm.device)
+    comm.all_gather(everyone, header, tag=tag)
+    rows = everyone.view(comm.world_size, -1).cpu()
+    names = [bytes(row[1:][row[1:] > 0].tolist()).decode(errors="replace") for row in rows]
+    if len(set(names)) > 1:
+        raise _mismatch(comm, tag, names)
+    return [int(row[0]) for row in rows]
+
+
+def _mismatch(comm: Communicator, tag: str, names: list[str]) -> CollectiveError:
+    where = "; ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+    return CollectiveError(
+        f"fusedist ({tag}, rank {comm.rank} of {comm.world_size}): the ranks are in different "
+        f"exchanges ({where}). These calls are collectives: every rank must make the same "
+        "fusedist calls in the same order (e.g. consolidate_state_dict and fusedist.checkpoint.save "
+        "on every rank).",
+        op="all_gather", tag=tag, rank=comm.rank,
+    )
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return torch.frombuffer(data, dtype=torch.uint8).to(device)
+
+
+def _padded(payload: torch.Tensor, width: int) -> torch.Tensor:
+    """``payload`` zero-padded to ``width`` bytes (itself when it is the widest: no copy of
+    what may be a whole optimizer shard)."""
+    if payload.numel() == width:
+        return payload
+    out = torch.zeros(width, dtype=torch.uint8, device=payload.device)
+    out[: payload.numel()] = payload
+    return out
+
+
+def _decode_rows(flat: torch.Tensor, sizes: list[int]) -> list:
+    rows = flat.view(len(sizes), -1).cpu()
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]

@@ -322,6 +322,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, trusted: b
             return optimizer.prepare_load(shards, source=source)
         merged = zstate.merge_fragments(shards)
         assembled = zstate.assemble(merged, params, range(len(params)), source=source)
+        zstate.relayout(assembled, params, shards[0]["param_meta"])
         full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
         return full

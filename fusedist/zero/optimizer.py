@@ -873,6 +873,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
         # Every parameter is assembled (and so validated) now; the rank keeps its own ranges
         # when the shards exist, else all of it until the first step builds them.
         assembled = zstate.assemble(frags, self._params, range(len(self._params)), source=source)
+        if sds[0].get("format") == zstate.FORMAT:
+            zstate.relayout(assembled, self._params, sds[0]["param_meta"])
         return assembled, [zstate.hyperparameters(g) for g in groups]
 
     def _check_shard_set(self, sds: list, source: str) -> None:

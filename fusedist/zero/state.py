@@ -4,9 +4,10 @@ Note [fragments]
     A sharded state dict stores, for every parameter a rank owns part of, a fragment
     ``{"range": (lo, hi), "master": Tensor[hi-lo] | None, "state": {key: Tensor[hi-lo] | scalar}}``
     over the flattened parameter, in its memory order (a channels_last weight's elements as
-    they lie in memory: ``flat_like`` / ``shaped_like`` in ``fusedist/ddp/layout.py``; a full
-    state dict is converted with the parameter's layout, so it loads into any memory format,
-    a sharded one into parameters of the saving run's format). Fragments do not depend on the bucket layout or the world
+    they lie in memory: ``flat_like`` / ``shaped_like`` in ``fusedist/ddp/layout.py``). The
+    shards record each parameter's strides (``param_meta``), and a full state dict is converted
+    with the parameter's layout, so both load into any memory format (:func:`relayout`).
+    Fragments do not depend on the bucket layout or the world
     size, so state saved at N ranks is loaded at M ranks by assembling each needed parameter
     from whichever fragments cover it and slicing the new range out (resharding at load time).
     A full (torch-format) state dict is the special case of one fragment ``(0, numel)`` per
@@ -30,7 +31,34 @@ class StateDictError(ValueError):
 
 
 def param_meta(params) -> list[dict]:
-    return [{"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", "")} for p in params]
+    """Shape, dtype and the strides that define each fragment's element order (Note
+    [fragments]): :func:`relayout` uses them to load shards into another memory format."""
+    return [{"shape": tuple(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+             "strides": tuple(slot_strides(p))} for p in params]
+
+
+def slot_strides(p: torch.Tensor) -> tuple:
+    """The strides that see a parameter's flat slot (its memory order) with its shape."""
+    return shaped_like(torch.empty(p.numel(), device="meta"), p).stride()
+
+
+def relayout(assembled: dict[int, dict], params, saved_meta: list[dict]) -> None:
+    """Re-order, in place, the assembled full flat state of every parameter whose memory
+    layout differs from the saving run's (a channels_last model saved, a contiguous one
+    loading, or the reverse), so a sharded state dict loads into any memory format. Metadata
+    without strides predates memory-ordered slots: those were row-major."""
+    for index, item in assembled.items():
+        p = params[index]
+        saved = tuple(saved_meta[index].get("strides") or torch.empty(p.shape, device="meta").stride())
+        if saved == tuple(slot_strides(p)):
+            continue
+
+        def convert(v):
+            return flat_like(v.reshape(-1).as_strided(p.shape, saved), p).clone()
+
+        item["state"] = {k: convert(v) if is_elementwise(v, p.numel()) else v for k, v in item["state"].items()}
+        if item["master"] is not None:
+            item["master"] = convert(item["master"])
 
 
 def is_elementwise(value, numel: int) -> bool:

@@ -21,7 +21,7 @@ _SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
-        raise PlanError("usage", message)
+        raise PlanError("", message)  # argparse names the flag: "argument --x: ..."
 
 
 def _count(text: str) -> float:

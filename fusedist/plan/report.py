@@ -62,7 +62,7 @@ def format_plan(plan: dict) -> str:
         out.append(f"{st:<15}{_gb(c['bytes_per_step']):>9}{_seconds(comm_s):>10}{_seconds(t['compute_s']):>10}"
                    f"{_seconds(t['step_s']):>10}{_seconds(t['step_s_no_overlap']):>12}{t['tokens_per_s']:>11,.0f}")
     out.append(f"(communication at {plan['comm']['ddp']['bandwidth_gbps']:g} GB/s, the ring's slowest link; "
-               "offload rows add the PCIe copies)")
+               "offload rows add the PCIe copies, not the host optimizer update)")
     out.append("")
     lay = s["layout"]
     if s["strategy"] is None:

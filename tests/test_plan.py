@@ -1,0 +1,212 @@
+"""fusedist.plan: the formulas against published figures, the CLI's output contract and its
+bad-input handling (one line naming the flag, exit status 2)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fusedist.plan import ModelSpec, activation_bytes, count_params, from_hf_config, model_states
+from fusedist.plan import cli, comm, suggest
+from fusedist.plan.memory import STRATEGIES
+
+GB = 1e9  # the ZeRO paper's GB
+
+LLAMA2_7B = {  # Hugging Face config.json of meta-llama/Llama-2-7b-hf (the keys the planner reads)
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    "vocab_size": 32000, "tie_word_embeddings": False,
+}
+GPT2 = ["--layers", "12", "--hidden", "768", "--heads", "12", "--seq", "1024", "--vocab", "50257"]
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------ published figures
+def test_zero_paper_figure_1():
+    """ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB."""
+    psi, n = 7.5e9, 64
+    got = {s: model_states(psi, n, s, "bf16", "adamw", convention="paper").device / GB
+           for s in ("ddp", "zero1", "zero2", "zero3")}
+    assert got["ddp"] == pytest.approx(120.0)
+    assert round(got["zero1"], 1) == 31.4
+    assert round(got["zero2"], 1) == 16.6
+    assert round(got["zero3"], 1) == 1.9
+
+
+def test_zero_paper_figure_1_through_the_cli(capsys):
+    code, out, _ = run_cli(capsys, "--params", "7.5e9", "--gpus", "64", "--seq", "2048", "--convention", "paper",
+                           "--json")
+    assert code == 0
+    mem = json.loads(out)["memory"]
+    assert [round(mem[s]["model_states_bytes"] / GB, 1) for s in ("ddp", "zero1", "zero2", "zero3")] == \
+        [120.0, 31.4, 16.6, 1.9]
+
+
+def test_activations_gpt3_layer():
+    """Korthikanti et al. 2022 on one GPT-3 175B layer: s = 2048, h = 12288, a = 96, b = 1."""
+    s, h, a, b = 2048, 12288, 96, 1
+    one_layer = ModelSpec(layers=1, hidden=h, heads=a, seq=s, vocab=1)
+    outside = s * b * h + 4 * s * b * h + 4 * s * b * 1  # embedding mask, output layer's inputs, logits
+
+    by_hand = s * b * h * (34 + 5 * a * s // h)  # 5·96·2048/12288 = 80: 114·sbh
+    assert by_hand == 2_868_903_936
+    assert activation_bytes(one_layer, b, s, "bf16", "none") - outside == by_hand
+    assert activation_bytes(one_layer, b, s, "bf16", "selective") - outside == 34 * s * b * h == 855_638_016
+    assert activation_bytes(one_layer, b, s, "bf16", "full") - outside == 2 * s * b * h == 50_331_648
+    # tensor + sequence parallelism divides everything by t
+    assert activation_bytes(one_layer, b, s, "bf16", "none", tp=8) == (by_hand + outside) // 8
+
+
+def test_parameter_counts():
+    gpt2 = ModelSpec(arch="gpt", layers=12, hidden=768, heads=12, seq=1024, vocab=50257)
+    assert count_params(gpt2) == 124_439_808  # GPT-2 small, tied embeddings
+
+
+def test_llama2_7b_from_hf_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2_7B))
+    spec = from_hf_config(str(path))
+    assert spec.arch == "llama" and spec.seq == 4096
+    assert count_params(spec) == 6_738_415_616
+
+
+def test_gpt2_hf_config_keys(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                                "n_positions": 1024, "vocab_size": 50257}))
+    assert count_params(from_hf_config(str(path))) == 124_439_808
+
+
+# ------------------------------------------------------------------ conventions and volumes
+def test_fusedist_convention_adds_fp32_gradient_shard():
+    psi, n = 1e9, 8
+    paper = {s: model_states(psi, n, s, "bf16", convention="paper") for s in STRATEGIES}
+    ours = {s: model_states(psi, n, s, "bf16", convention="fusedist") for s in STRATEGIES}
+    assert ours["ddp"].device == paper["ddp"].device == 16 * psi
+    assert ours["zero1"].device == paper["zero1"].device + 4 * psi / n
+    assert ours["zero2"].device == paper["zero2"].device + 2 * psi / n  # fp32, not 16-bit, shard
+    # fp32 training: DDP drops the master (K = 8); fusedist's ZeRO keeps an FP32 master (K = 12)
+    assert model_states(psi, n, "ddp", "fp32", convention="fusedist").device == 16 * psi
+    assert model_states(psi, n, "zero2", "fp32", convention="fusedist").device == 4 * psi + 16 * psi / n
+    assert model_states(psi, n, "zero2", "fp32", convention="paper").device == 4 * psi + 12 * psi / n
+    # offload: the K term on the host
+    off = model_states(psi, n, "zero2_offload", "bf16", convention="paper")
+    assert off.device == 2 * psi + 2 * psi / n and off.host == 12 * psi / n
+    off3 = model_states(psi, n, "zero3_offload", "bf16", convention="paper")
+    assert off3.device == 2 * psi / n and off3.host == 14 * psi / n
+
+
+def test_communication_volumes():
+    psi, n = 1e9, 8
+    ring = 2 * (n - 1) / n
+    assert comm.bytes_per_step(psi, n, "ddp", "bf16") == pytest.approx(ring * psi * 2)
+    assert comm.bytes_per_step(psi, n, "zero2", "bf16") == pytest.approx(ring * psi * 2)
+    assert comm.bytes_per_step(psi, n, "zero3", "bf16") == pytest.approx(1.5 * ring * psi * 2)
+    assert comm.bytes_per_step(psi, n, "zero1", "bf16", "paper") == pytest.approx(ring * psi * 2)
+    assert comm.bytes_per_step(psi, n, "zero1", "bf16", "fusedist") == pytest.approx(1.5 * ring * psi * 2)
+    assert comm.bytes_per_step(psi, 1, "ddp", "bf16") == 0
+
+
+def test_suggestions():
+    assert suggest.grad_accum(512, 2, 64) == (4, 512)
+    assert suggest.grad_accum(500, 2, 64) == (4, 512)  # rounded up to a multiple of b·dp
+    assert suggest.grad_accum(None, 2, 64) == (1, 128)
+    lr = suggest.learning_rate(3e-4, 256, 1024)
+    assert lr["linear"] == pytest.approx(1.2e-3) and lr["sqrt"] == pytest.approx(6e-4)
+
+
+def test_nothing_fits_gives_a_model_parallel_layout(capsys):
+    code, out, _ = run_cli(capsys, "--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64",
+                           "--kv-heads", "8", "--ffn-hidden", "28672", "--vocab", "32000", "--seq", "4096",
+                           "--gpus", "64", "--recompute", "selective", "--json")
+    plan = json.loads(out)
+    assert code == 0 and not any(plan["memory"][s]["fits"] for s in STRATEGIES)
+    lay = plan["suggestion"]["layout"]
+    assert lay["dp"] * lay["tp"] * lay["pp"] == 64 and lay["tp"] <= 8 and lay["tp"] * lay["pp"] > 1
+    assert lay["total_bytes"] <= 80e9
+
+
+# ------------------------------------------------------------------ the JSON contract
+def test_json_contract(capsys):
+    code, out, _ = run_cli(capsys, *GPT2, "--gpus", "16", "--micro-batch", "4", "--global-batch", "256",
+                           "--ref-lr", "6e-4", "--ref-batch", "512", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    for s in STRATEGIES:
+        assert {"model_states_bytes", "activation_bytes", "temp_bytes", "total_bytes", "host_bytes",
+                "fits"} <= set(plan["memory"][s])
+        assert {"bytes_per_step", "seconds"} <= set(plan["comm"][s])
+        assert {"compute_s", "step_s", "tokens_per_s"} <= set(plan["time"][s])
+    assert {"strategy", "layout", "grad_accum_steps", "lr"} <= set(plan["suggestion"])
+    assert plan["suggestion"]["strategy"] == "ddp" and plan["suggestion"]["grad_accum_steps"] == 4
+    assert plan["inputs"]["params"] == 124_439_808 and plan["inputs"]["assumptions"]["mfu"] == 0.4
+    assert plan["inputs"]["gpus_per_node"] == 8 and plan["inputs"]["gpu"]["name"] == "h100"
+    # 6·Ψ·tokens / (N · peak · MFU)
+    tokens = 256 * 1024
+    assert plan["time"]["ddp"]["compute_s"] == pytest.approx(6 * 124_439_808 * tokens / (16 * 989e12 * 0.4))
+    assert plan["memory"]["ddp"]["total_bytes"] == (plan["memory"]["ddp"]["model_states_bytes"]
+                                                    + plan["memory"]["ddp"]["activation_bytes"]
+                                                    + plan["memory"]["ddp"]["temp_bytes"])
+
+
+def test_table_output(capsys):
+    code, out, _ = run_cli(capsys, *GPT2, "--gpus", "8")
+    assert code == 0
+    assert "124,439,808 parameters" in out and "suggestion: ddp" in out
+    for s in STRATEGIES:
+        assert f"\n{s} " in out
+
+
+# ------------------------------------------------------------------ bad input
+BAD = [
+    (["--params", "-5", "--gpus", "8", "--seq", "8"], "--params"),
+    (["--layers", "-2", "--hidden", "64", "--heads", "4", "--seq", "8", "--vocab", "9", "--gpus", "2"], "--layers"),
+    (["--layers", "2", "--hidden", "64", "--heads", "5", "--seq", "8", "--vocab", "9", "--gpus", "2"], "--heads"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3", "--seq", "8", "--vocab", "9",
+      "--gpus", "2"], "--kv-heads"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--gpu", "v100"], "--gpu"),
+    (["--params", "7e9", "--gpus", "0", "--seq", "8"], "--gpus"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--micro-batch", "-1"], "--micro-batch"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--mfu", "1.5"], "--mfu"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--gpu-memory-gb", "-80"], "--gpu-memory-gb"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--gpu", "custom"], "--gpu"),
+    (["--params", "many", "--gpus", "8"], "--params"),
+    (["--params", "7e9", "--gpus", "8"], "--seq"),
+    (["--params", "7e9", "--seq", "8"], "--gpus"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--precision", "fp8"], "--precision"),
+    (["--hf-config", "/nonexistent/config.json", "--gpus", "8"], "--hf-config"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--measure"], "--measure"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD, ids=[f"{flag}-{i}" for i, (_, flag) in enumerate(BAD)])
+def test_bad_input_one_line_naming_the_flag(capsys, monkeypatch, argv, flag):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # --measure outside torchrun
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert flag in lines[0] and lines[0].startswith("python -m fusedist.plan: error:")
+
+
+@pytest.mark.parametrize("content", ['{"hidden_size": 10', "[1, 2]", json.dumps({"hidden_size": 64}),
+                                     json.dumps({**LLAMA2_7B, "num_attention_heads": 30}),
+                                     json.dumps({**LLAMA2_7B, "vocab_size": -1})])
+def test_bad_hf_config(capsys, tmp_path, content):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--hf-config" in err
+
+
+def test_bad_input_exit_status_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "fusedist.plan", "--layers", "2", "--hidden", "64", "--heads",
+                           "5", "--seq", "8", "--vocab", "9", "--gpus", "2"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "python -m fusedist.plan: error: --heads: 5 heads do not divide --hidden 64"

@@ -210,3 +210,21 @@ def test_bad_input_exit_status_without_traceback():
                            "5", "--seq", "8", "--vocab", "9", "--gpus", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "python -m fusedist.plan: error: --heads: 5 heads do not divide --hidden 64"
+
+
+def test_optimizer_k():
+    from fusedist.plan.memory import optimizer_k
+    assert optimizer_k("bf16", "adamw") == 12  # FP32 master, momentum, variance
+    assert optimizer_k("fp32", "adamw") == 8  # fp32 parameters are their own master
+    assert optimizer_k("bf16", "sgd") == 8 and optimizer_k("fp32", "sgd") == 4
+    assert optimizer_k("fp32", "adamw", "zero2", "fusedist") == 12  # fusedist's ZeRO keeps an FP32 master
+
+
+def test_hf_config_source_and_moe(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2_7B, "model_type": "newmodel"}))
+    code, out, _ = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 0 and "counted as llama blocks" in out
+    path.write_text(json.dumps({**LLAMA2_7B, "model_type": "mixtral", "num_local_experts": 8}))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 2 and "--hf-config" in err and "mixture-of-experts" in err

@@ -147,6 +147,8 @@ def main(argv=None) -> int:
             if not spec.has_shape:
                 raise PlanError("--measure", "needs the model's shape or --hf-config, not --params")
             job = job_of(args, spec, world)
+            if spec.arch == "gpt" and job.seq > spec.seq:
+                raise PlanError("--seq", f"{job.seq} is longer than the model's {spec.seq} positions")
         else:
             if args.gpus is None:
                 raise PlanError("--gpus", "missing: the number of data-parallel GPUs")

@@ -22,7 +22,7 @@ from .errors import PlanError
 ARCHS = ("gpt", "llama")
 
 # Hugging Face model_type values whose blocks have the llama shape counted here.
-_LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "yi", "internlm2"}
+_LLAMA_LIKE = {"llama", "mistral", "qwen2", "yi", "internlm2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,8 @@ def from_hf_config(path: str) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise PlanError("--hf-config", f"{path} does not hold a JSON object")
     model_type = str(cfg.get("model_type", "")).lower()
+    if cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts"):
+        raise PlanError("--hf-config", f"{path} is a mixture-of-experts model, which the planner does not count")
     if model_type == "gpt2" or ("n_embd" in cfg and "hidden_size" not in cfg):
         keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
                 "vocab": "vocab_size"}
@@ -168,8 +170,8 @@ def from_hf_config(path: str) -> ModelSpec:
         keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
                 "seq": "max_position_embeddings", "vocab": "vocab_size"}
         arch, ffn_key, kv_key = "llama", "intermediate_size", "num_key_value_heads"
-        if model_type and model_type not in _LLAMA_LIKE:
-            arch = "llama"  # counted as a llama-shaped block; stated in the output's inputs.source
+        # Other model types with these keys are counted as llama-shaped blocks; the output says
+        # so (inputs.model.source).
     values = {}
     for field, key in keys.items():
         values[field] = _positive_int(cfg, key, path, required=True)
@@ -178,7 +180,9 @@ def from_hf_config(path: str) -> ModelSpec:
     tied = cfg.get("tie_word_embeddings")
     spec = ModelSpec(arch=arch, ffn_hidden=ffn, kv_heads=kv,
                      tied=bool(tied) if tied is not None else (arch == "gpt"),
-                     source=f"hf-config:{model_type or 'unknown'}", **values)
+                     source=(f"hf-config ({model_type or 'no model_type'}"
+                             + ("" if model_type in _LLAMA_LIKE or arch == "gpt" else ", counted as llama blocks")
+                             + ")"), **values)
     try:
         validate(spec)
     except PlanError as exc:

@@ -25,6 +25,8 @@ def model_line(plan: dict) -> str:
         line += (f", {m['arch']} {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
                  + (f" ({m['kv_heads']} kv)" if m.get("kv_heads") not in (None, m["heads"]) else "")
                  + f", vocab {m['vocab']}")
+    if m.get("source", "shape") not in ("shape", "params"):
+        line += f"; from {m['source']}"
     return line
 
 

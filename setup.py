@@ -302,6 +302,7 @@ setup(
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExt},
     install_requires=["torch>=2.4", "numpy", "triton>=3.0; platform_system == 'Linux'"],
-    extras_require={"test": ["pytest>=7", "hypothesis>=6"], "lightning": ["lightning>=2.4"]},
+    extras_require={"test": ["pytest>=7", "hypothesis>=6"], "lightning": ["lightning>=2.4"],
+                    "plot": ["matplotlib"]},
     zip_safe=False,
 )

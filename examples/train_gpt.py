@@ -50,8 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=["fused", "torch"], default="fused",
                    help="fusedist.optim.FusedAdamW (default) or torch.optim.AdamW")
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=2, help="ZeRO stage (0: off)")
-    p.add_argument("--precision", choices=["fp16", "fp32"], default="fp16",
-                   help="fp16: fp16 weights, FP32 master weights in the optimizer, fused GradScaler")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="auto (default): bf16 where the device computes it fast (probed), fp16 on GPUs "
+                        "without bf16, else fp32. bf16/fp16: low-precision weights with FP32 master weights "
+                        "in the optimizer (fp16 adds the fused GradScaler)")
+    p.add_argument("--plot", metavar="PNG", help="write loss, tokens/s and exposed communication per step "
+                                                 "(needs matplotlib)")
     p.add_argument("--save", metavar="DIR", help="write a fusedist checkpoint here at the end")
     p.add_argument("--resume", metavar="DIR", help="load a fusedist checkpoint (any world size) first")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
@@ -70,7 +74,6 @@ def parse_args(argv=None):
                    help="testing: rank 1 exits hard after step K, once (a marker file in --checkpoint-dir "
                         "keeps it from failing again after the restart)")
     args = p.parse_args(argv)
-    args.fp16 = args.precision == "fp16"
     if args.fail_at_step is not None and not args.checkpoint_dir:
         p.error("--fail-at-step needs --checkpoint-dir (its marker file lives there)")
     return args
@@ -102,14 +105,15 @@ def build_optimizer(args, model, ddp):
     kwargs = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     if args.zero:
         inner = fusedist.optim.FusedAdamW if args.optimizer == "fused" else torch.optim.AdamW
-        if args.fp16:
+        if args.low_precision:
             kwargs["master_weights"] = True
         return fusedist.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=inner, stage=args.zero,
                                                 overlap_param_gather=args.overlap_param_gather, **kwargs)
     if args.optimizer == "fused":
-        return fusedist.optim.FusedAdamW(params, master_weights=args.fp16, **kwargs)
-    if args.fp16:
-        raise SystemExit("--precision fp16 needs FP32 master weights: use --optimizer fused")
+        return fusedist.optim.FusedAdamW(params, master_weights=args.low_precision, **kwargs)
+    if args.low_precision:
+        raise SystemExit(f"--precision {args.precision} needs FP32 master weights: use --optimizer fused "
+                         "(or --precision fp32)")
     return torch.optim.AdamW(params, **kwargs)
 
 
@@ -153,14 +157,15 @@ def main(argv=None):
     info = fusedist.init_distributed()
     rank, world = info.rank, info.world_size
     device = info.device
+    precision = fusedist.amp.choose_precision(device, choice=None if args.precision == "auto" else args.precision)
+    args.low_precision = precision.name != "fp32"
     torch.manual_seed(args.seed)
     data = CharDataset(generate_corpus())
     model = GPT(data.vocab_size, args.dim, args.layers, args.heads, args.context).to(device)
-    if args.fp16:
-        model = model.half()
+    model = model.to(precision.dtype)
     ddp = fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=0.25)
     opt = build_optimizer(args, model, ddp)
-    scaler = fusedist.amp.GradScaler(device.type, init_scale=2.0**12) if args.fp16 else None
+    scaler = fusedist.amp.GradScaler(device.type, init_scale=2.0**12) if precision.needs_scaler else None
     sched = lr_schedule(args, opt)
     # Epochs of non-overlapping windows split over the ranks; the sampler's position is saved
     # independently of the world size, so a resume at another rank count re-splits the epoch.
@@ -205,7 +210,7 @@ def main(argv=None):
     if rank == 0:
         print(f"fusedist demo: GPT {n_params / 1e6:.2f}M params, {world} rank(s) on {device.type} ({info.backend}), "
               f"optimizer={type(opt).__name__}{' (ZeRO-%d)' % args.zero if args.zero else ''}, "
-              f"{'fp16 + master weights + GradScaler' if args.fp16 else 'fp32'}", flush=True)
+              f"{_describe(precision)} ({args.precision}: {precision.reason})", flush=True)
 
     progress = Progress(max(end_step - start_step, 1), rank == 0)
     losses, step_times, hidden = [], [], []
@@ -263,9 +268,42 @@ def main(argv=None):
         print(f"  step time (median)    {med * 1e3:.1f} ms   ({tokens_per_step / med:,.0f} tokens/s)")
         print(f"  comm hidden behind backward (median over steps): {100 * statistics.median(hidden):.0f}%"
               f"  ({len(ddp.buckets)} buckets)")
+        print(f"  precision             {_describe(precision)}  ({args.precision}: {precision.reason})")
         if scaler is not None:
             print(f"  loss scale            {scaler.get_scale():g}")
+        if args.plot:
+            plot(args.plot, range(start_step + 1, start_step + 1 + len(losses)), losses,
+                 [tokens_per_step / t for t in step_times], [1.0 - h for h in hidden], _describe(precision))
+            print(f"  plot                  {args.plot}")
     torch.distributed.destroy_process_group()
+
+
+def _describe(precision) -> str:
+    return {"fp32": "fp32", "bf16": "bf16 + FP32 master weights",
+            "fp16": "fp16 + FP32 master weights + GradScaler"}[precision.name]
+
+
+def plot(path: str, steps, losses, tokens_per_s, exposed, title: str) -> None:
+    """Loss, throughput and the fraction of gradient communication not hidden behind backward."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(steps)
+    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    axes[0].plot(steps, losses)
+    axes[0].set_ylabel("loss")
+    axes[1].plot(steps, tokens_per_s)
+    axes[1].set_ylabel("tokens/s")
+    axes[2].plot(steps, [100 * e for e in exposed])
+    axes[2].set_ylabel("exposed comm %")
+    axes[2].set_xlabel("step")
+    fig.suptitle(f"fusedist demo: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

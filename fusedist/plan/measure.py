@@ -215,7 +215,9 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
                               "tolerance": TOLERANCE}, indent=2))
         else:
             print(format_measured(plan, measured, info, steps, warmup, ok))
-    dist.barrier()
+    from fusedist.comm import get_communicator
+
+    get_communicator(None, info.device).barrier()  # bounded and reported, like fusedist's own exchanges
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -6,6 +6,7 @@ Public surface (everything else is private)::
 
     fusedist.init_distributed          # torchrun env -> process group (+ device binding)
     fusedist.DistributedDataParallel   # bucketed, overlapped gradient all-reduce
+    fusedist.Join                      # uneven inputs: torch's Join on fusedist's communicator
     fusedist.ZeroRedundancyOptimizer   # ZeRO stage 1/2 on flat buffers
     fusedist.clip_grad_norm_           # global grad norm clip, fused with the optimizer
     fusedist.optim.FusedAdam / FusedAdamW / FusedSGD / FusedLAMB
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY = {
     "DistributedDataParallel": ("fusedist.ddp", "DistributedDataParallel"),
+    "Join": ("fusedist.ddp.join", "Join"),
     "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
     "clip_grad_norm_": ("fusedist.optim", "clip_grad_norm_"),
     "optim": ("fusedist.optim", None),

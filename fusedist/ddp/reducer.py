@@ -121,7 +121,7 @@ class AllReduceAverage(GradSyncStrategy):
     def launch(self, reducer, bucket):
         data = bucket.data
         reduce_dtype = reducer.config.reduce_dtype or data.dtype
-        pre, _ = divide_factors(reducer.world_size, reduce_dtype)
+        pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
         if reduce_dtype != data.dtype:
             wire = data.to(reduce_dtype)
             wire.div_(pre)
@@ -134,7 +134,7 @@ class AllReduceAverage(GradSyncStrategy):
         handle.wait()
         wire = reducer.bucket_scratch.pop(bucket.index)
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
-        _, post = divide_factors(reducer.world_size, reduce_dtype)
+        _, post = divide_factors(reducer.grad_divisor, reduce_dtype)
         if wire.data_ptr() != bucket.data.data_ptr():
             bucket.data.copy_(wire)
         if post != 1.0:
@@ -158,6 +158,12 @@ class Reducer:
         self.index_of = {p: i for i, p in enumerate(params)}
         self.comm = comm
         self.world_size = comm.world_size
+        # Gradients are averaged over this many ranks: the world size, or the ranks still
+        # training under join(divide_by_initial_world_size=False) (Note [joined ranks] in join.py).
+        self.grad_divisor = self.world_size
+        self.defer_launch = False  # launch every bucket at the end of backward (join + SyncBatchNorm)
+        self.joined = False  # this rank ran out of inputs and shadows the others' collectives
+        self.shadowing = False  # the backward in progress is a joined rank's shadow
         self.config = config
         self.device = device
         self.timeline = timeline
@@ -362,7 +368,7 @@ class Reducer:
         self._launch_step_check([], checked_now=True)
         self.step_check.settle()
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, shadow: bool = False) -> None:
         self.in_backward = True
         self.sync = self.next_backward_sync
         inactive = self.inactive
@@ -382,7 +388,8 @@ class Reducer:
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
         self.strategy.begin_backward(self)
-        Variable._execution_engine.queue_callback(self._finish_backward)
+        if not shadow:
+            Variable._execution_engine.queue_callback(self._finish_backward)
         if self.monitor is not None:  # [reliability] stamps this step on the collective history
             self.monitor.step_hint = self.sync_steps
         self.timeline.instant("backward begins", sync=self.sync)
@@ -423,7 +430,7 @@ class Reducer:
             )
         self.ready_params.add(p)
         self.pending[bucket.index] -= 1
-        if self.pending[bucket.index] == 0:
+        if self.pending[bucket.index] == 0 and not self.defer_launch:
             self.timeline.instant(f"bucket {bucket.index} ready")
             self._launch_in_order()
         self._finish_completed()
@@ -488,6 +495,12 @@ class Reducer:
         missing = [p for p in self.params if p not in self.ready_params and p not in self.inactive]
         unused = [p for p in missing if p not in frozen] if frozen else missing
         had_grad = {p: p.grad is not None for p in missing}
+        shadow = self.shadowing
+        if shadow:  # Note [joined ranks]: this rank contributes zeros, whatever it holds
+            had_grad = dict.fromkeys(missing, False)
+            for bucket in self.layout.buckets:
+                if bucket.data is not None:
+                    bucket.data.zero_()
         for p in missing:
             bucket = self.layout.slots[p].bucket
             if bucket.data is None:
@@ -496,8 +509,9 @@ class Reducer:
                 self.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
             self.pending[bucket.index] -= 1
         # Parameters whose grad stays None after this backward (refined by _settle_unused).
-        self.params_without_grad = [p for p in unused if not had_grad[p]] + list(self.inactive) + list(frozen)
-        if missing:
+        self.params_without_grad = ([] if shadow else [p for p in unused if not had_grad[p]]) + list(
+            self.inactive) + list(frozen)
+        if missing or self.defer_launch:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
         # [reliability] issued after the last bucket: the same place in every rank's
@@ -506,6 +520,8 @@ class Reducer:
             self._launch_step_check(unused)
         for bucket in self.layout.buckets[self.next_finish:]:
             self._finish_bucket(bucket)
+        if shadow and not self.config.find_unused_parameters:
+            self._expose_grads(unused)  # the average of the active ranks' gradients
         if self.config.find_unused_parameters:
             # Every rank, every synchronized iteration: a rank with nothing unused must still
             # take part in the used-map all-reduce (Note [unused parameters]).
@@ -536,7 +552,7 @@ class Reducer:
         if self.tracker is not None and self.tracker.target is not None:
             apply_trainable_change(self)  # Note [trainable set changes]
         self.strategy.after_sync(self)
-        if unused and not self.config.find_unused_parameters:
+        if unused and not self.config.find_unused_parameters and not shadow:
             if self.step_check is not None:
                 # [reliability] if only some ranks ran this branch, raise the every-rank
                 # mismatch instead (the other ranks read it at their next forward).
@@ -551,6 +567,9 @@ class Reducer:
             )
 
     def _launch_step_check(self, unused: list, checked_now: bool = False):
+        if self.joined:  # Note [joined ranks]: neutral in the comparison
+            self.step_check.launch(None, {"buckets": len(self.layout.buckets), "checked_now": checked_now})
+            return
         last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
         if self._layout_crc is None or self._layout_crc[0] is not self.layout:
             self._layout_crc = (self.layout, layout_crc(self.layout))
@@ -566,6 +585,27 @@ class Reducer:
         ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused],
             "checked_now": checked_now,
             "describe_trainable": self.tracker.describe_mismatch if self.tracker is not None else None})
+
+    def shadow_backward(self) -> None:
+        """A joined rank's synchronized backward (Note [joined ranks] in join.py): every
+        bucket collective of a backward, in order, with zero gradients; the buffers receive
+        the active ranks' average (a ZeroRedundancyOptimizer steps its shard with it)."""
+        self.check_previous_backward()
+        self.next_backward_sync = True
+        self._begin_backward(shadow=True)
+        if self._observed_order is not None:
+            self._observed_order = []  # rank 0's order rules the rebuild (if it ran one)
+        self.shadowing = True
+        try:
+            self._finish_backward()
+        finally:
+            self.shadowing = False
+
+    def _expose_grads(self, params: list) -> None:
+        for p in params:
+            if p.grad is None and self.layout.is_allocated(self.layout.slots[p].bucket):
+                view = self.layout.grad_view(p)
+                p.grad = view if self.config.gradient_as_bucket_view else view.clone()
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         # Built on the host and read back once: one transfer each way, not one per parameter.

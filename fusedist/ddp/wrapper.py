@@ -10,10 +10,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
+from . import join as _join
 from .config import DDPConfig
 from .reducer import Reducer
 from .trainable import TrainableTracker
@@ -74,7 +76,7 @@ def _module_device(module: nn.Module) -> torch.device:
     return next(iter(devices)) if devices else torch.device("cpu")
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
     Same use as torch's: wrap the model, call it, ``loss.backward()`` returns averaged
@@ -169,6 +171,8 @@ class DistributedDataParallel(nn.Module):
         self._no_sync_depth = 0
         self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
         self._param_waiters: list = []  # Note [hooks inside compiled modules]
+        self._join_config = _join.DISABLED  # set by a join context (Note [joined ranks] in join.py)
+        self._join_state = None
         # [reliability] bucket layouts compared across ranks when built and when rebuilt;
         # optimizer.step() misuse caught on the rank that makes it.
         self._check_layout_agrees(self.reducer.layout)
@@ -223,7 +227,7 @@ class DistributedDataParallel(nn.Module):
         tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
         self._broadcast_coalesced(tensors, tag="ddp initial state")
 
-    def _broadcast_coalesced(self, tensors, tag: str) -> None:
+    def _broadcast_coalesced(self, tensors, tag: str, src: int = 0) -> None:
         if self.world_size == 1:
             return
         by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
@@ -231,7 +235,7 @@ class DistributedDataParallel(nn.Module):
             by_dtype.setdefault(t.dtype, []).append(t)
         for dtype, group in by_dtype.items():
             flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else group[0].reshape(-1).clone()
-            self.comm.broadcast(flat, src=0, tag=f"{tag} {dtype}")
+            self.comm.broadcast(flat, src=src, tag=f"{tag} {dtype}")
             offset = 0
             with torch.no_grad():
                 for t in group:
@@ -240,6 +244,10 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
+        if self._join_config.enable and torch.is_grad_enabled():
+            _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
+            self._wait_for_params(torch.compiler.is_compiling())
+            return _join.run_module(self, args, kwargs)
         if torch.is_grad_enabled():
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             self.reducer.settle_checks()  # [reliability] before this step's first collective
@@ -351,16 +359,31 @@ class DistributedDataParallel(nn.Module):
         self._comm_hook = hook_name
         self.config.reduce_dtype = dtype
 
-    def join(self, *args, **kwargs):
-        """Not supported: say so, and how to train without uneven inputs."""
-        raise NotImplementedError(
-            "fusedist.DistributedDataParallel does not support join() (uneven inputs across ranks): "
-            "give every rank the same number of batches -- torch's DistributedSampler pads to equal "
-            "length by default (drop_last=False) or trims (drop_last=True) -- or use "
-            "torch.nn.parallel.DistributedDataParallel for this job"
-        )
+    # ------------------------------------------------------------------ uneven inputs
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """As torch's: a context manager for ranks with different numbers of batches. A rank
+        that runs out shadows the others' collectives (zero gradients, the same buckets, its
+        SyncBatchNorm layers with an empty batch) until every rank is out; then the model of
+        the last rank to finish is broadcast to all. ``divide_by_initial_world_size=False``
+        averages over the ranks still training instead. ``throw_on_early_termination=True``
+        raises on every rank as soon as one runs out. With an optimizer that communicates
+        (ZeroRedundancyOptimizer) use ``fusedist.Join([model, optimizer], ...)`` (or torch's
+        ``Join``). Note [joined ranks] in ``fusedist/ddp/join.py``."""
+        return _join.Join([self], enable, throw_on_early_termination,
+                          divide_by_initial_world_size=divide_by_initial_world_size)
 
-    join_hook = join
+    def join_hook(self, **kwargs):
+        """torch's Joinable protocol: the hook that shadows this model on a joined rank."""
+        return _join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.comm.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
     def _set_static_graph(self) -> None:
         """torch's (private) way to declare a static graph after construction; as with

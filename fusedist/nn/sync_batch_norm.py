@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm import Communicator, get_communicator
+from ..ddp import join as _join
 from ..reliability import attach_monitor
 from ._function import BatchStatsNorm, RunningStatsNorm
 from ._sync_stats import check_channels_agree
@@ -114,6 +115,8 @@ class SyncBatchNorm(_BatchNorm):
         # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
         update_running = self.training and self.track_running_stats
         comm = self._communicator(input.device) if self.training else None
+        if comm is not None and _join._sync_bn_trace is not None:
+            _join.record_sync_bn(self, input)  # replayed by ranks that ran out of inputs
         return BatchStatsNorm.apply(
             input, self.weight, self.bias,
             self.running_mean if update_running else None,

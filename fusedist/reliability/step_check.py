@@ -33,6 +33,11 @@ Note [step check]
     ``fusedist.checkpoint.save`` calls it, so a diverged run is not saved). Every rank reads
     the verdict at the same point of its program, so on a mismatch the extra all-gather
     pairs up.
+
+    A rank that joined (ran out of inputs under ``model.join()``, Note [joined ranks] in
+    fusedist/ddp/join.py) takes part with ``JOINED`` in every slot, which is below any ``v``
+    or ``-v`` and so neutral for MAX: the verdict compares the ranks still training, and an
+    error lists the joined ones apart.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ import torch
 
 from .._consistency import RankMismatchError
 from ..comm import Communicator
+
+# A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
+JOINED = -(2**62)
 
 FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable")
 
@@ -79,10 +87,15 @@ class StepCheck:
         self.on_cuda = comm.device.type == "cuda"
         self._pending: Optional[tuple] = None  # (handle, host copy, event, values, detail)
 
-    def launch(self, values: list[int], detail: dict) -> None:
-        """Start this step's check (async); its verdict is read by :meth:`settle`."""
+    def launch(self, values: Optional[list[int]], detail: dict) -> None:
+        """Start this step's check (async); its verdict is read by :meth:`settle`.
+        ``values=None``: this rank has joined and is not compared."""
         self.settle()
-        local = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        if values is None:
+            values = [JOINED] * self.k
+            local = torch.full((2 * self.k,), JOINED, dtype=torch.int64)
+        else:
+            local = torch.tensor(values + [-v for v in values], dtype=torch.int64)
         if self.on_cuda:  # pinned + non_blocking: a pageable copy would synchronize the host
             local = local.pin_memory()
         self.buf.copy_(local, non_blocking=self.on_cuda)
@@ -123,33 +136,38 @@ class StepCheck:
         table = everyone.view(self.comm.world_size, k).tolist()
         column = FIELDS.index("trainable")
         describe = detail.get("describe_trainable")
-        if describe is not None and len({row[column] for row in table}) > 1:
+        if describe is not None and len({row[column] for row in table if row[0] != JOINED}) > 1:
             detail = dict(detail, trainable_lines=describe(self.comm))  # a collective: same verdict everywhere
         raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
 
 
 def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     """The error text: each differing field, which ranks hold which value, and why it matters."""
+    joined = [r for r, row in enumerate(table) if row[0] == JOINED]
+    step = max((row[0] for row in table if row[0] != JOINED), default=0) if rank in joined else table[rank][0]
     if detail.get("checked_now"):
         lines = [
             f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) after "
-            f"{table[rank][0]} synchronized backward(s), found by check_consistency() (which "
+            f"{step} synchronized backward(s), found by check_consistency() (which "
             "fusedist.checkpoint.save runs before writing):"
         ]
     else:
         lines = [
             f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
-            f"backward #{table[rank][0]}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
+            f"backward #{step}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
             "ranks that were at different points (reported at the next training forward):"
         ]
     for field_index, field in enumerate(FIELDS):
         groups: dict[int, list[int]] = {}
         for r, row in enumerate(table):
-            groups.setdefault(row[field_index], []).append(r)
-        if len(groups) == 1:
+            if r not in joined:
+                groups.setdefault(row[field_index], []).append(r)
+        if len(groups) <= 1:
             continue
         listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         lines.append(f"  {field}: {listing} -- {_EXPLAIN[field]}")
+    if joined:
+        lines.append(f"  ranks {joined} had run out of inputs (joined) and were not compared")
     lines.extend(detail.get("trainable_lines", ()))
     unused = detail.get("unused_names")
     if unused:

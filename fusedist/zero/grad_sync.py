@@ -78,7 +78,7 @@ class ReduceScatterToShard(GradSyncStrategy):
         part = self.zero._ensure_partition()
         bs = part.bucket_shards[bucket.index]
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
-        pre, _ = divide_factors(reducer.world_size, reduce_dtype)
+        pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
         wire = bucket.data.to(reduce_dtype) if reduce_dtype != bucket.data.dtype else bucket.data
         wire.div_(pre)
         out = torch.empty(bs.hi - bs.lo, dtype=reduce_dtype, device=wire.device)
@@ -92,7 +92,7 @@ class ReduceScatterToShard(GradSyncStrategy):
         handle.wait()
         reducer.bucket_scratch.pop(bucket.index, None)
         out = self._outputs.pop(bucket.index)
-        _, post = divide_factors(reducer.world_size, out.dtype)
+        _, post = divide_factors(reducer.grad_divisor, out.dtype)
         bs = self.zero._partition.bucket_shards[bucket.index]
         self._store(bs, out, post)
         release_bucket(reducer, bucket)  # the shard holds this bucket's gradients now

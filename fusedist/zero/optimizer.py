@@ -19,6 +19,7 @@ from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, ch
 from . import grow
 from .partition import FlatParams, FlatPartition, bucketize
 from ..ddp.layout import flat_like
+from ..ddp.join import JoinableOptimizer
 
 MiB = 1024 * 1024
 _HALF = (torch.float16, torch.bfloat16)
@@ -35,7 +36,7 @@ def _default_optimizer_class():
     return FusedAdamW
 
 
-class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
+class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
     """Shards FP32 master weights and optimizer state (stage 1), and gradients (stage 2),
     evenly over the data-parallel ranks.
 
@@ -556,6 +557,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             return found_inf.reshape(1), sumsq.reshape(1)
         packed = torch.cat([found_inf.reshape(1).float(), sumsq.reshape(1).float()]).to(self.comm.device)
         self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
+        self._join_norm_calls += 1  # a joined rank replays them (Note [joined ranks])
         packed = packed.to(sumsq.device)
         return (packed[0:1] > 0).float(), packed[1:2]
 
@@ -590,6 +592,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
             if self._fusedist_inv_scale is not None:
                 self._fusedist_grad_sumsq = sumsq
+        self._join_clip = (max_norm, norm_type, error_if_nonfinite)
         return self._fusedist_record_clip(sumsq, max_norm, error_if_nonfinite)
 
     # ------------------------------------------------------------------ step
@@ -603,6 +606,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
                 "Use fusedist.amp.GradScaler (same API) and fusedist.clip_grad_norm_ or "
                 "optimizer.clip_grad_norm_, or stage=1"
             )
+        if self._join_config.enable:
+            self._join_before_step()  # uneven inputs (Note [joined ranks] in fusedist/ddp/join.py)
         self._consolidated = None  # the state moves on: a gathered copy would be stale
         loss = None
         if closure is not None:
@@ -649,6 +654,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer):
             self._record_param_versions()
         finally:
             self._fusedist_clear_protocol()
+            self._join_norm_calls_last, self._join_norm_calls = self._join_norm_calls, 0
         return loss
 
     # Note [parameters changed outside the optimizer]

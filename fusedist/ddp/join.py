@@ -1,0 +1,358 @@
+"""Uneven inputs: ``model.join()`` and ``torch.distributed.algorithms.Join`` for fusedist.
+
+Note [joined ranks]
+    A rank whose data ran out leaves its training loop and enters the join context's exit,
+    where it *shadows* the collectives of the ranks still training, one training iteration
+    at a time, until every rank is out. Per iteration the ranks pair up like this (the
+    first two rows are torch's Join protocol: the active ranks' "not joined" all-reduce of
+    1, the joined ranks' count of non-joined ranks with 0):
+
+        active rank (training forward)         joined rank (join hooks)
+        ------------------------------         -----------------------------------------
+        notify "not joined" (1)                count non-joined ranks (0)
+        read the last step check               read the last (shadow) step check
+        join state all-reduce (below)          join state all-reduce (zeros)
+        buffer broadcast from the authority    buffer broadcast from the authority
+        SyncBatchNorm statistics gathers       the same gathers with count 0
+        backward: SyncBatchNorm all-reduces,   the same all-reduces with zeros, then every
+        then every bucket, step check          bucket with zero gradients, step check
+                                               (neutral values)
+        optimizer.step() (ZeRO: gathers)       ZeroRedundancyOptimizer's hook: a step
+
+    The *join state* all-reduce (int64, SUM, ``3 + world_size`` values) tells every rank
+    what the active ranks do this iteration: how many are active, how many synchronize
+    gradients (0: a ``no_sync()`` iteration, no bucket collectives), how many broadcast
+    buffers, and which ranks are active (a one-hot row: the buffer authority is the highest
+    active rank, as torch's). The gradient divisor is the initial world size or, with
+    ``divide_by_initial_world_size=False``, the number of active ranks, on every rank (the
+    joined ranks need it too: their buffers receive the average, which ZeRO steps with).
+
+    While a join context is enabled the gradient buckets are launched at the end of
+    backward when the model has SyncBatchNorm layers (whose backward all-reduces must come
+    in the same order on the joined ranks, which cannot know where a bucket became ready),
+    and the SyncBatchNorm layers a training forward runs are recorded, so that a rank that
+    joins replays its last iteration's layers (a rank that never ran one under the context
+    uses the model's SyncBatchNorm layers in registration order).
+
+    The per-step check (Note [step check]) of a joined rank contributes values that are
+    neutral for the MAX/MIN comparison: only the active ranks are compared, so a rank that
+    skips a step while still training is still reported on every rank. After the last rank
+    joined, every rank reads its pending check, the last joiners are compared once more, and
+    the counters, parameters and buffers are broadcast from the highest last joiner (torch's
+    choice), so training may go on after the context with checks that agree.
+
+    With fusedist's own context (``model.join()`` or :class:`Join`) the two protocol
+    all-reduces go through the communicator too (bounded by fusedist's timeout, named in
+    stall reports); under torch's generic ``Join`` they are torch's own, on the same group.
+    The first joinable sends the protocol all-reduces: put the model before the optimizer,
+    ``Join([model, optimizer])``, as with torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributed.algorithms.join import Join as _TorchJoin
+from torch.distributed.algorithms.join import JoinHook, Joinable, _JoinConfig
+
+DISABLED = _JoinConfig.construct_disabled_join_config()
+
+# The SyncBatchNorm layers run by the training forward in progress under a join context
+# (a list, or None outside such a forward).
+_sync_bn_trace: Optional[list] = None
+
+
+def record_sync_bn(layer, input: torch.Tensor) -> None:
+    """Called by SyncBatchNorm's synchronizing forward; cheap (a global read) otherwise."""
+    if _sync_bn_trace is not None:
+        _sync_bn_trace.append((layer, layer.num_features, input.dtype,
+                               bool(input.requires_grad and torch.is_grad_enabled())))
+
+
+class Join(_TorchJoin):
+    """torch's ``Join`` whose own all-reduces (the count of non-joined ranks, the early
+    termination notice) go through fusedist's communicator: bounded by its timeout and
+    named in stall reports. ``DistributedDataParallel.join()`` returns one; use it like
+    torch's: ``with fusedist.Join([model, optimizer]): ...``."""
+
+    def _set_joinable_configs(self) -> None:
+        super()._set_joinable_configs()
+        for joinable in self._joinables:
+            # Identity marks the configs of this kind of context (a torch Join made later
+            # replaces them with its own objects).
+            joinable._fusedist_join_config = joinable._join_config
+
+    def _comm(self):
+        for joinable in self._joinables:
+            comm = getattr(joinable, "comm", None)
+            if comm is not None:
+                return comm
+        return None
+
+    def _get_num_nonjoined_procs(self):
+        comm = self._comm()
+        if comm is None:
+            return super()._get_num_nonjoined_procs()
+        flag = torch.zeros(1, device=comm.device)
+        comm.all_reduce(flag, tag="join: count of ranks still training")
+        return flag.item()
+
+    def _notify_procs_to_terminate(self):
+        comm = self._comm()
+        if comm is None:
+            return super()._notify_procs_to_terminate()
+        comm.all_reduce(torch.ones(1, device=comm.device), tag="join: early termination")
+        raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+
+
+def notify(joinable) -> None:
+    """``Join.notify_join_context`` for a fusedist joinable: through its communicator in a
+    fusedist context, torch's own in torch's (the joined ranks' count pairs with it there)."""
+    config = joinable._join_config
+    if not config.enable or not config.is_first_joinable:
+        return
+    if getattr(joinable, "_fusedist_join_config", None) is not config:
+        _TorchJoin.notify_join_context(joinable)
+        return
+    comm = joinable.comm
+    comm.all_reduce(torch.ones(1, device=comm.device), tag="join: not joined")
+    if config.throw_on_early_termination:
+        flag = torch.zeros(1, device=comm.device)
+        comm.all_reduce(flag, tag="join: early termination")
+        if flag.item():
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+class DDPJoinState:
+    """Per-model state of a join context (Note [joined ranks])."""
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool):
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.joined = False
+        self.synced = False  # whether this iteration synchronized gradients (ZeRO's hook reads it)
+        self.trace: Optional[list] = None  # SyncBatchNorm layers of the last training forward
+        self.has_sync_bn = any(_is_sync_bn(m) for m in ddp.module.modules())
+
+
+def _is_sync_bn(module) -> bool:
+    from ..nn.sync_batch_norm import SyncBatchNorm
+
+    return isinstance(module, SyncBatchNorm)
+
+
+def exchange_state(ddp, active: bool, sync: bool, wants_buffers: bool) -> tuple[int, int, int]:
+    """The join state all-reduce: (active ranks, ranks synchronizing, buffer authority or -1)."""
+    comm = ddp.comm
+    state = torch.zeros(3 + ddp.world_size, dtype=torch.int64)
+    if active:
+        state[0], state[1], state[2], state[3 + ddp.rank] = 1, int(sync), int(wants_buffers), 1
+    state = state.to(comm.device)
+    comm.all_reduce(state, tag="ddp join state")
+    values = state.tolist()
+    ranks = [r for r in range(ddp.world_size) if values[3 + r]]
+    authority = max(ranks) if values[2] and ranks else -1
+    return values[0], values[1], authority
+
+
+def before_forward(ddp) -> None:
+    """A training forward while a join context is enabled (the active side)."""
+    reducer = ddp.reducer
+    reducer.check_previous_backward()  # Note [interrupted backward]
+    notify(ddp)
+    reducer.settle_checks()
+    state = ddp._join_state
+    if state is None:  # torch's Join built without our hook: treat as dividing by the world size
+        state = ddp._join_state = DDPJoinState(ddp, True)
+    sync = ddp._no_sync_depth == 0
+    wants = bool(ddp.config.broadcast_buffers and ddp.module.training and any(True for _ in ddp.module.buffers()))
+    active, _, authority = exchange_state(ddp, True, sync, wants)
+    reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else active
+    if authority >= 0:
+        ddp._broadcast_coalesced(list(ddp.module.buffers()), tag="ddp buffers", src=authority)
+    reducer.defer_launch = state.has_sync_bn
+    reducer.tracker.observe(reducer)  # Note [trainable set changes]
+    reducer.prepare_forward(sync=sync)
+
+
+def run_module(ddp, args, kwargs):
+    """The module's forward, recording the SyncBatchNorm layers it runs."""
+    global _sync_bn_trace
+    state = ddp._join_state
+    if state is None or not state.has_sync_bn:
+        return ddp.module(*args, **kwargs)
+    previous, _sync_bn_trace = _sync_bn_trace, []
+    try:
+        out = ddp.module(*args, **kwargs)
+        state.trace = _sync_bn_trace
+    finally:
+        _sync_bn_trace = previous
+    return out
+
+
+def _static_sync_bn_trace(ddp) -> list:
+    """The model's training SyncBatchNorm layers in registration order, for a rank that never
+    ran a forward under the context; a layer's input needs a gradient if any parameter
+    registered before it is trainable."""
+    from ..nn._bn_reference import acc_dtype  # noqa: F401 (dtype of the statistics)
+
+    trace = []
+    seen_trainable = False
+    for module in ddp.module.modules():
+        if _is_sync_bn(module) and module.training:
+            ref = module.weight if module.weight is not None else module.running_mean
+            dtype = ref.dtype if ref is not None else torch.float32
+            trace.append((module, module.num_features, dtype, seen_trainable))
+        seen_trainable = seen_trainable or any(p.requires_grad for p in module.parameters(recurse=False))
+    return trace
+
+
+@torch.no_grad()
+def _shadow_sync_bn(ddp, trace: list) -> None:
+    """SyncBatchNorm's collectives with an empty batch: count 0 in each statistics gather
+    (forward order), zeros in each backward all-reduce (reverse order)."""
+    from ..nn._bn_reference import acc_dtype
+    from ..nn._sync_stats import GRAD_TAG, combine, gather_payloads
+
+    for layer, channels, _dtype, _needs in trace:
+        comm = layer._communicator(ddp.device)
+        if comm is None:
+            continue
+        payload = torch.zeros(2 * channels + 1, dtype=torch.float64, device=comm.device)
+        combine(gather_payloads(payload, comm), channels)  # raises where the active ranks raise
+    for layer, channels, dtype, needs in reversed(trace):
+        comm = layer._communicator(ddp.device)
+        if comm is None or not needs:
+            continue
+        comm.all_reduce(torch.zeros(2 * channels, dtype=acc_dtype(dtype), device=comm.device), tag=GRAD_TAG)
+
+
+class DDPJoinHook(JoinHook):
+    """Shadows a DistributedDataParallel model's collectives on a joined rank."""
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool = True):
+        self.ddp = ddp
+        ddp._join_state = DDPJoinState(ddp, divide_by_initial_world_size)
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        reducer = ddp.reducer
+        state = ddp._join_state
+        if not state.joined:
+            state.joined = True
+            reducer.joined = True
+            reducer.check_previous_backward()
+        reducer.settle_checks()
+        active, syncing, authority = exchange_state(ddp, False, False, False)
+        reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else max(active, 1)
+        if authority >= 0:
+            ddp._broadcast_coalesced(list(ddp.module.buffers()), tag="ddp buffers", src=authority)
+        reducer.forwards += 1  # the shadowed training forward
+        if state.has_sync_bn:
+            _shadow_sync_bn(ddp, state.trace if state.trace is not None else _static_sync_bn_trace(ddp))
+        state.synced = syncing > 0
+        if state.synced:
+            reducer.shadow_backward()
+        else:
+            reducer.iteration += 1  # a no_sync() backward elsewhere: nothing to send
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        reducer = ddp.reducer
+        comm = ddp.comm
+        reducer.settle_checks()
+        if reducer.step_check is not None:
+            # The last joiners compared once more (their last step has no next forward).
+            reducer.joined = not is_last_joiner
+            reducer._launch_step_check([], checked_now=True)
+            reducer.step_check.settle()
+        source = torch.tensor([ddp.rank if is_last_joiner else -1], dtype=torch.int64, device=comm.device)
+        comm.all_reduce(source, op="max", tag="ddp join: final model source")
+        src = int(source.item())
+        ddp._wait_for_params(True)  # no parameter all-gather may still be writing
+        counters = torch.tensor([reducer.sync_steps, reducer.forwards, reducer.iteration, reducer.optimizer_steps],
+                                dtype=torch.int64, device=comm.device)
+        comm.broadcast(counters, src=src, tag="ddp join: counters")
+        reducer.sync_steps, reducer.forwards, reducer.iteration, reducer.optimizer_steps = counters.tolist()
+        tensors = [p.detach() for p in ddp.module.parameters()] + list(ddp.module.buffers())
+        ddp._broadcast_coalesced(tensors, tag="ddp join: final model", src=src)
+        reducer.joined = False
+        reducer.grad_divisor = ddp.world_size
+        reducer.defer_launch = False
+        ddp._join_state = None
+        ddp._join_config = DISABLED  # back to the plain path: every rank gets here together
+
+
+# ----------------------------------------------------------------------------- ZeRO
+
+
+class ZeroJoinHook(JoinHook):
+    """A joined rank's ZeroRedundancyOptimizer steps with its shard of the averaged
+    gradients (the active ranks need its updated slice in the parameter all-gathers),
+    replaying the gradient-norm reductions of its own last step (a clip with the same
+    ``max_norm``)."""
+
+    def __init__(self, zero):
+        self.zero = zero
+        zero._join_live = True
+
+    def main_hook(self) -> None:
+        zero = self.zero
+        ddp = zero.ddp
+        if ddp is not None and ddp._join_state is not None and not ddp._join_state.synced:
+            return  # a no_sync() iteration elsewhere: no step follows it
+        clip = zero._join_clip
+        zero._join_shadowing = True
+        try:
+            for k in range(zero._join_norm_calls_last):
+                if k == 0 and clip is not None:
+                    zero.clip_grad_norm_(*clip)
+                else:
+                    zero._fusedist_check_and_norm(None)
+            zero.step()
+        finally:
+            zero._join_shadowing = False
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        zero = self.zero
+        zero.wait_for_params()
+        zero._record_param_versions()  # the final broadcast wrote identical values
+        zero._join_live = False
+        zero._join_config = DISABLED
+
+
+class JoinableOptimizer(Joinable):
+    """The Joinable side of ZeroRedundancyOptimizer (Note [joined ranks])."""
+
+    _join_config = DISABLED  # set by a join context
+    _join_live = False
+    _join_shadowing = False  # a joined rank's step, run by the hook
+    _join_clip = None  # (max_norm, norm_type, error_if_nonfinite) of the last clip_grad_norm_
+    _join_norm_calls = 0  # gradient-norm reductions since the last step
+    _join_norm_calls_last = 0  # ... in the last step
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.comm.device if self.comm is not None else self._device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _join_before_step(self) -> None:
+        """Called by step() while a join context is enabled."""
+        if self._join_shadowing:
+            return
+        notify(self)
+        if self.grad_scale is not None or self._fusedist_inv_scale is not None:
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer under join (uneven inputs): a GradScaler is not supported yet "
+                "(a joined rank cannot follow the loss scale); train without the scaler (bf16 or fp32) "
+                "or give every rank the same number of batches"
+            )

@@ -79,3 +79,19 @@ def loss_fn(model_cls, out, target):
     if model_cls is TiedLM:
         return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
     return nn.functional.mse_loss(out, target)
+
+
+def rank_slice_of_global_batch(step, rank=None, world_size=1, *, seed, n, shape=(8,), out=2):
+    """Step ``step``'s global batch (``n`` samples, fresh per step), or rank ``rank``'s equal
+    slice of it: what a single process trains on, and what each DDP rank sees."""
+    gen = torch.Generator().manual_seed(seed + step)
+    x, y = torch.randn(n, *shape, generator=gen), torch.randn(n, out, generator=gen)
+    if rank is None:
+        return x, y
+    chunk = n // world_size
+    return x[rank * chunk:(rank + 1) * chunk], y[rank * chunk:(rank + 1) * chunk]
+
+
+def flat_params(model):
+    """Every parameter, flattened and concatenated (to compare two models at once)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

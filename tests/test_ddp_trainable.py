@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+import models
+
 from fusedist.testing import run_distributed
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3
@@ -27,16 +29,10 @@ def _model():
 
 
 def _batch(step, rank=None, world_size=1):
-    gen = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 2, generator=gen)
-    if rank is None:
-        return x, y
-    chunk = GLOBAL_BATCH // world_size
-    return x[rank * chunk:(rank + 1) * chunk], y[rank * chunk:(rank + 1) * chunk]
+    return models.rank_slice_of_global_batch(step, rank, world_size, seed=100, n=GLOBAL_BATCH)
 
 
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+_flat = models.flat_params
 
 
 def _apply(schedule, model, step):

@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+import models
+
 from fusedist.testing import run_distributed
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3
@@ -26,16 +28,10 @@ TOL = 1e-5
 
 
 def _batch(step, rank=None, world_size=1, shape=(8,)):
-    gen = torch.Generator().manual_seed(300 + step)
-    x, y = torch.randn(GLOBAL_BATCH, *shape, generator=gen), torch.randn(GLOBAL_BATCH, 2, generator=gen)
-    if rank is None:
-        return x, y
-    chunk = GLOBAL_BATCH // world_size
-    return x[rank * chunk:(rank + 1) * chunk], y[rank * chunk:(rank + 1) * chunk]
+    return models.rank_slice_of_global_batch(step, rank, world_size, seed=300, n=GLOBAL_BATCH, shape=shape)
 
 
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+_flat = models.flat_params
 
 
 class ConvNet(nn.Module):

@@ -34,12 +34,9 @@ def all_gather_object(comm: Communicator, obj: Any, *, tag: str) -> list:
     errors and stall reports (e.g. "DistributedDataParallel construction: model check")."""
     if comm.world_size == 1:
         return [obj]
-    payload = _encode(obj, comm.device)
-    sizes = _exchange_headers(comm, payload.numel(), tag)
-    width = max(sizes)
-    padded = _padded(payload, width)
-    out = torch.empty(width * comm.world_size, dtype=torch.uint8, device=comm.device)
-    comm.all_gather(out, padded, tag=tag)
+    sizes, row = _rows(comm, obj, tag)
+    out = torch.empty(row.numel() * comm.world_size, dtype=torch.uint8, device=comm.device)
+    comm.all_gather(out, row, tag=tag)
     return _decode_rows(out, sizes)
 
 
@@ -48,12 +45,9 @@ def gather_object(comm: Communicator, obj: Any, dst: int, *, tag: str) -> Option
     collective; only ``dst`` receives the payloads."""
     if comm.world_size == 1:
         return [obj]
-    payload = _encode(obj, comm.device)
-    sizes = _exchange_headers(comm, payload.numel(), tag)
-    width = max(sizes)
-    padded = _padded(payload, width)
-    out = torch.empty(width * comm.world_size, dtype=torch.uint8, device=comm.device) if comm.rank == dst else None
-    comm.gather(out, padded, dst, tag=tag)
+    sizes, row = _rows(comm, obj, tag)
+    out = torch.empty(row.numel() * comm.world_size, dtype=torch.uint8, device=comm.device) if comm.rank == dst else None
+    comm.gather(out, row, dst, tag=tag)
     return _decode_rows(out, sizes) if out is not None else None
 
 
@@ -67,6 +61,14 @@ def broadcast_object(comm: Communicator, obj: Any, src: int, *, tag: str) -> Any
         payload = torch.empty(sizes[src], dtype=torch.uint8, device=comm.device)
     comm.broadcast(payload, src, tag=tag)
     return obj if comm.rank == src else _decode_rows(payload, [sizes[src]])[0]
+
+
+def _rows(comm: Communicator, obj: Any, tag: str):
+    """Every rank's payload size (after the header exchange) and this rank's payload padded
+    to the largest: equal rows, as all-gather and gather need."""
+    payload = _encode(obj, comm.device)
+    sizes = _exchange_headers(comm, payload.numel(), tag)
+    return sizes, _padded(payload, max(sizes))
 
 
 def _monitored(comm: Communicator) -> None:

@@ -10,6 +10,7 @@ end in an exception (early termination, a divergence) come last.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -65,8 +66,8 @@ def _ddp_case(rank, world, opt_name, divide):
     # Training goes on after the context, in step with torch.
     opt_ref, opt_ours = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(ours.parameters(), lr=0.05)
     x, y = _batch(rank, 99)
-    _train(ref, opt_ref, [(x, y)], _null())
-    _train(ours, opt_ours, [(x, y)], _null())
+    _train(ref, opt_ref, [(x, y)], contextlib.nullcontext())
+    _train(ours, opt_ours, [(x, y)], contextlib.nullcontext())
     ours.check_consistency()
     return _max_diff(ref.module, ours.module)
 
@@ -155,14 +156,6 @@ def _divergence_case(rank, world):
     except fusedist.RankMismatchError as exc:
         return str(exc)
     return None
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _worker(rank, world):

@@ -212,24 +212,7 @@ def _regrow_state(zero, old, part) -> None:
     zero._piece_grad_source = zero._grad_shards
     zero._pieces = tensors
     if zero.overlap_param_gather:
-        _hook_new_buckets(zero, part.bucket_shards[len(old.bucket_shards):])
-
-
-def _hook_new_buckets(zero, shards) -> None:
-    """Forward pre-hooks waiting for the new buckets' gathers (Note [overlapped parameter gathers])."""
-    buckets_of: dict = {}
-    for bs in shards:
-        for p in bs.bucket.params:
-            buckets_of.setdefault(p, set()).add(bs.bucket.index)
-    for module in zero.ddp.module.modules():
-        needed = set()
-        for p in module._parameters.values():
-            if p is not None and p in buckets_of:
-                needed |= buckets_of[p]
-        if needed:
-            indices = sorted(needed)
-            zero._forward_hooks.append(module.register_forward_pre_hook(
-                lambda _m, _inp, indices=indices: zero._wait_buckets(indices)))
+        zero._hook_buckets(part.bucket_shards[len(old.bucket_shards):])
 
 
 def store_caught_up(zero, reducer, accumulate: bool) -> None:

@@ -327,9 +327,11 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
             self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
         self._record_param_versions()
 
-    def _install_forward_hooks(self) -> None:
+    def _hook_buckets(self, shards) -> None:
+        """Forward pre-hooks: each module waits for the gathers of the buckets holding its
+        parameters (Note [overlapped parameter gathers])."""
         buckets_of: dict = {}
-        for bs in self._partition.bucket_shards:
+        for bs in shards:
             for p in bs.bucket.params:
                 buckets_of.setdefault(p, set()).add(bs.bucket.index)
         for module in self.ddp.module.modules():
@@ -341,6 +343,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
                 indices = sorted(needed)
                 self._forward_hooks.append(module.register_forward_pre_hook(
                     lambda _m, _inp, indices=indices: self._wait_buckets(indices)))
+
+    def _install_forward_hooks(self) -> None:
+        self._hook_buckets(self._partition.bucket_shards)
         # Note [hooks inside compiled modules]: where hooks may not fire, the DDP wrapper waits.
         self._compiled_inside = _uses_compile(self.ddp.module)
         self.ddp.add_param_waiter(self._wait_before_forward)

@@ -168,14 +168,14 @@ def test_lazy_unscale_does_not_write_gradients():
     _backward(scaler, params, 0)
     scaled = [p.grad.clone() for p in params]
     scaler.unscale_(opt)
-    assert opt._fusedist_inv_scale is not None and opt.found_inf is None
+    assert opt.step_context.inv_scale is not None and opt.found_inf is None
     fusedist.clip_grad_norm_(params, 1e-3)
-    assert opt._fusedist_clip_coef is not None
+    assert opt.step_context.clip_coef is not None
     scaler.step(opt)
     for p, g in zip(params, scaled):
         assert torch.equal(p.grad, g)
     # The protocol attributes are consumed by the step.
-    assert opt.grad_scale is None and opt.found_inf is None and opt._fusedist_clip_coef is None
+    assert opt.grad_scale is None and opt.found_inf is None and opt.step_context.clip_coef is None
     scaler.update()
 
 

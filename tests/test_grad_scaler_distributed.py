@@ -62,7 +62,7 @@ def _sharded_vs_torch(rank, world_size):
         norm = clip_grad_norm_(ours, 1.0)
         ref_norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
-        assert opt._fusedist_clip_coef is not None, "fast path expected"
+        assert opt.step_context.clip_coef is not None, "fast path expected"
         scaler.step(opt)
         ref_scaler.step(ref)
         scaler.update()

@@ -54,7 +54,7 @@ class ProtocolScaler:
     def unscale_(self, opt):
         inv = self.scale.double().reciprocal().float()
         self.found, sumsq = opt._fusedist_check_and_norm(inv)
-        opt._fusedist_inv_scale, opt._fusedist_grad_sumsq = inv, sumsq
+        opt.step_context.inv_scale, opt.step_context.grad_sumsq = inv, sumsq
 
     def step(self, opt):
         if self.found is None:

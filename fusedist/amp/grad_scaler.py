@@ -4,19 +4,19 @@
 An optimizer opts in with the class attribute ``_fusedist_fused = True`` (fusedist's fused
 optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
 
-* ``step(closure=None)`` that reads, applies and then clears (sets to None) these attributes:
+* ``step(closure=None)`` that reads, applies and then clears torch's two attributes and the
+  step context:
 
   - ``grad_scale``: Tensor or None. The loss scale; the gradients are divided by it inline.
     Set by ``GradScaler.step`` when ``unscale_`` was not called (same name and meaning as
     torch's fused Adam); None after ``unscale_``.
-  - ``_fusedist_inv_scale``: Tensor or None. Set by ``GradScaler.unscale_``: the gradients are
-    *logically* unscaled but still hold the scaled values; the update multiplies by it inline.
-  - ``_fusedist_clip_coef``: Tensor or None. Set by ``fusedist.clip_grad_norm_`` (fast path);
-    the update multiplies the gradients by it inline.
   - ``found_inf``: Tensor or None. 1-element fp32 on the device; when nonzero the step writes
     nothing and does not advance the step count (decided on the device).
-  - ``_fusedist_grad_sumsq``: Tensor or None. Set by ``unscale_``: global sum of squares of the
-    unscaled gradients, read by ``clip_grad_norm_``.
+  - ``step_context`` (:class:`fusedist.optim.step_context.StepContext`): ``inv_scale`` (set by
+    a lazy ``unscale_``: the gradients still hold the scaled values and the update multiplies
+    by it inline), ``clip_coef`` (set by ``fusedist.clip_grad_norm_``'s fast path; applied
+    inline), ``grad_sumsq`` (set by ``unscale_``: the global sum of squares of the unscaled
+    gradients, read by the clip) and ``grad_versions``.
 
 * ``_fusedist_check_and_norm(inv_scale) -> (found_inf, sumsq)``: one read-only pass over
   ``_fusedist_local_grads()`` (the gradients this rank steps); it must return the *global*
@@ -30,7 +30,7 @@ optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
   ``clip_grad_norm_`` compares its argument with to take the fast path; for ZeRO, every model
   parameter).
 * ``_fusedist_materialize_unscale()``: multiply the gradients by a pending
-  ``_fusedist_inv_scale`` in place and clear it (slow path for callers needing real values).
+  ``step_context.inv_scale`` in place and clear it (slow path for callers needing real values).
 
 With ``GradScaler(lazy_unscale=True)`` the iteration then costs two passes over the
 gradients and no host synchronization (the default adds an in-place unscale to pass 1, Note
@@ -76,7 +76,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ..optim.clip import register_pending_unscale
+from ..optim.step_context import mark_pending
 
 MIN_SCALE_POLICIES = ("warn", "raise")
 
@@ -190,16 +190,17 @@ class GradScaler(_TorchGradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         # Reciprocal in fp64, as torch does.
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
+        ctx = optimizer.step_context
         if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]
             found_inf, sumsq = optimizer._fusedist_check_norm_and_unscale(inv_scale)
-            optimizer._fusedist_inv_scale = None
+            ctx.inv_scale = None
         else:
             found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
-            optimizer._fusedist_inv_scale = inv_scale
-        optimizer._fusedist_grad_sumsq = sumsq
-        optimizer._fusedist_clip_coef = None
+            ctx.inv_scale = inv_scale
+        ctx.grad_sumsq = sumsq
+        ctx.clip_coef = None
         optimizer._fusedist_record_grad_versions()  # Note [gradients changed after unscale_]
-        register_pending_unscale(optimizer)
+        mark_pending(optimizer)
         optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
         optimizer_state["stage"] = OptState.UNSCALED
 
@@ -212,7 +213,7 @@ class GradScaler(_TorchGradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if optimizer._fusedist_inv_scale is not None:  # lazy: Note [gradients changed after unscale_]
+        if optimizer.step_context.inv_scale is not None:  # lazy: Note [gradients changed after unscale_]
             optimizer._fusedist_check_grads_since_unscale()
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)

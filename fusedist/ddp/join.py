@@ -350,7 +350,7 @@ class JoinableOptimizer(Joinable):
         if self._join_shadowing:
             return
         notify(self)
-        if self.grad_scale is not None or self._fusedist_inv_scale is not None:
+        if self.grad_scale is not None or self.step_context.inv_scale is not None:
             raise NotImplementedError(
                 "ZeroRedundancyOptimizer under join (uneven inputs): a GradScaler is not supported yet "
                 "(a joined rank cannot follow the loss scale); train without the scaler (bf16 or fp32) "

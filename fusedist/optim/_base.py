@@ -113,7 +113,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 loss = closure()
         try:
             inv_scale = self._effective_inv_scale()
-            clip_coef = self._fusedist_clip_coef
+            clip_coef = self.step_context.clip_coef
             found_inf = self.found_inf
             if found_inf is not None:
                 found_inf = found_inf.reshape(1).to(torch.float32)

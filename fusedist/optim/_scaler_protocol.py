@@ -4,7 +4,8 @@ fusedist/amp/grad_scaler.py), shared by the fused optimizers and ZeroRedundancyO
 A subclass says which gradients it reads (:meth:`_fusedist_local_grads`), which parameters the
 global norm covers (:meth:`_fusedist_grad_params`) and, when it is sharded, how the local
 found-inf flag and sum of squares become global (:meth:`_fusedist_reduce_found_inf_and_norm`).
-The bookkeeping of the scale, the pending unscale and the clip coefficient lives here once.
+What the scaler and clip decided for the next step lives in one :class:`StepContext`
+(``optimizer.step_context``), which ``step()`` consumes and clears.
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ from typing import Optional
 
 import torch
 
+from .step_context import StepContext
+
 
 class ScalerProtocol:
     # Note [scaler protocol]: marks the optimizer for fusedist.amp.GradScaler.
     _fusedist_fused = True
 
     def _fusedist_clear_protocol(self) -> None:
+        """After a step (or at construction): torch's two attributes and the step context."""
         self.grad_scale: Optional[torch.Tensor] = None
         self.found_inf: Optional[torch.Tensor] = None
-        self._fusedist_inv_scale: Optional[torch.Tensor] = None
-        self._fusedist_clip_coef: Optional[torch.Tensor] = None
-        self._fusedist_grad_sumsq: Optional[torch.Tensor] = None
-        self._fusedist_grad_versions: Optional[list] = None
+        if "step_context" not in self.__dict__:
+            self.step_context = StepContext()
+        self.step_context.clear()
 
     # Note [gradients changed after unscale_]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,16 +39,16 @@ class ScalerProtocol:
     # lazy unscale_ followed by writes raises at step() instead of stepping silently wrong.
     def _fusedist_record_grad_versions(self) -> None:
         # Addresses, not ids: a sharded optimizer hands out fresh views of the same shards.
-        self._fusedist_grad_versions = [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
+        self.step_context.grad_versions = [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
 
     def _fusedist_check_grads_since_unscale(self) -> bool:
         """Whether the gradients were written or replaced since unscale_ recorded them; raises
         when they were while a lazy unscale_ is pending (they held the scaled values)."""
-        recorded = self._fusedist_grad_versions
+        recorded = self.step_context.grad_versions
         if recorded is None:
             return False
         written = recorded != [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
-        if written and self._fusedist_inv_scale is not None:
+        if written and self.step_context.inv_scale is not None:
             raise RuntimeError(
                 f"fusedist: {type(self).__name__}'s gradients were written after "
                 "GradScaler(lazy_unscale=True).unscale_, while they still held the *scaled* values (e.g. "
@@ -96,38 +99,43 @@ class ScalerProtocol:
         caller that needs unscaled ``.grad`` values and may change them (clip_grad_norm_ on a
         different set of parameters): the recorded norm is dropped either way. Afterwards the
         optimizer behaves as after torch's ``unscale_``."""
-        self._fusedist_grad_sumsq = None
-        inv = self._fusedist_inv_scale
+        ctx = self.step_context
+        ctx.grad_sumsq = None
+        inv = ctx.inv_scale
         if inv is None:
             return
         grads = self._fusedist_unscale_targets()
         if grads:
             torch._foreach_mul_(grads, inv.reshape(()))
-        self._fusedist_inv_scale = None
+        ctx.inv_scale = None
 
     def _effective_inv_scale(self) -> Optional[torch.Tensor]:
-        if self.grad_scale is not None:
-            # torch computes the reciprocal in fp64 (fp32 division can be imprecise).
-            return self.grad_scale.double().reciprocal().float().reshape(1)
-        if self._fusedist_inv_scale is not None:
-            return self._fusedist_inv_scale.reshape(1)
-        return None
+        return self.step_context.effective_inv_scale(self.grad_scale)
 
-    def _fusedist_record_clip(self, sumsq: torch.Tensor, max_norm: float, error_if_nonfinite: bool,
-                              norm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Record the clip coefficient for a global sum of squares; return the total norm
-        (before clipping) in ``norm_dtype``, as torch's clip_grad_norm_ does. The optimizer
-        applies the coefficient inline in its update: no gradient is touched here."""
-        prev = self._fusedist_clip_coef
-        if prev is not None:  # clipped twice: the second norm sees the first clip
-            sumsq = sumsq * prev.reshape(sumsq.shape) ** 2
-        total_norm = sumsq.sqrt().reshape(()).to(norm_dtype)
-        if error_if_nonfinite and bool(torch.logical_or(total_norm.isnan(), total_norm.isinf())):
-            raise RuntimeError(
-                "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite "
-                "norm anyway, set `error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).float().reshape(1)
-        self._fusedist_clip_coef = coef if prev is None else prev.reshape(1) * coef
-        return total_norm
+    # -- transitional names for the step context's fields (ZeroRedundancyOptimizer's) ----------
+    @property
+    def _fusedist_inv_scale(self):
+        return self.step_context.inv_scale
+
+    @_fusedist_inv_scale.setter
+    def _fusedist_inv_scale(self, value):
+        self.step_context.inv_scale = value
+
+    @property
+    def _fusedist_clip_coef(self):
+        return self.step_context.clip_coef
+
+    @_fusedist_clip_coef.setter
+    def _fusedist_clip_coef(self, value):
+        self.step_context.clip_coef = value
+
+    @property
+    def _fusedist_grad_sumsq(self):
+        return self.step_context.grad_sumsq
+
+    @_fusedist_grad_sumsq.setter
+    def _fusedist_grad_sumsq(self, value):
+        self.step_context.grad_sumsq = value
+
+    def _fusedist_record_clip(self, sumsq, max_norm, error_if_nonfinite, norm_dtype=torch.float32):
+        return self.step_context.record_clip(sumsq, max_norm, error_if_nonfinite, norm_dtype)

@@ -5,42 +5,24 @@ Fast path (Note [scaler protocol] in fusedist/amp/grad_scaler.py): ``unscale_`` 
 optimizer recorded the global sum of squares of the unscaled gradients in its check pass (and,
 with ``lazy_unscale=True``, left the gradients scaled, recording ``inv_scale`` for the update).
 When ``clip_grad_norm_`` is then called with exactly the parameters that optimizer covers and
-``norm_type=2``, the total norm is ``sqrt(sumsq)`` and the clip coefficient is recorded on the
-optimizer, which applies it inline in its update. Everything else (other parameter sets, other
+``norm_type=2``, the total norm is ``sqrt(sumsq)`` and the clip coefficient is recorded in the
+optimizer's step context, which its update applies inline. Everything else (other parameter sets, other
 norms, no recorded norm) runs torch's own ``clip_grad_norm_``, after applying any pending
 unscale to the gradients so they hold the values torch expects.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, Union
 
 import torch
 
-_pending_unscale: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def register_pending_unscale(optimizer) -> None:
-    """Called by GradScaler.unscale_ on a fused optimizer: it recorded the global norm of the
-    unscaled gradients (which may still hold the scaled values: ``lazy_unscale``)."""
-    _pending_unscale.add(optimizer)
-
-
-def _pending_optimizers() -> list:
-    """Optimizers whose gradients' norm was recorded by ``unscale_`` and not used up since."""
-    live = []
-    for opt in list(_pending_unscale):
-        if getattr(opt, "_fusedist_grad_sumsq", None) is None:
-            _pending_unscale.discard(opt)
-        else:
-            live.append(opt)
-    return live
-
+from .step_context import pending_contexts
 
 def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
     # torch returns the norm in the gradients' dtype and computes the coefficient in it.
-    return opt._fusedist_record_clip(opt._fusedist_grad_sumsq, max_norm, error_if_nonfinite, grads[0].dtype)
+    ctx = opt.step_context
+    return ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, grads[0].dtype)
 
 
 def clip_grad_norm_(
@@ -79,13 +61,13 @@ def clip_grad_norm_(
     max_norm = float(max_norm)
     with_grad = [p for p in params if p.grad is not None]
     ids = {id(p) for p in with_grad}
-    pending = _pending_optimizers() if ids else []
+    pending = pending_contexts() if ids else []
     for opt in pending:
         if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
-            opt._fusedist_grad_sumsq = None  # stale: measured afresh below
+            opt.step_context.grad_sumsq = None  # stale: measured afresh below
     if pending and float(norm_type) == 2.0:
         for opt in pending:
-            if opt._fusedist_grad_sumsq is None:
+            if opt.step_context.grad_sumsq is None:
                 continue
             if {id(p) for p in opt._fusedist_grad_params()} == ids:
                 return _record_clip(opt, [p.grad for p in with_grad], max_norm, error_if_nonfinite)

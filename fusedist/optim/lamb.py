@@ -55,7 +55,7 @@ class FusedLAMB(FusedOptimizerBase):
             with torch.enable_grad():
                 loss = closure()
         # apex clips with the norm over every parameter of every group: compute it once.
-        factor = functional._effective_factor(self._effective_inv_scale(), self._fusedist_clip_coef)
+        factor = functional._effective_factor(self._effective_inv_scale(), self.step_context.clip_coef)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
         try:

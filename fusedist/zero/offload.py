@@ -174,7 +174,7 @@ class HostShardOffload:
     def _host_scalars(self):
         """found_inf, inv_scale, clip_coef as 1-element fp32 host tensors (or None)."""
         z = self.zero
-        values = [z.found_inf, z._effective_inv_scale(), z._fusedist_clip_coef]
+        values = [z.found_inf, z._effective_inv_scale(), z.step_context.clip_coef]
         present = [v.reshape(1).float() for v in values if v is not None]
         if not present:
             return None, None, None

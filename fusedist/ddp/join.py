@@ -197,8 +197,6 @@ def _static_sync_bn_trace(ddp) -> list:
     """The model's training SyncBatchNorm layers in registration order, for a rank that never
     ran a forward under the context; a layer's input needs a gradient if any parameter
     registered before it is trainable."""
-    from ..nn._bn_reference import acc_dtype  # noqa: F401 (dtype of the statistics)
-
     trace = []
     seen_trainable = False
     for module in ddp.module.modules():

@@ -207,13 +207,14 @@ def cpu_extension() -> Extension | None:
 
 
 class BuildExt(build_ext):
-    """build_ext that compiles ``.cu`` files with nvcc and tolerates optional failures."""
+    """build_ext that builds the CUDA extension itself (nvcc for any ``.cu`` file, g++ for the
+    host code) and tolerates optional failures."""
 
     def build_extension(self, ext: Extension) -> None:
         ext.include_dirs.append(_pybind11_include())
         ext.include_dirs.append(sysconfig.get_paths()["include"])
         try:
-            if any(src.endswith(".cu") for src in ext.sources):
+            if getattr(ext, "_fusedist_cuda_home", None):
                 self._build_with_nvcc(ext)
             else:
                 flags = ext.extra_compile_args
@@ -247,7 +248,7 @@ class BuildExt(build_ext):
             commands.append(cmd)
             objects.append(obj)
         # The translation units are independent: compile them concurrently (the pybind11
-        # bindings and the nvcc unit dominate the build time).
+        # bindings dominate the build time).
         from concurrent.futures import ThreadPoolExecutor
 
         jobs = max(1, min(len(commands), os.cpu_count() or 1))

@@ -1,4 +1,4 @@
-"""Direct-NCCL communicator and C++ bucket reducer vs torch.distributed's NCCL, one GPU.
+"""Direct-NCCL communicator vs torch.distributed's NCCL, one GPU.
 
 World size 1 (NCCL refuses two ranks on one GPU), so this measures what fusedist adds or saves
 per collective -- Python and launch overhead, stream/event plumbing, host waiting -- not link
@@ -70,39 +70,6 @@ def bench_collectives(ours, theirs, iters: int) -> list[dict]:
     return rows
 
 
-def bench_reducer(ours, theirs, iters: int) -> list[dict]:
-    """One DDP iteration's gradient sync: 16 buckets x 8 gradients of 4 MiB buckets."""
-    from fusedist.comm.cuda_reducer import CudaBucketReducer
-
-    n_buckets, grads = 16, 8
-    buckets = [torch.randn(1 << 20, device="cuda") for _ in range(n_buckets)]
-    reducer = CudaBucketReducer(ours, buckets, [grads] * n_buckets, divide_factor=2.0)
-    order = [b for b in range(n_buckets) for _ in range(grads)]
-
-    def fusedist_step():
-        for b in order:
-            reducer.mark_ready(b)
-        reducer.finalize()
-
-    def torch_step():
-        # The Python bookkeeping a DDP written on torch.distributed does per gradient.
-        pending = [grads] * n_buckets
-        handles, next_launch = [], 0
-        for b in order:
-            pending[b] -= 1
-            while next_launch < n_buckets and pending[next_launch] == 0:
-                handles.append(theirs.all_reduce(buckets[next_launch], async_op=True))
-                next_launch += 1
-        for h, buf in zip(handles, buckets):
-            h.wait()
-            buf.div_(2.0)
-
-    ours_us = _per_call_us(fusedist_step, max(1, iters // 10))
-    torch_us = _per_call_us(torch_step, max(1, iters // 10))
-    return [{"case": f"bucket reducer: {n_buckets} buckets x {grads} grads, 4 MiB each, mark+finalize",
-             "fusedist_us": ours_us, "torch_us": torch_us, "ratio": ours_us / torch_us}]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda"], help="only cuda is meaningful")
@@ -121,7 +88,7 @@ def main() -> None:
         dist.init_process_group("nccl", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
         try:
             ours, theirs = NcclCommunicator(), TorchCommunicator()
-            rows = bench_collectives(ours, theirs, args.iters) + bench_reducer(ours, theirs, args.iters)
+            rows = bench_collectives(ours, theirs, args.iters)
         finally:
             dist.destroy_process_group()
 

@@ -9,11 +9,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "bucket_reducer.h"
 #include "checks.h"
 #include "comm_stream.h"
 #include "communicator.h"
-#include "kernels.h"
 #include "nccl_api.h"
 
 namespace py = pybind11;
@@ -41,14 +39,6 @@ int nccl_version() {
   int version = 0;
   FUSEDIST_NCCL_CHECK(nccl().GetVersion(&version));
   return version;
-}
-
-void scale_(uintptr_t data, size_t count, int dtype, double factor, uintptr_t stream, int device) {
-  check_scale_dtype(dtype);
-  DeviceGuard guard(device);
-  check_stream_device(as_stream(stream), device, "scale_");
-  if (count > 0) check_device_pointer(reinterpret_cast<const void*>(data), device, "scale_");
-  launch_scale(reinterpret_cast<void*>(data), count, dtype, factor, as_stream(stream));
 }
 
 }  // namespace
@@ -79,9 +69,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("nccl_version", &nccl_version);
   m.def("get_unique_id", &get_unique_id,
         "A fresh 128-byte ncclUniqueId (call on one rank, share with all).");
-  m.def("scale_", &scale_, py::arg("data"), py::arg("count"), py::arg("dtype"),
-        py::arg("factor"), py::arg("stream"), py::arg("device"),
-        "In-place data *= factor on `stream` (floating NCCL dtype codes only).");
 
   py::class_<Event, std::shared_ptr<Event>>(m, "Event")
       .def(py::init<int>(), py::arg("device"))
@@ -125,8 +112,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("what") = "all_gather")
       .def("broadcast", &NcclComm::broadcast, py::arg("send"), py::arg("recv"), py::arg("count"),
            py::arg("dtype"), py::arg("root"), py::arg("stream"), py::arg("what") = "broadcast")
-      .def("group_start", &NcclComm::group_start)
-      .def("group_end", &NcclComm::group_end)
       .def("check_async_error", &NcclComm::check_async_error, py::arg("what"))
       .def("wait", &NcclComm::wait, py::arg("done"), py::arg("timeout_s"), py::arg("what"),
            py::call_guard<py::gil_scoped_release>())
@@ -134,49 +119,4 @@ PYBIND11_MODULE(_C, m) {
       .def("destroy", &NcclComm::destroy, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("aborted", &NcclComm::is_aborted)
       .def_property_readonly("abort_reason", &NcclComm::abort_reason);
-
-  py::class_<BucketSchedule>(m, "BucketSchedule")
-      .def(py::init<std::vector<int>>(), py::arg("grads_per_bucket"))
-      .def("mark_ready", &BucketSchedule::mark_ready, py::arg("bucket"))
-      .def("check_complete", &BucketSchedule::check_complete)
-      .def("reset", &BucketSchedule::reset)
-      .def_property_readonly("num_buckets", &BucketSchedule::num_buckets)
-      .def_property_readonly("launched_count", &BucketSchedule::launched_count)
-      .def("ready_count", &BucketSchedule::ready_count, py::arg("bucket"))
-      .def("expected_count", &BucketSchedule::expected_count, py::arg("bucket"));
-
-  py::class_<BucketReducer>(m, "BucketReducer")
-      .def(py::init([](std::shared_ptr<NcclComm> comm, std::shared_ptr<CommStream> stream,
-                       std::vector<uintptr_t> data, std::vector<size_t> numels,
-                       std::vector<int> dtypes, std::vector<int> grads_per_bucket,
-                       std::vector<std::string> tags, double predivide, double divide,
-                       std::vector<uintptr_t> shards) {
-             const size_t n = data.size();
-             if (numels.size() != n || dtypes.size() != n || tags.size() != n ||
-                 (!shards.empty() && shards.size() != n)) {
-               throw std::invalid_argument(
-                   "fusedist: BucketReducer needs equally long data/numels/dtypes/tags(/shards) "
-                   "lists");
-             }
-             std::vector<Bucket> buckets;
-             for (size_t i = 0; i < n; ++i) {
-               buckets.push_back({data[i], numels[i], dtypes[i], tags[i],
-                                  shards.empty() ? uintptr_t(0) : shards[i]});
-             }
-             return new BucketReducer(std::move(comm), std::move(stream), std::move(buckets),
-                                      std::move(grads_per_bucket), predivide, divide);
-           }),
-           py::arg("comm"), py::arg("stream"), py::arg("data"), py::arg("numels"),
-           py::arg("dtypes"), py::arg("grads_per_bucket"), py::arg("tags"),
-           py::arg("predivide"), py::arg("divide"), py::arg("shards") = std::vector<uintptr_t>{})
-      .def("mark_ready", &BucketReducer::mark_ready, py::arg("bucket"), py::arg("producer_stream"))
-      .def("finalize", &BucketReducer::finalize, py::arg("consumer_stream"), py::arg("timeout_s"),
-           py::arg("blocking") = true, py::call_guard<py::gil_scoped_release>())
-      .def("reset", &BucketReducer::reset, py::arg("timeout_s"),
-           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_buckets", &BucketReducer::num_buckets)
-      .def_property_readonly("launched_count",
-                             [](const BucketReducer& r) { return r.schedule().launched_count(); })
-      .def("ready_count",
-           [](const BucketReducer& r, int b) { return r.schedule().ready_count(b); });
 }

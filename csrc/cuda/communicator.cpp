@@ -120,9 +120,6 @@ void NcclComm::broadcast(uintptr_t send, uintptr_t recv, size_t count, int dtype
                                        as_stream(stream)));
 }
 
-void NcclComm::group_start() { FUSEDIST_NCCL_CHECK(nccl().GroupStart()); }
-void NcclComm::group_end() { FUSEDIST_NCCL_CHECK(nccl().GroupEnd()); }
-
 void NcclComm::check_async_error(const std::string& what) {
   ncclComm_t comm = live(what);
   ncclResult_t async_error = ncclSuccess;

@@ -42,10 +42,6 @@ class NcclComm {
   void broadcast(uintptr_t send, uintptr_t recv, size_t count, int dtype, int root,
                  uintptr_t stream, const std::string& what);
 
-  // ncclGroupStart/End: collectives issued in between are launched together.
-  void group_start();
-  void group_end();
-
   // Poll once for an asynchronous NCCL error; on one, abort and throw NcclError naming `what`.
   void check_async_error(const std::string& what);
   // Block the host until `done` has completed, polling for asynchronous errors. After

@@ -64,8 +64,6 @@ struct NcclApi {
                             ncclComm_t comm, cudaStream_t stream);
   ncclResult_t (*Broadcast)(const void* send, void* recv, size_t count, ncclDataType_t dtype,
                             int root, ncclComm_t comm, cudaStream_t stream);
-  ncclResult_t (*GroupStart)();
-  ncclResult_t (*GroupEnd)();
 };
 
 // Load NCCL from `path` ("" means the default search: $FUSEDIST_NCCL_LIBRARY, else
@@ -83,6 +81,5 @@ std::string nccl_library_path();
 // Element size in bytes of an ncclDataType_t code; throws std::invalid_argument naming the
 // code for values outside the table above.
 size_t nccl_dtype_size(int dtype);
-const char* nccl_dtype_name(int dtype);
 
 }  // namespace fusedist

@@ -59,8 +59,6 @@ const NcclApi& load_nccl(const std::string& requested) {
     bind(lib, "ncclReduceScatter", api.ReduceScatter, path);
     bind(lib, "ncclAllGather", api.AllGather, path);
     bind(lib, "ncclBroadcast", api.Broadcast, path);
-    bind(lib, "ncclGroupStart", api.GroupStart, path);
-    bind(lib, "ncclGroupEnd", api.GroupEnd, path);
   } catch (...) {
     dlclose(lib);
     throw;
@@ -113,12 +111,6 @@ size_t nccl_dtype_size(int dtype) {
                                   " (supported: int8, uint8, int32, uint32, int64, uint64, "
                                   "float16, float32, float64, bfloat16)");
   }
-}
-
-const char* nccl_dtype_name(int dtype) {
-  static const char* names[] = {"int8",    "uint8",   "int32",   "uint32",  "int64",
-                                "uint64",  "float16", "float32", "float64", "bfloat16"};
-  return (dtype >= 0 && dtype <= ncclBfloat16) ? names[dtype] : "unknown";
 }
 
 }  // namespace fusedist

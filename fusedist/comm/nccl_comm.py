@@ -279,10 +279,6 @@ class NcclCommunicator(Communicator):
                     f"(get_communicator(device=...))"
                 )
 
-    @staticmethod
-    def _comm_extension():
-        return _extension.require("_C")
-
     @property
     def comm_stream(self) -> torch.cuda.Stream:
         """The dedicated comm stream as a torch stream (read-only use: record_stream, events)."""

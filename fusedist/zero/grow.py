@@ -32,32 +32,6 @@ from . import state as zstate
 from .partition import FlatParams, FlatPartition
 
 
-def find_ddp(zero):
-    """The fusedist DDP model owning the trainable parameters (None without one). Parameters
-    the model does not reduce yet are accepted if they are the model's: trainable since it
-    was wrapped, it takes them on at its next training forward."""
-    trainable = zero._trainable_params()
-    owners = {id(d): d for d in (getattr(p, "_fusedist_ddp", None) for p in trainable) if d is not None}
-    ddp = next(iter(owners.values()), None)
-    module_params = set(ddp.module.parameters()) if ddp is not None else set()
-    if len(owners) > 1 or any(getattr(p, "_fusedist_ddp", None) is None and p not in module_params
-                              for p in trainable) and ddp is not None:
-        raise ValueError(
-            "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
-            "models (or some to none); give one optimizer the parameters of one DDP model"
-        )
-    if ddp is None:
-        return None
-    missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in set(zero._params)]
-    if missing:
-        raise ValueError(
-            f"ZeroRedundancyOptimizer: the optimizer must own every trainable parameter of its DDP model "
-            f"(it shards along DDP's gradient buckets); missing: {missing[:10]}. Set requires_grad=False "
-            "on parameters you do not train before wrapping the model in DistributedDataParallel."
-        )
-    return ddp
-
-
 def refresh_sharded(zero) -> None:
     """Before the partition exists: the parameters to shard are those DDP reduces (with DDP),
     or those trainable now."""
@@ -212,7 +186,7 @@ def _regrow_state(zero, old, part) -> None:
     zero._piece_grad_source = zero._grad_shards
     zero._pieces = tensors
     if zero.overlap_param_gather:
-        zero._hook_buckets(part.bucket_shards[len(old.bucket_shards):])
+        zero._gatherer.hook_buckets(zero.ddp.module, part.bucket_shards[len(old.bucket_shards):])
 
 
 def store_caught_up(zero, reducer, accumulate: bool) -> None:

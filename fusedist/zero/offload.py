@@ -210,7 +210,7 @@ class HostShardOffload:
     @torch.no_grad()
     def step(self, stepped) -> None:
         """One optimizer step over every bucket (Note [offload pipeline]); issues the
-        parameter all-gathers like ``ZeroRedundancyOptimizer._publish_params``. Pieces with
+        parameter all-gathers like ``ParamGatherer.publish`` (``gather.py``). Pieces with
         ``stepped[k]`` False (parameters without a gradient) are left unchanged, their step
         count included."""
         from ..optim._cpu_adam import adam_update
@@ -262,9 +262,7 @@ class HostShardOffload:
                     **hyper[piece.group])
             self._copy_up(bs, staging if staging is not None else master)
             if z.world_size > 1:
-                z._gather_handles[index] = z.comm.all_gather(
-                    fp.bucket_view(bs), fp.shard_view(bs), async_op=True,
-                    tag=f"zero param gather bucket {index}")
+                z._gatherer.gather(fp, bs)
         for st in states:
             if st is not None:
                 st["step"] += 1

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import get_communicator
 from ..comm.objects import gather_object
+from .._tensor_tree import to_cpu as _to_cpu
 from ..optim._scaler_protocol import ScalerProtocol
-from ..reliability import attach_monitor
 from . import state as zstate
-from .grad_sync import ReduceScatterToShard, grad_buffers_allocated, release_grad_buffers
+from . import wiring
+from .gather import ParamGatherer
+from .grad_sync import grad_buffers_allocated
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
 from . import grow
 from .partition import FlatParams, FlatPartition, bucketize
@@ -162,24 +161,15 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
                 check_offload_group(group, gi)
         self._offload: Optional[HostShardOffload] = None
 
-        self.ddp = self._find_ddp()
-        if self.ddp is not None:
-            self.ddp.reducer.append_only = True  # the shards follow its buckets: grow, never move
-            if process_group is not None and process_group is not self.ddp.process_group:
-                raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
-            self.comm = self.ddp.comm
-        elif dist.is_available() and dist.is_initialized():
-            self.comm = get_communicator(process_group, self._device)
-            attach_monitor(self.comm)  # [reliability] stall reports without a DDP model too
-        else:
-            self.comm = None  # a single process without torch.distributed
-        self.process_group = process_group if self.ddp is None else self.ddp.process_group
+        self.ddp, self.comm, self.process_group = wiring.connect(
+            self._trainable_params(), self._params, process_group, self._device)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
         self.overlap_param_gather = overlap_param_gather and self.ddp is not None
+        self._gatherer = ParamGatherer(self.comm, self.world_size, self.overlap_param_gather)
         if stage == 2:
-            self._install_stage2()
+            wiring.install_stage2(self)
 
         self._partition: Optional[FlatPartition] = None
         self._grad_shards: dict[torch.dtype, torch.Tensor] = {}
@@ -188,8 +178,6 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
         self._masters: dict[torch.dtype, torch.Tensor] = {}
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
-        self._gather_handles: dict[int, object] = {}
-        self._forward_hooks: list = []
         self._pending_load: Optional[tuple] = None
         # [state dicts] consolidate_state_dict's full state on its ``to`` rank, returned by
         # state_dict() until a step or load changes the state, as torch's optimizer does.
@@ -229,30 +217,8 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
         label = f"parameter {index}" + (f" ('{name}'" if name else " (")
         return f"{label}{', ' if name else ''}shape {tuple(p.shape)})"
 
-    def _find_ddp(self):
-        # Frozen parameters are not DDP's (it reduces only trainable ones) and never communicated.
-        return grow.find_ddp(self)
-
-    def _install_stage2(self) -> None:
-        if self.ddp is None:
-            raise ValueError(
-                "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "
-                "model: gradients are reduce-scattered by its backward hooks. Wrap the model, or use stage=1."
-            )
-        reducer = self.ddp.reducer
-        if isinstance(reducer.strategy, ReduceScatterToShard):
-            raise ValueError("ZeroRedundancyOptimizer: this DDP model already has a stage-2 optimizer")
-        if reducer.in_backward:
-            raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
-        reducer.strategy = ReduceScatterToShard(self)
-        for p in self._trainable_params():
-            # Lets a global clip (fusedist.clip_grad_norm_) find the optimizer that holds these
-            # parameters' gradients: p.grad is None in stage 2.
-            p._fusedist_zero = self
-        release_grad_buffers(reducer)  # gradients live in shards from now on
-        reducer.layout_listeners.append(self._on_layout_change)
-
     def _on_layout_change(self, layout) -> None:
+        """DDP's layout listener (stage 2)."""
         grow.on_layout_change(self, layout)  # Note [growing the partition]
 
     # ------------------------------------------------------------------ lazy state
@@ -308,7 +274,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
             groups[piece.group]["params"].append(t)
         self.inner = self.optimizer_class(groups, **self._inner_defaults)
         if self.overlap_param_gather:
-            self._install_forward_hooks()
+            self._gatherer.install(self.ddp, part.bucket_shards)
         if self._pending_load is not None:
             pending, self._pending_load = self._pending_load, None
             self._apply_assembled(*pending)
@@ -327,80 +293,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
             self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
         self._record_param_versions()
 
-    def _hook_buckets(self, shards) -> None:
-        """Forward pre-hooks: each module waits for the gathers of the buckets holding its
-        parameters (Note [overlapped parameter gathers])."""
-        buckets_of: dict = {}
-        for bs in shards:
-            for p in bs.bucket.params:
-                buckets_of.setdefault(p, set()).add(bs.bucket.index)
-        for module in self.ddp.module.modules():
-            needed = set()
-            for p in module._parameters.values():
-                if p is not None and p in buckets_of:
-                    needed |= buckets_of[p]
-            if needed:
-                indices = sorted(needed)
-                self._forward_hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _inp, indices=indices: self._wait_buckets(indices)))
-
-    def _install_forward_hooks(self) -> None:
-        self._hook_buckets(self._partition.bucket_shards)
-        # Note [hooks inside compiled modules]: where hooks may not fire, the DDP wrapper waits.
-        self._compiled_inside = _uses_compile(self.ddp.module)
-        self.ddp.add_param_waiter(self._wait_before_forward)
-        # model.state_dict() (and so torch.save of the model) sees the updated parameters too,
-        # and model.load_state_dict() is not overwritten by an all-gather still in flight.
-        self._forward_hooks.append(self.ddp.module.register_state_dict_pre_hook(
-            lambda *_args: self.wait_for_params()))
-        self._forward_hooks.append(self.ddp.module.register_load_state_dict_pre_hook(
-            lambda *_args: self.wait_for_params()))
-
-    # ------------------------------------------------------------------ parameter all-gather
-    def _wait_before_forward(self, traced: bool) -> None:
-        """Called by the DDP wrapper before each forward of its module (Note [hooks inside
-        compiled modules]): wait for every all-gather when the forward is compiled."""
-        if traced or self._compiled_inside:
-            self.wait_for_params()
-
-    def _wait_buckets(self, indices) -> None:
-        for i in indices:
-            handle = self._gather_handles.pop(i, None)
-            if handle is not None:
-                handle.wait()
-
     def wait_for_params(self) -> None:
         """Block until every parameter all-gather of the last step has landed."""
-        self._wait_buckets(list(self._gather_handles))
-
-    # Note [overlapped parameter gathers]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # With ``overlap_param_gather=True`` a parameter read between ``step()`` and the next
-    # forward races with its bucket's all-gather: it sees this rank's slice updated and the
-    # other ranks' slices either old or new. Measured (2 ranks, stage 2, 8 layers of 256x256,
-    # parameters copied right after each of 20 steps): 87 and 124 of 320 copies differed from
-    # the final values -- an EMA or SWA average built from them is silently wrong, and only
-    # sometimes. torch's, DeepSpeed's and Megatron's sharded optimizers return final
-    # parameters by default (Megatron's overlap_param_gather is opt-in too), so a drop-in
-    # must: the overlap is opt-in, and the forward pre-hooks, ``state_dict`` hooks and the
-    # compiled-forward waiter exist only with it. Its gain is what the gathers cost the
-    # iteration (benchmarks/bench_zero.py, rows 'zero2' and 'zero2 overlapped gather').
-    @torch.no_grad()
-    def _publish_params(self) -> None:
-        """Write the updated master shards into the parameters' slices and all-gather them,
-        bucket by bucket, in forward order (DDP's buckets are in backward order)."""
-        fp = self._flat_params
-        for bs in self._partition.bucket_shards:
-            master = self._masters[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo]
-            fp.shard_view(bs).copy_(master)
-        if self.world_size == 1:
-            return
-        for bs in reversed(self._partition.bucket_shards):
-            handle = self.comm.all_gather(fp.bucket_view(bs), fp.shard_view(bs), async_op=True,
-                                          tag=f"zero param gather bucket {bs.bucket.index}")
-            self._gather_handles[bs.bucket.index] = handle
-        if not self.overlap_param_gather:
-            self.wait_for_params()
+        self._gatherer.wait_all()
 
     # ------------------------------------------------------------------ gradients
     def _stage1_grad_views(self):
@@ -649,7 +544,7 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
                     self._inner_step()
                 finally:
                     self._restore_piece_grads(skipped)
-                self._publish_params()
+                self._gatherer.publish(self._partition, self._flat_params, self._masters)
             # Stage 2: step() consumes the gradient shard, so the next synchronized backward
             # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
             # reach the shard). Several synchronized backward passes *before* a step still
@@ -999,22 +894,3 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
         return (f"ZeroRedundancyOptimizer(stage={self.stage}, world_size={self.world_size}, "
                 f"optimizer_class={self.optimizer_class.__name__}, groups={len(self.param_groups)}"
                 + (f", offload={self.offload!r})" if self.offload else ")"))
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _uses_compile(root: torch.nn.Module) -> bool:
-    """Whether ``root`` holds a ``torch.compile``-d module: an ``OptimizedModule``, or one
-    compiled in place with ``Module.compile()``."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded once anything was compiled
-    optimized = getattr(eval_frame, "OptimizedModule", None)
-    return optimized is not None and any(
-        isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None for m in root.modules())

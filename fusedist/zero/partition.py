@@ -42,11 +42,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..ddp.layout import SHARD_ALIGN, Bucket, shaped_like
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
+from ..ddp.layout import SHARD_ALIGN, Bucket, _round_up, shaped_like
 
 
 def bucketize(params: Sequence[torch.Tensor], names: Sequence[str], *, cap_bytes: int, world_size: int) -> list:

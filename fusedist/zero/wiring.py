@@ -1,0 +1,82 @@
+"""How a ZeroRedundancyOptimizer connects to its data-parallel world.
+
+It finds the fusedist DDP model owning its parameters (or, without one, the communicator of
+the process group), and for stage 2 installs the reduce-scatter strategy on DDP's reducer and
+listens to its layout changes. Kept apart because it is the only place that touches DDP's
+objects at construction: the rest of the optimizer sees ``ddp``, ``comm`` and the buckets.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..comm import get_communicator
+from ..reliability import attach_monitor
+from .grad_sync import ReduceScatterToShard, release_grad_buffers
+
+
+def find_ddp(trainable: list, params: list):
+    """The fusedist DDP model owning the ``trainable`` parameters (None without one). Parameters
+    the model does not reduce yet are accepted if they are the model's: trainable since it
+    was wrapped, it takes them on at its next training forward. Frozen parameters are not
+    DDP's (it reduces only trainable ones) and never communicated."""
+    owners = {id(d): d for d in (getattr(p, "_fusedist_ddp", None) for p in trainable) if d is not None}
+    ddp = next(iter(owners.values()), None)
+    module_params = set(ddp.module.parameters()) if ddp is not None else set()
+    if len(owners) > 1 or any(getattr(p, "_fusedist_ddp", None) is None and p not in module_params
+                              for p in trainable) and ddp is not None:
+        raise ValueError(
+            "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
+            "models (or some to none); give one optimizer the parameters of one DDP model"
+        )
+    if ddp is None:
+        return None
+    held = set(params)
+    missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in held]
+    if missing:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer: the optimizer must own every trainable parameter of its DDP model "
+            f"(it shards along DDP's gradient buckets); missing: {missing[:10]}. Set requires_grad=False "
+            "on parameters you do not train before wrapping the model in DistributedDataParallel."
+        )
+    return ddp
+
+
+def connect(trainable: list, params: list, process_group, device):
+    """``(ddp, comm, process_group)``: the DDP model of the parameters (None without one) and the
+    communicator to use -- DDP's, else one for ``process_group`` when torch.distributed is
+    initialized, else None (a single process)."""
+    ddp = find_ddp(trainable, params)
+    if ddp is not None:
+        ddp.reducer.append_only = True  # the shards follow its buckets: grow, never move
+        if process_group is not None and process_group is not ddp.process_group:
+            raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
+        return ddp, ddp.comm, ddp.process_group
+    if dist.is_available() and dist.is_initialized():
+        comm = get_communicator(process_group, device)
+        attach_monitor(comm)  # [reliability] stall reports without a DDP model too
+        return None, comm, process_group
+    return None, None, process_group  # a single process without torch.distributed
+
+
+def install_stage2(zero) -> None:
+    """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
+    (Note [stage 2 gradients] in ``grad_sync.py``) and tells it when buckets are appended
+    (Note [growing the partition] in ``grow.py``)."""
+    if zero.ddp is None:
+        raise ValueError(
+            "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "
+            "model: gradients are reduce-scattered by its backward hooks. Wrap the model, or use stage=1."
+        )
+    reducer = zero.ddp.reducer
+    if isinstance(reducer.strategy, ReduceScatterToShard):
+        raise ValueError("ZeroRedundancyOptimizer: this DDP model already has a stage-2 optimizer")
+    if reducer.in_backward:
+        raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
+    reducer.strategy = ReduceScatterToShard(zero)
+    for p in zero._trainable_params():
+        # Lets a global clip (fusedist.clip_grad_norm_) find the optimizer that holds these
+        # parameters' gradients: p.grad is None in stage 2.
+        p._fusedist_zero = zero
+    release_grad_buffers(reducer)  # gradients live in shards from now on
+    reducer.layout_listeners.append(zero._on_layout_change)

@@ -7,11 +7,12 @@ the proof that communication overlaps backward. Off (and free) unless the variab
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import threading
 import time
+
+from ._process_hooks import at_exit
 
 _EPOCH = time.perf_counter()
 
@@ -27,7 +28,7 @@ class Timeline:
         self.events: list[dict] = []
         self._lock = threading.Lock()
         if path:
-            atexit.register(self.flush)
+            at_exit(f"flush timeline {path}", self.flush)  # fusedist/_process_hooks.py
 
     @classmethod
     def from_env(cls, rank: int) -> "Timeline":

@@ -14,7 +14,6 @@ which the next start skips.
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from ..comm import get_communicator
 from ..comm.objects import all_gather_object, broadcast_object
 from ..distributed import collective_timeout
+from .._process_hooks import at_exit
 
 
 class Coordinator:
@@ -65,6 +65,7 @@ class BackgroundWriter:
         self._error: Optional[BaseException] = None
         self.started = self.finished = 0.0
         _live.add(self)
+        at_exit("finish checkpoint writes", _finish_at_exit)  # fusedist/_process_hooks.py
 
     @property
     def busy(self) -> bool:
@@ -100,7 +101,6 @@ class BackgroundWriter:
 _live: "weakref.WeakSet[BackgroundWriter]" = weakref.WeakSet()
 
 
-@atexit.register
 def _finish_at_exit() -> None:
     for writer in list(_live):
         try:

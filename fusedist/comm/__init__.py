@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import gc
 import os
 from typing import Callable, Optional
@@ -12,6 +11,7 @@ import torch.distributed as dist
 
 from .base import CollectiveError, CommHandle, Communicator
 from .torch_comm import TorchCommunicator
+from .._process_hooks import at_exit
 
 __all__ = [
     "CollectiveError",
@@ -127,7 +127,7 @@ def _drain_at_exit() -> None:
     release_destroyed_groups()
 
 
-atexit.register(_drain_at_exit)
+at_exit("drain in-flight exchanges", _drain_at_exit)  # fusedist/_process_hooks.py
 
 
 def _register_direct_nccl() -> None:

@@ -13,23 +13,19 @@ training loop's ``except``) leaves a "crashed" entry so the survivors' reports n
 
 from __future__ import annotations
 
-import atexit
 import collections
-import sys
-import threading
 import time
 import weakref
 from typing import Callable, Optional
 
 from ..comm.base import CollectiveError, CommHandle, Communicator
+from .._process_hooks import at_exit, chain_excepthook
 from . import stall_report
 
 #: Collectives remembered per communicator for the report.
 HISTORY = 16
 
 _monitors: "weakref.WeakSet[CollectiveMonitor]" = weakref.WeakSet()
-_hook_lock = threading.Lock()
-_hook_installed = False
 _crashed = False
 
 
@@ -171,21 +167,16 @@ def _publish_exit() -> None:
             pass
 
 
+def _publish_uncaught(exc_type, exc, tb) -> None:
+    if not issubclass(exc_type, (KeyboardInterrupt, CollectiveError)):
+        publish_crash(exc)  # a collective failure already published its own entry
+
+
 def _install_excepthook() -> None:
-    global _hook_installed
-    with _hook_lock:
-        if _hook_installed:
-            return
-        previous = sys.excepthook
-
-        def hook(exc_type, exc, tb):
-            if not issubclass(exc_type, (KeyboardInterrupt, CollectiveError)):
-                publish_crash(exc)  # a collective failure already published its own entry
-            previous(exc_type, exc, tb)
-
-        sys.excepthook = hook
-        atexit.register(_publish_exit)
-        _hook_installed = True
+    """Publish a crash for an uncaught exception, and an exit for a clean one (the other
+    ranks' stall reports read them); both process-wide (fusedist/_process_hooks.py)."""
+    chain_excepthook("publish a crashed rank", _publish_uncaught)
+    at_exit("publish a rank's exit", _publish_exit)
 
 
 def _group_name(comm: Communicator) -> str:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import threading
 import weakref
 
+from .._process_hooks import install_optimizer_step_hooks
+
 _lock = threading.Lock()
-_installed = False
 # optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
 # trainable parameter or None). Weak: a value that reaches its own key keeps the entry alive
 # forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer (through its module's hooks).
@@ -137,16 +138,8 @@ def _post_step(optimizer, args, kwargs) -> None:
 
 
 def install() -> None:
-    """Register the global hooks once per process (idempotent)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(_pre_step)
-        register_optimizer_step_post_hook(_post_step)
-        _installed = True
+    """Register the global hooks once per process (idempotent; fusedist/_process_hooks.py)."""
+    install_optimizer_step_hooks("DDP optimizer-step guard", _pre_step, _post_step)
 
 
 __all__ = ["install"]

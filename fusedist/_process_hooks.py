@@ -1,0 +1,86 @@
+"""Every process-wide hook fusedist installs, in one place, each removable.
+
+fusedist reaches outside its own objects in a few places, and each is here:
+
+* torch's global optimizer step hooks (``register_optimizer_step_pre/post_hook``): the DDP
+  step guard sees every ``optimizer.step()`` of any optimizer holding a DDP model's
+  parameters (fusedist/reliability/optimizer_guard.py);
+* a chained ``sys.excepthook``: an uncaught exception is published to the other ranks'
+  stall reports before the process dies (fusedist/reliability/monitor.py);
+* ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
+  written is finished, in-flight exchanges are drained before the interpreter finalizes
+  (fusedist/comm), a rank leaving early says so to the others, a timeline is flushed.
+
+Each is installed lazily by the code that needs it, at most once per key, and
+:func:`uninstall` removes all of them (for embedding applications and tests that must leave
+the process as they found it). :func:`installed` lists what is in place.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from typing import Callable
+
+__all__ = ["at_exit", "chain_excepthook", "install_optimizer_step_hooks", "installed", "uninstall"]
+
+_lock = threading.Lock()
+# key -> a function that removes the hook
+_removers: dict[str, Callable[[], None]] = {}
+
+
+def install_optimizer_step_hooks(key: str, pre: Callable, post: Callable) -> None:
+    """torch's global optimizer step pre- and post-hooks, once per ``key``."""
+    with _lock:
+        if key in _removers:
+            return
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
+        _removers[key] = lambda: [h.remove() for h in handles]
+
+
+def chain_excepthook(key: str, before: Callable[[type, BaseException, object], None]) -> None:
+    """Run ``before(exc_type, exc, tb)`` for an uncaught exception, then the hook that was in
+    place (Python's default, or an application's). ``before`` must not raise."""
+    with _lock:
+        if key in _removers:
+            return
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            before(exc_type, exc, tb)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+
+        def remove():
+            if sys.excepthook is hook:  # else someone chained after us: leave theirs in place
+                sys.excepthook = previous
+
+        _removers[key] = remove
+
+
+def at_exit(key: str, fn: Callable[[], None]) -> None:
+    """``fn`` at interpreter exit, once per ``key``."""
+    with _lock:
+        if key in _removers:
+            return
+        atexit.register(fn)
+        _removers[key] = lambda: atexit.unregister(fn)
+
+
+def installed() -> list[str]:
+    """The keys of the hooks in place, in installation order."""
+    with _lock:
+        return list(_removers)
+
+
+def uninstall() -> None:
+    """Remove every hook fusedist installed; later use installs them again as needed."""
+    with _lock:
+        removers = list(_removers.values())
+        _removers.clear()
+    for remove in reversed(removers):
+        remove()

@@ -1,0 +1,50 @@
+"""fusedist's process-wide hooks: installed once per key, listed, and removable."""
+
+import atexit
+import sys
+
+import torch
+
+from fusedist import _process_hooks as hooks
+
+
+def test_each_kind_installs_once_and_uninstall_restores_the_process(monkeypatch):
+    calls = []
+    exit_funcs = []
+    monkeypatch.setattr(atexit, "register", exit_funcs.append)
+    monkeypatch.setattr(atexit, "unregister", exit_funcs.remove)
+    before_hook = sys.excepthook
+    hooks.uninstall()
+    try:
+        hooks.install_optimizer_step_hooks("test step hooks", lambda *a: calls.append("pre"),
+                                           lambda *a: calls.append("post"))
+        hooks.install_optimizer_step_hooks("test step hooks", lambda *a: calls.append("again"),
+                                           lambda *a: calls.append("again"))
+        hooks.chain_excepthook("test excepthook", lambda t, e, tb: calls.append(t.__name__))
+        def on_exit():
+            calls.append("exit")
+
+        hooks.at_exit("test exit", on_exit)
+        assert hooks.installed() == ["test step hooks", "test excepthook", "test exit"]
+        assert on_exit in exit_funcs
+        p = torch.nn.Parameter(torch.ones(1))
+        p.grad = torch.ones(1)
+        torch.optim.SGD([p], lr=0.1).step()
+        assert calls == ["pre", "post"]  # the second registration under the same key was ignored
+        assert sys.excepthook is not before_hook
+    finally:
+        hooks.uninstall()
+    assert hooks.installed() == [] and sys.excepthook is before_hook
+    torch.optim.SGD([p], lr=0.1).step()
+    assert calls == ["pre", "post"]
+    assert on_exit not in exit_funcs  # the exit hook was unregistered
+
+
+def test_fusedist_reinstalls_what_it_needs_after_uninstall():
+    from fusedist.reliability import optimizer_guard
+
+    optimizer_guard.install()
+    assert "DDP optimizer-step guard" in hooks.installed()
+    hooks.uninstall()
+    optimizer_guard.install()
+    assert "DDP optimizer-step guard" in hooks.installed()

@@ -61,6 +61,7 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     if entry is None or entry[0] is not group_obj:
         comm = _cuda_factory(process_group) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
+        at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
     return entry[1]
 
 
@@ -125,9 +126,6 @@ def _drain_at_exit() -> None:
     for _, comm in list(_cache.values()):
         _drain(comm)
     release_destroyed_groups()
-
-
-at_exit("drain in-flight exchanges", _drain_at_exit)  # fusedist/_process_hooks.py
 
 
 def _register_direct_nccl() -> None:

@@ -7,21 +7,22 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from ..comm.objects import gather_object
 from .._tensor_tree import to_cpu as _to_cpu
-from ..optim._scaler_protocol import ScalerProtocol
+from ..comm.objects import gather_object
+from ..ddp.join import JoinableOptimizer
+from ..ddp.layout import flat_like
+from . import grow, wiring
 from . import state as zstate
-from . import wiring
 from .gather import ParamGatherer
 from .grad_sync import grad_buffers_allocated
+from .grads import GradientsMixin
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
-from . import grow
-from .partition import FlatParams, FlatPartition, bucketize
-from ..ddp.layout import flat_like
-from ..ddp.join import JoinableOptimizer
+from .partition import FlatParams, FlatPartition
+from .pieces import PieceSplittingMixin
+from .scaling import ZeroScalerProtocol
+from .shards import LazyShardsMixin
 
 MiB = 1024 * 1024
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _default_optimizer_class():
@@ -35,7 +36,8 @@ def _default_optimizer_class():
     return FusedAdamW
 
 
-class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
+class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, LazyShardsMixin,
+                              Optimizer, JoinableOptimizer):
     """Shards FP32 master weights and optimizer state (stage 1), and gradients (stage 2),
     evenly over the data-parallel ranks.
 
@@ -221,279 +223,9 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
         """DDP's layout listener (stage 2)."""
         grow.on_layout_change(self, layout)  # Note [growing the partition]
 
-    # ------------------------------------------------------------------ lazy state
-    def _ensure_partition(self) -> FlatPartition:
-        if self._partition is not None:
-            return self._partition
-        grow.refresh_sharded(self)  # Note [growing the partition]
-        if self.ddp is not None:
-            if not self.ddp.reducer.layout_final:
-                raise RuntimeError(
-                    "ZeroRedundancyOptimizer: the shards follow DDP's gradient buckets, which are final only "
-                    "after the first synchronized backward; call step() after loss.backward() (outside no_sync)"
-                )
-            buckets = self.ddp.reducer.layout.buckets
-        else:
-            names = [f"param {i}" for i in self._trainable]
-            buckets = bucketize(self._trainable_params(), names, cap_bytes=self.bucket_cap_bytes,
-                                world_size=self.world_size)
-        part = FlatPartition(buckets, self._params, self._group_of, self.rank, self.world_size,
-                             sharded=self._trainable)
-        device = self._device
-        self._grad_shards = {dt: torch.zeros(n, dtype=self._master_dtype(dt), device=device)
-                             for dt, n in part.shard_numel.items()}
-        self._partition = part
-        return part
-
-    @staticmethod
-    def _master_dtype(dtype: torch.dtype) -> torch.dtype:
-        return torch.float64 if dtype == torch.float64 else torch.float32
-
-    def _ensure_state(self) -> None:
-        if self.inner is not None:
-            return
-        part = self._ensure_partition()
-        device = self._device
-        self._flat_params = FlatParams(part, self._params, device)
-        if self.offload:
-            self._offload = HostShardOffload(self)
-            self._masters = self._offload.masters
-            grad_shards = self._offload.host_grads
-        else:
-            self._masters = {dt: torch.empty(n, dtype=self._master_dtype(dt), device=device)
-                             for dt, n in part.shard_numel.items()}
-            grad_shards = self._grad_shards
-        self.sync_master_from_params()
-        self._piece_grad_source = grad_shards
-        self._pieces = []
-        groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
-        for piece in part.pieces:
-            t = self._masters[piece.dtype][piece.start:piece.end]
-            t.grad = grad_shards[piece.dtype][piece.start:piece.end]
-            self._pieces.append(t)
-            groups[piece.group]["params"].append(t)
-        self.inner = self.optimizer_class(groups, **self._inner_defaults)
-        if self.overlap_param_gather:
-            self._gatherer.install(self.ddp, part.bucket_shards)
-        if self._pending_load is not None:
-            pending, self._pending_load = self._pending_load, None
-            self._apply_assembled(*pending)
-
-    @torch.no_grad()
-    def sync_master_from_params(self) -> None:
-        """Copy the current parameter values into this rank's master shards (needed after
-        parameters were changed outside the optimizer, e.g. by ``model.load_state_dict``)."""
-        if self._flat_params is None:
-            return  # masters are built from the parameters at the first step
-        self.wait_for_params()
-        if self._offload is not None:
-            self._offload.wait_host_buffers()
-        for bs in self._partition.bucket_shards:
-            dt = bs.bucket.dtype
-            self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
-        self._record_param_versions()
-
     def wait_for_params(self) -> None:
         """Block until every parameter all-gather of the last step has landed."""
         self._gatherer.wait_all()
-
-    # ------------------------------------------------------------------ gradients
-    def _stage1_grad_views(self):
-        """(shard destination, source view) pairs of this rank's gradient slices in ``p.grad``."""
-        part = self._partition
-        pairs = []
-        for e in part.entries:
-            g = self._params[e.index].grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {e.index} has a sparse gradient")
-            flat = flat_like(g, self._params[e.index])  # the slot's (memory) order
-            pairs.append((self._grad_shards[e.dtype][e.pos:e.pos + e.numel], flat[e.lo:e.hi]))
-        return pairs
-
-    def _local_grads(self) -> list[torch.Tensor]:
-        """This rank's gradient slices, wherever they live now (read-only use)."""
-        self._ensure_partition()
-        if self.stage == 2:
-            return list(self._grad_shards.values()) if self._grads_present else []
-        return [src for _, src in self._stage1_grad_views()]
-
-    def _has_any_grad(self) -> bool:
-        if self.stage == 2:
-            return self._grads_present
-        return any(self._params[i].grad is not None for i in self._trainable)
-
-    def _note_params_without_grad(self, indices) -> None:
-        """Stage 2, after each synchronized backward: ``indices`` are the parameters DDP left
-        without a gradient (no rank used them). The others count as having a gradient until
-        the step consumes the shard (Note [piece splitting])."""
-        if not self._grads_present:
-            self._stage2_with_grad = set()
-        self._stage2_with_grad.update(set(self._trainable).difference(indices))
-
-    def _params_without_grad(self) -> list[int]:
-        """Trainable parameters the coming step skips, as torch would (their grad is None)."""
-        if self.stage == 2:
-            return [i for i in self._trainable if i not in self._stage2_with_grad]
-        return [i for i in self._trainable if self._params[i].grad is None]
-
-    def _check_frozen_grads(self) -> None:
-        for i in self._frozen:
-            if self._params[i].grad is not None:
-                raise RuntimeError(
-                    f"ZeroRedundancyOptimizer: {self._param_name(i)} has a gradient, but it is not sharded: "
-                    "it had requires_grad=False when the optimizer was constructed and "
-                    + ("its DistributedDataParallel model does not reduce it yet (it takes a parameter on "
-                       "in the synchronized backward of a training forward that saw it trainable)"
-                       if self.ddp is not None else "it still has requires_grad=False")
-                    + ". Set requires_grad=True before the forward that trains it (it then joins the "
-                    "shards), or set its grad to None."
-                )
-
-    @torch.no_grad()
-    def _collect_stage1_grads(self) -> None:
-        for shard in self._grad_shards.values():
-            shard.zero_()  # slices of parameters without a gradient are skipped, not read
-        for dst, src in self._stage1_grad_views():
-            dst.copy_(src)
-
-    # ------------------------------------------------------------------ skipping (Note [piece splitting])
-    @torch.no_grad()
-    def _split_pieces(self, cuts: dict) -> None:
-        """Cut the pieces at ``cuts`` (partition.split), keeping ``self._pieces``, the inner
-        optimizer's param groups and state, and the offload segments consistent with them."""
-        part = self._partition
-        old_pieces = list(part.pieces)
-        replaced = part.split(cuts)
-        if not replaced:
-            return
-        inner = self.inner
-        ready = getattr(inner, "_fusedist_ready", None)
-        tensors: list[torch.Tensor] = []
-        for k, (piece, t) in enumerate(zip(old_pieces, self._pieces)):
-            subs = replaced.get(k)
-            if subs is None:
-                tensors.append(t)
-                continue
-            st = inner.state.pop(t, None) or {}
-            if ready is not None:
-                ready.discard(id(t))
-            new = []
-            for sub in subs:
-                u = self._masters[sub.dtype][sub.start:sub.end]
-                u.grad = self._piece_grad_source[sub.dtype][sub.start:sub.end]
-                if st:
-                    inner.state[u] = self._slice_state(st, piece, sub)
-                new.append(u)
-            params = inner.param_groups[piece.group]["params"]
-            at = next(j for j, x in enumerate(params) if x is t)  # identity: == is elementwise
-            params[at:at + 1] = new
-            tensors.extend(new)
-        self._pieces = tensors
-        if self._offload is not None:
-            self._offload.build_segments()
-
-    def _slice_state(self, st: dict, piece, sub) -> dict:
-        # Views: the pieces together still use the same memory.
-        return zstate.slice_state(st, piece.end - piece.start, sub.start - piece.start, sub.end - piece.start,
-                                  copy=False, optimizer_name=self.optimizer_class.__name__,
-                                  why="it cannot be split between parameters")
-
-    def _pieces_to_step(self, skipped) -> list[bool]:
-        """Split the pieces around the ``skipped`` parameters and say which pieces this step
-        updates: those holding a parameter with a gradient, and shards of padding only."""
-        part = self._partition
-        if not skipped:
-            return [True] * len(part.pieces)
-        self._split_pieces(part.cuts_around(skipped))
-        skipped = set(skipped)
-        has_entry = [False] * len(part.pieces)
-        stepped = [False] * len(part.pieces)
-        for e in part.entries:
-            k = part.piece_index(e)
-            has_entry[k] = True
-            if e.index not in skipped:
-                stepped[k] = True
-        return [s or not h for s, h in zip(stepped, has_entry)]
-
-    def gradient_shards(self) -> dict:
-        """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32
-        over the rank's slices of the buckets (Note [flat partition]). With a GradScaler the
-        shards hold the scaled gradients until ``step()``, ``unscale_`` included (Note [lazy
-        unscale] in ``fusedist/amp/grad_scaler.py``)."""
-        return dict(self._grad_shards) if self._grads_present else {}
-
-    # ------------------------------------------------------------------ scaler protocol
-    def _fusedist_grad_params(self) -> list:
-        """The parameters the global norm covers: all of them in stage 2 (their gradients are
-        the shards), those with ``p.grad`` in stage 1."""
-        if self.stage == 2:
-            return self._trainable_params()
-        return [p for p in self._trainable_params() if p.grad is not None]
-
-    @torch.no_grad()
-    def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
-        """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
-        grads = self._local_grads()
-        device = self._device
-        if grads:
-            # Norms per tensor, then squares summed in fp32: a non-finite gradient element makes
-            # its norm non-finite, so the same pass yields the overflow flag.
-            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
-            if inv_scale is not None:
-                norms = norms * inv_scale.reshape(())
-            sumsq = norms.pow(2).sum().reshape(1)
-            found = (~torch.isfinite(sumsq)).float()
-        else:
-            sumsq = torch.zeros(1, device=device)
-            found = torch.zeros(1, device=device)
-        return self._fusedist_reduce_found_inf_and_norm(found, sumsq)
-
-    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
-        """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
-        inf/nan) and so are the shards' sums of squares."""
-        if self.comm is None or self.world_size == 1:
-            return found_inf.reshape(1), sumsq.reshape(1)
-        packed = torch.cat([found_inf.reshape(1).float(), sumsq.reshape(1).float()]).to(self.comm.device)
-        self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
-        self._join_norm_calls += 1  # a joined rank replays them (Note [joined ranks])
-        packed = packed.to(sumsq.device)
-        return (packed[0:1] > 0).float(), packed[1:2]
-
-    def _fusedist_local_grads(self) -> list:
-        return self._local_grads()
-
-    def _fusedist_grads_in_user_view(self) -> bool:
-        # Stage 2's gradients are shards nobody else reads (p.grad is None): unscaled inline
-        # by the update, which also spares the offload pipeline a second copy of each shard.
-        return self.stage == 1
-
-    def _fusedist_unscale_targets(self) -> list:
-        # Stage 2 keeps gradients only as shards; stage 1 unscales what users see in p.grad.
-        if self.stage == 2:
-            return self._local_grads()
-        return [p.grad for p in self._trainable_params() if p.grad is not None]
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip the global gradient norm (over every rank's shard) to ``max_norm``; returns the
-        total norm before clipping, like ``torch.nn.utils.clip_grad_norm_``.
-
-        The norm costs one all-reduce of two numbers (none after ``GradScaler.unscale_``, which
-        already computed it). The clip coefficient is applied inside ``step()``; ``p.grad`` is
-        not modified. Call it after backward (and after ``scaler.unscale_``), before ``step()``.
-        """
-        if float(norm_type) != 2.0:
-            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_ supports norm_type=2 only, got {norm_type}")
-        written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
-        sumsq = self._fusedist_grad_sumsq
-        if sumsq is None or written:
-            _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
-            if self._fusedist_inv_scale is not None:
-                self._fusedist_grad_sumsq = sumsq
-        self._join_clip = (max_norm, norm_type, error_if_nonfinite)
-        return self._fusedist_record_clip(sumsq, max_norm, error_if_nonfinite)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -556,56 +288,6 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
             self._fusedist_clear_protocol()
             self._join_norm_calls_last, self._join_norm_calls = self._join_norm_calls, 0
         return loss
-
-    # Note [parameters changed outside the optimizer]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Each rank updates FP32 master shards, not the parameters, and then writes the parameters
-    # from them. Parameters the program changes between steps -- ``model.load_state_dict``,
-    # an in-place ``p.copy_()`` / ``p.clamp_()`` under ``no_grad`` -- would be overwritten by
-    # the next step from the stale masters (measured: loaded weights silently reverted), where
-    # torch's optimizers, its ZeroRedundancyOptimizer too, update whatever the parameters hold.
-    # Such writes bump the parameter's version counter, which the optimizer's own writes never
-    # do (they go through the flat buffer the parameters were re-pointed into, which has its
-    # own counter). So ``step()`` compares the versions with those it recorded last and copies
-    # the parameters into the masters when any moved: a few microseconds when none did.
-    # Writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`.
-    def _record_param_versions(self) -> None:
-        self._param_versions = [self._params[i]._version for i in self._trainable]
-
-    def _params_changed_outside(self) -> bool:
-        recorded = self._param_versions
-        return recorded is not None and recorded != [self._params[i]._version for i in self._trainable]
-
-    def _restore_piece_grads(self, tensors) -> None:
-        part = self._partition
-        index = {id(t): k for k, t in enumerate(self._pieces)}
-        for t in tensors:
-            piece = part.pieces[index[id(t)]]
-            t.grad = self._piece_grad_source[piece.dtype][piece.start:piece.end]
-
-    def _inner_step(self) -> None:
-        inner, found = self.inner, self.found_inf
-        if getattr(inner, "_fusedist_fused", False):
-            inner.grad_scale = self.grad_scale
-            inner._fusedist_inv_scale = self._fusedist_inv_scale
-            inner._fusedist_clip_coef = self._fusedist_clip_coef
-            inner.found_inf = found
-            inner.step()
-            return
-        inv, clip = self._effective_inv_scale(), self._fusedist_clip_coef
-        mult = inv if clip is None else (clip.reshape(1) if inv is None else inv * clip.reshape(1))
-        if mult is not None:
-            torch._foreach_mul_(list(self._grad_shards.values()), mult.reshape(()))
-        if found is None:
-            inner.step()
-        elif getattr(inner, "_step_supports_amp_scaling", False):
-            inner.grad_scale, inner.found_inf = None, found.reshape(1).float()
-            try:
-                inner.step()
-            finally:
-                inner.grad_scale, inner.found_inf = None, None
-        elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
-            inner.step()
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's: the group's trainable parameters are sharded and stepped like the others
@@ -859,32 +541,6 @@ class ZeroRedundancyOptimizer(ScalerProtocol, Optimizer, JoinableOptimizer):
                                     "param_groups": groups})
         # The loaded masters are current (Note [parameters changed outside the optimizer]).
         self._record_param_versions()
-
-    def _cuts_between_states(self, assembled: dict) -> dict:
-        """Cuts separating neighbouring parameters whose loaded state differs in its keys or
-        scalar values (or that has state next to one that has none), so each piece gets one
-        consistent state."""
-        def signature(index):
-            item = assembled.get(index)
-            if item is None or not item["state"]:
-                return None
-            sig = []
-            for key, v in sorted(item["state"].items()):
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    sig.append((key, "elementwise"))
-                else:
-                    sig.append((key, float(v) if isinstance(v, torch.Tensor) else v))
-            return tuple(sig)
-
-        part = self._partition
-        cuts: dict = {}
-        previous = None
-        for e in part.entries:
-            sig = signature(e.index)
-            if previous is not None and previous[0] == e.dtype and previous[1] != sig:
-                cuts.setdefault(e.dtype, set()).add(part.owned_start[e.index])
-            previous = (e.dtype, sig)
-        return cuts
 
     @staticmethod
     def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:

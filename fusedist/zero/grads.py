@@ -1,0 +1,86 @@
+"""Which gradients a ZeroRedundancyOptimizer has, and where they are.
+
+Stage 1 reads this rank's slices of the full averaged gradients in ``p.grad`` and collects
+them into its flat FP32 gradient shard at ``step()``; stage 2 receives the shard itself from
+DDP's reduce-scatter (``grad_sync.py``), which reports the parameters no rank gave a
+gradient. The step skips trainable parameters without a gradient (Note [piece splitting] in
+``partition.py``) and refuses frozen ones that have one. A mixin: a few methods over the
+optimizer's gradient shards (``_grad_shards``, ``_grads_present``, ``_stage2_with_grad``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ddp.layout import flat_like
+
+
+class GradientsMixin:
+    """Reading, collecting and accounting for this rank's gradients."""
+
+    def _stage1_grad_views(self):
+        """(shard destination, source view) pairs of this rank's gradient slices in ``p.grad``."""
+        part = self._partition
+        pairs = []
+        for e in part.entries:
+            g = self._params[e.index].grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {e.index} has a sparse gradient")
+            flat = flat_like(g, self._params[e.index])  # the slot's (memory) order
+            pairs.append((self._grad_shards[e.dtype][e.pos:e.pos + e.numel], flat[e.lo:e.hi]))
+        return pairs
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient slices, wherever they live now (read-only use)."""
+        self._ensure_partition()
+        if self.stage == 2:
+            return list(self._grad_shards.values()) if self._grads_present else []
+        return [src for _, src in self._stage1_grad_views()]
+
+    def _has_any_grad(self) -> bool:
+        if self.stage == 2:
+            return self._grads_present
+        return any(self._params[i].grad is not None for i in self._trainable)
+
+    def _note_params_without_grad(self, indices) -> None:
+        """Stage 2, after each synchronized backward: ``indices`` are the parameters DDP left
+        without a gradient (no rank used them). The others count as having a gradient until
+        the step consumes the shard (Note [piece splitting])."""
+        if not self._grads_present:
+            self._stage2_with_grad = set()
+        self._stage2_with_grad.update(set(self._trainable).difference(indices))
+
+    def _params_without_grad(self) -> list[int]:
+        """Trainable parameters the coming step skips, as torch would (their grad is None)."""
+        if self.stage == 2:
+            return [i for i in self._trainable if i not in self._stage2_with_grad]
+        return [i for i in self._trainable if self._params[i].grad is None]
+
+    def _check_frozen_grads(self) -> None:
+        for i in self._frozen:
+            if self._params[i].grad is not None:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: {self._param_name(i)} has a gradient, but it is not sharded: "
+                    "it had requires_grad=False when the optimizer was constructed and "
+                    + ("its DistributedDataParallel model does not reduce it yet (it takes a parameter on "
+                       "in the synchronized backward of a training forward that saw it trainable)"
+                       if self.ddp is not None else "it still has requires_grad=False")
+                    + ". Set requires_grad=True before the forward that trains it (it then joins the "
+                    "shards), or set its grad to None."
+                )
+
+    @torch.no_grad()
+    def _collect_stage1_grads(self) -> None:
+        for shard in self._grad_shards.values():
+            shard.zero_()  # slices of parameters without a gradient are skipped, not read
+        for dst, src in self._stage1_grad_views():
+            dst.copy_(src)
+
+    def gradient_shards(self) -> dict:
+        """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32
+        over the rank's slices of the buckets (Note [flat partition]). With a GradScaler the
+        shards hold the scaled gradients until ``step()``, ``unscale_`` included (Note [lazy
+        unscale] in ``fusedist/amp/grad_scaler.py``)."""
+        return dict(self._grad_shards) if self._grads_present else {}

@@ -1,0 +1,115 @@
+"""ZeroRedundancyOptimizer's side of the GradScaler protocol (Note [scaler protocol] in
+``fusedist/amp/grad_scaler.py``), and its gradient clipping.
+
+The scaler and clip need three things from a sharded optimizer: the gradients this rank holds
+(its shard in stage 2, ``p.grad`` in stage 1), one all-reduce that makes the found-inf flag and
+the sum of squares global, and a step that applies the inverse scale and clip coefficient it
+was given. Those methods live here together, as a mixin over the optimizer's shards, so the
+protocol can change in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..optim._scaler_protocol import ScalerProtocol
+
+
+class ZeroScalerProtocol(ScalerProtocol):
+    """The scaler protocol over this rank's gradient shards; the inner step that consumes it."""
+
+    def _fusedist_grad_params(self) -> list:
+        """The parameters the global norm covers: all of them in stage 2 (their gradients are
+        the shards), those with ``p.grad`` in stage 1."""
+        if self.stage == 2:
+            return self._trainable_params()
+        return [p for p in self._trainable_params() if p.grad is not None]
+
+    @torch.no_grad()
+    def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
+        """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
+        grads = self._local_grads()
+        device = self._device
+        if grads:
+            # Norms per tensor, then squares summed in fp32: a non-finite gradient element makes
+            # its norm non-finite, so the same pass yields the overflow flag.
+            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            if inv_scale is not None:
+                norms = norms * inv_scale.reshape(())
+            sumsq = norms.pow(2).sum().reshape(1)
+            found = (~torch.isfinite(sumsq)).float()
+        else:
+            sumsq = torch.zeros(1, device=device)
+            found = torch.zeros(1, device=device)
+        return self._fusedist_reduce_found_inf_and_norm(found, sumsq)
+
+    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
+        """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
+        inf/nan) and so are the shards' sums of squares."""
+        if self.comm is None or self.world_size == 1:
+            return found_inf.reshape(1), sumsq.reshape(1)
+        packed = torch.cat([found_inf.reshape(1).float(), sumsq.reshape(1).float()]).to(self.comm.device)
+        self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
+        self._join_norm_calls += 1  # a joined rank replays them (Note [joined ranks])
+        packed = packed.to(sumsq.device)
+        return (packed[0:1] > 0).float(), packed[1:2]
+
+    def _fusedist_local_grads(self) -> list:
+        return self._local_grads()
+
+    def _fusedist_grads_in_user_view(self) -> bool:
+        # Stage 2's gradients are shards nobody else reads (p.grad is None): unscaled inline
+        # by the update, which also spares the offload pipeline a second copy of each shard.
+        return self.stage == 1
+
+    def _fusedist_unscale_targets(self) -> list:
+        # Stage 2 keeps gradients only as shards; stage 1 unscales what users see in p.grad.
+        if self.stage == 2:
+            return self._local_grads()
+        return [p.grad for p in self._trainable_params() if p.grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's shard) to ``max_norm``; returns the
+        total norm before clipping, like ``torch.nn.utils.clip_grad_norm_``.
+
+        The norm costs one all-reduce of two numbers (none after ``GradScaler.unscale_``, which
+        already computed it). The clip coefficient is applied inside ``step()``; ``p.grad`` is
+        not modified. Call it after backward (and after ``scaler.unscale_``), before ``step()``.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_ supports norm_type=2 only, got {norm_type}")
+        written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
+        sumsq = self._fusedist_grad_sumsq
+        if sumsq is None or written:
+            _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
+            if self._fusedist_inv_scale is not None:
+                self._fusedist_grad_sumsq = sumsq
+        self._join_clip = (max_norm, norm_type, error_if_nonfinite)
+        return self._fusedist_record_clip(sumsq, max_norm, error_if_nonfinite)
+
+    def _inner_step(self) -> None:
+        inner, found = self.inner, self.found_inf
+        if getattr(inner, "_fusedist_fused", False):
+            inner.grad_scale = self.grad_scale
+            inner._fusedist_inv_scale = self._fusedist_inv_scale
+            inner._fusedist_clip_coef = self._fusedist_clip_coef
+            inner.found_inf = found
+            inner.step()
+            return
+        inv, clip = self._effective_inv_scale(), self._fusedist_clip_coef
+        mult = inv if clip is None else (clip.reshape(1) if inv is None else inv * clip.reshape(1))
+        if mult is not None:
+            torch._foreach_mul_(list(self._grad_shards.values()), mult.reshape(()))
+        if found is None:
+            inner.step()
+        elif getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = None, found.reshape(1).float()
+            try:
+                inner.step()
+            finally:
+                inner.grad_scale, inner.found_inf = None, None
+        elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
+            inner.step()

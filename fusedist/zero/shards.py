@@ -1,0 +1,113 @@
+"""This rank's shards of a ZeroRedundancyOptimizer, built lazily, and its masters kept in step
+with the parameters.
+
+At the first ``step()`` (DDP's bucket layout is final only after the first synchronized
+backward) the flat partition, the gradient shards, the flat parameter buffers, the FP32
+masters (FP64 for FP64 parameters), the pieces and the inner optimizer are built. Afterwards
+the masters are the truth the updates start from; parameters changed outside the optimizer are
+noticed through their version counters (Note [parameters changed outside the optimizer]) and
+copied back. A mixin: these methods build and refresh the optimizer's core state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grow
+from . import state as zstate
+from .offload import HostShardOffload
+from .partition import FlatParams, FlatPartition, bucketize
+
+
+class LazyShardsMixin:
+    """Building the shards, masters and inner optimizer; syncing masters from the parameters."""
+
+    def _ensure_partition(self) -> FlatPartition:
+        if self._partition is not None:
+            return self._partition
+        grow.refresh_sharded(self)  # Note [growing the partition]
+        if self.ddp is not None:
+            if not self.ddp.reducer.layout_final:
+                raise RuntimeError(
+                    "ZeroRedundancyOptimizer: the shards follow DDP's gradient buckets, which are final only "
+                    "after the first synchronized backward; call step() after loss.backward() (outside no_sync)"
+                )
+            buckets = self.ddp.reducer.layout.buckets
+        else:
+            names = [f"param {i}" for i in self._trainable]
+            buckets = bucketize(self._trainable_params(), names, cap_bytes=self.bucket_cap_bytes,
+                                world_size=self.world_size)
+        part = FlatPartition(buckets, self._params, self._group_of, self.rank, self.world_size,
+                             sharded=self._trainable)
+        device = self._device
+        self._grad_shards = {dt: torch.zeros(n, dtype=self._master_dtype(dt), device=device)
+                             for dt, n in part.shard_numel.items()}
+        self._partition = part
+        return part
+
+    @staticmethod
+    def _master_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _ensure_state(self) -> None:
+        if self.inner is not None:
+            return
+        part = self._ensure_partition()
+        device = self._device
+        self._flat_params = FlatParams(part, self._params, device)
+        if self.offload:
+            self._offload = HostShardOffload(self)
+            self._masters = self._offload.masters
+            grad_shards = self._offload.host_grads
+        else:
+            self._masters = {dt: torch.empty(n, dtype=self._master_dtype(dt), device=device)
+                             for dt, n in part.shard_numel.items()}
+            grad_shards = self._grad_shards
+        self.sync_master_from_params()
+        self._piece_grad_source = grad_shards
+        self._pieces = []
+        groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
+        for piece in part.pieces:
+            t = self._masters[piece.dtype][piece.start:piece.end]
+            t.grad = grad_shards[piece.dtype][piece.start:piece.end]
+            self._pieces.append(t)
+            groups[piece.group]["params"].append(t)
+        self.inner = self.optimizer_class(groups, **self._inner_defaults)
+        if self.overlap_param_gather:
+            self._gatherer.install(self.ddp, part.bucket_shards)
+        if self._pending_load is not None:
+            pending, self._pending_load = self._pending_load, None
+            self._apply_assembled(*pending)
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        """Copy the current parameter values into this rank's master shards (needed after
+        parameters were changed outside the optimizer, e.g. by ``model.load_state_dict``)."""
+        if self._flat_params is None:
+            return  # masters are built from the parameters at the first step
+        self.wait_for_params()
+        if self._offload is not None:
+            self._offload.wait_host_buffers()
+        for bs in self._partition.bucket_shards:
+            dt = bs.bucket.dtype
+            self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
+        self._record_param_versions()
+
+    # Note [parameters changed outside the optimizer]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Each rank updates FP32 master shards, not the parameters, and then writes the parameters
+    # from them. Parameters the program changes between steps -- ``model.load_state_dict``,
+    # an in-place ``p.copy_()`` / ``p.clamp_()`` under ``no_grad`` -- would be overwritten by
+    # the next step from the stale masters (measured: loaded weights silently reverted), where
+    # torch's optimizers, its ZeroRedundancyOptimizer too, update whatever the parameters hold.
+    # Such writes bump the parameter's version counter, which the optimizer's own writes never
+    # do (they go through the flat buffer the parameters were re-pointed into, which has its
+    # own counter). So ``step()`` compares the versions with those it recorded last and copies
+    # the parameters into the masters when any moved: a few microseconds when none did.
+    # Writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`.
+    def _record_param_versions(self) -> None:
+        self._param_versions = [self._params[i]._version for i in self._trainable]
+
+    def _params_changed_outside(self) -> bool:
+        recorded = self._param_versions
+        return recorded is not None and recorded != [self._params[i]._version for i in self._trainable]

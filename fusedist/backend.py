@@ -26,6 +26,9 @@ _logged: set[tuple[str, str]] = set()
 
 
 def triton_interpreting() -> bool:
+    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET`` set, which only
+    takes effect when set before triton is imported). The one test of it: the backend choice
+    here and the launch sizes in ``triton_kernels/`` both read it."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

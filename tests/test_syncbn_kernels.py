@@ -123,7 +123,7 @@ class _Recorder:
 def test_many_row_splits_and_tiles(monkeypatch):
     """Several programs along the row axis (partial rows merged by the combine kernel in more
     than one chunk), several spatial tiles per sample, and the GPU's block-size choices."""
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "triton_interpreting", lambda: False)
     monkeypatch.setattr(kernels, "_reduction_tile", lambda device: 16)
     monkeypatch.setattr(kernels, "_row_splits", lambda units, c_blocks, device: min(units, 37))
     for layout in ("contiguous", "channels_last"):

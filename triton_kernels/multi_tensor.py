@@ -25,22 +25,19 @@ The math lives in the kernels below and, identically, in ``fusedist/optim/_refer
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
+from ..backend import triton_interpreting
+
 _TORCH_TO_TL = {
     torch.float32: tl.float32,
     torch.float16: tl.float16,
     torch.bfloat16: tl.bfloat16,
 }
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def launch_config() -> tuple[int, int, int]:
@@ -50,7 +47,7 @@ def launch_config() -> tuple[int, int, int]:
     there; on a GPU a 4096-element chunk (4 x 1024) keeps enough programs in flight for small
     tensors while amortizing the table lookups for large ones.
     """
-    if _interpreting():
+    if triton_interpreting():
         return 65536, 1, 1
     return 1024, 4, 4
 

@@ -19,11 +19,12 @@ grids and nothing else.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ..backend import triton_interpreting
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -229,10 +230,6 @@ def _channel_affine_kernel(
 _INT32_LIMIT = 2**31 - 1
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _tile(C: int, S: int, stride_c: int, tile_elems: int) -> tuple[int, int]:
     """(BLOCK_S, BLOCK_C) for a tile of about ``tile_elems`` elements.
 
@@ -242,7 +239,7 @@ def _tile(C: int, S: int, stride_c: int, tile_elems: int) -> tuple[int, int]:
     c_pow2 = triton.next_power_of_2(max(C, 1))
     s_pow2 = triton.next_power_of_2(max(S, 1))
     if stride_c == 1 and C > 1:
-        block_c = min(c_pow2, 64 if not _interpreting() else tile_elems)
+        block_c = min(c_pow2, 64 if not triton_interpreting() else tile_elems)
         block_s = max(1, min(s_pow2, tile_elems // block_c))
     else:
         block_s = min(s_pow2, tile_elems)
@@ -270,7 +267,7 @@ def _row_splits(num_units: int, num_c_blocks: int, device: torch.device) -> int:
 def _reduction_tile(device: torch.device) -> int:
     """Elements per reduction tile: 2048 keeps two fp32 accumulator tiles in registers at 4
     warps; the interpreter wants the largest tiles it can get."""
-    return 65536 if _interpreting() else 2048
+    return 65536 if triton_interpreting() else 2048
 
 
 def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch.Tensor,
@@ -290,7 +287,7 @@ def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch
         N, C, S, stride_n, stride_c, stride_s, num_s_tiles, split,
         BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
     )
-    if _interpreting():
+    if triton_interpreting():
         block_p, block_cc = triton.next_power_of_2(split), triton.next_power_of_2(C)
     else:
         block_p, block_cc = min(triton.next_power_of_2(split), 32), min(triton.next_power_of_2(C), 64)
@@ -325,7 +322,7 @@ def channel_affine(out: torch.Tensor, u: torch.Tensor, layout, p: torch.Tensor, 
     """``out = (u - p) * q [+ (v - r) * t] [+ b]`` with per-channel p, q, r, t, b (fp32,
     contiguous, C elements); out, u and v share ``layout``. Returns ``out``."""
     N, C, S, stride_n, stride_c, stride_s = layout
-    block_s, block_c = _tile(C, S, stride_c, 65536 if _interpreting() else 4096)
+    block_s, block_c = _tile(C, S, stride_c, 65536 if triton_interpreting() else 4096)
     num_s_tiles = triton.cdiv(S, block_s)
     grid = (N * num_s_tiles, triton.cdiv(C, block_c))
     has_v, has_b = v is not None, b is not None

@@ -212,7 +212,7 @@ def _static_sync_bn_trace(ddp) -> list:
 def _shadow_sync_bn(ddp, trace: list) -> None:
     """SyncBatchNorm's collectives with an empty batch: count 0 in each statistics gather
     (forward order), zeros in each backward all-reduce (reverse order)."""
-    from ..nn._bn_reference import acc_dtype
+    from .._dtypes import compute_dtype
     from ..nn._sync_stats import GRAD_TAG, combine, gather_payloads
 
     for layer, channels, _dtype, _needs in trace:
@@ -225,7 +225,7 @@ def _shadow_sync_bn(ddp, trace: list) -> None:
         comm = layer._communicator(ddp.device)
         if comm is None or not needs:
             continue
-        comm.all_reduce(torch.zeros(2 * channels, dtype=acc_dtype(dtype), device=comm.device), tag=GRAD_TAG)
+        comm.all_reduce(torch.zeros(2 * channels, dtype=compute_dtype(dtype), device=comm.device), tag=GRAD_TAG)
 
 
 class DDPJoinHook(JoinHook):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import compute_dtype
 from ..backend import select_backend
 from . import _bn_reference as reference
 from ._layout import NCSLayout
@@ -49,7 +50,7 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, layout: NCSLayout, mean: 
     """Per-channel ``[sum(dy), sum(dy * xhat)]``, (2, C); dy must share x's strides."""
     kernels = _kernels(x)
     if x.numel() == 0:
-        return torch.zeros((2, layout.C), dtype=reference.acc_dtype(x.dtype), device=x.device)
+        return torch.zeros((2, layout.C), dtype=compute_dtype(x.dtype), device=x.device)
     if kernels is None:
         return reference.backward_reduce(dy, x, mean, invstd)
     return kernels.backward_reduce(dy, x, layout, mean, invstd)

@@ -1,7 +1,7 @@
 """Pure-PyTorch SyncBatchNorm math: the CPU fallback and the oracle of the Triton kernels.
 
 Each function computes what its kernel launcher in ``triton_kernels/syncbn.py`` computes
-(same inputs, same outputs) in ``acc_dtype`` (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64
+(same inputs, same outputs) in ``compute_dtype`` (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64
 inputs), on any strides: reductions run over every dim but 1 and elementwise results keep
 the input's memory format.
 
@@ -10,8 +10,9 @@ BatchNorm primitives used in *inference form*, which evaluate exactly the expres
 with running_mean = p, running_var = 1 and eps = 0, ``F.batch_norm`` returns
 ``(u - p) / sqrt(1) * q + b = (u - p) * q + b``, and ``native_batch_norm_backward`` with
 p = 0 returns ``sum(a)`` and ``sum(a * b)``, each in one pass. (``torch.var_mean`` over several
-dims and chains of broadcast elementwise ops are 3-40x slower on CPU.) Half-precision inputs take the plain
-upcast-to-fp32 path, because those primitives would round intermediate sums to the input dtype.
+dims and chains of broadcast elementwise ops make several passes and temporaries, and are many
+times slower on CPU.) Half-precision inputs take the plain upcast-to-fp32 path, because those
+primitives would round intermediate sums to the input dtype.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._dtypes import compute_dtype
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -71,7 +70,7 @@ def welford_stats(x: torch.Tensor, mean_out: torch.Tensor, m2_out: torch.Tensor,
         mean_out.zero_()
         m2_out.zero_()
         return
-    xa = x.to(acc_dtype(x.dtype))
+    xa = x.to(compute_dtype(x.dtype))
     mean = xa.sum(_reduce_dims(x)) / count
     centered = _centered_scaled(xa, mean, torch.ones_like(mean))
     mean_out.copy_(mean)
@@ -82,7 +81,7 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                     invstd: torch.Tensor) -> torch.Tensor:
     """Per-channel ``[sum(dy), sum(dy * xhat)]`` as a (2, C) tensor in the accumulation dtype,
     with ``xhat = (x - mean) * invstd``."""
-    acc = acc_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     if _fused_ok(dy, x) and dy.dtype == x.dtype:
         xhat = _centered_scaled(x, mean, invstd)
         sum_dy_xhat, sum_dy = _channel_dot(dy, xhat)
@@ -110,7 +109,7 @@ def channel_affine(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
             shift += b.to(acc)
         res = _centered_scaled(v.to(acc), r, t, shift)
         return res.addcmul_(u, _per_channel(q.to(acc), u)).to(out_dtype)
-    acc = acc_dtype(u.dtype)
+    acc = compute_dtype(u.dtype)
     res = (u.to(acc) - _per_channel(p.to(acc), u)) * _per_channel(q.to(acc), u)
     if v is not None:
         res = res + (v.to(acc) - _per_channel(r.to(acc), u)) * _per_channel(t.to(acc), u)

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
-from ._bn_reference import acc_dtype
 from ._layout import NCSLayout, as_ncs, like_layout
 from ._sync_stats import GRAD_TAG, combine, gather_payloads
 
@@ -53,7 +53,7 @@ class BatchStatsNorm(torch.autograd.Function):
                 comm: Optional[Communicator]):
         x, layout = as_ncs(x)
         stats = combine(gather_payloads(ops.stats_payload(x, layout), comm), layout.C)
-        acc = acc_dtype(x.dtype)
+        acc = compute_dtype(x.dtype)
         var = stats.m2 / stats.count
         mean = stats.mean.to(acc)
         invstd = torch.rsqrt(var + eps).to(acc)
@@ -94,7 +94,7 @@ class RunningStatsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float):
         x, layout = as_ncs(x)
-        acc = acc_dtype(x.dtype)
+        acc = compute_dtype(x.dtype)
         mean = running_mean.to(acc).contiguous()
         invstd = torch.rsqrt(running_var.to(acc) + eps)
         y = _normalize(x, layout, mean, invstd, weight, bias)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
+from .._dtypes import compute_dtype
 from . import functional
 from ._scaler_protocol import ScalerProtocol
 
@@ -94,7 +95,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         (``master_weights`` is therefore read when a parameter's state is created.)"""
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        state_dtype = compute_dtype(p.dtype)
         for key in self._state_keys:
             if state.get(key) is None:
                 # Laid out like the parameter (as torch's optimizers make them), so a dense
@@ -233,7 +234,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         if key in self._state_keys or key in self._KERNEL_STATE_KEYS:
             # The kernels read states as fp32 (a torch state dict for bf16 params holds bf16
             # moments): widen, which is exact, laid out like the parameter.
-            dtype = torch.float32 if key == "master_param" or p.dtype != torch.float64 else torch.float64
+            dtype = torch.float32 if key == "master_param" else compute_dtype(p.dtype)
             return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
         return value.detach().to(device=p.device, copy=True)
 

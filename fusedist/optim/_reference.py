@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import compute_dtype
+
 
 def _skip_now(found_inf: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
     """(skip everything, per-element mask to apply) for a found-inf flag."""
@@ -169,7 +171,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     factor = _grad_factor(inv_scale, clip_coef)
     for i, (param, grad) in enumerate(zip(params, grads)):
         master = None if masters is None else masters[i]
-        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(param.dtype)
         d = _scaled_grad(grad, factor, maximize, dtype)
         p = (master if master is not None else param).to(dtype)
         d = d + weight_decay * p

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import compute_dtype
 from . import functional
 from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
 
@@ -45,7 +46,7 @@ class FusedSGD(FusedOptimizerBase):
         super()._init_state(group, p, state)
         if group["momentum"] != 0 and state.get("momentum_buffer") is None:
             # Zero-filled; the kernel fills it with the gradient where the step count is 1.
-            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            dtype = compute_dtype(p.dtype)
             state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["step"].fill_(0.0)
 

@@ -30,11 +30,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._tensor_tree import to_cpu
 from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from ..zero.optimizer import _to_cpu
 from . import _files
 from ._files import CheckpointError
 
@@ -208,16 +208,16 @@ def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Option
 def _rank_sections(optimizer) -> dict:
     sections = {}
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        sections["optimizer_shard"] = _to_cpu(optimizer.shard_state_dict())
+        sections["optimizer_shard"] = to_cpu(optimizer.shard_state_dict())
     return sections
 
 
 def _common_sections(model, optimizer, scaler, extra) -> dict:
     full_optimizer = None
     if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
-        full_optimizer = _to_cpu(optimizer.state_dict())
+        full_optimizer = to_cpu(optimizer.state_dict())
     return {
-        "model": _to_cpu(_unwrap(model).state_dict()),
+        "model": to_cpu(_unwrap(model).state_dict()),
         "optimizer": full_optimizer,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra,

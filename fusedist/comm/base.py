@@ -226,7 +226,7 @@ class Communicator(abc.ABC):
     def _launch(self, op: str, tag: str, async_op: bool, start) -> CommHandle:
         seq = next(self._seq)
         # A profiler range only while a profiler records: entering and leaving one costs more
-        # than posting a small message (about 5 us), on every collective.
+        # than posting a small message, on every collective.
         profiling = torch.autograd._profiler_enabled()
         with torch.profiler.record_function(f"fusedist::{op}") if profiling else contextlib.nullcontext():
             try:

@@ -1,19 +1,15 @@
 """Reduce-scatter and all-gather on a gloo process group, built from point-to-point messages.
 
 Why: gloo's flat ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` are much slower than
-its all-reduce (a reduce-scatter alone takes 1.5-2x an all-reduce of the whole tensor), so
-ZeRO's reduce-scatter + all-gather of Ψ cost 2-5x one all-reduce of Ψ, although both move
-the same bytes. A direct exchange -- one ``isend`` + one ``irecv`` per peer and chunk, no
-``batch_isend_irecv`` (slower when measured) -- brings RS+AG to about one all-reduce (0.88-0.94x
-at 16.8M fp32 elements, 0.92-1.11x at 4.2M-6.6M, 2 ranks on a 2-core machine). Below that the
-collectives are latency-bound and RS+AG pays two synchronizations where the all-reduce pays
-one (1.18-1.37x at 1M, 1.52-2.4x at 0.3M). That floor is gloo's, not this module's: the same
-messages posted as bare send/recv on the process group, with none of this module's checks,
-tags or timeouts, measured 1.16-1.41x at 1M and 1.38-1.62x at 0.3M in the same runs, and
-gloo's own all-to-all, one C++ collective that moves a reduce-scatter's bytes, was no faster
-than this exchange's reduce-scatter with its fold (0.85 against 0.82 ms at 0.26M elements,
-2.8 against 2.0 ms at 1M, and slower above). benchmarks/bench_zero.py times all of them in
-the same run:
+its all-reduce for the same bytes, so ZeRO's reduce-scatter + all-gather (RS+AG) would cost
+several all-reduces where a ring needs about one. A direct exchange -- one ``isend`` + one
+``irecv`` per peer and chunk (``batch_isend_irecv`` is slower) -- brings RS+AG to about one
+all-reduce for large tensors. Small ones are latency-bound: RS+AG pays two synchronizations
+where the all-reduce pays one, a floor that is gloo's, not this module's (bare send/recv with
+none of this module's checks, and gloo's own all-to-all, are no faster). The figures are in
+the README and ``benchmarks/results/`` (``zero_cpu_ws*_collectives_*``, and
+``gloo_exchange_notes.md`` for the measurements behind each choice below);
+``benchmarks/bench_zero.py`` times every variant in one run. The exchange:
 
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;
@@ -23,8 +19,8 @@ the same run:
 Memory: a reduce-scatter in flight holds a landing buffer of (N-2)/N of its input (the
 peers' copies of this rank's slice but one, which lands in the output; (N-1)/N when the
 output is the input's own slice). Landing buffers are reused (see :class:`_LandingPool`):
-a fresh multi-MiB CPU allocation is page-faulted in as the messages land, which cost ~15% of
-a 4M-element reduce-scatter and ~40% of a 16M-element one in the run that measured it.
+a fresh multi-MiB CPU allocation is page-faulted in as the messages land, a cost that grows
+with the buffer and is a large share of a big reduce-scatter.
 
 Supported: ops sum, avg, max, min on float32/64, bfloat16, float16 and integer tensors (avg
 only on floating-point ones, as gloo); any dtype for all-gather. In place works as with torch:
@@ -57,13 +53,11 @@ ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
 MODES = ("p2p", "builtin")
 
 #: Bytes per message. Each message costs a handshake in gloo's unbound buffers (the receiver
-#: announces it, then the sender writes), so fewer, larger messages are cheaper. Three runs
-#: of RS+AG (paired with an all-reduce, 40-60 repetitions, 2 ranks on a 2-core machine,
-#: 4.2M-16.8M fp32 elements) measured 16 MiB messages faster than 4 MiB ones in all seven
-#: size comparisons, by 1-15% (median 9%); 64 MiB was no better than 16, and 1 MiB was the
-#: slowest. Reducing one chunk while the next is in flight does not pay for more
-#: handshakes. Module-level so tests can shrink it and drive many chunks through small
-#: tensors.
+#: announces it, then the sender writes), so fewer, larger messages are cheaper, up to the
+#: point where larger ones stop helping (16 MiB beat 4 MiB, 64 MiB did not beat 16:
+#: benchmarks/results/gloo_exchange_notes.md). Reducing one chunk while the next is in flight
+#: does not pay for more handshakes. Module-level so tests can shrink it and drive many
+#: chunks through small tensors.
 CHUNK_BYTES = 16 << 20
 
 # Note [exchange tags]
@@ -97,11 +91,9 @@ _KINDS = {"reduce_scatter": 0, "all_gather": 1}
 # receive at launch means the peers' sends find them announced and both directions flow at
 # once; deferring our sends keeps the launch -- called from autograd's gradient hooks in the
 # middle of backward -- from writing megabytes to a socket before it returns.
-# A synchronous launch also defers them, although its caller drives it at once. Posting them
-# right after the receives was measured (2 ranks, 2 cores, 0.26M-1M fp32 elements): faster
-# when the ranks enter together (RS+AG of 0.3M: 1.04 against 1.16 ms, a barrier before each
-# collective), no faster when they do not (RS then AG back to back, as ZeRO and the
-# benchmark run them: within noise of +-0.1x of an all-reduce, in four runs).
+# A synchronous launch also defers them, although its caller drives it at once: posting them
+# right after the receives helps only when the ranks enter a collective together, which they
+# do not when ZeRO runs RS then AG back to back (benchmarks/results/gloo_exchange_notes.md).
 #
 # Note [exchange determinism]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -229,9 +221,8 @@ class ExchangeWork:
         computes (torch's kernels release the GIL). A caller that waits before the thread
         got to the exchange drives it itself (whoever starts first finishes it; the other
         skips it). A synchronous launch never reaches the thread: its caller drives it at
-        once. Waking the thread for it anyway cost 0.4-1 ms per collective on a 2-core
-        machine, the two threads contending for the GIL (RS+AG of 1k fp32 elements, 2 ranks:
-        2.8 against 1.9 ms).
+        once: waking the thread for it anyway would make the two threads contend for the GIL
+        on every collective, a cost that dominates small ones.
 
     ``wait(timeout)`` waits for that flag. The progress thread's own deadline is the launch
     time plus the communicator's timeout; on failure or timeout it records a ``RuntimeError``
@@ -504,7 +495,7 @@ class GlooExchange:
 
     # The process group's own send/recv, with group ranks: what dist.isend / dist.irecv call
     # after their argument checks and rank translation, which cost more than the posting
-    # itself (8 against 3.6 us per message measured) and which the communicator has done.
+    # itself and which the communicator has done.
     def _send_later(self, tensor, peer, tag) -> Callable[[], object]:
         return functools.partial(self.group.send, [_as_real(tensor)], peer, tag)
 
@@ -535,12 +526,11 @@ class GlooExchange:
 
 # Note [in-place fold]
 # ~~~~~~~~~~~~~~~~~~~~
-# A reduction that writes a third buffer (``torch.add(a, b, out=c)``) costs about three times
-# an in-place one (``c.add_(b)``) on the CPUs we measured (8M fp32 elements, one thread: 8 ms
-# against 2.6 ms), and the reduce-scatter's fold is most of its CPU time. So ``output`` itself
-# receives one of the first two contributions -- rank 1's part on rank 0, rank 0's part on
-# every other rank -- or already holds this rank's own part when the reduce-scatter is in
-# place, and every step of the fold is in place: ``out = out op c_j``. The fold order stays
+# A reduction that writes a third buffer (``torch.add(a, b, out=c)``) costs several times an
+# in-place one (``c.add_(b)``) on CPUs, and the reduce-scatter's fold is most of its CPU time.
+# So ``output`` itself receives one of the first two contributions -- rank 1's part on rank 0,
+# rank 0's part on every other rank -- or already holds this rank's own part when the
+# reduce-scatter is in place, and every step of the fold is in place: ``out = out op c_j``. The fold order stays
 # ((c_0 op c_1) op c_2) ... (Note [exchange determinism]): sum, max and min are commutative,
 # so ``c_1 op c_0`` is bit-identical to ``c_0 op c_1``. The one exception is an in-place
 # reduce-scatter on rank >= 2, whose own part is needed after c_0 op c_1 has overwritten it:

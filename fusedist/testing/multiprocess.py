@@ -105,7 +105,7 @@ def run_distributed(
         backend: process-group backend, or None to leave initialization to ``fn``.
         timeout: wall-clock limit for the whole run; ranks still running are killed.
         pg_timeout: the process group's collective timeout (seconds).
-        threads: torch intra-op threads per rank (1 keeps a 2-core machine sane).
+        threads: torch intra-op threads per rank (1 keeps the ranks from oversubscribing the cores).
         env: extra environment variables for the children.
         expect_failure: return a list of ``("error", traceback)`` / ``("ok", value)`` pairs
             instead of raising when ranks fail (for tests of failure behaviour).

@@ -268,15 +268,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     # pre-hook of the modules that use it, installed at its first step -- after the first
     # forward compiled the model, if it is compiled. A graph dynamo compiled before a hook
     # existed can keep running without it (dynamo does not guard on module hooks), and then
-    # the forward reads parameters the all-gather is still writing: measured AdamW parity off
-    # by 5e-3 to 2e-2 after 4 steps, in some runs, for each way of compiling. So the waiters
+    # the forward reads parameters the all-gather is still writing (parity with AdamW was lost
+    # within a few steps, for each way of compiling). So the waiters
     # registered here run before the module's forward, outside any graph (a disabled function
     # is always called, eagerly, also from inside a compiled DDP forward), and wait for every
     # all-gather when the forward is compiled -- correct, without the overlap of waiting
     # layer by layer, which an eager forward keeps. ``traced``: this forward is being
     # compiled (the DDP wrapper itself is compiled). Compiled submodules are looked for at
     # the optimizer's first step; one compiled later is traced with the hooks in place, and
-    # they fire (measured: exact parity with per-layer and whole-model compile at step 2).
+    # they fire (tests/test_compile.py: exact parity with per-layer and whole-model compile).
     def add_param_waiter(self, waiter) -> None:
         """Call the bound method ``waiter(traced: bool)`` before every forward of the module
         (held weakly: it goes with its owner)."""

@@ -81,7 +81,7 @@ def add_param_group(zero, param_group: dict) -> None:
     zero._params.extend(new)
     zero._group_of.extend([gi] * len(new))
     zero._frozen.extend(range(start, start + len(new)))
-    zero._consolidated = None
+    zero._sharded_state.invalidate()
     if zero.inner is not None:
         zero.inner.add_param_group(dict(zstate.hyperparameters(zero.param_groups[gi]), params=[]))
     join_pending(zero)

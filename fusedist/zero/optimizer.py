@@ -1,4 +1,21 @@
-"""``fusedist.ZeroRedundancyOptimizer``: ZeRO stage 1 and 2 on flat, evenly sharded buffers."""
+"""``fusedist.ZeroRedundancyOptimizer``: ZeRO stage 1 and 2 on flat, evenly sharded buffers.
+
+This module is the class itself: construction, ``step()`` and the public methods. Its
+concerns live in their own modules, as mixins where they are a few methods over the core state
+(the partition, gradient shards, masters, pieces and inner optimizer) and as helper objects
+where they keep state of their own:
+
+* ``wiring.py`` -- finding the DDP model and communicator, installing stage 2;
+* ``shards.py`` (mixin) -- building the shards lazily, masters kept in step with the parameters;
+* ``grads.py`` (mixin) -- which gradients the rank has, stage-1 collection;
+* ``pieces.py`` (mixin) -- splitting the inner optimizer's pieces around skipped parameters;
+* ``scaling.py`` (mixin) -- the GradScaler protocol, clipping and the inner step;
+* ``gather.py`` (:class:`ParamGatherer`) -- parameter all-gathers and the hooks that wait;
+* ``sharded_state.py`` (:class:`ShardedState`) -- state dicts: shard, consolidate, load;
+* ``grow.py`` -- parameters joining after construction; ``grad_sync.py`` -- the stage-2
+  reduce-scatter; ``offload.py`` -- ZeRO-Offload; join support is ``JoinableOptimizer`` in
+  ``fusedist/ddp/join.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from .._tensor_tree import to_cpu as _to_cpu
-from ..comm.objects import gather_object
 from ..ddp.join import JoinableOptimizer
-from ..ddp.layout import flat_like
 from . import grow, wiring
 from . import state as zstate
 from .gather import ParamGatherer
@@ -20,6 +34,7 @@ from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, ch
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
 from .scaling import ZeroScalerProtocol
+from .sharded_state import ShardedState
 from .shards import LazyShardsMixin
 
 MiB = 1024 * 1024
@@ -69,7 +84,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       ``state_dict()`` / ``load_state_dict()``, this optimizer's ``state_dict()``, checkpoint
       saving and the next ``step()`` wait too, but any other read of the parameters before the
       next forward must call :meth:`wait_for_params` first -- it would otherwise see a mix of
-      old and new values (Note [overlapped parameter gathers]).
+      old and new values (Note [overlapped parameter gathers] in ``gather.py``).
     * What ``p.grad`` holds: stage 1 -- the full averaged gradient, as with DDP alone. Stage 2
       -- None after every synchronized backward (only the shard is kept; read it with
       :meth:`gradient_shards`). Stage-2 gradients accumulate over synchronized backward passes
@@ -100,8 +115,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     * Master weights are FP32 copies (FP64 for FP64 parameters). Parameters changed outside
       the optimizer between steps (``model.load_state_dict``, in-place ops under
       ``no_grad``) are taken into the masters by the next ``step()``, as torch's optimizers
-      would use them (Note [parameters changed outside the optimizer]); after writing
-      through ``p.data``, call :meth:`sync_master_from_params`.
+      would use them (Note [parameters changed outside the optimizer] in ``shards.py``);
+      after writing through ``p.data``, call :meth:`sync_master_from_params`.
 
     Args:
         params: parameters or param groups (all of one fusedist DDP model, or none).
@@ -180,10 +195,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._masters: dict[torch.dtype, torch.Tensor] = {}
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
-        self._pending_load: Optional[tuple] = None
-        # [state dicts] consolidate_state_dict's full state on its ``to`` rank, returned by
-        # state_dict() until a step or load changes the state, as torch's optimizer does.
-        self._consolidated: Optional[dict] = None
+        self._sharded_state = ShardedState(self)  # state dicts: consolidated copy, pending load
         # Note [parameters changed outside the optimizer]: versions after the last step.
         self._param_versions: Optional[list] = None
         # Stage 2: trainable parameters some synchronized backward since the last step (or
@@ -240,7 +252,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             )
         if self._join_config.enable:
             self._join_before_step()  # uneven inputs (Note [joined ranks] in fusedist/ddp/join.py)
-        self._consolidated = None  # the state moves on: a gathered copy would be stale
+        self._sharded_state.invalidate()  # the state moves on: a gathered copy would be stale
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -341,19 +353,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             "communication_scratch_bytes": self.comm.scratch_bytes() if self.comm is not None else 0,
         }
 
-    # ------------------------------------------------------------------ state dicts
-    def _meta(self) -> list[dict]:
-        return zstate.param_meta(self._params)
-
-    def _group_dicts(self) -> list[dict]:
-        out, start = [], 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            out.append(dict(zstate.hyperparameters(g), params=list(range(start, start + n))))
-            start += n
-        return out
-
-    @torch.no_grad()
+    # ------------------------------------------------------------------ state dicts (sharded_state.py)
     def state_dict(self) -> dict:
         """This rank's shard (:meth:`shard_state_dict`) -- except right after
         :meth:`consolidate_state_dict` on its ``to`` rank, where it is the full state dict
@@ -361,192 +361,40 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         as with torch's ZeroRedundancyOptimizer. So torch's checkpoint recipe --
         ``consolidate_state_dict(to=0)``, then ``torch.save(optimizer.state_dict())`` on rank 0
         -- saves the whole optimizer state, not rank 0's shard of it."""
-        if self._consolidated is not None:
-            return zstate.to_torch_format(self._consolidated, self._params, self._group_dicts())
-        return self.shard_state_dict()
+        return self._sharded_state.state_dict()
 
     def shard_state_dict(self) -> dict:
         """This rank's shard as per-parameter fragments (Note [fragments] in ``state.py``)
         plus metadata. Loading at another world size: :func:`fusedist.checkpoint.load`, or
         :meth:`load_state_dict` with the list of every rank's shard."""
-        self.wait_for_params()
-        fragments: dict[int, list] = {}
-        replicated = self.inner is None and self._pending_load is not None
-        if replicated:
-            # Note [replicated shards]: loaded before DDP's bucket layout was final, so no rank
-            # owns ranges yet and every rank holds the whole loaded state. Each shard then
-            # carries all of it (marked, so loading takes one); an empty shard would save a
-            # checkpoint without optimizer state.
-            for index, item in self._pending_load[0].items():
-                n = self._params[index].numel()
-                fragments[index] = [{"range": (0, n), "master": item["master"], "state": dict(item["state"])}]
-        elif self.inner is not None:
-            part = self._partition
-            piece_tensor = {piece: t for piece, t in zip(part.pieces, self._pieces)}
-            for e in part.entries:
-                piece = part.piece_of(e)
-                st = self.inner.state.get(piece_tensor[piece], {})
-                if not st:
-                    continue
-                off = e.pos - piece.start
-                state = zstate.slice_state(st, piece.end - piece.start, off, off + e.numel, copy=True,
-                                           optimizer_name=self.optimizer_class.__name__,
-                                           why="it cannot be split across ranks")
-                fragments[e.index] = [{
-                    "range": (e.lo, e.hi),
-                    "master": self._masters[e.dtype][e.pos:e.pos + e.numel].clone(),
-                    "state": state,
-                }]
-        return {
-            "format": zstate.FORMAT,
-            "stage": self.stage,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "optimizer_class": self.optimizer_class.__name__,
-            "param_groups": self._group_dicts(),
-            "param_meta": self._meta(),
-            # Informational: loading never needs it (fragments are layout independent).
-            "layout": None if self._partition is None else [
-                {"bucket": bs.bucket.index, "dtype": str(bs.bucket.dtype), "numel": bs.bucket.numel,
-                 "shard": (bs.lo, bs.hi)} for bs in self._partition.bucket_shards],
-            "fragments": fragments,
-            "replicated": replicated,
-        }
+        return self._sharded_state.shard()
 
     def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
         """Gather every rank's shard; rank ``to`` gets a full state dict in torch's format
         (``{"state", "param_groups"}``) loadable by the unsharded optimizer class (and from
         :meth:`state_dict` until the next step), other ranks get None. A collective: every
         rank must call it."""
-        local = _to_cpu(self.shard_state_dict())
-        if self.comm is None or self.world_size == 1:
-            everyone = [local]
-        else:
-            # Through the monitored path: a rank that never calls it is named in a StallError.
-            everyone = gather_object(self.comm, local, to, tag="ZeroRedundancyOptimizer.consolidate_state_dict")
-            if self.rank != to:
-                return None
-        merged = zstate.merge_fragments(everyone)
-        self._consolidated = zstate.assemble(merged, self._params, range(len(self._params)),
-                                             source="consolidate_state_dict")
-        return zstate.to_torch_format(self._consolidated, self._params, self._group_dicts())
+        return self._sharded_state.consolidate(to)
 
     def load_state_dict(self, state_dict) -> None:
         """Load a list of every rank's ``shard_state_dict()`` (any world size: resharded here), or
         a full torch-format state dict (from ``consolidate_state_dict``, ``state_dict()`` right
         after it, or an unsharded optimizer). Everything is validated before anything changes;
         an incomplete set of shards is refused."""
-        self._apply_assembled(*self.prepare_load(state_dict))
+        self._sharded_state.load(state_dict)
 
     def prepare_load(self, state_dict, source: str = "state dict"):
         """Validate ``state_dict`` (see :meth:`load_state_dict`) and return what
         :meth:`_apply_assembled` needs; raises :class:`StateDictError` without changing anything."""
-        sds = state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]
-        if not sds:
-            raise zstate.StateDictError(f"{source}: empty list of state dicts")
-        if all(isinstance(sd, dict) and sd.get("format") == zstate.FORMAT for sd in sds):
-            self._check_shard_set(sds, source)
-            meta = self._meta()
-            for sd in sds:
-                if [tuple(m["shape"]) for m in sd["param_meta"]] != [m["shape"] for m in meta]:
-                    raise zstate.StateDictError(f"{source}: parameter shapes differ from the optimizer's")
-            frags = zstate.merge_fragments(sds)
-            groups = sds[0]["param_groups"]
-        elif all(isinstance(sd, dict) and "state" in sd and "param_groups" in sd for sd in sds) and len(sds) == 1:
-            frags = zstate.fragments_from_full(sds[0], self._params)
-            groups = sds[0]["param_groups"]
-        else:
-            raise zstate.StateDictError(f"{source}: not a ZeroRedundancyOptimizer or torch optimizer state dict")
-        zstate.check_groups(groups, self.param_groups, source)
-        # Every parameter is assembled (and so validated) now; the rank keeps its own ranges
-        # when the shards exist, else all of it until the first step builds them.
-        assembled = zstate.assemble(frags, self._params, range(len(self._params)), source=source)
-        if sds[0].get("format") == zstate.FORMAT:
-            zstate.relayout(assembled, self._params, sds[0]["param_meta"])
-        return assembled, [zstate.hyperparameters(g) for g in groups]
+        return self._sharded_state.prepare_load(state_dict, source)
 
-    def _check_shard_set(self, sds: list, source: str) -> None:
-        """Shards load as a complete set: every rank of the world that saved them. A partial set
-        would silently give the parameters of the missing ranks no state (a parameter without
-        fragments was never stepped, as far as the fragments tell)."""
-        if any(sd.get("replicated") for sd in sds):
-            return  # each holds the whole state (merge_fragments takes one)
-        given = sorted((sd.get("rank"), sd.get("world_size")) for sd in sds)
-        sizes = {size for _, size in given}
-        if len(sizes) == 1 and [r for r, _ in given] == list(range(next(iter(sizes)))):
-            return
-        raise zstate.StateDictError(
-            f"{source}: got the ZeroRedundancyOptimizer shard(s) of ranks {[r for r, _ in given]} of a world "
-            f"of {sorted(sizes)} (this is rank {self.rank} of {self.world_size}); a shard holds one rank's "
-            "part of the state, so the other ranks' parameters would load without state. Pass every "
-            "rank's shard (a list) or a full state dict: on the saving side, "
-            "consolidate_state_dict(to=0) and then state_dict() on rank 0, or fusedist.checkpoint.save"
-        )
-
-    @torch.no_grad()
     def _apply_assembled(self, assembled: dict, hyper: list[dict]) -> None:
-        self._consolidated = None
-        for group, h in zip(self.param_groups, hyper):
-            group.update(h)
-        if self.inner is None:
-            if self.ddp is not None and not self.ddp.reducer.layout_final:
-                # The shards follow DDP's buckets, final only after the first synchronized
-                # backward: keep the (validated) state until the first step builds them.
-                self._pending_load = (assembled, hyper)
-                return
-            self._ensure_state()
-        self.wait_for_params()
-        if self._offload is not None:
-            self._offload.wait_host_buffers()
-        part = self._partition
-        # Parameters with different scalar state (a step count, or no state at all: never
-        # stepped) must not share a piece (Note [piece splitting]).
-        self._split_pieces(self._cuts_between_states(assembled))
-        new_state: dict = {t: {} for t in self._pieces}
-        for e in part.entries:
-            item = assembled.get(e.index)
-            if item is None:
-                continue
-            k = part.piece_index(e)
-            piece, t = part.pieces[k], self._pieces[k]
-            if item["master"] is not None:
-                self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(item["master"][e.lo:e.hi])
-            else:
-                p = self._params[e.index]
-                self._masters[e.dtype][e.pos:e.pos + e.numel].copy_(flat_like(p.detach(), p)[e.lo:e.hi])
-            st = new_state[t]
-            n_piece = piece.end - piece.start
-            off = e.pos - piece.start
-            for key, v in item["state"].items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    if key not in st:
-                        st[key] = torch.zeros(n_piece, dtype=self._state_dtype(v, t), device=t.device)
-                    st[key][off:off + e.numel].copy_(v[e.lo:e.hi])
-                else:
-                    st.setdefault(key, v.clone().to(t.device) if isinstance(v, torch.Tensor) else v)
-        # Through the inner optimizer's own load_state_dict, so it places each state tensor
-        # where it wants it (e.g. torch keeps a non-capturable Adam's ``step`` on the CPU).
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
-            inner_group.update(zstate.hyperparameters(group))
-        index_of = {}
-        groups = []
-        for inner_group in self.inner.param_groups:
-            ids = []
-            for t in inner_group["params"]:
-                index_of[t] = len(index_of)
-                ids.append(index_of[t])
-            groups.append(dict(zstate.hyperparameters(inner_group), params=ids))
-        self.inner.state.clear()
-        self.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
-                                    "param_groups": groups})
-        # The loaded masters are current (Note [parameters changed outside the optimizer]).
-        self._record_param_versions()
-
-    @staticmethod
-    def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:
-        return v.dtype if v.is_floating_point() else t.dtype
+        """The second half of a load, after :meth:`prepare_load` (``fusedist.checkpoint.load``
+        validates every part of a checkpoint before it applies any)."""
+        self._sharded_state.apply(assembled, hyper)
 
     def __repr__(self) -> str:
         return (f"ZeroRedundancyOptimizer(stage={self.stage}, world_size={self.world_size}, "
                 f"optimizer_class={self.optimizer_class.__name__}, groups={len(self.param_groups)}"
                 + (f", offload={self.offload!r})" if self.offload else ")"))
+

@@ -91,6 +91,9 @@ class ZeroScalerProtocol(ScalerProtocol):
         return self._fusedist_record_clip(sumsq, max_norm, error_if_nonfinite)
 
     def _inner_step(self) -> None:
+        """Step the inner optimizer over the pieces with this step's inverse scale, clip
+        coefficient and found-inf flag: a fused one applies them in its update; any other gets
+        its gradients multiplied first and is skipped on overflow, as torch's GradScaler does."""
         inner, found = self.inner, self.found_inf
         if getattr(inner, "_fusedist_fused", False):
             inner.grad_scale = self.grad_scale

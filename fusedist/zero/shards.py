@@ -75,9 +75,7 @@ class LazyShardsMixin:
         self.inner = self.optimizer_class(groups, **self._inner_defaults)
         if self.overlap_param_gather:
             self._gatherer.install(self.ddp, part.bucket_shards)
-        if self._pending_load is not None:
-            pending, self._pending_load = self._pending_load, None
-            self._apply_assembled(*pending)
+        self._sharded_state.apply_pending()  # a load that came before the shards
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:

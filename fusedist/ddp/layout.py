@@ -64,10 +64,18 @@ class Bucket:
         return rank * size, (rank + 1) * size
 
 
-@dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    bucket: Bucket
-    offset: int  # in the dtype buffer
+    """Where a parameter's gradient lives: its bucket, its offset in the dtype buffer, and
+    ``view``, its gradient view of the bucket's storage while that is allocated (else None).
+    The view is cut once per allocation and handed out every time, so a gradient hook finds
+    it with one attribute read (Note [per-parameter cost] in ``reducer.py``)."""
+
+    __slots__ = ("bucket", "offset", "view")
+
+    def __init__(self, bucket: Bucket, offset: int):
+        self.bucket = bucket
+        self.offset = offset
+        self.view: Optional[torch.Tensor] = None
 
 
 def shaped_like(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -112,19 +120,30 @@ class GradLayout:
         self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         for bucket in self.buckets:
             bucket.data = self.buffers[bucket.dtype][bucket.start:bucket.end]
+            self._cut_views(bucket)
         self.allocated_bytes = self.total_bytes
         self.peak_bytes = self.total_bytes
 
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s gradient view of its bucket (the same tensor until the bucket's storage
+        is released)."""
         slot = self.slots[param]
-        bucket = slot.bucket
-        if bucket.data is None:
+        if slot.view is None:
             raise RuntimeError(
-                f"fusedist: gradient bucket {bucket.index} is released (per-bucket storage); "
+                f"fusedist: gradient bucket {slot.bucket.index} is released (per-bucket storage); "
                 "allocate it before taking a gradient view"
             )
-        lo = slot.offset - bucket.start
-        return shaped_like(bucket.data[lo:lo + param.numel()], param)
+        return slot.view
+
+    def _cut_views(self, bucket: Bucket) -> None:
+        data, start = bucket.data, bucket.start
+        for p, off in zip(bucket.params, bucket.offsets):
+            lo = off - start
+            self.slots[p].view = shaped_like(data[lo:lo + p.numel()], p)
+
+    def _drop_views(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            self.slots[p].view = None
 
     # ---- storage (Note [bucket storage])
     def use_bucket_storage(self) -> None:
@@ -134,6 +153,7 @@ class GradLayout:
         self.buffers = {}
         for bucket in self.buckets:
             bucket.data = None
+            self._drop_views(bucket)
         self.allocated_bytes = 0
         self.peak_bytes = 0
 
@@ -144,6 +164,7 @@ class GradLayout:
         """The bucket's storage, allocated zeroed if it was released."""
         if bucket.data is None:
             bucket.data = torch.zeros(bucket.numel, dtype=bucket.dtype, device=self.device)
+            self._cut_views(bucket)
             self.allocated_bytes += bucket.nbytes
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return bucket.data
@@ -155,6 +176,7 @@ class GradLayout:
             raise RuntimeError("fusedist: GradLayout.release needs per-bucket storage (use_bucket_storage())")
         if bucket.data is not None:
             bucket.data = None
+            self._drop_views(bucket)
             self.allocated_bytes -= bucket.nbytes
 
     def release_all(self) -> None:

@@ -41,6 +41,23 @@ Note [finishing buckets during backward]
     needs a stream-ordered release (finish right after launch with a device-side wait),
     which this scheme does not do.
 
+Note [per-parameter cost]
+    A gradient hook runs once per parameter per backward, so with many small tensors its
+    Python cost is what separates this reducer from torch's C++ one. The hook is a closure
+    registered with ``register_post_accumulate_grad_hook`` (measured cheaper than a
+    ``functools.partial``, a callable object, or a hook on the AccumulateGrad node) that
+    holds only a weak reference to the reducer and an integer key; the key finds the
+    parameter's ``_ParamEntry``, which holds what the hook needs: its layout slot (bucket and
+    gradient view, the view cut once per bucket allocation in ``layout.py``), its position,
+    and the number of the last backward that delivered its gradient. So the hook does no
+    dictionary or set lookup keyed by the parameter (hashing a tensor is a Python call), no
+    view slicing, and calls nothing else unless a bucket became ready or a launched one may
+    have completed. Readiness is a per-bucket counter; "received twice" and "missing at the
+    end of backward" compare the entry's stamp with the backward's number. The entries
+    follow every change of the layout, the parameter list and the inactive set
+    (``_refresh_entries``); the hook itself never changes and holds nothing that leads back
+    to the model, so dropping the wrapper frees it (the hooks go with the reducer).
+
 Note [unused parameters]
     A parameter whose hook did not fire by the end of backward is unused this iteration. Its
     slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
@@ -53,7 +70,6 @@ Note [unused parameters]
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 import warnings
@@ -72,6 +88,7 @@ from ..reliability import attach_monitor, checks_enabled
 from ..reliability.step_check import StepCheck, layout_crc
 
 MiB = 1024 * 1024
+_perf_counter = time.perf_counter
 
 
 class GradSyncStrategy:
@@ -172,26 +189,31 @@ class Reducer:
         self.layout_listeners: list[Callable[[GradLayout], None]] = []
         # Expected readiness order before anything is observed: reverse registration order
         # (the last layers' gradients are produced first), like torch DDP.
-        self.layout = self._build(list(reversed(range(len(params)))))
+        self._layout = self._build(list(reversed(range(len(params)))))
         self.layout_final = False  # becomes True after the rebuild from observed order
         for p in params:
             self._attach_grad(p)
-        # The hooks reach the reducer through a weak reference: torch keeps a tensor's hooks
-        # where the garbage collector cannot see them, so a bound method there would keep the
-        # reducer, the wrapper and the whole model alive after the user dropped the wrapper
-        # (measured: never freed). Once the reducer is gone its hooks are removed.
-        self._hook = functools.partial(_grad_ready, weakref.ref(self))
-        self._hooked: set = set()
-        self._hooks: list = []
-        for p in params:
-            self.ensure_hook(p)
-        weakref.finalize(self, _remove_hooks, self._hooks)
         # Note [trainable set changes] (trainable.py): the module's requires_grad flags, layout
         # parameters that are frozen now (inactive: no gradient expected, slot sent as zeros),
         # ones frozen since the last forward, and whether the layout may only grow (ZeRO).
         self.tracker = None
-        self.inactive: set = set()
+        self._inactive: set = set()
         self.frozen_now: set = set()
+        # The hooks reach the reducer through a weak reference: torch keeps a tensor's hooks
+        # where the garbage collector cannot see them, so a bound method there would keep the
+        # reducer, the wrapper and the whole model alive after the user dropped the wrapper
+        # (measured: never freed). Once the reducer is gone its hooks are removed.
+        # Note [per-parameter cost]: one entry per hooked parameter, found by the hook's key.
+        self._ref = weakref.ref(self)
+        self._entry_of: dict = {}
+        self._hook_entries: list = []
+        self._hooks: list = []
+        self.generation = 0  # numbers the backwards (the entries' readiness stamps)
+        self.as_view = config.gradient_as_bucket_view
+        for p in params:
+            self.ensure_hook(p)
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._refresh_entries()
         self.append_only = False
         self.caught_up: list = []  # parameters averaged outside the buckets in the last backward
         self.caught_up_now: set = set()
@@ -232,14 +254,50 @@ class Reducer:
             bucket_storage=bucket_storage,
         )
 
+    @property
+    def layout(self) -> GradLayout:
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: GradLayout) -> None:
+        self._layout = layout
+        self._refresh_entries()
+
+    @property
+    def inactive(self) -> set:
+        """Layout parameters frozen now: no gradient expected, their slots sent as zeros
+        (Note [trainable set changes]). Assign a new set to change it."""
+        return self._inactive
+
+    @inactive.setter
+    def inactive(self, params: set) -> None:
+        self._inactive = params
+        self._refresh_entries()
+
     def ensure_hook(self, p) -> None:
-        if p not in self._hooked:
-            self._hooked.add(p)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+        """Register ``p``'s gradient hook once. Its entry has no slot until
+        ``_refresh_entries`` places it (a parameter outside the layout is not reduced)."""
+        if p not in self._entry_of:
+            entry = self._entry_of[p] = _ParamEntry()
+            self._hook_entries.append(entry)
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                _make_hook(self._ref, len(self._hook_entries) - 1)))
+
+    def _refresh_entries(self) -> None:
+        """Point every hooked parameter's entry at its current slot and position (Note
+        [per-parameter cost]): called whenever the layout, the parameters or the inactive
+        set change. Parameters the buckets do not reduce get no slot."""
+        for entry in self._hook_entries:
+            entry.slot, entry.index = None, -1
+        slots, inactive = self._layout.slots, self._inactive
+        self.entries = [self._entry_of[p] for p in self.params]  # aligned with self.params
+        for i, (p, entry) in enumerate(zip(self.params, self.entries)):
+            entry.index = i
+            entry.slot = None if p in inactive else slots.get(p)
 
     def is_active(self, p) -> bool:
         """Whether ``p``'s gradient is reduced by the buckets (Note [trainable set changes])."""
-        return p in self.index_of and p not in self.inactive
+        return p in self.index_of and p not in self._inactive
 
     def set_params(self, params: list, names: list) -> None:
         self.params, self.names = list(params), list(names)
@@ -247,6 +305,7 @@ class Reducer:
         self._observed_order = None
         for p in self.params:
             self.ensure_hook(p)
+        self._refresh_entries()
 
     def add_params(self, params: list, names: list) -> None:
         self.set_params(self.params + list(params), self.names + list(names))
@@ -375,7 +434,7 @@ class Reducer:
         self.pending = [len(b.params) - (sum(p in inactive for p in b.params) if inactive else 0)
                         for b in self.layout.buckets]
         self.handles = [None] * len(self.layout.buckets)
-        self.ready_params: set = set()
+        self.generation += 1  # entries stamped with it received their gradient in this backward
         self.next_launch = 0
         self.next_finish = 0  # Note [finishing buckets during backward]
         self.finished_in_hooks = 0
@@ -383,7 +442,7 @@ class Reducer:
         self.t_begin = now_us()
         self.t_launch: dict[int, float] = {}
         self.t_done: dict[int, float] = {}
-        self.t_last_grad = self.t_begin
+        self.t_last_grad = _perf_counter()  # raw perf_counter seconds (cheap in the hook)
         self.layout.reset_peak()
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
@@ -394,46 +453,52 @@ class Reducer:
             self.monitor.step_hint = self.sync_steps
         self.timeline.instant("backward begins", sync=self.sync)
 
-    def _on_grad_ready(self, p) -> None:
+    def _on_grad_ready(self, entry: "_ParamEntry", p) -> None:
+        """``p``'s gradient hook (Note [per-parameter cost]: keep this path lean)."""
         if not self.in_backward:
             self._begin_backward()
-        index = self.index_of.get(p)
-        if index is None or p in self.inactive:
-            return  # trainable since the last layout (Note [trainable set changes])
+        slot = entry.slot
+        if slot is None:
+            return  # not reduced by the buckets: trainable since the last layout, or frozen
         grad = p.grad
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[index]}' received a "
-                "sparse gradient; sparse "
-                "gradients are not supported (use nn.Embedding(sparse=False))"
-            )
-        bucket = self.layout.slots[p].bucket
-        if bucket.data is None:  # per-bucket storage: allocated when its first gradient arrives
-            self.layout.allocate(bucket)
-        view = self.layout.grad_view(p)
-        if grad.data_ptr() != view.data_ptr():
-            # The gradient is a fresh tensor (zero_grad(set_to_none=True), or gradient views
-            # disabled): it holds this parameter's whole gradient, so copy, don't add.
-            view.copy_(grad)
-            if self.config.gradient_as_bucket_view:
-                p.grad = view
-        self.t_last_grad = now_us()
+        view = slot.view
+        if view is None:  # per-bucket storage: allocated when its first gradient arrives
+            self._layout.allocate(slot.bucket)
+            view = slot.view
+        if grad is not view:
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[entry.index]}' "
+                    "received a sparse gradient; sparse gradients are not supported (use "
+                    "nn.Embedding(sparse=False))"
+                )
+            if grad.data_ptr() != view.data_ptr():
+                # The gradient is a fresh tensor (zero_grad(set_to_none=True), or gradient
+                # views disabled): it holds this parameter's whole gradient, so copy, don't add.
+                view.copy_(grad)
+                if self.as_view:
+                    p.grad = view
+        self.t_last_grad = _perf_counter()
         if self._observed_order is not None:
-            self._observed_order.append(index)
+            self._observed_order.append(entry.index)
         if not self.sync:
             return
-        if p in self.ready_params:
+        if entry.ready == self.generation:
             raise RuntimeError(
-                f"fusedist DDP: parameter '{self.names[index]}' received its gradient twice in one "
-                "backward (reentrant activation checkpointing or a second backward through the "
+                f"fusedist DDP: parameter '{self.names[entry.index]}' received its gradient twice in "
+                "one backward (reentrant activation checkpointing or a second backward through the "
                 "same graph); this is not supported with gradient synchronization"
             )
-        self.ready_params.add(p)
-        self.pending[bucket.index] -= 1
-        if self.pending[bucket.index] == 0 and not self.defer_launch:
-            self.timeline.instant(f"bucket {bucket.index} ready")
+        entry.ready = self.generation
+        index = slot.bucket.index
+        pending = self.pending
+        pending[index] -= 1
+        if pending[index] == 0 and not self.defer_launch:
+            if self.timeline.path:
+                self.timeline.instant(f"bucket {index} ready")
             self._launch_in_order()
-        self._finish_completed()
+        if self.next_finish < self.next_launch:
+            self._finish_completed()
 
     def _launch_in_order(self) -> None:
         buckets = self.layout.buckets
@@ -492,7 +557,8 @@ class Reducer:
         t_compute_end = now_us()
         # Frozen since the layout was built: no gradient expected (Note [trainable set changes]).
         frozen = self.frozen_now
-        missing = [p for p in self.params if p not in self.ready_params and p not in self.inactive]
+        generation = self.generation
+        missing = [p for p, e in zip(self.params, self.entries) if e.ready != generation and e.slot is not None]
         unused = [p for p in missing if p not in frozen] if frozen else missing
         had_grad = {p: p.grad is not None for p in missing}
         shadow = self.shadowing
@@ -535,7 +601,7 @@ class Reducer:
             "comm_span_us": span,
             "exposed_comm_us": exposed,
             "hidden_fraction": max(0.0, 1.0 - exposed / span),
-            "first_launch_before_last_grad": first_launch < self.t_last_grad,
+            "first_launch_before_last_grad": first_launch < _us(self.t_last_grad),
             "buckets": len(self.layout.buckets),
             # Note [finishing buckets during backward]: finished by gradient hooks, i.e.
             # before the last gradient's hook returned (the rest at the end of backward).
@@ -609,9 +675,8 @@ class Reducer:
 
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         # Built on the host and read back once: one transfer each way, not one per parameter.
-        local = [0] * len(self.params)
-        for p in self.ready_params:
-            local[self.index_of[p]] = 1
+        generation = self.generation
+        local = [int(e.ready == generation) for e in self.entries]
         used = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         self.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
         used_anywhere = used.tolist()
@@ -636,16 +701,36 @@ class Reducer:
                 stacklevel=2,
             )
 
-    def remove_hooks(self) -> None:
-        _remove_hooks(self._hooks)
-        self._hooks.clear()
-        self._hooked = set()
+
+class _ParamEntry:
+    """A hooked parameter's bookkeeping (Note [per-parameter cost]). ``slot``: its layout
+    slot, None when the buckets do not reduce it; ``index``: its position in
+    ``Reducer.params`` (-1 outside); ``ready``: the number of the last backward that
+    delivered its gradient (synchronized backwards only)."""
+
+    __slots__ = ("slot", "index", "ready")
+
+    def __init__(self):
+        self.slot = None
+        self.index = -1
+        self.ready = 0
 
 
-def _grad_ready(reducer_ref: "weakref.ref[Reducer]", p) -> None:
-    reducer = reducer_ref()
-    if reducer is not None:
-        reducer._on_grad_ready(p)
+def _make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
+    """The gradient hook of the parameter whose entry is ``_hook_entries[key]``: a closure
+    over a weak reference and an int, so it keeps nothing alive (Note [per-parameter cost])."""
+
+    def grad_ready(p):
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad_ready(reducer._hook_entries[key], p)
+
+    return grad_ready
+
+
+def _us(t: float) -> float:
+    """A raw ``perf_counter`` reading on the timeline's microsecond clock (``now_us``)."""
+    return now_us() - (_perf_counter() - t) * 1e6
 
 
 def _remove_hooks(handles) -> None:

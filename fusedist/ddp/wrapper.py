@@ -160,6 +160,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._check_ranks_agree()
         self._broadcast_state()
 
+        self._buffer_dicts = [m._buffers for m in module.modules()]  # _module_buffers
         self.timeline = Timeline.from_env(self.rank)
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
@@ -223,6 +224,20 @@ class DistributedDataParallel(nn.Module, Joinable):
             hint="Pass the same bucket_cap_mb, first_bucket_cap_mb and gradient_as_bucket_view on every rank.",
         )
 
+    def _module_buffers(self) -> list:
+        """``list(self.module.buffers())`` without walking the module tree each forward (with
+        many small modules the walk cost more than the buffers' broadcast): the ``_buffers``
+        dicts of the submodules present when the model was wrapped are kept and read, so a
+        buffer registered, reassigned or moved (``.to()``) since is seen; a submodule added
+        after wrapping is not, as its parameters are not reduced either."""
+        unique = {}
+        for buffers in self._buffer_dicts:
+            if buffers:
+                for b in buffers.values():
+                    if b is not None:
+                        unique[id(b)] = b
+        return list(unique.values())
+
     def _broadcast_state(self) -> None:
         tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
         self._broadcast_coalesced(tensors, tag="ddp initial state")
@@ -252,7 +267,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             self.reducer.settle_checks()  # [reliability] before this step's first collective
             if self.config.broadcast_buffers and self.module.training:
-                buffers = list(self.module.buffers())
+                buffers = self._module_buffers()
                 if buffers:
                     self._broadcast_coalesced(buffers, tag="ddp buffers")
             self.reducer.tracker.observe(self.reducer)  # Note [trainable set changes]

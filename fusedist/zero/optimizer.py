@@ -13,8 +13,7 @@ where they keep state of their own:
 * ``gather.py`` (:class:`ParamGatherer`) -- parameter all-gathers and the hooks that wait;
 * ``sharded_state.py`` (:class:`ShardedState`) -- state dicts: shard, consolidate, load;
 * ``grow.py`` -- parameters joining after construction; ``grad_sync.py`` -- the stage-2
-  reduce-scatter; ``offload.py`` -- ZeRO-Offload; join support is ``JoinableOptimizer`` in
-  ``fusedist/ddp/join.py``.
+  reduce-scatter; ``offload.py`` -- ZeRO-Offload; ``join.py`` -- uneven inputs (its join hook).
 """
 
 from __future__ import annotations
@@ -24,12 +23,12 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from ..ddp.join import JoinableOptimizer
 from . import grow, wiring
 from . import state as zstate
 from .gather import ParamGatherer
 from .grad_sync import grad_buffers_allocated
 from .grads import GradientsMixin
+from .join import JoinableOptimizer
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import compute_dtype
 from . import grow
 from . import state as zstate
 from .offload import HostShardOffload
@@ -45,9 +46,8 @@ class LazyShardsMixin:
         self._partition = part
         return part
 
-    @staticmethod
-    def _master_dtype(dtype: torch.dtype) -> torch.dtype:
-        return torch.float64 if dtype == torch.float64 else torch.float32
+    # Masters and gradient shards: fp64 stays fp64, everything else is fp32.
+    _master_dtype = staticmethod(compute_dtype)
 
     def _ensure_state(self) -> None:
         if self.inner is not None:

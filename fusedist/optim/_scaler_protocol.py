@@ -111,31 +111,3 @@ class ScalerProtocol:
 
     def _effective_inv_scale(self) -> Optional[torch.Tensor]:
         return self.step_context.effective_inv_scale(self.grad_scale)
-
-    # -- transitional names for the step context's fields (ZeroRedundancyOptimizer's) ----------
-    @property
-    def _fusedist_inv_scale(self):
-        return self.step_context.inv_scale
-
-    @_fusedist_inv_scale.setter
-    def _fusedist_inv_scale(self, value):
-        self.step_context.inv_scale = value
-
-    @property
-    def _fusedist_clip_coef(self):
-        return self.step_context.clip_coef
-
-    @_fusedist_clip_coef.setter
-    def _fusedist_clip_coef(self, value):
-        self.step_context.clip_coef = value
-
-    @property
-    def _fusedist_grad_sumsq(self):
-        return self.step_context.grad_sumsq
-
-    @_fusedist_grad_sumsq.setter
-    def _fusedist_grad_sumsq(self, value):
-        self.step_context.grad_sumsq = value
-
-    def _fusedist_record_clip(self, sumsq, max_norm, error_if_nonfinite, norm_dtype=torch.float32):
-        return self.step_context.record_clip(sumsq, max_norm, error_if_nonfinite, norm_dtype)

@@ -10,6 +10,8 @@ protocol can change in one place.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch
@@ -81,14 +83,15 @@ class ZeroScalerProtocol(ScalerProtocol):
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_ supports norm_type=2 only, got {norm_type}")
+        ctx = self.step_context
         written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
-        sumsq = self._fusedist_grad_sumsq
+        sumsq = ctx.grad_sumsq
         if sumsq is None or written:
-            _, sumsq = self._fusedist_check_and_norm(self._fusedist_inv_scale)
-            if self._fusedist_inv_scale is not None:
-                self._fusedist_grad_sumsq = sumsq
+            _, sumsq = self._fusedist_check_and_norm(ctx.inv_scale)
+            if ctx.inv_scale is not None:
+                ctx.grad_sumsq = sumsq
         self._join_clip = (max_norm, norm_type, error_if_nonfinite)
-        return self._fusedist_record_clip(sumsq, max_norm, error_if_nonfinite)
+        return ctx.record_clip(sumsq, max_norm, error_if_nonfinite)
 
     def _inner_step(self) -> None:
         """Step the inner optimizer over the pieces with this step's inverse scale, clip
@@ -96,13 +99,14 @@ class ZeroScalerProtocol(ScalerProtocol):
         its gradients multiplied first and is skipped on overflow, as torch's GradScaler does."""
         inner, found = self.inner, self.found_inf
         if getattr(inner, "_fusedist_fused", False):
+            # The whole decision in one hand-over: the inner optimizer's step consumes a copy
+            # of this step context (its own is cleared by that step).
             inner.grad_scale = self.grad_scale
-            inner._fusedist_inv_scale = self._fusedist_inv_scale
-            inner._fusedist_clip_coef = self._fusedist_clip_coef
+            inner.step_context = dataclasses.replace(self.step_context)
             inner.found_inf = found
             inner.step()
             return
-        inv, clip = self._effective_inv_scale(), self._fusedist_clip_coef
+        inv, clip = self._effective_inv_scale(), self.step_context.clip_coef
         mult = inv if clip is None else (clip.reshape(1) if inv is None else inv * clip.reshape(1))
         if mult is not None:
             torch._foreach_mul_(list(self._grad_shards.values()), mult.reshape(()))

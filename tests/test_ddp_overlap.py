@@ -249,6 +249,36 @@ def test_bucket_storage_allocates_zeroed_and_accounts_bytes():
         flat.release(flat.buckets[0])
 
 
+def test_gradient_views_are_cut_once_per_allocation():
+    """A slot's gradient view is the same tensor until its bucket's storage goes (Note
+    [per-parameter cost]): cut when the storage is allocated, dropped when it is released."""
+    from fusedist.ddp.layout import build_layout
+
+    model = SlowMLP(layers=4)
+    params = list(reversed(list(model.parameters())))
+    names = [str(i) for i in range(len(params))]
+    kw = dict(bucket_cap_bytes=4299, first_bucket_cap_bytes=629, world_size=2, device=torch.device("cpu"))
+    flat = build_layout(params, names, **kw)
+    for p in params:
+        view = flat.grad_view(p)
+        assert view is flat.grad_view(p) and view.shape == p.shape
+        bucket, offset = flat.slots[p].bucket, flat.slots[p].offset
+        assert view.data_ptr() == bucket.data[offset - bucket.start:].data_ptr()
+    flat.use_bucket_storage()
+    assert all(slot.view is None for slot in flat.slots.values())
+    b = flat.buckets[1]
+    data = flat.allocate(b)
+    views = [flat.grad_view(p) for p in b.params]
+    views[0].fill_(3.0)
+    assert data[: b.params[0].numel()].eq(3.0).all()
+    flat.release(b)
+    assert all(flat.slots[p].view is None for p in b.params)  # the released storage is not held
+    with pytest.raises(RuntimeError, match="released"):
+        flat.grad_view(b.params[0])
+    flat.allocate(b)
+    assert flat.grad_view(b.params[0]) is not views[0] and flat.grad_view(b.params[0]).eq(0).all()
+
+
 # ----------------------------------------------------------------------------- gloo
 
 

@@ -51,9 +51,10 @@ Note [per-parameter cost]
     gradient view, the view cut once per bucket allocation in ``layout.py``), its position,
     and the number of the last backward that delivered its gradient. So the hook does no
     dictionary or set lookup keyed by the parameter (hashing a tensor is a Python call), no
-    view slicing, and calls nothing else unless a bucket became ready or a launched one may
-    have completed. Readiness is a per-bucket counter; "received twice" and "missing at the
-    end of backward" compare the entry's stamp with the backward's number. The entries
+    view slicing, and runs in one Python frame: it calls nothing else unless a bucket became
+    ready or a launched one may have completed. Readiness is a per-bucket counter; "received
+    twice" compares the entry's stamp with the backward's number, and the end of backward
+    looks for missing gradients only if a bucket's count is not down to zero. The entries
     follow every change of the layout, the parameter list and the inactive set
     (``_refresh_entries``); the hook itself never changes and holds nothing that leads back
     to the model, so dropping the wrapper frees it (the hooks go with the reducer).
@@ -453,52 +454,25 @@ class Reducer:
             self.monitor.step_hint = self.sync_steps
         self.timeline.instant("backward begins", sync=self.sync)
 
-    def _on_grad_ready(self, entry: "_ParamEntry", p) -> None:
-        """``p``'s gradient hook (Note [per-parameter cost]: keep this path lean)."""
-        if not self.in_backward:
-            self._begin_backward()
-        slot = entry.slot
-        if slot is None:
-            return  # not reduced by the buckets: trainable since the last layout, or frozen
-        grad = p.grad
-        view = slot.view
-        if view is None:  # per-bucket storage: allocated when its first gradient arrives
-            self._layout.allocate(slot.bucket)
-            view = slot.view
-        if grad is not view:
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[entry.index]}' "
-                    "received a sparse gradient; sparse gradients are not supported (use "
-                    "nn.Embedding(sparse=False))"
-                )
-            if grad.data_ptr() != view.data_ptr():
-                # The gradient is a fresh tensor (zero_grad(set_to_none=True), or gradient
-                # views disabled): it holds this parameter's whole gradient, so copy, don't add.
-                view.copy_(grad)
-                if self.as_view:
-                    p.grad = view
-        self.t_last_grad = _perf_counter()
-        if self._observed_order is not None:
-            self._observed_order.append(entry.index)
-        if not self.sync:
-            return
-        if entry.ready == self.generation:
-            raise RuntimeError(
-                f"fusedist DDP: parameter '{self.names[entry.index]}' received its gradient twice in "
-                "one backward (reentrant activation checkpointing or a second backward through the "
-                "same graph); this is not supported with gradient synchronization"
-            )
-        entry.ready = self.generation
-        index = slot.bucket.index
-        pending = self.pending
-        pending[index] -= 1
-        if pending[index] == 0 and not self.defer_launch:
-            if self.timeline.path:
-                self.timeline.instant(f"bucket {index} ready")
-            self._launch_in_order()
-        if self.next_finish < self.next_launch:
-            self._finish_completed()
+    # The gradient hook itself is ``_make_hook``'s closure (Note [per-parameter cost]); these
+    # are its rare paths.
+    def _bucket_ready(self, index: int) -> None:
+        if self.timeline.path:
+            self.timeline.instant(f"bucket {index} ready")
+        self._launch_in_order()
+
+    def _sparse_gradient(self, entry: "_ParamEntry") -> RuntimeError:
+        return RuntimeError(
+            f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[entry.index]}' received a "
+            "sparse gradient; sparse gradients are not supported (use nn.Embedding(sparse=False))"
+        )
+
+    def _gradient_twice(self, entry: "_ParamEntry") -> RuntimeError:
+        return RuntimeError(
+            f"fusedist DDP: parameter '{self.names[entry.index]}' received its gradient twice in one "
+            "backward (reentrant activation checkpointing or a second backward through the same "
+            "graph); this is not supported with gradient synchronization"
+        )
 
     def _launch_in_order(self) -> None:
         buckets = self.layout.buckets
@@ -558,7 +532,9 @@ class Reducer:
         # Frozen since the layout was built: no gradient expected (Note [trainable set changes]).
         frozen = self.frozen_now
         generation = self.generation
-        missing = [p for p, e in zip(self.params, self.entries) if e.ready != generation and e.slot is not None]
+        # Every reduced parameter's gradient counts down its bucket: none missing if all are 0.
+        missing = [p for p, e in zip(self.params, self.entries)
+                   if e.ready != generation and e.slot is not None] if any(self.pending) else []
         unused = [p for p in missing if p not in frozen] if frozen else missing
         had_grad = {p: p.grad is not None for p in missing}
         shadow = self.shadowing
@@ -718,12 +694,49 @@ class _ParamEntry:
 
 def _make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
     """The gradient hook of the parameter whose entry is ``_hook_entries[key]``: a closure
-    over a weak reference and an int, so it keeps nothing alive (Note [per-parameter cost])."""
+    over a weak reference and an int, so it keeps nothing alive, and one Python frame per
+    gradient on the common path (Note [per-parameter cost]: keep it lean)."""
 
-    def grad_ready(p):
-        reducer = reducer_ref()
-        if reducer is not None:
-            reducer._on_grad_ready(reducer._hook_entries[key], p)
+    def grad_ready(p) -> None:
+        self = reducer_ref()
+        if self is None:
+            return
+        if not self.in_backward:
+            self._begin_backward()
+        entry = self._hook_entries[key]
+        slot = entry.slot
+        if slot is None:
+            return  # not reduced by the buckets: trainable since the last layout, or frozen
+        grad = p.grad
+        view = slot.view
+        if view is None:  # per-bucket storage: allocated when its first gradient arrives
+            self._layout.allocate(slot.bucket)
+            view = slot.view
+        if grad is not view:
+            if grad.is_sparse:
+                raise self._sparse_gradient(entry)
+            if grad.data_ptr() != view.data_ptr():
+                # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
+                # disabled): it holds this parameter's whole gradient, so copy, don't add.
+                view.copy_(grad)
+                if self.as_view:
+                    p.grad = view
+        self.t_last_grad = _perf_counter()
+        if self._observed_order is not None:
+            self._observed_order.append(entry.index)
+        if not self.sync:
+            return
+        generation = self.generation
+        if entry.ready == generation:
+            raise self._gradient_twice(entry)
+        entry.ready = generation
+        index = slot.bucket.index
+        pending = self.pending
+        pending[index] -= 1
+        if pending[index] == 0 and not self.defer_launch:
+            self._bucket_ready(index)
+        if self.next_finish < self.next_launch:
+            self._finish_completed()
 
     return grad_ready
 

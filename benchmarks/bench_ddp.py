@@ -1,12 +1,22 @@
 """fusedist DDP vs torch DDP: step time and exposed communication, same run, alternating.
 
-    python benchmarks/bench_ddp.py                 # 2 ranks, gloo, CPU, ~20M-param MLP
+    python benchmarks/bench_ddp.py                 # 2 ranks, gloo, CPU: both rows below
     python benchmarks/bench_ddp.py --quick         # smaller, for a smoke run
+    python benchmarks/bench_ddp.py --rows many-params
 
-Exposed communication = (median step time with gradient sync) - (median step time of the
-same model under no_sync()), measured for each implementation in the same run. The ceiling
-is the raw all_reduce bandwidth at the bucket size: gradient bytes / that bandwidth is the
-time the communication needs if nothing overlapped it.
+Rows:
+
+* ``mlp`` (results ``ddp_cpu_<date>``): a ~20M-parameter MLP. Exposed communication =
+  (median step time with gradient sync) - (median step time of the same model under
+  no_sync()), measured for each implementation in the same run. The ceiling is the raw
+  all_reduce bandwidth at the bucket size: gradient bytes / that bandwidth is the time the
+  communication needs if nothing overlapped it.
+* ``many-params`` (results ``ddp_many_params_<date>``): per-parameter bookkeeping. A stack of
+  600 x (Linear(16,16) + Tanh) -- 1,200 parameter tensors, 0.3M elements -- at batch 8, so the
+  gradient hooks, not the arithmetic or the bytes, set the time of forward+backward. Each
+  timed iteration runs every contender once, in an order that rotates between iterations
+  (each contender takes each position equally often); the ratio is the median of the per-iteration ratios, and a second torch DDP
+  copy gives the run's noise floor (torch vs itself).
 """
 
 from __future__ import annotations
@@ -100,6 +110,83 @@ def worker(rank, world_size, args):
             "buckets": len(impls["fusedist"].buckets)}
 
 
+def make_stack(layers: int, width: int) -> nn.Module:
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def many_params_worker(rank, world_size, args):
+    """The ``many-params`` row: fwd+bwd (+ sync) per contender, interleaved step by step."""
+    import fusedist
+
+    torch.manual_seed(0)
+    make = lambda: make_stack(args.stack_layers, args.stack_width)  # noqa: E731
+    impls = {
+        "torch": nn.parallel.DistributedDataParallel(make()),
+        "fusedist": fusedist.DistributedDataParallel(make()),
+        "torch (2nd copy, noise floor)": nn.parallel.DistributedDataParallel(make()),
+    }
+    tensors = sum(1 for _ in impls["torch"].parameters())
+    elements = sum(p.numel() for p in impls["torch"].parameters())
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in impls.items()}
+    x = torch.randn(args.stack_batch, args.stack_width, generator=torch.Generator().manual_seed(rank))
+    for k in impls:  # warm-up (includes fusedist's one-time bucket rebuild)
+        _time_steps(impls[k], opts[k], x, 3, True)
+    names = list(impls)
+    times = {k: [] for k in names}
+    for i in range(args.stack_iters):
+        shift = i % len(names)  # each contender takes each position in turn
+        for k in names[shift:] + names[:shift]:
+            times[k] += _time_steps(impls[k], opts[k], x, 1, True)
+    return {"times": times, "tensors": tensors, "elements": elements}
+
+
+def _quantiles_ms(samples: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(samples, n=10)
+    return statistics.median(samples) * 1e3, q[1] * 1e3, q[7] * 1e3
+
+
+def run_many_params(args, write: bool) -> str:
+    from fusedist.testing import run_distributed
+
+    r0 = run_distributed(many_params_worker, args.world_size, args, timeout=1800, pg_timeout=600)[0]
+    times = r0["times"]
+    base = times["torch"]
+    rows = []
+    for impl, samples in times.items():
+        med, p20, p80 = _quantiles_ms(samples)
+        ratios = [a / b for a, b in zip(samples, base)]
+        rows.append({"impl": impl, "fwd_bwd_ms": med, "p20_ms": p20, "p80_ms": p80,
+                     "vs_torch_paired_median": statistics.median(ratios),
+                     "vs_torch_of_medians": statistics.median(samples) / statistics.median(base)})
+    lines = [
+        f"Model: {args.stack_layers}x (Linear({args.stack_width},{args.stack_width}) + Tanh): {r0['tensors']} "
+        f"parameter tensors, {r0['elements'] / 1e6:.2f}M elements, batch {args.stack_batch} per rank, "
+        f"{args.world_size} ranks (1 intra-op thread each), gloo, default buckets; {args.stack_iters} "
+        "iterations, each running every contender once (order rotating); timed: zero_grad + "
+        "forward + backward with gradient sync (the SGD step after it is not timed).",
+        "",
+        "| impl | fwd+bwd+sync (ms, median) | p20-p80 (ms) | / torch (median of paired ratios) | / torch (ratio of medians) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['impl']} | {r['fwd_bwd_ms']:.2f} | {r['p20_ms']:.2f}-{r['p80_ms']:.2f} | "
+                     f"{r['vs_torch_paired_median']:.3f} | {r['vs_torch_of_medians']:.3f} |")
+    lines += [
+        "",
+        f"- fusedist / torch: **{rows[1]['vs_torch_paired_median']:.3f}x** (target <= 1.0x); torch vs "
+        f"itself in the same run: {rows[2]['vs_torch_paired_median']:.3f}x (the noise floor)",
+    ]
+    text = "\n".join(lines)
+    if write:
+        md, _ = write_results("ddp_many_params", rows,
+                              "fusedist DDP vs torch DDP: per-parameter bookkeeping (CPU, gloo)\n\n" + text)
+        text += f"\n\nwritten: {md}"
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int) -> None:
     """The MLP / world / bucket options shared by the DDP benchmarks."""
     p.add_argument("--world-size", type=int, default=2)
@@ -115,11 +202,23 @@ def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, rounds=5, steps=4)
+    p.add_argument("--rows", choices=("all", "mlp", "many-params"), default="all")
+    p.add_argument("--stack-layers", type=int, default=600, help="many-params row: Linear+Tanh layers")
+    p.add_argument("--stack-width", type=int, default=16)
+    p.add_argument("--stack-batch", type=int, default=8)
+    p.add_argument("--stack-iters", type=int, default=120, help="many-params row: timed iterations")
     p.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.layers, args.rounds, args.steps = 512, 4, 2, 2
+        args.stack_iters = 12
+    if args.rows in ("all", "mlp"):
+        run_mlp(args)
+    if args.rows in ("all", "many-params"):
+        print(run_many_params(args, write=not args.no_write))
 
+
+def run_mlp(args) -> None:
     from fusedist.testing import run_distributed
 
     results = run_distributed(worker, args.world_size, args, timeout=1800, pg_timeout=600)

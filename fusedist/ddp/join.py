@@ -169,11 +169,11 @@ def before_forward(ddp) -> None:
     if state is None:  # torch's Join built without our hook: treat as dividing by the world size
         state = ddp._join_state = DDPJoinState(ddp, True)
     sync = ddp._no_sync_depth == 0
-    wants = bool(ddp.config.broadcast_buffers and ddp.module.training and any(True for _ in ddp.module.buffers()))
+    wants = bool(ddp.config.broadcast_buffers and ddp.module.training and ddp._module_buffers())
     active, _, authority = exchange_state(ddp, True, sync, wants)
     reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else active
     if authority >= 0:
-        ddp._broadcast_coalesced(list(ddp.module.buffers()), tag="ddp buffers", src=authority)
+        ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
     reducer.defer_launch = state.has_sync_bn
     reducer.tracker.observe(reducer)  # Note [trainable set changes]
     reducer.prepare_forward(sync=sync)
@@ -248,7 +248,7 @@ class DDPJoinHook(JoinHook):
         active, syncing, authority = exchange_state(ddp, False, False, False)
         reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else max(active, 1)
         if authority >= 0:
-            ddp._broadcast_coalesced(list(ddp.module.buffers()), tag="ddp buffers", src=authority)
+            ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
         reducer.forwards += 1  # the shadowed training forward
         if state.has_sync_bn:
             _shadow_sync_bn(ddp, state.trace if state.trace is not None else _static_sync_bn_trace(ddp))

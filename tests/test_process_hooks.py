@@ -9,12 +9,13 @@ from fusedist import _process_hooks as hooks
 
 
 def test_each_kind_installs_once_and_uninstall_restores_the_process(monkeypatch):
+    # A registry of its own: fusedist's real hooks (installed by earlier tests) stay in place.
+    monkeypatch.setattr(hooks, "_removers", {})
     calls = []
     exit_funcs = []
     monkeypatch.setattr(atexit, "register", exit_funcs.append)
     monkeypatch.setattr(atexit, "unregister", exit_funcs.remove)
     before_hook = sys.excepthook
-    hooks.uninstall()
     try:
         hooks.install_optimizer_step_hooks("test step hooks", lambda *a: calls.append("pre"),
                                            lambda *a: calls.append("post"))
@@ -40,8 +41,10 @@ def test_each_kind_installs_once_and_uninstall_restores_the_process(monkeypatch)
     assert on_exit not in exit_funcs  # the exit hook was unregistered
 
 
-def test_fusedist_reinstalls_what_it_needs_after_uninstall():
+def test_fusedist_reinstalls_what_it_needs_after_uninstall(monkeypatch):
     from fusedist.reliability import optimizer_guard
+
+    monkeypatch.setattr(hooks, "_removers", {})
 
     optimizer_guard.install()
     assert "DDP optimizer-step guard" in hooks.installed()

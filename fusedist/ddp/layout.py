@@ -31,6 +31,8 @@ import torch
 
 from .._memory_layout import is_dense
 
+MiB = 1024 * 1024
+
 #: Shard starts are aligned to this many elements (64 bytes of fp32): aligned vector loads.
 SHARD_ALIGN = 16
 
@@ -68,7 +70,7 @@ class ParamSlot:
     """Where a parameter's gradient lives: its bucket, its offset in the dtype buffer, and
     ``view``, its gradient view of the bucket's storage while that is allocated (else None).
     The view is cut once per allocation and handed out every time, so a gradient hook finds
-    it with one attribute read (Note [per-parameter cost] in ``reducer.py``)."""
+    it with one attribute read (Note [per-parameter cost] in ``grad_hook.py``)."""
 
     __slots__ = ("bucket", "offset", "view")
 
@@ -265,9 +267,7 @@ def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Paramet
     (Note [trainable set changes] in ``trainable.py``)."""
     out = [dataclasses.replace(b, params=list(b.params), names=list(b.names), offsets=list(b.offsets), data=None)
            for b in existing]
-    sizes: dict[torch.dtype, int] = {}
-    for b in out:
-        sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.end)
+    sizes = _buffer_sizes(out)
     fresh = build_layout(params, names, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=bucket_cap_bytes,
                          world_size=world_size, device=torch.device("meta"), bucket_storage=True).buckets
     for b in fresh:
@@ -279,7 +279,21 @@ def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Paramet
 
 def layout_of(buckets: Sequence[Bucket], device: torch.device, bucket_storage: bool) -> GradLayout:
     """A layout over ready-made ``buckets`` (their buffers sized to the furthest bucket)."""
+    return GradLayout(buckets, _buffer_sizes(buckets), device, bucket_storage=bucket_storage)
+
+
+def _buffer_sizes(buckets: Sequence[Bucket]) -> dict:
+    """Elements of each dtype's buffer: up to the end of its furthest bucket."""
     sizes: dict[torch.dtype, int] = {}
     for b in buckets:
         sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.end)
-    return GradLayout(buckets, sizes, device, bucket_storage=bucket_storage)
+    return sizes
+
+
+def sparse_gradient_error(rank: int, name: str) -> RuntimeError:
+    """The error for a sparse gradient reaching the buckets (the reducer's hook and the
+    catch-up of newly trainable parameters)."""
+    return RuntimeError(
+        f"fusedist DDP (rank {rank}): parameter '{name}' received a sparse gradient; sparse "
+        "gradients are not supported (use nn.Embedding(sparse=False))"
+    )

@@ -41,24 +41,6 @@ Note [finishing buckets during backward]
     needs a stream-ordered release (finish right after launch with a device-side wait),
     which this scheme does not do.
 
-Note [per-parameter cost]
-    A gradient hook runs once per parameter per backward, so with many small tensors its
-    Python cost is what separates this reducer from torch's C++ one. The hook is a closure
-    registered with ``register_post_accumulate_grad_hook`` (measured cheaper than a
-    ``functools.partial``, a callable object, or a hook on the AccumulateGrad node) that
-    holds only a weak reference to the reducer and an integer key; the key finds the
-    parameter's ``_ParamEntry``, which holds what the hook needs: its layout slot (bucket and
-    gradient view, the view cut once per bucket allocation in ``layout.py``), its position,
-    and the number of the last backward that delivered its gradient. So the hook does no
-    dictionary or set lookup keyed by the parameter (hashing a tensor is a Python call), no
-    view slicing, and runs in one Python frame: it calls nothing else unless a bucket became
-    ready or a launched one may have completed. Readiness is a per-bucket counter; "received
-    twice" compares the entry's stamp with the backward's number, and the end of backward
-    looks for missing gradients only if a bucket's count is not down to zero. The entries
-    follow every change of the layout, the parameter list and the inactive set
-    (``_refresh_entries``); the hook itself never changes and holds nothing that leads back
-    to the model, so dropping the wrapper frees it (the hooks go with the reducer).
-
 Note [unused parameters]
     A parameter whose hook did not fire by the end of backward is unused this iteration. Its
     slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
@@ -71,7 +53,6 @@ Note [unused parameters]
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 import weakref
@@ -83,80 +64,14 @@ from torch.autograd import Variable
 from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
-from .layout import Bucket, GradLayout, build_layout
+from .grad_hook import ParamEntry, make_hook, remove_hooks
+from .layout import MiB, Bucket, GradLayout, build_layout, sparse_gradient_error
+from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
 from ..reliability import attach_monitor, checks_enabled
 from ..reliability.step_check import StepCheck, layout_crc
 
-MiB = 1024 * 1024
 _perf_counter = time.perf_counter
-
-
-class GradSyncStrategy:
-    """How a bucket's gradients are combined across ranks.
-
-    ``launch`` starts the (asynchronous) collective and returns its handle; ``finish`` waits
-    for it and leaves the bucket's result where the consumer expects it. ``finish`` runs once
-    per bucket, in bucket order, either in a gradient hook once the collective has completed
-    or at the end of backward (Note [finishing buckets during backward]). The default
-    averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
-    """
-
-    def launch(self, reducer: "Reducer", bucket: Bucket) -> CommHandle:
-        raise NotImplementedError
-
-    def finish(self, reducer: "Reducer", bucket: Bucket, handle: CommHandle) -> None:
-        raise NotImplementedError
-
-    # Lifecycle hooks for strategies that manage the gradient buffers themselves (ZeRO stage
-    # 2 releases them between backward passes). The defaults do nothing, so the all-reduce
-    # path is unchanged.
-    def begin_backward(self, reducer: "Reducer") -> None:
-        """Called at the start of every backward (synchronized or not), before the first
-        gradient is accumulated into the buffers."""
-
-    def after_sync(self, reducer: "Reducer") -> None:
-        """Called at the end of every synchronized backward, after every bucket finished and
-        after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
-
-
-def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
-    """(pre, post) divisors whose product is ``world_size``.
-
-    fp32/bf16: divide fully before the sum (torch DDP's numerics). fp16: split the division
-    around the sum (sqrt each side) so neither the sum can overflow nor small gradients
-    underflow to zero.
-    """
-    if dtype == torch.float16 and world_size > 1:
-        pre = float(2 ** round(math.log2(math.sqrt(world_size))))
-        return pre, world_size / pre
-    return float(world_size), 1.0
-
-
-class AllReduceAverage(GradSyncStrategy):
-    """Average a bucket with one all-reduce, optionally in a narrower ``reduce_dtype``."""
-
-    def launch(self, reducer, bucket):
-        data = bucket.data
-        reduce_dtype = reducer.config.reduce_dtype or data.dtype
-        pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
-        if reduce_dtype != data.dtype:
-            wire = data.to(reduce_dtype)
-            wire.div_(pre)
-        else:
-            wire = data.div_(pre)
-        reducer.bucket_scratch[bucket.index] = wire
-        return reducer.comm.all_reduce(wire, async_op=True, tag=f"ddp bucket {bucket.index}")
-
-    def finish(self, reducer, bucket, handle):
-        handle.wait()
-        wire = reducer.bucket_scratch.pop(bucket.index)
-        reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
-        _, post = divide_factors(reducer.grad_divisor, reduce_dtype)
-        if wire.data_ptr() != bucket.data.data_ptr():
-            bucket.data.copy_(wire)
-        if post != 1.0:
-            bucket.data.div_(post)
 
 
 class Reducer:
@@ -204,7 +119,7 @@ class Reducer:
         # where the garbage collector cannot see them, so a bound method there would keep the
         # reducer, the wrapper and the whole model alive after the user dropped the wrapper
         # (measured: never freed). Once the reducer is gone its hooks are removed.
-        # Note [per-parameter cost]: one entry per hooked parameter, found by the hook's key.
+        # Note [per-parameter cost] (grad_hook.py): one entry per hooked parameter, found by its key.
         self._ref = weakref.ref(self)
         self._entry_of: dict = {}
         self._hook_entries: list = []
@@ -213,7 +128,7 @@ class Reducer:
         self.as_view = config.gradient_as_bucket_view
         for p in params:
             self.ensure_hook(p)
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        weakref.finalize(self, remove_hooks, self._hooks)
         self._refresh_entries()
         self.append_only = False
         self.caught_up: list = []  # parameters averaged outside the buckets in the last backward
@@ -279,10 +194,10 @@ class Reducer:
         """Register ``p``'s gradient hook once. Its entry has no slot until
         ``_refresh_entries`` places it (a parameter outside the layout is not reduced)."""
         if p not in self._entry_of:
-            entry = self._entry_of[p] = _ParamEntry()
+            entry = self._entry_of[p] = ParamEntry()
             self._hook_entries.append(entry)
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                _make_hook(self._ref, len(self._hook_entries) - 1)))
+                make_hook(self._ref, len(self._hook_entries) - 1)))
 
     def _refresh_entries(self) -> None:
         """Point every hooked parameter's entry at its current slot and position (Note
@@ -454,20 +369,17 @@ class Reducer:
             self.monitor.step_hint = self.sync_steps
         self.timeline.instant("backward begins", sync=self.sync)
 
-    # The gradient hook itself is ``_make_hook``'s closure (Note [per-parameter cost]); these
-    # are its rare paths.
+    # The gradient hook itself is ``grad_hook.make_hook``'s closure (Note [per-parameter cost]
+    # in grad_hook.py); these are its rare paths.
     def _bucket_ready(self, index: int) -> None:
         if self.timeline.path:
             self.timeline.instant(f"bucket {index} ready")
         self._launch_in_order()
 
-    def _sparse_gradient(self, entry: "_ParamEntry") -> RuntimeError:
-        return RuntimeError(
-            f"fusedist DDP (rank {self.comm.rank}): parameter '{self.names[entry.index]}' received a "
-            "sparse gradient; sparse gradients are not supported (use nn.Embedding(sparse=False))"
-        )
+    def _sparse_gradient(self, entry: ParamEntry) -> RuntimeError:
+        return sparse_gradient_error(self.comm.rank, self.names[entry.index])
 
-    def _gradient_twice(self, entry: "_ParamEntry") -> RuntimeError:
+    def _gradient_twice(self, entry: ParamEntry) -> RuntimeError:
         return RuntimeError(
             f"fusedist DDP: parameter '{self.names[entry.index]}' received its gradient twice in one "
             "backward (reentrant activation checkpointing or a second backward through the same "
@@ -678,74 +590,6 @@ class Reducer:
             )
 
 
-class _ParamEntry:
-    """A hooked parameter's bookkeeping (Note [per-parameter cost]). ``slot``: its layout
-    slot, None when the buckets do not reduce it; ``index``: its position in
-    ``Reducer.params`` (-1 outside); ``ready``: the number of the last backward that
-    delivered its gradient (synchronized backwards only)."""
-
-    __slots__ = ("slot", "index", "ready")
-
-    def __init__(self):
-        self.slot = None
-        self.index = -1
-        self.ready = 0
-
-
-def _make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
-    """The gradient hook of the parameter whose entry is ``_hook_entries[key]``: a closure
-    over a weak reference and an int, so it keeps nothing alive, and one Python frame per
-    gradient on the common path (Note [per-parameter cost]: keep it lean)."""
-
-    def grad_ready(p) -> None:
-        self = reducer_ref()
-        if self is None:
-            return
-        if not self.in_backward:
-            self._begin_backward()
-        entry = self._hook_entries[key]
-        slot = entry.slot
-        if slot is None:
-            return  # not reduced by the buckets: trainable since the last layout, or frozen
-        grad = p.grad
-        view = slot.view
-        if view is None:  # per-bucket storage: allocated when its first gradient arrives
-            self._layout.allocate(slot.bucket)
-            view = slot.view
-        if grad is not view:
-            if grad.is_sparse:
-                raise self._sparse_gradient(entry)
-            if grad.data_ptr() != view.data_ptr():
-                # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
-                # disabled): it holds this parameter's whole gradient, so copy, don't add.
-                view.copy_(grad)
-                if self.as_view:
-                    p.grad = view
-        self.t_last_grad = _perf_counter()
-        if self._observed_order is not None:
-            self._observed_order.append(entry.index)
-        if not self.sync:
-            return
-        generation = self.generation
-        if entry.ready == generation:
-            raise self._gradient_twice(entry)
-        entry.ready = generation
-        index = slot.bucket.index
-        pending = self.pending
-        pending[index] -= 1
-        if pending[index] == 0 and not self.defer_launch:
-            self._bucket_ready(index)
-        if self.next_finish < self.next_launch:
-            self._finish_completed()
-
-    return grad_ready
-
-
 def _us(t: float) -> float:
     """A raw ``perf_counter`` reading on the timeline's microsecond clock (``now_us``)."""
     return now_us() - (_perf_counter() - t) * 1e6
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()

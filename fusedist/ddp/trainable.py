@@ -37,7 +37,8 @@ from collections import OrderedDict
 
 import torch
 
-from .layout import append_buckets, layout_of
+from .layout import MiB, append_buckets, layout_of, sparse_gradient_error
+from .strategy import divide_factors
 
 
 def flags_crc(flags: list) -> int:
@@ -137,13 +138,10 @@ def _average(reducer, params: list, names: dict) -> None:
     """Average ``params``' local gradients across ranks (None where no rank has one)."""
     if not params:
         return
-    from .reducer import divide_factors
-
     comm, world = reducer.comm, reducer.world_size
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
-            raise RuntimeError(f"fusedist DDP (rank {comm.rank}): parameter '{names[p]}' received a sparse "
-                               "gradient; sparse gradients are not supported (use nn.Embedding(sparse=False))")
+            raise sparse_gradient_error(comm.rank, names[p])
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm.device)
     if world > 1:
         comm.all_reduce(has, op="max", tag="ddp unfrozen used-map")
@@ -200,7 +198,7 @@ def _grow(reducer, wanted: list, newly: list, names: dict) -> None:
     wanted_set = set(wanted)
     joining = [p for p in newly if p not in reducer.index_of]
     buckets = append_buckets(old.buckets, list(reversed(joining)), [names[p] for p in reversed(joining)],
-                             bucket_cap_bytes=int(reducer.config.bucket_cap_mb * 1024 * 1024),
+                             bucket_cap_bytes=int(reducer.config.bucket_cap_mb * MiB),
                              world_size=reducer.world_size)
     new = layout_of(buckets, reducer.device, old.bucket_storage)
     reducer.add_params(joining, [names[p] for p in joining])
@@ -229,8 +227,10 @@ def _rebuild(reducer, wanted: list, names: dict) -> None:
     """Plain DDP: a layout over the trainable parameters only, in the current bucket order
     with the new ones last; the readiness order is observed again at the next backward."""
     old = reducer.layout
-    order = [p for b in old.buckets for p in b.params if p in set(wanted)]
-    order += [p for p in reversed(wanted) if p not in set(order)]
+    wanted_set = set(wanted)
+    order = [p for b in old.buckets for p in b.params if p in wanted_set]
+    placed = set(order)
+    order += [p for p in reversed(wanted) if p not in placed]
     reducer.caught_up_now = {p for p in wanted if not reducer.is_active(p)}
     reducer.set_params(list(reversed(order)), [names[p] for p in reversed(order)])
     new = reducer._build(list(reversed(range(len(order)))), bucket_storage=old.bucket_storage)

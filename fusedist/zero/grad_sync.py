@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ddp.reducer import AllReduceAverage, GradSyncStrategy, divide_factors
+from ..ddp.strategy import AllReduceAverage, GradSyncStrategy, divide_factors
 from .grow import store_caught_up
 
 

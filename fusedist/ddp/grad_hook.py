@@ -1,0 +1,99 @@
+"""The per-parameter gradient hook of the reducer and the bookkeeping it reads.
+
+Note [per-parameter cost]
+    A gradient hook runs once per parameter per backward, so with many small tensors its
+    Python cost is what separates this reducer from torch's C++ one. The hook is a closure
+    registered with ``register_post_accumulate_grad_hook`` (measured cheaper than a
+    ``functools.partial``, a callable object, or a hook on the AccumulateGrad node) that
+    holds only a weak reference to the reducer and an integer key; the key finds the
+    parameter's ``ParamEntry``, which holds what the hook needs: its layout slot (bucket and
+    gradient view, the view cut once per bucket allocation in ``layout.py``), its position,
+    and the number of the last backward that delivered its gradient. So the hook does no
+    dictionary or set lookup keyed by the parameter (hashing a tensor is a Python call), no
+    view slicing, and runs in one Python frame: it calls nothing else unless a bucket became
+    ready or a launched one may have completed. Readiness is a per-bucket counter; "received
+    twice" compares the entry's stamp with the backward's number, and the end of backward
+    looks for missing gradients only if a bucket's count is not down to zero. The entries
+    follow every change of the layout, the parameter list and the inactive set
+    (``Reducer._refresh_entries``); the hook itself never changes and holds nothing that leads back
+    to the model, so dropping the wrapper frees it (the hooks go with the reducer).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
+
+_perf_counter = time.perf_counter
+
+
+class ParamEntry:
+    """A hooked parameter's bookkeeping (Note [per-parameter cost]). ``slot``: its layout
+    slot, None when the buckets do not reduce it; ``index``: its position in
+    ``Reducer.params`` (-1 outside); ``ready``: the number of the last backward that
+    delivered its gradient (synchronized backwards only)."""
+
+    __slots__ = ("slot", "index", "ready")
+
+    def __init__(self):
+        self.slot = None
+        self.index = -1
+        self.ready = 0
+
+
+def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
+    """The gradient hook of the parameter whose entry is ``_hook_entries[key]``: a closure
+    over a weak reference and an int, so it keeps nothing alive, and one Python frame per
+    gradient on the common path (Note [per-parameter cost]: keep it lean)."""
+
+    def grad_ready(p) -> None:
+        self = reducer_ref()
+        if self is None:
+            return
+        if not self.in_backward:
+            self._begin_backward()
+        entry = self._hook_entries[key]
+        slot = entry.slot
+        if slot is None:
+            return  # not reduced by the buckets: trainable since the last layout, or frozen
+        grad = p.grad
+        view = slot.view
+        if view is None:  # per-bucket storage: allocated when its first gradient arrives
+            self._layout.allocate(slot.bucket)
+            view = slot.view
+        if grad is not view:
+            if grad.is_sparse:
+                raise self._sparse_gradient(entry)
+            if grad.data_ptr() != view.data_ptr():
+                # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
+                # disabled): it holds this parameter's whole gradient, so copy, don't add.
+                view.copy_(grad)
+                if self.as_view:
+                    p.grad = view
+        self.t_last_grad = _perf_counter()
+        if self._observed_order is not None:
+            self._observed_order.append(entry.index)
+        if not self.sync:
+            return
+        generation = self.generation
+        if entry.ready == generation:
+            raise self._gradient_twice(entry)
+        entry.ready = generation
+        index = slot.bucket.index
+        pending = self.pending
+        pending[index] -= 1
+        if pending[index] == 0 and not self.defer_launch:
+            self._bucket_ready(index)
+        if self.next_finish < self.next_launch:
+            self._finish_completed()
+
+    return grad_ready
+
+
+def remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()

@@ -1,0 +1,83 @@
+"""How a bucket's gradients are combined across ranks: the reducer's strategy interface and
+its default, averaging with one all-reduce (ZeRO stage 2 installs a reduce-scatter strategy,
+``fusedist/zero/grad_sync.py``)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comm import CommHandle
+from .layout import Bucket
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
+
+
+class GradSyncStrategy:
+    """How a bucket's gradients are combined across ranks.
+
+    ``launch`` starts the (asynchronous) collective and returns its handle; ``finish`` waits
+    for it and leaves the bucket's result where the consumer expects it. ``finish`` runs once
+    per bucket, in bucket order, either in a gradient hook once the collective has completed
+    or at the end of backward (Note [finishing buckets during backward]). The default
+    averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
+    """
+
+    def launch(self, reducer: "Reducer", bucket: Bucket) -> CommHandle:
+        raise NotImplementedError
+
+    def finish(self, reducer: "Reducer", bucket: Bucket, handle: CommHandle) -> None:
+        raise NotImplementedError
+
+    # Lifecycle hooks for strategies that manage the gradient buffers themselves (ZeRO stage
+    # 2 releases them between backward passes). The defaults do nothing, so the all-reduce
+    # path is unchanged.
+    def begin_backward(self, reducer: "Reducer") -> None:
+        """Called at the start of every backward (synchronized or not), before the first
+        gradient is accumulated into the buffers."""
+
+    def after_sync(self, reducer: "Reducer") -> None:
+        """Called at the end of every synchronized backward, after every bucket finished and
+        after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
+
+
+def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post) divisors whose product is ``world_size``.
+
+    fp32/bf16: divide fully before the sum (torch DDP's numerics). fp16: split the division
+    around the sum (sqrt each side) so neither the sum can overflow nor small gradients
+    underflow to zero.
+    """
+    if dtype == torch.float16 and world_size > 1:
+        pre = float(2 ** round(math.log2(math.sqrt(world_size))))
+        return pre, world_size / pre
+    return float(world_size), 1.0
+
+
+class AllReduceAverage(GradSyncStrategy):
+    """Average a bucket with one all-reduce, optionally in a narrower ``reduce_dtype``."""
+
+    def launch(self, reducer, bucket):
+        data = bucket.data
+        reduce_dtype = reducer.config.reduce_dtype or data.dtype
+        pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
+        if reduce_dtype != data.dtype:
+            wire = data.to(reduce_dtype)
+            wire.div_(pre)
+        else:
+            wire = data.div_(pre)
+        reducer.bucket_scratch[bucket.index] = wire
+        return reducer.comm.all_reduce(wire, async_op=True, tag=f"ddp bucket {bucket.index}")
+
+    def finish(self, reducer, bucket, handle):
+        handle.wait()
+        wire = reducer.bucket_scratch.pop(bucket.index)
+        reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
+        _, post = divide_factors(reducer.grad_divisor, reduce_dtype)
+        if wire.data_ptr() != bucket.data.data_ptr():
+            bucket.data.copy_(wire)
+        if post != 1.0:
+            bucket.data.div_(post)

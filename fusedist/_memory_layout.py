@@ -32,3 +32,12 @@ def layout_of(t: torch.Tensor) -> tuple:
     """Strides of the dimensions with more than one element: two dense tensors of one shape
     and equal layouts store each logical element at the same memory offset."""
     return tuple(st for sz, st in zip(t.shape, t.stride()) if sz != 1)
+
+
+def walks_like(t: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``t`` (shaped like ``param``) can be walked as flat memory in step with it: both
+    contiguous, or both dense with one layout. The kernels' condition for a parameter's
+    gradient, states and master."""
+    if param.is_contiguous():
+        return t.is_contiguous()
+    return is_dense(param) and layout_of(t) == layout_of(param)

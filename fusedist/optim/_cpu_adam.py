@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _extension
-from .._memory_layout import is_dense, layout_of
+from .._memory_layout import is_dense, walks_like
 
 __all__ = ["adam_update", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
 
@@ -108,16 +108,6 @@ def _describe_bad_tensor(t, what: str, i: int, shape, dtypes) -> Exception:
                       "every tensor of an index in the same memory order")
 
 
-def _walkable(t: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
-    """``t`` can be walked as flat memory in step with ``param`` (None: ``t`` is the parameter):
-    both contiguous, or both dense with one layout (channels_last, transposed)."""
-    if param is None:
-        return is_dense(t)
-    if t.is_contiguous() and param.is_contiguous():
-        return True
-    return is_dense(param) and layout_of(t) == layout_of(param)
-
-
 def _check_list(tensors, what: str, params, dtypes) -> None:
     # One pass per list with the whole test inline: this runs for every tensor on every step
     # (~0.5 us per tensor), so no per-tensor Python calls and no ``t.device`` (~0.4 us alone;
@@ -132,7 +122,8 @@ def _check_list(tensors, what: str, params, dtypes) -> None:
             and t.is_cpu
             and t.layout == strided
             and (p is None or t.shape == p.shape)
-            and ((t.is_contiguous() and (p is None or p.is_contiguous())) or _walkable(t, p))
+            and ((t.is_contiguous() and (p is None or p.is_contiguous()))
+                 or (is_dense(t) if p is None else walks_like(t, p)))
         ):
             raise _describe_bad_tensor(t, what, i, None if p is None else p.shape, dtypes)
 

@@ -44,7 +44,7 @@ import torch
 from .. import _extension
 from ..backend import select_backend
 from . import _reference
-from .._memory_layout import is_dense, layout_of
+from .._memory_layout import is_dense, walks_like
 
 Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -134,12 +134,7 @@ def _walkable_together(p: Tensor, companions) -> bool:
     """Whether the kernels may treat ``p`` and its companions (gradient, states, master) as
     flat arrays walked in step: all dense, with one memory layout. Anything else (a strided
     slice, a gradient laid out unlike its parameter) takes the reference path."""
-    if p.is_contiguous():
-        return all(t is None or t.is_contiguous() for t in companions)
-    if not is_dense(p):
-        return False
-    layout = layout_of(p)
-    return all(t is None or layout_of(t) == layout for t in companions)
+    return is_dense(p) and all(t is None or walks_like(t, p) for t in companions)
 
 
 def _bucketize(params, grads, masters, state_lists, check_states=True):

@@ -139,22 +139,23 @@ def _clip_by_norm(optimizer, clip_val: float) -> None:
         fusedist.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip_val)
 
 
-class _FusedistPrecision(Precision):
-    """``"32-true"`` (and ``"64-true"`` style plain precision): fusedist's clip."""
+class _FusedistClip:
+    """Clipping by norm through fusedist (mixed into each adapted plugin)."""
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         _clip_by_norm(optimizer, clip_val)
 
 
-class _FusedistHalfPrecision(HalfPrecision):
+class _FusedistPrecision(_FusedistClip, Precision):
+    """``"32-true"`` (and ``"64-true"`` style plain precision): fusedist's clip."""
+
+
+class _FusedistHalfPrecision(_FusedistClip, HalfPrecision):
     """``"16-true"`` / ``"bf16-true"``: the module in half precision (FP32 masters in the
     fused optimizer), fusedist's clip."""
 
-    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        _clip_by_norm(optimizer, clip_val)
 
-
-class _FusedistMixedPrecision(MixedPrecision):
+class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
     """``"16-mixed"`` / ``"bf16-mixed"``: autocast as Lightning does; fp16 scales with
     fusedist's GradScaler and always unscales before the clip."""
 
@@ -178,12 +179,9 @@ class _FusedistMixedPrecision(MixedPrecision):
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
         Precision.clip_gradients(self, optimizer, clip_val=clip_val, **kwargs)
 
-    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        _clip_by_norm(optimizer, clip_val)
-
 
 def _adapt_precision(plugin: Precision) -> Precision:
-    if isinstance(plugin, (_FusedistPrecision, _FusedistHalfPrecision, _FusedistMixedPrecision)):
+    if isinstance(plugin, _FusedistClip):
         return plugin
     kind = type(plugin)
     if kind is Precision:

@@ -139,8 +139,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         _files.remove_manifest(directory)  # from here on the directory is not a valid checkpoint
     world.barrier("save: manifest removed")
 
-    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-    if zero:
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()
     mine, error = {}, None
     try:
@@ -165,24 +164,29 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         common = _common_sections(model, optimizer, scaler, extra)
         files[COMMON] = dict(_files.atomic_torch_save(os.path.join(directory, COMMON), common),
                              rank=0, sections=sorted(common))
-        params = _optimizer_params(optimizer) if optimizer is not None else []
-        manifest = {
-            "format": _files.FORMAT,
-            "version": _files.VERSION,
-            "world_size": world.size,
-            "created_unix": time.time(),
-            "files": files,
-            "optimizer": None if optimizer is None else {
-                "kind": "zero" if zero else "full",
-                "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
-                "stage": optimizer.stage if zero else None,
-                "param_names": _param_names(model, params),
-                "param_shapes": [list(p.shape) for p in params],
-            },
-            "scaler": scaler is not None,
-        }
+        manifest = dict(manifest_base(model, optimizer, scaler, world.size), created_unix=time.time(), files=files)
         _files.write_manifest(directory, manifest)
     world.barrier("save: manifest written")
+
+
+def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) -> dict:
+    """The manifest :func:`load` reads, less the file list and the time: what was saved and
+    at which world size (also written by the periodic ``Checkpointer``)."""
+    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+    params = _optimizer_params(optimizer) if optimizer is not None else []
+    return {
+        "format": _files.FORMAT,
+        "version": _files.VERSION,
+        "world_size": world_size,
+        "optimizer": None if optimizer is None else {
+            "kind": "zero" if zero else "full",
+            "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
+            "stage": optimizer.stage if zero else None,
+            "param_names": _param_names(model, params),
+            "param_shapes": [list(p.shape) for p in params],
+        },
+        "scaler": scaler is not None,
+    }
 
 
 def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Optional[int] = None, *,

@@ -273,22 +273,8 @@ class Checkpointer:
 
     def _manifest_base(self, step: int, model, optimizer) -> dict:
         """The manifest :func:`fusedist.checkpoint.load` expects, less the file list."""
-        zero = _is_zero(optimizer)
-        params = api._optimizer_params(optimizer) if optimizer is not None else []
-        return {
-            "format": _files.FORMAT,
-            "version": _files.VERSION,
-            "world_size": self.world_size,
-            "optimizer": None if optimizer is None else {
-                "kind": "zero" if zero else "full",
-                "class": optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__,
-                "stage": optimizer.stage if zero else None,
-                "param_names": api._param_names(model, params),
-                "param_shapes": [list(p.shape) for p in params],
-            },
-            "scaler": self._state["scaler"] is not None,
-            "checkpointer": {"step": step},
-        }
+        base = api.manifest_base(model, optimizer, self._state["scaler"], self.world_size)
+        return dict(base, checkpointer={"step": step})
 
     # ------------------------------------------------------------------ persist (background)
     def _persist(self, step: int, snapshot: dict, record: dict) -> None:

@@ -276,8 +276,7 @@ class DDPJoinHook(JoinHook):
                                 dtype=torch.int64, device=comm.device)
         comm.broadcast(counters, src=src, tag="ddp join: counters")
         reducer.sync_steps, reducer.forwards, reducer.iteration, reducer.optimizer_steps = counters.tolist()
-        tensors = [p.detach() for p in ddp.module.parameters()] + list(ddp.module.buffers())
-        ddp._broadcast_coalesced(tensors, tag="ddp join: final model", src=src)
+        ddp._broadcast_state(src=src, tag="ddp join: final model")
         reducer.joined = False
         reducer.grad_divisor = ddp.world_size
         reducer.defer_launch = False

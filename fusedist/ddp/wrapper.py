@@ -238,9 +238,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                         unique[id(b)] = b
         return list(unique.values())
 
-    def _broadcast_state(self) -> None:
+    def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state") -> None:
+        """Every parameter and buffer from rank ``src`` (at construction, and when a join
+        context ends: Note [joined ranks])."""
         tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
-        self._broadcast_coalesced(tensors, tag="ddp initial state")
+        self._broadcast_coalesced(tensors, tag=tag, src=src)
 
     def _broadcast_coalesced(self, tensors, tag: str, src: int = 0) -> None:
         if self.world_size == 1:

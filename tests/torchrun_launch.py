@@ -1,8 +1,16 @@
-"""Launching a script under torchrun from a test, as users run jobs (CPU, gloo, 2 ranks)."""
+"""Launching a script under torchrun from a test, as users run jobs (CPU, gloo, 2 ranks).
+
+With ``FUSEDIST_TEST_RANKS_PER_GPU`` set (in ``env`` or the test's environment), each worker
+starts through ``fusedist.testing.run_rank``, which gives it the settings for sharing a GPU
+with other ranks before the script runs (Note [several ranks on one GPU] in
+``fusedist/testing/shared_gpu.py``).
+"""
 
 import os
 import subprocess
 import sys
+
+from fusedist.testing import ranks_per_gpu_setting
 
 
 def launch(script: str, *args: str, env: dict | None = None, monitor_interval: float | None = None,
@@ -13,6 +21,8 @@ def launch(script: str, *args: str, env: dict | None = None, monitor_interval: f
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
     if monitor_interval is not None:
         cmd.append(f"--monitor-interval={monitor_interval:g}")
+    if ranks_per_gpu_setting(env) is not None:  # raises on a malformed value, here, once
+        cmd += ["-m", "fusedist.testing.run_rank"]
     return subprocess.Popen(cmd + [script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -24,6 +24,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .shared_gpu import rank_environment, ranks_per_gpu_setting
+
 
 class DistributedRunError(RuntimeError):
     """One or more ranks failed or timed out; ``failures`` maps rank -> traceback text."""
@@ -37,13 +39,20 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
     # A rank that dies in native code (a segfault in an extension, NCCL or the CUDA driver)
     # leaves no Python traceback; faulthandler prints every thread's stack to stderr instead.
     faulthandler.enable(all_threads=True)
-    os.environ.update(env)
+    # LOCAL_RANK first: ``env`` carries the rank's GPU sharing settings (LOCAL_RANK = its
+    # device, NCCL_HOSTID, ...), set before this process makes its first NCCL call.
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        if backend == "nccl" and torch.cuda.is_available():
+            # Bound before the group exists, so torch's NCCL and fusedist's communicator
+            # use the rank's own device (several ranks may share one: Note [several ranks
+            # on one GPU] in fusedist/testing/shared_gpu.py).
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         if backend is not None:
             dist.init_process_group(
                 backend,
@@ -87,6 +96,13 @@ def _release_process_group() -> None:
         gc.collect()
 
 
+def _rank_env(rank: int, per_gpu: int | None, env: dict[str, str] | None) -> dict[str, str]:
+    """The caller's ``env`` over the rank's GPU sharing settings: a test that sets one of the
+    variables itself (a fault test, say) means it."""
+    shared = rank_environment(rank, per_gpu) if per_gpu is not None else {}
+    return {**shared, **(env or {})}
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -97,6 +113,7 @@ def run_distributed(
     threads: int = 1,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
+    ranks_per_gpu: int | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` spawned ranks; return results in rank order.
@@ -109,7 +126,12 @@ def run_distributed(
         env: extra environment variables for the children.
         expect_failure: return a list of ``("error", traceback)`` / ``("ok", value)`` pairs
             instead of raising when ranks fail (for tests of failure behaviour).
+        ranks_per_gpu: place this many consecutive ranks on each GPU, with the NCCL settings
+            that allow it (:func:`fusedist.testing.shared_gpu.rank_environment`); default
+            ``FUSEDIST_TEST_RANKS_PER_GPU``, else one rank per GPU. With backend ``"nccl"``
+            each rank's device is made current before the group is created.
     """
+    per_gpu = ranks_per_gpu if ranks_per_gpu is not None else ranks_per_gpu_setting()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="fusedist-rdzv-")
@@ -120,8 +142,8 @@ def run_distributed(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child,
-                args=(rank, world_size, init_file, backend, pg_timeout, threads, dict(env or {}),
-                      fn, args, kwargs, results),
+                args=(rank, world_size, init_file, backend, pg_timeout, threads,
+                      _rank_env(rank, per_gpu, env), fn, args, kwargs, results),
                 daemon=True,
             )
             p.start()

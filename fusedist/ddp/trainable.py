@@ -37,6 +37,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..ownership import register_data_parallel
 from .layout import MiB, append_buckets, layout_of, sparse_gradient_error
 from .strategy import divide_factors
 
@@ -126,8 +127,7 @@ def apply_change(reducer) -> None:
     tracker.layout_flags, tracker.layout_crc = flags, tracker.target_crc
     tracker.target = None
     owner = tracker.owner()
-    for p in newly:
-        p._fusedist_ddp = owner  # the optimizer guard and ZeRO find the wrapper through it
+    register_data_parallel(newly, owner)  # the optimizer guard and ZeRO find the wrapper
     reducer.timeline.instant("trainable set changed", added=len(newly))
     for listener in reducer.layout_listeners:
         listener(reducer.layout)

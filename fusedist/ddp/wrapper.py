@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
+from ..ownership import register_data_parallel
 from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
@@ -165,8 +166,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
         )
-        for _, p in named:
-            p._fusedist_ddp = self  # lets ZeroRedundancyOptimizer find the wrapper of its params
+        # ZeroRedundancyOptimizer and the optimizer step guard find the wrapper of their params.
+        register_data_parallel([p for _, p in named], self)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(list(module.named_parameters()), self)
         self._no_sync_depth = 0

@@ -17,7 +17,9 @@ from typing import Iterable, Union
 
 import torch
 
+from ..ownership import gradient_holder
 from .step_context import pending_contexts
+
 
 def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
     # torch returns the norm in the gradients' dtype and computes the coefficient in it.
@@ -43,21 +45,25 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
-    # ZeRO stage 2 keeps only gradient shards (p.grad is None): the optimizer that owns the
-    # shards computes the global norm across ranks and clips inline.
-    zero_owners = {id(o): o for o in (getattr(p, "_fusedist_zero", None) for p in params) if o is not None}
-    if zero_owners:
-        owner = next(iter(zero_owners.values()))
-        # Frozen parameters never have gradients: whether the caller's list (e.g.
-        # model.parameters()) or the optimizer's includes them does not matter.
-        trainable = {id(p) for p in params if p.requires_grad}
-        if len(zero_owners) > 1 or trainable != {id(p) for p in owner._trainable_params()}:
+    # Gradients held sharded across ranks (ZeRO stage 2 keeps only a shard, p.grad is None;
+    # fully_shard's p.grad is this rank's shard): the holder computes the global norm.
+    holders, unheld = {}, False
+    for p in params:
+        holder = gradient_holder(p)
+        if holder is not None:
+            holders.setdefault(id(holder), (holder, []))[1].append(p)
+        elif p.requires_grad:  # (a frozen parameter has no gradient to clip anywhere)
+            unheld = True
+    if holders:
+        if len(holders) > 1 or unheld:
             raise ValueError(
-                "fusedist.clip_grad_norm_: these parameters are sharded by ZeroRedundancyOptimizer "
-                "stage 2; pass exactly that optimizer's trainable parameters (or call "
-                "optimizer.clip_grad_norm_)"
+                "fusedist.clip_grad_norm_: some of these parameters keep their gradients sharded "
+                f"({', '.join(type(h).__name__ for h, _ in holders.values())}) and some do not, or "
+                "several sharded owners are mixed; clip each owner's parameters on their own (e.g. "
+                "optimizer.clip_grad_norm_ for a ZeroRedundancyOptimizer)"
             )
-        return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        holder, held = next(iter(holders.values()))
+        return holder.clip_sharded_grads_(held, max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)
     with_grad = [p for p in params if p.grad is not None]
     ids = {id(p) for p in with_grad}

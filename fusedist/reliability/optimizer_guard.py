@@ -28,6 +28,7 @@ import threading
 import weakref
 
 from .._process_hooks import install_optimizer_step_hooks
+from ..ownership import data_parallel_owner
 
 _lock = threading.Lock()
 # optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
@@ -45,7 +46,7 @@ def _classify(optimizer):
     unowned = None
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            ddp = getattr(p, "_fusedist_ddp", None)
+            ddp = data_parallel_owner(p)
             if ddp is not None:
                 owners[id(ddp)] = ddp
             elif p.requires_grad and unowned is None:

@@ -28,6 +28,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..ddp.layout import append_buckets
+from ..ownership import register_gradient_holder
 from . import state as zstate
 from .partition import FlatParams, FlatPartition
 
@@ -48,9 +49,8 @@ def _set_sharded(zero, sharded) -> None:
     chosen = set(sharded)
     zero._trainable = sorted(chosen)
     zero._frozen = [i for i in range(len(zero._params)) if i not in chosen]
-    if zero.stage == 2:
-        for i in zero._trainable:
-            zero._params[i]._fusedist_zero = zero  # fusedist.clip_grad_norm_ finds the shards
+    if zero.stage == 2:  # fusedist.clip_grad_norm_ finds the shards
+        register_gradient_holder([zero._params[i] for i in zero._trainable], zero)
 
 
 def _check_held(zero, params, names) -> None:

@@ -62,7 +62,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     reduce-scatter / all-gather, the data-parallel volume.
 
     * With parameters of a :class:`fusedist.DistributedDataParallel` model the optimizer finds
-      the wrapper itself (``p._fusedist_ddp``) and shards along its gradient buckets. Stage 1:
+      the wrapper itself (``fusedist.ownership``) and shards along its gradient buckets. Stage 1:
       DDP all-reduces, each rank updates its slice, the updated slices are all-gathered per
       bucket. Stage 2: DDP reduce-scatters each bucket as it becomes ready (Note [stage 2
       gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the

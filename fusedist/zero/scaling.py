@@ -93,6 +93,20 @@ class ZeroScalerProtocol(ScalerProtocol):
         self._join_clip = (max_norm, norm_type, error_if_nonfinite)
         return ctx.record_clip(sumsq, max_norm, error_if_nonfinite)
 
+    def clip_sharded_grads_(self, params: list, max_norm: float, norm_type: float = 2.0,
+                            error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``fusedist.clip_grad_norm_`` on this optimizer's parameters (the gradient-holder
+        protocol of ``fusedist/ownership.py``): the global norm over every rank's shard."""
+        # Frozen parameters never have gradients: whether the caller's list (e.g.
+        # model.parameters()) or the optimizer's includes them does not matter.
+        if {id(p) for p in params if p.requires_grad} != {id(p) for p in self._trainable_params()}:
+            raise ValueError(
+                "fusedist.clip_grad_norm_: these parameters are sharded by ZeroRedundancyOptimizer "
+                "stage 2; pass exactly that optimizer's trainable parameters (or call "
+                "optimizer.clip_grad_norm_)"
+            )
+        return self.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
     def _inner_step(self) -> None:
         """Step the inner optimizer over the pieces with this step's inverse scale, clip
         coefficient and found-inf flag: a fused one applies them in its update; any other gets

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm import get_communicator
+from ..ownership import data_parallel_owner, register_gradient_holder
 from ..reliability import attach_monitor
 from .grad_sync import ReduceScatterToShard, release_grad_buffers
 
@@ -20,11 +21,12 @@ def find_ddp(trainable: list, params: list):
     the model does not reduce yet are accepted if they are the model's: trainable since it
     was wrapped, it takes them on at its next training forward. Frozen parameters are not
     DDP's (it reduces only trainable ones) and never communicated."""
-    owners = {id(d): d for d in (getattr(p, "_fusedist_ddp", None) for p in trainable) if d is not None}
+    found = [data_parallel_owner(p) for p in trainable]
+    owners = {id(d): d for d in found if d is not None}
     ddp = next(iter(owners.values()), None)
     module_params = set(ddp.module.parameters()) if ddp is not None else set()
-    if len(owners) > 1 or any(getattr(p, "_fusedist_ddp", None) is None and p not in module_params
-                              for p in trainable) and ddp is not None:
+    if len(owners) > 1 or any(d is None and p not in module_params
+                              for d, p in zip(found, trainable)) and ddp is not None:
         raise ValueError(
             "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
             "models (or some to none); give one optimizer the parameters of one DDP model"
@@ -74,9 +76,8 @@ def install_stage2(zero) -> None:
     if reducer.in_backward:
         raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
     reducer.strategy = ReduceScatterToShard(zero)
-    for p in zero._trainable_params():
-        # Lets a global clip (fusedist.clip_grad_norm_) find the optimizer that holds these
-        # parameters' gradients: p.grad is None in stage 2.
-        p._fusedist_zero = zero
+    # A global clip (fusedist.clip_grad_norm_) finds the optimizer that holds these
+    # parameters' gradients: p.grad is None in stage 2.
+    register_gradient_holder(zero._trainable_params(), zero)
     release_grad_buffers(reducer)  # gradients live in shards from now on
     reducer.layout_listeners.append(zero._on_layout_change)

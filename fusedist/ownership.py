@@ -1,0 +1,68 @@
+"""Which fusedist object owns a parameter: the explicit registrations between packages.
+
+A user hands fusedist's pieces the same ``model.parameters()``; the pieces find each other
+through these registrations, made once at construction by the owner itself, instead of
+attributes written onto the user's Parameters:
+
+* **data-parallel owner** -- the :class:`fusedist.DistributedDataParallel` whose gradient
+  engine reduces the parameter. A ``ZeroRedundancyOptimizer`` registers with that engine
+  (``fusedist/zero/wiring.py``); the optimizer step guard counts steps for it.
+* **gradient holder** -- an object that keeps the parameter's gradient somewhere other than
+  (or in addition to) ``p.grad``, sharded across ranks: ZeRO stage 2 (only a shard is kept)
+  and ``fully_shard`` (``p.grad`` is this rank's shard). It provides
+  ``clip_sharded_grads_(params, max_norm, norm_type, error_if_nonfinite) -> total_norm``
+  computing the *global* norm (one small all-reduce), so ``fusedist.clip_grad_norm_`` hands
+  such parameters to it.
+
+The tables hold weak references both ways: a registration never keeps a model alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Optional
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "register_data_parallel", "data_parallel_owner",
+    "register_gradient_holder", "unregister_gradient_holder", "gradient_holder",
+]
+
+_data_parallel: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_gradient_holder: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _lookup(table: WeakIdKeyDictionary, p) -> Optional[object]:
+    ref = table.get(p)
+    return ref() if ref is not None else None
+
+
+def register_data_parallel(params: Iterable, owner) -> None:
+    """``owner`` (a DDP wrapper) reduces these parameters' gradients."""
+    ref = weakref.ref(owner)
+    for p in params:
+        _data_parallel[p] = ref
+
+
+def data_parallel_owner(p) -> Optional[object]:
+    """The DDP wrapper reducing ``p`` (None when there is none, or it was dropped)."""
+    return _lookup(_data_parallel, p)
+
+
+def register_gradient_holder(params: Iterable, holder) -> None:
+    """``holder`` keeps these parameters' gradients sharded and clips them globally."""
+    ref = weakref.ref(holder)
+    for p in params:
+        _gradient_holder[p] = ref
+
+
+def unregister_gradient_holder(params: Iterable, holder) -> None:
+    for p in params:
+        if _lookup(_gradient_holder, p) is holder:
+            del _gradient_holder[p]
+
+
+def gradient_holder(p) -> Optional[object]:
+    """The object holding ``p``'s sharded gradient (None: ``p.grad`` is the whole gradient)."""
+    return _lookup(_gradient_holder, p)

@@ -101,18 +101,21 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &NcclComm::rank)
       .def_property_readonly("world_size", &NcclComm::world_size)
       .def_property_readonly("device", &NcclComm::device)
+      // Note [launches without the GIL]: every call that may block inside NCCL releases the GIL.
       .def("all_reduce", &NcclComm::all_reduce, py::arg("send"), py::arg("recv"),
            py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
-           py::arg("what") = "all_reduce")
+           py::arg("what") = "all_reduce", py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &NcclComm::reduce_scatter, py::arg("send"), py::arg("recv"),
            py::arg("recv_count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
-           py::arg("what") = "reduce_scatter")
+           py::arg("what") = "reduce_scatter", py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &NcclComm::all_gather, py::arg("send"), py::arg("recv"),
            py::arg("send_count"), py::arg("dtype"), py::arg("stream"),
-           py::arg("what") = "all_gather")
+           py::arg("what") = "all_gather", py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &NcclComm::broadcast, py::arg("send"), py::arg("recv"), py::arg("count"),
-           py::arg("dtype"), py::arg("root"), py::arg("stream"), py::arg("what") = "broadcast")
-      .def("check_async_error", &NcclComm::check_async_error, py::arg("what"))
+           py::arg("dtype"), py::arg("root"), py::arg("stream"), py::arg("what") = "broadcast",
+           py::call_guard<py::gil_scoped_release>())
+      .def("check_async_error", &NcclComm::check_async_error, py::arg("what"),
+           py::call_guard<py::gil_scoped_release>())
       .def("wait", &NcclComm::wait, py::arg("done"), py::arg("timeout_s"), py::arg("what"),
            py::call_guard<py::gil_scoped_release>())
       .def("abort", &NcclComm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>())

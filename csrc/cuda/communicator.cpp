@@ -53,7 +53,9 @@ ncclComm_t NcclComm::live(const std::string& what) const {
   if (aborted_) {
     throw NcclError("fusedist: " + what + " on " + where() +
                     ": the NCCL communicator was aborted earlier (" + abort_reason_ +
-                    "); create a new communicator");
+                    "); it is not re-created on its own (creating one is a collective of every "
+                    "rank): destroy and re-create the process group on every rank, or restart "
+                    "the job");
   }
   if (destroyed_) {
     throw NcclError("fusedist: " + what + " on " + where() +
@@ -74,6 +76,7 @@ void NcclComm::check_launch(uintptr_t stream, const std::string& what, size_t co
 
 void NcclComm::all_reduce(uintptr_t send, uintptr_t recv, size_t count, int dtype, int op,
                           uintptr_t stream, const std::string& what) {
+  std::lock_guard<std::mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   DeviceGuard guard(device_);
   check_launch(stream, what, count, dtype, {send, recv});
@@ -85,6 +88,7 @@ void NcclComm::all_reduce(uintptr_t send, uintptr_t recv, size_t count, int dtyp
 
 void NcclComm::reduce_scatter(uintptr_t send, uintptr_t recv, size_t recv_count, int dtype,
                               int op, uintptr_t stream, const std::string& what) {
+  std::lock_guard<std::mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   DeviceGuard guard(device_);
   check_launch(stream, what, recv_count, dtype, {send, recv});
@@ -96,6 +100,7 @@ void NcclComm::reduce_scatter(uintptr_t send, uintptr_t recv, size_t recv_count,
 
 void NcclComm::all_gather(uintptr_t send, uintptr_t recv, size_t send_count, int dtype,
                           uintptr_t stream, const std::string& what) {
+  std::lock_guard<std::mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   DeviceGuard guard(device_);
   check_launch(stream, what, send_count, dtype, {send, recv});
@@ -107,6 +112,7 @@ void NcclComm::all_gather(uintptr_t send, uintptr_t recv, size_t send_count, int
 
 void NcclComm::broadcast(uintptr_t send, uintptr_t recv, size_t count, int dtype, int root,
                          uintptr_t stream, const std::string& what) {
+  std::lock_guard<std::mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   if (root < 0 || root >= world_size_) {
     throw std::invalid_argument("fusedist: " + what + ": broadcast root " + std::to_string(root) +
@@ -180,6 +186,7 @@ void NcclComm::abort(const std::string& reason) {
 }
 
 void NcclComm::destroy() {
+  std::lock_guard<std::mutex> launching(launch_mutex_);  // never under a running launch
   ncclComm_t comm = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -1,5 +1,18 @@
 // A direct NCCL communicator over raw device buffers, with timeout-bounded waits.
 //
+// Note [launches without the GIL]
+// -------------------------------
+// NCCL >= 2.22 connects lazily (NCCL_RUNTIME_CONNECT=1, its default): the first collective
+// of each algorithm exchanges messages with the peers inside the launch call itself, so a
+// launch can block the host until every peer reaches the same collective. Holding the GIL
+// there would stop every Python thread of the process -- the reliability monitor's stall
+// report, a data loader, a thread that could abort -- for as long as the slowest peer takes.
+// So the bindings release the GIL around every NCCL call. Launches are then serialized here
+// instead (launch_mutex_): NCCL does not allow concurrent calls on one communicator from
+// several threads. abort() does not take that lock, so a launch stuck in a connection can
+// still be aborted from another thread; destroy() does, so it never frees the communicator
+// under a running launch.
+//
 // Buffers are passed as raw device pointers, element counts and ncclDataType_t codes, streams
 // as cudaStream_t values: the extension never sees a torch type (see nccl_api.h). Every NCCL
 // call is checked (checks.h); a communicator that hit an asynchronous error or a timeout is
@@ -66,7 +79,8 @@ class NcclComm {
   int world_size_;
   int rank_;
   int device_;
-  mutable std::mutex mutex_;
+  mutable std::mutex mutex_;        // the state below (aborted_, destroyed_, the reason)
+  std::mutex launch_mutex_;         // Note [launches without the GIL]
   bool aborted_ = false;
   bool destroyed_ = false;
   std::string abort_reason_;

@@ -28,17 +28,23 @@ _cuda_factory: Optional[Callable] = None
 
 
 def register_cuda_communicator(factory: Callable) -> None:
-    """Install the factory ``factory(process_group) -> Communicator`` used for CUDA tensors
-    when ``FUSEDIST_COMM`` is not ``torch`` (the CUDA extension registers itself here)."""
+    """Install the factory ``factory(process_group, device) -> Communicator`` used for CUDA
+    tensors when ``FUSEDIST_COMM`` is not ``torch`` (``device`` is a ``torch.device`` with its
+    index resolved). fusedist registers its direct-NCCL factory at import, on every rank
+    (Note [one decision on every rank])."""
     global _cuda_factory
     _cuda_factory = factory
 
 
 def get_communicator(process_group=None, device: torch.device | str | None = None) -> Communicator:
-    """The communicator for ``process_group`` and tensors on ``device`` (cached).
+    """The communicator for ``process_group`` and tensors on ``device`` (cached per group and,
+    for the direct-NCCL path, per CUDA device).
 
-    CUDA tensors use the direct-NCCL communicator when the extension is built (unless
-    ``FUSEDIST_COMM=torch``); everything else uses ``torch.distributed``.
+    CUDA tensors use the direct-NCCL communicator when every rank of the group can run it
+    (unless ``FUSEDIST_COMM=torch``); everything else uses ``torch.distributed``. Raises
+    ``ValueError`` on a rank that is not a member of ``process_group``, and
+    :class:`CollectiveError` once the group's communicator was aborted (Note [no recovery
+    after an abort]).
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     choice = os.environ.get("FUSEDIST_COMM", "auto").lower()
@@ -50,19 +56,73 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
             "FUSEDIST_COMM=nccl but the direct-NCCL communicator is unavailable for "
             f"{device.type} tensors (fusedist.cuda_ext_error() says why)"
         )
+    _check_member(process_group)
     # Key on the group object itself (the default group resolved), so a destroyed and
     # re-created process group gets a fresh communicator. The cache holds the group alive
     # (which keeps its id from being reused) until torch.distributed destroys it (Note
-    # [releasing destroyed groups]).
+    # [releasing destroyed groups]). A direct-NCCL communicator is bound to one device, so
+    # the device is part of its key.
     release_destroyed_groups()
     group_obj = process_group if process_group is not None else dist.group.WORLD
-    key = (id(group_obj), "nccl" if use_nccl else "torch")
+    if use_nccl:
+        device = _with_index(device)
+        key = (id(group_obj), "nccl", device.index)
+    else:
+        key = (id(group_obj), "torch")
     entry = _cache.get(key)
     if entry is None or entry[0] is not group_obj:
-        comm = _cuda_factory(process_group) if use_nccl else TorchCommunicator(process_group)
+        comm = _cuda_factory(process_group, device) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
         at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
-    return entry[1]
+    comm = entry[1]
+    if comm.aborted:
+        raise _aborted_error(comm)
+    return comm
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` resolved to ``cuda:<current device>``: the device a communicator binds to is
+    the one its tensors live on, never whatever is current at some later call."""
+    if device.index is not None:
+        return device
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return torch.device(device.type, index)
+
+
+def _check_member(process_group) -> None:
+    """Raise on a rank outside ``process_group``: torch gives such a rank rank -1 and world
+    size -1, and every collective on it would fail somewhere less clear."""
+    if process_group is None or not dist.is_initialized():
+        return  # the default group has every rank; the constructors explain a missing one
+    if dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"fusedist: rank {dist.get_rank()} is not a member of this process group, so it has "
+            "no communicator for it; call collectives on that group only from its member ranks "
+            "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER on the others)"
+        )
+
+
+# Note [no recovery after an abort]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A direct-NCCL communicator is aborted when a collective fails or times out; every later
+# collective on it raises. It is not re-created behind the caller's back: creating one is a
+# collective of every rank of the group, and after a failure the other ranks may be anywhere
+# (still blocked in the collective that timed out here, in another one, or dead), so a
+# re-creation on this rank alone would pair with whatever they call next. What works is what
+# torch asks for too: rebuild the process group on every rank (a new group gets a new
+# communicator, as the cache keys on the group object) or restart the job. The lookup keeps
+# raising so that a caller that asks again learns that, rather than meeting the aborted
+# communicator at its next collective.
+def _aborted_error(comm: Communicator) -> CollectiveError:
+    return CollectiveError(
+        f"fusedist: the {comm.name} communicator of this process group (rank {comm.rank} of "
+        f"{comm.world_size}) was aborted after an earlier failure ({comm.abort_reason or 'no reason recorded'}). "
+        "fusedist does not re-create it on its own, because creating one is a collective of every "
+        "rank and the others may be anywhere after that failure: destroy and re-create the "
+        "process group on every rank (torch.distributed.destroy_process_group() + "
+        "init_process_group(), or a new torch.distributed.new_group()) -- fusedist then creates a "
+        "fresh communicator for it -- or restart the job (torchrun --max-restarts).",
+        op="get_communicator", rank=comm.rank)
 
 
 # Note [releasing destroyed groups]
@@ -128,16 +188,21 @@ def _drain_at_exit() -> None:
     release_destroyed_groups()
 
 
+# Note [one decision on every rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Whether CUDA collectives go through fusedist's own NCCL communicator or torch.distributed
+# must be decided the same way on every rank of a group: the NCCL communicator's construction
+# is a collective (an all_gather_object that shares each rank's readiness and the unique id),
+# and a rank that built a torch communicator instead would pair its next collective -- DDP's
+# model check, say -- with that exchange: an unpickling error or a false rank mismatch, then
+# misaligned collectives. So the factory is registered on every rank, also where the CUDA
+# extension did not import (a mixed install, a broken build on one node): it reports that as
+# this rank's problem in the exchange, and every rank falls back together.
 def _register_direct_nccl() -> None:
-    # Guarded: only when the CUDA extension imported (importing it touches no driver). The
-    # factory itself falls back to torch.distributed, on all ranks together, when NCCL or a
-    # GPU is missing at run time.
-    from .._extension import cuda_ext_available
+    # Importing nccl_comm touches neither the extension nor a driver.
+    from .nccl_comm import make_nccl_communicator
 
-    if cuda_ext_available():
-        from .nccl_comm import make_nccl_communicator
-
-        register_cuda_communicator(make_nccl_communicator)
+    register_cuda_communicator(make_nccl_communicator)
 
 
 _register_direct_nccl()

@@ -158,6 +158,17 @@ class Communicator(abc.ABC):
         its process group is destroyed and at interpreter exit
         (:func:`fusedist.comm.release_destroyed_groups`). Nothing to stop by default."""
 
+    @property
+    def aborted(self) -> bool:
+        """True once the communicator gave up after a failure and refuses further collectives
+        (Note [no recovery after an abort] in ``fusedist/comm/__init__.py``)."""
+        return False
+
+    @property
+    def abort_reason(self) -> str:
+        """Why it was aborted ('' while it was not)."""
+        return ""
+
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device), tag="barrier")
 

@@ -152,16 +152,17 @@ class NcclCommunicator(Communicator):
             ``wait()`` only orders the caller's stream and checks NCCL's error state once
             (the host runs ahead; a hung collective then shows up as a hang, not an error).
             Default: ``FUSEDIST_NCCL_BLOCKING_WAIT`` (``1``).
+        device: the CUDA device the communicator binds to (an index or ``torch.device``);
+            default: the current device. Tensors must live there.
 
-    The communicator is bound to the CUDA device current at construction; tensors must live
-    there. Raises :class:`NcclUnavailableError` on every rank when any rank cannot run it
+    Raises :class:`NcclUnavailableError` on every rank when any rank cannot run it
     (no extension, no driver, no NCCL), so all ranks take the same decision.
     """
 
     name = "nccl"
 
     def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None, *,
-                 blocking_wait: Optional[bool] = None):
+                 blocking_wait: Optional[bool] = None, device=None):
         if blocking_wait is None:
             flag = os.environ.get("FUSEDIST_NCCL_BLOCKING_WAIT", "1").strip()
             if flag not in ("0", "1"):
@@ -193,7 +194,7 @@ class NcclCommunicator(Communicator):
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failures.items()))
             raise NcclUnavailableError(f"fusedist: the direct-NCCL communicator cannot run ({detail})")
         unique_id = gathered[0][1]
-        self._device = torch.cuda.current_device()
+        self._device = _device_index(device)
         self.blocking_wait = blocking_wait
         self._comm = create_within_timeout(
             lambda: C.NcclComm(unique_id, self.world_size, self.rank, self._device),
@@ -274,10 +275,18 @@ class NcclCommunicator(Communicator):
             if t.device.type != "cuda" or t.device.index != self._device:
                 raise ValueError(
                     f"fusedist {op}: the NCCL communicator works on cuda:{self._device} (the "
-                    f"device current when it was created) but got a tensor on {t.device}; move "
+                    f"device it was created for) but got a tensor on {t.device}; move "
                     f"the tensor, or use the communicator of that device "
                     f"(get_communicator(device=...))"
                 )
+
+    @property
+    def aborted(self) -> bool:
+        return self._comm.aborted
+
+    @property
+    def abort_reason(self) -> str:
+        return self._comm.abort_reason
 
     @property
     def comm_stream(self) -> torch.cuda.Stream:
@@ -293,6 +302,18 @@ class NcclCommunicator(Communicator):
     def __repr__(self) -> str:
         return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "
                 f"device=cuda:{self._device}, nccl={self.nccl_version})")
+
+
+def _device_index(device) -> int:
+    """The CUDA device index ``device`` names (None: the current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"fusedist: the NCCL communicator needs a CUDA device, got {device}")
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _local_problem() -> Optional[str]:
@@ -318,7 +339,7 @@ def _local_problem() -> Optional[str]:
 _fallback_logged = False
 
 
-def make_nccl_communicator(process_group=None) -> Communicator:
+def make_nccl_communicator(process_group=None, device=None) -> Communicator:
     """The factory :func:`fusedist.comm.get_communicator` uses for CUDA tensors.
 
     Returns an :class:`NcclCommunicator`; if the direct path cannot run on some rank, every
@@ -327,7 +348,7 @@ def make_nccl_communicator(process_group=None) -> Communicator:
     """
     global _fallback_logged
     try:
-        return NcclCommunicator(process_group)
+        return NcclCommunicator(process_group, device=device)
     except NcclUnavailableError as exc:
         if os.environ.get("FUSEDIST_COMM", "auto").lower() == "nccl":
             raise

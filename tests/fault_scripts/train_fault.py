@@ -32,7 +32,9 @@ class RaiseInBackward(torch.autograd.Function):
 def main(fault: str) -> None:
     info = fusedist.init_distributed()  # timeout from FUSEDIST_TIMEOUT_S
     torch.manual_seed(0)
-    model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
+    # On the rank's GPU when init_distributed chose NCCL (the fault matrix's GPU tier), else CPU.
+    model = fusedist.DistributedDataParallel(
+        nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(info.device))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(info.rank)
     faulty = info.rank == FAULT_RANK
@@ -40,7 +42,7 @@ def main(fault: str) -> None:
     for step in range(steps):
         if faulty and step == FAULT_STEP and fault != "none":
             print(f"FAULT_AT {time.time():.3f}", flush=True)  # lets the test bound the reaction time
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = torch.randn(8, 16, generator=gen).to(info.device), torch.randn(8, 4, generator=gen).to(info.device)
         opt.zero_grad()
         out = model(x)
         if fault == "raise_in_backward" and faulty and step == FAULT_STEP:

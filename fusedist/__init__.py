@@ -8,6 +8,8 @@ Public surface (everything else is private)::
     fusedist.DistributedDataParallel   # bucketed, overlapped gradient all-reduce
     fusedist.Join                      # uneven inputs: torch's Join on fusedist's communicator
     fusedist.ZeroRedundancyOptimizer   # ZeRO stage 1/2 on flat buffers
+    fusedist.fully_shard               # ZeRO stage 3 with torch FSDP2's signature
+    fusedist.MixedPrecisionPolicy / CPUOffloadPolicy
     fusedist.clip_grad_norm_           # global grad norm clip, fused with the optimizer
     fusedist.optim.FusedAdam / FusedAdamW / FusedSGD / FusedLAMB
     fusedist.amp.GradScaler
@@ -34,6 +36,10 @@ _LAZY = {
     "DistributedDataParallel": ("fusedist.ddp", "DistributedDataParallel"),
     "Join": ("fusedist.ddp.join", "Join"),
     "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
+    "fully_shard": ("fusedist.fsdp", "fully_shard"),
+    "MixedPrecisionPolicy": ("fusedist.fsdp", "MixedPrecisionPolicy"),
+    "CPUOffloadPolicy": ("fusedist.fsdp", "CPUOffloadPolicy"),
+    "fsdp": ("fusedist.fsdp", None),
     "clip_grad_norm_": ("fusedist.optim", "clip_grad_norm_"),
     "optim": ("fusedist.optim", None),
     "amp": ("fusedist.amp", None),

@@ -1,0 +1,19 @@
+"""ZeRO stage 3 as ``fully_shard``, with torch FSDP2's signature (``from fusedist import fully_shard``).
+
+Modules, one job each: ``policy`` (MixedPrecisionPolicy, CPUOffloadPolicy), ``layout`` (where
+a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the parameter swap),
+``grads`` (gradients to shards), ``state`` (when to gather, reshard and reduce), ``holder``
+(global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
+``memory`` (what is held), ``api`` (``fully_shard`` and the methods a module gains).
+"""
+
+from .api import FullyShardedModule, UnshardHandle, fully_shard
+from .memory import memory_stats
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state_dict import full_state_dict, load_full_state_dict
+
+__all__ = [
+    "fully_shard", "FullyShardedModule", "UnshardHandle",
+    "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
+    "full_state_dict", "load_full_state_dict", "memory_stats",
+]

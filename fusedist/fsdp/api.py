@@ -1,0 +1,243 @@
+"""``fully_shard``: ZeRO stage 3 with torch FSDP2's signature, and the methods a sharded module gains."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..comm import get_communicator
+from .grads import UnitGrads
+from .holder import holder_for
+from .memory import memory_stats as _memory_stats
+from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .state import FullyShardState, state_of
+from .unit import ShardedUnit
+
+__all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
+
+# Every parameter a unit took over -- the original and its piece -- maps to (unit, index), so a
+# later fully_shard call that meets it (a weight tied across units) borrows it instead of
+# sharding it twice.
+_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_after_forward: Optional[bool] = True,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
+                ignored_params: Optional[set] = None) -> nn.Module:
+    """Shard ``module``'s parameters across the ranks of ``mesh`` (a 1-D DeviceMesh) or
+    ``process_group`` (default: the world), as torch's ``fully_shard``; returns ``module``.
+
+    Call it bottom-up (each block, then the root): a call takes the parameters of ``module``
+    not already taken by a call on a submodule and makes them one unit -- one flat buffer,
+    one all-gather before the unit's forward (prefetched while the previous unit computes),
+    one reduce-scatter of its gradients when its backward is done. Afterwards
+    ``module.parameters()`` are this rank's pieces (Note [sharded parameters] in unit.py),
+    which any optimizer steps.
+
+    * ``reshard_after_forward``: free the gathered parameters after forward and gather again
+      in backward (True, ZeRO-3), or keep them until backward (False). None: True, except
+      for the root, which keeps them (torch's default).
+    * ``mp_policy``: :class:`MixedPrecisionPolicy` (gather/compute dtype, reduce dtype).
+    * ``offload_policy``: :class:`CPUOffloadPolicy` keeps shards and gradients in host memory.
+    * ``ignored_params``: parameters left as they are (not sharded, gradients not reduced).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fusedist.fully_shard expects an nn.Module, got {type(module).__name__} "
+                        "(a list of modules sharing one unit is not supported)")
+    if state_of(module) is not None:
+        raise ValueError(f"fusedist.fully_shard: {type(module).__name__} is already sharded")
+    if mesh is not None and process_group is not None:
+        raise ValueError("fusedist.fully_shard: pass mesh or process_group, not both")
+    group, device = _group_and_device(mesh, process_group)
+    comm = get_communicator(group, device)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError("fusedist.fully_shard: reshard_after_forward must be a bool or None "
+                         f"(resharding to a smaller world is not supported), got {reshard_after_forward!r}")
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    ignored = {id(p) for p in (ignored_params or ())}
+
+    params, regs, fqns, borrowed = [], [], [], []
+    index_of: dict[int, int] = {}
+    for mod_name, sub in _managed_modules(module):
+        for attr, p in sub._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            owned = _OWNED.get(p)
+            if owned is not None:  # tied with a parameter another unit holds
+                owner, idx = owned
+                borrowed.append((owner, idx, (sub, attr)))
+                sub._parameters[attr] = owner.sharded[idx]
+            elif id(p) in index_of:
+                regs[index_of[id(p)]].append((sub, attr))
+            else:
+                index_of[id(p)] = len(params)
+                params.append(p)
+                regs.append([(sub, attr)])
+                fqns.append(fqn)
+    unit = grads = None
+    auto = reshard_after_forward is None
+    if params:
+        name = _describe(module)
+        unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
+                           reshard_after_forward=True if auto else reshard_after_forward)
+        grads = UnitGrads(unit, mp_policy.reduce_dtype)
+        for i, (p, sp) in enumerate(zip(params, unit.sharded)):
+            _OWNED[p] = _OWNED[sp] = (unit, i)
+            unit._register(i, sp)
+        holder = holder_for(comm)
+        holder.register(unit.sharded)
+        unit.holder = holder  # keeps the holder alive as long as the unit (ownership holds it weakly)
+        by_owner: dict = {}
+        for owner, idx, reg in borrowed:
+            by_owner.setdefault((id(owner), idx), (owner, idx, []))[2].append(reg)
+        unit.borrowed = list(by_owner.values())
+    elif borrowed:
+        raise NotImplementedError(
+            f"fusedist.fully_shard({type(module).__name__}): every parameter of this module is tied to a "
+            "parameter another unit holds; leave it to that unit's parent instead of sharding it alone")
+    FullyShardState(module, unit, grads, mp_policy, auto)
+    module.__class__ = _sharded_class(type(module))
+    return module
+
+
+def _group_and_device(mesh, process_group):
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(f"fusedist.fully_shard: mesh must be 1-D (got {mesh.ndim} dims; HSDP is not supported)")
+        group, device_type = mesh.get_group(), mesh.device_type
+    else:
+        group = process_group
+        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    if device_type == "cuda":
+        return group, torch.device("cuda", torch.cuda.current_device())
+    return group, torch.device(device_type)
+
+
+def _managed_modules(root: nn.Module):
+    """``root`` and its submodules, minus the subtrees of modules already sharded."""
+    stack = [("", root)]
+    while stack:
+        name, m = stack.pop()
+        yield name, m
+        for child_name, child in reversed(list(m._modules.items())):
+            if child is not None and state_of(child) is None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child))
+
+
+def _describe(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+_CLASSES: dict = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if issubclass(cls, FullyShardedModule):
+        return cls
+    sharded = _CLASSES.get(cls)
+    if sharded is None:
+        sharded = _CLASSES[cls] = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
+    return sharded
+
+
+class UnshardHandle:
+    """A pending :meth:`FullyShardedModule.unshard`; ``wait()`` makes the gathered parameters usable."""
+
+    def __init__(self, unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.wait_for_unshard()
+            self._unit = None
+
+
+class FullyShardedModule:
+    """The methods a module gains from :func:`fully_shard` (torch FSDP2's names)."""
+
+    def _fs_state(self) -> FullyShardState:
+        return state_of(self)
+
+    def _fs_states(self, recurse: bool = True):
+        mods = self.modules() if recurse else [self]
+        return [st for st in (state_of(m) for m in mods) if st is not None]
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """Gather this module's unit (not recursive); with ``async_op`` return a handle to wait on
+        (the next forward of the module waits for it anyway)."""
+        unit = self._fs_state().unit
+        if unit is None:
+            return UnshardHandle(None) if async_op else None
+        unit.unshard(async_op=True)
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters (not recursive)."""
+        unit = self._fs_state().unit
+        if unit is not None:
+            unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates the unsharded gradients locally in ``reduce_dtype``, with no
+        communication (gradient accumulation); costs one unsharded copy of every unit's
+        gradients until the next synchronized backward reduces the sum."""
+        for st in self._fs_states(recurse):
+            if st.grads is not None:
+                st.grads.reduce_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for st in self._fs_states(recurse):
+            st.auto_reshard = False
+            if st.unit is not None:
+                st.unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for st in self._fs_states(recurse):
+            if st.unit is not None:
+                st.unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Gather these modules' units right after this module's, in forward (overrides the
+        recorded order for this module)."""
+        self._fs_state().forward_prefetch = _states_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Gather these modules' units when this module's backward begins (overrides the
+        reverse forward order for this module)."""
+        self._fs_state().backward_prefetch = _states_of(modules)
+
+    def memory_stats(self) -> dict:
+        """Sharded, gathered and scratch bytes (``fusedist.fsdp.memory.memory_stats``)."""
+        units = [st.unit for st in self._fs_states() if st.unit is not None]
+        return _memory_stats(units, units[0].comm if units else None)
+
+    def _apply(self, fn, *args, **kwargs):
+        for st in self._fs_states():
+            if st.unit is not None:
+                st.unit.reshard()
+        out = super()._apply(fn, *args, **kwargs)
+        st = self._fs_state()
+        if st.unit is not None:
+            st.unit.repack()
+        return out
+
+
+def _states_of(modules) -> list:
+    out = []
+    for m in modules:
+        st = state_of(m)
+        if st is None:
+            raise ValueError(f"expected modules sharded with fusedist.fully_shard, got {type(m).__name__}")
+        out.append(st)
+    return out

@@ -1,0 +1,139 @@
+"""The gradient side of a sharded unit: from the unsharded parameters' gradients to this
+rank's gradient shard.
+
+Note [unit gradients]
+    When a unit's backward is over (every trainable unsharded parameter's gradient has been
+    accumulated -- autograd accumulates a leaf once per backward, after all its uses, so a
+    unit called twice, a tied weight or a checkpointed recompute are all counted once), its
+    gradients are copied into one flat buffer laid out like the gathered parameters, in
+    ``reduce_dtype``, and dropped from the unsharded parameters at once. One reduce-scatter
+    (average) of that buffer leaves this rank's slice, whose pieces become (or are added to,
+    as torch accumulates) the sharded parameters' ``.grad``: views of one gradient shard per
+    unit. Reduce-scatters run asynchronously; at most ``MAX_IN_FLIGHT`` are pending, the
+    oldest finished first, and the end of backward finishes the rest.
+
+    ``set_requires_gradient_sync(False)``: no reduce-scatter; the flat buffer is kept as an
+    accumulator (``reduce_dtype``; the size of the unit, unsharded, on every rank) and the
+    next synchronized backward adds its gradients to it and reduce-scatters the sum.
+
+    Only parameters that received a gradient (this backward, or accumulated) get ``.grad``;
+    the others' slots are zeros in the reduction and their ``.grad`` stays as it was, as with
+    torch's FSDP2 (an optimizer then skips them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .memory import COUNTERS
+
+#: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
+#: buffers alive during backward to this many units).
+MAX_IN_FLIGHT = 2
+
+
+class PendingReduce:
+    """A reduce-scatter in flight and the buffers it needs until it has landed."""
+
+    def __init__(self, grads: "UnitGrads", handle, output: torch.Tensor, input: torch.Tensor, with_grad: list):
+        self.grads, self.handle, self.output, self.input, self.with_grad = grads, handle, output, input, with_grad
+        self.nbytes = (output.numel() + input.numel()) * output.element_size()
+
+
+class UnitGrads:
+    """Note [unit gradients] for one :class:`~fusedist.fsdp.unit.ShardedUnit`."""
+
+    def __init__(self, unit, reduce_dtype):
+        self.unit = unit
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else unit.param_dtype
+        self.reduce_grads = True
+        self._acc = None  # flat accumulator of unsynchronized backwards
+        self._acc_with_grad: set[int] = set()
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.unit.layout.slots]
+
+    @torch.no_grad()
+    def _into_flat(self, grads: list):
+        """The unsharded gradients ``grads`` (None where absent) added into the accumulator,
+        or copied into a fresh flat buffer whose other slots and padding are zero."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        flat = self._acc
+        if flat is None:
+            flat = torch.empty(self.unit.layout.total_numel, dtype=self.reduce_dtype, device=self.unit.device)
+            COUNTERS.add_scratch(flat.numel() * flat.element_size())
+            for a, b in self.unit.layout.gaps():
+                flat[a:b].zero_()
+            views = self._views(flat)
+            for i, g in enumerate(grads):
+                if g is None:
+                    views[i].zero_()
+            if present:
+                torch._foreach_copy_([views[i] for i in present], [grads[i] for i in present])
+        elif present:
+            views = self._views(flat)
+            dst = [views[i] for i in present]
+            src = [grads[i] if grads[i].dtype == flat.dtype else grads[i].to(flat.dtype) for i in present]
+            torch._foreach_add_(dst, src)
+        return flat, present
+
+    def accumulate(self, grads: list) -> None:
+        """An unsynchronized backward: add into the accumulator."""
+        if not any(g is not None for g in grads):
+            return
+        self._acc, present = self._into_flat(grads)
+        self._acc_with_grad.update(present)
+
+    def reduce(self, grads: list, pending: list) -> None:
+        """Start the reduce-scatter of ``grads`` (plus the accumulator) and queue it."""
+        if not any(g is not None for g in grads) and self._acc is None:
+            return
+        flat, present = self._into_flat(grads)
+        with_grad = sorted(self._acc_with_grad.union(present))
+        self._acc, self._acc_with_grad = None, set()
+        unit = self.unit
+        out = torch.empty(unit.layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
+        COUNTERS.add_scratch(out.numel() * out.element_size())
+        handle = unit.comm.reduce_scatter(out, flat, op="avg", async_op=True,
+                                          tag=f"fully_shard grads {unit.name or 'root'}")
+        pending.append(PendingReduce(self, handle, out, flat, with_grad))
+        while len(pending) > MAX_IN_FLIGHT:
+            finish(pending.pop(0))
+
+    @property
+    def accumulator_bytes(self) -> int:
+        return 0 if self._acc is None else self._acc.numel() * self._acc.element_size()
+
+    def drop_accumulator(self) -> None:
+        if self._acc is not None:
+            COUNTERS.add_scratch(-self.accumulator_bytes)
+        self._acc, self._acc_with_grad = None, set()
+
+
+@torch.no_grad()
+def finish(p: PendingReduce) -> None:
+    """Wait for a reduce-scatter and store its output as (or add it to) the pieces' ``.grad``."""
+    p.handle.wait()
+    unit = p.grads.unit
+    COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
+    out = p.output
+    p.input = None
+    if out.dtype != unit.dtype or out.device != unit.shard_device:
+        out = out.to(device=unit.shard_device, dtype=unit.dtype, non_blocking=unit.offload)
+    for i in p.with_grad:
+        sp = unit.sharded[i]
+        if not sp.requires_grad:
+            continue
+        piece = unit.layout.piece(i, unit.rank)
+        view = out[piece.shard_offset:piece.shard_offset + piece.numel].view(piece.shape)
+        if sp.grad is None:
+            sp.grad = view
+        else:
+            sp.grad.add_(view)
+    COUNTERS.add_scratch(-p.output.numel() * p.output.element_size())
+    p.output = None
+
+
+def finish_all(pending: list) -> None:
+    while pending:
+        finish(pending.pop(0))

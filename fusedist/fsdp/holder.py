@@ -1,0 +1,87 @@
+"""The gradient holder of ``fully_shard``'s parameters (``fusedist/ownership.py``).
+
+A sharded parameter's ``.grad`` is this rank's piece of the gradient, so anything global
+about the gradients -- the norm a clip scales by, whether any is inf/nan -- is a sum or a
+max over the ranks. One holder serves every unit on one communicator (process group): a
+clip over the whole model is then one small all-reduce, not one per unit.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..ownership import register_gradient_holder
+
+__all__ = ["ShardedGradHolder", "holder_for"]
+
+_holders: "weakref.WeakValueDictionary[int, ShardedGradHolder]" = weakref.WeakValueDictionary()
+
+
+class ShardedGradHolder:
+    """Global gradient quantities over the pieces of ``fully_shard`` units on one communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def register(self, params) -> None:
+        register_gradient_holder(params, self)
+
+    @torch.no_grad()
+    def grad_norm(self, params, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of all ranks' pieces of these parameters' gradients (a collective: every
+        rank calls it with the same parameters, also a rank whose pieces are empty)."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else self.comm.device
+        if norm_type == float("inf"):
+            local = torch.zeros(1, dtype=torch.float32, device=device)
+            for g in grads:
+                if g.numel():
+                    local = torch.maximum(local, g.detach().abs().max().float().reshape(1))
+            self.comm.all_reduce(local, op="max", tag="fully_shard grad norm (inf)")
+            return local[0]
+        local = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
+            local += torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+        self.comm.all_reduce(local, op="sum", tag="fully_shard grad norm")
+        return local[0].pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_sharded_grads_(self, params, max_norm: float, norm_type: float = 2.0,
+                            error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the sharded parameters ``params``: the
+        global norm (one all-reduce), and every rank scales its pieces by the same factor."""
+        params = list(params)
+        total = self.grad_norm(params, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"fusedist.clip_grad_norm_: the total norm of order {float(norm_type)} of the sharded "
+                "gradients is non-finite, so it cannot be clipped (every rank raises this). Set "
+                "error_if_nonfinite=False to clip anyway.")
+        grads = [p.grad for p in params if p.grad is not None]
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    def all_reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """Max of the ranks' inf/nan flags, in place (GradScaler: every rank skips together)."""
+        self.comm.all_reduce(found_inf.view(-1), op="max", tag="fully_shard found inf")
+        return found_inf
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place (GradScaler: the global sum of squares of the pieces)."""
+        self.comm.all_reduce(value.view(-1), op="sum", tag="fully_shard grad sumsq")
+        return value
+
+
+def holder_for(comm) -> ShardedGradHolder:
+    """The one holder of ``comm`` (created on first use; kept alive by the units using it)."""
+    holder = _holders.get(id(comm))
+    if holder is None or holder.comm is not comm:
+        holder = ShardedGradHolder(comm)
+        _holders[id(comm)] = holder
+    return holder

@@ -1,0 +1,158 @@
+"""Where each parameter of a sharded unit lives in its flat buffer, and which rows each rank holds.
+
+Note [row-aligned flat layout]
+    A unit's parameters are laid end to end in one flat buffer of ``world_size * shard_numel``
+    elements; rank ``r`` holds the ``r``-th slice of ``shard_numel``. So one all-gather of the
+    shards *is* the unsharded buffer: every gathered parameter is a contiguous view of it, with
+    no copy-out (torch's FSDP2 gathers per-parameter dim-0 shards and copies them out).
+
+    A parameter that straddles a shard boundary is cut there. The cut always falls on a
+    whole row (a row: one index of dim 0, ``numel // shape[0]`` elements): before placing a
+    parameter that would be cut mid-row, the layout pads so that the boundary lands between
+    rows, and it makes the shard size a multiple of the row size of any parameter long enough
+    to be cut twice. Hence every rank's piece of a parameter is a block of whole rows,
+    ``shape (rows, *shape[1:])``: the pieces keep the parameter's number of dimensions, so
+    optimizer-group rules such as "no weight decay for ``p.dim() < 2``" sort the pieces as
+    they sort the parameters. Padding is below one row per shard boundary plus the tail that
+    makes the shards equal.
+
+    A 0-dim parameter is never cut (one element); its piece is the parameter (shape ``()``)
+    on the rank holding it and an empty ``(0,)`` tensor elsewhere.
+
+    The multiple-of-row-size rule can blow up when several parameters are cut twice (it
+    takes the least common multiple of their row sizes: coprime widths at many ranks). When
+    the padding it would add exceeds 1/64 of the unit, the parameter asking for it is cut
+    anywhere instead, and its pieces are 1-D (``flat_pieces``); the rest keep their rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One parameter in the flat buffer: ``numel`` elements from ``offset``."""
+
+    offset: int
+    numel: int
+    shape: tuple
+    row_numel: int  # elements per index of dim 0 (1 for 0-dim parameters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A rank's part of one parameter: ``numel`` elements at ``shard_offset`` of its shard."""
+
+    shard_offset: int
+    numel: int
+    shape: tuple
+    rows: tuple  # (first row, end row) of the parameter this piece holds
+
+
+def _row_numel(shape: tuple) -> int:
+    if len(shape) == 0 or shape[0] == 0:
+        return 1
+    return math.prod(shape[1:])
+
+
+class UnitLayout:
+    """The row-aligned layout of one unit (Note [row-aligned flat layout])."""
+
+    def __init__(self, shapes: Sequence[tuple], world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        numels = [math.prod(s) for s in shapes]
+        rows = [_row_numel(s) for s in shapes]
+        total = sum(numels)
+        budget = total // 64  # most padding the row rule may add (beyond one row per cut)
+        first = max(1, -(-total // world_size))
+        step, shard = 1, first  # the shard size is a multiple of step
+        #: parameters cut anywhere, with 1-D pieces (the row rule would pad too much)
+        self.flat_pieces: set[int] = set()
+        while True:
+            offsets, bad = self._place(numels, rows, shard)
+            end = offsets[-1] + numels[-1] if offsets else 0
+            if bad is not None:
+                wider = math.lcm(step, rows[bad])
+                if (-(-shard // wider) * wider - first) * world_size > budget:
+                    self.flat_pieces.add(bad)
+                    rows[bad] = 1
+                    step, shard = 1, first  # start over without that parameter's rule
+                    continue
+                step = wider
+            elif end <= shard * world_size:
+                break
+            shard = max(shard, -(-end // world_size))
+            shard = -(-shard // step) * step
+        self.shard_numel = shard
+        self.slots = [Slot(o, n, s, r) for o, n, s, r in zip(offsets, numels, shapes, rows)]
+
+    @staticmethod
+    def _place(numels, rows, shard):
+        """Greedy placement for shard size ``shard``: (offsets, None), or (offsets, index) of a
+        parameter that would be cut mid-row at a second boundary (the shard size must then be
+        a multiple of its row size)."""
+        pos, offsets = 0, []
+        for i, (n, r) in enumerate(zip(numels, rows)):
+            boundary = (pos // shard + 1) * shard
+            if n > 1 and boundary < pos + n and (boundary - pos) % r:
+                pos += (boundary - pos) % r  # the cut lands between two rows
+            offsets.append(pos)
+            b = (pos // shard + 1) * shard
+            while b < pos + n:
+                if (b - pos) % r:
+                    return offsets, i
+                b += shard
+            pos += n
+        return offsets, None
+
+    @property
+    def total_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def piece(self, index: int, rank: int) -> Piece:
+        """Rank ``rank``'s piece of parameter ``index``."""
+        slot = self.slots[index]
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if a >= b:
+            flat = not slot.shape or index in self.flat_pieces
+            shape = (0,) if flat else (0, *slot.shape[1:])
+            return Piece(0, 0, shape, (0, 0))
+        if not slot.shape:
+            return Piece(a - lo, 1, (), (0, 1))
+        if index in self.flat_pieces:
+            return Piece(a - lo, b - a, (b - a,), (a - slot.offset, b - slot.offset))
+        first, end = (a - slot.offset) // slot.row_numel, (b - slot.offset) // slot.row_numel
+        assert (a - slot.offset) % slot.row_numel == 0 and (b - slot.offset) % slot.row_numel == 0, \
+            "Note [row-aligned flat layout]: every cut falls between rows"
+        return Piece(a - lo, b - a, (end - first, *slot.shape[1:]), (first, end))
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Ranges of the flat buffer holding no parameter (padding), as (start, end)."""
+        out, pos = [], 0
+        for slot in self.slots:
+            if slot.offset > pos:
+                out.append((pos, slot.offset))
+            pos = max(pos, slot.offset + slot.numel)
+        if pos < self.total_numel:
+            out.append((pos, self.total_numel))
+        return out
+
+
+def alias(storage_of: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
+    """A new tensor on ``storage_of``'s storage (``offset`` in elements, contiguous ``shape``).
+
+    A tensor of its own rather than a view: it has its own version counter, so writing the
+    buffer (a collective landing in it) does not count as modifying a parameter autograd
+    saved, and it can be made an ``nn.Parameter`` (a leaf)."""
+    stride = torch.empty(shape, device="meta").stride() if shape else ()
+    t = torch.empty(0, dtype=storage_of.dtype, device=storage_of.device)
+    return t.set_(storage_of.untyped_storage(), storage_of.storage_offset() + offset, shape, stride)

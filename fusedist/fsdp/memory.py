@@ -1,0 +1,63 @@
+"""What ``fully_shard`` holds, for ``memory_stats()``: sharded bytes (at rest, per model),
+gathered bytes (unsharded unit buffers: now and at peak) and scratch (gradient buffers on
+their way through a reduce-scatter, the no-sync accumulators and cast copies: now and at
+peak). Gathered and scratch bytes are counted process-wide: the peak is the peak of the
+process, whichever models were running."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Counters:
+    gathered: int = 0
+    peak_gathered: int = 0
+    scratch: int = 0
+    peak_scratch: int = 0
+
+    def add_gathered(self, nbytes: int) -> None:
+        self.gathered += nbytes
+        self.peak_gathered = max(self.peak_gathered, self.gathered)
+
+    def add_scratch(self, nbytes: int) -> None:
+        self.scratch += nbytes
+        self.peak_scratch = max(self.peak_scratch, self.scratch)
+
+    def reset_peaks(self) -> None:
+        self.peak_gathered, self.peak_scratch = self.gathered, self.scratch
+
+
+COUNTERS = Counters()
+
+
+def memory_stats(units, comm=None) -> dict:
+    """Bytes held by ``units`` at rest and the process-wide gathered/scratch figures.
+
+    * ``sharded_bytes``: the rank's parameter shards (what the optimizer steps);
+    * ``sharded_grad_bytes``: the reduce-scattered gradient shards held by the parameters now;
+    * ``unsharded_bytes``/``largest_unit_bytes``: one gathered copy of every unit, and of the largest;
+    * ``gathered_bytes``/``peak_gathered_bytes``: unit buffers gathered now / at most at once;
+    * ``scratch_bytes``/``peak_scratch_bytes``: gradient reduce buffers, accumulators, casts;
+    * ``comm_scratch_bytes``: what the communicator keeps for itself (landing buffers).
+    """
+    units = list(units)
+    grad_bytes = 0
+    seen = set()
+    for u in units:
+        for sp in u.sharded:
+            g = sp.grad
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                grad_bytes += g.numel() * g.element_size()
+    return {
+        "sharded_bytes": sum(u.sharded_bytes for u in units),
+        "sharded_grad_bytes": grad_bytes,
+        "unsharded_bytes": sum(u.unsharded_bytes for u in units),
+        "largest_unit_bytes": max((u.unsharded_bytes for u in units), default=0),
+        "gathered_bytes": COUNTERS.gathered,
+        "peak_gathered_bytes": COUNTERS.peak_gathered,
+        "scratch_bytes": COUNTERS.scratch,
+        "peak_scratch_bytes": COUNTERS.peak_scratch,
+        "comm_scratch_bytes": comm.scratch_bytes() if comm is not None else 0,
+    }

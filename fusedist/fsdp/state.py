@@ -1,0 +1,303 @@
+"""When a unit gathers, reshards and reduces: the forward/backward hooks of one ``fully_shard``
+module, and the context the modules under one root share for an iteration.
+
+Note [unit schedule]
+    forward   pre-hook: gather (or wait for the prefetched gather), then prefetch the unit that
+              came next in the previous forward (or the explicit ``set_modules_to_forward_prefetch``
+              list), so its all-gather runs while this unit computes. post-hook: reshard when
+              ``reshard_after_forward`` (always under ``no_grad``: no backward will need it),
+              and hook the outputs for backward. The root's post-hook ends the forward:
+              a prefetched unit nobody ran is resharded.
+    backward  a hook on each output of a unit call: gather the unit again if it was resharded,
+              and prefetch the unit that ran before this call (reverse order of this
+              iteration's post-forwards, or the explicit backward list). The unit's gradient
+              hooks count its parameters' accumulations; when all trainable ones are in, the
+              gradients go to a reduce-scatter (Note [unit gradients]) and the unit reshards.
+              A callback queued on the autograd engine ends the backward: units whose
+              parameters were not all reached are reduced now, every reduce-scatter is
+              finished, and per-backward state is reset.
+    recompute a forward during backward (activation checkpointing) gathers the unit if needed
+              and changes nothing else.
+
+    Every rank must run the same units in the same order (the collectives pair up by order);
+    the first forward of a root checks that the ranks wrapped the model alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.autograd import Variable
+
+from .._consistency import check_same_across_ranks
+from . import grads as grads_mod
+
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardState]" = weakref.WeakKeyDictionary()
+
+
+def state_of(module: torch.nn.Module) -> Optional["FullyShardState"]:
+    return _STATES.get(module)
+
+
+def _map_tensors(fn, obj):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_map_tensors(fn, v) for v in obj)
+    if isinstance(obj, tuple):  # namedtuple
+        return type(obj)(*(_map_tensors(fn, v) for v in obj))
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _cast(dtype, obj):
+    if dtype is None:
+        return obj
+    return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
+
+
+def _grad_tensors(obj, out: list) -> list:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _grad_tensors(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _grad_tensors(v, out)
+    return out
+
+
+class IterationContext:
+    """Shared by the states under one root: their order, the reduce-scatters in flight."""
+
+    def __init__(self, states: list):
+        self.states = states
+        self.forward_order: list = []  # states in pre-forward order, last forward
+        self._current_order: list = []
+        self._pos = 0
+        self.in_forward = False
+        self.post_forward_order: list = []  # this iteration's post-forwards (with grad)
+        self.pending: list = []  # grads.PendingReduce in flight
+        self.backward_running = False
+
+    # ---- forward
+    def begin_forward(self) -> None:
+        self.in_forward = True
+        self._current_order, self._pos = [], 0
+
+    def next_in_forward(self, state) -> Optional["FullyShardState"]:
+        """The state that followed ``state`` in the last forward (None once the order differs)."""
+        self._current_order.append(state)
+        order, pos = self.forward_order, self._pos
+        if pos < 0 or pos >= len(order) or order[pos] is not state:
+            self._pos = -1
+            return None
+        self._pos += 1
+        return order[pos + 1] if pos + 1 < len(order) else None
+
+    def end_forward(self) -> None:
+        self.in_forward = False
+        self.forward_order = self._current_order
+        for st in self.states:  # Note [unit schedule]: prefetched but never run
+            unit = st.unit
+            if unit is not None and not st.is_root and (unit.is_unsharded or unit.gather_in_flight) \
+                    and (unit.reshard_after_forward or not torch.is_grad_enabled()):
+                unit.reshard()
+
+    # ---- backward
+    def ensure_final_callback(self) -> None:
+        if not self.backward_running:
+            self.backward_running = True
+            Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        try:
+            for st in reversed(self.states):
+                if st.unit is not None and st.backward_pending:
+                    st.post_backward()
+            grads_mod.finish_all(self.pending)
+        finally:
+            self.post_forward_order.clear()
+            self.backward_running = False
+            for st in self.states:
+                st.reset_backward()
+
+
+class FullyShardState:
+    """The hooks of one ``fully_shard`` module (Note [unit schedule]); ``unit`` is None when
+    every parameter of the module belongs to units below it."""
+
+    def __init__(self, module: torch.nn.Module, unit, unit_grads, mp_policy, reshard_after_forward_auto: bool):
+        self.module = module
+        self.unit, self.grads = unit, unit_grads
+        self.mp_policy = mp_policy
+        self.auto_reshard = reshard_after_forward_auto
+        self.is_root: Optional[bool] = None
+        self.ctx: Optional[IterationContext] = None
+        self.forward_prefetch: Optional[list] = None
+        self.backward_prefetch: Optional[list] = None
+        self.backward_pending = False  # ran forward with grad since the last backward ended
+        self._post_forward_indices: list[int] = []
+        self._in_backward = False
+        self._grads_seen = 0
+        self._post_backward_done = False
+        if unit is not None:
+            unit.on_grad = self._on_grad
+        _STATES[module] = self
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    # ------------------------------------------------------------------ root
+    def lazy_init(self) -> None:
+        """The first state to run forward is the root of the states below it (as torch)."""
+        if self.ctx is not None:
+            return
+        self.is_root = True
+        states = []
+        for name, m in self.module.named_modules():
+            st = state_of(m)
+            if st is None or st in states:
+                continue
+            if st is not self:
+                if st.ctx is not None:
+                    raise RuntimeError(
+                        f"fusedist.fully_shard: '{name}' already ran forward as a root of its own; run the "
+                        "forward of the outermost fully_shard module first")
+                st.is_root = False
+            states.append(st)
+        self.ctx = IterationContext(states)
+        for st in states:
+            st.ctx = self.ctx
+        if self.auto_reshard and self.unit is not None:
+            self.unit.reshard_after_forward = False  # None: the root keeps its parameters gathered
+        units = [st.unit for st in states if st.unit is not None]
+        comms = {id(u.comm) for u in units}
+        if len(comms) > 1:
+            raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
+        if units and units[0].world_size > 1:
+            names = {id(m): n for n, m in self.module.named_modules()}
+            signature = [(names.get(id(st.module), "?"), [(f, tuple(s.shape)) for f, s in zip(st.unit.fqns, st.unit.layout.slots)])
+                         for st in states if st.unit is not None]
+            check_same_across_ranks(
+                signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
+                op="fully_shard: wrapping check",
+                hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module, args, kwargs):
+        self.lazy_init()
+        ctx, unit = self.ctx, self.unit
+        if self._in_backward or ctx.backward_running:  # recompute (activation checkpointing)
+            if unit is not None:
+                unit.unshard(async_op=False)
+                if torch.is_grad_enabled():
+                    self.backward_pending = True
+            return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
+        if self.is_root and not ctx.in_forward:
+            ctx.begin_forward()
+        if self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast(self.mp_policy.param_dtype, (args, kwargs))
+        if unit is not None:
+            with torch.profiler.record_function("fusedist::fully_shard::unshard"):
+                unit.unshard(async_op=False)
+            if torch.is_grad_enabled():
+                self.backward_pending = True
+        nxt = ctx.next_in_forward(self) if unit is not None else None
+        targets = self.forward_prefetch if self.forward_prefetch is not None else ([nxt] if nxt else [])
+        for st in targets:
+            if st is not self and st.unit is not None:
+                st.unit.unshard(async_op=True)
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        ctx, unit = self.ctx, self.unit
+        if self._in_backward or ctx.backward_running:
+            return _cast(self.mp_policy.output_dtype, output)
+        grad = torch.is_grad_enabled()
+        if unit is not None:
+            if grad:
+                self._post_forward_indices.append(len(ctx.post_forward_order))
+                ctx.post_forward_order.append(self)
+            if unit.reshard_after_forward or not grad:
+                unit.reshard()
+        if grad:
+            call = len(self._post_forward_indices) - 1
+            hook = functools.partial(self._pre_backward, call)
+            for t in _grad_tensors(output, []):
+                t.register_hook(hook)
+        if self.is_root:
+            ctx.end_forward()
+        return _cast(self.mp_policy.output_dtype, output)
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, call: int, grad):
+        ctx, unit = self.ctx, self.unit
+        ctx.ensure_final_callback()
+        self._in_backward = True
+        if unit is None or call in self._calls_started:
+            return grad
+        self._calls_started.add(call)
+        with torch.profiler.record_function("fusedist::fully_shard::pre_backward"):
+            unit.unshard(async_op=True)  # the prefetch below goes out before we wait
+            if self.backward_prefetch is not None:
+                targets = self.backward_prefetch if len(self._calls_started) == 1 else []
+            else:
+                index = self._post_forward_indices[call] if 0 <= call < len(self._post_forward_indices) else 0
+                targets = [ctx.post_forward_order[index - 1]] if index > 0 else []
+            for st in targets:
+                if st is not self and st.unit is not None and st.backward_pending:
+                    st.unit.unshard(async_op=True)
+            unit.wait_for_unshard()
+        return grad
+
+    @functools.cached_property
+    def _calls_started(self) -> set:
+        return set()
+
+    def _on_grad(self, index: int) -> None:
+        self.ctx.ensure_final_callback()
+        self._grads_seen += 1
+        expected = sum(1 for u in self.unit.unsharded if u.requires_grad)
+        if self._grads_seen >= expected:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """The unit's gradients go to its reduce-scatter (or accumulator); the unit reshards."""
+        if self._post_backward_done:
+            return
+        self._post_backward_done = True
+        unit, ctx = self.unit, self.ctx
+        grads = [u.grad for u in unit.unsharded]
+        for u in unit.unsharded:
+            u.grad = None
+        with torch.profiler.record_function("fusedist::fully_shard::post_backward"):
+            if self.grads.reduce_grads:
+                self.grads.reduce(grads, ctx.pending)
+            else:
+                self.grads.accumulate(grads)
+        del grads
+        if unit.reshard_after_backward:
+            unit.reshard()
+
+    def reset_backward(self) -> None:
+        self._in_backward = False
+        self._grads_seen = 0
+        self._post_backward_done = False
+        self.backward_pending = False
+        self._post_forward_indices.clear()
+        self._calls_started.clear()
+        if self.unit is not None and self.unit.reshard_after_backward:
+            self.unit.reshard()
+
+
+def _describe_unit(entry: Any) -> str:
+    name, params = entry
+    shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
+    more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
+    return f"unit '{name or '<root>'}' [{shown}{more}]"

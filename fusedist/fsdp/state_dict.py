@@ -1,0 +1,91 @@
+"""Full (unsharded) state dicts of a ``fully_shard`` model, for export and import.
+
+``model.state_dict()`` of a sharded model holds this rank's pieces (Note [sharded
+parameters] in unit.py): it round-trips through ``load_state_dict`` at the same world size,
+as torch's FSDP2 sharded state dict does. For a file any world size -- or an unsharded model --
+can read, :func:`full_state_dict` gathers every parameter whole (one all-gather per unit),
+and :func:`load_full_state_dict` loads such a dict, each rank keeping its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .state import state_of
+
+__all__ = ["full_state_dict", "load_full_state_dict"]
+
+
+def _units(model: nn.Module) -> list:
+    seen, units = set(), []
+    for m in model.modules():
+        st = state_of(m)
+        if st is not None and st.unit is not None and id(st.unit) not in seen:
+            seen.add(id(st.unit))
+            units.append(st.unit)
+    return units
+
+
+def _index(units) -> dict:
+    """id of a piece (or an unsharded parameter) -> (unit, parameter index)."""
+    out = {}
+    for unit in units:
+        for i, (sp, u) in enumerate(zip(unit.sharded, unit.unsharded)):
+            out[id(sp)] = out[id(u)] = (unit, i)
+    return out
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
+    """``model``'s state dict with every parameter whole, under the keys of the unwrapped
+    model (buffers and ignored parameters as they are). A collective: every rank calls it,
+    every rank gets the whole dict. Peak memory: the whole model, plus one gathered unit."""
+    units = _units(model)
+    where = _index(units)
+    gathered = {}
+    for unit in units:
+        flat = torch.empty(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
+        unit.comm.all_gather(flat, unit.shard.to(unit.device), tag=f"fully_shard full state dict {unit.name}")
+        for i, slot in enumerate(unit.layout.slots):
+            full = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            gathered[i, id(unit)] = full.cpu().clone() if to_cpu else full.clone()
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        hit = where.get(id(value))
+        if hit is not None:
+            out[key] = gathered[hit[1], id(hit[0])]
+        else:
+            value = value.detach()
+            out[key] = value.cpu() if to_cpu else value
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True) -> None:
+    """Load a whole-parameter state dict (:func:`full_state_dict`'s, or an unwrapped model's)
+    into the sharded ``model``: each rank copies its pieces' rows. No communication."""
+    where = _index(_units(model))
+    own = model.state_dict(keep_vars=True)
+    if strict:
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"fusedist.fsdp.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    for key, target in own.items():
+        if key not in state_dict:
+            continue
+        src = state_dict[key]
+        hit = where.get(id(target))
+        if hit is None:
+            target.copy_(src)
+            continue
+        unit, i = hit
+        slot = unit.layout.slots[i]
+        if tuple(src.shape) != tuple(slot.shape):
+            raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "
+                             f"the model's parameter {tuple(slot.shape)}")
+        a, b = unit.element_range(i)
+        unit.sharded[i].copy_(src.reshape(-1)[a:b].view(unit.sharded[i].shape))
+        if unit.is_unsharded:
+            unit.unsharded[i].copy_(src)

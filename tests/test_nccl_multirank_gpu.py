@@ -118,7 +118,7 @@ def test_ws2_communicator_equals_torch_nccl():
 # must keep running meanwhile. Whether the launch returns at once (and wait() enforces the
 # timeout) depends on eager connection: the second test states that bound, with
 # NCCL_RUNTIME_CONNECT=0 (connect at init), and its outcome without it is printed.
-LATE_S, TIMEOUT_S = 20.0, 5.0
+LATE_S, TIMEOUT_S = 12.0, 4.0
 
 
 def _late_peer(rank, world_size):

@@ -8,11 +8,15 @@
 #      required and compiled for this GPU's architecture only;
 #   2. runs the GPU test tier (pytest -m gpu): direct-NCCL communicator vs torch's NCCL,
 #      comm-stream overlap, timeouts, and the compiled Triton kernels of every feature;
-#   3. runs the GPU benchmarks (and the gloo collectives on this host's CPUs);
-#   4. prints a summary table last (also saved under benchmarks/results/).
+#   3. runs the multi-rank tier: the world-size-2 GPU tests and the fault matrix on NCCL,
+#      two ranks sharing GPU 0 (FUSEDIST_TEST_RANKS_PER_GPU=2, Note [several ranks on one
+#      GPU] in fusedist/testing/shared_gpu.py), within FUSEDIST_GPU_MULTI_S seconds;
+#   4. runs the GPU benchmarks (and the gloo collectives on this host's CPUs);
+#   5. prints a summary table last (also saved under benchmarks/results/).
 #
 # Usage: benchmarks/gpu/run_checks.sh           (PYTHON=... picks the interpreter)
-# Whole run is bounded to ~8 minutes (FUSEDIST_GPU_BUDGET_S); each step has its own time limit.
+# Whole run is bounded to ~8.7 minutes (FUSEDIST_GPU_BUDGET_S, under 9 in all); each step has
+# its own time limit, and the multi-rank tier's share (FUSEDIST_GPU_MULTI_S) is kept for it.
 # FUSEDIST_GPU_BENCHES replaces the benchmark list; FUSEDIST_GPU_ARCHIVE=file.tar.gz packs the
 # logs and result files of the run.
 # Exit status: 0 all checks passed, 1 some check failed, 2 the machine cannot run them.
@@ -21,7 +25,9 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
 PY="${PYTHON:-python3}"
-BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-470}"  # stay under 8 minutes in total
+BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-525}"  # stay under 9 minutes in total
+MULTI_S="${FUSEDIST_GPU_MULTI_S:-170}"     # reserved for the multi-rank tier
+MULTI_TESTS="tests/test_nccl_multirank_gpu.py tests/test_fault_matrix_gpu.py"
 STAMP="$(date -u +%F)"
 WORK="$ROOT/build/gpu-checks"
 RESULTS="$ROOT/benchmarks/results"
@@ -92,7 +98,7 @@ if [ "$gpu_rc" -ne 0 ]; then
 fi
 IFS='|' read -r ARCH GPU_NAME GPU_COUNT <<<"$gpu_info"
 echo "GPU: $GPU_NAME (sm_${ARCH/./}), $GPU_COUNT visible"
-[ "$GPU_COUNT" -gt 1 ] && echo "note: only GPU 0 is used (NCCL refuses several ranks on one GPU anyway)"
+[ "$GPU_COUNT" -gt 1 ] && echo "note: only GPU 0 is used (the multi-rank tier puts both ranks on it)"
 
 # ----------------------------------------------------------------------------- build
 say "build (FUSEDIST_BUILD_CUDA=1, arch $ARCH)"
@@ -124,18 +130,11 @@ else
 fi
 echo "$ext_info"
 
-# ----------------------------------------------------------------------------- GPU test tier
-say "pytest -m gpu"
-limit=$(( $(left) - 90 )); [ "$limit" -gt 300 ] && limit=300
-if [ "$limit" -lt 30 ]; then
-    row "pytest -m gpu" FAIL 0 "no time left in the budget"
-else
-    # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
-    run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
-        "$PY" -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
-        --junitxml="$WORK/report/gpu-tests.xml"
-    tail -n 5 "$WORK/pytest.log"
-    summary="$("$PY" - "$WORK/report/gpu-tests.xml" <<'EOF' 2>/dev/null
+# Rows of the summary table from a pytest junit report: one per test file, then the total.
+# Arguments: the report, the label of the total row, the log. Uses RC and TOOK of run_step.
+pytest_rows() {
+    local xml="$1" label="$2" log="$3" summary status
+    summary="$("$PY" - "$xml" <<'EOF' 2>/dev/null
 import collections, sys, xml.etree.ElementTree as ET
 per_file = collections.defaultdict(collections.Counter)
 for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
@@ -152,20 +151,53 @@ for name, c in sorted(per_file.items()):
 EOF
 )"
     if [ -z "$summary" ]; then
-        row "pytest -m gpu" FAIL "$TOOK" "no test report (exit $RC); see $WORK/pytest.log"
-    else
-        while IFS='|' read -r file passed failed skipped; do
-            status=ok; [ "$failed" -gt 0 ] && status=FAIL
-            [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && status=skipped
-            row "  tests/$file.py" "$status" "" "$passed passed, $failed failed, $skipped skipped"
-        done <<<"$summary"
-        status=ok; [ "$RC" -ne 0 ] && status=FAIL
-        row "pytest -m gpu (all)" "$status" "$TOOK" "exit $RC; log $WORK/pytest.log"
+        row "$label" FAIL "$TOOK" "no test report (exit $RC); see $log"
+        return
     fi
+    while IFS='|' read -r file passed failed skipped; do
+        status=ok; [ "$failed" -gt 0 ] && status=FAIL
+        [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && status=skipped
+        row "  tests/$file.py" "$status" "" "$passed passed, $failed failed, $skipped skipped"
+    done <<<"$summary"
+    status=ok; [ "$RC" -ne 0 ] && status=FAIL
+    row "$label" "$status" "$TOOK" "exit $RC; log $log"
+}
+
+# ----------------------------------------------------------------------------- GPU test tier
+say "pytest -m gpu"
+limit=$(( $(left) - 90 - MULTI_S )); [ "$limit" -gt 300 ] && limit=300
+if [ "$limit" -lt 30 ]; then
+    row "pytest -m gpu" FAIL 0 "no time left in the budget"
+else
+    # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
+    run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
+        "$PY" -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+        $(printf -- '--ignore=%s ' $MULTI_TESTS) --junitxml="$WORK/report/gpu-tests.xml"
+    tail -n 5 "$WORK/pytest.log"
+    pytest_rows "$WORK/report/gpu-tests.xml" "pytest -m gpu (all)" "$WORK/pytest.log"
     if [ -f "$WORK/report/overlap.json" ]; then
         overlap="$("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"comm {d['comm_ms']:.1f} ms + compute {d['compute_ms']:.1f} ms -> together {d['together_ms']:.1f} ms ({100*d['hidden_fraction_of_shorter']:.0f}% of the shorter hidden)\")" "$WORK/report/overlap.json")"
         row "comm stream overlap (CUDA events)" info "" "$overlap"
     fi
+fi
+
+# ----------------------------------------------------------------------------- multi-rank tier
+# Two ranks on GPU 0 over NCCL's socket transport (slow, but real NCCL across ranks): the
+# world-size-2 tests against torch's NCCL and the fault matrix on NCCL.
+say "multi-rank tier (2 ranks on GPU 0)"
+limit=$(( $(left) - 60 )); [ "$limit" -gt "$MULTI_S" ] && limit=$MULTI_S
+if [ "$limit" -lt 30 ]; then
+    row "multi-rank tier" FAIL 0 "no time left in the budget"
+else
+    # shellcheck disable=SC2086  # the test files are words
+    run_step "$limit" "$WORK/multirank.log" env -u TRITON_INTERPRET FUSEDIST_TEST_RANKS_PER_GPU=2 \
+        CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
+        "$PY" -m pytest $MULTI_TESTS -m gpu -q -p no:cacheprovider -o addopts="" -rfEs -s \
+        --junitxml="$WORK/report/multirank-tests.xml"
+    tail -n 5 "$WORK/multirank.log"
+    pytest_rows "$WORK/report/multirank-tests.xml" "multi-rank tier (all)" "$WORK/multirank.log"
+    late="$(grep -m1 -o 'rank 0: launch took .*' "$WORK/multirank.log" | cut -c1-150)"
+    [ -n "$late" ] && row "late peer, first launch (#24 finding 3)" info "" "$late"
 fi
 
 # ----------------------------------------------------------------------------- benchmarks

@@ -77,6 +77,7 @@ from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..optim.step_context import mark_pending
+from ..ownership import gradient_holder
 
 MIN_SCALE_POLICIES = ("warn", "raise")
 
@@ -112,6 +113,26 @@ class _LazyHostFlag:
                 hit = True
         self._pending = keep
         return hit
+
+
+# -- [sharded gradients] ----------------------------------------------------------------------
+# A parameter whose gradient holder (fusedist/ownership.py) offers ``all_reduce_found_inf`` --
+# fully_shard's pieces -- has only this rank's piece of its gradient in ``p.grad``, so the
+# inf/nan flag (and the sum of squares) measured over it are this rank's. They are combined
+# over the holder's ranks (max / sum), so every rank skips the step together.
+def _combine_over_shards(optimizer, found_inf: torch.Tensor, sumsq: Optional[torch.Tensor] = None):
+    holders = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            holder = gradient_holder(p)
+            if holder is not None and hasattr(holder, "all_reduce_found_inf"):
+                holders.setdefault(id(holder), holder)
+    for holder in holders.values():
+        holder.all_reduce_found_inf(found_inf)
+        if sumsq is not None:
+            holder.all_reduce_sum(sumsq)
+    return found_inf, sumsq
+# -- end [sharded gradients] ------------------------------------------------------------------
 
 
 class GradScaler(_TorchGradScaler):
@@ -197,6 +218,7 @@ class GradScaler(_TorchGradScaler):
         else:
             found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
             ctx.inv_scale = inv_scale
+        found_inf, sumsq = _combine_over_shards(optimizer, found_inf, sumsq)  # [sharded gradients]
         ctx.grad_sumsq = sumsq
         ctx.clip_coef = None
         optimizer._fusedist_record_grad_versions()  # Note [gradients changed after unscale_]
@@ -217,6 +239,7 @@ class GradScaler(_TorchGradScaler):
             optimizer._fusedist_check_grads_since_unscale()
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)
+            found_inf, _ = _combine_over_shards(optimizer, found_inf)  # [sharded gradients]
             optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
             optimizer.grad_scale = self._scale
         else:
@@ -230,6 +253,13 @@ class GradScaler(_TorchGradScaler):
                 optimizer._fusedist_clear_protocol()
         optimizer_state["stage"] = OptState.STEPPED
         return retval
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # torch's path (any other optimizer): unscale_ and step both come through here.
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        for flag in per_device.values():
+            _combine_over_shards(optimizer, flag)  # [sharded gradients]
+        return per_device
 
     # -- scale update --------------------------------------------------------------------------
 

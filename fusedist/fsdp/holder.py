@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from ..optim.step_context import pending_contexts
 from ..ownership import register_gradient_holder
 
 __all__ = ["ShardedGradHolder", "holder_for"]
@@ -55,6 +56,10 @@ class ShardedGradHolder:
         """``torch.nn.utils.clip_grad_norm_`` over the sharded parameters ``params``: the
         global norm (one all-reduce), and every rank scales its pieces by the same factor."""
         params = list(params)
+        ids = {id(p) for p in params}
+        for opt in pending_contexts():  # GradScaler(lazy_unscale=True): .grad is still scaled
+            if any(id(p) in ids for p in opt._fusedist_grad_params()):
+                opt._fusedist_materialize_unscale()
         total = self.grad_norm(params, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

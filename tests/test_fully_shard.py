@@ -115,6 +115,14 @@ def _train(model, opt, rank, steps, loss_fn=None, batch=_batch):
     return losses
 
 
+def _gathering(module) -> bool:
+    """Whether ``module``'s unit is gathered or being gathered."""
+    from fusedist.fsdp.state import state_of
+
+    unit = state_of(module).unit
+    return unit.is_unsharded or unit.gather_in_flight
+
+
 def _mesh(ws):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -135,6 +143,9 @@ def _core(rank, ws):
         o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
         local = sum(p.numel() for p in ours.parameters())
+        # while block 0 computes, block 1's gather is in flight -- once the order is known (step 2 on)
+        seen = []
+        ours.blocks[0].fc2.register_forward_hook(lambda *_: seen.append(_gathering(ours.blocks[1])))
         l_ref, l_ours = _train(ref, o_ref, rank, 4), _train(ours, o_ours, rank, 4)
         x, _ = _batch(rank, 99)
         with torch.no_grad():
@@ -145,7 +156,7 @@ def _core(rank, ws):
             losses=(l_ref, l_ours), weights=_max_diff(_full_torch(ref), full),
             eval=(e_ref - e_ours).abs().max().item(), local=local, numel=numel,
             gathered_after_eval=stats["gathered_bytes"],
-            param_types={type(p) for p in ours.parameters()},
+            param_types={type(p) for p in ours.parameters()}, prefetch_seen=seen,
             ndims=[(p.dim(), full[n].dim()) for n, p in ours.named_parameters()])
     return out
 
@@ -163,6 +174,9 @@ def test_parity_with_torch_fsdp2_adamw(world_size):
             assert r["param_types"] == {nn.Parameter}
             # Pieces keep each parameter's number of dimensions (Note [row-aligned flat layout]).
             assert all(a == b for a, b in r["ndims"]), r["ndims"]
+            # implicit prefetch: the first forward records the order, later ones gather ahead
+            # (the eval forward too)
+            assert r["prefetch_seen"] == [False, True, True, True, True], r["prefetch_seen"]
             # no_grad forward leaves nothing gathered, also with reshard_after_forward=False
             assert r["gathered_after_eval"] == 0
 
@@ -271,3 +285,111 @@ def test_grad_scaler_clip_and_mixed_precision():
         torch.testing.assert_close(m["losses"][1], m["losses"][0], **FP32)
         assert m["weights"] < 1e-5, m["weights"]
         assert m["out_dtype"] == torch.bfloat16 and m["param_dtypes"] == {torch.float32}
+
+
+# ------------------------------------------------------------------------------- edge cases
+def _parity_case(rank, ws, mesh, make, steps=3, freeze=None, wrap_ref=None, wrap_ours=None, loss_fn=None,
+                 batch=_batch, opt_ours=None, setup_ours=None, **kw):
+    torch.manual_seed(0)
+    ref = make()
+    if freeze:
+        freeze(ref)
+    ours = copy.deepcopy(ref)
+    _shard_both(ref, ours, mesh, wrap_ref=wrap_ref, wrap_ours=wrap_ours, **kw)
+    if setup_ours:
+        setup_ours(ours)
+    o_ours = (opt_ours or torch.optim.AdamW)(ours.parameters(), lr=1e-2)
+    l_ref = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), rank, steps, loss_fn, batch)
+    l_ours = _train(ours, o_ours, rank, steps, loss_fn, batch)
+    return dict(losses=(l_ref, l_ours), weights=_max_diff(_full_torch(ref), fusedist.fsdp.full_state_dict(ours))), ours, o_ours
+
+
+def _tied_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 37, (4, 5), generator=g), torch.randint(0, 37, (4, 5), generator=g)
+
+
+def _tied_loss(model, ids, target):
+    return F.cross_entropy(model(ids).flatten(0, 1), target.flatten())
+
+
+def _edges(rank, ws):
+    from fusedist.fsdp import CPUOffloadPolicy
+
+    mesh = _mesh(ws)
+    out = {}
+    # frozen parameters (a whole unit, and one bias of the root)
+    def freeze(m):
+        m.blocks[0].requires_grad_(False)
+        m.inp.bias.requires_grad_(False)
+    out["frozen"], ours, _ = _parity_case(rank, ws, mesh, Net, freeze=freeze)
+    out["frozen_grads"] = [p.grad is None for p in ours.blocks[0].parameters()] + [ours.inp.bias.grad is None]
+    # a weight tied across units: the embedding's unit owns it, the output layer's unit borrows it
+    # (torch's FSDP2 requires tied weights in one unit: the root holds both there)
+    def tied():
+        m = TiedNet()
+        m.out = nn.Linear(16, 37)
+        m.out.weight = m.embed.weight
+        return m
+    out["tied"], ours, _ = _parity_case(rank, ws, mesh, tied, loss_fn=_tied_loss, batch=_tied_batch,
+                                        wrap_ours=lambda m: [m.embed, *m.blocks, m.out])
+    out["tied_shared"] = ours.out.weight is ours.embed.weight
+    # a unit called twice in one forward; activation checkpointing inside a unit
+    out["twice"], _, _ = _parity_case(rank, ws, mesh, lambda: Net(repeat=1))
+    out["checkpoint"], _, _ = _parity_case(rank, ws, mesh, lambda: Net(checkpointed=True))
+    # explicit prefetch lists: two units ahead; seen in flight (or landed) from the first step on
+    seen = []
+    def prefetch_two(m):
+        blocks = list(m.blocks)
+        for i, b in enumerate(blocks):
+            b.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+            b.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+        m.blocks[0].fc2.register_forward_hook(lambda *_: seen.append([_gathering(b) for b in blocks[1:3]]))
+    out["prefetch"], _, _ = _parity_case(rank, ws, mesh, Net, setup_ours=prefetch_two)
+    out["prefetch_seen"] = seen
+    # CPU offload: shards, gradients and optimizer state in host memory (on a CPU device this
+    # is placement only), stepped by the C++ CPU Adam
+    out["offload"], ours, opt = _parity_case(rank, ws, mesh, Net, offload_policy=CPUOffloadPolicy(),
+                                             opt_ours=fusedist.optim.FusedAdamW)
+    out["offload_devices"] = {p.device.type for p in ours.parameters()} | {
+        t.device.type for s in opt.state.values() for t in s.values() if torch.is_tensor(t)}
+
+    # gradient accumulation without communication == the large batch
+    torch.manual_seed(0)
+    acc = Net()
+    big = copy.deepcopy(acc)
+    for m in (acc, big):
+        for b in m.blocks:
+            fusedist.fully_shard(b, mesh=mesh)
+        fusedist.fully_shard(m, mesh=mesh)
+    xs, ys = zip(*(_batch(rank, s) for s in range(3)))
+    acc.set_requires_gradient_sync(False)
+    for i in range(3):
+        if i == 2:
+            acc.set_requires_gradient_sync(True)
+        (F.mse_loss(acc(xs[i]), ys[i]) / 3).backward()
+        if i == 0:
+            out["no_sync_grads"] = sum(p.grad is not None for p in acc.parameters())
+            out["no_sync_scratch"] = acc.memory_stats()["scratch_bytes"]
+    F.mse_loss(big(torch.cat(xs)), torch.cat(ys)).backward()
+    out["accumulation"] = max((a.grad - b.grad).abs().max().item() for a, b in zip(acc.parameters(), big.parameters())
+                              if a.numel())
+    out["scratch_after"] = acc.memory_stats()["scratch_bytes"]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_edge_cases_match_torch_fsdp2(world_size):
+    for rank, res in enumerate(run_distributed(_edges, world_size)):
+        for case in ("frozen", "tied", "twice", "checkpoint", "prefetch", "offload"):
+            l_ref, l_ours = res[case]["losses"]
+            torch.testing.assert_close(l_ours, l_ref, **FP32, msg=lambda m, case=case: f"{case}: {m}")
+            assert res[case]["weights"] < 1e-5, (case, res[case]["weights"])
+        assert res["prefetch_seen"] == [[True, True]] * 3
+        assert all(res["frozen_grads"])
+        assert res["tied_shared"]
+        assert res["offload_devices"] == {"cpu"}
+        # no reduce-scatter in an unsynchronized backward: nothing in .grad, an accumulator held
+        assert res["no_sync_grads"] == 0 and res["no_sync_scratch"] > 0
+        assert res["accumulation"] < 1e-6, res["accumulation"]
+        assert res["scratch_after"] == 0

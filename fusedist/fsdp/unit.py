@@ -70,7 +70,11 @@ class ShardedUnit:
         #: called with the parameter index when an unsharded parameter's gradient is accumulated
         self.on_grad: Optional[Callable[[int], None]] = None
         for i, u in enumerate(self.unsharded):
+            # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)
+            frozen = not u.requires_grad
+            u.requires_grad_(True)
             u.register_post_accumulate_grad_hook(lambda _p, i=i: self.on_grad(i) if self.on_grad else None)
+            u.requires_grad_(not frozen)
 
     @torch.no_grad()
     def _build(self, params: list, offload_policy) -> None:

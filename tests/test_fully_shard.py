@@ -12,6 +12,7 @@ atol=1e-6)``. Each spawn runs several scenarios (a spawn costs seconds).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -393,3 +394,99 @@ def test_edge_cases_match_torch_fsdp2(world_size):
         assert res["no_sync_grads"] == 0 and res["no_sync_scratch"] > 0
         assert res["accumulation"] < 1e-6, res["accumulation"]
         assert res["scratch_after"] == 0
+
+
+# ------------------------------------------------------------ state dicts, memory, methods
+def _state_and_memory(rank, ws):
+    mesh = _mesh(ws)
+    out = {}
+    torch.manual_seed(0)
+    model = Net()
+    for b in model.blocks:
+        fusedist.fully_shard(b, mesh=mesh)
+    fusedist.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fusedist.fsdp.reset_peak_memory_stats()
+    _train(model, opt, rank, 2)
+    stats = model.memory_stats()
+    from fusedist.fsdp.state import state_of
+
+    out["stats"] = stats
+    out["root_bytes"] = state_of(model).unit.unsharded_bytes
+    out["shard_elems"] = sum(state_of(m).unit.shard.numel() for m in [model, *model.blocks])
+    out["numel"] = sum(math.prod(s.shape) for u in [state_of(m).unit for m in [model, *model.blocks]] for s in u.layout.slots)
+
+    x, _ = _batch(rank, 50)
+    with torch.no_grad():
+        before = model(x)
+    # sharded state dict: pieces, round trip at the same world size
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _train(model, opt, rank, 1)
+    with torch.no_grad():
+        changed = model(x)
+    model.load_state_dict(saved)
+    with torch.no_grad():
+        restored = model(x)
+    out["round_trip"] = ((restored - before).abs().max().item(), (changed - before).abs().max().item())
+    # full state dict: loads into the unwrapped model, and back into a differently initialized sharded one
+    full = fusedist.fsdp.full_state_dict(model)
+    plain = Net()
+    plain.load_state_dict(full)
+    torch.manual_seed(1)
+    other = Net()
+    for b in other.blocks:
+        fusedist.fully_shard(b, mesh=mesh)
+    fusedist.fully_shard(other, mesh=mesh)
+    with torch.no_grad():
+        fresh = other(x)
+        fusedist.fsdp.load_full_state_dict(other, full)
+        out["full"] = ((plain(x) - before).abs().max().item(), (other(x) - before).abs().max().item(),
+                       (fresh - before).abs().max().item())
+    # unshard()/reshard() by hand
+    b0 = model.blocks[0]
+    numels = [sum(p.numel() for p in b0.parameters())]
+    handle = b0.unshard(async_op=True)
+    handle.wait()
+    numels.append(sum(p.numel() for p in b0.parameters()))
+    b0.reshard()
+    numels.append(sum(p.numel() for p in b0.parameters()))
+    out["numels"] = numels
+    return out
+
+
+def test_state_dict_memory_stats_and_unshard():
+    for rank, res in enumerate(run_distributed(_state_and_memory, 2)):
+        s = res["stats"]
+        assert s["sharded_bytes"] == res["shard_elems"] * 4
+        assert res["shard_elems"] * 2 - res["numel"] < 64  # padding only
+        assert s["gathered_bytes"] == 0  # everything resharded after backward
+        # the root stays gathered for its whole forward/backward; at most two blocks besides it
+        block = s["largest_unit_bytes"]
+        assert res["root_bytes"] + block <= s["peak_gathered_bytes"] <= res["root_bytes"] + 2 * block, s
+        assert s["peak_scratch_bytes"] > 0 and s["scratch_bytes"] == 0
+        assert s["sharded_grad_bytes"] == 0  # zero_grad(set_to_none) dropped the gradient shards
+        restored, changed = res["round_trip"]
+        assert restored == 0.0 and changed > 1e-4
+        plain, reloaded, fresh = res["full"]
+        assert plain < 1e-6 and reloaded < 1e-6 and fresh > 1e-3
+        at_rest, gathered, again = res["numels"]
+        assert gathered == 2160 and at_rest == again < 2160
+
+
+def _wrapped_differently(rank, ws):
+    torch.manual_seed(0)
+    model = Net()
+    for i, b in enumerate(model.blocks):
+        if not (rank == 1 and i == 1):
+            fusedist.fully_shard(b)
+    fusedist.fully_shard(model)
+    x, _ = _batch(rank, 0)
+    model(x)
+
+
+def test_different_wrapping_fails_on_every_rank_without_hanging():
+    results = run_distributed(_wrapped_differently, 2, expect_failure=True, timeout=60)
+    for status, text in results:
+        assert status == "error"
+        assert "RankMismatchError" in text and "fully_shard wrapping of the model differs across ranks" in text, text
+        assert "blocks.1" in text, text

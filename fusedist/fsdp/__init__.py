@@ -8,12 +8,12 @@ a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the para
 """
 
 from .api import FullyShardedModule, UnshardHandle, fully_shard
-from .memory import memory_stats
+from .memory import reset_peak_memory_stats
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "fully_shard", "FullyShardedModule", "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
-    "full_state_dict", "load_full_state_dict", "memory_stats",
+    "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats",
 ]

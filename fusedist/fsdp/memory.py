@@ -31,6 +31,11 @@ class Counters:
 COUNTERS = Counters()
 
 
+def reset_peak_memory_stats() -> None:
+    """Start the peaks of ``memory_stats()`` afresh from the current figures."""
+    COUNTERS.reset_peaks()
+
+
 def memory_stats(units, comm=None) -> dict:
     """Bytes held by ``units`` at rest and the process-wide gathered/scratch figures.
 

@@ -462,10 +462,10 @@ def test_zero_stage2_peak_gradient_memory_is_a_few_buckets(overlap_run):
     _, per_rank = overlap_run
     for out in per_rank:
         mem = out["memory"]
-        first, *later = mem["stats"]
-        # The first synchronized backward all-reduces (layout not final) and keeps every bucket.
-        assert first["peak_grad_bytes"] == first["grad_bytes"]
-        for st in later:
+        # The layout is fixed when the optimizer registers (Note [layout fixed by a sharded
+        # consumer]): the first synchronized backward reduce-scatters and releases like the rest.
+        assert len(mem["stats"]) >= 2
+        for st in mem["stats"]:
             total = st["grad_bytes"]
             assert total == sum(mem["bucket_bytes"])
             # 8 buckets, the largest ~15% of the total: with each bucket freed as soon as it is

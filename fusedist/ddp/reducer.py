@@ -41,6 +41,18 @@ Note [finishing buckets during backward]
     needs a stream-ordered release (finish right after launch with a device-side wait),
     which this scheme does not do.
 
+Note [layout fixed by a sharded consumer]
+    The buckets are built when the model is wrapped, in reverse registration order (the last
+    layers' gradients come first). A plain DDP model re-buckets once, after its first
+    synchronized backward, by the readiness order rank 0 observed (as torch DDP does); that
+    stays inside the reducer: gradient views move with it and nobody else is told. A consumer
+    whose own state follows the buckets -- a ZeroRedundancyOptimizer, whose shards are ranges
+    of them -- registers with :meth:`Reducer.fix_layout` at its construction: from then on the
+    layout is final (Megatron-Core's buffers are never re-bucketed either) and changes only by
+    appending buckets for parameters that become trainable (Note [trainable set changes]), so
+    the consumer's shards exist from its construction and its first backward is like every
+    other.
+
 Note [unused parameters]
     A parameter whose hook did not fire by the end of backward is unused this iteration. Its
     slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
@@ -267,6 +279,15 @@ class Reducer:
         self.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
         for listener in self.layout_listeners:
             listener(new)
+
+    def fix_layout(self) -> None:
+        """Note [layout fixed by a sharded consumer]: no re-bucketing from now on; the
+        layout grows only by appending."""
+        if self.in_backward:
+            raise RuntimeError("fusedist DDP: the bucket layout cannot be fixed during a backward pass")
+        self.append_only = True
+        self.layout_final = True
+        self._observed_order = None
 
     @property
     def backward_count(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ddp.layout import flat_like
+from . import grow
 
 
 class GradientsMixin:
@@ -34,10 +35,45 @@ class GradientsMixin:
 
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slices, wherever they live now (read-only use)."""
-        self._ensure_partition()
         if self.stage == 2:
             return list(self._grad_shards.values()) if self._grads_present else []
         return [src for _, src in self._stage1_grad_views()]
+
+    # ---- the stage-2 reduce-scatter's three calls (Note [stage 2 gradients] in grad_sync.py)
+    def bucket_shard(self, bucket_index: int) -> tuple:
+        """``(lo, hi)``: this rank's element range of DDP bucket ``bucket_index``."""
+        bs = self._partition.bucket_shards[bucket_index]
+        return bs.lo, bs.hi
+
+    def store_reduced(self, bucket_index: int, value: torch.Tensor, post: float = 1.0) -> None:
+        """This rank's slice of an averaged bucket (still to be divided by ``post``): copied
+        into the gradient shard after a step or ``zero_grad``, else added (torch's
+        accumulation over synchronized backward passes)."""
+        bs = self._partition.bucket_shards[bucket_index]
+        offload = self._offload
+        if offload is not None:
+            offload.before_grad_write(bs)
+        dst = self._grad_shards[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo]
+        if self._grads_present:
+            value = value.to(dst.dtype)
+            if post != 1.0:
+                value = value / post
+            dst.add_(value)
+        else:
+            dst.copy_(value)
+            if post != 1.0:
+                dst.div_(post)
+        if offload is not None:
+            offload.grad_ready(bs)  # Note [offload pipeline]: down while backward goes on
+
+    def end_reduction(self, reducer) -> None:
+        """After each synchronized backward: which parameters no rank gave a gradient (DDP
+        left their grad None, Note [unused parameters]; their slices hold zeros), and the
+        gradients DDP averaged outside its buckets (parameters it took on in this backward)."""
+        without = set(reducer.params_without_grad)
+        self._note_params_without_grad([i for i, p in enumerate(self._params) if p in without])
+        grow.store_caught_up(self, reducer, self._grads_present)  # Note [growing the partition]
+        self._grads_present = True
 
     def _has_any_grad(self) -> bool:
         if self.stage == 2:

@@ -34,7 +34,7 @@ from .partition import FlatParams, FlatPartition
 
 
 def refresh_sharded(zero) -> None:
-    """Before the partition exists: the parameters to shard are those DDP reduces (with DDP),
+    """At construction: the parameters to shard are those DDP reduces (with DDP),
     or those trainable now."""
     if zero.ddp is not None:
         _check_held(zero, zero.ddp.reducer.params, zero.ddp.reducer.names)
@@ -90,8 +90,6 @@ def add_param_group(zero, param_group: dict) -> None:
 def join_pending(zero) -> None:
     """Shard what should be sharded now and is not (Note [growing the partition])."""
     part = zero._partition
-    if part is None:
-        return  # the first step builds the partition with them
     if zero.ddp is not None:
         on_layout_change(zero, zero.ddp.reducer.layout)
         return
@@ -107,8 +105,6 @@ def join_pending(zero) -> None:
 def on_layout_change(zero, layout) -> None:
     """DDP's layout listener: take on the parameters of buckets DDP appended."""
     part = zero._partition
-    if part is None:
-        return
     old, new = part.buckets, layout.buckets
     same = len(new) >= len(old) and all(
         a.dtype == b.dtype and a.start == b.start and a.end == b.end and a.offsets == b.offsets
@@ -197,7 +193,7 @@ def store_caught_up(zero, reducer, accumulate: bool) -> None:
         return
     from ..ddp.layout import flat_like
 
-    part = zero._ensure_partition()
+    part = zero._partition
     index_of = {p: i for i, p in enumerate(zero._params)}
     for p in caught:
         e = part.entry_of.get(index_of.get(p, -1))

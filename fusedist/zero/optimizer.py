@@ -6,7 +6,7 @@ concerns live in their own modules, as mixins where they are a few methods over 
 where they keep state of their own:
 
 * ``wiring.py`` -- finding the DDP model and communicator, installing stage 2;
-* ``shards.py`` (mixin) -- building the shards lazily, masters kept in step with the parameters;
+* ``shards.py`` (mixin) -- building the shards, masters kept in step with the parameters;
 * ``grads.py`` (mixin) -- which gradients the rank has, stage-1 collection;
 * ``pieces.py`` (mixin) -- splitting the inner optimizer's pieces around skipped parameters;
 * ``scaling.py`` (mixin) -- the GradScaler protocol, clipping and the inner step;
@@ -34,7 +34,7 @@ from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
 from .scaling import ZeroScalerProtocol
 from .sharded_state import ShardedState
-from .shards import LazyShardsMixin
+from .shards import ShardsMixin
 
 MiB = 1024 * 1024
 
@@ -50,7 +50,7 @@ def _default_optimizer_class():
     return FusedAdamW
 
 
-class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, LazyShardsMixin,
+class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin,
                               Optimizer, JoinableOptimizer):
     """Shards FP32 master weights and optimizer state (stage 1), and gradients (stage 2),
     evenly over the data-parallel ranks.
@@ -67,9 +67,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       bucket. Stage 2: DDP reduce-scatters each bucket as it becomes ready (Note [stage 2
       gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the
       gradients must already be synchronized (e.g. torch DDP, or a single process).
-    * The first ``step()`` builds the shards (after the first synchronized backward, when DDP's
-      bucket layout is final), and re-points every parameter's storage into one flat buffer
-      per dtype so the all-gather writes straight into the parameters. The inner
+    * The shards are built at construction (DDP's bucket layout is fixed from then on, Note
+      [layout fixed by a sharded consumer] in ``fusedist/ddp/reducer.py``); the first ``step()``
+      (or a load) creates the optimizer state and re-points every parameter's storage into one
+      flat buffer per dtype so the all-gather writes straight into the parameters. The inner
       ``optimizer_class`` steps FP32 views of the rank's flat shard, one per run of a param
       group, so any elementwise torch optimizer works and per-group hyperparameters (and LR
       schedulers changing ``param_groups``) are honoured.
@@ -184,17 +185,15 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
         self.overlap_param_gather = overlap_param_gather and self.ddp is not None
         self._gatherer = ParamGatherer(self.comm, self.world_size, self.overlap_param_gather)
+        self._grads_present = False
+        self._partition: FlatPartition = self._build_partition()
         if stage == 2:
             wiring.install_stage2(self)
-
-        self._partition: Optional[FlatPartition] = None
-        self._grad_shards: dict[torch.dtype, torch.Tensor] = {}
-        self._grads_present = False
         self._flat_params: Optional[FlatParams] = None
         self._masters: dict[torch.dtype, torch.Tensor] = {}
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
-        self._sharded_state = ShardedState(self)  # state dicts: consolidated copy, pending load
+        self._sharded_state = ShardedState(self)  # state dicts and the consolidated copy
         # Note [parameters changed outside the optimizer]: versions after the last step.
         self._param_versions: Optional[list] = None
         # Stage 2: trainable parameters some synchronized backward since the last step (or

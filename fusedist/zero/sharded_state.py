@@ -4,10 +4,10 @@ loading either at any world size.
 A shard holds, per parameter, the fragments of master and optimizer state this rank owns (Note
 [fragments] in ``state.py``, which has the layout-independent format and its checks); this
 module maps them to and from the optimizer's flat masters and pieces. :class:`ShardedState`
-owns the two pieces of state that only state dicts need: the full state gathered by
+owns the one piece of state that only state dicts need: the full state gathered by
 ``consolidate_state_dict`` (returned by ``state_dict()`` until the state moves on, as torch's
-ZeroRedundancyOptimizer does), and a load that arrived before the shards existed (DDP's bucket
-layout is final only after the first synchronized backward; Note [replicated shards]).
+ZeroRedundancyOptimizer does). The shards exist from the optimizer's construction, so a load
+is applied at once, whenever it comes.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ class ShardedState:
         # consolidate_state_dict's full state on its ``to`` rank, returned by state_dict()
         # until a step or load changes the state, as torch's optimizer does.
         self.consolidated: Optional[dict] = None
-        # (assembled, hyperparameters) of a validated load waiting for the shards.
-        self.pending: Optional[tuple] = None
 
     def _meta(self) -> list[dict]:
         z = self.zero
@@ -50,12 +48,6 @@ class ShardedState:
         """The optimizer state moves on (a step, a load, a new group): a consolidated copy is stale."""
         self.consolidated = None
 
-    def apply_pending(self) -> None:
-        """Once the shards exist: install a load that came before them."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self.apply(*pending)
-
     @torch.no_grad()
     def state_dict(self) -> dict:
         """``ZeroRedundancyOptimizer.state_dict``: the consolidated state while it is current, else the shard."""
@@ -69,16 +61,7 @@ class ShardedState:
         z = self.zero
         z.wait_for_params()
         fragments: dict[int, list] = {}
-        replicated = z.inner is None and self.pending is not None
-        if replicated:
-            # Note [replicated shards]: loaded before DDP's bucket layout was final, so no rank
-            # owns ranges yet and every rank holds the whole loaded state. Each shard then
-            # carries all of it (marked, so loading takes one); an empty shard would save a
-            # checkpoint without optimizer state.
-            for index, item in self.pending[0].items():
-                n = z._params[index].numel()
-                fragments[index] = [{"range": (0, n), "master": item["master"], "state": dict(item["state"])}]
-        elif z.inner is not None:
+        if z.inner is not None:  # (before the first step or load there is no state to save)
             part = z._partition
             piece_tensor = {piece: t for piece, t in zip(part.pieces, z._pieces)}
             for e in part.entries:
@@ -104,11 +87,10 @@ class ShardedState:
             "param_groups": self._group_dicts(),
             "param_meta": self._meta(),
             # Informational: loading never needs it (fragments are layout independent).
-            "layout": None if z._partition is None else [
+            "layout": [
                 {"bucket": bs.bucket.index, "dtype": str(bs.bucket.dtype), "numel": bs.bucket.numel,
                  "shard": (bs.lo, bs.hi)} for bs in z._partition.bucket_shards],
             "fragments": fragments,
-            "replicated": replicated,
         }
 
     def consolidate(self, to: int = 0) -> Optional[dict]:
@@ -152,8 +134,7 @@ class ShardedState:
         else:
             raise zstate.StateDictError(f"{source}: not a ZeroRedundancyOptimizer or torch optimizer state dict")
         zstate.check_groups(groups, z.param_groups, source)
-        # Every parameter is assembled (and so validated) now; the rank keeps its own ranges
-        # when the shards exist, else all of it until the first step builds them.
+        # Every parameter is assembled (and so validated) now; the rank keeps its own ranges.
         assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source)
         if sds[0].get("format") == zstate.FORMAT:
             zstate.relayout(assembled, z._params, sds[0]["param_meta"])
@@ -165,7 +146,7 @@ class ShardedState:
         fragments was never stepped, as far as the fragments tell)."""
         z = self.zero
         if any(sd.get("replicated") for sd in sds):
-            return  # each holds the whole state (merge_fragments takes one)
+            return  # written by earlier versions: each holds the whole state (merge_fragments takes one)
         given = sorted((sd.get("rank"), sd.get("world_size")) for sd in sds)
         sizes = {size for _, size in given}
         if len(sizes) == 1 and [r for r, _ in given] == list(range(next(iter(sizes)))):
@@ -181,18 +162,12 @@ class ShardedState:
     @torch.no_grad()
     def apply(self, assembled: dict, hyper: list[dict]) -> None:
         """Install a validated load: hyperparameters, then masters and inner-optimizer state of
-        this rank's ranges -- or keep it pending until the shards exist."""
+        this rank's ranges (the optimizer state is created first if no step has run yet)."""
         z = self.zero
         self.invalidate()
         for group, h in zip(z.param_groups, hyper):
             group.update(h)
-        if z.inner is None:
-            if z.ddp is not None and not z.ddp.reducer.layout_final:
-                # The shards follow DDP's buckets, final only after the first synchronized
-                # backward: keep the (validated) state until the first step builds them.
-                self.pending = (assembled, hyper)
-                return
-            z._ensure_state()
+        z._ensure_state()
         z.wait_for_params()
         if z._offload is not None:
             z._offload.wait_host_buffers()

@@ -1,12 +1,15 @@
-"""This rank's shards of a ZeroRedundancyOptimizer, built lazily, and its masters kept in step
-with the parameters.
+"""This rank's shards of a ZeroRedundancyOptimizer and its masters kept in step with the
+parameters.
 
-At the first ``step()`` (DDP's bucket layout is final only after the first synchronized
-backward) the flat partition, the gradient shards, the flat parameter buffers, the FP32
-masters (FP64 for FP64 parameters), the pieces and the inner optimizer are built. Afterwards
-the masters are the truth the updates start from; parameters changed outside the optimizer are
-noticed through their version counters (Note [parameters changed outside the optimizer]) and
-copied back. A mixin: these methods build and refresh the optimizer's core state.
+The flat partition and the gradient shards are built at construction, over the buckets of the
+DDP model's gradient engine (whose layout is fixed from the moment the optimizer registers with
+it: Note [layout fixed by a sharded consumer] in ``fusedist/ddp/reducer.py``) or, without DDP,
+over buckets of its own. The optimizer state proper -- the flat parameter buffers, the FP32
+masters (FP64 for FP64 parameters), the pieces and the inner optimizer -- is created when first
+needed (the first ``step()`` or a ``load_state_dict``), as torch's optimizers create theirs.
+Afterwards the masters are the truth the updates start from; parameters changed outside the
+optimizer are noticed through their version counters (Note [parameters changed outside the
+optimizer]) and copied back. A mixin: these methods build and refresh the optimizer's core state.
 """
 
 from __future__ import annotations
@@ -20,19 +23,13 @@ from .offload import HostShardOffload
 from .partition import FlatParams, FlatPartition, bucketize
 
 
-class LazyShardsMixin:
+class ShardsMixin:
     """Building the shards, masters and inner optimizer; syncing masters from the parameters."""
 
-    def _ensure_partition(self) -> FlatPartition:
-        if self._partition is not None:
-            return self._partition
+    def _build_partition(self) -> FlatPartition:
+        """The partition and the gradient shards, at construction."""
         grow.refresh_sharded(self)  # Note [growing the partition]
         if self.ddp is not None:
-            if not self.ddp.reducer.layout_final:
-                raise RuntimeError(
-                    "ZeroRedundancyOptimizer: the shards follow DDP's gradient buckets, which are final only "
-                    "after the first synchronized backward; call step() after loss.backward() (outside no_sync)"
-                )
             buckets = self.ddp.reducer.layout.buckets
         else:
             names = [f"param {i}" for i in self._trainable]
@@ -52,7 +49,7 @@ class LazyShardsMixin:
     def _ensure_state(self) -> None:
         if self.inner is not None:
             return
-        part = self._ensure_partition()
+        part = self._partition
         device = self._device
         self._flat_params = FlatParams(part, self._params, device)
         if self.offload:
@@ -75,7 +72,6 @@ class LazyShardsMixin:
         self.inner = self.optimizer_class(groups, **self._inner_defaults)
         if self.overlap_param_gather:
             self._gatherer.install(self.ddp, part.bucket_shards)
-        self._sharded_state.apply_pending()  # a load that came before the shards
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:

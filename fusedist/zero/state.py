@@ -84,8 +84,9 @@ def slice_state(state: dict, numel: int, lo: int, hi: int, *, copy: bool, optimi
 
 
 def merge_fragments(state_dicts: list[dict]) -> dict[int, list]:
-    """Every shard's fragments, per parameter. Shards marked ``replicated`` each hold the whole
-    state (Note [replicated shards] in ``sharded_state.py``): one of them is taken."""
+    """Every shard's fragments, per parameter. Shards marked ``replicated`` (written by earlier
+    versions, which saved the whole state on every rank when no step had built the shards
+    yet) each hold the whole state: one of them is taken."""
     replicated = [sd for sd in state_dicts if sd.get("replicated")]
     if replicated:
         if len(replicated) != len(state_dicts):

@@ -50,7 +50,8 @@ def connect(trainable: list, params: list, process_group, device):
     initialized, else None (a single process)."""
     ddp = find_ddp(trainable, params)
     if ddp is not None:
-        ddp.reducer.append_only = True  # the shards follow its buckets: grow, never move
+        # The shards follow its buckets: fixed from now on, grown only by appending.
+        ddp.reducer.fix_layout()
         if process_group is not None and process_group is not ddp.process_group:
             raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
         return ddp, ddp.comm, ddp.process_group

@@ -9,8 +9,9 @@ Note [unit gradients]
     ``reduce_dtype``, and dropped from the unsharded parameters at once. One reduce-scatter
     (average) of that buffer leaves this rank's slice, whose pieces become (or are added to,
     as torch accumulates) the sharded parameters' ``.grad``: views of one gradient shard per
-    unit. Reduce-scatters run asynchronously; at most ``MAX_IN_FLIGHT`` are pending, the
-    oldest finished first, and the end of backward finishes the rest.
+    unit. Reduce-scatters run asynchronously; each launch finishes those that have landed
+    (oldest first), blocks only when more than ``MAX_IN_FLIGHT`` are pending, and the end of
+    backward finishes the rest.
 
     ``set_requires_gradient_sync(False)``: no reduce-scatter; the flat buffer is kept as an
     accumulator (``reduce_dtype``; the size of the unit, unsharded, on every rank) and the
@@ -97,8 +98,8 @@ class UnitGrads:
         handle = unit.comm.reduce_scatter(out, flat, op="avg", async_op=True,
                                           tag=f"fully_shard grads {unit.name or 'root'}")
         pending.append(PendingReduce(self, handle, out, flat, with_grad))
-        while len(pending) > MAX_IN_FLIGHT:
-            finish(pending.pop(0))
+        while pending and (len(pending) > MAX_IN_FLIGHT or pending[0].handle.is_completed()):
+            finish(pending.pop(0))  # the landed ones free their buffers at once; block past the cap
 
     @property
     def accumulator_bytes(self) -> int:

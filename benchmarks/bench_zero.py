@@ -22,11 +22,20 @@ row also gives the most full-gradient memory held during the last backward
 once its reduce-scatter is stored, so its peak is a few buckets (DDP and stage 1 hold all).
 The unsharded baseline holds fp32 moments only (its master weights are the parameters).
 
+Part 3 (``--stage3``) -- ZeRO stage 3: ``fusedist.fully_shard`` against torch's FSDP2
+``fully_shard`` with the same wrapping (each block, then the root; same defaults), both stepped
+by ``torch.optim.AdamW``, on a stack of 8 transformer-MLP blocks (width 320 on CPU: ~6.5M
+parameters), timed interleaved in one run (median of paired ratios). Memory: each contender
+alone in a fresh process, the growth of the process's peak RSS over a few steps from just
+before the model is built, next to the formula 16Ψ/N + two largest units gathered +
+activations (activations: the bytes autograd saves in one forward) and fusedist's own
+accounting (memory_stats: shards, gathered and scratch peaks).
+
 Every rank runs the same loop; timings are rank 0's, each repetition after a barrier. gloo
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3]
 """
 
 from __future__ import annotations
@@ -262,6 +271,126 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     return rows
 
 
+class _MLPBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def _stage3_model(kind: str, d: int, layers: int, mesh, device):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_MLPBlock(d) for _ in range(layers)]).to(device)
+    shard = torch_fully_shard if kind == "torch" else fusedist.fully_shard
+    for block in model:
+        shard(block, mesh=mesh, reshard_after_forward=None)
+    shard(model, mesh=mesh, reshard_after_forward=None)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _stage3_step(model, opt, x):
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _stage3_config(device):
+    return dict(d=2048, layers=8, batch=(8, 512)) if device.type == "cuda" else dict(d=320, layers=8, batch=(16, 64))
+
+
+def _stage3_timing(rank, world_size, device, repeats):
+    """fusedist.fully_shard vs torch FSDP2, one step each per repetition, interleaved."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusedist.comm import get_communicator
+
+    cfg = _stage3_config(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    comm = get_communicator(None, device)
+    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device) for kind in ("torch", "fusedist")}
+    x = torch.randn(*cfg["batch"], cfg["d"], device=device)
+    res = _time_interleaved({k: (lambda m=m, o=o: _stage3_step(m, o, x)) for k, (m, o) in models.items()},
+                            device, comm, warmup=2, repeats=repeats)
+    samples = res.pop("_samples")
+    ratios = [b / a for a, b in zip(samples["torch"], samples["fusedist"])]
+    numel = sum(p.numel() for p in models["torch"][0].parameters())  # DTensors: global sizes
+    return [{
+        "part": "stage3", "case": f"{cfg['layers']} MLP blocks d={cfg['d']}, batch {cfg['batch']}",
+        "params_M": round(numel / 1e6, 2),
+        "torch_fsdp2_ms": res["torch"][0], "fusedist_ms": res["fusedist"][0],
+        "fusedist_p20_ms": res["fusedist"][1], "fusedist_p80_ms": res["fusedist"][2],
+        "ratio_paired": statistics.median(ratios), "target": "<= 0.9",
+    }]
+
+
+def _stage3_memory(rank, world_size, device_type, kind, steps):
+    """Peak RSS growth of one contender alone in this process (MiB), and the formula's terms."""
+    import resource
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(device_type)
+    cfg = _stage3_config(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    x = torch.randn(*cfg["batch"], cfg["d"], device=device)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model, opt = _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
+        model(x).square().mean().backward()
+    opt.zero_grad()
+    for _ in range(steps):
+        _stage3_step(model, opt, x)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    mib = 1 << 20
+    activations = sum({s.data_ptr(): s.nbytes() for s in saved}.values()) / mib
+    out = {"kind": kind, "peak_rss_growth_MiB": peak, "activations_MiB": activations}
+    if kind == "fusedist":
+        stats = model.memory_stats()
+        psi = sum(s.numel for b in model for s in _unit(b).layout.slots)
+        out.update(psi=psi, largest_unit_MiB=stats["largest_unit_bytes"] / mib,
+                   states_MiB=16 * psi / world_size / mib,
+                   accounted_MiB=(stats["sharded_bytes"] * 4 + stats["peak_gathered_bytes"]
+                                  + stats["peak_scratch_bytes"] + stats["comm_scratch_bytes"]) / mib + activations)
+    return out
+
+
+def _unit(module):
+    from fusedist.fsdp.state import state_of
+
+    return state_of(module).unit
+
+
+def _stage3(world_size, device_type, repeats, threads, backend):
+    from fusedist.testing import run_distributed
+
+    rows = run_distributed(_stage3_worker, world_size, device_type, repeats, backend=backend, timeout=1800,
+                           pg_timeout=600, threads=threads)[0]
+    mem = {kind: run_distributed(_stage3_memory, world_size, device_type, kind, 3, backend=backend,
+                                 timeout=600, threads=threads)[0] for kind in ("torch", "fusedist")}
+    f = mem["fusedist"]
+    formula = f["states_MiB"] + 2 * f["largest_unit_MiB"] + f["activations_MiB"]
+    rows[0].update(torch_peak_rss_growth_MiB=mem["torch"]["peak_rss_growth_MiB"],
+                   fusedist_peak_rss_growth_MiB=f["peak_rss_growth_MiB"],
+                   fusedist_accounted_MiB=f["accounted_MiB"], formula_MiB=formula,
+                   formula_terms=f"16Ψ/N {f['states_MiB']:.1f} + 2 units {2 * f['largest_unit_MiB']:.1f} "
+                                 f"+ activations {f['activations_MiB']:.1f}")
+    return rows
+
+
+def _stage3_worker(rank, world_size, device_type, repeats):
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    return _stage3_timing(rank, world_size, device, repeats)
+
+
 def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True, repeats=0):
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -292,6 +421,7 @@ def main():
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--iterations-only", action="store_true", help="skip the collectives part")
     only.add_argument("--collectives-only", action="store_true", help="skip the training iterations")
+    only.add_argument("--stage3", action="store_true", help="only part 3: fusedist.fully_shard vs torch FSDP2")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         sys.exit(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
@@ -300,6 +430,22 @@ def main():
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.world_size)
+    if args.stage3:
+        rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend)
+        env = environment()
+        env.update(world_size=args.world_size, backend=backend, torch_threads=threads)
+        notes = ("Stage 3: fusedist.fully_shard vs torch FSDP2 fully_shard, same wrapping (each block, then the "
+                 "root; reshard_after_forward=None for both), torch.optim.AdamW for both; forward + backward + step "
+                 "of rank 0, interleaved, ratio_paired = median over repetitions of fusedist / torch (< 1: fusedist "
+                 "faster). Memory: each contender alone in a fresh process, growth of the peak RSS over building "
+                 "the model and 4 steps (MiB, rank 0); formula = 16Ψ/N + two largest units gathered + activations "
+                 "(saved by autograd in one forward); fusedist_accounted = its counters: shards x4 (parameters, "
+                 "gradients, AdamW's two moments) + peak gathered + peak scratch + communicator scratch + activations.")
+        md, csv = write_results(f"zero_{args.device}_ws{args.world_size}_stage3", rows, notes, env)
+        for r in rows:
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+        print("wrote", md, csv)
+        return
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
                                not args.collectives_only, args.repeats,
                                backend=backend,

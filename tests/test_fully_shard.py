@@ -490,3 +490,34 @@ def test_different_wrapping_fails_on_every_rank_without_hanging():
         assert status == "error"
         assert "RankMismatchError" in text and "fully_shard wrapping of the model differs across ranks" in text, text
         assert "blocks.1" in text, text
+
+
+# ------------------------------------------------------------------------- layout (no spawn)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_row_aligned_layout_pieces_cover_each_parameter_once(world_size):
+    from fusedist.fsdp.layout import UnitLayout
+
+    g = torch.Generator().manual_seed(world_size)
+    for _ in range(300):
+        shapes = [tuple(int(d) for d in torch.randint(1, 40, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g))
+                  for _ in range(int(torch.randint(1, 7, (1,), generator=g)))]
+        layout = UnitLayout(shapes, world_size)
+        end = 0
+        for i, shape in enumerate(shapes):
+            slot = layout.slots[i]
+            assert slot.offset >= end  # no overlap, in order
+            end = slot.offset + slot.numel
+            pieces = [layout.piece(i, r) for r in range(world_size)]
+            assert sum(p.numel for p in pieces) == math.prod(shape)
+            for p in pieces:
+                assert math.prod(p.shape) == p.numel and p.shard_offset + p.numel <= layout.shard_numel
+                if i not in layout.flat_pieces and len(shape) >= 1:
+                    assert p.shape[1:] == shape[1:]  # whole rows: the piece keeps the dimensions
+        assert end <= layout.total_numel
+        assert layout.total_numel - end < world_size + sum(math.prod(s[1:]) for s in shapes if s) * world_size \
+            + sum(math.prod(s) for s in shapes) // 64
+    # transformer shapes: rows everywhere, padding below one row per boundary
+    shapes = [(1280, 320), (1280,), (320, 1280), (320,)]
+    layout = UnitLayout(shapes, world_size)
+    assert not layout.flat_pieces
+    assert layout.total_numel - sum(math.prod(s) for s in shapes) < world_size * 1280

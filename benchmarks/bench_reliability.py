@@ -59,8 +59,8 @@ def worker(rank, world_size, args):
     torch.manual_seed(0)
     on = fusedist.DistributedDataParallel(make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb,
                                           process_group=groups[0])
-    assert monitor_of(on.comm) is not None and on.reducer.step_check is not None
-    assert monitor_of(off.comm) is None and off.reducer.step_check is None
+    assert monitor_of(on.comm) is not None and on.watch.step_check is not None
+    assert monitor_of(off.comm) is None and off.watch.step_check is None
     impls = {"on": on, "off": off}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in impls.items()}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
@@ -87,9 +87,9 @@ def worker(rank, world_size, args):
     launch = []
     for _ in range(200):  # what the step check costs the critical path: the launch only
         t0 = time.perf_counter()
-        on.reducer.step_check.launch([0] * 7, {})
+        on.watch.step_check.launch([0] * 7, {})
         launch.append(time.perf_counter() - t0)
-        on.reducer.step_check.settle()
+        on.watch.step_check.settle()
     check_launch_us = statistics.median(launch) * 1e6
     collectives_per_step = len(on.buckets) + 1
     return {

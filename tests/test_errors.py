@@ -46,7 +46,7 @@ def _misuse_worker(rank, world_size):
     _capture(errors, "no_sync", opt.step, RuntimeError)
     (model(x) - y).pow(2).mean().backward()  # the synchronized backward makes step() legal again
     opt.step()
-    errors["after_sync_ok"] = model.reducer.optimizer_steps
+    errors["after_sync_ok"] = model.watch.optimizer_steps
 
     # step(closure): the backward runs inside step(), after the step hooks (Note [step with a
     # closure]): legal on the first step, and judged by the closure's own backward.

@@ -389,7 +389,7 @@ def _no_false_positive_worker(rank, world_size):
                 loss.backward()
         if step != 1:  # every rank skips step 1 (as GradScaler does on a global inf)
             opt.step()
-    return model.reducer.sync_steps, model.reducer.optimizer_steps
+    return model.watch.sync_steps, model.watch.optimizer_steps
 
 
 class _null:
@@ -412,7 +412,7 @@ def _cuda_skip_worker(rank, world_size):
     torch.cuda.set_device(rank)
     torch.manual_seed(0)
     model = fusedist.DistributedDataParallel(models.MLP().cuda(), device_ids=[rank])
-    assert model.reducer.step_check.on_cuda
+    assert model.watch.step_check.on_cuda
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     try:

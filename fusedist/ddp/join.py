@@ -164,11 +164,11 @@ def before_forward(ddp) -> None:
     reducer = ddp.reducer
     reducer.check_previous_backward()  # Note [interrupted backward]
     notify(ddp)
-    reducer.settle_checks()
+    sync = ddp._no_sync_depth == 0
+    reducer.prepare_forward(sync=sync)  # before this step's first collective
     state = ddp._join_state
     if state is None:  # torch's Join built without our hook: treat as dividing by the world size
         state = ddp._join_state = DDPJoinState(ddp, True)
-    sync = ddp._no_sync_depth == 0
     wants = bool(ddp.config.broadcast_buffers and ddp.module.training and ddp._module_buffers())
     active, _, authority = exchange_state(ddp, True, sync, wants)
     reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else active
@@ -176,7 +176,6 @@ def before_forward(ddp) -> None:
         ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
     reducer.defer_launch = state.has_sync_bn
     reducer.tracker.observe(reducer)  # Note [trainable set changes]
-    reducer.prepare_forward(sync=sync)
 
 
 def run_module(ddp, args, kwargs):
@@ -244,12 +243,11 @@ class DDPJoinHook(JoinHook):
             state.joined = True
             reducer.joined = True
             reducer.check_previous_backward()
-        reducer.settle_checks()
+        reducer.prepare_forward(sync=True)  # the shadowed training forward, before its collectives
         active, syncing, authority = exchange_state(ddp, False, False, False)
         reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else max(active, 1)
         if authority >= 0:
             ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
-        reducer.forwards += 1  # the shadowed training forward
         if state.has_sync_bn:
             _shadow_sync_bn(ddp, state.trace if state.trace is not None else _static_sync_bn_trace(ddp))
         state.synced = syncing > 0
@@ -262,20 +260,15 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         reducer = ddp.reducer
         comm = ddp.comm
-        reducer.settle_checks()
-        if reducer.step_check is not None:
-            # The last joiners compared once more (their last step has no next forward).
-            reducer.joined = not is_last_joiner
-            reducer._launch_step_check([], checked_now=True)
-            reducer.step_check.settle()
+        # The last joiners compared once more (their last step has no next forward).
+        ddp.watch.check_now(reducer, joined=not is_last_joiner)
         source = torch.tensor([ddp.rank if is_last_joiner else -1], dtype=torch.int64, device=comm.device)
         comm.all_reduce(source, op="max", tag="ddp join: final model source")
         src = int(source.item())
         ddp._wait_for_params(True)  # no parameter all-gather may still be writing
-        counters = torch.tensor([reducer.sync_steps, reducer.forwards, reducer.iteration, reducer.optimizer_steps],
-                                dtype=torch.int64, device=comm.device)
+        counters = torch.tensor(ddp.watch.counters(), dtype=torch.int64, device=comm.device)
         comm.broadcast(counters, src=src, tag="ddp join: counters")
-        reducer.sync_steps, reducer.forwards, reducer.iteration, reducer.optimizer_steps = counters.tolist()
+        ddp.watch.set_counters(counters.tolist())
         ddp._broadcast_state(src=src, tag="ddp join: final model")
         reducer.joined = False
         reducer.grad_divisor = ddp.world_size

@@ -80,8 +80,7 @@ from .grad_hook import ParamEntry, make_hook, remove_hooks
 from .layout import MiB, Bucket, GradLayout, build_layout, sparse_gradient_error
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
-from ..reliability import attach_monitor, checks_enabled
-from ..reliability.step_check import StepCheck, layout_crc
+from .events import EngineObserver
 
 _perf_counter = time.perf_counter
 
@@ -158,17 +157,8 @@ class Reducer:
         self.iteration = 0
         self.handles: list[Optional[CommHandle]] = []  # this backward's bucket collectives
 
-        # [reliability] counters the per-step cross-rank check and the optimizer guard read
-        # (Note [step check] in fusedist/reliability/step_check.py). None of it touches gradients.
-        self.sync_steps = 0  # synchronized backwards completed
-        self.forwards = 0  # training forwards (DistributedDataParallel.forward with grad enabled)
-        self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
-        self.last_backward_synced = True
-        self._layout_crc: Optional[tuple] = None
-        self.step_check = StepCheck(comm) if checks_enabled() and self.world_size > 1 else None
-        self.monitor = attach_monitor(comm)
-        if self.monitor is not None:
-            self.monitor.add_context_provider(self.position)
+        # Watchers of the engine's events (events.py): the reliability layer's StepWatch.
+        self.observers: list[EngineObserver] = []
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int], bucket_storage: bool = False) -> GradLayout:
@@ -289,23 +279,6 @@ class Reducer:
         self.layout_final = True
         self._observed_order = None
 
-    @property
-    def backward_count(self) -> int:
-        """[reliability] All backwards completed, synchronized or not (the optimizer guard)."""
-        return self.iteration
-
-    def position(self) -> dict:
-        """Where training is, for stall reports (fusedist.reliability)."""
-        return {
-            "ddp_step": self.sync_steps,
-            "ddp_backward": self.iteration,
-            "ddp_forwards": self.forwards,
-            "optimizer_steps": self.optimizer_steps,
-            "in_backward": self.in_backward,
-            "buckets_launched": f"{getattr(self, 'next_launch', 0)}/{len(self.layout.buckets)}",
-            "buckets_finished": f"{getattr(self, 'next_finish', 0)}/{len(self.layout.buckets)}",
-        }
-
     # ------------------------------------------------------------------ backward
     def check_previous_backward(self) -> None:
         """Note [interrupted backward]: called first thing in a training forward.
@@ -339,30 +312,10 @@ class Reducer:
         )
 
     def prepare_forward(self, sync: bool) -> None:
+        """A training forward begins (before its first collective)."""
         self.next_backward_sync = sync
-        self.forwards += 1  # [reliability] compared across ranks by the step check
-
-    def settle_checks(self) -> None:
-        """[reliability] Read the last step check's verdict (raises on divergence). Called
-        first thing in a training forward, before any collective of the new step."""
-        if self.step_check is not None:
-            self.step_check.settle()
-
-    def check_consistency(self) -> None:
-        """[reliability] Compare where this rank is with every other rank now; raise
-        :class:`RankMismatchError` on every rank if they differ (Note [step check]).
-
-        The per-step check is read at the next training forward, so a divergence in the last
-        step -- a rank that skipped its last ``optimizer.step()`` or ran an extra forward --
-        has no next forward to be reported at. This reads the pending verdict, then checks the
-        current counters with one more tiny all-reduce, and waits for it. A collective: every
-        rank calls it at the same point (``fusedist.checkpoint.save`` does, before writing)."""
-        self.check_previous_backward()  # an interrupted backward is reset or reported first
-        if self.step_check is None:
-            return
-        self.step_check.settle()
-        self._launch_step_check([], checked_now=True)
-        self.step_check.settle()
+        for observer in self.observers:
+            observer.forward_begins(self)
 
     def _begin_backward(self, shadow: bool = False) -> None:
         self.in_backward = True
@@ -386,8 +339,8 @@ class Reducer:
         self.strategy.begin_backward(self)
         if not shadow:
             Variable._execution_engine.queue_callback(self._finish_backward)
-        if self.monitor is not None:  # [reliability] stamps this step on the collective history
-            self.monitor.step_hint = self.sync_steps
+        for observer in self.observers:
+            observer.backward_begins(self)
         self.timeline.instant("backward begins", sync=self.sync)
 
     # The gradient hook itself is ``grad_hook.make_hook``'s closure (Note [per-parameter cost]
@@ -455,10 +408,8 @@ class Reducer:
             self.in_backward = False
             self.next_backward_sync = True
             self.iteration += 1
-            # [reliability] read by the optimizer guard and the step check
-            self.last_backward_synced = self.sync
-            if self.sync:
-                self.sync_steps += 1
+            for observer in self.observers:
+                observer.backward_ends(self)
 
     def _synchronize(self) -> None:
         t_compute_end = now_us()
@@ -489,10 +440,9 @@ class Reducer:
         if missing or self.defer_launch:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
-        # [reliability] issued after the last bucket: the same place in every rank's
-        # collective order (Note [step check]).
-        if self.step_check is not None:
-            self._launch_step_check(unused)
+        # After the last bucket: the same place in every rank's collective order.
+        for observer in self.observers:
+            observer.buckets_launched(self, unused)
         for bucket in self.layout.buckets[self.next_finish:]:
             self._finish_bucket(bucket)
         if shadow and not self.config.find_unused_parameters:
@@ -528,10 +478,8 @@ class Reducer:
             apply_trainable_change(self)  # Note [trainable set changes]
         self.strategy.after_sync(self)
         if unused and not self.config.find_unused_parameters and not shadow:
-            if self.step_check is not None:
-                # [reliability] if only some ranks ran this branch, raise the every-rank
-                # mismatch instead (the other ranks read it at their next forward).
-                self.step_check.settle()
+            for observer in self.observers:
+                observer.agreement_point(self)
             names = [self.names[self.index_of[p]] for p in unused]
             raise RuntimeError(
                 f"fusedist DDP (rank {self.comm.rank}): {len(names)} parameter(s) received no "
@@ -540,26 +488,6 @@ class Reducer:
                 "are legitimately unused in some iterations, or make sure every parameter takes part "
                 "in computing the loss."
             )
-
-    def _launch_step_check(self, unused: list, checked_now: bool = False):
-        if self.joined:  # Note [joined ranks]: neutral in the comparison
-            self.step_check.launch(None, {"buckets": len(self.layout.buckets), "checked_now": checked_now})
-            return
-        last_seq = self.handles[-1].seq if self.handles and self.handles[-1] is not None else -1
-        if self._layout_crc is None or self._layout_crc[0] is not self.layout:
-            self._layout_crc = (self.layout, layout_crc(self.layout))
-        self.step_check.launch([
-            self.sync_steps,
-            self.forwards,
-            self.iteration,
-            self.optimizer_steps,
-            self._layout_crc[1],
-            last_seq,
-            0 if self.config.find_unused_parameters else len(unused),
-            self.tracker.crc if self.tracker is not None else 0,
-        ], {"buckets": len(self.layout.buckets), "unused_names": [self.names[self.index_of[p]] for p in unused],
-            "checked_now": checked_now,
-            "describe_trainable": self.tracker.describe_mismatch if self.tracker is not None else None})
 
     def shadow_backward(self) -> None:
         """A joined rank's synchronized backward (Note [joined ranks] in join.py): every

@@ -111,8 +111,8 @@ def apply_change(reducer) -> None:
     newly trainable parameters' gradients, re-bucket (Note [trainable set changes])."""
     tracker = reducer.tracker
     flags = tracker.target
-    if reducer.step_check is not None:
-        reducer.step_check.settle()  # raises RankMismatchError if the ranks changed different sets
+    for observer in reducer.observers:  # raises RankMismatchError if the ranks changed different sets
+        observer.agreement_point(reducer)
     names = dict(zip(tracker.params, tracker.names))
     wanted = [p for p, f in zip(tracker.params, flags) if f]
     newly = [p for p in wanted if not reducer.is_active(p)]

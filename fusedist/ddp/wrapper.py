@@ -22,6 +22,7 @@ from .reducer import Reducer
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
+from ..reliability.engine_watch import StepWatch
 
 # torch options that change only how torch schedules its own reduction: accepted and ignored
 # (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
@@ -168,6 +169,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         # ZeroRedundancyOptimizer and the optimizer step guard find the wrapper of their params.
         register_data_parallel([p for _, p in named], self)
+        # [reliability] the engine's observer: step counters, the per-step cross-rank check
+        # and the stall-report context (fusedist/reliability/engine_watch.py).
+        self.watch = StepWatch(self.reducer)
+        self.reducer.observers.append(self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(list(module.named_parameters()), self)
         self._no_sync_depth = 0
@@ -268,13 +273,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             return _join.run_module(self, args, kwargs)
         if torch.is_grad_enabled():
             self.reducer.check_previous_backward()  # Note [interrupted backward]
-            self.reducer.settle_checks()  # [reliability] before this step's first collective
+            # Before this step's first collective (observers read the last step's checks).
+            self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
             if self.config.broadcast_buffers and self.module.training:
                 buffers = self._module_buffers()
                 if buffers:
                     self._broadcast_coalesced(buffers, tag="ddp buffers")
             self.reducer.tracker.observe(self.reducer)  # Note [trainable set changes]
-            self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
         # Called even with no waiter: a compiled DDP forward must not have a branch that
         # dynamo resolved while the list was still empty.
         self._wait_for_params(torch.compiler.is_compiling())
@@ -415,7 +420,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         check reports a divergence at the next training forward, which the last step lacks).
         ``fusedist.checkpoint.save`` calls it before writing anything. Nothing is checked with
         ``FUSEDIST_CHECKS=0``."""
-        self.reducer.check_consistency()
+        self.reducer.check_previous_backward()  # an interrupted backward is reset or reported first
+        self.watch.check_now(self.reducer)
 
     def comm_stats(self) -> dict:
         """Timing of the last synchronized backward: ``backward_us``, ``comm_span_us`` (first

@@ -2,6 +2,8 @@
 
 * :mod:`.monitor` -- the always-on collective monitor (history ring, stall reports through
   the torch.distributed store, crash entries for ranks that die of an exception);
+* :mod:`.engine_watch` -- the observer of a DDP model's gradient engine: step counters, the
+  per-step check at the point of the collective order the engine announces, stall-report context;
 * :mod:`.step_check` -- DDP's per-step cross-rank agreement check;
 * :mod:`.optimizer_guard` -- ``optimizer.step()`` misuse checks;
 * :mod:`.stall_report` -- the store protocol and the report text.

@@ -117,14 +117,13 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
 
 def _check_backward(optimizer, owners) -> None:
     for ddp in owners:
-        reducer = ddp.reducer
-        if reducer.backward_count == 0:
+        if ddp.reducer.iteration == 0:  # backwards completed, synchronized or not
             raise RuntimeError(
                 f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() was called before any "
                 "backward pass through the DistributedDataParallel model, so there are no averaged "
                 "gradients to apply. Call loss.backward() (outside no_sync()) before optimizer.step()."
             )
-        if not reducer.last_backward_synced:
+        if not ddp.watch.last_backward_synced:
             raise RuntimeError(
                 f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() after a backward pass "
                 "whose forward ran under no_sync(): the gradients are this rank's local sums, not "
@@ -135,7 +134,7 @@ def _check_backward(optimizer, owners) -> None:
 
 def _post_step(optimizer, args, kwargs) -> None:
     for ddp in _owners(_classify(optimizer)):
-        ddp.reducer.optimizer_steps += 1
+        ddp.watch.optimizer_steps += 1
 
 
 def install() -> None:

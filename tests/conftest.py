@@ -27,3 +27,26 @@ def requires_gpus(n: int = 1):
     """Marker: skip unless ``n`` CUDA devices are visible."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pytest.mark.skipif(count < n, reason=f"needs {n} CUDA device(s), found {count}")
+
+
+def rank_slot_count() -> int:
+    """How many ranks this machine holds (0 without CUDA): one per GPU, or
+    ``FUSEDIST_TEST_RANKS_PER_GPU`` per GPU (Note [several ranks on one GPU] in
+    fusedist/testing/shared_gpu.py)."""
+    from fusedist.testing import rank_slots, ranks_per_gpu_setting
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return rank_slots(count, ranks_per_gpu_setting())
+
+
+def requires_rank_slots(n: int = 2):
+    """Marker: skip unless this machine holds ``n`` ranks (:func:`rank_slot_count`). Tests under
+    it bind rank ``r`` to ``fusedist.testing.device_for_rank(r)``, not to ``cuda:r``."""
+    from fusedist.testing import RANKS_PER_GPU_ENV
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    slots = rank_slot_count()
+    return pytest.mark.skipif(
+        slots < n,
+        reason=f"needs room for {n} ranks: {n} CUDA devices, or ranks sharing a GPU through "
+               f"{RANKS_PER_GPU_ENV} (found {count} CUDA device(s), room for {slots} rank(s))")

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import models
-from conftest import requires_gpus
+from conftest import requires_rank_slots
 from fault_scripts.train_fault import RaiseInBackward
-from fusedist.testing import run_distributed
+from fusedist.testing import device_for_rank, run_distributed
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
 
@@ -409,9 +409,10 @@ def _cuda_skip_worker(rank, world_size):
     import fusedist
     from fusedist._consistency import RankMismatchError
 
-    torch.cuda.set_device(rank)
+    device = device_for_rank(rank)  # several ranks may share it (FUSEDIST_TEST_RANKS_PER_GPU)
+    torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = fusedist.DistributedDataParallel(models.MLP().cuda(), device_ids=[rank])
+    model = fusedist.DistributedDataParallel(models.MLP().cuda(), device_ids=[device])
     assert model.watch.step_check.on_cuda
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
@@ -430,7 +431,7 @@ def _cuda_skip_worker(rank, world_size):
 
 
 @pytest.mark.gpu
-@requires_gpus(2)
+@requires_rank_slots(2)
 def test_divergence_detected_on_cuda():
     for text in run_distributed(_cuda_skip_worker, 2, backend="nccl", timeout=120):
         assert "forward: ranks [0]: 3; ranks [1]: 4" in text

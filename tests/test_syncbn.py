@@ -16,9 +16,10 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from conftest import rank_slot_count, requires_rank_slots
 
 from fusedist.nn import SyncBatchNorm
-from fusedist.testing import run_distributed
+from fusedist.testing import device_for_rank, run_distributed
 
 # fp32 against fp32 BatchNorm: both are exact up to fp32 rounding of sums over ~100 values.
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -525,11 +526,12 @@ def test_cuda_single_process_matches_batchnorm(dtype, layout):
 
 
 def _nccl_rank(rank, world_size, sizes):
-    torch.cuda.set_device(rank)
+    device = device_for_rank(rank)  # several ranks may share it (FUSEDIST_TEST_RANKS_PER_GPU)
+    torch.cuda.set_device(device)
     xs, dys, _, _ = _global_data(sizes, 16, (6, 6), seed=9, steps=1)
     out = []
     for layout in ("contiguous", "channels_last"):
-        ours, ref = _cuda_case(xs[0], dys[0], sizes, rank, layout, torch.float32, f"cuda:{rank}")
+        ours, ref = _cuda_case(xs[0], dys[0], sizes, rank, layout, torch.float32, f"cuda:{device}")
         gw = _all_reduce_sum(ours.weight.grad)
         torch.testing.assert_close(gw.double(), ref.weight.grad, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ours.running_mean.double(), ref.running_mean, rtol=1e-5, atol=1e-5)
@@ -538,10 +540,10 @@ def _nccl_rank(rank, world_size, sizes):
 
 
 @pytest.mark.gpu
+@requires_rank_slots(2)
 def test_nccl_unequal_batches():
-    count = torch.cuda.device_count()
-    if count < 2:
-        pytest.skip(f"needs 2 CUDA devices, found {count}")
-    sizes = (5, 0, 3)[: min(count, 3)] if count >= 3 else (5, 3)
+    # One rank per slot, up to 3 (the empty middle rank needs 3): one or more GPUs, each
+    # shared by FUSEDIST_TEST_RANKS_PER_GPU ranks when set.
+    sizes = (5, 0, 3) if rank_slot_count() >= 3 else (5, 3)
     results = run_distributed(_nccl_rank, len(sizes), sizes, backend="nccl", timeout=300)
     assert all(r == results[0] for r in results), "running stats differ across ranks"

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from conftest import requires_rank_slots
+from fusedist.testing import device_for_rank, run_distributed
 
 TINY_BUCKETS = dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)  # several buckets
 
@@ -599,11 +600,12 @@ def test_misuse_is_reported(zero_run):
 def _cuda_worker(rank, world_size, stage):
     import fusedist
 
-    torch.cuda.set_device(rank)
+    device = device_for_rank(rank)  # several ranks may share it (FUSEDIST_TEST_RANKS_PER_GPU)
+    torch.cuda.set_device(device)
     torch.manual_seed(1234)
     base = models.MLP().cuda()
-    ref = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=[rank], **TINY_BUCKETS)
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=[rank], **TINY_BUCKETS)
+    ref = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=[device], **TINY_BUCKETS)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=[device], **TINY_BUCKETS)
     opt_ref = torch.optim.AdamW(_groups(ref.module), lr=1e-2)
     opt = fusedist.ZeroRedundancyOptimizer(_groups(ours.module), _inner_class(), stage=stage, lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -629,11 +631,9 @@ def _cuda_worker(rank, world_size, stage):
 
 
 @pytest.mark.gpu
+@requires_rank_slots(2)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_nccl_matches_unsharded_adamw(stage):
-    count = torch.cuda.device_count()
-    if count < 2:
-        pytest.skip(f"needs 2 CUDA devices, found {count}")
     for diff in run_distributed(_cuda_worker, 2, stage, backend="nccl", timeout=300):
         assert diff < 1e-5
 

@@ -8,9 +8,10 @@
 #      required and compiled for this GPU's architecture only;
 #   2. runs the GPU test tier (pytest -m gpu): direct-NCCL communicator vs torch's NCCL,
 #      comm-stream overlap, timeouts, and the compiled Triton kernels of every feature;
-#   3. runs the multi-rank tier: the world-size-2 GPU tests and the fault matrix on NCCL,
-#      two ranks sharing GPU 0 (FUSEDIST_TEST_RANKS_PER_GPU=2, Note [several ranks on one
-#      GPU] in fusedist/testing/shared_gpu.py), within FUSEDIST_GPU_MULTI_S seconds;
+#   3. runs the multi-rank tier: the world-size-2 GPU tests (communicator, reliability,
+#      SyncBatchNorm, ZeRO) and the fault matrix on NCCL, two ranks sharing GPU 0
+#      (FUSEDIST_TEST_RANKS_PER_GPU=2, Note [several ranks on one GPU] in
+#      fusedist/testing/shared_gpu.py), within FUSEDIST_GPU_MULTI_S seconds;
 #   4. runs the GPU benchmarks (and the gloo collectives on this host's CPUs);
 #   5. prints a summary table last (also saved under benchmarks/results/).
 #
@@ -27,7 +28,19 @@ cd "$ROOT" || exit 2
 PY="${PYTHON:-python3}"
 BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-525}"  # stay under 9 minutes in total
 MULTI_S="${FUSEDIST_GPU_MULTI_S:-170}"     # reserved for the multi-rank tier
-MULTI_TESTS="tests/test_nccl_multirank_gpu.py tests/test_fault_matrix_gpu.py"
+# The multi-rank tier's tests: whole files, or single tests (node ids) of files whose other
+# GPU tests stay in the GPU tier. The GPU tier leaves all of them out.
+MULTI_TESTS="tests/test_nccl_multirank_gpu.py tests/test_fault_matrix_gpu.py
+tests/test_reliability.py::test_divergence_detected_on_cuda
+tests/test_syncbn.py::test_nccl_unequal_batches
+tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw"
+MULTI_SKIP=()  # pytest options that leave MULTI_TESTS out of the GPU tier
+for t in $MULTI_TESTS; do
+    case "$t" in
+        *::*) MULTI_SKIP+=("--deselect=$t") ;;
+        *) MULTI_SKIP+=("--ignore=$t") ;;
+    esac
+done
 STAMP="$(date -u +%F)"
 WORK="$ROOT/build/gpu-checks"
 RESULTS="$ROOT/benchmarks/results"
@@ -172,7 +185,7 @@ else
     # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
     run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
         "$PY" -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
-        $(printf -- '--ignore=%s ' $MULTI_TESTS) --junitxml="$WORK/report/gpu-tests.xml"
+        "${MULTI_SKIP[@]}" --junitxml="$WORK/report/gpu-tests.xml"
     tail -n 5 "$WORK/pytest.log"
     pytest_rows "$WORK/report/gpu-tests.xml" "pytest -m gpu (all)" "$WORK/pytest.log"
     if [ -f "$WORK/report/overlap.json" ]; then
@@ -183,7 +196,8 @@ fi
 
 # ----------------------------------------------------------------------------- multi-rank tier
 # Two ranks on GPU 0 over NCCL's socket transport (slow, but real NCCL across ranks): the
-# world-size-2 tests against torch's NCCL and the fault matrix on NCCL.
+# world-size-2 tests against torch's NCCL, the fault matrix on NCCL, and the two-rank CUDA
+# tests of reliability (divergence check), SyncBatchNorm and ZeRO stages 1/2.
 say "multi-rank tier (2 ranks on GPU 0)"
 limit=$(( $(left) - 60 )); [ "$limit" -gt "$MULTI_S" ] && limit=$MULTI_S
 if [ "$limit" -lt 30 ]; then

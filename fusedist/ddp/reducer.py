@@ -270,6 +270,18 @@ class Reducer:
         for listener in self.layout_listeners:
             listener(new)
 
+    def use_strategy(self, strategy: GradSyncStrategy) -> None:
+        """Choose how buckets are synchronized: all-reduce and average (the default), or a
+        consumer's own (ZeRO stage 2 reduce-scatters into its gradient shards). Chosen once,
+        between backward passes; the layout is fixed with it."""
+        if not isinstance(self.strategy, AllReduceAverage):
+            raise ValueError(f"this DDP model's gradients are already synchronized by "
+                             f"{type(self.strategy).__name__} (one stage-2 optimizer per model)")
+        if self.in_backward:
+            raise RuntimeError("fusedist DDP: the gradient synchronization cannot change during a backward pass")
+        self.fix_layout()
+        self.strategy = strategy
+
     def fix_layout(self) -> None:
         """Note [layout fixed by a sharded consumer]: no re-bucketing from now on; the
         layout grows only by appending."""

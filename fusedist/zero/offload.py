@@ -45,8 +45,6 @@ stream or event exists: the same code path, which is how CI tests it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .. import _extension

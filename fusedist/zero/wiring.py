@@ -72,11 +72,12 @@ def install_stage2(zero) -> None:
             "model: gradients are reduce-scattered by its backward hooks. Wrap the model, or use stage=1."
         )
     reducer = zero.ddp.reducer
-    if isinstance(reducer.strategy, ReduceScatterToShard):
-        raise ValueError("ZeroRedundancyOptimizer: this DDP model already has a stage-2 optimizer")
-    if reducer.in_backward:
-        raise RuntimeError("ZeroRedundancyOptimizer(stage=2) constructed during a backward pass")
-    reducer.strategy = ReduceScatterToShard(zero)
+    try:
+        reducer.use_strategy(ReduceScatterToShard(zero))
+    except ValueError:
+        raise ValueError("ZeroRedundancyOptimizer: this DDP model already has a stage-2 optimizer") from None
+    except RuntimeError as exc:
+        raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2) constructed during a backward pass: {exc}") from None
     # A global clip (fusedist.clip_grad_norm_) finds the optimizer that holds these
     # parameters' gradients: p.grad is None in stage 2.
     register_gradient_holder(zero._trainable_params(), zero)

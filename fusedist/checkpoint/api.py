@@ -6,7 +6,9 @@ Layout of a checkpoint directory::
                          size and SHA-256, parameter names/shapes, optimizer kind
     common.pt            rank 0: {"model", "optimizer" (unsharded optimizers), "scaler", "extra"}
     rank-00000.pt ...    one per rank that holds per-rank state: {"optimizer_shard": the
-                         ZeroRedundancyOptimizer shard (per-parameter fragments)}
+                         ZeroRedundancyOptimizer shard (per-parameter fragments)}; for a
+                         ``fully_shard`` model also {"model_shard": the rank's pieces as
+                         fragments} (Note [stage-3 checkpoints] in ``stage3.py``)
 
 Both files are dicts of named *sections*; adding per-rank state (RNG states, data-loader
 position) means adding a section to ``_rank_sections`` / ``_common_sections`` and consuming it
@@ -35,7 +37,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _files
+from . import _files, stage3
 from ._files import CheckpointError
 
 COMMON = "common.pt"
@@ -64,13 +66,19 @@ def _strip_prefix(state: dict) -> dict:
 
 class _World:
     """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
-    ZeRO, else the default group, else a single process. Its exchanges go through the
+    ZeRO, the units' group for a ``fully_shard`` model, else the default group, else a single
+    process. Its exchanges go through the
     communicator (bounded, monitored), so a rank missing from a save or load is named in a
     StallError, and ranks in different checkpoint calls are told which call each is in."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, model: Optional[torch.nn.Module] = None):
         self.comm = None
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        sharded_comm = stage3.comm_of(_unwrap(model)) if model is not None else None
+        if sharded_comm is not None:
+            self.rank, self.size = sharded_comm.rank, sharded_comm.world_size
+            if self.size > 1:
+                self.comm = sharded_comm
+        elif isinstance(optimizer, ZeroRedundancyOptimizer):
             self.rank, self.size = optimizer.rank, optimizer.world_size
             if optimizer.comm is not None and optimizer.world_size > 1:
                 self.comm = optimizer.comm
@@ -92,7 +100,12 @@ class _World:
 
 
 def _param_names(model: torch.nn.Module, params) -> list[str]:
-    names = {p: n for n, p in _unwrap(model).named_parameters()}
+    module = _unwrap(model)
+    names = {p: n for n, p in module.named_parameters()}
+    for unit in stage3.units(module):  # a unit gathered now: its modules hold the unsharded parameters
+        for sp, u in zip(unit.sharded, unit.unsharded):
+            if u in names:
+                names.setdefault(sp, names[u])
     return [names.get(p, f"<not in model: {tuple(p.shape)}>") for p in params]
 
 
@@ -133,7 +146,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
     _check_ranks_agree(model, optimizer)
-    world = _World(optimizer)
+    world = _World(optimizer, model)
     os.makedirs(directory, exist_ok=True)
     if world.rank == 0:
         _files.remove_manifest(directory)  # from here on the directory is not a valid checkpoint
@@ -143,7 +156,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         optimizer.wait_for_params()
     mine, error = {}, None
     try:
-        sections = _rank_sections(optimizer)
+        sections, sharded_keys = rank_sections(model, optimizer, world.rank, world.size)
         if per_rank is not None:  # [resume] this rank's RNG / data position (fusedist.checkpoint.resume)
             sections["per_rank"] = per_rank
         if sections:
@@ -161,7 +174,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         files = {}
         for entry in everyone:
             files.update(entry)
-        common = _common_sections(model, optimizer, scaler, extra)
+        common = _common_sections(model, optimizer, scaler, extra, sharded_keys)
         files[COMMON] = dict(_files.atomic_torch_save(os.path.join(directory, COMMON), common),
                              rank=0, sections=sorted(common))
         manifest = dict(manifest_base(model, optimizer, scaler, world.size), created_unix=time.time(), files=files)
@@ -174,16 +187,21 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
     at which world size (also written by the periodic ``Checkpointer``)."""
     zero = isinstance(optimizer, ZeroRedundancyOptimizer)
     params = _optimizer_params(optimizer) if optimizer is not None else []
+    sharded = bool(stage3.units(_unwrap(model)))
+    where = stage3.piece_index(_unwrap(model)) if sharded else {}
     return {
         "format": _files.FORMAT,
         "version": _files.VERSION,
         "world_size": world_size,
+        # Note [stage-3 checkpoints]: the sharded parameters are in the rank files
+        "model_sharded": sharded,
         "optimizer": None if optimizer is None else {
-            "kind": "zero" if zero else "full",
+            # a stage-3 optimizer is saved as ZeRO shards (whole-parameter fragments)
+            "kind": "zero" if zero or sharded else "full",
             "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
-            "stage": optimizer.stage if zero else None,
+            "stage": optimizer.stage if zero else (3 if sharded else None),
             "param_names": _param_names(model, params),
-            "param_shapes": [list(p.shape) for p in params],
+            "param_shapes": [list(stage3.full_shape(p, where)) for p in params],
         },
         "scaler": scaler is not None,
     }
@@ -209,20 +227,40 @@ def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Option
     return _files.load_file(_files.verify_file(directory, rank_file(rank), info), trusted)["per_rank"]
 
 
-def _rank_sections(optimizer) -> dict:
-    sections = {}
+def rank_sections(model, optimizer, rank: int, world_size: int) -> tuple[dict, set]:
+    """This rank's sections (ZeRO's optimizer shard; a ``fully_shard`` model's pieces and
+    optimizer shard, Note [stage-3 checkpoints]) and the model keys they hold."""
+    sections, sharded_keys = {}, set()
+    module = _unwrap(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         sections["optimizer_shard"] = to_cpu(optimizer.shard_state_dict())
-    return sections
+    elif stage3.units(module):
+        sections["model_shard"], sharded_keys = stage3.model_shard(module, rank, world_size)
+        if optimizer is not None:
+            sections["optimizer_shard"] = to_cpu(stage3.optimizer_shard(
+                module, optimizer, _optimizer_params(optimizer), rank, world_size))
+    return sections, sharded_keys
 
 
-def _common_sections(model, optimizer, scaler, extra) -> dict:
-    full_optimizer = None
-    if optimizer is not None and not isinstance(optimizer, ZeroRedundancyOptimizer):
-        full_optimizer = to_cpu(optimizer.state_dict())
+def common_model(model, sharded_keys: set) -> dict:
+    """The model state rank 0 writes to ``common.pt`` (all of it, less what the rank files hold)."""
+    if sharded_keys or stage3.units(_unwrap(model)):
+        return stage3.common_model(_unwrap(model), sharded_keys)
+    return to_cpu(_unwrap(model).state_dict())
+
+
+def full_optimizer_state(model, optimizer) -> Optional[dict]:
+    """The optimizer state rank 0 writes to ``common.pt``: an unsharded optimizer's (a ZeRO or
+    stage-3 optimizer's state is in the rank files)."""
+    if optimizer is None or isinstance(optimizer, ZeroRedundancyOptimizer) or stage3.units(_unwrap(model)):
+        return None
+    return to_cpu(optimizer.state_dict())
+
+
+def _common_sections(model, optimizer, scaler, extra, sharded_keys: set) -> dict:
     return {
-        "model": to_cpu(_unwrap(model).state_dict()),
-        "optimizer": full_optimizer,
+        "model": common_model(model, sharded_keys),
+        "optimizer": full_optimizer_state(model, optimizer),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra,
     }
@@ -246,7 +284,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     checkpoint whose ``extra`` holds other objects is refused unless ``trusted=True``, which
     unpickles fully -- only for checkpoints from a source you trust.
     """
-    world = _World(optimizer)
+    world = _World(optimizer, model)
     try:
         plan = _prepare(directory, model, optimizer, scaler, trusted)
         error = None
@@ -270,11 +308,26 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
         raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {COMMON}")
     common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]), trusted)
     plan: dict = {"extra": common.get("extra")}
+    rank_files: dict = {}
 
-    # Model: the saved keys and shapes must be exactly the module's.
+    def sections(name: str) -> list:
+        """Section ``name`` of every rank file holding it (each file read once)."""
+        out = []
+        for file, info in sorted(files.items()):
+            if name in info.get("sections", []):
+                if file not in rank_files:
+                    rank_files[file] = _files.load_file(_files.verify_file(directory, file, info), trusted)
+                out.append(rank_files[file][name])
+        return out
+
+    # Model: the saved keys and shapes must be exactly the module's (whole parameters).
     target = _unwrap(model)
     saved = _strip_prefix(common["model"])
-    expected = target.state_dict()
+    if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
+        saved = dict(saved)
+        saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
+    sharded_target = bool(stage3.units(target))
+    expected = stage3.full_shapes(target) if sharded_target else {k: v.shape for k, v in target.state_dict().items()}
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
     if missing or unexpected:
@@ -282,16 +335,17 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
             f"fusedist.checkpoint: the model in {directory} does not match: missing keys {missing[:10]}, "
             f"unexpected keys {unexpected[:10]}"
         )
-    for k, v in expected.items():
-        if tuple(saved[k].shape) != tuple(v.shape):
+    for k, shape in expected.items():
+        if tuple(saved[k].shape) != tuple(shape):
             raise CheckpointError(
                 f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
-                f"is {tuple(v.shape)}"
+                f"is {tuple(shape)}"
             )
     plan["model"] = saved
+    plan["model_sharded"] = sharded_target
 
     if optimizer is not None:
-        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, trusted)
+        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, sections)
     if scaler is not None:
         if common.get("scaler") is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
@@ -299,13 +353,16 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
     return plan
 
 
-def _prepare_optimizer(directory, manifest, common, model, optimizer, trusted: bool = False):
+def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     meta = manifest.get("optimizer")
     if meta is None:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
     params = _optimizer_params(optimizer)
     names = _param_names(model, params)
-    if meta["param_names"] != names or [list(p.shape) for p in params] != meta["param_shapes"]:
+    target = _unwrap(model)
+    sharded_target = bool(stage3.units(target))
+    where = stage3.piece_index(target) if sharded_target else {}
+    if meta["param_names"] != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
         first = next((i for i, (a, b) in enumerate(zip(meta["param_names"], names)) if a != b), None)
         detail = (f"parameter {first} is '{meta['param_names'][first]}' in the checkpoint, '{names[first]}' here"
                   if first is not None else f"{len(meta['param_names'])} parameters saved, {len(names)} here "
@@ -313,10 +370,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, trusted: b
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
     source = f"optimizer state in {directory}"
     if meta["kind"] == "zero":
-        shards = []
-        for name, info in sorted(manifest["files"].items()):
-            if "optimizer_shard" in info.get("sections", []):
-                shards.append(_files.load_file(_files.verify_file(directory, name, info), trusted)["optimizer_shard"])
+        shards = sections("optimizer_shard")
         if len(shards) != manifest["world_size"]:
             raise CheckpointError(
                 f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "
@@ -324,6 +378,11 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, trusted: b
             )
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer.prepare_load(shards, source=source)
+        if sharded_target:
+            if not any(s.get("replicated") for s in shards):
+                stage3.check_shard_set(shards, "optimizer", source)
+            return stage3.optimizer_for_pieces(target, optimizer, params, zstate.merge_fragments(shards),
+                                               shards[0]["param_groups"], shards[0]["param_meta"], source)
         merged = zstate.merge_fragments(shards)
         assembled = zstate.assemble(merged, params, range(len(params)), source=source)
         zstate.relayout(assembled, params, shards[0]["param_meta"])
@@ -333,6 +392,10 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, trusted: b
     full = common["optimizer"]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.prepare_load(full, source=source)
+    if sharded_target:
+        wholes = [stage3._whole(p, where) for p in params]
+        return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
+                                           full["param_groups"], None, source)
     zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
     return full
 
@@ -343,7 +406,12 @@ def _apply(plan: dict, model, optimizer, scaler):
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()  # no parameter all-gather may land after the load
     with torch.no_grad():
-        _unwrap(model).load_state_dict(plan["model"])
+        if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
+            from ..fsdp.state_dict import load_full_state_dict
+
+            load_full_state_dict(_unwrap(model), plan["model"])
+        else:
+            _unwrap(model).load_state_dict(plan["model"])
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.sync_master_from_params()
         if "optimizer" in plan:

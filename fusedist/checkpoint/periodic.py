@@ -256,15 +256,15 @@ class Checkpointer:
         if sampler is not None and not isinstance(sampler, ElasticDistributedSampler):
             per_rank["sampler"] = sampler.state_dict()
         sections = {"per_rank": per_rank}
-        if zero:
-            sections["optimizer_shard"] = optimizer.shard_state_dict()
+        held, sharded_keys = api.rank_sections(model, optimizer, self.rank, self.world_size)
+        sections.update(held)  # ZeRO's or fully_shard's shards (Note [stage-3 checkpoints])
         common = manifest = None
         if self.rank == 0:
             meta = {"step": step, "world_size": self.world_size, "user": extra,
                     "lr_scheduler": s["lr_scheduler"].state_dict() if s["lr_scheduler"] is not None else None,
                     "sampler": sampler.state_dict() if isinstance(sampler, ElasticDistributedSampler) else None}
-            common = {"model": api._unwrap(model).state_dict(),
-                      "optimizer": optimizer.state_dict() if optimizer is not None and not zero else None,
+            common = {"model": api.common_model(model, sharded_keys),
+                      "optimizer": api.full_optimizer_state(model, optimizer),
                       "scaler": s["scaler"].state_dict() if s["scaler"] is not None else None,
                       "extra": meta}
             manifest = self._manifest_base(step, model, optimizer)

@@ -14,10 +14,11 @@ from torch import nn
 
 from .state import state_of
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "units_of", "piece_index"]
 
 
-def _units(model: nn.Module) -> list:
+def units_of(model: nn.Module) -> list:
+    """The sharded units under ``model`` (each once, in module order)."""
     seen, units = set(), []
     for m in model.modules():
         st = state_of(m)
@@ -27,7 +28,7 @@ def _units(model: nn.Module) -> list:
     return units
 
 
-def _index(units) -> dict:
+def piece_index(units) -> dict:
     """id of a piece (or an unsharded parameter) -> (unit, parameter index)."""
     out = {}
     for unit in units:
@@ -41,8 +42,8 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
     """``model``'s state dict with every parameter whole, under the keys of the unwrapped
     model (buffers and ignored parameters as they are). A collective: every rank calls it,
     every rank gets the whole dict. Peak memory: the whole model, plus one gathered unit."""
-    units = _units(model)
-    where = _index(units)
+    units = units_of(model)
+    where = piece_index(units)
     gathered = {}
     for unit in units:
         flat = torch.empty(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
@@ -65,7 +66,7 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
 def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True) -> None:
     """Load a whole-parameter state dict (:func:`full_state_dict`'s, or an unwrapped model's)
     into the sharded ``model``: each rank copies its pieces' rows. No communication."""
-    where = _index(_units(model))
+    where = piece_index(units_of(model))
     own = model.state_dict(keep_vars=True)
     if strict:
         missing = sorted(set(own) - set(state_dict))

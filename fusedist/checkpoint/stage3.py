@@ -1,0 +1,215 @@
+"""Checkpoints of ``fully_shard`` (ZeRO stage 3) models, in ZeRO's layout-independent format.
+
+Note [stage-3 checkpoints]
+    At rest a ``fully_shard`` model's parameters are this rank's pieces (Note [sharded
+    parameters] in ``fsdp/unit.py``): a block of whole rows, i.e. one contiguous range of
+    the flattened parameter. That is exactly a fragment of Note [fragments]
+    (``zero/state.py``), so a stage-3 checkpoint is written in that format and nothing else:
+
+    * each rank's file gets ``model_shard``: ``{"format": MODEL_FORMAT, "rank", "world_size",
+      "keys": [state-dict key of every sharded parameter], "param_meta", "fragments": {k:
+      [{"range": (lo, hi), "master": the piece's values, "state": {}}]}}`` -- the parameter's
+      value travels as the fragment's ``master`` (at rest the piece *is* the authoritative copy;
+      with ``mp_policy`` the unit computes in ``param_dtype`` from it);
+    * each rank's file gets ``optimizer_shard``: a ZeroRedundancyOptimizer shard (``zstate.FORMAT``,
+      ``stage`` 3) made from the optimizer's own torch-format state dict over the pieces: every
+      elementwise tensor is the piece's range of the parameter's state, scalars (``step``) as
+      they are, a fused optimizer's ``master_param`` as the fragment's master. A parameter the
+      units do not shard (``ignored_params``) is replicated: rank 0 writes it whole;
+    * ``common.pt``'s ``model`` holds what is not sharded (buffers, ignored parameters), and
+      the manifest says ``model_sharded``.
+
+    Because the shards are ZeRO shards over whole-parameter shapes, a DDP run (an unsharded
+    optimizer) and a ZeRO-1/2 run load a stage-3 checkpoint through the paths they already
+    have, at any world size. Loading into a ``fully_shard`` model goes the other way: every
+    parameter's value and optimizer state is assembled whole from the fragments (or taken from
+    ``common.pt`` and the full optimizer state of a DDP checkpoint), validated, and cut to this
+    rank's range, whatever the world size or unit layout that saved it. Pieces are row-major
+    (contiguous); a channels_last parameter of a DDP save is reordered by ``zstate.relayout``.
+    CPU memory for a load is about the whole model and optimizer state (every rank reads every
+    rank's file), as for ZeRO.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..zero import state as zstate
+
+MODEL_FORMAT = "fusedist.fsdp.model/1"
+
+
+# ---------------------------------------------------------------------------- the model's units
+def units(model: torch.nn.Module) -> list:
+    """The ``fully_shard`` units under ``model`` ([] for any other model)."""
+    from ..fsdp.state_dict import units_of
+
+    return units_of(model)
+
+
+def piece_index(model: torch.nn.Module) -> dict:
+    """id of a piece (or an unsharded parameter) -> (unit, parameter index)."""
+    from ..fsdp.state_dict import piece_index as index
+
+    return index(units(model))
+
+
+def comm_of(model: torch.nn.Module):
+    """The communicator the units of a ``fully_shard`` model share, or None."""
+    found = units(model)
+    return found[0].comm if found else None
+
+
+def full_shape(p: torch.Tensor, where: dict) -> tuple:
+    """The whole parameter's shape for a piece, the tensor's own for anything else."""
+    hit = where.get(id(p))
+    return tuple(hit[0].layout.slots[hit[1]].shape) if hit is not None else tuple(p.shape)
+
+
+def _whole(p: torch.Tensor, where: dict) -> torch.Tensor:
+    """What the fragment functions see as the parameter: a contiguous meta tensor of the
+    whole parameter for a piece (pieces are row-major ranges of it), ``p`` itself otherwise."""
+    hit = where.get(id(p))
+    if hit is None:
+        return p
+    unit, i = hit
+    return torch.empty(unit.layout.slots[i].shape, dtype=unit.dtype, device="meta")
+
+
+def _meta(p: torch.Tensor, where: dict) -> dict:
+    return zstate.param_meta([_whole(p, where)])[0]
+
+
+# ---------------------------------------------------------------------------- save
+@torch.no_grad()
+def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dict, set]:
+    """This rank's ``model_shard`` section and the state-dict keys it covers."""
+    where = piece_index(model)
+    keys, meta, fragments = [], [], {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        hit = where.get(id(value))
+        if hit is None:
+            continue
+        unit, i = hit
+        k = len(keys)
+        keys.append(key)
+        meta.append(_meta(unit.sharded[i], where))
+        lo, hi = unit.element_range(i)
+        if hi > lo:  # the piece, not the unsharded buffer (stale after a step) nor its storage
+            fragments[k] = [{"range": (lo, hi), "master": unit.sharded[i].detach().reshape(-1).cpu().clone(),
+                             "state": {}}]
+    section = {"format": MODEL_FORMAT, "rank": rank, "world_size": world_size, "keys": keys,
+               "param_meta": meta, "fragments": fragments}
+    return section, set(keys)
+
+
+def common_model(model: torch.nn.Module, sharded_keys: set) -> dict:
+    """The state dict entries every rank holds whole (buffers, ignored parameters)."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in sharded_keys}
+
+
+@torch.no_grad()
+def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, world_size: int) -> dict:
+    """A ZeroRedundancyOptimizer shard (Note [fragments]) of ``optimizer``'s state over the
+    pieces: this rank's range of every parameter (Note [stage-3 checkpoints])."""
+    where = piece_index(model)
+    full = optimizer.state_dict()
+    fragments: dict[int, list] = {}
+    for index, st in full["state"].items():
+        index = int(index)
+        p = params[index]
+        hit = where.get(id(p))
+        if hit is None:
+            if rank != 0:
+                continue  # replicated: rank 0's copy is the one saved
+            lo = 0
+        else:
+            lo, hi = hit[0].element_range(hit[1])
+            if hi == lo:
+                continue  # an empty piece holds no part of the parameter
+        frag = zstate.fragments_from_full({"state": {0: st}}, [p])[0][0]
+        n = p.numel()
+        frag["range"] = (lo, lo + n)
+        # Copies: a fused optimizer's state may be views of its flat buffers (saved whole otherwise).
+        frag["state"] = zstate.slice_state(frag["state"], n, 0, n, copy=True, optimizer_name=type(optimizer).__name__,
+                                           why="it cannot be cut into the pieces of fully_shard")
+        frag["master"] = frag["master"].clone() if frag["master"] is not None else None
+        fragments[index] = [frag]
+    return {
+        "format": zstate.FORMAT,
+        "stage": 3,
+        "world_size": world_size,
+        "rank": rank,
+        "optimizer_class": type(optimizer).__name__,
+        "param_groups": [dict(g) for g in full["param_groups"]],
+        "param_meta": [_meta(p, where) for p in params],
+        "fragments": fragments,
+    }
+
+
+# ---------------------------------------------------------------------------- load
+def check_shard_set(shards: list[dict], what: str, source: str) -> None:
+    """Shards load as a complete set: every rank of the world that saved them, once."""
+    ranks = sorted(sd.get("rank") for sd in shards)
+    sizes = {sd.get("world_size") for sd in shards}
+    if len(sizes) != 1 or ranks != list(range(next(iter(sizes)))):
+        raise zstate.StateDictError(f"{source}: {what} shards of ranks {ranks} of a world of {sorted(sizes)}; "
+                                    "a rank's file is missing or comes from another save")
+
+
+def assemble_model(shards: list[dict], source: str) -> dict:
+    """The whole value of every sharded parameter of a stage-3 save, by state-dict key."""
+    check_shard_set(shards, "model", source)
+    keys = shards[0]["keys"]
+    if any(sd["keys"] != keys for sd in shards):
+        raise zstate.StateDictError(f"{source}: the ranks' model shards name different parameters")
+    meta = shards[0]["param_meta"]
+    wholes = [torch.empty(m["shape"], device="meta") for m in meta]
+    assembled = zstate.assemble(zstate.merge_fragments(shards), wholes, range(len(keys)), source=source)
+    out = {}
+    for k, key in enumerate(keys):
+        shape = tuple(meta[k]["shape"])
+        item = assembled.get(k)
+        if item is None:
+            if wholes[k].numel():
+                raise zstate.StateDictError(f"{source}: no rank's model shard holds '{key}'")
+            out[key] = torch.empty(shape, dtype=getattr(torch, meta[k]["dtype"]))
+        else:
+            out[key] = item["master"].view(shape)
+    return out
+
+
+def full_shapes(model: torch.nn.Module) -> dict:
+    """The model's state-dict keys with the whole parameters' shapes."""
+    where = piece_index(model)
+    return {k: full_shape(v, where) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags: dict, groups: list,
+                         saved_meta: Optional[list], source: str) -> dict:
+    """A torch-format state dict for ``optimizer`` over the pieces: every parameter's state
+    assembled whole from ``frags`` (validated), reordered to row-major if it was saved in
+    another memory order, and cut to this rank's range."""
+    where = piece_index(model)
+    wholes = [_whole(p, where) for p in params]
+    assembled = zstate.assemble(frags, wholes, range(len(params)), source=source)
+    if saved_meta is not None:
+        zstate.relayout(assembled, wholes, saved_meta)
+    mine = {}
+    for index, item in assembled.items():
+        hit = where.get(id(params[index]))
+        if hit is None:
+            mine[index] = item
+            continue
+        lo, hi = hit[0].element_range(hit[1])
+        n = wholes[index].numel()
+        mine[index] = {
+            "master": item["master"][lo:hi].clone() if item["master"] is not None else None,
+            "state": zstate.slice_state(item["state"], n, lo, hi, copy=True, optimizer_name=type(optimizer).__name__,
+                                        why="it cannot be cut into the pieces of fully_shard"),
+        }
+    out = zstate.to_torch_format(mine, params, groups)
+    zstate.check_groups(out["param_groups"], optimizer.param_groups, source)
+    return out

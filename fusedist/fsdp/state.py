@@ -21,6 +21,21 @@ Note [unit schedule]
 
     Every rank must run the same units in the same order (the collectives pair up by order);
     the first forward of a root checks that the ranks wrapped the model alike.
+
+Note [hooks outside compiled graphs]
+    ``block.compile()``, ``torch.compile(block)`` and ``torch.compile(model)`` trace a module's
+    ``_call_impl`` with its hooks. Traced, our hooks would put collectives, the parameter swap
+    on the module and Python bookkeeping into a graph (dynamo cannot trace the communicator,
+    and a graph would replay a swap decided once). So the forward pre/post hooks and the
+    backward pre-hook are ``torch.compiler.disable``-d: dynamo breaks the graph around them
+    and calls them eagerly, every time. The graph in between sees the module holding the
+    *unsharded* parameters -- the same persistent ``nn.Parameter`` objects every step (Note
+    [sharded parameters]), so its guards hold and it is compiled once; their storage being
+    freed and regathered between steps changes no guarded property (shape, dtype, strides).
+    AOTAutograd's saved tensors alias that storage like eager autograd's do, and the
+    backward pre-hook regathers it before the compiled backward runs. The gradient hooks are
+    post-accumulate hooks on the unsharded leaves, fired by the autograd engine after the
+    compiled backward, as in eager. tests/test_fully_shard_compile.py: exact parity.
 """
 
 from __future__ import annotations
@@ -190,6 +205,7 @@ class FullyShardState:
                 hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _pre_forward(self, module, args, kwargs):
         self.lazy_init()
         ctx, unit = self.ctx, self.unit
@@ -215,6 +231,7 @@ class FullyShardState:
                 st.unit.unshard(async_op=True)
         return args, kwargs
 
+    @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _post_forward(self, module, args, output):
         ctx, unit = self.ctx, self.unit
         if self._in_backward or ctx.backward_running:
@@ -236,6 +253,7 @@ class FullyShardState:
         return _cast(self.mp_policy.output_dtype, output)
 
     # ------------------------------------------------------------------ backward
+    @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _pre_backward(self, call: int, grad):
         ctx, unit = self.ctx, self.unit
         ctx.ensure_final_callback()

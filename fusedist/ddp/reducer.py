@@ -282,6 +282,34 @@ class Reducer:
         self.fix_layout()
         self.strategy = strategy
 
+    # ---- for a strategy that moves gradients out of the buffer (ZeRO stage 2)
+    def release_bucket(self, bucket: Bucket) -> None:
+        """Drop one bucket's full gradients (its consumer has stored what it needs)."""
+        for p in bucket.params:
+            p.grad = None  # views of the bucket: they would keep its memory alive
+        self.layout.release(bucket)
+
+    def release_gradients(self) -> None:
+        """Drop every full gradient: ``p.grad = None`` and each bucket's storage released
+        (the layout switches to per-bucket storage first if it is still flat, Note [bucket
+        storage] in layout.py)."""
+        for p in self.params:
+            p.grad = None
+        if self.layout.bucket_storage:
+            self.layout.release_all()
+        else:
+            self.layout.use_bucket_storage()
+
+    def take_caught_up(self) -> list:
+        """The parameters taken on in the last backward, averaged outside the buckets (Note
+        [trainable set changes]), handed over once."""
+        caught, self.caught_up = self.caught_up, []
+        return caught
+
+    def holds_gradients(self) -> bool:
+        """Whether any bucket holds gradients (e.g. a no_sync backward's, never reduced)."""
+        return self.layout.allocated_bytes > 0
+
     def fix_layout(self) -> None:
         """Note [layout fixed by a sharded consumer]: no re-bucketing from now on; the
         layout grows only by appending."""

@@ -31,29 +31,6 @@ import torch
 from ..ddp.strategy import GradSyncStrategy, divide_factors
 
 
-def release_grad_buffers(reducer) -> None:
-    """Drop every full gradient: ``p.grad = None`` and release each bucket's storage (the
-    layout is switched to per-bucket storage first if it is still flat)."""
-    for p in reducer.params:
-        p.grad = None
-    layout = reducer.layout
-    if layout.bucket_storage:
-        layout.release_all()
-    else:
-        layout.use_bucket_storage()
-
-
-def release_bucket(reducer, bucket) -> None:
-    """Drop one bucket's full gradients (its reduced shard is stored)."""
-    for p in bucket.params:
-        p.grad = None  # views of the bucket: they would keep its memory alive
-    reducer.layout.release(bucket)
-
-
-def grad_buffers_allocated(reducer) -> bool:
-    return reducer.layout.allocated_bytes > 0
-
-
 class ReduceScatterToShard(GradSyncStrategy):
     """Note [stage 2 gradients]. Talks to its optimizer through three calls only:
     ``bucket_shard(index)`` (this rank's range of a bucket), ``store_reduced(index, value,
@@ -80,8 +57,8 @@ class ReduceScatterToShard(GradSyncStrategy):
         out = self._outputs.pop(bucket.index)
         _, post = divide_factors(reducer.grad_divisor, out.dtype)
         self.zero.store_reduced(bucket.index, out, post)
-        release_bucket(reducer, bucket)  # the shard holds this bucket's gradients now
+        reducer.release_bucket(bucket)  # the shard holds this bucket's gradients now
 
     def after_sync(self, reducer) -> None:
         self.zero.end_reduction(reducer)
-        release_grad_buffers(reducer)
+        reducer.release_gradients()

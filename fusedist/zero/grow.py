@@ -188,7 +188,7 @@ def _regrow_state(zero, old, part) -> None:
 def store_caught_up(zero, reducer, accumulate: bool) -> None:
     """Stage 2: the gradients DDP averaged outside its buckets in this backward (parameters it
     took on, Note [trainable set changes]) go into this rank's gradient shard."""
-    caught, reducer.caught_up = reducer.caught_up, []
+    caught = reducer.take_caught_up()
     if not caught:
         return
     from ..ddp.layout import flat_like

@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from . import grow, wiring
 from . import state as zstate
 from .gather import ParamGatherer
-from .grad_sync import grad_buffers_allocated
 from .grads import GradientsMixin
 from .join import JoinableOptimizer
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
@@ -257,7 +256,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                 loss = closure()
         try:
             self.wait_for_params()
-            if self.stage == 2 and grad_buffers_allocated(self.ddp.reducer) and not self.ddp.reducer.in_backward:
+            if self.stage == 2 and self.ddp.reducer.holds_gradients() and not self.ddp.reducer.in_backward:
                 raise RuntimeError(
                     "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
                     "gradients were never reduced; run the last micro-batch's backward outside no_sync()"

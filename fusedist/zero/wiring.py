@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..comm import get_communicator
 from ..ownership import data_parallel_owner, register_gradient_holder
 from ..reliability import attach_monitor
-from .grad_sync import ReduceScatterToShard, release_grad_buffers
+from .grad_sync import ReduceScatterToShard
 
 
 def find_ddp(trainable: list, params: list):
@@ -81,5 +81,5 @@ def install_stage2(zero) -> None:
     # A global clip (fusedist.clip_grad_norm_) finds the optimizer that holds these
     # parameters' gradients: p.grad is None in stage 2.
     register_gradient_holder(zero._trainable_params(), zero)
-    release_grad_buffers(reducer)  # gradients live in shards from now on
+    reducer.release_gradients()  # gradients live in shards from now on
     reducer.layout_listeners.append(zero._on_layout_change)

@@ -13,6 +13,9 @@ Note [unit gradients]
     (oldest first), blocks only when more than ``MAX_IN_FLIGHT`` are pending, and the end of
     backward finishes the rest.
 
+    The average is taken as the sum of ``1/pre``-scaled gradients divided by ``post``
+    afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below).
+
     ``set_requires_gradient_sync(False)``: no reduce-scatter; the flat buffer is kept as an
     accumulator (``reduce_dtype``; the size of the unit, unsharded, on every rank) and the
     next synchronized backward adds its gradients to it and reduce-scatters the sum.
@@ -20,12 +23,21 @@ Note [unit gradients]
     Only parameters that received a gradient (this backward, or accumulated) get ``.grad``;
     the others' slots are zeros in the reduction and their ``.grad`` stays as it was, as with
     torch's FSDP2 (an optimizer then skips them).
+
+Note [fp16 reduction]
+    An fp16 sum over N ranks overflows (65504) where the average would not. As DDP does
+    (``ddp/strategy.py::divide_factors``, the factors torch's FSDP2 uses too), an fp16
+    ``reduce_dtype`` divides by ``pre`` (about sqrt(N), a power of two: exact) before the
+    reduce-scatter and by ``post = N / pre`` after it -- in the shard's dtype when that is
+    wider (FP32 master weights), so small gradients do not underflow on the way. fp32 and
+    bf16 reduce with ``avg`` (sum, then divide), whose range needs no split.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ddp.strategy import divide_factors
 from .memory import COUNTERS
 
 #: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
@@ -36,8 +48,10 @@ MAX_IN_FLIGHT = 2
 class PendingReduce:
     """A reduce-scatter in flight and the buffers it needs until it has landed."""
 
-    def __init__(self, grads: "UnitGrads", handle, output: torch.Tensor, input: torch.Tensor, with_grad: list):
+    def __init__(self, grads: "UnitGrads", handle, output: torch.Tensor, input: torch.Tensor, with_grad: list,
+                 post: float = 1.0):
         self.grads, self.handle, self.output, self.input, self.with_grad = grads, handle, output, input, with_grad
+        self.post = post  # divisor still to apply to the output (Note [fp16 reduction])
         self.nbytes = (output.numel() + input.numel()) * output.element_size()
 
 
@@ -95,9 +109,14 @@ class UnitGrads:
         unit = self.unit
         out = torch.empty(unit.layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
         COUNTERS.add_scratch(out.numel() * out.element_size())
-        handle = unit.comm.reduce_scatter(out, flat, op="avg", async_op=True,
+        op, post = "avg", 1.0
+        if self.reduce_dtype == torch.float16 and unit.world_size > 1:  # Note [fp16 reduction]
+            pre, post = divide_factors(unit.world_size, self.reduce_dtype)
+            flat.div_(pre)
+            op = "sum"
+        handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
                                           tag=f"fully_shard grads {unit.name or 'root'}")
-        pending.append(PendingReduce(self, handle, out, flat, with_grad))
+        pending.append(PendingReduce(self, handle, out, flat, with_grad, post))
         while pending and (len(pending) > MAX_IN_FLIGHT or pending[0].handle.is_completed()):
             finish(pending.pop(0))  # the landed ones free their buffers at once; block past the cap
 
@@ -119,6 +138,9 @@ def finish(p: PendingReduce) -> None:
     COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
     out = p.output
     p.input = None
+    if p.post != 1.0:  # Note [fp16 reduction]: on the device, in the shard's dtype
+        out = out.to(unit.dtype) if out.dtype != unit.dtype else out
+        out.div_(p.post)
     if out.dtype != unit.dtype or out.device != unit.shard_device:
         out = out.to(device=unit.shard_device, dtype=unit.dtype, non_blocking=unit.offload)
     for i in p.with_grad:

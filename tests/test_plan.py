@@ -228,3 +228,15 @@ def test_hf_config_source_and_moe(tmp_path, capsys):
     path.write_text(json.dumps({**LLAMA2_7B, "model_type": "mixtral", "num_local_experts": 8}))
     code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
     assert code == 2 and "--hf-config" in err and "mixture-of-experts" in err
+
+
+def test_fusedist_zero3_is_fully_shard_with_any_optimizer():
+    """fusedist's ZeRO-3 (fully_shard) leaves the optimizer to the user, as DDP does: an FP32
+    master only for 16-bit parameters, and the gradient shard in the parameters' dtype."""
+    from fusedist.plan.memory import optimizer_k
+    psi, n = 1e9, 8
+    assert optimizer_k("fp32", "adamw", "zero3", "fusedist") == 8
+    assert optimizer_k("bf16", "adamw", "zero3", "fusedist") == 12
+    assert model_states(psi, n, "zero3", "fp32", convention="fusedist").device == 16 * psi / n
+    assert model_states(psi, n, "zero3", "bf16", convention="fusedist").device == 16 * psi / n
+    assert model_states(psi, n, "zero3", "bf16", convention="paper").device == 16 * psi / n

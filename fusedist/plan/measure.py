@@ -1,12 +1,13 @@
-"""``--measure``: train the model with fusedist's DDP, ZeRO-1 and ZeRO-2 (and ZeRO-2 with
-``offload="cpu"`` for Adam) under torchrun and put the planner's numbers next to measured ones.
+"""``--measure``: train the model with fusedist's DDP, ZeRO-1, ZeRO-2 (and ZeRO-2 with
+``offload="cpu"`` for Adam) and ZeRO-3 (``fusedist.fully_shard``) under torchrun and put the
+planner's numbers next to measured ones.
 
 What is measured, per strategy, on each rank, from public objects:
 
 * model states: the distinct storages of the parameters and of ``p.grad`` (flat buffers,
-  padding included), plus the optimizer's state (DDP: every tensor in ``optimizer.state``,
-  FP32 masters included; ZeRO: ``memory_stats()``, whose device/host split also gives the
-  offloaded bytes);
+  padding included), plus the optimizer's state (DDP and ZeRO-3: every tensor in
+  ``optimizer.state``, FP32 masters included; ZeRO-1/2: ``memory_stats()``, whose device/host
+  split also gives the offloaded bytes);
 * communication: every collective the communicator issues during the timed steps, counted
   by wrapping its public methods for the run: payload bytes times the ring algorithm's
   per-rank factor (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the full
@@ -17,8 +18,29 @@ What is measured, per strategy, on each rank, from public objects:
   excluded); the planner's figure is Megatron's layer (Korthikanti et al.), so this is shown,
   not checked; peak allocated device memory on CUDA.
 
-fusedist has no ZeRO-3: zero3 and zero3_offload are reported as not measured.
-Gradient accumulation is not exercised (one micro-batch per step).
+Note [measuring ZeRO-3]
+    zero3 wraps every block with ``fully_shard`` and then the root (embedding, final norm,
+    head), all with ``reshard_after_forward=True``, and steps ``model.parameters()`` (the
+    rank's pieces) with the optimizer DDP uses at that precision. True for the root too, on
+    purpose: every unit, the root included, is then gathered for forward and gathered again
+    for backward, which is the planner's two parameter all-gathers plus one gradient
+    reduce-scatter. (``reshard_after_forward=None``, torch's default, keeps the root gathered
+    from forward to backward: one root gather less per step than the planner counts.) The
+    collectives per step are checked by count: 2 all-gathers and 1 reduce-scatter per unit.
+
+    The planner's Ψ/N has no padding; fully_shard's flat buffers do (Note [row-aligned flat
+    layout] in fusedist/fsdp/layout.py: shards of equal size, cuts between rows). The
+    padding is known exactly from ``memory_stats()``: ``unsharded_bytes`` is every unit's
+    gathered buffer, so ``unsharded_bytes / element size - Ψ`` elements are padding. Those
+    elements are sent by every all-gather and reduce-scatter, and each rank's parameter and
+    gradient shards hold 1/N of them on average (the optimizer state lives on the pieces and
+    has none). The comparison adds these two terms to the prediction, reported separately
+    (``padding_*``), instead of widening the tolerance. The rank's pieces are not exactly
+    Ψ/N either (the padding falls on some ranks more than others), so zero3's model-state
+    bytes are averaged over the ranks, which is what Ψ/N and the padding term describe.
+
+zero3_offload is reported as not measured. Gradient accumulation is not exercised (one
+micro-batch per step).
 """
 
 from __future__ import annotations
@@ -38,7 +60,8 @@ from .plan import build_plan
 from .torch_model import Transformer
 
 TOLERANCE = 0.05
-NOT_MEASURED = "not measured (fusedist has no ZeRO-3 yet)"
+NOT_MEASURED = "not measured (offload steps Adam only)"
+NOT_MEASURED_ZERO3_OFFLOAD = "not measured (ZeRO-3 offload is not measured yet)"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _PAYLOAD = {  # which argument is the collective's full buffer
     "all_reduce": lambda a, k: a[0], "broadcast": lambda a, k: a[0],
@@ -117,7 +140,7 @@ def _optimizer(strategy, params, job):
     from fusedist.optim import FusedAdamW, FusedSGD
     adam = job.optimizer == "adamw"
     kw = {"lr": 1e-4, "weight_decay": 0.0} if adam else {"lr": 1e-4, "momentum": 0.9}
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero3"):  # zero3 steps the pieces like any parameters
         if job.precision == "fp32":
             return (torch.optim.AdamW if adam else torch.optim.SGD)(params, **kw)
         return (FusedAdamW if adam else FusedSGD)(params, master_weights=True, **kw)
@@ -127,15 +150,43 @@ def _optimizer(strategy, params, job):
                                             else None, **kw)
 
 
-def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
+def _wrap(strategy, model, job, device):
+    """The model as trained, its communicator and its optimizer."""
     import fusedist
+    from fusedist.comm import get_communicator
+    if strategy == "zero3":  # Note [measuring ZeRO-3]
+        for block in model.blocks:
+            fusedist.fully_shard(block, reshard_after_forward=True)
+        fusedist.fully_shard(model, reshard_after_forward=True)
+        return model, get_communicator(None, device), _optimizer(strategy, model.parameters(), job)
+    ddp = fusedist.DistributedDataParallel(model)
+    return ddp, ddp.comm, _optimizer(strategy, ddp.parameters(), job)
+
+
+def _mean_over_ranks(x: float, device) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _zero3_padding(model, psi: int, job, n: int) -> tuple[float, float]:
+    """(model-state bytes, communication bytes per step) that fully_shard's padding adds to
+    the planner's figures, per rank on average (Note [measuring ZeRO-3])."""
+    from .comm import ring_factor
+    from .memory import param_bytes
+    p = g = param_bytes(job.precision)  # gathered in, and gradients reduced in, the model's dtype
+    padded = model.memory_stats()["unsharded_bytes"] / p
+    pad = padded - psi
+    return (p + g) * pad / n, ring_factor("all_gather", n) * pad * (2 * p + g)
+
+
+def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
     torch.manual_seed(0)
     dtype = _DTYPES[job.precision]
     model = Transformer(spec).to(device=device, dtype=dtype)
     params_counted = sum(p.numel() for p in model.parameters())
-    ddp = fusedist.DistributedDataParallel(model)
-    opt = _optimizer(strategy, ddp.parameters(), job)
-    counter = CommCounter(ddp.comm)
+    wrapped, comm, opt = _wrap(strategy, model, job, device)
+    counter = CommCounter(comm)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     times = []
     try:
@@ -143,7 +194,7 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
             tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
             counter.active = i >= warmup
             t0 = time.perf_counter()
-            logits = ddp(tokens[:, :-1])
+            logits = wrapped(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             opt.zero_grad()
             loss.backward()
@@ -158,20 +209,34 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
     params = list(model.parameters())
     states = _storage_bytes(params) + _storage_bytes(p.grad for p in params)
     host = 0
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero3"):
         states += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                       if isinstance(v, torch.Tensor))
     else:
         ms = opt.memory_stats()
         states += ms["device_bytes"]
         host = ms["host_bytes"]
-    tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
-    saved = _saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
     result = {"params": params_counted, "model_states_bytes": states, "host_bytes": host,
               "comm_bytes_per_step": counter.bytes / steps, "collectives_per_step":
-              {k: v / steps for k, v in counter.calls.items()}, "step_s": statistics.median(times),
-              "saved_activation_bytes": saved}
-    del opt, ddp, model
+              {k: v / steps for k, v in counter.calls.items()}, "step_s": statistics.median(times)}
+    if strategy == "zero3":
+        from fusedist.fsdp import FullyShardedModule
+        ms = model.memory_stats()
+        result.update({
+            "units": sum(1 for m in model.modules() if isinstance(m, FullyShardedModule)),
+            "rank_model_states_bytes": states,
+            "model_states_bytes": _mean_over_ranks(states, device),
+            "gathered_bytes_at_rest": ms["gathered_bytes"],
+        })
+        result["padding_model_states_bytes"], result["padding_comm_bytes_per_step"] = \
+            _zero3_padding(model, params_counted, job, dist.get_world_size())
+        # A forward outside training would leave units gathered and hooks pending; the
+        # saved-activation figure is shown for DDP only.
+        result["saved_activation_bytes"] = None
+    else:
+        tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
+        result["saved_activation_bytes"] = _saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
+    del opt, wrapped, model
     return result
 
 
@@ -183,7 +248,7 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
     job = dataclasses.replace(job, convention="fusedist", global_batch=None)
     plan = build_plan(spec, job, hw)  # what fusedist allocates, one micro-batch per step
     peak = _matmul_flops(_DTYPES[job.precision], info.device)
-    strategies = ["ddp", "zero1", "zero2"] + (["zero2_offload"] if job.optimizer == "adamw" else [])
+    strategies = ["ddp", "zero1", "zero2", "zero3"] + (["zero2_offload"] if job.optimizer == "adamw" else [])
     measured = {}
     for s in strategies:
         m = measure_one(spec, job, s, steps, warmup, info.device)
@@ -193,8 +258,10 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
             "predicted_model_states_bytes": mem["model_states_bytes"], "predicted_host_bytes": mem["host_bytes"],
             "predicted_comm_bytes_per_step": com["bytes_per_step"],
             "predicted_activation_bytes": mem["activation_bytes"],
-            "model_states_error": m["model_states_bytes"] / mem["model_states_bytes"] - 1,
-            "comm_error": m["comm_bytes_per_step"] / com["bytes_per_step"] - 1,
+            "model_states_error": m["model_states_bytes"] / (mem["model_states_bytes"]
+                                                             + m.get("padding_model_states_bytes", 0)) - 1,
+            "comm_error": m["comm_bytes_per_step"] / (com["bytes_per_step"]
+                                                      + m.get("padding_comm_bytes_per_step", 0)) - 1,
             "matmul_flops": peak, "achieved_mfu": predicted_compute / m["step_s"],
         })
         if s.endswith("offload"):
@@ -205,7 +272,7 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
         measured[s] = m
     for s in STRATEGIES:
         if s not in measured:
-            measured[s] = NOT_MEASURED if s.startswith("zero3") else "not measured (offload steps Adam only)"
+            measured[s] = NOT_MEASURED_ZERO3_OFFLOAD if s == "zero3_offload" else NOT_MEASURED
     ok = all(abs(m[k]) <= TOLERANCE for m in measured.values() if isinstance(m, dict)
              for k in ("model_states_error", "comm_error", "host_error") if k in m)
     assert count_params(spec) == measured["ddp"]["params"], "the built model differs from the count"
@@ -244,10 +311,13 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
         if not isinstance(m, dict):
             out.append(f"{s:<15}{m}")
             continue
-        out.append(f"{s:<15}{_b(m['predicted_model_states_bytes']):>25}{_b(m['model_states_bytes']):>13}"
-                   f"{m['model_states_error']:>+8.2%}{_b(m['predicted_comm_bytes_per_step']):>23}"
+        pad_states, pad_comm = m.get("padding_model_states_bytes", 0), m.get("padding_comm_bytes_per_step", 0)
+        out.append(f"{s:<15}{_b(m['predicted_model_states_bytes'] + pad_states):>25}{_b(m['model_states_bytes']):>13}"
+                   f"{m['model_states_error']:>+8.2%}{_b(m['predicted_comm_bytes_per_step'] + pad_comm):>23}"
                    f"{_b(m['comm_bytes_per_step']):>13}{m['comm_error']:>+8.2%}"
                    f"{m['step_s'] * 1e3:>8.1f}ms{m['achieved_mfu']:>7.1%}")
+        if "padding_model_states_bytes" in m:
+            out.append(f"{'  of which pad':<15}{_b(pad_states):>25}{'':>21}{_b(pad_comm):>23}")
         if "host_error" in m:
             out.append(f"{'  host':<15}{_b(m['predicted_host_bytes']):>25}{_b(m['host_bytes']):>13}"
                        f"{m['host_error']:>+8.2%}")
@@ -258,5 +328,16 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
             f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",
             "peak allocated: " + (_b(d["peak_allocated_bytes"]) if "peak_allocated_bytes" in d else "n/a on CPU"),
+            *_zero3_lines(measured.get("zero3")),
             f"model states and communication within {TOLERANCE:.0%}: {'yes' if ok else 'NO'}"]
     return "\n".join(out)
+
+
+def _zero3_lines(m) -> list:
+    if not isinstance(m, dict):
+        return []
+    calls = m["collectives_per_step"]
+    return [f"zero3: fully_shard per block and the root ({m['units']} units), reshard_after_forward=True; "
+            f"per step {calls.get('all_gather', 0):g} all-gathers, {calls.get('reduce_scatter', 0):g} "
+            "reduce-scatters (2 and 1 per unit); predictions include the flat buffers' padding; "
+            f"model states are the mean over ranks (this rank: {_b(m['rank_model_states_bytes'])})"]

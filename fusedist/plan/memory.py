@@ -29,8 +29,13 @@ Two conventions (``--convention``):
   - Each gradient bucket is padded to a multiple of N·16 elements (shard alignment): at
     most N·16 elements per bucket (one bucket per 25 MiB), not modelled (< 0.01% for any
     model worth planning).
-  - fusedist has no ZeRO-3 yet: zero3 / zero3_offload use the paper's formulas with the K
-    above.
+  - ZeRO-3 is ``fusedist.fully_shard``: the paper's (p + g + K)·Ψ/N, with the gradient
+    shard in the parameters' dtype (the default reduce dtype) and K as for DDP, because
+    the optimizer is any optimizer stepping the rank's pieces like ordinary parameters:
+    an FP32 master only for 16-bit parameters (K = 12 mixed, 8 in fp32 for Adam).
+    fully_shard pads each unit's flat buffer (equal shards, cuts between rows): below one
+    row per shard boundary plus the tail, not modelled; ``--measure`` reads it off the
+    run and adds it to the prediction it compares with.
 """
 
 from __future__ import annotations
@@ -52,8 +57,11 @@ def optimizer_k(precision: str, optimizer: str, strategy: str = "ddp", conventio
     mixed-precision Adam: FP32 master 4 + momentum 4 + variance 4)."""
     states = 8 if optimizer == "adamw" else 4  # Adam: momentum + variance; SGD: momentum
     master = 4
-    if precision == "fp32" and not (convention == "fusedist" and strategy != "ddp"):
-        master = 0  # fp32 parameters are their own master (fusedist's ZeRO keeps one anyway)
+    # fp32 parameters are their own master; fusedist's ZeRO-1/2 keep one anyway, while its
+    # ZeRO-3 (fully_shard) leaves the optimizer to the user, as DDP does
+    keeps_master = convention == "fusedist" and strategy.replace("_offload", "") in ("zero1", "zero2")
+    if precision == "fp32" and not keeps_master:
+        master = 0
     return states + master
 
 

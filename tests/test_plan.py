@@ -240,3 +240,18 @@ def test_fusedist_zero3_is_fully_shard_with_any_optimizer():
     assert model_states(psi, n, "zero3", "fp32", convention="fusedist").device == 16 * psi / n
     assert model_states(psi, n, "zero3", "bf16", convention="fusedist").device == 16 * psi / n
     assert model_states(psi, n, "zero3", "bf16", convention="paper").device == 16 * psi / n
+
+
+def test_zero3_temporary_memory_counts_the_root_unit_and_two_blocks():
+    """fully_shard keeps the root unit (embeddings, output layer) gathered through backward,
+    next to the block in use and the one prefetched: the temporary term counts all three."""
+    from fusedist.plan.memory import temp_bytes
+    from fusedist.plan.model import embedding_params, layer_params
+
+    spec = ModelSpec(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq=4096)
+    psi, block, root = count_params(spec), layer_params(spec), embedding_params(spec)
+    assert root > block  # Llama-7B: the root (262M) is larger than a block (202M)
+    kw = dict(precision="bf16", unit_params=block, bucket_cap_mb=25.0, scratch_bytes=0.0)
+    zero2 = temp_bytes("zero2", psi, **kw)
+    zero3 = temp_bytes("zero3", psi, root_params=root, **kw)
+    assert zero3 - zero2 == 2 * (2 * block + root)  # bf16: 2 bytes per gathered parameter

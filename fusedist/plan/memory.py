@@ -112,7 +112,7 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
 
 
 def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bucket_cap_mb: float,
-               scratch_bytes: float) -> float:
+               scratch_bytes: float, root_params: float = 0.0) -> float:
     """Temporary buffers per GPU besides model states and activations.
 
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
@@ -120,7 +120,10 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bu
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
       stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``).
     * ZeRO-3: additionally the two largest gathered units (one in use, one prefetched; a
-      unit = one transformer block, ZeRO paper Section 5.3).
+      unit = one transformer block, ZeRO paper Section 5.3), and the root unit (embeddings,
+      final norm, output layer: ``root_params``), which stays gathered through backward in
+      fusedist's ``fully_shard`` and in FSDP2 alike because the input embedding's gradient
+      arrives last (measured: root + two blocks is the gathered peak).
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
@@ -129,5 +132,5 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bu
     if strategy.startswith("zero2"):
         extra = buckets
     elif strategy.startswith("zero3"):
-        extra = buckets + 2 * unit_params * g
+        extra = buckets + (2 * unit_params + root_params) * g
     return extra + scratch_bytes

@@ -8,7 +8,7 @@ from typing import Optional
 
 from . import comm, memory, suggest, timing
 from .hardware import Hardware
-from .model import ModelSpec, activation_bytes, count_params, layer_params
+from .model import ModelSpec, activation_bytes, count_params, embedding_params, layer_params
 from .memory import STRATEGIES
 
 GB = 10**9
@@ -40,7 +40,9 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention)
     act = activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp)
     unit = layer_params(spec) / tp if spec.has_shape else 0.0
-    temp = memory.temp_bytes(strategy, shard_psi, job.precision, unit, job.bucket_cap_mb, job.scratch_gb * GB)
+    root = embedding_params(spec) / tp if spec.has_shape else 0.0
+    temp = memory.temp_bytes(strategy, shard_psi, job.precision, unit, job.bucket_cap_mb, job.scratch_gb * GB,
+                             root_params=root)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     return {

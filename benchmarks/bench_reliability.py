@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import write_results  # noqa: E402
 from bench_ddp import _time_steps, add_model_args, make_model  # noqa: E402
+from fusedist.reliability.step_check import FIELDS  # noqa: E402
 
 
 def _per_call_us(fn, n: int) -> float:
@@ -81,13 +82,13 @@ def worker(rank, world_size, args):
     monitor_us = _per_call_us(lambda: monitor.on_launch(on.comm, handle), 20000)
     guard_us = _per_call_us(lambda: (optimizer_guard._pre_step(opts["on"], (), {}),
                                      optimizer_guard._post_step(opts["on"], (), {})), 20000)
-    probe = torch.zeros(2 * 7, dtype=torch.int64)
+    probe = torch.zeros(2 * len(FIELDS), dtype=torch.int64)
     dist.barrier()
     check_us = _per_call_us(lambda: on.comm.all_reduce(probe, op="max"), 200)
     launch = []
     for _ in range(200):  # what the step check costs the critical path: the launch only
         t0 = time.perf_counter()
-        on.watch.step_check.launch([0] * 7, {})
+        on.watch.step_check.launch([0] * len(FIELDS), {})
         launch.append(time.perf_counter() - t0)
         on.watch.step_check.settle()
     check_launch_us = statistics.median(launch) * 1e6

@@ -31,11 +31,20 @@ before the model is built, next to the formula 16Ψ/N + two largest units gather
 activations (activations: the bytes autograd saves in one forward) and fusedist's own
 accounting (memory_stats: shards, gathered and scratch peaks).
 
+Part 4 (``--memory``) -- one model (part 3's 8 transformer-MLP blocks), per-rank model-state
+bytes for DDP + AdamW, ZeRO-1, ZeRO-2, ZeRO-3 (``fusedist.fully_shard``) and the offload
+variants of ZeRO-2 and ZeRO-3, each alone in a fresh process: the bytes of every tensor
+storage alive right after a step (before ``zero_grad``: parameters, gradients, master weights,
+optimizer state, bucket and staging buffers; found by walking the live objects, so every
+variant is counted the same way, minus what was alive before the model was built), next to
+the textbook figure for fp32 Adam, and the growth of the peak RSS over building the model
+and the steps (activations and temporaries included).
+
 Every rank runs the same loop; timings are rank 0's, each repetition after a barrier. gloo
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3 | --memory]
 """
 
 from __future__ import annotations
@@ -384,6 +393,114 @@ def _stage3(world_size, device_type, repeats, threads, backend):
     return rows
 
 
+MEMORY_KINDS = ("ddp+adamw", "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload")
+
+
+def _live_storages() -> dict:
+    """data_ptr -> (nbytes, a tensor on it) of every tensor storage Python objects reach."""
+    import gc
+
+    out = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj) and obj.device.type != "meta":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without storage
+                continue
+            if storage.nbytes():
+                out[storage.data_ptr()] = (storage.nbytes(), obj)
+    return out
+
+
+def _memory_model(kind: str, world_size: int, device):
+    """(model, optimizer) for one row of the memory table (fp32, AdamW)."""
+    import fusedist
+
+    cfg = _stage3_config(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_MLPBlock(cfg["d"]) for _ in range(cfg["layers"])]).to(device)
+    if kind.startswith("zero3"):
+        offload = fusedist.CPUOffloadPolicy() if kind.endswith("offload") else None
+        for block in model:
+            fusedist.fully_shard(block, offload_policy=offload)
+        fusedist.fully_shard(model, offload_policy=offload)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = fusedist.DistributedDataParallel(model)
+    if kind == "ddp+adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    stage = int(kind[len("zero")])
+    return model, fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-4,
+                                                   offload="cpu" if kind.endswith("offload") else None)
+
+
+def _memory_worker(rank, world_size, device_type, kind, steps):
+    """Model-state bytes alive after a step, and peak RSS growth, of one variant alone."""
+    import resource
+
+    device = torch.device(device_type)
+    cfg = _stage3_config(device)
+    x = torch.randn(*cfg["batch"], cfg["d"], device=device)
+    before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = _live_storages()  # kept alive, so no new storage can take one of their addresses
+    model, opt = _memory_model(kind, world_size, device)
+    psi = sum(p.numel() for p in _MLPBlock(cfg["d"]).parameters()) * cfg["layers"]
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    if hasattr(opt, "wait_for_params"):
+        opt.wait_for_params()
+    after = _live_storages()
+    state = sum(n for ptr, (n, _) in after.items() if ptr not in before)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before_rss
+    del before, after
+    mib = 1 << 20
+    own = ""
+    if hasattr(opt, "memory_stats"):  # ZeRO's own accounting of what it adds to the model
+        st = opt.memory_stats()
+        own = (f"masters {st['master_bytes'] / mib:.1f} + AdamW state {st['optimizer_state_bytes'] / mib:.1f} "
+               f"+ gradient shard {st['gradient_shard_bytes'] / mib:.1f}; host {st['host_bytes'] / mib:.1f}, "
+               f"device {st['device_bytes'] / mib:.1f}")
+    elif hasattr(model, "memory_stats"):
+        st = model.memory_stats()
+        own = f"shards {st['sharded_bytes'] / mib:.1f} + gradient shards {st['sharded_grad_bytes'] / mib:.1f}"
+    return {"kind": kind, "psi": psi, "model_state_bytes": state, "peak_rss_growth_MiB": peak, "own": own}
+
+
+def _textbook(kind: str, psi: int, n: int) -> str:
+    """Parameters + gradients + AdamW state (fp32: 4 + 4 + 8 bytes per element; ZeRO keeps an
+    FP32 master of its shard too), without padding, buckets or staging."""
+    mib = 1 << 20
+    figures = {
+        "ddp+adamw": (16 * psi, "16Ψ"),
+        "zero1": (8 * psi + 12 * psi / n, "8Ψ + 12Ψ/N"),
+        "zero2": (4 * psi + 16 * psi / n, "4Ψ + 16Ψ/N"),
+        "zero3": (16 * psi / n, "16Ψ/N"),
+    }
+    value, text = figures[kind.split("+")[0] if kind != "ddp+adamw" else kind]
+    return f"{text} = {value / mib:.1f}"
+
+
+def _memory(world_size, device_type, threads, backend, steps=3):
+    from fusedist.testing import run_distributed
+
+    rows = []
+    for kind in MEMORY_KINDS:
+        per_rank = run_distributed(_memory_worker, world_size, device_type, kind, steps, backend=backend,
+                                   timeout=900, threads=threads)
+        mib = 1 << 20
+        r0 = per_rank[0]
+        rows.append({
+            "part": "memory", "variant": kind, "params_M": round(r0["psi"] / 1e6, 2),
+            "model_state_MiB_rank0": r0["model_state_bytes"] / mib,
+            "model_state_MiB_max_rank": max(r["model_state_bytes"] for r in per_rank) / mib,
+            "textbook_MiB": _textbook(kind, r0["psi"], world_size),
+            "peak_rss_growth_MiB_rank0": r0["peak_rss_growth_MiB"],
+            "own_accounting_MiB_rank0": r0["own"],
+        })
+    return rows
+
+
 def _stage3_worker(rank, world_size, device_type, repeats):
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
@@ -422,6 +539,7 @@ def main():
     only.add_argument("--iterations-only", action="store_true", help="skip the collectives part")
     only.add_argument("--collectives-only", action="store_true", help="skip the training iterations")
     only.add_argument("--stage3", action="store_true", help="only part 3: fusedist.fully_shard vs torch FSDP2")
+    only.add_argument("--memory", action="store_true", help="only part 4: model-state memory per variant")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         sys.exit(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
@@ -430,6 +548,25 @@ def main():
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.world_size)
+    if args.memory:
+        rows = _memory(args.world_size, args.device, threads, backend)
+        env = environment()
+        env.update(world_size=args.world_size, backend=backend, torch_threads=threads)
+        notes = ("Memory per rank for one model (8 transformer-MLP blocks, fp32, torch.optim.AdamW as the "
+                 "inner/unsharded optimizer, default buckets), each variant alone in a fresh process, after 3 "
+                 "steps. model_state = bytes of every tensor storage alive right after the last step() "
+                 "(gradients still held), minus those alive before the model was built: parameters, gradients, "
+                 "master weights, optimizer state, gradient buckets, staging and communication buffers, counted "
+                 "the same way for every variant. textbook = parameters + gradients + AdamW state (+ ZeRO's FP32 "
+                 "master of its shard) without padding or buffers. peak_rss_growth = growth of the process's peak "
+                 "RSS over building the model and the steps (activations, temporaries and what the allocator "
+                 "keeps included). Offload variants on a CPU device: host and device are the same memory, so "
+                 "offloading cannot lower these figures here; the rows show what it adds.")
+        md, csv = write_results(f"zero_{args.device}_ws{args.world_size}_memory", rows, notes, env)
+        for r in rows:
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+        print("wrote", md, csv)
+        return
     if args.stage3:
         rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend)
         env = environment()

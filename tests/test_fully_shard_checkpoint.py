@@ -16,7 +16,6 @@ lr = 1e-2). FusedAdamW on the pieces runs its own kernel (not torch's op order),
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 

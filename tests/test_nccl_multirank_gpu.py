@@ -51,7 +51,11 @@ def _ints(n, dtype, gen, device, nonneg=False):
 
 
 # ------------------------------------------------------------------ collectives vs torch's NCCL
-def _collectives(rank, world_size):
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8)
+ALL_SIZES = (1, 17 * 257, 65537, 0)
+
+
+def _collectives(rank, world_size, dtypes=ALL_DTYPES, sizes=ALL_SIZES):
     from fusedist.comm import TorchCommunicator, get_communicator
     from fusedist.comm.nccl_comm import NcclCommunicator
 
@@ -62,9 +66,8 @@ def _collectives(rank, world_size):
     theirs = TorchCommunicator()
     gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
     checked = 0
-    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8)
     for dtype in dtypes:
-        for n in (1, 17 * 257, 65537, 0):
+        for n in sizes:
             ops = ("sum", "max", "min") + (("avg",) if dtype.is_floating_point else ())
             for op in ops:
                 x = _ints(n, dtype, gen, device)
@@ -110,6 +113,19 @@ def test_ws2_communicator_equals_torch_nccl():
     _require_ext()
     results = run_distributed(_collectives, WORLD, backend="nccl", timeout=400)
     assert results[0] == results[1] > 0
+
+
+# World size 4: four ranks on one GPU (FUSEDIST_TEST_RANKS_PER_GPU=4), or two on each of two.
+# The cheapest parity check, on a subset of dtypes and sizes (each collective over loopback
+# sockets costs milliseconds at 4 ranks); benchmarks/gpu/run_checks.sh runs it when time allows.
+@pytest.mark.skipif(_slots() < 4, reason="needs room for 4 ranks: e.g. 1 GPU with FUSEDIST_TEST_RANKS_PER_GPU=4")
+def test_ws4_communicator_equals_torch_nccl():
+    _require_ext()
+    results = run_distributed(_collectives, 4, backend="nccl", timeout=300,
+                              dtypes=(torch.float32, torch.bfloat16, torch.int64), sizes=(1, 17 * 257, 0))
+    # per dtype and size: 4 reductions (3 for int64) + 5 (reduce-scatter and all-gather, each
+    # also in place, and broadcast)
+    assert len(set(results)) == 1 and results[0] == 3 * (9 + 9 + 8), results
 
 
 # ------------------------------------------------------------------ first launch, peer late

@@ -8,11 +8,14 @@
 #      required and compiled for this GPU's architecture only;
 #   2. runs the GPU test tier (pytest -m gpu): direct-NCCL communicator vs torch's NCCL,
 #      comm-stream overlap, timeouts, and the compiled Triton kernels of every feature;
-#   3. runs the multi-rank tier: the world-size-2 GPU tests (communicator, reliability,
-#      SyncBatchNorm, ZeRO) and the fault matrix on NCCL, two ranks sharing GPU 0
-#      (FUSEDIST_TEST_RANKS_PER_GPU=2, Note [several ranks on one GPU] in
-#      fusedist/testing/shared_gpu.py), within FUSEDIST_GPU_MULTI_S seconds;
-#   4. runs the GPU benchmarks (and the gloo collectives on this host's CPUs);
+#   3. runs the multi-rank tier, ranks sharing GPU 0 (FUSEDIST_TEST_RANKS_PER_GPU, Note
+#      [several ranks on one GPU] in fusedist/testing/shared_gpu.py), in groups by priority
+#      within FUSEDIST_GPU_MULTI_S seconds: the world-size-2 tests against torch (communicator,
+#      DDP fp32/bf16 reduce/fp16 + masters + scaler, ZeRO 1/2 and offload, SyncBatchNorm,
+#      stage 3 vs FSDP2, reliability), then the fault matrix on NCCL, then world size 4
+#      (4 ranks on GPU 0) if time is left; a group that does not fit is skipped and printed;
+#   4. runs the GPU benchmarks (and the gloo collectives on this host's CPUs) in the time left,
+#      listing those skipped for time;
 #   5. prints a summary table last (also saved under benchmarks/results/).
 #
 # Usage: benchmarks/gpu/run_checks.sh           (PYTHON=... picks the interpreter)
@@ -27,13 +30,20 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
 PY="${PYTHON:-python3}"
 BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-525}"  # stay under 9 minutes in total
-MULTI_S="${FUSEDIST_GPU_MULTI_S:-170}"     # reserved for the multi-rank tier
-# The multi-rank tier's tests: whole files, or single tests (node ids) of files whose other
-# GPU tests stay in the GPU tier. The GPU tier leaves all of them out.
-MULTI_TESTS="tests/test_nccl_multirank_gpu.py tests/test_fault_matrix_gpu.py
-tests/test_reliability.py::test_divergence_detected_on_cuda
-tests/test_syncbn.py::test_nccl_unequal_batches
-tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw"
+# Reserved for the multi-rank tier. A sober estimate: each 2-rank NCCL spawn pays two CUDA
+# contexts and NCCL init over loopback sockets (~15 s) before its work; the ws2 group holds
+# ~12 spawns (two of them wait out a 12 s late peer, one rebuilds its group 5 times) plus the
+# GPU tier's ws2 file (one spawn, five sections, first Triton compiles): ~240 s; the fault
+# matrix runs 6 torchrun jobs (4 then 2 concurrently) that each wait out a 3 s timeout and a 3 s
+# report window: ~80 s. World size 4 (~50 s) runs only if those finish early.
+MULTI_S="${FUSEDIST_GPU_MULTI_S:-330}"
+# The multi-rank groups, in priority order: "label|ranks per GPU|estimated s|tests" (whole
+# files, or node ids of files whose other GPU tests stay in the GPU tier). The GPU tier leaves
+# all of their tests out.
+MULTI_GROUPS="ws2 vs torch (2 ranks on GPU 0)|2|240|tests/test_nccl_multirank_gpu.py tests/test_gpu_tier_ws2.py tests/test_reliability.py::test_divergence_detected_on_cuda tests/test_syncbn.py::test_nccl_unequal_batches tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw
+fault matrix on NCCL (2 ranks on GPU 0)|2|80|tests/test_fault_matrix_gpu.py tests/test_fault_matrix_ws2.py
+ws4 collectives (4 ranks on GPU 0)|4|50|tests/test_nccl_multirank_gpu.py::test_ws4_communicator_equals_torch_nccl"
+MULTI_TESTS="$(cut -d'|' -f4 <<<"$MULTI_GROUPS" | tr ' ' '\n')"
 MULTI_SKIP=()  # pytest options that leave MULTI_TESTS out of the GPU tier
 for t in $MULTI_TESTS; do
     case "$t" in
@@ -41,6 +51,7 @@ for t in $MULTI_TESTS; do
         *) MULTI_SKIP+=("--ignore=$t") ;;
     esac
 done
+SKIPPED_FOR_TIME=()  # what did not fit, printed with the summary
 STAMP="$(date -u +%F)"
 WORK="$ROOT/build/gpu-checks"
 RESULTS="$ROOT/benchmarks/results"
@@ -178,9 +189,10 @@ EOF
 
 # ----------------------------------------------------------------------------- GPU test tier
 say "pytest -m gpu"
-limit=$(( $(left) - 90 - MULTI_S )); [ "$limit" -gt 300 ] && limit=300
+limit=$(( $(left) - 15 - MULTI_S )); [ "$limit" -gt 300 ] && limit=300
 if [ "$limit" -lt 30 ]; then
     row "pytest -m gpu" FAIL 0 "no time left in the budget"
+    SKIPPED_FOR_TIME+=("pytest -m gpu (needs ~90 s, ${limit} s left before the multi-rank reserve)")
 else
     # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
     run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
@@ -195,24 +207,39 @@ else
 fi
 
 # ----------------------------------------------------------------------------- multi-rank tier
-# Two ranks on GPU 0 over NCCL's socket transport (slow, but real NCCL across ranks): the
-# world-size-2 tests against torch's NCCL, the fault matrix on NCCL, and the two-rank CUDA
-# tests of reliability (divergence check), SyncBatchNorm and ZeRO stages 1/2.
-say "multi-rank tier (2 ranks on GPU 0)"
-limit=$(( $(left) - 60 )); [ "$limit" -gt "$MULTI_S" ] && limit=$MULTI_S
-if [ "$limit" -lt 30 ]; then
-    row "multi-rank tier" FAIL 0 "no time left in the budget"
-else
+# Ranks on GPU 0 over NCCL's socket transport (slow, but real NCCL across ranks), fusedist and
+# torch alike. Groups run in priority order within MULTI_S (and the whole budget); a group whose
+# estimate does not fit in what is left is skipped and listed; each runs at most twice its
+# estimate and leaves the next group's estimate, so one that hangs leaves time to the next.
+say "multi-rank tier (ranks sharing GPU 0)"
+multi_end=$(( SECONDS + MULTI_S )); [ "$multi_end" -gt $((BUDGET_S - 15)) ] && multi_end=$((BUDGET_S - 15))
+ESTIMATES=($(cut -d'|' -f3 <<<"$MULTI_GROUPS"))
+gi=0
+while IFS='|' read -r label per_gpu estimate tests; do
+    [ -z "$label" ] && continue
+    gi=$((gi + 1))
+    stage_left=$(( multi_end - SECONDS )); [ "$stage_left" -lt 0 ] && stage_left=0
+    next_estimate="${ESTIMATES[$gi]:-0}"  # kept for the next group unless this one needs it
+    if [ "$stage_left" -lt "$estimate" ]; then
+        echo "   skipped for time: $label (needs ~${estimate} s, ${stage_left} s left): $tests"
+        row "multi-rank: $label" skipped "" "skipped for time (needs ~${estimate} s, ${stage_left} s left)"
+        SKIPPED_FOR_TIME+=("multi-rank: $label -- $tests")
+        continue
+    fi
+    limit=$(( stage_left - next_estimate )); [ "$limit" -lt "$estimate" ] && limit=$estimate
+    [ "$limit" -gt $(( 2 * estimate )) ] && limit=$(( 2 * estimate ))
+    echo "-- $label: up to ${limit} s (estimate ${estimate} s)"
+    log="$WORK/multirank$gi.log"
     # shellcheck disable=SC2086  # the test files are words
-    run_step "$limit" "$WORK/multirank.log" env -u TRITON_INTERPRET FUSEDIST_TEST_RANKS_PER_GPU=2 \
+    run_step "$limit" "$log" env -u TRITON_INTERPRET FUSEDIST_TEST_RANKS_PER_GPU="$per_gpu" \
         CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
-        "$PY" -m pytest $MULTI_TESTS -m gpu -q -p no:cacheprovider -o addopts="" -rfEs -s \
-        --junitxml="$WORK/report/multirank-tests.xml"
-    tail -n 5 "$WORK/multirank.log"
-    pytest_rows "$WORK/report/multirank-tests.xml" "multi-rank tier (all)" "$WORK/multirank.log"
-    late="$(grep -m1 -o 'rank 0: launch took .*' "$WORK/multirank.log" | cut -c1-150)"
+        "$PY" -m pytest $tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs -s \
+        --junitxml="$WORK/report/multirank-tests$gi.xml"
+    tail -n 5 "$log"
+    pytest_rows "$WORK/report/multirank-tests$gi.xml" "multi-rank: $label (all)" "$log"
+    late="$(grep -m1 -o 'rank 0: launch took .*' "$log" | cut -c1-150)"
     [ -n "$late" ] && row "late peer, first launch (#24 finding 3)" info "" "$late"
-fi
+done <<<"$MULTI_GROUPS"
 
 # ----------------------------------------------------------------------------- benchmarks
 # One benchmark per line: script and arguments. The default list is the GPU benchmarks plus
@@ -239,6 +266,7 @@ while IFS= read -r line; do
     budget=$(( $(left) - 15 )); [ "$budget" -gt "$BENCH_LIMIT_S" ] && budget=$BENCH_LIMIT_S
     if [ "$budget" -lt 20 ]; then
         row "$tag" skipped "" "time budget spent"
+        SKIPPED_FOR_TIME+=("benchmark: $tag")
         continue
     fi
     # shellcheck disable=SC2086  # the arguments are words
@@ -259,6 +287,11 @@ table="$WORK/summary.md"
     echo "GPU: $GPU_NAME (sm_${ARCH/./}); $("$PY" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" 2>/dev/null); ${ext_info}"
     echo "CPU: $(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(nproc) cores; total ${SECONDS} s"
     echo
+    if [ "${#SKIPPED_FOR_TIME[@]}" -gt 0 ]; then
+        echo "Skipped for time (budget ${BUDGET_S} s, multi-rank reserve ${MULTI_S} s):"
+        for item in "${SKIPPED_FOR_TIME[@]}"; do echo "- $item"; done
+        echo
+    fi
     echo "| check | status | s | detail |"
     echo "|---|---|---|---|"
     for r in "${ROWS[@]}"; do

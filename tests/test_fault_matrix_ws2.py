@@ -1,0 +1,54 @@
+"""Two more faults of the fault matrix under torchrun, on gloo (``cpu``) and on NCCL (``cuda``):
+mismatched models and a collective timeout (fault_scripts/mismatch_and_stall.py).
+
+The ``cuda`` variant needs room for two ranks (two GPUs, or one shared through
+``FUSEDIST_TEST_RANKS_PER_GPU=2``: the launcher gives each worker the settings for sharing,
+Note [several ranks on one GPU] in fusedist/testing/shared_gpu.py). The two launches run
+concurrently. Every rank must exit non-zero within collective timeout + report window + slack
+of the fault (slack: process exit on a loaded 2-core machine, and on a GPU a CUDA context and
+NCCL init per rank; under 60 s in all), with an error naming the problem:
+
+* ``mismatched_model``: rank 1 builds a hidden layer of 33 instead of 32. Wrapping the model
+  fails on *every* rank with the first differing parameter, both shapes and the odd rank.
+* ``stall``: rank 1 sleeps outside any collective at step 2 (far longer than the timeout).
+  Rank 0's gradient all-reduce times out; its error is fusedist's stall report (the op and
+  bucket, rank 1 not reporting), not only the backend's timeout; torchrun then ends rank 1.
+"""
+
+import os
+
+import pytest
+from conftest import requires_rank_slots
+from test_fault_matrix import TIMEOUT_S, WINDOW_S, _finish
+from torchrun_launch import launch
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fault_scripts", "mismatch_and_stall.py")
+SLACK_S = {"cpu": 15.0, "cuda": 45.0}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_rank_slots(2)])])
+def test_mismatched_models_and_collective_timeout(device):
+    env = dict(FUSEDIST_TIMEOUT_S=str(TIMEOUT_S), FUSEDIST_STALL_REPORT_S=str(WINDOW_S))
+    procs = {fault: launch(SCRIPT, fault, device, env=env, monitor_interval=2)
+             for fault in ("mismatched_model", "stall")}
+    results = {fault: _finish(proc) for fault, proc in procs.items()}
+    bound = TIMEOUT_S + WINDOW_S + SLACK_S[device]
+
+    rc, out, reaction = results["mismatched_model"]
+    assert rc != 0, out[-3000:]
+    assert reaction is not None and reaction < bound, (reaction, out[-3000:])
+    for rank in (0, 1):
+        assert (f"[rank{rank}]: fusedist._consistency.RankMismatchError: fusedist: the model (parameters and "
+                f"buffers) differs across ranks (this is rank {rank})") in out, out[-3000:]
+    assert "ranks [0]: param '0.weight' shape (32, 16)" in out and "ranks [1]: param '0.weight' shape (33, 16)" in out
+    assert "finished" not in out
+
+    rc, out, reaction = results["stall"]
+    assert rc != 0, out[-3000:]
+    assert reaction is not None and reaction < bound, (reaction, out[-3000:])
+    assert ("[rank0]: fusedist.reliability.monitor.StallError: fusedist: all_reduce (tag 'ddp bucket 0', "
+            "collective #") in out and "failed on rank 0 of 2" in out, out[-3000:]
+    assert "[rank0]:   rank 1: did not report" in out, out[-3000:]
+    assert "[rank0]:   ranks [0] reached all_reduce [ddp bucket 0]" in out, out[-3000:]
+    assert "at DDP step 2" in out, out[-3000:]
+    assert "finished" not in out

@@ -14,6 +14,10 @@ attributes written onto the user's Parameters:
   computing the *global* norm (one small all-reduce), so ``fusedist.clip_grad_norm_`` hands
   such parameters to it.
 
+* **step watch** -- the reliability observer of a ``fully_shard`` model
+  (``fusedist/reliability/sharded_watch.py``): the optimizer step guard checks and counts
+  ``optimizer.step()`` calls over its parameters for the per-step cross-rank check.
+
 The tables hold weak references both ways: a registration never keeps a model alive.
 """
 
@@ -27,10 +31,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "register_data_parallel", "data_parallel_owner",
     "register_gradient_holder", "unregister_gradient_holder", "gradient_holder",
+    "register_step_watch", "step_watch",
 ]
 
 _data_parallel: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _gradient_holder: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_step_watch: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _lookup(table: WeakIdKeyDictionary, p) -> Optional[object]:
@@ -66,3 +72,15 @@ def unregister_gradient_holder(params: Iterable, holder) -> None:
 def gradient_holder(p) -> Optional[object]:
     """The object holding ``p``'s sharded gradient (None: ``p.grad`` is the whole gradient)."""
     return _lookup(_gradient_holder, p)
+
+
+def register_step_watch(params: Iterable, watch) -> None:
+    """``watch`` counts and checks the optimizer steps over these parameters."""
+    ref = weakref.ref(watch)
+    for p in params:
+        _step_watch[p] = ref
+
+
+def step_watch(p) -> Optional[object]:
+    """The reliability observer of the ``fully_shard`` model holding ``p`` (None: none)."""
+    return _lookup(_step_watch, p)

@@ -124,6 +124,8 @@ def _check_ranks_agree(model: torch.nn.Module, optimizer) -> None:
     ddp = model if isinstance(model, DistributedDataParallel) else getattr(optimizer, "ddp", None)
     if isinstance(ddp, DistributedDataParallel):
         ddp.check_consistency()
+    elif hasattr(model, "check_consistency") and stage3.units(model):
+        model.check_consistency()  # a fully_shard root (Note [stage-3 step check])
 
 
 def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,

@@ -120,6 +120,8 @@ class Communicator(abc.ABC):
         self.world_size = world_size
         self.timeout = timeout or collective_timeout()
         self._seq = itertools.count()
+        #: Sequence number of the last collective issued (-1: none yet).
+        self.last_seq = -1
         #: Optional observer with ``on_launch(comm, handle)`` / ``on_failure(comm, handle,
         #: error)``; the reliability monitor plugs in here.
         self.observer = None
@@ -235,7 +237,7 @@ class Communicator(abc.ABC):
 
     # ---- helpers
     def _launch(self, op: str, tag: str, async_op: bool, start) -> CommHandle:
-        seq = next(self._seq)
+        seq = self.last_seq = next(self._seq)
         # A profiler range only while a profiler records: entering and leaving one costs more
         # than posting a small message, on every collective.
         profiling = torch.autograd._profiler_enabled()

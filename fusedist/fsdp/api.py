@@ -217,6 +217,18 @@ class FullyShardedModule:
         reverse forward order for this module)."""
         self._fs_state().backward_prefetch = _states_of(modules)
 
+    def check_consistency(self) -> None:
+        """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the
+        same forwards, backwards and optimizer steps on this model so far (Note [stage-3 step
+        check]). A collective: call it on every rank at the same point, e.g. after the last
+        step (the per-step check reports at the next training forward, which the last step
+        lacks). ``fusedist.checkpoint.save`` calls it. Nothing to check before the first
+        forward, or with ``FUSEDIST_CHECKS=0``."""
+        st = self._fs_state()
+        watch = st.ctx.watch if st.ctx is not None else None
+        if watch is not None:
+            watch.check_now()
+
     def memory_stats(self) -> dict:
         """Sharded, gathered and scratch bytes (``fusedist.fsdp.memory.memory_stats``)."""
         units = [st.unit for st in self._fs_states() if st.unit is not None]

@@ -48,6 +48,7 @@ import torch
 from torch.autograd import Variable
 
 from .._consistency import check_same_across_ranks
+from ..reliability.sharded_watch import ShardedStepWatch
 from . import grads as grads_mod
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardState]" = weakref.WeakKeyDictionary()
@@ -100,6 +101,8 @@ class IterationContext:
         self.post_forward_order: list = []  # this iteration's post-forwards (with grad)
         self.pending: list = []  # grads.PendingReduce in flight
         self.backward_running = False
+        # [reliability] the root's observer (Note [stage-3 step check]); None for one rank.
+        self.watch = None
 
     # ---- forward
     def begin_forward(self) -> None:
@@ -129,14 +132,18 @@ class IterationContext:
     def ensure_final_callback(self) -> None:
         if not self.backward_running:
             self.backward_running = True
+            if self.watch is not None:
+                self.watch.backward_begins()
             Variable._execution_engine.queue_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
         try:
-            for st in reversed(self.states):
-                if st.unit is not None and st.backward_pending:
-                    st.post_backward()
+            ran = [st for st in self.states if st.unit is not None and st.backward_pending]
+            for st in reversed(ran):
+                st.post_backward()
             grads_mod.finish_all(self.pending)
+            if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
+                self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran))
         finally:
             self.post_forward_order.clear()
             self.backward_running = False
@@ -203,6 +210,7 @@ class FullyShardState:
                 signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
                 op="fully_shard: wrapping check",
                 hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
+            self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded])
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
@@ -217,6 +225,8 @@ class FullyShardState:
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
         if self.is_root and not ctx.in_forward:
             ctx.begin_forward()
+            if ctx.watch is not None and torch.is_grad_enabled():
+                ctx.watch.forward_begins()  # the last step's check, before this step's first gather
         if self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast(self.mp_policy.param_dtype, (args, kwargs))
         if unit is not None:

@@ -28,11 +28,11 @@ import threading
 import weakref
 
 from .._process_hooks import install_optimizer_step_hooks
-from ..ownership import data_parallel_owner
+from ..ownership import data_parallel_owner, step_watch
 
 _lock = threading.Lock()
 # optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
-# trainable parameter or None). Weak: a value that reaches its own key keeps the entry alive
+# trainable parameter or None, weak references to the step watches of fully_shard models). Weak: a value that reaches its own key keeps the entry alive
 # forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer (through its module's hooks).
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -43,21 +43,31 @@ def _classify(optimizer):
     if cached is not None and cached[0] == count and cached[2] is None:
         return cached  # (an unowned parameter is looked at again: DDP may have taken it on since)
     owners: dict[int, object] = {}
+    watches: dict[int, object] = {}
     unowned = None
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             ddp = data_parallel_owner(p)
             if ddp is not None:
                 owners[id(ddp)] = ddp
+                continue
+            watch = step_watch(p)
+            if watch is not None:
+                watches[id(watch)] = watch
             elif p.requires_grad and unowned is None:
                 unowned = (gi, pi, tuple(p.shape), str(p.dtype))
-    entry = (count, [weakref.ref(ddp) for ddp in owners.values()], unowned)
+    entry = (count, [weakref.ref(ddp) for ddp in owners.values()], unowned,
+             [weakref.ref(w) for w in watches.values()])
     _cache[optimizer] = entry
     return entry
 
 
 def _owners(entry) -> list:
     return [ddp for ddp in (ref() for ref in entry[1]) if ddp is not None]
+
+
+def _watches(entry) -> list:
+    return [w for w in (ref() for ref in entry[3]) if w is not None]
 
 
 # Note [step with a closure]
@@ -70,20 +80,22 @@ def _owners(entry) -> list:
 # raises. torch lets a pre-step hook return replaced (args, kwargs).
 def _pre_step(optimizer, args, kwargs):
     entry = _classify(optimizer)
-    owners = _owners(entry)
-    if not owners:
+    owners, watches = _owners(entry), _watches(entry)
+    if not owners and not watches:
         return None
-    if entry[2] is not None:
+    if owners and entry[2] is not None:
         _refuse_unowned(optimizer, owners[0], entry[2])
     # torch passes step()'s own arguments: (optimizer, closure, ...) or closure=...
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is None:
         _check_backward(optimizer, owners)
+        _check_sharded_backward(optimizer, watches)
         return None
 
     def checked_closure():
         loss = closure()
         _check_backward(optimizer, owners)
+        _check_sharded_backward(optimizer, watches)
         return loss
 
     if len(args) > 1:
@@ -132,9 +144,30 @@ def _check_backward(optimizer, owners) -> None:
             )
 
 
+def _check_sharded_backward(optimizer, watches) -> None:
+    """The backward checks for fully_shard models (Note [stage-3 step check])."""
+    for watch in watches:
+        if watch.backward_count() == 0:
+            raise RuntimeError(
+                f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() was called before any "
+                f"backward pass through the {watch.owner_name}, so there are no reduced gradients to "
+                "apply. Call loss.backward() before optimizer.step()."
+            )
+        if not watch.last_backward_synced:
+            raise RuntimeError(
+                f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() after a backward pass "
+                f"under {watch.unsynced_hint}: the gradients are this rank's unreduced local sums, so the "
+                "ranks would diverge. Turn gradient synchronization back on for the last micro-batch's "
+                "backward before stepping."
+            )
+
+
 def _post_step(optimizer, args, kwargs) -> None:
-    for ddp in _owners(_classify(optimizer)):
+    entry = _classify(optimizer)
+    for ddp in _owners(entry):
         ddp.watch.optimizer_steps += 1
+    for watch in _watches(entry):
+        watch.optimizer_steps += 1
 
 
 def install() -> None:

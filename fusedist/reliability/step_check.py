@@ -62,7 +62,7 @@ _EXPLAIN = {
     "and skipped its backward/step, or ran an extra forward)",
     "backward": "ranks ran a different number of backward passes (e.g. one more micro-batch under no_sync())",
     "optimizer_steps": "optimizer.step() was called on a different iteration on some ranks",
-    "layout": "the gradient bucket layouts differ",
+    "layout": "the gradient bucket layouts (DDP) or the fully_shard units differ",
     "collective_seq": "ranks issued a different number of fusedist collectives before this step "
     "(a collective inside rank-dependent code)",
     "unused": "a different set of parameters received gradients: a different branch of the model ran on some "
@@ -145,17 +145,18 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     """The error text: each differing field, which ranks hold which value, and why it matters."""
     joined = [r for r, row in enumerate(table) if row[0] == JOINED]
     step = max((row[0] for row in table if row[0] != JOINED), default=0) if rank in joined else table[rank][0]
+    what = detail.get("subject", "DDP")
     if detail.get("checked_now"):
         lines = [
-            f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) after "
+            f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}) after "
             f"{step} synchronized backward(s), found by check_consistency() (which "
             "fusedist.checkpoint.save runs before writing):"
         ]
     else:
         lines = [
-            f"fusedist DDP: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
-            f"backward #{step}, whose buckets 0..{detail.get('buckets', 0) - 1} were reduced across "
-            "ranks that were at different points (reported at the next training forward):"
+            f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
+            f"backward #{step}, whose {detail.get('reduced', 'buckets')} 0..{detail.get('buckets', 0) - 1} were "
+            "reduced across ranks that were at different points (reported at the next training forward):"
         ]
     for field_index, field in enumerate(FIELDS):
         groups: dict[int, list[int]] = {}
@@ -174,6 +175,7 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
         lines.append(f"  parameters without a gradient on rank {rank}: {unused[:10]}{' ...' if len(unused) > 10 else ''}")
     lines.append(
         "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
-        "DistributedDataParallel model; look for rank-dependent control flow around the step named above."
+        f"{detail.get('model', 'DistributedDataParallel model')}; look for rank-dependent control flow "
+        "around the step named above."
     )
     return "\n".join(lines)

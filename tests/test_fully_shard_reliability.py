@@ -1,0 +1,96 @@
+"""fully_shard's per-step cross-rank check and optimizer-step guard (Note [stage-3 step check]
+in fusedist/reliability/sharded_watch.py): ranks that fall out of step are told so on every
+rank, one step later at the latest; misuse of ``optimizer.step()`` is refused on the rank
+that makes it, before any parameter changes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fusedist
+from fusedist.testing import run_distributed
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    for layer in (model[0], model[2], model[4]):
+        fusedist.fully_shard(layer)
+    fusedist.fully_shard(model)
+    return model
+
+
+def _step(model, opt, rank, step, do_step=True):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    loss = model(torch.randn(5, 8, generator=g)).square().mean()
+    loss.backward()
+    if do_step:
+        opt.step()
+    opt.zero_grad()
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except fusedist.RankMismatchError as exc:
+        return f"mismatch: {exc}"
+    except RuntimeError as exc:
+        return f"error: {exc}"
+
+
+def _worker(rank, ws):
+    out = {}
+    # 1. A rank skips one optimizer step (what torch.amp.GradScaler does on the rank whose piece
+    #    of the gradients overflowed): the check at the end of the next backward sees it, and
+    #    every rank reports it at the training forward after that.
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        _step(model, opt, rank, step)
+    _step(model, opt, rank, 2, do_step=rank != 1)
+    out["next_step"] = _outcome(lambda: _step(model, opt, rank, 3))
+    out["skipped_step"] = _outcome(lambda: _step(model, opt, rank, 4))
+
+    # 2. The same divergence in the last step of a run: check_consistency() finds it, and
+    #    fusedist.checkpoint.save refuses to write the checkpoint.
+    model = _model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, rank, 0)
+    out["consistent"] = _outcome(model.check_consistency)
+    _step(model, opt, rank, 1, do_step=rank != 0)
+    out["last_step"] = _outcome(model.check_consistency)
+
+    # 3. optimizer.step() misuse, refused on the rank that makes it, before any change.
+    model = _model(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(5, 8)).sum()  # a forward, no backward yet
+    before = [p.detach().clone() for p in model.parameters()]
+    out["before_backward"] = _outcome(opt.step)
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(5, 8)).sum().backward()
+    out["unsynced"] = _outcome(opt.step)
+    out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    model.set_requires_gradient_sync(True)
+    model(torch.randn(5, 8)).sum().backward()
+    out["synced"] = _outcome(opt.step)
+    out["steps_counted"] = fusedist.fsdp.state.state_of(model).ctx.watch.optimizer_steps
+    return out
+
+
+def test_out_of_step_ranks_and_step_misuse_are_reported():
+    results = run_distributed(_worker, 2, timeout=180)
+    for rank, out in enumerate(results):
+        assert out["next_step"] == "ok", out["next_step"]
+        skipped = out["skipped_step"]
+        assert skipped.startswith("mismatch:"), (rank, skipped)
+        assert "fully_shard" in skipped and "optimizer_steps: ranks [0]: 3; ranks [1]: 2" in skipped, skipped
+        assert out["consistent"] == "ok", out["consistent"]
+        last = out["last_step"]
+        assert last.startswith("mismatch:") and "check_consistency()" in last, last
+        assert "optimizer_steps: ranks [0]: 1; ranks [1]: 2" in last, last
+        assert out["before_backward"].startswith("error:") and "before any backward" in out["before_backward"]
+        assert out["unsynced"].startswith("error:") and "set_requires_gradient_sync(False)" in out["unsynced"]
+        assert out["unchanged"]
+        assert out["synced"] == "ok" and out["steps_counted"] == 1

@@ -28,8 +28,9 @@ def _check_layout(layout, params, cap, first_cap, world_size):
         assert used <= b.numel < used + world_size * SHARD_ALIGN  # padding under one alignment unit
         for p, off, nxt in zip(b.params, b.offsets, b.offsets[1:] + [b.start + used]):
             assert nxt - off == p.numel()
-    # Per dtype: buckets are contiguous ranges of one flat buffer, in readiness order, and a
-    # bucket closed only because the next parameter would have overflowed its cap.
+    # Per dtype: buckets are contiguous ranges of one flat buffer, in readiness order. The first
+    # bucket closed once it reached its cap (Note [the first bucket]); a later one only because
+    # the next parameter would have overflowed the cap.
     by_dtype: dict = {}
     for b in layout.buckets:
         by_dtype.setdefault(b.dtype, []).append(b)
@@ -37,9 +38,13 @@ def _check_layout(layout, params, cap, first_cap, world_size):
         assert buckets[0].start == 0
         assert all(a.end == b.start for a, b in zip(buckets, buckets[1:]))
         for k, (a, b) in enumerate(zip(buckets, buckets[1:])):
-            limit = first_cap if k == 0 else cap
             size = sum(p.numel() for p in a.params) * a.params[0].element_size()
-            assert size + b.params[0].numel() * b.params[0].element_size() > limit
+            if k == 0:
+                before_last = size - a.params[-1].numel() * a.params[-1].element_size()
+                assert size >= first_cap > before_last
+            else:
+                assert size <= cap or len(a.params) == 1
+                assert size + b.params[0].numel() * b.params[0].element_size() > cap
     # Readiness order is kept within each dtype.
     for dtype in by_dtype:
         expected = [id(p) for p in params if p.dtype == dtype]

@@ -212,9 +212,21 @@ def build_layout(
 ) -> GradLayout:
     """Assign ``params`` (in expected readiness order) to buckets, per dtype.
 
-    A bucket closes when adding the next parameter would exceed its cap (the first bucket of
-    each dtype uses ``first_bucket_cap_bytes``); a parameter larger than the cap gets a bucket
-    of its own. ``bucket_storage``: one tensor per bucket, all released (Note [bucket storage]).
+    A bucket closes when adding the next parameter would exceed ``bucket_cap_bytes``; a
+    parameter larger than the cap gets a bucket of its own. The first bucket of each dtype
+    closes once it *reaches* ``first_bucket_cap_bytes``, the parameter that crosses it
+    included (Note [the first bucket]). ``bucket_storage``: one tensor per bucket, all
+    released (Note [bucket storage]).
+
+    Note [the first bucket]
+        The first bucket exists to start communication as soon as backward produces
+        gradients. Closed *before* a parameter that would overflow it, it holds only what
+        fits under the small cap -- with a large last layer, just its bias: a few kilobytes
+        go out at once, and the first real all-reduce waits for the next bucket to fill
+        (another layer of backward). Measured on an 8-layer MLP of 9.4 MB weights, gloo,
+        2 ranks: ~5 ms more exposed communication per step than torch DDP, whose buckets
+        close after the crossing parameter. So the first bucket closes after it; later
+        buckets keep the strict cap, which bounds ZeRO stage 2's per-bucket memory.
     """
     pad_to = world_size * SHARD_ALIGN
     open_buckets: dict[torch.dtype, dict] = {}
@@ -229,10 +241,10 @@ def build_layout(
     order = 0
     for p, name in zip(params, names):
         dtype = p.dtype
-        cap = first_bucket_cap_bytes if caps_used.get(dtype, 0) == 0 else bucket_cap_bytes
+        first = caps_used.get(dtype, 0) == 0
         b = open_buckets.get(dtype)
         nbytes = p.numel() * p.element_size()
-        if b is not None and b["bytes"] + nbytes > cap:
+        if b is not None and not first and b["bytes"] + nbytes > bucket_cap_bytes:
             close(dtype)
             b = None
         if b is None:
@@ -241,6 +253,8 @@ def build_layout(
         b["params"].append(p)
         b["names"].append(name)
         b["bytes"] += nbytes
+        if first and b["bytes"] >= first_bucket_cap_bytes:
+            close(dtype)  # Note [the first bucket]: the crossing parameter included
     for dtype in list(open_buckets):
         close(dtype)
     closed.sort(key=lambda b: b["order"])

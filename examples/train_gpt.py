@@ -4,8 +4,9 @@
     torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --steps 2000 --dim 512
 
 Everything fusedist offers is switchable, so the same script shows each piece at work:
-DistributedDataParallel (always), the fused AdamW with FP32 master weights, the fused
-GradScaler, and ZeRO stage 1/2.
+DistributedDataParallel, the fused AdamW with FP32 master weights, the fused GradScaler,
+ZeRO stage 1/2 (``--zero 1|2``) and ZeRO-3 (``--zero 3``: ``fusedist.fully_shard`` on every
+block and the root instead of DistributedDataParallel, the FSDP2 way).
 
 A job that survives failures: checkpoints every N steps (asynchronous), and after a restart
 by ``torchrun --max-restarts`` (or a relaunch at another rank count) it resumes from the
@@ -49,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=["fused", "torch"], default="fused",
                    help="fusedist.optim.FusedAdamW (default) or torch.optim.AdamW")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=2, help="ZeRO stage (0: off)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=2,
+                   help="ZeRO stage (0: off; 3: fusedist.fully_shard per block, no DistributedDataParallel)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="auto (default): bf16 where the device computes it fast (probed), fp16 on GPUs "
                         "without bf16, else fp32. bf16/fp16: low-precision weights with FP32 master weights "
@@ -103,6 +105,10 @@ class Progress:
 def build_optimizer(args, model, ddp):
     params = model.parameters()
     kwargs = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    if args.zero == 3:  # the sharded parameters are FP32 (mp_policy computes in low precision)
+        if args.optimizer == "fused":
+            return fusedist.optim.FusedAdamW(params, **kwargs)
+        return torch.optim.AdamW(params, **kwargs)
     if args.zero:
         inner = fusedist.optim.FusedAdamW if args.optimizer == "fused" else torch.optim.AdamW
         if args.low_precision:
@@ -144,9 +150,9 @@ def fail_once(args, rank: int, step: int) -> None:
     os._exit(1)
 
 
-def parameter_digest(model) -> str:
+def parameter_digest(state: dict) -> str:
     digest = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(state.items()):
         digest.update(name.encode())
         digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
@@ -162,8 +168,18 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     data = CharDataset(generate_corpus())
     model = GPT(data.vocab_size, args.dim, args.layers, args.heads, args.context).to(device)
-    model = model.to(precision.dtype)
-    ddp = fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=0.25)
+    n_params = sum(p.numel() for p in model.parameters())  # (before sharding: the whole model)
+    if args.zero == 3:
+        # ZeRO-3: parameters stored (and stepped) in FP32, gathered and computed in the chosen
+        # precision, gradients reduced in FP32. The model itself is what gets called.
+        mp = fusedist.MixedPrecisionPolicy(param_dtype=precision.dtype if args.low_precision else None,
+                                           reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fusedist.fully_shard(block, mp_policy=mp)
+        ddp = fusedist.fully_shard(model, mp_policy=mp)
+    else:
+        model = model.to(precision.dtype)
+        ddp = fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=0.25)
     opt = build_optimizer(args, model, ddp)
     scaler = fusedist.amp.GradScaler(device.type, init_scale=2.0**12) if precision.needs_scaler else None
     sched = lr_schedule(args, opt)
@@ -206,7 +222,6 @@ def main(argv=None):
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
             return next(batches)
-    n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"fusedist demo: GPT {n_params / 1e6:.2f}M params, {world} rank(s) on {device.type} ({info.backend}), "
               f"optimizer={type(opt).__name__}{' (ZeRO-%d)' % args.zero if args.zero else ''}, "
@@ -235,7 +250,8 @@ def main(argv=None):
         loss_value = loss.item()  # the one host sync per step, for the progress bar
         step_times.append(time.perf_counter() - t0)
         losses.append(loss_value)
-        hidden.append(ddp.comm_stats().get("hidden_fraction", 0.0))
+        if args.zero != 3:
+            hidden.append(ddp.comm_stats().get("hidden_fraction", 0.0))
         progress.update(step - start_step, loss_value, tokens_per_step / step_times[-1])
         if ckpt is not None:
             ckpt.maybe_save(step)
@@ -252,7 +268,9 @@ def main(argv=None):
     if losses:
         last = torch.tensor([losses[-1]], dtype=torch.float64)
         torch.distributed.all_reduce(last)
-        digest = parameter_digest(model) if rank == 0 else ""
+        # (stage 3: every rank gathers the whole parameters, a collective)
+        state = fusedist.fsdp.full_state_dict(model) if args.zero == 3 else model.state_dict()
+        digest = parameter_digest(state) if rank == 0 else ""
         if rank == 0:
             print(f"final loss {last.item() / world:.6f}")
             print(f"final parameters sha256 {digest}")
@@ -266,8 +284,9 @@ def main(argv=None):
         print(f"  loss                  {statistics.mean(losses[:k]):.3f} -> {statistics.mean(losses[-k:]):.3f}"
               f"  (mean of first / last {k} steps)")
         print(f"  step time (median)    {med * 1e3:.1f} ms   ({tokens_per_step / med:,.0f} tokens/s)")
-        print(f"  comm hidden behind backward (median over steps): {100 * statistics.median(hidden):.0f}%"
-              f"  ({len(ddp.buckets)} buckets)")
+        if hidden:
+            print(f"  comm hidden behind backward (median over steps): {100 * statistics.median(hidden):.0f}%"
+                  f"  ({len(ddp.buckets)} buckets)")
         print(f"  precision             {_describe(precision)}  ({args.precision}: {precision.reason})")
         if scaler is not None:
             print(f"  loss scale            {scaler.get_scale():g}")
@@ -298,7 +317,8 @@ def plot(path: str, steps, losses, tokens_per_s, exposed, title: str) -> None:
     axes[0].set_ylabel("loss")
     axes[1].plot(steps, tokens_per_s)
     axes[1].set_ylabel("tokens/s")
-    axes[2].plot(steps, [100 * e for e in exposed])
+    if exposed:  # (DDP's measure; none with --zero 3)
+        axes[2].plot(steps, [100 * e for e in exposed])
     axes[2].set_ylabel("exposed comm %")
     axes[2].set_xlabel("step")
     fig.suptitle(f"fusedist demo: {title}")

@@ -55,6 +55,24 @@ def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(
     assert sorted(os.listdir(ckpt)) == ["failed-at-step-35", "step-00000020", "step-00000030", "step-00000040"]
 
 
+def test_zero3_demo_restarts_and_matches_ddp_bitwise(tmp_path):
+    """The demo under ``--zero 3`` (fully_shard per block and root): a rank dies at step 35,
+    torchrun restarts both ranks, the periodic Checkpointer's stage-3 checkpoint resumes them,
+    and the final parameters equal those of an uninterrupted DDP run bit for bit (world 2,
+    fp32: a reduce-scatter of two ranks sums exactly as the all-reduce does)."""
+    ckpt = str(tmp_path / "ckpt")
+    ddp = launch(SCRIPT, "--steps", "40", *TINY, "--zero", "0", "--optimizer", "torch", env=RESTART_ENV)
+    zero3 = launch(SCRIPT, "--steps", "40", *TINY, "--zero", "3", "--optimizer", "torch", "--checkpoint-dir", ckpt,
+                   "--checkpoint-every", "10", "--fail-at-step", "35", env=RESTART_ENV,
+                   torchrun_args=("--max-restarts=1",))
+    rc_ddp, out_ddp = finish(ddp, timeout=150)
+    rc, out = finish(zero3, timeout=150)
+    assert rc_ddp == 0, out_ddp[-3000:]
+    assert rc == 0, out[-3000:]
+    assert "(ZeRO-3)" in out and "rank 1: failing at step 35" in out and "resumed from step 30" in out, out[-3000:]
+    assert _final(out) == _final(out_ddp)
+
+
 def test_relaunch_at_another_rank_count_reshards_and_resplits_the_epoch(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     args = (*TINY, "--checkpoint-dir", ckpt, "--checkpoint-every", "10")

@@ -526,6 +526,13 @@ def _worker(rank, world_size, device_type, quick, collectives=True, iterations=T
     return rows
 
 
+def _write_and_print(name: str, rows: list, notes: str, env: dict) -> None:
+    md, csv = write_results(name, rows, notes, env)
+    for r in rows:
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    print("wrote", md, csv)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -562,10 +569,7 @@ def main():
                  "RSS over building the model and the steps (activations, temporaries and what the allocator "
                  "keeps included). Offload variants on a CPU device: host and device are the same memory, so "
                  "offloading cannot lower these figures here; the rows show what it adds.")
-        md, csv = write_results(f"zero_{args.device}_ws{args.world_size}_memory", rows, notes, env)
-        for r in rows:
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
-        print("wrote", md, csv)
+        _write_and_print(f"zero_{args.device}_ws{args.world_size}_memory", rows, notes, env)
         return
     if args.stage3:
         rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend)
@@ -578,10 +582,7 @@ def main():
                  "the model and 4 steps (MiB, rank 0); formula = 16Ψ/N + two largest units gathered + activations "
                  "(saved by autograd in one forward); fusedist_accounted = its counters: shards x4 (parameters, "
                  "gradients, AdamW's two moments) + peak gathered + peak scratch + communicator scratch + activations.")
-        md, csv = write_results(f"zero_{args.device}_ws{args.world_size}_stage3", rows, notes, env)
-        for r in rows:
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
-        print("wrote", md, csv)
+        _write_and_print(f"zero_{args.device}_ws{args.world_size}_stage3", rows, notes, env)
         return
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
                                not args.collectives_only, args.repeats,

@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "register_data_parallel", "data_parallel_owner",
-    "register_gradient_holder", "unregister_gradient_holder", "gradient_holder",
+    "register_gradient_holder", "gradient_holder",
     "register_step_watch", "step_watch",
 ]
 
@@ -44,11 +44,15 @@ def _lookup(table: WeakIdKeyDictionary, p) -> Optional[object]:
     return ref() if ref is not None else None
 
 
+def _register(table: WeakIdKeyDictionary, params: Iterable, obj) -> None:
+    ref = weakref.ref(obj)
+    for p in params:
+        table[p] = ref
+
+
 def register_data_parallel(params: Iterable, owner) -> None:
     """``owner`` (a DDP wrapper) reduces these parameters' gradients."""
-    ref = weakref.ref(owner)
-    for p in params:
-        _data_parallel[p] = ref
+    _register(_data_parallel, params, owner)
 
 
 def data_parallel_owner(p) -> Optional[object]:
@@ -58,15 +62,7 @@ def data_parallel_owner(p) -> Optional[object]:
 
 def register_gradient_holder(params: Iterable, holder) -> None:
     """``holder`` keeps these parameters' gradients sharded and clips them globally."""
-    ref = weakref.ref(holder)
-    for p in params:
-        _gradient_holder[p] = ref
-
-
-def unregister_gradient_holder(params: Iterable, holder) -> None:
-    for p in params:
-        if _lookup(_gradient_holder, p) is holder:
-            del _gradient_holder[p]
+    _register(_gradient_holder, params, holder)
 
 
 def gradient_holder(p) -> Optional[object]:
@@ -76,9 +72,7 @@ def gradient_holder(p) -> Optional[object]:
 
 def register_step_watch(params: Iterable, watch) -> None:
     """``watch`` counts and checks the optimizer steps over these parameters."""
-    ref = weakref.ref(watch)
-    for p in params:
-        _step_watch[p] = ref
+    _register(_step_watch, params, watch)
 
 
 def step_watch(p) -> Optional[object]:

@@ -526,8 +526,10 @@ def _worker(rank, world_size, device_type, quick, collectives=True, iterations=T
     return rows
 
 
-def _write_and_print(name: str, rows: list, notes: str, env: dict) -> None:
-    md, csv = write_results(name, rows, notes, env)
+def _write_and_print(kind: str, rows: list, notes: str, args, backend: str, threads: int) -> None:
+    env = environment()
+    env.update(world_size=args.world_size, backend=backend, torch_threads=threads)
+    md, csv = write_results(f"zero_{args.device}_ws{args.world_size}_{kind}", rows, notes, env)
     for r in rows:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     print("wrote", md, csv)
@@ -557,8 +559,6 @@ def main():
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.world_size)
     if args.memory:
         rows = _memory(args.world_size, args.device, threads, backend)
-        env = environment()
-        env.update(world_size=args.world_size, backend=backend, torch_threads=threads)
         notes = ("Memory per rank for one model (8 transformer-MLP blocks, fp32, torch.optim.AdamW as the "
                  "inner/unsharded optimizer, default buckets), each variant alone in a fresh process, after 3 "
                  "steps. model_state = bytes of every tensor storage alive right after the last step() "
@@ -569,12 +569,10 @@ def main():
                  "RSS over building the model and the steps (activations, temporaries and what the allocator "
                  "keeps included). Offload variants on a CPU device: host and device are the same memory, so "
                  "offloading cannot lower these figures here; the rows show what it adds.")
-        _write_and_print(f"zero_{args.device}_ws{args.world_size}_memory", rows, notes, env)
+        _write_and_print("memory", rows, notes, args, backend, threads)
         return
     if args.stage3:
         rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend)
-        env = environment()
-        env.update(world_size=args.world_size, backend=backend, torch_threads=threads)
         notes = ("Stage 3: fusedist.fully_shard vs torch FSDP2 fully_shard, same wrapping (each block, then the "
                  "root; reshard_after_forward=None for both), torch.optim.AdamW for both; forward + backward + step "
                  "of rank 0, interleaved, ratio_paired = median over repetitions of fusedist / torch (< 1: fusedist "
@@ -582,7 +580,7 @@ def main():
                  "the model and 4 steps (MiB, rank 0); formula = 16Ψ/N + two largest units gathered + activations "
                  "(saved by autograd in one forward); fusedist_accounted = its counters: shards x4 (parameters, "
                  "gradients, AdamW's two moments) + peak gathered + peak scratch + communicator scratch + activations.")
-        _write_and_print(f"zero_{args.device}_ws{args.world_size}_stage3", rows, notes, env)
+        _write_and_print("stage3", rows, notes, args, backend, threads)
         return
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
                                not args.collectives_only, args.repeats,

@@ -338,17 +338,25 @@ def _stage3_timing(rank, world_size, device, repeats):
     }]
 
 
-def _stage3_memory(rank, world_size, device_type, kind, steps):
-    """Peak RSS growth of one contender alone in this process (MiB), and the formula's terms."""
+def _peak_mib(device) -> float:
+    """The process's peak memory so far: host RSS on CPU, allocated device memory on CUDA."""
     import resource
 
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / (1 << 20)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _stage3_memory(rank, world_size, device_type, kind, steps):
+    """Peak memory growth of one contender alone in this process (MiB; RSS on CPU, allocated
+    device memory on CUDA), and the formula's terms."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = torch.device(device_type)
+    device = _rank_device(device_type, rank)
     cfg = _stage3_config(device)
     mesh = init_device_mesh(device.type, (world_size,))
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = _peak_mib(device)
     model, opt = _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
@@ -356,10 +364,10 @@ def _stage3_memory(rank, world_size, device_type, kind, steps):
     opt.zero_grad()
     for _ in range(steps):
         _stage3_step(model, opt, x)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    peak = _peak_mib(device) - before
     mib = 1 << 20
     activations = sum({s.data_ptr(): s.nbytes() for s in saved}.values()) / mib
-    out = {"kind": kind, "peak_rss_growth_MiB": peak, "activations_MiB": activations}
+    out = {"kind": kind, "peak_growth_MiB": peak, "activations_MiB": activations}
     if kind == "fusedist":
         stats = model.memory_stats()
         psi = sum(s.numel for b in model for s in _unit(b).layout.slots)
@@ -385,8 +393,9 @@ def _stage3(world_size, device_type, repeats, threads, backend):
                                  timeout=600, threads=threads)[0] for kind in ("torch", "fusedist")}
     f = mem["fusedist"]
     formula = f["states_MiB"] + 2 * f["largest_unit_MiB"] + f["activations_MiB"]
-    rows[0].update(torch_peak_rss_growth_MiB=mem["torch"]["peak_rss_growth_MiB"],
-                   fusedist_peak_rss_growth_MiB=f["peak_rss_growth_MiB"],
+    rows[0].update(memory="device allocated" if device_type == "cuda" else "host RSS",
+                   torch_peak_growth_MiB=mem["torch"]["peak_growth_MiB"],
+                   fusedist_peak_growth_MiB=f["peak_growth_MiB"],
                    fusedist_accounted_MiB=f["accounted_MiB"], formula_MiB=formula,
                    formula_terms=f"16Ψ/N {f['states_MiB']:.1f} + 2 units {2 * f['largest_unit_MiB']:.1f} "
                                  f"+ activations {f['activations_MiB']:.1f}")
@@ -501,11 +510,20 @@ def _memory(world_size, device_type, threads, backend, steps=3):
     return rows
 
 
+def _rank_device(device_type: str, rank: int) -> torch.device:
+    """This rank's device, bound: ranks may share a GPU (FUSEDIST_TEST_RANKS_PER_GPU, Note
+    [several ranks on one GPU] in fusedist/testing/shared_gpu.py)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    from fusedist.testing import device_for_rank
+
+    index = device_for_rank(rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _stage3_worker(rank, world_size, device_type, repeats):
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    return _stage3_timing(rank, world_size, device, repeats)
+    return _stage3_timing(rank, world_size, _rank_device(device_type, rank), repeats)
 
 
 def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True, repeats=0):
@@ -539,6 +557,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ranks-per-gpu", type=int, default=0,
+                        help="with --device cuda: ranks sharing each GPU (FUSEDIST_TEST_RANKS_PER_GPU; NCCL "
+                             "over sockets between them, so absolute bandwidth is not NVLink's, ratios are fair)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=0,
                         help="timed repetitions per case (default: 15, 5 with --quick)")
@@ -550,8 +571,17 @@ def main():
     only.add_argument("--stage3", action="store_true", help="only part 3: fusedist.fully_shard vs torch FSDP2")
     only.add_argument("--memory", action="store_true", help="only part 4: model-state memory per variant")
     args = parser.parse_args()
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        sys.exit(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+    if args.ranks_per_gpu:
+        from fusedist.testing import RANKS_PER_GPU_ENV
+
+        os.environ[RANKS_PER_GPU_ENV] = str(args.ranks_per_gpu)  # read by every spawned rank
+    if args.device == "cuda":
+        from fusedist.testing.shared_gpu import ranks_per_gpu_setting
+
+        per_gpu = ranks_per_gpu_setting() or 1
+        if torch.cuda.device_count() * per_gpu < args.world_size:
+            sys.exit(f"--device cuda needs room for {args.world_size} ranks: {torch.cuda.device_count()} GPU(s) x "
+                     f"{per_gpu} rank(s) per GPU (set FUSEDIST_TEST_RANKS_PER_GPU to share a GPU)")
 
     from fusedist.testing import run_distributed
 
@@ -576,7 +606,8 @@ def main():
         notes = ("Stage 3: fusedist.fully_shard vs torch FSDP2 fully_shard, same wrapping (each block, then the "
                  "root; reshard_after_forward=None for both), torch.optim.AdamW for both; forward + backward + step "
                  "of rank 0, interleaved, ratio_paired = median over repetitions of fusedist / torch (< 1: fusedist "
-                 "faster). Memory: each contender alone in a fresh process, growth of the peak RSS over building "
+                 "faster). Memory: each contender alone in a fresh process, growth of the peak memory (host RSS on CPU, "
+                 "allocated device memory on CUDA) over building "
                  "the model and 4 steps (MiB, rank 0); formula = 16Ψ/N + two largest units gathered + activations "
                  "(saved by autograd in one forward); fusedist_accounted = its counters: shards x4 (parameters, "
                  "gradients, AdamW's two moments) + peak gathered + peak scratch + communicator scratch + activations.")

@@ -464,6 +464,8 @@ def test_state_dict_memory_stats_and_unshard():
         block = s["largest_unit_bytes"]
         assert res["root_bytes"] + block <= s["peak_gathered_bytes"] <= res["root_bytes"] + 2 * block, s
         assert s["peak_scratch_bytes"] > 0 and s["scratch_bytes"] == 0
+        # at most two reduce-scatters' buffers (a unit's gradients + its shard) alive at once
+        assert s["peak_scratch_bytes"] <= 2 * (block + block // 2 + 256), s
         assert s["sharded_grad_bytes"] == 0  # zero_grad(set_to_none) dropped the gradient shards
         restored, changed = res["round_trip"]
         assert restored == 0.0 and changed > 1e-4

@@ -10,8 +10,8 @@ Note [unit gradients]
     (average) of that buffer leaves this rank's slice, whose pieces become (or are added to,
     as torch accumulates) the sharded parameters' ``.grad``: views of one gradient shard per
     unit. Reduce-scatters run asynchronously; each launch finishes those that have landed
-    (oldest first), blocks only when more than ``MAX_IN_FLIGHT`` are pending, and the end of
-    backward finishes the rest.
+    (oldest first) and, before allocating its buffers, waits for the oldest while
+    ``MAX_IN_FLIGHT`` are pending; the end of backward finishes the rest.
 
     The average is taken as the sum of ``1/pre``-scaled gradients divided by ``post``
     afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below).
@@ -103,6 +103,8 @@ class UnitGrads:
         """Start the reduce-scatter of ``grads`` (plus the accumulator) and queue it."""
         if not any(g is not None for g in grads) and self._acc is None:
             return
+        while len(pending) >= MAX_IN_FLIGHT:  # the cap holds for the buffers this call allocates too
+            finish(pending.pop(0))
         flat, present = self._into_flat(grads)
         with_grad = sorted(self._acc_with_grad.union(present))
         self._acc, self._acc_with_grad = None, set()
@@ -117,8 +119,8 @@ class UnitGrads:
         handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
                                           tag=f"fully_shard grads {unit.name or 'root'}")
         pending.append(PendingReduce(self, handle, out, flat, with_grad, post))
-        while pending and (len(pending) > MAX_IN_FLIGHT or pending[0].handle.is_completed()):
-            finish(pending.pop(0))  # the landed ones free their buffers at once; block past the cap
+        while pending and pending[0].handle.is_completed():
+            finish(pending.pop(0))  # the landed ones free their buffers at once
 
     @property
     def accumulator_bytes(self) -> int:

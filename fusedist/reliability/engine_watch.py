@@ -17,21 +17,62 @@ from .monitor import attach_monitor
 from .step_check import StepCheck, layout_crc
 
 
-class StepWatch(EngineObserver):
-    """Counters, the step check and the stall-report context of one DDP engine."""
+class WatchBase:
+    """What every model's watch has: the counters the ranks must agree on, the per-step check,
+    the stall-report context, and what the optimizer step guard reads (``rank``,
+    ``backward_count()``, ``last_backward_synced``) and says (the class's wording)."""
 
-    def __init__(self, engine):
-        comm = engine.comm
+    #: The model, as the step guard names it, and the ends of its two messages (subclasses).
+    owner_name = no_backward_advice = unsynced_advice = ""
+
+    def __init__(self, comm):
+        self.rank = comm.rank
         self.sync_steps = 0  # synchronized backwards completed
-        self.forwards = 0  # training forwards (DistributedDataParallel.forward with grad enabled)
+        self.forwards = 0  # training forwards (grad enabled)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.last_backward_synced = True
-        self._layout_crc: Optional[tuple] = None
         self.step_check = StepCheck(comm) if checks_enabled() and comm.world_size > 1 else None
         self.monitor = attach_monitor(comm)
-        self._engine = engine
         if self.monitor is not None:
             self.monitor.add_context_provider(self.position)
+
+    def settle(self) -> None:
+        """Read the last step check's verdict (raises ``RankMismatchError`` on divergence)."""
+        if self.step_check is not None:
+            self.step_check.settle()
+
+    def _check_now(self, launch) -> None:
+        """The pending verdict, then ``launch()``'s check of the current counters, waited for."""
+        if self.step_check is None:
+            return
+        self.step_check.settle()
+        launch()
+        self.step_check.settle()
+
+    def backward_count(self) -> int:
+        raise NotImplementedError
+
+    def position(self) -> dict:
+        raise NotImplementedError
+
+
+class StepWatch(WatchBase, EngineObserver):
+    """Counters, the step check and the stall-report context of one DDP engine."""
+
+    owner_name = "DistributedDataParallel model"
+    no_backward_advice = ("so there are no averaged gradients to apply. Call loss.backward() (outside no_sync()) "
+                          "before optimizer.step().")
+    unsynced_advice = ("whose forward ran under no_sync(): the gradients are this rank's local sums, not averaged "
+                       "across ranks, so the ranks would diverge. Run the last micro-batch's forward and backward "
+                       "outside no_sync() before stepping.")
+
+    def __init__(self, engine):
+        self._engine = engine  # (before the base registers position() with the monitor)
+        self._layout_crc: Optional[tuple] = None
+        super().__init__(engine.comm)
+
+    def backward_count(self) -> int:
+        return self._engine.iteration  # every backward, synchronized or not
 
     # ------------------------------------------------------------------ engine events
     def forward_begins(self, engine) -> None:
@@ -57,19 +98,10 @@ class StepWatch(EngineObserver):
         self.settle()
 
     # ------------------------------------------------------------------ checks
-    def settle(self) -> None:
-        """Read the last step check's verdict (raises ``RankMismatchError`` on divergence)."""
-        if self.step_check is not None:
-            self.step_check.settle()
-
     def check_now(self, engine, joined: bool = False) -> None:
         """Compare where this rank is with every other rank now (Note [step check]): the pending
         verdict, then the current counters with one more tiny all-reduce, waited for."""
-        if self.step_check is None:
-            return
-        self.step_check.settle()
-        self.launch_check(engine, [], checked_now=True, joined=joined)
-        self.step_check.settle()
+        self._check_now(lambda: self.launch_check(engine, [], checked_now=True, joined=joined))
 
     def launch_check(self, engine, unused: list, checked_now: bool = False, joined: bool = False) -> None:
         if joined or engine.joined:  # Note [joined ranks]: neutral in the comparison

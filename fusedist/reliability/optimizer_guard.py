@@ -1,4 +1,4 @@
-"""Checks on ``optimizer.step()`` for optimizers over DistributedDataParallel parameters.
+"""Checks on ``optimizer.step()`` for optimizers over DistributedDataParallel (or fully_shard) parameters.
 
 Three mistakes that make ranks diverge *silently* are caught where they happen, on the rank
 that makes them, before the step changes any parameter:
@@ -32,7 +32,8 @@ from ..ownership import data_parallel_owner, step_watch
 
 _lock = threading.Lock()
 # optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
-# trainable parameter or None, weak references to the step watches of fully_shard models). Weak: a value that reaches its own key keeps the entry alive
+# trainable parameter or None, weak references to the watches of every owning model: the DDP
+# wrappers' and fully_shard roots'). Weak: a value that reaches its own key keeps the entry alive
 # forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer (through its module's hooks).
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -50,6 +51,7 @@ def _classify(optimizer):
             ddp = data_parallel_owner(p)
             if ddp is not None:
                 owners[id(ddp)] = ddp
+                watches[id(ddp.watch)] = ddp.watch
                 continue
             watch = step_watch(p)
             if watch is not None:
@@ -81,21 +83,19 @@ def _watches(entry) -> list:
 def _pre_step(optimizer, args, kwargs):
     entry = _classify(optimizer)
     owners, watches = _owners(entry), _watches(entry)
-    if not owners and not watches:
+    if not watches:
         return None
     if owners and entry[2] is not None:
         _refuse_unowned(optimizer, owners[0], entry[2])
     # torch passes step()'s own arguments: (optimizer, closure, ...) or closure=...
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is None:
-        _check_backward(optimizer, owners)
-        _check_sharded_backward(optimizer, watches)
+        _check_backward(optimizer, watches)
         return None
 
     def checked_closure():
         loss = closure()
-        _check_backward(optimizer, owners)
-        _check_sharded_backward(optimizer, watches)
+        _check_backward(optimizer, watches)
         return loss
 
     if len(args) > 1:
@@ -127,46 +127,23 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
     )
 
 
-def _check_backward(optimizer, owners) -> None:
-    for ddp in owners:
-        if ddp.reducer.iteration == 0:  # backwards completed, synchronized or not
-            raise RuntimeError(
-                f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() was called before any "
-                "backward pass through the DistributedDataParallel model, so there are no averaged "
-                "gradients to apply. Call loss.backward() (outside no_sync()) before optimizer.step()."
-            )
-        if not ddp.watch.last_backward_synced:
-            raise RuntimeError(
-                f"fusedist (rank {ddp.rank}): {type(optimizer).__name__}.step() after a backward pass "
-                "whose forward ran under no_sync(): the gradients are this rank's local sums, not "
-                "averaged across ranks, so the ranks would diverge. Run the last micro-batch's "
-                "forward and backward outside no_sync() before stepping."
-            )
-
-
-def _check_sharded_backward(optimizer, watches) -> None:
-    """The backward checks for fully_shard models (Note [stage-3 step check])."""
+def _check_backward(optimizer, watches) -> None:
+    """Each owning model's watch says how it names itself and what to do (``WatchBase``)."""
     for watch in watches:
-        if watch.backward_count() == 0:
+        if watch.backward_count() == 0:  # backwards completed, synchronized or not
             raise RuntimeError(
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() was called before any "
-                f"backward pass through the {watch.owner_name}, so there are no reduced gradients to "
-                "apply. Call loss.backward() before optimizer.step()."
+                f"backward pass through the {watch.owner_name}, {watch.no_backward_advice}"
             )
         if not watch.last_backward_synced:
             raise RuntimeError(
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() after a backward pass "
-                f"under {watch.unsynced_hint}: the gradients are this rank's unreduced local sums, so the "
-                "ranks would diverge. Turn gradient synchronization back on for the last micro-batch's "
-                "backward before stepping."
+                f"{watch.unsynced_advice}"
             )
 
 
 def _post_step(optimizer, args, kwargs) -> None:
-    entry = _classify(optimizer)
-    for ddp in _owners(entry):
-        ddp.watch.optimizer_steps += 1
-    for watch in _watches(entry):
+    for watch in _watches(_classify(optimizer)):
         watch.optimizer_steps += 1
 
 

@@ -23,34 +23,27 @@ from __future__ import annotations
 import zlib
 
 from ..ownership import register_step_watch
-from .config import checks_enabled
-from .monitor import attach_monitor
-from .step_check import StepCheck
+from .engine_watch import WatchBase
 
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units"}
 
 
-class ShardedStepWatch:
+class ShardedStepWatch(WatchBase):
     """Counters, the per-step check and the stall-report context of one fully_shard root."""
 
     owner_name = "fully_shard model"
-    unsynced_hint = "set_requires_gradient_sync(False)"
+    no_backward_advice = "so there are no reduced gradients to apply. Call loss.backward() before optimizer.step()."
+    unsynced_advice = ("under set_requires_gradient_sync(False): the gradients are this rank's unreduced local "
+                       "sums, so the ranks would diverge. Turn gradient synchronization back on for the last "
+                       "micro-batch's backward before stepping.")
 
     def __init__(self, comm, wrapping: list, params: list):
         self.comm = comm
-        self.rank = comm.rank
         self.units = len(wrapping)
         self.wrapping_crc = zlib.crc32(repr(wrapping).encode()) & 0x7FFFFFFF
-        self.sync_steps = 0
-        self.forwards = 0
         self.backwards = 0
-        self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
-        self.last_backward_synced = True
         self.in_backward = False
-        self.step_check = StepCheck(comm) if checks_enabled() and comm.world_size > 1 else None
-        self.monitor = attach_monitor(comm)
-        if self.monitor is not None:
-            self.monitor.add_context_provider(self.position)
+        super().__init__(comm)
         from . import optimizer_guard
 
         optimizer_guard.install()  # counts optimizer steps over these parameters
@@ -78,17 +71,9 @@ class ShardedStepWatch:
             self.sync_steps += 1
 
     # ------------------------------------------------------------------ checks
-    def settle(self) -> None:
-        if self.step_check is not None:
-            self.step_check.settle()
-
     def check_now(self) -> None:
         """Compare where the ranks are now (a collective: every rank calls it at the same point)."""
-        if self.step_check is None:
-            return
-        self.step_check.settle()
-        self._launch(checked_now=True)
-        self.step_check.settle()
+        self._check_now(lambda: self._launch(checked_now=True))
 
     def _launch(self, checked_now: bool) -> None:
         self.step_check.launch(

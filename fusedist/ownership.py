@@ -30,13 +30,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "register_data_parallel", "data_parallel_owner",
-    "register_gradient_holder", "gradient_holder",
+    "register_gradient_holder", "gradient_holder", "gradient_holders_of",
     "register_step_watch", "step_watch",
 ]
 
 _data_parallel: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _gradient_holder: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _step_watch: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# optimizer -> (parameter count, weak references to the gradient holders of its parameters)
+_holders_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _lookup(table: WeakIdKeyDictionary, p) -> Optional[object]:
@@ -68,6 +70,22 @@ def register_gradient_holder(params: Iterable, holder) -> None:
 def gradient_holder(p) -> Optional[object]:
     """The object holding ``p``'s sharded gradient (None: ``p.grad`` is the whole gradient)."""
     return _lookup(_gradient_holder, p)
+
+
+def gradient_holders_of(optimizer) -> list:
+    """The distinct gradient holders of ``optimizer``'s parameters, looked up once per
+    optimizer (again when its parameter count changes): a step's hot path pays one lookup."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _holders_of.get(optimizer)
+    if cached is None or cached[0] != count:
+        found = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                holder = gradient_holder(p)
+                if holder is not None:
+                    found.setdefault(id(holder), holder)
+        cached = _holders_of[optimizer] = (count, [weakref.ref(h) for h in found.values()])
+    return [h for h in (ref() for ref in cached[1]) if h is not None]
 
 
 def register_step_watch(params: Iterable, watch) -> None:

@@ -77,7 +77,7 @@ from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..optim.step_context import mark_pending
-from ..ownership import gradient_holder
+from ..ownership import gradient_holders_of
 
 MIN_SCALE_POLICIES = ("warn", "raise")
 
@@ -121,13 +121,8 @@ class _LazyHostFlag:
 # inf/nan flag (and the sum of squares) measured over it are this rank's. They are combined
 # over the holder's ranks (max / sum), so every rank skips the step together.
 def _combine_over_shards(optimizer, found_inf: torch.Tensor, sumsq: Optional[torch.Tensor] = None):
-    holders = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            holder = gradient_holder(p)
-            if holder is not None and hasattr(holder, "all_reduce_found_inf"):
-                holders.setdefault(id(holder), holder)
-    for holder in holders.values():
+    holders = [h for h in gradient_holders_of(optimizer) if hasattr(h, "all_reduce_found_inf")]
+    for holder in holders:
         holder.all_reduce_found_inf(found_inf)
         if sumsq is not None:
             holder.all_reduce_sum(sumsq)

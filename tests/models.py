@@ -95,3 +95,13 @@ def rank_slice_of_global_batch(step, rank=None, world_size=1, *, seed, n, shape=
 def flat_params(model):
     """Every parameter, flattened and concatenated (to compare two models at once)."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def error_text(fn, exc_type=Exception):
+    """``str`` of the ``exc_type`` that ``fn()`` raises, or None when it returns (other
+    exceptions propagate): what a worker reports back for the test to read."""
+    try:
+        fn()
+    except exc_type as exc:
+        return str(exc)
+    return None

@@ -376,7 +376,6 @@ class Reducer:
         self.layout.reset_peak()
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
-        self.strategy.begin_backward(self)
         if not shadow:
             Variable._execution_engine.queue_callback(self._finish_backward)
         for observer in self.observers:

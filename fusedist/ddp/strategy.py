@@ -32,13 +32,8 @@ class GradSyncStrategy:
     def finish(self, reducer: "Reducer", bucket: Bucket, handle: CommHandle) -> None:
         raise NotImplementedError
 
-    # Lifecycle hooks for strategies that manage the gradient buffers themselves (ZeRO stage
-    # 2 releases them between backward passes). The defaults do nothing, so the all-reduce
-    # path is unchanged.
-    def begin_backward(self, reducer: "Reducer") -> None:
-        """Called at the start of every backward (synchronized or not), before the first
-        gradient is accumulated into the buffers."""
-
+    # For a strategy that manages the gradient buffers itself (ZeRO stage 2 releases them
+    # between backward passes); the default does nothing, so the all-reduce path is unchanged.
     def after_sync(self, reducer: "Reducer") -> None:
         """Called at the end of every synchronized backward, after every bucket finished and
         after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""

@@ -94,3 +94,43 @@ def test_out_of_step_ranks_and_step_misuse_are_reported():
         assert out["unsynced"].startswith("error:") and "set_requires_gradient_sync(False)" in out["unsynced"]
         assert out["unchanged"]
         assert out["synced"] == "ok" and out["steps_counted"] == 1
+
+
+def _guard_worker(rank, ws):
+    """The optimizer step guard's two refusals and its step count, at this world size."""
+    from models import error_text
+
+    model = _model(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7 + rank)
+    model(torch.randn(5, 8, generator=g)).sum()  # a forward, no backward yet
+    before = [p.detach().clone() for p in model.parameters()]
+    out = {"before_backward": error_text(opt.step, RuntimeError)}
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(5, 8, generator=g)).sum().backward()
+    out["unsynced"] = error_text(opt.step, RuntimeError)
+    out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    model.set_requires_gradient_sync(True)
+    model(torch.randn(5, 8, generator=g)).sum().backward()
+    out["synced"] = error_text(opt.step, RuntimeError)
+    watch = fusedist.fsdp.state.state_of(model).ctx.watch
+    out["counts"] = (watch.optimizer_steps, watch.backwards, watch.sync_steps, watch.forwards)
+    # the cross-rank check exists only where there are other ranks (no collective of its own at 1)
+    out["cross_rank_check"] = watch.step_check is not None
+    model.check_consistency()
+    return out
+
+
+def test_step_guard_applies_at_world_size_one_as_at_two():
+    """As DDP's StepWatch: the guard refuses the same misuse with the same message at world
+    size 1; only the cross-rank check is off there."""
+    one = run_distributed(_guard_worker, 1, timeout=120)[0]
+    two = run_distributed(_guard_worker, 2, timeout=120)
+    for out in [one, *two]:
+        assert out["before_backward"] is not None and "before any backward" in out["before_backward"], out
+        assert out["unsynced"] is not None and "set_requires_gradient_sync(False)" in out["unsynced"], out
+        assert out["unchanged"] and out["synced"] is None, out
+        assert out["counts"] == (1, 2, 1, 3), out["counts"]
+    assert one["before_backward"] == two[0]["before_backward"]
+    assert one["unsynced"] == two[0]["unsynced"]
+    assert not one["cross_rank_check"] and two[0]["cross_rank_check"]

@@ -101,7 +101,7 @@ class IterationContext:
         self.post_forward_order: list = []  # this iteration's post-forwards (with grad)
         self.pending: list = []  # grads.PendingReduce in flight
         self.backward_running = False
-        # [reliability] the root's observer (Note [stage-3 step check]); None for one rank.
+        # [reliability] the root's observer (Note [stage-3 step check]); None without units.
         self.watch = None
 
     # ---- forward
@@ -202,14 +202,17 @@ class FullyShardState:
         comms = {id(u.comm) for u in units}
         if len(comms) > 1:
             raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
-        if units and units[0].world_size > 1:
+        if units:
             names = {id(m): n for n, m in self.module.named_modules()}
             signature = [(names.get(id(st.module), "?"), [(f, tuple(s.shape)) for f, s in zip(st.unit.fqns, st.unit.layout.slots)])
                          for st in states if st.unit is not None]
-            check_same_across_ranks(
-                signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
-                op="fully_shard: wrapping check",
-                hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
+            if units[0].world_size > 1:
+                check_same_across_ranks(
+                    signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
+                    op="fully_shard: wrapping check",
+                    hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
+            # At world size 1 too, as DDP's StepWatch: the counters and the optimizer step guard
+            # apply; its cross-rank check is off there (WatchBase), so no collective is issued.
             self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded])
 
     # ------------------------------------------------------------------ forward

@@ -16,6 +16,10 @@ Note [stage-3 step check]
     at the next training forward. A divergence is a ``RankMismatchError`` on every rank, one
     step after it happened. ``check_now()`` checks at once (``fusedist.checkpoint.save``
     calls it before writing). ``FUSEDIST_CHECKS=0`` turns it off.
+
+    At world size 1 the root has its watch too, as a DDP model has its ``StepWatch``: the
+    counters and the optimizer step guard apply; the cross-rank check (and the wrapping
+    check) are off, so the watch issues no collective there.
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .reducer import Reducer
 
+import torch
+
 _perf_counter = time.perf_counter
+_mul = torch.mul
 
 
 class ParamEntry:
@@ -65,15 +68,25 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
         if view is None:  # per-bucket storage: allocated when its first gradient arrives
             self._layout.allocate(slot.bucket)
             view = slot.view
+        bucket = slot.bucket
         if grad is not view:
             if grad.is_sparse:
                 raise self._sparse_gradient(entry)
             if grad.data_ptr() != view.data_ptr():
                 # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
-                # disabled): it holds this parameter's whole gradient, so copy, don't add.
-                view.copy_(grad)
+                # disabled): it holds this parameter's whole gradient, so copy, don't add, and
+                # scale on the way when the bucket folds its division (Note [division folded
+                # into the copy] in reducer.py).
+                if bucket.fold is None:
+                    view.copy_(grad)
+                else:
+                    _mul(grad, bucket.fold, out=view)
                 if self.as_view:
                     p.grad = view
+            elif bucket.fold is not None:
+                bucket.unfolded.append(view)
+        elif bucket.fold is not None:
+            bucket.unfolded.append(view)  # accumulated in place: still to be divided at launch
         self.t_last_grad = _perf_counter()
         if self._observed_order is not None:
             self._observed_order.append(entry.index)
@@ -83,7 +96,7 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
         if entry.ready == generation:
             raise self._gradient_twice(entry)
         entry.ready = generation
-        index = slot.bucket.index
+        index = bucket.index
         pending = self.pending
         pending[index] -= 1
         if pending[index] == 0 and not self.defer_launch:

@@ -51,6 +51,11 @@ class Bucket:
     # The bucket's gradients: a view buffer[start:end] (flat storage), or the bucket's own
     # tensor, None while released (per-bucket storage). Set by GradLayout.
     data: Optional[torch.Tensor] = None
+    # Note [division folded into the copy] (reducer.py), set per synchronized backward by the
+    # reducer: the factor the gradient hooks multiply by while copying a fresh gradient into
+    # this bucket (None: copy as is), and the views that got theirs another way.
+    fold: Optional[float] = None
+    unfolded: list = dataclasses.field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -279,7 +284,8 @@ def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Paramet
     them in each dtype's buffer, numbered on. The existing buckets and so every shard of them
     stay where they are: what a sharded optimizer over them needs when parameters join
     (Note [trainable set changes] in ``trainable.py``)."""
-    out = [dataclasses.replace(b, params=list(b.params), names=list(b.names), offsets=list(b.offsets), data=None)
+    out = [dataclasses.replace(b, params=list(b.params), names=list(b.names), offsets=list(b.offsets), data=None,
+                               fold=None, unfolded=[])
            for b in existing]
     sizes = _buffer_sizes(out)
     fresh = build_layout(params, names, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=bucket_cap_bytes,

@@ -9,7 +9,22 @@ Note [bucket readiness]
     two ranks whose gradients become ready in a different order would otherwise pair up
     different buckets. The last step of backward (an autograd-engine callback queued by the
     first hook) launches what is left and finishes (waits for, and averages) every bucket not
-    finished during backward yet (Note [finishing buckets during backward]). So
+    finished during backward yet (Note [division folded into the copy]
+    Averaging divides every gradient by the world size before the sum (``divide_factors`` in
+    ``strategy.py``). Done at launch, that is one more pass over each bucket. But a gradient
+    that arrives as a fresh tensor (after ``zero_grad(set_to_none=True)``, the common case)
+    is copied into its bucket view by the hook anyway, so the hook multiplies by ``1 / pre``
+    on the way (torch DDP scales while copying too) and the bucket needs no pass of its own.
+    At the start of each synchronized backward the strategy gives every bucket its ``fold``
+    factor (None: nothing folded -- no_sync backwards, a ``reduce_dtype`` conversion, or a
+    bucket of small parameters, where the dispatch of a multiply-copy costs more than the
+    pass it saves). Gradients that land in a folding bucket another way -- accumulated in
+    place into the view (after no_sync backwards, or ``zero_grad(set_to_none=False)``), or
+    left from an earlier backward by an unused parameter -- are listed in the bucket's
+    ``unfolded`` and scaled at launch, view by view. Either way each gradient is multiplied
+    by ``1 / pre`` exactly once, so the result does not depend on the path.
+
+Note [finishing buckets during backward]). So
     ``loss.backward()`` returns with synchronized gradients, like torch DDP.
 
 Note [finishing buckets during backward]
@@ -374,6 +389,10 @@ class Reducer:
         self.t_done: dict[int, float] = {}
         self.t_last_grad = _perf_counter()  # raw perf_counter seconds (cheap in the hook)
         self.layout.reset_peak()
+        strategy = self.strategy
+        for bucket in self.layout.buckets:  # Note [division folded into the copy]
+            bucket.fold = strategy.fold_factor(self, bucket) if self.sync and not shadow else None
+            bucket.unfolded = []
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
         if not shadow:
@@ -472,6 +491,8 @@ class Reducer:
                 self.layout.allocate(bucket)  # zeroed
             elif p.grad is None:
                 self.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
+            elif bucket.fold is not None:
+                bucket.unfolded.append(self.layout.grad_view(p))  # an earlier gradient, undivided
             self.pending[bucket.index] -= 1
         # Parameters whose grad stays None after this backward (refined by _settle_unused).
         self.params_without_grad = ([] if shadow else [p for p in unused if not had_grad[p]]) + list(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ddp.strategy import GradSyncStrategy, divide_factors
+from ..ddp.strategy import GradSyncStrategy, divide_before_sum, divide_factors, pre_division_fold
 
 
 class ReduceScatterToShard(GradSyncStrategy):
@@ -45,11 +45,14 @@ class ReduceScatterToShard(GradSyncStrategy):
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
         pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
         wire = bucket.data.to(reduce_dtype) if reduce_dtype != bucket.data.dtype else bucket.data
-        wire.div_(pre)
+        divide_before_sum(bucket, wire, pre)
         out = torch.empty(hi - lo, dtype=reduce_dtype, device=wire.device)
         self._outputs[bucket.index] = out
         reducer.bucket_scratch[bucket.index] = wire  # keeps a converted copy alive until done
         return reducer.comm.reduce_scatter(out, wire, async_op=True, tag=f"zero2 bucket {bucket.index}")
+
+    def fold_factor(self, reducer, bucket):
+        return pre_division_fold(reducer, bucket)
 
     def finish(self, reducer, bucket, handle):
         handle.wait()

@@ -148,6 +148,12 @@ def test_device_mesh_selects_the_data_parallel_group():
     assert not torch.equal(results[0][1], results[2][1])  # different data, separate groups
 
 
+class _SometimesUnused(models.WithUnused):
+    def forward(self, x, use_unused=False):
+        out = self.used(x)
+        return out + self.unused(x) if use_unused else out
+
+
 def _unused_worker(rank, world_size):
     import fusedist
 
@@ -182,6 +188,24 @@ def _unused_worker(rank, world_size):
     g = model.module.unused.weight.grad
     out["partially_used_grad"] = None if g is None else g.clone()
     out["rank_local_unused_grad"] = torch.autograd.grad(base.unused(x).pow(2).mean(), base.unused.weight)[0]
+    # Gradient views off: a parameter unused in this step reduces its p.grad as it is now
+    # (zeroed by zero_grad(set_to_none=False)), not the last average its bucket slot still holds.
+    torch.manual_seed(0)
+    base = _SometimesUnused()
+    pair = {"fusedist": fusedist.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True,
+                                                         gradient_as_bucket_view=False),
+            "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)}
+    out["views_off_unused_grad"] = {}
+    for name, m in pair.items():
+        for use in (True, False):
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            loss = nn.functional.mse_loss(m(x, use), y)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss.backward()
+        out["views_off_unused_grad"][name] = m.module.unused.weight.grad.clone()
     return out
 
 
@@ -196,6 +220,9 @@ def test_unused_parameters():
     # rank 0 used the parameter, rank 1 did not: both hold the average (rank 0's grad / 2).
     torch.testing.assert_close(r0["partially_used_grad"], r0["rank_local_unused_grad"] / 2)
     torch.testing.assert_close(r1["partially_used_grad"], r0["rank_local_unused_grad"] / 2)
+    for out in (r0, r1):
+        got = out["views_off_unused_grad"]
+        torch.testing.assert_close(got["fusedist"], got["torch"], rtol=0, atol=0)
 
 
 def _mismatch_worker(rank, world_size):

@@ -63,6 +63,8 @@ SCENARIOS = {
     # 'side' gets a gradient under no_sync, none in the synchronized backward: its earlier
     # gradient is averaged at the end of backward (the unused-parameter path).
     "unused after no_sync": ([(False, True), (True, False)], True, {"find_unused_parameters": True}, True),
+    "unused after no_sync, views off": ([(False, True), (True, False)], False,
+                                        {"find_unused_parameters": True, "gradient_as_bucket_view": False}, True),
 }
 
 

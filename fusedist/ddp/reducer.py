@@ -489,10 +489,14 @@ class Reducer:
             bucket = self.layout.slots[p].bucket
             if bucket.data is None:
                 self.layout.allocate(bucket)  # zeroed
-            elif p.grad is None:
-                self.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
-            elif bucket.fold is not None:
-                bucket.unfolded.append(self.layout.grad_view(p))  # an earlier gradient, undivided
+            view = self.layout.grad_view(p)
+            if p.grad is None:
+                view.zero_()  # the slot may hold a stale gradient
+            elif not shadow:  # an earlier gradient (no_sync, or kept by zero_grad(set_to_none=False))
+                if p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)  # gradient views off: the slot holds the last average, not p.grad
+                if bucket.fold is not None:
+                    bucket.unfolded.append(view)  # undivided
             self.pending[bucket.index] -= 1
         # Parameters whose grad stays None after this backward (refined by _settle_unused).
         self.params_without_grad = ([] if shadow else [p for p in unused if not had_grad[p]]) + list(

@@ -5,11 +5,13 @@ Note [unit gradients]
     When a unit's backward is over (every trainable unsharded parameter's gradient has been
     accumulated -- autograd accumulates a leaf once per backward, after all its uses, so a
     unit called twice, a tied weight or a checkpointed recompute are all counted once), its
-    gradients are copied into one flat buffer laid out like the gathered parameters, in
-    ``reduce_dtype``, and dropped from the unsharded parameters at once. One reduce-scatter
-    (average) of that buffer leaves this rank's slice, whose pieces become (or are added to,
-    as torch accumulates) the sharded parameters' ``.grad``: views of one gradient shard per
-    unit. Reduce-scatters run asynchronously; each launch finishes those that have landed
+    gradients are copied into one flat buffer laid out like the gathered trainable section
+    (Note [trainable section] in layout.py: the whole unit unless some parameters are
+    frozen), in ``reduce_dtype``, and dropped from the unsharded parameters at once. One
+    reduce-scatter (average) of that buffer leaves this rank's slice of the section, whose
+    pieces become (or are added to, as torch accumulates) the sharded parameters' ``.grad``:
+    views of one gradient shard per unit. Frozen parameters get neither buffer slots nor
+    gradient storage; a unit with no trainable parameter issues no reduce-scatter. Reduce-scatters run asynchronously; each launch finishes those that have landed
     (oldest first) and, before allocating its buffers, waits for the oldest while
     ``MAX_IN_FLIGHT`` are pending; the end of backward finishes the rest.
 
@@ -17,7 +19,7 @@ Note [unit gradients]
     afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below).
 
     ``set_requires_gradient_sync(False)``: no reduce-scatter; the flat buffer is kept as an
-    accumulator (``reduce_dtype``; the size of the unit, unsharded, on every rank) and the
+    accumulator (``reduce_dtype``; the size of the trainable section, unsharded) and the
     next synchronized backward adds its gradients to it and reduce-scatters the sum.
 
     Only parameters that received a gradient (this backward, or accumulated) get ``.grad``;
@@ -46,95 +48,107 @@ MAX_IN_FLIGHT = 2
 
 
 class PendingReduce:
-    """A reduce-scatter in flight and the buffers it needs until it has landed."""
+    """A reduce-scatter in flight (of one section of a unit) and the buffers it needs until
+    it has landed."""
 
-    def __init__(self, grads: "UnitGrads", handle, output: torch.Tensor, input: torch.Tensor, with_grad: list,
-                 post: float = 1.0):
-        self.grads, self.handle, self.output, self.input, self.with_grad = grads, handle, output, input, with_grad
+    def __init__(self, grads: "UnitGrads", section: int, handle, output: torch.Tensor, input: torch.Tensor,
+                 with_grad: list, post: float = 1.0):
+        self.grads, self.section, self.handle = grads, section, handle
+        self.output, self.input, self.with_grad = output, input, with_grad
         self.post = post  # divisor still to apply to the output (Note [fp16 reduction])
         self.nbytes = (output.numel() + input.numel()) * output.element_size()
 
 
 class UnitGrads:
-    """Note [unit gradients] for one :class:`~fusedist.fsdp.unit.ShardedUnit`."""
+    """Note [unit gradients] for one :class:`~fusedist.fsdp.unit.ShardedUnit`, section by
+    section (Note [trainable section] in layout.py)."""
 
     def __init__(self, unit, reduce_dtype):
         self.unit = unit
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else unit.param_dtype
         self.reduce_grads = True
-        self._acc = None  # flat accumulator of unsynchronized backwards
-        self._acc_with_grad: set[int] = set()
+        self._acc: dict[int, torch.Tensor] = {}  # section -> flat accumulator of unsynchronized backwards
+        self._acc_with_grad: dict[int, set] = {}  # section -> parameters with a gradient in it
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.unit.layout.slots]
+    def _sections(self, grads: list) -> list[int]:
+        """The sections to reduce: those with a parameter that requires a gradient now (the
+        flags every rank shares, not which gradients this rank happened to get) or with an
+        accumulator. The frozen section of a partly frozen unit is not one of them."""
+        unit = self.unit
+        return [k for k, sec in enumerate(unit.layout.sections)
+                if k in self._acc or any(unit.unsharded[i].requires_grad or grads[i] is not None for i in sec.indices)]
 
     @torch.no_grad()
-    def _into_flat(self, grads: list):
-        """The unsharded gradients ``grads`` (None where absent) added into the accumulator,
-        or copied into a fresh flat buffer whose other slots and padding are zero."""
-        present = [i for i, g in enumerate(grads) if g is not None]
-        flat = self._acc
+    def _into_flat(self, k: int, grads: list):
+        """Section ``k``'s unsharded gradients ``grads`` (by unit index, None where absent)
+        added into its accumulator (taken), or copied into a fresh flat buffer laid out like
+        the gathered section, whose other slots and padding are zero."""
+        sec = self.unit.layout.sections[k]
+        slots = sec.layout.slots
+        present = [j for j, i in enumerate(sec.indices) if grads[i] is not None]
+        flat = self._acc.pop(k, None)
+        views = [flat[s.offset:s.offset + s.numel].view(s.shape) for s in slots] if flat is not None else None
         if flat is None:
-            flat = torch.empty(self.unit.layout.total_numel, dtype=self.reduce_dtype, device=self.unit.device)
+            flat = torch.empty(sec.layout.total_numel, dtype=self.reduce_dtype, device=self.unit.device)
             COUNTERS.add_scratch(flat.numel() * flat.element_size())
-            for a, b in self.unit.layout.gaps():
+            for a, b in sec.layout.gaps():
                 flat[a:b].zero_()
-            views = self._views(flat)
-            for i, g in enumerate(grads):
-                if g is None:
-                    views[i].zero_()
+            views = [flat[s.offset:s.offset + s.numel].view(s.shape) for s in slots]
+            for j, i in enumerate(sec.indices):
+                if grads[i] is None:
+                    views[j].zero_()
             if present:
-                torch._foreach_copy_([views[i] for i in present], [grads[i] for i in present])
+                torch._foreach_copy_([views[j] for j in present], [grads[sec.indices[j]] for j in present])
         elif present:
-            views = self._views(flat)
-            dst = [views[i] for i in present]
-            src = [grads[i] if grads[i].dtype == flat.dtype else grads[i].to(flat.dtype) for i in present]
-            torch._foreach_add_(dst, src)
-        return flat, present
+            src = [grads[sec.indices[j]] for j in present]
+            torch._foreach_add_([views[j] for j in present], [g if g.dtype == flat.dtype else g.to(flat.dtype) for g in src])
+        return flat, {sec.indices[j] for j in present}
 
     def accumulate(self, grads: list) -> None:
-        """An unsynchronized backward: add into the accumulator."""
+        """An unsynchronized backward: add into the accumulators."""
         if not any(g is not None for g in grads):
             return
-        self._acc, present = self._into_flat(grads)
-        self._acc_with_grad.update(present)
+        for k in self._sections(grads):
+            self._acc[k], present = self._into_flat(k, grads)
+            self._acc_with_grad.setdefault(k, set()).update(present)
 
     def reduce(self, grads: list, pending: list) -> None:
-        """Start the reduce-scatter of ``grads`` (plus the accumulator) and queue it."""
-        if not any(g is not None for g in grads) and self._acc is None:
+        """Start the reduce-scatter of each section's ``grads`` (plus its accumulator) and queue it."""
+        if not any(g is not None for g in grads) and not self._acc:
             return
-        while len(pending) >= MAX_IN_FLIGHT:  # the cap holds for the buffers this call allocates too
-            finish(pending.pop(0))
-        flat, present = self._into_flat(grads)
-        with_grad = sorted(self._acc_with_grad.union(present))
-        self._acc, self._acc_with_grad = None, set()
         unit = self.unit
-        out = torch.empty(unit.layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
-        COUNTERS.add_scratch(out.numel() * out.element_size())
-        op, post = "avg", 1.0
-        if self.reduce_dtype == torch.float16 and unit.world_size > 1:  # Note [fp16 reduction]
-            pre, post = divide_factors(unit.world_size, self.reduce_dtype)
-            flat.div_(pre)
-            op = "sum"
-        handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
-                                          tag=f"fully_shard grads {unit.name or 'root'}")
-        pending.append(PendingReduce(self, handle, out, flat, with_grad, post))
+        for k in self._sections(grads):
+            while len(pending) >= MAX_IN_FLIGHT:  # the cap holds for the buffers this call allocates too
+                finish(pending.pop(0))
+            flat, present = self._into_flat(k, grads)
+            with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present))
+            out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
+            COUNTERS.add_scratch(out.numel() * out.element_size())
+            op, post = "avg", 1.0
+            if self.reduce_dtype == torch.float16 and unit.world_size > 1:  # Note [fp16 reduction]
+                pre, post = divide_factors(unit.world_size, self.reduce_dtype)
+                flat.div_(pre)
+                op = "sum"
+            handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
+                                              tag=f"fully_shard grads {unit.name or 'root'}")
+            pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post))
+        self._acc, self._acc_with_grad = {}, {}
         while pending and pending[0].handle.is_completed():
             finish(pending.pop(0))  # the landed ones free their buffers at once
 
     @property
     def accumulator_bytes(self) -> int:
-        return 0 if self._acc is None else self._acc.numel() * self._acc.element_size()
+        return sum(a.numel() * a.element_size() for a in self._acc.values())
 
     def drop_accumulator(self) -> None:
-        if self._acc is not None:
-            COUNTERS.add_scratch(-self.accumulator_bytes)
-        self._acc, self._acc_with_grad = None, set()
+        COUNTERS.add_scratch(-self.accumulator_bytes)
+        self._acc, self._acc_with_grad = {}, {}
 
 
 @torch.no_grad()
 def finish(p: PendingReduce) -> None:
-    """Wait for a reduce-scatter and store its output as (or add it to) the pieces' ``.grad``."""
+    """Wait for a reduce-scatter and store its output as (or add it to) the pieces' ``.grad``:
+    each piece's gradient is at the piece's offset in its section's shard."""
     p.handle.wait()
     unit = p.grads.unit
     COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
@@ -145,12 +159,14 @@ def finish(p: PendingReduce) -> None:
         out.div_(p.post)
     if out.dtype != unit.dtype or out.device != unit.shard_device:
         out = out.to(device=unit.shard_device, dtype=unit.dtype, non_blocking=unit.offload)
+    base = unit.layout.sections[p.section].shard_base
     for i in p.with_grad:
         sp = unit.sharded[i]
         if not sp.requires_grad:
             continue
         piece = unit.layout.piece(i, unit.rank)
-        view = out[piece.shard_offset:piece.shard_offset + piece.numel].view(piece.shape)
+        a = piece.shard_offset - base
+        view = out[a:a + piece.numel].view(piece.shape)
         if sp.grad is None:
             sp.grad = view
         else:

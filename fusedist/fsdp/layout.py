@@ -23,6 +23,32 @@ Note [row-aligned flat layout]
     takes the least common multiple of their row sizes: coprime widths at many ranks). When
     the padding it would add exceeds 1/64 of the unit, the parameter asking for it is cut
     anywhere instead, and its pieces are 1-D (``flat_pieces``); the rest keep their rows.
+
+Note [trainable section]
+    A unit whose parameters are partly frozen (fine-tuning, LoRA: big frozen weights, small
+    trainable adapters) is laid out as two sections, each a row-aligned layout of its own:
+    the parameters that required gradients when the unit was built, then the frozen ones.
+    Rank ``r``'s shard is its trainable shard followed by its frozen shard; the gathered
+    buffer is the gathered trainable section followed by the gathered frozen section, so
+    every gathered parameter is still one contiguous view -- at the price of one all-gather
+    per section (two for such a unit, one for any other).
+
+    Why not one layout and a gradient layout beside it: the gradient shard must line up
+    with the parameter pieces (rank ``r``'s ``.grad`` covers the elements its piece holds,
+    with no exchange after the reduce-scatter). With one layout the trainable parameters lie
+    wherever registration order put them -- all of a LoRA block's adapters after the base
+    weight, in the last rank's shard -- so a gradient buffer of each rank's trainable pieces,
+    padded to the largest, is world_size times the adapters. With sections, the trainable
+    section *is* the gradient layout: the gradient buffer is laid out like the gathered
+    trainable section, its reduce-scatter leaves each rank its trainable shard, and every
+    piece's gradient is at the piece's offset in that section; the frozen section is never
+    reduced, nor given gradient storage. The split is balanced: each rank holds about
+    1/world_size of the trainable elements and of the frozen ones.
+
+    Flags changed after wrapping are followed (``grads.py``): a section is reduce-scattered
+    when one of its parameters requires a gradient now, so a frozen-section parameter that was
+    unfrozen makes its section reduce too (the unit's whole size, as without sections), and
+    a trainable-section parameter that was frozen is left a zero slot and no ``.grad``.
 """
 
 from __future__ import annotations
@@ -145,6 +171,84 @@ class UnitLayout:
         if pos < self.total_numel:
             out.append((pos, self.total_numel))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One row-aligned layout inside a unit: the parameters ``indices`` (unit indices, in
+    order), whose shards start at ``shard_base`` of the unit's shard and whose gathered
+    buffer starts at ``full_base`` of the unit's gathered buffer."""
+
+    indices: tuple
+    layout: UnitLayout
+    shard_base: int
+    full_base: int
+    trainable: bool  # the parameters' requires_grad when the unit was built
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.shard_base, self.shard_base + self.layout.shard_numel
+
+    @property
+    def full_range(self) -> tuple[int, int]:
+        return self.full_base, self.full_base + self.layout.total_numel
+
+
+class SplitLayout:
+    """A unit's layout: its trainable and its frozen parameters as two sections, each a
+    :class:`UnitLayout` of its own (Note [trainable section]). Speaks in unit coordinates:
+    ``slots[i].offset`` is in the gathered buffer, ``piece(i, r).shard_offset`` in the shard."""
+
+    def __init__(self, shapes: Sequence[tuple], trainable: Sequence[bool], world_size: int):
+        if len(shapes) != len(trainable):
+            raise ValueError(f"{len(shapes)} shapes but {len(trainable)} trainable flags")
+        self.world_size = world_size
+        self.sections: list[Section] = []
+        self._where: dict[int, tuple[int, int]] = {}  # unit index -> (section, index in it)
+        shard_base = full_base = 0
+        for flag in (True, False):
+            indices = tuple(i for i, t in enumerate(trainable) if bool(t) == flag)
+            if not indices and (flag or self.sections):
+                continue  # (a unit without parameters keeps one empty section)
+            layout = UnitLayout([tuple(shapes[i]) for i in indices], world_size)
+            for j, i in enumerate(indices):
+                self._where[i] = (len(self.sections), j)
+            self.sections.append(Section(indices, layout, shard_base, full_base, flag))
+            shard_base += layout.shard_numel
+            full_base += layout.total_numel
+        self.shard_numel, self.total_numel = shard_base, full_base
+        self.slots: list[Slot] = []
+        self.flat_pieces: set[int] = set()
+        for i in range(len(shapes)):
+            sec, j = self.section_of(i)
+            s = sec.layout.slots[j]
+            self.slots.append(Slot(sec.full_base + s.offset, s.numel, s.shape, s.row_numel))
+            if j in sec.layout.flat_pieces:
+                self.flat_pieces.add(i)
+
+    def section_of(self, index: int) -> tuple[Section, int]:
+        """The section holding parameter ``index`` and its index there."""
+        k, j = self._where[index]
+        return self.sections[k], j
+
+    def piece(self, index: int, rank: int) -> Piece:
+        """Rank ``rank``'s piece of parameter ``index`` (``shard_offset`` in the unit's shard)."""
+        sec, j = self.section_of(index)
+        p = sec.layout.piece(j, rank)
+        return dataclasses.replace(p, shard_offset=sec.shard_base + p.shard_offset)
+
+    def element_range(self, index: int, rank: int) -> tuple[int, int]:
+        """The elements ``[start, end)`` of parameter ``index`` (flattened) in ``rank``'s piece."""
+        sec, j = self.section_of(index)
+        p = sec.layout.piece(j, rank)
+        if not p.numel:
+            return 0, 0
+        start = rank * sec.layout.shard_numel + p.shard_offset - sec.layout.slots[j].offset
+        return start, start + p.numel
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Ranges of the gathered buffer holding no parameter (padding), as (start, end)."""
+        return [(sec.full_base + a, sec.full_base + b) for sec in self.sections for a, b in sec.layout.gaps()]
 
 
 def alias(storage_of: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:

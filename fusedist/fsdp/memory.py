@@ -40,7 +40,8 @@ def memory_stats(units, comm=None) -> dict:
     """Bytes held by ``units`` at rest and the process-wide gathered/scratch figures.
 
     * ``sharded_bytes``: the rank's parameter shards (what the optimizer steps);
-    * ``sharded_grad_bytes``: the reduce-scattered gradient shards held by the parameters now;
+    * ``sharded_grad_bytes``: the storage of the gradient shards the parameters hold now
+      (each storage once: the pieces' ``.grad`` are views of one shard per unit);
     * ``unsharded_bytes``/``largest_unit_bytes``: one gathered copy of every unit, and of the largest;
     * ``gathered_bytes``/``peak_gathered_bytes``: unit buffers gathered now / at most at once;
     * ``scratch_bytes``/``peak_scratch_bytes``: gradient reduce buffers, accumulators, casts;
@@ -52,9 +53,13 @@ def memory_stats(units, comm=None) -> dict:
     for u in units:
         for sp in u.sharded:
             g = sp.grad
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                grad_bytes += g.numel() * g.element_size()
+            if g is None:
+                continue
+            storage = g.untyped_storage()
+            key = (storage.data_ptr(), g.device) if storage.nbytes() else id(g)
+            if key not in seen:
+                seen.add(key)
+                grad_bytes += storage.nbytes()
     return {
         "sharded_bytes": sum(u.sharded_bytes for u in units),
         "sharded_grad_bytes": grad_bytes,

@@ -13,6 +13,8 @@ Note [unit schedule]
               iteration's post-forwards, or the explicit backward list). The unit's gradient
               hooks count its parameters' accumulations; when all trainable ones are in, the
               gradients go to a reduce-scatter (Note [unit gradients]) and the unit reshards.
+              A unit with frozen parameters also waits for the gradients of its calls' inputs
+              (Note [frozen parameters in backward]).
               A callback queued on the autograd engine ends the backward: units whose
               parameters were not all reached are reduced now, every reduce-scatter is
               finished, and per-backward state is reset.
@@ -36,6 +38,18 @@ Note [hooks outside compiled graphs]
     backward pre-hook regathers it before the compiled backward runs. The gradient hooks are
     post-accumulate hooks on the unsharded leaves, fired by the autograd engine after the
     compiled backward, as in eager. tests/test_fully_shard_compile.py: exact parity.
+
+Note [frozen parameters in backward]
+    Counting gradient accumulations tells when a unit's backward is over only if every
+    parameter backward still reads has a gradient: a trainable weight is read by the same
+    backward node that produces its gradient. A frozen one is not: ``base(x)`` of a LoRA
+    layer needs the frozen ``base.weight`` for the gradient of ``x`` after the adapters'
+    gradients may all be in, and resharding then would free it under autograd. So a unit
+    holding a frozen parameter routes each call's inputs that require gradients through an
+    identity autograd function (as torch's FSDP2 does for every unit); its backward runs once
+    the gradients of those inputs -- the last use of the unit's parameters -- are computed,
+    and the unit is reduced and resharded only when that has happened for every call and all
+    trainable gradients are in (a fully frozen unit thus reshards during backward too).
 """
 
 from __future__ import annotations
@@ -87,6 +101,25 @@ def _grad_tensors(obj, out: list) -> list:
         for v in obj.values():
             _grad_tensors(v, out)
     return out
+
+
+class _InputsBackward(torch.autograd.Function):
+    """Identity on a unit call's inputs; its backward tells the state that the gradients of
+    the inputs are done (Note [frozen parameters in backward])."""
+
+    @staticmethod
+    def forward(ctx, state, *tensors):
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state._on_inputs_grad()
+        return (None, *grads)
+
+
+def _replace_tensors(obj, new: dict):
+    return _map_tensors(lambda t: new.get(id(t), t), obj)
 
 
 class IterationContext:
@@ -168,6 +201,7 @@ class FullyShardState:
         self._post_forward_indices: list[int] = []
         self._in_backward = False
         self._grads_seen = 0
+        self._input_calls = [0, 0]  # calls whose inputs were routed / whose input gradients are done
         self._post_backward_done = False
         if unit is not None:
             unit.on_grad = self._on_grad
@@ -204,8 +238,7 @@ class FullyShardState:
             raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
         if units:
             names = {id(m): n for n, m in self.module.named_modules()}
-            signature = [(names.get(id(st.module), "?"), [(f, tuple(s.shape)) for f, s in zip(st.unit.fqns, st.unit.layout.slots)])
-                         for st in states if st.unit is not None]
+            signature = [(names.get(id(st.module), "?"), _unit_params(st.unit)) for st in states if st.unit is not None]
             if units[0].world_size > 1:
                 check_same_across_ranks(
                     signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
@@ -237,6 +270,8 @@ class FullyShardState:
                 unit.unshard(async_op=False)
             if torch.is_grad_enabled():
                 self.backward_pending = True
+                if not all(sp.requires_grad for sp in unit.sharded):  # Note [frozen parameters in backward]
+                    args, kwargs = self._route_inputs(args, kwargs)
         nxt = ctx.next_in_forward(self) if unit is not None else None
         targets = self.forward_prefetch if self.forward_prefetch is not None else ([nxt] if nxt else [])
         for st in targets:
@@ -291,11 +326,27 @@ class FullyShardState:
     def _calls_started(self) -> set:
         return set()
 
+    def _route_inputs(self, args, kwargs):
+        tensors = _grad_tensors((args, kwargs), [])
+        if not tensors:
+            return args, kwargs
+        routed = _InputsBackward.apply(self, *tensors)
+        self._input_calls[0] += 1
+        return _replace_tensors((args, kwargs), {id(t): r for t, r in zip(tensors, routed)})
+
+    def _on_inputs_grad(self) -> None:
+        self.ctx.ensure_final_callback()
+        self._input_calls[1] += 1
+        self._maybe_post_backward()
+
     def _on_grad(self, index: int) -> None:
         self.ctx.ensure_final_callback()
         self._grads_seen += 1
+        self._maybe_post_backward()
+
+    def _maybe_post_backward(self) -> None:
         expected = sum(1 for u in self.unit.unsharded if u.requires_grad)
-        if self._grads_seen >= expected:
+        if self._grads_seen >= expected and self._input_calls[1] >= self._input_calls[0]:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -319,12 +370,22 @@ class FullyShardState:
     def reset_backward(self) -> None:
         self._in_backward = False
         self._grads_seen = 0
+        self._input_calls = [0, 0]
         self._post_backward_done = False
         self.backward_pending = False
         self._post_forward_indices.clear()
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
+
+
+def _unit_params(unit) -> list:
+    """(name, shape) of a unit's parameters for the wrapping check; a frozen one is named so,
+    since the flags at wrapping decide the layout (Note [trainable section])."""
+    out = []
+    for i, (fqn, slot) in enumerate(zip(unit.fqns, unit.layout.slots)):
+        out.append((fqn if unit.layout.section_of(i)[0].trainable else f"{fqn} (frozen)", tuple(slot.shape)))
+    return out
 
 
 def _describe_unit(entry: Any) -> str:

@@ -47,7 +47,8 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
     gathered = {}
     for unit in units:
         flat = torch.empty(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
-        unit.comm.all_gather(flat, unit.shard.to(unit.device), tag=f"fully_shard full state dict {unit.name}")
+        for handle in unit.gather_into(flat, unit.shard.to(unit.device), f"fully_shard full state dict {unit.name}"):
+            handle.wait()
         for i, slot in enumerate(unit.layout.slots):
             full = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
             gathered[i, id(unit)] = full.cpu().clone() if to_cpu else full.clone()

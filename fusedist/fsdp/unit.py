@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .layout import UnitLayout, alias
+from .layout import SplitLayout, alias
 from .memory import COUNTERS
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -59,12 +59,14 @@ class ShardedUnit:
         self.shard_device = torch.device("cpu") if self.offload else device
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        self.layout = UnitLayout([tuple(p.shape) for p in params], self.world_size)
+        # Note [trainable section]: trainable and frozen parameters in sections of their own
+        self.layout = SplitLayout([tuple(p.shape) for p in params], [p.requires_grad for p in params],
+                                  self.world_size)
         self._build(params, offload_policy)
         #: owner units of parameters shared with another unit: (owner, owner index, registrations)
         self.borrowed: list[tuple["ShardedUnit", int, list]] = []
         self.is_unsharded = False
-        self._gather = None  # (handle, input kept alive) of the all-gather in flight
+        self._gather = None  # (handles, input kept alive) of the all-gathers in flight
         self.holder = None  # the gradient holder (holder.py), kept alive by the units using it
         self._gathered_bytes = 0
         #: called with the parameter index when an unsharded parameter's gradient is accumulated
@@ -82,11 +84,10 @@ class ShardedUnit:
         pin = self.offload and offload_policy.pin_memory and self.device.type != "cpu"
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.shard_device, pin_memory=pin)
         self.sharded: list[nn.Parameter] = []
-        lo = rank * layout.shard_numel
         for i, p in enumerate(params):
             piece = layout.piece(i, rank)
             if piece.numel:
-                start = lo + piece.shard_offset - layout.slots[i].offset
+                start = layout.element_range(i, rank)[0]
                 self.shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
                     p.detach().reshape(-1)[start:start + piece.numel])
             sp = nn.Parameter(alias(self.shard, piece.shard_offset, piece.shape), requires_grad=p.requires_grad)
@@ -115,8 +116,8 @@ class ShardedUnit:
                 src = src.to(self.device, non_blocking=True)
             if src.dtype != self.param_dtype:
                 src = src.to(self.param_dtype)
-            handle = self.comm.all_gather(self.full, src, async_op=True, tag=f"fully_shard gather {self.name or 'root'}")
-            self._gather = (handle, src)
+            handles = self.gather_into(self.full, src, f"fully_shard gather {self.name or 'root'}")
+            self._gather = (handles, src)
         if not async_op:
             self.wait_for_unshard()
 
@@ -125,8 +126,9 @@ class ShardedUnit:
         if not self.is_unsharded:
             if self._gather is None:
                 self.unshard(async_op=True)
-            handle, _src = self._gather
-            handle.wait()
+            handles, _src = self._gather
+            for handle in handles:
+                handle.wait()
             self._gather = None
             for i, u in enumerate(self.unsharded):
                 u.requires_grad_(self.sharded[i].requires_grad)  # a freeze after wrapping is seen here
@@ -141,7 +143,8 @@ class ShardedUnit:
         """Free the unsharded buffer; the modules hold the sharded parameters again. A gather
         still in flight is waited for first (its buffer cannot be freed under it)."""
         if self._gather is not None:
-            self._gather[0].wait()
+            for handle in self._gather[0]:
+                handle.wait()
             self._gather = None
             self.is_unsharded = True  # landed; swapped back below
         for owner, index, regs in self.borrowed:
@@ -155,6 +158,15 @@ class ShardedUnit:
         COUNTERS.add_gathered(-self._gathered_bytes)
         self._gathered_bytes = 0
         self.is_unsharded = False
+
+    def gather_into(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> list:
+        """Start the all-gathers of ``shard`` (laid out like the unit's shard) into ``full``
+        (like its gathered buffer): one per section (Note [trainable section]); the handles."""
+        handles = []
+        for sec in self.layout.sections:
+            (a, b), (c, d) = sec.full_range, sec.shard_range
+            handles.append(self.comm.all_gather(full[a:b], shard[c:d], async_op=True, tag=tag))
+        return handles
 
     @property
     def gather_in_flight(self) -> bool:
@@ -201,9 +213,4 @@ class ShardedUnit:
     def element_range(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
         """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s
         piece holds."""
-        rank = self.rank if rank is None else rank
-        piece = self.layout.piece(index, rank)
-        if not piece.numel:
-            return 0, 0
-        start = rank * self.layout.shard_numel + piece.shard_offset - self.layout.slots[index].offset
-        return start, start + piece.numel
+        return self.layout.element_range(index, self.rank if rank is None else rank)

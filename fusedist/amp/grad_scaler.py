@@ -290,16 +290,18 @@ class GradScaler(_TorchGradScaler):
         new_hyst = torch.where(found, hyst - 1, torch.full_like(hyst, self._hysteresis))
         backoff = found & (new_hyst <= 0)
         successful = growth_tracker + 1
-        grow = (~found) & (successful >= self._growth_interval)
+        attempt = (~found) & (successful >= self._growth_interval)
         grown = scale * self._growth_factor
-        grow = grow & torch.isfinite(grown)  # torch keeps the scale if growing overflows it
+        # torch keeps the scale if growing overflows it, but restarts the growth count all
+        # the same (its _amp_update_scale_): the tracker is reset on every attempt.
+        grow = attempt & torch.isfinite(grown)
         shrunk = scale * self._backoff_factor
         if self._min_scale is not None:
             at_floor = backoff & (scale <= self._min_scale)
             shrunk = torch.clamp(shrunk, min=self._min_scale)
             self._check_min_scale(at_floor)
         new_scale = torch.where(backoff, shrunk, torch.where(grow, grown, scale))
-        new_tracker = torch.where(found | grow, torch.zeros_like(growth_tracker), successful)
+        new_tracker = torch.where(found | attempt, torch.zeros_like(growth_tracker), successful)
         scale.copy_(new_scale)
         growth_tracker.copy_(new_tracker)
         hyst.copy_(torch.clamp(new_hyst, min=0))

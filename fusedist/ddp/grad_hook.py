@@ -38,14 +38,17 @@ class ParamEntry:
     """A hooked parameter's bookkeeping (Note [per-parameter cost]). ``slot``: its layout
     slot, None when the buckets do not reduce it; ``index``: its position in
     ``Reducer.params`` (-1 outside); ``ready``: the number of the last backward that
-    delivered its gradient (synchronized backwards only)."""
+    delivered its gradient (synchronized backwards only); ``accumulated``: the same for
+    ``no_sync`` backwards (a gradient accumulated there counts as used by the next
+    synchronized backward, Note [unused parameters] in reducer.py)."""
 
-    __slots__ = ("slot", "index", "ready")
+    __slots__ = ("slot", "index", "ready", "accumulated")
 
     def __init__(self):
         self.slot = None
         self.index = -1
         self.ready = 0
+        self.accumulated = 0
 
 
 def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
@@ -91,6 +94,7 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
         if self._observed_order is not None:
             self._observed_order.append(entry.index)
         if not self.sync:
+            entry.accumulated = self.generation
             return
         generation = self.generation
         if entry.ready == generation:

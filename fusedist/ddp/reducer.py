@@ -76,6 +76,13 @@ Note [unused parameters]
     which parameters no rank used: those keep ``grad=None``, as in torch. With it False the
     rank raises after the collectives completed, naming the parameters, instead of leaving
     the other ranks to hang in the next step.
+
+    "Used" means since the last synchronized backward, ``no_sync`` backwards included (as
+    torch's local-used map): a parameter that got a gradient only in a ``no_sync``
+    micro-batch, on some ranks, is reduced like any other -- every rank ends with the
+    average, also the ranks that never computed a gradient for it. Counting the synchronized
+    backward alone would leave those ranks with ``grad=None`` while the others step with the
+    average: the replicas would silently drift apart.
 """
 
 from __future__ import annotations
@@ -151,6 +158,7 @@ class Reducer:
         self._hook_entries: list = []
         self._hooks: list = []
         self.generation = 0  # numbers the backwards (the entries' readiness stamps)
+        self.synced_generation = 0  # the number of the last synchronized backward
         self.as_view = config.gradient_as_bucket_view
         for p in params:
             self.ensure_hook(p)
@@ -463,6 +471,8 @@ class Reducer:
             elif self._observed_order is not None and not self.layout_final:
                 self._observed_order = None  # only a synchronized backward defines the order
         finally:
+            if self.sync:
+                self.synced_generation = self.generation
             self.in_backward = False
             self.next_backward_sync = True
             self.iteration += 1
@@ -577,7 +587,10 @@ class Reducer:
     def _settle_unused(self, unused: list, had_grad: dict) -> None:
         # Built on the host and read back once: one transfer each way, not one per parameter.
         generation = self.generation
-        local = [int(e.ready == generation) for e in self.entries]
+        # Used in this backward or in a no_sync one since the last synchronization (Note
+        # [unused parameters]); a joined rank's shadow contributes nothing it accumulated.
+        since = generation if self.shadowing else self.synced_generation
+        local = [int(e.ready == generation or e.accumulated > since) for e in self.entries]
         used = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         self.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
         used_anywhere = used.tolist()

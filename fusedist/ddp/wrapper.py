@@ -176,6 +176,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(list(module.named_parameters()), self)
         self._no_sync_depth = 0
+        self._buffers_due = True  # Note [when buffers are broadcast]: the first forward broadcasts
         self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
         self._param_waiters: list = []  # Note [hooks inside compiled modules]
         self._join_config = _join.DISABLED  # set by a join context (Note [joined ranks] in join.py)
@@ -271,19 +272,35 @@ class DistributedDataParallel(nn.Module, Joinable):
             _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
             self._wait_for_params(torch.compiler.is_compiling())
             return _join.run_module(self, args, kwargs)
-        if torch.is_grad_enabled():
+        sync_buffers, grad = self._buffers_due, torch.is_grad_enabled()
+        # Note [when buffers are broadcast]
+        self._buffers_due = grad and self._no_sync_depth == 0
+        if grad:
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             # Before this step's first collective (observers read the last step's checks).
             self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
-            if self.config.broadcast_buffers and self.module.training:
-                buffers = self._module_buffers()
-                if buffers:
-                    self._broadcast_coalesced(buffers, tag="ddp buffers")
+        if sync_buffers and self.config.broadcast_buffers:
+            buffers = self._module_buffers()
+            if buffers:
+                self._broadcast_coalesced(buffers, tag="ddp buffers")
+        if grad:
             self.reducer.tracker.observe(self.reducer)  # Note [trainable set changes]
         # Called even with no waiter: a compiled DDP forward must not have a branch that
         # dynamo resolved while the list was still empty.
         self._wait_for_params(torch.compiler.is_compiling())
         return self.module(*args, **kwargs)
+
+    # Note [when buffers are broadcast]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # As torch's DDP (its ``require_forward_param_sync``): a forward broadcasts rank 0's buffers
+    # when the forward before it (or none: the first) ran with gradients enabled outside
+    # ``no_sync``, whatever this forward's mode. So the evaluation that follows training --
+    # ``model.eval()`` and a ``torch.no_grad()`` forward -- runs on every rank with rank 0's
+    # BatchNorm statistics, not with the ones each rank's last training batch left behind
+    # (which made the ranks evaluate different models), and the forwards of a ``no_sync``
+    # accumulation leave each rank's statistics as torch leaves them. Every rank must
+    # therefore run such a forward, as with torch: evaluate on one rank through
+    # ``model.module``. (Under ``join()`` the join exchange decides instead.)
 
     # Note [hooks inside compiled modules]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -224,3 +224,34 @@ def test_scaler_growth_that_would_overflow_restarts_the_count():
             state = scaler.state_dict()
             trajectory[name].append((state["scale"], state["_growth_tracker"]))
     assert trajectory["fusedist"] == trajectory["torch"]
+
+
+@pytest.mark.parametrize("bf16_first", [True, False])
+def test_clip_norm_of_mixed_dtype_gradients_has_torch_dtype(bf16_first):
+    """bf16 and fp32 gradients under one fused optimizer: the fast path (after ``unscale_``)
+    returns the total norm in the dtype torch's clip returns -- the promotion of the
+    gradients' dtypes, fp32 here, not the first gradient's -- and clips by it. The values
+    agree within one bf16 rounding of torch's per-tensor bf16 norm (2^-8 relative)."""
+    import fusedist
+    from fusedist.amp import GradScaler
+    from fusedist.optim import FusedAdamW
+
+    gen = torch.Generator().manual_seed(0)
+    low = torch.randn(300, generator=gen).bfloat16().requires_grad_()
+    full = torch.randn(7, generator=gen).requires_grad_()
+    grads = {low: torch.randn(300, generator=gen).bfloat16() * 3, full: torch.randn(7, generator=gen)}
+    params = [low, full] if bf16_first else [full, low]
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    for p, c in zip(params, copies):
+        p.grad, c.grad = grads[p].clone(), grads[p].clone()
+    opt = FusedAdamW(params, lr=1e-2, master_weights=True)
+    scaler = GradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    ours = fusedist.clip_grad_norm_(params, 1.0)
+    ref = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    assert opt.step_context.clip_coef is not None  # the fast path was taken
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=4e-3, atol=0)
+    ref_coef = copies[1 if bf16_first else 0].grad / grads[full]
+    torch.testing.assert_close(opt.step_context.clip_coef.expand(7), ref_coef, rtol=4e-3, atol=0)

@@ -13,6 +13,7 @@ unscale to the gradients so they hold the values torch expects.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Union
 
 import torch
@@ -22,9 +23,12 @@ from .step_context import pending_contexts
 
 
 def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
-    # torch returns the norm in the gradients' dtype and computes the coefficient in it.
+    # torch returns the norm in the gradients' dtype and computes the coefficient in it; with
+    # gradients of several dtypes it stacks their norms, which promotes (bf16 and fp32 give
+    # fp32, whichever comes first), so the promoted dtype, not the first gradient's.
     ctx = opt.step_context
-    return ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, grads[0].dtype)
+    dtype = functools.reduce(torch.promote_types, {g.dtype for g in grads})
+    return ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
 
 
 def clip_grad_norm_(

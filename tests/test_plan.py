@@ -91,9 +91,13 @@ def test_fusedist_convention_adds_fp32_gradient_shard():
     assert ours["ddp"].device == paper["ddp"].device == 16 * psi
     assert ours["zero1"].device == paper["zero1"].device + 4 * psi / n
     assert ours["zero2"].device == paper["zero2"].device + 2 * psi / n  # fp32, not 16-bit, shard
-    # fp32 training: DDP drops the master (K = 8); fusedist's ZeRO keeps an FP32 master (K = 12)
+    # fp32 training: no master copy (K = 8) for DDP, nor for ZeRO (its masters are the
+    # parameters' own slices); ZeRO-Offload keeps an FP32 host copy (K = 12, on the host)
     assert model_states(psi, n, "ddp", "fp32", convention="fusedist").device == 16 * psi
-    assert model_states(psi, n, "zero2", "fp32", convention="fusedist").device == 4 * psi + 16 * psi / n
+    assert model_states(psi, n, "zero2", "fp32", convention="fusedist").device == 4 * psi + 12 * psi / n
+    assert model_states(psi, n, "zero1", "fp32", convention="fusedist").device == 8 * psi + 12 * psi / n
+    off32 = model_states(psi, n, "zero2_offload", "fp32", convention="fusedist")
+    assert off32.device == 4 * psi + 4 * psi / n and off32.host == (12 + 4) * psi / n
     assert model_states(psi, n, "zero2", "fp32", convention="paper").device == 4 * psi + 12 * psi / n
     # offload: the K term on the host
     off = model_states(psi, n, "zero2_offload", "bf16", convention="paper")
@@ -217,7 +221,8 @@ def test_optimizer_k():
     assert optimizer_k("bf16", "adamw") == 12  # FP32 master, momentum, variance
     assert optimizer_k("fp32", "adamw") == 8  # fp32 parameters are their own master
     assert optimizer_k("bf16", "sgd") == 8 and optimizer_k("fp32", "sgd") == 4
-    assert optimizer_k("fp32", "adamw", "zero2", "fusedist") == 12  # fusedist's ZeRO keeps an FP32 master
+    assert optimizer_k("fp32", "adamw", "zero2", "fusedist") == 8  # its masters are the parameters
+    assert optimizer_k("fp32", "adamw", "zero2_offload", "fusedist") == 12  # a host copy
 
 
 def test_hf_config_source_and_moe(tmp_path, capsys):

@@ -354,12 +354,20 @@ def _no_sync_and_memory_worker(rank, world_size):
     nn.functional.mse_loss(ours(x), y).backward()  # the synchronized backward makes it valid
     opt.step()
 
-    # Memory per rank: a model with an odd parameter count, AdamW (fp32 master + 2 moments).
+    # Memory per rank: a model with an odd parameter count, AdamW (2 moments; fp32 parameters
+    # are their own masters).
     torch.manual_seed(0)
     big = fusedist.DistributedDataParallel(models.MLP(d_in=16, hidden=97, layers=4), **TINY_BUCKETS)
     opt = fusedist.ZeroRedundancyOptimizer(big.parameters(), torch.optim.AdamW, stage=1, lr=1e-3)
     nn.functional.mse_loss(big(x), y).backward()
     opt.step()
+    # What the inner optimizer steps is this rank's slice of the parameters' own storage.
+    buffers = list(opt._flat_params.buffers.values())
+    out["pieces_in_params"] = all(
+        any(b.data_ptr() <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size()
+            <= b.data_ptr() + b.numel() * b.element_size() for b in buffers)
+        and any(p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for p in big.parameters())
+        for t in opt._pieces)
     out["psi"] = sum(p.numel() for p in big.parameters())
     out["stats"] = opt.memory_stats()
     out["buckets"] = len(big.buckets)
@@ -378,10 +386,12 @@ def test_no_sync_stage2_and_memory(zero_run):
         # Each rank holds 1/N of the padded flat space: at most SHARD_ALIGN (16) padding
         # elements per bucket beyond psi/N.
         assert psi / world_size <= stats["shard_elements"] <= psi / world_size + 16 * out["buckets"]
-        # AdamW: fp32 master (4 B) + exp_avg (4 B) + exp_avg_sq (4 B) per element, plus one
-        # 4-byte step counter per inner tensor.
-        assert stats["total_bytes"] == 12 * stats["shard_elements"] + 4 * out["pieces"], stats
-        assert abs(stats["total_bytes"] - 12 * psi / world_size) <= 12 * 16 * out["buckets"] + 4 * out["pieces"]
+        # AdamW on fp32 parameters: exp_avg (4 B) + exp_avg_sq (4 B) per element, plus one
+        # 4-byte step counter per inner tensor; no master copy (Note [masters aliasing the
+        # parameters]: the parameters' own slices are stepped).
+        assert stats["master_bytes"] == 0 and out["pieces_in_params"], stats
+        assert stats["total_bytes"] == 8 * stats["shard_elements"] + 4 * out["pieces"], stats
+        assert abs(stats["total_bytes"] - 8 * psi / world_size) <= 8 * 16 * out["buckets"] + 4 * out["pieces"]
         # The stage-2 reduce-scatters above left landing buffers in the gloo exchange's pool:
         # none with 2 ranks (one peer's part lands in the output), some with 3.
         scratch = stats["communication_scratch_bytes"]

@@ -22,8 +22,9 @@ Two conventions (``--convention``):
   - ZeRO keeps an FP32 gradient shard (4Ψ/N bytes) at both stages: stage 1 copies its slice
     of the averaged gradient there, stage 2 reduce-scatters into it. So ZeRO-1 is
     ``(p+g)Ψ + (K+4)Ψ/N`` and ZeRO-2 ``pΨ + (K+4)Ψ/N`` (the paper's ZeRO-2 has gΨ/N).
-  - ZeRO keeps FP32 master weights even for fp32 parameters, so K = 12 for Adam (8 for SGD)
-    at every precision; DDP with fp32 parameters needs no master (K = 8 for Adam).
+  - ZeRO's masters of fp32 parameters are the parameters themselves (K = 8 for Adam, as
+    for DDP); only ZeRO-Offload keeps FP32 master copies (in host memory) for fp32
+    parameters too, so K = 12 for Adam (8 for SGD) there at every precision.
   - ZeRO-2 offload keeps the FP32 gradient shard on the device and, on the host, an FP32
     gradient staging shard and (16-bit parameters) a 16-bit parameter staging shard.
   - Each gradient bucket is padded to a multiple of N·16 elements (shard alignment): at
@@ -57,9 +58,9 @@ def optimizer_k(precision: str, optimizer: str, strategy: str = "ddp", conventio
     mixed-precision Adam: FP32 master 4 + momentum 4 + variance 4)."""
     states = 8 if optimizer == "adamw" else 4  # Adam: momentum + variance; SGD: momentum
     master = 4
-    # fp32 parameters are their own master; fusedist's ZeRO-1/2 keep one anyway, while its
-    # ZeRO-3 (fully_shard) leaves the optimizer to the user, as DDP does
-    keeps_master = convention == "fusedist" and strategy.replace("_offload", "") in ("zero1", "zero2")
+    # fp32 parameters are their own master; fusedist's ZeRO-Offload keeps a host copy anyway
+    # (Note [masters aliasing the parameters] in fusedist/zero/masters.py)
+    keeps_master = convention == "fusedist" and strategy == "zero2_offload"
     if precision == "fp32" and not keeps_master:
         master = 0
     return states + master

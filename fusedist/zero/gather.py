@@ -48,13 +48,11 @@ class ParamGatherer:
             tag=f"zero param gather bucket {bs.bucket.index}")
 
     @torch.no_grad()
-    def publish(self, partition, flat_params, masters: dict) -> None:
-        """Write the updated master shards into the parameters' slices and all-gather them,
-        bucket by bucket, in forward order (DDP's buckets are in backward order); without
-        overlap, wait for them."""
-        for bs in partition.bucket_shards:
-            master = masters[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo]
-            flat_params.shard_view(bs).copy_(master)
+    def publish(self, partition, flat_params, masters) -> None:
+        """Write the updated master copies into the parameters' slices (aliased masters are
+        them already) and all-gather them, bucket by bucket, in forward order (DDP's buckets
+        are in backward order); without overlap, wait for them."""
+        masters.copy_to_params(partition)
         if self.world_size == 1:
             return
         for bs in reversed(partition.bucket_shards):

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
 from . import state as zstate
+from .masters import MasterShards
 from .partition import FlatParams, FlatPartition
 
 
@@ -141,10 +142,13 @@ def _grow(zero, buckets: list) -> None:
     zero._record_param_versions()
 
 
-def _regrow(tensors: dict, part, zero, alloc) -> dict:
-    """Per-dtype flat shards sized for ``part``, the old contents copied to their front."""
+def _regrow(tensors: dict, part, zero, alloc, dtypes=None) -> dict:
+    """Per-dtype flat shards sized for ``part`` (of ``dtypes``, default all), the old contents
+    copied to their front."""
     out = {}
     for dt, n in part.shard_numel.items():
+        if dtypes is not None and dt not in dtypes:
+            continue
         t = alloc(n, dtype=zero._master_dtype(dt), device=zero._device)
         previous = tensors.get(dt)
         if previous is not None:
@@ -156,14 +160,16 @@ def _regrow(tensors: dict, part, zero, alloc) -> dict:
 def _regrow_state(zero, old, part) -> None:
     """Masters, flat parameters and the inner optimizer's pieces for the grown partition."""
     zero._flat_params = FlatParams(part, zero._params, zero._device)  # current values, re-pointed
-    masters = _regrow(zero._masters, part, zero, torch.empty)
+    own = _regrow(zero._masters.own, part, zero, torch.empty, dtypes=zero._masters.own)
+    masters = MasterShards(part, zero._flat_params, own)  # Note [masters aliasing the parameters]
     for bs in part.bucket_shards[len(old.bucket_shards):]:
-        masters[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo].copy_(zero._flat_params.shard_view(bs))
+        if bs.bucket.dtype in own:
+            own[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo].copy_(zero._flat_params.shard_view(bs))
     inner = zero.inner
     ready = getattr(inner, "_fusedist_ready", None)
     tensors = []
     for k, piece in enumerate(part.pieces):
-        t = masters[piece.dtype][piece.start:piece.end]
+        t = masters.slice(piece.dtype, piece.start, piece.end)
         t.grad = zero._grad_shards[piece.dtype][piece.start:piece.end]
         params = inner.param_groups[piece.group]["params"]
         if k < len(zero._pieces):

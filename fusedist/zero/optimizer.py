@@ -28,6 +28,7 @@ from . import state as zstate
 from .gather import ParamGatherer
 from .grads import GradientsMixin
 from .join import JoinableOptimizer
+from .masters import MasterShards
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
@@ -189,7 +190,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         if stage == 2:
             wiring.install_stage2(self)
         self._flat_params: Optional[FlatParams] = None
-        self._masters: dict[torch.dtype, torch.Tensor] = {}
+        self._masters: Optional[MasterShards] = None  # Note [masters aliasing the parameters]
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
         self._sharded_state = ShardedState(self)  # state dicts and the consolidated copy
@@ -315,7 +316,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         """Bytes this rank holds for master weights and optimizer state (≈ 12Ψ/N for Adam in
         FP32, plus padding), and for its gradient shard, and how they split between host and
         device memory (``host_bytes``/``device_bytes``). Zero before the first step."""
-        master = sum(t.numel() * t.element_size() for t in self._masters.values())
+        master = self._masters.own_bytes() if self._masters is not None else 0
         opt_state = 0
         if self.inner is not None:
             for st in self.inner.state.values():

@@ -11,9 +11,11 @@ Note [flat partition]
     in bucket order. Master weights, optimizer state and sharded gradients are flat tensors
     over it. Each parameter intersects a rank's shard in at most one contiguous element range
     (a parameter lies inside one bucket) -- a :class:`ShardEntry`. The inner optimizer sees
-    *pieces*: maximal runs of the flat shard whose parameters share a param group (padding is
-    absorbed into a neighbouring run), so with one param group it steps one flat tensor per
-    dtype and hyperparameters of several groups are still honoured.
+    *pieces*: maximal runs of one bucket's slice whose parameters share a param group (padding
+    is absorbed into the run before it), so with one param group it steps one tensor per bucket
+    and hyperparameters of several groups are still honoured. Pieces stop at bucket slices
+    because a master shard may be the parameters' own slices of the buckets (Note [masters
+    aliasing the parameters] in ``masters.py``), which are not contiguous with each other.
 
     Parameters created with ``requires_grad=False`` (frozen) are in no bucket and own no
     elements: they are never sharded, stepped or given state.
@@ -26,12 +28,13 @@ Note [piece splitting]
     inner optimizer then skips them, as torch does). Splitting slices the piece's elementwise
     state and copies its scalar state (``step``); pieces never merge again, so a parameter's
     step count can differ from its neighbours' from then on. Splits happen only when needed:
-    with every parameter receiving a gradient, a group's pieces stay one tensor per dtype.
+    with every parameter receiving a gradient, a group's pieces stay one tensor per bucket.
 
     Cuts are placed at the start of each entry's *owned range*: ``[entry.pos, next entry's
     pos)``, the first entry of a dtype starting at 0, so padding stays with the parameter
-    before it and no piece ever holds padding only (except a shard of padding only). Pieces
-    are therefore always unions of owned ranges, and a split never cuts a parameter.
+    before it and a split never cuts a parameter. A rank's slice of a bucket that is all
+    padding (the bucket's parameters end before it) is a piece of its own, owned by no entry:
+    it holds zeros and is always stepped (it stays zero).
 """
 
 from __future__ import annotations
@@ -172,21 +175,25 @@ class FlatPartition:
         self._index_pieces()
 
     def _pieces(self) -> list[Piece]:
+        return self._pieces_of(self.bucket_shards)
+
+    def _pieces_of(self, bucket_shards: Sequence[BucketShard]) -> list[Piece]:
+        """Pieces tiling ``bucket_shards``: a new piece at each bucket shard's start (Note
+        [masters aliasing the parameters] in ``masters.py``: a piece is then one view of the
+        flat parameter buffer) and where the param group changes."""
         pieces = []
-        for dtype, total in self.shard_numel.items():
-            runs: list[list] = []  # [group, start]
-            for e in self.entries:
-                if e.dtype != dtype:
-                    continue
-                if not runs:
-                    runs.append([e.group, 0])  # leading padding joins the first run
-                elif runs[-1][0] != e.group:
+        for bs in bucket_shards:
+            dtype, end = bs.bucket.dtype, bs.pos + bs.hi - bs.lo
+            if end == bs.pos:
+                continue
+            inside = [e for e in self.entries if e.dtype == dtype and bs.pos <= e.pos < end]
+            group = inside[0].group if inside else (pieces[-1].group if pieces else 0)  # padding only: any group
+            runs = [[group, bs.pos]]
+            for e in inside[1:]:
+                if e.group != runs[-1][0]:
                     runs.append([e.group, e.pos])
-            if not runs:
-                runs.append([0, 0])  # a shard of padding only
             for k, (group, start) in enumerate(runs):
-                end = runs[k + 1][1] if k + 1 < len(runs) else total
-                pieces.append(Piece(dtype, group, start, end))
+                pieces.append(Piece(dtype, group, start, runs[k + 1][1] if k + 1 < len(runs) else end))
         return pieces
 
     def _index_pieces(self) -> None:
@@ -246,8 +253,7 @@ class FlatPartition:
         ``grow.py``): keep ``old``'s pieces, splits included, and add pieces for the new slices
         of each dtype. Owned ranges end at the old shard's end, so later cuts never join the
         two regions."""
-        pieces = list(old.pieces)
-        for dtype, total in self.shard_numel.items():
+        for dtype in self.shard_numel:
             barrier = old.shard_numel.get(dtype, 0)
             fresh = [e for e in self.entries if e.dtype == dtype and e.pos >= barrier]
             for e in self.entries:
@@ -255,15 +261,7 @@ class FlatPartition:
                     self.owned_end[e.index] = min(self.owned_end[e.index], barrier)
             if fresh:
                 self.owned_start[fresh[0].index] = barrier
-            if total == barrier:
-                continue
-            runs = [[fresh[0].group if fresh else 0, barrier]]  # leading padding joins the first run
-            for e in fresh[1:]:
-                if e.group != runs[-1][0]:
-                    runs.append([e.group, e.pos])
-            for k, (group, start) in enumerate(runs):
-                end = runs[k + 1][1] if k + 1 < len(runs) else total
-                pieces.append(Piece(dtype, group, start, end))
+        pieces = list(old.pieces) + self._pieces_of(self.bucket_shards[len(old.bucket_shards):])
         self.pieces = pieces
         self._index_pieces()
 

@@ -40,7 +40,7 @@ class PieceSplittingMixin:
                 ready.discard(id(t))
             new = []
             for sub in subs:
-                u = self._masters[sub.dtype][sub.start:sub.end]
+                u = self._masters.slice(sub.dtype, sub.start, sub.end)
                 u.grad = self._piece_grad_source[sub.dtype][sub.start:sub.end]
                 if st:
                     inner.state[u] = self._slice_state(st, piece, sub)

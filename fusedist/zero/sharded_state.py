@@ -75,7 +75,7 @@ class ShardedState:
                                            why="it cannot be split across ranks")
                 fragments[e.index] = [{
                     "range": (e.lo, e.hi),
-                    "master": z._masters[e.dtype][e.pos:e.pos + e.numel].clone(),
+                    "master": z._masters.slice(e.dtype, e.pos, e.pos + e.numel).clone(),
                     "state": state,
                 }]
         return {
@@ -182,11 +182,12 @@ class ShardedState:
                 continue
             k = part.piece_index(e)
             piece, t = part.pieces[k], z._pieces[k]
+            master = z._masters.slice(e.dtype, e.pos, e.pos + e.numel)
             if item["master"] is not None:
-                z._masters[e.dtype][e.pos:e.pos + e.numel].copy_(item["master"][e.lo:e.hi])
-            else:
+                master.copy_(item["master"][e.lo:e.hi])
+            elif not z._masters.aliases(e.dtype):  # (aliased: the parameter is its own master)
                 p = z._params[e.index]
-                z._masters[e.dtype][e.pos:e.pos + e.numel].copy_(flat_like(p.detach(), p)[e.lo:e.hi])
+                master.copy_(flat_like(p.detach(), p)[e.lo:e.hi])
             st = new_state[t]
             n_piece = piece.end - piece.start
             off = e.pos - piece.start

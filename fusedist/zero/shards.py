@@ -19,6 +19,7 @@ import torch
 from .._dtypes import compute_dtype
 from . import grow
 from . import state as zstate
+from .masters import MasterShards
 from .offload import HostShardOffload
 from .partition import FlatParams, FlatPartition, bucketize
 
@@ -54,18 +55,17 @@ class ShardsMixin:
         self._flat_params = FlatParams(part, self._params, device)
         if self.offload:
             self._offload = HostShardOffload(self)
-            self._masters = self._offload.masters
+            self._masters = MasterShards(part, self._flat_params, self._offload.masters)
             grad_shards = self._offload.host_grads
-        else:
-            self._masters = {dt: torch.empty(n, dtype=self._master_dtype(dt), device=device)
-                             for dt, n in part.shard_numel.items()}
+        else:  # Note [masters aliasing the parameters]
+            self._masters = MasterShards.build(part, self._flat_params, self._master_dtype, device)
             grad_shards = self._grad_shards
         self.sync_master_from_params()
         self._piece_grad_source = grad_shards
         self._pieces = []
         groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
         for piece in part.pieces:
-            t = self._masters[piece.dtype][piece.start:piece.end]
+            t = self._masters.slice(piece.dtype, piece.start, piece.end)
             t.grad = grad_shards[piece.dtype][piece.start:piece.end]
             self._pieces.append(t)
             groups[piece.group]["params"].append(t)
@@ -82,9 +82,7 @@ class ShardsMixin:
         self.wait_for_params()
         if self._offload is not None:
             self._offload.wait_host_buffers()
-        for bs in self._partition.bucket_shards:
-            dt = bs.bucket.dtype
-            self._masters[dt][bs.pos:bs.pos + bs.hi - bs.lo].copy_(self._flat_params.shard_view(bs))
+        self._masters.copy_from_params(self._partition)
         self._record_param_versions()
 
     # Note [parameters changed outside the optimizer]

@@ -255,3 +255,34 @@ def test_clip_norm_of_mixed_dtype_gradients_has_torch_dtype(bf16_first):
     torch.testing.assert_close(ours, ref, rtol=4e-3, atol=0)
     ref_coef = copies[1 if bf16_first else 0].grad / grads[full]
     torch.testing.assert_close(opt.step_context.clip_coef.expand(7), ref_coef, rtol=4e-3, atol=0)
+
+
+def _zero_clip_dtype_worker(rank, world_size):
+    """ZeRO's clip on bf16 parameters: the norm in bf16 (torch's dtype for bf16 gradients),
+    close to torch's norm of the averaged gradients (stage 1 holds them in p.grad)."""
+    import fusedist
+
+    out = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+        model = fusedist.DistributedDataParallel(module)
+        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), fusedist.optim.FusedAdamW, stage=stage, lr=1e-3)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        ref = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) if stage == 1 else None
+        norm = fusedist.clip_grad_norm_(model.parameters(), 1e-3)
+        out[stage] = (norm.dtype, norm.float().item(), None if ref is None else (ref.dtype, ref.float().item()))
+        opt.step()
+    return out
+
+
+def test_zero_clip_norm_has_the_gradients_dtype():
+    for out in run_distributed(_zero_clip_dtype_worker, 2):
+        ref_dtype, ref = out[1][2]
+        assert ref_dtype == torch.bfloat16
+        for stage in (1, 2):
+            dtype, norm, _ = out[stage]
+            assert dtype == torch.bfloat16, (stage, dtype)
+            # bf16 gradients: torch sums bf16 squares; ZeRO sums FP32 shards (2^-8 relative).
+            assert abs(norm - ref) <= 1e-2 * ref, (stage, norm, ref)

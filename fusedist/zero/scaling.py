@@ -11,7 +11,7 @@ protocol can change in one place.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 from typing import Optional
 
 import torch
@@ -91,7 +91,11 @@ class ZeroScalerProtocol(ScalerProtocol):
             if ctx.inv_scale is not None:
                 ctx.grad_sumsq = sumsq
         self._join_clip = (max_norm, norm_type, error_if_nonfinite)
-        return ctx.record_clip(sumsq, max_norm, error_if_nonfinite)
+        # torch returns the norm in the gradients' dtype (their promotion): the parameters'
+        # dtypes, whatever precision the shards hold them in.
+        dtypes = {p.dtype for p in self._trainable_params()}
+        dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+        return ctx.record_clip(sumsq, max_norm, error_if_nonfinite, dtype)
 
     def clip_sharded_grads_(self, params: list, max_norm: float, norm_type: float = 2.0,
                             error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -95,7 +95,7 @@ def test_fusedist_convention_adds_fp32_gradient_shard():
     # parameters' own slices); ZeRO-Offload keeps an FP32 host copy (K = 12, on the host)
     assert model_states(psi, n, "ddp", "fp32", convention="fusedist").device == 16 * psi
     assert model_states(psi, n, "zero2", "fp32", convention="fusedist").device == 4 * psi + 12 * psi / n
-    assert model_states(psi, n, "zero1", "fp32", convention="fusedist").device == 8 * psi + 12 * psi / n
+    assert model_states(psi, n, "zero1", "fp32", convention="fusedist").device == 8 * psi + 8 * psi / n
     off32 = model_states(psi, n, "zero2_offload", "fp32", convention="fusedist")
     assert off32.device == 4 * psi + 4 * psi / n and off32.host == (12 + 4) * psi / n
     assert model_states(psi, n, "zero2", "fp32", convention="paper").device == 4 * psi + 12 * psi / n

@@ -149,7 +149,7 @@ class _Null:
 
 
 def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_at=None, groups=True, micro=1,
-          model_kwargs=None, kernels="torch", clip_api="optimizer", zero_kwargs=None):
+          model_kwargs=None, kernels="torch", clip_api="optimizer", zero_kwargs=None, inner=None):
     """Train unsharded AdamW and ZeRO(FusedAdamW) copies of one model; max |difference|.
 
     ``kernels="torch"`` runs FusedAdamW's pure-PyTorch path (its Triton kernels are tested
@@ -167,7 +167,8 @@ def _pair(rank, *, stage, ddp_kwargs, steps=10, scaler=None, clip=None, inject_a
     ref_params = _groups(ref.module) if groups else ref.parameters()
     our_params = _groups(ours.module) if groups else ours.parameters()
     opt_ref = torch.optim.AdamW(ref_params, lr=1e-2)
-    opt = fusedist.ZeroRedundancyOptimizer(our_params, _inner_class(), stage=stage, lr=1e-2, **(zero_kwargs or {}))
+    opt = fusedist.ZeroRedundancyOptimizer(our_params, inner or _inner_class(), stage=stage, lr=1e-2,
+                                           **(zero_kwargs or {}))
     a = _train(rank, ref, opt_ref, zero=False, steps=steps, scaler_kind="torch" if scaler else None,
                clip=clip, inject_at=inject_at, micro=micro)
     b = _train(rank, ours, opt, zero=True if clip_api == "optimizer" else clip_api, steps=steps,
@@ -226,7 +227,37 @@ def _zero_worker(rank, world_size):
     return {"parity": _parity_worker(rank, world_size), "no_sync_memory": _no_sync_and_memory_worker(rank, world_size),
             "consolidate": _consolidate_worker(rank, world_size), "misuse": _misuse_worker(rank, world_size),
             "read_after_step": _read_after_step_worker(rank, world_size),
+            "stage1_aliasing": _stage1_aliasing_worker(rank, world_size),
             "schedulers": _scheduler_worker(rank, world_size)}
+
+
+def _stage1_aliasing_worker(rank, world_size):
+    """Note [shards aliasing the parameters and gradients]: stage 1 on fp32 parameters holds no
+    master copy and no gradient shard; it matches unsharded AdamW with gradient views on and off
+    and with a non-fused inner optimizer (handed scaled copies of the aliased gradients); and
+    its step leaves p.grad as backward, unscale_ and clip left it."""
+    import fusedist
+
+    out = {}
+    for views in (True, False):
+        kw = dict(TINY_BUCKETS, gradient_as_bucket_view=views)
+        diff, _, opt = _pair(rank, stage=1, ddp_kwargs=kw, scaler="fused lazy", clip=0.05, inject_at=3,
+                             inner=torch.optim.AdamW)
+        stats = opt.memory_stats()
+        out[views] = (diff, stats["master_bytes"], stats["gradient_shard_bytes"])
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP(), **TINY_BUCKETS)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0**10, lazy_unscale=True)
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaler.unscale_(opt)
+    opt.clip_grad_norm_(1e-3)
+    before = [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    out["grads_kept"] = all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    return out
 
 
 def _scheduler_worker(rank, world_size):
@@ -375,6 +406,16 @@ def _no_sync_and_memory_worker(rank, world_size):
     return out
 
 
+def test_stage1_shares_the_parameters_and_gradients(zero_run):
+    _, per_rank = zero_run
+    for out in (r["stage1_aliasing"] for r in per_rank):
+        for views in (True, False):
+            diff, master_bytes, grad_bytes = out[views]
+            assert diff < 1e-5, (views, diff)
+            assert master_bytes == 0 and grad_bytes == 0, (views, master_bytes, grad_bytes)
+        assert out["grads_kept"]
+
+
 def test_no_sync_stage2_and_memory(zero_run):
     world_size, per_rank = zero_run
     per_rank = [r["no_sync_memory"] for r in per_rank]
@@ -387,8 +428,8 @@ def test_no_sync_stage2_and_memory(zero_run):
         # elements per bucket beyond psi/N.
         assert psi / world_size <= stats["shard_elements"] <= psi / world_size + 16 * out["buckets"]
         # AdamW on fp32 parameters: exp_avg (4 B) + exp_avg_sq (4 B) per element, plus one
-        # 4-byte step counter per inner tensor; no master copy (Note [masters aliasing the
-        # parameters]: the parameters' own slices are stepped).
+        # 4-byte step counter per inner tensor; no master copy (Note [shards aliasing the
+        # parameters and gradients]: the parameters' own slices are stepped).
         assert stats["master_bytes"] == 0 and out["pieces_in_params"], stats
         assert stats["total_bytes"] == 8 * stats["shard_elements"] + 4 * out["pieces"], stats
         assert abs(stats["total_bytes"] - 8 * psi / world_size) <= 8 * 16 * out["buckets"] + 4 * out["pieces"]

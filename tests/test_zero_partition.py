@@ -42,7 +42,7 @@ def test_every_element_owned_once(sizes, dtype_picks, group_picks, world_size, c
             pieces = sorted((p for p in part.pieces if p.dtype == dtype), key=lambda p: p.start)
             assert pieces[0].start == 0 and pieces[-1].end == total
             assert all(a.end == b.start for a, b in zip(pieces, pieces[1:]))
-            # Note [masters aliasing the parameters]: no piece crosses a bucket's slice
+            # Note [shards aliasing the parameters and gradients]: no piece crosses a bucket's slice
             ends = {bs.pos for bs in part.bucket_shards if bs.bucket.dtype == dtype} | {total}
             for piece in pieces:
                 start = max(pos for pos in ends if pos <= piece.start)

@@ -19,9 +19,11 @@ Two conventions (``--convention``):
 * ``paper``: exactly the formulas above.
 * ``fusedist`` (default): what fusedist's DDP and ZeroRedundancyOptimizer allocate, which
   ``--measure`` checks. The differences:
-  - ZeRO keeps an FP32 gradient shard (4Ψ/N bytes) at both stages: stage 1 copies its slice
-    of the averaged gradient there, stage 2 reduce-scatters into it. So ZeRO-1 is
-    ``(p+g)Ψ + (K+4)Ψ/N`` and ZeRO-2 ``pΨ + (K+4)Ψ/N`` (the paper's ZeRO-2 has gΨ/N).
+  - ZeRO keeps an FP32 gradient shard (4Ψ/N bytes): stage 2 reduce-scatters into it, and
+    stage 1 with 16-bit parameters copies its slice of the averaged gradient there (with fp32
+    parameters stage 1 steps with that slice where DDP left it). So ZeRO-1 is ``(p+g)Ψ +
+    (K+4)Ψ/N`` (fp32: ``(p+g)Ψ + KΨ/N``) and ZeRO-2 ``pΨ + (K+4)Ψ/N`` (the paper's ZeRO-2
+    has gΨ/N).
   - ZeRO's masters of fp32 parameters are the parameters themselves (K = 8 for Adam, as
     for DDP); only ZeRO-Offload keeps FP32 master copies (in host memory) for fp32
     parameters too, so K = 12 for Adam (8 for SGD) there at every precision.
@@ -59,7 +61,7 @@ def optimizer_k(precision: str, optimizer: str, strategy: str = "ddp", conventio
     states = 8 if optimizer == "adamw" else 4  # Adam: momentum + variance; SGD: momentum
     master = 4
     # fp32 parameters are their own master; fusedist's ZeRO-Offload keeps a host copy anyway
-    # (Note [masters aliasing the parameters] in fusedist/zero/masters.py)
+    # (Note [shards aliasing the parameters and gradients] in fusedist/zero/shard_store.py)
     keeps_master = convention == "fusedist" and strategy == "zero2_offload"
     if precision == "fp32" and not keeps_master:
         master = 0
@@ -86,8 +88,8 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
     elif strategy == "zero1":
         # 4Ψ + KΨ/N -- ZeRO paper, Figure 1 "Pos"
         terms = {"params": p * psi, "grads": g * psi, "optimizer": k * shard}
-        if fused:
-            terms["grad_shard"] = 4 * shard  # fusedist: FP32 gradient shard
+        if fused and p < 4:
+            terms["grad_shard"] = 4 * shard  # fusedist: FP32 gradient shard (fp32: DDP's buckets)
     elif strategy == "zero2":
         # 2Ψ + (2 + K)Ψ/N -- ZeRO paper, Figure 1 "Pos+g"
         terms = {"params": p * psi, "optimizer": k * shard}

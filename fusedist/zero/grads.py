@@ -20,7 +20,7 @@ class GradientsMixin:
     """Reading, collecting and accounting for this rank's gradients."""
 
     def _stage1_grad_views(self):
-        """(shard destination, source view) pairs of this rank's gradient slices in ``p.grad``."""
+        """(shard entry, source view) pairs of this rank's gradient slices in ``p.grad``."""
         part = self._partition
         pairs = []
         for e in part.entries:
@@ -30,7 +30,7 @@ class GradientsMixin:
             if g.is_sparse:
                 raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {e.index} has a sparse gradient")
             flat = flat_like(g, self._params[e.index])  # the slot's (memory) order
-            pairs.append((self._grad_shards[e.dtype][e.pos:e.pos + e.numel], flat[e.lo:e.hi]))
+            pairs.append((e, flat[e.lo:e.hi]))
         return pairs
 
     def _local_grads(self) -> list[torch.Tensor]:
@@ -111,8 +111,11 @@ class GradientsMixin:
     def _collect_stage1_grads(self) -> None:
         for shard in self._grad_shards.values():
             shard.zero_()  # slices of parameters without a gradient are skipped, not read
-        for dst, src in self._stage1_grad_views():
-            dst.copy_(src)
+        store = self._grad_store
+        for e, src in self._stage1_grad_views():
+            dst = store.slice(e.dtype, e.pos, e.pos + e.numel)
+            if dst.data_ptr() != src.data_ptr():  # (aliased: p.grad is its bucket view already)
+                dst.copy_(src)
 
     def gradient_shards(self) -> dict:
         """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32

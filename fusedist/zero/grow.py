@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
 from . import state as zstate
-from .masters import MasterShards
+from .shard_store import ShardStore, bucket_grad_slice
 from .partition import FlatParams, FlatPartition
 
 
@@ -135,7 +135,8 @@ def _grow(zero, buckets: list) -> None:
     _set_sharded(zero, sharded)
     part = FlatPartition(buckets, zero._params, zero._group_of, zero.rank, zero.world_size, sharded=sharded)
     part.keep_pieces_of(old)
-    zero._grad_shards = _regrow(zero._grad_shards, part, zero, torch.zeros)
+    zero._grad_shards = _regrow(zero._grad_shards, part, zero, torch.zeros, dtypes=zero._own_grad_dtypes(part))
+    zero._grad_store = ShardStore(part, bucket_grad_slice, zero._grad_shards)
     zero._partition = part
     if zero.inner is not None:
         _regrow_state(zero, old, part)
@@ -160,8 +161,8 @@ def _regrow(tensors: dict, part, zero, alloc, dtypes=None) -> dict:
 def _regrow_state(zero, old, part) -> None:
     """Masters, flat parameters and the inner optimizer's pieces for the grown partition."""
     zero._flat_params = FlatParams(part, zero._params, zero._device)  # current values, re-pointed
-    own = _regrow(zero._masters.own, part, zero, torch.empty, dtypes=zero._masters.own)
-    masters = MasterShards(part, zero._flat_params, own)  # Note [masters aliasing the parameters]
+    own = _regrow(zero._masters.own, part, zero, torch.empty, dtypes=zero._own_master_dtypes(part))
+    masters = ShardStore(part, zero._flat_params.shard_view, own)  # Note [shards aliasing the parameters ...]
     for bs in part.bucket_shards[len(old.bucket_shards):]:
         if bs.bucket.dtype in own:
             own[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo].copy_(zero._flat_params.shard_view(bs))
@@ -170,7 +171,7 @@ def _regrow_state(zero, old, part) -> None:
     tensors = []
     for k, piece in enumerate(part.pieces):
         t = masters.slice(piece.dtype, piece.start, piece.end)
-        t.grad = zero._grad_shards[piece.dtype][piece.start:piece.end]
+        t.grad = zero._grad_store.slice(piece.dtype, piece.start, piece.end)
         params = inner.param_groups[piece.group]["params"]
         if k < len(zero._pieces):
             before = zero._pieces[k]
@@ -185,7 +186,7 @@ def _regrow_state(zero, old, part) -> None:
             params.append(t)
         tensors.append(t)
     zero._masters = masters
-    zero._piece_grad_source = zero._grad_shards
+    zero._piece_grads = zero._grad_store
     zero._pieces = tensors
     if zero.overlap_param_gather:
         zero._gatherer.hook_buckets(zero.ddp.module, part.bucket_shards[len(old.bucket_shards):])

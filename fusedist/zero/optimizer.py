@@ -28,7 +28,7 @@ from . import state as zstate
 from .gather import ParamGatherer
 from .grads import GradientsMixin
 from .join import JoinableOptimizer
-from .masters import MasterShards
+from .shard_store import ShardStore
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
@@ -190,7 +190,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         if stage == 2:
             wiring.install_stage2(self)
         self._flat_params: Optional[FlatParams] = None
-        self._masters: Optional[MasterShards] = None  # Note [masters aliasing the parameters]
+        self._masters: Optional[ShardStore] = None  # Note [shards aliasing the parameters and gradients]
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
         self._sharded_state = ShardedState(self)  # state dicts and the consolidated copy

@@ -14,8 +14,9 @@ Note [flat partition]
     *pieces*: maximal runs of one bucket's slice whose parameters share a param group (padding
     is absorbed into the run before it), so with one param group it steps one tensor per bucket
     and hyperparameters of several groups are still honoured. Pieces stop at bucket slices
-    because a master shard may be the parameters' own slices of the buckets (Note [masters
-    aliasing the parameters] in ``masters.py``), which are not contiguous with each other.
+    because masters and gradients may be the parameters' and DDP's own slices of the buckets
+    (Note [shards aliasing the parameters and gradients] in ``shard_store.py``), which are not
+    contiguous with each other.
 
     Parameters created with ``requires_grad=False`` (frozen) are in no bucket and own no
     elements: they are never sharded, stepped or given state.
@@ -178,9 +179,9 @@ class FlatPartition:
         return self._pieces_of(self.bucket_shards)
 
     def _pieces_of(self, bucket_shards: Sequence[BucketShard]) -> list[Piece]:
-        """Pieces tiling ``bucket_shards``: a new piece at each bucket shard's start (Note
-        [masters aliasing the parameters] in ``masters.py``: a piece is then one view of the
-        flat parameter buffer) and where the param group changes."""
+        """Pieces tiling ``bucket_shards``: a new piece at each bucket shard's start (a piece
+        is then one view of the per-bucket storage: Note [shards aliasing the parameters and
+        gradients] in ``shard_store.py``) and where the param group changes."""
         pieces = []
         for bs in bucket_shards:
             dtype, end = bs.bucket.dtype, bs.pos + bs.hi - bs.lo

@@ -41,7 +41,7 @@ class PieceSplittingMixin:
             new = []
             for sub in subs:
                 u = self._masters.slice(sub.dtype, sub.start, sub.end)
-                u.grad = self._piece_grad_source[sub.dtype][sub.start:sub.end]
+                u.grad = self._piece_grads.slice(sub.dtype, sub.start, sub.end)
                 if st:
                     inner.state[u] = self._slice_state(st, piece, sub)
                 new.append(u)
@@ -81,7 +81,7 @@ class PieceSplittingMixin:
         index = {id(t): k for k, t in enumerate(self._pieces)}
         for t in tensors:
             piece = part.pieces[index[id(t)]]
-            t.grad = self._piece_grad_source[piece.dtype][piece.start:piece.end]
+            t.grad = self._piece_grads.slice(piece.dtype, piece.start, piece.end)
 
     def _cuts_between_states(self, assembled: dict) -> dict:
         """Cuts separating neighbouring parameters whose loaded state differs in its keys or

@@ -126,15 +126,29 @@ class ZeroScalerProtocol(ScalerProtocol):
             return
         inv, clip = self._effective_inv_scale(), self.step_context.clip_coef
         mult = inv if clip is None else (clip.reshape(1) if inv is None else inv * clip.reshape(1))
+        aliased: list = []  # (piece tensor, its gradient view) handed a scaled copy for this step
         if mult is not None:
-            torch._foreach_mul_(list(self._grad_shards.values()), mult.reshape(()))
-        if found is None:
-            inner.step()
-        elif getattr(inner, "_step_supports_amp_scaling", False):
-            inner.grad_scale, inner.found_inf = None, found.reshape(1).float()
-            try:
+            own = list(self._grad_shards.values())
+            if own:
+                torch._foreach_mul_(own, mult.reshape(()))
+            # Gradients that are p.grad's own memory (Note [shards aliasing the parameters and
+            # gradients]) are not scaled in place: the step gets scaled copies.
+            store = self._piece_grads
+            for piece, t in zip(self._partition.pieces, self._pieces):
+                if t.grad is not None and store.aliases(piece.dtype):
+                    aliased.append((t, t.grad))
+                    t.grad = t.grad * mult.reshape(())
+        try:
+            if found is None:
                 inner.step()
-            finally:
-                inner.grad_scale, inner.found_inf = None, None
-        elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
-            inner.step()
+            elif getattr(inner, "_step_supports_amp_scaling", False):
+                inner.grad_scale, inner.found_inf = None, found.reshape(1).float()
+                try:
+                    inner.step()
+                finally:
+                    inner.grad_scale, inner.found_inf = None, None
+            elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
+                inner.step()
+        finally:
+            for t, grad in aliased:
+                t.grad = grad

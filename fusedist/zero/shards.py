@@ -19,7 +19,7 @@ import torch
 from .._dtypes import compute_dtype
 from . import grow
 from . import state as zstate
-from .masters import MasterShards
+from .shard_store import ShardStore, bucket_grad_slice, own_tensors
 from .offload import HostShardOffload
 from .partition import FlatParams, FlatPartition, bucketize
 
@@ -38,14 +38,22 @@ class ShardsMixin:
                                 world_size=self.world_size)
         part = FlatPartition(buckets, self._params, self._group_of, self.rank, self.world_size,
                              sharded=self._trainable)
-        device = self._device
-        self._grad_shards = {dt: torch.zeros(n, dtype=self._master_dtype(dt), device=device)
-                             for dt, n in part.shard_numel.items()}
+        self._grad_shards = own_tensors(part, self._own_grad_dtypes(part), self._master_dtype, self._device,
+                                        torch.zeros)
+        self._grad_store = ShardStore(part, bucket_grad_slice, self._grad_shards)
         self._partition = part
         return part
 
     # Masters and gradient shards: fp64 stays fp64, everything else is fp32.
     _master_dtype = staticmethod(compute_dtype)
+
+    # Note [shards aliasing the parameters and gradients]: which dtypes need copies.
+    def _own_master_dtypes(self, part: FlatPartition) -> list:
+        return [dt for dt in part.shard_numel if self.offload or self._master_dtype(dt) != dt]
+
+    def _own_grad_dtypes(self, part: FlatPartition) -> list:
+        aliasable = self.stage == 1 and self.ddp is not None and not self.offload
+        return [dt for dt in part.shard_numel if not aliasable or self._master_dtype(dt) != dt]
 
     def _ensure_state(self) -> None:
         if self.inner is not None:
@@ -55,18 +63,18 @@ class ShardsMixin:
         self._flat_params = FlatParams(part, self._params, device)
         if self.offload:
             self._offload = HostShardOffload(self)
-            self._masters = MasterShards(part, self._flat_params, self._offload.masters)
-            grad_shards = self._offload.host_grads
-        else:  # Note [masters aliasing the parameters]
-            self._masters = MasterShards.build(part, self._flat_params, self._master_dtype, device)
-            grad_shards = self._grad_shards
+            self._masters = ShardStore(part, self._flat_params.shard_view, self._offload.masters)
+            self._piece_grads = ShardStore(part, bucket_grad_slice, self._offload.host_grads)
+        else:  # Note [shards aliasing the parameters and gradients]
+            own = own_tensors(part, self._own_master_dtypes(part), self._master_dtype, device)
+            self._masters = ShardStore(part, self._flat_params.shard_view, own)
+            self._piece_grads = self._grad_store
         self.sync_master_from_params()
-        self._piece_grad_source = grad_shards
         self._pieces = []
         groups: list[dict] = [dict(zstate.hyperparameters(g), params=[]) for g in self.param_groups]
         for piece in part.pieces:
             t = self._masters.slice(piece.dtype, piece.start, piece.end)
-            t.grad = grad_shards[piece.dtype][piece.start:piece.end]
+            t.grad = self._piece_grads.slice(piece.dtype, piece.start, piece.end)
             self._pieces.append(t)
             groups[piece.group]["params"].append(t)
         self.inner = self.optimizer_class(groups, **self._inner_defaults)
@@ -82,7 +90,7 @@ class ShardsMixin:
         self.wait_for_params()
         if self._offload is not None:
             self._offload.wait_host_buffers()
-        self._masters.copy_from_params(self._partition)
+        self._masters.copy_own_from_views(self._partition)
         self._record_param_versions()
 
     # Note [parameters changed outside the optimizer]

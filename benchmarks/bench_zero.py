@@ -477,16 +477,18 @@ def _memory_worker(rank, world_size, device_type, kind, steps):
 
 
 def _textbook(kind: str, psi: int, n: int) -> str:
-    """Parameters + gradients + AdamW state (fp32: 4 + 4 + 8 bytes per element; ZeRO keeps an
-    FP32 master of its shard too), without padding, buckets or staging."""
+    """Parameters + gradients + AdamW state for fp32 parameters (4 + 4 + 8 bytes per element;
+    no master copy: fp32 parameters are their own masters), sharded as each stage shards them,
+    without padding, buckets or staging. Offload keeps an FP32 master copy of the shard (host)."""
     mib = 1 << 20
     figures = {
         "ddp+adamw": (16 * psi, "16Ψ"),
-        "zero1": (8 * psi + 12 * psi / n, "8Ψ + 12Ψ/N"),
-        "zero2": (4 * psi + 16 * psi / n, "4Ψ + 16Ψ/N"),
+        "zero1": (8 * psi + 8 * psi / n, "8Ψ + 8Ψ/N"),
+        "zero2": (4 * psi + 12 * psi / n, "4Ψ + 12Ψ/N"),
+        "zero2+offload": (4 * psi + 16 * psi / n, "4Ψ + 16Ψ/N"),
         "zero3": (16 * psi / n, "16Ψ/N"),
     }
-    value, text = figures[kind.split("+")[0] if kind != "ddp+adamw" else kind]
+    value, text = figures[kind if kind in figures else kind.split("+")[0]]
     return f"{text} = {value / mib:.1f}"
 
 
@@ -594,8 +596,8 @@ def main():
                  "steps. model_state = bytes of every tensor storage alive right after the last step() "
                  "(gradients still held), minus those alive before the model was built: parameters, gradients, "
                  "master weights, optimizer state, gradient buckets, staging and communication buffers, counted "
-                 "the same way for every variant. textbook = parameters + gradients + AdamW state (+ ZeRO's FP32 "
-                 "master of its shard) without padding or buffers. peak_rss_growth = growth of the process's peak "
+                 "the same way for every variant. textbook = parameters + gradients + AdamW state (fp32 parameters are "
+                 "their own masters; offload keeps an FP32 master copy of the shard) without padding or buffers. peak_rss_growth = growth of the process's peak "
                  "RSS over building the model and the steps (activations, temporaries and what the allocator "
                  "keeps included). Offload variants on a CPU device: host and device are the same memory, so "
                  "offloading cannot lower these figures here; the rows show what it adds.")

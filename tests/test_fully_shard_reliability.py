@@ -134,3 +134,65 @@ def test_step_guard_applies_at_world_size_one_as_at_two():
     assert one["before_backward"] == two[0]["before_backward"]
     assert one["unsynced"] == two[0]["unsynced"]
     assert not one["cross_rank_check"] and two[0]["cross_rank_check"]
+
+
+class _Block(nn.Module):
+    """A trunk and a side branch: one unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.side = nn.Linear(8, 16), nn.Linear(16, 16)
+
+    def forward(self, x, use_side=True):
+        h = torch.tanh(self.trunk(x))
+        return h + self.side(h) if use_side else h
+
+
+class _Branchy(nn.Module):
+    """A block unit with a side branch, and a head unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = _Block(), nn.Linear(16, 4)
+
+    def forward(self, x, use_side=True, use_head=True):
+        h = self.block(x, use_side)
+        y = self.head(h)  # the head unit runs either way; its output may go unused
+        return y if use_head else h[:, :4]
+
+
+def _branchy_worker(rank, ws):
+    """Note [rank-independent reductions]: gradients that reach different parameters on
+    different ranks are reported on every rank, naming them; a unit that ran but no gradient
+    reached on one rank still takes part in the reduce-scatters, so the ranks stay paired
+    until the check reports it (not a crash or stall, not a silent mix of two units'
+    gradients)."""
+    import copy
+
+    out = {}
+    torch.manual_seed(0)
+    base = _Branchy()
+    for case, kwargs in (("side branch on rank 0 only", {"use_side": rank == 0}),
+                         ("same on every rank", {"use_side": False})):
+        model = copy.deepcopy(base)
+        fusedist.fully_shard(model.block)
+        fusedist.fully_shard(model.head)
+        fusedist.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+        model(x, **kwargs).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        out[case] = _outcome(lambda: model(x).square().mean().backward())
+    return out
+
+
+def test_rank_dependent_gradients_are_reported():
+    per_rank = run_distributed(_branchy_worker, 2, timeout=120)
+    for rank, out in enumerate(per_rank):
+        side = out["side branch on rank 0 only"]
+        assert side.startswith("mismatch") and "unused" in side, side
+        if rank == 1:  # the rank the branch's gradients did not reach names them
+            assert "parameters without a gradient on rank 1: ['side.weight', 'side.bias']" in side, side
+        assert "branch of a unit ran on some ranks only" in side, side
+        assert out["same on every rank"] == "ok", out["same on every rank"]

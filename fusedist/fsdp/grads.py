@@ -26,6 +26,19 @@ Note [unit gradients]
     the others' slots are zeros in the reduction and their ``.grad`` stays as it was, as with
     torch's FSDP2 (an optimizer then skips them).
 
+Note [rank-independent reductions]
+    Reduce-scatters pair up by issue order, so whether a unit reduces must not depend on which
+    gradients this rank happened to get. A unit whose forward ran with gradients enabled
+    reduces its trainable sections in every synchronized backward, also when no gradient
+    reached it on this rank (zeros: another rank's gradients may be in the sum; skipping
+    would pair this rank's next reduce-scatter with another unit's). Which parameters get
+    ``.grad`` from the result follows this rank's gradients (as torch's FSDP2: a parameter no
+    gradient reached keeps ``grad=None``, and the optimizer skips it), so it must be the same
+    set on every rank, or the ranks would step different pieces of one parameter: each
+    reduction logs its set, and the per-step cross-rank check compares a digest of the
+    backward's log (Note [stage-3 step check] in ``reliability/sharded_watch.py``), naming
+    the parameters that had no gradient on some ranks.
+
 Note [fp16 reduction]
     An fp16 sum over N ranks overflows (65504) where the average would not. As DDP does
     (``ddp/strategy.py::divide_factors``, the factors torch's FSDP2 uses too), an fp16
@@ -112,16 +125,18 @@ class UnitGrads:
             self._acc[k], present = self._into_flat(k, grads)
             self._acc_with_grad.setdefault(k, set()).update(present)
 
-    def reduce(self, grads: list, pending: list) -> None:
-        """Start the reduce-scatter of each section's ``grads`` (plus its accumulator) and queue it."""
-        if not any(g is not None for g in grads) and not self._acc:
-            return
+    def reduce(self, grads: list, pending: list, log: list) -> None:
+        """Start the reduce-scatter of each section's ``grads`` (plus its accumulator) and queue
+        it; note in ``log`` which parameters had a gradient (Note [rank-independent reductions])."""
         unit = self.unit
         for k in self._sections(grads):
             while len(pending) >= MAX_IN_FLIGHT:  # the cap holds for the buffers this call allocates too
                 finish(pending.pop(0))
             flat, present = self._into_flat(k, grads)
             with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present))
+            log.append((unit.name, k, tuple(with_grad),
+                        [unit.fqns[i] for i in unit.layout.sections[k].indices
+                         if unit.unsharded[i].requires_grad and i not in with_grad]))
             out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
             COUNTERS.add_scratch(out.numel() * out.element_size())
             op, post = "avg", 1.0

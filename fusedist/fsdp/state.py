@@ -133,6 +133,7 @@ class IterationContext:
         self.in_forward = False
         self.post_forward_order: list = []  # this iteration's post-forwards (with grad)
         self.pending: list = []  # grads.PendingReduce in flight
+        self.reduce_log: list = []  # this backward's reductions (Note [rank-independent reductions])
         self.backward_running = False
         # [reliability] the root's observer (Note [stage-3 step check]); None without units.
         self.watch = None
@@ -176,8 +177,9 @@ class IterationContext:
                 st.post_backward()
             grads_mod.finish_all(self.pending)
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
-                self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran))
+                self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log)
         finally:
+            self.reduce_log = []
             self.post_forward_order.clear()
             self.backward_running = False
             for st in self.states:
@@ -360,7 +362,7 @@ class FullyShardState:
             u.grad = None
         with torch.profiler.record_function("fusedist::fully_shard::post_backward"):
             if self.grads.reduce_grads:
-                self.grads.reduce(grads, ctx.pending)
+                self.grads.reduce(grads, ctx.pending, ctx.reduce_log)
             else:
                 self.grads.accumulate(grads)
         del grads

@@ -12,7 +12,9 @@ Note [stage-3 step check]
     same point of every rank's collective order), the root launches the per-step check of
     Note [step check] in ``step_check.py`` with the same fields -- synchronized backwards,
     training forwards, all backwards, optimizer steps (counted by the optimizer step guard),
-    a CRC of the wrapping, the sequence number of the last collective -- and reads its verdict
+    a CRC of the wrapping, the sequence number of the last collective, a digest of which
+    parameters had a gradient in each unit's reduction (Note [rank-independent reductions] in
+    ``fusedist/fsdp/grads.py``) -- and reads its verdict
     at the next training forward. A divergence is a ``RankMismatchError`` on every rank, one
     step after it happened. ``check_now()`` checks at once (``fusedist.checkpoint.save``
     calls it before writing). ``FUSEDIST_CHECKS=0`` turns it off.
@@ -29,7 +31,10 @@ import zlib
 from ..ownership import register_step_watch
 from .engine_watch import WatchBase
 
-SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units"}
+SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {
+    "unused": "a different set of parameters received gradients (a branch of a unit ran on some ranks only): "
+    "the ranks would step different pieces of one parameter; use every trainable parameter in the loss on "
+    "every rank (e.g. add 0 * the branch's output on the ranks that skip it)"}}
 
 
 class ShardedStepWatch(WatchBase):
@@ -47,6 +52,7 @@ class ShardedStepWatch(WatchBase):
         self.wrapping_crc = zlib.crc32(repr(wrapping).encode()) & 0x7FFFFFFF
         self.backwards = 0
         self.in_backward = False
+        self._gradients_crc, self._without_grad = 0, []  # the last synchronized backward's reductions
         super().__init__(comm)
         from . import optimizer_guard
 
@@ -64,10 +70,15 @@ class ShardedStepWatch(WatchBase):
         if self.monitor is not None:
             self.monitor.step_hint = self.sync_steps
 
-    def backward_ends(self, synced: bool) -> None:
-        """After the last unit's reduce-scatter was issued (and finished)."""
+    def backward_ends(self, synced: bool, reductions: list = ()) -> None:
+        """After the last unit's reduce-scatter was issued (and finished). ``reductions``: the
+        backward's (unit, section, parameters with a gradient, names of those without) log
+        (Note [rank-independent reductions] in ``fusedist/fsdp/grads.py``)."""
         self.in_backward = False
         if synced and self.step_check is not None:
+            log = sorted(entry[:3] for entry in reductions)
+            self._gradients_crc = zlib.crc32(repr(log).encode()) & 0x7FFFFFFF
+            self._without_grad = [name for entry in reductions for name in entry[3]]
             self._launch(checked_now=False)
         self.backwards += 1
         self.last_backward_synced = synced
@@ -82,8 +93,8 @@ class ShardedStepWatch(WatchBase):
     def _launch(self, checked_now: bool) -> None:
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
-             self.comm.last_seq, 0, 0],
-            dict(SUBJECT, buckets=self.units, checked_now=checked_now))
+             self.comm.last_seq, self._gradients_crc, 0],
+            dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad))
 
     def backward_count(self) -> int:
         return self.backwards

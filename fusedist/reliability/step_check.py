@@ -166,7 +166,8 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
         if len(groups) <= 1:
             continue
         listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
-        lines.append(f"  {field}: {listing} -- {_EXPLAIN[field]}")
+        explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
+        lines.append(f"  {field}: {listing} -- {explain}")
     if joined:
         lines.append(f"  ranks {joined} had run out of inputs (joined) and were not compared")
     lines.extend(detail.get("trainable_lines", ()))

@@ -137,11 +137,11 @@ def test_step_guard_applies_at_world_size_one_as_at_two():
 
 
 class _Block(nn.Module):
-    """A trunk and a side branch: one unit."""
+    """A trunk and an optional side branch: one unit."""
 
-    def __init__(self):
+    def __init__(self, d_in: int):
         super().__init__()
-        self.trunk, self.side = nn.Linear(8, 16), nn.Linear(16, 16)
+        self.trunk, self.side = nn.Linear(d_in, 16), nn.Linear(16, 16)
 
     def forward(self, x, use_side=True):
         h = torch.tanh(self.trunk(x))
@@ -149,24 +149,24 @@ class _Block(nn.Module):
 
 
 class _Branchy(nn.Module):
-    """A block unit with a side branch, and a head unit."""
+    """Three units: a block, a block whose side branch may be skipped, a head."""
 
     def __init__(self):
         super().__init__()
-        self.block, self.head = _Block(), nn.Linear(16, 4)
+        self.first, self.middle, self.head = _Block(8), _Block(16), nn.Linear(16, 4)
 
-    def forward(self, x, use_side=True, use_head=True):
-        h = self.block(x, use_side)
-        y = self.head(h)  # the head unit runs either way; its output may go unused
-        return y if use_head else h[:, :4]
+    def forward(self, x, use_side=True):
+        return self.head(self.middle(self.first(x), use_side))
 
 
 def _branchy_worker(rank, ws):
     """Note [rank-independent reductions]: gradients that reach different parameters on
-    different ranks are reported on every rank, naming them; a unit that ran but no gradient
-    reached on one rank still takes part in the reduce-scatters, so the ranks stay paired
-    until the check reports it (not a crash or stall, not a silent mix of two units'
-    gradients)."""
+    different ranks are reported on every rank, naming them. Here the middle unit's side
+    branch runs on rank 0 only: rank 0's middle unit has all its gradients when its backward
+    is done, rank 1's only at the end of backward (one parameter never gets one), after the
+    first unit's; the reduce-scatters are still issued in one order on both ranks (else rank
+    1's first-unit reduce-scatter would meet rank 0's middle-unit one: a crash, or a silent
+    mix of two units' gradients where their sizes agree)."""
     import copy
 
     out = {}
@@ -175,9 +175,8 @@ def _branchy_worker(rank, ws):
     for case, kwargs in (("side branch on rank 0 only", {"use_side": rank == 0}),
                          ("same on every rank", {"use_side": False})):
         model = copy.deepcopy(base)
-        fusedist.fully_shard(model.block)
-        fusedist.fully_shard(model.head)
-        fusedist.fully_shard(model)
+        for unit in (model.first, model.middle, model.head, model):
+            fusedist.fully_shard(unit)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
         model(x, **kwargs).square().mean().backward()
@@ -192,7 +191,7 @@ def test_rank_dependent_gradients_are_reported():
     for rank, out in enumerate(per_rank):
         side = out["side branch on rank 0 only"]
         assert side.startswith("mismatch") and "unused" in side, side
+        assert "branch of a unit ran on some ranks only" in side, side
         if rank == 1:  # the rank the branch's gradients did not reach names them
             assert "parameters without a gradient on rank 1: ['side.weight', 'side.bias']" in side, side
-        assert "branch of a unit ran on some ranks only" in side, side
         assert out["same on every rank"] == "ok", out["same on every rank"]

@@ -27,17 +27,24 @@ Note [unit gradients]
     torch's FSDP2 (an optimizer then skips them).
 
 Note [rank-independent reductions]
-    Reduce-scatters pair up by issue order, so whether a unit reduces must not depend on which
-    gradients this rank happened to get. A unit whose forward ran with gradients enabled
-    reduces its trainable sections in every synchronized backward, also when no gradient
-    reached it on this rank (zeros: another rank's gradients may be in the sum; skipping
-    would pair this rank's next reduce-scatter with another unit's). Which parameters get
+    Reduce-scatters pair up by issue order, so neither whether nor when a unit reduces may
+    depend on which gradients this rank happened to get. Whether: a unit whose forward ran
+    with gradients enabled reduces its trainable sections in every synchronized backward, also
+    when no gradient reached it on this rank (zeros: another rank's gradients may be in the
+    sum). When: a unit's backward is over once all its parameters have their gradients, or
+    at the end of backward if some never get one, and that differs between ranks; so the
+    reduce-scatters are issued in one fixed order, the reverse of the units' first forward
+    calls (``IterationContext.reduce_in_order`` in ``state.py``; a unit that is done waits,
+    with its gradients, for the ones before it -- in the usual case backward finishes them
+    in that order anyway). Which parameters get
     ``.grad`` from the result follows this rank's gradients (as torch's FSDP2: a parameter no
     gradient reached keeps ``grad=None``, and the optimizer skips it), so it must be the same
     set on every rank, or the ranks would step different pieces of one parameter: each
     reduction logs its set, and the per-step cross-rank check compares a digest of the
     backward's log (Note [stage-3 step check] in ``reliability/sharded_watch.py``), naming
-    the parameters that had no gradient on some ranks.
+    the parameters that had no gradient on some ranks. Not covered: a unit whose *output*
+    reaches the loss on some ranks only -- its backward all-gather then runs on those ranks
+    only, and the ranks' collectives pair up wrongly before any check can run.
 
 Note [fp16 reduction]
     An fp16 sum over N ranks overflows (65504) where the average would not. As DDP does

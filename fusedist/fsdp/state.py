@@ -134,6 +134,9 @@ class IterationContext:
         self.post_forward_order: list = []  # this iteration's post-forwards (with grad)
         self.pending: list = []  # grads.PendingReduce in flight
         self.reduce_log: list = []  # this backward's reductions (Note [rank-independent reductions])
+        self.reduce_order: list = []  # states in the order their reduce-scatters are issued
+        self.next_reduce = 0
+        self.deferred: dict = {}  # state -> its unsharded gradients, waiting for its turn
         self.backward_running = False
         # [reliability] the root's observer (Note [stage-3 step check]); None without units.
         self.watch = None
@@ -153,6 +156,23 @@ class IterationContext:
         self._pos += 1
         return order[pos + 1] if pos + 1 < len(order) else None
 
+    def reduce_in_order(self, state, grads) -> None:
+        """``state``'s gradients are ready: issue every reduce-scatter whose turn has come
+        (Note [rank-independent reductions] in ``grads.py``). ``state=None``: the end of
+        backward, issue the rest in order (then any unit outside the order, in registration
+        order)."""
+        if state is not None:
+            self.deferred[state] = grads
+        order, deferred = self.reduce_order, self.deferred
+        while self.next_reduce < len(order) and (state is None or order[self.next_reduce] in deferred):
+            st = order[self.next_reduce]
+            self.next_reduce += 1
+            if st in deferred:
+                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log)
+        if state is None:
+            for st in [st for st in self.states if st in deferred]:
+                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log)
+
     def end_forward(self) -> None:
         self.in_forward = False
         self.forward_order = self._current_order
@@ -166,6 +186,10 @@ class IterationContext:
     def ensure_final_callback(self) -> None:
         if not self.backward_running:
             self.backward_running = True
+            # Note [rank-independent reductions]: reverse order of each unit's first forward
+            # call (a unit reduces after its first call's backward, its last).
+            first = list(dict.fromkeys(self.post_forward_order))
+            self.reduce_order, self.next_reduce, self.deferred = first[::-1], 0, {}
             if self.watch is not None:
                 self.watch.backward_begins()
             Variable._execution_engine.queue_callback(self.finish_backward)
@@ -175,11 +199,12 @@ class IterationContext:
             ran = [st for st in self.states if st.unit is not None and st.backward_pending]
             for st in reversed(ran):
                 st.post_backward()
+            self.reduce_in_order(None, None)
             grads_mod.finish_all(self.pending)
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
                 self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log)
         finally:
-            self.reduce_log = []
+            self.reduce_log, self.deferred = [], {}
             self.post_forward_order.clear()
             self.backward_running = False
             for st in self.states:
@@ -362,7 +387,7 @@ class FullyShardState:
             u.grad = None
         with torch.profiler.record_function("fusedist::fully_shard::post_backward"):
             if self.grads.reduce_grads:
-                self.grads.reduce(grads, ctx.pending, ctx.reduce_log)
+                ctx.reduce_in_order(self, grads)
             else:
                 self.grads.accumulate(grads)
         del grads

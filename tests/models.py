@@ -92,6 +92,13 @@ def rank_slice_of_global_batch(step, rank=None, world_size=1, *, seed, n, shape=
     return x[rank * chunk:(rank + 1) * chunk], y[rank * chunk:(rank + 1) * chunk]
 
 
+def rank_step_batch(rank: int, step: int, n: int = 6, *, seed: int = 0):
+    """Rank ``rank``'s own batch at step ``step`` (8 features in, 4 targets): fresh per rank
+    and step, as each data-parallel rank draws different samples."""
+    g = torch.Generator().manual_seed(seed + 1000 * step + rank)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
 def flat_params(model):
     """Every parameter, flattened and concatenated (to compare two models at once)."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedist
+import models
 from fusedist.testing import run_distributed
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -79,8 +80,7 @@ class TiedNet(nn.Module):
 
 
 def _batch(rank: int, step: int, n: int = 6):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+    return models.rank_step_batch(rank, step, n, seed=0)
 
 
 def _shard_both(ref, ours, mesh, *, wrap_ref=None, wrap_ours=None, **kw):
@@ -197,8 +197,6 @@ def _poison_one_rank(model, rank):
 
 
 def _scaled_training(model, opt, scaler, rank, clip, poison_step=2, steps=5):
-    from fusedist.ownership import gradient_holder
-
     losses, norms = [], []
     for step in range(steps):
         x, y = _batch(rank, step)

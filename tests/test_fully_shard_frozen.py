@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedist
+import models
 from fusedist.testing import run_distributed
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -90,8 +91,7 @@ class MixedNet(nn.Module):
 
 
 def _batch(rank: int, step: int, n: int = 6):
-    g = torch.Generator().manual_seed(5000 + 1000 * step + rank)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+    return models.rank_step_batch(rank, step, n, seed=5000)
 
 
 def _global_batch(ws: int, step: int):
@@ -302,7 +302,7 @@ def _changes(rank, ws, directory):
     _shard(ours, mesh, ours.blocks)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    losses_ref, losses_ours, grads_none = [], [], []
+    grads_none = []
     for step in range(5):
         if step == 2:
             for m in (ref, ours):
@@ -311,7 +311,6 @@ def _changes(rank, ws, directory):
         x, y = _global_batch(ws, step)
         loss = F.mse_loss(ref(x), y)
         loss.backward()
-        losses_ref.append(loss.item())
         x, y = _batch(rank, step)
         loss = F.mse_loss(ours(x), y)
         loss.backward()

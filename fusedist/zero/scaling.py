@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
+from . import grow
 
 
 class ZeroScalerProtocol(ScalerProtocol):
@@ -25,6 +26,7 @@ class ZeroScalerProtocol(ScalerProtocol):
     def _fusedist_grad_params(self) -> list:
         """The parameters the global norm covers: all of them in stage 2 (their gradients are
         the shards), those with ``p.grad`` in stage 1."""
+        grow.join_pending(self)  # (see _fusedist_check_and_norm)
         if self.stage == 2:
             return self._trainable_params()
         return [p for p in self._trainable_params() if p.grad is not None]
@@ -32,6 +34,10 @@ class ZeroScalerProtocol(ScalerProtocol):
     @torch.no_grad()
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
+        # Parameters DDP took on in this backward (unfrozen ones) join at step() in stage 1
+        # (stage 2 grows as the layout changes): join now, or the norm, the found-inf check
+        # and the unscale before the step would miss their gradients (Note [growing the partition]).
+        grow.join_pending(self)
         grads = self._local_grads()
         device = self._device
         if grads:
@@ -59,6 +65,7 @@ class ZeroScalerProtocol(ScalerProtocol):
         return (packed[0:1] > 0).float(), packed[1:2]
 
     def _fusedist_local_grads(self) -> list:
+        grow.join_pending(self)  # (see _fusedist_check_and_norm)
         return self._local_grads()
 
     def _fusedist_grads_in_user_view(self) -> bool:
@@ -68,6 +75,7 @@ class ZeroScalerProtocol(ScalerProtocol):
 
     def _fusedist_unscale_targets(self) -> list:
         # Stage 2 keeps gradients only as shards; stage 1 unscales what users see in p.grad.
+        grow.join_pending(self)  # (see _fusedist_check_and_norm)
         if self.stage == 2:
             return self._local_grads()
         return [p.grad for p in self._trainable_params() if p.grad is not None]

@@ -18,7 +18,7 @@ import torch
 
 from .._tensor_tree import to_cpu
 from ..comm.objects import gather_object
-from ..ddp.layout import flat_like
+from ..ddp.layout import flat_like, shaped_like
 from . import state as zstate
 
 
@@ -183,9 +183,11 @@ class ShardedState:
             k = part.piece_index(e)
             piece, t = part.pieces[k], z._pieces[k]
             master = z._masters.slice(e.dtype, e.pos, e.pos + e.numel)
-            if item["master"] is not None:
+            if z._masters.aliases(e.dtype):
+                pass  # the parameter is its own master: written whole below
+            elif item["master"] is not None:
                 master.copy_(item["master"][e.lo:e.hi])
-            elif not z._masters.aliases(e.dtype):  # (aliased: the parameter is its own master)
+            else:
                 p = z._params[e.index]
                 master.copy_(flat_like(p.detach(), p)[e.lo:e.hi])
             st = new_state[t]
@@ -213,6 +215,15 @@ class ShardedState:
         z.inner.state.clear()
         z.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
+        # The parameters take the loaded masters' values now, whole and on every rank (the
+        # assembled state holds every parameter): aliased masters (Note [shards aliasing the
+        # parameters and gradients]) are the parameters, and writing only this rank's slices
+        # of them left the ranks' parameters different until the next step's all-gather; a
+        # half-precision parameter is its master rounded, as the step's publish writes it.
+        for i in z._trainable:
+            item, p = assembled.get(i), z._params[i]
+            if item is not None and item["master"] is not None:
+                p.detach().copy_(shaped_like(item["master"], p))
         # The loaded masters are current (Note [parameters changed outside the optimizer]).
         z._record_param_versions()
 

@@ -101,11 +101,11 @@ def _mixed_worker(rank, world_size, bf16=True):
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"
     out = {}
     for clip in (None, "opt", "global"):
-        for use_scaler in (False, True):
+        for use_scaler in (False, True, "lazy"):
             ref = Mixed(bf16)
             rddp = _ddp(ref)
             ropt = fusedist.optim.FusedAdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
-            rscaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+            rscaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None  # (eager)
             _train(rank, world_size, rddp, ropt, rscaler, "global" if clip else None)
             for stage in (1, 2):
                 for inner in (torch.optim.AdamW, fusedist.optim.FusedAdamW):
@@ -113,7 +113,8 @@ def _mixed_worker(rank, world_size, bf16=True):
                     ddp = _ddp(model)
                     opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), inner, stage=stage, lr=1e-2,
                                                            weight_decay=0.1)
-                    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+                    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8,
+                                                     lazy_unscale=use_scaler == "lazy") if use_scaler else None
                     _train(rank, world_size, ddp, opt, scaler, clip)
                     # The oracle's clip measures bf16 gradients in bf16, ZeRO in fp32 (~2e-5 apart).
                     tol = 1e-4 if clip and not use_scaler else TOL

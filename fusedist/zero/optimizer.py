@@ -112,7 +112,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       (stage 1: ``p.grad`` is None; stage 2: no synchronized backward since the last step gave
       it one, i.e. DDP found it unused on every rank) is skipped: its master, optimizer state
       and step count stay as they are (Note [piece splitting] in ``partition.py``).
-    * Master weights are FP32 copies (FP64 for FP64 parameters). Parameters changed outside
+    * Master weights are FP32 (FP64 for FP64 parameters): copies for half-precision
+      parameters, the parameters' own storage for fp32/fp64 ones (Note [shards aliasing the
+      parameters and gradients] in ``shard_store.py``). Parameters changed outside
       the optimizer between steps (``model.load_state_dict``, in-place ops under
       ``no_grad``) are taken into the masters by the next ``step()``, as torch's optimizers
       would use them (Note [parameters changed outside the optimizer] in ``shards.py``);
@@ -378,7 +380,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         """Load a list of every rank's ``shard_state_dict()`` (any world size: resharded here), or
         a full torch-format state dict (from ``consolidate_state_dict``, ``state_dict()`` right
         after it, or an unsharded optimizer). Everything is validated before anything changes;
-        an incomplete set of shards is refused."""
+        an incomplete set of shards is refused. Master weights it carries (shards always; a full
+        state dict as ``master_param`` of half-precision parameters) are written into the
+        parameters at once, whole and on every rank (half precision rounded), so the model
+        matches the loaded optimizer state before the next step."""
         self._sharded_state.load(state_dict)
 
     def prepare_load(self, state_dict, source: str = "state dict"):

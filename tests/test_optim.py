@@ -327,3 +327,26 @@ def test_gpu_adamw_parity_with_torch_fused():
     # correction, decoupled decay) differs by ~lr = 1e-3 and fails.
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=steps * torch.finfo(torch.float32).eps, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                         (FusedSGD, dict(lr=0.1, momentum=0.9)), (FusedLAMB, dict(lr=1e-2))])
+def test_master_weights_take_writes_made_between_steps(cls, kwargs):
+    """Note [masters and writes from outside]: a bf16 parameter written between steps (a model
+    load, an in-place op) is stepped from the written value, not reverted to the stale master.
+    At lr=0 the step changes nothing, so the parameter must still hold what was written."""
+    params = _params(torch.bfloat16)
+    opt = cls(params, master_weights=True, **kwargs)
+    _set_grads(params, _grads(0))
+    opt.step()
+    written = [torch.randn_like(p) for p in params]
+    with torch.no_grad():
+        for p, w in zip(params, written):
+            p.copy_(w)
+    _set_grads(params, _grads(1))
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for p, w in zip(params, written):
+        assert torch.equal(p.detach(), w), (p - w).abs().max()
+        assert torch.equal(opt.state[p]["master_param"], w.float())

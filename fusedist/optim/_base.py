@@ -56,6 +56,9 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         # ids of parameters whose state _init_state has completed (cleared on load_state_dict):
         # spares per-step dict lookups for every parameter.
         self._fusedist_ready: set[int] = set()
+        # Note [masters and writes from outside]: id(p) -> p._version after this optimizer's last
+        # write, for parameters with an FP32 master.
+        self._master_versions: dict[int, int] = {}
 
     # -- scaler protocol (Note [scaler protocol]; bookkeeping in ScalerProtocol) --------------
 
@@ -127,10 +130,12 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 if not params:
                     continue
                 states = [self._ready_state(group, p) for p in params]
+                self._take_outside_writes(params, states)
                 steps = [s["step"] for s in states]
                 torch._foreach_add_(steps, 1.0)
                 self._step_group(group, params, grads, states, inv_scale=inv_scale,
                                  clip_coef=clip_coef, found_inf=found_inf)
+                self._record_master_versions(params, states)
                 if found_inf is not None:
                     # A skipped step does not count (decided on the device, like torch's fused Adam).
                     # (_foreach_add_ has a Tensor overload; _foreach_sub_ would read the flag on the host.)
@@ -169,6 +174,31 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             grads.append(g)
         return params, grads
 
+    # Note [masters and writes from outside]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With ``master_weights=True`` a bf16/fp16 parameter is stepped through its FP32 master, and
+    # each step writes the parameter from it. A write the program makes between steps --
+    # ``model.load_state_dict``, an in-place ``p.copy_()`` / ``p.mul_()`` under ``no_grad`` --
+    # would be silently reverted by the next step from the stale master, where torch's
+    # optimizers (no masters) update whatever the parameter holds. Such writes bump the
+    # parameter's version counter; so the version after the optimizer's own write is recorded
+    # and, when a step finds it moved, the master is refreshed from the parameter first (as
+    # ZeroRedundancyOptimizer does, Note [parameters changed outside the optimizer]). Writes
+    # through ``p.data`` bypass the counter.
+    def _take_outside_writes(self, params: list, states: list) -> None:
+        versions = self._master_versions
+        if not versions:
+            return
+        for p, state in zip(params, states):
+            recorded = versions.get(id(p))
+            if recorded is not None and recorded != p._version:
+                state["master_param"].copy_(p.detach())
+
+    def _record_master_versions(self, params: list, states: list) -> None:
+        for p, state in zip(params, states):
+            if "master_param" in state:
+                self._master_versions[id(p)] = p._version
+
     def _ready_state(self, group: dict, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state or id(p) not in self._fusedist_ready:
@@ -189,6 +219,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         self._check_loadable(saved_groups, saved_state)
         super().load_state_dict(state_dict)
         self._fusedist_ready = set()
+        self._master_versions = {}  # the loaded masters are the truth now
         for group in self.param_groups:
             # A state dict from torch's optimizer lacks fusedist's own keys: use our defaults.
             for key, value in self.defaults.items():

@@ -135,7 +135,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 torch._foreach_add_(steps, 1.0)
                 self._step_group(group, params, grads, states, inv_scale=inv_scale,
                                  clip_coef=clip_coef, found_inf=found_inf)
-                self._record_master_versions(params, states)
+                if group.get("master_weights", False):
+                    self._record_master_versions(params, states)
                 if found_inf is not None:
                     # A skipped step does not count (decided on the device, like torch's fused Adam).
                     # (_foreach_add_ has a Tensor overload; _foreach_sub_ would read the flag on the host.)

@@ -246,6 +246,26 @@ def test_hysteresis_delays_backoff_for_consecutive_overflows():
     assert skipped == pattern
 
 
+def test_explicit_new_scale_restarts_hysteresis_and_reports_the_step():
+    """update(new_scale) sets the scale (as torch's) and starts the hysteresis count afresh:
+    the overflows counted before it were at the old scale, so the next one is again
+    tolerated; the skip signal describes the iteration that update() closed."""
+    scaler = GradScaler(DEVICE.type, init_scale=1024.0, growth_interval=100, hysteresis=2)
+    params = _params()
+    opt = FusedSGD(params, lr=0.1)
+    pattern = [(True, None), (True, 512.0), (True, None), (True, None)]
+    scales = []
+    for step, (overflow, explicit) in enumerate(pattern):
+        opt.zero_grad()
+        _backward(scaler, params, step, float("inf") if overflow else None)
+        scaler.step(opt)
+        scaler.update(explicit)
+        assert bool(scaler.last_step_skipped_tensor.item()) == overflow, step
+        scales.append(scaler.get_scale())
+    # 1st overflow tolerated; the explicit scale; then a fresh count: one tolerated, then backoff.
+    assert scales == [1024.0, 512.0, 512.0, 256.0]
+
+
 def test_hysteresis_one_and_floor_match_torch_trajectory():
     """The tensor-op update path (used with min_scale) equals torch's kernel when the floor is
     not reached."""

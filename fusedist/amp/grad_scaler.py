@@ -262,14 +262,20 @@ class GradScaler(_TorchGradScaler):
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        if new_scale is not None:
-            super().update(new_scale)
-            return
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
+        if new_scale is not None:
+            # An explicit scale, as torch's: no growth/backoff decision. The skip signal still
+            # tells about this iteration, and the hysteresis count starts afresh with the new
+            # scale (the overflows it counted were at the old one).
+            self.last_step_skipped_tensor = (torch.stack(found_infs).sum() > 0) if found_infs else None
+            if self._hysteresis_tracker is not None:
+                self._hysteresis_tracker.fill_(self._hysteresis)
+            super().update(new_scale)
+            return
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")
         found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()

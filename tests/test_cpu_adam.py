@@ -14,7 +14,6 @@ differ in the last bits -- see test_torch_fused_and_foreach_differ_too.)
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

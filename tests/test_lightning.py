@@ -10,8 +10,6 @@ kernels vs torch's foreach ops, bucketed vs torch's all-reduce), measured differ
 import json
 import os
 
-import pytest
-
 from torchrun_launch import finish, launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "lightning_parity.py")

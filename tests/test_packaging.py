@@ -1,6 +1,5 @@
 """The package installs and imports cleanly, and triton_kernels/ maps to fusedist.triton_kernels."""
 
-import importlib.util
 import os
 import subprocess
 import sys

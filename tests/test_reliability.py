@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import models
 from conftest import requires_rank_slots

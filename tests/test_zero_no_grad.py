@@ -169,7 +169,6 @@ def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None,
 def _parity_worker(rank, world_size):
     """(a) frozen parameters and (b) parameters without a gradient in some steps: every
     configuration against torch AdamW (foreach and fused)."""
-    import fusedist
     from fusedist.optim import FusedAdamW
 
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"  # FusedAdamW's PyTorch path (kernels tested elsewhere)

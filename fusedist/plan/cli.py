@@ -140,8 +140,8 @@ def main(argv=None) -> int:
         if args.measure:
             world = int(os.environ.get("WORLD_SIZE", "0") or 0)
             if world < 2:
-                raise PlanError("--measure", f"run under torchrun with 2 or more ranks, e.g. torchrun "
-                                             f"--nproc_per_node=2 -m fusedist.plan --measure ...")
+                raise PlanError("--measure", "run under torchrun with 2 or more ranks, e.g. torchrun "
+                                             "--nproc_per_node=2 -m fusedist.plan --measure ...")
             if args.gpus is not None and args.gpus != world:
                 raise PlanError("--gpus", f"{args.gpus} differs from the torchrun world size {world}")
             if not spec.has_shape:

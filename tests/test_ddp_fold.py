@@ -1,5 +1,5 @@
 """The averaging division folded into the gradient copies (Note [division folded into the copy]
-in fusedist/ddp/reducer.py), against the unfolded path and torch DDP, at world sizes 2 and 3.
+in fusedist/ddp/strategy.py), against the unfolded path and torch DDP, at world sizes 2 and 3.
 
 Each scenario runs twice in one process, with folding forced on (every bucket folds) and off
 (no bucket does): both multiply each gradient by the same ``1 / world_size`` once, so the

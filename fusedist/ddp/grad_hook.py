@@ -40,7 +40,7 @@ class ParamEntry:
     ``Reducer.params`` (-1 outside); ``ready``: the number of the last backward that
     delivered its gradient (synchronized backwards only); ``accumulated``: the same for
     ``no_sync`` backwards (a gradient accumulated there counts as used by the next
-    synchronized backward, Note [unused parameters] in reducer.py)."""
+    synchronized backward, Note [unused parameters] in unused.py)."""
 
     __slots__ = ("slot", "index", "ready", "accumulated")
 
@@ -79,7 +79,7 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
                 # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
                 # disabled): it holds this parameter's whole gradient, so copy, don't add, and
                 # scale on the way when the bucket folds its division (Note [division folded
-                # into the copy] in reducer.py).
+                # into the copy] in strategy.py).
                 if bucket.fold is None:
                     view.copy_(grad)
                 else:

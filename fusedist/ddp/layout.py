@@ -51,7 +51,7 @@ class Bucket:
     # The bucket's gradients: a view buffer[start:end] (flat storage), or the bucket's own
     # tensor, None while released (per-bucket storage). Set by GradLayout.
     data: Optional[torch.Tensor] = None
-    # Note [division folded into the copy] (reducer.py), set per synchronized backward by the
+    # Note [division folded into the copy] (strategy.py), set per synchronized backward by the
     # reducer: the factor the gradient hooks multiply by while copying a fresh gradient into
     # this bucket (None: copy as is), and the views that got theirs another way.
     fold: Optional[float] = None

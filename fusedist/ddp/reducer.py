@@ -9,22 +9,7 @@ Note [bucket readiness]
     two ranks whose gradients become ready in a different order would otherwise pair up
     different buckets. The last step of backward (an autograd-engine callback queued by the
     first hook) launches what is left and finishes (waits for, and averages) every bucket not
-    finished during backward yet (Note [division folded into the copy]
-    Averaging divides every gradient by the world size before the sum (``divide_factors`` in
-    ``strategy.py``). Done at launch, that is one more pass over each bucket. But a gradient
-    that arrives as a fresh tensor (after ``zero_grad(set_to_none=True)``, the common case)
-    is copied into its bucket view by the hook anyway, so the hook multiplies by ``1 / pre``
-    on the way (torch DDP scales while copying too) and the bucket needs no pass of its own.
-    At the start of each synchronized backward the strategy gives every bucket its ``fold``
-    factor (None: nothing folded -- no_sync backwards, a ``reduce_dtype`` conversion, or a
-    bucket of small parameters, where the dispatch of a multiply-copy costs more than the
-    pass it saves). Gradients that land in a folding bucket another way -- accumulated in
-    place into the view (after no_sync backwards, or ``zero_grad(set_to_none=False)``), or
-    left from an earlier backward by an unused parameter -- are listed in the bucket's
-    ``unfolded`` and scaled at launch, view by view. Either way each gradient is multiplied
-    by ``1 / pre`` exactly once, so the result does not depend on the path.
-
-Note [finishing buckets during backward]). So
+    finished during backward yet (Note [finishing buckets during backward]). So
     ``loss.backward()`` returns with synchronized gradients, like torch DDP.
 
 Note [finishing buckets during backward]
@@ -67,22 +52,6 @@ Note [layout fixed by a sharded consumer]
     appending buckets for parameters that become trainable (Note [trainable set changes]), so
     the consumer's shards exist from its construction and its first backward is like every
     other.
-
-Note [unused parameters]
-    A parameter whose hook did not fire by the end of backward is unused this iteration. Its
-    slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
-    rank issues the same collectives. With ``find_unused_parameters=True`` a small used-map
-    all-reduce (issued after all buckets, so the order stays the same on every rank) tells
-    which parameters no rank used: those keep ``grad=None``, as in torch. With it False the
-    rank raises after the collectives completed, naming the parameters, instead of leaving
-    the other ranks to hang in the next step.
-
-    "Used" means since the last synchronized backward, ``no_sync`` backwards included (as
-    torch's local-used map): a parameter that got a gradient only in a ``no_sync``
-    micro-batch, on some ranks, is reduced like any other -- every rank ends with the
-    average, also the ranks that never computed a gradient for it. Counting the synchronized
-    backward alone would leave those ranks with ``grad=None`` while the others step with the
-    average: the replicas would silently drift apart.
 """
 
 from __future__ import annotations
@@ -102,6 +71,7 @@ from .grad_hook import ParamEntry, make_hook, remove_hooks
 from .layout import MiB, Bucket, GradLayout, build_layout, sparse_gradient_error
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
+from .unused import settle_unused
 from .events import EngineObserver
 
 _perf_counter = time.perf_counter
@@ -171,7 +141,7 @@ class Reducer:
         self.next_backward_sync = True
         self.in_backward = False
         self._observed_order: Optional[list[int]] = None
-        self._warned_unused = False
+        self.warned_unused = False  # settle_unused's one warning (unused.py)
         self.last_stats: dict = {}
         # Parameters whose grad is None after the last synchronized backward (unused by every
         # rank, or by this one without find_unused_parameters) -- for consumers that release
@@ -508,7 +478,7 @@ class Reducer:
                 if bucket.fold is not None:
                     bucket.unfolded.append(view)  # undivided
             self.pending[bucket.index] -= 1
-        # Parameters whose grad stays None after this backward (refined by _settle_unused).
+        # Parameters whose grad stays None after this backward (refined by settle_unused).
         self.params_without_grad = ([] if shadow else [p for p in unused if not had_grad[p]]) + list(
             self.inactive) + list(frozen)
         if missing or self.defer_launch:
@@ -520,11 +490,11 @@ class Reducer:
         for bucket in self.layout.buckets[self.next_finish:]:
             self._finish_bucket(bucket)
         if shadow and not self.config.find_unused_parameters:
-            self._expose_grads(unused)  # the average of the active ranks' gradients
+            self.expose_grads(unused)  # the average of the active ranks' gradients
         if self.config.find_unused_parameters:
             # Every rank, every synchronized iteration: a rank with nothing unused must still
-            # take part in the used-map all-reduce (Note [unused parameters]).
-            self._settle_unused(unused, had_grad)
+            # take part in the used-map all-reduce (Note [unused parameters] in unused.py).
+            settle_unused(self, unused, had_grad)
         t_end = now_us()
         first_launch = min(self.t_launch.values()) if self.t_launch else t_compute_end
         span = max(t_end - first_launch, 1e-9)
@@ -578,42 +548,13 @@ class Reducer:
         finally:
             self.shadowing = False
 
-    def _expose_grads(self, params: list) -> None:
+    def expose_grads(self, params: list) -> None:
+        """Give ``params`` without a gradient their (averaged) slot as ``.grad``, where the
+        bucket is allocated."""
         for p in params:
             if p.grad is None and self.layout.is_allocated(self.layout.slots[p].bucket):
                 view = self.layout.grad_view(p)
                 p.grad = view if self.config.gradient_as_bucket_view else view.clone()
-
-    def _settle_unused(self, unused: list, had_grad: dict) -> None:
-        # Built on the host and read back once: one transfer each way, not one per parameter.
-        generation = self.generation
-        # Used in this backward or in a no_sync one since the last synchronization (Note
-        # [unused parameters]); a joined rank's shadow contributes nothing it accumulated.
-        since = generation if self.shadowing else self.synced_generation
-        local = [int(e.ready == generation or e.accumulated > since) for e in self.entries]
-        used = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
-        self.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
-        used_anywhere = used.tolist()
-        globally_unused = []
-        without_grad = []
-        for p in unused:
-            if used_anywhere[self.index_of[p]] == 0:
-                globally_unused.append(self.names[self.index_of[p]])
-                if not had_grad[p]:
-                    p.grad = None
-                    without_grad.append(p)
-            elif p.grad is None and self.layout.is_allocated(self.layout.slots[p].bucket):
-                # (a released bucket -- ZeRO stage 2 -- exposes no gradients: its shard holds them)
-                p.grad = self.layout.grad_view(p) if self.config.gradient_as_bucket_view else (
-                    self.layout.grad_view(p).clone())
-        self.params_without_grad = without_grad + list(self.inactive) + list(self.frozen_now)
-        if globally_unused and not self._warned_unused:
-            self._warned_unused = True
-            warnings.warn(
-                f"fusedist DDP: {len(globally_unused)} parameter(s) received no gradient on any rank "
-                f"in iteration {self.iteration}: {globally_unused[:10]} (reported once)",
-                stacklevel=2,
-            )
 
 
 def _us(t: float) -> float:

@@ -1,6 +1,21 @@
 """How a bucket's gradients are combined across ranks: the reducer's strategy interface and
 its default, averaging with one all-reduce (ZeRO stage 2 installs a reduce-scatter strategy,
-``fusedist/zero/grad_sync.py``)."""
+``fusedist/zero/grad_sync.py``).
+
+Note [division folded into the copy]
+    Averaging divides every gradient by the world size before the sum (``divide_factors``). Done at launch, that is one more pass over each bucket. But a gradient
+    that arrives as a fresh tensor (after ``zero_grad(set_to_none=True)``, the common case)
+    is copied into its bucket view by the hook anyway, so the hook multiplies by ``1 / pre``
+    on the way (torch DDP scales while copying too) and the bucket needs no pass of its own.
+    At the start of each synchronized backward the strategy gives every bucket its ``fold``
+    factor (None: nothing folded -- no_sync backwards, a ``reduce_dtype`` conversion, or a
+    bucket of small parameters, where the dispatch of a multiply-copy costs more than the
+    pass it saves). Gradients that land in a folding bucket another way -- accumulated in
+    place into the view (after no_sync backwards, or ``zero_grad(set_to_none=False)``), or
+    left from an earlier backward by an unused parameter -- are listed in the bucket's
+    ``unfolded`` and scaled at launch, view by view. Either way each gradient is multiplied
+    by ``1 / pre`` exactly once, so the result does not depend on the path.
+"""
 
 from __future__ import annotations
 
@@ -34,8 +49,8 @@ class GradSyncStrategy:
 
     def fold_factor(self, reducer: "Reducer", bucket: Bucket) -> Optional[float]:
         """The factor the gradient hooks may multiply fresh gradients by while copying them
-        into ``bucket`` in a synchronized backward (Note [division folded into the copy] in
-        ``reducer.py``); None: the launch scales the whole bucket. The default folds nothing."""
+        into ``bucket`` in a synchronized backward (Note [division folded into the copy]);
+        None: the launch scales the whole bucket. The default folds nothing."""
         return None
 
     # For a strategy that manages the gradient buffers itself (ZeRO stage 2 releases them
@@ -78,7 +93,7 @@ def pre_division_fold(reducer: "Reducer", bucket: Bucket) -> Optional[float]:
 def divide_before_sum(bucket: Bucket, wire: torch.Tensor, pre: float) -> None:
     """Divide ``wire`` (the bucket's data, or its ``reduce_dtype`` copy) by ``pre`` before
     the collective sums it: only the views the hooks did not scale when the bucket folds
-    its division (Note [division folded into the copy] in ``reducer.py``), else all of it.
+    its division (Note [division folded into the copy]), else all of it.
     A multiplication by ``1 / pre`` either way (as torch DDP scales its buckets), so a
     gradient gets the same bits whichever path it took."""
     if bucket.fold is not None and wire is bucket.data:

@@ -1,0 +1,61 @@
+"""Parameters that received no gradient in a synchronized backward (``find_unused_parameters``).
+
+Note [unused parameters]
+    A parameter whose hook did not fire by the end of backward is unused this iteration. Its
+    slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
+    rank issues the same collectives. With ``find_unused_parameters=True`` a small used-map
+    all-reduce (issued after all buckets, so the order stays the same on every rank) tells
+    which parameters no rank used: those keep ``grad=None``, as in torch. With it False the
+    rank raises after the collectives completed, naming the parameters, instead of leaving
+    the other ranks to hang in the next step.
+
+    "Used" means since the last synchronized backward, ``no_sync`` backwards included (as
+    torch's local-used map): a parameter that got a gradient only in a ``no_sync``
+    micro-batch, on some ranks, is reduced like any other -- every rank ends with the
+    average, also the ranks that never computed a gradient for it. Counting the synchronized
+    backward alone would leave those ranks with ``grad=None`` while the others step with the
+    average: the replicas would silently drift apart.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
+
+
+def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> None:
+    """After the buckets finished: one all-reduce of the used map, then the parameters no rank
+    used keep (or get back) ``grad=None`` and the others used elsewhere get their average."""
+    # Built on the host and read back once: one transfer each way, not one per parameter.
+    generation = reducer.generation
+    # Used in this backward or in a no_sync one since the last synchronization; a joined
+    # rank's shadow contributes nothing it accumulated.
+    since = generation if reducer.shadowing else reducer.synced_generation
+    local = [int(e.ready == generation or e.accumulated > since) for e in reducer.entries]
+    used = torch.tensor(local, dtype=torch.int32, device=reducer.comm.device)
+    reducer.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
+    used_anywhere = used.tolist()
+    globally_unused, without_grad, used_elsewhere = [], [], []
+    for p in unused:
+        if used_anywhere[reducer.index_of[p]] == 0:
+            globally_unused.append(reducer.names[reducer.index_of[p]])
+            if not had_grad[p]:
+                p.grad = None
+                without_grad.append(p)
+        else:
+            used_elsewhere.append(p)
+    # (a released bucket -- ZeRO stage 2 -- exposes no gradients: its shard holds them)
+    reducer.expose_grads(used_elsewhere)
+    reducer.params_without_grad = without_grad + list(reducer.inactive) + list(reducer.frozen_now)
+    if globally_unused and not reducer.warned_unused:
+        reducer.warned_unused = True
+        warnings.warn(
+            f"fusedist DDP: {len(globally_unused)} parameter(s) received no gradient on any rank "
+            f"in iteration {reducer.iteration}: {globally_unused[:10]} (reported once)",
+            stacklevel=2,
+        )

@@ -16,7 +16,9 @@ Note [growing the partition]
     that were frozen (``requires_grad=False``) when the optimizer was constructed and are
     trainable now. With DDP they join when DDP takes them on: in the synchronized backward
     after the first training forward that saw them trainable, whose averaged gradient the next
-    ``step()`` applies. Without DDP they join at the first ``step()`` that sees them trainable.
+    ``step()`` applies (DDP's layout listener, ``on_layout_change``, both stages). Without DDP
+    they join at the first ``step()`` -- or ``GradScaler.unscale_`` / clip before it -- that
+    sees them trainable.
     A parameter frozen later stays sharded; it gets no gradient, so steps skip it as torch's
     optimizers skip a parameter whose grad is None. ``offload="cpu"``: joining before the first
     step only (the host pipeline's buffers are not regrown).
@@ -90,10 +92,9 @@ def add_param_group(zero, param_group: dict) -> None:
 
 def join_pending(zero) -> None:
     """Shard what should be sharded now and is not (Note [growing the partition])."""
-    part = zero._partition
     if zero.ddp is not None:
-        on_layout_change(zero, zero.ddp.reducer.layout)
-        return
+        return  # DDP's layout listener (on_layout_change) took them on when DDP appended them
+    part = zero._partition
     joining = [i for i in zero._frozen if zero._params[i].requires_grad]
     if not joining:
         return

@@ -189,6 +189,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._gatherer = ParamGatherer(self.comm, self.world_size, self.overlap_param_gather)
         self._grads_present = False
         self._partition: FlatPartition = self._build_partition()
+        if self.ddp is not None:  # Note [growing the partition]: parameters DDP appends join at once
+            self.ddp.reducer.layout_listeners.append(self._on_layout_change)
         if stage == 2:
             wiring.install_stage2(self)
         self._flat_params: Optional[FlatParams] = None
@@ -232,7 +234,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         return f"{label}{', ' if name else ''}shape {tuple(p.shape)})"
 
     def _on_layout_change(self, layout) -> None:
-        """DDP's layout listener (stage 2)."""
+        """DDP's layout listener."""
         grow.on_layout_change(self, layout)  # Note [growing the partition]
 
     def wait_for_params(self) -> None:

@@ -34,9 +34,9 @@ class ZeroScalerProtocol(ScalerProtocol):
     @torch.no_grad()
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
-        # Parameters DDP took on in this backward (unfrozen ones) join at step() in stage 1
-        # (stage 2 grows as the layout changes): join now, or the norm, the found-inf check
-        # and the unscale before the step would miss their gradients (Note [growing the partition]).
+        # Without DDP, parameters unfrozen since the last step join at their first use: join
+        # now, or the norm, the found-inf check and the unscale before the step would miss
+        # their gradients (Note [growing the partition]; with DDP they joined in backward).
         grow.join_pending(self)
         grads = self._local_grads()
         device = self._device

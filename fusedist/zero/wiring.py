@@ -64,8 +64,7 @@ def connect(trainable: list, params: list, process_group, device):
 
 def install_stage2(zero) -> None:
     """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
-    (Note [stage 2 gradients] in ``grad_sync.py``) and tells it when buckets are appended
-    (Note [growing the partition] in ``grow.py``)."""
+    (Note [stage 2 gradients] in ``grad_sync.py``)."""
     if zero.ddp is None:
         raise ValueError(
             "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "
@@ -82,4 +81,3 @@ def install_stage2(zero) -> None:
     # parameters' gradients: p.grad is None in stage 2.
     register_gradient_holder(zero._trainable_params(), zero)
     reducer.release_gradients()  # gradients live in shards from now on
-    reducer.layout_listeners.append(zero._on_layout_change)

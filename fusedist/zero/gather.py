@@ -52,7 +52,7 @@ class ParamGatherer:
         """Write the updated master copies into the parameters' slices (aliased masters are
         them already) and all-gather them, bucket by bucket, in forward order (DDP's buckets
         are in backward order); without overlap, wait for them."""
-        masters.copy_own_to_views(partition)
+        masters.copy_own_to_views(partition.bucket_shards)
         if self.world_size == 1:
             return
         for bs in reversed(partition.bucket_shards):

@@ -164,9 +164,7 @@ def _regrow_state(zero, old, part) -> None:
     zero._flat_params = FlatParams(part, zero._params, zero._device)  # current values, re-pointed
     own = _regrow(zero._masters.own, part, zero, torch.empty, dtypes=zero._own_master_dtypes(part))
     masters = ShardStore(part, zero._flat_params.shard_view, own)  # Note [shards aliasing the parameters ...]
-    for bs in part.bucket_shards[len(old.bucket_shards):]:
-        if bs.bucket.dtype in own:
-            own[bs.bucket.dtype][bs.pos:bs.pos + bs.hi - bs.lo].copy_(zero._flat_params.shard_view(bs))
+    masters.copy_own_from_views(part.bucket_shards[len(old.bucket_shards):])  # the new slices only
     inner = zero.inner
     ready = getattr(inner, "_fusedist_ready", None)
     tensors = []

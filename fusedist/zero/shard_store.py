@@ -74,17 +74,18 @@ class ShardStore:
         return sum(t.numel() * t.element_size() for t in self.own.values())
 
     @torch.no_grad()
-    def copy_own_from_views(self, partition: FlatPartition) -> None:
-        """Copy the per-bucket values into the own tensors (aliased ranges already are them)."""
-        for bs in partition.bucket_shards:
+    def copy_own_from_views(self, bucket_shards) -> None:
+        """Copy the per-bucket values of ``bucket_shards`` into the own tensors (aliased ranges
+        already are them)."""
+        for bs in bucket_shards:
             own = self.own.get(bs.bucket.dtype)
             if own is not None:
                 own[bs.pos:bs.pos + bs.hi - bs.lo].copy_(self.view_of(bs))
 
     @torch.no_grad()
-    def copy_own_to_views(self, partition: FlatPartition) -> None:
-        """Write the own tensors into the per-bucket storage."""
-        for bs in partition.bucket_shards:
+    def copy_own_to_views(self, bucket_shards) -> None:
+        """Write the own tensors into the per-bucket storage of ``bucket_shards``."""
+        for bs in bucket_shards:
             own = self.own.get(bs.bucket.dtype)
             if own is not None:
                 self.view_of(bs).copy_(own[bs.pos:bs.pos + bs.hi - bs.lo])

@@ -182,14 +182,11 @@ class ShardedState:
                 continue
             k = part.piece_index(e)
             piece, t = part.pieces[k], z._pieces[k]
-            master = z._masters.slice(e.dtype, e.pos, e.pos + e.numel)
-            if z._masters.aliases(e.dtype):
-                pass  # the parameter is its own master: written whole below
-            elif item["master"] is not None:
-                master.copy_(item["master"][e.lo:e.hi])
-            else:
+            if not z._masters.aliases(e.dtype):  # (aliased: the parameter, written whole below)
+                master = z._masters.slice(e.dtype, e.pos, e.pos + e.numel)
                 p = z._params[e.index]
-                master.copy_(flat_like(p.detach(), p)[e.lo:e.hi])
+                master.copy_(item["master"][e.lo:e.hi] if item["master"] is not None
+                             else flat_like(p.detach(), p)[e.lo:e.hi])
             st = new_state[t]
             n_piece = piece.end - piece.start
             off = e.pos - piece.start

@@ -90,7 +90,7 @@ class ShardsMixin:
         self.wait_for_params()
         if self._offload is not None:
             self._offload.wait_host_buffers()
-        self._masters.copy_own_from_views(self._partition)
+        self._masters.copy_own_from_views(self._partition.bucket_shards)
         self._record_param_versions()
 
     # Note [parameters changed outside the optimizer]

@@ -142,8 +142,10 @@ def _outside(step, model, opt):
         sd = {k: v * 0.9 for k, v in model.state_dict().items()}
         model.load_state_dict(sd)
     if step in (1, 2) and not hasattr(opt, "stage"):
-        # The unsharded oracle's FP32 masters do not follow such writes: start them from the
-        # written values, as ZeRO's next step does.
+        # ZeRO's next step refreshes *every* master from the parameters when any was written
+        # (bf16 masters then hold the rounded values); the oracle's FusedAdamW refreshes only
+        # the written ones (Note [masters and writes from outside]): bring all its masters to
+        # the same point.
         for p in model.parameters():
             st = opt.state.get(p, {})
             if "master_param" in st:

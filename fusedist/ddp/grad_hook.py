@@ -72,22 +72,22 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
             self._layout.allocate(slot.bucket)
             view = slot.view
         bucket = slot.bucket
-        if grad is not view:
+        fresh = grad is not view
+        if fresh:
             if grad.is_sparse:
                 raise self._sparse_gradient(entry)
-            if grad.data_ptr() != view.data_ptr():
-                # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
-                # disabled): it holds this parameter's whole gradient, so copy, don't add, and
-                # scale on the way when the bucket folds its division (Note [division folded
-                # into the copy] in strategy.py).
-                if bucket.fold is None:
-                    view.copy_(grad)
-                else:
-                    _mul(grad, bucket.fold, out=view)
-                if self.as_view:
-                    p.grad = view
-            elif bucket.fold is not None:
-                bucket.unfolded.append(view)
+            fresh = grad.data_ptr() != view.data_ptr()
+        if fresh:
+            # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
+            # disabled): it holds this parameter's whole gradient, so copy, don't add, and
+            # scale on the way when the bucket folds its division (Note [division folded
+            # into the copy] in strategy.py).
+            if bucket.fold is None:
+                view.copy_(grad)
+            else:
+                _mul(grad, bucket.fold, out=view)
+            if self.as_view:
+                p.grad = view
         elif bucket.fold is not None:
             bucket.unfolded.append(view)  # accumulated in place: still to be divided at launch
         self.t_last_grad = _perf_counter()

@@ -58,6 +58,7 @@ def bench_collectives(ours, theirs, iters: int) -> list[dict]:
     for nbytes in (4 << 10, 1 << 20, 64 << 20):
         x = torch.randn(nbytes // 4, device="cuda")
         torch_us = _per_call_us(lambda: theirs.all_reduce(x, async_op=True).wait(), iters)
+        default = ours.blocking_wait
         for blocking in (True, False):
             ours.blocking_wait = blocking
             ours_us = _per_call_us(lambda: ours.all_reduce(x, async_op=True).wait(), iters)
@@ -66,7 +67,7 @@ def bench_collectives(ours, theirs, iters: int) -> list[dict]:
                         f"({'blocking' if blocking else 'stream-only'} wait)",
                 "fusedist_us": ours_us, "torch_us": torch_us, "ratio": ours_us / torch_us,
             })
-        ours.blocking_wait = True
+        ours.blocking_wait = default
     return rows
 
 

@@ -9,6 +9,7 @@ a failed kernel cannot leak into other tests).
 import datetime
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def _parity_with_torch_nccl(rank, world_size):
     # Stream ordering without host blocking: the producer writes `src` behind a long kernel,
     # the collective must wait for that write (ordering 1), and the consumer must read `dst`
     # only after the copy (ordering 2) although wait() does not block the host here.
-    ours.blocking_wait = False
+    blocking, ours.blocking_wait = ours.blocking_wait, False
     src = torch.zeros(16 << 20, device="cuda")
     dst = torch.zeros_like(src)
     torch.cuda._sleep(50_000_000)
@@ -84,7 +85,7 @@ def _parity_with_torch_nccl(rank, world_size):
     h.wait()
     h.wait()  # idempotent
     assert bool((dst == 5.0).all()), "consumer read the all_gather output before it was written"
-    ours.blocking_wait = True
+    ours.blocking_wait = blocking
     # Misuse is explained.
     with pytest.raises(CollectiveError, match="NCCL does not support torch.complex64"):
         ours.all_reduce(torch.zeros(4, dtype=torch.complex64, device="cuda"))
@@ -162,28 +163,47 @@ def test_comm_stream_overlaps_compute():
     assert t_both < serial - min(t_comm, t_compute) / 3, (t_comm, t_compute, t_both)
 
 
-def _timeout(rank, world_size):
+def _timeout(rank, world_size, blocking):
     from fusedist.comm import CollectiveError, get_communicator
 
     comm = get_communicator(device="cuda")
+    assert comm.blocking_wait is blocking  # FUSEDIST_NCCL_BLOCKING_WAIT, default 0
     comm.timeout = datetime.timedelta(seconds=0.5)
     x = torch.ones(1024, device="cuda")
     # The producer stream is busy for ~seconds, so the collective (ordered after it) cannot
-    # finish within the timeout: the wait must give up, abort NCCL and name op, tag and rank.
+    # finish within the timeout: it must be given up, NCCL aborted, and op, tag and rank named.
     torch.cuda._sleep(4_000_000_000)
     handle = comm.all_reduce(x, async_op=True, tag="grad-bucket-7")
-    with pytest.raises(CollectiveError) as info:
+    if blocking:
+        with pytest.raises(CollectiveError) as info:
+            handle.wait()
+        timed_out = "did not complete within 0.5 s"
+    else:
+        # Note [stream-ordered waits and the watchdog]: wait() returns at once; the watchdog
+        # aborts at the deadline and the next collective raises, naming the one that failed.
+        start = time.perf_counter()
         handle.wait()
+        assert time.perf_counter() - start < 0.2, "a stream-ordered wait blocked the host"
+        deadline = time.monotonic() + 30
+        while comm.watchdog.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert comm.watchdog.failure is not None, "the watchdog did not fire within 30 s"
+        torch.cuda.synchronize()  # the aborted collective's kernels ended: no hang here
+        with pytest.raises(CollectiveError) as info:
+            comm.all_reduce(x, tag="next-bucket")
+        timed_out = "did not complete within 0.5 s of its launch"
     message = str(info.value)
-    for needle in ("all_reduce", "grad-bucket-7", "rank 0 of 1", "did not complete within 0.5 s", "aborted"):
+    for needle in ("all_reduce", "grad-bucket-7", "rank 0 of 1", timed_out, "abort"):
         assert needle in message, message
     assert info.value.op == "all_reduce" and info.value.tag == "grad-bucket-7" and info.value.rank == 0
-    with pytest.raises(CollectiveError, match="aborted earlier"):
+    with pytest.raises(CollectiveError, match="abort"):
         comm.all_reduce(x, tag="after-abort")
     return message
 
 
-def test_wait_timeout_aborts_and_names_the_collective():
+@pytest.mark.parametrize("blocking", [False, True], ids=["watchdog", "blocking-wait"])
+def test_wait_timeout_aborts_and_names_the_collective(blocking):
     _require_ext()
-    (message,) = run_distributed(_timeout, 1, backend="nccl", timeout=300)
+    env = {"FUSEDIST_NCCL_BLOCKING_WAIT": "1" if blocking else "0"}
+    (message,) = run_distributed(_timeout, 1, blocking, backend="nccl", timeout=300, env=env)
     print(message)

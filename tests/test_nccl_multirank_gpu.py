@@ -202,6 +202,49 @@ def test_ws2_late_peer_bounded_with_eager_connect():
     assert r0["ended_s"] < TIMEOUT_S + 5, r0
 
 
+# ------------------------------------------------------------------ #24 finding 7
+# Note [stream-ordered waits and the watchdog]: a peer that skips a collective. wait() must not
+# block the host; the watchdog aborts at the deadline (from launch), which releases a host
+# blocked on the GPU, and the next collective raises naming the skipped one.
+def _skipped_collective(rank, world_size):
+    from fusedist.comm import CollectiveError, get_communicator
+
+    device = _device(rank)
+    comm = get_communicator(device=device)
+    comm.timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    x = torch.ones(1 << 16, device=device)
+    torch.cuda.synchronize(device)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 6)  # never joins "bucket 2"
+        return {}
+    start = time.monotonic()
+    handle = comm.all_reduce(x, async_op=True, tag="bucket 2")
+    handle.wait()
+    wait_s = time.monotonic() - start
+    (x * 2).sum().item()  # a host read behind the collective: released by the abort
+    released_s = time.monotonic() - start
+    try:
+        comm.all_reduce(x, tag="bucket 1 of the next step")
+        error = None
+    except CollectiveError as exc:
+        error = (str(exc), exc.tag, exc.seq)
+    return {"wait_s": wait_s, "released_s": released_s, "error": error}
+
+
+@needs_two_ranks
+def test_ws2_skipped_collective_ends_through_the_watchdog():
+    _require_ext()
+    out = run_distributed(_skipped_collective, WORLD, backend="nccl", timeout=240,
+                          env={"FUSEDIST_NCCL_BLOCKING_WAIT": "0"})
+    r0 = out[0]
+    print(f"rank 0: wait() {r0['wait_s'] * 1e3:.1f} ms, host released after {r0['released_s']:.1f} s, "
+          f"error: {r0['error']}")
+    assert r0["wait_s"] < 0.5, r0  # stream-ordered: no host block in wait()
+    assert r0["released_s"] < TIMEOUT_S + 10, r0
+    message, tag, _ = r0["error"]
+    assert tag == "bucket 2" and "did not complete within 4 s of its launch" in message, message
+
+
 # ------------------------------------------------------------------ DDP and ZeRO vs torch
 def _ddp_and_zero(rank, world_size):
     import copy
@@ -261,9 +304,11 @@ def _zero_group_rebuilt(rank, world_size, init_files):
     import torch.distributed as dist
     from torch import nn
 
+    from fusedist.comm import get_communicator, nccl_comm, release_destroyed_groups
+
     device = _device(rank)
     torch.cuda.set_device(device)
-    allocated = []
+    allocated, comms, streams = [], [], []
     for i, init_file in enumerate(init_files):
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=60))
@@ -272,6 +317,7 @@ def _zero_group_rebuilt(rank, world_size, init_files):
                                                overlap_param_gather=True)
         model(torch.randn(8, 256, device=device)).sum().backward()
         opt.step()
+        comms.append(get_communicator(device=device))
         kept = list(model.module.parameters())  # outlive the group and its communicator
         del model, opt
         dist.destroy_process_group()
@@ -280,15 +326,21 @@ def _zero_group_rebuilt(rank, world_size, init_files):
         gc.collect()
         torch.cuda.synchronize(device)
         allocated.append(torch.cuda.memory_allocated(device))
-    return allocated
+        streams.append(len(nccl_comm._streams_created))
+    release_destroyed_groups()
+    # Note [comm streams live as long as the process]: one stream reused by every rebuilt
+    # group's communicator; each NCCL communicator freed once its group was destroyed.
+    return allocated, [c.closed for c in comms], streams
 
 
 @needs_two_ranks
 def test_ws2_zero_params_outlive_a_destroyed_group(tmp_path):
     _require_ext()
     files = [str(tmp_path / f"rdzv{i}") for i in range(5)]
-    for allocated in run_distributed(_zero_group_rebuilt, WORLD, files, backend=None, timeout=400):
+    for allocated, closed, streams in run_distributed(_zero_group_rebuilt, WORLD, files, backend=None, timeout=400):
         assert allocated[-1] <= allocated[1] + (1 << 20), allocated  # no growth per rebuilt group
+        assert all(closed), closed
+        assert streams == [1] * len(files), streams
 
 
 # ------------------------------------------------------------------ #24 finding 5 (two GPUs)

@@ -146,7 +146,10 @@ def release_destroyed_groups() -> int:
     :func:`get_communicator` call and at interpreter exit."""
     stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
     for key in stale:
-        _drain(_cache.pop(key)[1])  # Note [draining at exit]: nothing left running behind the release
+        # Note [draining at exit]: nothing left running behind the release. The direct-NCCL
+        # communicator also destroys its NCCL communicator here (one per rebuilt group would
+        # otherwise leak) and hands its comm stream back.
+        _release(_cache.pop(key)[1])  # (no local name: it would hold the group through gc below)
     if stale:
         # A DDP model or ZeRO optimizer and its communicator form reference cycles; collect
         # them now, while the interpreter runs, rather than at its shutdown.
@@ -176,6 +179,10 @@ def _is_registered(group) -> bool:
 # at most DRAIN_TIMEOUT_S, so an exit never waits out the full collective timeout), and only
 # then are destroyed groups released.
 DRAIN_TIMEOUT_S = 30.0
+
+
+def _release(comm: Communicator) -> None:
+    comm.release(join_timeout=min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
 
 
 def _drain(comm: Communicator) -> None:

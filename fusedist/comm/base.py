@@ -120,8 +120,9 @@ class Communicator(abc.ABC):
         self.world_size = world_size
         self.timeout = timeout or collective_timeout()
         self._seq = itertools.count()
-        #: Sequence number of the last collective issued (-1: none yet).
+        #: Sequence number and tag of the last collective issued (-1: none yet).
         self.last_seq = -1
+        self.last_tag = ""
         #: Optional observer with ``on_launch(comm, handle)`` / ``on_failure(comm, handle,
         #: error)``; the reliability monitor plugs in here.
         self.observer = None
@@ -156,9 +157,21 @@ class Communicator(abc.ABC):
     def stop_helpers(self, join_timeout: Optional[float] = None) -> None:
         """Stop the background threads the communicator started for its own use, once they
         have finished the work already handed to them; they start again on the next
-        collective. With ``join_timeout``, wait for them up to so many seconds. Called when
-        its process group is destroyed and at interpreter exit
-        (:func:`fusedist.comm.release_destroyed_groups`). Nothing to stop by default."""
+        collective. With ``join_timeout``, wait for them up to so many seconds. Called at
+        interpreter exit (Note [draining at exit] in ``fusedist/comm/__init__.py``). Nothing
+        to stop by default."""
+
+    def release(self, join_timeout: Optional[float] = None) -> None:
+        """Its process group was destroyed: stop the helper threads and free what the
+        communicator holds (:func:`fusedist.comm.release_destroyed_groups`). By default the
+        helpers are stopped; an implementation with more to free overrides this."""
+        self.stop_helpers(join_timeout)
+
+    def raise_if_failed(self, what: str) -> None:
+        """Raise :class:`CollectiveError` if a collective already waited for has failed since
+        (its result is garbage). Only a communicator whose ``wait()`` does not block the host
+        can learn that later; the host reads a result it copied behind an event only after
+        asking this. Nothing by default."""
 
     @property
     def aborted(self) -> bool:
@@ -238,6 +251,7 @@ class Communicator(abc.ABC):
     # ---- helpers
     def _launch(self, op: str, tag: str, async_op: bool, start) -> CommHandle:
         seq = self.last_seq = next(self._seq)
+        self.last_tag = tag
         # A profiler range only while a profiler records: entering and leaving one costs more
         # than posting a small message, on every collective.
         profiling = torch.autograd._profiler_enabled()
@@ -245,6 +259,11 @@ class Communicator(abc.ABC):
             try:
                 work = start()
             except Exception as exc:  # noqa: BLE001
+                if isinstance(exc, CollectiveError) and exc.seq >= 0:
+                    # An earlier collective failed, found out after its wait had returned: the
+                    # error names that one, and so does the stall report.
+                    failed = CommHandle(self, None, op=exc.op, tag=exc.tag, seq=exc.seq, timeout=self.timeout)
+                    raise self._on_failure(failed, exc) or exc from None
                 error = CollectiveError(
                     f"fusedist: launching {op}{_tag(tag)} (collective #{seq}) failed on rank "
                     f"{self.rank} of {self.world_size}: {exc}",
@@ -309,3 +328,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _tag(tag: str) -> str:
     return f" [{tag}]" if tag else ""
+
+
+def describe_collective(op: str, tag: str, seq: int) -> str:
+    """How messages name one collective: ``all_reduce [bucket 3] (collective #17)``."""
+    return f"{op}{_tag(tag)} (collective #{seq})"

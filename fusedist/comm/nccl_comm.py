@@ -7,10 +7,13 @@ id; every collective afterwards goes straight to NCCL.
 
 Stream semantics (Note [comm stream ordering] in ``csrc/cuda/comm_stream.h``): a collective
 starts after everything the caller enqueued on its current stream before the call, and
-``handle.wait()`` orders the caller's *current* stream after it. With ``blocking_wait`` (the
-default) ``wait()`` also blocks the host until the collective finished, polling NCCL for
-asynchronous errors; past the timeout the NCCL communicator is aborted and
-:class:`~fusedist.comm.base.CollectiveError` names the operation, its tag and the rank.
+``handle.wait()`` orders the caller's *current* stream after it without blocking the host.
+Timeouts and NCCL's asynchronous errors are watched from a thread (Note [stream-ordered waits
+and the watchdog] in ``watchdog.py``): past the timeout the NCCL communicator is aborted and
+the next ``wait()`` or launch raises :class:`~fusedist.comm.base.CollectiveError` naming the
+operation, its tag and the rank. ``blocking_wait`` (``FUSEDIST_NCCL_BLOCKING_WAIT=1``) makes
+``wait()`` also block the host until the collective finished, as a debugging aid: an error
+then surfaces at the wait of the collective that caused it.
 
 ``get_communicator(device="cuda")`` returns one of these when the extension is built (see
 :func:`make_nccl_communicator`); ``FUSEDIST_COMM=torch`` opts out.
@@ -31,8 +34,9 @@ import torch.distributed as dist
 
 from .. import _extension
 from ._nccl_types import nccl_dtype, nccl_op
-from .base import CollectiveError, Communicator
+from .base import CollectiveError, CommHandle, Communicator
 from .torch_comm import TorchCommunicator
+from .watchdog import CollectiveWatchdog
 
 __all__ = ["NcclCommunicator", "NcclUnavailableError", "load_nccl", "make_nccl_communicator"]
 
@@ -129,12 +133,13 @@ def create_within_timeout(create, timeout_s: float, what: str):
 
 
 class _Work:
-    """One launched collective: its done event and the tensors it must keep alive."""
+    """One launched collective: its done event, the tensors it must keep alive and its entry
+    in the watchdog."""
 
-    __slots__ = ("done", "op", "tensors")
+    __slots__ = ("done", "op", "tensors", "watched")
 
-    def __init__(self, done, op: str, tensors):
-        self.done, self.op, self.tensors = done, op, tensors
+    def __init__(self, done, op: str, tensors, watched):
+        self.done, self.op, self.tensors, self.watched = done, op, tensors, watched
 
     def is_completed(self) -> bool:
         return self.done.query()
@@ -147,11 +152,11 @@ class NcclCommunicator(Communicator):
         process_group: the group whose ranks form the NCCL communicator (default: WORLD). It
             is used only at construction (readiness check and unique-id exchange).
         timeout: bound on each ``wait()`` (default :func:`fusedist.distributed.collective_timeout`).
-        blocking_wait: ``wait()`` also blocks the host until the collective completed, which
-            is what makes the timeout and asynchronous-error detection possible. With False,
-            ``wait()`` only orders the caller's stream and checks NCCL's error state once
-            (the host runs ahead; a hung collective then shows up as a hang, not an error).
-            Default: ``FUSEDIST_NCCL_BLOCKING_WAIT`` (``1``).
+        blocking_wait: ``wait()`` also blocks the host until the collective completed, so an
+            error surfaces at the wait of the collective that caused it (a debugging aid; it
+            costs the CPU/GPU overlap). With False (the default), ``wait()`` only orders the
+            caller's stream and the watchdog enforces the timeout (Note [stream-ordered waits
+            and the watchdog]). Default: ``FUSEDIST_NCCL_BLOCKING_WAIT`` (``0``).
         device: the CUDA device the communicator binds to (an index or ``torch.device``);
             default: the current device. Tensors must live there.
 
@@ -164,7 +169,7 @@ class NcclCommunicator(Communicator):
     def __init__(self, process_group=None, timeout: Optional[datetime.timedelta] = None, *,
                  blocking_wait: Optional[bool] = None, device=None):
         if blocking_wait is None:
-            flag = os.environ.get("FUSEDIST_NCCL_BLOCKING_WAIT", "1").strip()
+            flag = os.environ.get("FUSEDIST_NCCL_BLOCKING_WAIT", "0").strip()
             if flag not in ("0", "1"):
                 raise ValueError(f"FUSEDIST_NCCL_BLOCKING_WAIT must be 0 or 1, got {flag!r}")
             blocking_wait = flag == "1"
@@ -199,12 +204,14 @@ class NcclCommunicator(Communicator):
         self._comm = create_within_timeout(
             lambda: C.NcclComm(unique_id, self.world_size, self.rank, self._device),
             self.timeout.total_seconds(), f"ncclCommInitRank on rank {self.rank} of {self.world_size}")
-        # The one owner of the comm stream: every collective of this communicator (and of the
-        # bucket reducers built on it) runs there. See Note [comm stream ordering].
-        self._stream = C.CommStream(self._device, high_priority=True)
-        # The same stream as torch sees it, for Tensor.record_stream (ordering 3 of the note).
-        self.torch_stream = torch.cuda.ExternalStream(self._stream.handle, device=self._device)
+        # Every collective of this communicator runs on its comm stream (Note [comm stream
+        # ordering]); the stream outlives it (Note [comm streams live as long as the process]).
+        self._stream, self.torch_stream = _take_comm_stream(C, self._device)
         self.nccl_version = C.nccl_version()
+        self._last_done = None  # the done event of the latest launch (covers all earlier ones)
+        self.closed = False
+        self.watchdog = CollectiveWatchdog(self._comm.abort, self._poll_async_error,
+                                           name=f"rank{self.rank}-cuda{self._device}")
 
     # ---- Communicator interface
     @property
@@ -251,24 +258,64 @@ class NcclCommunicator(Communicator):
         # Ordering 2 of Note [comm stream ordering]: whoever waits reads the result next.
         consumer = torch.cuda.current_stream(self._device).cuda_stream
         self._stream.make_wait(consumer, work.done)
+        if timeout < self.timeout:
+            self.watchdog.tighten(work.watched, timeout.total_seconds())
+        self._raise_watchdog_failure(work.op)
         if self.blocking_wait:
             self._comm.wait(work.done, timeout.total_seconds(), work.op)
         else:
             self._comm.check_async_error(work.op)
         work.tensors = ()
 
+    def raise_if_failed(self, what: str) -> None:
+        try:
+            self._raise_watchdog_failure(what)
+        except CollectiveError as exc:  # reported like a failed wait: through the observer
+            failed = CommHandle(self, None, op=exc.op, tag=exc.tag, seq=exc.seq, timeout=self.timeout)
+            raise self._on_failure(failed, exc) or exc from None
+
+    def _raise_watchdog_failure(self, what: str) -> None:
+        """Raise the watchdog's failure, naming the collective that failed (which is what the
+        stall report must be about), not ``what`` -- the operation that found out."""
+        reason = self.watchdog.failure
+        if reason is None:
+            return
+        failed = self.watchdog.failed
+        op, tag, seq = (failed.op, failed.tag, failed.seq) if failed is not None else (what, "", -1)
+        name = f"{op} (tag {tag!r}, collective #{seq})" if failed is not None else "a collective in flight"
+        # Worded as CommHandle.wait words a failed wait, so reports read the same either way.
+        raise CollectiveError(
+            f"fusedist: {name} failed on rank {self.rank} of {self.world_size}: {reason}. The "
+            f"watchdog aborted the NCCL communicator, so {what} cannot run",
+            op=op, tag=tag, rank=self.rank, seq=seq)
+
+    def _poll_async_error(self) -> None:
+        self._comm.check_async_error("a collective in flight (seen by the watchdog)")
+
     # ---- helpers
     def _enqueue(self, op: str, tensors, count: int, launch) -> _Work:
+        if self.closed:
+            raise RuntimeError(f"the NCCL communicator of rank {self.rank} was closed (destroyed with "
+                               "its process group, or by close()); use the communicator of a live group")
         self._check_tensors(op, tensors)
+        self._raise_watchdog_failure(op)
         producer = torch.cuda.current_stream(self._device).cuda_stream
         # Ordering 1: the collective reads what the caller enqueued so far.
         self._stream.wait_for(producer)
-        if count > 0:  # NCCL gets no zero-size calls (null data pointers)
-            launch(self._stream.handle)
+        # Watched from before the launch call: a launch can block (lazy connection).
+        watched = self.watchdog.begin(op, self.last_tag, self.last_seq, self.timeout.total_seconds())
+        try:
+            if count > 0:  # NCCL gets no zero-size calls (null data pointers)
+                launch(self._stream.handle)
+        except BaseException:
+            self.watchdog.cancel(watched)
+            raise
         for t in tensors:
             # Ordering 3: keep the caching allocator from reusing the memory too early.
             t.record_stream(self.torch_stream)
-        return _Work(self._stream.record_done(), op, tensors)
+        done = self._last_done = self._stream.record_done()
+        self.watchdog.launched(watched, done)
+        return _Work(done, op, tensors, watched)
 
     def _check_tensors(self, op: str, tensors) -> None:
         for t in tensors:
@@ -282,7 +329,7 @@ class NcclCommunicator(Communicator):
 
     @property
     def aborted(self) -> bool:
-        return self._comm.aborted
+        return self._comm.aborted and not self.closed  # closing aborts too, after the work ended
 
     @property
     def abort_reason(self) -> str:
@@ -293,15 +340,72 @@ class NcclCommunicator(Communicator):
         """The dedicated comm stream as a torch stream (read-only use: record_stream, events)."""
         return self.torch_stream
 
+    def stop_helpers(self, join_timeout: Optional[float] = None) -> None:
+        self.watchdog.stop(join_timeout)
+
+    def release(self, join_timeout: Optional[float] = None) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Destroy the NCCL communicator after its work completed. Idempotent; later
-        collectives raise."""
-        torch.cuda.synchronize(self._device)
-        self._comm.destroy()
+        """Free the NCCL communicator once its launched work completed (waited for up to the
+        timeout) and hand its comm stream back for the next communicator on this device.
+        Idempotent; later collectives raise. Runs when ``torch.distributed`` destroyed the
+        process group (Note [releasing destroyed groups] in ``fusedist/comm/__init__.py``).
+
+        Why ncclCommAbort and not ncclCommDestroy: destroying finalizes the communicator,
+        which can wait on its peers, and a rank that closes alone (its group destroyed,
+        the others elsewhere) must not block on them; once this rank's own work completed,
+        aborting frees the same resources without asking anyone."""
+        if self.closed:
+            return
+        self.closed = True
+        self.watchdog.stop(join_timeout=1.0)
+        try:
+            if self._last_done is not None and not self._comm.aborted:
+                self._comm.wait(self._last_done, self.timeout.total_seconds(), "close")
+        except Exception as exc:  # noqa: BLE001 - timed out or failed: aborted already
+            log.warning("fusedist: closing the NCCL communicator on rank %d: %s", self.rank, exc)
+        finally:
+            self._comm.abort("closed (its process group was destroyed, or close() was called)")
+            _return_comm_stream(self._device, self._stream, self.torch_stream)
 
     def __repr__(self) -> str:
         return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "
                 f"device=cuda:{self._device}, nccl={self.nccl_version})")
+
+
+# Note [comm streams live as long as the process]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Tensors of a collective are ``record_stream``-ed on the comm stream (ordering 3 of Note [comm
+# stream ordering]), and they routinely outlive the communicator: ZeRO's parameters after the
+# process group is destroyed, say. When such a tensor is freed, torch's caching allocator
+# records an event on every stream the tensor was used on; had the stream been destroyed with
+# its communicator, that event would go to a dead handle. So comm streams are never destroyed:
+# a closed communicator hands its stream back to a per-device pool, from which the next
+# communicator on that device takes it -- at most one stream per communicator alive at once,
+# however often process groups are rebuilt. (torch's own stream pool never frees its streams
+# either.)
+_stream_pool: dict[int, list] = {}  # device -> free (CommStream, ExternalStream) pairs
+_streams_created: list = []  # every pair ever made: holds each stream until the process ends
+_stream_lock = threading.Lock()
+
+
+def _take_comm_stream(C, device: int):
+    """A (CommStream, torch ExternalStream over it) pair for ``device``: pooled or new."""
+    with _stream_lock:
+        free = _stream_pool.setdefault(device, [])
+        if free:
+            return free.pop()
+    stream = C.CommStream(device, high_priority=True)
+    pair = (stream, torch.cuda.ExternalStream(stream.handle, device=device))
+    with _stream_lock:
+        _streams_created.append(pair)
+    return pair
+
+
+def _return_comm_stream(device: int, stream, torch_stream) -> None:
+    with _stream_lock:
+        _stream_pool.setdefault(device, []).append((stream, torch_stream))
 
 
 def _device_index(device) -> int:

@@ -70,14 +70,18 @@ class CollectiveMonitor:
         """Publish this rank's state, gather the others', return the error to raise."""
         if isinstance(error, StallError):
             return error
-        started = self.launch_times.get(handle.seq % HISTORY)
+        # The collective that failed: the error's own, when it names one (a failure the
+        # NCCL watchdog found after that collective's wait had returned), else the handle's.
+        named = isinstance(error, CollectiveError) and error.seq >= 0
+        op, tag, seq = (error.op, error.tag, error.seq) if named else (handle.op, handle.tag, handle.seq)
+        started = self.launch_times.get(seq % HISTORY)
         # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
         reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
         entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
         entry["waiting_on"] = {
-            "op": handle.op,
-            "tag": handle.tag,
-            "seq": handle.seq,
+            "op": op,
+            "tag": tag,
+            "seq": seq,
             "age_s": (time.monotonic() - started) if started is not None else None,
         }
         # Only the first failure of a communicator waits for the others: later ones (the
@@ -91,7 +95,7 @@ class CollectiveMonitor:
         self.reports.append(report)
         return StallError(
             f"{error}\n{report}", report=report, cause=error,
-            op=handle.op, tag=handle.tag, rank=comm.rank, seq=handle.seq,
+            op=op, tag=tag, rank=comm.rank, seq=seq,
         )
 
     def add_context_provider(self, provider: Callable[[], dict]) -> None:

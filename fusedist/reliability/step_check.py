@@ -120,6 +120,8 @@ class StepCheck:
         handle.wait()
         if event is not None:
             event.synchronize()
+            # wait() did not block the host: an aborted all-reduce would have left garbage.
+            self.comm.raise_if_failed("ddp step check")
             reduced = host.tolist()
         else:
             reduced = self.buf.tolist()

@@ -1,0 +1,225 @@
+"""The collective watchdog (Note [stream-ordered waits and the watchdog] in
+fusedist/comm/watchdog.py), on stand-in done events: deadlines from launch, in-order
+completion, a launch that blocks, asynchronous errors, the abort, and the thread's lifecycle.
+The direct-NCCL communicator's use of it is exercised on a GPU (tests/test_cuda_ext_gpu.py,
+tests/test_nccl_multirank_gpu.py)."""
+
+import threading
+import time
+
+import pytest
+
+from fusedist.comm.base import CollectiveError, CommHandle, Communicator
+from fusedist.comm.watchdog import CollectiveWatchdog
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeEvent:
+    """A done event: completes when told to; ``query()`` can also fail like a CUDA error."""
+
+    def __init__(self):
+        self.completed = False
+        self.error = None
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.completed
+
+
+class Recorder:
+    def __init__(self):
+        self.aborts = []
+        self.async_error = None
+
+    def abort(self, reason):
+        self.aborts.append(reason)
+
+    def poll_error(self):
+        if self.async_error is not None:
+            raise RuntimeError(self.async_error)
+
+
+def _watchdog(**kw):
+    rec = Recorder()
+    clock = FakeClock()
+    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="test", clock=clock, **kw)
+    return dog, rec, clock
+
+
+def _launch(dog, op="all_reduce", tag="bucket 0", seq=0, timeout_s=10.0):
+    entry = dog.begin(op, tag, seq, timeout_s)
+    event = FakeEvent()
+    dog.launched(entry, event)
+    return entry, event
+
+
+@pytest.fixture
+def no_thread(monkeypatch):
+    """Drive poll() by hand: the thread would race the fake clock."""
+    monkeypatch.setattr(CollectiveWatchdog, "_ensure_thread", lambda self: None)
+
+
+def test_completed_collectives_are_dropped_in_launch_order(no_thread):
+    dog, rec, clock = _watchdog()
+    (_, first), (_, second) = _launch(dog, seq=0), _launch(dog, seq=1)
+    second.completed = True  # a later one cannot have finished first on one stream; stay conservative
+    assert dog.poll() is None and dog.pending == 2
+    first.completed = True
+    assert dog.poll() is None and dog.pending == 0
+    clock.now += 1000  # nothing pending: no deadline can pass
+    assert dog.poll() is None and rec.aborts == []
+
+
+def test_deadline_from_launch_aborts_and_names_the_collective(no_thread):
+    dog, rec, clock = _watchdog()
+    _launch(dog, seq=0, timeout_s=10.0)[1].completed = True
+    _launch(dog, tag="bucket 3", seq=1, timeout_s=10.0)
+    clock.now += 9.9
+    assert dog.poll() is None and rec.aborts == []
+    clock.now += 0.2
+    reason = dog.poll()
+    assert reason is not None and rec.aborts == [reason]
+    for needle in ("all_reduce [bucket 3] (collective #1)", "did not complete within 10 s of its launch"):
+        assert needle in reason, reason
+    assert dog.failed.seq == 1 and dog.failed.tag == "bucket 3"
+    assert dog.pending == 0
+    clock.now += 100
+    assert dog.poll() == reason and len(rec.aborts) == 1  # aborted once, failure kept
+
+
+def test_a_launch_that_blocks_is_watched_before_it_returns(no_thread):
+    """NCCL connects lazily inside the first launch of an algorithm; a peer that never comes
+    blocks the launch call itself, before any done event exists."""
+    dog, rec, clock = _watchdog()
+    dog.begin("reduce_scatter", "zero bucket 0", 4, 5.0)  # launch call not returned yet
+    clock.now += 5.0
+    reason = dog.poll()
+    assert "reduce_scatter [zero bucket 0] (collective #4) did not complete within 5 s" in reason
+    assert rec.aborts == [reason]
+
+
+def test_cancelled_launch_is_not_watched(no_thread):
+    dog, rec, clock = _watchdog()
+    entry = dog.begin("all_gather", "", 0, 1.0)
+    dog.cancel(entry)
+    clock.now += 10
+    assert dog.poll() is None and dog.pending == 0 and rec.aborts == []
+
+
+def test_tightened_deadline_fires_first(no_thread):
+    dog, rec, clock = _watchdog()
+    _launch(dog, seq=0, timeout_s=600.0)
+    entry, _ = _launch(dog, seq=1, timeout_s=600.0)
+    dog.tighten(entry, 2.0)
+    dog.tighten(entry, 50.0)  # never loosens
+    clock.now += 2.0
+    reason = dog.poll()
+    assert reason is not None and "(collective #1) did not complete within 2 s" in reason
+
+
+def test_async_error_and_failed_event_abort(no_thread):
+    dog, rec, _ = _watchdog()
+    _launch(dog, seq=7)
+    rec.async_error = "asynchronous NCCL error: remote process exited (code 6)"
+    reason = dog.poll()
+    assert reason == rec.async_error and rec.aborts == [reason] and dog.failed.seq == 7
+
+    dog, rec, _ = _watchdog()
+    _, event = _launch(dog, seq=2)
+    event.error = "CUDA error: an illegal memory access was encountered"
+    assert dog.poll() == event.error and rec.aborts == [event.error]
+
+
+def test_thread_enforces_the_deadline_and_then_stops():
+    rec = Recorder()
+    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="t1", interval_s=0.01)
+    start = time.monotonic()
+    _launch(dog, seq=3, timeout_s=0.2)
+    while dog.failure is None and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    assert dog.failure is not None and 0.19 <= took < 5, took
+    assert len(rec.aborts) == 1
+    time.sleep(0.1)
+    assert not any(t.name == "fusedist-watchdog-t1" for t in threading.enumerate())
+
+
+def test_thread_sleeps_when_idle_and_restarts_after_stop():
+    rec = Recorder()
+    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="t2", interval_s=0.01)
+    _, event = _launch(dog, timeout_s=30)
+    time.sleep(0.05)
+    event.completed = True
+    deadline = time.monotonic() + 5
+    while dog.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dog.pending == 0
+    idle = event.queries
+    time.sleep(0.1)
+    assert event.queries == idle  # nothing pending: no polling
+    dog.stop(join_timeout=5)
+    assert not any(t.name == "fusedist-watchdog-t2" for t in threading.enumerate())
+    _launch(dog, timeout_s=0.05)
+    deadline = time.monotonic() + 5
+    while dog.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dog.failure is not None  # the thread came back with the next launch
+    assert sum(t.name == "fusedist-watchdog-t2" for t in threading.enumerate()) <= 1
+
+
+def test_repeated_stop_and_begin_leave_one_thread():
+    rec = Recorder()
+    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="t3", interval_s=0.005)
+    for _ in range(20):
+        _launch(dog, timeout_s=60)[1].completed = True
+        dog.stop()
+    _launch(dog, timeout_s=60)
+    time.sleep(0.1)
+    assert sum(t.name == "fusedist-watchdog-t3" for t in threading.enumerate()) == 1
+    dog.stop(join_timeout=5)
+    time.sleep(0.05)
+    assert sum(t.name == "fusedist-watchdog-t3" for t in threading.enumerate()) == 0
+
+
+# ---- the communicator side: an earlier collective's failure, found at a later launch, is
+# reported as that collective's (error and stall report), not the launch's.
+class _FailedEarlier(Communicator):
+    name = "fake"
+
+    def __init__(self):
+        super().__init__(rank=1, world_size=2)
+        self.failures = []
+
+    def _all_reduce(self, tensor, op):
+        raise CollectiveError("fusedist: all_reduce [bucket 3] (collective #5) failed on rank 1 of 2: "
+                              "did not complete within 1 s of its launch", op="all_reduce", tag="bucket 3",
+                              rank=1, seq=5)
+
+    _reduce_scatter = _all_gather = _broadcast = _all_reduce
+
+    def _wait_work(self, work, timeout):
+        pass
+
+    def _on_failure(self, handle: CommHandle, error):
+        self.failures.append((handle.op, handle.tag, handle.seq))
+        return None
+
+
+def test_launch_after_a_watchdog_failure_names_the_failed_collective():
+    import torch
+
+    comm = _FailedEarlier()
+    with pytest.raises(CollectiveError) as info:
+        comm.all_reduce(torch.zeros(4), tag="bucket 0")
+    assert (info.value.op, info.value.tag, info.value.seq) == ("all_reduce", "bucket 3", 5)
+    assert comm.failures == [("all_reduce", "bucket 3", 5)]

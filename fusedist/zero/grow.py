@@ -133,6 +133,7 @@ def _grow(zero, buckets: list) -> None:
     old = zero._partition
     index_of = {p: i for i, p in enumerate(zero._params)}
     sharded = sorted({index_of[p] for b in buckets for p in b.params})
+    joined = sorted(set(sharded) - set(zero._trainable))
     _set_sharded(zero, sharded)
     part = FlatPartition(buckets, zero._params, zero._group_of, zero.rank, zero.world_size, sharded=sharded)
     part.keep_pieces_of(old)
@@ -141,7 +142,10 @@ def _grow(zero, buckets: list) -> None:
     zero._partition = part
     if zero.inner is not None:
         _regrow_state(zero, old, part)
-    zero._record_param_versions()
+    # The joiners' masters were just copied from them; the others keep their recorded versions,
+    # so a write from outside since the last step still reaches their masters at the next one
+    # (Note [parameters changed outside the optimizer] in ``shards.py``).
+    zero._record_param_versions(joined)
 
 
 def _regrow(tensors: dict, part, zero, alloc, dtypes=None) -> dict:

@@ -198,8 +198,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
         self._sharded_state = ShardedState(self)  # state dicts and the consolidated copy
-        # Note [parameters changed outside the optimizer]: versions after the last step.
-        self._param_versions: Optional[list] = None
+        # Note [parameters changed outside the optimizer]: index -> version after our last write.
+        self._param_versions: Optional[dict] = None
         # Stage 2: trainable parameters some synchronized backward since the last step (or
         # zero_grad) gave a gradient; the others are skipped by the step (Note [piece splitting]).
         self._stage2_with_grad: set[int] = set()
@@ -271,8 +271,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             if not self._has_any_grad():
                 return loss
             self._ensure_state()
-            if self._params_changed_outside():
-                self.sync_master_from_params()  # Note [parameters changed outside the optimizer]
+            written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
+            if written:
+                self._sync_masters_of(written)
             if self.stage == 1:
                 self._collect_stage1_grads()
             for group, inner_group in zip(self.param_groups, self.inner.param_groups):

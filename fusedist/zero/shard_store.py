@@ -48,25 +48,28 @@ class ShardStore:
     def __init__(self, partition: FlatPartition, view_of: Callable[[BucketShard], torch.Tensor], own: dict):
         self.own = own  # dtype -> flat tensor over the rank's shard (copies)
         self.view_of = view_of
-        self._shards: dict[torch.dtype, list] = {}
+        self._shards: dict[torch.dtype, list] = {}  # the bucket shards of each dtype, by position
         for bs in partition.bucket_shards:
-            if bs.bucket.dtype not in own:
-                self._shards.setdefault(bs.bucket.dtype, []).append(bs)
+            self._shards.setdefault(bs.bucket.dtype, []).append(bs)
         self._starts = {dt: [bs.pos for bs in shards] for dt, shards in self._shards.items()}
 
     def aliases(self, dtype: torch.dtype) -> bool:
         """Whether ``dtype``'s ranges are views of the per-bucket storage (no copy)."""
-        return dtype in self._shards
+        return dtype in self._shards and dtype not in self.own
+
+    def _bucket_shard(self, dtype: torch.dtype, start: int, end: int) -> BucketShard:
+        """The bucket shard whose slice holds the range ``[start, end)`` of the ``dtype`` shard."""
+        bs = self._shards[dtype][bisect.bisect_right(self._starts[dtype], start) - 1]
+        if not bs.pos <= start <= end <= bs.pos + bs.hi - bs.lo:
+            raise AssertionError(f"range [{start}, {end}) of the {dtype} shard crosses a bucket's slice")
+        return bs
 
     def slice(self, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
         """The range ``[start, end)`` of the rank's ``dtype`` shard (a view)."""
         own = self.own.get(dtype)
         if own is not None:
             return own[start:end]
-        shards = self._shards[dtype]
-        bs = shards[bisect.bisect_right(self._starts[dtype], start) - 1]
-        if not bs.pos <= start <= end <= bs.pos + bs.hi - bs.lo:
-            raise AssertionError(f"range [{start}, {end}) of the {dtype} shard crosses a bucket's slice")
+        bs = self._bucket_shard(dtype, start, end)
         return self.view_of(bs)[start - bs.pos:end - bs.pos]
 
     def own_bytes(self) -> int:
@@ -81,6 +84,23 @@ class ShardStore:
             own = self.own.get(bs.bucket.dtype)
             if own is not None:
                 own[bs.pos:bs.pos + bs.hi - bs.lo].copy_(self.view_of(bs))
+
+    @torch.no_grad()
+    def copy_own_from_view_ranges(self, ranges) -> None:
+        """Copy the per-bucket values of the shard ranges ``(dtype, start, end)`` (each inside
+        one bucket's slice) into the own tensors; aliased ranges already are them. Ranges that
+        abut in one bucket's slice are copied as one."""
+        runs: list[list] = []  # [dtype, bucket shard, start, end]
+        for dtype, start, end in sorted(ranges, key=lambda r: (str(r[0]), r[1])):
+            if dtype not in self.own or start >= end:
+                continue
+            bs = self._bucket_shard(dtype, start, end)
+            if runs and runs[-1][1] is bs and runs[-1][3] == start:
+                runs[-1][3] = end
+            else:
+                runs.append([dtype, bs, start, end])
+        for dtype, bs, start, end in runs:
+            self.own[dtype][start:end].copy_(self.view_of(bs)[start - bs.pos:end - bs.pos])
 
     @torch.no_grad()
     def copy_own_to_views(self, bucket_shards) -> None:

@@ -93,6 +93,18 @@ class ShardsMixin:
         self._masters.copy_own_from_views(self._partition.bucket_shards)
         self._record_param_versions()
 
+    @torch.no_grad()
+    def _sync_masters_of(self, indices) -> None:
+        """Copy the parameters ``indices`` into their ranges of this rank's master shards
+        (Note [parameters changed outside the optimizer])."""
+        self.wait_for_params()
+        if self._offload is not None:
+            self._offload.wait_host_buffers()
+        entry_of = self._partition.entry_of
+        entries = [entry_of[i] for i in indices if i in entry_of]  # elements this rank owns
+        self._masters.copy_own_from_view_ranges((e.dtype, e.pos, e.pos + e.numel) for e in entries)
+        self._record_param_versions()
+
     # Note [parameters changed outside the optimizer]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # Each rank updates FP32 master shards, not the parameters, and then writes the parameters
@@ -102,12 +114,28 @@ class ShardsMixin:
     # torch's optimizers, its ZeroRedundancyOptimizer too, update whatever the parameters hold.
     # Such writes bump the parameter's version counter, which the optimizer's own writes never
     # do (they go through the flat buffer the parameters were re-pointed into, which has its
-    # own counter). So ``step()`` compares the versions with those it recorded last and copies
-    # the parameters into the masters when any moved: a few microseconds when none did.
-    # Writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`.
-    def _record_param_versions(self) -> None:
-        self._param_versions = [self._params[i]._version for i in self._trainable]
+    # own counter). So ``step()`` compares each parameter's version with the one recorded
+    # after the optimizer's last write and copies only the parameters whose version moved into
+    # the masters: this rank's range of each (``FlatPartition.entry_of``; a parameter lies in
+    # one bucket). Refreshing every master instead would round the FP32 masters of the
+    # parameters nobody wrote to their bf16/fp16 values, losing the precision the masters are
+    # kept for (fusedist.optim's FusedAdamW refreshes only the written ones too, Note [masters
+    # and writes from outside]). Aliased masters (fp32/fp64 parameters without offload, Note
+    # [shards aliasing the parameters and gradients]) are the parameters: nothing to copy. A
+    # parameter without a recorded version (it joined the partition since) counts as written.
+    # Writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`
+    # (every master).
+    def _record_param_versions(self, indices=None) -> None:
+        """Record the versions of the parameters ``indices`` (default: every trainable one) as
+        those after the optimizer's last write."""
+        if indices is None:
+            self._param_versions = {i: self._params[i]._version for i in self._trainable}
+        elif self._param_versions is not None:
+            self._param_versions.update((i, self._params[i]._version) for i in indices)
 
-    def _params_changed_outside(self) -> bool:
+    def _params_written_outside(self) -> list:
+        """The trainable parameters whose version moved since it was recorded."""
         recorded = self._param_versions
-        return recorded is not None and recorded != [self._params[i]._version for i in self._trainable]
+        if recorded is None:
+            return []
+        return [i for i in self._trainable if recorded.get(i) != self._params[i]._version]

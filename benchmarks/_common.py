@@ -4,6 +4,9 @@
   quantiles over CUDA-event timings, with cache flushing between runs), a repeated
   ``perf_counter`` timer on CPU. Both return milliseconds.
 * :func:`environment` describes the machine (date, CPU model, cores, GPU, versions).
+* :func:`time_interleaved` times several contenders in turn within each repetition (ranks
+  barrier-aligned), so a drifting load hits all alike; :func:`rank_device` binds a rank to its
+  device, also when ranks share a GPU.
 * :func:`write_results` writes ``benchmarks/results/<name>_<date>.md`` and ``.csv``: a table of
   the rows with the environment in the header, so a result file always says where it came from.
 """
@@ -112,3 +115,44 @@ def write_results(name: str, rows: Sequence[dict], markdown: str = "", env: dict
             for row in rows:
                 writer.writerow({**row, **env})
     return base + ".md", base + ".csv"
+
+
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(fns, device, comm, warmup, repeats):
+    """Median and p20/p80 of each of ``fns``, timed in turn within every repetition, so a
+    shared machine's load drifts alike for all of them and their ratios stay fair."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            comm.barrier()
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, s in samples.items():
+        q = statistics.quantiles(s, n=10) if len(s) > 1 else s * 9
+        out[name] = (statistics.median(s), q[1], q[7])
+    out["_samples"] = samples  # per repetition, aligned across fns (paired ratios)
+    return out
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """This rank's device, bound: ranks may share a GPU (FUSEDIST_TEST_RANKS_PER_GPU, Note
+    [several ranks on one GPU] in fusedist/testing/shared_gpu.py)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    from fusedist.testing import device_for_rank
+
+    index = device_for_rank(rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

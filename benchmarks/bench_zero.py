@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, write_results  # noqa: E402
+from _common import environment, rank_device, time_interleaved, write_results  # noqa: E402
 
 
 def _sync(device):
@@ -85,29 +85,6 @@ def _time(fn, device, comm, warmup, repeats, run=1):
         samples.append((time.perf_counter() - start) * 1e3 / run)
     q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
     return statistics.median(samples), q[1], q[7]
-
-
-def _time_interleaved(fns, device, comm, warmup, repeats):
-    """Median and p20/p80 of each of ``fns``, timed in turn within every repetition, so a
-    shared machine's load drifts alike for all of them and their ratios stay fair."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            comm.barrier()
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    out = {}
-    for name, s in samples.items():
-        q = statistics.quantiles(s, n=10) if len(s) > 1 else s * 9
-        out[name] = (statistics.median(s), q[1], q[7])
-    out["_samples"] = samples  # per repetition, aligned across fns (paired ratios)
-    return out
 
 
 def _collectives(rank, world_size, device, sizes, repeats):
@@ -153,7 +130,7 @@ def _collectives(rank, world_size, device, sizes, repeats):
                                                     c.all_gather(full, own, async_op=a).wait())
             fns[f"rs {impl}"] = lambda c=c, a=a: c.reduce_scatter(grad_shard, full, async_op=a).wait()
             fns[f"ag {impl}"] = lambda c=c, a=a: c.all_gather(full, own, async_op=a).wait()
-        t = _time_interleaved(fns, device, comm, 2, repeats)
+        t = time_interleaved(fns, device, comm, 2, repeats)
         ar = t["ar"]
         busbytes = 2 * numel * 4 * (world_size - 1) / world_size
         for impl in impls:
@@ -324,7 +301,7 @@ def _stage3_timing(rank, world_size, device, repeats):
     comm = get_communicator(None, device)
     models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device) for kind in ("torch", "fusedist")}
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
-    res = _time_interleaved({k: (lambda m=m, o=o: _stage3_step(m, o, x)) for k, (m, o) in models.items()},
+    res = time_interleaved({k: (lambda m=m, o=o: _stage3_step(m, o, x)) for k, (m, o) in models.items()},
                             device, comm, warmup=2, repeats=repeats)
     samples = res.pop("_samples")
     ratios = [b / a for a, b in zip(samples["torch"], samples["fusedist"])]
@@ -352,7 +329,7 @@ def _stage3_memory(rank, world_size, device_type, kind, steps):
     device memory on CUDA), and the formula's terms."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = _rank_device(device_type, rank)
+    device = rank_device(device_type, rank)
     cfg = _stage3_config(device)
     mesh = init_device_mesh(device.type, (world_size,))
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
@@ -512,20 +489,8 @@ def _memory(world_size, device_type, threads, backend, steps=3):
     return rows
 
 
-def _rank_device(device_type: str, rank: int) -> torch.device:
-    """This rank's device, bound: ranks may share a GPU (FUSEDIST_TEST_RANKS_PER_GPU, Note
-    [several ranks on one GPU] in fusedist/testing/shared_gpu.py)."""
-    if device_type != "cuda":
-        return torch.device("cpu")
-    from fusedist.testing import device_for_rank
-
-    index = device_for_rank(rank)
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 def _stage3_worker(rank, world_size, device_type, repeats):
-    return _stage3_timing(rank, world_size, _rank_device(device_type, rank), repeats)
+    return _stage3_timing(rank, world_size, rank_device(device_type, rank), repeats)
 
 
 def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True, repeats=0):

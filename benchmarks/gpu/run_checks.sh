@@ -243,12 +243,15 @@ done <<<"$MULTI_GROUPS"
 
 # ----------------------------------------------------------------------------- benchmarks
 # One benchmark per line: script and arguments. The default list is the GPU benchmarks plus
-# ZeRO-3 against torch FSDP2 with two ranks sharing the GPU (the stage-3 step-time target on NCCL), and
+# ZeRO-3 against torch FSDP2 with two ranks sharing the GPU (the stage-3 step-time target on NCCL),
+# the GPT-style step at world size 2 (DDP vs torch DDP, host-blocking vs stream-ordered waits,
+# ZeRO-2 vs FSDP2, exposed communication), and
 # the gloo collectives on this host's CPUs (a GPU host has more cores than CI, so the
 # reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription).
 # FUSEDIST_GPU_BENCHES replaces the list (newline-separated).
 say "benchmarks"
 DEFAULT_BENCHES="bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8
+bench_gpt_step.py --device cuda --ranks-per-gpu 2 --repeats 5
 bench_optimizer.py --device cuda
 bench_syncbn.py --skip-cpu
 bench_nccl.py --device cuda

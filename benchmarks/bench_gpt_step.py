@@ -1,0 +1,233 @@
+"""Benchmark: a GPT-style training step at world size 2, fusedist against torch in the same run.
+
+Rows, each contender timed in turn within every repetition (ranks barrier-aligned), ratios the
+median of the paired per-repetition ratios (below 1: fusedist is faster):
+
+  ddp            fusedist DDP vs torch DDP, both + AdamW(fused), bf16 autocast on CUDA
+  ddp blocking   fusedist DDP with host-blocking waits (``blocking_wait``, the
+                 FUSEDIST_NCCL_BLOCKING_WAIT=1 form) vs the same with stream-ordered waits and
+                 the watchdog (the default): what blocking the host in every bucket wait costs
+  zero2          fusedist DDP + ZeroRedundancyOptimizer(stage=2, AdamW) vs torch FSDP2
+                 ``fully_shard`` (each block, then the root) with reshard_after_forward=False
+
+and, for each contender, the exposed-communication fraction of its step: (forward+backward
+with gradient sync - the same without sync) / step, i.e. the part of the step that
+communication adds on top of compute (0: fully hidden behind backward).
+
+On one GPU run it with ``--ranks-per-gpu 2`` (Note [several ranks on one GPU] in
+fusedist/testing/shared_gpu.py): both ranks share the GPU and NCCL carries the traffic over
+sockets, for torch's NCCL and fusedist's communicator alike, so ratios are fair and absolute
+bandwidth is not NVLink's. ``--device cpu`` (gloo, a small model) checks that the script runs.
+
+    python benchmarks/bench_gpt_step.py --device cuda --ranks-per-gpu 2 [--layers 12 --width 768]
+
+Writes benchmarks/results/gpt_step_<device>_ws<N>_<date>.md and .csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, rank_device, time_interleaved, write_results  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, pre-norm blocks, a head tied to the token embedding."""
+
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def _config(device: torch.device, args) -> dict:
+    if device.type == "cuda":
+        return dict(vocab=16384, seq=256, d=args.width, layers=args.layers, heads=12, batch=8)
+    return dict(vocab=512, seq=32, d=64, layers=2, heads=4, batch=4)
+
+
+def _contenders(base: nn.Module, device: torch.device, mesh) -> dict:
+    """name -> (model, optimizer, no_sync context factory)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    fused = device.type == "cuda"
+    ids = [device.index] if device.type == "cuda" else None
+    out = {}
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
+    out["torch ddp"] = (ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=fused), ref.no_sync)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
+    out["fusedist ddp"] = (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=fused), ours.no_sync)
+    zero = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
+    opt = fusedist.ZeroRedundancyOptimizer(zero.parameters(), torch.optim.AdamW, stage=2, lr=1e-4, fused=fused)
+    out["fusedist zero2"] = (zero, opt, zero.no_sync)
+    fsdp = copy.deepcopy(base)
+    for block in fsdp.blocks:
+        torch_fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    torch_fully_shard(fsdp, mesh=mesh, reshard_after_forward=False)
+
+    @contextlib.contextmanager
+    def fsdp_no_sync():
+        fsdp.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            fsdp.set_requires_gradient_sync(True)
+
+    out["torch fsdp2"] = (fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-4, fused=fused), fsdp_no_sync)
+    return out
+
+
+def _worker(rank, world_size, device_type, repeats, args):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusedist.comm import get_communicator
+
+    device = rank_device(device_type, rank)
+    cfg = _config(device, args)
+    torch.manual_seed(0)
+    base = GPT(cfg["vocab"], cfg["seq"], cfg["d"], cfg["layers"], cfg["heads"]).to(device)
+    params = sum(p.numel() for p in base.parameters())
+    mesh = init_device_mesh(device.type, (world_size,))
+    comm = get_communicator(None, device)
+    contenders = _contenders(base, device, mesh)
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen).to(device)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+
+    def fwd_bwd(model):
+        with autocast():
+            logits = model(idx[:, :-1])
+        F.cross_entropy(logits.float().reshape(-1, cfg["vocab"]), idx[:, 1:].reshape(-1)).backward()
+
+    def step(model, opt):
+        fwd_bwd(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def local(model, opt, no_sync):
+        with no_sync():
+            fwd_bwd(model)
+        opt.zero_grad(set_to_none=True)
+
+    def synced(model, opt):
+        fwd_bwd(model)
+        opt.zero_grad(set_to_none=True)
+
+    fns = {f"step {n}": (lambda m=m, o=o: step(m, o)) for n, (m, o, _) in contenders.items()}
+    blocking_comm = comm if hasattr(comm, "blocking_wait") else None
+    if blocking_comm is not None:
+        m, o, _ = contenders["fusedist ddp"]
+
+        def blocking_step():
+            blocking_comm.blocking_wait = True
+            try:
+                step(m, o)
+            finally:
+                blocking_comm.blocking_wait = False
+
+        blocking_comm.blocking_wait = False
+        fns["step fusedist ddp blocking"] = blocking_step
+    for n, (m, o, ns) in contenders.items():
+        fns[f"fwd+bwd {n}"] = lambda m=m, o=o: synced(m, o)
+        fns[f"fwd+bwd local {n}"] = lambda m=m, o=o, ns=ns: local(m, o, ns)
+    res = time_interleaved(fns, device, comm, warmup=2, repeats=repeats)
+    samples = res.pop("_samples")
+
+    def paired(a, b):
+        return statistics.median(y / x for x, y in zip(samples[a], samples[b]))
+
+    def exposed(name):
+        if f"fwd+bwd {name}" not in res:
+            return float("nan")
+        return (res[f"fwd+bwd {name}"][0] - res[f"fwd+bwd local {name}"][0]) / res[f"step {name}"][0]
+
+    rows = []
+    pairs = [("ddp", "torch ddp", "fusedist ddp", "<= 1.0"), ("zero2", "torch fsdp2", "fusedist zero2", "<= 1.0")]
+    if blocking_comm is not None:
+        pairs.insert(1, ("ddp blocking", "fusedist ddp", "fusedist ddp blocking", "(cost of host-blocking waits)"))
+    for row, baseline, ours, target in pairs:
+        rows.append({
+            "row": row, "params_M": round(params / 1e6, 1), "baseline": baseline,
+            "baseline_ms": res[f"step {baseline}"][0], "fusedist_ms": res[f"step {ours}"][0],
+            "fusedist_p20_ms": res[f"step {ours}"][1], "fusedist_p80_ms": res[f"step {ours}"][2],
+            "ratio_paired": paired(f"step {baseline}", f"step {ours}"), "target": target,
+            "exposed_comm_baseline": exposed(baseline), "exposed_comm_fusedist": exposed(ours),
+        })
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--ranks-per-gpu", type=int, default=0,
+                        help="with --device cuda: ranks sharing each GPU (FUSEDIST_TEST_RANKS_PER_GPU)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=0, help="timed repetitions (default: 5 on cuda, 3 on cpu)")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpt_step: skipped, no CUDA GPU visible (run with --device cpu to check the script)")
+        return
+    if args.ranks_per_gpu:
+        from fusedist.testing import RANKS_PER_GPU_ENV
+
+        os.environ[RANKS_PER_GPU_ENV] = str(args.ranks_per_gpu)  # read by every spawned rank
+    from fusedist.testing import run_distributed
+
+    repeats = args.repeats or (5 if args.device == "cuda" else 3)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    rows = run_distributed(_worker, args.world_size, args.device, repeats, args, backend=backend,
+                           timeout=900, threads=1)[0]
+    for r in rows:
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    worst = max(r["ratio_paired"] for r in rows if r["target"] == "<= 1.0")
+    print(f"bench_gpt_step: worst ratio against torch {worst:.3f} (target <= 1.0)")
+    if not args.no_write:
+        env = environment()
+        env.update(world_size=args.world_size, backend=backend, ranks_per_gpu=args.ranks_per_gpu or 1)
+        notes = ("Step = forward + backward + AdamW step (bf16 autocast on CUDA). exposed_comm = (fwd+bwd with "
+                 "sync - fwd+bwd under no_sync) / step. Ranks sharing a GPU time-share it and talk over NCCL's "
+                 "socket transport: compare ratios, not absolute times.")
+        md, csv = write_results(f"gpt_step_{args.device}_ws{args.world_size}", rows, notes, env)
+        print("wrote", md, csv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""The benchmark scripts that only run for real on a GPU still run, on CPU, in CI: a script that
+first meets Python when the GPU is lent wastes the GPU's time."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpt_step_benchmark_runs_on_cpu():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpt_step.py"), "--device", "cpu",
+         "--repeats", "1", "--no-write"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    for row in ("'row': 'ddp'", "'row': 'zero2'", "worst ratio against torch"):
+        assert row in out.stdout, out.stdout

@@ -134,6 +134,8 @@ def _half_grad(step, model):
 
 
 def _outside(step, model, opt):
+    """Writes between steps: two weights in place, then the whole state dict. ZeRO and the
+    oracle's FusedAdamW each refresh only the masters of the written parameters."""
     if step == 1:
         with torch.no_grad():
             model.a.weight.mul_(0.5)
@@ -141,15 +143,6 @@ def _outside(step, model, opt):
     if step == 2:
         sd = {k: v * 0.9 for k, v in model.state_dict().items()}
         model.load_state_dict(sd)
-    if step in (1, 2) and not hasattr(opt, "stage"):
-        # ZeRO's next step refreshes *every* master from the parameters when any was written
-        # (bf16 masters then hold the rounded values); the oracle's FusedAdamW refreshes only
-        # the written ones (Note [masters and writes from outside]): bring all its masters to
-        # the same point.
-        for p in model.parameters():
-            st = opt.state.get(p, {})
-            if "master_param" in st:
-                st["master_param"].copy_(p.detach().float())
 
 
 def _edits_worker(rank, world_size):

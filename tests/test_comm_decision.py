@@ -48,6 +48,52 @@ def test_extension_missing_on_one_rank_falls_back_on_every_rank_together():
         assert "rank 1: the CUDA extension is not built (ImportError: libcudart.so.13" in text, text
 
 
+def _comm_setting_per_rank(rank, world_size, settings):
+    """Each rank sets its own FUSEDIST_COMM (an environment variable: per process), then asks
+    for a CUDA communicator through the registered direct-NCCL factory."""
+    import os
+
+    import fusedist.comm as comm_mod
+    from fusedist._consistency import RankMismatchError
+    from fusedist.comm import TorchCommunicator, get_communicator
+
+    os.environ["FUSEDIST_COMM"] = settings[rank]
+    comm_mod._register_direct_nccl()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("fusedist.comm.nccl_comm").addHandler(handler)
+    try:
+        comm = get_communicator(device="cuda")
+    except RankMismatchError as exc:
+        outcome = ("mismatch", str(exc))
+    else:
+        assert isinstance(comm, TorchCommunicator), type(comm)
+        outcome = ("torch", [r.getMessage() for r in records])
+    # Whatever the outcome, the ranks are still paired: the next collective matches up.
+    t = torch.full((2,), float(rank + 1))
+    torch.distributed.all_reduce(t)
+    return outcome, t.tolist()
+
+
+def test_comm_setting_that_differs_across_ranks_fails_on_every_rank():
+    # Before the setting travelled in the exchange, rank 0 (torch) built its communicator at
+    # once while rank 1 waited in the direct-NCCL readiness exchange: the next collectives
+    # paired with the wrong partners.
+    results = run_distributed(_comm_setting_per_rank, 2, ["torch", "auto"], timeout=90, pg_timeout=15)
+    for rank, ((kind, message), total) in enumerate(results):
+        assert kind == "mismatch" and total == [3.0, 3.0]
+        for needle in ("FUSEDIST_COMM differs across the ranks", "rank 0: torch, rank 1: auto",
+                       f"this is rank {rank}", "set it the same on every rank"):
+            assert needle in message, message
+
+
+def test_comm_setting_torch_on_every_rank_uses_torch_without_a_fallback_warning():
+    results = run_distributed(_comm_setting_per_rank, 2, ["torch", "torch"], timeout=90, pg_timeout=15)
+    for (kind, messages), total in results:
+        assert kind == "torch" and messages == [] and total == [3.0, 3.0]
+
+
 class _StandIn:
     """A factory recording what it was asked for, returning torch communicators that can be
     marked aborted (as a timed-out NCCL communicator is)."""

@@ -47,10 +47,10 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     after an abort]).
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
-    choice = os.environ.get("FUSEDIST_COMM", "auto").lower()
-    if choice not in ("auto", "torch", "nccl"):
-        raise ValueError(f"FUSEDIST_COMM must be auto, torch or nccl, got {choice!r}")
-    use_nccl = device.type == "cuda" and choice != "torch" and _cuda_factory is not None
+    choice = communicator_choice()
+    # Even FUSEDIST_COMM=torch goes through the factory for CUDA tensors: the choice is part
+    # of its exchange (Note [one decision on every rank]).
+    use_nccl = device.type == "cuda" and _cuda_factory is not None
     if choice == "nccl" and not use_nccl:
         raise RuntimeError(
             "FUSEDIST_COMM=nccl but the direct-NCCL communicator is unavailable for "
@@ -78,6 +78,14 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     if comm.aborted:
         raise _aborted_error(comm)
     return comm
+
+
+def communicator_choice() -> str:
+    """``FUSEDIST_COMM`` of this rank: ``auto`` (default), ``torch`` or ``nccl``."""
+    choice = os.environ.get("FUSEDIST_COMM", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "torch", "nccl"):
+        raise ValueError(f"FUSEDIST_COMM must be auto, torch or nccl, got {choice!r}")
+    return choice
 
 
 def _with_index(device: torch.device) -> torch.device:
@@ -204,7 +212,10 @@ def _drain_at_exit() -> None:
 # model check, say -- with that exchange: an unpickling error or a false rank mismatch, then
 # misaligned collectives. So the factory is registered on every rank, also where the CUDA
 # extension did not import (a mixed install, a broken build on one node): it reports that as
-# this rank's problem in the exchange, and every rank falls back together.
+# this rank's problem in the exchange, and every rank falls back together. The same holds
+# for ``FUSEDIST_COMM``, an environment variable set per process: a rank with ``torch`` that
+# skipped the exchange would pair its next collective with the others' exchange. So each
+# rank's setting travels in the exchange too; ranks that differ fail together, naming them.
 def _register_direct_nccl() -> None:
     # Importing nccl_comm touches neither the extension nor a driver.
     from .nccl_comm import make_nccl_communicator

@@ -47,6 +47,10 @@ class NcclUnavailableError(RuntimeError):
     """The direct-NCCL path cannot run here (on at least one rank); the message says why."""
 
 
+class _TorchChosen(NcclUnavailableError):
+    """Every rank of the group set ``FUSEDIST_COMM=torch``."""
+
+
 # ----------------------------------------------------------------------------- loading NCCL
 
 _load_lock = threading.Lock()
@@ -173,7 +177,10 @@ class NcclCommunicator(Communicator):
             if flag not in ("0", "1"):
                 raise ValueError(f"FUSEDIST_NCCL_BLOCKING_WAIT must be 0 or 1, got {flag!r}")
             blocking_wait = flag == "1"
-        problem = _local_problem()
+        from . import communicator_choice
+
+        choice = communicator_choice()
+        problem = _local_problem() if choice != "torch" else None
         if not dist.is_initialized():
             raise NcclUnavailableError(
                 problem
@@ -182,23 +189,34 @@ class NcclCommunicator(Communicator):
             )
         self.group = process_group
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
-        C = _extension.require("_C") if problem is None else None
+        direct = problem is None and choice != "torch"
+        C = _extension.require("_C") if direct else None
         unique_id = None
-        if problem is None and self.rank == 0:
+        if direct and self.rank == 0:
             try:
                 unique_id = C.get_unique_id()
             except RuntimeError as exc:
                 problem = f"ncclGetUniqueId failed: {exc}"
-        # One exchange settles both questions: can every rank run NCCL directly, and which id
-        # do they join? A rank that raised alone would leave the others blocked in
-        # ncclCommInitRank (Note [bounded NCCL init]).
+        # One exchange settles every question: do the ranks ask for the same path, can every
+        # rank run NCCL directly, and which id do they join? A rank that raised alone would
+        # leave the others blocked in ncclCommInitRank (Note [bounded NCCL init]).
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (problem, unique_id), group=process_group)
-        failures = {r: p for r, (p, _) in enumerate(gathered) if p}
+        dist.all_gather_object(gathered, (choice, problem, unique_id), group=process_group)
+        choices = [c for c, _, _ in gathered]
+        if len(set(choices)) > 1:
+            from .._consistency import RankMismatchError
+
+            detail = ", ".join(f"rank {r}: {c}" for r, c in enumerate(choices))
+            raise RankMismatchError(
+                f"fusedist: FUSEDIST_COMM differs across the ranks of this process group ({detail}; "
+                f"this is rank {self.rank}); set it the same on every rank (or leave it unset)")
+        if choice == "torch":
+            raise _TorchChosen("FUSEDIST_COMM=torch on every rank")
+        failures = {r: p for r, (_, p, _) in enumerate(gathered) if p}
         if failures:
             detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failures.items()))
             raise NcclUnavailableError(f"fusedist: the direct-NCCL communicator cannot run ({detail})")
-        unique_id = gathered[0][1]
+        unique_id = gathered[0][2]
         self._device = _device_index(device)
         self.blocking_wait = blocking_wait
         self._comm = create_within_timeout(
@@ -453,6 +471,8 @@ def make_nccl_communicator(process_group=None, device=None) -> Communicator:
     global _fallback_logged
     try:
         return NcclCommunicator(process_group, device=device)
+    except _TorchChosen:
+        return TorchCommunicator(process_group)
     except NcclUnavailableError as exc:
         if os.environ.get("FUSEDIST_COMM", "auto").lower() == "nccl":
             raise

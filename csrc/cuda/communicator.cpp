@@ -76,7 +76,7 @@ void NcclComm::check_launch(uintptr_t stream, const std::string& what, size_t co
 
 void NcclComm::all_reduce(uintptr_t send, uintptr_t recv, size_t count, int dtype, int op,
                           uintptr_t stream, const std::string& what) {
-  std::lock_guard<std::mutex> launching(launch_mutex_);
+  std::lock_guard<std::timed_mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   DeviceGuard guard(device_);
   check_launch(stream, what, count, dtype, {send, recv});
@@ -88,7 +88,7 @@ void NcclComm::all_reduce(uintptr_t send, uintptr_t recv, size_t count, int dtyp
 
 void NcclComm::reduce_scatter(uintptr_t send, uintptr_t recv, size_t recv_count, int dtype,
                               int op, uintptr_t stream, const std::string& what) {
-  std::lock_guard<std::mutex> launching(launch_mutex_);
+  std::lock_guard<std::timed_mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   DeviceGuard guard(device_);
   check_launch(stream, what, recv_count, dtype, {send, recv});
@@ -100,7 +100,7 @@ void NcclComm::reduce_scatter(uintptr_t send, uintptr_t recv, size_t recv_count,
 
 void NcclComm::all_gather(uintptr_t send, uintptr_t recv, size_t send_count, int dtype,
                           uintptr_t stream, const std::string& what) {
-  std::lock_guard<std::mutex> launching(launch_mutex_);
+  std::lock_guard<std::timed_mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   DeviceGuard guard(device_);
   check_launch(stream, what, send_count, dtype, {send, recv});
@@ -112,7 +112,7 @@ void NcclComm::all_gather(uintptr_t send, uintptr_t recv, size_t send_count, int
 
 void NcclComm::broadcast(uintptr_t send, uintptr_t recv, size_t count, int dtype, int root,
                          uintptr_t stream, const std::string& what) {
-  std::lock_guard<std::mutex> launching(launch_mutex_);
+  std::lock_guard<std::timed_mutex> launching(launch_mutex_);
   ncclComm_t comm = live(what);
   if (root < 0 || root >= world_size_) {
     throw std::invalid_argument("fusedist: " + what + ": broadcast root " + std::to_string(root) +
@@ -170,6 +170,11 @@ void NcclComm::wait(const Event& done, double timeout_s, const std::string& what
 }
 
 void NcclComm::abort(const std::string& reason) {
+  // Note [launches without the GIL]: wait a little for a launch in progress to return, so the
+  // communicator is not freed under it; a launch still running after that is blocked (in a
+  // lazy connection to a peer that never comes) and only the abort itself can end it.
+  std::unique_lock<std::timed_mutex> launching(launch_mutex_, std::defer_lock);
+  (void)launching.try_lock_for(std::chrono::milliseconds(kAbortLaunchWaitMs));
   ncclComm_t comm = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -186,7 +191,7 @@ void NcclComm::abort(const std::string& reason) {
 }
 
 void NcclComm::destroy() {
-  std::lock_guard<std::mutex> launching(launch_mutex_);  // never under a running launch
+  std::lock_guard<std::timed_mutex> launching(launch_mutex_);  // never under a running launch
   ncclComm_t comm = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -9,9 +9,10 @@
 // report, a data loader, a thread that could abort -- for as long as the slowest peer takes.
 // So the bindings release the GIL around every NCCL call. Launches are then serialized here
 // instead (launch_mutex_): NCCL does not allow concurrent calls on one communicator from
-// several threads. abort() does not take that lock, so a launch stuck in a connection can
-// still be aborted from another thread; destroy() does, so it never frees the communicator
-// under a running launch.
+// several threads. abort() -- called from the watchdog thread on a timeout -- waits for that
+// lock only briefly (kAbortLaunchWaitMs): a launch that returns in that time is not raced,
+// and one stuck in a connection can still be aborted from another thread; destroy() takes
+// the lock, so it never frees the communicator under a running launch.
 //
 // Buffers are passed as raw device pointers, element counts and ncclDataType_t codes, streams
 // as cudaStream_t values: the extension never sees a torch type (see nccl_api.h). Every NCCL
@@ -80,7 +81,8 @@ class NcclComm {
   int rank_;
   int device_;
   mutable std::mutex mutex_;        // the state below (aborted_, destroyed_, the reason)
-  std::mutex launch_mutex_;         // Note [launches without the GIL]
+  std::timed_mutex launch_mutex_;   // Note [launches without the GIL]
+  static constexpr int kAbortLaunchWaitMs = 2000;
   bool aborted_ = false;
   bool destroyed_ = false;
   std::string abort_reason_;

@@ -78,3 +78,34 @@ def test_regular_install_maps_triton_kernels(tmp_path):
     ).stdout.split("\n")
     assert out[0].startswith(str(target / "fusedist" / "triton_kernels"))
     assert not out[1].startswith(str(target))
+
+
+_FIRST_IMPORT_OF_EACH = r'''
+import importlib, pkgutil, sys
+import fusedist
+names = sorted(m.name for m in pkgutil.walk_packages(fusedist.__path__, "fusedist."))
+compiled = {n for n in sys.modules if n.startswith(("fusedist._C", "fusedist._cpu_ops"))}
+failed = []
+for name in names:
+    if name.rsplit(".", 1)[-1] in ("_C", "_cpu_ops", "__main__"):
+        continue  # compiled extensions cannot be imported twice; __main__ runs a command line
+    for loaded in [n for n in sys.modules if n.split(".")[0] == "fusedist" and n not in compiled]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        failed.append(f"{name}: {exc!r}")
+print(len(names))
+print("\n".join(failed))
+'''
+
+
+def test_every_module_imports_first():
+    """Whatever module a program (or a tool) imports first must load: an import cycle only
+    shows in one order (importing fusedist.reliability.engine_watch before fusedist.ddp failed
+    with a partially initialized module)."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_IMPORT_OF_EACH], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, *failed = out.stdout.strip().split("\n")
+    assert int(count) > 50 and not [f for f in failed if f], "\n".join(failed)

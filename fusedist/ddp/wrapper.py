@@ -22,7 +22,7 @@ from .reducer import Reducer
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
-from ..reliability.engine_watch import StepWatch
+from ..reliability import engine_watch  # (the module: it imports ddp.events, see the test of import orders)
 
 # torch options that change only how torch schedules its own reduction: accepted and ignored
 # (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
@@ -171,7 +171,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         register_data_parallel([p for _, p in named], self)
         # [reliability] the engine's observer: step counters, the per-step cross-rank check
         # and the stall-report context (fusedist/reliability/engine_watch.py).
-        self.watch = StepWatch(self.reducer)
+        self.watch = engine_watch.StepWatch(self.reducer)
         self.reducer.observers.append(self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(list(module.named_parameters()), self)

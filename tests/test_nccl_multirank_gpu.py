@@ -137,14 +137,22 @@ def test_ws4_communicator_equals_torch_nccl():
 LATE_S, TIMEOUT_S = 12.0, 4.0
 
 
-def _late_peer(rank, world_size):
-    from fusedist.comm import CollectiveError, get_communicator
+def _comm_with_timeout(rank):
+    """This rank's communicator with the tests' short timeout, and a tensor to reduce."""
+    from fusedist.comm import get_communicator
 
     device = _device(rank)
     comm = get_communicator(device=device)
     comm.timeout = datetime.timedelta(seconds=TIMEOUT_S)
     x = torch.ones(1 << 16, device=device)
     torch.cuda.synchronize(device)
+    return comm, x
+
+
+def _late_peer(rank, world_size):
+    from fusedist.comm import CollectiveError
+
+    comm, x = _comm_with_timeout(rank)
     if rank == 1:
         time.sleep(LATE_S)
         try:
@@ -207,13 +215,9 @@ def test_ws2_late_peer_bounded_with_eager_connect():
 # block the host; the watchdog aborts at the deadline (from launch), which releases a host
 # blocked on the GPU, and the next collective raises naming the skipped one.
 def _skipped_collective(rank, world_size):
-    from fusedist.comm import CollectiveError, get_communicator
+    from fusedist.comm import CollectiveError
 
-    device = _device(rank)
-    comm = get_communicator(device=device)
-    comm.timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    x = torch.ones(1 << 16, device=device)
-    torch.cuda.synchronize(device)
+    comm, x = _comm_with_timeout(rank)
     if rank == 1:
         time.sleep(TIMEOUT_S + 6)  # never joins "bucket 2"
         return {}

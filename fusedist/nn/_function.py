@@ -57,9 +57,11 @@ class BatchStatsNorm(torch.autograd.Function):
         var = stats.m2 / stats.count
         mean = stats.mean.to(acc)
         invstd = torch.rsqrt(var + eps).to(acc)
-        if running_mean is not None:
+        if running_mean is not None and stats.count > 0:
             # From the gathered statistics, identical on every rank (Note [bit-identical
-            # statistics] in _sync_stats); the running variance is the unbiased one.
+            # statistics] in _sync_stats); the running variance is the unbiased one. An empty
+            # global batch (count 0: mean and var are NaN, y is empty) leaves them alone, as
+            # BatchNorm does.
             unbiased = stats.m2 / (stats.count - 1)
             running_mean.mul_(1.0 - momentum).add_(stats.mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)

@@ -48,14 +48,17 @@ def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
     """Merge per-rank payloads with the parallel Welford formula (see the note above).
 
     Reads the per-rank counts to the host (one small device-to-host copy, as torch's
-    SyncBatchNorm does) so that a global batch of <= 1 value per channel fails on every rank
-    with the same message instead of producing inf/nan.
+    SyncBatchNorm does) so that a global batch of exactly 1 value per channel fails on every
+    rank with the same message instead of producing inf/nan. A global batch of 0 values is
+    not an error: BatchNorm returns an empty output for an empty batch (detection heads
+    without proposals rely on it), so the caller gets ``count == 0`` and must not use the
+    (undefined) mean and M2.
     """
     C = num_features
     counts = gathered[:, 0]
     rank_counts = [int(c) for c in counts.tolist()]
     total = sum(rank_counts)
-    if total <= 1:
+    if total == 1:
         raise ValueError(
             "SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{total} over all ranks (per-rank values per channel: {rank_counts})"

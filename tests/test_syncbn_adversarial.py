@@ -263,6 +263,25 @@ def test_empty_batch_single_process_is_batchnorm():
         ours(torch.randn(1, 3, 1, 1))
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_double_backward_is_refused_not_silently_zero(train):
+    """create_graph=True through the layer (e.g. a gradient penalty): torch's SyncBatchNorm
+    has no second derivative either, so fusedist raises -- at the second backward, naming the
+    layer -- instead of returning a first-order gradient with no graph, which would make a
+    penalty built from it contribute nothing without any error."""
+    bn = SyncBatchNorm(3).train(train)
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    y = bn(x)
+    (gx,) = torch.autograd.grad((y * torch.randn_like(y)).sum(), x, create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="SyncBatchNorm.*double backward"):
+        gx.square().sum().backward()
+    # without create_graph the first-order gradient is what it always was
+    x.grad = None
+    bn(x).sum().backward()
+    assert x.grad is not None
+
+
 def _nested_model():
     class Inner(nn.Module):
         def __init__(self):

@@ -13,16 +13,57 @@ parallel wrapper reduces them with every other parameter gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch._C import _functions as _autograd_functions
 
 from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
 from ._layout import NCSLayout, as_ncs, like_layout
 from ._sync_stats import GRAD_TAG, combine, gather_payloads
+
+
+_NO_DOUBLE_BACKWARD = (
+    b"fusedist SyncBatchNorm: double backward is not supported (a gradient computed with "
+    b"create_graph=True through this layer is being differentiated again); torch.nn.SyncBatchNorm "
+    b"has no double backward either"
+)
+
+
+def _first_order_only(backward):
+    """``once_differentiable`` that also catches double backward when the incoming gradient is
+    a constant.
+
+    Note [double backward]: torch's ``once_differentiable`` marks the returned gradients as
+    non-differentiable only when an incoming *gradient* requires grad. Ours depend on the
+    saved input and weight too, so with a constant upstream gradient (``autograd.grad(
+    (y * c).sum(), x, create_graph=True)``, a gradient penalty) it returned a gradient with
+    no graph, and a penalty built from it silently contributed nothing. Under
+    ``create_graph=True`` every gradient returned here is therefore attached to an error node:
+    differentiating it raises, naming the layer; only using it as a value works.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # create_graph=False: the usual case
+            return outputs
+        error = _autograd_functions.DelayedError(_NO_DOUBLE_BACKWARD, len(outputs))
+
+        def differentiable_alias(t):
+            if t is None:
+                return None
+            t = t.detach()
+            t.requires_grad_(True)
+            return t
+
+        return error(*[differentiable_alias(t) for t in outputs])
+
+    return wrapper
 
 
 def _scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -71,7 +112,7 @@ class BatchStatsNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         dy = like_layout(dy, x)
@@ -105,7 +146,7 @@ class RunningStatsNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         dy = like_layout(dy, x)

@@ -321,3 +321,13 @@ def test_convert_nested_keeps_tensors_flags_and_options():
         assert (m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats) == options[n], n
         assert m.process_group is group
     assert converted[1].seq[1][0].running_mean is None
+
+
+def test_convert_uninitialized_lazy_batchnorm_is_refused():
+    """A LazyBatchNorm has no num_features until its first forward; converting it before
+    would make a layer of 0 channels that fails later with a misleading message."""
+    with pytest.raises(ValueError, match="LazyBatchNorm2d.*uninitialized.*forward"):
+        SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.LazyBatchNorm2d()))
+    lazy = nn.Sequential(nn.LazyBatchNorm2d())
+    lazy(torch.randn(2, 3, 2, 2))  # initialized: converts like any BatchNorm2d
+    assert SyncBatchNorm.convert_sync_batchnorm(lazy)[0].num_features == 3

@@ -21,6 +21,7 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from ..comm import Communicator, get_communicator
 from ..ddp import join as _join
@@ -131,6 +132,14 @@ class SyncBatchNorm(_BatchNorm):
         an optimizer built on them stays valid) and the training flag. Returns the new root
         (the module itself unless it is a BatchNorm)."""
         converted = module
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            # Its num_features is 0 until the first forward: the converted layer would expect
+            # 0 channels and fail with a misleading message at its first call.
+            raise ValueError(
+                f"SyncBatchNorm.convert_sync_batchnorm: {type(module).__name__} is still "
+                "uninitialized (num_features is inferred at its first forward); run one forward "
+                "of the model before converting it"
+            )
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             extra = {} if getattr(module, "bias", None) is not None or not module.affine else {"bias": False}
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,

@@ -64,6 +64,8 @@ from torch.autograd import Variable
 from .._consistency import check_same_across_ranks
 from ..reliability.sharded_watch import ShardedStepWatch
 from . import grads as grads_mod
+from .containers import grad_tensors as _grad_tensors
+from .containers import map_tensors as _map_tensors
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardState]" = weakref.WeakKeyDictionary()
 
@@ -72,35 +74,10 @@ def state_of(module: torch.nn.Module) -> Optional["FullyShardState"]:
     return _STATES.get(module)
 
 
-def _map_tensors(fn, obj):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_map_tensors(fn, v) for v in obj)
-    if isinstance(obj, tuple):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, v) for v in obj))
-    if isinstance(obj, dict):
-        return {k: _map_tensors(fn, v) for k, v in obj.items()}
-    return obj
-
-
 def _cast(dtype, obj):
     if dtype is None:
         return obj
     return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
-
-
-def _grad_tensors(obj, out: list) -> list:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _grad_tensors(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _grad_tensors(v, out)
-    return out
 
 
 class _InputsBackward(torch.autograd.Function):

@@ -1,0 +1,132 @@
+"""fully_shard used the way a demanding FSDP2 user would, against torch's FSDP2 on a CPU mesh
+with gloo: outputs in dataclasses, units kept gathered across an optimizer step, wrapping in
+the wrong order, and the training-loop variations of tests/test_fully_shard.py's neighbours
+(eval forwards between steps, two forwards per backward, partial outputs, no-sync
+accumulation, explicit unshard/reshard, in-place writes, torch's state-dict helpers with an LR
+scheduler, mixed precision output casts, ignored parameters, BatchNorm buffers).
+
+Tolerances: as tests/test_fully_shard.py -- at world size 2 the two implementations compute
+the same fp32 values bit for bit (a + b and /2 are exact), so the comparisons there are exact;
+at 3 the averaged gradients may differ in the last bit (summation order), hence ``FP32``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fusedist
+from fusedist.testing import run_distributed
+from test_fully_shard import Net, _batch, _full_torch, _max_diff, _mesh, _shard_both
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def _torch_fully_shard():
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
+def _pair(mesh, make=Net, **kw):
+    """The same model twice, sharded by torch (first) and by fusedist, blocks then root."""
+    torch.manual_seed(0)
+    ref = make()
+    ours = copy.deepcopy(ref)
+    _shard_both(ref, ours, mesh, **kw)
+    return ref, ours
+
+
+def _weights_diff(ref, ours) -> float:
+    return _max_diff(_full_torch(ref), fusedist.fsdp.full_state_dict(ours))
+
+
+def _steps(model, opt, rank, steps, first=0):
+    losses = []
+    for step in range(first, first + steps):
+        x, y = _batch(rank, step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# ------------------------------------------------------------------ containers of outputs
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+    extra: int = 0
+
+
+class _DataclassBlock(nn.Module):
+    """Returns its output inside a dataclass (as many model codebases do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return _Out(torch.tanh(self.fc(x)))
+
+
+class _DataclassNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_DataclassBlock() for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x).hidden.float()  # (the blocks' output_dtype is float64)
+        return collections.OrderedDict(out=self.head(x))
+
+
+def _containers(rank, ws):
+    from fusedist.fsdp import MixedPrecisionPolicy as MP
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TMP
+
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    ref = _DataclassNet()
+    ours = copy.deepcopy(ref)
+    for impl, model, mp in ((_torch_fully_shard(), ref, TMP), (fusedist.fully_shard, ours, MP)):
+        for b in model.blocks:
+            impl(b, mesh=mesh, mp_policy=mp(output_dtype=torch.float64))
+        impl(model, mesh=mesh, mp_policy=mp(output_dtype=torch.float32))
+    out = {}
+    for name, model in (("ref", ref), ("ours", ours)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x, y = _batch(rank, step)
+            loss = F.mse_loss(model(x)["out"], y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        o = model.blocks[0](torch.zeros(2, 16))
+        out[name] = dict(losses=losses, block_out=(type(o).__name__, o.hidden.dtype, o.extra),
+                         root_out=type(model(torch.zeros(2, 8))).__name__)
+    out["weights"] = _weights_diff(ref, ours)
+    return out
+
+
+def test_outputs_in_dataclasses_and_ordered_dicts_match_torch_fsdp2():
+    """A unit returning a dataclass: its backward must gather the unit again (torch's FSDP2
+    hooks the tensors inside dataclasses); output_dtype casts them and keeps the container
+    types (a dataclass stays that dataclass, an OrderedDict an OrderedDict)."""
+    for res in run_distributed(_containers, 2):
+        assert res["ours"]["losses"] == res["ref"]["losses"]
+        assert res["weights"] == 0.0
+        assert res["ours"]["block_out"] == res["ref"]["block_out"] == ("_Out", torch.float64, 0)
+        assert res["ours"]["root_out"] == res["ref"]["root_out"] == "OrderedDict"

@@ -70,6 +70,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
             owned = _OWNED.get(p)
             if owned is not None:  # tied with a parameter another unit holds
                 owner, idx = owned
+                if any(m is sub and a == attr for m, a in owner.registrations[idx]):
+                    raise _sharded_by_parent(module, fqn, owner, idx)
                 borrowed.append((owner, idx, (sub, attr)))
                 sub._parameters[attr] = owner.sharded[idx]
             elif id(p) in index_of:
@@ -103,6 +105,16 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
     FullyShardState(module, unit, grads, mp_policy, auto)
     module.__class__ = _sharded_class(type(module))
     return module
+
+
+def _sharded_by_parent(module, fqn, owner, idx) -> ValueError:
+    """The error for a module sharded after a module containing it. Why not borrow, as for a
+    weight tied across units: here the parent's unit swaps this very attribute, and two units
+    swapping one slot would each put back their own tensor."""
+    return ValueError(
+        f"fusedist.fully_shard({type(module).__name__}): its parameter '{fqn}' is already sharded by "
+        f"fully_shard({owner.name or 'root'}) (as '{owner.fqns[idx]}'), called earlier on a module containing "
+        "this one. Apply fully_shard bottom-up: each submodule before the modules that contain it.")
 
 
 def _group_and_device(mesh, process_group):

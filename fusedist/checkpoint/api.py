@@ -172,16 +172,30 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     if failed:
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
     everyone = [m for m, _ in everyone]
+    error = None
     if world.rank == 0:
-        files = {}
-        for entry in everyone:
-            files.update(entry)
-        common = _common_sections(model, optimizer, scaler, extra, sharded_keys)
-        files[COMMON] = dict(_files.atomic_torch_save(os.path.join(directory, COMMON), common),
-                             rank=0, sections=sorted(common))
-        manifest = dict(manifest_base(model, optimizer, scaler, world.size), created_unix=time.time(), files=files)
-        _files.write_manifest(directory, manifest)
-    world.barrier("save: manifest written")
+        # Rank 0's failure is exchanged like the rank files' above: raised here alone, it
+        # left the other ranks waiting in the final exchange until the collective timeout
+        # (and the group broken by that timeout).
+        try:
+            files = {}
+            for entry in everyone:
+                files.update(entry)
+            common = _common_sections(model, optimizer, scaler, extra, sharded_keys)
+            files[COMMON] = dict(_files.atomic_torch_save(os.path.join(directory, COMMON), common),
+                                 rank=0, sections=sorted(common))
+            manifest = dict(manifest_base(model, optimizer, scaler, world.size), created_unix=time.time(), files=files)
+            _files.write_manifest(directory, manifest)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
+            error = (f"rank 0 could not write {COMMON} or the manifest in {directory}: "
+                     f"{type(exc).__name__}: {exc}")
+            try:  # a manifest renamed into place before a later step failed must not stay
+                _files.remove_manifest(directory)
+            except OSError:
+                pass
+    failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
+    if failed:
+        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
 
 
 def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) -> dict:

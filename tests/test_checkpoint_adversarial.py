@@ -1,0 +1,152 @@
+"""fusedist.checkpoint under the misuse and failures that tests/test_checkpoint.py and
+tests/test_resume.py do not cover: resharding with FusedAdamW and across optimizer kinds
+(with GradScaler and LR-scheduler state), a write failing on rank 0, mismatched models, and
+directories that are not checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+# ----------------------------------------------------------------------------- resharding
+
+GLOBAL_ROWS = 6  # split evenly over 2 or 3 ranks; DDP's average is the global-batch mean
+
+
+def _global_batch(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_ROWS, 8, generator=gen), torch.randn(GLOBAL_ROWS, 3, generator=gen)
+
+
+def _build(kind, seed):
+    import fusedist
+
+    torch.manual_seed(seed)
+    model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
+    if kind.startswith("ddp"):
+        cls = fusedist.optim.FusedAdamW if kind.endswith("fused") else torch.optim.AdamW
+        return model, cls(model.parameters(), lr=1e-2)
+    stage = int(kind[len("zero")])
+    cls = fusedist.optim.FusedAdamW if kind.endswith("fused") else torch.optim.AdamW
+    return model, fusedist.ZeroRedundancyOptimizer(model.parameters(), cls, stage=stage, lr=1e-2)
+
+
+def _train(rank, world_size, root, saved_kind, kind, phase, steps):
+    """6 steps with a save after step 3 ("before"), or a load of that save then 3 steps
+    ("after", a different initialization that the load must overwrite). GradScaler and a
+    StepLR scheduler run along; the scheduler's state travels in ``extra``."""
+    import fusedist
+    from fusedist import checkpoint
+
+    model, opt = _build(kind, 0 if phase == "before" else 99)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    directory = os.path.join(root, saved_kind)
+    first = 0
+    if phase == "after":
+        extra = checkpoint.load(directory, model, opt, scaler)  # safe loader: no trusted=True
+        first = extra["step"]
+        sched.load_state_dict(extra["sched"])
+    rows = GLOBAL_ROWS // world_size
+    for step in range(first, first + steps):
+        x, y = _global_batch(step)
+        opt.zero_grad()
+        loss = (model(x[rank * rows:(rank + 1) * rows]) - y[rank * rows:(rank + 1) * rows]).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        if phase == "before" and step == 2:
+            checkpoint.save(directory, model, opt, scaler, extra={"step": step + 1, "sched": sched.state_dict()})
+    if hasattr(opt, "wait_for_params"):
+        opt.wait_for_params()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return params, scaler.get_scale(), [g["lr"] for g in opt.param_groups], sched.state_dict()["last_epoch"]
+
+
+def _train_all(rank, world_size, root, pairs, phase, steps):
+    return [_train(rank, world_size, root, saved, kind if phase == "after" else saved, phase, steps)
+            for saved, kind in pairs]
+
+
+# (saved with, loaded into): FusedAdamW alone, ZeRO-1/2 with FusedAdamW, and across kinds
+PAIRS_2_TO_3 = [("ddp_fused", "ddp_fused"), ("zero2_fused", "zero2_fused"), ("zero2_torch", "zero1_fused")]
+PAIRS_3_TO_2 = [("zero1_fused", "zero1_fused"), ("zero2_fused", "ddp_torch"), ("ddp_fused", "zero2_fused")]
+
+
+@pytest.mark.parametrize("sizes,pairs", [((2, 3), PAIRS_2_TO_3), ((3, 2), PAIRS_3_TO_2)], ids=["2to3", "3to2"])
+def test_continues_at_another_world_size_like_an_uninterrupted_run(tmp_path, sizes, pairs):
+    root = str(tmp_path)
+    reference = run_distributed(_train_all, sizes[0], root, pairs, "before", 6, timeout=300)
+    resumed = run_distributed(_train_all, sizes[1], root, pairs, "after", 3, timeout=300)
+    for i, pair in enumerate(pairs):
+        ref, got = reference[0][i], resumed[0][i]
+        assert all(torch.equal(r[i][0], got[0]) for r in resumed), f"{pair}: ranks differ"
+        # Same global-batch math, another per-rank split: fp32 summation order only (see
+        # test_resume.test_zero_checkpoint_continues_at_another_world_size); a lost moment or
+        # step count is of order lr = 1e-2.
+        torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0, msg=lambda m: f"{pair}: {m}")
+        assert got[1:] == ref[1:], f"{pair}: scaler scale / lr / scheduler epoch {got[1:]} != {ref[1:]}"
+
+
+# ----------------------------------------------------------------------------- failed saves
+
+
+def _failing_save(rank, world_size, root):
+    """A write that fails (disk full) on one rank, at each point of a save: rank 1's shard,
+    rank 0's common.pt, rank 0's manifest. Every rank must raise CheckpointError at once (not
+    wait for the collective timeout), the group must stay usable, and a checkpoint in another
+    directory must stay loadable."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint import _files
+
+    model, opt = _build("zero2_torch", 0)
+    good, other = os.path.join(root, "good"), os.path.join(root, "other")
+    checkpoint.save(good, model, opt, extra={"v": 1})
+    real = _files.atomic_write
+    out = {}
+    for where in ("rank_file", "common", "manifest"):
+        def failing(path, write, where=where):
+            name = os.path.basename(path)
+            if ((where == "rank_file" and rank == 1 and name.startswith("rank-"))
+                    or (where == "common" and name == "common.pt")
+                    or (where == "manifest" and name == "manifest.json")):
+                def partial(f):
+                    f.write(b"partial")
+                    raise OSError(28, "No space left on device")
+                return real(path, partial)
+            return real(path, write)
+
+        _files.atomic_write = failing
+        start = time.monotonic()
+        try:
+            checkpoint.save(other, model, opt, extra={"v": 2})
+            out[where] = "saved"
+        except checkpoint.CheckpointError as exc:
+            out[where] = str(exc)
+        finally:
+            _files.atomic_write = real
+        out[where + " seconds"] = time.monotonic() - start
+        out[where + " manifest"] = os.path.exists(os.path.join(other, "manifest.json"))
+        out[where + " tmp files"] = [n for n in os.listdir(other) if ".tmp-" in n]
+    assert checkpoint.load(good, model, opt) == {"v": 1}
+    checkpoint.save(other, model, opt, extra={"v": 3})  # the group still works
+    assert checkpoint.load(other, model, opt) == {"v": 3}
+    return out
+
+
+def test_a_failed_write_fails_every_rank_promptly_and_keeps_the_group(tmp_path):
+    results = run_distributed(_failing_save, 2, str(tmp_path), timeout=120, pg_timeout=20)
+    for rank, out in enumerate(results):
+        for where, who in (("rank_file", 1), ("common", 0), ("manifest", 0)):
+            assert f"rank {who}" in out[where] and "No space left on device" in out[where], (rank, where, out[where])
+            assert "no manifest was written" in out[where], out[where]
+            assert out[where + " seconds"] < 10, (rank, where, out[where + " seconds"])
+            assert out[where + " manifest"] is False and out[where + " tmp files"] == [], (rank, where)

@@ -6,6 +6,8 @@ directories that are not checkpoints.
 
 from __future__ import annotations
 
+import json
+import re
 import os
 import time
 
@@ -150,3 +152,64 @@ def test_a_failed_write_fails_every_rank_promptly_and_keeps_the_group(tmp_path):
             assert "no manifest was written" in out[where], out[where]
             assert out[where + " seconds"] < 10, (rank, where, out[where + " seconds"])
             assert out[where + " manifest"] is False and out[where + " tmp files"] == [], (rank, where)
+
+
+# ----------------------------------------------------------------------------- mismatches
+
+
+def test_model_mismatch_names_parameters_and_shapes(tmp_path):
+    """One process: renamed, missing, extra and reshaped parameters are refused with the
+    names and shapes on both sides, and the model is left untouched."""
+    from fusedist import checkpoint
+
+    class Renamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    saved = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    checkpoint.save(str(tmp_path), saved, torch.optim.AdamW(saved.parameters()))
+    cases = {
+        "renamed": (Renamed(), [r"missing .*a\.weight \(16, 8\)", r"unexpected .*0\.weight \(16, 8\)"]),
+        "missing": (nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3, bias=False)),
+                    [r"unexpected .*2\.bias \(3,\)"]),
+        "extra": (nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 2)),
+                  [r"missing .*3\.weight \(2, 3\)", r"3\.bias \(2,\)"]),
+        "shape": (nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)),
+                  [r"'2\.weight' has shape \(3, 16\) in .*the model's is \(4, 16\)"]),
+    }
+    for name, (model, patterns) in cases.items():
+        before = [p.detach().clone() for p in model.parameters()]
+        for opt in (None, torch.optim.AdamW(model.parameters())):
+            with pytest.raises(checkpoint.CheckpointError) as info:
+                checkpoint.load(str(tmp_path), model, opt)
+            for pattern in patterns:
+                assert re.search(pattern, str(info.value)), (name, pattern, str(info.value))
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), name
+
+
+def test_not_a_checkpoint_is_named_as_such(tmp_path):
+    from fusedist import checkpoint
+
+    model = nn.Linear(3, 3)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.bin").write_bytes(os.urandom(64))
+    for name, text in (("badjson", "{not json"), ("foreign", json.dumps({"a": 1})), ("list", "[1, 2]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(text)
+    expected = {
+        "empty": "holds no complete checkpoint",
+        "missing": "does not exist",
+        "file.bin": "is a file, not a checkpoint directory",
+        "badjson": "is not valid JSON",
+        "foreign": "is not a fusedist checkpoint manifest",
+        "list": "is not a fusedist checkpoint manifest",
+    }
+    for name, message in expected.items():
+        with pytest.raises(checkpoint.CheckpointError, match=message) as info:
+            checkpoint.load(str(tmp_path / name), model)
+        assert "AttributeError" not in str(info.value)
+    # a directory that does not exist is not reported as one without a manifest
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(str(tmp_path / "missing"), model)
+    assert "manifest.json" not in str(info.value), str(info.value)

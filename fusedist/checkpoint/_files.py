@@ -91,6 +91,9 @@ def remove_manifest(directory: str) -> None:
 
 def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        what = "is a file, not a checkpoint directory" if os.path.exists(directory) else "does not exist"
+        raise CheckpointError(f"fusedist.checkpoint: {directory!r} {what}")
     if not os.path.isfile(path):
         raise CheckpointError(
             f"fusedist.checkpoint: {path} does not exist: {directory!r} holds no complete checkpoint "
@@ -101,7 +104,7 @@ def read_manifest(directory: str) -> dict:
             manifest = json.loads(f.read().decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"fusedist.checkpoint: {path} is not valid JSON ({exc})") from exc
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"fusedist.checkpoint: {path} is not a fusedist checkpoint manifest")
     if manifest.get("version", 0) > VERSION:
         raise CheckpointError(

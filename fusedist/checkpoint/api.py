@@ -347,9 +347,16 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
     if missing or unexpected:
+        # With shapes: a renamed parameter shows up once on each side, and its shape is what
+        # lets the reader pair the two names.
+        def listed(keys, shapes):
+            shown = ", ".join(f"{k} {tuple(shapes[k])}" for k in keys[:10])
+            return f"[{shown}{', ...' if len(keys) > 10 else ''}]"
+
         raise CheckpointError(
-            f"fusedist.checkpoint: the model in {directory} does not match: missing keys {missing[:10]}, "
-            f"unexpected keys {unexpected[:10]}"
+            f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
+            f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
+            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}"
         )
     for k, shape in expected.items():
         if tuple(saved[k].shape) != tuple(shape):

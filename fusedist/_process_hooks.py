@@ -4,7 +4,8 @@ fusedist reaches outside its own objects in a few places, and each is here:
 
 * torch's global optimizer step hooks (``register_optimizer_step_pre/post_hook``): the DDP
   step guard sees every ``optimizer.step()`` of any optimizer holding a DDP model's
-  parameters (fusedist/reliability/optimizer_guard.py);
+  parameters (fusedist/reliability/optimizer_guard.py), and the ``fully_shard`` post-step
+  hook that drops gathered copies of units the step changed (fusedist/fsdp/stale.py);
 * a chained ``sys.excepthook``: an uncaught exception is published to the other ranks'
   stall reports before the process dies (fusedist/reliability/monitor.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being

@@ -3,7 +3,8 @@
 Modules, one job each: ``policy`` (MixedPrecisionPolicy, CPUOffloadPolicy), ``layout`` (where
 a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the parameter swap),
 ``grads`` (gradients to shards), ``state`` (when to gather, reshard and reduce),
-``containers`` (the tensors in a unit's inputs and outputs), ``holder``
+``containers`` (the tensors in a unit's inputs and outputs), ``stale`` (gathered copies
+an optimizer step outdated), ``holder``
 (global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
 ``memory`` (what is held), ``api`` (``fully_shard`` and the methods a module gains).
 """

@@ -209,9 +209,15 @@ class FullyShardState:
         self._post_backward_done = False
         if unit is not None:
             unit.on_grad = self._on_grad
+            unit.busy = self._busy
         _STATES[module] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
+
+    def _busy(self) -> bool:
+        """Whether a forward or backward under this module's root is running."""
+        ctx = self.ctx
+        return ctx is not None and (ctx.in_forward or ctx.backward_running)
 
     # ------------------------------------------------------------------ root
     def lazy_init(self) -> None:

@@ -35,6 +35,7 @@ from torch import nn
 
 from .layout import SplitLayout, alias
 from .memory import COUNTERS
+from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
 
@@ -71,6 +72,9 @@ class ShardedUnit:
         self._gathered_bytes = 0
         #: called with the parameter index when an unsharded parameter's gradient is accumulated
         self.on_grad: Optional[Callable[[int], None]] = None
+        #: whether the unit's forward or backward is running (set by its module's state)
+        self.busy: Callable[[], bool] = lambda: False
+        stale.install()  # Note [gathered copies and the optimizer step]
         for i, u in enumerate(self.unsharded):
             # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)
             frozen = not u.requires_grad
@@ -118,6 +122,7 @@ class ShardedUnit:
                 src = src.to(self.param_dtype)
             handles = self.gather_into(self.full, src, f"fully_shard gather {self.name or 'root'}")
             self._gather = (handles, src)
+            stale.note_gathered(self)
         if not async_op:
             self.wait_for_unshard()
 
@@ -158,6 +163,7 @@ class ShardedUnit:
         COUNTERS.add_gathered(-self._gathered_bytes)
         self._gathered_bytes = 0
         self.is_unsharded = False
+        stale.note_resharded(self)
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> list:
         """Start the all-gathers of ``shard`` (laid out like the unit's shard) into ``full``

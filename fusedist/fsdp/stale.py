@@ -1,0 +1,50 @@
+"""Gathered copies of units that an optimizer step has made stale.
+
+Note [gathered copies and the optimizer step]
+    The optimizer steps a unit's pieces (Note [sharded parameters] in unit.py); a gathered
+    copy of the unit made before the step still holds the old values, and the next forward
+    would use it, since a unit that is gathered is not gathered again. Normally nothing is
+    gathered at a step: units reshard after backward. But ``set_reshard_after_backward(False)``
+    (gradient accumulation without regathering), ``reshard_after_forward=False`` with a
+    forward outside backward, or an explicit ``unshard()`` leave a unit gathered across
+    ``optimizer.step()``, and training then silently runs the pre-step parameters (torch's
+    FSDP2 does). So a global optimizer post-step hook reshards every gathered unit whose pieces
+    the optimizer holds; the next forward gathers the stepped values. A hook rather than the
+    pieces' version counters: fused optimizers write parameters without bumping them. A
+    unit in the middle of its own forward or backward (an optimizer stepped from a hook) is
+    left alone. Writes to the pieces outside an optimizer (``p.mul_()`` under ``no_grad``
+    while the unit is gathered) are not seen: reshard the unit first.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["note_gathered", "note_resharded", "install"]
+
+#: units gathered or being gathered now
+_GATHERED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def note_gathered(unit) -> None:
+    _GATHERED.add(unit)
+
+
+def note_resharded(unit) -> None:
+    _GATHERED.discard(unit)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    if not _GATHERED:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for unit in list(_GATHERED):
+        if not unit.busy() and any(id(sp) in held for sp in unit.sharded):
+            unit.reshard()
+
+
+def install() -> None:
+    """The global post-step hook, once per process (fusedist/_process_hooks.py)."""
+    from .._process_hooks import install_optimizer_step_hooks
+
+    install_optimizer_step_hooks("fully_shard: stale gathered units", lambda *_: None, _after_step)

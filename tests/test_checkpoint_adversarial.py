@@ -154,6 +154,70 @@ def test_a_failed_write_fails_every_rank_promptly_and_keeps_the_group(tmp_path):
             assert out[where + " manifest"] is False and out[where + " tmp files"] == [], (rank, where)
 
 
+def _failing_save_over_a_checkpoint(rank, world_size, root):
+    """Saving into a directory that holds a complete checkpoint, with a write failing at each
+    point of the save: the checkpoint there must stay loadable, with no file of the failed
+    save left behind; then successful saves replace it, and the replaced files go
+    (Note [checkpoint atomicity] in fusedist/checkpoint/_files.py)."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint import _files
+
+    model, opt = _build("zero2_torch", 0)
+    directory = os.path.join(root, "ckpt")
+    checkpoint.save(directory, model, opt, extra={"v": 1})
+    out = {"first": sorted(os.listdir(directory)),
+           "first version": _files.read_manifest(directory)["version"]}
+    real = _files.atomic_write
+    for where in ("rank_file", "common", "manifest"):
+        def failing(path, write, where=where):
+            name = os.path.basename(path)
+            if ((where == "rank_file" and rank == 1 and name.startswith("rank-"))
+                    or (where == "common" and name.startswith("common"))
+                    or (where == "manifest" and name == "manifest.json")):
+                def partial(f):
+                    f.write(b"partial")
+                    raise OSError(28, "No space left on device")
+                return real(path, partial)
+            return real(path, write)
+
+        _files.atomic_write = failing
+        try:
+            checkpoint.save(directory, model, opt, extra={"v": 2})
+            out[where] = "saved"
+        except checkpoint.CheckpointError as exc:
+            out[where] = str(exc)
+        finally:
+            _files.atomic_write = real
+        torch.distributed.barrier()
+        out[where + " files"] = sorted(os.listdir(directory))
+        out[where + " loads"] = checkpoint.load(directory, model, opt)
+    for v in (3, 4):
+        checkpoint.save(directory, model, opt, extra={"v": v})
+        torch.distributed.barrier()
+        out[f"saved {v}"] = (sorted(os.listdir(directory)), checkpoint.load(directory, model, opt),
+                             _files.read_manifest(directory)["version"])
+    return out
+
+
+def test_a_failed_save_over_a_checkpoint_keeps_it(tmp_path):
+    results = run_distributed(_failing_save_over_a_checkpoint, 2, str(tmp_path), timeout=120, pg_timeout=20)
+    for rank, out in enumerate(results):
+        first = out["first"]
+        assert first == ["common.pt", "manifest.json", "rank-00000.pt", "rank-00001.pt"], first
+        assert out["first version"] == 1  # no file with a name of its own: older readers read it
+        for where, who in (("rank_file", 1), ("common", 0), ("manifest", 0)):
+            assert f"rank {who}" in out[where] and "No space left on device" in out[where], (rank, where, out[where])
+            assert "the checkpoint the directory held before is kept" in out[where], out[where]
+            assert out[where + " files"] == first, (rank, where, out[where + " files"])
+            assert out[where + " loads"] == {"v": 1}, (rank, where)
+        names3, extra3, version3 = out["saved 3"]
+        names4, extra4, version4 = out["saved 4"]
+        assert extra3 == {"v": 3} and extra4 == {"v": 4} and version3 == version4 == 2
+        for names in (names3, names4):  # the replaced checkpoint's files are gone
+            assert len(names) == 4 and "manifest.json" in names and not set(names) & (set(first) - {"manifest.json"})
+        assert not set(names3) & set(names4) - {"manifest.json"}, (names3, names4)
+
+
 # ----------------------------------------------------------------------------- mismatches
 
 

@@ -180,7 +180,7 @@ def test_exchanges_made_by_one_rank_are_bounded_and_reported(tmp_path):
     for rank in (0, 1):
         kind, text = results[rank]["mismatch"]
         assert kind == "CollectiveError", text
-        assert ("rank 0: fusedist.checkpoint.save: manifest removed; "
+        assert ("rank 0: fusedist.checkpoint.save: start; "
                 "rank 1: ZeroRedundancyOptimizer.consolidate_state_dict") in text, text
     assert [r["after_mismatch"] for r in results] == [True, False]
     # (2) rank 0 waited in consolidate_state_dict, rank 1 in its gradient all-reduce.

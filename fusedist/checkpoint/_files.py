@@ -4,10 +4,18 @@ Note [checkpoint atomicity]
     Every file is written to a temporary name in the same directory, flushed and fsync'ed,
     then renamed over its final name (``os.replace`` is atomic on POSIX), and the directory is
     fsync'ed so the rename itself survives a crash. The manifest is written last, by rank 0,
-    after every rank reported its file's size and SHA-256; saving first removes an old
-    manifest. So a directory either has a manifest describing files that were all completely
-    written, or no manifest (an interrupted save), never one that points at half-written or
-    mixed-up files -- and a later corruption is caught by the size/checksum check at load.
+    after every rank reported its file's size and SHA-256. So a directory either has a
+    manifest describing files that were all completely written, or no manifest (an
+    interrupted first save), never one that points at half-written or mixed-up files -- and a
+    later corruption is caught by the size/checksum check at load.
+
+    Saving over a complete checkpoint must not lose it when the save fails (a full disk, a
+    rank killed): the new files then take names of their own (``rank-00000.<save id>.pt``,
+    listed in the manifest under the usual key with a ``file`` entry, format version 2), the
+    old manifest and files stay as they are, and the new manifest replaces the old one in one
+    atomic rename -- the moment the new checkpoint becomes the one the directory holds. Only
+    after that are the old files removed (:func:`remove_unlisted`), as are the new ones when
+    the save failed.
 """
 
 from __future__ import annotations
@@ -16,14 +24,20 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from typing import Any, Callable
 
 import torch
 
 MANIFEST = "manifest.json"
 FORMAT = "fusedist.checkpoint"
-VERSION = 1
+VERSION = 2  # the newest format this fusedist reads and writes
+# Version 2 adds files with names of their own (Note [checkpoint atomicity]); a manifest
+# without any is written as version 1, which older fusedist releases read too.
+BASE_VERSION = 1
 _CHUNK = 1 << 20
+# The files a save writes: rank-00000.pt / common.pt, or with a save id before ".pt".
+_SAVED_FILE = re.compile(r"^(rank-\d{5}|common)(\.[0-9a-f]{12})?\.pt$")
 
 
 class CheckpointError(RuntimeError):
@@ -82,6 +96,33 @@ def write_manifest(directory: str, manifest: dict) -> None:
     atomic_write(os.path.join(directory, MANIFEST), lambda f: f.write(data))
 
 
+def file_name(name: str, save_id: str) -> str:
+    """Where a save with ``save_id`` ('' when the directory held no checkpoint) writes the file
+    the manifest lists as ``name``."""
+    return name if not save_id else f"{name[:-len('.pt')]}.{save_id}.pt"
+
+
+def remove_unlisted(directory: str) -> list:
+    """Remove the checkpoint files (rank and common files, see ``_SAVED_FILE``) of
+    ``directory`` that its manifest does not list -- every one of them when it has no readable
+    manifest. Run by one rank once no rank writes any more. Returns the names removed."""
+    try:
+        listed = {info.get("file", name) for name, info in read_manifest(directory)["files"].items()}
+    except CheckpointError:
+        listed = set()
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        if _SAVED_FILE.match(name) and name not in listed:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    if removed:
+        _fsync_dir(directory)
+    return removed
+
+
 def remove_manifest(directory: str) -> None:
     path = os.path.join(directory, MANIFEST)
     if os.path.exists(path):
@@ -115,8 +156,9 @@ def read_manifest(directory: str) -> dict:
 
 
 def verify_file(directory: str, name: str, expected: dict) -> str:
-    """The path of ``name`` after checking it exists with the manifest's size and checksum."""
-    path = os.path.join(directory, name)
+    """The path of the file the manifest lists as ``name`` (its own ``file`` name, if any)
+    after checking it exists with the manifest's size and checksum."""
+    path = os.path.join(directory, expected.get("file", name))
     if not os.path.isfile(path):
         raise CheckpointError(f"fusedist.checkpoint: shard file {path} is missing (listed in the manifest)")
     size = os.path.getsize(path)

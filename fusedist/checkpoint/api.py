@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Optional
 
 import torch
@@ -149,10 +150,18 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model)
-    os.makedirs(directory, exist_ok=True)
+    # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
+    # their own, so that the old checkpoint stays whole until the new manifest replaces its.
+    start = None
     if world.rank == 0:
-        _files.remove_manifest(directory)  # from here on the directory is not a valid checkpoint
-    world.barrier("save: manifest removed")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
+        except OSError as exc:
+            start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
+    problem, save_id = world.all_gather(start, "save: start")[0]
+    if problem:
+        raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()
@@ -162,15 +171,16 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         if per_rank is not None:  # [resume] this rank's RNG / data position (fusedist.checkpoint.resume)
             sections["per_rank"] = per_rank
         if sections:
-            name = rank_file(world.rank)
-            mine[name] = dict(_files.atomic_torch_save(os.path.join(directory, name), sections),
-                              rank=world.rank, sections=sorted(sections))
+            os.makedirs(directory, exist_ok=True)  # (rank 0 made it; seen here too on shared storage)
+            mine[rank_file(world.rank)] = _write(directory, rank_file(world.rank), save_id, sections,
+                                                 rank=world.rank)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
         error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
     everyone = world.all_gather((mine, error), "save: rank files written")
     failed = [e for _, e in everyone if e is not None]
     if failed:
-        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
+        _finish_save(world, directory)
+        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
     everyone = [m for m, _ in everyone]
     error = None
     if world.rank == 0:
@@ -182,20 +192,40 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
             for entry in everyone:
                 files.update(entry)
             common = _common_sections(model, optimizer, scaler, extra, sharded_keys)
-            files[COMMON] = dict(_files.atomic_torch_save(os.path.join(directory, COMMON), common),
-                                 rank=0, sections=sorted(common))
+            files[COMMON] = _write(directory, COMMON, save_id, common, rank=0)
             manifest = dict(manifest_base(model, optimizer, scaler, world.size), created_unix=time.time(), files=files)
-            _files.write_manifest(directory, manifest)
+            if save_id:
+                manifest["version"] = _files.VERSION  # files with names of their own
+            _files.write_manifest(directory, manifest)  # the switch: one atomic rename
         except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
             error = (f"rank 0 could not write {COMMON} or the manifest in {directory}: "
                      f"{type(exc).__name__}: {exc}")
-            try:  # a manifest renamed into place before a later step failed must not stay
-                _files.remove_manifest(directory)
-            except OSError:
-                pass
     failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
+    _finish_save(world, directory)
     if failed:
-        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} (no manifest was written)")
+        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
+
+
+def _write(directory: str, name: str, save_id: str, sections: dict, rank: int) -> dict:
+    """Write one file of a save; its manifest entry (Note [checkpoint atomicity])."""
+    file = _files.file_name(name, save_id)
+    entry = dict(_files.atomic_torch_save(os.path.join(directory, file), sections), rank=rank,
+                 sections=sorted(sections))
+    if file != name:
+        entry["file"] = file
+    return entry
+
+
+def _finish_save(world: "_World", directory: str) -> None:
+    """Once no rank writes any more: rank 0 removes the files the manifest now in the
+    directory does not list (the replaced checkpoint's, or a failed save's own)."""
+    if world.rank == 0:
+        _files.remove_unlisted(directory)
+
+
+def _kept(save_id: str) -> str:
+    return ("the checkpoint the directory held before is kept" if save_id
+            else "no manifest was written")
 
 
 def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) -> dict:
@@ -207,7 +237,7 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
     where = stage3.piece_index(_unwrap(model)) if sharded else {}
     return {
         "format": _files.FORMAT,
-        "version": _files.VERSION,
+        "version": _files.BASE_VERSION,
         "world_size": world_size,
         # Note [stage-3 checkpoints]: the sharded parameters are in the rank files
         "model_sharded": sharded,

@@ -48,7 +48,7 @@ def _check(step: int, path: str) -> Entry:
     if saved != step:
         return Entry(step, path, False, f"its manifest is for step {saved}")
     for name, info in manifest.get("files", {}).items():
-        file = os.path.join(path, name)
+        file = os.path.join(path, info.get("file", name))
         if not os.path.isfile(file):
             return Entry(step, path, False, f"{name} listed in the manifest is missing")
         if os.path.getsize(file) != info.get("bytes"):

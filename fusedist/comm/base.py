@@ -23,6 +23,7 @@ import torch
 from ..distributed import collective_timeout
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+_uids = itertools.count()
 
 
 class CollectiveError(RuntimeError):
@@ -116,6 +117,9 @@ class Communicator(abc.ABC):
     name: str = "abstract"
 
     def __init__(self, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None):
+        #: Never reused within the process (unlike ``id()`` of a communicator freed with its
+        #: destroyed group): what a per-communicator "done once" record keys on.
+        self.uid = next(_uids)
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout or collective_timeout()

@@ -68,7 +68,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype, **extra)
         self.process_group = process_group
-        # Communicators (by id) this layer has run the channel agreement check on.
+        # Communicators (by uid) this layer has run the channel agreement check on.
         self._channels_checked: set[int] = set()
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -96,10 +96,10 @@ class SyncBatchNorm(_BatchNorm):
         if dist.get_world_size(self.process_group) == 1:
             return None
         comm = get_communicator(self.process_group, device)
-        if id(comm) not in self._channels_checked:
+        if comm.uid not in self._channels_checked:
             attach_monitor(comm)  # [reliability] a missing rank is named in a stall report
             check_channels_agree(comm, self.num_features, device)
-            self._channels_checked.add(id(comm))
+            self._channels_checked.add(comm.uid)
         return comm
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

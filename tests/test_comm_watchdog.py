@@ -1,6 +1,7 @@
 """The collective watchdog (Note [stream-ordered waits and the watchdog] in
 fusedist/comm/watchdog.py), on stand-in done events: deadlines from launch, in-order
-completion, a launch that blocks, asynchronous errors, the abort, and the thread's lifecycle.
+completion, a launch that blocks, asynchronous errors, the failure handler (called once), waiting
+for pending collectives at exit, and the thread's lifecycle.
 The direct-NCCL communicator's use of it is exercised on a GPU (tests/test_cuda_ext_gpu.py,
 tests/test_nccl_multirank_gpu.py)."""
 
@@ -38,11 +39,12 @@ class FakeEvent:
 
 class Recorder:
     def __init__(self):
-        self.aborts = []
+        self.failures = []  # (reason, the failed collective's seq or None)
         self.async_error = None
 
-    def abort(self, reason):
-        self.aborts.append(reason)
+    def fail(self, reason, failed):
+        self.failures.append(reason)
+        self.failed_seq = None if failed is None else failed.seq
 
     def poll_error(self):
         if self.async_error is not None:
@@ -52,7 +54,7 @@ class Recorder:
 def _watchdog(**kw):
     rec = Recorder()
     clock = FakeClock()
-    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="test", clock=clock, **kw)
+    dog = CollectiveWatchdog(rec.fail, rec.poll_error, name="test", clock=clock, **kw)
     return dog, rec, clock
 
 
@@ -77,7 +79,7 @@ def test_completed_collectives_are_dropped_in_launch_order(no_thread):
     first.completed = True
     assert dog.poll() is None and dog.pending == 0
     clock.now += 1000  # nothing pending: no deadline can pass
-    assert dog.poll() is None and rec.aborts == []
+    assert dog.poll() is None and rec.failures == []
 
 
 def test_deadline_from_launch_aborts_and_names_the_collective(no_thread):
@@ -85,16 +87,16 @@ def test_deadline_from_launch_aborts_and_names_the_collective(no_thread):
     _launch(dog, seq=0, timeout_s=10.0)[1].completed = True
     _launch(dog, tag="bucket 3", seq=1, timeout_s=10.0)
     clock.now += 9.9
-    assert dog.poll() is None and rec.aborts == []
+    assert dog.poll() is None and rec.failures == []
     clock.now += 0.2
     reason = dog.poll()
-    assert reason is not None and rec.aborts == [reason]
+    assert reason is not None and rec.failures == [reason]
     for needle in ("all_reduce [bucket 3] (collective #1)", "did not complete within 10 s of its launch"):
         assert needle in reason, reason
     assert dog.failed.seq == 1 and dog.failed.tag == "bucket 3"
     assert dog.pending == 0
     clock.now += 100
-    assert dog.poll() == reason and len(rec.aborts) == 1  # aborted once, failure kept
+    assert dog.poll() == reason and len(rec.failures) == 1  # aborted once, failure kept
 
 
 def test_a_launch_that_blocks_is_watched_before_it_returns(no_thread):
@@ -105,7 +107,7 @@ def test_a_launch_that_blocks_is_watched_before_it_returns(no_thread):
     clock.now += 5.0
     reason = dog.poll()
     assert "reduce_scatter [zero bucket 0] (collective #4) did not complete within 5 s" in reason
-    assert rec.aborts == [reason]
+    assert rec.failures == [reason]
 
 
 def test_cancelled_launch_is_not_watched(no_thread):
@@ -113,7 +115,7 @@ def test_cancelled_launch_is_not_watched(no_thread):
     entry = dog.begin("all_gather", "", 0, 1.0)
     dog.cancel(entry)
     clock.now += 10
-    assert dog.poll() is None and dog.pending == 0 and rec.aborts == []
+    assert dog.poll() is None and dog.pending == 0 and rec.failures == []
 
 
 def test_tightened_deadline_fires_first(no_thread):
@@ -132,31 +134,31 @@ def test_async_error_and_failed_event_abort(no_thread):
     _launch(dog, seq=7)
     rec.async_error = "asynchronous NCCL error: remote process exited (code 6)"
     reason = dog.poll()
-    assert reason == rec.async_error and rec.aborts == [reason] and dog.failed.seq == 7
+    assert reason == rec.async_error and rec.failures == [reason] and dog.failed.seq == 7
 
     dog, rec, _ = _watchdog()
     _, event = _launch(dog, seq=2)
     event.error = "CUDA error: an illegal memory access was encountered"
-    assert dog.poll() == event.error and rec.aborts == [event.error]
+    assert dog.poll() == event.error and rec.failures == [event.error]
 
 
 def test_thread_enforces_the_deadline_and_then_stops():
     rec = Recorder()
-    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="t1", interval_s=0.01)
+    dog = CollectiveWatchdog(rec.fail, rec.poll_error, name="t1", interval_s=0.01)
     start = time.monotonic()
     _launch(dog, seq=3, timeout_s=0.2)
     while dog.failure is None and time.monotonic() - start < 10:
         time.sleep(0.01)
     took = time.monotonic() - start
     assert dog.failure is not None and 0.19 <= took < 5, took
-    assert len(rec.aborts) == 1
+    assert len(rec.failures) == 1
     time.sleep(0.1)
     assert not any(t.name == "fusedist-watchdog-t1" for t in threading.enumerate())
 
 
 def test_thread_sleeps_when_idle_and_restarts_after_stop():
     rec = Recorder()
-    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="t2", interval_s=0.01)
+    dog = CollectiveWatchdog(rec.fail, rec.poll_error, name="t2", interval_s=0.01)
     _, event = _launch(dog, timeout_s=30)
     time.sleep(0.05)
     event.completed = True
@@ -179,7 +181,7 @@ def test_thread_sleeps_when_idle_and_restarts_after_stop():
 
 def test_repeated_stop_and_begin_leave_one_thread():
     rec = Recorder()
-    dog = CollectiveWatchdog(rec.abort, rec.poll_error, name="t3", interval_s=0.005)
+    dog = CollectiveWatchdog(rec.fail, rec.poll_error, name="t3", interval_s=0.005)
     for _ in range(20):
         _launch(dog, timeout_s=60)[1].completed = True
         dog.stop()
@@ -189,6 +191,22 @@ def test_repeated_stop_and_begin_leave_one_thread():
     dog.stop(join_timeout=5)
     time.sleep(0.05)
     assert sum(t.name == "fusedist-watchdog-t3" for t in threading.enumerate()) == 0
+
+
+def test_settle_waits_for_pending_collectives_and_handles_a_failure():
+    rec = Recorder()
+    dog = CollectiveWatchdog(rec.fail, rec.poll_error, name="t4", interval_s=0.01)
+    _, event = _launch(dog, timeout_s=30)
+    threading.Timer(0.1, lambda: setattr(event, "completed", True)).start()
+    assert dog.settle(10) and dog.pending == 0 and rec.failures == []  # completed in time
+    _launch(dog, seq=5, timeout_s=60)
+    start = time.monotonic()
+    assert not dog.settle(0.2) and dog.pending == 1  # still in flight, deadline far away
+    assert 0.2 <= time.monotonic() - start < 5
+    dog.stop(join_timeout=5)
+    _launch(dog, seq=6, timeout_s=0.1)  # (restarts the thread; settle polls too)
+    assert dog.settle(10) and len(rec.failures) == 1 and rec.failed_seq == 6  # the one past its deadline
+    dog.stop(join_timeout=5)
 
 
 # ---- the communicator side: an earlier collective's failure, found at a later launch, is

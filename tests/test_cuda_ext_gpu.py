@@ -9,6 +9,8 @@ a failed kernel cannot leak into other tests).
 import datetime
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -179,8 +181,9 @@ def _timeout(rank, world_size, blocking):
             handle.wait()
         timed_out = "did not complete within 0.5 s"
     else:
-        # Note [stream-ordered waits and the watchdog]: wait() returns at once; the watchdog
-        # aborts at the deadline and the next collective raises, naming the one that failed.
+        # Note [stream-ordered waits and the watchdog], FUSEDIST_NCCL_WATCHDOG=raise: wait()
+        # returns at once; the watchdog aborts at the deadline and the next collective raises,
+        # naming the one that failed.
         start = time.perf_counter()
         handle.wait()
         assert time.perf_counter() - start < 0.2, "a stream-ordered wait blocked the host"
@@ -201,9 +204,44 @@ def _timeout(rank, world_size, blocking):
     return message
 
 
-@pytest.mark.parametrize("blocking", [False, True], ids=["watchdog", "blocking-wait"])
+@pytest.mark.parametrize("blocking", [False, True], ids=["watchdog-raise", "blocking-wait"])
 def test_wait_timeout_aborts_and_names_the_collective(blocking):
     _require_ext()
-    env = {"FUSEDIST_NCCL_BLOCKING_WAIT": "1" if blocking else "0"}
+    env = {"FUSEDIST_NCCL_BLOCKING_WAIT": "1" if blocking else "0", "FUSEDIST_NCCL_WATCHDOG": "raise"}
     (message,) = run_distributed(_timeout, 1, blocking, backend="nccl", timeout=300, env=env)
     print(message)
+
+
+_EXIT_SCRIPT = """
+import datetime, sys, time, torch, torch.distributed as dist
+from fusedist.comm import get_communicator
+dist.init_process_group("nccl", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+comm = get_communicator(device="cuda")
+comm.timeout = datetime.timedelta(seconds=0.5)
+x = torch.ones(1024, device="cuda")
+torch.cuda._sleep(8_000_000_000)  # the collective cannot finish within the timeout
+comm.all_reduce(x, async_op=True, tag="grad-bucket-7").wait()
+print("WAIT RETURNED", flush=True)
+value = x.sum().item()  # blocks behind the collective: the watchdog reports and exits first
+print("READ", value, flush=True)
+"""
+
+
+def test_watchdog_reports_and_exits_before_a_result_can_be_read(tmp_path):
+    """FUSEDIST_NCCL_WATCHDOG=exit (the default): the rank prints the error naming the
+    collective, aborts and exits with status 1 while the host is still blocked on the result,
+    so nothing read from the aborted collective reaches the program."""
+    _require_ext()
+    script = tmp_path / "exit_on_timeout.py"
+    script.write_text(_EXIT_SCRIPT)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "rdzv")], capture_output=True,
+                         text=True, timeout=240, env={k: v for k, v in os.environ.items()
+                                                      if k != "FUSEDIST_NCCL_WATCHDOG"})
+    print(out.stdout[-2000:], out.stderr[-3000:])
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert "WAIT RETURNED" in out.stdout and "READ" not in out.stdout.replace("WAIT RETURNED", "")
+    for needle in ("CollectiveError: fusedist: all_reduce (tag 'grad-bucket-7', collective #",
+                   "failed on rank 0 of 1", "did not complete within 0.5 s of its launch"):
+        assert needle in out.stderr, out.stderr[-3000:]
+    assert time.monotonic() - start < 120

@@ -199,6 +199,7 @@ def _drain(comm: Communicator) -> None:
 
 def _drain_at_exit() -> None:
     for _, comm in list(_cache.values()):
+        comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
         _drain(comm)
     release_destroyed_groups()
 

@@ -165,6 +165,11 @@ class Communicator(abc.ABC):
         interpreter exit (Note [draining at exit] in ``fusedist/comm/__init__.py``). Nothing
         to stop by default."""
 
+    def settle_at_exit(self, limit_s: float) -> None:
+        """At interpreter exit, before the helpers stop: a communicator whose collectives can
+        fail after their ``wait()`` returned makes sure such a failure is reported (it may end
+        the process). Nothing by default."""
+
     def release(self, join_timeout: Optional[float] = None) -> None:
         """Its process group was destroyed: stop the helper threads and free what the
         communicator holds (:func:`fusedist.comm.release_destroyed_groups`). By default the

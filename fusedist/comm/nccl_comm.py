@@ -9,11 +9,13 @@ Stream semantics (Note [comm stream ordering] in ``csrc/cuda/comm_stream.h``): a
 starts after everything the caller enqueued on its current stream before the call, and
 ``handle.wait()`` orders the caller's *current* stream after it without blocking the host.
 Timeouts and NCCL's asynchronous errors are watched from a thread (Note [stream-ordered waits
-and the watchdog] in ``watchdog.py``): past the timeout the NCCL communicator is aborted and
-the next ``wait()`` or launch raises :class:`~fusedist.comm.base.CollectiveError` naming the
-operation, its tag and the rank. ``blocking_wait`` (``FUSEDIST_NCCL_BLOCKING_WAIT=1``) makes
-``wait()`` also block the host until the collective finished, as a debugging aid: an error
-then surfaces at the wait of the collective that caused it.
+and the watchdog] in ``watchdog.py``): past the timeout the rank prints the error naming the
+operation, its tag and the rank, with fusedist's stall report, aborts NCCL and exits
+(``FUSEDIST_NCCL_WATCHDOG=raise``: the next ``wait()`` or launch raises
+:class:`~fusedist.comm.base.CollectiveError` instead). ``blocking_wait``
+(``FUSEDIST_NCCL_BLOCKING_WAIT=1``) makes ``wait()`` also block the host until the collective
+finished, as a debugging aid: the error is then raised by the wait of the collective that
+caused it.
 
 ``get_communicator(device="cuda")`` returns one of these when the extension is built (see
 :func:`make_nccl_communicator`); ``FUSEDIST_COMM=torch`` opts out.
@@ -26,7 +28,9 @@ import glob
 import importlib.util
 import logging
 import os
+import sys
 import threading
+import traceback
 from typing import Optional
 
 import torch
@@ -177,6 +181,9 @@ class NcclCommunicator(Communicator):
             if flag not in ("0", "1"):
                 raise ValueError(f"FUSEDIST_NCCL_BLOCKING_WAIT must be 0 or 1, got {flag!r}")
             blocking_wait = flag == "1"
+        on_failure = os.environ.get("FUSEDIST_NCCL_WATCHDOG", "exit").strip().lower()
+        if on_failure not in ("exit", "raise"):
+            raise ValueError(f"FUSEDIST_NCCL_WATCHDOG must be exit or raise, got {on_failure!r}")
         from . import communicator_choice
 
         choice = communicator_choice()
@@ -219,6 +226,9 @@ class NcclCommunicator(Communicator):
         unique_id = gathered[0][2]
         self._device = _device_index(device)
         self.blocking_wait = blocking_wait
+        #: What a watchdog failure does (Note [stream-ordered waits and the watchdog]): "exit"
+        #: (report, abort, end the process) or "raise" (abort; the next wait or launch raises).
+        self.on_watchdog_failure = on_failure
         self._comm = create_within_timeout(
             lambda: C.NcclComm(unique_id, self.world_size, self.rank, self._device),
             self.timeout.total_seconds(), f"ncclCommInitRank on rank {self.rank} of {self.world_size}")
@@ -226,9 +236,9 @@ class NcclCommunicator(Communicator):
         # ordering]); the stream outlives it (Note [comm streams live as long as the process]).
         self._stream, self.torch_stream = _take_comm_stream(C, self._device)
         self.nccl_version = C.nccl_version()
-        self._last_done = None  # the done event of the latest launch (covers all earlier ones)
         self.closed = False
-        self.watchdog = CollectiveWatchdog(self._comm.abort, self._poll_async_error,
+        self._failure_raised = False  # the watchdog's failure reached the program
+        self.watchdog = CollectiveWatchdog(self._watchdog_failed, self._poll_async_error,
                                            name=f"rank{self.rank}-cuda{self._device}")
 
     # ---- Communicator interface
@@ -279,10 +289,14 @@ class NcclCommunicator(Communicator):
         if timeout < self.timeout:
             self.watchdog.tighten(work.watched, timeout.total_seconds())
         self._raise_watchdog_failure(work.op)
-        if self.blocking_wait:
-            self._comm.wait(work.done, timeout.total_seconds(), work.op)
-        else:
-            self._comm.check_async_error(work.op)
+        try:
+            if self.blocking_wait:
+                self._comm.wait(work.done, timeout.total_seconds(), work.op)
+            else:
+                self._comm.check_async_error(work.op)
+        except Exception:
+            self._failure_raised = True  # the program learns of it here
+            raise
         work.tensors = ()
 
     def raise_if_failed(self, what: str) -> None:
@@ -295,17 +309,51 @@ class NcclCommunicator(Communicator):
     def _raise_watchdog_failure(self, what: str) -> None:
         """Raise the watchdog's failure, naming the collective that failed (which is what the
         stall report must be about), not ``what`` -- the operation that found out."""
-        reason = self.watchdog.failure
-        if reason is None:
-            return
-        failed = self.watchdog.failed
+        if self.watchdog.failure is not None:
+            self._failure_raised = True
+            raise self._watchdog_error(what)
+
+    def _watchdog_error(self, what: str) -> CollectiveError:
+        reason, failed = self.watchdog.failure, self.watchdog.failed
         op, tag, seq = (failed.op, failed.tag, failed.seq) if failed is not None else (what, "", -1)
         name = f"{op} (tag {tag!r}, collective #{seq})" if failed is not None else "a collective in flight"
         # Worded as CommHandle.wait words a failed wait, so reports read the same either way.
-        raise CollectiveError(
+        return CollectiveError(
             f"fusedist: {name} failed on rank {self.rank} of {self.world_size}: {reason}. The "
             f"watchdog aborted the NCCL communicator, so {what} cannot run",
             op=op, tag=tag, rank=self.rank, seq=seq)
+
+    def _watchdog_failed(self, reason: str, failed) -> None:
+        """The watchdog's failure handler (Note [stream-ordered waits and the watchdog])."""
+        if self.blocking_wait or self.on_watchdog_failure == "raise":
+            self._comm.abort(reason)  # the waiting host, or the next wait or launch, raises it
+            return
+        # Report while whatever depends on the collective is still unreadable on the host,
+        # then abort and end the process: nothing read from an aborted collective escapes.
+        error = self._watchdog_error("the rest of the program")
+        handle = CommHandle(self, None, op=error.op, tag=error.tag, seq=error.seq, timeout=self.timeout)
+        try:
+            error = self._on_failure(handle, error) or error  # the stall report, if monitored
+        finally:
+            _exit_reporting(error, lambda: self._comm.abort(reason))
+
+    def settle_at_exit(self, limit_s: float) -> None:
+        # Note [stream-ordered waits and the watchdog]: a failure in the last collectives of a
+        # program is reported, not lost with the process. (In "exit" mode the watchdog thread
+        # ends the process itself when it finds one.)
+        if self.closed or self._comm.aborted and self.watchdog.failure is None:
+            return
+        settled = self.watchdog.settle(limit_s)
+        if self.watchdog.failure is not None and not self._failure_raised:
+            _exit_reporting(self._watchdog_error("the program's exit"))
+        if not settled:
+            oldest = self.watchdog.oldest()
+            _exit_reporting(CollectiveError(
+                f"fusedist: rank {self.rank} of {self.world_size} is exiting with {self.watchdog.pending} "
+                f"collective(s) still in flight on the direct-NCCL communicator {limit_s:g} s after the "
+                f"program ended (the oldest: {oldest}); some rank did not join them. The communicator is "
+                "aborted and the process exits with status 1", rank=self.rank),
+                lambda: self._comm.abort("in flight at exit"))
 
     def _poll_async_error(self) -> None:
         self._comm.check_async_error("a collective in flight (seen by the watchdog)")
@@ -331,7 +379,7 @@ class NcclCommunicator(Communicator):
         for t in tensors:
             # Ordering 3: keep the caching allocator from reusing the memory too early.
             t.record_stream(self.torch_stream)
-        done = self._last_done = self._stream.record_done()
+        done = self._stream.record_done()
         self.watchdog.launched(watched, done)
         return _Work(done, op, tensors, watched)
 
@@ -377,15 +425,18 @@ class NcclCommunicator(Communicator):
         if self.closed:
             return
         self.closed = True
-        self.watchdog.stop(join_timeout=1.0)
         try:
-            if self._last_done is not None and not self._comm.aborted:
-                self._comm.wait(self._last_done, self.timeout.total_seconds(), "close")
-        except Exception as exc:  # noqa: BLE001 - timed out or failed: aborted already
-            log.warning("fusedist: closing the NCCL communicator on rank %d: %s", self.rank, exc)
+            if not self._comm.aborted:
+                # Its work first, watched as always: in "exit" mode a failure ends the process
+                # here, with the report (Note [stream-ordered waits and the watchdog]).
+                self.watchdog.settle(self.timeout.total_seconds())
         finally:
+            self.watchdog.stop(join_timeout=1.0)
             self._comm.abort("closed (its process group was destroyed, or close() was called)")
             _return_comm_stream(self._device, self._stream, self.torch_stream)
+        if self.watchdog.failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._watchdog_error("closing the communicator")
 
     def __repr__(self) -> str:
         return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "
@@ -424,6 +475,20 @@ def _take_comm_stream(C, device: int):
 def _return_comm_stream(device: int, stream, torch_stream) -> None:
     with _stream_lock:
         _stream_pool.setdefault(device, []).append((stream, torch_stream))
+
+
+def _exit_reporting(error: BaseException, before_exit=None) -> None:
+    """Print ``error`` as an uncaught exception would be printed, run ``before_exit`` (the
+    abort), and end the process with status 1 at once: from the watchdog thread (or an exit
+    hook) nothing else can stop a program that runs on with results it cannot trust."""
+    try:
+        sys.stdout.flush()
+        traceback.print_exception(type(error), error, None, file=sys.stderr)
+        sys.stderr.flush()
+        if before_exit is not None:
+            before_exit()
+    finally:
+        os._exit(1)
 
 
 def _device_index(device) -> int:

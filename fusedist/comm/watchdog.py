@@ -17,16 +17,23 @@ on a watchdog thread:
 * the thread polls the oldest pending entries' done events (one stream runs them in launch
   order, so they complete in order) and NCCL's asynchronous error state, every
   ``POLL_INTERVAL_S`` while anything is pending, and sleeps otherwise;
-* an entry past its deadline, an asynchronous error or a failed event aborts the NCCL
-  communicator -- its kernels then end, so a host blocked on the GPU (``.item()``, a
-  synchronize) is released -- logs the reason at once, and records it: the next ``wait()`` or
-  launch on the communicator raises :class:`~fusedist.comm.base.CollectiveError` with it
-  (through the reliability observer, so the stall report names the bucket and the ranks).
+* an entry past its deadline, an asynchronous error or a failed event is a failure, handed
+  once to the communicator's failure handler.
 
-What is read on the host before that error surfaces is garbage from an aborted collective;
-it is never written anywhere durable, because every checkpoint write and every step runs
-collectives first. A ``wait(timeout=...)`` shorter than the communicator's own tightens the
-deadline of that collective.
+What the handler does matters because the host has run ahead: while the collective hangs,
+nothing that depends on it can be read on the host (such a read blocks), but aborting the
+NCCL communicator ends its kernels, and a host read after that returns garbage -- which the
+program might save before it reaches another collective that could raise. So by default
+(``FUSEDIST_NCCL_WATCHDOG=exit``) the handler reports first, while the results are still
+unreadable -- the error and fusedist's stall report (which collective, which ranks got how
+far), printed as an uncaught exception would be -- and then aborts NCCL and ends the process
+with status 1, as torch's NCCL watchdog tears its process down; torchrun then stops the other
+ranks. With ``raise`` it aborts, and the next ``wait()`` or collective on the communicator
+raises the error instead (for programs that rebuild their process groups in-process; they
+must not use results read in between). At interpreter exit the communicator waits for its
+pending collectives (bounded), so a failure in the last step is reported too, not lost with
+the process. A ``wait(timeout=...)`` shorter than the communicator's own tightens the deadline
+of that collective.
 """
 
 from __future__ import annotations
@@ -65,8 +72,9 @@ class CollectiveWatchdog:
     """Enforce deadlines on launched collectives from a daemon thread.
 
     Args:
-        abort: ``abort(reason)`` stops the communicator's in-flight work (ncclCommAbort);
-            later launches on it fail naming ``reason``.
+        on_failure: ``on_failure(reason, failed)`` handles the one failure: ``failed`` is the
+            collective past its deadline (for an asynchronous error: the oldest pending one,
+            or None). It must at least abort the communicator (see the Note).
         poll_error: raises when the communicator hit an asynchronous error (and aborts it);
             returns otherwise.
         name: how the thread and the messages name the communicator.
@@ -74,15 +82,16 @@ class CollectiveWatchdog:
         interval_s: polling period while collectives are pending.
     """
 
-    def __init__(self, abort: Callable[[str], None], poll_error: Callable[[], None], *, name: str,
+    def __init__(self, on_failure: Callable[[str, Optional["WatchedCollective"]], None],
+                 poll_error: Callable[[], None], *, name: str,
                  clock: Callable[[], float] = time.monotonic, interval_s: float = POLL_INTERVAL_S):
-        self._abort, self._poll_error = abort, poll_error
+        self._on_failure, self._poll_error = on_failure, poll_error
         self.name = name
         self._clock, self._interval = clock, interval_s
         self._pending: collections.deque[WatchedCollective] = collections.deque()
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
-        #: Why the watchdog aborted the communicator (None while it has not) ...
+        #: Why a watched collective failed (None while none has) ...
         self.failure: Optional[str] = None
         #: ... and the collective that failed (None: an asynchronous error with none pending).
         self.failed: Optional[WatchedCollective] = None
@@ -119,10 +128,15 @@ class CollectiveWatchdog:
     def pending(self) -> int:
         return len(self._pending)
 
+    def oldest(self) -> str:
+        """The oldest pending collective, described ('' when none)."""
+        with self._cond:
+            return self._pending[0].what if self._pending else ""
+
     # ---- the watching side
     def poll(self) -> Optional[str]:
         """One round of checks (the thread's body; tests call it directly). Returns the
-        failure it found, if any, after aborting the communicator."""
+        failure it found, if any, after handing it to ``on_failure``."""
         if self.failure is not None:
             return self.failure
         reason = failed = None
@@ -144,16 +158,30 @@ class CollectiveWatchdog:
                 failed = self._pending[0] if self._pending else None
         if reason is None:
             return None
-        self.failure, self.failed = reason, failed
-        log.error("fusedist watchdog (%s): %s; the NCCL communicator is aborted and the next "
-                  "collective on it raises", self.name, reason)
+        with self._cond:
+            if self.failure is not None:  # found by a concurrent poll (settle() and the thread)
+                return self.failure
+            self.failure, self.failed = reason, failed
+        log.error("fusedist watchdog (%s): %s", self.name, reason)
         try:
-            self._abort(reason)
-        except Exception:  # noqa: BLE001 - the abort's own status adds nothing to act on
-            log.exception("fusedist watchdog (%s): aborting the communicator failed", self.name)
+            self._on_failure(reason, failed)
+        except Exception:  # noqa: BLE001 - the handler's own trouble must not hide the failure
+            log.exception("fusedist watchdog (%s): handling the failure failed", self.name)
         with self._cond:
             self._pending.clear()
+            self._cond.notify_all()
         return reason
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until nothing is pending or a failure was handled
+        (polling here too, so it also works with the thread stopped). True when settled."""
+        end = self._clock() + timeout_s
+        while True:
+            if self.poll() is not None or not self._pending:
+                return True
+            if self._clock() >= end:
+                return False
+            time.sleep(min(self._interval, 0.05))
 
     def _drop_completed(self) -> None:
         while True:

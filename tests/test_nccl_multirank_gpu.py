@@ -131,9 +131,10 @@ def test_ws4_communicator_equals_torch_nccl():
 # ------------------------------------------------------------------ first launch, peer late
 # #24 finding 3: NCCL >= 2.22 connects lazily inside the first launch of each algorithm, so a
 # peer that is late blocks the launch. Note [launches without the GIL]: other Python threads
-# must keep running meanwhile. Whether the launch returns at once (and wait() enforces the
-# timeout) depends on eager connection: the second test states that bound, with
-# NCCL_RUNTIME_CONNECT=0 (connect at init), and its outcome without it is printed.
+# must keep running meanwhile. Whether the launch returns at once depends on eager connection;
+# either way the watchdog watches it from before the launch call, so the failure is bounded by
+# the timeout: the second test states that bound with NCCL_RUNTIME_CONNECT=0 (connect at
+# init), and the outcome without it is printed.
 LATE_S, TIMEOUT_S = 12.0, 4.0
 
 
@@ -176,7 +177,9 @@ def _late_peer(rank, world_size):
     ticks_during_launch = sum(1 for t in ticks if start <= t <= start + launched)
     error = None
     try:
-        handle.wait()
+        handle.wait()  # stream-ordered: returns at once unless the watchdog already gave up
+        x.sum().item()  # blocks until the collective completes or the watchdog aborts it
+        comm.all_reduce(x, tag="next")  # FUSEDIST_NCCL_WATCHDOG=raise: raises the failure
     except CollectiveError as exc:
         error = str(exc)
     stop.set()
@@ -185,6 +188,7 @@ def _late_peer(rank, world_size):
 
 
 def _late_peer_run(env):
+    env = dict(env, FUSEDIST_NCCL_WATCHDOG="raise")  # rank 0 reports what it saw, then exits
     out = run_distributed(_late_peer, WORLD, backend="nccl", timeout=240, env=env, expect_failure=True)
     assert out[0][0] == "ok", out[0][1]
     r0 = out[0][1]

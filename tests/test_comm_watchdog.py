@@ -241,3 +241,78 @@ def test_launch_after_a_watchdog_failure_names_the_failed_collective():
         comm.all_reduce(torch.zeros(4), tag="bucket 0")
     assert (info.value.op, info.value.tag, info.value.seq) == ("all_reduce", "bucket 3", 5)
     assert comm.failures == [("all_reduce", "bucket 3", 5)]
+
+
+# ---- the direct-NCCL communicator's failure policy, on a stand-in for the extension's
+# communicator (the policy is Python; the GPU tier runs it on NCCL). In a subprocess: the
+# default policy ends the process.
+_POLICY = r'''
+import sys, time
+from fusedist.comm.base import Communicator
+from fusedist.comm.nccl_comm import NcclCommunicator
+from fusedist.comm.watchdog import CollectiveWatchdog
+
+class StandIn:  # the extension's NcclComm, as far as the policy uses it
+    aborted = False
+    def abort(self, reason):
+        print("ABORTED", flush=True)
+        self.aborted = True
+    def check_async_error(self, what):
+        pass
+
+class Pending:
+    def query(self):
+        return False
+
+mode, where = sys.argv[1], sys.argv[2]
+comm = object.__new__(NcclCommunicator)
+Communicator.__init__(comm, 0, 2)
+comm._comm, comm.blocking_wait, comm.on_watchdog_failure = StandIn(), False, mode
+comm._failure_raised, comm.closed = False, False
+comm.watchdog = CollectiveWatchdog(comm._watchdog_failed, comm._poll_async_error, name="t", interval_s=0.01)
+comm.watchdog.launched(comm.watchdog.begin("all_reduce", "ddp bucket 0", 7, 0.2), Pending())
+if where == "running":
+    time.sleep(5)
+    try:
+        comm.raise_if_failed("the step check")
+    except Exception as exc:
+        print("RAISED", type(exc).__name__, exc.tag, exc.seq, flush=True)
+        sys.exit(0)
+    print("NOT REACHED", flush=True)
+else:  # the program ends while the collective hangs
+    print("PROGRAM DONE", flush=True)
+    comm.settle_at_exit(10.0)
+    print("NOT REACHED", flush=True)
+'''
+
+
+def _policy(mode, where):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _POLICY, mode, where], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_nccl_watchdog_exit_policy_reports_before_aborting_and_exits_1():
+    out = _policy("exit", "running")
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert "NOT REACHED" not in out.stdout and "ABORTED" in out.stdout, out.stdout
+    line = ("fusedist.comm.base.CollectiveError: fusedist: all_reduce (tag 'ddp bucket 0', collective #7) "
+            "failed on rank 0 of 2: all_reduce [ddp bucket 0] (collective #7) did not complete within 0.2 s "
+            "of its launch")
+    assert line in out.stderr, out.stderr
+
+
+def test_nccl_watchdog_raise_policy_aborts_and_the_program_gets_the_error():
+    out = _policy("raise", "running")
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert "ABORTED" in out.stdout and "RAISED CollectiveError ddp bucket 0 7" in out.stdout, out.stdout
+
+
+def test_nccl_failure_in_the_last_collectives_is_reported_at_exit():
+    for mode in ("exit", "raise"):
+        out = _policy(mode, "exit")
+        assert out.returncode == 1, (mode, out.returncode, out.stdout, out.stderr)
+        assert "PROGRAM DONE" in out.stdout and "NOT REACHED" not in out.stdout, (mode, out.stdout)
+        assert "collective #7) did not complete within 0.2 s" in out.stderr, (mode, out.stderr)

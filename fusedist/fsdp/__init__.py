@@ -6,6 +6,7 @@ a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the para
 ``containers`` (the tensors in a unit's inputs and outputs), ``stale`` (gathered copies
 an optimizer step outdated), ``holder``
 (global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
+``dcp`` (state-dict entries torch's distributed checkpoint can save and load),
 ``memory`` (what is held), ``api`` (``fully_shard`` and the methods a module gains).
 """
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import get_communicator
+from .dcp import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
@@ -103,6 +104,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
             f"fusedist.fully_shard({type(module).__name__}): every parameter of this module is tied to a "
             "parameter another unit holds; leave it to that unit's parent instead of sharding it alone")
     FullyShardState(module, unit, grads, mp_policy, auto)
+    if unit is not None:
+        install_state_dict_hooks(module)  # Note [pieces in torch's distributed checkpoint]
     module.__class__ = _sharded_class(type(module))
     return module
 

@@ -1,8 +1,10 @@
 """Full (unsharded) state dicts of a ``fully_shard`` model, for export and import.
 
 ``model.state_dict()`` of a sharded model holds this rank's pieces (Note [sharded
-parameters] in unit.py): it round-trips through ``load_state_dict`` at the same world size,
-as torch's FSDP2 sharded state dict does. For a file any world size -- or an unsharded model --
+parameters] in unit.py), as ``ShardedPiece`` entries that torch's distributed checkpoint saves
+and loads at any world size (Note [pieces in torch's distributed checkpoint] in dcp.py): it
+round-trips through ``load_state_dict`` at the same world size, as torch's FSDP2 sharded state
+dict does, and ``load_state_dict`` also takes whole parameters (each rank keeps its rows). For a file any world size -- or an unsharded model --
 can read, :func:`full_state_dict` gathers every parameter whole (one all-gather per unit),
 and :func:`load_full_state_dict` loads such a dict, each rank keeping its rows.
 """
@@ -14,7 +16,7 @@ from torch import nn
 
 from .state import state_of
 
-__all__ = ["full_state_dict", "load_full_state_dict", "units_of", "piece_index"]
+__all__ = ["full_state_dict", "load_full_state_dict", "units_of", "piece_index", "gather_params"]
 
 
 def units_of(model: nn.Module) -> list:
@@ -38,6 +40,20 @@ def piece_index(units) -> dict:
 
 
 @torch.no_grad()
+def gather_params(unit, *, to_cpu: bool) -> list:
+    """Every parameter of ``unit`` whole (fresh tensors, in the unit's dtype), from the pieces:
+    one all-gather per section -- a collective, every rank calls it for the same unit."""
+    flat = torch.empty(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
+    for handle in unit.gather_into(flat, unit.shard.to(unit.device), f"fully_shard full state dict {unit.name}"):
+        handle.wait()
+    out = []
+    for slot in unit.layout.slots:
+        full = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        out.append(full.cpu().clone() if to_cpu else full.clone())
+    return out
+
+
+@torch.no_grad()
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
     """``model``'s state dict with every parameter whole, under the keys of the unwrapped
     model (buffers and ignored parameters as they are). A collective: every rank calls it,
@@ -46,12 +62,8 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
     where = piece_index(units)
     gathered = {}
     for unit in units:
-        flat = torch.empty(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
-        for handle in unit.gather_into(flat, unit.shard.to(unit.device), f"fully_shard full state dict {unit.name}"):
-            handle.wait()
-        for i, slot in enumerate(unit.layout.slots):
-            full = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            gathered[i, id(unit)] = full.cpu().clone() if to_cpu else full.clone()
+        for i, full in enumerate(gather_params(unit, to_cpu=to_cpu)):
+            gathered[i, id(unit)] = full
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         hit = where.get(id(value))

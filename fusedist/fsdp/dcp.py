@@ -1,0 +1,311 @@
+"""``model.state_dict()`` of a ``fully_shard`` model for torch's Distributed Checkpoint (DCP) and
+its state-dict helpers (``torch.distributed.checkpoint.state_dict``).
+
+Note [pieces in torch's distributed checkpoint]
+    DCP saves a plain tensor as *replicated* (one rank writes it whole) and loads one by
+    checking ``tensor.size()`` against the saved size. A piece (Note [sharded parameters] in
+    unit.py) is neither: saved as a plain tensor only one rank's piece was written, and a load
+    failed on the shape or, with equal-shaped pieces, loaded that one piece on every rank.
+    DCP's extension protocol for tensors sharded its own way (``planner_helpers``:
+    ``__create_write_items__``, ``__create_chunk_list__``; ``utils.find_tensor_shard``:
+    ``__get_tensor_shard__``) lets a tensor say which chunks of the whole tensor it holds.
+
+    The carrier: ``state_dict()`` (not ``keep_vars=True``, which returns the parameters
+    themselves, as fusedist's own checkpoint and full-state-dict code need) returns each
+    sharded parameter as a :class:`ShardedPiece` -- an alias of the piece (same storage, same
+    ``shape``, contiguous) that also knows the whole parameter's shape and the elements
+    ``[lo, hi)`` of the flattened parameter it holds. Why a small ``torch.Tensor`` subclass
+    rather than attributes on the returned tensors: attributes go into a tensor's pickled
+    state, so ``torch.save(model.state_dict())`` would store fusedist objects (and
+    ``torch.load(weights_only=True)`` refuse them); a subclass pickles as the plain piece
+    (``__reduce_ex__``), has its methods in one place, and follows ``.to()``/``.cpu()``/
+    ``.clone()``/``.detach()`` (``cpu_offload`` of the sharded state-dict helpers) where
+    attributes would be dropped. Every other op returns a plain tensor, so to ``copy_``,
+    ``load_state_dict`` and arithmetic an entry is the piece it was before.
+
+    One deliberate difference: ``size()`` is the *whole* parameter's size (DCP's load compares
+    it with the checkpoint's, as it does for a DTensor, whose size is the global one), while
+    ``shape``/``numel()``/``len()`` are the piece's. Tensor's own Python methods that rebuild a
+    tensor from ``self.size()`` (``__deepcopy__``, ``__reduce_ex__``, ``__repr__``) are
+    overridden to use the piece.
+
+    The chunks: a piece of whole rows is one chunk ``offsets (first_row, 0, ...)``, ``sizes
+    (rows, *shape[1:])``. A piece cut anywhere (Note [row-aligned flat layout], 1-D pieces) is
+    a flat range of the parameter: it is written as the few boxes that tile that range (a
+    partial row, whole rows, a partial row -- recursively in the inner dimensions), so any
+    layout, at any world size, reads and writes the parameter's own N-D chunks: a checkpoint
+    saved at 2 ranks loads at 3, and a torch FSDP2 model's checkpoint is the same parameters.
+    An empty piece holds no chunk (a parameter with no elements: rank 0 writes an empty chunk,
+    so the key exists). Loading writes straight into the pieces (the boxes are views of them),
+    then ``load_state_dict`` copies each piece onto itself.
+
+    The same hook makes the entries describe the *pieces* even while a unit is gathered (the
+    module holds the unsharded parameters then): the pieces are what the optimizer steps
+    and what a load must fill, the gathered copy may be in ``param_dtype`` or stale.
+
+Note [full state dict through torch's helpers]
+    ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`` gathers
+    DTensors and ShardedTensors (``_gather_state_dict``) and passes any other tensor through:
+    it would hand back the pieces. Neither hook it offers tells ``model.state_dict()`` which
+    options were asked for, and both gatherers assume torch's even split, not fusedist's
+    layout, so a piece cannot pose as either. So the state-dict hook looks up the call stack
+    for torch's ``_get_model_state_dict`` frame (the function object is taken from torch's
+    module, not matched by name) and reads its options: with ``full_state_dict`` the hook
+    puts each parameter whole in the dict (one all-gather per unit, on every rank; moved to
+    the CPU at once with ``cpu_offload``), and torch then keeps them on rank 0 only with
+    ``cpu_offload``, as for FSDP2. A frame found without the options it expects (another torch
+    version) raises instead of guessing. The other direction needs no hook: torch hands
+    ``load_state_dict`` the whole tensors, and the load pre-hook cuts an entry of the whole
+    parameter's shape to this rank's rows (so ``model.load_state_dict(full)`` works too).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import sys
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["ShardedPiece", "install_state_dict_hooks", "chunks_of"]
+
+
+def chunks_of(shape: tuple, lo: int, hi: int) -> list:
+    """The boxes tiling elements ``[lo, hi)`` of a row-major tensor of ``shape``, in order: a
+    list of ``(offsets, sizes)`` (tuples). Whole rows make one box; a range that starts or ends
+    mid-row adds a box for each partial row, recursively in the inner dimensions."""
+    if hi <= lo:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    r0, a = divmod(lo, inner)
+    r1, b = divmod(hi, inner)
+    zeros = (0,) * (len(shape) - 1)
+    if r0 == r1:  # inside one row
+        return [((r0, *o), (1, *s)) for o, s in chunks_of(shape[1:], a, b)]
+    out = []
+    if a:
+        out += [((r0, *o), (1, *s)) for o, s in chunks_of(shape[1:], a, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *zeros), (r1 - r0, *shape[1:])))
+    if b:
+        out += [((r1, *o), (1, *s)) for o, s in chunks_of(shape[1:], 0, b)]
+    return out
+
+
+# ops whose result is the same piece's values (another device or dtype, a copy): they keep the carrier
+_KEEPS = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.clone, torch.clone,
+          torch.Tensor.detach, torch.detach, torch.Tensor.contiguous, torch.Tensor.pin_memory,
+          torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16}
+
+
+class ShardedPiece(torch.Tensor):
+    """A state-dict entry of a sharded parameter: this rank's piece (``shape``, data) that
+    knows the whole parameter's size (``size()``, as for a DTensor) and the elements ``[lo,
+    hi)`` of the flattened parameter it holds (Note [pieces in torch's distributed checkpoint])."""
+
+    _fs_size: torch.Size
+    _fs_range: tuple
+
+    @staticmethod
+    def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
+        if not piece.is_contiguous() or piece.numel() != hi - lo:
+            raise ValueError(f"a piece must be contiguous and hold its range: shape {tuple(piece.shape)}, "
+                             f"range [{lo}, {hi})")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = piece.as_subclass(ShardedPiece)
+        out._fs_size = torch.Size(full_shape)
+        out._fs_range = (int(lo), int(hi))
+        return out
+
+    def local(self) -> torch.Tensor:
+        """The piece as a plain tensor (same storage)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    @property
+    def full_shape(self) -> torch.Size:
+        return self._fs_size
+
+    @property
+    def element_range(self) -> tuple:
+        return self._fs_range
+
+    def _like(self, other: torch.Tensor) -> "ShardedPiece":
+        return ShardedPiece.wrap(other, self._fs_size, *self._fs_range)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        src = args[0] if args else None
+        if (func in _KEEPS and isinstance(src, ShardedPiece) and isinstance(out, torch.Tensor)
+                and out is not src and out.shape == src.shape and out.is_contiguous()):
+            return src._like(out)
+        return out
+
+    # -- what Tensor's Python methods would rebuild from size(): use the piece
+    def size(self, dim: Optional[int] = None):
+        return self._fs_size if dim is None else self._fs_size[dim]
+
+    def __reduce_ex__(self, proto):
+        return self.local().__reduce_ex__(proto)  # pickled as the plain piece (as before)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        out = self._like(copy.deepcopy(self.local(), memo))
+        memo[id(self)] = out
+        return out
+
+    def __repr__(self, *, tensor_contents=None):
+        lo, hi = self._fs_range
+        return (f"ShardedPiece(elements [{lo}, {hi}) of a parameter of shape {tuple(self._fs_size)}, "
+                f"piece {self.local()!r})")
+
+    # -- DCP's extension protocol
+    def _chunks(self) -> list:
+        chunks = chunks_of(tuple(self._fs_size), *self._fs_range)
+        if not chunks and math.prod(self._fs_size) == 0 and len(self._fs_size):
+            chunks = [((0,) * len(self._fs_size), tuple(self._fs_size))]  # so that the key exists
+        return chunks
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties.create_from_tensor(self.local())
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(o),
+                                                                                 sizes=torch.Size(s)),
+                                                      properties=props, size=self._fs_size))
+                for o, s in self._chunks()]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self._chunks()]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        flat, start = self.local().view(-1), 0
+        for o, s in self._chunks():
+            n = math.prod(s)
+            if torch.Size(o) == index.offset:
+                return flat[start:start + n].view(s)
+            start += n
+        raise ValueError(f"FQN '{index.fqn}': this rank's piece (elements {list(self._fs_range)} of shape "
+                         f"{tuple(self._fs_size)}) holds no chunk at offsets {tuple(index.offset or ())}")
+
+
+# ---------------------------------------------------------------------------- hooks
+_KEEP_VARS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def install_state_dict_hooks(module: nn.Module) -> None:
+    """The state-dict hooks of a module that ``fully_shard`` gave a unit."""
+    module.register_state_dict_pre_hook(_pre_state_dict)
+    module.register_state_dict_post_hook(_post_state_dict)
+    module.register_load_state_dict_pre_hook(_pre_load_state_dict)
+
+
+def _entries(module: nn.Module, prefix: str):
+    """``(key, unit, index)`` of every sharded parameter this module's state dict holds
+    itself (submodules sharded on their own have hooks of their own)."""
+    from .api import _managed_modules
+    from .state import state_of
+    from .state_dict import piece_index
+
+    unit = state_of(module).unit
+    if unit is None:
+        return
+    where = piece_index([unit] + [owner for owner, _, _ in unit.borrowed])
+    for name, sub in _managed_modules(module):
+        for attr, p in sub._parameters.items():
+            hit = where.get(id(p)) if p is not None else None
+            if hit is not None:
+                yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", hit[0], hit[1]
+
+
+def _pre_state_dict(module, prefix, keep_vars) -> None:
+    _KEEP_VARS[module] = bool(keep_vars)
+
+
+def piece_entry(unit, index: int) -> ShardedPiece:
+    """The state-dict entry of parameter ``index`` of ``unit``: its piece as a ShardedPiece."""
+    lo, hi = unit.element_range(index)
+    return ShardedPiece.wrap(unit.sharded[index].detach(), unit.layout.slots[index].shape, lo, hi)
+
+
+@torch.no_grad()
+def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    if _KEEP_VARS.pop(module, False):
+        return  # the parameters themselves, as asked
+    full = _full_state_dict_requested()
+    gathered: dict = {}
+    for key, unit, i in _entries(module, prefix):
+        if key not in state_dict:
+            continue
+        if full is None:
+            state_dict[key] = piece_entry(unit, i)
+            continue
+        from .state_dict import gather_params
+
+        if id(unit) not in gathered:
+            gathered[id(unit)] = gather_params(unit, to_cpu=full[1])
+        state_dict[key] = gathered[id(unit)][i]
+
+
+@torch.no_grad()
+def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                         error_msgs) -> None:
+    """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece."""
+    for key, unit, i in _entries(module, prefix):
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        piece_shape, full_shape = tuple(unit.sharded[i].shape), tuple(unit.layout.slots[i].shape)
+        if tuple(value.shape) == piece_shape or tuple(value.shape) != full_shape:
+            continue  # a piece (as saved at this layout), or torch's size-mismatch error
+        if isinstance(value, ShardedPiece):
+            value = value.local()
+        lo, hi = unit.element_range(i)
+        state_dict[key] = value.reshape(-1)[lo:hi].view(piece_shape)
+
+
+_TORCH_CALLERS: Optional[set] = None
+
+
+def _full_state_dict_requested() -> Optional[tuple]:
+    """``(full_state_dict, cpu_offload)`` when ``state_dict()`` is called by torch's
+    ``get_model_state_dict``/``get_state_dict`` asking for a full state dict, else None
+    (Note [full state dict through torch's helpers])."""
+    global _TORCH_CALLERS
+    helpers = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if helpers is None:
+        return None
+    if _TORCH_CALLERS is None:
+        fn = getattr(helpers, "_get_model_state_dict", None)
+        _TORCH_CALLERS = {inspect.unwrap(fn).__code__} if fn is not None else set()
+    if not _TORCH_CALLERS:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(256):
+        if frame is None:
+            return None
+        if frame.f_code in _TORCH_CALLERS:
+            info = frame.f_locals.get("info")
+            if not (hasattr(info, "full_state_dict") and hasattr(info, "cpu_offload")):
+                raise RuntimeError(
+                    "fusedist.fully_shard: called by torch's get_model_state_dict, whose options this fusedist "
+                    "cannot read in this torch version, so it cannot tell a full state dict from a sharded one. "
+                    "Use fusedist.fsdp.full_state_dict(model) for whole parameters, or model.state_dict() "
+                    "for DCP.")
+            return (True, bool(info.cpu_offload)) if info.full_state_dict else None
+        frame = frame.f_back
+    return None

@@ -101,6 +101,23 @@ def test_continues_at_another_world_size_like_an_uninterrupted_run(tmp_path, siz
 # ----------------------------------------------------------------------------- failed saves
 
 
+def _disk_full_at(where: str, rank: int, real):
+    """A stand-in for ``_files.atomic_write`` whose write fails half-way (disk full) for one
+    file of a save: rank 1's shard, rank 0's common file, or rank 0's manifest."""
+    def failing(path, write):
+        name = os.path.basename(path)
+        if ((where == "rank_file" and rank == 1 and name.startswith("rank-"))
+                or (where == "common" and name.startswith("common"))
+                or (where == "manifest" and name == "manifest.json")):
+            def partial(f):
+                f.write(b"partial")
+                raise OSError(28, "No space left on device")
+            return real(path, partial)
+        return real(path, write)
+
+    return failing
+
+
 def _failing_save(rank, world_size, root):
     """A write that fails (disk full) on one rank, at each point of a save: rank 1's shard,
     rank 0's common.pt, rank 0's manifest. Every rank must raise CheckpointError at once (not
@@ -115,18 +132,7 @@ def _failing_save(rank, world_size, root):
     real = _files.atomic_write
     out = {}
     for where in ("rank_file", "common", "manifest"):
-        def failing(path, write, where=where):
-            name = os.path.basename(path)
-            if ((where == "rank_file" and rank == 1 and name.startswith("rank-"))
-                    or (where == "common" and name == "common.pt")
-                    or (where == "manifest" and name == "manifest.json")):
-                def partial(f):
-                    f.write(b"partial")
-                    raise OSError(28, "No space left on device")
-                return real(path, partial)
-            return real(path, write)
-
-        _files.atomic_write = failing
+        _files.atomic_write = _disk_full_at(where, rank, real)
         start = time.monotonic()
         try:
             checkpoint.save(other, model, opt, extra={"v": 2})
@@ -169,18 +175,7 @@ def _failing_save_over_a_checkpoint(rank, world_size, root):
            "first version": _files.read_manifest(directory)["version"]}
     real = _files.atomic_write
     for where in ("rank_file", "common", "manifest"):
-        def failing(path, write, where=where):
-            name = os.path.basename(path)
-            if ((where == "rank_file" and rank == 1 and name.startswith("rank-"))
-                    or (where == "common" and name.startswith("common"))
-                    or (where == "manifest" and name == "manifest.json")):
-                def partial(f):
-                    f.write(b"partial")
-                    raise OSError(28, "No space left on device")
-                return real(path, partial)
-            return real(path, write)
-
-        _files.atomic_write = failing
+        _files.atomic_write = _disk_full_at(where, rank, real)
         try:
             checkpoint.save(directory, model, opt, extra={"v": 2})
             out[where] = "saved"

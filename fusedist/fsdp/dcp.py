@@ -278,34 +278,43 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
         state_dict[key] = value.reshape(-1)[lo:hi].view(piece_shape)
 
 
-_TORCH_CALLERS: Optional[set] = None
+_TORCH_CALLERS: dict = {}
+
+
+def torch_helper_options(function: str) -> Optional[tuple]:
+    """``(full_state_dict, cpu_offload)`` of the options of the torch state-dict helper frame
+    ``function`` (a function of ``torch.distributed.checkpoint.state_dict`` that has an
+    ``info`` local) when the caller runs under it, else None (Note [full state dict through
+    torch's helpers]). Raises when the frame is found without the options it expects."""
+    helpers = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if helpers is None:
+        return None
+    code = _TORCH_CALLERS.get(function)
+    if code is None:
+        fn = getattr(helpers, function, None)
+        code = _TORCH_CALLERS[function] = inspect.unwrap(fn).__code__ if fn is not None else False
+    if code is False:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(256):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            info = frame.f_locals.get("info")
+            if not (hasattr(info, "full_state_dict") and hasattr(info, "cpu_offload")):
+                raise RuntimeError(
+                    f"fusedist.fully_shard: called by torch's {function}, whose options this fusedist cannot read "
+                    "in this torch version, so it cannot tell a full state dict from a sharded one. Use "
+                    "fusedist.fsdp.full_state_dict(model) for whole parameters, model.state_dict() for DCP, "
+                    "or fusedist.checkpoint.save for the model and its optimizer.")
+            return bool(info.full_state_dict), bool(info.cpu_offload)
+        frame = frame.f_back
+    return None
 
 
 def _full_state_dict_requested() -> Optional[tuple]:
     """``(full_state_dict, cpu_offload)`` when ``state_dict()`` is called by torch's
     ``get_model_state_dict``/``get_state_dict`` asking for a full state dict, else None
     (Note [full state dict through torch's helpers])."""
-    global _TORCH_CALLERS
-    helpers = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    if helpers is None:
-        return None
-    if _TORCH_CALLERS is None:
-        fn = getattr(helpers, "_get_model_state_dict", None)
-        _TORCH_CALLERS = {inspect.unwrap(fn).__code__} if fn is not None else set()
-    if not _TORCH_CALLERS:
-        return None
-    frame = sys._getframe(2)
-    for _ in range(256):
-        if frame is None:
-            return None
-        if frame.f_code in _TORCH_CALLERS:
-            info = frame.f_locals.get("info")
-            if not (hasattr(info, "full_state_dict") and hasattr(info, "cpu_offload")):
-                raise RuntimeError(
-                    "fusedist.fully_shard: called by torch's get_model_state_dict, whose options this fusedist "
-                    "cannot read in this torch version, so it cannot tell a full state dict from a sharded one. "
-                    "Use fusedist.fsdp.full_state_dict(model) for whole parameters, or model.state_dict() "
-                    "for DCP.")
-            return (True, bool(info.cpu_offload)) if info.full_state_dict else None
-        frame = frame.f_back
-    return None
+    found = torch_helper_options("_get_model_state_dict")
+    return found if found is not None and found[0] else None

@@ -75,6 +75,9 @@ class ShardedUnit:
         #: whether the unit's forward or backward is running (set by its module's state)
         self.busy: Callable[[], bool] = lambda: False
         stale.install()  # Note [gathered copies and the optimizer step]
+        from .optim_state import note_unit
+
+        note_unit(self)  # Note [optimizer state of pieces] in optim_state.py
         for i, u in enumerate(self.unsharded):
             # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)
             frozen = not u.requires_grad

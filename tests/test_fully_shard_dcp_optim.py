@@ -125,27 +125,16 @@ def _full_optim_helpers(rank, ws, opt_name):
     torch_offloaded = get_optimizer_state_dict(ref, ref_opt,
                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out["offload keys"] = (sorted(offloaded.get("state", {})), sorted(torch_offloaded.get("state", {})))
-    # ... and back: every rank passes the whole state, or rank 0 broadcasts it (fusedist's fused
-    # optimizers check state shapes before the pieces can be cut: refused, naming the alternatives)
-    if opt_name == "fused_adamw":
-        full = get_optimizer_state_dict(ours, opt, options=StateDictOptions(full_state_dict=True))
+    # ... and back: every rank passes the whole state, or rank 0 broadcasts it
+    full = get_optimizer_state_dict(ours, opt, options=StateDictOptions(full_state_dict=True))
+    for opts, src in ((StateDictOptions(full_state_dict=True), full),
+                      (StateDictOptions(full_state_dict=True, broadcast_from_rank0=True), offloaded)):
         fresh = _make("ours", ws, 0)
-        try:
-            set_optimizer_state_dict(fresh, OPTIMIZERS[opt_name](fresh.parameters()), full,
-                                     options=StateDictOptions(full_state_dict=True))
-            out["fused full load refused"] = False
-        except NotImplementedError as e:
-            out["fused full load refused"] = "fusedist.checkpoint.load" in str(e)
-    else:
-        full = get_optimizer_state_dict(ours, opt, options=StateDictOptions(full_state_dict=True))
-        for opts, src in ((StateDictOptions(full_state_dict=True), full),
-                          (StateDictOptions(full_state_dict=True, broadcast_from_rank0=True), offloaded)):
-            fresh = _make("ours", ws, 0)
-            fresh_opt = OPTIMIZERS[opt_name](fresh.parameters())
-            set_optimizer_state_dict(fresh, fresh_opt, src, options=opts)
-            key = "set broadcast" if opts.broadcast_from_rank0 else "set full"
-            out[key] = _diff(_full_optim(fresh, fresh_opt), whole)
-            out[key + " plain"] = _plain_state(fresh_opt)
+        fresh_opt = OPTIMIZERS[opt_name](fresh.parameters())
+        set_optimizer_state_dict(fresh, fresh_opt, src, options=opts)
+        key = "set broadcast" if opts.broadcast_from_rank0 else "set full"
+        out[key] = _diff(_full_optim(fresh, fresh_opt), whole)
+        out[key + " plain"] = _plain_state(fresh_opt)
     # optimizer.state_dict() is still the pieces to torch.save: a same-layout round trip
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)

@@ -133,7 +133,6 @@ def _post_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
     if not entries:
         return None
     options = torch_helper_options("_get_optim_state_dict")
-    _refuse_full_load(optimizer)
     new_state = dict(state)
     if options is not None and options[0]:
         wholes = _gather_states(entries, state, to_cpu=options[1])
@@ -198,20 +197,6 @@ def _check_same_jobs(units: list, jobs: list) -> None:
                 "different state for the sharded parameters (a parameter stepped on some ranks only?), so the "
                 "state cannot be gathered whole. Step every rank's optimizer first, or save a sharded state dict "
                 "with torch.distributed.checkpoint, or use fusedist.checkpoint.save.")
-
-
-def _refuse_full_load(optimizer) -> None:
-    """torch's ``set_optimizer_state_dict(full_state_dict=True)`` reads the optimizer's state
-    dict only on that path, then loads whole tensors; fusedist's fused optimizers check the
-    shapes before the load pre-hooks run, so they would refuse them with a misleading error."""
-    from ..optim._base import FusedOptimizerBase
-
-    if isinstance(optimizer, FusedOptimizerBase) and torch_helper_options("_load_optim_state_dict") is not None:
-        raise NotImplementedError(
-            f"fusedist.fully_shard: set_optimizer_state_dict(full_state_dict=True) into {type(optimizer).__name__} "
-            "over fully_shard parameters is not supported: it checks the whole state tensors against the pieces "
-            "before they can be cut. Load a sharded state dict (get_optimizer_state_dict + "
-            "torch.distributed.checkpoint.load + set_optimizer_state_dict), or use fusedist.checkpoint.load.")
 
 
 # ---------------------------------------------------------------------------- load_state_dict()

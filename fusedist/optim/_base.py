@@ -215,10 +215,21 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         parameter's dtype, which would round fp32 master weights and moments to bf16), and a
         state dict this optimizer could not step is refused before anything changes (Note
         [validate, then mutate])."""
+        # torch's loader runs the load pre-hooks first (fully_shard's cuts whole state tensors
+        # to this rank's pieces, fusedist/fsdp/optim_state.py); the check must see what they
+        # make of the state dict, so they run here, once, and not again inside torch's loader.
+        state_dict = state_dict.copy()
+        pre_hooks = self._optimizer_load_state_dict_pre_hooks
+        for hook in pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         self._check_loadable(saved_groups, saved_state)
-        super().load_state_dict(state_dict)
+        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
         self._fusedist_ready = set()
         self._master_versions = {}  # the loaded masters are the truth now
         for group in self.param_groups:

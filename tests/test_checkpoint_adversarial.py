@@ -118,29 +118,37 @@ def _disk_full_at(where: str, rank: int, real):
     return failing
 
 
+def _save_with_disk_full_at(where: str, rank: int, directory: str, model, opt) -> str:
+    """``checkpoint.save`` with the write of ``where`` failing (:func:`_disk_full_at`): the
+    error's text, or "saved"."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint import _files
+
+    real = _files.atomic_write
+    _files.atomic_write = _disk_full_at(where, rank, real)
+    try:
+        checkpoint.save(directory, model, opt, extra={"v": 2})
+        return "saved"
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
+    finally:
+        _files.atomic_write = real
+
+
 def _failing_save(rank, world_size, root):
     """A write that fails (disk full) on one rank, at each point of a save: rank 1's shard,
     rank 0's common.pt, rank 0's manifest. Every rank must raise CheckpointError at once (not
     wait for the collective timeout), the group must stay usable, and a checkpoint in another
     directory must stay loadable."""
     from fusedist import checkpoint
-    from fusedist.checkpoint import _files
 
     model, opt = _build("zero2_torch", 0)
     good, other = os.path.join(root, "good"), os.path.join(root, "other")
     checkpoint.save(good, model, opt, extra={"v": 1})
-    real = _files.atomic_write
     out = {}
     for where in ("rank_file", "common", "manifest"):
-        _files.atomic_write = _disk_full_at(where, rank, real)
         start = time.monotonic()
-        try:
-            checkpoint.save(other, model, opt, extra={"v": 2})
-            out[where] = "saved"
-        except checkpoint.CheckpointError as exc:
-            out[where] = str(exc)
-        finally:
-            _files.atomic_write = real
+        out[where] = _save_with_disk_full_at(where, rank, other, model, opt)
         out[where + " seconds"] = time.monotonic() - start
         out[where + " manifest"] = os.path.exists(os.path.join(other, "manifest.json"))
         out[where + " tmp files"] = [n for n in os.listdir(other) if ".tmp-" in n]
@@ -173,16 +181,8 @@ def _failing_save_over_a_checkpoint(rank, world_size, root):
     checkpoint.save(directory, model, opt, extra={"v": 1})
     out = {"first": sorted(os.listdir(directory)),
            "first version": _files.read_manifest(directory)["version"]}
-    real = _files.atomic_write
     for where in ("rank_file", "common", "manifest"):
-        _files.atomic_write = _disk_full_at(where, rank, real)
-        try:
-            checkpoint.save(directory, model, opt, extra={"v": 2})
-            out[where] = "saved"
-        except checkpoint.CheckpointError as exc:
-            out[where] = str(exc)
-        finally:
-            _files.atomic_write = real
+        out[where] = _save_with_disk_full_at(where, rank, directory, model, opt)
         torch.distributed.barrier()
         out[where + " files"] = sorted(os.listdir(directory))
         out[where + " loads"] = checkpoint.load(directory, model, opt)

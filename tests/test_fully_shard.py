@@ -395,14 +395,19 @@ def test_edge_cases_match_torch_fsdp2(world_size):
 
 
 # ------------------------------------------------------------ state dicts, memory, methods
-def _state_and_memory(rank, ws):
-    mesh = _mesh(ws)
-    out = {}
+def _sharded_net(mesh) -> Net:
+    """Net from seed 0 under fusedist.fully_shard: each block, then the root."""
     torch.manual_seed(0)
     model = Net()
     for b in model.blocks:
         fusedist.fully_shard(b, mesh=mesh)
-    fusedist.fully_shard(model, mesh=mesh)
+    return fusedist.fully_shard(model, mesh=mesh)
+
+
+def _state_and_memory(rank, ws):
+    mesh = _mesh(ws)
+    out = {}
+    model = _sharded_net(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fusedist.fsdp.reset_peak_memory_stats()
     _train(model, opt, rank, 2)

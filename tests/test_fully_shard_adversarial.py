@@ -25,7 +25,7 @@ from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
-from test_fully_shard import Net, _batch, _full_torch, _max_diff, _mesh, _shard_both
+from test_fully_shard import Net, _batch, _full_torch, _max_diff, _mesh, _shard_both, _sharded_net
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -375,11 +375,7 @@ def _resume(rank, ws):
     mesh = _mesh(ws)
 
     def make():
-        torch.manual_seed(0)
-        model = Net()
-        for b in model.blocks:
-            fusedist.fully_shard(b, mesh=mesh)
-        fusedist.fully_shard(model, mesh=mesh)
+        model = _sharded_net(mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
 

@@ -19,13 +19,12 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
+from test_fully_shard_checkpoint import _steps
 
-GLOBAL_BATCH = 12
 TOL3 = 1e-6
 
 
@@ -76,19 +75,9 @@ def _make(kind: str, ws: int, seed: int, scalar: bool = False):
     return model
 
 
-def _batch(rank: int, ws: int, step: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
-    n = GLOBAL_BATCH // ws
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-
-
 def _train(model, opt, rank, ws, first, last):
-    for step in range(first, last):
-        x, y = _batch(rank, ws, step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    """Steps ``[first, last)`` on the global batches of the checkpoint tests (each rank its slice)."""
+    _steps(model, opt, first, last, rank, ws)
 
 
 def _full(model) -> dict:

@@ -1,4 +1,5 @@
-"""The spawn harness (fusedist.testing.run_distributed) reports native crashes of a rank."""
+"""The multi-process harness (fusedist.testing.run_distributed) reports native crashes of a rank,
+also one during its exit (forked ranks run the exit handlers themselves)."""
 
 import atexit
 import ctypes
@@ -22,7 +23,11 @@ def _crash_while_exiting(rank, world_size):
     return rank
 
 
-def test_segfault_names_the_rank_and_prints_the_python_stack(capfd):
+def test_segfault_names_the_rank_and_prints_the_python_stack(capfd, monkeypatch):
+    # capfd replaces this process's stderr for this test only; spawned ranks inherit it,
+    # forked ones keep the fork server's (Note [ranks forked from a server that imported
+    # torch] in fusedist/testing/multiprocess.py).
+    monkeypatch.setenv("FUSEDIST_TEST_START", "spawn")
     with pytest.raises(DistributedRunError, match=r"rank 1 exited with code -11 without reporting") as info:
         run_distributed(_segfault_in_native_code, 2, backend=None, timeout=60)
     assert set(info.value.failures) == {1}
@@ -34,3 +39,19 @@ def test_crash_during_shutdown_after_answering_fails_the_run():
     with pytest.raises(DistributedRunError, match=r"rank 0 returned its result, then exited with code -11") as info:
         run_distributed(_crash_while_exiting, 1, backend=None, timeout=60)
     assert set(info.value.failures) == {0}
+
+
+def _env_value(rank, world_size, name):
+    return os.environ.get(name), "fusedist.ddp" in __import__("sys").modules
+
+
+def test_ranks_see_the_callers_current_environment(monkeypatch):
+    """Forked ranks take the caller's environment as it is at the call, not the fork server's
+    (Note [ranks forked from a server that imported torch]), and start without fusedist's
+    heavy modules loaded, as spawned ranks do."""
+    run_distributed(_env_value, 1, "FUSEDIST_HARNESS_PROBE", backend=None)  # the server exists now
+    monkeypatch.setenv("FUSEDIST_HARNESS_PROBE", "set after the server started")
+    assert run_distributed(_env_value, 2, "FUSEDIST_HARNESS_PROBE", backend=None) == \
+        [("set after the server started", False)] * 2
+    monkeypatch.delenv("FUSEDIST_HARNESS_PROBE")
+    assert run_distributed(_env_value, 1, "FUSEDIST_HARNESS_PROBE", backend=None) == [(None, False)]

@@ -9,6 +9,20 @@ its traceback (and the others' fate), and if any rank does not finish within ``t
 seconds all are killed and the report says which ranks were still running.
 
 ``fn`` must be importable by name (a module-level function), because children are spawned.
+
+Note [ranks forked from a server that imported torch]
+    Starting a rank costs mostly ``import torch`` (about 2 s of CPU each, two ranks on two
+    cores: the bulk of a small multi-rank test). So on Linux the ranks are started by
+    multiprocessing's *forkserver*, which imports torch once and forks each rank from itself:
+    a rank starts with torch loaded and nothing else -- no CUDA context, no process group,
+    no fusedist module, no thread -- as a spawned one would. What a forked rank does not
+    inherit as a spawned one does is the caller's *current* environment (the server keeps
+    the one it started with), so the caller's whole environment travels with each rank and
+    replaces the inherited one before anything else runs. Variables torch itself reads while
+    being imported are the server's; ``FUSEDIST_TEST_START=spawn`` starts every rank fresh.
+    A forked rank also ends without the interpreter's shutdown (multiprocessing ends it with
+    ``os._exit``), so it runs the exit handlers itself -- fusedist's drain of in-flight work,
+    the reliability layer's exit entry, a test's own -- where a spawned rank would.
 """
 
 from __future__ import annotations
@@ -35,12 +49,15 @@ class DistributedRunError(RuntimeError):
         self.failures = failures
 
 
-def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn, args, kwargs, results):
+def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn, args, kwargs, results,
+           forked=False):
     # A rank that dies in native code (a segfault in an extension, NCCL or the CUDA driver)
     # leaves no Python traceback; faulthandler prints every thread's stack to stderr instead.
     faulthandler.enable(all_threads=True)
-    # LOCAL_RANK first: ``env`` carries the rank's GPU sharing settings (LOCAL_RANK = its
-    # device, NCCL_HOSTID, ...), set before this process makes its first NCCL call.
+    # The caller's environment as it is now (Note [ranks forked from a server that imported
+    # torch]). LOCAL_RANK first: ``env`` carries the rank's GPU sharing settings (LOCAL_RANK =
+    # its device, NCCL_HOSTID, ...), set before this process makes its first NCCL call.
+    os.environ.clear()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     os.environ.update(env)
     try:
@@ -74,6 +91,10 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
     _release_process_group()
     results.close()
     results.join_thread()
+    if forked:  # Note [ranks forked from a server that imported torch]: no interpreter exit follows
+        import atexit
+
+        atexit._run_exitfuncs()
 
 
 def _release_process_group() -> None:
@@ -97,10 +118,20 @@ def _release_process_group() -> None:
 
 
 def _rank_env(rank: int, per_gpu: int | None, env: dict[str, str] | None) -> dict[str, str]:
-    """The caller's ``env`` over the rank's GPU sharing settings: a test that sets one of the
-    variables itself (a fault test, say) means it."""
+    """The rank's whole environment: the caller's current one, then the rank's GPU sharing
+    settings, then the caller's ``env`` (a test that sets one of the variables itself, a
+    fault test say, means it)."""
     shared = rank_environment(rank, per_gpu) if per_gpu is not None else {}
-    return {**shared, **(env or {})}
+    return {**os.environ, **shared, **(env or {})}
+
+
+def _start_context():
+    """Note [ranks forked from a server that imported torch]."""
+    if os.environ.get("FUSEDIST_TEST_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
 
 
 def run_distributed(
@@ -132,7 +163,7 @@ def run_distributed(
             each rank's device is made current before the group is created.
     """
     per_gpu = ranks_per_gpu if ranks_per_gpu is not None else ranks_per_gpu_setting()
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="fusedist-rdzv-")
     os.close(fd)
@@ -143,7 +174,8 @@ def run_distributed(
             p = ctx.Process(
                 target=_child,
                 args=(rank, world_size, init_file, backend, pg_timeout, threads,
-                      _rank_env(rank, per_gpu, env), fn, args, kwargs, results),
+                      _rank_env(rank, per_gpu, env), fn, args, kwargs, results,
+                      ctx.get_start_method() == "forkserver"),
                 daemon=True,
             )
             p.start()

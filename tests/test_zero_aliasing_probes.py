@@ -61,6 +61,27 @@ def _compare(model, ref, tol=TOL):
     return bad
 
 
+def _zero(params, inner, stage, **kw):
+    """The probes' ZeroRedundancyOptimizer: the oracle's AdamW hyperparameters around ``inner``."""
+    import fusedist
+
+    return fusedist.ZeroRedundancyOptimizer(params, inner, stage=stage, lr=1e-2, weight_decay=0.1, **kw)
+
+
+def _zero_variants():
+    """(stage, inner optimizer) pairs every probe runs: both stages, torch's and fusedist's AdamW."""
+    import fusedist
+
+    return [(stage, inner) for stage in (1, 2) for inner in (torch.optim.AdamW, fusedist.optim.FusedAdamW)]
+
+
+def _assert_no_mismatch(results, ignore=None):
+    """Every rank's probes found nothing (entries whose key contains ``ignore`` are reports)."""
+    for r in results:
+        bad = {k: v for k, v in r.items() if v and not (ignore and ignore in k)}
+        assert not bad, bad
+
+
 def _ddp(model, **kw):
     import fusedist
 
@@ -107,25 +128,21 @@ def _mixed_worker(rank, world_size, bf16=True):
             ropt = fusedist.optim.FusedAdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
             rscaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None  # (eager)
             _train(rank, world_size, rddp, ropt, rscaler, "global" if clip else None)
-            for stage in (1, 2):
-                for inner in (torch.optim.AdamW, fusedist.optim.FusedAdamW):
-                    model = Mixed(bf16)
-                    ddp = _ddp(model)
-                    opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), inner, stage=stage, lr=1e-2,
-                                                           weight_decay=0.1)
-                    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8,
-                                                     lazy_unscale=use_scaler == "lazy") if use_scaler else None
-                    _train(rank, world_size, ddp, opt, scaler, clip)
-                    # The oracle's clip measures bf16 gradients in bf16, ZeRO in fp32 (~2e-5 apart).
-                    tol = 1e-4 if clip and not use_scaler else TOL
-                    out[f"clip={clip} scaler={use_scaler} stage={stage} {inner.__name__}"] = _compare(model, ref, tol)
+            for stage, inner in _zero_variants():
+                model = Mixed(bf16)
+                ddp = _ddp(model)
+                opt = _zero(ddp.parameters(), inner, stage)
+                scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8,
+                                                 lazy_unscale=use_scaler == "lazy") if use_scaler else None
+                _train(rank, world_size, ddp, opt, scaler, clip)
+                # The oracle's clip measures bf16 gradients in bf16, ZeRO in fp32 (~2e-5 apart).
+                tol = 1e-4 if clip and not use_scaler else TOL
+                out[f"clip={clip} scaler={use_scaler} stage={stage} {inner.__name__}"] = _compare(model, ref, tol)
     return out
 
 
 def test_mixed_dtypes_scaler_clip():
-    for r in run_distributed(_mixed_worker, 2):
-        bad = {k: v for k, v in r.items() if v}
-        assert not bad, bad
+    _assert_no_mismatch(run_distributed(_mixed_worker, 2))
 
 
 def _half_grad(step, model):
@@ -180,20 +197,16 @@ def _edits_worker(rank, world_size):
                                                                  master_weights=True))
             else:
                 ref = run(lambda m, d: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1))
-            for stage in (1, 2):
+            for stage, inner in _zero_variants():
                 if stage == 2 and case.get("between"):
                     continue  # stage 2 has no p.grad to edit
-                for inner in (torch.optim.AdamW, fusedist.optim.FusedAdamW):
-                    model = run(lambda m, d: fusedist.ZeroRedundancyOptimizer(
-                        d.parameters(), inner, stage=stage, lr=1e-2, weight_decay=0.1))
-                    out[f"{name} bf16={bf16} stage={stage} {inner.__name__}"] = _compare(model, ref)
+                model = run(lambda m, d: _zero(d.parameters(), inner, stage))
+                out[f"{name} bf16={bf16} stage={stage} {inner.__name__}"] = _compare(model, ref)
     return out
 
 
 def test_gradient_and_parameter_edits():
-    for r in run_distributed(_edits_worker, 2):
-        bad = {k: v for k, v in r.items() if v}
-        assert not bad, bad
+    _assert_no_mismatch(run_distributed(_edits_worker, 2))
 
 
 def _reference(steps, bf16=False):
@@ -219,8 +232,7 @@ def _save_worker(rank, world_size, directory, stage):
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"
     model = Mixed(False)
     ddp = _ddp(model)
-    opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2,
-                                           weight_decay=0.1)
+    opt = _zero(ddp.parameters(), torch.optim.AdamW, stage)
     _train(rank, world_size, ddp, opt, steps=2)
     fusedist.checkpoint.save(directory, model, opt)
 
@@ -235,8 +247,7 @@ def _resume_worker(rank, world_size, directory, stage):
     for to_stage in (1, 2):
         model = Mixed(False)
         ddp = _ddp(model)
-        opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), fusedist.optim.FusedAdamW, stage=to_stage,
-                                               lr=1e-2, weight_decay=0.1)
+        opt = _zero(ddp.parameters(), fusedist.optim.FusedAdamW, to_stage)
         fusedist.checkpoint.load(directory, model, opt)
         stats = opt.memory_stats()
         out[f"stage {to_stage} master_bytes"] = stats["master_bytes"]
@@ -253,8 +264,7 @@ def test_checkpoint_resume_other_world_size(tmp_path):
         for r in run_distributed(_resume_worker, 3, d, stage):
             assert r["stage 1 master_bytes"] == 0 and r["stage 2 master_bytes"] == 0, r
             assert r["stage 1 grad shard bytes"] == 0, r
-            bad = {k: v for k, v in r.items() if v and "bytes" not in k}
-            assert not bad, bad
+            _assert_no_mismatch([r], ignore="bytes")
 
 
 def _unfreeze_worker(rank, world_size):
@@ -285,9 +295,8 @@ def _unfreeze_worker(rank, world_size):
                 m.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True), scaler, "global" if clip else None)
             for inner in (torch.optim.AdamW, fusedist.optim.FusedAdamW):
                 for overlap in (False, True):
-                    model = run(layer, lambda m, d: fusedist.ZeroRedundancyOptimizer(
-                        d.parameters(), inner, stage=1, lr=1e-2, weight_decay=0.1,
-                        overlap_param_gather=overlap), scaler, clip)
+                    model = run(layer, lambda m, d: _zero(d.parameters(), inner, 1, overlap_param_gather=overlap),
+                                scaler, clip)
                     tol = 1e-4 if clip else TOL  # (the oracle's clip measures bf16 gradients in bf16)
                     out[f"unfreeze {layer} scaler={scaler} {inner.__name__} overlap={overlap}"] = _compare(
                         model, ref, tol)
@@ -295,9 +304,7 @@ def _unfreeze_worker(rank, world_size):
 
 
 def test_unfreeze_stage1_mixed():
-    for r in run_distributed(_unfreeze_worker, 2):
-        bad = {k: v for k, v in r.items() if v}
-        assert not bad, bad
+    _assert_no_mismatch(run_distributed(_unfreeze_worker, 2))
 
 
 def _roundtrip_worker(rank, world_size, path):
@@ -305,8 +312,6 @@ def _roundtrip_worker(rank, world_size, path):
     optimizer before its first step, on a fresh model: training continues exactly as without
     the interruption. bf16 + fp32 parameters; stages 1 and 2; with and without offload."""
     import torch.distributed as dist
-
-    import fusedist
 
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"
     out = {}
@@ -316,8 +321,7 @@ def _roundtrip_worker(rank, world_size, path):
         if sd is not None:
             model.load_state_dict(sd)
         ddp = _ddp(model)
-        opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2,
-                                               weight_decay=0.1, offload=offload)
+        opt = _zero(ddp.parameters(), torch.optim.AdamW, stage, offload=offload)
         return model, ddp, opt
 
     for stage in (1, 2):
@@ -350,8 +354,7 @@ def _roundtrip_worker(rank, world_size, path):
 
 def test_state_dict_roundtrip_fresh_optimizer(tmp_path):
     for r in run_distributed(_roundtrip_worker, 2, str(tmp_path / "full.pt")):
-        bad = {k: v for k, v in r.items() if v and "bytes" not in k}
-        assert not bad, bad
+        _assert_no_mismatch([r], ignore="bytes")
         # Masters: copies for bf16 always, for fp32 only when offloaded (aliased otherwise).
         on_device = r["stage=1 offload=None shards master bytes"]
         offloaded = r["stage=1 offload=cpu shards master bytes"]
@@ -375,18 +378,14 @@ def _fp64_worker(rank, world_size):
             return model
 
         ref = run(lambda d: torch.optim.AdamW(d.parameters(), lr=1e-2, weight_decay=0.1), "global" if clip else None)
-        for stage in (1, 2):
-            for inner in (torch.optim.AdamW, fusedist.optim.FusedAdamW):
-                model = run(lambda d: fusedist.ZeroRedundancyOptimizer(d.parameters(), inner, stage=stage, lr=1e-2,
-                                                                       weight_decay=0.1), clip)
-                out[f"scaler={use_scaler} clip={clip} stage={stage} {inner.__name__}"] = _compare(model, ref)
+        for stage, inner in _zero_variants():
+            model = run(lambda d: _zero(d.parameters(), inner, stage), clip)
+            out[f"scaler={use_scaler} clip={clip} stage={stage} {inner.__name__}"] = _compare(model, ref)
     return out
 
 
 def test_fp64_next_to_fp32():
-    for r in run_distributed(_fp64_worker, 3):
-        bad = {k: v for k, v in r.items() if v}
-        assert not bad, bad
+    _assert_no_mismatch(run_distributed(_fp64_worker, 3))
 
 
 def _optimizer_only_load_worker(rank, world_size):
@@ -394,16 +393,13 @@ def _optimizer_only_load_worker(rank, world_size):
     (the optimizer alone is rolled back): the parameters stay identical on every rank."""
     import torch.distributed as dist
 
-    import fusedist
-
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"
     out = {}
     for stage in (1, 2):
         for bf16 in (False, True):
             model = Mixed(bf16)
             ddp = _ddp(model)
-            opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2,
-                                                   weight_decay=0.1)
+            opt = _zero(ddp.parameters(), torch.optim.AdamW, stage)
             _train(rank, world_size, ddp, opt, steps=2)
             sd = [None] * world_size
             dist.all_gather_object(sd, opt.shard_state_dict())
@@ -417,8 +413,7 @@ def _optimizer_only_load_worker(rank, world_size):
             _train(rank, world_size, ddp, opt, steps=1, start=2)
             ref = Mixed(bf16)
             rddp = _ddp(ref)
-            ropt = fusedist.ZeroRedundancyOptimizer(rddp.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2,
-                                                    weight_decay=0.1)
+            ropt = _zero(rddp.parameters(), torch.optim.AdamW, stage)
             _train(rank, world_size, rddp, ropt, steps=3)
             out[f"stage={stage} bf16={bf16} continued"] = _compare(model, ref, 0.0)
     return out

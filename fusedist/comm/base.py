@@ -271,8 +271,7 @@ class Communicator(abc.ABC):
                 if isinstance(exc, CollectiveError) and exc.seq >= 0:
                     # An earlier collective failed, found out after its wait had returned: the
                     # error names that one, and so does the stall report.
-                    failed = CommHandle(self, None, op=exc.op, tag=exc.tag, seq=exc.seq, timeout=self.timeout)
-                    raise self._on_failure(failed, exc) or exc from None
+                    raise self._report_failure(exc) from None
                 error = CollectiveError(
                     f"fusedist: launching {op}{_tag(tag)} (collective #{seq}) failed on rank "
                     f"{self.rank} of {self.world_size}: {exc}",
@@ -289,6 +288,12 @@ class Communicator(abc.ABC):
         if not async_op:
             handle.wait()
         return handle
+
+    def _report_failure(self, error: CollectiveError) -> BaseException:
+        """The error to raise for a failure of the collective ``error`` names (its op, tag and
+        sequence number), passed through the observer like a failed wait (a stall report)."""
+        failed = CommHandle(self, None, op=error.op, tag=error.tag, seq=error.seq, timeout=self.timeout)
+        return self._on_failure(failed, error) or error
 
     def _on_failure(self, handle: CommHandle, error: BaseException) -> Optional[BaseException]:
         """Tell the observer; it may return the error to raise instead (a stall report)."""

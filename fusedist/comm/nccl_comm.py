@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import _extension
 from ._nccl_types import nccl_dtype, nccl_op
-from .base import CollectiveError, CommHandle, Communicator
+from .base import CollectiveError, Communicator
 from .torch_comm import TorchCommunicator
 from .watchdog import CollectiveWatchdog
 
@@ -303,8 +303,7 @@ class NcclCommunicator(Communicator):
         try:
             self._raise_watchdog_failure(what)
         except CollectiveError as exc:  # reported like a failed wait: through the observer
-            failed = CommHandle(self, None, op=exc.op, tag=exc.tag, seq=exc.seq, timeout=self.timeout)
-            raise self._on_failure(failed, exc) or exc from None
+            raise self._report_failure(exc) from None
 
     def _raise_watchdog_failure(self, what: str) -> None:
         """Raise the watchdog's failure, naming the collective that failed (which is what the
@@ -331,9 +330,8 @@ class NcclCommunicator(Communicator):
         # Report while whatever depends on the collective is still unreadable on the host,
         # then abort and end the process: nothing read from an aborted collective escapes.
         error = self._watchdog_error("the rest of the program")
-        handle = CommHandle(self, None, op=error.op, tag=error.tag, seq=error.seq, timeout=self.timeout)
         try:
-            error = self._on_failure(handle, error) or error  # the stall report, if monitored
+            error = self._report_failure(error)  # the stall report, if monitored
         finally:
             _exit_reporting(error, lambda: self._comm.abort(reason))
 
@@ -341,8 +339,8 @@ class NcclCommunicator(Communicator):
         # Note [stream-ordered waits and the watchdog]: a failure in the last collectives of a
         # program is reported, not lost with the process. (In "exit" mode the watchdog thread
         # ends the process itself when it finds one.)
-        if self.closed or self._comm.aborted and self.watchdog.failure is None:
-            return
+        if self.closed or (self._comm.aborted and self.watchdog.failure is None):
+            return  # closed, or aborted by a failure the program was already told of
         settled = self.watchdog.settle(limit_s)
         if self.watchdog.failure is not None and not self._failure_raised:
             _exit_reporting(self._watchdog_error("the program's exit"))
@@ -539,7 +537,9 @@ def make_nccl_communicator(process_group=None, device=None) -> Communicator:
     except _TorchChosen:
         return TorchCommunicator(process_group)
     except NcclUnavailableError as exc:
-        if os.environ.get("FUSEDIST_COMM", "auto").lower() == "nccl":
+        from . import communicator_choice
+
+        if communicator_choice() == "nccl":
             raise
         if not _fallback_logged:
             log.warning("fusedist: using torch.distributed for CUDA collectives: %s", exc)

@@ -96,9 +96,6 @@ class _World:
             return [obj]
         return all_gather_object(self.comm, obj, tag=f"fusedist.checkpoint.{what}")
 
-    def barrier(self, what: str) -> None:
-        self.all_gather(None, what)
-
 
 def _param_names(model: torch.nn.Module, params) -> list[str]:
     module = _unwrap(model)

@@ -236,10 +236,29 @@ def _pre_state_dict(module, prefix, keep_vars) -> None:
     _KEEP_VARS[module] = bool(keep_vars)
 
 
-def piece_entry(unit, index: int) -> ShardedPiece:
-    """The state-dict entry of parameter ``index`` of ``unit``: its piece as a ShardedPiece."""
+def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
+    """``value`` -- parameter ``index`` of ``unit``'s piece, or a state tensor shaped like it --
+    as a state-dict entry: a ShardedPiece that knows the whole parameter's shape and range."""
     lo, hi = unit.element_range(index)
-    return ShardedPiece.wrap(unit.sharded[index].detach(), unit.layout.slots[index].shape, lo, hi)
+    value = value.detach()
+    if isinstance(value, ShardedPiece):
+        value = value.local()
+    if not value.is_contiguous():
+        value = value.contiguous()
+    return ShardedPiece.wrap(value, unit.layout.slots[index].shape, lo, hi)
+
+
+def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
+    """``value`` cut to this rank's piece of parameter ``index`` of ``unit`` (a view) when it has
+    the whole parameter's shape, as a full state dict's entries do; anything else as it is (a
+    piece as saved at this layout, or a shape the loader itself reports)."""
+    piece_shape, full_shape = tuple(unit.sharded[index].shape), tuple(unit.layout.slots[index].shape)
+    if tuple(value.shape) == piece_shape or tuple(value.shape) != full_shape:
+        return value
+    if isinstance(value, ShardedPiece):
+        value = value.local()
+    lo, hi = unit.element_range(index)
+    return value.reshape(-1)[lo:hi].view(piece_shape)
 
 
 @torch.no_grad()
@@ -252,7 +271,7 @@ def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
         if key not in state_dict:
             continue
         if full is None:
-            state_dict[key] = piece_entry(unit, i)
+            state_dict[key] = as_entry(unit.sharded[i], unit, i)
             continue
         from .state_dict import gather_params
 
@@ -267,15 +286,8 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
     """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece."""
     for key, unit, i in _entries(module, prefix):
         value = state_dict.get(key)
-        if not isinstance(value, torch.Tensor):
-            continue
-        piece_shape, full_shape = tuple(unit.sharded[i].shape), tuple(unit.layout.slots[i].shape)
-        if tuple(value.shape) == piece_shape or tuple(value.shape) != full_shape:
-            continue  # a piece (as saved at this layout), or torch's size-mismatch error
-        if isinstance(value, ShardedPiece):
-            value = value.local()
-        lo, hi = unit.element_range(i)
-        state_dict[key] = value.reshape(-1)[lo:hi].view(piece_shape)
+        if isinstance(value, torch.Tensor):
+            state_dict[key] = whole_to_piece(value, unit, i)
 
 
 _TORCH_CALLERS: dict = {}

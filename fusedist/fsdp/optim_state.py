@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from .dcp import ShardedPiece, torch_helper_options
+from .dcp import ShardedPiece, as_entry, torch_helper_options, whole_to_piece
 
 __all__ = ["track_optimizer", "note_unit"]
 
@@ -110,16 +110,6 @@ def _elementwise(name, value, piece: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and name != "step" and tuple(value.shape) == tuple(piece.shape)
 
 
-def _as_entry(value: torch.Tensor, unit, i: int) -> ShardedPiece:
-    lo, hi = unit.element_range(i)
-    value = value.detach()
-    if isinstance(value, ShardedPiece):
-        value = value.local()
-    if not value.is_contiguous():
-        value = value.contiguous()
-    return ShardedPiece.wrap(value, unit.layout.slots[i].shape, lo, hi)
-
-
 # ---------------------------------------------------------------------------- state_dict()
 @torch.no_grad()
 def _post_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
@@ -140,7 +130,7 @@ def _post_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
             new_state[pid] = {k: wholes.get((pid, k), v) for k, v in state[pid].items()}
     else:
         for pid, p, unit, i in entries:
-            new_state[pid] = {k: _as_entry(v, unit, i) if _elementwise(k, v, p) else v
+            new_state[pid] = {k: as_entry(v, unit, i) if _elementwise(k, v, p) else v
                               for k, v in state[pid].items()}
     return {**state_dict, "state": new_state}
 
@@ -218,12 +208,12 @@ def _pre_load_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
         if hit is None or not isinstance(values, dict):
             new_state[key] = values
             continue
-        new_state[key] = {name: _to_piece(name, v, p, *hit, key) for name, v in values.items()}
+        new_state[key] = {name: _to_piece(name, v, *hit, key) for name, v in values.items()}
         changed = True
     return {**state_dict, "state": new_state} if changed else None
 
 
-def _to_piece(name, value, piece: torch.Tensor, unit, i: int, key):
+def _to_piece(name, value, unit, i: int, key):
     if not isinstance(value, torch.Tensor) or name == "step":
         return value
     full_shape = tuple(unit.layout.slots[i].shape)
@@ -236,9 +226,9 @@ def _to_piece(name, value, piece: torch.Tensor, unit, i: int, key):
                 f"[{lo}, {hi}) of shape {full_shape}: the state dict comes from another rank or layout (load it "
                 "through torch.distributed.checkpoint, which reshards)")
         return value.local()
-    if tuple(value.shape) == tuple(piece.shape) or tuple(value.shape) != full_shape:
-        return value  # a piece (as saved at this layout), or the optimizer's own shape error
-    return value.detach().reshape(-1)[lo:hi].view(piece.shape).clone()
+    detached = value.detach()
+    cut = whole_to_piece(detached, unit, i)
+    return value if cut is detached else cut.clone()  # (a piece, or the optimizer's own shape error: as is)
 
 
 def _post_load_state_dict(optimizer) -> None:

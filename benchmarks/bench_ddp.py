@@ -10,7 +10,11 @@ Rows:
   (median step time with gradient sync) - (median step time of the same model under
   no_sync()), measured for each implementation in the same run. The ceiling is the raw
   all_reduce bandwidth at the bucket size: gradient bytes / that bandwidth is the time the
-  communication needs if nothing overlapped it.
+  communication needs if nothing overlapped it. By default (``--isolation process``) every
+  contender runs alone in its own ranks, as a training job does, one launch per contender
+  per round with the order rotating between rounds; a second torch contender, launched the
+  same way, gives the design's noise floor. ``--isolation shared`` builds all contenders in
+  one set of ranks instead (Note [one model per process]).
 * ``many-params`` (results ``ddp_many_params_<date>``): per-parameter bookkeeping. A stack of
   600 x (Linear(16,16) + Tanh) -- 1,200 parameter tensors, 0.3M elements -- at batch 8, so the
   gradient hooks, not the arithmetic or the bytes, set the time of forward+backward. Each
@@ -75,7 +79,8 @@ def _allreduce_bandwidth(nbytes: int, iters: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def worker(rank, world_size, args):
+def shared_worker(rank, world_size, args):
+    """Every contender in this launch's ranks, interleaved (``--isolation shared``)."""
     import fusedist
 
     torch.manual_seed(0)
@@ -116,15 +121,89 @@ def worker(rank, world_size, args):
             if k == "fusedist":
                 hidden.append(impls[k].comm_stats()["hidden_fraction"])
     bw = _allreduce_bandwidth(int(args.bucket_cap_mb * 2**20), 10)
+    return _summarize(times, round_medians, hidden, bw, n_params, len(impls["fusedist"].buckets))
+
+
+# Note [one model per process]
+#     Several ~20M-parameter models in one process time differently even when identical:
+#     two torch DDP copies measured 1.05-1.12x apart within one run, and a contender's
+#     ratio moved with the order the models were built in (each model's weights, gradients
+#     and buckets land in different places of one heap, so their matmuls and copies meet
+#     different cache and page behaviour). A training job holds one model per rank process,
+#     so the default mode launches each contender in ranks of its own, one launch per
+#     contender and round; the rounds rotate the launch order so drifting load hits all alike,
+#     and a second torch contender launched the same way reads the design's own spread.
+
+#: The MLP row's contenders; the last is torch again, launched apart: the noise floor.
+MLP_IMPLS = ("torch", "fusedist", "fusedist, FUSEDIST_CHECKS=0", "torch (2nd copy, noise floor)")
+
+
+def _build_contender(impl: str, args) -> nn.Module:
+    import fusedist
+
+    torch.manual_seed(0)
+    model = make_model(args.width, args.layers)
+    if impl.startswith("torch"):
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    if impl == "fusedist, FUSEDIST_CHECKS=0":
+        os.environ["FUSEDIST_CHECKS"] = "0"
+    return fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+
+
+def isolated_worker(rank, world_size, impl, args):
+    """One contender alone in this launch's ranks (Note [one model per process])."""
+    model = _build_contender(impl, args)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    # Warm-up past the start-up transient: the first ~10 steps of a fresh process run slower
+    # and unevenly (fusedist's one-time bucket rebuild, the allocator settling on the gradient
+    # sizes), torch DDP's longer than fusedist's; a steady-state step is what is compared.
+    _time_steps(model, opt, x, args.warmup, True)
+    dist.barrier()
+    synced = _time_steps(model, opt, x, args.steps, True)
+    local = _time_steps(model, opt, x, args.steps, False)
+    out = {"sync": synced, "local": local, "params": sum(p.numel() for p in model.parameters())}
+    if hasattr(model, "comm_stats"):
+        out["hidden"] = model.comm_stats()["hidden_fraction"]
+        out["buckets"] = len(model.buckets)
+    return out
+
+
+def bandwidth_worker(rank, world_size, args):
+    return _allreduce_bandwidth(int(args.bucket_cap_mb * 2**20), 10)
+
+
+def measure_mlp_isolated(args) -> dict:
+    """The MLP row's numbers with every contender launched alone, order rotating per round."""
+    from fusedist.testing import run_distributed
+
+    times = {(k, s): [] for k in MLP_IMPLS for s in (True, False)}
+    round_medians = {k: [] for k in MLP_IMPLS}
+    hidden, extra = [], {}
+    for r in range(args.rounds):
+        shift = r % len(MLP_IMPLS)
+        for impl in MLP_IMPLS[shift:] + MLP_IMPLS[:shift]:
+            out = run_distributed(isolated_worker, args.world_size, impl, args, timeout=600, pg_timeout=300)[0]
+            times[(impl, True)] += out["sync"]
+            times[(impl, False)] += out["local"]
+            round_medians[impl].append(statistics.median(out["sync"]))
+            if impl == "fusedist":
+                hidden.append(out["hidden"])
+                extra = {"params": out["params"], "buckets": out["buckets"]}
+    bw = run_distributed(bandwidth_worker, args.world_size, args, timeout=600, pg_timeout=300)[0]
+    return _summarize(times, round_medians, hidden, bw, **extra)
+
+
+def _summarize(times, round_medians, hidden, bw, params, buckets) -> dict:
     med = {key: statistics.median(v) for key, v in times.items()}
     paired = {k: statistics.median(a / b for a, b in zip(v, round_medians["torch"]))
               for k, v in round_medians.items()}
-    # Identical contenders can differ by several percent (where each model's memory landed):
-    # fusedist against both torch copies at once (their geometric mean, per round).
+    # Identical contenders can differ by several percent: fusedist against both torch
+    # copies at once (their geometric mean, per round).
     both = [math.sqrt(a * b) for a, b in zip(round_medians["torch"], round_medians["torch (2nd copy, noise floor)"])]
     paired["vs both torch copies"] = statistics.median(a / b for a, b in zip(round_medians["fusedist"], both))
-    return {"med": med, "paired": paired, "hidden": statistics.median(hidden), "bw": bw, "params": n_params,
-            "buckets": len(impls["fusedist"].buckets)}
+    return {"med": med, "paired": paired, "hidden": statistics.median(hidden), "bw": bw, "params": params,
+            "buckets": buckets}
 
 
 def make_stack(layers: int, width: int) -> nn.Module:
@@ -218,8 +297,11 @@ def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, rounds=5, steps=4)
+    add_model_args(p, rounds=8, steps=12)
+    p.add_argument("--warmup", type=int, default=10, help="mlp row, process isolation: untimed steps per launch")
     p.add_argument("--rows", choices=("all", "mlp", "many-params"), default="all")
+    p.add_argument("--isolation", choices=("process", "shared"), default="process",
+                   help="mlp row: each contender in ranks of its own (default), or all in one set of ranks")
     p.add_argument("--stack-layers", type=int, default=600, help="many-params row: Linear+Tanh layers")
     p.add_argument("--stack-width", type=int, default=16)
     p.add_argument("--stack-batch", type=int, default=8)
@@ -227,7 +309,7 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
     args = p.parse_args(argv)
     if args.quick:
-        args.width, args.layers, args.rounds, args.steps = 512, 4, 2, 2
+        args.width, args.layers, args.rounds, args.steps, args.warmup = 512, 4, 2, 2, 2
         args.stack_iters = 12
     if args.rows in ("all", "mlp"):
         run_mlp(args)
@@ -242,8 +324,13 @@ def run_mlp(args) -> None:
     # speed of a model's matmuls then depends much less on where its 9 MB weights landed
     # (measured: two identical torch contenders 1.12x apart without it, 1.05x with it).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    results = run_distributed(worker, args.world_size, args, timeout=1800, pg_timeout=600)
-    r0 = results[0]
+    if args.isolation == "process":
+        r0 = measure_mlp_isolated(args)
+        design = ("each contender launched alone in its own 2 ranks, one launch per contender and round, "
+                  "the launch order rotating between rounds (Note [one model per process])")
+    else:
+        r0 = run_distributed(shared_worker, args.world_size, args, timeout=1800, pg_timeout=600)[0]
+        design = "all contenders in the same ranks, their order rotating between rounds"
     med = r0["med"]
     grad_bytes = r0["params"] * 4
     ceiling_s = grad_bytes / r0["bw"]
@@ -262,8 +349,8 @@ def run_mlp(args) -> None:
     lines = [
         f"Model: {args.layers}x Linear({args.width},{args.width}) MLP, {r0['params'] / 1e6:.1f}M params, "
         f"batch {args.batch} per rank, {args.world_size} ranks (1 intra-op thread each), gloo, bucket_cap_mb={args.bucket_cap_mb} "
-        f"(fusedist: {r0['buckets']} buckets), {args.rounds} rounds x {args.steps} steps, the contenders' "
-        "order rotating between rounds; ratios: median over rounds of (round median / torch's round median).",
+        f"(fusedist: {r0['buckets']} buckets), {args.rounds} rounds x {args.steps} steps, {design}; "
+        "ratios: median over rounds of (round median / torch's round median).",
         "",
         "| impl | fwd+bwd+sync (ms, median) | fwd+bwd under no_sync (ms) | exposed comm (ms) | exposed / unoverlapped comm | / torch (paired) |",
         "|---|---|---|---|---|---|",

@@ -16,3 +16,14 @@ def test_gpt_step_benchmark_runs_on_cpu():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     for row in ("'row': 'ddp'", "'row': 'zero2'", "worst ratio against torch"):
         assert row in out.stdout, out.stdout
+
+
+def test_ddp_benchmark_runs_both_rows():
+    """bench_ddp's rows (the MLP with every contender launched alone, and many-params) at
+    their --quick sizes: the script that reports fusedist DDP's step-time ratio keeps working."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp.py"), "--quick", "--no-write"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    for line in ("fusedist / torch step time", "launched alone", "fusedist / torch: **"):
+        assert line in out.stdout, out.stdout

@@ -318,8 +318,8 @@ class NcclCommunicator(Communicator):
         name = f"{op} (tag {tag!r}, collective #{seq})" if failed is not None else "a collective in flight"
         # Worded as CommHandle.wait words a failed wait, so reports read the same either way.
         return CollectiveError(
-            f"fusedist: {name} failed on rank {self.rank} of {self.world_size}: {reason}. The "
-            f"watchdog aborted the NCCL communicator, so {what} cannot run",
+            f"fusedist: {name} failed on rank {self.rank} of {self.world_size}: {reason}. "
+            f"fusedist's watchdog aborts the NCCL communicator on such a failure, so {what} cannot run",
             op=op, tag=tag, rank=self.rank, seq=seq)
 
     def _watchdog_failed(self, reason: str, failed) -> None:

@@ -6,6 +6,11 @@ fusedist reaches outside its own objects in a few places, and each is here:
   step guard sees every ``optimizer.step()`` of any optimizer holding a DDP model's
   parameters (fusedist/reliability/optimizer_guard.py), and the ``fully_shard`` post-step
   hook that drops gathered copies of units the step changed (fusedist/fsdp/stale.py);
+* torch's global module parameter-registration hook
+  (``register_module_parameter_registration_hook``): a Parameter assigned into a module that
+  a DDP wrapper follows is noted, so the wrapper's next forward raises instead of training the
+  new Parameter unsynchronized (Note [parameters replaced after wrapping] in
+  fusedist/ddp/trainable.py);
 * a chained ``sys.excepthook``: an uncaught exception is published to the other ranks'
   stall reports before the process dies (fusedist/reliability/monitor.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
@@ -24,7 +29,8 @@ import sys
 import threading
 from typing import Callable
 
-__all__ = ["at_exit", "chain_excepthook", "install_optimizer_step_hooks", "installed", "uninstall"]
+__all__ = ["at_exit", "chain_excepthook", "install_optimizer_step_hooks", "install_parameter_registration_hook",
+           "installed", "uninstall"]
 
 _lock = threading.Lock()
 # key -> a function that removes the hook
@@ -40,6 +46,16 @@ def install_optimizer_step_hooks(key: str, pre: Callable, post: Callable) -> Non
 
         handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
         _removers[key] = lambda: [h.remove() for h in handles]
+
+
+def install_parameter_registration_hook(key: str, hook: Callable) -> None:
+    """torch's global ``hook(module, name, param)`` on every Parameter registration, once per ``key``."""
+    with _lock:
+        if key in _removers:
+            return
+        from torch.nn.modules.module import register_module_parameter_registration_hook
+
+        _removers[key] = register_module_parameter_registration_hook(hook).remove
 
 
 def chain_excepthook(key: str, before: Callable[[type, BaseException, object], None]) -> None:

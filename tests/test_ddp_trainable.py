@@ -196,3 +196,98 @@ def test_trainability_changed_on_some_ranks_raises_on_every_rank():
         assert "parameter '2.weight': requires_grad=True on ranks [1], False on ranks [0]" in text, text
         assert "parameter '0.weight'" in out["guard"] and "requires_grad=False when the model was wrapped" in out["guard"]
         assert out["guard left parameters unchanged"]
+
+
+def _assignment_worker(rank, world_size):
+    """Note [parameters replaced after wrapping]: each case assigns into a wrapped module, then
+    runs a training forward; the error text (or None) per case."""
+    import fusedist
+
+    out = {}
+    x, y = _batch(0, rank, world_size)
+
+    def case(name, change, dtype=torch.float32, **ddp_kwargs):
+        model = _model()
+        ddp = fusedist.DistributedDataParallel(model, **ddp_kwargs)
+        nn.functional.mse_loss(ddp(x), y).backward()  # a normal step first
+        change(model)
+        before = _flat(model)
+        out[name] = models.error_text(
+            lambda: nn.functional.mse_loss(ddp(x.to(dtype)), y.to(dtype)).backward(), RuntimeError)
+        out[name + " left parameters unchanged"] = torch.equal(before, _flat(model))
+        return model
+
+    fresh = {k: v.clone() + 1 for k, v in _model().state_dict().items()}
+    case("assign=True", lambda m: m.load_state_dict(fresh, assign=True), find_unused_parameters=True)
+    case("one replaced", lambda m: setattr(m[2], "weight", nn.Parameter(torch.zeros(16, 16))))
+    case("one added", lambda m: m[0].register_parameter("extra", nn.Parameter(torch.zeros(3))))
+    case("converted", lambda m: m.double(), dtype=torch.float64)
+    # One parameter converted, not the first of its bucket, used through a cast so the forward
+    # runs: the gradient hook reports it (after zero_grad(set_to_none=True), a fresh gradient).
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ddp = fusedist.DistributedDataParallel(model)
+    second = ddp.buckets[0].params[1]
+    name = ddp.buckets[0].names[1]
+    second.data = second.data.double()
+    model.register_forward_pre_hook(lambda m, args: None)
+    for layer in (model[0], model[2]):  # compute in fp32 whatever the parameters hold
+        layer.forward = (lambda lyr: lambda inp: nn.functional.linear(
+            inp, lyr.weight.float(), lyr.bias.float()))(layer)
+    loss = nn.functional.mse_loss(ddp(x), y)
+    out["converted, one parameter"] = (name, models.error_text(loss.backward, RuntimeError))
+    # The same Parameter assigned again is no change: training goes on.
+    model = _model()
+    ddp = fusedist.DistributedDataParallel(model)
+    model[0].weight = model[0].weight
+    nn.functional.mse_loss(ddp(x), y).backward()
+    # Wrapping again takes a change: the new wrapper averages the new Parameter's gradient.
+    model = _model()
+    fusedist.DistributedDataParallel(model)
+    model[2].weight = nn.Parameter(torch.full((16, 16), 0.1))
+    again = fusedist.DistributedDataParallel(model)
+    nn.functional.mse_loss(again(x), y).backward()
+    out["rewrapped grad"] = model[2].weight.grad.clone()
+    # Note [a module wrapped again]: the older wrapper of the same module stops; so does an
+    # inner wrapper once an outer one is built around it.
+    model = _model()
+    old = fusedist.DistributedDataParallel(model)
+    new = fusedist.DistributedDataParallel(model)
+    out["older wrapper"] = models.error_text(lambda: old(x), RuntimeError)
+    nn.functional.mse_loss(new(x), y).backward()
+    out["newer wrapper grads"] = [p.grad.clone() for p in model.parameters()]
+    model = _model()
+    model[0] = fusedist.DistributedDataParallel(model[0])
+    outer = fusedist.DistributedDataParallel(model)
+    out["nested"] = models.error_text(lambda: outer(x), RuntimeError)
+    return out
+
+
+def test_parameters_assigned_after_wrapping_raise_before_training_on_them():
+    results = run_distributed(_assignment_worker, 2, timeout=180)
+    for rank, out in enumerate(results):
+        text = out["assign=True"]
+        assert text is not None and f"rank {rank}" in text and "assigned after it was wrapped" in text, text
+        assert "'0.weight'" in text and "'4.bias'" in text and "assign=True" in text, text
+        assert "'2.weight'" in out["one replaced"] and "replaced by new Parameter objects" in out["one replaced"]
+        assert "added: ['0.extra']" in out["one added"], out["one added"]
+        converted = out["converted"]
+        assert converted is not None and "parameter '4." in converted, converted
+        assert "now torch.float64" in converted and "as torch.float32" in converted, converted
+        name, text = out["converted, one parameter"]
+        assert text is not None and f"parameter '{name}' is now torch.float64" in text, text
+        for name in ("assign=True", "one replaced", "one added"):
+            assert out[name + " left parameters unchanged"], name
+    # the rewrapped model's new Parameter got the averaged gradient: equal on both ranks
+    torch.testing.assert_close(results[0]["rewrapped grad"], results[1]["rewrapped grad"], rtol=0, atol=0)
+    for rank, out in enumerate(results):
+        for key in ("older wrapper", "nested"):
+            assert out[key] is not None and "wrapped again by a newer DistributedDataParallel" in out[key], out[key]
+    # the newer wrapper alone reduced the gradients: averaged once, equal to the single-process
+    # gradient of the global batch's mean loss
+    reference = _model()
+    x, y = _batch(0)
+    nn.functional.mse_loss(reference(x), y).backward()
+    for got0, got1, want in zip(results[0]["newer wrapper grads"], results[1]["newer wrapper grads"],
+                                reference.parameters()):
+        torch.testing.assert_close(got0, want.grad, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(got1, got0, rtol=0, atol=0)

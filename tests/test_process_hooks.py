@@ -51,3 +51,20 @@ def test_fusedist_reinstalls_what_it_needs_after_uninstall(monkeypatch):
     hooks.uninstall()
     optimizer_guard.install()
     assert "DDP optimizer-step guard" in hooks.installed()
+
+
+def test_parameter_registration_hook_installs_once_and_is_removed(monkeypatch):
+    monkeypatch.setattr(hooks, "_removers", {})
+    seen = []
+    try:
+        hooks.install_parameter_registration_hook("test registration", lambda m, n, p: seen.append(n))
+        hooks.install_parameter_registration_hook("test registration", lambda m, n, p: seen.append("again"))
+        assert hooks.installed() == ["test registration"]
+        layer = torch.nn.Linear(2, 2)
+        layer.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        assert seen[-1] == "weight" and "again" not in seen
+    finally:
+        hooks.uninstall()
+    count = len(seen)
+    layer.bias = torch.nn.Parameter(torch.zeros(2))
+    assert len(seen) == count and hooks.installed() == []

@@ -87,7 +87,10 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
             else:
                 _mul(grad, bucket.fold, out=view)
             if self.as_view:
-                p.grad = view
+                try:
+                    p.grad = view
+                except RuntimeError as exc:  # the parameter is no longer what the buffers hold
+                    raise self.converted_after_wrapping(self.names[entry.index], p, view.dtype, view.device) from exc
         elif bucket.fold is not None:
             bucket.unfolded.append(view)  # accumulated in place: still to be divided at launch
         self.t_last_grad = _perf_counter()

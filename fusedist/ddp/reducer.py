@@ -389,6 +389,21 @@ class Reducer:
     def _sparse_gradient(self, entry: ParamEntry) -> RuntimeError:
         return sparse_gradient_error(self.comm.rank, self.names[entry.index])
 
+    def remove_hooks(self) -> None:
+        """Stop receiving gradients (Note [a module wrapped again] in wrapper.py)."""
+        remove_hooks(self._hooks)
+        self._hooks.clear()
+
+    def converted_after_wrapping(self, name: str, p: torch.Tensor, dtype: torch.dtype,
+                                 device: torch.device) -> RuntimeError:
+        """Note [parameters replaced after wrapping] in trainable.py: the conversions."""
+        return RuntimeError(
+            f"fusedist DDP (rank {self.comm.rank}): parameter '{name}' is now {p.dtype} on {p.device}, "
+            f"but the model was wrapped with it as {dtype} on {device}: the module was converted "
+            "after wrapping (e.g. model.half(), model.to(dtype or device)). The gradient buffers keep "
+            "the dtype and device of the wrapping; convert the module first, then wrap it"
+        )
+
     def _gradient_twice(self, entry: ParamEntry) -> RuntimeError:
         return RuntimeError(
             f"fusedist DDP: parameter '{self.names[entry.index]}' received its gradient twice in one "

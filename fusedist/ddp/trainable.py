@@ -27,6 +27,23 @@ Note [trainable set changes]
     So the optimizer step after that backward sees averaged gradients, as torch DDP built with
     the parameter already trainable would give. With ``FUSEDIST_CHECKS=0`` there is no step
     check and so no cross-rank comparison: every rank must change the same parameters.
+
+Note [parameters replaced after wrapping]
+    The hooks, buckets and step check follow the Parameter objects the module held when it
+    was wrapped. A Parameter assigned into the module afterwards -- ``load_state_dict(...,
+    assign=True)``, ``module.weight = nn.Parameter(...)``, adapters added to a wrapped model --
+    has no gradient hook: it would train on this rank's gradient alone and the ranks would
+    drift apart without an error (torch DDP does so; without ``find_unused_parameters`` the
+    orphaned old Parameter at least fails the backward, for a reason that names the wrong
+    cause). torch calls a global hook on every Parameter registration: fusedist installs one
+    (``fusedist/_process_hooks.py``) that notes assignments into the modules of a live wrapper,
+    and the wrapper's next training forward raises, naming them, before anything trains on
+    them. Wrapping the module again takes such changes. Conversions such as ``model.half()``
+    keep the Parameter objects and change their data (and their gradients'), which the
+    buckets no longer hold: every training forward compares the first parameter of each
+    bucket with the bucket's dtype (a whole-module conversion, without a per-parameter cost),
+    and a gradient hook that cannot hand a converted parameter its bucket view reports the
+    parameter (``Reducer.converted_after_wrapping``).
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from collections import OrderedDict
 
 import torch
 
+from .._process_hooks import install_parameter_registration_hook
 from ..ownership import register_data_parallel
 from .layout import MiB, append_buckets, layout_of, sparse_gradient_error
 from .strategy import divide_factors
@@ -50,9 +68,13 @@ def flags_crc(flags: list) -> int:
 class TrainableTracker:
     """The module's parameters and the flags the reducer's layout was built from."""
 
-    def __init__(self, named, owner):
+    def __init__(self, module, owner):
+        named = list(module.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.position = {n: i for i, n in enumerate(self.names)}
+        self.assigned: list[str] = []  # Note [parameters replaced after wrapping]
+        follow_assignments(module, self)
         self.layout_flags = [p.requires_grad for p in self.params]
         self.layout_crc = flags_crc(self.layout_flags)
         self.target = None  # flags seen at a training forward that the layout does not follow yet
@@ -66,6 +88,12 @@ class TrainableTracker:
 
     def observe(self, reducer) -> None:
         """Called by every training forward; cheap unless the flags changed."""
+        if self.assigned:
+            raise self._assigned_error(reducer)
+        for bucket in reducer.layout.buckets:  # a whole-module conversion: one look per bucket
+            first = bucket.params[0]
+            if first.dtype is not bucket.dtype:
+                raise reducer.converted_after_wrapping(bucket.names[0], first, bucket.dtype, reducer.device)
         flags = [p.requires_grad for p in self.params]
         if flags == (self.target if self.target is not None else self.layout_flags):
             return
@@ -79,6 +107,28 @@ class TrainableTracker:
             if f and not reducer.is_active(p):
                 _check_trainable_dtype(reducer, p, name)
                 reducer.ensure_hook(p)
+
+    def note_assignment(self, name: str, param) -> None:
+        """A Parameter was registered under ``name`` (Note [parameters replaced after wrapping])."""
+        index = self.position.get(name)
+        if (index is None or self.params[index] is not param) and name not in self.assigned:
+            self.assigned.append(name)
+
+    def _assigned_error(self, reducer) -> RuntimeError:
+        replaced = [n for n in self.assigned if n in self.position]
+        added = [n for n in self.assigned if n not in self.position]
+        what = []
+        if replaced:
+            what.append(f"replaced by new Parameter objects: {replaced[:10]}{' ...' if len(replaced) > 10 else ''}")
+        if added:
+            what.append(f"added: {added[:10]}{' ...' if len(added) > 10 else ''}")
+        return RuntimeError(
+            f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped "
+            f"module were assigned after it was wrapped ({'; '.join(what)}), e.g. by "
+            "load_state_dict(..., assign=True) or module.weight = nn.Parameter(...). The wrapper "
+            "synchronizes the gradients of the Parameters it was built with, so these would train "
+            "on this rank's gradients alone. Make such changes before wrapping, or wrap the module again"
+        )
 
     def describe_mismatch(self, comm) -> list[str]:
         """Lines naming the parameters whose flags differ across ranks. A collective: every rank
@@ -96,6 +146,28 @@ class TrainableTracker:
                 off = [r for r, v in enumerate(column) if not v]
                 lines.append(f"  parameter '{name}': requires_grad=True on ranks {on}, False on ranks {off}")
         return lines[:10] + (["  ..."] if len(lines) > 10 else [])
+
+
+# Note [parameters replaced after wrapping]: module -> [(tracker, qualified-name prefix)].
+_followed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def follow_assignments(module, tracker: TrainableTracker) -> None:
+    """Have Parameter assignments into ``module`` or its submodules noted by ``tracker``."""
+    install_parameter_registration_hook("ddp parameters assigned after wrapping", _parameter_registered)
+    ref = weakref.ref(tracker)
+    for prefix, sub in module.named_modules():
+        # (dropping the entries of wrappers that are gone: a module wrapped again and again)
+        live = [entry for entry in _followed.get(sub, ()) if entry[0]() is not None]
+        _followed[sub] = live + [(ref, prefix + "." if prefix else "")]
+
+
+def _parameter_registered(module, name: str, param):
+    for ref, prefix in _followed.get(module, ()):
+        tracker = ref()
+        if tracker is not None:
+            tracker.note_assignment(prefix + name, param)
+    return None  # the Parameter is registered unchanged
 
 
 def _check_trainable_dtype(reducer, p, name: str) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from ..ownership import register_data_parallel
+from ..ownership import data_parallel_owner, register_data_parallel
 from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
@@ -76,6 +76,29 @@ def _module_device(module: nn.Module) -> torch.device:
             f"the module's parameters live on several devices: {listing}. Move the whole module to one device (module.to(device)) before wrapping."
         )
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+# Note [a module wrapped again]
+#     A parameter has one data-parallel owner: the newest wrapper built over it. Wrapping a
+#     module again (after assigning new Parameters into it, Note [parameters replaced after
+#     wrapping] in trainable.py, or by accident) would otherwise leave the older wrapper's
+#     gradient hooks in place until garbage collection: both would reduce the same gradients
+#     and each would miss the parameters only the other holds. So the newer wrapper retires
+#     the older ones over any of its parameters: their hooks are removed, and a forward
+#     through one of them raises, saying which wrapper took over (a wrapper nested inside
+#     another is such a case: only the outer module should be wrapped).
+
+
+def _supersede_owners(params, newer) -> None:
+    older = {id(o): o for o in map(data_parallel_owner, params) if o is not None and o is not newer}
+    for wrapper in older.values():
+        wrapper.reducer.remove_hooks()
+        wrapper._superseded_by = (
+            f"fusedist.DistributedDataParallel (rank {wrapper.rank}): this wrapper no longer reduces "
+            f"gradients: its module's parameters were wrapped again by a newer DistributedDataParallel "
+            f"(of a module of type {type(newer.module).__name__}), which now owns them. Use the newer "
+            "wrapper (a wrapper nested inside another one is not supported: wrap only the outer module)"
+        )
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -164,6 +187,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         self._buffer_dicts = [m._buffers for m in module.modules()]  # _module_buffers
         self.timeline = Timeline.from_env(self.rank)
+        self._superseded_by: Optional[str] = None
+        _supersede_owners([p for _, p in named], self)  # Note [a module wrapped again]
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
         )
@@ -174,7 +199,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.watch = engine_watch.StepWatch(self.reducer)
         self.reducer.observers.append(self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
-        self.reducer.tracker = TrainableTracker(list(module.named_parameters()), self)
+        self.reducer.tracker = TrainableTracker(module, self)
         self._no_sync_depth = 0
         self._buffers_due = True  # Note [when buffers are broadcast]: the first forward broadcasts
         self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
@@ -268,6 +293,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
+        if self._superseded_by is not None:
+            raise RuntimeError(self._superseded_by)
         if self._join_config.enable and torch.is_grad_enabled():
             _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
             self._wait_for_params(torch.compiler.is_compiling())

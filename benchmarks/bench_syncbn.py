@@ -1,17 +1,20 @@
 """Benchmark: fusedist SyncBatchNorm, kernels on CUDA and the synchronized layer on CPU.
 
 CUDA (runs when a GPU is visible): the Triton kernels against the CUDA kernels that
-torch.nn.SyncBatchNorm uses, on the BatchNorm shapes of ResNet-50 (per-GPU batch 64),
-NCHW and NHWC (channels_last), fp32 and fp16:
+torch.nn.SyncBatchNorm uses, on the BatchNorm shapes of ResNet-50 (per-GPU batch 32 and 64),
+NCHW and NHWC (channels_last), fp32, fp16 and bf16:
 
 * statistics: ``welford_stats`` (per-channel count/mean/M2) vs ``torch.batch_norm_stats``;
 * backward reduce: ``backward_reduce`` (sum dy, sum dy*x̂) vs ``torch.batch_norm_backward_reduce``;
-* normalize: ``channel_affine`` vs ``torch.batch_norm_elemt``.
+* normalize: ``channel_affine`` vs ``torch.batch_norm_elemt``;
+* elementwise backward: ``channel_affine`` with the input term vs ``torch.batch_norm_backward_elemt``.
 
 Median µs from ``triton.testing.do_bench``, GB/s at the bytes each op must move (stats: read
-x; backward reduce: read dy and x; normalize: read x, write y), the fraction of a same-run
-read bandwidth (``torch.sum`` over a 1 GiB fp32 buffer), and the ratio torch / fusedist
-(> 1: fusedist is faster).
+x; backward reduce: read dy and x; normalize: read x, write y; elementwise backward: read dy
+and x, write dx), the fraction of a same-run read bandwidth (``torch.sum`` over a 1 GiB fp32
+buffer), and the ratio torch / fusedist (> 1: fusedist is faster). The last line is the
+verdict: the lowest ratio over every row (target >= 1.0) and the lowest bandwidth fraction
+over the rows whose input is at least 100 MB (target >= 0.85).
 
 CPU (always): two ranks on gloo, each normalizing its own batch: fusedist SyncBatchNorm
 forward+backward against plain ``nn.BatchNorm`` on the same per-rank batch in the same
@@ -22,13 +25,14 @@ both alike; median and min of the repetitions are reported.
     python benchmarks/bench_syncbn.py            # CPU part (+ CUDA part if a GPU is visible)
     python benchmarks/bench_syncbn.py --skip-cpu # CUDA part only
 
-Results go to benchmarks/results/syncbn_{cpu,cuda}.{md,csv}.
+Results go to benchmarks/results/syncbn_cpu.{md,csv} and syncbn_cuda_batch<batches>.{md,csv}.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import datetime
 import os
 import platform
@@ -99,14 +103,24 @@ def _fmt(v) -> str:
 # ----------------------------------------------------------------------------- CUDA kernels
 
 
-def bench_cuda(batch: int, dtypes: list[torch.dtype]) -> list[dict]:
+def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
     import triton.testing
 
     from fusedist.nn._layout import ncs_layout
     from fusedist.triton_kernels import syncbn as kernels
 
     def median_us(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        # ~40 ms of repetitions: hundreds of launches even for the largest shapes, and the
+        # whole matrix (2 batches x 3 dtypes x 2 layouts x 12 shapes x 4 ops x 2) in ~1-2 min.
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+    def timed(fn) -> tuple[float, str]:
+        """(median µs, "") or (nan, the error): one op that fails (a dtype a torch kernel lacks)
+        must not cost the rest of a GPU run's rows."""
+        try:
+            return median_us(fn), ""
+        except RuntimeError as exc:
+            return float("nan"), f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
     big = torch.empty(256 * 2**20, device="cuda", dtype=torch.float32).uniform_()
     read_gbs = big.numel() * 4 / (median_us(lambda: big.sum()) * 1e-6) / 1e9
@@ -114,46 +128,77 @@ def bench_cuda(batch: int, dtypes: list[torch.dtype]) -> list[dict]:
     print(f"same-run read bandwidth (torch.sum, 1 GiB fp32): {read_gbs:.0f} GB/s")
 
     rows = []
-    for dtype in dtypes:
-        for memory_format in ("NCHW", "NHWC"):
-            for C, H, W in RESNET50_BN:
-                x = torch.randn(batch, C, H, W, device="cuda", dtype=dtype) * 2 + 1
-                dy = torch.randn_like(x)
-                if memory_format == "NHWC":
-                    x = x.contiguous(memory_format=torch.channels_last)
-                    dy = dy.contiguous(memory_format=torch.channels_last)
-                layout = ncs_layout(x)
-                assert layout is not None
-                f32 = dict(device="cuda", dtype=torch.float32)
-                weight, bias = torch.ones(C, **f32), torch.zeros(C, **f32)
-                mean_out, m2_out = torch.empty(C, **f32), torch.empty(C, **f32)
-                count_out = torch.empty(1, **f32)
-                mean, invstd = torch.batch_norm_stats(x, 1e-5)
-                y = torch.empty_like(x)
-                nbytes = x.numel() * x.element_size()
-                ops = {
-                    "stats": (lambda: kernels.welford_stats(x, layout, mean_out, m2_out, count_out),
-                              lambda: torch.batch_norm_stats(x, 1e-5), nbytes),
-                    "backward_reduce": (
-                        lambda: kernels.backward_reduce(dy, x, layout, mean, invstd),
-                        lambda: torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, True, True, True),
-                        2 * nbytes),
-                    "normalize": (
-                        lambda: kernels.channel_affine(y, x, layout, mean, invstd, b=bias),
-                        lambda: torch.batch_norm_elemt(x, weight, bias, mean, invstd, 1e-5),
-                        2 * nbytes),
-                }
-                for op, (ours, theirs, moved) in ops.items():
-                    t_ours, t_torch = median_us(ours), median_us(theirs)
-                    gbs = moved / (t_ours * 1e-6) / 1e9
-                    rows.append({
-                        "op": op, "dtype": str(dtype).replace("torch.", ""), "layout": memory_format,
-                        "shape": f"{batch}x{C}x{H}x{W}", "fusedist_us": t_ours, "torch_us": t_torch,
-                        "fusedist_GBps": gbs, "torch_GBps": moved / (t_torch * 1e-6) / 1e9,
-                        "frac_read_bw": gbs / read_gbs, "speedup_vs_torch": t_torch / t_ours,
-                    })
-                    print(rows[-1])
+    for batch, dtype, memory_format, (C, H, W) in itertools.product(batches, dtypes, ("NCHW", "NHWC"), RESNET50_BN):
+        x = torch.randn(batch, C, H, W, device="cuda", dtype=dtype) * 2 + 1
+        dy = torch.randn_like(x)
+        if memory_format == "NHWC":
+            x = x.contiguous(memory_format=torch.channels_last)
+            dy = dy.contiguous(memory_format=torch.channels_last)
+        layout = ncs_layout(x)
+        assert layout is not None
+        f32 = dict(device="cuda", dtype=torch.float32)
+        weight, bias = torch.ones(C, **f32), torch.zeros(C, **f32)
+        mean_out, m2_out = torch.empty(C, **f32), torch.empty(C, **f32)
+        count_out = torch.empty(1, **f32)
+        mean, invstd = torch.batch_norm_stats(x, 1e-5)
+        y = torch.empty_like(x)
+        # the elementwise backward's per-channel terms (Note in fusedist/nn/_function.py)
+        count = torch.full((1,), x.numel() // C, device="cuda", dtype=torch.int32)
+        sum_dy, sum_dy_xmu = torch.randn(C, **f32), torch.randn(C, **f32)
+        mean_dy = (sum_dy / count).contiguous()
+        k = (invstd * weight).contiguous()
+        t = (-k * invstd * (sum_dy_xmu * invstd / count)).contiguous()
+        nbytes = x.numel() * x.element_size()
+        ops = {
+            "stats": (lambda: kernels.welford_stats(x, layout, mean_out, m2_out, count_out),
+                      lambda: torch.batch_norm_stats(x, 1e-5), nbytes),
+            "backward_reduce": (
+                lambda: kernels.backward_reduce(dy, x, layout, mean, invstd),
+                lambda: torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, True, True, True),
+                2 * nbytes),
+            "normalize": (
+                lambda: kernels.channel_affine(y, x, layout, mean, invstd, b=bias),
+                lambda: torch.batch_norm_elemt(x, weight, bias, mean, invstd, 1e-5),
+                2 * nbytes),
+            "backward_elemt": (
+                lambda: kernels.channel_affine(y, dy, layout, mean_dy, k, v=x, r=mean, t=t),
+                lambda: torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count),
+                3 * nbytes),
+        }
+        for op, (ours, theirs, moved) in ops.items():
+            (t_ours, err_ours), (t_torch, err_torch) = timed(ours), timed(theirs)
+            gbs = moved / (t_ours * 1e-6) / 1e9
+            rows.append({
+                "op": op, "dtype": str(dtype).replace("torch.", ""), "layout": memory_format,
+                "shape": f"{batch}x{C}x{H}x{W}", "input_MB": nbytes / 1e6,
+                "fusedist_us": t_ours, "torch_us": t_torch,
+                "fusedist_GBps": gbs, "torch_GBps": moved / (t_torch * 1e-6) / 1e9,
+                "frac_read_bw": gbs / read_gbs, "speedup_vs_torch": t_torch / t_ours,
+                "error": "; ".join(e for e in (err_ours and f"fusedist: {err_ours}",
+                                               err_torch and f"torch: {err_torch}") if e),
+            })
+            print(rows[-1])
     return rows
+
+
+def verdict(rows: list[dict]) -> str:
+    """One line: the lowest ratio against torch, and the lowest bandwidth fraction of the rows
+    whose input is at least 100 MB."""
+    failed = [r for r in rows if r["error"]]
+    rows = [r for r in rows if not r["error"]]
+    if not rows:
+        return f"verdict: every row failed; first: {failed[0]['error']}"
+    worst = min(rows, key=lambda r: r["speedup_vs_torch"])
+    text = (f"verdict: lowest ratio against torch {worst['speedup_vs_torch']:.3f}x ({worst['op']} "
+            f"{worst['dtype']} {worst['layout']} {worst['shape']}; target >= 1.0)")
+    if failed:
+        text += f"; {len(failed)} row(s) failed (see their error column), first: {failed[0]['error']}"
+    large = [r for r in rows if r["input_MB"] >= 100]
+    if large:
+        low = min(large, key=lambda r: r["frac_read_bw"])
+        text += (f"; lowest read-bandwidth fraction on inputs >= 100 MB {low['frac_read_bw']:.2f} "
+                 f"({low['op']} {low['dtype']} {low['layout']} {low['shape']}; target >= 0.85)")
+    return text
 
 
 # ----------------------------------------------------------------------------- CPU, 2 ranks
@@ -238,7 +283,8 @@ def main() -> None:
     parser.add_argument("--skip-cpu", action="store_true")
     parser.add_argument("--skip-cuda", action="store_true")
     parser.add_argument("--reps", type=int, default=30, help="CPU repetitions per contender")
-    parser.add_argument("--batch", type=int, default=64, help="per-GPU batch for the ResNet-50 shapes")
+    parser.add_argument("--batch", default="32,64", help="per-GPU batches for the ResNet-50 shapes (comma-separated)")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16", help="CUDA dtypes (comma-separated)")
     parser.add_argument("--note", default="", help="a sentence about the run's conditions, added to the report")
     args = parser.parse_args()
     info = hardware()
@@ -260,14 +306,20 @@ def main() -> None:
             "same batch: the cost of the pure-PyTorch statistics path and of being synchronized.",
         ]))
     if not args.skip_cuda and torch.cuda.is_available():
-        rows = bench_cuda(args.batch, [torch.float32, torch.float16])
-        write_results("syncbn_cuda", rows, "\n".join([
+        batches = [int(b) for b in args.batch.split(",")]
+        rows = bench_cuda(batches, [getattr(torch, d) for d in args.dtypes.split(",")])
+        line = verdict(rows)
+        # one file per batch list, so that run_checks.sh can time the batches in separate runs
+        write_results(f"syncbn_cuda_batch{'-'.join(map(str, batches))}", rows, "\n".join([
             "# SyncBatchNorm kernels on CUDA: fusedist (Triton) vs torch's SyncBatchNorm kernels",
             "",
             f"{env_line}. ResNet-50 BatchNorm shapes, per-GPU batch {args.batch}; median µs "
             "(triton.testing.do_bench); `frac_read_bw` = achieved GB/s over a same-run torch.sum "
             "read bandwidth; `speedup_vs_torch` = torch time / fusedist time.",
+            "",
+            line,
         ]))
+        print(line)
     elif not args.skip_cuda:
         print("no CUDA device: CUDA kernel benchmark skipped")
 

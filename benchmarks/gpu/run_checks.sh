@@ -254,10 +254,11 @@ say "benchmarks"
 DEFAULT_BENCHES="bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8
 bench_gpt_step.py --device cuda --ranks-per-gpu 2 --repeats 5
 bench_optimizer.py --device cuda
-bench_syncbn.py --skip-cpu
+bench_syncbn.py --skip-cpu --batch 64
 bench_nccl.py --device cuda
 bench_zero.py --collectives-only --world-size 2
-bench_zero.py --collectives-only --world-size 4"
+bench_zero.py --collectives-only --world-size 4
+bench_syncbn.py --skip-cpu --batch 32"
 BENCH_LIMIT_S="${FUSEDIST_GPU_BENCH_LIMIT_S:-120}"
 while IFS= read -r line; do
     [ -z "${line// }" ] && continue

@@ -37,6 +37,7 @@ _LAZY = {
     "Join": ("fusedist.ddp.join", "Join"),
     "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
     "fully_shard": ("fusedist.fsdp", "fully_shard"),
+    "register_fsdp_forward_method": ("fusedist.fsdp", "register_fsdp_forward_method"),
     "MixedPrecisionPolicy": ("fusedist.fsdp", "MixedPrecisionPolicy"),
     "CPUOffloadPolicy": ("fusedist.fsdp", "CPUOffloadPolicy"),
     "fsdp": ("fusedist.fsdp", None),

@@ -11,14 +11,14 @@ an optimizer step outdated), ``holder``
 ``memory`` (what is held), ``api`` (``fully_shard`` and the methods a module gains).
 """
 
-from .api import FullyShardedModule, UnshardHandle, fully_shard
+from .api import FullyShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .memory import reset_peak_memory_stats
 from .optim_state import track_optimizer
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
-    "fully_shard", "FullyShardedModule", "UnshardHandle",
+    "fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
     "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer",
 ]

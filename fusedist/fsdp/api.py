@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+from typing_extensions import deprecated
 
 from ..comm import get_communicator
 from .dcp import install_state_dict_hooks
@@ -18,7 +22,7 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
 
-__all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
+__all__ = ["fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "UnshardHandle"]
 
 # Every parameter a unit took over -- the original and its piece -- maps to (unit, index), so a
 # later fully_shard call that meets it (a weight tied across units) borrows it instead of
@@ -108,6 +112,40 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
         install_state_dict_hooks(module)  # Note [pieces in torch's distributed checkpoint]
     module.__class__ = _sharded_class(type(module))
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` gather before and reshard after, as ``forward`` does,
+    for methods that use the weights without calling ``forward`` (``generate``); torch's
+    FSDP2 function. A no-op for a module fusedist did not shard, so the same code runs
+    unsharded; a module torch's ``fully_shard`` sharded is handed to torch's function."""
+    if not isinstance(module, FullyShardedModule):
+        _register_torch_forward_method(module, method_name)
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def as_forward(self, *args, **kwargs):
+        st = state_of(self)
+        args, kwargs = st._pre_forward(self, args, kwargs)
+        return st._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward.__get__(module, type(module)))
+
+
+def _register_torch_forward_method(module: nn.Module, method_name: str) -> None:
+    """torch's ``register_fsdp_forward_method`` for a module its ``fully_shard`` sharded."""
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "_fully_shard", None)
+    if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+        fsdp.register_fsdp_forward_method(module, method_name)
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _sharded_by_parent(module, fqn, owner, idx) -> ValueError:
@@ -221,6 +259,60 @@ class FullyShardedModule:
         for st in self._fs_states(recurse):
             if st.unit is not None:
                 st.unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is an iteration's last (torch FSDP2's micro-batching hint:
+        only then does it wait for its gradient reductions). Recorded only: every fusedist
+        backward finishes its reduce-scatters before it returns (the per-step cross-rank
+        check reads them), so under either value the gradients are complete after each
+        backward, as FSDP2's are after the last."""
+        self._fs_state().is_last_backward = _check_bool("is_last_backward", is_last_backward)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this module's unit (not its submodules') is not gathered in backward, for a
+        unit whose backward reads no parameter values (an embedding: its weight gradient needs
+        only the weight's shape); saves one all-gather per step. A backward that does read
+        them fails on the freed buffer (torch's "out of bounds for storage of size 0") instead
+        of computing with it. An activation-checkpoint recompute still gathers, and a unit
+        still gathered (``reshard_after_forward=False``) stays so."""
+        self._fs_state().unshard_in_backward = _check_bool("unshard_in_backward", unshard_in_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for HSDP's all-reduce across replicas. fusedist shards over a 1-D mesh
+        only, where no all-reduce exists (as in FSDP2 on a 1-D mesh), so either value leaves
+        the reduce-scatter's gradients as they are; the setting is recorded."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for st in self._fs_states(recurse):
+            st.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce this module's gradients (not its submodules', as torch) to the sum over ranks
+        divided by ``factor`` instead of the world size; e.g. 1.0 when the loss is already
+        normalized by the global token count. An fp16 ``reduce_dtype`` still divides by about
+        sqrt(factor) before the sum (torch's power of two) and by the rest after it, so the
+        fp16 sum stays that much below a plain sum, away from overflow (Note [fp16 reduction]
+        in grads.py)."""
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise TypeError(f"factor must be a number, got {type(factor).__name__}")
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor must be positive and finite, got {factor}")
+        st = self._fs_state()
+        if st.grads is not None:
+            st.grads.divide_factor = float(factor)
+
+    @deprecated("Use `set_gradient_divide_factor` instead")
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Use :py:meth:`set_gradient_divide_factor` instead"""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """True: this module's reduce-scatters use ``sum`` and divide afterwards, never the
+        communicator's ``avg`` (FSDP2's switch for zero-copy NCCL transfers). fp16 reduces with
+        ``sum`` either way; on gloo ``avg`` is that sum and division already (same result)."""
+        enable = _check_bool("enable", enable)
+        st = self._fs_state()
+        if st.grads is not None:
+            st.grads.force_sum = enable
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """Gather these modules' units right after this module's, in forward (overrides the

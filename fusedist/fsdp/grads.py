@@ -16,7 +16,8 @@ Note [unit gradients]
     ``MAX_IN_FLIGHT`` are pending; the end of backward finishes the rest.
 
     The average is taken as the sum of ``1/pre``-scaled gradients divided by ``post``
-    afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below).
+    afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below), or the world size
+    replaced by a ``set_gradient_divide_factor`` factor (``reduce_factors``).
 
     ``set_requires_gradient_sync(False)``: no reduce-scatter; the flat buffer is kept as an
     accumulator (``reduce_dtype``; the size of the trainable section, unsharded) and the
@@ -47,24 +48,47 @@ Note [rank-independent reductions]
     only, and the ranks' collectives pair up wrongly before any check can run.
 
 Note [fp16 reduction]
-    An fp16 sum over N ranks overflows (65504) where the average would not. As DDP does
-    (``ddp/strategy.py::divide_factors``, the factors torch's FSDP2 uses too), an fp16
+    An fp16 sum over N ranks overflows (65504) where the average would not. So an fp16
     ``reduce_dtype`` divides by ``pre`` (about sqrt(N), a power of two: exact) before the
     reduce-scatter and by ``post = N / pre`` after it -- in the shard's dtype when that is
-    wider (FP32 master weights), so small gradients do not underflow on the way. fp32 and
-    bf16 reduce with ``avg`` (sum, then divide), whose range needs no split.
+    wider (FP32 master weights), so small gradients do not underflow on the way. ``pre`` is
+    torch's FSDP2's (``_get_gradient_divide_factors``: doubled from 1 while it divides the
+    factor and is below ``factor / pre``; 2 at N = 2, where DDP's sqrt rounding picks 1), and
+    a ``set_gradient_divide_factor`` factor F takes N's place: the sum divided by F. fp32 and
+    bf16 reduce with ``avg`` (sum, then divide), whose range needs no split; with another
+    factor, or ``set_force_sum_reduction_for_comms(True)``, with ``sum`` and a division by F
+    after it (FSDP2's forced-sum path; its NCCL default for F != N, a PreMulSum by 1/F,
+    rounds differently, within an ulp).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..ddp.strategy import divide_factors
 from .memory import COUNTERS
 
 #: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
 #: buffers alive during backward to this many units).
 MAX_IN_FLIGHT = 2
+
+
+def reduce_factors(world_size: int, dtype: torch.dtype, factor: Optional[float] = None,
+                   force_sum: bool = False) -> tuple[float, str, float]:
+    """``(pre, op, post)``: reduce-scatter ``grads / pre`` with ``op``, then divide by ``post``,
+    so the result is the sum over ranks divided by ``factor`` (default: the world size, an
+    average). Why the split: Note [fp16 reduction]."""
+    if factor is None:
+        factor = float(world_size)
+    if dtype == torch.float16:
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre), "sum", factor / pre
+    if factor == world_size and not force_sum:
+        return 1.0, "avg", 1.0
+    return 1.0, "sum", float(factor)
 
 
 class PendingReduce:
@@ -87,6 +111,8 @@ class UnitGrads:
         self.unit = unit
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else unit.param_dtype
         self.reduce_grads = True
+        self.divide_factor = None  # set_gradient_divide_factor; None: the world size
+        self.force_sum = False  # set_force_sum_reduction_for_comms
         self._acc: dict[int, torch.Tensor] = {}  # section -> flat accumulator of unsynchronized backwards
         self._acc_with_grad: dict[int, set] = {}  # section -> parameters with a gradient in it
 
@@ -146,11 +172,9 @@ class UnitGrads:
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
             out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
             COUNTERS.add_scratch(out.numel() * out.element_size())
-            op, post = "avg", 1.0
-            if self.reduce_dtype == torch.float16 and unit.world_size > 1:  # Note [fp16 reduction]
-                pre, post = divide_factors(unit.world_size, self.reduce_dtype)
+            pre, op, post = reduce_factors(unit.world_size, self.reduce_dtype, self.divide_factor, self.force_sum)
+            if pre != 1.0:  # Note [fp16 reduction]
                 flat.div_(pre)
-                op = "sum"
             handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
                                               tag=f"fully_shard grads {unit.name or 'root'}")
             pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post))

@@ -10,9 +10,12 @@ Note [unit schedule]
               a prefetched unit nobody ran is resharded.
     backward  a hook on each output of a unit call: gather the unit again if it was resharded,
               and prefetch the unit that ran before this call (reverse order of this
-              iteration's post-forwards, or the explicit backward list). The unit's gradient
-              hooks count its parameters' accumulations; when all trainable ones are in, the
-              gradients go to a reduce-scatter (Note [unit gradients]) and the unit reshards.
+              iteration's post-forwards, or the explicit backward list); a unit set
+              ``set_unshard_in_backward(False)`` is neither gathered nor prefetched here
+              (its backward reads no parameter values, e.g. an embedding's). The unit's
+              gradient hooks count its parameters' accumulations; when all trainable ones
+              are in, the gradients go to a reduce-scatter (Note [unit gradients]) and the
+              unit reshards.
               A unit with frozen parameters also waits for the gradients of its calls' inputs
               (Note [frozen parameters in backward]).
               A callback queued on the autograd engine ends the backward: units whose
@@ -202,6 +205,9 @@ class FullyShardState:
         self.forward_prefetch: Optional[list] = None
         self.backward_prefetch: Optional[list] = None
         self.backward_pending = False  # ran forward with grad since the last backward ended
+        self.unshard_in_backward = True  # set_unshard_in_backward
+        self.is_last_backward = True  # set_is_last_backward (recorded; every backward finishes)
+        self.requires_all_reduce = True  # set_requires_all_reduce (recorded; no all-reduce on a 1-D mesh)
         self._post_forward_indices: list[int] = []
         self._in_backward = False
         self._grads_seen = 0
@@ -320,16 +326,18 @@ class FullyShardState:
             return grad
         self._calls_started.add(call)
         with torch.profiler.record_function("fusedist::fully_shard::pre_backward"):
-            unit.unshard(async_op=True)  # the prefetch below goes out before we wait
+            if self.unshard_in_backward:
+                unit.unshard(async_op=True)  # the prefetch below goes out before we wait
             if self.backward_prefetch is not None:
                 targets = self.backward_prefetch if len(self._calls_started) == 1 else []
             else:
                 index = self._post_forward_indices[call] if 0 <= call < len(self._post_forward_indices) else 0
                 targets = [ctx.post_forward_order[index - 1]] if index > 0 else []
             for st in targets:
-                if st is not self and st.unit is not None and st.backward_pending:
+                if st is not self and st.unit is not None and st.backward_pending and st.unshard_in_backward:
                     st.unit.unshard(async_op=True)
-            unit.wait_for_unshard()
+            if self.unshard_in_backward:
+                unit.wait_for_unshard()
         return grad
 
     @functools.cached_property

@@ -12,10 +12,13 @@ seconds all are killed and the report says which ranks were still running.
 
 Note [ranks forked from a server that imported torch]
     Starting a rank costs mostly ``import torch`` (about 2 s of CPU each, two ranks on two
-    cores: the bulk of a small multi-rank test). So on Linux the ranks are started by
-    multiprocessing's *forkserver*, which imports torch once and forks each rank from itself:
-    a rank starts with torch loaded and nothing else -- no CUDA context, no process group,
-    no fusedist module, no thread -- as a spawned one would. What a forked rank does not
+    cores: the bulk of a small multi-rank test), and as much again for ``torch._dynamo``,
+    which torch.optim imports with the first optimizer a rank builds. So on Linux the ranks
+    are started by multiprocessing's *forkserver*, which imports both once and forks each
+    rank from itself: a rank starts with torch loaded and nothing else -- no CUDA context, no
+    process group, no fusedist module, no thread -- as a spawned one would. (Triton, which
+    dynamo imports, reads its settings such as ``TRITON_INTERPRET`` when they are used, so the
+    rank's own environment still decides them.) What a forked rank does not
     inherit as a spawned one does is the caller's *current* environment (the server keeps
     the one it started with), so the caller's whole environment travels with each rank and
     replaces the inherited one before anything else runs. Variables torch itself reads while
@@ -130,7 +133,7 @@ def _start_context():
     if os.environ.get("FUSEDIST_TEST_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo"])
     return ctx
 
 

@@ -69,6 +69,7 @@ gradients are shards only it reads (``p.grad`` is None), so there is nothing to 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -130,6 +131,21 @@ def _combine_over_shards(optimizer, found_inf: torch.Tensor, sumsq: Optional[tor
 # -- end [sharded gradients] ------------------------------------------------------------------
 
 
+def _refuse_fp16_in_place(optimizer) -> None:
+    """fp16 gradients unscaled in place lose what loss scaling kept: unscaled values below
+    fp16's normal range (6e-5) keep a few bits or become zero (measured: 9% error at 3e-7),
+    and Adam's per-element normalization makes such small gradients count fully. torch's
+    unscale_ refuses them; the fused update unscales in fp32 instead (lazy_unscale)."""
+    if any(g.dtype == torch.float16 for g in optimizer._fusedist_unscale_targets()):
+        raise ValueError(
+            f"GradScaler.unscale_: {type(optimizer).__name__} has float16 gradients; unscaling them "
+            "in place would round the small values loss scaling preserves to subnormals or zero "
+            "(torch's GradScaler refuses float16 gradients too). Build the scaler with "
+            "lazy_unscale=True and clip with fusedist.clip_grad_norm_ (the update unscales in fp32), "
+            "or call scaler.step(optimizer) without unscale_."
+        )
+
+
 class GradScaler(_TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
@@ -137,8 +153,9 @@ class GradScaler(_TorchGradScaler):
     separate unscale pass, and nothing synchronizes the host. ``unscale_`` unscales the
     gradients in place, as torch's does, so ``torch.nn.utils.clip_grad_norm_`` and anything
     else reading ``p.grad`` sees unscaled values; it also records the global norm, so
-    ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Extra
-    keyword-only arguments:
+    ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Like torch's,
+    it refuses float16 gradients (in place they would underflow); ``lazy_unscale`` takes them.
+    Extra keyword-only arguments:
 
     * ``lazy_unscale`` (default False): ``unscale_`` only checks and measures the gradients
       (one read-only pass) and the optimizer's update unscales inline, saving the write of
@@ -208,6 +225,7 @@ class GradScaler(_TorchGradScaler):
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
         ctx = optimizer.step_context
         if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]
+            _refuse_fp16_in_place(optimizer)
             found_inf, sumsq = optimizer._fusedist_check_norm_and_unscale(inv_scale)
             ctx.inv_scale = None
         else:
@@ -220,6 +238,7 @@ class GradScaler(_TorchGradScaler):
         mark_pending(optimizer)
         optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
         optimizer_state["stage"] = OptState.UNSCALED
+        optimizer_state["fused_optimizer"] = weakref.ref(optimizer)  # Note [an iteration without a step]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         if not self._enabled or not is_fused(optimizer):
@@ -262,6 +281,7 @@ class GradScaler(_TorchGradScaler):
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        self._forget_unstepped()
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())
             for state in self._per_optimizer_states.values()
@@ -287,6 +307,19 @@ class GradScaler(_TorchGradScaler):
         else:
             self._update_with_hysteresis(_scale, _growth_tracker, self.last_step_skipped_tensor)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # Note [an iteration without a step]
+    # A program may unscale_ and clip, then skip step() (e.g. for a non-finite norm) and call
+    # update(). The fused optimizer's step context still holds that iteration's clip
+    # coefficient, inverse scale and norm, which only step() clears; a later step() without
+    # unscale_ would apply them to other gradients. torch's scaler forgets an iteration at
+    # update(), so this one clears what such an optimizer was told.
+    def _forget_unstepped(self) -> None:
+        for state in self._per_optimizer_states.values():
+            ref = state.get("fused_optimizer")
+            optimizer = None if ref is None else ref()
+            if optimizer is not None and state["stage"] is OptState.UNSCALED:
+                optimizer._fusedist_clear_protocol()
 
     def _update_with_hysteresis(self, scale: torch.Tensor, growth_tracker: torch.Tensor,
                                 found: torch.Tensor) -> None:

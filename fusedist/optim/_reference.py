@@ -62,9 +62,12 @@ def _step_value(step, i: int):
 
 def check_and_norm(grads, inv_scale, unscale_in_place=False):
     device = grads[0].device
-    norms = torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
+    # In fp32, or fp64 for fp64 gradients (foreach_norm refuses to narrow them, and their norm
+    # keeps its precision: torch's clip measures them in fp64).
+    dtype = compute_dtype(grads[0].dtype)
+    norms = torch.stack(torch._foreach_norm(list(grads), 2, dtype=dtype))
     if inv_scale is not None:
-        norms = norms * inv_scale.reshape(()).float()
+        norms = norms * inv_scale.reshape(()).to(dtype)
     sumsq = (norms * norms).sum()
     # A non-finite norm can also come from squares overflowing fp32 (|g| > 1.8e19, bf16 only),
     # so the flag looks at the elements, as the kernel does.

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .functional import _effective_factor
 from .step_context import StepContext
 
 
@@ -95,19 +96,20 @@ class ScalerProtocol:
         return found_inf, sumsq
 
     def _fusedist_materialize_unscale(self) -> None:
-        """Apply a pending ``inv_scale`` (``lazy_unscale``) to the gradients in place, for a
-        caller that needs unscaled ``.grad`` values and may change them (clip_grad_norm_ on a
-        different set of parameters): the recorded norm is dropped either way. Afterwards the
-        optimizer behaves as after torch's ``unscale_``."""
+        """Apply a pending ``inv_scale`` (``lazy_unscale``) and a pending clip coefficient to
+        the gradients in place, for a caller that needs the values the step would use and may
+        change them (clip_grad_norm_ on a different set of parameters, or with another norm
+        type, after fusedist's clip recorded its coefficient): the recorded norm is dropped
+        either way. Afterwards the optimizer behaves as after torch's ``unscale_`` (and clip)."""
         ctx = self.step_context
         ctx.grad_sumsq = None
-        inv = ctx.inv_scale
-        if inv is None:
+        factor = _effective_factor(ctx.inv_scale, ctx.clip_coef)  # what the step would apply
+        if factor is None:
             return
         grads = self._fusedist_unscale_targets()
         if grads:
-            torch._foreach_mul_(grads, inv.reshape(()))
-        ctx.inv_scale = None
+            torch._foreach_mul_(grads, factor.reshape(()))
+        ctx.inv_scale = ctx.clip_coef = None
 
     def _effective_inv_scale(self) -> Optional[torch.Tensor]:
         return self.step_context.effective_inv_scale(self.grad_scale)

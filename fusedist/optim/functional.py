@@ -204,11 +204,12 @@ def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: boo
 
 
 def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, unscale_in_place: bool = False):
-    """One read-only pass over ``grads``: returns ``(found_inf, sumsq)``, 1-element fp32 tensors.
+    """One read-only pass over ``grads``: returns ``(found_inf, sumsq)``, 1-element fp32 tensors
+    (``sumsq`` fp64 when there are fp64 gradients, which keep their precision as in torch's clip).
 
     ``found_inf`` is 1.0 if any gradient element (as stored, i.e. still scaled) is inf or nan;
-    ``sumsq`` is the sum of squares of ``grad * inv_scale`` in fp32 (the squared global L2
-    norm of the unscaled gradients). No gradient is written and the host is not synchronized.
+    ``sumsq`` is the sum of squares of ``grad * inv_scale`` (the squared global L2 norm of the
+    unscaled gradients). No gradient is written and the host is not synchronized.
     ``unscale_in_place``: also write ``grad * inv_scale`` into the gradients, as torch's
     ``GradScaler.unscale_`` does (the Triton kernel in the same pass).
     """
@@ -392,7 +393,7 @@ def lamb_update(
     if global_grad_sumsq is None:
         _, global_grad_sumsq = check_and_norm(grads, _effective_factor(inv_scale, clip_coef))
     if max_grad_norm > 0:
-        norm = global_grad_sumsq.reshape(1).sqrt()
+        norm = global_grad_sumsq.reshape(1).float().sqrt()  # (fp64 with fp64 gradients)
         # apex: divide by norm / max_norm when the norm exceeds max_norm, else by 1.
         global_div = torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
     else:

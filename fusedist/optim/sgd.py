@@ -50,8 +50,20 @@ class FusedSGD(FusedOptimizerBase):
             state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["step"].fill_(0.0)
 
+    @staticmethod
+    def _start_momentum(p, state):
+        """A buffer for a parameter stepped so far without momentum (a schedule switched it on):
+        this step counts as its first, so the kernel fills it with the gradient, as torch's
+        SGD does when it finds no buffer."""
+        state["momentum_buffer"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
+        state["step"].fill_(1.0)
+
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         momentum = group["momentum"]
+        if momentum != 0:
+            for p, s in zip(params, states):
+                if s.get("momentum_buffer") is None:
+                    self._start_momentum(p, s)
         functional.sgd_update(
             params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
             masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],

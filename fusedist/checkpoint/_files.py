@@ -131,6 +131,12 @@ def remove_manifest(directory: str) -> None:
 
 
 def read_manifest(directory: str) -> dict:
+    return read_manifest_and_digest(directory)[0]
+
+
+def read_manifest_and_digest(directory: str) -> tuple[dict, str]:
+    """The manifest and the SHA-256 of the bytes it was parsed from: what identifies the
+    checkpoint a rank reads (ranks of one load must all read the same one)."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.isdir(directory):
         what = "is a file, not a checkpoint directory" if os.path.exists(directory) else "does not exist"
@@ -142,7 +148,8 @@ def read_manifest(directory: str) -> dict:
         )
     try:
         with open(path, "rb") as f:
-            manifest = json.loads(f.read().decode())
+            data = f.read()
+        manifest = json.loads(data.decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"fusedist.checkpoint: {path} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -152,7 +159,19 @@ def read_manifest(directory: str) -> dict:
             f"fusedist.checkpoint: {path} has format version {manifest.get('version')}, this fusedist "
             f"reads versions up to {VERSION}; upgrade fusedist"
         )
-    return manifest
+    return manifest, hashlib.sha256(data).hexdigest()
+
+
+def not_seen(directory: str, files: dict) -> list[str]:
+    """The names in a manifest's ``files`` that ``directory`` does not hold with the listed
+    size: files another rank wrote where this one cannot see them (another directory, or one
+    not on a filesystem every rank shares). Checked before a manifest lists them."""
+    missing = []
+    for name, info in sorted(files.items()):
+        path = os.path.join(directory, info.get("file", name))
+        if not os.path.isfile(path) or os.path.getsize(path) != info["bytes"]:
+            missing.append(name)
+    return missing
 
 
 def verify_file(directory: str, name: str, expected: dict) -> str:

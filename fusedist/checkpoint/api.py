@@ -58,9 +58,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _strip_prefix(state: dict) -> dict:
+def _strip_prefix(state: dict, expected) -> dict:
+    """``state`` without DDP's ``module.`` prefix when every key has it -- unless the keys
+    are the model's own as they are: a model whose only child is called ``module`` saved
+    keys that all start with it, and stripping them made its own checkpoint unloadable."""
     keys = list(state)
-    if keys and all(k.startswith("module.") for k in keys):
+    if keys and all(k.startswith("module.") for k in keys) and not all(k in expected for k in keys):
         return type(state)((k[len("module."):], v) for k, v in state.items())
     return state
 
@@ -142,21 +145,33 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     ``per_rank`` (exact resume, see :mod:`.resume`): a picklable dict of *this rank's* state
     (RNG states, data position), written into this rank's own file and read back with
     :func:`load_per_rank`. Pass it on every rank or on none.
+
+    Ranks that pass different kinds of arguments (a scaler or ``per_rank`` on some ranks
+    only, ``extra`` not a dict on one) are refused on every rank before anything is written;
+    rank 0 lists in the manifest only files it sees itself, so ranks given different
+    directories, or one that not every rank sees, fail the save instead of leaving a
+    checkpoint that cannot be loaded.
     """
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"fusedist.checkpoint.save: extra must be a dict, got {type(extra).__name__}")
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
-    start = None
+    start, created = None, False
     if world.rank == 0:
         try:
+            created = not os.path.isdir(directory)
             os.makedirs(directory, exist_ok=True)
             start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
         except OSError as exc:
             start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
-    problem, save_id = world.all_gather(start, "save: start")[0]
+    everyone = world.all_gather((start, _save_call(directory, optimizer, scaler, extra, per_rank)), "save: start")
+    (problem, save_id), calls = everyone[0][0], [c for _, c in everyone]
+    try:
+        _check_same_save(calls)
+    except (TypeError, CheckpointError):
+        if created:  # rank 0 made it for this save: leave no trace of a refused one
+            _remove_empty(directory)
+        raise
     if problem:
         raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
 
@@ -176,31 +191,100 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     everyone = world.all_gather((mine, error), "save: rank files written")
     failed = [e for _, e in everyone if e is not None]
     if failed:
-        _finish_save(world, directory)
+        _finish_save(world, directory, calls)
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
-    everyone = [m for m, _ in everyone]
     error = None
     if world.rank == 0:
         # Rank 0's failure is exchanged like the rank files' above: raised here alone, it
         # left the other ranks waiting in the final exchange until the collective timeout
         # (and the group broken by that timeout).
-        try:
-            files = {}
-            for entry in everyone:
-                files.update(entry)
-            common = _common_sections(model, optimizer, scaler, extra, sharded_keys)
-            files[COMMON] = _write(directory, COMMON, save_id, common, rank=0)
-            manifest = dict(manifest_base(model, optimizer, scaler, world.size), created_unix=time.time(), files=files)
-            if save_id:
-                manifest["version"] = _files.VERSION  # files with names of their own
-            _files.write_manifest(directory, manifest)  # the switch: one atomic rename
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
-            error = (f"rank 0 could not write {COMMON} or the manifest in {directory}: "
-                     f"{type(exc).__name__}: {exc}")
+        error = _complete(directory, save_id, [m for m, _ in everyone], calls,
+                          lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys),
+                          lambda: manifest_base(model, optimizer, scaler, world.size))
     failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
-    _finish_save(world, directory)
+    _finish_save(world, directory, calls)
     if failed:
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
+
+
+def _complete(directory: str, save_id: str, rank_entries: list, calls: list, common, base) -> Optional[str]:
+    """Rank 0, once every rank file is written: check it sees them all, write ``common.pt``,
+    then the manifest (the switch to the new checkpoint). The error's text, or None."""
+    files = {}
+    for entry in rank_entries:
+        files.update(entry)
+    try:
+        unseen = unseen_rank_files(directory, files, [c["directory"] for c in calls])
+        if unseen is not None:
+            return unseen
+        files[COMMON] = _write(directory, COMMON, save_id, common(), rank=0)
+        manifest = dict(base(), created_unix=time.time(), files=files)
+        if save_id:
+            manifest["version"] = _files.VERSION  # files with names of their own
+        _files.write_manifest(directory, manifest)  # the switch: one atomic rename
+    except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
+        return f"rank 0 could not write {COMMON} or the manifest in {directory}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _save_call(directory, optimizer, scaler, extra, per_rank) -> dict:
+    """What this rank passed to :func:`save`, for the other ranks to compare with theirs (a
+    save is one checkpoint: a scaler or per-rank state given on some ranks only would be
+    written or lost silently depending on which rank writes what)."""
+    return {
+        "directory": os.path.abspath(directory),
+        "optimizer": None if optimizer is None else optimizer_algorithm(optimizer),
+        "scaler": "a GradScaler" if scaler is not None else "None",
+        "per_rank": "given" if per_rank is not None else "None",
+        "extra": None if extra is None or isinstance(extra, dict) else type(extra).__name__,
+    }
+
+
+def _check_same_save(calls: list) -> None:
+    """Raise on every rank, before anything is written, when a rank's arguments are wrong or
+    differ from the others' (naming the ranks and what each passed)."""
+    bad = [(r, c["extra"]) for r, c in enumerate(calls) if c["extra"] is not None]
+    if bad:
+        raise TypeError("fusedist.checkpoint.save: extra must be a dict, got "
+                        + ", ".join(f"{kind} on rank {r}" for r, kind in bad) + " (nothing was written)")
+    for field in ("optimizer", "scaler", "per_rank"):
+        detail = _differs(calls, field)
+        if detail:
+            raise CheckpointError(
+                f"fusedist.checkpoint.save: the ranks passed different arguments: {field} is {detail}. A save "
+                "writes one checkpoint: every rank passes the same model, optimizer, scaler and per_rank (or "
+                "none); nothing was written")
+
+
+def _differs(calls: list, field: str) -> Optional[str]:
+    """'X on ranks [..]; Y on ranks [..]' when the ranks' ``field`` differ, else None."""
+    ranks: dict = {}
+    for r, c in enumerate(calls):
+        ranks.setdefault(c[field], []).append(r)
+    if len(ranks) < 2:
+        return None
+    return "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
+
+
+def _remove_empty(directory: str) -> None:
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # not empty (another writer) or gone: leave it
+
+
+def unseen_rank_files(directory: str, files: dict, directories: list) -> Optional[str]:
+    """Rank 0's check before it lists the rank files in a manifest: every one must be in its
+    ``directory`` with the size its rank reported, else a manifest would describe a checkpoint
+    that cannot be loaded (ranks given different directories, e.g. with a timestamp in the
+    name, or a directory not on a filesystem every rank shares)."""
+    missing = _files.not_seen(directory, files)
+    if not missing:
+        return None
+    shown = "; ".join(f"rank {files[n]['rank']} wrote {files[n].get('file', n)} into {directories[files[n]['rank']]}"
+                      for n in missing[:4])
+    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{'; ...' if len(missing) > 4 else ''}): "
+            "every rank must pass the same directory, on a filesystem every rank sees")
 
 
 def _write(directory: str, name: str, save_id: str, sections: dict, rank: int) -> dict:
@@ -213,10 +297,11 @@ def _write(directory: str, name: str, save_id: str, sections: dict, rank: int) -
     return entry
 
 
-def _finish_save(world: "_World", directory: str) -> None:
+def _finish_save(world: "_World", directory: str, calls: list) -> None:
     """Once no rank writes any more: rank 0 removes the files the manifest now in the
-    directory does not list (the replaced checkpoint's, or a failed save's own)."""
-    if world.rank == 0:
+    directory does not list (the replaced checkpoint's, or a failed save's own), and so does
+    a rank that was given another directory than rank 0 (a save refused for that)."""
+    if world.rank == 0 or (calls[world.rank]["directory"] != calls[0]["directory"] and os.path.isdir(directory)):
         _files.remove_unlisted(directory)
 
 
@@ -242,6 +327,7 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
             # a stage-3 optimizer is saved as ZeRO shards (whole-parameter fragments)
             "kind": "zero" if zero or sharded else "full",
             "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
+            "algorithm": optimizer_algorithm(optimizer),  # what load compares (_check_algorithm)
             "stage": optimizer.stage if zero else (3 if sharded else None),
             "param_names": _param_names(model, params),
             "param_shapes": [list(stage3.full_shape(p, where)) for p in params],
@@ -321,7 +407,10 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     size, SHA-256) and every tensor against the model and optimizer *before* anything is
     modified; on any problem, on any rank, every rank raises :class:`CheckpointError` naming it
     and the model, optimizer and scaler are untouched. A collective when the optimizer is
-    sharded or torch.distributed is initialized.
+    sharded or torch.distributed is initialized: every rank must read the same checkpoint
+    (same manifest bytes) and pass the same kinds of objects, else every rank refuses. The
+    optimizer must run the algorithm that saved the state (torch's and fusedist's fused class
+    of one algorithm, e.g. ``AdamW`` and ``FusedAdamW``, are interchangeable).
 
     Files are read with torch's restricted unpickler (tensors and plain containers): a
     checkpoint whose ``extra`` holds other objects is refused unless ``trusted=True``, which
@@ -335,22 +424,50 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         plan, error = None, str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
         plan, error = None, f"fusedist.checkpoint: reading {directory} failed: {type(exc).__name__}: {exc}"
-    errors = world.all_gather(error, "load: files checked")
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    read = plan["read"] if plan is not None else None
+    everyone = world.all_gather((error, read), "load: files checked")
+    failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
     if failed:
         rank, message = failed[0]
         prefix = "" if rank == world.rank else f"rank {rank} could not load the checkpoint: "
         raise CheckpointError(prefix + message)
+    _check_same_load([r for _, r in everyone])
     return _apply(plan, model, optimizer, scaler)
 
 
+def _check_same_load(reads: list) -> None:
+    """Every rank must have read the same checkpoint (a manifest with the same bytes) for the
+    same kinds of objects: ranks given different directories (a rank-dependent path) or a
+    directory not shared by every rank would otherwise each load their own state, and the
+    ranks go on from different models without any error. Nothing is loaded on any rank."""
+    digests: dict = {}
+    for r, read in enumerate(reads):
+        digests.setdefault(read["manifest"], []).append(r)
+    if len(digests) > 1:
+        shown = "; ".join(f"ranks {rs} read {reads[rs[0]]['directory']} (manifest SHA-256 {d[:12]}...)"
+                          for d, rs in digests.items())
+        raise CheckpointError(
+            f"fusedist.checkpoint: the ranks read different checkpoints: {shown}. A load is a collective of one "
+            "checkpoint: every rank passes the same directory, on a filesystem every rank sees; nothing was loaded")
+    for field in ("optimizer", "scaler"):
+        detail = _differs(reads, field)
+        if detail:
+            raise CheckpointError(
+                f"fusedist.checkpoint: the ranks passed different arguments to load: {field} is {detail}; nothing "
+                "was loaded")
+
+
 def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
-    manifest = _files.read_manifest(directory)
+    manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]
     if COMMON not in files:
         raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {COMMON}")
     common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]), trusted)
-    plan: dict = {"extra": common.get("extra")}
+    # What the ranks compare before any of them applies its plan (_check_same_load).
+    read = {"manifest": digest, "directory": os.path.abspath(directory),
+            "optimizer": None if optimizer is None else optimizer_algorithm(optimizer),
+            "scaler": "a GradScaler" if scaler is not None else "None"}
+    plan: dict = {"extra": common.get("extra"), "read": read}
     rank_files: dict = {}
 
     def sections(name: str) -> list:
@@ -365,12 +482,12 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
 
     # Model: the saved keys and shapes must be exactly the module's (whole parameters).
     target = _unwrap(model)
-    saved = _strip_prefix(common["model"])
+    sharded_target = bool(stage3.units(target))
+    expected = stage3.full_shapes(target) if sharded_target else {k: v.shape for k, v in target.state_dict().items()}
+    saved = _strip_prefix(common["model"], expected)
     if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
         saved = dict(saved)
         saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
-    sharded_target = bool(stage3.units(target))
-    expected = stage3.full_shapes(target) if sharded_target else {k: v.shape for k, v in target.state_dict().items()}
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
     if missing or unexpected:
@@ -399,8 +516,88 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
     if scaler is not None:
         if common.get("scaler") is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
+        _check_scaler(common["scaler"], scaler, directory)
         plan["scaler"] = common["scaler"]
     return plan
+
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _check_scaler(state: dict, scaler, directory: str) -> None:
+    """What an enabled GradScaler's ``load_state_dict`` would raise on, raised before anything
+    is loaded: a disabled scaler's (empty) state made it fail after the model and optimizer
+    had been loaded. A disabled scaler ignores what it is given, as torch's does."""
+    if not scaler.is_enabled():
+        return
+    if not state:
+        raise CheckpointError(
+            f"fusedist.checkpoint: {directory} holds the state of a disabled GradScaler (enabled=False when "
+            "saved), this one is enabled: pass scaler=None and let it start from its own settings")
+    missing = [k for k in _SCALER_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"fusedist.checkpoint: the GradScaler state in {directory} lacks {missing}")
+
+
+def _check_loadable(optimizer, full: dict, directory: str) -> None:
+    """A fused optimizer's own checks of a state dict (hyperparameters it cannot step, such as
+    torch's tensor learning rates; state shapes), run before anything is loaded: inside its
+    ``load_state_dict`` they ran after the model had been."""
+    check = getattr(optimizer, "_check_loadable", None)
+    if check is None:
+        return
+    try:
+        check(full["param_groups"], full["state"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
+                              f"{type(optimizer).__name__}: {exc}") from exc
+
+
+def optimizer_algorithm(optimizer) -> str:
+    """The algorithm an optimizer runs, whichever implementation runs it: torch's and
+    fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``
+    and ``FusedAdamW``), a ZeroRedundancyOptimizer has its inner optimizer's, and a subclass
+    defined elsewhere has the nearest torch or fusedist optimizer's among its bases."""
+    from ..optim._base import FusedOptimizerBase
+
+    cls = optimizer.optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
+    for base in cls.__mro__:
+        if base in (torch.optim.Optimizer, FusedOptimizerBase, ZeroRedundancyOptimizer):
+            break
+        if base.__module__.startswith(("torch.optim.", "fusedist.optim.")):
+            return _unfused(base.__name__)
+    return _unfused(cls.__name__)
+
+
+def _unfused(name: str) -> str:
+    return name[len("Fused"):] if name.startswith("Fused") and len(name) > len("Fused") else name
+
+
+def _class_name(optimizer) -> str:
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return f"ZeroRedundancyOptimizer({optimizer.optimizer_class.__name__})"
+    return type(optimizer).__name__
+
+
+def _check_algorithm(meta: dict, optimizer, directory: str) -> None:
+    """Refuse the state of another algorithm (SGD's momentum into AdamW, Adam's into AdamW):
+    torch's loaders take it, hyperparameters included, and the optimizer then steps with the
+    saved algorithm's settings (AdamW turned into Adam by the saved group's
+    ``decoupled_weight_decay``) or fails at its next step. Checkpoints written before the
+    algorithm was recorded are checked only when their class is one of torch's or fusedist's."""
+    from .. import optim as fused
+
+    algorithm = optimizer_algorithm(optimizer)
+    saved = meta.get("algorithm") or _unfused(meta["class"])
+    if saved == algorithm:
+        return
+    if "algorithm" not in meta and not (hasattr(torch.optim, saved) or hasattr(fused, "Fused" + saved)):
+        return  # a class of its own, saved before algorithms were recorded: nothing to compare with
+    raise CheckpointError(
+        f"fusedist.checkpoint: {directory} holds the state of {meta['class']} ({saved}), the optimizer here is "
+        f"{_class_name(optimizer)} ({algorithm}): its state and hyperparameters would be read as another algorithm's. "
+        "Load the model alone (optimizer=None) to start a new optimizer from it"
+    )
 
 
 def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
@@ -418,6 +615,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
                   if first is not None else f"{len(meta['param_names'])} parameters saved, {len(names)} here "
                   "(or shapes differ)")
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
+    _check_algorithm(meta, optimizer, directory)
     source = f"optimizer state in {directory}"
     if meta["kind"] == "zero":
         shards = sections("optimizer_shard")
@@ -438,6 +636,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         zstate.relayout(assembled, params, shards[0]["param_meta"])
         full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
+        _check_loadable(optimizer, full, directory)
         return full
     full = common["optimizer"]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -447,6 +646,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
                                            full["param_groups"], None, source)
     zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
+    _check_loadable(optimizer, full, directory)
     return full
 
 

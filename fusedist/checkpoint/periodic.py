@@ -308,19 +308,24 @@ class Checkpointer:
             mine[name] = dict(info, rank=rank, sections=sorted(snapshot["sections"]))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = f"rank {rank} could not write {os.path.join(path, name)}: {type(exc).__name__}: {exc}"
-        files = self._coord.all_gather((mine, error))
-        agree(next((e for _, e in files if e is not None), None), "writing the rank files")
+        files = self._coord.all_gather((mine, error, os.path.abspath(path)))
+        agree(next((e for _, e, _ in files if e is not None), None), "writing the rank files")
 
         error = None
         if rank == 0:
             try:
                 manifest = dict(snapshot["manifest"], files={}, created_unix=time.time())
-                for entry, _ in files:
+                for entry, _, _ in files:
                     manifest["files"].update(entry)
-                common = snapshot["common"]
-                manifest["files"][api.COMMON] = dict(
-                    _files.atomic_torch_save(os.path.join(path, api.COMMON), common), rank=0, sections=sorted(common))
-                _files.write_manifest(path, manifest)
+                # Before the manifest lists them (a Checkpointer built with another directory
+                # on some rank, or one not every rank sees, would write no loadable checkpoint).
+                error = api.unseen_rank_files(path, manifest["files"], [d for _, _, d in files])
+                if error is None:
+                    common = snapshot["common"]
+                    manifest["files"][api.COMMON] = dict(
+                        _files.atomic_torch_save(os.path.join(path, api.COMMON), common), rank=0,
+                        sections=sorted(common))
+                    _files.write_manifest(path, manifest)
             except Exception as exc:  # noqa: BLE001
                 error = f"rank 0 could not complete {path}: {type(exc).__name__}: {exc}"
         agree(error, "writing the manifest")

@@ -52,7 +52,10 @@ RESUME_CONFIGS = [
     ("zero1 offload fp16 scaler", 1, "cpu", torch.float16, True),
     ("ddp fp16 scaler", 0, None, torch.float16, True),
 ]
-OVERFLOW_STEP = 2  # with a GradScaler the loss is infinite here: the step is skipped
+# With a GradScaler the loss is infinite at these steps: each is skipped, the first one only
+# uses up the hysteresis, the second (right after the save at step 3) backs the scale off
+# only if the hysteresis left at the save was restored.
+OVERFLOW_STEPS = (2, 3)
 
 
 def _build_resume(config, seed):
@@ -75,7 +78,7 @@ def _train_resume(model, opt, scaler, first, last, rank, world_size):
         x, y = _rank_batch(step, rank, world_size)
         opt.zero_grad()
         out = model(x.to(next(model.parameters()).dtype)).float()
-        loss = (out - y).pow(2).mean() * (float("inf") if step == OVERFLOW_STEP and scaler is not None else 1.0)
+        loss = (out - y).pow(2).mean() * (float("inf") if step in OVERFLOW_STEPS and scaler is not None else 1.0)
         if scaler is None:
             loss.backward()
             opt.step()

@@ -176,3 +176,38 @@ def test_fp16_gradients_are_not_unscaled_in_place():
         m.grad = g.float() / scale
     ref.step()
     _assert_close([opt.state[p]["master_param"] for p in ours], masters)
+
+
+def _with_number_steps(state_dict):
+    """The state dict as torch before 1.12 saved it: each step a Python number."""
+    state = {k: {**v, "step": int(v["step"])} for k, v in state_dict["state"].items()}
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def test_a_state_dict_with_number_steps_loads_and_continues_like_torch(backend):
+    """Old checkpoints keep each step as a number; torch's AdamW converts them when loading.
+    A fused optimizer takes them too (it failed at its next step), and refuses a step that is
+    not one number before anything is loaded."""
+    ours, theirs = _twins()
+    src = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        _set_grads(theirs, step)
+        src.step()
+    saved = _with_number_steps(src.state_dict())
+    with torch.no_grad():
+        for a, b in zip(ours, theirs):
+            a.copy_(b)
+    opt, ref = FusedAdamW(ours, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2)
+    bad = {"state": {**saved["state"], 0: {**saved["state"][0], "step": torch.ones(2)}},
+           "param_groups": saved["param_groups"]}
+    with pytest.raises(ValueError, match="state 'step' of param 0 of param group 0"):
+        opt.load_state_dict(bad)
+    assert not opt.state and opt.param_groups[0]["weight_decay"] == 1e-2
+    opt.load_state_dict(saved)
+    ref.load_state_dict(saved)
+    for step in range(3, 6):
+        _set_grads(ours, step)
+        _set_grads(theirs, step)
+        opt.step()
+        ref.step()
+    _assert_close(ours, theirs)

@@ -5,6 +5,7 @@ fused side of the GradScaler protocol (Note [scaler protocol] in fusedist/amp/gr
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -260,7 +261,10 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             self._validate_group(merged, gi)
             for pi, (old_id, p) in enumerate(zip(saved["params"], group["params"])):
                 for key, value in saved_state.get(old_id, {}).items():
-                    if not isinstance(value, torch.Tensor) or key == "step":
+                    if key == "step":
+                        self._check_loadable_step(value, pi, gi)
+                        continue
+                    if not isinstance(value, torch.Tensor):
                         continue
                     if value.shape != p.shape:
                         raise ValueError(
@@ -269,11 +273,24 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                             "the state dict belongs to other parameters (nothing was loaded)"
                         )
 
+    def _check_loadable_step(self, value, pi: int, gi: int) -> None:
+        # A tensor of one element, or a number (torch before 1.12 saved steps as numbers).
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            return
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(
+            f"{type(self).__name__}.load_state_dict: state 'step' of param {pi} of param group {gi} "
+            f"is {shown}, not one step count (nothing was loaded)"
+        )
+
     def _loaded_value(self, key: str, value, p: torch.Tensor):
+        if key == "step":  # kept as an fp32 tensor on the parameter's device, as torch converts numbers
+            step = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            return step.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(())
         if not isinstance(value, torch.Tensor):
             return value
-        if key == "step":
-            return value.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(())
         if key in self._state_keys or key in self._KERNEL_STATE_KEYS:
             # The kernels read states as fp32 (a torch state dict for bf16 params holds bf16
             # moments): widen, which is exact, laid out like the parameter.

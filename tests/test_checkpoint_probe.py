@@ -231,10 +231,11 @@ def test_optimizer_of_another_kind_is_refused(tmp_path):
 
 
 def test_a_load_that_cannot_complete_changes_nothing(tmp_path):
-    """A disabled GradScaler's checkpoint into an enabled scaler, and torch's AdamW with a
-    tensor learning rate into FusedAdamW: the scaler's and the fused optimizer's own loaders
-    refuse these, but they ran after the model (and optimizer) had been loaded. Now refused
-    first, naming the cause, with nothing changed; a disabled scaler still loads anything."""
+    """A disabled GradScaler's checkpoint into an enabled scaler, torch's AdamW with a tensor
+    learning rate into FusedAdamW (alone or inside ZeRO), AMSGrad state into offloaded ZeRO:
+    the scaler, the fused optimizer and ZeRO refuse these, but only after the model (and the
+    optimizer's groups) had been loaded, or at every later step. Now refused first, naming the
+    cause, with nothing changed; a disabled scaler still loads anything."""
     import fusedist
     from fusedist import checkpoint
     from fusedist.optim import FusedAdamW
@@ -245,6 +246,9 @@ def test_a_load_that_cannot_complete_changes_nothing(tmp_path):
     (model(x) - y).pow(2).mean().backward()
     opt.step()
     checkpoint.save(str(tmp_path / "tensor_lr"), model, opt)
+    amsgrad = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    amsgrad.step()
+    checkpoint.save(str(tmp_path / "amsgrad"), model, amsgrad)
     checkpoint.save(str(tmp_path / "no_scaler"), model, torch.optim.AdamW(model.parameters()),
                     fusedist.amp.GradScaler("cpu", enabled=False))
 
@@ -252,6 +256,11 @@ def test_a_load_that_cannot_complete_changes_nothing(tmp_path):
         ("no_scaler", lambda ps: torch.optim.AdamW(ps), lambda: fusedist.amp.GradScaler("cpu", init_scale=8.0),
          "disabled GradScaler"),
         ("tensor_lr", lambda ps: FusedAdamW(ps, lr=1e-3), lambda: None, "tensor"),
+        ("tensor_lr", lambda ps: fusedist.ZeroRedundancyOptimizer(ps, FusedAdamW, lr=1e-3), lambda: None, "tensor"),
+        ("tensor_lr", lambda ps: fusedist.ZeroRedundancyOptimizer(ps, FusedAdamW, lr=1e-3, offload="cpu"),
+         lambda: None, "tensor"),
+        ("amsgrad", lambda ps: fusedist.ZeroRedundancyOptimizer(ps, FusedAdamW, lr=1e-3, offload="cpu"),
+         lambda: None, "amsgrad=True is not supported by the host Adam"),
     ]
     for name, make_opt, make_scaler, message in cases:
         fresh = _net(7)
@@ -260,7 +269,8 @@ def test_a_load_that_cannot_complete_changes_nothing(tmp_path):
         with pytest.raises(checkpoint.CheckpointError, match=message):
             checkpoint.load(str(tmp_path / name), fresh, fresh_opt, scaler)
         assert torch.equal(before, models.flat_params(fresh)), name
-        assert not fresh_opt.state and not torch.is_tensor(fresh_opt.param_groups[0]["lr"]), name
+        group = fresh_opt.param_groups[0]
+        assert not fresh_opt.state and not torch.is_tensor(group["lr"]) and not group.get("amsgrad"), name
         assert scaler is None or scaler.get_scale() == 8.0, name
     fresh = _net(7)
     checkpoint.load(str(tmp_path / "no_scaler"), fresh, None, fusedist.amp.GradScaler("cpu", enabled=False))

@@ -553,6 +553,28 @@ def _check_loadable(optimizer, full: dict, directory: str) -> None:
                               f"{type(optimizer).__name__}: {exc}") from exc
 
 
+def _check_zero_groups(optimizer, prepared: tuple, directory: str) -> tuple:
+    """``prepared`` (what ZeroRedundancyOptimizer.prepare_load returned) once the
+    hyperparameters it gives each group pass what the inner optimizer checks at construction
+    (tried on a probe, as ZeRO's own construction does) and, with offload, what the host Adam
+    runs. ZeRO installs them before it builds or reloads its inner optimizer, so a refusal
+    there (torch's tensor learning rate into FusedAdamW, amsgrad under offload) came with the
+    model loaded and the groups changed, or at every later step."""
+    from ..zero.offload import check_offload_group
+
+    for gi, (group, hyper) in enumerate(zip(optimizer.param_groups, prepared[1])):
+        merged = {**zstate.hyperparameters(group), **hyper}
+        try:
+            optimizer.optimizer_class([{**merged, "params": [torch.zeros(1, requires_grad=True)]}],
+                                      **optimizer._inner_defaults)
+            if optimizer.offload:
+                check_offload_group(merged, gi)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
+                                  f"{_class_name(optimizer)} (param group {gi}): {exc}") from exc
+    return prepared
+
+
 def optimizer_algorithm(optimizer) -> str:
     """The algorithm an optimizer runs, whichever implementation runs it: torch's and
     fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``
@@ -625,7 +647,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
                 f"{manifest['world_size']}"
             )
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            return optimizer.prepare_load(shards, source=source)
+            return _check_zero_groups(optimizer, optimizer.prepare_load(shards, source=source), directory)
         if sharded_target:
             if not any(s.get("replicated") for s in shards):
                 stage3.check_shard_set(shards, "optimizer", source)
@@ -640,7 +662,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         return full
     full = common["optimizer"]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer.prepare_load(full, source=source)
+        return _check_zero_groups(optimizer, optimizer.prepare_load(full, source=source), directory)
     if sharded_target:
         wholes = [stage3._whole(p, where) for p in params]
         return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),

@@ -1,10 +1,11 @@
 """Fused optimizers, GradScaler and clip_grad_norm_ against torch where a program drives them
 off the common path: a second clip after the recorded one, an iteration whose step the program
-skipped, momentum switched on after the first steps.
+skipped, momentum switched on after the first steps, fp64 parameters and fp16 gradients under
+the scaler, a state dict whose steps are numbers.
 
-Scales are powers of two and everything runs in fp32, so both sides see the same unscaled
-gradients and differ only by fp32 rounding of the optimizer math: parameters within 1e-6 (as
-in test_optim.py), norms within 1e-6 relative.
+Scales are powers of two, so both sides see the same unscaled gradients and differ only by
+rounding of the optimizer math: in fp32, parameters within 1e-6 (as in test_optim.py) and
+norms within 1e-6 relative; fp64 tests give their own bound.
 """
 
 from __future__ import annotations

@@ -419,3 +419,22 @@ def test_unusual_directory_names_and_repeated_saves(tmp_path):
         assert checkpoint.load(directory, fresh, fresh_opt) == {"v": 2}, name
         assert torch.equal(models.flat_params(fresh), models.flat_params(model)), name
         assert len(os.listdir(directory)) == 2, (name, os.listdir(directory))  # common + manifest
+
+
+def test_a_cleanup_failure_after_a_complete_save_only_warns(tmp_path, monkeypatch):
+    """Removing the replaced checkpoint's files runs on rank 0 after the last exchange: an
+    error there made rank 0 alone report a failed save (the others returned, and the
+    checkpoint was complete). Now a warning; the new checkpoint loads."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint import _files
+
+    model = _net(0)
+    checkpoint.save(str(tmp_path), model, extra={"v": 1})
+
+    def unreadable(directory):
+        raise PermissionError(13, "Permission denied", directory)
+
+    monkeypatch.setattr(_files, "remove_unlisted", unreadable)
+    with pytest.warns(UserWarning, match="could not remove"):
+        checkpoint.save(str(tmp_path), model, extra={"v": 2})
+    assert checkpoint.load(str(tmp_path), _net(1)) == {"v": 2}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from typing import Optional
 
 import torch
@@ -302,7 +303,13 @@ def _finish_save(world: "_World", directory: str, calls: list) -> None:
     directory does not list (the replaced checkpoint's, or a failed save's own), and so does
     a rank that was given another directory than rank 0 (a save refused for that)."""
     if world.rank == 0 or (calls[world.rank]["directory"] != calls[0]["directory"] and os.path.isdir(directory)):
-        _files.remove_unlisted(directory)
+        # After the last exchange: an error raised here ended a complete save with an error on
+        # this rank alone while the others went on. The leftover files only take space.
+        try:
+            _files.remove_unlisted(directory)
+        except OSError as exc:
+            warnings.warn(f"fusedist.checkpoint.save (rank {world.rank}): could not remove the files of the replaced "
+                          f"or failed save from {directory}: {type(exc).__name__}: {exc}", stacklevel=3)
 
 
 def _kept(save_id: str) -> str:

@@ -314,6 +314,18 @@ def _disagreeing_ranks_worker(rank, world_size, root):
     out["checkpointer dirs"] = _error(lambda: ckpt.save(1))
     dist.barrier()
     out["checkpointer complete"] = os.path.exists(os.path.join(root, "periodic-0", "step-00000001", "manifest.json"))
+    # Rank 0 cannot list the checkpoints (an unreadable directory): every rank learns of it at once.
+    from fusedist.checkpoint import layout
+
+    def unreadable(directory):
+        raise PermissionError(13, "Permission denied", directory)
+
+    real_scan, layout.scan = layout.scan, (unreadable if rank == 0 else layout.scan)
+    try:
+        out["restore unreadable"] = _error(lambda: checkpoint.Checkpointer(os.path.join(root, "periodic"))
+                                           .restore(model, opt))
+    finally:
+        layout.scan = real_scan
     # Different things passed to one save: a GradScaler on rank 0 only, per-rank state on rank 1 only.
     scaler = fusedist.amp.GradScaler("cpu")
     out["save scaler"] = _error(lambda: checkpoint.save(os.path.join(root, "scaler"), model, opt,
@@ -351,6 +363,8 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path):
         kind, text, _ = out["checkpointer dirs"] or (None, "", 0)
         assert kind == "CheckpointError" and os.path.join(root, "periodic-1") in text, (rank, out["checkpointer dirs"])
         assert out["checkpointer complete"] is False
+        kind, text, seconds = out["restore unreadable"] or (None, "", 0)
+        assert kind == "CheckpointError" and "Permission denied" in text and seconds < 10, (rank, out["restore unreadable"])
         for case, what in (("save scaler", "scaler"), ("save per_rank", "per_rank")):
             kind, text, _ = out[case] or (None, "", 0)
             assert kind == "CheckpointError" and what in text and "ranks [0]" in text and "ranks [1]" in text, (rank, case, text)

@@ -103,7 +103,7 @@ class Checkpointer:
         self._writer.wait()
         self._state = dict(model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler,
                            sampler=sampler)
-        candidates = self._coord.broadcast(self._candidates(step) if self.rank == 0 else None)
+        candidates = self._coord.broadcast(self._candidates_or_error(step) if self.rank == 0 else None)
         if isinstance(candidates, str):
             raise CheckpointError(candidates)
         failures = []
@@ -131,6 +131,16 @@ class Checkpointer:
             raise CheckpointError("fusedist.checkpoint.Checkpointer: no checkpoint under "
                                   f"{self.directory} could be loaded: " + "; ".join(failures))
         return 0
+
+    def _candidates_or_error(self, step: Optional[int]):
+        """:meth:`_candidates`, or why they could not be listed: raised on rank 0 alone (an
+        unreadable directory or manifest), that error left the other ranks waiting for the
+        broadcast until the collective timeout."""
+        try:
+            return self._candidates(step)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            return (f"fusedist.checkpoint.Checkpointer: rank 0 could not list the checkpoints under "
+                    f"{self.directory}: {type(exc).__name__}: {exc}")
 
     def _candidates(self, step: Optional[int]):
         """Rank 0: the complete checkpoints to try, newest first, or an error message."""

@@ -22,6 +22,19 @@ class MLP(nn.Module):
         return torch.randn(n, 16, generator=gen), torch.randn(n, 4, generator=gen)
 
 
+class ResidualBlock(nn.Module):
+    """A transformer-style residual MLP: LayerNorm, Linear(d, width * d), GELU, Linear back."""
+
+    def __init__(self, d: int, width: int = 2):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, width * d)
+        self.fc2 = nn.Linear(width * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
 class ConvBN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -33,22 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 EXACT = dict(rtol=0.0, atol=0.0)
 FP16 = dict(rtol=2.0 ** -10, atol=2.0 ** -24)
 BF16 = dict(rtol=2.0 ** -8, atol=0.0)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
 class LM(nn.Module):
@@ -58,7 +48,7 @@ class LM(nn.Module):
     def __init__(self, vocab: int = 23, d: int = 16, n: int = 2):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks = nn.ModuleList(models.ResidualBlock(d, width=2) for _ in range(n))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 GLOBAL_BATCH = 12
@@ -33,24 +34,13 @@ TOL = 1e-5
 TINY_BUCKETS = dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 3 * d)
-        self.fc2 = nn.Linear(3 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class Net(nn.Module):
     """Blocks of whole-row pieces at any world size, plus a buffer (saved whole, by rank 0)."""
 
     def __init__(self, d: int = 16, n: int = 3):
         super().__init__()
         self.inp = nn.Linear(8, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks = nn.ModuleList(models.ResidualBlock(d, width=3) for _ in range(n))
         self.head = nn.Linear(d, 4)
         self.register_buffer("shift", torch.randn(4))
 

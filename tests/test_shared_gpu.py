@@ -4,6 +4,7 @@ pure function and through both launchers (the multiprocess harness and torchrun)
 
 import json
 import os
+import re
 import textwrap
 
 import pytest
@@ -81,8 +82,11 @@ def test_run_distributed_gives_each_rank_its_environment(monkeypatch):
 _SCRIPT = textwrap.dedent("""
     import json, os, sys
     keys = ("RANK", "LOCAL_RANK", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE")
-    print("ENV " + json.dumps({"name": __name__, "argv": sys.argv[1:],
-                               **{k: os.environ.get(k) for k in keys}}), flush=True)
+    # One write per line: under PYTHONUNBUFFERED, print's text and newline are two writes,
+    # and the two workers' lines can interleave on the shared pipe.
+    sys.stdout.write("ENV " + json.dumps({"name": __name__, "argv": sys.argv[1:],
+                                          **{k: os.environ.get(k) for k in keys}}) + "\\n")
+    sys.stdout.flush()
 """)
 
 
@@ -91,8 +95,7 @@ def test_torchrun_launch_gives_each_worker_its_environment(tmp_path):
     script.write_text(_SCRIPT)
     rc, out = finish(launch(str(script), "--flag", "x", env={RANKS_PER_GPU_ENV: "2"}), timeout=120)
     assert rc == 0, out[-3000:]
-    seen = sorted((json.loads(line.split("ENV ", 1)[1]) for line in out.splitlines() if "ENV {" in line),
-                  key=lambda s: s["RANK"])
+    seen = sorted((json.loads(found) for found in re.findall(r"ENV (\{[^{}]*\})", out)), key=lambda s: s["RANK"])
     assert [s["RANK"] for s in seen] == ["0", "1"], out[-3000:]
     for s in seen:
         assert s["name"] == "__main__" and s["argv"] == ["--flag", "x"]

@@ -1,7 +1,8 @@
 """Checkpoints: per-rank atomic files, a manifest written last, resharding at load.
 
 ``save(directory, model, optimizer=None, scaler=None, extra=None)`` and
-``load(directory, model, optimizer=None, scaler=None) -> extra``; see :mod:`.api`.
+``load(directory, model, optimizer=None, scaler=None) -> extra``; see :mod:`.api` (and
+:mod:`._checks` for what both verify before anything is written or changed).
 ``Checkpointer`` (:mod:`.periodic`): periodic asynchronous saves, retention, automatic resume.
 """
 

@@ -39,7 +39,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _files, stage3
+from . import _checks, _files, stage3
 from ._files import CheckpointError
 
 COMMON = "common.pt"
@@ -165,10 +165,10 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
             start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
         except OSError as exc:
             start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
-    everyone = world.all_gather((start, _save_call(directory, optimizer, scaler, extra, per_rank)), "save: start")
+    everyone = world.all_gather((start, _checks.save_call(directory, optimizer, scaler, extra, per_rank)), "save: start")
     (problem, save_id), calls = everyone[0][0], [c for _, c in everyone]
     try:
-        _check_same_save(calls)
+        _checks.check_same_save(calls)
     except (TypeError, CheckpointError):
         if created:  # rank 0 made it for this save: leave no trace of a refused one
             _remove_empty(directory)
@@ -215,7 +215,7 @@ def _complete(directory: str, save_id: str, rank_entries: list, calls: list, com
     for entry in rank_entries:
         files.update(entry)
     try:
-        unseen = unseen_rank_files(directory, files, [c["directory"] for c in calls])
+        unseen = _checks.unseen_rank_files(directory, files, [c["directory"] for c in calls])
         if unseen is not None:
             return unseen
         files[COMMON] = _write(directory, COMMON, save_id, common(), rank=0)
@@ -228,64 +228,11 @@ def _complete(directory: str, save_id: str, rank_entries: list, calls: list, com
     return None
 
 
-def _save_call(directory, optimizer, scaler, extra, per_rank) -> dict:
-    """What this rank passed to :func:`save`, for the other ranks to compare with theirs (a
-    save is one checkpoint: a scaler or per-rank state given on some ranks only would be
-    written or lost silently depending on which rank writes what)."""
-    return {
-        "directory": os.path.abspath(directory),
-        "optimizer": None if optimizer is None else optimizer_algorithm(optimizer),
-        "scaler": "a GradScaler" if scaler is not None else "None",
-        "per_rank": "given" if per_rank is not None else "None",
-        "extra": None if extra is None or isinstance(extra, dict) else type(extra).__name__,
-    }
-
-
-def _check_same_save(calls: list) -> None:
-    """Raise on every rank, before anything is written, when a rank's arguments are wrong or
-    differ from the others' (naming the ranks and what each passed)."""
-    bad = [(r, c["extra"]) for r, c in enumerate(calls) if c["extra"] is not None]
-    if bad:
-        raise TypeError("fusedist.checkpoint.save: extra must be a dict, got "
-                        + ", ".join(f"{kind} on rank {r}" for r, kind in bad) + " (nothing was written)")
-    for field in ("optimizer", "scaler", "per_rank"):
-        detail = _differs(calls, field)
-        if detail:
-            raise CheckpointError(
-                f"fusedist.checkpoint.save: the ranks passed different arguments: {field} is {detail}. A save "
-                "writes one checkpoint: every rank passes the same model, optimizer, scaler and per_rank (or "
-                "none); nothing was written")
-
-
-def _differs(calls: list, field: str) -> Optional[str]:
-    """'X on ranks [..]; Y on ranks [..]' when the ranks' ``field`` differ, else None."""
-    ranks: dict = {}
-    for r, c in enumerate(calls):
-        ranks.setdefault(c[field], []).append(r)
-    if len(ranks) < 2:
-        return None
-    return "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
-
-
 def _remove_empty(directory: str) -> None:
     try:
         os.rmdir(directory)
     except OSError:
         pass  # not empty (another writer) or gone: leave it
-
-
-def unseen_rank_files(directory: str, files: dict, directories: list) -> Optional[str]:
-    """Rank 0's check before it lists the rank files in a manifest: every one must be in its
-    ``directory`` with the size its rank reported, else a manifest would describe a checkpoint
-    that cannot be loaded (ranks given different directories, e.g. with a timestamp in the
-    name, or a directory not on a filesystem every rank shares)."""
-    missing = _files.not_seen(directory, files)
-    if not missing:
-        return None
-    shown = "; ".join(f"rank {files[n]['rank']} wrote {files[n].get('file', n)} into {directories[files[n]['rank']]}"
-                      for n in missing[:4])
-    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{'; ...' if len(missing) > 4 else ''}): "
-            "every rank must pass the same directory, on a filesystem every rank sees")
 
 
 def _write(directory: str, name: str, save_id: str, sections: dict, rank: int) -> dict:
@@ -334,7 +281,7 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
             # a stage-3 optimizer is saved as ZeRO shards (whole-parameter fragments)
             "kind": "zero" if zero or sharded else "full",
             "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
-            "algorithm": optimizer_algorithm(optimizer),  # what load compares (_check_algorithm)
+            "algorithm": _checks.optimizer_algorithm(optimizer),  # what load compares (check_algorithm)
             "stage": optimizer.stage if zero else (3 if sharded else None),
             "param_names": _param_names(model, params),
             "param_shapes": [list(stage3.full_shape(p, where)) for p in params],
@@ -438,30 +385,8 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         rank, message = failed[0]
         prefix = "" if rank == world.rank else f"rank {rank} could not load the checkpoint: "
         raise CheckpointError(prefix + message)
-    _check_same_load([r for _, r in everyone])
+    _checks.check_same_load([r for _, r in everyone])
     return _apply(plan, model, optimizer, scaler)
-
-
-def _check_same_load(reads: list) -> None:
-    """Every rank must have read the same checkpoint (a manifest with the same bytes) for the
-    same kinds of objects: ranks given different directories (a rank-dependent path) or a
-    directory not shared by every rank would otherwise each load their own state, and the
-    ranks go on from different models without any error. Nothing is loaded on any rank."""
-    digests: dict = {}
-    for r, read in enumerate(reads):
-        digests.setdefault(read["manifest"], []).append(r)
-    if len(digests) > 1:
-        shown = "; ".join(f"ranks {rs} read {reads[rs[0]]['directory']} (manifest SHA-256 {d[:12]}...)"
-                          for d, rs in digests.items())
-        raise CheckpointError(
-            f"fusedist.checkpoint: the ranks read different checkpoints: {shown}. A load is a collective of one "
-            "checkpoint: every rank passes the same directory, on a filesystem every rank sees; nothing was loaded")
-    for field in ("optimizer", "scaler"):
-        detail = _differs(reads, field)
-        if detail:
-            raise CheckpointError(
-                f"fusedist.checkpoint: the ranks passed different arguments to load: {field} is {detail}; nothing "
-                "was loaded")
 
 
 def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
@@ -470,10 +395,8 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
     if COMMON not in files:
         raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {COMMON}")
     common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]), trusted)
-    # What the ranks compare before any of them applies its plan (_check_same_load).
-    read = {"manifest": digest, "directory": os.path.abspath(directory),
-            "optimizer": None if optimizer is None else optimizer_algorithm(optimizer),
-            "scaler": "a GradScaler" if scaler is not None else "None"}
+    # What the ranks compare before any of them applies its plan (_checks.check_same_load).
+    read = {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}
     plan: dict = {"extra": common.get("extra"), "read": read}
     rank_files: dict = {}
 
@@ -523,110 +446,9 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
     if scaler is not None:
         if common.get("scaler") is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
-        _check_scaler(common["scaler"], scaler, directory)
+        _checks.check_scaler(common["scaler"], scaler, directory)
         plan["scaler"] = common["scaler"]
     return plan
-
-
-_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-def _check_scaler(state: dict, scaler, directory: str) -> None:
-    """What an enabled GradScaler's ``load_state_dict`` would raise on, raised before anything
-    is loaded: a disabled scaler's (empty) state made it fail after the model and optimizer
-    had been loaded. A disabled scaler ignores what it is given, as torch's does."""
-    if not scaler.is_enabled():
-        return
-    if not state:
-        raise CheckpointError(
-            f"fusedist.checkpoint: {directory} holds the state of a disabled GradScaler (enabled=False when "
-            "saved), this one is enabled: pass scaler=None and let it start from its own settings")
-    missing = [k for k in _SCALER_KEYS if k not in state]
-    if missing:
-        raise CheckpointError(f"fusedist.checkpoint: the GradScaler state in {directory} lacks {missing}")
-
-
-def _check_loadable(optimizer, full: dict, directory: str) -> None:
-    """A fused optimizer's own checks of a state dict (hyperparameters it cannot step, such as
-    torch's tensor learning rates; state shapes), run before anything is loaded: inside its
-    ``load_state_dict`` they ran after the model had been."""
-    check = getattr(optimizer, "_check_loadable", None)
-    if check is None:
-        return
-    try:
-        check(full["param_groups"], full["state"])
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
-                              f"{type(optimizer).__name__}: {exc}") from exc
-
-
-def _check_zero_groups(optimizer, prepared: tuple, directory: str) -> tuple:
-    """``prepared`` (what ZeroRedundancyOptimizer.prepare_load returned) once the
-    hyperparameters it gives each group pass what the inner optimizer checks at construction
-    (tried on a probe, as ZeRO's own construction does) and, with offload, what the host Adam
-    runs. ZeRO installs them before it builds or reloads its inner optimizer, so a refusal
-    there (torch's tensor learning rate into FusedAdamW, amsgrad under offload) came with the
-    model loaded and the groups changed, or at every later step."""
-    from ..zero.offload import check_offload_group
-
-    for gi, (group, hyper) in enumerate(zip(optimizer.param_groups, prepared[1])):
-        merged = {**zstate.hyperparameters(group), **hyper}
-        try:
-            optimizer.optimizer_class([{**merged, "params": [torch.zeros(1, requires_grad=True)]}],
-                                      **optimizer._inner_defaults)
-            if optimizer.offload:
-                check_offload_group(merged, gi)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
-                                  f"{_class_name(optimizer)} (param group {gi}): {exc}") from exc
-    return prepared
-
-
-def optimizer_algorithm(optimizer) -> str:
-    """The algorithm an optimizer runs, whichever implementation runs it: torch's and
-    fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``
-    and ``FusedAdamW``), a ZeroRedundancyOptimizer has its inner optimizer's, and a subclass
-    defined elsewhere has the nearest torch or fusedist optimizer's among its bases."""
-    from ..optim._base import FusedOptimizerBase
-
-    cls = optimizer.optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
-    for base in cls.__mro__:
-        if base in (torch.optim.Optimizer, FusedOptimizerBase, ZeroRedundancyOptimizer):
-            break
-        if base.__module__.startswith(("torch.optim.", "fusedist.optim.")):
-            return _unfused(base.__name__)
-    return _unfused(cls.__name__)
-
-
-def _unfused(name: str) -> str:
-    return name[len("Fused"):] if name.startswith("Fused") and len(name) > len("Fused") else name
-
-
-def _class_name(optimizer) -> str:
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return f"ZeroRedundancyOptimizer({optimizer.optimizer_class.__name__})"
-    return type(optimizer).__name__
-
-
-def _check_algorithm(meta: dict, optimizer, directory: str) -> None:
-    """Refuse the state of another algorithm (SGD's momentum into AdamW, Adam's into AdamW):
-    torch's loaders take it, hyperparameters included, and the optimizer then steps with the
-    saved algorithm's settings (AdamW turned into Adam by the saved group's
-    ``decoupled_weight_decay``) or fails at its next step. Checkpoints written before the
-    algorithm was recorded are checked only when their class is one of torch's or fusedist's."""
-    from .. import optim as fused
-
-    algorithm = optimizer_algorithm(optimizer)
-    saved = meta.get("algorithm") or _unfused(meta["class"])
-    if saved == algorithm:
-        return
-    if "algorithm" not in meta and not (hasattr(torch.optim, saved) or hasattr(fused, "Fused" + saved)):
-        return  # a class of its own, saved before algorithms were recorded: nothing to compare with
-    raise CheckpointError(
-        f"fusedist.checkpoint: {directory} holds the state of {meta['class']} ({saved}), the optimizer here is "
-        f"{_class_name(optimizer)} ({algorithm}): its state and hyperparameters would be read as another algorithm's. "
-        "Load the model alone (optimizer=None) to start a new optimizer from it"
-    )
 
 
 def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
@@ -644,7 +466,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
                   if first is not None else f"{len(meta['param_names'])} parameters saved, {len(names)} here "
                   "(or shapes differ)")
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
-    _check_algorithm(meta, optimizer, directory)
+    _checks.check_algorithm(meta, optimizer, directory)
     source = f"optimizer state in {directory}"
     if meta["kind"] == "zero":
         shards = sections("optimizer_shard")
@@ -654,7 +476,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
                 f"{manifest['world_size']}"
             )
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            return _check_zero_groups(optimizer, optimizer.prepare_load(shards, source=source), directory)
+            return _checks.check_zero_groups(optimizer, optimizer.prepare_load(shards, source=source), directory)
         if sharded_target:
             if not any(s.get("replicated") for s in shards):
                 stage3.check_shard_set(shards, "optimizer", source)
@@ -665,17 +487,17 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         zstate.relayout(assembled, params, shards[0]["param_meta"])
         full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
-        _check_loadable(optimizer, full, directory)
+        _checks.check_loadable(optimizer, full, directory)
         return full
     full = common["optimizer"]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return _check_zero_groups(optimizer, optimizer.prepare_load(full, source=source), directory)
+        return _checks.check_zero_groups(optimizer, optimizer.prepare_load(full, source=source), directory)
     if sharded_target:
         wholes = [stage3._whole(p, where) for p in params]
         return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
                                            full["param_groups"], None, source)
     zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
-    _check_loadable(optimizer, full, directory)
+    _checks.check_loadable(optimizer, full, directory)
     return full
 
 

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from . import _files, api, layout, resume
+from . import _checks, _files, api, layout, resume
 from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
@@ -329,7 +329,7 @@ class Checkpointer:
                     manifest["files"].update(entry)
                 # Before the manifest lists them (a Checkpointer built with another directory
                 # on some rank, or one not every rank sees, would write no loadable checkpoint).
-                error = api.unseen_rank_files(path, manifest["files"], [d for _, _, d in files])
+                error = _checks.unseen_rank_files(path, manifest["files"], [d for _, _, d in files])
                 if error is None:
                     common = snapshot["common"]
                     manifest["files"][api.COMMON] = dict(

@@ -1,0 +1,202 @@
+"""What ``save`` and ``load`` verify before anything is written or changed: that the ranks
+agree (the same directory, the same kinds of objects, rank files rank 0 can see, one
+checkpoint read by all), and that a checkpoint fits the objects it is loaded into (the
+optimizer's algorithm, a scaler's state, what a fused or ZeRO optimizer would refuse).
+Each check raises on every rank alike, or returns the text rank 0 exchanges, so that no
+rank is left waiting in a collective while another raises alone."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..zero import ZeroRedundancyOptimizer
+from ..zero import state as zstate
+from . import _files
+from ._files import CheckpointError
+
+
+def objects_passed(directory, optimizer, scaler) -> dict:
+    """What this rank passed to a save or load that the other ranks' calls must match: the
+    directory, the optimizer's algorithm, whether there is a scaler."""
+    return {
+        "directory": os.path.abspath(directory),
+        "optimizer": None if optimizer is None else optimizer_algorithm(optimizer),
+        "scaler": "a GradScaler" if scaler is not None else "None",
+    }
+
+
+def save_call(directory, optimizer, scaler, extra, per_rank) -> dict:
+    """What this rank passed to ``save``, for the other ranks to compare with theirs (a
+    save is one checkpoint: a scaler or per-rank state given on some ranks only would be
+    written or lost silently depending on which rank writes what)."""
+    return {
+        **objects_passed(directory, optimizer, scaler),
+        "per_rank": "given" if per_rank is not None else "None",
+        "extra": None if extra is None or isinstance(extra, dict) else type(extra).__name__,
+    }
+
+
+def check_same_save(calls: list) -> None:
+    """Raise on every rank, before anything is written, when a rank's arguments are wrong or
+    differ from the others' (naming the ranks and what each passed)."""
+    bad = [(r, c["extra"]) for r, c in enumerate(calls) if c["extra"] is not None]
+    if bad:
+        raise TypeError("fusedist.checkpoint.save: extra must be a dict, got "
+                        + ", ".join(f"{kind} on rank {r}" for r, kind in bad) + " (nothing was written)")
+    for field in ("optimizer", "scaler", "per_rank"):
+        detail = _differs(calls, field)
+        if detail:
+            raise CheckpointError(
+                f"fusedist.checkpoint.save: the ranks passed different arguments: {field} is {detail}. A save "
+                "writes one checkpoint: every rank passes the same model, optimizer, scaler and per_rank (or "
+                "none); nothing was written")
+
+
+def _differs(calls: list, field: str) -> Optional[str]:
+    """'X on ranks [..]; Y on ranks [..]' when the ranks' ``field`` differ, else None."""
+    ranks: dict = {}
+    for r, c in enumerate(calls):
+        ranks.setdefault(c[field], []).append(r)
+    if len(ranks) < 2:
+        return None
+    return "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
+
+
+def unseen_rank_files(directory: str, files: dict, directories: list) -> Optional[str]:
+    """Rank 0's check before it lists the rank files in a manifest: every one must be in its
+    ``directory`` with the size its rank reported, else a manifest would describe a checkpoint
+    that cannot be loaded (ranks given different directories, e.g. with a timestamp in the
+    name, or a directory not on a filesystem every rank shares)."""
+    missing = _files.not_seen(directory, files)
+    if not missing:
+        return None
+    shown = "; ".join(f"rank {files[n]['rank']} wrote {files[n].get('file', n)} into {directories[files[n]['rank']]}"
+                      for n in missing[:4])
+    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{'; ...' if len(missing) > 4 else ''}): "
+            "every rank must pass the same directory, on a filesystem every rank sees")
+
+
+def check_same_load(reads: list) -> None:
+    """Every rank must have read the same checkpoint (a manifest with the same bytes) for the
+    same kinds of objects: ranks given different directories (a rank-dependent path) or a
+    directory not shared by every rank would otherwise each load their own state, and the
+    ranks go on from different models without any error. Nothing is loaded on any rank."""
+    digests: dict = {}
+    for r, read in enumerate(reads):
+        digests.setdefault(read["manifest"], []).append(r)
+    if len(digests) > 1:
+        shown = "; ".join(f"ranks {rs} read {reads[rs[0]]['directory']} (manifest SHA-256 {d[:12]}...)"
+                          for d, rs in digests.items())
+        raise CheckpointError(
+            f"fusedist.checkpoint: the ranks read different checkpoints: {shown}. A load is a collective of one "
+            "checkpoint: every rank passes the same directory, on a filesystem every rank sees; nothing was loaded")
+    for field in ("optimizer", "scaler"):
+        detail = _differs(reads, field)
+        if detail:
+            raise CheckpointError(
+                f"fusedist.checkpoint: the ranks passed different arguments to load: {field} is {detail}; nothing "
+                "was loaded")
+
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def check_scaler(state: dict, scaler, directory: str) -> None:
+    """What an enabled GradScaler's ``load_state_dict`` would raise on, raised before anything
+    is loaded: a disabled scaler's (empty) state made it fail after the model and optimizer
+    had been loaded. A disabled scaler ignores what it is given, as torch's does."""
+    if not scaler.is_enabled():
+        return
+    if not state:
+        raise CheckpointError(
+            f"fusedist.checkpoint: {directory} holds the state of a disabled GradScaler (enabled=False when "
+            "saved), this one is enabled: pass scaler=None and let it start from its own settings")
+    missing = [k for k in _SCALER_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"fusedist.checkpoint: the GradScaler state in {directory} lacks {missing}")
+
+
+def check_loadable(optimizer, full: dict, directory: str) -> None:
+    """A fused optimizer's own checks of a state dict (hyperparameters it cannot step, such as
+    torch's tensor learning rates; state shapes), run before anything is loaded: inside its
+    ``load_state_dict`` they ran after the model had been."""
+    check = getattr(optimizer, "_check_loadable", None)
+    if check is None:
+        return
+    try:
+        check(full["param_groups"], full["state"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
+                              f"{type(optimizer).__name__}: {exc}") from exc
+
+
+def check_zero_groups(optimizer, prepared: tuple, directory: str) -> tuple:
+    """``prepared`` (what ZeroRedundancyOptimizer.prepare_load returned) once the
+    hyperparameters it gives each group pass what the inner optimizer checks at construction
+    (tried on a probe, as ZeRO's own construction does) and, with offload, what the host Adam
+    runs. ZeRO installs them before it builds or reloads its inner optimizer, so a refusal
+    there (torch's tensor learning rate into FusedAdamW, amsgrad under offload) came with the
+    model loaded and the groups changed, or at every later step."""
+    from ..zero.offload import check_offload_group
+
+    for gi, (group, hyper) in enumerate(zip(optimizer.param_groups, prepared[1])):
+        merged = {**zstate.hyperparameters(group), **hyper}
+        try:
+            optimizer.optimizer_class([{**merged, "params": [torch.zeros(1, requires_grad=True)]}],
+                                      **optimizer._inner_defaults)
+            if optimizer.offload:
+                check_offload_group(merged, gi)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
+                                  f"{_class_name(optimizer)} (param group {gi}): {exc}") from exc
+    return prepared
+
+
+def optimizer_algorithm(optimizer) -> str:
+    """The algorithm an optimizer runs, whichever implementation runs it: torch's and
+    fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``
+    and ``FusedAdamW``), a ZeroRedundancyOptimizer has its inner optimizer's, and a subclass
+    defined elsewhere has the nearest torch or fusedist optimizer's among its bases."""
+    from ..optim._base import FusedOptimizerBase
+
+    cls = optimizer.optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
+    for base in cls.__mro__:
+        if base in (torch.optim.Optimizer, FusedOptimizerBase, ZeroRedundancyOptimizer):
+            break
+        if base.__module__.startswith(("torch.optim.", "fusedist.optim.")):
+            return _unfused(base.__name__)
+    return _unfused(cls.__name__)
+
+
+def _unfused(name: str) -> str:
+    return name[len("Fused"):] if name.startswith("Fused") and len(name) > len("Fused") else name
+
+
+def _class_name(optimizer) -> str:
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return f"ZeroRedundancyOptimizer({optimizer.optimizer_class.__name__})"
+    return type(optimizer).__name__
+
+
+def check_algorithm(meta: dict, optimizer, directory: str) -> None:
+    """Refuse the state of another algorithm (SGD's momentum into AdamW, Adam's into AdamW):
+    torch's loaders take it, hyperparameters included, and the optimizer then steps with the
+    saved algorithm's settings (AdamW turned into Adam by the saved group's
+    ``decoupled_weight_decay``) or fails at its next step. Checkpoints written before the
+    algorithm was recorded are checked only when their class is one of torch's or fusedist's."""
+    from .. import optim as fused
+
+    algorithm = optimizer_algorithm(optimizer)
+    saved = meta.get("algorithm") or _unfused(meta["class"])
+    if saved == algorithm:
+        return
+    if "algorithm" not in meta and not (hasattr(torch.optim, saved) or hasattr(fused, "Fused" + saved)):
+        return  # a class of its own, saved before algorithms were recorded: nothing to compare with
+    raise CheckpointError(
+        f"fusedist.checkpoint: {directory} holds the state of {meta['class']} ({saved}), the optimizer here is "
+        f"{_class_name(optimizer)} ({algorithm}): its state and hyperparameters would be read as another algorithm's. "
+        "Load the model alone (optimizer=None) to start a new optimizer from it"
+    )

@@ -115,13 +115,9 @@ class TrainableTracker:
             self.assigned.append(name)
 
     def _assigned_error(self, reducer) -> RuntimeError:
-        replaced = [n for n in self.assigned if n in self.position]
-        added = [n for n in self.assigned if n not in self.position]
-        what = []
-        if replaced:
-            what.append(f"replaced by new Parameter objects: {replaced[:10]}{' ...' if len(replaced) > 10 else ''}")
-        if added:
-            what.append(f"added: {added[:10]}{' ...' if len(added) > 10 else ''}")
+        groups = (("replaced by new Parameter objects", [n for n in self.assigned if n in self.position]),
+                  ("added", [n for n in self.assigned if n not in self.position]))
+        what = [f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}" for label, names in groups if names]
         return RuntimeError(
             f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped "
             f"module were assigned after it was wrapped ({'; '.join(what)}), e.g. by "

@@ -45,25 +45,16 @@ class FusedSGD(FusedOptimizerBase):
             state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
         super()._init_state(group, p, state)
         if group["momentum"] != 0 and state.get("momentum_buffer") is None:
-            # Zero-filled; the kernel fills it with the gradient where the step count is 1.
-            dtype = compute_dtype(p.dtype)
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["step"].fill_(0.0)
-
-    @staticmethod
-    def _start_momentum(p, state):
-        """A buffer for a parameter stepped so far without momentum (a schedule switched it on):
-        this step counts as its first, so the kernel fills it with the gradient, as torch's
-        SGD does when it finds no buffer."""
-        state["momentum_buffer"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
-        state["step"].fill_(1.0)
+            _add_momentum_buffer(p, state, step=0.0)  # the step about to be counted is its first
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         momentum = group["momentum"]
         if momentum != 0:
             for p, s in zip(params, states):
                 if s.get("momentum_buffer") is None:
-                    self._start_momentum(p, s)
+                    # Stepped so far without momentum (a schedule switched it on): this step,
+                    # counted already, is the buffer's first.
+                    _add_momentum_buffer(p, s, step=1.0)
         functional.sgd_update(
             params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
             masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
@@ -71,3 +62,11 @@ class FusedSGD(FusedOptimizerBase):
             step=[s["step"] for s in states], inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,
         )
+
+
+def _add_momentum_buffer(p, state: dict, step: float) -> None:
+    """A zero momentum buffer, and the step count set so that the kernel sees 1 when it next
+    runs: it then fills the buffer with the gradient, as torch's SGD does when it finds no
+    buffer. ``step``: 0 before the step that will use it is counted, 1 after."""
+    state["momentum_buffer"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
+    state["step"].fill_(step)

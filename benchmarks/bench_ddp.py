@@ -79,29 +79,47 @@ def _allreduce_bandwidth(nbytes: int, iters: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def shared_worker(rank, world_size, args):
-    """Every contender in this launch's ranks, interleaved (``--isolation shared``)."""
+# Note [one model per process]
+#     Several ~20M-parameter models in one process time differently even when identical:
+#     two torch DDP copies measured 1.05-1.12x apart within one run, and a contender's
+#     ratio moved with the order the models were built in (each model's weights, gradients
+#     and buckets land in different places of one heap, so their matmuls and copies meet
+#     different cache and page behaviour). A training job holds one model per rank process,
+#     so the default mode launches each contender in ranks of its own, one launch per
+#     contender and round; the rounds rotate the launch order so drifting load hits all alike,
+#     and a second torch contender launched the same way reads the design's own spread.
+
+#: The MLP row's contenders; the last is torch again, launched apart: the noise floor.
+MLP_IMPLS = ("torch", "fusedist", "fusedist, FUSEDIST_CHECKS=0", "torch (2nd copy, noise floor)")
+
+
+def _build_contender(impl: str, args) -> nn.Module:
+    """One of ``MLP_IMPLS``, wrapped; the checks-off copy is built with FUSEDIST_CHECKS=0 in
+    force for its construction only (where the setting is read)."""
     import fusedist
 
     torch.manual_seed(0)
-    base = make_model(args.width, args.layers)
-    n_params = sum(p.numel() for p in base.parameters())
-    # The checks-off copy is built first, with FUSEDIST_CHECKS=0 in force only for its
-    # construction: it gets no per-step cross-rank check (the collective monitor, attached to
-    # the shared communicator by the default copy, costs ~0.2 us per collective for both).
+    model = make_model(args.width, args.layers)
+    if impl.startswith("torch"):
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    if impl != "fusedist, FUSEDIST_CHECKS=0":
+        return fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     os.environ["FUSEDIST_CHECKS"] = "0"
-    checks_off = fusedist.DistributedDataParallel(make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb)
-    del os.environ["FUSEDIST_CHECKS"]
-    impls = {
-        "torch": nn.parallel.DistributedDataParallel(base, bucket_cap_mb=args.bucket_cap_mb),
-        "fusedist": fusedist.DistributedDataParallel(
-            make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb),
-        "fusedist, FUSEDIST_CHECKS=0": checks_off,
-        # Same model, same class as the first: the ratio of two identical contenders is the
-        # run's noise floor, read next to fusedist's.
-        "torch (2nd copy, noise floor)": nn.parallel.DistributedDataParallel(
-            make_model(args.width, args.layers), bucket_cap_mb=args.bucket_cap_mb),
-    }
+    try:
+        return fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    finally:
+        del os.environ["FUSEDIST_CHECKS"]
+
+
+def shared_worker(rank, world_size, args):
+    """Every contender in this launch's ranks, interleaved (``--isolation shared``)."""
+    # The checks-off copy is built first: it gets no per-step cross-rank check (the collective
+    # monitor, attached to the shared communicator by the default copy, costs ~0.2 us per
+    # collective for both).
+    checks_off = "fusedist, FUSEDIST_CHECKS=0"
+    built = {checks_off: _build_contender(checks_off, args)}
+    impls = {k: built[k] if k in built else _build_contender(k, args) for k in MLP_IMPLS}
+    n_params = sum(p.numel() for p in impls["torch"].parameters())
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in impls.items()}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
     times = {(k, s): [] for k in impls for s in (True, False)}
@@ -122,32 +140,6 @@ def shared_worker(rank, world_size, args):
                 hidden.append(impls[k].comm_stats()["hidden_fraction"])
     bw = _allreduce_bandwidth(int(args.bucket_cap_mb * 2**20), 10)
     return _summarize(times, round_medians, hidden, bw, n_params, len(impls["fusedist"].buckets))
-
-
-# Note [one model per process]
-#     Several ~20M-parameter models in one process time differently even when identical:
-#     two torch DDP copies measured 1.05-1.12x apart within one run, and a contender's
-#     ratio moved with the order the models were built in (each model's weights, gradients
-#     and buckets land in different places of one heap, so their matmuls and copies meet
-#     different cache and page behaviour). A training job holds one model per rank process,
-#     so the default mode launches each contender in ranks of its own, one launch per
-#     contender and round; the rounds rotate the launch order so drifting load hits all alike,
-#     and a second torch contender launched the same way reads the design's own spread.
-
-#: The MLP row's contenders; the last is torch again, launched apart: the noise floor.
-MLP_IMPLS = ("torch", "fusedist", "fusedist, FUSEDIST_CHECKS=0", "torch (2nd copy, noise floor)")
-
-
-def _build_contender(impl: str, args) -> nn.Module:
-    import fusedist
-
-    torch.manual_seed(0)
-    model = make_model(args.width, args.layers)
-    if impl.startswith("torch"):
-        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-    if impl == "fusedist, FUSEDIST_CHECKS=0":
-        os.environ["FUSEDIST_CHECKS"] = "0"
-    return fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
 
 
 def isolated_worker(rank, world_size, impl, args):

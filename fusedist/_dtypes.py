@@ -1,4 +1,6 @@
-"""The precision rule shared by the optimizers and SyncBatchNorm."""
+"""The precision rules shared across the library: the dtype math runs in (optimizers,
+SyncBatchNorm) and how an fp16 average over ranks splits its division (DDP, ZeRO,
+fully_shard)."""
 
 from __future__ import annotations
 
@@ -14,3 +16,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     precision, so nothing narrower is used; a model trained in fp64 asked for fp64 and keeps
     it, as torch's optimizers and batch norm do."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fp16_divisors(factor: float) -> tuple[float, float]:
+    """``(pre, post)`` with ``pre * post == factor``: an fp16 gradient average over ranks
+    divides by ``pre`` before the sum and by ``post`` after it.
+
+    A sum of N fp16 gradients overflows (65504) where their average would not, and dividing
+    fully first flushes small gradients to zero, so the division is split: ``pre`` doubles from
+    1 while it divides ``factor`` and is below ``factor / pre`` (about sqrt(N), a power of two,
+    so exact). The rule is torch FSDP2's; at N = 2 it divides fully first, as torch DDP does.
+    """
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre

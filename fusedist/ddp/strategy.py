@@ -19,11 +19,11 @@ Note [division folded into the copy]
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from .._dtypes import fp16_divisors
 from ..comm import CommHandle
 from .layout import Bucket
 
@@ -64,12 +64,11 @@ def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
     """(pre, post) divisors whose product is ``world_size``.
 
     fp32/bf16: divide fully before the sum (torch DDP's numerics). fp16: split the division
-    around the sum (sqrt each side) so neither the sum can overflow nor small gradients
-    underflow to zero.
+    around the sum (``fp16_divisors``, torch FSDP2's rule) so neither the sum can overflow nor
+    small gradients underflow to zero.
     """
-    if dtype == torch.float16 and world_size > 1:
-        pre = float(2 ** round(math.log2(math.sqrt(world_size))))
-        return pre, world_size / pre
+    if dtype == torch.float16:
+        return fp16_divisors(world_size)
     return float(world_size), 1.0
 
 

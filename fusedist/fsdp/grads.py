@@ -52,8 +52,7 @@ Note [fp16 reduction]
     ``reduce_dtype`` divides by ``pre`` (about sqrt(N), a power of two: exact) before the
     reduce-scatter and by ``post = N / pre`` after it -- in the shard's dtype when that is
     wider (FP32 master weights), so small gradients do not underflow on the way. ``pre`` is
-    torch's FSDP2's (``_get_gradient_divide_factors``: doubled from 1 while it divides the
-    factor and is below ``factor / pre``; 2 at N = 2, where DDP's sqrt rounding picks 1), and
+    torch's FSDP2's (``fp16_divisors``, the rule DDP and ZeRO share), and
     a ``set_gradient_divide_factor`` factor F takes N's place: the sum divided by F. fp32 and
     bf16 reduce with ``avg`` (sum, then divide), whose range needs no split; with another
     factor, or ``set_force_sum_reduction_for_comms(True)``, with ``sum`` and a division by F
@@ -67,6 +66,7 @@ from typing import Optional
 
 import torch
 
+from .._dtypes import fp16_divisors
 from .memory import COUNTERS
 
 #: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
@@ -82,10 +82,8 @@ def reduce_factors(world_size: int, dtype: torch.dtype, factor: Optional[float] 
     if factor is None:
         factor = float(world_size)
     if dtype == torch.float16:
-        pre = 1
-        while factor % pre == 0 and factor / pre > pre:
-            pre *= 2
-        return float(pre), "sum", factor / pre
+        pre, post = fp16_divisors(factor)
+        return pre, "sum", post
     if factor == world_size and not force_sum:
         return 1.0, "avg", 1.0
     return 1.0, "sum", float(factor)

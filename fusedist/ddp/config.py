@@ -18,6 +18,11 @@ class DDPConfig:
     """The first bucket (the last layers, whose gradients are ready first) is small so that
     communication starts as early as possible in backward."""
 
+    bucket_cap_mb_list: Optional[tuple] = None
+    """torch DDP's per-bucket caps: the k-th bucket of each dtype (in readiness order) holds up
+    to ``bucket_cap_mb_list[k]`` MiB, the last entry serving every later bucket; replaces
+    ``bucket_cap_mb`` and ``first_bucket_cap_mb`` when given."""
+
     broadcast_buffers: bool = True
     """Broadcast buffers (e.g. BatchNorm running stats) from rank 0 at a forward that follows
     a synchronized training forward (torch's rule and default), so every rank evaluates with
@@ -42,6 +47,12 @@ class DDPConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"DistributedDataParallel: {name} must be a positive number of MiB, got {value!r}")
+        if self.bucket_cap_mb_list is not None:
+            caps = tuple(self.bucket_cap_mb_list)
+            if not caps or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps):
+                raise ValueError("DistributedDataParallel: bucket_cap_mb_list must be a non-empty list of positive "
+                                 f"numbers of MiB, got {self.bucket_cap_mb_list!r}")
+            self.bucket_cap_mb_list = caps
         if self.reduce_dtype is not None and not (
             isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
         ):

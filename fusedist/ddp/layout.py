@@ -214,14 +214,17 @@ def build_layout(
     world_size: int,
     device: torch.device,
     bucket_storage: bool = False,
+    bucket_caps_bytes: Sequence[int] = (),
 ) -> GradLayout:
     """Assign ``params`` (in expected readiness order) to buckets, per dtype.
 
     A bucket closes when adding the next parameter would exceed ``bucket_cap_bytes``; a
     parameter larger than the cap gets a bucket of its own. The first bucket of each dtype
     closes once it *reaches* ``first_bucket_cap_bytes``, the parameter that crosses it
-    included (Note [the first bucket]). ``bucket_storage``: one tensor per bucket, all
-    released (Note [bucket storage]).
+    included (Note [the first bucket]). ``bucket_caps_bytes`` (torch DDP's
+    ``bucket_cap_mb_list``), when given, replaces both: the k-th bucket of each dtype has cap
+    ``bucket_caps_bytes[k]``, the last entry serving every bucket after. ``bucket_storage``:
+    one tensor per bucket, all released (Note [bucket storage]).
 
     Note [the first bucket]
         The first bucket exists to start communication as soon as backward produces
@@ -238,6 +241,8 @@ def build_layout(
     closed: list[dict] = []
     caps_used: dict[torch.dtype, int] = {}
 
+    caps = list(bucket_caps_bytes) or [first_bucket_cap_bytes, bucket_cap_bytes]
+
     def close(dtype):
         b = open_buckets.pop(dtype)
         closed.append(b)
@@ -246,10 +251,11 @@ def build_layout(
     order = 0
     for p, name in zip(params, names):
         dtype = p.dtype
-        first = caps_used.get(dtype, 0) == 0
+        used = caps_used.get(dtype, 0)
+        first, cap = used == 0, caps[min(used, len(caps) - 1)]
         b = open_buckets.get(dtype)
         nbytes = p.numel() * p.element_size()
-        if b is not None and not first and b["bytes"] + nbytes > bucket_cap_bytes:
+        if b is not None and not first and b["bytes"] + nbytes > cap:
             close(dtype)
             b = None
         if b is None:
@@ -258,7 +264,7 @@ def build_layout(
         b["params"].append(p)
         b["names"].append(name)
         b["bytes"] += nbytes
-        if first and b["bytes"] >= first_bucket_cap_bytes:
+        if first and b["bytes"] >= cap:
             close(dtype)  # Note [the first bucket]: the crossing parameter included
     for dtype in list(open_buckets):
         close(dtype)

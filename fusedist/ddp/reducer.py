@@ -163,6 +163,7 @@ class Reducer:
             world_size=self.world_size,
             device=self.device,
             bucket_storage=bucket_storage,
+            bucket_caps_bytes=[int(c * MiB) for c in self.config.bucket_cap_mb_list or ()],
         )
 
     @property

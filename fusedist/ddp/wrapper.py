@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -26,8 +27,27 @@ from ..reliability import engine_watch  # (the module: it imports ddp.events, se
 
 # torch options that change only how torch schedules its own reduction: accepted and ignored
 # (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
-_TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params", "init_sync",
-                       "param_to_hook_all_reduce", "skip_all_reduce_unused_params"}
+_TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params",
+                       "param_to_hook_all_reduce", "skip_all_reduce_unused_params", "batched_grad_copy"}
+
+
+def _buffer_sync_settings(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
+    """(sync buffers at forward, broadcast buffers at construction), by torch's rules:
+    ``forward_sync_buffers`` (torch 2.13) governs the forward only, buffers are broadcast at
+    construction regardless; the deprecated ``broadcast_buffers=False`` turns off both (code
+    that keeps rank-local buffers relies on that). Both default to True."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn("fusedist.DistributedDataParallel: both broadcast_buffers and forward_sync_buffers "
+                          "were given; broadcast_buffers is deprecated and ignored", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("fusedist.DistributedDataParallel: broadcast_buffers is deprecated (as in torch); use "
+                          "forward_sync_buffers. Unlike broadcast_buffers=False, forward_sync_buffers=False still "
+                          "broadcasts the buffers at construction", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    sync = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return sync, sync
 
 
 def _reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
@@ -120,10 +140,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         process_group: the data-parallel group (default: the world).
         device_mesh: as torch's: a 1-D ``DeviceMesh`` whose group is the data-parallel group
             (instead of ``process_group``).
-        bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, find_unused_parameters,
+        bucket_cap_mb, first_bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters,
             gradient_as_bucket_view, reduce_dtype: see :class:`~fusedist.ddp.config.DDPConfig`.
-        static_graph, check_reduction: torch options accepted for compatibility (the bucket
-            layout is always rebuilt once from the observed order; no extra checks needed).
+        forward_sync_buffers, broadcast_buffers, init_sync: as torch's (``_buffer_sync_settings``):
+            buffers broadcast from rank 0 at forwards unless ``forward_sync_buffers=False``
+            (or the deprecated ``broadcast_buffers=False``, which also skips them at
+            construction); ``init_sync=False`` skips the construction broadcast, the ranks
+            are then trusted to hold the same values (their names and shapes are still compared).
+        static_graph, check_reduction, batched_grad_copy, ...: torch options that change only how
+            torch schedules its own reduction, accepted for compatibility (the bucket layout is
+            always rebuilt once from the observed order; the division is folded into the
+            gradient copies already).
         mixed_precision: torch's experimental ``_MixedPrecision``; only its ``reduce_dtype``
             is supported (the same as ``reduce_dtype``).
     """
@@ -134,7 +161,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_ids=None,
         output_device=None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: Optional[bool] = None,
+        init_sync: bool = True,
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
         find_unused_parameters: bool = False,
@@ -143,9 +171,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradient_as_bucket_view: bool = True,
         reduce_dtype: Optional[torch.dtype] = None,
         device_mesh=None,
+        bucket_cap_mb_list: Optional[list] = None,
+        forward_sync_buffers: Optional[bool] = None,
         **torch_options,
     ):
         super().__init__()
+        forward_sync, init_sync_buffers = _buffer_sync_settings(broadcast_buffers, forward_sync_buffers)
         reduce_dtype = _reduce_dtype_from_mixed_precision(torch_options.pop("mixed_precision", None), reduce_dtype)
         unknown = set(torch_options) - _TORCH_ONLY_OPTIONS
         if unknown:
@@ -161,7 +192,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.config = DDPConfig(
             bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
-            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            broadcast_buffers=forward_sync,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             reduce_dtype=reduce_dtype,
@@ -183,7 +215,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "set requires_grad=False to keep it as broadcast state"
                 )
         self._check_ranks_agree()
-        self._broadcast_state()
+        if init_sync:
+            self._broadcast_state(buffers=init_sync_buffers)
 
         self._buffer_dicts = [m._buffers for m in module.modules()]  # _module_buffers
         self.timeline = Timeline.from_env(self.rank)
@@ -270,10 +303,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                         unique[id(b)] = b
         return list(unique.values())
 
-    def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state") -> None:
-        """Every parameter and buffer from rank ``src`` (at construction, and when a join
-        context ends: Note [joined ranks])."""
-        tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+    def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state", buffers: bool = True) -> None:
+        """Every parameter (and buffer, unless ``buffers`` is False) from rank ``src`` (at
+        construction, and when a join context ends: Note [joined ranks])."""
+        tensors = [p.detach() for p in self.module.parameters()] + (list(self.module.buffers()) if buffers else [])
         self._broadcast_coalesced(tensors, tag=tag, src=src)
 
     def _broadcast_coalesced(self, tensors, tag: str, src: int = 0) -> None:
@@ -478,6 +511,22 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def buckets(self):
         return self.reducer.layout.buckets
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 at forwards (torch's attribute; settable)."""
+        return self.config.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.config.broadcast_buffers = bool(value)
+
+    broadcast_buffers = forward_sync_buffers  # torch's deprecated name for the same setting
+
+    def will_sync_module_buffers(self) -> bool:
+        """torch's: whether the next forward may broadcast buffers (it does after a
+        synchronized training forward, Note [when buffers are broadcast])."""
+        return bool(self._buffers_due and self.config.broadcast_buffers and self._module_buffers())
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Like torch DDP's, but also accepts a state dict saved from the bare module (keys

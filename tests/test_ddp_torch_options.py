@@ -1,0 +1,171 @@
+"""torch DDP's constructor options, as of torch 2.13, on fusedist's DistributedDataParallel: the
+same parameters in the same positions, and the same results where an option changes them --
+buffers synced at construction and at forwards (``forward_sync_buffers``, the deprecated
+``broadcast_buffers``, ``init_sync``), per-bucket caps (``bucket_cap_mb_list``) -- compared
+with torch DDP on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+
+def test_signature_takes_torchs_parameters_in_torchs_positions():
+    import fusedist
+
+    theirs = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    ours = inspect.signature(fusedist.DistributedDataParallel.__init__).parameters
+    positional = [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == list(theirs)[:len(positional)]
+    assert len(positional) >= list(theirs).index("find_unused_parameters") + 1
+    from fusedist.ddp.wrapper import _TORCH_ONLY_OPTIONS
+
+    for name in theirs:
+        assert name in ours or name in _TORCH_ONLY_OPTIONS or name == "mixed_precision", name
+    for name in ("broadcast_buffers", "init_sync", "forward_sync_buffers", "bucket_cap_mb_list", "bucket_cap_mb",
+                 "find_unused_parameters", "device_mesh"):
+        assert ours[name].default == theirs[name].default, name
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+# (name, kwargs): each run by torch DDP and fusedist DDP.
+BUFFER_CASES = [
+    ("default", {}),
+    ("broadcast_buffers=False", dict(broadcast_buffers=False)),
+    ("broadcast_buffers=True", dict(broadcast_buffers=True)),
+    ("forward_sync_buffers=False", dict(forward_sync_buffers=False)),
+    ("both given", dict(broadcast_buffers=False, forward_sync_buffers=True)),
+    ("init_sync=False", dict(init_sync=False)),
+    ("init_sync=False, forward_sync_buffers=False", dict(init_sync=False, forward_sync_buffers=False)),
+]
+
+
+def _rank_distinct_net(rank):
+    """A model whose parameters and BatchNorm statistics differ between ranks."""
+    torch.manual_seed(100 + rank)
+    net = _Net()
+    with torch.no_grad():
+        net.bn.running_mean.fill_(float(rank + 1))
+        net.bn.running_var.fill_(float(rank + 2))
+    return net
+
+
+def _state(model):
+    module = model.module
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _buffer_worker(rank, world_size):
+    import fusedist
+
+    out = {}
+    for name, kwargs in BUFFER_CASES:
+        base = _rank_distinct_net(rank)
+        seen = {}
+        for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model = cls(copy.deepcopy(base), **kwargs)
+            future = sorted({str(w.message).split()[0] for w in caught if issubclass(w.category, FutureWarning)})
+            after_init = _state(model)
+            syncs = [model.will_sync_module_buffers()]
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(7 + rank))
+            model(x).sum().backward()  # a training forward: statistics updated per rank
+            syncs.append(model.will_sync_module_buffers())
+            model.eval()
+            with torch.no_grad():
+                y = model(x)  # the forward after a synchronized one broadcasts buffers (if on)
+            seen[who] = (after_init, _state(model), y, syncs, bool(future), model.forward_sync_buffers)
+        out[name] = seen
+    return out
+
+
+def test_buffer_and_parameter_sync_options_match_torch():
+    per_rank = run_distributed(_buffer_worker, 2, timeout=240)
+    for rank, out in enumerate(per_rank):
+        for name, seen in out.items():
+            (t_init, t_after, t_y, t_sync, t_warn, t_flag) = seen["torch"]
+            (f_init, f_after, f_y, f_sync, f_warn, f_flag) = seen["fusedist"]
+            where = f"rank {rank}, {name}"
+            for key in t_init:
+                assert torch.equal(t_init[key], f_init[key]), f"{where}: {key} after construction"
+                assert torch.allclose(t_after[key], f_after[key], rtol=1e-6, atol=1e-7), f"{where}: {key} after forwards"
+            assert torch.allclose(t_y, f_y, rtol=1e-6, atol=1e-6), where
+            assert t_sync == f_sync, (where, t_sync, f_sync)
+            assert t_warn == f_warn, (where, "FutureWarning", t_warn, f_warn)
+            assert t_flag == f_flag, where
+    # The cases really differ: rank 1's statistics survive construction without init sync.
+    r1 = per_rank[1]
+    assert not torch.equal(r1["init_sync=False"]["torch"][0]["bn.running_mean"],
+                           r1["default"]["torch"][0]["bn.running_mean"])
+    assert not torch.equal(r1["broadcast_buffers=False"]["torch"][1]["bn.running_mean"],
+                           r1["default"]["torch"][1]["bn.running_mean"])
+
+
+def test_bucket_cap_mb_list_caps_each_bucket_in_readiness_order():
+    from fusedist.ddp.layout import build_layout
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 50, 400, 10, 10, 10, 500)]
+    caps = [1000, 1200, 400]  # bytes: the first bucket closes once reached, the others before overflowing
+    layout = build_layout(params, [str(i) for i in range(len(params))], bucket_cap_bytes=10**9,
+                          first_bucket_cap_bytes=10**9, world_size=1, device=torch.device("meta"),
+                          bucket_caps_bytes=caps)
+    sizes = [[p.numel() for p in b.params] for b in layout.buckets]
+    assert sizes == [[100, 300], [50, 50], [400], [10, 10, 10], [500]], sizes
+    for k, b in enumerate(layout.buckets[1:], start=1):
+        assert sum(p.numel() * 4 for p in b.params) <= caps[min(k, len(caps) - 1)] or len(b.params) == 1
+
+
+def _caps_worker(rank, world_size):
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    caps = [0.002, 0.01, 0.005]
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    gen = torch.Generator().manual_seed(1 + rank)
+    for _ in range(3):
+        x = torch.randn(16, 32, generator=gen)
+        for model, opt in zip((ref, ours), opts):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+    bucket_bytes = [sum(p.numel() * 4 for p in b.params) for b in ours.buckets]
+    errors = []
+    for bad in ([], [0.0], "x", [True]):
+        try:
+            fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return diff, bucket_bytes, errors
+
+
+def test_bucket_cap_mb_list_trains_as_torch_ddp():
+    for diff, bucket_bytes, errors in run_distributed(_caps_worker, 2, timeout=120):
+        assert diff < 1e-6, diff
+        # Linear(32, 32): 4096 B of weight, 128 B of bias. The first bucket closes once it
+        # reaches 2 KiB (a layer), the second holds up to 10 KiB, every later one 5 KiB.
+        caps = [0.002 * 2**20, 0.01 * 2**20, 0.005 * 2**20]
+        assert 2**11 <= bucket_bytes[0] <= 4224, bucket_bytes
+        assert 8448 <= bucket_bytes[1] <= caps[1] and all(b <= caps[2] for b in bucket_bytes[2:]), bucket_bytes
+        assert sum(bucket_bytes) == 6 * 4224
+        assert len(errors) == 4 and all("bucket_cap_mb_list" in e for e in errors), errors

@@ -25,7 +25,7 @@ Note [pieces in torch's distributed checkpoint]
 
     One deliberate difference: ``size()`` is the *whole* parameter's size (DCP's load compares
     it with the checkpoint's, as it does for a DTensor, whose size is the global one), while
-    ``shape``/``numel()``/``len()`` are the piece's. Tensor's own Python methods that rebuild a
+    ``shape``/``numel()``/``len()`` are the piece's (except to torch's async-save stager: Note [staging a piece]). Tensor's own Python methods that rebuild a
     tensor from ``self.size()`` (``__deepcopy__``, ``__reduce_ex__``, ``__repr__``) are
     overridden to use the piece.
 
@@ -112,16 +112,22 @@ class ShardedPiece(torch.Tensor):
 
     _fs_size: torch.Size
     _fs_range: tuple
+    _fs_piece_shape: tuple
 
     @staticmethod
     def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
         if not piece.is_contiguous() or piece.numel() != hi - lo:
             raise ValueError(f"a piece must be contiguous and hold its range: shape {tuple(piece.shape)}, "
                              f"range [{lo}, {hi})")
+        return ShardedPiece._carrier(piece, full_shape, (lo, hi), tuple(piece.shape))
+
+    @staticmethod
+    def _carrier(t: torch.Tensor, full_shape, element_range, piece_shape) -> "ShardedPiece":
         with torch._C.DisableTorchFunctionSubclass():
-            out = piece.as_subclass(ShardedPiece)
+            out = t.as_subclass(ShardedPiece)
         out._fs_size = torch.Size(full_shape)
-        out._fs_range = (int(lo), int(hi))
+        out._fs_range = (int(element_range[0]), int(element_range[1]))
+        out._fs_piece_shape = tuple(piece_shape)
         return out
 
     def local(self) -> torch.Tensor:
@@ -142,17 +148,24 @@ class ShardedPiece(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        src = args[0] if args else None
+        if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], ShardedPiece):
+            _refuse_whole_from_piece(args[0], args[1])  # Note [staging a piece]
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        src = args[0] if args else None
-        if (func in _KEEPS and isinstance(src, ShardedPiece) and isinstance(out, torch.Tensor)
-                and out is not src and out.shape == src.shape and out.is_contiguous()):
-            return src._like(out)
+        if isinstance(src, ShardedPiece) and isinstance(out, torch.Tensor) and out is not src:
+            if func is torch.Tensor.new_empty:  # Note [staging a piece]
+                return ShardedPiece._carrier(out, src._fs_size, src._fs_range, src._fs_piece_shape)
+            if func in _KEEPS and out.shape == src.shape and out.is_contiguous():
+                return src._like(out)
         return out
 
     # -- what Tensor's Python methods would rebuild from size(): use the piece
     def size(self, dim: Optional[int] = None):
-        return self._fs_size if dim is None else self._fs_size[dim]
+        shape = self._fs_size
+        if sys._getframe(1).f_code is _stager_code():  # Note [staging a piece]
+            shape = torch.Size(self._fs_piece_shape)
+        return shape if dim is None else shape[dim]
 
     def __reduce_ex__(self, proto):
         return self.local().__reduce_ex__(proto)  # pickled as the plain piece (as before)
@@ -201,6 +214,44 @@ class ShardedPiece(torch.Tensor):
             start += n
         raise ValueError(f"FQN '{index.fqn}': this rank's piece (elements {list(self._fs_range)} of shape "
                          f"{tuple(self._fs_size)}) holds no chunk at offsets {tuple(index.offset or ())}")
+
+
+# Note [staging a piece]
+#     ``dcp.async_save`` first stages the state dict to CPU memory. Its default stager rebuilds
+#     every tensor from its metadata: ``y = x.new_empty([])`` (a plain tensor, for a subclass),
+#     then ``y.set_(copy of x's storage, x.storage_offset(), x.size(), x.stride())``, then the
+#     attributes in ``x.__dict__``. For a piece, ``size()`` is the whole parameter's (what DCP's
+#     load compares), so the staged entry was a plain tensor of the whole shape over the
+#     piece's storage: it read past the piece (a neighbour's values, or memory never written)
+#     and was saved as one replicated tensor -- a checkpoint that loads wrong values, silently.
+#     ``set_`` does not pass through ``__torch_function__``, so the piece answers that one
+#     caller: ``size()`` called from the stager's ``_offload_tensor`` (its code object,
+#     compared by identity, only once torch has imported the stager) is the piece's shape, and
+#     ``new_empty`` on a piece returns a piece (the carrier and its metadata kept). The staged
+#     entry is then this rank's piece, saved as its chunks. Code that instead builds a plain
+#     tensor of ``size()`` and copies a piece into it (torch's ``BlockingAsyncStager``,
+#     ``_create_cpu_state_dict``) is refused at the copy: the piece cannot fill the whole
+#     parameter, and the carrier would be lost.
+
+
+def _stager_code():
+    """The code object of torch's default async-save stager's tensor copy, or None."""
+    stager = sys.modules.get("torch.distributed.checkpoint._state_dict_stager")
+    offload = getattr(getattr(stager, "StateDictStager", None), "_offload_tensor", None)
+    return getattr(offload, "__code__", None)
+
+
+def _refuse_whole_from_piece(dest, piece: ShardedPiece) -> None:
+    if isinstance(dest, ShardedPiece) or tuple(dest.shape) == piece._fs_piece_shape:
+        return
+    if tuple(dest.shape) == tuple(piece._fs_size):
+        lo, hi = piece._fs_range
+        raise ValueError(
+            f"fully_shard state dict: a tensor of the whole parameter's shape {tuple(piece._fs_size)} cannot be "
+            f"filled from this rank's piece (elements [{lo}, {hi})); code that builds a plain tensor of "
+            "entry.size() and copies the entry into it (torch's BlockingAsyncStager) would save one rank's "
+            "piece as the whole parameter. Stage with dcp.async_save's default stager, or use "
+            "get_state_dict(..., options=StateDictOptions(cpu_offload=True)) (Note [staging a piece])")
 
 
 # ---------------------------------------------------------------------------- hooks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -324,6 +324,138 @@ class FullyShardedModule:
         reverse forward order for this module)."""
         self._fs_state().backward_prefetch = _states_of(modules)
 
+    # ------------------------------------------------------------ FSDP2's reduction controls
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None):
+        """Call ``hook(output)`` with each gradient reduce-scatter of this module's unit (not its
+        submodules', as FSDP2): ``output`` is this rank's result in ``reduce_dtype``, before any
+        division left after the sum (fp16, or a divide factor with forced sum) and before the
+        pieces' ``.grad`` are made from it, so an in-place change (an all-reduce across
+        replicas, a scale) reaches the gradients -- FSDP2's hook on a 1-D mesh. It holds the
+        same elements as FSDP2's output in another order: the rank's slice of the unit's flat
+        buffer (Note [row-aligned flat layout] in layout.py), not per-parameter dim-0 chunks, and
+        a parameter with no gradient here is a zero slot rather than absent; an elementwise
+        hook gives FSDP2's gradients. It runs when the reduction has landed, at the same point
+        of every rank's backward (Note [unit gradients] in grads.py), so it may issue
+        collectives; on CUDA, on ``stream`` if given. ``None`` removes it."""
+        if hook is not None and not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if stream is not None and hook is None:
+            raise ValueError("set_all_reduce_hook: a stream was given without a hook to run on it")
+        grads = self._fs_state().grads
+        if grads is not None:
+            grads.all_reduce_hook, grads.all_reduce_hook_stream = hook, stream
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: every trainable parameter of a reduced unit gets ``.grad`` from the reduction,
+        also on a rank that computed no gradient for it (its part of the sum is zeros), as
+        FSDP2's -- for models whose ranks use different parameters (mixture of experts,
+        conditional branches). fusedist reduce-scatters a unit's whole trainable section in
+        either case, so its collectives pair up regardless (Note [rank-independent
+        reductions] in grads.py); under False (the default) a parameter without a gradient
+        keeps ``.grad`` as it was, and ranks that differ in which parameters got one are
+        reported by the per-step check."""
+        value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for st in self._fs_states(recurse):
+            if st.grads is not None:
+                st.grads.reduce_unused = value
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """At most ``max_input_buffers`` gradient reduce-scatters (with their buffers) in flight
+        under this module's root; a new one first waits for the oldest. More lets more
+        communication overlap backward, at the price of more gradient buffers alive; the
+        gradients are the same. Default ``grads.MAX_IN_FLIGHT`` (2; FSDP2's is 1). As in FSDP2
+        the largest value set under a root applies; unlike FSDP2, which reads the values once
+        at the root's first forward, a later call applies from the next reduction."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for st in self._fs_states(recurse):
+            st.max_input_buffers = max_input_buffers
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The event (recorded after the optimizer step) that the next forward's all-gathers
+        wait for, once; pass a new one each iteration. FSDP2 waits on it instead of the
+        current stream, to drop a false dependency; fusedist's all-gathers follow the current
+        stream regardless, so here the current stream waits for the event (an optimizer
+        stepped on another stream is seen) and the false dependency stays. On CPU the step has
+        finished before forward begins: nothing to wait for, and the event is consumed."""
+        st = self._fs_state()
+        if st.ctx is not None:
+            st.ctx.post_optim_event = event
+        else:
+            st.post_optim_event = event  # taken by the context if this module becomes the root
+
+    def reset_iter_state(self) -> None:
+        """Make the next iteration start clean after an exception aborted a forward or backward
+        (on every rank alike: collectives pair up by order): wait for the collectives in
+        flight, reshard every unit, forget the iteration's bookkeeping. The failed iteration's
+        gradients are lost -- reductions in flight or waiting their turn, no-sync accumulators,
+        unsharded gradients -- while ``.grad`` that reductions finished before the exception
+        stay: call ``zero_grad()`` and restart a micro-batch sequence. Call it on the root
+        (FSDP2's rule)."""
+        st = self._fs_state()
+        if st.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
+                               f"(the outermost one, the first to run forward), not on {type(self).__name__}")
+        if st.ctx is not None:
+            st.ctx.reset_iteration()
+
+    def _set_unshard_async_op(self, async_op: bool):
+        """FSDP2's switch for the forward and backward all-gathers' ``async_op``, for this module
+        and its submodules (its effect there: which stream allocates the gathered memory).
+        fusedist issues every gather asynchronously on its communicator and waits before the
+        unit runs, so either value gives the same results and overlap; recorded, and forward
+        passes it to the unit's ``unshard``."""
+        value = _check_bool("async_op", async_op)
+        for st in self._fs_states():
+            st.unshard_async_op = value
+
+    # -------------------------------------------- FSDP2's communication settings (performance)
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted and recorded; a performance setting only. FSDP2 then gives reduce-scatters
+        a process group of their own, to overlap them with all-gathers on the wire; the
+        gradients are the same. fusedist runs a unit's gathers and reductions on the one
+        communicator of its mesh, which stays so: no group is created, nothing changes."""
+        _record_hint(self._fs_states(recurse), "separate_reduce_scatter_group", _check_bool("enable", enable))
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted and recorded; a performance setting only. FSDP2 then allocates its staging
+        buffers with the process group's allocator (NCCL zero-copy transfers); the values are
+        the same. fusedist gathers straight into each unit's persistent buffer, without
+        staging buffers, and takes gradient buffers from torch's allocator, which stays so."""
+        _record_hint([self._fs_state()], "allocate_memory_from_process_group", _check_bool("enable", enable))
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Accepted and recorded (``backend`` "NCCL" only, as FSDP2); a performance setting
+        only. FSDP2 then puts its all-gather staging buffers in NCCL symmetric memory, for
+        NCCL's copy-engine and symmetric-kernel all-gathers; the values are the same (torch's
+        own call fails where NCCL symmetric memory is missing, e.g. on gloo). fusedist gathers
+        into each unit's own buffer through its communicator, which stays so."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: only the 'NCCL' backend is supported, got {backend!r}")
+        _record_hint([self._fs_state()], "symm_mem", backend)
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Refused: FSDP2 hands a custom ``AllGather`` its own output allocation and a process
+        group. A fusedist unit gathers straight into its parameters' persistent flat buffer
+        through fusedist's communicator (tagged, bounded waits, the ranks' order checked),
+        which may not be a torch process group at all, so a custom collective has no place to
+        run and accepting it would silently ignore it."""
+        raise NotImplementedError(
+            "fusedist.fully_shard does not support set_custom_all_gather: a unit gathers with its own collective "
+            "into its parameters' persistent buffer. To send fewer bytes, gather in a lower precision with "
+            "MixedPrecisionPolicy(param_dtype=...); for a custom all-gather, use torch.distributed.fsdp.fully_shard.")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Refused, for the reasons of :meth:`set_custom_all_gather`: a unit reduce-scatters its
+        flat gradient buffer through fusedist's communicator."""
+        raise NotImplementedError(
+            "fusedist.fully_shard does not support set_custom_reduce_scatter: a unit reduces its flat gradient "
+            "buffer with its own collective. To reduce in a lower precision use "
+            "MixedPrecisionPolicy(reduce_dtype=...); to post-process each reduce-scatter's output (e.g. an all-reduce across replicas) use "
+            "set_all_reduce_hook; for a custom reduce-scatter, use torch.distributed.fsdp.fully_shard.")
+
     def check_consistency(self) -> None:
         """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the
         same forwards, backwards and optimizer steps on this model so far (Note [stage-3 step
@@ -350,6 +482,13 @@ class FullyShardedModule:
         if st.unit is not None:
             st.unit.repack()
         return out
+
+
+def _record_hint(states, name: str, value) -> None:
+    """Record a performance-only FSDP2 setting fusedist has no use for (readable in
+    ``state.comm_hints``), so a run shows what it was asked for."""
+    for st in states:
+        st.comm_hints[name] = value
 
 
 def _states_of(modules) -> list:

@@ -13,7 +13,15 @@ Note [unit gradients]
     views of one gradient shard per unit. Frozen parameters get neither buffer slots nor
     gradient storage; a unit with no trainable parameter issues no reduce-scatter. Reduce-scatters run asynchronously; each launch finishes those that have landed
     (oldest first) and, before allocating its buffers, waits for the oldest while
-    ``MAX_IN_FLIGHT`` are pending; the end of backward finishes the rest.
+    ``MAX_IN_FLIGHT`` are pending (or the ``set_reduce_scatter_max_input_buffers`` cap);
+    the end of backward finishes the rest.
+
+    ``set_all_reduce_hook``: the hook gets the landed output (this rank's shard of the
+    section, ``reduce_dtype``) before the division left after the sum and before the pieces'
+    ``.grad`` are made from it, so an in-place change reaches the gradients -- FSDP2's point
+    on a 1-D mesh. A hooked reduction is never finished early because it happened to land
+    (that depends on timing): the oldest-first waits above and the end of backward finish
+    it, at the same point of every rank's backward, so a hook may issue collectives.
 
     The average is taken as the sum of ``1/pre``-scaled gradients divided by ``post``
     afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below), or the world size
@@ -99,6 +107,12 @@ class PendingReduce:
         self.output, self.input, self.with_grad = output, input, with_grad
         self.post = post  # divisor still to apply to the output (Note [fp16 reduction])
         self.nbytes = (output.numel() + input.numel()) * output.element_size()
+        self.hook = grads.all_reduce_hook  # the hook as set when the reduction was issued
+        self.hook_stream = grads.all_reduce_hook_stream
+
+    def ready(self) -> bool:
+        """Landed, and may be finished now: a hooked reduction waits for its fixed point."""
+        return self.hook is None and self.handle.is_completed()
 
 
 class UnitGrads:
@@ -111,6 +125,9 @@ class UnitGrads:
         self.reduce_grads = True
         self.divide_factor = None  # set_gradient_divide_factor; None: the world size
         self.force_sum = False  # set_force_sum_reduction_for_comms
+        self.reduce_unused = False  # set_reduce_scatter_unused_params: .grad for every trainable piece
+        self.all_reduce_hook = None  # set_all_reduce_hook
+        self.all_reduce_hook_stream = None
         self._acc: dict[int, torch.Tensor] = {}  # section -> flat accumulator of unsynchronized backwards
         self._acc_with_grad: dict[int, set] = {}  # section -> parameters with a gradient in it
 
@@ -156,15 +173,16 @@ class UnitGrads:
             self._acc[k], present = self._into_flat(k, grads)
             self._acc_with_grad.setdefault(k, set()).update(present)
 
-    def reduce(self, grads: list, pending: list, log: list) -> None:
+    def reduce(self, grads: list, pending: list, log: list, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         """Start the reduce-scatter of each section's ``grads`` (plus its accumulator) and queue
-        it; note in ``log`` which parameters had a gradient (Note [rank-independent reductions])."""
+        it, with at most ``max_in_flight`` pending; note in ``log`` which parameters had a
+        gradient (Note [rank-independent reductions])."""
         unit = self.unit
         for k in self._sections(grads):
-            while len(pending) >= MAX_IN_FLIGHT:  # the cap holds for the buffers this call allocates too
+            while len(pending) >= max_in_flight:  # the cap holds for the buffers this call allocates too
                 finish(pending.pop(0))
             flat, present = self._into_flat(k, grads)
-            with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present))
+            with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present).union(self._unused(k)))
             log.append((unit.name, k, tuple(with_grad),
                         [unit.fqns[i] for i in unit.layout.sections[k].indices
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
@@ -177,8 +195,16 @@ class UnitGrads:
                                               tag=f"fully_shard grads {unit.name or 'root'}")
             pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post))
         self._acc, self._acc_with_grad = {}, {}
-        while pending and pending[0].handle.is_completed():
+        while pending and pending[0].ready():
             finish(pending.pop(0))  # the landed ones free their buffers at once
+
+    def _unused(self, k: int) -> set:
+        """Under ``set_reduce_scatter_unused_params(True)``, section ``k``'s trainable parameters,
+        which all get ``.grad`` from the reduction (zeros in this rank's part where it had no
+        gradient); otherwise none beyond those with a gradient."""
+        if not self.reduce_unused:
+            return set()
+        return {i for i in self.unit.layout.sections[k].indices if self.unit.unsharded[i].requires_grad}
 
     @property
     def accumulator_bytes(self) -> int:
@@ -198,6 +224,8 @@ def finish(p: PendingReduce) -> None:
     COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
     out = p.output
     p.input = None
+    if p.hook is not None:
+        _run_hook(p.hook, out, p.hook_stream)
     if p.post != 1.0:  # Note [fp16 reduction]: on the device, in the shard's dtype
         out = out.to(unit.dtype) if out.dtype != unit.dtype else out
         out.div_(p.post)
@@ -219,6 +247,31 @@ def finish(p: PendingReduce) -> None:
     p.output = None
 
 
+def _run_hook(hook, out: torch.Tensor, stream) -> None:
+    """``hook(out)``, on ``stream`` when one was given for a CUDA output: the stream waits
+    for the reduction, and the gradients' use of ``out`` waits for the hook."""
+    if stream is None or out.device.type != "cuda":
+        hook(out)
+        return
+    current = torch.cuda.current_stream(out.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(out)
+    current.wait_stream(stream)
+
+
 def finish_all(pending: list) -> None:
     while pending:
         finish(pending.pop(0))
+
+
+def discard_all(pending: list) -> None:
+    """Wait for the reductions in flight and drop their results (an aborted iteration):
+    their buffers are the communicator's until they land."""
+    while pending:
+        p = pending.pop(0)
+        try:
+            p.handle.wait()
+        finally:
+            COUNTERS.add_scratch(-p.nbytes)
+            p.input = p.output = None

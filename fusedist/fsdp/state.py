@@ -2,7 +2,8 @@
 module, and the context the modules under one root share for an iteration.
 
 Note [unit schedule]
-    forward   pre-hook: gather (or wait for the prefetched gather), then prefetch the unit that
+    forward   pre-hook: (a forward's first unit: wait for a ``set_post_optim_event`` event)
+              gather (or wait for the prefetched gather), then prefetch the unit that
               came next in the previous forward (or the explicit ``set_modules_to_forward_prefetch``
               list), so its all-gather runs while this unit computes. post-hook: reshard when
               ``reshard_after_forward`` (always under ``no_grad``: no backward will need it),
@@ -23,6 +24,9 @@ Note [unit schedule]
               finished, and per-backward state is reset.
     recompute a forward during backward (activation checkpointing) gathers the unit if needed
               and changes nothing else.
+    recovery  ``reset_iter_state`` after an exception in forward or backward: the collectives
+              in flight are waited for, every unit reshards, and the iteration's gradients and
+              bookkeeping are dropped (``IterationContext.reset_iteration``).
 
     Every rank must run the same units in the same order (the collectives pair up by order);
     the first forward of a root checks that the ranks wrapped the model alike.
@@ -118,6 +122,7 @@ class IterationContext:
         self.next_reduce = 0
         self.deferred: dict = {}  # state -> its unsharded gradients, waiting for its turn
         self.backward_running = False
+        self.post_optim_event = None  # set_post_optim_event: waited for before the next gather
         # [reliability] the root's observer (Note [stage-3 step check]); None without units.
         self.watch = None
 
@@ -148,10 +153,29 @@ class IterationContext:
             st = order[self.next_reduce]
             self.next_reduce += 1
             if st in deferred:
-                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log)
+                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log, self.max_in_flight())
         if state is None:
             for st in [st for st in self.states if st in deferred]:
-                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log)
+                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log, self.max_in_flight())
+
+    def max_in_flight(self) -> int:
+        """The reduce-scatters allowed in flight: the largest ``set_reduce_scatter_max_input_buffers``
+        value under this root (as FSDP2, the most aggressive wins: the reductions share one
+        queue), else ``grads.MAX_IN_FLIGHT``."""
+        caps = [st.max_input_buffers for st in self.states if st.max_input_buffers is not None]
+        return max(caps) if caps else grads_mod.MAX_IN_FLIGHT
+
+    def wait_post_optim_event(self) -> None:
+        """Order the next all-gather after the event ``set_post_optim_event`` gave, once.
+        fusedist's gathers follow the current stream anyway, so on CUDA the current stream
+        waits for the event (an optimizer stepped on another stream is then seen); on CPU
+        the step has finished before forward begins and there is nothing to wait for."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is None:
+            return
+        device = next((st.unit.device for st in self.states if st.unit is not None), None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(event)
 
     def end_forward(self) -> None:
         self.in_forward = False
@@ -173,6 +197,21 @@ class IterationContext:
             if self.watch is not None:
                 self.watch.backward_begins()
             Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def reset_iteration(self) -> None:
+        """After an exception aborted a forward or backward: wait for the collectives in flight,
+        reshard every unit and forget the iteration (its gradients are lost: reductions in
+        flight or waiting their turn, no-sync accumulators, unsharded gradients)."""
+        try:
+            grads_mod.discard_all(self.pending)
+        finally:
+            self.in_forward = False
+            self._current_order, self._pos = [], 0
+            self.reduce_log, self.deferred, self.reduce_order, self.next_reduce = [], {}, [], 0
+            self.post_forward_order.clear()
+            self.backward_running = False
+            for st in self.states:
+                st.reset_iteration()
 
     def finish_backward(self) -> None:
         try:
@@ -208,6 +247,10 @@ class FullyShardState:
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.is_last_backward = True  # set_is_last_backward (recorded; every backward finishes)
         self.requires_all_reduce = True  # set_requires_all_reduce (recorded; no all-reduce on a 1-D mesh)
+        self.unshard_async_op = False  # _set_unshard_async_op
+        self.post_optim_event = None  # set_post_optim_event before the first forward (then: ctx's)
+        self.max_input_buffers: Optional[int] = None  # set_reduce_scatter_max_input_buffers
+        self.comm_hints: dict = {}  # FSDP2's performance-only settings, recorded (api.py)
         self._post_forward_indices: list[int] = []
         self._in_backward = False
         self._grads_seen = 0
@@ -246,6 +289,8 @@ class FullyShardState:
         self.ctx = IterationContext(states)
         for st in states:
             st.ctx = self.ctx
+        # as FSDP2: the root's context becomes the shared one, so only the root's event is kept
+        self.ctx.post_optim_event, self.post_optim_event = self.post_optim_event, None
         if self.auto_reshard and self.unit is not None:
             self.unit.reshard_after_forward = False  # None: the root keeps its parameters gathered
         units = [st.unit for st in states if st.unit is not None]
@@ -275,6 +320,8 @@ class FullyShardState:
                 if torch.is_grad_enabled():
                     self.backward_pending = True
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
+        if not ctx.in_forward:  # a forward begins (the root's, or a submodule run alone)
+            ctx.wait_post_optim_event()
         if self.is_root and not ctx.in_forward:
             ctx.begin_forward()
             if ctx.watch is not None and torch.is_grad_enabled():
@@ -283,7 +330,9 @@ class FullyShardState:
             args, kwargs = _cast(self.mp_policy.param_dtype, (args, kwargs))
         if unit is not None:
             with torch.profiler.record_function("fusedist::fully_shard::unshard"):
-                unit.unshard(async_op=False)
+                unit.unshard(async_op=self.unshard_async_op)
+                if self.unshard_async_op:  # the wait unshard(async_op=False) makes inside
+                    unit.wait_for_unshard()
             if torch.is_grad_enabled():
                 self.backward_pending = True
                 if not all(sp.requires_grad for sp in unit.sharded):  # Note [frozen parameters in backward]
@@ -384,6 +433,17 @@ class FullyShardState:
         del grads
         if unit.reshard_after_backward:
             unit.reshard()
+
+    def reset_iteration(self) -> None:
+        """This module's part of ``IterationContext.reset_iteration``."""
+        self.reset_backward()
+        unit = self.unit
+        if unit is None:
+            return
+        unit.reshard()
+        for u in unit.unsharded:
+            u.grad = None
+        self.grads.drop_accumulator()
 
     def reset_backward(self) -> None:
         self._in_backward = False

@@ -212,8 +212,8 @@ class Gated(nn.Module):
         self.gates = nn.ModuleList(Gate(d) for _ in range(2))
         self.head = nn.Linear(d, 1)
 
-    def forward(self, x, use_b: bool):
-        for g in self.gates:
+    def forward(self, x, use_b: bool, skip_last: bool = False):
+        for g in self.gates[:1] if skip_last else self.gates:
             x = g(x, use_b)
         return self.head(x).sum()
 
@@ -249,6 +249,18 @@ def _unused_params(rank, ws, seed) -> None:
         _check_grads(ref, ours, EXACT, what)
         got_b = ours.gates[0].b.weight.grad
         assert (got_b is not None) == flag, what
+    # A whole unit skipped on every rank: FSDP2 reduces zeros for it once it has been gathered.
+    for flag in (True, False):
+        ref, ours = _gated_pair(mesh)
+        for model in (ref, ours):
+            model.set_reduce_scatter_unused_params(flag)
+        for step, skip in enumerate((True, False, True)):
+            x = torch.randn(4, 8, generator=g)
+            for model in (ref, ours):
+                model.zero_grad()
+                model(x, True, skip_last=skip).backward()
+            _check_grads(ref, ours, EXACT, f"seed {seed}: flag {flag}, last gate skipped: {skip}, step {step}")
+        assert (ours.gates[1].a.weight.grad is not None) == flag
     # Without the flag, ranks that used different parameters are reported, not stepped apart.
     import fusedist
 
@@ -314,8 +326,9 @@ def _reduction_controls(rank, ws, seed):
 
 def test_unused_params_and_buffer_cap_match_fsdp2():
     """set_reduce_scatter_unused_params(True) gives every trainable parameter FSDP2's
-    gradient where ranks use different branches, and zeros where none uses one; without it
-    an unused parameter keeps grad None as in FSDP2, and ranks that differ are reported.
+    gradient where ranks use different branches, and zeros where none uses one or a whole
+    unit is skipped (once it has run: FSDP2's condition); without it an unused parameter
+    keeps grad None as in FSDP2, and ranks that differ are reported.
     set_reduce_scatter_max_input_buffers bounds the reduce-scatters in flight (1: one at a
     time), trains as FSDP2 with the same cap, and refuses what FSDP2 refuses."""
     seed = _seed()

@@ -349,7 +349,8 @@ class FullyShardedModule:
         """True: every trainable parameter of a reduced unit gets ``.grad`` from the reduction,
         also on a rank that computed no gradient for it (its part of the sum is zeros), as
         FSDP2's -- for models whose ranks use different parameters (mixture of experts,
-        conditional branches). fusedist reduce-scatters a unit's whole trainable section in
+        conditional branches); a unit skipped in forward on every rank is reduced too (zeros),
+        once it has run before (FSDP2's condition). fusedist reduce-scatters a unit's whole trainable section in
         either case, so its collectives pair up regardless (Note [rank-independent
         reductions] in grads.py); under False (the default) a parameter without a gradient
         keeps ``.grad`` as it was, and ranks that differ in which parameters got one are

@@ -40,7 +40,8 @@ Note [rank-independent reductions]
     depend on which gradients this rank happened to get. Whether: a unit whose forward ran
     with gradients enabled reduces its trainable sections in every synchronized backward, also
     when no gradient reached it on this rank (zeros: another rank's gradients may be in the
-    sum). When: a unit's backward is over once all its parameters have their gradients, or
+    sum); under ``set_reduce_scatter_unused_params(True)`` so does one that did not run, once
+    it has been gathered (``FullyShardState.reduces_unused_unit``). When: a unit's backward is over once all its parameters have their gradients, or
     at the end of backward if some never get one, and that differs between ranks; so the
     reduce-scatters are issued in one fixed order, the reverse of the units' first forward
     calls (``IterationContext.reduce_in_order`` in ``state.py``; a unit that is done waits,

@@ -218,6 +218,9 @@ class IterationContext:
             ran = [st for st in self.states if st.unit is not None and st.backward_pending]
             for st in reversed(ran):
                 st.post_backward()
+            for st in self.states:
+                if st not in ran and st.reduces_unused_unit():
+                    self.deferred[st] = [None] * len(st.unit.unsharded)  # zeros, after the units that ran
             self.reduce_in_order(None, None)
             grads_mod.finish_all(self.pending)
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
@@ -433,6 +436,15 @@ class FullyShardState:
         del grads
         if unit.reshard_after_backward:
             unit.reshard()
+
+    def reduces_unused_unit(self) -> bool:
+        """Whether this unit, which did not run forward with gradients in this backward, is
+        reduced anyway: under ``set_reduce_scatter_unused_params(True)``, its trainable
+        parameters then get zero-sum ``.grad``, as FSDP2's -- which does so once the unit has
+        been gathered (before that it holds no unsharded parameters to take zeros from), a
+        condition the same on every rank."""
+        unit, grads = self.unit, self.grads
+        return unit is not None and grads.reduce_unused and grads.reduce_grads and unit.gathered_once
 
     def reset_iteration(self) -> None:
         """This module's part of ``IterationContext.reset_iteration``."""

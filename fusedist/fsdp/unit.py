@@ -67,6 +67,7 @@ class ShardedUnit:
         #: owner units of parameters shared with another unit: (owner, owner index, registrations)
         self.borrowed: list[tuple["ShardedUnit", int, list]] = []
         self.is_unsharded = False
+        self.gathered_once = False  # FSDP2's condition for reducing an unused unit (grads.py)
         self._gather = None  # (handles, input kept alive) of the all-gathers in flight
         self.holder = None  # the gradient holder (holder.py), kept alive by the units using it
         self._gathered_bytes = 0
@@ -141,7 +142,7 @@ class ShardedUnit:
             for i, u in enumerate(self.unsharded):
                 u.requires_grad_(self.sharded[i].requires_grad)  # a freeze after wrapping is seen here
                 self._register(i, u)
-            self.is_unsharded = True
+            self.is_unsharded = self.gathered_once = True
         for owner, index, regs in self.borrowed:
             owner.wait_for_unshard()
             for module, attr in regs:

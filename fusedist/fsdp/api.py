@@ -350,11 +350,11 @@ class FullyShardedModule:
         also on a rank that computed no gradient for it (its part of the sum is zeros), as
         FSDP2's -- for models whose ranks use different parameters (mixture of experts,
         conditional branches); a unit skipped in forward on every rank is reduced too (zeros),
-        once it has run before (FSDP2's condition). fusedist reduce-scatters a unit's whole trainable section in
-        either case, so its collectives pair up regardless (Note [rank-independent
-        reductions] in grads.py); under False (the default) a parameter without a gradient
-        keeps ``.grad`` as it was, and ranks that differ in which parameters got one are
-        reported by the per-step check."""
+        once it has run before (FSDP2's condition). fusedist reduce-scatters a unit's whole
+        trainable section in either case, so its collectives pair up regardless (Note
+        [rank-independent reductions] in grads.py); under False (the default) a parameter
+        without a gradient keeps ``.grad`` as it was, and ranks that differ in which
+        parameters got one are reported by the per-step check."""
         value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for st in self._fs_states(recurse):
             if st.grads is not None:
@@ -394,7 +394,9 @@ class FullyShardedModule:
         gradients are lost -- reductions in flight or waiting their turn, no-sync accumulators,
         unsharded gradients -- while ``.grad`` that reductions finished before the exception
         stay: call ``zero_grad()`` and restart a micro-batch sequence. Call it on the root
-        (FSDP2's rule)."""
+        (FSDP2's rule). This is FSDP2's documented contract; torch 2.13's own reset keeps the
+        unsharded gradients of units whose post-backward had not run (the root's, a no-sync
+        accumulation) and adds them into the next reduction."""
         st = self._fs_state()
         if st.is_root is False:
             raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
@@ -454,8 +456,9 @@ class FullyShardedModule:
         raise NotImplementedError(
             "fusedist.fully_shard does not support set_custom_reduce_scatter: a unit reduces its flat gradient "
             "buffer with its own collective. To reduce in a lower precision use "
-            "MixedPrecisionPolicy(reduce_dtype=...); to post-process each reduce-scatter's output (e.g. an all-reduce across replicas) use "
-            "set_all_reduce_hook; for a custom reduce-scatter, use torch.distributed.fsdp.fully_shard.")
+            "MixedPrecisionPolicy(reduce_dtype=...); to post-process each reduce-scatter's output (e.g. an "
+            "all-reduce across replicas) use set_all_reduce_hook; for a custom reduce-scatter, use "
+            "torch.distributed.fsdp.fully_shard.")
 
     def check_consistency(self) -> None:
         """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the

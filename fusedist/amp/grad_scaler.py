@@ -16,7 +16,7 @@ optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
     a lazy ``unscale_``: the gradients still hold the scaled values and the update multiplies
     by it inline), ``clip_coef`` (set by ``fusedist.clip_grad_norm_``'s fast path; applied
     inline), ``grad_sumsq`` (set by ``unscale_``: the global sum of squares of the unscaled
-    gradients, read by the clip) and ``grad_versions``.
+    gradients, read by the clip), ``grad_versions`` and ``clipped_grads``.
 
 * ``_fusedist_check_and_norm(inv_scale) -> (found_inf, sumsq)``: one read-only pass over
   ``_fusedist_local_grads()`` (the gradients this rank steps); it must return the *global*
@@ -29,6 +29,8 @@ optimizers and ZeroRedundancyOptimizer do). Such an optimizer provides:
 * ``_fusedist_grad_params()``: the parameters whose gradients the global norm covers (what
   ``clip_grad_norm_`` compares its argument with to take the fast path; for ZeRO, every model
   parameter).
+* ``_fusedist_has_grads()``: whether there is any gradient to check (without one ``step``
+  raises as torch's does, Note [no inf checks recorded]).
 * ``_fusedist_materialize_unscale()``: multiply the gradients by a pending
   ``step_context.inv_scale`` in place and clear it (slow path for callers needing real values).
 
@@ -221,6 +223,10 @@ class GradScaler(_TorchGradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        if not optimizer._fusedist_has_grads():  # Note [no inf checks recorded]
+            optimizer_state["found_inf_per_device"] = {}
+            optimizer_state["stage"] = OptState.UNSCALED
+            return
         # Reciprocal in fp64, as torch does.
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
         ctx = optimizer.step_context
@@ -251,6 +257,10 @@ class GradScaler(_TorchGradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer.step_context.inv_scale is not None:  # lazy: Note [gradients changed after unscale_]
             optimizer._fusedist_check_grads_since_unscale()
+        if optimizer_state["stage"] is OptState.READY and not optimizer._fusedist_has_grads():
+            optimizer_state["stage"] = OptState.UNSCALED  # as torch's step, which unscale_s first
+        if optimizer_state["stage"] is OptState.UNSCALED and not optimizer_state["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")  # Note [no inf checks recorded]
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)
             found_inf, _ = _combine_over_shards(optimizer, found_inf)  # [sharded gradients]
@@ -307,6 +317,16 @@ class GradScaler(_TorchGradScaler):
         else:
             self._update_with_hysteresis(_scale, _growth_tracker, self.last_step_skipped_tensor)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # Note [no inf checks recorded]
+    # torch's scaler checks the gradients of each device for inf/nan and refuses to step an
+    # optimizer that had none to check (AssertionError "No inf checks were recorded for this
+    # optimizer.", and at update() "... prior to update." when no optimizer had any): stepping
+    # on would hide a backward that never reached the optimizer's parameters. With a fused
+    # optimizer "had none" is asked of the protocol (``_fusedist_has_grads``), not of ``p.grad``:
+    # ZeroRedundancyOptimizer stage 2 leaves ``p.grad`` None and checks its gradient shards, and
+    # a rank may hold no shard while another does. unscale_ then records no check, as torch's
+    # does, so step() and update() raise as torch's do.
 
     # Note [an iteration without a step]
     # A program may unscale_ and clip, then skip step() (e.g. for a non-finite norm) and call

@@ -66,6 +66,12 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     def _fusedist_grad_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
+    def _fusedist_has_grads(self) -> bool:
+        # (Stops at the first gradient, where listing them all costs a pass over the parameters.)
+        if type(self)._fusedist_grad_params is not FusedOptimizerBase._fusedist_grad_params:
+            return super()._fusedist_has_grads()  # a sharded subclass says which gradients count
+        return any(p.grad is not None for g in self.param_groups for p in g["params"])
+
     def _fusedist_local_grads(self) -> list[torch.Tensor]:
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
 
@@ -117,6 +123,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             inv_scale = self._effective_inv_scale()
             clip_coef = self.step_context.clip_coef
             found_inf = self.found_inf

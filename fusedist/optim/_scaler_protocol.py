@@ -10,6 +10,7 @@ What the scaler and clip decided for the next step lives in one :class:`StepCont
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -60,6 +61,69 @@ class ScalerProtocol:
             )
         return written
 
+    # Note [gradients changed after the clip]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # fusedist's clip records a coefficient that the step applies, instead of scaling p.grad.
+    # torch's clip scales the values p.grad holds *then*, so a gradient written between the
+    # clip and the step must not receive the coefficient. The clip therefore records each
+    # gradient (a weak reference and its version counter), and before the coefficient is used
+    # the gradients are compared with what was recorded:
+    # * all unchanged: the coefficient stays deferred (the fast path);
+    # * some replaced (``p.grad = new``, ``zero_grad`` and a new backward) or dropped, or new
+    #   ones appeared: the coefficient is applied now to the unchanged ones only, as torch's
+    #   clip did to them, and the step runs without it -- the same result as torch;
+    # * one written in place (``p.grad.add_(noise)``, a second backward accumulating,
+    #   torch's clip): the values before the write are gone, so no factor gives torch's result
+    #   (``coef * old + written``); this raises before anything changes rather than stepping
+    #   differently from torch.
+    def _fusedist_record_clipped_grads(self) -> None:
+        """Called by fusedist's clip after it recorded a coefficient for the step."""
+        self.step_context.clipped_grads = [
+            (p, weakref.ref(p.grad), p.grad._version) for p in self._fusedist_grad_params()]
+
+    def _fusedist_settle_clip(self) -> None:
+        """Before a recorded clip coefficient is used: keep it when the gradients it covers are
+        unchanged, else apply it now to the unchanged ones (Note [gradients changed after the
+        clip])."""
+        ctx = self.step_context
+        recorded = ctx.clipped_grads
+        if recorded is None or ctx.clip_coef is None:
+            return
+        unchanged, replaced = [], False
+        for p, ref, version in recorded:
+            g = p.grad
+            if g is None or ref() is not g:
+                replaced = True
+            elif g._version != version:
+                raise RuntimeError(self._written_after_clip_message(p))
+            else:
+                unchanged.append(g)
+        if not replaced and len(unchanged) == len(self._fusedist_grad_params()):
+            return
+        if ctx.inv_scale is not None:
+            self._fusedist_check_grads_since_unscale()  # raises: these gradients were still scaled
+        if unchanged:
+            torch._foreach_mul_(unchanged, ctx.clip_coef.reshape(()).to(unchanged[0].device))
+        ctx.clip_coef = ctx.clipped_grads = None
+
+    def _written_after_clip_message(self, p) -> str:
+        where = next((f"param {pi} of param group {gi}" for gi, group in enumerate(getattr(self, "param_groups", []))
+                      for pi, q in enumerate(group["params"]) if q is p), f"a parameter of shape {tuple(p.shape)}")
+        return (
+            f"fusedist: the gradient of {where} was written in place after fusedist.clip_grad_norm_ "
+            f"recorded its clip coefficient for {type(self).__name__}'s step (that clip scales the "
+            "gradients inside the step, not in p.grad). torch's clip would have scaled only the values "
+            "before the write, which are gone, so stepping could not match it. Clip after the last write "
+            "to the gradients (after the last backward), or clip with torch.nn.utils.clip_grad_norm_, "
+            "which scales p.grad at once. Assigning a new tensor to p.grad after the clip is fine."
+        )
+
+    def _fusedist_has_grads(self) -> bool:
+        """Whether this optimizer has gradients to check for inf/nan on any rank: without any,
+        GradScaler.step raises as torch's does ("No inf checks were recorded ..."). In terms
+        of the protocol, not of ``p.grad``: a sharded optimizer's gradients may be shards."""
+        return bool(self._fusedist_grad_params())
+
     def _fusedist_grad_params(self) -> list:
         """Parameters whose gradients the *global* norm covers (what clip_grad_norm_ compares
         its argument with)."""
@@ -102,6 +166,7 @@ class ScalerProtocol:
         type, after fusedist's clip recorded its coefficient): the recorded norm is dropped
         either way. Afterwards the optimizer behaves as after torch's ``unscale_`` (and clip)."""
         ctx = self.step_context
+        self._fusedist_settle_clip()  # Note [gradients changed after the clip]
         ctx.grad_sumsq = None
         factor = _effective_factor(ctx.inv_scale, ctx.clip_coef)  # what the step would apply
         if factor is None:
@@ -109,7 +174,7 @@ class ScalerProtocol:
         grads = self._fusedist_unscale_targets()
         if grads:
             torch._foreach_mul_(grads, factor.reshape(()))
-        ctx.inv_scale = ctx.clip_coef = None
+        ctx.inv_scale = ctx.clip_coef = ctx.clipped_grads = None
 
     def _effective_inv_scale(self) -> Optional[torch.Tensor]:
         return self.step_context.effective_inv_scale(self.grad_scale)

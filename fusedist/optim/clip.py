@@ -28,7 +28,9 @@ def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) ->
     # fp32, whichever comes first), so the promoted dtype, not the first gradient's.
     ctx = opt.step_context
     dtype = functools.reduce(torch.promote_types, {g.dtype for g in grads})
-    return ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
+    total_norm = ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
+    opt._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
+    return total_norm
 
 
 def clip_grad_norm_(
@@ -43,8 +45,11 @@ def clip_grad_norm_(
 
     With a fused optimizer whose gradients were just ``GradScaler.unscale_``-d, and
     ``parameters`` equal to that optimizer's parameters with gradients, the gradients are not
-    read or written: the clip is applied by the optimizer's update (``.grad`` keeps the scaled
-    values until then). The returned norm and the final parameters match torch's.
+    read or written: the clip is applied by the optimizer's update (``.grad`` keeps its
+    unclipped values until then, scaled ones with ``lazy_unscale``). The returned norm and the
+    final parameters match torch's, also when gradients are replaced before the step; a
+    gradient written in place between this clip and the step makes the step raise (Note
+    [gradients changed after the clip] in _scaler_protocol.py).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

@@ -25,6 +25,9 @@ class FusedSGD(FusedOptimizerBase):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights)
         super().__init__(params, defaults)
+        # Note [momentum switched on later]: ids of the param groups that may hold states
+        # without a momentum buffer.
+        self._groups_without_buffers: set[int] = set()
 
     def _validate_group(self, group, index):
         name = f"FusedSGD (param group {index})"
@@ -44,17 +47,23 @@ class FusedSGD(FusedOptimizerBase):
             # A state from torch's SGD (no step count): its buffer has seen at least one step.
             state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
         super()._init_state(group, p, state)
-        if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+        if state.get("momentum_buffer") is not None:
+            return
+        if group["momentum"] != 0:
             _add_momentum_buffer(p, state, step=0.0)  # the step about to be counted is its first
+        else:
+            self._groups_without_buffers.add(id(group))
 
+    # Note [momentum switched on later]
+    # A group stepped with momentum 0 makes states without a momentum buffer; when a schedule
+    # switches momentum on, each such state needs one, started from that step's gradient as
+    # torch's SGD does. Looking for them costs a pass over the states, so it runs only for a
+    # group recorded as possibly lacking buffers (by _init_state, the one place states are
+    # made: also after load_state_dict, which re-creates them all), until none lacks one.
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         momentum = group["momentum"]
-        if momentum != 0:
-            for p, s in zip(params, states):
-                if s.get("momentum_buffer") is None:
-                    # Stepped so far without momentum (a schedule switched it on): this step,
-                    # counted already, is the buffer's first.
-                    _add_momentum_buffer(p, s, step=1.0)
+        if momentum != 0 and id(group) in self._groups_without_buffers:
+            self._add_missing_buffers(group, params, states)
         functional.sgd_update(
             params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
             masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
@@ -63,6 +72,39 @@ class FusedSGD(FusedOptimizerBase):
             validate=False,
         )
 
+    def _add_missing_buffers(self, group: dict, params: list, states: list) -> None:
+        for p, s in zip(params, states):
+            if s.get("momentum_buffer") is None:
+                # Stepped so far without momentum: this step, counted already, is the buffer's first.
+                _add_momentum_buffer(p, s, step=1.0)
+        # Parameters without a gradient this step may still lack one: keep looking until none does.
+        if all(st.get("momentum_buffer") is not None for q in group["params"] if (st := self.state.get(q))):
+            self._groups_without_buffers.discard(id(group))
+
+    def state_dict(self) -> dict:
+        """Like torch's, but a momentum buffer no step has filled yet (every step so far was
+        skipped for inf/nan gradients) is left out, with its step count: torch's SGD has no
+        buffer then, and would take a zero one as a buffer to decay, which with dampening
+        starts it from ``(1 - dampening) * grad`` instead of ``grad``. (Reads the step counts:
+        one host synchronization per device.)"""
+        state_dict = super().state_dict()
+        unfilled = _unfilled_buffers(state_dict["state"])
+        if not unfilled:
+            return state_dict
+        state = dict(state_dict["state"])
+        for key in unfilled:
+            rest = {k: v for k, v in state[key].items() if k not in ("momentum_buffer", "step")}
+            if rest:
+                state[key] = rest
+            else:
+                del state[key]  # nothing else stepped: no state at all, as with torch
+        return {**state_dict, "state": state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # The groups are new dicts and every state is re-created by _init_state at its next step.
+        self._groups_without_buffers = set()
+
 
 def _add_momentum_buffer(p, state: dict, step: float) -> None:
     """A zero momentum buffer, and the step count set so that the kernel sees 1 when it next
@@ -70,3 +112,17 @@ def _add_momentum_buffer(p, state: dict, step: float) -> None:
     buffer. ``step``: 0 before the step that will use it is counted, 1 after."""
     state["momentum_buffer"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
     state["step"].fill_(step)
+
+
+def _unfilled_buffers(state: dict) -> list:
+    """Keys of the states whose momentum buffer exists and whose step count is 0."""
+    counted = [(key, st["step"]) for key, st in state.items()
+               if isinstance(st.get("momentum_buffer"), torch.Tensor) and isinstance(st.get("step"), torch.Tensor)]
+    by_device: dict = {}
+    for key, step in counted:
+        by_device.setdefault(step.device, []).append((key, step))
+    unfilled = []
+    for entries in by_device.values():
+        zero = (torch.stack([step.reshape(()) for _, step in entries]) == 0).tolist()
+        unfilled.extend(key for (key, _), z in zip(entries, zero) if z)
+    return unfilled

@@ -37,15 +37,23 @@ class StepContext:
     * ``grad_versions``: the gradients' (address, version counter) pairs when ``unscale_``
       measured them (Note [gradients changed after unscale_] in
       fusedist/optim/_scaler_protocol.py).
+    * ``clipped_grads``: ``(parameter, weak reference to its gradient, version counter)`` for
+      each gradient the recorded ``clip_coef`` covers, taken when fusedist's clip recorded it
+      (Note [gradients changed after the clip] in fusedist/optim/_scaler_protocol.py). Not
+      copied by ``dataclasses.replace``: it describes the gradients of the optimizer the clip
+      measured, and a sharded optimizer hands a copy of its context to an inner optimizer
+      that steps other tensors.
     """
 
     inv_scale: Optional[torch.Tensor] = None
     clip_coef: Optional[torch.Tensor] = None
     grad_sumsq: Optional[torch.Tensor] = None
     grad_versions: Optional[list] = None
+    clipped_grads: Optional[list] = dataclasses.field(default=None, init=False)
 
     def clear(self) -> None:
         self.inv_scale = self.clip_coef = self.grad_sumsq = self.grad_versions = None
+        self.clipped_grads = None
 
     def effective_inv_scale(self, grad_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The factor that unscales the gradients in the update: ``1 / grad_scale`` when the

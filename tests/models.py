@@ -125,3 +125,28 @@ def error_text(fn, exc_type=Exception):
     except exc_type as exc:
         return str(exc)
     return None
+
+
+def fp16_sum_overflow_case(rank: int, limit: float):
+    """A small model and rank ``rank``'s input, scaled so that every rank's largest gradient is
+    ``limit`` and the ranks' gradients are nearly equal: their fp16 sum overflows where their
+    average fits (a collective). Returns ``(model, x, scale, local, total)``: the unscaled
+    model, the input, the loss scale, this rank's scaled gradients and their sum over ranks
+    (fp32, flat, in ``parameters()`` order)."""
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    x = x + 0.01 * torch.randn(6, 8, generator=torch.Generator().manual_seed(1 + rank))
+    plain = copy.deepcopy(base)
+    plain(x).sum().backward()
+    local = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+    biggest = local.abs().max().clone()
+    dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+    scale = limit / biggest.item()
+    total = local * scale
+    dist.all_reduce(total)
+    return base, x, scale, local * scale, total

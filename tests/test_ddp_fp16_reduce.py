@@ -18,9 +18,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 LIMIT = 40000.0
@@ -39,19 +39,7 @@ def _worker(rank, ws):
     import fusedist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
-    x = x + 0.01 * torch.randn(6, 8, generator=torch.Generator().manual_seed(1 + rank))
-
-    plain = copy.deepcopy(base)
-    plain(x).sum().backward()
-    local = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
-    biggest = local.abs().max().clone()
-    dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
-    scale = LIMIT / biggest.item()
-    total = local * scale
-    dist.all_reduce(total)
+    base, x, scale, _, total = models.fp16_sum_overflow_case(rank, LIMIT)
     exact = total / ws
 
     out = {"sum exceeds fp16": total.abs().max().item()}

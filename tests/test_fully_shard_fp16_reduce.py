@@ -15,9 +15,8 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 LIMIT = 40000.0
@@ -48,26 +47,13 @@ def _worker(rank, ws):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
-    x = x + 0.01 * torch.randn(6, 8, generator=torch.Generator().manual_seed(1 + rank))
-
-    plain = copy.deepcopy(base)
-    plain(x).sum().backward()
-    names = [n for n, _ in plain.named_parameters()]
-    local = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
-    biggest = local.abs().max().clone()
-    dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
-    scale = LIMIT / biggest.item()
-    total = local * scale
-    dist.all_reduce(total)
+    base, x, scale, local, total = models.fp16_sum_overflow_case(rank, LIMIT)
     exact, pos = {}, 0
-    for n, p in zip(names, plain.parameters()):
+    for n, p in base.named_parameters():
         exact[n] = (total[pos:pos + p.numel()] / ws).view(p.shape)
         pos += p.numel()
 
-    out = {"sum exceeds fp16": total.abs().max().item(), "largest rank gradient": (local * scale).abs().max().item()}
+    out = {"sum exceeds fp16": total.abs().max().item(), "largest rank gradient": local.abs().max().item()}
     for who in ("fusedist", "torch"):
         model = copy.deepcopy(base)
         if who == "fusedist":

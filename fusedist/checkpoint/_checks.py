@@ -1,7 +1,8 @@
 """What ``save`` and ``load`` verify before anything is written or changed: that the ranks
 agree (the same directory, the same kinds of objects, rank files rank 0 can see, one
 checkpoint read by all), and that a checkpoint fits the objects it is loaded into (the
-optimizer's algorithm, a scaler's state, what a fused or ZeRO optimizer would refuse).
+optimizer's algorithm, a scaler's state, what a fused optimizer would refuse; a
+ZeroRedundancyOptimizer checks what it would refuse in its own ``prepare_load``).
 Each check raises on every rank alike, or returns the text rank 0 exchanges, so that no
 rank is left waiting in a collective while another raises alone."""
 
@@ -10,10 +11,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import torch
-
 from ..zero import ZeroRedundancyOptimizer
-from ..zero import state as zstate
+from ..zero.sharded_state import algorithm_difference, class_algorithm
 from . import _files
 from ._files import CheckpointError
 
@@ -133,46 +132,14 @@ def check_loadable(optimizer, full: dict, directory: str) -> None:
                               f"{type(optimizer).__name__}: {exc}") from exc
 
 
-def check_zero_groups(optimizer, prepared: tuple, directory: str) -> tuple:
-    """``prepared`` (what ZeroRedundancyOptimizer.prepare_load returned) once the
-    hyperparameters it gives each group pass what the inner optimizer checks at construction
-    (tried on a probe, as ZeRO's own construction does) and, with offload, what the host Adam
-    runs. ZeRO installs them before it builds or reloads its inner optimizer, so a refusal
-    there (torch's tensor learning rate into FusedAdamW, amsgrad under offload) came with the
-    model loaded and the groups changed, or at every later step."""
-    from ..zero.offload import check_offload_group
-
-    for gi, (group, hyper) in enumerate(zip(optimizer.param_groups, prepared[1])):
-        merged = {**zstate.hyperparameters(group), **hyper}
-        try:
-            optimizer.optimizer_class([{**merged, "params": [torch.zeros(1, requires_grad=True)]}],
-                                      **optimizer._inner_defaults)
-            if optimizer.offload:
-                check_offload_group(merged, gi)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
-                                  f"{_class_name(optimizer)} (param group {gi}): {exc}") from exc
-    return prepared
-
-
 def optimizer_algorithm(optimizer) -> str:
-    """The algorithm an optimizer runs, whichever implementation runs it: torch's and
-    fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``
-    and ``FusedAdamW``), a ZeroRedundancyOptimizer has its inner optimizer's, and a subclass
-    defined elsewhere has the nearest torch or fusedist optimizer's among its bases."""
-    from ..optim._base import FusedOptimizerBase
-
-    cls = optimizer.optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
-    for base in cls.__mro__:
-        if base in (torch.optim.Optimizer, FusedOptimizerBase, ZeroRedundancyOptimizer):
-            break
-        if base.__module__.startswith(("torch.optim.", "fusedist.optim.")):
-            return _unfused(base.__name__)
-    return _unfused(cls.__name__)
+    """The algorithm an optimizer runs, whichever implementation runs it (``class_algorithm``
+    in ``zero/sharded_state.py``); a ZeroRedundancyOptimizer has its inner optimizer's."""
+    return class_algorithm(_optimizer_class(optimizer))
 
 
-def _unfused(name: str) -> str:
-    return name[len("Fused"):] if name.startswith("Fused") and len(name) > len("Fused") else name
+def _optimizer_class(optimizer) -> type:
+    return optimizer.optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
 
 
 def _class_name(optimizer) -> str:
@@ -187,16 +154,10 @@ def check_algorithm(meta: dict, optimizer, directory: str) -> None:
     saved algorithm's settings (AdamW turned into Adam by the saved group's
     ``decoupled_weight_decay``) or fails at its next step. Checkpoints written before the
     algorithm was recorded are checked only when their class is one of torch's or fusedist's."""
-    from .. import optim as fused
-
-    algorithm = optimizer_algorithm(optimizer)
-    saved = meta.get("algorithm") or _unfused(meta["class"])
-    if saved == algorithm:
+    difference = algorithm_difference(meta["class"], meta.get("algorithm"), _optimizer_class(optimizer))
+    if difference is None:
         return
-    if "algorithm" not in meta and not (hasattr(torch.optim, saved) or hasattr(fused, "Fused" + saved)):
-        return  # a class of its own, saved before algorithms were recorded: nothing to compare with
     raise CheckpointError(
-        f"fusedist.checkpoint: {directory} holds the state of {meta['class']} ({saved}), the optimizer here is "
-        f"{_class_name(optimizer)} ({algorithm}): its state and hyperparameters would be read as another algorithm's. "
+        f"fusedist.checkpoint: {directory} cannot be loaded into {_class_name(optimizer)}: {difference}. "
         "Load the model alone (optimizer=None) to start a new optimizer from it"
     )

@@ -16,6 +16,21 @@ Note [checkpoint atomicity]
     atomic rename -- the moment the new checkpoint becomes the one the directory holds. Only
     after that are the old files removed (:func:`remove_unlisted`), as are the new ones when
     the save failed.
+
+Note [abandoned temporaries]
+    A writer killed between creating its temporary and renaming it (SIGKILL, the OOM killer,
+    a lost node) leaves ``.<name>.tmp-<pid>`` behind: ``atomic_write`` removes its temporary
+    only when it unwinds. No manifest lists one and a load reads only listed files, so they
+    are harmless but for their size -- a whole rank file per kill. They are removed by rank 0
+    once a later save into the same directory is complete (:func:`remove_stale_temporaries`),
+    and only what it can tell is abandoned: a temporary of a checkpoint file or manifest
+    (``_TEMPORARY``; a user's own files are never touched) last modified before that save
+    started. Every rank of the completed save has renamed or removed its own temporaries by
+    then, and a directory takes one save at a time (as removing unlisted files assumes), so
+    an older temporary has no writer; one touched since the save started is left alone (a
+    second writer there would be a mistake, but not one to lose data for). On a network
+    filesystem the file times come from the server: a clock ahead of rank 0's keeps a stale
+    temporary until a later save, one behind only matters for that second writer.
 """
 
 from __future__ import annotations
@@ -38,6 +53,8 @@ BASE_VERSION = 1
 _CHUNK = 1 << 20
 # The files a save writes: rank-00000.pt / common.pt, or with a save id before ".pt".
 _SAVED_FILE = re.compile(r"^(rank-\d{5}|common)(\.[0-9a-f]{12})?\.pt$")
+# What atomic_write writes first: "." + the final name + ".tmp-" + the writer's process id.
+_TEMPORARY = re.compile(r"^\.(.+)\.tmp-\d+$")
 
 
 class CheckpointError(RuntimeError):
@@ -118,6 +135,28 @@ def remove_unlisted(directory: str) -> list:
                 removed.append(name)
             except OSError:
                 pass
+    if removed:
+        _fsync_dir(directory)
+    return removed
+
+
+def remove_stale_temporaries(directory: str, started: float) -> list:
+    """Remove the temporaries of checkpoint files and manifests that writers killed mid-write
+    left in ``directory`` (Note [abandoned temporaries]): those last modified before
+    ``started`` (``time.time()`` when the save that just completed began). Returns the names
+    removed."""
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        match = _TEMPORARY.match(name)
+        if match is None or not (_SAVED_FILE.match(match.group(1)) or match.group(1) == MANIFEST):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.path.isfile(path) and os.path.getmtime(path) < started:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove: the next save tries again
     if removed:
         _fsync_dir(directory)
     return removed

@@ -18,9 +18,10 @@ The directory must be visible to every rank (a shared filesystem): ranks write t
 files into it, and at load every rank reads every optimizer shard file (resharding needs the
 slices of all of them; CPU memory for the load is about the full optimizer state).
 
-Model keys are saved without DDP's ``module.`` prefix (the bare module's ``state_dict()``);
-``load`` accepts a bare module or a (fusedist or torch) DDP wrapper, and checkpoints whose
-keys carry the prefix.
+Model keys and parameter names are saved without the segments wrappers insert: DDP's
+``module.`` and ``torch.compile``'s ``_orig_mod.`` (Note [canonical names] in ``_names.py``),
+so a model saved compiled loads uncompiled and the reverse; ``load`` accepts a bare, compiled
+or (fusedist or torch) DDP-wrapped module, and checkpoints whose keys carry either prefix.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, stage3
+from . import _checks, _files, _names, stage3
 from ._files import CheckpointError
 
 COMMON = "common.pt"
@@ -51,18 +52,18 @@ def rank_file(rank: int) -> str:
 
 # ---------------------------------------------------------------------------- helpers
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare module inside a fusedist or torch DDP wrapper."""
-    from ..ddp import DistributedDataParallel
-
-    if isinstance(model, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
-        return model.module
-    return model
+    """The bare module inside fusedist or torch DDP wrappers and ``torch.compile``."""
+    return _names.unwrap(model)
 
 
 def _strip_prefix(state: dict, expected) -> dict:
-    """``state`` without DDP's ``module.`` prefix when every key has it -- unless the keys
-    are the model's own as they are: a model whose only child is called ``module`` saved
-    keys that all start with it, and stripping them made its own checkpoint unloadable."""
+    """``state`` with canonical keys (Note [canonical names]): without ``_orig_mod`` segments
+    in keys the model does not know as they are (checkpoints of compiled models written before
+    names were canonical), and without DDP's ``module.`` prefix when every key has it --
+    unless the keys are the model's own as they are: a model whose only child is called
+    ``module`` saved keys that all start with it, and stripping them made its own checkpoint
+    unloadable."""
+    state = type(state)((k if k in expected else _names.legacy_key(k), v) for k, v in state.items())
     keys = list(state)
     if keys and all(k.startswith("module.") for k in keys) and not all(k in expected for k in keys):
         return type(state)((k[len("module."):], v) for k, v in state.items())
@@ -102,8 +103,9 @@ class _World:
 
 
 def _param_names(model: torch.nn.Module, params) -> list[str]:
+    """Canonical names (Note [canonical names]) of ``params`` in ``model``."""
     module = _unwrap(model)
-    names = {p: n for n, p in module.named_parameters()}
+    names = {p: _names.canonical_key(module, n) for n, p in module.named_parameters()}
     for unit in stage3.units(module):  # a unit gathered now: its modules hold the unsharded parameters
         for sp, u in zip(unit.sharded, unit.unsharded):
             if u in names:
@@ -123,7 +125,8 @@ def _check_ranks_agree(model: torch.nn.Module, optimizer) -> None:
     next training forward -- after the checkpoint of a diverged run was written."""
     from ..ddp import DistributedDataParallel
 
-    ddp = model if isinstance(model, DistributedDataParallel) else getattr(optimizer, "ddp", None)
+    ddp = next((m for m in _names.layers(model) if isinstance(m, DistributedDataParallel)),
+               getattr(optimizer, "ddp", None))
     if isinstance(ddp, DistributedDataParallel):
         ddp.check_consistency()
     elif hasattr(model, "check_consistency") and stage3.units(model):
@@ -153,6 +156,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     directories, or one that not every rank sees, fail the save instead of leaving a
     checkpoint that cannot be loaded.
     """
+    started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
@@ -203,7 +207,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
                           lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys),
                           lambda: manifest_base(model, optimizer, scaler, world.size))
     failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
-    _finish_save(world, directory, calls)
+    _finish_save(world, directory, calls, None if failed else started)
     if failed:
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
 
@@ -245,15 +249,19 @@ def _write(directory: str, name: str, save_id: str, sections: dict, rank: int) -
     return entry
 
 
-def _finish_save(world: "_World", directory: str, calls: list) -> None:
+def _finish_save(world: "_World", directory: str, calls: list, completed_since: Optional[float] = None) -> None:
     """Once no rank writes any more: rank 0 removes the files the manifest now in the
     directory does not list (the replaced checkpoint's, or a failed save's own), and so does
-    a rank that was given another directory than rank 0 (a save refused for that)."""
+    a rank that was given another directory than rank 0 (a save refused for that). After a
+    complete save that started at ``completed_since``, rank 0 also removes the temporaries
+    of earlier saves killed mid-write (Note [abandoned temporaries])."""
     if world.rank == 0 or (calls[world.rank]["directory"] != calls[0]["directory"] and os.path.isdir(directory)):
         # After the last exchange: an error raised here ended a complete save with an error on
         # this rank alone while the others went on. The leftover files only take space.
         try:
             _files.remove_unlisted(directory)
+            if completed_since is not None and world.rank == 0:
+                _files.remove_stale_temporaries(directory, completed_since)
         except OSError as exc:
             warnings.warn(f"fusedist.checkpoint.save (rank {world.rank}): could not remove the files of the replaced "
                           f"or failed save from {directory}: {type(exc).__name__}: {exc}", stacklevel=3)
@@ -329,7 +337,8 @@ def common_model(model, sharded_keys: set) -> dict:
     """The model state rank 0 writes to ``common.pt`` (all of it, less what the rank files hold)."""
     if sharded_keys or stage3.units(_unwrap(model)):
         return stage3.common_model(_unwrap(model), sharded_keys)
-    return to_cpu(_unwrap(model).state_dict())
+    module = _unwrap(model)
+    return to_cpu(_names.canonical_state(module, module.state_dict()))
 
 
 def full_optimizer_state(model, optimizer) -> Optional[dict]:
@@ -413,7 +422,8 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
     # Model: the saved keys and shapes must be exactly the module's (whole parameters).
     target = _unwrap(model)
     sharded_target = bool(stage3.units(target))
-    expected = stage3.full_shapes(target) if sharded_target else {k: v.shape for k, v in target.state_dict().items()}
+    expected = (stage3.full_shapes(target) if sharded_target
+                else {k: v.shape for k, v in _names.canonical_state(target, target.state_dict()).items()})
     saved = _strip_prefix(common["model"], expected)
     if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
         saved = dict(saved)
@@ -460,10 +470,11 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     target = _unwrap(model)
     sharded_target = bool(stage3.units(target))
     where = stage3.piece_index(target) if sharded_target else {}
-    if meta["param_names"] != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
-        first = next((i for i, (a, b) in enumerate(zip(meta["param_names"], names)) if a != b), None)
-        detail = (f"parameter {first} is '{meta['param_names'][first]}' in the checkpoint, '{names[first]}' here"
-                  if first is not None else f"{len(meta['param_names'])} parameters saved, {len(names)} here "
+    saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
+    if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
+        first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
+        detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
+                  if first is not None else f"{len(saved_names)} parameters saved, {len(names)} here "
                   "(or shapes differ)")
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
     _checks.check_algorithm(meta, optimizer, directory)
@@ -476,7 +487,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
                 f"{manifest['world_size']}"
             )
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            return _checks.check_zero_groups(optimizer, optimizer.prepare_load(shards, source=source), directory)
+            return optimizer.prepare_load(shards, source=source)
         if sharded_target:
             if not any(s.get("replicated") for s in shards):
                 stage3.check_shard_set(shards, "optimizer", source)
@@ -491,7 +502,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         return full
     full = common["optimizer"]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return _checks.check_zero_groups(optimizer, optimizer.prepare_load(full, source=source), directory)
+        return optimizer.prepare_load(full, source=source)
     if sharded_target:
         wholes = [stage3._whole(p, where) for p in params]
         return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
@@ -506,13 +517,16 @@ def _apply(plan: dict, model, optimizer, scaler):
     weights default to the just-loaded parameters), then the scaler."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()  # no parameter all-gather may land after the load
+    target = _unwrap(model)
+    own = _names.own_keys(target, target.state_dict(keep_vars=True))
+    state = type(plan["model"])((own[k], v) for k, v in plan["model"].items())
     with torch.no_grad():
         if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
             from ..fsdp.state_dict import load_full_state_dict
 
-            load_full_state_dict(_unwrap(model), plan["model"])
+            load_full_state_dict(target, state)
         else:
-            _unwrap(model).load_state_dict(plan["model"])
+            target.load_state_dict(state)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.sync_master_from_params()
         if "optimizer" in plan:

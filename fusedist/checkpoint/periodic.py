@@ -19,15 +19,17 @@ same world size only), the step, and a user ``extra`` dict. It is an ordinary
 :func:`~fusedist.checkpoint.load` reads it too, at any world size.
 
 Note [asynchronous save]
-    The training thread pays for a snapshot only: a consistency check of the ranks, then a
-    copy of every tensor into reused host buffers (``staging.py``). Serialization, checksums,
-    fsyncs, the manifest and retention run on a background thread (``_writer.py``) that talks
-    to the other ranks over a process group of its own. One save is in flight at a time: the
-    next save (and ``close()``, and interpreter exit) first waits for it, so the staging
-    buffers are never overwritten while being written, and its error, if any, is raised in
-    the training thread there, on every rank. The checkpoint becomes visible (its manifest
-    written) only once every rank's files are complete; a process killed before that leaves
-    a directory without a manifest, which ``restore`` skips with a warning.
+    The training thread pays for a snapshot only: a consistency check of the ranks, a copy
+    of every tensor into reused host buffers (``staging.py``), and one small exchange saying
+    whether every rank's copy succeeded (a failure is raised there on every rank, before any
+    background work starts). Serialization, checksums, fsyncs, the manifest and retention run
+    on a background thread (``_writer.py``) that talks to the other ranks over a process
+    group of its own. One save is in flight at a time: the next save (and ``close()``, and
+    interpreter exit) first waits for it, so the staging buffers are never overwritten while
+    being written, and its error, if any, is raised in the training thread there, on every
+    rank. The checkpoint becomes visible (its manifest written) only once every rank's files
+    are complete; a process killed before that leaves a directory without a manifest, which
+    ``restore`` skips with a warning.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ class Checkpointer:
         t1 = time.perf_counter()
         state = self._state
         api._check_ranks_agree(state["model"], state["optimizer"])
-        snapshot = self._snapshot(step, extra)
+        snapshot = self._agreed_snapshot(step, extra)
         t2 = time.perf_counter()
         record = {"step": step, "wait_s": t1 - t0, "stall_s": t2 - t0, "bytes": self._staging.bytes,
                   "async": self.async_save}
@@ -253,6 +255,24 @@ class Checkpointer:
             self.close()
         except Exception as err:  # noqa: BLE001
             warnings.warn(str(err), stacklevel=2)
+
+    def _agreed_snapshot(self, step: int, extra: Optional[dict]) -> dict:
+        """:meth:`_snapshot` on every rank, or an error on every rank naming the ranks whose
+        snapshot failed and why. A snapshot failing on one rank alone (a state that cannot be
+        copied, a host allocation refused) left the other ranks' save waiting for that rank's
+        files until the collective timeout. One small exchange per save, in the training
+        thread: the coordinator's group is free here (the previous save was waited for)."""
+        snapshot, error, cause = None, None, None
+        try:
+            snapshot = self._snapshot(step, extra)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+            error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
+        failed = [e for e in self._coord.all_gather(error, f"step {step}: snapshot taken") if e is not None]
+        if not failed:
+            return snapshot
+        message = (f"fusedist.checkpoint.Checkpointer: the snapshot of step {step} failed on "
+                   f"{'; '.join(failed)}. Nothing was written for step {step}; earlier checkpoints are unaffected")
+        raise CheckpointError(message) from cause
 
     def _snapshot(self, step: int, extra: Optional[dict]) -> dict:
         """Copies of everything the checkpoint holds (the only part the training loop waits for)."""

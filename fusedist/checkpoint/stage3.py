@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 
 from ..zero import state as zstate
+from ..zero.sharded_state import class_algorithm
+from . import _names
 
 MODEL_FORMAT = "fusedist.fsdp.model/1"
 
@@ -94,7 +96,7 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
             continue
         unit, i = hit
         k = len(keys)
-        keys.append(key)
+        keys.append(_names.canonical_key(model, key))
         meta.append(_meta(unit.sharded[i], where))
         lo, hi = unit.element_range(i)
         if hi > lo:  # the piece, not the unsharded buffer (stale after a step) nor its storage
@@ -106,8 +108,10 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
 
 
 def common_model(model: torch.nn.Module, sharded_keys: set) -> dict:
-    """The state dict entries every rank holds whole (buffers, ignored parameters)."""
-    return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in sharded_keys}
+    """The state dict entries every rank holds whole (buffers, ignored parameters), by
+    canonical name (Note [canonical names])."""
+    state = _names.canonical_state(model, model.state_dict())
+    return {k: v.detach().cpu() for k, v in state.items() if k not in sharded_keys}
 
 
 @torch.no_grad()
@@ -143,6 +147,7 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
         "world_size": world_size,
         "rank": rank,
         "optimizer_class": type(optimizer).__name__,
+        "algorithm": class_algorithm(type(optimizer)),
         "param_groups": [dict(g) for g in full["param_groups"]],
         "param_meta": [_meta(p, where) for p in params],
         "fragments": fragments,
@@ -182,9 +187,9 @@ def assemble_model(shards: list[dict], source: str) -> dict:
 
 
 def full_shapes(model: torch.nn.Module) -> dict:
-    """The model's state-dict keys with the whole parameters' shapes."""
+    """The model's state-dict keys (canonical, Note [canonical names]) with the whole parameters' shapes."""
     where = piece_index(model)
-    return {k: full_shape(v, where) for k, v in model.state_dict(keep_vars=True).items()}
+    return {k: full_shape(v, where) for k, v in _names.canonical_state(model, model.state_dict(keep_vars=True)).items()}
 
 
 def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags: dict, groups: list,

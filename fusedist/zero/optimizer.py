@@ -382,8 +382,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     def load_state_dict(self, state_dict) -> None:
         """Load a list of every rank's ``shard_state_dict()`` (any world size: resharded here), or
         a full torch-format state dict (from ``consolidate_state_dict``, ``state_dict()`` right
-        after it, or an unsharded optimizer). Everything is validated before anything changes;
-        an incomplete set of shards is refused. Master weights it carries (shards always; a full
+        after it, or an unsharded optimizer). Everything is validated before anything changes,
+        what the inner optimizer would refuse included (another algorithm's state, hyperparameters
+        it cannot run: ``StateDictError``, the groups and state untouched); an incomplete set of
+        shards is refused. Master weights it carries (shards always; a full
         state dict as ``master_param`` of half-precision parameters) are written into the
         parameters at once, whole and on every rank (half precision rounded), so the model
         matches the loaded optimizer state before the next step."""

@@ -20,6 +20,7 @@ from .._tensor_tree import to_cpu
 from ..comm.objects import gather_object
 from ..ddp.layout import flat_like, shaped_like
 from . import state as zstate
+from .offload import check_offload_group
 
 
 class ShardedState:
@@ -84,6 +85,7 @@ class ShardedState:
             "world_size": z.world_size,
             "rank": z.rank,
             "optimizer_class": z.optimizer_class.__name__,
+            "algorithm": class_algorithm(z.optimizer_class),  # what a load compares (algorithm_difference)
             "param_groups": self._group_dicts(),
             "param_meta": self._meta(),
             # Informational: loading never needs it (fragments are layout independent).
@@ -115,13 +117,15 @@ class ShardedState:
 
     def prepare_load(self, state_dict, source: str = "state dict"):
         """Validate ``state_dict`` and return ``(assembled, hyperparameters)`` for :meth:`apply`;
-        raises :class:`StateDictError` without changing anything."""
+        raises :class:`StateDictError` without changing anything: every check the load could
+        fail, the inner optimizer's own included (:meth:`_check_inner_accepts`), runs here."""
         z = self.zero
         sds = state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]
         if not sds:
             raise zstate.StateDictError(f"{source}: empty list of state dicts")
         if all(isinstance(sd, dict) and sd.get("format") == zstate.FORMAT for sd in sds):
             self._check_shard_set(sds, source)
+            self._check_algorithm(sds[0], source)
             meta = self._meta()
             for sd in sds:
                 if [tuple(m["shape"]) for m in sd["param_meta"]] != [m["shape"] for m in meta]:
@@ -138,7 +142,9 @@ class ShardedState:
         assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source)
         if sds[0].get("format") == zstate.FORMAT:
             zstate.relayout(assembled, z._params, sds[0]["param_meta"])
-        return assembled, [zstate.hyperparameters(g) for g in groups]
+        hyper = [zstate.hyperparameters(g) for g in groups]
+        self._check_inner_accepts(assembled, hyper, source)
+        return assembled, hyper
 
     def _check_shard_set(self, sds: list, source: str) -> None:
         """Shards load as a complete set: every rank of the world that saved them. A partial set
@@ -158,6 +164,63 @@ class ShardedState:
             "rank's shard (a list) or a full state dict: on the saving side, "
             "consolidate_state_dict(to=0) and then state_dict() on rank 0, or fusedist.checkpoint.save"
         )
+
+    def _check_algorithm(self, shard: dict, source: str) -> None:
+        """A shard of another algorithm (SGD's momentum into AdamW) is refused by name: its
+        state may even load, and the optimizer would then step with the other algorithm's
+        hyperparameters."""
+        z = self.zero
+        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), z.optimizer_class)
+        if difference is not None:
+            raise zstate.StateDictError(f"{source}: {difference}; nothing was changed")
+
+    def _check_inner_accepts(self, assembled: dict, hyper: list[dict], source: str) -> None:
+        """Run what :meth:`apply` hands the inner optimizer -- each group's hyperparameters
+        merged as ``apply`` merges them, one element of every state -- through a probe of the
+        inner class: its construction, its own ``load_state_dict`` and, with offload, the host
+        Adam's group check. These refusals (a tensor learning rate in a fused optimizer,
+        another algorithm's state, amsgrad under offload) came after ``apply`` had changed the
+        groups, the masters and the pieces, or at every later step.
+
+        Note [probing the inner optimizer]
+            The probe's parameters have one element (none for an empty parameter), so the
+            checks cost nothing next to the load; every check an optimizer's loader makes is
+            per-key, per-shape or per-group, so one element of each state exercises them all.
+        """
+        z = self.zero
+        params, groups, state = [], [], {}
+        for gi, group in enumerate(z.param_groups):
+            merged = {**zstate.hyperparameters(group), **hyper[gi]}
+            if z.offload:
+                try:
+                    check_offload_group(merged, gi)
+                except (TypeError, ValueError) as exc:
+                    raise zstate.StateDictError(f"{source}: {exc}; nothing was changed") from exc
+            ids = []
+            for index in [i for i in z._trainable if z._group_of[i] == gi] or [None]:
+                ids.append(len(params))
+                params.append(torch.zeros(min(1, z._params[index].numel()) if index is not None else 1,
+                                          requires_grad=True))
+                item = assembled.get(index)
+                if item is not None and item["state"]:
+                    state[ids[-1]] = {k: self._probe_value(v, params[-1]) for k, v in item["state"].items()}
+            groups.append((merged, ids))
+        try:
+            probe = z.optimizer_class([{**merged, "params": [params[i] for i in ids]} for merged, ids in groups],
+                                      **z._inner_defaults)
+            probe.load_state_dict({"state": state, "param_groups": [{**merged, "params": ids} for merged, ids in groups]})
+        except Exception as exc:  # noqa: BLE001 - whatever the inner loader raises, before anything changes
+            raise zstate.StateDictError(
+                f"{source}: the inner {z.optimizer_class.__name__} refuses it ({type(exc).__name__}: {exc}): "
+                f"hyperparameters it cannot run, or the state of another algorithm than "
+                f"{class_algorithm(z.optimizer_class)}'s; nothing was changed") from exc
+
+    @classmethod
+    def _probe_value(cls, v, probe: torch.Tensor):
+        """A state value as :meth:`apply` would hand it over, cut to ``probe``'s elements."""
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.reshape(-1)[:probe.numel()].to(cls._state_dtype(v, probe), copy=True)
+        return v.clone() if isinstance(v, torch.Tensor) else v
 
     @torch.no_grad()
     def apply(self, assembled: dict, hyper: list[dict]) -> None:
@@ -227,3 +290,40 @@ class ShardedState:
     @staticmethod
     def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:
         return v.dtype if v.is_floating_point() else t.dtype
+
+
+# ---------------------------------------------------------------------------- algorithms
+def class_algorithm(cls: type) -> str:
+    """The algorithm an optimizer class runs, whichever implementation runs it: torch's and
+    fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``
+    and ``FusedAdamW``), and a subclass defined elsewhere has the nearest torch or fusedist
+    optimizer's among its bases. States of one algorithm load into each other."""
+    from ..optim._base import FusedOptimizerBase
+
+    for base in cls.__mro__:
+        if base in (torch.optim.Optimizer, FusedOptimizerBase):
+            break
+        if base.__module__.startswith(("torch.optim.", "fusedist.optim.")):
+            return unfused(base.__name__)
+    return unfused(cls.__name__)
+
+
+def unfused(name: str) -> str:
+    return name[len("Fused"):] if name.startswith("Fused") and len(name) > len("Fused") else name
+
+
+def algorithm_difference(saved_class: str, saved_algorithm: Optional[str], cls: type) -> Optional[str]:
+    """Why the state of ``saved_class`` (running ``saved_algorithm``, when recorded) cannot load
+    into an optimizer of class ``cls``, or None. State saved before algorithms were recorded is
+    compared only when its class is one of torch's or fusedist's (a class of its own names no
+    algorithm)."""
+    from .. import optim as fused
+
+    algorithm = class_algorithm(cls)
+    saved = saved_algorithm or unfused(saved_class)
+    if saved == algorithm:
+        return None
+    if saved_algorithm is None and not (hasattr(torch.optim, saved) or hasattr(fused, "Fused" + saved)):
+        return None
+    return (f"it holds the state of {saved_class} ({saved}), the optimizer here runs {cls.__name__} ({algorithm}): "
+            "its state and hyperparameters would be read as another algorithm's")

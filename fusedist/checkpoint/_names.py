@@ -1,0 +1,77 @@
+"""The names a checkpoint gives a model's state: the module's own, without the segments that
+wrappers insert, so that one model saved compiled, wrapped or bare loads as the same model.
+
+Note [canonical names]
+    ``torch.compile(model)`` returns an ``OptimizedModule`` whose state dict keys (and
+    parameter names) all carry ``_orig_mod.``; DDP (fusedist's or torch's) adds ``module.``;
+    either can sit anywhere in the tree (``model.block = torch.compile(model.block)``).
+    Checkpoints store every key and parameter name without those segments, found by walking
+    the module tree along the key (as torch's ``get_model_state_dict`` does in
+    ``_get_fqns``), never by string matching, so a user's own submodule called ``module`` or
+    ``_orig_mod`` keeps its name. Loading maps the canonical names back to the target's own
+    keys. Checkpoints written before names were canonical may carry ``_orig_mod.``:
+    :func:`legacy_key` drops it from a saved key that names nothing in the model as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+_ORIG_MOD = "_orig_mod"
+
+
+def _inner(obj, part: str) -> Optional[torch.nn.Module]:
+    """The wrapped module when ``obj`` is a wrapper and ``part`` its wrapping attribute, else None."""
+    from ..ddp import DistributedDataParallel
+
+    if part == _ORIG_MOD and isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
+        return obj._orig_mod
+    if part == "module" and isinstance(obj, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
+        return obj.module
+    return None
+
+
+def layers(model: torch.nn.Module) -> list:
+    """``model`` and each module wrapped in it, down a stack of fusedist or torch DDP wrappers
+    and ``torch.compile`` (``torch.compile(DistributedDataParallel(net))`` and the reverse)."""
+    out = [model]
+    while True:
+        inner = _inner(out[-1], _ORIG_MOD) or _inner(out[-1], "module")
+        if inner is None:
+            return out
+        out.append(inner)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare module inside the wrappers (:func:`layers`)."""
+    return layers(model)[-1]
+
+
+def canonical_key(root: torch.nn.Module, key: str) -> str:
+    """``key`` of ``root``'s state dict (or a parameter name) without wrappers' segments."""
+    out, obj = [], root
+    for part in key.split("."):
+        inner = _inner(obj, part)
+        if inner is not None:
+            obj = inner
+            continue
+        out.append(part)
+        obj = getattr(obj, part, None) if isinstance(obj, torch.nn.Module) else None
+    return ".".join(out)
+
+
+def canonical_state(root: torch.nn.Module, state: dict) -> dict:
+    """``state`` (``root``'s state dict, or part of it) keyed by canonical names."""
+    return type(state)((canonical_key(root, k), v) for k, v in state.items())
+
+
+def own_keys(root: torch.nn.Module, keys: Iterable[str]) -> dict:
+    """Canonical name -> ``root``'s own key, for the keys of its state dict."""
+    return {canonical_key(root, k): k for k in keys}
+
+
+def legacy_key(key: str) -> str:
+    """A saved key as it is canonical now: without ``torch.compile``'s ``_orig_mod`` segments."""
+    return ".".join(part for part in key.split(".") if part != _ORIG_MOD)

@@ -79,7 +79,7 @@ class ScalerProtocol:
     def _fusedist_record_clipped_grads(self) -> None:
         """Called by fusedist's clip after it recorded a coefficient for the step."""
         self.step_context.clipped_grads = [
-            (p, weakref.ref(p.grad), p.grad._version) for p in self._fusedist_grad_params()]
+            (p, weakref.ref(p.grad), p.grad._version) for p in self._fusedist_grad_params() if p.grad is not None]
 
     def _fusedist_settle_clip(self) -> None:
         """Before a recorded clip coefficient is used: keep it when the gradients it covers are
@@ -98,8 +98,8 @@ class ScalerProtocol:
                 raise RuntimeError(self._written_after_clip_message(p))
             else:
                 unchanged.append(g)
-        if not replaced and len(unchanged) == len(self._fusedist_grad_params()):
-            return
+        if not replaced and len(unchanged) == sum(p.grad is not None for p in self._fusedist_grad_params()):
+            return  # (none appeared either)
         if ctx.inv_scale is not None:
             self._fusedist_check_grads_since_unscale()  # raises: these gradients were still scaled
         if unchanged:

@@ -51,15 +51,25 @@ class ScalerProtocol:
             return False
         written = recorded != [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
         if written and self.step_context.inv_scale is not None:
-            raise RuntimeError(
-                f"fusedist: {type(self).__name__}'s gradients were written after "
-                "GradScaler(lazy_unscale=True).unscale_, while they still held the *scaled* values (e.g. "
-                "by torch.nn.utils.clip_grad_norm_, which then measured a norm 'scale' times too large): "
-                "stepping would apply a wrong update. Clip with fusedist.clip_grad_norm_ (or "
-                "optimizer.clip_grad_norm_), or build the GradScaler without lazy_unscale=True so that "
-                "unscale_ writes the unscaled gradients as torch's does."
-            )
+            raise RuntimeError(self._written_while_scaled_message())
         return written
+
+    def _written_while_scaled_message(self) -> str:
+        name = type(self).__name__
+        if not self._fusedist_grads_in_user_view():  # gradient shards: unscaled inside the step, always
+            return (
+                f"fusedist: {name}'s gradients changed after GradScaler.unscale_ (a backward accumulated "
+                "into them, or they were written), while they still held the *scaled* values: this optimizer "
+                "unscales its gradient shards inside step(), so the new values would be unscaled as if "
+                "unscale_ had seen them and the recorded found-inf and norm miss them. Call unscale_ (and "
+                "clip) after the last backward of the step.")
+        return (
+            f"fusedist: {name}'s gradients were written after "
+            "GradScaler(lazy_unscale=True).unscale_, while they still held the *scaled* values (e.g. "
+            "by torch.nn.utils.clip_grad_norm_, which then measured a norm 'scale' times too large): "
+            "stepping would apply a wrong update. Clip with fusedist.clip_grad_norm_ (or "
+            "optimizer.clip_grad_norm_), or build the GradScaler without lazy_unscale=True so that "
+            "unscale_ writes the unscaled gradients as torch's does.")
 
     # Note [gradients changed after the clip]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

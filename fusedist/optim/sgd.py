@@ -88,17 +88,8 @@ class FusedSGD(FusedOptimizerBase):
         starts it from ``(1 - dampening) * grad`` instead of ``grad``. (Reads the step counts:
         one host synchronization per device.)"""
         state_dict = super().state_dict()
-        unfilled = _unfilled_buffers(state_dict["state"])
-        if not unfilled:
-            return state_dict
-        state = dict(state_dict["state"])
-        for key in unfilled:
-            rest = {k: v for k, v in state[key].items() if k not in ("momentum_buffer", "step")}
-            if rest:
-                state[key] = rest
-            else:
-                del state[key]  # nothing else stepped: no state at all, as with torch
-        return {**state_dict, "state": state}
+        state = without_unfilled_buffers(state_dict["state"])
+        return state_dict if state is state_dict["state"] else {**state_dict, "state": state}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -112,6 +103,23 @@ def _add_momentum_buffer(p, state: dict, step: float) -> None:
     buffer. ``step``: 0 before the step that will use it is counted, 1 after."""
     state["momentum_buffer"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
     state["step"].fill_(step)
+
+
+def without_unfilled_buffers(state: dict) -> dict:
+    """``state`` (an SGD state dict's ``"state"``) without the momentum buffers no step has
+    filled and their step counts (``FusedSGD.state_dict``); a state left empty goes, as torch's
+    SGD has none then. ``state`` itself when there are none."""
+    unfilled = _unfilled_buffers(state)
+    if not unfilled:
+        return state
+    state = dict(state)
+    for key in unfilled:
+        rest = {k: v for k, v in state[key].items() if k not in ("momentum_buffer", "step")}
+        if rest:
+            state[key] = rest
+        else:
+            del state[key]  # nothing else stepped: no state at all, as with torch
+    return state
 
 
 def _unfilled_buffers(state: dict) -> list:

@@ -268,6 +268,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                 )
             grow.join_pending(self)  # Note [growing the partition]
             self._check_frozen_grads()
+            self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             if not self._has_any_grad():
                 return loss
             self._ensure_state()

@@ -64,6 +64,11 @@ class ZeroScalerProtocol(ScalerProtocol):
         packed = packed.to(sumsq.device)
         return (packed[0:1] > 0).float(), packed[1:2]
 
+    def _fusedist_has_grads(self) -> bool:
+        # Stage 2: whether a synchronized backward left shards (the same on every rank).
+        grow.join_pending(self)  # (see _fusedist_check_and_norm)
+        return self._has_any_grad()
+
     def _fusedist_local_grads(self) -> list:
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
         return self._local_grads()
@@ -103,7 +108,32 @@ class ZeroScalerProtocol(ScalerProtocol):
         # dtypes, whatever precision the shards hold them in.
         dtypes = {p.dtype for p in self._trainable_params()}
         dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-        return ctx.record_clip(sumsq, max_norm, error_if_nonfinite, dtype)
+        norm = ctx.record_clip(sumsq, max_norm, error_if_nonfinite, dtype)
+        self._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
+        return norm
+
+    def _fusedist_record_clipped_grads(self) -> None:
+        """Stage 1: ``p.grad``, as for any fused optimizer. Stage 2: the shards' version counts,
+        which only a backward accumulating into them changes before the step."""
+        if self.stage == 1:
+            return super()._fusedist_record_clipped_grads()
+        self.step_context.clipped_grads = [(None, shard, shard._version) for shard in self._grad_shards.values()]
+
+    def _fusedist_settle_clip(self) -> None:
+        """Stage 2: a backward after the clip added to the shards in place: torch's clip would
+        have scaled only what came before, which is gone, so the step refuses (as for an in-place
+        write to ``p.grad`` in stage 1)."""
+        if self.stage == 1:
+            return super()._fusedist_settle_clip()
+        ctx = self.step_context
+        if ctx.clipped_grads is None or ctx.clip_coef is None:
+            return
+        if any(shard._version != version for _, shard, version in ctx.clipped_grads):
+            raise RuntimeError(
+                "fusedist: ZeroRedundancyOptimizer(stage=2): a backward accumulated gradients after the clip "
+                "recorded its coefficient for this step (the clip scales the gradient shards inside the step). "
+                "torch's clip would have scaled only the gradients before that backward, which are gone, so "
+                "stepping could not match it. Clip after the last backward of the step.")
 
     def clip_sharded_grads_(self, params: list, max_norm: float, norm_type: float = 2.0,
                             error_if_nonfinite: bool = False) -> torch.Tensor:

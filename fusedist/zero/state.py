@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..ddp.layout import flat_like, shaped_like
+from ..optim.sgd import without_unfilled_buffers
 
 FORMAT = "fusedist.zero/1"
 
@@ -189,16 +190,19 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
 def to_torch_format(assembled: dict[int, dict], params, param_groups: list[dict]) -> dict:
     """A state dict loadable by an unsharded optimizer over ``params`` (torch's format; FP32
     master weights of half-precision parameters under ``master_param``, as fusedist's fused
-    optimizers keep them)."""
+    optimizers keep them). A FusedSGD momentum buffer no step has filled is left out, as that
+    optimizer's own state dict does (``without_unfilled_buffers``)."""
     state = {}
+    inner = without_unfilled_buffers({index: item["state"] for index, item in assembled.items()})
     for index, item in sorted(assembled.items()):
         p = params[index]
         entry = {}
-        for key, v in item["state"].items():
+        for key, v in inner.get(index, {}).items():
             entry[key] = shaped_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
         if item["master"] is not None and p.dtype in (torch.float16, torch.bfloat16):
             entry["master_param"] = shaped_like(item["master"], p)
-        state[index] = entry
+        if entry or index in inner:
+            state[index] = entry
     return {"state": state, "param_groups": [dict(g) for g in param_groups]}
 
 

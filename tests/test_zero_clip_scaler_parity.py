@@ -1,0 +1,162 @@
+"""ZeroRedundancyOptimizer with fusedist's GradScaler and clip where a user departs from the
+plain loop, against torch DDP + torch's optimizer, GradScaler and clip on the same data (2 gloo
+ranks; fp32, within 1e-6; loss scales are powers of two, so unscaling is exact):
+
+* gradients replaced after the clip (stage 1): torch's clip scaled the old tensors only;
+* gradients accumulated after the clip (a second backward; an in-place write in stage 1):
+  torch's result needs values that are gone, so the step refuses before anything changes;
+* a step with no backward since the last one: torch's GradScaler raises "No inf checks were
+  recorded for this optimizer.";
+* FusedSGD (momentum, dampening) as the inner optimizer after an overflowed first step: the
+  consolidated state holds no momentum buffer (torch's SGD has none then), so torch's SGD
+  loading it continues as fusedist does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+TOL = 1e-6
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+
+
+def _pair(stage, inner=torch.optim.AdamW, **kw):
+    import fusedist
+
+    base = _net()
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), inner, stage=stage, lr=0.05, **kw)
+    ref = (torch.optim.SGD if inner.__name__.endswith("SGD") else torch.optim.AdamW)(theirs.parameters(), lr=0.05, **kw)
+    return ours, theirs, opt, ref, fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+
+def _diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _replaced_after_clip_worker(rank, ws):
+    import fusedist
+
+    ours, theirs, opt, ref, sc, ref_sc = _pair(1)
+    for step in range(3):
+        x, _ = _batch(rank, step)
+        for m, o, s in ((ours, opt, sc), (theirs, ref, ref_sc)):
+            o.zero_grad()
+            s.scale(m(x).square().sum()).backward()
+            s.unscale_(o)
+            (fusedist.clip_grad_norm_ if o is opt else nn.utils.clip_grad_norm_)(m.parameters(), 0.05)
+            last = list(m.parameters())[-1]
+            last.grad = torch.full_like(last, 0.25)  # replaced: not clipped in torch
+            s.step(o)
+            s.update()
+    return _diff(ours, theirs)
+
+
+def test_stage1_gradient_replaced_after_the_clip_steps_unclipped_as_torch():
+    for diff in run_distributed(_replaced_after_clip_worker, 2, timeout=180):
+        assert diff < TOL, diff
+
+
+def _accumulated_after_clip_worker(rank, ws, stage, scaled):
+    ours, _, opt, _, sc, _ = _pair(stage)
+    x, x2 = _batch(rank, 0)
+    scale = sc.scale if scaled else (lambda loss: loss)
+    scale(ours(x).square().sum()).backward()
+    if scaled:
+        sc.unscale_(opt)
+    opt.clip_grad_norm_(0.05)
+    if stage == 1:
+        list(ours.parameters())[0].grad.add_(1.0)  # written in place after the clip
+    else:
+        scale(ours(x2).square().sum()).backward()  # a second backward adds to the shards
+    before = [p.detach().clone() for p in ours.parameters()]
+    try:
+        sc.step(opt) if scaled else opt.step()
+        return None
+    except RuntimeError as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, ours.parameters()))
+        return str(exc), unchanged
+
+
+@pytest.mark.parametrize("stage,scaled,says", [(1, True, "after fusedist.clip_grad_norm_"),
+                                                (2, False, "a backward accumulated gradients after the clip"),
+                                                (2, True, "changed after GradScaler.unscale_ (a backward")])
+def test_gradients_accumulated_after_the_clip_are_refused_before_any_change(stage, scaled, says):
+    for out in run_distributed(_accumulated_after_clip_worker, 2, stage, scaled, timeout=180):
+        assert out is not None, "the step used the clip coefficient on gradients written after the clip"
+        message, unchanged = out
+        assert says in message, message
+        assert unchanged
+
+
+def _no_backward_worker(rank, ws, stage):
+    out = {}
+    for who in ("ours", "torch"):
+        ours, theirs, opt, ref, sc, ref_sc = _pair(stage)
+        m, o, s = (ours, opt, sc) if who == "ours" else (theirs, ref, ref_sc)
+        x, _ = _batch(rank, 0)
+        s.scale(m(x).square().sum()).backward()
+        s.step(o)
+        s.update()
+        o.zero_grad()
+        try:
+            s.step(o)  # no backward since the last step
+            out[who] = None
+        except AssertionError as exc:
+            out[who] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_step_without_a_backward_raises_as_torch(stage):
+    for out in run_distributed(_no_backward_worker, 2, stage, timeout=180):
+        assert out["torch"] == "No inf checks were recorded for this optimizer."
+        assert out["ours"] == out["torch"], out
+
+
+def _sgd_overflow_worker(rank, ws, stage):
+    import fusedist
+
+    kw = dict(momentum=0.9, dampening=0.3, weight_decay=0.01)
+    ours, theirs, opt, ref, sc, ref_sc = _pair(stage, fusedist.optim.FusedSGD, **kw)
+    for step in range(3):
+        x, _ = _batch(rank, step)
+        for m, o, s in ((ours, opt, sc), (theirs, ref, ref_sc)):
+            o.zero_grad()
+            loss = m(x).square().sum() * (float("inf") if step == 0 else 1.0)  # the first step overflows
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+        if step == 0:
+            opt.consolidate_state_dict(to=0)
+            consolidated = opt.state_dict()["state"] if rank == 0 else None
+            torch_state = ref.state_dict()["state"]
+    return _diff(ours, theirs), consolidated, torch_state
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fused_sgd_inside_zero_after_an_overflowed_first_step(stage):
+    results = run_distributed(_sgd_overflow_worker, 2, stage, timeout=180)
+    for diff, _, _ in results:
+        assert diff < TOL, diff
+    consolidated, torch_state = results[0][1], results[0][2]
+    # torch's SGD has no state after a skipped first step; a zero momentum buffer would be
+    # decayed by the SGD loading it (with dampening, (1 - dampening) * grad instead of grad).
+    assert torch_state == {}
+    assert consolidated == {}, {k: sorted(v) for k, v in consolidated.items()}

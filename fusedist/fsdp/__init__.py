@@ -8,17 +8,19 @@ an optimizer step outdated), ``holder``
 (global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
 ``dcp`` (state-dict entries torch's distributed checkpoint can save and load),
 ``optim_state`` (the same for an optimizer's state over the pieces),
-``memory`` (what is held), ``api`` (``fully_shard`` and the methods a module gains).
+``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as
+the unsharded one), ``api`` (``fully_shard`` and the methods a module gains).
 """
 
 from .api import FullyShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .memory import reset_peak_memory_stats
 from .optim_state import track_optimizer
+from .param_init import init_parameters
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
-    "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer",
+    "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer", "init_parameters",
 ]

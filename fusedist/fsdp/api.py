@@ -14,6 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import deprecated
 
 from ..comm import get_communicator
+from ..ownership import register_step_watch
 from .dcp import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
@@ -103,6 +104,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
         for owner, idx, reg in borrowed:
             by_owner.setdefault((id(owner), idx), (owner, idx, []))[2].append(reg)
         unit.borrowed = list(by_owner.values())
+        for owner in {id(o): o for o, _, _ in unit.borrowed}.values():
+            owner.lent_to.append(unit)  # Note [lent parameters] in unit.py
     elif borrowed:
         raise NotImplementedError(
             f"fusedist.fully_shard({type(module).__name__}): every parameter of this module is tied to a "
@@ -478,14 +481,35 @@ class FullyShardedModule:
         return _memory_stats(units, units[0].comm if units else None)
 
     def _apply(self, fn, *args, **kwargs):
-        for st in self._fs_states():
+        """``to()``, ``double()``, ``to_empty()``, ...: convert the pieces, then rebuild the unit's
+        buffers around them (Note [units built on the meta device] in unit.py)."""
+        states = self._fs_states()
+        for st in states:
             if st.unit is not None:
                 st.unit.reshard()
         out = super()._apply(fn, *args, **kwargs)
         st = self._fs_state()
         if st.unit is not None:
-            st.unit.repack()
+            _register_pieces(st, st.unit.repack())
+        for st in states:  # after every unit below has repacked (the outermost call's pass is last)
+            if st.unit is not None:
+                st.unit.relink_borrowed()
         return out
+
+
+def _register_pieces(state, adopted: list) -> None:
+    """Register pieces a conversion replaced where their predecessors were registered: the
+    tied-weight table, the gradient holder and the step watch."""
+    if not adopted:
+        return
+    unit = state.unit
+    for i, piece in adopted:
+        _OWNED[piece] = (unit, i)
+    pieces = [piece for _, piece in adopted]
+    unit.holder.register(pieces)
+    watch = state.ctx.watch if state.ctx is not None else None
+    if watch is not None:
+        register_step_watch(pieces, watch)
 
 
 def _record_hint(states, name: str, value) -> None:

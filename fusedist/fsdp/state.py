@@ -312,9 +312,19 @@ class FullyShardState:
             # apply; its cross-rank check is off there (WatchBase), so no collective is issued.
             self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded])
 
+    def _check_materialized(self) -> None:
+        """Before the first forward sets up the root: every unit below holds data (a unit built
+        on meta raises, naming itself, before any bookkeeping or collective)."""
+        for m in self.module.modules():
+            st = state_of(m)
+            if st is not None and st.unit is not None:
+                st.unit.check_materialized()
+
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _pre_forward(self, module, args, kwargs):
+        if self.ctx is None:
+            self._check_materialized()
         self.lazy_init()
         ctx, unit = self.ctx, self.unit
         if self._in_backward or ctx.backward_running:  # recompute (activation checkpointing)

@@ -24,6 +24,38 @@ Note [sharded parameters]
     reshard/unshard; on a storage of their own version counter, so the all-gather writing
     the buffer is not an in-place change of a saved tensor. Resharding resizes that storage
     to zero bytes; unsharding resizes it back and gathers into it.
+
+Note [lent parameters]
+    A weight tied across units (an output layer sharing the embedding's weight) belongs to
+    the unit that took it first, the owner; a later unit holding it borrows it: gathering the
+    borrower gathers the owner, and the borrower's modules hold the owner's unsharded
+    parameter while the borrower is gathered. The owner's own schedule may reshard it in the
+    meantime -- the embedding's unit after its forward, while the root, which holds the
+    output layer, runs the blocks and then the output layer. So an owner reshards only when
+    none of its borrowers is gathered; otherwise the reshard is deferred, and the borrower
+    carries it out when it reshards itself.
+
+Note [units built on the meta device]
+    Models too big for one device are built under ``torch.device("meta")``, sharded, then
+    materialized with ``model.to_empty(device=...)`` and initialized
+    (``fusedist.fsdp.init_parameters``, Note [initializing like the unsharded model] in
+    ``param_init.py``). A unit whose parameters are all on meta builds its shard -- and so its
+    pieces -- on meta: shapes, no data. Its gathered buffer is built on the compute device
+    as always (allocated, then freed before anything touches it), so gathering never
+    allocates anything but that buffer. A unit on meta refuses to gather, naming itself.
+
+    ``to_empty`` (any ``_apply``) replaces a meta piece by a *new* ``nn.Parameter``: torch
+    cannot change a tensor's data from meta to a real device in place, and a piece cannot be
+    swapped in place either (registries hold weak references to it). So ``repack`` adopts the
+    tensor it finds on the module as the piece, puts it back on every module holding the
+    parameter (``to_empty`` on a plain model unties a weight shared by two modules; a unit
+    keeps it tied), and the owner of the registries (``api.py``) registers the new pieces.
+    Parameters a unit borrows from another unit are put back last (``relink_borrowed``),
+    once every unit under the converted module has its new shard.
+
+    One unit is on meta or not as a whole: its parameters share one flat shard. A unit with
+    some parameters on meta and others not is refused: ``to_empty`` would discard the real
+    ones anyway, so nothing is lost by building the whole module on meta.
 """
 
 from __future__ import annotations
@@ -66,6 +98,9 @@ class ShardedUnit:
         self._build(params, offload_policy)
         #: owner units of parameters shared with another unit: (owner, owner index, registrations)
         self.borrowed: list[tuple["ShardedUnit", int, list]] = []
+        #: units borrowing parameters of this one, and whether a reshard waits for them
+        self.lent_to: list["ShardedUnit"] = []
+        self.reshard_deferred = False
         self.is_unsharded = False
         self.gathered_once = False  # FSDP2's condition for reducing an unused unit (grads.py)
         self._gather = None  # (handles, input kept alive) of the all-gathers in flight
@@ -89,12 +124,17 @@ class ShardedUnit:
     @torch.no_grad()
     def _build(self, params: list, offload_policy) -> None:
         layout, rank = self.layout, self.rank
-        pin = self.offload and offload_policy.pin_memory and self.device.type != "cpu"
-        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.shard_device, pin_memory=pin)
+        self.pin = self.offload and offload_policy.pin_memory and self.device.type != "cpu"
+        on_meta = _on_meta(self.name, params, self.fqns)  # Note [units built on the meta device]
+        if on_meta:
+            self.shard = torch.empty(layout.shard_numel, dtype=self.dtype, device="meta")
+        else:
+            self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.shard_device,
+                                     pin_memory=self.pin)
         self.sharded: list[nn.Parameter] = []
         for i, p in enumerate(params):
             piece = layout.piece(i, rank)
-            if piece.numel:
+            if piece.numel and not on_meta:
                 start = layout.element_range(i, rank)[0]
                 self.shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
                     p.detach().reshape(-1)[start:start + piece.numel])
@@ -113,6 +153,7 @@ class ShardedUnit:
         owning parameters this one borrows); without ``async_op``, wait for it."""
         for owner, _, _ in self.borrowed:
             owner.unshard(async_op=True)
+        self.check_materialized()
         if not self.is_unsharded and self._gather is None:
             storage = self.full.untyped_storage()
             if storage.nbytes() == 0:
@@ -150,24 +191,36 @@ class ShardedUnit:
 
     def reshard(self) -> None:
         """Free the unsharded buffer; the modules hold the sharded parameters again. A gather
-        still in flight is waited for first (its buffer cannot be freed under it)."""
+        still in flight is waited for first (its buffer cannot be freed under it). While a
+        unit borrowing one of this unit's parameters is gathered, the free is deferred until
+        that unit reshards (Note [lent parameters])."""
+        landed = False
         if self._gather is not None:
             for handle in self._gather[0]:
                 handle.wait()
             self._gather = None
-            self.is_unsharded = True  # landed; swapped back below
+            self.is_unsharded = landed = True  # landed; swapped back below
+        if self.is_unsharded and any(b.is_unsharded for b in self.lent_to):
+            if landed:
+                for i, u in enumerate(self.unsharded):
+                    self._register(i, u)
+            self.reshard_deferred = True
+            return
         for owner, index, regs in self.borrowed:
             for module, attr in regs:
                 module._parameters[attr] = owner.sharded[index]
-        if not self.is_unsharded:
-            return
-        for i, sp in enumerate(self.sharded):
-            self._register(i, sp)
-        self.full.untyped_storage().resize_(0)
-        COUNTERS.add_gathered(-self._gathered_bytes)
-        self._gathered_bytes = 0
-        self.is_unsharded = False
-        stale.note_resharded(self)
+        if self.is_unsharded:
+            for i, sp in enumerate(self.sharded):
+                self._register(i, sp)
+            self.full.untyped_storage().resize_(0)
+            COUNTERS.add_gathered(-self._gathered_bytes)
+            self._gathered_bytes = 0
+            self.is_unsharded = False
+            stale.note_resharded(self)
+        self.reshard_deferred = False
+        for owner, _, _ in self.borrowed:
+            if owner.reshard_deferred:
+                owner.reshard()
 
     def gather_into(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> list:
         """Start the all-gathers of ``shard`` (laid out like the unit's shard) into ``full``
@@ -179,6 +232,20 @@ class ShardedUnit:
         return handles
 
     @property
+    def is_meta(self) -> bool:
+        """Whether the shard is on the meta device (Note [units built on the meta device])."""
+        return self.shard.is_meta
+
+    def check_materialized(self) -> None:
+        """Raise unless the unit's shard holds data: a unit built on meta is gathered only
+        after ``to_empty``."""
+        if self.is_meta:
+            raise RuntimeError(
+                f"fusedist.fully_shard({self.name or 'root'}): the unit's parameters ({_first_names(self.fqns)}) "
+                "are still on the meta device. Call model.to_empty(device=...) on the model, then initialize it "
+                "(fusedist.fsdp.init_parameters(model), or load a checkpoint), before running it.")
+
+    @property
     def gather_in_flight(self) -> bool:
         return self._gather is not None
 
@@ -188,28 +255,69 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ conversions
     @torch.no_grad()
-    def repack(self) -> None:
-        """After ``module.to()``/``.double()`` replaced the sharded parameters' data: rebuild the
-        shard (and the unsharded buffer) from them, so pieces and buffers alias again."""
+    def repack(self) -> list:
+        """After ``module.to()``/``.double()``/``.to_empty()`` replaced the sharded parameters' data:
+        rebuild the shard (and the unsharded buffer) from them, so pieces and buffers alias
+        again. Returns ``(index, piece)`` for each parameter whose piece is a new tensor (Note
+        [units built on the meta device]): the caller registers it where the old one was."""
         self.reshard()
+        adopted = self._adopt_replaced()
         first = self.sharded[0]
-        if all(sp.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr() for sp in self.sharded) \
-                and first.dtype == self.dtype:
-            return
-        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+        if all(self._aliases_shard(sp) for sp in self.sharded) and first.dtype == self.dtype:
+            return adopted
+        device = torch.device("cpu") if self.offload and not first.is_meta else first.device
+        pin = self.pin and device.type == "cpu"
+        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin)
         for i, sp in enumerate(self.sharded):
             piece = self.layout.piece(i, self.rank)
             shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(sp.reshape(-1))
             sp.data = alias(shard, piece.shard_offset, piece.shape)
         param_dtype = first.dtype if self.param_dtype == self.dtype else self.param_dtype
-        self.shard, self.dtype, self.param_dtype, self.shard_device = shard, first.dtype, param_dtype, first.device
-        if not self.offload:
-            self.device = first.device
+        self.shard, self.dtype, self.param_dtype = shard, first.dtype, param_dtype
+        if not first.is_meta:
+            self.shard_device = device
+            if not self.offload:
+                self.device = device
         self.full = torch.empty(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
         for s, u in zip(self.layout.slots, self.unsharded):
             u.data = alias(self.full, s.offset, s.shape)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
+        return adopted
+
+    def _adopt_replaced(self) -> list:
+        """Take as piece ``i`` the tensor the module now holds where piece ``i`` was (a new
+        ``nn.Parameter`` when the conversion could not change the piece in place), and hold
+        it on every module sharing the parameter."""
+        adopted = []
+        for i, regs in enumerate(self.registrations):
+            module, attr = regs[0]
+            held = module._parameters.get(attr)
+            if held is not None and held is not self.sharded[i]:
+                self.sharded[i] = held
+                adopted.append((i, held))
+            self._register(i, self.sharded[i])
+        return adopted
+
+    def _aliases_shard(self, sp: torch.Tensor) -> bool:
+        return sp.device == self.shard.device and \
+            sp.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
+
+    @torch.no_grad()
+    def relink_borrowed(self) -> None:
+        """Hold the owners' pieces again where this unit borrows them: a conversion of this
+        unit's modules replaced the borrowed piece (or its data) after its owner repacked."""
+        for owner, index, regs in self.borrowed:
+            owner.realias(index)
+            for module, attr in regs:
+                module._parameters[attr] = owner.sharded[index]
+
+    def realias(self, index: int) -> None:
+        """Point piece ``index`` at its place in the shard again, if a conversion gave it other
+        data of the shard's device and dtype (the shard's values are the piece's)."""
+        sp, piece = self.sharded[index], self.layout.piece(index, self.rank)
+        if sp.device == self.shard.device and sp.dtype == self.dtype and not self._aliases_shard(sp):
+            sp.data = alias(self.shard, piece.shard_offset, piece.shape)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -224,3 +332,23 @@ class ShardedUnit:
         """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s
         piece holds."""
         return self.layout.element_range(index, self.rank if rank is None else rank)
+
+
+def _on_meta(name: str, params: list, fqns: list) -> bool:
+    """Whether the unit is built on meta: all its parameters are (Note [units built on the meta
+    device]); some but not all is refused."""
+    meta = [p.is_meta for p in params]
+    if all(meta) or not any(meta):
+        return meta[0]
+    on = [f for f, m in zip(fqns, meta) if m]
+    off = [f"{f} ({p.device})" for f, p, m in zip(fqns, params, meta) if not m]
+    raise ValueError(
+        f"fusedist.fully_shard({name or 'root'}): some parameters of this unit are on the meta device "
+        f"({_first_names(on)}) and some are not ({_first_names(off)}). A unit's parameters share one flat "
+        "shard, which is built on meta or with data, not both; build the whole module under "
+        "torch.device('meta') (to_empty would discard the real values anyway) or materialize it first.")
+
+
+def _first_names(names: list, limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")

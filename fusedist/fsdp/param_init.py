@@ -1,0 +1,208 @@
+"""Initializing a sharded model as the unsharded model would be: ``init_parameters``.
+
+Note [initializing like the unsharded model]
+    After ``to_empty`` a piece is a plain tensor of this rank's rows (Note [sharded
+    parameters] in unit.py), so ``reset_parameters()`` on it fills a tensor of the piece's
+    shape: every rank draws the same numbers for different rows, and fan-in-scaled inits
+    use the piece's shape. ``init_parameters`` gives instead exactly the values
+    ``model.apply(init_fn)`` gives the unsharded model from the same RNG state:
+
+    * submodules are visited in ``nn.Module.apply``'s order (children first, then the
+      module), and ``init_fn`` is called once on each, so the RNG is consumed in the same
+      order and amounts;
+    * before ``init_fn(sub)`` the units holding ``sub``'s parameters are made *whole*: a
+      temporary flat buffer in the shard's dtype on the compute device, laid out as the
+      gathered buffer, with this rank's shard copied into its place, and whole parameters on
+      it held by the modules. No communication: every rank computes the same whole values
+      from the same RNG state, and keeps its own rows;
+    * a unit stays whole while the next submodules need it; when a submodule needs another
+      unit, this rank's part of the buffer is copied back into the shard (the exact inverse
+      of the copy in) and the buffer is freed. So at most one unit is whole at a time (two
+      for a submodule holding a weight tied to another unit's), and a unit may be made
+      whole more than once (the root's unit, for the layers before and after the blocks).
+
+    Which units a submodule needs: those holding its own parameters (``recurse=False``; a
+    weight it borrows from another unit counts for that unit); a submodule without
+    parameters needs the unit of the innermost ``fully_shard`` module containing it (itself
+    included), so an ``init_fn`` that initializes a block's children from the block itself
+    (torchtitan's block ``init_weights``) finds them whole. One that reaches into another
+    ``fully_shard`` module's parameters (a root ``init_weights`` initializing the whole
+    model) finds pieces there: split it so that each module initializes its own unit's
+    part (the blocks' from the blocks). Parameters outside every unit
+    (``ignored_params``, modules not sharded) and buffers are not sharded: ``init_fn``
+    initializes them as they are (a non-persistent buffer such as a rotary table, BatchNorm
+    statistics).
+
+    What ``init_fn`` may do: what it does to an unsharded model -- write in place, assign a
+    parameter's ``.data``, or replace the parameter with a tensor of the whole shape (its
+    values are kept, the piece stays the parameter). Reading values: those written since
+    the unit was made whole are whole; those a unit kept from an earlier time it was whole
+    are there in this rank's rows only (other rows zero), since reading them whole would
+    need a gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .layout import alias
+from .memory import COUNTERS
+from .state import state_of
+
+__all__ = ["init_parameters"]
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+    """Initialize a ``fully_shard`` model (after ``to_empty``) to exactly what
+    ``module.apply(init_fn)`` gives the unsharded model from the same RNG state, each rank
+    keeping its rows (Note [initializing like the unsharded model]). ``init_fn(submodule)``
+    defaults to ``submodule.reset_parameters()`` for the submodules that define it.
+    Buffers are initialized by ``init_fn`` too (they are not sharded). Needs no
+    communication, but call it on every rank with the same RNG state. Returns ``module``."""
+    init_fn = init_fn if init_fn is not None else _reset_parameters
+    units = _units_under(module)
+    for unit in units:
+        unit.check_materialized()
+        unit.reshard()
+    plan = _plan(module, units)
+    whole: dict = {}  # unit -> _WholeUnit, the units whole now
+    try:
+        for sub in _apply_order(module):
+            needed = plan.needs.get(id(sub), ())
+            if any(u not in whole for u in needed):
+                while whole:
+                    whole.popitem()[1].release()
+                for u in needed:
+                    whole[u] = _WholeUnit(u, plan.borrowers.get(u, {}))
+            init_fn(sub)
+    finally:
+        while whole:
+            whole.popitem()[1].release()
+    return module
+
+
+def _reset_parameters(sub: nn.Module) -> None:
+    reset = getattr(sub, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def _apply_order(module: nn.Module):
+    """The modules in ``nn.Module.apply``'s order: children (recursively) first, then the module."""
+    for child in module.children():
+        yield from _apply_order(child)
+    yield module
+
+
+def _units_under(module: nn.Module) -> list:
+    units = []
+    for m in module.modules():
+        st = state_of(m)
+        if st is not None and st.unit is not None and st.unit not in units:
+            units.append(st.unit)
+    return units
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Which units each submodule needs whole, and where other units hold a unit's parameters."""
+
+    needs: dict = dataclasses.field(default_factory=dict)  # id(submodule) -> [unit]
+    borrowers: dict = dataclasses.field(default_factory=dict)  # unit -> {index: [(module, attr)]}
+
+    def add(self, module: nn.Module, unit) -> None:
+        needed = self.needs.setdefault(id(module), [])
+        if unit not in needed:
+            needed.append(unit)
+
+
+def _plan(module: nn.Module, units: list) -> _Plan:
+    plan = _Plan()
+    for unit in units:
+        for regs in unit.registrations:
+            for m, _ in regs:
+                plan.add(m, unit)
+        for owner, index, regs in unit.borrowed:
+            plan.borrowers.setdefault(owner, {}).setdefault(index, []).extend(regs)
+            for m, _ in regs:
+                plan.add(m, owner)
+    # modules without parameters in a unit: the innermost fully_shard module's unit
+    stack = [(module, None)]
+    while stack:
+        m, inner = stack.pop()
+        st = state_of(m)
+        if st is not None:
+            inner = st.unit
+        if id(m) not in plan.needs and inner is not None and not _has_own_params(m):
+            plan.needs[id(m)] = [inner]
+        stack.extend((c, inner) for c in m.children())
+    return plan
+
+
+def _has_own_params(m: nn.Module) -> bool:
+    return any(p is not None for p in m._parameters.values())
+
+
+class _WholeUnit:
+    """One unit made whole for initialization: a temporary buffer in the shard's dtype, laid
+    out as the gathered buffer, this rank's shard copied in; whole parameters on it held by
+    the unit's modules (and by the modules of other units borrowing its parameters)."""
+
+    def __init__(self, unit, borrowers: dict):
+        self.unit, self.borrowers = unit, borrowers
+        self.buffer = torch.zeros(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
+        self.nbytes = self.buffer.numel() * self.buffer.element_size()
+        COUNTERS.add_scratch(self.nbytes)
+        for own, mine in self._own_parts():
+            own.copy_(mine)
+        self.params = [nn.Parameter(alias(self.buffer, s.offset, s.shape), requires_grad=sp.requires_grad)
+                       for s, sp in zip(unit.layout.slots, unit.sharded)]
+        for i, p in enumerate(self.params):
+            for m, attr in self._slots(i):
+                m._parameters[attr] = p
+
+    def _own_parts(self):
+        """(this rank's part of the buffer, the shard's part) per section."""
+        unit = self.unit
+        for sec in unit.layout.sections:
+            n = sec.layout.shard_numel
+            start = sec.full_base + unit.rank * n
+            yield self.buffer[start:start + n], unit.shard[sec.shard_base:sec.shard_base + n]
+
+    def _slots(self, index: int) -> list:
+        return list(self.unit.registrations[index]) + self.borrowers.get(index, [])
+
+    def release(self) -> None:
+        """Keep this rank's rows of what ``init_fn`` wrote (also through a replaced parameter or
+        ``.data``), put the pieces back, free the buffer."""
+        unit = self.unit
+        for i, p in enumerate(self.params):
+            view = alias(self.buffer, unit.layout.slots[i].offset, unit.layout.slots[i].shape)
+            for m, attr in self._slots(i):
+                held = m._parameters.get(attr)
+                if held is not None and not _same_data(held, view):
+                    _check_shape(unit, i, m, attr, held)
+                    view.copy_(held)
+                m._parameters[attr] = unit.sharded[i]
+        for own, mine in self._own_parts():
+            mine.copy_(own)
+        self.buffer, self.params = None, None
+        COUNTERS.add_scratch(-self.nbytes)
+
+
+def _same_data(t: torch.Tensor, view: torch.Tensor) -> bool:
+    return t.device == view.device and t.data_ptr() == view.data_ptr() and t.shape == view.shape
+
+
+def _check_shape(unit, index: int, module: nn.Module, attr: str, held: torch.Tensor) -> None:
+    shape = tuple(unit.layout.slots[index].shape)
+    if tuple(held.shape) != shape:
+        raise ValueError(
+            f"fusedist.fsdp.init_parameters: after init_fn, {type(module).__name__}.{attr} "
+            f"('{unit.fqns[index]}' of unit {unit.name or 'root'}) has shape {tuple(held.shape)}; "
+            f"expected the whole parameter's {shape}")

@@ -17,7 +17,7 @@ import torch
 from .._dtypes import compute_dtype
 
 
-def _skip_now(found_inf: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
+def skip_now(found_inf: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
     """(skip everything, per-element mask to apply) for a found-inf flag."""
     if found_inf is None:
         return False, None
@@ -32,7 +32,7 @@ def _commit(dst: torch.Tensor, new: torch.Tensor, skip_mask: torch.Tensor | None
     dst.copy_(new)
 
 
-def _grad_factor(inv_scale, clip_coef):
+def grad_factor(inv_scale, clip_coef):
     factor = None
     for t in (inv_scale, clip_coef):
         if t is not None:
@@ -83,10 +83,10 @@ def check_and_norm(grads, inv_scale, unscale_in_place=False):
 def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps,
          weight_decay, adamw, bias_correction, maximize, inv_scale, clip_coef, found_inf,
          max_exp_avg_sqs=None):
-    skip, skip_mask = _skip_now(found_inf)
+    skip, skip_mask = skip_now(found_inf)
     if skip:
         return
-    factor = _grad_factor(inv_scale, clip_coef)
+    factor = grad_factor(inv_scale, clip_coef)
     if skip_mask is None and not any(isinstance(s, torch.Tensor) and s.device.type != "cpu"
                                      for s in (step if isinstance(step, (list, tuple)) else [step])):
         return _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, lr=lr, beta1=beta1,
@@ -168,10 +168,10 @@ def _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, *
 
 def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampening,
         weight_decay, nesterov, maximize, inv_scale, clip_coef, found_inf):
-    skip, skip_mask = _skip_now(found_inf)
+    skip, skip_mask = skip_now(found_inf)
     if skip:
         return
-    factor = _grad_factor(inv_scale, clip_coef)
+    factor = grad_factor(inv_scale, clip_coef)
     for i, (param, grad) in enumerate(zip(params, grads)):
         master = None if masters is None else masters[i]
         dtype = compute_dtype(param.dtype)
@@ -197,10 +197,10 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
     n = len(params)
     p2 = torch.zeros(n, dtype=torch.float32, device=device)
     u2 = torch.zeros(n, dtype=torch.float32, device=device)
-    skip, skip_mask = _skip_now(found_inf)
+    skip, skip_mask = skip_now(found_inf)
     if skip:
         return p2, u2
-    factor = _grad_factor(inv_scale, clip_coef)
+    factor = grad_factor(inv_scale, clip_coef)
     factor = (1.0 if factor is None else factor) / global_div.reshape(())
     for i, (param, grad, m, v, u) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, updates)):
         master = None if masters is None else masters[i]
@@ -227,7 +227,7 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
 
 
 def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
-    skip, skip_mask = _skip_now(found_inf)
+    skip, skip_mask = skip_now(found_inf)
     if skip:
         return
     for i, (param, u) in enumerate(zip(params, updates)):

@@ -43,7 +43,7 @@ import torch
 
 from .. import _extension
 from ..backend import select_backend
-from . import _reference
+from . import _cpu_sgd, _reference
 from .._memory_layout import is_dense, walks_like
 
 Tensor = torch.Tensor
@@ -342,9 +342,17 @@ def sgd_update(
     hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov, maximize=maximize)
     for (dev, _, _, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,), check_states=validate).items():
-        impl = _kernels() if _backend_for("sgd_update", dev, eligible) == "triton" else _reference
-        impl.sgd(_take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None,
-                 _take(bufs, idx), _take_step(step, idx), inv_scale=inv_scale, clip_coef=clip_coef,
+        b_params, b_grads, b_masters = _take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None
+        b_bufs, b_step = _take(bufs, idx), _take_step(step, idx)
+        if _backend_for("sgd_update", dev, eligible) == "triton":
+            impl = _kernels()
+        elif _cpu_sgd.applies(b_params, b_grads, b_masters, b_bufs):
+            _cpu_sgd.sgd(b_params, b_grads, b_bufs, b_step, inv_scale=inv_scale, clip_coef=clip_coef,
+                         found_inf=found_inf, **hyper)
+            continue
+        else:
+            impl = _reference
+        impl.sgd(b_params, b_grads, b_masters, b_bufs, b_step, inv_scale=inv_scale, clip_coef=clip_coef,
                  found_inf=found_inf, **hyper)
 
 

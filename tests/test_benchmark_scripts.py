@@ -27,3 +27,11 @@ def test_ddp_benchmark_runs_both_rows():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     for line in ("fusedist / torch step time", "launched alone", "fusedist / torch: **"):
         assert line in out.stdout, out.stdout
+
+
+def test_cpu_sgd_benchmark_runs():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_sgd_cpu.py"), "--quick", "--no-write"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("torch_over_fusedist=") == 3, out.stdout

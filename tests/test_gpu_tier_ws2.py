@@ -299,8 +299,60 @@ def _stage3(rank, world_size, device):
     return out
 
 
+def _stage3_meta_async(rank, world_size, device):
+    """fully_shard built on meta, ``to_empty`` onto the run's device, ``init_parameters``; then
+    ``dcp.async_save`` while a step runs, loaded into another meta-built model."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from test_fully_shard import Net
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+
+    mesh = init_device_mesh(device.type, (world_size,))
+
+    def built(seed):
+        with torch.device("meta"):
+            model = Net()
+        for block in model.blocks:
+            fusedist.fully_shard(block, mesh=mesh)
+        fusedist.fully_shard(model, mesh=mesh)
+        model.to_empty(device=device)
+        torch.manual_seed(seed)
+        fusedist.fsdp.init_parameters(model)
+        return model
+
+    model = built(7)
+    torch.manual_seed(99)
+    ref = Net().to(device)
+    torch.manual_seed(7)
+    ref.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    at_init = fusedist.fsdp.full_state_dict(model)
+    init_diff = max((at_init[k].to(device) - v).abs().max().item() for k, v in ref.state_dict().items())
+
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    group = dist.new_group(backend="gloo")  # the save's collectives beside the step's
+    future = dcp.async_save({"model": model.state_dict()}, checkpoint_id=os.path.join(where[0], "ck"),
+                            process_group=group)
+    x = torch.randn(6, 8, device=device, generator=None)
+    model(x).square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()  # the weights change while the save runs
+    future.result()
+    fresh = built(8)
+    sd = fresh.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=os.path.join(where[0], "ck"), process_group=group)
+    fresh.load_state_dict(sd)
+    loaded = fusedist.fsdp.full_state_dict(fresh)
+    return dict(init=init_diff, loaded=max((loaded[k] - at_init[k]).abs().max().item() for k in at_init),
+                devices={p.device.type for p in fresh.parameters()})
+
+
 SECTIONS = {"bf16_reduce": _bf16_reduce, "fp16_master": _fp16_master, "zero_offload": _zero_offload,
-            "syncbn": _syncbn, "stage3": _stage3}
+            "syncbn": _syncbn, "stage3": _stage3, "stage3_meta_async": _stage3_meta_async}
 
 
 def _tier(rank, world_size, device_type):
@@ -405,3 +457,11 @@ def test_fully_shard_matches_torch_fsdp2(tier):
             assert r["param_devices"] == {device_type}
             assert r["prefetch_seen"] == [False, True, True, True, True], r["prefetch_seen"]
             assert r["gathered_after_eval"] == 0
+
+
+def test_fully_shard_meta_init_and_async_save(tier):
+    device_type, per_rank = _section(tier, "stage3_meta_async")
+    for r in per_rank:
+        assert r["init"] == 0.0, r  # the unsharded model's initialization, bit for bit
+        assert r["loaded"] == 0.0, r  # the weights of the step the save was taken at
+        assert r["devices"] == {device_type}

@@ -39,6 +39,11 @@ Sections and their tolerances:
   global batch (tests/test_syncbn.py's oracle and helpers). fp32 tolerances of test_syncbn.py.
 * **Stage 3**: ``fusedist.fully_shard`` against torch FSDP2 (tests/test_fully_shard.py's core
   checks on the run's device): fp32 ``rtol=1e-5, atol=1e-6`` on losses, 1e-5 on weights.
+* **Stage 3 on meta, async save**: built on the meta device, ``to_empty`` onto the run's
+  device, ``fusedist.fsdp.init_parameters``: equal bit for bit to the unsharded model given the
+  same seed on that device (each rank draws the whole values; nothing is rounded); then a
+  ``dcp.async_save`` taken while a step runs, loaded into another meta-built model: the saved
+  step's weights bit for bit (a copy).
 """
 
 from __future__ import annotations

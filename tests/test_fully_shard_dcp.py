@@ -241,3 +241,59 @@ def test_torch_helpers_full_state_dict(ws):
         assert res.pop("full vs torch") <= (0.0 if ws == 2 else TOL3)
         for name, diff in res.items():
             assert diff in (None, 0.0), (rank, name, diff)
+
+
+# ------------------------------------------------------------------ activation-checkpoint wrappers
+def _wrapped(ws, seed, shard_blocks):
+    """Net with every block in torch's ``checkpoint_wrapper``, whose state-dict hooks drop the
+    ``_checkpoint_wrapped_module.`` segment from the keys (Note [keys renamed by a wrapper]):
+    the wrappers sharded on their own, or inside the root's unit."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(seed)
+    model = Net()
+    mesh = _mesh(ws)
+    for i, b in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(b)
+        if shard_blocks:
+            fusedist.fully_shard(model.blocks[i], mesh=mesh)
+    fusedist.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _wrapped_round_trip(rank, ws, where, shard_blocks):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+
+    from fusedist.fsdp.dcp import ShardedPiece
+
+    torch.manual_seed(0)
+    reference = Net().state_dict()  # the same seed, unwrapped and whole
+    model = _wrapped(ws, 0, shard_blocks)
+    sd = model.state_dict()
+    out = {"keys": sorted(sd) == sorted(reference),
+           "pieces": sorted(k for k, v in sd.items() if not isinstance(v, ShardedPiece) and k != "shift")}
+    dcp.save({"model": sd}, checkpoint_id=where)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out["full"] = _diff(full, reference)
+    fresh = _wrapped(ws, 1, shard_blocks)
+    loaded = {"model": fresh.state_dict()}
+    dcp.load(loaded, checkpoint_id=where)
+    fresh.load_state_dict(loaded["model"])
+    out["dcp round trip"] = _diff(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)), reference)
+    fresh = _wrapped(ws, 1, shard_blocks)
+    set_model_state_dict(fresh, dict(reference), options=StateDictOptions(full_state_dict=True))
+    out["set full"] = _diff(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)), reference)
+    return out
+
+
+@pytest.mark.parametrize("shard_blocks", [True, False])
+def test_checkpoint_wrapped_blocks_save_their_pieces(tmp_path, shard_blocks):
+    """Every sharded parameter's entry is a piece under the key without the wrapper's segment,
+    so DCP writes this rank's rows (a plain tensor would be written as replicated: one rank's
+    rows as the whole parameter), and whole tensors under those keys load."""
+    for rank, res in enumerate(run_distributed(_wrapped_round_trip, 3, str(tmp_path), shard_blocks)):
+        assert res.pop("keys") and res.pop("pieces") == [], (rank, res)
+        for name, diff in res.items():
+            assert diff == 0.0, (rank, name, diff)

@@ -267,7 +267,8 @@ def install_state_dict_hooks(module: nn.Module) -> None:
 
 def _entries(module: nn.Module, prefix: str):
     """``(key, unit, index)`` of every sharded parameter this module's state dict holds
-    itself (submodules sharded on their own have hooks of their own)."""
+    itself (submodules sharded on their own have hooks of their own). ``key`` is the module
+    path; the dict may hold it under another name (Note [keys renamed by a wrapper])."""
     from .api import _managed_modules
     from .state import state_of
     from .state_dict import piece_index
@@ -312,6 +313,30 @@ def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
     return value.reshape(-1)[lo:hi].view(piece_shape)
 
 
+# Note [keys renamed by a wrapper]
+#     torch's activation-checkpoint wrapper (``checkpoint_wrapper``, which torchtitan puts
+#     around each block before ``fully_shard``) holds the block as ``_checkpoint_wrapped_module``
+#     and renames state-dict keys with hooks of its own: a state-dict post-hook drops that
+#     segment (``blocks.0._checkpoint_wrapped_module.fc1.weight`` is saved as
+#     ``blocks.0.fc1.weight``) and a load pre-hook puts it back. Its post-hook runs before
+#     ours when the wrapper is the sharded module (it was registered first) and always when
+#     the wrapper sits inside a unit (a submodule's hooks run before its parent's), so our
+#     hooks look an entry up under the module path and, failing that, under the path without
+#     the wrapper's segments -- the name torch's own helpers use (``_get_fqns``). Missing the
+#     entry would leave the piece in the dict as a plain tensor: DCP writes it as a replicated
+#     tensor, i.e. one rank's rows as the whole parameter.
+_WRAPPER_SEGMENT = "_checkpoint_wrapped_module."
+
+
+def _key_in(state_dict, key: str) -> Optional[str]:
+    """The name ``state_dict`` holds the entry ``key`` under, or None (Note [keys renamed by a
+    wrapper])."""
+    if key in state_dict:
+        return key
+    bare = key.replace(_WRAPPER_SEGMENT, "")
+    return bare if bare != key and bare in state_dict else None
+
+
 @torch.no_grad()
 def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
     if _KEEP_VARS.pop(module, False):
@@ -319,7 +344,8 @@ def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
     full = _full_state_dict_requested()
     gathered: dict = {}
     for key, unit, i in _entries(module, prefix):
-        if key not in state_dict:
+        key = _key_in(state_dict, key)
+        if key is None:
             continue
         if full is None:
             state_dict[key] = as_entry(unit.sharded[i], unit, i)
@@ -336,7 +362,8 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
                          error_msgs) -> None:
     """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece."""
     for key, unit, i in _entries(module, prefix):
-        value = state_dict.get(key)
+        key = _key_in(state_dict, key)
+        value = state_dict.get(key) if key is not None else None
         if isinstance(value, torch.Tensor):
             state_dict[key] = whole_to_piece(value, unit, i)
 

@@ -326,12 +326,31 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
+        # Note [bookkeeping outside compiled graphs]: only the module's own forward is traced.
+        if self._before_forward(torch.compiler.is_compiling()):
+            return _join.run_module(self, args, kwargs)
+        return self.module(*args, **kwargs)
+
+    # Note [bookkeeping outside compiled graphs]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # When the wrapper itself is compiled (``torch.compile(ddp_model)``), dynamo traced what a
+    # forward does before the module runs -- the step checks, the buffer broadcast through the
+    # communicator, the join exchange. None of it is graph material: it broke the graph inside
+    # the communicator, whose frames dynamo then guarded on the collective's tag and sequence
+    # number, so every step recompiled them until dynamo's recompile limit ("hit
+    # config.recompile_limit" warnings, one compile per step for the first eight). It runs
+    # eagerly here, as torch's DDP keeps its own pre-forward out of the graph; ``traced`` says
+    # whether the forward around it is being compiled (Note [hooks inside compiled modules]).
+    @torch.compiler.disable
+    def _before_forward(self, traced: bool) -> bool:
+        """Everything a forward does before the module runs; True when a join context is
+        active and the module must run through :func:`_join.run_module`."""
         if self._superseded_by is not None:
             raise RuntimeError(self._superseded_by)
         if self._join_config.enable and torch.is_grad_enabled():
             _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
-            self._wait_for_params(torch.compiler.is_compiling())
-            return _join.run_module(self, args, kwargs)
+            self._wait_for_params(traced)
+            return True
         sync_buffers, grad = self._buffers_due, torch.is_grad_enabled()
         # Note [when buffers are broadcast]
         self._buffers_due = grad and self._no_sync_depth == 0
@@ -345,10 +364,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._broadcast_coalesced(buffers, tag="ddp buffers")
         if grad:
             self.reducer.tracker.observe(self.reducer)  # Note [trainable set changes]
-        # Called even with no waiter: a compiled DDP forward must not have a branch that
-        # dynamo resolved while the list was still empty.
-        self._wait_for_params(torch.compiler.is_compiling())
-        return self.module(*args, **kwargs)
+        self._wait_for_params(traced)
+        return False
 
     # Note [when buffers are broadcast]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

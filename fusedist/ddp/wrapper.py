@@ -339,8 +339,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # the communicator, whose frames dynamo then guarded on the collective's tag and sequence
     # number, so every step recompiled them until dynamo's recompile limit ("hit
     # config.recompile_limit" warnings, one compile per step for the first eight). It runs
-    # eagerly here, as torch's DDP keeps its own pre-forward out of the graph; ``traced`` says
-    # whether the forward around it is being compiled (Note [hooks inside compiled modules]).
+    # eagerly here, one graph break before the module; ``traced`` says whether the forward
+    # around it is being compiled (Note [hooks inside compiled modules]).
     @torch.compiler.disable
     def _before_forward(self, traced: bool) -> bool:
         """Everything a forward does before the module runs; True when a join context is

@@ -4,9 +4,10 @@ statistics included), optimizer state, GradScaler and LR-scheduler state.
 
 The recipe is what a real script does: an embedding, a (Sync)BatchNorm layer, dropout with
 seeded masks, bf16 autocast on CPU with a GradScaler, gradient accumulation over 2
-micro-batches (``no_sync`` on the first), clip at 1.0 (returned norms compared), two parameter groups (no weight decay
-for biases and norms), an LR scheduler, and one step whose loss is inf on rank 1 only (every
-rank skips it, both scalers back off alike). Then the run is checkpointed at step K and resumed
+micro-batches (``no_sync`` on the first), clip at 1.0 (returned norms compared), two parameter
+groups (no weight decay for biases and norms), an LR scheduler, an evaluation forward after
+every step, and one step whose loss is inf on rank 1 only (every rank skips it, both scalers
+back off alike). Then the run is checkpointed at step K and resumed
 in fresh processes -- at the same world size (bit for bit, generators included) and at world
 sizes 1 and 3 (ZeRO's optimizer state resharded, ElasticDistributedSampler re-splitting the
 epoch). Two focused tests pin the torch.compile fixes the recipe needed.
@@ -202,9 +203,21 @@ def _train_steps(rank, world, side, cfg, model, opt, scaler, sched, clip, sample
         sched.step()
         opt.zero_grad()
         log["scale"].append(scaler.get_scale())
+        log["eval"].append(_evaluate(model, xs))
         log["lr"].append([g["lr"] for g in opt.param_groups])
         if after_step is not None:
             after_step(step + 1)
+
+
+def _evaluate(model, xs) -> float:
+    """An evaluation forward between steps, as a script's validation does: every rank, running
+    statistics (rank 0's, broadcast by the training forward before it, Note [when buffers are
+    broadcast])."""
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(xs[:6]).float().sum().item()
+    model.train()
+    return out
 
 
 def _full_opt_state(opt) -> dict:
@@ -231,7 +244,7 @@ def _side_by_side_worker(rank, world, cfg):
     out = {}
     for side in ("torch", "fusedist"):
         model, bare, opt, scaler, sched, clip = _build(side, cfg, world)
-        log = {"loss": [], "norm": [], "scale": [], "lr": []}
+        log = {"loss": [], "norm": [], "scale": [], "lr": [], "eval": []}
         _train_steps(rank, world, side, cfg, model, opt, scaler, sched, clip, _sampler(side, rank, world),
                      0, STEPS, log)
         out[side] = _result(bare, opt, scaler, sched, log)
@@ -249,14 +262,18 @@ def _compiled_sync_bn_worker(rank, world):
         model = torch.compile(net, backend="aot_eager") if compiled else net
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
         model(x).square().sum().backward()
+        net.eval()
+        with torch.no_grad():
+            evaluated = model(x)
         out.append([t.detach().clone() for t in (*net.parameters(), *(p.grad for p in net.parameters()),
-                                                  *net.buffers())])
+                                                  *net.buffers(), evaluated)])
     return all(torch.equal(a, b) for a, b in zip(*out))
 
 
 def test_sync_batch_norm_in_a_compiled_module_synchronizes_as_eager():
-    """Its collectives run outside the compiled graph (Note [SyncBatchNorm under torch.compile]):
-    dynamo used to trace into the communicator and fail on every rank at the first forward."""
+    """The layer runs outside the compiled graph (Note [SyncBatchNorm under torch.compile]):
+    dynamo used to trace into the communicator and fail on every rank at the first training
+    forward, and into the kernel launch of an eval forward under the Triton interpreter."""
     assert run_distributed(_compiled_sync_bn_worker, 2, timeout=120) == [True, True]
 
 
@@ -301,7 +318,7 @@ def _close(a, b, tol: float) -> bool:
 
 
 def _compare(ours: dict, ref: dict, tol: float, what: str, opt_keys=("exp_avg", "exp_avg_sq", "step")) -> None:
-    for key in ("loss", "norm", "scale", "lr"):
+    for key in ("loss", "norm", "scale", "lr", "eval"):
         assert _close(ours[key], ref[key], tol), f"{what}: {key} differ:\n ours  {ours[key]}\n torch {ref[key]}"
     for name, ref_t in ref["weights"].items():
         assert _close(ours["weights"][name], ref_t, tol), (
@@ -383,7 +400,7 @@ def _uninterrupted_worker(rank, world, ckpt_dir, save_dir, cfg):
             fusedist.checkpoint.save(save_dir, model, opt, scaler, extra={"sched": sched.state_dict()},
                                      per_rank=resume.resume_state(shadow))
 
-    log = {"loss": [], "norm": [], "scale": [], "lr": []}
+    log = {"loss": [], "norm": [], "scale": [], "lr": [], "eval": []}
     _train_steps(rank, world, "fusedist", cfg, model, opt, scaler, sched, clip, sampler, 0, STEPS, log,
                  after_step)
     ckpt.close()
@@ -408,7 +425,7 @@ def _resumed_worker(rank, world, how, directory, cfg):
         assert resume.restore(fusedist.checkpoint.load_per_rank(directory), sampler)
         start = RESUME_AT
     assert start == RESUME_AT
-    log = {"loss": [], "norm": [], "scale": [], "lr": []}
+    log = {"loss": [], "norm": [], "scale": [], "lr": [], "eval": []}
     _train_steps(rank, world, "fusedist", cfg, model, opt, scaler, sched, clip, sampler, start, STEPS, log)
     return _result(bare, opt, scaler, sched, log)
 
@@ -416,7 +433,7 @@ def _resumed_worker(rank, world, how, directory, cfg):
 def _tail(run: dict) -> dict:
     """The uninterrupted run as a resumed one logs it: the steps from RESUME_AT on."""
     micro = RESUME_AT * MICRO_STEPS
-    return dict(run, loss=run["loss"][micro:], **{k: run[k][RESUME_AT:] for k in ("norm", "scale", "lr")})
+    return dict(run, loss=run["loss"][micro:], **{k: run[k][RESUME_AT:] for k in ("norm", "scale", "lr", "eval")})
 
 
 def test_resume_in_fresh_processes_continues_the_uninterrupted_run(tmp_path):

@@ -102,6 +102,16 @@ class SyncBatchNorm(_BatchNorm):
             self._channels_checked.add(comm.uid)
         return comm
 
+    # Note [SyncBatchNorm under torch.compile]
+    #     The layer runs eagerly inside a compiled model (``torch.compile(model)`` in a DDP
+    #     wrapper, or of the wrapper): a graph break around it, its neighbours still compiled.
+    #     In training it talks to the other ranks through fusedist's communicator
+    #     (process-group objects, the gloo exchange's send/recv, the reliability monitor),
+    #     none of which dynamo can trace -- the first training forward failed on every rank.
+    #     Both modes launch fusedist's own kernels (Triton, C++ or the reference, chosen at
+    #     run time), which dynamo would have to trace through their launchers: eval under the
+    #     Triton interpreter failed in dynamo's fake-tensor pass.
+    @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         average_factor = 0.0 if self.momentum is None else self.momentum
@@ -112,21 +122,8 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training and self.running_mean is not None and self.running_var is not None:
             return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
                                           self.running_var, self.eps)
-        return self._batch_stats_norm(input, average_factor)
-
-    # Note [SyncBatchNorm under torch.compile]
-    #     The batch-statistics path talks to the other ranks through fusedist's communicator
-    #     (process-group objects, the gloo exchange's send/recv, the reliability monitor),
-    #     none of which dynamo can trace: inside a compiled model (``torch.compile(model)``
-    #     in a DDP wrapper, or of the wrapper) the first training forward failed on every
-    #     rank. The path runs eagerly instead: a graph break around the layer, whose
-    #     neighbours are still compiled (one graph before it, one after). Eval with running
-    #     statistics communicates nothing and stays in the graph.
-    @torch.compiler.disable
-    def _batch_stats_norm(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
-        """Normalize with this batch's statistics, synchronized over the ranks in training."""
-        # Only training synchronizes: eval with track_running_stats=False normalizes each
-        # rank's batch on its own, like torch.nn.SyncBatchNorm.
+        # Batch statistics. Only training synchronizes: eval with track_running_stats=False
+        # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
         update_running = self.training and self.track_running_stats
         comm = self._communicator(input.device) if self.training else None
         if comm is not None and _join._sync_bn_trace is not None:

@@ -351,6 +351,7 @@ CASES = {
     "ddp, FusedAdamW, BatchNorm": (dict(fused=True, dropout=0.25), 1e-5),
     "zero1, AdamW, OneCycleLR": (dict(zero=1, sched="onecycle", dropout=0.25), 1e-5),
     "zero2, AdamW, LambdaLR": (dict(zero=2, dropout=0.25), 1e-5),
+    "zero1, FusedAdamW, ddp(compile(model))": (dict(zero=1, fused=True, compile="inner", dropout=0.25), 1e-5),
     "zero2, FusedAdamW, OneCycleLR, SyncBN": (dict(zero=2, fused=True, sched="onecycle", sync_bn=True), 1e-4),
 }
 

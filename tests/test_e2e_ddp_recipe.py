@@ -370,6 +370,10 @@ def test_recipe_matches_torch(case):
 # In fp32: across world sizes the bf16 matmuls round partial sums over other row counts, and
 # AdamW turns that into whole steps on near-zero gradients (0.04 on an embedding row at world
 # size 3); in fp32 the resharded continuation agrees to 2.4e-7. bf16 is checked above.
+# Not compiled: a graph dynamo compiles in the resumed process (at step K) is not the one the
+# uninterrupted run compiled at step 0 and reuses, and under bf16 autocast their gradients
+# differ by a few ulps -- torch's own DDP run changes the same way, to the bit, after
+# torch._dynamo.reset() at that step.
 RESUME_CFG = dict(zero=2, fused=True, sched="onecycle", sync_bn=True, bf16=False, dropout=0.25)
 # No dropout across world sizes: each rank's masks come from its own generator.
 ELASTIC_CFG = dict(RESUME_CFG, dropout=0.0)

@@ -114,6 +114,31 @@ def test_compiled_and_uncompiled_models_load_each_others_checkpoints(tmp_path):
     assert _same(fresh_opt.state_dict(), nested_opt.state_dict())
 
 
+def test_checkpoint_wrapped_and_bare_models_load_each_others_checkpoints(tmp_path):
+    """torch's ``checkpoint_wrapper`` (activation checkpointing) puts
+    ``_checkpoint_wrapped_module.`` into parameter names (its hooks drop it from state-dict
+    keys): a checkpoint of the wrapped model named the optimizer's parameters differently from
+    the bare model's and was refused. Both directions, model and optimizer state."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fusedist import checkpoint
+
+    def wrapped(model):
+        model[0] = checkpoint_wrapper(model[0])
+        return model
+
+    for name, make_saved, make_loaded in (("wrapped", wrapped, lambda m: m), ("bare", lambda m: m, wrapped)):
+        saved = make_saved(_net(0))
+        opt = torch.optim.AdamW(saved.parameters(), lr=1e-2)
+        _step(saved, opt)
+        checkpoint.save(str(tmp_path / name), saved, opt, extra={"step": 1})
+        fresh = make_loaded(_net(5))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        assert checkpoint.load(str(tmp_path / name), fresh, fresh_opt) == {"step": 1}, name
+        assert torch.equal(models.flat_params(fresh), models.flat_params(saved)), name
+        assert _same(fresh_opt.state_dict(), opt.state_dict()), name
+
+
 def test_a_compiled_models_checkpoint_with_orig_mod_keys_still_loads(tmp_path, monkeypatch):
     """Checkpoints of compiled models written before names were canonical hold
     ``_orig_mod.`` in their model keys and the optimizer's parameter names; they load into the

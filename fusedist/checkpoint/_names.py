@@ -4,7 +4,8 @@ wrappers insert, so that one model saved compiled, wrapped or bare loads as the 
 Note [canonical names]
     ``torch.compile(model)`` returns an ``OptimizedModule`` whose state dict keys (and
     parameter names) all carry ``_orig_mod.``; DDP (fusedist's or torch's) adds ``module.``;
-    either can sit anywhere in the tree (``model.block = torch.compile(model.block)``).
+    torch's ``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.`` to parameter names;
+    each can sit anywhere in the tree (``model.block = torch.compile(model.block)``).
     Checkpoints store every key and parameter name without those segments, found by walking
     the module tree along the key (as torch's ``get_model_state_dict`` does in
     ``_get_fqns``), never by string matching, so a user's own submodule called ``module`` or
@@ -20,6 +21,10 @@ from typing import Iterable, Optional
 import torch
 
 _ORIG_MOD = "_orig_mod"
+#: the attribute of torch's activation checkpointing / offloading wrappers
+#: (``checkpoint_wrapper``): their own state-dict hooks drop it from the keys, not from
+#: parameter names.
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 
 
 def _inner(obj, part: str) -> Optional[torch.nn.Module]:
@@ -30,6 +35,11 @@ def _inner(obj, part: str) -> Optional[torch.nn.Module]:
         return obj._orig_mod
     if part == "module" and isinstance(obj, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
         return obj.module
+    if part == _CHECKPOINT_WRAPPED:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+        if isinstance(obj, ActivationWrapper):
+            return getattr(obj, _CHECKPOINT_WRAPPED)
     return None
 
 

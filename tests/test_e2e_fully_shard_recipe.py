@@ -253,16 +253,12 @@ def _ckpt_state(model, opt, sched, variant) -> dict:
     return {"model": msd, "optim": osd, "sched": sched.state_dict()}
 
 
-def _load_ckpt(model, opt, sched, variant, where, partial: bool = False) -> None:
-    """``partial``: keys the checkpoint lacks keep the fresh values (FusedAdamW's param groups
-    have two hyperparameters torch's AdamW does not save: ``bias_correction``,
-    ``master_weights``)."""
+def _load_ckpt(model, opt, sched, variant, where) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _ckpt_state(model, opt, sched, variant)
-    dcp.load(state, checkpoint_id=where, planner=DefaultLoadPlanner(allow_partial_load=partial))
+    dcp.load(state, checkpoint_id=where)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(variant))
     sched.load_state_dict(state["sched"])
@@ -298,8 +294,7 @@ def _resume_worker(rank, ws, where):
         for kind, saved_by in [(k, k) for k in KINDS] + [("ours", "torch"), ("ours_fused", "torch")]:
             model = _build(kind, variant, None)
             opt, sched = _optimizer(kind, model)
-            _load_ckpt(model, opt, sched, variant, os.path.join(where, variant, saved_by),
-                       partial=(kind, saved_by) == ("ours_fused", "torch"))
+            _load_ckpt(model, opt, sched, variant, os.path.join(where, variant, saved_by))
             curves = [_step(model, opt, sched, kind, rank, step) for step in range(SAVE_AT, STEPS)]
             out[variant, kind, saved_by] = _record(curves, model)
     return out

@@ -212,6 +212,11 @@ def test_state_dict_round_trip_and_bit_identical_resume(cls, kwargs):
     for p, q in zip(params, params2):
         assert torch.equal(p, q)
         for key, value in opt.state[p].items():
+            if key == "step" and cls is FusedSGD:
+                # torch's SGD keeps no step count, and FusedSGD's state dict is torch's: a loaded
+                # buffer counts as past its first step, the only thing the count decides.
+                assert opt2.state[q][key] >= 2, opt2.state[q][key]
+                continue
             assert torch.equal(value, opt2.state[q][key]), key
 
 

@@ -38,11 +38,31 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     """
 
     _state_keys: tuple[str, ...] = ()
+    #: The torch optimizer this one replaces: its state dicts and this one's are interchangeable,
+    #: through ``load_state_dict`` and torch's distributed checkpoint alike (Note [param groups
+    #: in torch's keys]); and this optimizer's own group settings with their defaults.
+    _torch_counterpart: Optional[type] = None
+    _own_group_defaults: dict = {}
+
+    # Note [param groups in torch's keys]
+    #     torch's distributed checkpoint loads an optimizer state by the keys of the *target's*
+    #     state dict, flattened (``param_groups.0.master_weights``), and its flattened form
+    #     (``flatten_optimizer_state_dict``) rebuilds groups from the live optimizer's keys:
+    #     every one must be in the checkpoint. A fused optimizer's groups carried keys torch's
+    #     lack (``master_weights``, ``bias_correction``) and lacked some of torch's
+    #     (``foreach``, ``fused``, ...), so neither library loaded the other's checkpoint. So
+    #     the groups themselves are kept in the key set of the torch counterpart: a
+    #     fusedist-only setting is stored only when it differs from its default (what torch's
+    #     optimizer does: no masters, bias correction on) and read with that default, and
+    #     torch's keys are present with torch's defaults. A setting torch has no equivalent for
+    #     (``master_weights=True``) stays: a torch optimizer loading it keeps the key and
+    #     ignores it. ``load_state_dict`` fills a key the saved groups lack with this
+    #     optimizer's own setting.
 
     def __init__(self, params, defaults: dict):
         # torch's load_state_dict adds this key to every group; having it from the start keeps
         # state_dict() stable across a save/load round trip.
-        defaults = {**defaults, "differentiable": False}
+        defaults = self._in_torch_keys({**defaults, "differentiable": False})
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -218,6 +238,17 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     # State tensors the kernels read: fp32 (fp64 for fp64 parameters), laid out like the parameter.
     _KERNEL_STATE_KEYS = ("master_param", "momentum_buffer", "max_exp_avg_sq")
 
+    def _in_torch_keys(self, defaults: dict) -> dict:
+        """``defaults`` in the key set of the torch counterpart's groups (Note [param groups in
+        torch's keys])."""
+        if self._torch_counterpart is None:
+            return defaults
+        own = self._own_group_defaults
+        out = {k: v for k, v in defaults.items() if not (k in own and _same_setting(v, own[k]))}
+        for key, value in _torch_group_defaults(self._torch_counterpart).items():
+            out.setdefault(key, value)
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Like torch's, but state tensors keep their saved dtype (torch casts them to the
         parameter's dtype, which would round fp32 master weights and moments to bf16), and a
@@ -230,6 +261,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         pre_hooks = self._optimizer_load_state_dict_pre_hooks
         for hook in pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
+        # torch's flattened-state loader puts {} where the checkpoint lacks a key this optimizer
+        # holds (FusedSGD's step count, which torch's SGD does not keep): absent, made again by
+        # _init_state.
+        state_dict["state"] = {key: {k: v for k, v in values.items() if not (isinstance(v, dict) and not v)}
+                               for key, values in state_dict["state"].items()}
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         self._check_loadable(saved_groups, saved_state)
@@ -241,7 +277,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         self._fusedist_ready = set()
         self._master_versions = {}  # the loaded masters are the truth now
         for group in self.param_groups:
-            # A state dict from torch's optimizer lacks fusedist's own keys: use our defaults.
+            # A key missing (a torch optimizer's state dict, or a fusedist-only key left out as
+            # the class default, Note [param groups in torch's keys]): this optimizer's setting.
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         id_map = {
@@ -315,3 +352,21 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
 def masters_of(states: list) -> Optional[list]:
     masters = [s.get("master_param") for s in states]
     return masters if any(m is not None for m in masters) else None
+
+
+_TORCH_GROUP_DEFAULTS: dict = {}
+
+
+def _same_setting(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a tensor-valued setting is never the default
+        return False
+
+
+def _torch_group_defaults(torch_cls: type) -> dict:
+    """The keys and default values of a param group of torch's ``torch_cls``."""
+    if torch_cls not in _TORCH_GROUP_DEFAULTS:
+        group = torch_cls([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]
+        _TORCH_GROUP_DEFAULTS[torch_cls] = {k: v for k, v in group.items() if k != "params"}
+    return _TORCH_GROUP_DEFAULTS[torch_cls]

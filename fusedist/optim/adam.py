@@ -25,6 +25,8 @@ class FusedAdam(FusedOptimizerBase):
 
     _state_keys = ("exp_avg", "exp_avg_sq")
     _adamw = False
+    _torch_counterpart = torch.optim.Adam
+    _own_group_defaults = {"master_weights": False, "bias_correction": True}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False,
                  *, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -76,7 +78,7 @@ class FusedAdam(FusedOptimizerBase):
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"], step=[s["step"] for s in states],
-            bias_correction=group["bias_correction"], maximize=group["maximize"],
+            bias_correction=group.get("bias_correction", True), maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False, max_exp_avg_sqs=max_exp_avg_sqs,
         )
@@ -86,3 +88,4 @@ class FusedAdamW(FusedAdam):
     """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2); see FusedAdam."""
 
     _adamw = True
+    _torch_counterpart = torch.optim.AdamW

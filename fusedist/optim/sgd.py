@@ -16,6 +16,9 @@ class FusedSGD(FusedOptimizerBase):
     parameter's first step, which is decided on the device so a skipped first step is safe).
     """
 
+    _torch_counterpart = torch.optim.SGD
+    _own_group_defaults = {"master_weights": False}
+
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                  *, maximize=False, foreach=None, differentiable=False, fused=None, master_weights=False):
         if differentiable:
@@ -82,14 +85,21 @@ class FusedSGD(FusedOptimizerBase):
             self._groups_without_buffers.discard(id(group))
 
     def state_dict(self) -> dict:
-        """Like torch's, but a momentum buffer no step has filled yet (every step so far was
-        skipped for inf/nan gradients) is left out, with its step count: torch's SGD has no
-        buffer then, and would take a zero one as a buffer to decay, which with dampening
-        starts it from ``(1 - dampening) * grad`` instead of ``grad``. (Reads the step counts:
-        one host synchronization per device.)"""
+        """torch's SGD state dict: a momentum buffer no step has filled yet (every step so far
+        was skipped for inf/nan gradients) is left out -- torch's SGD has no buffer then, and
+        would take a zero one as a buffer to decay, which with dampening starts it from
+        ``(1 - dampening) * grad`` instead of ``grad`` -- and so are the step counts, which
+        torch's SGD does not keep (torch's distributed checkpoint loads by the target's keys,
+        so an extra key is a missing one for the other side). A loaded buffer means its first
+        step is done (``_init_state``), all the count decides. (Reads the step counts: one host
+        synchronization per device.)"""
         state_dict = super().state_dict()
-        state = without_unfilled_buffers(state_dict["state"])
-        return state_dict if state is state_dict["state"] else {**state_dict, "state": state}
+        state = {}
+        for key, values in without_unfilled_buffers(state_dict["state"]).items():
+            kept = {k: v for k, v in values.items() if k != "step"}
+            if kept:
+                state[key] = kept
+        return {**state_dict, "state": state}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

@@ -23,6 +23,7 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from test_checkpoint_probe import _error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,16 +41,6 @@ def _step(model, opt, seed: int = 0) -> None:
     opt.step()
     if hasattr(opt, "wait_for_params"):
         opt.wait_for_params()
-
-
-def _error(fn):
-    """(exception type, text, seconds) of what ``fn()`` raises, or None."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported back to the test
-        return type(exc).__name__, str(exc), time.monotonic() - start
-    return None
 
 
 def _same(a, b) -> bool:

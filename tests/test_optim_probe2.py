@@ -20,6 +20,7 @@ from fusedist.amp import GradScaler
 from fusedist.optim import FusedAdamW, FusedSGD, clip_grad_norm_
 
 from test_optim import BACKENDS, DEVICE  # noqa: F401 - the backend fixture's parameters
+from test_optim_probe import _scalers
 
 SHAPES = [(5,), (3, 4), (1,), (6, 2)]
 ATOL = 1e-6
@@ -55,15 +56,6 @@ def _set(params, grads):
 def _assert_close(ours, theirs, atol=ATOL):
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=atol)
-
-
-def _scalers(lazy_unscale=False, init_scale=4.0):
-    """(fusedist's, torch's) GradScaler, both past their first scale() call."""
-    pair = (GradScaler(DEVICE.type, init_scale=init_scale, lazy_unscale=lazy_unscale),
-            torch.amp.GradScaler(DEVICE.type, init_scale=init_scale))
-    for sc in pair:
-        sc.scale(torch.zeros((), device=DEVICE))
-    return pair
 
 
 # -- 1. a scaler step on an optimizer without gradients ----------------------------------------

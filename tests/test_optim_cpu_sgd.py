@@ -97,7 +97,10 @@ def test_a_skipped_step_writes_nothing_and_the_next_starts_the_buffer():
 
 
 def test_the_path_is_taken_only_for_tensors_without_casts():
-    p32, p16 = torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)
-    assert _cpu_sgd.applies([p32], [torch.zeros(3)], None, [torch.zeros(3)])
-    assert not _cpu_sgd.applies([p16], [torch.zeros(3, dtype=torch.bfloat16)], [torch.zeros(3)], None)
-    assert not _cpu_sgd.applies([p32], [torch.zeros(3, dtype=torch.float64)], None, None)
+    cpu, f32, f64, bf16 = torch.device("cpu"), torch.float32, torch.float64, torch.bfloat16
+    assert _cpu_sgd.applies(cpu, f32, f32, False, [torch.zeros(3)])
+    assert _cpu_sgd.applies(cpu, f64, f64, False, None)
+    assert not _cpu_sgd.applies(cpu, bf16, bf16, True, None)  # FP32 masters: casts
+    assert not _cpu_sgd.applies(cpu, f32, f64, False, None)
+    assert not _cpu_sgd.applies(cpu, f32, f32, False, [torch.zeros(3, dtype=f64)])
+    assert not _cpu_sgd.applies(torch.device("meta"), f32, f32, False, None)

@@ -17,15 +17,15 @@ from .._dtypes import compute_dtype
 from ._reference import grad_factor, skip_now
 
 
-def applies(params, grads, masters, momentum_buffers) -> bool:
-    """Whether a CPU SGD call can take this path: every tensor in the parameters' compute dtype
-    (fp32 or fp64 parameters, no FP32 masters), so no tensor needs a cast."""
-    if masters is not None and any(m is not None for m in masters):
+def applies(device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, has_master: bool,
+            momentum_buffers) -> bool:
+    """Whether one bucket of a CPU SGD call (``functional._bucketize``'s key: one device, one
+    parameter and one gradient dtype, masters or not) can take this path: every tensor in the
+    parameters' compute dtype (fp32 or fp64 parameters, no FP32 masters), so no tensor needs a
+    cast."""
+    if device.type != "cpu" or has_master or compute_dtype(param_dtype) != param_dtype or grad_dtype != param_dtype:
         return False
-    dtype = params[0].dtype
-    if params[0].device.type != "cpu" or compute_dtype(dtype) != dtype:
-        return False
-    return all(t.dtype == dtype for t in (*params, *grads, *(momentum_buffers or ())))
+    return all(t.dtype == param_dtype for t in momentum_buffers or ())
 
 
 def _first_steps(step, n: int) -> list:

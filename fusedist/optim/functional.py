@@ -341,12 +341,13 @@ def sgd_update(
     bufs = momentum_buffers if momentum != 0 else None
     hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov, maximize=maximize)
-    for (dev, _, _, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,), check_states=validate).items():
+    for (dev, p_dtype, g_dtype, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,),
+                                                                        check_states=validate).items():
         b_params, b_grads, b_masters = _take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None
         b_bufs, b_step = _take(bufs, idx), _take_step(step, idx)
         if _backend_for("sgd_update", dev, eligible) == "triton":
             impl = _kernels()
-        elif _cpu_sgd.applies(b_params, b_grads, b_masters, b_bufs):
+        elif _cpu_sgd.applies(dev, p_dtype, g_dtype, has_master, b_bufs):
             _cpu_sgd.sgd(b_params, b_grads, b_bufs, b_step, inv_scale=inv_scale, clip_coef=clip_coef,
                          found_inf=found_inf, **hyper)
             continue

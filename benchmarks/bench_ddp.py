@@ -15,6 +15,8 @@ Rows:
   per round with the order rotating between rounds; a second torch contender, launched the
   same way, gives the design's noise floor. ``--isolation shared`` builds all contenders in
   one set of ranks instead (Note [one model per process]).
+  ``--allocator thp`` runs it with torch's opt-in huge-page allocator setting instead of the
+  default one (results ``ddp_cpu_thp_<date>``; Note [the allocator setting]).
 * ``many-params`` (results ``ddp_many_params_<date>``): per-parameter bookkeeping. A stack of
   600 x (Linear(16,16) + Tanh) -- 1,200 parameter tensors, 0.3M elements -- at batch 8, so the
   gradient hooks, not the arithmetic or the bytes, set the time of forward+backward. Each
@@ -91,6 +93,13 @@ def _allreduce_bandwidth(nbytes: int, iters: int) -> float:
 
 #: The MLP row's contenders; the last is torch again, launched apart: the noise floor.
 MLP_IMPLS = ("torch", "fusedist", "fusedist, FUSEDIST_CHECKS=0", "torch (2nd copy, noise floor)")
+#: With --torch-bucket-view: torch DDP with fusedist's default gradient_as_bucket_view=True, to
+#: tell what the defaults give from what the implementation gives.
+TORCH_BUCKET_VIEW = "torch, gradient_as_bucket_view=True"
+
+
+def mlp_impls(args) -> tuple:
+    return MLP_IMPLS + ((TORCH_BUCKET_VIEW,) if args.torch_bucket_view else ())
 
 
 def _build_contender(impl: str, args) -> nn.Module:
@@ -101,7 +110,8 @@ def _build_contender(impl: str, args) -> nn.Module:
     torch.manual_seed(0)
     model = make_model(args.width, args.layers)
     if impl.startswith("torch"):
-        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
+                                                   gradient_as_bucket_view=impl == TORCH_BUCKET_VIEW)
     if impl != "fusedist, FUSEDIST_CHECKS=0":
         return fusedist.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     os.environ["FUSEDIST_CHECKS"] = "0"
@@ -118,7 +128,7 @@ def shared_worker(rank, world_size, args):
     # collective for both).
     checks_off = "fusedist, FUSEDIST_CHECKS=0"
     built = {checks_off: _build_contender(checks_off, args)}
-    impls = {k: built[k] if k in built else _build_contender(k, args) for k in MLP_IMPLS}
+    impls = {k: built[k] if k in built else _build_contender(k, args) for k in mlp_impls(args)}
     n_params = sum(p.numel() for p in impls["torch"].parameters())
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in impls.items()}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
@@ -169,12 +179,13 @@ def measure_mlp_isolated(args) -> dict:
     """The MLP row's numbers with every contender launched alone, order rotating per round."""
     from fusedist.testing import run_distributed
 
-    times = {(k, s): [] for k in MLP_IMPLS for s in (True, False)}
-    round_medians = {k: [] for k in MLP_IMPLS}
+    impls = mlp_impls(args)
+    times = {(k, s): [] for k in impls for s in (True, False)}
+    round_medians = {k: [] for k in impls}
     hidden, extra = [], {}
     for r in range(args.rounds):
-        shift = r % len(MLP_IMPLS)
-        for impl in MLP_IMPLS[shift:] + MLP_IMPLS[:shift]:
+        shift = r % len(impls)
+        for impl in impls[shift:] + impls[:shift]:
             out = run_distributed(isolated_worker, args.world_size, impl, args, timeout=600, pg_timeout=300)[0]
             times[(impl, True)] += out["sync"]
             times[(impl, False)] += out["local"]
@@ -292,6 +303,11 @@ def main(argv=None):
     add_model_args(p, rounds=8, steps=12)
     p.add_argument("--warmup", type=int, default=10, help="mlp row, process isolation: untimed steps per launch")
     p.add_argument("--rows", choices=("all", "mlp", "many-params"), default="all")
+    p.add_argument("--allocator", choices=("default", "thp"), default="default",
+                   help="mlp row: torch's CPU allocator as shipped, or with THP_MEM_ALLOC_ENABLE=1 "
+                        "(Note [the allocator setting])")
+    p.add_argument("--torch-bucket-view", action="store_true",
+                   help="mlp row: add torch DDP with gradient_as_bucket_view=True as a contender")
     p.add_argument("--isolation", choices=("process", "shared"), default="process",
                    help="mlp row: each contender in ranks of its own (default), or all in one set of ranks")
     p.add_argument("--stack-layers", type=int, default=600, help="many-params row: Linear+Tanh layers")
@@ -309,13 +325,28 @@ def main(argv=None):
         print(run_many_params(args, write=not args.no_write))
 
 
+# Note [the allocator setting]
+#     The MLP row's large gradients (9 MB per weight) come from the CPU allocator each step.
+#     With torch's default (``--allocator default``, what a training job gets), glibc hands
+#     freed large blocks back to the kernel and every reuse faults fresh zeroed pages in:
+#     torch DDP by default keeps every fresh gradient alive until the next zero_grad (it
+#     copies the averaged buckets back into them), so all 72 MB fault in again each step;
+#     fusedist's gradients are bucket views by default, so each fresh gradient is dropped
+#     right after its copy into the bucket and its block is mostly reused. ``--allocator
+#     thp`` sets torch's opt-in THP_MEM_ALLOC_ENABLE=1 (2 MB pages for large tensors): far
+#     fewer faults for both, and two identical contenders closer together (1.05x apart in
+#     one process instead of 1.12x), at the price of hiding the difference above. The
+#     ``--torch-bucket-view`` contender shows how much of it torch gets with the same default.
+
+
 def run_mlp(args) -> None:
     from fusedist.testing import run_distributed
 
-    # torch's CPU allocator backs large tensors with transparent huge pages when asked: the
-    # speed of a model's matmuls then depends much less on where its 9 MB weights landed
-    # (measured: two identical torch contenders 1.12x apart without it, 1.05x with it).
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # Note [the allocator setting]
+    if args.allocator == "thp":
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    else:
+        os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
     if args.isolation == "process":
         r0 = measure_mlp_isolated(args)
         design = ("each contender launched alone in its own 2 ranks, one launch per contender and round, "
@@ -327,7 +358,7 @@ def run_mlp(args) -> None:
     grad_bytes = r0["params"] * 4
     ceiling_s = grad_bytes / r0["bw"]
     rows = []
-    for impl in ("torch", "fusedist", "fusedist, FUSEDIST_CHECKS=0", "torch (2nd copy, noise floor)"):
+    for impl in mlp_impls(args):
         step, local = med[(impl, True)], med[(impl, False)]
         rows.append({
             "impl": impl,
@@ -341,6 +372,7 @@ def run_mlp(args) -> None:
     lines = [
         f"Model: {args.layers}x Linear({args.width},{args.width}) MLP, {r0['params'] / 1e6:.1f}M params, "
         f"batch {args.batch} per rank, {args.world_size} ranks (1 intra-op thread each), gloo, bucket_cap_mb={args.bucket_cap_mb} "
+        f"(torch's CPU allocator: {'THP_MEM_ALLOC_ENABLE=1' if args.allocator == 'thp' else 'default'}) "
         f"(fusedist: {r0['buckets']} buckets), {args.rounds} rounds x {args.steps} steps, {design}; "
         "ratios: median over rounds of (round median / torch's round median).",
         "",
@@ -363,7 +395,7 @@ def run_mlp(args) -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        md, _ = write_results("ddp_cpu", rows, "fusedist DDP vs torch DDP (CPU, gloo)\n\n" + text)
+        md, _ = write_results("ddp_cpu" if args.allocator == "default" else "ddp_cpu_thp", rows, "fusedist DDP vs torch DDP (CPU, gloo)\n\n" + text)
         print(f"\nwritten: {md}")
 
 

@@ -9,7 +9,8 @@ Public surface (everything else is private)::
     fusedist.Join                      # uneven inputs: torch's Join on fusedist's communicator
     fusedist.ZeroRedundancyOptimizer   # ZeRO stage 1/2 on flat buffers
     fusedist.fully_shard               # ZeRO stage 3 with torch FSDP2's signature
-    fusedist.MixedPrecisionPolicy / CPUOffloadPolicy
+    fusedist.MixedPrecisionPolicy / CPUOffloadPolicy / OffloadPolicy
+    fusedist.FSDPModule / UnshardHandle  # what a fully_shard module is, what unshard(async_op) returns
     fusedist.clip_grad_norm_           # global grad norm clip, fused with the optimizer
     fusedist.optim.FusedAdam / FusedAdamW / FusedSGD / FusedLAMB
     fusedist.amp.GradScaler
@@ -38,6 +39,9 @@ _LAZY = {
     "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
     "fully_shard": ("fusedist.fsdp", "fully_shard"),
     "register_fsdp_forward_method": ("fusedist.fsdp", "register_fsdp_forward_method"),
+    "FSDPModule": ("fusedist.fsdp", "FSDPModule"),
+    "UnshardHandle": ("fusedist.fsdp", "UnshardHandle"),
+    "OffloadPolicy": ("fusedist.fsdp", "OffloadPolicy"),
     "MixedPrecisionPolicy": ("fusedist.fsdp", "MixedPrecisionPolicy"),
     "CPUOffloadPolicy": ("fusedist.fsdp", "CPUOffloadPolicy"),
     "fsdp": ("fusedist.fsdp", None),

@@ -19,8 +19,11 @@ from .param_init import init_parameters
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
 
+#: torch FSDP2's name for the class every module sharded by ``fully_shard`` joins.
+FSDPModule = FullyShardedModule
+
 __all__ = [
-    "fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "UnshardHandle",
+    "fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "FSDPModule", "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
     "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer", "init_parameters",
 ]

@@ -214,7 +214,9 @@ class UnshardHandle:
 
 
 class FullyShardedModule:
-    """The methods a module gains from :func:`fully_shard` (torch FSDP2's names)."""
+    """The methods a module gains from :func:`fully_shard` (torch FSDP2's names). Also
+    exported as ``FSDPModule``, torch's name for it, so ``isinstance(m, FSDPModule)`` in a
+    training script keeps working when its import moves to fusedist."""
 
     def _fs_state(self) -> FullyShardState:
         return state_of(self)

@@ -123,9 +123,8 @@ def test_bucket_cap_mb_list_caps_each_bucket_in_readiness_order():
 
     params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 50, 400, 10, 10, 10, 500)]
     caps = [1000, 1200, 400]  # bytes: the first bucket closes once reached, the others before overflowing
-    layout = build_layout(params, [str(i) for i in range(len(params))], bucket_cap_bytes=10**9,
-                          first_bucket_cap_bytes=10**9, world_size=1, device=torch.device("meta"),
-                          bucket_caps_bytes=caps)
+    layout = build_layout(params, [str(i) for i in range(len(params))], caps=caps, world_size=1,
+                          device=torch.device("meta"))
     sizes = [[p.numel() for p in b.params] for b in layout.buckets]
     assert sizes == [[100, 300], [50, 50], [400], [10, 10, 10], [500]], sizes
     for k, b in enumerate(layout.buckets[1:], start=1):
@@ -169,3 +168,41 @@ def test_bucket_cap_mb_list_trains_as_torch_ddp():
         assert 8448 <= bucket_bytes[1] <= caps[1] and all(b <= caps[2] for b in bucket_bytes[2:]), bucket_bytes
         assert sum(bucket_bytes) == 6 * 4224
         assert len(errors) == 4 and all("bucket_cap_mb_list" in e for e in errors), errors
+
+
+def _unfreeze_caps_worker(rank, world_size):
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+    caps = [0.002, 0.01, 0.005]
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
+    model = copy.deepcopy(base)
+    for p in model[:4].parameters():
+        p.requires_grad_(False)  # frozen when wrapped, trainable from the first step
+    ours = fusedist.DistributedDataParallel(model, bucket_cap_mb_list=caps)
+    # A sharded optimizer fixes the layout: parameters that become trainable get buckets
+    # appended (Note [trainable set changes]) instead of a rebuild.
+    fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1)
+    wrapped = len(ours.buckets)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1 + rank))
+    for m in (ref, ours):
+        m(x).pow(2).mean().backward()
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+    appended = [sum(p.numel() * 4 for p in b.params) for b in ours.buckets[wrapped:]]
+    return diff, appended
+
+
+def test_buckets_appended_for_unfrozen_parameters_follow_bucket_cap_mb_list():
+    """Buckets appended when parameters become trainable (under a ZeroRedundancyOptimizer)
+    take the list's last cap, not bucket_cap_mb (which the list replaces): here 5 KiB, so the
+    four layers (4224 B each) take three buckets, not one; the first appended bucket closes
+    after the layer that crosses the cap (Note [the first bucket]). The gradients are torch
+    DDP's (fp32, same sums)."""
+    for diff, appended in run_distributed(_unfreeze_caps_worker, 2, timeout=120):
+        assert diff < 1e-6, diff
+        cap = int(0.005 * 2**20)
+        assert len(appended) == 3 and sum(appended) == 4 * 4224, appended
+        assert all(size <= cap for size in appended[1:]), appended

@@ -58,8 +58,7 @@ def test_layout_invariants_on_random_parameter_sets():
         names = [f"p{i}" for i in range(len(params))]
         cap, first_cap = rng.randint(16, 600), rng.randint(8, 300)
         world_size = rng.randint(1, 5)
-        layout = build_layout(params, names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
-                              world_size=world_size, device=CPU)
+        layout = build_layout(params, names, caps=[first_cap, cap], world_size=world_size, device=CPU)
         _check_layout(layout, params, cap, first_cap, world_size)
         # Gradient views alias the flat storage, shaped like their parameters.
         for p in params:
@@ -69,8 +68,7 @@ def test_layout_invariants_on_random_parameter_sets():
         total = sum(t.count_nonzero().item() for t in {id(b.data): b.data for b in layout.buckets}.values())
         assert total == sum(p.numel() for p in params)
         # The same inputs give the same layout (ranks build identical ones independently).
-        again = build_layout(params, names, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
-                             world_size=world_size, device=CPU)
+        again = build_layout(params, names, caps=[first_cap, cap], world_size=world_size, device=CPU)
         assert again.fingerprint() == layout.fingerprint()
 
 
@@ -78,8 +76,7 @@ def test_appending_keeps_every_existing_bucket_in_place():
     rng = random.Random(1)
     params = _random_params(rng, 12)
     names = [f"p{i}" for i in range(12)]
-    layout = build_layout(params[:8], names[:8], bucket_cap_bytes=200, first_bucket_cap_bytes=100,
-                          world_size=2, device=CPU)
+    layout = build_layout(params[:8], names[:8], caps=[100, 200], world_size=2, device=CPU)
     grown = append_buckets(layout.buckets, params[8:], names[8:], bucket_cap_bytes=200, world_size=2)
     old = layout.buckets
     assert len(grown) > len(old)

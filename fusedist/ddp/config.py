@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from .layout import MiB
+
 
 @dataclasses.dataclass
 class DDPConfig:
@@ -41,6 +43,12 @@ class DDPConfig:
     reduce_dtype: Optional[torch.dtype] = None
     """Reduce in this dtype (e.g. bfloat16 to halve the bytes on the wire); the result is
     written back in the gradient's dtype. None: reduce in the gradient's dtype."""
+
+    def bucket_caps_bytes(self) -> list[int]:
+        """The caps of the k-th bucket of each dtype, in bytes, the last serving every later
+        bucket: ``bucket_cap_mb_list``, else ``first_bucket_cap_mb`` then ``bucket_cap_mb``."""
+        caps = self.bucket_cap_mb_list or (self.first_bucket_cap_mb, self.bucket_cap_mb)
+        return [int(c * MiB) for c in caps]
 
     def __post_init__(self):
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):

@@ -209,22 +209,20 @@ def build_layout(
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
     *,
-    bucket_cap_bytes: int,
-    first_bucket_cap_bytes: int,
+    caps: Sequence[int],
     world_size: int,
     device: torch.device,
     bucket_storage: bool = False,
-    bucket_caps_bytes: Sequence[int] = (),
 ) -> GradLayout:
     """Assign ``params`` (in expected readiness order) to buckets, per dtype.
 
-    A bucket closes when adding the next parameter would exceed ``bucket_cap_bytes``; a
-    parameter larger than the cap gets a bucket of its own. The first bucket of each dtype
-    closes once it *reaches* ``first_bucket_cap_bytes``, the parameter that crosses it
-    included (Note [the first bucket]). ``bucket_caps_bytes`` (torch DDP's
-    ``bucket_cap_mb_list``), when given, replaces both: the k-th bucket of each dtype has cap
-    ``bucket_caps_bytes[k]``, the last entry serving every bucket after. ``bucket_storage``:
-    one tensor per bucket, all released (Note [bucket storage]).
+    ``caps`` are bytes: the k-th bucket of each dtype has cap ``caps[k]``, the last entry
+    serving every bucket after (``DDPConfig.bucket_caps_bytes``: torch DDP's first and later
+    caps, or its ``bucket_cap_mb_list``). A bucket closes when adding the next parameter
+    would exceed its cap; a parameter larger than the cap gets a bucket of its own. The
+    first bucket of each dtype closes once it *reaches* its cap, the parameter that crosses
+    it included (Note [the first bucket]). ``bucket_storage``: one tensor per bucket, all
+    released (Note [bucket storage]).
 
     Note [the first bucket]
         The first bucket exists to start communication as soon as backward produces
@@ -240,8 +238,9 @@ def build_layout(
     open_buckets: dict[torch.dtype, dict] = {}
     closed: list[dict] = []
     caps_used: dict[torch.dtype, int] = {}
-
-    caps = list(bucket_caps_bytes) or [first_bucket_cap_bytes, bucket_cap_bytes]
+    caps = list(caps)
+    if not caps:
+        raise ValueError("build_layout: caps must hold at least one bucket cap")
 
     def close(dtype):
         b = open_buckets.pop(dtype)
@@ -294,8 +293,8 @@ def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Paramet
                                fold=None, unfolded=[])
            for b in existing]
     sizes = _buffer_sizes(out)
-    fresh = build_layout(params, names, bucket_cap_bytes=bucket_cap_bytes, first_bucket_cap_bytes=bucket_cap_bytes,
-                         world_size=world_size, device=torch.device("meta"), bucket_storage=True).buckets
+    fresh = build_layout(params, names, caps=[bucket_cap_bytes], world_size=world_size, device=torch.device("meta"),
+                         bucket_storage=True).buckets
     for b in fresh:
         shift = sizes.get(b.dtype, 0)
         out.append(Bucket(len(out), b.dtype, b.start + shift, b.end + shift, b.params, b.names,

@@ -68,7 +68,7 @@ from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .grad_hook import ParamEntry, make_hook, remove_hooks
-from .layout import MiB, Bucket, GradLayout, build_layout, sparse_gradient_error
+from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
 from .unused import settle_unused
@@ -158,12 +158,10 @@ class Reducer:
         return build_layout(
             [self.params[i] for i in order],
             [self.names[i] for i in order],
-            bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
-            first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
+            caps=self.config.bucket_caps_bytes(),
             world_size=self.world_size,
             device=self.device,
             bucket_storage=bucket_storage,
-            bucket_caps_bytes=[int(c * MiB) for c in self.config.bucket_cap_mb_list or ()],
         )
 
     @property

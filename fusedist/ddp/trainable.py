@@ -56,7 +56,7 @@ import torch
 
 from .._process_hooks import install_parameter_registration_hook
 from ..ownership import register_data_parallel
-from .layout import MiB, append_buckets, layout_of, sparse_gradient_error
+from .layout import append_buckets, layout_of, sparse_gradient_error
 from .strategy import divide_factors
 
 
@@ -266,7 +266,7 @@ def _grow(reducer, wanted: list, newly: list, names: dict) -> None:
     wanted_set = set(wanted)
     joining = [p for p in newly if p not in reducer.index_of]
     buckets = append_buckets(old.buckets, list(reversed(joining)), [names[p] for p in reversed(joining)],
-                             bucket_cap_bytes=int(reducer.config.bucket_cap_mb * MiB),
+                             bucket_cap_bytes=reducer.config.bucket_caps_bytes()[-1],
                              world_size=reducer.world_size)
     new = layout_of(buckets, reducer.device, old.bucket_storage)
     reducer.add_params(joining, [names[p] for p in joining])

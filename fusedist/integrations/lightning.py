@@ -140,10 +140,37 @@ def _clip_by_norm(optimizer, clip_val: float) -> None:
 
 
 class _FusedistClip:
-    """Clipping by norm through fusedist (mixed into each adapted plugin)."""
+    """Clipping by norm through fusedist, and the checkpoint key of the Lightning plugin it
+    stands in for (mixed into each adapted plugin; Note [plugin state under Lightning's key])."""
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         _clip_by_norm(optimizer, clip_val)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        own = type(self).__qualname__
+        if own in checkpoint:
+            checkpoint[_lightning_base(self).__qualname__] = checkpoint.pop(own)
+        super().on_save_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        key = _lightning_base(self).__qualname__
+        if key in checkpoint and type(self).__qualname__ not in checkpoint:
+            self.load_state_dict(checkpoint[key])
+
+
+def _lightning_base(plugin) -> type:
+    """The Lightning precision plugin class an adapter stands in for."""
+    return next(c for c in type(plugin).__mro__ if c.__module__.startswith("lightning."))
+
+
+# Note [plugin state under Lightning's key]
+# Lightning files a precision plugin's state (the GradScaler's scale and growth tracker) in the
+# checkpoint under the plugin's class name, and restores it only from that name. The adapters'
+# own names would make a checkpoint of this strategy carry "_FusedistMixedPrecision", which
+# strategy="ddp" ignores when it resumes, and the adapters would ignore the "MixedPrecision" of
+# a strategy="ddp" checkpoint: the scaler silently restarted at its initial scale. The adapters
+# save under the name of the Lightning plugin they stand in for and load from it.
 
 
 class _FusedistPrecision(_FusedistClip, Precision):

@@ -1,0 +1,256 @@
+"""A Lightning recipe trained with Lightning's own ``strategy="ddp"`` and with
+``FusedistStrategy`` on 2 gloo ranks, compared step by step: losses, gradient norms (before
+the clip), weights, learning rates, validation losses, and at the end the optimizer,
+LR-scheduler and GradScaler state.
+
+The recipe is what users set: two parameter groups, AdamW or SGD with momentum, a per-step LR
+scheduler, ``accumulate_grad_batches=2``, ``gradient_clip_val`` (by norm), bf16 or fp16 mixed
+precision, a validation loop every few steps, ``ModelCheckpoint`` and a resume from one of its
+checkpoints in a fresh Trainer, which must continue the uninterrupted run exactly.
+
+Each rank is a process of :func:`fusedist.testing.run_distributed`; the process group exists
+before the Trainer, and the torchelastic variables tell Lightning that it was launched already
+(it then neither spawns workers nor creates a group).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+IN, HIDDEN, OUT = 8, 16, 3
+BATCH = 4           # per rank and micro-batch
+SAMPLES = 64        # 8 micro-batches per rank and epoch: 4 optimizer steps with accumulation 2
+EPOCHS = 2
+STEPS_PER_EPOCH = SAMPLES // (2 * BATCH * 2)  # 2 ranks, accumulation 2
+VALS_PER_EPOCH = 4  # 2 validation loops (every 4 micro-batches) of 2 batches per rank
+
+
+def _module_class():
+    import lightning as L
+
+    class Recipe(L.LightningModule):
+        """A small regressor; every loss and learning rate it sees is logged for the comparison."""
+
+        def __init__(self, optimizer: str):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+            self.optimizer_name = optimizer
+            self.log_ = {"loss": [], "val": []}
+
+        def training_step(self, batch, _):
+            x, y = batch
+            # Summed: gradient norms of a few units, so the clip at 0.5 bites.
+            loss = nn.functional.mse_loss(self.net(x).float(), y, reduction="sum")
+            self.log_["loss"].append(loss.item())
+            return loss
+
+        def validation_step(self, batch, _):
+            x, y = batch
+            self.log_["val"].append(nn.functional.mse_loss(self.net(x).float(), y).item())
+
+        def configure_optimizers(self):
+            decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+            groups = [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}]
+            if self.optimizer_name == "sgd":
+                opt = torch.optim.SGD(groups, lr=0.02, momentum=0.9)
+            else:
+                opt = torch.optim.AdamW(groups, lr=1e-2)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.5 * s))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return Recipe
+
+
+def _recorder():
+    import lightning as L
+
+    class Recorder(L.Callback):
+        """Per optimizer step: the gradient norm before the clip (all parameters' gradients;
+        None where a sharded optimizer keeps none), the weights and learning rates after it."""
+
+        def __init__(self):
+            self.records = {"norm": [], "weights": [], "lr": []}
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            self.records["norm"].append(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g.float()) for g in grads])).item() if grads else None)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                self.records["weights"].append(_flat(module))
+                self.records["lr"].append([g["lr"] for g in trainer.optimizers[0].param_groups])
+
+    return Recorder()
+
+
+def _flat(module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+
+
+def _data(seed: int, n: int):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    y = torch.sin(2 * x[:, :OUT]) + 0.1 * torch.randn(n, OUT, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+def _launched_env(rank: int, world: int) -> None:
+    """The torchelastic variables: Lightning takes the ranks from them and starts no workers."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _strategy(side: str, options: dict):
+    if side == "ddp":
+        return "ddp"
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    return FusedistStrategy(**options)
+
+
+def _trainer(side, cfg, root, extra_callbacks=(), **kwargs):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    precision, plugins = cfg.get("precision", "32-true"), None
+    if precision == "16-mixed":
+        # Lightning turns precision="16-mixed" into bf16 on a CPU; the plugin keeps fp16 and its scaler.
+        precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
+    recorder = _recorder()
+    callbacks = [recorder, *extra_callbacks]
+    if root is not None:
+        # At the end of each epoch: Lightning resumes a mid-epoch checkpoint from the start of
+        # its epoch's data (for its own DDP too), so only an epoch boundary continues exactly.
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(root, side), every_n_epochs=1, save_top_k=-1,
+                                         save_on_train_epoch_end=True, filename="{epoch}"))
+    trainer = L.Trainer(
+        strategy=_strategy(side, cfg.get("fusedist", {})), accelerator="cpu", devices=2, num_nodes=1,
+        precision=precision, plugins=plugins, max_epochs=EPOCHS, accumulate_grad_batches=cfg.get("accumulate", 2),
+        gradient_clip_val=cfg.get("clip", 0.5), val_check_interval=4, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=root is not None, callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, deterministic=True, use_distributed_sampler=True, **kwargs)
+    return trainer, recorder
+
+
+def _fit(side, cfg, seed, root=None, ckpt_path=None):
+    torch.manual_seed(0)
+    module = _module_class()(cfg.get("optimizer", "adamw"))
+    trainer, recorder = _trainer(side, cfg, root)
+    trainer.fit(module, _data(seed, SAMPLES), _data(seed + 1, 16), ckpt_path=ckpt_path)
+    return trainer, module, dict(recorder.records, **module.log_)
+
+
+def _final_state(trainer) -> dict:
+    """The optimizer state as a checkpoint holds it (consolidated on rank 0 for ZeRO), the
+    scheduler's and the scaler's."""
+    ckpt = trainer._checkpoint_connector.dump_checkpoint()
+    opt = ckpt["optimizer_states"][0]
+    state = {i: {k: torch.as_tensor(v).float() for k, v in s.items()} for i, s in opt.get("state", {}).items()}
+    sched = {k: v for k, v in ckpt["lr_schedulers"][0].items() if k != "lr_lambdas"}
+    return {"opt": state, "sched": sched, "precision": ckpt.get("MixedPrecision"),
+            "global_step": trainer.global_step, "optimizer": type(trainer.optimizers[0]).__name__}
+
+
+def _side_by_side_worker(rank, world, cfg, seed, root):
+    _launched_env(rank, world)
+    out = {}
+    for side in ("ddp", "fusedist"):
+        trainer, module, log = _fit(side, cfg, seed, root if cfg.get("resume") else None)
+        out[side] = dict(log, **_final_state(trainer))
+    if cfg.get("resume"):
+        # Each strategy's checkpoint of the first epoch, resumed by fusedist's in a fresh Trainer.
+        for side in ("fusedist", "ddp"):
+            ckpt = os.path.join(root, side, "epoch=0.ckpt")
+            trainer, module, log = _fit("fusedist", cfg, seed, ckpt_path=ckpt)
+            out[f"resumed from {side}"] = dict(log, **_final_state(trainer))
+    return out
+
+
+# ----------------------------------------------------------------------------- comparisons
+def _close(a, b, tol: float) -> bool:
+    if a is None or b is None:
+        return a is b
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if a.shape != b.shape or not torch.equal(a.isfinite(), b.isfinite()):
+        return False
+    fin = a.isfinite()  # fp16 steps the scaler skips have inf/nan gradients on both sides
+    return torch.equal(a[~fin].nan_to_num(), b[~fin].nan_to_num()) and bool(((a[fin] - b[fin]).abs() <= tol).all())
+
+
+def _compare(ours: dict, ref: dict, tol: float, what: str, norms: bool = True, opt: bool = True) -> None:
+    keys = ("loss", "val", "lr", "weights") + (("norm",) if norms else ())
+    for key in keys:
+        assert len(ours[key]) == len(ref[key]), f"{what}: {key}: {len(ours[key])} entries against {len(ref[key])}"
+        for i, (a, b) in enumerate(zip(ours[key], ref[key])):
+            assert _close(a, b, tol), f"{what}: {key}[{i}] differ:\n ours {a}\n ddp  {b}"
+    assert ours["global_step"] == ref["global_step"], what
+    if not opt:  # a ZeRO optimizer's state is consolidated on rank 0 only
+        ref = dict(ref, opt={})
+    assert ours["opt"].keys() == ref["opt"].keys(), f"{what}: optimizer state of {ours['opt'].keys()} vs {ref['opt'].keys()}"
+    for i, state in ref["opt"].items():
+        for k, v in state.items():
+            assert _close(ours["opt"][i][k], v, tol), f"{what}: optimizer state {i}.{k} differs"
+    assert ours["sched"]["last_epoch"] == ref["sched"]["last_epoch"], what
+    assert _close(ours["sched"]["_last_lr"], ref["sched"]["_last_lr"], 1e-12), what
+    # fusedist's GradScaler state has torch's keys and a few of its own (hysteresis).
+    mine = ours["precision"] and {k: ours["precision"].get(k) for k in ref["precision"] or {}}
+    assert mine == ref["precision"], f"{what}: scaler {ours['precision']} vs {ref['precision']}"
+
+
+def _second_epoch(run: dict) -> dict:
+    """The uninterrupted run as the one resumed after the first epoch logs it."""
+    return dict(run, loss=run["loss"][2 * STEPS_PER_EPOCH:], val=run["val"][VALS_PER_EPOCH:],
+                **{k: run[k][STEPS_PER_EPOCH:] for k in ("norm", "weights", "lr")})
+
+
+# Tolerances, by the dtype of the arithmetic:
+# * fp32 (fp32 weights, fused AdamW/SGD kernels against torch's foreach ops, fusedist's bucketed
+#   all-reduce against torch's): the same operations in another order, an ulp or two of values of
+#   order 1 per step, compounded over 8 steps: 1e-5. A missed clip, scale or accumulation changes
+#   the weights by 1e-3 or more.
+# * bf16 / fp16 autocast: the matmuls round to 8 / 11 significant bits, but both sides run the
+#   same autocast kernels on the same inputs, so the rounding is the same; what differs is the
+#   fp32 order of the optimizer and the reduction, which a bf16 matmul can turn into a
+#   neighbouring bf16 value (2^-8 relative) now and then: 1e-3 on values of order 1.
+CASES = {
+    "fused AdamW, fp32, accumulate 2, clip": (dict(resume=True), 1e-5),
+    "fused AdamW, bf16-mixed, clip": (dict(precision="bf16-mixed"), 1e-3),
+    "ZeRO 1, fused AdamW, fp16-mixed, clip": (dict(precision="16-mixed", fusedist=dict(zero_stage=1), resume=True), 1e-3),
+    "ZeRO 2, fused SGD, bf16-mixed, clip": (dict(precision="bf16-mixed", optimizer="sgd",
+                                                 fusedist=dict(zero_stage=2), resume=True), 1e-3),
+    "torch AdamW kept, fp32": (dict(fusedist=dict(fused_optimizer=False)), 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
+    cfg, tol = CASES[case]
+    seed = random.randrange(2**31)
+    out = run_distributed(_side_by_side_worker, 2, cfg, seed, str(tmp_path), timeout=180)
+    for rank, res in enumerate(out):
+        what = f"{case}, rank {rank}, data seed {seed}"
+        stage2 = cfg.get("fusedist", {}).get("zero_stage") == 2
+        zero_elsewhere = rank != 0 and "zero_stage" in cfg.get("fusedist", {})
+        _compare(res["fusedist"], res["ddp"], tol, what, norms=not stage2, opt=not zero_elsewhere)
+        assert res["fusedist"]["global_step"] == EPOCHS * SAMPLES // (2 * BATCH * 2), what
+        assert (res["fusedist"]["weights"][-1] - res["fusedist"]["weights"][0]).abs().max() > 1e-2, what
+        if cfg.get("resume"):
+            # The same process, data and arithmetic as the uninterrupted run: bit for bit.
+            _compare(res["resumed from fusedist"], _second_epoch(res["fusedist"]), 0.0,
+                     f"{what}, resumed after epoch 1", norms=not stage2, opt=not zero_elsewhere)
+            # Lightning's DDP checkpoint (torch's optimizer and GradScaler state) continues as
+            # Lightning's DDP run does.
+            _compare(res["resumed from ddp"], _second_epoch(res["ddp"]), tol,
+                     f"{what}, resumed from strategy='ddp' after epoch 1", norms=not stage2, opt=not zero_elsewhere)

@@ -501,3 +501,20 @@ def _single_process_against_fused_torch(device, offload):
     opt.wait_for_params()
     assert (_flat(model) - _flat(ref)).abs().max().item() < TOL
     _same_state(opt.consolidate_state_dict(), ref_opt.state_dict())
+
+
+def _compiled_name_worker(rank, world_size):
+    import fusedist
+
+    model = _make(frozen=True)
+    ddp = fusedist.DistributedDataParallel(torch.compile(model))
+    opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    index = next(i for i, p in enumerate(ddp.parameters()) if p is model.stem.bias)
+    return opt._param_name(index)
+
+
+def test_parameter_named_in_errors_as_the_model_spells_it_under_torch_compile():
+    # torch.compile's wrapper adds an `_orig_mod.` segment to every parameter name; errors name
+    # the parameter as the user's model defines it.
+    for name in run_distributed(_compiled_name_worker, 2, timeout=120):
+        assert "'stem.bias'" in name and "_orig_mod" not in name, name

@@ -225,11 +225,15 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         return [self._params[i] for i in self._trainable]
 
     def _param_name(self, index: int) -> str:
-        """``parameter <index> ('<name in the DDP model>', shape ...)`` for error messages."""
+        """``parameter <index> ('<name in the DDP model>', shape ...)`` for error messages: the
+        name as the model's own code spells it (without torch.compile's ``_orig_mod.``)."""
+        from ..checkpoint._names import canonical_key
+
         p = self._params[index]
         name = None
         if self.ddp is not None:
-            name = next((n for n, q in self.ddp.module.named_parameters() if q is p), None)
+            module = self.ddp.module
+            name = next((canonical_key(module, n) for n, q in module.named_parameters() if q is p), None)
         label = f"parameter {index}" + (f" ('{name}'" if name else " (")
         return f"{label}{', ' if name else ''}shape {tuple(p.shape)})"
 

@@ -138,7 +138,7 @@ def _trainer(side, cfg, root, extra_callbacks=(), **kwargs):
     trainer = L.Trainer(
         strategy=_strategy(side, cfg.get("fusedist", {})), accelerator="cpu", devices=2, num_nodes=1,
         precision=precision, plugins=plugins, max_epochs=EPOCHS, accumulate_grad_batches=cfg.get("accumulate", 2),
-        gradient_clip_val=cfg.get("clip", 0.5), val_check_interval=4, num_sanity_val_steps=0,
+        gradient_clip_val=cfg.get("clip", 0.5), gradient_clip_algorithm=cfg.get("clip_by", "norm"), val_check_interval=4, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=root is not None, callbacks=callbacks, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True, use_distributed_sampler=True, **kwargs)
     return trainer, recorder
@@ -231,6 +231,9 @@ CASES = {
     "ZeRO 2, fused SGD, bf16-mixed, clip": (dict(precision="bf16-mixed", optimizer="sgd",
                                                  fusedist=dict(zero_stage=2), resume=True), 1e-3),
     "torch AdamW kept, fp32": (dict(fusedist=dict(fused_optimizer=False)), 1e-5),
+    "fused AdamW, fp16-mixed, clip by value": (dict(precision="16-mixed", clip_by="value", clip=0.05), 1e-3),
+    "ZeRO 1, fused SGD, fp32, clip by value": (dict(optimizer="sgd", clip_by="value", clip=0.05,
+                                                    fusedist=dict(zero_stage=1)), 1e-5),
 }
 
 
@@ -254,3 +257,17 @@ def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
             # Lightning's DDP run does.
             _compare(res["resumed from ddp"], _second_epoch(res["ddp"]), tol,
                      f"{what}, resumed from strategy='ddp' after epoch 1", norms=not stage2, opt=not zero_elsewhere)
+
+
+def _stage2_clip_by_value_worker(rank, world, seed):
+    _launched_env(rank, world)
+    _fit("fusedist", dict(clip_by="value", fusedist=dict(zero_stage=2)), seed)
+
+
+def test_clip_by_value_on_zero_stage_2_is_refused():
+    """Stage 2 keeps no p.grad for torch's clip by value to clamp: it used to train unclipped
+    (Note [clipping by value on stage 2]); now every rank stops at the first clip."""
+    seed = random.randrange(2**31)
+    out = run_distributed(_stage2_clip_by_value_worker, 2, seed, timeout=120, expect_failure=True)
+    for status, value in out:
+        assert status == "error" and "gradient_clip_algorithm='value'" in value, (seed, status, str(value)[-2000:])

@@ -146,6 +146,18 @@ class _FusedistClip:
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         _clip_by_norm(optimizer, clip_val)
 
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        """torch's clip on ``p.grad``; refused on ZeRO stage 2, which keeps none (Note
+        [clipping by value on stage 2])."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if getattr(inner, "stage", None) == 2 and isinstance(inner, fusedist.ZeroRedundancyOptimizer):
+            raise ValueError(
+                "FusedistStrategy: gradient_clip_algorithm='value' cannot be applied with zero_stage=2, "
+                "which keeps only this rank's shard of the gradients and no p.grad; clip by norm "
+                "(gradient_clip_algorithm='norm') or use zero_stage=1"
+            )
+        super().clip_grad_by_value(optimizer, clip_val)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         own = type(self).__qualname__
         if own in checkpoint:
@@ -162,6 +174,14 @@ class _FusedistClip:
 def _lightning_base(plugin) -> type:
     """The Lightning precision plugin class an adapter stands in for."""
     return next(c for c in type(plugin).__mro__ if c.__module__.startswith("lightning."))
+
+
+# Note [clipping by value on stage 2]
+# Lightning clips by value with torch.nn.utils.clip_grad_value_ over the parameters' p.grad.
+# ZeRO stage 2 reduces each gradient straight into its owner's shard and leaves p.grad None,
+# so that clip would find nothing and the run would train unclipped without a word. Stage 1
+# and plain DDP keep the full averaged p.grad (unscaled first under "16-mixed"), where torch's
+# clip is exact; stage 2 refuses the setting.
 
 
 # Note [plugin state under Lightning's key]

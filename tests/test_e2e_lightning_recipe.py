@@ -265,8 +265,9 @@ def _stage2_clip_by_value_worker(rank, world, seed):
 
 
 def test_clip_by_value_on_zero_stage_2_is_refused():
-    """Stage 2 keeps no p.grad for torch's clip by value to clamp: it used to train unclipped
-    (Note [clipping by value on stage 2]); now every rank stops at the first clip."""
+    """Stage 2 keeps no p.grad for torch's clip by value to clamp (Note [clipping by value on
+    stage 2]): torch's clip used to fail on the empty list of gradients with an internal
+    message; now every rank stops at the first clip with one that names the setting."""
     seed = random.randrange(2**31)
     out = run_distributed(_stage2_clip_by_value_worker, 2, seed, timeout=120, expect_failure=True)
     for status, value in out:

@@ -179,7 +179,9 @@ def _lightning_base(plugin) -> type:
 # Note [clipping by value on stage 2]
 # Lightning clips by value with torch.nn.utils.clip_grad_value_ over the parameters' p.grad.
 # ZeRO stage 2 reduces each gradient straight into its owner's shard and leaves p.grad None,
-# so that clip would find nothing and the run would train unclipped without a word. Stage 1
+# so that clip finds no gradient: torch fails deep in its foreach grouping ("Expected
+# !nested_tensorlist[0].empty()"), and a torch that skips empty lists would train unclipped
+# without a word. Stage 1
 # and plain DDP keep the full averaged p.grad (unscaled first under "16-mixed"), where torch's
 # clip is exact; stage 2 refuses the setting.
 

@@ -272,3 +272,31 @@ def test_clip_by_value_on_zero_stage_2_is_refused():
     out = run_distributed(_stage2_clip_by_value_worker, 2, seed, timeout=120, expect_failure=True)
     for status, value in out:
         assert status == "error" and "gradient_clip_algorithm='value'" in value, (seed, status, str(value)[-2000:])
+
+
+def _comm_hook_worker(rank, world, seed):
+    """Final weights with no hook, with torch's bf16 compress hook, and with allreduce_hook in
+    torch's bf16 compress wrapper; the message of an unsupported wrapper."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+
+    _launched_env(rank, world)
+    runs = {"plain": {}, "hook": dict(ddp_comm_hook=d.bf16_compress_hook),
+            "wrapped": dict(ddp_comm_hook=d.allreduce_hook, ddp_comm_wrapper=d.bf16_compress_wrapper)}
+    out = {name: _fit("fusedist", dict(fusedist=options), seed)[2]["weights"][-1] for name, options in runs.items()}
+    try:
+        _fit("fusedist", dict(fusedist=dict(ddp_comm_hook=d.allreduce_hook, ddp_comm_wrapper=lambda h: h)), seed)
+    except NotImplementedError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_comm_hook_wrapper_is_applied():
+    """``ddp_comm_wrapper`` used to be dropped: the hook ran unwrapped, without the bf16
+    compression asked for (Note [communication hook wrappers]). Lightning's own DDP registers
+    hooks on CUDA only, so the reference is fusedist with torch's bf16 compress hook."""
+    seed = random.randrange(2**31)
+    for rank, res in enumerate(run_distributed(_comm_hook_worker, 2, seed, timeout=120)):
+        what = f"rank {rank}, data seed {seed}"
+        assert torch.equal(res["wrapped"], res["hook"]), what
+        assert not torch.equal(res["wrapped"], res["plain"]), what  # the compression rounds
+        assert "ddp_comm_wrapper" in res.get("error", ""), what

@@ -76,8 +76,11 @@ class FusedistStrategy(DDPStrategy):
         return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
     def _register_ddp_hooks(self) -> None:
+        """Lightning's ``ddp_comm_hook``, wrapped in its ``ddp_comm_wrapper`` as Lightning does
+        (Note [communication hook wrappers])."""
         if self._ddp_comm_hook is not None:
-            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+            hook = _wrapped_hook(self._ddp_comm_hook, self._ddp_comm_wrapper)
+            self.model.register_comm_hook(self._ddp_comm_state, hook)
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -118,6 +121,33 @@ class FusedistStrategy(DDPStrategy):
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module  # unwrap, as Lightning does for torch's DDP
         super().teardown()
+
+
+# Note [communication hook wrappers]
+# Lightning registers ddp_comm_wrapper(ddp_comm_hook). fusedist's DDP maps torch's built-in
+# hooks onto its own bucket reduction and calls no Python hook, so a wrapped hook is an opaque
+# function it would refuse; registering the hook without its wrapper drops the compression the
+# user asked for. torch's fp16/bf16 compress wrappers around allreduce_hook are exactly its
+# fp16/bf16 compress hooks (cast, divide, all-reduce, cast back), which fusedist runs; any
+# other wrapper raises.
+
+
+def _wrapped_hook(hook, wrapper):
+    """The built-in hook that ``wrapper(hook)`` amounts to."""
+    if wrapper is None:
+        return hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+
+    same = {(d.fp16_compress_wrapper, d.allreduce_hook): d.fp16_compress_hook,
+            (d.bf16_compress_wrapper, d.allreduce_hook): d.bf16_compress_hook}
+    if (wrapper, hook) in same:
+        return same[wrapper, hook]
+    names = [getattr(f, "__qualname__", repr(f)) for f in (wrapper, hook)]
+    raise NotImplementedError(
+        f"FusedistStrategy: ddp_comm_wrapper={names[0]} around ddp_comm_hook={names[1]} is not supported; "
+        "fusedist's DDP runs torch's allreduce_hook, fp16_compress_hook and bf16_compress_hook, and "
+        "fp16_compress_wrapper / bf16_compress_wrapper around allreduce_hook"
+    )
 
 
 # Note [Lightning precision]

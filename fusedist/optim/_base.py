@@ -19,6 +19,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def check_finite_hyper(owner: str, **values: Any) -> None:
+    """Every value a finite Python number (tensors refused: see :func:`lr_value` for the one
+    hyperparameter that may be a tensor)."""
     for name, value in values.items():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for v in items:
@@ -26,6 +28,41 @@ def check_finite_hyper(owner: str, **values: Any) -> None:
                 raise TypeError(f"{owner}: {name} must be a Python number, got a tensor (tensor hyperparameters are not supported)")
             if not math.isfinite(float(v)):
                 raise ValueError(f"{owner}: hyperparameter {name}={value} is not finite")
+
+
+# Note [a tensor learning rate]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's Adam, AdamW and SGD take ``lr`` as a 1-element tensor (given to the constructor, or
+# put into a group by the program or a scheduler, which then updates it in place). torch refuses
+# one of another size (ValueError "Tensor lr must be 1-element"), and Adam/AdamW refuse it with
+# ``foreach=True`` when not capturable: ValueError from the constructor, RuntimeError from
+# step(). Otherwise its update is the one for the tensor's value, read when the step runs (its
+# CPU fused kernel reads the value; the single-tensor path computes ``lr / bias_correction`` in
+# the tensor's dtype, a rounding apart). The fused optimizers do the same: the value is read at
+# each step (``lr_value``) and the update runs with that number, so a scheduler's in-place
+# change is seen and the state dict keeps the tensor as torch's does. Reading a CUDA tensor's
+# value synchronizes the host once per group and step.
+
+
+def check_lr(owner: str, lr) -> float:
+    """The learning rate as a number, validated as torch's optimizers do (Note [a tensor
+    learning rate]): a tensor must hold one element; the value must be finite and >= 0."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{owner}: Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+        if lr.is_complex() or lr.dtype == torch.bool:
+            raise TypeError(f"{owner}: Tensor lr has dtype {lr.dtype}; expected a real number")
+    value = lr_value(lr)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: hyperparameter lr={value} is not finite")
+    if value < 0:
+        raise ValueError(f"{owner}: invalid learning rate {value}")
+    return value
+
+
+def lr_value(lr) -> float:
+    """A group's ``lr`` as the number the update uses (Note [a tensor learning rate])."""
+    return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
 class FusedOptimizerBase(ScalerProtocol, Optimizer):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, lr_value, masters_of
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -39,19 +39,21 @@ class FusedAdam(FusedOptimizerBase):
                 raise ValueError(f"{name}: {flag}=True is not supported")
         if fused is False:
             raise ValueError(f"{name}: fused=False asks for torch's unfused implementation; use torch.optim instead")
+        if isinstance(lr, torch.Tensor) and foreach:  # Note [a tensor learning rate]
+            raise ValueError(f"{name}: lr as a Tensor is not supported for capturable=False and foreach=True")
         # ``foreach`` only picks between torch's implementations (same math): accepted as a
         # hint for drop-in compatibility; this optimizer is always multi-tensor and fused.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad), maximize=maximize,
                         master_weights=master_weights, bias_correction=bias_correction,
-                        decoupled_weight_decay=bool(decoupled_weight_decay) or self._adamw)
+                        decoupled_weight_decay=bool(decoupled_weight_decay) or self._adamw,
+                        foreach=foreach, fused=fused)  # kept as torch keeps them (its keys)
         super().__init__(params, defaults)
 
     def _validate_group(self, group, index):
         name = f"{type(self).__name__} (param group {index})"
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        check_finite_hyper(name, lr=lr, betas=group["betas"], eps=eps, weight_decay=wd)
-        if lr < 0:
-            raise ValueError(f"{name}: invalid learning rate {lr}")
+        check_lr(name, lr)
+        check_finite_hyper(name, betas=group["betas"], eps=eps, weight_decay=wd)
         if eps < 0:
             raise ValueError(f"{name}: invalid epsilon {eps}")
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
@@ -60,6 +62,14 @@ class FusedAdam(FusedOptimizerBase):
             raise ValueError(f"{name}: invalid weight_decay {wd}")
         if group.get("capturable"):  # e.g. from a loaded torch state dict
             raise ValueError(f"{name}: capturable=True is not supported")
+
+    def _collect_group(self, group, gi):
+        """torch's step-time refusal of a tensor lr in a ``foreach`` group (Note [a tensor
+        learning rate]), before anything is written."""
+        if group.get("foreach") and isinstance(group["lr"], torch.Tensor):
+            raise RuntimeError(f"{type(self).__name__} (param group {gi}): lr as a Tensor is not supported "
+                               "for capturable=False and foreach=True")
+        return super()._collect_group(group, gi)
 
     def _init_state(self, group, p, state):
         super()._init_state(group, p, state)
@@ -76,7 +86,7 @@ class FusedAdam(FusedOptimizerBase):
             max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
         functional.adam_update(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            masters_of(states), lr=lr_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"], step=[s["step"] for s in states],
             bias_correction=group.get("bias_correction", True), maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,

@@ -6,7 +6,7 @@ import torch
 
 from .._dtypes import compute_dtype
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, lr_value, masters_of
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -26,7 +26,8 @@ class FusedSGD(FusedOptimizerBase):
         if fused is False:
             raise ValueError("FusedSGD: fused=False asks for torch's unfused implementation; use torch.optim.SGD")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, master_weights=master_weights)
+                        nesterov=nesterov, maximize=maximize, master_weights=master_weights,
+                        foreach=foreach, fused=fused)  # kept as torch keeps them (its keys)
         super().__init__(params, defaults)
         # Note [momentum switched on later]: ids of the param groups that may hold states
         # without a momentum buffer.
@@ -34,10 +35,9 @@ class FusedSGD(FusedOptimizerBase):
 
     def _validate_group(self, group, index):
         name = f"FusedSGD (param group {index})"
-        check_finite_hyper(name, lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+        check_lr(name, group["lr"])  # Note [a tensor learning rate]
+        check_finite_hyper(name, momentum=group["momentum"], dampening=group["dampening"],
                            weight_decay=group["weight_decay"])
-        if group["lr"] < 0:
-            raise ValueError(f"{name}: invalid learning rate {group['lr']}")
         if group["momentum"] < 0:
             raise ValueError(f"{name}: invalid momentum {group['momentum']}")
         if group["weight_decay"] < 0:
@@ -69,7 +69,7 @@ class FusedSGD(FusedOptimizerBase):
             self._add_missing_buffers(group, params, states)
         functional.sgd_update(
             params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
-            masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
+            masters_of(states), lr=lr_value(group["lr"]), momentum=momentum, dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             step=[s["step"] for s in states], inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,

@@ -1,5 +1,6 @@
-"""Fused optimizers against torch, third round: a tensor learning rate (given, scheduled,
-refused, and through state dicts both ways).
+"""Fused optimizers and GradScaler against torch, third round: a tensor learning rate (given,
+scheduled, refused, and through state dicts both ways) and the LR scheduler's warning after a
+first step the scaler skipped.
 
 Inputs are fresh random values per run; the seed (from random.randrange) is in every failure
 message. Parameters are fp32: both sides differ only by rounding of the optimizer math (torch's
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import pytest
 import torch
 
+from fusedist.amp import GradScaler
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
 
 from test_optim import BACKENDS, DEVICE  # noqa: F401 - the backend fixture's parameters
@@ -153,3 +156,44 @@ def test_a_tensor_lr_survives_state_dicts_both_ways(fused, ref_cls, kw, directio
         ref.step()
     _assert_close(ours, theirs, seed)
 
+
+# -- 2. the LR scheduler's warning after a step the scaler skipped -----------------------------
+
+
+def _scheduler_warnings(opt, scaler, params, seed, overflows, unscale):
+    """Messages the scheduler's first step warns with, after one scaler iteration per entry of
+    ``overflows`` (True: an inf gradient, so the scaler skips that step)."""
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    scaler.scale(torch.zeros((), device=DEVICE))
+    for step, inf in enumerate(overflows):
+        _set_grads(seed, step, params, inf=inf)
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step()
+    return [str(w.message).split(".")[0] for w in caught]
+
+
+@pytest.mark.parametrize("fused_flag", [None, True], ids=["default", "fused=True"])
+@pytest.mark.parametrize("overflows", [(True,), (False,), (True, False), (True, True)],
+                         ids=["skipped", "ran", "skipped then ran", "skipped twice"])
+@pytest.mark.parametrize("unscale", [False, True], ids=["step only", "unscale_ first"])
+@pytest.mark.parametrize("fused,ref_cls", [(FusedAdamW, torch.optim.AdamW), (FusedSGD, torch.optim.SGD)],
+                         ids=["AdamW", "SGD"])
+def test_the_scheduler_warns_after_a_skipped_first_step_like_torch(fused, ref_cls, unscale, overflows, fused_flag):
+    """torch's scaler skips an overflowed step by not calling its optimizer's step, so an LR
+    scheduler stepped after only skipped steps warns "Detected call of `lr_scheduler.step()`
+    before `optimizer.step()`"; with fused=True torch calls step (it skips on the device) and no
+    warning comes. fusedist's scaler always called step, so it never warned."""
+    seed = _seed()
+    ours, theirs = _twins(seed)
+    opt, ref = fused(ours, lr=0.1, fused=fused_flag), ref_cls(theirs, lr=0.1, fused=fused_flag)
+    got = _scheduler_warnings(opt, GradScaler(DEVICE.type, init_scale=4.0), ours, seed, overflows, unscale)
+    want = _scheduler_warnings(ref, torch.amp.GradScaler(DEVICE.type, init_scale=4.0), theirs, seed, overflows,
+                               unscale)
+    assert got == want, f"seed {seed}"
+    assert bool(want) == (all(overflows) and fused_flag is None)  # what torch 2.13 does
+    _assert_close(ours, theirs, seed)

@@ -31,6 +31,48 @@ class ScalerProtocol:
             self.step_context = StepContext()
         self.step_context.clear()
 
+    # Note [a skipped step and the LR scheduler]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch's LR schedulers wrap ``optimizer.step`` to set ``optimizer._opt_called = True`` and
+    # warn at their first step when it is unset ("Detected call of `lr_scheduler.step()` before
+    # `optimizer.step()`"). torch's GradScaler skips an overflowed step of its optimizers by not
+    # calling ``step`` at all, so a skipped first step leaves the flag unset and the warning
+    # comes; only torch's ``fused=True`` optimizers are called anyway (they skip on the device)
+    # and give none. fusedist's scaler always calls a fused optimizer's step, which skips on
+    # the device (Note [scaler protocol]), so the flag is a property here: setting it records
+    # the step's ``found_inf`` (None when no scaler decides), and reading it says whether a step
+    # ran that was not skipped -- what torch's flag means for its unfused optimizers, or, for a
+    # group built with ``fused=True``, whether step was called, as for torch's fused ones. A
+    # CPU flag is read when recorded; a device flag is kept (the minimum over the steps so far)
+    # and read only when the flag is, which a scheduler does once, at its first step.
+    @property
+    def _opt_called(self) -> bool:
+        called = self.__dict__.get("_fusedist_opt_called", False)
+        if isinstance(called, torch.Tensor):  # Note [a skipped step and the LR scheduler]
+            called = bool((called == 0).item())
+            if called:
+                self.__dict__["_fusedist_opt_called"] = True
+        return called
+
+    @_opt_called.setter
+    def _opt_called(self, value) -> None:
+        recorded = self.__dict__.get("_fusedist_opt_called", False)
+        if not value:
+            self.__dict__["_fusedist_opt_called"] = False
+        elif recorded is not True:
+            self.__dict__["_fusedist_opt_called"] = self._fusedist_step_ran(recorded)
+
+    def _fusedist_step_ran(self, recorded):
+        """True once a step ran that the scaler did not skip, else the flag to read later (Note
+        [a skipped step and the LR scheduler])."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None or any(g.get("fused") for g in getattr(self, "param_groups", ())):
+            return True
+        flag = found_inf.detach().reshape(())
+        if flag.device.type == "cpu":
+            return True if flag.item() == 0 else recorded
+        return flag.clone() if recorded is False else torch.minimum(recorded, flag)
+
     # Note [gradients changed after unscale_]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # unscale_ records the gradients' norm (and, lazily, a pending inv_scale) for what the

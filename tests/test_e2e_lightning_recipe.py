@@ -224,6 +224,10 @@ def _second_epoch(run: dict) -> dict:
 #   same autocast kernels on the same inputs, so the rounding is the same; what differs is the
 #   fp32 order of the optimizer and the reduction, which a bf16 matmul can turn into a
 #   neighbouring bf16 value (2^-8 relative) now and then: 1e-3 on values of order 1.
+# * fp64: the fp32 argument with ulps of 2^-52 instead of 2^-23: 1e-12.
+# * bf16-true with a fused optimizer: None, not compared with Lightning's DDP, which updates the
+#   bf16 weights in place where the fused optimizer keeps FP32 masters (a different, intended
+#   result); only the resume is checked, bit for bit, which needs the masters in the checkpoint.
 CASES = {
     "fused AdamW, fp32, accumulate 2, clip": (dict(resume=True), 1e-5),
     "fused AdamW, bf16-mixed, clip": (dict(precision="bf16-mixed"), 1e-3),
@@ -231,6 +235,10 @@ CASES = {
     "ZeRO 2, fused SGD, bf16-mixed, clip": (dict(precision="bf16-mixed", optimizer="sgd",
                                                  fusedist=dict(zero_stage=2), resume=True), 1e-3),
     "torch AdamW kept, fp32": (dict(fusedist=dict(fused_optimizer=False)), 1e-5),
+    "fused AdamW, 64-true": (dict(precision="64-true"), 1e-12),
+    "fused AdamW, bf16-true": (dict(precision="bf16-true", resume=True, masters=True), None),
+    "ZeRO 2, fused AdamW, bf16-true": (dict(precision="bf16-true", resume=True, masters=True,
+                                            fusedist=dict(zero_stage=2)), None),
     "fused AdamW, fp16-mixed, clip by value": (dict(precision="16-mixed", clip_by="value", clip=0.05), 1e-3),
     "ZeRO 1, fused SGD, fp32, clip by value": (dict(optimizer="sgd", clip_by="value", clip=0.05,
                                                     fusedist=dict(zero_stage=1)), 1e-5),
@@ -246,13 +254,16 @@ def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
         what = f"{case}, rank {rank}, data seed {seed}"
         stage2 = cfg.get("fusedist", {}).get("zero_stage") == 2
         zero_elsewhere = rank != 0 and "zero_stage" in cfg.get("fusedist", {})
-        _compare(res["fusedist"], res["ddp"], tol, what, norms=not stage2, opt=not zero_elsewhere)
+        if tol is not None:
+            _compare(res["fusedist"], res["ddp"], tol, what, norms=not stage2, opt=not zero_elsewhere)
         assert res["fusedist"]["global_step"] == EPOCHS * SAMPLES // (2 * BATCH * 2), what
         assert (res["fusedist"]["weights"][-1] - res["fusedist"]["weights"][0]).abs().max() > 1e-2, what
         if cfg.get("resume"):
             # The same process, data and arithmetic as the uninterrupted run: bit for bit.
             _compare(res["resumed from fusedist"], _second_epoch(res["fusedist"]), 0.0,
                      f"{what}, resumed after epoch 1", norms=not stage2, opt=not zero_elsewhere)
+            if tol is None:
+                continue
             # Lightning's DDP checkpoint (torch's optimizer and GradScaler state) continues as
             # Lightning's DDP run does.
             _compare(res["resumed from ddp"], _second_epoch(res["ddp"]), tol,

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 
 import fusedist
@@ -226,7 +226,11 @@ def _lightning_base(plugin) -> type:
 
 
 class _FusedistPrecision(_FusedistClip, Precision):
-    """``"32-true"`` (and ``"64-true"`` style plain precision): fusedist's clip."""
+    """``"32-true"``: fusedist's clip."""
+
+
+class _FusedistDoublePrecision(_FusedistClip, DoublePrecision):
+    """``"64-true"``: the module and inputs in float64, fusedist's clip."""
 
 
 class _FusedistHalfPrecision(_FusedistClip, HalfPrecision):
@@ -265,13 +269,15 @@ def _adapt_precision(plugin: Precision) -> Precision:
     kind = type(plugin)
     if kind is Precision:
         return _FusedistPrecision()
+    if kind is DoublePrecision:
+        return _FusedistDoublePrecision()
     if kind is HalfPrecision:
         return _FusedistHalfPrecision(plugin.precision)
     if kind is MixedPrecision:
         return _FusedistMixedPrecision(plugin.precision, plugin.device, scaler=_fusedist_scaler(plugin))
     raise ValueError(
         f"FusedistStrategy: the precision plugin {kind.__name__} is not supported; use precision="
-        "'32-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"
+        "'32-true', '64-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"
     )
 
 

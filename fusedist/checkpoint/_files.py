@@ -31,6 +31,22 @@ Note [abandoned temporaries]
     second writer there would be a mistake, but not one to lose data for). On a network
     filesystem the file times come from the server: a clock ahead of rank 0's keeps a stale
     temporary until a later save, one behind only matters for that second writer.
+
+Note [one save at a time]
+    Two saves into one directory at once -- a job launched again while the old one still
+    runs, two jobs given the same output directory -- would remove each other's files: each
+    save ends by deleting the checkpoint files its manifest does not list, which include the
+    other save's, written but not yet listed. No lock is taken (a lock left by a killed job
+    would have to be judged stale, and across hosts it cannot be); instead rank 0 *claims*
+    the directory when its save starts, writing a small file (``CLAIM``: a random token, its
+    host, process id and start time) over whatever claim is there, and checks the claim is
+    still its own before it writes the manifest and before it removes anything. A save that
+    finds another's claim stops with an error naming the other writer, writes no manifest
+    and removes nothing: the later save wins, the earlier one loses nothing that was complete
+    (the directory keeps the checkpoint it held, or the other save's once that completes).
+    A claim left by a killed save is simply overwritten by the next save. What remains is the
+    instant between the check and the rename of the manifest (or the removal): two saves
+    that start within it are not told apart.
 """
 
 from __future__ import annotations
@@ -40,7 +56,10 @@ import json
 import os
 import pickle
 import re
-from typing import Any, Callable
+import socket
+import time
+import uuid
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -160,6 +179,40 @@ def remove_stale_temporaries(directory: str, started: float) -> list:
     if removed:
         _fsync_dir(directory)
     return removed
+
+
+#: Rank 0's claim on a directory for the save in progress (Note [one save at a time]).
+CLAIM = ".fusedist-save-claim.json"
+
+
+def claim_directory(directory: str) -> dict:
+    """Claim ``directory`` for a save starting now (over any earlier claim); the claim."""
+    claim = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()}
+    data = json.dumps(claim).encode()
+    atomic_write(os.path.join(directory, CLAIM), lambda f: f.write(data))
+    return claim
+
+
+def claim_lost(directory: str, claim: dict) -> Optional[str]:
+    """None while ``claim`` is still the directory's; else who claimed it since, in words."""
+    try:
+        with open(os.path.join(directory, CLAIM), "rb") as f:
+            now = json.loads(f.read())
+    except (OSError, ValueError):
+        return "a save that has finished since (the claim file is gone)"
+    if now.get("token") == claim["token"]:
+        return None
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now.get("started_unix", 0)))
+    return f"a save by process {now.get('pid')} on host {now.get('host')}, started {started}"
+
+
+def release_claim(directory: str, claim: dict) -> None:
+    """Remove ``claim`` once its save is over, unless another save claimed the directory since."""
+    if claim_lost(directory, claim) is None:
+        try:
+            os.unlink(os.path.join(directory, CLAIM))
+        except OSError:
+            pass
 
 
 def remove_manifest(directory: str) -> None:

@@ -179,6 +179,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         raise
     if problem:
         raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
+    claim = _claim(directory) if world.rank == 0 else None  # Note [one save at a time]
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()
@@ -196,7 +197,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     everyone = world.all_gather((mine, error), "save: rank files written")
     failed = [e for _, e in everyone if e is not None]
     if failed:
-        _finish_save(world, directory, calls)
+        _finish_save(world, directory, calls, claim)
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
     error = None
     if world.rank == 0:
@@ -205,19 +206,35 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         # (and the group broken by that timeout).
         error = _complete(directory, save_id, [m for m, _ in everyone], calls,
                           lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys),
-                          lambda: manifest_base(model, optimizer, scaler, world.size))
+                          lambda: manifest_base(model, optimizer, scaler, world.size), claim)
     failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
-    _finish_save(world, directory, calls, None if failed else started)
+    _finish_save(world, directory, calls, claim, None if failed else started)
     if failed:
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
 
 
-def _complete(directory: str, save_id: str, rank_entries: list, calls: list, common, base) -> Optional[str]:
-    """Rank 0, once every rank file is written: check it sees them all, write ``common.pt``,
-    then the manifest (the switch to the new checkpoint). The error's text, or None."""
+def _claim(directory: str) -> Optional[dict]:
+    """Rank 0's claim on ``directory`` for this save (Note [one save at a time] in
+    ``_files.py``); None where the claim file cannot be written (the rank files then fail
+    to be written too, with the reason)."""
+    try:
+        return _files.claim_directory(directory)
+    except OSError:
+        return None
+
+
+def _complete(directory: str, save_id: str, rank_entries: list, calls: list, common, base,
+              claim: Optional[dict]) -> Optional[str]:
+    """Rank 0, once every rank file is written: check it sees them all and that no other save
+    claimed the directory since this one started, write ``common.pt``, then the manifest (the
+    switch to the new checkpoint). The error's text, or None."""
     files = {}
     for entry in rank_entries:
         files.update(entry)
+    other = _files.claim_lost(directory, claim) if claim is not None else None
+    if other is not None:
+        return (f"another save into {directory} started while this one ran ({other}); a directory takes one "
+                "save at a time, so this one stopped before its manifest and removed nothing")
     try:
         unseen = _checks.unseen_rank_files(directory, files, [c["directory"] for c in calls])
         if unseen is not None:
@@ -249,12 +266,24 @@ def _write(directory: str, name: str, save_id: str, sections: dict, rank: int) -
     return entry
 
 
-def _finish_save(world: "_World", directory: str, calls: list, completed_since: Optional[float] = None) -> None:
+def _finish_save(world: "_World", directory: str, calls: list, claim: Optional[dict],
+                 completed_since: Optional[float] = None) -> None:
     """Once no rank writes any more: rank 0 removes the files the manifest now in the
     directory does not list (the replaced checkpoint's, or a failed save's own), and so does
     a rank that was given another directory than rank 0 (a save refused for that). After a
     complete save that started at ``completed_since``, rank 0 also removes the temporaries
-    of earlier saves killed mid-write (Note [abandoned temporaries])."""
+    of earlier saves killed mid-write (Note [abandoned temporaries]). Rank 0 removes nothing
+    once another save has claimed the directory (Note [one save at a time]): the files it
+    does not know are that save's."""
+    if world.rank == 0 and claim is not None:
+        other = _files.claim_lost(directory, claim)
+        _files.release_claim(directory, claim)
+        if other is not None:
+            if completed_since is not None:
+                warnings.warn(f"fusedist.checkpoint.save: another save into {directory} started after this one "
+                              f"({other}); this checkpoint is complete, but the files it replaced are left for "
+                              "the next save to remove", stacklevel=3)
+            return
     if world.rank == 0 or (calls[world.rank]["directory"] != calls[0]["directory"] and os.path.isdir(directory)):
         # After the last exchange: an error raised here ended a complete save with an error on
         # this rank alone while the others went on. The leftover files only take space.

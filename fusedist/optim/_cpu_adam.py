@@ -128,6 +128,41 @@ def _check_list(tensors, what: str, params, dtypes) -> None:
             raise _describe_bad_tensor(t, what, i, None if p is None else p.shape, dtypes)
 
 
+def _check_all(params, grads, exp_avgs, exp_avg_sqs, masters) -> None:
+    """Every tensor fit for the kernel, which reads and writes them through raw pointers."""
+    half_or_float = tuple(_DTYPE_CODES)
+    fp32_only = (torch.float32,)
+    _check_list(params, "params", None, half_or_float)
+    _check_list(grads, "grads", params, half_or_float)
+    _check_list(exp_avgs, "exp_avgs", params, fp32_only)
+    _check_list(exp_avg_sqs, "exp_avg_sqs", params, fp32_only)
+    if masters is not None:
+        _check_list(masters, "masters", params, fp32_only)
+
+
+# Note [checks the caller made]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The kernel gets raw pointers, so every tensor is checked before it runs (dtype, CPU, strided,
+# the parameter's shape, a memory walk like the parameter's). Those checks cost ~0.5 us per
+# tensor and list, the largest host cost of a step on many small tensors. The fused optimizers'
+# path has made most of them already: their step checks each gradient's shape, device and
+# dtype, and ``functional._bucketize`` sends only buckets of one CPU device and kernel dtypes
+# whose tensors all walk memory like their parameters. What neither saw is the states' dtype,
+# device and shape (a program may replace a state tensor), so ``trusted`` checks just those,
+# falling back to every check -- and its error -- when one does not fit.
+def _states_fit(params, exp_avgs, exp_avg_sqs, masters) -> bool:
+    """Whether every state (and master) is an fp32 CPU tensor of its parameter's shape."""
+    f32 = torch.float32
+    lists = (exp_avgs, exp_avg_sqs) if masters is None else (exp_avgs, exp_avg_sqs, masters)
+    for i, p in enumerate(params):
+        shape = p.shape
+        for lst in lists:
+            t = lst[i]
+            if not (t.dtype is f32 and t.is_cpu and t.shape == shape):
+                return False
+    return True
+
+
 def adam_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -147,6 +182,7 @@ def adam_update(
     inv_scale: Optional[torch.Tensor] = None,
     clip_coef: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    trusted: bool = False,
 ) -> None:
     """One Adam (``adamw=False``: L2 decay) or AdamW (decoupled decay) step, in place.
 
@@ -156,6 +192,8 @@ def adam_update(
     its dtype; without, half-precision params are widened, updated in fp32 and rounded back.
     The effective gradient is ``grad * inv_scale * clip_coef`` (each None means 1); a non-zero
     ``found_inf`` skips the step entirely. One kernel call per (param dtype, grad dtype) group.
+    ``trusted``: the caller has checked the parameters and gradients (Note [checks the caller
+    made]); only the states are checked here.
     """
     ops = _extension.require("_cpu_ops")
     n = len(params)
@@ -182,17 +220,12 @@ def adam_update(
         _scalar_address(found_inf, "found_inf"),
     )
 
-    half_or_float = tuple(_DTYPE_CODES)
-    fp32_only = (torch.float32,)
-    _check_list(params, "params", None, half_or_float)
-    _check_list(grads, "grads", params, half_or_float)
-    _check_list(exp_avgs, "exp_avgs", params, fp32_only)
-    _check_list(exp_avg_sqs, "exp_avg_sqs", params, fp32_only)
-    if masters is not None:
-        _check_list(masters, "masters", params, fp32_only)
+    if not (trusted and _states_fit(params, exp_avgs, exp_avg_sqs, masters)):
+        _check_all(params, grads, exp_avgs, exp_avg_sqs, masters)
+    sizes = [p.nelement() for p in params]
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i in range(n):
-        if params[i].nelement():
+        if sizes[i]:
             groups.setdefault((params[i].dtype, grads[i].dtype), []).append(i)
 
     threads = torch.get_num_threads()
@@ -210,7 +243,7 @@ def adam_update(
             [exp_avgs[i].data_ptr() for i in idx],
             [exp_avg_sqs[i].data_ptr() for i in idx],
             copies,
-            [params[i].nelement() for i in idx],
+            [sizes[i] for i in idx],
             weight_code,
             _DTYPE_CODES[grad_dtype],
             copy_code,

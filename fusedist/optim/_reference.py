@@ -60,6 +60,14 @@ def _step_value(step, i: int):
     return float(step)
 
 
+def _host_steps(step, n: int) -> list:
+    """The step counts as Python floats, from CPU tensors or one number. (``item()`` of an fp32
+    count is the value ``double()`` gives, for one call per count instead of two.)"""
+    if isinstance(step, (list, tuple)):
+        return [float(s.item()) if isinstance(s, torch.Tensor) else float(s) for s in step]
+    return [float(step)] * n
+
+
 def check_and_norm(grads, inv_scale, unscale_in_place=False):
     device = grads[0].device
     # In fp32, or fp64 for fp64 gradients (foreach_norm refuses to narrow them, and their norm
@@ -87,7 +95,8 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     if skip:
         return
     factor = grad_factor(inv_scale, clip_coef)
-    if skip_mask is None and not any(isinstance(s, torch.Tensor) and s.device.type != "cpu"
+    # (``is_cpu``, not ``device.type``: this runs for every step count on every step.)
+    if skip_mask is None and not any(isinstance(s, torch.Tensor) and not s.is_cpu
                                      for s in (step if isinstance(step, (list, tuple)) else [step])):
         return _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
@@ -134,7 +143,7 @@ def _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, *
     weights = list(masters) if masters is not None else list(params)
     in_place = all(w.dtype == dtype for w in weights)
     p = weights if in_place else [w.to(dtype) for w in weights]
-    g = [x.to(dtype) for x in grads]
+    g = [x if x.dtype == dtype else x.to(dtype) for x in grads]
     if factor is not None:
         g = torch._foreach_mul(g, factor.to(dtype))
     if maximize:
@@ -143,7 +152,7 @@ def _adam_foreach(params, grads, masters, exp_avgs, exp_avg_sqs, step, factor, *
         torch._foreach_mul_(p, 1.0 - lr * weight_decay)
     elif weight_decay != 0:
         g = torch._foreach_add(g, torch._foreach_mul(p, weight_decay))
-    steps = [float(_step_value(step, i)) for i in range(len(params))]
+    steps = _host_steps(step, len(params))
     if bias_correction:
         step_sizes = [-(lr / (1.0 - beta1 ** s)) for s in steps]
         bc2_sqrt = [(1.0 - beta2 ** s) ** 0.5 for s in steps]

@@ -192,6 +192,21 @@ def _take_step(step, idx):
     return [step[i] for i in idx] if isinstance(step, (list, tuple)) else step
 
 
+def _indices_by_step(step, n: int) -> dict:
+    """Indices 0..n-1 grouped by their step count as an int (one number: all alike). The
+    common case, every count equal, is found with one pass in C (``list.count``) instead of a
+    dictionary insertion per tensor."""
+    if not isinstance(step, (list, tuple)):
+        return {int(step): list(range(n))}
+    counts = [int(s) for s in step]
+    if counts and counts.count(counts[0]) == n:
+        return {counts[0]: list(range(n))}
+    by_step: dict = {}
+    for j, c in enumerate(counts):
+        by_step.setdefault(c, []).append(j)
+    return by_step
+
+
 def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: bool = False) -> str:
     """The backend for one bucket: tensors the kernels cannot walk (``eligible`` False) always
     take the reference path, whichever backend was asked for, so every layout torch's
@@ -288,13 +303,13 @@ def adam_update(
 
             # The C++ kernel takes one step count per call: group tensors by step (they differ
             # only when some parameters skipped steps without a gradient).
-            by_step: dict = {}
-            for j, s in enumerate(b_step if isinstance(b_step, (list, tuple)) else [b_step] * len(b_params)):
-                by_step.setdefault(int(s), []).append(j)
-            for s, js in by_step.items():
+            for s, js in _indices_by_step(b_step, len(b_params)).items():
+                # Unvalidated calls (the fused optimizers) checked the parameters and gradients
+                # already: the adapter checks only the states (Note [checks the caller made]).
                 _cpu_adam.adam_update(_take(b_params, js), _take(b_grads, js), _take(b_m, js), _take(b_v, js),
                                       _take(b_masters, js) if b_masters is not None else None, step=s,
-                                      inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf, **hyper)
+                                      inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+                                      trusted=not validate, **hyper)
             continue
         impl = _kernels() if backend == "triton" else _reference
         impl.adam(b_params, b_grads, b_masters, b_m, b_v, b_step, inv_scale=inv_scale,

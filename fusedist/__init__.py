@@ -39,6 +39,7 @@ _LAZY = {
     "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
     "fully_shard": ("fusedist.fsdp", "fully_shard"),
     "register_fsdp_forward_method": ("fusedist.fsdp", "register_fsdp_forward_method"),
+    "share_comm_ctx": ("fusedist.fsdp", "share_comm_ctx"),
     "FSDPModule": ("fusedist.fsdp", "FSDPModule"),
     "UnshardHandle": ("fusedist.fsdp", "UnshardHandle"),
     "OffloadPolicy": ("fusedist.fsdp", "OffloadPolicy"),

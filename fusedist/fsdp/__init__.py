@@ -12,7 +12,7 @@ an optimizer step outdated), ``holder``
 the unsharded one), ``api`` (``fully_shard`` and the methods a module gains).
 """
 
-from .api import FullyShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import FullyShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .memory import reset_peak_memory_stats
 from .optim_state import track_optimizer
 from .param_init import init_parameters
@@ -23,7 +23,7 @@ from .state_dict import full_state_dict, load_full_state_dict
 FSDPModule = FullyShardedModule
 
 __all__ = [
-    "fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "FSDPModule", "UnshardHandle",
+    "fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule", "FSDPModule", "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
     "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer", "init_parameters",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -23,7 +24,7 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
 
-__all__ = ["fully_shard", "register_fsdp_forward_method", "FullyShardedModule", "UnshardHandle"]
+__all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule", "UnshardHandle"]
 
 # Every parameter a unit took over -- the original and its piece -- maps to (unit, index), so a
 # later fully_shard call that meets it (a weight tied across units) borrows it instead of
@@ -136,6 +137,47 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return st._post_forward(self, args, method(*args, **kwargs))
 
     setattr(module, method_name, as_forward.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list) -> None:
+    """torch FSDP2's ``share_comm_ctx``: let several roots (pipeline-parallel model chunks)
+    share their communication context, validated as torch does (an empty list is a no-op; a
+    module that is not sharded raises ``ValueError``). What it means for fusedist: Note
+    [one communicator per mesh]. Modules torch's ``fully_shard`` sharded go to torch's
+    function; mixing the two libraries' modules is refused, naming the first of the other kind."""
+    if len(modules) == 0:
+        return
+    for module in modules:
+        if not isinstance(module, (FullyShardedModule, _torch_fsdp_module_class())):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    ours = [isinstance(m, FullyShardedModule) for m in modules]
+    if not any(ours):
+        torch.distributed.fsdp.share_comm_ctx(modules)
+    elif not all(ours):
+        other = modules[ours.index(False)]
+        raise ValueError(f"share_comm_ctx: {type(other).__name__} was sharded by torch's fully_shard and "
+                         f"{type(modules[ours.index(True)]).__name__} by fusedist's; the two libraries' modules "
+                         "share no communication context")
+
+
+# Note [one communicator per mesh]
+#     torch's ``share_comm_ctx`` makes FSDP2 roots (the model chunks of pipeline parallelism)
+#     use the first one's communication context: its CUDA streams for all-gathers, reduce-
+#     scatters and all-reduces, and the state FSDP2 keeps on them, so the chunks do not split
+#     the caching allocator's memory across more streams. It changes no value and no
+#     collective. fusedist keeps no per-root context: every unit's gathers and reductions
+#     run on the communicator of its mesh / process group (``fusedist.comm.get_communicator``,
+#     one per group and device), whose streams every root on that group already shares. So
+#     the call validates its argument as torch's does and has nothing else to do; roots on
+#     different process groups keep their own communicators (their collectives could not
+#     share one anyway).
+
+
+def _torch_fsdp_module_class() -> tuple:
+    """torch FSDP2's ``FSDPModule`` class, if this torch has it (else nothing matches)."""
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "_fully_shard", None)
+    cls = getattr(fsdp, "FSDPModule", None)
+    return (cls,) if cls is not None else ()
 
 
 def _register_torch_forward_method(module: nn.Module, method_name: str) -> None:
@@ -489,7 +531,8 @@ class FullyShardedModule:
         for st in states:
             if st.unit is not None:
                 st.unit.reshard()
-        out = super()._apply(fn, *args, **kwargs)
+        with _conversions_in_place():  # Note [conversions under swap_module_params_on_conversion]
+            out = super()._apply(fn, *args, **kwargs)
         st = self._fs_state()
         if st.unit is not None:
             _register_pieces(st, st.unit.repack())
@@ -497,6 +540,38 @@ class FullyShardedModule:
             if st.unit is not None:
                 st.unit.relink_borrowed()
         return out
+
+
+# Note [conversions under swap_module_params_on_conversion]
+#     With ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``Module._apply``
+#     (``to``, ``to_empty``, ``double``, ...) converts a parameter by ``torch.utils.swap_tensors``
+#     of the old ``nn.Parameter`` with a new one: the Python object stays, its contents change.
+#     A piece cannot be swapped: the registries that know it (the tied-weight table, the
+#     gradient holder, the step watch, the optimizer-state notes) hold weak references to it,
+#     and ``swap_tensors`` refuses a tensor with weak references ("Couldn't swap
+#     Linear.weight"). What the flag promises -- the same parameter objects, with the
+#     converted data, wherever the model's parameters were referenced -- is what the unit's
+#     conversion gives without it: ``param.data = converted`` keeps each piece's identity, and
+#     ``repack`` then rebuilds the unit's buffers around the new data (Note [units built on the
+#     meta device] in unit.py; a conversion torch cannot do in place, e.g. from meta, gives
+#     new ``nn.Parameter`` objects that ``repack`` adopts, as without the flag). So while a
+#     sharded module converts its subtree the flag is off, and set back as it was afterwards;
+#     the subtree's buffers are reassigned either way, and a parameter left out of sharding
+#     (``ignored_params``) is converted in place too (a tensor subclass is still swapped, as
+#     torch always does for those).
+#     torch's FSDP2 works under the flag (its DTensor parameters carry no weak references).
+
+
+@contextlib.contextmanager
+def _conversions_in_place():
+    """Turn ``swap_module_params_on_conversion`` off for the duration (Note [conversions under
+    swap_module_params_on_conversion]), restoring it after."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def _register_pieces(state, adopted: list) -> None:

@@ -52,9 +52,19 @@ Note [rank-independent reductions]
     set on every rank, or the ranks would step different pieces of one parameter: each
     reduction logs its set, and the per-step cross-rank check compares a digest of the
     backward's log (Note [stage-3 step check] in ``reliability/sharded_watch.py``), naming
-    the parameters that had no gradient on some ranks. Not covered: a unit whose *output*
-    reaches the loss on some ranks only -- its backward all-gather then runs on those ranks
-    only, and the ranks' collectives pair up wrongly before any check can run.
+    the parameters that had no gradient on some ranks.
+
+    A unit that runs forward on every rank but whose *output* reaches the loss on some only
+    (a data-dependent branch) is thus reduced on every rank at the same place of the order;
+    under ``set_reduce_scatter_unused_params(True)`` its pieces get ``.grad`` on every rank
+    (the skipping ranks' part of the sum is zeros), else the step check reports the
+    differing gradient sets, naming that setting. torch's FSDP2 needs the setting too and
+    still fails there: its root's final callback reduces such a unit after the others on
+    the ranks that skipped it, so its reduce-scatter pairs with another unit's. The unit's
+    backward all-gather pairs up because the unit after it prefetches it on every rank (the
+    default backward prefetch), or it stayed gathered; an explicit backward prefetch list
+    that leaves it out breaks that. Not covered: a unit whose *forward* runs on some ranks
+    only (its forward all-gather is one-sided; FSDP2 hangs alike).
 
 Note [fp16 reduction]
     An fp16 sum over N ranks overflows (65504) where the average would not. So an fp16

@@ -57,11 +57,27 @@ Note [frozen parameters in backward]
     the gradients of those inputs -- the last use of the unit's parameters -- are computed,
     and the unit is reduced and resharded only when that has happened for every call and all
     trainable gradients are in (a fully frozen unit thus reshards during backward too).
+
+Note [aborted backward]
+    A backward that raises midway -- an error in a module's backward, a ``KeyboardInterrupt``
+    or other exception from a hook -- never runs the callback that ends it: autograd drops
+    queued callbacks when the graph task fails. Its bookkeeping would stay "in backward",
+    and the next forward would take itself for an activation-checkpointing recompute (no
+    step counted, outputs not hooked, no final callback queued for the next backward), so
+    the next step's gradients would silently stay unreduced -- torch's FSDP2 behaves so
+    unless ``reset_iter_state()`` is called. A recompute runs inside a graph task of the
+    autograd engine; a forward outside any while a backward is marked running can only
+    follow an aborted one. So such a forward first does what ``reset_iter_state`` does
+    (with a warning naming the module): the aborted iteration's gradients are dropped, the
+    step watch leaves its backward (``ShardedStepWatch.backward_aborted``), and the step
+    runs and is counted as any other. Every rank must have aborted alike (collectives pair
+    up by order), as for ``reset_iter_state``.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -205,6 +221,8 @@ class IterationContext:
         try:
             grads_mod.discard_all(self.pending)
         finally:
+            if self.watch is not None:
+                self.watch.backward_aborted()
             self.in_forward = False
             self._current_order, self._pos = [], 0
             self.reduce_log, self.deferred, self.reduce_order, self.next_reduce = [], {}, [], 0
@@ -212,6 +230,16 @@ class IterationContext:
             self.backward_running = False
             for st in self.states:
                 st.reset_iteration()
+
+    def recover_aborted_backward(self, module) -> None:
+        """A forward outside autograd's backward while a backward is marked running: that
+        backward raised before its end (Note [aborted backward]); reset as ``reset_iter_state``."""
+        warnings.warn(
+            f"fusedist.fully_shard({type(module).__name__}): the previous backward did not finish (an exception "
+            "was raised during it); its gradients are dropped and the iteration state is reset, as "
+            "reset_iter_state() does. Call model.reset_iter_state() on the root after such an exception, and "
+            "zero_grad(), to make this explicit.", RuntimeWarning, stacklevel=4)
+        self.reset_iteration()
 
     def finish_backward(self) -> None:
         try:
@@ -327,6 +355,8 @@ class FullyShardState:
             self._check_materialized()
         self.lazy_init()
         ctx, unit = self.ctx, self.unit
+        if (self._in_backward or ctx.backward_running) and not _in_autograd_backward():
+            ctx.recover_aborted_backward(module)  # Note [aborted backward]
         if self._in_backward or ctx.backward_running:  # recompute (activation checkpointing)
             if unit is not None:
                 unit.unshard(async_op=False)
@@ -477,6 +507,11 @@ class FullyShardState:
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
+
+
+def _in_autograd_backward() -> bool:
+    """Whether this code runs inside a graph task of the autograd engine (a backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _unit_params(unit) -> list:

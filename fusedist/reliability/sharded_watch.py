@@ -34,7 +34,9 @@ from .engine_watch import WatchBase
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {
     "unused": "a different set of parameters received gradients (a branch of a unit ran on some ranks only): "
     "the ranks would step different pieces of one parameter; use every trainable parameter in the loss on "
-    "every rank (e.g. add 0 * the branch's output on the ranks that skip it)"}}
+    "every rank (e.g. add 0 * the branch's output on the ranks that skip it), or call "
+    "model.set_reduce_scatter_unused_params(True) on the root so that every rank reduces every trainable "
+    "parameter of a unit that ran (zeros where a rank computed no gradient), as torch's FSDP2 requires"}}
 
 
 class ShardedStepWatch(WatchBase):
@@ -69,6 +71,12 @@ class ShardedStepWatch(WatchBase):
         self.in_backward = True
         if self.monitor is not None:
             self.monitor.step_hint = self.sync_steps
+
+    def backward_aborted(self) -> None:
+        """The backward that began raised before its end (``reset_iter_state``, or Note [aborted
+        backward] in ``fusedist/fsdp/state.py``): no longer in it. It is not counted as a
+        backward: it reduced nothing the step check could compare."""
+        self.in_backward = False
 
     def backward_ends(self, synced: bool, reductions: list = ()) -> None:
         """After the last unit's reduce-scatter was issued (and finished). ``reductions``: the

@@ -14,7 +14,7 @@ load hits all alike; the table gives the median microseconds per parameter and s
 ratios fusedist / torch (< 1: fusedist's host time is shorter). One torch thread, so the
 numbers measure the Python and dispatch path, not the thread pool.
 
-    python benchmarks/bench_optim_host.py [--count 200] [--numel 16] [--quick] [--no-write]
+    python benchmarks/bench_optim_host.py [--count 200] [--numel 16] [--quick] [--no-write] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="steps per timing")
     parser.add_argument("--quick", action="store_true", help="a few short repetitions (a smoke run)")
     parser.add_argument("--no-write", action="store_true", help="print only, write no result file")
+    parser.add_argument("--note", default="", help="a line for the result file (e.g. about the machine)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steps = 3, 5
@@ -125,6 +126,8 @@ def main() -> None:
         notes = (f"AdamW step on {args.count} CPU parameters of {args.numel} elements, one torch thread; "
                  f"median over {args.repeats} repetitions of {args.steps} steps, contenders in rotating order. "
                  "Ratio = fusedist / torch (< 1: less host time).")
+        if args.note:
+            notes += "\n\n" + args.note
         for path in write_results("optim_host_cpu", rows, notes):
             print("wrote", path)
 

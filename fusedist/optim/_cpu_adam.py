@@ -140,6 +140,10 @@ def _check_all(params, grads, exp_avgs, exp_avg_sqs, masters) -> None:
         _check_list(masters, "masters", params, fp32_only)
 
 
+#: functional.adam_update may pass ``trusted=True`` (Note [checks the caller made]).
+ACCEPTS_TRUSTED = True
+
+
 # Note [checks the caller made]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The kernel gets raw pointers, so every tensor is checked before it runs (dtype, CPU, strided,

@@ -68,7 +68,8 @@ def _kernels():
 #
 # with exactly the semantics of :func:`adam_update` for one bucket (CPU tensors of one dtype
 # combination). Until both the adapter and the extension exist, ``has_cpu_ext`` is False and
-# the backend selector never picks ``cpu_ext``.
+# the backend selector never picks ``cpu_ext``. An adapter that sets ``ACCEPTS_TRUSTED = True``
+# also takes ``trusted=True`` on calls whose parameters and gradients were checked (``_trust``).
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,11 +186,23 @@ def _states_fp32(companions, indices) -> bool:
 
 
 def _take(lst, idx):
-    return None if lst is None else [lst[i] for i in idx]
+    """``lst`` at the indices ``idx`` of one bucket. A bucket of every index (the common case:
+    one device and dtype) holds them in order, so ``lst`` itself serves (read only below)."""
+    if lst is None:
+        return None
+    return lst if len(idx) == len(lst) and type(lst) is list else [lst[i] for i in idx]
 
 
 def _take_step(step, idx):
-    return [step[i] for i in idx] if isinstance(step, (list, tuple)) else step
+    return _take(step, idx) if isinstance(step, (list, tuple)) else step
+
+
+def _trust(adapter, validate: bool) -> dict:
+    """``trusted=True`` for an unvalidated call (the fused optimizers, which checked the
+    parameters and gradients: Note [checks the caller made] in ``_cpu_adam.py``) when the
+    adapter declares it takes the keyword (``ACCEPTS_TRUSTED``); nothing otherwise, so an
+    adapter with the plain signature above still plugs in."""
+    return {"trusted": True} if not validate and getattr(adapter, "ACCEPTS_TRUSTED", False) else {}
 
 
 def _indices_by_step(step, n: int) -> dict:
@@ -304,12 +317,10 @@ def adam_update(
             # The C++ kernel takes one step count per call: group tensors by step (they differ
             # only when some parameters skipped steps without a gradient).
             for s, js in _indices_by_step(b_step, len(b_params)).items():
-                # Unvalidated calls (the fused optimizers) checked the parameters and gradients
-                # already: the adapter checks only the states (Note [checks the caller made]).
                 _cpu_adam.adam_update(_take(b_params, js), _take(b_grads, js), _take(b_m, js), _take(b_v, js),
                                       _take(b_masters, js) if b_masters is not None else None, step=s,
                                       inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
-                                      trusted=not validate, **hyper)
+                                      **hyper, **_trust(_cpu_adam, validate))
             continue
         impl = _kernels() if backend == "triton" else _reference
         impl.adam(b_params, b_grads, b_masters, b_m, b_v, b_step, inv_scale=inv_scale,

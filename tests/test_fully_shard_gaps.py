@@ -307,3 +307,38 @@ def test_share_comm_ctx_matches_fsdp2():
     torch's, refuses a mix, and the models train as FSDP2's after it."""
     seed = _seed()
     assert run_distributed(_share_comm_ctx, 2, seed) == [True, True], f"seed {seed}"
+
+
+# ------------------------------------------------------- full state dict of a compiled model
+def _compiled_keys(rank, ws, seed):
+    import fusedist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    mesh = _mesh(ws)
+    ref, ours = _pair(mesh)
+    opts = _adamw(ref, ours)
+    _step(ref, ours, opts, _ids(seed, rank, 0), f"seed {seed}")  # values other than the seed-0 init
+    for model in (ref, ours):
+        model.blocks[0] = torch.compile(model.blocks[0])  # a compiled submodule in place of the block
+    ref_c, ours_c = torch.compile(ref), torch.compile(ours)  # wrapped, not run: no compilation
+    expected = get_model_state_dict(ref_c, options=StateDictOptions(full_state_dict=True))
+    got = fusedist.fsdp.full_state_dict(ours_c)
+    assert list(got) == list(expected), f"seed {seed}: keys {list(got)}, FSDP2 {list(expected)}"
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, **EXACT, msg=lambda m: f"seed {seed}: {k}: {m}")
+    prefixed = {k: v for k, v in zip(ours_c.state_dict(), got.values())}  # an earlier version's keys
+    for state in (expected, prefixed):
+        fusedist.fsdp.load_full_state_dict(ours_c, {k: torch.zeros_like(v) for k, v in state.items()})
+        assert all(p.eq(0).all() for p in ours.parameters()), f"seed {seed}: not every piece loaded"
+        fusedist.fsdp.load_full_state_dict(ours_c, state)
+        for k, v in fusedist.fsdp.full_state_dict(ours_c).items():
+            torch.testing.assert_close(v, expected[k], **EXACT, msg=lambda m: f"seed {seed}: reloaded {k}: {m}")
+    return True
+
+
+def test_full_state_dict_of_compiled_model_has_fsdp2_keys():
+    """full_state_dict of a torch.compile'd model (and of one with a compiled block inside)
+    has the keys and values of FSDP2's full get_model_state_dict -- canonical names, without
+    ``_orig_mod.`` -- and load_full_state_dict takes those keys, or the prefixed ones."""
+    seed = _seed()
+    assert run_distributed(_compiled_keys, 2, seed) == [True, True], f"seed {seed}"

@@ -159,13 +159,31 @@ def _trainer(side, cfg, root, extra_callbacks=(), **kwargs):
         accumulate_grad_batches=1 if cfg.get("manual") else cfg.get("accumulate", 2),
         gradient_clip_val=None if cfg.get("manual") else cfg.get("clip", 0.5), gradient_clip_algorithm=cfg.get("clip_by", "norm"), val_check_interval=4, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=root is not None, callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, deterministic=True, use_distributed_sampler=True, **kwargs)
+        enable_model_summary=False, deterministic=True, use_distributed_sampler=True,
+        sync_batchnorm=bool(cfg.get("sync_bn")) and side == "fusedist", **kwargs)
     return trainer, recorder
+
+
+def _with_batch_norm(net, side):
+    """``net`` with a BatchNorm after its first layer. Lightning's DDP converts it to torch's
+    SyncBatchNorm, which refuses CPU tensors, so its side gets the reference of the DDP recipe
+    test: batch norm over the batch gathered from every rank (what SyncBatchNorm computes).
+    The layer before it has no bias, as usual: the norm cancels a bias, whose gradient is then
+    rounding noise that AdamW turns into whole steps of either sign, different on each side,
+    and the running means (validation) with them."""
+    from test_e2e_ddp_recipe import _GatheredBatchNorm
+
+    first = nn.Linear(IN, HIDDEN, bias=False)
+    first.weight = net[0].weight
+    norm = (_GatheredBatchNorm if side == "ddp" else nn.BatchNorm1d)(HIDDEN)
+    return nn.Sequential(first, norm, *net[1:])
 
 
 def _fit(side, cfg, seed, root=None, ckpt_path=None):
     torch.manual_seed(0)
     module = _module_class()(cfg.get("optimizer", "adamw"), manual=cfg.get("manual", False))
+    if cfg.get("sync_bn"):
+        module.net = _with_batch_norm(module.net, side)
     trainer, recorder = _trainer(side, cfg, root)
     trainer.fit(module, _data(seed, cfg.get("samples", SAMPLES)), _data(seed + 1, 16), ckpt_path=ckpt_path)
     return trainer, module, dict(recorder.records, **module.log_)
@@ -262,6 +280,8 @@ CASES = {
     # ~1e-4 (Note [clipping before the unscale]); an unclipped step moves the weights by 5e-2.
     "manual optimization, ZeRO 1, fused SGD, fp16-mixed": (dict(manual=True, precision="16-mixed", optimizer="sgd",
                                                                 fusedist=dict(zero_stage=1), moved=5e-4), 1e-5),
+    # Welford statistics against the reference's two-pass batch norm: an ulp (1e-7) in fp32.
+    "sync_batchnorm, ZeRO 1, fused AdamW, fp32": (dict(sync_bn=True, fusedist=dict(zero_stage=1)), 1e-5),
     "fused AdamW, 64-true": (dict(precision="64-true"), 1e-12),
     "ZeRO 2, fused AdamW, bf16-true": (dict(precision="bf16-true", resume=True,
                                             fusedist=dict(zero_stage=2)), None),

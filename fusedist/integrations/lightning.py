@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -69,6 +70,18 @@ class FusedistStrategy(DDPStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = None if plugin is None else _adapt_precision(plugin)
+
+    # -- Trainer(sync_batchnorm=True) (Note [sync_batchnorm]) ---------------------------------
+
+    @property
+    def _layer_sync(self) -> Optional[LayerSync]:
+        return self.__dict__.get("_fusedist_layer_sync")
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: Optional[LayerSync]) -> None:
+        if type(plugin) is TorchSyncBatchNorm:
+            plugin = _FusedistSyncBatchNorm()
+        self.__dict__["_fusedist_layer_sync"] = plugin
 
     # -- model and optimizers -----------------------------------------------------------------
 
@@ -148,6 +161,44 @@ def _wrapped_hook(hook, wrapper):
         "fusedist's DDP runs torch's allreduce_hook, fp16_compress_hook and bf16_compress_hook, and "
         "fp16_compress_wrapper / bf16_compress_wrapper around allreduce_hook"
     )
+
+
+# Note [sync_batchnorm]
+# Trainer(sync_batchnorm=True) hands the strategy Lightning's TorchSyncBatchNorm, which
+# converts the module's BatchNorm layers to torch.nn.SyncBatchNorm: CUDA only, so a CPU (gloo)
+# run stops at its first forward. The strategy converts them to fusedist.nn.SyncBatchNorm
+# instead -- the same statistics over all ranks, on CPU and GPU -- keeping the very tensors
+# (the optimizer built later sees them), and reverts them to plain BatchNorm at teardown as
+# Lightning does. A custom LayerSync plugin is kept as given.
+
+
+class _FusedistSyncBatchNorm(TorchSyncBatchNorm):
+    """``sync_batchnorm=True`` with fusedist's SyncBatchNorm (Note [sync_batchnorm])."""
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        return fusedist.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def revert(self, model: torch.nn.Module) -> torch.nn.Module:
+        return _revert_sync_batchnorm(model)
+
+
+def _revert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
+    """fusedist's SyncBatchNorm layers back to BatchNorm on the same tensors (Lightning's
+    TorchSyncBatchNorm.revert, for fusedist's class)."""
+    from lightning.pytorch.plugins.layer_sync import _BatchNormXd
+
+    converted = module
+    if isinstance(module, fusedist.nn.SyncBatchNorm):
+        converted = _BatchNormXd(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        if module.affine:
+            converted.weight, converted.bias = module.weight, module.bias
+        converted.running_mean, converted.running_var = module.running_mean, module.running_var
+        converted.num_batches_tracked = module.num_batches_tracked
+        converted.training = module.training
+    for name, child in module.named_children():
+        converted.add_module(name, _revert_sync_batchnorm(child))
+    return converted
 
 
 # Note [Lightning precision]

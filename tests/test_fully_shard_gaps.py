@@ -196,10 +196,10 @@ class _Fails(torch.autograd.Function):
 
 
 def _aborting_loss(model, batch, how: str):
-    """The loss of ``model`` on ``batch`` whose backward raises midway, after the head's
-    reduce-scatter: from a hook on the blocks' output, or inside an autograd function there."""
-    blocks = model.blocks[-1]
-    handle = None
+    """The loss of ``model`` on ``batch`` whose backward raises midway -- after the last block's
+    reduce-scatter was issued, before the first block's and the root's -- from a hook on the
+    first block's output, or inside an autograd function there."""
+    blocks = model.blocks[0]
     if how == "hook":
         def interrupt(_module, _args, out):
             out.register_hook(lambda g: (_ for _ in ()).throw(Interrupt()))

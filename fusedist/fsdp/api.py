@@ -24,7 +24,8 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
 
-__all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule", "UnshardHandle"]
+__all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule",
+           "UnshardHandle"]
 
 # Every parameter a unit took over -- the original and its piece -- maps to (unit, index), so a
 # later fully_shard call that meets it (a weight tied across units) borrows it instead of

@@ -108,7 +108,7 @@ class Branchy(nn.Module):
         return out + 0 * y.square().mean() if zero_branch else out
 
 
-def _branchy_pair(mesh, reduce_unused: bool):
+def _branchy_pair(mesh, reduce_unused: bool, reshard_after_forward: bool = True):
     """Branchy sharded per block and at the root by FSDP2 (ref) and fusedist (ours)."""
     import copy
 
@@ -120,7 +120,7 @@ def _branchy_pair(mesh, reduce_unused: bool):
     ours = copy.deepcopy(ref)
     for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
         for block in (model.a, model.b, model.c):
-            shard(block, mesh=mesh)
+            shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         shard(model, mesh=mesh)
         model.set_reduce_scatter_unused_params(reduce_unused)
     return ref, ours
@@ -140,20 +140,22 @@ def _partial_branch(rank, ws, seed, steps=3):
     import fusedist
 
     mesh = _mesh(ws)
-    ref, ours = _branchy_pair(mesh, reduce_unused=True)
-    opts = _adamw(ref, ours)
-    for step in range(steps):
-        use = _branch_uses(seed, step, ws)[rank]
-        g = torch.Generator().manual_seed(seed * 7 + rank * 101 + step)
-        x = torch.randn(4, 6, generator=g)
-        ref(x, use, zero_branch=True).backward()  # FSDP2 only with the branch in every rank's loss
-        ours(x, use).backward()
-        what = f"seed {seed}, step {step}, rank {rank} {'adds' if use else 'skips'} the branch"
-        _check_grads(ref, ours, EXACT, what)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        _check_params(ref, ours, what)
+    for reshard in (True, False):  # the unit regathered in backward (prefetched), or kept
+        ref, ours = _branchy_pair(mesh, reduce_unused=True, reshard_after_forward=reshard)
+        opts = _adamw(ref, ours)
+        for step in range(steps):
+            use = _branch_uses(seed, step, ws)[rank]
+            g = torch.Generator().manual_seed(seed * 7 + rank * 101 + step)
+            x = torch.randn(4, 6, generator=g)
+            ref(x, use, zero_branch=True).backward()  # FSDP2 only with the branch in every rank's loss
+            ours(x, use).backward()
+            what = (f"seed {seed}, reshard_after_forward={reshard}, step {step}, rank {rank} "
+                    f"{'adds' if use else 'skips'} the branch")
+            _check_grads(ref, ours, EXACT, what)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            _check_params(ref, ours, what)
     # Without set_reduce_scatter_unused_params FSDP2 hangs (one rank reduce-scatters the unit,
     # the other does not); fusedist reduces it on every rank and reports the differing
     # gradient sets at the next forward, naming FSDP2's remedy.
@@ -167,8 +169,8 @@ def _partial_branch(rank, ws, seed, steps=3):
 
 def test_unit_output_in_loss_on_some_ranks_matches_fsdp2():
     """A unit that runs on every rank but reaches the loss on some only (a data-dependent
-    branch), under set_reduce_scatter_unused_params(True): the gradients and parameters, over
-    three steps, of FSDP2 on the same data with ``0 * branch`` added where it is skipped.
+    branch), under set_reduce_scatter_unused_params(True), resharded after forward or not: the
+    gradients and parameters, over three steps, of FSDP2 on the same data with ``0 * branch`` added where it is skipped.
     FSDP2 itself cannot run the branch as is: its root's final callback reduces the unit
     after the others on the ranks that skipped it, so its reduce-scatters pair with other
     units' (a crash or hang with these distinct sizes, mixed gradients with equal ones);

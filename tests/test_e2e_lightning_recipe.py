@@ -212,6 +212,9 @@ def _side_by_side_worker(rank, world, cfg, seed, root):
             ckpt = os.path.join(root, side, "epoch=0.ckpt")
             trainer, module, log = _fit("fusedist", cfg, seed, ckpt_path=ckpt)
             out[f"resumed from {side}"] = dict(log, **_final_state(trainer))
+        # And the other way: Lightning's DDP resumes this strategy's checkpoint.
+        trainer, module, log = _fit("ddp", cfg, seed, ckpt_path=os.path.join(root, "fusedist", "epoch=0.ckpt"))
+        out["ddp resumed from fusedist"] = dict(log, **_final_state(trainer))
     return out
 
 
@@ -318,6 +321,8 @@ def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
             # Lightning's DDP run does.
             _compare(res["resumed from ddp"], _second_epoch(res["ddp"], batches), tol,
                      f"{what}, resumed from strategy='ddp' after epoch 1", norms=not (stage2 or zero_manual), opt=not zero_elsewhere)
+            _compare(res["ddp resumed from fusedist"], _second_epoch(res["ddp"], batches), tol,
+                     f"{what}, strategy='ddp' resumed after epoch 1", norms=not (stage2 or zero_manual))
 
 
 def _stage2_clip_by_value_worker(rank, world, seed):

@@ -203,9 +203,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 if group.get("master_weights", False):
                     self._record_master_versions(params, states)
                 if found_inf is not None:
-                    # A skipped step does not count (decided on the device, like torch's fused Adam).
-                    # (_foreach_add_ has a Tensor overload; _foreach_sub_ would read the flag on the host.)
-                    torch._foreach_add_(steps, found_inf.reshape(()), alpha=-1.0)
+                    _uncount_if_skipped(steps, found_inf)
         finally:
             self._fusedist_clear_protocol()
         return loss
@@ -397,6 +395,18 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 yield self.state[p].get("master_param", p) if p in self.state else p
+
+
+def _uncount_if_skipped(steps: list, found_inf: torch.Tensor) -> None:
+    """A skipped step does not count: decided on the device, like torch's fused Adam
+    (``_foreach_add_`` has a Tensor overload; ``_foreach_sub_`` would read the flag on the
+    host). A CPU flag is read instead -- free there -- so a step that ran costs no second pass
+    over the step counts (on the CPU a foreach op loops over them one by one, ~1 us each)."""
+    if found_inf.is_cpu:
+        if found_inf.item() != 0:
+            torch._foreach_add_(steps, -1.0)
+        return
+    torch._foreach_add_(steps, found_inf.reshape(()), alpha=-1.0)
 
 
 def masters_of(states: list) -> Optional[list]:

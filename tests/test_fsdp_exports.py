@@ -14,10 +14,9 @@ import fusedist
 import fusedist.fsdp
 from fusedist.testing import run_distributed
 
-#: FSDP2's public names (torch.distributed.fsdp.__all__ less FSDP1's, and share_comm_ctx,
-#: which fusedist does not offer).
+#: FSDP2's public names (torch.distributed.fsdp.__all__ less FSDP1's and DataParallelMeshDims).
 FSDP2_NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
-               "UnshardHandle", "register_fsdp_forward_method")
+               "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx")
 
 
 def test_fsdp2_names_exported_at_top_level_and_in_fsdp():

@@ -10,7 +10,11 @@ Lightning's precision plugins keep their behaviour, routed to fusedist where the
 needs it (Note [Lightning precision]): ``"16-mixed"`` scales with ``fusedist.amp.GradScaler``
 (torch's cannot step a stage-2 optimizer), and gradient clipping by norm
 (``Trainer(gradient_clip_val=...)``) goes through ``fusedist.clip_grad_norm_`` or the ZeRO
-optimizer's own clip, which see the sharded gradients that torch's clip would miss.
+optimizer's own clip, which see the sharded gradients that torch's clip would miss (clipping
+by value needs ``p.grad``, so stage 2 refuses it). ``"64-true"`` trains as with Lightning's DDP.
+``Trainer(sync_batchnorm=True)`` uses ``fusedist.nn.SyncBatchNorm``, which runs on CPU too
+(Note [sync_batchnorm]); ``ddp_comm_hook`` / ``ddp_comm_wrapper`` map onto the hooks fusedist's
+DDP runs (Note [communication hook wrappers]).
 
 Install with ``pip install fusedist[lightning]``; launch as any Lightning DDP job (Lightning's
 own launcher, or ``torchrun``).

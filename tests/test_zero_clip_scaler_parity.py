@@ -160,3 +160,44 @@ def test_fused_sgd_inside_zero_after_an_overflowed_first_step(stage):
     # decayed by the SGD loading it (with dampening, (1 - dampening) * grad instead of grad).
     assert torch_state == {}
     assert consolidated == {}, {k: sorted(v) for k, v in consolidated.items()}
+
+
+def _clip_before_unscale_worker(rank, ws, kind):
+    import fusedist
+    from fusedist.optim import FusedAdamW
+
+    if kind == "FusedAdamW":
+        base = _net()
+        ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        opt, ref = FusedAdamW(ours.parameters(), lr=0.05), torch.optim.AdamW(theirs.parameters(), lr=0.05)
+        sc, ref_sc = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        clip = fusedist.clip_grad_norm_
+    else:
+        ours, theirs, opt, ref, sc, ref_sc = _pair(int(kind[-1]))
+        clip = None
+    norms = []
+    for step in range(3):
+        x, _ = _batch(rank, step)
+        for m, o, s in ((ours, opt, sc), (theirs, ref, ref_sc)):
+            o.zero_grad()
+            s.scale(m(x).square().sum()).backward()
+            # Clipped while still scaled (torch clips the scaled values: max_norm / scale in
+            # true units), then unscaled.
+            if o is ref:
+                norms.append(nn.utils.clip_grad_norm_(m.parameters(), 2.0).item())
+            else:
+                norms.append((clip(m.parameters(), 2.0) if clip else o.clip_grad_norm_(2.0)).item())
+            s.unscale_(o)
+            s.step(o)
+            s.update()
+    return _diff(ours, theirs), norms
+
+
+@pytest.mark.parametrize("kind", ["FusedAdamW", "stage 1", "stage 2"])
+def test_a_clip_before_unscale_clips_the_scaled_gradients_as_torch(kind):
+    for diff, norms in run_distributed(_clip_before_unscale_worker, 2, kind, timeout=180):
+        ours, theirs = norms[0::2], norms[1::2]
+        assert all(t > 2.0 for t in theirs), theirs  # the clip is active at every step
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+        assert diff < TOL, (kind, diff)

@@ -133,6 +133,23 @@ def _combine_over_shards(optimizer, found_inf: torch.Tensor, sumsq: Optional[tor
 # -- end [sharded gradients] ------------------------------------------------------------------
 
 
+# Note [a clip before unscale_]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's documented order is unscale_, then clip. A script (or a framework: Lightning's
+# manual optimization) may clip first: torch's clip then scales the still-scaled gradients
+# by min(1, max_norm / scaled norm), and unscale_ divides the result -- a clip at
+# max_norm / scale in true units. fusedist's clip records that coefficient for the step
+# instead of scaling p.grad, so unscale_ keeps it (it used to drop it, and the step went
+# unclipped); a gradient replaced or written since the clip is settled first, as the step
+# would settle it (Note [gradients changed after the clip]).
+def _clip_before_unscale(optimizer):
+    """The clip coefficient recorded before this ``unscale_``, settled; None without one."""
+    if optimizer.step_context.clip_coef is None:
+        return None
+    optimizer._fusedist_settle_clip()
+    return optimizer.step_context.clip_coef
+
+
 def _refuse_fp16_in_place(optimizer) -> None:
     """fp16 gradients unscaled in place lose what loss scaling kept: unscaled values below
     fp16's normal range (6e-5) keep a few bits or become zero (measured: 9% error at 3e-7),
@@ -230,6 +247,7 @@ class GradScaler(_TorchGradScaler):
         # Reciprocal in fp64, as torch does.
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
         ctx = optimizer.step_context
+        clipped_before = _clip_before_unscale(optimizer)  # Note [a clip before unscale_]
         if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]
             _refuse_fp16_in_place(optimizer)
             found_inf, sumsq = optimizer._fusedist_check_norm_and_unscale(inv_scale)
@@ -239,7 +257,9 @@ class GradScaler(_TorchGradScaler):
             ctx.inv_scale = inv_scale
         found_inf, sumsq = _combine_over_shards(optimizer, found_inf, sumsq)  # [sharded gradients]
         ctx.grad_sumsq = sumsq
-        ctx.clip_coef = None
+        ctx.clip_coef = clipped_before
+        if clipped_before is not None:  # the gradients it covers were just unscaled in place
+            optimizer._fusedist_record_clipped_grads()
         optimizer._fusedist_record_grad_versions()  # Note [gradients changed after unscale_]
         mark_pending(optimizer)
         optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}

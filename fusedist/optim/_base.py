@@ -264,8 +264,9 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 self._master_versions[id(p)] = p._version
 
     def _ready_states(self, group: dict, params: list) -> list:
-        """:meth:`_ready_state` of each parameter, in one loop (this runs for every parameter
-        on every step; a method call each costs more than the lookups)."""
+        """The state of each parameter, completed by :meth:`_init_state` where this optimizer
+        has not made it ready yet (a first step, a load). One loop: this runs for every
+        parameter on every step, where a method call each costs more than the lookups."""
         state_of, ready = self.state, self._fusedist_ready
         states = []
         for p in params:
@@ -275,13 +276,6 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 ready.add(id(p))
             states.append(state)
         return states
-
-    def _ready_state(self, group: dict, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if not state or id(p) not in self._fusedist_ready:
-            self._init_state(group, p, state)
-            self._fusedist_ready.add(id(p))
-        return state
 
     # State tensors the kernels read: fp32 (fp64 for fp64 parameters), laid out like the parameter.
     _KERNEL_STATE_KEYS = ("master_param", "momentum_buffer", "max_exp_avg_sq")

@@ -386,13 +386,14 @@ def _zero_state(opt, model) -> tuple:
 
 def test_a_refused_zero_load_state_dict_changes_nothing():
     """ZeroRedundancyOptimizer.load_state_dict installed the saved hyperparameters (and
-    rewrote masters and state pieces) before its inner optimizer refused the state: a tensor
-    learning rate into FusedAdamW, betas it cannot unpack, SGD's state (a full state dict or a
+    rewrote masters and state pieces) before its inner optimizer refused the state: betas it
+    cannot unpack, SGD's state (a full state dict or a
     shard) into AdamW, amsgrad under offload (refused only at every later step). Each is now
     refused first, naming the cause, with lr, every other hyperparameter, the shard and the
-    parameters bit-identical. (torch's AdamW.load_state_dict takes the tensor lr and the
-    amsgrad state, and raises KeyError on SGD's state after replacing its param_groups.) A
-    valid state dict still loads as into torch's AdamW."""
+    parameters bit-identical. (torch's AdamW.load_state_dict takes the amsgrad state, and
+    raises KeyError on SGD's state after replacing its param_groups.) A valid state dict
+    still loads as into torch's AdamW, a tensor learning rate included (FusedAdamW takes one
+    where torch's AdamW does)."""
     import fusedist
     from fusedist.optim import FusedAdamW
     from fusedist.zero.state import StateDictError
@@ -412,8 +413,6 @@ def test_a_refused_zero_load_state_dict_changes_nothing():
     sgd_zero = trained(zero(torch.optim.SGD, momentum=0.9))
     adam_zero = trained(zero(torch.optim.Adam))
     cases = [
-        ("tensor lr", zero(FusedAdamW), trained(lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.5))).state_dict(),
-         "lr must be a Python number"),
         ("betas", zero(FusedAdamW), bad_betas, "not enough values to unpack"),
         ("sgd full", zero(torch.optim.AdamW),
          trained(lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)).state_dict(), "another algorithm"),
@@ -440,4 +439,18 @@ def test_a_refused_zero_load_state_dict_changes_nothing():
     assert opt.param_groups[0]["lr"] == torch_opt.param_groups[0]["lr"] == 0.5
     _step(model, opt, seed=4)
     _step(reference, torch_opt, seed=4)
+    torch.testing.assert_close(models.flat_params(model), models.flat_params(reference), rtol=0, atol=1e-6)
+
+    # fp32 steps; FusedAdamW forms lr / bias_correction in fp64 where torch's AdamW uses fp32,
+    # a few fp32 ulps of the update apart.
+    tensor_lr = trained(lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.5))).state_dict()
+    model, reference = _net(1), _net(1)
+    opt = zero(FusedAdamW)(model.parameters())
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=torch.tensor(1e-3))
+    opt.load_state_dict(tensor_lr)
+    torch_opt.load_state_dict(tensor_lr)
+    assert float(opt.param_groups[0]["lr"]) == float(torch_opt.param_groups[0]["lr"]) == 0.5
+    for seed in (4, 5):
+        _step(model, opt, seed=seed)
+        _step(reference, torch_opt, seed=seed)
     torch.testing.assert_close(models.flat_params(model), models.flat_params(reference), rtol=0, atol=1e-6)

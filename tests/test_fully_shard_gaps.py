@@ -19,6 +19,7 @@ from torch import nn
 
 from fusedist.testing import run_distributed
 from test_fully_shard_api_parity import EXACT, _check_grads, _check_params, _ids, _loss, _mesh, _pair, _seed
+from test_fully_shard_api_parity2 import _Boom
 
 
 def _both(fn, ref, ours):
@@ -185,18 +186,6 @@ class Interrupt(BaseException):
     """A KeyboardInterrupt-like error: not an Exception."""
 
 
-class _Fails(torch.autograd.Function):
-    """Identity whose backward raises (an error inside a module's backward)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("backward failed")
-
-
 def _aborting_loss(model, batch, how: str):
     """The loss of ``model`` on ``batch`` whose backward raises midway -- after the last block's
     reduce-scatter was issued, before the first block's and the root's -- from a hook on the
@@ -207,7 +196,7 @@ def _aborting_loss(model, batch, how: str):
             out.register_hook(lambda g: (_ for _ in ()).throw(Interrupt()))
         handle = blocks.register_forward_hook(interrupt)
     else:
-        handle = blocks.register_forward_hook(lambda _m, _a, out: _Fails.apply(out))
+        handle = blocks.register_forward_hook(lambda _m, _a, out: _Boom.apply(out))
     try:
         return _loss(model, *batch)
     finally:

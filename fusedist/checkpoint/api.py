@@ -207,8 +207,12 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         error = _complete(directory, save_id, [m for m, _ in everyone], calls,
                           lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys),
                           lambda: manifest_base(model, optimizer, scaler, world.size), claim)
+        # Before the last exchange (every rank file is written by now): the other ranks return
+        # to a directory that holds the new checkpoint alone, without the claim.
+        _finish_save(world, directory, calls, claim, None if error else started)
     failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
-    _finish_save(world, directory, calls, claim, None if failed else started)
+    if world.rank != 0:
+        _finish_save(world, directory, calls, claim)
     if failed:
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
 
@@ -285,8 +289,8 @@ def _finish_save(world: "_World", directory: str, calls: list, claim: Optional[d
                               "the next save to remove", stacklevel=3)
             return
     if world.rank == 0 or (calls[world.rank]["directory"] != calls[0]["directory"] and os.path.isdir(directory)):
-        # After the last exchange: an error raised here ended a complete save with an error on
-        # this rank alone while the others went on. The leftover files only take space.
+        # Never raised: an error here would end a complete save with an error on this rank
+        # alone while the others went on. The leftover files only take space.
         try:
             _files.remove_unlisted(directory)
             if completed_since is not None and world.rank == 0:

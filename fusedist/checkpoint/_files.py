@@ -206,13 +206,16 @@ def claim_lost(directory: str, claim: dict) -> Optional[str]:
     return f"a save by process {now.get('pid')} on host {now.get('host')}, started {started}"
 
 
-def release_claim(directory: str, claim: dict) -> None:
-    """Remove ``claim`` once its save is over, unless another save claimed the directory since."""
-    if claim_lost(directory, claim) is None:
+def release_claim(directory: str, claim: dict) -> Optional[str]:
+    """Remove ``claim`` once its save is over, unless another save claimed the directory
+    since; who did, in words (:func:`claim_lost`), or None."""
+    other = claim_lost(directory, claim)
+    if other is None:
         try:
             os.unlink(os.path.join(directory, CLAIM))
         except OSError:
             pass
+    return other
 
 
 def remove_manifest(directory: str) -> None:

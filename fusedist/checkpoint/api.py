@@ -280,8 +280,7 @@ def _finish_save(world: "_World", directory: str, calls: list, claim: Optional[d
     once another save has claimed the directory (Note [one save at a time]): the files it
     does not know are that save's."""
     if world.rank == 0 and claim is not None:
-        other = _files.claim_lost(directory, claim)
-        _files.release_claim(directory, claim)
+        other = _files.release_claim(directory, claim)
         if other is not None:
             if completed_since is not None:
                 warnings.warn(f"fusedist.checkpoint.save: another save into {directory} started after this one "

@@ -11,8 +11,6 @@ and :func:`load_full_state_dict` loads such a dict, each rank keeping its rows.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
@@ -63,28 +61,17 @@ def gather_params(unit, *, to_cpu: bool) -> list:
 #     the ``_orig_mod`` of a compiled wrapper is skipped), so a checkpoint written from a
 #     compiled model loads into an uncompiled one and back. ``full_state_dict`` uses the same
 #     keys, and ``load_full_state_dict`` takes either form (a dict an earlier version wrote
-#     with the prefix still loads). Only the compile wrapper's component is dropped, found by
-#     walking the key's path through the modules, not a user's attribute of that name.
+#     with the prefix still loads). The names are the checkpoints' canonical names (Note
+#     [canonical names] in ``fusedist/checkpoint/_names.py``): wrappers' components are
+#     dropped by walking the key's path through the modules, not a user's attribute of that name.
 
 
-def canonical_key(model: nn.Module, key: str) -> str:
-    """``key`` of ``model.state_dict()`` without the ``_orig_mod`` components of compiled
-    wrappers on its path (Note [canonical keys])."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    wrapper = getattr(eval_frame, "OptimizedModule", None)
-    if wrapper is None or "_orig_mod" not in key:
-        return key
-    obj, parts = model, []
-    for name in key.split("."):
-        if not (name == "_orig_mod" and isinstance(obj, wrapper)):
-            parts.append(name)
-        obj = getattr(obj, name, None) if isinstance(obj, nn.Module) else None
-    return ".".join(parts)
+def _canonical_state(model: nn.Module, state: dict) -> dict:
+    """``state`` (``model``'s state dict, or one to load into it) under canonical keys (Note
+    [canonical keys])."""
+    from ..checkpoint._names import canonical_state  # (not at import: the checkpoint package is large)
 
-
-def _canonical_state(model: nn.Module) -> dict:
-    """``model.state_dict(keep_vars=True)`` under canonical keys (Note [canonical keys])."""
-    return {canonical_key(model, k): v for k, v in model.state_dict(keep_vars=True).items()}
+    return canonical_state(model, state)
 
 
 @torch.no_grad()
@@ -99,7 +86,7 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
         for i, full in enumerate(gather_params(unit, to_cpu=to_cpu)):
             gathered[i, id(unit)] = full
     out = {}
-    for key, value in _canonical_state(model).items():
+    for key, value in _canonical_state(model, model.state_dict(keep_vars=True)).items():
         hit = where.get(id(value))
         if hit is not None:
             out[key] = gathered[hit[1], id(hit[0])]
@@ -114,8 +101,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     """Load a whole-parameter state dict (:func:`full_state_dict`'s, or an unwrapped model's)
     into the sharded ``model``: each rank copies its pieces' rows. No communication."""
     where = piece_index(units_of(model))
-    own = _canonical_state(model)
-    state_dict = {canonical_key(model, k): v for k, v in state_dict.items()}
+    own = _canonical_state(model, model.state_dict(keep_vars=True))
+    state_dict = _canonical_state(model, state_dict)
     if strict:
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))

@@ -302,7 +302,7 @@ class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         skip_unscaling = closure_result is None and model.automatic_optimization
-        if not skip_unscaling and not _unscaled(self.scaler, optimizer):  # (manual clip: unscaled already)
+        if not skip_unscaling:
             self.scaler.unscale_(optimizer)  # read-only on stage 2; the step applies it
         self._after_closure(model, optimizer)
         if skip_unscaling:
@@ -315,32 +315,19 @@ class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
         # MixedPrecision refuses to clip for optimizers that unscale in step(); fusedist's
         # scaler has unscaled (or recorded the unscale) already -- or, in manual optimization,
         # not yet (Note [clipping before the unscale]).
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        if self.scaler is not None and clip_val and isinstance(inner, fusedist.ZeroRedundancyOptimizer) \
-                and not _unscaled(self.scaler, inner):
-            clip_val = clip_val / self.scaler.get_scale()
-            self.scaler.unscale_(inner)
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
         Precision.clip_gradients(self, optimizer, clip_val=clip_val, **kwargs)
-
-
-def _unscaled(scaler, optimizer) -> bool:
-    """Whether ``scaler.unscale_`` ran on ``optimizer`` since the last ``update()``."""
-    from torch.amp.grad_scaler import OptState
-
-    state = scaler._per_optimizer_states.get(id(getattr(optimizer, "_optimizer", optimizer)))
-    return state is not None and state["stage"] is OptState.UNSCALED
 
 
 # Note [clipping before the unscale]
 # In manual optimization the LightningModule clips (self.clip_gradients) between
 # manual_backward and opt.step(), and Lightning's "16-mixed" unscales only inside the step: the
 # clip sees the scaled gradients S*g. Lightning's DDP clips those, so the step's gradient is
-# g * min(1, c / (S |g|)). fusedist's ZeroRedundancyOptimizer takes a clip as a coefficient
-# that its step applies, and an unscale_ after the clip discards that coefficient: the step
-# would go unclipped. The adapter unscales first and clips at c / S, the same coefficient
-# (S is a power of two: the division is exact) and, elementwise, the same clip by value;
-# the step then finds the optimizer unscaled and does not unscale again.
+# g * min(1, c / (S |g|)). fusedist's clip of a fused or ZeRO optimizer records that
+# coefficient for the step, and fusedist's GradScaler.unscale_ keeps a coefficient recorded
+# before it (Note [a clip before unscale_] in fusedist/amp/grad_scaler.py); a clip by value
+# scales p.grad, which the unscale then divides. So the adapter clips as it is asked, and the
+# step unscales as Lightning's does.
 
 
 def _adapt_precision(plugin: Precision) -> Precision:

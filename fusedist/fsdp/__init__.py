@@ -9,10 +9,12 @@ an optimizer step outdated), ``holder``
 ``dcp`` (state-dict entries torch's distributed checkpoint can save and load),
 ``optim_state`` (the same for an optimizer's state over the pieces),
 ``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as
-the unsharded one), ``api`` (``fully_shard`` and the methods a module gains).
+the unsharded one), ``api`` (``fully_shard`` and the methods a module gains), ``functions``
+(FSDP2's functions over sharded modules: ``register_fsdp_forward_method``, ``share_comm_ctx``).
 """
 
-from .api import FullyShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api import FullyShardedModule, UnshardHandle, fully_shard
+from .functions import register_fsdp_forward_method, share_comm_ctx
 from .memory import reset_peak_memory_stats
 from .optim_state import track_optimizer
 from .param_init import init_parameters

@@ -1,0 +1,83 @@
+"""FSDP2's functions over modules already sharded: ``register_fsdp_forward_method`` and
+``share_comm_ctx``, with torch's signatures. A module torch's own ``fully_shard`` sharded is
+handed to torch's function, so code that mixes the imports keeps working."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .api import FullyShardedModule
+from .state import state_of
+
+__all__ = ["register_fsdp_forward_method", "share_comm_ctx"]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` gather before and reshard after, as ``forward`` does,
+    for methods that use the weights without calling ``forward`` (``generate``); torch's
+    FSDP2 function. A no-op for a module fusedist did not shard, so the same code runs
+    unsharded; a module torch's ``fully_shard`` sharded is handed to torch's function."""
+    if not isinstance(module, FullyShardedModule):
+        _register_torch_forward_method(module, method_name)
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def as_forward(self, *args, **kwargs):
+        st = state_of(self)
+        args, kwargs = st._pre_forward(self, args, kwargs)
+        return st._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list) -> None:
+    """torch FSDP2's ``share_comm_ctx``: let several roots (pipeline-parallel model chunks)
+    share their communication context, validated as torch does (an empty list is a no-op; a
+    module that is not sharded raises ``ValueError``). What it means for fusedist: Note
+    [one communicator per mesh]. Modules torch's ``fully_shard`` sharded go to torch's
+    function; mixing the two libraries' modules is refused, naming the first of the other kind."""
+    if len(modules) == 0:
+        return
+    for module in modules:
+        if not isinstance(module, (FullyShardedModule, _torch_fsdp_module_class())):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    ours = [isinstance(m, FullyShardedModule) for m in modules]
+    if not any(ours):
+        torch.distributed.fsdp.share_comm_ctx(modules)
+    elif not all(ours):
+        other = modules[ours.index(False)]
+        raise ValueError(f"share_comm_ctx: {type(other).__name__} was sharded by torch's fully_shard and "
+                         f"{type(modules[ours.index(True)]).__name__} by fusedist's; the two libraries' modules "
+                         "share no communication context")
+
+
+# Note [one communicator per mesh]
+#     torch's ``share_comm_ctx`` makes FSDP2 roots (the model chunks of pipeline parallelism)
+#     use the first one's communication context: its CUDA streams for all-gathers, reduce-
+#     scatters and all-reduces, and the state FSDP2 keeps on them, so the chunks do not split
+#     the caching allocator's memory across more streams. It changes no value and no
+#     collective. fusedist keeps no per-root context: every unit's gathers and reductions
+#     run on the communicator of its mesh / process group (``fusedist.comm.get_communicator``,
+#     one per group and device), whose streams every root on that group already shares. So
+#     the call validates its argument as torch's does and has nothing else to do; roots on
+#     different process groups keep their own communicators (their collectives could not
+#     share one anyway).
+
+
+def _torch_fsdp_module_class() -> tuple:
+    """torch FSDP2's ``FSDPModule`` class, if this torch has it (else nothing matches)."""
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "_fully_shard", None)
+    cls = getattr(fsdp, "FSDPModule", None)
+    return (cls,) if cls is not None else ()
+
+
+def _register_torch_forward_method(module: nn.Module, method_name: str) -> None:
+    """torch's ``register_fsdp_forward_method`` for a module its ``fully_shard`` sharded."""
+    if isinstance(module, _torch_fsdp_module_class()):
+        torch.distributed.fsdp.register_fsdp_forward_method(module, method_name)

@@ -30,6 +30,10 @@ Note [asynchronous save]
     rank. The checkpoint becomes visible (its manifest written) only once every rank's files
     are complete; a process killed before that leaves a directory without a manifest, which
     ``restore`` skips with a warning.
+
+One job per root: a job's saves hold the root with a lease, and a second job given the same
+root is refused instead of overwriting and pruning the first's checkpoints, while a restart of
+the same run continues (Note [one job per checkpoint root] in ``_owner.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _files, api, layout, resume
+from . import _checks, _files, _owner, api, layout, resume
 from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
@@ -62,10 +66,14 @@ class Checkpointer:
     Construction is a collective (it creates the saves' own process group): every rank
     builds the Checkpointer at the same point, after the process group is initialized.
     ``directory`` must be on a filesystem every rank sees.
+
+    ``run_id``: what identifies this job across restarts (default: torchrun's rendezvous id,
+    else this launch); a job of another run holding ``directory`` is refused (Note [one job
+    per checkpoint root]).
     """
 
     def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
-                 async_save: bool = True):
+                 async_save: bool = True, *, run_id: Optional[str] = None):
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
@@ -81,6 +89,9 @@ class Checkpointer:
         self.restored_world_size: Optional[int] = None
         self.extra: Optional[dict] = None  # the user `extra` of the restored checkpoint
         self.stats: list[dict] = []  # per save: step, wait_s, stall_s, bytes (and persist_s once known)
+        # Note [one job per checkpoint root]: rank 0's run and, once a save took it, the root's lease.
+        self._run, self._run_source = _owner.run_identity(run_id)
+        self._lease: Optional[dict] = None
 
     # ------------------------------------------------------------------ restore
     def restore(self, model: torch.nn.Module, optimizer=None, scaler=None, *, lr_scheduler=None, sampler=None,
@@ -146,6 +157,9 @@ class Checkpointer:
 
     def _candidates(self, step: Optional[int]):
         """Rank 0: the complete checkpoints to try, newest first, or an error message."""
+        refused = _owner.refusal(self.directory, self._run, self._run_source)
+        if refused is not None:  # another job's root: read nothing (Note [one job per checkpoint root])
+            return refused
         entries = layout.scan(self.directory)
         if step is not None:
             chosen = [e for e in entries if e.step == step]
@@ -241,8 +255,14 @@ class Checkpointer:
         self._wait_previous()
 
     def close(self) -> None:
-        """Finish the save in flight. Call before ``destroy_process_group()``."""
-        self._wait_previous()
+        """Finish the save in flight and give the directory up to a later job. Call before
+        ``destroy_process_group()``."""
+        try:
+            self._wait_previous()
+        finally:
+            if self.rank == 0 and self._lease is not None:
+                _owner.release(self.directory, self._lease)
+                self._lease = None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -324,9 +344,13 @@ class Checkpointer:
         error = None
         if rank == 0:
             try:
-                if os.path.exists(path):  # left by a save killed before a restart: start clean
-                    layout.remove(path)
-                os.makedirs(path, exist_ok=True)
+                # Before anything is written or removed (Note [one job per checkpoint root]).
+                lease, error = _owner.acquire(self.directory, self._run, self._run_source, self._lease)
+                if error is None:
+                    self._lease = lease
+                    if os.path.exists(path):  # left by a save killed before a restart: start clean
+                        layout.remove(path)
+                    os.makedirs(path, exist_ok=True)
             except OSError as exc:
                 error = f"rank 0 could not create {path}: {exc}"
         agree(error, "creating the directory")
@@ -351,6 +375,8 @@ class Checkpointer:
                 # on some rank, or one not every rank sees, would write no loadable checkpoint).
                 error = _checks.unseen_rank_files(path, manifest["files"], [d for _, _, d in files])
                 if error is None:
+                    error = _owner.lost(self.directory, self._lease)
+                if error is None:
                     common = snapshot["common"]
                     manifest["files"][api.COMMON] = dict(
                         _files.atomic_torch_save(os.path.join(path, api.COMMON), common), rank=0,
@@ -361,6 +387,10 @@ class Checkpointer:
         agree(error, "writing the manifest")
         record["persist_s"] = time.perf_counter() - start
         if rank == 0:
+            other = _owner.lost(self.directory, self._lease)
+            if other is not None:  # the next save fails on every rank; prune nothing meanwhile
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} skipped: {other}")
+                return
             try:
                 record["removed"] = layout.retain(self.directory, self.keep, step)
             except OSError as exc:  # the new checkpoint is complete; old ones stay a while longer

@@ -266,9 +266,9 @@ def install_state_dict_hooks(module: nn.Module) -> None:
 
 
 def _entries(module: nn.Module, prefix: str):
-    """``(key, unit, index)`` of every sharded parameter this module's state dict holds
-    itself (submodules sharded on their own have hooks of their own). ``key`` is the module
-    path; the dict may hold it under another name (Note [keys renamed by a wrapper])."""
+    """``(key, bare key, unit, index)`` of every sharded parameter this module's state dict
+    holds itself (submodules sharded on their own have hooks of their own). ``key`` is the
+    module path; the dict may hold it under the bare one (Note [keys renamed by a wrapper])."""
     from .api import _managed_modules
     from .state import state_of
     from .state_dict import piece_index
@@ -278,10 +278,31 @@ def _entries(module: nn.Module, prefix: str):
         return
     where = piece_index([unit] + [owner for owner, _, _ in unit.borrowed])
     for name, sub in _managed_modules(module):
+        bare = _without_wrapper_segments(module, name)
         for attr, p in sub._parameters.items():
             hit = where.get(id(p)) if p is not None else None
             if hit is not None:
-                yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", hit[0], hit[1]
+                key = f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}"
+                yield key, f"{prefix}{bare}.{attr}" if bare else f"{prefix}{attr}", hit[0], hit[1]
+
+
+def _without_wrapper_segments(module: nn.Module, name: str) -> str:
+    """The module path ``name`` under ``module`` without the segments of torch's checkpoint
+    wrappers, found by walking the tree (a user's module whose name merely contains the
+    wrapper's attribute keeps it): the path their state-dict hooks rename a key to."""
+    from ..checkpoint._names import _CHECKPOINT_WRAPPED, _inner
+
+    if _CHECKPOINT_WRAPPED not in name:
+        return name
+    out, obj = [], module
+    for part in name.split("."):
+        inner = _inner(obj, part) if part == _CHECKPOINT_WRAPPED else None
+        if inner is None:
+            out.append(part)
+            obj = obj._modules.get(part) if isinstance(obj, nn.Module) else None
+        else:
+            obj = inner
+    return ".".join(out)
 
 
 def _pre_state_dict(module, prefix, keep_vars) -> None:
@@ -322,18 +343,17 @@ def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
 #     ours when the wrapper is the sharded module (it was registered first) and always when
 #     the wrapper sits inside a unit (a submodule's hooks run before its parent's), so our
 #     hooks look an entry up under the module path and, failing that, under the path without
-#     the wrapper's segments -- the name torch's own helpers use (``_get_fqns``). Missing the
+#     the wrapper's segments -- the name torch's own helpers use (``_get_fqns``). Those
+#     segments are found by walking the module tree, as the wrapper's hook renames by its
+#     own prefix: a plain string replace would also cut the text out of a user's module
+#     named, say, ``pre_checkpoint_wrapped_module``, miss the renamed key, and leave the piece. Missing the
 #     entry would leave the piece in the dict as a plain tensor: DCP writes it as a replicated
 #     tensor, i.e. one rank's rows as the whole parameter.
-_WRAPPER_SEGMENT = "_checkpoint_wrapped_module."
-
-
-def _key_in(state_dict, key: str) -> Optional[str]:
-    """The name ``state_dict`` holds the entry ``key`` under, or None (Note [keys renamed by a
-    wrapper])."""
+def _key_in(state_dict, key: str, bare: str) -> Optional[str]:
+    """The name ``state_dict`` holds the entry ``key`` under (``bare``: ``key`` without wrapper
+    segments), or None (Note [keys renamed by a wrapper])."""
     if key in state_dict:
         return key
-    bare = key.replace(_WRAPPER_SEGMENT, "")
     return bare if bare != key and bare in state_dict else None
 
 
@@ -343,8 +363,8 @@ def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
         return  # the parameters themselves, as asked
     full = _full_state_dict_requested()
     gathered: dict = {}
-    for key, unit, i in _entries(module, prefix):
-        key = _key_in(state_dict, key)
+    for key, bare, unit, i in _entries(module, prefix):
+        key = _key_in(state_dict, key, bare)
         if key is None:
             continue
         if full is None:
@@ -361,8 +381,8 @@ def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
 def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                          error_msgs) -> None:
     """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece."""
-    for key, unit, i in _entries(module, prefix):
-        key = _key_in(state_dict, key)
+    for key, bare, unit, i in _entries(module, prefix):
+        key = _key_in(state_dict, key, bare)
         value = state_dict.get(key) if key is not None else None
         if isinstance(value, torch.Tensor):
             state_dict[key] = whole_to_piece(value, unit, i)

@@ -72,11 +72,30 @@ Note [aborted backward]
     step watch leaves its backward (``ShardedStepWatch.backward_aborted``), and the step
     runs and is counted as any other. Every rank must have aborted alike (collectives pair
     up by order), as for ``reset_iter_state``.
+
+Note [aborted forward]
+    A forward that raises (user code in a unit, an OOM caught to skip the batch) never runs
+    the root's post-hook: the iteration stays "in forward", units it gathered stay gathered,
+    and its post-forward records stay. The next root forward would then continue that
+    half-recorded iteration: not counted by the step watch (one forward low), its check's
+    verdict not read, its implicit prefetch order mixed with the aborted one's, and the
+    stale-unit reshard after ``optimizer.step()`` skipped as if a forward were running. A
+    root forward may legitimately begin inside the running one (``forward`` called from a
+    method registered with ``register_fsdp_forward_method``), so the root's pre-hook records
+    the frame that called it -- alive exactly as long as that module call -- and a root
+    forward that begins while the recorded one is no longer on the stack follows an aborted
+    one. It then drops what the aborted forward started (with a warning naming the module):
+    every unit reshards, the post-forward records go; gradients of earlier backwards stay
+    (a ``set_requires_gradient_sync(False)`` accumulation continues, as FSDP2's does without
+    ``reset_iter_state``). The forward that follows is counted as any other; the aborted
+    one was counted when it began, as after ``reset_iter_state``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Optional
@@ -138,14 +157,42 @@ class IterationContext:
         self.next_reduce = 0
         self.deferred: dict = {}  # state -> its unsharded gradients, waiting for its turn
         self.backward_running = False
+        self._forward_frame = None  # the frame that called the root's pre-forward hook
         self.post_optim_event = None  # set_post_optim_event: waited for before the next gather
         # [reliability] the root's observer (Note [stage-3 step check]); None without units.
         self.watch = None
 
     # ---- forward
-    def begin_forward(self) -> None:
+    def begin_forward(self, frame=None) -> None:
         self.in_forward = True
         self._current_order, self._pos = [], 0
+        self._forward_frame = frame
+
+    def forward_is_live(self) -> bool:
+        """Whether the root forward that began is still running (this call is nested in it,
+        e.g. ``forward`` inside a method registered with ``register_fsdp_forward_method``)
+        rather than ended by an exception (Note [aborted forward])."""
+        frame, f = self._forward_frame, sys._getframe(1)
+        while f is not None:
+            if f is frame:
+                return True
+            f = f.f_back
+        return frame is None
+
+    def recover_aborted_forward(self, module) -> None:
+        """The root's forward begins while the last one never ended: it raised (Note [aborted
+        forward]). Forget what it started -- gathered units, post-forward records -- and keep
+        gradients of earlier backwards (a no-sync accumulation continues, as in FSDP2)."""
+        warnings.warn(
+            f"fusedist.fully_shard({type(module).__name__}): the previous forward did not finish (an exception was "
+            "raised during it); its gathered parameters and bookkeeping are dropped. Call model.reset_iter_state() "
+            "on the root after such an exception to make this explicit.", RuntimeWarning, stacklevel=4)
+        self.in_forward, self._forward_frame = False, None
+        self.post_forward_order.clear()
+        for st in self.states:
+            st.reset_backward()
+            if st.unit is not None:
+                st.unit.reshard()
 
     def next_in_forward(self, state) -> Optional["FullyShardState"]:
         """The state that followed ``state`` in the last forward (None once the order differs)."""
@@ -194,7 +241,7 @@ class IterationContext:
             torch.cuda.current_stream(device).wait_event(event)
 
     def end_forward(self) -> None:
-        self.in_forward = False
+        self.in_forward, self._forward_frame = False, None
         self.forward_order = self._current_order
         for st in self.states:  # Note [unit schedule]: prefetched but never run
             unit = st.unit
@@ -223,7 +270,7 @@ class IterationContext:
         finally:
             if self.watch is not None:
                 self.watch.backward_aborted()
-            self.in_forward = False
+            self.in_forward, self._forward_frame = False, None
             self._current_order, self._pos = [], 0
             self.reduce_log, self.deferred, self.reduce_order, self.next_reduce = [], {}, [], 0
             self.post_forward_order.clear()
@@ -363,10 +410,12 @@ class FullyShardState:
                 if torch.is_grad_enabled():
                     self.backward_pending = True
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
+        if self.is_root and ctx.in_forward and not ctx.forward_is_live():
+            ctx.recover_aborted_forward(module)  # Note [aborted forward]
         if not ctx.in_forward:  # a forward begins (the root's, or a submodule run alone)
             ctx.wait_post_optim_event()
         if self.is_root and not ctx.in_forward:
-            ctx.begin_forward()
+            ctx.begin_forward(_hook_caller())
             if ctx.watch is not None and torch.is_grad_enabled():
                 ctx.watch.forward_begins()  # the last step's check, before this step's first gather
         if self.mp_policy.cast_forward_inputs:
@@ -507,6 +556,19 @@ class FullyShardState:
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
+
+
+_HOOK_FILES = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(torch._dynamo.__file__)))
+
+
+def _hook_caller():
+    """The frame that called the forward hook running now -- ``Module._call_impl``'s, or the
+    wrapper of a method registered with ``register_fsdp_forward_method`` -- past this file
+    and ``torch.compiler.disable``'s wrapper: it lives exactly as long as the module call."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_HOOK_FILES):
+        f = f.f_back
+    return f
 
 
 def _in_autograd_backward() -> bool:

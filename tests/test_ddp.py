@@ -344,13 +344,15 @@ def _bad_input_worker(rank, world_size):
         fusedist.DistributedDataParallel(nn.Linear(2, 2), not_an_option=True)
     except TypeError as exc:
         errors["kwarg"] = str(exc)
-    # torch's hook API: built-in hooks only, once, on the model's group; join() works (tests/test_ddp_join.py).
+    # torch's hook API: once, built-in averaging hooks on the model's group, other hooks not with
+    # a reduce_dtype (tests/test_ddp_comm_hooks.py runs them); join() works (tests/test_ddp_join.py).
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     model = fusedist.DistributedDataParallel(nn.Linear(2, 2))
     try:
-        model.register_comm_hook(None, powerSGD_hook.powerSGD_hook)
-    except NotImplementedError as exc:
+        fusedist.DistributedDataParallel(nn.Linear(2, 2), reduce_dtype=torch.bfloat16).register_comm_hook(
+            powerSGD_hook.PowerSGDState(None), powerSGD_hook.powerSGD_hook)
+    except ValueError as exc:
         errors["powersgd"] = str(exc)
     try:
         model.register_comm_hook(torch.distributed.new_group([0]), default_hooks.fp16_compress_hook)
@@ -395,7 +397,7 @@ def test_bad_input_messages():
         assert "bucket_cap_mb must be a positive" in errors["cap"]
         assert "not_an_option" in errors["kwarg"]
         assert "sparse gradient" in errors["sparse"] and "'weight'" in errors["sparse"]
-        assert "powerSGD_hook is not supported" in errors["powersgd"] and "reduce_dtype" in errors["powersgd"]
+        assert "powerSGD_hook" in errors["powersgd"] and "reduce_dtype=torch.bfloat16" in errors["powersgd"]
         assert "state must be None or this model's process group" in errors["group"]
         assert errors["builtin dtype"] == "torch.float16"
         assert "can only be called once" in errors["twice"]

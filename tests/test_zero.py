@@ -629,7 +629,7 @@ def test_misuse_is_reported(zero_run):
         errors = r["misuse"]
         assert "DistributedDataParallel" in errors["stage2 without DDP"]
         assert "missing" in errors["subset"] and "layers." in errors["subset"]
-        assert "already has a stage-2 optimizer" in errors["two stage-2 optimizers"]
+        assert "already synchronized by ZeRO stage 2's reduce-scatter" in errors["two stage-2 optimizers"]
         assert "norm_type=2" in errors["norm type"]
         assert "cannot be stepped by torch.amp.GradScaler" in errors["torch scaler"]
         for stage in (1, 2):

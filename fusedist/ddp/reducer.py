@@ -268,7 +268,8 @@ class Reducer:
         between backward passes; the layout is fixed with it."""
         if not isinstance(self.strategy, AllReduceAverage):
             raise ValueError(f"this DDP model's gradients are already synchronized by "
-                             f"{type(self.strategy).__name__} (one stage-2 optimizer per model)")
+                             f"{self.strategy.description} (one gradient synchronization per model: "
+                             "one stage-2 optimizer, or a communication hook)")
         if self.in_backward:
             raise RuntimeError("fusedist DDP: the gradient synchronization cannot change during a backward pass")
         self.fix_layout()
@@ -498,6 +499,7 @@ class Reducer:
         if missing or self.defer_launch:
             self._launch_in_order()
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
+        self.strategy.quiesce(self)  # Note [one hook at a time] in comm_hook.py
         # After the last bucket: the same place in every rank's collective order.
         for observer in self.observers:
             observer.buckets_launched(self, unused)

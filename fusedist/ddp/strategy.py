@@ -41,6 +41,11 @@ class GradSyncStrategy:
     averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
     """
 
+    @property
+    def description(self) -> str:
+        """What synchronizes the buckets, for errors."""
+        return type(self).__name__
+
     def launch(self, reducer: "Reducer", bucket: Bucket) -> CommHandle:
         raise NotImplementedError
 
@@ -52,6 +57,11 @@ class GradSyncStrategy:
         into ``bucket`` in a synchronized backward (Note [division folded into the copy]);
         None: the launch scales the whole bucket. The default folds nothing."""
         return None
+
+    def quiesce(self, reducer: "Reducer") -> None:
+        """Called after the last launch of a synchronized backward, before the reducer or its
+        observers issue a collective of their own: a strategy whose launches keep issuing
+        collectives in the background (a communication hook's callbacks) lets them finish."""
 
     # For a strategy that manages the gradient buffers itself (ZeRO stage 2 releases them
     # between backward passes); the default does nothing, so the all-reduce path is unchanged.

@@ -18,8 +18,10 @@ from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
 from . import join as _join
+from .comm_hook import CommHookStrategy, hook_name
 from .config import DDPConfig
 from .reducer import Reducer
+from .strategy import AllReduceAverage
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
@@ -420,13 +422,14 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ torch's hook API
     def register_comm_hook(self, state, hook) -> None:
-        """torch's built-in communication hooks, mapped onto fusedist's own bucket reduction
-        (which is part of its overlapped pipeline and of ZeRO's reduce-scatter, so it does not
-        call Python hooks per bucket): ``default_hooks.allreduce_hook`` is what this DDP does
-        anyway; ``fp16_compress_hook`` / ``bf16_compress_hook`` reduce in float16 / bfloat16 --
-        cast, divide, sum, cast back, as those hooks do (``reduce_dtype``). Any other hook
-        (PowerSGD, quantization, user code) raises ``NotImplementedError``. ``state`` is the
-        hooks' process group: None or this model's. Once per model, as with torch."""
+        """torch's DDP communication hooks. The three that only average --
+        ``default_hooks.allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook`` --
+        map onto fusedist's own fused bucket reduction (``reduce_dtype``: cast, divide, sum,
+        cast back, as those hooks do); their ``state`` is the hooks' process group, None or
+        this model's. Any other hook (PowerSGD, quantization, user code) is called with each
+        ready bucket as torch calls it, ``state`` passed through (Note [communication hooks]
+        in comm_hook.py). Once per model, before ZeRO stage 2 or a ``reduce_dtype``, as each
+        of those decides the reduction itself."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         builtin = {
@@ -435,21 +438,46 @@ class DistributedDataParallel(nn.Module, Joinable):
             default_hooks.bf16_compress_hook: torch.bfloat16,
         }
         if hook not in builtin:
-            name = getattr(hook, "__qualname__", repr(hook))
-            raise NotImplementedError(
-                f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is not supported; "
-                "only torch's default_hooks.allreduce_hook, fp16_compress_hook and bf16_compress_hook "
-                "are (the bucket reduction is fused into fusedist's pipeline and calls no Python hook). "
-                "For compression in another dtype pass reduce_dtype=...; for PowerSGD or custom hooks "
-                "use torch.nn.parallel.DistributedDataParallel"
-            )
+            self._set_hook_strategy(state, hook)
+            return
         world = dist.group.WORLD
         if not (state is None or state is self.process_group or (self.process_group is None and state is world)):
             raise ValueError(
                 "fusedist.DistributedDataParallel.register_comm_hook: state must be None or this model's "
-                "process group; the bucket reduction always runs on the model's group"
+                f"process group for {hook_name(hook)} (fusedist runs it as its own fused reduction, on the "
+                "model's group); for another group, wrap the hook in a function of your own"
             )
         self._set_hook_dtype(builtin[hook], getattr(hook, "__name__", "hook"))
+
+    def _set_hook_strategy(self, state, hook) -> None:
+        """Note [communication hooks]: a hook of torch's interface synchronizes the buckets."""
+        name = hook_name(hook)
+        if not callable(hook):
+            raise TypeError(f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is not callable")
+        self._check_hook_allowed(name)
+        if self.config.reduce_dtype is not None:
+            raise ValueError(
+                f"fusedist.DistributedDataParallel: the model was built with reduce_dtype="
+                f"{self.config.reduce_dtype} and the communication hook {name} reduces the buckets in their "
+                "own dtype; pass one of them (a hook can cast the buffer itself)"
+            )
+        if not isinstance(self.reducer.strategy, AllReduceAverage):
+            raise ValueError(
+                f"fusedist.DistributedDataParallel.register_comm_hook: this model's gradients are already "
+                f"synchronized by {self.reducer.strategy.description} (ZeRO stage 2 reduce-scatters "
+                f"the buckets itself); the communication hook {name} cannot synchronize them too"
+            )
+        self._comm_hook = name
+        self.reducer.strategy = CommHookStrategy(state, hook)
+
+    def _check_hook_allowed(self, hook_name_: str) -> None:
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"fusedist.DistributedDataParallel: a communication hook ({self._comm_hook}) is already "
+                "registered; register_comm_hook or register_builtin_comm_hook can only be called once"
+            )
+        if self.reducer.in_backward:
+            raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
 
     def register_builtin_comm_hook(self, comm_hook_type) -> None:
         """torch's ``dist.BuiltinCommHookType``: ALLREDUCE (the default) or FP16_COMPRESS."""
@@ -459,13 +487,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._set_hook_dtype(dtypes[comm_hook_type], str(comm_hook_type))
 
     def _set_hook_dtype(self, dtype: Optional[torch.dtype], hook_name: str) -> None:
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                f"fusedist.DistributedDataParallel: a communication hook ({self._comm_hook}) is already "
-                "registered; register_comm_hook or register_builtin_comm_hook can only be called once"
-            )
-        if self.reducer.in_backward:
-            raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
+        self._check_hook_allowed(hook_name)
         current = self.config.reduce_dtype
         if current is not None and current != dtype:
             wire = dtype if dtype is not None else "the gradients' dtype"

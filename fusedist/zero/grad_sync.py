@@ -40,6 +40,8 @@ class ReduceScatterToShard(GradSyncStrategy):
         self.zero = zero
         self._outputs: dict[int, torch.Tensor] = {}
 
+    description = "ZeRO stage 2's reduce-scatter"
+
     def launch(self, reducer, bucket):
         lo, hi = self.zero.bucket_shard(bucket.index)
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype

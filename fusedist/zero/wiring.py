@@ -74,7 +74,11 @@ def install_stage2(zero) -> None:
     try:
         reducer.use_strategy(ReduceScatterToShard(zero))
     except ValueError:
-        raise ValueError("ZeroRedundancyOptimizer: this DDP model already has a stage-2 optimizer") from None
+        raise ValueError(
+            f"ZeroRedundancyOptimizer(stage=2): this DDP model's gradients are already synchronized by "
+            f"{reducer.strategy.description} (a model has one: one stage-2 optimizer, or a communication "
+            "hook; stage=1 works with a hook)"
+        ) from None
     except RuntimeError as exc:
         raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2) constructed during a backward pass: {exc}") from None
     # A global clip (fusedist.clip_grad_norm_) finds the optimizer that holds these

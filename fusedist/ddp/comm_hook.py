@@ -1,0 +1,204 @@
+"""torch DDP's communication hooks -- PowerSGD, quantization, a user's own -- run on
+fusedist's buckets.
+
+Note [communication hooks]
+    torch DDP hands each ready bucket to ``hook(state, bucket)``, where ``bucket`` is a
+    ``dist.GradBucket``: ``buffer()`` (the bucket's gradients, flat, summed over nothing yet
+    and divided by nothing), ``gradients()`` (each parameter's gradient as a view of that
+    buffer, shaped like the parameter), ``parameters()``, ``index()``, ``is_last()`` and
+    ``set_buffer()``. The hook starts its own collectives and returns a
+    ``torch.futures.Future`` whose value is the reduced flat tensor; DDP copies that value
+    back into the gradients. The hook decides the division (torch's hooks divide by the
+    group's size), so buckets synchronized by a hook fold no division into the gradient
+    copies (Note [division folded into the copy] in strategy.py).
+
+    fusedist keeps the three hooks torch ships for plain averaging (all-reduce, fp16 and
+    bf16 compression) on its own fused reduction (``reduce_dtype``); any other hook becomes
+    the reducer's strategy (:class:`CommHookStrategy`) and sees :class:`HookBucket`, which
+    answers every ``GradBucket`` call from the bucket's storage, without its trailing padding
+    (a bucket is padded for ZeRO's equal shards; torch's buffer is exactly the gradients).
+    The launches follow fusedist's bucket order and its one rebuild after the first
+    synchronized backward, as torch's do (PowerSGD's ``start_powerSGD_iter`` > 1 exists for
+    that rebuild). A joined rank's shadow backward runs the hook on zeroed buckets, as
+    torch's join does.
+
+    Every wait is bounded: the hook's collectives run on torch process groups fusedist does
+    not see, so the reducer waits for the future itself, up to the collective timeout
+    (``FUSEDIST_TIMEOUT_S``), and then raises a ``CollectiveError`` naming the hook, the
+    bucket and the rank -- a hook whose future never completes does not hang the job.
+    ZeRO stage 2 reduce-scatters the buckets itself, so it refuses a hook (and a hook
+    refuses a model already synchronized by stage 2); a hook and ``reduce_dtype`` are one
+    choice too.
+
+Note [one hook at a time]
+    A hook may issue collectives from its future's callbacks (PowerSGD chains three:
+    ``fut.then(...)`` all-reduces P, then Q). With gloo those callbacks run on the backend's
+    thread when the previous collective completes, so a collective issued meanwhile from the
+    training thread -- the next bucket's hook, or fusedist's per-step check -- can reach the
+    process group's queue before it on one rank and after it on another, and the ranks pair
+    different collectives (measured: a PowerSGD run on 2 gloo ranks failed one time in two with
+    "Connection reset by peer"). So the reducer launches the next bucket's hook, and issues
+    its own end-of-backward collectives, only once the previous hook's future has completed
+    (bounded by the timeout). With NCCL a collective's future completes when it is enqueued,
+    so the callbacks run inside the hook call and the wait costs nothing; with gloo a bucket's
+    communication overlaps the backward compute until the next bucket is ready, not the next
+    bucket's communication.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..comm.base import CollectiveError
+from .layout import Bucket, shaped_like
+from .strategy import GradSyncStrategy
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
+
+
+def hook_name(hook) -> str:
+    """The name errors give a hook (``functools.partial`` wrappers included)."""
+    inner = getattr(hook, "func", hook)
+    return getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None) or repr(inner)
+
+
+class HookBucket:
+    """One bucket as a communication hook sees it: the ``dist.GradBucket`` interface over
+    fusedist's bucket storage (Note [communication hooks])."""
+
+    def __init__(self, bucket: Bucket, reducer: "Reducer"):
+        self._bucket = bucket
+        used = sum(p.numel() for p in bucket.params)
+        self._flat = bucket.data[:used]
+        self._buffer = self._flat
+        self._layout = reducer.layout
+        self._is_last = bucket.index == len(reducer.layout.buckets) - 1
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer = tensor
+
+    def gradients(self) -> list:
+        """Each parameter's gradient as a view of the current buffer: the gradients
+        themselves, or slices of a buffer the hook set (a compression wrapper's)."""
+        if self._buffer is self._flat:
+            return [self._layout.grad_view(p) for p in self._bucket.params]
+        start = self._bucket.start
+        return [shaped_like(self._buffer[off - start:off - start + p.numel()], p)
+                for p, off in zip(self._bucket.params, self._bucket.offsets)]
+
+    def parameters(self) -> list:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def __repr__(self) -> str:
+        return f"HookBucket(index={self.index()}, numel={self._flat.numel()}, params={len(self._bucket.params)})"
+
+
+class HookHandle:
+    """A hook's future as the reducer waits for it: ``is_completed`` never blocks, ``wait``
+    is bounded by the collective timeout (Note [communication hooks])."""
+
+    #: fusedist's communicator issued nothing for this bucket (the step check compares -1).
+    seq = -1
+    op = "comm hook"
+
+    def __init__(self, future, hook_bucket: HookBucket, name: str, rank: int, timeout: datetime.timedelta):
+        self.future = future
+        self.hook_bucket = hook_bucket
+        self.name, self.rank, self.timeout = name, rank, timeout
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait_done(self) -> None:
+        """Block until the future has completed, at most the collective timeout."""
+        if not self._done.wait(self.timeout.total_seconds()):
+            index = self.hook_bucket.index()
+            raise CollectiveError(
+                f"fusedist DDP (rank {self.rank}): the communication hook {self.name} did not complete "
+                f"bucket {index} within {self.timeout.total_seconds():.0f} s (FUSEDIST_TIMEOUT_S): a rank "
+                "may have stopped, skipped this backward or run a different model, or the hook's future "
+                "is never completed",
+                op="comm hook", tag=f"ddp bucket {index}", rank=self.rank,
+            )
+
+    def wait(self) -> torch.Tensor:
+        index = self.hook_bucket.index()
+        tag = f"ddp bucket {index}"
+        self.wait_done()
+        try:
+            value = self.future.wait()  # done: returns at once (on CUDA, orders the current stream)
+        except Exception as exc:  # noqa: BLE001 - whatever the hook's collectives raised
+            raise CollectiveError(
+                f"fusedist DDP (rank {self.rank}): the communication hook {self.name} failed on bucket "
+                f"{index}: {exc}", op="comm hook", tag=tag, rank=self.rank,
+            ) from exc
+        return value
+
+
+class CommHookStrategy(GradSyncStrategy):
+    """Synchronize each bucket with a torch communication hook (Note [communication hooks])."""
+
+    def __init__(self, state, hook):
+        self.state, self.hook = state, hook
+        self.name = hook_name(hook)
+        self._previous: Optional[HookHandle] = None  # Note [one hook at a time]
+
+    @property
+    def description(self) -> str:
+        return f"the communication hook {self.name}"
+
+    def launch(self, reducer, bucket):
+        self.quiesce(reducer)
+        hook_bucket = HookBucket(bucket, reducer)
+        future = self.hook(self.state, hook_bucket)
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and the futures of collectives
+            raise TypeError(
+                f"fusedist DDP (rank {reducer.comm.rank}): the communication hook {self.name} returned "
+                f"{type(future).__name__} for bucket {bucket.index}; a hook returns a "
+                "torch.futures.Future of the reduced bucket (e.g. dist.all_reduce(..., async_op=True).get_future())"
+            )
+        self._previous = HookHandle(future, hook_bucket, self.name, reducer.comm.rank, reducer.comm.timeout)
+        return self._previous
+
+    def quiesce(self, reducer) -> None:
+        """Note [one hook at a time]: wait until the last hook's future has completed, so no
+        callback of it issues a collective after this point."""
+        previous, self._previous = self._previous, None
+        if previous is not None and not previous.is_completed():
+            previous.wait_done()
+
+    def finish(self, reducer, bucket, handle):
+        result = _the_tensor(handle.wait())
+        flat = handle.hook_bucket._flat
+        if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
+            got = f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else type(result).__name__
+            raise ValueError(
+                f"fusedist DDP (rank {reducer.comm.rank}): the communication hook {self.name} returned "
+                f"{got} for bucket {bucket.index}, which holds {flat.numel()} gradient elements; the "
+                "future's value must be the bucket's reduced buffer"
+            )
+        if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
+            flat.copy_(result.reshape(-1))
+
+
+def _the_tensor(value) -> Optional[object]:
+    """A hook's result: a tensor, or (as torch also accepts) a list holding one."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return value[0]
+    return value

@@ -16,6 +16,12 @@ by value needs ``p.grad``, so stage 2 refuses it). ``"64-true"`` trains as with 
 (Note [sync_batchnorm]); ``ddp_comm_hook`` / ``ddp_comm_wrapper`` map onto the hooks fusedist's
 DDP runs (Note [communication hook wrappers]).
 
+Importing this module registers the strategy under Lightning's strategy names
+(Note [strategy names]): ``Trainer(strategy="fusedist")``, ``"fusedist_zero1"``,
+``"fusedist_zero2"`` and ``"fusedist_find_unused_parameters_true"``. A swapped optimizer keeps
+the class name of the one ``configure_optimizers`` returned, so ``LearningRateMonitor`` logs the
+keys it logs under ``strategy="ddp"`` (Note [the optimizer's name]).
+
 Install with ``pip install fusedist[lightning]``; launch as any Lightning DDP job (Lightning's
 own launcher, or ``torchrun``).
 """
@@ -30,7 +36,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import fusedist
 from fusedist.ddp import DistributedDataParallel
@@ -64,6 +70,19 @@ class FusedistStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.zero_stage = zero_stage
         self.fused_optimizer = bool(fused_optimizer)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """The strategy's names (Note [strategy names]). Overrides DDPStrategy's, which would
+        register ``"ddp"`` and its variants again, for this class."""
+        entries = (("fusedist", {}, "fused optimizers"),
+                   ("fusedist_zero1", {"zero_stage": 1}, "ZeRO stage 1"),
+                   ("fusedist_zero2", {"zero_stage": 2}, "ZeRO stage 2"),
+                   ("fusedist_find_unused_parameters_true", {"find_unused_parameters": True},
+                    "fused optimizers, find_unused_parameters=True"))
+        for name, options, what in entries:
+            strategy_registry.register(name, cls, description=f"fusedist DDP with {what}", override=True,
+                                       **options)
 
     # -- precision (Note [Lightning precision]) ----------------------------------------------
 
@@ -122,8 +141,8 @@ class FusedistStrategy(DDPStrategy):
             defaults["master_weights"] = master_weights
         groups = [dict(group) for group in optimizer.param_groups]
         if self.zero_stage == 0:
-            return target(groups, **defaults)
-        return fusedist.ZeroRedundancyOptimizer(groups, target, stage=self.zero_stage, **defaults)
+            return _named_as(target, cls)(groups, **defaults)
+        return _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=self.zero_stage, **defaults)
 
     @contextmanager
     def block_backward_sync(self):
@@ -138,6 +157,53 @@ class FusedistStrategy(DDPStrategy):
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module  # unwrap, as Lightning does for torch's DDP
         super().teardown()
+
+
+# Note [strategy names]
+# Lightning resolves Trainer(strategy="...") in its StrategyRegistry, which its own strategies
+# fill through their register_strategies classmethod when lightning.pytorch.strategies is
+# imported. This module registers FusedistStrategy's names the same way when it is imported;
+# `import fusedist` does not, because it never imports Lightning (and registering only when
+# Lightning happens to be imported first would make the string depend on import order). A
+# script that names the strategy by string imports fusedist.integrations.lightning first;
+# Lightning's launcher re-runs the script in each worker, which imports it there too.
+
+
+# Note [the optimizer's name]
+# LearningRateMonitor names its keys after the optimizer's class ("lr-AdamW/pg1") and numbers
+# several optimizers of one class by type ("lr-AdamW", "lr-AdamW-1"). The optimizer the
+# strategy swaps in would log "lr-FusedAdamW/pg1" or "lr-ZeroRedundancyOptimizer/pg1": the same
+# training under other keys, so dashboards and monitors keyed on them go blank when only the
+# strategy changed. The swapped optimizer is therefore an instance of a subclass of its
+# implementation that carries the returned class's name -- one subclass per (implementation,
+# returned class), so the numbering by type is Lightning's too. It is still the implementation
+# (isinstance, methods, ZeroRedundancyOptimizer's repr, the algorithm fusedist's checkpoints
+# record, found through the bases; pickling); only __name__ is borrowed, which torch's
+# Optimizer repr and fusedist's messages about the optimizer also show: the class the user
+# wrote. An optimizer the strategy keeps as it is keeps its own name, so one written as
+# fusedist.optim.FusedAdamW logs under "lr-FusedAdamW" with every strategy, Lightning's too;
+# giving its LR scheduler config "name": "lr-AdamW" keeps torch's keys.
+
+
+@functools.lru_cache(maxsize=None)
+def _named_as(implementation: type, returned: type) -> type:
+    """``implementation`` under the name of ``returned`` (Note [the optimizer's name])."""
+    if implementation.__name__ == returned.__name__:
+        return implementation
+
+    def __reduce_ex__(self, protocol):
+        # The class is made here, not found by name: pickle rebuilds it from the two classes.
+        return _new_named, (implementation, returned), self.__getstate__()
+
+    return type(returned.__name__, (implementation,),
+                {"__module__": __name__, "__qualname__": f"{implementation.__qualname__}[{returned.__name__}]",
+                 "__doc__": f"{implementation.__qualname__}, named as {returned.__qualname__} (Note [the optimizer's name]).",
+                 "__reduce_ex__": __reduce_ex__})
+
+
+def _new_named(implementation: type, returned: type):
+    cls = _named_as(implementation, returned)
+    return cls.__new__(cls)
 
 
 # Note [communication hook wrappers]
@@ -393,3 +459,7 @@ def _track_step_calls(optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True
     optimizer.step = wrapper
+
+
+# Trainer(strategy="fusedist") and its variants (Note [strategy names]).
+FusedistStrategy.register_strategies(StrategyRegistry)

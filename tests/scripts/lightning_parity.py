@@ -39,7 +39,8 @@ class Regressor(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_train_end(self):
-        self.seen_optimizer = type(self.trainer.optimizers[0]).__name__
+        # The class's name (what LearningRateMonitor logs under) and the implementation's bases.
+        self.seen_optimizer = [c.__name__ for c in type(self.trainer.optimizers[0]).__mro__]
 
 
 def data():

@@ -79,3 +79,108 @@ def test_lamb_tensor_lr_follows_a_scheduler_and_state_dicts(backend):
         FusedLAMB(_params(), lr=torch.tensor([0.1, 0.2]))
     with pytest.raises(ValueError, match="invalid learning rate"):
         FusedLAMB(_params(), lr=torch.tensor(-1.0))
+
+
+# -- torch's distributed checkpoint of torch's AdamW into FusedAdamW with master weights ---------
+
+
+def _bf16_net(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+
+
+def _grads_of(model, seed):
+    model.zero_grad()
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dcp_checkpoint_into_fused_adamw_with_master_weights(tmp_path):
+    """A bf16 model trained with torch's AdamW, saved with DCP, loaded into FusedAdamW with
+    master_weights=True (which has already stepped: other weights, other masters). Loading
+    needs a planner that lets the masters be missing (torch's strict load names the key); the
+    masters then come from the loaded parameters -- before, the next step wrote the target's
+    stale masters over them. The run continues exactly as a plain load_state_dict of torch's
+    state does, and within fp32 rounding of torch's AdamW stepping FP32 copies of the loaded
+    weights (the master-weight recipe done by hand)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from fusedist.checkpoint import FusedOptimizerLoadPlanner
+    from fusedist.optim import FusedAdamW
+
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    source = _bf16_net(0)
+    source_opt = torch.optim.AdamW(source.parameters(), **kw)
+    for step in range(2):
+        _grads_of(source, step)
+        source_opt.step()
+    msd, osd = get_state_dict(source, source_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+
+    def fused_target(seed):
+        model = _bf16_net(seed)
+        opt = FusedAdamW(model.parameters(), master_weights=True, **kw)
+        _grads_of(model, 100 + seed)
+        opt.step()
+        return model, opt
+
+    target, opt = fused_target(1)
+    msd, osd = get_state_dict(target, opt)
+    state = {"model": msd, "optim": osd}
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\..*\.master_(param|weights)"):
+        dcp.load(copy.deepcopy(state), checkpoint_id=str(tmp_path))
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=FusedOptimizerLoadPlanner())
+    set_state_dict(target, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), source.parameters()))
+
+    plain, plain_opt = fused_target(2)  # the same state through load_state_dict
+    plain.load_state_dict(source.state_dict())
+    plain_opt.load_state_dict(copy.deepcopy(source_opt.state_dict()))
+    ref = _bf16_net(3).float()  # torch's AdamW on FP32 copies of the loaded weights
+    ref.load_state_dict({k: v.float() for k, v in source.state_dict().items()})
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    ref_opt.load_state_dict(copy.deepcopy(source_opt.state_dict()))  # moments widened to fp32, exactly
+    for step in range(2, 5):
+        grads = _grads_of(target, step)
+        for p, q, r, g in zip(target.parameters(), plain.parameters(), ref.parameters(), grads):
+            q.grad, r.grad = g.clone(), g.float()
+        opt.step()
+        plain_opt.step()
+        ref_opt.step()
+    for p, q, r in zip(target.parameters(), plain.parameters(), ref.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["master_param"], plain_opt.state[q]["master_param"])
+        # fp32 masters of order 1 after a few steps: 1e-6 as against torch elsewhere; the bf16
+        # weights are the masters rounded, so within one bf16 ulp (2**-7 relative) of torch's.
+        torch.testing.assert_close(opt.state[p]["master_param"], r.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(p.detach().float(), r.detach(), rtol=2**-7, atol=1e-6)
+    assert opt.state[target[0].weight]["step"].item() == 5
+
+
+def test_a_consistent_master_survives_loading_the_optimizer_before_the_model():
+    """The loaded masters are checked against the parameters at the next step (not at load):
+    a program that loads the optimizer first, then the model, continues bit for bit -- the
+    masters, which hold more bits than the bf16 weights, are kept."""
+    from fusedist.optim import FusedAdamW
+
+    model = _bf16_net(0)
+    opt = FusedAdamW(model.parameters(), lr=1e-2, master_weights=True)
+    for step in range(3):
+        _grads_of(model, step)
+        opt.step()
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    assert any(not torch.equal(opt.state[p]["master_param"], p.float()) for p in model.parameters())
+    other = _bf16_net(7)
+    other_opt = FusedAdamW(other.parameters(), lr=1e-2, master_weights=True)
+    other_opt.load_state_dict(saved_opt)
+    other.load_state_dict(saved_model)
+    for step in range(3, 5):
+        for o in (model, other):
+            _grads_of(o, step)
+        opt.step()
+        other_opt.step()
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["master_param"], other_opt.state[q]["master_param"])

@@ -4,11 +4,15 @@
 ``load(directory, model, optimizer=None, scaler=None) -> extra``; see :mod:`.api` (and
 :mod:`._checks` for what both verify before anything is written or changed).
 ``Checkpointer`` (:mod:`.periodic`): periodic asynchronous saves, retention, automatic resume.
+``FusedOptimizerLoadPlanner`` (:mod:`.dcp_planner`): torch's distributed checkpoint of torch's
+optimizer into a fused optimizer with master weights.
 """
 
 from ._files import CheckpointError
 from .api import load, load_per_rank, save
+from .dcp_planner import FusedOptimizerLoadPlanner
 from .periodic import Checkpointer
 from .sampler import ElasticDistributedSampler
 
-__all__ = ["save", "load", "load_per_rank", "CheckpointError", "Checkpointer", "ElasticDistributedSampler"]  # [resume] load_per_rank
+__all__ = ["save", "load", "load_per_rank", "CheckpointError", "Checkpointer", "ElasticDistributedSampler",
+           "FusedOptimizerLoadPlanner"]  # [resume] load_per_rank

@@ -117,6 +117,9 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         # Note [masters and writes from outside]: id(p) -> p._version after this optimizer's last
         # write, for parameters with an FP32 master.
         self._master_versions: dict[int, int] = {}
+        # Note [loaded masters checked against the parameters]: ids of parameters whose loaded
+        # master the next step compares with the parameter.
+        self._masters_to_check: set[int] = set()
 
     # -- scaler protocol (Note [scaler protocol]; bookkeeping in ScalerProtocol) --------------
 
@@ -249,7 +252,31 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     # and, when a step finds it moved, the master is refreshed from the parameter first (as
     # ZeroRedundancyOptimizer does, Note [parameters changed outside the optimizer]). Writes
     # through ``p.data`` bypass the counter.
+    #
+    # Note [loaded masters checked against the parameters]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A loaded ``master_param`` may not belong to the parameters the program loaded. torch's
+    # distributed checkpoint loads by the target's keys: from a checkpoint of torch's optimizer
+    # (which has no masters) with a planner that lets fusedist's own keys be missing
+    # (``fusedist.checkpoint.FusedOptimizerLoadPlanner``), the target's ``master_param`` is
+    # left as it was -- the pre-load parameters' copy that ``get_state_dict`` made -- while the
+    # model received the checkpoint's weights; the next step then wrote the stale master over
+    # them. The check cannot be made at load: a program may load the optimizer before the
+    # model. So the first step after a load compares each loaded master with its parameter: a
+    # master this optimizer wrote the parameter from rounds to it exactly (the kernels write
+    # ``master.to(dtype)``), so a master of a consistent checkpoint is kept bit for bit, and
+    # one that does not round to the parameter is replaced by it, as when the checkpoint has
+    # no master at all (``_init_state``) -- the parameter the program holds wins, as in Note
+    # [masters and writes from outside]. One comparison per master, once per load.
     def _take_outside_writes(self, params: list, states: list) -> None:
+        pending = self._masters_to_check
+        if pending:
+            for p, state in zip(params, states):
+                if id(p) in pending:
+                    pending.discard(id(p))
+                    master = state.get("master_param")
+                    if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
+                        master.copy_(p.detach())
         versions = self._master_versions
         if not versions:
             return
@@ -317,7 +344,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
         self._fusedist_ready = set()
-        self._master_versions = {}  # the loaded masters are the truth now
+        self._master_versions = {}  # the loaded masters are checked at the next step instead
+        self._masters_to_check = set()
         for group in self.param_groups:
             # A key missing (a torch optimizer's state dict, or a fusedist-only key left out as
             # the class default, Note [param groups in torch's keys]): this optimizer's setting.
@@ -333,6 +361,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             if p is None:
                 continue
             self.state[p] = {key: self._loaded_value(key, value, p) for key, value in values.items()}
+            if "master_param" in self.state[p]:  # Note [loaded masters checked against the parameters]
+                self._masters_to_check.add(id(p))
 
     def _check_loadable(self, saved_groups: list, saved_state: dict) -> None:
         """Every check of :meth:`load_state_dict` that can fail, on the saved groups merged

@@ -12,6 +12,7 @@ test_fully_shard_api_parity.py).
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -221,3 +222,120 @@ def test_state_dict_keys_under_checkpoint_wrapper_match_fsdp2(tmp_path):
     carries our pieces into FSDP2's model, and FSDP2's whole parameters load into ours."""
     seed = _seed()
     assert run_distributed(_wrapper_names, 2, seed, str(tmp_path)) == [True, True], f"seed {seed}"
+
+
+# ------------------------------------------------ a unit that runs on some ranks only
+def _rank_dependent_unit(rank, ws, how):
+    import time
+
+    import torch.nn.functional as F
+
+    _, model = _pair(_mesh(ws), wrap_embed=True)
+
+    def forward(ids):
+        x = model.embed(ids)
+        for i, b in enumerate(model.blocks):
+            runs = 1 if i != 1 or rank != 0 else (0 if how == "skipped" else 2)
+            for _ in range(runs):
+                x = b(x)
+        return model.head(model.norm(x).flatten(0, 1))
+
+    model.forward = forward
+    start = time.monotonic()
+    try:
+        for step in range(2):
+            ids, target = _ids(0, rank, step)
+            F.cross_entropy(model(ids), target.flatten()).backward()
+    except Exception as e:  # the error this rank exits with
+        return f"{type(e).__name__} after {time.monotonic() - start:.1f} s: {e}"
+    return None
+
+
+@pytest.mark.parametrize("how", ["skipped", "run twice"])
+def test_unit_run_on_some_ranks_fails_within_the_timeout_naming_units(how):
+    """blocks[1] skipped (or run twice) on rank 0 only: the ranks' gathers pair up wrongly, as
+    in FSDP2 (which hangs or crashes likewise). No rank may hang: each exits within the
+    collective timeout, and a rank that raises says which collective of which unit it waited
+    for, with the stall report's view of each rank. (gloo itself aborts a rank whose receive
+    meets a larger message -- "Received data size doesn't match expected size. Is there a
+    distributed collective mismatch": the harness sees that rank exit with a signal.)"""
+    out = run_distributed(_rank_dependent_unit, 2, how, expect_failure=True, timeout=90, pg_timeout=15,
+                          env={"FUSEDIST_TIMEOUT_S": "5"})
+    messages = []
+    for rank, (status, value) in enumerate(out):
+        assert value is not None, f"rank {rank} finished without an error"
+        assert "did not finish within" not in str(value), f"rank {rank} hung: {value}"
+        messages.append(str(value))
+    raised = [m for m in messages if "Stall report" in m]
+    assert raised, messages
+    for m in raised:  # the units by path: which of the alike blocks
+        assert re.search(r"fully_shard gather blocks\.\d \(ResidualBlock\)", m), m
+
+
+# ------------------------------------------------------- FSDP2's newer arguments
+def test_signature_takes_every_fsdp2_argument():
+    """Each keyword torch's fully_shard takes is a keyword of ours, so a call written for
+    FSDP2 reaches fusedist's own acceptance or refusal instead of Python's TypeError."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    ours = inspect.signature(fusedist.fully_shard).parameters
+    theirs = inspect.signature(inspect.unwrap(torch_fully_shard)).parameters
+    missing = [name for name in theirs if name not in ours]
+    assert missing == [], f"torch's fully_shard takes {missing}, fusedist's does not"
+    for name, p in theirs.items():
+        if name != "module":
+            assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+def _torch_arguments(rank, ws, seed):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fusedist
+    from fusedist.fsdp.state import state_of
+
+    mesh = _mesh(ws)
+    # torch's own policy objects and a shard_placement_fn that keeps FSDP2's default, on
+    # FSDP2 and on fusedist: the same training
+    rows = lambda p: Shard(0) if p.dim() > 1 else None  # noqa: E731
+    kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=False), shard_placement_fn=rows)
+    ref, ours = _pair(mesh, wrap_embed=True, ref_kw=kw, our_kw=kw)
+    assert all(st.unit.offload for st in (state_of(m) for m in ours.modules()) if st is not None and st.unit), \
+        "torch's CPUOffloadPolicy was not taken for offloading"
+    opts = _adamw(ref, ours)
+    for step in range(2):
+        _step(ref, ours, opts, _ids(seed, rank, step), f"seed {seed}, step {step}")
+
+    # what fusedist refuses, it refuses by name, before changing the module
+    def refused(match, module, **kwargs):
+        before = [id(p) for p in module.parameters()]
+        with pytest.raises(NotImplementedError, match=match):
+            fusedist.fully_shard(module, mesh=mesh, **kwargs)
+        assert [id(p) for p in module.parameters()] == before and state_of(module) is None, match
+
+    net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    refused(r"returned Shard\(dim=1\) for '0.weight'", net, shard_placement_fn=lambda p: Shard(1))
+    refused("dp_mesh_dims", net, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    with pytest.raises(NotImplementedError, match="list of modules"):
+        fusedist.fully_shard([net[0], net[1]], mesh=mesh)
+    tp = copy.deepcopy(net)
+    tp[1].weight = nn.Parameter(distribute_tensor(tp[1].weight.detach(), init_device_mesh("cpu", (ws,)), [Shard(0)]))
+    refused("parameter '1.weight' is a DTensor", tp)
+    fusedist.fully_shard(net, mesh=mesh)  # still a plain module: shards as usual
+    return True
+
+
+def test_fsdp2_arguments_taken_or_refused_by_name():
+    """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
+    giving Shard(0) / None trains as FSDP2 with the same arguments; another placement,
+    dp_mesh_dims, a list of modules and DTensor parameters are refused with an error naming
+    the argument or parameter, before the module is changed."""
+    seed = _seed()
+    assert run_distributed(_torch_arguments, 2, seed) == [True, True], f"seed {seed}"

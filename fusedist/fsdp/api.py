@@ -19,7 +19,7 @@ from .dcp import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
-from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
 
@@ -32,8 +32,9 @@ _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_after_forward: Optional[bool] = True,
+                shard_placement_fn: Optional[Callable] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
-                ignored_params: Optional[set] = None) -> nn.Module:
+                ignored_params: Optional[set] = None, dp_mesh_dims=None) -> nn.Module:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (a 1-D DeviceMesh) or
     ``process_group`` (default: the world), as torch's ``fully_shard``; returns ``module``.
 
@@ -50,21 +51,34 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
     * ``mp_policy``: :class:`MixedPrecisionPolicy` (gather/compute dtype, reduce dtype).
     * ``offload_policy``: :class:`CPUOffloadPolicy` keeps shards and gradients in host memory.
     * ``ignored_params``: parameters left as they are (not sharded, gradients not reduced).
+    * ``shard_placement_fn``: accepted where it keeps FSDP2's default, ``Shard(0)`` (or None)
+      for every parameter; other placements and meshes are refused, naming the parameter.
+    * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fusedist.fully_shard does not support a list of modules (FSDP2's fully_shard([a, b]) makes them one "
+            "unit): shard each module alone, or their common parent")
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fusedist.fully_shard expects an nn.Module, got {type(module).__name__} "
-                        "(a list of modules sharing one unit is not supported)")
+        raise TypeError(f"fusedist.fully_shard expects an nn.Module, got {type(module).__name__}")
     if state_of(module) is not None:
         raise ValueError(f"fusedist.fully_shard: {type(module).__name__} is already sharded")
     if mesh is not None and process_group is not None:
         raise ValueError("fusedist.fully_shard: pass mesh or process_group, not both")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fusedist.fully_shard does not support dp_mesh_dims (FSDP2 over a full SPMD mesh whose parameters are "
+            "DTensors): fusedist shards plain parameters over a 1-D mesh. Pass the data-parallel mesh itself "
+            "(e.g. mesh['dp']) with plain parameters, or use torch.distributed.fsdp.fully_shard.")
+    ignored = {id(p) for p in (ignored_params or ())}
+    _check_params(module, ignored, shard_placement_fn)
+    offload_policy = as_offload_policy(offload_policy)
     group, device = _group_and_device(mesh, process_group)
     comm = get_communicator(group, device)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError("fusedist.fully_shard: reshard_after_forward must be a bool or None "
                          f"(resharding to a smaller world is not supported), got {reshard_after_forward!r}")
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    ignored = {id(p) for p in (ignored_params or ())}
 
     params, regs, fqns, borrowed = [], [], [], []
     index_of: dict[int, int] = {}
@@ -115,6 +129,35 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
         install_state_dict_hooks(module)  # Note [pieces in torch's distributed checkpoint]
     module.__class__ = _sharded_class(type(module))
     return module
+
+
+def _check_params(module: nn.Module, ignored: set, shard_placement_fn) -> None:
+    """Refuse, before anything changes, the parameters this call would shard and cannot:
+    DTensors (tensor parallelism), and placements from ``shard_placement_fn`` other than
+    FSDP2's default ``Shard(0)`` -- a unit's pieces are rows of one flat buffer, so a
+    parameter cannot be split on another dim or over another mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for mod_name, sub in _managed_modules(module):
+        for attr, p in sub._parameters.items():
+            if p is None or id(p) in ignored or p in _OWNED:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
+                    f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
+                    "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
+            if shard_placement_fn is None:
+                continue
+            placement = shard_placement_fn(p)
+            if placement is None or (type(placement) is Shard and placement.dim in (0, -max(p.dim(), 1))):
+                continue
+            raise NotImplementedError(
+                f"fusedist.fully_shard({type(module).__name__}): shard_placement_fn returned {placement!r} for "
+                f"'{fqn}'; fusedist shards every parameter by rows (Shard(0)) of its unit's flat buffer over the "
+                "one mesh given, so only None or Shard(0) is supported. Use torch.distributed.fsdp.fully_shard "
+                "for other placements.")
 
 
 def _check_bool(name: str, value) -> bool:

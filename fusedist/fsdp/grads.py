@@ -203,7 +203,7 @@ class UnitGrads:
             if pre != 1.0:  # Note [fp16 reduction]
                 flat.div_(pre)
             handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
-                                              tag=f"fully_shard grads {unit.name or 'root'}")
+                                              tag=f"fully_shard grads {unit.label}")
             pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post))
         self._acc, self._acc_with_grad = {}, {}
         while pending and pending[0].ready():

@@ -48,3 +48,20 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def as_offload_policy(policy) -> Optional[OffloadPolicy]:
+    """``policy`` as fusedist's: torch FSDP2's own ``CPUOffloadPolicy`` / ``OffloadPolicy``
+    objects are taken for what they say (a script that imports its policies from torch and
+    ``fully_shard`` from fusedist offloads as asked instead of silently not at all)."""
+    if policy is None or isinstance(policy, OffloadPolicy):
+        return policy
+    torch_fsdp = getattr(getattr(torch.distributed, "fsdp", None), "_fully_shard", None)
+    torch_cpu = getattr(torch_fsdp, "CPUOffloadPolicy", None)
+    torch_base = getattr(torch_fsdp, "OffloadPolicy", None)
+    if torch_cpu is not None and isinstance(policy, torch_cpu):
+        return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
+    if torch_base is not None and type(policy) is torch_base:
+        return OffloadPolicy()
+    raise TypeError(f"fusedist.fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, "
+                    f"got {type(policy).__name__}")

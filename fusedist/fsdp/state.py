@@ -377,6 +377,9 @@ class FullyShardState:
             raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
         if units:
             names = {id(m): n for n, m in self.module.named_modules()}
+            for st in states:
+                if st.unit is not None:
+                    st.unit.path = names.get(id(st.module))
             signature = [(names.get(id(st.module), "?"), _unit_params(st.unit)) for st in states if st.unit is not None]
             if units[0].world_size > 1:
                 check_same_across_ranks(

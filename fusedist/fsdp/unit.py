@@ -84,6 +84,7 @@ class ShardedUnit:
             raise TypeError(f"fusedist.fully_shard({name or 'root'}): the parameters of one unit share one flat "
                             f"buffer and must have one dtype; got {desc}. Shard the differing modules separately.")
         self.name, self.fqns, self.registrations = name, fqns, registrations
+        self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = params[0].dtype
@@ -165,7 +166,7 @@ class ShardedUnit:
                 src = src.to(self.device, non_blocking=True)
             if src.dtype != self.param_dtype:
                 src = src.to(self.param_dtype)
-            handles = self.gather_into(self.full, src, f"fully_shard gather {self.name or 'root'}")
+            handles = self.gather_into(self.full, src, f"fully_shard gather {self.label}")
             self._gather = (handles, src)
             stale.note_gathered(self)
         if not async_op:
@@ -244,6 +245,14 @@ class ShardedUnit:
                 f"fusedist.fully_shard({self.name or 'root'}): the unit's parameters ({_first_names(self.fqns)}) "
                 "are still on the meta device. Call model.to_empty(device=...) on the model, then initialize it "
                 "(fusedist.fsdp.init_parameters(model), or load a checkpoint), before running it.")
+
+    @property
+    def label(self) -> str:
+        """The unit in collective tags, hence in timeouts and stall reports: its module's path
+        under the root (which of several alike blocks) and class."""
+        if self.path is None:
+            return self.name or "root"
+        return f"{self.path or '<root>'} ({self.name})"
 
     @property
     def gather_in_flight(self) -> bool:

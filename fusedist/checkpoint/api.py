@@ -40,7 +40,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _names, stage3
+from . import _checks, _files, _from_dcp, _names, stage3
 from ._files import CheckpointError
 
 COMMON = "common.pt"
@@ -410,6 +410,11 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     Files are read with torch's restricted unpickler (tensors and plain containers): a
     checkpoint whose ``extra`` holds other objects is refused unless ``trusted=True``, which
     unpickles fully -- only for checkpoints from a source you trust.
+
+    ``directory`` may also be a checkpoint of torch's distributed checkpoint (``dcp.save`` of
+    ``get_state_dict``'s model and optimizer state): e.g. a torch DDP + AdamW job continued on
+    a ZeroRedundancyOptimizer, whose master weights then start from the loaded parameters
+    (Note [torch's distributed checkpoints in load] in ``_from_dcp.py``); its ``extra`` is None.
     """
     world = _World(optimizer, model)
     try:
@@ -430,7 +435,65 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     return _apply(plan, model, optimizer, scaler)
 
 
+def _expected_model(target) -> tuple[dict, bool]:
+    """The model's canonical keys and whole shapes, and whether it is sharded (fully_shard)."""
+    sharded_target = bool(stage3.units(target))
+    expected = (stage3.full_shapes(target) if sharded_target
+                else {k: v.shape for k, v in _names.canonical_state(target, target.state_dict()).items()})
+    return expected, sharded_target
+
+
+def _check_model(saved: dict, expected: dict, directory: str) -> None:
+    """The saved keys and shapes must be exactly the module's (whole parameters)."""
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    if missing or unexpected:
+        # With shapes: a renamed parameter shows up once on each side, and its shape is what
+        # lets the reader pair the two names.
+        def listed(keys, shapes):
+            shown = ", ".join(f"{k} {tuple(shapes[k])}" for k in keys[:10])
+            return f"[{shown}{', ...' if len(keys) > 10 else ''}]"
+
+        raise CheckpointError(
+            f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
+            f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
+            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}"
+        )
+    for k, shape in expected.items():
+        if tuple(saved[k].shape) != tuple(shape):
+            raise CheckpointError(
+                f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
+                f"is {tuple(shape)}"
+            )
+
+
+def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
+    """:func:`_prepare` for a checkpoint of torch's distributed checkpoint (Note [torch's
+    distributed checkpoints in load] in ``_from_dcp.py``)."""
+    if scaler is not None:
+        raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
+                              "which holds no GradScaler state fusedist reads; pass scaler=None")
+    digest, tree = _from_dcp.read(directory)
+    target = _unwrap(model)
+    expected, sharded_target = _expected_model(target)
+    saved, optim = _from_dcp.split(tree, expected, lambda d: _strip_prefix(d, expected), directory)
+    _check_model(saved, expected, directory)
+    plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target,
+                  "read": {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}}
+    if optimizer is not None:
+        if optim is None:
+            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+        source = f"optimizer state in {directory}"
+        params = _optimizer_params(optimizer)
+        full = _from_dcp.to_torch_format(optim, _param_names(model, params),
+                                         [len(g["params"]) for g in optimizer.param_groups], source)
+        plan["optimizer"] = _prepare_full(full, directory, model, optimizer, params, source)
+    return plan
+
+
 def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
+    if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
+        return _prepare_dcp(directory, model, optimizer, scaler)
     manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]
     if COMMON not in files:
@@ -453,33 +516,12 @@ def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict
 
     # Model: the saved keys and shapes must be exactly the module's (whole parameters).
     target = _unwrap(model)
-    sharded_target = bool(stage3.units(target))
-    expected = (stage3.full_shapes(target) if sharded_target
-                else {k: v.shape for k, v in _names.canonical_state(target, target.state_dict()).items()})
+    expected, sharded_target = _expected_model(target)
     saved = _strip_prefix(common["model"], expected)
     if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
         saved = dict(saved)
         saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    if missing or unexpected:
-        # With shapes: a renamed parameter shows up once on each side, and its shape is what
-        # lets the reader pair the two names.
-        def listed(keys, shapes):
-            shown = ", ".join(f"{k} {tuple(shapes[k])}" for k in keys[:10])
-            return f"[{shown}{', ...' if len(keys) > 10 else ''}]"
-
-        raise CheckpointError(
-            f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
-            f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
-            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}"
-        )
-    for k, shape in expected.items():
-        if tuple(saved[k].shape) != tuple(shape):
-            raise CheckpointError(
-                f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
-                f"is {tuple(shape)}"
-            )
+    _check_model(saved, expected, directory)
     plan["model"] = saved
     plan["model_sharded"] = sharded_target
 
@@ -532,7 +574,14 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
         _checks.check_loadable(optimizer, full, directory)
         return full
-    full = common["optimizer"]
+    return _prepare_full(common["optimizer"], directory, model, optimizer, params, source)
+
+
+def _prepare_full(full: dict, directory, model, optimizer, params, source: str):
+    """What :func:`_apply` loads from ``full``, an unsharded optimizer's state in torch's format."""
+    target = _unwrap(model)
+    sharded_target = bool(stage3.units(target))
+    where = stage3.piece_index(target) if sharded_target else {}
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.prepare_load(full, source=source)
     if sharded_target:

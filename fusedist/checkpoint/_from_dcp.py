@@ -1,0 +1,147 @@
+"""Reading a checkpoint written by torch's distributed checkpoint (DCP) in
+:func:`fusedist.checkpoint.load`.
+
+Note [torch's distributed checkpoints in load]
+    A job trained with torch's DDP and optimizer saves with ``dcp.save({"model": msd, "optim":
+    osd})``, the two from ``get_state_dict`` (parameters by name, the optimizer's state and
+    groups by parameter name, nested or flattened as torchtitan saves it). Continuing it on a
+    ZeroRedundancyOptimizer has no route through torch's helpers: ``get_state_dict`` asks the
+    optimizer for torch's format, and a ZeRO optimizer's state dict is its rank's shard. So
+    ``load`` reads such a directory itself: every rank reads the whole checkpoint onto the CPU
+    (as it reads every shard file of a fusedist checkpoint: about the full model and optimizer
+    state in memory), finds the model's state (the dict whose keys are the model's names) and
+    the optimizer's (the dict with ``state`` and ``param_groups``), turns the optimizer's into
+    torch's index-keyed format in the order of the optimizer's parameters, and goes on as for a
+    checkpoint of an unsharded optimizer: everything is checked before anything changes, the
+    model is loaded, the master weights are taken from the loaded parameters (torch's
+    optimizers keep none), and the state is resharded over the ranks. ``extra`` is None; a
+    GradScaler's state is not in such a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Optional
+
+import torch
+
+from ._files import CheckpointError
+
+METADATA = ".metadata"
+
+
+def is_dcp(directory: str) -> bool:
+    """A directory DCP's file-system writer completed (it writes ``.metadata`` last)."""
+    return os.path.isfile(os.path.join(directory, METADATA))
+
+
+def read(directory: str) -> tuple[str, dict]:
+    """The SHA-256 of the checkpoint's metadata (what ranks compare) and the whole checkpoint,
+    nested as it was saved, on the CPU."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    with open(os.path.join(directory, METADATA), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    tree: dict = {}
+    try:  # every rank reads all of it, on its own (what torch's dcp_to_torch_save does)
+        _load_state_dict(tree, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"fusedist.checkpoint: reading torch's distributed checkpoint {directory} failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    return digest, tree
+
+
+def _dicts(tree: dict) -> list:
+    """The checkpoint itself and its top-level dicts: where a model or optimizer state may be."""
+    return [("", tree)] + [(k, v) for k, v in tree.items() if isinstance(v, dict)]
+
+
+def _is_optimizer(d: dict) -> bool:
+    return ("state" in d and "param_groups" in d) or (
+        bool(d) and all(isinstance(k, str) and k.split(".", 1)[0] in ("state", "param_groups") for k in d))
+
+
+def split(tree: dict, expected: dict, normalize, directory: str) -> tuple[dict, Optional[dict]]:
+    """(the model's state, the optimizer's or None) in ``tree``. ``normalize`` maps a dict of
+    saved keys to the model's names (``_strip_prefix``)."""
+    best, best_overlap = None, 0
+    for _, d in _dicts(tree):
+        tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+        if not tensors or _is_optimizer(d):
+            continue
+        overlap = len(set(normalize(tensors)) & set(expected))
+        if overlap > best_overlap:
+            best, best_overlap = normalize(tensors), overlap
+    if best is None:
+        raise CheckpointError(
+            f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds no state of this model (none of "
+            f"its top-level entries {sorted(tree)[:10]} has the model's parameter names)")
+    optimizers = [d for _, d in _dicts(tree) if _is_optimizer(d)]
+    if len(optimizers) > 1:
+        raise CheckpointError(f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds "
+                              f"{len(optimizers)} optimizer states; fusedist.checkpoint.load reads one")
+    return best, (optimizers[0] if optimizers else None)
+
+
+def _nested(optim: dict, names: list, source: str) -> tuple[dict, list]:
+    """A flattened optimizer state (``state.<name>.<key>``, ``param_groups.<name>.<setting>``:
+    ``flatten_optimizer_state_dict=True``) as ``state`` by name and one group per parameter."""
+    if "state" in optim and "param_groups" in optim:
+        return optim["state"], optim["param_groups"]
+    state: dict = {}
+    settings: dict = {}
+    known = set(names)
+    for key, value in optim.items():
+        kind, rest = key.split(".", 1)
+        name, _, field = rest.rpartition(".")
+        if name not in known:
+            raise CheckpointError(f"fusedist.checkpoint: {source}: entry {key!r} names no parameter of the optimizer")
+        (state if kind == "state" else settings).setdefault(name, {})[field] = value
+    groups = [dict(values, params=[name]) for name, values in settings.items()]
+    return state, groups
+
+
+def to_torch_format(optim: dict, names: list, group_sizes: list, source: str) -> dict:
+    """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
+    optimizer whose parameters are named ``names``, in param groups of ``group_sizes``."""
+    state, groups = _nested(optim, names, source)
+    group_of = {}
+    for gi, g in enumerate(groups):
+        for name in g.get("params", []):
+            group_of[name] = gi
+    missing = [n for n in names if n not in group_of]
+    if missing:
+        raise CheckpointError(f"fusedist.checkpoint: {source} has no parameter {missing[0]!r} of the optimizer "
+                              f"({len(missing)} of {len(names)} missing)")
+    out_groups, out_state, start = [], {}, 0
+    for size in group_sizes:
+        members = names[start:start + size]
+        first = groups[group_of[members[0]]]
+        settings = {k: v for k, v in first.items() if k != "params"}
+        for name in members:
+            other = {k: v for k, v in groups[group_of[name]].items() if k != "params"}
+            if not _same(other, settings):
+                raise CheckpointError(
+                    f"fusedist.checkpoint: {source}: parameters {members[0]!r} and {name!r} are in one param group "
+                    "of the optimizer but have different settings in the checkpoint (its param groups differ)")
+        out_groups.append(dict(settings, params=list(range(start, start + size))))
+        for i, name in enumerate(members, start):
+            if name in state and state[name]:
+                out_state[i] = dict(state[name])
+        start += size
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

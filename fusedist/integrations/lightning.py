@@ -120,11 +120,21 @@ class FusedistStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        if self.zero_stage and len(self.optimizers) > 1:
+            # Each ZeroRedundancyOptimizer shards along the DDP model's gradient buckets and must
+            # own all of its trainable parameters; ZeRO's own refusal would name the other
+            # optimizers' parameters as missing and advise freezing them.
+            raise ValueError(
+                f"FusedistStrategy(zero_stage={self.zero_stage}) shards one optimizer over all the "
+                f"model's trainable parameters, but configure_optimizers returned {len(self.optimizers)} "
+                "optimizers; use zero_stage=0 (fused, unsharded optimizers), or one optimizer with a "
+                "param group per part of the model"
+            )
         master_weights = isinstance(self.precision_plugin, HalfPrecision)
         for i, optimizer in enumerate(self.optimizers):
             new = self._convert_optimizer(optimizer, master_weights)
             if new is not optimizer:
-                _repoint_schedulers(self.lr_scheduler_configs, optimizer, new)
+                _hand_over(optimizer, new, self.lr_scheduler_configs)
                 self.optimizers[i] = new
 
     def _convert_optimizer(self, optimizer: torch.optim.Optimizer, master_weights: bool):
@@ -433,13 +443,41 @@ def _keywords(cls) -> frozenset:
     return frozenset(inspect.signature(cls.__init__).parameters)
 
 
-def _repoint_schedulers(configs, old, new) -> None:
-    """LR schedulers built on ``old`` drive ``new`` (whose groups carry their ``initial_lr``)."""
+# Note [the returned optimizer]
+# The optimizer configure_optimizers returned stays reachable after the swap: SequentialLR and
+# ChainedScheduler keep it in their parts (the usual warm-up then decay is a SequentialLR),
+# and modules keep it to set a learning rate by hand (self.opt = AdamW(...); return self.opt).
+# Written to, its param groups used to be a discarded copy: the learning rate of the optimizer
+# that steps stayed where the swap left it, and training went on without a word. The returned
+# optimizer now reads and writes the new one's param groups, so a hyperparameter set through
+# it takes effect; and every scheduler in a config's tree drives the new optimizer, as torch
+# otherwise warns that a part stepped an optimizer that never stepped.
+
+
+def _hand_over(old, new, configs) -> None:
+    """``new`` takes ``old``'s place for the LR schedulers and for whoever kept ``old``
+    (Note [the returned optimizer]); ``new``'s groups carry the schedulers' ``initial_lr``."""
     for config in configs:
-        scheduler = config.scheduler
-        if getattr(scheduler, "optimizer", None) is old:
-            scheduler.optimizer = new
-            _track_step_calls(new)
+        for scheduler in _scheduler_tree(config.scheduler):
+            if getattr(scheduler, "optimizer", None) is old:
+                scheduler.optimizer = new
+                _track_step_calls(new)
+    old.param_groups = new.param_groups
+
+
+def _scheduler_tree(scheduler, seen=None):
+    """``scheduler`` and the schedulers it keeps, at any depth, in attributes or in lists and
+    tuples held by them (SequentialLR's and ChainedScheduler's ``_schedulers``)."""
+    seen = set() if seen is None else seen
+    if id(scheduler) in seen:
+        return
+    seen.add(id(scheduler))
+    yield scheduler
+    kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    for value in getattr(scheduler, "__dict__", {}).values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, kinds):
+                yield from _scheduler_tree(item, seen)
 
 
 def _track_step_calls(optimizer) -> None:

@@ -141,6 +141,42 @@ def test_leases_of_ended_and_unknown_holders(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.parametrize("failing", [_owner.LEASE, "rank-00000.pt", "common.pt", "manifest.json"])
+def test_a_full_disk_at_any_write_leaves_no_complete_looking_step(tmp_path, monkeypatch, failing):
+    """ENOSPC at each write of a save (the lease at the first save, a rank file, common.pt,
+    the manifest), asynchronous: the error names what could not be written, no step of it
+    looks complete, the earlier one stays, and the next save, with space again, works."""
+    from fusedist.checkpoint import _files
+
+    root = str(tmp_path)
+    real = _files.atomic_write
+
+    def full(path, write):
+        if os.path.basename(path) == failing:
+            raise OSError(28, "No space left on device", path)
+        return real(path, write)
+
+    model, opt = _net(0), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, keep=1)
+    ckpt.restore(model, opt)
+    if failing != _owner.LEASE:
+        ckpt.save(1)
+        ckpt.wait()
+    monkeypatch.setattr(_files, "atomic_write", full)
+    ckpt.save(2)
+    what = {_owner.LEASE: "could not write the lease .fusedist-checkpointer.json",
+            "rank-00000.pt": "writing the rank files", "common.pt": "writing the manifest",
+            "manifest.json": "writing the manifest"}[failing]
+    with pytest.raises(CheckpointError, match=rf"saving step 2 .*{what}.*No space left on device"):
+        ckpt.wait()
+    assert 2 not in _steps(root) and _steps(root) == ([] if failing == _owner.LEASE else [1])
+    monkeypatch.setattr(_files, "atomic_write", real)
+    ckpt.save(3)
+    ckpt.close()
+    assert _steps(root) == [3] and sorted(os.listdir(root)) == ["step-00000003"]
+
+
 def _two_jobs_worker(rank, world_size, root):
     import fusedist
 

@@ -345,7 +345,10 @@ class Checkpointer:
         if rank == 0:
             try:
                 # Before anything is written or removed (Note [one job per checkpoint root]).
-                lease, error = _owner.acquire(self.directory, self._run, self._run_source, self._lease)
+                try:
+                    lease, error = _owner.acquire(self.directory, self._run, self._run_source, self._lease)
+                except OSError as exc:
+                    lease, error = None, f"rank 0 could not write the lease {_owner.LEASE} in {self.directory}: {exc}"
                 if error is None:
                     self._lease = lease
                     if os.path.exists(path):  # left by a save killed before a restart: start clean

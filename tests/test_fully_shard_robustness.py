@@ -339,3 +339,146 @@ def test_fsdp2_arguments_taken_or_refused_by_name():
     the argument or parameter, before the module is changed."""
     seed = _seed()
     assert run_distributed(_torch_arguments, 2, seed) == [True, True], f"seed {seed}"
+
+
+# ------------------------------------------------- two backwards through one forward
+def _two_backwards(rank, ws, seed):
+    import torch.nn.functional as F
+
+    mesh = _mesh(ws)
+    for reshard in (True, False):
+        what = f"seed {seed}, reshard_after_forward={reshard}"
+        kw = dict(reshard_after_forward=reshard)
+        ref, ours = _pair(mesh, wrap_embed=True, ref_kw=kw, our_kw=kw)
+        opts = _adamw(ref, ours)
+        for step in range(2):
+            ids, target = _ids(seed, rank, step)
+            for model in (ref, ours):
+                out = model(ids)
+                F.cross_entropy(out, target.flatten()).backward(retain_graph=True)
+                (0.1 * out.square().mean()).backward()  # a second loss through the same graph
+            _check_grads(ref, ours, EXACT, f"{what}, step {step}")
+            for opt in opts:
+                opt.step()  # (fusedist's step guard took the second backward for an unsynced one)
+                opt.zero_grad()
+            _check_params(ref, ours, f"{what}, step {step}, after the step")
+        position = _position(ours)
+        assert position["fully_shard_backward"] == 4 and position["fully_shard_step"] == 4, f"{what}: {position}"
+        if reshard:
+            assert ours.memory_stats()["gathered_bytes"] == 0, f"{what}: {ours.memory_stats()}"
+        ours.check_consistency()
+    return True
+
+
+def test_two_backwards_through_one_forward_match_fsdp2():
+    """Two losses backpropagated one after the other through one forward (``retain_graph``):
+    the gradients sum both, as FSDP2's; the optimizer steps (the second backward is a
+    synchronized one, reduced like the first) and the watch counts two synchronized backwards."""
+    seed = _seed()
+    assert run_distributed(_two_backwards, 2, seed) == [True, True], f"seed {seed}"
+
+
+# ------------------------------------------------------- explicit prefetch lists
+class Stack(nn.Module):
+    """Embedding, three alike blocks (optionally under activation checkpointing), head."""
+
+    def __init__(self, checkpoint: bool = False, d: int = 8, vocab: int = 11):
+        super().__init__()
+        import models
+
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(models.ResidualBlock(d) for _ in range(3))
+        self.head = nn.Linear(d, vocab)
+        self.checkpoint = checkpoint
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
+        return self.head(x).flatten(0, 1)
+
+
+#: explicit lists that omit units, name them out of order, or name units already run
+PREFETCH = {
+    "backward, omitting units": lambda m: (m.blocks[1].set_modules_to_backward_prefetch([]),
+                                           m.blocks[2].set_modules_to_backward_prefetch([m.blocks[0]])),
+    "backward, reversed and already reduced": lambda m: m.blocks[0].set_modules_to_backward_prefetch(
+        [m.blocks[2], m.embed, m.blocks[1]]),
+    "forward, reversed and skipping": lambda m: m.embed.set_modules_to_forward_prefetch([m.blocks[2], m.blocks[0]]),
+    "forward, units already run": lambda m: (m.blocks[2].set_modules_to_forward_prefetch([m.blocks[0], m.embed]),
+                                             m.set_modules_to_forward_prefetch([m.blocks[1]])),
+}
+
+
+def _prefetch_lists(rank, ws, seed):
+    import copy
+
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    mesh = _mesh(ws)
+    for checkpoint, reshard in ((False, True), (True, True), (False, False)):
+        torch.manual_seed(seed)
+        ref = Stack(checkpoint)
+        ours = copy.deepcopy(ref)
+        for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
+            for m in (model.embed, *model.blocks):
+                shard(m, mesh=mesh, reshard_after_forward=reshard)
+            shard(model, mesh=mesh)
+            for setup in PREFETCH.values():
+                setup(model)
+        opts = _adamw(ref, ours)
+        what = f"seed {seed}, checkpointing {checkpoint}, reshard_after_forward={reshard}"
+        for step in range(2):
+            g = torch.Generator().manual_seed(seed * 13 + rank * 101 + step)
+            ids, target = torch.randint(0, 11, (3, 5), generator=g), torch.randint(0, 11, (15,), generator=g)
+            for model in (ref, ours):
+                F.cross_entropy(model(ids), target).backward()
+            _check_grads(ref, ours, EXACT, f"{what}, step {step}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            _check_params(ref, ours, f"{what}, step {step}, after the step")
+        if reshard:
+            assert ours.memory_stats()["gathered_bytes"] == 0, f"{what}: {ours.memory_stats()}"
+    return True
+
+
+def test_explicit_prefetch_lists_are_hints_as_in_fsdp2():
+    """Forward and backward prefetch lists that omit units, name them out of order or name
+    units that already ran (all at once), with activation checkpointing and with
+    reshard_after_forward False too: every unit still gathers before its own compute, and
+    training equals FSDP2's with the same lists; no unit stays gathered."""
+    seed = _seed()
+    assert run_distributed(_prefetch_lists, 2, seed) == [True, True], f"seed {seed}"
+
+
+# --------------------------------------------------- inference mode before training
+def _inference_first(rank, ws, seed):
+    mesh = _mesh(ws)
+    for reshard in (True, False):
+        what = f"seed {seed}, reshard_after_forward={reshard}"
+        kw = dict(reshard_after_forward=reshard)
+        ref, ours = _pair(mesh, wrap_embed=True, ref_kw=kw, our_kw=kw)
+        opts = _adamw(ref, ours)
+        for step in range(3):
+            ids = _ids(seed, rank, 100 + step)[0]
+            with torch.inference_mode():  # an evaluation; before the first training step too
+                got = ours(ids)
+            with torch.no_grad():  # (FSDP2 cannot start in inference mode)
+                expected = ref(ids)
+            torch.testing.assert_close(got, expected, **EXACT, msg=lambda m: f"{what}, evaluation {step}: {m}")
+            _step(ref, ours, opts, _ids(seed, rank, step), f"{what}, step {step}")
+        ours.check_consistency()
+    return True
+
+
+def test_first_forward_in_inference_mode_then_training_matches_fsdp2():
+    """The model's first forward under torch.inference_mode() (an evaluation before training)
+    and more between steps: outputs equal FSDP2's under no_grad, and training afterwards
+    equals FSDP2's (the step watch's buffers were made as inference tensors, and the first
+    backward failed writing them)."""
+    seed = _seed()
+    assert run_distributed(_inference_first, 2, seed) == [True, True], f"seed {seed}"

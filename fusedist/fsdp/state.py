@@ -73,6 +73,15 @@ Note [aborted backward]
     runs and is counted as any other. Every rank must have aborted alike (collectives pair
     up by order), as for ``reset_iter_state``.
 
+Note [repeated backward]
+    ``loss1.backward(retain_graph=True); loss2.backward()`` runs two backwards through one
+    forward. The first ends as any; the second meets units whose forward bookkeeping is
+    gone. A unit reached by it -- its output's hook or a gradient hook fires -- counts as
+    pending for that backward, so the final callback completes it (reduces the gradients
+    not all reached, reshards) and the step watch counts a synchronized backward, as for
+    the first; its reductions run in the units' registration order (no forward order was
+    recorded for it), the same on every rank.
+
 Note [aborted forward]
     A forward that raises (user code in a unit, an OOM caught to skip the batch) never runs
     the root's post-hook: the iteration stays "in forward", units it gathered stay gathered,
@@ -321,7 +330,7 @@ class FullyShardState:
         self.ctx: Optional[IterationContext] = None
         self.forward_prefetch: Optional[list] = None
         self.backward_prefetch: Optional[list] = None
-        self.backward_pending = False  # ran forward with grad since the last backward ended
+        self.backward_pending = False  # ran forward with grad, or backward, since the last backward ended
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.is_last_backward = True  # set_is_last_backward (recorded; every backward finishes)
         self.requires_all_reduce = True  # set_requires_all_reduce (recorded; no all-reduce on a 1-D mesh)
@@ -388,7 +397,10 @@ class FullyShardState:
                     hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
             # At world size 1 too, as DDP's StepWatch: the counters and the optimizer step guard
             # apply; its cross-rank check is off there (WatchBase), so no collective is issued.
-            self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded])
+            # Its buffers live across steps: made outside inference mode even when the first
+            # forward runs under torch.inference_mode() (an evaluation before training).
+            with torch.inference_mode(False):
+                self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded])
 
     def _check_materialized(self) -> None:
         """Before the first forward sets up the root: every unit below holds data (a unit built
@@ -466,6 +478,7 @@ class FullyShardState:
         ctx, unit = self.ctx, self.unit
         ctx.ensure_final_callback()
         self._in_backward = True
+        self.backward_pending = True  # (a second backward through the same graph: Note [repeated backward])
         if unit is None or call in self._calls_started:
             return grad
         self._calls_started.add(call)
@@ -503,6 +516,7 @@ class FullyShardState:
 
     def _on_grad(self, index: int) -> None:
         self.ctx.ensure_final_callback()
+        self.backward_pending = True
         self._grads_seen += 1
         self._maybe_post_backward()
 

@@ -69,19 +69,19 @@ def _is_optimizer(d: dict) -> bool:
 def split(tree: dict, expected: dict, normalize, directory: str) -> tuple[dict, Optional[dict]]:
     """(the model's state, the optimizer's or None) in ``tree``. ``normalize`` maps a dict of
     saved keys to the model's names (``_strip_prefix``)."""
-    best, best_overlap = None, 0
-    for _, d in _dicts(tree):
+    best, best_overlap, found = None, 0, None
+    for _, d in _dicts(tree):  # (by names, not form: a model may have a child called "state")
         tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
-        if not tensors or _is_optimizer(d):
+        if not tensors:
             continue
         overlap = len(set(normalize(tensors)) & set(expected))
         if overlap > best_overlap:
-            best, best_overlap = normalize(tensors), overlap
+            best, best_overlap, found = normalize(tensors), overlap, d
     if best is None:
         raise CheckpointError(
             f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds no state of this model (none of "
             f"its top-level entries {sorted(tree)[:10]} has the model's parameter names)")
-    optimizers = [d for _, d in _dicts(tree) if _is_optimizer(d)]
+    optimizers = [d for _, d in _dicts(tree) if d is not found and _is_optimizer(d)]
     if len(optimizers) > 1:
         raise CheckpointError(f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds "
                               f"{len(optimizers)} optimizer states; fusedist.checkpoint.load reads one")

@@ -1,5 +1,5 @@
 """torch DDP's communication hooks on fusedist's DistributedDataParallel (Note [communication
-hooks] in fusedist/ddp/comm_hook.py): PowerSGD (with error feedback,
+hooks] in fusedist/ddp/comm_hook.py): PowerSGD (in one bucket and in two, with error feedback,
 warm start and its switch from plain all-reduce), a compression wrapper around it, the no-op
 debugging hook and a user's own hook, each trained side by side with torch DDP running the same
 hook on 2 gloo ranks; and the errors: a hook that returns no future, the wrong size, a future
@@ -48,7 +48,7 @@ def _hook_and_state(kind: str):
                                 min_compression_rate=0.5, use_error_feedback=True, warm_start=True,
                                 random_seed=7)
 
-    if kind == "powersgd":
+    if kind in ("powersgd", "powersgd, 2 buckets"):
         return powersgd_state(), ps.powerSGD_hook
     if kind == "fp16 wrapper around powersgd":
         return powersgd_state(), default_hooks.fp16_compress_wrapper(ps.powerSGD_hook)
@@ -59,15 +59,42 @@ def _hook_and_state(kind: str):
     raise AssertionError(kind)
 
 
+def _one_at_a_time(hook):
+    """torch DDP's side of the several-bucket runs: the hook waits for the previous bucket's
+    future before it starts (Note [one hook at a time]). Without it torch's own run fails on
+    gloo -- PowerSGD's callbacks issue collectives on gloo's thread while the next bucket's
+    hook issues its own on the training thread, and the ranks pair them differently (3 runs
+    in 4 failed, "Timed out waiting for recv" or "Connection reset by peer")."""
+    previous = []
+
+    def serialized(state, bucket):
+        if previous:
+            previous.pop().wait()
+        fut = hook(state, bucket)
+        previous.append(fut)
+        return fut
+
+    return serialized
+
+
 def _side_by_side_worker(rank, world, kind):
     import fusedist
 
     base = _model()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    caps = {}
+    if kind.endswith("buckets"):
+        # Two buckets, the same in both (PowerSGD compresses per bucket): the last two
+        # layers, then the first. Past the first bucket torch closes a bucket after the
+        # parameter that crosses its cap and fusedist before it (Note [the first bucket] in
+        # fusedist/ddp/layout.py), so the second cap is wide enough for both to agree.
+        caps = dict(bucket_cap_mb_list=[0.004, 0.01])
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **caps)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **caps)
     states = {}
     for name, model in (("torch", ref), ("fusedist", ours)):
         states[name], hook = _hook_and_state(kind)
+        if name == "torch" and caps:
+            hook = _one_at_a_time(hook)
         model.register_comm_hook(states[name], hook)
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for name, m in (("torch", ref), ("fusedist", ours))}
     gen = torch.Generator().manual_seed(100 + rank)
@@ -83,10 +110,11 @@ def _side_by_side_worker(rank, world, kind):
     step_size = max((a - b).abs().max().item() for a, b in zip(base.parameters(), ours.module.parameters()))
     user = {k: v for k, v in states["fusedist"].items()} if kind == "user" else None
     ref_user = {k: v for k, v in states["torch"].items()} if kind == "user" else None
-    return worst, step_size, user, ref_user
+    buckets = (len(ours.buckets), len(ref.reducer._get_zeros_like_grad_buckets()))
+    return worst, step_size, user, ref_user, buckets
 
 
-KINDS = ["powersgd", "fp16 wrapper around powersgd", "noop", "user"]
+KINDS = ["powersgd", "powersgd, 2 buckets", "fp16 wrapper around powersgd", "noop", "user"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -96,9 +124,10 @@ def test_hook_trains_as_torch_ddp_with_the_same_hook(kind):
     tolerance (1e-6 on weights of order 0.1) only covers summation order, and a missed bucket,
     gradients that are not views of the buffer the hook set (the compression wrapper's) or
     a lost error-feedback term moves weights by 1e-3 or more."""
-    for rank, (worst, step_size, user, ref_user) in enumerate(run_distributed(_side_by_side_worker, 2, kind, timeout=180)):
+    for rank, (worst, step_size, user, ref_user, buckets) in enumerate(run_distributed(_side_by_side_worker, 2, kind, timeout=180)):
         assert max(worst) <= 1e-6, (kind, rank, worst)
         assert step_size > 1e-3, (kind, step_size)  # the runs trained
+        assert buckets == ((2, 2) if kind.endswith("buckets") else (1, 1)), buckets
         if kind == "user":
             assert user == ref_user, (user, ref_user)  # same calls, same last bucket, same sizes
             assert user["last_seen"] == STEPS

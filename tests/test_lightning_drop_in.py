@@ -42,6 +42,8 @@ def _module_class():
             self.opts = opts
             self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
             self.branch = nn.Linear(8, 3)
+            if opts.get("backbone"):
+                self.backbone = self.net  # what BackboneFinetuning freezes, then unfreezes
             self.automatic_optimization = not opts.get("two_optimizers")
             self.returned = None  # the optimizer configure_optimizers returned, as a user keeps it
 
@@ -85,6 +87,8 @@ def _module_class():
             if self.opts.get("two_optimizers"):
                 return [torch.optim.AdamW(self.net.parameters(), lr=1e-2),
                         torch.optim.SGD(self.branch.parameters(), lr=0.05, momentum=0.9)]
+            if self.opts.get("backbone"):  # BackboneFinetuning froze self.backbone before this
+                return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
             decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
             rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
             opt = self.returned = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest}], lr=1e-2)
@@ -269,7 +273,7 @@ def test_learning_rates_reach_the_swapped_optimizer():
 
 # ----------------------------------------------------------------------------- recipes
 def _recipes_worker(rank, world, root):
-    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+    from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging, WeightAveraging
     from torch.optim.swa_utils import get_ema_multi_avg_fn
 
     from fusedist.integrations.lightning import FusedistStrategy
@@ -296,6 +300,15 @@ def _recipes_worker(rank, world, root):
         _fit("fusedist_zero2", opts=dict(two_optimizers=True))
     except ValueError as exc:
         out["two optimizers, ZeRO 2"] = str(exc)
+    try:  # the unused branch without find_unused_parameters
+        _fit("fusedist_zero2", opts=dict(unused=True))
+    except RuntimeError as exc:
+        out["unused branch, ZeRO 2"] = str(exc)
+    # BackboneFinetuning unfreezes the backbone after the first epoch. Lightning's DDP does not
+    # reduce parameters that were frozen when torch's DDP wrapped the module, so its ranks drift
+    # apart: no reference; every rank must hold the same weights.
+    out["BackboneFinetuning"] = _fit("fusedist", opts=dict(backbone=True, scheduler="none"), max_epochs=3, callbacks=[
+        BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5, should_align=False)])["weights"]
     # A mid-epoch checkpoint (step 3 of 4 per epoch) of a ZeRO 2, fp16-mixed run with clipping and
     # accumulation, resumed by fusedist and by Lightning's DDP, against DDP's own resume.
     recipe = dict(precision="16-mixed", accumulate_grad_batches=2, gradient_clip_val=0.5)
@@ -309,12 +322,24 @@ def _recipes_worker(rank, world, root):
 
 
 def test_recipes_match_ddp(tmp_path):
-    """Recipes beyond the basic loop train as under ``strategy="ddp"``, and ZeRO with two
+    """Recipes beyond the basic loop train as under ``strategy="ddp"``; ZeRO with two
     optimizers is refused by the strategy, naming the setting, instead of by ZeRO advising to
-    freeze the other optimizer's parameters."""
-    for rank, runs in enumerate(run_distributed(_recipes_worker, 2, str(tmp_path), timeout=300)):
+    freeze the other optimizer's parameters; a parameter without a gradient is reported with
+    the strategy's setting to change (fusedist DDP's message named its own keyword alone)."""
+    results = run_distributed(_recipes_worker, 2, str(tmp_path), timeout=300)
+    backbone = [runs.pop("BackboneFinetuning") for runs in results]
+    torch.manual_seed(0)
+    initial = _module_class()({"backbone": True})
+    n = sum(p.numel() for p in initial.backbone.parameters())  # the backbone's come first
+    assert (backbone[0][:n] - _flat(initial)[:n]).abs().max() > 1e-2  # it was unfrozen and trained
+    assert torch.equal(backbone[0], backbone[1])
+    for rank, runs in enumerate(results):
         message = runs.pop("two optimizers, ZeRO 2", "")
         assert "zero_stage=2" in message and "returned 2 optimizers" in message, (rank, message)
+        # fusedist DDP's error names the parameters; the strategy adds the setting to change.
+        message = runs.pop("unused branch, ZeRO 2", "")
+        assert "branch.weight" in message and "FusedistStrategy(zero_stage=2, find_unused_parameters=True)" in message, \
+            (rank, message)
         for name, (ours, ref) in runs.items():
             _same_run(ours, ref, f"{name}, rank {rank}")
         assert runs["StochasticWeightAveraging, ZeRO 2, then predict"][0]["predictions"].shape == (8, 3)

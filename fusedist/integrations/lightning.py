@@ -163,6 +163,20 @@ class FusedistStrategy(DDPStrategy):
         else:
             yield None
 
+    def on_exception(self, exception: BaseException) -> None:
+        """fusedist DDP's error about parameters without a gradient names its own keyword; with
+        Lightning the setting is the strategy's, which the message then names too (as
+        DDPStrategy rewrites torch's message to name its strategy string)."""
+        super().on_exception(exception)
+        if self.zero_stage:
+            advice = f"FusedistStrategy(zero_stage={self.zero_stage}, find_unused_parameters=True)"
+        else:
+            advice = "strategy='fusedist_find_unused_parameters_true' or FusedistStrategy(find_unused_parameters=True)"
+        advice = f" With Lightning, set it on the strategy: {advice}."
+        exception.args = tuple(
+            arg + advice if isinstance(arg, str) and "find_unused_parameters=True to DistributedDataParallel" in arg
+            and advice not in arg else arg for arg in exception.args)
+
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module  # unwrap, as Lightning does for torch's DDP

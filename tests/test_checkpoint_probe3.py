@@ -292,3 +292,32 @@ def test_torch_dcp_checkpoint_continues_on_zero_with_master_weights(tmp_path):
                 torch.testing.assert_close(p.float(), r.detach(), rtol=2**-7, atol=1e-6,
                                            msg=lambda m: f"rank {rank}, {name}: {m}")
         assert all(torch.equal(a, b) for a, b in zip(out["nested"][1], out["flat"][1]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dcp_checkpoint_of_a_model_with_a_child_called_state(tmp_path):
+    """Every key of this model starts with 'state.', the form of a flattened optimizer state:
+    the model is found by its names (it was refused as holding no state of the model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from fusedist import checkpoint
+    from fusedist.optim import FusedAdamW
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return nn.ModuleDict({"state": nn.Linear(4, 3)})
+
+    source = make(0)
+    opt = torch.optim.AdamW(source.parameters(), lr=1e-2)
+    opt.zero_grad()
+    source["state"](torch.randn(2, 4)).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(source, opt)
+    assert all(k.startswith("state.") for k in msd)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    target = make(1)
+    target_opt = FusedAdamW(target.parameters(), lr=1e-2)
+    assert checkpoint.load(str(tmp_path), target, target_opt) is None
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+    assert torch.equal(target_opt.state[target["state"].weight]["exp_avg"], opt.state[source["state"].weight]["exp_avg"])

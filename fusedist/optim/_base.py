@@ -65,6 +65,21 @@ def lr_value(lr) -> float:
     return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
+def check_tensor_betas(owner: str, betas, foreach) -> tuple:
+    """``betas`` as torch's Adam takes them: two floats, or two 1-element tensors (kept, 0-d, as
+    torch squeezes them; refused with ``foreach=True``), read like a tensor lr at each step."""
+    if not any(isinstance(b, torch.Tensor) for b in betas):
+        return betas
+    if not all(isinstance(b, torch.Tensor) for b in betas):
+        raise ValueError(f"{owner}: betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if foreach:
+            raise ValueError(f"{owner}: betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+        if b.numel() != 1:
+            raise ValueError(f"{owner}: Tensor betas[{i}] must be 1-element")
+    return tuple(b.squeeze() if b.dim() else b for b in betas)
+
+
 class FusedOptimizerBase(ScalerProtocol, Optimizer):
     """Base of FusedAdam/AdamW/SGD/LAMB.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, lr_value, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, check_tensor_betas, lr_value, masters_of
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -41,6 +41,7 @@ class FusedAdam(FusedOptimizerBase):
             raise ValueError(f"{name}: fused=False asks for torch's unfused implementation; use torch.optim instead")
         if isinstance(lr, torch.Tensor) and foreach:  # Note [a tensor learning rate]
             raise ValueError(f"{name}: lr as a Tensor is not supported for capturable=False and foreach=True")
+        betas = check_tensor_betas(name, tuple(betas), foreach)  # torch's rules, read as numbers at each step
         # ``foreach`` only picks between torch's implementations (same math): accepted as a
         # hint for drop-in compatibility; this optimizer is always multi-tensor and fused.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad), maximize=maximize,
@@ -51,13 +52,14 @@ class FusedAdam(FusedOptimizerBase):
 
     def _validate_group(self, group, index):
         name = f"{type(self).__name__} (param group {index})"
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        beta1, beta2 = (lr_value(b) for b in group["betas"])  # (tensors too, as torch's)
         check_lr(name, lr)
-        check_finite_hyper(name, betas=group["betas"], eps=eps, weight_decay=wd)
+        check_finite_hyper(name, betas=(beta1, beta2), eps=eps, weight_decay=wd)
         if eps < 0:
             raise ValueError(f"{name}: invalid epsilon {eps}")
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
+            raise ValueError(f"{name}: invalid betas {(beta1, beta2)} (each must be in [0, 1))")
         if wd < 0:
             raise ValueError(f"{name}: invalid weight_decay {wd}")
         if group.get("capturable"):  # e.g. from a loaded torch state dict
@@ -77,7 +79,7 @@ class FusedAdam(FusedOptimizerBase):
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"], memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = (lr_value(b) for b in group["betas"])
         max_exp_avg_sqs = None
         if group.get("amsgrad"):
             for p, s in zip(params, states):  # amsgrad may be switched on after the state was made

@@ -48,8 +48,10 @@ def _module_class():
             self.returned = None  # the optimizer configure_optimizers returned, as a user keeps it
 
         def forward(self, x, batch_idx=0):
-            # "unused": the branch takes part in even batches only (find_unused_parameters).
-            if self.opts.get("unused") and batch_idx % 2:
+            # "unused" (find_unused_parameters): the branch takes part in even batches only, or
+            # ("by data") where the batch says so, on some ranks and not others in one step.
+            unused = self.opts.get("unused")
+            if (unused == "by data" and x[:, 0].sum() < 0) or (unused is True and batch_idx % 2):
                 return self.net(x)
             return self.net(x) + self.branch(x)
 
@@ -285,10 +287,14 @@ def _recipes_worker(rank, world, root):
         callbacks = kwargs.pop("callbacks", lambda: [])
         out[name] = (_fit(ours, callbacks=callbacks(), **kwargs), _fit(ref, callbacks=callbacks(), **kwargs))
 
-    # A branch unused on odd batches, with ZeRO 2 and accumulation over an unused and a used batch.
+    # A branch unused on odd batches, with ZeRO 2 and accumulation over an unused and a used
+    # batch; one unused by some ranks and used by others in the same step.
     side_by_side("find_unused_parameters, ZeRO 2, accumulate 2",
                  FusedistStrategy(zero_stage=2, find_unused_parameters=True), "ddp_find_unused_parameters_true",
                  opts=dict(unused=True), accumulate_grad_batches=2)
+    side_by_side("find_unused_parameters by data, ZeRO 1, fp16-mixed, clip",
+                 FusedistStrategy(zero_stage=1, find_unused_parameters=True), "ddp_find_unused_parameters_true",
+                 opts=dict(unused="by data"), precision="16-mixed", gradient_clip_val=0.3)
     side_by_side("two optimizers, manual optimization, fp16-mixed", "fusedist", "ddp",
                  opts=dict(two_optimizers=True), precision="16-mixed")
     side_by_side("StochasticWeightAveraging, ZeRO 2, then predict", "fusedist_zero2", "ddp", opts=dict(scheduler="none"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import warnings
 
-import pytest
 import torch
 from torch import nn
 

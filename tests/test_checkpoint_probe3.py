@@ -321,3 +321,30 @@ def test_torch_dcp_checkpoint_of_a_model_with_a_child_called_state(tmp_path):
     assert checkpoint.load(str(tmp_path), target, target_opt) is None
     assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
     assert torch.equal(target_opt.state[target["state"].weight]["exp_avg"], opt.state[source["state"].weight]["exp_avg"])
+
+
+def test_a_rollback_is_not_undone_by_the_next_restart(tmp_path):
+    """restore(step=2) out of steps 2, 4, 6 (rolling back past a loss spike), then steps 3 and
+    4 saved: a crash and restart restored step 6 of the abandoned branch (the newest complete
+    one), undoing the rollback. The first save after the rollback now sets 6 aside
+    (abandoned-step-00000006, kept); the restart continues from 4 of the new branch."""
+    root = str(tmp_path)
+    model, opt, ckpt, _ = _job(root, keep=None)
+    _train(model, opt, ckpt, range(1, 7))
+    ckpt.close()
+    assert _steps(root) == [6, 5, 4, 3, 2, 1]
+    model, opt = _net(3), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, every_steps=1, keep=None, async_save=False)
+    assert ckpt.restore(model, opt, step=2) == 2
+    assert _steps(root) == [6, 5, 4, 3, 2, 1]  # a restore alone moves nothing
+    with pytest.warns(UserWarning, match=r"continues from step 2; .*set aside as \['abandoned-step-00000003', "
+                                         r"'abandoned-step-00000004', 'abandoned-step-00000005', 'abandoned-step-00000006'\]"):
+        _train(model, opt, ckpt, range(3, 5))
+    expected = [p.detach().clone() for p in model.parameters()]
+    # killed here (no close); the restart:
+    model, opt, ckpt, start = _job(root, keep=None, seed=9)
+    assert start == 4 and all(torch.equal(a, b) for a, b in zip(expected, model.parameters()))
+    assert sorted(n for n in os.listdir(root) if n.startswith("abandoned-")) == [
+        f"abandoned-step-{s:08d}" for s in (3, 4, 5, 6)]
+    ckpt.close()

@@ -8,6 +8,16 @@ A directory counts as *complete* when its manifest parses, names the same step, 
 file it lists exists with the listed size. That catches an interrupted save (no manifest)
 and truncation without reading the data; checksums are verified when the checkpoint is
 loaded. Anything else under ``root`` (marker files, other runs' directories) is left alone.
+
+Note [a restore that rolls back]
+    ``restore(step=N)`` below the newest complete checkpoint -- a run rolled back past a loss
+    spike, say -- continues from N, and its saves are the run's history from there. The
+    checkpoints above N belong to the abandoned branch: left in place, a later restart (a
+    crash, ``torchrun`` restarting) picked the newest complete one, the abandoned step, and
+    silently undid the rollback; retention, which never touches steps above the one just
+    saved, kept them for ever. So the first save after such a restore renames them
+    ``abandoned-step-N`` (rank 0, before anything is written): never restored, never pruned,
+    still there to inspect or delete. A restore that only reads (an evaluation) moves nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +90,28 @@ def remove(path: str) -> None:
     directory (skipped at the next start), never a complete-looking one with files missing."""
     _files.remove_manifest(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+ABANDONED = "abandoned-"
+
+
+def set_aside_above(root: str, step: int) -> list[str]:
+    """Rename the complete checkpoints of steps above ``step`` to ``abandoned-step-N`` (Note
+    [a restore that rolls back]); returns the new names. Incomplete ones are left to
+    :func:`retain` and to saves of their step, as always."""
+    moved = []
+    for entry in scan(root):
+        if entry.step <= step or not entry.complete:
+            continue
+        base = os.path.join(root, ABANDONED + os.path.basename(entry.path))
+        target, n = base, 1
+        while os.path.exists(target):  # an earlier rollback set one of that step aside
+            target, n = f"{base}.{n}", n + 1
+        os.rename(entry.path, target)
+        moved.append(os.path.basename(target))
+    if moved:
+        _files._fsync_dir(root)
+    return sorted(moved)
 
 
 def retain(root: str, keep: Optional[int], newest: int) -> list[int]:

@@ -92,6 +92,9 @@ class Checkpointer:
         # Note [one job per checkpoint root]: rank 0's run and, once a save took it, the root's lease.
         self._run, self._run_source = _owner.run_identity(run_id)
         self._lease: Optional[dict] = None
+        # Note [a restore that rolls back]: the restored step, until the first save sets aside
+        # the complete checkpoints above it.
+        self._set_aside_above: Optional[int] = None
 
     # ------------------------------------------------------------------ restore
     def restore(self, model: torch.nn.Module, optimizer=None, scaler=None, *, lr_scheduler=None, sampler=None,
@@ -200,6 +203,7 @@ class Checkpointer:
         if per_rank is not None:
             resume.restore_rng_state(per_rank["rng"])
         self.restored_step = self.last_saved_step = step
+        self._set_aside_above = step
         self.restored_world_size = saved_world
         self.extra = meta.get("user")
 
@@ -351,6 +355,13 @@ class Checkpointer:
                     lease, error = None, f"rank 0 could not write the lease {_owner.LEASE} in {self.directory}: {exc}"
                 if error is None:
                     self._lease = lease
+                    if self._set_aside_above is not None:  # Note [a restore that rolls back]
+                        moved = layout.set_aside_above(self.directory, self._set_aside_above)
+                        if moved:
+                            warnings.warn(f"fusedist.checkpoint.Checkpointer: this run continues from step "
+                                          f"{self._set_aside_above}; the checkpoints above it, of the branch it "
+                                          f"rolled back from, are set aside as {moved} under {self.directory}")
+                        self._set_aside_above = None
                     if os.path.exists(path):  # left by a save killed before a restart: start clean
                         layout.remove(path)
                     os.makedirs(path, exist_ok=True)

@@ -272,6 +272,49 @@ def test_unit_run_on_some_ranks_fails_within_the_timeout_naming_units(how):
         assert re.search(r"fully_shard gather blocks\.\d \(ResidualBlock\)", m), m
 
 
+def _layer_drop(rank, ws, seed):
+    import torch.nn.functional as F
+
+    import fusedist
+
+    mesh = _mesh(ws)
+    torch.manual_seed(seed)
+    model = Stack()
+    for m in (model.embed, *model.blocks):
+        fusedist.fully_shard(m, mesh=mesh)
+    fusedist.fully_shard(model, mesh=mesh)
+    dropped = 1 + rank  # one block dropped per step on every rank, a different one per rank
+
+    def forward(ids):
+        x = model.embed(ids)
+        for i, b in enumerate(model.blocks):
+            if i != dropped:
+                x = b(x)
+        return model.head(x).flatten(0, 1)
+
+    model.forward = forward
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed + rank)
+    ids, target = torch.randint(0, 11, (3, 5), generator=g), torch.randint(0, 11, (15,), generator=g)
+    F.cross_entropy(model(ids), target).backward()  # alike blocks: the gathers pair silently
+    opt.step()
+    with pytest.raises(fusedist.RankMismatchError) as info:
+        model(ids)
+    return str(info.value)
+
+
+def test_alike_units_dropped_per_rank_are_reported_naming_units():
+    """Layer drop with a different block per rank: the same number of gathers and reductions
+    of the same sizes, so nothing fails in the collectives (FSDP2 trains on mixed blocks
+    silently). fusedist's step check compares the units each rank ran: the next forward
+    raises RankMismatchError on every rank, listing that rank's units by path."""
+    seed = _seed()
+    for rank, message in enumerate(run_distributed(_layer_drop, 2, seed)):
+        assert "ranks diverged" in message and "ran different units in forward" in message, message
+        kept = ", ".join(f"blocks.{i} (ResidualBlock)" for i in range(3) if i != 1 + rank)
+        assert f"units run in forward on rank {rank}: embed (Embedding), {kept}, <root> (Stack)" in message, message
+
+
 # ------------------------------------------------------- FSDP2's newer arguments
 def test_signature_takes_every_fsdp2_argument():
     """Each keyword torch's fully_shard takes is a keyword of ours, so a call written for

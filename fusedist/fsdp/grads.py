@@ -194,7 +194,7 @@ class UnitGrads:
                 finish(pending.pop(0))
             flat, present = self._into_flat(k, grads)
             with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present).union(self._unused(k)))
-            log.append((unit.name, k, tuple(with_grad),
+            log.append((unit.label, k, tuple(with_grad),
                         [unit.fqns[i] for i in unit.layout.sections[k].indices
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
             out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)

@@ -308,7 +308,8 @@ class IterationContext:
             self.reduce_in_order(None, None)
             grads_mod.finish_all(self.pending)
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
-                self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log)
+                self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log,
+                                         units=[st.unit.label for st in self.post_forward_order])
         finally:
             self.reduce_log, self.deferred = [], {}
             self.post_forward_order.clear()

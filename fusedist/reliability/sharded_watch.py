@@ -36,7 +36,10 @@ SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "u
     "the ranks would step different pieces of one parameter; use every trainable parameter in the loss on "
     "every rank (e.g. add 0 * the branch's output on the ranks that skip it), or call "
     "model.set_reduce_scatter_unused_params(True) on the root so that every rank reduces every trainable "
-    "parameter of a unit that ran (zeros where a rank computed no gradient), as torch's FSDP2 requires"}}
+    "parameter of a unit that ran (zeros where a rank computed no gradient), as torch's FSDP2 requires",
+    "trainable": "the ranks ran different units in forward (a unit skipped, repeated or reordered on some ranks: "
+    "rank-dependent control flow such as a per-rank layer drop), so their all-gathers and reduce-scatters "
+    "paired one unit's with another's; every rank must call the same units in the same order"}}
 
 
 class ShardedStepWatch(WatchBase):
@@ -55,6 +58,7 @@ class ShardedStepWatch(WatchBase):
         self.backwards = 0
         self.in_backward = False
         self._gradients_crc, self._without_grad = 0, []  # the last synchronized backward's reductions
+        self._units_crc, self._units = 0, []  # the units its forward ran, in order
         super().__init__(comm)
         from . import optimizer_guard
 
@@ -78,15 +82,19 @@ class ShardedStepWatch(WatchBase):
         backward: it reduced nothing the step check could compare."""
         self.in_backward = False
 
-    def backward_ends(self, synced: bool, reductions: list = ()) -> None:
+    def backward_ends(self, synced: bool, reductions: list = (), units: list = ()) -> None:
         """After the last unit's reduce-scatter was issued (and finished). ``reductions``: the
         backward's (unit, section, parameters with a gradient, names of those without) log
-        (Note [rank-independent reductions] in ``fusedist/fsdp/grads.py``)."""
+        (Note [rank-independent reductions] in ``fusedist/fsdp/grads.py``); ``units``: the
+        units its forward ran, in order (their paths), compared too: ranks that ran different
+        alike units pair gathers of equal sizes silently."""
         self.in_backward = False
         if synced and self.step_check is not None:
             log = sorted(entry[:3] for entry in reductions)
             self._gradients_crc = zlib.crc32(repr(log).encode()) & 0x7FFFFFFF
             self._without_grad = [name for entry in reductions for name in entry[3]]
+            self._units = list(units)
+            self._units_crc = zlib.crc32(repr(self._units).encode()) & 0x7FFFFFFF
             self._launch(checked_now=False)
         self.backwards += 1
         self.last_backward_synced = synced
@@ -101,8 +109,15 @@ class ShardedStepWatch(WatchBase):
     def _launch(self, checked_now: bool) -> None:
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
-             self.comm.last_seq, self._gradients_crc, 0],
-            dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad))
+             self.comm.last_seq, self._gradients_crc, self._units_crc],
+            dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
+                 describe_trainable=self._describe_units))
+
+    def _describe_units(self, comm) -> list:
+        """This rank's units in forward order, for the mismatch report (every rank prints its own)."""
+        units = self._units
+        shown = ", ".join(units[:12]) + (f", ... ({len(units)} calls)" if len(units) > 12 else "")
+        return [f"  units run in forward on rank {self.rank}: {shown}"]
 
     def backward_count(self) -> int:
         return self.backwards

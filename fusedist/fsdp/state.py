@@ -576,15 +576,15 @@ class FullyShardState:
             self.unit.reshard()
 
 
-_HOOK_FILES = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(torch._dynamo.__file__)))
-
-
 def _hook_caller():
     """The frame that called the forward hook running now -- ``Module._call_impl``'s, or the
     wrapper of a method registered with ``register_fsdp_forward_method`` -- past this file
-    and ``torch.compiler.disable``'s wrapper: it lives exactly as long as the module call."""
+    and ``torch.compiler.disable``'s wrapper: it lives exactly as long as the module call.
+    (Files as the code objects name them, which is how the frames name them too.)"""
+    here = _hook_caller.__code__.co_filename
+    dynamo = os.path.dirname(torch._dynamo.eval_frame.innermost_fn.__code__.co_filename)
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_HOOK_FILES):
+    while f is not None and (f.f_code.co_filename == here or f.f_code.co_filename.startswith(dynamo)):
         f = f.f_back
     return f
 

@@ -348,3 +348,33 @@ def test_a_rollback_is_not_undone_by_the_next_restart(tmp_path):
     assert sorted(n for n in os.listdir(root) if n.startswith("abandoned-")) == [
         f"abandoned-step-{s:08d}" for s in (3, 4, 5, 6)]
     ckpt.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dcp_checkpoint_of_state_dicts_saved_as_they_are(tmp_path):
+    """dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}): the optimizer's
+    parameters by index (DCP makes the state's keys strings). It was refused ("has no
+    parameter '0.weight'"); it loads, and the run continues as torch's does."""
+    import torch.distributed.checkpoint as dcp
+
+    from fusedist import checkpoint
+    from fusedist.optim import FusedAdamW
+
+    def groups(m):
+        return [{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 3e-3}]
+
+    source = _net(0)
+    opt = torch.optim.AdamW(groups(source), lr=1e-2)
+    _step(source, opt, 0)
+    dcp.save({"model": source.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path))
+    target = _net(1)
+    target_opt = FusedAdamW(groups(target), lr=1e-2)
+    assert checkpoint.load(str(tmp_path), target, target_opt) is None
+    assert target_opt.param_groups[1]["lr"] == 3e-3
+    _step(source, opt, 1)
+    _step(target, target_opt, 1)
+    # fp32, one step after an exact load: the fused kernel's rounding, 1e-6 as against torch elsewhere
+    for a, b in zip(source.parameters(), target.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(CheckpointError, match=r"param groups of \[2, 2\] parameters, the optimizer \[4\]"):
+        checkpoint.load(str(tmp_path), target, FusedAdamW(target.parameters(), lr=1e-2))

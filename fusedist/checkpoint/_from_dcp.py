@@ -11,7 +11,8 @@ Note [torch's distributed checkpoints in load]
     (as it reads every shard file of a fusedist checkpoint: about the full model and optimizer
     state in memory), finds the model's state (the dict whose keys are the model's names) and
     the optimizer's (the dict with ``state`` and ``param_groups``), turns the optimizer's into
-    torch's index-keyed format in the order of the optimizer's parameters, and goes on as for a
+    torch's index-keyed format in the order of the optimizer's parameters (or takes it as it
+    is: ``optimizer.state_dict()`` saved directly, by index), and goes on as for a
     checkpoint of an unsharded optimizer: everything is checked before anything changes, the
     model is loaded, the master weights are taken from the loaded parameters (torch's
     optimizers keep none), and the state is resharded over the ranks. ``extra`` is None; a
@@ -110,6 +111,8 @@ def to_torch_format(optim: dict, names: list, group_sizes: list, source: str) ->
     """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
     optimizer whose parameters are named ``names``, in param groups of ``group_sizes``."""
     state, groups = _nested(optim, names, source)
+    if groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
+        return _by_index(state, groups, group_sizes, source)
     group_of = {}
     for gi, g in enumerate(groups):
         for name in g.get("params", []):
@@ -135,6 +138,16 @@ def to_torch_format(optim: dict, names: list, group_sizes: list, source: str) ->
                 out_state[i] = dict(state[name])
         start += size
     return {"state": out_state, "param_groups": out_groups}
+
+
+def _by_index(state: dict, groups: list, group_sizes: list, source: str) -> dict:
+    """An optimizer's own ``state_dict()`` saved as it is (parameters by index; DCP turned the
+    state's keys into strings): its groups must hold as many parameters as the optimizer's."""
+    sizes = [len(g["params"]) for g in groups]
+    if sizes != list(group_sizes):
+        raise CheckpointError(f"fusedist.checkpoint: {source} (an optimizer's state_dict(), parameters by index) has "
+                              f"param groups of {sizes} parameters, the optimizer {list(group_sizes)}")
+    return {"state": {int(k): dict(v) for k, v in state.items() if v}, "param_groups": [dict(g) for g in groups]}
 
 
 def _same(a, b) -> bool:

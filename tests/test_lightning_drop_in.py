@@ -86,8 +86,9 @@ def _module_class():
         def configure_optimizers(self):
             S = torch.optim.lr_scheduler
             if self.opts.get("two_optimizers"):
+                # Two of one class: LearningRateMonitor numbers them (lr-AdamW, lr-AdamW-1) by type.
                 return [torch.optim.AdamW(self.net.parameters(), lr=1e-2),
-                        torch.optim.SGD(self.branch.parameters(), lr=0.05, momentum=0.9)]
+                        torch.optim.AdamW(self.branch.parameters(), lr=3e-2, weight_decay=0.1)]
             if self.opts.get("backbone"):  # BackboneFinetuning froze self.backbone before this
                 return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
             decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
@@ -347,4 +348,5 @@ def test_recipes_match_ddp(tmp_path):
             (rank, message)
         for name, (ours, ref) in runs.items():
             _same_run(ours, ref, f"{name}, rank {rank}")
+        assert {"lr-AdamW", "lr-AdamW-1"} <= runs["two optimizers, manual optimization, fp16-mixed"][1]["rows"][0][1].keys()
         assert runs["StochasticWeightAveraging, ZeRO 2, then predict"][0]["predictions"].shape == (8, 3)

@@ -378,3 +378,28 @@ def test_torch_dcp_checkpoint_of_state_dicts_saved_as_they_are(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     with pytest.raises(CheckpointError, match=r"param groups of \[2, 2\] parameters, the optimizer \[4\]"):
         checkpoint.load(str(tmp_path), target, FusedAdamW(target.parameters(), lr=1e-2))
+
+
+def test_a_param_group_added_during_training_is_named_when_missing_at_restore(tmp_path):
+    """A group added mid-training (add_param_group) is in the checkpoint; a restarted program
+    that builds the optimizer without it is told which parameters and what to do."""
+    from fusedist.optim import FusedAdamW
+
+    root = str(tmp_path)
+    model = _net(0)
+    opt = FusedAdamW(model[0].parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, async_save=False)
+    ckpt.restore(model, opt)
+    _step(model, opt, 0)
+    opt.add_param_group({"params": model[2].parameters(), "lr": 1e-3})  # unfrozen at step 1
+    _step(model, opt, 1)
+    ckpt.save(2)
+    ckpt.close()
+    fresh = _net(1)
+    with pytest.raises(CheckpointError, match=r"4 parameters saved, 2 here .*also holds \['2\.weight', '2\.bias'\]: "
+                                              r"param groups it gained during training \(add_param_group\)"):
+        Checkpointer(root).restore(fresh, FusedAdamW(fresh[0].parameters(), lr=1e-2))
+    fresh_opt = FusedAdamW(fresh[0].parameters(), lr=1e-2)
+    fresh_opt.add_param_group({"params": fresh[2].parameters(), "lr": 1e-3})
+    assert Checkpointer(root).restore(fresh, fresh_opt) == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))

@@ -550,6 +550,9 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
                   if first is not None else f"{len(saved_names)} parameters saved, {len(names)} here "
                   "(or shapes differ)")
+        if first is None and len(saved_names) > len(names):
+            detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
+                       "gained during training (add_param_group) must be added again before loading")
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
     _checks.check_algorithm(meta, optimizer, directory)
     source = f"optimizer state in {directory}"

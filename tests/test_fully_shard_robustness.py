@@ -372,14 +372,24 @@ def _torch_arguments(rank, ws, seed):
     tp[1].weight = nn.Parameter(distribute_tensor(tp[1].weight.detach(), init_device_mesh("cpu", (ws,)), [Shard(0)]))
     refused("parameter '1.weight' is a DTensor", tp)
     fusedist.fully_shard(net, mesh=mesh)  # still a plain module: shards as usual
+    # a module whose only parameter is tied to another unit's: refused naming both, unchanged
+    import models
+
+    tied = models.TiedLM()
+    fusedist.fully_shard(tied.embed, mesh=mesh)
+    refused(r"'weight' is 'weight' of fully_shard\(Embedding\)", tied.out)
+    fusedist.fully_shard(tied, mesh=mesh)  # the root takes the tied weight with the rest
+    tokens, target = models.TiedLM.batch(torch.Generator().manual_seed(seed + rank))
+    torch.nn.functional.cross_entropy(tied(tokens).flatten(0, 1), target.flatten()).backward()
     return True
 
 
 def test_fsdp2_arguments_taken_or_refused_by_name():
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
     giving Shard(0) / None trains as FSDP2 with the same arguments; another placement,
-    dp_mesh_dims, a list of modules and DTensor parameters are refused with an error naming
-    the argument or parameter, before the module is changed."""
+    dp_mesh_dims, a list of modules, DTensor parameters and a module whose parameters are all
+    tied to another unit's are refused with an error naming the argument or parameter, before
+    the module is changed."""
     seed = _seed()
     assert run_distributed(_torch_arguments, 2, seed) == [True, True], f"seed {seed}"
 

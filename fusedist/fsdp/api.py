@@ -92,8 +92,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
                 owner, idx = owned
                 if any(m is sub and a == attr for m, a in owner.registrations[idx]):
                     raise _sharded_by_parent(module, fqn, owner, idx)
-                borrowed.append((owner, idx, (sub, attr)))
-                sub._parameters[attr] = owner.sharded[idx]
+                borrowed.append((owner, idx, (sub, attr), fqn))
             elif id(p) in index_of:
                 regs[index_of[id(p)]].append((sub, attr))
             else:
@@ -101,6 +100,16 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
                 params.append(p)
                 regs.append([(sub, attr)])
                 fqns.append(fqn)
+    if borrowed and not params:
+        owner, idx, _, fqn = borrowed[0]
+        raise NotImplementedError(
+            f"fusedist.fully_shard({type(module).__name__}): every parameter of this module is tied to a parameter "
+            f"another unit holds ('{fqn}' is '{owner.fqns[idx]}' of fully_shard({owner.name or 'root'})), and a unit "
+            "needs a parameter of its own. Leave this module to a parent's fully_shard call, or do not shard "
+            f"{owner.name} on its own, so that this call takes the tied weight with the rest (torch's FSDP2 refuses "
+            "weights tied across units).")
+    for owner, idx, (sub, attr), _ in borrowed:
+        sub._parameters[attr] = owner.sharded[idx]
     unit = grads = None
     auto = reshard_after_forward is None
     if params:
@@ -115,15 +124,11 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
         holder.register(unit.sharded)
         unit.holder = holder  # keeps the holder alive as long as the unit (ownership holds it weakly)
         by_owner: dict = {}
-        for owner, idx, reg in borrowed:
+        for owner, idx, reg, _ in borrowed:
             by_owner.setdefault((id(owner), idx), (owner, idx, []))[2].append(reg)
         unit.borrowed = list(by_owner.values())
         for owner in {id(o): o for o, _, _ in unit.borrowed}.values():
             owner.lent_to.append(unit)  # Note [lent parameters] in unit.py
-    elif borrowed:
-        raise NotImplementedError(
-            f"fusedist.fully_shard({type(module).__name__}): every parameter of this module is tied to a "
-            "parameter another unit holds; leave it to that unit's parent instead of sharding it alone")
     FullyShardState(module, unit, grads, mp_policy, auto)
     if unit is not None:
         install_state_dict_hooks(module)  # Note [pieces in torch's distributed checkpoint]

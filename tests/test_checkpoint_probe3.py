@@ -403,3 +403,20 @@ def test_a_param_group_added_during_training_is_named_when_missing_at_restore(tm
     fresh_opt.add_param_group({"params": fresh[2].parameters(), "lr": 1e-3})
     assert Checkpointer(root).restore(fresh, fresh_opt) == 2
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_two_jobs_started_before_either_saved(tmp_path):
+    """Neither job had saved when the other restored (no lease yet): the first save takes the
+    root, the other job's first save is refused on every rank, naming it, writing nothing."""
+    root = str(tmp_path)
+    a_model, a_opt, a_ckpt, _ = _job(root, run_id="job-a")
+    b_model, b_opt, b_ckpt, _ = _job(root, run_id="job-b")
+    _train(a_model, a_opt, a_ckpt, range(1, 2))
+    _step(b_model, b_opt, 1)
+    with pytest.raises(CheckpointError, match=r"saving step 1 .*root of another job: run 'job-a'"):
+        b_ckpt.save(1)
+    _train(a_model, a_opt, a_ckpt, range(2, 4))
+    assert _steps(root) == [3, 2]
+    b_ckpt.close()
+    a_ckpt.close()
+    assert sorted(os.listdir(root)) == ["step-00000002", "step-00000003"]

@@ -30,7 +30,7 @@ def test_signature_takes_torchs_parameters_in_torchs_positions():
     for name in theirs:
         assert name in ours or name in _TORCH_ONLY_OPTIONS or name == "mixed_precision", name
     for name in ("broadcast_buffers", "init_sync", "forward_sync_buffers", "bucket_cap_mb_list", "bucket_cap_mb",
-                 "find_unused_parameters", "device_mesh"):
+                 "find_unused_parameters", "device_mesh", "static_graph"):
         assert ours[name].default == theirs[name].default, name
 
 

@@ -40,6 +40,12 @@ class DDPConfig:
     """``param.grad`` are views into the flat bucket buffers: no per-step copy and no second
     copy of the gradients in memory."""
 
+    static_graph: bool = False
+    """torch's ``static_graph``: every iteration runs the same graph, so a parameter's gradient
+    may arrive more than once per backward (a module called twice under reentrant activation
+    checkpointing); the first synchronized backward counts the arrivals and launches every
+    bucket at its end (Note [gradients that arrive twice] in static_graph.py)."""
+
     reduce_dtype: Optional[torch.dtype] = None
     """Reduce in this dtype (e.g. bfloat16 to halve the bytes on the wire); the result is
     written back in the gradient's dtype. None: reduce in the gradient's dtype."""

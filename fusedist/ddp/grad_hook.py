@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 import torch
 
+from .static_graph import arrived_again
+
 _perf_counter = time.perf_counter
 _mul = torch.mul
 
@@ -100,9 +102,11 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
             entry.accumulated = self.generation
             return
         generation = self.generation
-        if entry.ready == generation:
-            raise self._gradient_twice(entry)
-        entry.ready = generation
+        if entry.ready == generation:  # Note [gradients that arrive twice]
+            if not arrived_again(self, entry, p):
+                return
+        else:
+            entry.ready = generation
         index = bucket.index
         pending = self.pending
         pending[index] -= 1

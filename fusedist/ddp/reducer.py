@@ -71,6 +71,7 @@ from .grad_hook import ParamEntry, make_hook, remove_hooks
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
+from .static_graph import ArrivalCounts, check_all_arrived
 from .unused import settle_unused
 from .events import EngineObserver
 
@@ -101,6 +102,9 @@ class Reducer:
         self.joined = False  # this rank ran out of inputs and shadows the others' collectives
         self.shadowing = False  # the backward in progress is a joined rank's shadow
         self.config = config
+        # Note [gradients that arrive twice] (static_graph.py): None unless static_graph=True.
+        self.arrivals: Optional[ArrivalCounts] = ArrivalCounts() if config.static_graph else None
+        self._defer_saved: Optional[bool] = None  # defer_launch outside the backward that learns
         self.device = device
         self.timeline = timeline
         self.strategy: GradSyncStrategy = AllReduceAverage()
@@ -204,6 +208,8 @@ class Reducer:
         for i, (p, entry) in enumerate(zip(self.params, self.entries)):
             entry.index = i
             entry.slot = None if p in inactive else slots.get(p)
+        if self.arrivals is not None and self.arrivals.learned:
+            self.arrivals.refresh(self)
 
     def is_active(self, p) -> bool:
         """Whether ``p``'s gradient is reduced by the buckets (Note [trainable set changes])."""
@@ -356,6 +362,13 @@ class Reducer:
         inactive = self.inactive
         self.pending = [len(b.params) - (sum(p in inactive for p in b.params) if inactive else 0)
                         for b in self.layout.buckets]
+        arrivals = self.arrivals  # Note [gradients that arrive twice]
+        learning = arrivals is not None and not shadow and arrivals.begin(self, self.next_backward_sync)
+        repeated = arrivals.extra_per_bucket if arrivals is not None and not shadow else {}
+        for index, extra in repeated.items():
+            self.pending[index] += extra
+        if learning:
+            self._defer_saved, self.defer_launch = self.defer_launch, True
         self.handles = [None] * len(self.layout.buckets)
         self.generation += 1  # entries stamped with it received their gradient in this backward
         self.next_launch = 0
@@ -368,8 +381,9 @@ class Reducer:
         self.t_last_grad = _perf_counter()  # raw perf_counter seconds (cheap in the hook)
         self.layout.reset_peak()
         strategy = self.strategy
+        fold = self.sync and not shadow and not learning
         for bucket in self.layout.buckets:  # Note [division folded into the copy]
-            bucket.fold = strategy.fold_factor(self, bucket) if self.sync and not shadow else None
+            bucket.fold = strategy.fold_factor(self, bucket) if fold and bucket.index not in repeated else None
             bucket.unfolded = []
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
@@ -402,13 +416,6 @@ class Reducer:
             f"but the model was wrapped with it as {dtype} on {device}: the module was converted "
             "after wrapping (e.g. model.half(), model.to(dtype or device)). The gradient buffers keep "
             "the dtype and device of the wrapping; convert the module first, then wrap it"
-        )
-
-    def _gradient_twice(self, entry: ParamEntry) -> RuntimeError:
-        return RuntimeError(
-            f"fusedist DDP: parameter '{self.names[entry.index]}' received its gradient twice in one "
-            "backward (reentrant activation checkpointing or a second backward through the same "
-            "graph); this is not supported with gradient synchronization"
         )
 
     def _launch_in_order(self) -> None:
@@ -456,6 +463,8 @@ class Reducer:
             elif self._observed_order is not None and not self.layout_final:
                 self._observed_order = None  # only a synchronized backward defines the order
         finally:
+            if self._defer_saved is not None:  # the backward that learned the arrivals
+                self.defer_launch, self._defer_saved = self._defer_saved, None
             if self.sync:
                 self.synced_generation = self.generation
             self.in_backward = False
@@ -466,6 +475,12 @@ class Reducer:
 
     def _synchronize(self) -> None:
         t_compute_end = now_us()
+        arrivals = self.arrivals  # Note [gradients that arrive twice]
+        if arrivals is not None and not self.shadowing:
+            if arrivals.learning:
+                arrivals.finish_learning(self)
+            elif arrivals.expected:
+                check_all_arrived(self)
         # Frozen since the layout was built: no gradient expected (Note [trainable set changes]).
         frozen = self.frozen_now
         generation = self.generation

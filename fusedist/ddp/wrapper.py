@@ -21,6 +21,7 @@ from . import join as _join
 from .comm_hook import CommHookStrategy, hook_name
 from .config import DDPConfig
 from .reducer import Reducer
+from .static_graph import ArrivalCounts
 from .strategy import AllReduceAverage
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
@@ -29,7 +30,7 @@ from ..reliability import engine_watch  # (the module: it imports ddp.events, se
 
 # torch options that change only how torch schedules its own reduction: accepted and ignored
 # (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
-_TORCH_ONLY_OPTIONS = {"check_reduction", "static_graph", "delay_all_reduce_named_params",
+_TORCH_ONLY_OPTIONS = {"check_reduction", "delay_all_reduce_named_params",
                        "param_to_hook_all_reduce", "skip_all_reduce_unused_params", "batched_grad_copy"}
 
 
@@ -143,13 +144,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_mesh: as torch's: a 1-D ``DeviceMesh`` whose group is the data-parallel group
             (instead of ``process_group``).
         bucket_cap_mb, first_bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters,
-            gradient_as_bucket_view, reduce_dtype: see :class:`~fusedist.ddp.config.DDPConfig`.
+            gradient_as_bucket_view, reduce_dtype, static_graph: see
+            :class:`~fusedist.ddp.config.DDPConfig`.
         forward_sync_buffers, broadcast_buffers, init_sync: as torch's (``_buffer_sync_settings``):
             buffers broadcast from rank 0 at forwards unless ``forward_sync_buffers=False``
             (or the deprecated ``broadcast_buffers=False``, which also skips them at
             construction); ``init_sync=False`` skips the construction broadcast, the ranks
             are then trusted to hold the same values (their names and shapes are still compared).
-        static_graph, check_reduction, batched_grad_copy, ...: torch options that change only how
+        check_reduction, batched_grad_copy, ...: torch options that change only how
             torch schedules its own reduction, accepted for compatibility (the bucket layout is
             always rebuilt once from the observed order; the division is folded into the
             gradient copies already).
@@ -171,6 +173,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         *,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
         reduce_dtype: Optional[torch.dtype] = None,
         device_mesh=None,
         bucket_cap_mb_list: Optional[list] = None,
@@ -199,6 +202,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             reduce_dtype=reduce_dtype,
+            static_graph=bool(static_graph),
         )
         self.process_group = process_group
         self.dim = dim
@@ -525,9 +529,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.process_group
 
     def _set_static_graph(self) -> None:
-        """torch's (private) way to declare a static graph after construction; as with
-        ``static_graph=True``, nothing to do here (the bucket layout is rebuilt once from the
-        observed order either way)."""
+        """torch's (private) way to declare a static graph after construction, as
+        ``static_graph=True`` does: the next synchronized backward counts the gradient arrivals
+        (Note [gradients that arrive twice] in static_graph.py)."""
+        if self.reducer.in_backward:
+            raise RuntimeError("fusedist.DistributedDataParallel: _set_static_graph was called during backward")
+        self.config.static_graph = True
+        if self.reducer.arrivals is None:
+            self.reducer.arrivals = ArrivalCounts()
 
     def check_consistency(self) -> None:
         """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the

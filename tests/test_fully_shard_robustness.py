@@ -1,7 +1,8 @@
 """``fully_shard`` under recipes that go off the straight path, against torch's FSDP2 where
 FSDP2 runs them: a forward that raises inside a unit, explicit prefetch lists that omit
-units or name them out of order, a unit that runs on some ranks only, FSDP2's newer
-``fully_shard`` arguments, and activation-checkpoint names in state dicts.
+units or name them out of order, units that run on some ranks only (skipped, repeated, or a
+per-rank layer drop), FSDP2's newer ``fully_shard`` arguments, activation-checkpoint names in
+state dicts, two backwards through one forward, and a first forward in inference mode.
 
 Inputs are fresh random draws: each test picks a new seed (shown in every failure message).
 Tolerances: fp32 throughout; both implementations run the same ops on the same values and

@@ -13,8 +13,8 @@ needs it (Note [Lightning precision]): ``"16-mixed"`` scales with ``fusedist.amp
 optimizer's own clip, which see the sharded gradients that torch's clip would miss (clipping
 by value needs ``p.grad``, so stage 2 refuses it). ``"64-true"`` trains as with Lightning's DDP.
 ``Trainer(sync_batchnorm=True)`` uses ``fusedist.nn.SyncBatchNorm``, which runs on CPU too
-(Note [sync_batchnorm]); ``ddp_comm_hook`` / ``ddp_comm_wrapper`` map onto the hooks fusedist's
-DDP runs (Note [communication hook wrappers]).
+(Note [sync_batchnorm]); ``ddp_comm_hook`` / ``ddp_comm_wrapper`` / ``ddp_comm_state`` are
+registered as Lightning registers them (Note [communication hook wrappers]).
 
 Importing this module registers the strategy under Lightning's strategy names
 (Note [strategy names]): ``Trainer(strategy="fusedist")``, ``"fusedist_zero1"``,
@@ -233,30 +233,23 @@ def _new_named(implementation: type, returned: type):
 
 
 # Note [communication hook wrappers]
-# Lightning registers ddp_comm_wrapper(ddp_comm_hook). fusedist's DDP maps torch's built-in
-# hooks onto its own bucket reduction and calls no Python hook, so a wrapped hook is an opaque
-# function it would refuse; registering the hook without its wrapper drops the compression the
-# user asked for. torch's fp16/bf16 compress wrappers around allreduce_hook are exactly its
-# fp16/bf16 compress hooks (cast, divide, all-reduce, cast back), which fusedist runs; any
-# other wrapper raises.
+# Lightning registers ddp_comm_wrapper(ddp_comm_hook), and so does the strategy. torch's
+# fp16/bf16 compress wrappers around allreduce_hook are exactly its fp16/bf16 compress hooks
+# (cast, divide, all-reduce, cast back), which fusedist's DDP runs as its own fused bucket
+# reduction, so that pair is registered as the built-in hook; any other pair is registered
+# wrapped, as a hook of torch's interface (Note [communication hooks] in
+# fusedist/ddp/comm_hook.py).
 
 
 def _wrapped_hook(hook, wrapper):
-    """The built-in hook that ``wrapper(hook)`` amounts to."""
+    """``wrapper(hook)``, or the built-in hook it amounts to (Note [communication hook wrappers])."""
     if wrapper is None:
         return hook
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
 
     same = {(d.fp16_compress_wrapper, d.allreduce_hook): d.fp16_compress_hook,
             (d.bf16_compress_wrapper, d.allreduce_hook): d.bf16_compress_hook}
-    if (wrapper, hook) in same:
-        return same[wrapper, hook]
-    names = [getattr(f, "__qualname__", repr(f)) for f in (wrapper, hook)]
-    raise NotImplementedError(
-        f"FusedistStrategy: ddp_comm_wrapper={names[0]} around ddp_comm_hook={names[1]} is not supported; "
-        "fusedist's DDP runs torch's allreduce_hook, fp16_compress_hook and bf16_compress_hook, and "
-        "fp16_compress_wrapper / bf16_compress_wrapper around allreduce_hook"
-    )
+    return same.get((wrapper, hook)) or wrapper(hook)
 
 
 # Note [sync_batchnorm]

@@ -72,7 +72,18 @@ def note_unit(unit) -> None:
 
 def _before_step(optimizer, args, kwargs) -> None:
     if optimizer not in _TRACKED:
+        _check_elementwise(optimizer)
         track_optimizer(optimizer)
+
+
+def _check_elementwise(optimizer) -> None:
+    """An optimizer over pieces must be elementwise (Note [elementwise optimizers only] in
+    fusedist/optim/elementwise.py): checked at its first step."""
+    pieces = _piece_map()
+    if any(id(p) in pieces for group in optimizer.param_groups for p in group["params"]):
+        from ..optim.elementwise import check_elementwise
+
+        check_elementwise(type(optimizer), "fully_shard", "this rank's pieces of the parameters")
 
 
 def track_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -23,6 +23,10 @@ class FusedAdam(FusedOptimizerBase):
     ``foreach``/``fused`` are accepted as hints (``fused=False`` raises).
     """
 
+    # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers
+    # only] in elementwise.py).
+    _fusedist_elementwise = True
+
     _state_keys = ("exp_avg", "exp_avg_sq")
     _adamw = False
     _torch_counterpart = torch.optim.Adam

@@ -21,6 +21,12 @@ class FusedLAMB(FusedOptimizerBase):
     gradients for the global norm.
     """
 
+    # Note [elementwise optimizers only] in elementwise.py.
+    _fusedist_elementwise = False
+    _fusedist_not_elementwise_because = (
+        "LAMB's trust ratio takes the norms of each whole parameter and of its update, and its "
+        "max_grad_norm clip the norm of all the gradients")
+
     _state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,

@@ -16,6 +16,10 @@ class FusedSGD(FusedOptimizerBase):
     parameter's first step, which is decided on the device so a skipped first step is safe).
     """
 
+    # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers
+    # only] in elementwise.py).
+    _fusedist_elementwise = True
+
     _torch_counterpart = torch.optim.SGD
     _own_group_defaults = {"master_weights": False}
 

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
+from ..optim.elementwise import check_elementwise
 from . import grow, wiring
 from . import state as zstate
 from .gather import ParamGatherer
@@ -72,7 +73,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       (or a load) creates the optimizer state and re-points every parameter's storage into one
       flat buffer per dtype so the all-gather writes straight into the parameters. The inner
       ``optimizer_class`` steps FP32 views of the rank's flat shard, one per run of a param
-      group, so any elementwise torch optimizer works and per-group hyperparameters (and LR
+      group, so any elementwise optimizer works (Note [elementwise optimizers only] in
+      ``fusedist/optim/elementwise.py``: LAMB and LBFGS are refused) and per-group hyperparameters (and LR
       schedulers changing ``param_groups``) are honoured.
     * Parameter all-gathers are issued per bucket at the end of ``step()``, and by default
       ``step()`` returns once they have landed: the parameters are final, as with torch's,
@@ -149,6 +151,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
         self.offload = "cpu" if offload == "cpu" else None
         self.optimizer_class = optimizer_class or _default_optimizer_class()
+        # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
+        check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
         self.stage = stage
         # Stage 2 keeps no p.grad, which torch.amp.GradScaler unscales and checks: with this
         # flag torch's scaler hands itself to step() (its custom-optimizer protocol) instead of

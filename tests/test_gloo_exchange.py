@@ -260,10 +260,14 @@ def test_mode_from_env(monkeypatch):
 def test_tags_stay_in_their_range():
     from fusedist.comm import gloo_exchange as gx
 
-    tags = {gx._tag(kind, seq, chunk) for kind in ("reduce_scatter", "all_gather")
-            for seq in (0, 1, (1 << gx.SEQ_BITS) - 1) for chunk in (0, 1, (1 << gx.CHUNK_BITS) - 1)}
-    assert len(tags) == 18
+    labels = [lab for lab in ("", "zero2 bucket 0", "zero2 bucket 1", "blocks.0", "blocks.1")]
+    assert len({gx._label_bits(lab) for lab in labels}) == len(labels)  # these differ
+    tags = {gx._tag(kind, seq, chunk, label) for kind in ("reduce_scatter", "all_gather")
+            for seq in (0, 1, (1 << gx.SEQ_BITS) - 1) for chunk in (0, 1, (1 << gx.CHUNK_BITS) - 1)
+            for label in labels}
+    assert len(tags) == 2 * 3 * 3 * len(labels)
     assert all((1 << 30) <= t < (1 << 31) for t in tags)
+    assert gx.SEQ_BITS >= 13
 
 
 def _failures(rank, world_size):
@@ -288,6 +292,18 @@ def _failures(rank, world_size):
         out["mismatch"] = ("completed", time.monotonic() - start)
     except CollectiveError as exc:
         out["mismatch"] = (str(exc), time.monotonic() - start)
+
+    # 1b. A rank that skipped a collective: at the same position both ranks all-gather the same
+    # size, for different units (seq and kind agree, the tags do not): both time out. (A new
+    # group: gloo closes a pair after a receive timed out.)
+    comm = TorchCommunicator(dist.new_group([0, 1]), timeout=datetime.timedelta(seconds=2))
+    comm.all_reduce(torch.ones(1))
+    start = time.monotonic()
+    try:
+        comm.all_gather(torch.empty(8), torch.ones(4), tag="blocks.0" if rank == 0 else "blocks.1")
+        out["skipped"] = ("completed", time.monotonic() - start)
+    except CollectiveError as exc:
+        out["skipped"] = (str(exc), time.monotonic() - start)
 
     # 2. A rank that never joins: rank 0's reduce_scatter times out with a stall report.
     lonely = TorchCommunicator(dist.new_group([0, 1]))
@@ -315,6 +331,9 @@ def test_failures_time_out_naming_op_tag_rank():
         op = "reduce_scatter" if rank == 0 else "all_gather"
         assert f"{op} (tag 'mismatch'" in message and f"rank {rank} of 2" in message, message
         assert "did not complete" in message and "rank" in message
+        assert elapsed < 15
+        message, elapsed = out["skipped"]
+        assert f"all_gather (tag 'blocks.{rank}'" in message and "did not complete" in message, message
         assert elapsed < 15
     message, report, elapsed = results[0]["lonely"]
     assert "reduce_scatter (tag 'lonely'" in message and "rank 0 of 2" in message, message

@@ -127,6 +127,9 @@ class Communicator(abc.ABC):
         #: Sequence number and tag of the last collective issued (-1: none yet).
         self.last_seq = -1
         self.last_tag = ""
+        #: What the last collective's messages are matched by where the transport tags them
+        #: (the gloo exchange, Note [exchange tags]): its tag unless the caller chose another.
+        self.last_label = ""
         #: Optional observer with ``on_launch(comm, handle)`` / ``on_failure(comm, handle,
         #: error)``; the reliability monitor plugs in here.
         self.observer = None
@@ -206,7 +209,8 @@ class Communicator(abc.ABC):
         self._check_flat("all_reduce", tensor)
         return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op))
 
-    def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
+    def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "",
+                       label: Optional[str] = None) -> CommHandle:
         self._check_op(op)
         self._check_flat("reduce_scatter", output, input)
         if input.numel() != output.numel() * self.world_size:
@@ -215,9 +219,13 @@ class Communicator(abc.ABC):
                 f"world_size ({self.world_size}) x output ({output.numel()})"
             )
         check_in_place("reduce_scatter", output, input, self.rank, self.world_size)
-        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op))
+        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op), label)
 
-    def all_gather(self, output, input, *, async_op: bool = False, tag: str = "") -> CommHandle:
+    def all_gather(self, output, input, *, async_op: bool = False, tag: str = "",
+                   label: Optional[str] = None) -> CommHandle:
+        """``label``: what the messages are matched by where the transport tags them (default
+        ``tag``; Note [exchange tags] in gloo_exchange.py) -- one label for calls that must
+        pair although their tags differ (the object exchanges' headers)."""
         self._check_flat("all_gather", output, input)
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
@@ -225,7 +233,7 @@ class Communicator(abc.ABC):
                 f"world_size ({self.world_size}) x input ({input.numel()})"
             )
         check_in_place("all_gather", output, input, self.rank, self.world_size)
-        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input))
+        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input), label)
 
     def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         if not 0 <= src < self.world_size:
@@ -258,9 +266,10 @@ class Communicator(abc.ABC):
         return self._all_gather(output, input)
 
     # ---- helpers
-    def _launch(self, op: str, tag: str, async_op: bool, start) -> CommHandle:
+    def _launch(self, op: str, tag: str, async_op: bool, start, label: Optional[str] = None) -> CommHandle:
         seq = self.last_seq = next(self._seq)
         self.last_tag = tag
+        self.last_label = tag if label is None else label
         # A profiler range only while a profiler records: entering and leaving one costs more
         # than posting a small message, on every collective.
         profiling = torch.autograd._profiler_enabled()

@@ -43,6 +43,7 @@ import queue
 import threading
 import time
 import traceback
+import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -63,21 +64,29 @@ CHUNK_BYTES = 16 << 20
 # Note [exchange tags]
 # ~~~~~~~~~~~~~~~~~~~~
 # Every message carries the tag
-#     TAG_BASE | kind << 29 | (seq mod 2**SEQ_BITS) << CHUNK_BITS | (chunk mod 2**CHUNK_BITS)
-# where seq is the communicator's collective sequence number and kind tells reduce-scatter
-# (0) from all-gather (1). All ranks issue collectives in the same order, so one collective
-# has the same seq and kind everywhere; a rank that is out of step (skipped a collective, or
-# issued a different one at the same position) posts receives that no send matches: the wait
-# times out and becomes a CollectiveError -- never a silently wrong pairing of two
-# collectives of the same size. The chunk index makes the pairing of chunks independent of
-# the transport's message order. Tags lie in [2**30, 2**31): far from user point-to-point
-# traffic (tag 0 by default) and within gloo's C int tags. Several collectives may be in
-# flight at once: they differ in seq; a clash would need 2**13 collectives in flight on one
-# group. Each process group has its own gloo connections, so groups never share tags.
+#     TAG_BASE | kind << 29 | label << 23 | (seq mod 2**SEQ_BITS) << CHUNK_BITS | (chunk mod 2**CHUNK_BITS)
+# where seq is the communicator's collective sequence number, kind tells reduce-scatter (0)
+# from all-gather (1) and label is 6 bits of a hash of the collective's tag ("zero2 bucket 3",
+# "fully_shard grads blocks.1 (Block)"). All ranks issue collectives in the same order, so one
+# collective has the same seq, kind and label everywhere. A rank that is out of step posts
+# receives that no send matches, the wait times out and becomes a CollectiveError, instead
+# of pairing two collectives of the same size: a rank that issued a collective of the other
+# kind differs in kind; one that skipped a collective (a unit its forward did not run) issues
+# the next one at the skipped one's seq, and differs in label (seq alone matched there, and
+# the two all-gathers of alike blocks paired silently) -- unless the two tags' hashes agree,
+# one chance in 64. (A caller may give a label other than the tag: the object exchanges'
+# headers share one, so that ranks in different exchanges pair there and each sees what the
+# others are in, Note in objects.py.) The chunk index makes the pairing of chunks independent of the
+# transport's message order. Tags lie in [2**30, 2**31): far from user point-to-point traffic
+# (tag 0 by default) and within gloo's C int tags. Several collectives may be in flight at
+# once: they differ in seq; a clash would need 2**13 collectives in flight on one group. A
+# collective of more than 2**10 chunks (16 GiB) reuses chunk tags, posted in the same order on
+# both sides. Each process group has its own gloo connections, so groups never share tags.
 TAG_BASE = 1 << 30
 KIND_SHIFT = 29
-CHUNK_BITS = 16
-SEQ_BITS = KIND_SHIFT - CHUNK_BITS
+LABEL_BITS = 6
+CHUNK_BITS = 10
+SEQ_BITS = KIND_SHIFT - LABEL_BITS - CHUNK_BITS
 _KINDS = {"reduce_scatter": 0, "all_gather": 1}
 
 # Note [receives first, sends later]
@@ -129,9 +138,14 @@ def validate_reduce_op(op: str, dtype: torch.dtype) -> None:
         )
 
 
-def _tag(kind: str, seq: int, chunk: int) -> int:
-    return (TAG_BASE | _KINDS[kind] << KIND_SHIFT | (seq % (1 << SEQ_BITS)) << CHUNK_BITS
-            | (chunk % (1 << CHUNK_BITS)))
+def _label_bits(label: str) -> int:
+    """6 bits of a hash of a collective's tag, the same in every process (not Python's hash)."""
+    return zlib.crc32(label.encode()) % (1 << LABEL_BITS)
+
+
+def _tag(kind: str, seq: int, chunk: int, label: str = "") -> int:
+    return (TAG_BASE | _KINDS[kind] << KIND_SHIFT | _label_bits(label) << (KIND_SHIFT - LABEL_BITS)
+            | (seq % (1 << SEQ_BITS)) << CHUNK_BITS | (chunk % (1 << CHUNK_BITS)))
 
 
 def _chunk_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
@@ -393,7 +407,8 @@ class GlooExchange:
         self._landing = _LandingPool()
 
     # ---- public
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int) -> Optional[ExchangeWork]:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int,
+                       label: str = "") -> Optional[ExchangeWork]:
         """Start ``output = reduce(input[r-th slice] over ranks)``; None when already done.
 
         ``output`` may be this rank's own slice of ``input`` (in place; the communicator has
@@ -411,7 +426,7 @@ class GlooExchange:
         pooled = self._landing.take(len(landed) * m, input.dtype) if landed else None
         landing = pooled[:len(landed) * m].view(len(landed), m) if landed else None
         sends, receives = self._post(
-            "reduce_scatter", seq, m, input.element_size(),
+            "reduce_scatter", seq, label, m, input.element_size(),
             send_slice=lambda dst, lo, hi: rows[dst, lo:hi],
             recv_slice=lambda src, lo, hi: output[lo:hi] if src == direct else landing[peer_row[src], lo:hi])
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
@@ -422,7 +437,7 @@ class GlooExchange:
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
             on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int) -> Optional[ExchangeWork]:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int, label: str = "") -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
 
         ``input`` may be this rank's own slice of ``output`` (in place; the communicator has
@@ -432,7 +447,7 @@ class GlooExchange:
         if rows is None:
             return None
         sends, receives = self._post(
-            "all_gather", seq, input.numel(), input.element_size(),
+            "all_gather", seq, label, input.numel(), input.element_size(),
             send_slice=lambda dst, lo, hi: input[lo:hi],
             recv_slice=lambda src, lo, hi: rows[src, lo:hi])
         receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
@@ -474,7 +489,7 @@ class GlooExchange:
             return None, part, in_place
         return rows, part, in_place
 
-    def _post(self, kind: str, seq: int, numel: int, element_size: int, send_slice, recv_slice):
+    def _post(self, kind: str, seq: int, label: str, numel: int, element_size: int, send_slice, recv_slice):
         """Post the receives of one exchange and prepare its sends (posted when driven; Note
         [receives first, sends later]): chunk by chunk, one message per peer and chunk, tagged
         by Note [exchange tags]. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
@@ -485,7 +500,7 @@ class GlooExchange:
         sends: list = []
         receives: list = []
         for chunk, (lo, hi) in enumerate(_chunk_bounds(numel, element_size)):
-            tag = _tag(kind, seq, chunk)
+            tag = _tag(kind, seq, chunk, label)
             # Ring order spreads the first messages of all ranks over all links.
             for k in range(1, n):
                 dst, src = (r + k) % n, (r - k) % n

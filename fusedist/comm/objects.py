@@ -27,6 +27,8 @@ from .base import CollectiveError, Communicator
 
 #: Bytes of an exchange's name carried in the header (longer names are cut).
 NAME_BYTES = 96
+#: What every header's messages are matched by (Note [exchange tags] in gloo_exchange.py).
+HEADER_LABEL = "fusedist object exchange header"
 
 
 def all_gather_object(comm: Communicator, obj: Any, *, tag: str) -> list:
@@ -89,7 +91,8 @@ def _exchange_headers(comm: Communicator, nbytes: int, tag: str) -> list[int]:
     header[1 : 1 + len(name)] = torch.tensor(list(name), dtype=torch.int64)
     header = header.to(comm.device)
     everyone = torch.empty(comm.world_size * header.numel(), dtype=torch.int64, device=comm.device)
-    comm.all_gather(everyone, header, tag=tag)
+    # One label for every header, so ranks in different exchanges pair here and see it.
+    comm.all_gather(everyone, header, tag=tag, label=HEADER_LABEL)
     rows = everyone.view(comm.world_size, -1).cpu()
     names = [bytes(row[1:][row[1:] > 0].tolist()).decode(errors="replace") for row in rows]
     if len(set(names)) > 1:

@@ -95,14 +95,15 @@ class TorchCommunicator(Communicator):
 
     # Checked before launching, so misuse is a ValueError like the base class's shape checks
     # (a launch failure would be reported as a failed collective).
-    def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = ""):
+    def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "",
+                       label=None):
         if self._use_exchange(output, input, reduces=True):
             gloo_exchange.validate_reduce_op(op, input.dtype)
-        return super().reduce_scatter(output, input, op=op, async_op=async_op, tag=tag)
+        return super().reduce_scatter(output, input, op=op, async_op=async_op, tag=tag, label=label)
 
     def _reduce_scatter(self, output, input, op):
         if self._use_exchange(output, input, reduces=True):
-            return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last)
+            return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last, label=self.last_label)
         if "gloo" in str(self.backend) and output.device.type == "cpu":
             # FUSEDIST_GLOO_COLLECTIVES=builtin (or a dtype the exchange does not reduce)
             return _GlooReduceScatter(output, input, _OPS[op], self.group, self.rank, self.world_size)
@@ -110,7 +111,7 @@ class TorchCommunicator(Communicator):
 
     def _all_gather(self, output, input):
         if self._use_exchange(output, input, reduces=False):
-            return self.exchange.all_gather(output, input, seq=self._seq.last)
+            return self.exchange.all_gather(output, input, seq=self._seq.last, label=self.last_label)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 
     def _gather(self, output, input, dst):

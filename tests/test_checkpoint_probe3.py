@@ -15,6 +15,7 @@ from torch import nn
 
 from fusedist.checkpoint import CheckpointError, Checkpointer, _owner, layout
 from fusedist.testing import run_distributed
+from test_optim_probe4 import _bf16_net, _grads_of
 
 
 def _net(seed: int) -> nn.Module:
@@ -201,18 +202,6 @@ def test_every_rank_of_the_second_job_is_refused(tmp_path):
 
 
 # ------------------------------------------------- torch's distributed checkpoint into ZeRO
-
-
-def _bf16_net(seed):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.bfloat16)
-
-
-def _grads_of(model, seed):
-    model.zero_grad()
-    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    model(x).float().pow(2).mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
 
 
 def _dcp_into_zero_worker(rank, world_size, root):

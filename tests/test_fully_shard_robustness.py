@@ -22,22 +22,19 @@ from torch import nn
 
 from fusedist.testing import run_distributed
 from test_fully_shard_api_parity import EXACT, _check_grads, _check_params, _ids, _loss, _mesh, _pair, _seed
-from test_fully_shard_gaps import _drop_unsharded_grads
+from test_fully_shard_gaps import _drop_unsharded_grads, _step
 
 
 def _adamw(*models) -> list:
     return [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 
 
-def _step(ref, ours, opts, batch, what: str) -> None:
-    """One training step of both models on ``batch``, gradients then parameters compared."""
-    for model in (ref, ours):
-        _loss(model, *batch).backward()
-    _check_grads(ref, ours, EXACT, what)
-    for opt in opts:
-        opt.step()
-        opt.zero_grad()
-    _check_params(ref, ours, f"{what}, after the step")
+def _both_reshard_modes(mesh, seed):
+    """(reshard_after_forward, what, FSDP2 model, fusedist model, their AdamWs), True then False."""
+    for reshard in (True, False):
+        kw = dict(reshard_after_forward=reshard)
+        ref, ours = _pair(mesh, wrap_embed=True, ref_kw=kw, our_kw=kw)
+        yield reshard, f"seed {seed}, reshard_after_forward={reshard}", ref, ours, _adamw(ref, ours)
 
 
 def _position(model) -> dict:
@@ -410,11 +407,7 @@ def _two_backwards(rank, ws, seed):
     import torch.nn.functional as F
 
     mesh = _mesh(ws)
-    for reshard in (True, False):
-        what = f"seed {seed}, reshard_after_forward={reshard}"
-        kw = dict(reshard_after_forward=reshard)
-        ref, ours = _pair(mesh, wrap_embed=True, ref_kw=kw, our_kw=kw)
-        opts = _adamw(ref, ours)
+    for reshard, what, ref, ours, opts in _both_reshard_modes(mesh, seed):
         for step in range(2):
             ids, target = _ids(seed, rank, step)
             for model in (ref, ours):
@@ -522,11 +515,7 @@ def test_explicit_prefetch_lists_are_hints_as_in_fsdp2():
 # --------------------------------------------------- inference mode before training
 def _inference_first(rank, ws, seed):
     mesh = _mesh(ws)
-    for reshard in (True, False):
-        what = f"seed {seed}, reshard_after_forward={reshard}"
-        kw = dict(reshard_after_forward=reshard)
-        ref, ours = _pair(mesh, wrap_embed=True, ref_kw=kw, our_kw=kw)
-        opts = _adamw(ref, ours)
+    for reshard, what, ref, ours, opts in _both_reshard_modes(mesh, seed):
         for step in range(3):
             ids = _ids(seed, rank, 100 + step)[0]
             with torch.inference_mode():  # an evaluation; before the first training step too

@@ -15,7 +15,7 @@ from torch import nn
 
 from fusedist.checkpoint import CheckpointError, Checkpointer, _owner, layout
 from fusedist.testing import run_distributed
-from test_optim_probe4 import _bf16_net, _grads_of
+from test_optim_probe4 import _bf16_net, _grads_of, _torch_job
 
 
 def _net(seed: int) -> nn.Module:
@@ -214,11 +214,7 @@ def _dcp_into_zero_worker(rank, world_size, root):
 
     kw = dict(lr=1e-2, weight_decay=0.1)
     # A torch job (every rank the same batch: the gradients DDP would average are equal).
-    source = _bf16_net(0)
-    source_opt = torch.optim.AdamW(source.parameters(), **kw)
-    for step in range(2):
-        _grads_of(source, step)
-        source_opt.step()
+    source, source_opt = _torch_job(kw)
     for name, flatten in (("nested", False), ("flat", True)):
         msd, osd = get_state_dict(source, source_opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))

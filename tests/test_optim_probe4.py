@@ -89,6 +89,16 @@ def _bf16_net(seed):
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(torch.bfloat16)
 
 
+def _torch_job(kw: dict):
+    """A bf16 model and torch's AdamW (``kw``) after two steps: what a torch job checkpoints."""
+    source = _bf16_net(0)
+    source_opt = torch.optim.AdamW(source.parameters(), **kw)
+    for step in range(2):
+        _grads_of(source, step)
+        source_opt.step()
+    return source, source_opt
+
+
 def _grads_of(model, seed):
     model.zero_grad()
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
@@ -113,11 +123,7 @@ def test_torch_dcp_checkpoint_into_fused_adamw_with_master_weights(tmp_path):
     from fusedist.optim import FusedAdamW
 
     kw = dict(lr=1e-2, weight_decay=0.1)
-    source = _bf16_net(0)
-    source_opt = torch.optim.AdamW(source.parameters(), **kw)
-    for step in range(2):
-        _grads_of(source, step)
-        source_opt.step()
+    source, source_opt = _torch_job(kw)
     msd, osd = get_state_dict(source, source_opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
 

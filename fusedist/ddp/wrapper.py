@@ -327,7 +327,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             offset = 0
             with torch.no_grad():
                 for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    # Through .data: no version bump. A BatchNorm's running statistics are saved
+                    # by its forward for backward, so a second training forward before one
+                    # backward (its broadcast between them) would fail that backward with
+                    # "modified by an inplace operation"; torch DDP's broadcast bumps nothing.
+                    t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
 
     # ------------------------------------------------------------------ use

@@ -52,10 +52,11 @@ import threading
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..comm.base import CollectiveError
 from .layout import Bucket, shaped_like
-from .strategy import GradSyncStrategy
+from .strategy import AllReduceAverage, GradSyncStrategy
 
 if TYPE_CHECKING:
     from .reducer import Reducer
@@ -202,3 +203,82 @@ def _the_tensor(value) -> Optional[object]:
     if isinstance(value, (list, tuple)) and len(value) == 1:
         return value[0]
     return value
+
+
+# ---------------------------------------------------------------------- registration
+def register_comm_hook(wrapper, state, hook) -> None:
+    """``DistributedDataParallel.register_comm_hook``: torch's averaging hooks become the fused
+    reduction's ``reduce_dtype``; any other hook the reducer's strategy (Note [communication
+    hooks])."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    builtin = {
+        default_hooks.allreduce_hook: None,
+        default_hooks.fp16_compress_hook: torch.float16,
+        default_hooks.bf16_compress_hook: torch.bfloat16,
+    }
+    if hook not in builtin:
+        _set_hook_strategy(wrapper, state, hook)
+        return
+    world = dist.group.WORLD
+    group = wrapper.process_group
+    if not (state is None or state is group or (group is None and state is world)):
+        raise ValueError(
+            "fusedist.DistributedDataParallel.register_comm_hook: state must be None or this model's "
+            f"process group for {hook_name(hook)} (fusedist runs it as its own fused reduction, on the "
+            "model's group); for another group, wrap the hook in a function of your own"
+        )
+    _set_hook_dtype(wrapper, builtin[hook], getattr(hook, "__name__", "hook"))
+
+
+def register_builtin_comm_hook(wrapper, comm_hook_type) -> None:
+    """``DistributedDataParallel.register_builtin_comm_hook``: ALLREDUCE or FP16_COMPRESS."""
+    dtypes = {dist.BuiltinCommHookType.ALLREDUCE: None, dist.BuiltinCommHookType.FP16_COMPRESS: torch.float16}
+    if comm_hook_type not in dtypes:
+        raise NotImplementedError(f"fusedist.DistributedDataParallel: builtin comm hook {comm_hook_type} is not supported")
+    _set_hook_dtype(wrapper, dtypes[comm_hook_type], str(comm_hook_type))
+
+
+def _set_hook_strategy(wrapper, state, hook) -> None:
+    name = hook_name(hook)
+    if not callable(hook):
+        raise TypeError(f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is not callable")
+    _check_hook_allowed(wrapper)
+    reducer = wrapper.reducer
+    if wrapper.config.reduce_dtype is not None:
+        raise ValueError(
+            f"fusedist.DistributedDataParallel: the model was built with reduce_dtype="
+            f"{wrapper.config.reduce_dtype} and the communication hook {name} reduces the buckets in their "
+            "own dtype; pass one of them (a hook can cast the buffer itself)"
+        )
+    if not isinstance(reducer.strategy, AllReduceAverage):
+        raise ValueError(
+            f"fusedist.DistributedDataParallel.register_comm_hook: this model's gradients are already "
+            f"synchronized by {reducer.strategy.description} (ZeRO stage 2 reduce-scatters "
+            f"the buckets itself); the communication hook {name} cannot synchronize them too"
+        )
+    wrapper._comm_hook = name
+    reducer.strategy = CommHookStrategy(state, hook)
+
+
+def _check_hook_allowed(wrapper) -> None:
+    if wrapper._comm_hook is not None:
+        raise RuntimeError(
+            f"fusedist.DistributedDataParallel: a communication hook ({wrapper._comm_hook}) is already "
+            "registered; register_comm_hook or register_builtin_comm_hook can only be called once"
+        )
+    if wrapper.reducer.in_backward:
+        raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
+
+
+def _set_hook_dtype(wrapper, dtype: Optional[torch.dtype], name: str) -> None:
+    _check_hook_allowed(wrapper)
+    current = wrapper.config.reduce_dtype
+    if current is not None and current != dtype:
+        wire = dtype if dtype is not None else "the gradients' dtype"
+        raise ValueError(
+            f"fusedist.DistributedDataParallel: the model was built with reduce_dtype={current} and "
+            f"{name} reduces in {wire}; pass one of them"
+        )
+    wrapper._comm_hook = name
+    wrapper.config.reduce_dtype = dtype

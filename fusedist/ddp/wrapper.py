@@ -18,11 +18,11 @@ from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
 from . import join as _join
-from .comm_hook import CommHookStrategy, hook_name
+from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig
+from .copies import construction_checks, copy_wrapper
 from .reducer import Reducer
 from .static_graph import ArrivalCounts
-from .strategy import AllReduceAverage
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
@@ -220,7 +220,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "parameters are not supported). Store it as real/imaginary float parameters, or "
                     "set requires_grad=False to keep it as broadcast state"
                 )
-        self._check_ranks_agree()
+        checks = construction_checks()  # Note [copies of the wrapper] in copies.py
+        if checks:
+            self._check_ranks_agree()
         if init_sync:
             self._broadcast_state(buffers=init_sync_buffers)
 
@@ -247,7 +249,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._join_state = None
         # [reliability] bucket layouts compared across ranks when built and when rebuilt;
         # optimizer.step() misuse caught on the rank that makes it.
-        self._check_layout_agrees(self.reducer.layout)
+        if checks:
+            self._check_layout_agrees(self.reducer.layout)
         self.reducer.layout_listeners.append(self._check_layout_agrees)
         if checks_enabled():
             optimizer_guard.install()
@@ -268,6 +271,18 @@ class DistributedDataParallel(nn.Module, Joinable):
                     f"fusedist.DistributedDataParallel: device_ids={device_ids} but the module is on "
                     f"{self.device}; single-device modules take device_ids=[their device]"
                 )
+
+    # ------------------------------------------------------------------ copies
+    def __deepcopy__(self, memo):
+        """Note [copies of the wrapper] in copies.py."""
+        return copy_wrapper(self, memo)
+
+    def __getstate__(self):
+        raise TypeError(
+            "fusedist.DistributedDataParallel cannot be pickled (it holds a process group, a communicator "
+            "and gradient hooks): pickle model.module or model.state_dict() instead; copy.deepcopy(model) "
+            "makes a working copy"
+        )
 
     def _check_ranks_agree(self) -> None:
         entries = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
@@ -438,73 +453,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         ready bucket as torch calls it, ``state`` passed through (Note [communication hooks]
         in comm_hook.py). Once per model, before ZeRO stage 2 or a ``reduce_dtype``, as each
         of those decides the reduction itself."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        builtin = {
-            default_hooks.allreduce_hook: None,
-            default_hooks.fp16_compress_hook: torch.float16,
-            default_hooks.bf16_compress_hook: torch.bfloat16,
-        }
-        if hook not in builtin:
-            self._set_hook_strategy(state, hook)
-            return
-        world = dist.group.WORLD
-        if not (state is None or state is self.process_group or (self.process_group is None and state is world)):
-            raise ValueError(
-                "fusedist.DistributedDataParallel.register_comm_hook: state must be None or this model's "
-                f"process group for {hook_name(hook)} (fusedist runs it as its own fused reduction, on the "
-                "model's group); for another group, wrap the hook in a function of your own"
-            )
-        self._set_hook_dtype(builtin[hook], getattr(hook, "__name__", "hook"))
-
-    def _set_hook_strategy(self, state, hook) -> None:
-        """Note [communication hooks]: a hook of torch's interface synchronizes the buckets."""
-        name = hook_name(hook)
-        if not callable(hook):
-            raise TypeError(f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is not callable")
-        self._check_hook_allowed(name)
-        if self.config.reduce_dtype is not None:
-            raise ValueError(
-                f"fusedist.DistributedDataParallel: the model was built with reduce_dtype="
-                f"{self.config.reduce_dtype} and the communication hook {name} reduces the buckets in their "
-                "own dtype; pass one of them (a hook can cast the buffer itself)"
-            )
-        if not isinstance(self.reducer.strategy, AllReduceAverage):
-            raise ValueError(
-                f"fusedist.DistributedDataParallel.register_comm_hook: this model's gradients are already "
-                f"synchronized by {self.reducer.strategy.description} (ZeRO stage 2 reduce-scatters "
-                f"the buckets itself); the communication hook {name} cannot synchronize them too"
-            )
-        self._comm_hook = name
-        self.reducer.strategy = CommHookStrategy(state, hook)
-
-    def _check_hook_allowed(self, hook_name_: str) -> None:
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                f"fusedist.DistributedDataParallel: a communication hook ({self._comm_hook}) is already "
-                "registered; register_comm_hook or register_builtin_comm_hook can only be called once"
-            )
-        if self.reducer.in_backward:
-            raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
+        register_comm_hook(self, state, hook)
 
     def register_builtin_comm_hook(self, comm_hook_type) -> None:
         """torch's ``dist.BuiltinCommHookType``: ALLREDUCE (the default) or FP16_COMPRESS."""
-        dtypes = {dist.BuiltinCommHookType.ALLREDUCE: None, dist.BuiltinCommHookType.FP16_COMPRESS: torch.float16}
-        if comm_hook_type not in dtypes:
-            raise NotImplementedError(f"fusedist.DistributedDataParallel: builtin comm hook {comm_hook_type} is not supported")
-        self._set_hook_dtype(dtypes[comm_hook_type], str(comm_hook_type))
-
-    def _set_hook_dtype(self, dtype: Optional[torch.dtype], hook_name: str) -> None:
-        self._check_hook_allowed(hook_name)
-        current = self.config.reduce_dtype
-        if current is not None and current != dtype:
-            wire = dtype if dtype is not None else "the gradients' dtype"
-            raise ValueError(
-                f"fusedist.DistributedDataParallel: the model was built with reduce_dtype={current} and "
-                f"{hook_name} reduces in {wire}; pass one of them"
-            )
-        self._comm_hook = hook_name
-        self.config.reduce_dtype = dtype
+        register_builtin_comm_hook(self, comm_hook_type)
 
     # ------------------------------------------------------------------ uneven inputs
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

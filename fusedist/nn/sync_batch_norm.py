@@ -77,6 +77,13 @@ class SyncBatchNorm(_BatchNorm):
                 f"SyncBatchNorm: expected at least 2D input (N, C, ...), got {input.dim()}D input "
                 f"of shape {tuple(input.shape)}{_rank_suffix()}"
             )
+        if not input.is_floating_point():
+            # BatchNorm has no integer/bool/complex form; the kernels would cast the
+            # normalized values back to the input dtype and return garbage silently.
+            raise TypeError(
+                f"SyncBatchNorm: expected a floating-point input, got {input.dtype} of shape "
+                f"{tuple(input.shape)}{_rank_suffix()}; convert it (e.g. input.float()) first"
+            )
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"SyncBatchNorm(num_features={self.num_features}): expected {self.num_features} "
@@ -137,7 +144,7 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
-        """Replace every BatchNorm*D (and torch.nn.SyncBatchNorm) in ``module`` with
+        """Replace every BatchNorm*D (and SyncBatchNorm, torch's or ours) in ``module`` with
         ``fusedist.nn.SyncBatchNorm``, keeping the very same parameter and buffer tensors (so
         an optimizer built on them stays valid) and the training flag. Returns the new root
         (the module itself unless it is a BatchNorm)."""
@@ -150,7 +157,9 @@ class SyncBatchNorm(_BatchNorm):
                 "uninitialized (num_features is inferred at its first forward); run one forward "
                 "of the model before converting it"
             )
-        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+        # A SyncBatchNorm (ours included) is rebuilt too, as torch's conversion does: it
+        # takes the process_group given now instead of silently keeping its old one.
+        if isinstance(module, _BatchNorm):
             extra = {} if getattr(module, "bias", None) is not None or not module.affine else {"bias": False}
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_group, **extra)

@@ -1,0 +1,237 @@
+"""fusedist.nn.SyncBatchNorm under user recipes that tests/test_syncbn*.py do not cover.
+
+Oracle: nn.BatchNorm on the concatenated global batch (torch.nn.SyncBatchNorm has no CPU
+kernel). The multi-rank recipes share one spawn of 2 gloo ranks; each reports "ok" or its
+traceback, so one failure does not hide the others. fp32 against fp32: both sum ~10-100
+values in fp32 (or better), so 1e-5 covers the difference in summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from fusedist.nn import SyncBatchNorm
+from fusedist.testing import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def _slice(t, sizes, rank):
+    start = sum(sizes[:rank])
+    return t[start:start + sizes[rank]]
+
+
+def _all_sum(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _data(sizes, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn((sum(sizes),) + shape, generator=g) * 2 + 3
+    DY = torch.randn(X.shape, generator=g)
+    return X, DY
+
+
+def _grad_step(module, x, dy, fmt=None):
+    x = x.clone() if fmt is None else x.contiguous(memory_format=fmt).clone()
+    x.requires_grad_(True)
+    y = module(x)
+    (y * dy).sum().backward()
+    return y, x.grad
+
+
+# ----------------------------------------------------------------------------- multi-rank
+
+
+def _uneven_layouts_and_options(rank, ws):
+    """Empty / single-sample ranks with channels_last(_3d), momentum=None, affine=False and
+    track_running_stats=False, two training steps then eval, against the global batch."""
+    cases = [((0, 3), (2, 2), torch.channels_last, {"momentum": None}),
+             ((3, 1), (2, 1, 2), torch.channels_last_3d, {}),
+             ((0, 5), (1, 1), torch.channels_last, {}),
+             ((2, 3), (4,), None, {"affine": False}),
+             ((1, 2), (3,), None, {"track_running_stats": False})]
+    for sizes, tail, fmt, kw in cases:
+        X, DY = _data(sizes, (3,) + tail, seed=1)
+        ours, ref = SyncBatchNorm(3, **kw), _BN[X.dim()](3, **kw)
+        for _ in range(2):
+            y, dx = _grad_step(ours, _slice(X, sizes, rank), _slice(DY, sizes, rank), fmt)
+            ref_y, ref_dx = _grad_step(ref, X, DY)
+            torch.testing.assert_close(y, _slice(ref_y, sizes, rank), **TOL)
+            torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+        if ours.affine:
+            torch.testing.assert_close(_all_sum(ours.weight.grad), ref.weight.grad, **TOL)
+        if ours.track_running_stats:
+            torch.testing.assert_close(ours.running_mean, ref.running_mean, **TOL)
+            torch.testing.assert_close(ours.running_var, ref.running_var, **TOL)
+            assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 2
+            mine = _slice(X, sizes, rank)
+            torch.testing.assert_close(ours.eval()(mine), ref.eval()(mine), **TOL)
+
+
+def _loss_from_one_rank(rank, ws):
+    """Only rank 0's outputs enter the loss (rank 1 backpropagates a zero through the
+    layer): rank 1's input gradient is still non-zero, as on the global batch."""
+    sizes = (3, 4)
+    X, DY = _data(sizes, (3, 5), seed=2)
+    DY[sizes[0]:] = 0
+    ours, ref = SyncBatchNorm(3), nn.BatchNorm1d(3)
+    x = _slice(X, sizes, rank).clone().requires_grad_(True)
+    y = ours(x)
+    loss = (y * _slice(DY, sizes, rank)).sum() if rank == 0 else y.sum() * 0
+    loss.backward()
+    xr = X.clone().requires_grad_(True)
+    (ref(xr) * DY).sum().backward()
+    torch.testing.assert_close(x.grad, _slice(xr.grad, sizes, rank), **TOL)
+    assert x.grad.abs().max() > 1e-3
+
+
+def _same_layer_twice_and_checkpointed(rank, ws):
+    """One layer called twice per forward, and a layer under activation checkpointing
+    (its forward runs again in backward, on every rank): statistics, counters and input
+    gradients equal BatchNorm on the global batch doing the same."""
+    sizes = (2, 3)
+    X, DY = _data(sizes, (3,), seed=4)
+    ours, ref = SyncBatchNorm(3), nn.BatchNorm1d(3)
+    _, dx = _grad_step(lambda t: ours(torch.tanh(ours(t))), _slice(X, sizes, rank), _slice(DY, sizes, rank))
+    _, ref_dx = _grad_step(lambda t: ref(torch.tanh(ref(t))), X, DY)
+    torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+    torch.testing.assert_close(ours.running_var, ref.running_var, **TOL)
+    assert int(ours.num_batches_tracked) == 2
+    for reentrant in (False, True):
+        ours, ref = SyncBatchNorm(3), nn.BatchNorm1d(3)
+        _, dx = _grad_step(lambda t: checkpoint(ours, t, use_reentrant=reentrant),
+                           _slice(X, sizes, rank), _slice(DY, sizes, rank))
+        _, ref_dx = _grad_step(lambda t: checkpoint(ref, t, use_reentrant=reentrant), X, DY)
+        torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+        torch.testing.assert_close(ours.running_mean, ref.running_mean, **TOL)
+        assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked)
+
+
+def _compiled_converted_model(rank, ws):
+    """torch.compile of a converted conv net trains like the eager original on the global
+    batch (the layer runs eagerly inside the compiled graph)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+    model = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="eager")
+    sizes = (2, 3)
+    X, _ = _data(sizes, (3, 5, 5), seed=3)
+    DY = torch.randn(5, 4, 3, 3, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        y = compiled(_slice(X, sizes, rank))
+        (y * _slice(DY, sizes, rank)).sum().backward()
+        ref_y = ref(X)
+        (ref_y * DY).sum().backward()
+        torch.testing.assert_close(y, _slice(ref_y, sizes, rank), **TOL)
+    torch.testing.assert_close(_all_sum(model[0].weight.grad), ref[0].weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model[4].running_var, ref[4].running_var, **TOL)
+
+
+def _reconvert_with_groups(rank, ws):
+    """A model already converted (default group) converted again with one group per rank
+    must use the new groups: each rank then normalizes its own batch alone."""
+    solo = [dist.new_group([r]) for r in range(ws)]  # collective: every rank creates each
+    model = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
+    weight = model[0].weight
+    model = SyncBatchNorm.convert_sync_batchnorm(model, process_group=solo[rank])
+    assert model[0].process_group is solo[rank] and model[0].weight is weight
+    x = torch.randn(4 + rank, 3) * (rank + 1) + rank
+    torch.testing.assert_close(model(x), nn.BatchNorm1d(3)(x), **TOL)
+
+
+def _inf_on_one_rank(rank, ws):
+    """An inf in one rank's input makes that channel NaN on every rank, as BatchNorm on the
+    global batch does, and leaves the other channels exact."""
+    sizes = (3, 3)
+    X, _ = _data(sizes, (3, 4), seed=5)
+    X[4, 1, 0] = float("inf")  # rank 1, channel 1
+    ours, ref = SyncBatchNorm(3), nn.BatchNorm1d(3)
+    y, ref_y = ours(_slice(X, sizes, rank)), _slice(ref(X), sizes, rank)
+    torch.testing.assert_close(y, ref_y, equal_nan=True, **TOL)
+    assert y[:, 1].isnan().all() and not y[:, [0, 2]].isnan().any()
+    torch.testing.assert_close(ours.running_var, ref.running_var, equal_nan=True, **TOL)
+
+
+PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_and_checkpointed,
+          _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank]
+
+
+def _probes_rank(rank, ws):
+    out = {}
+    for probe in PROBES:
+        try:
+            probe(rank, ws)
+            out[probe.__name__] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported per probe
+            out[probe.__name__] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-1500:]
+    return out
+
+
+def test_user_recipes_at_world_size_2():
+    results = run_distributed(_probes_rank, 2, timeout=240)
+    failed = {f"rank {r} {name}": err for r, out in enumerate(results)
+              for name, err in out.items() if err != "ok"}
+    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool, torch.complex64])
+def test_non_float_input_is_refused_by_name(dtype):
+    """BatchNorm has no integer/bool/complex form (torch raises); the layer used to return
+    the normalized values cast back to the integer dtype, silently."""
+    bn = SyncBatchNorm(3)
+    x = torch.ones(4, 3, 2, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"floating-point input, got {dtype} of shape \(4, 3, 2\)"):
+        bn(x)
+    assert int(bn.num_batches_tracked) == 0
+    with pytest.raises(TypeError, match="floating-point"):
+        bn.eval()(x)
+
+
+def test_reconvert_takes_the_new_group_and_keeps_tensors():
+    """torch's convert_sync_batchnorm rebuilds SyncBatchNorm layers too; ours used to skip
+    its own, so a group passed when converting a second time was silently ignored."""
+    group = object()  # stands for a process group: carried over as is
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3, momentum=None), nn.BatchNorm1d(2, affine=False))
+    model[2].eval()
+    first = SyncBatchNorm.convert_sync_batchnorm(model)
+    tensors = dict(first.state_dict(keep_vars=True))
+    again = SyncBatchNorm.convert_sync_batchnorm(first, process_group=group)
+    assert [m.process_group for m in again.modules() if isinstance(m, SyncBatchNorm)] == [group, group]
+    assert all(v is tensors[k] for k, v in again.state_dict(keep_vars=True).items())
+    assert again[1].momentum is None and again[1].training and not again[2].training
+    root = SyncBatchNorm(4, eps=1e-3)
+    converted = SyncBatchNorm.convert_sync_batchnorm(root, process_group=group)
+    assert converted.process_group is group and converted.eps == 1e-3 and converted.weight is root.weight
+
+
+def test_state_dict_round_trip_with_torch_batchnorm():
+    """Our state_dict loads into nn.BatchNorm2d (converting back) and torch's into ours,
+    num_batches_tracked included; both then normalize alike in eval."""
+    torch.manual_seed(0)
+    ours = SyncBatchNorm(3, momentum=None)
+    for _ in range(3):
+        ours(torch.randn(4, 3, 2, 2) * 2 + 1)
+    back = nn.BatchNorm2d(3, momentum=None)
+    back.load_state_dict(ours.state_dict())
+    assert int(back.num_batches_tracked) == 3
+    x = torch.randn(2, 3, 2, 2)
+    torch.testing.assert_close(ours.eval()(x), back.eval()(x), **TOL)
+    again = SyncBatchNorm(3, momentum=None)
+    again.load_state_dict(back.state_dict())
+    assert int(again.num_batches_tracked) == 3
+    torch.testing.assert_close(again.eval()(x), back(x), **TOL)

@@ -535,3 +535,31 @@ def test_first_forward_in_inference_mode_then_training_matches_fsdp2():
     backward failed writing them)."""
     seed = _seed()
     assert run_distributed(_inference_first, 2, seed) == [True, True], f"seed {seed}"
+
+
+# ------------------------------------------------------------- deep copies
+def _deepcopy(rank, ws):
+    import copy
+
+    import fusedist
+
+    model = Stack()
+    for m in model.blocks:
+        fusedist.fully_shard(m, mesh=_mesh(ws))
+    fusedist.fully_shard(model, mesh=_mesh(ws))
+    errors = []
+    for target in (model, model.blocks[0]):
+        try:
+            copy.deepcopy(target)
+        except TypeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_deepcopy_is_refused_by_name_as_in_fsdp2():
+    """FSDP2 refuses deepcopy of a sharded module with an AssertionError; fusedist's failed deep
+    inside ("cannot pickle 'WeakMethod'"). Now a TypeError that says what to do instead."""
+    for errors in run_distributed(_deepcopy, 2):
+        assert len(errors) == 2, errors
+        for e in errors:
+            assert "cannot be deep-copied" in e and "full_state_dict" in e, e

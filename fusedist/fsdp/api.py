@@ -241,6 +241,15 @@ class FullyShardedModule:
     def _fs_state(self) -> FullyShardState:
         return state_of(self)
 
+    def __deepcopy__(self, memo):
+        # torch's FSDP2 refuses too; without this, deepcopy failed deep inside on a weak method.
+        raise TypeError(
+            f"fusedist.fully_shard: a sharded module ({type(self).__name__}) cannot be deep-copied: its "
+            "parameters are this rank's pieces, bound to its units and process group. Copy the model "
+            "before sharding it, or take its weights with fusedist.fsdp.full_state_dict(model) (or "
+            "model.state_dict(), this rank's pieces)"
+        )
+
     def _fs_states(self, recurse: bool = True):
         mods = self.modules() if recurse else [self]
         return [st for st in (state_of(m) for m in mods) if st is not None]

@@ -60,7 +60,7 @@ def main():
     trainer.fit(Regressor(), DataLoader(synthetic_data(), batch_size=64, shuffle=True))
     if trainer.is_global_zero:
         print(f"final loss {trainer.callback_metrics['loss'].item():.4f} "
-              f"(optimizer {type(trainer.optimizers[0]).__name__}, ZeRO stage {args.zero})")
+              f"(optimizer {type(trainer.optimizers[0]).__qualname__}, ZeRO stage {args.zero})")
 
 
 if __name__ == "__main__":

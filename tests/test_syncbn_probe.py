@@ -235,3 +235,11 @@ def test_state_dict_round_trip_with_torch_batchnorm():
     again.load_state_dict(back.state_dict())
     assert int(again.num_batches_tracked) == 3
     torch.testing.assert_close(again.eval()(x), back(x), **TOL)
+
+
+def test_zero_channels_is_refused_by_name():
+    """torch.nn.SyncBatchNorm refuses an input with no channels; ours died on a
+    ZeroDivisionError inside its statistics."""
+    for train in (True, False):
+        with pytest.raises(ValueError, match=r"channels must be non-zero \(input shape \(4, 0, 2\)\)"):
+            SyncBatchNorm(0).train(train)(torch.randn(4, 0, 2))

@@ -90,6 +90,11 @@ class SyncBatchNorm(_BatchNorm):
                 f"channels in dim 1, got {input.shape[1]} (input shape {tuple(input.shape)})"
                 f"{_rank_suffix()}"
             )
+        if input.shape[1] == 0:  # as torch.nn.SyncBatchNorm refuses it (no channel to normalize)
+            raise ValueError(
+                f"SyncBatchNorm: the number of input channels must be non-zero (input shape "
+                f"{tuple(input.shape)}){_rank_suffix()}"
+            )
         if self.weight is not None and self.weight.device != input.device:
             raise ValueError(
                 f"SyncBatchNorm: input is on {input.device} but the layer's parameters are on "

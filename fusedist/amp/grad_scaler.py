@@ -70,6 +70,8 @@ gradients are shards only it reads (``p.grad`` is None), so there is nothing to 
 
 from __future__ import annotations
 
+import math
+import operator
 import warnings
 import weakref
 from collections import defaultdict
@@ -83,6 +85,7 @@ from ..optim.step_context import mark_pending
 from ..ownership import gradient_holders_of
 
 MIN_SCALE_POLICIES = ("warn", "raise")
+_TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def is_fused(optimizer) -> bool:
@@ -165,6 +168,36 @@ def _refuse_fp16_in_place(optimizer) -> None:
         )
 
 
+def _real(value) -> Optional[float]:
+    try:
+        return None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_settings(where: str, scale_name: str, scale, growth_factor, backoff_factor, growth_interval) -> None:
+    """torch checks only growth_factor > 1 and backoff_factor < 1; the values below pass its
+    checks yet train wrongly without an error: a scale of 0 zeroes every gradient (or makes
+    every step overflow), a backoff factor <= 0 or an infinite growth factor makes the scale 0,
+    negative or inf after one update, and growth_interval <= 0 never grows the scale."""
+    problems = []
+    s, gf, bf = _real(scale), _real(growth_factor), _real(backoff_factor)
+    if s is None or not (math.isfinite(s) and s > 0):
+        problems.append(f"{scale_name} must be a finite number > 0, got {scale!r}")
+    if gf is None or not math.isfinite(gf):
+        problems.append(f"growth_factor must be a finite number, got {growth_factor!r}")
+    if bf is None or not bf > 0:
+        problems.append(f"backoff_factor must be a number > 0, got {backoff_factor!r}")
+    try:
+        interval = None if isinstance(growth_interval, bool) else operator.index(growth_interval)
+    except TypeError:
+        interval = None
+    if interval is None or interval < 1:
+        problems.append(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+
+
 class GradScaler(_TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
@@ -174,7 +207,9 @@ class GradScaler(_TorchGradScaler):
     else reading ``p.grad`` sees unscaled values; it also records the global norm, so
     ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Like torch's,
     it refuses float16 gradients (in place they would underflow); ``lazy_unscale`` takes them.
-    Extra keyword-only arguments:
+    Settings torch takes silently but cannot train with (``init_scale`` <= 0 or not finite,
+    ``backoff_factor`` <= 0, an infinite ``growth_factor``, ``growth_interval`` not an integer
+    >= 1) raise ValueError, here and in ``load_state_dict``. Extra keyword-only arguments:
 
     * ``lazy_unscale`` (default False): ``unscale_`` only checks and measures the gradients
       (one read-only pass) and the optimizer's update unscales inline, saving the write of
@@ -201,6 +236,8 @@ class GradScaler(_TorchGradScaler):
                  hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn",
                  lazy_unscale: bool = False):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        if self._enabled:  # (torch checks its factors only when enabled, too)
+            _check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
         self.lazy_unscale = bool(lazy_unscale)
         if int(hysteresis) != hysteresis or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
@@ -369,7 +406,8 @@ class GradScaler(_TorchGradScaler):
         new_hyst = torch.where(found, hyst - 1, torch.full_like(hyst, self._hysteresis))
         backoff = found & (new_hyst <= 0)
         successful = growth_tracker + 1
-        attempt = (~found) & (successful >= self._growth_interval)
+        # "==" as torch's kernel: a count loaded beyond the interval never grows there either.
+        attempt = (~found) & (successful == self._growth_interval)
         grown = scale * self._growth_factor
         # torch keeps the scale if growing overflows it, but restarts the growth count all
         # the same (its _amp_update_scale_): the tracker is reset on every attempt.
@@ -413,6 +451,15 @@ class GradScaler(_TorchGradScaler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._enabled and state_dict:  # validate, then load: torch's load stops half-way at a missing key
+            missing = [k for k in _TORCH_STATE_KEYS if k not in state_dict]
+            if missing:
+                raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing} "
+                               f"(it has {sorted(state_dict)}); not a GradScaler state dict?")
+            _check_settings("GradScaler.load_state_dict", "scale", *(state_dict[k] for k in _TORCH_STATE_KEYS[:4]))
+            hysteresis = state_dict.get("hysteresis", 1)
+            if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+                raise ValueError(f"GradScaler.load_state_dict: hysteresis must be an integer >= 1, got {hysteresis!r}")
         super().load_state_dict(state_dict)
         if not self._enabled:
             return

@@ -243,3 +243,32 @@ def test_zero_channels_is_refused_by_name():
     for train in (True, False):
         with pytest.raises(ValueError, match=r"channels must be non-zero \(input shape \(4, 0, 2\)\)"):
             SyncBatchNorm(0).train(train)(torch.randn(4, 0, 2))
+
+
+def _interleaved_groups_rank(rank, ws):
+    """Two groups at world 4, interleaved ([0, 2] and [1, 3]), uneven batches: each group's
+    ranks together are a converted conv + linear net on their own global batch."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # collective: every rank creates both
+    members = [0, 2] if rank % 2 == 0 else [1, 3]
+    sizes = {0: 2, 1: 1, 2: 3, 3: 4}
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(16, 5), nn.BatchNorm1d(5))
+    model = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref), process_group=groups[rank % 2])
+    group_sizes = [sizes[m] for m in members]
+    X, _ = _data(group_sizes, (3, 2, 2), seed=rank % 2)
+    DY = torch.randn(X.shape[0], 5, generator=torch.Generator().manual_seed(rank % 2))
+    me = members.index(rank)
+    for _ in range(2):
+        y, dx = _grad_step(model, _slice(X, group_sizes, me), _slice(DY, group_sizes, me))
+        ref_y, ref_dx = _grad_step(ref, X, DY)
+        torch.testing.assert_close(y, _slice(ref_y, group_sizes, me), **TOL)
+        # the input gradient goes back through the conv: summed in another order
+        torch.testing.assert_close(dx, _slice(ref_dx, group_sizes, me), rtol=1e-4, atol=1e-5)
+    for name in ("1.running_var", "5.running_mean", "5.running_var"):
+        torch.testing.assert_close(model.get_buffer(name), ref.get_buffer(name), **TOL)
+    return True
+
+
+def test_interleaved_groups_at_world_size_4():
+    assert run_distributed(_interleaved_groups_rank, 4, timeout=240) == [True] * 4

@@ -361,3 +361,13 @@ def test_fully_shard_two_optimizers_and_an_empty_piece_skip_together():
         assert got == want, (got, want)
         assert want[2] < want[1], want  # step 2 overflowed: backoff
         assert diff < TOL, diff
+
+
+# --------------------------------------------------------------------------- choose_precision
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_choose_precision_for_an_absent_gpu_names_the_device():
+    from fusedist.amp import choose_precision
+
+    with pytest.raises(RuntimeError, match=r"choose_precision: the device cuda:0 is not available"):
+        choose_precision("cuda:0")
+    assert choose_precision("cuda", choice="bf16").name == "bf16"  # an explicit choice needs no probe

@@ -55,6 +55,10 @@ def _matmul_seconds(dtype: torch.dtype, device: torch.device, repeats: int = 5) 
 
 def _local_choice(device: torch.device) -> PrecisionChoice:
     if device.type == "cuda":
+        if not torch.cuda.is_available():  # (else an assertion deep in torch.cuda)
+            raise RuntimeError(
+                f"choose_precision: the device {device} is not available (torch.cuda.is_available() is "
+                "False); pass the device the model trains on, or choice='fp32'/'bf16'/'fp16'.")
         if torch.cuda.is_bf16_supported():
             name = torch.cuda.get_device_name(device)
             return PrecisionChoice("bf16", f"{name} computes bf16 natively")

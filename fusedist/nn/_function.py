@@ -85,6 +85,13 @@ def _param_grads(ctx, sums: torch.Tensor, weight: Optional[torch.Tensor]):
     return grad_w, grad_b
 
 
+def _blend_(buffer: torch.Tensor, value: torch.Tensor, momentum: float) -> None:
+    """``buffer = (1 - momentum) * buffer + momentum * value`` in fp64 (``value`` is), rounded
+    once to the buffer's dtype: in place on fp16/bf16 buffers, the scaling and the addition
+    each rounded, doubling the drift of half-precision running statistics."""
+    buffer.copy_(buffer.to(value.dtype) * (1.0 - momentum) + value * momentum)
+
+
 class BatchStatsNorm(torch.autograd.Function):
     """Normalize with the statistics of the global batch (this rank's alone when ``comm`` is
     None) and update the running statistics with them, if given."""
@@ -104,8 +111,8 @@ class BatchStatsNorm(torch.autograd.Function):
             # global batch (count 0: mean and var are NaN, y is empty) leaves them alone, as
             # BatchNorm does.
             unbiased = stats.m2 / (stats.count - 1)
-            running_mean.mul_(1.0 - momentum).add_(stats.mean.to(running_mean.dtype), alpha=momentum)
-            running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+            _blend_(running_mean, stats.mean, momentum)
+            _blend_(running_var, unbiased, momentum)
         y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.layout, ctx.count, ctx.comm = layout, stats.count, comm

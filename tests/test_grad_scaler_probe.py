@@ -328,7 +328,8 @@ def _fully_shard_worker(rank, ws):
     ours = copy.deepcopy(ref)
     fusedist.fully_shard(ours, mesh=init_device_mesh("cpu", (ws,)))
     opts = [FusedAdamW([ours.lin.weight, ours.lin.bias], lr=1e-2), torch.optim.SGD([ours.gain], lr=0.1, momentum=0.9)]
-    refs = [torch.optim.AdamW([ref.lin.weight, ref.lin.bias], lr=1e-2), torch.optim.SGD([ref.gain], lr=0.1, momentum=0.9)]
+    refs = [torch.optim.AdamW([ref.lin.weight, ref.lin.bias], lr=1e-2),
+            torch.optim.SGD([ref.gain], lr=0.1, momentum=0.9)]
     kw = dict(init_scale=2.0 ** 8, growth_interval=1)
     sc, rsc = GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
     got, want = [], []

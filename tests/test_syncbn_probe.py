@@ -1,15 +1,16 @@
 """fusedist.nn.SyncBatchNorm under user recipes that tests/test_syncbn*.py do not cover.
 
 Oracle: nn.BatchNorm on the concatenated global batch (torch.nn.SyncBatchNorm has no CPU
-kernel). The multi-rank recipes share one spawn of 2 gloo ranks; each reports "ok" or its
-traceback, so one failure does not hide the others. fp32 against fp32: both sum ~10-100
-values in fp32 (or better), so 1e-5 covers the difference in summation order.
+kernel). The world-2 recipes share one spawn of 2 gloo ranks; each reports "ok" or its
+traceback, so one failure does not hide the others; interleaved groups take one world-4 spawn.
+fp32 against fp32: both sum ~10-100 values in fp32 (or better), so 1e-5 covers the
+difference in summation order. Half-precision running statistics are held to torch's own
+half-precision error against an fp64 oracle.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import traceback
 
 import pytest

@@ -87,8 +87,8 @@ def _param_grads(ctx, sums: torch.Tensor, weight: Optional[torch.Tensor]):
 
 def _blend_(buffer: torch.Tensor, value: torch.Tensor, momentum: float) -> None:
     """``buffer = (1 - momentum) * buffer + momentum * value`` in fp64 (``value`` is), rounded
-    once to the buffer's dtype: in place on fp16/bf16 buffers, the scaling and the addition
-    each rounded, doubling the drift of half-precision running statistics."""
+    once to the buffer's dtype, as torch's BatchNorm rounds it: scaling and adding in place
+    in fp16/bf16 rounds twice and doubles the drift of half-precision running statistics."""
     buffer.copy_(buffer.to(value.dtype) * (1.0 - momentum) + value * momentum)
 
 

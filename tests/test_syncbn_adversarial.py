@@ -228,9 +228,10 @@ PROBES = [_one_value_per_rank, _different_lengths, _nan_on_one_rank, _backward_t
           _subset_groups, _half_params, _autocast, _empty_everywhere, _eval_batch_stats_empty_rank]
 
 
-def _probes_rank(rank, ws):
+def _probes_rank(rank, ws, probes):
+    """Run every probe on this rank; "ok" or the end of its traceback, by name."""
     out = {}
-    for probe in PROBES:
+    for probe in probes:
         try:
             probe(rank, ws)
             out[probe.__name__] = "ok"
@@ -239,11 +240,16 @@ def _probes_rank(rank, ws):
     return out
 
 
-def test_adversarial_probes_at_world_size_3():
-    results = run_distributed(_probes_rank, 3, timeout=300)
+def run_probes(probes, world: int, timeout: float) -> None:
+    """The probes on ``world`` ranks in one spawn; fails listing every probe that failed on a rank."""
+    results = run_distributed(_probes_rank, world, probes, timeout=timeout)
     failed = {f"rank {r} {name}": err for r, out in enumerate(results)
               for name, err in out.items() if err != "ok"}
     assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+
+
+def test_adversarial_probes_at_world_size_3():
+    run_probes(PROBES, 3, timeout=300)
 
 
 # ----------------------------------------------------------------------------- one process

@@ -11,7 +11,6 @@ half-precision error against an fp64 oracle.
 from __future__ import annotations
 
 import copy
-import traceback
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fusedist.nn import SyncBatchNorm
 from fusedist.testing import run_distributed
+from test_syncbn_adversarial import run_probes
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 _BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -169,22 +169,8 @@ PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_an
           _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank]
 
 
-def _probes_rank(rank, ws):
-    out = {}
-    for probe in PROBES:
-        try:
-            probe(rank, ws)
-            out[probe.__name__] = "ok"
-        except Exception as exc:  # noqa: BLE001 - reported per probe
-            out[probe.__name__] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-1500:]
-    return out
-
-
 def test_user_recipes_at_world_size_2():
-    results = run_distributed(_probes_rank, 2, timeout=240)
-    failed = {f"rank {r} {name}": err for r, out in enumerate(results)
-              for name, err in out.items() if err != "ok"}
-    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+    run_probes(PROBES, 2, timeout=240)
 
 
 # ----------------------------------------------------------------------------- one process

@@ -20,28 +20,10 @@ from torch.utils.checkpoint import checkpoint
 
 from fusedist.nn import SyncBatchNorm
 from fusedist.testing import run_distributed
-from test_syncbn_adversarial import run_probes
+from test_syncbn_adversarial import _all_sum, _data, _slice, run_probes
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 _BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
-
-
-def _slice(t, sizes, rank):
-    start = sum(sizes[:rank])
-    return t[start:start + sizes[rank]]
-
-
-def _all_sum(t):
-    t = t.clone()
-    dist.all_reduce(t)
-    return t
-
-
-def _data(sizes, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn((sum(sizes),) + shape, generator=g) * 2 + 3
-    DY = torch.randn(X.shape, generator=g)
-    return X, DY
 
 
 def _grad_step(module, x, dy, fmt=None):

@@ -119,6 +119,8 @@ class HookHandle:
     def __init__(self, future, hook_bucket: HookBucket, name: str, rank: int, timeout: datetime.timedelta):
         self.future = future
         self.hook_bucket = hook_bucket
+        self.index = hook_bucket.index()
+        self.tag = f"ddp bucket {self.index}"  # the reducer's own name for the bucket's collective
         self.name, self.rank, self.timeout = name, rank, timeout
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
@@ -129,25 +131,22 @@ class HookHandle:
     def wait_done(self) -> None:
         """Block until the future has completed, at most the collective timeout."""
         if not self._done.wait(self.timeout.total_seconds()):
-            index = self.hook_bucket.index()
             raise CollectiveError(
                 f"fusedist DDP (rank {self.rank}): the communication hook {self.name} did not complete "
-                f"bucket {index} within {self.timeout.total_seconds():.0f} s (FUSEDIST_TIMEOUT_S): a rank "
+                f"bucket {self.index} within {self.timeout.total_seconds():.0f} s (FUSEDIST_TIMEOUT_S): a rank "
                 "may have stopped, skipped this backward or run a different model, or the hook's future "
                 "is never completed",
-                op="comm hook", tag=f"ddp bucket {index}", rank=self.rank,
+                op=self.op, tag=self.tag, rank=self.rank,
             )
 
     def wait(self) -> torch.Tensor:
-        index = self.hook_bucket.index()
-        tag = f"ddp bucket {index}"
         self.wait_done()
         try:
             value = self.future.wait()  # done: returns at once (on CUDA, orders the current stream)
         except Exception as exc:  # noqa: BLE001 - whatever the hook's collectives raised
             raise CollectiveError(
                 f"fusedist DDP (rank {self.rank}): the communication hook {self.name} failed on bucket "
-                f"{index}: {exc}", op="comm hook", tag=tag, rank=self.rank,
+                f"{self.index}: {exc}", op=self.op, tag=self.tag, rank=self.rank,
             ) from exc
         return value
 

@@ -363,7 +363,7 @@ class Reducer:
         self.pending = [len(b.params) - (sum(p in inactive for p in b.params) if inactive else 0)
                         for b in self.layout.buckets]
         arrivals = self.arrivals  # Note [gradients that arrive twice]
-        learning = arrivals is not None and not shadow and arrivals.begin(self, self.next_backward_sync)
+        learning = arrivals is not None and not shadow and arrivals.begin(self.next_backward_sync)
         repeated = arrivals.extra_per_bucket if arrivals is not None and not shadow else {}
         for index, extra in repeated.items():
             self.pending[index] += extra

@@ -45,7 +45,7 @@ class ArrivalCounts:
         self.now: dict = {}  # parameter -> arrivals so far in this backward (second and later)
         self.extra_per_bucket: dict[int, int] = {}  # bucket index -> sum(expected - 1)
 
-    def begin(self, reducer: "Reducer", sync: bool) -> bool:
+    def begin(self, sync: bool) -> bool:
         """A backward begins; True if it is the one that learns (launches deferred)."""
         self.now = {}
         self.learning = sync and not self.learned

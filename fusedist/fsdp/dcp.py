@@ -288,21 +288,12 @@ def _entries(module: nn.Module, prefix: str):
 
 def _without_wrapper_segments(module: nn.Module, name: str) -> str:
     """The module path ``name`` under ``module`` without the segments of torch's checkpoint
-    wrappers, found by walking the tree (a user's module whose name merely contains the
-    wrapper's attribute keeps it): the path their state-dict hooks rename a key to."""
-    from ..checkpoint._names import _CHECKPOINT_WRAPPED, _inner
+    wrappers: the path their state-dict hooks rename a key to."""
+    from ..checkpoint._names import _CHECKPOINT_WRAPPED, canonical_key
 
     if _CHECKPOINT_WRAPPED not in name:
         return name
-    out, obj = [], module
-    for part in name.split("."):
-        inner = _inner(obj, part) if part == _CHECKPOINT_WRAPPED else None
-        if inner is None:
-            out.append(part)
-            obj = obj._modules.get(part) if isinstance(obj, nn.Module) else None
-        else:
-            obj = inner
-    return ".".join(out)
+    return canonical_key(module, name, segments=(_CHECKPOINT_WRAPPED,))
 
 
 def _pre_state_dict(module, prefix, keep_vars) -> None:

@@ -487,7 +487,7 @@ def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
         params = _optimizer_params(optimizer)
         full = _from_dcp.to_torch_format(optim, _param_names(model, params),
                                          [len(g["params"]) for g in optimizer.param_groups], source)
-        plan["optimizer"] = _prepare_full(full, directory, model, optimizer, params, source)
+        plan["optimizer"] = _prepare_full(full, directory, target, _sharding(target), optimizer, params, source)
     return plan
 
 
@@ -542,8 +542,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     params = _optimizer_params(optimizer)
     names = _param_names(model, params)
     target = _unwrap(model)
-    sharded_target = bool(stage3.units(target))
-    where = stage3.piece_index(target) if sharded_target else {}
+    sharded_target, where = sharding = _sharding(target)
     saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
     if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
         first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
@@ -577,14 +576,19 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
         _checks.check_loadable(optimizer, full, directory)
         return full
-    return _prepare_full(common["optimizer"], directory, model, optimizer, params, source)
+    return _prepare_full(common["optimizer"], directory, target, sharding, optimizer, params, source)
 
 
-def _prepare_full(full: dict, directory, model, optimizer, params, source: str):
-    """What :func:`_apply` loads from ``full``, an unsharded optimizer's state in torch's format."""
-    target = _unwrap(model)
-    sharded_target = bool(stage3.units(target))
-    where = stage3.piece_index(target) if sharded_target else {}
+def _sharding(target) -> tuple[bool, dict]:
+    """Whether ``target`` is sharded with fully_shard, and its piece index ({} when not)."""
+    sharded = bool(stage3.units(target))
+    return sharded, stage3.piece_index(target) if sharded else {}
+
+
+def _prepare_full(full: dict, directory, target, sharding: tuple, optimizer, params, source: str):
+    """What :func:`_apply` loads from ``full``, an unsharded optimizer's state in torch's format
+    (``sharding``: :func:`_sharding` of the bare module ``target``)."""
+    sharded_target, where = sharding
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.prepare_load(full, source=source)
     if sharded_target:

@@ -306,7 +306,7 @@ def _layer_drop(rank, ws, seed):
 def test_alike_units_dropped_per_rank_are_reported_naming_units():
     """Layer drop with a different block per rank: the same number of gathers and reductions
     of the same sizes (FSDP2 trains on mixed blocks silently). With gloo the messages carry a
-    hash of the collective's tag (Note [exchange tags] in fusedist/comm/gloo_exchange.py), so
+    hash of the collective's tag (Note [exchange tags] in fusedist/comm/exchange_tags.py), so
     the gathers of different blocks do not pair: the first forward fails within the timeout on
     every rank, naming the unit it waited for. Where they would pair anyway (a hash collision,
     or a transport without tags) fusedist's step check compares the units each rank ran, and

@@ -258,11 +258,11 @@ def test_mode_from_env(monkeypatch):
 
 
 def test_tags_stay_in_their_range():
-    from fusedist.comm import gloo_exchange as gx
+    from fusedist.comm import exchange_tags as gx
 
     labels = [lab for lab in ("", "zero2 bucket 0", "zero2 bucket 1", "blocks.0", "blocks.1")]
-    assert len({gx._label_bits(lab) for lab in labels}) == len(labels)  # these differ
-    tags = {gx._tag(kind, seq, chunk, label) for kind in ("reduce_scatter", "all_gather")
+    assert len({gx.label_bits(lab) for lab in labels}) == len(labels)  # these differ
+    tags = {gx.message_tag(kind, seq, chunk, label) for kind in ("reduce_scatter", "all_gather")
             for seq in (0, 1, (1 << gx.SEQ_BITS) - 1) for chunk in (0, 1, (1 << gx.CHUNK_BITS) - 1)
             for label in labels}
     assert len(tags) == 2 * 3 * 3 * len(labels)

@@ -128,7 +128,7 @@ class Communicator(abc.ABC):
         self.last_seq = -1
         self.last_tag = ""
         #: What the last collective's messages are matched by where the transport tags them
-        #: (the gloo exchange, Note [exchange tags]): its tag unless the caller chose another.
+        #: (the gloo exchange, Note [exchange tags] in exchange_tags.py): its tag unless the caller chose another.
         self.last_label = ""
         #: Optional observer with ``on_launch(comm, handle)`` / ``on_failure(comm, handle,
         #: error)``; the reliability monitor plugs in here.
@@ -224,7 +224,7 @@ class Communicator(abc.ABC):
     def all_gather(self, output, input, *, async_op: bool = False, tag: str = "",
                    label: Optional[str] = None) -> CommHandle:
         """``label``: what the messages are matched by where the transport tags them (default
-        ``tag``; Note [exchange tags] in gloo_exchange.py) -- one label for calls that must
+        ``tag``; Note [exchange tags] in exchange_tags.py) -- one label for calls that must
         pair although their tags differ (the object exchanges' headers)."""
         self._check_flat("all_gather", output, input)
         if output.numel() != input.numel() * self.world_size:

@@ -31,7 +31,8 @@ rank's slice of the output.
 ``builtin`` keeps gloo's own collectives. Every rank of a group must use the same setting
 (a mix turns into a timeout, not a wrong result).
 
-See Note [exchange determinism], Note [exchange tags] and Note [receives first, sends later].
+See Note [exchange determinism], Note [exchange tags] (exchange_tags.py) and Note [receives
+first, sends later].
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ import queue
 import threading
 import time
 import traceback
-import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .exchange_tags import message_tag
 
 ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
 MODES = ("p2p", "builtin")
@@ -60,34 +61,6 @@ MODES = ("p2p", "builtin")
 #: does not pay for more handshakes. Module-level so tests can shrink it and drive many
 #: chunks through small tensors.
 CHUNK_BYTES = 16 << 20
-
-# Note [exchange tags]
-# ~~~~~~~~~~~~~~~~~~~~
-# Every message carries the tag
-#     TAG_BASE | kind << 29 | label << 23 | (seq mod 2**SEQ_BITS) << CHUNK_BITS | (chunk mod 2**CHUNK_BITS)
-# where seq is the communicator's collective sequence number, kind tells reduce-scatter (0)
-# from all-gather (1) and label is 6 bits of a hash of the collective's tag ("zero2 bucket 3",
-# "fully_shard grads blocks.1 (Block)"). All ranks issue collectives in the same order, so one
-# collective has the same seq, kind and label everywhere. A rank that is out of step posts
-# receives that no send matches, the wait times out and becomes a CollectiveError, instead
-# of pairing two collectives of the same size: a rank that issued a collective of the other
-# kind differs in kind; one that skipped a collective (a unit its forward did not run) issues
-# the next one at the skipped one's seq, and differs in label (seq alone matched there, and
-# the two all-gathers of alike blocks paired silently) -- unless the two tags' hashes agree,
-# one chance in 64. (A caller may give a label other than the tag: the object exchanges'
-# headers share one, so that ranks in different exchanges pair there and each sees what the
-# others are in, Note in objects.py.) The chunk index makes the pairing of chunks independent of the
-# transport's message order. Tags lie in [2**30, 2**31): far from user point-to-point traffic
-# (tag 0 by default) and within gloo's C int tags. Several collectives may be in flight at
-# once: they differ in seq; a clash would need 2**13 collectives in flight on one group. A
-# collective of more than 2**10 chunks (16 GiB) reuses chunk tags, posted in the same order on
-# both sides. Each process group has its own gloo connections, so groups never share tags.
-TAG_BASE = 1 << 30
-KIND_SHIFT = 29
-LABEL_BITS = 6
-CHUNK_BITS = 10
-SEQ_BITS = KIND_SHIFT - LABEL_BITS - CHUNK_BITS
-_KINDS = {"reduce_scatter": 0, "all_gather": 1}
 
 # Note [receives first, sends later]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -136,16 +109,6 @@ def validate_reduce_op(op: str, dtype: torch.dtype) -> None:
             f"fusedist reduce_scatter: op='avg' needs a floating-point tensor, got {dtype} (as with "
             "gloo); reduce with 'sum' and divide, or convert to a floating-point dtype"
         )
-
-
-def _label_bits(label: str) -> int:
-    """6 bits of a hash of a collective's tag, the same in every process (not Python's hash)."""
-    return zlib.crc32(label.encode()) % (1 << LABEL_BITS)
-
-
-def _tag(kind: str, seq: int, chunk: int, label: str = "") -> int:
-    return (TAG_BASE | _KINDS[kind] << KIND_SHIFT | _label_bits(label) << (KIND_SHIFT - LABEL_BITS)
-            | (seq % (1 << SEQ_BITS)) << CHUNK_BITS | (chunk % (1 << CHUNK_BITS)))
 
 
 def _chunk_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
@@ -492,7 +455,7 @@ class GlooExchange:
     def _post(self, kind: str, seq: int, label: str, numel: int, element_size: int, send_slice, recv_slice):
         """Post the receives of one exchange and prepare its sends (posted when driven; Note
         [receives first, sends later]): chunk by chunk, one message per peer and chunk, tagged
-        by Note [exchange tags]. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
+        by Note [exchange tags] in exchange_tags.py. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
         ``recv_slice(src, lo, hi)`` where peer ``src``'s part lands, for elements [lo, hi) of a
         slice. Returns (sends, receives), each entry (work or send to post, peer, global peer,
         chunk)."""
@@ -500,7 +463,7 @@ class GlooExchange:
         sends: list = []
         receives: list = []
         for chunk, (lo, hi) in enumerate(_chunk_bounds(numel, element_size)):
-            tag = _tag(kind, seq, chunk, label)
+            tag = message_tag(kind, seq, chunk, label)
             # Ring order spreads the first messages of all ranks over all links.
             for k in range(1, n):
                 dst, src = (r + k) % n, (r - k) % n

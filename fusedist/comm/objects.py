@@ -27,7 +27,7 @@ from .base import CollectiveError, Communicator
 
 #: Bytes of an exchange's name carried in the header (longer names are cut).
 NAME_BYTES = 96
-#: What every header's messages are matched by (Note [exchange tags] in gloo_exchange.py).
+#: What every header's messages are matched by (Note [exchange tags] in exchange_tags.py).
 HEADER_LABEL = "fusedist object exchange header"
 
 

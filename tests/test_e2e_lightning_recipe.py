@@ -231,19 +231,23 @@ def _close(a, b, tol: float) -> bool:
     return bool(((a[fin] - b[fin]).abs() <= tol).all())
 
 
-def _compare(ours: dict, ref: dict, tol: float, what: str, norms: bool = True, opt: bool = True) -> None:
+def _compare(ours: dict, ref: dict, tol, what: str, norms: bool = True, opt: bool = True) -> None:
+    """``tol`` is one tolerance for everything, or a dict of them by key with a ``"state"``
+    entry for the weights and the optimizer state and an ``"outputs"`` one for the rest."""
+    tols = tol if isinstance(tol, dict) else {"state": tol, "outputs": tol}
     keys = ("loss", "val", "lr", "weights") + (("norm",) if norms else ())
     for key in keys:
         assert len(ours[key]) == len(ref[key]), f"{what}: {key}: {len(ours[key])} entries against {len(ref[key])}"
+        key_tol = tols["state"] if key == "weights" else tols["outputs"]
         for i, (a, b) in enumerate(zip(ours[key], ref[key])):
-            assert _close(a, b, tol), f"{what}: {key}[{i}] differ:\n ours {a}\n ddp  {b}"
+            assert _close(a, b, key_tol), f"{what}: {key}[{i}] differ by more than {key_tol}:\n ours {a}\n ddp  {b}"
     assert ours["global_step"] == ref["global_step"], what
     if not opt:  # a ZeRO optimizer's state is consolidated on rank 0 only
         ref = dict(ref, opt={})
     assert ours["opt"].keys() == ref["opt"].keys(), f"{what}: optimizer state of {ours['opt'].keys()} vs {ref['opt'].keys()}"
     for i, state in ref["opt"].items():
         for k, v in state.items():
-            assert _close(ours["opt"][i][k], v, tol), f"{what}: optimizer state {i}.{k} differs"
+            assert _close(ours["opt"][i][k], v, tols["state"]), f"{what}: optimizer state {i}.{k} differs"
     assert ours["sched"]["last_epoch"] == ref["sched"]["last_epoch"], what
     assert _close(ours["sched"]["_last_lr"], ref["sched"]["_last_lr"], 1e-12), what
     # fusedist's GradScaler state has torch's keys and a few of its own (hysteresis).
@@ -281,8 +285,12 @@ CASES = {
     "manual optimization, fused AdamW, bf16-mixed": (dict(manual=True, precision="bf16-mixed", resume=True), 1e-3),
     # The module clips before Lightning's fp16 unscale: the scaled gradients, so the steps are
     # ~1e-4 (Note [clipping before the unscale]); an unclipped step moves the weights by 5e-2.
+    # Steps that small keep the FP32 weights and momenta within 1e-5 (so a missed clip or step
+    # shows), while the losses, computed by fp16 matmuls, take the fp16 rule: a weight an ulp
+    # away can round an fp16 output to its neighbour (2^-11 relative).
     "manual optimization, ZeRO 1, fused SGD, fp16-mixed": (dict(manual=True, precision="16-mixed", optimizer="sgd",
-                                                                fusedist=dict(zero_stage=1), moved=5e-4), 1e-5),
+                                                                fusedist=dict(zero_stage=1), moved=5e-4),
+                                                           {"state": 1e-5, "outputs": 1e-3}),
     # Welford statistics against the reference's two-pass batch norm: an ulp (1e-7) in fp32.
     "sync_batchnorm, ZeRO 1, fused AdamW, fp32": (dict(sync_bn=True, fusedist=dict(zero_stage=1)), 1e-5),
     "fused AdamW, 64-true": (dict(precision="64-true"), 1e-12),

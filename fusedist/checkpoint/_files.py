@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional
 import torch
 
 MANIFEST = "manifest.json"
+COMMON = "common.pt"  # rank 0's file: the model, an unsharded optimizer, the scaler, extra
 FORMAT = "fusedist.checkpoint"
 VERSION = 2  # the newest format this fusedist reads and writes
 # Version 2 adds files with names of their own (Note [checkpoint atomicity]); a manifest

@@ -69,7 +69,7 @@ def _is_optimizer(d: dict) -> bool:
 
 def split(tree: dict, expected: dict, normalize, directory: str) -> tuple[dict, Optional[dict]]:
     """(the model's state, the optimizer's or None) in ``tree``. ``normalize`` maps a dict of
-    saved keys to the model's names (``_strip_prefix``)."""
+    saved keys to the model's names (``_names.strip_prefix``)."""
     best, best_overlap, found = None, 0, None
     for _, d in _dicts(tree):  # (by names, not form: a model may have a child called "state")
         tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}

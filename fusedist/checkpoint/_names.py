@@ -87,3 +87,16 @@ def own_keys(root: torch.nn.Module, keys: Iterable[str]) -> dict:
 def legacy_key(key: str) -> str:
     """A saved key as it is canonical now: without ``torch.compile``'s ``_orig_mod`` segments."""
     return ".".join(part for part in key.split(".") if part != _ORIG_MOD)
+
+
+def strip_prefix(state: dict, expected) -> dict:
+    """``state`` with canonical keys: without ``_orig_mod`` segments in keys the model does not
+    know as they are (checkpoints of compiled models written before names were canonical), and
+    without DDP's ``module.`` prefix when every key has it -- unless the keys are the model's
+    own as they are: a model whose only child is called ``module`` saved keys that all start
+    with it, and stripping them made its own checkpoint unloadable."""
+    state = type(state)((k if k in expected else legacy_key(k), v) for k, v in state.items())
+    keys = list(state)
+    if keys and all(k.startswith("module.") for k in keys) and not all(k in expected for k in keys):
+        return type(state)((k[len("module."):], v) for k, v in state.items())
+    return state

@@ -11,8 +11,9 @@ Layout of a checkpoint directory::
                          fragments} (Note [stage-3 checkpoints] in ``stage3.py``)
 
 Both files are dicts of named *sections*; adding per-rank state (RNG states, data-loader
-position) means adding a section to ``_rank_sections`` / ``_common_sections`` and consuming it
-in ``load`` -- older checkpoints simply lack the section.
+position) means adding a section to :func:`rank_sections` / ``_common_sections`` and consuming it
+in ``_load_plan.prepare`` -- older checkpoints simply lack the section. ``load`` reads and checks
+everything before it modifies anything (``_load_plan.py``: the plan, then its application).
 
 The directory must be visible to every rank (a shared filesystem): ranks write their own
 files into it, and at load every rank reads every optimizer shard file (resharding needs the
@@ -40,10 +41,10 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _from_dcp, _names, stage3
+from . import _checks, _files, _load_plan, _names, stage3
 from ._files import CheckpointError
+from ._params import optimizer_params, param_names
 
-COMMON = "common.pt"
 
 
 def rank_file(rank: int) -> str:
@@ -51,25 +52,6 @@ def rank_file(rank: int) -> str:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare module inside fusedist or torch DDP wrappers and ``torch.compile``."""
-    return _names.unwrap(model)
-
-
-def _strip_prefix(state: dict, expected) -> dict:
-    """``state`` with canonical keys (Note [canonical names]): without ``_orig_mod`` segments
-    in keys the model does not know as they are (checkpoints of compiled models written before
-    names were canonical), and without DDP's ``module.`` prefix when every key has it --
-    unless the keys are the model's own as they are: a model whose only child is called
-    ``module`` saved keys that all start with it, and stripping them made its own checkpoint
-    unloadable."""
-    state = type(state)((k if k in expected else _names.legacy_key(k), v) for k, v in state.items())
-    keys = list(state)
-    if keys and all(k.startswith("module.") for k in keys) and not all(k in expected for k in keys):
-        return type(state)((k[len("module."):], v) for k, v in state.items())
-    return state
-
-
 class _World:
     """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
     ZeRO, the units' group for a ``fully_shard`` model, else the default group, else a single
@@ -79,7 +61,7 @@ class _World:
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None):
         self.comm = None
-        sharded_comm = stage3.comm_of(_unwrap(model)) if model is not None else None
+        sharded_comm = stage3.comm_of(_names.unwrap(model)) if model is not None else None
         if sharded_comm is not None:
             self.rank, self.size = sharded_comm.rank, sharded_comm.world_size
             if self.size > 1:
@@ -100,21 +82,6 @@ class _World:
         if self.comm is None:
             return [obj]
         return all_gather_object(self.comm, obj, tag=f"fusedist.checkpoint.{what}")
-
-
-def _param_names(model: torch.nn.Module, params) -> list[str]:
-    """Canonical names (Note [canonical names]) of ``params`` in ``model``."""
-    module = _unwrap(model)
-    names = {p: _names.canonical_key(module, n) for n, p in module.named_parameters()}
-    for unit in stage3.units(module):  # a unit gathered now: its modules hold the unsharded parameters
-        for sp, u in zip(unit.sharded, unit.unsharded):
-            if u in names:
-                names.setdefault(sp, names[u])
-    return [names.get(p, f"<not in model: {tuple(p.shape)}>") for p in params]
-
-
-def _optimizer_params(optimizer) -> list:
-    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 # ---------------------------------------------------------------------------- save
@@ -243,13 +210,13 @@ def _complete(directory: str, save_id: str, rank_entries: list, calls: list, com
         unseen = _checks.unseen_rank_files(directory, files, [c["directory"] for c in calls])
         if unseen is not None:
             return unseen
-        files[COMMON] = _write(directory, COMMON, save_id, common(), rank=0)
+        files[_files.COMMON] = _write(directory, _files.COMMON, save_id, common(), rank=0)
         manifest = dict(base(), created_unix=time.time(), files=files)
         if save_id:
             manifest["version"] = _files.VERSION  # files with names of their own
         _files.write_manifest(directory, manifest)  # the switch: one atomic rename
     except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
-        return f"rank 0 could not write {COMMON} or the manifest in {directory}: {type(exc).__name__}: {exc}"
+        return f"rank 0 could not write {_files.COMMON} or the manifest in {directory}: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -308,9 +275,9 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
     """The manifest :func:`load` reads, less the file list and the time: what was saved and
     at which world size (also written by the periodic ``Checkpointer``)."""
     zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-    params = _optimizer_params(optimizer) if optimizer is not None else []
-    sharded = bool(stage3.units(_unwrap(model)))
-    where = stage3.piece_index(_unwrap(model)) if sharded else {}
+    params = optimizer_params(optimizer) if optimizer is not None else []
+    sharded = bool(stage3.units(_names.unwrap(model)))
+    where = stage3.piece_index(_names.unwrap(model)) if sharded else {}
     return {
         "format": _files.FORMAT,
         "version": _files.BASE_VERSION,
@@ -323,7 +290,7 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
             "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
             "algorithm": _checks.optimizer_algorithm(optimizer),  # what load compares (check_algorithm)
             "stage": optimizer.stage if zero else (3 if sharded else None),
-            "param_names": _param_names(model, params),
+            "param_names": param_names(model, params),
             "param_shapes": [list(stage3.full_shape(p, where)) for p in params],
         },
         "scaler": scaler is not None,
@@ -354,29 +321,29 @@ def rank_sections(model, optimizer, rank: int, world_size: int) -> tuple[dict, s
     """This rank's sections (ZeRO's optimizer shard; a ``fully_shard`` model's pieces and
     optimizer shard, Note [stage-3 checkpoints]) and the model keys they hold."""
     sections, sharded_keys = {}, set()
-    module = _unwrap(model)
+    module = _names.unwrap(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         sections["optimizer_shard"] = to_cpu(optimizer.shard_state_dict())
     elif stage3.units(module):
         sections["model_shard"], sharded_keys = stage3.model_shard(module, rank, world_size)
         if optimizer is not None:
             sections["optimizer_shard"] = to_cpu(stage3.optimizer_shard(
-                module, optimizer, _optimizer_params(optimizer), rank, world_size))
+                module, optimizer, optimizer_params(optimizer), rank, world_size))
     return sections, sharded_keys
 
 
 def common_model(model, sharded_keys: set) -> dict:
     """The model state rank 0 writes to ``common.pt`` (all of it, less what the rank files hold)."""
-    if sharded_keys or stage3.units(_unwrap(model)):
-        return stage3.common_model(_unwrap(model), sharded_keys)
-    module = _unwrap(model)
+    if sharded_keys or stage3.units(_names.unwrap(model)):
+        return stage3.common_model(_names.unwrap(model), sharded_keys)
+    module = _names.unwrap(model)
     return to_cpu(_names.canonical_state(module, module.state_dict()))
 
 
 def full_optimizer_state(model, optimizer) -> Optional[dict]:
     """The optimizer state rank 0 writes to ``common.pt``: an unsharded optimizer's (a ZeRO or
     stage-3 optimizer's state is in the rank files)."""
-    if optimizer is None or isinstance(optimizer, ZeroRedundancyOptimizer) or stage3.units(_unwrap(model)):
+    if optimizer is None or isinstance(optimizer, ZeroRedundancyOptimizer) or stage3.units(_names.unwrap(model)):
         return None
     return to_cpu(optimizer.state_dict())
 
@@ -418,7 +385,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     """
     world = _World(optimizer, model)
     try:
-        plan = _prepare(directory, model, optimizer, scaler, trusted)
+        plan = _load_plan.prepare(directory, model, optimizer, scaler, trusted)
         error = None
     except (CheckpointError, zstate.StateDictError) as exc:
         plan, error = None, str(exc)
@@ -432,195 +399,4 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         prefix = "" if rank == world.rank else f"rank {rank} could not load the checkpoint: "
         raise CheckpointError(prefix + message)
     _checks.check_same_load([r for _, r in everyone])
-    return _apply(plan, model, optimizer, scaler)
-
-
-def _expected_model(target) -> tuple[dict, bool]:
-    """The model's canonical keys and whole shapes, and whether it is sharded (fully_shard)."""
-    sharded_target = bool(stage3.units(target))
-    expected = (stage3.full_shapes(target) if sharded_target
-                else {k: v.shape for k, v in _names.canonical_state(target, target.state_dict()).items()})
-    return expected, sharded_target
-
-
-def _check_model(saved: dict, expected: dict, directory: str) -> None:
-    """The saved keys and shapes must be exactly the module's (whole parameters)."""
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    if missing or unexpected:
-        # With shapes: a renamed parameter shows up once on each side, and its shape is what
-        # lets the reader pair the two names.
-        def listed(keys, shapes):
-            shown = ", ".join(f"{k} {tuple(shapes[k])}" for k in keys[:10])
-            return f"[{shown}{', ...' if len(keys) > 10 else ''}]"
-
-        raise CheckpointError(
-            f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
-            f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
-            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}"
-        )
-    for k, shape in expected.items():
-        if tuple(saved[k].shape) != tuple(shape):
-            raise CheckpointError(
-                f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
-                f"is {tuple(shape)}"
-            )
-
-
-def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
-    """:func:`_prepare` for a checkpoint of torch's distributed checkpoint (Note [torch's
-    distributed checkpoints in load] in ``_from_dcp.py``)."""
-    if scaler is not None:
-        raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
-                              "which holds no GradScaler state fusedist reads; pass scaler=None")
-    digest, tree = _from_dcp.read(directory)
-    target = _unwrap(model)
-    expected, sharded_target = _expected_model(target)
-    saved, optim = _from_dcp.split(tree, expected, lambda d: _strip_prefix(d, expected), directory)
-    _check_model(saved, expected, directory)
-    plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target,
-                  "read": {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}}
-    if optimizer is not None:
-        if optim is None:
-            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
-        source = f"optimizer state in {directory}"
-        params = _optimizer_params(optimizer)
-        full = _from_dcp.to_torch_format(optim, _param_names(model, params),
-                                         [len(g["params"]) for g in optimizer.param_groups], source)
-        plan["optimizer"] = _prepare_full(full, directory, target, _sharding(target), optimizer, params, source)
-    return plan
-
-
-def _prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
-    if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
-        return _prepare_dcp(directory, model, optimizer, scaler)
-    manifest, digest = _files.read_manifest_and_digest(directory)
-    files = manifest["files"]
-    if COMMON not in files:
-        raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {COMMON}")
-    common = _files.load_file(_files.verify_file(directory, COMMON, files[COMMON]), trusted)
-    # What the ranks compare before any of them applies its plan (_checks.check_same_load).
-    read = {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}
-    plan: dict = {"extra": common.get("extra"), "read": read}
-    rank_files: dict = {}
-
-    def sections(name: str) -> list:
-        """Section ``name`` of every rank file holding it (each file read once)."""
-        out = []
-        for file, info in sorted(files.items()):
-            if name in info.get("sections", []):
-                if file not in rank_files:
-                    rank_files[file] = _files.load_file(_files.verify_file(directory, file, info), trusted)
-                out.append(rank_files[file][name])
-        return out
-
-    # Model: the saved keys and shapes must be exactly the module's (whole parameters).
-    target = _unwrap(model)
-    expected, sharded_target = _expected_model(target)
-    saved = _strip_prefix(common["model"], expected)
-    if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
-        saved = dict(saved)
-        saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
-    _check_model(saved, expected, directory)
-    plan["model"] = saved
-    plan["model_sharded"] = sharded_target
-
-    if optimizer is not None:
-        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, sections)
-    if scaler is not None:
-        if common.get("scaler") is None:
-            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
-        _checks.check_scaler(common["scaler"], scaler, directory)
-        plan["scaler"] = common["scaler"]
-    return plan
-
-
-def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
-    meta = manifest.get("optimizer")
-    if meta is None:
-        raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
-    params = _optimizer_params(optimizer)
-    names = _param_names(model, params)
-    target = _unwrap(model)
-    sharded_target, where = sharding = _sharding(target)
-    saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
-    if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
-        first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
-        detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
-                  if first is not None else f"{len(saved_names)} parameters saved, {len(names)} here "
-                  "(or shapes differ)")
-        if first is None and len(saved_names) > len(names):
-            detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
-                       "gained during training (add_param_group) must be added again before loading")
-        raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
-    _checks.check_algorithm(meta, optimizer, directory)
-    source = f"optimizer state in {directory}"
-    if meta["kind"] == "zero":
-        shards = sections("optimizer_shard")
-        if len(shards) != manifest["world_size"]:
-            raise CheckpointError(
-                f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "
-                f"{manifest['world_size']}"
-            )
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            return optimizer.prepare_load(shards, source=source)
-        if sharded_target:
-            if not any(s.get("replicated") for s in shards):
-                stage3.check_shard_set(shards, "optimizer", source)
-            return stage3.optimizer_for_pieces(target, optimizer, params, zstate.merge_fragments(shards),
-                                               shards[0]["param_groups"], shards[0]["param_meta"], source)
-        merged = zstate.merge_fragments(shards)
-        assembled = zstate.assemble(merged, params, range(len(params)), source=source)
-        zstate.relayout(assembled, params, shards[0]["param_meta"])
-        full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
-        zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
-        _checks.check_loadable(optimizer, full, directory)
-        return full
-    return _prepare_full(common["optimizer"], directory, target, sharding, optimizer, params, source)
-
-
-def _sharding(target) -> tuple[bool, dict]:
-    """Whether ``target`` is sharded with fully_shard, and its piece index ({} when not)."""
-    sharded = bool(stage3.units(target))
-    return sharded, stage3.piece_index(target) if sharded else {}
-
-
-def _prepare_full(full: dict, directory, target, sharding: tuple, optimizer, params, source: str):
-    """What :func:`_apply` loads from ``full``, an unsharded optimizer's state in torch's format
-    (``sharding``: :func:`_sharding` of the bare module ``target``)."""
-    sharded_target, where = sharding
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer.prepare_load(full, source=source)
-    if sharded_target:
-        wholes = [stage3._whole(p, where) for p in params]
-        return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
-                                           full["param_groups"], None, source)
-    zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
-    _checks.check_loadable(optimizer, full, directory)
-    return full
-
-
-def _apply(plan: dict, model, optimizer, scaler):
-    """Nothing here can fail on validated input: the model, then the optimizer (whose master
-    weights default to the just-loaded parameters), then the scaler."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.wait_for_params()  # no parameter all-gather may land after the load
-    target = _unwrap(model)
-    own = _names.own_keys(target, target.state_dict(keep_vars=True))
-    state = type(plan["model"])((own[k], v) for k, v in plan["model"].items())
-    with torch.no_grad():
-        if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
-            from ..fsdp.state_dict import load_full_state_dict
-
-            load_full_state_dict(target, state)
-        else:
-            target.load_state_dict(state)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.sync_master_from_params()
-        if "optimizer" in plan:
-            optimizer._apply_assembled(*plan["optimizer"])
-    elif optimizer is not None and "optimizer" in plan:
-        optimizer.load_state_dict(plan["optimizer"])
-    if scaler is not None and "scaler" in plan:
-        scaler.load_state_dict(plan["scaler"])
-    return plan["extra"]
+    return _load_plan.apply(plan, model, optimizer, scaler)

@@ -392,8 +392,8 @@ class Checkpointer:
                     error = _owner.lost(self.directory, self._lease)
                 if error is None:
                     common = snapshot["common"]
-                    manifest["files"][api.COMMON] = dict(
-                        _files.atomic_torch_save(os.path.join(path, api.COMMON), common), rank=0,
+                    manifest["files"][_files.COMMON] = dict(
+                        _files.atomic_torch_save(os.path.join(path, _files.COMMON), common), rank=0,
                         sections=sorted(common))
                     _files.write_manifest(path, manifest)
             except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,211 @@
+"""What ``load`` does, in two halves: :func:`prepare` reads and checks everything (files
+against the manifest, keys and shapes against the model, optimizer state against the
+optimizer, the scaler's state) and returns a plan without modifying anything; :func:`apply`
+carries the plan out and cannot fail on it. Between the two, ``load`` has every rank agree
+that every rank's plan is ready, so a problem on any rank leaves every rank's objects untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..zero import ZeroRedundancyOptimizer
+from ..zero import state as zstate
+from . import _checks, _files, _from_dcp, _names, stage3
+from ._files import CheckpointError
+from ._params import optimizer_params, param_names
+
+
+def _expected_model(target) -> tuple[dict, bool]:
+    """The model's canonical keys and whole shapes, and whether it is sharded (fully_shard)."""
+    sharded_target = bool(stage3.units(target))
+    expected = (stage3.full_shapes(target) if sharded_target
+                else {k: v.shape for k, v in _names.canonical_state(target, target.state_dict()).items()})
+    return expected, sharded_target
+
+
+def _check_model(saved: dict, expected: dict, directory: str) -> None:
+    """The saved keys and shapes must be exactly the module's (whole parameters)."""
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    if missing or unexpected:
+        # With shapes: a renamed parameter shows up once on each side, and its shape is what
+        # lets the reader pair the two names.
+        def listed(keys, shapes):
+            shown = ", ".join(f"{k} {tuple(shapes[k])}" for k in keys[:10])
+            return f"[{shown}{', ...' if len(keys) > 10 else ''}]"
+
+        raise CheckpointError(
+            f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
+            f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
+            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}"
+        )
+    for k, shape in expected.items():
+        if tuple(saved[k].shape) != tuple(shape):
+            raise CheckpointError(
+                f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
+                f"is {tuple(shape)}"
+            )
+
+
+def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
+    """:func:`prepare` for a checkpoint of torch's distributed checkpoint (Note [torch's
+    distributed checkpoints in load] in ``_from_dcp.py``)."""
+    if scaler is not None:
+        raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
+                              "which holds no GradScaler state fusedist reads; pass scaler=None")
+    digest, tree = _from_dcp.read(directory)
+    target = _names.unwrap(model)
+    expected, sharded_target = _expected_model(target)
+    saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
+    _check_model(saved, expected, directory)
+    plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target,
+                  "read": {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}}
+    if optimizer is not None:
+        if optim is None:
+            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+        source = f"optimizer state in {directory}"
+        params = optimizer_params(optimizer)
+        full = _from_dcp.to_torch_format(optim, param_names(model, params),
+                                         [len(g["params"]) for g in optimizer.param_groups], source)
+        plan["optimizer"] = _prepare_full(full, directory, target, _sharding(target), optimizer, params, source)
+    return plan
+
+
+def prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
+    """Read and check every file ``load`` needs and every tensor against ``model``, ``optimizer``
+    and ``scaler``, without modifying them: the plan :func:`apply` carries out."""
+    if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
+        return _prepare_dcp(directory, model, optimizer, scaler)
+    manifest, digest = _files.read_manifest_and_digest(directory)
+    files = manifest["files"]
+    if _files.COMMON not in files:
+        raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {_files.COMMON}")
+    common = _files.load_file(_files.verify_file(directory, _files.COMMON, files[_files.COMMON]), trusted)
+    # What the ranks compare before any of them applies its plan (_checks.check_same_load).
+    read = {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}
+    plan: dict = {"extra": common.get("extra"), "read": read}
+    rank_files: dict = {}
+
+    def sections(name: str) -> list:
+        """Section ``name`` of every rank file holding it (each file read once)."""
+        out = []
+        for file, info in sorted(files.items()):
+            if name in info.get("sections", []):
+                if file not in rank_files:
+                    rank_files[file] = _files.load_file(_files.verify_file(directory, file, info), trusted)
+                out.append(rank_files[file][name])
+        return out
+
+    # Model: the saved keys and shapes must be exactly the module's (whole parameters).
+    target = _names.unwrap(model)
+    expected, sharded_target = _expected_model(target)
+    saved = _names.strip_prefix(common["model"], expected)
+    if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
+        saved = dict(saved)
+        saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
+    _check_model(saved, expected, directory)
+    plan["model"] = saved
+    plan["model_sharded"] = sharded_target
+
+    if optimizer is not None:
+        plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, sections)
+    if scaler is not None:
+        if common.get("scaler") is None:
+            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state")
+        _checks.check_scaler(common["scaler"], scaler, directory)
+        plan["scaler"] = common["scaler"]
+    return plan
+
+
+def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
+    meta = manifest.get("optimizer")
+    if meta is None:
+        raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+    params = optimizer_params(optimizer)
+    names = param_names(model, params)
+    target = _names.unwrap(model)
+    sharded_target, where = sharding = _sharding(target)
+    saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
+    if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
+        first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
+        detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
+                  if first is not None else f"{len(saved_names)} parameters saved, {len(names)} here "
+                  "(or shapes differ)")
+        if first is None and len(saved_names) > len(names):
+            detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
+                       "gained during training (add_param_group) must be added again before loading")
+        raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
+    _checks.check_algorithm(meta, optimizer, directory)
+    source = f"optimizer state in {directory}"
+    if meta["kind"] == "zero":
+        shards = sections("optimizer_shard")
+        if len(shards) != manifest["world_size"]:
+            raise CheckpointError(
+                f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "
+                f"{manifest['world_size']}"
+            )
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.prepare_load(shards, source=source)
+        if sharded_target:
+            if not any(s.get("replicated") for s in shards):
+                stage3.check_shard_set(shards, "optimizer", source)
+            return stage3.optimizer_for_pieces(target, optimizer, params, zstate.merge_fragments(shards),
+                                               shards[0]["param_groups"], shards[0]["param_meta"], source)
+        merged = zstate.merge_fragments(shards)
+        assembled = zstate.assemble(merged, params, range(len(params)), source=source)
+        zstate.relayout(assembled, params, shards[0]["param_meta"])
+        full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
+        zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
+        _checks.check_loadable(optimizer, full, directory)
+        return full
+    return _prepare_full(common["optimizer"], directory, target, sharding, optimizer, params, source)
+
+
+def _sharding(target) -> tuple[bool, dict]:
+    """Whether ``target`` is sharded with fully_shard, and its piece index ({} when not)."""
+    sharded = bool(stage3.units(target))
+    return sharded, stage3.piece_index(target) if sharded else {}
+
+
+def _prepare_full(full: dict, directory, target, sharding: tuple, optimizer, params, source: str):
+    """What :func:`apply` loads from ``full``, an unsharded optimizer's state in torch's format
+    (``sharding``: :func:`_sharding` of the bare module ``target``)."""
+    sharded_target, where = sharding
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.prepare_load(full, source=source)
+    if sharded_target:
+        wholes = [stage3._whole(p, where) for p in params]
+        return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
+                                           full["param_groups"], None, source)
+    zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
+    _checks.check_loadable(optimizer, full, directory)
+    return full
+
+
+def apply(plan: dict, model, optimizer, scaler):
+    """Nothing here can fail on validated input: the model, then the optimizer (whose master
+    weights default to the just-loaded parameters), then the scaler."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.wait_for_params()  # no parameter all-gather may land after the load
+    target = _names.unwrap(model)
+    own = _names.own_keys(target, target.state_dict(keep_vars=True))
+    state = type(plan["model"])((own[k], v) for k, v in plan["model"].items())
+    with torch.no_grad():
+        if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
+            from ..fsdp.state_dict import load_full_state_dict
+
+            load_full_state_dict(target, state)
+        else:
+            target.load_state_dict(state)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.sync_master_from_params()
+        if "optimizer" in plan:
+            optimizer._apply_assembled(*plan["optimizer"])
+    elif optimizer is not None and "optimizer" in plan:
+        optimizer.load_state_dict(plan["optimizer"])
+    if scaler is not None and "scaler" in plan:
+        scaler.load_state_dict(plan["scaler"])
+    return plan["extra"]

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
+from . import param_checks
 from . import state as zstate
 from .shard_store import ShardStore, bucket_grad_slice
 from .partition import FlatParams, FlatPartition
@@ -75,6 +76,13 @@ def add_param_group(zero, param_group: dict) -> None:
     gi = len(zero.param_groups) - 1
     zero._fill_group_defaults()
     new = list(zero.param_groups[gi]["params"])
+    combined = zero._params + new
+    try:
+        param_checks.check_distinct(combined, zero._group_of + [gi] * len(new),
+                                    lambda i: f"parameter {i} (shape {tuple(combined[i].shape)})", first=len(zero._params))
+    except ValueError:
+        zero.param_groups.pop()
+        raise
     for p in new:
         if p.requires_grad and (not p.is_floating_point() or p.is_complex()):
             zero.param_groups.pop()

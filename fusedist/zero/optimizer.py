@@ -5,6 +5,8 @@ concerns live in their own modules, as mixins where they are a few methods over 
 (the partition, gradient shards, masters, pieces and inner optimizer) and as helper objects
 where they keep state of their own:
 
+* ``param_checks.py`` -- parameter lists refused before anything is built (a parameter given
+  twice, lists that differ between ranks);
 * ``wiring.py`` -- finding the DDP model and communicator, installing stage 2;
 * ``shards.py`` (mixin) -- building the shards, masters kept in step with the parameters;
 * ``grads.py`` (mixin) -- which gradients the rank has, stage-1 collection;
@@ -24,7 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..optim.elementwise import check_elementwise
-from . import grow, wiring
+from . import grow, param_checks, wiring
 from . import state as zstate
 from .gather import ParamGatherer
 from .grads import GradientsMixin
@@ -159,11 +161,12 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # failing with "No inf checks were recorded", and step() says what to use instead.
         self._step_supports_amp_scaling = stage == 2
         self._inner_defaults = dict(defaults)
-        super().__init__(params, defaults)
+        super().__init__(param_checks.check_param_groups_given(params), defaults)
         # Every parameter, in torch's order (state dicts index into it); frozen ones
         # (requires_grad=False now) are kept there but never sharded, stepped or given state.
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        param_checks.check_distinct(self._params, self._group_of, self._param_shape)
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
         if not self._trainable:
@@ -188,6 +191,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._trainable_params(), self._params, process_group, self._device)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
+        param_checks.check_same_params_on_every_rank(self)  # Note [the same parameters on every rank]
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
         self.overlap_param_gather = overlap_param_gather and self.ddp is not None
         self._gatherer = ParamGatherer(self.comm, self.world_size, self.overlap_param_gather)
@@ -224,6 +228,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                     group.setdefault(k, v)
             for k, v in probe.defaults.items():
                 self.defaults.setdefault(k, v)
+
+    def _param_shape(self, index: int) -> str:
+        """``parameter <index> (shape ...)``: for errors raised before the DDP model is known."""
+        return f"parameter {index} (shape {tuple(self._params[index].shape)})"
 
     def _trainable_params(self) -> list:
         return [self._params[i] for i in self._trainable]

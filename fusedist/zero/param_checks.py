@@ -1,0 +1,76 @@
+"""Parameter lists a ZeroRedundancyOptimizer refuses, with the reason, before it builds shards.
+
+Kept apart from the optimizer because each check is about what the *user* passed -- the
+``params`` argument, a group given to ``add_param_group``, the same list on every rank -- and
+says so in torch's terms; the shards themselves are never half-built when one fails.
+
+Note [the same parameters on every rank]
+    Every rank shards the same flat space (Note [flat partition] in ``partition.py``), so the
+    ranks must pass the same parameters: the same count, shapes, dtypes, trainability and
+    param groups, in the same order. With a fusedist DDP model its construction check sees the
+    model; the optimizer's own list (which parameters, in which groups and order) is not the
+    model's. Without one nothing compared them: ranks whose lists differed built different
+    buckets, and the first parameter all-gather received a message of another size (gloo
+    aborted the process) or, with equal sizes in another order, every rank silently stepped
+    other parameters' elements. torch's ZeroRedundancyOptimizer has the same hazard. So the
+    constructor exchanges one small description per parameter (a collective: every rank
+    constructs the optimizer, as every rank wraps the model) and every rank raises the same
+    :class:`fusedist.RankMismatchError` naming the first parameter that differs and the ranks.
+    Hyperparameters are not compared: LR schedulers change them at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._consistency import check_same_across_ranks
+
+
+def check_param_groups_given(params) -> list:
+    """``params`` as a list; a group dict without ``"params"`` is refused as torch's
+    ZeroRedundancyOptimizer refuses it (torch's ``Optimizer`` fails with a bare KeyError)."""
+    if isinstance(params, torch.Tensor):
+        return params  # torch's Optimizer raises its TypeError for a single tensor
+    params = list(params)
+    for gi, group in enumerate(params):
+        if isinstance(group, dict) and "params" not in group:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: param group {gi} has no 'params' key (it has {sorted(group)}); "
+                "each parameter group passed via `params` must map 'params' to the group's parameters"
+            )
+    return params
+
+
+def check_distinct(params: list, group_of: list, describe, first: int = 0) -> None:
+    """Refuse a parameter given twice (from index ``first`` on). torch's optimizers only warn
+    when one group lists a tensor twice, and step it twice per step; a sharded parameter has
+    one slot in the flat space, so it cannot be stepped twice. (Twice in *different* groups
+    torch refuses already.)"""
+    seen: dict = {}
+    for i, p in enumerate(params):
+        j = seen.setdefault(p, i)
+        if j != i and i >= first:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: {describe(i)} in param group {group_of[i]} is the same tensor as "
+                f"{describe(j)} in param group {group_of[j]}; pass each parameter once (torch's optimizers "
+                "would step it twice per step, and warn that this will become an error)"
+            )
+
+
+def check_same_params_on_every_rank(zero) -> None:
+    """Note [the same parameters on every rank]."""
+    if zero.comm is None or zero.world_size == 1:
+        return
+    entries = [(i, zero._group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
+               for i, p in enumerate(zero._params)]
+
+    def label(e):
+        return (f"parameter {e[0]} (param group {e[1]}) shape {e[2]} {e[3]}"
+                + ("" if e[4] else " requires_grad=False"))
+
+    check_same_across_ranks(
+        entries, "the parameter list given to ZeroRedundancyOptimizer", label, comm=zero.comm,
+        op="ZeroRedundancyOptimizer construction: parameter check",
+        hint="Every rank must pass the same parameters, in the same param groups and order "
+             "(e.g. model.parameters() of the same model on every rank).",
+    )

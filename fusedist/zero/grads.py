@@ -5,7 +5,21 @@ them into its flat FP32 gradient shard at ``step()``; stage 2 receives the shard
 DDP's reduce-scatter (``grad_sync.py``), which reports the parameters no rank gave a
 gradient. The step skips trainable parameters without a gradient (Note [piece splitting] in
 ``partition.py``) and refuses frozen ones that have one. A mixin: a few methods over the
-optimizer's gradient shards (``_grad_shards``, ``_grads_present``, ``_stage2_with_grad``).
+optimizer's gradient shards (``_grad_shards``, ``_grads_present``, ``_stage2_with_grad``,
+``_stage2_zero_filled``).
+
+Note [zero-filled gradients in stage 2]
+    ``zero_grad(set_to_none=False)`` leaves torch's parameters with zero-filled gradients, and
+    a parameter that had one keeps it from then on: when no rank uses it in a later backward
+    (DDP's ``find_unused_parameters``) its gradient is zeros, not None, so torch's optimizer
+    still steps it -- Adam's moments decay and the update goes on, weight decay applies.
+    Stage 2 keeps no ``p.grad``; the parameters a step treats as having a gradient are those a
+    synchronized backward reduced since the last step (``_stage2_with_grad``) and, after
+    ``zero_grad(set_to_none=False)``, those that had a gradient in earlier steps
+    (``_stage2_zero_filled``), whose gradient-shard slices hold the zeros DDP fills unused
+    slots with. ``zero_grad(set_to_none=True)`` forgets them, as torch sets every gradient to
+    None. ``module.zero_grad()`` cannot reach the optimizer: it counts as setting to None, its
+    default.
 """
 
 from __future__ import annotations
@@ -91,8 +105,22 @@ class GradientsMixin:
     def _params_without_grad(self) -> list[int]:
         """Trainable parameters the coming step skips, as torch would (their grad is None)."""
         if self.stage == 2:
-            return [i for i in self._trainable if i not in self._stage2_with_grad]
+            held = self._stage2_with_grad | self._stage2_zero_filled  # Note [zero-filled gradients in stage 2]
+            return [i for i in self._trainable if i not in held]
         return [i for i in self._trainable if self._params[i].grad is None]
+
+    def _forget_grads(self, set_to_none: bool, stepped: bool = False) -> None:
+        """After a step (``stepped``) or ``zero_grad``: the next synchronized backward starts a
+        new gradient shard. Which parameters keep a (zero-filled) gradient in torch's terms:
+        Note [zero-filled gradients in stage 2]."""
+        if stepped:
+            self._stage2_stepped = self._stage2_with_grad | self._stage2_zero_filled
+        elif set_to_none:
+            self._stage2_zero_filled, self._stage2_stepped = set(), set()
+        else:
+            self._stage2_zero_filled |= self._stage2_stepped | self._stage2_with_grad
+        self._grads_present = False  # the next reduce-scatter overwrites the shard
+        self._stage2_with_grad = set()
 
     def _check_frozen_grads(self) -> None:
         for i in self._frozen:

@@ -211,6 +211,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # Stage 2: trainable parameters some synchronized backward since the last step (or
         # zero_grad) gave a gradient; the others are skipped by the step (Note [piece splitting]).
         self._stage2_with_grad: set[int] = set()
+        # Note [zero-filled gradients in stage 2]: the parameters zero_grad(set_to_none=False)
+        # left with a zero gradient in torch's terms, and those the last step stepped.
+        self._stage2_zero_filled: set[int] = set()
+        self._stage2_stepped: set[int] = set()
         self._fusedist_clear_protocol()
 
     # ------------------------------------------------------------------ construction
@@ -313,8 +317,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
             # reach the shard). Several synchronized backward passes *before* a step still
             # accumulate, as in torch.
-            self._grads_present = False
-            self._stage2_with_grad = set()
+            self._forget_grads(set_to_none=False, stepped=True)
             self._record_param_versions()
         finally:
             self._fusedist_clear_protocol()
@@ -330,8 +333,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._grads_present = False  # the next reduce-scatter overwrites the shard
-        self._stage2_with_grad = set()
+        self._forget_grads(set_to_none)
 
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:

@@ -7,11 +7,12 @@ seed is in every assertion message).
   betas, ``parameters_as_bucket_view``) over SGD with Nesterov momentum, Adam with amsgrad,
   RMSprop and Adagrad, LR schedulers editing ``param_groups`` (OneCycleLR, ReduceLROnPlateau),
   ``step(closure)``, ``add_param_group`` mid-training, ``no_sync`` accumulation, state dicts
-  traded with torch's ZeroRedundancyOptimizer both ways, and ``zero_grad(set_to_none=False)``
+  traded with torch's ZeroRedundancyOptimizer both ways (``optimizer_class`` given as a
+  ``functools.partial``: consolidation failed on it), and ``zero_grad(set_to_none=False)``
   with a layer no rank uses in some steps (stage 2 skipped it; torch steps its zero gradient).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
-  aborted the process, or the ranks silently stepped each other's elements) and a parameter
-  given twice.
+  aborted the process, or the ranks silently stepped each other's elements), a parameter
+  given twice, and a partial of a non-elementwise optimizer.
 
 Tolerance: fp32 throughout, 1e-5 absolute on parameters of magnitude ~0.5 after at most 8
 steps. The two sides compute the same updates; they differ in the order gradients are summed
@@ -21,6 +22,7 @@ defect checked here moves a parameter by ~1e-3 or more (lr >= 5e-3, weight decay
 """
 
 import copy
+import functools
 import io
 import random
 
@@ -180,8 +182,10 @@ def _training_worker(rank, ws, seed):
 
     # State dicts both ways: torch's consolidated state into fusedist, fusedist's into torch's.
     tm, topt = torch_run(lambda m: TorchZeRO(_groups(m), optimizer_class=torch.optim.AdamW, **adamw), 3)
+    # optimizer_class as a functools.partial (Hydra's `_partial_: true` configs give one).
+    adamw_partial = functools.partial(torch.optim.AdamW, weight_decay=0.1)
     fm, fopt = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
-        _groups(m), optimizer_class=torch.optim.AdamW, stage=2, **adamw), 3)
+        _groups(m), optimizer_class=adamw_partial, stage=2, lr=0.01), 3)
     close("3 steps", _flat(fm), _flat(tm))
     topt.consolidate_state_dict(to=0)
     fopt.consolidate_state_dict(to=0)
@@ -278,6 +282,7 @@ def _refusal_worker(rank, ws, seed):
     out["twice"] = message(lambda: zero([m.a.weight, m.a.bias, m.a.weight], optimizer_class=torch.optim.AdamW))
     out["twice added"] = message(lambda: opt.add_param_group({"params": [extra, extra]}))
     out["groups after"] = len(opt.param_groups)
+    out["partial LBFGS"] = message(lambda: zero(params, optimizer_class=functools.partial(torch.optim.LBFGS)))
     out["no params key"] = message(lambda: zero([{"lr": 0.1}], optimizer_class=torch.optim.AdamW))
     return out
 
@@ -296,5 +301,6 @@ def test_refusals_name_the_parameter_and_ranks():
         assert "same tensor as parameter 0" in out["twice"], where
         assert out["twice added"].startswith("ValueError") and "parameter 7 (shape (5,))" in out["twice added"], where
         assert out["groups after"] == 1, where
+        assert out["partial LBFGS"].startswith("ValueError: ZeroRedundancyOptimizer: LBFGS cannot"), where
         assert out["no params key"].startswith("ValueError") and "'params'" in out["no params key"], where
     assert results[0]["after"] == results[1]["after"], f"seed {seed}: the ranks' parameters differ"

@@ -20,6 +20,7 @@ where they keep state of their own:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -51,6 +52,17 @@ def _default_optimizer_class():
             f"unavailable ({exc}); pass optimizer_class=torch.optim.AdamW (or another optimizer)"
         ) from exc
     return FusedAdamW
+
+
+def _optimizer_type(factory):
+    """The optimizer class behind ``optimizer_class``: itself, or the class a ``functools.partial``
+    wraps (nested partials included). torch's ZeroRedundancyOptimizer only calls what it is
+    given, so a partial works there; here the class is also what the elementwise check, the
+    offload check, state-dict metadata and error messages read, so it must be the class, not
+    the partial (a partial has no ``__name__``: consolidate_state_dict failed on it)."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return factory
 
 
 class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin,
@@ -126,7 +138,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
     Args:
         params: parameters or param groups (all of one fusedist DDP model, or none).
-        optimizer_class: the per-shard optimizer (default ``fusedist.optim.FusedAdamW``).
+        optimizer_class: the per-shard optimizer class, or a ``functools.partial`` of one (default
+            ``fusedist.optim.FusedAdamW``); the ``optimizer_class`` attribute is the class.
         stage: 1 (shard master weights and optimizer state) or 2 (also gradients; needs DDP).
         process_group: the data-parallel group when there is no DDP wrapper (with DDP its
             group is used).
@@ -152,7 +165,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
         self.offload = "cpu" if offload == "cpu" else None
-        self.optimizer_class = optimizer_class or _default_optimizer_class()
+        # What constructs the inner optimizer (and the probes of it), and the class behind it:
+        # optimizer_class may be a functools.partial (Hydra's `_partial_: true` configs make them).
+        self._optimizer_factory = optimizer_class or _default_optimizer_class()
+        self.optimizer_class = _optimizer_type(self._optimizer_factory)
         # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
         check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
         self.stage = stage
@@ -225,8 +241,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         ``optimizer.defaults`` and cycle them in every group."""
         for group in self.param_groups:
             probe_group = {k: v for k, v in group.items() if k != "params"}
-            probe = self.optimizer_class([{"params": [torch.zeros(1, requires_grad=True)], **probe_group}],
-                                         **self._inner_defaults)
+            probe = self._optimizer_factory([{"params": [torch.zeros(1, requires_grad=True)], **probe_group}],
+                                            **self._inner_defaults)
             for k, v in probe.param_groups[0].items():
                 if k != "params":
                     group.setdefault(k, v)

@@ -206,8 +206,8 @@ class ShardedState:
                     state[ids[-1]] = {k: self._probe_value(v, params[-1]) for k, v in item["state"].items()}
             groups.append((merged, ids))
         try:
-            probe = z.optimizer_class([{**merged, "params": [params[i] for i in ids]} for merged, ids in groups],
-                                      **z._inner_defaults)
+            probe = z._optimizer_factory([{**merged, "params": [params[i] for i in ids]} for merged, ids in groups],
+                                         **z._inner_defaults)
             probe.load_state_dict({"state": state, "param_groups": [{**merged, "params": ids} for merged, ids in groups]})
         except Exception as exc:  # noqa: BLE001 - whatever the inner loader raises, before anything changes
             raise zstate.StateDictError(

@@ -77,7 +77,7 @@ class ShardsMixin:
             t.grad = self._piece_grads.slice(piece.dtype, piece.start, piece.end)
             self._pieces.append(t)
             groups[piece.group]["params"].append(t)
-        self.inner = self.optimizer_class(groups, **self._inner_defaults)
+        self.inner = self._optimizer_factory(groups, **self._inner_defaults)
         if self.overlap_param_gather:
             self._gatherer.install(self.ddp, part.bucket_shards)
 

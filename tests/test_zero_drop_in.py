@@ -8,8 +8,9 @@ seed is in every assertion message).
   RMSprop and Adagrad, LR schedulers editing ``param_groups`` (OneCycleLR, ReduceLROnPlateau),
   ``step(closure)``, ``add_param_group`` mid-training, ``no_sync`` accumulation, state dicts
   traded with torch's ZeroRedundancyOptimizer both ways (``optimizer_class`` given as a
-  ``functools.partial``: consolidation failed on it), and ``zero_grad(set_to_none=False)``
-  with a layer no rank uses in some steps (stage 2 skipped it; torch steps its zero gradient).
+  ``functools.partial``: consolidation failed on it; a zero-element parameter's state in
+  torch's state dict was refused), and ``zero_grad(set_to_none=False)`` with a layer no rank
+  uses in some steps (stage 2 skipped it; torch steps its zero gradient).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
   aborted the process, or the ranks silently stepped each other's elements), a parameter
   given twice, and a partial of a non-elementwise optimizer.
@@ -40,11 +41,14 @@ class Net(nn.Module):
         self.a = nn.Linear(7, 13)
         self.b = nn.Linear(13, 5)
         self.c = nn.Linear(5, 3)
+        # No elements: torch's optimizers give it state (empty moments, a step count), which a
+        # state dict carries; a shard holds no slice of it.
+        self.empty = nn.Parameter(torch.zeros(0, 3))
 
     def forward(self, x, skip_b=False):
         h = torch.tanh(self.a(x))
         h = h[:, :5] if skip_b else torch.tanh(self.b(h))
-        return self.c(h)
+        return self.c(h) + self.empty.sum()
 
 
 def _net(seed):
@@ -67,7 +71,7 @@ def _groups(m, betas=False):
     first = {"params": [m.a.weight, m.b.weight], "lr": 0.02, "weight_decay": 0.05}
     if betas:
         first["betas"] = (0.8, 0.95)
-    return [first, {"params": [m.a.bias, m.b.bias, m.c.weight, m.c.bias], "lr": 0.005}]
+    return [first, {"params": [m.a.bias, m.b.bias, m.c.weight, m.c.bias, m.empty], "lr": 0.005}]
 
 
 def _roundtrip(sd):
@@ -262,7 +266,7 @@ def _refusal_worker(rank, ws, seed):
         return "no error"
 
     m = _net(seed)
-    params = list(m.parameters())
+    params = [m.a.weight, m.a.bias, m.b.weight, m.b.bias, m.c.weight, m.c.bias]
     zero = fusedist.ZeroRedundancyOptimizer
     out = {}
     extra = nn.Parameter(torch.randn(5))

@@ -130,14 +130,16 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
 
     Raises :class:`StateDictError` naming the parameter when fragments do not cover it exactly
     once, disagree on keys or scalars, or have the wrong sizes. A parameter with no fragment
-    at all has no state (it was never stepped)."""
+    at all has no state (it was never stepped). Neither has a parameter with no elements: it
+    owns no slice of any shard, so its state -- torch's optimizers step it, and their state
+    dicts hold empty moments and a step count for it -- has nowhere to go and is dropped."""
     out: dict[int, dict] = {}
     for index in indices:
         frags = frags_by_param.get(index)
-        if not frags:
-            continue
         p = params[index]
         n = p.numel()
+        if not frags or n == 0:
+            continue
         frags = sorted(frags, key=lambda f: f["range"][0])
         cursor = 0
         for f in frags:

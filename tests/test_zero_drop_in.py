@@ -13,7 +13,8 @@ seed is in every assertion message).
   uses in some steps (stage 2 skipped it; torch steps its zero gradient).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
   aborted the process, or the ranks silently stepped each other's elements), a parameter
-  given twice, and a partial of a non-elementwise optimizer.
+  given twice, a partial of a non-elementwise optimizer, and torch's ``Join`` over torch's
+  DDP (torch's own message was "Using join context manager with multiple process groups").
 
 Tolerance: fp32 throughout, 1e-5 absolute on parameters of magnitude ~0.5 after at most 8
 steps. The two sides compute the same updates; they differ in the order gradients are summed
@@ -287,6 +288,12 @@ def _refusal_worker(rank, ws, seed):
     out["twice added"] = message(lambda: opt.add_param_group({"params": [extra, extra]}))
     out["groups after"] = len(opt.param_groups)
     out["partial LBFGS"] = message(lambda: zero(params, optimizer_class=functools.partial(torch.optim.LBFGS)))
+    # torch's Join over torch's DDP: a joined rank could not see the averaged gradients.
+    from torch.distributed.algorithms.join import Join
+
+    net = _net(seed)
+    torch_ddp = nn.parallel.DistributedDataParallel(net)
+    out["join torch ddp"] = message(lambda: Join([torch_ddp, zero(net.parameters(), optimizer_class=torch.optim.AdamW)]))
     out["no params key"] = message(lambda: zero([{"lr": 0.1}], optimizer_class=torch.optim.AdamW))
     return out
 
@@ -306,5 +313,7 @@ def test_refusals_name_the_parameter_and_ranks():
         assert out["twice added"].startswith("ValueError") and "parameter 7 (shape (5,))" in out["twice added"], where
         assert out["groups after"] == 1, where
         assert out["partial LBFGS"].startswith("ValueError: ZeroRedundancyOptimizer: LBFGS cannot"), where
+        assert out["join torch ddp"].startswith("ValueError: ZeroRedundancyOptimizer (rank"), where
+        assert "fusedist.DistributedDataParallel model" in out["join torch ddp"], where
         assert out["no params key"].startswith("ValueError") and "'params'" in out["no params key"], where
     assert results[0]["after"] == results[1]["after"], f"seed {seed}: the ranks' parameters differ"

@@ -62,6 +62,20 @@ class JoinableOptimizer(Joinable):
     _join_norm_calls_last = 0  # ... in the last step
 
     def join_hook(self, **kwargs) -> JoinHook:
+        if self.ddp is None:
+            # A joined rank's step needs the averaged gradients of the active ranks' backward
+            # passes, which only a fusedist DDP model hands it (torch's DDP shadows them with
+            # an all-reduce whose result it drops, and its p.grad is then stale). torch's
+            # ZeroRedundancyOptimizer does not step a joined rank's shard at all: the parameters
+            # it owns stop training while the others go on (measured: 2e-2 off DDP + AdamW
+            # under the same Join). Refused here, before the first iteration, on every rank.
+            raise ValueError(
+                f"ZeroRedundancyOptimizer (rank {self.rank}) under Join needs the parameters of a "
+                "fusedist.DistributedDataParallel model (the drop-in for torch's): a rank that ran out "
+                "of inputs steps its shard with the gradients the other ranks average, which torch's "
+                "DistributedDataParallel does not hand to it. Wrap the model in "
+                "fusedist.DistributedDataParallel, or give every rank the same number of batches"
+            )
         return ZeroJoinHook(self)
 
     @property

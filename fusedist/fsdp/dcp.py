@@ -41,7 +41,9 @@ Note [pieces in torch's distributed checkpoint]
 
     The same hook makes the entries describe the *pieces* even while a unit is gathered (the
     module holds the unsharded parameters then): the pieces are what the optimizer steps
-    and what a load must fill, the gathered copy may be in ``param_dtype`` or stale.
+    and what a load must fill, the gathered copy may be in ``param_dtype`` or stale. Except during a
+    forward, a backward or between a forward and its backward, the pre-hooks reshard the unit
+    first, as FSDP2's do, so no gathered copy outlives a load (``_reshard_at_rest``).
 
 Note [full state dict through torch's helpers]
     ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`` gathers
@@ -296,7 +298,25 @@ def _without_wrapper_segments(module: nn.Module, name: str) -> str:
     return canonical_key(module, name, segments=(_CHECKPOINT_WRAPPED,))
 
 
+def _reshard_at_rest(module: nn.Module) -> None:
+    """Reshard the module's unit before its state dict is taken or loaded, as FSDP2's
+    state-dict pre-hooks do: a load (or ``dcp.load`` into the entries) writes the pieces, and a
+    copy gathered before it would be stale (Note [forward without gradients] in ``state.py``).
+    Not while the unit's forward or backward is running, nor between a forward and its
+    backward (which reads the gathered parameters)."""
+    from . import recovery
+    from .state import state_of
+
+    st = state_of(module)
+    if st is None or st.unit is None or st.backward_pending:
+        return
+    if st.ctx is not None and recovery.is_running(st.ctx):
+        return
+    st.unit.reshard()
+
+
 def _pre_state_dict(module, prefix, keep_vars) -> None:
+    _reshard_at_rest(module)
     _KEEP_VARS[module] = bool(keep_vars)
 
 
@@ -372,6 +392,7 @@ def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
 def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                          error_msgs) -> None:
     """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece."""
+    _reshard_at_rest(module)
     for key, bare, unit, i in _entries(module, prefix):
         key = _key_in(state_dict, key, bare)
         value = state_dict.get(key) if key is not None else None

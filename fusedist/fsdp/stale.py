@@ -5,8 +5,9 @@ Note [gathered copies and the optimizer step]
     copy of the unit made before the step still holds the old values, and the next forward
     would use it, since a unit that is gathered is not gathered again. Normally nothing is
     gathered at a step: units reshard after backward. But ``set_reshard_after_backward(False)``
-    (gradient accumulation without regathering), ``reshard_after_forward=False`` with a
-    forward outside backward, or an explicit ``unshard()`` leave a unit gathered across
+    (gradient accumulation without regathering), ``reshard_after_forward=False`` (or the
+    root under ``None``) after a forward outside backward -- an evaluation under ``no_grad``
+    too (Note [forward without gradients] in state.py) -- or an explicit ``unshard()`` leave a unit gathered across
     ``optimizer.step()``, and training then silently runs the pre-step parameters (torch's
     FSDP2 does). So a global optimizer post-step hook reshards every gathered unit whose pieces
     the optimizer holds; the next forward gathers the stepped values. A hook rather than the

@@ -6,9 +6,9 @@ Note [unit schedule]
               gather (or wait for the prefetched gather), then prefetch the unit that
               came next in the previous forward (or the explicit ``set_modules_to_forward_prefetch``
               list), so its all-gather runs while this unit computes. post-hook: reshard when
-              ``reshard_after_forward`` (always under ``no_grad``: no backward will need it),
-              and hook the outputs for backward. The root's post-hook ends the forward:
-              a prefetched unit nobody ran is resharded.
+              ``reshard_after_forward`` (under ``no_grad`` too: Note [forward without
+              gradients]), and hook the outputs for backward. The root's post-hook ends the
+              forward: a prefetched unit nobody ran is resharded (when it would have been).
     backward  a hook on each output of a unit call: gather the unit again if it was resharded,
               and prefetch the unit that ran before this call (reverse order of this
               iteration's post-forwards, or the explicit backward list); a unit set
@@ -26,10 +26,33 @@ Note [unit schedule]
               and changes nothing else.
     recovery  ``reset_iter_state`` after an exception in forward or backward: the collectives
               in flight are waited for, every unit reshards, and the iteration's gradients and
-              bookkeeping are dropped (``IterationContext.reset_iteration``).
+              bookkeeping are dropped (``IterationContext.reset_iteration``); without it, the
+              next forward does the same (Notes [aborted forward] and [aborted backward] in
+              ``recovery.py``).
 
     Every rank must run the same units in the same order (the collectives pair up by order);
     the first forward of a root checks that the ranks wrapped the model alike.
+
+Note [forward without gradients]
+    A unit reshards after a forward exactly when ``reshard_after_forward`` says so, with or
+    without gradients, as torch's FSDP2 does. The flag is the user's trade of memory for
+    gathers, and a forward under ``no_grad`` or ``inference_mode`` is where keeping the
+    parameters pays most: an evaluation loop, RL rollouts or token-by-token sampling with
+    ``reshard_after_forward=False`` (``set_reshard_after_forward(False)``, an explicit
+    ``unshard()`` of such a unit, the root under the default ``None``) gathers each unit once
+    per loop, not once per forward. (fusedist used to reshard every unit after a forward without
+    gradients -- "no backward will need it" -- and paid an all-gather per unit per forward.)
+    Such a unit stays gathered until something frees it: the end of a backward
+    (``reshard_after_backward``), ``reshard()`` (not recursive, as FSDP2's), ``reset_iter_state()``,
+    a state-dict save or load of its module (FSDP2's state-dict pre-hooks reshard too; ``dcp.py``),
+    or an optimizer step over its pieces. The last is where fusedist departs from FSDP2 on
+    purpose: FSDP2 keeps serving a gathered copy after ``optimizer.step()`` wrote the shards
+    (an evaluation between a backward and the step leaves the root gathered, and the next forward,
+    training or not, runs the pre-step parameters); fusedist reshards such a unit at the step
+    (Note [gathered copies and the optimizer step] in ``stale.py``) and gathers the stepped
+    values. A forward that raises leaves what it gathered for the next root forward to drop
+    (Note [aborted forward] in ``recovery.py``); an optimizer step before that reshards it,
+    since a forward an exception ended is not running (``recovery.is_running``).
 
 Note [hooks outside compiled graphs]
     ``block.compile()``, ``torch.compile(block)`` and ``torch.compile(model)`` trace a module's
@@ -58,21 +81,6 @@ Note [frozen parameters in backward]
     and the unit is reduced and resharded only when that has happened for every call and all
     trainable gradients are in (a fully frozen unit thus reshards during backward too).
 
-Note [aborted backward]
-    A backward that raises midway -- an error in a module's backward, a ``KeyboardInterrupt``
-    or other exception from a hook -- never runs the callback that ends it: autograd drops
-    queued callbacks when the graph task fails. Its bookkeeping would stay "in backward",
-    and the next forward would take itself for an activation-checkpointing recompute (no
-    step counted, outputs not hooked, no final callback queued for the next backward), so
-    the next step's gradients would silently stay unreduced -- torch's FSDP2 behaves so
-    unless ``reset_iter_state()`` is called. A recompute runs inside a graph task of the
-    autograd engine; a forward outside any while a backward is marked running can only
-    follow an aborted one. So such a forward first does what ``reset_iter_state`` does
-    (with a warning naming the module): the aborted iteration's gradients are dropped, the
-    step watch leaves its backward (``ShardedStepWatch.backward_aborted``), and the step
-    runs and is counted as any other. Every rank must have aborted alike (collectives pair
-    up by order), as for ``reset_iter_state``.
-
 Note [repeated backward]
     ``loss1.backward(retain_graph=True); loss2.backward()`` runs two backwards through one
     forward. The first ends as any; the second meets units whose forward bookkeeping is
@@ -82,30 +90,11 @@ Note [repeated backward]
     the first; its reductions run in the units' registration order (no forward order was
     recorded for it), the same on every rank.
 
-Note [aborted forward]
-    A forward that raises (user code in a unit, an OOM caught to skip the batch) never runs
-    the root's post-hook: the iteration stays "in forward", units it gathered stay gathered,
-    and its post-forward records stay. The next root forward would then continue that
-    half-recorded iteration: not counted by the step watch (one forward low), its check's
-    verdict not read, its implicit prefetch order mixed with the aborted one's, and the
-    stale-unit reshard after ``optimizer.step()`` skipped as if a forward were running. A
-    root forward may legitimately begin inside the running one (``forward`` called from a
-    method registered with ``register_fsdp_forward_method``), so the root's pre-hook records
-    the frame that called it -- alive exactly as long as that module call -- and a root
-    forward that begins while the recorded one is no longer on the stack follows an aborted
-    one. It then drops what the aborted forward started (with a warning naming the module):
-    every unit reshards, the post-forward records go; gradients of earlier backwards stay
-    (a ``set_requires_gradient_sync(False)`` accumulation continues, as FSDP2's does without
-    ``reset_iter_state``). The forward that follows is counted as any other; the aborted
-    one was counted when it began, as after ``reset_iter_state``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import warnings
 import weakref
 from typing import Any, Optional
 
@@ -115,6 +104,7 @@ from torch.autograd import Variable
 from .._consistency import check_same_across_ranks
 from ..reliability.sharded_watch import ShardedStepWatch
 from . import grads as grads_mod
+from . import recovery
 from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
 
@@ -177,32 +167,6 @@ class IterationContext:
         self._current_order, self._pos = [], 0
         self._forward_frame = frame
 
-    def forward_is_live(self) -> bool:
-        """Whether the root forward that began is still running (this call is nested in it,
-        e.g. ``forward`` inside a method registered with ``register_fsdp_forward_method``)
-        rather than ended by an exception (Note [aborted forward])."""
-        frame, f = self._forward_frame, sys._getframe(1)
-        while f is not None:
-            if f is frame:
-                return True
-            f = f.f_back
-        return frame is None
-
-    def recover_aborted_forward(self, module) -> None:
-        """The root's forward begins while the last one never ended: it raised (Note [aborted
-        forward]). Forget what it started -- gathered units, post-forward records -- and keep
-        gradients of earlier backwards (a no-sync accumulation continues, as in FSDP2)."""
-        warnings.warn(
-            f"fusedist.fully_shard({type(module).__name__}): the previous forward did not finish (an exception was "
-            "raised during it); its gathered parameters and bookkeeping are dropped. Call model.reset_iter_state() "
-            "on the root after such an exception to make this explicit.", RuntimeWarning, stacklevel=4)
-        self.in_forward, self._forward_frame = False, None
-        self.post_forward_order.clear()
-        for st in self.states:
-            st.reset_backward()
-            if st.unit is not None:
-                st.unit.reshard()
-
     def next_in_forward(self, state) -> Optional["FullyShardState"]:
         """The state that followed ``state`` in the last forward (None once the order differs)."""
         self._current_order.append(state)
@@ -255,7 +219,7 @@ class IterationContext:
         for st in self.states:  # Note [unit schedule]: prefetched but never run
             unit = st.unit
             if unit is not None and not st.is_root and (unit.is_unsharded or unit.gather_in_flight) \
-                    and (unit.reshard_after_forward or not torch.is_grad_enabled()):
+                    and unit.reshard_after_forward:
                 unit.reshard()
 
     # ---- backward
@@ -286,16 +250,6 @@ class IterationContext:
             self.backward_running = False
             for st in self.states:
                 st.reset_iteration()
-
-    def recover_aborted_backward(self, module) -> None:
-        """A forward outside autograd's backward while a backward is marked running: that
-        backward raised before its end (Note [aborted backward]); reset as ``reset_iter_state``."""
-        warnings.warn(
-            f"fusedist.fully_shard({type(module).__name__}): the previous backward did not finish (an exception "
-            "was raised during it); its gradients are dropped and the iteration state is reset, as "
-            "reset_iter_state() does. Call model.reset_iter_state() on the root after such an exception, and "
-            "zero_grad(), to make this explicit.", RuntimeWarning, stacklevel=4)
-        self.reset_iteration()
 
     def finish_backward(self) -> None:
         try:
@@ -352,9 +306,10 @@ class FullyShardState:
         module.register_forward_hook(self._post_forward)
 
     def _busy(self) -> bool:
-        """Whether a forward or backward under this module's root is running."""
+        """Whether a forward or backward under this module's root is running (one an exception
+        ended is not: Note [aborted forward])."""
         ctx = self.ctx
-        return ctx is not None and (ctx.in_forward or ctx.backward_running)
+        return ctx is not None and recovery.is_running(ctx)
 
     # ------------------------------------------------------------------ root
     def lazy_init(self) -> None:
@@ -418,20 +373,20 @@ class FullyShardState:
             self._check_materialized()
         self.lazy_init()
         ctx, unit = self.ctx, self.unit
-        if (self._in_backward or ctx.backward_running) and not _in_autograd_backward():
-            ctx.recover_aborted_backward(module)  # Note [aborted backward]
+        if (self._in_backward or ctx.backward_running) and not recovery.in_autograd_backward():
+            recovery.recover_aborted_backward(ctx, module)  # Note [aborted backward]
         if self._in_backward or ctx.backward_running:  # recompute (activation checkpointing)
             if unit is not None:
                 unit.unshard(async_op=False)
                 if torch.is_grad_enabled():
                     self.backward_pending = True
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
-        if self.is_root and ctx.in_forward and not ctx.forward_is_live():
-            ctx.recover_aborted_forward(module)  # Note [aborted forward]
+        if self.is_root and ctx.in_forward and not recovery.forward_is_live(ctx):
+            recovery.recover_aborted_forward(ctx, module)  # Note [aborted forward]
         if not ctx.in_forward:  # a forward begins (the root's, or a submodule run alone)
             ctx.wait_post_optim_event()
         if self.is_root and not ctx.in_forward:
-            ctx.begin_forward(_hook_caller())
+            ctx.begin_forward(recovery.hook_caller())
             if ctx.watch is not None and torch.is_grad_enabled():
                 ctx.watch.forward_begins()  # the last step's check, before this step's first gather
         if self.mp_policy.cast_forward_inputs:
@@ -462,7 +417,7 @@ class FullyShardState:
             if grad:
                 self._post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
-            if unit.reshard_after_forward or not grad:
+            if unit.reshard_after_forward:  # with or without grad: Note [forward without gradients]
                 unit.reshard()
         if grad:
             call = len(self._post_forward_indices) - 1
@@ -574,24 +529,6 @@ class FullyShardState:
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
-
-
-def _hook_caller():
-    """The frame that called the forward hook running now -- ``Module._call_impl``'s, or the
-    wrapper of a method registered with ``register_fsdp_forward_method`` -- past this file
-    and ``torch.compiler.disable``'s wrapper: it lives exactly as long as the module call.
-    (Files as the code objects name them, which is how the frames name them too.)"""
-    here = _hook_caller.__code__.co_filename
-    dynamo = os.path.dirname(torch._dynamo.eval_frame.innermost_fn.__code__.co_filename)
-    f = sys._getframe(1)
-    while f is not None and (f.f_code.co_filename == here or f.f_code.co_filename.startswith(dynamo)):
-        f = f.f_back
-    return f
-
-
-def _in_autograd_backward() -> bool:
-    """Whether this code runs inside a graph task of the autograd engine (a backward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _unit_params(unit) -> list:

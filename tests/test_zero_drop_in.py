@@ -34,6 +34,11 @@ from torch import nn
 from fusedist.testing import run_distributed
 
 TOL = 1e-5
+# Adam's and RMSprop's update g / (sqrt(v) + eps) is g / (|g| + eps)-like at the first step: a
+# gradient element within ~eps of zero has its summation-order error (~1e-9) amplified by up to
+# 1/eps (RMSprop: 10/eps). eps=1e-5 keeps that below 1e-6 (torch's 1e-8 made RMSprop 3e-5 off
+# for one seed in a few dozen).
+EPS = 1e-5
 
 
 class Net(nn.Module):
@@ -139,8 +144,8 @@ def _training_worker(rank, ws, seed):
     # Optimizer classes and constructor forms, against torch's ZeroRedundancyOptimizer.
     classes = [
         (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01), False),
-        (torch.optim.Adam, dict(lr=0.01, amsgrad=True), True),
-        (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True), False),
+        (torch.optim.Adam, dict(lr=0.01, amsgrad=True, eps=EPS), True),
+        (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True, eps=EPS), False),
         (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1), False),
     ]
     for cls, kw, betas in classes:
@@ -150,7 +155,7 @@ def _training_worker(rank, ws, seed):
                 _groups(m, betas), optimizer_class=cls, stage=stage, parameters_as_bucket_view=True, **kw), 4)
             close(f"{cls.__name__} stage {stage}", _flat(got), _flat(ref))
 
-    adamw = dict(lr=0.01, weight_decay=0.1)
+    adamw = dict(lr=0.01, weight_decay=0.1, eps=EPS)
     # LR schedulers editing param_groups (OneCycleLR reads betas from the defaults: torch's
     # ZeroRedundancyOptimizer needs them passed, fusedist fills them in).
     for name, sched in {
@@ -188,7 +193,7 @@ def _training_worker(rank, ws, seed):
     # State dicts both ways: torch's consolidated state into fusedist, fusedist's into torch's.
     tm, topt = torch_run(lambda m: TorchZeRO(_groups(m), optimizer_class=torch.optim.AdamW, **adamw), 3)
     # optimizer_class as a functools.partial (Hydra's `_partial_: true` configs give one).
-    adamw_partial = functools.partial(torch.optim.AdamW, weight_decay=0.1)
+    adamw_partial = functools.partial(torch.optim.AdamW, weight_decay=0.1, eps=EPS)
     fm, fopt = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
         _groups(m), optimizer_class=adamw_partial, stage=2, lr=0.01), 3)
     close("3 steps", _flat(fm), _flat(tm))

@@ -10,7 +10,8 @@ seed is in every assertion message).
   traded with torch's ZeroRedundancyOptimizer both ways (``optimizer_class`` given as a
   ``functools.partial``: consolidation failed on it; a zero-element parameter's state in
   torch's state dict was refused), and ``zero_grad(set_to_none=False)`` with a layer no rank
-  uses in some steps (stage 2 skipped it; torch steps its zero gradient).
+  uses in some steps (stage 2 skipped it; torch steps its zero gradient), and the optimizer's
+  state-dict hooks (never called).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
   aborted the process, or the ranks silently stepped each other's elements), a parameter
   given twice, a partial of a non-elementwise optimizer, and torch's ``Join`` over torch's
@@ -197,11 +198,17 @@ def _training_worker(rank, ws, seed):
     fm, fopt = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
         _groups(m), optimizer_class=adamw_partial, stage=2, lr=0.01), 3)
     close("3 steps", _flat(fm), _flat(tm))
+    # Optimizer state-dict hooks run around state_dict() / load_state_dict(), as torch's.
+    hooks_seen = []
+    fopt.register_state_dict_pre_hook(lambda opt: hooks_seen.append("state_dict pre"))
+    fopt.register_state_dict_post_hook(lambda opt, sd: {**sd, "saved_by": "hook"})
     topt.consolidate_state_dict(to=0)
     fopt.consolidate_state_dict(to=0)
     sds = [(_roundtrip(topt.state_dict()), _roundtrip(fopt.state_dict())) if rank == 0 else None]
     torch.distributed.broadcast_object_list(sds, 0)
     torch_sd, fusedist_sd = sds[0]
+    if fusedist_sd.get("saved_by") != "hook" or (rank == 0 and hooks_seen != ["state_dict pre"]):
+        failures.append(f"state_dict hooks: {hooks_seen}, keys {sorted(fusedist_sd)}")
     start = [p.detach().clone() for p in fm.parameters()]
 
     def resumed(make_opt, sd, runner):
@@ -211,7 +218,12 @@ def _training_worker(rank, ws, seed):
                 p.copy_(q)
         model = runner(m)
         opt = make_opt(m)
+        loaded = []
+        opt.register_load_state_dict_pre_hook(lambda opt, sd: loaded.append(sorted(sd)))
+        opt.register_load_state_dict_post_hook(lambda opt: loaded.append("post"))
         opt.load_state_dict(copy.deepcopy(sd))  # torch's load empties other ranks' entries
+        if loaded != [sorted(sd), "post"]:
+            failures.append(f"load_state_dict hooks of {type(opt).__name__}: {loaded}")
         _train(model, opt, seed, rank, ws, 3, first=3)
         return m
 

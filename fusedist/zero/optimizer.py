@@ -398,8 +398,18 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         gathered there (with the current ``param_groups``) until the next ``step()`` or load,
         as with torch's ZeroRedundancyOptimizer. So torch's checkpoint recipe --
         ``consolidate_state_dict(to=0)``, then ``torch.save(optimizer.state_dict())`` on rank 0
-        -- saves the whole optimizer state, not rank 0's shard of it."""
-        return self._sharded_state.state_dict()
+        -- saves the whole optimizer state, not rank 0's shard of it. The hooks registered with
+        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run around it, as
+        around torch's (whose ZeroRedundancyOptimizer builds its full state dict with
+        ``Optimizer.state_dict``); a post hook's return value replaces the state dict."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._sharded_state.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def shard_state_dict(self) -> dict:
         """This rank's shard as per-parameter fragments (Note [fragments] in ``state.py``)
@@ -423,8 +433,19 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         shards is refused. Master weights it carries (shards always; a full
         state dict as ``master_param`` of half-precision parameters) are written into the
         parameters at once, whole and on every rank (half precision rounded), so the model
-        matches the loaded optimizer state before the next step."""
+        matches the loaded optimizer state before the next step. As torch's, the hooks registered
+        with ``register_load_state_dict_pre_hook`` see the state dict first (a return value
+        replaces it; a dict is shallow-copied before, so a hook's edits stay out of the caller's)
+        and those of ``register_load_state_dict_post_hook`` run after the load."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._sharded_state.load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def prepare_load(self, state_dict, source: str = "state dict"):
         """Validate ``state_dict`` (see :meth:`load_state_dict`) and return what

@@ -19,11 +19,12 @@ import os
 
 import pytest
 from conftest import requires_rank_slots
-from test_fault_matrix import TIMEOUT_S, WINDOW_S, _finish
+from test_fault_matrix import SLACK_S as CPU_SLACK_S
+from test_fault_matrix import TIMEOUT_S, WINDOW_S, _finish_all
 from torchrun_launch import launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_scripts", "mismatch_and_stall.py")
-SLACK_S = {"cpu": 15.0, "cuda": 45.0}
+SLACK_S = {"cpu": CPU_SLACK_S, "cuda": 45.0}  # cpu: 12.4 s fault to job end measured at a load average of 8.9
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_rank_slots(2)])])
@@ -31,7 +32,7 @@ def test_mismatched_models_and_collective_timeout(device):
     env = dict(FUSEDIST_TIMEOUT_S=str(TIMEOUT_S), FUSEDIST_STALL_REPORT_S=str(WINDOW_S))
     procs = {fault: launch(SCRIPT, fault, device, env=env, monitor_interval=2)
              for fault in ("mismatched_model", "stall")}
-    results = {fault: _finish(proc) for fault, proc in procs.items()}
+    results = _finish_all(procs)  # each launch timed on its own
     bound = TIMEOUT_S + WINDOW_S + SLACK_S[device]
 
     rc, out, reaction = results["mismatched_model"]

@@ -169,7 +169,7 @@ def _training_worker(rank, ws, seed):
             _groups(m), optimizer_class=torch.optim.AdamW, stage=2, **adamw), 5, sched=sched)
         close(name, _flat(got), _flat(ref))
 
-    # step(closure) returns the closure's loss; no_sync accumulation.
+    # step(closure) (the closure zeroes, runs forward and backward); no_sync accumulation.
     ref, _ = torch_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), 3, closure=True)
     got, _ = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
         m.parameters(), optimizer_class=torch.optim.SGD, stage=2, lr=0.05, momentum=0.9), 3, closure=True)

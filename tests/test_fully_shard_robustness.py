@@ -374,8 +374,6 @@ def _torch_arguments(rank, ws, seed):
     net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     refused(r"returned Shard\(dim=1\) for '0.weight'", net, shard_placement_fn=lambda p: Shard(1))
     refused("dp_mesh_dims", net, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    with pytest.raises(NotImplementedError, match="list of modules"):
-        fusedist.fully_shard([net[0], net[1]], mesh=mesh)
     tp = copy.deepcopy(net)
     tp[1].weight = nn.Parameter(distribute_tensor(tp[1].weight.detach(), init_device_mesh("cpu", (ws,)), [Shard(0)]))
     refused("parameter '1.weight' is a DTensor", tp)
@@ -395,8 +393,8 @@ def _torch_arguments(rank, ws, seed):
 def test_fsdp2_arguments_taken_or_refused_by_name():
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
     giving Shard(0) / None trains as FSDP2 with the same arguments; another placement,
-    dp_mesh_dims, a list of modules, DTensor parameters and a module whose parameters are all
-    tied to another unit's are refused with an error naming the argument or parameter, before
+    dp_mesh_dims, DTensor parameters and a module whose parameters are all tied to another
+    unit's are refused with an error naming the argument or parameter, before
     the module is changed."""
     seed = _seed()
     assert run_distributed(_torch_arguments, 2, seed) == [True, True], f"seed {seed}"

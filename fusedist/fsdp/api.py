@@ -1,4 +1,5 @@
-"""``fully_shard``: ZeRO stage 3 with torch FSDP2's signature, and the methods a sharded module gains."""
+"""``fully_shard``: ZeRO stage 3 with torch FSDP2's signature, and the methods a sharded module gains.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
+from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
 
@@ -31,12 +33,14 @@ __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_after_forward: Optional[bool] = True,
+def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None, reshard_after_forward: Optional[bool] = True,
                 shard_placement_fn: Optional[Callable] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[set] = None, dp_mesh_dims=None) -> nn.Module:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (a 1-D DeviceMesh) or
     ``process_group`` (default: the world), as torch's ``fully_shard``; returns ``module``.
+    ``module`` may be a list of modules, made one unit (Note [a list of modules as one unit] in
+    members.py).
 
     Call it bottom-up (each block, then the root): a call takes the parameters of ``module``
     not already taken by a call on a submodule and makes them one unit -- one flat buffer,
@@ -55,14 +59,10 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
       for every parameter; other placements and meshes are refused, naming the parameter.
     * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fusedist.fully_shard does not support a list of modules (FSDP2's fully_shard([a, b]) makes them one "
-            "unit): shard each module alone, or their common parent")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fusedist.fully_shard expects an nn.Module, got {type(module).__name__}")
-    if state_of(module) is not None:
-        raise ValueError(f"fusedist.fully_shard: {type(module).__name__} is already sharded")
+    modules = members_of(module)
+    for m in modules:
+        if state_of(m) is not None:
+            raise ValueError(f"fusedist.fully_shard: {type(m).__name__} is already sharded")
     if mesh is not None and process_group is not None:
         raise ValueError("fusedist.fully_shard: pass mesh or process_group, not both")
     if dp_mesh_dims is not None:
@@ -71,7 +71,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
             "DTensors): fusedist shards plain parameters over a 1-D mesh. Pass the data-parallel mesh itself "
             "(e.g. mesh['dp']) with plain parameters, or use torch.distributed.fsdp.fully_shard.")
     ignored = {id(p) for p in (ignored_params or ())}
-    _check_params(module, ignored, shard_placement_fn)
+    for m in modules:
+        check_params(m, ignored, shard_placement_fn, taken=_OWNED)
     offload_policy = as_offload_policy(offload_policy)
     group, device = _group_and_device(mesh, process_group)
     comm = get_communicator(group, device)
@@ -82,7 +83,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
 
     params, regs, fqns, borrowed = [], [], [], []
     index_of: dict[int, int] = {}
-    for mod_name, sub in _managed_modules(module):
+    for mod_name, sub in managed_modules_of(modules):
         for attr, p in sub._parameters.items():
             if p is None or id(p) in ignored:
                 continue
@@ -91,7 +92,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
             if owned is not None:  # tied with a parameter another unit holds
                 owner, idx = owned
                 if any(m is sub and a == attr for m, a in owner.registrations[idx]):
-                    raise _sharded_by_parent(module, fqn, owner, idx)
+                    raise sharded_by_parent(module, fqn, owner, idx)
                 borrowed.append((owner, idx, (sub, attr), fqn))
             elif id(p) in index_of:
                 regs[index_of[id(p)]].append((sub, attr))
@@ -103,7 +104,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
     if borrowed and not params:
         owner, idx, _, fqn = borrowed[0]
         raise NotImplementedError(
-            f"fusedist.fully_shard({type(module).__name__}): every parameter of this module is tied to a parameter "
+            f"fusedist.fully_shard({describe(modules)}): every parameter of this module is tied to a parameter "
             f"another unit holds ('{fqn}' is '{owner.fqns[idx]}' of fully_shard({owner.name or 'root'})), and a unit "
             "needs a parameter of its own. Leave this module to a parent's fully_shard call, or do not shard "
             f"{owner.name} on its own, so that this call takes the tied weight with the rest (torch's FSDP2 refuses "
@@ -113,7 +114,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
     unit = grads = None
     auto = reshard_after_forward is None
     if params:
-        name = _describe(module)
+        name = describe(modules)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward)
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
@@ -129,56 +130,18 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, reshard_aft
         unit.borrowed = list(by_owner.values())
         for owner in {id(o): o for o, _, _ in unit.borrowed}.values():
             owner.lent_to.append(unit)  # Note [lent parameters] in unit.py
-    FullyShardState(module, unit, grads, mp_policy, auto)
-    if unit is not None:
-        install_state_dict_hooks(module)  # Note [pieces in torch's distributed checkpoint]
-    module.__class__ = _sharded_class(type(module))
+    FullyShardState(modules, unit, grads, mp_policy, auto)
+    for m in modules:
+        if unit is not None:
+            install_state_dict_hooks(m)  # Note [pieces in torch's distributed checkpoint]
+        m.__class__ = _sharded_class(type(m))
     return module
-
-
-def _check_params(module: nn.Module, ignored: set, shard_placement_fn) -> None:
-    """Refuse, before anything changes, the parameters this call would shard and cannot:
-    DTensors (tensor parallelism), and placements from ``shard_placement_fn`` other than
-    FSDP2's default ``Shard(0)`` -- a unit's pieces are rows of one flat buffer, so a
-    parameter cannot be split on another dim or over another mesh."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    for mod_name, sub in _managed_modules(module):
-        for attr, p in sub._parameters.items():
-            if p is None or id(p) in ignored or p in _OWNED:
-                continue
-            fqn = f"{mod_name}.{attr}" if mod_name else attr
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
-                    f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
-                    "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
-            if shard_placement_fn is None:
-                continue
-            placement = shard_placement_fn(p)
-            if placement is None or (type(placement) is Shard and placement.dim in (0, -max(p.dim(), 1))):
-                continue
-            raise NotImplementedError(
-                f"fusedist.fully_shard({type(module).__name__}): shard_placement_fn returned {placement!r} for "
-                f"'{fqn}'; fusedist shards every parameter by rows (Shard(0)) of its unit's flat buffer over the "
-                "one mesh given, so only None or Shard(0) is supported. Use torch.distributed.fsdp.fully_shard "
-                "for other placements.")
 
 
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
-
-
-def _sharded_by_parent(module, fqn, owner, idx) -> ValueError:
-    """The error for a module sharded after a module containing it. Why not borrow, as for a
-    weight tied across units: here the parent's unit swaps this very attribute, and two units
-    swapping one slot would each put back their own tensor."""
-    return ValueError(
-        f"fusedist.fully_shard({type(module).__name__}): its parameter '{fqn}' is already sharded by "
-        f"fully_shard({owner.name or 'root'}) (as '{owner.fqns[idx]}'), called earlier on a module containing "
-        "this one. Apply fully_shard bottom-up: each submodule before the modules that contain it.")
 
 
 def _group_and_device(mesh, process_group):
@@ -192,21 +155,6 @@ def _group_and_device(mesh, process_group):
     if device_type == "cuda":
         return group, torch.device("cuda", torch.cuda.current_device())
     return group, torch.device(device_type)
-
-
-def _managed_modules(root: nn.Module):
-    """``root`` and its submodules, minus the subtrees of modules already sharded."""
-    stack = [("", root)]
-    while stack:
-        name, m = stack.pop()
-        yield name, m
-        for child_name, child in reversed(list(m._modules.items())):
-            if child is not None and state_of(child) is None:
-                stack.append((f"{name}.{child_name}" if name else child_name, child))
-
-
-def _describe(module: nn.Module) -> str:
-    return type(module).__name__
 
 
 _CLASSES: dict = {}
@@ -252,7 +200,8 @@ class FullyShardedModule:
 
     def _fs_states(self, recurse: bool = True):
         mods = self.modules() if recurse else [self]
-        return [st for st in (state_of(m) for m in mods) if st is not None]
+        # each state once: a group's members share one (Note [a list of modules as one unit] in members.py)
+        return list(dict.fromkeys(st for st in (state_of(m) for m in mods) if st is not None))
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's unit (not recursive); with ``async_op`` return a handle to wait on

@@ -271,7 +271,7 @@ def _entries(module: nn.Module, prefix: str):
     """``(key, bare key, unit, index)`` of every sharded parameter this module's state dict
     holds itself (submodules sharded on their own have hooks of their own). ``key`` is the
     module path; the dict may hold it under the bare one (Note [keys renamed by a wrapper])."""
-    from .api import _managed_modules
+    from .members import managed_modules
     from .state import state_of
     from .state_dict import piece_index
 
@@ -279,7 +279,7 @@ def _entries(module: nn.Module, prefix: str):
     if unit is None:
         return
     where = piece_index([unit] + [owner for owner, _, _ in unit.borrowed])
-    for name, sub in _managed_modules(module):
+    for name, sub in managed_modules(module):
         bare = _without_wrapper_segments(module, name)
         for attr, p in sub._parameters.items():
             hit = where.get(id(p)) if p is not None else None

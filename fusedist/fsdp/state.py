@@ -216,6 +216,9 @@ class IterationContext:
     def end_forward(self) -> None:
         self.in_forward, self._forward_frame = False, None
         self.forward_order = self._current_order
+        for st in self.states:
+            if st._group_pending:  # Note [a list of modules as one unit] in members.py: a member did not run
+                st.close_group_call()
         for st in self.states:  # Note [unit schedule]: prefetched but never run
             unit = st.unit
             if unit is not None and not st.is_root and (unit.is_unsharded or unit.gather_in_flight) \
@@ -276,8 +279,11 @@ class FullyShardState:
     """The hooks of one ``fully_shard`` module (Note [unit schedule]); ``unit`` is None when
     every parameter of the module belongs to units below it."""
 
-    def __init__(self, module: torch.nn.Module, unit, unit_grads, mp_policy, reshard_after_forward_auto: bool):
-        self.module = module
+    def __init__(self, modules: list, unit, unit_grads, mp_policy, reshard_after_forward_auto: bool):
+        # Note [a list of modules as one unit] in members.py: several members share this state and its unit
+        self.modules = list(modules)
+        self.module = self.modules[0]
+        self._group_pending: set = set()  # ids of the members yet to run in this call of the group
         self.unit, self.grads = unit, unit_grads
         self.mp_policy = mp_policy
         self.auto_reshard = reshard_after_forward_auto
@@ -301,9 +307,10 @@ class FullyShardState:
         if unit is not None:
             unit.on_grad = self._on_grad
             unit.busy = self._busy
-        _STATES[module] = self
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        for module in self.modules:
+            _STATES[module] = self
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
 
     def _busy(self) -> bool:
         """Whether a forward or backward under this module's root is running (one an exception
@@ -318,7 +325,7 @@ class FullyShardState:
             return
         self.is_root = True
         states = []
-        for name, m in self.module.named_modules():
+        for name, m in (item for member in self.modules for item in member.named_modules()):
             st = state_of(m)
             if st is None or st in states:
                 continue
@@ -344,8 +351,8 @@ class FullyShardState:
             names = {id(m): n for n, m in self.module.named_modules()}
             for st in states:
                 if st.unit is not None:
-                    st.unit.path = names.get(id(st.module))
-            signature = [(names.get(id(st.module), "?"), _unit_params(st.unit)) for st in states if st.unit is not None]
+                    st.unit.path = st.path_in(names)
+            signature = [(st.path_in(names) or "?", _unit_params(st.unit)) for st in states if st.unit is not None]
             if units[0].world_size > 1:
                 check_same_across_ranks(
                     signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
@@ -361,10 +368,16 @@ class FullyShardState:
     def _check_materialized(self) -> None:
         """Before the first forward sets up the root: every unit below holds data (a unit built
         on meta raises, naming itself, before any bookkeeping or collective)."""
-        for m in self.module.modules():
+        for m in (sub for member in self.modules for sub in member.modules()):
             st = state_of(m)
             if st is not None and st.unit is not None:
                 st.unit.check_materialized()
+
+    def path_in(self, names: dict) -> Optional[str]:
+        """This state's module path in ``names`` (module id -> path); a group's is its members'."""
+        if len(self.modules) == 1:
+            return names.get(id(self.module))
+        return "[" + ", ".join(names.get(id(m)) or "?" for m in self.modules) + "]"
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
@@ -383,6 +396,12 @@ class FullyShardState:
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
         if self.is_root and ctx.in_forward and not recovery.forward_is_live(ctx):
             recovery.recover_aborted_forward(ctx, module)  # Note [aborted forward]
+        if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
+            if self._group_pending:  # a later member of this call: the unit is gathered already
+                if unit is not None and torch.is_grad_enabled() and not all(sp.requires_grad for sp in unit.sharded):
+                    args, kwargs = self._route_inputs(args, kwargs)  # Note [frozen parameters in backward]
+                return args, kwargs
+            self._group_pending = {id(m) for m in self.modules}
         if not ctx.in_forward:  # a forward begins (the root's, or a submodule run alone)
             ctx.wait_post_optim_event()
         if self.is_root and not ctx.in_forward:
@@ -413,6 +432,14 @@ class FullyShardState:
         if self._in_backward or ctx.backward_running:
             return _cast(self.mp_policy.output_dtype, output)
         grad = torch.is_grad_enabled()
+        if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
+            self._group_pending.discard(id(module))
+            if self._group_pending:  # members still to run: this call's post-forward waits for them
+                if grad:
+                    hook = functools.partial(self._pre_backward, len(self._post_forward_indices))
+                    for t in _grad_tensors(output, []):
+                        t.register_hook(hook)
+                return output
         if unit is not None:
             if grad:
                 self._post_forward_indices.append(len(ctx.post_forward_order))
@@ -508,6 +535,15 @@ class FullyShardState:
         unit, grads = self.unit, self.grads
         return unit is not None and grads.reduce_unused and grads.reduce_grads and unit.gathered_once
 
+    def close_group_call(self) -> None:
+        """End a group call some member of which did not run (the root's forward is over):
+        record it as the post-forward that member's would have recorded (its outputs' backward
+        hooks point at that entry); ``end_forward`` reshards the unit as for any unit."""
+        self._group_pending.clear()
+        if self.unit is not None and torch.is_grad_enabled():
+            self._post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self)
+
     def reset_iteration(self) -> None:
         """This module's part of ``IterationContext.reset_iteration``."""
         self.reset_backward()
@@ -520,6 +556,7 @@ class FullyShardState:
         self.grads.drop_accumulator()
 
     def reset_backward(self) -> None:
+        self._group_pending.clear()  # a group call an exception ended (Note [aborted forward])
         self._in_backward = False
         self._grads_seen = 0
         self._input_calls = [0, 0]

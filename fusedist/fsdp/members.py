@@ -1,0 +1,109 @@
+"""What one ``fully_shard`` call shards: its modules (one, or the members of a list), the
+modules under them that no earlier call took, and the parameters it refuses before anything
+changes.
+
+Note [a list of modules as one unit]
+    ``fully_shard([model.norm, model.output])`` (torchtitan's grouping of the last layers; or
+    ``[tok_embeddings, output]`` to keep a tied weight in one unit) makes one unit of the
+    parameters of every listed module -- one flat buffer, one all-gather, one reduce-scatter --
+    as torch's FSDP2 does. A listed module inside another listed one is part of the outer one
+    (FSDP2 keeps the outermost too). The members share one ``FullyShardState`` (``state_of`` of
+    each returns it) and each gains the sharded class, so ``unshard()``, the ``set_*`` methods
+    and the state-dict hooks work from any member, for the whole unit. One call of the group is
+    the run of its members in one forward: the first member to start runs the pre-forward (the
+    gather, the prefetch, the input cast) and the last to finish runs the post-forward (the
+    reshard, the backward order, the output cast), as FSDP2's group hooks do; members between
+    them run on the gathered unit untouched. Each member's outputs get the backward pre-hook
+    that regathers a resharded unit. A group call some member of which did not run is closed
+    when the root's forward ends (``IterationContext.end_forward``), so the unit is resharded
+    and recorded for backward all the same -- where FSDP2 would keep waiting for that member.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .state import state_of
+
+
+def members_of(module) -> list:
+    """The modules one call makes a unit of: ``module``, or the outermost modules of a list
+    (Note [a list of modules as one unit]); each must be an nn.Module."""
+    if not isinstance(module, (list, tuple)):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"fusedist.fully_shard expects an nn.Module or a list of them, got {type(module).__name__}")
+        return [module]
+    if not module:
+        raise ValueError("fusedist.fully_shard: the list of modules is empty")
+    for i, m in enumerate(module):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fusedist.fully_shard: item {i} of the list is a {type(m).__name__}, not an nn.Module")
+    members = list(dict.fromkeys(module))  # as given, each once
+    inside = {id(sub) for m in members for sub in m.modules() if sub is not m}
+    return [m for m in members if id(m) not in inside]
+
+
+def managed_modules_of(modules: list):
+    """:func:`managed_modules` of each member, names prefixed by the member's index in a list."""
+    if len(modules) == 1:
+        yield from managed_modules(modules[0])
+        return
+    for i, m in enumerate(modules):
+        for name, sub in managed_modules(m):
+            yield (f"[{i}].{name}" if name else f"[{i}]"), sub
+
+
+def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> None:
+    """Refuse, before anything changes, the parameters this call would shard and cannot:
+    DTensors (tensor parallelism), and placements from ``shard_placement_fn`` other than
+    FSDP2's default ``Shard(0)`` -- a unit's pieces are rows of one flat buffer, so a
+    parameter cannot be split on another dim or over another mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for mod_name, sub in managed_modules(module):
+        for attr, p in sub._parameters.items():
+            if p is None or id(p) in ignored or p in taken:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
+                    f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
+                    "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
+            if shard_placement_fn is None:
+                continue
+            placement = shard_placement_fn(p)
+            if placement is None or (type(placement) is Shard and placement.dim in (0, -max(p.dim(), 1))):
+                continue
+            raise NotImplementedError(
+                f"fusedist.fully_shard({type(module).__name__}): shard_placement_fn returned {placement!r} for "
+                f"'{fqn}'; fusedist shards every parameter by rows (Shard(0)) of its unit's flat buffer over the "
+                "one mesh given, so only None or Shard(0) is supported. Use torch.distributed.fsdp.fully_shard "
+                "for other placements.")
+
+
+def sharded_by_parent(module, fqn, owner, idx) -> ValueError:
+    """The error for a module sharded after a module containing it. Why not borrow, as for a
+    weight tied across units: here the parent's unit swaps this very attribute, and two units
+    swapping one slot would each put back their own tensor."""
+    return ValueError(
+        f"fusedist.fully_shard({type(module).__name__}): its parameter '{fqn}' is already sharded by "
+        f"fully_shard({owner.name or 'root'}) (as '{owner.fqns[idx]}'), called earlier on a module containing "
+        "this one. Apply fully_shard bottom-up: each submodule before the modules that contain it.")
+
+
+def managed_modules(root: nn.Module):
+    """``root`` and its submodules, minus the subtrees of modules already sharded."""
+    stack = [("", root)]
+    while stack:
+        name, m = stack.pop()
+        yield name, m
+        for child_name, child in reversed(list(m._modules.items())):
+            if child is not None and state_of(child) is None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child))
+
+
+def describe(modules: list) -> str:
+    if len(modules) == 1:
+        return type(modules[0]).__name__
+    return "[" + ", ".join(type(m).__name__ for m in modules) + "]"

@@ -15,7 +15,8 @@ seed is in every assertion message).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
   aborted the process, or the ranks silently stepped each other's elements), a parameter
   given twice, a partial of a non-elementwise optimizer, and torch's ``Join`` over torch's
-  DDP (torch's own message was "Using join context manager with multiple process groups").
+  DDP (torch's own message was "Using join context manager with multiple process groups");
+  and, without a DDP model, a step on a rank with no gradients while another has some.
 
 Tolerance: fp32 throughout, 1e-5 absolute on parameters of magnitude ~0.5 after at most 8
 steps. The two sides compute the same updates; they differ in the order gradients are summed
@@ -300,6 +301,13 @@ def _refusal_worker(rank, ws, seed):
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
+    # Without a DDP model the gradients are the caller's: a step where only rank 0 has any
+    # (rank 1 returned at once and left rank 0 in the parameter all-gather until the timeout).
+    for p in params:
+        p.grad = torch.ones_like(p) if rank == 0 else None
+    opt.step()
+    opt.zero_grad()
+    opt.step()  # no rank has gradients
     out["after"] = _flat(m).tolist()
     out["twice"] = message(lambda: zero([m.a.weight, m.a.bias, m.a.weight], optimizer_class=torch.optim.AdamW))
     out["twice added"] = message(lambda: opt.add_param_group({"params": [extra, extra]}))
@@ -317,7 +325,8 @@ def _refusal_worker(rank, ws, seed):
 
 def test_refusals_name_the_parameter_and_ranks():
     seed = random.randrange(2**31)
-    results = run_distributed(_refusal_worker, 2, seed, timeout=120, pg_timeout=30)
+    results = run_distributed(_refusal_worker, 2, seed, timeout=120, pg_timeout=30,
+                              env={"FUSEDIST_TIMEOUT_S": "20"})
     for rank, out in enumerate(results):
         where = f"seed {seed}, rank {rank}: {out}"
         assert out["extra"].startswith("RankMismatchError"), where

@@ -306,6 +306,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._check_frozen_grads()
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             if not self._has_any_grad():
+                if self.ddp is None and self.world_size > 1 and self.offload is None:
+                    self._gather_without_step()
                 return loss
             self._ensure_state()
             written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
@@ -339,6 +341,20 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._fusedist_clear_protocol()
             self._join_norm_calls_last, self._join_norm_calls = self._join_norm_calls, 0
         return loss
+
+    def _gather_without_step(self) -> None:
+        """A step on a rank without gradients, when there is no DDP model: the parameter
+        all-gathers still run, with this rank's slices as they are. Without a DDP model the
+        gradients are the caller's (e.g. torch's DDP), and another rank may hold some: it steps
+        and all-gathers, and a rank returning at once left it waiting until the timeout (torch's
+        ZeroRedundancyOptimizer broadcasts in every step too). With a DDP model every rank has
+        the same gradients after a synchronized backward, so all of them return."""
+        self._ensure_state()
+        written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
+        if written:
+            self._sync_masters_of(written)
+        self._gatherer.publish(self._partition, self._flat_params, self._masters)
+        self._record_param_versions()
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's: the group's trainable parameters are sharded and stepped like the others

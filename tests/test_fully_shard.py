@@ -260,8 +260,10 @@ def _scaler_clip_mp(rank, ws):
     l_ref = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), rank, 4)
     l_ours = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), rank, 4)
     x, _ = _batch(rank, 5)
+    # the parameters at rest (after the step): the fp32 pieces; a forward leaves the root gathered
+    # in bf16 under the default reshard_after_forward=None, as FSDP2's
     out["mp"] = dict(losses=(l_ref, l_ours), weights=_max_diff(_full_torch(ref), fusedist.fsdp.full_state_dict(ours)),
-                     out_dtype=ours(x).dtype, param_dtypes={p.dtype for p in ours.parameters()})
+                     param_dtypes={p.dtype for p in ours.parameters()}, out_dtype=ours(x).dtype)
     return out
 
 

@@ -33,7 +33,8 @@ __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None, reshard_after_forward: Optional[bool] = True,
+def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
+                reshard_after_forward: Optional[bool] = None,
                 shard_placement_fn: Optional[Callable] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[set] = None, dp_mesh_dims=None) -> nn.Module:
@@ -50,8 +51,8 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None, resh
     which any optimizer steps.
 
     * ``reshard_after_forward``: free the gathered parameters after forward and gather again
-      in backward (True, ZeRO-3), or keep them until backward (False). None: True, except
-      for the root, which keeps them (torch's default).
+      in backward (True, ZeRO-3), or keep them until backward (False). None (the default,
+      as torch's): True, except for the root, which keeps them.
     * ``mp_policy``: :class:`MixedPrecisionPolicy` (gather/compute dtype, reduce dtype).
     * ``offload_policy``: :class:`CPUOffloadPolicy` keeps shards and gradients in host memory.
     * ``ignored_params``: parameters left as they are (not sharded, gradients not reduced).

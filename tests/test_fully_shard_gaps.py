@@ -19,7 +19,7 @@ from torch import nn
 
 from fusedist.testing import run_distributed
 from test_fully_shard_api_parity import EXACT, _check_grads, _check_params, _ids, _loss, _mesh, _pair, _seed
-from test_fully_shard_api_parity2 import _Boom
+from test_fully_shard_module_methods import _Boom
 
 
 def _both(fn, ref, ours):

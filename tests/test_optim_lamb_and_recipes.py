@@ -1,4 +1,4 @@
-"""Fused optimizers against torch, fourth round: FusedLAMB with a tensor learning rate, and
+"""Fused optimizers against torch: FusedLAMB with a tensor learning rate, and
 realistic recipes (param groups added mid-training, torch state dicts both ways, maximize /
 amsgrad, chained LR schedulers).
 

@@ -1,4 +1,4 @@
-"""fusedist.checkpoint as a demanding user meets it, second round: a model saved under
+"""fusedist.checkpoint as a demanding user meets it: a model saved under
 ``torch.compile`` loads uncompiled (and the reverse, inside DDP and ZeRO too) with the names
 torch's ``get_model_state_dict`` gives; a save killed mid-write leaves temporaries that a
 load ignores and the next complete save removes; a Checkpointer snapshot failing on one
@@ -23,7 +23,7 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
-from test_checkpoint_probe import _error
+from test_checkpoint_exact_resume_and_refusals import _error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""Fused optimizers and GradScaler against torch, third round: a tensor learning rate (given,
+"""Fused optimizers and GradScaler against torch: a tensor learning rate (given,
 scheduled, refused, and through state dicts both ways) and the LR scheduler's warning after a
 first step the scaler skipped.
 

@@ -1,4 +1,4 @@
-"""fusedist.checkpoint as a demanding user meets it, third round: two jobs given one
+"""fusedist.checkpoint as a demanding user meets it: two jobs given one
 Checkpointer root (the second is refused, naming the first; a restart of the same run
 continues; a job whose lease was taken over stops without writing or pruning)."""
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from fusedist.checkpoint import CheckpointError, Checkpointer, _owner, layout
 from fusedist.testing import run_distributed
-from test_optim_probe4 import _bf16_net, _grads_of, _torch_job
+from test_optim_lamb_and_recipes import _bf16_net, _grads_of, _torch_job
 
 
 def _net(seed: int) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Fused optimizers, GradScaler and clip_grad_norm_ against torch, second round: a scaler step
+"""Fused optimizers, GradScaler and clip_grad_norm_ against torch: a scaler step
 on an optimizer without gradients, gradients written between fusedist's clip and the step,
 FusedSGD's state after an overflowed first step (in memory and read by torch's SGD), and
 momentum buffers created only when missing.
@@ -20,7 +20,7 @@ from fusedist.amp import GradScaler
 from fusedist.optim import FusedAdamW, FusedSGD, clip_grad_norm_
 
 from test_optim import BACKENDS, DEVICE  # noqa: F401 - the backend fixture's parameters
-from test_optim_probe import _scalers
+from test_optim_off_common_path import _scalers
 
 SHAPES = [(5,), (3, 4), (1,), (6, 2)]
 ATOL = 1e-6

@@ -59,28 +59,12 @@ def _loop(model, x):
 
 def _count_gathers(models, x) -> dict:
     """All-gathers of one loop per contender (FSDP2's per parameter group, fusedist's per unit)."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+    from fusedist.testing.gathers import counting_gathers
 
-    from fusedist.fsdp.unit import ShardedUnit
-
-    counts = {"torch": 0, "fusedist": 0}
-    torch_gather, our_gather = group_mod.foreach_all_gather, ShardedUnit.gather_into
-
-    def counted_torch(*args, **kwargs):
-        counts["torch"] += 1
-        return torch_gather(*args, **kwargs)
-
-    def counted_ours(self, *args, **kwargs):
-        counts["fusedist"] += 1
-        return our_gather(self, *args, **kwargs)
-
-    group_mod.foreach_all_gather, ShardedUnit.gather_into = counted_torch, counted_ours
-    try:
+    with counting_gathers() as counts:
         for m in models.values():
             _loop(m, x)
-    finally:
-        group_mod.foreach_all_gather, ShardedUnit.gather_into = torch_gather, our_gather
-    return counts
+    return {"torch": counts["fsdp2"], "fusedist": counts["fusedist"]}
 
 
 def _worker(rank, world_size, device_type, repeats):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedist.testing import run_distributed
+from test_fully_shard_api_parity import _count_gathers
 
 VOCAB, DIM, SEQ, N_BLOCKS, BATCH = 40, 16, 6, 2, 3
 STEPS = 3
@@ -91,20 +92,6 @@ def _train(model, seed: int, rank: int) -> list:
         with torch.no_grad():  # an evaluation forward between steps
             losses.append(F.cross_entropy(model(tokens).flatten(0, 1), target.flatten()).item())
     return losses
-
-
-def _count_gathers(module) -> list:
-    from fusedist.fsdp.state import state_of
-
-    unit, calls = state_of(module).unit, []
-    gather_into = unit.gather_into
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return gather_into(*args, **kwargs)
-
-    unit.gather_into = counted
-    return calls
 
 
 def _side_by_side(rank, world, seed, root):

@@ -26,7 +26,6 @@ computes in bf16 on the same bf16 casts of the same values, so it is bit for bit
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 
@@ -36,6 +35,7 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from fusedist.testing.gathers import counting_gathers
 
 EXACT = dict(rtol=0.0, atol=0.0)
 VOCAB = 23
@@ -109,31 +109,6 @@ def _gathered(model) -> list:
     return out
 
 
-@contextlib.contextmanager
-def _counting_gathers():
-    """Count all-gathers: FSDP2's one per parameter group, fusedist's one per unit."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
-
-    from fusedist.fsdp.unit import ShardedUnit
-
-    counts = {"fsdp2": 0, "fusedist": 0}
-    torch_gather, our_gather = group_mod.foreach_all_gather, ShardedUnit.gather_into
-
-    def counted_torch(*args, **kwargs):
-        counts["fsdp2"] += 1
-        return torch_gather(*args, **kwargs)
-
-    def counted_ours(self, *args, **kwargs):
-        counts["fusedist"] += 1
-        return our_gather(self, *args, **kwargs)
-
-    group_mod.foreach_all_gather, ShardedUnit.gather_into = counted_torch, counted_ours
-    try:
-        yield counts
-    finally:
-        group_mod.foreach_all_gather, ShardedUnit.gather_into = torch_gather, our_gather
-
-
 def _generate(model, prompt, steps: int, mode):
     """Greedy token-by-token generation: one whole forward per new token."""
     ids, logits = prompt, []
@@ -172,7 +147,7 @@ def _generation(rank, ws, seed):
         what = f"seed {seed}, {name}"
         ref, ours = _pair(mesh, seed, block_kw, dtype)
         prompt = _ids(seed, rank, 0)[0]
-        with _counting_gathers() as counts:
+        with counting_gathers() as counts:
             if prepare is not None:
                 prepare(ref), prepare(ours)
             # FSDP2 cannot run its first forward under inference_mode: its reference runs under no_grad
@@ -241,7 +216,7 @@ def _train_eval(rank, ws, seed):
             ref, ours = _pair(mesh, seed, dict(reshard_after_forward=not keep))
             opts = [(m, _optimizer(m)) for m in (ref, ours)]
             stale_at_step = []
-            with _counting_gathers() as counts:
+            with counting_gathers() as counts:
                 for step in range(3):
                     batch, probe = _ids(seed, rank, 10 + step), _ids(seed, rank, 50 + step)[0]
                     losses, evals = [], []

@@ -26,6 +26,21 @@ Note [ranks forked from a server that imported torch]
     A forked rank also ends without the interpreter's shutdown (multiprocessing ends it with
     ``os._exit``), so it runs the exit handlers itself -- fusedist's drain of in-flight work,
     the reliability layer's exit entry, a test's own -- where a spawned rank would.
+
+Note [callbacks still holding the group]
+    A future's ``then`` callback runs on a gloo worker thread, which drops the callback after
+    it has completed the future -- and dropping a Python callback takes the GIL. PowerSGD's
+    callbacks capture the process group (its ``group_to_use``), so right after the last
+    backward the group's last references can be such a callback, held by a worker thread
+    waiting for the GIL while the rank's main thread runs on to ``destroy_process_group``.
+    When the main thread next lets go of the GIL, that worker frees the group, whose
+    destructor joins the worker threads, the current one included: ``std::system_error:
+    Resource deadlock avoided`` and an abort after the test passed. (Seen once, in a whole
+    suite's run, at the exit of a rank of the PowerSGD test that trains torch's DDP and
+    fusedist's side by side; 48 reruns of the PowerSGD cases did not show it again, so this
+    is the reading of the message, not a reproduction.) So the harness gives the worker
+    threads a moment with the GIL released before it destroys the group: they drop what
+    they hold, and the main thread frees the group.
 """
 
 from __future__ import annotations
@@ -112,6 +127,7 @@ def _release_process_group() -> None:
 
     if not dist.is_initialized():
         return
+    time.sleep(0.05)  # Note [callbacks still holding the group]
     dist.destroy_process_group()
     comm = sys.modules.get("fusedist.comm")
     # Releasing a communicator collects the reference cycles too; otherwise collect here: a

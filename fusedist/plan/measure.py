@@ -24,7 +24,7 @@ Note [measuring ZeRO-3]
     rank's pieces) with the optimizer DDP uses at that precision. True for the root too, on
     purpose: every unit, the root included, is then gathered for forward and gathered again
     for backward, which is the planner's two parameter all-gathers plus one gradient
-    reduce-scatter. (``reshard_after_forward=None``, torch's default, keeps the root gathered
+    reduce-scatter. (``reshard_after_forward=None``, the default as in torch, keeps the root gathered
     from forward to backward: one root gather less per step than the planner counts.) The
     collectives per step are checked by count: 2 all-gathers and 1 reduce-scatter per unit.
 

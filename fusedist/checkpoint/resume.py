@@ -30,6 +30,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DistributedSampler
 
+from ._sampler_pass import PassPosition
+
+_KEYS = ("epoch", "offset", "seed", "num_replicas", "shuffle")  # the keys every saved state has
+
 try:  # numpy is optional for fusedist users; its generator is saved when it is importable
     import numpy as _np
 except ImportError:  # pragma: no cover
@@ -67,54 +71,71 @@ def restore_rng_state(state: dict) -> None:
         _np.random.set_state((name, keys, pos, has_gauss, cached))
 
 
-class ResumableDistributedSampler(DistributedSampler):
+class ResumableDistributedSampler(PassPosition, DistributedSampler):
     """``torch.utils.data.DistributedSampler`` that can start an epoch part-way through.
 
     Same indices as torch's sampler for the same ``(seed, epoch, num_replicas, rank)``. The
     training loop reports what it consumed with :meth:`advance` (a DataLoader prefetches, so
     the sampler cannot know what was actually trained on); :meth:`state_dict` then records
     ``(epoch, offset)`` and :meth:`load_state_dict` makes the next ``__iter__`` skip the
-    ``offset`` samples already trained on. ``set_epoch`` starts a new epoch at offset 0.
+    ``offset`` samples already trained on. ``set_epoch`` starts a new epoch at offset 0, and
+    so does a later ``__iter__`` without it (Note [a pass of the sampler] in
+    ``_sampler_pass.py``).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.offset = 0  # samples of this rank's share of the current epoch already consumed
+        self.offset = 0  # samples of this rank's share of the current pass already consumed
         self._resume_offset = 0
+        self._reset_pass()
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         self.offset = 0
         self._resume_offset = 0
+        self._reset_pass()
 
-    def advance(self, samples: int) -> None:
-        """Record that ``samples`` more samples of this epoch were trained on."""
-        self.offset += samples
+    def _restart_epoch(self) -> None:
+        self._resume_offset = 0
+
+    def _advance_limit(self) -> int:
+        return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        self._begin_pass()
         indices = list(super().__iter__())
         start, self._resume_offset = self._resume_offset, 0
-        return iter(indices[start:])
+        return self._counted(indices[start:])
 
     def __len__(self) -> int:
         return self.num_samples - self._resume_offset
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-                "num_replicas": self.num_replicas, "shuffle": self.shuffle}
+        self._warn_if_never_advanced()
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_replicas": self.num_replicas,
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "dataset_len": len(self.dataset)}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "num_replicas", "shuffle"):
-            if state[key] != getattr(self, key):
+        missing = [key for key in _KEYS if key not in state] if isinstance(state, dict) else list(_KEYS)
+        if missing:
+            hint = " (an ElasticDistributedSampler's state?)" if isinstance(state, dict) and "consumed" in state else ""
+            raise ValueError(f"ResumableDistributedSampler: the state to load lacks {missing}; it is not a "
+                             f"ResumableDistributedSampler.state_dict(){hint}")
+        mine = {"seed": self.seed, "num_replicas": self.num_replicas, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "dataset_len": len(self.dataset)}
+        for key, value in mine.items():
+            # drop_last and dataset_len: absent from the states of earlier versions.
+            if state.get(key, value) != value:
                 raise ValueError(
                     f"ResumableDistributedSampler: the saved {key}={state[key]!r} differs from this sampler's "
-                    f"{getattr(self, key)!r}; an exact resume needs the same sampler settings and world size"
+                    f"{value!r}; an exact resume needs the same sampler settings, dataset and world size"
                 )
         if not 0 <= state["offset"] <= self.num_samples:
             raise ValueError(f"ResumableDistributedSampler: saved offset {state['offset']} is outside "
                              f"[0, {self.num_samples}]")
         super().set_epoch(state["epoch"])
         self.offset = self._resume_offset = state["offset"]
+        self._reset_pass()
 
 
 def resume_state(sampler: Optional[ResumableDistributedSampler] = None) -> dict:

@@ -8,6 +8,15 @@ the first ``k * W`` entries of the (padded) permutation are done, whatever ``W``
 resumed run at any world size continues with the rest of the same permutation, re-split
 over its own ranks; at the same world size that is exactly the uninterrupted sequence, so
 resume stays bitwise.
+
+Positions past the end of the permutation are padding (``drop_last=False``): every rank has
+finished its share, whatever the world size that padded it, so they are all the end of the
+epoch and the position is saved as ``len(dataset)`` at most. A position saved by a smaller
+world size after a larger one padded further (a resume at the very end of an epoch, saved
+again before the next epoch began) otherwise failed to load as "outside the epoch".
+
+What ``advance`` counts, and a second ``iter()`` without ``set_epoch``: Note [a pass of the
+sampler] in ``_sampler_pass.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +27,12 @@ from typing import Iterator
 import torch
 from torch.utils.data import DistributedSampler
 
+from ._sampler_pass import PassPosition
 
-class ElasticDistributedSampler(DistributedSampler):
+_KEYS = ("epoch", "consumed", "seed", "shuffle", "drop_last", "dataset_len", "num_replicas")
+
+
+class ElasticDistributedSampler(PassPosition, DistributedSampler):
     """``torch.utils.data.DistributedSampler`` that resumes mid-epoch at any world size.
 
     Same indices as torch's sampler for the same ``(seed, epoch, num_replicas, rank)`` from
@@ -27,26 +40,32 @@ class ElasticDistributedSampler(DistributedSampler):
     (a DataLoader prefetches, so the sampler cannot know); :meth:`state_dict` records the
     epoch and the global number of samples consumed, and :meth:`load_state_dict` -- at any
     world size -- makes the next ``__iter__`` yield this rank's share of the remainder.
-    ``set_epoch`` starts a new epoch from its beginning.
+    ``set_epoch`` starts a new epoch from its beginning, and so does a later ``__iter__``
+    without it, as torch's sampler does (Note [a pass of the sampler]).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.offset = 0  # samples of this rank's share of the current epoch consumed
+        self.offset = 0  # samples of this rank's share of the current pass consumed
         self._start = 0  # position in the epoch's padded permutation where this pass starts
+        self._reset_pass()
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         self.offset = self._start = 0
+        self._reset_pass()
 
-    def advance(self, samples: int) -> None:
-        """Record that this rank trained on ``samples`` more samples of the epoch."""
-        self.offset += samples
+    def _restart_epoch(self) -> None:
+        self._start = 0
+
+    def _advance_limit(self) -> int:
+        return len(self)
 
     @property
     def consumed(self) -> int:
-        """Samples of the epoch consumed by all ranks together (every rank advances alike)."""
-        return self._start + self.offset * self.num_replicas
+        """Samples of the epoch consumed by all ranks together (every rank advances alike);
+        padding past the end counts as the end (``len(dataset)``)."""
+        return min(self._start + self.offset * self.num_replicas, len(self.dataset))
 
     def _permutation(self) -> list[int]:
         if self.shuffle:
@@ -70,19 +89,30 @@ class ElasticDistributedSampler(DistributedSampler):
         return rest
 
     def __iter__(self) -> Iterator[int]:
+        self._begin_pass()
         rest = self._remaining()
-        return iter(rest[self.rank::self.num_replicas])
+        return self._counted(rest[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
-        return len(self._remaining()) // self.num_replicas
+        """This rank's share of the current pass: of the rest of the epoch after a resume."""
+        rest = max(len(self.dataset) - self._start, 0)
+        if self.drop_last:
+            return rest // self.num_replicas
+        return math.ceil(rest / self.num_replicas)
 
     def state_dict(self) -> dict:
         """The position, independent of the world size (the same on every rank)."""
+        self._warn_if_never_advanced()
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "dataset_len": len(self.dataset), "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the saved epoch where all ranks together stopped, at this world size."""
+        missing = [key for key in _KEYS if key not in state] if isinstance(state, dict) else list(_KEYS)
+        if missing:
+            hint = " (a ResumableDistributedSampler's state?)" if isinstance(state, dict) and "offset" in state else ""
+            raise ValueError(f"ElasticDistributedSampler (rank {self.rank}): the state to load lacks {missing}; it is "
+                             f"not an ElasticDistributedSampler.state_dict(){hint}")
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("drop_last", self.drop_last),
                           ("dataset_len", len(self.dataset))):
             if state[key] != mine:
@@ -91,8 +121,9 @@ class ElasticDistributedSampler(DistributedSampler):
                     f"this sampler's {mine!r}; the saved position belongs to a different epoch order"
                 )
         consumed = state["consumed"]
-        if not 0 <= consumed <= len(self.dataset) + state["num_replicas"]:
-            raise ValueError(f"ElasticDistributedSampler (rank {self.rank}): saved position {consumed} is outside "
-                             f"the epoch of {len(self.dataset)} samples")
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise ValueError(f"ElasticDistributedSampler (rank {self.rank}): saved position {consumed!r} is not a "
+                             f"number of samples of the epoch of {len(self.dataset)}")
         super().set_epoch(state["epoch"])
-        self._start, self.offset = consumed, 0
+        self._start, self.offset = min(consumed, len(self.dataset)), 0  # past the end: padding, the epoch is done
+        self._reset_pass()

@@ -1,0 +1,86 @@
+"""What a resumable sampler's position counts: the trained samples of the current *pass*.
+
+Shared by :class:`~fusedist.checkpoint.ElasticDistributedSampler` and
+``ResumableDistributedSampler``: both report ``advance(n)`` from the training loop and save
+the position reached in the epoch.
+
+Note [a pass of the sampler]
+    torch's ``DistributedSampler`` yields the whole epoch's share at every ``iter()``: a loop
+    that never calls ``set_epoch`` (``shuffle=False``, or a script that does not care) walks
+    the same order again and again. The position is therefore counted per pass, one pass
+    being one ``iter(sampler)`` -- what one ``iter(DataLoader)`` makes, with or without
+    workers, and after the loop's last ``advance`` of the previous pass. The first pass after
+    ``load_state_dict`` continues the saved epoch; every later ``iter()`` starts the epoch
+    order from its beginning and the count from 0, as torch's would. Counting ``advance``
+    across passes instead ran past the end of the epoch: the saved position could not be
+    loaded ("outside the epoch"), and the elastic sampler's later passes repeated the resumed
+    remainder instead of the whole epoch.
+
+    ``advance`` past the end of this rank's share of the pass is refused: the position would
+    name samples that do not exist (``advance(batch_size)`` for a shorter last batch, say).
+    A pass that drew indices while ``advance`` was never called saves the start of the epoch,
+    and a resume from it repeats what was trained; ``state_dict`` warns about that, once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable, Iterator
+
+
+class PassPosition:
+    """Mixin for a ``DistributedSampler`` subclass: the pass bookkeeping of Note [a pass of
+    the sampler]. The subclass supplies :meth:`_restart_epoch` (forget a resumed start) and
+    :meth:`_advance_limit` (the largest ``offset`` this pass allows)."""
+
+    offset: int
+
+    def _reset_pass(self) -> None:
+        """A new position (construction, ``set_epoch``, ``load_state_dict``): the next
+        ``iter()`` is the pass it describes."""
+        self._pass_open = False
+        self._drawn = 0
+
+    def _begin_pass(self) -> None:
+        """Called by ``__iter__`` before it computes the indices."""
+        if getattr(self, "_pass_open", False):  # a second iter() without set_epoch
+            self.offset = 0
+            self._restart_epoch()
+        self._pass_open = True
+        self._drawn = 0
+
+    def _counted(self, indices: Iterable[int]) -> Iterator[int]:
+        for index in indices:
+            self._drawn += 1
+            yield index
+
+    def advance(self, samples: int) -> None:
+        """Record that this rank trained on ``samples`` more samples of the current pass
+        (``len(batch)``, after the step). A DataLoader prefetches, so only the loop knows."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"{type(self).__name__}.advance: samples must be a non-negative int (the "
+                             f"batch's length), got {samples!r}")
+        limit = self._advance_limit()
+        if self.offset + samples > limit:
+            raise ValueError(
+                f"{type(self).__name__} (rank {self.rank}): advance({samples}) after {self.offset} would pass the "
+                f"end of this rank's share of epoch {self.epoch}, which ends at {limit}; advance by the samples "
+                "actually trained (len(batch), the last batch may be shorter) and call set_epoch() for a new epoch"
+            )
+        self.offset += samples
+
+    def _warn_if_never_advanced(self) -> None:
+        if self._drawn and not self.offset and not getattr(self, "_warned", False):
+            self._warned = True
+            warnings.warn(
+                f"{type(self).__name__} (rank {self.rank}): {self._drawn} indices of epoch {self.epoch} were drawn but "
+                "advance() was never called in this pass, so the saved position is the start of the pass and a "
+                "resume repeats what was trained. Call sampler.advance(len(batch)) after each step (a save before "
+                "the pass's first step may ignore this)", stacklevel=3)
+
+    # -- supplied by the sampler
+    def _restart_epoch(self) -> None:
+        raise NotImplementedError
+
+    def _advance_limit(self) -> int:
+        raise NotImplementedError

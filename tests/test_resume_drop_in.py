@@ -11,6 +11,8 @@
 * ``advance`` past the end of the pass refused, a pass that never advanced warned about.
 * Elastic positions past the end of the epoch (padding) load at any world size, through any
   chain of resumes, every remaining sample exactly once.
+* The Checkpointer's steps: no step count, or a step below the run's, refused (Note [steps
+  only go forward]); a step saved twice; two Checkpointers in one program; an explicit step.
 * Two spawned runs: a Checkpointer job whose loop never calls ``set_epoch`` resumes bit for
   bit at the same world size and re-splits the rest of the pass exactly once at 3 ranks,
   where ``load_per_rank`` is None and the RNG states stay as the script seeded them.
@@ -214,6 +216,82 @@ def test_elastic_positions_at_the_end_of_an_epoch_load_through_any_chain_of_worl
         else:
             assert set(seen) == set(range(n)) and len(seen) - n < sum(worlds), case
         assert state["consumed"] <= n, case
+
+
+# ---------------------------------------------------------------- the Checkpointer's steps
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train(model, opt, ckpt, steps):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for step in steps:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        ckpt.maybe_save(step)
+
+
+def test_checkpointer_steps_go_forward_and_bad_steps_are_refused(tmp_path):
+    root = str(tmp_path / "a")
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, every_steps=2, keep=2)
+    assert ckpt.restore(model, opt) == 0
+    for bad in (-2, 2.0, "4", None, True):
+        with pytest.raises(ValueError, match=r"step must be a non-negative int .*got " + repr(bad).replace(".", r"\.")):
+            ckpt.save(bad)
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            ckpt.maybe_save(bad)
+    with pytest.raises(ValueError, match="every_steps must be a positive int"):
+        Checkpointer(root, every_steps=True)
+    _train(model, opt, ckpt, range(1, 9))
+    ckpt.save(torch.tensor(8))  # a step saved twice (and given as a 0-d tensor) replaces it
+    ckpt.wait()
+    assert [e.step for e in layout.scan(root) if e.complete] == [8, 6]
+    # A step counter reset (the step within the epoch): refused, the run's checkpoints untouched.
+    with pytest.raises(ValueError, match=r"save\(3\): this run is at step 8 \(its last saved checkpoint\).*"
+                                         r"restore\(\.\.\., step=3\) first"):
+        ckpt.save(3)
+    with pytest.raises(ValueError, match=r"maybe_save\(4\): this run is at step 8"):
+        ckpt.maybe_save(4)
+    ckpt.close()
+    assert [e.step for e in layout.scan(root) if e.complete] == [8, 6]
+
+    # A restart: an explicit older step is a rollback, and saves go on from it.
+    again = Checkpointer(root, every_steps=2, keep=2)
+    assert again.restore(_net()) == 8
+    with pytest.raises(ValueError, match=r"save\(7\): this run is at step 8 \(its last restored checkpoint\)"):
+        again.save(7)
+    assert again.restore(_net(), step=6) == 6
+    with pytest.warns(UserWarning, match=r"continues from step 6; .*set aside as \['abandoned-step-00000008'\]"):
+        again.save(7)
+        again.wait()
+    again.close()
+    assert [e.step for e in layout.scan(root) if e.complete] == [7, 6]
+
+
+def test_two_checkpointers_in_one_program(tmp_path):
+    """Every step into one root (keep 2), every third into another (all kept)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    often = Checkpointer(str(tmp_path / "often"), every_steps=1, keep=2)
+    rare = Checkpointer(str(tmp_path / "rare"), every_steps=3, keep=None, async_save=False)
+    assert often.restore(model, opt) == 0 and rare.restore(model, opt) == 0
+    x = torch.randn(3, 4)
+    for step in range(1, 8):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        often.maybe_save(step)
+        rare.maybe_save(step)
+    often.close()
+    rare.close()
+    assert [e.step for e in layout.scan(str(tmp_path / "often"))] == [7, 6]
+    assert [e.step for e in layout.scan(str(tmp_path / "rare"))] == [6, 3]
+    fresh = _net()
+    assert Checkpointer(str(tmp_path / "rare")).restore(fresh, step=3) == 3
 
 
 # ---------------------------------------------------------------- spawned: the whole job

@@ -31,6 +31,15 @@ Note [asynchronous save]
     are complete; a process killed before that leaves a directory without a manifest, which
     ``restore`` skips with a warning.
 
+Note [steps only go forward]
+    ``restore`` picks the complete checkpoint with the highest step, and retention never
+    removes the steps above the one just saved. A save of a step below the run's last saved
+    or restored one (a step counter reset at each epoch, a loop that passes the epoch instead
+    of the step) wrote a checkpoint that no restart would pick while the newer ones existed:
+    the run's progress since looked saved and was not. Such a save is refused; a run that
+    means to go back restores that step first (Note [a restore that rolls back] in
+    ``layout.py``). A step saved again (``save(N)`` after ``maybe_save(N)``) replaces it.
+
 One job per root: a job's saves hold the root with a lease, and a second job given the same
 root is refused instead of overwriting and pruning the first's checkpoints, while a restart of
 the same run continues (Note [one job per checkpoint root] in ``_owner.py``).
@@ -38,6 +47,7 @@ the same run continues (Note [one job per checkpoint root] in ``_owner.py``).
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 import warnings
@@ -50,6 +60,10 @@ from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
 from .staging import StagingBuffers
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_zero(optimizer) -> bool:
@@ -74,9 +88,9 @@ class Checkpointer:
 
     def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
                  async_save: bool = True, *, run_id: Optional[str] = None):
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+        if every_steps is not None and (not _is_int(every_steps) or every_steps < 1):
             raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
+        if keep is not None and (not _is_int(keep) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int or None (keep all), got {keep!r}")
         self.directory, self.every_steps, self.keep, self.async_save = directory, every_steps, keep, async_save
         self._coord = Coordinator()
@@ -211,6 +225,7 @@ class Checkpointer:
     def maybe_save(self, step: int, extra: Optional[dict] = None) -> bool:
         """Save if ``step`` (completed training steps) is a multiple of ``every_steps``; returns
         whether a save started. Call it on every rank after each step."""
+        step = self._check_step(step, "maybe_save")
         if self.every_steps is None or step % self.every_steps or step == self.last_saved_step:
             return False
         self.save(step, extra)
@@ -224,6 +239,7 @@ class Checkpointer:
                                "it registers what a checkpoint holds (and returns 0 on a fresh start)")
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(f"fusedist.checkpoint.Checkpointer.save: extra must be a dict, got {type(extra).__name__}")
+        step = self._check_step(step, "save")
         t0 = time.perf_counter()
         self._wait_previous()
         t1 = time.perf_counter()
@@ -240,6 +256,26 @@ class Checkpointer:
         else:
             self._persist(step, snapshot, record)
             record["stall_s"] = time.perf_counter() - t0
+
+    def _check_step(self, step, what: str) -> int:
+        """``step`` as an int (a NumPy or 0-d tensor integer too); refuse a step that is no
+        step count, or one below the last saved or restored (Note [steps only go forward])."""
+        try:
+            count = operator.index(step) if not isinstance(step, bool) else None
+        except TypeError:
+            count = None
+        if count is None or count < 0:
+            raise ValueError(f"fusedist.checkpoint.Checkpointer.{what}: step must be a non-negative int (the "
+                             f"number of completed training steps), got {step!r}")
+        step = count
+        if self.last_saved_step is not None and step < self.last_saved_step:
+            raise ValueError(
+                f"fusedist.checkpoint.Checkpointer.{what}({step}): this run is at step {self.last_saved_step} (its "
+                f"last {'restored' if self.last_saved_step == self.restored_step else 'saved'} checkpoint), and a "
+                f"checkpoint of an earlier step would never be restored while the newer ones exist. Pass the "
+                f"number of completed training steps; to roll back, restore(..., step={step}) first"
+            )
+        return step
 
     def _wait_previous(self) -> None:
         try:

@@ -8,6 +8,8 @@
   torch's; the position counts the current pass (Note [a pass of the sampler]). Counted
   across passes it could not be loaded, and the elastic sampler's later passes repeated the
   resumed remainder.
+* The usual ``for epoch in range(start_epoch, E): sampler.set_epoch(epoch)`` loop after a
+  restore continues mid-epoch (Note [set_epoch after a resume]).
 * ``advance`` past the end of the pass refused, a pass that never advanced warned about.
 * Elastic positions past the end of the epoch (padding) load at any world size, through any
   chain of resumes, every remaining sample exactly once.
@@ -116,6 +118,45 @@ def test_a_loop_without_set_epoch_resumes_exactly_at_any_point(cls):
     first, state = _run_loop(cls, 37, 2, 0, seed, 7, set_epoch=False, **kw)
     second, _ = _run_loop(cls, 37, 2, 0, seed, 5, state=state, set_epoch=False, **kw)
     assert first + second == full, (cls.__name__, seed, state)
+
+
+@pytest.mark.parametrize("cls", SAMPLERS, ids=lambda c: c.__name__)
+def test_the_usual_epoch_loop_resumes_mid_epoch(cls):
+    """``for epoch in range(start_epoch, 3): sampler.set_epoch(epoch); for batch in loader``
+    after ``load_state_dict``: set_epoch of the restored epoch restarted it from its
+    beginning, training its first batches twice (Note [set_epoch after a resume])."""
+    seed = random.randrange(2**31)
+
+    def loop(sampler, first_epoch, stop_after=None):
+        loader, out = DataLoader(range(29), batch_size=4, sampler=sampler), []
+        for epoch in range(first_epoch, 3):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                out.append(batch.tolist())
+                sampler.advance(len(batch))
+                if len(out) == stop_after:
+                    return out, sampler.state_dict()
+        return out, None
+
+    full, _ = loop(cls(range(29), num_replicas=3, rank=2, seed=seed), 0)
+    for k in (1, 3, 5, 6, 9):  # 3 batches an epoch; 3 and 6: saved at the end of an epoch
+        first, state = loop(cls(range(29), num_replicas=3, rank=2, seed=seed), 0, stop_after=k)
+        resumed = cls(range(29), num_replicas=3, rank=2, seed=seed)
+        resumed.load_state_dict(state)
+        second, _ = loop(resumed, state["epoch"])
+        assert first + second == full, (cls.__name__, seed, k, state)
+    # Another epoch after a restore, or the restored one once its pass began: from the start.
+    other = cls(range(29), num_replicas=3, rank=2, seed=seed)
+    other.load_state_dict(state)
+    other.set_epoch(state["epoch"] + 1)
+    again = cls(range(29), num_replicas=3, rank=2, seed=seed)
+    again.load_state_dict(state)
+    list(again)
+    again.set_epoch(state["epoch"])
+    for sampler, epoch in ((other, state["epoch"] + 1), (again, state["epoch"])):
+        ref = DistributedSampler(range(29), num_replicas=3, rank=2, seed=seed)
+        ref.set_epoch(epoch)
+        assert list(sampler) == list(ref) and sampler.offset == 0, (cls.__name__, seed)
 
 
 @pytest.mark.parametrize("cls", SAMPLERS, ids=lambda c: c.__name__)

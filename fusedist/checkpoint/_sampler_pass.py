@@ -20,6 +20,15 @@ Note [a pass of the sampler]
     name samples that do not exist (``advance(batch_size)`` for a shorter last batch, say).
     A pass that drew indices while ``advance`` was never called saves the start of the epoch,
     and a resume from it repeats what was trained; ``state_dict`` warns about that, once.
+
+Note [set_epoch after a resume]
+    The loop most scripts already have resumes with ``for epoch in range(start_epoch, E):
+    sampler.set_epoch(epoch); for batch in loader: ...``, so the first thing after
+    ``load_state_dict`` is ``set_epoch`` of the very epoch just restored. Starting that epoch
+    from its beginning, as ``set_epoch`` otherwise does, silently trained its first part
+    twice. So until the restored pass begins, ``set_epoch`` of the restored epoch keeps the
+    restored position (torchdata's ``StatefulDistributedSampler`` survives ``set_epoch`` the
+    same way); any other epoch starts from its beginning.
 """
 
 from __future__ import annotations
@@ -35,11 +44,17 @@ class PassPosition:
 
     offset: int
 
-    def _reset_pass(self) -> None:
-        """A new position (construction, ``set_epoch``, ``load_state_dict``): the next
-        ``iter()`` is the pass it describes."""
+    def _reset_pass(self, restored: bool = False) -> None:
+        """A new position (construction, ``set_epoch``, ``load_state_dict``: ``restored``):
+        the next ``iter()`` is the pass it describes."""
         self._pass_open = False
         self._drawn = 0
+        self._restored = restored
+
+    def _keeps_restored_position(self, epoch: int) -> bool:
+        """Whether ``set_epoch(epoch)`` leaves the position alone (Note [set_epoch after a
+        resume])."""
+        return getattr(self, "_restored", False) and epoch == self.epoch
 
     def _begin_pass(self) -> None:
         """Called by ``__iter__`` before it computes the indices."""
@@ -48,6 +63,7 @@ class PassPosition:
             self._restart_epoch()
         self._pass_open = True
         self._drawn = 0
+        self._restored = False
 
     def _counted(self, indices: Iterable[int]) -> Iterator[int]:
         for index in indices:

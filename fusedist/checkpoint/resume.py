@@ -80,7 +80,8 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
     ``(epoch, offset)`` and :meth:`load_state_dict` makes the next ``__iter__`` skip the
     ``offset`` samples already trained on. ``set_epoch`` starts a new epoch at offset 0, and
     so does a later ``__iter__`` without it (Note [a pass of the sampler] in
-    ``_sampler_pass.py``).
+    ``_sampler_pass.py``), except ``set_epoch`` of the epoch just restored (Note [set_epoch
+    after a resume]).
     """
 
     def __init__(self, *args, **kwargs):
@@ -90,6 +91,8 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
         self._reset_pass()
 
     def set_epoch(self, epoch: int) -> None:
+        if self._keeps_restored_position(epoch):  # Note [set_epoch after a resume]
+            return
         super().set_epoch(epoch)
         self.offset = 0
         self._resume_offset = 0
@@ -135,7 +138,7 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
                              f"[0, {self.num_samples}]")
         super().set_epoch(state["epoch"])
         self.offset = self._resume_offset = state["offset"]
-        self._reset_pass()
+        self._reset_pass(restored=True)
 
 
 def resume_state(sampler: Optional[ResumableDistributedSampler] = None) -> dict:

@@ -15,8 +15,9 @@ epoch and the position is saved as ``len(dataset)`` at most. A position saved by
 world size after a larger one padded further (a resume at the very end of an epoch, saved
 again before the next epoch began) otherwise failed to load as "outside the epoch".
 
-What ``advance`` counts, and a second ``iter()`` without ``set_epoch``: Note [a pass of the
-sampler] in ``_sampler_pass.py``.
+What ``advance`` counts, a second ``iter()`` without ``set_epoch``, and ``set_epoch`` right
+after a restore: Note [a pass of the sampler] and Note [set_epoch after a resume] in
+``_sampler_pass.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
     epoch and the global number of samples consumed, and :meth:`load_state_dict` -- at any
     world size -- makes the next ``__iter__`` yield this rank's share of the remainder.
     ``set_epoch`` starts a new epoch from its beginning, and so does a later ``__iter__``
-    without it, as torch's sampler does (Note [a pass of the sampler]).
+    without it, as torch's sampler does (Note [a pass of the sampler]); ``set_epoch`` of the
+    epoch just restored keeps the restored position (Note [set_epoch after a resume]).
     """
 
     def __init__(self, *args, **kwargs):
@@ -51,6 +53,8 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
         self._reset_pass()
 
     def set_epoch(self, epoch: int) -> None:
+        if self._keeps_restored_position(epoch):  # Note [set_epoch after a resume]
+            return
         super().set_epoch(epoch)
         self.offset = self._start = 0
         self._reset_pass()
@@ -126,4 +130,4 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
                              f"number of samples of the epoch of {len(self.dataset)}")
         super().set_epoch(state["epoch"])
         self._start, self.offset = min(consumed, len(self.dataset)), 0  # past the end: padding, the epoch is done
-        self._reset_pass()
+        self._reset_pass(restored=True)

@@ -48,7 +48,9 @@ def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(
     rc, out = finish(failing, timeout=150)
     assert rc_clean == 0, out_clean[-3000:]
     assert rc == 0, out[-3000:]
-    assert "rank 1: failing at step 35" in out and "resumed from step 30" in out, out[-3000:]
+    # Step 30's save is asynchronous: on a loaded machine it may still be in flight when rank 1
+    # dies at step 35, and the restart then resumes from step 20, the newest complete one.
+    assert "rank 1: failing at step 35" in out and re.search(r"resumed from step (20|30)\b", out), out[-3000:]
     assert "resumed" not in out_clean
     assert _final(out) == _final(out_clean)
     # Retention (keep 3) and the one-shot failure marker.
@@ -69,7 +71,8 @@ def test_zero3_demo_restarts_and_matches_ddp_bitwise(tmp_path):
     rc, out = finish(zero3, timeout=150)
     assert rc_ddp == 0, out_ddp[-3000:]
     assert rc == 0, out[-3000:]
-    assert "(ZeRO-3)" in out and "rank 1: failing at step 35" in out and "resumed from step 30" in out, out[-3000:]
+    assert "(ZeRO-3)" in out and "rank 1: failing at step 35" in out, out[-3000:]
+    assert re.search(r"resumed from step (20|30)\b", out), out[-3000:]  # (as above: step 30's save may be in flight)
     assert _final(out) == _final(out_ddp)
 
 

@@ -266,7 +266,7 @@ def test_temporaries_of_a_killed_save_are_ignored_then_removed(tmp_path):
 
     old = time.time() - 600
     made = {".manifest.json.tmp-4000001": old, ".rank-00001.pt.tmp-4000002": old,
-            ".common.0123456789ab.pt.tmp-4000003": old,
+            ".common.0123456789ab.pt.tmp-4000003": old, ".rank-00000.pt.tmp-4000006-4000007": old,
             ".notes.txt.tmp-4000004": old, "mine.pt.tmp": old,  # not checkpoint temporaries
             ".rank-00000.pt.tmp-4000005": time.time() + 600}  # touched after the save started
     for name, mtime in made.items():
@@ -284,6 +284,38 @@ def test_temporaries_of_a_killed_save_are_ignored_then_removed(tmp_path):
     rest = sorted(set(os.listdir(directory)) - set(_temporaries(directory)))
     assert len(rest) == 3 and rest[0].startswith("common.") and rest[1:] == ["manifest.json", "mine.pt.tmp"], rest
     assert checkpoint.load(directory, _net(4)) == {"v": 3}
+
+
+def test_threads_of_one_process_write_one_file_atomically(tmp_path):
+    """Two threads of one process writing one file (two Checkpointers' background saves writing
+    a root's lease): each writer has a temporary of its own, so every write lands whole and
+    none fails -- they shared one temporary per process, and a rename or unlink of the other
+    thread's temporary failed with ENOENT."""
+    import threading
+
+    from fusedist.checkpoint import _files
+
+    path = str(tmp_path / "lease.json")
+    errors, start = [], threading.Barrier(2)
+
+    def writer(tag: bytes):
+        start.wait()
+        try:
+            for _ in range(300):
+                _files.atomic_write(path, lambda f: f.write(tag * 4096))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=writer, args=(tag,)) for tag in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data in (b"a" * 4096, b"b" * 4096)
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
 
 
 def test_checkpointer_skips_a_killed_step_and_removes_it_after_a_later_one(tmp_path):

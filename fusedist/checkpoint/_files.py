@@ -19,7 +19,7 @@ Note [checkpoint atomicity]
 
 Note [abandoned temporaries]
     A writer killed between creating its temporary and renaming it (SIGKILL, the OOM killer,
-    a lost node) leaves ``.<name>.tmp-<pid>`` behind: ``atomic_write`` removes its temporary
+    a lost node) leaves ``.<name>.tmp-<pid>-<thread>`` behind: ``atomic_write`` removes its temporary
     only when it unwinds. No manifest lists one and a load reads only listed files, so they
     are harmless but for their size -- a whole rank file per kill. They are removed by rank 0
     once a later save into the same directory is complete (:func:`remove_stale_temporaries`),
@@ -57,6 +57,7 @@ import os
 import pickle
 import re
 import socket
+import threading
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -73,8 +74,10 @@ BASE_VERSION = 1
 _CHUNK = 1 << 20
 # The files a save writes: rank-00000.pt / common.pt, or with a save id before ".pt".
 _SAVED_FILE = re.compile(r"^(rank-\d{5}|common)(\.[0-9a-f]{12})?\.pt$")
-# What atomic_write writes first: "." + the final name + ".tmp-" + the writer's process id.
-_TEMPORARY = re.compile(r"^\.(.+)\.tmp-\d+$")
+# What atomic_write writes first: "." + the final name + ".tmp-" + the writer's process id and
+# thread id (two threads of one process may write one file: two Checkpointers' background saves
+# of the same root's lease); temporaries of older versions carry the process id alone.
+_TEMPORARY = re.compile(r"^\.(.+)\.tmp-\d+(?:-\d+)?$")
 
 
 class CheckpointError(RuntimeError):
@@ -96,7 +99,7 @@ def _fsync_dir(directory: str) -> None:
 def atomic_write(path: str, write: Callable[[Any], None]) -> dict:
     """Write ``path`` atomically (Note [checkpoint atomicity]); return its size and SHA-256."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_native_id()}")
     try:
         with open(tmp, "wb") as f:
             write(f)

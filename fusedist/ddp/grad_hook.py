@@ -28,11 +28,12 @@ Note [fresh gradient freed before the launch]
     reuses the freed block or the heap grows (and is trimmed again later, so its pages fault
     in afresh every step) depends on what else was allocated while the block was live --
     held until the hook returned, it was live across the launch's own allocations. Measured
-    on bench_ddp's MLP row (2 ranks, 9 launches x 2 ranks per variant, 15 steps after the
-    warm-up, minor faults per step and rank): 3,450 on average against 5,260 (torch DDP with
-    bucket views: 4,980 over 5 launches). The heap's state still differs from process to
-    process (335 to 6,300 faults per step), so this lowers the average, not every run. No
-    value changes: the copy has happened.
+    on bench_ddp's MLP row (2 ranks, 15 steps after the warm-up, minor faults per step and
+    rank, one value per rank and launch, pooled over four runs): 4,670 on average (19
+    launches) against 5,660 when held to the end of the hook (15 launches); torch DDP with
+    bucket views 4,850 (15 launches). The heap's state differs from process to process (335
+    to 9,200 faults per step, and one run of 4 launches averaged 5,670 with the early drop),
+    so this lowers the average, not every run. No value changes: the copy has happened.
 """
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ class FullyShardState:
         if len(comms) > 1:
             raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
         if units:
-            names = {id(m): n for n, m in self.module.named_modules()}
+            names = {id(m): n for member in self.modules for n, m in member.named_modules()}
             for st in states:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
@@ -435,25 +435,30 @@ class FullyShardState:
         if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
             self._group_pending.discard(id(module))
             if self._group_pending:  # members still to run: this call's post-forward waits for them
-                if grad:
-                    hook = functools.partial(self._pre_backward, len(self._post_forward_indices))
-                    for t in _grad_tensors(output, []):
-                        t.register_hook(hook)
+                if grad:  # the entry the group's post-forward will record
+                    self._hook_outputs(output, len(self._post_forward_indices))
                 return output
         if unit is not None:
             if grad:
-                self._post_forward_indices.append(len(ctx.post_forward_order))
-                ctx.post_forward_order.append(self)
+                self._record_post_forward()
             if unit.reshard_after_forward:  # with or without grad: Note [forward without gradients]
                 unit.reshard()
         if grad:
-            call = len(self._post_forward_indices) - 1
-            hook = functools.partial(self._pre_backward, call)
-            for t in _grad_tensors(output, []):
-                t.register_hook(hook)
+            self._hook_outputs(output, len(self._post_forward_indices) - 1)
         if self.is_root:
             ctx.end_forward()
         return _cast(self.mp_policy.output_dtype, output)
+
+    def _record_post_forward(self) -> None:
+        """This call's entry in the iteration's post-forward order (backward prefetches by it)."""
+        self._post_forward_indices.append(len(self.ctx.post_forward_order))
+        self.ctx.post_forward_order.append(self)
+
+    def _hook_outputs(self, output, call: int) -> None:
+        """The backward pre-hook of call ``call`` on each output that requires a gradient."""
+        hook = functools.partial(self._pre_backward, call)
+        for t in _grad_tensors(output, []):
+            t.register_hook(hook)
 
     # ------------------------------------------------------------------ backward
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
@@ -541,8 +546,7 @@ class FullyShardState:
         hooks point at that entry); ``end_forward`` reshards the unit as for any unit."""
         self._group_pending.clear()
         if self.unit is not None and torch.is_grad_enabled():
-            self._post_forward_indices.append(len(self.ctx.post_forward_order))
-            self.ctx.post_forward_order.append(self)
+            self._record_post_forward()
 
     def reset_iteration(self) -> None:
         """This module's part of ``IterationContext.reset_iteration``."""

@@ -9,7 +9,6 @@ import numbers
 from typing import Callable, Literal, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import deprecated
@@ -21,6 +20,7 @@ from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
+from .mesh import groups_of
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
@@ -38,8 +38,11 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                 shard_placement_fn: Optional[Callable] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[set] = None, dp_mesh_dims=None) -> nn.Module:
-    """Shard ``module``'s parameters across the ranks of ``mesh`` (a 1-D DeviceMesh) or
-    ``process_group`` (default: the world), as torch's ``fully_shard``; returns ``module``.
+    """Shard ``module``'s parameters across the ranks of ``mesh`` or ``process_group``
+    (default: the world), as torch's ``fully_shard``; returns ``module``. A 1-D mesh shards
+    over its ranks; a 2-D mesh is HSDP, (replicate, shard) as FSDP2 reads it: sharded over
+    dim 1, each gradient shard all-reduced over dim 0 (Note [replicate all-reduce] in
+    replicate.py; meshes refused: ``mesh.py``).
     ``module`` may be a list of modules, made one unit (Note [a list of modules as one unit] in
     members.py).
 
@@ -75,8 +78,11 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     for m in modules:
         check_params(m, ignored, shard_placement_fn, taken=_OWNED)
     offload_policy = as_offload_policy(offload_policy)
-    group, device = _group_and_device(mesh, process_group)
-    comm = get_communicator(group, device)
+    groups = groups_of(mesh, process_group)
+    device = groups.device
+    comm = get_communicator(groups.shard, device)
+    # HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py)
+    replicate_comm = get_communicator(groups.replicate, device) if groups.replicate is not None else None
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError("fusedist.fully_shard: reshard_after_forward must be a bool or None "
                          f"(resharding to a smaller world is not supported), got {reshard_after_forward!r}")
@@ -117,12 +123,13 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     if params:
         name = describe(modules)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
-                           reshard_after_forward=True if auto else reshard_after_forward)
+                           reshard_after_forward=True if auto else reshard_after_forward,
+                           replicate_comm=replicate_comm, mesh=groups.mesh)
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
             _OWNED[p] = _OWNED[sp] = (unit, i)
             unit._register(i, sp)
-        holder = holder_for(comm)
+        holder = holder_for(comm, replicate_comm)
         holder.register(unit.sharded)
         unit.holder = holder  # keeps the holder alive as long as the unit (ownership holds it weakly)
         by_owner: dict = {}
@@ -143,19 +150,6 @@ def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
-
-
-def _group_and_device(mesh, process_group):
-    if mesh is not None:
-        if mesh.ndim != 1:
-            raise ValueError(f"fusedist.fully_shard: mesh must be 1-D (got {mesh.ndim} dims; HSDP is not supported)")
-        group, device_type = mesh.get_group(), mesh.device_type
-    else:
-        group = process_group
-        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    if device_type == "cuda":
-        return group, torch.device("cuda", torch.cuda.current_device())
-    return group, torch.device(device_type)
 
 
 _CLASSES: dict = {}
@@ -228,8 +222,9 @@ class FullyShardedModule:
         communication (gradient accumulation); costs one unsharded copy of every unit's
         gradients until the next synchronized backward reduces the sum."""
         for st in self._fs_states(recurse):
-            if st.grads is not None:
-                st.grads.reduce_grads = bool(requires_gradient_sync)
+            st.requires_all_reduce = bool(requires_gradient_sync)
+            if st.grads is not None:  # both switches, as FSDP2 (Note [replicate all-reduce] in replicate.py)
+                st.grads.reduce_grads = st.grads.all_reduce_grads = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -262,12 +257,16 @@ class FullyShardedModule:
         self._fs_state().unshard_in_backward = _check_bool("unshard_in_backward", unshard_in_backward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's switch for HSDP's all-reduce across replicas. fusedist shards over a 1-D mesh
-        only, where no all-reduce exists (as in FSDP2 on a 1-D mesh), so either value leaves
-        the reduce-scatter's gradients as they are; the setting is recorded."""
+        """HSDP (2-D mesh): False skips the all-reduce across replicas after each reduce-scatter;
+        the reduce-scattered gradients are summed aside, the pieces get no ``.grad``, and the
+        next backward with True all-reduces the sum (FSDP2's micro-batching switch; Note
+        [replicate all-reduce] in replicate.py). On a 1-D mesh there is no all-reduce (as in
+        FSDP2): either value leaves the gradients as they are; the setting is recorded."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._fs_states(recurse):
             st.requires_all_reduce = requires_all_reduce
+            if st.grads is not None:
+                st.grads.all_reduce_grads = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce this module's gradients (not its submodules', as torch) to the sum over ranks
@@ -311,7 +310,9 @@ class FullyShardedModule:
     # ------------------------------------------------------------ FSDP2's reduction controls
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None):
         """Call ``hook(output)`` with each gradient reduce-scatter of this module's unit (not its
-        submodules', as FSDP2): ``output`` is this rank's result in ``reduce_dtype``, before any
+        submodules', as FSDP2) -- on HSDP (a 2-D mesh) after its all-reduce across replicas, as
+        FSDP2, and not under ``set_requires_all_reduce(False)``, where FSDP2 skips it too (Note
+        [replicate all-reduce] in replicate.py): ``output`` is this rank's result in ``reduce_dtype``, before any
         division left after the sum (fp16, or a divide factor with forced sum) and before the
         pieces' ``.grad`` are made from it, so an in-place change (an all-reduce across
         replicas, a scale) reaches the gradients -- FSDP2's hook on a 1-D mesh. It holds the
@@ -326,6 +327,9 @@ class FullyShardedModule:
         if stream is not None and hook is None:
             raise ValueError("set_all_reduce_hook: a stream was given without a hook to run on it")
         grads = self._fs_state().grads
+        if stream is not None and grads is not None and grads.replicate is not None:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D mesh), as "
+                             "in torch's FSDP2: the hook runs after the all-reduce across replicas")
         if grads is not None:
             grads.all_reduce_hook, grads.all_reduce_hook_stream = hook, stream
 

@@ -87,6 +87,7 @@ import torch
 
 from .._dtypes import fp16_divisors
 from .memory import COUNTERS
+from .replicate import across_replicas
 
 #: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
 #: buffers alive during backward to this many units).
@@ -94,16 +95,19 @@ MAX_IN_FLIGHT = 2
 
 
 def reduce_factors(world_size: int, dtype: torch.dtype, factor: Optional[float] = None,
-                   force_sum: bool = False) -> tuple[float, str, float]:
-    """``(pre, op, post)``: reduce-scatter ``grads / pre`` with ``op``, then divide by ``post``,
-    so the result is the sum over ranks divided by ``factor`` (default: the world size, an
-    average). Why the split: Note [fp16 reduction]."""
+                   force_sum: bool = False, replicas: int = 1) -> tuple[float, str, float]:
+    """``(pre, op, post)``: reduce-scatter ``grads / pre`` with ``op`` (and on HSDP all-reduce
+    the result across the ``replicas`` with ``op`` too), then divide by ``post``, so the result
+    is the sum over all ranks divided by ``factor`` (default: the data-parallel size
+    ``world_size * replicas``, an average). Why the split: Note [fp16 reduction]; HSDP: Note
+    [replicate all-reduce] in replicate.py."""
+    size = world_size * replicas
     if factor is None:
-        factor = float(world_size)
+        factor = float(size)
     if dtype == torch.float16:
         pre, post = fp16_divisors(factor)
         return pre, "sum", post
-    if factor == world_size and not force_sum:
+    if factor == size and not force_sum:
         return 1.0, "avg", 1.0
     return 1.0, "sum", float(factor)
 
@@ -113,17 +117,22 @@ class PendingReduce:
     it has landed."""
 
     def __init__(self, grads: "UnitGrads", section: int, handle, output: torch.Tensor, input: torch.Tensor,
-                 with_grad: list, post: float = 1.0):
+                 with_grad: list, post: float = 1.0, op: str = "sum"):
         self.grads, self.section, self.handle = grads, section, handle
         self.output, self.input, self.with_grad = output, input, with_grad
         self.post = post  # divisor still to apply to the output (Note [fp16 reduction])
+        self.op = op  # the reduce-scatter's op, which the replicate all-reduce repeats
+        # HSDP: all-reduced across replicas when finished, or kept as a partial sum (Note [replicate all-reduce])
+        self.replicated = grads.replicate is not None
+        self.all_reduce = self.replicated and grads.all_reduce_grads
         self.nbytes = (output.numel() + input.numel()) * output.element_size()
         self.hook = grads.all_reduce_hook  # the hook as set when the reduction was issued
         self.hook_stream = grads.all_reduce_hook_stream
 
     def ready(self) -> bool:
-        """Landed, and may be finished now: a hooked reduction waits for its fixed point."""
-        return self.hook is None and self.handle.is_completed()
+        """Landed, and may be finished now: a hooked or replicated reduction waits for its
+        fixed point (Note [replicate all-reduce] in replicate.py)."""
+        return self.hook is None and not self.replicated and self.handle.is_completed()
 
 
 class UnitGrads:
@@ -139,6 +148,12 @@ class UnitGrads:
         self.reduce_unused = False  # set_reduce_scatter_unused_params: .grad for every trainable piece
         self.all_reduce_hook = None  # set_all_reduce_hook
         self.all_reduce_hook_stream = None
+        #: HSDP (Note [replicate all-reduce] in replicate.py): the replicate group's communicator,
+        #: whether to all-reduce across it (set_requires_all_reduce), and the partial sums
+        #: (section -> (reduce-scattered sum, parameters with a gradient in it)) while not
+        self.replicate = getattr(unit, "replicate_comm", None)
+        self.all_reduce_grads = True
+        self._partial: dict[int, tuple[torch.Tensor, set]] = {}
         self._acc: dict[int, torch.Tensor] = {}  # section -> flat accumulator of unsynchronized backwards
         self._acc_with_grad: dict[int, set] = {}  # section -> parameters with a gradient in it
 
@@ -199,12 +214,13 @@ class UnitGrads:
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
             out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
             COUNTERS.add_scratch(out.numel() * out.element_size())
-            pre, op, post = reduce_factors(unit.world_size, self.reduce_dtype, self.divide_factor, self.force_sum)
+            pre, op, post = reduce_factors(unit.world_size, self.reduce_dtype, self.divide_factor, self.force_sum,
+                                           self.replicas)
             if pre != 1.0:  # Note [fp16 reduction]
                 flat.div_(pre)
             handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
                                               tag=f"fully_shard grads {unit.label}")
-            pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post))
+            pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post, op))
         self._acc, self._acc_with_grad = {}, {}
         while pending and pending[0].ready():
             finish(pending.pop(0))  # the landed ones free their buffers at once
@@ -218,12 +234,33 @@ class UnitGrads:
         return {i for i in self.unit.layout.sections[k].indices if self.unit.unsharded[i].requires_grad}
 
     @property
+    def replicas(self) -> int:
+        """The replicate group's size (1 without HSDP)."""
+        return self.replicate.world_size if self.replicate is not None else 1
+
+    def keep_partial(self, section: int, out: torch.Tensor, with_grad) -> None:
+        """Add a reduce-scattered but not all-reduced output to section ``section``'s partial
+        sum (Note [replicate all-reduce] in replicate.py); its scratch stays counted."""
+        kept = self._partial.get(section)
+        if kept is None:
+            self._partial[section] = (out, set(with_grad))
+            return
+        kept[0].add_(out)
+        kept[1].update(with_grad)
+        COUNTERS.add_scratch(-out.numel() * out.element_size())
+
+    def take_partial(self, section: int):
+        """Section ``section``'s partial sum and its parameters with a gradient, or None."""
+        return self._partial.pop(section, None)
+
+    @property
     def accumulator_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self._acc.values())
+        return (sum(a.numel() * a.element_size() for a in self._acc.values())
+                + sum(t.numel() * t.element_size() for t, _ in self._partial.values()))
 
     def drop_accumulator(self) -> None:
         COUNTERS.add_scratch(-self.accumulator_bytes)
-        self._acc, self._acc_with_grad = {}, {}
+        self._acc, self._acc_with_grad, self._partial = {}, {}, {}
 
 
 @torch.no_grad()
@@ -235,6 +272,11 @@ def finish(p: PendingReduce) -> None:
     COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
     out = p.output
     p.input = None
+    if p.replicated:  # Note [replicate all-reduce] in replicate.py
+        out = across_replicas(p, out)
+        if out is None:  # kept as a partial sum: no .grad yet, its scratch stays counted
+            p.output = None
+            return
     if p.hook is not None:
         _run_hook(p.hook, out, p.hook_stream)
     if p.post != 1.0:  # Note [fp16 reduction]: on the device, in the shard's dtype

@@ -17,14 +17,18 @@ from ..ownership import register_gradient_holder
 
 __all__ = ["ShardedGradHolder", "holder_for"]
 
-_holders: "weakref.WeakValueDictionary[int, ShardedGradHolder]" = weakref.WeakValueDictionary()
+_holders: "weakref.WeakValueDictionary[tuple, ShardedGradHolder]" = weakref.WeakValueDictionary()
 
 
 class ShardedGradHolder:
     """Global gradient quantities over the pieces of ``fully_shard`` units on one communicator."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, replicate=None):
         self.comm = comm
+        #: HSDP: the replicate group's communicator. Norms need only the shard group (replicas hold
+        #: the same gradient shard after the all-reduce); the found-inf flag is also taken across
+        #: replicas (Note [replicate all-reduce] in replicate.py)
+        self.replicate = replicate
 
     def register(self, params) -> None:
         register_gradient_holder(params, self)
@@ -75,6 +79,8 @@ class ShardedGradHolder:
     def all_reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
         """Max of the ranks' inf/nan flags, in place (GradScaler: every rank skips together)."""
         self.comm.all_reduce(found_inf.view(-1), op="max", tag="fully_shard found inf")
+        if self.replicate is not None:
+            self.replicate.all_reduce(found_inf.view(-1), op="max", tag="fully_shard found inf (replicas)")
         return found_inf
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -83,10 +89,12 @@ class ShardedGradHolder:
         return value
 
 
-def holder_for(comm) -> ShardedGradHolder:
-    """The one holder of ``comm`` (created on first use; kept alive by the units using it)."""
-    holder = _holders.get(id(comm))
-    if holder is None or holder.comm is not comm:
-        holder = ShardedGradHolder(comm)
-        _holders[id(comm)] = holder
+def holder_for(comm, replicate=None) -> ShardedGradHolder:
+    """The one holder of ``comm`` and, on HSDP, the replicate group's ``replicate`` (created on
+    first use; kept alive by the units using it)."""
+    key = (id(comm), id(replicate))
+    holder = _holders.get(key)
+    if holder is None or holder.comm is not comm or holder.replicate is not replicate:
+        holder = ShardedGradHolder(comm, replicate)
+        _holders[key] = holder
     return holder

@@ -294,7 +294,7 @@ class FullyShardState:
         self.backward_pending = False  # ran forward with grad, or backward, since the last backward ended
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.is_last_backward = True  # set_is_last_backward (recorded; every backward finishes)
-        self.requires_all_reduce = True  # set_requires_all_reduce (recorded; no all-reduce on a 1-D mesh)
+        self.requires_all_reduce = True  # set_requires_all_reduce (HSDP: also on the unit's grads; 1-D: recorded)
         self.unshard_async_op = False  # _set_unshard_async_op
         self.post_optim_event = None  # set_post_optim_event before the first forward (then: ctx's)
         self.max_input_buffers: Optional[int] = None  # set_reduce_scatter_max_input_buffers
@@ -344,7 +344,7 @@ class FullyShardState:
         if self.auto_reshard and self.unit is not None:
             self.unit.reshard_after_forward = False  # None: the root keeps its parameters gathered
         units = [st.unit for st in states if st.unit is not None]
-        comms = {id(u.comm) for u in units}
+        comms = {(id(u.comm), id(u.replicate_comm)) for u in units}
         if len(comms) > 1:
             raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
         if units:
@@ -353,11 +353,19 @@ class FullyShardState:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
             signature = [(st.path_in(names) or "?", _unit_params(st.unit)) for st in states if st.unit is not None]
-            if units[0].world_size > 1:
-                check_same_across_ranks(
-                    signature, "the fully_shard wrapping of the model", label=_describe_unit, comm=units[0].comm,
-                    op="fully_shard: wrapping check",
-                    hint="Every rank must apply fully_shard to the same modules, in the same order, on the same model.")
+            # the data-parallel shape: a rank sharding over a 2-D mesh whose peer was given a 1-D one
+            # (or another 2-D one) is reported here, before an all-reduce the peer never issues hangs
+            checked = [(_MESH, _mesh_entry(units[0]))] + signature
+            replicate = units[0].replicate_comm
+            groups = [(units[0].comm, "")] if replicate is None else \
+                [(units[0].comm, " (over the shard group)"), (replicate, " (over the replicate group)")]
+            for comm, over in groups:
+                if comm.world_size > 1:  # replica peers pair up their all-reduces too
+                    check_same_across_ranks(
+                        checked, f"the fully_shard wrapping of the model{over}", label=_describe_unit,
+                        comm=comm, op=f"fully_shard: wrapping check{over}",
+                        hint="Every rank must apply fully_shard to the same modules, in the same order, on the same "
+                             "model, with the same mesh (a 2-D mesh on every rank for HSDP).")
             # At world size 1 too, as DDP's StepWatch: the counters and the optimizer step guard
             # apply; its cross-rank check is off there (WatchBase), so no collective is issued.
             # Its buffers live across steps: made outside inference mode even when the first
@@ -581,8 +589,20 @@ def _unit_params(unit) -> list:
     return out
 
 
+#: the wrapping check's first entry: the mesh's data-parallel shape (replicas, shard size)
+_MESH = "<mesh>"
+
+
+def _mesh_entry(unit) -> tuple:
+    replicas = unit.replicate_comm.world_size if unit.replicate_comm is not None else 1
+    return ("2-D (HSDP)" if unit.replicate_comm is not None else "1-D", replicas, unit.world_size)
+
+
 def _describe_unit(entry: Any) -> str:
     name, params = entry
+    if name == _MESH:
+        kind, replicas, size = params
+        return f"a {kind} mesh: {replicas} replica(s) x {size} shards"
     shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
     more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
     return f"unit '{name or '<root>'}' [{shown}{more}]"

@@ -1,0 +1,86 @@
+"""The process groups a ``fully_shard`` call shards and replicates over, read from its mesh.
+
+A 1-D mesh (or a process group) shards over all its ranks. A 2-D mesh is HSDP, as torch's
+FSDP2 reads it: dim 0 replicates, dim 1 shards (``init_device_mesh(dev, (R, S),
+mesh_dim_names=("dp_replicate", "dp_shard"))``) -- gathers and reduce-scatters run within the
+shard group, and each gradient shard is then all-reduced across the replicate group (Note
+[replicate all-reduce] in replicate.py). Other meshes are refused here, by name, before
+anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DataParallelGroups", "groups_of"]
+
+#: dim names that say a dim is not data parallel (tensor, pipeline, context, expert parallel):
+#: a 2-D mesh naming one of them was most likely meant to be sliced (``mesh["dp"]``) first.
+_NOT_DATA_PARALLEL = {"tp", "pp", "cp", "ep", "etp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelGroups:
+    """``shard``: the group gathers and reduce-scatters run in; ``replicate``: the group each
+    gradient shard is all-reduced over (None without HSDP); ``mesh``: a description the
+    wrapping check compares across ranks (shape and dim names)."""
+
+    shard: Optional[dist.ProcessGroup]
+    replicate: Optional[dist.ProcessGroup]
+    device: torch.device
+    mesh: tuple
+
+
+def groups_of(mesh, process_group) -> DataParallelGroups:
+    """The groups and compute device of a ``fully_shard`` call (``mesh`` or ``process_group``,
+    at most one of them given); raises ``ValueError`` naming what is wrong with ``mesh``."""
+    replicate = None
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None
+        shape = tuple(mesh.mesh.shape)
+        if mesh.ndim == 2:
+            _check_hsdp_mesh(shape, names)
+            shard, replicate = mesh.get_group(1), mesh.get_group(0)
+        elif mesh.ndim == 1:
+            shard = mesh.get_group()
+        else:
+            raise ValueError(
+                f"fusedist.fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard: HSDP), got a "
+                f"{mesh.ndim}-D mesh of shape {shape} (dims {names}). Pass the data-parallel part of it, e.g. "
+                "mesh['dp'] or mesh['dp_replicate', 'dp_shard'].")
+        device_type, description = mesh.device_type, (shape, names)
+    else:
+        shard = process_group
+        device_type = "cuda" if dist.get_backend(shard) == "nccl" else "cpu"
+        description = ((dist.get_world_size(shard),), None)
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(device_type)
+    return DataParallelGroups(shard, replicate, device, description)
+
+
+def _check_hsdp_mesh(shape: tuple, names: Optional[tuple]) -> None:
+    """A 2-D mesh is (replicate, shard), with names (torch's FSDP2 requires them too); names
+    that put the shard dim first, or that name a non-data-parallel dim, are refused."""
+    if names is None:
+        raise ValueError(
+            f"fusedist.fully_shard: a 2-D mesh (HSDP, shape {shape}) needs mesh_dim_names, as torch's FSDP2 "
+            "requires: init_device_mesh(device, (replicate, shard), mesh_dim_names=('dp_replicate', 'dp_shard')). "
+            "Dim 0 replicates, dim 1 shards.")
+    bad = [n for n in names if n.lower() in _NOT_DATA_PARALLEL]
+    if bad:
+        raise ValueError(
+            f"fusedist.fully_shard: the 2-D mesh {names} (shape {shape}) has a dim named {bad[0]!r}, which is not "
+            "data parallel; fully_shard reads a 2-D mesh as (replicate, shard) and would replicate or shard over "
+            f"it. Pass the data-parallel dims only, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard'].")
+    first, second = names[0].lower(), names[1].lower()
+    if "shard" in first and "replicate" in second:
+        raise ValueError(
+            f"fusedist.fully_shard: the 2-D mesh's dims are {names}: dim 0 must be the replicate dim and dim 1 "
+            "the shard dim (torch's FSDP2 reads them so). Build the mesh as (replicate, shard), e.g. "
+            "init_device_mesh(device, (R, S), mesh_dim_names=('dp_replicate', 'dp_shard')).")

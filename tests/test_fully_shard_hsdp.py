@@ -1,0 +1,205 @@
+"""HSDP: ``fully_shard`` over a 2-D mesh ``(dp_replicate, dp_shard)`` against torch's FSDP2 with
+the same mesh, world 4 on gloo (2 replicas x 2 shards), on fresh random inputs (the seed is in
+every failure message). Note [replicate all-reduce] in fusedist/fsdp/replicate.py.
+
+Tolerances. fp32: both libraries reduce the same way -- each reduction adds the two values of
+a group once (a + b: one rounding, commutative), the shard group's sum then the replicate
+group's, each ``avg`` (or sum, then one division by the same factor in the forced-sum
+reference): the same roundings, so gradients, losses and AdamW's weights are compared bit for
+bit. fp16 ``reduce_dtype`` with a factor that leaves a division after the sum (the default
+R*S = 4: 2 before, 2 after; 3.0): FSDP2 divides in fp16, fusedist in the fp32 shard, one fp16
+rounding apart (``FP16``: rtol 2^-10, the
+module docstring of test_fully_shard_api_parity.py). bf16 compute (``param_dtype``): the same
+ops on the same bf16 values with fp32 reduction, so bit for bit as well. A skipped or doubled
+all-reduce is off by a factor of 2 or a different replica's gradient: far outside all of these.
+
+FSDP2 on gloo cannot run its reduction for a divide factor other than the shard size (a
+PreMulSum): its reference there runs with ``set_force_sum_reduction_for_comms(True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fusedist.testing import run_distributed
+from test_fully_shard_api_parity import EXACT, FP16, _check_grads, _check_params, _ids, _loss, _pair, _seed
+
+WORLD, REPLICAS, SHARDS = 4, 2, 2
+
+
+def _mesh2d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def _units(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "set_reshard_after_backward")]
+
+
+def _mp_pair(mesh, param_dtype=None, reduce_dtype=None):
+    import fusedist
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    return _pair(mesh, wrap_embed=True,
+                 ref_kw=dict(mp_policy=TorchMP(param_dtype=param_dtype, reduce_dtype=reduce_dtype)),
+                 our_kw=dict(mp_policy=fusedist.MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                      reduce_dtype=reduce_dtype)))
+
+
+# ------------------------------------------------------------------------------ training
+def _training(mesh, seed, rank, steps=3):
+    """AdamW over several steps, fp32 and bf16 compute: the same losses, gradients and weights."""
+    for param_dtype in (None, torch.bfloat16):
+        what = f"seed {seed}, param_dtype={param_dtype}"
+        ref, ours = _mp_pair(mesh, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        pieces = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+        for step in range(steps):
+            batch = _ids(seed, rank, step)
+            losses = []
+            for model, opt in zip((ref, ours), opts):
+                loss = _loss(model, *batch)
+                loss.backward()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[1], losses[0], **EXACT, msg=lambda m: f"{what}, step {step}: {m}")
+            _check_grads(ref, ours, EXACT, f"{what}, step {step}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        _check_params(ref, ours, what)
+        # pieces are per shard group: the replicas of a shard rank hold the same piece
+        assert pieces == {n: tuple(p.shape) for n, p in ours.named_parameters()}
+        mine = [p.detach().clone() for p in ours.parameters()]
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, mine)
+        peer = rank ^ SHARDS  # the same shard rank in the other replica (mesh [[0, 1], [2, 3]])
+        assert all(torch.equal(a, b) for a, b in zip(everyone[peer], mine)), f"{what}: replicas' pieces differ"
+
+
+# ------------------------------------------------------------------------ reduction switches
+def _accumulation(mesh, seed, rank, micro=3):
+    """set_requires_gradient_sync(False) and set_requires_all_reduce(False) on all but the last
+    micro-batch: FSDP2's gradients after the last one, and after each earlier one the same
+    presence of .grad (none under requires_all_reduce(False): FSDP2 keeps the partial sum aside)."""
+    for switch in ("set_requires_gradient_sync", "set_requires_all_reduce"):
+        what = f"seed {seed}: {switch}(False) on {micro - 1} of {micro} micro-batches"
+        ref, ours = _pair(mesh, wrap_embed=True)
+        for mb in range(micro):
+            last = mb == micro - 1
+            for model in (ref, ours):
+                getattr(model, switch)(last, recurse=True)
+                _loss(model, *_ids(seed, rank, mb), scale=1.0 / micro).backward()
+            if not last:
+                for model in (ref, ours):
+                    assert all(p.grad is None for p in model.parameters()), f"{what}: .grad after micro-batch {mb}"
+        _check_grads(ref, ours, EXACT, what)
+
+
+def _divide_factor(mesh, seed, rank):
+    """set_gradient_divide_factor (the total over R*S ranks) and forced sums, fp32 and fp16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    import fusedist
+
+    cases = [  # reduce_dtype, factor, force_sum (fusedist's), tolerance
+        (None, None, True, EXACT), (None, 1.0, False, EXACT), (None, 3.0, False, EXACT),
+        (torch.float16, None, False, FP16), (torch.float16, 1.0, False, EXACT), (torch.float16, 3.0, False, FP16),
+    ]
+    for reduce_dtype, factor, force_sum, tol in cases:
+        what = f"seed {seed}, reduce_dtype={reduce_dtype}, factor={factor}, force_sum={force_sum}"
+        ref, ours = _pair(mesh, ref_kw=dict(mp_policy=TorchMP(reduce_dtype=reduce_dtype)),
+                          our_kw=dict(mp_policy=fusedist.MixedPrecisionPolicy(reduce_dtype=reduce_dtype)))
+        ref_forced = force_sum or (factor is not None and reduce_dtype != torch.float16)
+        for model, forced in ((ref, ref_forced), (ours, force_sum)):
+            for m in _units(model):
+                if factor is not None:
+                    m.set_gradient_divide_factor(factor)
+                m.set_force_sum_reduction_for_comms(forced)
+        for model in (ref, ours):
+            _loss(model, *_ids(seed, rank, 0)).backward()
+        _check_grads(ref, ours, tol, what)
+
+
+def _all_reduce_hook(mesh, seed, rank):
+    """The hook runs after the all-reduce across replicas (it sees the same shard on both
+    replicas), once per unit and backward, and its in-place change reaches .grad, as FSDP2's;
+    a stream is refused on HSDP, as FSDP2 refuses it."""
+    ref, ours = _pair(mesh, wrap_embed=True)
+    seen = {"ref": [], "ours": []}
+
+    def hook_for(key):
+        def hook(out):
+            seen[key].append(out.detach().clone())
+            out.mul_(2.0)  # elementwise: the same gradients in either layout
+        return hook
+
+    for key, model in (("ref", ref), ("ours", ours)):
+        for m in _units(model):
+            m.set_all_reduce_hook(hook_for(key))
+        _loss(model, *_ids(seed, rank, 0)).backward()
+    _check_grads(ref, ours, EXACT, f"seed {seed}: all-reduce hook")
+    assert len(seen["ours"]) == len(seen["ref"]) == len(_units(ours))
+    mine = torch.stack([t.sum() for t in seen["ours"]])
+    everyone = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(everyone, mine)
+    assert torch.equal(everyone[rank ^ SHARDS], mine), f"seed {seed}: the hook ran before the all-reduce"
+    with pytest.raises(ValueError, match="stream cannot be set when using native HSDP"):
+        ours.set_all_reduce_hook(lambda out: None, stream=object())
+    # with requires_all_reduce(False) neither library runs the hook
+    for key, model in (("ref", ref), ("ours", ours)):
+        seen[key].clear()
+        model.set_requires_all_reduce(False)
+        _loss(model, *_ids(seed, rank, 1)).backward()
+    assert seen["ours"] == seen["ref"] == []
+
+
+def _clip_and_scaler(mesh, seed, rank):
+    """fusedist.clip_grad_norm_ over the pieces gives torch's clip over FSDP2's DTensor
+    gradients (the shard group's norm: replicas hold the same shard); GradScaler's found-inf
+    flag raised on one rank skips the step on all four."""
+    import fusedist
+
+    ref, ours = _pair(mesh, wrap_embed=True)
+    for model in (ref, ours):
+        _loss(model, *_ids(seed, rank, 0)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    got = fusedist.clip_grad_norm_(ours.parameters(), 0.05)
+    torch.testing.assert_close(got, want.full_tensor() if hasattr(want, "full_tensor") else want,
+                               rtol=1e-6, atol=0.0, msg=lambda m: f"seed {seed}: total norm: {m}")
+    _check_grads(ref, ours, dict(rtol=1e-6, atol=1e-9), f"seed {seed}: clipped")
+
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=4.0)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt.zero_grad()
+    scaler.scale(_loss(ours, *_ids(seed, rank, 1))).backward()
+    if rank == WORLD - 1:  # an overflow on one rank of the other replica only
+        next(p for p in ours.parameters() if p.grad is not None and p.grad.numel()).grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in ours.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, p) for a, p in zip(before, ours.parameters())), f"seed {seed}: rank {rank} stepped"
+    assert scaler.get_scale() == 2.0
+
+
+def _reductions(rank, ws, seed):
+    mesh = _mesh2d()
+    _training(mesh, seed, rank)
+    _accumulation(mesh, seed, rank)
+    _divide_factor(mesh, seed, rank)
+    _all_reduce_hook(mesh, seed, rank)
+    _clip_and_scaler(mesh, seed, rank)
+    return True
+
+
+def test_hsdp_training_and_reductions_match_fsdp2():
+    """Over a (2 replicate x 2 shard) mesh: AdamW steps in fp32 and bf16 compute give FSDP2's
+    losses, gradients and weights, pieces are per shard group; gradient-sync and all-reduce
+    micro-batching, divide factors (fp32, fp16), the all-reduce hook, the global clip and
+    GradScaler's found-inf behave as FSDP2's."""
+    seed = _seed()
+    assert run_distributed(_reductions, WORLD, seed) == [True] * WORLD, f"seed {seed}"

@@ -227,12 +227,17 @@ def test_optimizer_k():
 
 def test_hf_config_source_and_moe(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**LLAMA2_7B, "model_type": "newmodel"}))
+    path.write_text(json.dumps(LLAMA2_7B))
     code, out, _ = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
-    assert code == 0 and "counted as llama blocks" in out
+    assert code == 0 and "from hf-config (llama)" in out
+    # a model type the planner does not know is refused, not counted as llama blocks
+    # (tests/test_plan_configs.py: Falcon-7B was counted 11.16B instead of 6.92B)
+    path.write_text(json.dumps({**LLAMA2_7B, "model_type": "newmodel"}))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 2 and "'model_type' 'newmodel'" in err and len(err.strip().splitlines()) == 1
     path.write_text(json.dumps({**LLAMA2_7B, "model_type": "mixtral", "num_local_experts": 8}))
     code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
-    assert code == 2 and "--hf-config" in err and "mixture-of-experts" in err
+    assert code == 2 and "--hf-config" in err and "mixture-of-experts" in err and "'num_local_experts'" in err
 
 
 def test_fusedist_zero3_is_fully_shard_with_any_optimizer():

@@ -8,7 +8,14 @@ Two block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
   GPT-2 124M: 124,439,808 parameters.
 * ``llama``: rotary positions (no parameters), RMSNorm without bias, bias-free projections,
   grouped-query attention (``kv_heads``), SwiGLU MLP (three matrices), untied output layer
-  unless the config ties it. Llama-2-7B: 6,738,415,616 parameters.
+  unless the config ties it. Llama-2-7B: 6,738,415,616 parameters. Variants the Hugging Face
+  configs of this family use: a head size other than ``hidden / heads`` (``head_dim``:
+  Gemma, Mistral-Nemo), biases on q/k/v (Qwen2), on the attention output (Llama's
+  ``attention_bias``) and on the MLP (``mlp_bias``).
+
+:func:`from_hf_config` counts only the ``model_type`` values it knows (:data:`HF_MODEL_TYPES`)
+and refuses the rest, and mixture-of-experts configs, naming the field: a config of another
+family read with these keys would give a count that looks right and is not.
 """
 
 from __future__ import annotations
@@ -21,8 +28,24 @@ from .errors import PlanError
 
 ARCHS = ("gpt", "llama")
 
-# Hugging Face model_type values whose blocks have the llama shape counted here.
-_LLAMA_LIKE = {"llama", "mistral", "qwen2", "yi", "internlm2"}
+# Hugging Face model_type values counted here, with what their config classes default to
+# where config.json may leave a key out (transformers' LlamaConfig, MistralConfig,
+# Qwen2Config, Phi3Config, GemmaConfig, GPT2Config):
+#   tie: tie_word_embeddings; qkv_bias: biases on q/k/v that the class always builds
+#   (Qwen2Attention: q/k/v with bias, o without); head_dim: the class's default head size
+#   (GemmaConfig: 256, whatever hidden / heads is); keys: the optional keys that change the
+#   count and are read (anything else in the config does not change it).
+HF_MODEL_TYPES = {
+    "llama": {"tie": False, "keys": ("head_dim", "attention_bias", "mlp_bias")},
+    "mistral": {"tie": False, "keys": ("head_dim",)},
+    "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",)},
+    "phi3": {"tie": False, "keys": ()},
+    "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim",)},
+    "gpt2": {"tie": True, "keys": ()},
+}
+# Keys that make a config a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek-V2/V3, ...).
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
+             "n_shared_experts", "num_experts_per_tok")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +62,10 @@ class ModelSpec:
     vocab: Optional[int] = None
     ffn_hidden: Optional[int] = None
     tied: Optional[bool] = None
+    head_dim: Optional[int] = None  # llama: when not hidden / heads (Gemma)
+    qkv_bias: bool = False  # llama: biases on q, k, v (Qwen2; Llama's attention_bias)
+    out_bias: bool = False  # llama: bias on the attention output (Llama's attention_bias)
+    mlp_bias: bool = False  # llama: biases on gate, up, down (Llama's mlp_bias)
     params: Optional[int] = None  # given directly (--params)
     source: str = "shape"
 
@@ -57,6 +84,19 @@ class ModelSpec:
         return self.kv_heads if self.kv_heads is not None else self.heads
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output (``heads · head_size``)."""
+        return self.heads * self.head_size
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv * self.head_size
+
+    @property
     def tied_embeddings(self) -> bool:
         return self.tied if self.tied is not None else self.arch == "gpt"
 
@@ -69,10 +109,10 @@ def validate(spec: ModelSpec) -> None:
         return
     for flag, value in (("--layers", spec.layers), ("--hidden", spec.hidden), ("--heads", spec.heads),
                         ("--seq", spec.seq), ("--vocab", spec.vocab), ("--ffn-hidden", spec.ffn_hidden),
-                        ("--kv-heads", spec.kv_heads)):
+                        ("--kv-heads", spec.kv_heads), ("--head-dim", spec.head_dim)):
         if value is not None and value <= 0:
             raise PlanError(flag, f"must be positive, got {value}")
-    if spec.hidden % spec.heads:
+    if spec.head_dim is None and spec.hidden % spec.heads:
         raise PlanError("--heads", f"{spec.heads} heads do not divide --hidden {spec.hidden}")
     if spec.heads % spec.kv:
         raise PlanError("--kv-heads", f"{spec.kv} key/value heads do not divide --heads {spec.heads}")
@@ -82,15 +122,16 @@ def validate(spec: ModelSpec) -> None:
 
 def layer_params(spec: ModelSpec) -> int:
     """Parameters of one transformer block."""
-    h, f = spec.hidden, spec.ffn
-    kv_dim = spec.kv * (h // spec.heads)
+    h, f, q_dim, kv_dim = spec.hidden, spec.ffn, spec.q_dim, spec.kv_dim
     if spec.arch == "gpt":
-        attn = h * (h + 2 * kv_dim) + (h + 2 * kv_dim) + h * h + h  # fused qkv + out, with biases
+        attn = h * (q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) + q_dim * h + h  # fused qkv + out, with biases
         mlp = h * f + f + f * h + h
         norms = 2 * 2 * h  # two LayerNorms, weight and bias
     else:
-        attn = h * (h + 2 * kv_dim) + h * h  # q, k, v, o without bias
+        attn = h * (q_dim + 2 * kv_dim) + q_dim * h  # q, k, v, o
+        attn += (q_dim + 2 * kv_dim) * spec.qkv_bias + h * spec.out_bias
         mlp = 3 * h * f  # gate, up, down (SwiGLU)
+        mlp += (2 * f + h) * spec.mlp_bias
         norms = 2 * h  # two RMSNorms, weight only
     return attn + mlp + norms
 
@@ -148,8 +189,9 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
 
 # ---------------------------------------------------------------- Hugging Face configs
 def from_hf_config(path: str) -> ModelSpec:
-    """A :class:`ModelSpec` from a Hugging Face ``config.json`` (llama-style keys, or GPT-2's
-    ``n_embd``/``n_layer``/``n_head``/``n_positions``/``n_inner``)."""
+    """A :class:`ModelSpec` from a Hugging Face ``config.json`` of a model type in
+    :data:`HF_MODEL_TYPES` (llama-style keys, or GPT-2's ``n_embd``/``n_layer``/``n_head``/
+    ``n_positions``/``n_inner``). Anything else is a :class:`PlanError` naming the field."""
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -159,10 +201,23 @@ def from_hf_config(path: str) -> ModelSpec:
         raise PlanError("--hf-config", f"{path} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise PlanError("--hf-config", f"{path} does not hold a JSON object")
-    model_type = str(cfg.get("model_type", "")).lower()
-    if cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts"):
-        raise PlanError("--hf-config", f"{path} is a mixture-of-experts model, which the planner does not count")
-    if model_type == "gpt2" or ("n_embd" in cfg and "hidden_size" not in cfg):
+    for key in _MOE_KEYS:
+        if cfg.get(key):
+            raise PlanError("--hf-config", f"{path}: {key!r} = {cfg[key]!r}: a mixture-of-experts model, which "
+                                           "the planner does not count (its blocks hold several MLPs, of which "
+                                           "each token uses some)")
+    raw_type = cfg.get("model_type")
+    if raw_type is None:
+        raise PlanError("--hf-config", f"{path} has no 'model_type' (the planner counts "
+                                       f"{', '.join(HF_MODEL_TYPES)})")
+    model_type = str(raw_type).lower()
+    family = HF_MODEL_TYPES.get(model_type)
+    if family is None:
+        raise PlanError("--hf-config", f"{path}: 'model_type' {raw_type!r} is not one the planner counts "
+                                       f"({', '.join(HF_MODEL_TYPES)}); if its blocks are exactly llama's, "
+                                       "give the shape instead (--arch llama --layers --hidden --heads "
+                                       "--kv-heads --ffn-hidden --vocab --seq)")
+    if model_type == "gpt2":
         keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
                 "vocab": "vocab_size"}
         arch, ffn_key, kv_key = "gpt", "n_inner", None
@@ -170,19 +225,25 @@ def from_hf_config(path: str) -> ModelSpec:
         keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
                 "seq": "max_position_embeddings", "vocab": "vocab_size"}
         arch, ffn_key, kv_key = "llama", "intermediate_size", "num_key_value_heads"
-        # Other model types with these keys are counted as llama-shaped blocks; the output says
-        # so (inputs.model.source).
     values = {}
     for field, key in keys.items():
         values[field] = _positive_int(cfg, key, path, required=True)
-    ffn = _positive_int(cfg, ffn_key, path) if ffn_key else None
+    ffn = _positive_int(cfg, ffn_key, path, required=arch == "llama")
     kv = _positive_int(cfg, kv_key, path) if kv_key else None
+    optional = family["keys"]
+    head_dim = _positive_int(cfg, "head_dim", path) if "head_dim" in optional else None
+    if head_dim is None:
+        head_dim = family.get("head_dim")
+    attention_bias = _flag(cfg, "attention_bias", path) if "attention_bias" in optional else False
+    mlp_bias = _flag(cfg, "mlp_bias", path) if "mlp_bias" in optional else False
     tied = cfg.get("tie_word_embeddings")
-    spec = ModelSpec(arch=arch, ffn_hidden=ffn, kv_heads=kv,
-                     tied=bool(tied) if tied is not None else (arch == "gpt"),
-                     source=(f"hf-config ({model_type or 'no model_type'}"
-                             + ("" if model_type in _LLAMA_LIKE or arch == "gpt" else ", counted as llama blocks")
-                             + ")"), **values)
+    if tied is None:
+        tied = family["tie"]
+    elif not isinstance(tied, bool):
+        raise PlanError("--hf-config", f"{path}: 'tie_word_embeddings' must be true or false, got {tied!r}")
+    spec = ModelSpec(arch=arch, ffn_hidden=ffn, kv_heads=kv, tied=tied, head_dim=head_dim,
+                     qkv_bias=bool(family.get("qkv_bias") or attention_bias), out_bias=attention_bias,
+                     mlp_bias=mlp_bias, source=f"hf-config ({model_type})", **values)
     try:
         validate(spec)
     except PlanError as exc:
@@ -198,4 +259,13 @@ def _positive_int(cfg: dict, key: str, path: str, required: bool = False) -> Opt
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise PlanError("--hf-config", f"{path}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(cfg: dict, key: str, path: str) -> bool:
+    value = cfg.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise PlanError("--hf-config", f"{path}: {key!r} must be true or false, got {value!r}")
     return value

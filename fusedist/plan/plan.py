@@ -90,7 +90,8 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     lr = suggest.learning_rate(job.ref_lr, job.ref_batch, global_batch)
 
     inputs = {
-        "model": {k: v for k, v in dataclasses.asdict(spec).items() if v is not None},
+        "model": {k: v for k, v in dataclasses.asdict(spec).items()
+                  if v is not None and not (k.endswith("_bias") and v is False)},
         "params": psi,
         "gpus": n, "gpus_per_node": job.gpus_per_node, "micro_batch": job.micro_batch,
         "global_batch": job.global_batch, "seq": job.seq, "precision": job.precision,

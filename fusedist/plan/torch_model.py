@@ -16,21 +16,22 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h, f = spec.hidden, spec.ffn
-        self.heads, self.kv, self.head_dim = spec.heads, spec.kv, h // spec.heads
-        self.kv_dim = self.kv * self.head_dim
+        self.heads, self.kv, self.head_dim = spec.heads, spec.kv, spec.head_size
+        self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
         self.gpt = spec.arch == "gpt"
         norm = nn.LayerNorm if self.gpt else nn.RMSNorm
         self.norm1, self.norm2 = norm(h), norm(h)
-        self.qkv = nn.Linear(h, h + 2 * self.kv_dim, bias=self.gpt)
-        self.proj = nn.Linear(h, h, bias=self.gpt)
+        self.qkv = nn.Linear(h, self.q_dim + 2 * self.kv_dim, bias=self.gpt or spec.qkv_bias)
+        self.proj = nn.Linear(self.q_dim, h, bias=self.gpt or spec.out_bias)
         if self.gpt:
             self.fc, self.out = nn.Linear(h, f), nn.Linear(f, h)
         else:  # gate and up projections as one matrix: same parameters as two
-            self.fc, self.out = nn.Linear(h, 2 * f, bias=False), nn.Linear(f, h, bias=False)
+            self.fc = nn.Linear(h, 2 * f, bias=spec.mlp_bias)
+            self.out = nn.Linear(f, h, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([h, self.kv_dim, self.kv_dim], dim=-1)
+        q, k, v = self.qkv(self.norm1(x)).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv, self.head_dim).transpose(1, 2)
@@ -38,7 +39,7 @@ class Block(nn.Module):
             k = k.repeat_interleave(self.heads // self.kv, dim=1)
             v = v.repeat_interleave(self.heads // self.kv, dim=1)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, self.q_dim))
         m = self.fc(self.norm2(x))
         if self.gpt:
             m = F.gelu(m)

@@ -1,0 +1,166 @@
+"""Parameter counts of ``--hf-config`` against the published models.
+
+Each dict is the published ``config.json`` of the model (the keys that change the count, plus
+``model_type``, ``max_position_embeddings``, ``vocab_size``), as on the Hugging Face Hub.
+The expected counts are exact; each comment gives the figure the model's card or paper
+publishes and, where useful, how the exact count comes about. Configs the planner does not
+count (mixture of experts, Falcon's parallel attention) must be refused naming the field."""
+
+import json
+
+import pytest
+import torch
+
+from fusedist.plan import PlanError, count_params, from_hf_config
+from fusedist.plan.torch_model import Transformer
+
+LLAMA2_7B = {  # meta-llama/Llama-2-7b-hf
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096, "vocab_size": 32000,
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+}
+LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192, "vocab_size": 128256,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+}
+LLAMA31_70B = {  # meta-llama/Llama-3.1-70B
+    "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+    "num_hidden_layers": 80, "num_key_value_heads": 8, "max_position_embeddings": 131072, "vocab_size": 128256,
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "rope_scaling": {"factor": 8.0, "rope_type": "llama3"},
+}
+MISTRAL_7B = {  # mistralai/Mistral-7B-v0.1 (no tie_word_embeddings key: MistralConfig's default, False)
+    "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768, "vocab_size": 32000,
+    "sliding_window": 4096,
+}
+QWEN2_7B = {  # Qwen/Qwen2-7B: Qwen2Attention has biases on q, k, v (none on o)
+    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "max_position_embeddings": 131072, "vocab_size": 152064,
+    "tie_word_embeddings": False, "use_sliding_window": False,
+}
+QWEN25_05B = {  # Qwen/Qwen2.5-0.5B: tied embeddings, q/k/v biases
+    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+    "num_hidden_layers": 24, "num_key_value_heads": 2, "max_position_embeddings": 32768, "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+GEMMA_2B = {  # google/gemma-2b: no tie_word_embeddings key (GemmaConfig's default: True); head_dim 256
+    "model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384, "num_attention_heads": 8,
+    "num_hidden_layers": 18, "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 8192,
+    "vocab_size": 256000, "hidden_act": "gelu",
+}
+GEMMA_7B = {  # google/gemma-7b: 16 heads of 256 = 4096, wider than hidden 3072
+    "model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 16, "head_dim": 256, "max_position_embeddings": 8192,
+    "vocab_size": 256000, "hidden_act": "gelu",
+}
+GPT2_124M = {  # openai-community/gpt2 (n_inner null: 4 * n_embd; tied; learned positions)
+    "model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "n_ctx": 1024,
+    "vocab_size": 50257, "n_inner": None,
+}
+PHI3_MINI = {  # microsoft/Phi-3-mini-4k-instruct
+    "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096, "vocab_size": 32064,
+    "tie_word_embeddings": False,
+}
+
+COUNTS = [
+    # Llama 2 paper (arXiv:2307.09288) and model card: 7B; HF "6.74B params"
+    (LLAMA2_7B, 6_738_415_616),
+    # Llama 3 model card: 8B; HF "8.03B params"
+    (LLAMA3_8B, 8_030_261_248),
+    # Llama 3.1 model card: 70B; HF "70.6B params"
+    (LLAMA31_70B, 70_553_706_496),
+    # Mistral 7B paper (arXiv:2310.06825); HF "7.24B params"
+    (MISTRAL_7B, 7_241_732_096),
+    # Qwen2 technical report (arXiv:2407.10671) and model card: 7.6B, of which 7.07B are not
+    # the input embedding; the q/k/v biases are 28 * (3584 + 2 * 512) = 129,024 of them
+    (QWEN2_7B, 7_615_616_512),
+    # Qwen2.5 model card: 0.49B in all, 0.36B besides the (tied) embedding
+    (QWEN25_05B, 494_032_768),
+    # Gemma paper (arXiv:2403.08295), Table 2, 2B: 1,981,884,416 non-embedding parameters
+    # (exactly ours) and 524,550,144 embedding ones for a 256,128-entry vocabulary; the released
+    # config has 256,000 entries: 2048 * 256,000 = 524,288,000, tied. HF: "2.51B params"
+    (GEMMA_2B, 2_506_172_416),
+    # Gemma paper, Table 2, 7B: 7,751,248,896 non-embedding parameters (exactly ours), the
+    # embedding 3072 * 256,000 = 786,432,000 with the released vocabulary; HF: "8.54B params"
+    (GEMMA_7B, 8_537_680_896),
+    # GPT-2 small: 124M (124,439,808 with the tied output layer counted once)
+    (GPT2_124M, 124_439_808),
+    # Phi-3 technical report (arXiv:2404.14219): phi-3-mini, 3.8B; HF "3.82B params"
+    (PHI3_MINI, 3_821_079_552),
+]
+
+
+def _write(tmp_path, cfg):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("cfg,expected", COUNTS, ids=[f"{c['model_type']}-{n}" for c, n in COUNTS])
+def test_published_parameter_counts(tmp_path, cfg, expected):
+    spec = from_hf_config(_write(tmp_path, cfg))
+    assert count_params(spec) == expected
+    # and the model --measure builds from the spec holds exactly that many
+    with torch.device("meta"):
+        model = Transformer(spec)
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_llama_attention_and_mlp_bias(tmp_path):
+    """LlamaConfig's attention_bias puts biases on q, k, v and o, mlp_bias on gate, up, down."""
+    base = count_params(from_hf_config(_write(tmp_path, LLAMA3_8B)))
+    spec = from_hf_config(_write(tmp_path, {**LLAMA3_8B, "attention_bias": True, "mlp_bias": True}))
+    per_layer = (4096 + 2 * 1024 + 4096) + (2 * 14336 + 4096)
+    assert count_params(spec) == base + 32 * per_layer
+    with torch.device("meta"):
+        assert sum(p.numel() for p in Transformer(spec).parameters()) == count_params(spec)
+
+
+# Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 46,702,792,704 parameters, 12,879,925,248 used
+# per token (2 of 8 experts); the planner does not count experts, and says so.
+MIXTRAL_8X7B = {**MISTRAL_7B, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+                "tie_word_embeddings": False}
+# deepseek-ai/DeepSeek-V2-Lite: 15.7B total, 2.4B active; shared experts, one dense first layer
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_attention_heads": 16, "num_hidden_layers": 27, "num_key_value_heads": 16, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "kv_lora_rank": 512,
+    "q_lora_rank": None, "max_position_embeddings": 163840, "vocab_size": 102400,
+}
+# tiiuae/falcon-7b: parallel attention and MLP, one LayerNorm per block, multi-query attention,
+# GELU MLP of 4h: 6,921,843,584 parameters. The planner does not count falcon blocks; a
+# config with max_position_embeddings (which save_pretrained writes) was counted as llama
+# blocks before: 71 key/value heads, a SwiGLU MLP, an untied output layer, 11.16B.
+FALCON_7B = {
+    "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
+    "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False, "bias": False,
+    "alibi": False, "vocab_size": 65024, "max_position_embeddings": 2048,
+}
+# EleutherAI/gpt-j-6b: GPT-2's key names, another block (rotary, no attention biases,
+# parallel attention and MLP, an untied output layer with a bias)
+GPTJ_6B = {"model_type": "gptj", "n_embd": 4096, "n_layer": 28, "n_head": 16, "n_positions": 2048,
+           "vocab_size": 50400, "rotary_dim": 64, "tie_word_embeddings": False}
+
+REFUSED = [
+    (MIXTRAL_8X7B, "'num_local_experts'"),
+    (DEEPSEEK_V2_LITE, "'n_routed_experts'"),
+    (FALCON_7B, "'model_type' 'falcon'"),
+    (GPTJ_6B, "'model_type' 'gptj'"),
+    ({**LLAMA2_7B, "model_type": "newmodel"}, "'model_type' 'newmodel'"),
+    ({k: v for k, v in LLAMA2_7B.items() if k != "model_type"}, "no 'model_type'"),
+    ({**LLAMA2_7B, "attention_bias": "yes"}, "'attention_bias'"),
+    ({**LLAMA2_7B, "tie_word_embeddings": 1}, "'tie_word_embeddings'"),
+    ({**LLAMA2_7B, "intermediate_size": None}, "'intermediate_size'"),
+    ({**LLAMA2_7B, "head_dim": 0}, "'head_dim'"),
+]
+
+
+@pytest.mark.parametrize("cfg,field", REFUSED, ids=[f for _, f in REFUSED])
+def test_configs_not_counted_are_refused_naming_the_field(tmp_path, cfg, field):
+    path = _write(tmp_path, cfg)
+    with pytest.raises(PlanError) as info:
+        from_hf_config(path)
+    assert info.value.flag == "--hf-config" and field in str(info.value), str(info.value)

@@ -10,7 +10,8 @@ seed is in every assertion message).
   traded with torch's ZeroRedundancyOptimizer both ways (``optimizer_class`` given as a
   ``functools.partial``: consolidation failed on it; a zero-element parameter's state in
   torch's state dict was refused), and ``zero_grad(set_to_none=False)`` with a layer no rank
-  uses in some steps (stage 2 skipped it; torch steps its zero gradient), and the optimizer's
+  uses in some steps, or followed by steps without a backward (stage 2 skipped them; torch
+  steps the zero gradients), and the optimizer's
   state-dict hooks (never called).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
   aborted the process, or the ranks silently stepped each other's elements), a parameter
@@ -90,7 +91,7 @@ def _roundtrip(sd):
 
 
 def _train(model, opt, seed, rank, ws, steps, *, first=0, sched=None, closure=False, accumulate=1,
-           skip_b_from=None, set_to_none=True):
+           skip_b_from=None, set_to_none=True, steps_without_backward=0):
     for step in range(first, first + steps):
         opt.zero_grad(set_to_none=set_to_none)
         skip = skip_b_from is not None and step >= skip_b_from
@@ -112,6 +113,9 @@ def _train(model, opt, seed, rank, ws, steps, *, first=0, sched=None, closure=Fa
             sched.step(10.0 - step if step < 2 else 10.0)  # the same metric on every rank
         elif sched is not None:
             sched.step()
+    for _ in range(steps_without_backward):  # torch steps the zero gradients zero_grad(False) left
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = opt.step()
     return loss
 
 
@@ -182,14 +186,16 @@ def _training_worker(rank, ws, seed):
 
     # zero_grad(set_to_none=False) with a layer no rank uses from step 2 on: torch keeps its
     # gradient as zeros and AdamW still moves it (moments, weight decay); with the default
-    # set_to_none=True torch skips it.
+    # set_to_none=True torch skips it. Then two steps with no backward at all: after
+    # zero_grad(set_to_none=False) torch steps every parameter's zero gradient (stage 2 returned
+    # without stepping), after zero_grad() nothing.
     for set_to_none in (False, True):
         ref, _ = torch_run(lambda m: torch.optim.AdamW(m.parameters(), **adamw), 5, unused=True,
-                           skip_b_from=2, set_to_none=set_to_none)
+                           skip_b_from=2, set_to_none=set_to_none, steps_without_backward=2)
         for stage in (1, 2):
             got, _ = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
                 m.parameters(), optimizer_class=torch.optim.AdamW, stage=stage, **adamw), 5, unused=True,
-                skip_b_from=2, set_to_none=set_to_none)
+                skip_b_from=2, set_to_none=set_to_none, steps_without_backward=2)
             close(f"zero_grad(set_to_none={set_to_none}), a layer unused, stage {stage}", _flat(got), _flat(ref))
 
     # State dicts both ways: torch's consolidated state into fusedist, fusedist's into torch's.

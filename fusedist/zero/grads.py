@@ -17,7 +17,8 @@ Note [zero-filled gradients in stage 2]
     synchronized backward reduced since the last step (``_stage2_with_grad``) and, after
     ``zero_grad(set_to_none=False)``, those that had a gradient in earlier steps
     (``_stage2_zero_filled``), whose gradient-shard slices hold the zeros DDP fills unused
-    slots with. ``zero_grad(set_to_none=True)`` forgets them, as torch sets every gradient to
+    slots with -- or, when no backward ran since, zeros the step writes itself
+    (``_zero_fill_without_backward``). ``zero_grad(set_to_none=True)`` forgets them, as torch sets every gradient to
     None. ``module.zero_grad()`` cannot reach the optimizer: it counts as setting to None, its
     default.
 """
@@ -87,6 +88,18 @@ class GradientsMixin:
         without = set(reducer.params_without_grad)
         self._note_params_without_grad([i for i, p in enumerate(self._params) if p in without])
         grow.store_caught_up(self, reducer, self._grads_present)  # Note [growing the partition]
+        self._grads_present = True
+
+    def _zero_fill_without_backward(self) -> None:
+        """Stage 2: with no synchronized backward since ``zero_grad(set_to_none=False)``,
+        torch's parameters still hold zero gradients and its optimizer steps them (moments
+        decay, weight decay applies); the shard is made those zeros, so a step, a clip or a
+        scaler's check sees what torch's would (Note [zero-filled gradients in stage 2]). A
+        later backward adds onto them, as it adds onto torch's zeros."""
+        if self.stage != 2 or self._grads_present or not self._stage2_zero_filled:
+            return
+        for shard in self._grad_shards.values():
+            shard.zero_()  # the offload pipeline copies a changed shard down (its version moved)
         self._grads_present = True
 
     def _has_any_grad(self) -> bool:

@@ -305,6 +305,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             grow.join_pending(self)  # Note [growing the partition]
             self._check_frozen_grads()
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
+            self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2]
             if not self._has_any_grad():
                 if self.ddp is None and self.world_size > 1 and self.offload is None:
                     self._gather_without_step()

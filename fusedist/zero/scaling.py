@@ -38,6 +38,7 @@ class ZeroScalerProtocol(ScalerProtocol):
         # now, or the norm, the found-inf check and the unscale before the step would miss
         # their gradients (Note [growing the partition]; with DDP they joined in backward).
         grow.join_pending(self)
+        self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2] in grads.py
         grads = self._local_grads()
         device = self._device
         if grads:
@@ -67,10 +68,12 @@ class ZeroScalerProtocol(ScalerProtocol):
     def _fusedist_has_grads(self) -> bool:
         # Stage 2: whether a synchronized backward left shards (the same on every rank).
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
+        self._zero_fill_without_backward()
         return self._has_any_grad()
 
     def _fusedist_local_grads(self) -> list:
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
+        self._zero_fill_without_backward()
         return self._local_grads()
 
     def _fusedist_grads_in_user_view(self) -> bool:

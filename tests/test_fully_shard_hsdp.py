@@ -203,3 +203,113 @@ def test_hsdp_training_and_reductions_match_fsdp2():
     GradScaler's found-inf behave as FSDP2's."""
     seed = _seed()
     assert run_distributed(_reductions, WORLD, seed) == [True] * WORLD, f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def _full(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _check_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **EXACT, msg=lambda m: f"{what}: {k}: {m}")
+
+
+def _written_once(where: str, full: dict, what: str) -> None:
+    """Every element of every parameter is in exactly one saved chunk (replicas hold the same
+    pieces: DCP's planner keeps one copy of each)."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    for k, v in full.items():
+        chunks = meta[f"model.{k}"].chunks
+        assert sum(math.prod(c.sizes) for c in chunks) == v.numel(), f"{what}: {k}: {len(chunks)} chunks"
+
+
+def _checkpoints(rank, ws, seed, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    import fusedist
+
+    mesh = _mesh2d()
+    ref, ours = _pair(mesh, wrap_embed=True)
+    for model in (ref, ours):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _loss(model, *_ids(seed, rank, 0)).backward()
+        opt.step()
+    want = _full(ref)
+    _check_same(_full(ours), want, f"seed {seed}: full state dict (torch's helper)")
+    _check_same(fusedist.fsdp.full_state_dict(ours), want, f"seed {seed}: full_state_dict")
+
+    ours_dir, ref_dir = os.path.join(root, "hsdp"), os.path.join(root, "fsdp2")
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=ours_dir)
+    dcp.save({"model": ref.state_dict()}, checkpoint_id=ref_dir)
+    if rank == 0:
+        _written_once(ours_dir, want, f"seed {seed}: fusedist HSDP checkpoint")
+    one_d = init_device_mesh("cpu", (WORLD,))
+    loads = [  # (checkpoint, how the loading model is sharded)
+        (ours_dir, "fusedist HSDP", "fusedist", mesh), (ours_dir, "fusedist 1-D", "fusedist", one_d),
+        (ours_dir, "FSDP2 HSDP", "torch", mesh), (ref_dir, "fusedist HSDP", "fusedist", mesh),
+        (ref_dir, "fusedist 1-D", "fusedist", one_d),
+    ]
+    for where, into, lib, m in loads:
+        fresh_ref, fresh_ours = _pair(m, wrap_embed=True)
+        fresh = fresh_ours if lib == "fusedist" else fresh_ref
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=where)
+        fresh.load_state_dict(state["model"])
+        _check_same(_full(fresh), want, f"seed {seed}: {os.path.basename(where)} loaded into {into}")
+
+
+# -------------------------------------------------------------------------------- refusals
+def _refusals(rank, ws):
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    import fusedist
+
+    def refused(mesh, match):
+        with pytest.raises(ValueError, match=match):
+            fusedist.fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+    refused(init_device_mesh("cpu", (1, REPLICAS, SHARDS), mesh_dim_names=("pp", "dp_replicate", "dp_shard")),
+            r"mesh must be 1-D \(shard\) or 2-D \(replicate, shard: HSDP\), got a 3-D mesh")
+    refused(init_device_mesh("cpu", (REPLICAS, SHARDS)), "needs mesh_dim_names")
+    refused(init_device_mesh("cpu", (SHARDS, REPLICAS), mesh_dim_names=("dp_shard", "dp_replicate")),
+            "dim 0 must be the replicate dim and dim 1 the shard dim")
+    refused(init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("dp", "tp")), "has a dim named 'tp'")
+
+    # a rank given the 2-D mesh, its shard peer only the shard dim of it: reported at the first
+    # forward, on every rank, before an all-reduce the peer would never issue hangs
+    mesh = _mesh2d()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    mine = mesh if rank % SHARDS == 0 else mesh["dp_shard"]
+    fusedist.fully_shard(model[0], mesh=mine)
+    fusedist.fully_shard(model, mesh=mine)
+    with pytest.raises(fusedist.RankMismatchError) as caught:
+        model(torch.randn(2, 4))
+    text = str(caught.value)
+    assert "wrapping of the model" in text and "a 2-D (HSDP) mesh: 2 replica(s) x 2 shards" in text, text
+    assert "a 1-D mesh: 1 replica(s) x 2 shards" in text, text
+    return True
+
+
+def _checkpoints_and_refusals(rank, ws, seed, root):
+    _checkpoints(rank, ws, seed, root)
+    return _refusals(rank, ws)
+
+
+def test_hsdp_checkpoints_interchange_and_refusals(tmp_path):
+    """An HSDP model's full state dict is FSDP2's; its DCP checkpoint holds each element once
+    and loads into fusedist HSDP, a 1-D fully_shard model over the world and FSDP2-HSDP, and an
+    FSDP2-HSDP checkpoint loads into fusedist (HSDP and 1-D). A 3-D mesh, a 2-D mesh without
+    names, with the shard dim first or with a non-data-parallel dim are refused by name; ranks
+    whose meshes differ (2-D against 1-D) raise RankMismatchError at the first forward."""
+    seed = _seed()
+    assert run_distributed(_checkpoints_and_refusals, WORLD, seed, str(tmp_path)) == [True] * WORLD, f"seed {seed}"

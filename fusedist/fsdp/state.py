@@ -357,8 +357,9 @@ class FullyShardState:
             # (or another 2-D one) is reported here, before an all-reduce the peer never issues hangs
             checked = [(_MESH, _mesh_entry(units[0]))] + signature
             replicate = units[0].replicate_comm
-            groups = [(units[0].comm, "")] if replicate is None else \
-                [(units[0].comm, " (over the shard group)"), (replicate, " (over the replicate group)")]
+            # (the shard group's exchange is named as on a 1-D mesh, so a peer given the other kind of
+            # mesh meets it and the difference is reported by content)
+            groups = [(units[0].comm, "")] + ([(replicate, " (across replicas)")] if replicate is not None else [])
             for comm, over in groups:
                 if comm.world_size > 1:  # replica peers pair up their all-reduces too
                     check_same_across_ranks(

@@ -63,6 +63,27 @@ def test_activations_gpt3_layer():
     assert activation_bytes(one_layer, b, s, "bf16", "none", tp=8) == (by_hand + outside) // 8
 
 
+def test_activations_llama_layer_gqa_swiglu():
+    """Korthikanti et al.'s per-tensor accounting (Section 4.1) for a Llama-3-8B layer: K and V
+    are kv_dim = 8 · 128 = 1024 wide (grouped-query attention), the SwiGLU MLP keeps four
+    ffn-wide tensors (gate, up, silu(gate), their product) where GELU keeps two. The GPT
+    constant 34·s·b·h (139,264 bytes per token at h = 4096) understates it by a fifth."""
+    s, b, h, kv_dim, f, a = 4096, 1, 4096, 1024, 14336, 32
+    spec = ModelSpec(arch="llama", layers=1, hidden=h, heads=a, kv_heads=8, ffn_hidden=f, seq=s, vocab=1)
+    outside = s * b * h + 4 * s * b * h + 4 * s * b * 1
+    per_token = (2 * (h + h + 2 * kv_dim + h)  # attention: q/k/v input, Q, K and V, output projection input
+                 + 2 * (h + 4 * f)  # MLP: gate/up input, gate, up, silu(gate), product
+                 + 2 * 2 * h  # two RMSNorm inputs
+                 + 2 * h)  # two 1-byte dropout masks, as in the paper
+    assert per_token == 176_128
+    assert activation_bytes(spec, b, s, "bf16", "selective") - outside == per_token * s * b
+    assert activation_bytes(spec, b, s, "bf16", "none") - outside == per_token * s * b + 5 * a * s * s * b
+    assert activation_bytes(spec, b, s, "bf16", "full") - outside == 2 * s * b * h
+    # fp32: the 2-byte tensors double, the masks stay
+    assert (activation_bytes(spec, b, s, "fp32", "selective") - (s * b * h + 8 * s * b * h + 4 * s * b)
+            == (2 * (per_token - 2 * h) + 2 * h) * s * b)
+
+
 def test_parameter_counts():
     gpt2 = ModelSpec(arch="gpt", layers=12, hidden=768, heads=12, seq=1024, vocab=50257)
     assert count_params(gpt2) == 124_439_808  # GPT-2 small, tied embeddings

@@ -161,29 +161,52 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     """Activation memory of one micro-batch held for the backward pass, in bytes.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-    (arXiv:2205.05198), Section 4: per layer ``s·b·h·(34 + 5·a·s/h)`` bytes with 16-bit
-    activations and 1-byte dropout masks (eq. 1); ``34·s·b·h`` with selective recomputation
-    (Section 4.2, the ``5·a·s/h`` attention term recomputed); ``2·s·b·h``, the layer's input,
-    with full recomputation. Output side (Section 4.3): the input embedding's dropout mask
-    ``s·b·h``, the final norm's and output layer's inputs ``4·s·b·h``, fp32 logits
-    ``4·s·b·v``. Everything divided by ``t`` under tensor + sequence parallelism (eq. 5).
-    fp32 activations: the 2-byte tensors (32 of the 34, 4 of the 5) double, the masks stay.
-    The formula is for Megatron's GPT block (4h MLP, unfused attention, dropout); for other
-    blocks it is an estimate.
+    (arXiv:2205.05198), Section 4.1: per layer ``s·b·h·(34 + 5·a·s/h)`` bytes with 16-bit
+    activations and 1-byte dropout masks (eq. 1), from these tensors (per token, 2 bytes
+    each unless a mask):
+
+    * attention 11h: the q/k/v input h, Q h and K h (for QKᵀ), V h, the output projection's
+      input h, its dropout mask (1 byte) h; plus per head ``5·a·s`` (softmax output 2, its
+      dropout mask 1, the dropout's output 2);
+    * MLP 19h: the first linear's input h, the GELU's input 4h, the second linear's input 4h,
+      the dropout mask h;
+    * the two LayerNorms' inputs 4h.
+
+    The same tensors for other blocks: with grouped-query attention K and V are ``kv_dim``
+    wide and Q and the attention output ``q_dim`` (``heads · head_dim``); the MLP's are
+    ``ffn`` wide; a SwiGLU MLP keeps four of them (gate, up, silu(gate) and the product,
+    as autograd saves them for ``down(silu(gate) * up)``; a fused SwiGLU recomputes silu(gate)
+    and keeps three) where GELU keeps two. For Megatron's GPT layer (``ffn = 4h``, MHA)
+    this is exactly 34·s·b·h + 5·a·s²·b. Dropout masks are counted as in the paper, also for
+    blocks trained without dropout.
+
+    Selective recomputation (Section 4.2) drops the ``5·a·s²·b`` attention term; full
+    recomputation keeps the layer's input, ``2·s·b·h``. Output side (Section 4.3): the input
+    embedding's dropout mask ``s·b·h``, the final norm's and output layer's inputs
+    ``4·s·b·h``, fp32 logits ``4·s·b·v``. Everything divided by ``t`` under tensor parallelism
+    *with* sequence parallelism (eq. 5; without it the norms' and dropouts' ``10·s·b·h``
+    would not be divided). fp32 activations: the 2-byte tensors double, the masks stay.
+    Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
+    selective figure without recomputation.
     """
     if not spec.has_shape:
         return None
     s, b, h, a, v = seq, micro_batch, spec.hidden, spec.heads, spec.vocab
-    sbh = s * b * h
-    wide = precision == "fp32"
+    sb = s * b
+    word = 4 if precision == "fp32" else 2
+    f = spec.ffn
+    attn = h + spec.q_dim + 2 * spec.kv_dim + spec.q_dim  # q/k/v input, Q, K and V, o's input
+    mlp = h + (2 if spec.arch == "gpt" else 4) * f
+    norms = 2 * h
+    masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
     if recompute == "full":
-        per_layer = (4 if wide else 2) * sbh
-    elif recompute == "selective":
-        per_layer = (66 if wide else 34) * sbh
+        per_layer = word * sb * h
     else:
-        # 34·sbh + 5·a·s²·b  (=  s·b·h·(34 + 5·a·s/h), kept in integers)
-        per_layer = (66 if wide else 34) * sbh + (9 if wide else 5) * a * s * s * b
-    outside = sbh + (8 if wide else 4) * sbh + 4 * s * b * v
+        per_layer = word * sb * (attn + mlp + norms) + sb * masks
+        if recompute != "selective":
+            # softmax output, dropout output (2 bytes each in 16-bit), dropout mask (1 byte)
+            per_layer += (2 * word + 1) * a * s * s * b
+    outside = sb * h + 2 * word * sb * h + 4 * sb * v
     return (spec.layers * per_layer + outside) // tp
 
 

@@ -142,19 +142,44 @@ def file_name(name: str, save_id: str) -> str:
     return name if not save_id else f"{name[:-len('.pt')]}.{save_id}.pt"
 
 
-def remove_unlisted(directory: str) -> list:
+def _listed(directory: str) -> set:
+    """The file names the manifest of ``directory`` lists (none without a readable one)."""
+    try:
+        return {info.get("file", name) for name, info in read_manifest(directory)["files"].items()}
+    except CheckpointError:
+        return set()
+
+
+def unlisted(directory: str, listed: Optional[set] = None) -> list:
+    """The checkpoint files (``_SAVED_FILE``) and checkpoint temporaries (``_TEMPORARY``) in
+    ``directory`` that its manifest does not list: what a save killed or failed there left.
+    ``listed``: the manifest's file names, when the caller has read them already."""
+    listed = _listed(directory) if listed is None else listed
+    found = []
+    for name in sorted(os.listdir(directory)):
+        temporary = _TEMPORARY.match(name)
+        if temporary is not None and (_SAVED_FILE.match(temporary.group(1)) or temporary.group(1) == MANIFEST):
+            found.append(name)
+        elif _SAVED_FILE.match(name) and name not in listed:
+            found.append(name)
+    return found
+
+
+def remove_unlisted(directory: str, before: Optional[float] = None) -> list:
     """Remove the checkpoint files (rank and common files, see ``_SAVED_FILE``) of
     ``directory`` that its manifest does not list -- every one of them when it has no readable
-    manifest. Run by one rank once no rank writes any more. Returns the names removed."""
-    try:
-        listed = {info.get("file", name) for name, info in read_manifest(directory)["files"].items()}
-    except CheckpointError:
-        listed = set()
+    manifest. Run by one rank once no rank writes any more. ``before``: only those last
+    modified before that time (a sweep of directories another save might be writing).
+    Returns the names removed."""
+    listed = _listed(directory)
     removed = []
     for name in sorted(os.listdir(directory)):
         if _SAVED_FILE.match(name) and name not in listed:
             try:
-                os.unlink(os.path.join(directory, name))
+                path = os.path.join(directory, name)
+                if before is not None and os.path.getmtime(path) >= before:
+                    continue
+                os.unlink(path)
                 removed.append(name)
             except OSError:
                 pass

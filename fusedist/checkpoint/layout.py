@@ -46,6 +46,10 @@ class Entry:
     path: str
     complete: bool
     reason: str = ""  # why it is not complete
+    # Files its manifest does not list: of a save of the same step killed or failed while it
+    # replaced this one (Note [saving a step again] in ``_replace.py``). Never read; removed
+    # by the next complete save.
+    leftovers: tuple = ()
 
 
 def _check(step: int, path: str) -> Entry:
@@ -57,14 +61,23 @@ def _check(step: int, path: str) -> Entry:
     saved = manifest.get("checkpointer", {}).get("step", step)
     if saved != step:
         return Entry(step, path, False, f"its manifest is for step {saved}")
+    listed = set()
     for name, info in manifest.get("files", {}).items():
+        listed.add(info.get("file", name))
         file = os.path.join(path, info.get("file", name))
         if not os.path.isfile(file):
             return Entry(step, path, False, f"{name} listed in the manifest is missing")
         if os.path.getsize(file) != info.get("bytes"):
             return Entry(step, path, False, f"{name} has {os.path.getsize(file)} bytes, the manifest says "
                                             f"{info.get('bytes')} (truncated)")
-    return Entry(step, path, True)
+    return Entry(step, path, True, leftovers=tuple(_files.unlisted(path, listed)))
+
+
+def entry(root: str, step: int) -> Optional[Entry]:
+    """The ``step-N`` directory of ``step`` under ``root`` as :func:`scan` sees it, or None
+    when there is no such directory."""
+    path = step_dir(root, step)
+    return _check(step, path) if os.path.isdir(path) else None
 
 
 def scan(root: str) -> list[Entry]:
@@ -114,11 +127,13 @@ def set_aside_above(root: str, step: int) -> list[str]:
     return sorted(moved)
 
 
-def retain(root: str, keep: Optional[int], newest: int) -> list[int]:
+def retain(root: str, keep: Optional[int], newest: int, started: Optional[float] = None) -> list[int]:
     """Apply retention after the checkpoint of step ``newest`` completed: keep the ``keep``
     newest complete checkpoints (None keeps all) and drop incomplete directories older than
     ``newest`` (interrupted saves that a complete checkpoint has superseded). Directories of
-    steps above ``newest`` are never touched. Returns the removed steps."""
+    steps above ``newest`` are never touched. With ``started`` (when that save began), the
+    kept checkpoints' leftovers older than it -- a killed rewrite's files -- are removed too.
+    Returns the removed steps."""
     removed = []
     complete = 0
     for entry in scan(root):
@@ -127,6 +142,9 @@ def retain(root: str, keep: Optional[int], newest: int) -> list[int]:
         if entry.complete:
             complete += 1
             if keep is None or complete <= keep:
+                if entry.leftovers and started is not None:
+                    _files.remove_unlisted(entry.path, before=started)
+                    _files.remove_stale_temporaries(entry.path, started)
                 continue
         elif entry.step == newest:
             continue

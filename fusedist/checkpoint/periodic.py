@@ -38,7 +38,9 @@ Note [steps only go forward]
     of the step) wrote a checkpoint that no restart would pick while the newer ones existed:
     the run's progress since looked saved and was not. Such a save is refused; a run that
     means to go back restores that step first (Note [a restore that rolls back] in
-    ``layout.py``). A step saved again (``save(N)`` after ``maybe_save(N)``) replaces it.
+    ``layout.py``). A step saved again (``save(N)`` after ``maybe_save(N)``) replaces it, the
+    complete one kept until the new one is complete (Note [saving a step again] in
+    ``_replace.py``).
 
 One job per root: a job's saves hold the root with a lease, and a second job given the same
 root is refused instead of overwriting and pruning the first's checkpoints, while a restart of
@@ -55,7 +57,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _files, _owner, api, layout, resume
+from . import _checks, _files, _owner, _replace, api, layout, resume
 from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
@@ -191,6 +193,11 @@ class Checkpointer:
             if not e.complete and e.step > newest:
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {e.path} "
                               f"(step {e.step}): {e.reason}", stacklevel=3)
+            elif e.complete and e.leftovers:  # Note [saving a step again] in _replace.py
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: {e.path} holds files of an interrupted save of "
+                              f"step {e.step} ({', '.join(e.leftovers)}), which its manifest does not list: they "
+                              "are ignored, the complete checkpoint there is used, and the next complete save "
+                              "removes them", stacklevel=3)
         return complete
 
     def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
@@ -368,20 +375,22 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ persist (background)
     def _persist(self, step: int, snapshot: dict, record: dict) -> None:
-        """Write ``snapshot`` as ``step-<N>`` on every rank, the manifest last; then retention."""
-        start = time.perf_counter()
+        """Write ``snapshot`` as ``step-<N>`` on every rank, the manifest last; then retention.
+        A step the root holds complete already is rewritten beside it (Note [saving a step
+        again] in ``_replace.py``)."""
+        start, started = time.perf_counter(), time.time()
         path = layout.step_dir(self.directory, step)
         rank = self.rank
 
-        def agree(error: Optional[str], what: str) -> list:
+        def agree(error: Optional[str], what: str, kept: str = "the checkpoint is incomplete and will be skipped"):
             everyone = self._coord.all_gather(error)
             failed = [e for e in everyone if e is not None]
             if failed:
                 raise CheckpointError(f"fusedist.checkpoint.Checkpointer: saving step {step} to {path} failed "
-                                      f"({what}): {failed[0]}; the checkpoint is incomplete and will be skipped")
+                                      f"({what}): {failed[0]}; {kept}")
             return everyone
 
-        error = None
+        error, save_id = None, ""
         if rank == 0:
             try:
                 # Before anything is written or removed (Note [one job per checkpoint root]).
@@ -398,20 +407,48 @@ class Checkpointer:
                                           f"{self._set_aside_above}; the checkpoints above it, of the branch it "
                                           f"rolled back from, are set aside as {moved} under {self.directory}")
                         self._set_aside_above = None
-                    if os.path.exists(path):  # left by a save killed before a restart: start clean
-                        layout.remove(path)
-                    os.makedirs(path, exist_ok=True)
-            except OSError as exc:
-                error = f"rank 0 could not create {path}: {exc}"
-        agree(error, "creating the directory")
+                    save_id, error = _replace.prepare(self.directory, step)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+                error = f"rank 0 could not create {path}: {type(exc).__name__}: {exc}"
+        everyone = self._coord.all_gather((error, save_id))
+        failed = [e for e, _ in everyone if e is not None]
+        if failed:
+            raise CheckpointError(f"fusedist.checkpoint.Checkpointer: saving step {step} to {path} failed "
+                                  f"(creating the directory): {failed[0]}; nothing was written")
+        save_id = everyone[0][1]
+        kept = ("the complete checkpoint of that step written before is kept" if save_id
+                else "the checkpoint is incomplete and will be skipped")
+        completed = None
+        try:
+            self._write_files(step, path, save_id, snapshot, lambda error, what: agree(error, what, kept))
+            completed = started
+        finally:
+            # Not once another job holds the root: the files unknown here may be its own.
+            if rank == 0 and _replace.still_held(self.directory, self._lease):
+                _replace.finish(path, save_id, completed)
+        record["persist_s"] = time.perf_counter() - start
+        if rank == 0:
+            other = _owner.lost(self.directory, self._lease)
+            if other is not None:  # the next save fails on every rank; prune nothing meanwhile
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} skipped: {other}")
+                return
+            try:
+                record["removed"] = layout.retain(self.directory, self.keep, step, started)
+            except Exception as exc:  # noqa: BLE001 - the new checkpoint is complete; old ones stay a while longer
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} failed: "
+                              f"{type(exc).__name__}: {exc}")
 
+    def _write_files(self, step: int, path: str, save_id: str, snapshot: dict, agree) -> None:
+        """Every rank's file, then rank 0's common file and the manifest: the moment the
+        checkpoint (or a rewrite of it) becomes the one ``path`` holds."""
+        rank = self.rank
         name = api.rank_file(rank)
         mine, error = {}, None
         try:
-            info = _files.atomic_torch_save(os.path.join(path, name), snapshot["sections"])
-            mine[name] = dict(info, rank=rank, sections=sorted(snapshot["sections"]))
+            mine[name] = api._write(path, name, save_id, snapshot["sections"], rank=rank)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-            error = f"rank {rank} could not write {os.path.join(path, name)}: {type(exc).__name__}: {exc}"
+            error = (f"rank {rank} could not write {os.path.join(path, _files.file_name(name, save_id))}: "
+                     f"{type(exc).__name__}: {exc}")
         files = self._coord.all_gather((mine, error, os.path.abspath(path)))
         agree(next((e for _, e, _ in files if e is not None), None), "writing the rank files")
 
@@ -419,6 +456,8 @@ class Checkpointer:
         if rank == 0:
             try:
                 manifest = dict(snapshot["manifest"], files={}, created_unix=time.time())
+                if save_id:
+                    manifest["version"] = _files.VERSION  # files with names of their own
                 for entry, _, _ in files:
                     manifest["files"].update(entry)
                 # Before the manifest lists them (a Checkpointer built with another directory
@@ -427,21 +466,9 @@ class Checkpointer:
                 if error is None:
                     error = _owner.lost(self.directory, self._lease)
                 if error is None:
-                    common = snapshot["common"]
-                    manifest["files"][_files.COMMON] = dict(
-                        _files.atomic_torch_save(os.path.join(path, _files.COMMON), common), rank=0,
-                        sections=sorted(common))
+                    manifest["files"][_files.COMMON] = api._write(path, _files.COMMON, save_id, snapshot["common"],
+                                                                  rank=0)
                     _files.write_manifest(path, manifest)
             except Exception as exc:  # noqa: BLE001
                 error = f"rank 0 could not complete {path}: {type(exc).__name__}: {exc}"
         agree(error, "writing the manifest")
-        record["persist_s"] = time.perf_counter() - start
-        if rank == 0:
-            other = _owner.lost(self.directory, self._lease)
-            if other is not None:  # the next save fails on every rank; prune nothing meanwhile
-                warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} skipped: {other}")
-                return
-            try:
-                record["removed"] = layout.retain(self.directory, self.keep, step)
-            except OSError as exc:  # the new checkpoint is complete; old ones stay a while longer
-                warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} failed: {exc}")

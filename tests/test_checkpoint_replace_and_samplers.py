@@ -1,0 +1,247 @@
+"""The Checkpointer saving a step it holds already, and the edges a demanding user meets.
+
+* A step saved again (``save(N)`` after ``maybe_save(N)``, a restart saving the step it
+  restored) keeps the complete ``step-N`` until the new one is complete (Note [saving a step
+  again] in fusedist/checkpoint/_replace.py): a rewrite failing on any rank, or killed
+  before its manifest, leaves the old checkpoint loadable; one killed leaves files that
+  restore warns about and the next complete save removes.
+* A full disk on one rank's background write is raised on every rank at the next save or
+  at ``close()``, within seconds, and ``keep=1`` never prunes the last complete checkpoint
+  for a save that failed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import models
+from fusedist.testing import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _step(model, opt, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+    opt.step()
+
+
+def _files_of(path) -> list:
+    return sorted(os.listdir(path))
+
+
+def _restored(root: str, **kw):
+    """(step, parameters) a fresh model restores from ``root``."""
+    from fusedist.checkpoint import Checkpointer
+
+    fresh = _net(99)
+    ckpt = Checkpointer(root)
+    step = ckpt.restore(fresh, torch.optim.AdamW(fresh.parameters()), **kw)
+    return step, models.flat_params(fresh)
+
+
+# ----------------------------------------------------------------------------- a step saved again
+
+
+def test_a_step_saved_again_keeps_the_complete_one_until_the_rewrite_is(tmp_path, monkeypatch):
+    """``maybe_save(2)`` then ``save(2)`` with newer weights: the rewrite failing (a full disk)
+    left no step-2 (the old one was removed first), and with keep=1 nothing at all. Now the
+    old step-2 is complete throughout the rewrite -- even at the moment the new rank file is
+    written and the new manifest is not -- survives a failed one untouched, and a rewrite that
+    completes replaces it, leaving only the new files."""
+    from fusedist.checkpoint import Checkpointer, CheckpointError, _files, layout, load
+
+    root = str(tmp_path)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, every_steps=2, keep=1)  # asynchronous saves
+    assert ckpt.restore(model, opt) == 0
+    _step(model, opt, 1)
+    _step(model, opt, 2)
+    assert ckpt.maybe_save(2)
+    ckpt.wait()
+    saved = models.flat_params(model).clone()
+    old_files = _files_of(layout.step_dir(root, 2))
+    _step(model, opt, 3)  # the same step count, newer weights: the rewrite holds other values
+
+    real_save, seen = _files.torch.save, []
+
+    def full_disk_at_common(obj, f):
+        """The rank file is written; the common file hits a full disk."""
+        if ".common." in os.path.basename(f.name):
+            fresh = _net(5)
+            load(layout.step_dir(root, 2), fresh)
+            seen.append((layout.entry(root, 2).complete, torch.equal(models.flat_params(fresh), saved)))
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        real_save(obj, f)
+
+    monkeypatch.setattr(_files.torch, "save", full_disk_at_common)
+    ckpt.save(2)
+    with pytest.raises(CheckpointError, match=r"step 2 .*No space left on device.*complete checkpoint of that step "
+                                              r"written before is kept"):
+        ckpt.wait()
+    assert seen == [(True, True)]  # mid-rewrite: the old step-2 complete and loadable
+    assert [(e.step, e.complete) for e in layout.scan(root)] == [(2, True)]
+    assert _files_of(layout.step_dir(root, 2)) == old_files  # the failed rewrite's files removed
+    step, params = _restored(root)
+    assert step == 2 and torch.equal(params, saved)
+
+    monkeypatch.setattr(_files.torch, "save", real_save)
+    ckpt.save(2)
+    ckpt.close()
+    step, params = _restored(root)
+    assert step == 2 and torch.equal(params, models.flat_params(model))
+    new_files = _files_of(layout.step_dir(root, 2))
+    assert not set(new_files) & (set(old_files) - {"manifest.json"}), (old_files, new_files)
+    assert len(new_files) == 3 and all(n in ("manifest.json",) or ".pt" in n for n in new_files), new_files
+    fresh = _net(7)
+    load(layout.step_dir(root, 2), fresh)  # still an ordinary save()-format directory
+    assert torch.equal(models.flat_params(fresh), models.flat_params(model))
+
+
+_KILLED_REWRITE = r"""
+import os, sys, time, torch
+from torch import nn
+from fusedist.checkpoint import Checkpointer, _files
+
+root = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+ckpt = Checkpointer(root, every_steps=2, keep=2, async_save=False)
+assert ckpt.restore(model) == 2  # a restarted run: it saves the step it restored again
+real_save = torch.save
+
+def hang_at_common(obj, f):  # the rank file is complete; killed while the common file is written
+    real_save(obj, f)
+    if ".common." in os.path.basename(f.name):
+        f.flush()
+        print("WRITING", flush=True)
+        time.sleep(600)
+
+_files.torch.save = hang_at_common
+with torch.no_grad():
+    model[0].weight.add_(1.0)
+ckpt.save(2)
+"""
+
+
+def test_a_rewrite_killed_before_its_manifest_leaves_the_old_step(tmp_path):
+    """A restarted run saves the step it restored again and is SIGKILLed before the new
+    manifest: the complete step-2 was gone (removed first), and the restart went back to
+    nothing. Now restore loads the old step-2, warning of the killed rewrite's files, and
+    the next complete save removes them."""
+    from fusedist.checkpoint import Checkpointer, layout
+
+    root = str(tmp_path)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, every_steps=2, keep=2, async_save=False)
+    ckpt.restore(model, opt)
+    _step(model, opt, 1)
+    _step(model, opt, 2)
+    ckpt.maybe_save(2)
+    ckpt.close()
+    saved = models.flat_params(model).clone()
+    old_files = _files_of(layout.step_dir(root, 2))
+
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_REWRITE, root], stdout=subprocess.PIPE,
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == b"WRITING", line
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    leftovers = sorted(set(_files_of(layout.step_dir(root, 2))) - set(old_files))
+    assert len(leftovers) == 2 and any(n.startswith("rank-00000.") for n in leftovers), leftovers
+
+    with pytest.warns(UserWarning, match=r"step-00000002 holds files of an interrupted save .*rank-00000\."):
+        step, params = _restored(root)
+    assert step == 2 and torch.equal(params, saved)
+
+    ckpt = Checkpointer(root, every_steps=2, keep=2, async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ckpt.restore(model, opt) == 2
+    _step(model, opt, 3)
+    _step(model, opt, 4)
+    ckpt.maybe_save(4)
+    ckpt.close()
+    assert [(e.step, e.complete, e.leftovers) for e in layout.scan(root)] == [(4, True, ()), (2, True, ())]
+    assert _files_of(layout.step_dir(root, 2)) == old_files
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def _full_disk_worker(rank, world_size, root):
+    from fusedist.checkpoint import Checkpointer, _files, layout
+
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, every_steps=2, keep=1)  # asynchronous
+    ckpt.restore(model, opt)
+    _step(model, opt, 1)
+    ckpt.save(2)
+    ckpt.wait()
+    real_save = _files.torch.save
+
+    def full(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    out = {}
+    _files.torch.save = full if rank == 1 else real_save
+    _step(model, opt, 2)
+    ckpt.save(2)  # a rewrite of the newest step, failing in the background on rank 1
+    out["rewrite"] = _timed(ckpt.wait)
+    _step(model, opt, 3)
+    ckpt.save(4)  # keep=1: a failing save of a new step
+    out["close"] = _timed(ckpt.close)
+    _files.torch.save = real_save
+    dist.barrier()
+    out["steps"] = [(e.step, e.complete) for e in layout.scan(root)]
+    return out
+
+
+def _timed(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported back to the test
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    """Rank 1's background writes hit a full disk: the rewrite of step 2 is raised on both
+    ranks at the next wait, the save of step 4 at close(), within seconds (the collective
+    timeout is 60 s), naming rank 1; with keep=1 the complete step-2 stays, and the old
+    one -- not a half-written new one."""
+    results = run_distributed(_full_disk_worker, 2, str(tmp_path), timeout=150, env={"FUSEDIST_TIMEOUT_S": "60"})
+    for rank, out in enumerate(results):
+        for case, kept in (("rewrite", "complete checkpoint of that step written before is kept"),
+                           ("close", "incomplete and will be skipped")):
+            kind, text, seconds = out[case] or (None, "", 0)
+            assert kind == "CheckpointError", (rank, case, out[case])
+            assert "rank 1 could not write" in text and "No space left" in text and kept in text, (rank, case, text)
+            assert seconds < 30, (rank, case, seconds)
+        assert out["steps"] == [(4, False), (2, True)], (rank, out["steps"])
+

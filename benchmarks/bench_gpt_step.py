@@ -9,6 +9,11 @@ median of the paired per-repetition ratios (below 1: fusedist is faster):
                  the watchdog (the default): what blocking the host in every bucket wait costs
   zero2          fusedist DDP + ZeroRedundancyOptimizer(stage=2, AdamW) vs torch FSDP2
                  ``fully_shard`` (each block, then the root) with reshard_after_forward=False
+  zero3          ``fusedist.fully_shard`` vs torch FSDP2 ``fully_shard``, the same wrapping
+                 (each block, then the root) and FSDP2's defaults (blocks reshard after
+                 forward, the root keeps its parameters), both + AdamW over the sharded
+                 parameters; on CUDA both gather in bf16 and reduce in fp32
+                 (``MixedPrecisionPolicy``), the recipe FSDP2 users run
 
 and, for each contender, the exposed-communication fraction of its step: (forward+backward
 with gradient sync - the same without sync) / step, i.e. the part of the step that
@@ -17,7 +22,8 @@ communication adds on top of compute (0: fully hidden behind backward).
 On one GPU run it with ``--ranks-per-gpu 2`` (Note [several ranks on one GPU] in
 fusedist/testing/shared_gpu.py): both ranks share the GPU and NCCL carries the traffic over
 sockets, for torch's NCCL and fusedist's communicator alike, so ratios are fair and absolute
-bandwidth is not NVLink's. ``--device cpu`` (gloo, a small model) checks that the script runs.
+bandwidth is not NVLink's. ``--device cpu`` (gloo, by default a small model: 2 layers of width
+64) checks that the script runs; ``--layers`` / ``--width`` make it a CPU measurement.
 
     python benchmarks/bench_gpt_step.py --device cuda --ranks-per-gpu 2 [--layers 12 --width 768]
 
@@ -75,13 +81,13 @@ class GPT(nn.Module):
 
 def _config(device: torch.device, args) -> dict:
     if device.type == "cuda":
-        return dict(vocab=16384, seq=256, d=args.width, layers=args.layers, heads=12, batch=8)
-    return dict(vocab=512, seq=32, d=64, layers=2, heads=4, batch=4)
+        return dict(vocab=16384, seq=256, d=args.width or 768, layers=args.layers or 12, heads=12, batch=8)
+    return dict(vocab=512, seq=32, d=args.width or 64, layers=args.layers or 2, heads=4, batch=4)
 
 
 def _contenders(base: nn.Module, device: torch.device, mesh) -> dict:
     """name -> (model, optimizer, no_sync context factory)."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision, fully_shard as torch_fully_shard
 
     import fusedist
 
@@ -100,16 +106,29 @@ def _contenders(base: nn.Module, device: torch.device, mesh) -> dict:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=False)
     torch_fully_shard(fsdp, mesh=mesh, reshard_after_forward=False)
 
+    out["torch fsdp2"] = (fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-4, fused=fused), _sync_off(fsdp))
+    for name, shard, policy in (("torch fsdp2 zero3", torch_fully_shard, TorchMixedPrecision),
+                                ("fusedist zero3", fusedist.fully_shard, fusedist.MixedPrecisionPolicy)):
+        model = copy.deepcopy(base)
+        mp = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if fused else policy()
+        for block in model.blocks:
+            shard(block, mesh=mesh, mp_policy=mp)
+        shard(model, mesh=mesh, mp_policy=mp)
+        out[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused), _sync_off(model))
+    return out
+
+
+def _sync_off(model):
+    """A ``no_sync`` for a ``fully_shard`` model: its gradient reductions off for one backward."""
     @contextlib.contextmanager
-    def fsdp_no_sync():
-        fsdp.set_requires_gradient_sync(False)
+    def no_sync():
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            fsdp.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)
 
-    out["torch fsdp2"] = (fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-4, fused=fused), fsdp_no_sync)
-    return out
+    return no_sync
 
 
 def _worker(rank, world_size, device_type, repeats, args):
@@ -177,7 +196,8 @@ def _worker(rank, world_size, device_type, repeats, args):
         return (res[f"fwd+bwd {name}"][0] - res[f"fwd+bwd local {name}"][0]) / res[f"step {name}"][0]
 
     rows = []
-    pairs = [("ddp", "torch ddp", "fusedist ddp", "<= 1.0"), ("zero2", "torch fsdp2", "fusedist zero2", "<= 1.0")]
+    pairs = [("ddp", "torch ddp", "fusedist ddp", "<= 1.0"), ("zero2", "torch fsdp2", "fusedist zero2", "<= 1.0"),
+             ("zero3", "torch fsdp2 zero3", "fusedist zero3", "<= 1.0")]
     if blocking_comm is not None:
         pairs.insert(1, ("ddp blocking", "fusedist ddp", "fusedist ddp blocking", "(cost of host-blocking waits)"))
     for row, baseline, ours, target in pairs:
@@ -197,8 +217,8 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--ranks-per-gpu", type=int, default=0,
                         help="with --device cuda: ranks sharing each GPU (FUSEDIST_TEST_RANKS_PER_GPU)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=0, help="blocks (default: 12 on cuda, 2 on cpu)")
+    parser.add_argument("--width", type=int, default=0, help="model width (default: 768 on cuda, 64 on cpu)")
     parser.add_argument("--repeats", type=int, default=0, help="timed repetitions (default: 5 on cuda, 3 on cpu)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
     args = parser.parse_args()

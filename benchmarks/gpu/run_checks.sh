@@ -246,7 +246,7 @@ done <<<"$MULTI_GROUPS"
 # One benchmark per line: script and arguments. The default list is the GPU benchmarks plus
 # ZeRO-3 against torch FSDP2 with two ranks sharing the GPU (the stage-3 step-time target on NCCL),
 # the GPT-style step at world size 2 (DDP vs torch DDP, host-blocking vs stream-ordered waits,
-# ZeRO-2 vs FSDP2, exposed communication), and
+# ZeRO-2 vs FSDP2, fully_shard vs FSDP2 with bf16 gathers, exposed communication), and
 # the gloo collectives on this host's CPUs (a GPU host has more cores than CI, so the
 # reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription).
 # FUSEDIST_GPU_BENCHES replaces the list (newline-separated).

@@ -245,3 +245,60 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(
             assert seconds < 30, (rank, case, seconds)
         assert out["steps"] == [(4, False), (2, True)], (rank, out["steps"])
 
+
+# ----------------------------------------------------------------------------- the ranks' data positions
+
+
+def _positions_worker(rank, world_size, root):
+    from fusedist.checkpoint import Checkpointer, ElasticDistributedSampler, layout
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ElasticDistributedSampler(range(40), shuffle=True, seed=3)
+    ckpt = Checkpointer(root, async_save=False)
+    ckpt.restore(model, opt, sampler=sampler)
+    list(iter(sampler))
+    out = {}
+    sampler.advance(4 if rank == 0 else 2)  # rank 1 missed an advance(2)
+    out["differ"] = _timed(lambda: ckpt.save(1))
+    out["written"] = os.path.exists(layout.step_dir(root, 1))
+    sampler.advance(0 if rank == 0 else 2)
+    out["agree"] = _timed(lambda: ckpt.save(1))
+    ckpt.close()
+
+    # A resume with another seed on rank 1: refused on every rank, not on rank 1 alone.
+    other = ElasticDistributedSampler(range(40), shuffle=True, seed=3 if rank == 0 else 4)
+    out["restore seed"] = _timed(lambda: Checkpointer(root).restore(_net(), sampler=other))
+    # No sampler on rank 1 at a save.
+    ckpt = Checkpointer(root, async_save=False)
+    ckpt.restore(model, opt, sampler=ElasticDistributedSampler(range(40), shuffle=True, seed=3))
+    if rank == 1:
+        ckpt._state["sampler"] = None
+    out["kinds"] = _timed(lambda: ckpt.save(2))
+    ckpt.close()
+    resumed = ElasticDistributedSampler(range(40), shuffle=True, seed=3)
+    out["resumed"] = (Checkpointer(root).restore(_net(), sampler=resumed), resumed.consumed)
+    dist.barrier()
+    return out
+
+
+def test_ranks_whose_elastic_positions_differ_are_refused_naming_them(tmp_path):
+    """Only rank 0's ElasticDistributedSampler position was saved, whatever the others' was:
+    a rank that missed an advance() resumed at rank 0's position, repeating or skipping
+    samples silently. Now the save is refused on every rank, before anything is written,
+    naming each rank's value (Note [one data position for the job]); so is a sampler missing
+    on one rank; the save goes through once the positions agree. A restore whose sampler
+    refuses the position on one rank (another seed) fails on every rank at once."""
+    results = run_distributed(_positions_worker, 2, str(tmp_path), timeout=150, env={"FUSEDIST_TIMEOUT_S": "60"})
+    for rank, out in enumerate(results):
+        kind, text, seconds = out["differ"] or (None, "", 0)
+        assert kind == "CheckpointError", (rank, out["differ"])
+        assert "consumed is 8 on ranks [0], 4 on ranks [1]" in text and "Nothing was written for step 1" in text, text
+        assert not out["written"] and out["agree"] is None, (rank, out)
+        kind, text, seconds = out["restore seed"] or (None, "", 0)
+        assert kind == "CheckpointError" and "rank 1: ValueError" in text and "seed=3" in text, (rank, text)
+        assert seconds < 30, (rank, seconds)
+        kind, text, _ = out["kinds"] or (None, "", 0)
+        assert kind == "CheckpointError", (rank, out["kinds"])
+        assert "ElasticDistributedSampler on ranks [0], None on ranks [1]" in text, text
+        assert out["resumed"] == (1, 8), (rank, out["resumed"])

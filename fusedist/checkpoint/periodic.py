@@ -13,8 +13,9 @@ continues from the latest complete checkpoint, losing only the steps since it::
 
 What a checkpoint holds: model, optimizer (ZeRO shards, offloaded state included), GradScaler,
 LR scheduler, every rank's RNG states, the data position of an
-:class:`~fusedist.checkpoint.ElasticDistributedSampler` (or a ``ResumableDistributedSampler``,
-same world size only), the step, and a user ``extra`` dict. It is an ordinary
+:class:`~fusedist.checkpoint.ElasticDistributedSampler` (the job's, which every save checks is
+the same on every rank: Note [one data position for the job] in ``_sampler_state.py``; or a
+``ResumableDistributedSampler``'s per rank, same world size only), the step, and a user ``extra`` dict. It is an ordinary
 :func:`fusedist.checkpoint.save`-format directory ``<directory>/step-<N>``, so
 :func:`~fusedist.checkpoint.load` reads it too, at any world size.
 
@@ -57,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _files, _owner, _replace, api, layout, resume
+from . import _checks, _files, _owner, _replace, _sampler_state, api, layout, resume
 from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
@@ -153,7 +154,7 @@ class Checkpointer:
                 errors = [e for e in self._coord.all_gather(error) if e is not None]
                 error = errors[0] if errors else None
             if error is None:
-                self._apply(saved_step, path, extra, per_rank)
+                self._apply_agreed(saved_step, path, extra, per_rank)
                 return saved_step
             failures.append(f"step {saved_step} ({path}): {error}")
             if self.rank == 0 and saved_step != candidates[-1][0]:
@@ -199,6 +200,23 @@ class Checkpointer:
                               "are ignored, the complete checkpoint there is used, and the next complete save "
                               "removes them", stacklevel=3)
         return complete
+
+    def _apply_agreed(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
+        """:meth:`_apply` on every rank, or an error on every rank naming the ranks where it
+        failed: a sampler refusing the saved position on one rank (another seed or dataset
+        there) raised on that rank alone, and the others trained on into their next
+        collective, waiting for it until the timeout."""
+        error = None
+        try:
+            self._apply(step, path, extra, per_rank)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        failed = [e for e in self._coord.all_gather(error, f"step {step}: restored") if e is not None]
+        if failed:
+            raise CheckpointError(
+                f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} failed on {'; '.join(failed)}. "
+                "The model and optimizer state were loaded; pass objects that match the checkpoint (the same "
+                "sampler settings and dataset, an LR scheduler if one was saved) and restore again")
 
     def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
         state = self._state
@@ -329,19 +347,29 @@ class Checkpointer:
         copied, a host allocation refused) left the other ranks' save waiting for that rank's
         files until the collective timeout. One small exchange per save, in the training
         thread: the coordinator's group is free here (the previous save was waited for)."""
-        snapshot, error, cause = None, None, None
+        snapshot, error, cause, position = None, None, None, None
         try:
-            snapshot = self._snapshot(step, extra)
+            position = _sampler_state.position(self._state["sampler"])
+            snapshot = self._snapshot(step, extra, position[1])
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
             error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
-        failed = [e for e in self._coord.all_gather(error, f"step {step}: snapshot taken") if e is not None]
+        everyone = self._coord.all_gather((error, position), f"step {step}: snapshot taken")
+        failed = [e for e, _ in everyone if e is not None]
         if not failed:
-            return snapshot
+            differs = _sampler_state.disagreement([p for _, p in everyone])
+            if differs is None:
+                return snapshot
+            raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py
+                f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {differs}. "
+                "An ElasticDistributedSampler's position is the whole job's (what all ranks consumed together), "
+                "so every rank must call advance(len(batch)) after each step and set_epoch alike; saving rank "
+                f"0's would repeat or skip the other ranks' samples at a resume. Nothing was written for step "
+                f"{step}; earlier checkpoints are unaffected")
         message = (f"fusedist.checkpoint.Checkpointer: the snapshot of step {step} failed on "
                    f"{'; '.join(failed)}. Nothing was written for step {step}; earlier checkpoints are unaffected")
         raise CheckpointError(message) from cause
 
-    def _snapshot(self, step: int, extra: Optional[dict]) -> dict:
+    def _snapshot(self, step: int, extra: Optional[dict], elastic_position: Optional[dict]) -> dict:
         """Copies of everything the checkpoint holds (the only part the training loop waits for)."""
         s = self._state
         model, optimizer = s["model"], s["optimizer"]
@@ -359,7 +387,7 @@ class Checkpointer:
         if self.rank == 0:
             meta = {"step": step, "world_size": self.world_size, "user": extra,
                     "lr_scheduler": s["lr_scheduler"].state_dict() if s["lr_scheduler"] is not None else None,
-                    "sampler": sampler.state_dict() if isinstance(sampler, ElasticDistributedSampler) else None}
+                    "sampler": elastic_position}  # the same on every rank (checked by the caller)
             common = {"model": api.common_model(model, sharded_keys),
                       "optimizer": api.full_optimizer_state(model, optimizer),
                       "scaler": s["scaler"].state_dict() if s["scaler"] is not None else None,

@@ -207,6 +207,18 @@ BAD = [
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--precision", "fp8"], "--precision"),
     (["--hf-config", "/nonexistent/config.json", "--gpus", "8"], "--hf-config"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--measure"], "--measure"),
+    # non-finite numbers went through every comparison and ended in a traceback
+    (["--params", "inf", "--gpus", "8", "--seq", "8"], "--params"),
+    (["--params", "nan", "--gpus", "8", "--seq", "8"], "--params"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--scratch-gb", "nan"], "--scratch-gb"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--bucket-cap-mb", "inf"], "--bucket-cap-mb"),
+    # a count that rounds to no parameters was planned as an empty model
+    (["--params", "0.4", "--gpus", "8", "--seq", "8"], "--params"),
+    (["--params", "7e9", "--gpus", "-8", "--seq", "8"], "--gpus"),
+    # a global batch that is not whole micro-batches on every GPU was rounded up silently
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--micro-batch", "3", "--global-batch", "100"],
+     "--global-batch"),
 ]
 
 
@@ -235,6 +247,59 @@ def test_bad_input_exit_status_without_traceback():
                            "5", "--seq", "8", "--vocab", "9", "--gpus", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "python -m fusedist.plan: error: --heads: 5 heads do not divide --hidden 64"
+
+
+def test_global_batch_not_divisible_names_the_multiples(capsys):
+    code, out, err = run_cli(capsys, "--params", "7e9", "--gpus", "8", "--seq", "8", "--micro-batch", "3",
+                             "--global-batch", "100")
+    assert code == 2 and out == ""
+    assert "multiple of --micro-batch 3 x 8 GPUs = 24 (e.g. 96 or 120)" in err
+    code, out, _ = run_cli(capsys, "--params", "7e9", "--gpus", "8", "--seq", "8", "--micro-batch", "3",
+                           "--global-batch", "96", "--json")
+    assert code == 0 and json.loads(out)["suggestion"]["grad_accum_steps"] == 4
+
+
+def test_nothing_fits_exits_1_with_the_plan(tmp_path):
+    """A model that fits nowhere prints its plan (which says so) and exits 1, no traceback."""
+    for argv in (["--params", "7e12", "--gpus", "8", "--seq", "4096"],
+                 ["--layers", "200", "--hidden", "32768", "--heads", "256", "--vocab", "32000", "--seq", "4096",
+                  "--gpus", "8"]):
+        proc = subprocess.run([sys.executable, "-m", "fusedist.plan", *argv], capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert "suggestion: nothing fits" in proc.stdout and "Traceback" not in proc.stderr
+        assert proc.stderr.strip() == "python -m fusedist.plan: nothing fits (exit status 1): see the suggestion above"
+    proc = subprocess.run([sys.executable, "-m", "fusedist.plan", "--params", "7e12", "--gpus", "8", "--seq", "4096",
+                           "--json"], capture_output=True, text=True)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["suggestion"]["strategy"] is None
+    # --params has no shape: no layout was searched, and the message says so
+    assert "no (dp, tp, pp) layout was searched" in subprocess.run(
+        [sys.executable, "-m", "fusedist.plan", "--params", "7e12", "--gpus", "8", "--seq", "4096"],
+        capture_output=True, text=True).stdout
+
+
+def test_help_and_assumptions_in_the_output(capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "exit status: 0" in out and "1 nothing fits" in out and "2 bad input" in out
+    assert "--kv-heads KV_HEADS" in out and "key/value heads" in out
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2_7B))
+    code, out, _ = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 0
+    assert "seq 4096 (the model maximum: --seq sets the training length)" in out
+    assert "GPU memory: the datasheet's" in out and "activations: Korthikanti et al. 2022, unfused attention" in out
+    # the table's columns stay apart when a number needs all of its width
+    code, out, _ = run_cli(capsys, "--params", "7e12", "--gpus", "8", "--seq", "4096")
+    assert "ddp             112000.00      n/a    1.00 112001.00    0.00  NO" in out
+
+
+def test_gpt2_config_seq_past_its_positions(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                                "n_positions": 1024, "vocab_size": 50257}))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8", "--seq", "2048")
+    assert code == 2 and "--seq: 2048 is longer than the model's 1024 learned positions" in err
 
 
 def test_optimizer_k():

@@ -1,11 +1,13 @@
 """``python -m fusedist.plan``: argument parsing, validation, output.
 
-Bad input ends with one line on stderr naming the flag, and exit status 2."""
+Exit status: 0 when the plan has a strategy or layout that fits; 1 when nothing fits (the
+plan is still printed); 2 for bad input, which ends with one line on stderr naming the flag."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -29,49 +31,84 @@ def _count(text: str) -> float:
     t = text.strip().lower().replace("_", "")
     scale = _SUFFIX.get(t[-1:], None)
     try:
-        return float(t[:-1]) * scale if scale else float(t)
+        value = float(t[:-1]) * scale if scale else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+def _real(text: str) -> float:
+    """A finite float (``nan`` and ``inf`` would go through every comparison)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+EPILOG = """\
+exit status: 0 a plan with a strategy (or a dp x tp x pp layout) that fits; 1 nothing fits
+(the plan is printed all the same); 2 bad input (one line on stderr naming the option).
+
+assumptions (printed with every plan): GB = 1e9 bytes and the GPU's memory is the
+datasheet's (80 GB = 80e9 bytes, below what the driver reports, which leaves room for the
+CUDA context and NCCL's buffers); --scratch-gb (1) for workspaces; model states of
+mixed-precision Adam, 16 bytes per parameter before sharding (ZeRO paper); activations per
+Korthikanti et al. 2022 with unfused attention (flash attention needs about the selective
+figure), sequence parallelism wherever tensor parallelism is suggested; compute
+6 x params + attention FLOPs per token at --mfu of the dense peak; communication at the
+slowest link's peak, per GPU and direction."""
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=(
+    p = _Parser(prog=PROG, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, description=(
         "Memory, communication and step time of data-parallel and ZeRO training, per GPU. "
         "Memory in GB = 1e9 bytes; bandwidths in GB/s per GPU and direction."))
     m = p.add_argument_group("model (one of: --params, the shape, --hf-config)")
     m.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 7B")
     m.add_argument("--arch", default="gpt", help=f"block shape for the shape flags: {', '.join(ARCHS)} (default gpt)")
-    for flag in ("layers", "hidden", "heads", "vocab", "ffn-hidden", "kv-heads"):
-        m.add_argument(f"--{flag}", type=int)
-    m.add_argument("--hf-config", help="a Hugging Face config.json")
+    for flag, text in (("layers", "transformer blocks"), ("hidden", "model width h"),
+                       ("heads", "attention heads"), ("vocab", "vocabulary size"),
+                       ("ffn-hidden", "MLP width (default 4h)"),
+                       ("kv-heads", "key/value heads, grouped-query attention (default: --heads)")):
+        m.add_argument(f"--{flag}", type=int, help=text)
+    m.add_argument("--hf-config", help="a Hugging Face config.json (model_type llama, mistral, qwen2, phi3, "
+                                       "gemma or gpt2)")
     j = p.add_argument_group("job")
     j.add_argument("--gpus", type=int, help="data-parallel GPUs N (with --measure: the torchrun world size)")
-    j.add_argument("--gpus-per-node", type=int, default=8)
+    j.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): NVLink within, "
+                                                                "the network between")
     j.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch (default 1)")
     j.add_argument("--global-batch", type=int, help="sequences per optimizer step (sets gradient accumulation)")
-    j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum)")
+    j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum, "
+                                           "max_position_embeddings or n_positions)")
     j.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     j.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     j.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
-    h.add_argument("--gpu-memory-gb", type=float)
-    h.add_argument("--peak-tflops", type=float, help="dense peak for the run's precision")
-    h.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU per direction within a node")
-    h.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU per direction between nodes")
-    h.add_argument("--pcie-gbps", type=float, help="GB/s per direction host <-> GPU (offload)")
-    h.add_argument("--mfu", type=float, default=timing.DEFAULT_MFU,
+    h.add_argument("--gpu-memory-gb", type=_real)
+    h.add_argument("--peak-tflops", type=_real, help="dense peak for the run's precision")
+    h.add_argument("--intra-node-gbps", type=_real, help="GB/s per GPU per direction within a node")
+    h.add_argument("--inter-node-gbps", type=_real, help="GB/s per GPU per direction between nodes")
+    h.add_argument("--pcie-gbps", type=_real, help="GB/s per direction host <-> GPU (offload)")
+    h.add_argument("--mfu", type=_real, default=timing.DEFAULT_MFU,
                    help=f"assumed model FLOPs utilisation (default {timing.DEFAULT_MFU})")
     o = p.add_argument_group("other")
     o.add_argument("--convention", default="fusedist", choices=memory.CONVENTIONS,
                    help="model states as fusedist allocates them (default) or as the ZeRO paper counts")
-    o.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    o.add_argument("--scratch-gb", type=float, default=1.0, help="allowance for workspaces (default 1)")
-    o.add_argument("--ref-lr", type=float, help="learning rate tuned at --ref-batch")
-    o.add_argument("--ref-batch", type=int)
+    o.add_argument("--bucket-cap-mb", type=_real, default=25.0, help="gradient bucket size (default 25)")
+    o.add_argument("--scratch-gb", type=_real, default=1.0, help="allowance for workspaces (default 1)")
+    o.add_argument("--ref-lr", type=_real, help="learning rate tuned at --ref-batch")
+    o.add_argument("--ref-batch", type=int, help="global batch (sequences) --ref-lr was tuned at")
     o.add_argument("--json", action="store_true", help="print the plan as JSON")
     o.add_argument("--measure", action="store_true",
-                   help="under torchrun: train the model with fusedist DDP, ZeRO-1, ZeRO-2 and compare")
+                   help="under torchrun: train the model with fusedist DDP, ZeRO-1, ZeRO-2, ZeRO-2 offload "
+                        "and ZeRO-3 and compare")
     o.add_argument("--steps", type=int, default=6, help="--measure: steps per strategy (default 6)")
     return p
 
@@ -88,12 +125,14 @@ def model_spec(args) -> ModelSpec:
                         f"give the model one way, not {' and '.join(given)}")
     if args.hf_config:
         spec = from_hf_config(args.hf_config)
-        if args.arch != "gpt" or args.ffn_hidden or args.kv_heads:
+        if args.arch != "gpt" or args.ffn_hidden is not None or args.kv_heads is not None:
             raise PlanError("--hf-config", "--arch/--ffn-hidden/--kv-heads come from the config")
         return spec
     if args.params is not None:
         if args.params <= 0:
             raise PlanError("--params", f"must be positive, got {args.params:g}")
+        if round(args.params) < 1:
+            raise PlanError("--params", f"{args.params:g} rounds to no parameters")
         return ModelSpec(params=int(round(args.params)), source="params")
     if args.arch not in ARCHS:
         raise PlanError("--arch", f"unknown architecture {args.arch!r} (choose {', '.join(ARCHS)})")
@@ -122,13 +161,22 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
         raise PlanError("--mfu", f"must be in (0, 1], got {args.mfu:g}")
     if gpus > args.gpus_per_node and gpus % args.gpus_per_node:
         raise PlanError("--gpus-per-node", f"{args.gpus} GPUs are not whole nodes of {args.gpus_per_node}")
+    if args.global_batch is not None and args.global_batch % (args.micro_batch * gpus):
+        per_step = args.micro_batch * gpus
+        lower = args.global_batch // per_step * per_step
+        options = " or ".join(str(x) for x in (lower, lower + per_step) if x > 0)
+        raise PlanError("--global-batch", f"{args.global_batch} sequences are not whole micro-batches on every "
+                                          f"GPU: a multiple of --micro-batch {args.micro_batch} x {gpus} GPUs "
+                                          f"= {per_step} (e.g. {options})")
+    if spec.arch == "gpt" and spec.has_shape and seq > spec.seq:
+        raise PlanError("--seq", f"{seq} is longer than the model's {spec.seq} learned positions")
     if (args.ref_lr is None) != (args.ref_batch is None):
         raise PlanError("--ref-batch" if args.ref_batch is None else "--ref-lr", "give --ref-lr and --ref-batch together")
     return Job(gpus=gpus, micro_batch=args.micro_batch, seq=seq, gpus_per_node=args.gpus_per_node,
                global_batch=args.global_batch, precision=args.precision, recompute=args.recompute,
                optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
-               ref_batch=args.ref_batch)
+               ref_batch=args.ref_batch, seq_from_config=args.seq is None)
 
 
 def main(argv=None) -> int:
@@ -147,8 +195,6 @@ def main(argv=None) -> int:
             if not spec.has_shape:
                 raise PlanError("--measure", "needs the model's shape or --hf-config, not --params")
             job = job_of(args, spec, world)
-            if spec.arch == "gpt" and job.seq > spec.seq:
-                raise PlanError("--seq", f"{job.seq} is longer than the model's {spec.seq} positions")
         else:
             if args.gpus is None:
                 raise PlanError("--gpus", "missing: the number of data-parallel GPUs")
@@ -165,4 +211,7 @@ def main(argv=None) -> int:
     else:
         from .report import format_plan
         print(format_plan(plan))
+    if plan["suggestion"]["strategy"] is None:
+        print(f"{PROG}: nothing fits (exit status 1): see the suggestion above", file=sys.stderr)
+        return 1
     return 0

@@ -30,6 +30,7 @@ class Job:
     scratch_gb: float = 1.0
     ref_lr: Optional[float] = None
     ref_batch: Optional[int] = None
+    seq_from_config: bool = False  # --seq not given: the model's maximum
 
 
 def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy: str,
@@ -94,7 +95,8 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                   if v is not None and not (k.endswith("_bias") and v is False)},
         "params": psi,
         "gpus": n, "gpus_per_node": job.gpus_per_node, "micro_batch": job.micro_batch,
-        "global_batch": job.global_batch, "seq": job.seq, "precision": job.precision,
+        "global_batch": job.global_batch, "seq": job.seq, "seq_from_config": job.seq_from_config,
+        "precision": job.precision,
         "recompute": job.recompute, "optimizer": job.optimizer, "convention": job.convention,
         "gpu": dataclasses.asdict(hw),
         "assumptions": {
@@ -107,6 +109,11 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "scratch_bytes": int(job.scratch_gb * GB),
             "tokens_per_step": tokens,
             "bytes_unit": "GB = 1e9 bytes in the table",
+            "gpu_memory": "the datasheet's, in GB = 1e9 bytes (below what the driver reports: room for the "
+                          "CUDA context and NCCL's buffers, which are not counted)",
+            "activations": ("Korthikanti et al. 2022, unfused attention (flash attention needs about the "
+                            "selective figure), dropout masks counted; sequence parallelism with any "
+                            "suggested tensor parallelism"),
         },
     }
     if not spec.has_shape:

@@ -37,13 +37,16 @@ def format_plan(plan: dict) -> str:
     out = [
         model_line(plan),
         (f"job: {i['gpus']} GPUs ({i['gpus_per_node']} per node), micro-batch {i['micro_batch']}, "
-         f"seq {i['seq']}, global batch {s['global_batch']} (gradient accumulation {s['grad_accum_steps']}), "
+         f"seq {i['seq']}{' (the model maximum: --seq sets the training length)' if i.get('seq_from_config') else ''}"
+         f", global batch {s['global_batch']} (gradient accumulation {s['grad_accum_steps']}), "
          f"{i['precision']}, recompute {i['recompute']}, {i['optimizer']}"),
         (f"GPU: {g['name']}, {g['memory_gb']:g} GB, peak {a['peak_flops'] / 1e12:g} TFLOPS "
          f"({a['peak_flops_kind']}), MFU {a['mfu']:g} (assumed), NVLink {g['intra_node_gbps']:g} GB/s, "
          f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction)"),
         (f"model states: {i['convention']} convention; K = {a['K']['ddp']} (ddp), {a['K']['zero1']} (ZeRO); "
          f"temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
+        f"GPU memory: {a['gpu_memory']}",
+        f"activations: {a['activations']}",
         "",
         "memory per GPU, GB (10^9 bytes)",
         f"{'strategy':<15}{'states':>9}{'activ.':>9}{'temp':>8}{'total':>9}{'host':>8}  fits (headroom)",
@@ -51,25 +54,26 @@ def format_plan(plan: dict) -> str:
     for st in STRATEGIES:
         e = plan["memory"][st]
         fits = "yes" if e["fits"] else "NO"
-        out.append(f"{st:<15}{_gb(e['model_states_bytes']):>9}{_gb(e['activation_bytes']):>9}"
-                   f"{_gb(e['temp_bytes']):>8}{_gb(e['total_bytes']):>9}{_gb(e['host_bytes']):>8}  "
+        out.append(f"{st:<15} {_gb(e['model_states_bytes']):>8} {_gb(e['activation_bytes']):>8}"
+                   f" {_gb(e['temp_bytes']):>7} {_gb(e['total_bytes']):>8} {_gb(e['host_bytes']):>7}  "
                    f"{fits} ({e['headroom_bytes'] / GB:+.2f})")
-    if "activations" in a:
-        out.append(f"activations {a['activations']}")
     out += ["", f"communication and time per step ({a['tokens_per_step']:,} tokens)",
             f"{'strategy':<15}{'comm GB':>9}{'comm':>10}{'compute':>10}{'step':>10}{'no overlap':>12}{'tokens/s':>11}"]
     for st in STRATEGIES:
         c, t = plan["comm"][st], plan["time"][st]
         comm_s = c["seconds"] + c["pcie_seconds"]
-        out.append(f"{st:<15}{_gb(c['bytes_per_step']):>9}{_seconds(comm_s):>10}{_seconds(t['compute_s']):>10}"
-                   f"{_seconds(t['step_s']):>10}{_seconds(t['step_s_no_overlap']):>12}{t['tokens_per_s']:>11,.0f}")
+        out.append(f"{st:<15} {_gb(c['bytes_per_step']):>8} {_seconds(comm_s):>9} {_seconds(t['compute_s']):>9}"
+                   f" {_seconds(t['step_s']):>9} {_seconds(t['step_s_no_overlap']):>11} {t['tokens_per_s']:>10,.0f}")
     out.append(f"(communication at {plan['comm']['ddp']['bandwidth_gbps']:g} GB/s, the ring's slowest link; "
                "offload rows add the PCIe copies, not the host optimizer update)")
     out.append("")
     lay = s["layout"]
-    if s["strategy"] is None:
+    if s["strategy"] is None and "layers" not in i["model"]:
+        out.append("suggestion: nothing fits; no (dp, tp, pp) layout was searched, which needs the model's "
+                   "shape (give it, or --hf-config, instead of --params), or more GPUs")
+    elif s["strategy"] is None:
         out.append("suggestion: nothing fits, and no (dp, tp, pp) layout on these GPUs does: more GPUs, "
-                   "a smaller micro-batch or recomputation")
+                   "a smaller micro-batch, a shorter --seq or recomputation")
     elif lay and (lay["tp"] > 1 or lay["pp"] > 1):
         out.append(f"suggestion: no data-parallel strategy fits; dp={lay['dp']} x tp={lay['tp']} x pp={lay['pp']} "
                    f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")

@@ -297,12 +297,33 @@ def _refusals(rank, ws):
     text = str(caught.value)
     assert "wrapping of the model" in text and "a 2-D (HSDP) mesh: 2 replica(s) x 2 shards" in text, text
     assert "a 1-D mesh: 1 replica(s) x 2 shards" in text, text
-    return True
+
+
+# ---------------------------------------------------------------------------------- stalls
+def _stalled_all_reduce(rank, ws, seed):
+    """The other replica (ranks 2, 3) skips a backward: ranks 0 and 1 finish their
+    reduce-scatter and wait in the all-reduce across replicas, which fails within the
+    collective timeout naming the unit and with the stall report, as a reduce-scatter would."""
+    import time
+
+    from fusedist.comm import CollectiveError
+
+    os.environ["FUSEDIST_TIMEOUT_S"] = "4"  # read by the communicators of the fresh mesh below
+    mesh = _mesh2d()
+    _, ours = _pair(mesh, wrap_embed=True)
+    _loss(ours, *_ids(seed, rank, 0)).backward()
+    if rank >= SHARDS:
+        time.sleep(12)  # long past the peers' timeout; the peers have raised by then
+        return None
+    with pytest.raises(CollectiveError) as caught:
+        _loss(ours, *_ids(seed, rank, 1)).backward()
+    return str(caught.value)
 
 
 def _checkpoints_and_refusals(rank, ws, seed, root):
     _checkpoints(rank, ws, seed, root)
-    return _refusals(rank, ws)
+    _refusals(rank, ws)
+    return _stalled_all_reduce(rank, ws, seed)
 
 
 def test_hsdp_checkpoints_interchange_and_refusals(tmp_path):
@@ -310,6 +331,10 @@ def test_hsdp_checkpoints_interchange_and_refusals(tmp_path):
     and loads into fusedist HSDP, a 1-D fully_shard model over the world and FSDP2-HSDP, and an
     FSDP2-HSDP checkpoint loads into fusedist (HSDP and 1-D). A 3-D mesh, a 2-D mesh without
     names, with the shard dim first or with a non-data-parallel dim are refused by name; ranks
-    whose meshes differ (2-D against 1-D) raise RankMismatchError at the first forward."""
+    whose meshes differ (2-D against 1-D) raise RankMismatchError at the first forward; an
+    all-reduce a replica never joins fails within the timeout with the stall report."""
     seed = _seed()
-    assert run_distributed(_checkpoints_and_refusals, WORLD, seed, str(tmp_path)) == [True] * WORLD, f"seed {seed}"
+    out = run_distributed(_checkpoints_and_refusals, WORLD, seed, str(tmp_path))
+    assert out[SHARDS:] == [None] * (WORLD - SHARDS), f"seed {seed}: {out}"
+    for rank, message in enumerate(out[:SHARDS]):
+        assert "fully_shard all-reduce" in message and "Stall report" in message, f"rank {rank}: {message}"

@@ -323,7 +323,7 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
                        f"{m['host_error']:>+8.2%}")
     d = measured["ddp"]
     out += ["",
-            f"MFU: the step's 6*params*tokens FLOPs against this process's matmul rate "
+            f"MFU: the step's FLOPs as planned (6*params + attention, per token) against this process's matmul rate "
             f"({d['matmul_flops'] / 1e9:.1f} GFLOP/s); use it as --mfu for this machine",
             f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",

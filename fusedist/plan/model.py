@@ -156,6 +156,14 @@ def count_params(spec: ModelSpec) -> int:
     return spec.layers * layer_params(spec) + embedding_params(spec)
 
 
+def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:
+    """Forward FLOPs of the attention scores per token: QKᵀ and the product with V, each
+    ``2·s·d_q`` per layer (PaLM, Appendix B); 0 for a model without a shape."""
+    if not spec.has_shape:
+        return 0
+    return spec.layers * 4 * seq * spec.q_dim
+
+
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
                      tp: int = 1) -> Optional[int]:
     """Activation memory of one micro-batch held for the backward pass, in bytes.

@@ -8,7 +8,8 @@ from typing import Optional
 
 from . import comm, memory, suggest, timing
 from .hardware import Hardware
-from .model import ModelSpec, activation_bytes, count_params, embedding_params, layer_params
+from .model import (ModelSpec, activation_bytes, attention_flops_per_token, count_params, embedding_params,
+                    layer_params)
 from .memory import STRATEGIES
 
 GB = 10**9
@@ -66,6 +67,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     tokens = global_batch * job.seq
     gbps = comm.bandwidth_gbps(n, job.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
     peak = hw.peak_flops(job.precision)
+    attention_fwd = attention_flops_per_token(spec, job.seq)
 
     mem, com, tim = {}, {}, {}
     for s in STRATEGIES:
@@ -76,7 +78,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         pcie_s = comm.seconds(pcie, hw.pcie_gbps)
         com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
                   "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s}
-        compute_s = timing.compute_seconds(psi, tokens, n, peak, job.mfu, job.recompute)
+        compute_s = timing.compute_seconds(psi, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
         tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens)
 
     best = suggest.cheapest(mem, tim)
@@ -103,6 +105,11 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "mfu": job.mfu,
             "peak_flops": peak,
             "peak_flops_kind": "tf32 dense" if job.precision == "fp32" else "bf16/fp16 dense",
+            "flops_per_token": timing.flops_per_token(psi, job.recompute, attention_fwd),
+            "flops": ("6 x params + attention scores 12 x layers x seq x heads x head_dim per token "
+                      "(PaLM, Appendix B); full recomputation 8 x params + 16 x ..., selective 6 x params + 16 x ..."
+                      if spec.has_shape else "6 x params per token (8 with full recomputation); attention "
+                      "not counted: the model was given by --params, not its shape"),
             "K": {s: memory.optimizer_k(job.precision, job.optimizer, s.replace("_offload", ""), job.convention)
                   for s in STRATEGIES},
             "bucket_cap_mb": job.bucket_cap_mb,

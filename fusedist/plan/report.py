@@ -43,6 +43,7 @@ def format_plan(plan: dict) -> str:
         (f"GPU: {g['name']}, {g['memory_gb']:g} GB, peak {a['peak_flops'] / 1e12:g} TFLOPS "
          f"({a['peak_flops_kind']}), MFU {a['mfu']:g} (assumed), NVLink {g['intra_node_gbps']:g} GB/s, "
          f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction)"),
+        f"compute: {a['flops_per_token']:.4g} FLOPs per token = {a['flops']}",
         (f"model states: {i['convention']} convention; K = {a['K']['ddp']} (ddp), {a['K']['zero1']} (ZeRO); "
          f"temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
         f"GPU memory: {a['gpu_memory']}",

@@ -1,13 +1,20 @@
 """Compute and step time.
 
-Training FLOPs per token ≈ 6Ψ (2 forward + 4 backward multiply-adds per parameter;
-Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Section 2.1; Narayanan et al.
-2021, "Efficient Large-Scale Language Model Training on GPU Clusters", Section 5.1) and 8Ψ
-with full activation recomputation (one more forward). Selective recomputation recomputes
-only the attention core: counted as 6Ψ (Korthikanti et al. 2022 measure ~2-4% extra).
-The attention score FLOPs (∝ s²) are left out, as in the 6Ψ rule.
+Training FLOPs per token: 6Ψ for the weights (2 forward + 4 backward per parameter;
+Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Section 2.1) plus the
+attention scores, which have no parameters: QKᵀ and the product with V are 2·s·d_q FLOPs
+each per token and layer forward (d_q = heads · head_dim), 12·L·s·d_q for training
+(Chowdhery et al. 2022, "PaLM", Appendix B: 6N + 12·L·H·Q·T; Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters", Section 5.1, whose
+96·B·s·l·h²·(1 + s/6h + ...) is the same with full recomputation). Counted over the full
+s x s score matrix, as both papers do, causal masking or not. For a 7B Llama at s = 4096
+the attention adds 16% to 6Ψ, at s = 32768 more than 6Ψ itself.
 
-    compute_s = (6 or 8)·Ψ·tokens / (N · peak · MFU)
+Full recomputation runs the forward again: 8Ψ + 16·L·s·d_q. Selective recomputation reruns
+the attention core only: 6Ψ + 16·L·s·d_q. A model given by --params alone has no shape:
+6Ψ (8Ψ), the attention left out.
+
+    compute_s = flops_per_token · tokens / (N · peak · MFU)
 
 ``step_s`` overlaps communication with compute (``max``), as fusedist's bucketed backward
 does; ``step_s_no_overlap`` adds them. Offload adds the PCIe copies to the communication
@@ -19,12 +26,17 @@ from __future__ import annotations
 DEFAULT_MFU = 0.40
 
 
-def flops_per_token(psi: float, recompute: str) -> float:
-    return (8.0 if recompute == "full" else 6.0) * psi
+def flops_per_token(psi: float, recompute: str, attention_fwd: float = 0.0) -> float:
+    """``attention_fwd``: the attention scores' forward FLOPs per token, 4·L·s·d_q
+    (:func:`fusedist.plan.model.attention_flops_per_token`); backward is twice that."""
+    weights = (8.0 if recompute == "full" else 6.0) * psi
+    attention = (4.0 if recompute in ("full", "selective") else 3.0) * attention_fwd
+    return weights + attention
 
 
-def compute_seconds(psi: float, tokens: float, n: int, peak_flops: float, mfu: float, recompute: str) -> float:
-    return flops_per_token(psi, recompute) * tokens / (n * peak_flops * mfu)
+def compute_seconds(psi: float, tokens: float, n: int, peak_flops: float, mfu: float, recompute: str,
+                    attention_fwd: float = 0.0) -> float:
+    return flops_per_token(psi, recompute, attention_fwd) * tokens / (n * peak_flops * mfu)
 
 
 def step_times(compute_s: float, comm_s: float, pcie_s: float, tokens: float) -> dict:

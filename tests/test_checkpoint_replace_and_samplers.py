@@ -302,3 +302,84 @@ def test_ranks_whose_elastic_positions_differ_are_refused_naming_them(tmp_path):
         assert kind == "CheckpointError", (rank, out["kinds"])
         assert "ElasticDistributedSampler on ranks [0], None on ranks [1]" in text, text
         assert out["resumed"] == (1, 8), (rank, out["resumed"])
+
+
+# ----------------------------------------------------------------------------- roots and steps
+
+
+def test_two_checkpointers_saving_to_one_root_in_one_process(tmp_path):
+    """A second Checkpointer of the program given the same root (by another path to it too)
+    took the root's lease at its first save -- the same run -- and the first one's next save
+    failed from the background thread, blaming 'a restarted instance of this same run',
+    while each replaced and pruned the other's steps. Now the second's save is refused in the
+    save call, nothing written, and the first goes on; once the first is closed another may
+    save. Restoring from the root meanwhile is fine."""
+    from fusedist.checkpoint import Checkpointer, CheckpointError, layout
+
+    root = str(tmp_path / "ckpt")
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = Checkpointer(root, every_steps=1, keep=2)  # asynchronous
+    first.restore(model, opt)
+    _step(model, opt, 1)
+    first.maybe_save(1)
+    first.wait()
+    os.symlink(root, str(tmp_path / "link"))
+    for path in (root, str(tmp_path / "link") + "/."):
+        second = Checkpointer(path, every_steps=1, keep=1)
+        assert second.restore(_net(3)) == 1  # reading: fine
+        with pytest.raises(CheckpointError, match=r"cannot save step 2 to .*another Checkpointer of this process "
+                                                  r"saves to .*use one per root.*Nothing was written"):
+            second.save(2)
+    _step(model, opt, 2)
+    first.maybe_save(2)
+    first.close()
+    assert [e.step for e in layout.scan(root)] == [2, 1]
+    second = Checkpointer(str(tmp_path / "link"), every_steps=1, keep=1)
+    assert second.restore(model, opt) == 2
+    second.save(3)
+    second.close()
+    assert [e.step for e in layout.scan(root)] == [3]
+
+
+def test_roots_and_steps_a_save_cannot_use(tmp_path):
+    """A root under a file failed the first save from the background thread, a save interval
+    later: now refused in the save call. A file named like a step directory is neither
+    replaced nor restored: its step's save fails naming it, the file untouched, and the
+    earlier checkpoints stay. ``restore(step=...)`` of no step count (``True`` restored step
+    1), or of an incomplete step, is refused by name."""
+    from fusedist.checkpoint import Checkpointer, CheckpointError, layout
+
+    (tmp_path / "file").write_text("not a directory")
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    under_file = Checkpointer(str(tmp_path / "file" / "ckpt"), every_steps=1)
+    assert under_file.restore(model, opt) == 0
+    with pytest.raises(CheckpointError, match=r"cannot save step 1 .*lies under .*file, which is a file, not a "
+                                              r"directory.*Nothing was written"):
+        under_file.save(1)
+    under_file.close()
+
+    root = str(tmp_path / "ckpt")
+    ckpt = Checkpointer(root, every_steps=1, keep=1)
+    ckpt.restore(model, opt)
+    _step(model, opt, 1)
+    ckpt.save(1)
+    os.makedirs(root, exist_ok=True)
+    with open(layout.step_dir(root, 2), "w") as f:
+        f.write("a file of the user's")
+    ckpt.save(2)
+    with pytest.raises(CheckpointError, match=r"saving step 2 .*step-00000002 exists and is not a directory.*"
+                                              r"Move it away.*nothing was written"):
+        ckpt.wait()
+    with open(layout.step_dir(root, 2)) as f:
+        assert f.read() == "a file of the user's"
+    os.makedirs(layout.step_dir(root, 3))  # a save killed before its manifest
+    for bad in (True, "1", -1, 1.0):
+        with pytest.raises(ValueError, match=r"restore: step must be a non-negative int"):
+            Checkpointer(root).restore(_net(4), step=bad)
+    with pytest.raises(CheckpointError, match=r"cannot restore step 3 .*no manifest .*complete checkpoints: "
+                                              r"steps \[1\]"):
+        Checkpointer(root).restore(_net(4), step=3)
+    ckpt.close()
+    assert [(e.step, e.complete) for e in layout.scan(root)] == [(3, False), (1, True)]

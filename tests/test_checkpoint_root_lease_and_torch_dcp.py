@@ -8,12 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from fusedist.checkpoint import CheckpointError, Checkpointer, _owner, layout
+from fusedist.checkpoint import CheckpointError, Checkpointer, _owner, _root_checks, layout
 from fusedist.testing import run_distributed
 from test_optim_lamb_and_recipes import _bf16_net, _grads_of, _torch_job
 
@@ -92,11 +93,16 @@ def test_a_restart_of_the_same_run_continues_and_the_old_instance_stops(tmp_path
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-17")
     old_model, old_opt, old, _ = _job(root, keep=1)
     _train(old_model, old_opt, old, range(1, 3))
+    # The restart is another process, whose Checkpointers have not seen this one's
+    # (Note [one saving Checkpointer per root in a process]).
+    old_process = _root_checks._SAVING
+    monkeypatch.setattr(_root_checks, "_SAVING", weakref.WeakValueDictionary())
     new_model, new_opt, new, start = _job(root, keep=1)  # the restart (its predecessor hung, say)
     assert start == 2
     _train(new_model, new_opt, new, range(3, 5))
     assert _steps(root) == [4]
     _step(old_model, old_opt, 3)
+    monkeypatch.setattr(_root_checks, "_SAVING", old_process)
     with pytest.raises(CheckpointError, match=r"saving step 3 .*run 'rdzv-17' \(from TORCHELASTIC_RUN_ID\).* took "
                                               r"over .*a restarted instance of this same run"):
         old.save(3)

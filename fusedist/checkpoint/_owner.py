@@ -37,6 +37,10 @@ Note [one job per checkpoint root]
     removed -- fails that save on every rank with the new holder named: nothing is written,
     replaced or pruned. A lease found missing is written again.
 
+    Two Checkpointers of one process are one run; the second to save to a root is refused
+    in the process itself (Note [one saving Checkpointer per root in a process] in
+    ``_root_checks.py``).
+
     Not covered: two jobs reading the lease at the same instant (both may take the root), and
     a process id reused on the same host (a dead holder then looks alive: refused, and the
     message says what to do).

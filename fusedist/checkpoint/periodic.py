@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _files, _owner, _replace, _sampler_state, api, layout, resume
+from . import _checks, _files, _owner, _replace, _root_checks, _sampler_state, api, layout, resume
 from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
@@ -67,6 +67,20 @@ from .staging import StagingBuffers
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _step_count(step, what: str) -> int:
+    """``step`` as an int (a NumPy or 0-d tensor integer too), or a ValueError: a bool, a
+    float, a string or a negative number is no count of training steps (``restore(step=True)``
+    restored step 1)."""
+    try:
+        count = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        count = None
+    if count is None or count < 0:
+        raise ValueError(f"fusedist.checkpoint.Checkpointer.{what}: step must be a non-negative int (the "
+                         f"number of completed training steps), got {step!r}")
+    return count
 
 
 def _is_zero(optimizer) -> bool:
@@ -128,6 +142,8 @@ class Checkpointer:
         the per-rank RNG states (which belong to the old ranks) are left as the script set
         them. Create DataLoader iterators after this call.
         """
+        if step is not None:
+            step = _step_count(step, "restore")
         if _is_zero(optimizer) and optimizer.world_size != self.world_size:
             raise ValueError(
                 f"Checkpointer (rank {self.rank}): the ZeroRedundancyOptimizer shards over {optimizer.world_size} "
@@ -151,6 +167,8 @@ class Checkpointer:
                     per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
                 except CheckpointError as exc:
                     error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
+                    error = f"rank {self.rank} could not read its per-rank state: {type(exc).__name__}: {exc}"
                 errors = [e for e in self._coord.all_gather(error) if e is not None]
                 error = errors[0] if errors else None
             if error is None:
@@ -285,14 +303,7 @@ class Checkpointer:
     def _check_step(self, step, what: str) -> int:
         """``step`` as an int (a NumPy or 0-d tensor integer too); refuse a step that is no
         step count, or one below the last saved or restored (Note [steps only go forward])."""
-        try:
-            count = operator.index(step) if not isinstance(step, bool) else None
-        except TypeError:
-            count = None
-        if count is None or count < 0:
-            raise ValueError(f"fusedist.checkpoint.Checkpointer.{what}: step must be a non-negative int (the "
-                             f"number of completed training steps), got {step!r}")
-        step = count
+        step = _step_count(step, what)
         if self.last_saved_step is not None and step < self.last_saved_step:
             raise ValueError(
                 f"fusedist.checkpoint.Checkpointer.{what}({step}): this run is at step {self.last_saved_step} (its "
@@ -325,6 +336,7 @@ class Checkpointer:
         try:
             self._wait_previous()
         finally:
+            _root_checks.release(self.directory, self)
             if self.rank == 0 and self._lease is not None:
                 _owner.release(self.directory, self._lease)
                 self._lease = None
@@ -347,16 +359,24 @@ class Checkpointer:
         copied, a host allocation refused) left the other ranks' save waiting for that rank's
         files until the collective timeout. One small exchange per save, in the training
         thread: the coordinator's group is free here (the previous save was waited for)."""
+        refused = _root_checks.claim(self.directory, self)  # Note [one saving Checkpointer per root in a process]
+        if refused is None and self.rank == 0:
+            refused = _root_checks.unwritable(self.directory)  # Note [a root that cannot be written]
         snapshot, error, cause, position = None, None, None, None
         try:
-            position = _sampler_state.position(self._state["sampler"])
-            snapshot = self._snapshot(step, extra, position[1])
+            if refused is None:
+                position = _sampler_state.position(self._state["sampler"])
+                snapshot = self._snapshot(step, extra, position[1])
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
             error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
-        everyone = self._coord.all_gather((error, position), f"step {step}: snapshot taken")
-        failed = [e for e, _ in everyone if e is not None]
+        everyone = self._coord.all_gather((error, position, refused), f"step {step}: snapshot taken")
+        refusals = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(everyone) if why is not None]
+        if refusals:
+            raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot save step {step} to {self.directory}: "
+                                  f"{'; '.join(refusals)}. Nothing was written")
+        failed = [e for e, _, _ in everyone if e is not None]
         if not failed:
-            differs = _sampler_state.disagreement([p for _, p in everyone])
+            differs = _sampler_state.disagreement([p for _, p, _ in everyone])
             if differs is None:
                 return snapshot
             raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py

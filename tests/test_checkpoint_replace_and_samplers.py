@@ -218,6 +218,19 @@ def _full_disk_worker(rank, world_size, root):
     _files.torch.save = real_save
     dist.barrier()
     out["steps"] = [(e.step, e.complete) for e in layout.scan(root)]
+    # With space again, a restart saves the step it restored over it: every rank's new files.
+    ckpt = Checkpointer(root, every_steps=2, keep=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the incomplete step 4
+        out["restored"] = ckpt.restore(model, opt)
+    _step(model, opt, 4)
+    ckpt.save(2)
+    ckpt.close()
+    fresh = _net(9)
+    out["rewritten"] = (Checkpointer(root).restore(fresh), torch.equal(models.flat_params(fresh),
+                                                                        models.flat_params(model)))
+    dist.barrier()
+    out["files"] = sorted(n for n in os.listdir(layout.step_dir(root, 2)) if n.endswith(".pt"))
     return out
 
 
@@ -234,7 +247,8 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(
     """Rank 1's background writes hit a full disk: the rewrite of step 2 is raised on both
     ranks at the next wait, the save of step 4 at close(), within seconds (the collective
     timeout is 60 s), naming rank 1; with keep=1 the complete step-2 stays, and the old
-    one -- not a half-written new one."""
+    one -- not a half-written new one. With space again, a restart's rewrite of step 2
+    replaces every rank's files."""
     results = run_distributed(_full_disk_worker, 2, str(tmp_path), timeout=150, env={"FUSEDIST_TIMEOUT_S": "60"})
     for rank, out in enumerate(results):
         for case, kept in (("rewrite", "complete checkpoint of that step written before is kept"),
@@ -244,6 +258,8 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(
             assert "rank 1 could not write" in text and "No space left" in text and kept in text, (rank, case, text)
             assert seconds < 30, (rank, case, seconds)
         assert out["steps"] == [(4, False), (2, True)], (rank, out["steps"])
+        assert out["restored"] == 2 and out["rewritten"] == (2, True), (rank, out)
+        assert len(out["files"]) == 3 and all(n.count(".") == 2 for n in out["files"]), out["files"]
 
 
 # ----------------------------------------------------------------------------- the ranks' data positions

@@ -180,6 +180,22 @@ def test_nothing_fits_gives_a_model_parallel_layout(capsys):
     assert lay["total_bytes"] <= 80e9
 
 
+def test_layout_tensor_parallel_divides_the_key_value_heads(capsys):
+    """Megatron-LM splits grouped-query attention by whole query groups (the key/value heads
+    must divide by tp): with one key/value head (multi-query) no tensor parallelism is
+    possible (and the same 70B model then needs full recomputation)."""
+    shape = ["--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64", "--ffn-hidden", "28672",
+             "--vocab", "32000", "--seq", "4096", "--gpus", "64", "--json"]
+    for kv in ("8", "2"):
+        code, out, _ = run_cli(capsys, *shape, "--kv-heads", kv, "--recompute", "selective")
+        lay = json.loads(out)["suggestion"]["layout"]
+        assert code == 0 and lay["tp"] == 2, (kv, lay)
+    code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective")
+    assert code == 1 and json.loads(out)["suggestion"]["layout"] is None  # was tp=2
+    code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "full")
+    assert code == 0 and json.loads(out)["suggestion"]["strategy"] == "zero3"  # ZeRO-3 fits with full recompute
+
+
 # ------------------------------------------------------------------ the JSON contract
 def test_json_contract(capsys):
     code, out, _ = run_cli(capsys, *GPT2, "--gpus", "16", "--micro-batch", "4", "--global-batch", "256",

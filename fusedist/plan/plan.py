@@ -87,7 +87,8 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         def total_of(strategy, dp, tp, pp):
             e = _memory_entry(spec, psi, job, hw, strategy, dp, tp, pp)
             return e["total_bytes"], e["fits"]
-        layout = suggest.layout(n, job.gpus_per_node, spec.heads, spec.layers, total_of)
+        layout = suggest.layout(n, job.gpus_per_node, spec.heads, spec.layers, total_of,
+                                kv_heads=spec.kv if spec.has_shape else None)
     if layout is not None:
         accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, layout["dp"])
     lr = suggest.learning_rate(job.ref_lr, job.ref_batch, global_batch)

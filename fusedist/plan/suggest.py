@@ -33,9 +33,12 @@ def grad_accum(global_batch: Optional[int], micro_batch: int, dp: int) -> tuple[
 
 
 def layout(n: int, gpus_per_node: int, heads: Optional[int], layers: Optional[int],
-           total_of: Callable[[str, int, int, int], tuple[float, bool]]) -> Optional[dict]:
+           total_of: Callable[[str, int, int, int], tuple[float, bool]],
+           kv_heads: Optional[int] = None) -> Optional[dict]:
     """Smallest model-parallel layout that fits: tensor parallelism within a node (``tp``
-    a power of two up to the node's GPUs, dividing the heads), pipeline stages dividing the
+    a power of two up to the node's GPUs, dividing the heads and the key/value heads: each
+    rank holds whole query groups, Megatron-LM's requirement for grouped-query attention,
+    so multi-query attention gets none), pipeline stages dividing the
     layers, data parallelism over the rest (``dp = N / (tp · pp)``), with the least model
     parallelism (tp·pp), then the fewest stages, then the simplest ZeRO stage.
     ``total_of(strategy, dp, tp, pp)`` gives (bytes per GPU, fits)."""
@@ -44,7 +47,7 @@ def layout(n: int, gpus_per_node: int, heads: Optional[int], layers: Optional[in
     best = None
     tp = 1
     while tp <= gpus_per_node and tp <= n:
-        if heads % tp == 0:
+        if heads % tp == 0 and (kv_heads or heads) % tp == 0:
             for pp in range(1, layers + 1):
                 if layers % pp or n % (tp * pp):
                     continue

@@ -107,10 +107,12 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "peak_flops": peak,
             "peak_flops_kind": "tf32 dense" if job.precision == "fp32" else "bf16/fp16 dense",
             "flops_per_token": timing.flops_per_token(psi, job.recompute, attention_fwd),
-            "flops": ("6 x params + attention scores 12 x layers x seq x heads x head_dim per token "
-                      "(PaLM, Appendix B); full recomputation 8 x params + 16 x ..., selective 6 x params + 16 x ..."
-                      if spec.has_shape else "6 x params per token (8 with full recomputation); attention "
-                      "not counted: the model was given by --params, not its shape"),
+            "flops": (f"{8 if job.recompute == 'full' else 6} x params + "
+                      f"{12 if job.recompute == 'none' else 16} x layers x seq x heads x head_dim "
+                      f"(weights, attention scores{'' if job.recompute == 'none' else ', recomputation'}; "
+                      "PaLM, Appendix B)"
+                      if spec.has_shape else f"{8 if job.recompute == 'full' else 6} x params (attention not "
+                      "counted: the model was given by --params, not its shape)"),
             "K": {s: memory.optimizer_k(job.precision, job.optimizer, s.replace("_offload", ""), job.convention)
                   for s in STRATEGIES},
             "bucket_cap_mb": job.bucket_cap_mb,

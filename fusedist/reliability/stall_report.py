@@ -106,6 +106,8 @@ def _describe_op(entry: dict) -> str:
 def _position(entry: dict) -> str:
     ctx = entry.get("context", {})
     labels = (("ddp_step", "DDP step {}"), ("ddp_forwards", "{} training forwards"),
+              ("fully_shard_step", "fully_shard step {}"), ("fully_shard_forwards", "{} training forwards"),
+              ("fully_shard_backward", "{} backwards"),
               ("optimizer_steps", "{} optimizer steps"), ("buckets_launched", "buckets launched {}"))
     parts = [fmt.format(ctx[key]) for key, fmt in labels if key in ctx]
     if ctx.get("in_backward"):
@@ -163,6 +165,13 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
         )
     for op, ranks in reached.items():
         lines.append(f"  ranks {ranks} reached {op}")
+    if len(reached) > 1:
+        # Note [ranks at different collectives]: none of them will ever complete.
+        lines.append(
+            "  the ranks wait in different collectives, which never pair: their programs diverged before "
+            "this point (a step, backward or collective skipped or added on some ranks, rank-dependent "
+            "control flow, or options that differ across ranks); compare the positions above"
+        )
     if silent:
         lines.append(f"  ranks {silent} did not report")
     return "\n".join(lines)

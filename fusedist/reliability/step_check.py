@@ -49,6 +49,7 @@ import torch
 
 from .._consistency import RankMismatchError
 from ..comm import Communicator
+from ..comm.base import CollectiveError
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
@@ -134,13 +135,63 @@ class StepCheck:
         # Every rank saw the same max/min, so every rank is here: the all-gather pairs up.
         mine = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
         everyone = torch.empty(self.comm.world_size * k, dtype=torch.int64, device=self.comm.device)
-        self.comm.all_gather(everyone, mine, tag="ddp step check details")
+        try:
+            self.comm.all_gather(everyone, mine, tag="ddp step check details")
+        except CollectiveError as exc:
+            # Note [verdict without details]: the divergence is known from the reduction.
+            raise RankMismatchError(render_bounds(reduced, values, self.comm.rank, detail, exc)) from exc
         table = everyone.view(self.comm.world_size, k).tolist()
         column = FIELDS.index("trainable")
         describe = detail.get("describe_trainable")
         if describe is not None and len({row[column] for row in table if row[0] != JOINED}) > 1:
             detail = dict(detail, trainable_lines=describe(self.comm))  # a collective: same verdict everywhere
         raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
+
+
+def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict, error: CollectiveError) -> str:
+    """The error text when the ranks are known to differ but the all-gather of every rank's
+    values failed (Note [verdict without details]): each differing field's range over the
+    ranks and this rank's value, then why the details are missing.
+
+    Note [verdict without details]
+        The reduced ``[max(v), max(-v)]`` already proves the divergence; the all-gather only
+        says which rank holds which value. It fails when another rank never takes part: most
+        often the faulty rank itself, which finished its loop (a rank that skipped a
+        backward runs out of iterations first, and the verdict of its last step is read at a
+        forward it never runs) and destroyed its process group, or which crashed. Raising
+        the failed all-gather's error instead would bury the cause under "connection closed
+        by peer" and a stall report that calls the rank that diverged one that merely "ran
+        fewer iterations"; so the mismatch is still raised, as a :class:`RankMismatchError`
+        with what the reduction tells, and the failure (with its stall report) is attached.
+    """
+    k = len(FIELDS)
+    step = values[0] if values[0] != JOINED else reduced[0]
+    what = detail.get("subject", "DDP")
+    when = ("found by check_consistency()" if detail.get("checked_now") else
+            f"in synchronized backward #{step}, whose {detail.get('reduced', 'buckets')} "
+            f"0..{detail.get('buckets', 0) - 1} were reduced across ranks that were at different points")
+    lines = [f"fusedist {what}: ranks diverged (detected on every rank that took part; this is rank {rank}) {when}:"]
+    for i, field in enumerate(FIELDS):
+        high, low = reduced[i], -reduced[k + i]
+        if high == low:
+            continue
+        mine = "joined" if values[i] == JOINED else values[i]
+        explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
+        lines.append(f"  {field}: ranks range from {low} to {high} (rank {rank}: {mine}) -- {explain}")
+    report = getattr(error, "report", None)
+    first = str(getattr(error, "cause", None) or error).splitlines()[0]
+    lines.append(
+        "Which rank holds which value is unknown: exchanging the values failed, because a rank did not "
+        f"take part (it crashed, or finished its loop and left): {first}"
+    )
+    if report:
+        lines.append(report)
+    lines.append(
+        "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
+        f"{detail.get('model', 'DistributedDataParallel model')}; look for rank-dependent control flow "
+        "around the step named above."
+    )
+    return "\n".join(lines)
 
 
 def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:

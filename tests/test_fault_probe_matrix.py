@@ -1,0 +1,89 @@
+"""Faults found by probing the reliability promises end to end (every rank exits within the
+collective timeout + 60 s, with an error naming what diverged), each kept as a regression test.
+
+Every scenario is bounded: collective timeouts of a few seconds (FUSEDIST_TIMEOUT_S), a short
+report window (FUSEDIST_STALL_REPORT_S) and a wall-clock bound on the whole run.
+"""
+
+import time
+
+import torch
+
+import models
+from fusedist.testing import run_distributed
+
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "5", "FUSEDIST_STALL_REPORT_S": "1"}
+
+
+def _train(model, opt, rank, steps, skip=None):
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x, y = models.MLP.batch(gen)
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        if skip == step:
+            continue
+        loss.backward()
+        opt.step()
+
+
+# ---------------------------------------------------------------- the verdict without its details
+def _skip_then_leave_worker(rank, world_size):
+    """Rank 1 skips the backward of step 2 of 4, so its last backward pairs with rank 0's
+    third; then it leaves (its loop is over). Rank 0 reads the verdict at its fourth forward
+    and must learn that the ranks diverged, although rank 1 is gone before the exchange of the
+    details (Note [verdict without details] in fusedist/reliability/step_check.py)."""
+    import fusedist
+
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        _train(model, opt, rank, 4, skip=2 if rank == 1 else None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return (type(exc).__name__, str(exc))
+    return ("finished", "")
+
+
+def test_divergence_is_reported_when_the_diverged_rank_has_left():
+    start = time.monotonic()
+    results = run_distributed(_skip_then_leave_worker, 2, env=FAST_FAILURE, timeout=90)
+    assert time.monotonic() - start < 80
+    assert results[1] == ("finished", "")  # its last verdict is read at a forward it never runs
+    kind, text = results[0]
+    assert kind == "RankMismatchError", text
+    assert "ranks diverged (detected on every rank that took part; this is rank 0) in synchronized backward #2" in text
+    assert "forward: ranks range from 3 to 4 (rank 0: 3)" in text, text
+    assert "exchanging the values failed, because a rank did not take part" in text
+    assert "ddp step check details" in text  # the failed exchange, named
+
+
+# ---------------------------------------------------------------- stall reports of diverged ranks
+def _entry(op, tag, seq, context):
+    return {"kind": "failure", "error": "timed out", "context": context, "recent": [],
+            "waiting_on": {"op": op, "tag": tag, "seq": seq, "age_s": 5.0}}
+
+
+def test_stall_report_says_ranks_wait_in_different_collectives_and_where_fully_shard_was():
+    """A rank that skipped a backward of a fully_shard model waits in the next forward's
+    all-gather while the others wait in this backward's: the report gives each rank's
+    fully_shard position (not only its optimizer steps) and says the collectives never pair."""
+    from fusedist.reliability import stall_report
+
+    entries = {
+        0: _entry("all_gather", "fully_shard gather 4 (Linear)", 25,
+                  {"fully_shard_step": 2, "fully_shard_forwards": 3, "fully_shard_backward": 2,
+                   "optimizer_steps": 2, "in_backward": True}),
+        1: _entry("all_gather", "fully_shard gather 0 (Linear)", 25,
+                  {"fully_shard_step": 2, "fully_shard_forwards": 4, "fully_shard_backward": 2,
+                   "optimizer_steps": 2, "in_backward": False}),
+    }
+    report = stall_report.render(entries, 2, 1.0, 0)
+    assert "at fully_shard step 2, 3 training forwards, 2 backwards, 2 optimizer steps, inside backward" in report
+    assert "at fully_shard step 2, 4 training forwards, 2 backwards, 2 optimizer steps:" in report
+    assert "ranks [0] reached all_gather [fully_shard gather 4 (Linear)] (collective #25)" in report
+    assert "the ranks wait in different collectives, which never pair" in report
+
+    # Ranks in the same collective: no such line.
+    same = stall_report.render({0: entries[0], 1: dict(entries[1], waiting_on=entries[0]["waiting_on"])}, 2, 1.0, 0)
+    assert "different collectives" not in same

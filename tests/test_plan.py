@@ -380,7 +380,11 @@ def test_fusedist_zero3_is_fully_shard_with_any_optimizer():
 
 def test_zero3_temporary_memory_counts_the_root_unit_and_two_blocks():
     """fully_shard keeps the root unit (embeddings, output layer) gathered through backward,
-    next to the block in use and the one prefetched: the temporary term counts all three."""
+    next to the block in use and the one prefetched: the temporary term counts all three.
+    Its gradients go through a flat buffer of the whole unit and a 1/N output, two reductions
+    in flight (MAX_IN_FLIGHT in fusedist/fsdp/grads.py): (1 + 1/N) x (root + block), not two
+    25 MiB buckets -- for Llama-7B at N = 8 1.05 GB, where 52 MB was planned. --measure checks both
+    against memory_stats()' peaks (tests/test_plan_measure.py)."""
     from fusedist.plan.memory import temp_bytes
     from fusedist.plan.model import embedding_params, layer_params
 
@@ -388,6 +392,10 @@ def test_zero3_temporary_memory_counts_the_root_unit_and_two_blocks():
     psi, block, root = count_params(spec), layer_params(spec), embedding_params(spec)
     assert root > block  # Llama-7B: the root (262M) is larger than a block (202M)
     kw = dict(precision="bf16", unit_params=block, bucket_cap_mb=25.0, scratch_bytes=0.0)
-    zero2 = temp_bytes("zero2", psi, **kw)
-    zero3 = temp_bytes("zero3", psi, root_params=root, **kw)
-    assert zero3 - zero2 == 2 * (2 * block + root)  # bf16: 2 bytes per gathered parameter
+    zero3 = temp_bytes("zero3", psi, root_params=root, n=8, **kw)
+    gathered = 2 * (2 * block + root)  # bf16: 2 bytes per gathered parameter
+    reducing = 2 * (1 + 1 / 8) * (root + block)  # the two largest units' flat buffers and outputs
+    assert zero3 == pytest.approx(gathered + reducing)
+    assert reducing > 1.04e9
+    assert temp_bytes("zero3", 7e9, precision="bf16", unit_params=0, bucket_cap_mb=25.0,
+                      scratch_bytes=0.0) == 2 * 25 * 2**20  # --params: no units known, two buckets

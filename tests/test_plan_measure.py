@@ -63,6 +63,10 @@ def _zero3_checks(measured):
     # per-parameter step counters (model states) and nothing at all (communication)
     assert abs(z3["model_states_error"]) <= 1e-3, z3
     assert abs(z3["comm_error"]) <= 1e-3, z3
+    # the temporary term: two blocks and the root gathered, and (1 + 1/N) x (root + block) of
+    # gradients on their way through the reduce-scatters, as memory_stats() sees them at peak
+    assert z3["peak_gathered_bytes"] > 0 and z3["peak_scratch_bytes"] > 0
+    assert abs(z3["temp_error"]) <= 0.01, z3
     # ZeRO-3 holds half of DDP's model states at N = 2 ((p + g + K)Ψ/N, the same K as DDP) ...
     assert z3["model_states_bytes"] == pytest.approx(measured["ddp"]["model_states_bytes"] / 2, rel=0.01)
     # ... and sends 1.5x DDP's volume

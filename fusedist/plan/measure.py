@@ -39,6 +39,10 @@ Note [measuring ZeRO-3]
     Ψ/N either (the padding falls on some ranks more than others), so zero3's model-state
     bytes are averaged over the ranks, which is what Ψ/N and the padding term describe.
 
+    The temporary term of zero3 (gathered units, gradient reduce buffers) is compared with
+    ``memory_stats()``' ``peak_gathered_bytes`` + ``peak_scratch_bytes`` over the timed
+    steps, within the same tolerance.
+
 zero3_offload is reported as not measured. Gradient accumulation is not exercised (one
 micro-batch per step).
 """
@@ -55,6 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .memory import STRATEGIES
+from .plan import GB
 from .model import count_params
 from .plan import build_plan
 from .torch_model import Transformer
@@ -193,6 +198,9 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
         for i in range(warmup + steps):
             tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
             counter.active = i >= warmup
+            if strategy == "zero3" and i == warmup:
+                from fusedist.fsdp import reset_peak_memory_stats
+                reset_peak_memory_stats()
             t0 = time.perf_counter()
             logits = wrapped(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -227,6 +235,9 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
             "rank_model_states_bytes": states,
             "model_states_bytes": _mean_over_ranks(states, device),
             "gathered_bytes_at_rest": ms["gathered_bytes"],
+            # the temporary term's two parts (Note [measuring ZeRO-3]): gathered units and
+            # gradients on their way through the reduce-scatters, each at its peak
+            "peak_gathered_bytes": ms["peak_gathered_bytes"], "peak_scratch_bytes": ms["peak_scratch_bytes"],
         })
         result["padding_model_states_bytes"], result["padding_comm_bytes_per_step"] = \
             _zero3_padding(model, params_counted, job, dist.get_world_size())
@@ -266,6 +277,10 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
         })
         if s.endswith("offload"):
             m["host_error"] = m["host_bytes"] / mem["host_bytes"] - 1
+        if s == "zero3":  # the temporary term without the --scratch-gb allowance
+            m["predicted_gathered_and_scratch_bytes"] = mem["temp_bytes"] - int(job.scratch_gb * GB)
+            m["temp_error"] = ((m["peak_gathered_bytes"] + m["peak_scratch_bytes"])
+                               / m["predicted_gathered_and_scratch_bytes"] - 1)
         if info.device.type == "cuda":
             m["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(info.device)
             torch.cuda.reset_peak_memory_stats(info.device)
@@ -274,7 +289,7 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
         if s not in measured:
             measured[s] = NOT_MEASURED_ZERO3_OFFLOAD if s == "zero3_offload" else NOT_MEASURED
     ok = all(abs(m[k]) <= TOLERANCE for m in measured.values() if isinstance(m, dict)
-             for k in ("model_states_error", "comm_error", "host_error") if k in m)
+             for k in ("model_states_error", "comm_error", "host_error", "temp_error") if k in m)
     assert count_params(spec) == measured["ddp"]["params"], "the built model differs from the count"
     if info.rank == 0:
         if as_json:
@@ -329,7 +344,8 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",
             "peak allocated: " + (_b(d["peak_allocated_bytes"]) if "peak_allocated_bytes" in d else "n/a on CPU"),
             *_zero3_lines(measured.get("zero3")),
-            f"model states and communication within {TOLERANCE:.0%}: {'yes' if ok else 'NO'}"]
+            f"model states, communication (and zero3's temporary bytes) within {TOLERANCE:.0%}: "
+            f"{'yes' if ok else 'NO'}"]
     return "\n".join(out)
 
 
@@ -340,4 +356,7 @@ def _zero3_lines(m) -> list:
     return [f"zero3: fully_shard per block and the root ({m['units']} units), reshard_after_forward=True; "
             f"per step {calls.get('all_gather', 0):g} all-gathers, {calls.get('reduce_scatter', 0):g} "
             "reduce-scatters (2 and 1 per unit); predictions include the flat buffers' padding; "
-            f"model states are the mean over ranks (this rank: {_b(m['rank_model_states_bytes'])})"]
+            f"model states are the mean over ranks (this rank: {_b(m['rank_model_states_bytes'])})",
+            f"zero3 temporary (gathered units + reduce-scatter buffers, at their peaks): predicted "
+            f"{_b(m['predicted_gathered_and_scratch_bytes'])}, measured {_b(m['peak_gathered_bytes'])} + "
+            f"{_b(m['peak_scratch_bytes'])} ({m['temp_error']:+.2%})"]

@@ -115,18 +115,26 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
 
 
 def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bucket_cap_mb: float,
-               scratch_bytes: float, root_params: float = 0.0) -> float:
+               scratch_bytes: float, root_params: float = 0.0, n: int = 1) -> float:
     """Temporary buffers per GPU besides model states and activations.
 
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
       gradients; fusedist and torch DDP make ``p.grad`` views of them).
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
       stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``).
-    * ZeRO-3: additionally the two largest gathered units (one in use, one prefetched; a
-      unit = one transformer block, ZeRO paper Section 5.3), and the root unit (embeddings,
+    * ZeRO-3 (``fully_shard``): the gathered units -- two blocks (one in use, one prefetched; a
+      unit = one transformer block, ZeRO paper Section 5.3) and the root unit (embeddings,
       final norm, output layer: ``root_params``), which stays gathered through backward in
       fusedist's ``fully_shard`` and in FSDP2 alike because the input embedding's gradient
-      arrives last (measured: root + two blocks is the gathered peak).
+      arrives last -- plus the gradients on their way through the reduce-scatter: each unit's
+      gradients are copied into a flat buffer of the whole unit, reduce-scattered into a
+      1/N output, and two such reductions may be in flight (``MAX_IN_FLIGHT`` in
+      fusedist/fsdp/grads.py): ``(1 + 1/N)`` times the two largest units, the root and a
+      block for any model with an embedding larger than a block. No gradient bucket cap
+      applies there: the Llama-3-8B root alone is 2.1 GB of bf16 gradients. Both are
+      ``memory_stats()``' peaks (``peak_gathered_bytes``, ``peak_scratch_bytes``), which
+      ``--measure`` compares with these terms; their sum bounds the two at once. Without
+      a shape (``--params``) the units are unknown and two buckets stand in.
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
@@ -135,5 +143,9 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bu
     if strategy.startswith("zero2"):
         extra = buckets
     elif strategy.startswith("zero3"):
-        extra = buckets + (2 * unit_params + root_params) * g
+        if unit_params or root_params:
+            largest_two = sum(sorted((root_params, unit_params, unit_params))[-2:])
+            extra = (2 * unit_params + root_params) * g + (1 + 1 / n) * largest_two * g
+        else:
+            extra = buckets
     return extra + scratch_bytes

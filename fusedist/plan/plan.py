@@ -44,7 +44,7 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     unit = layer_params(spec) / tp if spec.has_shape else 0.0
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
     temp = memory.temp_bytes(strategy, shard_psi, job.precision, unit, job.bucket_cap_mb, job.scratch_gb * GB,
-                             root_params=root)
+                             root_params=root, n=dp)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     return {

@@ -44,7 +44,7 @@ import fusedist
 from fusedist.ddp import DistributedDataParallel
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
 
-__all__ = ["FusedistStrategy"]
+__all__ = ["FusedistStrategy", "FusedistModelParallelStrategy"]
 
 # torch optimizer -> its fused drop-in (same constructor keywords).
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
@@ -510,3 +510,8 @@ def _track_step_calls(optimizer) -> None:
 
 # Trainer(strategy="fusedist") and its variants (Note [strategy names]).
 FusedistStrategy.register_strategies(StrategyRegistry)
+
+
+# fully_shard models under Lightning's ModelParallelStrategy (its own module; it reuses the
+# precision adapters above).
+from .lightning_model_parallel import FusedistModelParallelStrategy  # noqa: E402

@@ -1,0 +1,140 @@
+"""``fusedist.fully_shard`` under Lightning's ModelParallelStrategy, the way Lightning users
+train FSDP2 models: ``configure_model`` shards each block and the root over
+``self.device_mesh["data_parallel"]``. Each fusedist run (``FusedistModelParallelStrategy``,
+``fusedist.fully_shard``) is compared with Lightning's ``ModelParallelStrategy`` over torch's
+``fully_shard`` on the same data, at 2 ranks:
+
+* gradient clipping by norm (``gradient_clip_val`` small enough to clip every step): Lightning
+  clips with torch's clip_grad_norm_, whose norm over fusedist's plain pieces is the rank's own;
+  the strategy clips by the global norm;
+* fp16 mixed precision with its scaler (fusedist's GradScaler, found-inf across the ranks);
+* resuming with ``trainer.fit(ckpt_path=...)`` from Lightning's sharded checkpoint (Lightning's
+  loader did not recognise a fusedist model: "Could not find a distributed model") and from
+  its full one (``save_distributed_checkpoint=False``), written by fusedist or by torch: two
+  epochs, save, two more epochs equal four epochs straight.
+
+Ranks are processes of :func:`fusedist.testing.run_distributed` with the torchelastic
+variables set (test_e2e_lightning_recipe.py). Tolerance: fp32, the same operations in another
+order (flat-buffer reduce-scatter against FSDP2's per-parameter one, fused clip) over 16 steps
+on values of order 1: 1e-5; fp16 autocast: 1e-3 (a differently rounded fp32 weight can move a
+matmul output by one fp16 ulp, 2^-11 relative). What the tests exist for moves the weights by
+1e-3 or more (clipping by another coefficient; a resume that restarts the optimizer).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+from test_e2e_lightning_recipe import _launched_env
+
+WORLD = 2
+
+
+def _module_class(fully_shard):
+    import lightning as L
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 12))
+                                        for _ in range(2))
+            self.head = nn.Linear(12, 3)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+
+    class Sharded(L.LightningModule):
+        def __init__(self, seed: int):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.net = Net()
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.net.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.net.parameters(), lr=0.02, weight_decay=0.1)
+
+    return Sharded
+
+
+def _data(seed: int):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(64, 12, generator=g)
+    y = torch.sin(2 * x[:, :3]) + 0.1 * torch.randn(64, 3, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def _fit(side: str, seed: int, epochs: int, *, ckpt_path=None, save=None, distributed_ckpt=True, **trainer_kw):
+    """One fit; returns the whole parameters (gathered) and the loss logged last."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if side == "torch":
+        from torch.distributed.fsdp import fully_shard
+        strategy_class = ModelParallelStrategy
+    else:
+        from fusedist import fully_shard
+        from fusedist.integrations.lightning import FusedistModelParallelStrategy as strategy_class
+    strategy = strategy_class(data_parallel_size=WORLD, tensor_parallel_size=1,
+                              save_distributed_checkpoint=distributed_ckpt)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        **trainer_kw)
+    module = _module_class(fully_shard)(seed)
+    trainer.fit(module, _data(seed), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    full = get_model_state_dict(module.net, options=StateDictOptions(full_state_dict=True))
+    torch.distributed.barrier()
+    return torch.cat([full[k].float().reshape(-1) for k in sorted(full)])
+
+
+def _worker(rank: int, world: int, seed: int, root: str):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    _launched_env(rank, world)
+    warnings.filterwarnings("ignore")
+    out = {}
+    clip = dict(gradient_clip_val=0.05)
+    out["clip by norm"] = (_fit("fusedist", seed, 2, **clip), _fit("torch", seed, 2, **clip), 1e-5)
+    # Lightning turns precision="16-mixed" into bf16 on a CPU; the plugin keeps fp16 and its scaler.
+    fp16 = dict(plugins=[MixedPrecision("16-mixed", "cpu")], **clip)
+    out["16-mixed + clip"] = (_fit("fusedist", seed, 2, **fp16), _fit("torch", seed, 2, **fp16), 1e-3)
+
+    straight = _fit("torch", seed, 4)
+    for distributed_ckpt in (True, False):
+        kind = "sharded" if distributed_ckpt else "full"
+        for writer in ("fusedist", "torch"):
+            path = os.path.join(root, f"{kind}-{writer}.ckpt")
+            _fit(writer, seed, 2, save=path, distributed_ckpt=distributed_ckpt)
+            resumed = _fit("fusedist", seed, 4, ckpt_path=path, distributed_ckpt=distributed_ckpt)
+            out[f"resume from {writer}'s {kind} checkpoint"] = (resumed, straight, 1e-5)
+    return {name: (float((ours - ref).abs().max()), tol) for name, (ours, ref, tol) in out.items()}
+
+
+def test_fully_shard_under_model_parallel_strategy_matches_fsdp2(tmp_path):
+    seed = random.randrange(2**20)
+    results = run_distributed(_worker, WORLD, seed, str(tmp_path), timeout=600)
+    failures = [f"rank {rank}: {name}: max |fusedist - torch| = {err:.3g} > {tol:g}"
+                for rank, cases in enumerate(results) for name, (err, tol) in cases.items() if not err <= tol]
+    assert not failures, f"seed {seed}:\n" + "\n".join(failures)
+

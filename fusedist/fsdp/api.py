@@ -124,7 +124,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         name = describe(modules)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
-                           replicate_comm=replicate_comm, mesh=groups.mesh)
+                           replicate_comm=replicate_comm)
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
             _OWNED[p] = _OWNED[sp] = (unit, i)

@@ -25,7 +25,9 @@ Note [unit gradients]
 
     The average is taken as the sum of ``1/pre``-scaled gradients divided by ``post``
     afterwards, ``pre * post = world_size`` (Note [fp16 reduction] below), or the world size
-    replaced by a ``set_gradient_divide_factor`` factor (``reduce_factors``).
+    replaced by a ``set_gradient_divide_factor`` factor (``reduce_factors``); on HSDP the
+    world size is the shard group's times the replicate group's (Note [replicate all-reduce]
+    in replicate.py).
 
     ``set_requires_gradient_sync(False)``: no reduce-scatter; the flat buffer is kept as an
     accumulator (``reduce_dtype``; the size of the trainable section, unsharded) and the
@@ -149,8 +151,8 @@ class UnitGrads:
         self.all_reduce_hook = None  # set_all_reduce_hook
         self.all_reduce_hook_stream = None
         #: HSDP (Note [replicate all-reduce] in replicate.py): the replicate group's communicator,
-        #: whether to all-reduce across it (set_requires_all_reduce), and the partial sums
-        #: (section -> (reduce-scattered sum, parameters with a gradient in it)) while not
+        #: whether to all-reduce across it (set_requires_all_reduce), and the partial sums kept
+        #: while it is off (section -> (reduce-scattered sum, parameters with a gradient in it))
         self.replicate = getattr(unit, "replicate_comm", None)
         self.all_reduce_grads = True
         self._partial: dict[int, tuple[torch.Tensor, set]] = {}

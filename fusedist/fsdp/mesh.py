@@ -26,13 +26,11 @@ _NOT_DATA_PARALLEL = {"tp", "pp", "cp", "ep", "etp"}
 @dataclasses.dataclass(frozen=True)
 class DataParallelGroups:
     """``shard``: the group gathers and reduce-scatters run in; ``replicate``: the group each
-    gradient shard is all-reduced over (None without HSDP); ``mesh``: a description the
-    wrapping check compares across ranks (shape and dim names)."""
+    gradient shard is all-reduced over (None without HSDP); ``device``: the compute device."""
 
     shard: Optional[dist.ProcessGroup]
     replicate: Optional[dist.ProcessGroup]
     device: torch.device
-    mesh: tuple
 
 
 def groups_of(mesh, process_group) -> DataParallelGroups:
@@ -52,16 +50,15 @@ def groups_of(mesh, process_group) -> DataParallelGroups:
                 f"fusedist.fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard: HSDP), got a "
                 f"{mesh.ndim}-D mesh of shape {shape} (dims {names}). Pass the data-parallel part of it, e.g. "
                 "mesh['dp'] or mesh['dp_replicate', 'dp_shard'].")
-        device_type, description = mesh.device_type, (shape, names)
+        device_type = mesh.device_type
     else:
         shard = process_group
         device_type = "cuda" if dist.get_backend(shard) == "nccl" else "cpu"
-        description = ((dist.get_world_size(shard),), None)
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type)
-    return DataParallelGroups(shard, replicate, device, description)
+    return DataParallelGroups(shard, replicate, device)
 
 
 def _check_hsdp_mesh(shape: tuple, names: Optional[tuple]) -> None:

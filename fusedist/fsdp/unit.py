@@ -78,7 +78,7 @@ class ShardedUnit:
 
     def __init__(self, name: str, params: list, registrations: list, fqns: list, comm, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, offload_policy, reshard_after_forward: bool,
-                 replicate_comm=None, mesh: tuple = ()):
+                 replicate_comm=None):
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             desc = ", ".join(f"{n}: {p.dtype}" for n, p in zip(fqns, params))
@@ -87,9 +87,8 @@ class ShardedUnit:
         self.name, self.fqns, self.registrations = name, fqns, registrations
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
-        #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None;
-        #: ``mesh``: (shape, dim names) of the mesh the unit was sharded over, for the wrapping check
-        self.replicate_comm, self.mesh = replicate_comm, mesh
+        #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None
+        self.replicate_comm = replicate_comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = params[0].dtype
         self.param_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None and self.dtype.is_floating_point else self.dtype

@@ -24,7 +24,10 @@ def model_line(plan: dict) -> str:
     if "layers" in m:
         line += (f", {m['arch']} {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
                  + (f" ({m['kv_heads']} kv)" if m.get("kv_heads") not in (None, m["heads"]) else "")
-                 + f", vocab {m['vocab']}")
+                 + (f" of {m['head_dim']}" if m.get("head_dim") is not None else "")
+                 + "".join(f", {name.replace('_', ' ')}" for name in ("qkv_bias", "out_bias", "mlp_bias")
+                           if m.get(name))
+                 + f", vocab {m['vocab']}" + (", tied" if m.get("tied") else ""))
     if m.get("source", "shape") not in ("shape", "params"):
         line += f"; from {m['source']}"
     return line

@@ -289,6 +289,14 @@ def test_bad_input_exit_status_without_traceback():
     assert proc.stderr.strip() == "python -m fusedist.plan: error: --heads: 5 heads do not divide --hidden 64"
 
 
+def test_measure_world_size_not_whole_nodes(capsys, monkeypatch):
+    """Under torchrun --gpus may be left out: the message gives the world size, not None."""
+    monkeypatch.setenv("WORLD_SIZE", "12")
+    code, _, err = run_cli(capsys, "--measure", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "8",
+                           "--vocab", "9")
+    assert code == 2 and err.strip().endswith("--gpus-per-node: 12 GPUs are not whole nodes of 8")
+
+
 def test_global_batch_not_divisible_names_the_multiples(capsys):
     code, out, err = run_cli(capsys, "--params", "7e9", "--gpus", "8", "--seq", "8", "--micro-batch", "3",
                              "--global-batch", "100")

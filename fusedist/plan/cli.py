@@ -160,7 +160,7 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
     if not 0 < args.mfu <= 1:
         raise PlanError("--mfu", f"must be in (0, 1], got {args.mfu:g}")
     if gpus > args.gpus_per_node and gpus % args.gpus_per_node:
-        raise PlanError("--gpus-per-node", f"{args.gpus} GPUs are not whole nodes of {args.gpus_per_node}")
+        raise PlanError("--gpus-per-node", f"{gpus} GPUs are not whole nodes of {args.gpus_per_node}")
     if args.global_batch is not None and args.global_batch % (args.micro_batch * gpus):
         per_step = args.micro_batch * gpus
         lower = args.global_batch // per_step * per_step

@@ -8,6 +8,11 @@
 * A full disk on one rank's background write is raised on every rank at the next save or
   at ``close()``, within seconds, and ``keep=1`` never prunes the last complete checkpoint
   for a save that failed.
+* The ranks' ElasticDistributedSampler positions must agree at a save (Note [one data
+  position for the job] in fusedist/checkpoint/_sampler_state.py); a sampler refusing the
+  saved position on one rank fails the restore on every rank.
+* Two Checkpointers of one program on one root, a root under a file, a file named like a
+  step directory, ``restore(step=...)`` of no step count or of an incomplete step.
 """
 
 from __future__ import annotations

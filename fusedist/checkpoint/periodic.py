@@ -358,7 +358,9 @@ class Checkpointer:
         snapshot failed and why. A snapshot failing on one rank alone (a state that cannot be
         copied, a host allocation refused) left the other ranks' save waiting for that rank's
         files until the collective timeout. One small exchange per save, in the training
-        thread: the coordinator's group is free here (the previous save was waited for)."""
+        thread: the coordinator's group is free here (the previous save was waited for). It
+        also carries what is refused before any copy (the root: ``_root_checks.py``) and the
+        ranks' data positions, which must agree (Note [one data position for the job])."""
         refused = _root_checks.claim(self.directory, self)  # Note [one saving Checkpointer per root in a process]
         if refused is None and self.rank == 0:
             refused = _root_checks.unwritable(self.directory)  # Note [a root that cannot be written]

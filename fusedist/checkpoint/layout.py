@@ -70,7 +70,11 @@ def _check(step: int, path: str) -> Entry:
         if os.path.getsize(file) != info.get("bytes"):
             return Entry(step, path, False, f"{name} has {os.path.getsize(file)} bytes, the manifest says "
                                             f"{info.get('bytes')} (truncated)")
-    return Entry(step, path, True, leftovers=tuple(_files.unlisted(path, listed)))
+    try:
+        leftovers = tuple(_files.unlisted(path, listed))
+    except OSError:  # cannot list it: nothing to warn about or remove, the checkpoint loads or not
+        leftovers = ()
+    return Entry(step, path, True, leftovers=leftovers)
 
 
 def entry(root: str, step: int) -> Optional[Entry]:

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import subprocess

@@ -20,7 +20,6 @@ PreMulSum): its reference there runs with ``set_force_sum_reduction_for_comms(Tr
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch

@@ -87,3 +87,65 @@ def test_stall_report_says_ranks_wait_in_different_collectives_and_where_fully_s
     # Ranks in the same collective: no such line.
     same = stall_report.render({0: entries[0], 1: dict(entries[1], waiting_on=entries[0]["waiting_on"])}, 2, 1.0, 0)
     assert "different collectives" not in same
+
+
+# ---------------------------------------------------------------- collectives of different sizes
+def _mismatched_small_all_reduces_worker(rank, world_size):
+    """Rank 0 reduces two floats (ZeRO's found-inf and norm), rank 1 sixteen int64 (the step
+    check): what a rank that skipped ``scaler.step()`` issues against one that did not. On
+    gloo's own all-reduce that pairing kills a process (SIGABRT, "Received data size doesn't
+    match expected size"); here both ranks raise, naming their collective."""
+    from fusedist.comm import CollectiveError, get_communicator
+
+    comm = get_communicator()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            comm.all_reduce(torch.zeros(2), tag="zero found_inf and grad norm")
+        else:
+            comm.all_reduce(torch.zeros(16, dtype=torch.int64), op="max", tag="ddp step check")
+    except CollectiveError as exc:
+        return ("error", str(exc), time.monotonic() - start)
+    return ("completed", "", time.monotonic() - start)
+
+
+def test_ranks_in_different_small_all_reduces_raise_instead_of_aborting():
+    results = run_distributed(_mismatched_small_all_reduces_worker, 2, env=FAST_FAILURE, timeout=90,
+                              expect_failure=True)
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", f"rank {rank}: {value}"  # not killed by gloo
+        kind, text, waited = value
+        assert kind == "error" and waited < 30, (rank, value)
+    assert "all_reduce (tag 'zero found_inf and grad norm', collective #0) failed on rank 0" in results[0][1][1]
+    assert "all_reduce (tag 'ddp step check', collective #0) failed on rank 1" in results[1][1][1]
+    assert "all_reduce exchange" in results[0][1][1] and "chunk 0 from rank 1" in results[0][1][1]
+
+
+def _small_all_reduce_values_worker(rank, world_size):
+    """The all-reduces that take the exchange give gloo's results, bit for bit."""
+    from fusedist.comm import get_communicator
+
+    comm = get_communicator()
+    out = {}
+    g = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.uint8):
+        for op in ("sum", "max", "min"):
+            for n in (0, 1, 5, 32):
+                base = torch.randn(n, generator=g) * 50
+                local = base.to(dtype) if dtype.is_floating_point else base.abs().to(dtype)
+                mine, builtin = local.clone(), local.clone()
+                comm.all_reduce(mine, op=op, tag=f"check {dtype} {op} {n}")
+                torch.distributed.all_reduce(builtin, op={"sum": torch.distributed.ReduceOp.SUM,
+                                                          "max": torch.distributed.ReduceOp.MAX,
+                                                          "min": torch.distributed.ReduceOp.MIN}[op])
+                out[f"{dtype} {op} {n}"] = torch.equal(mine, builtin)
+    handle = comm.all_reduce(torch.full((3,), float(rank)), op="max", async_op=True, tag="async")
+    handle.wait()
+    return out
+
+
+def test_small_all_reduces_through_the_exchange_match_gloo():
+    for world_size in (2, 3):
+        for rank_result in run_distributed(_small_all_reduce_values_worker, world_size, timeout=120):
+            bad = [k for k, same in rank_result.items() if not same]
+            assert not bad, (world_size, bad)

@@ -400,11 +400,37 @@ class GlooExchange:
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
             on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int, label: str = "") -> Optional[ExchangeWork]:
+    def all_reduce(self, tensor: torch.Tensor, op: str, seq: int, label: str = "") -> Optional[ExchangeWork]:
+        """Start a small ``tensor = reduce(tensor over ranks)`` (Note [small all-reduces through
+        the exchange]): every rank's tensor is gathered, then folded in rank order, in place."""
+        n = self.world_size
+        if n == 1 or tensor.numel() == 0:
+            return None  # nothing to exchange: the tensor is the result
+        gathered = torch.empty(n * tensor.numel(), dtype=tensor.dtype)
+
+        def fold() -> None:
+            rows = gathered.view(n, -1)
+            if op == "max":
+                result = torch.amax(rows, dim=0)
+            elif op == "min":
+                result = torch.amin(rows, dim=0)
+            else:  # sum: rank order, as the reduce-scatter (Note [exchange determinism])
+                result = rows[0].clone()
+                for row in rows[1:]:
+                    result.add_(row)
+            tensor.view(-1).copy_(result)
+
+        # Its own label: an all-reduce never pairs with an all-gather of the same tag.
+        work = self.all_gather(gathered, tensor, seq, label=f"all_reduce {label}", on_success=fold)
+        work.op = "all_reduce"  # how its errors name it
+        return work
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int, label: str = "",
+                   on_success: Optional[Callable[[], None]] = None) -> Optional[ExchangeWork]:
         """Start ``output[p-th slice] = input of rank p`` for every rank p; None when already done.
 
         ``input`` may be this rank's own slice of ``output`` (in place; the communicator has
-        refused every other overlap).
+        refused every other overlap). ``on_success`` runs once every message has landed.
         """
         rows, input, in_place = self._rows("all_gather", output, input)
         if rows is None:
@@ -416,7 +442,8 @@ class GlooExchange:
         receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
             rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
-        return ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s)
+        return ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s,
+                            on_success=on_success)
 
     def progress_in_background(self, work: ExchangeWork) -> None:
         """Have the progress thread drive ``work`` (in launch order) unless its caller gets to

@@ -16,6 +16,10 @@ import torch.distributed as dist
 from . import gloo_exchange
 from .base import Communicator
 
+#: All-reduces up to this size go through the gloo exchange when their result does not depend
+#: on the summation order (Note [small all-reduces through the exchange]).
+SMALL_ALL_REDUCE_BYTES = 256
+
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -74,7 +78,31 @@ class TorchCommunicator(Communicator):
         return torch.device("cpu")
 
     def _all_reduce(self, tensor, op):
+        if self._small_all_reduce(tensor, op):
+            return self.exchange.all_reduce(tensor, op, seq=self._seq.last, label=self.last_label)
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+
+    # Note [small all-reduces through the exchange]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # gloo pairs its own collectives by issue order alone. When ranks diverge -- one skipped an
+    # optimizer step or caught an exception and went on -- one rank's collective pairs with
+    # another kind on the others, and when the sizes differ gloo's transport thread fails an
+    # assertion ("Received data size doesn't match expected size") and terminates the whole
+    # process (SIGABRT): no error, no stall report, nothing for the other ranks' reports. The
+    # small all-reduces are where ranks meet at control points (the per-step check, the
+    # found-inf and gradient-norm exchanges, the used-parameter map), so they are the ones
+    # such a divergence pairs first. On the exchange they are tagged messages (Note [exchange
+    # tags]) that pair only with the same collective, so a divergence is a timeout and a
+    # StallError naming both collectives. Each rank's tensor is gathered (one round, like the
+    # builtin ring for tensors this small) and folded locally; only reductions whose result
+    # does not depend on the order take this path -- max, min, integer sums, and float sums of
+    # two ranks (a + b == b + a) -- so results stay bit-identical to gloo's.
+    def _small_all_reduce(self, tensor, op) -> bool:
+        return (self.exchange is not None and tensor.device.type == "cpu"
+                and tensor.dtype in gloo_exchange.REDUCIBLE_DTYPES
+                and tensor.numel() * tensor.element_size() <= SMALL_ALL_REDUCE_BYTES
+                and (op in ("max", "min")
+                     or (op == "sum" and (not tensor.dtype.is_floating_point or self.world_size == 2))))
 
     def scratch_bytes(self) -> int:
         return self.exchange.scratch_bytes() if self.exchange is not None else 0

@@ -28,6 +28,17 @@ Note [stage-3 checkpoints]
     (contiguous); a channels_last parameter of a DDP save is reordered by ``zstate.relayout``.
     CPU memory for a load is about the whole model and optimizer state (every rank reads every
     rank's file), as for ZeRO.
+
+Note [HSDP checkpoints]
+    On a 2-D mesh (HSDP, ``fsdp/mesh.py``) the units' group is one shard group of R; taken as
+    the save's world, the R shard groups would each write ``rank-00000.pt`` and a manifest into
+    the one directory. The save's world is therefore every rank of the mesh (the default
+    group, which the mesh must span: checked, named otherwise), each writing its own file --
+    RNG states, a sampler's position -- while only the first replica's ranks put pieces into
+    theirs: the replicas hold the same pieces after every step's all-reduce, so each element
+    is written once, and the fragments tile every parameter as on a 1-D mesh. A load reads
+    every file whatever the mesh: any world size, 1-D or HSDP, loads it, and an HSDP model
+    loads any stage-3 (or DDP, ZeRO) checkpoint, each replica cutting the same pieces.
 """
 
 from __future__ import annotations
@@ -59,9 +70,32 @@ def piece_index(model: torch.nn.Module) -> dict:
 
 
 def comm_of(model: torch.nn.Module):
-    """The communicator the units of a ``fully_shard`` model share, or None."""
+    """The communicator a save or load of a ``fully_shard`` model runs over, or None: the units'
+    group, or on HSDP every rank of the mesh (Note [HSDP checkpoints])."""
     found = units(model)
-    return found[0].comm if found else None
+    if not found:
+        return None
+    unit = found[0]
+    if unit.replicate_comm is None:
+        return unit.comm
+    import torch.distributed as dist
+
+    from ..comm import get_communicator
+
+    replicas, shards = unit.replicate_comm.world_size, unit.comm.world_size
+    if dist.get_world_size() != replicas * shards:
+        raise NotImplementedError(
+            f"fusedist.checkpoint: the HSDP mesh of this fully_shard model ({replicas} replicas x {shards} shards) "
+            f"spans {replicas * shards} of the job's {dist.get_world_size()} ranks; a checkpoint of it is written "
+            "by every rank of the default group. Save it with torch.distributed.checkpoint (dcp.save of "
+            "model.state_dict()) instead.")
+    return get_communicator(None, unit.device)
+
+
+def _writes_pieces(unit) -> bool:
+    """Whether this rank's file holds the unit's pieces: on HSDP, the first replica's ranks
+    only (Note [HSDP checkpoints])."""
+    return unit.replicate_comm is None or unit.replicate_comm.rank == 0
 
 
 def full_shape(p: torch.Tensor, where: dict) -> tuple:
@@ -99,7 +133,7 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
         keys.append(_names.canonical_key(model, key))
         meta.append(_meta(unit.sharded[i], where))
         lo, hi = unit.element_range(i)
-        if hi > lo:  # the piece, not the unsharded buffer (stale after a step) nor its storage
+        if hi > lo and _writes_pieces(unit):  # the piece, not the unsharded buffer (stale after a step) nor its storage
             fragments[k] = [{"range": (lo, hi), "master": unit.sharded[i].detach().reshape(-1).cpu().clone(),
                              "state": {}}]
     section = {"format": MODEL_FORMAT, "rank": rank, "world_size": world_size, "keys": keys,
@@ -131,8 +165,8 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
             lo = 0
         else:
             lo, hi = hit[0].element_range(hit[1])
-            if hi == lo:
-                continue  # an empty piece holds no part of the parameter
+            if hi == lo or not _writes_pieces(hit[0]):
+                continue  # an empty piece holds no part of the parameter; a second replica's, a copy
         frag = zstate.fragments_from_full({"state": {0: st}}, [p])[0][0]
         n = p.numel()
         frag["range"] = (lo, lo + n)

@@ -38,19 +38,27 @@ def _skip_then_leave_worker(rank, world_size):
     torch.manual_seed(0)
     model = fusedist.DistributedDataParallel(models.MLP())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    from fusedist.reliability.step_check import unread_divergences
+
     try:
         _train(model, opt, rank, 4, skip=2 if rank == 1 else None)
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return (type(exc).__name__, str(exc))
-    return ("finished", "")
+        return (type(exc).__name__, str(exc), unread_divergences())
+    # What this rank prints at exit (Note [verdicts unread at exit]).
+    return ("finished", "", unread_divergences(wait_s=30))
 
 
 def test_divergence_is_reported_when_the_diverged_rank_has_left():
     start = time.monotonic()
     results = run_distributed(_skip_then_leave_worker, 2, env=FAST_FAILURE, timeout=90)
     assert time.monotonic() - start < 80
-    assert results[1] == ("finished", "")  # its last verdict is read at a forward it never runs
-    kind, text = results[0]
+    # Its last verdict is read at a forward it never runs: at exit it says so on its own stderr.
+    assert results[1][:2] == ("finished", "")
+    (message,) = results[1][2]
+    assert "ranks diverged (this is rank 1) in synchronized backward #2" in message, message
+    assert "forward: ranks range from 3 to 4 (rank 1: 4)" in message and "found at exit" in message
+    kind, text, unread = results[0]
+    assert unread == []  # read (and raised) at its fourth forward
     assert kind == "RankMismatchError", text
     assert "ranks diverged (detected on every rank that took part; this is rank 0) in synchronized backward #2" in text
     assert "forward: ranks range from 3 to 4 (rank 0: 3)" in text, text

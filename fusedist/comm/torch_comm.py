@@ -79,7 +79,9 @@ class TorchCommunicator(Communicator):
 
     def _all_reduce(self, tensor, op):
         if self._small_all_reduce(tensor, op):
-            return self.exchange.all_reduce(tensor, op, seq=self._seq.last, label=self.last_label)
+            # Labelled by size, not tag: all-reduces of one size pair whatever their tags, as on
+            # gloo's own (a joined rank's shadow of an active rank's all-reduce has another tag).
+            return self.exchange.all_reduce(tensor, op, seq=self._seq.last, label=f"{tensor.numel()} {tensor.dtype}")
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
     # Note [small all-reduces through the exchange]
@@ -92,8 +94,11 @@ class TorchCommunicator(Communicator):
     # small all-reduces are where ranks meet at control points (the per-step check, the
     # found-inf and gradient-norm exchanges, the used-parameter map), so they are the ones
     # such a divergence pairs first. On the exchange they are tagged messages (Note [exchange
-    # tags]) that pair only with the same collective, so a divergence is a timeout and a
-    # StallError naming both collectives. Each rank's tensor is gathered (one round, like the
+    # tags]) labelled by their size and dtype, so all-reduces of different sizes never pair: a
+    # divergence is a timeout and a StallError naming both collectives. (Not labelled by their
+    # tags: all-reduces that must pair carry different tags -- the joined rank's shadows of
+    # the active ranks' all-reduces, fusedist/ddp/join.py -- and pair here as on gloo's own
+    # collectives, by order.) Each rank's tensor is gathered (one round, like the
     # builtin ring for tensors this small) and folded locally; only reductions whose result
     # does not depend on the order take this path -- max, min, integer sums, and float sums of
     # two ranks (a + b == b + a) -- so results stay bit-identical to gloo's.

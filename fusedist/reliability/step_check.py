@@ -42,6 +42,9 @@ Note [step check]
 
 from __future__ import annotations
 
+import sys
+import time
+import weakref
 import zlib
 from typing import Optional
 
@@ -50,6 +53,7 @@ import torch
 from .._consistency import RankMismatchError
 from ..comm import Communicator
 from ..comm.base import CollectiveError
+from .._process_hooks import at_exit
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
@@ -87,6 +91,8 @@ class StepCheck:
         self.buf = torch.zeros(2 * self.k, dtype=torch.int64, device=comm.device)
         self.on_cuda = comm.device.type == "cuda"
         self._pending: Optional[tuple] = None  # (handle, host copy, event, values, detail)
+        _checks.add(self)
+        at_exit("report unread step-check verdicts", _report_unread_at_exit)  # Note [verdicts unread at exit]
 
     def launch(self, values: Optional[list[int]], detail: dict) -> None:
         """Start this step's check (async); its verdict is read by :meth:`settle`.
@@ -128,6 +134,26 @@ class StepCheck:
             reduced = self.buf.tolist()
         self._verdict(reduced, values, detail)
 
+    def unread_divergence(self) -> Optional[str]:
+        """Note [verdicts unread at exit]: the message of a pending verdict that says the ranks
+        diverged, read without communicating (None when there is none, it is not complete yet,
+        or the ranks agreed)."""
+        if self._pending is None:
+            return None
+        handle, host, event, values, detail = self._pending
+        if event is not None or not handle.is_completed() or not _succeeded(handle):
+            return None  # (a CUDA copy, a collective still open or failed: never block, never guess)
+        reduced = self.buf.tolist()
+        k = self.k
+        if all(reduced[i] == -reduced[k + i] for i in range(k)):
+            return None
+        lines = render_bounds(reduced, values, self.comm.rank, detail, None).replace(
+            "detected on every rank that took part; ", "").splitlines()
+        lines[0] = (f"{lines[0]} [found at exit: the verdict of this rank's last synchronized backward was "
+                    "never read, as no training forward followed it; call check_consistency() on every rank "
+                    "at the end of training to raise it on every rank]")
+        return "\n".join(line for line in lines if not line.startswith("Which rank holds"))
+
     def _verdict(self, reduced: list[int], values: list[int], detail: dict) -> None:
         k = self.k
         if all(reduced[i] == -reduced[k + i] for i in range(k)):
@@ -148,7 +174,69 @@ class StepCheck:
         raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
 
 
-def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict, error: CollectiveError) -> str:
+# Note [verdicts unread at exit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The verdict of a rank's last synchronized backward is read at a forward that never comes
+# when the rank's loop ends there. If that rank is the one that diverged (it skipped a
+# backward, so it runs out of iterations first), the others learn of it (Note [verdict
+# without details]) but it would exit with status 0 and no word. Its tiny all-reduce has
+# usually completed by then, so at exit each rank reads such a verdict locally -- no
+# communication, the process group may be gone -- and prints the divergence to stderr.
+_checks: "weakref.WeakSet[StepCheck]" = weakref.WeakSet()
+
+
+#: How long the exit waits for a pending check's all-reduce to complete (it is tiny; a peer
+#: that never joins it is reported by the peer's own side).
+EXIT_WAIT_S = 5.0
+
+
+def unread_divergences(wait_s: float = 0.0) -> list[str]:
+    """The messages of every pending verdict that says the ranks diverged (Note [verdicts
+    unread at exit]), after waiting up to ``wait_s`` seconds for pending checks to complete."""
+    checks = [c for c in list(_checks) if c._pending is not None]
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and not all(_completed(c) for c in checks):
+        time.sleep(0.05)
+    found = []
+    for check in checks:
+        try:
+            message = check.unread_divergence()
+        except Exception:  # noqa: BLE001 - at exit, never fail on a half-torn-down state
+            message = None
+        if message:
+            found.append(message)
+    return found
+
+
+def _succeeded(handle) -> bool:
+    """Whether a completed collective's result can be read: a failed one may have left a
+    partial reduction behind."""
+    work = getattr(handle, "_work", None)
+    if work is None:
+        return getattr(handle, "_error", None) is None
+    if hasattr(work, "_error"):  # the gloo exchange's work
+        return work._error is None
+    try:
+        return bool(work.is_success())
+    except Exception:  # noqa: BLE001 - unknown work type: do not guess
+        return False
+
+
+def _completed(check: "StepCheck") -> bool:
+    pending = check._pending
+    try:
+        return pending is None or pending[0].is_completed()
+    except Exception:  # noqa: BLE001 - a failed collective: nothing to read
+        return True
+
+
+def _report_unread_at_exit() -> None:
+    for message in unread_divergences(EXIT_WAIT_S):
+        print(f"fusedist: {message}" if not message.startswith("fusedist") else message, file=sys.stderr, flush=True)
+
+
+def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict,
+                  error: Optional[CollectiveError]) -> str:
     """The error text when the ranks are known to differ but the all-gather of every rank's
     values failed (Note [verdict without details]): each differing field's range over the
     ranks and this rank's value, then why the details are missing.
@@ -178,14 +266,15 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         mine = "joined" if values[i] == JOINED else values[i]
         explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
         lines.append(f"  {field}: ranks range from {low} to {high} (rank {rank}: {mine}) -- {explain}")
-    report = getattr(error, "report", None)
-    first = str(getattr(error, "cause", None) or error).splitlines()[0]
-    lines.append(
-        "Which rank holds which value is unknown: exchanging the values failed, because a rank did not "
-        f"take part (it crashed, or finished its loop and left): {first}"
-    )
-    if report:
-        lines.append(report)
+    if error is not None:
+        report = getattr(error, "report", None)
+        first = str(getattr(error, "cause", None) or error).splitlines()[0]
+        lines.append(
+            "Which rank holds which value is unknown: exchanging the values failed, because a rank did not "
+            f"take part (it crashed, or finished its loop and left): {first}"
+        )
+        if report:
+            lines.append(report)
     lines.append(
         "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
         f"{detail.get('model', 'DistributedDataParallel model')}; look for rank-dependent control flow "

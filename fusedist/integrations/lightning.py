@@ -7,8 +7,8 @@ SGD -> ``fusedist.optim.FusedAdam/FusedAdamW/FusedSGD``, same hyperparameters an
 groups) and sharded with :class:`fusedist.ZeroRedundancyOptimizer` (``zero_stage=1|2``).
 
 Lightning's precision plugins keep their behaviour, routed to fusedist where the fused path
-needs it (Note [Lightning precision]): ``"16-mixed"`` scales with ``fusedist.amp.GradScaler``
-(torch's cannot step a stage-2 optimizer), and gradient clipping by norm
+needs it (Note [Lightning precision] in ``lightning_precision.py``): ``"16-mixed"`` scales
+with ``fusedist.amp.GradScaler`` (torch's cannot step a stage-2 optimizer), and gradient clipping by norm
 (``Trainer(gradient_clip_val=...)``) goes through ``fusedist.clip_grad_norm_`` or the ZeRO
 optimizer's own clip, which see the sharded gradients that torch's clip would miss (clipping
 by value needs ``p.grad``, so stage 2 refuses it). ``"64-true"`` trains as with Lightning's DDP.
@@ -37,12 +37,14 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import fusedist
 from fusedist.ddp import DistributedDataParallel
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
+
+from .lightning_precision import RoutesPrecision
 
 __all__ = ["FusedistStrategy", "FusedistModelParallelStrategy"]
 
@@ -50,8 +52,11 @@ __all__ = ["FusedistStrategy", "FusedistModelParallelStrategy"]
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
 
 
-class FusedistStrategy(DDPStrategy):
+class FusedistStrategy(RoutesPrecision, DDPStrategy):
     """Lightning's ``DDPStrategy`` with fusedist's DDP, fused optimizers and ZeRO.
+
+    Lightning's precision plugins are adapted on the way in (Note [Lightning precision] in
+    ``lightning_precision.py``).
 
     Args:
         zero_stage: 0 (plain data parallelism), 1 or 2 (``fusedist.ZeroRedundancyOptimizer``
@@ -85,16 +90,6 @@ class FusedistStrategy(DDPStrategy):
         for name, options, what in entries:
             strategy_registry.register(name, cls, description=f"fusedist DDP with {what}", override=True,
                                        **options)
-
-    # -- precision (Note [Lightning precision]) ----------------------------------------------
-
-    @property
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else _FusedistPrecision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else _adapt_precision(plugin)
 
     # -- Trainer(sync_batchnorm=True) (Note [sync_batchnorm]) ---------------------------------
 
@@ -288,161 +283,6 @@ def _revert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
     for name, child in module.named_children():
         converted.add_module(name, _revert_sync_batchnorm(child))
     return converted
-
-
-# Note [Lightning precision]
-# Lightning's precision plugins own the backward, the optimizer step and gradient clipping.
-# Two of their steps go wrong on a fused or sharded optimizer: torch.amp.GradScaler cannot
-# step ZeRO stage 2 (it keeps no p.grad), and Lightning skips unscale_ for an optimizer that
-# unscales inside step() and then refuses to clip; torch.nn.utils.clip_grad_norm_ measures
-# p.grad, which stage 2 does not have. The adapters below keep each plugin (autocast, dtype
-# conversion, scaler state in checkpoints) and swap only those steps: fusedist's GradScaler
-# (same API and state dict), an unscale_ before the clip for every optimizer, and the clip of
-# fusedist.clip_grad_norm_ / ZeroRedundancyOptimizer.clip_grad_norm_.
-
-
-def _clip_by_norm(optimizer, clip_val: float) -> None:
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    if hasattr(optimizer, "clip_grad_norm_"):  # ZeroRedundancyOptimizer: the shards' global norm
-        optimizer.clip_grad_norm_(clip_val)
-    else:
-        fusedist.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip_val)
-
-
-class _FusedistClip:
-    """Clipping by norm through fusedist, and the checkpoint key of the Lightning plugin it
-    stands in for (mixed into each adapted plugin; Note [plugin state under Lightning's key])."""
-
-    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        _clip_by_norm(optimizer, clip_val)
-
-    def clip_grad_by_value(self, optimizer, clip_val) -> None:
-        """torch's clip on ``p.grad``; refused on ZeRO stage 2, which keeps none (Note
-        [clipping by value on stage 2])."""
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        if getattr(inner, "stage", None) == 2 and isinstance(inner, fusedist.ZeroRedundancyOptimizer):
-            raise ValueError(
-                "FusedistStrategy: gradient_clip_algorithm='value' cannot be applied with zero_stage=2, "
-                "which keeps only this rank's shard of the gradients and no p.grad; clip by norm "
-                "(gradient_clip_algorithm='norm') or use zero_stage=1"
-            )
-        super().clip_grad_by_value(optimizer, clip_val)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        own = type(self).__qualname__
-        if own in checkpoint:
-            checkpoint[_lightning_base(self).__qualname__] = checkpoint.pop(own)
-        super().on_save_checkpoint(checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        super().on_load_checkpoint(checkpoint)
-        key = _lightning_base(self).__qualname__
-        if key in checkpoint and type(self).__qualname__ not in checkpoint:
-            self.load_state_dict(checkpoint[key])
-
-
-def _lightning_base(plugin) -> type:
-    """The Lightning precision plugin class an adapter stands in for."""
-    return next(c for c in type(plugin).__mro__ if c.__module__.startswith("lightning."))
-
-
-# Note [clipping by value on stage 2]
-# Lightning clips by value with torch.nn.utils.clip_grad_value_ over the parameters' p.grad.
-# ZeRO stage 2 reduces each gradient straight into its owner's shard and leaves p.grad None,
-# so that clip finds no gradient: torch fails deep in its foreach grouping ("Expected
-# !nested_tensorlist[0].empty()"), and a torch that skips empty lists would train unclipped
-# without a word. Stage 1
-# and plain DDP keep the full averaged p.grad (unscaled first under "16-mixed"), where torch's
-# clip is exact; stage 2 refuses the setting.
-
-
-# Note [plugin state under Lightning's key]
-# Lightning files a precision plugin's state (the GradScaler's scale and growth tracker) in the
-# checkpoint under the plugin's class name, and restores it only from that name. The adapters'
-# own names would make a checkpoint of this strategy carry "_FusedistMixedPrecision", which
-# strategy="ddp" ignores when it resumes, and the adapters would ignore the "MixedPrecision" of
-# a strategy="ddp" checkpoint: the scaler silently restarted at its initial scale. The adapters
-# save under the name of the Lightning plugin they stand in for and load from it.
-
-
-class _FusedistPrecision(_FusedistClip, Precision):
-    """``"32-true"``: fusedist's clip."""
-
-
-class _FusedistDoublePrecision(_FusedistClip, DoublePrecision):
-    """``"64-true"``: the module and inputs in float64, fusedist's clip."""
-
-
-class _FusedistHalfPrecision(_FusedistClip, HalfPrecision):
-    """``"16-true"`` / ``"bf16-true"``: the module in half precision (FP32 masters in the
-    fused optimizer), fusedist's clip."""
-
-
-class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
-    """``"16-mixed"`` / ``"bf16-mixed"``: autocast as Lightning does; fp16 scales with
-    fusedist's GradScaler and always unscales before the clip."""
-
-    def optimizer_step(self, optimizer, model, closure, **kwargs):
-        if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        closure_result = closure()
-        skip_unscaling = closure_result is None and model.automatic_optimization
-        if not skip_unscaling:
-            self.scaler.unscale_(optimizer)  # read-only on stage 2; the step applies it
-        self._after_closure(model, optimizer)
-        if skip_unscaling:
-            return closure_result
-        step_output = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        return step_output
-
-    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
-        # MixedPrecision refuses to clip for optimizers that unscale in step(); fusedist's
-        # scaler has unscaled (or recorded the unscale) already -- or, in manual optimization,
-        # not yet (Note [clipping before the unscale]).
-        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
-        Precision.clip_gradients(self, optimizer, clip_val=clip_val, **kwargs)
-
-
-# Note [clipping before the unscale]
-# In manual optimization the LightningModule clips (self.clip_gradients) between
-# manual_backward and opt.step(), and Lightning's "16-mixed" unscales only inside the step: the
-# clip sees the scaled gradients S*g. Lightning's DDP clips those, so the step's gradient is
-# g * min(1, c / (S |g|)). fusedist's clip of a fused or ZeRO optimizer records that
-# coefficient for the step, and fusedist's GradScaler.unscale_ keeps a coefficient recorded
-# before it (Note [a clip before unscale_] in fusedist/amp/grad_scaler.py); a clip by value
-# scales p.grad, which the unscale then divides. So the adapter clips as it is asked, and the
-# step unscales as Lightning's does.
-
-
-def _adapt_precision(plugin: Precision) -> Precision:
-    if isinstance(plugin, _FusedistClip):
-        return plugin
-    kind = type(plugin)
-    if kind is Precision:
-        return _FusedistPrecision()
-    if kind is DoublePrecision:
-        return _FusedistDoublePrecision()
-    if kind is HalfPrecision:
-        return _FusedistHalfPrecision(plugin.precision)
-    if kind is MixedPrecision:
-        return _FusedistMixedPrecision(plugin.precision, plugin.device, scaler=_fusedist_scaler(plugin))
-    raise ValueError(
-        f"FusedistStrategy: the precision plugin {kind.__name__} is not supported; use precision="
-        "'32-true', '64-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"
-    )
-
-
-def _fusedist_scaler(plugin: MixedPrecision):
-    """fusedist's GradScaler with the settings of the plugin's torch scaler (None for bf16)."""
-    torch_scaler = plugin.scaler
-    if torch_scaler is None or isinstance(torch_scaler, fusedist.amp.GradScaler):
-        return torch_scaler
-    return fusedist.amp.GradScaler(
-        plugin.device, init_scale=torch_scaler._init_scale, growth_factor=torch_scaler._growth_factor,
-        backoff_factor=torch_scaler._backoff_factor, growth_interval=torch_scaler._growth_interval,
-        enabled=torch_scaler._enabled,
-    )
 
 
 @functools.lru_cache(maxsize=None)

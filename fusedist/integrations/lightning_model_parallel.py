@@ -14,7 +14,7 @@ fusedist's pieces, which are plain tensors where FSDP2's are DTensors:
   from FSDP2's. This strategy clips with ``fusedist.clip_grad_norm_`` (the global norm, one
   small all-reduce), and ``"16-mixed"`` scales with ``fusedist.amp.GradScaler``, whose
   found-inf flag is the ranks' combined one (torch's scaler would skip a step on the rank
-  whose piece overflowed only): the precision adapters of ``FusedistStrategy``.
+  whose piece overflowed only): the precision adapters of ``lightning_precision.py``.
 * Resuming (``trainer.fit(ckpt_path=...)``): Lightning finds the model to load among the
   objects it restores by its DTensor parameters and finds none: "Could not find a distributed
   model in the provided checkpoint state"; and it loads a full checkpoint one submodule at a
@@ -36,34 +36,19 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.strategies import model_parallel as _fabric_model_parallel
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from fusedist.fsdp.api import FullyShardedModule
 
+from .lightning_precision import RoutesPrecision
+
 __all__ = ["FusedistModelParallelStrategy"]
 
 
-class FusedistModelParallelStrategy(ModelParallelStrategy):
+class FusedistModelParallelStrategy(RoutesPrecision, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (same arguments) for modules sharded with
     ``fusedist.fully_shard``: global-norm clipping, fusedist's GradScaler, and resuming from
     Lightning's sharded or full checkpoints (module docstring)."""
-
-    # -- precision (Note [Lightning precision] in lightning.py) -------------------------------
-
-    @property
-    def precision_plugin(self) -> Precision:
-        from .lightning import _FusedistPrecision
-
-        return self._precision_plugin if self._precision_plugin is not None else _FusedistPrecision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        from .lightning import _adapt_precision
-
-        self._precision_plugin = None if plugin is None else _adapt_precision(plugin)
-
-    # -- checkpoints ----------------------------------------------------------------------------
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with _fully_shard_modules_count_as_distributed():

@@ -403,3 +403,42 @@ def test_roots_and_steps_a_save_cannot_use(tmp_path):
         Checkpointer(root).restore(_net(4), step=3)
     ckpt.close()
     assert [(e.step, e.complete) for e in layout.scan(root)] == [(3, False), (1, True)]
+
+
+def _peer_dies_after_the_manifest_worker(rank, ws, root):
+    from fusedist.checkpoint import Checkpointer, layout
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root)
+    ckpt.restore(model, opt)
+    if rank == 1:
+        real, agreed = ckpt._coord.all_gather, []
+
+        def dies_at_the_last_exchange(obj, *args, **kwargs):
+            if sys._getframe(1).f_code.co_name == "agree":  # the save's "everyone succeeded?" exchanges
+                agreed.append(obj)
+                if len(agreed) == 2:  # the one after the manifest: rank 0 has written it
+                    os._exit(0)
+            return real(obj, *args, **kwargs)
+
+        ckpt._coord.all_gather = dies_at_the_last_exchange
+    _step(model, opt, 1)
+    ckpt.save(1)
+    outcome = _timed(ckpt.wait)
+    entry = layout.entry(root, 1)
+    return outcome, entry is not None and entry.complete
+
+
+def test_a_peer_dying_after_the_manifest_is_not_reported_as_an_incomplete_checkpoint(tmp_path):
+    """The save's last exchange follows the manifest: a peer dying there leaves a complete
+    checkpoint, which the error must not call incomplete and skipped (it sent users to an
+    older one)."""
+    results = run_distributed(_peer_dies_after_the_manifest_worker, 2, str(tmp_path), timeout=120, pg_timeout=20,
+                              expect_failure=True)
+    status, value = results[0]
+    assert status == "ok", value
+    (kind, message, _), complete = value
+    assert complete, "step 1 should be complete"
+    assert kind == "CheckpointError" and "written completely and loads" in message, message
+    assert "incomplete and will be skipped" not in message, message

@@ -319,11 +319,18 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a peer died during the exchange
+            step = self.last_saved_step
+            where = layout.entry(self.directory, step)
+            if where is not None and where.complete:
+                # A peer stopped after the manifest was written (in the exchanges that follow it):
+                # the checkpoint is whole, and saying it was skipped would send users to an older one.
+                outcome = ("its checkpoint was written completely and loads; the failure came after its manifest, "
+                           "so checkpoints older than it may not have been pruned")
+            else:
+                outcome = "the checkpoint is incomplete and will be skipped; earlier ones are unaffected"
             raise CheckpointError(
-                f"fusedist.checkpoint.Checkpointer: rank {self.rank}: the asynchronous save of step "
-                f"{self.last_saved_step} to {layout.step_dir(self.directory, self.last_saved_step)} failed: "
-                f"{type(exc).__name__}: {exc} (the checkpoint is incomplete and will be skipped; earlier ones are "
-                "unaffected)"
+                f"fusedist.checkpoint.Checkpointer: rank {self.rank}: the asynchronous save of step {step} to "
+                f"{layout.step_dir(self.directory, step)} failed: {type(exc).__name__}: {exc} ({outcome})"
             ) from exc
 
     def wait(self) -> None:

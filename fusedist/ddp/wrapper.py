@@ -223,6 +223,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         checks = construction_checks()  # Note [copies of the wrapper] in copies.py
         if checks:
             self._check_ranks_agree()
+        # Note [reduction settings across ranks]: checked once more at the first synchronized forward
+        self._reduction_check_due = checks and self.world_size > 1
         if init_sync:
             self._broadcast_state(buffers=init_sync_buffers)
 
@@ -288,12 +290,47 @@ class DistributedDataParallel(nn.Module, Joinable):
         entries = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
                    for n, p in self.module.named_parameters()]
         entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
+        entries += [("setting", name, value, "", True) for name, value in self._construction_settings()]
         check_same_across_ranks(
             entries,
-            "the model (parameters and buffers)",
-            label=lambda e: f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)"),
+            "the model (parameters and buffers) or its DistributedDataParallel settings",
+            label=_entry_label,
             comm=self.comm, op="DistributedDataParallel construction: model check",
-            hint="Every rank must build the same model before wrapping it in DistributedDataParallel.",
+            hint="Every rank must build the same model and wrap it in DistributedDataParallel with the same "
+                 "settings.",
+        )
+
+    # Note [reduction settings across ranks]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Settings that decide which collectives a backward issues must be the same on every rank,
+    # or the ranks' collectives pair up with others of another kind or size: with
+    # find_unused_parameters on one rank only, one rank all-reduces its used-parameter map
+    # while the other reduces a bucket (a stall at the first backward); with an fp16 hook on
+    # one rank only, the ranks all-reduce buckets of different byte sizes, and gloo terminates
+    # the process ("Received data size doesn't match"). The construction check compares the
+    # constructor's settings with the model; a communication hook (or ZeRO stage 2's
+    # reduce-scatter) is set after construction, so the first synchronized training forward
+    # compares the reduction once more, before any bucket collective: one small exchange,
+    # once, and a RankMismatchError naming the setting on every rank.
+    def _construction_settings(self) -> list:
+        c = self.config
+        return [("find_unused_parameters", bool(c.find_unused_parameters)), ("static_graph", bool(c.static_graph)),
+                ("broadcast_buffers", bool(c.broadcast_buffers)),
+                ("gradient_as_bucket_view", bool(c.gradient_as_bucket_view)),
+                ("reduce_dtype", str(c.reduce_dtype))]
+
+    def _check_reduction_agrees(self) -> None:
+        self._reduction_check_due = False
+        settings = [("communication hook", self._comm_hook or "none"),
+                    ("gradient reduction", self.reducer.strategy.description),
+                    ("reduce_dtype", str(self.config.reduce_dtype)),
+                    ("broadcast_buffers", bool(self.config.broadcast_buffers))]
+        check_same_across_ranks(
+            [("setting", name, value, "", True) for name, value in settings],
+            "the gradient reduction of DistributedDataParallel", label=_entry_label,
+            comm=self.comm, op="DistributedDataParallel: reduction settings check",
+            hint="Register the same communication hook (or none) on every rank, and shard with the same "
+                 "ZeroRedundancyOptimizer stage, before the first training forward.",
         )
 
     def _check_layout_agrees(self, layout) -> None:
@@ -379,6 +416,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         sync_buffers, grad = self._buffers_due, torch.is_grad_enabled()
         # Note [when buffers are broadcast]
         self._buffers_due = grad and self._no_sync_depth == 0
+        if grad and self._reduction_check_due and self._no_sync_depth == 0:
+            self._check_reduction_agrees()  # Note [reduction settings across ranks]
         if grad:
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             # Before this step's first collective (observers read the last step's checks).
@@ -550,3 +589,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                     (("module." + k) if k else "module", v) for k, v in metadata.items()
                 )
         return super().load_state_dict(state_dict, strict=strict)
+
+
+def _entry_label(e) -> str:
+    """How a construction-check entry reads in an error: a parameter, a buffer, a setting."""
+    if e[0] == "setting":
+        return f"{e[1]}={e[2]}"
+    return f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)")

@@ -337,3 +337,5 @@ def test_hsdp_checkpoints_interchange_and_refusals(tmp_path):
     assert out[SHARDS:] == [None] * (WORLD - SHARDS), f"seed {seed}: {out}"
     for rank, message in enumerate(out[:SHARDS]):
         assert "fully_shard all-reduce" in message and "Stall report" in message, f"rank {rank}: {message}"
+    # The report is over the replicate group, whose rank 0 is global rank 1 on the second shard.
+    assert "rank 0 (global rank 1) on" in out[1], out[1]

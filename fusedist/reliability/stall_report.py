@@ -68,13 +68,26 @@ def _bounded(store, seconds: float):
 
 def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
     """Write this rank's entry; False if the store is unreachable."""
-    entry = dict(entry, rank=rank, host=socket.gethostname(), pid=os.getpid(), time=time.time())
+    entry = dict(entry, rank=rank, host=socket.gethostname(), pid=os.getpid(), time=time.time(),
+                 global_rank=_global_rank())
     try:
         _bounded(store, 5.0)
         store.set(_key(group, generation, rank), json.dumps(entry, default=str))
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+def _global_rank():
+    """This process's rank in the default group (None outside one): a report over a subgroup
+    (HSDP's replicate group, a ZeRO group) names its ranks within the group, and this says
+    which processes they are."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a destroyed default group
+        return None
 
 
 def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:
@@ -140,7 +153,9 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
                 "collectives, e.g. in data loading or a different code path)"
             )
             continue
-        where = f" on {entry.get('host')} pid {entry.get('pid')}"
+        global_rank = entry.get("global_rank")
+        where = f" (global rank {global_rank})" if global_rank is not None and global_rank != rank else ""
+        where += f" on {entry.get('host')} pid {entry.get('pid')}"
         pos = _position(entry)
         pos = f"; at {pos}" if pos else ""
         if entry.get("kind") == "exit":

@@ -293,7 +293,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         entries += [("setting", name, value, "", True) for name, value in self._construction_settings()]
         check_same_across_ranks(
             entries,
-            "the model (parameters and buffers) or its DistributedDataParallel settings",
+            "the model (parameters and buffers)",  # and the settings: the entry names one
             label=_entry_label,
             comm=self.comm, op="DistributedDataParallel construction: model check",
             hint="Every rank must build the same model and wrap it in DistributedDataParallel with the same "

@@ -111,7 +111,7 @@ def _whole(p: torch.Tensor, where: dict) -> torch.Tensor:
     if hit is None:
         return p
     unit, i = hit
-    return torch.empty(unit.layout.slots[i].shape, dtype=unit.dtype, device="meta")
+    return torch.empty(unit.layout.slots[i].shape, dtype=unit.sharded[i].dtype, device="meta")
 
 
 def _meta(p: torch.Tensor, where: dict) -> dict:

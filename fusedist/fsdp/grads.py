@@ -7,7 +7,8 @@ Note [unit gradients]
     unit called twice, a tied weight or a checkpointed recompute are all counted once), its
     gradients are copied into one flat buffer laid out like the gathered trainable section
     (Note [trainable section] in layout.py: the whole unit unless some parameters are
-    frozen), in ``reduce_dtype``, and dropped from the unsharded parameters at once. One
+    frozen; one per dtype in a unit of several, Note [dtype sections] in layout.py), in
+    ``reduce_dtype``, and dropped from the unsharded parameters at once. One
     reduce-scatter (average) of that buffer leaves this rank's slice of the section, whose
     pieces become (or are added to, as torch accumulates) the sharded parameters' ``.grad``:
     views of one gradient shard per unit. Frozen parameters get neither buffer slots nor
@@ -143,6 +144,8 @@ class UnitGrads:
 
     def __init__(self, unit, reduce_dtype):
         self.unit = unit
+        #: None in a mixed-dtype unit without a policy's reduce_dtype: each section reduces in its
+        #: gathered dtype (Note [dtype sections] in layout.py)
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else unit.param_dtype
         self.reduce_grads = True
         self.divide_factor = None  # set_gradient_divide_factor; None: the world size
@@ -158,6 +161,10 @@ class UnitGrads:
         self._partial: dict[int, tuple[torch.Tensor, set]] = {}
         self._acc: dict[int, torch.Tensor] = {}  # section -> flat accumulator of unsynchronized backwards
         self._acc_with_grad: dict[int, set] = {}  # section -> parameters with a gradient in it
+
+    def dtype_of(self, k: int) -> torch.dtype:
+        """The dtype section ``k`` reduces in."""
+        return self.reduce_dtype if self.reduce_dtype is not None else self.unit.section_param_dtype(k)
 
     def _sections(self, grads: list) -> list[int]:
         """The sections to reduce: those with a parameter that requires a gradient now (the
@@ -178,7 +185,7 @@ class UnitGrads:
         flat = self._acc.pop(k, None)
         views = [flat[s.offset:s.offset + s.numel].view(s.shape) for s in slots] if flat is not None else None
         if flat is None:
-            flat = torch.empty(sec.layout.total_numel, dtype=self.reduce_dtype, device=self.unit.device)
+            flat = torch.empty(sec.layout.total_numel, dtype=self.dtype_of(k), device=self.unit.device)
             COUNTERS.add_scratch(flat.numel() * flat.element_size())
             for a, b in sec.layout.gaps():
                 flat[a:b].zero_()
@@ -214,9 +221,9 @@ class UnitGrads:
             log.append((unit.label, k, tuple(with_grad),
                         [unit.fqns[i] for i in unit.layout.sections[k].indices
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
-            out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=self.reduce_dtype, device=unit.device)
+            out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=flat.dtype, device=unit.device)
             COUNTERS.add_scratch(out.numel() * out.element_size())
-            pre, op, post = reduce_factors(unit.world_size, self.reduce_dtype, self.divide_factor, self.force_sum,
+            pre, op, post = reduce_factors(unit.world_size, flat.dtype, self.divide_factor, self.force_sum,
                                            self.replicas)
             if pre != 1.0:  # Note [fp16 reduction]
                 flat.div_(pre)
@@ -281,11 +288,12 @@ def finish(p: PendingReduce) -> None:
             return
     if p.hook is not None:
         _run_hook(p.hook, out, p.hook_stream)
+    dtype = unit.section_dtype(p.section)  # the shard's (Note [dtype sections] in layout.py)
     if p.post != 1.0:  # Note [fp16 reduction]: on the device, in the shard's dtype
-        out = out.to(unit.dtype) if out.dtype != unit.dtype else out
+        out = out.to(dtype) if out.dtype != dtype else out
         out.div_(p.post)
-    if out.dtype != unit.dtype or out.device != unit.shard_device:
-        out = out.to(device=unit.shard_device, dtype=unit.dtype, non_blocking=unit.offload)
+    if out.dtype != dtype or out.device != unit.shard_device:
+        out = out.to(device=unit.shard_device, dtype=dtype, non_blocking=unit.offload)
     base = unit.layout.sections[p.section].shard_base
     for i in p.with_grad:
         sp = unit.sharded[i]

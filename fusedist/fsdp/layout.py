@@ -49,13 +49,38 @@ Note [trainable section]
     when one of its parameters requires a gradient now, so a frozen-section parameter that was
     unfrozen makes its section reduce too (the unit's whole size, as without sections), and
     a trainable-section parameter that was frozen is left a zero slot and no ``.grad``.
+
+Note [dtype sections]
+    A unit whose parameters have different dtypes (a bf16 decoder layer with fp32 norms or an
+    fp32 MoE router: Hugging Face's ``_keep_in_fp32_modules``) is split further: one section
+    per (trainable, dtype), in order trainable then frozen, dtypes in order of first
+    registration. A flat buffer holds one dtype, so such a unit keeps each section's shard in
+    a tensor of its own dtype (``ShardedUnit.shards``) and gathers it into a gathered tensor
+    of its own (``ShardedUnit.fulls``): in the section's dtype, or ``mp_policy.param_dtype``
+    for floating sections when the policy sets one (FSDP2 casts every floating parameter;
+    non-floating ones are never cast). The coordinates stay the unit's (``slots[i].offset``
+    and ``piece(i, r).shard_offset`` count elements across the sections), each section's
+    tensor starting at its ``full_base`` / ``shard_base``. Each trainable section is
+    reduce-scattered on its own (grads.py), in ``reduce_dtype`` or else its gathered dtype, and
+    its pieces' ``.grad`` come back in the section's dtype -- each parameter's own, as
+    FSDP2's (a ``set_all_reduce_hook`` hook is called once per section, with that section's
+    output). Gradient norms (``holder.py``) already sum over any pieces, so a clip is global
+    across the dtypes; CPU offload keeps every section's shard on the CPU. The cost against one flat buffer is one all-gather and one
+    reduce-scatter per extra dtype. A unit of one dtype has ``layout.mixed`` False and is laid
+    out, gathered and reduced exactly as before: ``shards`` / ``fulls`` are then slices of
+    its one ``shard`` / ``full`` tensor.
+
+    torch 2.13's FSDP2 gathers mixed dtypes through a byte buffer, but its parameter group
+    asserts one dtype among the trainable parameters ("uniform original parameter dtype"), so
+    there a trainable fp32 router needs a unit of its own. ``model.to(dtype)`` and friends
+    (``ShardedUnit.repack``) give each section the dtype its parameters now have.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -184,6 +209,7 @@ class Section:
     shard_base: int
     full_base: int
     trainable: bool  # the parameters' requires_grad when the unit was built
+    dtype: object = None  # the parameters' dtype (Note [dtype sections]); None: the unit's one dtype
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -196,24 +222,33 @@ class Section:
 
 class SplitLayout:
     """A unit's layout: its trainable and its frozen parameters as two sections, each a
-    :class:`UnitLayout` of its own (Note [trainable section]). Speaks in unit coordinates:
-    ``slots[i].offset`` is in the gathered buffer, ``piece(i, r).shard_offset`` in the shard."""
+    :class:`UnitLayout` of its own (Note [trainable section]), and within each one section
+    per dtype when the parameters' dtypes differ (Note [dtype sections]). Speaks in unit
+    coordinates: ``slots[i].offset`` is in the gathered buffer, ``piece(i, r).shard_offset``
+    in the shard (element positions; a mixed-dtype unit keeps each section in a tensor of
+    its own dtype, at ``shard_base``/``full_base`` of these coordinates)."""
 
-    def __init__(self, shapes: Sequence[tuple], trainable: Sequence[bool], world_size: int):
+    def __init__(self, shapes: Sequence[tuple], trainable: Sequence[bool], world_size: int,
+                 dtypes: Optional[Sequence] = None):
         if len(shapes) != len(trainable):
             raise ValueError(f"{len(shapes)} shapes but {len(trainable)} trainable flags")
         self.world_size = world_size
         self.sections: list[Section] = []
         self._where: dict[int, tuple[int, int]] = {}  # unit index -> (section, index in it)
+        kinds = list(dict.fromkeys(dtypes)) if dtypes is not None else [None]
+        #: whether the unit's parameters have more than one dtype (Note [dtype sections])
+        self.mixed = len(kinds) > 1
+        kinds = kinds if self.mixed else [None]
         shard_base = full_base = 0
-        for flag in (True, False):
-            indices = tuple(i for i, t in enumerate(trainable) if bool(t) == flag)
+        for flag, kind in [(f, k) for f in (True, False) for k in kinds]:
+            indices = tuple(i for i, t in enumerate(trainable)
+                            if bool(t) == flag and (kind is None or dtypes[i] == kind))
             if not indices and (flag or self.sections):
                 continue  # (a unit without parameters keeps one empty section)
             layout = UnitLayout([tuple(shapes[i]) for i in indices], world_size)
             for j, i in enumerate(indices):
                 self._where[i] = (len(self.sections), j)
-            self.sections.append(Section(indices, layout, shard_base, full_base, flag))
+            self.sections.append(Section(indices, layout, shard_base, full_base, flag, kind))
             shard_base += layout.shard_numel
             full_base += layout.total_numel
         self.shard_numel, self.total_numel = shard_base, full_base

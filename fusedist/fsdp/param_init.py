@@ -155,13 +155,14 @@ class _WholeUnit:
 
     def __init__(self, unit, borrowers: dict):
         self.unit, self.borrowers = unit, borrowers
-        self.buffer = torch.zeros(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
-        self.nbytes = self.buffer.numel() * self.buffer.element_size()
+        # one buffer per section, in its shard's dtype (Note [dtype sections] in layout.py)
+        self.buffers = [torch.zeros(sec.layout.total_numel, dtype=s.dtype, device=unit.device)
+                        for sec, s in zip(unit.layout.sections, unit.shards)]
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
         COUNTERS.add_scratch(self.nbytes)
         for own, mine in self._own_parts():
             own.copy_(mine)
-        self.params = [nn.Parameter(alias(self.buffer, s.offset, s.shape), requires_grad=sp.requires_grad)
-                       for s, sp in zip(unit.layout.slots, unit.sharded)]
+        self.params = [nn.Parameter(self._view(i), requires_grad=sp.requires_grad) for i, sp in enumerate(unit.sharded)]
         for i, p in enumerate(self.params):
             for m, attr in self._slots(i):
                 m._parameters[attr] = p
@@ -169,10 +170,15 @@ class _WholeUnit:
     def _own_parts(self):
         """(this rank's part of the buffer, the shard's part) per section."""
         unit = self.unit
-        for sec in unit.layout.sections:
+        for buffer, sec, shard in zip(self.buffers, unit.layout.sections, unit.shards):
             n = sec.layout.shard_numel
-            start = sec.full_base + unit.rank * n
-            yield self.buffer[start:start + n], unit.shard[sec.shard_base:sec.shard_base + n]
+            yield buffer[unit.rank * n:(unit.rank + 1) * n], shard
+
+    def _view(self, index: int) -> torch.Tensor:
+        """Parameter ``index`` whole on its section's buffer."""
+        k = self.unit.section_index(index)
+        slot = self.unit.layout.slots[index]
+        return alias(self.buffers[k], slot.offset - self.unit.layout.sections[k].full_base, slot.shape)
 
     def _slots(self, index: int) -> list:
         return list(self.unit.registrations[index]) + self.borrowers.get(index, [])
@@ -182,7 +188,7 @@ class _WholeUnit:
         ``.data``), put the pieces back, free the buffer."""
         unit = self.unit
         for i, p in enumerate(self.params):
-            view = alias(self.buffer, unit.layout.slots[i].offset, unit.layout.slots[i].shape)
+            view = self._view(i)
             for m, attr in self._slots(i):
                 held = m._parameters.get(attr)
                 if held is not None and not _same_data(held, view):
@@ -191,7 +197,7 @@ class _WholeUnit:
                 m._parameters[attr] = unit.sharded[i]
         for own, mine in self._own_parts():
             mine.copy_(own)
-        self.buffer, self.params = None, None
+        self.buffers, self.params = None, None
         COUNTERS.add_scratch(-self.nbytes)
 
 

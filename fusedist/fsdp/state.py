@@ -583,10 +583,13 @@ class FullyShardState:
 
 def _unit_params(unit) -> list:
     """(name, shape) of a unit's parameters for the wrapping check; a frozen one is named so,
-    since the flags at wrapping decide the layout (Note [trainable section])."""
+    since the flags at wrapping decide the layout (Note [trainable section]), and in a unit of
+    several dtypes each is named with its dtype, which decides it too (Note [dtype sections])."""
     out = []
     for i, (fqn, slot) in enumerate(zip(unit.fqns, unit.layout.slots)):
-        out.append((fqn if unit.layout.section_of(i)[0].trainable else f"{fqn} (frozen)", tuple(slot.shape)))
+        sec = unit.layout.section_of(i)[0]
+        name = fqn if sec.trainable else f"{fqn} (frozen)"
+        out.append((f"{name} ({str(sec.dtype).replace('torch.', '')})" if unit.layout.mixed else name, tuple(slot.shape)))
     return out
 
 

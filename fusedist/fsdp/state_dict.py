@@ -41,14 +41,18 @@ def piece_index(units) -> dict:
 
 @torch.no_grad()
 def gather_params(unit, *, to_cpu: bool) -> list:
-    """Every parameter of ``unit`` whole (fresh tensors, in the unit's dtype), from the pieces:
+    """Every parameter of ``unit`` whole (fresh tensors, in its piece's dtype), from the pieces:
     one all-gather per section -- a collective, every rank calls it for the same unit."""
-    flat = torch.empty(unit.layout.total_numel, dtype=unit.dtype, device=unit.device)
-    for handle in unit.gather_into(flat, unit.shard.to(unit.device), f"fully_shard full state dict {unit.name}"):
+    shards = [s.to(unit.device) for s in unit.shards]
+    flats = [torch.empty(sec.layout.total_numel, dtype=s.dtype, device=unit.device)
+             for sec, s in zip(unit.layout.sections, shards)]
+    for handle in unit.gather_into(flats, shards, f"fully_shard full state dict {unit.name}"):
         handle.wait()
     out = []
-    for slot in unit.layout.slots:
-        full = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    for i, slot in enumerate(unit.layout.slots):
+        k = unit.section_index(i)
+        a = slot.offset - unit.layout.sections[k].full_base
+        full = flats[k][a:a + slot.numel].view(slot.shape)
         out.append(full.cpu().clone() if to_cpu else full.clone())
     return out
 

@@ -79,11 +79,6 @@ class ShardedUnit:
     def __init__(self, name: str, params: list, registrations: list, fqns: list, comm, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, offload_policy, reshard_after_forward: bool,
                  replicate_comm=None):
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            desc = ", ".join(f"{n}: {p.dtype}" for n, p in zip(fqns, params))
-            raise TypeError(f"fusedist.fully_shard({name or 'root'}): the parameters of one unit share one flat "
-                            f"buffer and must have one dtype; got {desc}. Shard the differing modules separately.")
         self.name, self.fqns, self.registrations = name, fqns, registrations
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
@@ -91,14 +86,18 @@ class ShardedUnit:
         self.replicate_comm = replicate_comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = params[0].dtype
-        self.param_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None and self.dtype.is_floating_point else self.dtype
+        self.mp_param_dtype = mp_policy.param_dtype
+        self.param_dtype = self.gather_dtype(self.dtype)
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        # Note [trainable section]: trainable and frozen parameters in sections of their own
+        # Note [trainable section]: trainable and frozen parameters in sections of their own,
+        # Note [dtype sections]: and parameters of each dtype
         self.layout = SplitLayout([tuple(p.shape) for p in params], [p.requires_grad for p in params],
-                                  self.world_size)
+                                  self.world_size, [p.dtype for p in params])
+        if self.layout.mixed:
+            self.dtype = self.param_dtype = None  # per section: section_dtype(k), section_param_dtype(k)
         self._build(params, offload_policy)
         #: owner units of parameters shared with another unit: (owner, owner index, registrations)
         self.borrowed: list[tuple["ShardedUnit", int, list]] = []
@@ -125,31 +124,84 @@ class ShardedUnit:
             u.register_post_accumulate_grad_hook(lambda _p, i=i: self.on_grad(i) if self.on_grad else None)
             u.requires_grad_(not frozen)
 
+    def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The gathered (compute) dtype of parameters of ``dtype``: ``mp_policy.param_dtype`` for
+        floating ones when set (FSDP2 casts every floating parameter), else their own."""
+        return self.mp_param_dtype if self.mp_param_dtype is not None and dtype.is_floating_point else dtype
+
+    def section_dtype(self, k: int) -> torch.dtype:
+        """The dtype of section ``k``'s shard (its parameters' dtype)."""
+        return self.shards[k].dtype
+
+    def section_param_dtype(self, k: int) -> torch.dtype:
+        """The dtype section ``k`` is gathered in."""
+        return self.gather_dtype(self.shards[k].dtype) if self.layout.mixed else self.param_dtype
+
+    def section_index(self, index: int) -> int:
+        """The section holding parameter ``index``."""
+        return self.layout._where[index][0]
+
     @torch.no_grad()
     def _build(self, params: list, offload_policy) -> None:
         layout, rank = self.layout, self.rank
         self.pin = self.offload and offload_policy.pin_memory and self.device.type != "cpu"
         on_meta = _on_meta(self.name, params, self.fqns)  # Note [units built on the meta device]
-        if on_meta:
-            self.shard = torch.empty(layout.shard_numel, dtype=self.dtype, device="meta")
-        else:
-            self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.shard_device,
-                                     pin_memory=self.pin)
+        device = torch.device("meta") if on_meta else self.shard_device
+        self._new_shard([sec.dtype or self.dtype for sec in layout.sections], device)
         self.sharded: list[nn.Parameter] = []
         for i, p in enumerate(params):
             piece = layout.piece(i, rank)
             if piece.numel and not on_meta:
                 start = layout.element_range(i, rank)[0]
-                self.shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
-                    p.detach().reshape(-1)[start:start + piece.numel])
-            sp = nn.Parameter(alias(self.shard, piece.shard_offset, piece.shape), requires_grad=p.requires_grad)
+                self.piece_view(i).copy_(p.detach().reshape(-1)[start:start + piece.numel].view(piece.shape))
+            sp = nn.Parameter(self.piece_view(i), requires_grad=p.requires_grad)
             self.sharded.append(sp)
-        # The gathered buffer: built allocated (parameters are made on a live storage), then freed.
-        self.full = torch.empty(layout.total_numel, dtype=self.param_dtype, device=self.device)
-        self.unsharded = [nn.Parameter(alias(self.full, s.offset, s.shape), requires_grad=p.requires_grad)
-                          for s, p in zip(layout.slots, params)]
-        self._full_nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
+        self.unsharded = [None] * len(params)
+        self._new_full()
+        self.unsharded = [nn.Parameter(u, requires_grad=p.requires_grad) for u, p in zip(self.unsharded, params)]
+
+    def _new_shard(self, dtypes: list, device: torch.device) -> None:
+        """Zeroed shard storage: one tensor ``shard`` whose sections ``shards`` are slices, or in a
+        mixed-dtype unit one tensor per section of its dtype (``shard`` None; Note [dtype
+        sections])."""
+        pin = self.pin and device.type == "cpu"
+        make = torch.empty if device.type == "meta" else torch.zeros
+        secs = self.layout.sections
+        kw = {} if device.type == "meta" else {"pin_memory": pin}
+        if not self.layout.mixed:
+            self.shard = make(self.layout.shard_numel, dtype=dtypes[0], device=device, **kw)
+            self.shards = [self.shard[a:b] for a, b in (sec.shard_range for sec in secs)]
+        else:
+            self.shard = None
+            self.shards = [make(sec.layout.shard_numel, dtype=dt, device=device, **kw) for sec, dt in zip(secs, dtypes)]
+
+    def piece_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
+        k = self.section_index(index)
+        sec, piece = self.layout.sections[k], self.layout.piece(index, self.rank)
+        return alias(self.shards[k], piece.shard_offset - sec.shard_base, piece.shape)
+
+    def _new_full(self) -> None:
+        """The gathered buffer (one tensor, or one per section of a mixed-dtype unit), built
+        allocated then freed; the unsharded parameters' data set (or made) on it."""
+        secs, layout = self.layout.sections, self.layout
+        if not layout.mixed:
+            self.full = torch.empty(layout.total_numel, dtype=self.param_dtype, device=self.device)
+            self.fulls = [self.full[a:b] for a, b in (sec.full_range for sec in secs)]
+        else:
+            self.full = None
+            self.fulls = [torch.empty(sec.layout.total_numel, dtype=self.section_param_dtype(k), device=self.device)
+                          for k, sec in enumerate(secs)]
+        for i in range(len(layout.slots)):
+            k = self.section_index(i)
+            sec, slot = secs[k], layout.slots[i]
+            view = alias(self.fulls[k], slot.offset - sec.full_base, slot.shape)
+            if self.unsharded[i] is None:
+                self.unsharded[i] = view
+            else:
+                self.unsharded[i].data = view
+        self._full_nbytes = sum(f.untyped_storage().nbytes() for f in ([self.full] if self.full is not None else self.fulls))
+        self._resize_full(False)
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, async_op: bool = True) -> None:
@@ -159,21 +211,35 @@ class ShardedUnit:
             owner.unshard(async_op=True)
         self.check_materialized()
         if not self.is_unsharded and self._gather is None:
-            storage = self.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self._full_nbytes)
+            if (self.full if self.full is not None else self.fulls[0]).untyped_storage().nbytes() == 0:
+                self._resize_full(True)
                 COUNTERS.add_gathered(self._full_nbytes)
                 self._gathered_bytes = self._full_nbytes
-            src = self.shard
-            if src.device != self.device:
-                src = src.to(self.device, non_blocking=True)
-            if src.dtype != self.param_dtype:
-                src = src.to(self.param_dtype)
-            handles = self.gather_into(self.full, src, f"fully_shard gather {self.label}")
+            if self.shard is not None:
+                src, full = self._gather_source(self.shard, self.param_dtype), self.full
+            else:  # Note [dtype sections]: each section from its own shard, in its gathered dtype
+                src = [self._gather_source(s, self.section_param_dtype(k)) for k, s in enumerate(self.shards)]
+                full = self.fulls
+            handles = self.gather_into(full, src, f"fully_shard gather {self.label}")
             self._gather = (handles, src)
             stale.note_gathered(self)
         if not async_op:
             self.wait_for_unshard()
+
+    def _gather_source(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        if src.dtype != dtype:
+            src = src.to(dtype)
+        return src
+
+    def _resize_full(self, allocate: bool) -> None:
+        """Allocate (or free) the gathered buffer's storage (one, or one per section)."""
+        if self.full is not None:
+            self.full.untyped_storage().resize_(self._full_nbytes if allocate else 0)
+            return
+        for f in self.fulls:
+            f.untyped_storage().resize_(f.numel() * f.element_size() if allocate else 0)
 
     def wait_for_unshard(self) -> None:
         """Block until the gathers have landed; the modules then hold the unsharded parameters."""
@@ -216,7 +282,7 @@ class ShardedUnit:
         if self.is_unsharded:
             for i, sp in enumerate(self.sharded):
                 self._register(i, sp)
-            self.full.untyped_storage().resize_(0)
+            self._resize_full(False)
             COUNTERS.add_gathered(-self._gathered_bytes)
             self._gathered_bytes = 0
             self.is_unsharded = False
@@ -226,19 +292,22 @@ class ShardedUnit:
             if owner.reshard_deferred:
                 owner.reshard()
 
-    def gather_into(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> list:
+    def gather_into(self, full, shard, tag: str) -> list:
         """Start the all-gathers of ``shard`` (laid out like the unit's shard) into ``full``
-        (like its gathered buffer): one per section (Note [trainable section]); the handles."""
+        (like its gathered buffer): one per section (Note [trainable section]); the handles.
+        Either may instead be a list of one tensor per section (Note [dtype sections])."""
         handles = []
-        for sec in self.layout.sections:
+        for k, sec in enumerate(self.layout.sections):
             (a, b), (c, d) = sec.full_range, sec.shard_range
-            handles.append(self.comm.all_gather(full[a:b], shard[c:d], async_op=True, tag=tag))
+            out = full[k] if isinstance(full, (list, tuple)) else full[a:b]
+            src = shard[k] if isinstance(shard, (list, tuple)) else shard[c:d]
+            handles.append(self.comm.all_gather(out, src, async_op=True, tag=tag))
         return handles
 
     @property
     def is_meta(self) -> bool:
         """Whether the shard is on the meta device (Note [units built on the meta device])."""
-        return self.shard.is_meta
+        return self.shards[0].is_meta
 
     def check_materialized(self) -> None:
         """Raise unless the unit's shard holds data: a unit built on meta is gathered only
@@ -275,26 +344,27 @@ class ShardedUnit:
         self.reshard()
         adopted = self._adopt_replaced()
         first = self.sharded[0]
-        if all(self._aliases_shard(sp) for sp in self.sharded) and first.dtype == self.dtype:
+        # the unit takes its first parameter's new dtype; in a mixed-dtype unit each section
+        # takes its own first parameter's (Note [dtype sections])
+        dtypes = [self.sharded[sec.indices[0]].dtype if self.layout.mixed else first.dtype
+                  for sec in self.layout.sections]
+        if all(self._aliases_shard(i, sp) for i, sp in enumerate(self.sharded)) and \
+                dtypes == [s.dtype for s in self.shards]:
             return adopted
         device = torch.device("cpu") if self.offload and not first.is_meta else first.device
-        pin = self.pin and device.type == "cpu"
-        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=device, pin_memory=pin)
+        self._new_shard(dtypes, device)
         for i, sp in enumerate(self.sharded):
-            piece = self.layout.piece(i, self.rank)
-            shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(sp.reshape(-1))
-            sp.data = alias(shard, piece.shard_offset, piece.shape)
-        param_dtype = first.dtype if self.param_dtype == self.dtype else self.param_dtype
-        self.shard, self.dtype, self.param_dtype = shard, first.dtype, param_dtype
+            view = self.piece_view(i)
+            view.copy_(sp.reshape(view.shape))
+            sp.data = view
+        if not self.layout.mixed:
+            param_dtype = first.dtype if self.param_dtype == self.dtype else self.param_dtype
+            self.dtype, self.param_dtype = first.dtype, param_dtype
         if not first.is_meta:
             self.shard_device = device
             if not self.offload:
                 self.device = device
-        self.full = torch.empty(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
-        for s, u in zip(self.layout.slots, self.unsharded):
-            u.data = alias(self.full, s.offset, s.shape)
-        self._full_nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
+        self._new_full()
         return adopted
 
     def _adopt_replaced(self) -> list:
@@ -311,9 +381,9 @@ class ShardedUnit:
             self._register(i, self.sharded[i])
         return adopted
 
-    def _aliases_shard(self, sp: torch.Tensor) -> bool:
-        return sp.device == self.shard.device and \
-            sp.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
+    def _aliases_shard(self, index: int, sp: torch.Tensor) -> bool:
+        shard = self.shards[self.section_index(index)]
+        return sp.device == shard.device and sp.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
 
     @torch.no_grad()
     def relink_borrowed(self) -> None:
@@ -327,14 +397,14 @@ class ShardedUnit:
     def realias(self, index: int) -> None:
         """Point piece ``index`` at its place in the shard again, if a conversion gave it other
         data of the shard's device and dtype (the shard's values are the piece's)."""
-        sp, piece = self.sharded[index], self.layout.piece(index, self.rank)
-        if sp.device == self.shard.device and sp.dtype == self.dtype and not self._aliases_shard(sp):
-            sp.data = alias(self.shard, piece.shard_offset, piece.shape)
+        sp, shard = self.sharded[index], self.shards[self.section_index(index)]
+        if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index, sp):
+            sp.data = self.piece_view(index)
 
     # ------------------------------------------------------------------ sizes
     @property
     def sharded_bytes(self) -> int:
-        return self.shard.numel() * self.shard.element_size()
+        return sum(s.numel() * s.element_size() for s in ([self.shard] if self.shard is not None else self.shards))
 
     @property
     def unsharded_bytes(self) -> int:

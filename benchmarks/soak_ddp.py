@@ -4,7 +4,8 @@
     python benchmarks/soak_ddp.py --steps 300     # shorter
 
 After a warm-up, each rank samples its process RSS (``/proc/self/statm``) and the number of
-live tensors (``gc.get_objects()``, after ``gc.collect()``) at regular intervals. A leak shows
+live tensors (``gc.get_objects()``, after ``gc.collect()``) at regular intervals, each taken
+after ``check_consistency()`` so that no collective is in flight. A leak shows
 as growth between the first sample after warm-up and the last; allocator noise shows as a
 small, non-monotonic wobble. The fp16 variant keeps fp16 weights with FP32 master weights in
 the optimizer and the fused GradScaler (the full mixed-precision path).
@@ -63,6 +64,10 @@ def soak_worker(rank, world_size, steps, warmup, samples, dim=64, layers=2, batc
         scaler.step(opt)
         scaler.update()
         if step >= warmup and ((step - warmup) % every == 0 or step == steps - 1):
+            # The per-step consistency check's tiny all-reduce stays in flight until the next
+            # forward (by design), holding a few small tensors until the exchange's progress
+            # thread has run it; settle it so every sample is taken at the same quiet point.
+            model.check_consistency()
             trace.append((step, rss_mib(), live_tensors()))
             losses.append(loss.item())
     return {"trace": trace, "seconds": time.perf_counter() - t0, "loss_first": losses[0], "loss_last": losses[-1]}

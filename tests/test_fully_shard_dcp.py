@@ -246,8 +246,9 @@ def test_torch_helpers_full_state_dict(ws):
 # ------------------------------------------------------------------ activation-checkpoint wrappers
 def _wrapped(ws, seed, shard_blocks):
     """Net with every block in torch's ``checkpoint_wrapper``, whose state-dict hooks drop the
-    ``_checkpoint_wrapped_module.`` segment from the keys (Note [keys renamed by a wrapper]):
-    the wrappers sharded on their own, or inside the root's unit."""
+    ``_checkpoint_wrapped_module.`` segment from the keys (Note [state-dict hooks on every module
+    of a unit] in fusedist/fsdp/dcp.py): the wrappers sharded on their own, or inside the root's
+    unit."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     torch.manual_seed(seed)

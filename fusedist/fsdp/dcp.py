@@ -257,45 +257,95 @@ def _refuse_whole_from_piece(dest, piece: ShardedPiece) -> None:
 
 
 # ---------------------------------------------------------------------------- hooks
+# Note [state-dict hooks on every module of a unit]
+#     A unit's parameters live on the modules under the module ``fully_shard`` was called on
+#     (``blocks.0.mlp.0.weight`` is ``_parameters["weight"]`` of a Linear deep in the block),
+#     and torch's state-dict calls are made on any of them: ``block.mlp.state_dict()``,
+#     ``block.mlp.load_state_dict(pretrained)``, ``get_model_state_dict(block.mlp, ...)``,
+#     ``set_model_state_dict(block.mlp, full, ...)`` (partial loads, LoRA adapters, one layer
+#     exported; Lightning loads a full checkpoint submodule by submodule). With FSDP2 each
+#     parameter is a DTensor, so these work from any module. Hooks on the unit's module alone
+#     see none of these calls: the submodule returned its plain pieces (saved by DCP as
+#     replicated tensors, one rank's rows as the whole) and refused whole parameters with a
+#     shape mismatch against the piece.
+#
+#     So every module of the unit that holds parameters directly (and each module ``fully_shard``
+#     was called on, which reshards at rest) gets the hooks, and each module's hooks handle its
+#     *own* parameters only -- ``prefix + attr`` -- wherever the call starts: state_dict() puts
+#     a ShardedPiece (or, under ``get_model_state_dict(full_state_dict=True)``, the whole
+#     parameter) in the dict, load_state_dict cuts a whole parameter to this rank's piece and
+#     reports a wrong shape against the whole parameter's shape, as FSDP2 does. Each module's
+#     hooks run at its own level of the recursion, before any ancestor's state-dict post-hook
+#     and after every ancestor's load pre-hook, so the keys are the module paths even under
+#     torch's ``checkpoint_wrapper``, whose hooks drop and restore ``_checkpoint_wrapped_module.``
+#     at the wrapper's level. A full state dict gathers each unit once per dict, not once per
+#     module: a unit's gathered parameters are kept for the dict being filled and dropped when
+#     that dict is freed (so a submodule's full state dict holds its unit's other parameters
+#     whole for as long as the dict lives). The modules' own parameters are found from the
+#     unit's registrations (``_slots_of``), built once per unit, not by a walk over the unit.
+
 _KEEP_VARS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+# a hooked module -> the module fully_shard was called on, whose state holds the unit
+_OWNER: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
 
 
 def install_state_dict_hooks(module: nn.Module) -> None:
-    """The state-dict hooks of a module that ``fully_shard`` gave a unit."""
-    module.register_state_dict_pre_hook(_pre_state_dict)
-    module.register_state_dict_post_hook(_post_state_dict)
-    module.register_load_state_dict_pre_hook(_pre_load_state_dict)
+    """The state-dict hooks of a module that ``fully_shard`` gave a unit and of the modules
+    under it that hold its parameters (Note [state-dict hooks on every module of a unit])."""
+    from .members import managed_modules
+
+    for _, sub in managed_modules(module):
+        if sub in _OWNER or (sub is not module and not any(p is not None for p in sub._parameters.values())):
+            continue
+        _OWNER[sub] = module
+        sub.register_state_dict_pre_hook(_pre_state_dict)
+        sub.register_state_dict_post_hook(_post_state_dict)
+        sub.register_load_state_dict_pre_hook(_pre_load_state_dict)
+
+
+def _unit_module(module: nn.Module) -> Optional[nn.Module]:
+    """The module whose state holds the unit of ``module``'s parameters."""
+    return _OWNER.get(module)
 
 
 def _entries(module: nn.Module, prefix: str):
-    """``(key, bare key, unit, index)`` of every sharded parameter this module's state dict
-    holds itself (submodules sharded on their own have hooks of their own). ``key`` is the
-    module path; the dict may hold it under the bare one (Note [keys renamed by a wrapper])."""
-    from .members import managed_modules
+    """``(key, unit, index)`` of every sharded parameter ``module`` holds itself (its
+    submodules' are their own hooks' (Note [state-dict hooks on every module of a unit])): the
+    unit's own parameters and those it borrows, while the module still holds them."""
     from .state import state_of
-    from .state_dict import piece_index
 
-    unit = state_of(module).unit
-    if unit is None:
+    owner = _unit_module(module)
+    st = state_of(owner) if owner is not None else None
+    if st is None or st.unit is None:
         return
-    where = piece_index([unit] + [owner for owner, _, _ in unit.borrowed])
-    for name, sub in managed_modules(module):
-        bare = _without_wrapper_segments(module, name)
-        for attr, p in sub._parameters.items():
-            hit = where.get(id(p)) if p is not None else None
-            if hit is not None:
-                key = f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}"
-                yield key, f"{prefix}{bare}.{attr}" if bare else f"{prefix}{attr}", hit[0], hit[1]
+    unit = st.unit
+    for attr, k, i in _slots_of(unit).get(id(module), ()):
+        holder = unit if k < 0 else unit.borrowed[k][0]
+        p = module._parameters.get(attr)
+        if p is not None and (p is holder.sharded[i] or p is holder.unsharded[i]):
+            yield f"{prefix}{attr}", holder, i
 
 
-def _without_wrapper_segments(module: nn.Module, name: str) -> str:
-    """The module path ``name`` under ``module`` without the segments of torch's checkpoint
-    wrappers: the path their state-dict hooks rename a key to."""
-    from ..checkpoint._names import _CHECKPOINT_WRAPPED, canonical_key
+_SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    if _CHECKPOINT_WRAPPED not in name:
-        return name
-    return canonical_key(module, name, segments=(_CHECKPOINT_WRAPPED,))
+
+def _slots_of(unit) -> dict:
+    """id of each module holding a parameter of ``unit`` -> ``(attr, k, index)`` of each such
+    parameter: ``k`` -1 for the unit's own parameter ``index``, else the position in
+    ``unit.borrowed`` of the unit lending it (ints only: no reference back to the modules).
+    Built once per unit: each module's hook finds its own parameters without a walk over the
+    whole unit."""
+    slots = _SLOTS.get(unit)
+    if slots is None:
+        slots = {}
+        for i, regs in enumerate(unit.registrations):
+            for m, attr in regs:
+                slots.setdefault(id(m), []).append((attr, -1, i))
+        for k, (_, i, regs) in enumerate(unit.borrowed):
+            for m, attr in regs:
+                slots.setdefault(id(m), []).append((attr, k, i))
+        _SLOTS[unit] = slots
+    return slots
 
 
 def _reshard_at_rest(module: nn.Module) -> None:
@@ -307,7 +357,8 @@ def _reshard_at_rest(module: nn.Module) -> None:
     from . import recovery
     from .state import state_of
 
-    st = state_of(module)
+    owner = _unit_module(module)
+    st = state_of(owner) if owner is not None else None
     if st is None or st.unit is None or st.backward_pending:
         return
     if st.ctx is not None and recovery.is_running(st.ctx):
@@ -345,59 +396,76 @@ def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
     return value.reshape(-1)[lo:hi].view(piece_shape)
 
 
-# Note [keys renamed by a wrapper]
-#     torch's activation-checkpoint wrapper (``checkpoint_wrapper``, which torchtitan puts
-#     around each block before ``fully_shard``) holds the block as ``_checkpoint_wrapped_module``
-#     and renames state-dict keys with hooks of its own: a state-dict post-hook drops that
-#     segment (``blocks.0._checkpoint_wrapped_module.fc1.weight`` is saved as
-#     ``blocks.0.fc1.weight``) and a load pre-hook puts it back. Its post-hook runs before
-#     ours when the wrapper is the sharded module (it was registered first) and always when
-#     the wrapper sits inside a unit (a submodule's hooks run before its parent's), so our
-#     hooks look an entry up under the module path and, failing that, under the path without
-#     the wrapper's segments -- the name torch's own helpers use (``_get_fqns``). Those
-#     segments are found by walking the module tree, as the wrapper's hook renames by its
-#     own prefix: a plain string replace would also cut the text out of a user's module
-#     named, say, ``pre_checkpoint_wrapped_module``, miss the renamed key, and leave the piece. Missing the
-#     entry would leave the piece in the dict as a plain tensor: DCP writes it as a replicated
-#     tensor, i.e. one rank's rows as the whole parameter.
-def _key_in(state_dict, key: str, bare: str) -> Optional[str]:
-    """The name ``state_dict`` holds the entry ``key`` under (``bare``: ``key`` without wrapper
-    segments), or None (Note [keys renamed by a wrapper])."""
-    if key in state_dict:
-        return key
-    return bare if bare != key and bare in state_dict else None
+_GATHERED: dict = {}  # id of a state dict being filled -> {id(unit): its whole parameters}
+
+
+def _whole(state_dict, unit, to_cpu: bool) -> list:
+    """``unit``'s whole parameters for the full state dict ``state_dict``: gathered once per
+    dict (Note [state-dict hooks on every module of a unit]) -- a collective the first time."""
+    from .state_dict import gather_params
+
+    cache = _GATHERED.get(id(state_dict))
+    if cache is None:
+        try:
+            weakref.finalize(state_dict, _GATHERED.pop, id(state_dict), None)
+        except TypeError:  # a destination that takes no weak reference: gather for each module
+            return gather_params(unit, to_cpu=to_cpu)
+        cache = _GATHERED[id(state_dict)] = {}
+    if id(unit) not in cache:
+        cache[id(unit)] = gather_params(unit, to_cpu=to_cpu)
+    return cache[id(unit)]
 
 
 @torch.no_grad()
 def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
     if _KEEP_VARS.pop(module, False):
         return  # the parameters themselves, as asked
-    full = _full_state_dict_requested()
-    gathered: dict = {}
-    for key, bare, unit, i in _entries(module, prefix):
-        key = _key_in(state_dict, key, bare)
-        if key is None:
-            continue
+    entries = [(key, unit, i) for key, unit, i in _entries(module, prefix) if key in state_dict]
+    full = _full_state_dict_requested() if entries else None
+    for key, unit, i in entries:
         if full is None:
             state_dict[key] = as_entry(unit.sharded[i], unit, i)
-            continue
-        from .state_dict import gather_params
-
-        if id(unit) not in gathered:
-            gathered[id(unit)] = gather_params(unit, to_cpu=full[1])
-        state_dict[key] = gathered[id(unit)][i]
+        else:
+            state_dict[key] = _whole(state_dict, unit, full[1])[i]
 
 
 @torch.no_grad()
 def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                          error_msgs) -> None:
-    """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece."""
+    """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece;
+    one of another shape is reported against the whole parameter's shape, as FSDP2 reports it."""
     _reshard_at_rest(module)
-    for key, bare, unit, i in _entries(module, prefix):
-        key = _key_in(state_dict, key, bare)
-        value = state_dict.get(key) if key is not None else None
-        if isinstance(value, torch.Tensor):
+    for key, unit, i in _entries(module, prefix):
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        problem = _wrong_entry(value, unit, i)
+        if problem is None:
             state_dict[key] = whole_to_piece(value, unit, i)
+            continue
+        error_msgs.append(f"size mismatch for {key}: {problem}")
+        state_dict[key] = unit.sharded[i].detach()  # copied onto itself; the load raises with the message
+
+
+def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:
+    """Why ``value`` cannot load into parameter ``index`` of ``unit``, or None: it must be the
+    whole parameter, this rank's piece of it as this layout cuts it, or that piece's entry."""
+    full_shape = unit.layout.slots[index].shape
+    if isinstance(value, ShardedPiece):
+        if value.size() != torch.Size(full_shape):
+            return (f"copying a param with shape {value.size()} from checkpoint, the shape in current model "
+                    f"is {torch.Size(full_shape)}.")
+        if value.element_range != tuple(unit.element_range(index)):
+            lo, hi = unit.element_range(index)
+            a, b = value.element_range
+            return (f"the entry is a piece of elements [{a}, {b}) of the parameter, this rank's piece holds "
+                    f"[{lo}, {hi}) (a state dict of another world size or layout: load it with "
+                    "torch.distributed.checkpoint, or load whole parameters).")
+        return None
+    if tuple(value.shape) in (tuple(full_shape), tuple(unit.sharded[index].shape)):
+        return None
+    return (f"copying a param with shape {value.shape} from checkpoint, the shape in current model is "
+            f"{torch.Size(full_shape)}.")
 
 
 _TORCH_CALLERS: dict = {}

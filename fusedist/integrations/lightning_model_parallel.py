@@ -17,8 +17,7 @@ fusedist's pieces, which are plain tensors where FSDP2's are DTensors:
   whose piece overflowed only): the precision adapters of ``lightning_precision.py``.
 * Resuming (``trainer.fit(ckpt_path=...)``): Lightning finds the model to load among the
   objects it restores by its DTensor parameters and finds none: "Could not find a distributed
-  model in the provided checkpoint state"; and it loads a full checkpoint one submodule at a
-  time, which fusedist's pieces do not take (Note [finding the sharded model]).
+  model in the provided checkpoint state" (Note [finding the sharded model]).
 
 Use it where ``ModelParallelStrategy`` was (same arguments)::
 
@@ -59,20 +58,16 @@ class FusedistModelParallelStrategy(RoutesPrecision, ModelParallelStrategy):
 # Lightning's loader (lightning.fabric.strategies.model_parallel._load_checkpoint) picks the
 # module to restore as "the one with DTensor parameters". A sharded checkpoint it then loads
 # with torch's get_model_state_dict / set_model_state_dict and Distributed Checkpoint, which
-# take fusedist.fully_shard's pieces as they take FSDP2's DTensors (fsdp/dcp.py). A full
+# take fusedist.fully_shard's pieces as they take FSDP2's DTensors (fsdp/dcp.py); a full
 # checkpoint (save_distributed_checkpoint=False) it loads submodule by submodule with
-# set_model_state_dict(submodule, ...), which on a DTensor parameter scatters the whole value
-# but on a piece of a Linear inside a unit is a shape mismatch: fusedist cuts whole
-# parameters to pieces in the unit's own load_state_dict (every rank has read the whole
-# checkpoint by then), so that is what a fusedist module is given instead. So, for the
-# duration of this strategy's load_checkpoint, the predicate also accepts a module holding
-# fully_shard units, and the full-checkpoint load of such a module (without DTensors) is its
-# own load_state_dict. The replacements are scoped (restored on exit, even on error) and
-# check DTensors first, so a module sharded with torch's fully_shard loads exactly as before.
+# set_model_state_dict(submodule, ...), which every module holding a unit's parameters takes
+# too (Note [state-dict hooks on every module of a unit] in fsdp/dcp.py). So, for the duration
+# of this strategy's load_checkpoint, the predicate also accepts a module holding fully_shard
+# units. The replacement is scoped (restored on exit, even on error) and checks DTensors
+# first, so a module sharded with torch's fully_shard loads exactly as before.
 
 
 _lightning_predicate = _fabric_model_parallel._has_dtensor_modules
-_lightning_raw_load = _fabric_model_parallel._load_raw_module_state
 
 
 def _holds_units(module: object) -> bool:
@@ -83,18 +78,11 @@ def _holds_sharded_parameters(module: object) -> bool:
     return _lightning_predicate(module) or _holds_units(module)
 
 
-def _load_whole_parameters(state_dict: dict, module: torch.nn.Module, world_size: int = 1, strict: bool = True) -> None:
-    if _lightning_predicate(module) or not _holds_units(module):
-        return _lightning_raw_load(state_dict, module, world_size=world_size, strict=strict)
-    module.load_state_dict(state_dict, strict=strict)  # the units cut whole parameters to pieces
-
-
 @contextlib.contextmanager
 def _fully_shard_modules_count_as_distributed():
-    saved = _fabric_model_parallel._has_dtensor_modules, _fabric_model_parallel._load_raw_module_state
+    saved = _fabric_model_parallel._has_dtensor_modules
     _fabric_model_parallel._has_dtensor_modules = _holds_sharded_parameters
-    _fabric_model_parallel._load_raw_module_state = _load_whole_parameters
     try:
         yield
     finally:
-        _fabric_model_parallel._has_dtensor_modules, _fabric_model_parallel._load_raw_module_state = saved
+        _fabric_model_parallel._has_dtensor_modules = saved

@@ -19,6 +19,7 @@ from .dcp import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
+from .post_forward import resolve_reshard_after_forward
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .mesh import groups_of
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
@@ -34,7 +35,7 @@ _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
-                reshard_after_forward: Optional[bool] = None,
+                reshard_after_forward: Optional[bool | int] = None,
                 shard_placement_fn: Optional[Callable] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[set] = None, dp_mesh_dims=None) -> nn.Module:
@@ -55,7 +56,13 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
 
     * ``reshard_after_forward``: free the gathered parameters after forward and gather again
       in backward (True, ZeRO-3), or keep them until backward (False). None (the default,
-      as torch's): True, except for the root, which keeps them.
+      as torch's): True, except for the root, which keeps them. An int ``k``, a divisor of
+      the shard group's size ``S`` (FSDP2's): after forward each rank keeps its ``1/k`` of
+      the gathered unit, shared with a run of ``k`` consecutive ranks of the group (one
+      node, say), and backward all-gathers within that run; gradients are reduce-scattered
+      over the whole group as always. ``k == S`` is True, ``k == 1`` is False (with a
+      warning), other values are a ``ValueError`` naming the value and ``S`` (Note
+      [resharding to a smaller group after forward] in post_forward.py).
     * ``mp_policy``: :class:`MixedPrecisionPolicy` (gather/compute dtype, reduce dtype).
     * ``offload_policy``: :class:`CPUOffloadPolicy` keeps shards and gradients in host memory.
     * ``ignored_params``: parameters left as they are (not sharded, gradients not reduced).
@@ -83,9 +90,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     comm = get_communicator(groups.shard, device)
     # HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py)
     replicate_comm = get_communicator(groups.replicate, device) if groups.replicate is not None else None
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError("fusedist.fully_shard: reshard_after_forward must be a bool or None "
-                         f"(resharding to a smaller world is not supported), got {reshard_after_forward!r}")
+    # an int: Note [resharding to a smaller group after forward] in post_forward.py
+    reshard_after_forward, post_forward = resolve_reshard_after_forward(reshard_after_forward, comm, groups.shard,
+                                                                        device)
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
 
     params, regs, fqns, borrowed = [], [], [], []
@@ -125,6 +132,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm)
+        unit.post_forward = post_forward
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
             _OWNED[p] = _OWNED[sp] = (unit, i)
@@ -227,12 +235,16 @@ class FullyShardedModule:
                 st.grads.reduce_grads = st.grads.all_reduce_grads = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at run time; a bool only, as FSDP2's. It replaces
+        an int given to ``fully_shard``: True then reshards fully after forward, False keeps
+        the unit gathered (Note [resharding to a smaller group after forward])."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for st in self._fs_states(recurse):
             st.auto_reshard = False
             if st.unit is not None:
                 st.unit.reshard_after_forward = reshard_after_forward
+                st.unit.post_forward = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for st in self._fs_states(recurse):

@@ -43,7 +43,10 @@ def memory_stats(units, comm=None) -> dict:
     * ``sharded_grad_bytes``: the storage of the gradient shards the parameters hold now
       (each storage once: the pieces' ``.grad`` are views of one shard per unit);
     * ``unsharded_bytes``/``largest_unit_bytes``: one gathered copy of every unit, and of the largest;
-    * ``gathered_bytes``/``peak_gathered_bytes``: unit buffers gathered now / at most at once;
+    * ``gathered_bytes``/``peak_gathered_bytes``: unit buffers gathered now / at most at once
+      (with the parts kept after forward under an int ``reshard_after_forward``);
+    * ``post_forward_bytes``: those parts ``units`` hold now (Note [resharding to a smaller
+      group after forward] in post_forward.py);
     * ``scratch_bytes``/``peak_scratch_bytes``: gradient reduce buffers, accumulators, casts;
     * ``comm_scratch_bytes``: what the communicator keeps for itself (landing buffers).
     """
@@ -65,6 +68,7 @@ def memory_stats(units, comm=None) -> dict:
         "sharded_grad_bytes": grad_bytes,
         "unsharded_bytes": sum(u.unsharded_bytes for u in units),
         "largest_unit_bytes": max((u.unsharded_bytes for u in units), default=0),
+        "post_forward_bytes": sum(u.post_forward_bytes for u in units),
         "gathered_bytes": COUNTERS.gathered,
         "peak_gathered_bytes": COUNTERS.peak_gathered,
         "scratch_bytes": COUNTERS.scratch,

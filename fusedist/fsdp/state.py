@@ -7,7 +7,8 @@ Note [unit schedule]
               came next in the previous forward (or the explicit ``set_modules_to_forward_prefetch``
               list), so its all-gather runs while this unit computes. post-hook: reshard when
               ``reshard_after_forward`` (under ``no_grad`` too: Note [forward without
-              gradients]), and hook the outputs for backward. The root's post-hook ends the
+              gradients]; to a smaller group when it is an int: Note [resharding to a smaller
+              group after forward] in post_forward.py), and hook the outputs for backward. The root's post-hook ends the
               forward: a prefetched unit nobody ran is resharded (when it would have been).
     backward  a hook on each output of a unit call: gather the unit again if it was resharded,
               and prefetch the unit that ran before this call (reverse order of this
@@ -451,7 +452,7 @@ class FullyShardState:
             if grad:
                 self._record_post_forward()
             if unit.reshard_after_forward:  # with or without grad: Note [forward without gradients]
-                unit.reshard()
+                unit.reshard_post_forward()  # (an int: Note [resharding to a smaller group after forward])
         if grad:
             self._hook_outputs(output, len(self._post_forward_indices) - 1)
         if self.is_root:

@@ -91,6 +91,12 @@ class ShardedUnit:
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
         self.reshard_after_forward = reshard_after_forward
+        #: reshard_after_forward as an int: the smaller group the unit reshards to after forward
+        #: (post_forward.py, Note [resharding to a smaller group after forward]), else None
+        self.post_forward = None
+        self._post_forward_parts: Optional[list] = None  # this rank's part of each gathered section
+        self._post_forward_source = None  # the PostForwardGroup those parts are over
+        self._post_forward_bytes = 0  # their bytes, counted in the gathered figure until gathered from
         self.reshard_after_backward = True
         # Note [trainable section]: trainable and frozen parameters in sections of their own,
         # Note [dtype sections]: and parameters of each dtype
@@ -215,12 +221,20 @@ class ShardedUnit:
                 self._resize_full(True)
                 COUNTERS.add_gathered(self._full_nbytes)
                 self._gathered_bytes = self._full_nbytes
-            if self.shard is not None:
-                src, full = self._gather_source(self.shard, self.param_dtype), self.full
-            else:  # Note [dtype sections]: each section from its own shard, in its gathered dtype
-                src = [self._gather_source(s, self.section_param_dtype(k)) for k, s in enumerate(self.shards)]
-                full = self.fulls
-            handles = self.gather_into(full, src, f"fully_shard gather {self.label}")
+            if self._post_forward_parts is not None:
+                # Note [resharding to a smaller group after forward]: gather the parts within the run
+                src, group = self._post_forward_parts, self._post_forward_source
+                self._post_forward_parts = self._post_forward_source = None  # (kept alive by _gather)
+                tag = f"fully_shard gather {self.label} (post-forward group of {group.size})"
+                handles = [group.comm.all_gather(out, part, async_op=True, tag=tag)
+                           for out, part in zip(self.fulls, src)]
+            else:
+                if self.shard is not None:
+                    src, full = self._gather_source(self.shard, self.param_dtype), self.full
+                else:  # Note [dtype sections]: each section from its own shard, in its gathered dtype
+                    src = [self._gather_source(s, self.section_param_dtype(k)) for k, s in enumerate(self.shards)]
+                    full = self.fulls
+                handles = self.gather_into(full, src, f"fully_shard gather {self.label}")
             self._gather = (handles, src)
             stale.note_gathered(self)
         if not async_op:
@@ -250,6 +264,7 @@ class ShardedUnit:
             for handle in handles:
                 handle.wait()
             self._gather = None
+            self._release_post_forward_bytes()
             for i, u in enumerate(self.unsharded):
                 u.requires_grad_(self.sharded[i].requires_grad)  # a freeze after wrapping is seen here
                 self._register(i, u)
@@ -269,6 +284,7 @@ class ShardedUnit:
             for handle in self._gather[0]:
                 handle.wait()
             self._gather = None
+            self._release_post_forward_bytes()
             self.is_unsharded = landed = True  # landed; swapped back below
         if self.is_unsharded and any(b.is_unsharded for b in self.lent_to):
             if landed:
@@ -280,17 +296,63 @@ class ShardedUnit:
             for module, attr in regs:
                 module._parameters[attr] = owner.sharded[index]
         if self.is_unsharded:
-            for i, sp in enumerate(self.sharded):
-                self._register(i, sp)
-            self._resize_full(False)
-            COUNTERS.add_gathered(-self._gathered_bytes)
-            self._gathered_bytes = 0
-            self.is_unsharded = False
+            self._free_full()
             stale.note_resharded(self)
+        if self._post_forward_parts is not None:
+            self._post_forward_parts = self._post_forward_source = None
+            self._release_post_forward_bytes()
+            stale.note_resharded(self)
+        self._reshard_owners()
+
+    def reshard_post_forward(self) -> None:
+        """The reshard after forward: to this rank's part over the post-forward group when
+        ``reshard_after_forward`` was an int (Note [resharding to a smaller group after
+        forward]), else :meth:`reshard`. A unit not gathered, or whose reshard a gathered
+        borrower defers (Note [lent parameters]), reshards fully."""
+        group = self.post_forward
+        if group is None or self._gather is not None or not self.is_unsharded \
+                or any(b.is_unsharded for b in self.lent_to):
+            self.reshard()
+            return
+        with torch.no_grad():
+            parts = []
+            for full in self.fulls:
+                n = full.numel() // group.size
+                parts.append(full.narrow(0, n * group.rank, n).clone())
+        for owner, index, regs in self.borrowed:
+            for module, attr in regs:
+                module._parameters[attr] = owner.sharded[index]
+        self._free_full()
+        self._post_forward_parts, self._post_forward_source = parts, group
+        self._post_forward_bytes = sum(p.numel() * p.element_size() for p in parts)
+        COUNTERS.add_gathered(self._post_forward_bytes)
+        # (still noted as gathered: an optimizer step over the pieces drops the stale parts, stale.py)
+        self._reshard_owners()
+
+    def _free_full(self) -> None:
+        """The modules hold the pieces again; the gathered buffer is freed."""
+        for i, sp in enumerate(self.sharded):
+            self._register(i, sp)
+        self._resize_full(False)
+        COUNTERS.add_gathered(-self._gathered_bytes)
+        self._gathered_bytes = 0
+        self.is_unsharded = False
+
+    def _reshard_owners(self) -> None:
         self.reshard_deferred = False
         for owner, _, _ in self.borrowed:
             if owner.reshard_deferred:
                 owner.reshard()
+
+    def _release_post_forward_bytes(self) -> None:
+        COUNTERS.add_gathered(-self._post_forward_bytes)
+        self._post_forward_bytes = 0
+
+    @property
+    def post_forward_bytes(self) -> int:
+        """Bytes of the post-forward parts this rank holds now (0 unless resharded to a smaller
+        group after forward and not gathered since)."""
+        return self._post_forward_bytes if self._post_forward_parts is not None else 0
 
     def gather_into(self, full, shard, tag: str) -> list:
         """Start the all-gathers of ``shard`` (laid out like the unit's shard) into ``full``

@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.tensor
 import torch.nn.functional as F
 from torch import nn

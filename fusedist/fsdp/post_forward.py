@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
 
 import torch.distributed as dist
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedist
+import models
 from fusedist.testing import run_distributed
 
 WORLD, K, D = 4, 2, 16
@@ -33,23 +34,10 @@ STEPPED = dict(rtol=1e-4, atol=1e-4)
 BF16_STEPPED = dict(rtol=2 ** -5, atol=5e-3)
 
 
-class Block(nn.Module):
-    """A transformer MLP block: pre-norm, 4x expansion, residual."""
-
-    def __init__(self, d: int = D):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class Net(nn.Module):
     def __init__(self, blocks: int = 3):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.blocks = nn.ModuleList(models.ResidualBlock(D, width=4) for _ in range(blocks))
         self.head = nn.Linear(D, 3)
 
     def forward(self, x):

@@ -59,13 +59,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return layers(model)[-1]
 
 
-def canonical_key(root: torch.nn.Module, key: str, segments: Optional[tuple] = None) -> str:
+def canonical_key(root: torch.nn.Module, key: str) -> str:
     """``key`` of ``root``'s state dict (or a parameter name) without wrappers' segments, found
     by walking the module tree (a module whose name merely contains a wrapper's attribute keeps
-    it); ``segments``: only the wrappers of these attributes (default: all of :func:`_inner`'s)."""
+    it)."""
     out, obj = [], root
     for part in key.split("."):
-        inner = _inner(obj, part) if segments is None or part in segments else None
+        inner = _inner(obj, part)
         if inner is not None:
             obj = inner
             continue

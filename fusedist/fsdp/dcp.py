@@ -303,19 +303,19 @@ def install_state_dict_hooks(module: nn.Module) -> None:
         sub.register_load_state_dict_pre_hook(_pre_load_state_dict)
 
 
-def _unit_module(module: nn.Module) -> Optional[nn.Module]:
-    """The module whose state holds the unit of ``module``'s parameters."""
-    return _OWNER.get(module)
+def _unit_state(module: nn.Module):
+    """The fully_shard state holding the unit of ``module``'s parameters, or None."""
+    from .state import state_of
+
+    owner = _OWNER.get(module)
+    return state_of(owner) if owner is not None else None
 
 
 def _entries(module: nn.Module, prefix: str):
     """``(key, unit, index)`` of every sharded parameter ``module`` holds itself (its
     submodules' are their own hooks' (Note [state-dict hooks on every module of a unit])): the
     unit's own parameters and those it borrows, while the module still holds them."""
-    from .state import state_of
-
-    owner = _unit_module(module)
-    st = state_of(owner) if owner is not None else None
+    st = _unit_state(module)
     if st is None or st.unit is None:
         return
     unit = st.unit
@@ -355,10 +355,8 @@ def _reshard_at_rest(module: nn.Module) -> None:
     Not while the unit's forward or backward is running, nor between a forward and its
     backward (which reads the gathered parameters)."""
     from . import recovery
-    from .state import state_of
 
-    owner = _unit_module(module)
-    st = state_of(owner) if owner is not None else None
+    st = _unit_state(module)
     if st is None or st.unit is None or st.backward_pending:
         return
     if st.ctx is not None and recovery.is_running(st.ctx):

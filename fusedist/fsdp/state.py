@@ -8,8 +8,9 @@ Note [unit schedule]
               list), so its all-gather runs while this unit computes. post-hook: reshard when
               ``reshard_after_forward`` (under ``no_grad`` too: Note [forward without
               gradients]; to a smaller group when it is an int: Note [resharding to a smaller
-              group after forward] in post_forward.py), and hook the outputs for backward. The root's post-hook ends the
-              forward: a prefetched unit nobody ran is resharded (when it would have been).
+              group after forward] in post_forward.py), and hook the outputs for backward.
+              The root's post-hook ends the forward: a prefetched unit nobody ran is
+              resharded (when it would have been).
     backward  a hook on each output of a unit call: gather the unit again if it was resharded,
               and prefetch the unit that ran before this call (reverse order of this
               iteration's post-forwards, or the explicit backward list); a unit set

@@ -292,9 +292,7 @@ class ShardedUnit:
                     self._register(i, u)
             self.reshard_deferred = True
             return
-        for owner, index, regs in self.borrowed:
-            for module, attr in regs:
-                module._parameters[attr] = owner.sharded[index]
+        self._hold_borrowed_pieces()
         if self.is_unsharded:
             self._free_full()
             stale.note_resharded(self)
@@ -319,15 +317,19 @@ class ShardedUnit:
             for full in self.fulls:
                 n = full.numel() // group.size
                 parts.append(full.narrow(0, n * group.rank, n).clone())
-        for owner, index, regs in self.borrowed:
-            for module, attr in regs:
-                module._parameters[attr] = owner.sharded[index]
+        self._hold_borrowed_pieces()
         self._free_full()
         self._post_forward_parts, self._post_forward_source = parts, group
         self._post_forward_bytes = sum(p.numel() * p.element_size() for p in parts)
         COUNTERS.add_gathered(self._post_forward_bytes)
         # (still noted as gathered: an optimizer step over the pieces drops the stale parts, stale.py)
         self._reshard_owners()
+
+    def _hold_borrowed_pieces(self) -> None:
+        """The modules holding parameters this unit borrows hold the lenders' pieces again."""
+        for owner, index, regs in self.borrowed:
+            for module, attr in regs:
+                module._parameters[attr] = owner.sharded[index]
 
     def _free_full(self) -> None:
         """The modules hold the pieces again; the gathered buffer is freed."""

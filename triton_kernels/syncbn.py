@@ -28,6 +28,17 @@ from ..backend import triton_interpreting
 
 # ----------------------------------------------------------------------------- kernels
 
+# Note [non-finite statistics]
+#     torch's CPU BatchNorm takes the batch mean as sum / n, so a channel holding +inf (and
+#     no -inf or NaN) has mean +inf, and its running mean becomes +inf; the variance is NaN
+#     ((inf - inf)^2), so the output and input gradient are NaN either way. A Welford
+#     recurrence instead turns an inf mean into NaN at the next value (inf + (v - inf) / n).
+#     So each lane sums its non-finite values apart (``lane_special``: 0, +inf, -inf or NaN,
+#     with IEEE rules giving inf + -inf = NaN) and the recurrence sees them as delta 0; the
+#     result is ``mean + special`` and M2 is NaN wherever ``special != 0``, which is what
+#     sum / n and sum((x - mean)^2) give. (torch's CUDA kernel is a Welford recurrence and
+#     reports NaN there: we follow the CPU result, the one the arithmetic defines.)
+
 
 @triton.jit
 def _welford_partial_kernel(
@@ -62,6 +73,7 @@ def _welford_partial_kernel(
     seen_last = tl.zeros([1], dtype=tl.float32)
     lane_mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     lane_m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    lane_special = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     for u in range(pid_r, N * num_s_tiles, SPLIT):
         n = u // num_s_tiles
         s_tile = u - n * num_s_tiles
@@ -74,6 +86,10 @@ def _welford_partial_kernel(
             s_off = s * stride_s
         ptrs = x_ptr + n.to(tl.int64) * stride_n + s_off[:, None] + c_off[None, :]
         v = tl.load(ptrs, mask=s_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        # Note [non-finite statistics]: inf/NaN go to lane_special, the recurrence sees delta 0
+        finite = (v - v) == 0.0
+        lane_special += tl.where(finite, 0.0, v)
+        v = tl.where(finite, v, lane_mean)
         seen_last += is_last
         seen_full += 1.0 - is_last
         step_low = 1.0 / tl.maximum(seen_full + seen_last, 1.0)
@@ -90,6 +106,9 @@ def _welford_partial_kernel(
     mean = tl.sum(lane_mean * lane_count[:, None], axis=0) / tl.maximum(count.to(tl.float32), 1.0)
     dev = lane_mean - mean[None, :]
     m2 = tl.sum(lane_m2, axis=0) + tl.sum(dev * dev * lane_count[:, None], axis=0)
+    special = tl.sum(lane_special, axis=0)  # 0, +inf, -inf or NaN per channel
+    mean += special
+    m2 = tl.where(special == 0.0, m2, float("nan"))
     tl.store(mean_part_ptr + pid_r * C + c, mean, mask=c_mask)
     tl.store(m2_part_ptr + pid_r * C + c, m2, mask=c_mask)
     if pid_c == 0:
@@ -178,8 +197,9 @@ def _backward_reduce_kernel(
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc_dy += dy
-        # masked lanes: dy == 0, so the product is 0 whatever x - mean is
-        acc_dy_xhat += dy * ((x - mean[None, :]) * invstd[None, :])
+        # masked lanes add an explicit 0: dy == 0 there, but 0 * xhat is NaN when the
+        # (running) mean or invstd is infinite
+        acc_dy_xhat += tl.where(mask, dy * ((x - mean[None, :]) * invstd[None, :]), 0.0)
     row = part_ptr + pid_r * 2 * C
     tl.store(row + c, tl.sum(acc_dy, axis=0), mask=c_mask)
     tl.store(row + C + c, tl.sum(acc_dy_xhat, axis=0), mask=c_mask)

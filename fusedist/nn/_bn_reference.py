@@ -57,6 +57,17 @@ def _channel_dot(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return dot, total
 
 
+def _all_finite(*tensors: torch.Tensor | None) -> bool:
+    """Whether every given per-channel coefficient is finite (C elements each: cheap).
+
+    The inference form evaluates ``u * q + (b - p * q)``, which equals ``(u - p) * q`` only
+    while p and q are finite: an inf in the upstream gradient makes mean(dy) and the x
+    coefficient of the input gradient infinite, and ``x * t - r * t`` then turns elements
+    that torch's centered backward leaves at +-inf into NaN (Note [non-finite statistics]
+    in ``triton_kernels/syncbn.py``)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t is not None)
+
+
 def welford_stats(x: torch.Tensor, mean_out: torch.Tensor, m2_out: torch.Tensor,
                   count_out: torch.Tensor) -> None:
     """Per-channel count, mean and M2 = sum((x - mean)^2) of ``x`` into the output tensors.
@@ -99,7 +110,7 @@ def channel_affine(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     """``(u - p) * q [+ (v - r) * t] [+ b]`` with per-channel p, q, r, t, b, as a new tensor
     of ``out_dtype`` (default u's) in u's memory format."""
     out_dtype = out_dtype or u.dtype
-    if _fused_ok(u, *(() if v is None else (v,))):
+    if _fused_ok(u, *(() if v is None else (v,))) and (v is None or _all_finite(p, q, r, t, b)):
         if v is None:
             return _centered_scaled(u, p, q, b).to(out_dtype)
         # (v - r) t + (b - p q) in one pass, then + u q in place: two passes in all

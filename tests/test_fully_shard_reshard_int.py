@@ -12,6 +12,7 @@ equal -- the parts gathered back are the same bytes in the same places.
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 
 import pytest
@@ -310,6 +311,62 @@ def test_values_as_fsdp2():
         assert o["4"] == (True, None)
         assert "factor of the shard group's size 2, not 4" in o["hsdp 4"]
         assert o["root"] is True
+
+
+def _mismatched(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusedist.fsdp import post_forward
+
+    mesh = init_device_mesh("cpu", (ws,))
+    cases = {
+        "2 vs True": 2 if rank == 0 else True,  # rank 0's run partner would never meet it in new_group
+        "2 vs 4": 2 if rank < 2 else 4,  # runs {0, 1} agree; ranks 2, 3 would gather over all four
+        "False vs True": False if rank == 3 else True,  # rank 3 would skip the backward's gathers
+    }
+    out = {}
+    for what, raf in cases.items():
+        torch.manual_seed(0)
+        model = _shard(Net(), fusedist.fully_shard, mesh, raf)
+        made = len(post_forward._GROUPS)
+        start = time.monotonic()
+        try:
+            model(_batch(rank, 0)[0])
+            out[what] = None
+        except fusedist.RankMismatchError as e:
+            out[what] = (str(e), time.monotonic() - start, len(post_forward._GROUPS) - made)
+    # agreeing ranks: the run's group is made at the first forward, after the check
+    torch.manual_seed(0)
+    model = _shard(Net(), fusedist.fully_shard, mesh, K)
+    before = len(post_forward._GROUPS)
+    F.mse_loss(model(_batch(rank, 0)[0]), _batch(rank, 0)[1]).backward()
+    out["agreed"] = (before, len(post_forward._GROUPS))
+    return out
+
+
+def test_values_differing_across_ranks_fail_on_every_rank():
+    """A unit given different ``reshard_after_forward`` values on different ranks: a
+    RankMismatchError on every rank at the first forward, naming the unit and each rank's
+    value, before any run's process group is made (a rank given an int used to wait in
+    ``new_group`` for a partner that never came, until the store's timeout)."""
+    out = run_distributed(_mismatched, WORLD, timeout=60)
+    expected = {
+        "2 vs True": ("ranks [0]: ", "reshard_after_forward=2", "ranks [1, 2, 3]: ", "reshard_after_forward=True"),
+        "2 vs 4": ("ranks [0, 1]: ", "reshard_after_forward=2", "ranks [2, 3]: ", "reshard_after_forward=True"),
+        "False vs True": ("ranks [0, 1, 2]: ", "reshard_after_forward=True", "ranks [3]: ",
+                          "reshard_after_forward=False"),
+    }
+    for o in out:
+        for what, parts in expected.items():
+            assert o[what] is not None, f"{what}: no error"
+            text, elapsed, made = o[what]
+            assert "fully_shard wrapping of the model differs across ranks" in text, text
+            assert "unit 'blocks.0'" in text, text
+            first, first_value, second, second_value = parts
+            assert f"{first}unit 'blocks.0'" in text and f"{second}unit 'blocks.0'" in text, text
+            assert text.index(first_value) < text.index(second) < text.index(second_value), text
+            assert elapsed < 10 and made == 0, (what, elapsed, made)
+        assert o["agreed"] == (0, 1), o["agreed"]
 
 
 class CheckpointedNet(Net):

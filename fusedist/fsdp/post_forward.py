@@ -37,6 +37,16 @@ Note [resharding to a smaller group after forward]
     a shard group smaller than the world (HSDP, ZeRO groups) needs nothing from ranks
     outside it.
 
+    The groups are made at the root's first forward, after the wrapping check (``state.py``),
+    not by ``fully_shard``: ``new_group`` waits for every member of the run, so a rank given
+    ``k`` whose run partner was given ``True`` (or another ``k``) would wait there until the
+    store's timeout. The check compares each unit's resolved value across the shard group
+    (``reshard_after_forward=2`` on rank 0, ``True`` on the others: a ``RankMismatchError``
+    on every rank naming the unit and each rank's value), and only once it has passed does
+    each rank create its runs' groups, unit by unit in the root's order -- the same on every
+    rank, which ``new_group``'s naming (it counts the groups a process has) and its member
+    barriers need.
+
     What frees the parts: the gather that consumes them, or a full reshard -- the end of a
     backward, ``reshard()``, ``reset_iter_state()``, a state-dict save or load, a conversion
     (``model.to``), an optimizer step over the unit's pieces (the parts are a gathered copy
@@ -58,12 +68,29 @@ __all__ = ["PostForwardGroup", "resolve_reshard_after_forward"]
 @dataclasses.dataclass(frozen=True)
 class PostForwardGroup:
     """The run of ``size`` ranks a unit reshards to after forward: this rank is at ``rank`` of
-    ``ranks`` (global ranks); ``comm`` gathers over them."""
+    ``ranks`` (global ranks); :attr:`comm` gathers over them."""
 
     size: int
     rank: int
     ranks: tuple
-    comm: object
+    device: object
+
+    @property
+    def comm(self):
+        return self.connect()
+
+    def connect(self):
+        """The run's communicator. The first call makes the run's process group, which waits for
+        the run's members: only once the wrapping check has passed (Note [resharding to a
+        smaller group after forward])."""
+        from ..comm import get_communicator
+
+        world = dist.group.WORLD
+        entry = _GROUPS.get((id(world), self.ranks))
+        if entry is None or entry[0] is not world:  # (a re-created world gets fresh groups)
+            group = dist.new_group(list(self.ranks), use_local_synchronization=True)
+            entry = _GROUPS[(id(world), self.ranks)] = (world, group)
+        return get_communicator(entry[1], self.device)
 
 
 #: (world group, run's global ranks) -> (world group, process group): one group per run
@@ -73,7 +100,8 @@ _GROUPS: dict = {}
 def resolve_reshard_after_forward(value, shard_comm, shard_group, device, *, who: str = "fully_shard"):
     """``(flag, group)`` for a ``reshard_after_forward`` value (Note [resharding to a smaller
     group after forward]): ``flag`` None/True/False as the unit's, ``group`` the
-    :class:`PostForwardGroup` for an int ``k`` with ``1 < k < S``, else None."""
+    :class:`PostForwardGroup` for an int ``k`` with ``1 < k < S``, else None. Makes no process
+    group: :attr:`PostForwardGroup.comm` does, once the ranks are known to agree."""
     if value is None or isinstance(value, bool):
         return value, None
     if not isinstance(value, int):
@@ -92,18 +120,7 @@ def resolve_reshard_after_forward(value, shard_comm, shard_group, device, *, who
         return False, None
     if value == size:
         return True, None
-    return True, _group_for(value, shard_comm, shard_group, device)
-
-
-def _group_for(k: int, shard_comm, shard_group, device) -> PostForwardGroup:
-    from ..comm import get_communicator
-
     ranks = dist.get_process_group_ranks(shard_group if shard_group is not None else dist.group.WORLD)
     pos = shard_comm.rank
-    start = pos // k * k
-    run = tuple(ranks[start:start + k])
-    world = dist.group.WORLD
-    entry = _GROUPS.get((id(world), run))
-    if entry is None or entry[0] is not world:  # (a re-created world gets fresh groups)
-        entry = _GROUPS[(id(world), run)] = (world, dist.new_group(list(run), use_local_synchronization=True))
-    return PostForwardGroup(k, pos - start, run, get_communicator(entry[1], device))
+    start = pos // value * value
+    return True, PostForwardGroup(value, pos - start, tuple(ranks[start:start + value]), device)

@@ -354,10 +354,14 @@ class FullyShardState:
             for st in states:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
-            signature = [(st.path_in(names) or "?", _unit_params(st.unit)) for st in states if st.unit is not None]
+            with_unit = [st for st in states if st.unit is not None]
+            signature = [(st.path_in(names) or "?", _unit_params(st.unit)) for st in with_unit]
             # the data-parallel shape: a rank sharding over a 2-D mesh whose peer was given a 1-D one
             # (or another 2-D one) is reported here, before an all-reduce the peer never issues hangs
-            checked = [(_MESH, _mesh_entry(units[0]))] + signature
+            # and each unit's reshard after forward, which decides which collectives its next gather
+            # runs, over which ranks (Note [resharding to a smaller group after forward])
+            checked = [(_MESH, _mesh_entry(units[0]))] + [
+                (path, params, _reshard_entry(st.unit)) for (path, params), st in zip(signature, with_unit)]
             replicate = units[0].replicate_comm
             # (the shard group's exchange is named as on a 1-D mesh, so a peer given the other kind of
             # mesh meets it and the difference is reported by content)
@@ -368,7 +372,12 @@ class FullyShardState:
                         checked, f"the fully_shard wrapping of the model{over}", label=_describe_unit,
                         comm=comm, op=f"fully_shard: wrapping check{over}",
                         hint="Every rank must apply fully_shard to the same modules, in the same order, on the same "
-                             "model, with the same mesh (a 2-D mesh on every rank for HSDP).")
+                             "model, with the same mesh (a 2-D mesh on every rank for HSDP) and the same "
+                             "reshard_after_forward.")
+            # the runs' process groups, now that the ranks agree on them, in the same order on every rank
+            for u in units:
+                if u.post_forward is not None:
+                    u.post_forward.connect()
             # At world size 1 too, as DDP's StepWatch: the counters and the optimizer step guard
             # apply; its cross-rank check is off there (WatchBase), so no collective is issued.
             # Its buffers live across steps: made outside inference mode even when the first
@@ -604,11 +613,16 @@ def _mesh_entry(unit) -> tuple:
     return ("2-D (HSDP)" if unit.replicate_comm is not None else "1-D", replicas, unit.world_size)
 
 
+def _reshard_entry(unit):
+    """The unit's reshard after forward as resolved: True, False or the int ``k``."""
+    return unit.post_forward.size if unit.post_forward is not None else bool(unit.reshard_after_forward)
+
+
 def _describe_unit(entry: Any) -> str:
-    name, params = entry
-    if name == _MESH:
-        kind, replicas, size = params
+    if entry[0] == _MESH:
+        kind, replicas, size = entry[1]
         return f"a {kind} mesh: {replicas} replica(s) x {size} shards"
+    name, params, reshard = entry
     shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
     more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
-    return f"unit '{name or '<root>'}' [{shown}{more}]"
+    return f"unit '{name or '<root>'}' [{shown}{more}] reshard_after_forward={reshard}"

@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "register_data_parallel", "data_parallel_owner",
-    "register_gradient_holder", "gradient_holder", "gradient_holders_of",
+    "register_gradient_holder", "gradient_holder", "gradient_holders_of", "held_parameters",
     "register_step_watch", "step_watch",
 ]
 
@@ -63,8 +63,25 @@ def data_parallel_owner(p) -> Optional[object]:
 
 
 def register_gradient_holder(params: Iterable, holder) -> None:
-    """``holder`` keeps these parameters' gradients sharded and clips them globally."""
+    """``holder`` keeps these parameters' gradients sharded and clips them globally.
+
+    The first registration makes torch's own ``clip_grad_norm_`` / ``get_total_norm`` global
+    over such gradients (Note [torch's clip on sharded gradients] in fusedist/optim/torch_clip.py).
+    """
+    from .optim.torch_clip import install  # (here, not at import: fusedist.optim imports this module)
+
+    install()
     _register(_gradient_holder, params, holder)
+
+
+def held_parameters() -> list:
+    """``(parameter, holder)`` for every live parameter with a gradient holder."""
+    found = []
+    for p, ref in list(_gradient_holder.items()):
+        holder = ref()
+        if holder is not None:
+            found.append((p, holder))
+    return found
 
 
 def gradient_holder(p) -> Optional[object]:

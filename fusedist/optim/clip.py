@@ -20,6 +20,7 @@ import torch
 
 from ..ownership import gradient_holder
 from .step_context import pending_contexts
+from .torch_clip import torch_clip_grad_norm_
 
 
 def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -89,4 +90,4 @@ def clip_grad_norm_(
     for opt in pending:
         if any(id(p) in ids for p in opt._fusedist_grad_params()):
             opt._fusedist_materialize_unscale()
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    return torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -106,8 +106,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       :meth:`gradient_shards`). Stage-2 gradients accumulate over synchronized backward passes
       until ``step()``, which consumes them (so either ``optimizer.zero_grad()`` or
       ``model.zero_grad()`` works in the loop). Clip with :meth:`clip_grad_norm_` (any stage), which combines
-      the shards' norms with one small all-reduce; ``torch.nn.utils.clip_grad_norm_`` on the
-      parameters would see no gradients in stage 2.
+      the shards' norms with one small all-reduce; ``torch.nn.utils.clip_grad_norm_``, called
+      through the module, hands stage 2's parameters to it (Note [torch's clip on sharded
+      gradients] in fusedist/optim/torch_clip.py).
     * GradScaler: ``fusedist.amp.GradScaler`` (Note [scaler protocol]): the found-inf flag and
       the gradient norm are combined across shards in one all-reduce of two numbers, and a
       fused inner optimizer skips an overflowing step on the device. A non-fused inner
@@ -284,7 +285,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(stage=2) cannot be stepped by torch.amp.GradScaler: stage 2 keeps "
                 "only this rank's shard of the gradients, so p.grad is None where torch's scaler unscales "
-                "and checks for inf/nan (and where torch.nn.utils.clip_grad_norm_ measures, finding 0). "
+                "and checks for inf/nan. "
                 "Use fusedist.amp.GradScaler (same API) and fusedist.clip_grad_norm_ or "
                 "optimizer.clip_grad_norm_, or stage=1"
             )

@@ -1,0 +1,147 @@
+"""torch's own gradient clip, made global over gradients that fusedist keeps sharded.
+
+Note [torch's clip on sharded gradients]
+----------------------------------------
+torch FSDP2's parameters are DTensors, so ``torch.nn.utils.clip_grad_norm_(model.parameters())``
+there measures the *global* norm: the per-tensor norms are partial DTensors, reduced across
+the ranks when the clip coefficient is applied. ``fusedist.fully_shard``'s parameters are plain
+tensors holding this rank's piece, and ZeRO stage 2 keeps no ``p.grad`` at all: torch's function
+would measure this rank's share only (each rank clipping by its own norm, the ranks silently
+departing from FSDP2's training), or nothing (stage 2's clip a silent no-op). Code that clips
+with torch's function is everywhere (training loops, Lightning's precision plugins, Hugging
+Face's Trainer, torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_``), so the swap of one
+import must keep it right rather than ask every caller to switch.
+
+The first registration of a gradient holder (``fusedist/ownership.py``: a ``fully_shard`` unit or
+a stage-2 ``ZeroRedundancyOptimizer``) therefore installs two narrow replacements in torch:
+
+* ``torch.nn.utils.clip_grad_norm_`` (also under ``torch.nn.utils.clip_grad``): parameters with
+  a gradient holder go to :func:`fusedist.clip_grad_norm_` (the global norm, one small
+  all-reduce; stage 2 applies the coefficient in its step). Any other call is torch's function,
+  unchanged.
+* ``torch.nn.utils.get_total_norm`` and the module-level ``_get_total_norm`` that torch's
+  ``clip_grad_norm_`` calls: gradients that are ``fully_shard`` pieces' ``.grad`` give the global
+  norm. Patching the name torch's clip looks up at call time keeps even a
+  ``from torch.nn.utils import clip_grad_norm_`` bound before fusedist was imported right for
+  ``fully_shard`` (its ``_clip_grads_with_norm_`` then scales every rank's pieces by the same
+  global coefficient).
+
+What stays outside: stage 2 through a name bound before the installation (no ``p.grad`` for the
+norm to see: use ``torch.nn.utils.clip_grad_norm_`` through the module, ``fusedist.clip_grad_norm_``
+or ``optimizer.clip_grad_norm_``), and a list mixing sharded and unsharded gradients or two
+process groups' units, which raises (FSDP2's clip refuses DTensors mixed with plain tensors too).
+Both replacements are collectives exactly when they see sharded gradients: every rank calls them
+with the same parameters, as FSDP2 requires of its clip.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.utils as nn_utils
+import torch.nn.utils.clip_grad as clip_grad_module
+
+from ..ownership import gradient_holder, held_parameters
+
+__all__ = ["install", "installed", "torch_clip_grad_norm_"]
+
+#: torch's own functions, saved before replacement (also what fusedist's clip falls back to)
+_TORCH_CLIP = clip_grad_module.clip_grad_norm_
+_TORCH_TOTAL_NORM = clip_grad_module._get_total_norm
+_installed = False
+
+
+def torch_clip_grad_norm_(*args, **kwargs) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` as torch ships it (whatever is installed in its place)."""
+    return _TORCH_CLIP(*args, **kwargs)
+
+
+def _pieces_by_holder(grads: list) -> tuple[dict, bool]:
+    """The parameters whose ``.grad`` is among ``grads``, grouped by gradient holder, and
+    whether some of ``grads`` belong to no holder."""
+    ids = {id(g) for g in grads}
+    found: dict = {}
+    for p, holder in held_parameters():
+        g = p.grad
+        if g is not None and id(g) in ids and hasattr(holder, "grad_norm"):
+            found.setdefault(id(holder), (holder, []))[1].append(p)
+            ids.discard(id(g))
+    return found, bool(ids)
+
+
+def _unscale_pending(params: list) -> None:
+    """``GradScaler(lazy_unscale=True)`` left these gradients scaled: unscale them first, as
+    ``fusedist.clip_grad_norm_`` does, so the norm and the clip see torch's values."""
+    from .step_context import pending_contexts
+
+    ids = {id(p) for p in params}
+    for opt in pending_contexts():
+        if any(id(p) in ids for p in opt._fusedist_grad_params()):
+            opt._fusedist_materialize_unscale()
+
+
+@torch.no_grad()
+def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    found, unheld = _pieces_by_holder(tensors) if tensors else ({}, False)
+    if not found:
+        return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    if len(found) > 1 or unheld:
+        raise ValueError(
+            "torch.nn.utils.get_total_norm / clip_grad_norm_: some of these gradients are pieces of "
+            "fusedist.fully_shard parameters and some are not, or they belong to units of different "
+            "process groups: the total norm would mix this rank's local values with global ones. "
+            "Measure each group's gradients on their own (torch's FSDP2 refuses DTensors mixed with "
+            "plain tensors too)")
+    holder, params = next(iter(found.values()))
+    _unscale_pending(params)
+    total = holder.grad_norm(params, norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite "
+            "over all ranks' pieces of the fully_shard parameters, so it cannot be clipped (every rank "
+            "raises this). To disable this error and scale the gradients by the non-finite norm "
+            "anyway, set `error_if_nonfinite=False`")
+    # torch returns the norm in the gradients' (promoted) dtype
+    dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors})
+    return total.to(device=tensors[0].device, dtype=dtype)
+
+
+@torch.no_grad()
+def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    if isinstance(parameters, torch.Tensor):
+        params = [parameters]
+    else:
+        params = list(parameters)
+        if not params and isinstance(parameters, types.GeneratorType):
+            # (the exhausted generator itself: torch warns that an empty one clips nothing)
+            return _TORCH_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    if any(gradient_holder(p) is not None for p in params):
+        from .clip import clip_grad_norm_
+
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+functools.update_wrapper(_global_total_norm, _TORCH_TOTAL_NORM)
+functools.update_wrapper(_global_clip_grad_norm_, _TORCH_CLIP)
+
+
+def install() -> None:
+    """Install the replacements (once; Note [torch's clip on sharded gradients])."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    clip_grad_module._get_total_norm = _global_total_norm
+    nn_utils.get_total_norm = _global_total_norm
+    clip_grad_module.clip_grad_norm_ = _global_clip_grad_norm_
+    nn_utils.clip_grad_norm_ = _global_clip_grad_norm_
+
+
+def installed() -> bool:
+    return _installed

@@ -47,7 +47,7 @@ Note [rank-independent reductions]
     it has been gathered (``FullyShardState.reduces_unused_unit``). When: a unit's backward is over once all its parameters have their gradients, or
     at the end of backward if some never get one, and that differs between ranks; so the
     reduce-scatters are issued in one fixed order, the reverse of the units' first forward
-    calls (``IterationContext.reduce_in_order`` in ``state.py``; a unit that is done waits,
+    calls (``IterationContext.reduce_in_order`` in ``iteration.py``; a unit that is done waits,
     with its gradients, for the ones before it -- in the usual case backward finishes them
     in that order anyway). Which parameters get
     ``.grad`` from the result follows this rank's gradients (as torch's FSDP2: a parameter no

@@ -37,7 +37,7 @@ Note [resharding to a smaller group after forward]
     a shard group smaller than the world (HSDP, ZeRO groups) needs nothing from ranks
     outside it.
 
-    The groups are made at the root's first forward, after the wrapping check (``state.py``),
+    The groups are made at the root's first forward, after the wrapping check (``wrapping_check.py``),
     not by ``fully_shard``: ``new_group`` waits for every member of the run, so a rank given
     ``k`` whose run partner was given ``True`` (or another ``k``) would wait there until the
     store's timeout. The check compares each unit's resolved value across the shard group

@@ -1,5 +1,6 @@
 """When a unit gathers, reshards and reduces: the forward/backward hooks of one ``fully_shard``
-module, and the context the modules under one root share for an iteration.
+module. What the modules under one root share for an iteration is in ``iteration.py``, the
+check at a root's first forward that the ranks wrapped the model alike in ``wrapping_check.py``.
 
 Note [unit schedule]
     forward   pre-hook: (a forward's first unit: wait for a ``set_post_optim_event`` event)
@@ -28,12 +29,12 @@ Note [unit schedule]
               and changes nothing else.
     recovery  ``reset_iter_state`` after an exception in forward or backward: the collectives
               in flight are waited for, every unit reshards, and the iteration's gradients and
-              bookkeeping are dropped (``IterationContext.reset_iteration``); without it, the
-              next forward does the same (Notes [aborted forward] and [aborted backward] in
-              ``recovery.py``).
+              bookkeeping are dropped (``IterationContext.reset_iteration`` in iteration.py);
+              without it, the next forward does the same (Notes [aborted forward] and [aborted
+              backward] in ``recovery.py``).
 
     Every rank must run the same units in the same order (the collectives pair up by order);
-    the first forward of a root checks that the ranks wrapped the model alike.
+    the first forward of a root checks that the ranks wrapped the model alike (wrapping_check.py).
 
 Note [forward without gradients]
     A unit reshards after a forward exactly when ``reshard_after_forward`` says so, with or
@@ -98,17 +99,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-from torch.autograd import Variable
 
-from .._consistency import check_same_across_ranks
 from ..reliability.sharded_watch import ShardedStepWatch
-from . import grads as grads_mod
 from . import recovery
 from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
+from .iteration import IterationContext
+from .wrapping_check import check_wrapping
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardState]" = weakref.WeakKeyDictionary()
 
@@ -140,141 +140,6 @@ class _InputsBackward(torch.autograd.Function):
 
 def _replace_tensors(obj, new: dict):
     return _map_tensors(lambda t: new.get(id(t), t), obj)
-
-
-class IterationContext:
-    """Shared by the states under one root: their order, the reduce-scatters in flight."""
-
-    def __init__(self, states: list):
-        self.states = states
-        self.forward_order: list = []  # states in pre-forward order, last forward
-        self._current_order: list = []
-        self._pos = 0
-        self.in_forward = False
-        self.post_forward_order: list = []  # this iteration's post-forwards (with grad)
-        self.pending: list = []  # grads.PendingReduce in flight
-        self.reduce_log: list = []  # this backward's reductions (Note [rank-independent reductions])
-        self.reduce_order: list = []  # states in the order their reduce-scatters are issued
-        self.next_reduce = 0
-        self.deferred: dict = {}  # state -> its unsharded gradients, waiting for its turn
-        self.backward_running = False
-        self._forward_frame = None  # the frame that called the root's pre-forward hook
-        self.post_optim_event = None  # set_post_optim_event: waited for before the next gather
-        # [reliability] the root's observer (Note [stage-3 step check]); None without units.
-        self.watch = None
-
-    # ---- forward
-    def begin_forward(self, frame=None) -> None:
-        self.in_forward = True
-        self._current_order, self._pos = [], 0
-        self._forward_frame = frame
-
-    def next_in_forward(self, state) -> Optional["FullyShardState"]:
-        """The state that followed ``state`` in the last forward (None once the order differs)."""
-        self._current_order.append(state)
-        order, pos = self.forward_order, self._pos
-        if pos < 0 or pos >= len(order) or order[pos] is not state:
-            self._pos = -1
-            return None
-        self._pos += 1
-        return order[pos + 1] if pos + 1 < len(order) else None
-
-    def reduce_in_order(self, state, grads) -> None:
-        """``state``'s gradients are ready: issue every reduce-scatter whose turn has come
-        (Note [rank-independent reductions] in ``grads.py``). ``state=None``: the end of
-        backward, issue the rest in order (then any unit outside the order, in registration
-        order)."""
-        if state is not None:
-            self.deferred[state] = grads
-        order, deferred = self.reduce_order, self.deferred
-        while self.next_reduce < len(order) and (state is None or order[self.next_reduce] in deferred):
-            st = order[self.next_reduce]
-            self.next_reduce += 1
-            if st in deferred:
-                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log, self.max_in_flight())
-        if state is None:
-            for st in [st for st in self.states if st in deferred]:
-                st.grads.reduce(deferred.pop(st), self.pending, self.reduce_log, self.max_in_flight())
-
-    def max_in_flight(self) -> int:
-        """The reduce-scatters allowed in flight: the largest ``set_reduce_scatter_max_input_buffers``
-        value under this root (as FSDP2, the most aggressive wins: the reductions share one
-        queue), else ``grads.MAX_IN_FLIGHT``."""
-        caps = [st.max_input_buffers for st in self.states if st.max_input_buffers is not None]
-        return max(caps) if caps else grads_mod.MAX_IN_FLIGHT
-
-    def wait_post_optim_event(self) -> None:
-        """Order the next all-gather after the event ``set_post_optim_event`` gave, once.
-        fusedist's gathers follow the current stream anyway, so on CUDA the current stream
-        waits for the event (an optimizer stepped on another stream is then seen); on CPU
-        the step has finished before forward begins and there is nothing to wait for."""
-        event, self.post_optim_event = self.post_optim_event, None
-        if event is None:
-            return
-        device = next((st.unit.device for st in self.states if st.unit is not None), None)
-        if device is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).wait_event(event)
-
-    def end_forward(self) -> None:
-        self.in_forward, self._forward_frame = False, None
-        self.forward_order = self._current_order
-        for st in self.states:
-            if st._group_pending:  # Note [a list of modules as one unit] in members.py: a member did not run
-                st.close_group_call()
-        for st in self.states:  # Note [unit schedule]: prefetched but never run
-            unit = st.unit
-            if unit is not None and not st.is_root and (unit.is_unsharded or unit.gather_in_flight) \
-                    and unit.reshard_after_forward:
-                unit.reshard()
-
-    # ---- backward
-    def ensure_final_callback(self) -> None:
-        if not self.backward_running:
-            self.backward_running = True
-            # Note [rank-independent reductions]: reverse order of each unit's first forward
-            # call (a unit reduces after its first call's backward, its last).
-            first = list(dict.fromkeys(self.post_forward_order))
-            self.reduce_order, self.next_reduce, self.deferred = first[::-1], 0, {}
-            if self.watch is not None:
-                self.watch.backward_begins()
-            Variable._execution_engine.queue_callback(self.finish_backward)
-
-    def reset_iteration(self) -> None:
-        """After an exception aborted a forward or backward: wait for the collectives in flight,
-        reshard every unit and forget the iteration (its gradients are lost: reductions in
-        flight or waiting their turn, no-sync accumulators, unsharded gradients)."""
-        try:
-            grads_mod.discard_all(self.pending)
-        finally:
-            if self.watch is not None:
-                self.watch.backward_aborted()
-            self.in_forward, self._forward_frame = False, None
-            self._current_order, self._pos = [], 0
-            self.reduce_log, self.deferred, self.reduce_order, self.next_reduce = [], {}, [], 0
-            self.post_forward_order.clear()
-            self.backward_running = False
-            for st in self.states:
-                st.reset_iteration()
-
-    def finish_backward(self) -> None:
-        try:
-            ran = [st for st in self.states if st.unit is not None and st.backward_pending]
-            for st in reversed(ran):
-                st.post_backward()
-            for st in self.states:
-                if st not in ran and st.reduces_unused_unit():
-                    self.deferred[st] = [None] * len(st.unit.unsharded)  # zeros, after the units that ran
-            self.reduce_in_order(None, None)
-            grads_mod.finish_all(self.pending)
-            if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
-                self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log,
-                                         units=[st.unit.label for st in self.post_forward_order])
-        finally:
-            self.reduce_log, self.deferred = [], {}
-            self.post_forward_order.clear()
-            self.backward_running = False
-            for st in self.states:
-                st.reset_backward()
 
 
 class FullyShardState:
@@ -354,26 +219,7 @@ class FullyShardState:
             for st in states:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
-            with_unit = [st for st in states if st.unit is not None]
-            signature = [(st.path_in(names) or "?", _unit_params(st.unit)) for st in with_unit]
-            # the data-parallel shape: a rank sharding over a 2-D mesh whose peer was given a 1-D one
-            # (or another 2-D one) is reported here, before an all-reduce the peer never issues hangs
-            # and each unit's reshard after forward, which decides which collectives its next gather
-            # runs, over which ranks (Note [resharding to a smaller group after forward])
-            checked = [(_MESH, _mesh_entry(units[0]))] + [
-                (path, params, _reshard_entry(st.unit)) for (path, params), st in zip(signature, with_unit)]
-            replicate = units[0].replicate_comm
-            # (the shard group's exchange is named as on a 1-D mesh, so a peer given the other kind of
-            # mesh meets it and the difference is reported by content)
-            groups = [(units[0].comm, "")] + ([(replicate, " (across replicas)")] if replicate is not None else [])
-            for comm, over in groups:
-                if comm.world_size > 1:  # replica peers pair up their all-reduces too
-                    check_same_across_ranks(
-                        checked, f"the fully_shard wrapping of the model{over}", label=_describe_unit,
-                        comm=comm, op=f"fully_shard: wrapping check{over}",
-                        hint="Every rank must apply fully_shard to the same modules, in the same order, on the same "
-                             "model, with the same mesh (a 2-D mesh on every rank for HSDP) and the same "
-                             "reshard_after_forward.")
+            signature = check_wrapping([(st.path_in(names) or "?", st.unit) for st in states if st.unit is not None])
             # the runs' process groups, now that the ranks agree on them, in the same order on every rank
             for u in units:
                 if u.post_forward is not None:
@@ -590,39 +436,3 @@ class FullyShardState:
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
-
-
-def _unit_params(unit) -> list:
-    """(name, shape) of a unit's parameters for the wrapping check; a frozen one is named so,
-    since the flags at wrapping decide the layout (Note [trainable section]), and in a unit of
-    several dtypes each is named with its dtype, which decides it too (Note [dtype sections])."""
-    out = []
-    for i, (fqn, slot) in enumerate(zip(unit.fqns, unit.layout.slots)):
-        sec = unit.layout.section_of(i)[0]
-        name = fqn if sec.trainable else f"{fqn} (frozen)"
-        out.append((f"{name} ({str(sec.dtype).replace('torch.', '')})" if unit.layout.mixed else name, tuple(slot.shape)))
-    return out
-
-
-#: the wrapping check's first entry: the mesh's data-parallel shape (replicas, shard size)
-_MESH = "<mesh>"
-
-
-def _mesh_entry(unit) -> tuple:
-    replicas = unit.replicate_comm.world_size if unit.replicate_comm is not None else 1
-    return ("2-D (HSDP)" if unit.replicate_comm is not None else "1-D", replicas, unit.world_size)
-
-
-def _reshard_entry(unit):
-    """The unit's reshard after forward as resolved: True, False or the int ``k``."""
-    return unit.post_forward.size if unit.post_forward is not None else bool(unit.reshard_after_forward)
-
-
-def _describe_unit(entry: Any) -> str:
-    if entry[0] == _MESH:
-        kind, replicas, size = entry[1]
-        return f"a {kind} mesh: {replicas} replica(s) x {size} shards"
-    name, params, reshard = entry
-    shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
-    more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
-    return f"unit '{name or '<root>'}' [{shown}{more}] reshard_after_forward={reshard}"

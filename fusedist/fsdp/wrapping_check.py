@@ -1,0 +1,76 @@
+"""The check at a root's first forward that every rank wrapped the model alike: the same units
+with the same parameters (names, shapes, trainable flags, dtypes), the same mesh, the same
+``reshard_after_forward``. A rank that differs would otherwise wait in a collective its peers
+never issue; here every rank raises the same :class:`fusedist.RankMismatchError` naming the
+first unit that differs and each rank's version of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._consistency import check_same_across_ranks
+
+__all__ = ["check_wrapping"]
+
+
+def check_wrapping(named_units: list) -> list:
+    """Compare ``(path, unit)`` of every unit under a root, in order, across the shard group
+    (and across replicas on an HSDP mesh); return the units' ``(path, parameters)``
+    signature, which the step watch keeps."""
+    units = [u for _, u in named_units]
+    signature = [(path, _unit_params(u)) for path, u in named_units]
+    # the data-parallel shape: a rank sharding over a 2-D mesh whose peer was given a 1-D one
+    # (or another 2-D one) is reported here, before an all-reduce the peer never issues hangs;
+    # and each unit's reshard after forward, which decides which collectives its next gather
+    # runs, over which ranks (Note [resharding to a smaller group after forward] in post_forward.py)
+    checked = [(_MESH, _mesh_entry(units[0]))] + [
+        (path, params, _reshard_entry(u)) for (path, params), u in zip(signature, units)]
+    replicate = units[0].replicate_comm
+    # (the shard group's exchange is named as on a 1-D mesh, so a peer given the other kind of
+    # mesh meets it and the difference is reported by content)
+    groups = [(units[0].comm, "")] + ([(replicate, " (across replicas)")] if replicate is not None else [])
+    for comm, over in groups:
+        if comm.world_size > 1:  # replica peers pair up their all-reduces too
+            check_same_across_ranks(
+                checked, f"the fully_shard wrapping of the model{over}", label=_describe_unit,
+                comm=comm, op=f"fully_shard: wrapping check{over}",
+                hint="Every rank must apply fully_shard to the same modules, in the same order, on the same "
+                     "model, with the same mesh (a 2-D mesh on every rank for HSDP) and the same "
+                     "reshard_after_forward.")
+    return signature
+
+
+def _unit_params(unit) -> list:
+    """(name, shape) of a unit's parameters for the wrapping check; a frozen one is named so,
+    since the flags at wrapping decide the layout (Note [trainable section]), and in a unit of
+    several dtypes each is named with its dtype, which decides it too (Note [dtype sections])."""
+    out = []
+    for i, (fqn, slot) in enumerate(zip(unit.fqns, unit.layout.slots)):
+        sec = unit.layout.section_of(i)[0]
+        name = fqn if sec.trainable else f"{fqn} (frozen)"
+        out.append((f"{name} ({str(sec.dtype).replace('torch.', '')})" if unit.layout.mixed else name, tuple(slot.shape)))
+    return out
+
+
+#: the wrapping check's first entry: the mesh's data-parallel shape (replicas, shard size)
+_MESH = "<mesh>"
+
+
+def _mesh_entry(unit) -> tuple:
+    replicas = unit.replicate_comm.world_size if unit.replicate_comm is not None else 1
+    return ("2-D (HSDP)" if unit.replicate_comm is not None else "1-D", replicas, unit.world_size)
+
+
+def _reshard_entry(unit):
+    """The unit's reshard after forward as resolved: True, False or the int ``k``."""
+    return unit.post_forward.size if unit.post_forward is not None else bool(unit.reshard_after_forward)
+
+
+def _describe_unit(entry: Any) -> str:
+    if entry[0] == _MESH:
+        kind, replicas, size = entry[1]
+        return f"a {kind} mesh: {replicas} replica(s) x {size} shards"
+    name, params, reshard = entry
+    shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
+    more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
+    return f"unit '{name or '<root>'}' [{shown}{more}] reshard_after_forward={reshard}"

@@ -442,3 +442,81 @@ def test_a_peer_dying_after_the_manifest_is_not_reported_as_an_incomplete_checkp
     assert complete, "step 1 should be complete"
     assert kind == "CheckpointError" and "written completely and loads" in message, message
     assert "incomplete and will be skipped" not in message, message
+
+
+# ----------------------------------------------------------------------------- a newer fusedist's checkpoints
+
+
+def _as_newer_format(path: str, step=None) -> None:
+    """Mark the checkpoint in ``path`` as written by a newer fusedist (its manifest's format
+    version above ours), of ``step`` if given."""
+    import json
+
+    from fusedist.checkpoint import _files
+
+    name = os.path.join(path, _files.MANIFEST)
+    with open(name) as f:
+        manifest = json.load(f)
+    manifest["version"] = _files.VERSION + 1
+    if step is not None:
+        manifest["checkpointer"]["step"] = step
+    with open(name, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_checkpoints_of_a_newer_fusedist_are_never_skipped_silently_or_removed(tmp_path):
+    """Note [checkpoints of a newer fusedist] in fusedist/checkpoint/layout.py: a downgraded job
+    used to skip them as incomplete, restore an older step with a warning, and prune them. Now
+    restore refuses while one is the newest (naming the step to continue from), restoring that
+    step explicitly sets them aside instead of removing them, retention below the newest keeps
+    them, and a save into one fails naming it."""
+    from fusedist.checkpoint import Checkpointer, CheckpointError, _files, _replace, layout
+
+    root = str(tmp_path / "ckpt")
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(root, every_steps=1, keep=2, async_save=False) as ckpt:
+        ckpt.restore(model, opt)
+        for step in (1, 2, 3):
+            _step(model, opt, step)
+            ckpt.save(step)
+    _as_newer_format(layout.step_dir(root, 3))
+    other = _net(4)
+    newer_bytes = sorted((n, os.path.getsize(os.path.join(layout.step_dir(root, 3), n)))
+                         for n in os.listdir(layout.step_dir(root, 3)))
+
+    with pytest.raises(CheckpointError, match=r"holds checkpoints written by a newer fusedist \(steps \[3\]: it was "
+                                              r"written by a newer fusedist \(format version \d+; this one reads "
+                                              r"versions up to \d+\)\); restoring an older one would silently go "
+                                              r"back past them\. Upgrade fusedist, or restore\(\.\.\., step=2\)"):
+        Checkpointer(root).restore(other, torch.optim.AdamW(other.parameters()))
+    entry = layout.entry(root, 3)
+    assert not entry.complete and entry.newer_format == _files.VERSION + 1
+    # a save of its step cannot replace it
+    save_id, why = _replace.prepare(root, 3)
+    assert save_id == "" and "written by a newer fusedist" in why and "left as it is" in why
+    assert layout.entry(root, 3).newer_format
+
+    # continuing from step 2 on purpose: the first save sets the newer one aside, whole
+    fresh = _net(5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with Checkpointer(root, every_steps=1, keep=1, async_save=False) as ckpt:
+        assert ckpt.restore(fresh, fresh_opt, step=2) == 2
+        _step(fresh, fresh_opt, 30)
+        with pytest.warns(UserWarning, match=r"set aside as \['abandoned-step-00000003'\]"):
+            ckpt.save(3)
+    aside = os.path.join(root, "abandoned-step-00000003")
+    assert sorted((n, os.path.getsize(os.path.join(aside, n))) for n in os.listdir(aside)) == newer_bytes
+    assert [e.step for e in layout.scan(root) if e.complete] == [3]
+
+    # one below the newest checkpoint this fusedist reads: restored past, and kept by retention
+    os.rename(aside, layout.step_dir(root, 1))
+    _as_newer_format(layout.step_dir(root, 1), step=1)
+    assert layout.entry(root, 1).newer_format
+    with Checkpointer(root, every_steps=1, keep=1, async_save=False) as ckpt:
+        assert ckpt.restore(fresh, fresh_opt) == 3
+        for step in (4, 5):
+            _step(fresh, fresh_opt, step)
+            ckpt.save(step)
+    assert [(e.step, e.complete, bool(e.newer_format)) for e in layout.scan(root)] == [(5, True, False),
+                                                                                    (1, False, True)]

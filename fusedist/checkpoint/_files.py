@@ -85,6 +85,15 @@ class CheckpointError(RuntimeError):
     changed in the model, optimizer or scaler."""
 
 
+class NewerFormatError(CheckpointError):
+    """The checkpoint was written by a newer fusedist: whole, but unreadable here (Note
+    [checkpoints of a newer fusedist] in layout.py)."""
+
+    def __init__(self, message: str, version):
+        super().__init__(message)
+        self.version = version
+
+
 def _fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -279,10 +288,9 @@ def read_manifest_and_digest(directory: str) -> tuple[dict, str]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"fusedist.checkpoint: {path} is not a fusedist checkpoint manifest")
     if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(
+        raise NewerFormatError(
             f"fusedist.checkpoint: {path} has format version {manifest.get('version')}, this fusedist "
-            f"reads versions up to {VERSION}; upgrade fusedist"
-        )
+            f"reads versions up to {VERSION}; upgrade fusedist", manifest.get("version"))
     return manifest, hashlib.sha256(data).hexdigest()
 
 

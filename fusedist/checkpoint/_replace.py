@@ -45,6 +45,9 @@ def prepare(root: str, step: int) -> tuple[str, Optional[str]]:
         return "", (f"{path} exists and is not a directory (not a checkpoint this Checkpointer wrote); it is left "
                     "as it is. Move it away, or give the Checkpointer a directory of its own")
     found = layout.entry(root, step)
+    if found is not None and found.newer_format:  # Note [checkpoints of a newer fusedist] in layout.py
+        return "", (f"{path} holds a checkpoint that {found.reason}; it is left as it is. Upgrade fusedist to "
+                    "continue that run, or move it away")
     if found is not None and found.complete:
         return uuid.uuid4().hex[:12], None  # Note [saving a step again]
     if found is not None:  # left by a save killed before a restart: nothing complete to keep

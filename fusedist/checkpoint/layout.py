@@ -18,6 +18,17 @@ Note [a restore that rolls back]
     saved, kept them for ever. So the first save after such a restore renames them
     ``abandoned-step-N`` (rank 0, before anything is written): never restored, never pruned,
     still there to inspect or delete. A restore that only reads (an evaluation) moves nothing.
+
+Note [checkpoints of a newer fusedist]
+    A checkpoint whose manifest has a format version above the one this fusedist reads (a
+    job downgraded, or an older install restarting a newer run's job) is whole, only not
+    readable here. Counted as incomplete, it was skipped with a warning: ``restore`` went
+    back silently to an older step (or to step 0), the next save of its step replaced it,
+    and retention removed it once the run passed it -- a downgrade destroyed the newest
+    checkpoints. Now such an entry is ``newer_format``: ``restore`` without a step refuses
+    while one is newer than every checkpoint it can read (upgrade fusedist, or name the step
+    to continue from); retention never removes one; a save of its step fails naming it; a
+    restore that rolls back past one sets it aside with the complete ones above.
 """
 
 from __future__ import annotations
@@ -50,11 +61,17 @@ class Entry:
     # replaced this one (Note [saving a step again] in ``_replace.py``). Never read; removed
     # by the next complete save.
     leftovers: tuple = ()
+    # The manifest's format version when a newer fusedist wrote it (Note [checkpoints of a
+    # newer fusedist]): not complete here, and never removed by this fusedist.
+    newer_format: Optional[int] = None
 
 
 def _check(step: int, path: str) -> Entry:
     try:
         manifest = _files.read_manifest(path)
+    except _files.NewerFormatError as exc:
+        return Entry(step, path, False, f"it was written by a newer fusedist (format version {exc.version}; this "
+                                        f"one reads versions up to {_files.VERSION})", newer_format=exc.version)
     except CheckpointError as exc:
         reason = "no manifest (the save was interrupted)" if "does not exist" in str(exc) else str(exc)
         return Entry(step, path, False, reason)
@@ -114,11 +131,12 @@ ABANDONED = "abandoned-"
 
 def set_aside_above(root: str, step: int) -> list[str]:
     """Rename the complete checkpoints of steps above ``step`` to ``abandoned-step-N`` (Note
-    [a restore that rolls back]); returns the new names. Incomplete ones are left to
-    :func:`retain` and to saves of their step, as always."""
+    [a restore that rolls back]), and those of a newer fusedist (Note [checkpoints of a newer
+    fusedist]); returns the new names. Incomplete ones are left to :func:`retain` and to saves
+    of their step, as always."""
     moved = []
     for entry in scan(root):
-        if entry.step <= step or not entry.complete:
+        if entry.step <= step or not (entry.complete or entry.newer_format):
             continue
         base = os.path.join(root, ABANDONED + os.path.basename(entry.path))
         target, n = base, 1
@@ -135,13 +153,13 @@ def retain(root: str, keep: Optional[int], newest: int, started: Optional[float]
     """Apply retention after the checkpoint of step ``newest`` completed: keep the ``keep``
     newest complete checkpoints (None keeps all) and drop incomplete directories older than
     ``newest`` (interrupted saves that a complete checkpoint has superseded). Directories of
-    steps above ``newest`` are never touched. With ``started`` (when that save began), the
+    steps above ``newest``, and checkpoints of a newer fusedist, are never touched. With ``started`` (when that save began), the
     kept checkpoints' leftovers older than it -- a killed rewrite's files -- are removed too.
     Returns the removed steps."""
     removed = []
     complete = 0
     for entry in scan(root):
-        if entry.step > newest:
+        if entry.step > newest or entry.newer_format:  # (Note [checkpoints of a newer fusedist])
             continue
         if entry.complete:
             complete += 1

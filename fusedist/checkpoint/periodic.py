@@ -208,6 +208,13 @@ class Checkpointer:
             return [(step, chosen[0].path)]
         complete = [(e.step, e.path) for e in entries if e.complete]
         newest = complete[0][0] if complete else -1
+        newer = [e for e in entries if e.newer_format and e.step > newest]
+        if newer:  # Note [checkpoints of a newer fusedist] in layout.py
+            older = f"restore(..., step={newest}) to continue from the newest one it reads" if complete else \
+                "move them away to start afresh"
+            return (f"fusedist.checkpoint.Checkpointer: {self.directory} holds checkpoints written by a newer "
+                    f"fusedist (steps {[e.step for e in newer]}: {newer[0].reason}); restoring an older one would "
+                    f"silently go back past them. Upgrade fusedist, or {older}; they are never removed")
         for e in entries:
             if not e.complete and e.step > newest:
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {e.path} "

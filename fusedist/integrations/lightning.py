@@ -14,7 +14,10 @@ optimizer's own clip, which see the sharded gradients that torch's clip would mi
 by value needs ``p.grad``, so stage 2 refuses it). ``"64-true"`` trains as with Lightning's DDP.
 ``Trainer(sync_batchnorm=True)`` uses ``fusedist.nn.SyncBatchNorm``, which runs on CPU too
 (Note [sync_batchnorm]); ``ddp_comm_hook`` / ``ddp_comm_wrapper`` / ``ddp_comm_state`` are
-registered as Lightning registers them (Note [communication hook wrappers]).
+registered as Lightning registers them (Note [communication hook wrappers]). With
+``zero_stage=2`` there is no ``p.grad``: log gradient norms with this module's ``grad_norm``,
+Lightning's own ``grad_norm`` with the shards taken into account (Note [gradient norms under
+ZeRO stage 2]).
 
 Importing this module registers the strategy under Lightning's strategy names
 (Note [strategy names]): ``Trainer(strategy="fusedist")``, ``"fusedist_zero1"``,
@@ -46,7 +49,7 @@ from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
 
 from .lightning_precision import RoutesPrecision
 
-__all__ = ["FusedistStrategy", "FusedistModelParallelStrategy"]
+__all__ = ["FusedistStrategy", "FusedistModelParallelStrategy", "grad_norm"]
 
 # torch optimizer -> its fused drop-in (same constructor keywords).
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
@@ -355,3 +358,7 @@ FusedistStrategy.register_strategies(StrategyRegistry)
 # fully_shard models under Lightning's ModelParallelStrategy (its own module; it reuses the
 # precision adapters above).
 from .lightning_model_parallel import FusedistModelParallelStrategy  # noqa: E402
+
+# Lightning's grad_norm for gradients that ZeRO stage 2 keeps in shards (Note [gradient norms
+# under ZeRO stage 2]).
+from .lightning_grad_norm import grad_norm  # noqa: E402

@@ -369,9 +369,14 @@ def test_hf_config_source_and_moe(tmp_path, capsys):
     path.write_text(json.dumps({**LLAMA2_7B, "model_type": "newmodel"}))
     code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
     assert code == 2 and "'model_type' 'newmodel'" in err and len(err.strip().splitlines()) == 1
-    path.write_text(json.dumps({**LLAMA2_7B, "model_type": "mixtral", "num_local_experts": 8}))
+    # expert keys in a family not counted as a mixture of experts are refused, naming the key
+    path.write_text(json.dumps({**LLAMA2_7B, "num_local_experts": 8}))
     code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
     assert code == 2 and "--hf-config" in err and "mixture-of-experts" in err and "'num_local_experts'" in err
+    # a Mixtral config without its top-k is refused naming the key, not counted with a guess
+    path.write_text(json.dumps({**LLAMA2_7B, "model_type": "mixtral", "num_local_experts": 8}))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 2 and "'num_experts_per_tok'" in err
 
 
 def test_fusedist_zero3_is_fully_shard_with_any_optimizer():

@@ -3,15 +3,18 @@
 Each dict is the published ``config.json`` of the model (the keys that change the count, plus
 ``model_type``, ``max_position_embeddings``, ``vocab_size``), as on the Hugging Face Hub.
 The expected counts are exact; each comment gives the figure the model's card or paper
-publishes and, where useful, how the exact count comes about. Configs the planner does not
-count (mixture of experts, Falcon's parallel attention) must be refused naming the field."""
+publishes and, where useful, how the exact count comes about. Mixtures of experts are checked
+twice: every parameter (memory) and the ones a token goes through (compute), against the
+cards' "activated" figures. Configs the planner does not count (DeepSeek's latent attention,
+Falcon's parallel attention) must be refused naming the field. tests/test_plan_architectures.py
+checks the same families against modules built the way transformers builds them."""
 
 import json
 
 import pytest
 import torch
 
-from fusedist.plan import PlanError, count_params, from_hf_config
+from fusedist.plan import PlanError, active_params, count_params, from_hf_config
 from fusedist.plan.torch_model import Transformer
 
 LLAMA2_7B = {  # meta-llama/Llama-2-7b-hf
@@ -65,6 +68,64 @@ PHI3_MINI = {  # microsoft/Phi-3-mini-4k-instruct
     "tie_word_embeddings": False,
 }
 
+QWEN3_8B = {  # Qwen/Qwen3-8B: RMSNorm on each head's q and k (head_dim 128)
+    "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+    "num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+    "vocab_size": 151936, "tie_word_embeddings": False, "attention_bias": False,
+}
+QWEN3_06B = {  # Qwen/Qwen3-0.6B: tied, 16 heads of 128 = 2048, wider than hidden 1024
+    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+    "vocab_size": 151936, "tie_word_embeddings": True, "attention_bias": False,
+}
+GEMMA2_2B = {  # google/gemma-2-2b: four RMSNorms a block; tied (Gemma2Config's default)
+    "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
+    "num_hidden_layers": 26, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+    "vocab_size": 256000, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "sliding_window": 4096,
+}
+GEMMA2_9B = {  # google/gemma-2-9b
+    "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
+    "num_hidden_layers": 42, "num_key_value_heads": 8, "head_dim": 256, "max_position_embeddings": 8192,
+    "vocab_size": 256000, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}
+GEMMA2_27B = {  # google/gemma-2-27b: head_dim 128
+    "model_type": "gemma2", "hidden_size": 4608, "intermediate_size": 36864, "num_attention_heads": 32,
+    "num_hidden_layers": 46, "num_key_value_heads": 16, "head_dim": 128, "max_position_embeddings": 8192,
+    "vocab_size": 256000, "query_pre_attn_scalar": 144,
+}
+GEMMA3_1B = {  # google/gemma-3-1b-pt: four norms a block and q/k norms; tied
+    "model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+    "num_hidden_layers": 26, "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+    "vocab_size": 262144, "sliding_window": 512, "sliding_window_pattern": 6, "final_logit_softcapping": None,
+}
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1: 8 experts of 14336 in every block, 2 per token
+    **MISTRAL_7B, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+}
+MIXTRAL_8X22B = {  # mistralai/Mixtral-8x22B-v0.1
+    "model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384, "num_attention_heads": 48,
+    "num_hidden_layers": 56, "num_key_value_heads": 8, "max_position_embeddings": 65536, "vocab_size": 32000,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+}
+QWEN15_MOE = {  # Qwen/Qwen1.5-MoE-A2.7B (model_type qwen2_moe): 60 experts, 4 per token, a gated shared one
+    "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+    "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "max_position_embeddings": 8192,
+    "vocab_size": 151936, "decoder_sparse_step": 1, "tie_word_embeddings": False,
+}
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 per token, no shared expert
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "vocab_size": 151936,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
+}
+QWEN3_235B_A22B = {  # Qwen/Qwen3-235B-A22B
+    "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 64, "num_hidden_layers": 94,
+    "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "vocab_size": 151936,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+}
+
 COUNTS = [
     # Llama 2 paper (arXiv:2307.09288) and model card: 7B; HF "6.74B params"
     (LLAMA2_7B, 6_738_415_616),
@@ -90,6 +151,44 @@ COUNTS = [
     (GPT2_124M, 124_439_808),
     # Phi-3 technical report (arXiv:2404.14219): phi-3-mini, 3.8B; HF "3.82B params"
     (PHI3_MINI, 3_821_079_552),
+    # Qwen3 model card: 8.2B, 6.95B non-embedding (6,946,075,648: the q/k norms are 36 * 256)
+    (QWEN3_8B, 8_190_735_360),
+    # Qwen3 model card: 0.6B, 0.44B non-embedding (440,467,456; the embedding 155,582,464, tied)
+    (QWEN3_06B, 596_049_920),
+    # Gemma 2 paper (arXiv:2408.00118), Table 1, 2B: 2,024,517,888 non-embedding parameters
+    # (exactly ours, the four norms a block included) and 590,118,912 embedding ones for a
+    # 256,128-entry vocabulary; the released config has 256,000: 589,824,000. HF "2.61B params"
+    (GEMMA2_2B, 2_614_341_888),
+    # Gemma 2 paper, Table 1, 9B: 8,324,201,984 non-embedding parameters (exactly ours);
+    # HF "9.24B params"
+    (GEMMA2_9B, 9_241_705_984),
+    # Gemma 2 paper, Table 1, 27B: 26,047,480,320 non-embedding parameters (exactly ours);
+    # HF "27.2B params"
+    (GEMMA2_27B, 27_227_128_320),
+    # Gemma 3 technical report (arXiv:2503.19786), Table 1, 1B: 698M non-embedding (697,896,064)
+    # and 302M embedding (1152 * 262,144 = 301,989,888) parameters; HF "1,000M"
+    (GEMMA3_1B, 999_885_952),
+    # Mixtral of Experts paper (arXiv:2401.04088): 47B parameters, 13B active per token
+    (MIXTRAL_8X7B, 46_702_792_704),
+    # Mixtral-8x22B announcement: 141B parameters, 39B active
+    (MIXTRAL_8X22B, 140_620_634_112),
+    # Qwen1.5-MoE-A2.7B model card: 14.3B parameters, 2.7B activated (2.0B non-embedding)
+    (QWEN15_MOE, 14_315_784_192),
+    # Qwen3 model card, 30B-A3B: 30.5B parameters, 3.3B activated, 29.9B non-embedding
+    (QWEN3_30B_A3B, 30_532_122_624),
+    # Qwen3 model card, 235B-A22B: 235B parameters, 22B activated, 234B non-embedding
+    (QWEN3_235B_A22B, 235_093_634_560),
+]
+
+# Parameters a token goes through (Note [active parameters] in fusedist/plan/model.py): the
+# expert MLPs it is not routed to left out; the cards' "activated" figures above
+ACTIVE = [
+    (MIXTRAL_8X7B, 12_879_925_248),  # 13B; 46.7B less 32 blocks x 6 experts x 176,160,768
+    (MIXTRAL_8X22B, 39_152_031_744),  # 39B
+    (QWEN15_MOE, 2_689_173_504),  # 2.7B
+    (QWEN3_30B_A3B, 3_353_032_704),  # 3.3B
+    (QWEN3_235B_A22B, 22_190_763_520),  # 22B
+    (QWEN3_8B, 8_190_735_360),  # dense: all of them
 ]
 
 
@@ -109,6 +208,51 @@ def test_published_parameter_counts(tmp_path, cfg, expected):
     assert sum(p.numel() for p in model.parameters()) == expected
 
 
+@pytest.mark.parametrize("cfg,expected", ACTIVE, ids=[f"{c['model_type']}-{n}" for c, n in ACTIVE])
+def test_active_parameter_counts(tmp_path, cfg, expected):
+    assert active_params(from_hf_config(_write(tmp_path, cfg))) == expected
+
+
+def test_mixture_of_experts_memory_counts_all_compute_the_active(tmp_path, capsys):
+    """Qwen3-30B-A3B on 8 GPUs: model states are those of 30.5B parameters, the FLOPs per token
+    those of 3.35B (6 x active + attention), and the report says which is which."""
+    from fusedist.plan import Job, build_plan, resolve_hardware
+    from fusedist.plan import cli
+    from fusedist.plan.model import attention_flops_per_token
+
+    spec = from_hf_config(_write(tmp_path, QWEN3_30B_A3B))
+    plan = build_plan(spec, Job(gpus=8, micro_batch=1, seq=4096), resolve_hardware("h100"))
+    assert plan["inputs"]["params"] == 30_532_122_624 and plan["inputs"]["active_params"] == 3_353_032_704
+    assert plan["memory"]["ddp"]["terms"]["params"] == 2 * 30_532_122_624  # bf16 weights, all experts
+    assert plan["inputs"]["assumptions"]["flops_per_token"] == 6 * 3_353_032_704 + 3 * attention_flops_per_token(
+        spec, 4096)
+    assert cli.main(["--hf-config", _write(tmp_path, QWEN3_30B_A3B), "--gpus", "8", "--seq", "4096",
+                     "--recompute", "full"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("model: 30,532,122,624 parameters (30.53B), 3,353,032,704 (3.35B) active per token (compute "
+                      "counts these; memory and communication all), llama 48 layers, hidden 2048, 32 heads (4 kv) "
+                      "of 128, qk norm, 128 experts of 768 (8 per token), vocab 151936; from hf-config (qwen3_moe)")
+    assert "x active params" in "\n".join(out)
+
+
+def test_qwen_moe_dense_layers(tmp_path):
+    """Qwen2/3-MoE's block i is dense (an MLP of intermediate_size) when i is in mlp_only_layers
+    or (i + 1) is not a multiple of decoder_sparse_step, as their decoder layers decide."""
+    moe = from_hf_config(_write(tmp_path, QWEN3_30B_A3B))
+    h = 2048
+    expert, dense = 3 * h * 768, 3 * h * 6144
+    block_mlp = h * 128 + 128 * expert  # router + experts
+    every_other = from_hf_config(_write(tmp_path, {**QWEN3_30B_A3B, "decoder_sparse_step": 2}))
+    assert every_other.dense_layers == 24
+    assert count_params(every_other) == count_params(moe) - 24 * (block_mlp - dense)
+    only = from_hf_config(_write(tmp_path, {**QWEN3_30B_A3B, "mlp_only_layers": [0, 47]}))
+    assert only.dense_layers == 2
+    assert active_params(only) == active_params(moe) - 2 * (h * 128 + 8 * expert - dense)
+    with torch.device("meta"):
+        for spec in (every_other, only):
+            assert sum(p.numel() for p in Transformer(spec).parameters()) == count_params(spec)
+
+
 def test_llama_attention_and_mlp_bias(tmp_path):
     """LlamaConfig's attention_bias puts biases on q, k, v and o, mlp_bias on gate, up, down."""
     base = count_params(from_hf_config(_write(tmp_path, LLAMA3_8B)))
@@ -119,11 +263,8 @@ def test_llama_attention_and_mlp_bias(tmp_path):
         assert sum(p.numel() for p in Transformer(spec).parameters()) == count_params(spec)
 
 
-# Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 46,702,792,704 parameters, 12,879,925,248 used
-# per token (2 of 8 experts); the planner does not count experts, and says so.
-MIXTRAL_8X7B = {**MISTRAL_7B, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
-                "tie_word_embeddings": False}
-# deepseek-ai/DeepSeek-V2-Lite: 15.7B total, 2.4B active; shared experts, one dense first layer
+# deepseek-ai/DeepSeek-V2-Lite: 15.7B total, 2.4B active; latent attention, shared experts, one
+# dense first layer: refused by model type
 DEEPSEEK_V2_LITE = {
     "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
     "num_attention_heads": 16, "num_hidden_layers": 27, "num_key_value_heads": 16, "n_routed_experts": 64,
@@ -145,8 +286,14 @@ GPTJ_6B = {"model_type": "gptj", "n_embd": 4096, "n_layer": 28, "n_head": 16, "n
            "vocab_size": 50400, "rotary_dim": 64, "tie_word_embeddings": False}
 
 REFUSED = [
-    (MIXTRAL_8X7B, "'num_local_experts'"),
-    (DEEPSEEK_V2_LITE, "'n_routed_experts'"),
+    (DEEPSEEK_V2_LITE, "'model_type' 'deepseek_v2': multi-head latent attention"),
+    ({**QWEN3_8B, "model_type": "gemma3", "text_config": GEMMA3_1B}, "'model_type' 'gemma3': a multimodal config"),
+    ({**LLAMA2_7B, "num_experts": 8, "num_experts_per_tok": 2}, "'num_experts'"),
+    ({k: v for k, v in QWEN3_8B.items() if k != "head_dim"}, "no 'head_dim'"),
+    ({k: v for k, v in QWEN15_MOE.items() if k != "shared_expert_intermediate_size"},
+     "no 'shared_expert_intermediate_size'"),
+    ({**QWEN3_30B_A3B, "mlp_only_layers": "0,1"}, "'mlp_only_layers'"),
+    ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, "9 routed experts"),
     (FALCON_7B, "'model_type' 'falcon'"),
     (GPTJ_6B, "'model_type' 'gptj'"),
     ({**LLAMA2_7B, "model_type": "newmodel"}, "'model_type' 'newmodel'"),

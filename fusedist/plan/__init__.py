@@ -3,6 +3,7 @@ training (``python -m fusedist.plan --help``), checked against measured fusedist
 (``--measure`` under torchrun).
 
 Modules by concern: :mod:`~fusedist.plan.model` (parameter and activation counts),
+:mod:`~fusedist.plan.hf_config` (Hugging Face configs),
 :mod:`~fusedist.plan.memory`, :mod:`~fusedist.plan.comm`, :mod:`~fusedist.plan.timing`,
 :mod:`~fusedist.plan.hardware` (GPU presets), :mod:`~fusedist.plan.suggest`,
 :mod:`~fusedist.plan.plan` (one plan), :mod:`~fusedist.plan.report` (the table),
@@ -12,8 +13,9 @@ Modules by concern: :mod:`~fusedist.plan.model` (parameter and activation counts
 from .errors import PlanError
 from .hardware import PRESETS, Hardware, resolve as resolve_hardware
 from .memory import STRATEGIES, model_states
-from .model import ModelSpec, activation_bytes, count_params, from_hf_config
+from .hf_config import from_hf_config
+from .model import ModelSpec, activation_bytes, active_params, count_params
 from .plan import Job, build_plan
 
 __all__ = ["PlanError", "PRESETS", "Hardware", "resolve_hardware", "STRATEGIES", "model_states",
-           "ModelSpec", "activation_bytes", "count_params", "from_hf_config", "Job", "build_plan"]
+           "ModelSpec", "activation_bytes", "active_params", "count_params", "from_hf_config", "Job", "build_plan"]

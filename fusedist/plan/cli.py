@@ -13,7 +13,8 @@ import sys
 
 from . import hardware, memory, timing
 from .errors import PlanError
-from .model import ARCHS, ModelSpec, from_hf_config, validate
+from .hf_config import HF_MODEL_TYPES, from_hf_config
+from .model import ARCHS, ModelSpec, validate
 from .plan import Job, build_plan
 
 PROG = "python -m fusedist.plan"
@@ -76,8 +77,8 @@ def parser() -> argparse.ArgumentParser:
                        ("ffn-hidden", "MLP width (default 4h)"),
                        ("kv-heads", "key/value heads, grouped-query attention (default: --heads)")):
         m.add_argument(f"--{flag}", type=int, help=text)
-    m.add_argument("--hf-config", help="a Hugging Face config.json (model_type llama, mistral, qwen2, phi3, "
-                                       "gemma or gpt2)")
+    m.add_argument("--hf-config", help=f"a Hugging Face config.json (model_type {', '.join(HF_MODEL_TYPES)}; "
+                                       "of a mixture of experts, compute counts the active parameters)")
     j = p.add_argument_group("job")
     j.add_argument("--gpus", type=int, help="data-parallel GPUs N (with --measure: the torchrun world size)")
     j.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): NVLink within, "

@@ -1,5 +1,5 @@
 """Parameter and activation counts of a decoder-only transformer, from its shape or from a
-Hugging Face ``config.json``.
+Hugging Face ``config.json`` (read by :mod:`fusedist.plan.hf_config`).
 
 Two block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
 
@@ -11,41 +11,29 @@ Two block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
   unless the config ties it. Llama-2-7B: 6,738,415,616 parameters. Variants the Hugging Face
   configs of this family use: a head size other than ``hidden / heads`` (``head_dim``:
   Gemma, Mistral-Nemo), biases on q/k/v (Qwen2), on the attention output (Llama's
-  ``attention_bias``) and on the MLP (``mlp_bias``).
+  ``attention_bias``) and on the MLP (``mlp_bias``); an RMSNorm over each head's queries and
+  keys (``qk_norm``: Qwen3, Gemma-3); norms after the attention and the MLP as well as
+  before (``sandwich_norm``: Gemma-2/3); a mixture of experts in place of the MLP
+  (``experts``: Mixtral, Qwen2-MoE, Qwen3-MoE).
 
-:func:`from_hf_config` counts only the ``model_type`` values it knows (:data:`HF_MODEL_TYPES`)
-and refuses the rest, and mixture-of-experts configs, naming the field: a config of another
-family read with these keys would give a count that looks right and is not.
+Note [active parameters]
+    A mixture-of-experts block holds ``experts`` SwiGLU MLPs of ``expert_ffn``, a router
+    (``Linear(h, experts)``, no bias) and, in Qwen2-MoE, a shared expert of ``shared_ffn``
+    with a ``Linear(h, 1)`` gate; each token goes through the router, ``experts_per_token``
+    routed experts and the shared one. Memory and communication move every parameter
+    (:func:`count_params`); the FLOPs of a token are those of the parameters it goes through
+    (:func:`active_params`), which is what the model cards call "activated" (Mixtral-8x7B:
+    46.7B in all, 12.9B active).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional
 
 from .errors import PlanError
 
 ARCHS = ("gpt", "llama")
-
-# Hugging Face model_type values counted here, with what their config classes default to
-# where config.json may leave a key out (transformers' LlamaConfig, MistralConfig,
-# Qwen2Config, Phi3Config, GemmaConfig, GPT2Config):
-#   tie: tie_word_embeddings; qkv_bias: biases on q/k/v that the class always builds
-#   (Qwen2Attention: q/k/v with bias, o without); head_dim: the class's default head size
-#   (GemmaConfig: 256, whatever hidden / heads is); keys: the optional keys that change the
-#   count and are read (anything else in the config does not change it).
-HF_MODEL_TYPES = {
-    "llama": {"tie": False, "keys": ("head_dim", "attention_bias", "mlp_bias")},
-    "mistral": {"tie": False, "keys": ("head_dim",)},
-    "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",)},
-    "phi3": {"tie": False, "keys": ()},
-    "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim",)},
-    "gpt2": {"tie": True, "keys": ()},
-}
-# Keys that make a config a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek-V2/V3, ...).
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
-             "n_shared_experts", "num_experts_per_tok")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +54,29 @@ class ModelSpec:
     qkv_bias: bool = False  # llama: biases on q, k, v (Qwen2; Llama's attention_bias)
     out_bias: bool = False  # llama: bias on the attention output (Llama's attention_bias)
     mlp_bias: bool = False  # llama: biases on gate, up, down (Llama's mlp_bias)
+    qk_norm: bool = False  # llama: RMSNorm of head_size on q and on k (Qwen3, Gemma-3)
+    sandwich_norm: bool = False  # llama: four norms a block, not two (Gemma-2/3)
+    # mixture of experts (llama blocks; Note [active parameters]); experts None: dense MLPs
+    experts: Optional[int] = None  # routed experts in an MoE block
+    experts_per_token: Optional[int] = None  # routed experts each token goes through (top-k)
+    expert_ffn: Optional[int] = None  # each routed expert's MLP width
+    shared_ffn: int = 0  # the shared expert's MLP width, 0 for none (Qwen2-MoE)
+    shared_gate: bool = False  # Linear(h, 1) gating the shared expert (Qwen2-MoE)
+    dense_layers: int = 0  # blocks with a dense MLP of ffn among the MoE ones (Qwen-MoE's mlp_only_layers)
     params: Optional[int] = None  # given directly (--params)
     source: str = "shape"
 
     @property
     def has_shape(self) -> bool:
         return self.layers is not None
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
 
     @property
     def ffn(self) -> int:
@@ -118,22 +123,58 @@ def validate(spec: ModelSpec) -> None:
         raise PlanError("--kv-heads", f"{spec.kv} key/value heads do not divide --heads {spec.heads}")
     if spec.arch not in ARCHS:
         raise PlanError("--arch", f"unknown architecture {spec.arch!r} (choose {', '.join(ARCHS)})")
+    if spec.moe:
+        if spec.arch != "llama":
+            raise PlanError("--arch", "mixtures of experts are counted with llama blocks")
+        for name in ("experts", "experts_per_token", "expert_ffn"):
+            if not (getattr(spec, name) or 0) > 0:
+                raise PlanError(name, f"must be positive, got {getattr(spec, name)}")
+        if spec.experts_per_token > spec.experts:
+            raise PlanError("experts_per_token", f"{spec.experts_per_token} routed experts a token of "
+                                                 f"{spec.experts} in all")
+        if not 0 <= spec.dense_layers <= spec.layers:
+            raise PlanError("dense_layers", f"{spec.dense_layers} of {spec.layers} layers")
 
 
-def layer_params(spec: ModelSpec) -> int:
-    """Parameters of one transformer block."""
-    h, f, q_dim, kv_dim = spec.hidden, spec.ffn, spec.q_dim, spec.kv_dim
+def _attention_params(spec: ModelSpec) -> int:
+    h, q_dim, kv_dim = spec.hidden, spec.q_dim, spec.kv_dim
     if spec.arch == "gpt":
-        attn = h * (q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) + q_dim * h + h  # fused qkv + out, with biases
-        mlp = h * f + f + f * h + h
-        norms = 2 * 2 * h  # two LayerNorms, weight and bias
+        return h * (q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) + q_dim * h + h  # fused qkv + out, with biases
+    attn = h * (q_dim + 2 * kv_dim) + q_dim * h  # q, k, v, o
+    attn += (q_dim + 2 * kv_dim) * spec.qkv_bias + h * spec.out_bias
+    return attn + 2 * spec.head_size * spec.qk_norm  # q_norm, k_norm: one weight of head_size each
+
+
+def _swiglu_params(h: int, f: int, bias: bool = False) -> int:
+    return 3 * h * f + (2 * f + h) * bias  # gate, up, down
+
+
+def _moe_params(spec: ModelSpec, routed: int) -> int:
+    """An MoE block's MLP with ``routed`` of its experts (Note [active parameters])."""
+    h = spec.hidden
+    shared = _swiglu_params(h, spec.shared_ffn) + h * spec.shared_gate if spec.shared_ffn else 0
+    return h * spec.experts + routed * _swiglu_params(h, spec.expert_ffn) + shared
+
+
+def layer_params(spec: ModelSpec, active: bool = False) -> int:
+    """Parameters of one transformer block; of an MoE model, its MoE block (the largest), with
+    only the experts a token goes through when ``active``."""
+    h, f = spec.hidden, spec.ffn
+    if spec.arch == "gpt":
+        return _attention_params(spec) + h * f + f + f * h + h + 2 * 2 * h  # two LayerNorms, weight and bias
+    if spec.moe:
+        mlp = _moe_params(spec, spec.experts_per_token if active else spec.experts)
     else:
-        attn = h * (q_dim + 2 * kv_dim) + q_dim * h  # q, k, v, o
-        attn += (q_dim + 2 * kv_dim) * spec.qkv_bias + h * spec.out_bias
-        mlp = 3 * h * f  # gate, up, down (SwiGLU)
-        mlp += (2 * f + h) * spec.mlp_bias
-        norms = 2 * h  # two RMSNorms, weight only
-    return attn + mlp + norms
+        mlp = _swiglu_params(h, f, spec.mlp_bias)
+    return _attention_params(spec) + mlp + (4 if spec.sandwich_norm else 2) * h  # RMSNorms, weight only
+
+
+def _all_layers(spec: ModelSpec, active: bool) -> int:
+    total = spec.layers * layer_params(spec, active)
+    if spec.moe and spec.dense_layers:  # those blocks' MLP is a dense one of ffn
+        dense = _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
+        total += spec.dense_layers * (dense - _moe_params(spec, spec.experts_per_token if active else spec.experts))
+    return total
 
 
 def embedding_params(spec: ModelSpec) -> int:
@@ -153,7 +194,15 @@ def count_params(spec: ModelSpec) -> int:
     """Ψ: every trainable parameter, counted once (tied weights once)."""
     if not spec.has_shape:
         return int(spec.params)
-    return spec.layers * layer_params(spec) + embedding_params(spec)
+    return _all_layers(spec, active=False) + embedding_params(spec)
+
+
+def active_params(spec: ModelSpec) -> int:
+    """The parameters one token goes through, which set its FLOPs: :func:`count_params` but for
+    the routed experts it is not sent to (Note [active parameters])."""
+    if not spec.has_shape:
+        return int(spec.params)
+    return _all_layers(spec, active=True) + embedding_params(spec)
 
 
 def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:
@@ -195,7 +244,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     *with* sequence parallelism (eq. 5; without it the norms' and dropouts' ``10·s·b·h``
     would not be divided). fp32 activations: the 2-byte tensors double, the masks stay.
     Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
-    selective figure without recomputation.
+    selective figure without recomputation. Per token, a mixture-of-experts block keeps the
+    router's logits and, for each routed expert it goes to, its copy of the input and the
+    SwiGLU's four tensors (and the shared expert's four); q/k norms and sandwich norms keep
+    their inputs.
     """
     if not spec.has_shape:
         return None
@@ -204,99 +256,24 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     word = 4 if precision == "fp32" else 2
     f = spec.ffn
     attn = h + spec.q_dim + 2 * spec.kv_dim + spec.q_dim  # q/k/v input, Q, K and V, o's input
-    mlp = h + (2 if spec.arch == "gpt" else 4) * f
-    norms = 2 * h
+    attn += (spec.q_dim + spec.kv_dim) * spec.qk_norm  # the q/k norms' inputs
+    norms = (4 if spec.sandwich_norm else 2) * h
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
-    if recompute == "full":
-        per_layer = word * sb * h
-    else:
-        per_layer = word * sb * (attn + mlp + norms) + sb * masks
+
+    def per_layer(mlp):
+        if recompute == "full":
+            return word * sb * h
+        n = word * sb * (attn + mlp + norms) + sb * masks
         if recompute != "selective":
             # softmax output, dropout output (2 bytes each in 16-bit), dropout mask (1 byte)
-            per_layer += (2 * word + 1) * a * s * s * b
+            n += (2 * word + 1) * a * s * s * b
+        return n
+
+    dense = per_layer(h + (2 if spec.arch == "gpt" else 4) * f)
+    layers = spec.layers * dense
+    if spec.moe:  # router logits; per routed expert its copy of the token and its SwiGLU's four
+        moe = per_layer(h + spec.experts + spec.experts_per_token * (h + 4 * spec.expert_ffn)
+                        + 4 * spec.shared_ffn)
+        layers += spec.moe_layers * (moe - dense)
     outside = sb * h + 2 * word * sb * h + 4 * sb * v
-    return (spec.layers * per_layer + outside) // tp
-
-
-# ---------------------------------------------------------------- Hugging Face configs
-def from_hf_config(path: str) -> ModelSpec:
-    """A :class:`ModelSpec` from a Hugging Face ``config.json`` of a model type in
-    :data:`HF_MODEL_TYPES` (llama-style keys, or GPT-2's ``n_embd``/``n_layer``/``n_head``/
-    ``n_positions``/``n_inner``). Anything else is a :class:`PlanError` naming the field."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as exc:
-        raise PlanError("--hf-config", f"cannot read {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError("--hf-config", f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise PlanError("--hf-config", f"{path} does not hold a JSON object")
-    for key in _MOE_KEYS:
-        if cfg.get(key):
-            raise PlanError("--hf-config", f"{path}: {key!r} = {cfg[key]!r}: a mixture-of-experts model, which "
-                                           "the planner does not count (its blocks hold several MLPs, of which "
-                                           "each token uses some)")
-    raw_type = cfg.get("model_type")
-    if raw_type is None:
-        raise PlanError("--hf-config", f"{path} has no 'model_type' (the planner counts "
-                                       f"{', '.join(HF_MODEL_TYPES)})")
-    model_type = str(raw_type).lower()
-    family = HF_MODEL_TYPES.get(model_type)
-    if family is None:
-        raise PlanError("--hf-config", f"{path}: 'model_type' {raw_type!r} is not one the planner counts "
-                                       f"({', '.join(HF_MODEL_TYPES)}); if its blocks are exactly llama's, "
-                                       "give the shape instead (--arch llama --layers --hidden --heads "
-                                       "--kv-heads --ffn-hidden --vocab --seq)")
-    if model_type == "gpt2":
-        keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
-                "vocab": "vocab_size"}
-        arch, ffn_key, kv_key = "gpt", "n_inner", None
-    else:
-        keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-                "seq": "max_position_embeddings", "vocab": "vocab_size"}
-        arch, ffn_key, kv_key = "llama", "intermediate_size", "num_key_value_heads"
-    values = {}
-    for field, key in keys.items():
-        values[field] = _positive_int(cfg, key, path, required=True)
-    ffn = _positive_int(cfg, ffn_key, path, required=arch == "llama")
-    kv = _positive_int(cfg, kv_key, path) if kv_key else None
-    optional = family["keys"]
-    head_dim = _positive_int(cfg, "head_dim", path) if "head_dim" in optional else None
-    if head_dim is None:
-        head_dim = family.get("head_dim")
-    attention_bias = _flag(cfg, "attention_bias", path) if "attention_bias" in optional else False
-    mlp_bias = _flag(cfg, "mlp_bias", path) if "mlp_bias" in optional else False
-    tied = cfg.get("tie_word_embeddings")
-    if tied is None:
-        tied = family["tie"]
-    elif not isinstance(tied, bool):
-        raise PlanError("--hf-config", f"{path}: 'tie_word_embeddings' must be true or false, got {tied!r}")
-    spec = ModelSpec(arch=arch, ffn_hidden=ffn, kv_heads=kv, tied=tied, head_dim=head_dim,
-                     qkv_bias=bool(family.get("qkv_bias") or attention_bias), out_bias=attention_bias,
-                     mlp_bias=mlp_bias, source=f"hf-config ({model_type})", **values)
-    try:
-        validate(spec)
-    except PlanError as exc:
-        raise PlanError("--hf-config", f"{path}: {exc}") from None
-    return spec
-
-
-def _positive_int(cfg: dict, key: str, path: str, required: bool = False) -> Optional[int]:
-    value = cfg.get(key)
-    if value is None:
-        if required:
-            raise PlanError("--hf-config", f"{path} has no {key!r}")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError("--hf-config", f"{path}: {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _flag(cfg: dict, key: str, path: str) -> bool:
-    value = cfg.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise PlanError("--hf-config", f"{path}: {key!r} must be true or false, got {value!r}")
-    return value
+    return (layers + outside) // tp

@@ -8,11 +8,14 @@ from typing import Optional
 
 from . import comm, memory, suggest, timing
 from .hardware import Hardware
-from .model import (ModelSpec, activation_bytes, attention_flops_per_token, count_params, embedding_params,
-                    layer_params)
+from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, count_params,
+                    embedding_params, layer_params)
 from .memory import STRATEGIES
 
 GB = 10**9
+# ModelSpec fields left out of the plan's model while off, so a plain model reads as before
+_SHOWN_WHEN_ON = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sandwich_norm", "shared_ffn", "shared_gate",
+                  "dense_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +63,11 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
 
 
 def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
-    """The full plan: ``inputs``, ``memory``, ``comm``, ``time``, ``suggestion``."""
+    """The full plan: ``inputs``, ``memory``, ``comm``, ``time``, ``suggestion``. Memory and
+    communication move every parameter; compute is that of the parameters a token goes through
+    (a mixture of experts': Note [active parameters] in model.py)."""
     psi = count_params(spec)
+    psi_active = active_params(spec)
     n = job.gpus
     accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, n)
     tokens = global_batch * job.seq
@@ -78,7 +84,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         pcie_s = comm.seconds(pcie, hw.pcie_gbps)
         com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
                   "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s}
-        compute_s = timing.compute_seconds(psi, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
+        compute_s = timing.compute_seconds(psi_active, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
         tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens)
 
     best = suggest.cheapest(mem, tim)
@@ -95,8 +101,9 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
 
     inputs = {
         "model": {k: v for k, v in dataclasses.asdict(spec).items()
-                  if v is not None and not (k.endswith("_bias") and v is False)},
+                  if v is not None and not (k in _SHOWN_WHEN_ON and not v)},
         "params": psi,
+        "active_params": psi_active,
         "gpus": n, "gpus_per_node": job.gpus_per_node, "micro_batch": job.micro_batch,
         "global_batch": job.global_batch, "seq": job.seq, "seq_from_config": job.seq_from_config,
         "precision": job.precision,
@@ -106,8 +113,8 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "mfu": job.mfu,
             "peak_flops": peak,
             "peak_flops_kind": "tf32 dense" if job.precision == "fp32" else "bf16/fp16 dense",
-            "flops_per_token": timing.flops_per_token(psi, job.recompute, attention_fwd),
-            "flops": (f"{8 if job.recompute == 'full' else 6} x params + "
+            "flops_per_token": timing.flops_per_token(psi_active, job.recompute, attention_fwd),
+            "flops": (f"{8 if job.recompute == 'full' else 6} x {'active ' if spec.moe else ''}params + "
                       f"{12 if job.recompute == 'none' else 16} x layers x seq x heads x head_dim "
                       f"(weights, attention scores{'' if job.recompute == 'none' else ', recomputation'}; "
                       "PaLM, Appendix B)"

@@ -21,12 +21,20 @@ def model_line(plan: dict) -> str:
     i = plan["inputs"]
     m = i["model"]
     line = f"model: {i['params']:,} parameters ({i['params'] / 1e9:.2f}B)"
+    if m.get("experts") is not None:  # Note [active parameters] in model.py
+        line += (f", {i['active_params']:,} ({i['active_params'] / 1e9:.2f}B) active per token "
+                 f"(compute counts these; memory and communication all)")
     if "layers" in m:
         line += (f", {m['arch']} {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
                  + (f" ({m['kv_heads']} kv)" if m.get("kv_heads") not in (None, m["heads"]) else "")
                  + (f" of {m['head_dim']}" if m.get("head_dim") is not None else "")
-                 + "".join(f", {name.replace('_', ' ')}" for name in ("qkv_bias", "out_bias", "mlp_bias")
+                 + "".join(f", {name.replace('_', ' ')}" for name in ("qkv_bias", "out_bias", "mlp_bias",
+                                                                       "qk_norm", "sandwich_norm")
                            if m.get(name))
+                 + (f", {m['experts']} experts of {m['expert_ffn']} ({m['experts_per_token']} per token"
+                    + (f", a shared one of {m['shared_ffn']}" if m.get("shared_ffn") else "")
+                    + (f", {m['dense_layers']} dense layers" if m.get("dense_layers") else "") + ")"
+                    if m.get("experts") is not None else "")
                  + f", vocab {m['vocab']}" + (", tied" if m.get("tied") else ""))
     if m.get("source", "shape") not in ("shape", "params"):
         line += f"; from {m['source']}"

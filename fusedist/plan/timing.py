@@ -10,6 +10,10 @@ each per token and layer forward (d_q = heads · head_dim), 12·L·s·d_q for tr
 s x s score matrix, as both papers do, causal masking or not. For a 7B Llama at s = 4096
 the attention adds 16% to 6Ψ, at s = 32768 more than 6Ψ itself.
 
+Of a mixture of experts, Ψ here is the parameters a token goes through: the router, its
+top-k experts and the shared one (Note [active parameters] in model.py); memory and
+communication count them all.
+
 Full recomputation runs the forward again: 8Ψ + 16·L·s·d_q. Selective recomputation reruns
 the attention core only: 6Ψ + 16·L·s·d_q. A model given by --params alone has no shape:
 6Ψ (8Ψ), the attention left out.

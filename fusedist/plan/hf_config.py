@@ -1,0 +1,170 @@
+"""Reading a Hugging Face ``config.json`` into a :class:`~fusedist.plan.model.ModelSpec`.
+
+Only the ``model_type`` values in :data:`HF_MODEL_TYPES` are counted; the rest are refused
+naming the field: a config of another family read with these keys would give a count that
+looks right and is not (Falcon-7B read as llama blocks: 11.16B instead of 6.92B).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .errors import PlanError
+from .model import ModelSpec, validate
+
+# Hugging Face model_type values counted here, with what their config classes default to
+# where config.json may leave a key out (transformers' LlamaConfig, MistralConfig,
+# Qwen2Config, Phi3Config, GemmaConfig, GPT2Config, Qwen3Config, Gemma2Config,
+# Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
+#   tie: tie_word_embeddings; qkv_bias: biases on q/k/v that the class always builds
+#   (Qwen2Attention, Qwen2MoeAttention: q/k/v with bias, o without); head_dim: the class's
+#   default head size (Gemma's: 256, whatever hidden / heads is), "required" where the
+#   released configs all give it and the default is not hidden / heads; qk_norm,
+#   sandwich_norm: see ModelSpec; moe: where the experts' keys are (Note [active parameters]
+#   in model.py); keys: the optional keys that change the count and are read (anything else
+#   in the config does not change it).
+HF_MODEL_TYPES = {
+    "llama": {"tie": False, "keys": ("head_dim", "attention_bias", "mlp_bias")},
+    "mistral": {"tie": False, "keys": ("head_dim",)},
+    "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",)},
+    "phi3": {"tie": False, "keys": ()},
+    "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim",)},
+    "gpt2": {"tie": True, "keys": ()},
+    "qwen3": {"tie": False, "head_dim": "required", "qk_norm": True, "keys": ("head_dim", "attention_bias")},
+    "gemma2": {"tie": True, "head_dim": 256, "sandwich_norm": True, "keys": ("head_dim", "attention_bias")},
+    "gemma3_text": {"tie": True, "head_dim": 256, "sandwich_norm": True, "qk_norm": True,
+                    "keys": ("head_dim", "attention_bias")},
+    "mixtral": {"tie": False, "moe": "mixtral", "keys": ("head_dim",)},
+    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ()},
+    "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
+                  "keys": ("head_dim", "attention_bias")},
+}
+# Keys that make a config a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek-V2/V3, ...),
+# refused in any family not counted as one.
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
+             "n_shared_experts", "num_experts_per_tok")
+# Families seen in the wild whose blocks are not llama's, with why, for the refusal.
+_NOT_COUNTED = {
+    "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and routed + shared experts "
+                   "after first_k_dense_replace dense blocks",
+    "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and routed + shared experts "
+                   "after first_k_dense_replace dense blocks",
+    "gemma3": "a multimodal config (a vision tower besides text_config); a config.json of its text_config "
+              "with model_type gemma3_text is counted",
+}
+
+
+def from_hf_config(path: str) -> ModelSpec:
+    """A :class:`ModelSpec` from a Hugging Face ``config.json`` of a model type in
+    :data:`HF_MODEL_TYPES` (llama-style keys, or GPT-2's ``n_embd``/``n_layer``/``n_head``/
+    ``n_positions``/``n_inner``). Anything else is a :class:`PlanError` naming the field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as exc:
+        raise PlanError("--hf-config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError("--hf-config", f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise PlanError("--hf-config", f"{path} does not hold a JSON object")
+    raw_type = cfg.get("model_type")
+    model_type = str(raw_type).lower() if raw_type is not None else None
+    family = HF_MODEL_TYPES.get(model_type)
+    if model_type in _NOT_COUNTED:
+        raise PlanError("--hf-config", f"{path}: 'model_type' {raw_type!r}: {_NOT_COUNTED[model_type]}, "
+                                       "which the planner does not count")
+    if family is None or "moe" not in family:
+        moe_types = ", ".join(k for k, v in HF_MODEL_TYPES.items() if "moe" in v)
+        for key in _MOE_KEYS:
+            if cfg.get(key):
+                raise PlanError("--hf-config", f"{path}: {key!r} = {cfg[key]!r}: a mixture-of-experts model "
+                                               f"of model_type {raw_type!r}, which the planner does not count "
+                                               f"(it counts {moe_types})")
+    if raw_type is None:
+        raise PlanError("--hf-config", f"{path} has no 'model_type' (the planner counts "
+                                       f"{', '.join(HF_MODEL_TYPES)})")
+    if family is None:
+        raise PlanError("--hf-config", f"{path}: 'model_type' {raw_type!r} is not one the planner counts "
+                                       f"({', '.join(HF_MODEL_TYPES)}); if its blocks are exactly llama's, "
+                                       "give the shape instead (--arch llama --layers --hidden --heads "
+                                       "--kv-heads --ffn-hidden --vocab --seq)")
+    if model_type == "gpt2":
+        keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
+                "vocab": "vocab_size"}
+        arch, ffn_key, kv_key = "gpt", "n_inner", None
+    else:
+        keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "seq": "max_position_embeddings", "vocab": "vocab_size"}
+        arch, ffn_key, kv_key = "llama", "intermediate_size", "num_key_value_heads"
+    values = {}
+    for field, key in keys.items():
+        values[field] = _positive_int(cfg, key, path, required=True)
+    optional = family["keys"]
+    values["ffn_hidden"] = _positive_int(cfg, ffn_key, path, required=arch == "llama")
+    values["kv_heads"] = _positive_int(cfg, kv_key, path) if kv_key else None
+    default_head = family.get("head_dim")
+    head_dim = _positive_int(cfg, "head_dim", path, required=default_head == "required") \
+        if "head_dim" in optional else None
+    values["head_dim"] = head_dim if head_dim is not None else default_head
+    attention_bias = _flag(cfg, "attention_bias", path) if "attention_bias" in optional else False
+    mlp_bias = _flag(cfg, "mlp_bias", path) if "mlp_bias" in optional else False
+    tied = cfg.get("tie_word_embeddings")
+    if tied is None:
+        tied = family["tie"]
+    elif not isinstance(tied, bool):
+        raise PlanError("--hf-config", f"{path}: 'tie_word_embeddings' must be true or false, got {tied!r}")
+    if "moe" in family:
+        values.update(_experts(cfg, path, family["moe"], values["layers"], values["ffn_hidden"]))
+    spec = ModelSpec(arch=arch, tied=tied, qkv_bias=bool(family.get("qkv_bias") or attention_bias),
+                     out_bias=attention_bias, mlp_bias=mlp_bias, qk_norm=family.get("qk_norm", False),
+                     sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
+                     **values)
+    try:
+        validate(spec)
+    except PlanError as exc:
+        raise PlanError("--hf-config", f"{path}: {exc}") from None
+    return spec
+
+
+def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
+    """The ModelSpec fields of a mixture of experts. Mixtral: every block, experts of
+    ``intermediate_size``. Qwen2/3-MoE: the block ``i`` is sparse unless ``i`` is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` (as their decoder layers decide),
+    experts of ``moe_intermediate_size``; Qwen2-MoE adds a gated shared expert."""
+    if kind == "mixtral":
+        return {"experts": _positive_int(cfg, "num_local_experts", path, required=True),
+                "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
+                "expert_ffn": ffn}
+    out = {"experts": _positive_int(cfg, "num_experts", path, required=True),
+           "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
+           "expert_ffn": _positive_int(cfg, "moe_intermediate_size", path, required=True)}
+    step = _positive_int(cfg, "decoder_sparse_step", path) or 1
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise PlanError("--hf-config", f"{path}: 'mlp_only_layers' must be a list of layer numbers, got {only!r}")
+    out["dense_layers"] = sum(1 for i in range(layers) if i in only or (i + 1) % step)
+    if kind == "qwen2_moe":
+        out["shared_ffn"] = _positive_int(cfg, "shared_expert_intermediate_size", path, required=True)
+        out["shared_gate"] = True
+    return out
+
+
+def _positive_int(cfg: dict, key: str, path: str, required: bool = False) -> Optional[int]:
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise PlanError("--hf-config", f"{path} has no {key!r}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError("--hf-config", f"{path}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(cfg: dict, key: str, path: str) -> bool:
+    value = cfg.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise PlanError("--hf-config", f"{path}: {key!r} must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,164 @@
+"""The planner's parameter count of each family it reads from a ``config.json``, against a
+module built from the same config the way transformers' modeling code builds that family
+(module names as there: ``q_proj``, ``block_sparse_moe.experts[i].w1``, ``shared_expert_gate``,
+...), with the dimensions scaled down and the structure kept: ``sum(p.numel())`` must be
+the planner's count exactly, and, for mixtures of experts, the module's parameters outside
+the experts a token is not routed to must be its active count.
+
+The reference here is written from the families' published modeling code, not from
+:class:`~fusedist.plan.model.ModelSpec`, so a field the planner misreads (a norm it forgets,
+an expert width taken from the wrong key) shows up as a difference. The full-size published
+totals are checked in tests/test_plan_configs.py."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.plan import active_params, count_params, from_hf_config
+
+import test_plan_configs as published
+
+# What a family builds beyond llama's block (transformers' modeling_<family>.py)
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}  # q_norm, k_norm: RMSNorm(head_dim)
+_SANDWICH = {"gemma2", "gemma3_text"}  # pre_/post_feedforward_layernorm besides the usual two
+_QKV_BIAS = {"qwen2", "qwen2_moe"}  # q/k/v Linear(bias=True), o_proj without
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
+_HEAD_DIM_DEFAULT = {"gemma": 256, "gemma2": 256, "gemma3_text": 256}
+
+
+def _mlp(h, f, bias=False):
+    return nn.ModuleDict({"gate_proj": nn.Linear(h, f, bias=bias), "up_proj": nn.Linear(h, f, bias=bias),
+                          "down_proj": nn.Linear(f, h, bias=bias)})
+
+
+def _is_sparse(cfg, i):
+    """Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer's choice for layer i."""
+    return (i not in (cfg.get("mlp_only_layers") or []) and cfg["num_experts"] > 0
+            and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+
+def _layer(cfg, i):
+    t = cfg["model_type"]
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    d = cfg.get("head_dim") or _HEAD_DIM_DEFAULT.get(t) or h // heads
+    attn_bias = bool(cfg.get("attention_bias"))
+    qkv_bias = t in _QKV_BIAS or attn_bias
+    attn = nn.ModuleDict({"q_proj": nn.Linear(h, heads * d, bias=qkv_bias),
+                          "k_proj": nn.Linear(h, kv * d, bias=qkv_bias),
+                          "v_proj": nn.Linear(h, kv * d, bias=qkv_bias),
+                          "o_proj": nn.Linear(heads * d, h, bias=attn_bias)})
+    if t in _QK_NORM:
+        attn["q_norm"], attn["k_norm"] = nn.RMSNorm(d), nn.RMSNorm(d)
+    layer = nn.ModuleDict({"self_attn": attn, "input_layernorm": nn.RMSNorm(h),
+                           "post_attention_layernorm": nn.RMSNorm(h)})
+    if t in _SANDWICH:
+        layer["pre_feedforward_layernorm"], layer["post_feedforward_layernorm"] = nn.RMSNorm(h), nn.RMSNorm(h)
+    f = cfg["intermediate_size"]
+    if t == "mixtral":  # MixtralSparseMoeBlock: gate + experts of w1, w2, w3 (ffn_dim = intermediate_size)
+        e = cfg["num_local_experts"]
+        layer["block_sparse_moe"] = nn.ModuleDict({
+            "gate": nn.Linear(h, e, bias=False),
+            "experts": nn.ModuleList(nn.ModuleDict({"w1": nn.Linear(h, f, bias=False),
+                                                    "w2": nn.Linear(f, h, bias=False),
+                                                    "w3": nn.Linear(h, f, bias=False)}) for _ in range(e))})
+    elif t in ("qwen2_moe", "qwen3_moe") and _is_sparse(cfg, i):
+        e, ef = cfg["num_experts"], cfg["moe_intermediate_size"]
+        moe = nn.ModuleDict({"gate": nn.Linear(h, e, bias=False),
+                             "experts": nn.ModuleList(_mlp(h, ef) for _ in range(e))})
+        if t == "qwen2_moe":
+            moe["shared_expert"] = _mlp(h, cfg["shared_expert_intermediate_size"])
+            moe["shared_expert_gate"] = nn.Linear(h, 1, bias=False)
+        layer["mlp"] = moe
+    else:
+        layer["mlp"] = _mlp(h, f, bool(cfg.get("mlp_bias")))
+    return layer
+
+
+def reference_model(cfg) -> nn.Module:
+    """``<Family>ForCausalLM``'s parameters: embed_tokens, layers, norm, lm_head (the
+    embedding's own weight when tied, counted once by ``parameters()``)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    model = nn.ModuleDict({"embed_tokens": nn.Embedding(v, h),
+                           "layers": nn.ModuleList(_layer(cfg, i) for i in range(cfg["num_hidden_layers"])),
+                           "norm": nn.RMSNorm(h), "lm_head": nn.Linear(h, v, bias=False)})
+    tied = cfg.get("tie_word_embeddings")
+    if tied if tied is not None else cfg["model_type"] in _TIED_BY_DEFAULT:
+        model["lm_head"].weight = model["embed_tokens"].weight
+    return model
+
+
+def _active_numel(model, cfg) -> int:
+    """Parameters outside the routed experts a token is not sent to: every expert past the
+    first top-k of each MoE block (which k does not change the count)."""
+    k = cfg.get("num_experts_per_tok")
+    total = 0
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if "experts" in parts and int(parts[parts.index("experts") + 1]) >= k:
+            continue
+        total += p.numel()
+    return total
+
+
+def _small(cfg, **changes):
+    """The config with its dimensions scaled down, its structure (model type, grouping of the
+    heads, head size apart from hidden / heads, tying, biases, experts per token, dense
+    layers) kept."""
+    out = dict(cfg, hidden_size=48, intermediate_size=80, num_hidden_layers=4, vocab_size=96,
+               max_position_embeddings=64)
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    out["num_attention_heads"] = 4
+    out["num_key_value_heads"] = 4 if kv == heads else (1 if kv == 1 else 2)
+    if "head_dim" in cfg:
+        out["head_dim"] = 16 if cfg["head_dim"] * heads != cfg["hidden_size"] else 12
+    for key, small in (("moe_intermediate_size", 24), ("shared_expert_intermediate_size", 40),
+                       ("num_local_experts", 5), ("num_experts", 6)):
+        if key in cfg:
+            out[key] = small
+    if "num_experts_per_tok" in cfg:
+        out["num_experts_per_tok"] = 2
+    out.update(changes)
+    return out
+
+
+FAMILIES = {
+    "llama-3-8b": (published.LLAMA3_8B, {}),
+    "llama-biases": (published.LLAMA3_8B, {"attention_bias": True, "mlp_bias": True}),
+    "mistral-7b": (published.MISTRAL_7B, {}),
+    "qwen2-7b": (published.QWEN2_7B, {}),
+    "qwen2.5-0.5b-tied": (published.QWEN25_05B, {}),
+    "phi3-mini": (published.PHI3_MINI, {}),
+    "gemma-7b": (published.GEMMA_7B, {}),
+    "qwen3-8b": (published.QWEN3_8B, {}),
+    "qwen3-0.6b-tied": (published.QWEN3_06B, {}),
+    "qwen3-attention-bias": (published.QWEN3_8B, {"attention_bias": True}),
+    "gemma2-9b": (published.GEMMA2_9B, {}),
+    "gemma2-27b": (published.GEMMA2_27B, {}),
+    "gemma3-1b": (published.GEMMA3_1B, {}),
+    "mixtral-8x7b": (published.MIXTRAL_8X7B, {}),
+    "mixtral-8x22b": (published.MIXTRAL_8X22B, {}),
+    "qwen1.5-moe": (published.QWEN15_MOE, {}),
+    "qwen1.5-moe-sparse-step-2": (published.QWEN15_MOE, {"decoder_sparse_step": 2}),
+    "qwen3-30b-a3b": (published.QWEN3_30B_A3B, {}),
+    "qwen3-moe-mlp-only-layers": (published.QWEN3_30B_A3B, {"mlp_only_layers": [0, 2]}),
+    "qwen3-moe-tied": (published.QWEN3_235B_A22B, {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_count_matches_the_family_module(tmp_path, name):
+    base, changes = FAMILIES[name]
+    cfg = _small(base, **changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    spec = from_hf_config(str(path))
+    with torch.device("meta"):
+        model = reference_model(cfg)
+    assert count_params(spec) == sum(p.numel() for p in model.parameters()), cfg
+    moe = "num_experts_per_tok" in cfg
+    assert active_params(spec) == (_active_numel(model, cfg) if moe else count_params(spec))
+    if moe:  # the scaled-down model still routes: fewer active than in all
+        assert active_params(spec) < count_params(spec)

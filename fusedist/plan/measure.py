@@ -13,7 +13,8 @@ What is measured, per strategy, on each rank, from public objects:
   per-rank factor (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the full
   buffer), per step. Small control collectives (the per-step cross-rank check) are included;
 * step time (median of the timed steps) and, for comparison with the compute model, the
-  model FLOPs utilisation it implies against this process's own matmul rate;
+  model FLOPs utilisation it implies against this process's own matmul rate (Note [the
+  measured peak]);
 * activations: bytes of the tensors autograd saves for backward in one forward (parameters
   excluded); the planner's figure is Megatron's layer (Korthikanti et al.), so this is shown,
   not checked; peak allocated device memory on CUDA.
@@ -42,6 +43,18 @@ Note [measuring ZeRO-3]
     The temporary term of zero3 (gathered units, gradient reduce buffers) is compared with
     ``memory_stats()``' ``peak_gathered_bytes`` + ``peak_scratch_bytes`` over the timed
     steps, within the same tolerance.
+
+Note [the measured peak]
+    The MFU column divides the step's planned FLOPs (6 x active parameters + attention, per
+    token) by the step time and by a peak measured here, in the step's dtype. A peak taken from
+    one 1024 x 1024 product is not a peak: on a CPU without native bf16 matrix units that
+    product runs at a third of the rate of the step's own small, cache-resident bf16 products,
+    and the MFU came out above 100%. The peak is the best rate over the products the step
+    makes (each weight's forward, input-gradient and weight-gradient shapes) and one large
+    square one, timed over repeated calls after a first, and the largest over the ranks, so
+    every rank divides by the same figure and the step's matrix products cannot beat it.
+    A mixture of experts is built to run every expert on every token (fusedist/plan/torch_model.py),
+    more FLOPs than the active ones the plan counts: its MFU is a lower bound.
 
 zero3_offload is reported as not measured. Gradient accumulation is not exercised (one
 micro-batch per step).
@@ -124,20 +137,40 @@ def _saved_activation_bytes(model, tokens, targets) -> int:
     return sum(seen.values())
 
 
-def _matmul_flops(dtype, device) -> float:
-    """This process's dense matmul rate (FLOP/s) in ``dtype``: the "peak" the achieved MFU
-    is measured against."""
-    a = torch.randn(1024, 1024, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ a
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 1024**3 / best
+def _gemm_shapes(model, tokens: int) -> list:
+    """(m, k, n) of every matrix product a training step of ``model`` makes with its 2-D
+    weights, ``tokens`` rows a micro-batch: forward, input gradient and weight gradient."""
+    shapes = set()
+    for p in model.parameters():
+        if p.dim() == 2:
+            out, inp = p.shape
+            shapes |= {(tokens, inp, out), (tokens, out, inp), (out, tokens, inp)}
+    return sorted(shapes)
+
+
+def _peak_matmul_flops(shapes, dtype, device) -> float:
+    """The best dense matmul rate (FLOP/s) this process reaches in ``dtype``, over the step's
+    own products and one square one, the largest over the ranks: the "peak" the achieved MFU
+    is measured against (Note [the measured peak])."""
+    square = 4096 if device.type == "cuda" else 512
+    best = 0.0
+    for m, k, n in [*shapes, (square, square, square)]:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        a @ b  # first call: kernel selection, allocations
+        reps = max(1, min(20, int(2e8 // (2 * m * k * n))))  # ~0.2 GFLOP a timing
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+    peak = torch.tensor([best], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
 
 
 def _optimizer(strategy, params, job):
@@ -258,7 +291,9 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
     info = fusedist.init_distributed()
     job = dataclasses.replace(job, convention="fusedist", global_batch=None)
     plan = build_plan(spec, job, hw)  # what fusedist allocates, one micro-batch per step
-    peak = _matmul_flops(_DTYPES[job.precision], info.device)
+    with torch.device("meta"):
+        shapes = _gemm_shapes(Transformer(spec), job.micro_batch * job.seq)
+    peak = _peak_matmul_flops(shapes, _DTYPES[job.precision], info.device)
     strategies = ["ddp", "zero1", "zero2", "zero3"] + (["zero2_offload"] if job.optimizer == "adamw" else [])
     measured = {}
     for s in strategies:
@@ -338,7 +373,8 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
                        f"{m['host_error']:>+8.2%}")
     d = measured["ddp"]
     out += ["",
-            f"MFU: the step's FLOPs as planned (6*params + attention, per token) against this process's matmul rate "
+            f"MFU: the step's FLOPs as planned (6 x {'active ' if 'experts' in i['model'] else ''}params + attention, "
+            f"per token) against the best {i['precision']} matmul rate of these ranks over the step's own products "
             f"({d['matmul_flops'] / 1e9:.1f} GFLOP/s); use it as --mfu for this machine",
             f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",

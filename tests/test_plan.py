@@ -412,3 +412,31 @@ def test_zero3_temporary_memory_counts_the_root_unit_and_two_blocks():
     assert reducing > 1.04e9
     assert temp_bytes("zero3", 7e9, precision="bf16", unit_params=0, bucket_cap_mb=25.0,
                       scratch_bytes=0.0) == 2 * 25 * 2**20  # --params: no units known, two buckets
+
+
+def test_b200_preset(capsys):
+    """B200 SXM from NVIDIA's DGX B200 / HGX B200 figures (8 GPUs: 1,440 GB at 64 TB/s, BF16 36 and
+    TF32 18 PFLOPS with sparsity, NVLink 5 at 1.8 TB/s a GPU): per GPU and direction, dense."""
+    from fusedist.plan import PRESETS, resolve_hardware
+
+    b200 = resolve_hardware("b200")
+    assert b200 == PRESETS["b200"]
+    assert (b200.memory_gb, b200.hbm_gbps) == (1440 / 8, 64_000 / 8)
+    assert b200.peak_flops("bf16") == 36e15 / 8 / 2 and b200.peak_flops("fp32") == 18e15 / 8 / 2
+    assert b200.intra_node_gbps == 1800 / 2 == 2 * PRESETS["h100"].intra_node_gbps
+    # Llama-2-7B on 8 GPUs: the compute term scales with the dense peak, the NVLink term with
+    # the link, and 180 GB holds ZeRO-1's 149 GB (40 GB of states, 108 GB of unfused-attention
+    # activations) where 80 GB does not
+    argv = ["--arch", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32", "--ffn-hidden", "11008",
+            "--vocab", "32000", "--seq", "4096", "--gpus", "8", "--json"]
+    plans = {}
+    for gpu in ("h100", "b200"):
+        code, out, _ = run_cli(capsys, *argv, "--gpu", gpu)
+        assert code == 0
+        plans[gpu] = json.loads(out)
+    h, b = plans["h100"], plans["b200"]
+    assert b["time"]["ddp"]["compute_s"] == pytest.approx(h["time"]["ddp"]["compute_s"] * 989 / 2250)
+    assert b["comm"]["ddp"]["seconds"] == pytest.approx(h["comm"]["ddp"]["seconds"] / 2)
+    assert not h["memory"]["zero1"]["fits"] and b["memory"]["zero1"]["fits"]
+    code, out, _ = run_cli(capsys, *argv[:-1], "--gpu", "b200")
+    assert "GPU: b200, 180 GB (8000 GB/s), peak 2250 TFLOPS (bf16/fp16 dense)" in out

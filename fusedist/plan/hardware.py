@@ -10,14 +10,21 @@ Figures are the vendors' datasheet values for the SXM parts, as published by NVI
   128 GB/s.
 * "NVIDIA A100 Tensor Core GPU" datasheet (A100 80GB SXM): 80 GB HBM2e; BF16/FP16 312 TFLOPS
   dense (624 with sparsity); TF32 156 dense; NVLink 600 GB/s; PCIe Gen4 64 GB/s.
+* NVIDIA DGX B200 datasheet and HGX B200 specifications (B200 SXM, figures for 8 GPUs):
+  1,440 GB HBM3e (180 GB a GPU) at 64 TB/s (8 TB/s a GPU); FP16/BF16 Tensor Core 36 PFLOPS
+  and TF32 18 PFLOPS, both *with sparsity*, so 2,250 and 1,125 TFLOPS dense a GPU;
+  fifth-generation NVLink 1.8 TB/s a GPU (both directions); PCIe Gen5; 8x ConnectX-7 at
+  400 Gb/s.
 * Inter-node: one InfiniBand adapter per GPU as in NVIDIA's DGX systems -- DGX H100 / DGX
   H200 user guides: 8x ConnectX-7 at 400 Gb/s (NDR) = 50 GB/s per GPU; DGX A100 user guide:
-  8x ConnectX-6 at 200 Gb/s (HDR) = 25 GB/s per GPU.
+  8x ConnectX-6 at 200 Gb/s (HDR) = 25 GB/s per GPU; DGX B200 as DGX H100.
+* HBM bandwidth, shown with the plan and not used by its step time (compute- and
+  link-bound): H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB SXM 2,039 GB/s (the datasheets).
 
 Conventions: memory in decimal GB (10^9 bytes; the driver reports a little more usable memory,
 so this errs on the safe side). Bandwidths in GB/s *per GPU and direction*: the datasheets'
-NVLink and PCIe figures add both directions, so the presets carry half of them (450, 300,
-64, 32); InfiniBand is quoted per direction (400 Gb/s = 50 GB/s). These are peaks: NCCL's
+NVLink and PCIe figures add both directions, so the presets carry half of them (900, 450,
+300, 64, 32); InfiniBand is quoted per direction (400 Gb/s = 50 GB/s). These are peaks: NCCL's
 measured bus bandwidth is typically 70-90% of them, which ``--intra-node-gbps`` /
 ``--inter-node-gbps`` can express.
 """
@@ -41,6 +48,7 @@ class Hardware:
     intra_node_gbps: float     # GB/s per GPU per direction (NVLink)
     inter_node_gbps: float     # GB/s per GPU per direction (InfiniBand)
     pcie_gbps: float           # GB/s per direction, host <-> GPU (offload)
+    hbm_gbps: float            # GB/s, device memory (shown with the plan)
 
     def peak_flops(self, precision: str) -> float:
         tflops = self.peak_tflops_tf32 if precision == "fp32" else self.peak_tflops_16bit
@@ -48,9 +56,10 @@ class Hardware:
 
 
 PRESETS = {
-    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64),
-    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64),
-    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32),
+    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64, 3350),
+    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64, 4800),
+    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32, 2039),
+    "b200": Hardware("b200", 180, 2250, 1125, 900, 50, 64, 8000),
 }
 CHOICES = (*PRESETS, "custom")
 

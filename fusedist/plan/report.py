@@ -51,7 +51,7 @@ def format_plan(plan: dict) -> str:
          f"seq {i['seq']}{' (the model maximum: --seq sets the training length)' if i.get('seq_from_config') else ''}"
          f", global batch {s['global_batch']} (gradient accumulation {s['grad_accum_steps']}), "
          f"{i['precision']}, recompute {i['recompute']}, {i['optimizer']}"),
-        (f"GPU: {g['name']}, {g['memory_gb']:g} GB, peak {a['peak_flops'] / 1e12:g} TFLOPS "
+        (f"GPU: {g['name']}, {g['memory_gb']:g} GB ({g['hbm_gbps']:g} GB/s), peak {a['peak_flops'] / 1e12:g} TFLOPS "
          f"({a['peak_flops_kind']}), MFU {a['mfu']:g} (assumed), NVLink {g['intra_node_gbps']:g} GB/s, "
          f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction)"),
         f"compute: {a['flops_per_token']:.4g} FLOPs per token = {a['flops']}",

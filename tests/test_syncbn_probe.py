@@ -145,6 +145,9 @@ def _inf_on_one_rank(rank, ws):
     torch.testing.assert_close(y, ref_y, equal_nan=True, **TOL)
     assert y[:, 1].isnan().all() and not y[:, [0, 2]].isnan().any()
     torch.testing.assert_close(ours.running_var, ref.running_var, equal_nan=True, **TOL)
+    # the channel's mean is +inf (sum / n), not NaN (Note [non-finite statistics])
+    torch.testing.assert_close(ours.running_mean, ref.running_mean, equal_nan=True, **TOL)
+    assert ours.running_mean[1] == float("inf")
 
 
 PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_and_checkpointed,

@@ -77,9 +77,46 @@ def _layer(cfg, i):
     return layer
 
 
+def _falcon_model(cfg) -> nn.Module:
+    """FalconForCausalLM's parameters (modeling_falcon.py), FalconConfig's defaults where a
+    key is left out."""
+    h, heads, v = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+    d, bias = h // heads, cfg.get("bias", False)
+    new, parallel = cfg.get("new_decoder_architecture", False), cfg.get("parallel_attn", True)
+    if new:
+        qkv = (2 * (cfg.get("num_kv_heads") or heads) + heads) * d
+    elif cfg.get("multi_query", True):
+        qkv = h + 2 * d
+    else:
+        qkv = 3 * h
+    f = cfg.get("ffn_hidden_size") or 4 * h
+    n_ln = cfg.get("num_ln_in_parallel_attn") or (2 if new else None)
+    layers = nn.ModuleList()
+    for _ in range(cfg["num_hidden_layers"]):
+        layer = nn.ModuleDict({
+            "self_attention": nn.ModuleDict({"query_key_value": nn.Linear(h, qkv, bias=bias),
+                                             "dense": nn.Linear(h, h, bias=bias)}),
+            "mlp": nn.ModuleDict({"dense_h_to_4h": nn.Linear(h, f, bias=bias),
+                                  "dense_4h_to_h": nn.Linear(f, h, bias=bias)})})
+        if not parallel:
+            layer["input_layernorm"], layer["post_attention_layernorm"] = nn.LayerNorm(h), nn.LayerNorm(h)
+        elif n_ln == 2:
+            layer["ln_attn"], layer["ln_mlp"] = nn.LayerNorm(h), nn.LayerNorm(h)
+        else:
+            layer["input_layernorm"] = nn.LayerNorm(h)
+        layers.append(layer)
+    model = nn.ModuleDict({"word_embeddings": nn.Embedding(v, h), "h": layers, "ln_f": nn.LayerNorm(h),
+                           "lm_head": nn.Linear(h, v, bias=False)})
+    if cfg.get("tie_word_embeddings", True):
+        model["lm_head"].weight = model["word_embeddings"].weight
+    return model
+
+
 def reference_model(cfg) -> nn.Module:
     """``<Family>ForCausalLM``'s parameters: embed_tokens, layers, norm, lm_head (the
     embedding's own weight when tied, counted once by ``parameters()``)."""
+    if cfg["model_type"] == "falcon":
+        return _falcon_model(cfg)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     model = nn.ModuleDict({"embed_tokens": nn.Embedding(v, h),
                            "layers": nn.ModuleList(_layer(cfg, i) for i in range(cfg["num_hidden_layers"])),
@@ -107,14 +144,17 @@ def _small(cfg, **changes):
     """The config with its dimensions scaled down, its structure (model type, grouping of the
     heads, head size apart from hidden / heads, tying, biases, experts per token, dense
     layers) kept."""
-    out = dict(cfg, hidden_size=48, intermediate_size=80, num_hidden_layers=4, vocab_size=96,
-               max_position_embeddings=64)
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    out = dict(cfg, hidden_size=48, num_hidden_layers=4, vocab_size=96, max_position_embeddings=64)
+    heads = cfg["num_attention_heads"]
     out["num_attention_heads"] = 4
-    out["num_key_value_heads"] = 4 if kv == heads else (1 if kv == 1 else 2)
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        kv = cfg.get(key) or heads
+        if key in cfg or key == "num_key_value_heads" and cfg["model_type"] != "falcon":
+            out[key] = 4 if kv == heads else (1 if kv == 1 else 2)
     if "head_dim" in cfg:
         out["head_dim"] = 16 if cfg["head_dim"] * heads != cfg["hidden_size"] else 12
-    for key, small in (("moe_intermediate_size", 24), ("shared_expert_intermediate_size", 40),
+    for key, small in (("intermediate_size", 80), ("ffn_hidden_size", 72), ("moe_intermediate_size", 24),
+                       ("shared_expert_intermediate_size", 40),
                        ("num_local_experts", 5), ("num_experts", 6)):
         if key in cfg:
             out[key] = small
@@ -145,6 +185,13 @@ FAMILIES = {
     "qwen3-30b-a3b": (published.QWEN3_30B_A3B, {}),
     "qwen3-moe-mlp-only-layers": (published.QWEN3_30B_A3B, {"mlp_only_layers": [0, 2]}),
     "qwen3-moe-tied": (published.QWEN3_235B_A22B, {"tie_word_embeddings": True}),
+    "falcon-7b": (published.FALCON_7B, {}),
+    "falcon-40b": (published.FALCON_40B, {}),
+    "falcon-rw-1b": (published.FALCON_RW_1B, {}),
+    "falcon-new-one-norm-untied": (published.FALCON_40B, {"num_ln_in_parallel_attn": 1, "ffn_hidden_size": 64,
+                                                          "tie_word_embeddings": False}),
+    "falcon-defaults": ({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4,
+                         "num_hidden_layers": 2, "vocab_size": 64}, {}),
 }
 
 

@@ -6,7 +6,7 @@ The expected counts are exact; each comment gives the figure the model's card or
 publishes and, where useful, how the exact count comes about. Mixtures of experts are checked
 twice: every parameter (memory) and the ones a token goes through (compute), against the
 cards' "activated" figures. Configs the planner does not count (DeepSeek's latent attention,
-Falcon's parallel attention) must be refused naming the field. tests/test_plan_architectures.py
+GPT-J's block) must be refused naming the field. tests/test_plan_architectures.py
 checks the same families against modules built the way transformers builds them."""
 
 import json
@@ -68,6 +68,21 @@ PHI3_MINI = {  # microsoft/Phi-3-mini-4k-instruct
     "tie_word_embeddings": False,
 }
 
+FALCON_7B = {  # tiiuae/falcon-7b: multi-query, attention and MLP side by side through one LayerNorm
+    "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
+    "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False, "bias": False,
+    "alibi": False, "vocab_size": 65024,
+}
+FALCON_40B = {  # tiiuae/falcon-40b: 8 key/value heads, a LayerNorm each for attention and MLP
+    "model_type": "falcon", "hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8,
+    "num_hidden_layers": 60, "new_decoder_architecture": True, "parallel_attn": True, "bias": False,
+    "alibi": False, "vocab_size": 65024,
+}
+FALCON_RW_1B = {  # tiiuae/falcon-rw-1b: every head's k/v, sequential blocks, biases, ALiBi
+    "model_type": "falcon", "hidden_size": 2048, "num_attention_heads": 32, "num_hidden_layers": 24,
+    "multi_query": False, "parallel_attn": False, "new_decoder_architecture": False, "bias": True,
+    "alibi": True, "vocab_size": 50304,
+}
 QWEN3_8B = {  # Qwen/Qwen3-8B: RMSNorm on each head's q and k (head_dim 128)
     "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
     "num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
@@ -178,6 +193,14 @@ COUNTS = [
     (QWEN3_30B_A3B, 30_532_122_624),
     # Qwen3 model card, 235B-A22B: 235B parameters, 22B activated, 234B non-embedding
     (QWEN3_235B_A22B, 235_093_634_560),
+    # Falcon-7B model card: 7B. (HF's "7.22B" counts the tied output layer, which the
+    # checkpoint stores, a second time: + 4544 * 65,024 = 7,217,189,760.) Read as llama blocks
+    # this config was 11.16B: 71 key/value heads, a SwiGLU MLP, an untied output layer.
+    (FALCON_7B, 6_921_720_704),
+    # Falcon-40B model card: 40B (HF "41.8B", the output layer again: 41,835,970,560)
+    (FALCON_40B, 41_303_293_952),
+    # Falcon-RW-1B model card: 1.3B
+    (FALCON_RW_1B, 1_311_625_216),
 ]
 
 # Parameters a token goes through (Note [active parameters] in fusedist/plan/model.py): the
@@ -271,15 +294,6 @@ DEEPSEEK_V2_LITE = {
     "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "kv_lora_rank": 512,
     "q_lora_rank": None, "max_position_embeddings": 163840, "vocab_size": 102400,
 }
-# tiiuae/falcon-7b: parallel attention and MLP, one LayerNorm per block, multi-query attention,
-# GELU MLP of 4h: 6,921,843,584 parameters. The planner does not count falcon blocks; a
-# config with max_position_embeddings (which save_pretrained writes) was counted as llama
-# blocks before: 71 key/value heads, a SwiGLU MLP, an untied output layer, 11.16B.
-FALCON_7B = {
-    "model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
-    "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False, "bias": False,
-    "alibi": False, "vocab_size": 65024, "max_position_embeddings": 2048,
-}
 # EleutherAI/gpt-j-6b: GPT-2's key names, another block (rotary, no attention biases,
 # parallel attention and MLP, an untied output layer with a bias)
 GPTJ_6B = {"model_type": "gptj", "n_embd": 4096, "n_layer": 28, "n_head": 16, "n_positions": 2048,
@@ -294,7 +308,7 @@ REFUSED = [
      "no 'shared_expert_intermediate_size'"),
     ({**QWEN3_30B_A3B, "mlp_only_layers": "0,1"}, "'mlp_only_layers'"),
     ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, "9 routed experts"),
-    (FALCON_7B, "'model_type' 'falcon'"),
+    ({**FALCON_7B, "bias": "no"}, "'bias'"),
     (GPTJ_6B, "'model_type' 'gptj'"),
     ({**LLAMA2_7B, "model_type": "newmodel"}, "'model_type' 'newmodel'"),
     ({k: v for k, v in LLAMA2_7B.items() if k != "model_type"}, "no 'model_type'"),

@@ -39,6 +39,7 @@ HF_MODEL_TYPES = {
     "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ()},
     "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
                   "keys": ("head_dim", "attention_bias")},
+    "falcon": {"tie": True, "keys": ()},  # its own keys: _falcon
 }
 # Keys that make a config a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek-V2/V3, ...),
 # refused in any family not counted as one.
@@ -89,6 +90,8 @@ def from_hf_config(path: str) -> ModelSpec:
                                        f"({', '.join(HF_MODEL_TYPES)}); if its blocks are exactly llama's, "
                                        "give the shape instead (--arch llama --layers --hidden --heads "
                                        "--kv-heads --ffn-hidden --vocab --seq)")
+    if model_type == "falcon":
+        return _checked(ModelSpec(**_falcon(cfg, path)), path)
     if model_type == "gpt2":
         keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
                 "vocab": "vocab_size"}
@@ -120,11 +123,46 @@ def from_hf_config(path: str) -> ModelSpec:
                      out_bias=attention_bias, mlp_bias=mlp_bias, qk_norm=family.get("qk_norm", False),
                      sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
                      **values)
+    return _checked(spec, path)
+
+
+def _checked(spec: ModelSpec, path: str) -> ModelSpec:
     try:
         validate(spec)
     except PlanError as exc:
         raise PlanError("--hf-config", f"{path}: {exc}") from None
     return spec
+
+
+def _falcon(cfg: dict, path: str) -> dict:
+    """FalconConfig's keys, as transformers' FalconAttention and FalconDecoderLayer read them:
+    q/k/v of ``(heads + 2 kv) x head_dim`` with kv = ``num_kv_heads`` under
+    ``new_decoder_architecture``, 1 under ``multi_query``, else every head; with
+    ``parallel_attn``, LayerNorms ``ln_attn`` and ``ln_mlp`` when ``num_ln_in_parallel_attn``
+    is 2 (its default under the new architecture), else one ``input_layernorm`` for both;
+    without, ``input_layernorm`` and ``post_attention_layernorm``. Left-out keys take FalconConfig's defaults (multi-query,
+    parallel attention, no biases, 2048 positions, tied)."""
+    values = {"hidden": _positive_int(cfg, "hidden_size", path, required=True),
+              "layers": _positive_int(cfg, "num_hidden_layers", path, required=True),
+              "heads": _positive_int(cfg, "num_attention_heads", path, required=True),
+              "vocab": _positive_int(cfg, "vocab_size", path, required=True),
+              "seq": _positive_int(cfg, "max_position_embeddings", path) or 2048,
+              "ffn_hidden": _positive_int(cfg, "ffn_hidden_size", path)}
+    new = _flag(cfg, "new_decoder_architecture", path)
+    multi_query = _flag(cfg, "multi_query", path) if "multi_query" in cfg else True
+    parallel = _flag(cfg, "parallel_attn", path) if "parallel_attn" in cfg else True
+    bias = _flag(cfg, "bias", path)
+    if new:
+        values["kv_heads"] = _positive_int(cfg, "num_kv_heads", path) or values["heads"]
+    elif multi_query:
+        values["kv_heads"] = 1
+    norms = _positive_int(cfg, "num_ln_in_parallel_attn", path) or (2 if new else 1)
+    tied = cfg.get("tie_word_embeddings", True)
+    if not isinstance(tied, bool):
+        raise PlanError("--hf-config", f"{path}: 'tie_word_embeddings' must be true or false, got {tied!r}")
+    return dict(values, arch="falcon", tied=tied, qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+                parallel_attn=parallel, shared_norm=parallel and norms != 2,
+                source="hf-config (falcon)")
 
 
 def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:

@@ -1,7 +1,7 @@
 """Parameter and activation counts of a decoder-only transformer, from its shape or from a
 Hugging Face ``config.json`` (read by :mod:`fusedist.plan.hf_config`).
 
-Two block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
+Three block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
 
 * ``gpt`` (GPT-2): learned position embeddings, LayerNorm with bias, biased projections,
   GELU MLP of ``ffn_hidden`` (default 4h), input embedding tied to the output layer.
@@ -15,6 +15,11 @@ Two block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds):
   keys (``qk_norm``: Qwen3, Gemma-3); norms after the attention and the MLP as well as
   before (``sandwich_norm``: Gemma-2/3); a mixture of experts in place of the MLP
   (``experts``: Mixtral, Qwen2-MoE, Qwen3-MoE).
+* ``falcon`` (read from Falcon configs only): rotary positions, LayerNorm with bias, one
+  fused q/k/v projection with multi-query or grouped key/value heads, GELU MLP of
+  ``ffn_hidden`` (default 4h), biases where the config's ``bias`` says; attention and MLP
+  side by side from the block's input (``parallel_attn``), through one shared LayerNorm
+  (``shared_norm``: Falcon-7B) or one each (Falcon-40B/180B). Falcon-7B: 6,921,720,704.
 
 Note [active parameters]
     A mixture-of-experts block holds ``experts`` SwiGLU MLPs of ``expert_ffn``, a router
@@ -33,7 +38,8 @@ from typing import Optional
 
 from .errors import PlanError
 
-ARCHS = ("gpt", "llama")
+ARCHS = ("gpt", "llama")  # the shape flags' --arch
+BLOCKS = (*ARCHS, "falcon")  # and what a config.json may give
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,8 @@ class ModelSpec:
     shared_ffn: int = 0  # the shared expert's MLP width, 0 for none (Qwen2-MoE)
     shared_gate: bool = False  # Linear(h, 1) gating the shared expert (Qwen2-MoE)
     dense_layers: int = 0  # blocks with a dense MLP of ffn among the MoE ones (Qwen-MoE's mlp_only_layers)
+    parallel_attn: bool = False  # falcon: attention and MLP both from the block's input
+    shared_norm: bool = False  # falcon: one LayerNorm before both (parallel_attn only)
     params: Optional[int] = None  # given directly (--params)
     source: str = "shape"
 
@@ -121,7 +129,7 @@ def validate(spec: ModelSpec) -> None:
         raise PlanError("--heads", f"{spec.heads} heads do not divide --hidden {spec.hidden}")
     if spec.heads % spec.kv:
         raise PlanError("--kv-heads", f"{spec.kv} key/value heads do not divide --heads {spec.heads}")
-    if spec.arch not in ARCHS:
+    if spec.arch not in BLOCKS:
         raise PlanError("--arch", f"unknown architecture {spec.arch!r} (choose {', '.join(ARCHS)})")
     if spec.moe:
         if spec.arch != "llama":
@@ -162,6 +170,9 @@ def layer_params(spec: ModelSpec, active: bool = False) -> int:
     h, f = spec.hidden, spec.ffn
     if spec.arch == "gpt":
         return _attention_params(spec) + h * f + f + f * h + h + 2 * 2 * h  # two LayerNorms, weight and bias
+    if spec.arch == "falcon":
+        mlp = 2 * h * f + (f + h) * spec.mlp_bias
+        return _attention_params(spec) + mlp + (1 if spec.shared_norm else 2) * 2 * h  # LayerNorms with bias
     if spec.moe:
         mlp = _moe_params(spec, spec.experts_per_token if active else spec.experts)
     else:
@@ -184,7 +195,7 @@ def embedding_params(spec: ModelSpec) -> int:
     if spec.arch == "gpt":
         n += spec.seq * h + 2 * h
     else:
-        n += h
+        n += 2 * h if spec.arch == "falcon" else h  # LayerNorm with bias, or RMSNorm
     if not spec.tied_embeddings:
         n += v * h
     return n
@@ -257,7 +268,7 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     f = spec.ffn
     attn = h + spec.q_dim + 2 * spec.kv_dim + spec.q_dim  # q/k/v input, Q, K and V, o's input
     attn += (spec.q_dim + spec.kv_dim) * spec.qk_norm  # the q/k norms' inputs
-    norms = (4 if spec.sandwich_norm else 2) * h
+    norms = (4 if spec.sandwich_norm else 1 if spec.shared_norm else 2) * h
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
 
     def per_layer(mlp):
@@ -269,7 +280,7 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
             n += (2 * word + 1) * a * s * s * b
         return n
 
-    dense = per_layer(h + (2 if spec.arch == "gpt" else 4) * f)
+    dense = per_layer(h + (4 if spec.arch == "llama" else 2) * f)  # SwiGLU keeps four, GELU two
     layers = spec.layers * dense
     if spec.moe:  # router logits; per routed expert its copy of the token and its SwiGLU's four
         moe = per_layer(h + spec.experts + spec.experts_per_token * (h + 4 * spec.expert_ffn)

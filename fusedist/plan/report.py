@@ -29,7 +29,8 @@ def model_line(plan: dict) -> str:
                  + (f" ({m['kv_heads']} kv)" if m.get("kv_heads") not in (None, m["heads"]) else "")
                  + (f" of {m['head_dim']}" if m.get("head_dim") is not None else "")
                  + "".join(f", {name.replace('_', ' ')}" for name in ("qkv_bias", "out_bias", "mlp_bias",
-                                                                       "qk_norm", "sandwich_norm")
+                                                                       "qk_norm", "sandwich_norm",
+                                                                       "parallel_attn", "shared_norm")
                            if m.get(name))
                  + (f", {m['experts']} experts of {m['expert_ffn']} ({m['experts_per_token']} per token"
                     + (f", a shared one of {m['shared_ffn']}" if m.get("shared_ffn") else "")

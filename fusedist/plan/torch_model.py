@@ -1,6 +1,6 @@
 """The model ``--measure`` trains: a decoder-only transformer with exactly the parameters
-:func:`fusedist.plan.model.count_params` counts (``gpt`` or ``llama`` blocks, with q/k norms,
-sandwich norms and experts where the spec has them). Rotary position encoding is left out of
+:func:`fusedist.plan.model.count_params` counts (``gpt``, ``llama`` or ``falcon`` blocks, with
+q/k norms, sandwich norms and experts where the spec has them). Rotary position encoding is left out of
 the llama block: it has no parameters and does not change the bytes that are measured.
 
 The mixture of experts runs every expert on every token and weights the outputs by the
@@ -59,8 +59,10 @@ class Block(nn.Module):
         self.heads, self.kv, self.head_dim = spec.heads, spec.kv, spec.head_size
         self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
         self.gpt = spec.arch == "gpt"
-        norm = nn.LayerNorm if self.gpt else nn.RMSNorm
-        self.norm1, self.norm2 = norm(h), norm(h)
+        self.gelu, self.parallel = spec.arch != "llama", spec.parallel_attn
+        norm = nn.LayerNorm if self.gelu else nn.RMSNorm
+        self.norm1 = norm(h)
+        self.norm2 = None if spec.shared_norm else norm(h)  # Falcon-7B: norm1 feeds the MLP too
         # Gemma-2/3 normalise the attention's and the MLP's outputs too
         self.post1, self.post2 = (norm(h), norm(h)) if spec.sandwich_norm else (nn.Identity(), nn.Identity())
         self.q_norm, self.k_norm = ((nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)) if spec.qk_norm
@@ -68,14 +70,16 @@ class Block(nn.Module):
         self.qkv = nn.Linear(h, self.q_dim + 2 * self.kv_dim, bias=self.gpt or spec.qkv_bias)
         self.proj = nn.Linear(self.q_dim, h, bias=self.gpt or spec.out_bias)
         self.experts = Experts(spec) if moe else None
-        if self.gpt:
-            self.fc, self.out = nn.Linear(h, f), nn.Linear(f, h)
+        if self.gelu:
+            self.fc, self.out = (nn.Linear(h, f, bias=self.gpt or spec.mlp_bias),
+                                 nn.Linear(f, h, bias=self.gpt or spec.mlp_bias))
         elif not moe:  # gate and up projections as one matrix: same parameters as two
             self.fc = nn.Linear(h, 2 * f, bias=spec.mlp_bias)
             self.out = nn.Linear(f, h, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
+        x0 = x
         q, k, v = self.qkv(self.norm1(x)).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = self.q_norm(q.view(b, s, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(b, s, self.kv, self.head_dim)).transpose(1, 2)
@@ -85,10 +89,12 @@ class Block(nn.Module):
             v = v.repeat_interleave(self.heads // self.kv, dim=1)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.post1(self.proj(att.transpose(1, 2).reshape(b, s, self.q_dim)))
+        norm2 = self.norm1 if self.norm2 is None else self.norm2
+        mlp_in = norm2(x0 if self.parallel else x)  # Falcon: both from the block's input
         if self.experts is not None:
-            return x + self.post2(self.experts(self.norm2(x)))
-        m = self.fc(self.norm2(x))
-        if self.gpt:
+            return x + self.post2(self.experts(mlp_in))
+        m = self.fc(mlp_in)
+        if self.gelu:
             m = F.gelu(m)
         else:
             gate, up = m.chunk(2, dim=-1)
@@ -105,7 +111,7 @@ class Transformer(nn.Module):
         self.wpe = nn.Embedding(spec.seq, h) if self.gpt else None
         # which blocks are dense does not change what is counted or sent: the first ones
         self.blocks = nn.ModuleList(Block(spec, moe=spec.moe and i >= spec.dense_layers) for i in range(spec.layers))
-        self.norm = nn.LayerNorm(h) if self.gpt else nn.RMSNorm(h)
+        self.norm = nn.RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
         self.head = None if spec.tied_embeddings else nn.Linear(h, spec.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,70 @@ def test_submodule_state_dict_entries_match_fsdp2():
     assert run_distributed(_taken, 2) == [True, True]
 
 
+# ------------------------------------------------------------------ what a full state dict holds
+def _tensors_in(obj, out: dict) -> dict:
+    """Every tensor reachable from ``obj`` through dicts, sequences and attributes, by id."""
+    if isinstance(obj, torch.Tensor):
+        out[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors_in(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors_in(v, out)
+    elif hasattr(obj, "__dict__"):
+        _tensors_in(vars(obj), out)
+    return out
+
+
+def _held(rank, ws):
+    import torch.distributed.checkpoint.state_dict as helpers
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fusedist.fsdp import dcp
+
+    ours, ref = _make("ours", 0), _make("torch", 0)
+    inner = helpers._maybe_full_or_cpu_state_dict
+    seen = []
+
+    def produced(state_dict, info):
+        # the dict the modules' hooks filled, before torch copies it: what is kept whole for it
+        held = _tensors_in(dcp._GATHERED, {})
+        seen.append((sum(t.nbytes for t in held.values()), sum(v.nbytes for v in state_dict.values()),
+                     set(held) <= {id(v) for v in state_dict.values()}))
+        return inner(state_dict, info)
+
+    out = {}
+    helpers._maybe_full_or_cpu_state_dict = produced
+    try:
+        for path in ("blocks.0.attn", "blocks.0.mlp.0", "head", ""):
+            for cpu in (False, True):
+                opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu)
+                got = get_model_state_dict(ours.get_submodule(path), options=opts)
+                theirs = get_model_state_dict(ref.get_submodule(path), options=opts)
+                assert got.keys() == theirs.keys(), (path, cpu)
+                _same(got, theirs, (path, cpu))
+                held, wanted, only_entries = seen[-2]  # (the last is FSDP2's call)
+                out[path, cpu] = (held, wanted, only_entries, len(dcp._GATHERED))
+    finally:
+        helpers._maybe_full_or_cpu_state_dict = inner
+    return out
+
+
+def test_full_state_dict_of_a_submodule_keeps_only_its_own_parameters_whole():
+    """``get_model_state_dict(block.attn, full_state_dict=True)``: the block is gathered, and
+    only ``attn``'s parameters are kept whole -- the dict's own entries, no more -- once the
+    dict is produced (Note [state-dict hooks on every module of a unit]); values as FSDP2's."""
+    d = 8
+    attn = (d * d + d) * 4
+    block = attn + (2 * d * d + 2 * d + 2 * d * d + d) * 4
+    for res in run_distributed(_held, 2):
+        for (path, cpu), (held, wanted, only_entries, left) in res.items():
+            assert held == wanted and only_entries, (path, cpu, held, wanted)
+            assert left == 0, (path, cpu)  # nothing kept once the helper returns
+        assert res["blocks.0.attn", False][0] == attn < block
+
+
 # ------------------------------------------------------------------ loading
 def _loads(rank, ws):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

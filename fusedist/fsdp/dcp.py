@@ -45,26 +45,13 @@ Note [pieces in torch's distributed checkpoint]
     forward, a backward or between a forward and its backward, the pre-hooks reshard the unit
     first, as FSDP2's do, so no gathered copy outlives a load (``_reshard_at_rest``).
 
-Note [full state dict through torch's helpers]
-    ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`` gathers
-    DTensors and ShardedTensors (``_gather_state_dict``) and passes any other tensor through:
-    it would hand back the pieces. Neither hook it offers tells ``model.state_dict()`` which
-    options were asked for, and both gatherers assume torch's even split, not fusedist's
-    layout, so a piece cannot pose as either. So the state-dict hook looks up the call stack
-    for torch's ``_get_model_state_dict`` frame (the function object is taken from torch's
-    module, not matched by name) and reads its options: with ``full_state_dict`` the hook
-    puts each parameter whole in the dict (one all-gather per unit, on every rank; moved to
-    the CPU at once with ``cpu_offload``), and torch then keeps them on rank 0 only with
-    ``cpu_offload``, as for FSDP2. A frame found without the options it expects (another torch
-    version) raises instead of guessing. The other direction needs no hook: torch hands
-    ``load_state_dict`` the whole tensors, and the load pre-hook cuts an entry of the whole
-    parameter's shape to this rank's rows (so ``model.load_state_dict(full)`` works too).
+The full-state-dict options of torch's helpers are read in ``torch_helpers.py`` (Note [full
+state dict through torch's helpers]).
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import sys
 import weakref
@@ -72,6 +59,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from .torch_helpers import full_state_dict_requested
 
 __all__ = ["ShardedPiece", "install_state_dict_hooks", "chunks_of"]
 
@@ -279,10 +268,15 @@ def _refuse_whole_from_piece(dest, piece: ShardedPiece) -> None:
 #     and after every ancestor's load pre-hook, so the keys are the module paths even under
 #     torch's ``checkpoint_wrapper``, whose hooks drop and restore ``_checkpoint_wrapped_module.``
 #     at the wrapper's level. A full state dict gathers each unit once per dict, not once per
-#     module: a unit's gathered parameters are kept for the dict being filled and dropped when
-#     that dict is freed (so a submodule's full state dict holds its unit's other parameters
-#     whole for as long as the dict lives). The modules' own parameters are found from the
-#     unit's registrations (``_slots_of``), built once per unit, not by a walk over the unit.
+#     module, and keeps whole only the parameters that dict will hold: those of the modules
+#     under the module the state dict is taken of (torch's helper names it: Note [full state
+#     dict through torch's helpers] in torch_helpers.py). ``get_model_state_dict(block.attn,
+#     full_state_dict=True)`` all-gathers the block once, copies out ``attn``'s parameters and
+#     frees the gathered buffer at once; the rest of the block is never held whole, and what
+#     the per-dict cache keeps are the dict's own entries, released with it (FSDP2 gathers
+#     each DTensor entry on its own, so it holds no more either). The modules' own parameters
+#     are found from the unit's registrations (``_slots_of``), built once per unit, not by a
+#     walk over the unit.
 
 _KEEP_VARS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 # a hooked module -> the module fully_shard was called on, whose state holds the unit
@@ -394,24 +388,47 @@ def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
     return value.reshape(-1)[lo:hi].view(piece_shape)
 
 
-_GATHERED: dict = {}  # id of a state dict being filled -> {id(unit): its whole parameters}
+_GATHERED: dict = {}  # id of a state dict being filled -> _FullDict
 
 
-def _whole(state_dict, unit, to_cpu: bool) -> list:
-    """``unit``'s whole parameters for the full state dict ``state_dict``: gathered once per
-    dict (Note [state-dict hooks on every module of a unit]) -- a collective the first time."""
+class _FullDict:
+    """What one full state dict being filled has gathered: per unit, the whole parameters it
+    takes (the others None), and which those are."""
+
+    def __init__(self, top: Optional[nn.Module]):
+        # id(unit) -> indices of its parameters held by the modules under ``top`` (None: unknown)
+        self.wanted = _wanted_under(top) if top is not None else None
+        self.wholes: dict = {}  # id(unit) -> gather_params' list
+
+
+def _wanted_under(top: nn.Module) -> dict:
+    """id of each unit -> the indices of its parameters that the modules under ``top`` hold
+    (its own and those lent to other units): what ``top``'s state dict takes."""
+    wanted: dict = {}
+    for m in top.modules():
+        for _, holder, i in _entries(m, ""):
+            wanted.setdefault(id(holder), set()).add(i)
+    return wanted
+
+
+def _whole(state_dict, unit, i: int, to_cpu: bool, top: Optional[nn.Module]) -> torch.Tensor:
+    """Parameter ``i`` of ``unit`` whole, for the full state dict ``state_dict`` of ``top``:
+    the unit is gathered once per dict, keeping only what the dict takes (Note [state-dict
+    hooks on every module of a unit]) -- a collective the first time."""
     from .state_dict import gather_params
 
-    cache = _GATHERED.get(id(state_dict))
-    if cache is None:
+    entry = _GATHERED.get(id(state_dict))
+    if entry is None:
         try:
             weakref.finalize(state_dict, _GATHERED.pop, id(state_dict), None)
-        except TypeError:  # a destination that takes no weak reference: gather for each module
-            return gather_params(unit, to_cpu=to_cpu)
-        cache = _GATHERED[id(state_dict)] = {}
-    if id(unit) not in cache:
-        cache[id(unit)] = gather_params(unit, to_cpu=to_cpu)
-    return cache[id(unit)]
+        except TypeError:  # a destination that takes no weak reference: gather for each entry
+            return gather_params(unit, to_cpu=to_cpu, only={i})[i]
+        entry = _GATHERED[id(state_dict)] = _FullDict(top)
+    wholes = entry.wholes.get(id(unit))
+    if wholes is None:
+        only = entry.wanted.get(id(unit), set()) | {i} if entry.wanted is not None else None
+        wholes = entry.wholes[id(unit)] = gather_params(unit, to_cpu=to_cpu, only=only)
+    return wholes[i]
 
 
 @torch.no_grad()
@@ -419,12 +436,12 @@ def _post_state_dict(module, state_dict, prefix, local_metadata) -> None:
     if _KEEP_VARS.pop(module, False):
         return  # the parameters themselves, as asked
     entries = [(key, unit, i) for key, unit, i in _entries(module, prefix) if key in state_dict]
-    full = _full_state_dict_requested() if entries else None
+    full = full_state_dict_requested() if entries else None
     for key, unit, i in entries:
         if full is None:
             state_dict[key] = as_entry(unit.sharded[i], unit, i)
         else:
-            state_dict[key] = _whole(state_dict, unit, full[1])[i]
+            state_dict[key] = _whole(state_dict, unit, i, *full)
 
 
 @torch.no_grad()
@@ -464,45 +481,3 @@ def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:
         return None
     return (f"copying a param with shape {value.shape} from checkpoint, the shape in current model is "
             f"{torch.Size(full_shape)}.")
-
-
-_TORCH_CALLERS: dict = {}
-
-
-def torch_helper_options(function: str) -> Optional[tuple]:
-    """``(full_state_dict, cpu_offload)`` of the options of the torch state-dict helper frame
-    ``function`` (a function of ``torch.distributed.checkpoint.state_dict`` that has an
-    ``info`` local) when the caller runs under it, else None (Note [full state dict through
-    torch's helpers]). Raises when the frame is found without the options it expects."""
-    helpers = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    if helpers is None:
-        return None
-    code = _TORCH_CALLERS.get(function)
-    if code is None:
-        fn = getattr(helpers, function, None)
-        code = _TORCH_CALLERS[function] = inspect.unwrap(fn).__code__ if fn is not None else False
-    if code is False:
-        return None
-    frame = sys._getframe(2)
-    for _ in range(256):
-        if frame is None:
-            return None
-        if frame.f_code is code:
-            info = frame.f_locals.get("info")
-            if not (hasattr(info, "full_state_dict") and hasattr(info, "cpu_offload")):
-                raise RuntimeError(
-                    f"fusedist.fully_shard: called by torch's {function}, whose options this fusedist cannot read "
-                    "in this torch version, so it cannot tell a full state dict from a sharded one. Use "
-                    "fusedist.fsdp.full_state_dict(model) for whole parameters, model.state_dict() for DCP, "
-                    "or fusedist.checkpoint.save for the model and its optimizer.")
-            return bool(info.full_state_dict), bool(info.cpu_offload)
-        frame = frame.f_back
-    return None
-
-
-def _full_state_dict_requested() -> Optional[tuple]:
-    """``(full_state_dict, cpu_offload)`` when ``state_dict()`` is called by torch's
-    ``get_model_state_dict``/``get_state_dict`` asking for a full state dict, else None
-    (Note [full state dict through torch's helpers])."""
-    found = torch_helper_options("_get_model_state_dict")
-    return found if found is not None and found[0] else None

@@ -21,9 +21,9 @@ Note [optimizer state of pieces]
     plain piece, so ``torch.save(optimizer.state_dict())`` is what it was.
 
     Under torch's ``get_optimizer_state_dict(..., full_state_dict=True)`` (the stack lookup of
-    Note [full state dict through torch's helpers], for ``_get_optim_state_dict``) the entries
-    are the whole state tensors instead: one all-gather per unit and state name, on every rank,
-    in the optimizer's parameter order. The ranks first check that they hold the same state
+    Note [full state dict through torch's helpers] in torch_helpers.py, for
+    ``_get_optim_state_dict``) the entries are the whole state tensors instead: one all-gather
+    per unit and state name, on every rank, in the optimizer's parameter order. The ranks first check that they hold the same state
     names (one all-reduce), so a mismatch raises instead of hanging.
 
     Loading: a load pre-hook turns each entry of a piece back into a plain piece-shaped
@@ -52,7 +52,8 @@ from typing import Optional
 
 import torch
 
-from .dcp import ShardedPiece, as_entry, torch_helper_options, whole_to_piece
+from .dcp import ShardedPiece, as_entry, whole_to_piece
+from .torch_helpers import torch_helper_options
 
 __all__ = ["track_optimizer", "note_unit"]
 

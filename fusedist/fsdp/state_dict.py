@@ -40,9 +40,11 @@ def piece_index(units) -> dict:
 
 
 @torch.no_grad()
-def gather_params(unit, *, to_cpu: bool) -> list:
+def gather_params(unit, *, to_cpu: bool, only=None) -> list:
     """Every parameter of ``unit`` whole (fresh tensors, in its piece's dtype), from the pieces:
-    one all-gather per section -- a collective, every rank calls it for the same unit."""
+    one all-gather per section -- a collective, every rank calls it for the same unit. With
+    ``only`` (a set of parameter indices) the others are None: the gathered buffer is freed on
+    return, so a caller keeps no more than it asked for."""
     shards = [s.to(unit.device) for s in unit.shards]
     flats = [torch.empty(sec.layout.total_numel, dtype=s.dtype, device=unit.device)
              for sec, s in zip(unit.layout.sections, shards)]
@@ -50,6 +52,9 @@ def gather_params(unit, *, to_cpu: bool) -> list:
         handle.wait()
     out = []
     for i, slot in enumerate(unit.layout.slots):
+        if only is not None and i not in only:
+            out.append(None)
+            continue
         k = unit.section_index(i)
         a = slot.offset - unit.layout.sections[k].full_base
         full = flats[k][a:a + slot.numel].view(slot.shape)

@@ -37,15 +37,15 @@ Note [resharding to a smaller group after forward]
     a shard group smaller than the world (HSDP, ZeRO groups) needs nothing from ranks
     outside it.
 
-    The groups are made at the root's first forward, after the wrapping check (``wrapping_check.py``),
-    not by ``fully_shard``: ``new_group`` waits for every member of the run, so a rank given
-    ``k`` whose run partner was given ``True`` (or another ``k``) would wait there until the
-    store's timeout. The check compares each unit's resolved value across the shard group
-    (``reshard_after_forward=2`` on rank 0, ``True`` on the others: a ``RankMismatchError``
-    on every rank naming the unit and each rank's value), and only once it has passed does
-    each rank create its runs' groups, unit by unit in the root's order -- the same on every
-    rank, which ``new_group``'s naming (it counts the groups a process has) and its member
-    barriers need.
+    The groups are made at the root's first forward, after the wrapping check
+    (``wrapping_check.py``), not by ``fully_shard``: ``new_group`` waits for every member of the
+    run, so a rank given ``k`` whose run partner was given ``True`` (or another ``k``) would
+    wait there until the store's timeout. The check compares each unit's resolved value across
+    the shard group (``reshard_after_forward=2`` on rank 0, ``True`` on the others: a
+    ``RankMismatchError`` on every rank naming the unit and each rank's value), and only once it
+    has passed does each rank create its runs' groups, unit by unit in the root's order -- the
+    same on every rank, which ``new_group``'s naming (it counts the groups a process has) and
+    its member barriers need.
 
     What frees the parts: the gather that consumes them, or a full reshard -- the end of a
     backward, ``reshard()``, ``reset_iter_state()``, a state-dict save or load, a conversion

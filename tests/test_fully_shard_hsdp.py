@@ -185,6 +185,51 @@ def _clip_and_scaler(mesh, seed, rank):
     assert scaler.get_scale() == 2.0
 
 
+def _all_reduce_overlaps_the_next_unit(mesh, seed, rank):
+    """Note [replicate all-reduce]: a unit's all-reduce across replicas is issued asynchronously
+    when the next unit's reductions are issued and waited for only afterwards, so it runs while
+    that unit's backward and reduce-scatter proceed, instead of stopping the backward."""
+    _, ours = _pair(mesh, wrap_embed=True)
+    unit = ours._fs_state().unit
+    events = []
+
+    def logged(comm, name, kind):
+        inner = getattr(comm, name)
+
+        def call(*args, tag="", async_op=False, **kwargs):
+            label = tag.replace("fully_shard grads ", "").replace("fully_shard all-reduce ", "")  # the unit
+            events.append((kind, label, async_op))
+            handle = inner(*args, tag=tag, async_op=async_op, **kwargs)
+            if kind == "ar" and async_op:
+                wait = handle.wait
+
+                def logged_wait(*a, **k):
+                    events.append(("ar wait", label, None))
+                    return wait(*a, **k)
+
+                handle.wait = logged_wait
+            return handle
+
+        setattr(comm, name, call)
+
+    logged(unit.comm, "reduce_scatter", "rs")
+    logged(unit.replicate_comm, "all_reduce", "ar")
+    try:
+        _loss(ours, *_ids(seed, rank, 0)).backward()
+    finally:
+        for comm in (unit.comm, unit.replicate_comm):
+            comm.__dict__.pop("reduce_scatter", None), comm.__dict__.pop("all_reduce", None)
+    scatters = [label for kind, label, _ in events if kind == "rs"]
+    assert len(scatters) >= 3 and len(set(scatters)) == len(scatters), events
+    where = {(kind, label): i for i, (kind, label, _) in enumerate(events)}
+    for k, label in enumerate(scatters):
+        assert ("ar", label, True) in events, f"seed {seed}: all-reduce of {label} not asynchronous: {events}"
+        if k + 1 < len(scatters):
+            nxt = scatters[k + 1]
+            assert where[("ar", label)] < where[("rs", nxt)] < where[("ar wait", label)], \
+                f"seed {seed}: the all-reduce of {label} did not overlap the reduce-scatter of {nxt}: {events}"
+
+
 def _reductions(rank, ws, seed):
     mesh = _mesh2d()
     _training(mesh, seed, rank)
@@ -192,6 +237,7 @@ def _reductions(rank, ws, seed):
     _divide_factor(mesh, seed, rank)
     _all_reduce_hook(mesh, seed, rank)
     _clip_and_scaler(mesh, seed, rank)
+    _all_reduce_overlaps_the_next_unit(mesh, seed, rank)
     return True
 
 
@@ -199,7 +245,7 @@ def test_hsdp_training_and_reductions_match_fsdp2():
     """Over a (2 replicate x 2 shard) mesh: AdamW steps in fp32 and bf16 compute give FSDP2's
     losses, gradients and weights, pieces are per shard group; gradient-sync and all-reduce
     micro-batching, divide factors (fp32, fp16), the all-reduce hook, the global clip and
-    GradScaler's found-inf behave as FSDP2's."""
+    GradScaler's found-inf behave as FSDP2's; each all-reduce overlaps the next unit's reduction."""
     seed = _seed()
     assert run_distributed(_reductions, WORLD, seed) == [True] * WORLD, f"seed {seed}"
 

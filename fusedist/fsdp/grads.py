@@ -90,7 +90,7 @@ import torch
 
 from .._dtypes import fp16_divisors
 from .memory import COUNTERS
-from .replicate import across_replicas
+from .replicate import start_across_replicas
 
 #: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
 #: buffers alive during backward to this many units).
@@ -128,7 +128,8 @@ class PendingReduce:
         # HSDP: all-reduced across replicas when finished, or kept as a partial sum (Note [replicate all-reduce])
         self.replicated = grads.replicate is not None
         self.all_reduce = self.replicated and grads.all_reduce_grads
-        self.nbytes = (output.numel() + input.numel()) * output.element_size()
+        self.across = None  # HSDP: the all-reduce in flight, once started (``advance``)
+        self.advanced = False
         self.hook = grads.all_reduce_hook  # the hook as set when the reduction was issued
         self.hook_stream = grads.all_reduce_hook_stream
 
@@ -211,8 +212,12 @@ class UnitGrads:
     def reduce(self, grads: list, pending: list, log: list, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         """Start the reduce-scatter of each section's ``grads`` (plus its accumulator) and queue
         it, with at most ``max_in_flight`` pending; note in ``log`` which parameters had a
-        gradient (Note [rank-independent reductions])."""
+        gradient (Note [rank-independent reductions]). On HSDP the reductions queued before
+        start their all-reduce first (Note [replicate all-reduce] in replicate.py)."""
         unit = self.unit
+        for p in pending:
+            if p.replicated and not p.advanced:
+                advance(p)
         for k in self._sections(grads):
             while len(pending) >= max_in_flight:  # the cap holds for the buffers this call allocates too
                 finish(pending.pop(0))
@@ -272,20 +277,40 @@ class UnitGrads:
         self._acc, self._acc_with_grad, self._partial = {}, {}, {}
 
 
+def _land(p: PendingReduce) -> None:
+    """Wait for ``p``'s reduce-scatter (once) and free its input buffer."""
+    if p.input is None:
+        return
+    p.handle.wait()
+    COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
+    p.input = None
+
+
+@torch.no_grad()
+def advance(p: PendingReduce) -> None:
+    """HSDP: ``p``'s reduce-scatter has landed (waited for here); start its all-reduce across
+    the replicas, or keep its output as a partial sum (Note [replicate all-reduce] in
+    replicate.py)."""
+    _land(p)
+    p.advanced = True
+    p.output, p.across = start_across_replicas(p, p.output)
+
+
 @torch.no_grad()
 def finish(p: PendingReduce) -> None:
-    """Wait for a reduce-scatter and store its output as (or add it to) the pieces' ``.grad``:
-    each piece's gradient is at the piece's offset in its section's shard."""
-    p.handle.wait()
+    """Wait for a reduce-scatter (and on HSDP its all-reduce) and store its output as (or add
+    it to) the pieces' ``.grad``: each piece's gradient is at the piece's offset in its
+    section's shard."""
     unit = p.grads.unit
-    COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
-    out = p.output
-    p.input = None
     if p.replicated:  # Note [replicate all-reduce] in replicate.py
-        out = across_replicas(p, out)
-        if out is None:  # kept as a partial sum: no .grad yet, its scratch stays counted
-            p.output = None
+        if not p.advanced:
+            advance(p)
+        if p.output is None:  # kept as a partial sum: no .grad yet, its scratch stays counted
             return
+        p.across.wait()
+    else:
+        _land(p)
+    out = p.output
     if p.hook is not None:
         _run_hook(p.hook, out, p.hook_stream)
     dtype = unit.section_dtype(p.section)  # the shard's (Note [dtype sections] in layout.py)
@@ -334,7 +359,13 @@ def discard_all(pending: list) -> None:
     while pending:
         p = pending.pop(0)
         try:
-            p.handle.wait()
+            if p.input is not None:
+                p.handle.wait()
+            if p.across is not None:
+                p.across.wait()
         finally:
-            COUNTERS.add_scratch(-p.nbytes)
+            if p.input is not None:
+                COUNTERS.add_scratch(-p.input.numel() * p.input.element_size())
+            if p.output is not None:  # (an output kept as a partial sum is the partial sum's)
+                COUNTERS.add_scratch(-p.output.numel() * p.output.element_size())
             p.input = p.output = None

@@ -17,12 +17,18 @@ Note [replicate all-reduce]
     the fp16 sum over all R*S ranks stays away from overflow (Note [fp16 reduction] in
     grads.py).
 
-    When: the all-reduce is issued where the reduce-scatter is finished (``grads.finish``),
-    which for a replicated unit is never "because it happened to land" -- as for a hooked
-    one, only the oldest-first waits of the in-flight cap and the end of backward finish it
-    (``PendingReduce.ready``). So every rank issues the all-reduces in the units' fixed
-    reduction order (Note [rank-independent reductions] in grads.py), at the same point of
-    its backward, and replica peers pair them up. It goes through the replicate group's
+    When: a reduction is in two stages, each started at a point every rank reaches in the
+    same order. The all-reduce is started (``grads.advance``: wait for the reduce-scatter,
+    then issue the all-reduce asynchronously) when the next unit's reductions are issued
+    (``UnitGrads.reduce``, in the units' fixed reduction order: Note [rank-independent
+    reductions] in grads.py), or at the reduction's finish if none came; it is waited for
+    where the reduction is finished, which for a replicated unit is never "because it
+    happened to land" -- as for a hooked one, only the oldest-first waits of the in-flight
+    cap and the end of backward finish it (``PendingReduce.ready``). So the all-reduce of
+    one unit runs while the next unit's backward computes and its reduce-scatter is in
+    flight, as FSDP2's all-reduce runs on its own stream, instead of the backward stopping
+    for it; replica peers pair the all-reduces up by that shared order, and hooks (which may
+    issue collectives) still run at fixed points. It goes through the replicate group's
     communicator, tagged with the unit, so a stalled peer is reported by the same bounded
     waits and stall reports as a stalled reduce-scatter.
 
@@ -49,24 +55,25 @@ import torch
 
 from .memory import COUNTERS
 
-__all__ = ["across_replicas"]
+__all__ = ["start_across_replicas"]
 
 
 @torch.no_grad()
-def across_replicas(p, out: torch.Tensor) -> Optional[torch.Tensor]:
+def start_across_replicas(p, out: torch.Tensor):
     """The landed reduce-scatter output ``out`` of ``p`` (a ``grads.PendingReduce`` of a
-    replicated unit), all-reduced across the replicate group with the partial sum of earlier
-    backwards added; or None when ``p`` was issued under ``set_requires_all_reduce(False)``
-    and ``out`` went into the partial sum instead (Note [replicate all-reduce])."""
+    replicated unit), with the partial sum of earlier backwards added, and the handle of its
+    all-reduce across the replicate group, started here; or ``(None, None)`` when ``p`` was
+    issued under ``set_requires_all_reduce(False)`` and ``out`` went into the partial sum
+    instead (Note [replicate all-reduce])."""
     grads = p.grads
     if not p.all_reduce:
         grads.keep_partial(p.section, out, p.with_grad)
-        return None
+        return None, None
     partial = grads.take_partial(p.section)
     if partial is not None:
         total, with_grad = partial
         out.add_(total)
         COUNTERS.add_scratch(-total.numel() * total.element_size())
         p.with_grad = sorted(set(p.with_grad).union(with_grad))
-    grads.replicate.all_reduce(out, op=p.op, tag=f"fully_shard all-reduce {grads.unit.label}")
-    return out
+    handle = grads.replicate.all_reduce(out, op=p.op, async_op=True, tag=f"fully_shard all-reduce {grads.unit.label}")
+    return out, handle

@@ -49,8 +49,6 @@ Note [replicate all-reduce]
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .memory import COUNTERS

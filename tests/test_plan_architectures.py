@@ -39,8 +39,39 @@ def _is_sparse(cfg, i):
             and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
 
 
+def _deepseek_layer(cfg, i):
+    """DeepseekV3DecoderLayer (V2's is the same): latent attention, then a dense MLP for the
+    first first_k_dense_replace layers and every one off moe_layer_freq, else DeepseekV3MoE
+    (a router weight, routed experts, one shared MLP of n_shared_experts x the expert width)."""
+    h, heads, bias = cfg["hidden_size"], cfg["num_attention_heads"], bool(cfg.get("attention_bias"))
+    nope, rope, vd, r = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    attn = nn.ModuleDict({"kv_a_proj_with_mqa": nn.Linear(h, r + rope, bias=bias), "kv_a_layernorm": nn.RMSNorm(r),
+                          "kv_b_proj": nn.Linear(r, heads * (nope + vd), bias=False),
+                          "o_proj": nn.Linear(heads * vd, h, bias=bias)})
+    if cfg.get("q_lora_rank"):
+        qr = cfg["q_lora_rank"]
+        attn["q_a_proj"], attn["q_a_layernorm"] = nn.Linear(h, qr, bias=bias), nn.RMSNorm(qr)
+        attn["q_b_proj"] = nn.Linear(qr, heads * (nope + rope), bias=False)
+    else:
+        attn["q_proj"] = nn.Linear(h, heads * (nope + rope), bias=False)
+    layer = nn.ModuleDict({"self_attn": attn, "input_layernorm": nn.RMSNorm(h),
+                           "post_attention_layernorm": nn.RMSNorm(h)})
+    e, ef = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    if i >= cfg.get("first_k_dense_replace", 0) and i % cfg.get("moe_layer_freq", 1) == 0:
+        gate = nn.Module()
+        gate.weight = nn.Parameter(torch.empty(e, h))
+        gate.register_buffer("e_score_correction_bias", torch.zeros(e))  # V3: moved by load, not trained
+        layer["mlp"] = nn.ModuleDict({"gate": gate, "experts": nn.ModuleList(_mlp(h, ef) for _ in range(e)),
+                                      "shared_experts": _mlp(h, ef * cfg["n_shared_experts"])})
+    else:
+        layer["mlp"] = _mlp(h, cfg["intermediate_size"])
+    return layer
+
+
 def _layer(cfg, i):
     t = cfg["model_type"]
+    if t.startswith("deepseek"):
+        return _deepseek_layer(cfg, i)
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     d = cfg.get("head_dim") or _HEAD_DIM_DEFAULT.get(t) or h // heads
@@ -155,8 +186,10 @@ def _small(cfg, **changes):
         out["head_dim"] = 16 if cfg["head_dim"] * heads != cfg["hidden_size"] else 12
     for key, small in (("intermediate_size", 80), ("ffn_hidden_size", 72), ("moe_intermediate_size", 24),
                        ("shared_expert_intermediate_size", 40),
-                       ("num_local_experts", 5), ("num_experts", 6)):
-        if key in cfg:
+                       ("num_local_experts", 5), ("num_experts", 6), ("n_routed_experts", 7),
+                       ("q_lora_rank", 20), ("kv_lora_rank", 16), ("qk_nope_head_dim", 8), ("qk_rope_head_dim", 4),
+                       ("v_head_dim", 6)):
+        if cfg.get(key) is not None:
             out[key] = small
     if "num_experts_per_tok" in cfg:
         out["num_experts_per_tok"] = 2
@@ -190,6 +223,11 @@ FAMILIES = {
     "falcon-rw-1b": (published.FALCON_RW_1B, {}),
     "falcon-new-one-norm-untied": (published.FALCON_40B, {"num_ln_in_parallel_attn": 1, "ffn_hidden_size": 64,
                                                           "tie_word_embeddings": False}),
+    "deepseek-v3": (published.DEEPSEEK_V3, {}),
+    "deepseek-v2": (published.DEEPSEEK_V2, {}),
+    "deepseek-v2-lite": (published.DEEPSEEK_V2_LITE, {}),
+    "deepseek-every-other-layer-biases": (published.DEEPSEEK_V3, {"moe_layer_freq": 2, "first_k_dense_replace": 1,
+                                                                  "attention_bias": True, "n_shared_experts": 2}),
     "falcon-defaults": ({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4,
                          "num_hidden_layers": 2, "vocab_size": 64}, {}),
 }

@@ -5,8 +5,8 @@ Each dict is the published ``config.json`` of the model (the keys that change th
 The expected counts are exact; each comment gives the figure the model's card or paper
 publishes and, where useful, how the exact count comes about. Mixtures of experts are checked
 twice: every parameter (memory) and the ones a token goes through (compute), against the
-cards' "activated" figures. Configs the planner does not count (DeepSeek's latent attention,
-GPT-J's block) must be refused naming the field. tests/test_plan_architectures.py
+cards' "activated" figures. Configs the planner does not count (GPT-J's block, the multimodal
+Gemma-3) must be refused naming the field. tests/test_plan_architectures.py
 checks the same families against modules built the way transformers builds them."""
 
 import json
@@ -82,6 +82,28 @@ FALCON_RW_1B = {  # tiiuae/falcon-rw-1b: every head's k/v, sequential blocks, bi
     "model_type": "falcon", "hidden_size": 2048, "num_attention_heads": 32, "num_hidden_layers": 24,
     "multi_query": False, "parallel_attn": False, "new_decoder_architecture": False, "bias": True,
     "alibi": True, "vocab_size": 50304,
+}
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3: latent attention, 256 routed experts (8 a token) and a shared one
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "num_hidden_layers": 61, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "vocab_size": 129280, "tie_word_embeddings": False, "attention_bias": False,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_nextn_predict_layers": 1,
+}
+DEEPSEEK_V2 = {  # deepseek-ai/DeepSeek-V2
+    "model_type": "deepseek_v2", "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "num_hidden_layers": 60, "n_routed_experts": 160,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "vocab_size": 102400, "topk_method": "group_limited_greedy",
+}
+DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite: no query compression (q_lora_rank null)
+    "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_attention_heads": 16, "num_hidden_layers": 27, "num_key_value_heads": 16, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "vocab_size": 102400,
 }
 QWEN3_8B = {  # Qwen/Qwen3-8B: RMSNorm on each head's q and k (head_dim 128)
     "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
@@ -201,6 +223,14 @@ COUNTS = [
     (FALCON_40B, 41_303_293_952),
     # Falcon-RW-1B model card: 1.3B
     (FALCON_RW_1B, 1_311_625_216),
+    # DeepSeek-V3 technical report (arXiv:2412.19437): 671B parameters, 37B activated; the
+    # checkpoint's 685B add the multi-token-prediction module, which the model does not build,
+    # and the router's correction bias is a buffer, not a parameter
+    (DEEPSEEK_V3, 671_026_404_352),
+    # DeepSeek-V2 paper (arXiv:2405.04434): 236B parameters, 21B activated
+    (DEEPSEEK_V2, 235_741_434_880),
+    # DeepSeek-V2 paper, V2-Lite: 15.7B parameters, 2.4B activated
+    (DEEPSEEK_V2_LITE, 15_706_484_224),
 ]
 
 # Parameters a token goes through (Note [active parameters] in fusedist/plan/model.py): the
@@ -212,6 +242,10 @@ ACTIVE = [
     (QWEN3_30B_A3B, 3_353_032_704),  # 3.3B
     (QWEN3_235B_A22B, 22_190_763_520),  # 22B
     (QWEN3_8B, 8_190_735_360),  # dense: all of them
+    (DEEPSEEK_V3, 37_552_282_624),  # 37B
+    (DEEPSEEK_V2, 21_375_800_320),  # 21B
+    # 2.4B: the card leaves out the input embedding (a lookup, 209,715,200): 2,451,435,008
+    (DEEPSEEK_V2_LITE, 2_661_150_208),
 ]
 
 
@@ -286,21 +320,14 @@ def test_llama_attention_and_mlp_bias(tmp_path):
         assert sum(p.numel() for p in Transformer(spec).parameters()) == count_params(spec)
 
 
-# deepseek-ai/DeepSeek-V2-Lite: 15.7B total, 2.4B active; latent attention, shared experts, one
-# dense first layer: refused by model type
-DEEPSEEK_V2_LITE = {
-    "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-    "num_attention_heads": 16, "num_hidden_layers": 27, "num_key_value_heads": 16, "n_routed_experts": 64,
-    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "kv_lora_rank": 512,
-    "q_lora_rank": None, "max_position_embeddings": 163840, "vocab_size": 102400,
-}
 # EleutherAI/gpt-j-6b: GPT-2's key names, another block (rotary, no attention biases,
 # parallel attention and MLP, an untied output layer with a bias)
 GPTJ_6B = {"model_type": "gptj", "n_embd": 4096, "n_layer": 28, "n_head": 16, "n_positions": 2048,
            "vocab_size": 50400, "rotary_dim": 64, "tie_word_embeddings": False}
 
 REFUSED = [
-    (DEEPSEEK_V2_LITE, "'model_type' 'deepseek_v2': multi-head latent attention"),
+    ({k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "kv_lora_rank"}, "no 'kv_lora_rank'"),
+    ({**DEEPSEEK_V3, "first_k_dense_replace": -1}, "'first_k_dense_replace'"),
     ({**QWEN3_8B, "model_type": "gemma3", "text_config": GEMMA3_1B}, "'model_type' 'gemma3': a multimodal config"),
     ({**LLAMA2_7B, "num_experts": 8, "num_experts_per_tok": 2}, "'num_experts'"),
     ({k: v for k, v in QWEN3_8B.items() if k != "head_dim"}, "no 'head_dim'"),

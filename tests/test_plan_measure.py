@@ -57,13 +57,21 @@ def _mfu_checks(measured):
             assert 0 < m["achieved_mfu"] <= 1, (s, m["achieved_mfu"], m["matmul_flops"])
 
 
-def test_measured_mixture_of_experts(tmp_path):
-    """A Qwen2-MoE config (routed experts, a gated shared one, q/k/v biases) trains and holds and
-    sends what the planner counts for every parameter, experts included."""
-    cfg = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-           "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
-           "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
-           "max_position_embeddings": 64, "vocab_size": 256}
+TINY_QWEN2_MOE = {  # routed experts, a gated shared one, q/k/v biases
+    "model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 256}
+TINY_DEEPSEEK_V3 = {  # latent attention, a dense first block, routed experts and an ungated shared one
+    "model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "n_routed_experts": 4, "n_shared_experts": 2,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "max_position_embeddings": 64, "vocab_size": 128}
+
+
+@pytest.mark.parametrize("cfg", [TINY_QWEN2_MOE, TINY_DEEPSEEK_V3], ids=["qwen2_moe", "deepseek_v3"])
+def test_measured_mixture_of_experts(tmp_path, cfg):
+    """Mixture-of-experts configs (and DeepSeek's latent attention) train and hold and send
+    what the planner counts for every parameter, experts included."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     proc = launch("-m", "fusedist.plan", "--measure", "--json", "--hf-config", str(path), "--seq", "32",

@@ -40,6 +40,9 @@ HF_MODEL_TYPES = {
     "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
                   "keys": ("head_dim", "attention_bias")},
     "falcon": {"tie": True, "keys": ()},  # its own keys: _falcon
+    # latent attention (Note [latent attention] in model.py): its own head keys, not head_dim
+    "deepseek_v2": {"tie": False, "latent": True, "moe": "deepseek", "keys": ("attention_bias",)},
+    "deepseek_v3": {"tie": False, "latent": True, "moe": "deepseek", "keys": ("attention_bias",)},
 }
 # Keys that make a config a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek-V2/V3, ...),
 # refused in any family not counted as one.
@@ -47,10 +50,6 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interm
              "n_shared_experts", "num_experts_per_tok")
 # Families seen in the wild whose blocks are not llama's, with why, for the refusal.
 _NOT_COUNTED = {
-    "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and routed + shared experts "
-                   "after first_k_dense_replace dense blocks",
-    "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and routed + shared experts "
-                   "after first_k_dense_replace dense blocks",
     "gemma3": "a multimodal config (a vision tower besides text_config); a config.json of its text_config "
               "with model_type gemma3_text is counted",
 }
@@ -117,6 +116,8 @@ def from_hf_config(path: str) -> ModelSpec:
         tied = family["tie"]
     elif not isinstance(tied, bool):
         raise PlanError("--hf-config", f"{path}: 'tie_word_embeddings' must be true or false, got {tied!r}")
+    if family.get("latent"):
+        values.update(_latent(cfg, path))
     if "moe" in family:
         values.update(_experts(cfg, path, family["moe"], values["layers"], values["ffn_hidden"]))
     spec = ModelSpec(arch=arch, tied=tied, qkv_bias=bool(family.get("qkv_bias") or attention_bias),
@@ -140,8 +141,8 @@ def _falcon(cfg: dict, path: str) -> dict:
     ``new_decoder_architecture``, 1 under ``multi_query``, else every head; with
     ``parallel_attn``, LayerNorms ``ln_attn`` and ``ln_mlp`` when ``num_ln_in_parallel_attn``
     is 2 (its default under the new architecture), else one ``input_layernorm`` for both;
-    without, ``input_layernorm`` and ``post_attention_layernorm``. Left-out keys take FalconConfig's defaults (multi-query,
-    parallel attention, no biases, 2048 positions, tied)."""
+    without, ``input_layernorm`` and ``post_attention_layernorm``. Left-out keys take
+    FalconConfig's defaults (multi-query, parallel attention, no biases, 2048 positions, tied)."""
     values = {"hidden": _positive_int(cfg, "hidden_size", path, required=True),
               "layers": _positive_int(cfg, "num_hidden_layers", path, required=True),
               "heads": _positive_int(cfg, "num_attention_heads", path, required=True),
@@ -165,15 +166,41 @@ def _falcon(cfg: dict, path: str) -> dict:
                 source="hf-config (falcon)")
 
 
+def _latent(cfg: dict, path: str) -> dict:
+    """DeepSeek-V2/V3's attention keys (Note [latent attention] in model.py); every head has
+    its own keys and values after ``kv_b_proj``."""
+    nope = _positive_int(cfg, "qk_nope_head_dim", path, required=True)
+    rope = _positive_int(cfg, "qk_rope_head_dim", path, required=True)
+    return {"kv_lora_rank": _positive_int(cfg, "kv_lora_rank", path, required=True),
+            "q_lora_rank": _positive_int(cfg, "q_lora_rank", path), "rope_head_dim": rope,
+            "v_head_dim": _positive_int(cfg, "v_head_dim", path, required=True), "head_dim": nope + rope,
+            "kv_heads": None}
+
+
 def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
     """The ModelSpec fields of a mixture of experts. Mixtral: every block, experts of
     ``intermediate_size``. Qwen2/3-MoE: the block ``i`` is sparse unless ``i`` is in
     ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` (as their decoder layers decide),
-    experts of ``moe_intermediate_size``; Qwen2-MoE adds a gated shared expert."""
+    experts of ``moe_intermediate_size``; Qwen2-MoE adds a gated shared expert. DeepSeek: the
+    block ``i`` is sparse when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``,
+    with ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size`` (one MLP of
+    their summed width, as DeepseekV3MoE builds it)."""
     if kind == "mixtral":
         return {"experts": _positive_int(cfg, "num_local_experts", path, required=True),
                 "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
                 "expert_ffn": ffn}
+    if kind == "deepseek":
+        expert_ffn = _positive_int(cfg, "moe_intermediate_size", path, required=True)
+        first = cfg.get("first_k_dense_replace") or 0
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise PlanError("--hf-config", f"{path}: 'first_k_dense_replace' must be a whole number, "
+                                           f"got {first!r}")
+        freq = _positive_int(cfg, "moe_layer_freq", path) or 1
+        return {"experts": _positive_int(cfg, "n_routed_experts", path, required=True),
+                "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
+                "expert_ffn": expert_ffn,
+                "shared_ffn": expert_ffn * (_positive_int(cfg, "n_shared_experts", path) or 0),
+                "dense_layers": sum(1 for i in range(layers) if i < first or i % freq)}
     out = {"experts": _positive_int(cfg, "num_experts", path, required=True),
            "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
            "expert_ffn": _positive_int(cfg, "moe_intermediate_size", path, required=True)}

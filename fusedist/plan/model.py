@@ -14,7 +14,8 @@ Three block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds
   ``attention_bias``) and on the MLP (``mlp_bias``); an RMSNorm over each head's queries and
   keys (``qk_norm``: Qwen3, Gemma-3); norms after the attention and the MLP as well as
   before (``sandwich_norm``: Gemma-2/3); a mixture of experts in place of the MLP
-  (``experts``: Mixtral, Qwen2-MoE, Qwen3-MoE).
+  (``experts``: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3); multi-head latent attention
+  (``kv_lora_rank``: DeepSeek-V2/V3, Note [latent attention]).
 * ``falcon`` (read from Falcon configs only): rotary positions, LayerNorm with bias, one
   fused q/k/v projection with multi-query or grouped key/value heads, GELU MLP of
   ``ffn_hidden`` (default 4h), biases where the config's ``bias`` says; attention and MLP
@@ -29,6 +30,18 @@ Note [active parameters]
     (:func:`count_params`); the FLOPs of a token are those of the parameters it goes through
     (:func:`active_params`), which is what the model cards call "activated" (Mixtral-8x7B:
     46.7B in all, 12.9B active).
+
+Note [latent attention]
+    DeepSeek-V2/V3's attention (DeepseekV3Attention in transformers) compresses keys and
+    values through ``kv_lora_rank``: ``kv_a_proj_with_mqa`` (h -> kv_lora_rank + rope_head_dim,
+    the rotary key part shared by all heads), an RMSNorm of kv_lora_rank, ``kv_b_proj``
+    (kv_lora_rank -> heads x (nope + v_head_dim)); queries through ``q_lora_rank`` the same way
+    (``q_a_proj``, an RMSNorm, ``q_b_proj`` to heads x head_dim) or one ``q_proj`` when it is
+    null; ``o_proj`` from heads x v_head_dim. head_dim is the q/k head, nope + rope. The
+    attention scores cost as for heads of head_dim, the product with V as for v_head_dim.
+    V3's router bias (``e_score_correction_bias``) is a buffer moved by load statistics, not
+    a trained parameter, and its multi-token-prediction layer is not part of the model
+    transformers builds: neither is counted.
 """
 
 from __future__ import annotations
@@ -70,6 +83,10 @@ class ModelSpec:
     shared_gate: bool = False  # Linear(h, 1) gating the shared expert (Qwen2-MoE)
     dense_layers: int = 0  # blocks with a dense MLP of ffn among the MoE ones (Qwen-MoE's mlp_only_layers)
     parallel_attn: bool = False  # falcon: attention and MLP both from the block's input
+    kv_lora_rank: Optional[int] = None  # latent attention (Note [latent attention]); None: q/k/v
+    q_lora_rank: Optional[int] = None  # latent attention: the queries' rank, None for a full q_proj
+    rope_head_dim: int = 0  # latent attention: the rotary part of head_dim
+    v_head_dim: Optional[int] = None  # latent attention: the value head size
     shared_norm: bool = False  # falcon: one LayerNorm before both (parallel_attn only)
     params: Optional[int] = None  # given directly (--params)
     source: str = "shape"
@@ -110,6 +127,11 @@ class ModelSpec:
         return self.kv * self.head_size
 
     @property
+    def o_dim(self) -> int:
+        """Width of the values and of the attention output (``q_dim`` but under latent attention)."""
+        return self.heads * self.v_head_dim if self.v_head_dim is not None else self.q_dim
+
+    @property
     def tied_embeddings(self) -> bool:
         return self.tied if self.tied is not None else self.arch == "gpt"
 
@@ -148,6 +170,12 @@ def _attention_params(spec: ModelSpec) -> int:
     h, q_dim, kv_dim = spec.hidden, spec.q_dim, spec.kv_dim
     if spec.arch == "gpt":
         return h * (q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) + q_dim * h + h  # fused qkv + out, with biases
+    if spec.kv_lora_rank is not None:  # Note [latent attention]
+        r, qr, rope = spec.kv_lora_rank, spec.q_lora_rank, spec.rope_head_dim
+        q = (h + 1 + q_dim) * qr + qr * spec.qkv_bias if qr else h * q_dim  # q_a, its norm, q_b; or q_proj
+        kv = (h + spec.qkv_bias) * (r + rope) + r  # kv_a (the rotary key part too) and its norm
+        kv += r * spec.heads * (spec.head_size - rope + spec.v_head_dim)  # kv_b: k's other part and v
+        return q + kv + spec.o_dim * h + h * spec.out_bias
     attn = h * (q_dim + 2 * kv_dim) + q_dim * h  # q, k, v, o
     attn += (q_dim + 2 * kv_dim) * spec.qkv_bias + h * spec.out_bias
     return attn + 2 * spec.head_size * spec.qk_norm  # q_norm, k_norm: one weight of head_size each
@@ -218,10 +246,11 @@ def active_params(spec: ModelSpec) -> int:
 
 def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:
     """Forward FLOPs of the attention scores per token: QKᵀ and the product with V, each
-    ``2·s·d_q`` per layer (PaLM, Appendix B); 0 for a model without a shape."""
+    ``2·s·d_q`` per layer (PaLM, Appendix B; the second ``2·s·heads·v_head_dim`` under latent
+    attention); 0 for a model without a shape."""
     if not spec.has_shape:
         return 0
-    return spec.layers * 4 * seq * spec.q_dim
+    return spec.layers * 2 * seq * (spec.q_dim + spec.o_dim)
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
@@ -266,7 +295,8 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     sb = s * b
     word = 4 if precision == "fp32" else 2
     f = spec.ffn
-    attn = h + spec.q_dim + 2 * spec.kv_dim + spec.q_dim  # q/k/v input, Q, K and V, o's input
+    v_dim = spec.o_dim if spec.kv_lora_rank is not None else spec.kv_dim  # latent attention: V per head
+    attn = h + spec.q_dim + spec.kv_dim + v_dim + spec.o_dim  # q/k/v input, Q, K, V and o's input
     attn += (spec.q_dim + spec.kv_dim) * spec.qk_norm  # the q/k norms' inputs
     norms = (4 if spec.sandwich_norm else 1 if spec.shared_norm else 2) * h
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each

@@ -15,7 +15,7 @@ from .memory import STRATEGIES
 GB = 10**9
 # ModelSpec fields left out of the plan's model while off, so a plain model reads as before
 _SHOWN_WHEN_ON = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sandwich_norm", "shared_ffn", "shared_gate",
-                  "dense_layers", "parallel_attn", "shared_norm")
+                  "dense_layers", "parallel_attn", "shared_norm", "rope_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)

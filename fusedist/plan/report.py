@@ -32,6 +32,8 @@ def model_line(plan: dict) -> str:
                                                                        "qk_norm", "sandwich_norm",
                                                                        "parallel_attn", "shared_norm")
                            if m.get(name))
+                 + (f", latent attention (kv rank {m['kv_lora_rank']}, q rank {m.get('q_lora_rank') or 'full'}, "
+                    f"values of {m['v_head_dim']})" if m.get("kv_lora_rank") else "")
                  + (f", {m['experts']} experts of {m['expert_ffn']} ({m['experts_per_token']} per token"
                     + (f", a shared one of {m['shared_ffn']}" if m.get("shared_ffn") else "")
                     + (f", {m['dense_layers']} dense layers" if m.get("dense_layers") else "") + ")"

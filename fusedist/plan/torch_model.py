@@ -52,6 +52,35 @@ class Experts(nn.Module):
         return y.view_as(x)
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek-V2/V3's projections (Note [latent attention] in model.py): returns the heads'
+    outputs, ``heads x v_head_dim`` a token, for the block's output projection."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, r, qr = spec.hidden, spec.kv_lora_rank, spec.q_lora_rank
+        self.heads, self.head_dim, self.rank = spec.heads, spec.head_size, r
+        self.rope, self.v_dim = spec.rope_head_dim, spec.v_head_dim
+        if qr:
+            self.q = nn.Sequential(nn.Linear(h, qr, bias=spec.qkv_bias), nn.RMSNorm(qr),
+                                   nn.Linear(qr, spec.q_dim, bias=False))
+        else:
+            self.q = nn.Linear(h, spec.q_dim, bias=False)
+        self.kv_a = nn.Linear(h, r + self.rope, bias=spec.qkv_bias)
+        self.kv_norm = nn.RMSNorm(r)
+        self.kv_b = nn.Linear(r, spec.heads * (self.head_dim - self.rope + self.v_dim), bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        latent, k_rope = self.kv_a(x).split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, s, self.heads, -1)
+        k_nope, v = kv.split([self.head_dim - self.rope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, s, self.heads, self.rope)], dim=-1)
+        att = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return att.transpose(1, 2).reshape(b, s, self.heads * self.v_dim)
+
+
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, moe: bool = False):
         super().__init__()
@@ -67,8 +96,10 @@ class Block(nn.Module):
         self.post1, self.post2 = (norm(h), norm(h)) if spec.sandwich_norm else (nn.Identity(), nn.Identity())
         self.q_norm, self.k_norm = ((nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)) if spec.qk_norm
                                     else (nn.Identity(), nn.Identity()))
-        self.qkv = nn.Linear(h, self.q_dim + 2 * self.kv_dim, bias=self.gpt or spec.qkv_bias)
-        self.proj = nn.Linear(self.q_dim, h, bias=self.gpt or spec.out_bias)
+        self.latent = LatentAttention(spec) if spec.kv_lora_rank is not None else None
+        if self.latent is None:
+            self.qkv = nn.Linear(h, self.q_dim + 2 * self.kv_dim, bias=self.gpt or spec.qkv_bias)
+        self.proj = nn.Linear(spec.o_dim, h, bias=self.gpt or spec.out_bias)
         self.experts = Experts(spec) if moe else None
         if self.gelu:
             self.fc, self.out = (nn.Linear(h, f, bias=self.gpt or spec.mlp_bias),
@@ -78,17 +109,8 @@ class Block(nn.Module):
             self.out = nn.Linear(f, h, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
         x0 = x
-        q, k, v = self.qkv(self.norm1(x)).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        q = self.q_norm(q.view(b, s, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(b, s, self.kv, self.head_dim)).transpose(1, 2)
-        v = v.view(b, s, self.kv, self.head_dim).transpose(1, 2)
-        if self.kv != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv, dim=1)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.post1(self.proj(att.transpose(1, 2).reshape(b, s, self.q_dim)))
+        x = x + self.post1(self.proj(self._attend(self.norm1(x))))
         norm2 = self.norm1 if self.norm2 is None else self.norm2
         mlp_in = norm2(x0 if self.parallel else x)  # Falcon: both from the block's input
         if self.experts is not None:
@@ -101,6 +123,20 @@ class Block(nn.Module):
             m = F.silu(gate) * up
         return x + self.post2(self.out(m))
 
+    def _attend(self, x: torch.Tensor) -> torch.Tensor:
+        if self.latent is not None:
+            return self.latent(x)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q = self.q_norm(q.view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(b, s, self.kv, self.head_dim)).transpose(1, 2)
+        v = v.view(b, s, self.kv, self.head_dim).transpose(1, 2)
+        if self.kv != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return att.transpose(1, 2).reshape(b, s, self.q_dim)
+
 
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec):
@@ -109,7 +145,7 @@ class Transformer(nn.Module):
         self.gpt = spec.arch == "gpt"
         self.wte = nn.Embedding(spec.vocab, h)
         self.wpe = nn.Embedding(spec.seq, h) if self.gpt else None
-        # which blocks are dense does not change what is counted or sent: the first ones
+        # which blocks are dense does not change what is counted or sent: the first ones (DeepSeek's)
         self.blocks = nn.ModuleList(Block(spec, moe=spec.moe and i >= spec.dense_layers) for i in range(spec.layers))
         self.norm = nn.RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
         self.head = None if spec.tied_embeddings else nn.Linear(h, spec.vocab, bias=False)

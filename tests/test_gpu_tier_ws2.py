@@ -44,6 +44,9 @@ Sections and their tolerances:
   same seed on that device (each rank draws the whole values; nothing is rounded); then a
   ``dcp.async_save`` taken while a step runs, loaded into another meta-built model: the saved
   step's weights bit for bit (a copy).
+* **Stage 3 with CPU offload**, fusedist's GradScaler (an inf on one rank) and torch's clip
+  (global over the pieces), against the same model without offload: ``rtol=1e-5`` (the
+  offloaded AdamW step runs on the host).
 """
 
 from __future__ import annotations
@@ -356,8 +359,50 @@ def _stage3_meta_async(rank, world_size, device):
                 devices={p.device.type for p in fresh.parameters()})
 
 
+def _stage3_offload(rank, world_size, device):
+    """fully_shard with ``CPUOffloadPolicy`` on the run's device (pieces, gradients and AdamW in
+    host memory), trained with fusedist's GradScaler (an inf on rank 0 at step 2) and torch's
+    clip: found-inf and the norm are all-reduced over the communicator's device, the pieces'
+    values staying in host memory. Against the same model without offload."""
+    import fusedist
+    from test_fully_shard import Net, _poison_one_rank
+    from test_fully_shard import _batch as _fs_batch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    out = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = Net().to(device)
+        kw = dict(offload_policy=fusedist.CPUOffloadPolicy(pin_memory=device.type == "cuda")) if offload else {}
+        for block in model.blocks:
+            fusedist.fully_shard(block, mesh=mesh, **kw)
+        fusedist.fully_shard(model, mesh=mesh, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = fusedist.amp.GradScaler(device.type, init_scale=2.0 ** 10, growth_interval=2)
+        norms, losses = [], []
+        for step in range(4):
+            x, y = (t.to(device) for t in _fs_batch(rank, step))
+            loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            if step == 2:
+                _poison_one_rank(model, rank)
+            scaler.unscale_(opt)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+        full = fusedist.fsdp.full_state_dict(model)
+        out[offload] = dict(norms=norms, losses=losses, scale=float(scaler.get_scale()),
+                            weights={k: v.detach().cpu() for k, v in full.items()},
+                            devices=sorted({p.device.type for p in model.parameters()}))
+    return out
+
+
 SECTIONS = {"bf16_reduce": _bf16_reduce, "fp16_master": _fp16_master, "zero_offload": _zero_offload,
-            "syncbn": _syncbn, "stage3": _stage3, "stage3_meta_async": _stage3_meta_async}
+            "syncbn": _syncbn, "stage3": _stage3, "stage3_meta_async": _stage3_meta_async,
+            "stage3_offload": _stage3_offload}
 
 
 def _tier(rank, world_size, device_type):
@@ -462,6 +507,22 @@ def test_fully_shard_matches_torch_fsdp2(tier):
             assert r["param_devices"] == {device_type}
             assert r["prefetch_seen"] == [False, True, True, True, True], r["prefetch_seen"]
             assert r["gathered_after_eval"] == 0
+
+
+def test_fully_shard_offload_with_scaler_and_torch_clip(tier):
+    """Offloaded pieces in host memory: the global norm, the skipped step and the weights equal
+    the model on the device's (the AdamW step runs on the host there: a few ulps)."""
+    device_type, per_rank = _section(tier, "stage3_offload")
+    for r in per_rank:
+        on, off = r[False], r[True]
+        assert off["devices"] == ["cpu"] and on["devices"] == [device_type], (on["devices"], off["devices"])
+        assert off["norms"][2] == on["norms"][2] == float("inf")  # rank 0's inf, seen on every rank
+        torch.testing.assert_close(torch.tensor(off["norms"]), torch.tensor(on["norms"]), rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(on["losses"]), rtol=1e-5, atol=1e-6)
+        assert off["scale"] == on["scale"] == 2.0 ** 10  # grown after steps 0-1, backed off at step 2
+        for k, v in on["weights"].items():
+            torch.testing.assert_close(off["weights"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert per_rank[0][True]["norms"] == per_rank[1][True]["norms"]  # the norm is global
 
 
 def test_fully_shard_meta_init_and_async_save(tier):

@@ -45,13 +45,13 @@ class ShardedGradHolder:
             for g in grads:
                 if g.numel():
                     local = torch.maximum(local, g.detach().abs().max().float().reshape(1))
-            self.comm.all_reduce(local, op="max", tag="fully_shard grad norm (inf)")
+            _all_reduce(self.comm, local, "max", "fully_shard grad norm (inf)")
             return local[0]
         local = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
             local += torch.stack([n.float() for n in norms]).pow(norm_type).sum()
-        self.comm.all_reduce(local, op="sum", tag="fully_shard grad norm")
+        _all_reduce(self.comm, local, "sum", "fully_shard grad norm")
         return local[0].pow(1.0 / norm_type)
 
     @torch.no_grad()
@@ -78,15 +78,27 @@ class ShardedGradHolder:
 
     def all_reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
         """Max of the ranks' inf/nan flags, in place (GradScaler: every rank skips together)."""
-        self.comm.all_reduce(found_inf.view(-1), op="max", tag="fully_shard found inf")
+        _all_reduce(self.comm, found_inf, "max", "fully_shard found inf")
         if self.replicate is not None:
-            self.replicate.all_reduce(found_inf.view(-1), op="max", tag="fully_shard found inf (replicas)")
+            _all_reduce(self.replicate, found_inf, "max", "fully_shard found inf (replicas)")
         return found_inf
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (GradScaler: the global sum of squares of the pieces)."""
-        self.comm.all_reduce(value.view(-1), op="sum", tag="fully_shard grad sumsq")
+        _all_reduce(self.comm, value, "sum", "fully_shard grad sumsq")
         return value
+
+
+def _all_reduce(comm, t: torch.Tensor, op: str, tag: str) -> None:
+    """All-reduce ``t`` in place over ``comm``, through the communicator's device when ``t`` is
+    elsewhere: with ``CPUOffloadPolicy`` on CUDA the pieces and their gradients live in host
+    memory, where the NCCL communicator cannot reduce (a few numbers: the copies cost nothing)."""
+    if t.device == comm.device:
+        comm.all_reduce(t.view(-1), op=op, tag=tag)
+        return
+    moved = t.to(comm.device)
+    comm.all_reduce(moved.view(-1), op=op, tag=tag)
+    t.copy_(moved)
 
 
 def holder_for(comm, replicate=None) -> ShardedGradHolder:

@@ -143,11 +143,27 @@ def _falcon_model(cfg) -> nn.Module:
     return model
 
 
+def _gpt2_model(cfg) -> nn.Module:
+    """GPT2LMHeadModel's parameters (Conv1D's weight is (in, out), its bias out)."""
+    h, v, n = cfg["n_embd"], cfg["vocab_size"], cfg["n_positions"]
+    f = cfg.get("n_inner") or 4 * h
+    blocks = nn.ModuleList(nn.ModuleDict({
+        "ln_1": nn.LayerNorm(h), "ln_2": nn.LayerNorm(h),
+        "attn": nn.ModuleDict({"c_attn": nn.Linear(h, 3 * h), "c_proj": nn.Linear(h, h)}),
+        "mlp": nn.ModuleDict({"c_fc": nn.Linear(h, f), "c_proj": nn.Linear(f, h)})}) for _ in range(cfg["n_layer"]))
+    model = nn.ModuleDict({"wte": nn.Embedding(v, h), "wpe": nn.Embedding(n, h), "h": blocks, "ln_f": nn.LayerNorm(h),
+                           "lm_head": nn.Linear(h, v, bias=False)})
+    model["lm_head"].weight = model["wte"].weight  # tied
+    return model
+
+
 def reference_model(cfg) -> nn.Module:
     """``<Family>ForCausalLM``'s parameters: embed_tokens, layers, norm, lm_head (the
     embedding's own weight when tied, counted once by ``parameters()``)."""
     if cfg["model_type"] == "falcon":
         return _falcon_model(cfg)
+    if cfg["model_type"] == "gpt2":
+        return _gpt2_model(cfg)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     model = nn.ModuleDict({"embed_tokens": nn.Embedding(v, h),
                            "layers": nn.ModuleList(_layer(cfg, i) for i in range(cfg["num_hidden_layers"])),
@@ -175,6 +191,8 @@ def _small(cfg, **changes):
     """The config with its dimensions scaled down, its structure (model type, grouping of the
     heads, head size apart from hidden / heads, tying, biases, experts per token, dense
     layers) kept."""
+    if cfg["model_type"] == "gpt2":
+        return dict(cfg, n_embd=48, n_layer=3, n_head=4, n_positions=40, vocab_size=96, **changes)
     out = dict(cfg, hidden_size=48, num_hidden_layers=4, vocab_size=96, max_position_embeddings=64)
     heads = cfg["num_attention_heads"]
     out["num_attention_heads"] = 4
@@ -198,13 +216,18 @@ def _small(cfg, **changes):
 
 
 FAMILIES = {
+    "gpt2": (published.GPT2_124M, {}),
+    "gpt2-n-inner": (published.GPT2_124M, {"n_inner": 72}),
     "llama-3-8b": (published.LLAMA3_8B, {}),
     "llama-biases": (published.LLAMA3_8B, {"attention_bias": True, "mlp_bias": True}),
     "mistral-7b": (published.MISTRAL_7B, {}),
     "qwen2-7b": (published.QWEN2_7B, {}),
     "qwen2.5-0.5b-tied": (published.QWEN25_05B, {}),
     "phi3-mini": (published.PHI3_MINI, {}),
+    "gemma-2b": (published.GEMMA_2B, {}),
     "gemma-7b": (published.GEMMA_7B, {}),
+    "llama-2-7b": (published.LLAMA2_7B, {}),
+    "llama-3.1-70b": (published.LLAMA31_70B, {}),
     "qwen3-8b": (published.QWEN3_8B, {}),
     "qwen3-0.6b-tied": (published.QWEN3_06B, {}),
     "qwen3-attention-bias": (published.QWEN3_8B, {"attention_bias": True}),

@@ -385,3 +385,90 @@ def test_cpu_ext_dispatch_point(monkeypatch):
     F.adam_update(params, grads, m, v, None, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                   adamw=True, step=1)
     assert calls == [2]
+
+
+class _Unreadable:
+    """Makes reading one tensor's value on the host raise (``item()``, ``float()``, ``tolist``)."""
+
+    def __init__(self, monkeypatch, tensor):
+        for name in ("item", "__float__", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def guarded(self, *args, _original=original, _name=name, **kwargs):
+                if self is tensor:
+                    raise AssertionError(f"the lr tensor was read on the host ({_name})")
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, guarded)
+
+
+def test_a_tensor_lr_is_read_by_the_kernels_not_the_host(monkeypatch, device):
+    """Note [a learning rate on the device]: Adam(W), SGD and LAMB's second pass take a tensor
+    lr as a pointer (no host read, which on CUDA would wait for the device) and give the update
+    of its value: bitwise the float lr's for SGD and LAMB; for AdamW a rounding of
+    ``1 - lr * weight_decay`` apart (fp32 in the kernel, as torch forms it from a tensor lr,
+    against the float's double on the host)."""
+    lr = 3e-2
+    lr_t = torch.tensor(lr, device=device)
+    params, grads, m, v, masters = _make((7, 1030), torch.float32, torch.float32, device)
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, bias_correction=True,
+                 maximize=False, inv_scale=None, clip_coef=None, found_inf=None)
+    ref = [_clone(params), _clone(m), _clone(v)]
+    _kernels().adam(ref[0], grads, None, ref[1], ref[2], 3, lr=lr, **hyper)
+    with monkeypatch.context() as patch:
+        _Unreadable(patch, lr_t)
+        _kernels().adam(params, grads, None, m, v, 3, lr=lr_t, **hyper)
+    for a, e in zip(params, ref[0]):
+        torch.testing.assert_close(a, e, rtol=2 ** -23, atol=0.0)  # one fp32 rounding of the decay
+    assert any(not torch.equal(a, b) for a, b in zip(params, _make((7, 1030), torch.float32, torch.float32,
+                                                                   device)[0]))  # it stepped
+
+    params, grads, bufs, _, _ = _make((5, 300), torch.float32, torch.float32, device, seed=1)
+    ref_p, ref_b = _clone(params), _clone(bufs)
+    sgd_hyper = dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False,
+                     inv_scale=None, clip_coef=None, found_inf=None)
+    _kernels().sgd(ref_p, grads, None, ref_b, 2, lr=lr, **sgd_hyper)
+    with monkeypatch.context() as patch:
+        _Unreadable(patch, lr_t)
+        _kernels().sgd(params, grads, None, bufs, 2, lr=lr_t, **sgd_hyper)
+    assert all(torch.equal(a, e) for a, e in zip(params, ref_p))
+
+    params, _, updates, _, _ = _make((9, 64), torch.float32, torch.float32, device, seed=2)
+    ratios = torch.rand(len(params), device=device)
+    ref_p = _clone(params)
+    _kernels().lamb_stage2(ref_p, None, updates, ratios, lr=lr, found_inf=None)
+    with monkeypatch.context() as patch:
+        _Unreadable(patch, lr_t)
+        _kernels().lamb_stage2(params, None, updates, ratios, lr=lr_t, found_inf=None)
+    assert all(torch.equal(a, e) for a, e in zip(params, ref_p))
+
+
+@pytest.mark.gpu
+def test_a_cuda_tensor_lr_steps_without_a_host_sync():
+    """The fused optimizers step with a CUDA tensor lr without synchronizing the host (torch's
+    sync debug mode raises on any synchronizing call inside the step), and match torch's AdamW
+    given the same tensor lr."""
+    from fusedist.optim import FusedAdamW, FusedSGD
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 33), (129,), (3, 3, 7)]
+    for fused, ref_cls, kw in ((FusedAdamW, torch.optim.AdamW, dict(weight_decay=0.1)),
+                               (FusedSGD, torch.optim.SGD, dict(momentum=0.9))):
+        ours = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]
+        theirs = [p.detach().clone().requires_grad_() for p in ours]
+        opt = fused(ours, lr=torch.tensor(1e-2, device=device), **kw)
+        ref = ref_cls(theirs, lr=torch.tensor(1e-2, device=device), **kw)
+        for step in range(3):
+            for a, b in zip(ours, theirs):
+                a.grad = torch.randn(a.shape, generator=gen).to(device)
+                b.grad = a.grad.clone()
+            if step:  # the first step makes the state (allocations may synchronize)
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ref.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -293,7 +293,7 @@ def _adam_chunk(
         m = _ld(m_ptr, offs, n, MASKED)
         v = _ld(v_ptr, offs, n, MASKED)
         if ADAMW:
-            p = p * decay  # decay = 1 - lr * weight_decay, rounded once on the host like torch
+            p = p * decay  # decay = 1 - lr * weight_decay, rounded once (on the host for a float lr) like torch
         else:
             g = g + weight_decay * p
         m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
@@ -316,11 +316,11 @@ def _adam_chunk(
 @triton.jit
 def _adam_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
-    inv_scale_ptr, clip_ptr, found_inf_ptr,
+    inv_scale_ptr, clip_ptr, found_inf_ptr, lr_ptr,
     lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, decay, step,
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
     ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
@@ -328,6 +328,9 @@ def _adam_kernel(
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
     factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
     s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
+    if LR_ON_DEVICE:  # Note [a learning rate on the device]
+        lr = tl.load(lr_ptr)
+        decay = 1.0 - lr * weight_decay  # in fp32, as torch's ``1 - lr * weight_decay`` on a tensor lr
     step_size = lr
     bc2_sqrt = 1.0
     if BIAS_CORRECTION:
@@ -380,11 +383,11 @@ def _sgd_chunk(
 @triton.jit
 def _sgd_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
-    inv_scale_ptr, clip_ptr, found_inf_ptr,
+    inv_scale_ptr, clip_ptr, found_inf_ptr, lr_ptr,
     lr, momentum, dampening, weight_decay, step,
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
@@ -392,6 +395,8 @@ def _sgd_kernel(
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
     factor = _grad_factor(inv_scale_ptr, clip_ptr, HAS_INV_SCALE, HAS_CLIP)
     s = _load_step(ptrs, n_tensors, t, step, STEP_ROLE)
+    if LR_ON_DEVICE:  # Note [a learning rate on the device]
+        lr = tl.load(lr_ptr)
     g_ptr = _role_ptr(ptrs, 0, n_tensors, t, GRAD_DTYPE, ALIGNED)
     p_ptr = _role_ptr(ptrs, 1, n_tensors, t, PARAM_DTYPE, ALIGNED)
     w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
@@ -489,12 +494,14 @@ def _lamb_stage2_chunk(p_ptr, w_ptr, u_ptr, start, n, lr_ratio, PARAM_DTYPE: tl.
 @triton.jit
 def _lamb_stage2_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
-    found_inf_ptr, ratio_ptr, lr,
+    found_inf_ptr, ratio_ptr, lr_ptr, lr,
     PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    LR_ON_DEVICE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
     n = _live_numel(n, found_inf_ptr, HAS_FOUND_INF)
+    if LR_ON_DEVICE:  # Note [a learning rate on the device]
+        lr = tl.load(lr_ptr)
     lr_ratio = lr * tl.load(ratio_ptr + t)
     p_ptr = _role_ptr(ptrs, 0, n_tensors, t, PARAM_DTYPE, ALIGNED)
     w_ptr = _role_ptr(ptrs, 1, n_tensors, t, tl.float32, ALIGNED)
@@ -517,6 +524,21 @@ def _log2(beta: float) -> float:
 
 def _scalar_or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return dummy if t is None else t
+
+
+# Note [a learning rate on the device]
+#     A tensor ``lr`` (torch's optimizers take one; schedulers change it in place) is read by
+#     the kernels from device memory: reading its value on the host to pass a number would
+#     synchronize the host with the device at every step. The launchers get the tensor and
+#     pass a pointer to an fp32 copy on the parameters' device (a copy made without a host
+#     wait; none when it is there already), and the kernels form ``1 - lr * weight_decay``
+#     in fp32 as torch does on a tensor lr. A float ``lr`` stays a kernel argument.
+def _lr_args(lr, device: torch.device, dummy: torch.Tensor) -> tuple:
+    """``(pointer operand, host value)`` for the kernels' ``lr_ptr`` and ``lr`` arguments."""
+    if isinstance(lr, torch.Tensor):
+        on_device = lr.detach().reshape(1).to(device=device, dtype=torch.float32, non_blocking=True)
+        return on_device, 0.0
+    return dummy, float(lr)
 
 
 def check_and_norm(grads, inv_scale, unscale_in_place=False):
@@ -560,16 +582,17 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     if table.n_chunks == 0:
         return
     dummy = exp_avgs[0]
+    lr_ptr, lr_host = _lr_args(lr, device, dummy)
     _adam_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
-        _scalar_or_dummy(found_inf, dummy),
-        float(lr), float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(eps), float(weight_decay),
-        1.0 - float(lr) * float(weight_decay), step_scalar,
+        _scalar_or_dummy(found_inf, dummy), lr_ptr,
+        lr_host, float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(eps), float(weight_decay),
+        1.0 - lr_host * float(weight_decay), step_scalar,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
-        STEP_ROLE=step_role, ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
+        STEP_ROLE=step_role, LR_ON_DEVICE=isinstance(lr, torch.Tensor), ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
         MAXIMIZE=bool(maximize), AMSGRAD=max_exp_avg_sqs is not None, ALIGNED=table.aligned,
         BLOCK=block, ITERS=iters, num_warps=warps,
     )
@@ -590,12 +613,12 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     _sgd_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
-        _scalar_or_dummy(found_inf, dummy),
-        float(lr), float(momentum), float(dampening), float(weight_decay), step_scalar,
+        _scalar_or_dummy(found_inf, dummy), *_lr_args(lr, device, dummy),
+        float(momentum), float(dampening), float(weight_decay), step_scalar,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
-        STEP_ROLE=step_role, HAS_MOMENTUM=momentum_buffers is not None,
+        STEP_ROLE=step_role, LR_ON_DEVICE=isinstance(lr, torch.Tensor), HAS_MOMENTUM=momentum_buffers is not None,
         NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
         ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
@@ -643,7 +666,8 @@ def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
         return
     _lamb_stage2_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
-        _scalar_or_dummy(found_inf, ratios), ratios, float(lr),
+        _scalar_or_dummy(found_inf, ratios), ratios, *_lr_args(lr, device, ratios),
         PARAM_DTYPE=tl_dtype(params[0].dtype), HAS_MASTER=masters is not None,
-        HAS_FOUND_INF=found_inf is not None, ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
+        HAS_FOUND_INF=found_inf is not None, LR_ON_DEVICE=isinstance(lr, torch.Tensor),
+        ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )

@@ -38,26 +38,30 @@ def check_finite_hyper(owner: str, **values: Any) -> None:
 # ``foreach=True`` when not capturable: ValueError from the constructor, RuntimeError from
 # step(). Otherwise its update is the one for the tensor's value, read when the step runs (its
 # CPU fused kernel reads the value; the single-tensor path computes ``lr / bias_correction`` in
-# the tensor's dtype, a rounding apart). The fused optimizers do the same: the value is read at
-# each step (``lr_value``) and the update runs with that number, so a scheduler's in-place
-# change is seen and the state dict keeps the tensor as torch's does. Reading a CUDA tensor's
-# value synchronizes the host once per group and step.
+# the tensor's dtype, a rounding apart). The fused optimizers do the same: the update runs with
+# the tensor's value when the step runs, so a scheduler's in-place change is seen and the state
+# dict keeps the tensor as torch's does. The Triton kernels read it on the device (Note [a
+# learning rate on the device] in triton_kernels/multi_tensor.py), so a CUDA tensor lr costs no
+# host synchronization: its value is checked (finite, >= 0) when the optimizer is built or
+# loaded, not at each step, as torch's checks it. The CPU kernels take the number (``lr_value``).
 
 
-def check_lr(owner: str, lr) -> float:
-    """The learning rate as a number, validated as torch's optimizers do (Note [a tensor
-    learning rate]): a tensor must hold one element; the value must be finite and >= 0."""
+def check_lr(owner: str, lr, read_device_value: bool = True) -> None:
+    """Validate the learning rate as torch's optimizers do (Note [a tensor learning rate]): a
+    tensor must hold one element; the value must be finite and >= 0 (not read from a tensor
+    on an accelerator unless ``read_device_value``: that would wait for the device)."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{owner}: Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
         if lr.is_complex() or lr.dtype == torch.bool:
             raise TypeError(f"{owner}: Tensor lr has dtype {lr.dtype}; expected a real number")
+        if lr.device.type != "cpu" and not read_device_value:
+            return
     value = lr_value(lr)
     if not math.isfinite(value):
         raise ValueError(f"{owner}: hyperparameter lr={value} is not finite")
     if value < 0:
         raise ValueError(f"{owner}: invalid learning rate {value}")
-    return value
 
 
 def lr_value(lr) -> float:
@@ -208,7 +212,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 clip_coef = clip_coef.reshape(1).to(torch.float32)
             # Validate every group before anything changes: a bad gradient in the last group
             # must not leave the earlier ones stepped (Note [validate, then mutate]).
-            work = [(group, *self._collect_group(group, gi)) for gi, group in enumerate(self.param_groups)]
+            self._fusedist_in_step = True  # (a tensor lr on the device is not read: Note [a tensor learning rate])
+            try:
+                work = [(group, *self._collect_group(group, gi)) for gi, group in enumerate(self.param_groups)]
+            finally:
+                self._fusedist_in_step = False
             for group, params, grads in work:
                 if not params:
                     continue
@@ -231,6 +239,12 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     # check that can fail (hyperparameters, gradient dtype/shape/device/sparsity, a state dict
     # the optimizer could not step) runs before the first write, and each error names the
     # tensor by its real position (param i of param group g).
+
+    _fusedist_in_step = False
+
+    def _check_lr(self, owner: str, lr) -> None:
+        """:func:`check_lr`, reading a tensor lr on an accelerator only outside ``step()``."""
+        check_lr(owner, lr, read_device_value=not self._fusedist_in_step)
 
     def _collect_group(self, group: dict, gi: int) -> tuple[list, list]:
         """The parameters of group ``gi`` that have a gradient, and the gradients, checked."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, check_tensor_betas, lr_value, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, check_tensor_betas, lr_value, masters_of
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -58,7 +58,7 @@ class FusedAdam(FusedOptimizerBase):
         name = f"{type(self).__name__} (param group {index})"
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = (lr_value(b) for b in group["betas"])  # (tensors too, as torch's)
-        check_lr(name, lr)
+        self._check_lr(name, lr)
         check_finite_hyper(name, betas=(beta1, beta2), eps=eps, weight_decay=wd)
         if eps < 0:
             raise ValueError(f"{name}: invalid epsilon {eps}")
@@ -92,7 +92,7 @@ class FusedAdam(FusedOptimizerBase):
             max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
         functional.adam_update(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            masters_of(states), lr=lr_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"], step=[s["step"] for s in states],
             bias_correction=group.get("bias_correction", True), maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,

@@ -37,7 +37,7 @@ import functools
 import importlib.util
 import math
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -116,8 +116,16 @@ def _check_lists(op: str, params: Sequence[Tensor], **lists) -> None:
 
 def _check_hyper(op: str, **values) -> None:
     for name, value in values.items():
+        if isinstance(value, Tensor) and value.device.type != "cpu":
+            continue  # reading it would wait for the device (Note [a learning rate on the device])
         if not math.isfinite(float(value)):
             raise ValueError(f"{op}: hyperparameter {name}={value} is not finite")
+
+
+def _host(value):
+    """A tensor hyperparameter as a number, for the paths that take numbers (the C++ CPU
+    kernels, the reference); the Triton kernels read a tensor lr on the device instead."""
+    return float(value.item()) if isinstance(value, Tensor) else value
 
 
 def _effective_factor(inv_scale: Optional[Tensor], clip_coef: Optional[Tensor]) -> Optional[Tensor]:
@@ -275,7 +283,7 @@ def adam_update(
     exp_avg_sqs: Sequence[Tensor],
     masters: Optional[Sequence[Optional[Tensor]]],
     *,
-    lr: float,
+    lr: Union[float, Tensor],
     beta1: float,
     beta2: float,
     eps: float,
@@ -311,6 +319,7 @@ def adam_update(
         b_masters = _take(masters, idx) if has_master else None
         b_m, b_v, b_step = _take(exp_avgs, idx), _take(exp_avg_sqs, idx), _take_step(step, idx)
         backend = _backend_for("adam_update", dev, eligible, has_cpu_ext)
+        b_hyper = hyper if backend == "triton" else dict(hyper, lr=_host(lr))
         if backend == "cpu_ext":
             from . import _cpu_adam  # the C++ CPU Adam adapter (see the cpu_ext hook above)
 
@@ -320,12 +329,12 @@ def adam_update(
                 _cpu_adam.adam_update(_take(b_params, js), _take(b_grads, js), _take(b_m, js), _take(b_v, js),
                                       _take(b_masters, js) if b_masters is not None else None, step=s,
                                       inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
-                                      **hyper, **_trust(_cpu_adam, validate))
+                                      **b_hyper, **_trust(_cpu_adam, validate))
             continue
         impl = _kernels() if backend == "triton" else _reference
         impl.adam(b_params, b_grads, b_masters, b_m, b_v, b_step, inv_scale=inv_scale,
                   clip_coef=clip_coef, found_inf=found_inf, max_exp_avg_sqs=_take(max_exp_avg_sqs, idx),
-                  **hyper)
+                  **b_hyper)
 
 
 def sgd_update(
@@ -334,7 +343,7 @@ def sgd_update(
     momentum_buffers: Optional[Sequence[Tensor]],
     masters: Optional[Sequence[Optional[Tensor]]],
     *,
-    lr: float,
+    lr: Union[float, Tensor],
     momentum: float = 0.0,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
@@ -371,16 +380,18 @@ def sgd_update(
                                                                         check_states=validate).items():
         b_params, b_grads, b_masters = _take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None
         b_bufs, b_step = _take(bufs, idx), _take_step(step, idx)
-        if _backend_for("sgd_update", dev, eligible) == "triton":
+        triton = _backend_for("sgd_update", dev, eligible) == "triton"
+        b_hyper = hyper if triton else dict(hyper, lr=_host(lr))
+        if triton:
             impl = _kernels()
         elif _cpu_sgd.applies(dev, p_dtype, g_dtype, has_master, b_bufs):
             _cpu_sgd.sgd(b_params, b_grads, b_bufs, b_step, inv_scale=inv_scale, clip_coef=clip_coef,
-                         found_inf=found_inf, **hyper)
+                         found_inf=found_inf, **b_hyper)
             continue
         else:
             impl = _reference
         impl.sgd(b_params, b_grads, b_masters, b_bufs, b_step, inv_scale=inv_scale, clip_coef=clip_coef,
-                 found_inf=found_inf, **hyper)
+                 found_inf=found_inf, **b_hyper)
 
 
 def lamb_update(
@@ -390,7 +401,7 @@ def lamb_update(
     exp_avg_sqs: Sequence[Tensor],
     masters: Optional[Sequence[Optional[Tensor]]],
     *,
-    lr: float,
+    lr: Union[float, Tensor],
     beta1: float,
     beta2: float,
     eps: float,
@@ -437,7 +448,8 @@ def lamb_update(
     use_ratio = use_nvlamb or weight_decay != 0
     buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
     for (dev, _, _, has_master, eligible), idx in buckets.items():
-        impl = _kernels() if _backend_for("lamb_update", dev, eligible) == "triton" else _reference
+        triton = _backend_for("lamb_update", dev, eligible) == "triton"
+        impl = _kernels() if triton else _reference
         b_params = _take(params, idx)
         b_masters = _take(masters, idx) if has_master else None
         b_m = _take(exp_avgs, idx)
@@ -453,4 +465,4 @@ def lamb_update(
             ratios = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
         else:
             ratios = torch.ones_like(p2)
-        impl.lamb_stage2(b_params, b_masters, updates, ratios, lr=lr, found_inf=found_inf)
+        impl.lamb_stage2(b_params, b_masters, updates, ratios, lr=lr if triton else _host(lr), found_inf=found_inf)

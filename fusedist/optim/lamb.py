@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, lr_value, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
 
 
 class FusedLAMB(FusedOptimizerBase):
@@ -47,7 +47,7 @@ class FusedLAMB(FusedOptimizerBase):
 
     def _validate_group(self, group, index):
         name = f"FusedLAMB (param group {index})"
-        check_lr(name, group["lr"])  # a 1-element tensor too (Note [a tensor learning rate])
+        self._check_lr(name, group["lr"])  # a 1-element tensor too (Note [a tensor learning rate])
         check_finite_hyper(name, betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], max_grad_norm=group["max_grad_norm"])
         beta1, beta2 = group["betas"]
@@ -75,7 +75,7 @@ class FusedLAMB(FusedOptimizerBase):
         beta1, beta2 = group["betas"]
         functional.lamb_update(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            masters_of(states), lr=lr_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], step=[s["step"] for s in states],
             bias_correction=group["bias_correction"], adam_w_mode=self.adam_w_mode,
             grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],

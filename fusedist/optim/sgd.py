@@ -6,7 +6,7 @@ import torch
 
 from .._dtypes import compute_dtype
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, check_lr, lr_value, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -39,7 +39,7 @@ class FusedSGD(FusedOptimizerBase):
 
     def _validate_group(self, group, index):
         name = f"FusedSGD (param group {index})"
-        check_lr(name, group["lr"])  # Note [a tensor learning rate]
+        self._check_lr(name, group["lr"])  # Note [a tensor learning rate]
         check_finite_hyper(name, momentum=group["momentum"], dampening=group["dampening"],
                            weight_decay=group["weight_decay"])
         if group["momentum"] < 0:
@@ -73,7 +73,7 @@ class FusedSGD(FusedOptimizerBase):
             self._add_missing_buffers(group, params, states)
         functional.sgd_update(
             params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
-            masters_of(states), lr=lr_value(group["lr"]), momentum=momentum, dampening=group["dampening"],
+            masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
             step=[s["step"] for s in states], inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,

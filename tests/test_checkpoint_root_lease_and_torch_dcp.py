@@ -31,11 +31,11 @@ def _step(model, opt, seed: int) -> None:
     opt.step()
 
 
-def _job(root, run_id=None, keep=2, seed=0):
+def _job(root, run_id=None, keep=2, seed=0, **kw):
     """A training job's start: model, optimizer, a Checkpointer restored (synchronous saves)."""
     model = _net(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(root, every_steps=1, keep=keep, async_save=False, run_id=run_id)
+    ckpt = Checkpointer(root, every_steps=1, keep=keep, async_save=False, run_id=run_id, **kw)
     start = ckpt.restore(model, opt)
     return model, opt, ckpt, start
 
@@ -122,6 +122,63 @@ def test_torchruns_default_rdzv_id_is_not_a_run(tmp_path, monkeypatch):
     _write_lease(root, run="launch-0123456789ab", run_source="this launch")
     with pytest.raises(CheckpointError, match="root of another job: run 'launch-0123456789ab'"):
         _job(root)
+
+
+def test_a_lease_its_holder_stopped_renewing_is_taken_over(tmp_path):
+    """Note [lease heartbeat]: a job killed on another host left its lease, which refused every
+    other run until removed by hand. Its heartbeat now tells: a lease not renewed for
+    ``lease_timeout_s`` is taken over with a warning, one renewed meanwhile is refused (after
+    waiting at most that long), and a saving job renews its own until close()."""
+    import threading
+    import time
+    import warnings
+
+    root = str(tmp_path)
+    _write_lease(root, host="node-7", beat_unix=time.time() - 100, beat_s=0.25, token="7" * 32)
+    with pytest.warns(UserWarning, match=r"held by run 'other' .* on host node-7, .* was last renewed 1\d\d s ago "
+                                         r"\(lease_timeout_s=1\): that job has ended; this one takes the root over"):
+        model, opt, ckpt, start = _job(root, lease_timeout_s=1.0)
+    _train(model, opt, ckpt, range(1, 2))
+    mine = _owner.read(root)
+    assert mine["pid"] == os.getpid() and mine["beat_s"] == 0.25
+    time.sleep(0.8)  # a few beats
+    assert _owner.read(root)["token"] == mine["token"] and _owner.read(root)["beat_unix"] > mine["beat_unix"]
+    ckpt.close()
+    assert not os.path.exists(os.path.join(root, _owner.LEASE)) and ckpt._heartbeat is None
+
+    # a holder that keeps renewing (another host's job, still running): waited on, then refused
+    _write_lease(root, host="node-8", beat_unix=time.time(), beat_s=0.1, token="8" * 32)
+    stop = threading.Event()
+
+    def renew():
+        while not stop.wait(0.1):
+            lease = _owner.read(root)
+            lease["beat_unix"] = time.time()
+            _owner.write(root, lease)
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(CheckpointError, match=r"root of another job: run 'other'.* on host node-8.*Its holder "
+                                                  r"renews the lease"):
+            _job(root, lease_timeout_s=2.0)
+        assert time.perf_counter() - t0 < 2.0
+    finally:
+        stop.set()
+        renewer.join()
+
+    # one that stopped renewing half a timeout ago: waited out, then taken over
+    _write_lease(root, host="node-9", beat_unix=time.time() - 0.5, beat_s=0.25, token="9" * 32)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, ckpt, start = _job(root, lease_timeout_s=1.0)
+    assert 0.3 < time.perf_counter() - t0 < 3.0 and start == 1
+    assert any("takes the root over" in str(w.message) for w in caught)
+    ckpt.close()
+    with pytest.raises(ValueError, match="lease_timeout_s must be a positive number"):
+        Checkpointer(root, lease_timeout_s=0)
 
 
 def test_leases_of_ended_and_unknown_holders(tmp_path):

@@ -20,10 +20,11 @@ Note [one job per checkpoint root]
     (run, a random token, host, process id, time), atomically. It may take the root when there
     is no lease, when the lease is of the same run (a restart: its predecessor is gone, or
     will stop at its next save, below), or when the holder is known to have ended: released
-    by ``close()``, or held by a process of this host that no longer exists (a job without a
-    run id, started again by hand after a crash). A lease of another run whose holder may
-    still run -- its process on this host is alive, or it is on another host, where nothing
-    can be checked -- is refused on every rank, naming that job; ``restore`` checks the same
+    by ``close()``, held by a process of this host that no longer exists (a job without a
+    run id, started again by hand after a crash), or no longer renewed by its holder's
+    heartbeat (on any host: Note [lease heartbeat] in ``_heartbeat.py``). A lease of another
+    run whose holder may still run -- its process on this host is alive, its heartbeat goes
+    on, or it is on another host and has none -- is refused on every rank, naming that job; ``restore`` checks the same
     first, so such a job stops before it trains, having read and written nothing. The
     message says what to do: another directory, or, when that job is known to be over, its
     run id (``run_id=``) or the lease file removed. ``restore`` itself writes nothing, so a
@@ -108,17 +109,24 @@ def _holder_ended(lease: dict) -> bool:
     return lease.get("host") == socket.gethostname() and not _pid_alive(lease.get("pid"))
 
 
-def _write(root: str, lease: dict) -> None:
+def write(root: str, lease: dict) -> None:
     data = json.dumps(lease).encode()
     _files.atomic_write(_path(root), lambda f: f.write(data))
 
 
-def refusal(root: str, run: str, source: str) -> Optional[str]:
+def refusal(root: str, run: str, source: str, timeout: Optional[float] = None) -> Optional[str]:
     """Why a job of ``run`` may not write ``root`` (another run's lease, holder maybe alive),
-    or None."""
+    or None. With ``timeout``, a lease with a heartbeat is waited on until it is renewed or
+    goes stale (Note [lease heartbeat] in ``_heartbeat.py``)."""
     current = read(root)
     if current is None or current.get("run") == run or _holder_ended(current):
         return None
+    if timeout is not None:
+        from ._heartbeat import wait_until_stale_or_renewed
+
+        if wait_until_stale_or_renewed(root, current, timeout):
+            return None
+        current = read(root) or current
     return (
         f"fusedist.checkpoint.Checkpointer: {root} is the checkpoint root of another job: "
         f"{describe(current)} (lease {_path(root)}); this job is run {run!r} (from {source}). Two jobs "
@@ -126,23 +134,29 @@ def refusal(root: str, run: str, source: str) -> Optional[str]:
         "there. Give this job its own directory; or, if that job has ended without close() (killed) and this "
         f"one continues it, pass run_id={current.get('run')!r} to the Checkpointer (or delete the lease file). "
         "To only read that job's checkpoints, use fusedist.checkpoint.load on a step directory"
+        + (". Its holder renews the lease (Note [lease heartbeat]): it runs" if current.get("beat_unix") else "")
     )
 
 
-def acquire(root: str, run: str, source: str, held: Optional[dict]) -> tuple[Optional[dict], Optional[str]]:
+def acquire(root: str, run: str, source: str, held: Optional[dict],
+            timeout: Optional[float] = None) -> tuple[Optional[dict], Optional[str]]:
     """Rank 0 before a save writes or removes anything: (the lease it holds, None), or (None,
     why this save may not write). ``held``: the lease taken by an earlier save of this
-    Checkpointer, or None (taken now, Note [one job per checkpoint root])."""
+    Checkpointer, or None (taken now, Note [one job per checkpoint root]). ``timeout``: the
+    heartbeat's (Note [lease heartbeat] in ``_heartbeat.py``)."""
     if held is not None:
         other = lost(root, held)
         return (None, other) if other is not None else (held, None)
-    why = refusal(root, run, source)
+    why = refusal(root, run, source, timeout)
     if why is not None:
         return None, why
+    now = time.time()
     lease = {"run": run, "run_source": source, "token": uuid.uuid4().hex, "host": socket.gethostname(),
-             "pid": os.getpid(), "started_unix": time.time()}
+             "pid": os.getpid(), "started_unix": now}
+    if timeout is not None:
+        lease.update(beat_unix=now, beat_s=timeout / 4.0)
     os.makedirs(root, exist_ok=True)
-    _write(root, lease)
+    write(root, lease)
     return lease, None
 
 
@@ -152,7 +166,7 @@ def lost(root: str, lease: dict) -> Optional[str]:
     current = read(root)
     if current is None:
         try:
-            _write(root, lease)
+            write(root, lease)
         except OSError:
             pass  # the save's own writes report an unwritable root
         return None

@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _files, _owner, _replace, _root_checks, _sampler_state, api, layout, resume
+from . import _checks, _files, _heartbeat, _owner, _replace, _root_checks, _sampler_state, api, layout, resume
 from ._files import CheckpointError
 from ._writer import BackgroundWriter, Coordinator
 from .sampler import ElasticDistributedSampler
@@ -100,11 +100,13 @@ class Checkpointer:
 
     ``run_id``: what identifies this job across restarts (default: torchrun's rendezvous id,
     else this launch); a job of another run holding ``directory`` is refused (Note [one job
-    per checkpoint root]).
+    per checkpoint root]), unless its holder stopped renewing the lease for
+    ``lease_timeout_s`` seconds (it ended: Note [lease heartbeat]).
     """
 
     def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
-                 async_save: bool = True, *, run_id: Optional[str] = None):
+                 async_save: bool = True, *, run_id: Optional[str] = None,
+                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S):
         if every_steps is not None and (not _is_int(every_steps) or every_steps < 1):
             raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
         if keep is not None and (not _is_int(keep) or keep < 1):
@@ -123,6 +125,10 @@ class Checkpointer:
         # Note [one job per checkpoint root]: rank 0's run and, once a save took it, the root's lease.
         self._run, self._run_source = _owner.run_identity(run_id)
         self._lease: Optional[dict] = None
+        if not isinstance(lease_timeout_s, (int, float)) or not lease_timeout_s > 0:
+            raise ValueError(f"Checkpointer: lease_timeout_s must be a positive number of seconds, got {lease_timeout_s!r}")
+        self._lease_timeout = float(lease_timeout_s)  # Note [lease heartbeat] in _heartbeat.py
+        self._heartbeat: Optional[_heartbeat.Heartbeat] = None
         # Note [a restore that rolls back]: the restored step, until the first save sets aside
         # the complete checkpoints above it.
         self._set_aside_above: Optional[int] = None
@@ -195,7 +201,7 @@ class Checkpointer:
 
     def _candidates(self, step: Optional[int]):
         """Rank 0: the complete checkpoints to try, newest first, or an error message."""
-        refused = _owner.refusal(self.directory, self._run, self._run_source)
+        refused = _owner.refusal(self.directory, self._run, self._run_source, self._lease_timeout)
         if refused is not None:  # another job's root: read nothing (Note [one job per checkpoint root])
             return refused
         entries = layout.scan(self.directory)
@@ -351,9 +357,15 @@ class Checkpointer:
             self._wait_previous()
         finally:
             _root_checks.release(self.directory, self)
+            self._stop_heartbeat()
             if self.rank == 0 and self._lease is not None:
                 _owner.release(self.directory, self._lease)
                 self._lease = None
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -459,10 +471,14 @@ class Checkpointer:
             try:
                 # Before anything is written or removed (Note [one job per checkpoint root]).
                 try:
-                    lease, error = _owner.acquire(self.directory, self._run, self._run_source, self._lease)
+                    lease, error = _owner.acquire(self.directory, self._run, self._run_source, self._lease,
+                                                  self._lease_timeout)
                 except OSError as exc:
                     lease, error = None, f"rank 0 could not write the lease {_owner.LEASE} in {self.directory}: {exc}"
                 if error is None:
+                    if lease is not self._lease:  # newly taken: renew it (Note [lease heartbeat])
+                        self._stop_heartbeat()
+                        self._heartbeat = _heartbeat.Heartbeat(self.directory, lease, self._lease_timeout)
                     self._lease = lease
                     if self._set_aside_above is not None:  # Note [a restore that rolls back]
                         moved = layout.set_aside_above(self.directory, self._set_aside_above)

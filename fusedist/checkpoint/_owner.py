@@ -122,9 +122,12 @@ def refusal(root: str, run: str, source: str, timeout: Optional[float] = None) -
     if current is None or current.get("run") == run or _holder_ended(current):
         return None
     if timeout is not None:
-        from ._heartbeat import wait_until_stale_or_renewed
+        from ._heartbeat import stale_for, wait_until_stale_or_renewed
 
-        if wait_until_stale_or_renewed(root, current, timeout):
+        # A holder on this host whose process lives runs (no need to wait for its next beat),
+        # unless its lease is stale already (its process id reused by another program).
+        here = current.get("host") == socket.gethostname()
+        if (stale_for(current, timeout) is not None or not here) and wait_until_stale_or_renewed(root, current, timeout):
             return None
         current = read(root) or current
     return (

@@ -13,10 +13,12 @@ Note [sharded parameters]
     layout]). Why plain tensors, not DTensors as torch's FSDP2: any optimizer -- torch's,
     fusedist's fused and C++ CPU ones, ``master_weights``, LR schedulers -- steps them with
     no per-op dispatch, and its in-place update lands directly in the buffer the next
-    all-gather sends. The cost is that a piece does not know it is a piece:
-    ``torch.nn.utils.clip_grad_norm_`` over pieces measures this rank's share only, so the
-    global norm comes from ``fusedist.clip_grad_norm_`` (through the gradient holder,
-    ``holder.py``), and ``p.shape`` at rest is the piece's (README, known differences).
+    all-gather sends. The cost is that a piece does not know it is a piece: a norm over
+    pieces is this rank's share only, so the global norm goes through the gradient holder
+    (``holder.py``) -- ``fusedist.clip_grad_norm_``, and torch's ``clip_grad_norm_`` /
+    ``get_total_norm``, which fusedist makes global on pieces (Note [torch's clip on sharded
+    gradients], ``optim/torch_clip.py``) -- and ``p.shape`` at rest is the piece's (README,
+    known differences).
 
     While a unit is unsharded its modules hold the *unsharded* parameters instead: one
     persistent ``nn.Parameter`` per parameter on the storage of the unit's gathered buffer.

@@ -8,13 +8,13 @@ fusedist's trains the same (forward, backward, the optimizer step, Lightning's s
 checkpoints, saved interchangeably with torch's), but two of the strategy's steps go wrong on
 fusedist's pieces, which are plain tensors where FSDP2's are DTensors:
 
-* Gradient clipping (``Trainer(gradient_clip_val=...)``): Lightning clips with
-  ``torch.nn.utils.clip_grad_norm_``, whose norm over plain pieces is this rank's, not the
-  model's -- each rank clips by another coefficient and the ranks' training silently departs
-  from FSDP2's. This strategy clips with ``fusedist.clip_grad_norm_`` (the global norm, one
-  small all-reduce), and ``"16-mixed"`` scales with ``fusedist.amp.GradScaler``, whose
-  found-inf flag is the ranks' combined one (torch's scaler would skip a step on the rank
-  whose piece overflowed only): the precision adapters of ``lightning_precision.py``.
+* Mixed precision (``"16-mixed"``): torch's GradScaler finds inf in this rank's pieces only
+  and would skip a step on the rank whose piece overflowed alone; this strategy scales with
+  ``fusedist.amp.GradScaler``, whose found-inf flag is the ranks' combined one, and clips
+  (``Trainer(gradient_clip_val=...)``) with ``fusedist.clip_grad_norm_`` after its unscale:
+  the precision adapters of ``lightning_precision.py``. (Lightning's own clip, torch's
+  ``clip_grad_norm_``, is global on fusedist's pieces too: Note [torch's clip on sharded
+  gradients] in ``fusedist/optim/torch_clip.py``.)
 * Resuming (``trainer.fit(ckpt_path=...)``): Lightning finds the model to load among the
   objects it restores by its DTensor parameters and finds none: "Could not find a distributed
   model in the provided checkpoint state" (Note [finding the sharded model]).

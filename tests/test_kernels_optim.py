@@ -443,6 +443,34 @@ def test_a_tensor_lr_is_read_by_the_kernels_not_the_host(monkeypatch, device):
     assert all(torch.equal(a, e) for a, e in zip(params, ref_p))
 
 
+def test_tensor_betas_are_read_by_the_kernel_not_the_host(monkeypatch, device):
+    """Note [betas on the device]: Adam takes tensor betas as a pointer (no host read) and
+    gives bitwise the update of float betas holding the tensors' values (log2 of the fp32 value
+    in fp64 on the device, as on the host), with AMSGrad and a tensor lr too."""
+    beta1_t, beta2_t = torch.tensor(0.8, device=device), torch.tensor([0.95], device=device)
+    beta1, beta2 = float(beta1_t), float(beta2_t)  # the fp32 values, as numbers
+    for amsgrad, lr in ((False, 2e-2), (True, torch.tensor(2e-2, device=device))):
+        params, grads, m, v, _ = _make((6, 1030), torch.float32, torch.float32, device, seed=3)
+        vmax = [torch.rand_like(t) for t in v] if amsgrad else None
+        hyper = dict(lr=lr, eps=1e-8, weight_decay=0.1, adamw=True, bias_correction=True, maximize=False,
+                     inv_scale=None, clip_coef=None, found_inf=None)
+        ref = [_clone(params), _clone(m), _clone(v), _clone(vmax) if amsgrad else None]
+        _kernels().adam(ref[0], grads, None, ref[1], ref[2], 4, beta1=beta1, beta2=beta2, max_exp_avg_sqs=ref[3],
+                        **hyper)
+        with monkeypatch.context() as patch:
+            _Unreadable(patch, beta1_t)
+            _Unreadable(patch, beta2_t)
+            _kernels().adam(params, grads, None, m, v, 4, beta1=beta1_t, beta2=beta2_t, max_exp_avg_sqs=vmax,
+                            **hyper)
+        for ours, expected in zip((params, m, v, vmax), ref):
+            assert all(torch.equal(a, e) for a, e in zip(ours or [], expected or []))
+    # the betas do matter: other values give another update
+    other = _clone(params)
+    _kernels().adam(other, grads, None, _clone(m), _clone(v), 5, beta1=torch.tensor(0.7, device=device),
+                    beta2=beta2_t, **hyper)
+    assert any(not torch.equal(a, b) for a, b in zip(other, params))
+
+
 @pytest.mark.gpu
 def test_a_cuda_tensor_lr_steps_without_a_host_sync():
     """The fused optimizers step with a CUDA tensor lr without synchronizing the host (torch's
@@ -453,7 +481,9 @@ def test_a_cuda_tensor_lr_steps_without_a_host_sync():
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 33), (129,), (3, 3, 7)]
+    tensor_betas = dict(weight_decay=0.1, betas=(torch.tensor(0.8, device=device), torch.tensor(0.95, device=device)))
     for fused, ref_cls, kw in ((FusedAdamW, torch.optim.AdamW, dict(weight_decay=0.1)),
+                               (FusedAdamW, torch.optim.AdamW, tensor_betas),  # Note [betas on the device]
                                (FusedSGD, torch.optim.SGD, dict(momentum=0.9))):
         ours = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]
         theirs = [p.detach().clone().requires_grad_() for p in ours]

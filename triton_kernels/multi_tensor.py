@@ -316,12 +316,12 @@ def _adam_chunk(
 @triton.jit
 def _adam_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
-    inv_scale_ptr, clip_ptr, found_inf_ptr, lr_ptr,
+    inv_scale_ptr, clip_ptr, found_inf_ptr, lr_ptr, betas_ptr,
     lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, decay, step,
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
-    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
+    BETAS_ON_DEVICE: tl.constexpr, ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
@@ -331,6 +331,11 @@ def _adam_kernel(
     if LR_ON_DEVICE:  # Note [a learning rate on the device]
         lr = tl.load(lr_ptr)
         decay = 1.0 - lr * weight_decay  # in fp32, as torch's ``1 - lr * weight_decay`` on a tensor lr
+    if BETAS_ON_DEVICE:  # Note [betas on the device]
+        beta1 = tl.load(betas_ptr)
+        beta2 = tl.load(betas_ptr + 1)
+        log2_beta1 = tl.log2(tl.cast(beta1, tl.float64))
+        log2_beta2 = tl.log2(tl.cast(beta2, tl.float64))
     step_size = lr
     bc2_sqrt = 1.0
     if BIAS_CORRECTION:
@@ -541,6 +546,23 @@ def _lr_args(lr, device: torch.device, dummy: torch.Tensor) -> tuple:
     return dummy, float(lr)
 
 
+# Note [betas on the device]
+#     Tensor ``betas`` (torch's Adam takes two 1-element tensors, e.g. for a beta schedule
+#     under ``torch.compile``) are read by the Adam kernel from a 2-element fp32 copy on the
+#     parameters' device, for the reason a tensor lr is (Note [a learning rate on the device]).
+#     The kernel forms ``log2(beta)`` in fp64 from the fp32 value, the number the host would
+#     compute from the same value, so the bias corrections (Note on ``_bias_correction``) and
+#     the update equal those of float betas holding the tensors' values.
+def _betas_args(beta1, beta2, device: torch.device, dummy: torch.Tensor) -> tuple:
+    """``(pointer operand, beta1, beta2, log2 beta1, log2 beta2)`` for the Adam kernel: the
+    host numbers are placeholders when the betas are tensors."""
+    if isinstance(beta1, torch.Tensor):
+        on_device = torch.cat([b.detach().reshape(1).to(device=device, dtype=torch.float32, non_blocking=True)
+                               for b in (beta1, beta2)])
+        return on_device, 0.0, 0.0, 0.0, 0.0
+    return dummy, float(beta1), float(beta2), _log2(beta1), _log2(beta2)
+
+
 def check_and_norm(grads, inv_scale, unscale_in_place=False):
     """Return (bad, sumsq) fp32 1-element tensors for one bucket; reads the grads only, or with
     ``unscale_in_place`` also writes ``grad * inv_scale`` back in the same pass."""
@@ -583,16 +605,18 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
         return
     dummy = exp_avgs[0]
     lr_ptr, lr_host = _lr_args(lr, device, dummy)
+    betas_ptr, *betas_host = _betas_args(beta1, beta2, device, dummy)
     _adam_kernel[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
-        _scalar_or_dummy(found_inf, dummy), lr_ptr,
-        lr_host, float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(eps), float(weight_decay),
+        _scalar_or_dummy(found_inf, dummy), lr_ptr, betas_ptr,
+        lr_host, *betas_host, float(eps), float(weight_decay),
         1.0 - lr_host * float(weight_decay), step_scalar,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,
-        STEP_ROLE=step_role, LR_ON_DEVICE=isinstance(lr, torch.Tensor), ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
+        STEP_ROLE=step_role, LR_ON_DEVICE=isinstance(lr, torch.Tensor),
+        BETAS_ON_DEVICE=isinstance(beta1, torch.Tensor), ADAMW=bool(adamw), BIAS_CORRECTION=bool(bias_correction),
         MAXIMIZE=bool(maximize), AMSGRAD=max_exp_avg_sqs is not None, ALIGNED=table.aligned,
         BLOCK=block, ITERS=iters, num_warps=warps,
     )

@@ -57,17 +57,26 @@ class FusedAdam(FusedOptimizerBase):
     def _validate_group(self, group, index):
         name = f"{type(self).__name__} (param group {index})"
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        beta1, beta2 = (lr_value(b) for b in group["betas"])  # (tensors too, as torch's)
         self._check_lr(name, lr)
-        check_finite_hyper(name, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+        check_finite_hyper(name, eps=eps, weight_decay=wd)
+        if self._reads_betas(group["betas"]):  # (tensors too, as torch's: Note [betas on the device])
+            beta1, beta2 = (lr_value(b) for b in group["betas"])
+            check_finite_hyper(name, betas=(beta1, beta2))
+            if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+                raise ValueError(f"{name}: invalid betas {(beta1, beta2)} (each must be in [0, 1))")
         if eps < 0:
             raise ValueError(f"{name}: invalid epsilon {eps}")
-        if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"{name}: invalid betas {(beta1, beta2)} (each must be in [0, 1))")
         if wd < 0:
             raise ValueError(f"{name}: invalid weight_decay {wd}")
         if group.get("capturable"):  # e.g. from a loaded torch state dict
             raise ValueError(f"{name}: capturable=True is not supported")
+
+    def _reads_betas(self, betas) -> bool:
+        """Whether validation reads the betas' values: always for numbers and host tensors;
+        tensors on an accelerator outside ``step()`` only (at construction and load, as a
+        tensor lr: reading them in the step would wait for the device)."""
+        on_device = any(isinstance(b, torch.Tensor) and b.device.type != "cpu" for b in betas)
+        return not (on_device and self._fusedist_in_step)
 
     def _collect_group(self, group, gi):
         """torch's step-time refusal of a tensor lr in a ``foreach`` group (Note [a tensor
@@ -83,7 +92,7 @@ class FusedAdam(FusedOptimizerBase):
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"], memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
-        beta1, beta2 = (lr_value(b) for b in group["betas"])
+        beta1, beta2 = group["betas"]  # tensors are read by the kernels (Note [betas on the device])
         max_exp_avg_sqs = None
         if group.get("amsgrad"):
             for p, s in zip(params, states):  # amsgrad may be switched on after the state was made

@@ -124,7 +124,8 @@ def _check_hyper(op: str, **values) -> None:
 
 def _host(value):
     """A tensor hyperparameter as a number, for the paths that take numbers (the C++ CPU
-    kernels, the reference); the Triton kernels read a tensor lr on the device instead."""
+    kernels, the reference); the Triton kernels read a tensor lr and tensor betas on the device
+    instead (Note [a learning rate on the device], Note [betas on the device])."""
     return float(value.item()) if isinstance(value, Tensor) else value
 
 
@@ -284,8 +285,8 @@ def adam_update(
     masters: Optional[Sequence[Optional[Tensor]]],
     *,
     lr: Union[float, Tensor],
-    beta1: float,
-    beta2: float,
+    beta1: Union[float, Tensor],
+    beta2: Union[float, Tensor],
     eps: float,
     weight_decay: float,
     adamw: bool,
@@ -319,7 +320,7 @@ def adam_update(
         b_masters = _take(masters, idx) if has_master else None
         b_m, b_v, b_step = _take(exp_avgs, idx), _take(exp_avg_sqs, idx), _take_step(step, idx)
         backend = _backend_for("adam_update", dev, eligible, has_cpu_ext)
-        b_hyper = hyper if backend == "triton" else dict(hyper, lr=_host(lr))
+        b_hyper = hyper if backend == "triton" else dict(hyper, lr=_host(lr), beta1=_host(beta1), beta2=_host(beta2))
         if backend == "cpu_ext":
             from . import _cpu_adam  # the C++ CPU Adam adapter (see the cpu_ext hook above)
 
@@ -402,8 +403,8 @@ def lamb_update(
     masters: Optional[Sequence[Optional[Tensor]]],
     *,
     lr: Union[float, Tensor],
-    beta1: float,
-    beta2: float,
+    beta1: Union[float, Tensor],
+    beta2: Union[float, Tensor],
     eps: float,
     weight_decay: float,
     step,

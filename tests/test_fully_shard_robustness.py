@@ -347,7 +347,7 @@ def _torch_arguments(rank, ws, seed):
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import fusedist
     from fusedist.fsdp.state import state_of
@@ -372,7 +372,7 @@ def _torch_arguments(rank, ws, seed):
         assert [id(p) for p in module.parameters()] == before and state_of(module) is None, match
 
     net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
-    refused(r"returned Shard\(dim=1\) for '0.weight'", net, shard_placement_fn=lambda p: Shard(1))
+    refused(r"returned Replicate\(\) for '0.weight'", net, shard_placement_fn=lambda p: Replicate())
     refused("dp_mesh_dims", net, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     tp = copy.deepcopy(net)
     tp[1].weight = nn.Parameter(distribute_tensor(tp[1].weight.detach(), init_device_mesh("cpu", (ws,)), [Shard(0)]))
@@ -392,7 +392,7 @@ def _torch_arguments(rank, ws, seed):
 
 def test_fsdp2_arguments_taken_or_refused_by_name():
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
-    giving Shard(0) / None trains as FSDP2 with the same arguments; another placement,
+    giving Shard(0) / None trains as FSDP2 with the same arguments; a placement other than Shard(dim),
     dp_mesh_dims, DTensor parameters and a module whose parameters are all tied to another
     unit's are refused with an error naming the argument or parameter, before
     the module is changed."""

@@ -22,6 +22,7 @@ from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .mesh import groups_of
+from .placement import shard_dim
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
@@ -66,8 +67,10 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     * ``mp_policy``: :class:`MixedPrecisionPolicy` (gather/compute dtype, reduce dtype).
     * ``offload_policy``: :class:`CPUOffloadPolicy` keeps shards and gradients in host memory.
     * ``ignored_params``: parameters left as they are (not sharded, gradients not reduced).
-    * ``shard_placement_fn``: accepted where it keeps FSDP2's default, ``Shard(0)`` (or None)
-      for every parameter; other placements and meshes are refused, naming the parameter.
+    * ``shard_placement_fn``: ``param -> Shard(dim) | None`` as in FSDP2: each rank's piece of a
+      parameter sharded on ``dim != 0`` is ``torch.chunk(param, S, dim)[rank]`` (Note
+      [dim-sharded sections] in chunk_layout.py); other placements are refused, naming the
+      parameter.
     * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
     modules = members_of(module)
@@ -129,9 +132,10 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     auto = reshard_after_forward is None
     if params:
         name = describe(modules)
+        dims = [shard_dim(p, f, shard_placement_fn, name) for p, f in zip(params, fqns)]
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
-                           replicate_comm=replicate_comm)
+                           replicate_comm=replicate_comm, dims=dims)
         unit.post_forward = post_forward
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):

@@ -29,6 +29,11 @@ Note [pieces in torch's distributed checkpoint]
     tensor from ``self.size()`` (``__deepcopy__``, ``__reduce_ex__``, ``__repr__``) are
     overridden to use the piece.
 
+    A piece of a parameter sharded on another dim (Note [dim-sharded sections] in
+    chunk_layout.py) knows its box instead of a range -- offsets ``(0, .., start, .., 0)``,
+    sizes the piece's shape -- and is that one chunk: torch's FSDP2 writes a ``Shard(dim)``
+    DTensor as the same chunk, so checkpoints interchange both ways.
+
     The chunks: a piece of whole rows is one chunk ``offsets (first_row, 0, ...)``, ``sizes
     (rows, *shape[1:])``. A piece cut anywhere (Note [row-aligned flat layout], 1-D pieces) is
     a flat range of the parameter: it is written as the few boxes that tile that range (a
@@ -102,7 +107,7 @@ class ShardedPiece(torch.Tensor):
     hi)`` of the flattened parameter it holds (Note [pieces in torch's distributed checkpoint])."""
 
     _fs_size: torch.Size
-    _fs_range: tuple
+    _fs_range: tuple  # (lo, hi) of the flattened parameter, or a box ((offsets), (sizes))
     _fs_piece_shape: tuple
 
     @staticmethod
@@ -113,11 +118,20 @@ class ShardedPiece(torch.Tensor):
         return ShardedPiece._carrier(piece, full_shape, (lo, hi), tuple(piece.shape))
 
     @staticmethod
+    def wrap_box(piece: torch.Tensor, full_shape, offsets: tuple, sizes: tuple) -> "ShardedPiece":
+        """The entry of a piece that is the box ``offsets``/``sizes`` of the whole parameter (a
+        chunk on another dim than 0, Note [dim-sharded sections] in chunk_layout.py)."""
+        if not piece.is_contiguous() or tuple(piece.shape) != tuple(sizes):
+            raise ValueError(f"a piece must be contiguous and of its box's sizes: shape {tuple(piece.shape)}, "
+                             f"box sizes {tuple(sizes)}")
+        return ShardedPiece._carrier(piece, full_shape, (tuple(offsets), tuple(sizes)), tuple(piece.shape))
+
+    @staticmethod
     def _carrier(t: torch.Tensor, full_shape, element_range, piece_shape) -> "ShardedPiece":
         with torch._C.DisableTorchFunctionSubclass():
             out = t.as_subclass(ShardedPiece)
         out._fs_size = torch.Size(full_shape)
-        out._fs_range = (int(element_range[0]), int(element_range[1]))
+        out._fs_range = _region(element_range)
         out._fs_piece_shape = tuple(piece_shape)
         return out
 
@@ -132,9 +146,13 @@ class ShardedPiece(torch.Tensor):
 
     @property
     def element_range(self) -> tuple:
+        """``(lo, hi)`` of the flattened parameter, or the box ``((offsets), (sizes))`` of a
+        piece of a parameter sharded on another dim."""
         return self._fs_range
 
     def _like(self, other: torch.Tensor) -> "ShardedPiece":
+        if _is_box(self._fs_range):
+            return ShardedPiece.wrap_box(other, self._fs_size, *self._fs_range)
         return ShardedPiece.wrap(other, self._fs_size, *self._fs_range)
 
     @classmethod
@@ -169,13 +187,16 @@ class ShardedPiece(torch.Tensor):
         return out
 
     def __repr__(self, *, tensor_contents=None):
-        lo, hi = self._fs_range
-        return (f"ShardedPiece(elements [{lo}, {hi}) of a parameter of shape {tuple(self._fs_size)}, "
+        return (f"ShardedPiece({describe_region(self._fs_range)} of a parameter of shape {tuple(self._fs_size)}, "
                 f"piece {self.local()!r})")
 
     # -- DCP's extension protocol
     def _chunks(self) -> list:
-        chunks = chunks_of(tuple(self._fs_size), *self._fs_range)
+        if _is_box(self._fs_range):
+            offsets, sizes = self._fs_range
+            chunks = [(offsets, sizes)] if math.prod(sizes) else []
+        else:
+            chunks = chunks_of(tuple(self._fs_size), *self._fs_range)
         if not chunks and math.prod(self._fs_size) == 0 and len(self._fs_size):
             chunks = [((0,) * len(self._fs_size), tuple(self._fs_size))]  # so that the key exists
         return chunks
@@ -203,8 +224,34 @@ class ShardedPiece(torch.Tensor):
             if torch.Size(o) == index.offset:
                 return flat[start:start + n].view(s)
             start += n
-        raise ValueError(f"FQN '{index.fqn}': this rank's piece (elements {list(self._fs_range)} of shape "
+        raise ValueError(f"FQN '{index.fqn}': this rank's piece ({describe_region(self._fs_range)} of shape "
                          f"{tuple(self._fs_size)}) holds no chunk at offsets {tuple(index.offset or ())}")
+
+
+def _is_box(region: tuple) -> bool:
+    return isinstance(region[0], tuple)
+
+
+def _region(region: tuple) -> tuple:
+    if _is_box(region):
+        return tuple(int(o) for o in region[0]), tuple(int(s) for s in region[1])
+    return int(region[0]), int(region[1])
+
+
+def describe_region(region: tuple) -> str:
+    if _is_box(region):
+        return f"the box at offsets {list(region[0])} of sizes {list(region[1])}"
+    return f"elements [{region[0]}, {region[1]})"
+
+
+def piece_region(unit, index: int) -> tuple:
+    """What this rank's piece of parameter ``index`` of ``unit`` holds: ``(lo, hi)`` of the
+    flattened parameter, or for a dim-sharded parameter its box ``((offsets), (sizes))``."""
+    sec, j = unit.layout.section_of(index)
+    if not sec.chunked:
+        return tuple(unit.element_range(index))
+    piece, dim = sec.layout.piece(j, unit.rank), unit.layout.dims[index]
+    return tuple(piece.rows[0] if d == dim else 0 for d in range(len(piece.shape))), tuple(piece.shape)
 
 
 # Note [staging a piece]
@@ -236,10 +283,9 @@ def _refuse_whole_from_piece(dest, piece: ShardedPiece) -> None:
     if isinstance(dest, ShardedPiece) or tuple(dest.shape) == piece._fs_piece_shape:
         return
     if tuple(dest.shape) == tuple(piece._fs_size):
-        lo, hi = piece._fs_range
         raise ValueError(
             f"fully_shard state dict: a tensor of the whole parameter's shape {tuple(piece._fs_size)} cannot be "
-            f"filled from this rank's piece (elements [{lo}, {hi})); code that builds a plain tensor of "
+            f"filled from this rank's piece ({describe_region(piece._fs_range)}); code that builds a plain tensor of "
             "entry.size() and copies the entry into it (torch's BlockingAsyncStager) would save one rank's "
             "piece as the whole parameter. Stage with dcp.async_save's default stager, or use "
             "get_state_dict(..., options=StateDictOptions(cpu_offload=True)) (Note [staging a piece])")
@@ -366,13 +412,15 @@ def _pre_state_dict(module, prefix, keep_vars) -> None:
 def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     """``value`` -- parameter ``index`` of ``unit``'s piece, or a state tensor shaped like it --
     as a state-dict entry: a ShardedPiece that knows the whole parameter's shape and range."""
-    lo, hi = unit.element_range(index)
+    region = piece_region(unit, index)
     value = value.detach()
     if isinstance(value, ShardedPiece):
         value = value.local()
     if not value.is_contiguous():
         value = value.contiguous()
-    return ShardedPiece.wrap(value, unit.layout.slots[index].shape, lo, hi)
+    if _is_box(region):
+        return ShardedPiece.wrap_box(value, unit.layout.slots[index].shape, *region)
+    return ShardedPiece.wrap(value, unit.layout.slots[index].shape, *region)
 
 
 def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
@@ -384,8 +432,7 @@ def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
         return value
     if isinstance(value, ShardedPiece):
         value = value.local()
-    lo, hi = unit.element_range(index)
-    return value.reshape(-1)[lo:hi].view(piece_shape)
+    return unit.piece_of_whole(index, value)
 
 
 _GATHERED: dict = {}  # id of a state dict being filled -> _FullDict
@@ -470,11 +517,10 @@ def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:
         if value.size() != torch.Size(full_shape):
             return (f"copying a param with shape {value.size()} from checkpoint, the shape in current model "
                     f"is {torch.Size(full_shape)}.")
-        if value.element_range != tuple(unit.element_range(index)):
-            lo, hi = unit.element_range(index)
-            a, b = value.element_range
-            return (f"the entry is a piece of elements [{a}, {b}) of the parameter, this rank's piece holds "
-                    f"[{lo}, {hi}) (a state dict of another world size or layout: load it with "
+        region = piece_region(unit, index)
+        if value.element_range != region:
+            return (f"the entry is a piece holding {describe_region(value.element_range)} of the parameter, "
+                    f"this rank's piece holds {describe_region(region)} (a state dict of another world size or layout: load it with "
                     "torch.distributed.checkpoint, or load whole parameters).")
         return None
     if tuple(value.shape) in (tuple(full_shape), tuple(unit.sharded[index].shape)):

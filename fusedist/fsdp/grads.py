@@ -181,6 +181,8 @@ class UnitGrads:
         added into its accumulator (taken), or copied into a fresh flat buffer laid out like
         the gathered section, whose other slots and padding are zero."""
         sec = self.unit.layout.sections[k]
+        if sec.chunked:
+            return self._into_chunked_flat(k, grads)
         slots = sec.layout.slots
         present = [j for j, i in enumerate(sec.indices) if grads[i] is not None]
         flat = self._acc.pop(k, None)
@@ -199,6 +201,22 @@ class UnitGrads:
         elif present:
             src = [grads[sec.indices[j]] for j in present]
             torch._foreach_add_([views[j] for j in present], [g if g.dtype == flat.dtype else g.to(flat.dtype) for g in src])
+        return flat, {sec.indices[j] for j in present}
+
+    @torch.no_grad()
+    def _into_chunked_flat(self, k: int, grads: list):
+        """:meth:`_into_flat` for a dim-sharded section: each gradient copied (or added) into its
+        chunks' places, so the reduce-scatter hands each rank its chunk on the parameter's dim
+        (Note [dim-sharded sections] in chunk_layout.py)."""
+        sec = self.unit.layout.sections[k]
+        present = [j for j, i in enumerate(sec.indices) if grads[i] is not None]
+        flat = self._acc.pop(k, None)
+        add = flat is not None
+        if flat is None:
+            flat = torch.zeros(sec.layout.total_numel, dtype=self.dtype_of(k), device=self.unit.device)
+            COUNTERS.add_scratch(flat.numel() * flat.element_size())
+        for j in present:
+            sec.layout.copy_in(flat, j, grads[sec.indices[j]], add=add)
         return flat, {sec.indices[j] for j in present}
 
     def accumulate(self, grads: list) -> None:

@@ -210,6 +210,9 @@ class Section:
     full_base: int
     trainable: bool  # the parameters' requires_grad when the unit was built
     dtype: object = None  # the parameters' dtype (Note [dtype sections]); None: the unit's one dtype
+    #: whether ``layout`` is a ChunkLayout of parameters sharded on another dim than 0 (Note
+    #: [dim-sharded sections] in chunk_layout.py), whose whole parameters are copies, not views
+    chunked: bool = False
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -229,10 +232,14 @@ class SplitLayout:
     its own dtype, at ``shard_base``/``full_base`` of these coordinates)."""
 
     def __init__(self, shapes: Sequence[tuple], trainable: Sequence[bool], world_size: int,
-                 dtypes: Optional[Sequence] = None):
+                 dtypes: Optional[Sequence] = None, dims: Optional[Sequence[int]] = None):
         if len(shapes) != len(trainable):
             raise ValueError(f"{len(shapes)} shapes but {len(trainable)} trainable flags")
+        from .chunk_layout import ChunkLayout
+
         self.world_size = world_size
+        #: each parameter's shard dim (Note [dim-sharded sections] in chunk_layout.py)
+        self.dims = [int(d) for d in dims] if dims is not None else [0] * len(shapes)
         self.sections: list[Section] = []
         self._where: dict[int, tuple[int, int]] = {}  # unit index -> (section, index in it)
         kinds = list(dict.fromkeys(dtypes)) if dtypes is not None else [None]
@@ -240,15 +247,19 @@ class SplitLayout:
         self.mixed = len(kinds) > 1
         kinds = kinds if self.mixed else [None]
         shard_base = full_base = 0
-        for flag, kind in [(f, k) for f in (True, False) for k in kinds]:
+        for flag, kind, chunked in [(f, k, c) for f in (True, False) for k in kinds for c in (False, True)]:
             indices = tuple(i for i, t in enumerate(trainable)
-                            if bool(t) == flag and (kind is None or dtypes[i] == kind))
-            if not indices and (flag or self.sections):
+                            if bool(t) == flag and (kind is None or dtypes[i] == kind)
+                            and bool(self.dims[i]) == chunked)
+            if not indices and (flag or chunked or self.sections or shapes):
                 continue  # (a unit without parameters keeps one empty section)
-            layout = UnitLayout([tuple(shapes[i]) for i in indices], world_size)
+            if chunked:
+                layout = ChunkLayout([tuple(shapes[i]) for i in indices], [self.dims[i] for i in indices], world_size)
+            else:
+                layout = UnitLayout([tuple(shapes[i]) for i in indices], world_size)
             for j, i in enumerate(indices):
                 self._where[i] = (len(self.sections), j)
-            self.sections.append(Section(indices, layout, shard_base, full_base, flag, kind))
+            self.sections.append(Section(indices, layout, shard_base, full_base, flag, kind, chunked))
             shard_base += layout.shard_numel
             full_base += layout.total_numel
         self.shard_numel, self.total_numel = shard_base, full_base
@@ -273,17 +284,41 @@ class SplitLayout:
         return dataclasses.replace(p, shard_offset=sec.shard_base + p.shard_offset)
 
     def element_range(self, index: int, rank: int) -> tuple[int, int]:
-        """The elements ``[start, end)`` of parameter ``index`` (flattened) in ``rank``'s piece."""
+        """The elements ``[start, end)`` of parameter ``index`` (flattened) in ``rank``'s piece.
+        A piece of a parameter sharded on another dim than 0 is no such range: refused, so no
+        code reading pieces as ranges takes it silently (Note [dim-sharded sections])."""
         sec, j = self.section_of(index)
+        if sec.chunked:
+            raise DimShardedError(index, self.dims[index])
         p = sec.layout.piece(j, rank)
         if not p.numel:
             return 0, 0
         start = rank * sec.layout.shard_numel + p.shard_offset - sec.layout.slots[j].offset
         return start, start + p.numel
 
+    def whole(self, index: int, gathered: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index`` whole from ``gathered``, its section's gathered buffer (section
+        coordinates): a view, or for a dim-sharded parameter a new tensor (Note [dim-sharded
+        sections] in chunk_layout.py)."""
+        sec, j = self.section_of(index)
+        if sec.chunked:
+            return sec.layout.assemble(gathered, j)
+        s = sec.layout.slots[j]
+        return gathered[s.offset:s.offset + s.numel].view(s.shape)
+
     def gaps(self) -> list[tuple[int, int]]:
         """Ranges of the gathered buffer holding no parameter (padding), as (start, end)."""
         return [(sec.full_base + a, sec.full_base + b) for sec in self.sections for a, b in sec.layout.gaps()]
+
+
+class DimShardedError(NotImplementedError):
+    """A path that reads pieces as ranges of the flattened parameter met a parameter sharded on
+    another dim; the caller names the parameter (Note [dim-sharded sections] in chunk_layout.py)."""
+
+    def __init__(self, index: int, dim: int):
+        super().__init__(f"parameter {index} of the unit is sharded on dim {dim}, and this path supports "
+                         "only parameters sharded on dim 0")
+        self.index, self.dim = index, dim
 
 
 def alias(storage_of: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:

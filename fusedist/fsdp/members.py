@@ -55,10 +55,11 @@ def managed_modules_of(modules: list):
 
 def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> None:
     """Refuse, before anything changes, the parameters this call would shard and cannot:
-    DTensors (tensor parallelism), and placements from ``shard_placement_fn`` other than
-    FSDP2's default ``Shard(0)`` -- a unit's pieces are rows of one flat buffer, so a
-    parameter cannot be split on another dim or over another mesh."""
-    from torch.distributed.tensor import DTensor, Shard
+    DTensors (tensor parallelism), and what ``shard_placement_fn`` returns other than
+    ``Shard(dim)`` or None, or a dim the parameter does not have (``placement.shard_dim``)."""
+    from torch.distributed.tensor import DTensor
+
+    from .placement import shard_dim
 
     for mod_name, sub in managed_modules(module):
         for attr, p in sub._parameters.items():
@@ -70,16 +71,7 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
                     f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
                     f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
                     "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
-            if shard_placement_fn is None:
-                continue
-            placement = shard_placement_fn(p)
-            if placement is None or (type(placement) is Shard and placement.dim in (0, -max(p.dim(), 1))):
-                continue
-            raise NotImplementedError(
-                f"fusedist.fully_shard({type(module).__name__}): shard_placement_fn returned {placement!r} for "
-                f"'{fqn}'; fusedist shards every parameter by rows (Shard(0)) of its unit's flat buffer over the "
-                "one mesh given, so only None or Shard(0) is supported. Use torch.distributed.fsdp.fully_shard "
-                "for other placements.")
+            shard_dim(p, fqn, shard_placement_fn, type(module).__name__)
 
 
 def sharded_by_parent(module, fqn, owner, idx) -> ValueError:

@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from .dcp import ShardedPiece, as_entry, whole_to_piece
+from .dcp import ShardedPiece, as_entry, describe_region, piece_region, whole_to_piece
 from .torch_helpers import torch_helper_options
 
 __all__ = ["track_optimizer", "note_unit"]
@@ -175,8 +175,8 @@ def _gather_states(entries: list, state: dict, *, to_cpu: bool) -> dict:
         for handle in unit.gather_into(flat, shard, f"fully_shard full optimizer state {unit.name} {name}"):
             handle.wait()
         for pid, i in jobs[pos, name, dtype]:
-            slot = unit.layout.slots[i]
-            whole = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            sec = unit.layout.sections[unit.section_index(i)]
+            whole = unit.layout.whole(i, flat[sec.full_base:sec.full_base + sec.layout.total_numel])
             device = torch.device("cpu") if to_cpu else state[pid][name].device
             out[pid, name] = whole.to(device, copy=True)
     return out
@@ -229,13 +229,13 @@ def _to_piece(name, value, unit, i: int, key):
     if not isinstance(value, torch.Tensor) or name == "step":
         return value
     full_shape = tuple(unit.layout.slots[i].shape)
-    lo, hi = unit.element_range(i)
+    region = piece_region(unit, i)
     if isinstance(value, ShardedPiece):
-        if tuple(value.full_shape) != full_shape or value.element_range != (lo, hi):
+        if tuple(value.full_shape) != full_shape or value.element_range != region:
             raise ValueError(
-                f"fusedist.fully_shard: optimizer state {name!r} of {key!r} is elements "
-                f"{list(value.element_range)} of shape {tuple(value.full_shape)}, but this rank's piece is elements "
-                f"[{lo}, {hi}) of shape {full_shape}: the state dict comes from another rank or layout (load it "
+                f"fusedist.fully_shard: optimizer state {name!r} of {key!r} is {describe_region(value.element_range)} "
+                f"of shape {tuple(value.full_shape)}, but this rank's piece is {describe_region(region)} of shape "
+                f"{full_shape}: the state dict comes from another rank or layout (load it "
                 "through torch.distributed.checkpoint, which reshards)")
         return value.local()
     detached = value.detach()

@@ -154,6 +154,7 @@ class _WholeUnit:
     the unit's modules (and by the modules of other units borrowing its parameters)."""
 
     def __init__(self, unit, borrowers: dict):
+        _refuse_dim_sharded(unit)
         self.unit, self.borrowers = unit, borrowers
         # one buffer per section, in its shard's dtype (Note [dtype sections] in layout.py)
         self.buffers = [torch.zeros(sec.layout.total_numel, dtype=s.dtype, device=unit.device)
@@ -199,6 +200,19 @@ class _WholeUnit:
             mine.copy_(own)
         self.buffers, self.params = None, None
         COUNTERS.add_scratch(-self.nbytes)
+
+
+def _refuse_dim_sharded(unit) -> None:
+    """A whole parameter sharded on another dim than 0 is not a view of the gathered layout
+    this initialization writes through (Note [dim-sharded sections] in chunk_layout.py)."""
+    for sec in unit.layout.sections:
+        if sec.chunked:
+            i = sec.indices[0]
+            raise NotImplementedError(
+                f"fusedist.fsdp.init_parameters: parameter '{unit.fqns[i]}' (shape {tuple(unit.layout.slots[i].shape)}) "
+                f"of unit {unit.name or 'root'} is sharded on dim {unit.layout.dims[i]} by shard_placement_fn; "
+                "initializing such a unit from the meta device is not supported. Build the model on a real device "
+                "before fully_shard, or load its values with load_state_dict / torch.distributed.checkpoint.")
 
 
 def _same_data(t: torch.Tensor, view: torch.Tensor) -> bool:

@@ -55,9 +55,7 @@ def gather_params(unit, *, to_cpu: bool, only=None) -> list:
         if only is not None and i not in only:
             out.append(None)
             continue
-        k = unit.section_index(i)
-        a = slot.offset - unit.layout.sections[k].full_base
-        full = flats[k][a:a + slot.numel].view(slot.shape)
+        full = unit.layout.whole(i, flats[unit.section_index(i)])
         out.append(full.cpu().clone() if to_cpu else full.clone())
     return out
 
@@ -130,7 +128,6 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         if tuple(src.shape) != tuple(slot.shape):
             raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "
                              f"the model's parameter {tuple(slot.shape)}")
-        a, b = unit.element_range(i)
-        unit.sharded[i].copy_(src.reshape(-1)[a:b].view(unit.sharded[i].shape))
+        unit.sharded[i].copy_(unit.piece_of_whole(i, src))
         if unit.is_unsharded:
             unit.unsharded[i].copy_(src)

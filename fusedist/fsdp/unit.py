@@ -67,7 +67,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .layout import SplitLayout, alias
+from .layout import DimShardedError, SplitLayout, alias
 from .memory import COUNTERS
 from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -80,7 +80,7 @@ class ShardedUnit:
 
     def __init__(self, name: str, params: list, registrations: list, fqns: list, comm, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, offload_policy, reshard_after_forward: bool,
-                 replicate_comm=None):
+                 replicate_comm=None, dims: Optional[list] = None):
         self.name, self.fqns, self.registrations = name, fqns, registrations
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
@@ -102,8 +102,9 @@ class ShardedUnit:
         self.reshard_after_backward = True
         # Note [trainable section]: trainable and frozen parameters in sections of their own,
         # Note [dtype sections]: and parameters of each dtype
+        # Note [dim-sharded sections] (chunk_layout.py): parameters sharded on another dim than 0
         self.layout = SplitLayout([tuple(p.shape) for p in params], [p.requires_grad for p in params],
-                                  self.world_size, [p.dtype for p in params])
+                                  self.world_size, [p.dtype for p in params], dims)
         if self.layout.mixed:
             self.dtype = self.param_dtype = None  # per section: section_dtype(k), section_param_dtype(k)
         self._build(params, offload_policy)
@@ -160,8 +161,7 @@ class ShardedUnit:
         for i, p in enumerate(params):
             piece = layout.piece(i, rank)
             if piece.numel and not on_meta:
-                start = layout.element_range(i, rank)[0]
-                self.piece_view(i).copy_(p.detach().reshape(-1)[start:start + piece.numel].view(piece.shape))
+                self.piece_view(i).copy_(self.piece_of_whole(i, p.detach()))
             sp = nn.Parameter(self.piece_view(i), requires_grad=p.requires_grad)
             self.sharded.append(sp)
         self.unsharded = [None] * len(params)
@@ -183,6 +183,17 @@ class ShardedUnit:
             self.shard = None
             self.shards = [make(sec.layout.shard_numel, dtype=dt, device=device, **kw) for sec, dt in zip(secs, dtypes)]
 
+    def piece_of_whole(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of parameter ``index`` cut from ``whole`` (the whole parameter's
+        shape): a view -- rows of it, a flat range, or the chunk on its dim (Note [dim-sharded
+        sections] in chunk_layout.py), which need not be contiguous."""
+        sec, j = self.layout.section_of(index)
+        piece = sec.layout.piece(j, self.rank)
+        if sec.chunked:
+            return whole.narrow(self.layout.dims[index], piece.rows[0], piece.rows[1] - piece.rows[0])
+        start = self.layout.element_range(index, self.rank)[0]
+        return whole.reshape(-1)[start:start + piece.numel].view(piece.shape)
+
     def piece_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
         k = self.section_index(index)
@@ -200,15 +211,23 @@ class ShardedUnit:
             self.full = None
             self.fulls = [torch.empty(sec.layout.total_numel, dtype=self.section_param_dtype(k), device=self.device)
                           for k, sec in enumerate(secs)]
+        # Note [dim-sharded sections]: a dim-sharded section's whole parameters are copied out of
+        # its gathered chunks into a buffer of their own (None for a row-aligned section)
+        self.outs = [torch.empty(sec.layout.whole_numel, dtype=self.fulls[k].dtype, device=self.device)
+                     if sec.chunked else None for k, sec in enumerate(secs)]
         for i in range(len(layout.slots)):
             k = self.section_index(i)
             sec, slot = secs[k], layout.slots[i]
-            view = alias(self.fulls[k], slot.offset - sec.full_base, slot.shape)
+            if sec.chunked:
+                view = alias(self.outs[k], sec.layout.whole_offsets[layout.section_of(i)[1]], slot.shape)
+            else:
+                view = alias(self.fulls[k], slot.offset - sec.full_base, slot.shape)
             if self.unsharded[i] is None:
                 self.unsharded[i] = view
             else:
                 self.unsharded[i].data = view
         self._full_nbytes = sum(f.untyped_storage().nbytes() for f in ([self.full] if self.full is not None else self.fulls))
+        self._full_nbytes += sum(o.untyped_storage().nbytes() for o in self.outs if o is not None)
         self._resize_full(False)
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -250,7 +269,11 @@ class ShardedUnit:
         return src
 
     def _resize_full(self, allocate: bool) -> None:
-        """Allocate (or free) the gathered buffer's storage (one, or one per section)."""
+        """Allocate (or free) the gathered buffer's storage (one, or one per section), and the
+        copy-out buffers of dim-sharded sections (Note [dim-sharded sections])."""
+        for o in self.outs:
+            if o is not None:
+                o.untyped_storage().resize_(o.numel() * o.element_size() if allocate else 0)
         if self.full is not None:
             self.full.untyped_storage().resize_(self._full_nbytes if allocate else 0)
             return
@@ -267,6 +290,7 @@ class ShardedUnit:
                 handle.wait()
             self._gather = None
             self._release_post_forward_bytes()
+            self._copy_out()
             for i, u in enumerate(self.unsharded):
                 u.requires_grad_(self.sharded[i].requires_grad)  # a freeze after wrapping is seen here
                 self._register(i, u)
@@ -275,6 +299,16 @@ class ShardedUnit:
             owner.wait_for_unshard()
             for module, attr in regs:
                 module._parameters[attr] = owner.unsharded[index]
+
+    @torch.no_grad()
+    def _copy_out(self) -> None:
+        """The whole dim-sharded parameters from their gathered chunks (Note [dim-sharded
+        sections] in chunk_layout.py); nothing for row-aligned sections, whose parameters are
+        views of the gathered buffer."""
+        for k, sec in enumerate(self.layout.sections):
+            if sec.chunked:
+                for j, i in enumerate(sec.indices):
+                    sec.layout.copy_out(self.fulls[k], j, self.unsharded[i].data)
 
     def reshard(self) -> None:
         """Free the unsharded buffer; the modules hold the sharded parameters again. A gather
@@ -290,6 +324,7 @@ class ShardedUnit:
             self.is_unsharded = landed = True  # landed; swapped back below
         if self.is_unsharded and any(b.is_unsharded for b in self.lent_to):
             if landed:
+                self._copy_out()
                 for i, u in enumerate(self.unsharded):
                     self._register(i, u)
             self.reshard_deferred = True
@@ -478,8 +513,17 @@ class ShardedUnit:
 
     def element_range(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
         """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s
-        piece holds."""
-        return self.layout.element_range(index, self.rank if rank is None else rank)
+        piece holds. A piece of a parameter sharded on another dim is no such range: refused,
+        naming it (Note [dim-sharded sections] in chunk_layout.py)."""
+        try:
+            return self.layout.element_range(index, self.rank if rank is None else rank)
+        except DimShardedError as e:
+            raise NotImplementedError(
+                f"fusedist.fully_shard({self.name or 'root'}): parameter '{self.fqns[index]}' (shape "
+                f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
+                f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
+                "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "
+                "(model.state_dict(), get_state_dict) or fusedist.fsdp.full_state_dict.") from None
 
 
 def _on_meta(name: str, params: list, fqns: list) -> bool:

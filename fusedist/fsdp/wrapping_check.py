@@ -48,6 +48,8 @@ def _unit_params(unit) -> list:
     for i, (fqn, slot) in enumerate(zip(unit.fqns, unit.layout.slots)):
         sec = unit.layout.section_of(i)[0]
         name = fqn if sec.trainable else f"{fqn} (frozen)"
+        if sec.chunked:  # the dim decides the layout too (Note [dim-sharded sections] in chunk_layout.py)
+            name = f"{name} (Shard({unit.layout.dims[i]}))"
         out.append((f"{name} ({str(sec.dtype).replace('torch.', '')})" if unit.layout.mixed else name, tuple(slot.shape)))
     return out
 

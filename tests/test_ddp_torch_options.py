@@ -8,9 +8,11 @@ with torch DDP on 2 gloo ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -234,3 +236,73 @@ def test_two_forwards_before_one_backward_match_torch():
     before, the backward failed with "modified by an inplace operation"."""
     for diff in run_distributed(_two_forwards_worker, 2, timeout=120):
         assert diff <= 1e-6, diff
+
+
+# -- torch DDP's input placement and its legacy helpers (Note [inputs moved to the module's device]) --
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    tag: str
+
+
+def _placement_attrs_and_helpers(rank, world):
+    import fusedist
+
+    results = {}
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 3, generator=gen), torch.randn(2, 3, generator=gen)
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        torch.manual_seed(0)
+        model = cls(nn.Linear(3, 2))
+        moved_args, moved_kwargs = model.to_kwargs((x, [y]), {"batch": _Batch(x, "a")}, None)
+        try:  # torch's gather is for CUDA tensors: the same refusal on CPU
+            gathered = model.gather([torch.ones(2, 2), torch.zeros(1, 2)], -1)
+        except AssertionError as e:
+            gathered = str(e)
+        results[name] = dict(device_ids=model.device_ids, output_device=model.output_device,
+                             device_type=model.device_type, moved=(moved_args, moved_kwargs), gathered=gathered,
+                             out=model(x).detach())
+    return results
+
+
+def test_cpu_placement_attributes_and_helpers_match_torch():
+    """On CPU (no device_ids) inputs go through untouched and ``device_ids``/``output_device``/
+    ``device_type`` and the ``to_kwargs``/``gather`` helpers equal torch DDP's."""
+    for res in run_distributed(_placement_attrs_and_helpers, 2):
+        ours, theirs = res["fusedist"], res["torch"]
+        for key in ("device_ids", "output_device", "device_type"):
+            assert ours[key] == theirs[key], key
+        (args_o,), (kw_o,) = ours["moved"]
+        (args_t,), (kw_t,) = theirs["moved"]
+        torch.testing.assert_close(args_o, args_t, rtol=0, atol=0)
+        assert kw_o["batch"].tag == kw_t["batch"].tag == "a"
+        torch.testing.assert_close(kw_o["batch"].x, kw_t["batch"].x, rtol=0, atol=0)
+        assert ours["gathered"] == theirs["gathered"] == "Gather function not implemented for CPU tensors"
+        torch.testing.assert_close(ours["out"], theirs["out"], rtol=0, atol=0)
+
+
+def _cuda_inputs_moved(rank, world):
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Linear(3, 2).cuda()
+    outs = {}
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        model = cls(copy.deepcopy(base), device_ids=[0])
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))  # on the host, as a DataLoader gives it
+        out = model(x, **{})
+        out.sum().backward()
+        gathered = model.gather([out.detach(), out.detach()[:1]], model.output_device)
+        outs[name] = (out.device.type, out.detach().cpu(), model.device_ids, model.output_device, gathered.cpu())
+    return outs
+
+
+@pytest.mark.gpu
+def test_cuda_inputs_on_the_host_are_moved_to_the_device_ids_device():
+    """torch DDP given ``device_ids`` copies host inputs to the module's GPU; so does fusedist's."""
+    outs = run_distributed(_cuda_inputs_moved, 1, backend="nccl")[0]
+    assert outs["fusedist"][0] == outs["torch"][0] == "cuda"
+    torch.testing.assert_close(outs["fusedist"][1], outs["torch"][1])
+    assert outs["fusedist"][2:4] == outs["torch"][2:4] == ([0], 0)
+    torch.testing.assert_close(outs["fusedist"][4], outs["torch"][4])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from collections import OrderedDict
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
+from torch.distributed.utils import _to_kwargs
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ..ownership import data_parallel_owner, register_data_parallel
 from .._consistency import check_same_across_ranks
@@ -138,8 +141,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Args:
         module: the model (on one device).
-        device_ids, output_device, dim: accepted for compatibility with torch. On CUDA,
-            ``device_ids`` must name the module's device; on CPU it must be None.
+        device_ids, output_device, dim: as torch's for a single-device module. On CUDA,
+            ``device_ids`` must name the module's device, and then the forward's inputs are
+            copied to it as torch's DDP copies them; on CPU it must be None.
         process_group: the data-parallel group (default: the world).
         device_mesh: as torch's: a 1-D ``DeviceMesh`` whose group is the data-parallel group
             (instead of ``process_group``).
@@ -208,6 +212,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.dim = dim
         self.device = _module_device(module)
         self._check_device_ids(device_ids, output_device)
+        # torch's attributes (Note [inputs moved to the module's device]): device_ids set only
+        # when given for a single-device accelerator module, as torch sets it.
+        self.device_type = self.device.type
+        self.device_ids = [self.device.index] if device_ids and self.device.type != "cpu" else None
+        self.output_device = self.device_ids[0] if self.device_ids else None
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         self.comm = get_communicator(process_group, self.device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
 
@@ -388,10 +398,33 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
+        if self.device_ids:  # Note [inputs moved to the module's device]
+            (args,), (kwargs,) = self.to_kwargs(args, kwargs, self.device_ids[0])
         # Note [bookkeeping outside compiled graphs]: only the module's own forward is traced.
         if self._before_forward(torch.compiler.is_compiling()):
             return _join.run_module(self, args, kwargs)
         return self.module(*args, **kwargs)
+
+    # Note [inputs moved to the module's device]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch's DDP given ``device_ids=[i]`` copies the forward's tensor inputs (in args and
+    # kwargs, through lists, tuples, dicts and dataclasses) to ``cuda:i`` before the module
+    # runs, on a side stream unless PYTORCH_DDP_USE_SIDE_STREAM=0; scripts that feed it
+    # batches straight from a CPU DataLoader rely on that. The same helpers do it here, under
+    # the same condition: without ``device_ids`` (and on CPU) inputs go through as given.
+    # ``scatter``/``gather``/``to_kwargs`` are torch's methods of the same names, kept for
+    # code that calls them.
+    def to_kwargs(self, inputs, kwargs, device_id):
+        """``inputs`` and ``kwargs`` with their tensors on ``device_id``, each wrapped in a
+        1-tuple (torch's ``DistributedDataParallel.to_kwargs``)."""
+        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id),
+                          self.use_side_stream_for_tensor_copies)
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs, output_device):
+        return gather(outputs, output_device, dim=self.dim)
 
     # Note [bookkeeping outside compiled graphs]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -21,6 +21,18 @@ Note [zero-filled gradients in stage 2]
     (``_zero_fill_without_backward``). ``zero_grad(set_to_none=True)`` forgets them, as torch sets every gradient to
     None. ``module.zero_grad()`` cannot reach the optimizer: it counts as setting to None, its
     default.
+
+Note [per-parameter gradient slices]
+    Per-parameter gradient quantities (the norms a logger shows, Note [gradient norms under ZeRO
+    stage 2] in ``fusedist/integrations/lightning_grad_norm.py``) need each parameter's part of
+    this rank's gradients without knowing the flat layout. ``gradient_slices()`` yields one
+    pair per parameter that has a gradient, also where this rank holds none of it (an empty
+    slice: the parameter lies in other ranks' parts of its bucket, or has no elements), so the
+    sequence is the same on every rank and a caller's reduction of one number per pair lines
+    up; which parameters have a gradient is decided as the step decides it (Note [zero-filled
+    gradients in stage 2]). A parameter meets a rank's shard in at most one contiguous range
+    (Note [flat partition]), so one slice per parameter covers it; the slices of one parameter
+    over all ranks are its whole gradient, in its memory order.
 """
 
 from __future__ import annotations
@@ -157,6 +169,38 @@ class GradientsMixin:
             dst = store.slice(e.dtype, e.pos, e.pos + e.numel)
             if dst.data_ptr() != src.data_ptr():  # (aliased: p.grad is its bucket view already)
                 dst.copy_(src)
+
+    @torch.no_grad()
+    def gradient_slices(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, slice)`` for every parameter with a gradient for the coming step (torch's
+        ``p.grad is not None``), in the optimizer's parameter order: ``slice`` is the flat
+        part of its averaged gradient this rank holds, empty where it holds none (Note
+        [per-parameter gradient slices]). Read-only views: stage 2's of the gradient shards
+        (scaled while a GradScaler's unscale is pending: ``step_context.inv_scale``), stage
+        1's of ``p.grad``. The same parameters in the same order on every rank, so a caller
+        can all-reduce one number per pair."""
+        grow.join_pending(self)  # as the scaler's check does, before reading the shards
+        self._zero_fill_without_backward()
+        if self.stage == 2:
+            if not self._grads_present:
+                return []
+            shards = self._grad_shards
+            views = {e.index: shards[e.dtype][e.pos:e.pos + e.numel] for e in self._partition.entries}
+        else:
+            shards = {}
+            views = {e.index: src for e, src in self._stage1_grad_views()}
+        without = set(self._params_without_grad())
+        pairs = []
+        for i in self._trainable:
+            if i in without:
+                continue
+            p = self._params[i]
+            view = views.get(i)
+            if view is None:  # no element of it on this rank (or none at all: zero elements)
+                like = shards.get(p.dtype, p.grad)
+                view = (like if like is not None else p).new_empty(0)
+            pairs.append((p, view))
+        return pairs
 
     def gradient_shards(self) -> dict:
         """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32

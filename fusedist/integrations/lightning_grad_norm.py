@@ -1,4 +1,4 @@
-"""``grad_norm``: Lightning's gradient-norm helper, for gradients that ZeRO stage 2 shards.
+"""``grad_norm``: Lightning's gradient-norm helper, for gradients that fusedist shards.
 
 Note [gradient norms under ZeRO stage 2]
     Lightning's ``lightning.pytorch.utilities.grad_norm(module, norm_type)``, which its docs
@@ -12,14 +12,25 @@ Note [gradient norms under ZeRO stage 2]
     stage 2 exists to save. This ``grad_norm`` takes Lightning's arguments and returns its keys
     and values under every strategy: where ``p.grad`` is the gradient it is Lightning's own
     function; for parameters whose gradient a stage-2 optimizer holds, each rank takes the
-    norms of its slices and one all-reduce of one number per parameter (the sum of ``|g|^p``,
-    or the max for ``p = inf``) gives the global norms, the same on every rank. Under
-    ``"16-mixed"`` the shards still hold the scaled gradients when the hook runs (the step
-    applies the unscale, Note [lazy unscale] in ``fusedist/amp/grad_scaler.py``); the pending
-    inverse scale is applied here, as Lightning's hook sees unscaled gradients.
+    norms of its slices (``ZeroRedundancyOptimizer.gradient_slices``) and one all-reduce of one
+    number per parameter (the sum of ``|g|^p``, or the max for ``p = inf``) gives the global
+    norms, the same on every rank. Under ``"16-mixed"`` the shards still hold the scaled
+    gradients when the hook runs (the step applies the unscale, Note [lazy unscale] in
+    ``fusedist/amp/grad_scaler.py``); the pending inverse scale is applied here, as
+    Lightning's hook sees unscaled gradients.
 
-    It reads the optimizer's partition (which slice of its shard is which parameter's, Note
-    [flat partition] in ``fusedist/zero/partition.py``) in one place, :func:`_held_norms`.
+Note [gradient norms of fully_shard pieces]
+    Under ``FusedistModelParallelStrategy`` a ``fusedist.fully_shard`` parameter is this rank's
+    piece, a plain tensor, and ``p.grad`` the piece's gradient: Lightning's helper would log
+    each rank's piece norms, different on every rank. With torch's FSDP2 the parameters are
+    DTensors and ``p.grad.norm()`` is the whole parameter's norm. So pieces are grouped by
+    their gradient holder (``fusedist.ownership.gradient_holder``: one per shard group), whose
+    ``parameter_grad_norms`` takes one all-reduce of one number per parameter over the shard
+    group -- on HSDP not across replicas, which hold copies of the same gradient shard.
+
+A parameter's holder decides which path it takes, in the module's parameter order, so every
+rank issues the same collectives in the same order: the function is a collective whenever the
+module has sharded gradients (``on_before_optimizer_step`` runs on every rank at the same point).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Union
 import torch
 from lightning.pytorch.utilities import grad_norm as _lightning_grad_norm
 
+from fusedist.fsdp.holder import ShardedGradHolder
 from fusedist.ownership import gradient_holder
 from fusedist.zero import ZeroRedundancyOptimizer
 
@@ -41,25 +53,35 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
               group_separator: str = "/") -> dict[str, torch.Tensor]:
     """Each parameter's gradient norm and their total, as ``lightning.pytorch.utilities.grad_norm``
     returns them, including for gradients held by a ZeRO stage-2 optimizer (Note [gradient
-    norms under ZeRO stage 2]). With such an optimizer it is a collective: every rank calls it
-    at the same point (``on_before_optimizer_step`` is such a point)."""
+    norms under ZeRO stage 2]) and for ``fusedist.fully_shard`` pieces (Note [gradient norms of
+    fully_shard pieces]). With either it is a collective: every rank calls it at the same point."""
     named = list(module.named_parameters())
-    holders = {}
+    zeros, pieces = {}, {}  # id(holder) -> holder, and -> (holder, its pieces in module order)
+    sharded = set()  # id(p) of the pieces: their p.grad is not the gradient
     for _, p in named:
-        holder = gradient_holder(p) if p.grad is None else None
-        if isinstance(holder, ZeroRedundancyOptimizer) and holder.stage == 2:
-            holders[id(holder)] = holder
-    if not holders:
+        holder = gradient_holder(p)
+        if isinstance(holder, ShardedGradHolder):
+            pieces.setdefault(id(holder), (holder, []))[1].append(p)
+            sharded.add(id(p))
+        elif p.grad is None and isinstance(holder, ZeroRedundancyOptimizer) and holder.stage == 2:
+            zeros[id(holder)] = holder
+    if not zeros and not pieces:
         return _lightning_grad_norm(module, norm_type, group_separator)
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     held: dict[int, torch.Tensor] = {}
-    for zero in holders.values():
+    for zero in zeros.values():
         held.update(_held_norms(zero, norm_type))
+    for holder, params in pieces.values():
+        for p, norm in zip(params, holder.parameter_grad_norms(params, norm_type)):
+            if norm is not None:
+                held[id(p)] = norm.to(p.grad.dtype)
     norms = {}
     for name, p in named:
-        norm = p.grad.data.norm(norm_type) if p.grad is not None else held.get(id(p))
+        norm = held.get(id(p))
+        if norm is None and p.grad is not None and id(p) not in sharded:
+            norm = p.grad.data.norm(norm_type)
         if norm is not None:
             norms[f"grad_{norm_type}_norm{group_separator}{name}"] = norm
     if norms:  # the total as Lightning computes it, from the per-parameter norms
@@ -71,23 +93,21 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
 def _held_norms(zero: ZeroRedundancyOptimizer, norm_type: float) -> dict[int, torch.Tensor]:
     """``id(param) -> global norm of its gradient`` for the parameters ``zero`` holds a gradient
     of in this step (none before the first backward after a step, as ``p.grad`` is None then)."""
-    if not zero._fusedist_has_grads():  # same answer on every rank: a synchronized backward ran
+    pairs = zero.gradient_slices()  # the same parameters in the same order on every rank
+    if not pairs:  # (on every rank: no synchronized backward since the step)
         return {}
-    shards = zero.gradient_shards()
-    entries = zero._partition.entries  # this rank's slice of each parameter, in its flat shard
-    slices = [shards[e.dtype][e.pos:e.pos + e.numel] for e in entries]
-    device = zero.comm.device if zero.comm is not None else (slices[0].device if slices else torch.device("cpu"))
-    partial = torch.zeros(len(zero._params), dtype=torch.float64, device=device)
-    if slices:
-        local = torch.stack([n.double() for n in torch._foreach_norm(slices, norm_type)]).to(device)
-        index = torch.tensor([e.index for e in entries], device=device)
-        partial[index] = local if norm_type == float("inf") else local.pow(norm_type)
+    inf = norm_type == float("inf")
+    device = zero.comm.device if zero.comm is not None else pairs[0][1].device
+    partial = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    at = [k for k, (_, s) in enumerate(pairs) if s.numel()]  # (an empty slice has no inf-norm)
+    if at:  # this rank's part: the max of |g|, or the sum of |g|^p
+        local = torch._foreach_norm([pairs[k][1] for k in at], norm_type)
+        local = torch.stack([n.double() for n in local]).to(device)
+        partial[torch.tensor(at, device=device)] = local if inf else local.pow(norm_type)
     if zero.comm is not None and zero.world_size > 1:
-        zero.comm.all_reduce(partial, op="max" if norm_type == float("inf") else "sum", tag=_TAG)
-    norms = partial if norm_type == float("inf") else partial.pow(1.0 / norm_type)
+        zero.comm.all_reduce(partial, op="max" if inf else "sum", tag=_TAG)
+    norms = partial if inf else partial.pow(1.0 / norm_type)
     inv_scale = zero.step_context.inv_scale  # a pending unscale (Note [gradient norms under ZeRO stage 2])
     if inv_scale is not None:
         norms = norms * inv_scale.to(norms).reshape(())
-    without = set(zero._params_without_grad())
-    return {id(zero._params[i]): norms[i].to(zero._params[i].dtype)
-            for i in zero._trainable if i not in without}
+    return {id(p): norms[k].to(p.dtype) for k, (p, _) in enumerate(pairs)}

@@ -181,3 +181,137 @@ def test_dim_sharded_training_matches_fsdp2_world_2():
 
 def test_dim_sharded_training_matches_fsdp2_world_3():
     assert run_distributed(_training, 3, timeout=300) == [True] * 3
+
+
+# ---------------------------------------------------------------------------- padding
+class Uneven(Net):
+    """Lengths on the sharded dims the world size does not divide: ``inp.weight`` (12, 7) and
+    the 3-D experts (2, 12, 12) at world 3... and ``tiny`` (3, 2) on dim 1, whose last chunk is
+    empty at world 3 (torch.chunk gives two chunks of one)."""
+
+    def __init__(self):
+        super().__init__(d=12, d_in=7)
+        self.tiny = nn.Parameter(torch.randn(3, 2) * 0.3)
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out + (x[:, :3] @ self.tiny).sum(-1, keepdim=True)
+
+
+def _padding(rank, ws):
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    ref = Uneven()
+    ours = _shard(copy.deepcopy(ref), mesh, False)
+    chunked = _dim_sharded(ref)
+    assert {"inp.weight", "tiny", "blocks.0.fc1.weight", "blocks.0.experts"} <= chunked, chunked
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    shapes = {}
+    for step in range(3):
+        # the reference: the unsharded model on every rank's batch, the loss averaged as FSDP averages
+        loss = sum(F.mse_loss(ref(_batch(r, step, d_in=7)[0]), _batch(r, step, d_in=7)[1]) for r in range(ws)) / ws
+        loss.backward()
+        x, y = _batch(rank, step, d_in=7)
+        F.mse_loss(ours(x), y).backward()
+        theirs = dict(ref.named_parameters())
+        for name, p in ours.named_parameters():
+            if name not in chunked:
+                continue
+            dim = placement(theirs[name]).dim % theirs[name].dim()
+            chunks = list(torch.chunk(theirs[name].detach(), ws, dim))
+            want = chunks[rank] if rank < len(chunks) else None
+            if want is None:  # past the last chunk: empty, 0 on the dim (FSDP2's sharded_size)
+                shape = list(theirs[name].shape)
+                shape[dim] = 0
+                want = torch.empty(shape)
+            shapes[name] = tuple(p.shape)
+            torch.testing.assert_close(p.detach(), want, **FP32, msg=lambda m: f"step {step}: {name}: {m}")
+            g = torch.chunk(theirs[name].grad, ws, dim)
+            torch.testing.assert_close(p.grad, g[rank] if rank < len(g) else want, **FP32,
+                                       msg=lambda m: f"step {step}: {name} grad: {m}")
+        o_ref.step(), o_ours.step()
+        o_ref.zero_grad(), o_ours.zero_grad()
+    got = fusedist.fsdp.full_state_dict(ours)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, **FP32, msg=lambda m: f"{k}: {m}")
+    # torch's FSDP2 refuses these lengths (the reason they are checked against the unsharded model)
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        fully_shard(Uneven(), mesh=mesh, shard_placement_fn=placement)
+        fsdp2 = "accepted"
+    except NotImplementedError as e:
+        fsdp2 = str(e)
+    return shapes, fsdp2
+
+
+def test_lengths_the_world_size_does_not_divide_are_padded():
+    for ws in (2, 3):
+        res = run_distributed(_padding, ws, timeout=300)
+        for rank, (shapes, fsdp2) in enumerate(res):
+            assert "uneven sharding" in fsdp2, fsdp2
+        if ws == 3:
+            assert [r[0]["inp.weight"] for r in res] == [(12, 3), (12, 3), (12, 1)]
+            assert [r[0]["tiny"] for r in res] == [(3, 1), (3, 1), (3, 0)]
+
+
+# ---------------------------------------------------------------------------- clip, scaler, accumulation, offload
+def _scaled(rank, ws):
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+
+    mesh = _mesh(ws)
+    # the clip coefficients: the norms' sums are associated differently (an fp32 ulp apart)
+    fp32 = dict(rtol=1e-5, atol=1e-7)
+    out = {}
+    for what, ours_kw, torch_kw in [("on device", {}, {}),
+                                    ("offload", dict(offload_policy=fusedist.CPUOffloadPolicy(pin_memory=False)),
+                                     dict(offload_policy=TorchOffload(pin_memory=False)))]:
+        torch.manual_seed(0)
+        ref = Net()
+        ours = copy.deepcopy(ref)
+        _shard(ref, mesh, True, **torch_kw)
+        _shard(ours, mesh, False, **ours_kw)
+        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+        s_ref = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        s_ours = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        clips = [fusedist.clip_grad_norm_, torch.nn.utils.clip_grad_norm_]
+        norms = []
+        for step in range(4):
+            micro = 2  # accumulation without gradient sync, then a synchronized backward
+            for model, scaler in ((ref, s_ref), (ours, s_ours)):
+                for m in range(micro):
+                    model.set_requires_gradient_sync(m == micro - 1)
+                    x, y = _batch(rank, 10 * step + m)
+                    scaler.scale(F.mse_loss(model(x), y)).backward()
+            if step == 2:  # an inf in one rank's dim-sharded gradient: every rank skips the step
+                p = ours.blocks[0].fc1.weight
+                r = ref.blocks[0].fc1.weight
+                if rank == ws - 1:
+                    p.grad.view(-1)[0] = float("inf")
+                    r.grad.to_local().view(-1)[0] = float("inf")
+            s_ref.unscale_(o_ref), s_ours.unscale_(o_ours)
+            n_ref = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.05)
+            n_ours = clips[step % 2](list(ours.parameters()), 0.05)
+            norms.append((float(n_ours), float(n_ref.full_tensor())))
+            if step != 2:
+                _check_pieces(ref, ours, f"{what} step {step} clipped", fp32)
+            s_ref.step(o_ref), s_ours.step(o_ours)
+            s_ref.update(), s_ours.update()
+            o_ref.zero_grad(), o_ours.zero_grad()
+            assert s_ref.get_scale() == s_ours.get_scale(), (what, step, s_ref.get_scale(), s_ours.get_scale())
+        _check_whole(ref, ours, what, fp32)
+        out[what] = norms
+    return out
+
+
+def test_clip_scaler_accumulation_and_offload_match_fsdp2():
+    for ws in (2, 3):
+        for res in run_distributed(_scaled, ws, timeout=300):
+            for what, norms in res.items():
+                for step, (a, b) in enumerate(norms):
+                    if step == 2:
+                        assert a == b == float("inf"), (ws, what, norms)
+                    else:
+                        assert abs(a - b) <= 1e-6 * b, (ws, what, step, a, b)

@@ -210,7 +210,7 @@ def _refuse_dim_sharded(unit) -> None:
             i = sec.indices[0]
             raise NotImplementedError(
                 f"fusedist.fsdp.init_parameters: parameter '{unit.fqns[i]}' (shape {tuple(unit.layout.slots[i].shape)}) "
-                f"of unit {unit.name or 'root'} is sharded on dim {unit.layout.dims[i]} by shard_placement_fn; "
+                f"of unit {unit.label} is sharded on dim {unit.layout.dims[i]} by shard_placement_fn; "
                 "initializing such a unit from the meta device is not supported. Build the model on a real device "
                 "before fully_shard, or load its values with load_state_dict / torch.distributed.checkpoint.")
 

@@ -519,7 +519,7 @@ class ShardedUnit:
             return self.layout.element_range(index, self.rank if rank is None else rank)
         except DimShardedError as e:
             raise NotImplementedError(
-                f"fusedist.fully_shard({self.name or 'root'}): parameter '{self.fqns[index]}' (shape "
+                f"fusedist.fully_shard: parameter '{self.fqns[index]}' of unit {self.label} (shape "
                 f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
                 f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
                 "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "

@@ -483,3 +483,83 @@ def test_dcp_checkpoint_saved_at_world_2_loads_at_world_3(tmp_path):
     assert run_distributed(_resave, 2, str(tmp_path), timeout=120) == [True] * 2
     for res in run_distributed(_load_at, 3, str(tmp_path), timeout=300):
         assert all(res.values()), res
+
+
+# ---------------------------------------------------------------------------- HSDP, memory, mismatches
+def _hsdp(rank, ws):
+    out = {}
+    for shape in ((2, 1), (1, 2)):  # replicas x shards
+        mesh = _mesh(ws, shape)
+        ref, ours = _pair(mesh)
+        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+        for step in range(2):
+            for model in (ref, ours):
+                x, y = _batch(rank, step)
+                F.mse_loss(model(x), y).backward()
+            _check_pieces(ref, ours, f"HSDP {shape} step {step}", EXACT)
+            o_ref.step(), o_ours.step()
+            o_ref.zero_grad(), o_ours.zero_grad()
+        _check_whole(ref, ours, f"HSDP {shape}", EXACT)
+        out[shape] = True
+    # memory: a gathered dim-sharded unit holds its gathered chunks and the copied-out parameters
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    model = _shard(Net(), mesh, False)
+    block = model.blocks[0]
+    from fusedist.fsdp.state import state_of
+
+    unit = state_of(block).unit
+    chunked = sum(p.numel() for n, p in Net().blocks[0].named_parameters() if n in ("fc1.weight", "experts"))
+    before = model.memory_stats()["gathered_bytes"]
+    block.unshard()
+    during = model.memory_stats()["gathered_bytes"]
+    block.reshard()
+    out["memory"] = (during - before == unit.unsharded_bytes,
+                     unit.unsharded_bytes == 4 * (unit.layout.total_numel + chunked),
+                     model.memory_stats()["gathered_bytes"] == before)
+    return out
+
+
+def test_hsdp_and_memory_stats():
+    for res in run_distributed(_hsdp, 2, timeout=300):
+        assert res[(2, 1)] and res[(1, 2)] and all(res["memory"]), res
+
+
+def _mismatch(rank, ws):
+    from torch.distributed.tensor import Shard
+
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    model = Net()
+    fn = placement if rank == 0 else (lambda p: Shard(0))
+    for b in model.blocks:
+        fusedist.fully_shard(b, mesh=mesh, shard_placement_fn=fn)
+    fusedist.fully_shard(model, mesh=mesh, shard_placement_fn=fn)
+    try:
+        model(_batch(rank, 0)[0])
+        return None
+    except fusedist.RankMismatchError as e:
+        return str(e)
+
+
+def test_placements_differing_across_ranks_are_a_rank_mismatch():
+    for text in run_distributed(_mismatch, 2, timeout=60):
+        assert text is not None and "Shard(1)" in text, text
+
+
+def test_placements_refused_by_name():
+    from torch.distributed.tensor import Replicate, Shard
+
+    import pytest
+
+    from fusedist.fsdp.placement import shard_dim
+
+    w = torch.zeros(4, 6)
+    assert shard_dim(w, "w", lambda p: Shard(-1), "M") == 1
+    assert shard_dim(w, "w", lambda p: None, "M") == 0
+    assert shard_dim(torch.zeros(()), "s", lambda p: Shard(0), "M") == 0
+    with pytest.raises(ValueError, match=r"'w', which has shape \(4, 6\) \(2 dims\): the dim is out of range"):
+        shard_dim(w, "w", lambda p: Shard(2), "M")
+    with pytest.raises(NotImplementedError, match=r"returned Replicate\(\) for 'w'"):
+        shard_dim(w, "w", lambda p: Replicate(), "M")

@@ -111,5 +111,7 @@ def register_step_watch(params: Iterable, watch) -> None:
 
 
 def step_watch(p) -> Optional[object]:
-    """The reliability observer of the ``fully_shard`` model holding ``p`` (None: none)."""
+    """The reliability observer of the model whose optimizer steps cover ``p`` though it
+    reduces no ``p.grad`` (a ``fully_shard`` model's pieces, a DDP model's ignored
+    parameters); None: none."""
     return _lookup(_step_watch, p)

@@ -306,3 +306,77 @@ def test_cuda_inputs_on_the_host_are_moved_to_the_device_ids_device():
     torch.testing.assert_close(outs["fusedist"][1], outs["torch"][1])
     assert outs["fusedist"][2:4] == outs["torch"][2:4] == ([0], 0)
     torch.testing.assert_close(outs["fusedist"][4], outs["torch"][4])
+
+
+# -- rank-local parameters and buffers (Note [parameters and buffers DDP ignores]) -------------------
+
+class _WithLocalState(nn.Module):
+    """``shared`` is data-parallel; ``local`` (its width differs between ranks) and the
+    ``seen`` buffer are this rank's own, as a sharded table or a per-rank statistic would be."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.shared = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.local = nn.Linear(3, 2 + rank)
+        self.register_buffer("seen", torch.full((1,), float(rank)))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.local(self.bn(self.shared(x))).sum(dim=1)
+
+
+def _ignored_state_trains_as_torch(rank, world):
+    import fusedist
+
+    torch.manual_seed(rank)  # every rank starts from its own values: the broadcast decides
+    base = _WithLocalState(rank)
+    ignored = ["local.weight", "local.bias", "seen"]
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(5, 4, generator=gen) for _ in range(3)]
+    out = {}
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        module = copy.deepcopy(base)
+        cls._set_params_and_buffers_to_ignore_for_model(module, ignored)
+        model = cls(module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x in batches:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        out[name + " ignores"] = sorted(getattr(model, "parameters_to_ignore"))
+    return out
+
+
+def test_parameters_and_buffers_to_ignore_stay_rank_local_as_in_torch():
+    """torch's ``_set_params_and_buffers_to_ignore_for_model``: ignored parameters (of a shape
+    that differs between ranks) keep this rank's values and are trained on this rank's
+    gradient, the ignored buffer is not broadcast; the rest is synchronized. Equal to torch
+    DDP's state after three SGD steps on every rank, bitwise."""
+    results = run_distributed(_ignored_state_trains_as_torch, 2)
+    for rank, res in enumerate(results):
+        assert res["fusedist ignores"] == res["torch ignores"]
+        assert res["fusedist"].keys() == res["torch"].keys()
+        for key in res["torch"]:
+            torch.testing.assert_close(res["fusedist"][key], res["torch"][key], rtol=0, atol=0, msg=key)
+        assert res["fusedist"]["seen"].item() == rank + 15  # never broadcast from rank 0
+    torch.testing.assert_close(results[0]["fusedist"]["shared.weight"], results[1]["fusedist"]["shared.weight"])
+    assert results[0]["fusedist"]["local.weight"].shape != results[1]["fusedist"]["local.weight"].shape
+
+
+def _ignore_lists_differ(rank, world):
+    import fusedist
+
+    module = nn.Linear(3, 3)
+    if rank == 1:
+        fusedist.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["bias"])
+    fusedist.DistributedDataParallel(module)
+
+
+def test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank():
+    """Buckets built around different ignored sets would pair different tensors: the
+    construction check names the setting on every rank."""
+    outcomes = run_distributed(_ignore_lists_differ, 2, expect_failure=True)
+    for status, text in outcomes:
+        assert status == "error" and "RankMismatchError" in text and "params_and_buffers_to_ignore" in text, text

@@ -69,7 +69,8 @@ class TrainableTracker:
     """The module's parameters and the flags the reducer's layout was built from."""
 
     def __init__(self, module, owner):
-        named = list(module.named_parameters())
+        self.ignore = owner.parameters_to_ignore  # Note [parameters and buffers DDP ignores]
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.ignore]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.position = {n: i for i, n in enumerate(self.names)}
@@ -110,6 +111,8 @@ class TrainableTracker:
 
     def note_assignment(self, name: str, param) -> None:
         """A Parameter was registered under ``name`` (Note [parameters replaced after wrapping])."""
+        if name in self.ignore:  # rank-local: not DDP's to follow
+            return
         index = self.position.get(name)
         if (index is None or self.params[index] is not param) and name not in self.assigned:
             self.assigned.append(name)

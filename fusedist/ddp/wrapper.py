@@ -16,7 +16,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from ..ownership import data_parallel_owner, register_data_parallel
+from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch
 from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
@@ -221,7 +221,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.comm = get_communicator(process_group, self.device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Note [parameters and buffers DDP ignores]
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         for name, p in named:
             if not (p.dtype.is_floating_point):
                 raise TypeError(
@@ -238,7 +240,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if init_sync:
             self._broadcast_state(buffers=init_sync_buffers)
 
-        self._buffer_dicts = [m._buffers for m in module.modules()]  # _module_buffers
+        self._buffer_dicts = [(m._buffers, self._ignored_keys(prefix)) for prefix, m in module.named_modules()]
         self.timeline = Timeline.from_env(self.rank)
         self._superseded_by: Optional[str] = None
         _supersede_owners([p for _, p in named], self)  # Note [a module wrapped again]
@@ -251,6 +253,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         # and the stall-report context (fusedist/reliability/engine_watch.py).
         self.watch = engine_watch.StepWatch(self.reducer)
         self.reducer.observers.append(self.watch)
+        # an optimizer holding the ignored (rank-local) parameters steps them under this watch,
+        # not as parameters no model synchronizes (Note [parameters and buffers DDP ignores])
+        register_step_watch([p for n, p in module.named_parameters() if n in self.parameters_to_ignore], self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(module, self)
         self._no_sync_depth = 0
@@ -284,6 +289,23 @@ class DistributedDataParallel(nn.Module, Joinable):
                     f"{self.device}; single-device modules take device_ids=[their device]"
                 )
 
+    # Note [parameters and buffers DDP ignores]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch's ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module,
+    # names)`` marks parameters and buffers (by their names in ``module``) as rank-local state:
+    # DDP neither broadcasts nor compares them, and an ignored parameter's gradient is this
+    # rank's own, never averaged (sharded embedding tables, per-rank statistics, parameters
+    # another parallelism synchronizes). Code written for torch's DDP calls it before wrapping;
+    # the wrapper reads the same ``module._ddp_params_and_buffers_to_ignore`` and leaves those
+    # tensors out of the buckets, the construction broadcast and check, the buffer sync at
+    # forwards and the trainable-set tracking. The list itself must be the same on every rank.
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore) -> None:
+        """torch's: mark ``params_and_buffers_to_ignore`` (names in ``module``) as not
+        synchronized by DDP; call before wrapping."""
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, params_and_buffers_to_ignore)
+
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):
         """Note [copies of the wrapper] in copies.py."""
@@ -297,9 +319,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def _check_ranks_agree(self) -> None:
-        entries = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                   for n, p in self.module.named_parameters()]
-        entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
+        # ignored tensors are rank-local (Note [parameters and buffers DDP ignores]); the list
+        # comes first, so that a list differing between ranks is the difference named
+        ignore = self.parameters_to_ignore
+        entries = [("setting", "params_and_buffers_to_ignore", tuple(sorted(ignore)), "", True)]
+        entries += [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                    for n, p in self.module.named_parameters() if n not in ignore]
+        entries += [("buffer", n, tuple(b.shape), str(b.dtype), False)
+                    for n, b in self.module.named_buffers() if n not in ignore]
         entries += [("setting", name, value, "", True) for name, value in self._construction_settings()]
         check_same_across_ranks(
             entries,
@@ -364,17 +391,28 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffer registered, reassigned or moved (``.to()``) since is seen; a submodule added
         after wrapping is not, as its parameters are not reduced either."""
         unique = {}
-        for buffers in self._buffer_dicts:
+        for buffers, ignored in self._buffer_dicts:
             if buffers:
-                for b in buffers.values():
-                    if b is not None:
+                for key, b in buffers.items():
+                    if b is not None and key not in ignored:
                         unique[id(b)] = b
         return list(unique.values())
+
+    def _ignored_keys(self, prefix: str) -> frozenset:
+        """The attribute names under the submodule at ``prefix`` that DDP ignores."""
+        if not self.parameters_to_ignore:
+            return frozenset()
+        head = f"{prefix}." if prefix else ""
+        return frozenset(n[len(head):] for n in self.parameters_to_ignore
+                         if n.startswith(head) and "." not in n[len(head):])
 
     def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state", buffers: bool = True) -> None:
         """Every parameter (and buffer, unless ``buffers`` is False) from rank ``src`` (at
         construction, and when a join context ends: Note [joined ranks])."""
-        tensors = [p.detach() for p in self.module.parameters()] + (list(self.module.buffers()) if buffers else [])
+        ignore = self.parameters_to_ignore
+        tensors = [p.detach() for n, p in self.module.named_parameters() if n not in ignore]
+        if buffers:
+            tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
         self._broadcast_coalesced(tensors, tag=tag, src=src)
 
     def _broadcast_coalesced(self, tensors, tag: str, src: int = 0) -> None:

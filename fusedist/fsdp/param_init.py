@@ -21,6 +21,11 @@ Note [initializing like the unsharded model]
       for a submodule holding a weight tied to another unit's), and a unit may be made
       whole more than once (the root's unit, for the layers before and after the blocks).
 
+    A unit's parameters sharded on another dim than 0 (Note [dim-sharded sections] in
+    chunk_layout.py) are not views of the gathered layout: their section's buffer holds the
+    whole parameters end to end instead, this rank's chunk copied into its place on the way
+    in and out.
+
     Which units a submodule needs: those holding its own parameters (``recurse=False``; a
     weight it borrows from another unit counts for that unit); a submodule without
     parameters needs the unit of the innermost ``fully_shard`` module containing it (itself
@@ -154,31 +159,43 @@ class _WholeUnit:
     the unit's modules (and by the modules of other units borrowing its parameters)."""
 
     def __init__(self, unit, borrowers: dict):
-        _refuse_dim_sharded(unit)
         self.unit, self.borrowers = unit, borrowers
-        # one buffer per section, in its shard's dtype (Note [dtype sections] in layout.py)
-        self.buffers = [torch.zeros(sec.layout.total_numel, dtype=s.dtype, device=unit.device)
+        # one buffer per section, in its shard's dtype (Note [dtype sections] in layout.py); a
+        # dim-sharded section's holds its whole parameters end to end
+        self.buffers = [torch.zeros(sec.layout.whole_numel if sec.chunked else sec.layout.total_numel, dtype=s.dtype,
+                                    device=unit.device)
                         for sec, s in zip(unit.layout.sections, unit.shards)]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
         COUNTERS.add_scratch(self.nbytes)
         for own, mine in self._own_parts():
             own.copy_(mine)
+        for i in self._dim_sharded():
+            unit.piece_of_whole(i, self._view(i)).copy_(unit.sharded[i])
         self.params = [nn.Parameter(self._view(i), requires_grad=sp.requires_grad) for i, sp in enumerate(unit.sharded)]
         for i, p in enumerate(self.params):
             for m, attr in self._slots(i):
                 m._parameters[attr] = p
 
     def _own_parts(self):
-        """(this rank's part of the buffer, the shard's part) per section."""
+        """(this rank's part of the buffer, the shard's part) per row-aligned section."""
         unit = self.unit
         for buffer, sec, shard in zip(self.buffers, unit.layout.sections, unit.shards):
+            if sec.chunked:
+                continue
             n = sec.layout.shard_numel
             yield buffer[unit.rank * n:(unit.rank + 1) * n], shard
+
+    def _dim_sharded(self) -> list:
+        """The indices of the unit's parameters sharded on another dim than 0."""
+        return [i for sec in self.unit.layout.sections if sec.chunked for i in sec.indices]
 
     def _view(self, index: int) -> torch.Tensor:
         """Parameter ``index`` whole on its section's buffer."""
         k = self.unit.section_index(index)
         slot = self.unit.layout.slots[index]
+        sec, j = self.unit.layout.section_of(index)
+        if sec.chunked:
+            return alias(self.buffers[k], sec.layout.whole_offsets[j], slot.shape)
         return alias(self.buffers[k], slot.offset - self.unit.layout.sections[k].full_base, slot.shape)
 
     def _slots(self, index: int) -> list:
@@ -198,21 +215,10 @@ class _WholeUnit:
                 m._parameters[attr] = unit.sharded[i]
         for own, mine in self._own_parts():
             mine.copy_(own)
+        for i in self._dim_sharded():
+            unit.sharded[i].copy_(unit.piece_of_whole(i, self._view(i)))
         self.buffers, self.params = None, None
         COUNTERS.add_scratch(-self.nbytes)
-
-
-def _refuse_dim_sharded(unit) -> None:
-    """A whole parameter sharded on another dim than 0 is not a view of the gathered layout
-    this initialization writes through (Note [dim-sharded sections] in chunk_layout.py)."""
-    for sec in unit.layout.sections:
-        if sec.chunked:
-            i = sec.indices[0]
-            raise NotImplementedError(
-                f"fusedist.fsdp.init_parameters: parameter '{unit.fqns[i]}' (shape {tuple(unit.layout.slots[i].shape)}) "
-                f"of unit {unit.label} is sharded on dim {unit.layout.dims[i]} by shard_placement_fn; "
-                "initializing such a unit from the meta device is not supported. Build the model on a real device "
-                "before fully_shard, or load its values with load_state_dict / torch.distributed.checkpoint.")
 
 
 def _same_data(t: torch.Tensor, view: torch.Tensor) -> bool:

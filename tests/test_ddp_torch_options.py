@@ -380,3 +380,50 @@ def test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank():
     outcomes = run_distributed(_ignore_lists_differ, 2, expect_failure=True)
     for status, text in outcomes:
         assert status == "error" and "RankMismatchError" in text and "params_and_buffers_to_ignore" in text, text
+
+
+def _zero_with_rank_local_parameters(rank, world):
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    from fusedist.zero import ZeroRedundancyOptimizer
+
+    torch.manual_seed(rank)
+    base = _WithLocalState(rank)
+    ignored = ["local.weight", "local.bias", "seen"]
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(5, 4, generator=gen) for _ in range(3)]
+    out = {}
+    for name, ddp_cls, zero_cls, stages in (("torch", nn.parallel.DistributedDataParallel, TorchZero, (1,)),
+                                            ("fusedist", fusedist.DistributedDataParallel, ZeroRedundancyOptimizer, (1, 2))):
+        for stage in stages:
+            module = copy.deepcopy(base)
+            ddp_cls._set_params_and_buffers_to_ignore_for_model(module, ignored)
+            model = ddp_cls(module)
+            local = list(module.local.parameters())
+            shared = [p for p in model.parameters() if all(p is not q for q in local)]
+            kw = dict(stage=stage) if name == "fusedist" else {}
+            if name == "fusedist":
+                try:
+                    zero_cls(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, **kw)
+                except ValueError as e:
+                    out[f"refused {stage}"] = str(e)
+            opts = [zero_cls(shared, optimizer_class=torch.optim.SGD, lr=0.1, **kw), torch.optim.SGD(local, lr=0.1)]
+            for x in batches:
+                model(x).square().mean().backward()
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+            out[f"{name} {stage}"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return out
+
+
+def test_zero_refuses_rank_local_parameters_and_trains_the_rest_as_torch():
+    """A ZeroRedundancyOptimizer given parameters its DDP model ignores is refused naming them
+    (sharding would overwrite their rank-local values); built over the synchronized ones, with
+    a local optimizer for the rest, stages 1 and 2 train as torch's DDP + ZeroRedundancyOptimizer."""
+    for res in run_distributed(_zero_with_rank_local_parameters, 2):
+        for stage in (1, 2):
+            assert "['local.weight', 'local.bias'] are ignored" in res[f"refused {stage}"]
+            for key, expected in res["torch 1"].items():
+                torch.testing.assert_close(res[f"fusedist {stage}"][key], expected, rtol=1e-6, atol=1e-7, msg=key)

@@ -33,6 +33,7 @@ def find_ddp(trainable: list, params: list):
         )
     if ddp is None:
         return None
+    _refuse_rank_local(ddp, params)
     held = set(params)
     missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in held]
     if missing:
@@ -42,6 +43,22 @@ def find_ddp(trainable: list, params: list):
             "on parameters you do not train before wrapping the model in DistributedDataParallel."
         )
     return ddp
+
+
+def _refuse_rank_local(ddp, params: list) -> None:
+    """Parameters the DDP model ignores are rank-local (Note [parameters and buffers DDP
+    ignores] in ``fusedist/ddp/wrapper.py``): sharding one would overwrite every rank's value
+    with its owner's after each step (or fail on a shape that differs between ranks)."""
+    if not ddp.parameters_to_ignore:
+        return
+    ignored = {id(p): n for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
+    names = [ignored[id(p)] for p in params if id(p) in ignored]
+    if names:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer (rank {ddp.rank}): parameters {names[:10]} are ignored by their "
+            "DistributedDataParallel model (rank-local, _set_params_and_buffers_to_ignore_for_model); the "
+            "optimizer shards parameters over the ranks and sends each rank's updated slice to all, which would "
+            "overwrite their rank-local values. Step them with a separate, local optimizer.")
 
 
 def connect(trainable: list, params: list, process_group, device):

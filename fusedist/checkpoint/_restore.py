@@ -1,0 +1,166 @@
+"""The resume path of a ``Checkpointer``: find the newest complete checkpoint under the root
+(rank 0 lists, every rank tries the same candidates in turn), load it, and apply the per-rank
+and job-wide state -- LR scheduler, sampler position, RNG states -- on every rank or fail on
+every rank. Kept apart from the save path (``_snapshot.py``, ``_persist.py``), which it shares
+only the registered objects and the coordinator with.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from . import _owner, api, layout, resume
+from ._files import CheckpointError
+from ._schedule import step_count
+from ._snapshot import is_zero
+from .sampler import ElasticDistributedSampler
+
+
+class RestoreMixin:
+    """``restore`` and its helpers, over ``Checkpointer``'s coordinator and registered objects."""
+
+    def restore(self, model: torch.nn.Module, optimizer=None, scaler=None, *, lr_scheduler=None, sampler=None,
+                step: Optional[int] = None, trusted: bool = False) -> int:
+        """Load the latest complete checkpoint into the given objects and return its step (the
+        number of completed training steps), or 0 when there is none. A collective.
+
+        Also registers the objects that later saves write. Incomplete directories (a save
+        killed mid-write) are skipped with a warning; a complete one that fails to load (a
+        corrupt file) is reported and the next older one is tried. ``step`` picks a specific
+        checkpoint instead. At the world size that saved it, everything -- RNG states and the
+        data position included -- continues bit for bit; at another world size the optimizer
+        is resharded and an ElasticDistributedSampler re-splits the rest of the epoch, while
+        the per-rank RNG states (which belong to the old ranks) are left as the script set
+        them. Create DataLoader iterators after this call.
+        """
+        if step is not None:
+            step = step_count(step, "restore")
+        if is_zero(optimizer) and optimizer.world_size != self.world_size:
+            raise ValueError(
+                f"Checkpointer (rank {self.rank}): the ZeroRedundancyOptimizer shards over {optimizer.world_size} "
+                f"ranks, the job has {self.world_size}; the Checkpointer saves the whole job's state"
+            )
+        self._writer.wait()
+        self._state = dict(model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler,
+                           sampler=sampler)
+        candidates = self._coord.broadcast(self._candidates_or_error(step) if self.rank == 0 else None)
+        if isinstance(candidates, str):
+            raise CheckpointError(candidates)
+        failures = []
+        for saved_step, path in candidates:
+            error = None
+            try:
+                extra = api.load(path, model, optimizer, scaler, trusted=trusted)
+            except CheckpointError as exc:
+                error = str(exc)
+            else:
+                try:
+                    per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
+                except CheckpointError as exc:
+                    error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
+                    error = f"rank {self.rank} could not read its per-rank state: {type(exc).__name__}: {exc}"
+                errors = [e for e in self._coord.all_gather(error) if e is not None]
+                error = errors[0] if errors else None
+            if error is None:
+                self._apply_agreed(saved_step, path, extra, per_rank)
+                return saved_step
+            failures.append(f"step {saved_step} ({path}): {error}")
+            if self.rank == 0 and saved_step != candidates[-1][0]:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: the checkpoint of step {saved_step} in {path} "
+                              f"could not be loaded ({error}); trying the previous one", stacklevel=2)
+        if failures:
+            raise CheckpointError("fusedist.checkpoint.Checkpointer: no checkpoint under "
+                                  f"{self.directory} could be loaded: " + "; ".join(failures))
+        return 0
+
+    def _candidates_or_error(self, step: Optional[int]):
+        """:meth:`_candidates`, or why they could not be listed: raised on rank 0 alone (an
+        unreadable directory or manifest), that error left the other ranks waiting for the
+        broadcast until the collective timeout."""
+        try:
+            return self._candidates(step)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            return (f"fusedist.checkpoint.Checkpointer: rank 0 could not list the checkpoints under "
+                    f"{self.directory}: {type(exc).__name__}: {exc}")
+
+    def _candidates(self, step: Optional[int]):
+        """Rank 0: the complete checkpoints to try, newest first, or an error message."""
+        refused = _owner.refusal(self.directory, self._run, self._run_source, self._lease_timeout)
+        if refused is not None:  # another job's root: read nothing (Note [one job per checkpoint root])
+            return refused
+        entries = layout.scan(self.directory)
+        if step is not None:
+            chosen = [e for e in entries if e.step == step]
+            if not chosen or not chosen[0].complete:
+                why = chosen[0].reason if chosen else "there is no such directory"
+                return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {self.directory}: {why} "
+                        f"(complete checkpoints: steps {[e.step for e in entries if e.complete]})")
+            return [(step, chosen[0].path)]
+        complete = [(e.step, e.path) for e in entries if e.complete]
+        newest = complete[0][0] if complete else -1
+        newer = [e for e in entries if e.newer_format and e.step > newest]
+        if newer:  # Note [checkpoints of a newer fusedist] in layout.py
+            older = f"restore(..., step={newest}) to continue from the newest one it reads" if complete else \
+                "move them away to start afresh"
+            return (f"fusedist.checkpoint.Checkpointer: {self.directory} holds checkpoints written by a newer "
+                    f"fusedist (steps {[e.step for e in newer]}: {newer[0].reason}); restoring an older one would "
+                    f"silently go back past them. Upgrade fusedist, or {older}; they are never removed")
+        for e in entries:
+            if not e.complete and e.step > newest:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {e.path} "
+                              f"(step {e.step}): {e.reason}", stacklevel=3)
+            elif e.complete and e.leftovers:  # Note [saving a step again] in _replace.py
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: {e.path} holds files of an interrupted save of "
+                              f"step {e.step} ({', '.join(e.leftovers)}), which its manifest does not list: they "
+                              "are ignored, the complete checkpoint there is used, and the next complete save "
+                              "removes them", stacklevel=3)
+        return complete
+
+    def _apply_agreed(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
+        """:meth:`_apply` on every rank, or an error on every rank naming the ranks where it
+        failed: a sampler refusing the saved position on one rank (another seed or dataset
+        there) raised on that rank alone, and the others trained on into their next
+        collective, waiting for it until the timeout."""
+        error = None
+        try:
+            self._apply(step, path, extra, per_rank)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        failed = [e for e in self._coord.all_gather(error, f"step {step}: restored") if e is not None]
+        if failed:
+            raise CheckpointError(
+                f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} failed on {'; '.join(failed)}. "
+                "The model and optimizer state were loaded; pass objects that match the checkpoint (the same "
+                "sampler settings and dataset, an LR scheduler if one was saved) and restore again")
+
+    def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
+        state = self._state
+        meta = extra or {}
+        if state["lr_scheduler"] is not None:
+            if meta.get("lr_scheduler") is None:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state")
+            state["lr_scheduler"].load_state_dict(meta["lr_scheduler"])
+        saved_world = meta.get("world_size", self.world_size)
+        sampler = state["sampler"]
+        if isinstance(sampler, ElasticDistributedSampler):
+            if meta.get("sampler") is None:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position")
+            sampler.load_state_dict(meta["sampler"])
+        elif sampler is not None:
+            if per_rank is not None and per_rank.get("sampler") is not None:
+                sampler.load_state_dict(per_rank["sampler"])
+            elif self.rank == 0:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: the data position in {path} was saved at world size "
+                              f"{saved_world} by a {type(sampler).__name__}, whose position belongs to one rank; it "
+                              "is not restored here. Use ElasticDistributedSampler to resume at another world size",
+                              stacklevel=3)
+        if per_rank is not None:
+            resume.restore_rng_state(per_rank["rng"])
+        self.restored_step = self.last_saved_step = step
+        self._set_aside_above = step
+        self.restored_world_size = saved_world
+        self.extra = meta.get("user")

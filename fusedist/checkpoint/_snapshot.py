@@ -1,0 +1,96 @@
+"""The training thread's part of a ``Checkpointer`` save: the snapshot (host copies of
+everything a checkpoint holds, in reused staging buffers) and the one exchange that makes every
+rank agree it succeeded, before any background work starts (Note [asynchronous save] in
+``periodic.py``). What is written from the snapshot, and when, is ``_persist.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import _root_checks, _sampler_state, api, resume
+from ._files import CheckpointError
+from .sampler import ElasticDistributedSampler
+
+
+def is_zero(optimizer) -> bool:
+    """Whether ``optimizer`` is a ZeroRedundancyOptimizer: the snapshot waits for its parameters,
+    and ``restore`` checks that it shards over the whole job."""
+    from ..zero import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+class SnapshotMixin:
+    """The snapshot of ``Checkpointer.save``, over its coordinator, staging buffers and
+    registered objects."""
+
+    def _agreed_snapshot(self, step: int, extra: Optional[dict]) -> dict:
+        """:meth:`_snapshot` on every rank, or an error on every rank naming the ranks whose
+        snapshot failed and why. A snapshot failing on one rank alone (a state that cannot be
+        copied, a host allocation refused) left the other ranks' save waiting for that rank's
+        files until the collective timeout. One small exchange per save, in the training
+        thread: the coordinator's group is free here (the previous save was waited for). It
+        also carries what is refused before any copy (the root: ``_root_checks.py``) and the
+        ranks' data positions, which must agree (Note [one data position for the job])."""
+        refused = _root_checks.claim(self.directory, self)  # Note [one saving Checkpointer per root in a process]
+        if refused is None and self.rank == 0:
+            refused = _root_checks.unwritable(self.directory)  # Note [a root that cannot be written]
+        snapshot, error, cause, position = None, None, None, None
+        try:
+            if refused is None:
+                position = _sampler_state.position(self._state["sampler"])
+                snapshot = self._snapshot(step, extra, position[1])
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+            error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
+        everyone = self._coord.all_gather((error, position, refused), f"step {step}: snapshot taken")
+        refusals = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(everyone) if why is not None]
+        if refusals:
+            raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot save step {step} to {self.directory}: "
+                                  f"{'; '.join(refusals)}. Nothing was written")
+        failed = [e for e, _, _ in everyone if e is not None]
+        if not failed:
+            differs = _sampler_state.disagreement([p for _, p, _ in everyone])
+            if differs is None:
+                return snapshot
+            raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py
+                f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {differs}. "
+                "An ElasticDistributedSampler's position is the whole job's (what all ranks consumed together), "
+                "so every rank must call advance(len(batch)) after each step and set_epoch alike; saving rank "
+                f"0's would repeat or skip the other ranks' samples at a resume. Nothing was written for step "
+                f"{step}; earlier checkpoints are unaffected")
+        message = (f"fusedist.checkpoint.Checkpointer: the snapshot of step {step} failed on "
+                   f"{'; '.join(failed)}. Nothing was written for step {step}; earlier checkpoints are unaffected")
+        raise CheckpointError(message) from cause
+
+    def _snapshot(self, step: int, extra: Optional[dict], elastic_position: Optional[dict]) -> dict:
+        """Copies of everything the checkpoint holds (the only part the training loop waits for)."""
+        s = self._state
+        model, optimizer = s["model"], s["optimizer"]
+        zero = is_zero(optimizer)
+        if zero:
+            optimizer.wait_for_params()
+        sampler = s["sampler"]
+        per_rank = {"rng": resume.capture_rng_state()}
+        if sampler is not None and not isinstance(sampler, ElasticDistributedSampler):
+            per_rank["sampler"] = sampler.state_dict()
+        sections = {"per_rank": per_rank}
+        held, sharded_keys = api.rank_sections(model, optimizer, self.rank, self.world_size)
+        sections.update(held)  # ZeRO's or fully_shard's shards (Note [stage-3 checkpoints])
+        common = manifest = None
+        if self.rank == 0:
+            meta = {"step": step, "world_size": self.world_size, "user": extra,
+                    "lr_scheduler": s["lr_scheduler"].state_dict() if s["lr_scheduler"] is not None else None,
+                    "sampler": elastic_position}  # the same on every rank (checked by the caller)
+            common = {"model": api.common_model(model, sharded_keys),
+                      "optimizer": api.full_optimizer_state(model, optimizer),
+                      "scaler": s["scaler"].state_dict() if s["scaler"] is not None else None,
+                      "extra": meta}
+            manifest = self._manifest_base(step, model, optimizer)
+        staged = self._staging.stage({"sections": sections, "common": common})
+        return dict(staged, manifest=manifest)
+
+    def _manifest_base(self, step: int, model, optimizer) -> dict:
+        """The manifest :func:`fusedist.checkpoint.load` expects, less the file list."""
+        base = api.manifest_base(model, optimizer, self._state["scaler"], self.world_size)
+        return dict(base, checkpointer={"step": step})

@@ -19,6 +19,12 @@ fusedist's pieces, which are plain tensors where FSDP2's are DTensors:
   objects it restores by its DTensor parameters and finds none: "Could not find a distributed
   model in the provided checkpoint state" (Note [finding the sharded model]).
 
+Gradient norms: Lightning's ``grad_norm`` reads ``p.grad``, here the gradient of this rank's
+piece, so it would log per-rank piece norms; log
+``fusedist.integrations.lightning.grad_norm(self, norm_type)`` instead, the whole parameters'
+norms as FSDP2's DTensors give them, the same on every rank (Note [gradient norms of
+fully_shard pieces] in ``lightning_grad_norm.py``).
+
 Use it where ``ModelParallelStrategy`` was (same arguments)::
 
     from fusedist.integrations.lightning import FusedistModelParallelStrategy

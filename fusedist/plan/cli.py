@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     j.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     j.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    j.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism, mixtures of experts: each MoE layer's routed experts split over ep of "
+                        "the data-parallel GPUs (dividing the experts and --gpus; default 1, none)")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)
@@ -171,13 +174,31 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
                                           f"= {per_step} (e.g. {options})")
     if spec.arch == "gpt" and spec.has_shape and seq > spec.seq:
         raise PlanError("--seq", f"{seq} is longer than the model's {spec.seq} learned positions")
+    check_expert_parallel(args.ep, spec, gpus)
     if (args.ref_lr is None) != (args.ref_batch is None):
-        raise PlanError("--ref-batch" if args.ref_batch is None else "--ref-lr", "give --ref-lr and --ref-batch together")
+        raise PlanError("--ref-batch" if args.ref_batch is None else "--ref-lr",
+                        "give --ref-lr and --ref-batch together")
     return Job(gpus=gpus, micro_batch=args.micro_batch, seq=seq, gpus_per_node=args.gpus_per_node,
                global_batch=args.global_batch, precision=args.precision, recompute=args.recompute,
                optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
-               ref_batch=args.ref_batch, seq_from_config=args.seq is None)
+               ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep)
+
+
+def check_expert_parallel(ep: int, spec: ModelSpec, gpus: int) -> None:
+    """--ep splits a mixture of experts' routed experts: whole experts on each of ep ranks, and
+    ep ranks a group within the data-parallel GPUs."""
+    if ep < 1:
+        raise PlanError("--ep", f"must be positive, got {ep}")
+    if ep == 1:
+        return
+    if not spec.moe:
+        what = "a model given by --params" if not spec.has_shape else f"this model ({spec.source})"
+        raise PlanError("--ep", f"{ep}: expert parallelism needs a mixture of experts; {what} has no experts")
+    if spec.experts % ep:
+        raise PlanError("--ep", f"{ep} does not divide the {spec.experts} experts of each MoE layer")
+    if gpus % ep:
+        raise PlanError("--ep", f"{ep} does not divide the {gpus} data-parallel GPUs")
 
 
 def main(argv=None) -> int:
@@ -195,6 +216,9 @@ def main(argv=None) -> int:
                 raise PlanError("--gpus", f"{args.gpus} differs from the torchrun world size {world}")
             if not spec.has_shape:
                 raise PlanError("--measure", "needs the model's shape or --hf-config, not --params")
+            if args.ep != 1:
+                raise PlanError("--ep", f"{args.ep}: --measure trains fusedist's data-parallel strategies, which "
+                                        "hold every expert on every rank; measure with --ep 1")
             job = job_of(args, spec, world)
         else:
             if args.gpus is None:

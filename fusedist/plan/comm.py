@@ -18,6 +18,11 @@ Per strategy (ZeRO paper, Section 7: stages 1 and 2 move the data-parallel volum
   3(N-1)/N·Ψ; with gradient accumulation every micro-batch gathers again.
 * offload: the same network traffic; the gradient shard goes down and the parameter shard
   comes up over PCIe (:func:`pcie_bytes`).
+
+Expert parallelism (``ep``, :func:`expert_parallel_bytes`): the dense parameters go through
+the collectives above over all N ranks, a rank's routed experts (Ψ_e/ep) over the N/ep ranks
+that hold the same experts (Megatron-Core's expert-data-parallel group); and every MoE layer
+sends its tokens to their experts' ranks and back (:func:`all_to_all_bytes`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,48 @@ def bytes_per_step(psi: float, n: int, strategy: str, precision: str, convention
         # the gathers repeat for every micro-batch of an accumulated step.
         return grad_accum * rs_ag * (2 * p + g)
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def expert_parallel_bytes(psi: float, expert_psi: float, ep: int, n: int, strategy: str, precision: str,
+                          convention: str = "fusedist", grad_accum: int = 1) -> float:
+    """:func:`bytes_per_step` with the routed experts split over ``ep`` ranks: the dense
+    parameters over ``N`` ranks, each rank's ``Ψ_e/ep`` over the ``N/ep`` holding the same
+    experts; ``ep = 1`` is :func:`bytes_per_step` itself."""
+    if ep == 1:
+        return bytes_per_step(psi, n, strategy, precision, convention, grad_accum)
+    dense = bytes_per_step(psi - expert_psi, n, strategy, precision, convention, grad_accum)
+    return dense + bytes_per_step(expert_psi / ep, n // ep, strategy, precision, convention, grad_accum)
+
+
+def all_to_all_bytes(tokens: int, hidden: int, top_k: int, word: int, ep: int, moe_layers: int,
+                     passes: int) -> float:
+    """Bytes one GPU sends (and receives) in the expert all-to-alls of one micro-batch.
+
+    Each MoE layer's dispatch sends every one of the rank's ``tokens`` to its ``top_k``
+    experts (``tokens · hidden · top_k · word`` bytes of activations) and the combine brings
+    them back, once each in forward and once each in backward (their gradients): 4 a layer,
+    6 under full recomputation, which runs the forward again (GShard, arXiv:2006.16668: the
+    dispatch and combine all-to-alls; Megatron-Core's MoEAlltoAllTokenDispatcher permutes
+    each token once per routed expert before its all-to-all, and its token_combine returns
+    them the same way). With the
+    experts spread evenly over ``ep`` ranks and tokens routed evenly (load imbalance is not
+    modelled), ``1/ep`` of the copies go to experts on the sending rank and never leave it,
+    as the ring's own slice does: ``(ep-1)/ep`` of the buffer crosses the links. ``passes``:
+    the all-to-alls a layer makes per micro-batch."""
+    if ep <= 1:
+        return 0.0
+    return passes * moe_layers * (ep - 1) / ep * tokens * hidden * top_k * word
+
+
+def all_to_all_passes(recompute: str) -> int:
+    """Dispatch and combine in forward and in backward; full recomputation repeats the forward's."""
+    return 6 if recompute == "full" else 4
+
+
+def expert_bandwidth_gbps(ep: int, n: int, gpus_per_node: int, intra: float, inter: float) -> float:
+    """The expert group's link: NVLink when its ``ep`` consecutive ranks share a node (the job
+    fits in one, or ``ep`` divides the node's GPUs), the network otherwise."""
+    return intra if n <= gpus_per_node or gpus_per_node % ep == 0 else inter
 
 
 def pcie_bytes(psi: float, n: int, strategy: str, precision: str, convention: str = "fusedist") -> float:

@@ -23,22 +23,25 @@ from .model import ModelSpec, validate
 #   released configs all give it and the default is not hidden / heads; qk_norm,
 #   sandwich_norm: see ModelSpec; moe: where the experts' keys are (Note [active parameters]
 #   in model.py); keys: the optional keys that change the count and are read (anything else
-#   in the config does not change it).
+#   in the config does not change it); window: which blocks a sliding_window applies to and
+#   the class's default window (Note [sliding windows] in model.py, _window below).
 HF_MODEL_TYPES = {
     "llama": {"tie": False, "keys": ("head_dim", "attention_bias", "mlp_bias")},
-    "mistral": {"tie": False, "keys": ("head_dim",)},
-    "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",)},
-    "phi3": {"tie": False, "keys": ()},
+    "mistral": {"tie": False, "keys": ("head_dim",), "window": ("all", 4096)},
+    "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",), "window": ("qwen", 4096)},
+    "phi3": {"tie": False, "keys": (), "window": ("all", None)},
     "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim",)},
     "gpt2": {"tie": True, "keys": ()},
-    "qwen3": {"tie": False, "head_dim": "required", "qk_norm": True, "keys": ("head_dim", "attention_bias")},
-    "gemma2": {"tie": True, "head_dim": 256, "sandwich_norm": True, "keys": ("head_dim", "attention_bias")},
+    "qwen3": {"tie": False, "head_dim": "required", "qk_norm": True, "keys": ("head_dim", "attention_bias"),
+              "window": ("qwen", 4096)},
+    "gemma2": {"tie": True, "head_dim": 256, "sandwich_norm": True, "keys": ("head_dim", "attention_bias"),
+               "window": ("gemma2", 4096)},
     "gemma3_text": {"tie": True, "head_dim": 256, "sandwich_norm": True, "qk_norm": True,
-                    "keys": ("head_dim", "attention_bias")},
-    "mixtral": {"tie": False, "moe": "mixtral", "keys": ("head_dim",)},
-    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ()},
+                    "keys": ("head_dim", "attention_bias"), "window": ("gemma3", 4096)},
+    "mixtral": {"tie": False, "moe": "mixtral", "keys": ("head_dim",), "window": ("all", None)},
+    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": (), "window": ("qwen", 4096)},
     "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
-                  "keys": ("head_dim", "attention_bias")},
+                  "keys": ("head_dim", "attention_bias"), "window": ("qwen", 4096)},
     "falcon": {"tie": True, "keys": ()},  # its own keys: _falcon
     # latent attention (Note [latent attention] in model.py): its own head keys, not head_dim
     "deepseek_v2": {"tie": False, "latent": True, "moe": "deepseek", "keys": ("attention_bias",)},
@@ -120,6 +123,8 @@ def from_hf_config(path: str) -> ModelSpec:
         values.update(_latent(cfg, path))
     if "moe" in family:
         values.update(_experts(cfg, path, family["moe"], values["layers"], values["ffn_hidden"]))
+    if "window" in family:
+        values.update(_window(cfg, path, *family["window"], values["layers"]))
     spec = ModelSpec(arch=arch, tied=tied, qkv_bias=bool(family.get("qkv_bias") or attention_bias),
                      out_bias=attention_bias, mlp_bias=mlp_bias, qk_norm=family.get("qk_norm", False),
                      sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
@@ -200,7 +205,7 @@ def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
                 "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
                 "expert_ffn": expert_ffn,
                 "shared_ffn": expert_ffn * (_positive_int(cfg, "n_shared_experts", path) or 0),
-                "dense_layers": sum(1 for i in range(layers) if i < first or i % freq)}
+                **_dense_ids([i for i in range(layers) if i < first or i % freq])}
     out = {"experts": _positive_int(cfg, "num_experts", path, required=True),
            "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
            "expert_ffn": _positive_int(cfg, "moe_intermediate_size", path, required=True)}
@@ -208,11 +213,69 @@ def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise PlanError("--hf-config", f"{path}: 'mlp_only_layers' must be a list of layer numbers, got {only!r}")
-    out["dense_layers"] = sum(1 for i in range(layers) if i in only or (i + 1) % step)
+    out.update(_dense_ids([i for i in range(layers) if i in only or (i + 1) % step]))
     if kind == "qwen2_moe":
         out["shared_ffn"] = _positive_int(cfg, "shared_expert_intermediate_size", path, required=True)
         out["shared_gate"] = True
     return out
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int) -> dict:
+    """The sliding window and the blocks it applies to, as transformers' config classes and
+    attention layers decide (a null window, or none by default, is full attention everywhere):
+
+    * ``all`` (Mistral, Mixtral, Phi-3): every block, ``sliding_window``;
+    * ``qwen`` (Qwen2/3, Qwen2/3-MoE): only with ``use_sliding_window`` (default false, as in
+      every released Qwen config), the blocks ``i >= max_window_layers`` (default 28);
+    * ``gemma2``: the even blocks (``(i + 1) % 2``), the odd ones global;
+    * ``gemma3``: the blocks with ``(i + 1) % sliding_window_pattern`` (default 6), every
+      sixth global.
+
+    A ``layer_types`` list (newer Qwen and Gemma configs) names each block's attention and
+    takes precedence over the pattern, as in those classes."""
+    window = cfg["sliding_window"] if "sliding_window" in cfg else default
+    if rule == "qwen" and not _flag(cfg, "use_sliding_window", path):
+        window = None
+    if window is None:
+        return {}
+    window = _positive_int(cfg, "sliding_window", path) if "sliding_window" in cfg else window
+    if rule == "all":
+        ids = range(layers)
+    elif cfg.get("layer_types") is not None:
+        ids = _layer_types(cfg, path, layers)
+    elif rule == "qwen":
+        first = _whole(cfg, "max_window_layers", path, 28)
+        ids = range(first, layers)
+    elif rule == "gemma2":
+        ids = range(0, layers, 2)
+    else:
+        pattern = _positive_int(cfg, "sliding_window_pattern", path) or 6
+        ids = [i for i in range(layers) if (i + 1) % pattern]
+    return {"sliding_window": window, "window_layers": tuple(ids)}
+
+
+def _layer_types(cfg: dict, path: str, layers: int) -> list:
+    types = cfg["layer_types"]
+    if not isinstance(types, list) or len(types) != layers or not all(t in _LAYER_TYPES for t in types):
+        raise PlanError("--hf-config", f"{path}: 'layer_types' must list {' or '.join(map(repr, _LAYER_TYPES))} "
+                                       f"for each of the {layers} layers, got {types!r}")
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+def _whole(cfg: dict, key: str, path: str, default: int) -> int:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PlanError("--hf-config", f"{path}: {key!r} must be a whole number, got {value!r}")
+    return value
+
+
+def _dense_ids(ids: list) -> dict:
+    return {"dense_layers": len(ids), "dense_ids": tuple(ids)}
 
 
 def _positive_int(cfg: dict, key: str, path: str, required: bool = False) -> Optional[int]:

@@ -44,6 +44,7 @@ Two conventions (``--convention``):
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 CONVENTIONS = ("fusedist", "paper")
@@ -75,31 +76,48 @@ class ModelStates:
     terms: dict  # name -> bytes per GPU (device) or "host:<name>"
 
 
+def held_params(psi: float, expert_psi: float, ep: int) -> float:
+    """Parameters one rank holds whole: the dense ones and 1/ep of the routed experts.
+
+    Expert parallelism (Lepikhin et al. 2020, GShard, arXiv:2006.16668; Rajbhandari et al.
+    2022, DeepSpeed-MoE, arXiv:2201.05596; Megatron-Core's expert model parallel group) puts
+    each MoE layer's experts on ``ep`` ranks of the data-parallel group, ``experts / ep``
+    each; the dense parameters stay replicated over all ``N``."""
+    return psi - expert_psi + expert_psi / ep
+
+
 def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: str = "adamw",
-                 convention: str = "fusedist") -> ModelStates:
-    """Model-state bytes per GPU for ``strategy`` (see the module docstring)."""
+                 convention: str = "fusedist", held: Optional[float] = None) -> ModelStates:
+    """Model-state bytes per GPU for ``strategy`` (see the module docstring). ``held``: the
+    parameters a rank holds whole under expert parallelism (:func:`held_params`; default Ψ).
+    What ZeRO shards stays ``Ψ/N`` whatever ``ep``: the expert states (Ψ_e/ep on a rank) are
+    sharded over the ``N/ep`` ranks holding the same experts, ``Ψ_e/N``, the dense ones over
+    all ``N`` -- Megatron-Core's DistributedDataParallel keeps the experts' gradients in
+    their own buffers (``expert_parallel_buffers``) reduced over the expert-data-parallel
+    group, and its distributed optimizer shards each buffer over the group that reduces it."""
     p = g = param_bytes(precision)
     k = optimizer_k(precision, optimizer, strategy, convention)
     fused = convention == "fusedist"
     shard = psi / n
+    whole = psi if held is None else held  # what each rank holds unsharded
     if strategy == "ddp":
         # (2 + 2 + K)Ψ -- ZeRO paper, Figure 1 "Baseline"
-        terms = {"params": p * psi, "grads": g * psi, "optimizer": k * psi}
+        terms = {"params": p * whole, "grads": g * whole, "optimizer": k * whole}
     elif strategy == "zero1":
         # 4Ψ + KΨ/N -- ZeRO paper, Figure 1 "Pos"
-        terms = {"params": p * psi, "grads": g * psi, "optimizer": k * shard}
+        terms = {"params": p * whole, "grads": g * whole, "optimizer": k * shard}
         if fused and p < 4:
             terms["grad_shard"] = 4 * shard  # fusedist: FP32 gradient shard (fp32: DDP's buckets)
     elif strategy == "zero2":
         # 2Ψ + (2 + K)Ψ/N -- ZeRO paper, Figure 1 "Pos+g"
-        terms = {"params": p * psi, "optimizer": k * shard}
+        terms = {"params": p * whole, "optimizer": k * shard}
         terms["grad_shard"] = (4 if fused else g) * shard
     elif strategy == "zero3":
         # (2 + 2 + K)Ψ/N -- ZeRO paper, Figure 1 "Pos+g+p"
         terms = {"params": p * shard, "grad_shard": g * shard, "optimizer": k * shard}
     elif strategy == "zero2_offload":
         # ZeRO-Offload: the K term on the host
-        terms = {"params": p * psi, "grad_shard": (4 if fused else g) * shard, "host:optimizer": k * shard}
+        terms = {"params": p * whole, "grad_shard": (4 if fused else g) * shard, "host:optimizer": k * shard}
         if fused:
             terms["host:grad_staging"] = 4 * shard
             if p < 4:
@@ -114,27 +132,32 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
     return ModelStates(device, host, terms)
 
 
-def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bucket_cap_mb: float,
-               scratch_bytes: float, root_params: float = 0.0, n: int = 1) -> float:
+def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_cap_mb: float,
+               scratch_bytes: float, root_params: float = 0.0, n: int = 1, unit_outputs=None) -> float:
     """Temporary buffers per GPU besides model states and activations.
 
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
       gradients; fusedist and torch DDP make ``p.grad`` views of them).
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
       stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``).
-    * ZeRO-3 (``fully_shard``): the gathered units -- two blocks (one in use, one prefetched; a
-      unit = one transformer block, ZeRO paper Section 5.3) and the root unit (embeddings,
-      final norm, output layer: ``root_params``), which stays gathered through backward in
-      fusedist's ``fully_shard`` and in FSDP2 alike because the input embedding's gradient
-      arrives last -- plus the gradients on their way through the reduce-scatter: each unit's
-      gradients are copied into a flat buffer of the whole unit, reduce-scattered into a
-      1/N output, and two such reductions may be in flight (``MAX_IN_FLIGHT`` in
-      fusedist/fsdp/grads.py): ``(1 + 1/N)`` times the two largest units, the root and a
-      block for any model with an embedding larger than a block. No gradient bucket cap
-      applies there: the Llama-3-8B root alone is 2.1 GB of bf16 gradients. Both are
-      ``memory_stats()``' peaks (``peak_gathered_bytes``, ``peak_scratch_bytes``), which
-      ``--measure`` compares with these terms; their sum bounds the two at once. Without
-      a shape (``--params``) the units are unknown and two buckets stand in.
+    * ZeRO-3 (``fully_shard``): the gathered units -- two consecutive blocks (one in use, the
+      next prefetched, in forward and in backward; a unit = one transformer block, ZeRO paper
+      Section 5.3) and the root unit (embeddings, final norm, output layer: ``root_params``),
+      which stays gathered through backward in fusedist's ``fully_shard`` and in FSDP2 alike
+      because the input embedding's gradient arrives last -- plus the gradients on their way
+      through the reduce-scatter: each unit's gradients are copied into a flat buffer of the
+      whole unit, reduce-scattered into a 1/N output, and two such reductions may be in
+      flight (``MAX_IN_FLIGHT`` in fusedist/fsdp/grads.py), consecutive in backward's order
+      (the last block first, block 0, then the root): ``(1 + 1/N)`` times the largest such
+      pair, the root and block 0 for any model with an embedding larger than a block. No
+      gradient bucket cap applies there: the Llama-3-8B root alone is 2.1 GB of bf16
+      gradients. Both are ``memory_stats()``' peaks (``peak_gathered_bytes``,
+      ``peak_scratch_bytes``), which ``--measure`` compares with these terms; their sum bounds
+      the two at once. ``unit_params`` is the blocks' sizes in order (a mixture of experts
+      whose dense and MoE blocks alternate never gathers two MoE blocks together), or one
+      size for blocks all alike; ``unit_outputs`` their reduce-scatter outputs (default
+      ``1/N`` of each; under expert parallelism a block's experts are reduced over N/ep
+      ranks). Without a shape (``--params``) the units are unknown and two buckets stand in.
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
@@ -144,8 +167,23 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params: float, bu
         extra = buckets
     elif strategy.startswith("zero3"):
         if unit_params or root_params:
-            largest_two = sum(sorted((root_params, unit_params, unit_params))[-2:])
-            extra = (2 * unit_params + root_params) * g + (1 + 1 / n) * largest_two * g
+            blocks = list(unit_params) if isinstance(unit_params, (list, tuple)) else [unit_params] * 2
+            outputs = list(unit_outputs) if unit_outputs is not None else [b / n for b in blocks]
+            extra = (_largest_pair(blocks) + root_params) * g + _reducing(blocks, outputs, root_params, n) * g
         else:
             extra = buckets
     return extra + scratch_bytes
+
+
+def _largest_pair(sizes: list) -> float:
+    """The most two consecutive units hold together (one unit alone if there is one)."""
+    if len(sizes) < 2:
+        return sum(sizes)
+    return max(a + b for a, b in zip(sizes, sizes[1:]))
+
+
+def _reducing(blocks: list, outputs: list, root: float, n: int) -> float:
+    """Elements of the two reductions in flight at once, flat buffers and outputs: units in
+    backward's order (the blocks last to first, then the root)."""
+    order = [b + o for b, o in zip(blocks, outputs)][::-1] + [root * (1 + 1 / n)]
+    return _largest_pair(order)

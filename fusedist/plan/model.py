@@ -15,7 +15,9 @@ Three block shapes are counted exactly (what :mod:`fusedist.plan.measure` builds
   keys (``qk_norm``: Qwen3, Gemma-3); norms after the attention and the MLP as well as
   before (``sandwich_norm``: Gemma-2/3); a mixture of experts in place of the MLP
   (``experts``: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3); multi-head latent attention
-  (``kv_lora_rank``: DeepSeek-V2/V3, Note [latent attention]).
+  (``kv_lora_rank``: DeepSeek-V2/V3, Note [latent attention]); a sliding attention window on
+  some blocks (``sliding_window``, ``window_layers``: Mistral, Qwen2/3, Gemma-2/3, Note
+  [sliding windows]).
 * ``falcon`` (read from Falcon configs only): rotary positions, LayerNorm with bias, one
   fused q/k/v projection with multi-query or grouped key/value heads, GELU MLP of
   ``ffn_hidden`` (default 4h), biases where the config's ``bias`` says; attention and MLP
@@ -42,6 +44,20 @@ Note [latent attention]
     V3's router bias (``e_score_correction_bias``) is a buffer moved by load statistics, not
     a trained parameter, and its multi-token-prediction layer is not part of the model
     transformers builds: neither is counted.
+
+Note [sliding windows]
+    A windowed block lets query ``i`` attend keys ``i - w < j <= i`` (transformers'
+    ``sliding_window_overlay`` and causal mask in masking_utils.py; Mistral 7B,
+    arXiv:2310.06825, Section 2), ``w`` keys at most. The planner charges a full-attention
+    query all ``s`` keys, causal mask or not (PaLM, Appendix B: 2·s·d_q per token for QKᵀ,
+    the same for the product with V); the same convention charges a windowed query the
+    widest span it may attend, ``min(s, w)`` keys -- the causal triangle inside the first
+    window counted as PaLM counts the whole one, which block-sparse kernels (FlashAttention-2's
+    ``window_size``) skip only in part. A window ``>= s`` is full attention.
+    Activation memory does not change: the planner's figure is Megatron's unfused attention
+    (Korthikanti et al.), whose softmax, dropout mask and dropout output are ``a·s²·b``
+    tensors however the mask is shaped (eager attention materialises the masked scores); a
+    flash-style kernel stores neither, windowed or not (about the selective figure).
 """
 
 from __future__ import annotations
@@ -88,6 +104,9 @@ class ModelSpec:
     rope_head_dim: int = 0  # latent attention: the rotary part of head_dim
     v_head_dim: Optional[int] = None  # latent attention: the value head size
     shared_norm: bool = False  # falcon: one LayerNorm before both (parallel_attn only)
+    dense_ids: Optional[tuple] = None  # which blocks are the dense_layers; None: the first ones (DeepSeek's)
+    sliding_window: Optional[int] = None  # keys a windowed block's query attends (Note [sliding windows])
+    window_layers: tuple = ()  # the blocks with that window; the others attend every earlier key
     params: Optional[int] = None  # given directly (--params)
     source: str = "shape"
 
@@ -102,6 +121,26 @@ class ModelSpec:
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers if self.moe else 0
+
+    @property
+    def dense_blocks(self) -> frozenset:
+        """The blocks whose MLP is dense in a mixture of experts (Qwen-MoE's may be anywhere)."""
+        if self.dense_ids is not None:
+            return frozenset(self.dense_ids)
+        return frozenset(range(self.dense_layers))
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.moe and i not in self.dense_blocks
+
+    def attention_keys(self, i: int, seq: int) -> int:
+        """Keys a query of block ``i`` is charged for at sequence length ``seq`` (Note [sliding windows])."""
+        if self.sliding_window is not None and i in self.window_layers:
+            return min(seq, self.sliding_window)
+        return seq
+
+    def windowed_layers(self, seq: int) -> int:
+        """Blocks whose window is shorter than ``seq``, so that it limits their attention."""
+        return sum(1 for i in range(self.layers) if self.attention_keys(i, seq) < seq) if self.has_shape else 0
 
     @property
     def ffn(self) -> int:
@@ -164,6 +203,13 @@ def validate(spec: ModelSpec) -> None:
                                                  f"{spec.experts} in all")
         if not 0 <= spec.dense_layers <= spec.layers:
             raise PlanError("dense_layers", f"{spec.dense_layers} of {spec.layers} layers")
+    if spec.dense_ids is not None and (len(set(spec.dense_ids)) != spec.dense_layers
+                                       or not all(0 <= i < spec.layers for i in spec.dense_ids)):
+        raise PlanError("dense_ids", f"{spec.dense_ids} are not {spec.dense_layers} distinct blocks of {spec.layers}")
+    if spec.sliding_window is not None and not spec.sliding_window > 0:
+        raise PlanError("sliding_window", f"must be positive, got {spec.sliding_window}")
+    if not all(0 <= i < spec.layers for i in spec.window_layers):
+        raise PlanError("window_layers", f"{spec.window_layers} are not blocks of {spec.layers}")
 
 
 def _attention_params(spec: ModelSpec) -> int:
@@ -208,6 +254,27 @@ def layer_params(spec: ModelSpec, active: bool = False) -> int:
     return _attention_params(spec) + mlp + (4 if spec.sandwich_norm else 2) * h  # RMSNorms, weight only
 
 
+def expert_params(spec: ModelSpec) -> int:
+    """Ψ_e: the routed experts' parameters, what expert parallelism splits. The router and a
+    shared expert stay with the dense parameters, replicated on every rank of the expert
+    group, as Megatron-Core's TopKRouter and SharedExpertMLP are."""
+    if not spec.has_shape or not spec.moe:
+        return 0
+    return spec.moe_layers * spec.experts * _swiglu_params(spec.hidden, spec.expert_ffn)
+
+
+def block_params(spec: ModelSpec, i: int, ep: int = 1) -> int:
+    """Parameters of block ``i`` one rank holds when gathered: a dense block's MLP, or 1/ep of
+    an MoE block's routed experts (the rest of the block whole)."""
+    n = layer_params(spec)
+    if not spec.moe:
+        return n
+    if spec.is_moe_block(i):
+        routed = spec.experts * _swiglu_params(spec.hidden, spec.expert_ffn)
+        return n - routed + routed // ep
+    return n - _moe_params(spec, spec.experts) + _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
+
+
 def _all_layers(spec: ModelSpec, active: bool) -> int:
     total = spec.layers * layer_params(spec, active)
     if spec.moe and spec.dense_layers:  # those blocks' MLP is a dense one of ffn
@@ -246,11 +313,13 @@ def active_params(spec: ModelSpec) -> int:
 
 def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:
     """Forward FLOPs of the attention scores per token: QKᵀ and the product with V, each
-    ``2·s·d_q`` per layer (PaLM, Appendix B; the second ``2·s·heads·v_head_dim`` under latent
-    attention); 0 for a model without a shape."""
+    ``2·keys·d_q`` per layer with ``keys = s`` (PaLM, Appendix B; the second
+    ``2·keys·heads·v_head_dim`` under latent attention), ``min(s, w)`` in a windowed block
+    (Note [sliding windows]); 0 for a model without a shape."""
     if not spec.has_shape:
         return 0
-    return spec.layers * 2 * seq * (spec.q_dim + spec.o_dim)
+    keys = sum(spec.attention_keys(i, seq) for i in range(spec.layers))
+    return 2 * keys * (spec.q_dim + spec.o_dim)
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,

@@ -8,14 +8,15 @@ from typing import Optional
 
 from . import comm, memory, suggest, timing
 from .hardware import Hardware
-from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, count_params,
-                    embedding_params, layer_params)
+from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
+                    count_params, embedding_params, expert_params)
 from .memory import STRATEGIES
 
 GB = 10**9
 # ModelSpec fields left out of the plan's model while off, so a plain model reads as before
 _SHOWN_WHEN_ON = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sandwich_norm", "shared_ffn", "shared_gate",
-                  "dense_layers", "parallel_attn", "shared_norm", "rope_head_dim")
+                  "dense_layers", "parallel_attn", "shared_norm", "rope_head_dim", "dense_ids",
+                  "window_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,19 +36,23 @@ class Job:
     ref_lr: Optional[float] = None
     ref_batch: Optional[int] = None
     seq_from_config: bool = False  # --seq not given: the model's maximum
+    ep: int = 1  # expert parallelism: each MoE layer's routed experts over ep ranks of the N
 
 
 def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy: str,
-                  dp: int, tp: int = 1, pp: int = 1) -> dict:
+                  dp: int, tp: int = 1, pp: int = 1, ep: Optional[int] = None) -> dict:
     """Bytes per GPU of ``strategy`` with ``dp`` data-parallel ranks, the model split ``tp``
-    ways by tensor and ``pp`` ways by pipeline parallelism."""
+    ways by tensor and ``pp`` ways by pipeline parallelism, and the routed experts ``ep``
+    ways within the ``dp`` ranks (default the job's)."""
+    ep = job.ep if ep is None else ep
     shard_psi = psi / (tp * pp)
-    states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention)
+    held = memory.held_params(psi, expert_params(spec), ep) / (tp * pp) if ep > 1 else None
+    states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention, held=held)
     act = activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp)
-    unit = layer_params(spec) / tp if spec.has_shape else 0.0
+    units, outputs = _zero3_units(spec, tp, dp, ep)
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
-    temp = memory.temp_bytes(strategy, shard_psi, job.precision, unit, job.bucket_cap_mb, job.scratch_gb * GB,
-                             root_params=root, n=dp)
+    temp = memory.temp_bytes(strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
+                             job.scratch_gb * GB, root_params=root, n=dp, unit_outputs=outputs)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     return {
@@ -60,6 +65,37 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
         "headroom_bytes": int(round(capacity - total)),
         "terms": {k: int(round(v)) for k, v in states.terms.items()},
     }
+
+
+def _zero3_units(spec: ModelSpec, tp: int, dp: int, ep: int) -> tuple:
+    """ZeRO-3's units in order, as one rank gathers them (1/ep of an MoE block's experts), and
+    their reduce-scatter outputs: 1/N of the whole block, the experts' 1/(N/ep) of 1/ep."""
+    if not spec.has_shape:
+        return 0.0, None
+    units = [block_params(spec, i, ep) / tp for i in range(spec.layers)]
+    outputs = [block_params(spec, i) / tp / dp for i in range(spec.layers)]
+    return units, outputs
+
+
+def _window_note(spec: ModelSpec, seq: int) -> str:
+    """How the FLOPs line counts windowed blocks (Note [sliding windows] in model.py)."""
+    windowed = spec.windowed_layers(seq)
+    if not windowed:
+        return ""
+    return f"(seq -> window {spec.sliding_window} in {windowed} windowed layers) "
+
+
+def _all_to_all(spec: ModelSpec, job: Job, hw: Hardware, accum: int) -> dict:
+    """The expert all-to-alls of a step (:func:`comm.all_to_all_bytes`), per GPU."""
+    nbytes = 0.0
+    if spec.has_shape and spec.moe:
+        per_micro = comm.all_to_all_bytes(job.micro_batch * job.seq, spec.hidden, spec.experts_per_token,
+                                          memory.param_bytes(job.precision), job.ep, spec.moe_layers,
+                                          comm.all_to_all_passes(job.recompute))
+        nbytes = accum * per_micro
+    gbps = comm.expert_bandwidth_gbps(job.ep, job.gpus, job.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
+    return {"all_to_all_bytes_per_step": int(round(nbytes)), "all_to_all_seconds": comm.seconds(nbytes, gbps),
+            "all_to_all_gbps": gbps}
 
 
 def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
@@ -76,25 +112,28 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     attention_fwd = attention_flops_per_token(spec, job.seq)
 
     mem, com, tim = {}, {}, {}
+    expert = expert_params(spec)
+    a2a = _all_to_all(spec, job, hw, accum)
     for s in STRATEGIES:
         mem[s] = _memory_entry(spec, psi, job, hw, s, n)
-        nbytes = comm.bytes_per_step(psi, n, s, job.precision, job.convention, accum)
+        nbytes = comm.expert_parallel_bytes(psi, expert, job.ep, n, s, job.precision, job.convention, accum)
         com_s = comm.seconds(nbytes, gbps)
         pcie = comm.pcie_bytes(psi, n, s, job.precision, job.convention)
         pcie_s = comm.seconds(pcie, hw.pcie_gbps)
         com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
-                  "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s}
+                  "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s, **a2a}
         compute_s = timing.compute_seconds(psi_active, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
-        tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens)
+        tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens, a2a["all_to_all_seconds"])
 
     best = suggest.cheapest(mem, tim)
     layout = None
     if best is None:
-        def total_of(strategy, dp, tp, pp):
-            e = _memory_entry(spec, psi, job, hw, strategy, dp, tp, pp)
+        def total_of(strategy, dp, tp, pp, ep):
+            e = _memory_entry(spec, psi, job, hw, strategy, dp, tp, pp, ep)
             return e["total_bytes"], e["fits"]
         layout = suggest.layout(n, job.gpus_per_node, spec.heads, spec.layers, total_of,
-                                kv_heads=spec.kv if spec.has_shape else None)
+                                kv_heads=spec.kv if spec.has_shape else None,
+                                eps=suggest.expert_parallel_sizes(spec.experts if spec.moe else None, job.ep))
     if layout is not None:
         accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, layout["dp"])
     lr = suggest.learning_rate(job.ref_lr, job.ref_batch, global_batch)
@@ -104,6 +143,10 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                   if v is not None and not (k in _SHOWN_WHEN_ON and not v)},
         "params": psi,
         "active_params": psi_active,
+        "expert_params": expert,
+        "ep": job.ep,
+        "sliding_window": spec.sliding_window,
+        "windowed_layers": spec.windowed_layers(job.seq),
         "gpus": n, "gpus_per_node": job.gpus_per_node, "micro_batch": job.micro_batch,
         "global_batch": job.global_batch, "seq": job.seq, "seq_from_config": job.seq_from_config,
         "precision": job.precision,
@@ -116,6 +159,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "flops_per_token": timing.flops_per_token(psi_active, job.recompute, attention_fwd),
             "flops": (f"{8 if job.recompute == 'full' else 6} x {'active ' if spec.moe else ''}params + "
                       f"{12 if job.recompute == 'none' else 16} x layers x seq x heads x head_dim "
+                      + _window_note(spec, job.seq) +
                       f"(weights, attention scores{'' if job.recompute == 'none' else ', recomputation'}; "
                       "PaLM, Appendix B)"
                       if spec.has_shape else f"{8 if job.recompute == 'full' else 6} x params (attention not "
@@ -133,6 +177,9 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                             "suggested tensor parallelism"),
         },
     }
+    if spec.windowed_layers(job.seq):
+        inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
+                                                 "softmax is s x s whatever the mask)")
     if not spec.has_shape:
         inputs["assumptions"]["activations"] = "not estimated: the model was given by --params, not its shape"
     return {
@@ -142,7 +189,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         "time": tim,
         "suggestion": {
             "strategy": best if best is not None else (layout["strategy"] if layout else None),
-            "layout": layout if layout is not None else ({"dp": n, "tp": 1, "pp": 1, "strategy": best}
+            "layout": layout if layout is not None else ({"dp": n, "tp": 1, "pp": 1, "ep": job.ep, "strategy": best}
                                                         if best else None),
             "grad_accum_steps": accum,
             "global_batch": global_batch,

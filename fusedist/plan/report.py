@@ -38,10 +38,33 @@ def model_line(plan: dict) -> str:
                     + (f", a shared one of {m['shared_ffn']}" if m.get("shared_ffn") else "")
                     + (f", {m['dense_layers']} dense layers" if m.get("dense_layers") else "") + ")"
                     if m.get("experts") is not None else "")
+                 + _window_text(i)
                  + f", vocab {m['vocab']}" + (", tied" if m.get("tied") else ""))
     if m.get("source", "shape") not in ("shape", "params"):
         line += f"; from {m['source']}"
     return line
+
+
+def _window_text(i: dict) -> str:
+    """The sliding window and how many blocks it limits at this --seq (Note [sliding windows])."""
+    window = i.get("sliding_window")
+    if window is None:
+        return ""
+    layers = len(i["model"].get("window_layers", ()))
+    if not i.get("windowed_layers"):
+        return f", sliding window {window} on {layers} layers (no shorter than seq {i['seq']}: full attention)"
+    return f", sliding window {window} on {i['windowed_layers']} of {i['model']['layers']} layers"
+
+
+def _expert_lines(plan: dict) -> list:
+    """The all-to-alls of expert parallelism, which the table's comm columns leave out."""
+    i, c = plan["inputs"], plan["comm"]["ddp"]
+    if i.get("ep", 1) == 1:
+        return []
+    return [f"expert parallelism ep={i['ep']}: {i['expert_params']:,} routed-expert parameters, 1/{i['ep']} of them "
+            f"on each GPU; all-to-alls {_gb(c['all_to_all_bytes_per_step'])} GB per step per GPU at "
+            f"{c['all_to_all_gbps']:g} GB/s, {_seconds(c['all_to_all_seconds'])}, added to every step "
+            "(not overlapped)"]
 
 
 def format_plan(plan: dict) -> str:
@@ -53,7 +76,8 @@ def format_plan(plan: dict) -> str:
         (f"job: {i['gpus']} GPUs ({i['gpus_per_node']} per node), micro-batch {i['micro_batch']}, "
          f"seq {i['seq']}{' (the model maximum: --seq sets the training length)' if i.get('seq_from_config') else ''}"
          f", global batch {s['global_batch']} (gradient accumulation {s['grad_accum_steps']}), "
-         f"{i['precision']}, recompute {i['recompute']}, {i['optimizer']}"),
+         f"{i['precision']}, recompute {i['recompute']}, {i['optimizer']}"
+         + (f", expert parallelism {i['ep']}" if i.get("ep", 1) > 1 else "")),
         (f"GPU: {g['name']}, {g['memory_gb']:g} GB ({g['hbm_gbps']:g} GB/s), peak {a['peak_flops'] / 1e12:g} TFLOPS "
          f"({a['peak_flops_kind']}), MFU {a['mfu']:g} (assumed), NVLink {g['intra_node_gbps']:g} GB/s, "
          f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction)"),
@@ -81,17 +105,23 @@ def format_plan(plan: dict) -> str:
                    f" {_seconds(t['step_s']):>9} {_seconds(t['step_s_no_overlap']):>11} {t['tokens_per_s']:>10,.0f}")
     out.append(f"(communication at {plan['comm']['ddp']['bandwidth_gbps']:g} GB/s, the ring's slowest link; "
                "offload rows add the PCIe copies, not the host optimizer update)")
+    out += _expert_lines(plan)
     out.append("")
     lay = s["layout"]
     if s["strategy"] is None and "layers" not in i["model"]:
         out.append("suggestion: nothing fits; no (dp, tp, pp) layout was searched, which needs the model's "
                    "shape (give it, or --hf-config, instead of --params), or more GPUs")
     elif s["strategy"] is None:
-        out.append("suggestion: nothing fits, and no (dp, tp, pp) layout on these GPUs does: more GPUs, "
+        dims = "dp, tp, pp, ep" if i["model"].get("experts") is not None else "dp, tp, pp"
+        out.append(f"suggestion: nothing fits, and no ({dims}) layout on these GPUs does: more GPUs, "
                    "a smaller micro-batch, a shorter --seq or recomputation")
     elif lay and (lay["tp"] > 1 or lay["pp"] > 1):
         out.append(f"suggestion: no data-parallel strategy fits; dp={lay['dp']} x tp={lay['tp']} x pp={lay['pp']} "
-                   f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
+                   + (f"(ep={lay['ep']}) " if lay.get("ep", 1) > 1 else "")
+                   + f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
+    elif lay and lay.get("ep", 1) != i.get("ep", 1):
+        out.append(f"suggestion: no data-parallel strategy fits at ep={i.get('ep', 1)}; {lay['strategy']} with the "
+                   f"experts over ep={lay['ep']} of the {lay['dp']} GPUs does ({_gb(lay['total_bytes'])} GB per GPU)")
     else:
         out.append(f"suggestion: {s['strategy']} (the fitting strategy with the shortest step)")
     out.append(f"gradient accumulation: {s['grad_accum_steps']} step(s) for a global batch of {s['global_batch']}"

@@ -32,37 +32,58 @@ def grad_accum(global_batch: Optional[int], micro_batch: int, dp: int) -> tuple[
     return steps, steps * per_step
 
 
+def expert_parallel_sizes(experts: Optional[int], ep: int) -> tuple:
+    """The ``ep`` values a layout may use: the job's first, then every divisor of the expert
+    count (each rank holds whole experts); only the job's for a dense model."""
+    if not experts:
+        return (ep,)
+    return (ep, *(e for e in range(1, experts + 1) if experts % e == 0 and e != ep))
+
+
 def layout(n: int, gpus_per_node: int, heads: Optional[int], layers: Optional[int],
-           total_of: Callable[[str, int, int, int], tuple[float, bool]],
-           kv_heads: Optional[int] = None) -> Optional[dict]:
+           total_of: Callable[[str, int, int, int, int], tuple[float, bool]],
+           kv_heads: Optional[int] = None, eps: tuple = (1,)) -> Optional[dict]:
     """Smallest model-parallel layout that fits: tensor parallelism within a node (``tp``
     a power of two up to the node's GPUs, dividing the heads and the key/value heads: each
     rank holds whole query groups, Megatron-LM's requirement for grouped-query attention,
     so multi-query attention gets none), pipeline stages dividing the
-    layers, data parallelism over the rest (``dp = N / (tp · pp)``), with the least model
-    parallelism (tp·pp), then the fewest stages, then the simplest ZeRO stage.
-    ``total_of(strategy, dp, tp, pp)`` gives (bytes per GPU, fits)."""
+    layers, data parallelism over the rest (``dp = N / (tp · pp)``) and, for a mixture of
+    experts, the routed experts over ``ep`` of the ``dp`` ranks (``eps``, the job's first),
+    with the least model parallelism (tp·pp), then the fewest stages, then the job's ``ep``
+    or else the smallest, then the simplest ZeRO stage. Expert parallelism comes before
+    tensor parallelism: it leaves the dense layers whole and costs an all-to-all of the
+    tokens instead of the activations' all-reduces. ``total_of(strategy, dp, tp, pp, ep)``
+    gives (bytes per GPU, fits)."""
     if heads is None or layers is None:
         return None
     best = None
+    for tp, pp in _model_parallel(n, gpus_per_node, heads, layers, kv_heads):
+        dp = n // (tp * pp)
+        for rank, ep in enumerate(eps):
+            if dp % ep:
+                continue
+            for strategy in IN_GPU:
+                total, fits = total_of(strategy, dp, tp, pp, ep)
+                if not fits:
+                    continue
+                key = (tp * pp, pp, rank > 0, ep, IN_GPU.index(strategy))
+                if best is None or key < best[0]:
+                    best = (key, {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "strategy": strategy,
+                                  "total_bytes": int(total)})
+                break  # the simplest stage that fits this (tp, pp, ep)
+    return best[1] if best else None
+
+
+def _model_parallel(n: int, gpus_per_node: int, heads: int, layers: int, kv_heads: Optional[int]):
+    """(tp, pp) pairs: tp a power of two within a node dividing the heads and key/value heads,
+    pp dividing the layers, tp·pp dividing N."""
     tp = 1
     while tp <= gpus_per_node and tp <= n:
         if heads % tp == 0 and (kv_heads or heads) % tp == 0:
             for pp in range(1, layers + 1):
-                if layers % pp or n % (tp * pp):
-                    continue
-                dp = n // (tp * pp)
-                for strategy in IN_GPU:
-                    total, fits = total_of(strategy, dp, tp, pp)
-                    if not fits:
-                        continue
-                    key = (tp * pp, pp, IN_GPU.index(strategy))
-                    if best is None or key < best[0]:
-                        best = (key, {"dp": dp, "tp": tp, "pp": pp, "strategy": strategy,
-                                      "total_bytes": int(total)})
-                    break  # the simplest stage that fits this (tp, pp)
+                if layers % pp == 0 and n % (tp * pp) == 0:
+                    yield tp, pp
         tp *= 2
-    return best[1] if best else None
 
 
 def learning_rate(ref_lr: Optional[float], ref_batch: Optional[int], global_batch: int) -> Optional[dict]:

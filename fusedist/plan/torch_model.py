@@ -1,7 +1,8 @@
 """The model ``--measure`` trains: a decoder-only transformer with exactly the parameters
 :func:`fusedist.plan.model.count_params` counts (``gpt``, ``llama`` or ``falcon`` blocks, with
-q/k norms, sandwich norms and experts where the spec has them). Rotary position encoding is left out of
-the llama block: it has no parameters and does not change the bytes that are measured.
+q/k norms, sandwich norms, experts and sliding attention windows where the spec has them).
+Rotary position encoding is left out of the llama block: it has no parameters and does not
+change the bytes that are measured.
 
 The mixture of experts runs every expert on every token and weights the outputs by the
 router's top-k (zero for the others): each expert then has a gradient every step, as DDP's
@@ -81,9 +82,18 @@ class LatentAttention(nn.Module):
         return att.transpose(1, 2).reshape(b, s, self.heads * self.v_dim)
 
 
+def window_mask(s: int, window: int, device) -> torch.Tensor:
+    """Causal sliding window: query i attends keys i - window < j <= i (transformers'
+    sliding_window_overlay and causal mask; Note [sliding windows] in model.py)."""
+    i = torch.arange(s, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, moe: bool = False):
+    def __init__(self, spec: ModelSpec, moe: bool = False, window=None):
         super().__init__()
+        self.window = window
         h, f = spec.hidden, spec.ffn
         self.heads, self.kv, self.head_dim = spec.heads, spec.kv, spec.head_size
         self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
@@ -134,8 +144,14 @@ class Block(nn.Module):
         if self.kv != self.heads:
             k = k.repeat_interleave(self.heads // self.kv, dim=1)
             v = v.repeat_interleave(self.heads // self.kv, dim=1)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        att = self._scores(q, k, v)
         return att.transpose(1, 2).reshape(b, s, self.q_dim)
+
+    def _scores(self, q, k, v) -> torch.Tensor:
+        s = q.shape[-2]
+        if self.window is None or self.window >= s:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(s, self.window, q.device))
 
 
 class Transformer(nn.Module):
@@ -145,8 +161,10 @@ class Transformer(nn.Module):
         self.gpt = spec.arch == "gpt"
         self.wte = nn.Embedding(spec.vocab, h)
         self.wpe = nn.Embedding(spec.seq, h) if self.gpt else None
-        # which blocks are dense does not change what is counted or sent: the first ones (DeepSeek's)
-        self.blocks = nn.ModuleList(Block(spec, moe=spec.moe and i >= spec.dense_layers) for i in range(spec.layers))
+        # the dense blocks where the config puts them: ZeRO-3 gathers consecutive blocks together
+        self.blocks = nn.ModuleList(Block(spec, moe=spec.is_moe_block(i),
+                                          window=spec.sliding_window if i in spec.window_layers else None)
+                                    for i in range(spec.layers))
         self.norm = nn.RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
         self.head = None if spec.tied_embeddings else nn.Linear(h, spec.vocab, bias=False)
 

@@ -82,7 +82,10 @@ def held_params(psi: float, expert_psi: float, ep: int) -> float:
     Expert parallelism (Lepikhin et al. 2020, GShard, arXiv:2006.16668; Rajbhandari et al.
     2022, DeepSpeed-MoE, arXiv:2201.05596; Megatron-Core's expert model parallel group) puts
     each MoE layer's experts on ``ep`` ranks of the data-parallel group, ``experts / ep``
-    each; the dense parameters stay replicated over all ``N``."""
+    each; the dense parameters stay replicated over all ``N``. Activations do not change on
+    average: a rank's experts receive ``tokens · top_k`` token copies from the group, as many
+    as its own tokens send out, which the activation count already holds (each routed
+    expert's copy of the token); load imbalance between experts is not modelled."""
     return psi - expert_psi + expert_psi / ep
 
 

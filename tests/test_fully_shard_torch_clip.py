@@ -179,7 +179,7 @@ def test_torch_clip_on_fully_shard_matches_fsdp2():
     assert all(r == out[0] for r in out)
 
 
-def _zero2_clip(rank, ws):
+def _zero2_clip(rank, ws, form):
     torch.manual_seed(0)
     base = models.MLP()
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -194,17 +194,21 @@ def _zero2_clip(rank, ws):
         for model, o in ((ref, opt_ref), (ours, opt)):
             o.zero_grad()
             F.mse_loss(model(x), y).backward()
-            pair.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            clip = torch.nn.utils.clip_grad_norm_ if form == "attribute" else clip_bound_early
+            pair.append(float(clip(model.parameters(), 0.05)))
             o.step()
         norms.append(pair)
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
     return norms, diff
 
 
-def test_torch_clip_on_zero_stage2_matches_ddp():
-    """Stage 2 keeps no ``p.grad``: torch's clip through the module attribute clips by the global
-    norm (stage 2 applies the coefficient in its step), as torch's clip on torch DDP."""
-    for norms, diff in run_distributed(_zero2_clip, 2):
+@pytest.mark.parametrize("form", ["attribute", "bound early"])
+def test_torch_clip_on_zero_stage2_matches_ddp(form):
+    """Stage 2 keeps no ``p.grad``: torch's clip -- through the module attribute, or through the
+    name imported from torch before the optimizer existed (torch's own function, which sees no
+    gradient) -- clips by the global norm (stage 2 applies the coefficient in its step) and
+    returns it, as torch's clip on torch DDP."""
+    for norms, diff in run_distributed(_zero2_clip, 2, form):
         for ref, ours in norms:
             assert ref > 0.05 and ours == pytest.approx(ref, rel=1e-5), norms
         assert diff < 1e-5, diff

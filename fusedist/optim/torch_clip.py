@@ -13,7 +13,7 @@ Face's Trainer, torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_``), so
 import must keep it right rather than ask every caller to switch.
 
 The first registration of a gradient holder (``fusedist/ownership.py``: a ``fully_shard`` unit or
-a stage-2 ``ZeroRedundancyOptimizer``) therefore installs two narrow replacements in torch:
+a stage-2 ``ZeroRedundancyOptimizer``) therefore installs three narrow replacements in torch:
 
 * ``torch.nn.utils.clip_grad_norm_`` (also under ``torch.nn.utils.clip_grad``): parameters with
   a gradient holder go to :func:`fusedist.clip_grad_norm_` (the global norm, one small
@@ -26,10 +26,23 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs two narrow replacement
   ``fully_shard`` (its ``_clip_grads_with_norm_`` then scales every rank's pieces by the same
   global coefficient).
 
-What stays outside: stage 2 through a name bound before the installation (no ``p.grad`` for the
-norm to see: use ``torch.nn.utils.clip_grad_norm_`` through the module, ``fusedist.clip_grad_norm_``
-or ``optimizer.clip_grad_norm_``), and a list mixing sharded and unsharded gradients or two
-process groups' units, which raises (FSDP2's clip refuses DTensors mixed with plain tensors too).
+* ``_clip_grads_with_norm_``, the module-level scaling step torch's ``clip_grad_norm_`` calls
+  after the norm: stage 2 through a name bound before the installation. That function (torch's
+  own) finds no ``p.grad`` and asks the norm of an empty list -- it cannot see which parameters
+  it clips -- then hands the parameters and that norm to ``_clip_grads_with_norm_``. So the
+  replaced ``_get_total_norm`` remembers the zero it returned for an empty list (with the norm
+  type asked), and when that very tensor reaches ``_clip_grads_with_norm_`` with parameters a
+  stage-2 optimizer holds, the clip is fusedist's (the global norm; the coefficient applied in
+  the step) and the global norm is written into that tensor, which torch's function returns:
+  the caller sees the norm torch's DDP would give. Without this, the common
+  ``from torch.nn.utils import clip_grad_norm_`` at a script's top clipped nothing under stage 2
+  and returned 0.
+
+What stays outside: a list mixing sharded and unsharded gradients or two process groups' units,
+which raises (FSDP2's clip refuses DTensors mixed with plain tensors too), and torchtitan's
+``get_total_norm(p.grad ...)`` + ``clip_grads_with_norm_`` under stage 2, which has no gradient to
+name (use ``torch.nn.utils.clip_grad_norm_``, ``fusedist.clip_grad_norm_`` or
+``optimizer.clip_grad_norm_``).
 Both replacements are collectives exactly when they see sharded gradients: every rank calls them
 with the same parameters, as FSDP2 requires of its clip.
 """
@@ -37,6 +50,7 @@ with the same parameters, as FSDP2 requires of its clip.
 from __future__ import annotations
 
 import functools
+import threading
 import types
 
 import torch
@@ -50,7 +64,11 @@ __all__ = ["install", "installed", "torch_clip_grad_norm_"]
 #: torch's own functions, saved before replacement (also what fusedist's clip falls back to)
 _TORCH_CLIP = clip_grad_module.clip_grad_norm_
 _TORCH_TOTAL_NORM = clip_grad_module._get_total_norm
+_TORCH_CLIP_WITH_NORM = clip_grad_module._clip_grads_with_norm_
 _installed = False
+# this thread's last norm of an empty gradient list: (the tensor returned, norm_type,
+# error_if_nonfinite) -- what torch's clip_grad_norm_ hands on to _clip_grads_with_norm_
+_empty_norm = threading.local()
 
 
 def torch_clip_grad_norm_(*args, **kwargs) -> torch.Tensor:
@@ -87,7 +105,11 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     tensors = list(tensors)
-    found, unheld = _pieces_by_holder(tensors) if tensors else ({}, False)
+    if not tensors:  # maybe torch's clip over stage-2 parameters (their p.grad is None)
+        total = _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+        _empty_norm.last = (total, norm_type, error_if_nonfinite)
+        return total
+    found, unheld = _pieces_by_holder(tensors)
     if not found:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
     if len(found) > 1 or unheld:
@@ -127,7 +149,25 @@ def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfin
     return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
+@torch.no_grad()
+def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None) -> None:
+    last = getattr(_empty_norm, "last", None)
+    _empty_norm.last = None
+    if last is not None and last[0] is total_norm:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(p.grad is None and getattr(gradient_holder(p), "stage", None) == 2 for p in params):
+            from .clip import clip_grad_norm_
+
+            _, norm_type, error_if_nonfinite = last
+            norm = clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+            total_norm.copy_(norm)  # the tensor torch's clip_grad_norm_ returns to its caller
+            return
+        parameters = params
+    _TORCH_CLIP_WITH_NORM(parameters, max_norm, total_norm, foreach)
+
+
 functools.update_wrapper(_global_total_norm, _TORCH_TOTAL_NORM)
+functools.update_wrapper(_clip_grads_with_norm_stage2, _TORCH_CLIP_WITH_NORM)
 functools.update_wrapper(_global_clip_grad_norm_, _TORCH_CLIP)
 
 
@@ -138,6 +178,7 @@ def install() -> None:
         return
     _installed = True
     clip_grad_module._get_total_norm = _global_total_norm
+    clip_grad_module._clip_grads_with_norm_ = _clip_grads_with_norm_stage2
     nn_utils.get_total_norm = _global_total_norm
     clip_grad_module.clip_grad_norm_ = _global_clip_grad_norm_
     nn_utils.clip_grad_norm_ = _global_clip_grad_norm_

@@ -10,7 +10,8 @@ Note [sharded parameters]
     At rest every parameter of a unit is replaced on its module by an ``nn.Parameter`` that
     *is* this rank's piece of it: a tensor on the storage of the unit's flat shard (not a
     view: a leaf of its own), shaped ``(rows, *shape[1:])`` (Note [row-aligned flat
-    layout]). Why plain tensors, not DTensors as torch's FSDP2: any optimizer -- torch's,
+    layout]), or for a parameter a ``shard_placement_fn`` shards on another dim its chunk on
+    that dim (Note [dim-sharded sections] in chunk_layout.py). Why plain tensors, not DTensors as torch's FSDP2: any optimizer -- torch's,
     fusedist's fused and C++ CPU ones, ``master_weights``, LR schedulers -- steps them with
     no per-op dispatch, and its in-place update lands directly in the buffer the next
     all-gather sends. The cost is that a piece does not know it is a piece: a norm over
@@ -21,7 +22,8 @@ Note [sharded parameters]
     known differences).
 
     While a unit is unsharded its modules hold the *unsharded* parameters instead: one
-    persistent ``nn.Parameter`` per parameter on the storage of the unit's gathered buffer.
+    persistent ``nn.Parameter`` per parameter on the storage of the unit's gathered buffer
+    (of a dim-sharded section's copy-out buffer, filled from the gathered chunks).
     Persistent, so autograd's saved references and the gradient hooks stay valid across
     reshard/unshard; on a storage of their own version counter, so the all-gather writing
     the buffer is not an in-place change of a saved tensor. Resharding resizes that storage

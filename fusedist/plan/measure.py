@@ -54,7 +54,9 @@ Note [the measured peak]
     square one, timed over repeated calls after a first, and the largest over the ranks, so
     every rank divides by the same figure and the step's matrix products cannot beat it.
     A mixture of experts is built to run every expert on every token (fusedist/plan/torch_model.py),
-    more FLOPs than the active ones the plan counts: its MFU is a lower bound.
+    more FLOPs than the active ones the plan counts: its MFU is a lower bound. So is that of a
+    model with sliding windows: its windowed blocks mask the scores (Note [sliding windows] in
+    model.py) and compute all s x s of them, where the plan charges min(s, w) keys a query.
 
 zero3_offload is reported as not measured. Gradient accumulation is not exercised (one
 micro-batch per step).

@@ -56,7 +56,7 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
     norms under ZeRO stage 2]) and for ``fusedist.fully_shard`` pieces (Note [gradient norms of
     fully_shard pieces]). With either it is a collective: every rank calls it at the same point."""
     named = list(module.named_parameters())
-    zeros, pieces = {}, {}  # id(holder) -> holder, and -> (holder, its pieces in module order)
+    stage2, pieces = {}, {}  # id(holder) -> holder, and -> (holder, its pieces in module order)
     sharded = set()  # id(p) of the pieces: their p.grad is not the gradient
     for _, p in named:
         holder = gradient_holder(p)
@@ -64,14 +64,14 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
             pieces.setdefault(id(holder), (holder, []))[1].append(p)
             sharded.add(id(p))
         elif p.grad is None and isinstance(holder, ZeroRedundancyOptimizer) and holder.stage == 2:
-            zeros[id(holder)] = holder
-    if not zeros and not pieces:
+            stage2[id(holder)] = holder
+    if not stage2 and not pieces:
         return _lightning_grad_norm(module, norm_type, group_separator)
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     held: dict[int, torch.Tensor] = {}
-    for zero in zeros.values():
+    for zero in stage2.values():
         held.update(_held_norms(zero, norm_type))
     for holder, params in pieces.values():
         for p, norm in zip(params, holder.parameter_grad_norms(params, norm_type)):

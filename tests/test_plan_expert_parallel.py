@@ -193,3 +193,11 @@ def test_measure_refuses_expert_parallelism(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["--measure", "--hf-config", _write(tmp_path, MIXTRAL_8X7B), "--seq", "32", "--ep", "2"]) == 2
     assert "--ep: 2: --measure trains fusedist's data-parallel strategies" in capsys.readouterr().err
+
+
+def test_build_plan_checks_ep_too(mixtral):
+    """The Python API refuses what the command line does."""
+    from fusedist.plan import PlanError
+
+    with pytest.raises(PlanError, match="--ep: 3 does not divide the 8 experts"):
+        build_plan(mixtral, Job(gpus=24, micro_batch=1, seq=4096, ep=3), HW)

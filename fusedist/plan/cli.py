@@ -15,7 +15,7 @@ from . import hardware, memory, timing
 from .errors import PlanError
 from .hf_config import HF_MODEL_TYPES, from_hf_config
 from .model import ARCHS, ModelSpec, validate
-from .plan import Job, build_plan
+from .plan import Job, build_plan, check_expert_parallel
 
 PROG = "python -m fusedist.plan"
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -185,22 +185,6 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
                optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
                ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep)
-
-
-def check_expert_parallel(ep: int, spec: ModelSpec, gpus: int) -> None:
-    """--ep splits a mixture of experts' routed experts: whole experts on each of ep ranks, and
-    ep ranks a group within the data-parallel GPUs."""
-    if ep < 1:
-        raise PlanError("--ep", f"must be positive, got {ep}")
-    if ep == 1:
-        return
-    if not spec.moe:
-        what = "a model given by --params" if not spec.has_shape else f"this model ({spec.source})"
-        raise PlanError("--ep", f"{ep}: expert parallelism needs a mixture of experts; {what} has no experts")
-    if spec.experts % ep:
-        raise PlanError("--ep", f"{ep} does not divide the {spec.experts} experts of each MoE layer")
-    if gpus % ep:
-        raise PlanError("--ep", f"{ep} does not divide the {gpus} data-parallel GPUs")
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 from . import comm, memory, suggest, timing
+from .errors import PlanError
 from .hardware import Hardware
 from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
                     count_params, embedding_params, expert_params)
@@ -98,10 +99,27 @@ def _all_to_all(spec: ModelSpec, job: Job, hw: Hardware, accum: int) -> dict:
             "all_to_all_gbps": gbps}
 
 
+def check_expert_parallel(ep: int, spec: ModelSpec, gpus: int) -> None:
+    """--ep splits a mixture of experts' routed experts: whole experts on each of ep ranks, and
+    ep ranks a group within the data-parallel GPUs."""
+    if ep < 1:
+        raise PlanError("--ep", f"must be positive, got {ep}")
+    if ep == 1:
+        return
+    if not spec.moe:
+        what = "a model given by --params" if not spec.has_shape else f"this model ({spec.source})"
+        raise PlanError("--ep", f"{ep}: expert parallelism needs a mixture of experts; {what} has no experts")
+    if spec.experts % ep:
+        raise PlanError("--ep", f"{ep} does not divide the {spec.experts} experts of each MoE layer")
+    if gpus % ep:
+        raise PlanError("--ep", f"{ep} does not divide the {gpus} data-parallel GPUs")
+
+
 def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     """The full plan: ``inputs``, ``memory``, ``comm``, ``time``, ``suggestion``. Memory and
     communication move every parameter; compute is that of the parameters a token goes through
     (a mixture of experts': Note [active parameters] in model.py)."""
+    check_expert_parallel(job.ep, spec, job.gpus)
     psi = count_params(spec)
     psi_active = active_params(spec)
     n = job.gpus

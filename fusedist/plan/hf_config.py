@@ -224,8 +224,12 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int) -> dict:
-    """The sliding window and the blocks it applies to, as transformers' config classes and
-    attention layers decide (a null window, or none by default, is full attention everywhere):
+    """The sliding window and the blocks it applies to, as transformers decides (a null window,
+    or none by default, is full attention everywhere): MistralAttention, MixtralAttention and
+    Phi3Attention hand ``config.sliding_window`` to every block; Qwen2Config, Qwen3Config,
+    Qwen2MoeConfig and Qwen3MoeConfig null the window without ``use_sliding_window`` and
+    default ``layer_types`` by ``max_window_layers``; Gemma2Config and Gemma3TextConfig by
+    ``(i + 1) % 2`` and ``(i + 1) % sliding_window_pattern``:
 
     * ``all`` (Mistral, Mixtral, Phi-3): every block, ``sliding_window``;
     * ``qwen`` (Qwen2/3, Qwen2/3-MoE): only with ``use_sliding_window`` (default false, as in

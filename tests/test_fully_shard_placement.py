@@ -61,8 +61,8 @@ class Net(nn.Module):
 
 
 def placement(p):
-    """Shard(-1) for 3-D weights, Shard(1) for 2-D weights wider than... taller than wide, else
-    the default."""
+    """Shard(-1) for 3-D weights, Shard(1) for 2-D weights with more rows than columns (the
+    expert and up-projection matrices), else None (FSDP2's default, Shard(0))."""
     from torch.distributed.tensor import Shard
 
     if p.dim() == 3:
@@ -185,9 +185,9 @@ def test_dim_sharded_training_matches_fsdp2_world_3():
 
 # ---------------------------------------------------------------------------- padding
 class Uneven(Net):
-    """Lengths on the sharded dims the world size does not divide: ``inp.weight`` (12, 7) and
-    the 3-D experts (2, 12, 12) at world 3... and ``tiny`` (3, 2) on dim 1, whose last chunk is
-    empty at world 3 (torch.chunk gives two chunks of one)."""
+    """Lengths on the sharded dims the world size does not divide: ``inp.weight`` (12, 7) on
+    dim 1 at world 2 and 3, and ``tiny`` (3, 2) on dim 1, whose last chunk is empty at world 3
+    (torch.chunk gives two chunks of one)."""
 
     def __init__(self):
         super().__init__(d=12, d_in=7)
@@ -400,8 +400,7 @@ def _checkpoints(rank, ws, directory):
     _train(back_ref, back_ref_opt, rank, range(2, 4))
     resumed = fusedist.fsdp.full_state_dict(ours)
     out["resumed"] = _equal(fusedist.fsdp.full_state_dict(back), resumed)
-    out["resumed fsdp2"] = all(torch.allclose(v.full_tensor(), resumed[k], **(FP32 if ws == 3 else dict(rtol=0, atol=0)))
-                               for k, v in back_ref.state_dict().items())
+    out["resumed fsdp2"] = _equal({k: v.full_tensor() for k, v in back_ref.state_dict().items()}, resumed, tol)
     if rank == 0:
         torch.save(resumed, os.path.join(directory, f"resumed-{ws}.pt"))
 
@@ -568,3 +567,61 @@ def test_placements_refused_by_name():
         shard_dim(w, "w", lambda p: Shard(2), "M")
     with pytest.raises(NotImplementedError, match=r"returned Replicate\(\) for 'w'"):
         shard_dim(w, "w", lambda p: Replicate(), "M")
+
+
+# ---------------------------------------------------------------------------- dtype and trainable sections
+class MixedBlock(Block):
+    """A block whose up-projection is bf16 (dim-sharded) beside fp32 experts (dim-sharded too):
+    one dim-sharded section per dtype (Note [dtype sections] in layout.py)."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.fc1.to(torch.bfloat16)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x.to(torch.bfloat16))).float()
+        y = self.fc2(h)
+        gate = torch.softmax(x[:, : self.experts.shape[0]], dim=-1)
+        return x + y + torch.einsum("be,bd,edf->bf", gate, x, self.experts)
+
+
+class MixedNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedBlock(12) for _ in range(2))
+        self.blocks[1].experts.requires_grad_(False)  # a frozen dim-sharded section
+        self.blocks[1].fc1.weight.requires_grad_(False)
+
+
+def _sections(rank, ws):
+    """Mixed dtypes and frozen parameters: the same training with and without the placement
+    (fusedist both, so the same sums in the same order: bit for bit; no clip, whose bf16
+    per-piece norms depend on how the pieces are cut)."""
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    base = MixedNet()
+    models = []
+    for fn in (placement, None):
+        m = copy.deepcopy(base)
+        for b in m.blocks:
+            fusedist.fully_shard(b, mesh=mesh, shard_placement_fn=fn)
+        fusedist.fully_shard(m, mesh=mesh, shard_placement_fn=fn)
+        models.append((m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)))
+    from fusedist.fsdp.state import state_of
+
+    kinds = [(s.trainable, str(s.dtype), s.chunked) for s in state_of(models[0][0].blocks[1]).unit.layout.sections]
+    for step in range(3):
+        for m, opt in models:
+            x, y = _batch(rank, step)
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    a, b = (fusedist.fsdp.full_state_dict(m) for m, _ in models)
+    return kinds, _equal(a, b) and all(a[k].dtype == b[k].dtype for k in a)
+
+
+def test_dim_sharded_sections_per_dtype_and_trainable_flag():
+    for kinds, same in run_distributed(_sections, 3, timeout=300):
+        assert same
+        assert kinds == [(True, "torch.float32", False), (True, "torch.bfloat16", False),
+                         (False, "torch.float32", True), (False, "torch.bfloat16", True)], kinds

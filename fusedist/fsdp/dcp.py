@@ -520,8 +520,8 @@ def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:
         region = piece_region(unit, index)
         if value.element_range != region:
             return (f"the entry is a piece holding {describe_region(value.element_range)} of the parameter, "
-                    f"this rank's piece holds {describe_region(region)} (a state dict of another world size or layout: load it with "
-                    "torch.distributed.checkpoint, or load whole parameters).")
+                    f"this rank's piece holds {describe_region(region)} (a state dict of another world size or "
+                    "layout: load it with torch.distributed.checkpoint, or load whole parameters).")
         return None
     if tuple(value.shape) in (tuple(full_shape), tuple(unit.sharded[index].shape)):
         return None

@@ -212,3 +212,30 @@ def test_torch_clip_on_zero_stage2_matches_ddp(form):
         for ref, ours in norms:
             assert ref > 0.05 and ours == pytest.approx(ref, rel=1e-5), norms
         assert diff < 1e-5, diff
+
+
+def _value_clip_on_stage2(rank, ws):
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(models.MLP())
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    F.mse_loss(model(x), y).backward()
+    try:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    except RuntimeError as e:
+        refused = str(e)
+    else:
+        refused = None
+    plain = nn.Linear(2, 2)
+    plain.weight.grad = torch.full((2, 2), 5.0)
+    torch.nn.utils.clip_grad_value_(plain.parameters(), 1.0)  # other parameters: torch's, unchanged
+    opt.step()
+    return refused, plain.weight.grad.max().item()
+
+
+def test_torch_value_clip_on_zero_stage2_is_refused():
+    """torch's clip_grad_value_ over stage-2 parameters would clamp no p.grad and change
+    nothing; it is refused naming the parameter, and stays torch's for other parameters."""
+    for refused, clamped in run_distributed(_value_clip_on_stage2, 2):
+        assert refused is not None and "parameter 0 (shape" in refused and "stage=2" in refused, refused
+        assert clamped == 1.0

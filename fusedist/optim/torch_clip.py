@@ -13,7 +13,7 @@ Face's Trainer, torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_``), so
 import must keep it right rather than ask every caller to switch.
 
 The first registration of a gradient holder (``fusedist/ownership.py``: a ``fully_shard`` unit or
-a stage-2 ``ZeroRedundancyOptimizer``) therefore installs three narrow replacements in torch:
+a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacements in torch:
 
 * ``torch.nn.utils.clip_grad_norm_`` (also under ``torch.nn.utils.clip_grad``): parameters with
   a gradient holder go to :func:`fusedist.clip_grad_norm_` (the global norm, one small
@@ -37,6 +37,11 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs three narrow replaceme
   the caller sees the norm torch's DDP would give. Without this, the common
   ``from torch.nn.utils import clip_grad_norm_`` at a script's top clipped nothing under stage 2
   and returned 0.
+
+* ``clip_grad_value_`` (module attribute): refused for parameters whose gradients a stage-2
+  optimizer holds -- torch's function would clamp no ``p.grad`` and change nothing, silently
+  (Lightning's value clip is refused there already). A value clip on ``fully_shard`` pieces is
+  elementwise, so torch's function is right on them and runs unchanged.
 
 What stays outside: a list mixing sharded and unsharded gradients or two process groups' units,
 which raises (FSDP2's clip refuses DTensors mixed with plain tensors too), and torchtitan's
@@ -65,6 +70,7 @@ __all__ = ["install", "installed", "torch_clip_grad_norm_"]
 _TORCH_CLIP = clip_grad_module.clip_grad_norm_
 _TORCH_TOTAL_NORM = clip_grad_module._get_total_norm
 _TORCH_CLIP_WITH_NORM = clip_grad_module._clip_grads_with_norm_
+_TORCH_CLIP_VALUE = clip_grad_module.clip_grad_value_
 _installed = False
 # this thread's last norm of an empty gradient list: (the tensor returned, norm_type,
 # error_if_nonfinite) -- what torch's clip_grad_norm_ hands on to _clip_grads_with_norm_
@@ -166,7 +172,20 @@ def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None)
     _TORCH_CLIP_WITH_NORM(parameters, max_norm, total_norm, foreach)
 
 
+def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> None:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for i, p in enumerate(params):
+        if p.grad is None and getattr(gradient_holder(p), "stage", None) == 2:
+            raise RuntimeError(
+                f"torch.nn.utils.clip_grad_value_: parameter {i} (shape {tuple(p.shape)}) has its gradient held "
+                "in shards by a ZeroRedundancyOptimizer(stage=2), which keeps no p.grad, so clipping by value "
+                "would change nothing. Clip by norm (torch.nn.utils.clip_grad_norm_ and fusedist.clip_grad_norm_ "
+                "use the global norm there), or use stage=1.")
+    _TORCH_CLIP_VALUE(params, clip_value, foreach)
+
+
 functools.update_wrapper(_global_total_norm, _TORCH_TOTAL_NORM)
+functools.update_wrapper(_clip_grad_value_refusing_stage2, _TORCH_CLIP_VALUE)
 functools.update_wrapper(_clip_grads_with_norm_stage2, _TORCH_CLIP_WITH_NORM)
 functools.update_wrapper(_global_clip_grad_norm_, _TORCH_CLIP)
 
@@ -181,6 +200,8 @@ def install() -> None:
     clip_grad_module._clip_grads_with_norm_ = _clip_grads_with_norm_stage2
     nn_utils.get_total_norm = _global_total_norm
     clip_grad_module.clip_grad_norm_ = _global_clip_grad_norm_
+    clip_grad_module.clip_grad_value_ = _clip_grad_value_refusing_stage2
+    nn_utils.clip_grad_value_ = _clip_grad_value_refusing_stage2
     nn_utils.clip_grad_norm_ = _global_clip_grad_norm_
 
 

@@ -625,3 +625,34 @@ def test_dim_sharded_sections_per_dtype_and_trainable_flag():
         assert same
         assert kinds == [(True, "torch.float32", False), (True, "torch.bfloat16", False),
                          (False, "torch.float32", True), (False, "torch.bfloat16", True)], kinds
+
+
+# ---------------------------------------------------------------------------- a weight tied across units
+def _tied(rank, ws):
+    """An embedding weight (50, 16) sharded on dim 1 and tied to the root's output layer: the
+    embedding's unit lends it (Note [lent parameters] in unit.py). The same training as without
+    the placement, bit for bit (16 columns: chunks 6, 6, 4 at world 3)."""
+    import models
+
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    base = models.TiedLM()
+    trained = []
+    for fn in (placement, None):
+        m = copy.deepcopy(base)
+        fusedist.fully_shard(m.embed, mesh=mesh, shard_placement_fn=fn)
+        fusedist.fully_shard(m, mesh=mesh, shard_placement_fn=fn)
+        if fn is not None:
+            assert tuple(m.embed.weight.shape) == (50, (6, 6, 4)[rank] if ws == 3 else 8), tuple(m.embed.weight.shape)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for step in range(3):
+            tokens, target = models.TiedLM.batch(torch.Generator().manual_seed(100 * step + rank))
+            F.cross_entropy(m(tokens).flatten(0, 1), target.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        trained.append(fusedist.fsdp.full_state_dict(m))
+    return _equal(*trained)
+
+
+def test_dim_sharded_weight_tied_across_units():
+    assert run_distributed(_tied, 3, timeout=300) == [True] * 3

@@ -22,7 +22,6 @@ from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .mesh import groups_of
-from .placement import shard_dim
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
 from .unit import ShardedUnit
@@ -85,8 +84,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
             "DTensors): fusedist shards plain parameters over a 1-D mesh. Pass the data-parallel mesh itself "
             "(e.g. mesh['dp']) with plain parameters, or use torch.distributed.fsdp.fully_shard.")
     ignored = {id(p) for p in (ignored_params or ())}
+    dims_of: dict = {}  # id(param) -> the dim it is sharded on
     for m in modules:
-        check_params(m, ignored, shard_placement_fn, taken=_OWNED)
+        dims_of.update(check_params(m, ignored, shard_placement_fn, taken=_OWNED))
     offload_policy = as_offload_policy(offload_policy)
     groups = groups_of(mesh, process_group)
     device = groups.device
@@ -132,7 +132,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     auto = reshard_after_forward is None
     if params:
         name = describe(modules)
-        dims = [shard_dim(p, f, shard_placement_fn, name) for p, f in zip(params, fqns)]
+        dims = [dims_of[id(p)] for p in params]
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm, dims=dims)

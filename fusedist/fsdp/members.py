@@ -53,17 +53,20 @@ def managed_modules_of(modules: list):
             yield (f"[{i}].{name}" if name else f"[{i}]"), sub
 
 
-def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> None:
+def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> dict:
     """Refuse, before anything changes, the parameters this call would shard and cannot:
     DTensors (tensor parallelism), and what ``shard_placement_fn`` returns other than
-    ``Shard(dim)`` or None, or a dim the parameter does not have (``placement.shard_dim``)."""
+    ``Shard(dim)`` or None, or a dim the parameter does not have (``placement.shard_dim``).
+    Returns ``id(param) -> dim`` of the others: the function is called once per parameter,
+    as FSDP2 calls it."""
     from torch.distributed.tensor import DTensor
 
     from .placement import shard_dim
 
+    dims = {}
     for mod_name, sub in managed_modules(module):
         for attr, p in sub._parameters.items():
-            if p is None or id(p) in ignored or p in taken:
+            if p is None or id(p) in ignored or p in taken or id(p) in dims:
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             if isinstance(p, DTensor):
@@ -71,7 +74,8 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
                     f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
                     f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
                     "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
-            shard_dim(p, fqn, shard_placement_fn, type(module).__name__)
+            dims[id(p)] = shard_dim(p, fqn, shard_placement_fn, type(module).__name__)
+    return dims
 
 
 def sharded_by_parent(module, fqn, owner, idx) -> ValueError:

@@ -428,6 +428,19 @@ def _checkpoints(rank, ws, directory):
         out["fusedist.checkpoint"] = "accepted"
     except Exception as e:  # (the writer's error, naming the parameter's)
         out["fusedist.checkpoint"] = str(e)
+    torch.manual_seed(0)
+    rows = Net()
+    for b in rows.blocks:
+        fusedist.fully_shard(b, mesh=mesh)
+    fusedist.fully_shard(rows, mesh=mesh)
+    rows_opt = torch.optim.AdamW(rows.parameters(), lr=1e-2)
+    _train(rows, rows_opt, rank, range(1))
+    fusedist.checkpoint.save(os.path.join(directory, "fusedist-rows"), rows, rows_opt)
+    try:
+        fusedist.checkpoint.load(os.path.join(directory, "fusedist-rows"), ours, o_ours)
+        out["fusedist.checkpoint load"] = "accepted"
+    except Exception as e:
+        out["fusedist.checkpoint load"] = str(e)
     return out
 
 
@@ -479,6 +492,8 @@ def test_state_dicts_and_dcp_interchange_with_fsdp2(tmp_path):
             refusal = res.pop("fusedist.checkpoint")
             assert "of unit blocks.0 (Block)" in refusal and "Shard(" in refusal, refusal
             assert "torch.distributed.checkpoint" in refusal, refusal
+            refusal = res.pop("fusedist.checkpoint load")
+            assert "of unit blocks.0 (Block)" in refusal and "Shard(" in refusal, refusal
             assert all(res.values()), (ws, res)
 
 
@@ -656,3 +671,40 @@ def _tied(rank, ws):
 
 def test_dim_sharded_weight_tied_across_units():
     assert run_distributed(_tied, 3, timeout=300) == [True] * 3
+
+
+# ---------------------------------------------------------------------------- the layout alone
+def test_chunk_layout_pieces_are_torch_chunks():
+    """Every rank's piece is torch.chunk's (FSDP2's sharded_size past the last chunk), the
+    copy-out of a gathered section reassembles each parameter, the copy-in puts each chunk where
+    the reduce-scatter hands it to its rank, and the padding is exactly the rest of the slots."""
+    from fusedist.fsdp.chunk_layout import ChunkLayout
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 7), (3, 2), (2, 9, 4), (4, 1, 6), (6, 0)]
+    dims = [1, 1, 2, 1, 1]
+    for ws in (1, 2, 3, 4, 5):
+        layout = ChunkLayout(shapes, dims, ws)
+        wholes = [torch.randn(s, generator=g) for s in shapes]
+        gathered = torch.full((layout.total_numel,), float("nan"))
+        for j, (w, d) in enumerate(zip(wholes, dims)):
+            chunks = list(torch.chunk(w, ws, d))
+            for r in range(ws):
+                p = layout.piece(j, r)
+                want = chunks[r] if r < len(chunks) else None
+                shape = list(w.shape)
+                shape[d] = 0
+                assert p.shape == (tuple(want.shape) if want is not None else tuple(shape)), (ws, j, r, p)
+                a = r * layout.shard_numel + p.shard_offset
+                if p.numel:
+                    gathered[a:a + p.numel] = want.reshape(-1)
+        for a, b in layout.gaps():
+            assert gathered[a:b].isnan().all()
+            gathered[a:b] = 0
+        assert not gathered.isnan().any(), ws
+        for j, w in enumerate(wholes):
+            assert torch.equal(layout.assemble(gathered, j), w), (ws, j)
+            back = torch.zeros_like(gathered)
+            layout.copy_in(back, j, w)
+            layout.copy_in(back, j, w, add=True)
+            assert torch.equal(layout.assemble(back, j), 2 * w), (ws, j)

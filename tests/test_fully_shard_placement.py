@@ -594,7 +594,7 @@ class MixedBlock(Block):
         self.fc1.to(torch.bfloat16)
 
     def forward(self, x):
-        h = F.gelu(self.fc1(x.to(torch.bfloat16))).float()
+        h = F.gelu(self.fc1(x.to(self.fc1.weight.dtype))).to(x.dtype)
         y = self.fc2(h)
         gate = torch.softmax(x[:, : self.experts.shape[0]], dim=-1)
         return x + y + torch.einsum("be,bd,edf->bf", gate, x, self.experts)
@@ -632,12 +632,22 @@ def _sections(rank, ws):
             opt.step()
             opt.zero_grad()
     a, b = (fusedist.fsdp.full_state_dict(m) for m, _ in models)
-    return kinds, _equal(a, b) and all(a[k].dtype == b[k].dtype for k in a)
+    same = _equal(a, b) and all(a[k].dtype == b[k].dtype for k in a)
+    # model.double() after sharding rebuilds the sections around the converted pieces
+    for m, _ in models:
+        m.double()
+        x, y = _batch(rank, 5)
+        F.mse_loss(m(x.double()), y.double()).backward()
+    a, b = (fusedist.fsdp.full_state_dict(m) for m, _ in models)
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m, _ in models]
+    doubled = (all(v.dtype == torch.float64 for v in a.values()) and _equal(a, b)
+               and grads[0].keys() == grads[1].keys() and all(g.dtype == torch.float64 for g in grads[0].values()))
+    return kinds, same, doubled
 
 
 def test_dim_sharded_sections_per_dtype_and_trainable_flag():
-    for kinds, same in run_distributed(_sections, 3, timeout=300):
-        assert same
+    for kinds, same, doubled in run_distributed(_sections, 3, timeout=300):
+        assert same and doubled
         assert kinds == [(True, "torch.float32", False), (True, "torch.bfloat16", False),
                          (False, "torch.float32", True), (False, "torch.bfloat16", True)], kinds
 

@@ -13,7 +13,9 @@ Note [dim-sharded sections]
     ``dim`` rounded up over ``S``, times the other dims) at the same offset of every rank's
     shard, and rank ``r``'s chunk is stored contiguously at the start of that slot, the rest
     zero padding. The piece is a contiguous tensor on the shard, as every other piece, so
-    optimizers, clipping and the scaler treat it alike.
+    optimizers, clipping and the scaler treat it alike. (FSDP2 keeps the chunk in a slot shaped
+    like chunk 0 and narrows it, which for a short last chunk on an inner dim is a strided
+    tensor; with the whole chunk first, only the slot's tail is padding.)
 
     The price, paid by these parameters only: the gathered section holds rank ``r``'s chunks
     at ``r * shard_numel``, so a whole parameter is not a view of it. After each all-gather

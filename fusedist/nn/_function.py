@@ -23,7 +23,7 @@ from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
 from ._layout import NCSLayout, as_ncs, like_layout
-from ._sync_stats import GRAD_TAG, combine, gather_payloads
+from ._sync_stats import GRAD_TAG, combine, gather_payloads, layer_identity
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -98,9 +98,12 @@ class BatchStatsNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float, momentum: float,
-                comm: Optional[Communicator]):
+                comm: Optional[Communicator], num_batches_tracked: Optional[torch.Tensor] = None):
         x, layout = as_ncs(x)
-        stats = combine(gather_payloads(ops.stats_payload(x, layout), comm), layout.C)
+        identity = None  # Note [the same layer on every rank] in _sync_stats.py
+        if comm is not None:
+            identity = layer_identity(num_batches_tracked, running_mean, running_var, x.device)
+        stats = combine(gather_payloads(ops.stats_payload(x, layout), comm, identity), layout.C)
         acc = compute_dtype(x.dtype)
         var = stats.m2 / stats.count
         mean = stats.mean.to(acc)
@@ -135,7 +138,7 @@ class BatchStatsNorm(torch.autograd.Function):
                 dy, ctx.layout, mean_dy.contiguous(), k,
                 v=x, r=mean, t=(-k * invstd * mean_dy_xhat).contiguous(), out_dtype=x.dtype,
             )
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class RunningStatsNorm(torch.autograd.Function):

@@ -10,6 +10,22 @@ k-way form of Chan et al.'s parallel update:
     n = sum n_r,   mean = sum n_r mean_r / n,   M2 = sum M2_r + sum n_r (mean_r - mean)^2
 
 which works for any per-rank counts, including 0 (an empty batch contributes nothing) and 1.
+
+Note [the same layer on every rank]
+Each gather pairs the ranks' payloads by arrival order only, so ranks that call the layers in
+a different order or a different number of times (a layer skipped on some ranks, two layers
+of one width called in another order) combine one layer's statistics with another's, without
+any error -- torch.nn.SyncBatchNorm does the same. The statistics a training layer has
+accumulated name it across ranks: by that note its running statistics and
+``num_batches_tracked`` are bit-identical on every rank, and a data-parallel wrapper
+broadcasts them besides. So the payload carries a short identity -- ``[1,
+num_batches_tracked, sum(running_mean), sum(running_var)]`` -- and :func:`combine` refuses,
+on every rank alike (they all read the same gathered tensor), a gather whose ranks carry
+different ones. Layers still at their initial statistics look alike, so a mix-up is caught
+from the second training step of the layers involved. A payload without an identity (a layer
+with ``track_running_stats=False``, or the empty batch a rank that ran out of inputs
+contributes under ``join()``) starts with 0 and is compared with nothing. The identity rides
+in the same message and is read to the host with the counts, which ``combine`` reads anyway.
 """
 
 from __future__ import annotations
@@ -23,6 +39,7 @@ from ..comm import Communicator
 STATS_TAG = "sync_batch_norm.stats"
 GRAD_TAG = "sync_batch_norm.grad"
 CHECK_TAG = "sync_batch_norm.check"
+IDENTITY_LEN = 4  # [1, num_batches_tracked, sum(running_mean), sum(running_var)]: Note [the same layer on every rank]
 
 
 class GlobalStats(NamedTuple):
@@ -34,14 +51,30 @@ class GlobalStats(NamedTuple):
     rank_counts: list[int]
 
 
-def gather_payloads(payload: torch.Tensor, comm: Optional[Communicator]) -> torch.Tensor:
-    """All ranks' ``[count, mean, M2]`` payloads as a ``(world_size, len)`` tensor, rank order.
-    Without a communicator (one process) it is this rank's payload alone."""
+def layer_identity(num_batches_tracked, running_mean, running_var, device) -> torch.Tensor:
+    """The identity a training layer sends with its statistics (Note [the same layer on every
+    rank]); a payload tail of zeros, compared with nothing, when it keeps no running statistics."""
+    if num_batches_tracked is None or running_mean is None or running_var is None:
+        return torch.zeros(IDENTITY_LEN, dtype=torch.float64, device=device)
+    one = torch.ones(1, dtype=torch.float64, device=device)
+    return torch.cat([one, num_batches_tracked.reshape(1).to(torch.float64),
+                      running_mean.to(torch.float64).sum().reshape(1),
+                      running_var.to(torch.float64).sum().reshape(1)])
+
+
+def gather_payloads(payload: torch.Tensor, comm: Optional[Communicator],
+                    identity: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """All ranks' ``[count, mean, M2]`` payloads as a ``(world_size, len)`` tensor, rank order,
+    each followed by its layer's ``identity`` (zeros when None: compared with nothing). Without
+    a communicator (one process) it is this rank's payload alone, with no identity."""
     if comm is None:
         return payload.unsqueeze(0)
-    gathered = torch.empty(comm.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
-    comm.all_gather(gathered, payload, tag=STATS_TAG)
-    return gathered.view(comm.world_size, payload.numel())
+    if identity is None:
+        identity = torch.zeros(IDENTITY_LEN, dtype=torch.float64, device=payload.device)
+    message = torch.cat([payload, identity.to(payload.device)])
+    gathered = torch.empty(comm.world_size * message.numel(), dtype=message.dtype, device=message.device)
+    comm.all_gather(gathered, message, tag=STATS_TAG)
+    return gathered.view(comm.world_size, message.numel())
 
 
 def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
@@ -56,18 +89,43 @@ def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
     """
     C = num_features
     counts = gathered[:, 0]
-    rank_counts = [int(c) for c in counts.tolist()]
+    identified = gathered.shape[1] == 2 * C + 1 + IDENTITY_LEN
+    host = (gathered[:, [0, *range(2 * C + 1, 2 * C + 1 + IDENTITY_LEN)]] if identified else gathered[:, :1]).tolist()
+    if identified:
+        _check_same_layer([row[1:] for row in host], C)
+    rank_counts = [int(row[0]) for row in host]
     total = sum(rank_counts)
     if total == 1:
         raise ValueError(
             "SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{total} over all ranks (per-rank values per channel: {rank_counts})"
         )
-    means, m2s = gathered[:, 1:C + 1], gathered[:, C + 1:]
+    means, m2s = gathered[:, 1:C + 1], gathered[:, C + 1:2 * C + 1]
     weights = counts.unsqueeze(1)
     mean = (weights * means).sum(0) / total
     m2 = m2s.sum(0) + (weights * (means - mean).square()).sum(0)
     return GlobalStats(total, mean, m2, rank_counts)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)  # NaN statistics (a poisoned batch) are alike
+
+
+def _check_same_layer(identities: list, num_features: int) -> None:
+    """Raise when the ranks that sent an identity sent different ones (Note [the same layer
+    on every rank])."""
+    sent = [(r, ident) for r, ident in enumerate(identities) if ident[0] == 1.0]
+    if all(all(_same(a, b) for a, b in zip(ident, sent[0][1])) for _, ident in sent[1:]):
+        return
+    shown = "; ".join(f"rank {r}: num_batches_tracked={int(ident[1])}, sum(running_mean)={ident[2]:.6g}, "
+                      f"sum(running_var)={ident[3]:.6g}" for r, ident in sent)
+    raise ValueError(
+        f"SyncBatchNorm({num_features}): the ranks are not normalizing the same layer in this exchange: "
+        f"their layers' running statistics differ ({shown}). Every rank must call the SyncBatchNorm "
+        "layers in the same order and the same number of times per training forward (a layer skipped, "
+        "repeated or called in another order on some ranks pairs its statistics with another layer's); "
+        "or the running statistics were changed on some ranks only (loaded or reset there)."
+    )
 
 
 def check_channels_agree(comm: Communicator, num_features: int, device: torch.device) -> None:

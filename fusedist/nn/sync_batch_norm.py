@@ -127,13 +127,28 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         average_factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+        counted = self.training and self.track_running_stats and self.num_batches_tracked is not None
+        if counted:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 average_factor = 1.0 / float(self.num_batches_tracked)
         if not self.training and self.running_mean is not None and self.running_var is not None:
             return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
                                           self.running_var, self.eps)
+        try:
+            return self._batch_stats_forward(input, average_factor)
+        except ValueError:
+            # A forward the ranks refused together (channels, a batch of one value, layers
+            # mixed up) counts no batch: the count is part of the layer's identity (Note [the
+            # same layer on every rank] in _sync_stats.py), and ranks that raised on different
+            # layers must agree again. Only ValueError: activation checkpointing ends its
+            # recomputation with an exception of its own, and that forward does count, as in
+            # torch's BatchNorm.
+            if counted:
+                self.num_batches_tracked.sub_(1)
+            raise
+
+    def _batch_stats_forward(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
         # Batch statistics. Only training synchronizes: eval with track_running_stats=False
         # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
         update_running = self.training and self.track_running_stats
@@ -145,6 +160,7 @@ class SyncBatchNorm(_BatchNorm):
             self.running_mean if update_running else None,
             self.running_var if update_running else None,
             self.eps, average_factor, comm,
+            self.num_batches_tracked if update_running else None,
         )
 
     @classmethod

@@ -422,12 +422,9 @@ def _checkpoints(rank, ws, directory):
     out["init"] = _equal(fusedist.fsdp.full_state_dict(meta), plain.state_dict())
     fusedist.fsdp.load_full_state_dict(meta, trained)
     out["meta"] = _equal(fusedist.fsdp.full_state_dict(meta), trained)
-    # fusedist.checkpoint (ranges of flattened parameters) refuses by name, before writing a manifest
-    try:
-        fusedist.checkpoint.save(os.path.join(directory, "fusedist"), ours, o_ours)
-        out["fusedist.checkpoint"] = "accepted"
-    except Exception as e:  # (the writer's error, naming the parameter's)
-        out["fusedist.checkpoint"] = str(e)
+    # fusedist.checkpoint saves it, and loads a Shard(0) model's checkpoint into it
+    # (Note [dim-sharded pieces in checkpoints]; tests/test_checkpoint_dim_sharded.py)
+    fusedist.checkpoint.save(os.path.join(directory, "fusedist"), ours, o_ours)
     torch.manual_seed(0)
     rows = Net()
     for b in rows.blocks:
@@ -436,11 +433,8 @@ def _checkpoints(rank, ws, directory):
     rows_opt = torch.optim.AdamW(rows.parameters(), lr=1e-2)
     _train(rows, rows_opt, rank, range(1))
     fusedist.checkpoint.save(os.path.join(directory, "fusedist-rows"), rows, rows_opt)
-    try:
-        fusedist.checkpoint.load(os.path.join(directory, "fusedist-rows"), ours, o_ours)
-        out["fusedist.checkpoint load"] = "accepted"
-    except Exception as e:
-        out["fusedist.checkpoint load"] = str(e)
+    fusedist.checkpoint.load(os.path.join(directory, "fusedist-rows"), ours, o_ours)
+    out["fusedist.checkpoint load"] = _equal(fusedist.fsdp.full_state_dict(ours), fusedist.fsdp.full_state_dict(rows))
     return out
 
 
@@ -489,11 +483,6 @@ def test_state_dicts_and_dcp_interchange_with_fsdp2(tmp_path):
         directory = tmp_path / str(ws)
         directory.mkdir()
         for res in run_distributed(_checkpoints, ws, str(directory), timeout=300):
-            refusal = res.pop("fusedist.checkpoint")
-            assert "of unit blocks.0 (Block)" in refusal and "Shard(" in refusal, refusal
-            assert "torch.distributed.checkpoint" in refusal, refusal
-            refusal = res.pop("fusedist.checkpoint load")
-            assert "of unit blocks.0 (Block)" in refusal and "Shard(" in refusal, refusal
             assert all(res.values()), (ws, res)
 
 

@@ -213,7 +213,7 @@ def _complete(directory: str, save_id: str, rank_entries: list, calls: list, com
         files[_files.COMMON] = _write(directory, _files.COMMON, save_id, common(), rank=0)
         manifest = dict(base(), created_unix=time.time(), files=files)
         if save_id:
-            manifest["version"] = _files.VERSION  # files with names of their own
+            manifest["version"] = max(manifest["version"], _files.SAVE_ID_VERSION)  # files with names of their own
         _files.write_manifest(directory, manifest)  # the switch: one atomic rename
     except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
         return f"rank 0 could not write {_files.COMMON} or the manifest in {directory}: {type(exc).__name__}: {exc}"
@@ -280,7 +280,8 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
     where = stage3.piece_index(_names.unwrap(model)) if sharded else {}
     return {
         "format": _files.FORMAT,
-        "version": _files.BASE_VERSION,
+        # box fragments need a fusedist that reads them (Note [box fragments])
+        "version": _files.BOX_VERSION if stage3.has_dim_sharded(_names.unwrap(model)) else _files.BASE_VERSION,
         "world_size": world_size,
         # Note [stage-3 checkpoints]: the sharded parameters are in the rank files
         "model_sharded": sharded,

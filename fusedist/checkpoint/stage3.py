@@ -24,7 +24,10 @@ Note [stage-3 checkpoints]
     have, at any world size. Loading into a ``fully_shard`` model goes the other way: every
     parameter's value and optimizer state is assembled whole from the fragments (or taken from
     ``common.pt`` and the full optimizer state of a DDP checkpoint), validated, and cut to this
-    rank's range, whatever the world size or unit layout that saved it. Pieces are row-major
+    rank's piece, whatever the world size, unit layout or placement that saved it. A piece of
+    a parameter sharded on a dim other than 0 (``shard_placement_fn``) is no range: it is
+    written as a box fragment (Note [box fragments] in ``zero/box_fragments.py``) and cut
+    with ``narrow`` on its dim at load (``_piece_boxes.py``). Pieces are row-major
     (contiguous); a channels_last parameter of a DDP save is reordered by ``zstate.relayout``.
     CPU memory for a load is about the whole model and optimizer state (every rank reads every
     rank's file), as for ZeRO.
@@ -49,7 +52,7 @@ import torch
 
 from ..zero import state as zstate
 from ..zero.sharded_state import class_algorithm
-from . import _names
+from . import _names, _piece_boxes
 
 MODEL_FORMAT = "fusedist.fsdp.model/1"
 
@@ -118,6 +121,23 @@ def _meta(p: torch.Tensor, where: dict) -> dict:
     return zstate.param_meta([_whole(p, where)])[0]
 
 
+def has_dim_sharded(model: torch.nn.Module) -> bool:
+    """Whether a save of ``model`` writes box fragments (Note [box fragments]): a parameter of
+    a unit is sharded on a dim other than 0 (the same on every rank: fully_shard checks it)."""
+    return any(_piece_boxes.has_box(unit, i) for unit in units(model) for i in range(len(unit.sharded)))
+
+
+def _place(unit, i: int) -> Optional[dict]:
+    """Where this rank's piece of parameter ``i`` lies in the whole parameter, as a fragment
+    names it: ``{"range": (lo, hi)}`` of the flattened parameter, or for a parameter sharded
+    on another dim ``{"box": (dim, start, length)}``; None for an empty piece."""
+    box = _piece_boxes.chunk_box(unit, i)
+    if box is not None:
+        return {"box": box} if unit.sharded[i].numel() else None
+    lo, hi = unit.element_range(i)
+    return {"range": (lo, hi)} if hi > lo else None
+
+
 # ---------------------------------------------------------------------------- save
 @torch.no_grad()
 def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dict, set]:
@@ -132,10 +152,9 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
         k = len(keys)
         keys.append(_names.canonical_key(model, key))
         meta.append(_meta(unit.sharded[i], where))
-        lo, hi = unit.element_range(i)
-        if hi > lo and _writes_pieces(unit):  # the piece, not the unsharded buffer (stale after a step) nor its storage
-            fragments[k] = [{"range": (lo, hi), "master": unit.sharded[i].detach().reshape(-1).cpu().clone(),
-                             "state": {}}]
+        place = _place(unit, i)
+        if place is not None and _writes_pieces(unit):  # the piece, not the unsharded buffer (stale after a step) nor its storage
+            fragments[k] = [{**place, "master": unit.sharded[i].detach().reshape(-1).cpu().clone(), "state": {}}]
     section = {"format": MODEL_FORMAT, "rank": rank, "world_size": world_size, "keys": keys,
                "param_meta": meta, "fragments": fragments}
     return section, set(keys)
@@ -162,14 +181,18 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
         if hit is None:
             if rank != 0:
                 continue  # replicated: rank 0's copy is the one saved
-            lo = 0
+            place = {"range": (0, p.numel())}
         else:
-            lo, hi = hit[0].element_range(hit[1])
-            if hi == lo or not _writes_pieces(hit[0]):
+            place = _place(*hit)
+            if place is None or not _writes_pieces(hit[0]):
                 continue  # an empty piece holds no part of the parameter; a second replica's, a copy
         frag = zstate.fragments_from_full({"state": {0: st}}, [p])[0][0]
         n = p.numel()
-        frag["range"] = (lo, lo + n)
+        if "range" in place:
+            frag["range"] = place["range"]
+        else:  # Note [box fragments]
+            del frag["range"]
+            frag = {**place, **frag}
         # Copies: a fused optimizer's state may be views of its flat buffers (saved whole otherwise).
         frag["state"] = zstate.slice_state(frag["state"], n, 0, n, copy=True, optimizer_name=type(optimizer).__name__,
                                            why="it cannot be cut into the pieces of fully_shard")
@@ -242,12 +265,13 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
         if hit is None:
             mine[index] = item
             continue
-        lo, hi = hit[0].element_range(hit[1])
         n = wholes[index].numel()
+        zstate.slice_state(item["state"], n, 0, n, copy=False, optimizer_name=type(optimizer).__name__,
+                           why="it cannot be cut into the pieces of fully_shard")  # refuses non-elementwise state
         mine[index] = {
-            "master": item["master"][lo:hi].clone() if item["master"] is not None else None,
-            "state": zstate.slice_state(item["state"], n, lo, hi, copy=True, optimizer_name=type(optimizer).__name__,
-                                        why="it cannot be cut into the pieces of fully_shard"),
+            "master": _piece_boxes.cut(item["master"], *hit) if item["master"] is not None else None,
+            "state": {key: _piece_boxes.cut(v, *hit) if zstate.is_elementwise(v, n)
+                      else (v.clone() if isinstance(v, torch.Tensor) else v) for key, v in item["state"].items()},
         }
     out = zstate.to_torch_format(mine, params, groups)
     zstate.check_groups(out["param_groups"], optimizer.param_groups, source)

@@ -12,7 +12,9 @@ Note [fragments]
     from whichever fragments cover it and slicing the new range out (resharding at load time).
     A full (torch-format) state dict is the special case of one fragment ``(0, numel)`` per
     parameter. Optimizer state must be *elementwise* (a tensor per parameter element, or a
-    scalar such as ``step``); that holds for Adam/AdamW/SGD/Lion-style optimizers.
+    scalar such as ``step``); that holds for Adam/AdamW/SGD/Lion-style optimizers. A
+    ``fully_shard`` piece sharded on another dim than 0 is a box fragment instead (Note [box
+    fragments] in ``box_fragments.py``), assembled into the same flat whole state.
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
         p = params[index]
         n = p.numel()
         if not frags or n == 0:
+            continue
+        if any("box" in f for f in frags):  # a piece sharded on another dim (Note [box fragments])
+            from .box_fragments import assemble_boxes
+
+            out[index] = assemble_boxes(frags, tuple(p.shape), index, source=source)
             continue
         frags = sorted(frags, key=lambda f: f["range"][0])
         cursor = 0

@@ -1,0 +1,41 @@
+"""Which box of the whole parameter a ``fully_shard`` piece sharded on a dim other than 0 is,
+and how to cut a rank's piece out of the whole parameter at load.
+
+A checkpoint writes such a piece as one box fragment (Note [box fragments] in
+``zero/box_fragments.py``); a Shard(0) piece stays a range fragment, as before. At load every
+parameter is assembled whole from every rank's fragments, and this rank's piece is cut out
+of it: a range for Shard(0), ``narrow`` on the dim otherwise (Note [stage-3 checkpoints]).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def chunk_box(unit, index: int) -> Optional[tuple[int, int, int]]:
+    """``(dim, start, length)`` of this rank's piece of parameter ``index`` of ``unit`` when it
+    is sharded on a dim other than 0 (``torch.chunk``'s chunk); None for a Shard(0) one."""
+    sec, j = unit.layout.section_of(index)
+    if not sec.chunked:
+        return None
+    start, length = sec.layout.chunk(j, unit.rank)
+    return sec.layout.dims[j], start, length
+
+
+def has_box(unit, index: int) -> bool:
+    """Whether the piece is a box (of either rank): the parameter is sharded on another dim."""
+    return unit.layout.section_of(index)[0].chunked
+
+
+def cut(flat_whole: torch.Tensor, unit, index: int) -> torch.Tensor:
+    """This rank's piece of parameter ``index``, flattened and of its own storage, out of the
+    whole parameter ``flat_whole`` (flattened, row-major)."""
+    box = chunk_box(unit, index)
+    if box is None:
+        lo, hi = unit.element_range(index)
+        return flat_whole[lo:hi].clone()
+    dim, start, length = box
+    whole = flat_whole.view(tuple(unit.layout.slots[index].shape))
+    return whole.narrow(dim, start, length).clone(memory_format=torch.contiguous_format).view(-1)

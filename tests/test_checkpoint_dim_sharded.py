@@ -66,11 +66,11 @@ def _net(seed):
     return Net()
 
 
-def _sharded(seed=0, dims=True):
+def _sharded(seed=0, dims=True, dtype=torch.float32):
     import fusedist
 
     fn = placement if dims else None
-    model = _net(seed)
+    model = _net(seed).to(dtype)
     fusedist.fully_shard(model.block, shard_placement_fn=fn)
     fusedist.fully_shard(model, shard_placement_fn=fn)
     return model
@@ -86,7 +86,8 @@ def _steps(model, opt, first, last):
     for step in range(first, last):
         g = torch.Generator().manual_seed(100 + step)
         x, y = torch.randn(GLOBAL_BATCH, 10, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
-        F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        dtype = next(iter(model.parameters())).dtype
+        F.mse_loss(model(x[rank * per:(rank + 1) * per].to(dtype)).float(), y[rank * per:(rank + 1) * per]).backward()
         opt.step()
         opt.zero_grad()
     if hasattr(opt, "wait_for_params"):
@@ -121,27 +122,36 @@ def _same(a: dict, b: dict, tol=None) -> list:
 
 
 # ---------------------------------------------------------------------------------------- save
-def _save(rank, ws, root):
+def _save(rank, ws, root, fused=False):
     import fusedist
+    from fusedist.checkpoint import _files
 
-    model = _sharded()
-    opt = _adamw(model.parameters())
+    model = _sharded(dtype=torch.bfloat16 if fused else torch.float32)
+    opt = _fused(model.parameters()) if fused else _adamw(model.parameters())
     periodic = fusedist.checkpoint.Checkpointer(os.path.join(root, "periodic"), async_save=False)
     assert periodic.restore(model, opt) == 0
     _steps(model, opt, 0, SAVE_AT)
     fusedist.checkpoint.save(os.path.join(root, "ckpt"), model, opt, extra={"step": SAVE_AT})
     periodic.save(SAVE_AT)
     periodic.close()
-    truth = {"model": fusedist.fsdp.full_state_dict(model), "optim": _full_optim(model, opt)}
+    truth = {"model": fusedist.fsdp.full_state_dict(model), "optim": _full_optim(model, opt),
+             "versions": [_files.read_manifest(os.path.join(root, d))["version"]
+                          for d in ("ckpt", os.path.join("periodic", "step-00000003"))]}
     _steps(model, opt, SAVE_AT, STEPS)
     truth["final"] = fusedist.fsdp.full_state_dict(model)
     if rank == 0:
         torch.save(truth, os.path.join(root, "truth.pt"))
 
 
-def _saved(tmp_path):
+def _fused(params):
+    import fusedist
+
+    return fusedist.optim.FusedAdamW(params, lr=1e-2, weight_decay=0.1, master_weights=True)
+
+
+def _saved(tmp_path, fused=False):
     root = str(tmp_path)
-    run_distributed(_save, 2, root, timeout=120)
+    run_distributed(_save, 2, root, fused, timeout=120)
     return root
 
 
@@ -230,3 +240,68 @@ def test_dim_sharded_checkpoint_loads_at_world_2_into_fully_shard(tmp_path):
 def test_dim_sharded_checkpoint_loads_into_ddp_and_zero2_and_back(tmp_path):
     root = _saved(tmp_path)
     _check_ddp_and_zero2(run_distributed(_into_ddp_and_zero2, 3, root, timeout=120))
+
+
+def test_dim_sharded_checkpoint_format(tmp_path, monkeypatch):
+    """One box fragment per dim-sharded piece, ranges for Shard(0) ones; the manifests say
+    version 3, which a fusedist reading up to version 2 counts as a newer format."""
+    from fusedist.checkpoint import _files, layout
+
+    root = _saved(tmp_path)
+    assert torch.load(os.path.join(root, "truth.pt"))["versions"] == [3, 3]
+    shard = torch.load(os.path.join(root, "ckpt", "rank-00001.pt"))
+    model, optim = shard["model_shard"], shard["optimizer_shard"]
+    kinds = {key: [sorted(set(f) - {"master", "state"}) for f in model["fragments"][k]]
+             for k, key in enumerate(model["keys"]) if k in model["fragments"]}
+    assert kinds == {"block.up.weight": [["box"]], "block.up.bias": [["range"]], "block.experts": [["box"]],
+                     "down.weight": [["range"]], "down.bias": [["range"]]}, kinds
+    up = model["keys"].index("block.up.weight")
+    assert model["fragments"][up][0]["box"] == (1, 5, 5)  # torch.chunk(weight, 2, 1)[1]
+    assert [f["box"] for f in optim["fragments"][up]] == [(1, 5, 5)]
+    assert model["fragments"][model["keys"].index("block.experts")][0]["box"] == (2, 4, 3)
+    monkeypatch.setattr(_files, "VERSION", 2)
+    assert layout.entry(os.path.join(root, "periodic"), SAVE_AT).newer_format == 3
+
+
+def test_box_fragments_must_tile_the_dim_once():
+    import pytest
+    from fusedist.zero import state as zstate
+
+    whole = [torch.empty(4, 6, device="meta")]
+    frag = lambda start, length: {"box": (1, start, length), "master": torch.ones(4 * length), "state": {}}  # noqa: E731
+    got = zstate.assemble({0: [frag(3, 3), frag(0, 3)]}, whole, [0], source="s")
+    assert torch.equal(got[0]["master"], torch.ones(24))
+    for frags in ([frag(0, 3), frag(2, 4)], [frag(0, 3)], [frag(0, 3), frag(3, 3), frag(3, 3)],
+                  [frag(0, 3), {"range": (12, 24), "master": torch.ones(12), "state": {}}]):
+        with pytest.raises(zstate.StateDictError, match="parameter 0"):
+            zstate.assemble({0: frags}, whole, [0], source="s")
+
+
+def _fused_into(rank, ws, root):
+    """A FusedAdamW over bf16 parameters (fp32 master_param) into the same placement and the default."""
+    import fusedist
+
+    truth = torch.load(os.path.join(root, "truth.pt"))
+    out = {}
+    for what, dims in (("same placement", True), ("default placement", False)):
+        model = _sharded(seed=7, dims=dims, dtype=torch.bfloat16)
+        opt = _fused(model.parameters())
+        fusedist.checkpoint.load(os.path.join(root, "ckpt"), model, opt)
+        out[f"{what} model"] = _same(fusedist.fsdp.full_state_dict(model), truth["model"])
+        got = _full_optim(model, opt)
+        out[f"{what} master"] = sorted(k for k in got if k.endswith("master_param"))
+        out[f"{what} optim"] = _same(got, truth["optim"])
+        _steps(model, opt, SAVE_AT, STEPS)
+        if ws == 2:
+            out[f"{what} resumed"] = _same(fusedist.fsdp.full_state_dict(model), truth["final"])
+    return out
+
+
+def test_dim_sharded_fused_adamw_master_weights_at_world_3_and_2(tmp_path):
+    root = _saved(tmp_path, fused=True)
+    names = ["block.experts.master_param", "block.up.bias.master_param", "block.up.weight.master_param",
+             "down.bias.master_param", "down.weight.master_param"]
+    for ws in (3, 2):
+        for out in run_distributed(_fused_into, ws, root, timeout=120):
+            for k, v in out.items():
+                assert v == (names if k.endswith("master") else []), (ws, k, out)

@@ -32,11 +32,8 @@ def is_box(fragment: dict) -> bool:
 
 
 def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> int:
-    """The dim the boxes split; refuses boxes mixed with ranges, on several dims, or not
+    """The dim the boxes (sorted by start) split; refuses boxes on several dims, or not
     covering that dim exactly once."""
-    if not all(is_box(f) for f in frags):
-        raise StateDictError(f"{source}: parameter {index} (shape {shape}) has both box and range fragments; "
-                             "shards come from different checkpoints")
     dims = sorted({int(f["box"][0]) for f in frags})
     if len(dims) != 1 or not 0 <= dims[0] < len(shape):
         raise StateDictError(f"{source}: the box fragments of parameter {index} (shape {shape}) split dims {dims}")
@@ -68,6 +65,9 @@ def _place(frags: list, values: list, shape: tuple, dim: int, what: str, index: 
 def assemble_boxes(frags: list, shape: tuple, index: int, *, source: str) -> dict:
     """``{"master", "state"}`` of parameter ``index`` (whole, flat) from its box fragments."""
     shape = tuple(int(s) for s in shape)
+    if not all(is_box(f) for f in frags):
+        raise StateDictError(f"{source}: parameter {index} (shape {shape}) has both box and range fragments; "
+                             "shards come from different checkpoints")
     frags = sorted(frags, key=lambda f: f["box"][1])
     dim = _check_tiling(frags, shape, index, source)
     keys = set(frags[0]["state"])

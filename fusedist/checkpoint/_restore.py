@@ -44,6 +44,7 @@ class RestoreMixin:
                 f"ranks, the job has {self.world_size}; the Checkpointer saves the whole job's state"
             )
         self._writer.wait()
+        self._restores_trusted = bool(trusted)  # Note [checkpoints the restore cannot read]
         self._state = dict(model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler,
                            sampler=sampler)
         candidates = self._coord.broadcast(self._candidates_or_error(step) if self.rank == 0 else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _root_checks, _sampler_state, api, resume
+from . import _root_checks, _safe_values, _sampler_state, api, resume
 from ._files import CheckpointError
 from .sampler import ElasticDistributedSampler
 
@@ -87,8 +87,30 @@ class SnapshotMixin:
                       "scaler": s["scaler"].state_dict() if s["scaler"] is not None else None,
                       "extra": meta}
             manifest = self._manifest_base(step, model, optimizer)
+        if not getattr(self, "_restores_trusted", False):
+            self._refuse_unreadable(sections, common)
         staged = self._staging.stage({"sections": sections, "common": common})
         return dict(staged, manifest=manifest)
+
+    @staticmethod
+    def _refuse_unreadable(sections: dict, common: Optional[dict]) -> None:
+        """Raise TypeError naming the first value this job's restore (not trusted) could not
+        read back (Note [checkpoints the restore cannot read] in ``_safe_values.py``)."""
+        meta = (common or {}).get("extra") or {}
+        parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler")),
+                 ("the GradScaler's state_dict()", (common or {}).get("scaler")),
+                 ("the optimizer's state_dict()", (common or {}).get("optimizer")),
+                 ("the optimizer's state", sections.get("optimizer_shard")),
+                 ("the model's state_dict()", (common or {}).get("model")),
+                 ("the model's state", sections.get("model_shard"))]
+        for label, value in parts:
+            found = _safe_values.first_unreadable(value, label)
+            if found is not None:
+                raise TypeError(
+                    f"{found} could not be read back by restore(), which this job called without trusted=True "
+                    "(its safe loader takes tensors, numbers, strings and containers of them): convert it "
+                    "(float(x), int(x), torch.from_numpy(a)), or restore with trusted=True if you trust this "
+                    "checkpoint directory")
 
     def _manifest_base(self, step: int, model, optimizer) -> dict:
         """The manifest :func:`fusedist.checkpoint.load` expects, less the file list."""

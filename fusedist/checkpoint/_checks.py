@@ -92,7 +92,7 @@ def check_same_load(reads: list) -> None:
         raise CheckpointError(
             f"fusedist.checkpoint: the ranks read different checkpoints: {shown}. A load is a collective of one "
             "checkpoint: every rank passes the same directory, on a filesystem every rank sees; nothing was loaded")
-    for field in ("optimizer", "scaler"):
+    for field in ("optimizer", "scaler", "strict"):
         detail = _differs(reads, field)
         if detail:
             raise CheckpointError(

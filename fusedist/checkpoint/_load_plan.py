@@ -26,11 +26,16 @@ def _expected_model(target) -> tuple[dict, bool]:
     return expected, sharded_target
 
 
-def _check_model(saved: dict, expected: dict, directory: str) -> None:
-    """The saved keys and shapes must be exactly the module's (whole parameters)."""
+def _check_model(saved: dict, expected: dict, directory: str, strict: bool = True) -> dict:
+    """The saved keys and shapes must be exactly the module's (whole parameters); with
+    ``strict=False`` only the keys both have are loaded, and their shapes must match (Note
+    [a load that is not strict]). Returns the entries to load."""
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
-    if missing or unexpected:
+    if not strict:
+        saved = type(saved)((k, v) for k, v in saved.items() if k in expected)
+        expected = {k: v for k, v in expected.items() if k in saved}
+    elif missing or unexpected:
         # With shapes: a renamed parameter shows up once on each side, and its shape is what
         # lets the reader pair the two names.
         def listed(keys, shapes):
@@ -40,7 +45,8 @@ def _check_model(saved: dict, expected: dict, directory: str) -> None:
         raise CheckpointError(
             f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
             f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
-            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}"
+            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}; load(..., strict=False) "
+            "loads the keys both have, as torch's load_state_dict(strict=False) does"
         )
     for k, shape in expected.items():
         if tuple(saved[k].shape) != tuple(shape):
@@ -48,9 +54,10 @@ def _check_model(saved: dict, expected: dict, directory: str) -> None:
                 f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
                 f"is {tuple(shape)}"
             )
+    return saved
 
 
-def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
+def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True) -> dict:
     """:func:`prepare` for a checkpoint of torch's distributed checkpoint (Note [torch's
     distributed checkpoints in load] in ``_from_dcp.py``)."""
     if scaler is not None:
@@ -60,9 +67,9 @@ def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
     target = _names.unwrap(model)
     expected, sharded_target = _expected_model(target)
     saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
-    _check_model(saved, expected, directory)
-    plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target,
-                  "read": {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}}
+    saved = _check_model(saved, expected, directory, strict)
+    plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target, "strict": strict,
+                  "read": {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, optimizer, scaler)}}
     if optimizer is not None:
         if optim is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -74,19 +81,19 @@ def _prepare_dcp(directory, model, optimizer, scaler) -> dict:
     return plan
 
 
-def prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
+def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: bool = True) -> dict:
     """Read and check every file ``load`` needs and every tensor against ``model``, ``optimizer``
     and ``scaler``, without modifying them: the plan :func:`apply` carries out."""
     if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
-        return _prepare_dcp(directory, model, optimizer, scaler)
+        return _prepare_dcp(directory, model, optimizer, scaler, strict)
     manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]
     if _files.COMMON not in files:
         raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {_files.COMMON}")
     common = _files.load_file(_files.verify_file(directory, _files.COMMON, files[_files.COMMON]), trusted)
     # What the ranks compare before any of them applies its plan (_checks.check_same_load).
-    read = {"manifest": digest, **_checks.objects_passed(directory, optimizer, scaler)}
-    plan: dict = {"extra": common.get("extra"), "read": read}
+    read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, optimizer, scaler)}
+    plan: dict = {"extra": common.get("extra"), "read": read, "strict": strict}
     rank_files: dict = {}
 
     def sections(name: str) -> list:
@@ -106,8 +113,7 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False) -> dict:
     if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
         saved = dict(saved)
         saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
-    _check_model(saved, expected, directory)
-    plan["model"] = saved
+    plan["model"] = _check_model(saved, expected, directory, strict)
     plan["model_sharded"] = sharded_target
 
     if optimizer is not None:
@@ -197,9 +203,9 @@ def apply(plan: dict, model, optimizer, scaler):
         if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
             from ..fsdp.state_dict import load_full_state_dict
 
-            load_full_state_dict(target, state)
+            load_full_state_dict(target, state, strict=plan["strict"])
         else:
-            target.load_state_dict(state)
+            target.load_state_dict(state, strict=plan["strict"])
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.sync_master_from_params()
         if "optimizer" in plan:

@@ -360,7 +360,7 @@ def _common_sections(model, optimizer, scaler, extra, sharded_keys: set) -> dict
 
 # ---------------------------------------------------------------------------- load
 def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
-         trusted: bool = False) -> Optional[dict]:
+         trusted: bool = False, strict: bool = True) -> Optional[dict]:
     """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
 
     The world size may differ from the one that saved it: ZeroRedundancyOptimizer state is
@@ -379,6 +379,13 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     checkpoint whose ``extra`` holds other objects is refused unless ``trusted=True``, which
     unpickles fully -- only for checkpoints from a source you trust.
 
+    Note [a load that is not strict]: ``strict=False`` loads the model keys the checkpoint and
+    the model both have and leaves the others as they are, as torch's
+    ``load_state_dict(strict=False)`` does (a new head on a saved backbone, a buffer added
+    since); a key both have with another shape is still refused, as torch refuses it. The
+    optimizer state belongs to a list of parameters, so an optimizer is still loaded only into
+    the very parameters that saved it: pass ``optimizer=None`` to start a new one.
+
     ``directory`` may also be a checkpoint of torch's distributed checkpoint (``dcp.save`` of
     ``get_state_dict``'s model and optimizer state): e.g. a torch DDP + AdamW job continued on
     a ZeroRedundancyOptimizer, whose master weights then start from the loaded parameters
@@ -386,7 +393,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     """
     world = _World(optimizer, model)
     try:
-        plan = _load_plan.prepare(directory, model, optimizer, scaler, trusted)
+        plan = _load_plan.prepare(directory, model, optimizer, scaler, trusted, strict)
         error = None
     except (CheckpointError, zstate.StateDictError) as exc:
         plan, error = None, str(exc)

@@ -19,9 +19,12 @@ any error -- torch.nn.SyncBatchNorm does the same. The statistics a training lay
 accumulated name it across ranks: by that note its running statistics and
 ``num_batches_tracked`` are bit-identical on every rank, and a data-parallel wrapper
 broadcasts them besides. So the payload carries a short identity -- ``[1,
-num_batches_tracked, sum(running_mean), sum(running_var)]`` -- and :func:`combine` refuses,
+num_batches_tracked, sum(|running_mean|), sum(running_var)]`` -- and :func:`combine` refuses,
 on every rank alike (they all read the same gathered tensor), a gather whose ranks carry
-different ones. Layers still at their initial statistics look alike, so a mix-up is caught
+different ones: counts that differ, or sums more than 0.1% apart. The sums are compared with
+that margin, not bit for bit, because a sum over the channels may be associated differently
+on different hardware, and half-precision buffers round at 0.1%; two different layers' sums
+of absolute values (no cancellation) are much further apart. Layers still at their initial statistics look alike, so a mix-up is caught
 from the second training step of the layers involved. A payload without an identity (a layer
 with ``track_running_stats=False``, or the empty batch a rank that ran out of inputs
 contributes under ``join()``) starts with 0 and is compared with nothing. The identity rides
@@ -30,6 +33,7 @@ in the same message and is read to the host with the counts, which ``combine`` r
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,7 +43,8 @@ from ..comm import Communicator
 STATS_TAG = "sync_batch_norm.stats"
 GRAD_TAG = "sync_batch_norm.grad"
 CHECK_TAG = "sync_batch_norm.check"
-IDENTITY_LEN = 4  # [1, num_batches_tracked, sum(running_mean), sum(running_var)]: Note [the same layer on every rank]
+IDENTITY_LEN = 4  # [1, num_batches_tracked, sum(|running_mean|), sum(running_var)]: Note [the same layer on every rank]
+SUM_MARGIN = 1e-3  # relative: Note [the same layer on every rank]
 
 
 class GlobalStats(NamedTuple):
@@ -58,7 +63,7 @@ def layer_identity(num_batches_tracked, running_mean, running_var, device) -> to
         return torch.zeros(IDENTITY_LEN, dtype=torch.float64, device=device)
     one = torch.ones(1, dtype=torch.float64, device=device)
     return torch.cat([one, num_batches_tracked.reshape(1).to(torch.float64),
-                      running_mean.to(torch.float64).sum().reshape(1),
+                      running_mean.to(torch.float64).abs().sum().reshape(1),
                       running_var.to(torch.float64).sum().reshape(1)])
 
 
@@ -107,17 +112,27 @@ def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
     return GlobalStats(total, mean, m2, rank_counts)
 
 
-def _same(a: float, b: float) -> bool:
-    return a == b or (a != a and b != b)  # NaN statistics (a poisoned batch) are alike
+def _same(a: list, b: list) -> bool:
+    """Two identities ``[1, count, sum, sum]``: the same count, sums within the margin (NaN
+    statistics, a poisoned batch, are alike)."""
+    if a[1] != b[1]:
+        return False
+    for x, y in zip(a[2:], b[2:]):
+        if not (math.isfinite(x) and math.isfinite(y)):
+            if not (x == y or (math.isnan(x) and math.isnan(y))):
+                return False
+        elif abs(x - y) > SUM_MARGIN * max(abs(x), abs(y)):
+            return False
+    return True
 
 
 def _check_same_layer(identities: list, num_features: int) -> None:
     """Raise when the ranks that sent an identity sent different ones (Note [the same layer
     on every rank])."""
     sent = [(r, ident) for r, ident in enumerate(identities) if ident[0] == 1.0]
-    if all(all(_same(a, b) for a, b in zip(ident, sent[0][1])) for _, ident in sent[1:]):
+    if all(_same(ident, sent[0][1]) for _, ident in sent[1:]):
         return
-    shown = "; ".join(f"rank {r}: num_batches_tracked={int(ident[1])}, sum(running_mean)={ident[2]:.6g}, "
+    shown = "; ".join(f"rank {r}: num_batches_tracked={int(ident[1])}, sum(|running_mean|)={ident[2]:.6g}, "
                       f"sum(running_var)={ident[3]:.6g}" for r, ident in sent)
     raise ValueError(
         f"SyncBatchNorm({num_features}): the ranks are not normalizing the same layer in this exchange: "

@@ -192,8 +192,8 @@ def _check_fully_shard(results):
                 assert out[f"{what} {part}"] == [], (what, part, out)
 
 
-def _into_ddp_and_zero2(rank, ws, root):
-    """Loaded into DDP with torch's AdamW and into ZeRO-2: the whole parameters and state."""
+def _into_ddp(rank, ws, root):
+    """Loaded into DDP with torch's AdamW: the whole parameters and state; and back."""
     import fusedist
 
     truth = torch.load(os.path.join(root, "truth.pt"))
@@ -203,7 +203,22 @@ def _into_ddp_and_zero2(rank, ws, root):
     fusedist.checkpoint.load(os.path.join(root, "ckpt"), ddp, ddp_opt)
     out["ddp model"] = _same(ddp.module.state_dict(), truth["model"])
     out["ddp optim"] = _same(_by_name(ddp.module, ddp_opt.state_dict()["state"]), truth["optim"])
+    # back: DDP's checkpoint (whole parameters, torch's optimizer state) into a dim-sharded model
+    fusedist.checkpoint.save(os.path.join(root, f"ddp-{ws}"), ddp, ddp_opt)
+    back = _sharded(seed=9)
+    back_opt = _adamw(back.parameters())
+    fusedist.checkpoint.load(os.path.join(root, f"ddp-{ws}"), back, back_opt)
+    out["ddp back"] = _same(fusedist.fsdp.full_state_dict(back), truth["model"])
+    out["ddp back optim"] = _same(_full_optim(back, back_opt), truth["optim"])
+    return out
 
+
+def _into_zero2(rank, ws, root):
+    """Loaded into ZeRO-2: the whole parameters and state (consolidated on rank 0); and back."""
+    import fusedist
+
+    truth = torch.load(os.path.join(root, "truth.pt"))
+    out = {}
     z2 = fusedist.DistributedDataParallel(_net(7))
     z2_opt = fusedist.ZeroRedundancyOptimizer(z2.module.parameters(), torch.optim.AdamW, stage=2, lr=1e-2,
                                               weight_decay=0.1)
@@ -224,11 +239,10 @@ def _into_ddp_and_zero2(rank, ws, root):
     return out
 
 
-def _check_ddp_and_zero2(results):
+def _check_all_empty(results):
     for out in results:
         for k, v in out.items():
             assert v == [], (k, out)
-    assert "zero2 optim" in results[0]
 
 
 def test_dim_sharded_checkpoint_loads_at_world_3_into_fully_shard(tmp_path):
@@ -241,9 +255,14 @@ def test_dim_sharded_checkpoint_loads_at_world_2_into_fully_shard(tmp_path):
     _check_fully_shard(run_distributed(_into_fully_shard, 2, root, timeout=120))
 
 
-def test_dim_sharded_checkpoint_loads_into_ddp_and_zero2_and_back(tmp_path):
-    root = _saved(tmp_path)
-    _check_ddp_and_zero2(run_distributed(_into_ddp_and_zero2, 3, root, timeout=120))
+def test_dim_sharded_checkpoint_loads_into_ddp_and_back(tmp_path):
+    _check_all_empty(run_distributed(_into_ddp, 3, _saved(tmp_path), timeout=120))
+
+
+def test_dim_sharded_checkpoint_loads_into_zero2_and_back(tmp_path):
+    results = run_distributed(_into_zero2, 3, _saved(tmp_path), timeout=120)
+    _check_all_empty(results)
+    assert "zero2 optim" in results[0]
 
 
 def test_dim_sharded_checkpoint_format(tmp_path, monkeypatch):
@@ -295,8 +314,8 @@ def _fused_into(rank, ws, root):
         got = _full_optim(model, opt)
         out[f"{what} master"] = sorted(k for k in got if k.endswith("master_param"))
         out[f"{what} optim"] = _same(got, truth["optim"])
-        _steps(model, opt, SAVE_AT, STEPS)
-        if ws == truth["world"]:
+        if ws == truth["world"] and dims:
+            _steps(model, opt, SAVE_AT, STEPS)
             out[f"{what} resumed"] = _same(fusedist.fsdp.full_state_dict(model), truth["final"])
     return out
 
@@ -321,3 +340,27 @@ def test_dim_sharded_checkpoint_saved_at_world_3_loads_at_world_2(tmp_path):
     """Saved where a piece is empty (``skip``'s 4 columns at world 3: 2, 2, 0), loaded at 2."""
     root = _saved(tmp_path, world=3)
     _check_fully_shard(run_distributed(_into_fully_shard, 2, root, timeout=120))
+
+
+def _hsdp(rank, ws, root):
+    """Saved from an HSDP mesh (2 replicas x 2 shards: the first replica writes the pieces),
+    loaded into a 1-D mesh of the 4 ranks (10 columns: 3, 3, 3, 1)."""
+    import fusedist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _net(0)
+    fusedist.fully_shard(model.block, mesh=mesh, shard_placement_fn=placement)
+    fusedist.fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    opt = _adamw(model.parameters())
+    _steps(model, opt, 0, SAVE_AT)
+    fusedist.checkpoint.save(os.path.join(root, "hsdp"), model, opt)
+    want, want_optim = fusedist.fsdp.full_state_dict(model), _full_optim(model, opt)
+    flat = _sharded(seed=7)
+    flat_opt = _adamw(flat.parameters())
+    fusedist.checkpoint.load(os.path.join(root, "hsdp"), flat, flat_opt)
+    return _same(fusedist.fsdp.full_state_dict(flat), want) + _same(_full_optim(flat, flat_opt), want_optim)
+
+
+def test_dim_sharded_checkpoint_of_hsdp_loads_into_a_1d_mesh(tmp_path):
+    assert run_distributed(_hsdp, 4, str(tmp_path), timeout=120) == [[]] * 4

@@ -94,3 +94,31 @@ def test_a_job_restoring_with_trusted_keeps_saving_such_values(tmp_path):
     for saved, start, extra in run_distributed(_trusted_job, 2, str(tmp_path / "ckpt"), timeout=120):
         assert saved == "saved" and start == 1
         assert extra == {"best": 0.25} and type(extra["best"]) is np.float64
+
+
+def test_torchs_schedulers_and_fused_optimizer_states_are_readable():
+    """No false refusal: the state of every kind of LR scheduler torch ships (a Counter of
+    milestones included) and of a fused optimizer with masters is what the safe loader reads;
+    a NumPy array or a user object is named where it sits."""
+    import fusedist
+    from fusedist.checkpoint._safe_values import first_unreadable
+
+    S = torch.optim.lr_scheduler
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    opt = fusedist.optim.FusedAdamW(model.parameters(), lr=0.1, master_weights=True)
+    model(torch.randn(2, 3, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    schedulers = [S.StepLR(opt, 2), S.MultiStepLR(opt, [1, 3]), S.OneCycleLR(opt, max_lr=0.1, total_steps=10),
+                  S.CyclicLR(opt, 0.01, 0.1), S.CosineAnnealingWarmRestarts(opt, 3), S.ReduceLROnPlateau(opt),
+                  S.LambdaLR(opt, lambda s: 0.9 ** s), S.PolynomialLR(opt),
+                  S.SequentialLR(opt, [S.LinearLR(opt), S.ExponentialLR(opt, 0.9)], milestones=[2]),
+                  torch.optim.swa_utils.SWALR(opt, swa_lr=0.05)]
+    for sched in schedulers:
+        assert first_unreadable(sched.state_dict(), type(sched).__name__) is None, type(sched).__name__
+    assert first_unreadable(opt.state_dict(), "optimizer") is None
+    assert first_unreadable({"a": [1, {"b": np.zeros(2)}]}, "extra") == "extra['a'][1]['b'] (numpy.ndarray)"
+    assert first_unreadable({"cfg": _Config()}, "extra").startswith("extra['cfg'] (")
+
+
+class _Config:
+    width = 8

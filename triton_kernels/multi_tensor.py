@@ -273,7 +273,8 @@ def _st_param(p_ptr, w_ptr, offs, n, p, PARAM_DTYPE: tl.constexpr, HAS_MASTER: t
 def _bias_correction(log2_beta, s):
     # 1 - beta**s, evaluated in fp64 (one scalar per program, so free): in fp32 the
     # cancellation in 1 - 0.999**s costs ~5e-6 relative error early in training, while torch
-    # computes it in double on the host. log2(beta) comes from the host in double precision.
+    # computes it in double on the host. log2(beta) is computed in double and reaches the kernel
+    # as an fp32 argument (its relative rounding, 6e-8, moves beta**s by s * 6e-8 * |log2 beta|).
     return 1.0 - tl.exp2(tl.cast(s, tl.float64) * tl.cast(log2_beta, tl.float64))
 
 
@@ -334,8 +335,8 @@ def _adam_kernel(
     if BETAS_ON_DEVICE:  # Note [betas on the device]
         beta1 = tl.load(betas_ptr)
         beta2 = tl.load(betas_ptr + 1)
-        log2_beta1 = tl.log2(tl.cast(beta1, tl.float64))
-        log2_beta2 = tl.log2(tl.cast(beta2, tl.float64))
+        log2_beta1 = tl.log2(tl.cast(beta1, tl.float64)).to(tl.float32)  # rounded as the host's argument is
+        log2_beta2 = tl.log2(tl.cast(beta2, tl.float64)).to(tl.float32)
     step_size = lr
     bc2_sqrt = 1.0
     if BIAS_CORRECTION:
@@ -550,9 +551,10 @@ def _lr_args(lr, device: torch.device, dummy: torch.Tensor) -> tuple:
 #     Tensor ``betas`` (torch's Adam takes two 1-element tensors, e.g. for a beta schedule
 #     under ``torch.compile``) are read by the Adam kernel from a 2-element fp32 copy on the
 #     parameters' device, for the reason a tensor lr is (Note [a learning rate on the device]).
-#     The kernel forms ``log2(beta)`` in fp64 from the fp32 value, the number the host would
-#     compute from the same value, so the bias corrections (Note on ``_bias_correction``) and
-#     the update equal those of float betas holding the tensors' values.
+#     The kernel forms ``log2(beta)`` in fp64 from the fp32 value and rounds it to fp32, as
+#     the host's double reaches the kernel as an fp32 argument, so the bias corrections (the
+#     comment on ``_bias_correction``) and the update equal those of float betas holding the
+#     tensors' values (and the branch keeps the argument's type, as Triton requires).
 def _betas_args(beta1, beta2, device: torch.device, dummy: torch.Tensor) -> tuple:
     """``(pointer operand, beta1, beta2, log2 beta1, log2 beta2)`` for the Adam kernel: the
     host numbers are placeholders when the betas are tensors."""

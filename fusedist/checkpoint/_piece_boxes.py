@@ -32,10 +32,5 @@ def has_box(unit, index: int) -> bool:
 def cut(flat_whole: torch.Tensor, unit, index: int) -> torch.Tensor:
     """This rank's piece of parameter ``index``, flattened and of its own storage, out of the
     whole parameter ``flat_whole`` (flattened, row-major)."""
-    box = chunk_box(unit, index)
-    if box is None:
-        lo, hi = unit.element_range(index)
-        return flat_whole[lo:hi].clone()
-    dim, start, length = box
     whole = flat_whole.view(tuple(unit.layout.slots[index].shape))
-    return whole.narrow(dim, start, length).clone(memory_format=torch.contiguous_format).view(-1)
+    return unit.piece_of_whole(index, whole).clone(memory_format=torch.contiguous_format).view(-1)

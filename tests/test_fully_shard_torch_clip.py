@@ -194,19 +194,25 @@ def _zero2_clip(rank, ws, form):
         for model, o in ((ref, opt_ref), (ours, opt)):
             o.zero_grad()
             F.mse_loss(model(x), y).backward()
-            clip = torch.nn.utils.clip_grad_norm_ if form == "attribute" else clip_bound_early
-            pair.append(float(clip(model.parameters(), 0.05)))
+            if form == "torchtitan's two calls":
+                params = list(model.parameters())
+                total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                torch.nn.utils.clip_grads_with_norm_(params, 0.05, total)
+                pair.append(float(total))
+            else:
+                clip = torch.nn.utils.clip_grad_norm_ if form == "attribute" else clip_bound_early
+                pair.append(float(clip(model.parameters(), 0.05)))
             o.step()
         norms.append(pair)
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
     return norms, diff
 
 
-@pytest.mark.parametrize("form", ["attribute", "bound early"])
+@pytest.mark.parametrize("form", ["attribute", "bound early", "torchtitan's two calls"])
 def test_torch_clip_on_zero_stage2_matches_ddp(form):
     """Stage 2 keeps no ``p.grad``: torch's clip -- through the module attribute, or through the
     name imported from torch before the optimizer existed (torch's own function, which sees no
-    gradient) -- clips by the global norm (stage 2 applies the coefficient in its step) and
+    gradient), or torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_`` -- clips by the global norm (stage 2 applies the coefficient in its step) and
     returns it, as torch's clip on torch DDP."""
     for norms, diff in run_distributed(_zero2_clip, 2, form):
         for ref, ours in norms:

@@ -26,17 +26,20 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacemen
   ``fully_shard`` (its ``_clip_grads_with_norm_`` then scales every rank's pieces by the same
   global coefficient).
 
-* ``_clip_grads_with_norm_``, the module-level scaling step torch's ``clip_grad_norm_`` calls
-  after the norm: stage 2 through a name bound before the installation. That function (torch's
+* ``_clip_grads_with_norm_`` (also ``torch.nn.utils.clip_grads_with_norm_``, the same function),
+  the scaling step torch's ``clip_grad_norm_`` calls after the norm: stage 2 through a name
+  bound before the installation, and torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_``. That function (torch's
   own) finds no ``p.grad`` and asks the norm of an empty list -- it cannot see which parameters
   it clips -- then hands the parameters and that norm to ``_clip_grads_with_norm_``. So the
   replaced ``_get_total_norm`` remembers the zero it returned for an empty list (with the norm
   type asked), and when that very tensor reaches ``_clip_grads_with_norm_`` with parameters a
   stage-2 optimizer holds, the clip is fusedist's (the global norm; the coefficient applied in
   the step) and the global norm is written into that tensor, which torch's function returns:
-  the caller sees the norm torch's DDP would give. Without this, the common
-  ``from torch.nn.utils import clip_grad_norm_`` at a script's top clipped nothing under stage 2
-  and returned 0.
+  the caller sees the norm torch's DDP would give. torchtitan's two calls meet the same way:
+  ``get_total_norm`` of the (empty) list of ``p.grad`` returns that zero, and
+  ``clip_grads_with_norm_`` of the parameters with it clips globally and fills it in. Without
+  this, the common ``from torch.nn.utils import clip_grad_norm_`` at a script's top, and the
+  two-call recipe, clipped nothing under stage 2 and returned 0.
 
 * ``clip_grad_value_`` (module attribute): refused for parameters whose gradients a stage-2
   optimizer holds -- torch's function would clamp no ``p.grad`` and change nothing, silently
@@ -44,11 +47,10 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacemen
   elementwise, so torch's function is right on them and runs unchanged.
 
 What stays outside: a list mixing sharded and unsharded gradients or two process groups' units,
-which raises (FSDP2's clip refuses DTensors mixed with plain tensors too), and torchtitan's
-``get_total_norm(p.grad ...)`` + ``clip_grads_with_norm_`` under stage 2, which has no gradient to
-name (use ``torch.nn.utils.clip_grad_norm_``, ``fusedist.clip_grad_norm_`` or
-``optimizer.clip_grad_norm_``).
-Both replacements are collectives exactly when they see sharded gradients: every rank calls them
+which raises (FSDP2's clip refuses DTensors mixed with plain tensors too), and, under stage 2,
+the norm read before ``clip_grads_with_norm_`` runs (it is 0 until then) or the two calls made
+through names bound before the installation.
+The replacements are collectives exactly when they see sharded gradients: every rank calls them
 with the same parameters, as FSDP2 requires of its clip.
 """
 
@@ -198,6 +200,7 @@ def install() -> None:
     _installed = True
     clip_grad_module._get_total_norm = _global_total_norm
     clip_grad_module._clip_grads_with_norm_ = _clip_grads_with_norm_stage2
+    nn_utils.clip_grads_with_norm_ = _clip_grads_with_norm_stage2
     nn_utils.get_total_norm = _global_total_norm
     clip_grad_module.clip_grad_norm_ = _global_clip_grad_norm_
     clip_grad_module.clip_grad_value_ = _clip_grad_value_refusing_stage2

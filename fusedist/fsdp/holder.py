@@ -12,7 +12,8 @@ import weakref
 
 import torch
 
-from ..optim.step_context import pending_contexts
+from ..optim.grad_norms import per_tensor_global_norms
+from ..optim.step_context import materialize_unscales
 from ..ownership import register_gradient_holder
 
 __all__ = ["ShardedGradHolder", "holder_for"]
@@ -62,18 +63,11 @@ class ShardedGradHolder:
         holds the whole gradient (HSDP replicas hold copies). A collective: every rank of the
         group calls it with the same parameters in the same order. The norms are in float64,
         for the caller to cast."""
-        norm_type = float(norm_type)
-        inf = norm_type == float("inf")
         params = list(params)
-        _apply_pending_unscales(params)
-        partial = torch.zeros(len(params), dtype=torch.float64, device=self.comm.device)
-        at = [i for i, p in enumerate(params) if p.grad is not None and p.grad.numel()]
-        if at:  # this rank's part: the max of |g|, or the sum of |g|^p
-            local = torch._foreach_norm([params[i].grad.detach() for i in at], norm_type)
-            local = torch.stack([n.double() for n in local]).to(partial.device)
-            partial[torch.tensor(at, device=partial.device)] = local if inf else local.pow(norm_type)
-        _all_reduce(self.comm, partial, "max" if inf else "sum", "fully_shard per-parameter grad norms")
-        norms = partial if inf else partial.pow(1.0 / norm_type)
+        materialize_unscales(params)
+        norms = per_tensor_global_norms(
+            [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), self.comm.device,
+            lambda t, op: _all_reduce(self.comm, t, op, "fully_shard per-parameter grad norms"))
         return [norms[i] if p.grad is not None else None for i, p in enumerate(params)]
 
     @torch.no_grad()
@@ -82,7 +76,7 @@ class ShardedGradHolder:
         """``torch.nn.utils.clip_grad_norm_`` over the sharded parameters ``params``: the
         global norm (one all-reduce), and every rank scales its pieces by the same factor."""
         params = list(params)
-        _apply_pending_unscales(params)
+        materialize_unscales(params)
         total = self.grad_norm(params, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
@@ -106,15 +100,6 @@ class ShardedGradHolder:
         """Sum over the ranks, in place (GradScaler: the global sum of squares of the pieces)."""
         _all_reduce(self.comm, value, "sum", "fully_shard grad sumsq")
         return value
-
-
-def _apply_pending_unscales(params) -> None:
-    """GradScaler(lazy_unscale=True) leaves ``.grad`` scaled until the step: before reading the
-    gradients of ``params``, their optimizers apply what the step would (Note [lazy unscale])."""
-    ids = {id(p) for p in params}
-    for opt in pending_contexts():
-        if any(id(p) in ids for p in opt._fusedist_grad_params()):
-            opt._fusedist_materialize_unscale()
 
 
 def _all_reduce(comm, t: torch.Tensor, op: str, tag: str) -> None:

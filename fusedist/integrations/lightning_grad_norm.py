@@ -41,6 +41,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm as _lightning_grad_norm
 
 from fusedist.fsdp.holder import ShardedGradHolder
+from fusedist.optim.grad_norms import per_tensor_global_norms
 from fusedist.ownership import gradient_holder
 from fusedist.zero import ZeroRedundancyOptimizer
 
@@ -96,17 +97,11 @@ def _held_norms(zero: ZeroRedundancyOptimizer, norm_type: float) -> dict[int, to
     pairs = zero.gradient_slices()  # the same parameters in the same order on every rank
     if not pairs:  # (on every rank: no synchronized backward since the step)
         return {}
-    inf = norm_type == float("inf")
     device = zero.comm.device if zero.comm is not None else pairs[0][1].device
-    partial = torch.zeros(len(pairs), dtype=torch.float64, device=device)
-    at = [k for k, (_, s) in enumerate(pairs) if s.numel()]  # (an empty slice has no inf-norm)
-    if at:  # this rank's part: the max of |g|, or the sum of |g|^p
-        local = torch._foreach_norm([pairs[k][1] for k in at], norm_type)
-        local = torch.stack([n.double() for n in local]).to(device)
-        partial[torch.tensor(at, device=device)] = local if inf else local.pow(norm_type)
-    if zero.comm is not None and zero.world_size > 1:
-        zero.comm.all_reduce(partial, op="max" if inf else "sum", tag=_TAG)
-    norms = partial if inf else partial.pow(1.0 / norm_type)
+    distributed = zero.comm is not None and zero.world_size > 1
+    norms = per_tensor_global_norms(
+        [s for _, s in pairs], norm_type, device,
+        lambda t, op: zero.comm.all_reduce(t, op=op, tag=_TAG) if distributed else None)
     inv_scale = zero.step_context.inv_scale  # a pending unscale (Note [gradient norms under ZeRO stage 2])
     if inv_scale is not None:
         norms = norms * inv_scale.to(norms).reshape(())

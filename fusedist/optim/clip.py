@@ -19,7 +19,7 @@ from typing import Iterable, Union
 import torch
 
 from ..ownership import gradient_holder
-from .step_context import pending_contexts
+from .step_context import materialize_unscales, pending_contexts
 from .torch_clip import torch_clip_grad_norm_
 
 
@@ -87,7 +87,5 @@ def clip_grad_norm_(
                 continue
             if {id(p) for p in opt._fusedist_grad_params()} == ids:
                 return _record_clip(opt, [p.grad for p in with_grad], max_norm, error_if_nonfinite)
-    for opt in pending:
-        if any(id(p) in ids for p in opt._fusedist_grad_params()):
-            opt._fusedist_materialize_unscale()
+    materialize_unscales(with_grad, pending)
     return torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

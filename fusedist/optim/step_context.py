@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["StepContext", "pending_contexts"]
+__all__ = ["StepContext", "materialize_unscales", "pending_contexts"]
 
 
 @dataclasses.dataclass
@@ -106,3 +106,13 @@ def pending_contexts() -> list:
         else:
             live.append(opt)
     return live
+
+
+def materialize_unscales(params, pending=None) -> None:
+    """``GradScaler(lazy_unscale=True)`` leaves ``.grad`` scaled until the step: before a norm
+    or a clip reads the gradients of ``params``, the optimizers among ``pending`` (default:
+    :func:`pending_contexts`) holding any of them apply the unscale now."""
+    ids = {id(p) for p in params}
+    for opt in pending_contexts() if pending is None else pending:
+        if any(id(p) in ids for p in opt._fusedist_grad_params()):
+            opt._fusedist_materialize_unscale()

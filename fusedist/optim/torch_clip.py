@@ -65,6 +65,7 @@ import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
 from ..ownership import gradient_holder, held_parameters
+from .step_context import materialize_unscales
 
 __all__ = ["install", "installed", "torch_clip_grad_norm_"]
 
@@ -97,17 +98,6 @@ def _pieces_by_holder(grads: list) -> tuple[dict, bool]:
     return found, bool(ids)
 
 
-def _unscale_pending(params: list) -> None:
-    """``GradScaler(lazy_unscale=True)`` left these gradients scaled: unscale them first, as
-    ``fusedist.clip_grad_norm_`` does, so the norm and the clip see torch's values."""
-    from .step_context import pending_contexts
-
-    ids = {id(p) for p in params}
-    for opt in pending_contexts():
-        if any(id(p) in ids for p in opt._fusedist_grad_params()):
-            opt._fusedist_materialize_unscale()
-
-
 @torch.no_grad()
 def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
     if isinstance(tensors, torch.Tensor):
@@ -128,7 +118,7 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
             "Measure each group's gradients on their own (torch's FSDP2 refuses DTensors mixed with "
             "plain tensors too)")
     holder, params = next(iter(found.values()))
-    _unscale_pending(params)
+    materialize_unscales(params)  # lazily unscaled gradients: torch's values first
     total = holder.grad_norm(params, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
@@ -157,13 +147,18 @@ def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfin
     return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
+def _held_by_stage2(p) -> bool:
+    """Whether a ZeRO stage-2 optimizer holds ``p``'s gradient (then ``p.grad`` is None)."""
+    return p.grad is None and getattr(gradient_holder(p), "stage", None) == 2
+
+
 @torch.no_grad()
 def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None) -> None:
     last = getattr(_empty_norm, "last", None)
     _empty_norm.last = None
     if last is not None and last[0] is total_norm:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(p.grad is None and getattr(gradient_holder(p), "stage", None) == 2 for p in params):
+        if any(_held_by_stage2(p) for p in params):
             from .clip import clip_grad_norm_
 
             _, norm_type, error_if_nonfinite = last
@@ -177,7 +172,7 @@ def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None)
 def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> None:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     for i, p in enumerate(params):
-        if p.grad is None and getattr(gradient_holder(p), "stage", None) == 2:
+        if _held_by_stage2(p):
             raise RuntimeError(
                 f"torch.nn.utils.clip_grad_value_: parameter {i} (shape {tuple(p.shape)}) has its gradient held "
                 "in shards by a ZeroRedundancyOptimizer(stage=2), which keeps no p.grad, so clipping by value "

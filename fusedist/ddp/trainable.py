@@ -70,7 +70,7 @@ class TrainableTracker:
 
     def __init__(self, module, owner):
         self.ignore = owner.parameters_to_ignore  # Note [parameters and buffers DDP ignores]
-        named = [(n, p) for n, p in module.named_parameters() if n not in self.ignore]
+        named = owner.synced_parameters()
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.position = {n: i for i, n in enumerate(self.names)}

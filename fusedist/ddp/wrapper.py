@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 import weakref
 from collections import OrderedDict
@@ -13,8 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
-from torch.distributed.utils import _to_kwargs
-from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch
 from .._consistency import check_same_across_ranks
@@ -26,6 +23,7 @@ from .config import DDPConfig
 from .copies import construction_checks, copy_wrapper
 from .reducer import Reducer
 from .static_graph import ArrivalCounts
+from .torch_surface import TorchDDPSurface
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
@@ -127,7 +125,7 @@ def _supersede_owners(params, newer) -> None:
         )
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
     Same use as torch's: wrap the model, call it, ``loss.backward()`` returns averaged
@@ -212,18 +210,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.dim = dim
         self.device = _module_device(module)
         self._check_device_ids(device_ids, output_device)
-        # torch's attributes (Note [inputs moved to the module's device]): device_ids set only
-        # when given for a single-device accelerator module, as torch sets it.
-        self.device_type = self.device.type
-        self.device_ids = [self.device.index] if device_ids and self.device.type != "cpu" else None
-        self.output_device = self.device_ids[0] if self.device_ids else None
-        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        self._init_surface(module, device_ids)  # torch's placement attributes, the ignored names
         self.comm = get_communicator(process_group, self.device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
 
-        # Note [parameters and buffers DDP ignores]
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        named = [(n, p) for n, p in self.synced_parameters() if p.requires_grad]
         for name, p in named:
             if not (p.dtype.is_floating_point):
                 raise TypeError(
@@ -255,7 +246,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.observers.append(self.watch)
         # an optimizer holding the ignored (rank-local) parameters steps them under this watch,
         # not as parameters no model synchronizes (Note [parameters and buffers DDP ignores])
-        register_step_watch([p for n, p in module.named_parameters() if n in self.parameters_to_ignore], self.watch)
+        register_step_watch([p for _, p in self.ignored_parameters()], self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(module, self)
         self._no_sync_depth = 0
@@ -289,23 +280,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                     f"{self.device}; single-device modules take device_ids=[their device]"
                 )
 
-    # Note [parameters and buffers DDP ignores]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # torch's ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module,
-    # names)`` marks parameters and buffers (by their names in ``module``) as rank-local state:
-    # DDP neither broadcasts nor compares them, and an ignored parameter's gradient is this
-    # rank's own, never averaged (sharded embedding tables, per-rank statistics, parameters
-    # another parallelism synchronizes). Code written for torch's DDP calls it before wrapping;
-    # the wrapper reads the same ``module._ddp_params_and_buffers_to_ignore`` and leaves those
-    # tensors out of the buckets, the construction broadcast and check, the buffer sync at
-    # forwards and the trainable-set tracking. The list itself must be the same on every rank.
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore) -> None:
-        """torch's: mark ``params_and_buffers_to_ignore`` (names in ``module``) as not
-        synchronized by DDP; call before wrapping."""
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            module, params_and_buffers_to_ignore)
-
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):
         """Note [copies of the wrapper] in copies.py."""
@@ -321,12 +295,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _check_ranks_agree(self) -> None:
         # ignored tensors are rank-local (Note [parameters and buffers DDP ignores]); the list
         # comes first, so that a list differing between ranks is the difference named
-        ignore = self.parameters_to_ignore
-        entries = [("setting", "params_and_buffers_to_ignore", tuple(sorted(ignore)), "", True)]
-        entries += [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                    for n, p in self.module.named_parameters() if n not in ignore]
-        entries += [("buffer", n, tuple(b.shape), str(b.dtype), False)
-                    for n, b in self.module.named_buffers() if n not in ignore]
+        entries = [("setting", "params_and_buffers_to_ignore", tuple(sorted(self.parameters_to_ignore)), "", True)]
+        entries += [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.synced_parameters()]
+        entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.synced_buffers()]
         entries += [("setting", name, value, "", True) for name, value in self._construction_settings()]
         check_same_across_ranks(
             entries,
@@ -398,21 +369,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                         unique[id(b)] = b
         return list(unique.values())
 
-    def _ignored_keys(self, prefix: str) -> frozenset:
-        """The attribute names under the submodule at ``prefix`` that DDP ignores."""
-        if not self.parameters_to_ignore:
-            return frozenset()
-        head = f"{prefix}." if prefix else ""
-        return frozenset(n[len(head):] for n in self.parameters_to_ignore
-                         if n.startswith(head) and "." not in n[len(head):])
-
     def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state", buffers: bool = True) -> None:
         """Every parameter (and buffer, unless ``buffers`` is False) from rank ``src`` (at
         construction, and when a join context ends: Note [joined ranks])."""
-        ignore = self.parameters_to_ignore
-        tensors = [p.detach() for n, p in self.module.named_parameters() if n not in ignore]
+        tensors = [p.detach() for _, p in self.synced_parameters()]
         if buffers:
-            tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
+            tensors += [b for _, b in self.synced_buffers()]
         self._broadcast_coalesced(tensors, tag=tag, src=src)
 
     def _broadcast_coalesced(self, tensors, tag: str, src: int = 0) -> None:
@@ -436,33 +398,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
-        if self.device_ids:  # Note [inputs moved to the module's device]
-            (args,), (kwargs,) = self.to_kwargs(args, kwargs, self.device_ids[0])
+        args, kwargs = self._inputs_on_device(args, kwargs)  # Note [inputs moved to the module's device]
         # Note [bookkeeping outside compiled graphs]: only the module's own forward is traced.
         if self._before_forward(torch.compiler.is_compiling()):
             return _join.run_module(self, args, kwargs)
         return self.module(*args, **kwargs)
-
-    # Note [inputs moved to the module's device]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # torch's DDP given ``device_ids=[i]`` copies the forward's tensor inputs (in args and
-    # kwargs, through lists, tuples, dicts and dataclasses) to ``cuda:i`` before the module
-    # runs, on a side stream unless PYTORCH_DDP_USE_SIDE_STREAM=0; scripts that feed it
-    # batches straight from a CPU DataLoader rely on that. The same helpers do it here, under
-    # the same condition: without ``device_ids`` (and on CPU) inputs go through as given.
-    # ``scatter``/``gather``/``to_kwargs`` are torch's methods of the same names, kept for
-    # code that calls them.
-    def to_kwargs(self, inputs, kwargs, device_id):
-        """``inputs`` and ``kwargs`` with their tensors on ``device_id``, each wrapped in a
-        1-tuple (torch's ``DistributedDataParallel.to_kwargs``)."""
-        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id),
-                          self.use_side_stream_for_tensor_copies)
-
-    def scatter(self, inputs, kwargs, device_ids):
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-
-    def gather(self, outputs, output_device):
-        return gather(outputs, output_device, dim=self.dim)
 
     # Note [bookkeeping outside compiled graphs]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -49,9 +49,7 @@ def _refuse_rank_local(ddp, params: list) -> None:
     """Parameters the DDP model ignores are rank-local (Note [parameters and buffers DDP
     ignores] in ``fusedist/ddp/wrapper.py``): sharding one would overwrite every rank's value
     with its owner's after each step (or fail on a shape that differs between ranks)."""
-    if not ddp.parameters_to_ignore:
-        return
-    ignored = {id(p): n for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
+    ignored = {id(p): n for n, p in ddp.ignored_parameters()}
     names = [ignored[id(p)] for p in params if id(p) in ignored]
     if names:
         raise ValueError(

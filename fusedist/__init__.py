@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "DistributedDataParallel": ("fusedist.ddp", "DistributedDataParallel"),
     "Join": ("fusedist.ddp.join", "Join"),
+    "replicate": ("fusedist.ddp.replicate", "replicate"),
     "ZeroRedundancyOptimizer": ("fusedist.zero", "ZeroRedundancyOptimizer"),
     "fully_shard": ("fusedist.fsdp", "fully_shard"),
     "register_fsdp_forward_method": ("fusedist.fsdp", "register_fsdp_forward_method"),

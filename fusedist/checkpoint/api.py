@@ -91,9 +91,10 @@ def _check_ranks_agree(model: torch.nn.Module, optimizer) -> None:
     the same steps: a divergence in the last step before a save is otherwise reported at the
     next training forward -- after the checkpoint of a diverged run was written."""
     from ..ddp import DistributedDataParallel
+    from ..ddp.replicate import wrapper_of
 
     ddp = next((m for m in _names.layers(model) if isinstance(m, DistributedDataParallel)),
-               getattr(optimizer, "ddp", None))
+               getattr(optimizer, "ddp", None) or wrapper_of(_names.unwrap(model)))
     if isinstance(ddp, DistributedDataParallel):
         ddp.check_consistency()
     elif hasattr(model, "check_consistency") and stage3.units(model):

@@ -72,10 +72,15 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
       parameter.
     * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
+    from ..ddp.replicate import ReplicatedModule
+
     modules = members_of(module)
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(f"fusedist.fully_shard: {type(m).__name__} is already sharded")
+        if isinstance(m, ReplicatedModule):
+            raise ValueError(f"fusedist.fully_shard: {type(m).__name__} is replicated (fusedist.replicate); "
+                             "shard the blocks first, or use fully_shard over a 2-D mesh (HSDP)")
     if mesh is not None and process_group is not None:
         raise ValueError("fusedist.fully_shard: pass mesh or process_group, not both")
     if dp_mesh_dims is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm import get_communicator
+from ..ddp.replicate import build_pending
 from ..ownership import data_parallel_owner, register_gradient_holder
 from ..reliability import attach_monitor
 from .grad_sync import ReduceScatterToShard
@@ -21,6 +22,7 @@ def find_ddp(trainable: list, params: list):
     the model does not reduce yet are accepted if they are the model's: trainable since it
     was wrapped, it takes them on at its next training forward. Frozen parameters are not
     DDP's (it reduces only trainable ones) and never communicated."""
+    build_pending(trainable)  # a replicated module still waiting for its first forward
     found = [data_parallel_owner(p) for p in trainable]
     owners = {id(d): d for d in found if d is not None}
     ddp = next(iter(owners.values()), None)

@@ -1,0 +1,207 @@
+"""``fusedist.replicate``: torch's composable ``replicate`` (the DDP torchtitan applies) on
+fusedist's DistributedDataParallel engine.
+
+Note [replicate without a wrapper]
+----------------------------------
+``torch.distributed._composable.replicate(module, **ddp_kwargs)`` data-parallelizes a module in
+place: the module stays what it was -- its own submodules, state-dict keys without a
+``module.`` prefix, its methods -- and gains ``set_requires_gradient_sync`` and
+``register_comm_hook``. torch attaches a DistributedDataParallel over the module's parameters
+to forward hooks. Here the module's class becomes a subclass ``(ReplicatedModule, cls)``, whose
+``forward`` runs fusedist's DDP bookkeeping (the per-step checks, ZeRO's parameter waits, the
+join exchange, inputs moved to ``device_id``) and then ``cls.forward`` -- inside the module's own
+call, so the module's hooks run once. The engine is a fusedist ``DistributedDataParallel``
+over the module, kept in the module's ``__dict__`` (not a submodule: it is in none of
+``modules()``, ``parameters()`` or ``state_dict()``); :func:`wrapper_of` finds it.
+
+When it is built. The engine's construction compares the model across ranks and broadcasts
+rank 0's parameters, so it needs real parameters. A module whose parameters are on the meta
+device (torchtitan applies its parallelisms first, then ``to_empty`` and ``init_weights``) is
+built at its first forward, as torch builds it for every module; any other at once, so that a
+``ZeroRedundancyOptimizer`` or a checkpoint load made before the first forward finds it (a
+ZeroRedundancyOptimizer made while it is pending builds it: :func:`build_pending`).
+
+Buffers are not synchronized, as with torch's replicate (its DDP is built over a
+``ParameterList``, so there are none to broadcast: each rank keeps its own BatchNorm running
+statistics). ``forward_sync_buffers=True`` broadcasts rank 0's buffers at each training
+forward, as the wrapper does by default.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+import weakref
+
+__all__ = ["replicate", "ReplicatedModule", "wrapper_of", "build_pending"]
+
+_STATE = "_fusedist_replicate"
+# replicated modules whose engine is not built yet (Note [replicate without a wrapper]: built at
+# the first forward, or by a ZeroRedundancyOptimizer over their parameters). The modules, not
+# their parameters: ``to_empty`` replaces the meta parameters with new ones.
+_PENDING: weakref.WeakSet = weakref.WeakSet()
+
+
+class _ReplicateState:
+    """The engine of one replicated module, and what builds it when it is still pending."""
+
+    def __init__(self, module: nn.Module, ignored_modules: set, kwargs: dict):
+        self.module = module
+        self.ignored_modules = ignored_modules
+        self.kwargs = kwargs
+        self.ddp = None
+        self.requires_gradient_sync = True
+        self.comm_hooks: list = []
+
+    def build(self):
+        if self.ddp is not None:
+            return self.ddp
+        from .wrapper import DistributedDataParallel
+
+        module = self.module
+        on_meta = [n for n, p in module.named_parameters() if p.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                f"fusedist.replicate({type(module).__name__}): parameters {on_meta[:4]} are still on the meta "
+                "device; materialize them (module.to_empty(device=...) and their initialization) before the "
+                "first forward or the ZeroRedundancyOptimizer")
+        kwargs = dict(self.kwargs)
+        forward_sync = kwargs.pop("forward_sync_buffers", False)
+        kwargs.pop("broadcast_buffers", None)  # (torch's replicate passes it to a DDP without buffers)
+        init_sync = kwargs.pop("init_sync", True)
+        device_id = kwargs.pop("device_id", None)
+        if device_id is not None and torch.device(device_id if not isinstance(device_id, int) else
+                                                  f"cuda:{device_id}").type != "cpu":
+            kwargs["device_ids"] = [device_id]
+        ignored = [f"{prefix}.{n}" if prefix else n
+                   for prefix, m in module.named_modules() if m in self.ignored_modules
+                   for n, _ in list(m.named_parameters(recurse=True)) + list(m.named_buffers(recurse=True))]
+        if ignored:
+            previous = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, previous + ignored)
+        ddp = DistributedDataParallel(module, forward_sync_buffers=forward_sync, init_sync=False, **kwargs)
+        if init_sync:
+            ddp._broadcast_state(tag="replicate initial parameters", buffers=False)
+        self.ddp = ddp
+        _PENDING.discard(module)
+        for args, hook_kwargs in self.comm_hooks:
+            ddp.register_comm_hook(*args, **hook_kwargs)
+        self.comm_hooks.clear()
+        return ddp
+
+
+class ReplicatedModule:
+    """What a module gains from :func:`replicate` (torch's composable ``DDP`` class): its
+    ``forward`` synchronizes gradients, and two methods."""
+
+    def forward(self, *args, **kwargs):
+        state: _ReplicateState = self.__dict__[_STATE]
+        ddp = state.build()
+        own_forward = super().forward  # the module's class's forward (Note [replicate without a wrapper])
+        if state.requires_gradient_sync:
+            return ddp._forward_through(own_forward, args, kwargs)
+        ddp._no_sync_depth += 1
+        try:
+            return ddp._forward_through(own_forward, args, kwargs)
+        finally:
+            ddp._no_sync_depth -= 1
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: the backwards of the following forwards accumulate gradients locally, without
+        communication; the first backward after it is set back to True reduces the sum (torch's
+        ``no_sync``, as a setting)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"requires_gradient_sync must be a bool, got {type(requires_gradient_sync).__name__}")
+        self.__dict__[_STATE].requires_gradient_sync = requires_gradient_sync
+
+    def register_comm_hook(self, *args, **kwargs) -> None:
+        """torch's DDP communication hook (``DistributedDataParallel.register_comm_hook``)."""
+        state: _ReplicateState = self.__dict__[_STATE]
+        if state.ddp is None:
+            state.comm_hooks.append((args, kwargs))
+        else:
+            state.ddp.register_comm_hook(*args, **kwargs)
+
+    def check_consistency(self) -> None:
+        """Whether the ranks ran the same steps, with the last one included (the wrapper's
+        ``check_consistency``; every rank calls it)."""
+        ddp = self.__dict__[_STATE].ddp
+        if ddp is not None:
+            ddp.check_consistency()
+
+    def __deepcopy__(self, memo):
+        raise AssertionError(
+            "fusedist.replicate: a replicated module cannot be deep-copied (as with torch's replicate); copy "
+            "its state_dict() into a new module instead")
+
+
+_CLASSES: dict = {}
+
+
+def _replicated_class(cls: type) -> type:
+    replicated = _CLASSES.get(cls)
+    if replicated is None:
+        replicated = _CLASSES[cls] = type(f"DDP{cls.__name__}", (ReplicatedModule, cls), {})
+    return replicated
+
+
+def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] = None, **kwargs) -> nn.Module:
+    """Data-parallelize ``module`` in place, as ``torch.distributed._composable.replicate``
+    (Note [replicate without a wrapper]); returns it. ``kwargs`` are fusedist
+    :class:`~fusedist.DistributedDataParallel`'s (torch DDP's: ``device_mesh``,
+    ``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...) plus torch's
+    ``device_id``; ``ignored_modules`` are left out (neither reduced nor broadcast). Buffers
+    are not synchronized (torch's), unless ``forward_sync_buffers=True``."""
+    from ..fsdp.api import FullyShardedModule
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fusedist.replicate expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ReplicatedModule):
+        raise ValueError(f"fusedist.replicate: {type(module).__name__} is already replicated")
+    sharded = [name or "the module itself" for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
+    if sharded:
+        raise NotImplementedError(
+            f"fusedist.replicate: {sharded[:4]} of {type(module).__name__} are sharded by fully_shard; replicate a "
+            "module without fully_shard units (for sharding with replication across groups, use fully_shard over "
+            "a 2-D mesh: HSDP)")
+    if "device_id" in kwargs and not isinstance(kwargs["device_id"], (int, torch.device, type(None))):
+        raise TypeError(f"fusedist.replicate: device_id must be an int or a torch.device, got "
+                        f"{type(kwargs['device_id']).__name__}")
+    from torch.distributed.tensor import DTensor
+
+    dtensors = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        raise NotImplementedError(
+            f"fusedist.replicate: parameters {dtensors[:4]} are DTensors (tensor parallelism); fusedist's data "
+            "parallelism takes plain parameters. Use torch's replicate for DDP over tensor-parallel modules")
+    state = _ReplicateState(module, set(ignored_modules or ()), kwargs)
+    module.__dict__[_STATE] = state
+    module.__class__ = _replicated_class(type(module))
+    if any(p.is_meta for p in module.parameters()):
+        _PENDING.add(module)
+    else:
+        try:
+            state.build()
+        except BaseException:
+            module.__class__ = type(module).__mro__[2]
+            del module.__dict__[_STATE]
+            raise
+    return module
+
+
+def wrapper_of(module: nn.Module):
+    """The DistributedDataParallel engine of a replicated ``module`` (None when ``module`` is
+    not replicated or its engine is not built yet)."""
+    state = module.__dict__.get(_STATE) if isinstance(module, nn.Module) else None
+    return state.ddp if state is not None else None
+
+
+def build_pending(params: Iterable) -> None:
+    """Build the engines of replicated modules still pending over any of ``params`` (a
+    ZeroRedundancyOptimizer shards along its model's buckets, so it needs them built)."""
+    ids = {id(p) for p in params}
+    for module in list(_PENDING):
+        if any(id(p) in ids for p in module.parameters()):
+            module.__dict__[_STATE].build()

@@ -99,6 +99,18 @@ def _job(rank, world_size, root):
     before = _state(mixed.module)
     out["ranks differ"] = _outcome(lambda: checkpoint.load(root, mixed, strict=rank == 0))
     out["ranks differ unchanged"] = all(torch.equal(before[k], v) for k, v in _state(mixed.module).items())
+
+    # a Checkpointer's resume of a model that gained a buffer since the save
+    with checkpoint.Checkpointer(os.path.join(os.path.dirname(root), "periodic"), every_steps=1) as ckpt:
+        ckpt.restore(model, opt)
+        ckpt.save(1)
+    for strict in (True, False):
+        grown = fusedist.DistributedDataParallel(_Net(extra_buffer=True))
+        grown_opt = fusedist.ZeroRedundancyOptimizer(grown.parameters(), fusedist.optim.FusedAdamW, stage=2, lr=1e-2)
+        with checkpoint.Checkpointer(os.path.join(os.path.dirname(root), "periodic"), every_steps=1) as ckpt:
+            out[f"restore strict={strict}"] = _outcome(lambda: ckpt.restore(grown, grown_opt, strict=strict))
+        out[f"restored strict={strict}"] = all(torch.equal(v, saved[k]) for k, v in _state(grown.module).items()
+                                               if k in saved) and bool(grown.module.temperature.eq(2.0).all())
     return out
 
 
@@ -121,6 +133,11 @@ def test_non_strict_load_is_torchs_and_refusals_name_the_keys(tmp_path):
         differ = out["ranks differ"]
         assert "strict is True on ranks [0]; False on ranks [1]" in differ, differ
         assert out["ranks differ unchanged"]
+
+        refused = out["restore strict=True"]
+        assert "no checkpoint" in refused and "missing keys (in the model, not in the checkpoint) [temperature" \
+            in refused, refused
+        assert out["restore strict=False"] == "loaded" and out["restored strict=False"]
 
 
 @pytest.mark.parametrize("strict", [True, False])

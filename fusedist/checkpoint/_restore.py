@@ -23,7 +23,7 @@ class RestoreMixin:
     """``restore`` and its helpers, over ``Checkpointer``'s coordinator and registered objects."""
 
     def restore(self, model: torch.nn.Module, optimizer=None, scaler=None, *, lr_scheduler=None, sampler=None,
-                step: Optional[int] = None, trusted: bool = False) -> int:
+                step: Optional[int] = None, trusted: bool = False, strict: bool = True) -> int:
         """Load the latest complete checkpoint into the given objects and return its step (the
         number of completed training steps), or 0 when there is none. A collective.
 
@@ -34,7 +34,9 @@ class RestoreMixin:
         data position included -- continues bit for bit; at another world size the optimizer
         is resharded and an ElasticDistributedSampler re-splits the rest of the epoch, while
         the per-rank RNG states (which belong to the old ranks) are left as the script set
-        them. Create DataLoader iterators after this call.
+        them. Create DataLoader iterators after this call. ``strict=False`` resumes a model
+        that gained or lost parameters or buffers since (Note [a load that is not strict] in
+        ``api.py``: the keys both have are loaded, the others left as they are).
         """
         if step is not None:
             step = step_count(step, "restore")
@@ -54,7 +56,7 @@ class RestoreMixin:
         for saved_step, path in candidates:
             error = None
             try:
-                extra = api.load(path, model, optimizer, scaler, trusted=trusted)
+                extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict)
             except CheckpointError as exc:
                 error = str(exc)
             else:

@@ -342,6 +342,38 @@ def test_signature_takes_every_fsdp2_argument():
             assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY, name
 
 
+class _Subclass(torch.Tensor):
+    """A wrapper subclass with FSDP2's all-gather extension methods, as torchao's float8 weights."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data):
+        self._data = data
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return _Subclass(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        out = func(*tree_map(lambda t: t._data if isinstance(t, _Subclass) else t, args),
+                   **tree_map(lambda t: t._data if isinstance(t, _Subclass) else t, kwargs or {}))
+        return _Subclass(out) if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) else out
+
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+        return (self._data,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return _Subclass(outputs[0]), outputs
+
+
 def _torch_arguments(rank, ws, seed):
     import copy
 
@@ -377,6 +409,11 @@ def _torch_arguments(rank, ws, seed):
     tp = copy.deepcopy(net)
     tp[1].weight = nn.Parameter(distribute_tensor(tp[1].weight.detach(), init_device_mesh("cpu", (ws,)), [Shard(0)]))
     refused("parameter '1.weight' is a DTensor", tp)
+    quantized = copy.deepcopy(net)
+    quantized[0].weight = nn.Parameter(_Subclass(quantized[0].weight.detach().clone()))
+    refused(r"parameter '0.weight' is a tensor subclass, .*_Subclass \(it implements FSDP2's all-gather extension",
+            quantized)
+    fusedist.fully_shard(quantized, mesh=mesh, ignored_params={quantized[0].weight})  # kept out: accepted
     fusedist.fully_shard(net, mesh=mesh)  # still a plain module: shards as usual
     # a module whose only parameter is tied to another unit's: refused naming both, unchanged
     import models
@@ -393,7 +430,8 @@ def _torch_arguments(rank, ws, seed):
 def test_fsdp2_arguments_taken_or_refused_by_name():
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
     giving Shard(0) / None trains as FSDP2 with the same arguments; a placement other than Shard(dim),
-    dp_mesh_dims, DTensor parameters and a module whose parameters are all tied to another
+    dp_mesh_dims, DTensor and other tensor-subclass parameters (a float8 weight, say, whose
+    subclass was dropped silently) and a module whose parameters are all tied to another
     unit's are refused with an error naming the argument or parameter, before
     the module is changed."""
     seed = _seed()

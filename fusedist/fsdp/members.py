@@ -21,7 +21,9 @@ Note [a list of modules as one unit]
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .state import state_of
 
@@ -55,7 +57,8 @@ def managed_modules_of(modules: list):
 
 def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> dict:
     """Refuse, before anything changes, the parameters this call would shard and cannot:
-    DTensors (tensor parallelism), and what ``shard_placement_fn`` returns other than
+    DTensors (tensor parallelism), other tensor subclasses (Note [tensor subclass
+    parameters]), and what ``shard_placement_fn`` returns other than
     ``Shard(dim)`` or None, or a dim the parameter does not have (``placement.shard_dim``).
     Returns ``id(param) -> dim`` of the others: the function is called once per parameter,
     as FSDP2 calls it."""
@@ -74,8 +77,29 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
                     f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
                     f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
                     "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
+            if type(p) not in (nn.Parameter, torch.Tensor) and not isinstance(p, UninitializedTensorMixin):
+                raise NotImplementedError(_subclass_refusal(type(module).__name__, fqn, p))
             dims[id(p)] = shard_dim(p, fqn, shard_placement_fn, type(module).__name__)
     return dims
+
+
+# Note [tensor subclass parameters]
+# A parameter that is a tensor subclass -- torchao's float8 training weights, its NF4 weights
+# for QLoRA -- carries behaviour in its type: a cast to float8 in each matmul, a dequantization.
+# FSDP2 keeps the subclass on every shard and lets it choose what is all-gathered through its
+# ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods (float8 bytes, say, instead of
+# bf16). fusedist's units keep plain flat buffers: the values were copied in and the module got
+# back a plain Parameter, so the subclass -- the float8 casts, the quantization -- was dropped
+# without a word. Such parameters are refused by name until the all-gather extension is built.
+def _subclass_refusal(module_name: str, fqn: str, p) -> str:
+    kind = type(p)
+    hooks = " (it implements FSDP2's all-gather extension, fsdp_pre_all_gather)" \
+        if hasattr(p, "fsdp_pre_all_gather") else ""
+    return (f"fusedist.fully_shard({module_name}): parameter '{fqn}' is a tensor subclass, "
+            f"{kind.__module__}.{kind.__qualname__}{hooks}; fusedist shards plain tensors and would hand the "
+            "module a plain parameter, dropping what the subclass does (a float8 cast, a quantization). Use "
+            "torch.distributed.fsdp.fully_shard for this model, or keep such parameters out of the units "
+            "(ignored_params).")
 
 
 def sharded_by_parent(module, fqn, owner, idx) -> ValueError:

@@ -37,7 +37,7 @@ def _train(model, opt, rank, steps, accumulate, seed):
     for _ in range(steps):
         for micro in range(accumulate):
             model.set_requires_gradient_sync(micro == accumulate - 1)
-            x = torch.randn(5, 6, generator=g)
+            x = torch.randn(5, 6, generator=g, dtype=model.inp.weight.dtype)
             loss = model(x).square().mean()
             loss.backward()
             losses.append(loss.item())
@@ -82,6 +82,10 @@ def _case(rank, name, seed, directory):
         assert fusedist.ddp.replicate.wrapper_of(ours) is not None  # built by the optimizer
     else:
         fusedist.replicate(ours, ignored_modules=ignored_ours, **kwargs)
+        if name == "plain":  # converted after replicate, before the first forward (built there)
+            assert fusedist.ddp.replicate.wrapper_of(ours) is None
+            theirs.double()
+            ours.double()
         opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     if name == "comm hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -167,7 +171,7 @@ def test_replicate_matches_torchs_replicate(results, name):
     for rank, per_rank in enumerate(results):
         r = per_rank[name]
         l_theirs, l_ours = r["losses"]
-        # fp32 AdamW, the same reduction order on 2 ranks; fp16 hook: same cast on both sides
+        # fp32 (fp64: "plain") AdamW, the same reduction order on 2 ranks; fp16 hook: same cast on both sides
         torch.testing.assert_close(torch.tensor(l_ours), torch.tensor(l_theirs), rtol=1e-5, atol=1e-6,
                                    msg=f"rank {rank} {name}: losses")
         for i, (a, b) in enumerate(zip(*r["params"])):

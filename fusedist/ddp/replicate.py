@@ -14,12 +14,13 @@ call, so the module's hooks run once. The engine is a fusedist ``DistributedData
 over the module, kept in the module's ``__dict__`` (not a submodule: it is in none of
 ``modules()``, ``parameters()`` or ``state_dict()``); :func:`wrapper_of` finds it.
 
-When it is built. The engine's construction compares the model across ranks and broadcasts
-rank 0's parameters, so it needs real parameters. A module whose parameters are on the meta
-device (torchtitan applies its parallelisms first, then ``to_empty`` and ``init_weights``) is
-built at its first forward, as torch builds it for every module; any other at once, so that a
-``ZeroRedundancyOptimizer`` or a checkpoint load made before the first forward finds it (a
-ZeroRedundancyOptimizer made while it is pending builds it: :func:`build_pending`).
+When it is built. At the first forward, as torch builds its own: the module may still be
+moved or converted after ``replicate`` (``model.to(device)``; torchtitan applies its
+parallelisms to a model on the meta device, then ``to_empty`` and ``init_weights``), and
+construction then compares the model across ranks and broadcasts rank 0's parameters -- a
+checkpoint loaded into the module before it included. A ``ZeroRedundancyOptimizer`` made
+before the first forward builds it (:func:`build_pending`): it shards along the engine's
+buckets.
 
 Buffers are not synchronized, as with torch's replicate (its DDP is built over a
 ``ParameterList``, so there are none to broadcast: each rank keeps its own BatchNorm running
@@ -32,6 +33,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 import weakref
 
@@ -56,8 +58,10 @@ class _ReplicateState:
         self.comm_hooks: list = []
 
     def build(self):
-        if self.ddp is not None:
-            return self.ddp
+        return self.ddp if self.ddp is not None else self._build()
+
+    @torch.compiler.disable  # the first forward of a compiled module builds it: eagerly, not traced
+    def _build(self):
         from .wrapper import DistributedDataParallel
 
         module = self.module
@@ -176,24 +180,18 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
         raise NotImplementedError(
             f"fusedist.replicate: parameters {dtensors[:4]} are DTensors (tensor parallelism); fusedist's data "
             "parallelism takes plain parameters. Use torch's replicate for DDP over tensor-parallel modules")
-    state = _ReplicateState(module, set(ignored_modules or ()), kwargs)
-    module.__dict__[_STATE] = state
+    if not dist.is_initialized():
+        raise RuntimeError("fusedist.replicate: torch.distributed is not initialized; call fusedist.init_distributed() "
+                           "(under torchrun) before replicating the model")
+    module.__dict__[_STATE] = _ReplicateState(module, set(ignored_modules or ()), kwargs)
     module.__class__ = _replicated_class(type(module))
-    if any(p.is_meta for p in module.parameters()):
-        _PENDING.add(module)
-    else:
-        try:
-            state.build()
-        except BaseException:
-            module.__class__ = type(module).__mro__[2]
-            del module.__dict__[_STATE]
-            raise
+    _PENDING.add(module)
     return module
 
 
 def wrapper_of(module: nn.Module):
     """The DistributedDataParallel engine of a replicated ``module`` (None when ``module`` is
-    not replicated or its engine is not built yet)."""
+    not replicated or its engine is not built yet: before its first forward)."""
     state = module.__dict__.get(_STATE) if isinstance(module, nn.Module) else None
     return state.ddp if state is not None else None
 

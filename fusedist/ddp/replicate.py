@@ -98,7 +98,8 @@ class _ReplicateState:
 
 class ReplicatedModule:
     """What a module gains from :func:`replicate` (torch's composable ``DDP`` class): its
-    ``forward`` synchronizes gradients, and two methods."""
+    ``forward`` synchronizes gradients; torch's two methods, and the wrapper's
+    ``check_consistency``."""
 
     def forward(self, *args, **kwargs):
         state: _ReplicateState = self.__dict__[_STATE]

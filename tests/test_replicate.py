@@ -1,6 +1,7 @@
 """``fusedist.replicate`` against torch's composable ``replicate`` (torchtitan's DDP) on 2 gloo
 ranks: the same losses and weights (AdamW; BatchNorm statistics kept per rank by both),
-accumulation through ``set_requires_gradient_sync(False)``, a communication hook, ignored
+accumulation through ``set_requires_gradient_sync(False)``, a ``forward`` replaced on the
+instance, a communication hook, ignored
 modules, a model built on the meta device whose engine a ZeroRedundancyOptimizer builds before
 the first forward (and its fusedist.checkpoint round trip), and the module left as it was (class tree, state-dict keys, one call of its
 hooks per forward). Refusals are checked in one process.
@@ -87,6 +88,11 @@ def _case(rank, name, seed, directory):
             theirs.double()
             ours.double()
         opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    if name == "forward replaced":  # on the instance, as Accelerate wraps forward in autocast
+        import types
+
+        for m in (theirs, ours):
+            m.forward = types.MethodType(_Net.forward, m)
     if name == "comm hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -120,7 +126,7 @@ def _case(rank, name, seed, directory):
     return out
 
 
-CASES = ["plain", "accumulation", "comm hook", "ignored_modules", "meta init"]
+CASES = ["plain", "accumulation", "comm hook", "ignored_modules", "meta init", "forward replaced"]
 
 
 def keys_equal(a, b) -> bool:

@@ -178,16 +178,15 @@ def before_forward(ddp) -> None:
     reducer.tracker.observe(reducer)  # Note [trainable set changes]
 
 
-def run_module(ddp, args, kwargs, run=None):
-    """The module's forward (``run``, default the module), recording the SyncBatchNorm layers it runs."""
+def run_module(ddp, args, kwargs):
+    """The module's forward, recording the SyncBatchNorm layers it runs."""
     global _sync_bn_trace
-    run = ddp.module if run is None else run
     state = ddp._join_state
     if state is None or not state.has_sync_bn:
-        return run(*args, **kwargs)
+        return ddp.module(*args, **kwargs)
     previous, _sync_bn_trace = _sync_bn_trace, []
     try:
-        out = run(*args, **kwargs)
+        out = ddp.module(*args, **kwargs)
         state.trace = _sync_bn_trace
     finally:
         _sync_bn_trace = previous

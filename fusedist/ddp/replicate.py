@@ -7,12 +7,14 @@ Note [replicate without a wrapper]
 place: the module stays what it was -- its own submodules, state-dict keys without a
 ``module.`` prefix, its methods -- and gains ``set_requires_gradient_sync`` and
 ``register_comm_hook``. torch attaches a DistributedDataParallel over the module's parameters
-to forward hooks. Here the module's class becomes a subclass ``(ReplicatedModule, cls)``, whose
-``forward`` runs fusedist's DDP bookkeeping (the per-step checks, ZeRO's parameter waits, the
-join exchange, inputs moved to ``device_id``) and then ``cls.forward`` -- inside the module's own
-call, so the module's hooks run once. The engine is a fusedist ``DistributedDataParallel``
-over the module, kept in the module's ``__dict__`` (not a submodule: it is in none of
-``modules()``, ``parameters()`` or ``state_dict()``); :func:`wrapper_of` finds it.
+to forward hooks; so does this, with fusedist's engine: a ``DistributedDataParallel`` over the
+module, kept in the module's ``__dict__`` (not a submodule: it is in none of ``modules()``,
+``parameters()`` or ``state_dict()``; :func:`wrapper_of` finds it), whose pre-forward
+bookkeeping (the per-step checks, ZeRO's parameter waits, inputs moved to ``device_id``) runs
+in a forward pre-hook. A hook, not an override of ``forward``: a ``forward`` replaced on the
+instance (Accelerate wraps ``model.forward`` in autocast that way) would skip an override, and
+the gradients would silently go unsynchronized. The module's class becomes a subclass
+``(ReplicatedModule, cls)`` for the methods.
 
 When it is built. At the first forward, as torch builds its own: the module may still be
 moved or converted after ``replicate`` (``model.to(device)``; torchtitan applies its
@@ -96,22 +98,26 @@ class _ReplicateState:
         return ddp
 
 
-class ReplicatedModule:
-    """What a module gains from :func:`replicate` (torch's composable ``DDP`` class): its
-    ``forward`` synchronizes gradients; torch's two methods, and the wrapper's
-    ``check_consistency``."""
+def _before_forward(module: nn.Module, args, kwargs):
+    """The forward pre-hook of a replicated module: what the wrapper's forward does before the
+    module runs (Note [replicate without a wrapper])."""
+    state: _ReplicateState = module.__dict__[_STATE]
+    ddp = state.build()
+    args, kwargs = ddp._inputs_on_device(args, kwargs)
+    unsynced = 0 if state.requires_gradient_sync else 1
+    ddp._no_sync_depth += unsynced  # (read by the bookkeeping below only)
+    try:
+        # (True under a join context, which the wrapper's own forward serves; a replicated module
+        # offers none)
+        ddp._before_forward(torch.compiler.is_compiling())
+    finally:
+        ddp._no_sync_depth -= unsynced
+    return args, kwargs
 
-    def forward(self, *args, **kwargs):
-        state: _ReplicateState = self.__dict__[_STATE]
-        ddp = state.build()
-        own_forward = super().forward  # the module's class's forward (Note [replicate without a wrapper])
-        if state.requires_gradient_sync:
-            return ddp._forward_through(own_forward, args, kwargs)
-        ddp._no_sync_depth += 1
-        try:
-            return ddp._forward_through(own_forward, args, kwargs)
-        finally:
-            ddp._no_sync_depth -= 1
+
+class ReplicatedModule:
+    """What a module gains from :func:`replicate` (torch's composable ``DDP`` class): torch's two
+    methods, and the wrapper's ``check_consistency``."""
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: the backwards of the following forwards accumulate gradients locally, without
@@ -185,6 +191,7 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
         raise RuntimeError("fusedist.replicate: torch.distributed is not initialized; call fusedist.init_distributed() "
                            "(under torchrun) before replicating the model")
     module.__dict__[_STATE] = _ReplicateState(module, set(ignored_modules or ()), kwargs)
+    module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))
     _PENDING.add(module)
     return module

@@ -398,17 +398,11 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
-        return self._forward_through(self.module, args, kwargs)
-
-    def _forward_through(self, run, args, kwargs):
-        """A training or evaluation forward that calls ``run`` for the module's own part: the
-        module (this wrapper's forward), or its class's forward (a replicated module, Note
-        [replicate without a wrapper] in replicate.py)."""
         args, kwargs = self._inputs_on_device(args, kwargs)  # Note [inputs moved to the module's device]
         # Note [bookkeeping outside compiled graphs]: only the module's own forward is traced.
         if self._before_forward(torch.compiler.is_compiling()):
-            return _join.run_module(self, args, kwargs, run)
-        return run(*args, **kwargs)
+            return _join.run_module(self, args, kwargs)
+        return self.module(*args, **kwargs)
 
     # Note [bookkeeping outside compiled graphs]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

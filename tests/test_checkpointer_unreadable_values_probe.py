@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -122,3 +123,28 @@ def test_torchs_schedulers_and_fused_optimizer_states_are_readable():
 
 class _Config:
     width = 8
+
+
+def test_plain_save_warns_about_values_only_a_trusted_load_reads(tmp_path):
+    """fusedist.checkpoint.save (outside a Checkpointer, which refuses them) writes such values
+    but says so at the save, naming them; the default load then refuses, a trusted one reads
+    them; a save of plain values says nothing."""
+    import warnings
+
+    from fusedist import checkpoint
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say about plain values
+        checkpoint.save(str(tmp_path / "plain"), model, opt, extra={"best": 0.25, "epoch": 1})
+    opt.param_groups[0]["lr"] = np.float64(0.05)
+    with pytest.warns(UserWarning) as caught:
+        checkpoint.save(str(tmp_path / "numpy"), model, opt, extra={"best": np.float64(0.25)})
+    messages = [str(w.message) for w in caught]
+    assert any("extra['best'] (numpy.float64) cannot be read back by load() without trusted=True" in m
+               for m in messages), messages
+    assert any("the optimizer's param_groups[0]['lr'] (numpy.float64)" in m for m in messages), messages
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(str(tmp_path / "numpy"), nn.Linear(3, 2))
+    assert checkpoint.load(str(tmp_path / "numpy"), nn.Linear(3, 2), trusted=True) == {"best": 0.25}

@@ -101,6 +101,28 @@ def _check_ranks_agree(model: torch.nn.Module, optimizer) -> None:
         model.check_consistency()  # a fully_shard root (Note [stage-3 step check])
 
 
+def _warn_trusted_only(rank: int, optimizer, extra, per_rank) -> None:
+    """Warn when what ``save`` writes holds a value that ``load`` reads only with
+    ``trusted=True`` (Note [checkpoints the restore cannot read] in ``_safe_values.py``: a NumPy
+    scalar in ``extra``, in a param group's ``lr``). A ``Checkpointer`` refuses such values,
+    knowing its job's restore; here the loading side is unknown, so the save goes on, and the
+    warning says it now rather than at the resume. ``extra`` and the param groups are written
+    by rank 0, ``per_rank`` by each rank."""
+    from ._safe_values import first_unreadable
+
+    groups = None
+    if optimizer is not None and rank == 0:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for value, where in ((extra if rank == 0 else None, "extra"), (groups, "the optimizer's param_groups"),
+                         (per_rank, f"per_rank (rank {rank})")):
+        found = first_unreadable(value, where)
+        if found is not None:
+            warnings.warn(
+                f"fusedist.checkpoint.save: {found} cannot be read back by load() without trusted=True (its "
+                "safe loader takes tensors, numbers, strings and containers of them); convert it (float(x), "
+                "int(x), torch.from_numpy(a)) so the checkpoint loads by default", stacklevel=3)
+
+
 def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,
          *, per_rank: Optional[dict] = None) -> None:
     """Write a checkpoint of ``model`` (and optimizer, GradScaler, ``extra``) to ``directory``.
@@ -127,6 +149,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model)
+    _warn_trusted_only(world.rank, optimizer, extra, per_rank)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
     start, created = None, False

@@ -397,9 +397,9 @@ def _torch_arguments(rank, ws, seed):
         _step(ref, ours, opts, _ids(seed, rank, step), f"seed {seed}, step {step}")
 
     # what fusedist refuses, it refuses by name, before changing the module
-    def refused(match, module, **kwargs):
+    def refused(match, module, error=NotImplementedError, **kwargs):
         before = [id(p) for p in module.parameters()]
-        with pytest.raises(NotImplementedError, match=match):
+        with pytest.raises(error, match=match):
             fusedist.fully_shard(module, mesh=mesh, **kwargs)
         assert [id(p) for p in module.parameters()] == before and state_of(module) is None, match
 
@@ -408,7 +408,9 @@ def _torch_arguments(rank, ws, seed):
     refused("dp_mesh_dims", net, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     tp = copy.deepcopy(net)
     tp[1].weight = nn.Parameter(distribute_tensor(tp[1].weight.detach(), init_device_mesh("cpu", (ws,)), [Shard(0)]))
-    refused("parameter '1.weight' is a DTensor", tp)
+    # a DTensor on the data-parallel ranks themselves: not a tensor-parallel dim of the mesh
+    refused(r"parameter '1.weight' is tensor-parallel \(a DTensor\) on a mesh whose ranks .* overlap", tp,
+            error=ValueError)
     quantized = copy.deepcopy(net)
     quantized[0].weight = nn.Parameter(_Subclass(quantized[0].weight.detach().clone()))
     refused(r"parameter '0.weight' is a tensor subclass, .*_Subclass \(it implements FSDP2's all-gather extension",
@@ -430,7 +432,7 @@ def _torch_arguments(rank, ws, seed):
 def test_fsdp2_arguments_taken_or_refused_by_name():
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
     giving Shard(0) / None trains as FSDP2 with the same arguments; a placement other than Shard(dim),
-    dp_mesh_dims, DTensor and other tensor-subclass parameters (a float8 weight, say, whose
+    dp_mesh_dims, DTensors on the data-parallel ranks, other tensor-subclass parameters (a float8 weight, say, whose
     subclass was dropped silently) and a module whose parameters are all tied to another
     unit's are refused with an error naming the argument or parameter, before
     the module is changed."""

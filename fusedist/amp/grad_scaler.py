@@ -130,6 +130,8 @@ def _combine_over_shards(optimizer, found_inf: torch.Tensor, sumsq: Optional[tor
     holders = [h for h in gradient_holders_of(optimizer) if hasattr(h, "all_reduce_found_inf")]
     for holder in holders:
         holder.all_reduce_found_inf(found_inf)
+        if sumsq is not None and not getattr(holder, "sums_exactly", True):
+            sumsq = None  # not known globally (tensor parallelism): measured afresh where needed
         if sumsq is not None:
             holder.all_reduce_sum(sumsq)
     return found_inf, sumsq

@@ -59,10 +59,20 @@ MODEL_FORMAT = "fusedist.fsdp.model/1"
 
 # ---------------------------------------------------------------------------- the model's units
 def units(model: torch.nn.Module) -> list:
-    """The ``fully_shard`` units under ``model`` ([] for any other model)."""
+    """The ``fully_shard`` units under ``model`` ([] for any other model). Units over
+    tensor-parallel parameters are refused: their files would hold local tensors' pieces."""
     from ..fsdp.state_dict import units_of
 
-    return units_of(model)
+    found = units_of(model)
+    for unit in found:
+        if unit.tp_comm is not None:
+            i = next(i for i, s in enumerate(unit.tp) if s is not None)
+            raise NotImplementedError(
+                f"fusedist.checkpoint: fully_shard({unit.name}) holds tensor-parallel parameters ('{unit.fqns[i]}'); "
+                "fusedist's checkpoint format does not cover tensor parallelism. Save model.state_dict() (and "
+                "get_optimizer_state_dict) with torch.distributed.checkpoint, which reads and writes the global "
+                "parameters' chunks, interchangeable with torch's FSDP2")
+    return found
 
 
 def piece_index(model: torch.nn.Module) -> dict:

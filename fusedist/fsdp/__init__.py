@@ -3,7 +3,8 @@
 Modules, one job each: ``policy`` (MixedPrecisionPolicy, CPUOffloadPolicy), ``layout`` (where
 a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the parameter swap),
 ``grads`` (gradients to shards), ``mesh`` (the shard and replicate groups of a mesh),
-``replicate`` (HSDP's all-reduce across replicas), ``post_forward`` (an int
+``replicate`` (HSDP's all-reduce across replicas), ``tensor_parallel`` (DTensor parameters of a
+tensor-parallel mesh: their local tensors sharded), ``post_forward`` (an int
 ``reshard_after_forward``: the smaller groups units reshard to after forward), ``state`` (when to gather, reshard and reduce),
 ``recovery`` (forwards and backwards an exception ended midway),
 ``containers`` (the tensors in a unit's inputs and outputs), ``stale`` (gathered copies

@@ -24,6 +24,7 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .mesh import groups_of
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
+from .tensor_parallel import tensor_parallel_specs
 from .unit import ShardedUnit
 
 __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
@@ -70,6 +71,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
       parameter sharded on ``dim != 0`` is ``torch.chunk(param, S, dim)[rank]`` (Note
       [dim-sharded sections] in chunk_layout.py); other placements are refused, naming the
       parameter.
+    * Tensor-parallel parameters (DTensors of ``parallelize_module`` on another dim of the mesh,
+      FSDP2's 2-D recipe): each rank's local tensor is sharded (Note [tensor-parallel
+      parameters] in tensor_parallel.py).
     * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
     from ..ddp.replicate import ReplicatedModule
@@ -138,16 +142,18 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     if params:
         name = describe(modules)
         dims = [dims_of[id(p)] for p in params]
+        # Note [tensor-parallel parameters] in tensor_parallel.py
+        tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, offload_policy, device)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
-                           replicate_comm=replicate_comm, dims=dims)
+                           replicate_comm=replicate_comm, dims=dims, tp=tp)
         unit.post_forward = post_forward
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
             _OWNED[p] = _OWNED[sp] = (unit, i)
             unit._register(i, sp)
-        holder = holder_for(comm, replicate_comm)
-        holder.register(unit.sharded)
+        holder = holder_for(comm, replicate_comm, unit.tp_comm)
+        holder.register(unit.sharded, [s is None or s.replicated for s in unit.tp] if unit.tp_comm else None)
         unit.holder = holder  # keeps the holder alive as long as the unit (ownership holds it weakly)
         by_owner: dict = {}
         for owner, idx, reg, _ in borrowed:

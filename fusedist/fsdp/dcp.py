@@ -109,6 +109,11 @@ class ShardedPiece(torch.Tensor):
     _fs_size: torch.Size
     _fs_range: tuple  # (lo, hi) of the flattened parameter, or a box ((offsets), (sizes))
     _fs_piece_shape: tuple
+    # tensor parallelism (Note [tensor-parallel parameters] in tensor_parallel.py): the range or
+    # box is of this rank's local tensor, of shape ``_fs_local``, which sits at ``_fs_shift`` in
+    # the global parameter (``_fs_size``); None for a plain parameter
+    _fs_local: Optional[tuple] = None
+    _fs_shift: Optional[tuple] = None
 
     @staticmethod
     def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
@@ -135,6 +140,12 @@ class ShardedPiece(torch.Tensor):
         out._fs_piece_shape = tuple(piece_shape)
         return out
 
+    def placed(self, local_shape, shift) -> "ShardedPiece":
+        """This entry, whose region is of a local tensor of ``local_shape`` sitting at offsets
+        ``shift`` in the global parameter of ``size()`` (tensor parallelism)."""
+        self._fs_local, self._fs_shift = tuple(local_shape), tuple(int(s) for s in shift)
+        return self
+
     def local(self) -> torch.Tensor:
         """The piece as a plain tensor (same storage)."""
         with torch._C.DisableTorchFunctionSubclass():
@@ -151,9 +162,18 @@ class ShardedPiece(torch.Tensor):
         return self._fs_range
 
     def _like(self, other: torch.Tensor) -> "ShardedPiece":
+        local = self._fs_local if self._fs_local is not None else self._fs_size
         if _is_box(self._fs_range):
-            return ShardedPiece.wrap_box(other, self._fs_size, *self._fs_range)
-        return ShardedPiece.wrap(other, self._fs_size, *self._fs_range)
+            out = ShardedPiece.wrap_box(other, local, *self._fs_range)
+        else:
+            out = ShardedPiece.wrap(other, local, *self._fs_range)
+        out._fs_size = self._fs_size
+        return out.placed(self._fs_local, self._fs_shift) if self._fs_local is not None else out
+
+    @property
+    def placement(self) -> Optional[tuple]:
+        """``(local shape, offsets)`` of a tensor-parallel entry's local tensor, else None."""
+        return (self._fs_local, self._fs_shift) if self._fs_local is not None else None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -164,7 +184,8 @@ class ShardedPiece(torch.Tensor):
             out = func(*args, **(kwargs or {}))
         if isinstance(src, ShardedPiece) and isinstance(out, torch.Tensor) and out is not src:
             if func is torch.Tensor.new_empty:  # Note [staging a piece]
-                return ShardedPiece._carrier(out, src._fs_size, src._fs_range, src._fs_piece_shape)
+                out = ShardedPiece._carrier(out, src._fs_size, src._fs_range, src._fs_piece_shape)
+                return out.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else out
             if func in _KEEPS and out.shape == src.shape and out.is_contiguous():
                 return src._like(out)
         return out
@@ -196,7 +217,9 @@ class ShardedPiece(torch.Tensor):
             offsets, sizes = self._fs_range
             chunks = [(offsets, sizes)] if math.prod(sizes) else []
         else:
-            chunks = chunks_of(tuple(self._fs_size), *self._fs_range)
+            chunks = chunks_of(tuple(self._fs_local or self._fs_size), *self._fs_range)
+        if self._fs_shift is not None:  # the local tensor's boxes, placed in the global parameter
+            chunks = [(tuple(o + s for o, s in zip(offsets, self._fs_shift)), sizes) for offsets, sizes in chunks]
         if not chunks and math.prod(self._fs_size) == 0 and len(self._fs_size):
             chunks = [((0,) * len(self._fs_size), tuple(self._fs_size))]  # so that the key exists
         return chunks
@@ -362,7 +385,7 @@ def _entries(module: nn.Module, prefix: str):
     for attr, k, i in _slots_of(unit).get(id(module), ()):
         holder = unit if k < 0 else unit.borrowed[k][0]
         p = module._parameters.get(attr)
-        if p is not None and (p is holder.sharded[i] or p is holder.unsharded[i]):
+        if p is not None and (p is holder.sharded[i] or p is holder.visible[i]):
             yield f"{prefix}{attr}", holder, i
 
 
@@ -419,19 +442,27 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     if not value.is_contiguous():
         value = value.contiguous()
     if _is_box(region):
-        return ShardedPiece.wrap_box(value, unit.layout.slots[index].shape, *region)
-    return ShardedPiece.wrap(value, unit.layout.slots[index].shape, *region)
+        entry = ShardedPiece.wrap_box(value, unit.layout.slots[index].shape, *region)
+    else:
+        entry = ShardedPiece.wrap(value, unit.layout.slots[index].shape, *region)
+    spec = unit.tp[index]
+    if spec is not None:  # Note [tensor-parallel parameters] in tensor_parallel.py
+        entry._fs_size = torch.Size(spec.global_shape)
+        entry.placed(spec.local_shape, spec.offsets)
+    return entry
 
 
 def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
     """``value`` cut to this rank's piece of parameter ``index`` of ``unit`` (a view) when it has
     the whole parameter's shape, as a full state dict's entries do; anything else as it is (a
     piece as saved at this layout, or a shape the loader itself reports)."""
-    piece_shape, full_shape = tuple(unit.sharded[index].shape), tuple(unit.layout.slots[index].shape)
+    piece_shape, full_shape = tuple(unit.sharded[index].shape), unit.whole_shape(index)
     if tuple(value.shape) == piece_shape or tuple(value.shape) != full_shape:
         return value
     if isinstance(value, ShardedPiece):
         value = value.local()
+    if unit.tp[index] is not None:  # the global parameter: this rank's local tensor of it first
+        value = unit.tp[index].local_of_global(value)
     return unit.piece_of_whole(index, value)
 
 
@@ -512,13 +543,15 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
 def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:
     """Why ``value`` cannot load into parameter ``index`` of ``unit``, or None: it must be the
     whole parameter, this rank's piece of it as this layout cuts it, or that piece's entry."""
-    full_shape = unit.layout.slots[index].shape
+    full_shape = unit.whole_shape(index)
     if isinstance(value, ShardedPiece):
         if value.size() != torch.Size(full_shape):
             return (f"copying a param with shape {value.size()} from checkpoint, the shape in current model "
                     f"is {torch.Size(full_shape)}.")
         region = piece_region(unit, index)
-        if value.element_range != region:
+        spec = unit.tp[index]
+        if value.element_range != region or value.placement != (
+                (spec.local_shape, spec.offsets) if spec is not None else None):
             return (f"the entry is a piece holding {describe_region(value.element_range)} of the parameter, "
                     f"this rank's piece holds {describe_region(region)} (a state dict of another world size or "
                     "layout: load it with torch.distributed.checkpoint, or load whole parameters).")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..optim.grad_norms import per_tensor_global_norms
 from ..optim.step_context import materialize_unscales
@@ -24,22 +25,36 @@ _holders: "weakref.WeakValueDictionary[tuple, ShardedGradHolder]" = weakref.Weak
 class ShardedGradHolder:
     """Global gradient quantities over the pieces of ``fully_shard`` units on one communicator."""
 
-    def __init__(self, comm, replicate=None):
+    def __init__(self, comm, replicate=None, tp=None):
         self.comm = comm
         #: HSDP: the replicate group's communicator. Norms need only the shard group (replicas hold
         #: the same gradient shard after the all-reduce); the found-inf flag is also taken across
         #: replicas (Note [replicate all-reduce] in replicate.py)
         self.replicate = replicate
+        #: tensor parallelism: the tensor-parallel group's communicator. Norms and the found-inf
+        #: flag span it too, a piece every tensor-parallel rank holds alike counted once (Note
+        #: [tensor-parallel parameters] in tensor_parallel.py)
+        self.tp = tp
+        self._tp_replicated = WeakIdKeyDictionary()  # pieces held alike by the tensor-parallel ranks
+        #: whether ``all_reduce_sum`` of a sum over the pieces is the global sum (not with tensor
+        #: parallelism, where the pieces of replicated parameters would be counted per rank)
+        self.sums_exactly = tp is None
 
-    def register(self, params) -> None:
+    def register(self, params, tp_replicated=None) -> None:
+        """``tp_replicated``: for each of ``params``, whether every tensor-parallel rank holds the
+        same values (a ``Replicate()`` or plain parameter of a tensor-parallel unit)."""
         register_gradient_holder(params, self)
+        for p, same in zip(params, tp_replicated or ()):
+            if same:
+                self._tp_replicated[p] = True
 
     @torch.no_grad()
     def grad_norm(self, params, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all ranks' pieces of these parameters' gradients (a collective: every
         rank calls it with the same parameters, also a rank whose pieces are empty)."""
         norm_type = float(norm_type)
-        grads = [p.grad for p in params if p.grad is not None]
+        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grad]
         device = grads[0].device if grads else self.comm.device
         if norm_type == float("inf"):
             local = torch.zeros(1, dtype=torch.float32, device=device)
@@ -47,13 +62,23 @@ class ShardedGradHolder:
                 if g.numel():
                     local = torch.maximum(local, g.detach().abs().max().float().reshape(1))
             _all_reduce(self.comm, local, "max", "fully_shard grad norm (inf)")
+            if self.tp is not None:
+                _all_reduce(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
             return local[0]
-        local = torch.zeros(1, dtype=torch.float32, device=device)
+        # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike
+        local = torch.zeros(2, dtype=torch.float32, device=device)
         if grads:
-            norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
-            local += torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+            norms = torch.stack([n.float() for n in torch._foreach_norm([g.detach() for g in grads], norm_type)])
+            alike = torch.tensor([p in self._tp_replicated for p in with_grad], device=device)
+            powered = norms.pow(norm_type)
+            local[0] += powered[~alike].sum()
+            local[1] += powered[alike].sum()
         _all_reduce(self.comm, local, "sum", "fully_shard grad norm")
-        return local[0].pow(1.0 / norm_type)
+        if self.tp is not None:
+            own = local[:1].clone()
+            _all_reduce(self.tp, own, "sum", "fully_shard grad norm (tensor-parallel)")
+            local[0] = own[0]
+        return local.sum().pow(1.0 / norm_type)
 
     @torch.no_grad()
     def parameter_grad_norms(self, params, norm_type: float = 2.0) -> list:
@@ -64,6 +89,10 @@ class ShardedGradHolder:
         group calls it with the same parameters in the same order. The norms are in float64,
         for the caller to cast."""
         params = list(params)
+        if self.tp is not None:
+            raise NotImplementedError(
+                "per-parameter gradient norms of tensor-parallel fully_shard parameters are not supported; log "
+                "the total norm (torch.nn.utils.clip_grad_norm_ / fusedist.clip_grad_norm_) instead")
         materialize_unscales(params)
         norms = per_tensor_global_norms(
             [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), self.comm.device,
@@ -94,6 +123,8 @@ class ShardedGradHolder:
         _all_reduce(self.comm, found_inf, "max", "fully_shard found inf")
         if self.replicate is not None:
             _all_reduce(self.replicate, found_inf, "max", "fully_shard found inf (replicas)")
+        if self.tp is not None:
+            _all_reduce(self.tp, found_inf, "max", "fully_shard found inf (tensor-parallel)")
         return found_inf
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -114,12 +145,13 @@ def _all_reduce(comm, t: torch.Tensor, op: str, tag: str) -> None:
     t.copy_(moved)
 
 
-def holder_for(comm, replicate=None) -> ShardedGradHolder:
-    """The one holder of ``comm`` and, on HSDP, the replicate group's ``replicate`` (created on
-    first use; kept alive by the units using it)."""
-    key = (id(comm), id(replicate))
+def holder_for(comm, replicate=None, tp=None) -> ShardedGradHolder:
+    """The one holder of ``comm`` and, on HSDP, the replicate group's ``replicate``, with
+    tensor parallelism the tensor-parallel group's ``tp`` (created on first use; kept alive by
+    the units using it)."""
+    key = (id(comm), id(replicate), id(tp))
     holder = _holders.get(key)
-    if holder is None or holder.comm is not comm or holder.replicate is not replicate:
-        holder = ShardedGradHolder(comm, replicate)
+    if holder is None or holder.comm is not comm or holder.replicate is not replicate or holder.tp is not tp:
+        holder = ShardedGradHolder(comm, replicate, tp)
         _holders[key] = holder
     return holder

@@ -57,7 +57,7 @@ def managed_modules_of(modules: list):
 
 def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> dict:
     """Refuse, before anything changes, the parameters this call would shard and cannot:
-    DTensors (tensor parallelism), other tensor subclasses (Note [tensor subclass
+    DTensors other than a 1-D tensor-parallel mesh's, other tensor subclasses (Note [tensor subclass
     parameters]), and what ``shard_placement_fn`` returns other than
     ``Shard(dim)`` or None, or a dim the parameter does not have (``placement.shard_dim``).
     Returns ``id(param) -> dim`` of the others: the function is called once per parameter,
@@ -73,11 +73,14 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor (placements "
-                    f"{tuple(p.placements)}); fusedist shards plain tensors, so tensor parallelism combined with "
-                    "fully_shard is not supported. Use torch.distributed.fsdp.fully_shard for that model.")
-            if type(p) not in (nn.Parameter, torch.Tensor) and not isinstance(p, UninitializedTensorMixin):
+                if p.device_mesh.ndim != 1 or not all(pl.is_shard() or pl.is_replicate() for pl in p.placements):
+                    raise NotImplementedError(
+                        f"fusedist.fully_shard({type(module).__name__}): parameter '{fqn}' is a DTensor on a "
+                        f"{p.device_mesh.ndim}-D mesh with placements {tuple(p.placements)}; fusedist shards "
+                        "tensor-parallel parameters of a 1-D tensor-parallel mesh, placed Shard(dim) or Replicate() "
+                        "(Note [tensor-parallel parameters] in fsdp/tensor_parallel.py). Use "
+                        "torch.distributed.fsdp.fully_shard for that model.")
+            elif type(p) not in (nn.Parameter, torch.Tensor) and not isinstance(p, UninitializedTensorMixin):
                 raise NotImplementedError(_subclass_refusal(type(module).__name__, fqn, p))
             dims[id(p)] = shard_dim(p, fqn, shard_placement_fn, type(module).__name__)
     return dims

@@ -177,6 +177,8 @@ def _gather_states(entries: list, state: dict, *, to_cpu: bool) -> dict:
         for pid, i in jobs[pos, name, dtype]:
             sec = unit.layout.sections[unit.section_index(i)]
             whole = unit.layout.whole(i, flat[sec.full_base:sec.full_base + sec.layout.total_numel])
+            if unit.tp[i] is not None:  # the global tensor (a collective over the tensor-parallel group)
+                whole = unit.tp[i].full(whole)
             device = torch.device("cpu") if to_cpu else state[pid][name].device
             out[pid, name] = whole.to(device, copy=True)
     return out
@@ -228,10 +230,12 @@ def _pre_load_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
 def _to_piece(name, value, unit, i: int, key):
     if not isinstance(value, torch.Tensor) or name == "step":
         return value
-    full_shape = tuple(unit.layout.slots[i].shape)
+    full_shape = unit.whole_shape(i)
     region = piece_region(unit, i)
+    spec = unit.tp[i]
+    placement = (spec.local_shape, spec.offsets) if spec is not None else None
     if isinstance(value, ShardedPiece):
-        if tuple(value.full_shape) != full_shape or value.element_range != region:
+        if tuple(value.full_shape) != full_shape or value.element_range != region or value.placement != placement:
             raise ValueError(
                 f"fusedist.fully_shard: optimizer state {name!r} of {key!r} is {describe_region(value.element_range)} "
                 f"of shape {tuple(value.full_shape)}, but this rank's piece is {describe_region(region)} of shape "

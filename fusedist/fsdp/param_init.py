@@ -72,6 +72,11 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
     init_fn = init_fn if init_fn is not None else _reset_parameters
     units = _units_under(module)
     for unit in units:
+        if unit.tp_comm is not None:
+            raise NotImplementedError(
+                f"fusedist.fsdp.init_parameters: fully_shard({unit.name}) holds tensor-parallel parameters; "
+                "initialize them whole and load them with fusedist.fsdp.load_full_state_dict (each rank keeps "
+                "its part), or load a checkpoint with torch.distributed.checkpoint")
         unit.check_materialized()
         unit.reshard()
     plan = _plan(module, units)

@@ -34,8 +34,8 @@ def piece_index(units) -> dict:
     """id of a piece (or an unsharded parameter) -> (unit, parameter index)."""
     out = {}
     for unit in units:
-        for i, (sp, u) in enumerate(zip(unit.sharded, unit.unsharded)):
-            out[id(sp)] = out[id(u)] = (unit, i)
+        for i, (sp, u, v) in enumerate(zip(unit.sharded, unit.unsharded, unit.visible)):
+            out[id(sp)] = out[id(u)] = out[id(v)] = (unit, i)
     return out
 
 
@@ -56,6 +56,8 @@ def gather_params(unit, *, to_cpu: bool, only=None) -> list:
             out.append(None)
             continue
         full = unit.layout.whole(i, flats[unit.section_index(i)])
+        if unit.tp[i] is not None:  # the global parameter (a collective over the tensor-parallel group)
+            full = unit.tp[i].full(full)
         out.append(full.cpu().clone() if to_cpu else full.clone())
     return out
 
@@ -124,10 +126,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
             target.copy_(src)
             continue
         unit, i = hit
-        slot = unit.layout.slots[i]
-        if tuple(src.shape) != tuple(slot.shape):
+        if tuple(src.shape) != unit.whole_shape(i):
             raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "
-                             f"the model's parameter {tuple(slot.shape)}")
+                             f"the model's parameter {unit.whole_shape(i)}")
+        if unit.tp[i] is not None:  # this rank's local tensor of the global parameter
+            src = unit.tp[i].local_of_global(src)
         unit.sharded[i].copy_(unit.piece_of_whole(i, src))
         if unit.is_unsharded:
             unit.unsharded[i].copy_(src)

@@ -82,8 +82,14 @@ class ShardedUnit:
 
     def __init__(self, name: str, params: list, registrations: list, fqns: list, comm, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, offload_policy, reshard_after_forward: bool,
-                 replicate_comm=None, dims: Optional[list] = None):
+                 replicate_comm=None, dims: Optional[list] = None, tp: Optional[list] = None):
         self.name, self.fqns, self.registrations = name, fqns, registrations
+        #: each parameter's TensorParallelSpec, None for a plain one (Note [tensor-parallel
+        #: parameters] in tensor_parallel.py): the unit holds the local tensors
+        self.tp = list(tp) if tp is not None else [None] * len(params)
+        self.tp_comm = next((s.comm for s in self.tp if s is not None), None)
+        params = [nn.Parameter(s.local(p).detach(), requires_grad=p.requires_grad) if s is not None else p
+                  for p, s in zip(params, self.tp)]
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
         #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None
@@ -128,12 +134,36 @@ class ShardedUnit:
         from .optim_state import note_unit
 
         note_unit(self)  # Note [optimizer state of pieces] in optim_state.py
-        for i, u in enumerate(self.unsharded):
-            # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)
-            frozen = not u.requires_grad
-            u.requires_grad_(True)
+        #: what the modules hold while gathered: the unsharded parameters, or DTensor parameters
+        #: over them (Note [tensor-parallel parameters])
+        self.visible = list(self.unsharded)
+        for i in range(len(self.unsharded)):
+            self._make_visible(i)
+
+    def _make_visible(self, i: int) -> None:
+        """Parameter ``i`` as the modules hold it gathered, with the hook that tells the unit its
+        gradient has been accumulated."""
+        u, spec = self.unsharded[i], self.tp[i]
+        if spec is not None:
+            u = self.visible[i] = spec.wrap(u, u.requires_grad)
+        # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)
+        frozen = not u.requires_grad
+        u.requires_grad_(True)
+        if spec is None:
             u.register_post_accumulate_grad_hook(lambda _p, i=i: self.on_grad(i) if self.on_grad else None)
-            u.requires_grad_(not frozen)
+        else:
+            u.register_post_accumulate_grad_hook(lambda p, i=i: self._local_grad(i, p))
+        u.requires_grad_(not frozen)
+
+    def _local_grad(self, index: int, visible: nn.Parameter) -> None:
+        """A DTensor parameter's gradient, as its local tensor, onto the unsharded parameter
+        the reduction reads (Note [tensor-parallel parameters])."""
+        grad, visible.grad = visible.grad, None
+        local = self.tp[index].local_grad(grad)
+        u = self.unsharded[index]
+        u.grad = local if u.grad is None else u.grad + local
+        if self.on_grad:
+            self.on_grad(index)
 
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The gathered (compute) dtype of parameters of ``dtype``: ``mp_policy.param_dtype`` for
@@ -196,6 +226,12 @@ class ShardedUnit:
         start = self.layout.element_range(index, self.rank)[0]
         return whole.reshape(-1)[start:start + piece.numel].view(piece.shape)
 
+    def whole_shape(self, index: int) -> tuple:
+        """The shape of parameter ``index`` as the model has it: the global shape of a
+        tensor-parallel parameter (Note [tensor-parallel parameters]), else the unit's slot."""
+        spec = self.tp[index]
+        return tuple(spec.global_shape) if spec is not None else tuple(self.layout.slots[index].shape)
+
     def piece_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
         k = self.section_index(index)
@@ -228,6 +264,8 @@ class ShardedUnit:
                 self.unsharded[i] = view
             else:
                 self.unsharded[i].data = view
+                if self.tp[i] is not None:  # a DTensor over the new storage (and dtype, device)
+                    self._make_visible(i)
         self._full_nbytes = sum(f.untyped_storage().nbytes() for f in ([self.full] if self.full is not None else self.fulls))
         self._full_nbytes += sum(o.untyped_storage().nbytes() for o in self.outs if o is not None)
         self._resize_full(False)
@@ -295,12 +333,13 @@ class ShardedUnit:
             self._copy_out()
             for i, u in enumerate(self.unsharded):
                 u.requires_grad_(self.sharded[i].requires_grad)  # a freeze after wrapping is seen here
-                self._register(i, u)
+                self.visible[i].requires_grad_(u.requires_grad)
+                self._register(i, self.visible[i])
             self.is_unsharded = self.gathered_once = True
         for owner, index, regs in self.borrowed:
             owner.wait_for_unshard()
             for module, attr in regs:
-                module._parameters[attr] = owner.unsharded[index]
+                module._parameters[attr] = owner.visible[index]
 
     @torch.no_grad()
     def _copy_out(self) -> None:

@@ -1,0 +1,233 @@
+"""``fully_shard`` over tensor-parallel modules (FSDP2's 2-D recipe: ``parallelize_module`` on
+``mesh["tp"]``, then ``fully_shard`` on ``mesh["dp"]``) against torch's FSDP2 on the same 2x2
+gloo mesh (Note [tensor-parallel parameters] in fusedist/fsdp/tensor_parallel.py).
+
+The model has every kind of placement torchtitan's plans give: a ``RowwiseParallel`` embedding
+(``Shard(0)`` of the vocabulary), ``ColwiseParallel`` (``Shard(0)``) and ``RowwiseParallel``
+(``Shard(1)``, with a ``Replicate()`` bias) linears, and a ``ColwiseParallel`` output layer.
+Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
+reduction and ``reshard_after_forward=False``), full model and optimizer state dicts equal
+FSDP2's, torch's distributed checkpoint both ways, fusedist's own full state dict round trip
+into a model built on the meta device, the GradScaler skipping on every rank when one rank's
+piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
+ranks), and the refusals (fusedist's own checkpoint format among them: torch's distributed
+checkpoint is the format for these models).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+VOCAB, HIDDEN = 12, 8
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.w2 = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.out = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _build(mesh, shard, seed=0, meta=False, **kwargs):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        model = _Net()
+    parallelize_module(model, mesh["tp"], {"embed": RowwiseParallel(input_layouts=Replicate()),
+                                           "out": ColwiseParallel(output_layouts=Replicate())})
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        shard(block, mesh=mesh["dp"], **kwargs)
+    shard(model, mesh=mesh["dp"], **kwargs)
+    return model
+
+
+def _train(model, mesh, seed, steps=3, clip=None):
+    """Losses (and the clip's total norms) of ``steps`` AdamW steps on this data-parallel rank's
+    batches (the tensor-parallel ranks of a group see the same batch)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed + mesh["dp"].get_local_rank())
+    losses, norms = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (4, 5), generator=g)
+        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+        loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return opt, losses, norms
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _worker(rank, world_size, seed, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = StateDictOptions(full_state_dict=True)
+    out = {}
+
+    ours = _build(mesh, fusedist.fully_shard, seed)
+    theirs = _build(mesh, torch_fully_shard, seed)
+    opt_ours, *trained_ours = _train(ours, mesh, seed, clip=0.5)
+    opt_theirs, *trained_theirs = _train(theirs, mesh, seed, clip=0.5)
+    out["fp32"] = (trained_ours, trained_theirs)
+    model_ours, model_theirs = get_model_state_dict(ours, options=full), get_model_state_dict(theirs, options=full)
+    out["model state"] = _max_diff(model_ours, model_theirs)
+    out["shapes"] = {k: tuple(v.shape) for k, v in model_ours.items()}
+    a, b = (get_optimizer_state_dict(ours, opt_ours, options=full)["state"],
+            get_optimizer_state_dict(theirs, opt_theirs, options=full)["state"])
+    out["optimizer state"] = max(_max_diff(a[k], b[k]) for k in b)
+
+    dcp.save(ours.state_dict(), checkpoint_id=os.path.join(root, "ours"))
+    into_theirs = _build(mesh, torch_fully_shard, seed + 1)
+    sd = into_theirs.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(root, "ours"))
+    into_theirs.load_state_dict(sd)
+    out["dcp ours->torch"] = _max_diff(get_model_state_dict(into_theirs, options=full), model_ours)
+    dcp.save(theirs.state_dict(), checkpoint_id=os.path.join(root, "theirs"))
+    into_ours = _build(mesh, fusedist.fully_shard, seed + 2)
+    sd = into_ours.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(root, "theirs"))
+    into_ours.load_state_dict(sd)
+    out["dcp torch->ours"] = _max_diff(get_model_state_dict(into_ours, options=full), model_theirs)
+
+    # fusedist's full state dict, loaded into a model built on the meta device, trains on as ours
+    whole = fusedist.fsdp.full_state_dict(ours)
+    out["fusedist full"] = _max_diff(whole, model_ours)
+    meta = _build(mesh, fusedist.fully_shard, seed + 3, meta=True)
+    meta.to_empty(device="cpu")
+    fusedist.fsdp.load_full_state_dict(meta, whole)
+    out["meta"] = (_train(meta, mesh, seed + 4)[1], _train(ours, mesh, seed + 4)[1])
+
+    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = _build(mesh, fusedist.fully_shard, seed, mp_policy=fusedist.MixedPrecisionPolicy(**mp),
+                  reshard_after_forward=False)
+    theirs = _build(mesh, torch_fully_shard, seed, mp_policy=TorchMixedPrecision(**mp), reshard_after_forward=False)
+    out["bf16"] = (_train(ours, mesh, seed)[1], _train(theirs, mesh, seed)[1])
+
+    # one rank's inf: every rank skips (ranks 0 and 2 learn of it only over the tensor-parallel group)
+    model = _build(mesh, fusedist.fully_shard, seed)
+    opt = fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2)
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(seed))
+    scaler.scale(nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())).backward()
+    if rank == 3:
+        next(p for p in model.parameters() if p.numel()).grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    out["scaler"] = (all(torch.equal(x, p) for x, p in zip(before, model.parameters())), scaler.get_scale())
+    out["refusals"] = _refusals(mesh)
+    try:
+        fusedist.checkpoint.save(os.path.join(root, "fusedist"), model, opt)
+        out["refusals"]["fusedist.checkpoint"] = None
+    except NotImplementedError as exc:
+        out["refusals"]["fusedist.checkpoint"] = str(exc)
+    return out
+
+
+def _refusals(mesh) -> dict:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fusedist
+
+    out = {}
+    cases = {
+        "offload": dict(offload_policy=fusedist.CPUOffloadPolicy(pin_memory=False), mesh=mesh["dp"]),
+        "placement": dict(shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None, mesh=mesh["dp"]),
+        "same mesh": dict(mesh=mesh["tp"]),
+    }
+    for name, kwargs in cases.items():
+        block = _Block()
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel()})
+        try:
+            fusedist.fully_shard(block, **kwargs)
+            out[name] = None
+        except (NotImplementedError, ValueError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    root = str(tmp_path_factory.mktemp("tp"))
+    return seed, run_distributed(_worker, 4, seed, root, timeout=300)
+
+
+def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
+    seed, per_rank = results
+    for rank, out in enumerate(per_rank):
+        (losses, norms), (ref_losses, ref_norms) = out["fp32"]
+        # fp32, the same reductions in the same order as FSDP2 (a few ulps from the norm's sum)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6,
+                                   msg=f"seed {seed}, rank {rank}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0,
+                                   msg=f"seed {seed}, rank {rank}")
+        assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
+        assert out["shapes"]["blocks.0.w2.weight"] == (HIDDEN, 2 * HIDDEN)  # global shapes
+        # bf16 gathers, fp32 reduction: the same casts on both sides
+        ours, theirs = out["bf16"]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5,
+                                   msg=f"seed {seed}, rank {rank}")
+
+
+def test_checkpoints_interchange_with_fsdp2(results):
+    seed, per_rank = results
+    for rank, out in enumerate(per_rank):
+        assert out["dcp ours->torch"] == 0.0 and out["dcp torch->ours"] == 0.0, (seed, rank, out)
+        assert out["fusedist full"] == 0.0, (seed, rank)
+        meta, ref = out["meta"]
+        assert meta == ref, (seed, rank)
+
+
+def test_grad_scaler_skips_on_every_rank(results):
+    _, per_rank = results
+    assert [out["scaler"] for out in per_rank] == [(True, 128.0)] * 4
+
+
+def test_refusals_name_the_parameter(results):
+    out = results[1][0]["refusals"]
+    assert "CPUOffloadPolicy is not supported with tensor parallelism" in out["offload"]
+    assert "parameter 'w1.weight' is tensor-parallel and shard_placement_fn gave Shard(1)" in out["placement"]
+    assert "overlap the data-parallel group's" in out["same mesh"]
+    assert "fusedist's checkpoint format does not cover tensor parallelism" in out["fusedist.checkpoint"]

@@ -4,7 +4,8 @@ gloo mesh (Note [tensor-parallel parameters] in fusedist/fsdp/tensor_parallel.py
 
 The model has every kind of placement torchtitan's plans give: a ``RowwiseParallel`` embedding
 (``Shard(0)`` of the vocabulary), ``ColwiseParallel`` (``Shard(0)``) and ``RowwiseParallel``
-(``Shard(1)``, with a ``Replicate()`` bias) linears, and a ``ColwiseParallel`` output layer.
+(``Shard(1)``, with a ``Replicate()`` bias) linears, ``SequenceParallel`` norms (``Replicate()``
+weights whose gradients are ``Partial``) and a ``ColwiseParallel`` output layer.
 Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
 reduction and ``reshard_after_forward=False``), full model and optimizer state dicts equal
 FSDP2's, torch's distributed checkpoint both ways, fusedist's own full state dict round trip
@@ -27,14 +28,24 @@ from fusedist.testing import run_distributed
 VOCAB, HIDDEN = 12, 8
 
 
-class _Block(nn.Module):
+class _FeedForward(nn.Module):
     def __init__(self):
         super().__init__()
         self.w1 = nn.Linear(HIDDEN, 2 * HIDDEN)
         self.w2 = nn.Linear(2 * HIDDEN, HIDDEN)
 
     def forward(self, x):
-        return x + self.w2(torch.relu(self.w1(x)))
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.ffn = _FeedForward()
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
 
 
 class _Net(nn.Module):
@@ -42,26 +53,35 @@ class _Net(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.norm = nn.LayerNorm(HIDDEN)
         self.out = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
-        return self.out(x)
+        return self.out(self.norm(x))
 
 
 def _build(mesh, shard, seed=0, meta=False, **kwargs):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """torchtitan's plan in small: activations sharded on the sequence between the blocks'
+    parts (SequenceParallel norms, whose Replicate() weights get Partial gradients)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = _Net()
-    parallelize_module(model, mesh["tp"], {"embed": RowwiseParallel(input_layouts=Replicate()),
-                                           "out": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(model, mesh["tp"], {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        parallelize_module(block, mesh["tp"], {
+            "norm": SequenceParallel(),
+            "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ffn.w1": ColwiseParallel(), "ffn.w2": RowwiseParallel(output_layouts=Shard(1))})
         shard(block, mesh=mesh["dp"], **kwargs)
     shard(model, mesh=mesh["dp"], **kwargs)
     return model
@@ -74,7 +94,7 @@ def _train(model, mesh, seed, steps=3, clip=None):
     g = torch.Generator().manual_seed(seed + mesh["dp"].get_local_rank())
     losses, norms = [], []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (4, 5), generator=g)
+        ids = torch.randint(0, VOCAB, (4, 6), generator=g)
         loss = nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
         loss.backward()
         if clip is not None:
@@ -148,7 +168,7 @@ def _worker(rank, world_size, seed, root):
     opt = fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2)
     scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     before = [p.detach().clone() for p in model.parameters()]
-    ids = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(seed))
     scaler.scale(nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())).backward()
     if rank == 3:
         next(p for p in model.parameters() if p.numel()).grad.view(-1)[0] = float("inf")
@@ -178,7 +198,7 @@ def _refusals(mesh) -> dict:
     }
     for name, kwargs in cases.items():
         block = _Block()
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel()})
+        parallelize_module(block, mesh["tp"], {"ffn.w1": ColwiseParallel()})
         try:
             fusedist.fully_shard(block, **kwargs)
             out[name] = None
@@ -204,7 +224,7 @@ def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0,
                                    msg=f"seed {seed}, rank {rank}")
         assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
-        assert out["shapes"]["blocks.0.w2.weight"] == (HIDDEN, 2 * HIDDEN)  # global shapes
+        assert out["shapes"]["blocks.0.ffn.w2.weight"] == (HIDDEN, 2 * HIDDEN)  # global shapes
         # bf16 gathers, fp32 reduction: the same casts on both sides
         ours, theirs = out["bf16"]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5,
@@ -228,6 +248,6 @@ def test_grad_scaler_skips_on_every_rank(results):
 def test_refusals_name_the_parameter(results):
     out = results[1][0]["refusals"]
     assert "CPUOffloadPolicy is not supported with tensor parallelism" in out["offload"]
-    assert "parameter 'w1.weight' is tensor-parallel and shard_placement_fn gave Shard(1)" in out["placement"]
+    assert "parameter 'ffn.w1.weight' is tensor-parallel and shard_placement_fn gave Shard(1)" in out["placement"]
     assert "overlap the data-parallel group's" in out["same mesh"]
     assert "fusedist's checkpoint format does not cover tensor parallelism" in out["fusedist.checkpoint"]

@@ -7,7 +7,7 @@ The model has every kind of placement torchtitan's plans give: a ``RowwiseParall
 (``Shard(1)``, with a ``Replicate()`` bias) linears, ``SequenceParallel`` norms (``Replicate()``
 weights whose gradients are ``Partial``) and a ``ColwiseParallel`` output layer.
 Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
-reduction and ``reshard_after_forward=False``), full model and optimizer state dicts equal
+reduction and ``reshard_after_forward=False``; accumulation without gradient sync), full model and optimizer state dicts equal
 FSDP2's, torch's distributed checkpoint both ways, fusedist's own full state dict round trip
 into a model built on the meta device, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
@@ -87,16 +87,19 @@ def _build(mesh, shard, seed=0, meta=False, **kwargs):
     return model
 
 
-def _train(model, mesh, seed, steps=3, clip=None):
+def _train(model, mesh, seed, steps=3, clip=None, accumulate=1):
     """Losses (and the clip's total norms) of ``steps`` AdamW steps on this data-parallel rank's
-    batches (the tensor-parallel ranks of a group see the same batch)."""
+    batches (the tensor-parallel ranks of a group see the same batch), each of ``accumulate``
+    micro-batches, all but the last without gradient sync."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(seed + mesh["dp"].get_local_rank())
     losses, norms = [], []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (4, 6), generator=g)
-        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
-        loss.backward()
+        for micro in range(accumulate):
+            model.set_requires_gradient_sync(micro == accumulate - 1)
+            ids = torch.randint(0, VOCAB, (4, 6), generator=g)
+            loss = nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+            loss.backward()
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -162,6 +165,9 @@ def _worker(rank, world_size, seed, root):
                   reshard_after_forward=False)
     theirs = _build(mesh, torch_fully_shard, seed, mp_policy=TorchMixedPrecision(**mp), reshard_after_forward=False)
     out["bf16"] = (_train(ours, mesh, seed)[1], _train(theirs, mesh, seed)[1])
+    ours, theirs = _build(mesh, fusedist.fully_shard, seed), _build(mesh, torch_fully_shard, seed)
+    out["accumulation"] = (_train(ours, mesh, seed, steps=2, accumulate=2)[1],
+                           _train(theirs, mesh, seed, steps=2, accumulate=2)[1])
 
     # one rank's inf: every rank skips (ranks 0 and 2 learn of it only over the tensor-parallel group)
     model = _build(mesh, fusedist.fully_shard, seed)
@@ -225,6 +231,9 @@ def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
                                    msg=f"seed {seed}, rank {rank}")
         assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
         assert out["shapes"]["blocks.0.ffn.w2.weight"] == (HIDDEN, 2 * HIDDEN)  # global shapes
+        ours, theirs = out["accumulation"]  # set_requires_gradient_sync(False) micro-batches
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-6, atol=1e-6,
+                                   msg=f"seed {seed}, rank {rank}")
         # bf16 gathers, fp32 reduction: the same casts on both sides
         ours, theirs = out["bf16"]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5,

@@ -5,7 +5,9 @@ gloo mesh (Note [tensor-parallel parameters] in fusedist/fsdp/tensor_parallel.py
 The model has every kind of placement torchtitan's plans give: a ``RowwiseParallel`` embedding
 (``Shard(0)`` of the vocabulary), ``ColwiseParallel`` (``Shard(0)``) and ``RowwiseParallel``
 (``Shard(1)``, with a ``Replicate()`` bias) linears, ``SequenceParallel`` norms (``Replicate()``
-weights whose gradients are ``Partial``) and a ``ColwiseParallel`` output layer.
+weights whose gradients are ``Partial``) and a ``ColwiseParallel`` output layer; a vocabulary of
+13 splits the embedding and output layer unevenly over the tensor-parallel ranks, so the root
+unit's layout differs between them.
 Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
 reduction and ``reshard_after_forward=False``; accumulation without gradient sync), full model and optimizer state dicts equal
 FSDP2's, torch's distributed checkpoint both ways, fusedist's own full state dict round trip
@@ -25,7 +27,7 @@ from torch import nn
 
 from fusedist.testing import run_distributed
 
-VOCAB, HIDDEN = 12, 8
+VOCAB, HIDDEN = 13, 8  # 13: local tensors of unequal sizes (7 and 6 rows of the embedding)
 
 
 class _FeedForward(nn.Module):
@@ -224,7 +226,8 @@ def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
     seed, per_rank = results
     for rank, out in enumerate(per_rank):
         (losses, norms), (ref_losses, ref_norms) = out["fp32"]
-        # fp32, the same reductions in the same order as FSDP2 (a few ulps from the norm's sum)
+        # fp32: the same reductions as FSDP2, summed in another order where the layouts differ
+        # (the norm's sum, uneven pieces): a few ulps
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6,
                                    msg=f"seed {seed}, rank {rank}")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0,

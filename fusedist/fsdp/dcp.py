@@ -114,6 +114,9 @@ class ShardedPiece(torch.Tensor):
     # the global parameter (``_fs_size``); None for a plain parameter
     _fs_local: Optional[tuple] = None
     _fs_shift: Optional[tuple] = None
+    # whether this rank writes the entry's chunks: not for a parameter every tensor-parallel rank
+    # holds alike, except on the first of them (Note [tensor-parallel parameters])
+    _fs_writes: bool = True
 
     @staticmethod
     def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
@@ -167,7 +170,7 @@ class ShardedPiece(torch.Tensor):
             out = ShardedPiece.wrap_box(other, local, *self._fs_range)
         else:
             out = ShardedPiece.wrap(other, local, *self._fs_range)
-        out._fs_size = self._fs_size
+        out._fs_size, out._fs_writes = self._fs_size, self._fs_writes
         return out.placed(self._fs_local, self._fs_shift) if self._fs_local is not None else out
 
     @property
@@ -185,6 +188,7 @@ class ShardedPiece(torch.Tensor):
         if isinstance(src, ShardedPiece) and isinstance(out, torch.Tensor) and out is not src:
             if func is torch.Tensor.new_empty:  # Note [staging a piece]
                 out = ShardedPiece._carrier(out, src._fs_size, src._fs_range, src._fs_piece_shape)
+                out._fs_writes = src._fs_writes
                 return out.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else out
             if func in _KEEPS and out.shape == src.shape and out.is_contiguous():
                 return src._like(out)
@@ -228,6 +232,8 @@ class ShardedPiece(torch.Tensor):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+        if not self._fs_writes:
+            return []
         props = TensorProperties.create_from_tensor(self.local())
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(o),
@@ -449,6 +455,10 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     if spec is not None:  # Note [tensor-parallel parameters] in tensor_parallel.py
         entry._fs_size = torch.Size(spec.global_shape)
         entry.placed(spec.local_shape, spec.offsets)
+    if unit.tp_comm is not None and (spec is None or spec.replicated):
+        # held alike by the tensor-parallel ranks, but cut by layouts that may differ between them
+        # (local tensors of unequal sizes in the unit): written by the first one only
+        entry._fs_writes = unit.tp_comm.rank == 0
     return entry
 
 

@@ -22,7 +22,11 @@ reduce-scatters and pieces are those of plain parameters of the local shapes. Wh
 * State dicts give each piece's region of the *global* parameter (``offsets``): its region of
   the local tensor moved by where the local tensor sits in the global one -- the chunks torch's
   distributed checkpoint reads and writes, interchangeable with FSDP2's 2-D DTensors; full
-  state dicts assemble the global parameter over the tensor-parallel group.
+  state dicts assemble the global parameter over the tensor-parallel group. A parameter the
+  tensor-parallel ranks hold alike (``Replicate()``, or plain) is written by the first of them
+  only: the unit's layout on each rank cuts it where that rank's local tensors put it, so with
+  local tensors of unequal sizes (13 rows over 2 ranks) the ranks' pieces of it overlap
+  without coinciding, which the checkpoint's plan refuses.
 """
 
 from __future__ import annotations

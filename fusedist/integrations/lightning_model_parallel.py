@@ -30,8 +30,10 @@ Use it where ``ModelParallelStrategy`` was (same arguments)::
     from fusedist.integrations.lightning import FusedistModelParallelStrategy
     trainer = L.Trainer(strategy=FusedistModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
 
-Tensor parallelism (``tensor_parallel_size > 1``) makes DTensor parameters, which
-``fusedist.fully_shard`` refuses by name; this strategy is for its data-parallel mesh.
+Tensor parallelism (``tensor_parallel_size > 1``): ``fusedist.fully_shard`` shards tensor-parallel
+modules as FSDP2 does (Note [tensor-parallel parameters] in ``fusedist/fsdp/tensor_parallel.py``),
+but this strategy is tested on its data-parallel mesh only, and the per-parameter ``grad_norm``
+refuses tensor-parallel pieces.
 """
 
 from __future__ import annotations

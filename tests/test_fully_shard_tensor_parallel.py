@@ -9,7 +9,8 @@ weights whose gradients are ``Partial``) and a ``ColwiseParallel`` output layer;
 13 splits the embedding and output layer unevenly over the tensor-parallel ranks, so the root
 unit's layout differs between them.
 Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
-reduction and ``reshard_after_forward=False``; accumulation without gradient sync), full model and optimizer state dicts equal
+reduction and ``reshard_after_forward=False``; accumulation without gradient sync; activation
+checkpointing of the blocks and an evaluation forward), full model and optimizer state dicts equal
 FSDP2's, torch's distributed checkpoint both ways, fusedist's own full state dict round trip
 into a model built on the meta device, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
@@ -171,6 +172,24 @@ def _worker(rank, world_size, seed, root):
     out["accumulation"] = (_train(ours, mesh, seed, steps=2, accumulate=2)[1],
                            _train(theirs, mesh, seed, steps=2, accumulate=2)[1])
 
+    # activation checkpointing of every block (torchtitan's default), then an evaluation forward
+    from torch.utils.checkpoint import checkpoint
+
+    forward = _Block.forward
+    _Block.forward = lambda self, x: checkpoint(forward, self, x, use_reentrant=False)
+    try:
+        runs = []
+        for shard in (fusedist.fully_shard, torch_fully_shard):
+            model = _build(mesh, shard, seed)
+            _, losses, norms = _train(model, mesh, seed, steps=2, clip=0.5)
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(torch.arange(12).view(2, 6) % VOCAB).sum().item()
+            runs.append((losses, norms, evaluated))
+        out["checkpointed"] = runs
+    finally:
+        _Block.forward = forward
+
     # one rank's inf: every rank skips (ranks 0 and 2 learn of it only over the tensor-parallel group)
     model = _build(mesh, fusedist.fully_shard, seed)
     opt = fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2)
@@ -234,6 +253,9 @@ def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
                                    msg=f"seed {seed}, rank {rank}")
         assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
         assert out["shapes"]["blocks.0.ffn.w2.weight"] == (HIDDEN, 2 * HIDDEN)  # global shapes
+        for got, want in zip(*out["checkpointed"]):  # losses, norms, an evaluation forward's sum
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
+                                       msg=f"seed {seed}, rank {rank}")
         ours, theirs = out["accumulation"]  # set_requires_gradient_sync(False) micro-batches
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-6, atol=1e-6,
                                    msg=f"seed {seed}, rank {rank}")

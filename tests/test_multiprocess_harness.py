@@ -47,11 +47,17 @@ def _env_value(rank, world_size, name):
 
 def test_ranks_see_the_callers_current_environment(monkeypatch):
     """Forked ranks take the caller's environment as it is at the call, not the fork server's
-    (Note [ranks forked from a server that imported torch]), and start without fusedist's
-    heavy modules loaded, as spawned ranks do."""
+    (Note [ranks forked from a server that imported torch]); without a GPU they start with
+    fusedist's packages imported by the server (as a script that imports fusedist at its top),
+    with one only with torch, as spawned ranks do."""
+    import torch
+
+    preloaded = not torch.cuda.is_available()
     run_distributed(_env_value, 1, "FUSEDIST_HARNESS_PROBE", backend=None)  # the server exists now
     monkeypatch.setenv("FUSEDIST_HARNESS_PROBE", "set after the server started")
     assert run_distributed(_env_value, 2, "FUSEDIST_HARNESS_PROBE", backend=None) == \
-        [("set after the server started", False)] * 2
+        [("set after the server started", preloaded)] * 2
     monkeypatch.delenv("FUSEDIST_HARNESS_PROBE")
+    assert run_distributed(_env_value, 1, "FUSEDIST_HARNESS_PROBE", backend=None) == [(None, preloaded)]
+    monkeypatch.setenv("FUSEDIST_TEST_START", "spawn")  # a fresh interpreter: nothing preloaded
     assert run_distributed(_env_value, 1, "FUSEDIST_HARNESS_PROBE", backend=None) == [(None, False)]

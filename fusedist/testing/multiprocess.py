@@ -16,7 +16,12 @@ Note [ranks forked from a server that imported torch]
     which torch.optim imports with the first optimizer a rank builds. So on Linux the ranks
     are started by multiprocessing's *forkserver*, which imports both once and forks each
     rank from itself: a rank starts with torch loaded and nothing else -- no CUDA context, no
-    process group, no fusedist module, no thread -- as a spawned one would. (Triton, which
+    process group, no thread -- as a spawned one would. Without a GPU the server also imports
+    fusedist's packages and torch's distributed checkpoint, FSDP2 and tensor parallelism
+    (``_LIBRARY_MODULES``, another half second per rank); fusedist reads its settings from the
+    environment when it uses them, not at import, so a rank's own environment still decides
+    them. With a GPU it does not: the check for one is all a server may do with CUDA before
+    forking ranks that use it. (Triton, which
     dynamo imports, reads its settings such as ``TRITON_INTERPRET`` when they are used, so the
     rank's own environment still decides them.) What a forked rank does not
     inherit as a spawned one does is the caller's *current* environment (the server keeps
@@ -149,8 +154,20 @@ def _start_context():
     if os.environ.get("FUSEDIST_TEST_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo"])
+    preload = ["torch", "torch._dynamo"]
+    import torch
+
+    if not torch.cuda.is_available():  # (a server that touched CUDA could not fork ranks that use it)
+        preload += _LIBRARY_MODULES
+    ctx.set_forkserver_preload(preload)
     return ctx
+
+
+#: what nearly every rank imports, loaded once by the fork server (Note [ranks forked from a
+#: server that imported torch])
+_LIBRARY_MODULES = ["fusedist", "fusedist.ddp", "fusedist.fsdp", "fusedist.zero", "fusedist.optim", "fusedist.amp",
+                    "fusedist.nn", "fusedist.checkpoint", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+                    "torch.distributed.tensor.parallel"]
 
 
 def run_distributed(

@@ -170,8 +170,13 @@ class ShardedPiece(torch.Tensor):
             out = ShardedPiece.wrap_box(other, local, *self._fs_range)
         else:
             out = ShardedPiece.wrap(other, local, *self._fs_range)
-        out._fs_size, out._fs_writes = self._fs_size, self._fs_writes
-        return out.placed(self._fs_local, self._fs_shift) if self._fs_local is not None else out
+        return out._placed_as(self)
+
+    def _placed_as(self, src: "ShardedPiece") -> "ShardedPiece":
+        """This entry with ``src``'s place in the parameter: its whole size, and for tensor
+        parallelism the local tensor's shape and offsets and whether this rank writes it."""
+        self._fs_size, self._fs_writes = src._fs_size, src._fs_writes
+        return self.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else self
 
     @property
     def placement(self) -> Optional[tuple]:
@@ -187,9 +192,7 @@ class ShardedPiece(torch.Tensor):
             out = func(*args, **(kwargs or {}))
         if isinstance(src, ShardedPiece) and isinstance(out, torch.Tensor) and out is not src:
             if func is torch.Tensor.new_empty:  # Note [staging a piece]
-                out = ShardedPiece._carrier(out, src._fs_size, src._fs_range, src._fs_piece_shape)
-                out._fs_writes = src._fs_writes
-                return out.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else out
+                return ShardedPiece._carrier(out, src._fs_size, src._fs_range, src._fs_piece_shape)._placed_as(src)
             if func in _KEEPS and out.shape == src.shape and out.is_contiguous():
                 return src._like(out)
         return out
@@ -559,9 +562,7 @@ def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:
             return (f"copying a param with shape {value.size()} from checkpoint, the shape in current model "
                     f"is {torch.Size(full_shape)}.")
         region = piece_region(unit, index)
-        spec = unit.tp[index]
-        if value.element_range != region or value.placement != (
-                (spec.local_shape, spec.offsets) if spec is not None else None):
+        if value.element_range != region or value.placement != unit.placement(index):
             return (f"the entry is a piece holding {describe_region(value.element_range)} of the parameter, "
                     f"this rank's piece holds {describe_region(region)} (a state dict of another world size or "
                     "layout: load it with torch.distributed.checkpoint, or load whole parameters).")

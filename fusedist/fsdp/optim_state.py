@@ -232,10 +232,9 @@ def _to_piece(name, value, unit, i: int, key):
         return value
     full_shape = unit.whole_shape(i)
     region = piece_region(unit, i)
-    spec = unit.tp[i]
-    placement = (spec.local_shape, spec.offsets) if spec is not None else None
     if isinstance(value, ShardedPiece):
-        if tuple(value.full_shape) != full_shape or value.element_range != region or value.placement != placement:
+        if tuple(value.full_shape) != full_shape or value.element_range != region or \
+                value.placement != unit.placement(i):
             raise ValueError(
                 f"fusedist.fully_shard: optimizer state {name!r} of {key!r} is {describe_region(value.element_range)} "
                 f"of shape {tuple(value.full_shape)}, but this rank's piece is {describe_region(region)} of shape "

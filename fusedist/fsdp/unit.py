@@ -232,6 +232,13 @@ class ShardedUnit:
         spec = self.tp[index]
         return tuple(spec.global_shape) if spec is not None else tuple(self.layout.slots[index].shape)
 
+    def placement(self, index: int) -> Optional[tuple]:
+        """``(local shape, offsets in the global parameter)`` of a tensor-parallel parameter's
+        local tensor, None for a plain one: what its state-dict entries carry
+        (``ShardedPiece.placement``)."""
+        spec = self.tp[index]
+        return (spec.local_shape, spec.offsets) if spec is not None else None
+
     def piece_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
         k = self.section_index(index)

@@ -26,13 +26,22 @@ $(STAMP): $(BIN)/python Makefile setup.py pyproject.toml $(NATIVE)
 
 install: $(STAMP)
 
+# Every rank and every launched script is a fresh interpreter that imports fusedist's sources.
+# Where PYTHONDONTWRITEBYTECODE is set none of them writes the
+# bytecode it compiles, so each would compile it all again; compiled once here, they read it
+# (Python checks each file's timestamp, so an edited source is still compiled afresh).
+BYTECODE := $(BIN)/python -m compileall -q -j 0 fusedist triton_kernels tests examples benchmarks > /dev/null
+
 demo: $(STAMP)
+	@$(BYTECODE)
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py $(ARGS)
 
 test: $(STAMP)
+	@$(BYTECODE)
 	$(BIN)/pytest tests $(ARGS)
 
 bench: $(STAMP)
+	@$(BYTECODE)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
 clean:

@@ -27,6 +27,11 @@ reduce-scatters and pieces are those of plain parameters of the local shapes. Wh
   only: the unit's layout on each rank cuts it where that rank's local tensors put it, so with
   local tensors of unequal sizes (13 rows over 2 ranks) the ranks' pieces of it overlap
   without coinciding, which the checkpoint's plan refuses.
+* HSDP composes unchanged (torchtitan's 3-D mesh: ``fully_shard(..., mesh=mesh["dp_replicate",
+  "dp_shard"])``): the replicas' all-reduce runs on the reduce-scattered pieces of the local
+  tensors, the norm spans the shard and tensor-parallel groups (replicas hold copies), the
+  found-inf flag all three groups, and the replicas' identical chunks are written once (DCP's
+  planner keeps one of equal write items).
 """
 
 from __future__ import annotations
@@ -114,9 +119,6 @@ def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, group
         return None
     i, first = found[0]
     where = f"fusedist.fully_shard({name}): parameter '{fqns[i]}' is tensor-parallel (a DTensor)"
-    if groups.replicate is not None:
-        raise NotImplementedError(f"{where} and the mesh is 2-D (HSDP): tensor parallelism is supported with a 1-D "
-                                  "data-parallel mesh (mesh['dp'])")
     if post_forward is not None:
         raise NotImplementedError(f"{where}: reshard_after_forward as an int is not supported with tensor "
                                   "parallelism (FSDP2 refuses it too); pass True or False")
@@ -125,9 +127,12 @@ def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, group
     tp_ranks = dist.get_process_group_ranks(first.device_mesh.get_group())
     dp_ranks = dist.get_process_group_ranks(groups.shard) if groups.shard is not None else \
         list(range(dist.get_world_size()))
+    if groups.replicate is not None:  # HSDP: the ranks holding this rank's piece or a replica of it
+        dp_ranks = sorted(set(dp_ranks) | set(dist.get_process_group_ranks(groups.replicate)))
     if set(tp_ranks) & set(dp_ranks) != {dist.get_rank()}:
         raise ValueError(f"{where} on a mesh whose ranks {tp_ranks} overlap the data-parallel group's {dp_ranks}: "
-                         "pass the other dim of the mesh to fully_shard (mesh['dp'] for parameters on mesh['tp'])")
+                         "pass the other dims of the mesh to fully_shard (mesh['dp'], or mesh['dp_replicate', "
+                         "'dp_shard'] for HSDP, for parameters on mesh['tp'])")
     for j, p in found:
         if dims[j] != 0:
             raise NotImplementedError(f"fusedist.fully_shard({name}): parameter '{fqns[j]}' is tensor-parallel and "

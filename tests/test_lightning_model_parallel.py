@@ -36,7 +36,7 @@ from test_e2e_lightning_recipe import _launched_env
 WORLD = 2
 
 
-def _module_class(fully_shard):
+def _module_class(fully_shard, tensor_parallel: bool = False):
     import lightning as L
 
     class Net(nn.Module):
@@ -58,6 +58,14 @@ def _module_class(fully_shard):
             self.net = Net()
 
         def configure_model(self):
+            if tensor_parallel:  # Lightning's TP recipe: the plan on "tensor_parallel", then fully_shard
+                from torch.distributed.tensor import Replicate
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                plan = {f"blocks.{i}.{j}": style for i in range(2)
+                        for j, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))}
+                plan["head"] = ColwiseParallel(output_layouts=Replicate())
+                parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
             mesh = self.device_mesh["data_parallel"]
             for block in self.net.blocks:
                 fully_shard(block, mesh=mesh)
@@ -82,7 +90,8 @@ def _data(seed: int):
     return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
-def _fit(side: str, seed: int, epochs: int, *, ckpt_path=None, save=None, distributed_ckpt=True, **trainer_kw):
+def _fit(side: str, seed: int, epochs: int, *, ckpt_path=None, save=None, distributed_ckpt=True, tp: int = 1,
+         **trainer_kw):
     """One fit; returns the whole parameters (gathered) and the loss logged last."""
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -94,12 +103,12 @@ def _fit(side: str, seed: int, epochs: int, *, ckpt_path=None, save=None, distri
     else:
         from fusedist import fully_shard
         from fusedist.integrations.lightning import FusedistModelParallelStrategy as strategy_class
-    strategy = strategy_class(data_parallel_size=WORLD, tensor_parallel_size=1,
+    strategy = strategy_class(data_parallel_size=WORLD, tensor_parallel_size=tp,
                               save_distributed_checkpoint=distributed_ckpt)
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD * tp, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         **trainer_kw)
-    module = _module_class(fully_shard)(seed)
+    module = _module_class(fully_shard, tensor_parallel=tp > 1)(seed)
     trainer.fit(module, _data(seed), ckpt_path=ckpt_path)
     if save is not None:
         trainer.save_checkpoint(save)
@@ -138,3 +147,30 @@ def test_fully_shard_under_model_parallel_strategy_matches_fsdp2(tmp_path):
                 for rank, cases in enumerate(results) for name, (err, tol) in cases.items() if not err <= tol]
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)
 
+
+
+def _tensor_parallel_worker(rank: int, world: int, seed: int, root: str):
+    _launched_env(rank, world)
+    warnings.filterwarnings("ignore")
+    tp = dict(tp=2)
+    out = {"clip by norm": (_fit("fusedist", seed, 2, gradient_clip_val=0.05, **tp),
+                            _fit("torch", seed, 2, gradient_clip_val=0.05, **tp), 1e-5)}
+    straight = _fit("torch", seed, 4, **tp)
+    for writer in ("fusedist", "torch"):
+        path = os.path.join(root, f"tp-{writer}.ckpt")
+        _fit(writer, seed, 2, save=path, **tp)
+        out[f"resume from {writer}'s sharded checkpoint"] = (_fit("fusedist", seed, 4, ckpt_path=path, **tp),
+                                                              straight, 1e-5)
+    return {name: (float((ours - ref).abs().max()), tol) for name, (ours, ref, tol) in out.items()}
+
+
+def test_tensor_parallel_under_model_parallel_strategy_matches_fsdp2(tmp_path):
+    """tensor_parallel_size=2: configure_model applies a column/row-wise plan on
+    device_mesh["tensor_parallel"] and fully_shard on device_mesh["data_parallel"] (2x2, 4
+    ranks); the global-norm clip and resuming from Lightning's sharded checkpoint, written by
+    fusedist or by torch, as under FSDP2."""
+    seed = random.randrange(2**20)
+    results = run_distributed(_tensor_parallel_worker, 2 * WORLD, seed, str(tmp_path), timeout=600)
+    failures = [f"rank {rank}: {name}: max |fusedist - torch| = {err:.3g} > {tol:g}"
+                for rank, cases in enumerate(results) for name, (err, tol) in cases.items() if not err <= tol]
+    assert not failures, f"seed {seed}:\n" + "\n".join(failures)

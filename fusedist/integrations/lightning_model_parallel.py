@@ -30,10 +30,11 @@ Use it where ``ModelParallelStrategy`` was (same arguments)::
     from fusedist.integrations.lightning import FusedistModelParallelStrategy
     trainer = L.Trainer(strategy=FusedistModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
 
-Tensor parallelism (``tensor_parallel_size > 1``): ``fusedist.fully_shard`` shards tensor-parallel
-modules as FSDP2 does (Note [tensor-parallel parameters] in ``fusedist/fsdp/tensor_parallel.py``),
-but this strategy is tested on its data-parallel mesh only, and the per-parameter ``grad_norm``
-refuses tensor-parallel pieces.
+Tensor parallelism (``tensor_parallel_size > 1``): ``configure_model`` applies its plan on
+``self.device_mesh["tensor_parallel"]`` and ``fusedist.fully_shard`` on ``["data_parallel"]``, which
+shards tensor-parallel modules as FSDP2 does (Note [tensor-parallel parameters] in
+``fusedist/fsdp/tensor_parallel.py``); the clip and resuming from sharded checkpoints are tested
+against FSDP2 at 2x2. The per-parameter ``grad_norm`` refuses tensor-parallel pieces.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         name = describe(modules)
         dims = [dims_of[id(p)] for p in params]
         # Note [tensor-parallel parameters] in tensor_parallel.py
-        tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, offload_policy, device)
+        tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, device)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm, dims=dims, tp=tp)

@@ -32,6 +32,8 @@ reduce-scatters and pieces are those of plain parameters of the local shapes. Wh
   tensors, the norm spans the shard and tensor-parallel groups (replicas hold copies), the
   found-inf flag all three groups, and the replicas' identical chunks are written once (DCP's
   planner keeps one of equal write items).
+* ``CPUOffloadPolicy`` composes too: the pieces live in host memory and the gathered local
+  tensors on the compute device, where the DTensors are made.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class TensorParallelSpec:
         return out
 
 
-def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, groups, post_forward, offload_policy,
+def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, groups, post_forward,
                           device) -> Optional[list]:
     """Each parameter's spec (None for a plain one), or None when the unit has no DTensor
     parameter; what this composition does not cover is refused naming the parameter."""
@@ -112,7 +114,6 @@ def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, group
     from torch.distributed.tensor import DTensor
 
     from ..comm import get_communicator
-    from .policy import CPUOffloadPolicy
 
     found = [(i, p) for i, p in enumerate(params) if isinstance(p, DTensor)]
     if not found:
@@ -122,8 +123,6 @@ def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, group
     if post_forward is not None:
         raise NotImplementedError(f"{where}: reshard_after_forward as an int is not supported with tensor "
                                   "parallelism (FSDP2 refuses it too); pass True or False")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError(f"{where}: CPUOffloadPolicy is not supported with tensor parallelism")
     tp_ranks = dist.get_process_group_ranks(first.device_mesh.get_group())
     dp_ranks = dist.get_process_group_ranks(groups.shard) if groups.shard is not None else \
         list(range(dist.get_world_size()))

@@ -197,16 +197,7 @@ def _worker(rank, world_size, seed, root):
 
     # one rank's inf: every rank skips (ranks 0 and 2 learn of it only over the tensor-parallel group)
     model = _build(mesh, fusedist.fully_shard, seed)
-    opt = fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2)
-    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    before = [p.detach().clone() for p in model.parameters()]
-    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(seed))
-    scaler.scale(nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())).backward()
-    if rank == 3:
-        next(p for p in model.parameters() if p.numel()).grad.view(-1)[0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    out["scaler"] = (all(torch.equal(x, p) for x, p in zip(before, model.parameters())), scaler.get_scale())
+    opt, out["scaler"] = _scaler_step_with_inf_on(3, rank, model, seed)
     out["refusals"] = _refusals(mesh)
     try:
         fusedist.checkpoint.save(os.path.join(root, "fusedist"), model, opt)
@@ -214,6 +205,23 @@ def _worker(rank, world_size, seed, root):
     except NotImplementedError as exc:
         out["refusals"]["fusedist.checkpoint"] = str(exc)
     return out
+
+
+def _scaler_step_with_inf_on(bad_rank: int, rank: int, model, seed: int):
+    """One FusedAdamW step under fusedist's GradScaler with an inf in ``bad_rank``'s first piece:
+    (the optimizer, (whether this rank's parameters stayed as they were, the scale after))."""
+    import fusedist
+
+    opt = fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2)
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(seed))
+    scaler.scale(nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())).backward()
+    if rank == bad_rank:
+        next(p for p in model.parameters() if p.numel()).grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    return opt, (all(torch.equal(x, p) for x, p in zip(before, model.parameters())), scaler.get_scale())
 
 
 def _refusals(mesh) -> dict:
@@ -336,17 +344,7 @@ def _hsdp_worker(rank, world_size, seed, root):
 
     # one rank's inf: every rank skips (rank 7 shares no shard group with rank 0; the flag
     # reaches it over the tensor-parallel and replicate groups)
-    model = _build(mesh, fusedist.fully_shard, seed, dp=dp)
-    opt = fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2)
-    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    before = [p.detach().clone() for p in model.parameters()]
-    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(seed))
-    scaler.scale(nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())).backward()
-    if rank == 7:
-        next(p for p in model.parameters() if p.numel()).grad.view(-1)[0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    out["scaler"] = (all(torch.equal(x, p) for x, p in zip(before, model.parameters())), scaler.get_scale())
+    _, out["scaler"] = _scaler_step_with_inf_on(7, rank, _build(mesh, fusedist.fully_shard, seed, dp=dp), seed)
     return out
 
 

@@ -11,8 +11,8 @@ unit's layout differs between them.
 Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
 reduction and ``reshard_after_forward=False``; accumulation without gradient sync; activation
 checkpointing of the blocks and an evaluation forward), full model and optimizer state dicts equal
-FSDP2's, ``CPUOffloadPolicy`` against FSDP2's, torch's distributed checkpoint both ways, fusedist's own full state dict round trip
-into a model built on the meta device, the GradScaler skipping on every rank when one rank's
+FSDP2's, ``CPUOffloadPolicy`` against FSDP2's, torch's distributed checkpoint both ways,
+fusedist's own full state dict round trip into a model built on the meta device, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
 ranks), and the refusals (fusedist's own checkpoint format among them: torch's distributed
 checkpoint is the format for these models).
@@ -117,9 +117,41 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def _worker(rank, world_size, seed, root):
+def _against_fsdp2(mesh, seed, root, dp=None, dp_rank=None) -> tuple:
+    """fusedist and FSDP2 trained alike (fp32 AdamW with the clip), their full model and
+    optimizer state dicts compared, and each side's checkpoint (torch's distributed checkpoint)
+    loaded into a fresh model of the other: (results, our model, our full state dict)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    full = StateDictOptions(full_state_dict=True)
+    out = {}
+    ours, theirs = _build(mesh, fusedist.fully_shard, seed, dp=dp), _build(mesh, torch_fully_shard, seed, dp=dp)
+    opt_ours, *trained_ours = _train(ours, mesh, seed, clip=0.5, dp_rank=dp_rank)
+    opt_theirs, *trained_theirs = _train(theirs, mesh, seed, clip=0.5, dp_rank=dp_rank)
+    out["fp32"] = (trained_ours, trained_theirs)
+    model_ours, model_theirs = get_model_state_dict(ours, options=full), get_model_state_dict(theirs, options=full)
+    out["model state"] = _max_diff(model_ours, model_theirs)
+    out["shapes"] = {k: tuple(v.shape) for k, v in model_ours.items()}
+    a, b = (get_optimizer_state_dict(ours, opt_ours, options=full)["state"],
+            get_optimizer_state_dict(theirs, opt_theirs, options=full)["state"])
+    out["optimizer state"] = max(_max_diff(a[k], b[k]) for k in b)
+    for name, saved, whole, shard in (("ours->torch", ours, model_ours, torch_fully_shard),
+                                      ("torch->ours", theirs, model_theirs, fusedist.fully_shard)):
+        where = os.path.join(root, name)
+        dcp.save(saved.state_dict(), checkpoint_id=where)
+        fresh = _build(mesh, shard, seed + 1, dp=dp)  # other initial values, all overwritten by the load
+        sd = fresh.state_dict()
+        dcp.load(sd, checkpoint_id=where)
+        fresh.load_state_dict(sd)
+        out[f"dcp {name}"] = _max_diff(get_model_state_dict(fresh, options=full), whole)
+    return out, ours, model_ours
+
+
+def _worker(rank, world_size, seed, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
@@ -128,33 +160,7 @@ def _worker(rank, world_size, seed, root):
     import fusedist
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    full = StateDictOptions(full_state_dict=True)
-    out = {}
-
-    ours = _build(mesh, fusedist.fully_shard, seed)
-    theirs = _build(mesh, torch_fully_shard, seed)
-    opt_ours, *trained_ours = _train(ours, mesh, seed, clip=0.5)
-    opt_theirs, *trained_theirs = _train(theirs, mesh, seed, clip=0.5)
-    out["fp32"] = (trained_ours, trained_theirs)
-    model_ours, model_theirs = get_model_state_dict(ours, options=full), get_model_state_dict(theirs, options=full)
-    out["model state"] = _max_diff(model_ours, model_theirs)
-    out["shapes"] = {k: tuple(v.shape) for k, v in model_ours.items()}
-    a, b = (get_optimizer_state_dict(ours, opt_ours, options=full)["state"],
-            get_optimizer_state_dict(theirs, opt_theirs, options=full)["state"])
-    out["optimizer state"] = max(_max_diff(a[k], b[k]) for k in b)
-
-    dcp.save(ours.state_dict(), checkpoint_id=os.path.join(root, "ours"))
-    into_theirs = _build(mesh, torch_fully_shard, seed + 1)
-    sd = into_theirs.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(root, "ours"))
-    into_theirs.load_state_dict(sd)
-    out["dcp ours->torch"] = _max_diff(get_model_state_dict(into_theirs, options=full), model_ours)
-    dcp.save(theirs.state_dict(), checkpoint_id=os.path.join(root, "theirs"))
-    into_ours = _build(mesh, fusedist.fully_shard, seed + 2)
-    sd = into_ours.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(root, "theirs"))
-    into_ours.load_state_dict(sd)
-    out["dcp torch->ours"] = _max_diff(get_model_state_dict(into_ours, options=full), model_theirs)
+    out, ours, model_ours = _against_fsdp2(mesh, seed, root)
 
     # fusedist's full state dict, loaded into a model built on the meta device, trains on as ours
     whole = fusedist.fsdp.full_state_dict(ours)
@@ -307,40 +313,14 @@ def test_refusals_name_the_parameter(results):
 def _hsdp_worker(rank, world_size, seed, root):
     """torchtitan's 3-D mesh: (replicate 2, shard 2, tensor-parallel 2), fully_shard on the
     (dp_replicate, dp_shard) mesh, against FSDP2 on the same mesh."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fusedist
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp = mesh["dp_replicate", "dp_shard"]
     dp_rank = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
-    full = StateDictOptions(full_state_dict=True)
-    out = {}
-    ours, theirs = _build(mesh, fusedist.fully_shard, seed, dp=dp), _build(mesh, torch_fully_shard, seed, dp=dp)
-    opt_ours, *trained_ours = _train(ours, mesh, seed, clip=0.5, dp_rank=dp_rank)
-    opt_theirs, *trained_theirs = _train(theirs, mesh, seed, clip=0.5, dp_rank=dp_rank)
-    out["fp32"] = (trained_ours, trained_theirs)
-    model_ours, model_theirs = get_model_state_dict(ours, options=full), get_model_state_dict(theirs, options=full)
-    out["model state"] = _max_diff(model_ours, model_theirs)
-    a, b = (get_optimizer_state_dict(ours, opt_ours, options=full)["state"],
-            get_optimizer_state_dict(theirs, opt_theirs, options=full)["state"])
-    out["optimizer state"] = max(_max_diff(a[k], b[k]) for k in b)
-
-    dcp.save(ours.state_dict(), checkpoint_id=os.path.join(root, "hsdp-ours"))
-    into_theirs = _build(mesh, torch_fully_shard, seed + 1, dp=dp)
-    sd = into_theirs.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(root, "hsdp-ours"))
-    into_theirs.load_state_dict(sd)
-    out["dcp ours->torch"] = _max_diff(get_model_state_dict(into_theirs, options=full), model_ours)
-    dcp.save(theirs.state_dict(), checkpoint_id=os.path.join(root, "hsdp-theirs"))
-    into_ours = _build(mesh, fusedist.fully_shard, seed + 2, dp=dp)
-    sd = into_ours.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(root, "hsdp-theirs"))
-    into_ours.load_state_dict(sd)
-    out["dcp torch->ours"] = _max_diff(get_model_state_dict(into_ours, options=full), model_theirs)
+    out, _, _ = _against_fsdp2(mesh, seed, root, dp=dp, dp_rank=dp_rank)
 
     # one rank's inf: every rank skips (rank 7 shares no shard group with rank 0; the flag
     # reaches it over the tensor-parallel and replicate groups)
@@ -356,11 +336,9 @@ def test_hsdp_with_tensor_parallelism_matches_fsdp2(tmp_path):
     seed = int(torch.randint(0, 10_000, ()).item())
     per_rank = run_distributed(_hsdp_worker, 8, seed, str(tmp_path), timeout=300)
     for rank, out in enumerate(per_rank):
-        for name in ("fp32",):
-            ours, theirs = out[name]
-            for got, want in zip(ours, theirs):  # losses (and clip norms): a few ulps, as in the 2-D test
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
-                                           msg=f"{name}, seed {seed}, rank {rank}")
+        for got, want in zip(*out["fp32"]):  # losses and clip norms: a few ulps, as in the 2-D test
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
+                                       msg=f"seed {seed}, rank {rank}")
         assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
         assert out["dcp ours->torch"] == 0.0 and out["dcp torch->ours"] == 0.0, (seed, rank, out)
     assert [out["scaler"] for out in per_rank] == [(True, 128.0)] * 8

@@ -148,7 +148,6 @@ def test_fully_shard_under_model_parallel_strategy_matches_fsdp2(tmp_path):
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)
 
 
-
 def _tensor_parallel_worker(rank: int, world: int, seed: int, root: str):
     _launched_env(rank, world)
     warnings.filterwarnings("ignore")

@@ -8,9 +8,12 @@ References:
   the sharded model's whole parameters and all its buffers (persistent or not) must equal it
   bit for bit -- every rank draws the whole values and keeps its rows, so nothing is rounded;
 * training: the unsharded model trained on the whole global batch (12 samples, each rank its
-  slice, gradients averaged), 3 AdamW steps, within 1e-5 as tests/test_fully_shard_checkpoint.py
-  (fp32 sums split over ranks differ in the last bits; a wrong row or a garbage value left
-  by ``to_empty`` is off by far more);
+  slice, gradients averaged), 3 AdamW steps at lr 1e-2: every tensor within 1e-6 on average
+  and every element within 1e-3. fp32 sums split over ranks differ in the last bits, and
+  AdamW divides each gradient by its own magnitude, so an element whose samples nearly cancel
+  carries that rounding into its update at the scale of lr (up to 1e-4 seen, with the
+  matmul kernels of another CPU); a wrong row, a lost rank's gradient or a garbage value
+  left by ``to_empty`` moves weights by about lr per step, on average as well;
 * MixedPrecisionPolicy, CPUOffloadPolicy, reshard_after_forward=False: the same fully_shard
   configuration built with data (no meta) from the same initial weights, one step: bit for bit
   (the same operations on the same values).
@@ -29,7 +32,7 @@ import fusedist
 from fusedist.testing import run_distributed
 
 GLOBAL_BATCH = 12
-TOL = 1e-5
+TRAINED_MAX, TRAINED_MEAN = 1e-3, 1e-6  # (the module's docstring says why)
 SEED = 1234
 
 
@@ -196,6 +199,18 @@ def _weights_diff(ours, ref) -> float:
     return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
 
 
+def _trained_diff(ours, ref) -> tuple[float, float]:
+    """(largest element difference, largest per-tensor mean difference) of two trained models."""
+    full = fusedist.fsdp.full_state_dict(ours)
+    diffs = [(full[k] - v).abs() for k, v in ref.state_dict().items()]
+    return max(d.max().item() for d in diffs), max(d.mean().item() for d in diffs)
+
+
+def _trained_alike(diff: tuple[float, float]) -> bool:
+    largest, mean = diff
+    return largest <= TRAINED_MAX and mean <= TRAINED_MEAN
+
+
 def _tied_batch(step, rank, ws):
     g = torch.Generator().manual_seed(2000 + step)
     ids, target = (torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=g) for _ in range(2))
@@ -216,7 +231,7 @@ def _init_and_train(rank, ws):
     out["empty pieces"] = sum(p.numel() == 0 for p in ours.parameters())
     _train(ours, rank, ws, 3)
     _train(ref, 0, 1, 3)
-    out["trained"] = _weights_diff(ours, ref)
+    out["trained"] = _trained_diff(ours, ref)
     # a checkpoint loaded after to_empty instead of an init (a conversion while on meta first)
     with torch.device("meta"):
         loaded = Net()
@@ -242,7 +257,7 @@ def _init_and_train(rank, ws):
     out["tied init"] = _init_diff(tied, ref)
     _train(tied, rank, ws, 3, _tied_batch, _tied_loss)
     _train(ref, 0, 1, 3, _tied_batch, _tied_loss)
-    out["tied trained"] = _weights_diff(tied, ref)
+    out["tied trained"] = _trained_diff(tied, ref)
     return out
 
 
@@ -255,8 +270,8 @@ def test_meta_build_init_equals_unsharded_and_trains(ws):
             assert res[key] == 0.0, (rank, key, res[key])  # bit for bit
         assert res["loaded"] == 0.0, (rank, res["loaded"])
         assert res["tied kept"], "to_empty untied the weight shared across units"
-        assert res["trained"] <= TOL, (rank, res["trained"])
-        assert res["tied trained"] <= TOL, (rank, res["tied trained"])
+        assert _trained_alike(res["trained"]), (rank, res["trained"])
+        assert _trained_alike(res["tied trained"]), (rank, res["tied trained"])
     if ws == 3:  # the 0-dim gain and the small biases: some ranks hold nothing of them
         assert any(res["empty pieces"] for res in results)
 
@@ -315,7 +330,7 @@ def _misuse(rank, ws):
     fusedist.fsdp.init_parameters(model)
     _train(model, rank, ws, 2)
     ref = _train(_reference(Net), 0, 1, 2)
-    out["trained after error"] = _weights_diff(model, ref)
+    out["trained after error"] = _trained_diff(model, ref)
     # reset_parameters() on the pieces is not the unsharded init (the known difference)
     torch.manual_seed(SEED)
     on_pieces = model.apply(_reset)
@@ -346,7 +361,7 @@ def test_misuse_and_mixed_devices():
             assert "meta device" in res[what] and "to_empty" in res[what], (what, res[what])
         assert "fully_shard(Net)" in res["forward"], res["forward"]  # the unit is named
         assert "fully_shard(Block)" in res["unshard"] and "fc1.weight" in res["unshard"], res["unshard"]
-        assert res["trained after error"] <= TOL
+        assert _trained_alike(res["trained after error"]), res["trained after error"]
         assert res["apply on pieces"] > 0.0
         assert "fc2.weight" in res["mixed unit"] and "fc1.weight (cpu)" in res["mixed unit"], res["mixed unit"]
         assert res["mixed units init"] == 0.0

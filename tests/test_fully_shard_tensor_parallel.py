@@ -313,7 +313,8 @@ def test_refusals_name_the_parameter(results):
 def _hsdp_worker(rank, world_size, seed, root):
     """torchtitan's 3-D mesh: (replicate 2, shard 2, tensor-parallel 2), fully_shard on the
     (dp_replicate, dp_shard) mesh, against FSDP2 on the same mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     import fusedist
 
@@ -325,13 +326,23 @@ def _hsdp_worker(rank, world_size, seed, root):
     # one rank's inf: every rank skips (rank 7 shares no shard group with rank 0; the flag
     # reaches it over the tensor-parallel and replicate groups)
     _, out["scaler"] = _scaler_step_with_inf_on(7, rank, _build(mesh, fusedist.fully_shard, seed, dp=dp), seed)
+
+    # a tensor-parallel group across the data-parallel mesh's diagonal (rank 0 with rank 6: in
+    # neither its shard group {0, 2} nor its replicate group {0, 4}) overlaps that mesh too
+    diagonal = DeviceMesh("cpu", torch.tensor([[0, 6], [2, 4], [1, 7], [3, 5]]), mesh_dim_names=("pair", "tp"))
+    block = _Block()
+    parallelize_module(block, diagonal["tp"], {"ffn.w1": ColwiseParallel()})
+    with pytest.raises(ValueError) as refused:
+        fusedist.fully_shard(block, mesh=dp)
+    out["diagonal"] = str(refused.value)
     return out
 
 
 def test_hsdp_with_tensor_parallelism_matches_fsdp2(tmp_path):
     """fully_shard on (dp_replicate, dp_shard) over tensor-parallel modules, on 8 ranks: training
     with the clip, state dicts, torch's distributed checkpoint both ways and the GradScaler's
-    skip, all as FSDP2's on the same 3-D mesh (accumulation without sync is tested under HSDP
+    skip, all as FSDP2's on the same 3-D mesh, and a tensor-parallel mesh that overlaps the
+    data-parallel one refused on every rank (accumulation without sync is tested under HSDP
     and under tensor parallelism apart: test_fully_shard_hsdp.py, the 2-D test above)."""
     seed = int(torch.randint(0, 10_000, ()).item())
     per_rank = run_distributed(_hsdp_worker, 8, seed, str(tmp_path), timeout=300)
@@ -342,3 +353,5 @@ def test_hsdp_with_tensor_parallelism_matches_fsdp2(tmp_path):
         assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
         assert out["dcp ours->torch"] == 0.0 and out["dcp torch->ours"] == 0.0, (seed, rank, out)
     assert [out["scaler"] for out in per_rank] == [(True, 128.0)] * 8
+    for rank, out in enumerate(per_rank):
+        assert "overlap the data-parallel group's" in out["diagonal"], (rank, out["diagonal"])

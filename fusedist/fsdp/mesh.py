@@ -26,11 +26,14 @@ _NOT_DATA_PARALLEL = {"tp", "pp", "cp", "ep", "etp"}
 @dataclasses.dataclass(frozen=True)
 class DataParallelGroups:
     """``shard``: the group gathers and reduce-scatters run in; ``replicate``: the group each
-    gradient shard is all-reduced over (None without HSDP); ``device``: the compute device."""
+    gradient shard is all-reduced over (None without HSDP); ``device``: the compute device;
+    ``ranks``: every rank of this rank's data-parallel mesh -- under HSDP more than the shard and
+    replicate groups through this rank, which are one row and one column of it."""
 
     shard: Optional[dist.ProcessGroup]
     replicate: Optional[dist.ProcessGroup]
     device: torch.device
+    ranks: tuple
 
 
 def groups_of(mesh, process_group) -> DataParallelGroups:
@@ -51,14 +54,16 @@ def groups_of(mesh, process_group) -> DataParallelGroups:
                 f"{mesh.ndim}-D mesh of shape {shape} (dims {names}). Pass the data-parallel part of it, e.g. "
                 "mesh['dp'] or mesh['dp_replicate', 'dp_shard'].")
         device_type = mesh.device_type
+        ranks = tuple(mesh.mesh.flatten().tolist())
     else:
         shard = process_group
         device_type = "cuda" if dist.get_backend(shard) == "nccl" else "cpu"
+        ranks = tuple(dist.get_process_group_ranks(shard) if shard is not None else range(dist.get_world_size()))
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type)
-    return DataParallelGroups(shard, replicate, device)
+    return DataParallelGroups(shard, replicate, device, ranks)
 
 
 def _check_hsdp_mesh(shape: tuple, names: Optional[tuple]) -> None:

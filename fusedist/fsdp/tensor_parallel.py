@@ -124,10 +124,7 @@ def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, group
         raise NotImplementedError(f"{where}: reshard_after_forward as an int is not supported with tensor "
                                   "parallelism (FSDP2 refuses it too); pass True or False")
     tp_ranks = dist.get_process_group_ranks(first.device_mesh.get_group())
-    dp_ranks = dist.get_process_group_ranks(groups.shard) if groups.shard is not None else \
-        list(range(dist.get_world_size()))
-    if groups.replicate is not None:  # HSDP: the ranks holding this rank's piece or a replica of it
-        dp_ranks = sorted(set(dp_ranks) | set(dist.get_process_group_ranks(groups.replicate)))
+    dp_ranks = sorted(groups.ranks)  # (under HSDP the whole mesh: a peer in neither group overlaps too)
     if set(tp_ranks) & set(dp_ranks) != {dist.get_rank()}:
         raise ValueError(f"{where} on a mesh whose ranks {tp_ranks} overlap the data-parallel group's {dp_ranks}: "
                          "pass the other dims of the mesh to fully_shard (mesh['dp'], or mesh['dp_replicate', "

@@ -349,7 +349,9 @@ def _stalled_all_reduce(rank, ws, seed):
     """The other replica (ranks 2, 3) skips a backward: ranks 0 and 1 finish their
     reduce-scatter and wait in the all-reduce across replicas, which fails within the
     collective timeout naming the unit and with the stall report, as a reduce-scatter would."""
-    import time
+    import datetime
+
+    from torch.distributed import distributed_c10d
 
     from fusedist.comm import CollectiveError
 
@@ -357,11 +359,13 @@ def _stalled_all_reduce(rank, ws, seed):
     mesh = _mesh2d()
     _, ours = _pair(mesh, wrap_embed=True)
     _loss(ours, *_ids(seed, rank, 0)).backward()
-    if rank >= SHARDS:
-        time.sleep(12)  # long past the peers' timeout; the peers have raised by then
+    store = distributed_c10d._get_default_store()
+    if rank >= SHARDS:  # alive, in no collective, until the peers have raised
+        store.wait([f"raised {r}" for r in range(SHARDS)], datetime.timedelta(seconds=60))
         return None
     with pytest.raises(CollectiveError) as caught:
         _loss(ours, *_ids(seed, rank, 1)).backward()
+    store.set(f"raised {rank}", "yes")
     return str(caught.value)
 
 

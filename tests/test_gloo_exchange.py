@@ -25,7 +25,8 @@ from fusedist.testing import run_distributed
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
 OPS = ("sum", "avg", "max", "min")
 CHUNK_BYTES = 64
-FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
+# (the report's window: rank 1 never reports, however long rank 0 waits for it)
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "1"}
 
 
 def _random(shape_numel, dtype, gen):
@@ -272,6 +273,7 @@ def test_tags_stay_in_their_range():
 
 def _failures(rank, world_size):
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     from fusedist.comm import CollectiveError, TorchCommunicator
     from fusedist.reliability import StallError
@@ -310,6 +312,7 @@ def _failures(rank, world_size):
     monitor = attach_monitor(lonely)
     assert monitor is not None
     lonely.all_reduce(torch.ones(1), tag="warm-up")
+    store = distributed_c10d._get_default_store()
     if rank == 0:
         start = time.monotonic()
         try:
@@ -317,8 +320,9 @@ def _failures(rank, world_size):
             out["lonely"] = ("completed", None, time.monotonic() - start)
         except StallError as exc:
             out["lonely"] = (str(exc), exc.report, time.monotonic() - start)
-    else:
-        time.sleep(8)  # alive, but in no collective
+        store.set("lonely done", "yes")
+    else:  # alive, but in no collective, until rank 0 is done waiting
+        store.wait(["lonely done"], datetime.timedelta(seconds=60))
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fault_settings import DEAD_PEER_REPORT
 from fusedist.testing import run_distributed
 
 TOTAL, HALF = 14, 5  # 8 steps per epoch per rank: the resume is mid-epoch and crosses an epoch
@@ -167,7 +168,7 @@ def test_killed_save_leaves_previous_checkpoint_intact_and_truncation_is_refused
 
     root = str(tmp_path)
     outcome = run_distributed(_killed_save_worker, 2, root, random.Random(0).uniform(0.1, 0.9),
-                              timeout=120, pg_timeout=10, expect_failure=True)
+                              timeout=120, pg_timeout=10, expect_failure=True, env=DEAD_PEER_REPORT)
     assert outcome[1][0] == "error" and "without reporting" in outcome[1][1]  # SIGKILLed
     status, value = outcome[0]
     assert status == "ok", value

@@ -1,5 +1,5 @@
 """DistributedDataParallel settings that decide a backward's collectives, different on one rank
-(Note [reduction settings across ranks] in fusedist/ddp/wrapper.py): each is a
+(Note [reduction settings across ranks] in fusedist/ddp/agreement.py): each is a
 RankMismatchError on every rank naming the setting and its values, before any bucket
 collective -- instead of a stall at the first backward (find_unused_parameters), or gloo
 terminating a process with "Received data size doesn't match" (an fp16 hook on one rank).

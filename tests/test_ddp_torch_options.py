@@ -27,10 +27,10 @@ def test_signature_takes_torchs_parameters_in_torchs_positions():
     positional = [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional == list(theirs)[:len(positional)]
     assert len(positional) >= list(theirs).index("find_unused_parameters") + 1
-    from fusedist.ddp.wrapper import _TORCH_ONLY_OPTIONS
+    from fusedist.ddp.arguments import TORCH_ONLY_OPTIONS
 
     for name in theirs:
-        assert name in ours or name in _TORCH_ONLY_OPTIONS or name == "mixed_precision", name
+        assert name in ours or name in TORCH_ONLY_OPTIONS or name == "mixed_precision", name
     for name in ("broadcast_buffers", "init_sync", "forward_sync_buffers", "bucket_cap_mb_list", "bucket_cap_mb",
                  "find_unused_parameters", "device_mesh", "static_graph"):
         assert ours[name].default == theirs[name].default, name

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -14,10 +13,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch
-from .._consistency import check_same_across_ranks
 from .._timeline import Timeline
 from ..comm import get_communicator
 from . import join as _join
+from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
+from .arguments import (TORCH_ONLY_OPTIONS, buffer_sync_settings, check_device_ids, group_of, module_device,
+                        reduce_dtype_from_mixed_precision)
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig
 from .copies import construction_checks, copy_wrapper
@@ -28,79 +29,6 @@ from .trainable import TrainableTracker
 from ..reliability import checks_enabled
 from ..reliability import optimizer_guard
 from ..reliability import engine_watch  # (the module: it imports ddp.events, see the test of import orders)
-
-# torch options that change only how torch schedules its own reduction: accepted and ignored
-# (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
-_TORCH_ONLY_OPTIONS = {"check_reduction", "delay_all_reduce_named_params",
-                       "param_to_hook_all_reduce", "skip_all_reduce_unused_params", "batched_grad_copy"}
-
-
-def _buffer_sync_settings(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
-    """(sync buffers at forward, broadcast buffers at construction), by torch's rules:
-    ``forward_sync_buffers`` (torch 2.13) governs the forward only, buffers are broadcast at
-    construction regardless; the deprecated ``broadcast_buffers=False`` turns off both (code
-    that keeps rank-local buffers relies on that). Both default to True."""
-    if broadcast_buffers is not None:
-        if forward_sync_buffers is not None:
-            warnings.warn("fusedist.DistributedDataParallel: both broadcast_buffers and forward_sync_buffers "
-                          "were given; broadcast_buffers is deprecated and ignored", FutureWarning, stacklevel=3)
-        else:
-            warnings.warn("fusedist.DistributedDataParallel: broadcast_buffers is deprecated (as in torch); use "
-                          "forward_sync_buffers. Unlike broadcast_buffers=False, forward_sync_buffers=False still "
-                          "broadcasts the buffers at construction", FutureWarning, stacklevel=3)
-    if forward_sync_buffers is not None:
-        return bool(forward_sync_buffers), True
-    sync = True if broadcast_buffers is None else bool(broadcast_buffers)
-    return sync, sync
-
-
-def _reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
-    """torch's (experimental) ``mixed_precision=_MixedPrecision(...)``: its ``reduce_dtype``
-    is fusedist's; casting parameters or buffers for the forward is not done here."""
-    if mixed_precision is None:
-        return reduce_dtype
-    param_dtype = getattr(mixed_precision, "param_dtype", None)
-    buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
-    if param_dtype is not None or buffer_dtype is not None:
-        raise NotImplementedError(
-            "fusedist.DistributedDataParallel: mixed_precision with param_dtype/buffer_dtype (forward "
-            "in a cast copy of the parameters) is not supported; run the forward under torch.autocast, "
-            "or cast the module and keep FP32 master weights in the optimizer "
-            "(fusedist.optim.FusedAdamW(master_weights=True)). Its reduce_dtype maps to reduce_dtype=."
-        )
-    mp_reduce = getattr(mixed_precision, "reduce_dtype", None)
-    if reduce_dtype is not None and mp_reduce is not None and mp_reduce != reduce_dtype:
-        raise ValueError(f"fusedist.DistributedDataParallel: reduce_dtype={reduce_dtype} and "
-                         f"mixed_precision.reduce_dtype={mp_reduce} disagree; pass one of them")
-    return reduce_dtype if reduce_dtype is not None else mp_reduce
-
-
-def _group_of(process_group, device_mesh):
-    """The data-parallel group given as a group or, as torch's DDP also takes it, a 1-D mesh."""
-    if device_mesh is None:
-        return process_group
-    if process_group is not None:
-        raise ValueError("fusedist.DistributedDataParallel: pass process_group or device_mesh, not both")
-    if device_mesh.ndim != 1:
-        raise ValueError(
-            f"fusedist.DistributedDataParallel: device_mesh must be 1-D (the data-parallel dimension, "
-            f"e.g. mesh['dp']), got {device_mesh.ndim} dimensions"
-        )
-    return device_mesh.get_group(mesh_dim=0)
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    devices = {}
-    for name, p in module.named_parameters():
-        devices.setdefault(p.device, name)
-    if len(devices) > 1:
-        listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
-        raise ValueError(
-            f"fusedist.DistributedDataParallel (rank {dist.get_rank() if dist.is_initialized() else 0}): "
-            f"the module's parameters live on several devices: {listing}. Move the whole module to one device (module.to(device)) before wrapping."
-        )
-    return next(iter(devices)) if devices else torch.device("cpu")
-
 
 # Note [a module wrapped again]
 #     A parameter has one data-parallel owner: the newest wrapper built over it. Wrapping a
@@ -183,9 +111,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         **torch_options,
     ):
         super().__init__()
-        forward_sync, init_sync_buffers = _buffer_sync_settings(broadcast_buffers, forward_sync_buffers)
-        reduce_dtype = _reduce_dtype_from_mixed_precision(torch_options.pop("mixed_precision", None), reduce_dtype)
-        unknown = set(torch_options) - _TORCH_ONLY_OPTIONS
+        forward_sync, init_sync_buffers = buffer_sync_settings(broadcast_buffers, forward_sync_buffers)
+        reduce_dtype = reduce_dtype_from_mixed_precision(torch_options.pop("mixed_precision", None), reduce_dtype)
+        unknown = set(torch_options) - TORCH_ONLY_OPTIONS
         if unknown:
             raise TypeError(f"fusedist.DistributedDataParallel got unexpected keyword argument(s) {sorted(unknown)}")
         if not dist.is_initialized():
@@ -193,7 +121,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 "fusedist.DistributedDataParallel: torch.distributed is not initialized; call "
                 "fusedist.init_distributed() (under torchrun) before wrapping the model"
             )
-        process_group = _group_of(process_group, device_mesh)
+        process_group = group_of(process_group, device_mesh)
         self.device_mesh = device_mesh
         self.module = module
         self.config = DDPConfig(
@@ -208,8 +136,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         )
         self.process_group = process_group
         self.dim = dim
-        self.device = _module_device(module)
-        self._check_device_ids(device_ids, output_device)
+        self.device = module_device(module)
+        check_device_ids(self.device, device_ids, output_device)
         self._init_surface(module, device_ids)  # torch's placement attributes, the ignored names
         self.comm = get_communicator(process_group, self.device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -225,8 +153,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 )
         checks = construction_checks()  # Note [copies of the wrapper] in copies.py
         if checks:
-            self._check_ranks_agree()
-        # Note [reduction settings across ranks]: checked once more at the first synchronized forward
+            check_model_agrees(self)
+        # checked once more at the first synchronized forward (Note [reduction settings across
+        # ranks] in agreement.py)
         self._reduction_check_due = checks and self.world_size > 1
         if init_sync:
             self._broadcast_state(buffers=init_sync_buffers)
@@ -258,27 +187,10 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         # [reliability] bucket layouts compared across ranks when built and when rebuilt;
         # optimizer.step() misuse caught on the rank that makes it.
         if checks:
-            self._check_layout_agrees(self.reducer.layout)
+            check_layout_agrees(self.comm, self.reducer.layout)
         self.reducer.layout_listeners.append(self._check_layout_agrees)
         if checks_enabled():
             optimizer_guard.install()
-
-    # ------------------------------------------------------------------ construction checks
-    def _check_device_ids(self, device_ids, output_device) -> None:
-        if self.device.type == "cpu":
-            if device_ids:
-                raise ValueError(
-                    f"fusedist.DistributedDataParallel: device_ids={device_ids} given for a module on "
-                    "CPU; pass device_ids=None for CPU modules"
-                )
-            return
-        if device_ids is not None:
-            ids = [torch.device(d if not isinstance(d, int) else f"cuda:{d}") for d in device_ids]
-            if len(ids) != 1 or ids[0] != self.device:
-                raise ValueError(
-                    f"fusedist.DistributedDataParallel: device_ids={device_ids} but the module is on "
-                    f"{self.device}; single-device modules take device_ids=[their device]"
-                )
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):
@@ -292,69 +204,15 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             "makes a working copy"
         )
 
-    def _check_ranks_agree(self) -> None:
-        # ignored tensors are rank-local (Note [parameters and buffers DDP ignores]); the list
-        # comes first, so that a list differing between ranks is the difference named
-        entries = [("setting", "params_and_buffers_to_ignore", tuple(sorted(self.parameters_to_ignore)), "", True)]
-        entries += [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.synced_parameters()]
-        entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.synced_buffers()]
-        entries += [("setting", name, value, "", True) for name, value in self._construction_settings()]
-        check_same_across_ranks(
-            entries,
-            "the model (parameters and buffers)",  # and the settings: the entry names one
-            label=_entry_label,
-            comm=self.comm, op="DistributedDataParallel construction: model check",
-            hint="Every rank must build the same model and wrap it in DistributedDataParallel with the same "
-                 "settings.",
-        )
-
-    # Note [reduction settings across ranks]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Settings that decide which collectives a backward issues must be the same on every rank,
-    # or the ranks' collectives pair up with others of another kind or size: with
-    # find_unused_parameters on one rank only, one rank all-reduces its used-parameter map
-    # while the other reduces a bucket (a stall at the first backward); with an fp16 hook on
-    # one rank only, the ranks all-reduce buckets of different byte sizes, and gloo terminates
-    # the process ("Received data size doesn't match"). The construction check compares the
-    # constructor's settings with the model; a communication hook (or ZeRO stage 2's
-    # reduce-scatter) is set after construction, so the first synchronized training forward
-    # compares the reduction once more, before any bucket collective: one small exchange,
-    # once, and a RankMismatchError naming the setting on every rank.
-    def _construction_settings(self) -> list:
-        c = self.config
-        return [("find_unused_parameters", bool(c.find_unused_parameters)), ("static_graph", bool(c.static_graph)),
-                ("broadcast_buffers", bool(c.broadcast_buffers)),
-                ("gradient_as_bucket_view", bool(c.gradient_as_bucket_view)),
-                ("reduce_dtype", str(c.reduce_dtype))]
-
-    def _check_reduction_agrees(self) -> None:
-        self._reduction_check_due = False
-        settings = [("communication hook", self._comm_hook or "none"),
-                    ("gradient reduction", self.reducer.strategy.description),
-                    ("reduce_dtype", str(self.config.reduce_dtype)),
-                    ("broadcast_buffers", bool(self.config.broadcast_buffers))]
-        check_same_across_ranks(
-            [("setting", name, value, "", True) for name, value in settings],
-            "the gradient reduction of DistributedDataParallel", label=_entry_label,
-            comm=self.comm, op="DistributedDataParallel: reduction settings check",
-            hint="Register the same communication hook (or none) on every rank, and shard with the same "
-                 "ZeroRedundancyOptimizer stage, before the first training forward.",
-        )
-
     def _check_layout_agrees(self, layout) -> None:
-        """Every rank must bucket the gradients identically, or the bucket collectives pair
-        up tensors of different sizes (a gloo error or an NCCL hang). Differences come from
-        per-rank bucket_cap_mb / first_bucket_cap_mb / reduce settings."""
-        if self.world_size == 1:
-            return
-        check_same_across_ranks(
-            layout.fingerprint(),
-            "the gradient bucket layout",
-            label=lambda b: f"bucket {b[0]} ({b[1]}, {b[2]} elements, params {[n for n, _ in b[3]][:4]}...)",
-            comm=self.comm, op="DistributedDataParallel: bucket layout check",
-            hint="Pass the same bucket_cap_mb, first_bucket_cap_mb and gradient_as_bucket_view on every rank.",
-        )
+        """The engine's listener for rebuilt layouts. A method of the wrapper, not of the
+        communicator alone: the engine's gradient hooks keep it, and so the wrapper, alive
+        while they are registered, so that a newer wrapper over the same parameters finds this
+        one and retires its hooks (Note [a module wrapped again]) even when the user kept no
+        reference to it."""
+        check_layout_agrees(self.comm, layout)
 
+    # ------------------------------------------------------------------ buffers
     def _module_buffers(self) -> list:
         """``list(self.module.buffers())`` without walking the module tree each forward (with
         many small modules the walk cost more than the buffers' broadcast): the ``_buffers``
@@ -428,7 +286,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         # Note [when buffers are broadcast]
         self._buffers_due = grad and self._no_sync_depth == 0
         if grad and self._reduction_check_due and self._no_sync_depth == 0:
-            self._check_reduction_agrees()  # Note [reduction settings across ranks]
+            self._reduction_check_due = False
+            check_reduction_agrees(self)  # Note [reduction settings across ranks] in agreement.py
         if grad:
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             # Before this step's first collective (observers read the last step's checks).
@@ -601,9 +460,3 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 )
         return super().load_state_dict(state_dict, strict=strict)
 
-
-def _entry_label(e) -> str:
-    """How a construction-check entry reads in an error: a parameter, a buffer, a setting."""
-    if e[0] == "setting":
-        return f"{e[1]}={e[2]}"
-    return f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)")

@@ -1,0 +1,107 @@
+"""``fusedist.DistributedDataParallel``'s constructor arguments, read as torch's DDP reads them:
+which group, which device, which buffers are broadcast when, and the torch options that only
+change how torch schedules its own reduction."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["TORCH_ONLY_OPTIONS", "buffer_sync_settings", "check_device_ids", "group_of", "module_device",
+           "reduce_dtype_from_mixed_precision"]
+
+#: torch options that change only how torch schedules its own reduction: accepted and ignored
+#: (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
+TORCH_ONLY_OPTIONS = {"check_reduction", "delay_all_reduce_named_params",
+                      "param_to_hook_all_reduce", "skip_all_reduce_unused_params", "batched_grad_copy"}
+
+
+def buffer_sync_settings(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
+    """(sync buffers at forward, broadcast buffers at construction), by torch's rules:
+    ``forward_sync_buffers`` (torch 2.13) governs the forward only, buffers are broadcast at
+    construction regardless; the deprecated ``broadcast_buffers=False`` turns off both (code
+    that keeps rank-local buffers relies on that). Both default to True."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn("fusedist.DistributedDataParallel: both broadcast_buffers and forward_sync_buffers "
+                          "were given; broadcast_buffers is deprecated and ignored", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("fusedist.DistributedDataParallel: broadcast_buffers is deprecated (as in torch); use "
+                          "forward_sync_buffers. Unlike broadcast_buffers=False, forward_sync_buffers=False still "
+                          "broadcasts the buffers at construction", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    sync = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return sync, sync
+
+
+def reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
+    """torch's (experimental) ``mixed_precision=_MixedPrecision(...)``: its ``reduce_dtype``
+    is fusedist's; casting parameters or buffers for the forward is not done here."""
+    if mixed_precision is None:
+        return reduce_dtype
+    param_dtype = getattr(mixed_precision, "param_dtype", None)
+    buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
+    if param_dtype is not None or buffer_dtype is not None:
+        raise NotImplementedError(
+            "fusedist.DistributedDataParallel: mixed_precision with param_dtype/buffer_dtype (forward "
+            "in a cast copy of the parameters) is not supported; run the forward under torch.autocast, "
+            "or cast the module and keep FP32 master weights in the optimizer "
+            "(fusedist.optim.FusedAdamW(master_weights=True)). Its reduce_dtype maps to reduce_dtype=."
+        )
+    mp_reduce = getattr(mixed_precision, "reduce_dtype", None)
+    if reduce_dtype is not None and mp_reduce is not None and mp_reduce != reduce_dtype:
+        raise ValueError(f"fusedist.DistributedDataParallel: reduce_dtype={reduce_dtype} and "
+                         f"mixed_precision.reduce_dtype={mp_reduce} disagree; pass one of them")
+    return reduce_dtype if reduce_dtype is not None else mp_reduce
+
+
+def group_of(process_group, device_mesh):
+    """The data-parallel group given as a group or, as torch's DDP also takes it, a 1-D mesh."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError("fusedist.DistributedDataParallel: pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"fusedist.DistributedDataParallel: device_mesh must be 1-D (the data-parallel dimension, "
+            f"e.g. mesh['dp']), got {device_mesh.ndim} dimensions"
+        )
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The one device of the module's parameters (CPU for a module without any)."""
+    devices = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
+        raise ValueError(
+            f"fusedist.DistributedDataParallel (rank {dist.get_rank() if dist.is_initialized() else 0}): "
+            f"the module's parameters live on several devices: {listing}. Move the whole module to one device (module.to(device)) before wrapping."
+        )
+    return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def check_device_ids(device: torch.device, device_ids, output_device) -> None:
+    """``device_ids`` as torch takes them for a single-device module: None on CPU, the
+    module's own device on CUDA."""
+    if device.type == "cpu":
+        if device_ids:
+            raise ValueError(
+                f"fusedist.DistributedDataParallel: device_ids={device_ids} given for a module on "
+                "CPU; pass device_ids=None for CPU modules"
+            )
+        return
+    if device_ids is not None:
+        ids = [torch.device(d if not isinstance(d, int) else f"cuda:{d}") for d in device_ids]
+        if len(ids) != 1 or ids[0] != device:
+            raise ValueError(
+                f"fusedist.DistributedDataParallel: device_ids={device_ids} but the module is on "
+                f"{device}; single-device modules take device_ids=[their device]"
+            )

@@ -12,7 +12,8 @@ Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathe
 reduction and ``reshard_after_forward=False``; accumulation without gradient sync; activation
 checkpointing of the blocks and an evaluation forward), full model and optimizer state dicts equal
 FSDP2's, ``CPUOffloadPolicy`` against FSDP2's, torch's distributed checkpoint both ways,
-fusedist's own full state dict round trip into a model built on the meta device, the GradScaler skipping on every rank when one rank's
+fusedist's own full state dict round trip into a model built on the meta device, ``init_parameters``
+on such a model equal to the unsharded model's initialization, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
 ranks), and the refusals (fusedist's own checkpoint format among them: torch's distributed
 checkpoint is the format for these models).
@@ -169,6 +170,26 @@ def _worker(rank, world_size, seed, root):
     meta.to_empty(device="cpu")
     fusedist.fsdp.load_full_state_dict(meta, whole)
     out["meta"] = (_train(meta, mesh, seed + 4)[1], _train(ours, mesh, seed + 4)[1])
+    # or initialized there as the unsharded model is from the same RNG state: each global parameter
+    # drawn whole (fan-in from its global shape), each rank keeping its part; also by an init that
+    # gives a weight new ``.data``
+    def new_data(m):
+        if isinstance(m, nn.Linear):
+            m.weight.data = torch.randn_like(m.weight) * 0.05
+            nn.init.normal_(m.bias, std=0.01)
+        elif hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    out["init"] = []
+    for init_fn in (None, new_data):
+        meta = _build(mesh, fusedist.fully_shard, seed, meta=True)
+        meta.to_empty(device="cpu")
+        torch.manual_seed(seed + 5)
+        fusedist.fsdp.init_parameters(meta, init_fn)
+        unsharded = _Net()
+        torch.manual_seed(seed + 5)
+        unsharded.apply(init_fn or (lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None))
+        out["init"].append(_max_diff(fusedist.fsdp.full_state_dict(meta), unsharded.state_dict()))
 
     mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ours = _build(mesh, fusedist.fully_shard, seed, mp_policy=fusedist.MixedPrecisionPolicy(**mp),
@@ -295,6 +316,7 @@ def test_checkpoints_interchange_with_fsdp2(results):
         assert out["fusedist full"] == 0.0, (seed, rank)
         meta, ref = out["meta"]
         assert meta == ref, (seed, rank)
+        assert out["init"] == [0.0, 0.0], (seed, rank, out["init"])  # the same draws: bit for bit
 
 
 def test_grad_scaler_skips_on_every_rank(results):

@@ -26,6 +26,14 @@ Note [initializing like the unsharded model]
     whole parameters end to end instead, this rank's chunk copied into its place on the way
     in and out.
 
+    A tensor-parallel parameter (Note [tensor-parallel parameters] in tensor_parallel.py) is
+    made whole as the *global* parameter, as the unsharded model holds it: a temporary
+    tensor of the global shape with this rank's local tensor in its place, which ``init_fn``
+    fills as it fills the unsharded model's (the same RNG draws, fan-in from the global
+    shape); this rank's local tensor is cut from it on the way out. Every tensor-parallel
+    rank draws the whole parameter and keeps its part, as every data-parallel rank keeps its
+    rows.
+
     Which units a submodule needs: those holding its own parameters (``recurse=False``; a
     weight it borrows from another unit counts for that unit); a submodule without
     parameters needs the unit of the innermost ``fully_shard`` module containing it (itself
@@ -72,11 +80,6 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
     init_fn = init_fn if init_fn is not None else _reset_parameters
     units = _units_under(module)
     for unit in units:
-        if unit.tp_comm is not None:
-            raise NotImplementedError(
-                f"fusedist.fsdp.init_parameters: fully_shard({unit.name}) holds tensor-parallel parameters; "
-                "initialize them whole and load them with fusedist.fsdp.load_full_state_dict (each rank keeps "
-                "its part), or load a checkpoint with torch.distributed.checkpoint")
         unit.check_materialized()
         unit.reshard()
     plan = _plan(module, units)
@@ -170,16 +173,29 @@ class _WholeUnit:
         self.buffers = [torch.zeros(sec.layout.whole_numel if sec.chunked else sec.layout.total_numel, dtype=s.dtype,
                                     device=unit.device)
                         for sec, s in zip(unit.layout.sections, unit.shards)]
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
-        COUNTERS.add_scratch(self.nbytes)
         for own, mine in self._own_parts():
             own.copy_(mine)
         for i in self._dim_sharded():
             unit.piece_of_whole(i, self._view(i)).copy_(unit.sharded[i])
-        self.params = [nn.Parameter(self._view(i), requires_grad=sp.requires_grad) for i, sp in enumerate(unit.sharded)]
+        # (kept apart from the parameters: init_fn may give a parameter other ``.data``)
+        self.wholes = [self._whole(i) for i in range(len(unit.sharded))]
+        self.params = [nn.Parameter(w, requires_grad=sp.requires_grad) for w, sp in zip(self.wholes, unit.sharded)]
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers) + sum(
+            w.numel() * w.element_size() for i, w in enumerate(self.wholes) if unit.tp[i] is not None)
+        COUNTERS.add_scratch(self.nbytes)
         for i, p in enumerate(self.params):
             for m, attr in self._slots(i):
                 m._parameters[attr] = p
+
+    def _whole(self, index: int) -> torch.Tensor:
+        """Parameter ``index`` whole: its view of the buffer, or for a tensor-parallel one the
+        global parameter with this rank's local tensor in its place."""
+        view, spec = self._view(index), self.unit.tp[index]
+        if spec is None:
+            return view
+        whole = torch.zeros(spec.global_shape, dtype=view.dtype, device=view.device)
+        spec.local_of_global(whole).copy_(view)
+        return whole
 
     def _own_parts(self):
         """(this rank's part of the buffer, the shard's part) per row-aligned section."""
@@ -210,19 +226,20 @@ class _WholeUnit:
         """Keep this rank's rows of what ``init_fn`` wrote (also through a replaced parameter or
         ``.data``), put the pieces back, free the buffer."""
         unit = self.unit
-        for i, p in enumerate(self.params):
-            view = self._view(i)
+        for i, (whole, spec) in enumerate(zip(self.wholes, unit.tp)):
             for m, attr in self._slots(i):
                 held = m._parameters.get(attr)
-                if held is not None and not _same_data(held, view):
-                    _check_shape(unit, i, m, attr, held)
-                    view.copy_(held)
+                if held is not None and not _same_data(held, whole):
+                    _check_shape(unit, i, m, attr, held, tuple(whole.shape))
+                    whole.copy_(held)
                 m._parameters[attr] = unit.sharded[i]
+            if spec is not None:
+                self._view(i).copy_(spec.local_of_global(whole))
         for own, mine in self._own_parts():
             mine.copy_(own)
         for i in self._dim_sharded():
             unit.sharded[i].copy_(unit.piece_of_whole(i, self._view(i)))
-        self.buffers, self.params = None, None
+        self.buffers, self.wholes, self.params = None, None, None
         COUNTERS.add_scratch(-self.nbytes)
 
 
@@ -230,8 +247,7 @@ def _same_data(t: torch.Tensor, view: torch.Tensor) -> bool:
     return t.device == view.device and t.data_ptr() == view.data_ptr() and t.shape == view.shape
 
 
-def _check_shape(unit, index: int, module: nn.Module, attr: str, held: torch.Tensor) -> None:
-    shape = tuple(unit.layout.slots[index].shape)
+def _check_shape(unit, index: int, module: nn.Module, attr: str, held: torch.Tensor, shape: tuple) -> None:
     if tuple(held.shape) != shape:
         raise ValueError(
             f"fusedist.fsdp.init_parameters: after init_fn, {type(module).__name__}.{attr} "

@@ -13,7 +13,8 @@ reduction and ``reshard_after_forward=False``; accumulation without gradient syn
 checkpointing of the blocks and an evaluation forward), full model and optimizer state dicts equal
 FSDP2's, ``CPUOffloadPolicy`` against FSDP2's, torch's distributed checkpoint both ways,
 fusedist's own full state dict round trip into a model built on the meta device, ``init_parameters``
-on such a model equal to the unsharded model's initialization, the GradScaler skipping on every rank when one rank's
+on such a model equal to the unsharded model's initialization, per-parameter gradient norms (the
+Lightning helper's) equal to FSDP2's DTensor gradients' norms, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
 ranks), and the refusals (fusedist's own checkpoint format among them: torch's distributed
 checkpoint is the format for these models).
@@ -204,6 +205,18 @@ def _worker(rank, world_size, seed, root):
     out["accumulation"] = (_train(ours, mesh, seed, steps=2, accumulate=2)[1],
                            _train(theirs, mesh, seed, steps=2, accumulate=2)[1])
 
+    # per-parameter gradient norms (the Lightning helper's): each global parameter's, as FSDP2's
+    # DTensor gradients give them
+    from fusedist.integrations.lightning_grad_norm import grad_norm
+
+    ours, theirs = _build(mesh, fusedist.fully_shard, seed), _build(mesh, torch_fully_shard, seed)
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(seed + mesh["dp"].get_local_rank()))
+    for model in (ours, theirs):
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    out["grad norms"] = [({key.split("/", 1)[1]: float(v) for key, v in grad_norm(ours, p).items() if "/" in key},
+                          {name: float(q.grad.full_tensor().norm(p)) for name, q in theirs.named_parameters()})
+                         for p in (2.0, float("inf"))]
+
     # activation checkpointing of every block (torchtitan's default), then an evaluation forward
     from torch.utils.checkpoint import checkpoint
 
@@ -303,6 +316,10 @@ def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
                                    msg=f"offload, seed {seed}, rank {rank}")
         torch.testing.assert_close(torch.tensor(our_norms), torch.tensor(their_norms), rtol=1e-5, atol=0,
                                    msg=f"offload, seed {seed}, rank {rank}")
+        for ours, theirs in out["grad norms"]:  # fp32 sums in another order: a few ulps
+            assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+            for name in theirs:
+                assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (seed, rank, name, ours[name], theirs[name])
         # bf16 gathers, fp32 reduction: the same casts on both sides
         ours, theirs = out["bf16"]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5,

@@ -85,18 +85,25 @@ class ShardedGradHolder:
         """Each parameter's global gradient norm over all ranks' pieces, None where its piece
         has no ``.grad`` (then it has none on any rank, Note [rank-independent reductions] in
         grads.py): one all-reduce of one number per parameter over the shard group, which
-        holds the whole gradient (HSDP replicas hold copies). A collective: every rank of the
-        group calls it with the same parameters in the same order. The norms are in float64,
-        for the caller to cast."""
+        holds the whole gradient (HSDP replicas hold copies); with tensor parallelism one more
+        over the tensor-parallel group, for the parameters whose local tensors are parts of the
+        global one (those the tensor-parallel ranks hold alike keep the shard group's figure).
+        A collective: every rank of the groups calls it with the same parameters in the same
+        order. The norms are in float64, for the caller to cast."""
         params = list(params)
-        if self.tp is not None:
-            raise NotImplementedError(
-                "per-parameter gradient norms of tensor-parallel fully_shard parameters are not supported; log "
-                "the total norm (torch.nn.utils.clip_grad_norm_ / fusedist.clip_grad_norm_) instead")
         materialize_unscales(params)
+        device = self.comm.device
+        alike = torch.tensor([p in self._tp_replicated for p in params], dtype=torch.bool, device=device)
+
+        def all_reduce(t: torch.Tensor, op: str) -> None:
+            _all_reduce(self.comm, t, op, "fully_shard per-parameter grad norms")
+            if self.tp is not None:
+                over_tp = t.clone()
+                _all_reduce(self.tp, over_tp, op, "fully_shard per-parameter grad norms (tensor-parallel)")
+                t.copy_(torch.where(alike, t, over_tp))
+
         norms = per_tensor_global_norms(
-            [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), self.comm.device,
-            lambda t, op: _all_reduce(self.comm, t, op, "fully_shard per-parameter grad norms"))
+            [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), device, all_reduce)
         return [norms[i] if p.grad is not None else None for i, p in enumerate(params)]
 
     @torch.no_grad()

@@ -26,7 +26,9 @@ Note [gradient norms of fully_shard pieces]
     DTensors and ``p.grad.norm()`` is the whole parameter's norm. So pieces are grouped by
     their gradient holder (``fusedist.ownership.gradient_holder``: one per shard group), whose
     ``parameter_grad_norms`` takes one all-reduce of one number per parameter over the shard
-    group -- on HSDP not across replicas, which hold copies of the same gradient shard.
+    group -- on HSDP not across replicas, which hold copies of the same gradient shard; with
+    tensor parallelism one more over the tensor-parallel group, for the parameters split
+    across it.
 
 A parameter's holder decides which path it takes, in the module's parameter order, so every
 rank issues the same collectives in the same order: the function is a collective whenever the

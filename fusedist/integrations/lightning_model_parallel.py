@@ -34,7 +34,8 @@ Tensor parallelism (``tensor_parallel_size > 1``): ``configure_model`` applies i
 ``self.device_mesh["tensor_parallel"]`` and ``fusedist.fully_shard`` on ``["data_parallel"]``, which
 shards tensor-parallel modules as FSDP2 does (Note [tensor-parallel parameters] in
 ``fusedist/fsdp/tensor_parallel.py``); the clip and resuming from sharded checkpoints are tested
-against FSDP2 at 2x2. The per-parameter ``grad_norm`` refuses tensor-parallel pieces.
+against FSDP2 at 2x2, and ``grad_norm`` gives each global parameter's gradient norm (tested
+against FSDP2's DTensor gradients in tests/test_fully_shard_tensor_parallel.py).
 """
 
 from __future__ import annotations

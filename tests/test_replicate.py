@@ -3,7 +3,8 @@ ranks: the same losses and weights (AdamW; BatchNorm statistics kept per rank by
 accumulation through ``set_requires_gradient_sync(False)``, a ``forward`` replaced on the
 instance, a communication hook, ignored
 modules, a model built on the meta device whose engine a ZeroRedundancyOptimizer builds before
-the first forward (and its fusedist.checkpoint round trip), and the module left as it was (class tree, state-dict keys, one call of its
+the first forward (and its fusedist.checkpoint round trip), a submodule sharded by fully_shard
+(left to its unit, against FSDP2's under torch's replicate), and the module left as it was (class tree, state-dict keys, one call of its
 hooks per forward). Refusals are checked in one process.
 """
 
@@ -160,9 +161,34 @@ def _compiled(rank, seed):
     return max((a - b).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters()))
 
 
+def _fully_shard_submodule(rank, seed):
+    """FSDP2's fully_shard on a submodule, then torch's replicate on the model (each leaves the
+    other's parameters alone), against fusedist's two: losses, and every parameter whole."""
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(seed)
+    base = _Net()
+    theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
+    torch_fully_shard(theirs.head, mesh=mesh)
+    torch_replicate(theirs)
+    fusedist.fully_shard(ours.head, mesh=mesh)
+    fusedist.replicate(ours)
+    losses = [_train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), rank, 4, 1, seed)[0] for m in (theirs, ours)]
+    full = StateDictOptions(full_state_dict=True)
+    return losses, [get_model_state_dict(m, options=full) for m in (theirs, ours)]
+
+
 def _all_cases(rank, world_size, seed, directory):
     out = {name: _case(rank, name, seed, directory) for name in CASES}
     out["compiled"] = _compiled(rank, seed)
+    out["fully_shard submodule"] = _fully_shard_submodule(rank, seed)
     return out
 
 
@@ -203,6 +229,20 @@ def test_replicate_matches_torchs_replicate(results, name):
                 assert not torch.equal(a, b), f"{name_}: ignored parameter {i} was synchronized"
             else:
                 assert torch.equal(a, b), f"{name_}: parameter {i} differs between ranks"
+
+
+def test_fully_shard_submodules_are_left_to_their_units_as_by_torch(results):
+    for rank, per_rank in enumerate(results):
+        (l_theirs, l_ours), (theirs, ours) = per_rank["fully_shard submodule"]
+        # fp32 AdamW; the shard's reduce-scatter and the rest's all-reduce sum the same 2 terms
+        torch.testing.assert_close(torch.tensor(l_ours), torch.tensor(l_theirs), rtol=1e-5, atol=1e-6,
+                                   msg=f"rank {rank}: losses")
+        assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+        for key in theirs:
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+    for key, value in results[0]["fully_shard submodule"][1][1].items():  # one model on both ranks
+        if key.startswith(("inp.", "side.", "head.")):
+            assert torch.equal(value, results[1]["fully_shard submodule"][1][1][key]), key
 
 
 def test_compiled_replicated_module_trains_as_the_eager_one(results):

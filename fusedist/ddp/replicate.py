@@ -24,6 +24,10 @@ checkpoint loaded into the module before it included. A ``ZeroRedundancyOptimize
 before the first forward builds it (:func:`build_pending`): it shards along the engine's
 buckets.
 
+Submodules sharded by ``fully_shard`` are left out, as torch's replicate leaves out FSDP2's:
+their units gather, reduce-scatter and check their own parameters, the engine reduces the
+rest (the replicated module itself may not be a ``fully_shard`` module: refused, as by torch).
+
 Buffers are not synchronized, as with torch's replicate (its DDP is built over a
 ``ParameterList``, so there are none to broadcast: each rank keeps its own BatchNorm running
 statistics). ``forward_sync_buffers=True`` broadcasts rank 0's buffers at each training
@@ -81,8 +85,9 @@ class _ReplicateState:
         if device_id is not None and torch.device(device_id if not isinstance(device_id, int) else
                                                   f"cuda:{device_id}").type != "cpu":
             kwargs["device_ids"] = [device_id]
+        left_out = self.ignored_modules | _fully_shard_submodules(module)
         ignored = [f"{prefix}.{n}" if prefix else n
-                   for prefix, m in module.named_modules() if m in self.ignored_modules
+                   for prefix, m in module.named_modules() if m in left_out
                    for n, _ in list(m.named_parameters(recurse=True)) + list(m.named_buffers(recurse=True))]
         if ignored:
             previous = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -96,6 +101,14 @@ class _ReplicateState:
             ddp.register_comm_hook(*args, **hook_kwargs)
         self.comm_hooks.clear()
         return ddp
+
+
+def _fully_shard_submodules(module: nn.Module) -> set:
+    """The ``fully_shard`` modules under ``module``: each unit owns its subtree's parameters
+    (Note [replicate without a wrapper])."""
+    from ..fsdp.api import FullyShardedModule
+
+    return {m for m in module.modules() if isinstance(m, FullyShardedModule)}
 
 
 def _before_forward(module: nn.Module, args, kwargs):
@@ -163,26 +176,26 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     (Note [replicate without a wrapper]); returns it. ``kwargs`` are fusedist
     :class:`~fusedist.DistributedDataParallel`'s (torch DDP's: ``device_mesh``,
     ``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...) plus torch's
-    ``device_id``; ``ignored_modules`` are left out (neither reduced nor broadcast). Buffers
-    are not synchronized (torch's), unless ``forward_sync_buffers=True``."""
+    ``device_id``; ``ignored_modules`` are left out (neither reduced nor broadcast), and so are
+    ``fully_shard`` submodules (their units reduce their own parameters). Buffers are not
+    synchronized (torch's), unless ``forward_sync_buffers=True``."""
     from ..fsdp.api import FullyShardedModule
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"fusedist.replicate expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, ReplicatedModule):
         raise ValueError(f"fusedist.replicate: {type(module).__name__} is already replicated")
-    sharded = [name or "the module itself" for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
-    if sharded:
-        raise NotImplementedError(
-            f"fusedist.replicate: {sharded[:4]} of {type(module).__name__} are sharded by fully_shard; replicate a "
-            "module without fully_shard units (for sharding with replication across groups, use fully_shard over "
+    if isinstance(module, FullyShardedModule):
+        raise ValueError(
+            f"fusedist.replicate: {type(module).__name__} is sharded by fully_shard (as torch's replicate, it takes "
+            "modules whose submodules may be; for sharding with replication across groups, use fully_shard over "
             "a 2-D mesh: HSDP)")
     if "device_id" in kwargs and not isinstance(kwargs["device_id"], (int, torch.device, type(None))):
         raise TypeError(f"fusedist.replicate: device_id must be an int or a torch.device, got "
                         f"{type(kwargs['device_id']).__name__}")
     from torch.distributed.tensor import DTensor
 
-    dtensors = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    dtensors = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]  # (fully_shard's pieces are not)
     if dtensors:
         raise NotImplementedError(
             f"fusedist.replicate: parameters {dtensors[:4]} are DTensors (tensor parallelism); fusedist's data "

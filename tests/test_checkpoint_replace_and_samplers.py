@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fault_settings import DEAD_PEER_REPORT
 import models
 from fusedist.testing import run_distributed
 
@@ -436,7 +435,7 @@ def test_a_peer_dying_after_the_manifest_is_not_reported_as_an_incomplete_checkp
     checkpoint, which the error must not call incomplete and skipped (it sent users to an
     older one)."""
     results = run_distributed(_peer_dies_after_the_manifest_worker, 2, str(tmp_path), timeout=120, pg_timeout=20,
-                              expect_failure=True, env=DEAD_PEER_REPORT)
+                              expect_failure=True)
     status, value = results[0]
     assert status == "ok", value
     (kind, message, _), complete = value

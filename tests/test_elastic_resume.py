@@ -19,7 +19,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from fault_settings import DEAD_PEER_REPORT
 from torchrun_launch import finish, launch
 
 from fusedist.checkpoint import CheckpointError, Checkpointer, ElasticDistributedSampler, layout
@@ -145,8 +144,7 @@ def test_kill_during_async_save_leaves_previous_checkpoint_loadable(tmp_path):
     from fusedist.testing import run_distributed
 
     root = str(tmp_path)
-    outcome = run_distributed(_killed_async_save_worker, 2, root, timeout=120, pg_timeout=10, expect_failure=True,
-                              env=DEAD_PEER_REPORT)
+    outcome = run_distributed(_killed_async_save_worker, 2, root, timeout=120, pg_timeout=10, expect_failure=True)
     assert outcome[1][0] == "error"  # SIGKILLed
     status, (saved, error) = outcome[0]
     assert status == "ok" and error is not None, outcome[0]

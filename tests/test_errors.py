@@ -160,6 +160,22 @@ def test_checks_switch_rejects_bad_values(monkeypatch):
         report_window_s(600)
 
 
+def test_stall_report_waits_briefly_for_a_peer_whose_connection_is_gone(monkeypatch):
+    from fusedist.reliability.stall_report import PEER_GONE_WINDOW_S, peer_gone, report_window_s
+
+    monkeypatch.delenv("FUSEDIST_STALL_REPORT_S", raising=False)
+    assert report_window_s(600) == 15.0 and report_window_s(10) == 2.0
+    assert report_window_s(600, peer_gone=True) == PEER_GONE_WINDOW_S == 2.0
+    monkeypatch.setenv("FUSEDIST_STALL_REPORT_S", "7")
+    assert report_window_s(600, peer_gone=True) == 7.0  # the setting wins
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:33422: "
+                        "Connection reset by peer")
+    closed = RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:48811")
+    nccl = RuntimeError("NCCL error: remote process exited or there was a network error")
+    timeout = RuntimeError("[pair.cc:446] Timed out waiting 3000ms for recv operation to complete")
+    assert [peer_gone(e) for e in (gloo, closed, nccl, timeout)] == [True, True, True, False]
+
+
 class _FailOnce(torch.autograd.Function):
     """Identity whose backward raises when ``armed`` is set (then disarms)."""
 

@@ -86,7 +86,8 @@ class CollectiveMonitor:
         }
         # Only the first failure of a communicator waits for the others: later ones (the
         # remaining buckets of the same backward) reuse what the store already holds.
-        window = stall_report.report_window_s(comm.timeout.total_seconds()) if not self.reports else 0.0
+        window = (stall_report.report_window_s(comm.timeout.total_seconds(), stall_report.peer_gone(error))
+                  if not self.reports else 0.0)
         report = stall_report.exchange(
             self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank, comm.world_size, entry, window
         )

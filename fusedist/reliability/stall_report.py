@@ -25,12 +25,24 @@ from typing import Optional
 KEY_PREFIX = "fusedist/stall"
 
 
-def report_window_s(collective_timeout_s: float) -> float:
+#: The window when the failure says a peer's connection is gone (``peer_gone``).
+PEER_GONE_WINDOW_S = 2.0
+
+#: How backends word a peer process that has exited (gloo's TCP pairs; NCCL's proxy).
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "remote process exited", "broken pipe")
+
+
+def report_window_s(collective_timeout_s: float, peer_gone: bool = False) -> float:
     """How long a rank waits for the others' entries before rendering the report.
 
     ``FUSEDIST_STALL_REPORT_S`` overrides. Default: 5% of the collective timeout, clamped to
     [2 s, 15 s]: ranks that hit the same stuck collective time out within a few seconds of
-    each other, and the report must not delay the error by much.
+    each other, and the report must not delay the error by much. When the failure is a
+    peer's connection reset or closed (``peer_gone``: the peer process has exited -- a crash,
+    an out-of-memory kill), ``PEER_GONE_WINDOW_S``: the ranks still alive meet closed
+    connections at once, not at their timeouts, and the exited rank never writes an entry
+    (one that crashed in Python has written its ``crash`` entry already), so the long window
+    only delayed the error.
     """
     env = os.environ.get("FUSEDIST_STALL_REPORT_S")
     if env is not None:
@@ -38,7 +50,14 @@ def report_window_s(collective_timeout_s: float) -> float:
         if not value >= 0:
             raise ValueError(f"FUSEDIST_STALL_REPORT_S must be >= 0 seconds, got {env!r}")
         return value
-    return min(15.0, max(2.0, 0.05 * collective_timeout_s))
+    window = min(15.0, max(2.0, 0.05 * collective_timeout_s))
+    return min(window, PEER_GONE_WINDOW_S) if peer_gone else window
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether ``error``'s text says a peer's connection was reset or closed."""
+    text = str(error).lower()
+    return any(words in text for words in _PEER_GONE)
 
 
 def default_store():

@@ -11,8 +11,10 @@ NATIVE := $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
 
 .PHONY: demo test bench install clean
 
-# lightning: the optional Lightning strategy (fusedist[lightning]) is tested too.
-DEPS   := numpy "triton>=3.0" pytest hypothesis pybind11 ninja "setuptools>=64" wheel "lightning>=2.4"
+# lightning: the optional Lightning strategy (fusedist[lightning]) is tested too; torchao: its
+# float8 training weights are tested with fully_shard (FSDP2's all-gather extension).
+DEPS   := numpy "triton>=3.0" pytest hypothesis pybind11 ninja "setuptools>=64" wheel "lightning>=2.4" \
+          "torchao==0.18.0"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

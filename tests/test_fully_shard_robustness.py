@@ -342,8 +342,9 @@ def test_signature_takes_every_fsdp2_argument():
             assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY, name
 
 
-class _Subclass(torch.Tensor):
-    """A wrapper subclass with FSDP2's all-gather extension methods, as torchao's float8 weights."""
+class _NoExtension(torch.Tensor):
+    """A wrapper subclass without FSDP2's all-gather extension: a unit would drop what it does
+    (the extension itself: test_fully_shard_extension.py)."""
 
     @staticmethod
     def __new__(cls, data):
@@ -357,21 +358,15 @@ class _Subclass(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, size, stride):
-        return _Subclass(inner["_data"])
+        return _NoExtension(inner["_data"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_map
 
-        out = func(*tree_map(lambda t: t._data if isinstance(t, _Subclass) else t, args),
-                   **tree_map(lambda t: t._data if isinstance(t, _Subclass) else t, kwargs or {}))
-        return _Subclass(out) if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) else out
-
-    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
-        return (self._data,), None
-
-    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        return _Subclass(outputs[0]), outputs
+        out = func(*tree_map(lambda t: t._data if isinstance(t, _NoExtension) else t, args),
+                   **tree_map(lambda t: t._data if isinstance(t, _NoExtension) else t, kwargs or {}))
+        return _NoExtension(out) if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) else out
 
 
 def _torch_arguments(rank, ws, seed):
@@ -412,9 +407,8 @@ def _torch_arguments(rank, ws, seed):
     refused(r"parameter '1.weight' is tensor-parallel \(a DTensor\) on a mesh whose ranks .* overlap", tp,
             error=ValueError)
     quantized = copy.deepcopy(net)
-    quantized[0].weight = nn.Parameter(_Subclass(quantized[0].weight.detach().clone()))
-    refused(r"parameter '0.weight' is a tensor subclass, .*_Subclass \(it implements FSDP2's all-gather extension",
-            quantized)
+    quantized[0].weight = nn.Parameter(_NoExtension(quantized[0].weight.detach().clone()))
+    refused(r"parameter '0.weight' is a tensor subclass, .*_NoExtension; fusedist shards plain tensors", quantized)
     fusedist.fully_shard(quantized, mesh=mesh, ignored_params={quantized[0].weight})  # kept out: accepted
     fusedist.fully_shard(net, mesh=mesh)  # still a plain module: shards as usual
     # a module whose only parameter is tied to another unit's: refused naming both, unchanged
@@ -432,8 +426,8 @@ def _torch_arguments(rank, ws, seed):
 def test_fsdp2_arguments_taken_or_refused_by_name():
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
     giving Shard(0) / None trains as FSDP2 with the same arguments; a placement other than Shard(dim),
-    dp_mesh_dims, DTensors on the data-parallel ranks, other tensor-subclass parameters (a float8 weight, say, whose
-    subclass was dropped silently) and a module whose parameters are all tied to another
+    dp_mesh_dims, DTensors on the data-parallel ranks, tensor-subclass parameters without FSDP2's all-gather
+    extension (whose subclass was dropped silently) and a module whose parameters are all tied to another
     unit's are refused with an error naming the argument or parameter, before
     the module is changed."""
     seed = _seed()

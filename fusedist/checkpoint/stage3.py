@@ -164,7 +164,7 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
         meta.append(_meta(unit.sharded[i], where))
         place = _place(unit, i)
         if place is not None and _writes_pieces(unit):  # the piece, not the unsharded buffer (stale after a step) nor its storage
-            fragments[k] = [{**place, "master": unit.sharded[i].detach().reshape(-1).cpu().clone(), "state": {}}]
+            fragments[k] = [{**place, "master": unit.piece_data(i).detach().reshape(-1).cpu().clone(), "state": {}}]
     section = {"format": MODEL_FORMAT, "rank": rank, "world_size": world_size, "keys": keys,
                "param_meta": meta, "fragments": fragments}
     return section, set(keys)

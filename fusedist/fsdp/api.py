@@ -20,8 +20,9 @@ from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
-from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
-from .mesh import groups_of
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
+from .extension import extension_specs, put_stand_ins, take_stand_ins
+from .mesh import groups_of, shard_mesh_of
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
 from .tensor_parallel import tensor_parallel_specs
@@ -74,6 +75,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     * Tensor-parallel parameters (DTensors of ``parallelize_module`` on another dim of the mesh,
       FSDP2's 2-D recipe): each rank's local tensor is sharded (Note [tensor-parallel
       parameters] in tensor_parallel.py).
+    * Tensor-subclass parameters with FSDP2's all-gather extension (torchao's float8 training
+      weights): each gather asks them what to gather (Note [all-gather extension] in
+      extension.py); other subclasses are refused by name.
     * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
     from ..ddp.replicate import ReplicatedModule
@@ -144,9 +148,13 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         dims = [dims_of[id(p)] for p in params]
         # Note [tensor-parallel parameters] in tensor_parallel.py
         tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, device)
+        # Note [all-gather extension] in extension.py
+        ext = extension_specs(name, params, fqns, regs, dims, tp, isinstance(offload_policy, CPUOffloadPolicy),
+                              post_forward)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
-                           replicate_comm=replicate_comm, dims=dims, tp=tp)
+                           replicate_comm=replicate_comm, dims=dims, tp=tp, ext=ext,
+                           shard_mesh=shard_mesh_of(mesh, groups) if ext is not None else None)
         unit.post_forward = post_forward
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
@@ -499,10 +507,13 @@ class FullyShardedModule:
         for st in states:
             if st.unit is not None:
                 st.unit.reshard()
+        st = self._fs_state()
+        # Note [converting extension pieces] in extension.py
+        stand_ins = put_stand_ins(st.unit) if st.unit is not None else []
         with _conversions_in_place():  # Note [conversions under swap_module_params_on_conversion]
             out = super()._apply(fn, *args, **kwargs)
-        st = self._fs_state()
         if st.unit is not None:
+            take_stand_ins(st.unit, stand_ins)
             _register_pieces(st, st.unit.repack())
         for st in states:  # after every unit below has repacked (the outermost call's pass is last)
             if st.unit is not None:

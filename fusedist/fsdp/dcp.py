@@ -446,6 +446,9 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     as a state-dict entry: a ShardedPiece that knows the whole parameter's shape and range."""
     region = piece_region(unit, index)
     value = value.detach()
+    if unit.ext[index] is not None and isinstance(value, unit.ext[index].cls):
+        # the high-precision values the subclass keeps (Note [all-gather extension] in extension.py)
+        value = unit.ext[index].inner(value)
     if isinstance(value, ShardedPiece):
         value = value.local()
     if not value.is_contiguous():

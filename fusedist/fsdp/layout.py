@@ -213,6 +213,9 @@ class Section:
     #: whether ``layout`` is a ChunkLayout of parameters sharded on another dim than 0 (Note
     #: [dim-sharded sections] in chunk_layout.py), whose whole parameters are copies, not views
     chunked: bool = False
+    #: whether its parameters choose what is gathered (a ChunkLayout on dim 0 of them; Note
+    #: [all-gather extension] in extension.py)
+    extension: bool = False
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -232,7 +235,8 @@ class SplitLayout:
     its own dtype, at ``shard_base``/``full_base`` of these coordinates)."""
 
     def __init__(self, shapes: Sequence[tuple], trainable: Sequence[bool], world_size: int,
-                 dtypes: Optional[Sequence] = None, dims: Optional[Sequence[int]] = None):
+                 dtypes: Optional[Sequence] = None, dims: Optional[Sequence[int]] = None,
+                 extension: Optional[Sequence[bool]] = None):
         if len(shapes) != len(trainable):
             raise ValueError(f"{len(shapes)} shapes but {len(trainable)} trainable flags")
         from .chunk_layout import ChunkLayout
@@ -242,15 +246,20 @@ class SplitLayout:
         self.dims = [int(d) for d in dims] if dims is not None else [0] * len(shapes)
         self.sections: list[Section] = []
         self._where: dict[int, tuple[int, int]] = {}  # unit index -> (section, index in it)
+        ext = [bool(e) for e in extension] if extension is not None else [False] * len(shapes)
         kinds = list(dict.fromkeys(dtypes)) if dtypes is not None else [None]
-        #: whether the unit's parameters have more than one dtype (Note [dtype sections])
-        self.mixed = len(kinds) > 1
-        kinds = kinds if self.mixed else [None]
+        #: whether the unit keeps each section in a tensor of its own: its parameters have more
+        #: than one dtype (Note [dtype sections]), or some are gathered in another form (Note
+        #: [all-gather extension] in extension.py), whose sections have no gathered buffer
+        self.mixed = len(kinds) > 1 or any(ext)
+        kinds = kinds if self.mixed and dtypes is not None else [None]
         shard_base = full_base = 0
-        for flag, kind, chunked in [(f, k, c) for f in (True, False) for k in kinds for c in (False, True)]:
+        # each kind's row-aligned section, then its dim-sharded one, then its extension one
+        for flag, kind, how in [(f, k, c) for f in (True, False) for k in kinds for c in ("rows", "dim", "ext")]:
             indices = tuple(i for i, t in enumerate(trainable)
                             if bool(t) == flag and (kind is None or dtypes[i] == kind)
-                            and bool(self.dims[i]) == chunked)
+                            and how == ("ext" if ext[i] else "dim" if self.dims[i] else "rows"))
+            chunked = how != "rows"
             if not indices and (flag or chunked or self.sections or shapes):
                 continue  # (a unit without parameters keeps one empty section)
             if chunked:
@@ -259,7 +268,7 @@ class SplitLayout:
                 layout = UnitLayout([tuple(shapes[i]) for i in indices], world_size)
             for j, i in enumerate(indices):
                 self._where[i] = (len(self.sections), j)
-            self.sections.append(Section(indices, layout, shard_base, full_base, flag, kind, chunked))
+            self.sections.append(Section(indices, layout, shard_base, full_base, flag, kind, chunked, how == "ext"))
             shard_base += layout.shard_numel
             full_base += layout.total_numel
         self.shard_numel, self.total_numel = shard_base, full_base

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
+from .extension import has_extension
 from .state import state_of
 
 
@@ -80,7 +81,11 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
                         "tensor-parallel parameters of a 1-D tensor-parallel mesh, placed Shard(dim) or Replicate() "
                         "(Note [tensor-parallel parameters] in fsdp/tensor_parallel.py). Use "
                         "torch.distributed.fsdp.fully_shard for that model.")
-            elif type(p) not in (nn.Parameter, torch.Tensor) and not isinstance(p, UninitializedTensorMixin):
+                if type(p._local_tensor) is not torch.Tensor:
+                    raise NotImplementedError(_subclass_refusal(type(module).__name__, fqn, p._local_tensor,
+                                                                " tensor-parallel (a DTensor) over"))
+            elif type(p) not in (nn.Parameter, torch.Tensor) and not isinstance(p, UninitializedTensorMixin) \
+                    and not has_extension(p):
                 raise NotImplementedError(_subclass_refusal(type(module).__name__, fqn, p))
             dims[id(p)] = shard_dim(p, fqn, shard_placement_fn, type(module).__name__)
     return dims
@@ -91,15 +96,15 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
 # for QLoRA -- carries behaviour in its type: a cast to float8 in each matmul, a dequantization.
 # FSDP2 keeps the subclass on every shard and lets it choose what is all-gathered through its
 # ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods (float8 bytes, say, instead of
-# bf16). fusedist's units keep plain flat buffers: the values were copied in and the module got
-# back a plain Parameter, so the subclass -- the float8 casts, the quantization -- was dropped
-# without a word. Such parameters are refused by name until the all-gather extension is built.
-def _subclass_refusal(module_name: str, fqn: str, p) -> str:
+# bf16). fusedist's units take the subclasses that implement those methods over one
+# high-precision tensor (Note [all-gather extension] in extension.py, which refuses the
+# others by name). Any other subclass would have its values copied into a flat buffer and the
+# module given back a plain Parameter -- the float8 casts, the quantization dropped without a
+# word -- so it is refused by name.
+def _subclass_refusal(module_name: str, fqn: str, p, how: str = "") -> str:
     kind = type(p)
-    hooks = " (it implements FSDP2's all-gather extension, fsdp_pre_all_gather)" \
-        if hasattr(p, "fsdp_pre_all_gather") else ""
-    return (f"fusedist.fully_shard({module_name}): parameter '{fqn}' is a tensor subclass, "
-            f"{kind.__module__}.{kind.__qualname__}{hooks}; fusedist shards plain tensors and would hand the "
+    return (f"fusedist.fully_shard({module_name}): parameter '{fqn}' is{how} a tensor subclass, "
+            f"{kind.__module__}.{kind.__qualname__}; fusedist shards plain tensors and would hand the "
             "module a plain parameter, dropping what the subclass does (a float8 cast, a quantization). Use "
             "torch.distributed.fsdp.fully_shard for this model, or keep such parameters out of the units "
             "(ignored_params).")

@@ -86,3 +86,14 @@ def _check_hsdp_mesh(shape: tuple, names: Optional[tuple]) -> None:
             f"fusedist.fully_shard: the 2-D mesh's dims are {names}: dim 0 must be the replicate dim and dim 1 "
             "the shard dim (torch's FSDP2 reads them so). Build the mesh as (replicate, shard), e.g. "
             "init_device_mesh(device, (R, S), mesh_dim_names=('dp_replicate', 'dp_shard')).")
+
+
+def shard_mesh_of(mesh, groups: DataParallelGroups):
+    """The 1-D DeviceMesh of the shard group: what FSDP2 hands ``fsdp_pre_all_gather`` (Note
+    [all-gather extension] in extension.py), made from the group when no mesh was given."""
+    if mesh is not None:
+        return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[1]]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = groups.shard if groups.shard is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, groups.device.type)

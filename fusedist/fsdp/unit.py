@@ -82,7 +82,8 @@ class ShardedUnit:
 
     def __init__(self, name: str, params: list, registrations: list, fqns: list, comm, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, offload_policy, reshard_after_forward: bool,
-                 replicate_comm=None, dims: Optional[list] = None, tp: Optional[list] = None):
+                 replicate_comm=None, dims: Optional[list] = None, tp: Optional[list] = None,
+                 ext: Optional[list] = None, shard_mesh=None):
         self.name, self.fqns, self.registrations = name, fqns, registrations
         #: each parameter's TensorParallelSpec, None for a plain one (Note [tensor-parallel
         #: parameters] in tensor_parallel.py): the unit holds the local tensors
@@ -90,6 +91,18 @@ class ShardedUnit:
         self.tp_comm = next((s.comm for s in self.tp if s is not None), None)
         params = [nn.Parameter(s.local(p).detach(), requires_grad=p.requires_grad) if s is not None else p
                   for p, s in zip(params, self.tp)]
+        #: each parameter's ExtensionSpec, None for a plain one (Note [all-gather extension] in
+        #: extension.py): the unit holds the high-precision tensors the subclasses wrap
+        self.ext = list(ext) if ext is not None else [None] * len(params)
+        params = [nn.Parameter(e.inner(p).detach(), requires_grad=p.requires_grad) if e is not None else p
+                  for p, e in zip(params, self.ext)]
+        self.shard_mesh = shard_mesh  # the shard group's DeviceMesh, for fsdp_pre_all_gather
+        self.mp_policy = mp_policy
+        #: per extension parameter, once gathered: its outputs (flat, of world size times each
+        #: input) and the inner tensors fsdp_post_all_gather returned (freed on reshard)
+        self._ext_outputs: dict[int, tuple[list, list]] = {}
+        self._ext_meta: dict[int, object] = {}  # the metadata of the gather in flight
+        self._ext_gathered: list = []  # per extension section in flight: (section, byte buffer, sizes)
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
         #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None
@@ -112,7 +125,8 @@ class ShardedUnit:
         # Note [dtype sections]: and parameters of each dtype
         # Note [dim-sharded sections] (chunk_layout.py): parameters sharded on another dim than 0
         self.layout = SplitLayout([tuple(p.shape) for p in params], [p.requires_grad for p in params],
-                                  self.world_size, [p.dtype for p in params], dims)
+                                  self.world_size, [p.dtype for p in params], dims,
+                                  [e is not None for e in self.ext])
         if self.layout.mixed:
             self.dtype = self.param_dtype = None  # per section: section_dtype(k), section_param_dtype(k)
         self._build(params, offload_policy)
@@ -194,8 +208,8 @@ class ShardedUnit:
             piece = layout.piece(i, rank)
             if piece.numel and not on_meta:
                 self.piece_view(i).copy_(self.piece_of_whole(i, p.detach()))
-            sp = nn.Parameter(self.piece_view(i), requires_grad=p.requires_grad)
-            self.sharded.append(sp)
+            view = self.piece_view(i) if self.ext[i] is None else self.ext[i].wrap(self.piece_view(i))
+            self.sharded.append(nn.Parameter(view, requires_grad=p.requires_grad))
         self.unsharded = [None] * len(params)
         self._new_full()
         self.unsharded = [nn.Parameter(u, requires_grad=p.requires_grad) for u, p in zip(self.unsharded, params)]
@@ -239,6 +253,12 @@ class ShardedUnit:
         spec = self.tp[index]
         return (spec.local_shape, spec.offsets) if spec is not None else None
 
+    def piece_data(self, index: int) -> torch.Tensor:
+        """Piece ``index``'s values as a plain tensor: the piece, or the tensor an extension
+        subclass wraps (Note [all-gather extension] in extension.py)."""
+        sp = self.sharded[index]
+        return self.ext[index].inner(sp) if self.ext[index] is not None else sp
+
     def piece_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
         k = self.section_index(index)
@@ -254,11 +274,14 @@ class ShardedUnit:
             self.fulls = [self.full[a:b] for a, b in (sec.full_range for sec in secs)]
         else:
             self.full = None
-            self.fulls = [torch.empty(sec.layout.total_numel, dtype=self.section_param_dtype(k), device=self.device)
+            # (an extension section's: the bytes its gather brings, sized at the gather; Note
+            # [all-gather extension] in extension.py)
+            self.fulls = [torch.empty(0, dtype=torch.uint8, device=self.device) if sec.extension else
+                          torch.empty(sec.layout.total_numel, dtype=self.section_param_dtype(k), device=self.device)
                           for k, sec in enumerate(secs)]
         # Note [dim-sharded sections]: a dim-sharded section's whole parameters are copied out of
         # its gathered chunks into a buffer of their own (None for a row-aligned section)
-        self.outs = [torch.empty(sec.layout.whole_numel, dtype=self.fulls[k].dtype, device=self.device)
+        self.outs = [torch.empty(sec.layout.whole_numel, dtype=self.section_param_dtype(k), device=self.device)
                      if sec.chunked else None for k, sec in enumerate(secs)]
         for i in range(len(layout.slots)):
             k = self.section_index(i)
@@ -269,12 +292,19 @@ class ShardedUnit:
                 view = alias(self.fulls[k], slot.offset - sec.full_base, slot.shape)
             if self.unsharded[i] is None:
                 self.unsharded[i] = view
+            elif self.ext[i] is not None:
+                # until its first gather, a placeholder of the parameter's shape, never allocated
+                self._ext_outputs.pop(i, None)
+                self.ext[i].inputs = None
+                self.unsharded[i] = self.visible[i] = nn.Parameter(view, requires_grad=self.unsharded[i].requires_grad)
+                self._make_visible(i)
             else:
                 self.unsharded[i].data = view
                 if self.tp[i] is not None:  # a DTensor over the new storage (and dtype, device)
                     self._make_visible(i)
         self._full_nbytes = sum(f.untyped_storage().nbytes() for f in ([self.full] if self.full is not None else self.fulls))
-        self._full_nbytes += sum(o.untyped_storage().nbytes() for o in self.outs if o is not None)
+        self._full_nbytes += sum(o.untyped_storage().nbytes() for o, sec in zip(self.outs, secs)
+                                 if o is not None and not sec.extension)
         self._resize_full(False)
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -300,9 +330,15 @@ class ShardedUnit:
                 if self.shard is not None:
                     src, full = self._gather_source(self.shard, self.param_dtype), self.full
                 else:  # Note [dtype sections]: each section from its own shard, in its gathered dtype
-                    src = [self._gather_source(s, self.section_param_dtype(k)) for k, s in enumerate(self.shards)]
+                    src = [None if sec.extension else self._gather_source(s, self.section_param_dtype(k))
+                           for k, (s, sec) in enumerate(zip(self.shards, self.layout.sections))]
                     full = self.fulls
-                handles = self.gather_into(full, src, f"fully_shard gather {self.label}")
+                tag = f"fully_shard gather {self.label}"
+                handles = self.gather_into(full, src, tag)
+                for k, sec in enumerate(self.layout.sections):
+                    if sec.extension:
+                        src[k], handle = self._start_extension_gather(k, tag)
+                        handles.append(handle)
             self._gather = (handles, src)
             stale.note_gathered(self)
         if not async_op:
@@ -318,14 +354,23 @@ class ShardedUnit:
     def _resize_full(self, allocate: bool) -> None:
         """Allocate (or free) the gathered buffer's storage (one, or one per section), and the
         copy-out buffers of dim-sharded sections (Note [dim-sharded sections])."""
-        for o in self.outs:
-            if o is not None:
+        secs = self.layout.sections
+        for o, sec in zip(self.outs, secs):
+            if o is not None and not (allocate and sec.extension):
                 o.untyped_storage().resize_(o.numel() * o.element_size() if allocate else 0)
         if self.full is not None:
             self.full.untyped_storage().resize_(self._full_nbytes if allocate else 0)
             return
-        for f in self.fulls:
-            f.untyped_storage().resize_(f.numel() * f.element_size() if allocate else 0)
+        for f, sec in zip(self.fulls, secs):
+            if not sec.extension:
+                f.untyped_storage().resize_(f.numel() * f.element_size() if allocate else 0)
+        if not allocate:  # an extension section's outputs (allocated by its gather)
+            for f, sec in zip(self.fulls, secs):
+                if sec.extension:
+                    f.untyped_storage().resize_(0)
+            for outputs, inner in self._ext_outputs.values():
+                for t in outputs + inner:
+                    t.untyped_storage().resize_(0)
 
     def wait_for_unshard(self) -> None:
         """Block until the gathers have landed; the modules then hold the unsharded parameters."""
@@ -354,7 +399,9 @@ class ShardedUnit:
         sections] in chunk_layout.py); nothing for row-aligned sections, whose parameters are
         views of the gathered buffer."""
         for k, sec in enumerate(self.layout.sections):
-            if sec.chunked:
+            if sec.extension:
+                self._finish_extension_gather(k)
+            elif sec.chunked:
                 for j, i in enumerate(sec.indices):
                     sec.layout.copy_out(self.fulls[k], j, self.unsharded[i].data)
 
@@ -450,8 +497,81 @@ class ShardedUnit:
             (a, b), (c, d) = sec.full_range, sec.shard_range
             out = full[k] if isinstance(full, (list, tuple)) else full[a:b]
             src = shard[k] if isinstance(shard, (list, tuple)) else shard[c:d]
+            if src is None:
+                continue  # (an extension section's gather: _start_extension_gather)
             handles.append(self.comm.all_gather(out, src, async_op=True, tag=tag))
         return handles
+
+    # ------------------------------------------------------------------ all-gather extension
+    @torch.no_grad()
+    def _start_extension_gather(self, k: int, tag: str):
+        """Start section ``k``'s gather (Note [all-gather extension] in extension.py): each
+        parameter's ``fsdp_pre_all_gather`` over its padded chunk, every input laid end to end
+        as bytes, one all-gather of them into ``fulls[k]``. Returns (the bytes sent, handle)."""
+        sec = self.layout.sections[k]
+        parts = []
+        for j, i in enumerate(sec.indices):
+            spec, shape = self.ext[i], sec.layout.slots[j].shape
+            rows = -(-shape[0] // self.world_size)
+            padded = alias(self.shards[k], sec.layout.slots[j].offset, (rows,) + tuple(shape[1:]))
+            source = spec.wrap(padded, like=self.sharded[i])
+            inputs, self._ext_meta[i] = spec.pre_all_gather(source, self.shard_mesh, shape, self.mp_policy,
+                                                            self.fqns[i], rows)
+            parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.device)
+        if send.device != self.device:
+            send = send.to(self.device)
+        needed = send.numel() * self.world_size
+        if self.fulls[k].numel() != needed:
+            self.fulls[k] = torch.empty(needed, dtype=torch.uint8, device=self.device)
+        else:
+            self.fulls[k].untyped_storage().resize_(needed)
+        # the bytes gathered, then the outputs they are copied into (the bytes are freed then)
+        COUNTERS.add_gathered(2 * needed)
+        self._gathered_bytes += 2 * needed
+        return send, self.comm.all_gather(self.fulls[k], send, async_op=True, tag=tag)
+
+    @torch.no_grad()
+    def _finish_extension_gather(self, k: int) -> None:
+        """Section ``k``'s gathered bytes into each input's output, and
+        ``fsdp_post_all_gather``: the unsharded parameter made at the first gather, refilled in
+        place (``out=``) at the later ones. The bytes are freed."""
+        sec = self.layout.sections[k]
+        gathered = self.fulls[k]
+        if not sec.indices or gathered.untyped_storage().nbytes() == 0:
+            return
+        gathered = gathered.view(self.world_size, -1)
+        offset = 0
+        for j, i in enumerate(sec.indices):
+            spec, shape = self.ext[i], sec.layout.slots[j].shape
+            held = self._ext_outputs.get(i)
+            if held is None:
+                outputs = [torch.empty(self.world_size * size.numel(), dtype=dtype, device=self.device)
+                           for size, dtype in spec.inputs]
+            else:
+                outputs, inner = held
+                for t in outputs + inner:
+                    if t.untyped_storage().nbytes() == 0:
+                        t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
+            for out, (size, dtype) in zip(outputs, spec.inputs):
+                nbytes = size.numel() * dtype.itemsize
+                out.view(torch.uint8).view(self.world_size, nbytes).copy_(gathered[:, offset:offset + nbytes])
+                offset += nbytes
+            views = tuple(out.view(-1, *size[1:]) for out, (size, _) in zip(outputs, spec.inputs))
+            meta, param_dtype = self._ext_meta.pop(i), self.section_param_dtype(k)
+            if held is not None:
+                self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype, out=self.unsharded[i])
+                continue
+            tensor, inner = self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype)
+            stride = torch.empty(shape, device="meta").stride()
+            whole = torch.as_strided(tensor, shape, stride, storage_offset=0)
+            self.unsharded[i] = self.visible[i] = nn.Parameter(whole, requires_grad=self.sharded[i].requires_grad)
+            self._make_visible(i)
+            self._ext_outputs[i] = (outputs, list(inner))
+        nbytes = self.fulls[k].numel()
+        self.fulls[k].untyped_storage().resize_(0)
+        COUNTERS.add_gathered(-nbytes)
+        self._gathered_bytes -= nbytes
 
     @property
     def is_meta(self) -> bool:
@@ -504,6 +624,10 @@ class ShardedUnit:
         self._new_shard(dtypes, device)
         for i, sp in enumerate(self.sharded):
             view = self.piece_view(i)
+            if self.ext[i] is not None:  # the subclass's inner tensor is the piece's data
+                view.copy_(self.ext[i].inner(sp).reshape(view.shape))
+                self.ext[i].set_inner(sp, view)
+                continue
             view.copy_(sp.reshape(view.shape))
             sp.data = view
         if not self.layout.mixed:
@@ -532,6 +656,8 @@ class ShardedUnit:
 
     def _aliases_shard(self, index: int, sp: torch.Tensor) -> bool:
         shard = self.shards[self.section_index(index)]
+        if self.ext[index] is not None:
+            sp = self.ext[index].inner(sp)
         return sp.device == shard.device and sp.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
 
     @torch.no_grad()
@@ -548,7 +674,10 @@ class ShardedUnit:
         data of the shard's device and dtype (the shard's values are the piece's)."""
         sp, shard = self.sharded[index], self.shards[self.section_index(index)]
         if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index, sp):
-            sp.data = self.piece_view(index)
+            if self.ext[index] is not None:
+                self.ext[index].set_inner(sp, self.piece_view(index))
+            else:
+                sp.data = self.piece_view(index)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -18,6 +18,26 @@ from ._scaler_protocol import ScalerProtocol
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def kernel_tensor(p: torch.Tensor, where: str) -> torch.Tensor:
+    """The tensor the kernels write for parameter ``p``: ``p``, or for a tensor subclass that
+    wraps one tensor of its own shape and dtype (torchao's float8 training weights) that
+    tensor, whose in-place updates are the parameter's, as the subclass's own ops make them.
+    Other subclasses have no memory the kernels could write (a wrapper's data pointer is
+    null): refused, naming the parameter (``where``)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if type(p) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(p):
+        return p
+    names = p.__tensor_flatten__()[0]
+    inner = getattr(p, names[0], None) if len(names) == 1 else None
+    if not isinstance(inner, torch.Tensor) or is_traceable_wrapper_subclass(inner) \
+            or inner.shape != p.shape or inner.dtype != p.dtype:
+        raise TypeError(f"{where} is a tensor subclass, {type(p).__qualname__}, that is not a wrapper of one tensor "
+                        f"of its shape and dtype (it holds {names}); the fused kernels cannot step it. Use a torch "
+                        "optimizer for it (a separate optimizer, or foreach=True).")
+    return inner
+
+
 def check_finite_hyper(owner: str, **values: Any) -> None:
     """Every value a finite Python number (tensors refused: see :func:`lr_value` for the one
     hyperparameter that may be a tensor)."""
@@ -182,6 +202,10 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         ``master_param``. Runs on a parameter's first step and on the first step after
         ``load_state_dict``, so a state loaded from torch's optimizer is completed lazily.
         (``master_weights`` is therefore read when a parameter's state is created.)"""
+        p = kernel_tensor(p, "")  # (states of a wrapper subclass are plain, as torch's optimizers make them)
+        for key in self._state_keys:  # a loaded state made like the parameter (empty_like) is its tensor
+            if isinstance(state.get(key), torch.Tensor):
+                state[key] = kernel_tensor(state[key], "")
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state_dtype = compute_dtype(p.dtype)
@@ -224,7 +248,9 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 self._take_outside_writes(params, states)
                 steps = [s["step"] for s in states]
                 torch._foreach_add_(steps, 1.0)
-                self._step_group(group, params, grads, states, inv_scale=inv_scale,
+                # (a wrapper subclass is stepped through its tensor: kernel_tensor)
+                tensors = [kernel_tensor(p, "") for p in params]
+                self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
                                  clip_coef=clip_coef, found_inf=found_inf)
                 if group.get("master_weights", False):
                     self._record_master_versions(params, states)
@@ -266,6 +292,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                     f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
                     f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
                 )
+            kernel_tensor(p, f"{type(self).__name__}: param {pi} of group {gi}")
             params.append(p)
             grads.append(g)
         return params, grads

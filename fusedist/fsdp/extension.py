@@ -1,0 +1,201 @@
+"""Parameters that choose what is all-gathered: FSDP2's all-gather extension.
+
+Note [all-gather extension]
+---------------------------
+torchao's float8 training keeps each Linear weight as a tensor subclass
+(``WeightWithDynamicFloat8CastTensor``) over a high-precision tensor; with
+``enable_fsdp_float8_all_gather`` the subclass tells FSDP2 what to gather in its place:
+``fsdp_pre_all_gather`` turns this rank's shard into float8 bytes (and a scale, from the
+amax all-reduced over the shard mesh), and ``fsdp_post_all_gather`` makes the gathered
+bytes the unsharded parameter the matmul uses (a ``Float8TrainingTensor``). Half the gather
+traffic of bf16, and the weight is cast once per gather instead of once per use.
+
+A unit takes such a parameter when the subclass is a wrapper of *one* high-precision tensor
+of its own shape and dtype (``__tensor_flatten__`` names one inner tensor): float8 training
+weights, torchao's int8 mixed-precision and BitNet training weights. Then:
+
+* The unit stores the inner tensor like any parameter's, in a section of its own laid out as
+  FSDP2 lays out parameters (dim-0 chunks, each rank's chunk padded to chunk 0's rows: Note
+  [dim-sharded sections] in chunk_layout.py), because the extension's contract is FSDP2's:
+  every rank hands the all-gather inputs of the *padded* chunk's rows.
+* The piece an optimizer steps is the subclass again, over the chunk on the shard storage
+  (``ExtensionSpec.wrap``): the subclass unwraps in-place updates onto its inner tensor, so
+  they land in the shard, and the parameter keeps its type at rest as under FSDP2.
+* To gather, the unit calls ``fsdp_pre_all_gather`` on the subclass over the padded chunk
+  (FSDP2 calls it on the unpadded shard and refuses uneven shapes; here any shape works),
+  lays every returned input of the section's parameters end to end as bytes, and runs one
+  all-gather of those bytes (so inputs of several dtypes -- int8 data and fp32 scales -- go
+  in one collective, and gloo, which has no float8 dtype, carries float8 too). Each input's
+  rows from every rank are copied into an output of its own dtype (as FSDP2 does), and
+  ``fsdp_post_all_gather`` makes them the unsharded parameter, viewed at the parameter's
+  shape. The first gather creates that parameter; later ones refill its outputs in place
+  and pass it back as ``out=`` -- the same object, so autograd's saved references stay
+  valid across reshard and unshard. Resharding frees the outputs' storage.
+* Gradients are plain tensors of the parameter's shape and reduce like any parameter's of
+  the section; the pieces' ``.grad`` are plain too (FSDP2's are DTensors of plain tensors).
+
+Refused by name: other subclasses (several inner tensors, as NF4's quantized storage),
+with tensor parallelism, ``CPUOffloadPolicy``, an int ``reshard_after_forward``, or a
+``shard_placement_fn`` other than ``Shard(0)`` -- the compositions FSDP2 itself leaves out or
+that fusedist has not built. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
+DTensor weights and does nothing here; each gather then computes the scale with one small
+all-reduce per weight, as FSDP2 does without it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+__all__ = ["ExtensionSpec", "extension_specs", "has_extension", "put_stand_ins", "take_stand_ins"]
+
+
+def has_extension(p) -> bool:
+    """Whether ``p`` implements FSDP2's all-gather extension (either method)."""
+    return hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather")
+
+
+class ExtensionSpec:
+    """How a unit holds one extension parameter (Note [all-gather extension]): the subclass,
+    the name of its inner tensor, and the context ``__tensor_unflatten__`` rebuilds it from."""
+
+    def __init__(self, param, module):
+        names, self.ctx = param.__tensor_flatten__()
+        self.cls, self.name = type(param), names[0]
+        self.module = module  # the module holding it, handed to fsdp_pre_all_gather
+        fn = type(param).fsdp_pre_all_gather
+        self.full_signature = len(inspect.signature(fn).parameters) == 6  # self + 5 (FSDP2's new form)
+        #: the inputs' shapes and dtypes, fixed at the first gather
+        self.inputs: Optional[list[tuple[torch.Size, torch.dtype]]] = None
+
+    def inner(self, p) -> torch.Tensor:
+        """The high-precision tensor the subclass wraps (what the unit shards)."""
+        return getattr(p, self.name)
+
+    def wrap(self, inner: torch.Tensor, like=None) -> torch.Tensor:
+        """The subclass over ``inner`` (same storage); ``like``: a piece whose other inner
+        tensors and context to keep (say, a scale set on it)."""
+        ctx, tensors = self.ctx, {}
+        if like is not None:
+            names, ctx = like.__tensor_flatten__()
+            tensors = {n: getattr(like, n) for n in names}
+        tensors[self.name] = inner
+        return self.cls.__tensor_unflatten__(tensors, ctx, inner.size(), inner.stride())
+
+    def set_inner(self, piece, inner: torch.Tensor) -> None:
+        """Point ``piece`` (the subclass) at ``inner``: ``repack``'s ``piece.data = view``."""
+        setattr(piece, self.name, inner)
+
+    def pre_all_gather(self, source, mesh, whole_shape: tuple, mp_policy, fqn: str, padded_rows: int):
+        """``(inputs, metadata)`` of ``source`` (the subclass over the padded chunk), the inputs
+        checked to keep the first gather's shapes and dtypes and, where the shards are padded
+        (the rows do not divide evenly), to have the padded chunk's rows: FSDP2's contract,
+        without which the gathered rows would not be the parameter's."""
+        if self.full_signature:
+            stride = torch.empty(whole_shape, device="meta").stride()
+            inputs, meta = source.fsdp_pre_all_gather(mesh, torch.Size(whole_shape), stride, self.module, mp_policy)
+        else:
+            inputs, meta = source.fsdp_pre_all_gather(mesh)
+        got = [(t.size(), t.dtype) for t in inputs]
+        padded = padded_rows * mesh.size() != whole_shape[0]
+        bad = [s for s, _ in got if padded and (len(s) == 0 or s[0] != padded_rows)]
+        if bad:
+            raise RuntimeError(
+                f"fusedist.fully_shard: {self.cls.__name__}.fsdp_pre_all_gather of '{fqn}' returned inputs of shapes "
+                f"{[tuple(s) for s, _ in got]}; its {whole_shape[0]} rows do not divide evenly over {mesh.size()} ranks, "
+                f"so each input must have the padded shard's {padded_rows} rows on dim 0 (FSDP2's contract), for "
+                "the gathered rows to be the parameter's.")
+        if self.inputs is None:
+            self.inputs = got
+        elif got != self.inputs:
+            raise RuntimeError(
+                f"fusedist.fully_shard: {self.cls.__name__}.fsdp_pre_all_gather of '{fqn}' returned "
+                f"{[(tuple(s), d) for s, d in got]}, the first gather {[(tuple(s), d) for s, d in self.inputs]}; "
+                "the gathered buffers are reused, so the inputs must keep their shapes and dtypes.")
+        return inputs, meta
+
+
+def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, tp, offload: bool,
+                    post_forward) -> Optional[list]:
+    """Each parameter's spec (None for a plain one), or None when the unit has no extension
+    parameter; what is not supported with them is refused naming the parameter."""
+    found = [(i, p) for i, p in enumerate(params) if has_extension(p)]
+    if not found:
+        return None
+    for i, p in found:
+        where = f"fusedist.fully_shard({name}): parameter '{fqns[i]}' ({type(p).__name__}) implements FSDP2's " \
+                "all-gather extension"
+        if not (hasattr(p, "fsdp_pre_all_gather") and hasattr(p, "fsdp_post_all_gather")):
+            raise ValueError(f"{where} only in part: both fsdp_pre_all_gather and fsdp_post_all_gather must be "
+                             "defined (FSDP2 requires both too)")
+        names = p.__tensor_flatten__()[0] if hasattr(p, "__tensor_flatten__") else None
+        inner = getattr(p, names[0], None) if names else None
+        if names is None or len(names) != 1 or not isinstance(inner, torch.Tensor) \
+                or type(inner) not in (torch.Tensor, torch.nn.Parameter) \
+                or inner.shape != p.shape or inner.dtype != p.dtype:
+            raise NotImplementedError(
+                f"{where}, but it is not a wrapper of one high-precision tensor of its own shape and dtype "
+                f"(__tensor_flatten__ names {names}); fusedist shards such wrappers only (float8 training weights), "
+                "not quantized storage such as NF4. Use torch.distributed.fsdp.fully_shard for this model, or keep "
+                "the parameter out of the units (ignored_params).")
+        if p.dim() == 0:
+            raise NotImplementedError(f"{where}, and it has no dims; fusedist shards such parameters on dim 0")
+        for reason, bad in (("tensor parallelism", tp is not None and tp[i] is not None),
+                            ("CPUOffloadPolicy", offload),
+                            ("reshard_after_forward as an int", post_forward is not None),
+                            (f"shard_placement_fn's Shard({dims[i]})", dims[i] != 0)):
+            if bad:
+                raise NotImplementedError(f"{where}; with {reason} such parameters are not supported. Shard them on "
+                                          "dim 0 of a data-parallel mesh, with reshard_after_forward True or False.")
+    return [ExtensionSpec(p, regs[i][0][0]) if has_extension(p) else None for i, p in enumerate(params)]
+
+
+# Note [converting extension pieces]
+#     ``model.to(...)``, ``to_empty(...)`` (a model built on the meta device), ``double()``:
+#     torch's ``Module._apply`` converts a tensor-subclass parameter by ``swap_tensors`` of the
+#     old object with the converted one, always, and ``swap_tensors`` refuses a tensor with
+#     weak references -- which every piece has (the registries of Note [conversions under
+#     swap_module_params_on_conversion] in api.py). So while a sharded module converts, each
+#     extension piece of its unit (and each one its unit borrows) is replaced on the modules by
+#     a plain parameter over its inner tensor, converted as any plain piece is; afterwards the
+#     piece takes the converted tensor back (``set_inner``) when it kept its device and dtype,
+#     or is made anew over it (``wrap``, the same subclass and context) when it did not -- a
+#     wrapper's device and dtype are fixed at its creation -- and ``repack`` adopts the new
+#     piece as it adopts a plain one from the meta device. The borrowed ones get their owner's
+#     piece back from ``relink_borrowed``.
+def put_stand_ins(unit) -> list:
+    """Replace ``unit``'s extension pieces on its modules by plain parameters over their inner
+    tensors (Note [converting extension pieces]); returns ``(index, stand-in)`` pairs."""
+    out = []
+    for i, spec in enumerate(unit.ext):
+        if spec is not None:
+            piece = unit.sharded[i]
+            stand = torch.nn.Parameter(spec.inner(piece).detach(), requires_grad=piece.requires_grad)
+            for module, attr in unit.registrations[i]:
+                module._parameters[attr] = stand
+            out.append((i, stand))
+    for owner, index, regs in unit.borrowed:
+        spec = owner.ext[index]
+        if spec is not None:
+            piece = owner.sharded[index]
+            stand = torch.nn.Parameter(spec.inner(piece).detach(), requires_grad=piece.requires_grad)
+            for module, attr in regs:
+                module._parameters[attr] = stand
+    return out
+
+
+def take_stand_ins(unit, stand_ins: list) -> None:
+    """The pieces back on ``unit``'s modules over the converted stand-ins' tensors (Note
+    [converting extension pieces])."""
+    for i, _ in stand_ins:
+        module, attr = unit.registrations[i][0]
+        converted = module._parameters[attr].detach()
+        piece, spec = unit.sharded[i], unit.ext[i]
+        if converted.device == piece.device and converted.dtype == piece.dtype:
+            spec.set_inner(piece, converted)
+        else:
+            piece = torch.nn.Parameter(spec.wrap(converted, like=piece), requires_grad=piece.requires_grad)
+        for module, attr in unit.registrations[i]:
+            module._parameters[attr] = piece

@@ -1,0 +1,392 @@
+"""fully_shard with parameters that choose what is all-gathered: FSDP2's all-gather extension
+(Note [all-gather extension] in fusedist/fsdp/extension.py), against torch's FSDP2.
+
+Two subclasses: ``RowwiseInt8Weight`` below, a high-precision weight gathered as int8 rows
+plus an fp32 scale per row (two inputs of two dtypes, FSDP2's five-argument
+``fsdp_pre_all_gather``, a plain unsharded tensor refilled through ``out=``), and torchao's
+float8 training weights (``enable_fsdp_float8_all_gather``: float8 bytes and a scale from
+the amax all-reduced over the shard mesh), the extension's main user.
+
+Tolerances: both sides gather the same bytes, dequantize them alike and reduce the same
+gradients in the same dtype, so losses and weights come out bit-identical to FSDP2's on gloo
+(checked with ``rtol=0``), except where a gradient clip runs: the two sum the norm's squares
+over the pieces in different orders (a last-bit difference, ``rtol=1e-6``), and the clipped
+gradients and weights then differ by about as much (``CLOSE``). A unit that gathered the
+high-precision values instead would be off by the int8 (float8) rounding, about 0.4% (6%) of
+a weight; each test also checks the gathered weight itself: the int8 dequantization of the
+whole weight, exactly.
+
+FSDP2 references: on gloo, FSDP2 can gather float8 bytes only inside a unit that also gathers
+another dtype (gloo has no float8; a mixed unit goes through a byte buffer), and for float8
+only rows that divide evenly (its contract hands the extension the unpadded shard). So the
+float8 reference is FSDP2 with float8 gathers where those hold (every Linear with a bias, even
+rows), and elsewhere FSDP2 with float8 compute but bf16/fp32 gathers -- the same numbers in fp32,
+where casting the gathered weight equals gathering the cast shards (one amax, one scale).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import fusedist
+from fusedist.testing import run_distributed
+
+EXACT = dict(rtol=0, atol=0)
+CLOSE = dict(rtol=1e-5, atol=1e-6)  # after a clip: Note on tolerances above
+
+
+class RowwiseInt8Weight(torch.Tensor):
+    """A weight kept in high precision and all-gathered as int8 rows with an fp32 scale per row.
+    Outside FSDP it computes in high precision (every op unwraps it)."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=data.dtype,
+                                                   device=data.device, requires_grad=data.requires_grad)
+
+    def __init__(self, data):
+        self._data = data
+
+    _PRESERVE = {torch.ops.aten.detach.default, torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default,
+                 torch.ops.aten.slice.Tensor, torch.ops.aten.copy_.default, torch.ops.aten.view.default,
+                 torch.ops.aten.as_strided.default, torch.ops.aten._to_copy.default, torch.ops.aten.split.Tensor,
+                 torch.ops.aten.clone.default}
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, cls, out) if func in cls._PRESERVE else out
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return RowwiseInt8Weight(inner["_data"])
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        rows = -(-outer_size[0] // mesh.size())
+        data = self._data
+        if data.shape[0] < rows:  # FSDP2 hands the unpadded shard: pad it to the padded shard's rows
+            data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
+        q, scale = quantize_rows(data)
+        # (the scale repeated along each row: FSDP2 wants every input of the padded shard's size)
+        return (q, scale.expand(rows, data[0].numel()).reshape(data.shape).contiguous()), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        q, scale = outputs
+        w = dequantize_rows(q, scale.reshape(q.shape[0], -1)[:, :1], param_dtype)
+        if out is not None:
+            out.data.view(-1).copy_(w.reshape(-1)[:out.numel()])
+            return None
+        return w, (w,)
+
+
+def quantize_rows(w: torch.Tensor):
+    flat = w.reshape(w.shape[0], -1).float()
+    scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(flat / scale).to(torch.int8).view(w.shape).contiguous(), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    return (q.reshape(q.shape[0], -1).float() * scale).to(dtype).view(q.shape)
+
+
+def rowwise_model(device="cpu"):
+    """Three Linears with int8-gathered weights; 13 and 26 rows do not divide 2 or 3 evenly."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = nn.Sequential(nn.Linear(16, 26), nn.Tanh(), nn.Linear(26, 13), nn.Tanh(), nn.Linear(13, 4))
+    for layer in (m[0], m[2], m[4]):
+        layer.weight = nn.Parameter(RowwiseInt8Weight(layer.weight.detach()))
+    return m
+
+
+def shard(m, fully_shard, **kw):
+    for layer in (m[0], m[2]):
+        fully_shard(layer, **kw)
+    kw.pop("reshard_after_forward", None)
+    fully_shard(m, **kw)
+    return m
+
+
+def batch(step: int, rank: int, world: int, width: int = 16, rows: int = 4):
+    torch.manual_seed(100 + step)
+    return torch.randn(rows * world, width)[rank * rows:(rank + 1) * rows]
+
+
+def full_of(m, ours: bool) -> dict:
+    if ours:
+        return fusedist.fsdp.full_state_dict(m)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+
+
+def _train_rowwise(ours: bool, rank, world, mp, reshard_after_forward, accumulate, mesh=None):
+    from torch.distributed.fsdp import fully_shard
+
+    m = shard(rowwise_model(), fusedist.fully_shard if ours else fully_shard, mp_policy=mp,
+              reshard_after_forward=reshard_after_forward, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step in range(3):
+        if accumulate and step == 1:  # an unsynchronized micro-batch first
+            m.set_requires_gradient_sync(False)
+            m(batch(10, rank, world)).float().square().mean().backward()
+            m.set_requires_gradient_sync(True)
+        loss = m(batch(step, rank, world)).float().square().mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return m, losses, norms
+
+
+def _rowwise_worker(rank, world, bf16, reshard_after_forward, accumulate):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    ours, losses, norms = _train_rowwise(True, rank, world, mp, reshard_after_forward, accumulate)
+    ref, ref_losses, ref_norms = _train_rowwise(False, rank, world, mp, reshard_after_forward, accumulate)
+    torch.testing.assert_close(losses, ref_losses, **CLOSE)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+    a, b = full_of(ours, True), full_of(ref, False)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **CLOSE, msg=f"{k} differs from FSDP2's")
+    # at rest the pieces keep the subclass, as FSDP2's local tensors do
+    assert type(ours[0].weight) is RowwiseInt8Weight
+    assert ours[0].weight.shape == torch.chunk(torch.empty(26, 16), world)[rank].shape  # (FSDP2's chunk)
+    # gathered: the int8 dequantization of the whole weight, exactly, not the weight itself
+    ours[2].unshard()
+    gathered = ours[2].weight.detach()
+    whole = a["2.weight"]
+    expected = dequantize_rows(*quantize_rows(whole), torch.bfloat16 if bf16 else torch.float32)
+    torch.testing.assert_close(gathered, expected, **EXACT)
+    assert (gathered.float() - whole).abs().max() > 0  # (the check could tell the two apart)
+    ours[2].reshard()
+    return losses
+
+
+@pytest.mark.parametrize("world, bf16, reshard_after_forward, accumulate", [
+    (2, False, True, True),
+    (3, True, False, False),
+])
+def test_rowwise_extension_matches_fsdp2(world, bf16, reshard_after_forward, accumulate):
+    run_distributed(_rowwise_worker, world, bf16, reshard_after_forward, accumulate)
+
+
+def float8_model(bias: bool, out: int):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48, bias=bias), nn.ReLU(), nn.Linear(48, out, bias=True), nn.ReLU(),
+                         nn.Linear(out, 16, bias=bias))
+
+
+def _train_float8(ours: bool, rank, world, bias, out, mp, reshard_after_forward, float8_gather):
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    m = float8_model(bias, out)
+    convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=float8_gather))
+    fs = fusedist.fully_shard if ours else fully_shard
+    for layer in (m[0], m[2], m[4]):
+        fs(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fs(m, mp_policy=mp)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        loss = m(batch(step, rank, world, 32, 8)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return m, losses
+
+
+def _float8_worker(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    out = {}
+    # fp32, 31 rows (uneven at 2 ranks): against FSDP2 computing in float8 from fp32 gathers
+    ours, losses = _train_float8(True, rank, world, False, 31, MixedPrecisionPolicy(), True, True)
+    ref, ref_losses = _train_float8(False, rank, world, False, 31, MixedPrecisionPolicy(), True, False)
+    torch.testing.assert_close(losses, ref_losses, **EXACT)
+    a, b = full_of(ours, True), full_of(ref, False)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **EXACT, msg=f"{k} differs from FSDP2's")
+    ours[2].unshard()
+    assert isinstance(ours[2].weight, Float8TrainingTensor), type(ours[2].weight)
+    assert ours[2].weight.shape == (31, 48) and ours[2].weight._data.dtype == torch.float8_e4m3fn
+    ours[2].reshard()
+    out["fp32"] = losses
+    # bf16 gathers, weights kept across forward: against FSDP2's own float8 gathers
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours, losses = _train_float8(True, rank, world, True, 32, mp, False, True)
+    ref, ref_losses = _train_float8(False, rank, world, True, 32, mp, False, True)
+    torch.testing.assert_close(losses, ref_losses, **EXACT)
+    a, b = full_of(ours, True), full_of(ref, False)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **EXACT, msg=f"{k} differs from FSDP2's")
+    out["bf16"] = losses
+    return out
+
+
+def test_float8_training_matches_fsdp2():
+    run_distributed(_float8_worker, 2)
+
+
+def _state_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def steps(m, opt, seeds, scaler=None):
+        out = []
+        for s in seeds:
+            loss = m(batch(s, rank, world)).square().mean()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                fusedist.clip_grad_norm_(m.parameters(), 0.05)
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    # fusedist's fused AdamW steps the pieces through their inner tensors, as torch's AdamW;
+    # fusedist's GradScaler and clip over them
+    m = shard(rowwise_model(), fusedist.fully_shard)
+    ref = shard(rowwise_model(), fusedist.fully_shard)
+    opt = fusedist.optim.FusedAdamW(m.parameters(), lr=1e-2)
+    fused = steps(m, opt, range(2), fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+    torch.testing.assert_close(fused, steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(2),
+                                            fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 10)), **CLOSE)
+    # fusedist's checkpoint: a fresh model and optimizer continue as the saved ones
+    fusedist.checkpoint.save(os.path.join(path, "fusedist"), m, opt)
+    n = shard(rowwise_model(), fusedist.fully_shard)
+    n_opt = fusedist.optim.FusedAdamW(n.parameters(), lr=1e-2)
+    fusedist.checkpoint.load(os.path.join(path, "fusedist"), n, n_opt)
+    torch.testing.assert_close(steps(n, n_opt, (5,)), steps(m, opt, (5,)), **EXACT)
+    whole = full_of(m, True)
+    for k, v in full_of(n, True).items():
+        torch.testing.assert_close(v, whole[k], **EXACT)
+    path = os.path.join(path, "dcp")
+    # torch's distributed checkpoint: fusedist -> fusedist, and fusedist -> FSDP2
+    dcp.save({"model": m.state_dict()}, checkpoint_id=path)
+    for target, ours in ((shard(rowwise_model(), fusedist.fully_shard), True),
+                         (shard(rowwise_model(), fully_shard), False)):
+        sd = target.state_dict() if ours else get_model_state_dict(target)
+        dcp.load({"model": sd}, checkpoint_id=path)
+        target.load_state_dict(sd) if ours else set_model_state_dict(target, sd)
+        loaded = full_of(target, ours)
+        for k in whole:
+            torch.testing.assert_close(loaded[k].float(), whole[k], **EXACT, msg=f"{k} after DCP load")
+        if ours:
+            assert type(target[0].weight) is RowwiseInt8Weight
+    # built on the meta device, materialized, loaded: trains as the model it was loaded from
+    meta = shard(rowwise_model("meta"), fusedist.fully_shard)
+    meta.to_empty(device="cpu")
+    assert type(meta[0].weight) is RowwiseInt8Weight and not meta[0].weight.is_meta
+    fusedist.fsdp.load_full_state_dict(meta, whole)
+    a = steps(meta, torch.optim.AdamW(meta.parameters(), lr=1e-2), (7, 8))
+    b = steps(m, torch.optim.AdamW(m.parameters(), lr=1e-2), (7, 8))
+    torch.testing.assert_close(a, b, **EXACT)
+    a_whole, b_whole = full_of(meta, True), full_of(m, True)
+    for k in a_whole:
+        torch.testing.assert_close(a_whole[k], b_whole[k], **EXACT)
+    # ... or initialized as the unsharded model is, bit for bit
+    meta = shard(rowwise_model("meta"), fusedist.fully_shard)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    fusedist.fsdp.init_parameters(meta)
+    plain = rowwise_model()
+    torch.manual_seed(3)
+    for module in plain.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    initialized = full_of(meta, True)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(initialized[k], v.detach(), **EXACT, msg=k)
+
+
+def test_extension_optimizers_checkpoints_and_meta_init():
+    with tempfile.TemporaryDirectory() as path:
+        run_distributed(_state_worker, 2, path)
+
+
+class TwoInnerWeight(RowwiseInt8Weight):
+    """Quantized storage (two inner tensors), as NF4's: not a wrapper of one tensor."""
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], None
+
+    @property
+    def _scale(self):
+        return self._data[:, :1]
+
+
+#: implements half of the extension
+PreOnlyWeight = type("PreOnlyWeight", (torch.Tensor,), {
+    k: v for k, v in vars(RowwiseInt8Weight).items() if k not in ("fsdp_post_all_gather", "__dict__", "__weakref__")})
+
+
+def _refusal_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def refusal(kind, weight=RowwiseInt8Weight, **kw) -> str:
+        layer = nn.Linear(26, 13)
+        layer.weight = nn.Parameter(weight(layer.weight.detach()))
+        with pytest.raises(kind) as info:
+            fusedist.fully_shard(layer, **kw)
+        return str(info.value)
+
+    errors = {
+        "offload": refusal(NotImplementedError, offload_policy=fusedist.CPUOffloadPolicy()),
+        "int": refusal(NotImplementedError, reshard_after_forward=2),
+        "two inner tensors": refusal(NotImplementedError, TwoInnerWeight),
+        "pre only": refusal(ValueError, PreOnlyWeight),
+    }
+    assert "'weight'" in errors["offload"] and "CPUOffloadPolicy" in errors["offload"]
+    assert "reshard_after_forward as an int" in errors["int"]
+    assert "TwoInnerWeight" in errors["two inner tensors"] and "['_data', '_scale']" in errors["two inner tensors"]
+    assert "fsdp_post_all_gather must be" in errors["pre only"]
+    # HSDP over a 2x2 mesh, against FSDP2's
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mp = MixedPrecisionPolicy()
+    ours, losses, _ = _train_rowwise(True, rank, world, mp, True, False, mesh=mesh)
+    ref, ref_losses, _ = _train_rowwise(False, rank, world, mp, True, False, mesh=mesh)
+    torch.testing.assert_close(losses, ref_losses, **CLOSE)
+    a, b = full_of(ours, True), full_of(ref, False)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **CLOSE, msg=f"{k} differs from FSDP2's under HSDP")
+    return errors
+
+
+def test_extension_refusals_and_hsdp():
+    errors = run_distributed(_refusal_worker, 4)[0]
+    assert len(errors) == 4
+
+
+def test_fused_optimizer_refuses_a_subclass_it_cannot_step():
+    p = nn.Parameter(TwoInnerWeight(torch.randn(4, 4)))
+    p.grad = torch.randn(4, 4)
+    opt = fusedist.optim.FusedAdamW([p], lr=1e-2)
+    with pytest.raises(TypeError, match=r"param 0 of group 0 is a tensor subclass, TwoInnerWeight"):
+        opt.step()

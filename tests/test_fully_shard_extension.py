@@ -193,7 +193,8 @@ def float8_model(bias: bool, out: int):
                          nn.Linear(out, 16, bias=bias))
 
 
-def _train_float8(ours: bool, rank, world, bias, out, mp, reshard_after_forward, float8_gather):
+def _train_float8(ours: bool, rank, world, bias, out, mp, reshard_after_forward, float8_gather, precompute=False,
+                  fused=False):
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -203,13 +204,15 @@ def _train_float8(ours: bool, rank, world, bias, out, mp, reshard_after_forward,
     for layer in (m[0], m[2], m[4]):
         fs(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fs(m, mp_policy=mp)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    opt = (fusedist.optim.FusedAdamW if fused else torch.optim.AdamW)(m.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
         loss = m(batch(step, rank, world, 32, 8)).float().square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if precompute:
+            fusedist.fsdp.precompute_float8_dynamic_scale_for_fsdp(m)
         losses.append(loss.item())
     return m, losses
 
@@ -245,6 +248,34 @@ def _float8_worker(rank, world):
 
 def test_float8_training_matches_fsdp2():
     run_distributed(_float8_worker, 2)
+
+
+def _precompute_worker(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # the scales precomputed after each step are those each gather computes: the same training
+    # (with the fused AdamW, which steps a piece carrying a precomputed scale through its weight)
+    m, losses = _train_float8(True, rank, world, False, 31, MixedPrecisionPolicy(), True, True, precompute=True,
+                              fused=True)
+    ref, ref_losses = _train_float8(True, rank, world, False, 31, MixedPrecisionPolicy(), True, True, fused=True)
+    torch.testing.assert_close(losses, ref_losses, **EXACT)
+    a, b = full_of(m, True), full_of(ref, True)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **EXACT, msg=k)
+    # and the gathers use them: an even piece (48 rows) and one padded for the gather (31 rows)
+    for layer in (m[0], m[2]):
+        piece = layer.weight
+        assert piece._precomputed_scale is not None
+        piece._precomputed_scale = piece._precomputed_scale * 0.5
+        layer.unshard()
+        torch.testing.assert_close(layer.weight._scale, piece._precomputed_scale, **EXACT)
+        layer.reshard()
+
+
+def test_float8_precomputed_scales_are_the_gathers_own():
+    """fusedist's precompute_float8_dynamic_scale_for_fsdp (torchao's finds no DTensor weights in
+    fusedist's units): one all-reduce for every weight's scale, the same numbers."""
+    run_distributed(_precompute_worker, 2)
 
 
 def _state_worker(rank, world, path):
@@ -330,15 +361,16 @@ def test_extension_optimizers_checkpoints_and_meta_init():
         run_distributed(_state_worker, 2, path)
 
 
-class TwoInnerWeight(RowwiseInt8Weight):
-    """Quantized storage (two inner tensors), as NF4's: not a wrapper of one tensor."""
+class Int8StorageWeight(RowwiseInt8Weight):
+    """Quantized storage, as NF4's: no inner tensor holds the weight's values in its dtype (the
+    high-precision copy is kept only for the ops of this test double)."""
+
+    def __init__(self, data):
+        self._data = data
+        self._q, self._scale = quantize_rows(data)
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], None
-
-    @property
-    def _scale(self):
-        return self._data[:, :1]
+        return ["_q", "_scale"], None
 
 
 #: implements half of the extension
@@ -360,12 +392,12 @@ def _refusal_worker(rank, world):
     errors = {
         "offload": refusal(NotImplementedError, offload_policy=fusedist.CPUOffloadPolicy()),
         "int": refusal(NotImplementedError, reshard_after_forward=2),
-        "two inner tensors": refusal(NotImplementedError, TwoInnerWeight),
+        "quantized storage": refusal(NotImplementedError, Int8StorageWeight),
         "pre only": refusal(ValueError, PreOnlyWeight),
     }
     assert "'weight'" in errors["offload"] and "CPUOffloadPolicy" in errors["offload"]
     assert "reshard_after_forward as an int" in errors["int"]
-    assert "TwoInnerWeight" in errors["two inner tensors"] and "['_data', '_scale']" in errors["two inner tensors"]
+    assert "Int8StorageWeight" in errors["quantized storage"] and "['_q', '_scale']" in errors["quantized storage"]
     assert "fsdp_post_all_gather must be" in errors["pre only"]
     # HSDP over a 2x2 mesh, against FSDP2's
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -385,8 +417,8 @@ def test_extension_refusals_and_hsdp():
 
 
 def test_fused_optimizer_refuses_a_subclass_it_cannot_step():
-    p = nn.Parameter(TwoInnerWeight(torch.randn(4, 4)))
+    p = nn.Parameter(Int8StorageWeight(torch.randn(4, 4)))
     p.grad = torch.randn(4, 4)
     opt = fusedist.optim.FusedAdamW([p], lr=1e-2)
-    with pytest.raises(TypeError, match=r"param 0 of group 0 is a tensor subclass, TwoInnerWeight"):
+    with pytest.raises(TypeError, match=r"param 0 of group 0 is a tensor subclass, Int8StorageWeight"):
         opt.step()

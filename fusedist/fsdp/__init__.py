@@ -4,7 +4,9 @@ Modules, one job each: ``policy`` (MixedPrecisionPolicy, CPUOffloadPolicy), ``la
 a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the parameter swap),
 ``grads`` (gradients to shards), ``mesh`` (the shard and replicate groups of a mesh),
 ``replicate`` (HSDP's all-reduce across replicas), ``tensor_parallel`` (DTensor parameters of a
-tensor-parallel mesh: their local tensors sharded), ``post_forward`` (an int
+tensor-parallel mesh: their local tensors sharded), ``extension`` (parameters that choose
+what is gathered: FSDP2's all-gather extension, torchao's float8 weights), ``float8`` (their
+scales for the next gathers in one all-reduce), ``post_forward`` (an int
 ``reshard_after_forward``: the smaller groups units reshard to after forward), ``state`` (when to gather, reshard and reduce),
 ``recovery`` (forwards and backwards an exception ended midway),
 ``containers`` (the tensors in a unit's inputs and outputs), ``stale`` (gathered copies
@@ -18,6 +20,7 @@ the unsharded one), ``api`` (``fully_shard`` and the methods a module gains), ``
 """
 
 from .api import FullyShardedModule, UnshardHandle, fully_shard
+from .float8 import precompute_float8_dynamic_scale_for_fsdp
 from .functions import register_fsdp_forward_method, share_comm_ctx
 from .memory import reset_peak_memory_stats
 from .optim_state import track_optimizer
@@ -32,4 +35,5 @@ __all__ = [
     "fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule", "FSDPModule", "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
     "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer", "init_parameters",
+    "precompute_float8_dynamic_scale_for_fsdp",
 ]

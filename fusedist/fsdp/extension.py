@@ -11,7 +11,8 @@ bytes the unsharded parameter the matmul uses (a ``Float8TrainingTensor``). Half
 traffic of bf16, and the weight is cast once per gather instead of once per use.
 
 A unit takes such a parameter when the subclass is a wrapper of *one* high-precision tensor
-of its own shape and dtype (``__tensor_flatten__`` names one inner tensor): float8 training
+of its own shape and dtype (among the inner tensors ``__tensor_flatten__`` names; others, such
+as a precomputed scale, are carried along: ``fusedist/_wrapper.py``): float8 training
 weights, torchao's int8 mixed-precision and BitNet training weights. Then:
 
 * The unit stores the inner tensor like any parameter's, in a section of its own laid out as
@@ -21,8 +22,9 @@ weights, torchao's int8 mixed-precision and BitNet training weights. Then:
 * The piece an optimizer steps is the subclass again, over the chunk on the shard storage
   (``ExtensionSpec.wrap``): the subclass unwraps in-place updates onto its inner tensor, so
   they land in the shard, and the parameter keeps its type at rest as under FSDP2.
-* To gather, the unit calls ``fsdp_pre_all_gather`` on the subclass over the padded chunk
-  (FSDP2 calls it on the unpadded shard and refuses uneven shapes; here any shape works),
+* To gather, the unit calls ``fsdp_pre_all_gather`` on the piece, or where the rows do not
+  divide evenly on the subclass over the padded chunk with the piece's attributes (FSDP2 calls
+  it on the unpadded shard, which float8's does not pad, so FSDP2 refuses such shapes),
   lays every returned input of the section's parameters end to end as bytes, and runs one
   all-gather of those bytes (so inputs of several dtypes -- int8 data and fp32 scales -- go
   in one collective, and gloo, which has no float8 dtype, carries float8 too). Each input's
@@ -38,8 +40,8 @@ Refused by name: other subclasses (several inner tensors, as NF4's quantized sto
 with tensor parallelism, ``CPUOffloadPolicy``, an int ``reshard_after_forward``, or a
 ``shard_placement_fn`` other than ``Shard(0)`` -- the compositions FSDP2 itself leaves out or
 that fusedist has not built. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
-DTensor weights and does nothing here; each gather then computes the scale with one small
-all-reduce per weight, as FSDP2 does without it.
+DTensor weights and does nothing here; fusedist's (Note [precomputed float8 scales] in
+float8.py) sets the scales on the pieces, which the gathers read.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ import inspect
 from typing import Optional
 
 import torch
+
+from .._wrapper import wrapped_name
 
 __all__ = ["ExtensionSpec", "extension_specs", "has_extension", "put_stand_ins", "take_stand_ins"]
 
@@ -62,8 +66,8 @@ class ExtensionSpec:
     the name of its inner tensor, and the context ``__tensor_unflatten__`` rebuilds it from."""
 
     def __init__(self, param, module):
-        names, self.ctx = param.__tensor_flatten__()
-        self.cls, self.name = type(param), names[0]
+        self.ctx = param.__tensor_flatten__()[1]
+        self.cls, self.name = type(param), wrapped_name(param)
         self.module = module  # the module holding it, handed to fsdp_pre_all_gather
         fn = type(param).fsdp_pre_all_gather
         self.full_signature = len(inspect.signature(fn).parameters) == 6  # self + 5 (FSDP2's new form)
@@ -75,14 +79,19 @@ class ExtensionSpec:
         return getattr(p, self.name)
 
     def wrap(self, inner: torch.Tensor, like=None) -> torch.Tensor:
-        """The subclass over ``inner`` (same storage); ``like``: a piece whose other inner
-        tensors and context to keep (say, a scale set on it)."""
-        ctx, tensors = self.ctx, {}
+        """The subclass over ``inner`` (same storage); ``like``: a piece whose context and
+        attributes to keep (say, a scale set on it)."""
+        ctx = like.__tensor_flatten__()[1] if like is not None else self.ctx
+        out = self.cls.__tensor_unflatten__({self.name: inner}, ctx, inner.size(), inner.stride())
         if like is not None:
-            names, ctx = like.__tensor_flatten__()
-            tensors = {n: getattr(like, n) for n in names}
-        tensors[self.name] = inner
-        return self.cls.__tensor_unflatten__(tensors, ctx, inner.size(), inner.stride())
+            out.__dict__.update({k: v for k, v in like.__dict__.items() if k not in (self.name, "_is_param")})
+        return out
+
+    def padded(self, piece, chunk: torch.Tensor) -> torch.Tensor:
+        """The subclass over ``chunk`` (the piece's rows and the padding after them) with the
+        piece's attributes -- what ``fsdp_pre_all_gather`` is asked where the rows do not
+        divide evenly (Note [all-gather extension])."""
+        return self.wrap(chunk, like=piece)
 
     def set_inner(self, piece, inner: torch.Tensor) -> None:
         """Point ``piece`` (the subclass) at ``inner``: ``repack``'s ``piece.data = view``."""
@@ -130,11 +139,8 @@ def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list,
         if not (hasattr(p, "fsdp_pre_all_gather") and hasattr(p, "fsdp_post_all_gather")):
             raise ValueError(f"{where} only in part: both fsdp_pre_all_gather and fsdp_post_all_gather must be "
                              "defined (FSDP2 requires both too)")
-        names = p.__tensor_flatten__()[0] if hasattr(p, "__tensor_flatten__") else None
-        inner = getattr(p, names[0], None) if names else None
-        if names is None or len(names) != 1 or not isinstance(inner, torch.Tensor) \
-                or type(inner) not in (torch.Tensor, torch.nn.Parameter) \
-                or inner.shape != p.shape or inner.dtype != p.dtype:
+        if wrapped_name(p) is None:
+            names = p.__tensor_flatten__()[0] if hasattr(p, "__tensor_flatten__") else None
             raise NotImplementedError(
                 f"{where}, but it is not a wrapper of one high-precision tensor of its own shape and dtype "
                 f"(__tensor_flatten__ names {names}); fusedist shards such wrappers only (float8 training weights), "

@@ -513,8 +513,11 @@ class ShardedUnit:
         for j, i in enumerate(sec.indices):
             spec, shape = self.ext[i], sec.layout.slots[j].shape
             rows = -(-shape[0] // self.world_size)
-            padded = alias(self.shards[k], sec.layout.slots[j].offset, (rows,) + tuple(shape[1:]))
-            source = spec.wrap(padded, like=self.sharded[i])
+            if self.sharded[i].shape[0] == rows:  # the piece is the padded chunk: asked itself, as FSDP2 asks it
+                source = self.sharded[i]
+            else:
+                source = spec.padded(self.sharded[i], alias(self.shards[k], sec.layout.slots[j].offset,
+                                                            (rows,) + tuple(shape[1:])))
             inputs, self._ext_meta[i] = spec.pre_all_gather(source, self.shard_mesh, shape, self.mp_policy,
                                                             self.fqns[i], rows)
             parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)

@@ -12,6 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from .._dtypes import compute_dtype
+from .._wrapper import wrapped_name
 from . import functional
 from ._scaler_protocol import ScalerProtocol
 
@@ -28,14 +29,12 @@ def kernel_tensor(p: torch.Tensor, where: str) -> torch.Tensor:
 
     if type(p) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(p):
         return p
-    names = p.__tensor_flatten__()[0]
-    inner = getattr(p, names[0], None) if len(names) == 1 else None
-    if not isinstance(inner, torch.Tensor) or is_traceable_wrapper_subclass(inner) \
-            or inner.shape != p.shape or inner.dtype != p.dtype:
+    name = wrapped_name(p)
+    if name is None:
         raise TypeError(f"{where} is a tensor subclass, {type(p).__qualname__}, that is not a wrapper of one tensor "
-                        f"of its shape and dtype (it holds {names}); the fused kernels cannot step it. Use a torch "
-                        "optimizer for it (a separate optimizer, or foreach=True).")
-    return inner
+                        f"of its shape and dtype (it holds {p.__tensor_flatten__()[0]}); the fused kernels cannot "
+                        "step it. Use a torch optimizer for it (a separate optimizer, or foreach=True).")
+    return getattr(p, name)
 
 
 def check_finite_hyper(owner: str, **values: Any) -> None:

@@ -1,0 +1,36 @@
+"""Tensor subclasses that wrap one tensor of their own shape and dtype.
+
+torchao's float8 training weights (and its int8 mixed-precision and BitNet ones) are such
+wrappers: every op unwraps them, so an in-place update of the wrapper is an update of the
+tensor it holds. fusedist's units shard that tensor (Note [all-gather extension] in
+fsdp/extension.py) and its fused optimizers step it (``optim/_base.py``: a wrapper has no
+memory of its own, its data pointer is null). Other inner tensors a wrapper may carry
+(torchao's precomputed float8 scale) are not parameter values and are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["wrapped_name"]
+
+
+def wrapped_name(p: torch.Tensor) -> Optional[str]:
+    """The attribute holding the one plain tensor of ``p``'s shape and dtype that ``p`` wraps
+    (``__tensor_flatten__``'s names), or None when ``p`` is not such a wrapper."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(p):
+        return None
+    names = p.__tensor_flatten__()[0]
+    same = [n for n in names if _plain(getattr(p, n, None)) and getattr(p, n).shape == p.shape
+            and getattr(p, n).dtype == p.dtype]
+    return same[0] if len(same) == 1 else None
+
+
+def _plain(t) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)

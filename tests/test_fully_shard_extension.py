@@ -194,12 +194,15 @@ def float8_model(bias: bool, out: int):
 
 
 def _train_float8(ours: bool, rank, world, bias, out, mp, reshard_after_forward, float8_gather, precompute=False,
-                  fused=False):
+                  fused=False, checkpointed=False):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     m = float8_model(bias, out)
     convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=float8_gather))
+    if checkpointed:  # recomputed in backward: the weight gathered again there, refilled in place
+        m[2] = checkpoint_wrapper(m[2])
     fs = fusedist.fully_shard if ours else fully_shard
     for layer in (m[0], m[2], m[4]):
         fs(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp)
@@ -222,16 +225,22 @@ def _float8_worker(rank, world):
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
     out = {}
-    # fp32, 31 rows (uneven at 2 ranks): against FSDP2 computing in float8 from fp32 gathers
-    ours, losses = _train_float8(True, rank, world, False, 31, MixedPrecisionPolicy(), True, True)
-    ref, ref_losses = _train_float8(False, rank, world, False, 31, MixedPrecisionPolicy(), True, False)
+    # fp32, 31 rows (uneven at 2 ranks): against FSDP2 computing in float8 from fp32 gathers; the
+    # middle layer checkpointed, so its weight is gathered again for the recomputation in backward
+    ours, losses = _train_float8(True, rank, world, False, 31, MixedPrecisionPolicy(), True, True, checkpointed=True)
+    ref, ref_losses = _train_float8(False, rank, world, False, 31, MixedPrecisionPolicy(), True, False,
+                                    checkpointed=True)
     torch.testing.assert_close(losses, ref_losses, **EXACT)
     a, b = full_of(ours, True), full_of(ref, False)
     for k in a:
         torch.testing.assert_close(a[k], b[k], **EXACT, msg=f"{k} differs from FSDP2's")
+    from fusedist.fsdp.state import state_of
+
+    assert state_of(ours[0]).unit.unsharded_bytes == 48 * 32  # gathered: one byte per element, not four
+    layer = ours[2]._checkpoint_wrapped_module
     ours[2].unshard()
-    assert isinstance(ours[2].weight, Float8TrainingTensor), type(ours[2].weight)
-    assert ours[2].weight.shape == (31, 48) and ours[2].weight._data.dtype == torch.float8_e4m3fn
+    assert isinstance(layer.weight, Float8TrainingTensor), type(layer.weight)
+    assert layer.weight.shape == (31, 48) and layer.weight._data.dtype == torch.float8_e4m3fn
     ours[2].reshard()
     out["fp32"] = losses
     # bf16 gathers, weights kept across forward: against FSDP2's own float8 gathers

@@ -689,7 +689,10 @@ class ShardedUnit:
 
     @property
     def unsharded_bytes(self) -> int:
-        return self._full_nbytes
+        """The gathered unit's bytes; an extension parameter's (its outputs) once it has been
+        gathered (Note [all-gather extension] in extension.py)."""
+        return self._full_nbytes + sum(t.numel() * t.element_size()
+                                       for outputs, _ in self._ext_outputs.values() for t in outputs)
 
     def element_range(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
         """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s

@@ -47,6 +47,8 @@ Sections and their tolerances:
 * **Stage 3 with CPU offload**, fusedist's GradScaler (an inf on one rank) and torch's clip
   (global over the pieces), against the same model without offload: ``rtol=1e-5`` (the
   offloaded AdamW step runs on the host).
+* **Stage 3 with FSDP2's all-gather extension** (weights gathered as int8 rows and fp32
+  scales, one byte buffer per unit) against FSDP2: fp32 ``rtol=1e-5, atol=1e-6``.
 """
 
 from __future__ import annotations
@@ -400,9 +402,36 @@ def _stage3_offload(rank, world_size, device):
     return out
 
 
+def _stage3_extension(rank, world_size, device):
+    """fully_shard over weights gathered as int8 rows and fp32 scales (FSDP2's all-gather
+    extension; tests/test_fully_shard_extension.py's test subclass), against FSDP2 on the run's
+    device: on CUDA the bytes go through the direct-NCCL communicator as uint8."""
+    from test_fully_shard_extension import batch, full_of, rowwise_model, shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedist
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    out = {}
+    for ours in (True, False):
+        m = shard(rowwise_model(device), fusedist.fully_shard if ours else fully_shard, mesh=mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            loss = m(batch(step, rank, world_size).to(device)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[ours] = {"losses": losses, "weights": {k: v.cpu() for k, v in full_of(m, ours).items()},
+                     "type": type(m[0].weight).__name__, "device": m[0].weight.device.type}
+    return out
+
+
 SECTIONS = {"bf16_reduce": _bf16_reduce, "fp16_master": _fp16_master, "zero_offload": _zero_offload,
             "syncbn": _syncbn, "stage3": _stage3, "stage3_meta_async": _stage3_meta_async,
-            "stage3_offload": _stage3_offload}
+            "stage3_offload": _stage3_offload, "stage3_extension": _stage3_extension}
 
 
 def _tier(rank, world_size, device_type):
@@ -531,3 +560,15 @@ def test_fully_shard_meta_init_and_async_save(tier):
         assert r["init"] == 0.0, r  # the unsharded model's initialization, bit for bit
         assert r["loaded"] == 0.0, r  # the weights of the step the save was taken at
         assert r["devices"] == {device_type}
+
+
+def test_fully_shard_all_gather_extension_matches_fsdp2(tier):
+    """The same bytes gathered and dequantized on both sides: losses and weights as FSDP2's
+    (tests/test_fully_shard_extension.py's tolerance after no clip: fp32 rounding only)."""
+    device_type, per_rank = _section(tier, "stage3_extension")
+    for r in per_rank:
+        ours, ref = r[True], r[False]
+        assert ours["type"] == "RowwiseInt8Weight" and ours["device"] == device_type
+        torch.testing.assert_close(ours["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        for k, v in ref["weights"].items():
+            torch.testing.assert_close(ours["weights"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

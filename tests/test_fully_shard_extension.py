@@ -89,6 +89,10 @@ class RowwiseInt8Weight(torch.Tensor):
         return w, (w,)
 
 
+# FSDP2's checkpoints pickle its local tensors, here this subclass (torchao registers its own)
+torch.serialization.add_safe_globals([RowwiseInt8Weight])
+
+
 def quantize_rows(w: torch.Tensor):
     flat = w.reshape(w.shape[0], -1).float()
     scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
@@ -327,7 +331,8 @@ def _state_worker(rank, world, path):
     for k, v in full_of(n, True).items():
         torch.testing.assert_close(v, whole[k], **EXACT)
     path = os.path.join(path, "dcp")
-    # torch's distributed checkpoint: fusedist -> fusedist, and fusedist -> FSDP2
+    # torch's distributed checkpoint: fusedist -> fusedist, fusedist -> FSDP2, and that FSDP2
+    # model's checkpoint (its local tensors are the subclass) -> fusedist
     dcp.save({"model": m.state_dict()}, checkpoint_id=path)
     for target, ours in ((shard(rowwise_model(), fusedist.fully_shard), True),
                          (shard(rowwise_model(), fully_shard), False)):
@@ -339,6 +344,13 @@ def _state_worker(rank, world, path):
             torch.testing.assert_close(loaded[k].float(), whole[k], **EXACT, msg=f"{k} after DCP load")
         if ours:
             assert type(target[0].weight) is RowwiseInt8Weight
+    dcp.save({"model": get_model_state_dict(target)}, checkpoint_id=path + "-fsdp2")
+    back = shard(rowwise_model(), fusedist.fully_shard)
+    sd = back.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=path + "-fsdp2")
+    back.load_state_dict(sd)
+    for k, v in full_of(back, True).items():
+        torch.testing.assert_close(v, whole[k], **EXACT, msg=f"{k} loaded from FSDP2's checkpoint")
     # built on the meta device, materialized, loaded: trains as the model it was loaded from
     meta = shard(rowwise_model("meta"), fusedist.fully_shard)
     meta.to_empty(device="cpu")

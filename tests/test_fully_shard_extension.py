@@ -263,6 +263,62 @@ def test_float8_training_matches_fsdp2():
     run_distributed(_float8_worker, 2)
 
 
+def _train_float8_tp(ours: bool, mp):
+    """torchtitan's float8 with tensor parallelism in small: float8 weights made DTensors by a
+    column/row-wise plan on mesh["tp"], then sharded on mesh["dp"] (2x2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64), nn.ReLU(),
+                      nn.Linear(64, 16))
+    convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(),
+                                       "6": RowwiseParallel()})
+    fs = fusedist.fully_shard if ours else fully_shard
+    fs(m[0], mesh=mesh["dp"], mp_policy=mp)
+    fs(m[2], mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+    fs(m, mesh=mesh["dp"], mp_policy=mp)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    dp = mesh["dp"].get_local_rank()
+    losses, norms = [], []
+    for step in range(3):
+        loss = m(batch(step, dp, 2, 32, 8)).float().square().mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return m, losses, norms
+
+
+def _float8_tp_worker(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    for mp in (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
+        ours, losses, norms = _train_float8_tp(True, mp)
+        ref, ref_losses, ref_norms = _train_float8_tp(False, mp)
+        torch.testing.assert_close(losses, ref_losses, **CLOSE)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+        a, b = full_of(ours, True), full_of(ref, False)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], **CLOSE, msg=f"{k} differs from FSDP2's")
+        ours[0].unshard()  # gathered: a DTensor of the plan's placement over the float8 local weight
+        assert isinstance(ours[0].weight, DTensor) and isinstance(ours[0].weight._local_tensor, Float8TrainingTensor)
+        ours[0].reshard()
+
+
+def test_float8_with_tensor_parallelism_matches_fsdp2():
+    """fp32 and bf16 gathers, a unit kept gathered across forward, the clip over both groups."""
+    run_distributed(_float8_tp_worker, 4)
+
+
 def _precompute_worker(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -149,8 +149,8 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         # Note [tensor-parallel parameters] in tensor_parallel.py
         tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, device)
         # Note [all-gather extension] in extension.py
-        ext = extension_specs(name, params, fqns, regs, dims, tp, isinstance(offload_policy, CPUOffloadPolicy),
-                              post_forward)
+        ext = extension_specs(name, [s.local(p) if s is not None else p for p, s in zip(params, tp or [None] * len(params))],
+                              fqns, regs, dims, isinstance(offload_policy, CPUOffloadPolicy), post_forward)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm, dims=dims, tp=tp, ext=ext,

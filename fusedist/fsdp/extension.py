@@ -35,11 +35,17 @@ weights, torchao's int8 mixed-precision and BitNet training weights. Then:
   valid across reshard and unshard. Resharding frees the outputs' storage.
 * Gradients are plain tensors of the parameter's shape and reduce like any parameter's of
   the section; the pieces' ``.grad`` are plain too (FSDP2's are DTensors of plain tensors).
+* With tensor parallelism (torchtitan's float8 with a column/row-wise plan) the wrapper is a
+  DTensor's local tensor: the unit shards the local tensor's inner tensor (Note
+  [tensor-parallel parameters] in tensor_parallel.py), gathers as above over the
+  data-parallel mesh, and the modules hold a DTensor over the unsharded local parameter. The
+  later gathers pass that DTensor as ``out=``, as FSDP2 does: a DTensor's local tensor is a
+  view of the one it was made from, so refilling the latter would leave the former's scale
+  stale.
 
 Refused by name: other subclasses (several inner tensors, as NF4's quantized storage),
-with tensor parallelism, ``CPUOffloadPolicy``, an int ``reshard_after_forward``, or a
-``shard_placement_fn`` other than ``Shard(0)`` -- the compositions FSDP2 itself leaves out or
-that fusedist has not built. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
+``CPUOffloadPolicy``, an int ``reshard_after_forward``, or a ``shard_placement_fn`` other than
+``Shard(0)`` -- the compositions FSDP2 itself leaves out or that fusedist has not built. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
 DTensor weights and does nothing here; fusedist's (Note [precomputed float8 scales] in
 float8.py) sets the scales on the pieces, which the gathers read.
 """
@@ -126,10 +132,12 @@ class ExtensionSpec:
         return inputs, meta
 
 
-def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, tp, offload: bool,
+def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, offload: bool,
                     post_forward) -> Optional[list]:
     """Each parameter's spec (None for a plain one), or None when the unit has no extension
-    parameter; what is not supported with them is refused naming the parameter."""
+    parameter; what is not supported with them is refused naming the parameter. ``params``:
+    the local tensors of tensor-parallel parameters (Note [tensor-parallel parameters] in
+    tensor_parallel.py), which may be extension wrappers too."""
     found = [(i, p) for i, p in enumerate(params) if has_extension(p)]
     if not found:
         return None
@@ -148,8 +156,7 @@ def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list,
                 "the parameter out of the units (ignored_params).")
         if p.dim() == 0:
             raise NotImplementedError(f"{where}, and it has no dims; fusedist shards such parameters on dim 0")
-        for reason, bad in (("tensor parallelism", tp is not None and tp[i] is not None),
-                            ("CPUOffloadPolicy", offload),
+        for reason, bad in (("CPUOffloadPolicy", offload),
                             ("reshard_after_forward as an int", post_forward is not None),
                             (f"shard_placement_fn's Shard({dims[i]})", dims[i] != 0)):
             if bad:

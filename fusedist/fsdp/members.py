@@ -81,7 +81,7 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
                         "tensor-parallel parameters of a 1-D tensor-parallel mesh, placed Shard(dim) or Replicate() "
                         "(Note [tensor-parallel parameters] in fsdp/tensor_parallel.py). Use "
                         "torch.distributed.fsdp.fully_shard for that model.")
-                if type(p._local_tensor) is not torch.Tensor:
+                if type(p._local_tensor) is not torch.Tensor and not has_extension(p._local_tensor):
                     raise NotImplementedError(_subclass_refusal(type(module).__name__, fqn, p._local_tensor,
                                                                 " tensor-parallel (a DTensor) over"))
             elif type(p) not in (nn.Parameter, torch.Tensor) and not isinstance(p, UninitializedTensorMixin) \

@@ -562,8 +562,8 @@ class ShardedUnit:
                 offset += nbytes
             views = tuple(out.view(-1, *size[1:]) for out, (size, _) in zip(outputs, spec.inputs))
             meta, param_dtype = self._ext_meta.pop(i), self.section_param_dtype(k)
-            if held is not None:
-                self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype, out=self.unsharded[i])
+            if held is not None:  # (out: what the modules hold, a DTensor over it with tensor parallelism, as FSDP2's)
+                self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype, out=self.visible[i])
                 continue
             tensor, inner = self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype)
             stride = torch.empty(shape, device="meta").stride()

@@ -102,7 +102,6 @@ class ShardedUnit:
         #: input) and the inner tensors fsdp_post_all_gather returned (freed on reshard)
         self._ext_outputs: dict[int, tuple[list, list]] = {}
         self._ext_meta: dict[int, object] = {}  # the metadata of the gather in flight
-        self._ext_gathered: list = []  # per extension section in flight: (section, byte buffer, sizes)
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
         #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None
@@ -506,8 +505,9 @@ class ShardedUnit:
     @torch.no_grad()
     def _start_extension_gather(self, k: int, tag: str):
         """Start section ``k``'s gather (Note [all-gather extension] in extension.py): each
-        parameter's ``fsdp_pre_all_gather`` over its padded chunk, every input laid end to end
-        as bytes, one all-gather of them into ``fulls[k]``. Returns (the bytes sent, handle)."""
+        parameter's ``fsdp_pre_all_gather`` (of its piece, or of the piece's padded chunk),
+        every input laid end to end as bytes, one all-gather of them into ``fulls[k]``.
+        Returns (the bytes sent, handle)."""
         sec = self.layout.sections[k]
         parts = []
         for j, i in enumerate(sec.indices):

@@ -46,6 +46,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .._wrapper import wrapped_name
 from ..ddp.layout import SHARD_ALIGN, Bucket, _round_up, shaped_like
 
 
@@ -278,7 +279,10 @@ class FlatParams:
     be all-gathered in place, straight into the parameters every rank computes with. Values
     and memory formats are unchanged (a channels_last weight stays channels_last: its slot
     holds it in memory order, as DDP's gradient slot does, ``shaped_like``); user code keeps
-    using the same ``Parameter`` objects.
+    using the same ``Parameter`` objects. A wrapper subclass (torchao's float8 training
+    weight, ``fusedist/_wrapper.py``) has its wrapped tensor re-pointed: setting its ``.data``
+    would leave the tensor its ops read stale, and every step after the first would compute
+    with the initial weights.
     """
 
     def __init__(self, partition: FlatPartition, params: Sequence[torch.Tensor], device: torch.device):
@@ -288,7 +292,11 @@ class FlatParams:
                 p = params[index]
                 view = shaped_like(self.buffers[p.dtype][off:off + p.numel()], p)
                 view.copy_(p.detach())
-                p.data = view
+                inner = wrapped_name(p)
+                if inner is not None:
+                    setattr(p, inner, view)
+                else:
+                    p.data = view
 
     def shard_view(self, bs: BucketShard) -> torch.Tensor:
         b = bs.bucket

@@ -1,0 +1,79 @@
+"""torchao's float8 training weights under fusedist's data parallelism -- DDP, ``replicate``,
+ZeRO-1/2 -- against torch DDP with torch's AdamW on the same model.
+
+Such a weight is a tensor subclass wrapping an fp32 tensor (``fusedist/_wrapper.py``); each
+forward casts it to float8. Everything that writes parameters must write the wrapped tensor:
+ZeRO re-points every parameter into its flat buffer (the updated shards are gathered there),
+and re-pointing a wrapper's ``.data`` left the tensor its cast reads on the initial weights,
+so every step after the first trained the wrong model without a word. Fused optimizers step
+the wrapped tensor too (a wrapper has no memory of its own).
+
+Tolerance: the same float8 casts and fp32 reductions on both sides; torch's AdamW on both, or
+fusedist's fused AdamW (a few fp32 ulps per step): ``rtol=1e-5, atol=1e-6`` on losses and
+weights. A stale weight is off by the whole first update (lr 1e-2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fusedist
+from fusedist.testing import run_distributed
+
+CLOSE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _model():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 16))
+    return convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+
+
+def _train(rank, wrap, make_opt):
+    m = _model()
+    w = wrap(m)
+    opt = make_opt(w.parameters())
+    losses = []
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        x = torch.randn(16, 32)[rank * 8:(rank + 1) * 8]
+        loss = w(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in m.state_dict().items()}, type(m[0].weight).__name__
+
+
+def _worker(rank, world):
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    ref_losses, ref_weights, _ = _train(rank, torch.nn.parallel.DistributedDataParallel, adamw)
+    variants = {
+        "DDP": (fusedist.DistributedDataParallel, adamw),
+        "DDP + FusedAdamW": (fusedist.DistributedDataParallel,
+                             lambda params: fusedist.optim.FusedAdamW(params, lr=1e-2)),
+        "replicate": (fusedist.replicate, adamw),
+    }
+    for stage in (1, 2):
+        variants[f"ZeRO-{stage}"] = (fusedist.DistributedDataParallel, lambda params, stage=stage:
+                                     fusedist.ZeroRedundancyOptimizer(params, torch.optim.AdamW, stage=stage, lr=1e-2))
+        variants[f"ZeRO-{stage} + FusedAdamW"] = (
+            fusedist.DistributedDataParallel, lambda params, stage=stage:
+            fusedist.ZeroRedundancyOptimizer(params, fusedist.optim.FusedAdamW, stage=stage, lr=1e-2))
+    for name, (wrap, make_opt) in variants.items():
+        losses, weights, kind = _train(rank, wrap, make_opt)
+        assert kind == WeightWithDynamicFloat8CastTensor.__name__, (name, kind)  # still float8 weights
+        torch.testing.assert_close(losses, ref_losses, **CLOSE, msg=lambda m, name=name: f"{name}: {m}")
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k].float(), v.float(), **CLOSE,
+                                       msg=lambda m, name=name, k=k: f"{name}, {k}: {m}")
+    return sorted(variants)
+
+
+def test_float8_weights_train_as_under_torch_ddp():
+    assert len(run_distributed(_worker, 2)[0]) == 7

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["wrapped_name"]
+__all__ = ["wrapped_name", "values_of"]
 
 
 def wrapped_name(p: torch.Tensor) -> Optional[str]:
@@ -34,3 +34,11 @@ def _plain(t) -> bool:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     return isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)
+
+
+def values_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a plain tensor: the tensor a wrapper wraps, else ``t``. What files
+    hold (a checkpoint's model state): loading copies them into the wrapper, and no reader needs
+    the subclass to unpickle them."""
+    name = wrapped_name(t)
+    return getattr(t, name) if name is not None else t

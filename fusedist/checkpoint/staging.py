@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .._wrapper import values_of
+
 
 class StagingBuffers:
     """Reusable host copies of a nested state (dicts, lists, tuples of tensors and values)."""
@@ -52,7 +54,7 @@ class StagingBuffers:
         return copy.deepcopy(obj)
 
     def _tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
-        t = t.detach()
+        t = values_of(t).detach()  # (a wrapper subclass has no storage of its own: its wrapped tensor)
         if t.is_sparse or t.layout != torch.strided or t.numel() == 0:
             return t.to("cpu", copy=True)
         alias = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)

@@ -407,6 +407,14 @@ def _state_worker(rank, world, path):
     back.load_state_dict(sd)
     for k, v in full_of(back, True).items():
         torch.testing.assert_close(v, whole[k], **EXACT, msg=f"{k} loaded from FSDP2's checkpoint")
+    # CPUOffloadPolicy: the pieces in host memory, stepped by the fused (host) AdamW, as FSDP2's offload
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offloaded = shard(rowwise_model(), fusedist.fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    ref = shard(rowwise_model(), fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    torch.testing.assert_close(steps(offloaded, fusedist.optim.FusedAdamW(offloaded.parameters(), lr=1e-2), range(3)),
+                               steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(3)), **CLOSE)
+    assert type(offloaded[0].weight) is RowwiseInt8Weight
     # built on the meta device, materialized, loaded: trains as the model it was loaded from
     meta = shard(rowwise_model("meta"), fusedist.fully_shard)
     meta.to_empty(device="cpu")
@@ -466,13 +474,15 @@ def _refusal_worker(rank, world):
             fusedist.fully_shard(layer, **kw)
         return str(info.value)
 
+    from torch.distributed.tensor import Shard
+
     errors = {
-        "offload": refusal(NotImplementedError, offload_policy=fusedist.CPUOffloadPolicy()),
+        "dim 1": refusal(NotImplementedError, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
         "int": refusal(NotImplementedError, reshard_after_forward=2),
         "quantized storage": refusal(NotImplementedError, Int8StorageWeight),
         "pre only": refusal(ValueError, PreOnlyWeight),
     }
-    assert "'weight'" in errors["offload"] and "CPUOffloadPolicy" in errors["offload"]
+    assert "'weight'" in errors["dim 1"] and "Shard(1)" in errors["dim 1"]
     assert "reshard_after_forward as an int" in errors["int"]
     assert "Int8StorageWeight" in errors["quantized storage"] and "['_q', '_scale']" in errors["quantized storage"]
     assert "fsdp_post_all_gather must be" in errors["pre only"]

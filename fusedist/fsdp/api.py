@@ -20,7 +20,7 @@ from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
+from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .mesh import groups_of, shard_mesh_of
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
@@ -150,7 +150,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, device)
         # Note [all-gather extension] in extension.py
         ext = extension_specs(name, [s.local(p) if s is not None else p for p, s in zip(params, tp or [None] * len(params))],
-                              fqns, regs, dims, isinstance(offload_policy, CPUOffloadPolicy), post_forward)
+                              fqns, regs, dims, post_forward)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm, dims=dims, tp=tp, ext=ext,

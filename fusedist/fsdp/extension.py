@@ -43,9 +43,11 @@ weights, torchao's int8 mixed-precision and BitNet training weights. Then:
   view of the one it was made from, so refilling the latter would leave the former's scale
   stale.
 
-Refused by name: other subclasses (several inner tensors, as NF4's quantized storage),
-``CPUOffloadPolicy``, an int ``reshard_after_forward``, or a ``shard_placement_fn`` other than
-``Shard(0)`` -- the compositions FSDP2 itself leaves out or that fusedist has not built. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
+With ``CPUOffloadPolicy`` the pieces live in host memory and each is moved to the compute
+device before the extension is asked (FSDP2 does the same). Refused by name: other
+subclasses (several inner tensors, as NF4's quantized storage), an int
+``reshard_after_forward`` (FSDP2 refuses it too), or a ``shard_placement_fn`` other than
+``Shard(0)``. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
 DTensor weights and does nothing here; fusedist's (Note [precomputed float8 scales] in
 float8.py) sets the scales on the pieces, which the gathers read.
 """
@@ -132,8 +134,7 @@ class ExtensionSpec:
         return inputs, meta
 
 
-def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, offload: bool,
-                    post_forward) -> Optional[list]:
+def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, post_forward) -> Optional[list]:
     """Each parameter's spec (None for a plain one), or None when the unit has no extension
     parameter; what is not supported with them is refused naming the parameter. ``params``:
     the local tensors of tensor-parallel parameters (Note [tensor-parallel parameters] in
@@ -156,8 +157,7 @@ def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list,
                 "the parameter out of the units (ignored_params).")
         if p.dim() == 0:
             raise NotImplementedError(f"{where}, and it has no dims; fusedist shards such parameters on dim 0")
-        for reason, bad in (("CPUOffloadPolicy", offload),
-                            ("reshard_after_forward as an int", post_forward is not None),
+        for reason, bad in (("reshard_after_forward as an int", post_forward is not None),
                             (f"shard_placement_fn's Shard({dims[i]})", dims[i] != 0)):
             if bad:
                 raise NotImplementedError(f"{where}; with {reason} such parameters are not supported. Shard them on "

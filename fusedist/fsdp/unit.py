@@ -518,6 +518,8 @@ class ShardedUnit:
             else:
                 source = spec.padded(self.sharded[i], alias(self.shards[k], sec.layout.slots[j].offset,
                                                             (rows,) + tuple(shape[1:])))
+            if source.device != self.device:  # CPUOffloadPolicy: asked on the compute device, as FSDP2 asks
+                source = source.to(self.device, non_blocking=True)
             inputs, self._ext_meta[i] = spec.pre_all_gather(source, self.shard_mesh, shape, self.mp_policy,
                                                             self.fqns[i], rows)
             parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)

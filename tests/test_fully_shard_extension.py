@@ -139,21 +139,31 @@ def _train_rowwise(ours: bool, rank, world, mp, reshard_after_forward, accumulat
 
     m = shard(rowwise_model(), fusedist.fully_shard if ours else fully_shard, mp_policy=mp,
               reshard_after_forward=reshard_after_forward, mesh=mesh)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    losses, norms = [], []
-    for step in range(3):
+
+    def before(step):
         if accumulate and step == 1:  # an unsynchronized micro-batch first
             m.set_requires_gradient_sync(False)
             m(batch(10, rank, world)).float().square().mean().backward()
             m.set_requires_gradient_sync(True)
-        loss = m(batch(step, rank, world)).float().square().mean()
+
+    return (m, *_clipped_adamw(m, lambda step: batch(step, rank, world), before))
+
+
+def _clipped_adamw(m, batch_of, before=lambda step: None):
+    """Three AdamW steps on ``batch_of(step)``, each clipped by torch's clip at 0.05 (a DTensor
+    norm under FSDP2): the losses and the norms."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step in range(3):
+        before(step)
+        loss = m(batch_of(step)).float().square().mean()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
         norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return m, losses, norms
+    return losses, norms
 
 
 def _rowwise_worker(rank, world, bf16, reshard_after_forward, accumulate):
@@ -282,18 +292,8 @@ def _train_float8_tp(ours: bool, mp):
     fs(m[0], mesh=mesh["dp"], mp_policy=mp)
     fs(m[2], mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
     fs(m, mesh=mesh["dp"], mp_policy=mp)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     dp = mesh["dp"].get_local_rank()
-    losses, norms = [], []
-    for step in range(3):
-        loss = m(batch(step, dp, 2, 32, 8)).float().square().mean()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
-        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return m, losses, norms
+    return (m, *_clipped_adamw(m, lambda step: batch(step, dp, 2, 32, 8)))
 
 
 def _float8_tp_worker(rank, world):

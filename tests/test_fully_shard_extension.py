@@ -273,6 +273,41 @@ def test_float8_training_matches_fsdp2():
     run_distributed(_float8_worker, 2)
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _compiled_float8_worker(rank, world):
+    """Blocks of float8 Linears, each sharded then compiled (torchtitan's order), as FSDP2's."""
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    out = {}
+    for ours in (True, False):
+        torch.manual_seed(0)
+        m = nn.Sequential(_Block(), _Block(), nn.Linear(32, 16))
+        convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        fs = fusedist.fully_shard if ours else fully_shard
+        for block in (m[0], m[1]):
+            fs(block)
+            block.compile(backend="aot_eager")
+        fs(m)
+        out[ours] = (m, *_clipped_adamw(m, lambda step: batch(step, rank, world, 32, 8)))
+    torch.testing.assert_close(out[True][1], out[False][1], **CLOSE)
+    a, b = full_of(out[True][0], True), full_of(out[False][0], False)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **CLOSE, msg=f"{k} differs from FSDP2's")
+
+
+def test_float8_compiled_blocks_match_fsdp2():
+    run_distributed(_compiled_float8_worker, 2)
+
+
 def _train_float8_tp(ours: bool, mp):
     """torchtitan's float8 with tensor parallelism in small: float8 weights made DTensors by a
     column/row-wise plan on mesh["tp"], then sharded on mesh["dp"] (2x2)."""

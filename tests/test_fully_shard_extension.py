@@ -521,6 +521,15 @@ def _refusal_worker(rank, world):
     assert "reshard_after_forward as an int" in errors["int"]
     assert "Int8StorageWeight" in errors["quantized storage"] and "['_q', '_scale']" in errors["quantized storage"]
     assert "fsdp_post_all_gather must be" in errors["pre only"]
+    # a rank whose weights are not the subclass: the same clear error on every rank, no hang
+    m = rowwise_model()
+    if rank % 2:
+        for layer in (m[0], m[2], m[4]):
+            layer.weight = nn.Parameter(layer.weight._data.clone())
+    shard(m, fusedist.fully_shard)
+    with pytest.raises(fusedist.RankMismatchError,
+                       match=r"4\.weight \(RowwiseInt8Weight\) .*; ranks \[1, 3\]: .*\[4\.weight \(4, 13\)"):
+        m(batch(0, rank, world))
     # HSDP over a 2x2 mesh, against FSDP2's
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     mp = MixedPrecisionPolicy()

@@ -43,12 +43,16 @@ def check_wrapping(named_units: list) -> list:
 def _unit_params(unit) -> list:
     """(name, shape) of a unit's parameters for the wrapping check; a frozen one is named so,
     since the flags at wrapping decide the layout (Note [trainable section]), and in a unit of
-    several dtypes each is named with its dtype, which decides it too (Note [dtype sections])."""
+    several dtypes each is named with its dtype, which decides it too (Note [dtype sections]);
+    so is an extension parameter's subclass (a rank that converted to float8 and one that
+    did not gather different bytes)."""
     out = []
     for i, (fqn, slot) in enumerate(zip(unit.fqns, unit.layout.slots)):
         sec = unit.layout.section_of(i)[0]
         name = fqn if sec.trainable else f"{fqn} (frozen)"
-        if sec.chunked:  # the dim decides the layout too (Note [dim-sharded sections] in chunk_layout.py)
+        if sec.extension:  # gathered as its subclass says (Note [all-gather extension] in extension.py)
+            name = f"{name} ({unit.ext[i].cls.__name__})"
+        elif sec.chunked:  # the dim decides the layout too (Note [dim-sharded sections] in chunk_layout.py)
             name = f"{name} (Shard({unit.layout.dims[i]}))"
         out.append((f"{name} ({str(sec.dtype).replace('torch.', '')})" if unit.layout.mixed else name, tuple(slot.shape)))
     return out

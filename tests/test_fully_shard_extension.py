@@ -553,3 +553,43 @@ def test_fused_optimizer_refuses_a_subclass_it_cannot_step():
     opt = fusedist.optim.FusedAdamW([p], lr=1e-2)
     with pytest.raises(TypeError, match=r"param 0 of group 0 is a tensor subclass, Int8StorageWeight"):
         opt.step()
+
+
+def _optimizer_dcp_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def steps(m, opt, seeds):
+        out = []
+        for s in seeds:
+            loss = m(batch(s, rank, world)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    m = shard(rowwise_model(), fusedist.fully_shard)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    steps(m, opt, range(2))
+    model_sd, optim_sd = get_state_dict(m, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    resumed = {}
+    for ours in (True, False):  # into fusedist's units and into FSDP2's, each having stepped otherwise
+        n = shard(rowwise_model(), fusedist.fully_shard if ours else fully_shard)
+        n_opt = torch.optim.AdamW(n.parameters(), lr=1e-2)
+        steps(n, n_opt, (9,))
+        model_sd, optim_sd = get_state_dict(n, n_opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(n, n_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        resumed[ours] = steps(n, n_opt, (5, 6))
+    expected = steps(m, opt, (5, 6))
+    torch.testing.assert_close(resumed[True], expected, **EXACT)
+    torch.testing.assert_close(resumed[False], expected, **CLOSE)
+
+
+def test_extension_optimizer_state_in_torch_dcp(tmp_path):
+    """Model and AdamW state of extension pieces through torch's state-dict helpers and DCP: a
+    resume into fusedist's units continues exactly, into FSDP2's as FSDP2 would."""
+    run_distributed(_optimizer_dcp_worker, 2, str(tmp_path))

@@ -498,6 +498,13 @@ PreOnlyWeight = type("PreOnlyWeight", (torch.Tensor,), {
     k: v for k, v in vars(RowwiseInt8Weight).items() if k not in ("fsdp_post_all_gather", "__dict__", "__weakref__")})
 
 
+class WrongArityWeight(RowwiseInt8Weight):
+    """An fsdp_pre_all_gather FSDP2 would not know how to call."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size):
+        return RowwiseInt8Weight.fsdp_pre_all_gather(self, mesh, outer_size, None, None, None)
+
+
 def _refusal_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -516,11 +523,13 @@ def _refusal_worker(rank, world):
         "int": refusal(NotImplementedError, reshard_after_forward=2),
         "quantized storage": refusal(NotImplementedError, Int8StorageWeight),
         "pre only": refusal(ValueError, PreOnlyWeight),
+        "arity": refusal(TypeError, WrongArityWeight),
     }
     assert "'weight'" in errors["dim 1"] and "Shard(1)" in errors["dim 1"]
     assert "reshard_after_forward as an int" in errors["int"]
     assert "Int8StorageWeight" in errors["quantized storage"] and "['_q', '_scale']" in errors["quantized storage"]
     assert "fsdp_post_all_gather must be" in errors["pre only"]
+    assert "fsdp_pre_all_gather(self, mesh, outer_size)" in errors["arity"]
     # a rank whose weights are not the subclass: the same clear error on every rank, no hang
     m = rowwise_model()
     if rank % 2:
@@ -544,7 +553,7 @@ def _refusal_worker(rank, world):
 
 def test_extension_refusals_and_hsdp():
     errors = run_distributed(_refusal_worker, 4)[0]
-    assert len(errors) == 4
+    assert len(errors) == 5
 
 
 def test_fused_optimizer_refuses_a_subclass_it_cannot_step():

@@ -106,7 +106,7 @@ class ExtensionSpec:
         setattr(piece, self.name, inner)
 
     def pre_all_gather(self, source, mesh, whole_shape: tuple, mp_policy, fqn: str, padded_rows: int):
-        """``(inputs, metadata)`` of ``source`` (the subclass over the padded chunk), the inputs
+        """``(inputs, metadata)`` of ``source`` (the piece, or the subclass over its padded chunk), the inputs
         checked to keep the first gather's shapes and dtypes and, where the shards are padded
         (the rows do not divide evenly), to have the padded chunk's rows: FSDP2's contract,
         without which the gathered rows would not be the parameter's."""
@@ -157,6 +157,11 @@ def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list,
                 "the parameter out of the units (ignored_params).")
         if p.dim() == 0:
             raise NotImplementedError(f"{where}, and it has no dims; fusedist shards such parameters on dim 0")
+        arity = len(inspect.signature(type(p).fsdp_pre_all_gather).parameters)
+        if arity not in (2, 6):
+            raise TypeError(f"{where} with fsdp_pre_all_gather{inspect.signature(type(p).fsdp_pre_all_gather)}; FSDP2 "
+                            "calls it as fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) "
+                            "or, in its older form, fsdp_pre_all_gather(self, mesh)")
         for reason, bad in (("reshard_after_forward as an int", post_forward is not None),
                             (f"shard_placement_fn's Shard({dims[i]})", dims[i] != 0)):
             if bad:

@@ -29,7 +29,9 @@ parameters), timed interleaved in one run (median of paired ratios). Memory: eac
 alone in a fresh process, the growth of the process's peak RSS over a few steps from just
 before the model is built, next to the formula 16Ψ/N + two largest units gathered +
 activations (activations: the bytes autograd saves in one forward) and fusedist's own
-accounting (memory_stats: shards, gathered and scratch peaks).
+accounting (memory_stats: shards, gathered and scratch peaks). With ``--float8`` the blocks'
+Linears are torchao's float8 training weights on both sides, gathered as float8 (FSDP2's
+all-gather extension; results ``..._stage3_float8_<date>``).
 
 Part 4 (``--memory``) -- one model (part 3's 8 transformer-MLP blocks), per-rank model-state
 bytes for DDP + AdamW, ZeRO-1, ZeRO-2, ZeRO-3 (``fusedist.fully_shard``) and the offload
@@ -44,7 +46,7 @@ Every rank runs the same loop; timings are rank 0's, each repetition after a bar
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3 | --memory]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3 [--float8] | --memory]
 """
 
 from __future__ import annotations
@@ -266,13 +268,17 @@ class _MLPBlock(nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-def _stage3_model(kind: str, d: int, layers: int, mesh, device):
+def _stage3_model(kind: str, d: int, layers: int, mesh, device, float8: bool = False):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fusedist
 
     torch.manual_seed(0)
     model = nn.Sequential(*[_MLPBlock(d) for _ in range(layers)]).to(device)
+    if float8:  # torchao's float8 training, weights gathered as float8 (FSDP2's all-gather extension)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     shard = torch_fully_shard if kind == "torch" else fusedist.fully_shard
     for block in model:
         shard(block, mesh=mesh, reshard_after_forward=None)
@@ -286,20 +292,23 @@ def _stage3_step(model, opt, x):
     opt.zero_grad()
 
 
-def _stage3_config(device):
-    return dict(d=2048, layers=8, batch=(8, 512)) if device.type == "cuda" else dict(d=320, layers=8, batch=(16, 64))
+def _stage3_config(device, float8: bool = False):
+    if device.type == "cuda":
+        return dict(d=2048, layers=8, batch=(8, 512))
+    # (float8 matmuls are emulated on the CPU, ~100x slower than fp32 ones: a smaller stack)
+    return dict(d=128, layers=4, batch=(8, 32)) if float8 else dict(d=320, layers=8, batch=(16, 64))
 
 
-def _stage3_timing(rank, world_size, device, repeats):
+def _stage3_timing(rank, world_size, device, repeats, float8=False):
     """fusedist.fully_shard vs torch FSDP2, one step each per repetition, interleaved."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fusedist.comm import get_communicator
 
-    cfg = _stage3_config(device)
+    cfg = _stage3_config(device, float8)
     mesh = init_device_mesh(device.type, (world_size,))
     comm = get_communicator(None, device)
-    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device) for kind in ("torch", "fusedist")}
+    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, float8) for kind in ("torch", "fusedist")}
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
     res = time_interleaved({k: (lambda m=m, o=o: _stage3_step(m, o, x)) for k, (m, o) in models.items()},
                             device, comm, warmup=2, repeats=repeats)
@@ -307,7 +316,8 @@ def _stage3_timing(rank, world_size, device, repeats):
     ratios = [b / a for a, b in zip(samples["torch"], samples["fusedist"])]
     numel = sum(p.numel() for p in models["torch"][0].parameters())  # DTensors: global sizes
     return [{
-        "part": "stage3", "case": f"{cfg['layers']} MLP blocks d={cfg['d']}, batch {cfg['batch']}",
+        "part": "stage3", "case": f"{cfg['layers']} MLP blocks d={cfg['d']}, batch {cfg['batch']}"
+                                  + (", float8 (torchao, float8 all-gathers)" if float8 else ""),
         "params_M": round(numel / 1e6, 2),
         "torch_fsdp2_ms": res["torch"][0], "fusedist_ms": res["fusedist"][0],
         "fusedist_p20_ms": res["fusedist"][1], "fusedist_p80_ms": res["fusedist"][2],
@@ -324,19 +334,19 @@ def _peak_mib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _stage3_memory(rank, world_size, device_type, kind, steps):
+def _stage3_memory(rank, world_size, device_type, kind, steps, float8=False):
     """Peak memory growth of one contender alone in this process (MiB; RSS on CPU, allocated
     device memory on CUDA), and the formula's terms."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = rank_device(device_type, rank)
-    cfg = _stage3_config(device)
+    cfg = _stage3_config(device, float8)
     mesh = init_device_mesh(device.type, (world_size,))
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
     before = _peak_mib(device)
-    model, opt = _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device)
+    model, opt = _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, float8)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.extend(_storages(t)) or t, lambda t: t):
         model(x).square().mean().backward()
     opt.zero_grad()
     for _ in range(steps):
@@ -355,18 +365,26 @@ def _stage3_memory(rank, world_size, device_type, kind, steps):
     return out
 
 
+def _storages(t: torch.Tensor) -> list:
+    """The storages holding ``t``'s data: its own, or a tensor subclass's inner tensors' (a float8
+    weight's bytes), which have storages where the subclass has none."""
+    if hasattr(t, "__tensor_flatten__"):
+        return [s for name in t.__tensor_flatten__()[0] for s in _storages(getattr(t, name))]
+    return [t.untyped_storage()]
+
+
 def _unit(module):
     from fusedist.fsdp.state import state_of
 
     return state_of(module).unit
 
 
-def _stage3(world_size, device_type, repeats, threads, backend):
+def _stage3(world_size, device_type, repeats, threads, backend, float8=False):
     from fusedist.testing import run_distributed
 
-    rows = run_distributed(_stage3_worker, world_size, device_type, repeats, backend=backend, timeout=1800,
+    rows = run_distributed(_stage3_worker, world_size, device_type, repeats, float8, backend=backend, timeout=1800,
                            pg_timeout=600, threads=threads)[0]
-    mem = {kind: run_distributed(_stage3_memory, world_size, device_type, kind, 3, backend=backend,
+    mem = {kind: run_distributed(_stage3_memory, world_size, device_type, kind, 3, float8, backend=backend,
                                  timeout=600, threads=threads)[0] for kind in ("torch", "fusedist")}
     f = mem["fusedist"]
     formula = f["states_MiB"] + 2 * f["largest_unit_MiB"] + f["activations_MiB"]
@@ -489,8 +507,8 @@ def _memory(world_size, device_type, threads, backend, steps=3):
     return rows
 
 
-def _stage3_worker(rank, world_size, device_type, repeats):
-    return _stage3_timing(rank, world_size, rank_device(device_type, rank), repeats)
+def _stage3_worker(rank, world_size, device_type, repeats, float8=False):
+    return _stage3_timing(rank, world_size, rank_device(device_type, rank), repeats, float8)
 
 
 def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True, repeats=0):
@@ -537,7 +555,11 @@ def main():
     only.add_argument("--collectives-only", action="store_true", help="skip the training iterations")
     only.add_argument("--stage3", action="store_true", help="only part 3: fusedist.fully_shard vs torch FSDP2")
     only.add_argument("--memory", action="store_true", help="only part 4: model-state memory per variant")
+    parser.add_argument("--float8", action="store_true",
+                        help="with --stage3: the blocks' Linears in torchao's float8 training, gathered as float8")
     args = parser.parse_args()
+    if args.float8 and not args.stage3:
+        parser.error("--float8 goes with --stage3")
     if args.ranks_per_gpu:
         from fusedist.testing import RANKS_PER_GPU_ENV
 
@@ -569,7 +591,8 @@ def main():
         _write_and_print("memory", rows, notes, args, backend, threads)
         return
     if args.stage3:
-        rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend)
+        rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend,
+                       args.float8)
         notes = ("Stage 3: fusedist.fully_shard vs torch FSDP2 fully_shard, same wrapping (each block, then the "
                  "root; reshard_after_forward=None for both), torch.optim.AdamW for both; forward + backward + step "
                  "of rank 0, interleaved, ratio_paired = median over repetitions of fusedist / torch (< 1: fusedist "
@@ -578,7 +601,12 @@ def main():
                  "the model and 4 steps (MiB, rank 0); formula = 16Ψ/N + two largest units gathered + activations "
                  "(saved by autograd in one forward); fusedist_accounted = its counters: shards x4 (parameters, "
                  "gradients, AdamW's two moments) + peak gathered + peak scratch + communicator scratch + activations.")
-        _write_and_print("stage3", rows, notes, args, backend, threads)
+        if args.float8:
+            notes += (" Float8: every block Linear converted by torchao's convert_to_float8_training with "
+                      "enable_fsdp_float8_all_gather=True before sharding, on both sides; each gather computes "
+                      "its scales (no precompute). On gloo FSDP2 gathers each unit through one byte buffer too "
+                      "(its units mix float8 weights with fp32 biases and norms).")
+        _write_and_print("stage3_float8" if args.float8 else "stage3", rows, notes, args, backend, threads)
         return
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
                                not args.collectives_only, args.repeats,

@@ -65,6 +65,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._wrapper import values_of
 from .torch_helpers import full_state_dict_requested
 
 __all__ = ["ShardedPiece", "install_state_dict_hooks", "chunks_of"]
@@ -445,10 +446,8 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     """``value`` -- parameter ``index`` of ``unit``'s piece, or a state tensor shaped like it --
     as a state-dict entry: a ShardedPiece that knows the whole parameter's shape and range."""
     region = piece_region(unit, index)
-    value = value.detach()
-    if unit.ext[index] is not None and isinstance(value, unit.ext[index].cls):
-        # the high-precision values the subclass keeps (Note [all-gather extension] in extension.py)
-        value = unit.ext[index].inner(value)
+    # (an extension piece: the high-precision values its subclass wraps, Note [all-gather extension])
+    value = values_of(value.detach())
     if isinstance(value, ShardedPiece):
         value = value.local()
     if not value.is_contiguous():

@@ -58,10 +58,14 @@ import inspect
 from typing import Optional
 
 import torch
+from torch import nn
 
 from .._wrapper import wrapped_name
+from .layout import alias
+from .memory import COUNTERS
 
-__all__ = ["ExtensionSpec", "extension_specs", "has_extension", "put_stand_ins", "take_stand_ins"]
+__all__ = ["ExtensionGathers", "ExtensionSpec", "extension_specs", "has_extension", "put_stand_ins",
+           "take_stand_ins"]
 
 
 def has_extension(p) -> bool:
@@ -88,18 +92,13 @@ class ExtensionSpec:
 
     def wrap(self, inner: torch.Tensor, like=None) -> torch.Tensor:
         """The subclass over ``inner`` (same storage); ``like``: a piece whose context and
-        attributes to keep (say, a scale set on it)."""
+        attributes to keep (say, a scale set on it) -- over its padded chunk, what
+        ``fsdp_pre_all_gather`` is asked where the rows do not divide evenly."""
         ctx = like.__tensor_flatten__()[1] if like is not None else self.ctx
         out = self.cls.__tensor_unflatten__({self.name: inner}, ctx, inner.size(), inner.stride())
         if like is not None:
             out.__dict__.update({k: v for k, v in like.__dict__.items() if k not in (self.name, "_is_param")})
         return out
-
-    def padded(self, piece, chunk: torch.Tensor) -> torch.Tensor:
-        """The subclass over ``chunk`` (the piece's rows and the padding after them) with the
-        piece's attributes -- what ``fsdp_pre_all_gather`` is asked where the rows do not
-        divide evenly (Note [all-gather extension])."""
-        return self.wrap(chunk, like=piece)
 
     def set_inner(self, piece, inner: torch.Tensor) -> None:
         """Point ``piece`` (the subclass) at ``inner``: ``repack``'s ``piece.data = view``."""
@@ -132,6 +131,114 @@ class ExtensionSpec:
                 f"{[(tuple(s), d) for s, d in got]}, the first gather {[(tuple(s), d) for s, d in self.inputs]}; "
                 "the gathered buffers are reused, so the inputs must keep their shapes and dtypes.")
         return inputs, meta
+
+
+class ExtensionGathers:
+    """The gathers of one unit's extension sections (Note [all-gather extension]): the bytes
+    each rank sends, the outputs they are copied into, and the unsharded parameters
+    ``fsdp_post_all_gather`` makes of them. The unit calls :meth:`start` where it starts its
+    sections' gathers, :meth:`finish` where it copies its chunked sections out, and
+    :meth:`free` where it frees its gathered buffers."""
+
+    def __init__(self, unit, mesh, mp_policy):
+        self.unit = unit
+        self.mesh, self.mp_policy = mesh, mp_policy  # what fsdp_pre_all_gather is handed
+        #: per parameter, once gathered: its outputs (flat, world size times each input) and the
+        #: inner tensors fsdp_post_all_gather returned (their storage freed on reshard)
+        self.outputs: dict[int, tuple[list, list]] = {}
+        self.meta: dict[int, object] = {}  # the metadata of the gather in flight
+
+    def forget(self, i: int) -> None:
+        """Parameter ``i``'s unsharded parameter is a placeholder again (``_new_full``): the next
+        gather makes it anew."""
+        self.outputs.pop(i, None)
+        self.unit.ext[i].inputs = None
+
+    def free(self) -> None:
+        for outputs, inner in self.outputs.values():
+            for t in outputs + inner:
+                t.untyped_storage().resize_(0)
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the outputs of the parameters gathered at least once (unknown before)."""
+        return sum(t.numel() * t.element_size() for outputs, _ in self.outputs.values() for t in outputs)
+
+    @torch.no_grad()
+    def start(self, k: int, tag: str):
+        """Start section ``k``'s gather: each parameter's ``fsdp_pre_all_gather`` (of its piece,
+        or of the piece's padded chunk), every input laid end to end as bytes, one all-gather
+        of them into ``unit.fulls[k]``. Returns (the bytes sent, handle)."""
+        unit = self.unit
+        sec = unit.layout.sections[k]
+        parts = []
+        for j, i in enumerate(sec.indices):
+            spec, shape = unit.ext[i], sec.layout.slots[j].shape
+            rows = -(-shape[0] // unit.world_size)
+            if unit.sharded[i].shape[0] == rows:  # the piece is the padded chunk: asked itself, as FSDP2 asks it
+                source = unit.sharded[i]
+            else:
+                source = spec.wrap(alias(unit.shards[k], sec.layout.slots[j].offset, (rows,) + tuple(shape[1:])),
+                                   like=unit.sharded[i])
+            if source.device != unit.device:  # CPUOffloadPolicy: asked on the compute device, as FSDP2 asks
+                source = source.to(unit.device, non_blocking=True)
+            inputs, self.meta[i] = spec.pre_all_gather(source, self.mesh, shape, self.mp_policy, unit.fqns[i], rows)
+            parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=unit.device)
+        if send.device != unit.device:
+            send = send.to(unit.device)
+        needed = send.numel() * unit.world_size
+        if unit.fulls[k].numel() != needed:
+            unit.fulls[k] = torch.empty(needed, dtype=torch.uint8, device=unit.device)
+        else:
+            unit.fulls[k].untyped_storage().resize_(needed)
+        # the bytes gathered, then the outputs they are copied into (the bytes are freed then)
+        COUNTERS.add_gathered(2 * needed)
+        unit._gathered_bytes += 2 * needed
+        return send, unit.comm.all_gather(unit.fulls[k], send, async_op=True, tag=tag)
+
+    @torch.no_grad()
+    def finish(self, k: int) -> None:
+        """Section ``k``'s gathered bytes into each input's output, and
+        ``fsdp_post_all_gather``: the unsharded parameter made at the first gather, refilled in
+        place (``out=``) at the later ones. The bytes are freed."""
+        unit = self.unit
+        sec = unit.layout.sections[k]
+        gathered = unit.fulls[k]
+        if not sec.indices or gathered.untyped_storage().nbytes() == 0:
+            return
+        gathered = gathered.view(unit.world_size, -1)
+        offset = 0
+        for j, i in enumerate(sec.indices):
+            spec, shape = unit.ext[i], sec.layout.slots[j].shape
+            held = self.outputs.get(i)
+            if held is None:
+                outputs = [torch.empty(unit.world_size * size.numel(), dtype=dtype, device=unit.device)
+                           for size, dtype in spec.inputs]
+            else:
+                outputs, inner = held
+                for t in outputs + inner:
+                    if t.untyped_storage().nbytes() == 0:
+                        t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
+            for out, (size, dtype) in zip(outputs, spec.inputs):
+                nbytes = size.numel() * dtype.itemsize
+                out.view(torch.uint8).view(unit.world_size, nbytes).copy_(gathered[:, offset:offset + nbytes])
+                offset += nbytes
+            views = tuple(out.view(-1, *size[1:]) for out, (size, _) in zip(outputs, spec.inputs))
+            meta, param_dtype = self.meta.pop(i), unit.section_param_dtype(k)
+            if held is not None:  # (out: what the modules hold, a DTensor over it with tensor parallelism, as FSDP2's)
+                unit.sharded[i].fsdp_post_all_gather(views, meta, param_dtype, out=unit.visible[i])
+                continue
+            tensor, inner = unit.sharded[i].fsdp_post_all_gather(views, meta, param_dtype)
+            stride = torch.empty(shape, device="meta").stride()
+            whole = torch.as_strided(tensor, shape, stride, storage_offset=0)
+            unit.unsharded[i] = unit.visible[i] = nn.Parameter(whole, requires_grad=unit.sharded[i].requires_grad)
+            unit._make_visible(i)
+            self.outputs[i] = (outputs, list(inner))
+        nbytes = unit.fulls[k].numel()
+        unit.fulls[k].untyped_storage().resize_(0)
+        COUNTERS.add_gathered(-nbytes)
+        unit._gathered_bytes -= nbytes
 
 
 def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, post_forward) -> Optional[list]:

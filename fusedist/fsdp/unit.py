@@ -69,6 +69,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .extension import ExtensionGathers
 from .layout import DimShardedError, SplitLayout, alias
 from .memory import COUNTERS
 from . import stale
@@ -96,12 +97,8 @@ class ShardedUnit:
         self.ext = list(ext) if ext is not None else [None] * len(params)
         params = [nn.Parameter(e.inner(p).detach(), requires_grad=p.requires_grad) if e is not None else p
                   for p, e in zip(params, self.ext)]
-        self.shard_mesh = shard_mesh  # the shard group's DeviceMesh, for fsdp_pre_all_gather
-        self.mp_policy = mp_policy
-        #: per extension parameter, once gathered: its outputs (flat, of world size times each
-        #: input) and the inner tensors fsdp_post_all_gather returned (freed on reshard)
-        self._ext_outputs: dict[int, tuple[list, list]] = {}
-        self._ext_meta: dict[int, object] = {}  # the metadata of the gather in flight
+        #: the gathers of the extension sections (Note [all-gather extension] in extension.py)
+        self.ext_gathers = ExtensionGathers(self, shard_mesh, mp_policy)
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
         self.comm, self.device = comm, device
         #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None
@@ -293,8 +290,7 @@ class ShardedUnit:
                 self.unsharded[i] = view
             elif self.ext[i] is not None:
                 # until its first gather, a placeholder of the parameter's shape, never allocated
-                self._ext_outputs.pop(i, None)
-                self.ext[i].inputs = None
+                self.ext_gathers.forget(i)
                 self.unsharded[i] = self.visible[i] = nn.Parameter(view, requires_grad=self.unsharded[i].requires_grad)
                 self._make_visible(i)
             else:
@@ -336,7 +332,7 @@ class ShardedUnit:
                 handles = self.gather_into(full, src, tag)
                 for k, sec in enumerate(self.layout.sections):
                     if sec.extension:
-                        src[k], handle = self._start_extension_gather(k, tag)
+                        src[k], handle = self.ext_gathers.start(k, tag)
                         handles.append(handle)
             self._gather = (handles, src)
             stale.note_gathered(self)
@@ -363,13 +359,11 @@ class ShardedUnit:
         for f, sec in zip(self.fulls, secs):
             if not sec.extension:
                 f.untyped_storage().resize_(f.numel() * f.element_size() if allocate else 0)
-        if not allocate:  # an extension section's outputs (allocated by its gather)
+        if not allocate:  # an extension section's bytes and outputs (allocated by its gather)
             for f, sec in zip(self.fulls, secs):
                 if sec.extension:
                     f.untyped_storage().resize_(0)
-            for outputs, inner in self._ext_outputs.values():
-                for t in outputs + inner:
-                    t.untyped_storage().resize_(0)
+            self.ext_gathers.free()
 
     def wait_for_unshard(self) -> None:
         """Block until the gathers have landed; the modules then hold the unsharded parameters."""
@@ -399,7 +393,7 @@ class ShardedUnit:
         views of the gathered buffer."""
         for k, sec in enumerate(self.layout.sections):
             if sec.extension:
-                self._finish_extension_gather(k)
+                self.ext_gathers.finish(k)
             elif sec.chunked:
                 for j, i in enumerate(sec.indices):
                     sec.layout.copy_out(self.fulls[k], j, self.unsharded[i].data)
@@ -497,86 +491,9 @@ class ShardedUnit:
             out = full[k] if isinstance(full, (list, tuple)) else full[a:b]
             src = shard[k] if isinstance(shard, (list, tuple)) else shard[c:d]
             if src is None:
-                continue  # (an extension section's gather: _start_extension_gather)
+                continue  # (an extension section's gather: ExtensionGathers.start)
             handles.append(self.comm.all_gather(out, src, async_op=True, tag=tag))
         return handles
-
-    # ------------------------------------------------------------------ all-gather extension
-    @torch.no_grad()
-    def _start_extension_gather(self, k: int, tag: str):
-        """Start section ``k``'s gather (Note [all-gather extension] in extension.py): each
-        parameter's ``fsdp_pre_all_gather`` (of its piece, or of the piece's padded chunk),
-        every input laid end to end as bytes, one all-gather of them into ``fulls[k]``.
-        Returns (the bytes sent, handle)."""
-        sec = self.layout.sections[k]
-        parts = []
-        for j, i in enumerate(sec.indices):
-            spec, shape = self.ext[i], sec.layout.slots[j].shape
-            rows = -(-shape[0] // self.world_size)
-            if self.sharded[i].shape[0] == rows:  # the piece is the padded chunk: asked itself, as FSDP2 asks it
-                source = self.sharded[i]
-            else:
-                source = spec.padded(self.sharded[i], alias(self.shards[k], sec.layout.slots[j].offset,
-                                                            (rows,) + tuple(shape[1:])))
-            if source.device != self.device:  # CPUOffloadPolicy: asked on the compute device, as FSDP2 asks
-                source = source.to(self.device, non_blocking=True)
-            inputs, self._ext_meta[i] = spec.pre_all_gather(source, self.shard_mesh, shape, self.mp_policy,
-                                                            self.fqns[i], rows)
-            parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.device)
-        if send.device != self.device:
-            send = send.to(self.device)
-        needed = send.numel() * self.world_size
-        if self.fulls[k].numel() != needed:
-            self.fulls[k] = torch.empty(needed, dtype=torch.uint8, device=self.device)
-        else:
-            self.fulls[k].untyped_storage().resize_(needed)
-        # the bytes gathered, then the outputs they are copied into (the bytes are freed then)
-        COUNTERS.add_gathered(2 * needed)
-        self._gathered_bytes += 2 * needed
-        return send, self.comm.all_gather(self.fulls[k], send, async_op=True, tag=tag)
-
-    @torch.no_grad()
-    def _finish_extension_gather(self, k: int) -> None:
-        """Section ``k``'s gathered bytes into each input's output, and
-        ``fsdp_post_all_gather``: the unsharded parameter made at the first gather, refilled in
-        place (``out=``) at the later ones. The bytes are freed."""
-        sec = self.layout.sections[k]
-        gathered = self.fulls[k]
-        if not sec.indices or gathered.untyped_storage().nbytes() == 0:
-            return
-        gathered = gathered.view(self.world_size, -1)
-        offset = 0
-        for j, i in enumerate(sec.indices):
-            spec, shape = self.ext[i], sec.layout.slots[j].shape
-            held = self._ext_outputs.get(i)
-            if held is None:
-                outputs = [torch.empty(self.world_size * size.numel(), dtype=dtype, device=self.device)
-                           for size, dtype in spec.inputs]
-            else:
-                outputs, inner = held
-                for t in outputs + inner:
-                    if t.untyped_storage().nbytes() == 0:
-                        t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
-            for out, (size, dtype) in zip(outputs, spec.inputs):
-                nbytes = size.numel() * dtype.itemsize
-                out.view(torch.uint8).view(self.world_size, nbytes).copy_(gathered[:, offset:offset + nbytes])
-                offset += nbytes
-            views = tuple(out.view(-1, *size[1:]) for out, (size, _) in zip(outputs, spec.inputs))
-            meta, param_dtype = self._ext_meta.pop(i), self.section_param_dtype(k)
-            if held is not None:  # (out: what the modules hold, a DTensor over it with tensor parallelism, as FSDP2's)
-                self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype, out=self.visible[i])
-                continue
-            tensor, inner = self.sharded[i].fsdp_post_all_gather(views, meta, param_dtype)
-            stride = torch.empty(shape, device="meta").stride()
-            whole = torch.as_strided(tensor, shape, stride, storage_offset=0)
-            self.unsharded[i] = self.visible[i] = nn.Parameter(whole, requires_grad=self.sharded[i].requires_grad)
-            self._make_visible(i)
-            self._ext_outputs[i] = (outputs, list(inner))
-        nbytes = self.fulls[k].numel()
-        self.fulls[k].untyped_storage().resize_(0)
-        COUNTERS.add_gathered(-nbytes)
-        self._gathered_bytes -= nbytes
 
     @property
     def is_meta(self) -> bool:
@@ -622,19 +539,15 @@ class ShardedUnit:
         # takes its own first parameter's (Note [dtype sections])
         dtypes = [self.sharded[sec.indices[0]].dtype if self.layout.mixed else first.dtype
                   for sec in self.layout.sections]
-        if all(self._aliases_shard(i, sp) for i, sp in enumerate(self.sharded)) and \
+        if all(self._aliases_shard(i) for i in range(len(self.sharded))) and \
                 dtypes == [s.dtype for s in self.shards]:
             return adopted
         device = torch.device("cpu") if self.offload and not first.is_meta else first.device
         self._new_shard(dtypes, device)
         for i, sp in enumerate(self.sharded):
             view = self.piece_view(i)
-            if self.ext[i] is not None:  # the subclass's inner tensor is the piece's data
-                view.copy_(self.ext[i].inner(sp).reshape(view.shape))
-                self.ext[i].set_inner(sp, view)
-                continue
-            view.copy_(sp.reshape(view.shape))
-            sp.data = view
+            view.copy_(self.piece_data(i).reshape(view.shape))
+            self._point_piece(i, view)
         if not self.layout.mixed:
             param_dtype = first.dtype if self.param_dtype == self.dtype else self.param_dtype
             self.dtype, self.param_dtype = first.dtype, param_dtype
@@ -659,10 +572,8 @@ class ShardedUnit:
             self._register(i, self.sharded[i])
         return adopted
 
-    def _aliases_shard(self, index: int, sp: torch.Tensor) -> bool:
-        shard = self.shards[self.section_index(index)]
-        if self.ext[index] is not None:
-            sp = self.ext[index].inner(sp)
+    def _aliases_shard(self, index: int) -> bool:
+        shard, sp = self.shards[self.section_index(index)], self.piece_data(index)
         return sp.device == shard.device and sp.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
 
     @torch.no_grad()
@@ -678,11 +589,16 @@ class ShardedUnit:
         """Point piece ``index`` at its place in the shard again, if a conversion gave it other
         data of the shard's device and dtype (the shard's values are the piece's)."""
         sp, shard = self.sharded[index], self.shards[self.section_index(index)]
-        if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index, sp):
-            if self.ext[index] is not None:
-                self.ext[index].set_inner(sp, self.piece_view(index))
-            else:
-                sp.data = self.piece_view(index)
+        if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index):
+            self._point_piece(index, self.piece_view(index))
+
+    def _point_piece(self, index: int, view: torch.Tensor) -> None:
+        """Piece ``index``'s data becomes ``view``: ``.data``, or an extension subclass's inner
+        tensor (setting a wrapper's ``.data`` would leave the tensor its ops read behind)."""
+        if self.ext[index] is not None:
+            self.ext[index].set_inner(self.sharded[index], view)
+        else:
+            self.sharded[index].data = view
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -693,8 +609,7 @@ class ShardedUnit:
     def unsharded_bytes(self) -> int:
         """The gathered unit's bytes; an extension parameter's (its outputs) once it has been
         gathered (Note [all-gather extension] in extension.py)."""
-        return self._full_nbytes + sum(t.numel() * t.element_size()
-                                       for outputs, _ in self._ext_outputs.values() for t in outputs)
+        return self._full_nbytes + self.ext_gathers.output_bytes
 
     def element_range(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
         """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s

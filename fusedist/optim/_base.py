@@ -12,29 +12,27 @@ import torch
 from torch.optim import Optimizer
 
 from .._dtypes import compute_dtype
-from .._wrapper import wrapped_name
+from .._wrapper import values_of, wrapped_name
 from . import functional
 from ._scaler_protocol import ScalerProtocol
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def kernel_tensor(p: torch.Tensor, where: str) -> torch.Tensor:
-    """The tensor the kernels write for parameter ``p``: ``p``, or for a tensor subclass that
-    wraps one tensor of its own shape and dtype (torchao's float8 training weights) that
-    tensor, whose in-place updates are the parameter's, as the subclass's own ops make them.
-    Other subclasses have no memory the kernels could write (a wrapper's data pointer is
-    null): refused, naming the parameter (``where``)."""
+def check_steppable(p: torch.Tensor, where: str) -> None:
+    """The kernels write a parameter's memory: ``p``'s own, or for a tensor subclass that wraps
+    one tensor of its own shape and dtype (torchao's float8 training weights) that tensor's
+    (``values_of``), whose in-place updates are the parameter's, as the subclass's own ops
+    make them. Other subclasses have no memory the kernels could write (a wrapper's data
+    pointer is null): refused, naming the parameter (``where``)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if type(p) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(p):
-        return p
-    name = wrapped_name(p)
-    if name is None:
+        return
+    if wrapped_name(p) is None:
         raise TypeError(f"{where} is a tensor subclass, {type(p).__qualname__}, that is not a wrapper of one tensor "
                         f"of its shape and dtype (it holds {p.__tensor_flatten__()[0]}); the fused kernels cannot "
                         "step it. Use a torch optimizer for it (a separate optimizer, or foreach=True).")
-    return getattr(p, name)
 
 
 def check_finite_hyper(owner: str, **values: Any) -> None:
@@ -201,10 +199,10 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         ``master_param``. Runs on a parameter's first step and on the first step after
         ``load_state_dict``, so a state loaded from torch's optimizer is completed lazily.
         (``master_weights`` is therefore read when a parameter's state is created.)"""
-        p = kernel_tensor(p, "")  # (states of a wrapper subclass are plain, as torch's optimizers make them)
+        p = values_of(p)  # (states of a wrapper subclass are plain, as torch's optimizers make them)
         for key in self._state_keys:  # a loaded state made like the parameter (empty_like) is its tensor
             if isinstance(state.get(key), torch.Tensor):
-                state[key] = kernel_tensor(state[key], "")
+                state[key] = values_of(state[key])
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state_dtype = compute_dtype(p.dtype)
@@ -247,8 +245,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 self._take_outside_writes(params, states)
                 steps = [s["step"] for s in states]
                 torch._foreach_add_(steps, 1.0)
-                # (a wrapper subclass is stepped through its tensor: kernel_tensor)
-                tensors = [kernel_tensor(p, "") for p in params]
+                # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
+                tensors = [values_of(p) for p in params]
                 self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
                                  clip_coef=clip_coef, found_inf=found_inf)
                 if group.get("master_weights", False):
@@ -291,7 +289,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                     f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
                     f"{tuple(g.shape)} on {g.device}, the parameter {tuple(p.shape)} on {p.device}"
                 )
-            kernel_tensor(p, f"{type(self).__name__}: param {pi} of group {gi}")
+            check_steppable(p, f"{type(self).__name__}: param {pi} of group {gi}")
             params.append(p)
             grads.append(g)
         return params, grads

@@ -16,8 +16,8 @@ fusedist's own full state dict round trip into a model built on the meta device,
 on such a model equal to the unsharded model's initialization, per-parameter gradient norms (the
 Lightning helper's) equal to FSDP2's DTensor gradients' norms, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
-ranks), and the refusals (fusedist's own checkpoint format among them: torch's distributed
-checkpoint is the format for these models).
+ranks), and the refusals. fusedist's own checkpoint format: tests/test_checkpoint_tensor_parallel.py
+(and the HSDP test below).
 """
 
 from __future__ import annotations
@@ -239,11 +239,6 @@ def _worker(rank, world_size, seed, root):
     model = _build(mesh, fusedist.fully_shard, seed)
     opt, out["scaler"] = _scaler_step_with_inf_on(3, rank, model, seed)
     out["refusals"] = _refusals(mesh)
-    try:
-        fusedist.checkpoint.save(os.path.join(root, "fusedist"), model, opt)
-        out["refusals"]["fusedist.checkpoint"] = None
-    except NotImplementedError as exc:
-        out["refusals"]["fusedist.checkpoint"] = str(exc)
     return out
 
 
@@ -345,7 +340,6 @@ def test_refusals_name_the_parameter(results):
     out = results[1][0]["refusals"]
     assert "parameter 'ffn.w1.weight' is tensor-parallel and shard_placement_fn gave Shard(1)" in out["placement"]
     assert "overlap the data-parallel group's" in out["same mesh"]
-    assert "fusedist's checkpoint format does not cover tensor parallelism" in out["fusedist.checkpoint"]
 
 
 # ------------------------------------------------------------- HSDP with tensor parallelism
@@ -360,7 +354,14 @@ def _hsdp_worker(rank, world_size, seed, root):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp = mesh["dp_replicate", "dp_shard"]
     dp_rank = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
-    out, _, _ = _against_fsdp2(mesh, seed, root, dp=dp, dp_rank=dp_rank)
+    out, ours, whole = _against_fsdp2(mesh, seed, root, dp=dp, dp_rank=dp_rank)
+
+    # fusedist.checkpoint (Note [tensor-parallel checkpoints]): one replica's pieces, a parameter
+    # the tensor-parallel ranks hold alike written by the first of them; loaded exactly
+    fusedist.checkpoint.save(os.path.join(root, "fusedist"), ours)
+    fresh = _build(mesh, fusedist.fully_shard, seed + 1, dp=dp)
+    fusedist.checkpoint.load(os.path.join(root, "fusedist"), fresh)
+    out["fusedist.checkpoint"] = _max_diff(fusedist.fsdp.full_state_dict(fresh), whole)
 
     # one rank's inf: every rank skips (rank 7 shares no shard group with rank 0; the flag
     # reaches it over the tensor-parallel and replicate groups)
@@ -391,6 +392,7 @@ def test_hsdp_with_tensor_parallelism_matches_fsdp2(tmp_path):
                                        msg=f"seed {seed}, rank {rank}")
         assert out["model state"] < 1e-6 and out["optimizer state"] < 1e-6, (seed, rank, out)
         assert out["dcp ours->torch"] == 0.0 and out["dcp torch->ours"] == 0.0, (seed, rank, out)
+        assert out["fusedist.checkpoint"] == 0.0, (seed, rank, out)
     assert [out["scaler"] for out in per_rank] == [(True, 128.0)] * 8
     for rank, out in enumerate(per_rank):
         assert "overlap the data-parallel group's" in out["diagonal"], (rank, out["diagonal"])

@@ -212,6 +212,10 @@ def apply(plan: dict, model, optimizer, scaler):
             optimizer._apply_assembled(*plan["optimizer"])
     elif optimizer is not None and "optimizer" in plan:
         optimizer.load_state_dict(plan["optimizer"])
+        if plan["model_sharded"]:  # its state dicts present the pieces' state (Note [optimizer state of pieces])
+            from ..fsdp import track_optimizer
+
+            track_optimizer(optimizer)
     if scaler is not None and "scaler" in plan:
         scaler.load_state_dict(plan["scaler"])
     return plan["extra"]

@@ -31,6 +31,9 @@ def has_box(unit, index: int) -> bool:
 
 def cut(flat_whole: torch.Tensor, unit, index: int) -> torch.Tensor:
     """This rank's piece of parameter ``index``, flattened and of its own storage, out of the
-    whole parameter ``flat_whole`` (flattened, row-major)."""
-    whole = flat_whole.view(tuple(unit.layout.slots[index].shape))
-    return unit.piece_of_whole(index, whole).clone(memory_format=torch.contiguous_format).view(-1)
+    whole parameter ``flat_whole`` (flattened, row-major; the global parameter of a
+    tensor-parallel one)."""
+    whole = flat_whole.view(unit.whole_shape(index))
+    if unit.tp[index] is not None:  # the global parameter: this rank's local tensor first
+        whole = unit.tp[index].local_of_global(whole)
+    return unit.piece_of_whole(index, whole).clone(memory_format=torch.contiguous_format).reshape(-1)

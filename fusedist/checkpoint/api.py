@@ -295,6 +295,14 @@ def _kept(save_id: str) -> str:
             else "no manifest was written")
 
 
+def _format_version(module: torch.nn.Module) -> int:
+    """The lowest format version that reads a save of ``module``: box and region fragments need
+    a fusedist that reads them (Note [box fragments], Note [region fragments])."""
+    if stage3.has_tensor_parallel(module):
+        return _files.REGION_VERSION
+    return _files.BOX_VERSION if stage3.has_dim_sharded(module) else _files.BASE_VERSION
+
+
 def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) -> dict:
     """The manifest :func:`load` reads, less the file list and the time: what was saved and
     at which world size (also written by the periodic ``Checkpointer``)."""
@@ -304,8 +312,7 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
     where = stage3.piece_index(_names.unwrap(model)) if sharded else {}
     return {
         "format": _files.FORMAT,
-        # box fragments need a fusedist that reads them (Note [box fragments])
-        "version": _files.BOX_VERSION if stage3.has_dim_sharded(_names.unwrap(model)) else _files.BASE_VERSION,
+        "version": _format_version(_names.unwrap(model)),
         "world_size": world_size,
         # Note [stage-3 checkpoints]: the sharded parameters are in the rank files
         "model_sharded": sharded,

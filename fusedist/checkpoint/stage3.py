@@ -42,10 +42,27 @@ Note [HSDP checkpoints]
     is written once, and the fragments tile every parameter as on a 1-D mesh. A load reads
     every file whatever the mesh: any world size, 1-D or HSDP, loads it, and an HSDP model
     loads any stage-3 (or DDP, ZeRO) checkpoint, each replica cutting the same pieces.
+
+Note [tensor-parallel checkpoints]
+    A unit over tensor-parallel parameters (Note [tensor-parallel parameters] in
+    ``fsdp/tensor_parallel.py``) shards each rank's *local* tensor, a block of the global
+    parameter at the spec's offsets. Its piece, rows (or a dim's chunk) of that block, is a
+    block of the global parameter too, bounded on several dims at once for a
+    ``RowwiseParallel`` weight: it is written as one region fragment of the *global*
+    parameter (Note [region fragments] in ``zero/box_fragments.py``), so the checkpoint holds
+    global parameters, as without tensor parallelism, and loads at any data-parallel or
+    tensor-parallel degree, or into a DDP or ZeRO model, through the same assembly. At load
+    the global parameter is assembled, this rank's local tensor cut from it, and the piece
+    from that. Who writes: every rank of the job (the data-parallel ranks times the
+    tensor-parallel ones, the default group: checked), and of a parameter the
+    tensor-parallel ranks hold alike (``Replicate()`` placements, or a plain parameter beside
+    tensor-parallel ones) the first tensor-parallel rank only -- the others' pieces of it are
+    copies, cut where their own local tensors put the unit's boundaries.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -59,20 +76,10 @@ MODEL_FORMAT = "fusedist.fsdp.model/1"
 
 # ---------------------------------------------------------------------------- the model's units
 def units(model: torch.nn.Module) -> list:
-    """The ``fully_shard`` units under ``model`` ([] for any other model). Units over
-    tensor-parallel parameters are refused: their files would hold local tensors' pieces."""
+    """The ``fully_shard`` units under ``model`` ([] for any other model)."""
     from ..fsdp.state_dict import units_of
 
-    found = units_of(model)
-    for unit in found:
-        if unit.tp_comm is not None:
-            i = next(i for i, s in enumerate(unit.tp) if s is not None)
-            raise NotImplementedError(
-                f"fusedist.checkpoint: fully_shard({unit.name}) holds tensor-parallel parameters ('{unit.fqns[i]}'); "
-                "fusedist's checkpoint format does not cover tensor parallelism. Save model.state_dict() (and "
-                "get_optimizer_state_dict) with torch.distributed.checkpoint, which reads and writes the global "
-                "parameters' chunks, interchangeable with torch's FSDP2")
-    return found
+    return units_of(model)
 
 
 def piece_index(model: torch.nn.Module) -> dict:
@@ -82,39 +89,73 @@ def piece_index(model: torch.nn.Module) -> dict:
     return index(units(model))
 
 
+def tensor_parallel_mesh(found: list):
+    """The tensor-parallel mesh of the units' parameters (Note [tensor-parallel checkpoints]),
+    None without tensor parallelism; one mesh for the whole model, refused otherwise."""
+    meshes = [(unit, i, s.mesh) for unit in found for i, s in enumerate(unit.tp) if s is not None]
+    if not meshes:
+        return None
+    first_unit, first_i, mesh = meshes[0]
+    for unit, i, other in meshes[1:]:
+        if other is not mesh and not torch.equal(other.mesh, mesh.mesh):
+            raise NotImplementedError(
+                f"fusedist.checkpoint: the tensor-parallel parameters '{first_unit.fqns[first_i]}' and "
+                f"'{unit.fqns[i]}' lie on different meshes (ranks {mesh.mesh.tolist()} and {other.mesh.tolist()}); "
+                "a fusedist checkpoint covers one tensor-parallel mesh. Save model.state_dict() with "
+                "torch.distributed.checkpoint instead")
+    return mesh
+
+
+def has_tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether a save of ``model`` writes region fragments (Note [region fragments])."""
+    return any(s is not None for unit in units(model) for s in unit.tp)
+
+
 def comm_of(model: torch.nn.Module):
     """The communicator a save or load of a ``fully_shard`` model runs over, or None: the units'
-    group, or on HSDP every rank of the mesh (Note [HSDP checkpoints])."""
+    group, or on HSDP or with tensor parallelism every rank of the job (Note [HSDP
+    checkpoints], Note [tensor-parallel checkpoints])."""
     found = units(model)
     if not found:
         return None
     unit = found[0]
-    if unit.replicate_comm is None:
+    tp_mesh = tensor_parallel_mesh(found)
+    if unit.replicate_comm is None and tp_mesh is None:
         return unit.comm
     import torch.distributed as dist
 
     from ..comm import get_communicator
 
-    replicas, shards = unit.replicate_comm.world_size, unit.comm.world_size
-    if dist.get_world_size() != replicas * shards:
+    replicas = unit.replicate_comm.world_size if unit.replicate_comm is not None else 1
+    shards, tp = unit.comm.world_size, tp_mesh.size() if tp_mesh is not None else 1
+    if dist.get_world_size() != replicas * shards * tp:
+        what = (f"{replicas} replicas x {shards} shards" + (f" x {tp} tensor-parallel ranks" if tp_mesh is not None
+                                                           else ""))
         raise NotImplementedError(
-            f"fusedist.checkpoint: the HSDP mesh of this fully_shard model ({replicas} replicas x {shards} shards) "
-            f"spans {replicas * shards} of the job's {dist.get_world_size()} ranks; a checkpoint of it is written "
-            "by every rank of the default group. Save it with torch.distributed.checkpoint (dcp.save of "
-            "model.state_dict()) instead.")
+            f"fusedist.checkpoint: the mesh of this fully_shard model ({what}) spans {replicas * shards * tp} of the "
+            f"job's {dist.get_world_size()} ranks; a checkpoint of it is written by every rank of the default group. "
+            "Save it with torch.distributed.checkpoint (dcp.save of model.state_dict()) instead.")
     return get_communicator(None, unit.device)
 
 
-def _writes_pieces(unit) -> bool:
-    """Whether this rank's file holds the unit's pieces: on HSDP, the first replica's ranks
-    only (Note [HSDP checkpoints])."""
-    return unit.replicate_comm is None or unit.replicate_comm.rank == 0
+def _writes_piece(unit, index: int, tp_mesh) -> bool:
+    """Whether this rank's file holds the unit's piece of parameter ``index``: on HSDP the
+    first replica's ranks only (Note [HSDP checkpoints]); of a parameter the tensor-parallel
+    ranks hold alike, the first of them only (Note [tensor-parallel checkpoints])."""
+    if unit.replicate_comm is not None and unit.replicate_comm.rank != 0:
+        return False
+    if tp_mesh is None:
+        return True
+    spec = unit.tp[index]
+    mesh, placements = (spec.mesh, spec.placements) if spec is not None else (tp_mesh, ())
+    coordinate = mesh.get_coordinate()
+    return all(coordinate[d] == 0 for d in range(mesh.ndim) if d >= len(placements) or not placements[d].is_shard())
 
 
 def full_shape(p: torch.Tensor, where: dict) -> tuple:
     """The whole parameter's shape for a piece, the tensor's own for anything else."""
     hit = where.get(id(p))
-    return tuple(hit[0].layout.slots[hit[1]].shape) if hit is not None else tuple(p.shape)
+    return hit[0].whole_shape(hit[1]) if hit is not None else tuple(p.shape)
 
 
 def _whole(p: torch.Tensor, where: dict) -> torch.Tensor:
@@ -124,7 +165,7 @@ def _whole(p: torch.Tensor, where: dict) -> torch.Tensor:
     if hit is None:
         return p
     unit, i = hit
-    return torch.empty(unit.layout.slots[i].shape, dtype=unit.sharded[i].dtype, device="meta")
+    return torch.empty(unit.whole_shape(i), dtype=unit.sharded[i].dtype, device="meta")
 
 
 def _meta(p: torch.Tensor, where: dict) -> dict:
@@ -139,13 +180,28 @@ def has_dim_sharded(model: torch.nn.Module) -> bool:
 
 def _place(unit, i: int) -> Optional[dict]:
     """Where this rank's piece of parameter ``i`` lies in the whole parameter, as a fragment
-    names it: ``{"range": (lo, hi)}`` of the flattened parameter, or for a parameter sharded
-    on another dim ``{"box": (dim, start, length)}``; None for an empty piece."""
+    names it: ``{"range": (lo, hi)}`` of the flattened parameter, for a parameter sharded on
+    another dim ``{"box": (dim, start, length)}``, for a tensor-parallel parameter ``{"region":
+    ((start, length) per dim)}`` of the global parameter; None for an empty piece."""
+    if not unit.sharded[i].numel():
+        return None
     box = _piece_boxes.chunk_box(unit, i)
+    spec = unit.tp[i]
+    if spec is None:
+        if box is not None:
+            return {"box": box}
+        lo, hi = unit.element_range(i)
+        return {"range": (lo, hi)}
+    local = spec.local_shape  # Note [tensor-parallel checkpoints]
+    bounds = [(0, size) for size in local]
     if box is not None:
-        return {"box": box} if unit.sharded[i].numel() else None
-    lo, hi = unit.element_range(i)
-    return {"range": (lo, hi)} if hi > lo else None
+        bounds[box[0]] = box[1:]
+    else:  # whole rows of the local tensor
+        lo, hi = unit.element_range(i)
+        row = math.prod(local[1:])
+        bounds[0] = (lo // row, (hi - lo) // row)
+    return {"region": tuple((int(offset + start), int(length))
+                            for (start, length), offset in zip(bounds, spec.offsets))}
 
 
 # ---------------------------------------------------------------------------- save
@@ -153,6 +209,7 @@ def _place(unit, i: int) -> Optional[dict]:
 def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dict, set]:
     """This rank's ``model_shard`` section and the state-dict keys it covers."""
     where = piece_index(model)
+    tp_mesh = tensor_parallel_mesh(units(model))
     keys, meta, fragments = [], [], {}
     for key, value in model.state_dict(keep_vars=True).items():
         hit = where.get(id(value))
@@ -163,7 +220,8 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
         keys.append(_names.canonical_key(model, key))
         meta.append(_meta(unit.sharded[i], where))
         place = _place(unit, i)
-        if place is not None and _writes_pieces(unit):  # the piece, not the unsharded buffer (stale after a step) nor its storage
+        # the piece, not the unsharded buffer (stale after a step) nor its storage
+        if place is not None and _writes_piece(unit, i, tp_mesh):
             fragments[k] = [{**place, "master": unit.piece_data(i).detach().reshape(-1).cpu().clone(), "state": {}}]
     section = {"format": MODEL_FORMAT, "rank": rank, "world_size": world_size, "keys": keys,
                "param_meta": meta, "fragments": fragments}
@@ -182,6 +240,7 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
     """A ZeroRedundancyOptimizer shard (Note [fragments]) of ``optimizer``'s state over the
     pieces: this rank's range of every parameter (Note [stage-3 checkpoints])."""
     where = piece_index(model)
+    tp_mesh = tensor_parallel_mesh(units(model))
     full = optimizer.state_dict()
     fragments: dict[int, list] = {}
     for index, st in full["state"].items():
@@ -194,13 +253,13 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
             place = {"range": (0, p.numel())}
         else:
             place = _place(*hit)
-            if place is None or not _writes_pieces(hit[0]):
+            if place is None or not _writes_piece(*hit, tp_mesh):
                 continue  # an empty piece holds no part of the parameter; a second replica's, a copy
         frag = zstate.fragments_from_full({"state": {0: st}}, [p])[0][0]
         n = p.numel()
         if "range" in place:
             frag["range"] = place["range"]
-        else:  # Note [box fragments]
+        else:  # Note [box fragments], Note [region fragments]
             del frag["range"]
             frag = {**place, **frag}
         # Copies: a fused optimizer's state may be views of its flat buffers (saved whole otherwise).

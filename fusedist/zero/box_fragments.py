@@ -22,9 +22,20 @@ Note [box fragments]
     ``fully_shard`` load at any world size) sees the flat whole state a range save gives; a
     ``fully_shard`` load then cuts its chunk out with ``narrow``. Memory is what a Shard(0)
     load takes (the whole model and optimizer state on the CPU, Note [stage-3 checkpoints]).
+
+Note [region fragments]
+    A ``fully_shard`` piece of a tensor-parallel parameter is a block of the *global*
+    parameter bounded on several dims at once: a ``RowwiseParallel`` weight's local tensor
+    is a block of columns, and the unit's piece of it a block of that block's rows. Such a
+    piece is one fragment ``{"region": ((start, length) for every dim), ...}``, its values
+    flattened row-major (checkpoint format version 4). A box is the region bounded on one
+    dim only, and is assembled as one. The regions of a parameter must tile it exactly once:
+    each inside the parameter, none overlapping another, their sizes summing to its size.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,7 +43,16 @@ from .state import StateDictError
 
 
 def is_box(fragment: dict) -> bool:
-    return "box" in fragment
+    """Whether ``fragment`` is a box or a region (not a range of the flattened parameter)."""
+    return "box" in fragment or "region" in fragment
+
+
+def region_of(fragment: dict, shape: tuple) -> tuple:
+    """``((start, length), ...)`` per dim of a box or region fragment (Note [region fragments])."""
+    if "region" in fragment:
+        return tuple((int(s), int(n)) for s, n in fragment["region"])
+    dim, start, length = (int(v) for v in fragment["box"])
+    return tuple((start, length) if d == dim else (0, size) for d, size in enumerate(shape))
 
 
 def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> int:
@@ -55,25 +75,50 @@ def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> int:
     return dim
 
 
-def _place(frags: list, values: list, shape: tuple, dim: int, what: str, index: int, source: str) -> torch.Tensor:
-    """The whole parameter's flat tensor with each box's ``values`` in its place."""
+def _check_regions(regions: list, shape: tuple, index: int, source: str) -> None:
+    """Refuses regions that do not tile ``shape`` exactly once (Note [region fragments])."""
+    def bad(why: str) -> StateDictError:
+        return StateDictError(f"{source}: the region fragments of parameter {index} (shape {shape}) {why}; "
+                              "shards are missing or come from different checkpoints")
+
+    for r in regions:
+        if len(r) != len(shape) or any(n <= 0 or s < 0 or s + n > size for (s, n), size in zip(r, shape)):
+            raise bad(f"hold {list(r)}, not a non-empty block inside the parameter")
+    ordered = sorted(regions)
+    for i, a in enumerate(ordered):  # quadratic in the pieces of one parameter: a few hundred at most
+        for b in ordered[i + 1:]:
+            if all(sa < sb + nb and sb < sa + na for (sa, na), (sb, nb) in zip(a, b)):
+                raise bad(f"overlap: {list(a)} and {list(b)}")
+    volume = sum(math.prod(n for _, n in r) for r in regions)
+    if volume != math.prod(shape):
+        raise bad(f"cover {volume} of its {math.prod(shape)} elements")
+
+
+def _place(frags: list, values: list, shape: tuple, regions: list, what: str, index: int,
+           source: str) -> torch.Tensor:
+    """The whole parameter's flat tensor with each region's ``values`` in its place."""
     whole = torch.empty(shape, dtype=values[0].dtype)
-    for f, v in zip(frags, values):
-        region = whole.narrow(dim, f["box"][1], f["box"][2])
-        if not isinstance(v, torch.Tensor) or v.numel() != region.numel():
+    for region, v in zip(regions, values):
+        block = whole[tuple(slice(s, s + n) for s, n in region)]
+        if not isinstance(v, torch.Tensor) or v.numel() != block.numel():
             raise StateDictError(f"{source}: {what} of parameter {index} is inconsistent across shards")
-        region.copy_(v.reshape(region.shape))
+        block.copy_(v.reshape(block.shape))
     return whole.view(-1)
 
 
 def assemble_boxes(frags: list, shape: tuple, index: int, *, source: str) -> dict:
-    """``{"master", "state"}`` of parameter ``index`` (whole, flat) from its box fragments."""
+    """``{"master", "state"}`` of parameter ``index`` (whole, flat) from its box or region fragments."""
     shape = tuple(int(s) for s in shape)
     if not all(is_box(f) for f in frags):
         raise StateDictError(f"{source}: parameter {index} (shape {shape}) has both box and range fragments; "
                              "shards come from different checkpoints")
-    frags = sorted(frags, key=lambda f: f["box"][1])
-    dim = _check_tiling(frags, shape, index, source)
+    if all("box" in f for f in frags):
+        frags = sorted(frags, key=lambda f: f["box"][1])
+        _check_tiling(frags, shape, index, source)
+        regions = [region_of(f, shape) for f in frags]
+    else:
+        regions = [region_of(f, shape) for f in frags]
+        _check_regions(regions, shape, index, source)
     keys = set(frags[0]["state"])
     has_master = frags[0]["master"] is not None
     for f in frags:
@@ -83,12 +128,14 @@ def assemble_boxes(frags: list, shape: tuple, index: int, *, source: str) -> dic
     for key in keys:
         first = frags[0]["state"][key]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
-            state[key] = _place(frags, [f["state"][key] for f in frags], shape, dim, f"state '{key}'", index, source)
+            state[key] = _place(frags, [f["state"][key] for f in frags], shape, regions, f"state '{key}'", index,
+                                source)
             continue
         for f in frags[1:]:
             if not torch.equal(torch.as_tensor(f["state"][key]), torch.as_tensor(first)):
                 raise StateDictError(f"{source}: scalar state '{key}' of parameter {index} differs across shards "
                                      f"({first!r} vs {f['state'][key]!r})")
         state[key] = first
-    master = _place(frags, [f["master"] for f in frags], shape, dim, "master", index, source) if has_master else None
+    master = (_place(frags, [f["master"] for f in frags], shape, regions, "master", index, source)
+              if has_master else None)
     return {"master": master, "state": state}

@@ -142,7 +142,7 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
         n = p.numel()
         if not frags or n == 0:
             continue
-        if any("box" in f for f in frags):  # a piece sharded on another dim (Note [box fragments])
+        if any("box" in f or "region" in f for f in frags):  # Note [box fragments], Note [region fragments]
             from .box_fragments import assemble_boxes
 
             out[index] = assemble_boxes(frags, tuple(p.shape), index, source=source)

@@ -5,7 +5,8 @@ of 13 rows, uneven over 2 ranks; ColwiseParallel / RowwiseParallel linears; Sequ
 norms, Replicate()), trained with AdamW and the clip, saved with fusedist.checkpoint, and loaded
 
 * into the same 2x2 layout, then trained on: the same losses as the uninterrupted run;
-* at another tensor-parallel degree (a 1x4 mesh: 4 tensor-parallel ranks);
+* at another tensor-parallel degree (a 1x4 mesh: 4 tensor-parallel ranks), restored by a
+  ``Checkpointer`` from its background save;
 * without tensor parallelism: a 1-D fully_shard over the 4 ranks, and an unsharded model with
   torch's AdamW on every rank (the whole parameters and optimizer state, as a DDP run reads them);
 
@@ -72,6 +73,10 @@ def _worker(rank, world_size, seed, root):
     saved = _full(model, opt)
     where = os.path.join(root, "fusedist")
     fusedist.checkpoint.save(where, model, opt)
+    periodic = fusedist.checkpoint.Checkpointer(os.path.join(root, "periodic"))  # saving in the background
+    assert periodic.restore(model, opt) == 0  # a fresh root: registers what its saves hold
+    periodic.save(3)
+    periodic.close()
 
     # the same layout: exact, and training continues as the uninterrupted run
     fresh = _build(mesh, fusedist.fully_shard, seed + 1)  # other initial values, all overwritten
@@ -80,11 +85,13 @@ def _worker(rank, world_size, seed, root):
     out["same layout"] = _differences(_full(fresh, fresh_opt), saved)
     out["continued"] = (_continue(fresh, fresh_opt, mesh, seed), _continue(model, opt, mesh, seed))
 
-    # 4 tensor-parallel ranks (the embedding's 13 rows: 4, 3, 3, 3)
+    # 4 tensor-parallel ranks (the embedding's 13 rows: 4, 3, 3, 3), restored by a Checkpointer
     wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
     fresh = _build(wide, fusedist.fully_shard, seed + 2)
     fresh_opt = _fresh_optimizer(fresh)
-    fusedist.checkpoint.load(where, fresh, fresh_opt)
+    periodic = fusedist.checkpoint.Checkpointer(os.path.join(root, "periodic"), async_save=False)
+    out["restored step"] = periodic.restore(fresh, fresh_opt)
+    periodic.close()
     out["tp 4"] = _differences(_full(fresh, fresh_opt), saved)
 
     # no tensor parallelism: fully_shard over the 4 ranks, and an unsharded model on each rank
@@ -138,6 +145,7 @@ def test_tensor_parallel_checkpoints_load_at_any_layout(tmp_path):
     for rank, out in enumerate(per_rank):
         for what in ("same layout", "tp 4", "fully_shard 4", "unsharded", "from FSDP2's dcp"):
             assert out[what] == [], (what, seed, rank, out[what])
+        assert out["restored step"] == 3, (rank, out["restored step"])
         ours, uninterrupted = out["continued"]
         assert ours == uninterrupted, (seed, rank, ours, uninterrupted)
 

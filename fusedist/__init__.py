@@ -16,6 +16,7 @@ Public surface (everything else is private)::
     fusedist.amp.GradScaler
     fusedist.nn.SyncBatchNorm
     fusedist.checkpoint.save / load
+    fusedist.pipelining.PipelineStage  # torch's, one gradient reduction per step for fully_shard stages
     fusedist.RankMismatchError          # ranks disagree (model, bucket layout, steps taken)
     fusedist.cuda_ext_available / cuda_ext_error
 
@@ -52,6 +53,7 @@ _LAZY = {
     "amp": ("fusedist.amp", None),
     "nn": ("fusedist.nn", None),
     "checkpoint": ("fusedist.checkpoint", None),
+    "pipelining": ("fusedist.pipelining", None),
     "comm": ("fusedist.comm", None),
     "RankMismatchError": ("fusedist._consistency", "RankMismatchError"),
 }

@@ -1,0 +1,128 @@
+"""Pipeline parallelism over ``fully_shard`` stages (Note [pipeline stages of fully_shard modules]
+in fusedist/pipelining.py): torchtitan's PP + FSDP recipe on 4 gloo ranks, 2 pipeline ranks x 2
+data-parallel ranks, against torch's FSDP2 with torch's ``PipelineStage``.
+
+For GPipe and 1F1B (one stage per rank) and interleaved 1F1B (two stages per rank), 4
+micro-batches, 2 AdamW steps after a first one (whose metadata inference runs a backward of its
+own): the stages' whole parameters equal FSDP2's, with fusedist's ``PipelineStage`` and with
+torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's stage one per
+micro-batch. A zero-bubble backward's input pass is refused by name.
+
+Tolerance: fusedist's stage reduces the micro-batches' sum once, as FSDP2 does: the same fp32
+reductions (1e-6). Under torch's stage each micro-batch's gradient is reduced apart and the
+averages summed, another order, which AdamW's normalization magnifies for elements whose
+gradients nearly cancel (1e-4). A micro-batch's gradient lost or counted twice moves the weights
+by about lr = 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+WIDTH, BLOCKS_PER_STAGE, MICRO_BATCHES, STEPS = 16, 2, 4, 2
+
+
+def _stage_module(stage: int, num_stages: int, seed: int) -> nn.Sequential:
+    """Stage ``stage`` of one model of ``num_stages * BLOCKS_PER_STAGE`` blocks, the same on every rank."""
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(num_stages * BLOCKS_PER_STAGE)]
+    return nn.Sequential(*blocks[stage * BLOCKS_PER_STAGE:(stage + 1) * BLOCKS_PER_STAGE])
+
+
+def _train(schedule_name, shard, stage_class, mesh, stages_per_rank, seed):
+    """Whole parameters of this rank's stages after 1 + STEPS steps, and the reduce-scatters
+    issued in the last STEPS (None for torch's FSDP2)."""
+    from torch.distributed import pipelining
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    pp, dp = mesh["pp"], mesh["dp"]
+    num_stages = pp.size() * stages_per_rank
+    modules, stages = [], []
+    for k in range(stages_per_rank):
+        index = pp.get_local_rank() + k * pp.size()
+        module = _stage_module(index, num_stages, seed)
+        for block in module:
+            shard(block, mesh=dp)
+        shard(module, mesh=dp)
+        modules.append(module)
+        stages.append(stage_class(module, index, num_stages, torch.device("cpu"), group=pp.get_group()))
+    schedule = getattr(pipelining, schedule_name)(stages if stages_per_rank > 1 else stages[0],
+                                                  n_microbatches=MICRO_BATCHES,
+                                                  loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+    counted = _count_reduce_scatters(modules[0]) if shard.__module__.startswith("fusedist") else None
+    g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+    for step in range(1 + STEPS):
+        if step == 1 and counted is not None:
+            counted.clear()
+        x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+        if pp.get_local_rank() == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad()
+    full = StateDictOptions(full_state_dict=True)
+    return [get_model_state_dict(m, options=full) for m in modules], None if counted is None else len(counted)
+
+
+def _count_reduce_scatters(module) -> list:
+    from fusedist.fsdp.state import state_of
+
+    comm = state_of(module[0]).unit.comm  # the stage's units share the data-parallel communicator
+    issued, issue = [], comm.reduce_scatter
+
+    def counted(*args, **kwargs):
+        issued.append(1)
+        return issue(*args, **kwargs)
+
+    comm.reduce_scatter = counted
+    return issued
+
+
+def _max_diff(ours: list, theirs: list) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for a, b in zip(ours, theirs) for k in b)
+
+
+def _worker(rank, world_size, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    out = {}
+    for name, stages_per_rank in (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)):
+        theirs, _ = _train(name, torch_fully_shard, TorchPipelineStage, mesh, stages_per_rank, seed)
+        ours, ours_issued = _train(name, fusedist.fully_shard, PipelineStage, mesh, stages_per_rank, seed)
+        plain, plain_issued = _train(name, fusedist.fully_shard, TorchPipelineStage, mesh, stages_per_rank, seed)
+        out[name] = {"ours": _max_diff(ours, theirs), "torch's stage": _max_diff(plain, theirs),
+                     "issued": ours_issued, "issued by torch's stage": plain_issued}
+
+    # a zero-bubble schedule's input pass: refused by name
+    module = _stage_module(0, 2, seed)
+    fusedist.fully_shard(module, mesh=mesh["dp"])
+    stage = PipelineStage(module, mesh["pp"].get_local_rank(), 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    with pytest.raises(NotImplementedError) as refused:
+        stage.backward_maybe_with_nosync("input", {}, last_backward=False)
+    out["zero bubble"] = str(refused.value)
+    return out
+
+
+def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2():
+    seed = int(torch.randint(0, 10_000, ()).item())
+    per_rank = run_distributed(_worker, 4, seed, timeout=300)
+    for rank, out in enumerate(per_rank):
+        for name, stages_per_rank in (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)):
+            got = out[name]
+            assert got["ours"] < 1e-6 and got["torch's stage"] < 1e-4, (seed, rank, name, got)
+            units = BLOCKS_PER_STAGE * stages_per_rank  # the stage modules' roots hold no parameters
+            assert got["issued"] == units * STEPS, (rank, name, got)
+            assert got["issued by torch's stage"] == units * STEPS * MICRO_BATCHES, (rank, name, got)
+        assert "Zero-bubble schedules" in out["zero bubble"] and "'input' backward" in out["zero bubble"], out

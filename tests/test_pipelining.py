@@ -6,7 +6,9 @@ For GPipe and 1F1B (one stage per rank) and interleaved 1F1B (two stages per ran
 micro-batches, 2 AdamW steps after a first one (whose metadata inference runs a backward of its
 own): the stages' whole parameters equal FSDP2's, with fusedist's ``PipelineStage`` and with
 torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's stage one per
-micro-batch. A zero-bubble backward's input pass is refused by name.
+micro-batch. A zero-bubble backward's input pass is refused by name. A Checkpointer per stage
+(``process_group=`` the stage's data-parallel group) saves and restores its stage exactly; one
+Checkpointer for the whole job is refused.
 
 Tolerance: fusedist's stage reduces the micro-batches' sum once, as FSDP2 does: the same fp32
 reductions (1e-6). Under torch's stage each micro-batch's gradient is reduced apart and the
@@ -88,7 +90,7 @@ def _max_diff(ours: list, theirs: list) -> float:
     return max(float((a[k] - b[k]).abs().max()) for a, b in zip(ours, theirs) for k in b)
 
 
-def _worker(rank, world_size, seed):
+def _worker(rank, world_size, seed, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
@@ -105,6 +107,8 @@ def _worker(rank, world_size, seed):
         out[name] = {"ours": _max_diff(ours, theirs), "torch's stage": _max_diff(plain, theirs),
                      "issued": ours_issued, "issued by torch's stage": plain_issued}
 
+    out["checkpointer"] = _checkpointer_per_stage(mesh, seed, root)
+
     # a zero-bubble schedule's input pass: refused by name
     module = _stage_module(0, 2, seed)
     fusedist.fully_shard(module, mesh=mesh["dp"])
@@ -115,9 +119,9 @@ def _worker(rank, world_size, seed):
     return out
 
 
-def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2():
+def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp_path):
     seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_worker, 4, seed, timeout=300)
+    per_rank = run_distributed(_worker, 4, seed, str(tmp_path), timeout=300)
     for rank, out in enumerate(per_rank):
         for name, stages_per_rank in (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)):
             got = out[name]
@@ -126,3 +130,69 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2():
             assert got["issued"] == units * STEPS, (rank, name, got)
             assert got["issued by torch's stage"] == units * STEPS * MICRO_BATCHES, (rank, name, got)
         assert "Zero-bubble schedules" in out["zero bubble"] and "'input' backward" in out["zero bubble"], out
+        checkpointer = out["checkpointer"]
+        assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
+        assert checkpointer["restored"] == [0, 1] and checkpointer["equal"], (rank, checkpointer)
+        assert "do not split the job into disjoint groups (rank 1 is in [[0, 1], [1, 2]])" in checkpointer["overlapping"]
+        assert checkpointer["files"] == ["common.pt", "manifest.json", "rank-00000.pt", "rank-00001.pt"], checkpointer
+
+
+def _checkpointer_per_stage(mesh, seed, root) -> dict:
+    """One Checkpointer for the whole job is refused (its stages hold other models); one per
+    stage, over the stage's data-parallel group, saves and restores that stage exactly (Note [a
+    Checkpointer per pipeline stage] in fusedist/checkpoint/_writer.py)."""
+    import os
+
+    import fusedist
+
+    stage = mesh["pp"].get_local_rank()
+
+    def build(shift):
+        module = _stage_module(stage, 2, seed)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(shift)  # another model each time, all overwritten by the restore
+        for block in module:
+            fusedist.fully_shard(block, mesh=mesh["dp"])
+        fusedist.fully_shard(module, mesh=mesh["dp"])
+        return module, torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+    out = {"restored": []}
+    # groups that do not split the job: rank 1 would be in two
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([1, 2]), dist.new_group([2, 3])]
+    with pytest.raises(ValueError) as refused:
+        fusedist.checkpoint.Checkpointer(os.path.join(root, "overlapping"), process_group=pairs[min(dist.get_rank(), 2)])
+    out["overlapping"] = str(refused.value)
+    module, opt = build(0.0)
+    whole_job = fusedist.checkpoint.Checkpointer(os.path.join(root, "one root"))
+    with pytest.raises(ValueError) as refused:
+        whole_job.restore(module, opt)
+    whole_job.close()
+    out["one root"] = str(refused.value)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed + mesh["dp"].get_local_rank()))
+    module(x).square().mean().backward()  # each stage trained on its own: the optimizer holds state
+    opt.step()
+    opt.zero_grad()
+    where = os.path.join(root, f"stage{stage}")
+    for shift in (0.0, 1.0):
+        if shift:
+            module, opt = build(shift)
+        periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp"].get_group(), async_save=False)
+        out["restored"].append(periodic.restore(module, opt))
+        if not shift:
+            periodic.save(1)
+            saved = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, opt))
+        periodic.close()
+    restored = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, opt))
+    out["equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
+    out["files"] = sorted(os.listdir(os.path.join(where, "step-00000001")))
+    return out
+
+
+def _optimizer_state(module, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True))["state"]
+    return {f"{name}/{k}": v.clone() for name, st in state.items() for k, v in st.items()}

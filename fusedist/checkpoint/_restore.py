@@ -43,7 +43,17 @@ class RestoreMixin:
         if is_zero(optimizer) and optimizer.world_size != self.world_size:
             raise ValueError(
                 f"Checkpointer (rank {self.rank}): the ZeroRedundancyOptimizer shards over {optimizer.world_size} "
-                f"ranks, the job has {self.world_size}; the Checkpointer saves the whole job's state"
+                f"ranks, the Checkpointer's group has {self.world_size}; the Checkpointer saves the state of its "
+                "group's ranks (the whole job, or process_group=)"
+            )
+        saving = api._World(optimizer, model).size
+        if saving != self.world_size:  # Note [a Checkpointer per pipeline stage] in _writer.py
+            raise ValueError(
+                f"Checkpointer (rank {self.rank}): the model is saved by the {saving} ranks of its data-parallel "
+                f"group, the Checkpointer's group has {self.world_size} (ranks {self._coord.ranks}): the ranks of "
+                "other groups would write other models into one checkpoint. Under pipeline parallelism give "
+                "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', "
+                "process_group=<the stage's data-parallel group>)"
             )
         self._writer.wait()
         self._restores_trusted = bool(trusted)  # Note [checkpoints the restore cannot read]

@@ -35,14 +35,15 @@ class Coordinator:
 
     NAME = "fusedist.checkpoint.Checkpointer"
 
-    def __init__(self):
+    def __init__(self, process_group=None):
         self.comm = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.rank, self.size = dist.get_rank(), dist.get_world_size()
-            self.group = dist.new_group(backend="gloo", timeout=collective_timeout())
-            self.comm = get_communicator(self.group)
+            self.ranks, self.group = _checkpoint_group(process_group)
+            self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
+            if self.size > 1:
+                self.comm = get_communicator(self.group)
         else:
-            self.rank, self.size, self.group = 0, 1, None
+            self.rank, self.size, self.group, self.ranks = 0, 1, None, [0]
 
     def all_gather(self, obj, what: str = "exchange") -> list:
         if self.comm is None:
@@ -54,6 +55,38 @@ class Coordinator:
         if self.comm is None:
             return obj
         return broadcast_object(self.comm, obj, 0, tag=f"{self.NAME} {what}")
+
+
+# Note [a Checkpointer per pipeline stage]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A Checkpointer saves one model for its group: by default the whole job. Under pipeline
+# parallelism each stage's ranks hold another model (other parameters, sharded over that
+# stage's data-parallel group), so each stage takes a Checkpointer of its own, over its
+# data-parallel group and with a root of its own (``process_group=``). Creating a process
+# group is a collective of the whole job in which every rank names the same ranks, so the
+# ranks first exchange the groups they ask for (over the default group, bounded by the
+# collective timeout), check that they split the job (each rank in exactly one), and then
+# every rank creates every group in one order and keeps its own.
+def _checkpoint_group(process_group) -> tuple:
+    """This rank's group's ranks (ascending) and its new gloo group, once every rank created
+    every asked-for group (Note [a Checkpointer per pipeline stage])."""
+    from ..comm.objects import all_gather_object as gather
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    mine = sorted(dist.get_process_group_ranks(process_group)) if process_group is not None else list(range(world))
+    if me not in mine:
+        raise ValueError(f"{Coordinator.NAME} (rank {me}): process_group {mine} does not hold this rank; pass the "
+                         "group of this rank's pipeline stage")
+    asked = gather(get_communicator(None), mine, tag=f"{Coordinator.NAME} groups")
+    groups = sorted({tuple(g) for g in asked})
+    holders = {r: [list(g) for g in groups if r in g] for r in range(world)}
+    bad = {r: g for r, g in holders.items() if len(g) != 1}
+    if bad:
+        raise ValueError(f"{Coordinator.NAME}: the ranks' process groups {[list(g) for g in asked]} do not split the "
+                         f"job into disjoint groups (rank {next(iter(bad))} is in {bad[next(iter(bad))]}); give each "
+                         "pipeline stage's ranks one group")
+    made = {g: dist.new_group(ranks=list(g), backend="gloo", timeout=collective_timeout()) for g in groups}
+    return mine, made[tuple(mine)]
 
 
 class BackgroundWriter:

@@ -54,14 +54,15 @@ def rank_file(rank: int) -> str:
 # ---------------------------------------------------------------------------- helpers
 class _World:
     """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
-    ZeRO, the units' group for a ``fully_shard`` model, else the default group, else a single
-    process. Its exchanges go through the
+    ZeRO, the units' group for a ``fully_shard`` model, a fusedist DDP model's group, else the
+    default group, else a single process. Its exchanges go through the
     communicator (bounded, monitored), so a rank missing from a save or load is named in a
     StallError, and ranks in different checkpoint calls are told which call each is in."""
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None):
         self.comm = None
         sharded_comm = stage3.comm_of(_names.unwrap(model)) if model is not None else None
+        ddp = _ddp_of(model, optimizer) if model is not None else None
         if sharded_comm is not None:
             self.rank, self.size = sharded_comm.rank, sharded_comm.world_size
             if self.size > 1:
@@ -70,6 +71,10 @@ class _World:
             self.rank, self.size = optimizer.rank, optimizer.world_size
             if optimizer.comm is not None and optimizer.world_size > 1:
                 self.comm = optimizer.comm
+        elif ddp is not None:
+            self.rank, self.size = ddp.comm.rank, ddp.comm.world_size
+            if self.size > 1:
+                self.comm = ddp.comm
         elif dist.is_available() and dist.is_initialized():
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             if self.size > 1:
@@ -90,15 +95,22 @@ def _check_ranks_agree(model: torch.nn.Module, optimizer) -> None:
     ranks of a fusedist DDP model (passed, or found by a ZeroRedundancyOptimizer) have not run
     the same steps: a divergence in the last step before a save is otherwise reported at the
     next training forward -- after the checkpoint of a diverged run was written."""
+    ddp = _ddp_of(model, optimizer)
+    if ddp is not None:
+        ddp.check_consistency()
+    elif hasattr(model, "check_consistency") and stage3.units(model):
+        model.check_consistency()  # a fully_shard root (Note [stage-3 step check])
+
+
+def _ddp_of(model: torch.nn.Module, optimizer):
+    """The fusedist DDP wrapper of ``model`` (passed, found by a ZeroRedundancyOptimizer, or the
+    engine ``fusedist.replicate`` attached), or None."""
     from ..ddp import DistributedDataParallel
     from ..ddp.replicate import wrapper_of
 
     ddp = next((m for m in _names.layers(model) if isinstance(m, DistributedDataParallel)),
                getattr(optimizer, "ddp", None) or wrapper_of(_names.unwrap(model)))
-    if isinstance(ddp, DistributedDataParallel):
-        ddp.check_consistency()
-    elif hasattr(model, "check_consistency") and stage3.units(model):
-        model.check_consistency()  # a fully_shard root (Note [stage-3 step check])
+    return ddp if isinstance(ddp, DistributedDataParallel) else None
 
 
 def _warn_trusted_only(rank: int, optimizer, extra, per_rank) -> None:

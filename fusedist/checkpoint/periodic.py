@@ -68,6 +68,13 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
     builds the Checkpointer at the same point, after the process group is initialized.
     ``directory`` must be on a filesystem every rank sees.
 
+    ``process_group``: the ranks whose model this Checkpointer saves, by default the whole
+    job. Under pipeline parallelism each stage's ranks hold another model: give each stage
+    a Checkpointer of its own, over the stage's data-parallel group and with a root of its
+    own (Note [a Checkpointer per pipeline stage] in ``_writer.py``); every rank of the job
+    still constructs its Checkpointer at the same point. A model whose data-parallel group
+    is not the Checkpointer's group is refused at ``restore``.
+
     ``run_id``: what identifies this job across restarts (default: torchrun's rendezvous id,
     else this launch); a job of another run holding ``directory`` is refused (Note [one job
     per checkpoint root]), unless its holder stopped renewing the lease for
@@ -76,13 +83,13 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
 
     def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
                  async_save: bool = True, *, run_id: Optional[str] = None,
-                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S):
+                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S, process_group=None):
         if every_steps is not None and (not is_int(every_steps) or every_steps < 1):
             raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
         if keep is not None and (not is_int(keep) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int or None (keep all), got {keep!r}")
         self.directory, self.every_steps, self.keep, self.async_save = directory, every_steps, keep, async_save
-        self._coord = Coordinator()
+        self._coord = Coordinator(process_group)
         self.rank, self.world_size = self._coord.rank, self._coord.size
         self._staging = StagingBuffers()
         self._writer = BackgroundWriter(f"fusedist.checkpoint.Checkpointer({directory!r}) on rank {self.rank}")

@@ -133,7 +133,8 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp
         checkpointer = out["checkpointer"]
         assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
         assert checkpointer["restored"] == [0, 1] and checkpointer["equal"], (rank, checkpointer)
-        assert "do not split the job into disjoint groups (rank 1 is in [[0, 1], [1, 2]])" in checkpointer["overlapping"]
+        overlapping = checkpointer["overlapping"]
+        assert "do not split the job into disjoint groups (rank 1 is in [[0, 1], [1, 2]])" in overlapping, overlapping
         assert checkpointer["files"] == ["common.pt", "manifest.json", "rank-00000.pt", "rank-00001.pt"], checkpointer
 
 
@@ -163,7 +164,8 @@ def _checkpointer_per_stage(mesh, seed, root) -> dict:
 
     pairs = [dist.new_group([0, 1]), dist.new_group([1, 2]), dist.new_group([2, 3])]
     with pytest.raises(ValueError) as refused:
-        fusedist.checkpoint.Checkpointer(os.path.join(root, "overlapping"), process_group=pairs[min(dist.get_rank(), 2)])
+        fusedist.checkpoint.Checkpointer(os.path.join(root, "overlapping"),
+                                         process_group=pairs[min(dist.get_rank(), 2)])
     out["overlapping"] = str(refused.value)
     module, opt = build(0.0)
     whole_job = fusedist.checkpoint.Checkpointer(os.path.join(root, "one root"))

@@ -35,3 +35,15 @@ def test_cpu_sgd_benchmark_runs():
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("torch_over_fusedist=") == 3, out.stdout
+
+
+def test_pipeline_benchmark_runs():
+    """bench_pipeline's three contenders at --quick size (4 ranks): fusedist's stage issues one
+    reduce-scatter per unit and step, torch's stage one per micro-batch."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_pipeline.py"), "--quick", "--no-write",
+         "--microbatches", "4"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "fusedist stage / torch FSDP2 stage:" in out.stdout, out.stdout
+    assert "'reduce_scatters_per_step': 2}" in out.stdout and "'reduce_scatters_per_step': 8}" in out.stdout, out.stdout

@@ -7,8 +7,9 @@ micro-batches, 2 AdamW steps after a first one (whose metadata inference runs a 
 own): the stages' whole parameters equal FSDP2's, with fusedist's ``PipelineStage`` and with
 torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's stage one per
 micro-batch. A zero-bubble backward's input pass is refused by name. A Checkpointer per stage
-(``process_group=`` the stage's data-parallel group) saves and restores its stage exactly; one
-Checkpointer for the whole job is refused. And the 3-D recipe (pp x dp x tp on 8 ranks): equal to
+(``process_group=`` the stage's data-parallel group) saves and restores its stage exactly, as
+``fusedist.checkpoint.save(..., process_group=)`` a stage its ranks hold whole; one Checkpointer
+for the whole job is refused. And the 3-D recipe (pp x dp x tp on 8 ranks): equal to
 FSDP2's under 1F1B.
 
 Tolerance: fusedist's stage reduces the micro-batches' sum once, as FSDP2 does: the same fp32
@@ -134,6 +135,7 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp
         checkpointer = out["checkpointer"]
         assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
         assert checkpointer["restored"] == [0, 1] and checkpointer["equal"], (rank, checkpointer)
+        assert checkpointer["plain equal"], (rank, checkpointer)
         overlapping = checkpointer["overlapping"]
         assert "do not split the job into disjoint groups (rank 1 is in [[0, 1], [1, 2]])" in overlapping, overlapping
         assert checkpointer["files"] == ["common.pt", "manifest.json", "rank-00000.pt", "rank-00001.pt"], checkpointer
@@ -191,6 +193,14 @@ def _checkpointer_per_stage(mesh, seed, root) -> dict:
     restored = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, opt))
     out["equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
     out["files"] = sorted(os.listdir(os.path.join(where, "step-00000001")))
+
+    # a stage module its ranks hold whole (no data-parallel wrapper): saved over the stage's group
+    plain, other = _stage_module(stage, 2, seed), _stage_module(stage, 2, seed + 1)
+    where = os.path.join(root, f"plain-stage{stage}")
+    fusedist.checkpoint.save(where, plain, process_group=mesh["dp"].get_group())
+    fusedist.checkpoint.load(where, other, process_group=mesh["dp"].get_group())
+    out["plain equal"] = all(torch.equal(a, b)
+                             for a, b in zip(plain.state_dict().values(), other.state_dict().values()))
     return out
 
 
@@ -239,10 +249,10 @@ def _train_3d(shard, stage_class, mesh, seed) -> dict:
             schedule.step(target=y, losses=[])
         opt.step()
         opt.zero_grad()
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)), module, opt
 
 
-def _worker_3d(rank, world_size, seed):
+def _worker_3d(rank, world_size, seed, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
@@ -251,13 +261,34 @@ def _worker_3d(rank, world_size, seed):
     from fusedist.pipelining import PipelineStage
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    ours = _train_3d(fusedist.fully_shard, PipelineStage, mesh, seed)
-    theirs = _train_3d(torch_fully_shard, TorchPipelineStage, mesh, seed)
-    return _max_diff([ours], [theirs])
+    ours, module, opt = _train_3d(fusedist.fully_shard, PipelineStage, mesh, seed)
+    theirs, _, _ = _train_3d(torch_fully_shard, TorchPipelineStage, mesh, seed)
+    out = {"diff": _max_diff([ours], [theirs])}
+
+    # a Checkpointer per stage over the stage's (dp, tp) mesh: its tensor-parallel checkpoint is
+    # written by every rank of that mesh (Note [a Checkpointer per pipeline stage])
+    import os
+
+    where = os.path.join(root, f"stage{mesh['pp'].get_local_rank()}")
+    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp", "tp"], async_save=False)
+    out["restored"] = [periodic.restore(module, opt)]
+    periodic.save(3)
+    periodic.close()
+    saved = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, opt))
+    _, fresh, fresh_opt = _train_3d(fusedist.fully_shard, PipelineStage, mesh, seed + 1)
+    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp", "tp"])
+    out["restored"].append(periodic.restore(fresh, fresh_opt))
+    periodic.close()
+    restored = (fusedist.fsdp.full_state_dict(fresh), _optimizer_state(fresh, fresh_opt))
+    out["equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
+    return out
 
 
-def test_pipeline_with_tensor_parallel_fully_shard_stages_matches_fsdp2():
-    """8 ranks, (pp 2, dp 2, tp 2): fusedist's stages equal FSDP2's under 1F1B (tolerance as above)."""
+def test_pipeline_with_tensor_parallel_fully_shard_stages_matches_fsdp2(tmp_path):
+    """8 ranks, (pp 2, dp 2, tp 2): fusedist's stages equal FSDP2's under 1F1B (tolerance as
+    above), and a Checkpointer per stage restores its stage exactly."""
     seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_worker_3d, 8, seed, timeout=300)
-    assert all(diff < 1e-6 for diff in per_rank), (seed, per_rank)
+    per_rank = run_distributed(_worker_3d, 8, seed, str(tmp_path), timeout=300)
+    for rank, out in enumerate(per_rank):
+        assert out["diff"] < 1e-6, (seed, rank, out)
+        assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)

@@ -46,7 +46,7 @@ class RestoreMixin:
                 f"ranks, the Checkpointer's group has {self.world_size}; the Checkpointer saves the state of its "
                 "group's ranks (the whole job, or process_group=)"
             )
-        saving = api._World(optimizer, model).size
+        saving = api._World(optimizer, model, self._coord.group).size
         if saving != self.world_size:  # Note [a Checkpointer per pipeline stage] in _writer.py
             raise ValueError(
                 f"Checkpointer (rank {self.rank}): the model is saved by the {saving} ranks of its data-parallel "
@@ -66,7 +66,8 @@ class RestoreMixin:
         for saved_step, path in candidates:
             error = None
             try:
-                extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict)
+                extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict,
+                                 process_group=self._coord.group)
             except CheckpointError as exc:
                 error = str(exc)
             else:

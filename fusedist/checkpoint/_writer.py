@@ -62,7 +62,9 @@ class Coordinator:
 # A Checkpointer saves one model for its group: by default the whole job. Under pipeline
 # parallelism each stage's ranks hold another model (other parameters, sharded over that
 # stage's data-parallel group), so each stage takes a Checkpointer of its own, over its
-# data-parallel group and with a root of its own (``process_group=``). Creating a process
+# ranks and with a root of its own (``process_group=``: the stage's data-parallel group, or
+# its mesh -- ``mesh["dp", "tp"]`` -- when the stage is also tensor-parallel or HSDP, whose
+# checkpoints are written by every rank of the mesh). Creating a process
 # group is a collective of the whole job in which every rank names the same ranks, so the
 # ranks first exchange the groups they ask for (over the default group, bounded by the
 # collective timeout), check that they split the job (each rank in exactly one), and then
@@ -72,8 +74,15 @@ def _checkpoint_group(process_group) -> tuple:
     every asked-for group (Note [a Checkpointer per pipeline stage])."""
     from ..comm.objects import all_gather_object as gather
 
+    from torch.distributed.device_mesh import DeviceMesh
+
     me, world = dist.get_rank(), dist.get_world_size()
-    mine = sorted(dist.get_process_group_ranks(process_group)) if process_group is not None else list(range(world))
+    if process_group is None:
+        mine = list(range(world))
+    elif isinstance(process_group, DeviceMesh):  # e.g. mesh["dp", "tp"]: every rank of the stage's mesh
+        mine = sorted(int(r) for r in process_group.mesh.flatten().tolist())
+    else:
+        mine = sorted(dist.get_process_group_ranks(process_group))
     if me not in mine:
         raise ValueError(f"{Coordinator.NAME} (rank {me}): process_group {mine} does not hold this rank; pass the "
                          "group of this rank's pipeline stage")

@@ -54,14 +54,16 @@ def rank_file(rank: int) -> str:
 # ---------------------------------------------------------------------------- helpers
 class _World:
     """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
-    ZeRO, the units' group for a ``fully_shard`` model, a fusedist DDP model's group, else the
-    default group, else a single process. Its exchanges go through the
+    ZeRO, the units' group for a ``fully_shard`` model (on HSDP or with tensor parallelism
+    ``process_group`` when given, else the default group: ``stage3.comm_of``), a fusedist DDP
+    model's group, else ``process_group``, else the default group, else a single process. Its exchanges go through the
     communicator (bounded, monitored), so a rank missing from a save or load is named in a
     StallError, and ranks in different checkpoint calls are told which call each is in."""
 
-    def __init__(self, optimizer, model: Optional[torch.nn.Module] = None):
+    def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
         self.comm = None
-        sharded_comm = stage3.comm_of(_names.unwrap(model)) if model is not None else None
+        group_comm = get_communicator(process_group) if process_group is not None else None
+        sharded_comm = stage3.comm_of(_names.unwrap(model), group_comm) if model is not None else None
         ddp = _ddp_of(model, optimizer) if model is not None else None
         if sharded_comm is not None:
             self.rank, self.size = sharded_comm.rank, sharded_comm.world_size
@@ -75,6 +77,10 @@ class _World:
             self.rank, self.size = ddp.comm.rank, ddp.comm.world_size
             if self.size > 1:
                 self.comm = ddp.comm
+        elif group_comm is not None:  # a model every rank of the group holds whole
+            self.rank, self.size = group_comm.rank, group_comm.world_size
+            if self.size > 1:
+                self.comm = group_comm
         elif dist.is_available() and dist.is_initialized():
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             if self.size > 1:
@@ -136,7 +142,7 @@ def _warn_trusted_only(rank: int, optimizer, extra, per_rank) -> None:
 
 
 def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,
-         *, per_rank: Optional[dict] = None) -> None:
+         *, per_rank: Optional[dict] = None, process_group=None) -> None:
     """Write a checkpoint of ``model`` (and optimizer, GradScaler, ``extra``) to ``directory``.
 
     A collective: every rank of the data-parallel group calls it. A fusedist DDP model is
@@ -152,6 +158,12 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     (RNG states, data position), written into this rank's own file and read back with
     :func:`load_per_rank`. Pass it on every rank or on none.
 
+    ``process_group``: the ranks whose model this is, when that is not the whole job -- a
+    pipeline stage's ranks (Note [a Checkpointer per pipeline stage] in ``_writer.py``): the
+    save of a model sharded with HSDP or tensor parallelism runs over it, as does the save of
+    a model its ranks hold whole. A data-parallel model (DDP, ZeRO, a 1-D ``fully_shard``)
+    is saved over its own group anyway.
+
     Ranks that pass different kinds of arguments (a scaler or ``per_rank`` on some ranks
     only, ``extra`` not a dict on one) are refused on every rank before anything is written;
     rank 0 lists in the manifest only files it sees itself, so ranks given different
@@ -160,7 +172,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     """
     started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
-    world = _World(optimizer, model)
+    world = _World(optimizer, model, process_group)
     _warn_trusted_only(world.rank, optimizer, extra, per_rank)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
@@ -403,7 +415,7 @@ def _common_sections(model, optimizer, scaler, extra, sharded_keys: set) -> dict
 
 # ---------------------------------------------------------------------------- load
 def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
-         trusted: bool = False, strict: bool = True) -> Optional[dict]:
+         trusted: bool = False, strict: bool = True, process_group=None) -> Optional[dict]:
     """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
 
     The world size may differ from the one that saved it: ZeroRedundancyOptimizer state is
@@ -434,7 +446,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     a ZeroRedundancyOptimizer, whose master weights then start from the loaded parameters
     (Note [torch's distributed checkpoints in load] in ``_from_dcp.py``); its ``extra`` is None.
     """
-    world = _World(optimizer, model)
+    world = _World(optimizer, model, process_group)
     try:
         plan = _load_plan.prepare(directory, model, optimizer, scaler, trusted, strict)
         error = None

@@ -68,12 +68,13 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
     builds the Checkpointer at the same point, after the process group is initialized.
     ``directory`` must be on a filesystem every rank sees.
 
-    ``process_group``: the ranks whose model this Checkpointer saves, by default the whole
-    job. Under pipeline parallelism each stage's ranks hold another model: give each stage
-    a Checkpointer of its own, over the stage's data-parallel group and with a root of its
-    own (Note [a Checkpointer per pipeline stage] in ``_writer.py``); every rank of the job
-    still constructs its Checkpointer at the same point. A model whose data-parallel group
-    is not the Checkpointer's group is refused at ``restore``.
+    ``process_group``: the ranks whose model this Checkpointer saves (a process group or a
+    DeviceMesh), by default the whole job. Under pipeline parallelism each stage's ranks
+    hold another model: give each stage a Checkpointer of its own, over the stage's ranks
+    (its data-parallel group; with tensor parallelism or HSDP its mesh, ``mesh["dp", "tp"]``)
+    and with a root of its own (Note [a Checkpointer per pipeline stage] in ``_writer.py``);
+    every rank of the job still constructs its Checkpointer at the same point. A model
+    saved by other ranks than the Checkpointer's is refused at ``restore``.
 
     ``run_id``: what identifies this job across restarts (default: torchrun's rendezvous id,
     else this launch); a job of another run holding ``directory`` is refused (Note [one job

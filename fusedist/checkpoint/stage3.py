@@ -111,9 +111,10 @@ def has_tensor_parallel(model: torch.nn.Module) -> bool:
     return any(s is not None for unit in units(model) for s in unit.tp)
 
 
-def comm_of(model: torch.nn.Module):
+def comm_of(model: torch.nn.Module, world=None):
     """The communicator a save or load of a ``fully_shard`` model runs over, or None: the units'
-    group, or on HSDP or with tensor parallelism every rank of the job (Note [HSDP
+    group, or on HSDP or with tensor parallelism every rank of the mesh: ``world`` (the
+    communicator of a pipeline stage's ranks, say) when given, else the job's (Note [HSDP
     checkpoints], Note [tensor-parallel checkpoints])."""
     found = units(model)
     if not found:
@@ -128,13 +129,18 @@ def comm_of(model: torch.nn.Module):
 
     replicas = unit.replicate_comm.world_size if unit.replicate_comm is not None else 1
     shards, tp = unit.comm.world_size, tp_mesh.size() if tp_mesh is not None else 1
+    if world is not None and world.world_size == replicas * shards * tp:
+        return world
     if dist.get_world_size() != replicas * shards * tp:
         what = (f"{replicas} replicas x {shards} shards" + (f" x {tp} tensor-parallel ranks" if tp_mesh is not None
                                                            else ""))
+        given = "" if world is None else f" and {world.world_size} of the process_group"
         raise NotImplementedError(
             f"fusedist.checkpoint: the mesh of this fully_shard model ({what}) spans {replicas * shards * tp} of the "
-            f"job's {dist.get_world_size()} ranks; a checkpoint of it is written by every rank of the default group. "
-            "Save it with torch.distributed.checkpoint (dcp.save of model.state_dict()) instead.")
+            f"job's {dist.get_world_size()} ranks{given}; "
+            "a checkpoint of it is written by every rank of its mesh: pass process_group= a group of exactly those "
+            "ranks (a pipeline stage's), or save it with torch.distributed.checkpoint (dcp.save of "
+            "model.state_dict())")
     return get_communicator(None, unit.device)
 
 

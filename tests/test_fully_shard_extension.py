@@ -311,13 +311,19 @@ def test_float8_compiled_blocks_match_fsdp2():
 def _train_float8_tp(ours: bool, mp):
     """torchtitan's float8 with tensor parallelism in small: float8 weights made DTensors by a
     column/row-wise plan on mesh["tp"], then sharded on mesh["dp"] (2x2)."""
+    m, mesh = _float8_tp(ours, mp)
+    dp = mesh["dp"].get_local_rank()
+    return (m, *_clipped_adamw(m, lambda step: batch(step, dp, 2, 32, 8)))
+
+
+def _float8_tp(ours: bool, mp, seed: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64), nn.ReLU(),
                       nn.Linear(64, 16))
     convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
@@ -327,11 +333,10 @@ def _train_float8_tp(ours: bool, mp):
     fs(m[0], mesh=mesh["dp"], mp_policy=mp)
     fs(m[2], mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
     fs(m, mesh=mesh["dp"], mp_policy=mp)
-    dp = mesh["dp"].get_local_rank()
-    return (m, *_clipped_adamw(m, lambda step: batch(step, dp, 2, 32, 8)))
+    return m, mesh
 
 
-def _float8_tp_worker(rank, world):
+def _float8_tp_worker(rank, world, root):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
@@ -347,11 +352,20 @@ def _float8_tp_worker(rank, world):
         ours[0].unshard()  # gathered: a DTensor of the plan's placement over the float8 local weight
         assert isinstance(ours[0].weight, DTensor) and isinstance(ours[0].weight._local_tensor, Float8TrainingTensor)
         ours[0].reshard()
+        # fusedist.checkpoint: the high-precision values, as region fragments of the global weights
+        where = os.path.join(root, str(mp.param_dtype))
+        fusedist.checkpoint.save(where, ours)
+        fresh, _ = _float8_tp(True, mp, seed=1)
+        fusedist.checkpoint.load(where, fresh)
+        b = full_of(fresh, True)
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{k} differs after fusedist.checkpoint"
 
 
-def test_float8_with_tensor_parallelism_matches_fsdp2():
-    """fp32 and bf16 gathers, a unit kept gathered across forward, the clip over both groups."""
-    run_distributed(_float8_tp_worker, 4)
+def test_float8_with_tensor_parallelism_matches_fsdp2(tmp_path):
+    """fp32 and bf16 gathers, a unit kept gathered across forward, the clip over both groups;
+    fusedist.checkpoint of such a model loads exactly."""
+    run_distributed(_float8_tp_worker, 4, str(tmp_path))
 
 
 def _precompute_worker(rank, world):

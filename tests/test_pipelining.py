@@ -9,8 +9,8 @@ torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's s
 micro-batch. A zero-bubble backward's input pass is refused by name. A Checkpointer per stage
 (``process_group=`` the stage's data-parallel group) saves and restores its stage exactly, as
 ``fusedist.checkpoint.save(..., process_group=)`` a stage its ranks hold whole; one Checkpointer
-for the whole job is refused. And the 3-D recipe (pp x dp x tp on 8 ranks): equal to
-FSDP2's under 1F1B.
+for the whole job is refused. And the 3-D recipes on 8 ranks (pp x dp x tp, pp x HSDP): equal to
+FSDP2's under 1F1B, each stage restored exactly by a Checkpointer over the stage's mesh.
 
 Tolerance: fusedist's stage reduces the micro-batches' sum once, as FSDP2 does: the same fp32
 reductions (1e-6). Under torch's stage each micro-batch's gradient is reduced apart and the
@@ -289,6 +289,79 @@ def test_pipeline_with_tensor_parallel_fully_shard_stages_matches_fsdp2(tmp_path
     above), and a Checkpointer per stage restores its stage exactly."""
     seed = int(torch.randint(0, 10_000, ()).item())
     per_rank = run_distributed(_worker_3d, 8, seed, str(tmp_path), timeout=300)
+    for rank, out in enumerate(per_rank):
+        assert out["diff"] < 1e-6, (seed, rank, out)
+        assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)
+
+
+# --------------------------------------------------------------- pipeline x HSDP (3-D)
+def _train_hsdp(shard, stage_class, mesh, seed):
+    """Stages sharded with HSDP on mesh["dp_replicate", "dp_shard"], 1F1B over mesh["pp"]."""
+    from torch.distributed import pipelining
+
+    pp, dp = mesh["pp"], mesh["dp_replicate", "dp_shard"]
+    module = _stage_module(pp.get_local_rank(), 2, seed)
+    for block in module:
+        shard(block, mesh=dp)
+    shard(module, mesh=dp)
+    stage = stage_class(module, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
+    schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES,
+                                       loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    data_rank = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
+    g = torch.Generator().manual_seed(seed + data_rank)
+    for _ in range(1 + STEPS):
+        x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+        if pp.get_local_rank() == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad()
+    return module, opt
+
+
+def _worker_hsdp(rank, world_size, seed, root):
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    ours, opt = _train_hsdp(fusedist.fully_shard, PipelineStage, mesh, seed)
+    theirs, _ = _train_hsdp(torch_fully_shard, TorchPipelineStage, mesh, seed)
+    saved = (fusedist.fsdp.full_state_dict(ours), _optimizer_state(ours, opt))
+    out = {"diff": _max_diff([saved[0]], [_full_model(theirs)])}
+    # a Checkpointer per stage over the stage's HSDP mesh (the first replica writes the pieces)
+    where = os.path.join(root, f"stage{mesh['pp'].get_local_rank()}")
+    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp_replicate", "dp_shard"])
+    out["restored"] = [periodic.restore(ours, opt)]
+    periodic.save(3)
+    periodic.close()
+    fresh, fresh_opt = _train_hsdp(fusedist.fully_shard, PipelineStage, mesh, seed + 1)
+    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp_replicate", "dp_shard"])
+    out["restored"].append(periodic.restore(fresh, fresh_opt))
+    periodic.close()
+    restored = (fusedist.fsdp.full_state_dict(fresh), _optimizer_state(fresh, fresh_opt))
+    out["equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
+    return out
+
+
+def _full_model(module) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+
+
+def test_pipeline_with_hsdp_stages_matches_fsdp2(tmp_path):
+    """8 ranks, (pp 2, dp_replicate 2, dp_shard 2): fusedist's HSDP stages equal FSDP2's under
+    1F1B (tolerance as above), and a Checkpointer per stage restores its stage exactly."""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    per_rank = run_distributed(_worker_hsdp, 8, seed, str(tmp_path), timeout=300)
     for rank, out in enumerate(per_rank):
         assert out["diff"] < 1e-6, (seed, rank, out)
         assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)

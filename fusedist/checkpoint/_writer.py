@@ -64,36 +64,42 @@ class Coordinator:
 # stage's data-parallel group), so each stage takes a Checkpointer of its own, over its
 # ranks and with a root of its own (``process_group=``: the stage's data-parallel group, or
 # its mesh -- ``mesh["dp", "tp"]`` -- when the stage is also tensor-parallel or HSDP, whose
-# checkpoints are written by every rank of the mesh). Creating a process
-# group is a collective of the whole job in which every rank names the same ranks, so the
-# ranks first exchange the groups they ask for (over the default group, bounded by the
-# collective timeout), check that they split the job (each rank in exactly one), and then
-# every rank creates every group in one order and keeps its own.
+# checkpoints are written by every rank of the mesh). Creating a process group is a
+# collective of the whole job in which every rank names the same ranks, so the ranks first
+# exchange the groups they ask for (over a gloo group of the whole job, made first as
+# before, bounded by the collective timeout), check that they split the job (each rank in
+# exactly one), and then every rank creates every group in one order and keeps its own. A
+# problem on any rank is raised on every rank.
 def _checkpoint_group(process_group) -> tuple:
-    """This rank's group's ranks (ascending) and its new gloo group, once every rank created
-    every asked-for group (Note [a Checkpointer per pipeline stage])."""
-    from ..comm.objects import all_gather_object as gather
-
+    """This rank's group's ranks (ascending) and its gloo group, once every rank created every
+    asked-for group (Note [a Checkpointer per pipeline stage])."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ..comm.objects import all_gather_object as gather
+
     me, world = dist.get_rank(), dist.get_world_size()
-    if process_group is None:
-        mine = list(range(world))
-    elif isinstance(process_group, DeviceMesh):  # e.g. mesh["dp", "tp"]: every rank of the stage's mesh
+    whole_job = dist.new_group(backend="gloo", timeout=collective_timeout())
+    mine, problem = list(range(world)), None
+    if isinstance(process_group, DeviceMesh):  # e.g. mesh["dp", "tp"]: every rank of the stage's mesh
         mine = sorted(int(r) for r in process_group.mesh.flatten().tolist())
-    else:
+    elif process_group is not None:
         mine = sorted(dist.get_process_group_ranks(process_group))
     if me not in mine:
-        raise ValueError(f"{Coordinator.NAME} (rank {me}): process_group {mine} does not hold this rank; pass the "
-                         "group of this rank's pipeline stage")
-    asked = gather(get_communicator(None), mine, tag=f"{Coordinator.NAME} groups")
-    groups = sorted({tuple(g) for g in asked})
-    holders = {r: [list(g) for g in groups if r in g] for r in range(world)}
-    bad = {r: g for r, g in holders.items() if len(g) != 1}
-    if bad:
-        raise ValueError(f"{Coordinator.NAME}: the ranks' process groups {[list(g) for g in asked]} do not split the "
-                         f"job into disjoint groups (rank {next(iter(bad))} is in {bad[next(iter(bad))]}); give each "
-                         "pipeline stage's ranks one group")
+        problem = f"rank {me}'s process_group {mine} does not hold it; pass the group of the rank's pipeline stage"
+    asked = gather(get_communicator(whole_job), (mine, problem), tag=f"{Coordinator.NAME} groups")
+    problem = next((p for _, p in asked if p is not None), None)
+    groups = sorted({tuple(g) for g, _ in asked})
+    if problem is None:
+        bad = {r: [list(g) for g in groups if r in g] for r in range(world)}
+        bad = {r: g for r, g in bad.items() if len(g) != 1}
+        if bad:
+            r = next(iter(bad))
+            problem = (f"the ranks' process groups {[g for g, _ in asked]} do not split the job into disjoint groups "
+                       f"(rank {r} is in {bad[r]}); give each pipeline stage's ranks one group")
+    if problem is not None:
+        raise ValueError(f"{Coordinator.NAME}: {problem}")
+    if groups == [tuple(range(world))]:
+        return mine, whole_job
     made = {g: dist.new_group(ranks=list(g), backend="gloo", timeout=collective_timeout()) for g in groups}
     return mine, made[tuple(mine)]
 

@@ -16,18 +16,27 @@ Note [pipeline stages of fully_shard modules]
     micro-batch backward but the stage's last runs with ``set_requires_gradient_sync(False)``
     (the gradients accumulate unsharded, in ``reduce_dtype``) and
     ``set_reshard_after_backward(False)`` (the parameters stay gathered for the next
-    micro-batch's backward); the last one -- the schedules say which: ``last_backward`` --
-    reduce-scatters the sum once and reshards. So one reduce-scatter per unit and step, as
-    FSDP2's. A schedule that never marks a last backward (a custom one) leaves the gradients
-    unreduced, and the optimizer step after it is refused by the step guard, naming the
-    unit, rather than stepping on partial gradients.
+    micro-batch's backward); the step's last one (counted, below) reduce-scatters the sum
+    once and reshards. So one reduce-scatter per unit and step, as
+    FSDP2's. A step that runs fewer backwards than micro-batches (a custom schedule) leaves
+    the gradients unreduced, and the optimizer step after it is refused by the step guard
+    rather than stepping on partial gradients.
 
     Zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
-    ``ScheduleDualPipeV``) split each backward into an input pass and a weight pass that
-    computes the weights' gradients with ``torch.autograd.grad`` and writes ``.grad``
-    itself, outside the gradient hooks a sharded unit reduces from: refused here by name.
-    (With torch's own ``PipelineStage`` they lose the gradients of such stages; torch
-    2.13's FSDP2 gets other weights from them than from 1F1B as well.)
+    ``ScheduleDualPipeV``) split each backward into an input pass (``B``) and a weight pass
+    (``W``, later, to fill the pipeline's bubbles) that computes the weights' gradients with
+    ``torch.autograd.grad`` and writes ``.grad`` itself, outside the gradient hooks a sharded
+    unit reduces from: with torch's own ``PipelineStage`` such a stage loses its gradients
+    (and torch 2.13's FSDP2 ends with other weights under them than under 1F1B). Here the
+    input pass of a sharded stage runs the whole backward -- weights included, through the
+    hooks -- and its weight pass has nothing left to do: right gradients, without the
+    bubbles' savings (the ``W`` slots stay idle). A warning says so once per stage. Which
+    backward is the step's last is counted rather than taken from the schedule: every
+    micro-batch's backward is computed once, in a full pass or an input pass (the first
+    stage, whose input pass torch skips, runs it in its weight pass), and the stage's
+    ``n_microbatches``-th of a step -- counted from its forward of micro-batch 0 -- reduces the
+    sum. (The schedules' own ``last_backward`` counts weight passes, which here compute
+    nothing.)
 
     Any other stage module (plain, or fusedist's DDP) is left to torch's stage as it is.
 """
@@ -35,6 +44,7 @@ Note [pipeline stages of fully_shard modules]
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
@@ -45,20 +55,43 @@ class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard``: one
     gradient reduction per step (Note [pipeline stages of fully_shard modules])."""
 
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
+            self._backward_passes = 0
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         from .fsdp import FullyShardedModule
 
         if not isinstance(self.submod, FullyShardedModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-        if backward_type != "full":
-            raise NotImplementedError(
-                f"fusedist.pipelining.PipelineStage (stage {self.stage_index}): a {backward_type!r} backward "
-                f"pass of a fully_shard stage ({type(self.submod).__name__}). Zero-bubble schedules compute "
-                "the weights' gradients with torch.autograd.grad outside the hooks a sharded unit reduces its "
-                "gradients from; use a schedule with full backwards (ScheduleGPipe, Schedule1F1B, "
-                "ScheduleInterleaved1F1B, ScheduleLoopedBFS)")
-        with _micro_batch(self.submod, last=bool(last_backward)):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if backward_type == "weight":
+            if bwd_kwargs.get("param_groups") is not None:
+                raise RuntimeError(f"fusedist.pipelining.PipelineStage (stage {self.stage_index}): a weight pass "
+                                   "after an input pass this stage did not run")
+            return (), None  # done by the input pass (Note [pipeline stages of fully_shard modules])
+        # Each micro-batch's backward is computed once, in a full pass or an input pass: the
+        # step's last one reduces the sum.
+        self._backward_passes = getattr(self, "_backward_passes", 0) + 1
+        last = self.chunks is None or self._backward_passes >= self.chunks
+        if backward_type == "input":
+            self._warn_input_pass_runs_whole_backward()
+            backward_type = "full"
+            bwd_kwargs = {key: bwd_kwargs[key] for key in ("stage_output", "output_grads", "input_values")}
+            if bwd_kwargs["output_grads"] is None and isinstance(bwd_kwargs["stage_output"], tuple):
+                (bwd_kwargs["stage_output"],) = bwd_kwargs["stage_output"]  # the last stage's loss
+        with _micro_batch(self.submod, last=last):
+            grads, _ = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last)
+        return grads, None
+
+    def _warn_input_pass_runs_whole_backward(self) -> None:
+        if not getattr(self, "_warned_input_pass", False):
+            self._warned_input_pass = True
+            warnings.warn(
+                f"fusedist.pipelining.PipelineStage (stage {self.stage_index}): a zero-bubble schedule's input pass "
+                "runs the whole backward of a fully_shard stage (weight gradients included, through the units' "
+                "gradient hooks) and its weight pass nothing: the gradients are right, the bubbles the weight "
+                "passes would fill stay (Note [pipeline stages of fully_shard modules])", stacklevel=3)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ For GPipe and 1F1B (one stage per rank) and interleaved 1F1B (two stages per ran
 micro-batches, 2 AdamW steps after a first one (whose metadata inference runs a backward of its
 own): the stages' whole parameters equal FSDP2's, with fusedist's ``PipelineStage`` and with
 torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's stage one per
-micro-batch. A zero-bubble backward's input pass is refused by name. A Checkpointer per stage
+micro-batch. Zero-bubble schedules (interleaved, ZBV, DualPipeV) train as the unsharded model
+does on the global batch. A Checkpointer per stage
 (``process_group=`` the stage's data-parallel group) saves and restores its stage exactly, as
 ``fusedist.checkpoint.save(..., process_group=)`` a stage its ranks hold whole; one Checkpointer
 for the whole job is refused. And the 3-D recipes on 8 ranks (pp x dp x tp, pp x HSDP): equal to
@@ -111,13 +112,6 @@ def _worker(rank, world_size, seed, root):
 
     out["checkpointer"] = _checkpointer_per_stage(mesh, seed, root)
 
-    # a zero-bubble schedule's input pass: refused by name
-    module = _stage_module(0, 2, seed)
-    fusedist.fully_shard(module, mesh=mesh["dp"])
-    stage = PipelineStage(module, mesh["pp"].get_local_rank(), 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    with pytest.raises(NotImplementedError) as refused:
-        stage.backward_maybe_with_nosync("input", {}, last_backward=False)
-    out["zero bubble"] = str(refused.value)
     return out
 
 
@@ -131,7 +125,6 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp
             units = BLOCKS_PER_STAGE * stages_per_rank  # the stage modules' roots hold no parameters
             assert got["issued"] == units * STEPS, (rank, name, got)
             assert got["issued by torch's stage"] == units * STEPS * MICRO_BATCHES, (rank, name, got)
-        assert "Zero-bubble schedules" in out["zero bubble"] and "'input' backward" in out["zero bubble"], out
         checkpointer = out["checkpointer"]
         assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
         assert checkpointer["restored"] == [0, 1] and checkpointer["equal"], (rank, checkpointer)
@@ -365,3 +358,85 @@ def test_pipeline_with_hsdp_stages_matches_fsdp2(tmp_path):
     for rank, out in enumerate(per_rank):
         assert out["diff"] < 1e-6, (seed, rank, out)
         assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)
+
+
+# ------------------------------------------------------------------ zero-bubble schedules
+def _unsharded_reference(seed, steps, data_ranks) -> list:
+    """The whole 4-stage model trained on the global batch (every data-parallel rank's
+    micro-batches) with AdamW in one process: each stage's state dict after ``steps`` steps."""
+    modules = [_stage_module(i, 4, seed) for i in range(4)]
+    whole = nn.Sequential(*modules)
+    opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    generators = [torch.Generator().manual_seed(seed + r) for r in range(data_ranks)]
+    for _ in range(steps):
+        batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for g in generators]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        ((whole(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [m.state_dict() for m in modules]
+
+
+def _zero_bubble_worker(rank, world_size, seed):
+    import warnings
+
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    r = pp.get_local_rank()
+    reference = _unsharded_reference(seed, 1 + STEPS, dp.size())
+    out = {}
+    for name, placement in (("ScheduleInterleavedZeroBubble", (r, r + 2)), ("ScheduleZBVZeroBubble", (r, 3 - r)),
+                            ("ScheduleDualPipeV", (r, 3 - r))):
+        modules, stages = [], []
+        for index in placement:
+            module = _stage_module(index, 4, seed)
+            for block in module:
+                fusedist.fully_shard(block, mesh=dp)
+            fusedist.fully_shard(module, mesh=dp)
+            modules.append(module)
+            stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=pp.get_group()))
+        schedule = getattr(pipelining, name)(stages, n_microbatches=MICRO_BATCHES,
+                                             loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+        counted = _count_reduce_scatters(modules[0])
+        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(1 + STEPS):
+                if step == 1:
+                    counted.clear()
+                x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+                args = (x,) if 0 in placement else ()
+                kwargs = dict(target=y, losses=[]) if 3 in placement else {}
+                schedule.step(*args, **kwargs)
+                opt.step()
+                opt.zero_grad()
+        ours = [fusedist.fsdp.full_state_dict(m) for m in modules]
+        out[name] = {"diff": _max_diff(ours, [reference[i] for i in placement]), "issued": len(counted),
+                     "warned": sum("runs the whole backward" in str(w.message) for w in caught)}
+    return out
+
+
+def test_zero_bubble_schedules_train_as_the_unsharded_model():
+    """Zero-bubble schedules over fully_shard stages (Note [pipeline stages of fully_shard
+    modules]): the input pass runs the whole backward, the weight pass nothing, the step's last
+    backward reduces the sum. 4 stages over 2 pipeline ranks (looped and V placements) x 2
+    data-parallel ranks, against the unsharded 4-stage model trained on the global batch:
+    another summation order (micro-batch means averaged, then over the ranks), magnified by
+    AdamW where gradients nearly cancel (1e-4, as above); one reduce-scatter per unit and step.
+    (torch 2.13's FSDP2 under these schedules ends with weights 2-4e-2 away from 1F1B's; with
+    torch's own PipelineStage a fusedist stage loses its gradients.)"""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    per_rank = run_distributed(_zero_bubble_worker, 4, seed, timeout=300)
+    for rank, out in enumerate(per_rank):
+        for name, got in out.items():
+            assert got["diff"] < 1e-4, (seed, rank, name, got)
+            # stages 1-3 run input passes (stage 0's backward is its weight pass): one warning each
+            assert got["issued"] == BLOCKS_PER_STAGE * 2 * STEPS, (rank, name, got)
+            assert got["warned"] >= 1, (rank, name, got)

@@ -52,8 +52,8 @@ class RestoreMixin:
                 f"Checkpointer (rank {self.rank}): the model is saved by the {saving} ranks of its data-parallel "
                 f"group, the Checkpointer's group has {self.world_size} (ranks {self._coord.ranks}): the ranks of "
                 "other groups would write other models into one checkpoint. Under pipeline parallelism give "
-                "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', "
-                "process_group=<the stage's data-parallel group>)"
+                "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', process_group=<the "
+                "stage's data-parallel group, or its mesh, mesh['dp', 'tp'], for a tensor-parallel or HSDP stage>)"
             )
         self._writer.wait()
         self._restores_trusted = bool(trusted)  # Note [checkpoints the restore cannot read]

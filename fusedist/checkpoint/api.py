@@ -56,9 +56,10 @@ class _World:
     """Rank, size and collectives for one save/load: the optimizer's data-parallel group for
     ZeRO, the units' group for a ``fully_shard`` model (on HSDP or with tensor parallelism
     ``process_group`` when given, else the default group: ``stage3.comm_of``), a fusedist DDP
-    model's group, else ``process_group``, else the default group, else a single process. Its exchanges go through the
-    communicator (bounded, monitored), so a rank missing from a save or load is named in a
-    StallError, and ranks in different checkpoint calls are told which call each is in."""
+    model's group, else ``process_group``, else the default group, else a single process.
+    Its exchanges go through the communicator (bounded, monitored), so a rank missing from a
+    save or load is named in a StallError, and ranks in different checkpoint calls are told
+    which call each is in."""
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
         self.comm = None
@@ -440,6 +441,8 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     since); a key both have with another shape is still refused, as torch refuses it. The
     optimizer state belongs to a list of parameters, so an optimizer is still loaded only into
     the very parameters that saved it: pass ``optimizer=None`` to start a new one.
+
+    ``process_group``: as in :func:`save` (a pipeline stage's ranks).
 
     ``directory`` may also be a checkpoint of torch's distributed checkpoint (``dcp.save`` of
     ``get_state_dict``'s model and optimizer state): e.g. a torch DDP + AdamW job continued on

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over ``fully_shard`` stages: torch's ``PipelineStage`` that reduces a
+"""Pipeline parallelism over sharded (or DDP) stages: torch's ``PipelineStage`` that reduces a
 stage's gradients once per step, not once per micro-batch.
 
 Note [pipeline stages of fully_shard modules]
@@ -38,7 +38,15 @@ Note [pipeline stages of fully_shard modules]
     sum. (The schedules' own ``last_backward`` counts weight passes, which here compute
     nothing.)
 
-    Any other stage module (plain, or fusedist's DDP) is left to torch's stage as it is.
+Note [pipeline stages of DDP modules]
+    A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
+    module) is treated alike, through its engine's switch for the next backward: torch's
+    ``no_sync`` is read at the forward, and a pipeline runs its forwards micro-batches ahead
+    of their backwards (1F1B runs a stage's first forwards before its first backward), so the
+    switch is set right before each backward instead -- accumulate, or (the step's last)
+    all-reduce the sum. Zero-bubble schedules run as for sharded stages. (For
+    torch's own DDP, torch's schedules reach into its reducer; under torch 2.13 they fail in
+    its bucket rebuild at the first step.) Any other stage module is left to torch's stage.
 """
 
 from __future__ import annotations
@@ -52,8 +60,9 @@ __all__ = ["PipelineStage"]
 
 
 class PipelineStage(_TorchPipelineStage):
-    """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard``: one
-    gradient reduction per step (Note [pipeline stages of fully_shard modules])."""
+    """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard`` or
+    wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
+    fully_shard modules], Note [pipeline stages of DDP modules])."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
@@ -61,9 +70,8 @@ class PipelineStage(_TorchPipelineStage):
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        from .fsdp import FullyShardedModule
-
-        if not isinstance(self.submod, FullyShardedModule):
+        sync_only_if = _sync_switch(self.submod)
+        if sync_only_if is None:  # not a module of fusedist's data parallelism: torch's stage decides
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         if backward_type == "weight":
             if bwd_kwargs.get("param_groups") is not None:
@@ -80,7 +88,7 @@ class PipelineStage(_TorchPipelineStage):
             bwd_kwargs = {key: bwd_kwargs[key] for key in ("stage_output", "output_grads", "input_values")}
             if bwd_kwargs["output_grads"] is None and isinstance(bwd_kwargs["stage_output"], tuple):
                 (bwd_kwargs["stage_output"],) = bwd_kwargs["stage_output"]  # the last stage's loss
-        with _micro_batch(self.submod, last=last):
+        with sync_only_if(last):
             grads, _ = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last)
         return grads, None
 
@@ -89,9 +97,9 @@ class PipelineStage(_TorchPipelineStage):
             self._warned_input_pass = True
             warnings.warn(
                 f"fusedist.pipelining.PipelineStage (stage {self.stage_index}): a zero-bubble schedule's input pass "
-                "runs the whole backward of a fully_shard stage (weight gradients included, through the units' "
-                "gradient hooks) and its weight pass nothing: the gradients are right, the bubbles the weight "
-                "passes would fill stay (Note [pipeline stages of fully_shard modules])", stacklevel=3)
+                "runs the whole backward of the stage (weight gradients included, through the gradient hooks "
+                "fusedist reduces from) and its weight pass nothing: the gradients are right, the bubbles the "
+                "weight passes would fill stay (Note [pipeline stages of fully_shard modules])", stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -109,3 +117,30 @@ def _micro_batch(module, last: bool):
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+
+
+def _sync_switch(module):
+    """How to make the next backward of a stage module synchronize its gradients or only
+    accumulate them: a context manager taking ``last``, or None for a module fusedist does not
+    reduce (Note [pipeline stages of fully_shard modules])."""
+    from .ddp import DistributedDataParallel
+    from .ddp.replicate import wrapper_of
+    from .fsdp import FullyShardedModule
+
+    if isinstance(module, FullyShardedModule):
+        return lambda last: _micro_batch(module, last)
+    engine = module if isinstance(module, DistributedDataParallel) else wrapper_of(module)
+    if engine is None:
+        return None
+    return lambda last: _ddp_backward(engine, last)
+
+
+@contextlib.contextmanager
+def _ddp_backward(engine, last: bool):
+    """The DDP engine's next backward synchronizes only if it is the step's last: its switch is
+    read when a backward begins, not at the forward, which a pipeline runs micro-batches ahead."""
+    engine.reducer.next_backward_sync = last
+    try:
+        yield
+    finally:
+        engine.reducer.next_backward_sync = True

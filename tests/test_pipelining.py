@@ -361,10 +361,10 @@ def test_pipeline_with_hsdp_stages_matches_fsdp2(tmp_path):
 
 
 # ------------------------------------------------------------------ zero-bubble schedules
-def _unsharded_reference(seed, steps, data_ranks) -> list:
-    """The whole 4-stage model trained on the global batch (every data-parallel rank's
-    micro-batches) with AdamW in one process: each stage's state dict after ``steps`` steps."""
-    modules = [_stage_module(i, 4, seed) for i in range(4)]
+def _unsharded_reference(seed, steps, data_ranks, num_stages: int = 4) -> list:
+    """The whole model of ``num_stages`` stages trained on the global batch (every data-parallel
+    rank's micro-batches) with AdamW in one process: each stage's state dict after ``steps`` steps."""
+    modules = [_stage_module(i, num_stages, seed) for i in range(num_stages)]
     whole = nn.Sequential(*modules)
     opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
     generators = [torch.Generator().manual_seed(seed + r) for r in range(data_ranks)]
@@ -440,3 +440,77 @@ def test_zero_bubble_schedules_train_as_the_unsharded_model():
             # stages 1-3 run input passes (stage 0's backward is its weight pass): one warning each
             assert got["issued"] == BLOCKS_PER_STAGE * 2 * STEPS, (rank, name, got)
             assert got["warned"] >= 1, (rank, name, got)
+
+
+# ------------------------------------------------------- stages wrapped by fusedist's DDP
+def _count_all_reduces(engine) -> list:
+    comm = engine.comm
+    issued, issue = [], comm.all_reduce
+
+    def counted(*args, **kwargs):
+        issued.append(kwargs.get("tag", ""))
+        return issue(*args, **kwargs)
+
+    comm.all_reduce = counted
+    return issued
+
+
+def _ddp_worker(rank, world_size, seed):
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.ddp.replicate import wrapper_of
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    r = pp.get_local_rank()
+    out = {}
+    cases = (("DistributedDataParallel", "Schedule1F1B", (r,)), ("replicate", "Schedule1F1B", (r,)),
+             ("DistributedDataParallel", "ScheduleInterleavedZeroBubble", (r, r + 2)))
+    for wrap, name, placement in cases:
+        num_stages = 2 * len(placement)
+        modules, stages = [], []
+        for index in placement:
+            module = _stage_module(index, num_stages, seed)
+            wrapped = (fusedist.DistributedDataParallel(module, process_group=dp.get_group())
+                       if wrap == "DistributedDataParallel" else fusedist.replicate(module, device_mesh=dp))
+            modules.append(module)
+            stages.append(PipelineStage(wrapped, index, num_stages, torch.device("cpu"), group=pp.get_group()))
+        schedule = getattr(pipelining, name)(stages if len(stages) > 1 else stages[0],
+                                             n_microbatches=MICRO_BATCHES, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+        issued = None
+        for step in range(1 + STEPS):
+            if step == 1:  # (a replicated module's engine is built at its first forward)
+                engine = stages[0].submod if wrap == "DistributedDataParallel" else wrapper_of(modules[0])
+                issued = _count_all_reduces(engine)
+            x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+            args = (x,) if 0 in placement else ()
+            kwargs = dict(target=y, losses=[]) if num_stages - 1 in placement else {}
+            schedule.step(*args, **kwargs)
+            opt.step()
+            opt.zero_grad()
+        reference = _unsharded_reference(seed, 1 + STEPS, dp.size(), num_stages)
+        out[f"{wrap}, {name}"] = {"diff": _max_diff([m.state_dict() for m in modules],
+                                                    [reference[i] for i in placement]),
+                                  "buckets": sum(t.startswith("ddp bucket") for t in issued)}
+    return out
+
+
+def test_stages_of_fusedist_ddp_reduce_once_per_step():
+    """Stage modules wrapped by fusedist.DistributedDataParallel or fusedist.replicate: the
+    engine's switch is set for each backward (its forwards run micro-batches ahead), so the
+    stage's last backward all-reduces the sum, once per step (torch's own stage: once per
+    micro-batch, and torch's DDP under torch 2.13's schedules fails in its bucket rebuild on the
+    first step); 1F1B and interleaved zero-bubble, against the unsharded model on the global
+    batch (tolerance as above)."""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    per_rank = run_distributed(_ddp_worker, 4, seed, timeout=300)
+    for rank, out in enumerate(per_rank):
+        for case, got in out.items():
+            assert got["diff"] < 1e-4, (seed, rank, case, got)
+            # one bucket per stage, once a step (a rank's stages share the data-parallel communicator)
+            assert got["buckets"] == (2 if "ZeroBubble" in case else 1) * STEPS, (rank, case, got)

@@ -105,12 +105,16 @@ class PipelineStage(_TorchPipelineStage):
 @contextlib.contextmanager
 def _micro_batch(module, last: bool):
     """Accumulate without communication, parameters kept gathered, unless it is the stage's
-    last backward of the step; the module's own settings come back afterwards."""
-    saved = [(owner, name, getattr(owner, name)) for st in module._fs_states()
+    last backward of the step (and the user has not switched gradient sync off); the module's
+    own settings come back afterwards."""
+    states = module._fs_states()
+    saved = [(owner, name, getattr(owner, name)) for st in states
              for owner, names in ((st, ("requires_all_reduce",)), (st.grads, ("reduce_grads", "all_reduce_grads")),
                                   (st.unit, ("reshard_after_backward",)))
              if owner is not None for name in names]
-    module.set_requires_gradient_sync(last)
+    # the user's own set_requires_gradient_sync(False) (accumulating across steps) still holds
+    user_sync = all(st.grads.reduce_grads for st in states if st.grads is not None)
+    module.set_requires_gradient_sync(last and user_sync)
     module.set_reshard_after_backward(last)
     try:
         yield
@@ -129,10 +133,14 @@ def _sync_switch(module):
 
     if isinstance(module, FullyShardedModule):
         return lambda last: _micro_batch(module, last)
-    engine = module if isinstance(module, DistributedDataParallel) else wrapper_of(module)
+    if isinstance(module, DistributedDataParallel):
+        return lambda last: _ddp_backward(module, last and module._no_sync_depth == 0)
+    engine = wrapper_of(module)
     if engine is None:
         return None
-    return lambda last: _ddp_backward(engine, last)
+    from .ddp.replicate import _STATE
+
+    return lambda last: _ddp_backward(engine, last and module.__dict__[_STATE].requires_gradient_sync)
 
 
 @contextlib.contextmanager

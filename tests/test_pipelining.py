@@ -514,3 +514,66 @@ def test_stages_of_fusedist_ddp_reduce_once_per_step():
             assert got["diff"] < 1e-4, (seed, rank, case, got)
             # one bucket per stage, once a step (a rank's stages share the data-parallel communicator)
             assert got["buckets"] == (2 if "ZeroBubble" in case else 1) * STEPS, (rank, case, got)
+
+
+def _no_sync_worker(rank, world_size, seed):
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    out = {}
+    from fusedist.ddp.replicate import wrapper_of
+
+    for wrap in ("fully_shard", "DistributedDataParallel", "replicate"):
+        module = _stage_module(pp.get_local_rank(), 2, seed)
+        if wrap == "fully_shard":
+            for block in module:
+                fusedist.fully_shard(block, mesh=dp)
+            stage_module = fusedist.fully_shard(module, mesh=dp)
+        elif wrap == "replicate":
+            stage_module = fusedist.replicate(module, device_mesh=dp)
+        else:
+            stage_module = fusedist.DistributedDataParallel(module, process_group=dp.get_group())
+        stage = PipelineStage(stage_module, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
+        schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES,
+                                           loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+
+        def step():
+            x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+            schedule.step(x) if pp.get_local_rank() == 0 else schedule.step(target=y, losses=[])
+
+        step()  # (the first step infers the stages' shapes)
+        if wrap == "fully_shard":
+            issued = _count_reduce_scatters(module)
+            stage_module.set_requires_gradient_sync(False)
+            step()
+            stage_module.set_requires_gradient_sync(True)
+        elif wrap == "replicate":
+            issued = _count_all_reduces(wrapper_of(module))
+            stage_module.set_requires_gradient_sync(False)
+            step()
+            stage_module.set_requires_gradient_sync(True)
+        else:
+            issued = _count_all_reduces(stage_module)
+            with stage_module.no_sync():
+                step()
+        out[wrap] = [sum(1 for t in issued if t != "ddp step check")]
+        step()  # synchronized: the sum of both steps reduced once
+        out[wrap].append(sum(1 for t in issued if t != "ddp step check"))
+    return out
+
+
+def test_a_users_own_no_sync_holds_over_the_pipeline_step():
+    """Accumulating across steps (``set_requires_gradient_sync(False)``, DDP's ``no_sync``) is
+    the user's: fusedist's stage does not reduce at the step's last backward then; the next
+    synchronized step reduces the sum once per unit or bucket."""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    per_rank = run_distributed(_no_sync_worker, 4, seed, timeout=300)
+    for rank, out in enumerate(per_rank):
+        assert out == {"fully_shard": [0, BLOCKS_PER_STAGE], "DistributedDataParallel": [0, 1],
+                       "replicate": [0, 1]}, (rank, out)

@@ -18,7 +18,9 @@ Note [pipeline stages of fully_shard modules]
     ``set_reshard_after_backward(False)`` (the parameters stay gathered for the next
     micro-batch's backward); the step's last one (counted, below) reduce-scatters the sum
     once and reshards. So one reduce-scatter per unit and step, as
-    FSDP2's. A step that runs fewer backwards than micro-batches (a custom schedule) leaves
+    FSDP2's. The user's own switch still holds: under ``set_requires_gradient_sync(False)``
+    (accumulating across steps; DDP's ``no_sync`` likewise) the last backward accumulates
+    too. A step that runs fewer backwards than micro-batches (a custom schedule) leaves
     the gradients unreduced, and the optimizer step after it is refused by the step guard
     rather than stepping on partial gradients.
 

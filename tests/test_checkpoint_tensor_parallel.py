@@ -184,3 +184,44 @@ def test_region_fragments_must_tile_the_parameter_once():
                         "both box and range")):
         with pytest.raises(zstate.StateDictError, match=why):
             zstate.assemble({0: frags}, whole, [0], source="s")
+
+
+def _settings_worker(rank, world_size, seed, root):
+    """Tensor-parallel checkpoints under other settings: CPU offload, fusedist's FusedAdamW,
+    bf16 gathers, reshard_after_forward=False with SGD's momentum; each saved at 2x2 and
+    loaded at 1x4, exactly."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    settings = {
+        "offload": (dict(offload_policy=fusedist.CPUOffloadPolicy(pin_memory=False)), _fresh_optimizer),
+        "FusedAdamW": ({}, lambda m: fusedist.optim.FusedAdamW(m.parameters(), lr=1e-2)),
+        "bf16 gathers": (dict(mp_policy=fusedist.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32)), _fresh_optimizer),
+        "reshard_after_forward=False": (dict(reshard_after_forward=False),
+                                        lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)),
+    }
+    out = {}
+    for name, (kwargs, make_optimizer) in settings.items():
+        model = _build(mesh, fusedist.fully_shard, seed, **kwargs)
+        opt = make_optimizer(model)
+        _continue(model, opt, mesh, seed)
+        saved = _full(model, opt)
+        where = os.path.join(root, name)
+        fusedist.checkpoint.save(where, model, opt)
+        fresh = _build(wide, fusedist.fully_shard, seed + 1, **kwargs)
+        fresh_opt = make_optimizer(fresh)
+        fusedist.checkpoint.load(where, fresh, fresh_opt)
+        out[name] = _differences(_full(fresh, fresh_opt), saved)
+    return out
+
+
+def test_tensor_parallel_checkpoints_under_other_settings(tmp_path):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    per_rank = run_distributed(_settings_worker, 4, seed, str(tmp_path), timeout=300)
+    for rank, out in enumerate(per_rank):
+        for name, bad in out.items():
+            assert bad == [], (name, seed, rank, bad)

@@ -46,9 +46,9 @@ def _train(schedule_name, shard, stage_class, mesh, stages_per_rank, seed):
 
     pp, dp = mesh["pp"], mesh["dp"]
     num_stages = pp.size() * stages_per_rank
+    placement = [pp.get_local_rank() + k * pp.size() for k in range(stages_per_rank)]
     modules, stages = [], []
-    for k in range(stages_per_rank):
-        index = pp.get_local_rank() + k * pp.size()
+    for index in placement:
         module = _stage_module(index, num_stages, seed)
         for block in module:
             shard(block, mesh=dp)
@@ -61,16 +61,8 @@ def _train(schedule_name, shard, stage_class, mesh, stages_per_rank, seed):
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
     counted = _count_reduce_scatters(modules[0]) if shard.__module__.startswith("fusedist") else None
     g = torch.Generator().manual_seed(seed + dp.get_local_rank())
-    for step in range(1 + STEPS):
-        if step == 1 and counted is not None:
-            counted.clear()
-        x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-        if pp.get_local_rank() == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
-        opt.step()
-        opt.zero_grad()
+    _run_steps(schedule, opt, g, placement, num_stages,
+               before=lambda step: counted.clear() if step == 1 and counted is not None else None)
     full = StateDictOptions(full_state_dict=True)
     return [get_model_state_dict(m, options=full) for m in modules], None if counted is None else len(counted)
 
@@ -91,6 +83,20 @@ def _count_reduce_scatters(module) -> list:
 
 def _max_diff(ours: list, theirs: list) -> float:
     return max(float((a[k] - b[k]).abs().max()) for a, b in zip(ours, theirs) for k in b)
+
+
+def _run_steps(schedule, opt, g, placement, num_stages, before=lambda step: None) -> None:
+    """1 + STEPS training steps: each data-parallel rank draws its batch from ``g``; the rank
+    holding stage 0 feeds it, the one holding the last stage takes the target (a V placement
+    holds both)."""
+    for step in range(1 + STEPS):
+        before(step)
+        x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+        args = (x,) if 0 in placement else ()
+        schedule.step(*args, **(dict(target=y, losses=[]) if num_stages - 1 in placement else {}))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
 
 
 def _worker(rank, world_size, seed, root):
@@ -204,7 +210,7 @@ def _optimizer_state(module, opt) -> dict:
     return {f"{name}/{k}": v.clone() for name, st in state.items() for k, v in st.items()}
 
 
-# ------------------------------------------------- pipeline x data x tensor parallelism (3-D)
+# ---------------------------------------------- 3-D: pipeline x tensor parallelism, x HSDP
 class _TensorParallelBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -214,107 +220,45 @@ class _TensorParallelBlock(nn.Module):
         return x + self.w2(torch.relu(self.w1(x)))
 
 
-def _train_3d(shard, stage_class, mesh, seed) -> dict:
-    """torchtitan's 3-D recipe in small: a column-/row-wise plan on mesh["tp"], fully_shard on
-    mesh["dp"], 1F1B over mesh["pp"]; the stage's global parameters after 3 AdamW steps."""
-    from torch.distributed import pipelining
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _stage_3d(kind: str, shard, mesh, seed):
+    """This rank's stage of torchtitan's 3-D recipes in small: ``"tp"``, a column-/row-wise plan
+    on mesh["tp"] and fully_shard on mesh["dp"]; ``"hsdp"``, fully_shard on
+    mesh["dp_replicate", "dp_shard"]. Returns the module and its data-parallel rank."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
-    torch.manual_seed(seed)
-    blocks = [_TensorParallelBlock() for _ in range(2 * BLOCKS_PER_STAGE)]
-    module = nn.Sequential(*blocks[pp.get_local_rank() * BLOCKS_PER_STAGE:][:BLOCKS_PER_STAGE])
+    stage = mesh["pp"].get_local_rank()
+    if kind == "tp":
+        torch.manual_seed(seed)
+        blocks = [_TensorParallelBlock() for _ in range(2 * BLOCKS_PER_STAGE)]
+        module = nn.Sequential(*blocks[stage * BLOCKS_PER_STAGE:][:BLOCKS_PER_STAGE])
+        dp, data_rank = mesh["dp"], mesh["dp"].get_local_rank()
+    else:
+        module = _stage_module(stage, 2, seed)
+        dp = mesh["dp_replicate", "dp_shard"]
+        data_rank = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
     for block in module:
-        parallelize_module(block, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        if kind == "tp":
+            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         shard(block, mesh=dp)
     shard(module, mesh=dp)
-    stage = stage_class(module, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
-    schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES,
-                                       loss_fn=lambda out, target: ((out - target) ** 2).mean())
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(seed + dp.get_local_rank())
-    for _ in range(1 + STEPS):
-        x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-        if pp.get_local_rank() == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
-        opt.step()
-        opt.zero_grad()
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)), module, opt
+    return module, data_rank
 
 
-def _worker_3d(rank, world_size, seed, root):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
-
-    import fusedist
-    from fusedist.pipelining import PipelineStage
-
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    ours, module, opt = _train_3d(fusedist.fully_shard, PipelineStage, mesh, seed)
-    theirs, _, _ = _train_3d(torch_fully_shard, TorchPipelineStage, mesh, seed)
-    out = {"diff": _max_diff([ours], [theirs])}
-
-    # a Checkpointer per stage over the stage's (dp, tp) mesh: its tensor-parallel checkpoint is
-    # written by every rank of that mesh (Note [a Checkpointer per pipeline stage])
-    import os
-
-    where = os.path.join(root, f"stage{mesh['pp'].get_local_rank()}")
-    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp", "tp"], async_save=False)
-    out["restored"] = [periodic.restore(module, opt)]
-    periodic.save(3)
-    periodic.close()
-    saved = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, opt))
-    _, fresh, fresh_opt = _train_3d(fusedist.fully_shard, PipelineStage, mesh, seed + 1)
-    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp", "tp"])
-    out["restored"].append(periodic.restore(fresh, fresh_opt))
-    periodic.close()
-    restored = (fusedist.fsdp.full_state_dict(fresh), _optimizer_state(fresh, fresh_opt))
-    out["equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
-    return out
-
-
-def test_pipeline_with_tensor_parallel_fully_shard_stages_matches_fsdp2(tmp_path):
-    """8 ranks, (pp 2, dp 2, tp 2): fusedist's stages equal FSDP2's under 1F1B (tolerance as
-    above), and a Checkpointer per stage restores its stage exactly."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_worker_3d, 8, seed, str(tmp_path), timeout=300)
-    for rank, out in enumerate(per_rank):
-        assert out["diff"] < 1e-6, (seed, rank, out)
-        assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)
-
-
-# --------------------------------------------------------------- pipeline x HSDP (3-D)
-def _train_hsdp(shard, stage_class, mesh, seed):
-    """Stages sharded with HSDP on mesh["dp_replicate", "dp_shard"], 1F1B over mesh["pp"]."""
+def _train_3d(kind: str, shard, stage_class, mesh, seed):
+    """1 + STEPS AdamW steps of 1F1B over mesh["pp"]: the stage module and its optimizer."""
     from torch.distributed import pipelining
 
-    pp, dp = mesh["pp"], mesh["dp_replicate", "dp_shard"]
-    module = _stage_module(pp.get_local_rank(), 2, seed)
-    for block in module:
-        shard(block, mesh=dp)
-    shard(module, mesh=dp)
+    pp = mesh["pp"]
+    module, data_rank = _stage_3d(kind, shard, mesh, seed)
     stage = stage_class(module, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
     schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES,
                                        loss_fn=lambda out, target: ((out - target) ** 2).mean())
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    data_rank = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
-    g = torch.Generator().manual_seed(seed + data_rank)
-    for _ in range(1 + STEPS):
-        x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-        if pp.get_local_rank() == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
-        opt.step()
-        opt.zero_grad()
+    _run_steps(schedule, opt, torch.Generator().manual_seed(seed + data_rank), [pp.get_local_rank()], 2)
     return module, opt
 
 
-def _worker_hsdp(rank, world_size, seed, root):
+def _worker_3d(rank, world_size, kind, seed, root):
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -324,19 +268,23 @@ def _worker_hsdp(rank, world_size, seed, root):
     import fusedist
     from fusedist.pipelining import PipelineStage
 
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-    ours, opt = _train_hsdp(fusedist.fully_shard, PipelineStage, mesh, seed)
-    theirs, _ = _train_hsdp(torch_fully_shard, TorchPipelineStage, mesh, seed)
+    names = ("pp", "dp", "tp") if kind == "tp" else ("pp", "dp_replicate", "dp_shard")
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    ours, opt = _train_3d(kind, fusedist.fully_shard, PipelineStage, mesh, seed)
+    theirs, _ = _train_3d(kind, torch_fully_shard, TorchPipelineStage, mesh, seed)
     saved = (fusedist.fsdp.full_state_dict(ours), _optimizer_state(ours, opt))
     out = {"diff": _max_diff([saved[0]], [_full_model(theirs)])}
-    # a Checkpointer per stage over the stage's HSDP mesh (the first replica writes the pieces)
+
+    # a Checkpointer per stage over the stage's mesh: a tensor-parallel or HSDP checkpoint is
+    # written by every rank of it (Note [a Checkpointer per pipeline stage])
+    stage_mesh = mesh[names[1], names[2]]
     where = os.path.join(root, f"stage{mesh['pp'].get_local_rank()}")
-    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp_replicate", "dp_shard"])
+    periodic = fusedist.checkpoint.Checkpointer(where, process_group=stage_mesh)
     out["restored"] = [periodic.restore(ours, opt)]
     periodic.save(3)
     periodic.close()
-    fresh, fresh_opt = _train_hsdp(fusedist.fully_shard, PipelineStage, mesh, seed + 1)
-    periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp_replicate", "dp_shard"])
+    fresh, fresh_opt = _train_3d(kind, fusedist.fully_shard, PipelineStage, mesh, seed + 1)
+    periodic = fusedist.checkpoint.Checkpointer(where, process_group=stage_mesh)
     out["restored"].append(periodic.restore(fresh, fresh_opt))
     periodic.close()
     restored = (fusedist.fsdp.full_state_dict(fresh), _optimizer_state(fresh, fresh_opt))
@@ -350,11 +298,13 @@ def _full_model(module) -> dict:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
 
 
-def test_pipeline_with_hsdp_stages_matches_fsdp2(tmp_path):
-    """8 ranks, (pp 2, dp_replicate 2, dp_shard 2): fusedist's HSDP stages equal FSDP2's under
-    1F1B (tolerance as above), and a Checkpointer per stage restores its stage exactly."""
+@pytest.mark.parametrize("kind", ["tp", "hsdp"])
+def test_3d_pipeline_stages_match_fsdp2(kind, tmp_path):
+    """8 ranks, (pp 2, dp 2, tp 2) or (pp 2, dp_replicate 2, dp_shard 2): fusedist's stages equal
+    FSDP2's under 1F1B (tolerance as above), and a Checkpointer per stage, over the stage's
+    mesh, restores its stage exactly."""
     seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_worker_hsdp, 8, seed, str(tmp_path), timeout=300)
+    per_rank = run_distributed(_worker_3d, 8, kind, seed, str(tmp_path), timeout=300)
     for rank, out in enumerate(per_rank):
         assert out["diff"] < 1e-6, (seed, rank, out)
         assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)
@@ -408,15 +358,7 @@ def _zero_bubble_worker(rank, world_size, seed):
         g = torch.Generator().manual_seed(seed + dp.get_local_rank())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(1 + STEPS):
-                if step == 1:
-                    counted.clear()
-                x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-                args = (x,) if 0 in placement else ()
-                kwargs = dict(target=y, losses=[]) if 3 in placement else {}
-                schedule.step(*args, **kwargs)
-                opt.step()
-                opt.zero_grad()
+            _run_steps(schedule, opt, g, placement, 4, before=lambda step: counted.clear() if step == 1 else None)
         ours = [fusedist.fsdp.full_state_dict(m) for m in modules]
         out[name] = {"diff": _max_diff(ours, [reference[i] for i in placement]), "issued": len(counted),
                      "warned": sum("runs the whole backward" in str(w.message) for w in caught)}
@@ -443,15 +385,18 @@ def test_zero_bubble_schedules_train_as_the_unsharded_model():
 
 
 # ------------------------------------------------------- stages wrapped by fusedist's DDP
-def _count_all_reduces(engine) -> list:
-    comm = engine.comm
-    issued, issue = [], comm.all_reduce
-
+def _counting(issue, issued: list):
+    """``issue`` (a communicator's all_reduce), recording each call's tag in ``issued``."""
     def counted(*args, **kwargs):
         issued.append(kwargs.get("tag", ""))
         return issue(*args, **kwargs)
 
-    comm.all_reduce = counted
+    return counted
+
+
+def _count_all_reduces(engine) -> list:
+    issued = []
+    engine.comm.all_reduce = _counting(engine.comm.all_reduce, issued)
     return issued
 
 
@@ -482,17 +427,14 @@ def _ddp_worker(rank, world_size, seed):
                                              n_microbatches=MICRO_BATCHES, loss_fn=lambda o, t: ((o - t) ** 2).mean())
         opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
         g = torch.Generator().manual_seed(seed + dp.get_local_rank())
-        issued = None
-        for step in range(1 + STEPS):
+        issued = []
+
+        def count_from_step_1(step):
             if step == 1:  # (a replicated module's engine is built at its first forward)
                 engine = stages[0].submod if wrap == "DistributedDataParallel" else wrapper_of(modules[0])
-                issued = _count_all_reduces(engine)
-            x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
-            args = (x,) if 0 in placement else ()
-            kwargs = dict(target=y, losses=[]) if num_stages - 1 in placement else {}
-            schedule.step(*args, **kwargs)
-            opt.step()
-            opt.zero_grad()
+                engine.comm.all_reduce = _counting(engine.comm.all_reduce, issued)
+
+        _run_steps(schedule, opt, g, placement, num_stages, before=count_from_step_1)
         reference = _unsharded_reference(seed, 1 + STEPS, dp.size(), num_stages)
         out[f"{wrap}, {name}"] = {"diff": _max_diff([m.state_dict() for m in modules],
                                                     [reference[i] for i in placement]),

@@ -130,18 +130,16 @@ def _sync_switch(module):
     accumulate them: a context manager taking ``last``, or None for a module fusedist does not
     reduce (Note [pipeline stages of fully_shard modules])."""
     from .ddp import DistributedDataParallel
-    from .ddp.replicate import wrapper_of
+    from .ddp.replicate import _STATE, wrapper_of
     from .fsdp import FullyShardedModule
 
     if isinstance(module, FullyShardedModule):
         return lambda last: _micro_batch(module, last)
-    if isinstance(module, DistributedDataParallel):
+    if isinstance(module, DistributedDataParallel):  # the user's no_sync() still holds
         return lambda last: _ddp_backward(module, last and module._no_sync_depth == 0)
-    engine = wrapper_of(module)
+    engine = wrapper_of(module)  # a fusedist.replicate module's (built at its first forward)
     if engine is None:
         return None
-    from .ddp.replicate import _STATE
-
     return lambda last: _ddp_backward(engine, last and module.__dict__[_STATE].requires_gradient_sync)
 
 

@@ -133,7 +133,7 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp
             assert got["issued by torch's stage"] == units * STEPS * MICRO_BATCHES, (rank, name, got)
         checkpointer = out["checkpointer"]
         assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
-        assert checkpointer["restored"] == [0, 1] and checkpointer["equal"], (rank, checkpointer)
+        assert checkpointer["restored"] == [0, 1, 0, 1] and checkpointer["equal"], (rank, checkpointer)
         assert checkpointer["plain equal"], (rank, checkpointer)
         overlapping = checkpointer["overlapping"]
         assert "do not split the job into disjoint groups (rank 1 is in [[0, 1], [1, 2]])" in overlapping, overlapping
@@ -200,6 +200,23 @@ def _checkpointer_per_stage(mesh, seed, root) -> dict:
     fusedist.checkpoint.load(where, other, process_group=mesh["dp"].get_group())
     out["plain equal"] = all(torch.equal(a, b)
                              for a, b in zip(plain.state_dict().values(), other.state_dict().values()))
+    # and by a Checkpointer per stage, with its optimizer (pure pipeline parallelism: no wrapper)
+    plain_opt, other_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2), torch.optim.AdamW(other.parameters())
+    plain(torch.ones(2, WIDTH)).sum().backward()
+    plain_opt.step()
+    where = os.path.join(root, f"plain-periodic-stage{stage}")
+    for module, opt in ((plain, plain_opt), (other, other_opt)):
+        periodic = fusedist.checkpoint.Checkpointer(where, process_group=mesh["dp"], async_save=False)
+        out["restored"].append(periodic.restore(module, opt))
+        if module is plain:
+            periodic.save(1)
+        periodic.close()
+    out["plain equal"] &= all(torch.equal(a, b)
+                              for a, b in zip(plain.state_dict().values(), other.state_dict().values()))
+    a, b = plain_opt.state_dict(), other_opt.state_dict()
+    out["plain equal"] &= a["state"].keys() == b["state"].keys() and all(
+        torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(b["state"][i][k]))
+        for i in a["state"] for k in a["state"][i]) and a["param_groups"] == b["param_groups"]
     return out
 
 

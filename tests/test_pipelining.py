@@ -6,7 +6,8 @@ For GPipe and 1F1B (one stage per rank) and interleaved 1F1B (two stages per ran
 micro-batches, 2 AdamW steps after a first one (whose metadata inference runs a backward of its
 own): the stages' whole parameters equal FSDP2's, with fusedist's ``PipelineStage`` and with
 torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's stage one per
-micro-batch. Zero-bubble schedules (interleaved, ZBV, DualPipeV) train as the unsharded model
+micro-batch; blocks compiled with torch.compile take the same steps. Zero-bubble schedules
+(interleaved, ZBV, DualPipeV) train as the unsharded model
 does on the global batch. A Checkpointer per stage
 (``process_group=`` the stage's data-parallel group) saves and restores its stage exactly, as
 ``fusedist.checkpoint.save(..., process_group=)`` a stage its ranks hold whole; one Checkpointer
@@ -40,7 +41,7 @@ def _stage_module(stage: int, num_stages: int, seed: int) -> nn.Sequential:
 
 def _train(schedule_name, shard, stage_class, mesh, stages_per_rank, seed):
     """Whole parameters of this rank's stages after 1 + STEPS steps, and the reduce-scatters
-    issued in the last STEPS (None for torch's FSDP2)."""
+    issued in the last STEPS (None for torch's FSDP2, whose collectives go through torch)."""
     from torch.distributed import pipelining
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -59,7 +60,7 @@ def _train(schedule_name, shard, stage_class, mesh, stages_per_rank, seed):
                                                   n_microbatches=MICRO_BATCHES,
                                                   loss_fn=lambda out, target: ((out - target) ** 2).mean())
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
-    counted = _count_reduce_scatters(modules[0]) if shard.__module__.startswith("fusedist") else None
+    counted = None if shard.__module__.startswith("torch") else _count_reduce_scatters(modules[0])
     g = torch.Generator().manual_seed(seed + dp.get_local_rank())
     _run_steps(schedule, opt, g, placement, num_stages,
                before=lambda step: counted.clear() if step == 1 and counted is not None else None)
@@ -115,10 +116,23 @@ def _worker(rank, world_size, seed, root):
         plain, plain_issued = _train(name, fusedist.fully_shard, TorchPipelineStage, mesh, stages_per_rank, seed)
         out[name] = {"ours": _max_diff(ours, theirs), "torch's stage": _max_diff(plain, theirs),
                      "issued": ours_issued, "issued by torch's stage": plain_issued}
+        if name == "Schedule1F1B":  # torchtitan compiles each block: the same steps, bit for bit
+            compiled, _ = _train(name, _shard_compiled, PipelineStage, mesh, stages_per_rank, seed)
+            out["compiled blocks"] = _max_diff(compiled, ours)
 
     out["checkpointer"] = _checkpointer_per_stage(mesh, seed, root)
 
     return out
+
+
+def _shard_compiled(module, mesh):
+    """fusedist.fully_shard, then torch.compile of a block (a stage's blocks start with a Linear)."""
+    import fusedist
+
+    fusedist.fully_shard(module, mesh=mesh)
+    if isinstance(module[0], nn.Linear):
+        module.compile(backend="aot_eager")
+    return module
 
 
 def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp_path):
@@ -131,6 +145,7 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp
             units = BLOCKS_PER_STAGE * stages_per_rank  # the stage modules' roots hold no parameters
             assert got["issued"] == units * STEPS, (rank, name, got)
             assert got["issued by torch's stage"] == units * STEPS * MICRO_BATCHES, (rank, name, got)
+        assert out["compiled blocks"] == 0.0, (seed, rank, out["compiled blocks"])
         checkpointer = out["checkpointer"]
         assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
         assert checkpointer["restored"] == [0, 1, 0, 1] and checkpointer["equal"], (rank, checkpointer)

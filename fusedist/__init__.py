@@ -16,7 +16,7 @@ Public surface (everything else is private)::
     fusedist.amp.GradScaler
     fusedist.nn.SyncBatchNorm
     fusedist.checkpoint.save / load
-    fusedist.pipelining.PipelineStage  # torch's, one gradient reduction per step for fully_shard stages
+    fusedist.pipelining.PipelineStage  # torch's, one gradient reduction per step (fully_shard or DDP stages)
     fusedist.RankMismatchError          # ranks disagree (model, bucket layout, steps taken)
     fusedist.cuda_ext_available / cuda_ext_error
 

@@ -40,16 +40,12 @@ class RestoreMixin:
         """
         if step is not None:
             step = step_count(step, "restore")
-        if is_zero(optimizer) and optimizer.world_size != self.world_size:
-            raise ValueError(
-                f"Checkpointer (rank {self.rank}): the ZeroRedundancyOptimizer shards over {optimizer.world_size} "
-                f"ranks, the Checkpointer's group has {self.world_size}; the Checkpointer saves the state of its "
-                "group's ranks (the whole job, or process_group=)"
-            )
         saving = api._World(optimizer, model, self._coord.group).size
         if saving != self.world_size:  # Note [a Checkpointer per pipeline stage] in _writer.py
+            who = ("the ZeroRedundancyOptimizer shards over" if is_zero(optimizer)
+                   else "the model is saved by the")
             raise ValueError(
-                f"Checkpointer (rank {self.rank}): the model is saved by the {saving} ranks of its data-parallel "
+                f"Checkpointer (rank {self.rank}): {who} {saving} ranks of its data-parallel "
                 f"group, the Checkpointer's group has {self.world_size} (ranks {self._coord.ranks}): the ranks of "
                 "other groups would write other models into one checkpoint. Under pipeline parallelism give "
                 "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', process_group=<the "

@@ -90,8 +90,8 @@ def _checkpoint_group(process_group) -> tuple:
     problem = next((p for _, p in asked if p is not None), None)
     groups = sorted({tuple(g) for g, _ in asked})
     if problem is None:
-        bad = {r: [list(g) for g in groups if r in g] for r in range(world)}
-        bad = {r: g for r, g in bad.items() if len(g) != 1}
+        holders = {r: [list(g) for g in groups if r in g] for r in range(world)}
+        bad = {r: g for r, g in holders.items() if len(g) != 1}
         if bad:
             r = next(iter(bad))
             problem = (f"the ranks' process groups {[g for g, _ in asked]} do not split the job into disjoint groups "

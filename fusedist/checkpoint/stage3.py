@@ -53,8 +53,9 @@ Note [tensor-parallel checkpoints]
     global parameters, as without tensor parallelism, and loads at any data-parallel or
     tensor-parallel degree, or into a DDP or ZeRO model, through the same assembly. At load
     the global parameter is assembled, this rank's local tensor cut from it, and the piece
-    from that. Who writes: every rank of the job (the data-parallel ranks times the
-    tensor-parallel ones, the default group: checked), and of a parameter the
+    from that. Who writes: every rank of the mesh (the data-parallel ranks times the
+    tensor-parallel ones: the job's, or a pipeline stage's ``process_group``, checked in
+    ``comm_of``), and of a parameter the
     tensor-parallel ranks hold alike (``Replicate()`` placements, or a plain parameter beside
     tensor-parallel ones) the first tensor-parallel rank only -- the others' pieces of it are
     copies, cut where their own local tensors put the unit's boundaries.

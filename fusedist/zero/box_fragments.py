@@ -55,9 +55,8 @@ def region_of(fragment: dict, shape: tuple) -> tuple:
     return tuple((start, length) if d == dim else (0, size) for d, size in enumerate(shape))
 
 
-def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> int:
-    """The dim the boxes (sorted by start) split; refuses boxes on several dims, or not
-    covering that dim exactly once."""
+def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> None:
+    """Refuses boxes (sorted by start) on several dims, or not covering their dim exactly once."""
     dims = sorted({int(f["box"][0]) for f in frags})
     if len(dims) != 1 or not 0 <= dims[0] < len(shape):
         raise StateDictError(f"{source}: the box fragments of parameter {index} (shape {shape}) split dims {dims}")
@@ -72,7 +71,6 @@ def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> int:
             f"{source}: the box fragments of parameter {index} (shape {shape}) cover "
             f"{[tuple(f['box'][1:]) for f in frags]} of dim {dim}, not exactly [0, {shape[dim]}) once; shards are "
             "missing or come from different checkpoints")
-    return dim
 
 
 def _check_regions(regions: list, shape: tuple, index: int, source: str) -> None:
@@ -94,8 +92,7 @@ def _check_regions(regions: list, shape: tuple, index: int, source: str) -> None
         raise bad(f"cover {volume} of its {math.prod(shape)} elements")
 
 
-def _place(frags: list, values: list, shape: tuple, regions: list, what: str, index: int,
-           source: str) -> torch.Tensor:
+def _place(values: list, shape: tuple, regions: list, what: str, index: int, source: str) -> torch.Tensor:
     """The whole parameter's flat tensor with each region's ``values`` in its place."""
     whole = torch.empty(shape, dtype=values[0].dtype)
     for region, v in zip(regions, values):
@@ -128,14 +125,12 @@ def assemble_boxes(frags: list, shape: tuple, index: int, *, source: str) -> dic
     for key in keys:
         first = frags[0]["state"][key]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
-            state[key] = _place(frags, [f["state"][key] for f in frags], shape, regions, f"state '{key}'", index,
-                                source)
+            state[key] = _place([f["state"][key] for f in frags], shape, regions, f"state '{key}'", index, source)
             continue
         for f in frags[1:]:
             if not torch.equal(torch.as_tensor(f["state"][key]), torch.as_tensor(first)):
                 raise StateDictError(f"{source}: scalar state '{key}' of parameter {index} differs across shards "
                                      f"({first!r} vs {f['state'][key]!r})")
         state[key] = first
-    master = (_place(frags, [f["master"] for f in frags], shape, regions, "master", index, source)
-              if has_master else None)
+    master = _place([f["master"] for f in frags], shape, regions, "master", index, source) if has_master else None
     return {"master": master, "state": state}

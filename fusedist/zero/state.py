@@ -135,6 +135,8 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
     at all has no state (it was never stepped). Neither has a parameter with no elements: it
     owns no slice of any shard, so its state -- torch's optimizers step it, and their state
     dicts hold empty moments and a step count for it -- has nowhere to go and is dropped."""
+    from .box_fragments import assemble_boxes, is_box  # (it imports this module)
+
     out: dict[int, dict] = {}
     for index in indices:
         frags = frags_by_param.get(index)
@@ -142,9 +144,7 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
         n = p.numel()
         if not frags or n == 0:
             continue
-        if any("box" in f or "region" in f for f in frags):  # Note [box fragments], Note [region fragments]
-            from .box_fragments import assemble_boxes
-
+        if any(is_box(f) for f in frags):  # Note [box fragments], Note [region fragments]
             out[index] = assemble_boxes(frags, tuple(p.shape), index, source=source)
             continue
         frags = sorted(frags, key=lambda f: f["range"][0])

@@ -67,19 +67,22 @@ import torch
 MANIFEST = "manifest.json"
 COMMON = "common.pt"  # rank 0's file: the model, an unsharded optimizer, the scaler, extra
 FORMAT = "fusedist.checkpoint"
-VERSION = 4  # the newest format this fusedist reads and writes
+VERSION = 5  # the newest format this fusedist reads and writes
 # Version 2 adds files with names of their own (Note [checkpoint atomicity]), version 3 box
 # fragments (Note [box fragments] in zero/box_fragments.py: fully_shard parameters sharded on
 # a dim other than 0), version 4 region fragments (Note [region fragments] there: fully_shard
-# over tensor-parallel parameters). A manifest is written with the lowest version that reads
+# over tensor-parallel parameters), version 5 pipelined checkpoints (Note [pipelined
+# checkpoints] in pipeline.py: a file per stage beside common.pt). A manifest is written with the lowest version that reads
 # it -- 1 without any of these, which older fusedist releases read too.
 BASE_VERSION = 1
 SAVE_ID_VERSION = 2
 BOX_VERSION = 3
 REGION_VERSION = 4
+PIPELINE_VERSION = 5
 _CHUNK = 1 << 20
-# The files a save writes: rank-00000.pt / common.pt, or with a save id before ".pt".
-_SAVED_FILE = re.compile(r"^(rank-\d{5}|common)(\.[0-9a-f]{12})?\.pt$")
+# The files a save writes: rank-00000.pt / common.pt (/ common-stage-000.pt), or with a save id
+# before ".pt".
+_SAVED_FILE = re.compile(r"^(rank-\d{5}|common|common-stage-\d{3,})(\.[0-9a-f]{12})?\.pt$")
 # What atomic_write writes first: "." + the final name + ".tmp-" + the writer's process id and
 # thread id (two threads of one process may write one file: two Checkpointers' background saves
 # of the same root's lease); temporaries of older versions carry the process id alone.

@@ -63,6 +63,7 @@ class _World:
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
         self.comm = None
+        process_group = _group_of(process_group)
         group_comm = get_communicator(process_group) if process_group is not None else None
         sharded_comm = stage3.comm_of(_names.unwrap(model), group_comm) if model is not None else None
         ddp = _ddp_of(model, optimizer) if model is not None else None
@@ -94,6 +95,18 @@ class _World:
         if self.comm is None:
             return [obj]
         return all_gather_object(self.comm, obj, tag=f"fusedist.checkpoint.{what}")
+
+
+def _group_of(process_group):
+    """A process group for ``process_group``: itself, or a 1-D DeviceMesh's group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(process_group, DeviceMesh):
+        return process_group
+    if process_group.ndim != 1:
+        raise TypeError(f"fusedist.checkpoint: process_group is a {process_group.ndim}-D DeviceMesh; pass a process "
+                        "group over its ranks (or a Checkpointer, which takes a mesh of any shape)")
+    return process_group.get_group()
 
 
 # ---------------------------------------------------------------------------- save
@@ -143,7 +156,7 @@ def _warn_trusted_only(rank: int, optimizer, extra, per_rank) -> None:
 
 
 def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, extra: Optional[dict] = None,
-         *, per_rank: Optional[dict] = None, process_group=None) -> None:
+         *, per_rank: Optional[dict] = None, process_group=None, pipeline: bool = False) -> None:
     """Write a checkpoint of ``model`` (and optimizer, GradScaler, ``extra``) to ``directory``.
 
     A collective: every rank of the data-parallel group calls it. A fusedist DDP model is
@@ -165,37 +178,32 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     a model its ranks hold whole. A data-parallel model (DDP, ZeRO, a 1-D ``fully_shard``)
     is saved over its own group anyway.
 
+    ``pipeline=True``: every rank of a pipeline-parallel job saves its stage into this one
+    directory (Note [pipelined checkpoints] in ``pipeline.py``): ``model`` is the rank's model
+    part, or a list of its parts where it holds several stages, and ``optimizer`` one optimizer
+    per part; ``process_group`` is the stage's group, as above. Such a checkpoint loads into
+    another pipeline split, or into a job without pipeline parallelism.
+
     Ranks that pass different kinds of arguments (a scaler or ``per_rank`` on some ranks
     only, ``extra`` not a dict on one) are refused on every rank before anything is written;
     rank 0 lists in the manifest only files it sees itself, so ranks given different
     directories, or one that not every rank sees, fail the save instead of leaving a
     checkpoint that cannot be loaded.
     """
+    if pipeline:
+        from . import pipeline as pipelined
+
+        return pipelined.save(directory, model, optimizer, scaler, extra, per_rank=per_rank,
+                              process_group=process_group)
+    _refuse_parts(model)
     started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model, process_group)
     _warn_trusted_only(world.rank, optimizer, extra, per_rank)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
-    start, created = None, False
-    if world.rank == 0:
-        try:
-            created = not os.path.isdir(directory)
-            os.makedirs(directory, exist_ok=True)
-            start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
-        except OSError as exc:
-            start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
-    everyone = world.all_gather((start, _checks.save_call(directory, optimizer, scaler, extra, per_rank)), "save: start")
-    (problem, save_id), calls = everyone[0][0], [c for _, c in everyone]
-    try:
-        _checks.check_same_save(calls)
-    except (TypeError, CheckpointError):
-        if created:  # rank 0 made it for this save: leave no trace of a refused one
-            _remove_empty(directory)
-        raise
-    if problem:
-        raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
-    claim = _claim(directory) if world.rank == 0 else None  # Note [one save at a time]
+    save_id, calls, claim, _ = start_save(world, directory, _checks.save_call(directory, optimizer, scaler, extra,
+                                                                          per_rank))
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()
@@ -210,8 +218,55 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
                                                  rank=world.rank)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
         error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
-    everyone = world.all_gather((mine, error), "save: rank files written")
-    failed = [e for _, e in everyone if e is not None]
+    finish_save(world, directory, started, save_id, calls, claim, (mine, error, None),
+                lambda infos: manifest_base(model, optimizer, scaler, world.size),
+                lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys))
+
+
+def _refuse_parts(model) -> None:
+    if isinstance(model, (list, tuple)):
+        raise TypeError("fusedist.checkpoint: a list of model parts is the parts of a pipeline stage's ranks: pass "
+                        "pipeline=True (Note [pipelined checkpoints])")
+
+
+def start_save(world: "_World", directory: str, call: dict, info=None, check=None) -> tuple:
+    """The first exchange of a save: rank 0 creates ``directory`` (and picks the new files' names,
+    Note [checkpoint atomicity]), every rank's ``call`` must match the others' (else every rank
+    raises, before anything is written), and rank 0 claims the directory (Note [one save at a
+    time]). ``info``: what else each rank tells the others, which ``check(infos)`` may refuse
+    (raising ``CheckpointError``) as the calls are. Returns ``(save_id, calls, claim, infos)``."""
+    start, created = None, False
+    if world.rank == 0:
+        try:
+            created = not os.path.isdir(directory)
+            os.makedirs(directory, exist_ok=True)
+            start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
+        except OSError as exc:
+            start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
+    everyone = world.all_gather((start, call, info), "save: start")
+    (problem, save_id), calls = everyone[0][0], [c for _, c, _ in everyone]
+    try:
+        _checks.check_same_save(calls)
+        if check is not None:
+            check([i for _, _, i in everyone])
+    except (TypeError, CheckpointError):
+        if created:  # rank 0 made it for this save: leave no trace of a refused one
+            _remove_empty(directory)
+        raise
+    if problem:
+        raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
+    claim = _claim(directory) if world.rank == 0 else None  # Note [one save at a time]
+    return save_id, calls, claim, [i for _, _, i in everyone]
+
+
+def finish_save(world: "_World", directory: str, started: float, save_id: str, calls: list, claim, written: tuple,
+                base, common=None) -> None:
+    """The rest of a save once each rank wrote its files: ``written`` is this rank's ``(files
+    written, error or None, info)``. Every rank learns of any rank's failure; rank 0 then writes
+    ``common.pt`` (``common()``, unless None) and the manifest (``base(every rank's info)``) and
+    removes the files the manifest does not list; every rank raises any failure."""
+    everyone = world.all_gather(written, "save: rank files written")
+    failed = [e for _, e, _ in everyone if e is not None]
     if failed:
         _finish_save(world, directory, calls, claim)
         raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
@@ -220,9 +275,8 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         # Rank 0's failure is exchanged like the rank files' above: raised here alone, it
         # left the other ranks waiting in the final exchange until the collective timeout
         # (and the group broken by that timeout).
-        error = _complete(directory, save_id, [m for m, _ in everyone], calls,
-                          lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys),
-                          lambda: manifest_base(model, optimizer, scaler, world.size), claim)
+        infos = [i for _, _, i in everyone]
+        error = _complete(directory, save_id, [m for m, _, _ in everyone], calls, common, lambda: base(infos), claim)
         # Before the last exchange (every rank file is written by now): the other ranks return
         # to a directory that holds the new checkpoint alone, without the claim.
         _finish_save(world, directory, calls, claim, None if error else started)
@@ -259,7 +313,8 @@ def _complete(directory: str, save_id: str, rank_entries: list, calls: list, com
         unseen = _checks.unseen_rank_files(directory, files, [c["directory"] for c in calls])
         if unseen is not None:
             return unseen
-        files[_files.COMMON] = _write(directory, _files.COMMON, save_id, common(), rank=0)
+        if common is not None:
+            files[_files.COMMON] = _write(directory, _files.COMMON, save_id, common(), rank=0)
         manifest = dict(base(), created_unix=time.time(), files=files)
         if save_id:
             manifest["version"] = max(manifest["version"], _files.SAVE_ID_VERSION)  # files with names of their own
@@ -416,7 +471,7 @@ def _common_sections(model, optimizer, scaler, extra, sharded_keys: set) -> dict
 
 # ---------------------------------------------------------------------------- load
 def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
-         trusted: bool = False, strict: bool = True, process_group=None) -> Optional[dict]:
+         trusted: bool = False, strict: bool = True, process_group=None, pipeline: bool = False) -> Optional[dict]:
     """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
 
     The world size may differ from the one that saved it: ZeroRedundancyOptimizer state is
@@ -442,16 +497,26 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     optimizer state belongs to a list of parameters, so an optimizer is still loaded only into
     the very parameters that saved it: pass ``optimizer=None`` to start a new one.
 
-    ``process_group``: as in :func:`save` (a pipeline stage's ranks).
+    ``process_group``: as in :func:`save` (a pipeline stage's ranks). ``pipeline=True``: every
+    rank of a pipeline-parallel job loads its part(s) (as in :func:`save`) from one checkpoint of
+    the whole model: a pipelined one of any pipeline split, or an ordinary one; strict, the parts
+    of all ranks together must take all of it (Note [pipelined checkpoints] in ``pipeline.py``).
+    Any job loads a pipelined checkpoint.
 
     ``directory`` may also be a checkpoint of torch's distributed checkpoint (``dcp.save`` of
     ``get_state_dict``'s model and optimizer state): e.g. a torch DDP + AdamW job continued on
     a ZeroRedundancyOptimizer, whose master weights then start from the loaded parameters
     (Note [torch's distributed checkpoints in load] in ``_from_dcp.py``); its ``extra`` is None.
     """
-    world = _World(optimizer, model, process_group)
+    from . import pipeline as pipelined
+
+    if not pipeline:
+        _refuse_parts(model)
+    world = pipelined.job_world() if pipeline else _World(optimizer, model, process_group)
+    by_stage = pipeline or pipelined.is_pipelined(directory)
     try:
-        plan = _load_plan.prepare(directory, model, optimizer, scaler, trusted, strict)
+        prepare = pipelined.prepare if by_stage else _load_plan.prepare
+        plan = prepare(directory, model, optimizer, scaler, trusted, strict)
         error = None
     except (CheckpointError, zstate.StateDictError) as exc:
         plan, error = None, str(exc)
@@ -465,4 +530,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         prefix = "" if rank == world.rank else f"rank {rank} could not load the checkpoint: "
         raise CheckpointError(prefix + message)
     _checks.check_same_load([r for _, r in everyone])
+    if by_stage:
+        pipelined.check_taken(plan, [r for _, r in everyone], directory)
+        return pipelined.apply(plan, model, optimizer, scaler)
     return _load_plan.apply(plan, model, optimizer, scaler)

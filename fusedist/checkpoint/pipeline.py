@@ -1,0 +1,371 @@
+"""Pipelined checkpoints: every stage of a pipeline-parallel job in one directory, loadable
+into another pipeline split (``save(..., pipeline=True)`` / ``load(..., pipeline=True)``).
+
+Note [pipelined checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under pipeline parallelism the ranks of each stage hold other parameters, sharded over that
+stage's data-parallel (or HSDP / tensor-parallel) group. A save with ``pipeline=True`` is a
+collective of the whole job: every rank passes its model part -- a list of them where a rank
+holds several stages, as interleaved and V schedules place them -- with one optimizer per part.
+Each part and the group of ranks holding it form one *stage* of the checkpoint. Its ranks write
+what an ordinary save over that group writes into their own files (``rank-<job rank>.pt``,
+sections suffixed with the part's slot on the rank, ``model_shard.0``); the stage's first rank
+writes ``common-stage-<k>.pt`` (the state its ranks hold alike, an unsharded optimizer, the
+GradScaler); rank 0 of the job writes ``common.pt`` (``extra``) and last the manifest, which
+lists each stage's ranks, files, model keys and optimizer metadata. The atomicity and the
+one-save-at-a-time rules are those of every save: the manifest is the switch.
+
+State-dict keys are the parts' own. A stage module cut from the whole model with the other
+layers removed (torchtitan's split) keeps the whole model's names, and that is what lets a
+checkpoint load into another split: at load, each part takes from the stages holding any of
+its keys the model entries it has, its optimizer parameters' state by parameter name, and each
+param group's hyperparameters from the saved group its parameters were in (parameters of one
+group here must come from groups with the same hyperparameters). A strict load also checks
+across the job that the parts together take every model key and every parameter's optimizer
+state of the checkpoint: a part left without its ``pipeline=True`` (or a model a key short) is
+refused on every rank before any rank loads anything, as every load is.
+
+Any job can load a pipelined checkpoint (a data-parallel one of the whole model reads every
+stage); and a job with ``pipeline=True`` can load an ordinary checkpoint of the whole model,
+each part taking its entries -- pipeline parallelism added to a run, or its degree changed.
+Each rank reads the files of the stages its parts need: at most the whole model and its
+optimizer state in CPU memory, as an ordinary load resharding an optimizer reads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from ..zero import ZeroRedundancyOptimizer
+from ..zero import state as zstate
+from . import _checks, _files, _load_plan, _names, api, stage3
+from ._files import CheckpointError
+from ._params import optimizer_params, param_names
+
+
+def job_world() -> "api._World":
+    """Every rank of the job (the default group): a pipelined save or load is its collective."""
+    return api._World(None, None, None)
+
+
+def stage_common_file(k: int) -> str:
+    return f"common-stage-{k:03d}.pt"
+
+
+def _section(name: str, part: Optional[int]) -> str:
+    return name if part is None else f"{name}.{part}"
+
+
+def parts(model, optimizer) -> list[tuple]:
+    """``(module, optimizer)`` of each model part this rank holds."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not models:
+        raise ValueError("fusedist.checkpoint: the list of model parts is empty")
+    if isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+        if len(optimizers) != len(models):
+            raise ValueError(f"fusedist.checkpoint: {len(models)} model parts and {len(optimizers)} optimizers; "
+                             "pass one optimizer per part")
+    elif optimizer is None or len(models) == 1:
+        optimizers = [optimizer] * len(models)
+    else:
+        raise ValueError(f"fusedist.checkpoint: {len(models)} model parts and one optimizer: pass a list of one "
+                         "optimizer per part (as torchtitan's OptimizersContainer holds them), whose state "
+                         "a pipelined checkpoint keeps with its part's stage")
+    return list(zip(models, optimizers))
+
+
+def is_pipelined(directory: str) -> bool:
+    """Whether ``directory`` holds a pipelined checkpoint; False when its manifest cannot be read
+    (the ordinary load then reports why, on every rank)."""
+    try:
+        return "pipeline" in _files.read_manifest(directory)
+    except Exception:  # noqa: BLE001 - reported by the load that follows
+        return False
+
+
+# ---------------------------------------------------------------------------- save
+def _check_stages(infos: list) -> None:
+    """Every rank's part ``j`` must name the same ranks as every rank it names: the stages'
+    groups split the job's ranks (per slot) into disjoint groups."""
+    for rank, (members, _) in enumerate(infos):
+        for j, ranks in enumerate(members):
+            if rank not in ranks:
+                raise CheckpointError(f"fusedist.checkpoint.save: rank {rank}'s part {j} is saved over ranks "
+                                      f"{list(ranks)}, which do not hold it")
+            for other in ranks:
+                theirs = infos[other][0]
+                if len(theirs) <= j or theirs[j] != ranks:
+                    seen = list(theirs[j]) if len(theirs) > j else f"{len(theirs)} parts"
+                    raise CheckpointError(
+                        f"fusedist.checkpoint.save: the pipeline stages do not agree: rank {rank} saves its part "
+                        f"{j} over ranks {list(ranks)}, rank {other} its part {j} over {seen}; every rank of a "
+                        "stage passes its parts in one order, over the stage's group (process_group=)")
+
+
+def _stage_order(infos: list) -> list:
+    """The checkpoint's stages, ``(ranks, part slot)``, in order of their first rank."""
+    return sorted({(tuple(ranks), j) for members, _ in infos for j, ranks in enumerate(members)})
+
+
+def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dict] = None, *,
+         per_rank: Optional[dict] = None, process_group=None) -> None:
+    """``fusedist.checkpoint.save(..., pipeline=True)`` (Note [pipelined checkpoints])."""
+    started = time.time()
+    held = parts(model, optimizer)
+    for module, opt in held:
+        api._check_ranks_agree(module, opt)
+    job = job_world()
+    stages = [api._World(opt, module, process_group) for module, opt in held]
+    members = [tuple(w.all_gather(job.rank, "save: stage ranks")) for w in stages]
+    first_opt = held[0][1]
+    api._warn_trusted_only(job.rank, first_opt, extra, per_rank)
+    keys = [sorted(_load_plan._expected_model(_names.unwrap(module))[0]) for module, _ in held]
+    call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
+    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), _check_stages)
+    order = _stage_order(infos)
+
+    for _, opt in held:
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            opt.wait_for_params()
+    mine, entries, error = {}, {}, None
+    try:
+        sections, sharded = {}, []
+        for j, ((module, opt), w) in enumerate(zip(held, stages)):
+            part_sections, sharded_keys = api.rank_sections(module, opt, w.rank, w.size)
+            sections.update({_section(name, j): value for name, value in part_sections.items()})
+            sharded.append(sharded_keys)
+        if per_rank is not None:  # [resume] this rank's RNG / data position
+            sections["per_rank"] = per_rank
+        if sections:
+            os.makedirs(directory, exist_ok=True)
+            mine[api.rank_file(job.rank)] = api._write(directory, api.rank_file(job.rank), save_id, sections,
+                                                       rank=job.rank)
+        for j, ((module, opt), w) in enumerate(zip(held, stages)):
+            if w.rank != 0:
+                continue
+            k = order.index((members[j], j))
+            name = stage_common_file(k)
+            mine[name] = api._write(directory, name, save_id, {
+                "model": api.common_model(module, sharded[j]),
+                "optimizer": api.full_optimizer_state(module, opt),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+            }, rank=job.rank)
+            entries[k] = dict(api.manifest_base(module, opt, scaler, w.size), ranks=list(members[j]), part=j,
+                              common=name, keys=keys[j])
+    except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
+        error = f"rank {job.rank} could not write its checkpoint files in {directory}: {type(exc).__name__}: {exc}"
+
+    def manifest(infos: list) -> dict:
+        found = {}
+        for info in infos:
+            found.update(info)
+        listed = [found[k] for k in range(len(order))]
+        return {"format": _files.FORMAT, "version": max([_files.PIPELINE_VERSION] + [e["version"] for e in listed]),
+                "world_size": job.size, "pipeline": listed}
+
+    api.finish_save(job, directory, started, save_id, calls, claim, (mine, error, entries), manifest,
+                    lambda: {"model": {}, "optimizer": None, "scaler": None, "extra": extra})
+
+
+# ---------------------------------------------------------------------------- load
+class _Reader:
+    """The checkpoint's files, each read and verified once, and each stage's model and
+    optimizer state assembled whole once (several parts of a rank may need one stage)."""
+
+    def __init__(self, directory: str, manifest: dict, trusted: bool):
+        self.directory, self.files, self.trusted = directory, manifest["files"], trusted
+        self._loaded: dict = {}
+        self._models: dict = {}
+
+    def file(self, name: str):
+        if name not in self.files:
+            raise CheckpointError(f"fusedist.checkpoint: {os.path.join(self.directory, _files.MANIFEST)} lists no "
+                                  f"{name}")
+        if name not in self._loaded:
+            path = _files.verify_file(self.directory, name, self.files[name])
+            self._loaded[name] = _files.load_file(path, self.trusted)
+        return self._loaded[name]
+
+    def sections(self, stage: dict, name: str) -> list:
+        """Section ``name`` of the stage's ranks' files."""
+        wanted = _section(name, stage["part"])
+        out = []
+        for rank in stage["ranks"]:
+            info = self.files.get(api.rank_file(rank))
+            if info is not None and wanted in info.get("sections", []):
+                out.append(self.file(api.rank_file(rank))[wanted])
+        return out
+
+    def model(self, k: int, stage: dict, expected: dict) -> dict:
+        """The stage's whole model entries by canonical key."""
+        if k not in self._models:
+            saved = dict(_names.strip_prefix(self.file(stage["common"])["model"], expected))
+            if stage.get("model_sharded"):  # Note [stage-3 checkpoints]
+                saved.update(stage3.assemble_model(self.sections(stage, "model_shard"),
+                                                   source=f"model in {self.directory}"))
+            self._models[k] = saved
+        return self._models[k]
+
+    def optimizer(self, stage: dict) -> dict:
+        """The stage's optimizer state in torch's format (whole tensors; indices of its saved
+        parameters)."""
+        meta, source = stage["optimizer"], f"optimizer state in {self.directory}"
+        if meta["kind"] != "zero":
+            return self.file(stage["common"])["optimizer"]
+        shards = self.sections(stage, "optimizer_shard")
+        if len(shards) != stage["world_size"]:
+            raise CheckpointError(f"fusedist.checkpoint: {self.directory} lists {len(shards)} optimizer shard files "
+                                  f"for a stage of {stage['world_size']} ranks ({stage['ranks']})")
+        if not any(s.get("replicated") for s in shards):
+            stage3.check_shard_set(shards, "optimizer", source)
+        param_meta = shards[0]["param_meta"]
+        wholes = [torch.empty(m["shape"], dtype=getattr(torch, m["dtype"]), device="meta") for m in param_meta]
+        assembled = zstate.assemble(zstate.merge_fragments(shards), wholes, range(len(wholes)), source=source)
+        zstate.relayout(assembled, wholes, param_meta)
+        return zstate.to_torch_format(assembled, wholes, shards[0]["param_groups"])
+
+
+def _stages(manifest: dict) -> list[dict]:
+    """The checkpoint's stages; an ordinary checkpoint is one stage of every rank that saved it,
+    whose keys are known once its files are read."""
+    if "pipeline" in manifest:
+        return manifest["pipeline"]
+    return [dict(manifest, ranks=list(range(manifest["world_size"])), part=None, common=_files.COMMON, keys=None)]
+
+
+def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: bool) -> dict:
+    """The plan of a load into the parts of ``model`` (Note [pipelined checkpoints]): each
+    part's :func:`_load_plan.prepare`-style plan, read and checked without modifying anything."""
+    held = parts(model, optimizer)
+    if not os.path.exists(os.path.join(directory, _files.MANIFEST)):
+        raise CheckpointError(f"fusedist.checkpoint: {directory} holds no fusedist checkpoint (no "
+                              f"{_files.MANIFEST}); a load with pipeline=True reads fusedist's checkpoints only")
+    manifest, digest = _files.read_manifest_and_digest(directory)
+    stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)
+    read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, held[0][1], scaler)}
+    plans = [_prepare_part(directory, stages, reader, module, opt, scaler if j == 0 else None, strict)
+             for j, (module, opt) in enumerate(held)]
+    read["keys"] = sorted({k for p in plans for k in p["model"]})
+    read["params"] = sorted({n for p in plans for n in p.pop("params")})
+    all_keys = {k: i for i, s in enumerate(stages)
+                for k in (s["keys"] if s["keys"] is not None else reader.model(i, s, {}))}
+    all_params = {n: i for i, s in enumerate(stages) if s.get("optimizer") is not None
+                  for n in s["optimizer"]["param_names"]}
+    return {"parts": plans, "extra": reader.file(_files.COMMON).get("extra"), "read": read, "strict": strict,
+            "stages": stages, "all_keys": all_keys, "all_params": all_params if held[0][1] is not None else {}}
+
+
+def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimizer, scaler, strict: bool) -> dict:
+    target = _names.unwrap(model)
+    expected, sharded_target = _load_plan._expected_model(target)
+    chosen = [(k, s) for k, s in enumerate(stages) if s["keys"] is None or not expected.keys().isdisjoint(s["keys"])]
+    saved, holder = {}, {}
+    for k, stage in chosen:
+        for key, value in reader.model(k, stage, expected).items():
+            if key in expected:
+                if key in saved:
+                    raise CheckpointError(f"fusedist.checkpoint: '{key}' is saved by two stages of {directory} "
+                                          f"(ranks {stages[holder[key]]['ranks']} and {stage['ranks']})")
+                saved[key], holder[key] = value, k
+    plan: dict = {"model": _load_plan._check_model(saved, expected, directory, strict),
+                  "model_sharded": sharded_target, "strict": strict, "extra": None, "params": []}
+    if optimizer is not None:
+        plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer)
+    if scaler is not None:
+        found = next((s for _, s in chosen if s.get("scaler")), None)
+        if found is None:
+            raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state for this part's stages")
+        state = reader.file(found["common"])["scaler"]
+        _checks.check_scaler(state, scaler, directory)
+        plan["scaler"] = state
+    return plan
+
+
+def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer) -> tuple:
+    """The part's optimizer state in torch's format (from the stages holding its parameters, by
+    name), as :func:`_load_plan._prepare_full` checks and converts it; and the names taken."""
+    params = optimizer_params(optimizer)
+    names = param_names(model, params)
+    target = _names.unwrap(model)
+    sharding = _load_plan._sharding(target)
+    wanted = {n: i for i, n in enumerate(names)}
+    found: dict = {}  # name -> (state entry or None, hyperparameters, saved shape, stage ranks)
+    with_state = [s for _, s in chosen if s.get("optimizer") is not None]
+    if not with_state:
+        raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+    for stage in with_state:
+        meta = stage["optimizer"]
+        _checks.check_algorithm(meta, optimizer, directory)
+        full = reader.optimizer(stage)
+        group_of = {int(i): g for g in full["param_groups"] for i in g["params"]}
+        state = {int(i): v for i, v in full.get("state", {}).items()}
+        for i, name in enumerate(meta["param_names"]):
+            name = name if name in wanted else _names.legacy_key(name)
+            if name in wanted:
+                found[name] = (state.get(i), zstate.hyperparameters(group_of[i]), meta["param_shapes"][i],
+                               stage["ranks"])
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise CheckpointError(f"fusedist.checkpoint: no stage of {directory} holds optimizer state for the "
+                              f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for p, name in zip(params, names):
+        shape = list(stage3.full_shape(p, sharding[1]))
+        if found[name][2] != shape:
+            raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameter '{name}' has shape {tuple(shape)}, "
+                                  f"its state in {directory} shape {tuple(found[name][2])}")
+    groups, start = [], 0
+    for g in optimizer.param_groups:
+        indices = list(range(start, start + len(g["params"])))
+        start += len(g["params"])
+        hyper = found[names[indices[0]]][1] if indices else zstate.hyperparameters(g)
+        for i in indices[1:]:
+            if not _same(found[names[i]][1], hyper):
+                raise CheckpointError(
+                    f"fusedist.checkpoint: '{names[indices[0]]}' and '{names[i]}' share a param group here, but were "
+                    f"saved in groups of other hyperparameters in {directory} (ranks {found[names[indices[0]]][3]} "
+                    f"and {found[names[i]][3]}); group them as they were saved")
+        groups.append({**hyper, "params": indices})
+    full = {"state": {i: found[n][0] for i, n in enumerate(names) if found[n][0] is not None}, "param_groups": groups}
+    source = f"optimizer state in {directory}"
+    return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), names
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Whether two param groups' hyperparameters are equal (values may be tensors)."""
+    def equal(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+        return x == y
+
+    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+
+
+def check_taken(plan: dict, reads: list, directory: str) -> None:
+    """A strict load's parts, on every rank together, must take every model key and every
+    parameter's optimizer state of the checkpoint (Note [pipelined checkpoints]); raised
+    on every rank alike, before any loads."""
+    if not plan["strict"]:
+        return
+    for what, every, taken in (("model keys", plan["all_keys"], "keys"), ("parameters' optimizer state",
+                                                                           plan["all_params"], "params")):
+        took = set().union(*(r[taken] for r in reads))
+        left = [k for k in every if k not in took]
+        if left:
+            stage = plan["stages"][every[left[0]]]
+            raise CheckpointError(
+                f"fusedist.checkpoint: {directory} holds {len(left)} {what} that no model part of this job loads "
+                f"({left[:5]}{' ...' if len(left) > 5 else ''}; saved by ranks {stage['ranks']}): every rank of a "
+                "pipeline-parallel job passes its parts with pipeline=True, and the parts together must be the saved "
+                "model (load(..., strict=False) loads what the parts have); nothing was loaded")
+
+
+def apply(plan: dict, model, optimizer, scaler):
+    """Each part's plan (:func:`_load_plan.apply`); returns the checkpoint's ``extra``."""
+    for (module, opt), part_plan in zip(parts(model, optimizer), plan["parts"]):
+        _load_plan.apply(part_plan, module, opt, scaler if "scaler" in part_plan else None)
+    return plan["extra"]

@@ -1,0 +1,202 @@
+"""Pipelined checkpoints (Note [pipelined checkpoints] in fusedist/checkpoint/pipeline.py): every
+stage of a pipeline-parallel job saved into one directory with ``pipeline=True``, loaded into
+another pipeline split, into a job without pipeline parallelism, and from an ordinary checkpoint.
+
+On 4 gloo ranks a model of 8 layers, each stage holding some layers under the whole model's
+names (torchtitan's split), each part trained a step so its AdamW holds state:
+
+- saved at pp 2 x dp 2 (fully_shard over dp) -> loaded at pp 4 (plain modules), by the whole
+  model under fully_shard over 4 ranks (no pipeline), and by an interleaved layout (two parts
+  per rank, each with its optimizer);
+- that interleaved layout saved (two parts per rank) -> loaded at pp 4;
+- an ordinary checkpoint of a ZeRO-2 run of the whole model -> loaded at pp 2 x dp 2;
+- refused on every rank: stages loading one after the other without ``pipeline=True`` (each
+  would take only its own layers), one optimizer over two parts.
+
+Every load must give each part exactly the saved values of its layers and their AdamW state
+(bit for bit: the values are copied, not recomputed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+LAYERS, WIDTH = 8, 8
+
+
+class _Layers(nn.Module):
+    """Layers ``ids`` of one model of LAYERS layers, under the whole model's names."""
+
+    def __init__(self, ids, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        every = [nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+        self.layers = nn.ModuleDict({str(i): every[i] for i in ids})
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _part(ids, mesh, seed: int, shift: float):
+    """A part of layers ``ids`` (fully_shard over ``mesh`` unless None), its weights moved by
+    ``shift`` (a load must overwrite them), trained one step with AdamW."""
+    import fusedist
+
+    module = _Layers(ids, seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(shift)
+    if mesh is not None:
+        for layer in module.layers.values():
+            fusedist.fully_shard(layer, mesh=mesh)
+        fusedist.fully_shard(module, mesh=mesh)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2 * (1 + shift))
+    _step(module, opt, seed + int(10 * shift))
+    return module, opt
+
+
+def _step(module, opt, seed: int) -> None:
+    import torch.distributed as dist
+
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+    module(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(module, opt) -> dict:
+    """The part's whole model entries by key and AdamW state by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    out = {k: v.clone() for k, v in get_model_state_dict(module, options=full).items()}
+    optim = get_optimizer_state_dict(module, opt, options=full)
+    out.update({f"{name}/{k}": torch.as_tensor(v).clone() for name, st in optim["state"].items()
+                for k, v in st.items()})
+    out.update({f"{name}/lr": torch.tensor(g["lr"]) for g in optim["param_groups"] for name in g["params"]})
+    return out
+
+
+def _whole(parts) -> dict:
+    """Every rank's parts' state, merged: the saved model."""
+    import torch.distributed as dist
+
+    mine = {}
+    for module, opt in parts:
+        mine.update(_state(module, opt))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for d in everyone for k, v in d.items()}
+
+
+def _matches(parts, saved: dict) -> list:
+    """The keys of the parts' state that differ from ``saved`` (empty: an exact load)."""
+    got = {}
+    for module, opt in parts:
+        got.update(_state(module, opt))
+    layers = sum(len(module.layers) for module, _ in parts)
+    # per layer: weight, bias; their exp_avg, exp_avg_sq, step and lr
+    assert len(got) == 10 * layers, sorted(got)
+    return [k for k, v in got.items() if k not in saved or not torch.equal(v, saved[k])]
+
+
+def _worker(rank, world_size, seed, root):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.checkpoint import CheckpointError, load, save
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    single = init_device_mesh("cpu", (4, 1), mesh_dim_names=("pp", "dp"))
+    whole = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    pp, out = mesh["pp"].get_local_rank(), {}
+
+    # pp 2 x dp 2: stage pp holds layers 4pp..4pp+3
+    saved_part = _part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 0.0)
+    saved = _whole([saved_part])
+    first = os.path.join(root, "pp2xdp2")
+    save(first, *saved_part, extra={"step": 7}, process_group=mesh["dp"], pipeline=True)
+    out["files"] = sorted(os.listdir(first))
+
+    four = _part([2 * rank, 2 * rank + 1], None, seed, 1.0)  # pp 4: plain modules
+    out["extra"] = load(first, *four, process_group=single["dp"], pipeline=True)
+    out["pp4"] = _matches([four], saved)
+
+    everything = _part(range(LAYERS), whole["dp"], seed, 2.0)  # no pipeline: the whole model
+    load(first, *everything)
+    out["whole"] = _matches([everything], saved)
+
+    # interleaved: 4 stages of 2 layers, pp rank r holds stages r and r + 2
+    interleaved = [_part(range(2 * s, 2 * s + 2), mesh["dp"], seed, 3.0) for s in (pp, pp + 2)]
+    load(first, [m for m, _ in interleaved], [o for _, o in interleaved], process_group=mesh["dp"], pipeline=True)
+    out["interleaved"] = _matches(interleaved, saved)
+    for module, opt in interleaved:  # a step more, then saved with two parts per rank
+        _step(module, opt, seed + 5)
+    resaved = _whole(interleaved)
+    second = os.path.join(root, "interleaved")
+    save(second, [m for m, _ in interleaved], [o for _, o in interleaved], process_group=mesh["dp"], pipeline=True)
+    again = _part([2 * rank, 2 * rank + 1], None, seed, 4.0)
+    load(second, *again, process_group=single["dp"], pipeline=True)
+    out["interleaved -> pp4"] = _matches([again], resaved)
+
+    # an ordinary checkpoint of a ZeRO-2 run of the whole model, loaded at pp 2 x dp 2
+    ddp = fusedist.DistributedDataParallel(_Layers(range(LAYERS), seed))
+    zero = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, lr=3e-2)
+    _step(ddp, zero, seed + 6)
+    third = os.path.join(root, "zero2")
+    save(third, ddp, zero)
+    halves = _part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 5.0)
+    load(third, *halves, process_group=mesh["dp"], pipeline=True)
+    full = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    out["zero2 model"] = [k for k, v in _state(*halves).items() if "/" not in k and not torch.equal(v, full[k])]
+    out["zero2 optimizer"] = _zero_state_matches(zero, ddp.module, halves)
+
+    # refused on every rank, nothing loaded: each stage alone without pipeline=True
+    untouched = _part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 6.0)
+    before = _state(*untouched)
+    with pytest.raises(CheckpointError) as refused:
+        load(first, *untouched, process_group=mesh["dp"])
+    out["alone"] = (str(refused.value), _matches([untouched], before))
+    with pytest.raises(ValueError) as refused:
+        save(os.path.join(root, "refused"), [m for m, _ in interleaved], interleaved[0][1], process_group=mesh["dp"],
+             pipeline=True)
+    out["one optimizer"] = str(refused.value)
+    dist.barrier()
+    return out
+
+
+def _zero_state_matches(zero, module, part) -> list:
+    """The part's AdamW state entries that differ from the ZeRO optimizer's for the same names."""
+    consolidated = zero.consolidate_state_dict(0)
+    import torch.distributed as dist
+
+    box = [consolidated]
+    dist.broadcast_object_list(box, src=0)
+    names = [n for n, _ in module.named_parameters()]
+    by_name = {f"{names[i]}/{k}": torch.as_tensor(v) for i, st in box[0]["state"].items() for k, v in st.items()}
+    got = {k: v for k, v in _state(*part).items() if "/" in k and not k.endswith("/lr")}
+    assert len(got) == 6 * len(part[0].layers), sorted(got)
+    return [k for k, v in got.items() if k not in by_name or not torch.equal(v, by_name[k])]
+
+
+def test_pipelined_checkpoints_load_into_any_split(tmp_path):
+    results = run_distributed(_worker, 4, 1234, str(tmp_path), timeout=300)
+    for rank, out in enumerate(results):
+        assert out["files"] == ["common-stage-000.pt", "common-stage-001.pt", "common.pt", "manifest.json",
+                                "rank-00000.pt", "rank-00001.pt", "rank-00002.pt", "rank-00003.pt"], out["files"]
+        assert out["extra"] == {"step": 7}
+        for case in ("pp4", "whole", "interleaved", "interleaved -> pp4", "zero2 model", "zero2 optimizer"):
+            assert out[case] == [], (rank, case, out[case])
+        message, changed = out["alone"]
+        assert "no model part of this job loads" in message and "pipeline=True" in message, message
+        assert changed == [], changed
+        assert "one optimizer per part" in out["one optimizer"], out["one optimizer"]

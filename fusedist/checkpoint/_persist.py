@@ -96,6 +96,8 @@ class PersistMixin:
         mine, error = {}, None
         try:
             mine[name] = api._write(path, name, save_id, snapshot["sections"], rank=rank)
+            for name, content in snapshot.get("stage_files", {}).items():  # Note [pipelined checkpoints]
+                mine[name] = api._write(path, name, save_id, content, rank=rank)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = (f"rank {rank} could not write {os.path.join(path, _files.file_name(name, save_id))}: "
                      f"{type(exc).__name__}: {exc}")

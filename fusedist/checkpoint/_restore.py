@@ -15,7 +15,8 @@ import torch
 from . import _owner, api, layout, resume
 from ._files import CheckpointError
 from ._schedule import step_count
-from ._snapshot import is_zero
+from . import pipeline as pipelined
+from ._snapshot import lr_schedulers, is_zero
 from .sampler import ElasticDistributedSampler
 
 
@@ -40,7 +41,13 @@ class RestoreMixin:
         """
         if step is not None:
             step = step_count(step, "restore")
-        saving = api._World(optimizer, model, self._coord.group).size
+        if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
+            for j, (module, opt) in enumerate(pipelined.parts(model, optimizer)):
+                self._stage_world(module, opt, j)
+            saving = self.world_size
+        else:
+            api._refuse_parts(model)
+            saving = api._World(optimizer, model, self._coord.group).size
         if saving != self.world_size:  # Note [a Checkpointer per pipeline stage] in _writer.py
             who = ("the ZeroRedundancyOptimizer shards over" if is_zero(optimizer)
                    else "the model is saved by the")
@@ -49,7 +56,8 @@ class RestoreMixin:
                 f"group, the Checkpointer's group has {self.world_size} (ranks {self._coord.ranks}): the ranks of "
                 "other groups would write other models into one checkpoint. Under pipeline parallelism give "
                 "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', process_group=<the "
-                "stage's data-parallel group, or its mesh, mesh['dp', 'tp'], for a tensor-parallel or HSDP stage>)"
+                "stage's data-parallel group, or its mesh, mesh['dp', 'tp'], for a tensor-parallel or HSDP stage>), "
+                "or one Checkpointer for the job with pipeline=True and that process_group"
             )
         self._writer.wait()
         self._restores_trusted = bool(trusted)  # Note [checkpoints the restore cannot read]
@@ -63,7 +71,7 @@ class RestoreMixin:
             error = None
             try:
                 extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict,
-                                 process_group=self._coord.group)
+                                 process_group=self._coord.group, pipeline=self.pipeline)
             except CheckpointError as exc:
                 error = str(exc)
             else:
@@ -150,10 +158,12 @@ class RestoreMixin:
     def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
         state = self._state
         meta = extra or {}
-        if state["lr_scheduler"] is not None:
+        schedulers = lr_schedulers(state["lr_scheduler"])
+        if schedulers:
             if meta.get("lr_scheduler") is None:
                 raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state")
-            state["lr_scheduler"].load_state_dict(meta["lr_scheduler"])
+            for scheduler in schedulers:  # one per model part: one schedule (Note [pipelined checkpoints])
+                scheduler.load_state_dict(meta["lr_scheduler"])
         saved_world = meta.get("world_size", self.world_size)
         sampler = state["sampler"]
         if isinstance(sampler, ElasticDistributedSampler):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _root_checks, _safe_values, _sampler_state, api, resume
+from . import _files, _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
+from . import pipeline as pipelined
 from ._files import CheckpointError
 from .sampler import ElasticDistributedSampler
 
@@ -19,6 +20,13 @@ def is_zero(optimizer) -> bool:
     from ..zero import ZeroRedundancyOptimizer
 
     return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def lr_schedulers(lr_scheduler) -> list:
+    """The registered LR schedulers: none, one, or one per model part (Note [pipelined checkpoints])."""
+    if lr_scheduler is None:
+        return []
+    return list(lr_scheduler) if isinstance(lr_scheduler, (list, tuple)) else [lr_scheduler]
 
 
 class SnapshotMixin:
@@ -43,15 +51,18 @@ class SnapshotMixin:
                 snapshot = self._snapshot(step, extra, position[1])
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
             error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
-        everyone = self._coord.all_gather((error, position, refused), f"step {step}: snapshot taken")
-        refusals = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(everyone) if why is not None]
+        stages = (snapshot["stages"], snapshot["entries"]) if self.pipeline and snapshot is not None else None
+        everyone = self._coord.all_gather((error, position, refused, stages), f"step {step}: snapshot taken")
+        refusals = [f"rank {r}: {why}" for r, (_, _, why, _) in enumerate(everyone) if why is not None]
         if refusals:
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot save step {step} to {self.directory}: "
                                   f"{'; '.join(refusals)}. Nothing was written")
-        failed = [e for e, _, _ in everyone if e is not None]
+        failed = [e for e, _, _, _ in everyone if e is not None]
         if not failed:
-            differs = _sampler_state.disagreement([p for _, p, _ in everyone])
+            differs = _sampler_state.disagreement([p for _, p, _, _ in everyone])
             if differs is None:
+                if self.pipeline:
+                    self._place_stages(step, snapshot, [info for _, _, _, info in everyone])
                 return snapshot
             raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py
                 f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {differs}. "
@@ -66,43 +77,87 @@ class SnapshotMixin:
     def _snapshot(self, step: int, extra: Optional[dict], elastic_position: Optional[dict]) -> dict:
         """Copies of everything the checkpoint holds (the only part the training loop waits for)."""
         s = self._state
-        model, optimizer = s["model"], s["optimizer"]
-        zero = is_zero(optimizer)
-        if zero:
-            optimizer.wait_for_params()
+        held = self._parts()
+        for _, optimizer in held:
+            if is_zero(optimizer):
+                optimizer.wait_for_params()
         sampler = s["sampler"]
         per_rank = {"rng": resume.capture_rng_state()}
         if sampler is not None and not isinstance(sampler, ElasticDistributedSampler):
             per_rank["sampler"] = sampler.state_dict()
         sections = {"per_rank": per_rank}
-        held, sharded_keys = api.rank_sections(model, optimizer, self.rank, self.world_size)
-        sections.update(held)  # ZeRO's or fully_shard's shards (Note [stage-3 checkpoints])
+        scaler = s["scaler"].state_dict() if s["scaler"] is not None else None
         common = manifest = None
+        stage_commons, entries = {}, {}
+        if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
+            for j, (model, optimizer) in enumerate(held):
+                world = self._stage_world(model, optimizer, j)
+                part, sharded_keys = api.rank_sections(model, optimizer, world.rank, world.size)
+                sections.update({f"{name}.{j}": value for name, value in part.items()})
+                if world.rank == 0:
+                    stage_commons[j] = {"model": api.common_model(model, sharded_keys),
+                                        "optimizer": api.full_optimizer_state(model, optimizer), "scaler": scaler}
+                    keys = sorted(_load_plan._expected_model(_names.unwrap(model))[0])
+                    entries[j] = dict(api.manifest_base(model, optimizer, s["scaler"], world.size),
+                                      ranks=list(self._stage_ranks), part=j, keys=keys)
+        else:
+            model, optimizer = held[0]
+            part, sharded_keys = api.rank_sections(model, optimizer, self.rank, self.world_size)
+            sections.update(part)  # ZeRO's or fully_shard's shards (Note [stage-3 checkpoints])
         if self.rank == 0:
+            schedulers = lr_schedulers(s["lr_scheduler"])
             meta = {"step": step, "world_size": self.world_size, "user": extra,
-                    "lr_scheduler": s["lr_scheduler"].state_dict() if s["lr_scheduler"] is not None else None,
+                    "lr_scheduler": schedulers[0].state_dict() if schedulers else None,
                     "sampler": elastic_position}  # the same on every rank (checked by the caller)
-            common = {"model": api.common_model(model, sharded_keys),
-                      "optimizer": api.full_optimizer_state(model, optimizer),
-                      "scaler": s["scaler"].state_dict() if s["scaler"] is not None else None,
-                      "extra": meta}
-            manifest = self._manifest_base(step, model, optimizer)
+            common = {"model": {}, "optimizer": None, "scaler": None, "extra": meta}
+            if not self.pipeline:
+                common.update(model=api.common_model(model, sharded_keys),
+                              optimizer=api.full_optimizer_state(model, optimizer), scaler=scaler)
+                manifest = self._manifest_base(step, model, optimizer)
         if not getattr(self, "_restores_trusted", False):
-            self._refuse_unreadable(sections, common)
-        staged = self._staging.stage({"sections": sections, "common": common})
-        return dict(staged, manifest=manifest)
+            self._refuse_unreadable(sections, common, stage_commons)
+        staged = self._staging.stage({"sections": sections, "common": common, "stage_commons": stage_commons})
+        return dict(staged, manifest=manifest, entries=entries,
+                    stages=[tuple(self._stage_ranks or ()) for _ in held])
+
+    def _stage_world(self, model, optimizer, j: int):
+        """The ranks that save part ``j`` (its sharding's, over the stage's group), which must be
+        the stage's: another split saves other shards under one stage's name."""
+        world = api._World(optimizer, model, self._stage_group)
+        if world.size != len(self._stage_ranks):
+            raise ValueError(f"Checkpointer (rank {self.rank}): part {j} is sharded over {world.size} ranks, its "
+                             f"stage's process_group has {len(self._stage_ranks)} ({self._stage_ranks}); pass the "
+                             "stage's group (its mesh, for a tensor-parallel or HSDP stage)")
+        return world
+
+    def _place_stages(self, step: int, snapshot: dict, infos: list) -> None:
+        """Once every rank's snapshot is taken: the file each stage's common state goes to, and
+        on rank 0 the manifest listing the stages (Note [pipelined checkpoints])."""
+        pipelined.check_stages([(stages, None) for stages, _ in infos])
+        order = pipelined.stage_order([(stages, None) for stages, _ in infos])
+        mine = snapshot["stages"]
+        snapshot["stage_files"] = {pipelined.stage_common_file(order.index((mine[j], j))): content
+                                   for j, content in snapshot["stage_commons"].items()}
+        if self.rank == 0:
+            listed = {order.index((stages[j], j)): dict(entry, common=pipelined.stage_common_file(
+                order.index((stages[j], j)))) for stages, entries in infos for j, entry in entries.items()}
+            listed = [listed[k] for k in range(len(order))]
+            snapshot["manifest"] = {
+                "format": _files.FORMAT, "version": max([_files.PIPELINE_VERSION] + [e["version"] for e in listed]),
+                "world_size": self.world_size, "pipeline": listed, "checkpointer": {"step": step}}
 
     @staticmethod
-    def _refuse_unreadable(sections: dict, common: Optional[dict]) -> None:
+    def _refuse_unreadable(sections: dict, common: Optional[dict], stage_commons: Optional[dict] = None) -> None:
         """Raise TypeError naming the first value this job's restore (not trusted) could not
         read back (Note [checkpoints the restore cannot read] in ``_safe_values.py``)."""
         meta = (common or {}).get("extra") or {}
-        parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler")),
-                 ("the GradScaler's state_dict()", (common or {}).get("scaler")),
-                 ("the optimizer's state_dict()", (common or {}).get("optimizer")),
-                 ("the optimizer's state", sections.get("optimizer_shard")),
-                 ("the model's state_dict()", (common or {}).get("model")),
-                 ("the model's state", sections.get("model_shard"))]
+        held = [common or {}] + list((stage_commons or {}).values())
+        parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler"))]
+        for c in held:
+            parts += [("the GradScaler's state_dict()", c.get("scaler")),
+                      ("the optimizer's state_dict()", c.get("optimizer")), ("the model's state_dict()", c.get("model"))]
+        parts += [("the optimizer's state" if name.startswith("optimizer_shard") else "the model's state", value)
+                  for name, value in sections.items() if name.startswith(("optimizer_shard", "model_shard"))]
         for label, value in parts:
             found = _safe_values.first_unreadable(value, label)
             if found is not None:

@@ -104,6 +104,17 @@ def _checkpoint_group(process_group) -> tuple:
     return mine, made[tuple(mine)]
 
 
+def stage_group(process_group) -> tuple:
+    """The ranks of this rank's pipeline stage and a gloo group over them, for a pipelined
+    Checkpointer (Note [pipelined checkpoints] in ``pipeline.py``): ``process_group``'s (split
+    and checked as above), the whole job's without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0], None
+    if process_group is None:
+        return list(range(dist.get_world_size())), None
+    return _checkpoint_group(process_group)
+
+
 class BackgroundWriter:
     """Runs one job at a time on a daemon thread; errors surface at :meth:`wait`."""
 

@@ -50,12 +50,13 @@ import warnings
 from typing import Optional
 
 from . import _heartbeat, _owner, _root_checks, api, layout
+from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._persist import PersistMixin
 from ._restore import RestoreMixin
 from ._schedule import ScheduleMixin, is_int
 from ._snapshot import SnapshotMixin
-from ._writer import BackgroundWriter, Coordinator
+from ._writer import BackgroundWriter, Coordinator, stage_group
 from .staging import StagingBuffers
 
 
@@ -76,6 +77,13 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
     every rank of the job still constructs its Checkpointer at the same point. A model
     saved by other ranks than the Checkpointer's is refused at ``restore``.
 
+    ``pipeline=True``: one root for every stage of a pipeline-parallel job (Note [pipelined
+    checkpoints] in ``pipeline.py``), whose checkpoints restore into another pipeline split.
+    Every rank constructs it with its stage's ``process_group`` (as above), and registers at
+    ``restore`` its model part -- a list of parts where it holds several stages -- with one
+    optimizer per part; a list of LR schedulers (one per part) follows one schedule: the first's
+    state is saved, and loaded into each.
+
     ``run_id``: what identifies this job across restarts (default: torchrun's rendezvous id,
     else this launch); a job of another run holding ``directory`` is refused (Note [one job
     per checkpoint root]), unless its holder stopped renewing the lease for
@@ -84,13 +92,15 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
 
     def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
                  async_save: bool = True, *, run_id: Optional[str] = None,
-                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S, process_group=None):
+                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S, process_group=None, pipeline: bool = False):
         if every_steps is not None and (not is_int(every_steps) or every_steps < 1):
             raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
         if keep is not None and (not is_int(keep) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int or None (keep all), got {keep!r}")
         self.directory, self.every_steps, self.keep, self.async_save = directory, every_steps, keep, async_save
-        self._coord = Coordinator(process_group)
+        self.pipeline = bool(pipeline)  # Note [pipelined checkpoints] in pipeline.py
+        self._coord = Coordinator(None if self.pipeline else process_group)
+        self._stage_ranks, self._stage_group = stage_group(process_group) if self.pipeline else (None, None)
         self.rank, self.world_size = self._coord.rank, self._coord.size
         self._staging = StagingBuffers()
         self._writer = BackgroundWriter(f"fusedist.checkpoint.Checkpointer({directory!r}) on rank {self.rank}")
@@ -123,8 +133,8 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         t0 = time.perf_counter()
         self._wait_previous()
         t1 = time.perf_counter()
-        state = self._state
-        api._check_ranks_agree(state["model"], state["optimizer"])
+        for module, optimizer in self._parts():
+            api._check_ranks_agree(module, optimizer)
         snapshot = self._agreed_snapshot(step, extra)
         t2 = time.perf_counter()
         record = {"step": step, "wait_s": t1 - t0, "stall_s": t2 - t0, "bytes": self._staging.bytes,
@@ -136,6 +146,13 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         else:
             self._persist(step, snapshot, record)
             record["stall_s"] = time.perf_counter() - t0
+
+    def _parts(self) -> list:
+        """``(module, optimizer)`` of each registered model part (one unless ``pipeline=True``)."""
+        state = self._state
+        if self.pipeline:
+            return pipelined.parts(state["model"], state["optimizer"])
+        return [(state["model"], state["optimizer"])]
 
     def _wait_previous(self) -> None:
         try:

@@ -89,7 +89,7 @@ def is_pipelined(directory: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- save
-def _check_stages(infos: list) -> None:
+def check_stages(infos: list) -> None:
     """Every rank's part ``j`` must name the same ranks as every rank it names: the stages'
     groups split the job's ranks (per slot) into disjoint groups."""
     for rank, (members, _) in enumerate(infos):
@@ -107,7 +107,7 @@ def _check_stages(infos: list) -> None:
                         "stage passes its parts in one order, over the stage's group (process_group=)")
 
 
-def _stage_order(infos: list) -> list:
+def stage_order(infos: list) -> list:
     """The checkpoint's stages, ``(ranks, part slot)``, in order of their first rank."""
     return sorted({(tuple(ranks), j) for members, _ in infos for j, ranks in enumerate(members)})
 
@@ -126,8 +126,8 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     api._warn_trusted_only(job.rank, first_opt, extra, per_rank)
     keys = [sorted(_load_plan._expected_model(_names.unwrap(module))[0]) for module, _ in held]
     call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
-    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), _check_stages)
-    order = _stage_order(infos)
+    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), check_stages)
+    order = stage_order(infos)
 
     for _, opt in held:
         if isinstance(opt, ZeroRedundancyOptimizer):

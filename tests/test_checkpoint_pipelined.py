@@ -10,8 +10,12 @@ names (torchtitan's split), each part trained a step so its AdamW holds state:
   per rank, each with its optimizer);
 - that interleaved layout saved (two parts per rank) -> loaded at pp 4;
 - an ordinary checkpoint of a ZeRO-2 run of the whole model -> loaded at pp 2 x dp 2;
+- the GradScaler of the stage that saved a part's layers, each rank's ``per_rank`` state, a
+  load with ``strict=False`` of a part the checkpoint holds only some of;
 - refused on every rank: stages loading one after the other without ``pipeline=True`` (each
-  would take only its own layers), one optimizer over two parts.
+  would take only its own layers), one optimizer over two parts; and before anything is written,
+  a save of stages whose names clash (``nn.Sequential`` slices), or over groups that do not
+  split the job.
 
 Every load must give each part exactly the saved values of its layers and their AdamW state
 (bit for bit: the values are copied, not recomputed).
@@ -124,12 +128,25 @@ def _worker(rank, world_size, seed, root):
     saved_part = _part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 0.0)
     saved = _whole([saved_part])
     first = os.path.join(root, "pp2xdp2")
-    save(first, *saved_part, extra={"step": 7}, process_group=mesh["dp"], pipeline=True)
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** (10 + pp))  # the stages' own, each saved
+    save(first, *saved_part, scaler, extra={"step": 7}, per_rank={"rank": rank}, process_group=mesh["dp"],
+         pipeline=True)
     out["files"] = sorted(os.listdir(first))
 
     four = _part([2 * rank, 2 * rank + 1], None, seed, 1.0)  # pp 4: plain modules
-    out["extra"] = load(first, *four, process_group=single["dp"], pipeline=True)
+    loaded_scaler = fusedist.amp.GradScaler("cpu")
+    out["extra"] = load(first, *four, loaded_scaler, process_group=single["dp"], pipeline=True)
     out["pp4"] = _matches([four], saved)
+    out["scale"] = loaded_scaler.get_scale()  # from the stage that saved the part's layers
+    out["per_rank"] = fusedist.checkpoint.load_per_rank(first)
+
+    # strict=False: a part of some saved layers (and one the checkpoint lacks) takes what it has
+    some, _ = _part([1, 6], None, seed, 1.5)
+    some.head = nn.Linear(WIDTH, 2)
+    head = {k: v.clone() for k, v in some.head.state_dict().items()}
+    load(first, some, process_group=single["dp"], pipeline=True, strict=False)
+    out["not strict"] = [k for k, v in some.state_dict().items()
+                         if not torch.equal(v, saved[k] if k in saved else head[k[len("head."):]])]
 
     everything = _part(range(LAYERS), whole["dp"], seed, 2.0)  # no pipeline: the whole model
     load(first, *everything)
@@ -170,7 +187,18 @@ def _worker(rank, world_size, seed, root):
         save(os.path.join(root, "refused"), [m for m, _ in interleaved], interleaved[0][1], process_group=mesh["dp"],
              pipeline=True)
     out["one optimizer"] = str(refused.value)
+    # groups that do not split the job (rank 1 in two): refused before writing
+    pairs = [dist.new_group([0, 1]), dist.new_group([1, 2]), dist.new_group([2, 3])]
+    with pytest.raises(CheckpointError) as refused:
+        save(os.path.join(root, "pairs"), _Layers([rank], seed), process_group=pairs[min(rank, 2)], pipeline=True)
+    out["pairs"] = str(refused.value)
+    # stages whose names clash (nn.Sequential slices renumber layers): refused before writing
+    sliced = nn.Sequential(*list(_Layers(range(LAYERS), seed).layers.values())[4 * pp:4 * pp + 4])
+    clash = os.path.join(root, "clash")
+    with pytest.raises(CheckpointError) as refused:
+        save(clash, sliced, process_group=mesh["dp"], pipeline=True)
     dist.barrier()
+    out["clash"] = (str(refused.value), os.path.exists(clash))
     return out
 
 
@@ -193,13 +221,19 @@ def test_pipelined_checkpoints_load_into_any_split(tmp_path):
     for rank, out in enumerate(results):
         assert out["files"] == ["common-stage-000.pt", "common-stage-001.pt", "common.pt", "manifest.json",
                                 "rank-00000.pt", "rank-00001.pt", "rank-00002.pt", "rank-00003.pt"], out["files"]
-        assert out["extra"] == {"step": 7}
+        assert out["extra"] == {"step": 7} and out["per_rank"] == {"rank": rank}, out
+        assert out["scale"] == 2.0 ** (10 + rank // 2), out  # layers 2r, 2r + 1 are stage r // 2's
+        assert out["not strict"] == [], out["not strict"]
+        message, written = out["clash"]
+        assert "'0.bias' is the name of an entry of two pipeline stages" in message and not written, out["clash"]
         for case in ("pp4", "whole", "interleaved", "interleaved -> pp4", "zero2 model", "zero2 optimizer"):
             assert out[case] == [], (rank, case, out[case])
         message, changed = out["alone"]
         assert "no model part of this job loads" in message and "pipeline=True" in message, message
         assert changed == [], changed
         assert "one optimizer per part" in out["one optimizer"], out["one optimizer"]
+        assert "the pipeline stages do not agree: rank 0 saves its part 0 over ranks [0, 1], rank 1 its part 0 over " \
+               "[1, 2]" in out["pairs"], out["pairs"]
 
 
 def _periodic_worker(rank, world_size, seed, root):

@@ -252,6 +252,27 @@ class _TensorParallelBlock(nn.Module):
         return x + self.w2(torch.relu(self.w1(x)))
 
 
+class _Stage(nn.Module):
+    """Blocks of one model under their names in the whole model (torchtitan's split), run in order."""
+
+    def __init__(self, blocks: dict):
+        super().__init__()
+        self.layers = nn.ModuleDict(blocks)
+
+    def forward(self, x):
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def _blocks_3d(kind: str, seed: int) -> list:
+    """The whole model's blocks, the same on every rank."""
+    torch.manual_seed(seed)
+    if kind == "tp":
+        return [_TensorParallelBlock() for _ in range(2 * BLOCKS_PER_STAGE)]
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2 * BLOCKS_PER_STAGE)]
+
+
 def _stage_3d(kind: str, shard, mesh, seed):
     """This rank's stage of torchtitan's 3-D recipes in small: ``"tp"``, a column-/row-wise plan
     on mesh["tp"] and fully_shard on mesh["dp"]; ``"hsdp"``, fully_shard on
@@ -259,16 +280,14 @@ def _stage_3d(kind: str, shard, mesh, seed):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     stage = mesh["pp"].get_local_rank()
+    ids = range(stage * BLOCKS_PER_STAGE, (stage + 1) * BLOCKS_PER_STAGE)
+    module = _Stage({str(i): block for i, block in enumerate(_blocks_3d(kind, seed)) if i in ids})
     if kind == "tp":
-        torch.manual_seed(seed)
-        blocks = [_TensorParallelBlock() for _ in range(2 * BLOCKS_PER_STAGE)]
-        module = nn.Sequential(*blocks[stage * BLOCKS_PER_STAGE:][:BLOCKS_PER_STAGE])
         dp, data_rank = mesh["dp"], mesh["dp"].get_local_rank()
     else:
-        module = _stage_module(stage, 2, seed)
         dp = mesh["dp_replicate", "dp_shard"]
         data_rank = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
-    for block in module:
+    for block in module.layers.values():
         if kind == "tp":
             parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         shard(block, mesh=dp)
@@ -321,6 +340,25 @@ def _worker_3d(rank, world_size, kind, seed, root):
     periodic.close()
     restored = (fusedist.fsdp.full_state_dict(fresh), _optimizer_state(fresh, fresh_opt))
     out["equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
+
+    # one root for both stages (Note [pipelined checkpoints]): restored exactly, and read whole
+    # by a job without pipeline parallelism (each rank a plain copy of the whole model)
+    where = os.path.join(root, "pipelined")
+    for module, optimizer in ((ours, opt), _train_3d(kind, fusedist.fully_shard, PipelineStage, mesh, seed + 2)):
+        periodic = fusedist.checkpoint.Checkpointer(where, process_group=stage_mesh, pipeline=True)
+        out["restored"].append(periodic.restore(module, optimizer))
+        if module is ours:
+            periodic.save(3)
+        periodic.close()
+    restored = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, optimizer))
+    out["pipelined equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
+    whole = _Stage({str(i): block for i, block in enumerate(_blocks_3d(kind, seed + 3))})
+    fusedist.checkpoint.load(os.path.join(where, "step-00000003"), whole)
+    every = [None] * world_size
+    torch.distributed.all_gather_object(every, saved[0])
+    expected = {k: v for part in every for k, v in part.items()}
+    out["whole equal"] = (sorted(expected) == sorted(whole.state_dict())
+                          and all(torch.equal(v, expected[k]) for k, v in whole.state_dict().items()))
     return out
 
 
@@ -339,7 +377,8 @@ def test_3d_pipeline_stages_match_fsdp2(kind, tmp_path):
     per_rank = run_distributed(_worker_3d, 8, kind, seed, str(tmp_path), timeout=300)
     for rank, out in enumerate(per_rank):
         assert out["diff"] < 1e-6, (seed, rank, out)
-        assert out["restored"] == [0, 3] and out["equal"], (seed, rank, out)
+        assert out["restored"] == [0, 3, 0, 3] and out["equal"], (seed, rank, out)
+        assert out["pipelined equal"] and out["whole equal"], (seed, rank, out)
 
 
 # ------------------------------------------------------------------ zero-bubble schedules

@@ -134,6 +134,7 @@ class SnapshotMixin:
         """Once every rank's snapshot is taken: the file each stage's common state goes to, and
         on rank 0 the manifest listing the stages (Note [pipelined checkpoints])."""
         pipelined.check_stages([(stages, None) for stages, _ in infos])
+        pipelined.check_names({(stages[j], j): entry["keys"] for stages, entries in infos for j, entry in entries.items()})
         order = pipelined.stage_order([(stages, None) for stages, _ in infos])
         mine = snapshot["stages"]
         snapshot["stage_files"] = {pipelined.stage_common_file(order.index((mine[j], j))): content

@@ -90,6 +90,13 @@ class _World:
         else:
             self.rank, self.size = 0, 1
 
+    def ranks(self) -> list:
+        """The job's ranks of this world, in its rank order (no exchange)."""
+        if self.comm is None:
+            return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+        group = getattr(self.comm, "group", None)
+        return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
     def all_gather(self, obj, what: str) -> list:
         """Every rank's ``obj``; ``what`` names the step in errors and stall reports."""
         if self.comm is None:

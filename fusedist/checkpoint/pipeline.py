@@ -91,7 +91,8 @@ def is_pipelined(directory: str) -> bool:
 # ---------------------------------------------------------------------------- save
 def check_stages(infos: list) -> None:
     """Every rank's part ``j`` must name the same ranks as every rank it names: the stages'
-    groups split the job's ranks (per slot) into disjoint groups."""
+    groups split the job's ranks (per slot) into disjoint groups. ``infos``: every rank's
+    ``(ranks of each part's stage, keys of each part or None)``."""
     for rank, (members, _) in enumerate(infos):
         for j, ranks in enumerate(members):
             if rank not in ranks:
@@ -105,6 +106,22 @@ def check_stages(infos: list) -> None:
                         f"fusedist.checkpoint.save: the pipeline stages do not agree: rank {rank} saves its part "
                         f"{j} over ranks {list(ranks)}, rank {other} its part {j} over {seen}; every rank of a "
                         "stage passes its parts in one order, over the stage's group (process_group=)")
+
+
+def check_names(stage_keys: dict) -> None:
+    """Stages must hold disjoint state-dict keys: a pipelined checkpoint keys each entry by its
+    name in the whole model. ``stage_keys``: ``{(ranks, part slot): keys}``."""
+    owner: dict = {}
+    for stage, keys in sorted(stage_keys.items()):
+        for key in keys:
+            other = owner.setdefault(key, stage)
+            if other != stage:
+                raise CheckpointError(
+                    f"fusedist.checkpoint: '{key}' is the name of an entry of two pipeline stages (ranks "
+                    f"{list(other[0])} part {other[1]} and ranks {list(stage[0])} part {stage[1]}); a pipelined "
+                    "checkpoint keys each entry by its name in the whole model, so build each stage from the whole "
+                    "model with the other layers removed (its names kept), not from a slice that renumbers them. "
+                    "Nothing was written")
 
 
 def stage_order(infos: list) -> list:
@@ -121,12 +138,19 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
         api._check_ranks_agree(module, opt)
     job = job_world()
     stages = [api._World(opt, module, process_group) for module, opt in held]
-    members = [tuple(w.all_gather(job.rank, "save: stage ranks")) for w in stages]
+    # No exchange over the stages' groups: ranks naming groups that do not agree would wait
+    # in one for a peer that is in another; check_stages reports them on every rank instead.
+    members = [tuple(w.ranks()) for w in stages]
     first_opt = held[0][1]
     api._warn_trusted_only(job.rank, first_opt, extra, per_rank)
     keys = [sorted(_load_plan._expected_model(_names.unwrap(module))[0]) for module, _ in held]
     call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
-    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), check_stages)
+    def check(infos: list) -> None:
+        check_stages(infos)
+        check_names({(tuple(ranks), j): part_keys for members_of, keys_of in infos
+                     for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
+
+    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), check)
     order = stage_order(infos)
 
     for _, opt in held:

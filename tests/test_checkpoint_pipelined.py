@@ -10,6 +10,7 @@ names (torchtitan's split), each part trained a step so its AdamW holds state:
   per rank, each with its optimizer);
 - that interleaved layout saved (two parts per rank) -> loaded at pp 4;
 - an ordinary checkpoint of a ZeRO-2 run of the whole model -> loaded at pp 2 x dp 2;
+- stages of fusedist DDP + ZeRO-2 over each stage's group, saved pipelined -> loaded at pp 4;
 - the GradScaler of the stage that saved a part's layers, each rank's ``per_rank`` state, a
   load with ``strict=False`` of a part the checkpoint holds only some of;
 - refused on every rank: stages loading one after the other without ``pipeline=True`` (each
@@ -177,6 +178,23 @@ def _worker(rank, world_size, seed, root):
     out["zero2 model"] = [k for k, v in _state(*halves).items() if "/" not in k and not torch.equal(v, full[k])]
     out["zero2 optimizer"] = _zero_state_matches(zero, ddp.module, halves)
 
+    # stages of fusedist DDP with ZeRO-2 over each stage's group, saved pipelined, loaded at pp 4
+    stage_ddp = fusedist.DistributedDataParallel(_Layers(range(4 * pp, 4 * pp + 4), seed + 1),
+                                                 process_group=mesh["dp"].get_group())
+    stage_zero = fusedist.ZeroRedundancyOptimizer(stage_ddp.parameters(), torch.optim.AdamW, stage=2,
+                                                  process_group=mesh["dp"].get_group(), lr=2e-2)
+    _step(stage_ddp, stage_zero, seed + 8)
+    fourth = os.path.join(root, "zero2 stages")
+    save(fourth, stage_ddp, stage_zero, process_group=mesh["dp"], pipeline=True)
+    reference = {k: v.clone() for k, v in stage_ddp.module.state_dict().items()}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (reference, _zero_by_name(stage_zero, stage_ddp.module)))
+    from_stages = _part([2 * rank, 2 * rank + 1], None, seed, 7.0)
+    load(fourth, *from_stages, process_group=single["dp"], pipeline=True)
+    expected = {k: v for model_state, optim_state in everyone for k, v in {**model_state, **optim_state}.items()}
+    got = {k: v for k, v in _state(*from_stages).items() if not k.endswith("/lr")}
+    out["zero2 stages"] = [k for k, v in got.items() if not torch.equal(v, expected[k])]
+
     # refused on every rank, nothing loaded: each stage alone without pipeline=True
     untouched = _part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 6.0)
     before = _state(*untouched)
@@ -202,15 +220,20 @@ def _worker(rank, world_size, seed, root):
     return out
 
 
-def _zero_state_matches(zero, module, part) -> list:
-    """The part's AdamW state entries that differ from the ZeRO optimizer's for the same names."""
-    consolidated = zero.consolidate_state_dict(0)
+def _zero_by_name(zero, module) -> dict:
+    """A ZeroRedundancyOptimizer's whole AdamW state by parameter name (a collective)."""
     import torch.distributed as dist
 
-    box = [consolidated]
-    dist.broadcast_object_list(box, src=0)
+    ranks = dist.get_process_group_ranks(zero.process_group) if zero.process_group is not None else [0]
+    box = [zero.consolidate_state_dict(0)]
+    dist.broadcast_object_list(box, src=ranks[0], group=zero.process_group)
     names = [n for n, _ in module.named_parameters()]
-    by_name = {f"{names[i]}/{k}": torch.as_tensor(v) for i, st in box[0]["state"].items() for k, v in st.items()}
+    return {f"{names[i]}/{k}": torch.as_tensor(v) for i, st in box[0]["state"].items() for k, v in st.items()}
+
+
+def _zero_state_matches(zero, module, part) -> list:
+    """The part's AdamW state entries that differ from the ZeRO optimizer's for the same names."""
+    by_name = _zero_by_name(zero, module)
     got = {k: v for k, v in _state(*part).items() if "/" in k and not k.endswith("/lr")}
     assert len(got) == 6 * len(part[0].layers), sorted(got)
     return [k for k, v in got.items() if k not in by_name or not torch.equal(v, by_name[k])]
@@ -226,7 +249,8 @@ def test_pipelined_checkpoints_load_into_any_split(tmp_path):
         assert out["not strict"] == [], out["not strict"]
         message, written = out["clash"]
         assert "'0.bias' is the name of an entry of two pipeline stages" in message and not written, out["clash"]
-        for case in ("pp4", "whole", "interleaved", "interleaved -> pp4", "zero2 model", "zero2 optimizer"):
+        for case in ("pp4", "whole", "interleaved", "interleaved -> pp4", "zero2 model", "zero2 optimizer",
+                     "zero2 stages"):
             assert out[case] == [], (rank, case, out[case])
         message, changed = out["alone"]
         assert "no model part of this job loads" in message and "pipeline=True" in message, message

@@ -313,3 +313,41 @@ def test_a_pipelined_checkpointer_restores_any_split(tmp_path):
             assert out[name]["restored"] == step and out[name]["extra"] == {"tokens": 32 * step}, (rank, out[name])
             assert out[name]["differ"] == [], (rank, name, out[name])
             assert set(out[name]["scheduler"]) == {step // 2}, (rank, name, out[name])
+
+
+def _dcp_worker(rank, world_size, seed, root):
+    """torchtitan's checkpoint of a pipeline-parallel job (torch's fully_shard stages, one
+    torch distributed checkpoint of every stage, the optimizer flattened by name), continued at
+    pp 4 and on fusedist's fully_shard stages."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fusedist.checkpoint import load
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    single = init_device_mesh("cpu", (4, 1), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    module = _Layers(range(4 * pp, 4 * pp + 4), seed)
+    for layer in module.layers.values():
+        torch_fully_shard(layer, mesh=mesh["dp"])
+    torch_fully_shard(module, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    _step(module, opt, seed)
+    model_state, optim_state = get_state_dict(module, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=root)
+    saved = _whole([(module, opt)])
+    out = {}
+    four = _part([2 * rank, 2 * rank + 1], None, seed, 1.0)
+    load(root, *four, process_group=single["dp"], pipeline=True)
+    out["pp4"] = _matches([four], saved)
+    ours = _part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 2.0)
+    load(root, *ours, process_group=mesh["dp"], pipeline=True)
+    out["fusedist stages"] = _matches([ours], saved)
+    return out
+
+
+def test_torchtitans_pipelined_dcp_checkpoint_loads_into_any_split(tmp_path):
+    for rank, out in enumerate(run_distributed(_dcp_worker, 4, 99, str(tmp_path / "dcp"), timeout=300)):
+        assert out == {"pp4": [], "fusedist stages": []}, (rank, out)

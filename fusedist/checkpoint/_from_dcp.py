@@ -89,9 +89,11 @@ def split(tree: dict, expected: dict, normalize, directory: str) -> tuple[dict, 
     return best, (optimizers[0] if optimizers else None)
 
 
-def _nested(optim: dict, names: list, source: str) -> tuple[dict, list]:
+def _nested(optim: dict, names: list, source: str, others: bool = False) -> tuple[dict, list]:
     """A flattened optimizer state (``state.<name>.<key>``, ``param_groups.<name>.<setting>``:
-    ``flatten_optimizer_state_dict=True``) as ``state`` by name and one group per parameter."""
+    ``flatten_optimizer_state_dict=True``) as ``state`` by name and one group per parameter.
+    ``others``: entries of parameters not in ``names`` are skipped (other pipeline stages')
+    instead of refused."""
     if "state" in optim and "param_groups" in optim:
         return optim["state"], optim["param_groups"]
     state: dict = {}
@@ -101,16 +103,19 @@ def _nested(optim: dict, names: list, source: str) -> tuple[dict, list]:
         kind, rest = key.split(".", 1)
         name, _, field = rest.rpartition(".")
         if name not in known:
+            if others:
+                continue
             raise CheckpointError(f"fusedist.checkpoint: {source}: entry {key!r} names no parameter of the optimizer")
         (state if kind == "state" else settings).setdefault(name, {})[field] = value
     groups = [dict(values, params=[name]) for name, values in settings.items()]
     return state, groups
 
 
-def to_torch_format(optim: dict, names: list, group_sizes: list, source: str) -> dict:
+def to_torch_format(optim: dict, names: list, group_sizes: list, source: str, others: bool = False) -> dict:
     """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
-    optimizer whose parameters are named ``names``, in param groups of ``group_sizes``."""
-    state, groups = _nested(optim, names, source)
+    optimizer whose parameters are named ``names``, in param groups of ``group_sizes``
+    (``others``: as in :func:`_nested`)."""
+    state, groups = _nested(optim, names, source, others)
     if groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         return _by_index(state, groups, group_sizes, source)
     group_of = {}
@@ -138,6 +143,13 @@ def to_torch_format(optim: dict, names: list, group_sizes: list, source: str) ->
                 out_state[i] = dict(state[name])
         start += size
     return {"state": out_state, "param_groups": out_groups}
+
+
+def state_names(optim: dict) -> list:
+    """The names of the parameters with state in ``optim`` (nested or flattened by name)."""
+    if "state" in optim and "param_groups" in optim:
+        return [k for k, v in optim["state"].items() if isinstance(k, str) and v]
+    return sorted({key.split(".", 1)[1].rpartition(".")[0] for key in optim if key.startswith("state.")})
 
 
 def _by_index(state: dict, groups: list, group_sizes: list, source: str) -> dict:

@@ -27,7 +27,9 @@ refused on every rank before any rank loads anything, as every load is.
 
 Any job can load a pipelined checkpoint (a data-parallel one of the whole model reads every
 stage); and a job with ``pipeline=True`` can load an ordinary checkpoint of the whole model,
-each part taking its entries -- pipeline parallelism added to a run, or its degree changed.
+each part taking its entries -- pipeline parallelism added to a run, or its degree changed --
+or torch's distributed checkpoint of a pipeline-parallel job (torchtitan's: every stage's
+state by name in one checkpoint, the optimizer's flattened by name).
 Each rank reads the files of the stages its parts need: at most the whole model and its
 optimizer state in CPU memory, as an ordinary load resharding an optimizer reads.
 """
@@ -42,7 +44,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _load_plan, _names, api, stage3
+from . import _checks, _files, _from_dcp, _load_plan, _names, api, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -266,9 +268,8 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     """The plan of a load into the parts of ``model`` (Note [pipelined checkpoints]): each
     part's :func:`_load_plan.prepare`-style plan, read and checked without modifying anything."""
     held = parts(model, optimizer)
-    if not os.path.exists(os.path.join(directory, _files.MANIFEST)):
-        raise CheckpointError(f"fusedist.checkpoint: {directory} holds no fusedist checkpoint (no "
-                              f"{_files.MANIFEST}); a load with pipeline=True reads fusedist's checkpoints only")
+    if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
+        return _prepare_dcp(directory, held, scaler, strict)
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)
     read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, held[0][1], scaler)}
@@ -282,6 +283,43 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
                   for n in s["optimizer"]["param_names"]}
     return {"parts": plans, "extra": reader.file(_files.COMMON).get("extra"), "read": read, "strict": strict,
             "stages": stages, "all_keys": all_keys, "all_params": all_params if held[0][1] is not None else {}}
+
+
+def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
+    """:func:`prepare` for a checkpoint of torch's distributed checkpoint holding the whole
+    model (Note [torch's distributed checkpoints in load] in ``_from_dcp.py``): torchtitan's
+    save of a pipeline-parallel job, every part's state by its names, the optimizer's
+    flattened by name (``flatten_optimizer_state_dict=True``). Each part takes its entries."""
+    if scaler is not None:
+        raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
+                              "which holds no GradScaler state fusedist reads; pass scaler=None")
+    digest, tree = _from_dcp.read(directory)
+    read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, held[0][1], scaler)}
+    plans, every_key, every_param = [], {}, {}
+    for module, optimizer in held:
+        target = _names.unwrap(module)
+        expected, sharded_target = _load_plan._expected_model(target)
+        saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
+        every_key.update((k, 0) for k in saved)
+        mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
+        plan = {"model": _load_plan._check_model(mine, expected, directory, strict), "model_sharded": sharded_target,
+                "strict": strict, "extra": None, "params": []}
+        if optimizer is not None:
+            if optim is None:
+                raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+            source = f"optimizer state in {directory}"
+            params = optimizer_params(optimizer)
+            plan["params"] = param_names(module, params)
+            full = _from_dcp.to_torch_format(optim, plan["params"], [len(g["params"]) for g in optimizer.param_groups],
+                                             source, others=True)
+            plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
+                                                         optimizer, params, source)
+            every_param.update((n, 0) for n in _from_dcp.state_names(optim))
+        plans.append(plan)
+    read["keys"] = sorted({k for p in plans for k in p["model"]})
+    read["params"] = sorted({n for p in plans for n in p.pop("params")})
+    return {"parts": plans, "extra": None, "read": read, "strict": strict, "stages": [{"ranks": None}],
+            "all_keys": every_key, "all_params": every_param}
 
 
 def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimizer, scaler, strict: bool) -> dict:
@@ -380,12 +418,13 @@ def check_taken(plan: dict, reads: list, directory: str) -> None:
         took = set().union(*(r[taken] for r in reads))
         left = [k for k in every if k not in took]
         if left:
-            stage = plan["stages"][every[left[0]]]
+            ranks = plan["stages"][every[left[0]]]["ranks"]
+            saved_by = "" if ranks is None else f"; saved by ranks {ranks}"
             raise CheckpointError(
                 f"fusedist.checkpoint: {directory} holds {len(left)} {what} that no model part of this job loads "
-                f"({left[:5]}{' ...' if len(left) > 5 else ''}; saved by ranks {stage['ranks']}): every rank of a "
-                "pipeline-parallel job passes its parts with pipeline=True, and the parts together must be the saved "
-                "model (load(..., strict=False) loads what the parts have); nothing was loaded")
+                f"({left[:5]}{' ...' if len(left) > 5 else ''}{saved_by}): every rank of a pipeline-parallel job "
+                "passes its parts with pipeline=True, and the parts together must be the saved model "
+                "(load(..., strict=False) loads what the parts have); nothing was loaded")
 
 
 def apply(plan: dict, model, optimizer, scaler):

@@ -440,3 +440,25 @@ def test_b200_preset(capsys):
     assert not h["memory"]["zero1"]["fits"] and b["memory"]["zero1"]["fits"]
     code, out, _ = run_cli(capsys, *argv[:-1], "--gpu", "b200")
     assert "GPU: b200, 180 GB (8000 GB/s), peak 2250 TFLOPS (bf16/fp16 dense)" in out
+
+
+def test_a_model_parallel_suggestion_says_how_to_build_it(capsys):
+    """The suggested layout comes with the fusedist and torch calls that build it: the mesh,
+    tensor parallelism, the data-parallel strategy and, for pipeline stages, the stage class and
+    a checkpoint of every stage that restores at another split."""
+    from fusedist.plan import report
+
+    code, out, _ = run_cli(capsys, "--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64",
+                           "--kv-heads", "8", "--ffn-hidden", "28672", "--vocab", "32000", "--seq", "4096",
+                           "--gpus", "64", "--recompute", "selective")
+    assert code == 0 and "dp=32 x tp=2 x pp=1 with zero3" in out, out
+    assert 'how: mesh = init_device_mesh("cuda", (32, 2), mesh_dim_names=("dp", "tp"))' in out, out
+    assert 'parallelize_module(block, mesh["tp"], plan)' in out and 'fully_shard(block, mesh=mesh["dp"])' in out
+    assert "PipelineStage" not in out  # pp=1
+    lines = "\n".join(report.recipe({"dp": 4, "tp": 2, "pp": 2, "ep": 1, "strategy": "zero2", "total_bytes": 0}))
+    assert 'init_device_mesh("cuda", (2, 4, 2), mesh_dim_names=("pp", "dp", "tp"))' in lines, lines
+    assert "ZeroRedundancyOptimizer(..., stage=2" in lines and "fusedist.pipelining.PipelineStage(" in lines, lines
+    assert 'Checkpointer(root, process_group=mesh["dp", "tp"], pipeline=True)' in lines, lines
+    lines = "\n".join(report.recipe({"dp": 8, "tp": 1, "pp": 4, "ep": 1, "strategy": "ddp", "total_bytes": 0}))
+    assert '(4, 8), mesh_dim_names=("pp", "dp")' in lines and 'process_group=mesh["dp"], pipeline=True' in lines
+    assert "parallelize_module" not in lines and "fusedist.DistributedDataParallel(module" in lines, lines

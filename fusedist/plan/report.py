@@ -67,6 +67,41 @@ def _expert_lines(plan: dict) -> list:
             "(not overlapped)"]
 
 
+# What each data-parallel strategy is in fusedist, over the mesh's "dp" dim.
+_DATA_PARALLEL = {
+    "ddp": 'fusedist.DistributedDataParallel(module, process_group=mesh["dp"].get_group()) (or fusedist.replicate)',
+    "zero1": 'fusedist.ZeroRedundancyOptimizer(..., stage=1, process_group=mesh["dp"].get_group()) over a '
+             'fusedist.DistributedDataParallel module',
+    "zero2": 'fusedist.ZeroRedundancyOptimizer(..., stage=2, process_group=mesh["dp"].get_group()) over a '
+             'fusedist.DistributedDataParallel module',
+    "zero3": 'fusedist.fully_shard(block, mesh=mesh["dp"]) for each block, then the root module',
+}
+
+
+def recipe(layout: dict) -> list:
+    """How to build a model-parallel ``layout`` with fusedist and torch: the mesh, tensor
+    parallelism, the data-parallel strategy, pipeline stages and their checkpoints."""
+    dims = [(name, layout[name]) for name in ("pp", "dp", "tp") if layout[name] > 1 or name == "dp"]
+    def tuple_of(items) -> str:
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+    mesh = (f'mesh = init_device_mesh("cuda", {tuple_of([str(n) for _, n in dims])}, '
+            f'mesh_dim_names={tuple_of([chr(34) + d + chr(34) for d, _ in dims])})')
+    out = [f"  how: {mesh}"]
+    if layout["tp"] > 1:
+        out.append("  tensor parallelism: torch's parallelize_module(block, mesh[\"tp\"], plan) within a node, "
+                   "before the data-parallel wrapping (a 2-D mesh)")
+    out.append(f"  data parallelism ({layout['strategy']}): {_DATA_PARALLEL[layout['strategy']]}")
+    if layout["pp"] > 1:
+        group = 'mesh["dp", "tp"]' if layout["tp"] > 1 else 'mesh["dp"]'
+        out.append('  pipeline: stage modules cut from the whole model with the other layers removed (names kept), '
+                   'run by fusedist.pipelining.PipelineStage(stage, i, num_stages, device, group=mesh["pp"].get_group()) '
+                   "under torch's schedules (one gradient reduction per step)")
+        out.append(f"  checkpoints: fusedist.checkpoint.Checkpointer(root, process_group={group}, pipeline=True) "
+                   "(one root, restorable at another pipeline split)")
+    return out
+
+
 def format_plan(plan: dict) -> str:
     i, a = plan["inputs"], plan["inputs"]["assumptions"]
     g = i["gpu"]
@@ -119,6 +154,7 @@ def format_plan(plan: dict) -> str:
         out.append(f"suggestion: no data-parallel strategy fits; dp={lay['dp']} x tp={lay['tp']} x pp={lay['pp']} "
                    + (f"(ep={lay['ep']}) " if lay.get("ep", 1) > 1 else "")
                    + f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
+        out += recipe(lay)
     elif lay and lay.get("ep", 1) != i.get("ep", 1):
         out.append(f"suggestion: no data-parallel strategy fits at ep={i.get('ep', 1)}; {lay['strategy']} with the "
                    f"experts over ep={lay['ep']} of the {lay['dp']} GPUs does ({_gb(lay['total_bytes'])} GB per GPU)")

@@ -25,20 +25,33 @@ Note [pipeline stages of fully_shard modules]
     rather than stepping on partial gradients.
 
     Zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
-    ``ScheduleDualPipeV``) split each backward into an input pass (``B``) and a weight pass
-    (``W``, later, to fill the pipeline's bubbles) that computes the weights' gradients with
-    ``torch.autograd.grad`` and writes ``.grad`` itself, outside the gradient hooks a sharded
-    unit reduces from: with torch's own ``PipelineStage`` such a stage loses its gradients
-    (and torch 2.13's FSDP2 ends with other weights under them than under 1F1B). Here the
-    input pass of a sharded stage runs the whole backward -- weights included, through the
-    hooks -- and its weight pass has nothing left to do: right gradients, without the
-    bubbles' savings (the ``W`` slots stay idle). A warning says so once per stage. Which
-    backward is the step's last is counted rather than taken from the schedule: every
-    micro-batch's backward is computed once, in a full pass or an input pass (the first
-    stage, whose input pass torch skips, runs it in its weight pass), and the stage's
-    ``n_microbatches``-th of a step -- counted from its forward of micro-batch 0 -- reduces the
-    sum. (The schedules' own ``last_backward`` counts weight passes, which here compute
-    nothing.)
+    ``ScheduleDualPipeV``) split each backward into an input pass (``B``: the gradients of the
+    stage's inputs, sent upstream at once) and a weight pass (``W``, later, filling the
+    pipeline's bubbles). torch's stage finds the weights' gradient paths from
+    ``submod.parameters()`` and writes ``.grad`` itself in the weight pass, outside the
+    gradient hooks a sharded unit reduces from: for a ``fully_shard`` stage those are the
+    pieces, which the graph never saw (the forward used the gathered parameters), so with
+    torch's own ``PipelineStage`` such a stage loses its gradients (and torch 2.13's FSDP2
+    ends with other weights under them than under 1F1B). Here (Note [zero-bubble passes of
+    fusedist stages]) the input pass is torch's, over the parameters the graph holds -- the
+    units' gathered parameters -- accumulating nothing; the weight pass is a backward from the
+    intermediates the input pass saved to those parameters, so their gradients arrive through
+    the usual hooks and the unit reduces (or accumulates) them as after any backward. Which
+    backward is the step's last is counted rather than taken from the schedule: each
+    micro-batch's weight gradients are computed once, in a full pass or a weight pass (the
+    first stage, whose input pass torch skips, runs a full pass in its weight slot), and the
+    stage's ``n_microbatches``-th of a step -- counted from its forward of micro-batch 0 --
+    reduces the sum.
+
+Note [zero-bubble passes of fusedist stages]
+    The input pass runs with gradient sync off and the parameters kept gathered, so the
+    backward it ends is an accumulation of nothing. The weight pass first gathers any unit a
+    forward of another micro-batch resharded meanwhile (``reshard_after_forward``: a weight
+    gradient may read the parameter, e.g. in a custom autograd function), then runs
+    ``torch.autograd.backward`` from every intermediate the input pass saved a gradient for
+    (each one's saved gradient put back by a pre-hook, as torch's weight pass does, so paths
+    between two of them count once) with ``inputs=`` the gathered parameters: autograd
+    accumulates their gradients and runs their hooks, and nothing upstream of the stage.
 
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
@@ -54,8 +67,8 @@ Note [pipeline stages of DDP modules]
 from __future__ import annotations
 
 import contextlib
-import warnings
 
+import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 __all__ = ["PipelineStage"]
@@ -75,33 +88,80 @@ class PipelineStage(_TorchPipelineStage):
         sync_only_if = _sync_switch(self.submod)
         if sync_only_if is None:  # not a module of fusedist's data parallelism: torch's stage decides
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-        if backward_type == "weight":
-            if bwd_kwargs.get("param_groups") is not None:
-                raise RuntimeError(f"fusedist.pipelining.PipelineStage (stage {self.stage_index}): a weight pass "
-                                   "after an input pass this stage did not run")
-            return (), None  # done by the input pass (Note [pipeline stages of fully_shard modules])
-        # Each micro-batch's backward is computed once, in a full pass or an input pass: the
-        # step's last one reduces the sum.
+        if backward_type == "input":  # Note [zero-bubble passes of fusedist stages]
+            with sync_only_if(False):
+                return _input_pass(self.submod, bwd_kwargs)
+        # Each micro-batch's weight gradients are computed once, in a full pass or a weight
+        # pass: the step's last one reduces the sum.
         self._backward_passes = getattr(self, "_backward_passes", 0) + 1
         last = self.chunks is None or self._backward_passes >= self.chunks
-        if backward_type == "input":
-            self._warn_input_pass_runs_whole_backward()
-            backward_type = "full"
-            bwd_kwargs = {key: bwd_kwargs[key] for key in ("stage_output", "output_grads", "input_values")}
-            if bwd_kwargs["output_grads"] is None and isinstance(bwd_kwargs["stage_output"], tuple):
-                (bwd_kwargs["stage_output"],) = bwd_kwargs["stage_output"]  # the last stage's loss
         with sync_only_if(last):
+            if backward_type == "weight":
+                _weight_pass(self.submod, bwd_kwargs["param_groups"])
+                return (), None
             grads, _ = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last)
         return grads, None
 
-    def _warn_input_pass_runs_whole_backward(self) -> None:
-        if not getattr(self, "_warned_input_pass", False):
-            self._warned_input_pass = True
-            warnings.warn(
-                f"fusedist.pipelining.PipelineStage (stage {self.stage_index}): a zero-bubble schedule's input pass "
-                "runs the whole backward of the stage (weight gradients included, through the gradient hooks "
-                "fusedist reduces from) and its weight pass nothing: the gradients are right, the bubbles the "
-                "weight passes would fill stay (Note [pipeline stages of fully_shard modules])", stacklevel=3)
+
+def _weights(module) -> list:
+    """The trainable parameters the autograd graph of ``module``'s forward holds: a
+    ``fully_shard`` module's units' gathered parameters (each once: a tied weight is its
+    owner's), a DDP module's own parameters."""
+    from .fsdp import FullyShardedModule
+
+    if not isinstance(module, FullyShardedModule):
+        return [p for p in module.parameters() if p.requires_grad]
+    found = {}
+    for st in module._fs_states():
+        if st.unit is not None:
+            found.update((id(u), u) for u in st.unit.unsharded if u.requires_grad)
+    return list(found.values())
+
+
+def _input_pass(module, bwd_kwargs: dict):
+    """torch's input pass over the parameters the graph holds: the stage inputs' gradients, and
+    the intermediates' gradients the weight pass starts from (Note [zero-bubble passes of
+    fusedist stages])."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"],
+                                iter(_weights(module)))
+
+
+def _weight_pass(module, param_groups) -> None:
+    """The weights' gradients of one micro-batch, from the intermediates its input pass saved,
+    accumulated by autograd so the gradient hooks run (Note [zero-bubble passes of fusedist
+    stages])."""
+    from torch.autograd.graph import GradientEdge
+
+    from .fsdp import FullyShardedModule
+
+    if param_groups is None:
+        raise RuntimeError("fusedist.pipelining.PipelineStage: a weight pass without the input pass before it")
+    if isinstance(module, FullyShardedModule):  # a forward since may have resharded a unit
+        for st in module._fs_states():
+            if st.unit is not None:
+                st.unit.unshard(async_op=False)
+    edges, grads, handles = [], [], []
+    try:
+        for group in param_groups:
+            saved = group.get("grads")
+            if saved is None:  # no gradient reached these weights
+                continue
+            for grads_of_node, node in zip(saved, group["intermediates"]):
+                edges += [GradientEdge(node, i) for i, g in enumerate(grads_of_node) if g is not None]
+                grads += [g for g in grads_of_node if g is not None]
+                handles.append(node.register_prehook(lambda _, saved_grads=grads_of_node: saved_grads))
+        if edges:
+            from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+            reached = {node for group in param_groups if group.get("grads") is not None for node in group["params"]}
+            weights = [w for w in _weights(module) if _get_grad_fn_or_grad_acc(w) in reached]
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
+    finally:
+        for handle in handles:
+            handle.remove()
+        param_groups.clear()  # the graph is freed: nothing of it is kept
 
 
 @contextlib.contextmanager

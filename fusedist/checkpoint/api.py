@@ -315,7 +315,8 @@ def _complete(directory: str, save_id: str, rank_entries: list, calls: list, com
     other = _files.claim_lost(directory, claim) if claim is not None else None
     if other is not None:
         return (f"another save into {directory} started while this one ran ({other}); a directory takes one "
-                "save at a time, so this one stopped before its manifest and removed nothing")
+                "save at a time, so this one stopped before its manifest and removed nothing (the stages of a "
+                "pipeline-parallel job save into one directory together with pipeline=True)")
     try:
         unseen = _checks.unseen_rank_files(directory, files, [c["directory"] for c in calls])
         if unseen is not None:

@@ -4,7 +4,8 @@ The unit owns three things and nothing else: the rank's shard of the flat buffer
 sharded parameters the optimizer steps, Note [sharded parameters]), the unsharded buffer
 (with the full parameters forward and backward use), and the swap between the two on the
 modules that hold them. When to gather and reshard is the module state's decision
-(``state.py``); the gradient side is ``grads.py``.
+(``state.py``); the gradient side is ``grads.py``; where each piece lies in the shard, and
+putting pieces back after a conversion, ``pieces.py``.
 
 Note [sharded parameters]
     At rest every parameter of a unit is replaced on its module by an ``nn.Parameter`` that
@@ -70,13 +71,14 @@ import torch
 from torch import nn
 
 from .extension import ExtensionGathers
-from .layout import DimShardedError, SplitLayout, alias
+from .layout import SplitLayout, alias
 from .memory import COUNTERS
+from .pieces import PieceMixin
 from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
 
-class ShardedUnit:
+class ShardedUnit(PieceMixin):
     """The flat buffers and parameter swap of one ``fully_shard`` call (Note [sharded
     parameters]). ``params[i]`` is held by the modules ``registrations[i]`` as ``(module,
     attribute)`` pairs (several for a parameter shared inside the unit)."""
@@ -224,42 +226,6 @@ class ShardedUnit:
         else:
             self.shard = None
             self.shards = [make(sec.layout.shard_numel, dtype=dt, device=device, **kw) for sec, dt in zip(secs, dtypes)]
-
-    def piece_of_whole(self, index: int, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of parameter ``index`` cut from ``whole`` (the whole parameter's
-        shape): a view -- rows of it, a flat range, or the chunk on its dim (Note [dim-sharded
-        sections] in chunk_layout.py), which need not be contiguous."""
-        sec, j = self.layout.section_of(index)
-        piece = sec.layout.piece(j, self.rank)
-        if sec.chunked:
-            return whole.narrow(self.layout.dims[index], piece.rows[0], piece.rows[1] - piece.rows[0])
-        start = self.layout.element_range(index, self.rank)[0]
-        return whole.reshape(-1)[start:start + piece.numel].view(piece.shape)
-
-    def whole_shape(self, index: int) -> tuple:
-        """The shape of parameter ``index`` as the model has it: the global shape of a
-        tensor-parallel parameter (Note [tensor-parallel parameters]), else the unit's slot."""
-        spec = self.tp[index]
-        return tuple(spec.global_shape) if spec is not None else tuple(self.layout.slots[index].shape)
-
-    def placement(self, index: int) -> Optional[tuple]:
-        """``(local shape, offsets in the global parameter)`` of a tensor-parallel parameter's
-        local tensor, None for a plain one: what its state-dict entries carry
-        (``ShardedPiece.placement``)."""
-        spec = self.tp[index]
-        return (spec.local_shape, spec.offsets) if spec is not None else None
-
-    def piece_data(self, index: int) -> torch.Tensor:
-        """Piece ``index``'s values as a plain tensor: the piece, or the tensor an extension
-        subclass wraps (Note [all-gather extension] in extension.py)."""
-        sp = self.sharded[index]
-        return self.ext[index].inner(sp) if self.ext[index] is not None else sp
-
-    def piece_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
-        k = self.section_index(index)
-        sec, piece = self.layout.sections[k], self.layout.piece(index, self.rank)
-        return alias(self.shards[k], piece.shard_offset - sec.shard_base, piece.shape)
 
     def _new_full(self) -> None:
         """The gathered buffer (one tensor, or one per section of a mixed-dtype unit), built
@@ -521,85 +487,6 @@ class ShardedUnit:
     def gather_in_flight(self) -> bool:
         return self._gather is not None
 
-    def _register(self, index: int, tensor: nn.Parameter) -> None:
-        for module, attr in self.registrations[index]:
-            module._parameters[attr] = tensor
-
-    # ------------------------------------------------------------------ conversions
-    @torch.no_grad()
-    def repack(self) -> list:
-        """After ``module.to()``/``.double()``/``.to_empty()`` replaced the sharded parameters' data:
-        rebuild the shard (and the unsharded buffer) from them, so pieces and buffers alias
-        again. Returns ``(index, piece)`` for each parameter whose piece is a new tensor (Note
-        [units built on the meta device]): the caller registers it where the old one was."""
-        self.reshard()
-        adopted = self._adopt_replaced()
-        first = self.sharded[0]
-        # the unit takes its first parameter's new dtype; in a mixed-dtype unit each section
-        # takes its own first parameter's (Note [dtype sections])
-        dtypes = [self.sharded[sec.indices[0]].dtype if self.layout.mixed else first.dtype
-                  for sec in self.layout.sections]
-        if all(self._aliases_shard(i) for i in range(len(self.sharded))) and \
-                dtypes == [s.dtype for s in self.shards]:
-            return adopted
-        device = torch.device("cpu") if self.offload and not first.is_meta else first.device
-        self._new_shard(dtypes, device)
-        for i, sp in enumerate(self.sharded):
-            view = self.piece_view(i)
-            view.copy_(self.piece_data(i).reshape(view.shape))
-            self._point_piece(i, view)
-        if not self.layout.mixed:
-            param_dtype = first.dtype if self.param_dtype == self.dtype else self.param_dtype
-            self.dtype, self.param_dtype = first.dtype, param_dtype
-        if not first.is_meta:
-            self.shard_device = device
-            if not self.offload:
-                self.device = device
-        self._new_full()
-        return adopted
-
-    def _adopt_replaced(self) -> list:
-        """Take as piece ``i`` the tensor the module now holds where piece ``i`` was (a new
-        ``nn.Parameter`` when the conversion could not change the piece in place), and hold
-        it on every module sharing the parameter."""
-        adopted = []
-        for i, regs in enumerate(self.registrations):
-            module, attr = regs[0]
-            held = module._parameters.get(attr)
-            if held is not None and held is not self.sharded[i]:
-                self.sharded[i] = held
-                adopted.append((i, held))
-            self._register(i, self.sharded[i])
-        return adopted
-
-    def _aliases_shard(self, index: int) -> bool:
-        shard, sp = self.shards[self.section_index(index)], self.piece_data(index)
-        return sp.device == shard.device and sp.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
-
-    @torch.no_grad()
-    def relink_borrowed(self) -> None:
-        """Hold the owners' pieces again where this unit borrows them: a conversion of this
-        unit's modules replaced the borrowed piece (or its data) after its owner repacked."""
-        for owner, index, regs in self.borrowed:
-            owner.realias(index)
-            for module, attr in regs:
-                module._parameters[attr] = owner.sharded[index]
-
-    def realias(self, index: int) -> None:
-        """Point piece ``index`` at its place in the shard again, if a conversion gave it other
-        data of the shard's device and dtype (the shard's values are the piece's)."""
-        sp, shard = self.sharded[index], self.shards[self.section_index(index)]
-        if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index):
-            self._point_piece(index, self.piece_view(index))
-
-    def _point_piece(self, index: int, view: torch.Tensor) -> None:
-        """Piece ``index``'s data becomes ``view``: ``.data``, or an extension subclass's inner
-        tensor (setting a wrapper's ``.data`` would leave the tensor its ops read behind)."""
-        if self.ext[index] is not None:
-            self.ext[index].set_inner(self.sharded[index], view)
-        else:
-            self.sharded[index].data = view
-
     # ------------------------------------------------------------------ sizes
     @property
     def sharded_bytes(self) -> int:
@@ -610,21 +497,6 @@ class ShardedUnit:
         """The gathered unit's bytes; an extension parameter's (its outputs) once it has been
         gathered (Note [all-gather extension] in extension.py)."""
         return self._full_nbytes + self.ext_gathers.output_bytes
-
-    def element_range(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
-        """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s
-        piece holds. A piece of a parameter sharded on another dim is no such range: refused,
-        naming it (Note [dim-sharded sections] in chunk_layout.py)."""
-        try:
-            return self.layout.element_range(index, self.rank if rank is None else rank)
-        except DimShardedError as e:
-            raise NotImplementedError(
-                f"fusedist.fully_shard: parameter '{self.fqns[index]}' of unit {self.label} (shape "
-                f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
-                f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
-                "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "
-                "(model.state_dict(), get_state_dict) or fusedist.fsdp.full_state_dict.") from None
-
 
 def _on_meta(name: str, params: list, fqns: list) -> bool:
     """Whether the unit is built on meta: all its parameters are (Note [units built on the meta

@@ -1,0 +1,151 @@
+"""Where each parameter's piece lies in a unit's shard, and keeping pieces there.
+
+A ``ShardedUnit`` (``unit.py``) holds one flat shard per unit and hands each parameter out as
+a piece on its storage (Note [sharded parameters] in ``unit.py``). This mixin answers what
+the rest of the library asks about a piece -- its view of the shard, its values, its place in
+the whole (or global, tensor-parallel) parameter, the elements it holds -- and puts pieces
+back on the shard after a conversion replaced their data (``module.to()``, ``to_empty``:
+Note [units built on the meta device] in ``unit.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .layout import DimShardedError, alias
+
+
+class PieceMixin:
+    """The piece bookkeeping of ``ShardedUnit`` (its layout, shards, pieces and registrations)."""
+
+    def piece_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s piece on the shard storage (Note [sharded parameters])."""
+        k = self.section_index(index)
+        sec, piece = self.layout.sections[k], self.layout.piece(index, self.rank)
+        return alias(self.shards[k], piece.shard_offset - sec.shard_base, piece.shape)
+
+    def piece_data(self, index: int) -> torch.Tensor:
+        """Piece ``index``'s values as a plain tensor: the piece, or the tensor an extension
+        subclass wraps (Note [all-gather extension] in extension.py)."""
+        sp = self.sharded[index]
+        return self.ext[index].inner(sp) if self.ext[index] is not None else sp
+
+    def _point_piece(self, index: int, view: torch.Tensor) -> None:
+        """Piece ``index``'s data becomes ``view``: ``.data``, or an extension subclass's inner
+        tensor (setting a wrapper's ``.data`` would leave the tensor its ops read behind)."""
+        if self.ext[index] is not None:
+            self.ext[index].set_inner(self.sharded[index], view)
+        else:
+            self.sharded[index].data = view
+
+    def _register(self, index: int, tensor: nn.Parameter) -> None:
+        for module, attr in self.registrations[index]:
+            module._parameters[attr] = tensor
+
+    def _aliases_shard(self, index: int) -> bool:
+        shard, sp = self.shards[self.section_index(index)], self.piece_data(index)
+        return sp.device == shard.device and sp.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+
+    def realias(self, index: int) -> None:
+        """Point piece ``index`` at its place in the shard again, if a conversion gave it other
+        data of the shard's device and dtype (the shard's values are the piece's)."""
+        sp, shard = self.sharded[index], self.shards[self.section_index(index)]
+        if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index):
+            self._point_piece(index, self.piece_view(index))
+
+    def piece_of_whole(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of parameter ``index`` cut from ``whole`` (the whole parameter's
+        shape): a view -- rows of it, a flat range, or the chunk on its dim (Note [dim-sharded
+        sections] in chunk_layout.py), which need not be contiguous."""
+        sec, j = self.layout.section_of(index)
+        piece = sec.layout.piece(j, self.rank)
+        if sec.chunked:
+            return whole.narrow(self.layout.dims[index], piece.rows[0], piece.rows[1] - piece.rows[0])
+        start = self.layout.element_range(index, self.rank)[0]
+        return whole.reshape(-1)[start:start + piece.numel].view(piece.shape)
+
+    def whole_shape(self, index: int) -> tuple:
+        """The shape of parameter ``index`` as the model has it: the global shape of a
+        tensor-parallel parameter (Note [tensor-parallel parameters]), else the unit's slot."""
+        spec = self.tp[index]
+        return tuple(spec.global_shape) if spec is not None else tuple(self.layout.slots[index].shape)
+
+    def placement(self, index: int) -> Optional[tuple]:
+        """``(local shape, offsets in the global parameter)`` of a tensor-parallel parameter's
+        local tensor, None for a plain one: what its state-dict entries carry
+        (``ShardedPiece.placement``)."""
+        spec = self.tp[index]
+        return (spec.local_shape, spec.offsets) if spec is not None else None
+
+    def element_range(self, index: int, rank: Optional[int] = None) -> tuple[int, int]:
+        """The elements ``[start, end)`` of parameter ``index`` (flattened) that ``rank``'s
+        piece holds. A piece of a parameter sharded on another dim is no such range: refused,
+        naming it (Note [dim-sharded sections] in chunk_layout.py)."""
+        try:
+            return self.layout.element_range(index, self.rank if rank is None else rank)
+        except DimShardedError as e:
+            raise NotImplementedError(
+                f"fusedist.fully_shard: parameter '{self.fqns[index]}' of unit {self.label} (shape "
+                f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
+                f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
+                "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "
+                "(model.state_dict(), get_state_dict) or fusedist.fsdp.full_state_dict.") from None
+
+    # ------------------------------------------------------------------ conversions
+    @torch.no_grad()
+    def repack(self) -> list:
+        """After ``module.to()``/``.double()``/``.to_empty()`` replaced the sharded parameters' data:
+        rebuild the shard (and the unsharded buffer) from them, so pieces and buffers alias
+        again. Returns ``(index, piece)`` for each parameter whose piece is a new tensor (Note
+        [units built on the meta device]): the caller registers it where the old one was."""
+        self.reshard()
+        adopted = self._adopt_replaced()
+        first = self.sharded[0]
+        # the unit takes its first parameter's new dtype; in a mixed-dtype unit each section
+        # takes its own first parameter's (Note [dtype sections])
+        dtypes = [self.sharded[sec.indices[0]].dtype if self.layout.mixed else first.dtype
+                  for sec in self.layout.sections]
+        if all(self._aliases_shard(i) for i in range(len(self.sharded))) and \
+                dtypes == [s.dtype for s in self.shards]:
+            return adopted
+        device = torch.device("cpu") if self.offload and not first.is_meta else first.device
+        self._new_shard(dtypes, device)
+        for i, sp in enumerate(self.sharded):
+            view = self.piece_view(i)
+            view.copy_(self.piece_data(i).reshape(view.shape))
+            self._point_piece(i, view)
+        if not self.layout.mixed:
+            param_dtype = first.dtype if self.param_dtype == self.dtype else self.param_dtype
+            self.dtype, self.param_dtype = first.dtype, param_dtype
+        if not first.is_meta:
+            self.shard_device = device
+            if not self.offload:
+                self.device = device
+        self._new_full()
+        return adopted
+
+    def _adopt_replaced(self) -> list:
+        """Take as piece ``i`` the tensor the module now holds where piece ``i`` was (a new
+        ``nn.Parameter`` when the conversion could not change the piece in place), and hold
+        it on every module sharing the parameter."""
+        adopted = []
+        for i, regs in enumerate(self.registrations):
+            module, attr = regs[0]
+            held = module._parameters.get(attr)
+            if held is not None and held is not self.sharded[i]:
+                self.sharded[i] = held
+                adopted.append((i, held))
+            self._register(i, self.sharded[i])
+        return adopted
+
+    @torch.no_grad()
+    def relink_borrowed(self) -> None:
+        """Hold the owners' pieces again where this unit borrows them: a conversion of this
+        unit's modules replaced the borrowed piece (or its data) after its owner repacked."""
+        for owner, index, regs in self.borrowed:
+            owner.realias(index)
+            for module, attr in regs:
+                module._parameters[attr] = owner.sharded[index]

@@ -23,6 +23,8 @@ by about lr = 1e-2.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -488,6 +490,120 @@ def test_zero_bubble_schedules_train_as_the_unsharded_model():
                 assert passes.get("weight", 0) > 0, (rank, name, got)
             else:
                 assert passes.get("weight", 0) == weights * stages_with_input_passes, (rank, name, got)
+
+
+class _ScaleFunction(torch.autograd.Function):
+    """``x * w`` whose backward computes both gradients from the saved ``w`` and ``x``, as a
+    custom kernel's does: a weight pass re-running it reads the weight."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).reshape(-1, w.numel()).sum(0)
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x):
+        return _ScaleFunction.apply(x, self.weight)
+
+
+def _blocks_variant_worker(rank, world_size, seed):
+    """Whole parameters after 1 + STEPS steps under interleaved zero-bubble minus those under
+    interleaved 1F1B, fusedist stages of blocks compiled, activation-checkpointed, or with a
+    custom function whose backward reads the weight."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    placement = (pp.get_local_rank(), pp.get_local_rank() + 2)
+
+    def train(schedule_name, variant):
+        modules, stages = [], []
+        for index in placement:
+            module = _stage_module(index, 4, seed)
+            for block in module:
+                if variant == "custom function":
+                    block.append(_Scale())
+                fusedist.fully_shard(block, mesh=dp)
+                if variant == "compiled":
+                    block.compile(backend="aot_eager")
+                elif variant == "checkpointed":
+                    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            fusedist.fully_shard(module, mesh=dp)
+            modules.append(module)
+            stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=pp.get_group()))
+        schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
+                                                      loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+        _run_steps(schedule, opt, torch.Generator().manual_seed(seed + dp.get_local_rank()), placement, 4)
+        return [fusedist.fsdp.full_state_dict(m) for m in modules]
+
+    return {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant), train("ScheduleInterleaved1F1B", variant))
+            for variant in ("compiled", "checkpointed", "custom function")}
+
+
+def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b():
+    """The weight pass re-enters a compiled block's backward, a checkpointed block's
+    recomputation, or a custom function's backward that reads the weight (the block gathered
+    again: another micro-batch's forward resharded it since the input pass): the same weights
+    as interleaved 1F1B over the same stages, bit for bit (each micro-batch's gradients are
+    accumulated in the same order)."""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    for rank, out in enumerate(run_distributed(_blocks_variant_worker, 4, seed, timeout=300)):
+        assert out == {"compiled": 0.0, "checkpointed": 0.0, "custom function": 0.0}, (seed, rank, out)
+
+
+def _weight_pass_after_a_forward_worker(rank, world_size, seed):
+    """An input pass, a forward of another micro-batch (which reshards the blocks), then the
+    weight pass: the gradients of the unsharded model's backward."""
+    import fusedist
+    from fusedist import pipelining as stages
+
+    def build():
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), _Scale(), nn.Tanh()) for _ in range(2)])
+
+    ours, theirs = build(), build()
+    for block in ours:
+        fusedist.fully_shard(block)
+    fusedist.fully_shard(ours)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    out = ours(x)
+    grad = torch.randn_like(out)
+    with stages._micro_batch(ours, last=False):
+        dx, groups = stages._input_pass(ours, {"stage_output": (out,), "output_grads": (grad,), "input_values": [x]})
+    with torch.no_grad():
+        ours(torch.randn(4, WIDTH))  # the next micro-batch: each block reshards after its forward
+    resharded = sum(not block._fs_states()[0].unit.is_unsharded for block in ours)
+    with stages._micro_batch(ours, last=True):
+        stages._weight_pass(ours, groups)
+    x2 = x.detach().clone().requires_grad_(True)
+    theirs(x2).backward(grad)
+    diffs = [float((a.grad - b.grad).abs().max()) for a, b in zip(ours.parameters(), theirs.parameters())]
+    return {"resharded": resharded, "dx": float((dx[0] - x2.grad).abs().max()), "weights": max(diffs)}
+
+
+def test_a_weight_pass_after_another_forward_gathers_the_resharded_units():
+    """Under a schedule that runs another micro-batch's forward between a micro-batch's input
+    and weight passes, the blocks (``reshard_after_forward``) are resharded when the weight pass
+    begins, and a backward that reads the weight (a custom function's) needs them gathered:
+    the weight pass gathers them again (Note [zero-bubble passes of fusedist stages])."""
+    out = run_distributed(_weight_pass_after_a_forward_worker, 1, 5, timeout=120)[0]
+    assert out["resharded"] == 2 and out["dx"] < 1e-6 and out["weights"] < 1e-6, out
 
 
 # ------------------------------------------------------- stages wrapped by fusedist's DDP

@@ -47,11 +47,13 @@ Note [zero-bubble passes of fusedist stages]
     The input pass runs with gradient sync off and the parameters kept gathered, so the
     backward it ends is an accumulation of nothing. The weight pass first gathers any unit a
     forward of another micro-batch resharded meanwhile (``reshard_after_forward``: a weight
-    gradient may read the parameter, e.g. in a custom autograd function), then runs
-    ``torch.autograd.backward`` from every intermediate the input pass saved a gradient for
-    (each one's saved gradient put back by a pre-hook, as torch's weight pass does, so paths
-    between two of them count once) with ``inputs=`` the gathered parameters: autograd
-    accumulates their gradients and runs their hooks, and nothing upstream of the stage.
+    gradient may read the parameter, e.g. in a custom autograd function), then computes the
+    gradients with torch's weight pass over the gathered parameters (one ``autograd.grad`` per
+    group of weights, from the intermediates where their paths meet the input's: one backward
+    from all intermediates at once would recompute the input-gradient paths between them),
+    and hands them to ``torch.autograd.backward`` on the parameters themselves: autograd
+    accumulates them and runs the gradient hooks, and the unit reduces (or accumulates) as
+    after any backward, once per weight pass.
 
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
@@ -130,9 +132,9 @@ def _input_pass(module, bwd_kwargs: dict):
 
 def _weight_pass(module, param_groups) -> None:
     """The weights' gradients of one micro-batch, from the intermediates its input pass saved,
-    accumulated by autograd so the gradient hooks run (Note [zero-bubble passes of fusedist
-    stages])."""
-    from torch.autograd.graph import GradientEdge
+    then handed to autograd to accumulate so the gradient hooks run (Note [zero-bubble passes
+    of fusedist stages])."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
 
     from .fsdp import FullyShardedModule
 
@@ -142,26 +144,18 @@ def _weight_pass(module, param_groups) -> None:
         for st in module._fs_states():
             if st.unit is not None:
                 st.unit.unshard(async_op=False)
-    edges, grads, handles = [], [], []
+    weights = _weights(module)
+    held = [w.grad for w in weights]  # (a DDP stage's accumulated gradients: put back below)
+    for w in weights:
+        w.grad = None
     try:
-        for group in param_groups:
-            saved = group.get("grads")
-            if saved is None:  # no gradient reached these weights
-                continue
-            for grads_of_node, node in zip(saved, group["intermediates"]):
-                edges += [GradientEdge(node, i) for i, g in enumerate(grads_of_node) if g is not None]
-                grads += [g for g in grads_of_node if g is not None]
-                handles.append(node.register_prehook(lambda _, saved_grads=grads_of_node: saved_grads))
-        if edges:
-            from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
-
-            reached = {node for group in param_groups if group.get("grads") is not None for node in group["params"]}
-            weights = [w for w in _weights(module) if _get_grad_fn_or_grad_acc(w) in reached]
-            torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
+        stage_backward_weight(iter(weights), param_groups)  # writes .grad, outside the hooks
+        computed = [(w, w.grad) for w in weights if w.grad is not None]
     finally:
-        for handle in handles:
-            handle.remove()
-        param_groups.clear()  # the graph is freed: nothing of it is kept
+        for w, grad in zip(weights, held):
+            w.grad = grad
+    if computed:
+        torch.autograd.backward([w for w, _ in computed], grad_tensors=[g for _, g in computed])
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """Pipelined checkpoints (Note [pipelined checkpoints] in fusedist/checkpoint/pipeline.py): every
 stage of a pipeline-parallel job saved into one directory with ``pipeline=True``, loaded into
-another pipeline split, into a job without pipeline parallelism, and from an ordinary checkpoint.
+another pipeline split, into a job without pipeline parallelism, and from an ordinary checkpoint
+or torchtitan's torch distributed checkpoint of a pipeline-parallel job; and a ``Checkpointer``
+with ``pipeline=True`` (one root) whose saves restore at other splits.
 
 On 4 gloo ranks a model of 8 layers, each stage holding some layers under the whole model's
 names (torchtitan's split), each part trained a step so its AdamW holds state:

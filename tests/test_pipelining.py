@@ -7,12 +7,16 @@ micro-batches, 2 AdamW steps after a first one (whose metadata inference runs a 
 own): the stages' whole parameters equal FSDP2's, with fusedist's ``PipelineStage`` and with
 torch's; fusedist's stage issues one reduce-scatter per unit and step, torch's stage one per
 micro-batch; blocks compiled with torch.compile take the same steps. Zero-bubble schedules
-(interleaved, ZBV, DualPipeV) train as the unsharded model
-does on the global batch. A Checkpointer per stage
-(``process_group=`` the stage's data-parallel group) saves and restores its stage exactly, as
-``fusedist.checkpoint.save(..., process_group=)`` a stage its ranks hold whole; one Checkpointer
-for the whole job is refused. And the 3-D recipes on 8 ranks (pp x dp x tp, pp x HSDP): equal to
-FSDP2's under 1F1B, each stage restored exactly by a Checkpointer over the stage's mesh.
+(interleaved, ZBV, DualPipeV) train as the unsharded model does on the global batch, every
+weight gradient computed in a weight pass, none in an input pass (Note [zero-bubble passes of
+fusedist stages]); with compiled, checkpointed or custom-function blocks as interleaved 1F1B
+does, bit for bit; a weight pass after another micro-batch's forward gathers the blocks again.
+A Checkpointer per stage (``process_group=`` the stage's data-parallel group) saves and
+restores its stage exactly, as ``fusedist.checkpoint.save(..., process_group=)`` a stage its
+ranks hold whole; one Checkpointer for the whole job is refused without ``pipeline=True``. And
+the 3-D recipes on 8 ranks (pp x dp x tp, pp x HSDP): equal to FSDP2's under 1F1B, each stage
+restored exactly by a Checkpointer over the stage's mesh, and by one pipelined Checkpointer for
+the job, whose checkpoint a plain copy of the whole model on every rank reads whole.
 
 Tolerance: fusedist's stage reduces the micro-batches' sum once, as FSDP2 does: the same fp32
 reductions (1e-6). Under torch's stage each micro-batch's gradient is reduced apart and the

@@ -147,6 +147,7 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     api._warn_trusted_only(job.rank, first_opt, extra, per_rank)
     keys = [sorted(_load_plan._expected_model(_names.unwrap(module))[0]) for module, _ in held]
     call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
+
     def check(infos: list) -> None:
         check_stages(infos)
         check_names({(tuple(ranks), j): part_keys for members_of, keys_of in infos

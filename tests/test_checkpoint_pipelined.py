@@ -135,6 +135,7 @@ def _worker(rank, world_size, seed, root):
     save(first, *saved_part, scaler, extra={"step": 7}, per_rank={"rank": rank}, process_group=mesh["dp"],
          pipeline=True)
     out["files"] = sorted(os.listdir(first))
+    out["saved"] = saved if rank == 0 else None
 
     four = _part([2 * rank, 2 * rank + 1], None, seed, 1.0)  # pp 4: plain modules
     loaded_scaler = fusedist.amp.GradScaler("cpu")
@@ -242,7 +243,20 @@ def _zero_state_matches(zero, module, part) -> list:
 
 
 def test_pipelined_checkpoints_load_into_any_split(tmp_path):
+    from fusedist.checkpoint import load
+
     results = run_distributed(_worker, 4, 1234, str(tmp_path), timeout=300)
+    # and in one process without torch.distributed (an export): the whole model and its AdamW
+    whole = _Layers(range(LAYERS), 1)
+    opt = torch.optim.AdamW(whole.parameters(), lr=0.5)
+    assert load(str(tmp_path / "pp2xdp2"), whole, opt) == {"step": 7}
+    state = opt.state_dict()
+    names = [n for n, _ in whole.named_parameters()]
+    got = {**whole.state_dict(), **{f"{names[i]}/{k}": torch.as_tensor(v) for i, st in state["state"].items()
+                                     for k, v in st.items()},
+           **{f"{n}/lr": torch.tensor(state["param_groups"][0]["lr"]) for n in names}}
+    saved = results[0]["saved"]
+    assert sorted(got) == sorted(saved) and all(torch.equal(v, saved[k]) for k, v in got.items())
     for rank, out in enumerate(results):
         assert out["files"] == ["common-stage-000.pt", "common-stage-001.pt", "common.pt", "manifest.json",
                                 "rank-00000.pt", "rank-00001.pt", "rank-00002.pt", "rank-00003.pt"], out["files"]

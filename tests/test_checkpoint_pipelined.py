@@ -278,31 +278,34 @@ def test_pipelined_checkpoints_load_into_any_split(tmp_path):
 
 def _periodic_worker(rank, world_size, seed, root):
     """A Checkpointer with pipeline=True: one root for the job, asynchronous saves of pp 2 x dp 2
-    restored by the interleaved layout and at pp 4, LR schedulers and all."""
+    restored by the interleaved layout, whose save restores at pp 4 and by an ordinary
+    Checkpointer of the whole model (pipeline parallelism dropped), LR schedulers and all."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fusedist.checkpoint import Checkpointer
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     single = init_device_mesh("cpu", (4, 1), mesh_dim_names=("pp", "dp"))
+    whole = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     pp, out = mesh["pp"].get_local_rank(), {}
 
     def layouts():
         yield "pp2xdp2", [_part(range(4 * pp, 4 * pp + 4), mesh["dp"], seed, 0.0)], mesh["dp"]
         yield "interleaved", [_part(range(2 * s, 2 * s + 2), mesh["dp"], seed, 1.0) for s in (pp, pp + 2)], mesh["dp"]
         yield "pp4", [_part([2 * rank, 2 * rank + 1], None, seed, 2.0)], single["dp"]
+        yield "no pipeline", [_part(range(LAYERS), whole["dp"], seed, 3.0)], None  # an ordinary Checkpointer
 
     saved = None
     for name, held, group in layouts():  # each restores the one before and (but the last) trains on and saves
         schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for _, opt in held]
-        ckpt = Checkpointer(root, process_group=group, pipeline=True)
+        ckpt = Checkpointer(root, process_group=group, pipeline=group is not None)
         models, optimizers = [m for m, _ in held], [o for _, o in held]
         out[name] = {"restored": ckpt.restore(models if len(held) > 1 else models[0], optimizers,
                                               lr_scheduler=schedulers)}
         if saved is not None:
             out[name].update(differ=_matches(held, saved), extra=ckpt.extra,
                              scheduler=[s.last_epoch for s in schedulers])
-        if name != "pp4":
+        if name not in ("pp4", "no pipeline"):
             for scheduler in schedulers:
                 scheduler.step()
             for module, opt in held:
@@ -325,7 +328,7 @@ def test_a_pipelined_checkpointer_restores_any_split(tmp_path):
                                            "manifest.json", *ranks], out
         assert out["interleaved"]["files"] == ["common-stage-000.pt", "common-stage-001.pt", "common-stage-002.pt",
                                                "common-stage-003.pt", "common.pt", "manifest.json", *ranks], out
-        for name, step in (("interleaved", 2), ("pp4", 4)):
+        for name, step in (("interleaved", 2), ("pp4", 4), ("no pipeline", 4)):
             assert out[name]["restored"] == step and out[name]["extra"] == {"tokens": 32 * step}, (rank, out[name])
             assert out[name]["differ"] == [], (rank, name, out[name])
             assert set(out[name]["scheduler"]) == {step // 2}, (rank, name, out[name])

@@ -220,6 +220,21 @@ def _worker(rank, world_size, seed, root):
         save(clash, sliced, process_group=mesh["dp"], pipeline=True)
     dist.barrier()
     out["clash"] = (str(refused.value), os.path.exists(clash))
+    # a stage's file damaged: every rank refuses, even those whose parts do not read it
+    damaged = os.path.join(root, "damaged")
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(first, damaged)
+        with open(os.path.join(damaged, "common-stage-001.pt"), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    dist.barrier()
+    with pytest.raises(CheckpointError) as refused:
+        load(damaged, *untouched, process_group=mesh["dp"], pipeline=True)
+    out["damaged"] = (str(refused.value), _matches([untouched], before))
     return out
 
 
@@ -272,6 +287,8 @@ def test_pipelined_checkpoints_load_into_any_split(tmp_path):
         assert "no model part of this job loads" in message and "pipeline=True" in message, message
         assert changed == [], changed
         assert "one optimizer per part" in out["one optimizer"], out["one optimizer"]
+        message, changed = out["damaged"]
+        assert "common-stage-001.pt" in message and changed == [], out["damaged"]
         assert "the pipeline stages do not agree: rank 0 saves its part 0 over ranks [0, 1], rank 1 its part 0 over " \
                "[1, 2]" in out["pairs"], out["pairs"]
 

@@ -358,6 +358,12 @@ def _worker_3d(rank, world_size, kind, seed, root):
         periodic.close()
     restored = (fusedist.fsdp.full_state_dict(module), _optimizer_state(module, optimizer))
     out["pipelined equal"] = all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
+    # the same with save and load over the stage's mesh (flattened to one group)
+    fusedist.checkpoint.save(os.path.join(root, "saved"), ours, opt, process_group=stage_mesh, pipeline=True)
+    fresh, fresh_opt = _train_3d(kind, fusedist.fully_shard, PipelineStage, mesh, seed + 4)
+    fusedist.checkpoint.load(os.path.join(root, "saved"), fresh, fresh_opt, process_group=stage_mesh, pipeline=True)
+    restored = (fusedist.fsdp.full_state_dict(fresh), _optimizer_state(fresh, fresh_opt))
+    out["pipelined equal"] &= all(torch.equal(a[k], b[k]) for a, b in zip(restored, saved) for k in b)
     whole = _Stage({str(i): block for i, block in enumerate(_blocks_3d(kind, seed + 3))})
     fusedist.checkpoint.load(os.path.join(where, "step-00000003"), whole)
     every = [None] * world_size

@@ -105,15 +105,14 @@ class _World:
 
 
 def _group_of(process_group):
-    """A process group for ``process_group``: itself, or a 1-D DeviceMesh's group."""
+    """A process group for ``process_group``: itself, or a DeviceMesh's over all its ranks -- a
+    stage's ``mesh["dp", "tp"]`` is flattened, as torchtitan flattens meshes (made once, by
+    every rank of the job together, as the save or load of every stage is)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(process_group, DeviceMesh):
         return process_group
-    if process_group.ndim != 1:
-        raise TypeError(f"fusedist.checkpoint: process_group is a {process_group.ndim}-D DeviceMesh; pass a process "
-                        "group over its ranks (or a Checkpointer, which takes a mesh of any shape)")
-    return process_group.get_group()
+    return (process_group if process_group.ndim == 1 else process_group._flatten()).get_group()
 
 
 # ---------------------------------------------------------------------------- save
@@ -180,10 +179,11 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     :func:`load_per_rank`. Pass it on every rank or on none.
 
     ``process_group``: the ranks whose model this is, when that is not the whole job -- a
-    pipeline stage's ranks (Note [a Checkpointer per pipeline stage] in ``_writer.py``): the
-    save of a model sharded with HSDP or tensor parallelism runs over it, as does the save of
-    a model its ranks hold whole. A data-parallel model (DDP, ZeRO, a 1-D ``fully_shard``)
-    is saved over its own group anyway.
+    pipeline stage's ranks (Note [a Checkpointer per pipeline stage] in ``_writer.py``), as a
+    process group or a DeviceMesh (``mesh["dp", "tp"]`` is flattened into one group the first
+    time, by every rank of the job together): the save of a model sharded with HSDP or tensor
+    parallelism runs over it, as does the save of a model its ranks hold whole. A
+    data-parallel model (DDP, ZeRO, a 1-D ``fully_shard``) is saved over its own group anyway.
 
     ``pipeline=True``: every rank of a pipeline-parallel job saves its stage into this one
     directory (Note [pipelined checkpoints] in ``pipeline.py``): ``model`` is the rank's model

@@ -69,7 +69,9 @@ class Coordinator:
 # exchange the groups they ask for (over a gloo group of the whole job, made first as
 # before, bounded by the collective timeout), check that they split the job (each rank in
 # exactly one), and then every rank creates every group in one order and keeps its own. A
-# problem on any rank is raised on every rank.
+# problem on any rank is raised on every rank. With ``pipeline=True`` the stages share one root
+# instead (Note [pipelined checkpoints] in pipeline.py): the coordinator is the whole job's,
+# and the stage's group, made as above, only says which ranks save each part.
 def _checkpoint_group(process_group) -> tuple:
     """This rank's group's ranks (ascending) and its gloo group, once every rank created every
     asked-for group (Note [a Checkpointer per pipeline stage])."""

@@ -562,7 +562,8 @@ def _blocks_variant_worker(rank, world_size, seed):
         _run_steps(schedule, opt, torch.Generator().manual_seed(seed + dp.get_local_rank()), placement, 4)
         return [fusedist.fsdp.full_state_dict(m) for m in modules]
 
-    return {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant), train("ScheduleInterleaved1F1B", variant))
+    return {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant),
+                               train("ScheduleInterleaved1F1B", variant))
             for variant in ("compiled", "checkpointed", "custom function")}
 
 

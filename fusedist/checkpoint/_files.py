@@ -72,8 +72,9 @@ VERSION = 5  # the newest format this fusedist reads and writes
 # fragments (Note [box fragments] in zero/box_fragments.py: fully_shard parameters sharded on
 # a dim other than 0), version 4 region fragments (Note [region fragments] there: fully_shard
 # over tensor-parallel parameters), version 5 pipelined checkpoints (Note [pipelined
-# checkpoints] in pipeline.py: a file per stage beside common.pt). A manifest is written with the lowest version that reads
-# it -- 1 without any of these, which older fusedist releases read too.
+# checkpoints] in pipeline.py: a file per stage beside common.pt). A manifest is written with
+# the lowest version that reads it -- 1 without any of these, which older fusedist releases
+# read too.
 BASE_VERSION = 1
 SAVE_ID_VERSION = 2
 BOX_VERSION = 3

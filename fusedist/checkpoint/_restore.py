@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from . import _owner, api, layout, resume
+from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._schedule import step_count
-from . import pipeline as pipelined
-from ._snapshot import lr_schedulers, is_zero
+from ._snapshot import is_zero, lr_schedulers
 from .sampler import ElasticDistributedSampler
 
 

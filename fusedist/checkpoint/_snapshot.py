@@ -134,7 +134,8 @@ class SnapshotMixin:
         """Once every rank's snapshot is taken: the file each stage's common state goes to, and
         on rank 0 the manifest listing the stages (Note [pipelined checkpoints])."""
         pipelined.check_stages([(stages, None) for stages, _ in infos])
-        pipelined.check_names({(stages[j], j): entry["keys"] for stages, entries in infos for j, entry in entries.items()})
+        pipelined.check_names({(stages[j], j): entry["keys"] for stages, entries in infos
+                               for j, entry in entries.items()})
         order = pipelined.stage_order([(stages, None) for stages, _ in infos])
         mine = snapshot["stages"]
         snapshot["stage_files"] = {pipelined.stage_common_file(order.index((mine[j], j))): content
@@ -156,7 +157,8 @@ class SnapshotMixin:
         parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler"))]
         for c in held:
             parts += [("the GradScaler's state_dict()", c.get("scaler")),
-                      ("the optimizer's state_dict()", c.get("optimizer")), ("the model's state_dict()", c.get("model"))]
+                      ("the optimizer's state_dict()", c.get("optimizer")),
+                      ("the model's state_dict()", c.get("model"))]
         parts += [("the optimizer's state" if name.startswith("optimizer_shard") else "the model's state", value)
                   for name, value in sections.items() if name.startswith(("optimizer_shard", "model_shard"))]
         for label, value in parts:

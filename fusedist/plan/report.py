@@ -95,8 +95,8 @@ def recipe(layout: dict) -> list:
     if layout["pp"] > 1:
         group = 'mesh["dp", "tp"]' if layout["tp"] > 1 else 'mesh["dp"]'
         out.append('  pipeline: stage modules cut from the whole model with the other layers removed (names kept), '
-                   'run by fusedist.pipelining.PipelineStage(stage, i, num_stages, device, group=mesh["pp"].get_group()) '
-                   "under torch's schedules (one gradient reduction per step)")
+                   'run by fusedist.pipelining.PipelineStage(stage, i, num_stages, device, '
+                   'group=mesh["pp"].get_group()) under torch\'s schedules (one gradient reduction per step)')
         out.append(f"  checkpoints: fusedist.checkpoint.Checkpointer(root, process_group={group}, pipeline=True) "
                    "(one root, restorable at another pipeline split)")
     return out

@@ -53,7 +53,10 @@ Note [zero-bubble passes of fusedist stages]
     from all intermediates at once would recompute the input-gradient paths between them),
     and hands them to ``torch.autograd.backward`` on the parameters themselves: autograd
     accumulates them and runs the gradient hooks, and the unit reduces (or accumulates) as
-    after any backward, once per weight pass.
+    after any backward, once per weight pass. The units' backward pre-hooks are off while the
+    gradients are computed: an intermediate may be the node that made a unit's output (a
+    custom function's), whose hook would start a backward of the unit in each
+    ``autograd.grad``, and its end would take the gradients written so far as the unit's.
 
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
@@ -140,18 +143,24 @@ def _weight_pass(module, param_groups) -> None:
 
     if param_groups is None:
         raise RuntimeError("fusedist.pipelining.PipelineStage: a weight pass without the input pass before it")
+    contexts = []
     if isinstance(module, FullyShardedModule):  # a forward since may have resharded a unit
         for st in module._fs_states():
             if st.unit is not None:
                 st.unit.unshard(async_op=False)
+        contexts = list({id(st.ctx): st.ctx for st in module._fs_states() if st.ctx is not None}.values())
     weights = _weights(module)
     held = [w.grad for w in weights]  # (a DDP stage's accumulated gradients: put back below)
     for w in weights:
         w.grad = None
+    for ctx in contexts:
+        ctx.backward_hooks_off = True
     try:
         stage_backward_weight(iter(weights), param_groups)  # writes .grad, outside the hooks
         computed = [(w, w.grad) for w in weights if w.grad is not None]
     finally:
+        for ctx in contexts:
+            ctx.backward_hooks_off = False
         for w, grad in zip(weights, held):
             w.grad = grad
     if computed:

@@ -530,3 +530,47 @@ def test_row_aligned_layout_pieces_cover_each_parameter_once(world_size):
     layout = UnitLayout(shapes, world_size)
     assert not layout.flat_pieces
     assert layout.total_numel - sum(math.prod(s) for s in shapes) < world_size * 1280
+
+
+class _SkipsSecond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, skip_b: bool = False):
+        x = torch.tanh(self.a(x))
+        return x if skip_b else torch.tanh(self.b(x))
+
+
+def _skipped_in_the_synchronized_backward(rank, ws):
+    torch.manual_seed(0)
+    ours = _SkipsSecond()
+    ref = copy.deepcopy(ours)
+    fusedist.fully_shard(ours.a)
+    fusedist.fully_shard(ours.b)
+    fusedist.fully_shard(ours)
+    opt, ref_opt = torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def batch(r, step, micro):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * micro + r))
+
+    for step in range(2):
+        for micro in range(3):  # the last micro-batch synchronizes, and skips ``b``
+            ours.set_requires_gradient_sync(micro == 2)
+            ours(batch(rank, step, micro), skip_b=micro == 2).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        loss = sum(ref(batch(r, step, m), skip_b=m == 2).square().mean() for r in range(ws) for m in range(3)) / ws
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _max_diff(fusedist.fsdp.full_state_dict(ours), ref.state_dict())
+
+
+def test_a_unit_the_synchronized_backward_skips_reduces_what_it_accumulated():
+    """Note [accumulated units a synchronized backward does not reach]: gradient accumulation
+    with ``set_requires_gradient_sync``, a unit that runs in the unsynchronized micro-batches
+    and not in the synchronized last one: its accumulated sum is reduced and stepped, as the
+    unsharded model's gradients on the global batch say."""
+    for rank, diff in enumerate(run_distributed(_skipped_in_the_synchronized_backward, 2, timeout=120)):
+        assert diff < 1e-6, (rank, diff)

@@ -559,12 +559,17 @@ def _blocks_variant_worker(rank, world_size, seed):
         schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
                                                       loss_fn=lambda o, t: ((o - t) ** 2).mean())
         opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
-        _run_steps(schedule, opt, torch.Generator().manual_seed(seed + dp.get_local_rank()), placement, 4)
+        counted = _count_reduce_scatters(modules[0])
+        _run_steps(schedule, opt, torch.Generator().manual_seed(seed + dp.get_local_rank()), placement, 4,
+                   before=lambda step: counted.clear() if step == 1 else None)
+        issued[(schedule_name, variant)] = len(counted)
         return [fusedist.fsdp.full_state_dict(m) for m in modules]
 
-    return {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant),
-                               train("ScheduleInterleaved1F1B", variant))
-            for variant in ("compiled", "checkpointed", "custom function")}
+    issued = {}
+    out = {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant),
+                              train("ScheduleInterleaved1F1B", variant))
+           for variant in ("compiled", "checkpointed", "custom function")}
+    return out, issued
 
 
 def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b():
@@ -572,10 +577,14 @@ def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b():
     recomputation, or a custom function's backward that reads the weight (the block gathered
     again: another micro-batch's forward resharded it since the input pass): the same weights
     as interleaved 1F1B over the same stages, bit for bit (each micro-batch's gradients are
-    accumulated in the same order)."""
+    accumulated in the same order), with one reduce-scatter per unit and step: a custom
+    function's node is both an intermediate of the weight pass and the maker of its unit's
+    output, whose backward hook must not start a backward of the unit there."""
     seed = int(torch.randint(0, 10_000, ()).item())
-    for rank, out in enumerate(run_distributed(_blocks_variant_worker, 4, seed, timeout=300)):
+    for rank, (out, issued) in enumerate(run_distributed(_blocks_variant_worker, 4, seed, timeout=300)):
         assert out == {"compiled": 0.0, "checkpointed": 0.0, "custom function": 0.0}, (seed, rank, out)
+        # one reduce-scatter per unit and step, in either schedule (2 stages of 2 blocks per rank)
+        assert set(issued.values()) == {2 * BLOCKS_PER_STAGE * STEPS}, (rank, issued)
 
 
 def _weight_pass_after_a_forward_worker(rank, world_size, seed):
@@ -615,6 +624,99 @@ def test_a_weight_pass_after_another_forward_gathers_the_resharded_units():
     the weight pass gathers them again (Note [zero-bubble passes of fusedist stages])."""
     out = run_distributed(_weight_pass_after_a_forward_worker, 1, 5, timeout=120)[0]
     assert out["resharded"] == 2 and out["dx"] < 1e-6 and out["weights"] < 1e-6, out
+
+
+class _SkipsInLastMicroBatch(nn.Module):
+    """Two blocks; the second is skipped in the step's last micro-batch (``calls`` counts the
+    step's forwards with gradients): a unit that takes no part in the synchronized backward."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.calls = 0
+
+    def forward(self, x):
+        skip = self.calls == MICRO_BATCHES - 1
+        if torch.is_grad_enabled():
+            self.calls += 1
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 1):
+                x = torch.tanh(block(x))
+        return x
+
+
+def _skipping_worker(rank, world_size, seed, schedule_name, stages_per_rank):
+    """Whole parameters of this rank's stages minus the unsharded model's, trained alike with SGD
+    on the global batch, after 3 steps (the first at lr 0: its shape inference runs a forward
+    of its own, which shifts the skipped micro-batch)."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    num_stages = 2 * stages_per_rank
+    placement = [pp.get_local_rank() + 2 * k for k in range(stages_per_rank)]
+
+    def build(index):
+        torch.manual_seed(seed)
+        blocks = [nn.Linear(WIDTH, WIDTH) for _ in range(2 * num_stages)]
+        return _SkipsInLastMicroBatch(blocks[2 * index:2 * index + 2])
+
+    modules, stages = [], []
+    for index in placement:
+        module = build(index)
+        for block in module.blocks:
+            fusedist.fully_shard(block, mesh=dp)
+        fusedist.fully_shard(module, mesh=dp)
+        modules.append(module)
+        stages.append(PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp.get_group()))
+    schedule = getattr(pipelining, schedule_name)(stages if stages_per_rank > 1 else stages[0],
+                                                  n_microbatches=MICRO_BATCHES,
+                                                  loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    reference = [build(i) for i in range(num_stages)]
+    reference_opt = torch.optim.SGD([p for m in reference for p in m.parameters()], lr=0.1)
+    for step in range(3):
+        batches = [_skipping_batch(step, r) for r in range(dp.size())]
+        x, y = batches[dp.get_local_rank()]
+        for module in modules:
+            module.calls = 0
+        schedule.step(*((x,) if 0 in placement else ()),
+                      **(dict(target=y, losses=[]) if num_stages - 1 in placement else {}))
+        loss = 0.0
+        for bx, by in batches:
+            for m in reference:
+                m.calls = 0
+            for xm, ym in zip(bx.chunk(MICRO_BATCHES), by.chunk(MICRO_BATCHES)):
+                out = xm
+                for m in reference:
+                    out = m(out)
+                loss = loss + ((out - ym) ** 2).mean() / (MICRO_BATCHES * dp.size())
+        loss.backward()
+        for o in (opt, reference_opt):
+            o.param_groups[0]["lr"] = 0.0 if step == 0 else 0.1
+            o.step()
+            o.zero_grad()
+    return _max_diff([fusedist.fsdp.full_state_dict(m) for m in modules],
+                     [reference[i].state_dict() for i in placement])
+
+
+def _skipping_batch(step: int, dp_rank: int) -> tuple:
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+
+
+@pytest.mark.parametrize("schedule_name, stages_per_rank", [("Schedule1F1B", 1), ("ScheduleInterleavedZeroBubble", 2)])
+def test_a_block_skipped_in_the_last_micro_batch_still_reduces_its_sum(schedule_name, stages_per_rank):
+    """Note [accumulated units a synchronized backward does not reach]: a block that runs in the
+    first micro-batches of a step and not in the last (whose backward, or weight pass, is the
+    synchronized one) reduces what it accumulated, as the unsharded model's gradients say
+    (before, its gradients stayed in the accumulator and its weights were not stepped)."""
+    for rank, diff in enumerate(run_distributed(_skipping_worker, 4, 11, schedule_name, stages_per_rank, timeout=300)):
+        assert diff < 1e-6, (rank, schedule_name, diff)
 
 
 # ------------------------------------------------------- stages wrapped by fusedist's DDP

@@ -34,6 +34,9 @@ class IterationContext:
         self.next_reduce = 0
         self.deferred: dict = {}  # state -> its unsharded gradients, waiting for its turn
         self.backward_running = False
+        # a pipeline stage's weight pass computing its gradients with autograd.grad: the units'
+        # backward pre-hooks stay out of it (Note [zero-bubble passes of fusedist stages])
+        self.backward_hooks_off = False
         self._forward_frame = None  # the frame that called the root's pre-forward hook
         self.post_optim_event = None  # set_post_optim_event: waited for before the next gather
         # [reliability] the root's observer (Note [stage-3 step check]); None without units.
@@ -134,7 +137,9 @@ class IterationContext:
 
     def finish_backward(self) -> None:
         try:
-            ran = [st for st in self.states if st.unit is not None and st.backward_pending]
+            # Note [accumulated units a synchronized backward does not reach] in state.py
+            ran = [st for st in self.states if st.unit is not None
+                   and (st.backward_pending or (st.forward_since_reduce and st.grads.reduce_grads))]
             for st in reversed(ran):
                 st.post_backward()
             for st in self.states:

@@ -84,6 +84,17 @@ Note [frozen parameters in backward]
     and the unit is reduced and resharded only when that has happened for every call and all
     trainable gradients are in (a fully frozen unit thus reshards during backward too).
 
+Note [accumulated units a synchronized backward does not reach]
+    Accumulating over micro-batches (``set_requires_gradient_sync(False)``, a pipeline stage's
+    micro-batches), a unit may run in some micro-batches and not in the last one, whose
+    backward is the synchronized one: a block a model skips on some inputs, a pipeline
+    schedule's weight pass that reaches no weight of the unit. Its sum is then in the
+    accumulator and nothing of that backward reaches it. So a synchronized backward also
+    completes every unit that ran forward with gradients since its gradients were last reduced
+    (``forward_since_reduce``): its accumulated sum is reduced and it reshards, as torch's
+    pipeline schedules do for FSDP2 at the end of a step. Which units ran forward is the same
+    on every rank (their gathers pair up by order), so the reductions are too.
+
 Note [repeated backward]
     ``loss1.backward(retain_graph=True); loss2.backward()`` runs two backwards through one
     forward. The first ends as any; the second meets units whose forward bookkeeping is
@@ -159,6 +170,9 @@ class FullyShardState:
         self.forward_prefetch: Optional[list] = None
         self.backward_prefetch: Optional[list] = None
         self.backward_pending = False  # ran forward with grad, or backward, since the last backward ended
+        # ran forward with grad since its gradients were last reduced (Note [accumulated units
+        # a synchronized backward does not reach])
+        self.forward_since_reduce = False
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.is_last_backward = True  # set_is_last_backward (recorded; every backward finishes)
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP: also on the unit's grads; 1-D: recorded)
@@ -282,7 +296,7 @@ class FullyShardState:
                 if self.unshard_async_op:  # the wait unshard(async_op=False) makes inside
                     unit.wait_for_unshard()
             if torch.is_grad_enabled():
-                self.backward_pending = True
+                self.backward_pending = self.forward_since_reduce = True
                 if not all(sp.requires_grad for sp in unit.sharded):  # Note [frozen parameters in backward]
                     args, kwargs = self._route_inputs(args, kwargs)
         nxt = ctx.next_in_forward(self) if unit is not None else None
@@ -330,6 +344,8 @@ class FullyShardState:
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _pre_backward(self, call: int, grad):
         ctx, unit = self.ctx, self.unit
+        if ctx.backward_hooks_off:  # Note [zero-bubble passes of fusedist stages] in pipelining.py
+            return grad
         ctx.ensure_final_callback()
         self._in_backward = True
         self.backward_pending = True  # (a second backward through the same graph: Note [repeated backward])
@@ -391,6 +407,7 @@ class FullyShardState:
         with torch.profiler.record_function("fusedist::fully_shard::post_backward"):
             if self.grads.reduce_grads:
                 ctx.reduce_in_order(self, grads)
+                self.forward_since_reduce = False
             else:
                 self.grads.accumulate(grads)
         del grads
@@ -417,6 +434,7 @@ class FullyShardState:
     def reset_iteration(self) -> None:
         """This module's part of ``IterationContext.reset_iteration``."""
         self.reset_backward()
+        self.forward_since_reduce = False
         unit = self.unit
         if unit is None:
             return

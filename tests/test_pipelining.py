@@ -411,11 +411,9 @@ def _unsharded_reference(seed, steps, data_ranks, num_stages: int = 4) -> list:
 
 
 def _zero_bubble_worker(rank, world_size, seed):
-    from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
 
     import fusedist
-    from fusedist.pipelining import PipelineStage
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"], mesh["dp"]
@@ -425,26 +423,48 @@ def _zero_bubble_worker(rank, world_size, seed):
     accumulated, watch = _count_weight_gradients_by_pass()
     for name, placement in (("ScheduleInterleavedZeroBubble", (r, r + 2)), ("ScheduleZBVZeroBubble", (r, 3 - r)),
                             ("ScheduleDualPipeV", (r, 3 - r))):
-        modules, stages = [], []
-        for index in placement:
-            module = _stage_module(index, 4, seed)
-            for block in module:
-                fusedist.fully_shard(block, mesh=dp)
-            fusedist.fully_shard(module, mesh=dp)
+        modules, stages = _fusedist_stages(placement, mesh, seed)
+        for module in modules:
             watch(module)
-            modules.append(module)
-            stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=pp.get_group()))
-        schedule = getattr(pipelining, name)(stages, n_microbatches=MICRO_BATCHES,
-                                             loss_fn=lambda o, t: ((o - t) ** 2).mean())
-        opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
-        counted = _count_reduce_scatters(modules[0])
-        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
         accumulated.clear()
-        _run_steps(schedule, opt, g, placement, 4, before=lambda step: counted.clear() if step == 1 else None)
+        issued = _train_counting(name, modules, stages, placement, mesh, seed)
         ours = [fusedist.fsdp.full_state_dict(m) for m in modules]
-        out[name] = {"diff": _max_diff(ours, [reference[i] for i in placement]), "issued": len(counted),
+        out[name] = {"diff": _max_diff(ours, [reference[i] for i in placement]), "issued": issued,
                      "accumulated": dict(accumulated)}
     return out
+
+
+def _fusedist_stages(placement, mesh, seed, prepare_block=lambda block: None, finish_block=lambda block: None):
+    """fusedist stages ``placement`` of a 4-stage ``_stage_module`` model: each block sharded over
+    mesh["dp"] (``prepare_block`` before, ``finish_block`` after), then the stage module."""
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    modules, stages = [], []
+    for index in placement:
+        module = _stage_module(index, 4, seed)
+        for block in module:
+            prepare_block(block)
+            fusedist.fully_shard(block, mesh=mesh["dp"])
+            finish_block(block)
+        fusedist.fully_shard(module, mesh=mesh["dp"])
+        modules.append(module)
+        stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=mesh["pp"].get_group()))
+    return modules, stages
+
+
+def _train_counting(schedule_name, modules, stages, placement, mesh, seed) -> int:
+    """1 + STEPS AdamW steps of the stages under ``schedule_name``; the reduce-scatters of the
+    last STEPS."""
+    from torch.distributed import pipelining
+
+    schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
+                                                  loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+    counted = _count_reduce_scatters(modules[0])
+    _run_steps(schedule, opt, torch.Generator().manual_seed(seed + mesh["dp"].get_local_rank()), placement, 4,
+               before=lambda step: counted.clear() if step == 1 else None)
+    return len(counted)
 
 
 def _count_weight_gradients_by_pass() -> tuple:
@@ -530,39 +550,28 @@ def _blocks_variant_worker(rank, world_size, seed):
     """Whole parameters after 1 + STEPS steps under interleaved zero-bubble minus those under
     interleaved 1F1B, fusedist stages of blocks compiled, activation-checkpointed, or with a
     custom function whose backward reads the weight."""
-    from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.checkpoint import checkpoint
 
     import fusedist
-    from fusedist.pipelining import PipelineStage
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp, dp = mesh["pp"], mesh["dp"]
-    placement = (pp.get_local_rank(), pp.get_local_rank() + 2)
+    placement = (mesh["pp"].get_local_rank(), mesh["pp"].get_local_rank() + 2)
+
+    def prepare(variant):
+        return lambda block: block.append(_Scale()) if variant == "custom function" else None
+
+    def finish(variant):
+        def apply(block):
+            if variant == "compiled":
+                block.compile(backend="aot_eager")
+            elif variant == "checkpointed":
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        return apply
 
     def train(schedule_name, variant):
-        modules, stages = [], []
-        for index in placement:
-            module = _stage_module(index, 4, seed)
-            for block in module:
-                if variant == "custom function":
-                    block.append(_Scale())
-                fusedist.fully_shard(block, mesh=dp)
-                if variant == "compiled":
-                    block.compile(backend="aot_eager")
-                elif variant == "checkpointed":
-                    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-            fusedist.fully_shard(module, mesh=dp)
-            modules.append(module)
-            stages.append(PipelineStage(module, index, 4, torch.device("cpu"), group=pp.get_group()))
-        schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
-                                                      loss_fn=lambda o, t: ((o - t) ** 2).mean())
-        opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
-        counted = _count_reduce_scatters(modules[0])
-        _run_steps(schedule, opt, torch.Generator().manual_seed(seed + dp.get_local_rank()), placement, 4,
-                   before=lambda step: counted.clear() if step == 1 else None)
-        issued[(schedule_name, variant)] = len(counted)
+        modules, stages = _fusedist_stages(placement, mesh, seed, prepare(variant), finish(variant))
+        issued[(schedule_name, variant)] = _train_counting(schedule_name, modules, stages, placement, mesh, seed)
         return [fusedist.fsdp.full_state_dict(m) for m in modules]
 
     issued = {}

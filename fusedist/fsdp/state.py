@@ -87,8 +87,8 @@ Note [frozen parameters in backward]
 Note [accumulated units a synchronized backward does not reach]
     Accumulating over micro-batches (``set_requires_gradient_sync(False)``, a pipeline stage's
     micro-batches), a unit may run in some micro-batches and not in the last one, whose
-    backward is the synchronized one: a block a model skips on some inputs, a pipeline
-    schedule's weight pass that reaches no weight of the unit. Its sum is then in the
+    backward is the synchronized one: a block the model runs only in some micro-batches, a
+    pipeline schedule's weight pass that reaches no weight of the unit. Its sum is then in the
     accumulator and nothing of that backward reaches it. So a synchronized backward also
     completes every unit that ran forward with gradients since its gradients were last reduced
     (``forward_since_reduce``): its accumulated sum is reduced and it reshards, as torch's

@@ -42,7 +42,10 @@ Note [measuring ZeRO-3]
 
     The temporary term of zero3 (gathered units, gradient reduce buffers) is compared with
     ``memory_stats()``' ``peak_gathered_bytes`` + ``peak_scratch_bytes`` over the timed
-    steps, within the same tolerance.
+    steps, within the same tolerance of the predicted range: a reduction that lands before
+    the next is issued frees its buffers at once, so whether two are in flight at the peak
+    or one depends on timing (one run in several measured the single-reduction peak, 17%
+    below the two-reduction one); ``temp_error`` is the distance outside the range.
 
 Note [the measured peak]
     The MFU column divides the step's planned FLOPs (6 x active parameters + attention, per
@@ -317,8 +320,10 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
             m["host_error"] = m["host_bytes"] / mem["host_bytes"] - 1
         if s == "zero3":  # the temporary term without the --scratch-gb allowance
             m["predicted_gathered_and_scratch_bytes"] = mem["temp_bytes"] - int(job.scratch_gb * GB)
-            m["temp_error"] = ((m["peak_gathered_bytes"] + m["peak_scratch_bytes"])
-                               / m["predicted_gathered_and_scratch_bytes"] - 1)
+            m["predicted_min_gathered_and_scratch_bytes"] = mem["temp_min_bytes"] - int(job.scratch_gb * GB)
+            m["temp_error"] = _range_error(m["peak_gathered_bytes"] + m["peak_scratch_bytes"],
+                                           m["predicted_min_gathered_and_scratch_bytes"],
+                                           m["predicted_gathered_and_scratch_bytes"])
         if info.device.type == "cuda":
             m["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(info.device)
             torch.cuda.reset_peak_memory_stats(info.device)
@@ -362,6 +367,15 @@ def _errors_over_ranks(measured, device) -> dict:
     for j, (s, k) in enumerate(keys):
         out.setdefault(s, {})[k] = table[:, j].tolist()
     return out
+
+
+def _range_error(measured: float, low: float, high: float) -> float:
+    """How far ``measured`` lies outside ``[low, high]``, relative to the bound it passes (0
+    inside): zero3's temporary peak, two reductions in flight or one, depending on when the
+    first lands (Note [measuring ZeRO-3])."""
+    if measured > high:
+        return measured / high - 1
+    return measured / low - 1 if measured < low else 0.0
 
 
 def _out_of_tolerance(rank_errors) -> list:
@@ -427,5 +441,6 @@ def _zero3_lines(m) -> list:
             "reduce-scatters (2 and 1 per unit); predictions include the flat buffers' padding; "
             f"model states are the mean over ranks (this rank: {_b(m['rank_model_states_bytes'])})",
             f"zero3 temporary (gathered units + reduce-scatter buffers, at their peaks): predicted "
-            f"{_b(m['predicted_gathered_and_scratch_bytes'])}, measured {_b(m['peak_gathered_bytes'])} + "
-            f"{_b(m['peak_scratch_bytes'])} ({m['temp_error']:+.2%})"]
+            f"{_b(m['predicted_min_gathered_and_scratch_bytes'])} to {_b(m['predicted_gathered_and_scratch_bytes'])} "
+            f"(one or two reductions in flight), measured {_b(m['peak_gathered_bytes'])} + "
+            f"{_b(m['peak_scratch_bytes'])} ({m['temp_error']:+.2%} outside)"]

@@ -136,7 +136,8 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
 
 
 def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_cap_mb: float,
-               scratch_bytes: float, root_params: float = 0.0, n: int = 1, unit_outputs=None) -> float:
+               scratch_bytes: float, root_params: float = 0.0, n: int = 1, unit_outputs=None,
+               in_flight: int = 2) -> float:
     """Temporary buffers per GPU besides model states and activations.
 
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
@@ -161,6 +162,9 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
       size for blocks all alike; ``unit_outputs`` their reduce-scatter outputs (default
       ``1/N`` of each; under expert parallelism a block's experts are reduced over N/ep
       ranks). Without a shape (``--params``) the units are unknown and two buckets stand in.
+      Whether the second reduction is still in flight when the next is issued depends on
+      when the first lands (a landed one frees its buffers at once): ``in_flight=1`` gives
+      the least the peak can be, with only the largest reduction in flight.
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
@@ -172,7 +176,8 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
         if unit_params or root_params:
             blocks = list(unit_params) if isinstance(unit_params, (list, tuple)) else [unit_params] * 2
             outputs = list(unit_outputs) if unit_outputs is not None else [b / n for b in blocks]
-            extra = (_largest_pair(blocks) + root_params) * g + _reducing(blocks, outputs, root_params, n) * g
+            extra = ((_largest_pair(blocks) + root_params) * g
+                     + _reducing(blocks, outputs, root_params, n, in_flight) * g)
         else:
             extra = buckets
     return extra + scratch_bytes
@@ -185,8 +190,8 @@ def _largest_pair(sizes: list) -> float:
     return max(a + b for a, b in zip(sizes, sizes[1:]))
 
 
-def _reducing(blocks: list, outputs: list, root: float, n: int) -> float:
-    """Elements of the two reductions in flight at once, flat buffers and outputs: units in
-    backward's order (the blocks last to first, then the root)."""
+def _reducing(blocks: list, outputs: list, root: float, n: int, in_flight: int = 2) -> float:
+    """Elements of the reductions in flight at once (two, or one: ``temp_bytes``), flat buffers
+    and outputs: units in backward's order (the blocks last to first, then the root)."""
     order = [b + o for b, o in zip(blocks, outputs)][::-1] + [root * (1 + 1 / n)]
-    return _largest_pair(order)
+    return _largest_pair(order) if in_flight == 2 else max(order)

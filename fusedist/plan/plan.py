@@ -52,14 +52,18 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     act = activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp)
     units, outputs = _zero3_units(spec, tp, dp, ep)
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
-    temp = memory.temp_bytes(strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
-                             job.scratch_gb * GB, root_params=root, n=dp, unit_outputs=outputs)
+    temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
+                 job.scratch_gb * GB)
+    temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs)
+    # the least the peak can be: one gradient reduction in flight (memory.temp_bytes)
+    temp_min = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, in_flight=1)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     return {
         "model_states_bytes": int(round(states.device)),
         "activation_bytes": act,
         "temp_bytes": int(round(temp)),
+        "temp_min_bytes": int(round(temp_min)),
         "total_bytes": int(round(total)),
         "host_bytes": int(round(states.host)),
         "fits": bool(total <= capacity),

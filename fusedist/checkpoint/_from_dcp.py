@@ -111,10 +111,12 @@ def _nested(optim: dict, names: list, source: str, others: bool = False) -> tupl
     return state, groups
 
 
-def to_torch_format(optim: dict, names: list, group_sizes: list, source: str, others: bool = False) -> dict:
+def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: str, others: bool = False) -> dict:
     """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
-    optimizer whose parameters are named ``names``, in param groups of ``group_sizes``
-    (``others``: as in :func:`_nested`)."""
+    optimizer whose parameters are named ``names``, in its param groups ``optimizer_groups``
+    (each takes the saved settings of its parameters; an empty one keeps its own), ``others``:
+    as in :func:`_nested`."""
+    group_sizes = [len(g["params"]) for g in optimizer_groups]
     state, groups = _nested(optim, names, source, others)
     if groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         return _by_index(state, groups, group_sizes, source)
@@ -127,9 +129,9 @@ def to_torch_format(optim: dict, names: list, group_sizes: list, source: str, ot
         raise CheckpointError(f"fusedist.checkpoint: {source} has no parameter {missing[0]!r} of the optimizer "
                               f"({len(missing)} of {len(names)} missing)")
     out_groups, out_state, start = [], {}, 0
-    for size in group_sizes:
+    for size, own in zip(group_sizes, optimizer_groups):
         members = names[start:start + size]
-        first = groups[group_of[members[0]]]
+        first = groups[group_of[members[0]]] if members else own
         settings = {k: v for k, v in first.items() if k != "params"}
         for name in members:
             other = {k: v for k, v in groups[group_of[name]].items() if k != "params"}

@@ -75,8 +75,7 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True) -> di
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
         source = f"optimizer state in {directory}"
         params = optimizer_params(optimizer)
-        full = _from_dcp.to_torch_format(optim, param_names(model, params),
-                                         [len(g["params"]) for g in optimizer.param_groups], source)
+        full = _from_dcp.to_torch_format(optim, param_names(model, params), optimizer.param_groups, source)
         plan["optimizer"] = _prepare_full(full, directory, target, _sharding(target), optimizer, params, source)
     return plan
 

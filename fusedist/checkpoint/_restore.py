@@ -44,21 +44,8 @@ class RestoreMixin:
         if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
             for j, (module, opt) in enumerate(pipelined.parts(model, optimizer)):
                 self._stage_world(module, opt, j)
-            saving = self.world_size
         else:
-            api._refuse_parts(model)
-            saving = api._World(optimizer, model, self._coord.group).size
-        if saving != self.world_size:  # Note [a Checkpointer per pipeline stage] in _writer.py
-            who = ("the ZeroRedundancyOptimizer shards over" if is_zero(optimizer)
-                   else "the model is saved by the")
-            raise ValueError(
-                f"Checkpointer (rank {self.rank}): {who} {saving} ranks of its data-parallel "
-                f"group, the Checkpointer's group has {self.world_size} (ranks {self._coord.ranks}): the ranks of "
-                "other groups would write other models into one checkpoint. Under pipeline parallelism give "
-                "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', process_group=<the "
-                "stage's data-parallel group, or its mesh, mesh['dp', 'tp'], for a tensor-parallel or HSDP stage>), "
-                "or one Checkpointer for the job with pipeline=True and that process_group"
-            )
+            self._check_saving_world(model, optimizer)
         self._writer.wait()
         self._restores_trusted = bool(trusted)  # Note [checkpoints the restore cannot read]
         self._state = dict(model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler,
@@ -94,6 +81,23 @@ class RestoreMixin:
             raise CheckpointError("fusedist.checkpoint.Checkpointer: no checkpoint under "
                                   f"{self.directory} could be loaded: " + "; ".join(failures))
         return 0
+
+    def _check_saving_world(self, model, optimizer) -> None:
+        """The model must be saved by the Checkpointer's ranks (Note [a Checkpointer per pipeline
+        stage] in ``_writer.py``)."""
+        api._refuse_parts(model)
+        saving = api._World(optimizer, model, self._coord.group).size
+        if saving != self.world_size:
+            who = ("the ZeroRedundancyOptimizer shards over" if is_zero(optimizer)
+                   else "the model is saved by the")
+            raise ValueError(
+                f"Checkpointer (rank {self.rank}): {who} {saving} ranks of its data-parallel "
+                f"group, the Checkpointer's group has {self.world_size} (ranks {self._coord.ranks}): the ranks of "
+                "other groups would write other models into one checkpoint. Under pipeline parallelism give "
+                "each stage a Checkpointer of its own: Checkpointer(f'{root}/stage{i}', process_group=<the "
+                "stage's data-parallel group, or its mesh, mesh['dp', 'tp'], for a tensor-parallel or HSDP stage>), "
+                "or one Checkpointer for the job with pipeline=True and that process_group"
+            )
 
     def _candidates_or_error(self, step: Optional[int]):
         """:meth:`_candidates`, or why they could not be listed: raised on rank 0 alone (an

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _files, _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
+from . import _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from .sampler import ElasticDistributedSampler
@@ -133,20 +133,17 @@ class SnapshotMixin:
     def _place_stages(self, step: int, snapshot: dict, infos: list) -> None:
         """Once every rank's snapshot is taken: the file each stage's common state goes to, and
         on rank 0 the manifest listing the stages (Note [pipelined checkpoints])."""
-        pipelined.check_stages([(stages, None) for stages, _ in infos])
+        members = [stages for stages, _ in infos]
+        pipelined.check_stages(members)
         pipelined.check_names({(stages[j], j): entry["keys"] for stages, entries in infos
                                for j, entry in entries.items()})
-        order = pipelined.stage_order([(stages, None) for stages, _ in infos])
+        order = pipelined.stage_order(members)
         mine = snapshot["stages"]
         snapshot["stage_files"] = {pipelined.stage_common_file(order.index((mine[j], j))): content
                                    for j, content in snapshot["stage_commons"].items()}
         if self.rank == 0:
-            listed = {order.index((stages[j], j)): dict(entry, common=pipelined.stage_common_file(
-                order.index((stages[j], j)))) for stages, entries in infos for j, entry in entries.items()}
-            listed = [listed[k] for k in range(len(order))]
-            snapshot["manifest"] = {
-                "format": _files.FORMAT, "version": max([_files.PIPELINE_VERSION] + [e["version"] for e in listed]),
-                "world_size": self.world_size, "pipeline": listed, "checkpointer": {"step": step}}
+            entries = {order.index((stages[j], j)): entry for stages, of_rank in infos for j, entry in of_rank.items()}
+            snapshot["manifest"] = dict(pipelined.manifest(entries, self.world_size), checkpointer={"step": step})
 
     @staticmethod
     def _refuse_unreadable(sections: dict, common: Optional[dict], stage_commons: Optional[dict] = None) -> None:

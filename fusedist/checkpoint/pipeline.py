@@ -91,17 +91,17 @@ def is_pipelined(directory: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- save
-def check_stages(infos: list) -> None:
+def check_stages(members: list) -> None:
     """Every rank's part ``j`` must name the same ranks as every rank it names: the stages'
-    groups split the job's ranks (per slot) into disjoint groups. ``infos``: every rank's
-    ``(ranks of each part's stage, keys of each part or None)``."""
-    for rank, (members, _) in enumerate(infos):
-        for j, ranks in enumerate(members):
+    groups split the job's ranks (per slot) into disjoint groups. ``members``: every rank's
+    ranks of each of its parts' stage."""
+    for rank, mine in enumerate(members):
+        for j, ranks in enumerate(mine):
             if rank not in ranks:
                 raise CheckpointError(f"fusedist.checkpoint.save: rank {rank}'s part {j} is saved over ranks "
                                       f"{list(ranks)}, which do not hold it")
             for other in ranks:
-                theirs = infos[other][0]
+                theirs = members[other]
                 if len(theirs) <= j or theirs[j] != ranks:
                     seen = list(theirs[j]) if len(theirs) > j else f"{len(theirs)} parts"
                     raise CheckpointError(
@@ -126,9 +126,19 @@ def check_names(stage_keys: dict) -> None:
                     "Nothing was written")
 
 
-def stage_order(infos: list) -> list:
-    """The checkpoint's stages, ``(ranks, part slot)``, in order of their first rank."""
-    return sorted({(tuple(ranks), j) for members, _ in infos for j, ranks in enumerate(members)})
+def stage_order(members: list) -> list:
+    """The checkpoint's stages, ``(ranks, part slot)``, in order of their first rank
+    (``members``: as in :func:`check_stages`)."""
+    return sorted({(tuple(ranks), j) for mine in members for j, ranks in enumerate(mine)})
+
+
+def manifest(entries: dict, world_size: int) -> dict:
+    """The manifest of a pipelined save, less its files: ``entries``, stage index -> the
+    stage's ``manifest_base`` with its ranks, part slot and keys, listed in order with their
+    common files."""
+    listed = [dict(entries[k], common=stage_common_file(k)) for k in range(len(entries))]
+    return {"format": _files.FORMAT, "version": max([_files.PIPELINE_VERSION] + [e["version"] for e in listed]),
+            "world_size": world_size, "pipeline": listed}
 
 
 def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dict] = None, *,
@@ -149,12 +159,12 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
 
     def check(infos: list) -> None:
-        check_stages(infos)
+        check_stages([m for m, _ in infos])
         check_names({(tuple(ranks), j): part_keys for members_of, keys_of in infos
                      for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
 
     save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), check)
-    order = stage_order(infos)
+    order = stage_order([m for m, _ in infos])
 
     for _, opt in held:
         if isinstance(opt, ZeroRedundancyOptimizer):
@@ -183,19 +193,12 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
                 "scaler": scaler.state_dict() if scaler is not None else None,
             }, rank=job.rank)
             entries[k] = dict(api.manifest_base(module, opt, scaler, w.size), ranks=list(members[j]), part=j,
-                              common=name, keys=keys[j])
+                              keys=keys[j])
     except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
         error = f"rank {job.rank} could not write its checkpoint files in {directory}: {type(exc).__name__}: {exc}"
 
-    def manifest(infos: list) -> dict:
-        found = {}
-        for info in infos:
-            found.update(info)
-        listed = [found[k] for k in range(len(order))]
-        return {"format": _files.FORMAT, "version": max([_files.PIPELINE_VERSION] + [e["version"] for e in listed]),
-                "world_size": job.size, "pipeline": listed}
-
-    api.finish_save(job, directory, started, save_id, calls, claim, (mine, error, entries), manifest,
+    api.finish_save(job, directory, started, save_id, calls, claim, (mine, error, entries),
+                    lambda infos: manifest({k: e for info in infos for k, e in info.items()}, job.size),
                     lambda: {"model": {}, "optimizer": None, "scaler": None, "extra": extra})
 
 
@@ -311,8 +314,7 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
             source = f"optimizer state in {directory}"
             params = optimizer_params(optimizer)
             plan["params"] = param_names(module, params)
-            full = _from_dcp.to_torch_format(optim, plan["params"], [len(g["params"]) for g in optimizer.param_groups],
-                                             source, others=True)
+            full = _from_dcp.to_torch_format(optim, plan["params"], optimizer.param_groups, source, others=True)
             plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
                                                          optimizer, params, source)
             every_param.update((n, 0) for n in _from_dcp.state_names(optim))
@@ -350,14 +352,16 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
 
 
 def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer) -> tuple:
-    """The part's optimizer state in torch's format (from the stages holding its parameters, by
-    name), as :func:`_load_plan._prepare_full` checks and converts it; and the names taken."""
+    """The part's optimizer state in torch's format, from the stages holding its parameters:
+    their state and param groups by parameter name, put in the optimizer's order as a torch
+    distributed checkpoint's are (``_from_dcp.to_torch_format``), then checked and converted
+    by :func:`_load_plan._prepare_full`; and the names taken."""
     params = optimizer_params(optimizer)
     names = param_names(model, params)
     target = _names.unwrap(model)
     sharding = _load_plan._sharding(target)
-    wanted = {n: i for i, n in enumerate(names)}
-    found: dict = {}  # name -> (state entry or None, hyperparameters, saved shape, stage ranks)
+    wanted = set(names)
+    state, groups, shapes = {}, [], {}  # by name; the saved groups with their parameters' names
     with_state = [s for _, s in chosen if s.get("optimizer") is not None]
     if not with_state:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -365,47 +369,24 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
         meta = stage["optimizer"]
         _checks.check_algorithm(meta, optimizer, directory)
         full = reader.optimizer(stage)
-        group_of = {int(i): g for g in full["param_groups"] for i in g["params"]}
-        state = {int(i): v for i, v in full.get("state", {}).items()}
-        for i, name in enumerate(meta["param_names"]):
-            name = name if name in wanted else _names.legacy_key(name)
-            if name in wanted:
-                found[name] = (state.get(i), zstate.hyperparameters(group_of[i]), meta["param_shapes"][i],
-                               stage["ranks"])
-    missing = [n for n in names if n not in found]
+        saved = {i: n if n in wanted else _names.legacy_key(n) for i, n in enumerate(meta["param_names"])}
+        saved = {i: n for i, n in saved.items() if n in wanted}
+        shapes.update((n, meta["param_shapes"][i]) for i, n in saved.items())
+        state.update((saved[int(i)], v) for i, v in full.get("state", {}).items() if int(i) in saved)
+        groups += [dict(g, params=[saved[int(i)] for i in g["params"] if int(i) in saved])
+                   for g in full["param_groups"]]
+    missing = [n for n in names if n not in shapes]
     if missing:
         raise CheckpointError(f"fusedist.checkpoint: no stage of {directory} holds optimizer state for the "
                               f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for p, name in zip(params, names):
         shape = list(stage3.full_shape(p, sharding[1]))
-        if found[name][2] != shape:
+        if shapes[name] != shape:
             raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameter '{name}' has shape {tuple(shape)}, "
-                                  f"its state in {directory} shape {tuple(found[name][2])}")
-    groups, start = [], 0
-    for g in optimizer.param_groups:
-        indices = list(range(start, start + len(g["params"])))
-        start += len(g["params"])
-        hyper = found[names[indices[0]]][1] if indices else zstate.hyperparameters(g)
-        for i in indices[1:]:
-            if not _same(found[names[i]][1], hyper):
-                raise CheckpointError(
-                    f"fusedist.checkpoint: '{names[indices[0]]}' and '{names[i]}' share a param group here, but were "
-                    f"saved in groups of other hyperparameters in {directory} (ranks {found[names[indices[0]]][3]} "
-                    f"and {found[names[i]][3]}); group them as they were saved")
-        groups.append({**hyper, "params": indices})
-    full = {"state": {i: found[n][0] for i, n in enumerate(names) if found[n][0] is not None}, "param_groups": groups}
+                                  f"its state in {directory} shape {tuple(shapes[name])}")
     source = f"optimizer state in {directory}"
+    full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source)
     return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), names
-
-
-def _same(a: dict, b: dict) -> bool:
-    """Whether two param groups' hyperparameters are equal (values may be tensors)."""
-    def equal(x, y):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return torch.equal(torch.as_tensor(x), torch.as_tensor(y))
-        return x == y
-
-    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
 
 
 def check_taken(plan: dict, reads: list, directory: str) -> None:

@@ -172,7 +172,7 @@ def _whole(p: torch.Tensor, where: dict) -> torch.Tensor:
     if hit is None:
         return p
     unit, i = hit
-    return torch.empty(unit.whole_shape(i), dtype=unit.sharded[i].dtype, device="meta")
+    return torch.empty(unit.whole_shape(i), dtype=unit.piece_data(i).dtype, device="meta")
 
 
 def _meta(p: torch.Tensor, where: dict) -> dict:

@@ -77,7 +77,8 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
       parameters] in tensor_parallel.py).
     * Tensor-subclass parameters with FSDP2's all-gather extension (torchao's float8 training
       weights): each gather asks them what to gather (Note [all-gather extension] in
-      extension.py); other subclasses are refused by name.
+      extension.py); frozen quantized storage (QLoRA's NF4 weights) is sharded as its own
+      chunks' bytes (Note [quantized storage] in packed.py); other subclasses are refused by name.
     * ``dp_mesh_dims`` (FSDP2 over a full SPMD mesh of DTensor parameters): refused.
     """
     from ..ddp.replicate import ReplicatedModule
@@ -150,7 +151,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, device)
         # Note [all-gather extension] in extension.py
         ext = extension_specs(name, [s.local(p) if s is not None else p for p, s in zip(params, tp or [None] * len(params))],
-                              fqns, regs, dims, post_forward)
+                              fqns, regs, dims, post_forward, comm.world_size, comm.rank, tp)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm, dims=dims, tp=tp, ext=ext,

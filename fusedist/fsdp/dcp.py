@@ -446,6 +446,8 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     """``value`` -- parameter ``index`` of ``unit``'s piece, or a state tensor shaped like it --
     as a state-dict entry: a ShardedPiece that knows the whole parameter's shape and range."""
     region = piece_region(unit, index)
+    if unit.ext[index] is not None and unit.ext[index].packed:  # its row of bytes (Note [quantized storage])
+        value = unit.ext[index].inner(value)
     # (an extension piece: the high-precision values its subclass wraps, Note [all-gather extension])
     value = values_of(value.detach())
     if isinstance(value, ShardedPiece):
@@ -547,12 +549,38 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor):
             continue
+        if unit.ext[i] is not None and unit.ext[i].packed:
+            problem = _load_packed(value, unit, i, key)
+            if problem is not None:
+                error_msgs.append(f"size mismatch for {key}: {problem}")
+            state_dict[key] = unit.sharded[i].detach()  # loaded above; copied onto itself
+            continue
         problem = _wrong_entry(value, unit, i)
         if problem is None:
             state_dict[key] = whole_to_piece(value, unit, i)
             continue
         error_msgs.append(f"size mismatch for {key}: {problem}")
         state_dict[key] = unit.sharded[i].detach()  # copied onto itself; the load raises with the message
+
+
+def _load_packed(value: torch.Tensor, unit, index: int, key: str) -> Optional[str]:
+    """Load ``value`` into quantized-storage parameter ``index`` (Note [quantized storage] in
+    packed.py): its entry or row as saved at this layout, its table, the whole subclass or a
+    plain weight to quantize. Returns why it cannot, or None."""
+    spec, row = unit.ext[index], unit.piece_data(index)
+    if isinstance(value, ShardedPiece):
+        if value.size() != torch.Size(spec.table_shape) or value.element_range != piece_region(unit, index):
+            return (f"the entry is a piece of a {tuple(value.size())} table of quantized storage, this rank's is row "
+                    f"{unit.rank} of {spec.table_shape}: such parameters load at the world size they were saved at.")
+        value = value.local()
+    try:
+        if tuple(value.shape) == tuple(row.shape) and value.dtype == torch.uint8:
+            row.copy_(value)
+        else:
+            row.copy_(spec.row_of_whole(value, unit.rank, key, row))
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def _wrong_entry(value: torch.Tensor, unit, index: int) -> Optional[str]:

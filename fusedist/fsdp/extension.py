@@ -44,10 +44,11 @@ weights, torchao's int8 mixed-precision and BitNet training weights. Then:
   stale.
 
 With ``CPUOffloadPolicy`` the pieces live in host memory and each is moved to the compute
-device before the extension is asked (FSDP2 does the same). Refused by name: other
-subclasses (several inner tensors, as NF4's quantized storage), an int
-``reshard_after_forward`` (FSDP2 refuses it too), or a ``shard_placement_fn`` other than
-``Shard(0)``. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
+device before the extension is asked (FSDP2 does the same). Subclasses that hold several
+inner tensors and none of the weight's shape -- quantized storage, NF4's -- are stored as
+bytes instead (Note [quantized storage] in packed.py); the gathers here serve both. Refused
+by name: an int ``reshard_after_forward`` (FSDP2 refuses it too), or a
+``shard_placement_fn`` other than ``Shard(0)``. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` looks for
 DTensor weights and does nothing here; fusedist's (Note [precomputed float8 scales] in
 float8.py) sets the scales on the pieces, which the gathers read.
 """
@@ -76,6 +77,8 @@ def has_extension(p) -> bool:
 class ExtensionSpec:
     """How a unit holds one extension parameter (Note [all-gather extension]): the subclass,
     the name of its inner tensor, and the context ``__tensor_unflatten__`` rebuilds it from."""
+
+    packed = False  # quantized storage (packed.py) is held as bytes instead
 
     def __init__(self, param, module):
         self.ctx = param.__tensor_flatten__()[1]
@@ -174,6 +177,8 @@ class ExtensionGathers:
         parts = []
         for j, i in enumerate(sec.indices):
             spec, shape = unit.ext[i], sec.layout.slots[j].shape
+            if spec.packed:  # the piece is the subclass's own chunk (Note [quantized storage] in packed.py)
+                shape = spec.outer_shape
             rows = -(-shape[0] // unit.world_size)
             if unit.sharded[i].shape[0] == rows:  # the piece is the padded chunk: asked itself, as FSDP2 asks it
                 source = unit.sharded[i]
@@ -230,8 +235,10 @@ class ExtensionGathers:
                 unit.sharded[i].fsdp_post_all_gather(views, meta, param_dtype, out=unit.visible[i])
                 continue
             tensor, inner = unit.sharded[i].fsdp_post_all_gather(views, meta, param_dtype)
-            stride = torch.empty(shape, device="meta").stride()
-            whole = torch.as_strided(tensor, shape, stride, storage_offset=0)
+            if spec.packed:  # (the subclass of the parameter's shape; its table's slot is bytes)
+                whole = tensor
+            else:
+                whole = torch.as_strided(tensor, shape, torch.empty(shape, device="meta").stride(), storage_offset=0)
             unit.unsharded[i] = unit.visible[i] = nn.Parameter(whole, requires_grad=unit.sharded[i].requires_grad)
             unit._make_visible(i)
             self.outputs[i] = (outputs, list(inner))
@@ -241,11 +248,14 @@ class ExtensionGathers:
         unit._gathered_bytes -= nbytes
 
 
-def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, post_forward) -> Optional[list]:
+def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list, post_forward, world_size: int,
+                    rank: int, tp: Optional[list] = None) -> Optional[list]:
     """Each parameter's spec (None for a plain one), or None when the unit has no extension
     parameter; what is not supported with them is refused naming the parameter. ``params``:
     the local tensors of tensor-parallel parameters (Note [tensor-parallel parameters] in
     tensor_parallel.py), which may be extension wrappers too."""
+    from .packed import PackedSpec, is_packed_candidate  # (packed.py builds on ExtensionSpec)
+
     found = [(i, p) for i, p in enumerate(params) if has_extension(p)]
     if not found:
         return None
@@ -255,13 +265,17 @@ def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list,
         if not (hasattr(p, "fsdp_pre_all_gather") and hasattr(p, "fsdp_post_all_gather")):
             raise ValueError(f"{where} only in part: both fsdp_pre_all_gather and fsdp_post_all_gather must be "
                              "defined (FSDP2 requires both too)")
-        if wrapped_name(p) is None:
-            names = p.__tensor_flatten__()[0] if hasattr(p, "__tensor_flatten__") else None
+        if wrapped_name(p) is None and not is_packed_candidate(p):
             raise NotImplementedError(
-                f"{where}, but it is not a wrapper of one high-precision tensor of its own shape and dtype "
-                f"(__tensor_flatten__ names {names}); fusedist shards such wrappers only (float8 training weights), "
-                "not quantized storage such as NF4. Use torch.distributed.fsdp.fully_shard for this model, or keep "
-                "the parameter out of the units (ignored_params).")
+                f"{where}, but it is neither a wrapper of one high-precision tensor of its own shape and dtype nor "
+                "a traceable tensor subclass (__tensor_flatten__) fusedist could store as bytes. Use "
+                "torch.distributed.fsdp.fully_shard for this model, or keep the parameter out of the units "
+                "(ignored_params).")
+        if wrapped_name(p) is None and tp is not None and tp[i] is not None:
+            raise NotImplementedError(
+                f"{where} and holds quantized storage (Note [quantized storage] in packed.py); with tensor "
+                "parallelism such parameters are not supported. Use torch.distributed.fsdp.fully_shard for this "
+                "model, or keep the parameter out of the units (ignored_params).")
         if p.dim() == 0:
             raise NotImplementedError(f"{where}, and it has no dims; fusedist shards such parameters on dim 0")
         arity = len(inspect.signature(type(p).fsdp_pre_all_gather).parameters)
@@ -274,7 +288,16 @@ def extension_specs(name: str, params: list, fqns: list, regs: list, dims: list,
             if bad:
                 raise NotImplementedError(f"{where}; with {reason} such parameters are not supported. Shard them on "
                                           "dim 0 of a data-parallel mesh, with reshard_after_forward True or False.")
-    return [ExtensionSpec(p, regs[i][0][0]) if has_extension(p) else None for i, p in enumerate(params)]
+    specs = []
+    for i, p in enumerate(params):
+        if not has_extension(p):
+            specs.append(None)
+        elif wrapped_name(p) is not None:
+            specs.append(ExtensionSpec(p, regs[i][0][0]))
+        else:  # Note [quantized storage] in packed.py
+            where = f"fusedist.fully_shard({name}): parameter '{fqns[i]}' ({type(p).__name__})"
+            specs.append(PackedSpec(p, regs[i][0][0], world_size, rank, where))
+    return specs
 
 
 # Note [converting extension pieces]
@@ -318,7 +341,7 @@ def take_stand_ins(unit, stand_ins: list) -> None:
         module, attr = unit.registrations[i][0]
         converted = module._parameters[attr].detach()
         piece, spec = unit.sharded[i], unit.ext[i]
-        if converted.device == piece.device and converted.dtype == piece.dtype:
+        if converted.device == piece.device and converted.dtype == (torch.uint8 if spec.packed else piece.dtype):
             spec.set_inner(piece, converted)
         else:
             piece = torch.nn.Parameter(spec.wrap(converted, like=piece), requires_grad=piece.requires_grad)

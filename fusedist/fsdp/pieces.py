@@ -69,8 +69,11 @@ class PieceMixin:
 
     def whole_shape(self, index: int) -> tuple:
         """The shape of parameter ``index`` as the model has it: the global shape of a
-        tensor-parallel parameter (Note [tensor-parallel parameters]), else the unit's slot."""
+        tensor-parallel parameter (Note [tensor-parallel parameters]), the bytes table of
+        quantized storage (Note [quantized storage] in packed.py), else the unit's slot."""
         spec = self.tp[index]
+        if self.ext[index] is not None and self.ext[index].packed:  # (Note [quantized storage] in packed.py)
+            return self.ext[index].table_shape
         return tuple(spec.global_shape) if spec is not None else tuple(self.layout.slots[index].shape)
 
     def placement(self, index: int) -> Optional[tuple]:
@@ -106,7 +109,7 @@ class PieceMixin:
         first = self.sharded[0]
         # the unit takes its first parameter's new dtype; in a mixed-dtype unit each section
         # takes its own first parameter's (Note [dtype sections])
-        dtypes = [self.sharded[sec.indices[0]].dtype if self.layout.mixed else first.dtype
+        dtypes = [self.piece_data(sec.indices[0]).dtype if self.layout.mixed else first.dtype
                   for sec in self.layout.sections]
         if all(self._aliases_shard(i) for i in range(len(self.sharded))) and \
                 dtypes == [s.dtype for s in self.shards]:

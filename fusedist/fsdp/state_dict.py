@@ -56,6 +56,9 @@ def gather_params(unit, *, to_cpu: bool, only=None) -> list:
             out.append(None)
             continue
         full = unit.layout.whole(i, flats[unit.section_index(i)])
+        if unit.ext[i] is not None and unit.ext[i].packed:  # the subclass whole (Note [quantized storage])
+            out.append(unit.ext[i].whole_of_table(full.cpu() if to_cpu else full))
+            continue
         if unit.tp[i] is not None:  # the global parameter (a collective over the tensor-parallel group)
             full = unit.tp[i].full(full)
         out.append(full.cpu().clone() if to_cpu else full.clone())
@@ -126,6 +129,12 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
             target.copy_(src)
             continue
         unit, i = hit
+        spec = unit.ext[i]
+        if spec is not None and spec.packed:  # Note [quantized storage] in packed.py
+            unit.piece_data(i).copy_(spec.row_of_whole(src, unit.rank, key, unit.piece_data(i)))
+            if unit.is_unsharded:  # (the gathered subclass; its copy_ quantizes a plain weight alike)
+                unit.unsharded[i].copy_(src)
+            continue
         if tuple(src.shape) != unit.whole_shape(i):
             raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "
                              f"the model's parameter {unit.whole_shape(i)}")

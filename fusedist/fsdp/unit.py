@@ -156,6 +156,8 @@ class ShardedUnit(PieceMixin):
         """Parameter ``i`` as the modules hold it gathered, with the hook that tells the unit its
         gradient has been accumulated."""
         u, spec = self.unsharded[i], self.tp[i]
+        if self.ext[i] is not None and self.ext[i].packed:
+            return  # frozen quantized storage: no gradient to hear of (Note [quantized storage] in packed.py)
         if spec is not None:
             u = self.visible[i] = spec.wrap(u, u.requires_grad)
         # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)

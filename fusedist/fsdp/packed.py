@@ -1,0 +1,208 @@
+"""Quantized-storage parameters (torchao's NF4 weights for QLoRA) in a ``fully_shard`` unit.
+
+Note [quantized storage]
+------------------------
+QLoRA fine-tunes low-rank adapters over a frozen base model whose Linear weights are stored
+4-bit: torchao's ``NF4Tensor`` holds a weight as several inner tensors -- the packed 4-bit codes
+(``quantized_data``), the per-block scales quantized again (``quantized_scalers``), one
+factor per block of scales (``quantization_factor``) -- and two that every part of it
+shares (``scaler_mean``, the ``nf4`` lookup table). No inner tensor has the weight's shape,
+so it is not a wrapper of one tensor (Note [all-gather extension] in extension.py). FSDP2
+shards it with the subclass's own ops: ``torch.chunk`` on dim 0 cuts every inner tensor
+that scales with the rows, and the all-gather extension gathers those and rebuilds the
+weight. fusedist follows that contract and stores the result in its flat shard:
+
+* **The bytes table.** At ``fully_shard`` the weight is cut into ``world`` chunks by its own
+  ``torch.chunk``. Each chunk's inner tensors are laid end to end as bytes -- the cut ones
+  (``sharded``), then the shared ones (``scaler_mean`` is data: a load must carry it) -- each
+  at an offset aligned to 16 bytes, so every dtype views in place. The rows of the ``(world,
+  nbytes)`` uint8 table are the chunks; the unit shards that table like any parameter of its
+  own section, so each rank stores exactly its chunk: ``1/world`` of the weight's bytes.
+* **The piece** is the subclass again, rebuilt (``__tensor_unflatten__``) over views of the
+  rank's row: what ``model.parameters()`` yields, with the subclass's shape ``(rows/world,
+  cols)``; the gather asks it (``fsdp_pre_all_gather``), as FSDP2 asks its local shard, and
+  ``fsdp_post_all_gather`` rebuilds the whole weight from the gathered inner tensors
+  (extension.py's gathers do the rest: one all-gather of bytes, freed on reshard).
+* **Frozen only.** Nothing steps quantized codes (QLoRA's base weights are frozen), and a
+  uint8 table cannot require grad: a trainable one is refused by name.
+* **Even rows only.** The subclass's chunks must all have one layout (FSDP2 needs the same:
+  NF4 cuts its blocks evenly), so the rows must divide by the world size and every cut
+  inner tensor must split into equal parts, else the parameter is refused by name.
+* **What reads it:** ``full_state_dict`` gives the whole subclass (as FSDP2's full state dict
+  does) and ``load_full_state_dict`` takes one -- or a plain high-precision weight, which the
+  subclass's own ``copy_`` quantizes on every rank before each keeps its chunk. In
+  ``model.state_dict()``, DCP and ``fusedist.checkpoint`` the parameter is its bytes table:
+  those restore at the same world size, and at another one the table's shape differs and the
+  load refuses it naming the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import torch
+
+from .extension import ExtensionSpec
+
+__all__ = ["PackedSpec", "TableShape", "is_packed_candidate"]
+
+_ALIGN = 16  # bytes: every dtype views in place at such an offset
+
+
+class TableShape(tuple):
+    """The shape of a quantized-storage parameter's bytes table, as ``whole_shape`` reports it:
+    a tuple that lets a load's shape check say why it depends on the world size."""
+
+    hint = ("quantized storage, held as a table of bytes with a row per rank, restores at the world size it was "
+            "saved at (Note [quantized storage] in fusedist/fsdp/packed.py); load its whole weights with "
+            "fusedist.fsdp.load_full_state_dict instead")
+
+
+def is_packed_candidate(p) -> bool:
+    """Whether ``p`` is a traceable wrapper subclass with the all-gather extension that is not a
+    wrapper of one tensor of its shape (quantized storage, Note [quantized storage])."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(p) and hasattr(p, "fsdp_pre_all_gather")
+
+
+class PackedSpec(ExtensionSpec):
+    """How a unit holds one quantized-storage parameter (Note [quantized storage]): the byte
+    offsets of its inner tensors in a row of its table, which of them the chunks cut, and the
+    chunk's context to rebuild a piece from."""
+
+    packed = True
+
+    def __init__(self, param, module, world_size: int, rank: int, where: str):
+        super().__init__(param, module)
+        self.world_size = world_size
+        self.outer_shape = tuple(param.shape)
+        self.outer_stride = param.stride()
+        names = param.__tensor_flatten__()[0]
+        if param.requires_grad:
+            raise NotImplementedError(
+                f"{where}, holds quantized storage (inner tensors {names}) and requires grad; such parameters are "
+                "frozen (QLoRA trains adapters beside them) and fusedist shards them as bytes. Freeze it "
+                "(param.requires_grad_(False)) before fully_shard.")
+        if param.dim() == 0 or param.shape[0] % world_size:
+            raise NotImplementedError(
+                f"{where}, holds quantized storage of shape {self.outer_shape}, whose rows do not divide evenly over "
+                f"{world_size} ranks; such parameters are cut by their own torch.chunk into equal chunks (FSDP2 "
+                "needs the same). Use a world size dividing the rows, or keep it out of the units (ignored_params).")
+        try:
+            chunks = torch.chunk(param.detach(), world_size, dim=0)
+        except Exception as e:  # the subclass's own refusal (NF4: blocks that do not split evenly)
+            raise NotImplementedError(
+                f"{where}, holds quantized storage of shape {self.outer_shape}, which its class cannot cut into "
+                f"{world_size} chunks on dim 0 ({type(e).__name__}: {e}); use a world size that divides its blocks, "
+                "or keep it out of the units (ignored_params).") from None
+        whole = {n: getattr(param, n) for n in names}
+        #: the inner tensors the chunks cut, in row order; the others every chunk shares
+        self.sharded = [n for n in names if getattr(chunks[0], n) is not whole[n]
+                        and tuple(getattr(chunks[0], n).shape) != tuple(whole[n].shape)]
+        shared = [n for n in names if n not in self.sharded]
+        layouts = {tuple((n, tuple(getattr(c, n).shape), getattr(c, n).dtype) for n in names) for c in chunks}
+        cut_whole = all(sum(getattr(c, n).shape[0] for c in chunks) == whole[n].shape[0] for n in self.sharded)
+        if len(chunks) != world_size or len(layouts) != 1 or not cut_whole:
+            raise NotImplementedError(
+                f"{where}, holds quantized storage whose chunks over {world_size} ranks are not alike (inner tensors "
+                f"{names}); fusedist stores such parameters as equal chunks whose cut inner tensors join on dim 0. "
+                "Keep it out of the units (ignored_params), or use torch.distributed.fsdp.fully_shard.")
+        #: (name, byte offset in a row, shape, dtype), cut tensors first; the row's bytes
+        self.slots, offset = [], 0
+        for n in self.sharded + shared:
+            t = getattr(chunks[0], n)
+            self.slots.append((n, offset, tuple(t.shape), t.dtype))
+            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        self.row_bytes = max(offset, _ALIGN)
+        self.chunk_shape, self.chunk_stride = tuple(chunks[rank].shape), chunks[rank].stride()
+        self.chunk_ctx = chunks[rank].__tensor_flatten__()[1]
+
+    # -- the table and the rows
+    def _pack(self, part) -> torch.Tensor:
+        """The bytes of ``part`` (a chunk, or a piece): one row."""
+        row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=getattr(part, self.slots[0][0]).device)
+        for n, offset, shape, dtype in self.slots:
+            t = getattr(part, n)
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            row[offset:offset + flat.numel()].copy_(flat)
+        return row
+
+    def table(self, whole) -> torch.Tensor:
+        """The ``(world, row bytes)`` table of the whole parameter: row ``r`` is chunk ``r``."""
+        return torch.stack([self._pack(c) for c in torch.chunk(whole.detach(), self.world_size, dim=0)])
+
+    def inner(self, p) -> torch.Tensor:
+        """What the unit stores for ``p``: the table of the whole parameter (at ``fully_shard``),
+        or a piece's row -- a view of the shard it lies on, else a copy."""
+        if tuple(p.shape) == self.outer_shape and self.world_size > 1:
+            return self.table(p)
+        first = getattr(p, self.slots[0][0])
+        base = first.storage_offset() * first.element_size()
+        if base % _ALIGN == 0 and all(
+                getattr(p, n).untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and getattr(p, n).storage_offset() * getattr(p, n).element_size() == base + offset
+                and getattr(p, n).is_contiguous() for n, offset, _, _ in self.slots):
+            return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+                first.untyped_storage(), base, (1, self.row_bytes))
+        return self._pack(p).view(1, -1)
+
+    def _views(self, row: torch.Tensor, slots=None) -> dict:
+        flat = row.reshape(-1)
+        return {n: flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for n, offset, shape, dtype in (slots or self.slots)}
+
+    def _ctx(self, ctx, device: torch.device):
+        """``ctx`` on ``device``: a context that records its device (NF4's ``tensor_meta``, a
+        dataclass) moves with the inner tensors -- a wrapper's device is fixed at its creation."""
+        if not isinstance(ctx, dict):
+            return ctx
+        return {k: dataclasses.replace(v, device=device) if dataclasses.is_dataclass(v) and hasattr(v, "device")
+                else v for k, v in ctx.items()}
+
+    def wrap(self, inner: torch.Tensor, like=None) -> torch.Tensor:
+        """The piece: the subclass over views of the row ``inner`` (``like`` is not needed: the
+        row holds every inner tensor)."""
+        return self.cls.__tensor_unflatten__(self._views(inner), self._ctx(self.chunk_ctx, inner.device),
+                                             torch.Size(self.chunk_shape), self.chunk_stride)
+
+    def set_inner(self, piece, inner: torch.Tensor) -> None:
+        for n, t in self._views(inner).items():
+            setattr(piece, n, t)
+
+    def whole_of_table(self, table: torch.Tensor):
+        """The whole parameter (the subclass) from its gathered table: the cut inner tensors of
+        every row joined on dim 0, the shared ones of row 0."""
+        rows = [self._views(table[r]) for r in range(self.world_size)]
+        inner = {n: torch.cat([r[n] for r in rows]) if n in self.sharded else rows[0][n].clone()
+                 for n, _, _, _ in self.slots}
+        return self.cls.__tensor_unflatten__(inner, self._ctx(self.ctx, table.device), torch.Size(self.outer_shape),
+                                             self.outer_stride)
+
+    @property
+    def table_shape(self) -> TableShape:
+        return TableShape((self.world_size, self.row_bytes))
+
+    def row_of_whole(self, whole, rank: int, key: str, template: torch.Tensor) -> torch.Tensor:
+        """This rank's row of ``whole``: the table (as a checkpoint holds it), the subclass of the
+        parameter's shape, or a plain weight, which the subclass quantizes (its ``copy_`` into
+        ``template``'s row made whole)."""
+        if not isinstance(whole, self.cls) and whole.dtype == torch.uint8 and whole.dim() == 2:
+            if tuple(whole.shape) != self.table_shape:
+                raise ValueError(
+                    f"'{key}' is quantized storage saved as a table of {tuple(whole.shape)} bytes (a chunk per rank); "
+                    f"this model's is {self.table_shape}: such parameters restore at the world size they were "
+                    f"saved at (Note [quantized storage]). Load the whole {self.cls.__name__} instead "
+                    "(fusedist.fsdp.full_state_dict of the saving model), or the high-precision weight.")
+            return whole[rank:rank + 1]
+        if not isinstance(whole, self.cls):
+            if whole.is_floating_point() and tuple(whole.shape) == self.outer_shape:
+                made = self.whole_of_table(template.reshape(1, -1).expand(self.world_size, -1).clone())
+                made.copy_(whole.to(template.device))
+                whole = made
+            else:
+                raise TypeError(
+                    f"'{key}' is a {type(whole).__name__} of dtype {whole.dtype} and shape {tuple(whole.shape)}; the "
+                    f"model holds it as {self.cls.__name__} {self.outer_shape} (quantized storage, Note [quantized "
+                    "storage]): load that class, or a floating-point weight of that shape for it to quantize")
+        return self._pack(torch.chunk(whole.detach(), self.world_size, dim=0)[rank]).view(1, -1)

@@ -1,0 +1,241 @@
+"""fully_shard over quantized storage: QLoRA's frozen NF4 base weights (torchao's ``NF4Tensor``)
+beside trainable low-rank adapters (Note [quantized storage] in fusedist/fsdp/packed.py),
+against torch's FSDP2, which shards such weights through the same all-gather extension.
+
+Tolerances: both sides gather the same NF4 bytes, dequantize them with the same code and
+reduce the adapters' gradients in fp32 over gloo in the same order, so losses, adapters and
+quantized weights come out bit-identical (``rtol=0``). fusedist's fused AdamW against torch's
+AdamW differs in the last bits of fp32 (``FUSED``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import fusedist
+from fusedist.testing import run_distributed
+
+pytest.importorskip("torchao")
+
+EXACT = dict(rtol=0, atol=0)
+FUSED = dict(rtol=1e-5, atol=1e-6)  # fused vs torch AdamW in fp32
+
+
+def _nf4():
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, linear_nf4, to_nf4
+
+    return NF4Tensor, linear_nf4, to_nf4
+
+
+class QLoRALinear(nn.Module):
+    """A frozen NF4 weight plus a trainable rank-4 update, as QLoRA's linear layers."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 4):
+        super().__init__()
+        to_nf4 = _nf4()[2]
+        self.weight = nn.Parameter(to_nf4(torch.randn(d_out, d_in) / d_in ** 0.5), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(rank, d_in) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(d_out, rank) * 0.1)
+
+    def forward(self, x):
+        return _nf4()[1](x, self.weight) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def qlora_model(seed: int = 0) -> nn.Sequential:
+    # (256 x 128 weights: two blocks of NF4 scales each, so two ranks cut them evenly)
+    torch.manual_seed(seed)
+    return nn.Sequential(QLoRALinear(128, 256), nn.ReLU(), QLoRALinear(256, 128))
+
+
+def shard(m, fully_shard, **kw):
+    for layer in (m[0], m[2]):
+        fully_shard(layer, **kw)
+    kw.pop("reshard_after_forward", None)
+    return fully_shard(m, **kw)
+
+
+def batch(step: int, rank: int, world: int, rows: int = 4):
+    torch.manual_seed(100 + step)
+    return torch.randn(rows * world, 128)[rank * rows:(rank + 1) * rows]
+
+
+def steps(m, opt, seeds, rank, world) -> list:
+    out = []
+    for s in seeds:
+        loss = m(batch(s, rank, world)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def same_nf4(a, b) -> bool:
+    """Whether two NF4 tensors hold the same codes, scales and constants (their shapes equal)."""
+    names = a.__tensor_flatten__()[0]
+    return a.shape == b.shape and all(torch.equal(getattr(a, n), getattr(b, n)) for n in names)
+
+
+def full_of(m, ours: bool) -> dict:
+    if ours:
+        return fusedist.fsdp.full_state_dict(m)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+
+
+def assert_same_state(a: dict, b: dict, what: str) -> None:
+    NF4Tensor = _nf4()[0]
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if isinstance(b[k], NF4Tensor):
+            assert isinstance(a[k], NF4Tensor) and same_nf4(a[k], b[k]), f"{k} {what}"
+        else:
+            torch.testing.assert_close(a[k], b[k], **EXACT, msg=f"{k} {what}")
+
+
+def _training_worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    NF4Tensor = _nf4()[0]
+    plain = qlora_model()
+    for reshard_after_forward in (True, False):
+        ours = shard(qlora_model(), fusedist.fully_shard, reshard_after_forward=reshard_after_forward)
+        ref = shard(qlora_model(), fully_shard, reshard_after_forward=reshard_after_forward)
+        # at rest: each rank holds its NF4 chunk (half the rows, half the codes), on the unit's shard
+        piece = ours[0].weight
+        assert type(piece) is NF4Tensor and tuple(piece.shape) == (128, 128) and not piece.requires_grad
+        assert piece.quantized_data.numel() * world == plain[0].weight.quantized_data.numel()
+        unit = fusedist.fsdp.state_dict.units_of(ours[0])[0]
+        index = unit.fqns.index("weight")
+        assert unit._aliases_shard(index)
+        quantized = sum(t.numel() * t.element_size() for t in (plain[0].weight.quantized_data,
+                                                               plain[0].weight.quantized_scalers))
+        assert unit.sharded_bytes < (quantized + 2 * 4 * 4 * (128 + 256)) // world + 4096
+        # while gathered, the modules hold the whole NF4 weight, the one the unsharded model holds
+        seen = []
+        hook = ours[2].register_forward_pre_hook(  # (compared at once: resharding frees the gathered bytes)
+            lambda m, _: seen.append(type(m.weight) is NF4Tensor and same_nf4(m.weight, plain[2].weight)))
+        a = steps(ours, torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2),
+                  range(3), rank, world)
+        b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2),
+                  range(3), rank, world)
+        hook.remove()
+        torch.testing.assert_close(a, b, **EXACT)
+        assert seen == [True] * 3
+        assert_same_state(full_of(ours, True), full_of(ref, False), f"after training, {reshard_after_forward=}")
+        assert same_nf4(full_of(ours, True)["0.weight"], plain[0].weight)
+    # fusedist's fused AdamW over every parameter (the frozen NF4 pieces have no gradient)
+    ours = shard(qlora_model(), fusedist.fully_shard)
+    ref = shard(qlora_model(), fully_shard)
+    a = steps(ours, fusedist.optim.FusedAdamW(ours.parameters(), lr=1e-2), range(3), rank, world)
+    b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), range(3), rank, world)
+    torch.testing.assert_close(a, b, **FUSED)
+    # a conversion keeps the quantized pieces (as bytes, untouched by dtype casts) on the shard
+    before = full_of(ours, True)
+    ours.double()
+    piece = ours[0].weight
+    assert type(piece) is NF4Tensor and piece.dtype == torch.float32 and ours[0].lora_a.dtype == torch.float64
+    unit = fusedist.fsdp.state_dict.units_of(ours[0])[0]
+    assert unit._aliases_shard(unit.fqns.index("weight"))
+    after = full_of(ours, True)
+    assert same_nf4(after["0.weight"], before["0.weight"]) and same_nf4(after["2.weight"], before["2.weight"])
+    torch.testing.assert_close(after["0.lora_a"], before["0.lora_a"].double(), **EXACT)
+
+
+def test_qlora_training_matches_fsdp2():
+    run_distributed(_training_worker, 2)
+
+
+def _state_worker(rank, world, path):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    to_nf4 = _nf4()[2]
+    trained = shard(qlora_model(), fusedist.fully_shard)
+    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2)
+    steps(trained, opt, range(2), rank, world)
+    whole = full_of(trained, True)
+
+    def fresh(seed=1):
+        m = shard(qlora_model(seed), fusedist.fully_shard)
+        assert not same_nf4(full_of(m, True)["0.weight"], whole["0.weight"])
+        return m
+
+    # the full state dict loads into a model of other weights, and into FSDP2's
+    m = fresh()
+    fusedist.fsdp.load_full_state_dict(m, whole)
+    assert_same_state(full_of(m, True), whole, "after load_full_state_dict")
+    ref = shard(qlora_model(1), fully_shard)
+    set_model_state_dict(ref, dict(whole), options=StateDictOptions(full_state_dict=True))  # (it fills the dict)
+    assert_same_state(full_of(ref, False), whole, "in FSDP2 after loading fusedist's full state dict")
+    # a plain high-precision weight is quantized as the unsharded model's copy_ quantizes it
+    w = torch.randn(256, 128)
+    fusedist.fsdp.load_full_state_dict(m, {**whole, "0.weight": w})
+    assert same_nf4(full_of(m, True)["0.weight"], to_nf4(w))
+    # model.state_dict() round trips at this world size, and through torch's distributed checkpoint
+    m = fresh()
+    m.load_state_dict(trained.state_dict())
+    assert_same_state(full_of(m, True), whole, "after load_state_dict")
+    dcp.save(trained.state_dict(), checkpoint_id=os.path.join(path, "dcp"))
+    m = fresh()
+    sd = m.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(path, "dcp"))
+    m.load_state_dict(sd)
+    assert_same_state(full_of(m, True), whole, "after a DCP load")
+    # fusedist's checkpoint: a fresh model and optimizer continue as the saved ones
+    fusedist.checkpoint.save(os.path.join(path, "ckpt"), trained, opt)
+    m = fresh()
+    m_opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    fusedist.checkpoint.load(os.path.join(path, "ckpt"), m, m_opt)
+    torch.testing.assert_close(steps(m, m_opt, (5, 6), rank, world), steps(trained, opt, (5, 6), rank, world),
+                               **EXACT)
+    assert_same_state(full_of(m, True), full_of(trained, True), "after resuming from a checkpoint")
+    # at another world size the bytes tables differ: refused naming the parameter
+    single = dist.new_group([0])
+    if rank == 0:
+        m = shard(qlora_model(1), fusedist.fully_shard, process_group=single)
+        with pytest.raises(fusedist.checkpoint.CheckpointError, match=r"'0\.weight' .*quantized storage"):
+            fusedist.checkpoint.load(os.path.join(path, "ckpt"), m, process_group=single)
+        with pytest.raises(RuntimeError, match=r"0\.weight: .*quantized storage"):
+            m.load_state_dict(trained.state_dict())
+        fusedist.fsdp.load_full_state_dict(m, whole)  # (the whole weights load at any world size)
+        assert_same_state(full_of(m, True), whole, "at one rank")
+    dist.barrier()
+
+
+def test_qlora_state_dicts_and_checkpoints():
+    with tempfile.TemporaryDirectory() as path:
+        run_distributed(_state_worker, 2, path)
+
+
+def _refusal_worker(rank, world):
+    to_nf4 = _nf4()[2]
+
+    def refusal(weight) -> str:
+        layer = QLoRALinear(128, 256)
+        layer.weight = weight
+        with pytest.raises(NotImplementedError) as info:
+            fusedist.fully_shard(layer)
+        return str(info.value)
+
+    errors = {
+        "trainable": refusal(nn.Parameter(to_nf4(torch.randn(256, 128)))),
+        "rows": refusal(nn.Parameter(to_nf4(torch.randn(1, 16384)), requires_grad=False)),
+        "blocks": refusal(nn.Parameter(to_nf4(torch.randn(512, 32)), requires_grad=False)),
+    }
+    assert "'weight' (NF4Tensor)" in errors["trainable"] and "requires_grad_(False)" in errors["trainable"]
+    assert "(1, 16384)" in errors["rows"] and "2 ranks" in errors["rows"]
+    assert "(512, 32)" in errors["blocks"] and "cannot cut into 2 chunks" in errors["blocks"]
+    return errors
+
+
+def test_quantized_storage_refusals():
+    assert len(run_distributed(_refusal_worker, 2)[0]) == 3

@@ -130,6 +130,14 @@ def _training_worker(rank, world):
         assert seen == [True] * 3
         assert_same_state(full_of(ours, True), full_of(ref, False), f"after training, {reshard_after_forward=}")
         assert same_nf4(full_of(ours, True)["0.weight"], plain[0].weight)
+    # host-offloaded pieces, and bf16 compute of an NF4 model quantized from bf16 weights
+    for kw in (dict(offload_policy=fusedist.CPUOffloadPolicy(pin_memory=False)),
+               dict(mp_policy=fusedist.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
+        ours, ref = shard(qlora_model(), fusedist.fully_shard, **kw), shard(qlora_model(), fully_shard, **kw)
+        a = steps(ours, torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2),
+                  range(2), rank, world)
+        b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), range(2), rank, world)
+        torch.testing.assert_close(a, b, **EXACT, msg=str(kw))
     # fusedist's fused AdamW over every parameter (the frozen NF4 pieces have no gradient)
     ours = shard(qlora_model(), fusedist.fully_shard)
     ref = shard(qlora_model(), fully_shard)
@@ -150,6 +158,23 @@ def _training_worker(rank, world):
 
 def test_qlora_training_matches_fsdp2():
     run_distributed(_training_worker, 2)
+
+
+def _hsdp_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours, ref = shard(qlora_model(), fusedist.fully_shard, mesh=mesh), shard(qlora_model(), fully_shard, mesh=mesh)
+    a = steps(ours, torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2), range(2), rank, world)
+    b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), range(2), rank, world)
+    torch.testing.assert_close(a, b, **EXACT)
+    assert_same_state(full_of(ours, True), full_of(ref, False), "under HSDP")
+
+
+def test_qlora_hsdp_matches_fsdp2():
+    # (each weight is cut in two: NF4's 256x128 weights hold two blocks of scales)
+    run_distributed(_hsdp_worker, 4)
 
 
 def _state_worker(rank, world, path):

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["wrapped_name", "values_of"]
+__all__ = ["wrapped_name", "values_of", "plain_parts"]
 
 
 def wrapped_name(p: torch.Tensor) -> Optional[str]:
@@ -42,3 +42,15 @@ def values_of(t: torch.Tensor) -> torch.Tensor:
     the subclass to unpickle them."""
     name = wrapped_name(t)
     return getattr(t, name) if name is not None else t
+
+
+def plain_parts(t: torch.Tensor) -> list:
+    """The plain tensors that hold ``t``'s data: ``t`` itself, or every inner tensor of a
+    traceable subclass (``__tensor_flatten__``, recursively) -- what a copy from another rank
+    must fill. A wrapper's one tensor, and all of quantized storage's (NF4's codes, scales and
+    constants), which no view of the subclass itself would reach."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    return [part for name in t.__tensor_flatten__()[0] for part in plain_parts(getattr(t, name))]

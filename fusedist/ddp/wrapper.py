@@ -14,6 +14,7 @@ from torch.distributed.algorithms.join import Joinable
 
 from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch
 from .._timeline import Timeline
+from .._wrapper import plain_parts
 from ..comm import get_communicator
 from . import join as _join
 from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
@@ -230,7 +231,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state", buffers: bool = True) -> None:
         """Every parameter (and buffer, unless ``buffers`` is False) from rank ``src`` (at
         construction, and when a join context ends: Note [joined ranks])."""
-        tensors = [p.detach() for _, p in self.synced_parameters()]
+        # (a tensor-subclass parameter -- float8 weights, frozen NF4 weights -- through its plain inner tensors)
+        tensors = [part for _, p in self.synced_parameters() for part in plain_parts(p.detach())]
         if buffers:
             tensors += [b for _, b in self.synced_buffers()]
         self._broadcast_coalesced(tensors, tag=tag, src=src)

@@ -186,7 +186,8 @@ class ExtensionGathers:
                 source = spec.wrap(alias(unit.shards[k], sec.layout.slots[j].offset, (rows,) + tuple(shape[1:])),
                                    like=unit.sharded[i])
             if source.device != unit.device:  # CPUOffloadPolicy: asked on the compute device, as FSDP2 asks
-                source = source.to(unit.device, non_blocking=True)
+                source = spec.wrap(spec.inner(source).to(unit.device, non_blocking=True)) if spec.packed \
+                    else source.to(unit.device, non_blocking=True)  # (quantized storage: its row, one copy)
             inputs, self.meta[i] = spec.pre_all_gather(source, self.mesh, shape, self.mp_policy, unit.fqns[i], rows)
             parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)
         send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=unit.device)

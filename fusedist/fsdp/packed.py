@@ -28,6 +28,9 @@ weight. fusedist follows that contract and stores the result in its flat shard:
 * **Even rows only.** The subclass's chunks must all have one layout (FSDP2 needs the same:
   NF4 cuts its blocks evenly), so the rows must divide by the world size and every cut
   inner tensor must split into equal parts, else the parameter is refused by name.
+* **Conversions** (``model.to()``, ``.double()``) move the rows like any piece's data and cast
+  nothing: the table is bytes, and the subclass keeps the dtype it dequantizes to (an
+  unsharded model's ``.to(dtype)`` would turn an NF4 weight into a dense one).
 * **What reads it:** ``full_state_dict`` gives the whole subclass (as FSDP2's full state dict
   does) and ``load_full_state_dict`` takes one -- or a plain high-precision weight, which the
   subclass's own ``copy_`` quantizes on every rank before each keeps its chunk. In

@@ -57,6 +57,10 @@ Note [zero-bubble passes of fusedist stages]
     gradients are computed: an intermediate may be the node that made a unit's output (a
     custom function's), whose hook would start a backward of the unit in each
     ``autograd.grad``, and its end would take the gradients written so far as the unit's.
+    A weight pass with nothing to compute (a micro-batch that goes around the stage's
+    weights) runs no backward; it ends the units' backward directly, as a backward that
+    reached none of them would end (Note [accumulated units a synchronized backward does not
+    reach] in fsdp/state.py): in the step's last pass the units reduce what they accumulated.
 
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
@@ -165,6 +169,9 @@ def _weight_pass(module, param_groups) -> None:
             w.grad = grad
     if computed:
         torch.autograd.backward([w for w, _ in computed], grad_tensors=[g for _, g in computed])
+    else:  # no backward to end: end the units' anyway, so a step's last pass still reduces the sums
+        for ctx in contexts:
+            ctx.finish_backward()
 
 
 @contextlib.contextmanager

@@ -635,6 +635,60 @@ def test_a_weight_pass_after_another_forward_gathers_the_resharded_units():
     assert out["resharded"] == 2 and out["dx"] < 1e-6 and out["weights"] < 1e-6, out
 
 
+def _empty_weight_pass_worker(rank, world_size, seed):
+    """Micro-batch 1 through the blocks (a full backward, accumulated); micro-batch 2, the
+    step's last, around them (its weight pass computes nothing): the pieces' gradients against
+    the unsharded model's for micro-batch 1."""
+    import fusedist
+    from fusedist import pipelining as stages
+
+    class Bypass(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+            self.around = False
+
+        def forward(self, x):
+            return x * 2 if self.around else self.blocks(x)
+
+    def build():
+        torch.manual_seed(seed)
+        return Bypass()
+
+    ours, theirs = build(), build()
+    for block in ours.blocks:
+        fusedist.fully_shard(block)
+    fusedist.fully_shard(ours)
+    g = torch.Generator().manual_seed(seed + rank)
+    x, grad = torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
+    with stages._micro_batch(ours, last=False):
+        ours(x).backward(grad)
+    ours.around = True
+    x2 = torch.randn(4, WIDTH, requires_grad=True)
+    out = ours(x2)
+    with stages._micro_batch(ours, last=False):  # (as the stage runs input passes)
+        stages._input_pass(ours, {"stage_output": (out,), "output_grads": (grad,), "input_values": [x2]})
+    with stages._micro_batch(ours, last=True):
+        stages._weight_pass(ours, [])
+    for r in range(world_size):  # the data-parallel mean of micro-batch 1's gradients
+        gr = torch.Generator().manual_seed(seed + r)
+        xr, gradr = torch.randn(4, WIDTH, generator=gr), torch.randn(4, WIDTH, generator=gr)
+        theirs(xr).backward(gradr / world_size)
+    got = [p.grad is not None for p in ours.parameters()]
+    for m in (ours, theirs):  # (the step guard lets the step run: the sums were reduced)
+        torch.optim.SGD(m.parameters(), lr=1.0).step()
+    return got, _max_diff([fusedist.fsdp.full_state_dict(ours)], [theirs.state_dict()])
+
+
+def test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum():
+    """A micro-batch whose output does not depend on the stage's weights (it goes around its
+    blocks) has a weight pass with no gradient to compute; when it is the step's last, the
+    units still reduce what the earlier micro-batches accumulated (before, no backward ran,
+    nothing was reduced, and the step guard refused the optimizer step)."""
+    for rank, (got, diff) in enumerate(run_distributed(_empty_weight_pass_worker, 2, 3, timeout=120)):
+        assert all(got) and diff < 1e-6, (rank, got, diff)
+
+
 class _SkipsInLastMicroBatch(nn.Module):
     """Two blocks; the second is skipped in the step's last micro-batch (``calls`` counts the
     step's forwards with gradients): a unit that takes no part in the synchronized backward."""

@@ -225,17 +225,25 @@ def _state_worker(rank, world, path):
     torch.testing.assert_close(steps(m, m_opt, (5, 6), rank, world), steps(trained, opt, (5, 6), rank, world),
                                **EXACT)
     assert_same_state(full_of(m, True), full_of(trained, True), "after resuming from a checkpoint")
-    # at another world size the bytes tables differ: refused naming the parameter
+    # at another world size: the checkpoints hold each NF4 weight's whole bytes (the ranks' parts of
+    # them), so both load at one rank, and a checkpoint saved there loads at two
     single = dist.new_group([0])
     if rank == 0:
         m = shard(qlora_model(1), fusedist.fully_shard, process_group=single)
-        with pytest.raises(fusedist.checkpoint.CheckpointError, match=r"'0\.weight' .*quantized storage"):
-            fusedist.checkpoint.load(os.path.join(path, "ckpt"), m, process_group=single)
-        with pytest.raises(RuntimeError, match=r"0\.weight: .*quantized storage"):
-            m.load_state_dict(trained.state_dict())
-        fusedist.fsdp.load_full_state_dict(m, whole)  # (the whole weights load at any world size)
-        assert_same_state(full_of(m, True), whole, "at one rank")
+        fusedist.checkpoint.load(os.path.join(path, "ckpt"), m, process_group=single)
+        assert_same_state(full_of(m, True), whole, "at one rank, from fusedist's checkpoint")
+        m = shard(qlora_model(1), fusedist.fully_shard, process_group=single)
+        sd = m.state_dict()
+        dcp.load(sd, checkpoint_id=os.path.join(path, "dcp"), process_group=single)
+        m.load_state_dict(sd)
+        assert_same_state(full_of(m, True), whole, "at one rank, from the DCP checkpoint")
+        fusedist.checkpoint.save(os.path.join(path, "ckpt-1"), m, process_group=single)
+        with pytest.raises(RuntimeError, match=r"0\.weight: the entry holds the byte ranges .* another world size"):
+            m.load_state_dict(trained.state_dict())  # (entries of two ranks' layout: as for any parameter)
     dist.barrier()
+    m = fresh()
+    fusedist.checkpoint.load(os.path.join(path, "ckpt-1"), m)
+    assert_same_state(full_of(m, True), whole, "at two ranks, from a checkpoint of one")
 
 
 def test_qlora_state_dicts_and_checkpoints():

@@ -52,7 +52,7 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
         if tuple(saved[k].shape) != tuple(shape):
             raise CheckpointError(
                 f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
-                f"is {tuple(shape)}" + (f": {shape.hint}" if hasattr(shape, "hint") else "")
+                f"is {tuple(shape)}"
             )
     return saved
 

@@ -211,6 +211,21 @@ def _place(unit, i: int) -> Optional[dict]:
                             for (start, length), offset in zip(bounds, spec.offsets))}
 
 
+def _packed_fragments(unit, i: int) -> list:
+    """Range fragments of quantized storage's canonical bytes (Note [quantized storage] in
+    fsdp/packed.py): this rank's parts of the cut inner tensors, and on the shard group's first
+    rank the bytes every rank holds alike -- so the fragments tile the bytes once, at any
+    world size."""
+    spec = unit.ext[i]
+    ranges = spec.held_ranges(shared=unit.rank == 0)
+    entry = spec.entry(spec.inner(unit.sharded[i]), shared=unit.rank == 0).cpu()
+    out, cursor = [], 0
+    for lo, hi in ranges:
+        out.append({"range": (lo, hi), "master": entry[cursor:cursor + hi - lo].clone(), "state": {}})
+        cursor += hi - lo
+    return out
+
+
 # ---------------------------------------------------------------------------- save
 @torch.no_grad()
 def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dict, set]:
@@ -226,6 +241,11 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
         k = len(keys)
         keys.append(_names.canonical_key(model, key))
         meta.append(_meta(unit.sharded[i], where))
+        spec = unit.ext[i]
+        if spec is not None and spec.packed:  # its canonical bytes' ranges (Note [quantized storage])
+            if _writes_piece(unit, i, tp_mesh):
+                fragments[k] = _packed_fragments(unit, i)
+            continue
         place = _place(unit, i)
         # the piece, not the unsharded buffer (stale after a step) nor its storage
         if place is not None and _writes_piece(unit, i, tp_mesh):

@@ -136,6 +136,12 @@ class ShardedPiece(torch.Tensor):
         return ShardedPiece._carrier(piece, full_shape, (tuple(offsets), tuple(sizes)), tuple(piece.shape))
 
     @staticmethod
+    def wrap_ranges(entry: torch.Tensor, full_shape, ranges) -> "ShardedPiece":
+        """The entry of quantized storage (Note [quantized storage] in packed.py): ``entry`` is
+        the byte ranges ``ranges`` of its canonical bytes (1-D, of ``full_shape``), end to end."""
+        return ShardedPiece._carrier(entry, full_shape, Ranges(ranges), tuple(entry.shape))
+
+    @staticmethod
     def _carrier(t: torch.Tensor, full_shape, element_range, piece_shape) -> "ShardedPiece":
         with torch._C.DisableTorchFunctionSubclass():
             out = t.as_subclass(ShardedPiece)
@@ -167,6 +173,8 @@ class ShardedPiece(torch.Tensor):
 
     def _like(self, other: torch.Tensor) -> "ShardedPiece":
         local = self._fs_local if self._fs_local is not None else self._fs_size
+        if isinstance(self._fs_range, Ranges):
+            return ShardedPiece.wrap_ranges(other, local, self._fs_range)._placed_as(self)
         if _is_box(self._fs_range):
             out = ShardedPiece.wrap_box(other, local, *self._fs_range)
         else:
@@ -221,6 +229,8 @@ class ShardedPiece(torch.Tensor):
 
     # -- DCP's extension protocol
     def _chunks(self) -> list:
+        if isinstance(self._fs_range, Ranges):  # (1-D: the canonical bytes of quantized storage)
+            return [((lo,), (hi - lo,)) for lo, hi in self._fs_range if hi > lo]
         if _is_box(self._fs_range):
             offsets, sizes = self._fs_range
             chunks = [(offsets, sizes)] if math.prod(sizes) else []
@@ -261,17 +271,26 @@ class ShardedPiece(torch.Tensor):
                          f"{tuple(self._fs_size)}) holds no chunk at offsets {tuple(index.offset or ())}")
 
 
+class Ranges(tuple):
+    """Byte ranges ``((lo, hi), ...)`` of quantized storage's canonical bytes that one entry
+    holds (Note [quantized storage] in packed.py): a region of its own kind."""
+
+
 def _is_box(region: tuple) -> bool:
-    return isinstance(region[0], tuple)
+    return isinstance(region[0], tuple) and not isinstance(region, Ranges)
 
 
 def _region(region: tuple) -> tuple:
+    if isinstance(region, Ranges):
+        return Ranges((int(lo), int(hi)) for lo, hi in region)
     if _is_box(region):
         return tuple(int(o) for o in region[0]), tuple(int(s) for s in region[1])
     return int(region[0]), int(region[1])
 
 
 def describe_region(region: tuple) -> str:
+    if isinstance(region, Ranges):
+        return f"the byte ranges {[tuple(r) for r in region]}"
     if _is_box(region):
         return f"the box at offsets {list(region[0])} of sizes {list(region[1])}"
     return f"elements [{region[0]}, {region[1]})"
@@ -280,6 +299,8 @@ def describe_region(region: tuple) -> str:
 def piece_region(unit, index: int) -> tuple:
     """What this rank's piece of parameter ``index`` of ``unit`` holds: ``(lo, hi)`` of the
     flattened parameter, or for a dim-sharded parameter its box ``((offsets), (sizes))``."""
+    if unit.ext[index] is not None and unit.ext[index].packed:  # Note [quantized storage] in packed.py
+        return Ranges(unit.ext[index].held_ranges())
     sec, j = unit.layout.section_of(index)
     if not sec.chunked:
         return tuple(unit.element_range(index))
@@ -446,8 +467,9 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     """``value`` -- parameter ``index`` of ``unit``'s piece, or a state tensor shaped like it --
     as a state-dict entry: a ShardedPiece that knows the whole parameter's shape and range."""
     region = piece_region(unit, index)
-    if unit.ext[index] is not None and unit.ext[index].packed:  # its row of bytes (Note [quantized storage])
-        value = unit.ext[index].inner(value)
+    spec = unit.ext[index]
+    if spec is not None and spec.packed:  # its ranges of the canonical bytes (Note [quantized storage])
+        return ShardedPiece.wrap_ranges(spec.entry(spec.inner(value.detach())), (spec.canonical_bytes,), region)
     # (an extension piece: the high-precision values its subclass wraps, Note [all-gather extension])
     value = values_of(value.detach())
     if isinstance(value, ShardedPiece):
@@ -568,16 +590,20 @@ def _load_packed(value: torch.Tensor, unit, index: int, key: str) -> Optional[st
     packed.py): its entry or row as saved at this layout, its table, the whole subclass or a
     plain weight to quantize. Returns why it cannot, or None."""
     spec, row = unit.ext[index], unit.piece_data(index)
+    region = piece_region(unit, index)
     if isinstance(value, ShardedPiece):
-        if value.size() != torch.Size(spec.table_shape) or value.element_range != piece_region(unit, index):
-            return (f"the entry is a piece of a {tuple(value.size())} table of quantized storage, this rank's is row "
-                    f"{unit.rank} of {spec.table_shape}: such parameters load at the world size they were saved at.")
+        if value.size() != torch.Size((spec.canonical_bytes,)) or value.element_range != region:
+            return (f"the entry holds {describe_region(value.element_range)} of {tuple(value.size())} canonical bytes "
+                    f"of quantized storage, this rank's {describe_region(region)} of ({spec.canonical_bytes},) (a state "
+                    "dict of another world size or layout: load it with torch.distributed.checkpoint, or load whole "
+                    "parameters).")
         value = value.local()
+    entry_bytes = sum(hi - lo for lo, hi in region)
     try:
-        if tuple(value.shape) == tuple(row.shape) and value.dtype == torch.uint8:
-            row.copy_(value)
+        if value.dtype == torch.uint8 and tuple(value.shape) == (entry_bytes,) != (spec.canonical_bytes,):
+            row.copy_(spec.row_of_entry(value))  # (this rank's entry as saved at this layout)
         else:
-            row.copy_(spec.row_of_whole(value, unit.rank, key, row))
+            row.copy_(spec.row_of_whole(value, key, row))
     except (TypeError, ValueError) as e:
         return str(e)
     return None

@@ -33,10 +33,14 @@ weight. fusedist follows that contract and stores the result in its flat shard:
   unsharded model's ``.to(dtype)`` would turn an NF4 weight into a dense one).
 * **What reads it:** ``full_state_dict`` gives the whole subclass (as FSDP2's full state dict
   does) and ``load_full_state_dict`` takes one -- or a plain high-precision weight, which the
-  subclass's own ``copy_`` quantizes on every rank before each keeps its chunk. In
-  ``model.state_dict()``, DCP and ``fusedist.checkpoint`` the parameter is its bytes table:
-  those restore at the same world size, and at another one the table's shape differs and the
-  load refuses it naming the parameter.
+  subclass's own ``copy_`` quantizes on every rank before each keeps its chunk.
+* **Checkpoints** hold the weight's *canonical bytes*: its inner tensors whole, end to end in
+  ``__tensor_flatten__``'s order (aligned as in a row), which depend on the weight alone. A
+  rank's chunk is a few ranges of them (its part of each cut inner tensor); the shared
+  tensors and alignment gaps are held by every rank alike. ``model.state_dict()`` gives each
+  rank's ranges as one entry (DCP writes the alike ranges once), ``fusedist.checkpoint``
+  writes them as range fragments (the alike ones from the group's first rank), so both load
+  into a ``fully_shard`` model at any world size whose chunks the subclass can cut.
 """
 
 from __future__ import annotations
@@ -47,18 +51,9 @@ import torch
 
 from .extension import ExtensionSpec
 
-__all__ = ["PackedSpec", "TableShape", "is_packed_candidate"]
+__all__ = ["PackedSpec", "is_packed_candidate"]
 
 _ALIGN = 16  # bytes: every dtype views in place at such an offset
-
-
-class TableShape(tuple):
-    """The shape of a quantized-storage parameter's bytes table, as ``whole_shape`` reports it:
-    a tuple that lets a load's shape check say why it depends on the world size."""
-
-    hint = ("quantized storage, held as a table of bytes with a row per rank, restores at the world size it was "
-            "saved at (Note [quantized storage] in fusedist/fsdp/packed.py); load its whole weights with "
-            "fusedist.fsdp.load_full_state_dict instead")
 
 
 def is_packed_candidate(p) -> bool:
@@ -120,6 +115,15 @@ class PackedSpec(ExtensionSpec):
         self.row_bytes = max(offset, _ALIGN)
         self.chunk_shape, self.chunk_stride = tuple(chunks[rank].shape), chunks[rank].stride()
         self.chunk_ctx = chunks[rank].__tensor_flatten__()[1]
+        self.rank = rank
+        #: the whole parameter's bytes as checkpoints hold them at any world size: its inner
+        #: tensors whole, end to end in ``__tensor_flatten__``'s order (name, byte offset, shape,
+        #: dtype)
+        self.canonical, offset = [], 0
+        for n in names:
+            self.canonical.append((n, offset, tuple(whole[n].shape), whole[n].dtype))
+            offset += -(-whole[n].numel() * whole[n].element_size() // _ALIGN) * _ALIGN
+        self.canonical_bytes = max(offset, _ALIGN)
 
     # -- the table and the rows
     def _pack(self, part) -> torch.Tensor:
@@ -182,22 +186,72 @@ class PackedSpec(ExtensionSpec):
         return self.cls.__tensor_unflatten__(inner, self._ctx(self.ctx, table.device), torch.Size(self.outer_shape),
                                              self.outer_stride)
 
-    @property
-    def table_shape(self) -> TableShape:
-        return TableShape((self.world_size, self.row_bytes))
+    # -- the canonical bytes (Note [quantized storage]: what checkpoints hold)
+    def _own_ranges(self, rank: int) -> list:
+        """The byte ranges of the canonical bytes that ``rank``'s chunk alone holds: its part of
+        each cut inner tensor."""
+        out = []
+        for n, offset, shape, dtype in self.canonical:
+            if n in self.sharded:
+                length = math.prod(shape) * dtype.itemsize // self.world_size
+                out.append((offset + rank * length, offset + (rank + 1) * length))
+        return out
 
-    def row_of_whole(self, whole, rank: int, key: str, template: torch.Tensor) -> torch.Tensor:
-        """This rank's row of ``whole``: the table (as a checkpoint holds it), the subclass of the
-        parameter's shape, or a plain weight, which the subclass quantizes (its ``copy_`` into
-        ``template``'s row made whole)."""
-        if not isinstance(whole, self.cls) and whole.dtype == torch.uint8 and whole.dim() == 2:
-            if tuple(whole.shape) != self.table_shape:
-                raise ValueError(
-                    f"'{key}' is quantized storage saved as a table of {tuple(whole.shape)} bytes (a chunk per rank); "
-                    f"this model's is {self.table_shape}: such parameters restore at the world size they were "
-                    f"saved at (Note [quantized storage]). Load the whole {self.cls.__name__} instead "
-                    "(fusedist.fsdp.full_state_dict of the saving model), or the high-precision weight.")
-            return whole[rank:rank + 1]
+    def held_ranges(self, shared: bool = True) -> list:
+        """This rank's byte ranges of the canonical bytes, in order: its own, and with
+        ``shared`` the ranges no rank holds alone (the shared tensors, the alignment gaps)."""
+        ranges = self._own_ranges(self.rank)
+        if shared:
+            cursor = 0
+            for lo, hi in sorted(r for k in range(self.world_size) for r in self._own_ranges(k)):
+                if lo > cursor:
+                    ranges.append((cursor, lo))
+                cursor = hi
+            if cursor < self.canonical_bytes:
+                ranges.append((cursor, self.canonical_bytes))
+        return sorted(ranges)
+
+    def _canonical_of_row(self, row: torch.Tensor) -> torch.Tensor:
+        """The canonical bytes with this rank's row in place (the other ranks' parts zero)."""
+        out = torch.zeros(self.canonical_bytes, dtype=torch.uint8, device=row.device)
+        flat, where = row.reshape(-1), {c[0]: c[1] for c in self.canonical}
+        for n, at, shape, dtype in self.slots:
+            nbytes, offset = math.prod(shape) * dtype.itemsize, where[n]
+            start = offset + (self.rank * nbytes if n in self.sharded else 0)
+            out[start:start + nbytes].copy_(flat[at:at + nbytes])
+        return out
+
+    def _row_of_canonical(self, canonical: torch.Tensor) -> torch.Tensor:
+        """This rank's row cut from the canonical bytes."""
+        row = torch.zeros(1, self.row_bytes, dtype=torch.uint8, device=canonical.device)
+        flat, where = canonical.reshape(-1), {c[0]: c[1] for c in self.canonical}
+        for n, at, shape, dtype in self.slots:
+            nbytes, offset = math.prod(shape) * dtype.itemsize, where[n]
+            start = offset + (self.rank * nbytes if n in self.sharded else 0)
+            row[0, at:at + nbytes].copy_(flat[start:start + nbytes])
+        return row
+
+    def entry(self, row: torch.Tensor, shared: bool = True) -> torch.Tensor:
+        """This rank's held ranges of the canonical bytes, end to end: what its state-dict entry
+        and checkpoint fragments carry."""
+        canonical = self._canonical_of_row(row)
+        return torch.cat([canonical[lo:hi] for lo, hi in self.held_ranges(shared)])
+
+    def row_of_entry(self, entry: torch.Tensor) -> torch.Tensor:
+        canonical = torch.zeros(self.canonical_bytes, dtype=torch.uint8, device=entry.device)
+        cursor, flat = 0, entry.reshape(-1)
+        for lo, hi in self.held_ranges():
+            canonical[lo:hi].copy_(flat[cursor:cursor + hi - lo])
+            cursor += hi - lo
+        return self._row_of_canonical(canonical)
+
+    def row_of_whole(self, whole, key: str, template: torch.Tensor) -> torch.Tensor:
+        """This rank's row of ``whole``: the canonical bytes (as a checkpoint holds them), the
+        subclass of the parameter's shape, or a plain weight, which the subclass quantizes (its
+        ``copy_`` into ``template``'s row made whole)."""
+        if not isinstance(whole, self.cls) and whole.dtype == torch.uint8 and tuple(whole.shape) == (
+                self.canonical_bytes,):
+            return self._row_of_canonical(whole.to(template.device))
         if not isinstance(whole, self.cls):
             if whole.is_floating_point() and tuple(whole.shape) == self.outer_shape:
                 made = self.whole_of_table(template.reshape(1, -1).expand(self.world_size, -1).clone())
@@ -207,5 +261,9 @@ class PackedSpec(ExtensionSpec):
                 raise TypeError(
                     f"'{key}' is a {type(whole).__name__} of dtype {whole.dtype} and shape {tuple(whole.shape)}; the "
                     f"model holds it as {self.cls.__name__} {self.outer_shape} (quantized storage, Note [quantized "
-                    "storage]): load that class, or a floating-point weight of that shape for it to quantize")
-        return self._pack(torch.chunk(whole.detach(), self.world_size, dim=0)[rank]).view(1, -1)
+                    f"storage]): load that class, its {self.canonical_bytes} canonical bytes, or a floating-point "
+                    "weight of its shape for it to quantize")
+        if tuple(whole.shape) != self.outer_shape:
+            raise ValueError(f"'{key}' is a {type(whole).__name__} of shape {tuple(whole.shape)}; the model's is "
+                             f"{self.outer_shape}")
+        return self._pack(torch.chunk(whole.detach(), self.world_size, dim=0)[self.rank]).view(1, -1)

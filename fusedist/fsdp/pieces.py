@@ -69,11 +69,11 @@ class PieceMixin:
 
     def whole_shape(self, index: int) -> tuple:
         """The shape of parameter ``index`` as the model has it: the global shape of a
-        tensor-parallel parameter (Note [tensor-parallel parameters]), the bytes table of
+        tensor-parallel parameter (Note [tensor-parallel parameters]), the canonical bytes of
         quantized storage (Note [quantized storage] in packed.py), else the unit's slot."""
         spec = self.tp[index]
         if self.ext[index] is not None and self.ext[index].packed:  # (Note [quantized storage] in packed.py)
-            return self.ext[index].table_shape
+            return (self.ext[index].canonical_bytes,)
         return tuple(spec.global_shape) if spec is not None else tuple(self.layout.slots[index].shape)
 
     def placement(self, index: int) -> Optional[tuple]:

@@ -131,7 +131,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         unit, i = hit
         spec = unit.ext[i]
         if spec is not None and spec.packed:  # Note [quantized storage] in packed.py
-            unit.piece_data(i).copy_(spec.row_of_whole(src, unit.rank, key, unit.piece_data(i)))
+            unit.piece_data(i).copy_(spec.row_of_whole(src, key, unit.piece_data(i)))
             if unit.is_unsharded:  # (the gathered subclass; its copy_ quantizes a plain weight alike)
                 unit.unsharded[i].copy_(src)
             continue

@@ -31,7 +31,8 @@ before the model is built, next to the formula 16Ψ/N + two largest units gather
 activations (activations: the bytes autograd saves in one forward) and fusedist's own
 accounting (memory_stats: shards, gathered and scratch peaks). With ``--float8`` the blocks'
 Linears are torchao's float8 training weights on both sides, gathered as float8 (FSDP2's
-all-gather extension; results ``..._stage3_float8_<date>``).
+all-gather extension; results ``..._stage3_float8_<date>``); with ``--qlora`` they are QLoRA
+layers, frozen NF4 weights with trainable rank-8 adapters (``..._stage3_qlora_<date>``).
 
 Part 4 (``--memory``) -- one model (part 3's 8 transformer-MLP blocks), per-rank model-state
 bytes for DDP + AdamW, ZeRO-1, ZeRO-2, ZeRO-3 (``fusedist.fully_shard``) and the offload
@@ -46,7 +47,7 @@ Every rank runs the same loop; timings are rank 0's, each repetition after a bar
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3 [--float8] | --memory]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3 [--float8 | --qlora] | --memory]
 """
 
 from __future__ import annotations
@@ -268,22 +269,45 @@ class _MLPBlock(nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-def _stage3_model(kind: str, d: int, layers: int, mesh, device, float8: bool = False):
+class _QLoRALinear(nn.Module):
+    """QLoRA's linear layer: ``linear``'s weight frozen in NF4 (torchao), its bias frozen, and a
+    trainable rank-8 update."""
+
+    def __init__(self, linear: nn.Linear, rank: int = 8):
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        out_features, in_features = linear.weight.shape
+        self.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(rank, in_features, device=linear.weight.device) / in_features ** 0.5)
+        self.lora_b = nn.Parameter(torch.randn(out_features, rank, device=linear.weight.device) / rank ** 0.5 * 0.1)
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.bias + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _stage3_model(kind: str, d: int, layers: int, mesh, device, variant: str = "fp32"):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fusedist
 
     torch.manual_seed(0)
     model = nn.Sequential(*[_MLPBlock(d) for _ in range(layers)]).to(device)
-    if float8:  # torchao's float8 training, weights gathered as float8 (FSDP2's all-gather extension)
+    if variant == "float8":  # torchao's float8 training, weights gathered as float8 (FSDP2's all-gather extension)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    elif variant == "qlora":  # frozen NF4 weights gathered as NF4, trainable adapters (and norms)
+        for block in model:
+            block.fc1, block.fc2 = _QLoRALinear(block.fc1), _QLoRALinear(block.fc2)
     shard = torch_fully_shard if kind == "torch" else fusedist.fully_shard
     for block in model:
         shard(block, mesh=mesh, reshard_after_forward=None)
     shard(model, mesh=mesh, reshard_after_forward=None)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
 def _stage3_step(model, opt, x):
@@ -292,23 +316,25 @@ def _stage3_step(model, opt, x):
     opt.zero_grad()
 
 
-def _stage3_config(device, float8: bool = False):
+def _stage3_config(device, variant: str = "fp32"):
     if device.type == "cuda":
         return dict(d=2048, layers=8, batch=(8, 512))
-    # (float8 matmuls are emulated on the CPU, ~100x slower than fp32 ones: a smaller stack)
-    return dict(d=128, layers=4, batch=(8, 32)) if float8 else dict(d=320, layers=8, batch=(16, 64))
+    # (float8 matmuls are emulated on the CPU, ~100x slower than fp32 ones: a smaller stack; NF4
+    # weights need widths whose blocks of scales the ranks divide: 256)
+    return {"float8": dict(d=128, layers=4, batch=(8, 32)), "qlora": dict(d=256, layers=8, batch=(16, 64))}.get(
+        variant, dict(d=320, layers=8, batch=(16, 64)))
 
 
-def _stage3_timing(rank, world_size, device, repeats, float8=False):
+def _stage3_timing(rank, world_size, device, repeats, variant="fp32"):
     """fusedist.fully_shard vs torch FSDP2, one step each per repetition, interleaved."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fusedist.comm import get_communicator
 
-    cfg = _stage3_config(device, float8)
+    cfg = _stage3_config(device, variant)
     mesh = init_device_mesh(device.type, (world_size,))
     comm = get_communicator(None, device)
-    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, float8) for kind in ("torch", "fusedist")}
+    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, variant) for kind in ("torch", "fusedist")}
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
     res = time_interleaved({k: (lambda m=m, o=o: _stage3_step(m, o, x)) for k, (m, o) in models.items()},
                             device, comm, warmup=2, repeats=repeats)
@@ -317,7 +343,8 @@ def _stage3_timing(rank, world_size, device, repeats, float8=False):
     numel = sum(p.numel() for p in models["torch"][0].parameters())  # DTensors: global sizes
     return [{
         "part": "stage3", "case": f"{cfg['layers']} MLP blocks d={cfg['d']}, batch {cfg['batch']}"
-                                  + (", float8 (torchao, float8 all-gathers)" if float8 else ""),
+                                  + {"float8": ", float8 (torchao, float8 all-gathers)",
+                                     "qlora": ", QLoRA (frozen NF4 Linears, rank-8 adapters)"}.get(variant, ""),
         "params_M": round(numel / 1e6, 2),
         "torch_fsdp2_ms": res["torch"][0], "fusedist_ms": res["fusedist"][0],
         "fusedist_p20_ms": res["fusedist"][1], "fusedist_p80_ms": res["fusedist"][2],
@@ -334,17 +361,17 @@ def _peak_mib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _stage3_memory(rank, world_size, device_type, kind, steps, float8=False):
+def _stage3_memory(rank, world_size, device_type, kind, steps, variant="fp32"):
     """Peak memory growth of one contender alone in this process (MiB; RSS on CPU, allocated
     device memory on CUDA), and the formula's terms."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = rank_device(device_type, rank)
-    cfg = _stage3_config(device, float8)
+    cfg = _stage3_config(device, variant)
     mesh = init_device_mesh(device.type, (world_size,))
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
     before = _peak_mib(device)
-    model, opt = _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, float8)
+    model, opt = _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, variant)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.extend(_storages(t)) or t, lambda t: t):
         model(x).square().mean().backward()
@@ -379,12 +406,12 @@ def _unit(module):
     return state_of(module).unit
 
 
-def _stage3(world_size, device_type, repeats, threads, backend, float8=False):
+def _stage3(world_size, device_type, repeats, threads, backend, variant="fp32"):
     from fusedist.testing import run_distributed
 
-    rows = run_distributed(_stage3_worker, world_size, device_type, repeats, float8, backend=backend, timeout=1800,
+    rows = run_distributed(_stage3_worker, world_size, device_type, repeats, variant, backend=backend, timeout=1800,
                            pg_timeout=600, threads=threads)[0]
-    mem = {kind: run_distributed(_stage3_memory, world_size, device_type, kind, 3, float8, backend=backend,
+    mem = {kind: run_distributed(_stage3_memory, world_size, device_type, kind, 3, variant, backend=backend,
                                  timeout=600, threads=threads)[0] for kind in ("torch", "fusedist")}
     f = mem["fusedist"]
     formula = f["states_MiB"] + 2 * f["largest_unit_MiB"] + f["activations_MiB"]
@@ -507,8 +534,8 @@ def _memory(world_size, device_type, threads, backend, steps=3):
     return rows
 
 
-def _stage3_worker(rank, world_size, device_type, repeats, float8=False):
-    return _stage3_timing(rank, world_size, rank_device(device_type, rank), repeats, float8)
+def _stage3_worker(rank, world_size, device_type, repeats, variant="fp32"):
+    return _stage3_timing(rank, world_size, rank_device(device_type, rank), repeats, variant)
 
 
 def _worker(rank, world_size, device_type, quick, collectives=True, iterations=True, repeats=0):
@@ -557,9 +584,13 @@ def main():
     only.add_argument("--memory", action="store_true", help="only part 4: model-state memory per variant")
     parser.add_argument("--float8", action="store_true",
                         help="with --stage3: the blocks' Linears in torchao's float8 training, gathered as float8")
+    parser.add_argument("--qlora", action="store_true",
+                        help="with --stage3: the blocks' Linears frozen in NF4 (torchao) with trainable rank-8 adapters")
     args = parser.parse_args()
-    if args.float8 and not args.stage3:
-        parser.error("--float8 goes with --stage3")
+    if (args.float8 or args.qlora) and not args.stage3:
+        parser.error("--float8 and --qlora go with --stage3")
+    if args.float8 and args.qlora:
+        parser.error("--float8 or --qlora, not both")
     if args.ranks_per_gpu:
         from fusedist.testing import RANKS_PER_GPU_ENV
 
@@ -591,8 +622,9 @@ def main():
         _write_and_print("memory", rows, notes, args, backend, threads)
         return
     if args.stage3:
+        variant = "float8" if args.float8 else "qlora" if args.qlora else "fp32"
         rows = _stage3(args.world_size, args.device, args.repeats or (5 if args.quick else 15), threads, backend,
-                       args.float8)
+                       variant)
         notes = ("Stage 3: fusedist.fully_shard vs torch FSDP2 fully_shard, same wrapping (each block, then the "
                  "root; reshard_after_forward=None for both), torch.optim.AdamW for both; forward + backward + step "
                  "of rank 0, interleaved, ratio_paired = median over repetitions of fusedist / torch (< 1: fusedist "
@@ -606,7 +638,13 @@ def main():
                       "enable_fsdp_float8_all_gather=True before sharding, on both sides; each gather computes "
                       "its scales (no precompute). On gloo FSDP2 gathers each unit through one byte buffer too "
                       "(its units mix float8 weights with fp32 biases and norms).")
-        _write_and_print("stage3_float8" if args.float8 else "stage3", rows, notes, args, backend, threads)
+        if args.qlora:
+            notes += (" QLoRA: every block Linear's weight frozen in torchao's NF4 (to_nf4), its bias frozen, plus "
+                      "trainable rank-8 adapters (AdamW steps the adapters and the norms only), on both sides; "
+                      "fusedist stores each NF4 chunk as bytes on the unit's shard and gathers through NF4's "
+                      "all-gather extension, as FSDP2 does. The 16Ψ/N term of the formula counts every parameter as "
+                      "trained, so it overstates this model's states (frozen NF4 weights hold half a byte per element).")
+        _write_and_print({"fp32": "stage3"}.get(variant, f"stage3_{variant}"), rows, notes, args, backend, threads)
         return
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,
                                not args.collectives_only, args.repeats,

@@ -12,8 +12,10 @@ the average of two halves' (``FUSED`` too).
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -106,6 +108,12 @@ def _training_worker(rank, world):
 
     NF4Tensor = _nf4()[0]
     plain = qlora_model()
+    # the whole weight's storage is let go once sharded (each rank keeps its chunk's bytes only)
+    m = qlora_model()
+    whole_codes = weakref.ref(m[0].weight.quantized_data)
+    shard(m, fusedist.fully_shard)
+    gc.collect()
+    assert whole_codes() is None
     for reshard_after_forward in (True, False):
         ours = shard(qlora_model(), fusedist.fully_shard, reshard_after_forward=reshard_after_forward)
         ref = shard(qlora_model(), fully_shard, reshard_after_forward=reshard_after_forward)

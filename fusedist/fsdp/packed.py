@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
 import torch
 
 from .extension import ExtensionSpec

@@ -246,6 +246,15 @@ class PackedSpec(ExtensionSpec):
             cursor += hi - lo
         return self._row_of_canonical(canonical)
 
+    def as_whole(self, whole):
+        """``whole`` as the subclass (or a plain weight, which the subclass's ``copy_`` quantizes):
+        its canonical bytes are made the subclass."""
+        if isinstance(whole, self.cls) or whole.dtype != torch.uint8 or tuple(whole.shape) != (self.canonical_bytes,):
+            return whole
+        views = self._views(whole, self.canonical)
+        return self.cls.__tensor_unflatten__(views, self._ctx(self.ctx, whole.device), torch.Size(self.outer_shape),
+                                             self.outer_stride)
+
     def row_of_whole(self, whole, key: str, template: torch.Tensor) -> torch.Tensor:
         """This rank's row of ``whole``: the canonical bytes (as a checkpoint holds them), the
         subclass of the parameter's shape, or a plain weight, which the subclass quantizes (its

@@ -133,7 +133,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         if spec is not None and spec.packed:  # Note [quantized storage] in packed.py
             unit.piece_data(i).copy_(spec.row_of_whole(src, key, unit.piece_data(i)))
             if unit.is_unsharded:  # (the gathered subclass; its copy_ quantizes a plain weight alike)
-                unit.unsharded[i].copy_(src)
+                unit.unsharded[i].copy_(spec.as_whole(src))
             continue
         if tuple(src.shape) != unit.whole_shape(i):
             raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "

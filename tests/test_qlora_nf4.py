@@ -170,6 +170,29 @@ def test_qlora_training_matches_fsdp2():
     run_distributed(_training_worker, 2)
 
 
+def _compiled_worker(rank, world):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    for how in ("compiled", "checkpointed"):
+        losses = []
+        for fs in (fusedist.fully_shard, fully_shard):
+            m = qlora_model()
+            for i in (0, 2):
+                if how == "compiled":
+                    m[i].compile(backend="aot_eager")
+                else:
+                    m[i] = checkpoint_wrapper(m[i])
+            shard(m, fs)
+            losses.append(steps(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2),
+                                range(3), rank, world))
+        torch.testing.assert_close(losses[0], losses[1], **EXACT, msg=how)
+
+
+def test_qlora_compiled_and_checkpointed_layers_match_fsdp2():
+    run_distributed(_compiled_worker, 2, timeout=300)
+
+
 def _hsdp_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

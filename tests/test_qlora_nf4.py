@@ -275,6 +275,18 @@ def _state_worker(rank, world, path):
     m = fresh()
     fusedist.checkpoint.load(os.path.join(path, "ckpt-1"), m)
     assert_same_state(full_of(m, True), whole, "at two ranks, from a checkpoint of one")
+    # torchtune's flow: built on the meta device (NF4 of meta tensors), sharded, materialized, then
+    # loaded from the base model's high-precision weights, quantized as the unsharded model would be
+    with torch.device("meta"):
+        m = qlora_model()
+    shard(m, fusedist.fully_shard)
+    m.to_empty(device="cpu")
+    torch.manual_seed(7)
+    base = {k: torch.randn(v.shape) if isinstance(v, _nf4()[0]) else v for k, v in whole.items()}
+    fusedist.fsdp.load_full_state_dict(m, base)
+    loaded = full_of(m, True)
+    assert all(same_nf4(loaded[k], to_nf4(base[k])) for k in ("0.weight", "2.weight"))
+    torch.testing.assert_close(loaded["0.lora_a"], whole["0.lora_a"], **EXACT)
 
 
 def test_qlora_state_dicts_and_checkpoints():

@@ -79,6 +79,11 @@ def steps(m, opt, seeds, rank, world) -> list:
     return out
 
 
+def adamw(m):
+    """torch's AdamW over ``m``'s trainable parameters (the adapters)."""
+    return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+
+
 def same_nf4(a, b) -> bool:
     """Whether two NF4 tensors hold the same codes, scales and constants (their shapes equal)."""
     names = a.__tensor_flatten__()[0]
@@ -131,28 +136,26 @@ def _training_worker(rank, world):
         seen = []
         hook = ours[2].register_forward_pre_hook(  # (compared at once: resharding frees the gathered bytes)
             lambda m, _: seen.append(type(m.weight) is NF4Tensor and same_nf4(m.weight, plain[2].weight)))
-        a = steps(ours, torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2),
-                  range(3), rank, world)
-        b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2),
-                  range(3), rank, world)
+        a = steps(ours, adamw(ours), range(3), rank, world)
+        b = steps(ref, adamw(ref), range(3), rank, world)
         hook.remove()
         torch.testing.assert_close(a, b, **EXACT)
         assert seen == [True] * 3
         assert_same_state(full_of(ours, True), full_of(ref, False), f"after training, {reshard_after_forward=}")
         assert same_nf4(full_of(ours, True)["0.weight"], plain[0].weight)
-    # host-offloaded pieces, and bf16 compute of an NF4 model quantized from bf16 weights
+    # host-offloaded pieces; bf16 adapters under MixedPrecisionPolicy (the NF4 weights dequantize to
+    # their own dtype, on both sides)
     for kw in (dict(offload_policy=fusedist.CPUOffloadPolicy(pin_memory=False)),
                dict(mp_policy=fusedist.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
         ours, ref = shard(qlora_model(), fusedist.fully_shard, **kw), shard(qlora_model(), fully_shard, **kw)
-        a = steps(ours, torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2),
-                  range(2), rank, world)
-        b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), range(2), rank, world)
+        a = steps(ours, adamw(ours), range(2), rank, world)
+        b = steps(ref, adamw(ref), range(2), rank, world)
         torch.testing.assert_close(a, b, **EXACT, msg=str(kw))
     # fusedist's fused AdamW over every parameter (the frozen NF4 pieces have no gradient)
     ours = shard(qlora_model(), fusedist.fully_shard)
     ref = shard(qlora_model(), fully_shard)
     a = steps(ours, fusedist.optim.FusedAdamW(ours.parameters(), lr=1e-2), range(3), rank, world)
-    b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), range(3), rank, world)
+    b = steps(ref, adamw(ref), range(3), rank, world)
     torch.testing.assert_close(a, b, **FUSED)
     # a conversion keeps the quantized pieces (as bytes, untouched by dtype casts) on the shard
     before = full_of(ours, True)
@@ -184,8 +187,7 @@ def _compiled_worker(rank, world):
                 else:
                     m[i] = checkpoint_wrapper(m[i])
             shard(m, fs)
-            losses.append(steps(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2),
-                                range(3), rank, world))
+            losses.append(steps(m, adamw(m), range(3), rank, world))
         torch.testing.assert_close(losses[0], losses[1], **EXACT, msg=how)
 
 
@@ -199,8 +201,8 @@ def _hsdp_worker(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ours, ref = shard(qlora_model(), fusedist.fully_shard, mesh=mesh), shard(qlora_model(), fully_shard, mesh=mesh)
-    a = steps(ours, torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2), range(2), rank, world)
-    b = steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), range(2), rank, world)
+    a = steps(ours, adamw(ours), range(2), rank, world)
+    b = steps(ref, adamw(ref), range(2), rank, world)
     torch.testing.assert_close(a, b, **EXACT)
     assert_same_state(full_of(ours, True), full_of(ref, False), "under HSDP")
 
@@ -218,7 +220,7 @@ def _state_worker(rank, world, path):
 
     to_nf4 = _nf4()[2]
     trained = shard(qlora_model(), fusedist.fully_shard)
-    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2)
+    opt = adamw(trained)
     steps(trained, opt, range(2), rank, world)
     whole = full_of(trained, True)
 
@@ -251,7 +253,7 @@ def _state_worker(rank, world, path):
     # fusedist's checkpoint: a fresh model and optimizer continue as the saved ones
     fusedist.checkpoint.save(os.path.join(path, "ckpt"), trained, opt)
     m = fresh()
-    m_opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    m_opt = adamw(m)
     fusedist.checkpoint.load(os.path.join(path, "ckpt"), m, m_opt)
     torch.testing.assert_close(steps(m, m_opt, (5, 6), rank, world), steps(trained, opt, (5, 6), rank, world),
                                **EXACT)
@@ -325,8 +327,8 @@ def _ddp_worker(rank, world):
     for wrap in (fusedist.DistributedDataParallel, fusedist.replicate):
         m = wrap(qlora_model(seed=rank))  # (rank 1's weights differ until the construction's broadcast)
         ref = qlora_model()
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        opt = adamw(m)
+        ref_opt = adamw(ref)
         for s in range(2):
             m(batch(s, rank, world, rows)).square().mean().backward()
             ref(batch(s, 0, 1, rows * world)).square().mean().backward()

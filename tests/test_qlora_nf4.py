@@ -258,6 +258,16 @@ def _state_worker(rank, world, path):
     torch.testing.assert_close(steps(m, m_opt, (5, 6), rank, world), steps(trained, opt, (5, 6), rank, world),
                                **EXACT)
     assert_same_state(full_of(m, True), full_of(trained, True), "after resuming from a checkpoint")
+    # the Checkpointer's background save (its snapshot of the pieces), restored into a fresh model
+    periodic = fusedist.checkpoint.Checkpointer(os.path.join(path, "periodic"))
+    assert periodic.restore(trained, opt) == 0  # a fresh root: registers what its saves hold
+    periodic.save(1)
+    periodic.close()
+    m = fresh()
+    periodic = fusedist.checkpoint.Checkpointer(os.path.join(path, "periodic"), async_save=False)
+    assert periodic.restore(m, adamw(m)) == 1
+    periodic.close()
+    assert_same_state(full_of(m, True), full_of(trained, True), "restored by a Checkpointer")
     # at another world size: the checkpoints hold each NF4 weight's whole bytes (the ranks' parts of
     # them), so both load at one rank, and a checkpoint saved there loads at two
     single = dist.new_group([0])

@@ -61,6 +61,8 @@ Note [zero-bubble passes of fusedist stages]
     weights) runs no backward; it ends the units' backward directly, as a backward that
     reached none of them would end (Note [accumulated units a synchronized backward does not
     reach] in fsdp/state.py): in the step's last pass the units reduce what they accumulated.
+    A DDP stage's engine reduces when every bucket is ready, so there the pass accumulates a
+    zero gradient into each weight instead (the step's last then all-reduces the sums).
 
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
@@ -169,9 +171,11 @@ def _weight_pass(module, param_groups) -> None:
             w.grad = grad
     if computed:
         torch.autograd.backward([w for w, _ in computed], grad_tensors=[g for _, g in computed])
-    else:  # no backward to end: end the units' anyway, so a step's last pass still reduces the sums
+    elif contexts:  # no backward to end: end the units' anyway, so a step's last pass still reduces the sums
         for ctx in contexts:
             ctx.finish_backward()
+    elif weights:  # a DDP stage's buckets are ready when every weight's gradient is: add zeros to each
+        torch.autograd.backward(weights, grad_tensors=[torch.zeros_like(w) for w in weights])
 
 
 @contextlib.contextmanager

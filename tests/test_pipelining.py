@@ -635,10 +635,10 @@ def test_a_weight_pass_after_another_forward_gathers_the_resharded_units():
     assert out["resharded"] == 2 and out["dx"] < 1e-6 and out["weights"] < 1e-6, out
 
 
-def _empty_weight_pass_worker(rank, world_size, seed):
+def _empty_weight_pass_worker(rank, world_size, seed, wrap):
     """Micro-batch 1 through the blocks (a full backward, accumulated); micro-batch 2, the
     step's last, around them (its weight pass computes nothing): the pieces' gradients against
-    the unsharded model's for micro-batch 1."""
+    the unsharded model's for micro-batch 1. ``wrap``: fully_shard, or fusedist's DDP."""
     import fusedist
     from fusedist import pipelining as stages
 
@@ -656,20 +656,25 @@ def _empty_weight_pass_worker(rank, world_size, seed):
         return Bypass()
 
     ours, theirs = build(), build()
-    for block in ours.blocks:
-        fusedist.fully_shard(block)
-    fusedist.fully_shard(ours)
+    if wrap == "fully_shard":
+        for block in ours.blocks:
+            fusedist.fully_shard(block)
+        stage = fusedist.fully_shard(ours)
+    else:
+        stage = fusedist.DistributedDataParallel(ours)
+    switch = stages._sync_switch(stage)
     g = torch.Generator().manual_seed(seed + rank)
     x, grad = torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
-    with stages._micro_batch(ours, last=False):
-        ours(x).backward(grad)
+    out = stage(x)
+    with switch(False):  # (around the backward only, as the stage sets it: a DDP forward resets it)
+        out.backward(grad)
     ours.around = True
     x2 = torch.randn(4, WIDTH, requires_grad=True)
-    out = ours(x2)
-    with stages._micro_batch(ours, last=False):  # (as the stage runs input passes)
-        stages._input_pass(ours, {"stage_output": (out,), "output_grads": (grad,), "input_values": [x2]})
-    with stages._micro_batch(ours, last=True):
-        stages._weight_pass(ours, [])
+    out = stage(x2)
+    with switch(False):  # (as the stage runs input passes)
+        stages._input_pass(stage, {"stage_output": (out,), "output_grads": (grad,), "input_values": [x2]})
+    with switch(True):
+        stages._weight_pass(stage, [])
     for r in range(world_size):  # the data-parallel mean of micro-batch 1's gradients
         gr = torch.Generator().manual_seed(seed + r)
         xr, gradr = torch.randn(4, WIDTH, generator=gr), torch.randn(4, WIDTH, generator=gr)
@@ -677,15 +682,17 @@ def _empty_weight_pass_worker(rank, world_size, seed):
     got = [p.grad is not None for p in ours.parameters()]
     for m in (ours, theirs):  # (the step guard lets the step run: the sums were reduced)
         torch.optim.SGD(m.parameters(), lr=1.0).step()
-    return got, _max_diff([fusedist.fsdp.full_state_dict(ours)], [theirs.state_dict()])
+    whole = fusedist.fsdp.full_state_dict(ours) if wrap == "fully_shard" else ours.state_dict()
+    return got, _max_diff([whole], [theirs.state_dict()])
 
 
-def test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum():
+@pytest.mark.parametrize("wrap", ["fully_shard", "DistributedDataParallel"])
+def test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum(wrap):
     """A micro-batch whose output does not depend on the stage's weights (it goes around its
     blocks) has a weight pass with no gradient to compute; when it is the step's last, the
-    units still reduce what the earlier micro-batches accumulated (before, no backward ran,
-    nothing was reduced, and the step guard refused the optimizer step)."""
-    for rank, (got, diff) in enumerate(run_distributed(_empty_weight_pass_worker, 2, 3, timeout=120)):
+    units (the DDP buckets) still reduce what the earlier micro-batches accumulated (before, no
+    backward ran, nothing was reduced, and the step guard refused the optimizer step)."""
+    for rank, (got, diff) in enumerate(run_distributed(_empty_weight_pass_worker, 2, 3, wrap, timeout=120)):
         assert all(got) and diff < 1e-6, (rank, got, diff)
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
+from fusedist.testing.fsdp_compare import full_state as full_of, square_loss_steps
 
 EXACT = dict(rtol=0, atol=0)
 CLOSE = dict(rtol=1e-5, atol=1e-6)  # after a clip: Note on tolerances above
@@ -124,14 +125,6 @@ def shard(m, fully_shard, **kw):
 def batch(step: int, rank: int, world: int, width: int = 16, rows: int = 4):
     torch.manual_seed(100 + step)
     return torch.randn(rows * world, width)[rank * rows:(rank + 1) * rows]
-
-
-def full_of(m, ours: bool) -> dict:
-    if ours:
-        return fusedist.fsdp.full_state_dict(m)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
 
 
 def _train_rowwise(ours: bool, rank, world, mp, reshard_after_forward, accumulate, mesh=None):
@@ -585,14 +578,7 @@ def _optimizer_dcp_worker(rank, world, path):
     from torch.distributed.fsdp import fully_shard
 
     def steps(m, opt, seeds):
-        out = []
-        for s in seeds:
-            loss = m(batch(s, rank, world)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
+        return square_loss_steps(m, opt, (batch(s, rank, world) for s in seeds))
 
     m = shard(rowwise_model(), fusedist.fully_shard)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)

@@ -23,6 +23,7 @@ from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
+from fusedist.testing.fsdp_compare import full_state as full_of, square_loss_steps
 
 pytest.importorskip("torchao")
 
@@ -69,14 +70,7 @@ def batch(step: int, rank: int, world: int, rows: int = 4):
 
 
 def steps(m, opt, seeds, rank, world) -> list:
-    out = []
-    for s in seeds:
-        loss = m(batch(s, rank, world)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return square_loss_steps(m, opt, (batch(s, rank, world) for s in seeds))
 
 
 def adamw(m):
@@ -88,14 +82,6 @@ def same_nf4(a, b) -> bool:
     """Whether two NF4 tensors hold the same codes, scales and constants (their shapes equal)."""
     names = a.__tensor_flatten__()[0]
     return a.shape == b.shape and all(torch.equal(getattr(a, n), getattr(b, n)) for n in names)
-
-
-def full_of(m, ours: bool) -> dict:
-    if ours:
-        return fusedist.fsdp.full_state_dict(m)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
 
 
 def assert_same_state(a: dict, b: dict, what: str) -> None:

@@ -248,7 +248,8 @@ done <<<"$MULTI_GROUPS"
 # the GPT-style step at world size 2 (DDP vs torch DDP, host-blocking vs stream-ordered waits,
 # ZeRO-2 vs FSDP2, fully_shard vs FSDP2 with bf16 gathers, exposed communication), and
 # the gloo collectives on this host's CPUs (a GPU host has more cores than CI, so the
-# reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription).
+# reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription);
+# last, if time is left, ZeRO-3 against FSDP2 on QLoRA blocks (frozen NF4 weights).
 # FUSEDIST_GPU_BENCHES replaces the list (newline-separated).
 say "benchmarks"
 DEFAULT_BENCHES="bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8
@@ -258,7 +259,8 @@ bench_syncbn.py --skip-cpu --batch 64
 bench_nccl.py --device cuda
 bench_zero.py --collectives-only --world-size 2
 bench_zero.py --collectives-only --world-size 4
-bench_syncbn.py --skip-cpu --batch 32"
+bench_syncbn.py --skip-cpu --batch 32
+bench_zero.py --stage3 --qlora --device cuda --ranks-per-gpu 2 --repeats 8"
 BENCH_LIMIT_S="${FUSEDIST_GPU_BENCH_LIMIT_S:-120}"
 while IFS= read -r line; do
     [ -z "${line// }" ] && continue

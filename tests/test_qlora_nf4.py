@@ -19,6 +19,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fusedist
@@ -342,3 +344,41 @@ def _ddp_worker(rank, world):
 
 def test_qlora_ddp_and_replicate_match_the_global_batch():
     run_distributed(_ddp_worker, 2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(world=st.sampled_from([1, 2, 4]), other=st.sampled_from([1, 2, 4]), blocks=st.integers(1, 2),
+       cols=st.sampled_from([64, 128, 512]), seed=st.integers(0, 2 ** 16))
+def test_quantized_storage_layouts_round_trip(world, other, blocks, cols, seed):
+    """Note [quantized storage], on the layouts alone (no process group): the table's rows are
+    the NF4 weight's chunks and rebuild it; the ranks' entries tile its canonical bytes, which
+    are its inner tensors end to end; from those bytes any world size's ranks take their rows,
+    and a rank's entry gives its row back."""
+    from fusedist.fsdp.packed import PackedSpec
+
+    to_nf4 = _nf4()[2]
+    rows = 16384 * blocks * 4 // cols  # (four blocks of NF4 scales per `blocks`: any of the world sizes cuts them)
+    weight = nn.Parameter(to_nf4(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))),
+                          requires_grad=False)
+    specs = [PackedSpec(weight, None, world, r, "w") for r in range(world)]
+    table = specs[0].table(weight)
+    assert same_nf4(specs[0].whole_of_table(table), weight)
+    canonical = torch.zeros(specs[0].canonical_bytes, dtype=torch.uint8)
+    covered = torch.zeros(specs[0].canonical_bytes, dtype=torch.bool)
+    for r, spec in enumerate(specs):
+        entry, cursor = spec.entry(table[r:r + 1]), 0
+        for lo, hi in spec.held_ranges():
+            canonical[lo:hi], covered[lo:hi] = entry[cursor:cursor + hi - lo], True
+            cursor += hi - lo
+        assert cursor == entry.numel()
+        torch.testing.assert_close(spec.row_of_entry(entry), table[r:r + 1], **EXACT)
+    assert covered.all()
+    for name, offset, shape, dtype in specs[0].canonical:  # the inner tensors, end to end
+        inner = getattr(weight, name).reshape(-1).view(torch.uint8)
+        torch.testing.assert_close(canonical[offset:offset + inner.numel()], inner, **EXACT)
+    assert same_nf4(specs[0].as_whole(canonical), weight)
+    theirs = [PackedSpec(weight, None, other, r, "w") for r in range(other)]
+    their_table = theirs[0].table(weight)
+    for r, spec in enumerate(theirs):
+        torch.testing.assert_close(spec.row_of_whole(canonical, "w", their_table[r:r + 1]), their_table[r:r + 1],
+                                   **EXACT)

@@ -587,8 +587,8 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
 
 def _load_packed(value: torch.Tensor, unit, index: int, key: str) -> Optional[str]:
     """Load ``value`` into quantized-storage parameter ``index`` (Note [quantized storage] in
-    packed.py): its entry or row as saved at this layout, its table, the whole subclass or a
-    plain weight to quantize. Returns why it cannot, or None."""
+    packed.py): its entry as saved at this layout (or at any, through DCP), its canonical
+    bytes, the whole subclass, or a plain weight to quantize. Returns why it cannot, or None."""
     spec, row = unit.ext[index], unit.piece_data(index)
     region = piece_region(unit, index)
     if isinstance(value, ShardedPiece):

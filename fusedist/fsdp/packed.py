@@ -175,6 +175,7 @@ class PackedSpec(ExtensionSpec):
                                              torch.Size(self.chunk_shape), self.chunk_stride)
 
     def set_inner(self, piece, inner: torch.Tensor) -> None:
+        """Point ``piece``'s inner tensors at views of the row ``inner``."""
         for n, t in self._views(inner).items():
             setattr(piece, n, t)
 

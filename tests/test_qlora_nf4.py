@@ -322,10 +322,15 @@ def test_quantized_storage_refusals():
 def _ddp_worker(rank, world):
     plain = qlora_model()
     rows = 4
-    for wrap in (fusedist.DistributedDataParallel, fusedist.replicate):
+    # (ZeRO over every parameter: the frozen NF4 weights, without gradients, are left alone)
+    cases = [(fusedist.DistributedDataParallel, adamw), (fusedist.replicate, adamw)] + [
+        (fusedist.DistributedDataParallel,
+         lambda m, stage=stage: fusedist.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2,
+                                                                 stage=stage)) for stage in (1, 2)]
+    for wrap, make_optimizer in cases:
         m = wrap(qlora_model(seed=rank))  # (rank 1's weights differ until the construction's broadcast)
         ref = qlora_model()
-        opt = adamw(m)
+        opt = make_optimizer(m)
         ref_opt = adamw(ref)
         for s in range(2):
             m(batch(s, rank, world, rows)).square().mean().backward()
@@ -336,13 +341,13 @@ def _ddp_worker(rank, world):
         module = m.module if hasattr(m, "module") else m
         for (name, p), q in zip(module.named_parameters(), ref.parameters()):
             if p.requires_grad:
-                torch.testing.assert_close(p, q, **FUSED, msg=f"{name} under {wrap.__name__}")
+                torch.testing.assert_close(p, q, **FUSED, msg=f"{name} under {wrap.__name__}, {type(opt).__name__}")
         # the construction's broadcast carries the inner tensors, bit for bit (torch's DDP sends the
         # weight through the subclass's ops, which quantize it again: off by up to 1e-3)
         assert same_nf4(module[0].weight, plain[0].weight) and same_nf4(module[2].weight, plain[2].weight)
 
 
-def test_qlora_ddp_and_replicate_match_the_global_batch():
+def test_qlora_ddp_replicate_and_zero_match_the_global_batch():
     run_distributed(_ddp_worker, 2)
 
 

@@ -334,7 +334,8 @@ def _stage3_timing(rank, world_size, device, repeats, variant="fp32"):
     cfg = _stage3_config(device, variant)
     mesh = init_device_mesh(device.type, (world_size,))
     comm = get_communicator(None, device)
-    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, variant) for kind in ("torch", "fusedist")}
+    models = {kind: _stage3_model(kind, cfg["d"], cfg["layers"], mesh, device, variant)
+              for kind in ("torch", "fusedist")}
     x = torch.randn(*cfg["batch"], cfg["d"], device=device)
     res = time_interleaved({k: (lambda m=m, o=o: _stage3_step(m, o, x)) for k, (m, o) in models.items()},
                             device, comm, warmup=2, repeats=repeats)
@@ -585,7 +586,7 @@ def main():
     parser.add_argument("--float8", action="store_true",
                         help="with --stage3: the blocks' Linears in torchao's float8 training, gathered as float8")
     parser.add_argument("--qlora", action="store_true",
-                        help="with --stage3: the blocks' Linears frozen in NF4 (torchao) with trainable rank-8 adapters")
+                        help="with --stage3: the blocks' Linears frozen in NF4 (torchao), trainable rank-8 adapters")
     args = parser.parse_args()
     if (args.float8 or args.qlora) and not args.stage3:
         parser.error("--float8 and --qlora go with --stage3")
@@ -642,8 +643,9 @@ def main():
             notes += (" QLoRA: every block Linear's weight frozen in torchao's NF4 (to_nf4), its bias frozen, plus "
                       "trainable rank-8 adapters (AdamW steps the adapters and the norms only), on both sides; "
                       "fusedist stores each NF4 chunk as bytes on the unit's shard and gathers through NF4's "
-                      "all-gather extension, as FSDP2 does. The 16Ψ/N term of the formula counts every parameter as "
-                      "trained, so it overstates this model's states (frozen NF4 weights hold half a byte per element).")
+                      "all-gather extension, as FSDP2 does. The 16Ψ/N term of the formula counts every parameter "
+                      "as trained, so it overstates this model's states (frozen NF4 weights hold half a byte per "
+                      "element).")
         _write_and_print({"fp32": "stage3"}.get(variant, f"stage3_{variant}"), rows, notes, args, backend, threads)
         return
     per_rank = run_distributed(_worker, args.world_size, args.device, args.quick, not args.iterations_only,

@@ -593,10 +593,10 @@ def _load_packed(value: torch.Tensor, unit, index: int, key: str) -> Optional[st
     region = piece_region(unit, index)
     if isinstance(value, ShardedPiece):
         if value.size() != torch.Size((spec.canonical_bytes,)) or value.element_range != region:
-            return (f"the entry holds {describe_region(value.element_range)} of {tuple(value.size())} canonical bytes "
-                    f"of quantized storage, this rank's {describe_region(region)} of ({spec.canonical_bytes},) (a state "
-                    "dict of another world size or layout: load it with torch.distributed.checkpoint, or load whole "
-                    "parameters).")
+            return (f"the entry holds {describe_region(value.element_range)} of {tuple(value.size())} canonical "
+                    f"bytes of quantized storage, this rank's {describe_region(region)} of ({spec.canonical_bytes},) "
+                    "(a state dict of another world size or layout: load it with torch.distributed.checkpoint, or "
+                    "load whole parameters).")
         value = value.local()
     entry_bytes = sum(hi - lo for lo, hi in region)
     try:

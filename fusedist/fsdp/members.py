@@ -98,9 +98,9 @@ def check_params(module: nn.Module, ignored: set, shard_placement_fn, taken) -> 
 # ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods (float8 bytes, say, instead of
 # bf16). fusedist's units take the subclasses that implement those methods: wrappers of one
 # high-precision tensor (Note [all-gather extension] in extension.py) and frozen quantized
-# storage such as NF4 (Note [quantized storage] in packed.py). Any other subclass would have its values copied into a flat buffer and the
-# module given back a plain Parameter -- the float8 casts, the quantization dropped without a
-# word -- so it is refused by name.
+# storage such as NF4 (Note [quantized storage] in packed.py). Any other subclass would have
+# its values copied into a flat buffer and the module given back a plain Parameter -- the
+# float8 casts, the quantization dropped without a word -- so it is refused by name.
 def _subclass_refusal(module_name: str, fqn: str, p, how: str = "") -> str:
     kind = type(p)
     return (f"fusedist.fully_shard({module_name}): parameter '{fqn}' is{how} a tensor subclass, "

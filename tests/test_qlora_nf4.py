@@ -13,6 +13,7 @@ the average of two halves' (``FUSED`` too).
 from __future__ import annotations
 
 import gc
+import io
 import os
 import tempfile
 import weakref
@@ -232,6 +233,11 @@ def _state_worker(rank, world, path):
     m = fresh()
     m.load_state_dict(trained.state_dict())
     assert_same_state(full_of(m, True), whole, "after load_state_dict")
+    saved = io.BytesIO()  # (torch.save keeps each rank's entry as plain bytes: it loads back on that rank)
+    torch.save(trained.state_dict(), saved)
+    m = fresh()
+    m.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert_same_state(full_of(m, True), whole, "after torch.save and torch.load of the state dict")
     dcp.save(trained.state_dict(), checkpoint_id=os.path.join(path, "dcp"))
     m = fresh()
     sd = m.state_dict()

@@ -229,6 +229,8 @@ def _state_worker(rank, world, path):
     w = torch.randn(256, 128)
     fusedist.fsdp.load_full_state_dict(m, {**whole, "0.weight": w})
     assert same_nf4(full_of(m, True)["0.weight"], to_nf4(w))
+    with pytest.raises(ValueError, match=r"'0\.weight' is a NF4Tensor of shape \(256, 128\) whose chunks .* block"):
+        fusedist.fsdp.load_full_state_dict(m, {**whole, "0.weight": to_nf4(w, block_size=32)})  # (other blocks)
     # model.state_dict() round trips at this world size, and through torch's distributed checkpoint
     m = fresh()
     m.load_state_dict(trained.state_dict())

@@ -57,6 +57,12 @@ __all__ = ["PackedSpec", "is_packed_candidate"]
 _ALIGN = 16  # bytes: every dtype views in place at such an offset
 
 
+def _joins_into(parts: list, whole: torch.Tensor) -> bool:
+    """Whether ``parts`` joined on dim 0 are ``whole`` (by shape alone on the meta device)."""
+    joined = torch.cat(parts)
+    return joined.shape == whole.shape and (whole.is_meta or torch.equal(joined, whole))
+
+
 def is_packed_candidate(p) -> bool:
     """Whether ``p`` is a traceable wrapper subclass with the all-gather extension that is not a
     wrapper of one tensor of its shape (quantized storage, Note [quantized storage])."""
@@ -101,7 +107,7 @@ class PackedSpec(ExtensionSpec):
                         and tuple(getattr(chunks[0], n).shape) != tuple(whole[n].shape)]
         shared = [n for n in names if n not in self.sharded]
         layouts = {tuple((n, tuple(getattr(c, n).shape), getattr(c, n).dtype) for n in names) for c in chunks}
-        cut_whole = all(sum(getattr(c, n).shape[0] for c in chunks) == whole[n].shape[0] for n in self.sharded)
+        cut_whole = all(_joins_into([getattr(c, n) for c in chunks], whole[n]) for n in self.sharded)
         if len(chunks) != world_size or len(layouts) != 1 or not cut_whole:
             raise NotImplementedError(
                 f"{where}, holds quantized storage whose chunks over {world_size} ranks are not alike (inner tensors "
@@ -274,7 +280,12 @@ class PackedSpec(ExtensionSpec):
                     f"model holds it as {self.cls.__name__} {self.outer_shape} (quantized storage, Note [quantized "
                     f"storage]): load that class, its {self.canonical_bytes} canonical bytes, or a floating-point "
                     "weight of its shape for it to quantize")
-        if tuple(whole.shape) != self.outer_shape:
-            raise ValueError(f"'{key}' is a {type(whole).__name__} of shape {tuple(whole.shape)}; the model's is "
-                             f"{self.outer_shape}")
-        return self._pack(torch.chunk(whole.detach(), self.world_size, dim=0)[self.rank]).view(1, -1)
+        chunk = torch.chunk(whole.detach(), self.world_size, dim=0)[self.rank] \
+            if tuple(whole.shape) == self.outer_shape else None
+        got = [(tuple(getattr(chunk, n).shape), getattr(chunk, n).dtype) for n, _, _, _ in self.slots] \
+            if chunk is not None else None
+        if got != [(shape, dtype) for _, _, shape, dtype in self.slots]:
+            raise ValueError(f"'{key}' is a {type(whole).__name__} of shape {tuple(whole.shape)} whose chunks hold "
+                             f"{got}; the model's {self.outer_shape} chunks hold "
+                             f"{[(shape, dtype) for _, _, shape, dtype in self.slots]} (other block sizes?)")
+        return self._pack(chunk).view(1, -1)

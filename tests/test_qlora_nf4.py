@@ -1,7 +1,8 @@
 """QLoRA: frozen NF4 base weights (torchao's ``NF4Tensor``) beside trainable low-rank adapters.
 Under fully_shard (Note [quantized storage] in fusedist/fsdp/packed.py) against torch's FSDP2,
-which shards such weights through the same all-gather extension; under DDP and replicate
-against the unsharded model trained on the global batch.
+which shards such weights through the same all-gather extension; under DDP, replicate and
+ZeRO-1/2 against the unsharded model trained on the global batch; and the storage layouts
+alone, without a process group (a property test).
 
 Tolerances: both sides gather the same NF4 bytes, dequantize them with the same code and
 reduce the adapters' gradients in fp32 over gloo in the same order, so losses, adapters and

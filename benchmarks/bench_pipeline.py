@@ -157,8 +157,15 @@ def main():
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks per stage (2 pipeline ranks)")
+    parser.add_argument("--ranks-per-gpu", type=int, default=0,
+                        help="with --device cuda: ranks sharing each GPU (FUSEDIST_TEST_RANKS_PER_GPU; NCCL over "
+                             "sockets between them, so absolute bandwidth is not NVLink's, ratios are fair)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.ranks_per_gpu:
+        from fusedist.testing import RANKS_PER_GPU_ENV
+
+        os.environ[RANKS_PER_GPU_ENV] = str(args.ranks_per_gpu)  # read by every spawned rank
     backend = "nccl" if args.device == "cuda" else "gloo"
     repeats = args.repeats or (3 if args.quick else 15)
     world = 2 * args.dp
@@ -166,7 +173,8 @@ def main():
                           backend=backend, timeout=1800, pg_timeout=600)[0]
     rows, cfg = out["rows"], out["cfg"]
     env = environment()
-    env.update(world_size=world, mesh=f"pp 2 x dp {args.dp}", backend=backend, torch_threads=1)
+    env.update(world_size=world, mesh=f"pp 2 x dp {args.dp}", backend=backend, torch_threads=1,
+               ranks_per_gpu=args.ranks_per_gpu or 1)
     name, per_rank = SCHEDULES[args.schedule]
     notes = (f"{name} over {2 * per_rank} stages ({per_rank} per pipeline rank) of {cfg['blocks_per_stage']} MLP "
              f"blocks (d={cfg['d']}, each block sharded over the stage's {args.dp} data-parallel ranks, then the "

@@ -249,7 +249,8 @@ done <<<"$MULTI_GROUPS"
 # ZeRO-2 vs FSDP2, fully_shard vs FSDP2 with bf16 gathers, exposed communication), and
 # the gloo collectives on this host's CPUs (a GPU host has more cores than CI, so the
 # reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription);
-# last, if time is left, ZeRO-3 against FSDP2 on QLoRA blocks (frozen NF4 weights).
+# last, if time is left, ZeRO-3 against FSDP2 on QLoRA blocks (frozen NF4 weights) and
+# fully_shard pipeline stages under a zero-bubble schedule (deferred weight passes) against FSDP2's.
 # FUSEDIST_GPU_BENCHES replaces the list (newline-separated).
 say "benchmarks"
 DEFAULT_BENCHES="bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8
@@ -260,7 +261,8 @@ bench_nccl.py --device cuda
 bench_zero.py --collectives-only --world-size 2
 bench_zero.py --collectives-only --world-size 4
 bench_syncbn.py --skip-cpu --batch 32
-bench_zero.py --stage3 --qlora --device cuda --ranks-per-gpu 2 --repeats 8"
+bench_zero.py --stage3 --qlora --device cuda --ranks-per-gpu 2 --repeats 8
+bench_pipeline.py --schedule zero-bubble --device cuda --ranks-per-gpu 4 --repeats 5"
 BENCH_LIMIT_S="${FUSEDIST_GPU_BENCH_LIMIT_S:-120}"
 while IFS= read -r line; do
     [ -z "${line// }" ] && continue

@@ -217,13 +217,8 @@ def _packed_fragments(unit, i: int) -> list:
     rank the bytes every rank holds alike -- so the fragments tile the bytes once, at any
     world size."""
     spec = unit.ext[i]
-    ranges = spec.held_ranges(shared=unit.rank == 0)
-    entry = spec.entry(spec.inner(unit.sharded[i]), shared=unit.rank == 0).cpu()
-    out, cursor = [], 0
-    for lo, hi in ranges:
-        out.append({"range": (lo, hi), "master": entry[cursor:cursor + hi - lo].clone(), "state": {}})
-        cursor += hi - lo
-    return out
+    return [{"range": span, "master": part.cpu().clone(), "state": {}}
+            for span, part in spec.entry_parts(spec.inner(unit.sharded[i]), shared=unit.rank == 0)]
 
 
 # ---------------------------------------------------------------------------- save

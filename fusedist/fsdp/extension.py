@@ -342,7 +342,7 @@ def take_stand_ins(unit, stand_ins: list) -> None:
         module, attr = unit.registrations[i][0]
         converted = module._parameters[attr].detach()
         piece, spec = unit.sharded[i], unit.ext[i]
-        if converted.device == piece.device and converted.dtype == (torch.uint8 if spec.packed else piece.dtype):
+        if converted.device == piece.device and converted.dtype == unit.piece_data(i).dtype:
             spec.set_inner(piece, converted)
         else:
             piece = torch.nn.Parameter(spec.wrap(converted, like=piece), requires_grad=piece.requires_grad)

@@ -185,14 +185,17 @@ class PackedSpec(ExtensionSpec):
         for n, t in self._views(inner).items():
             setattr(piece, n, t)
 
+    def _whole(self, inner: dict, device: torch.device):
+        """The whole parameter (the subclass) over the inner tensors ``inner``."""
+        return self.cls.__tensor_unflatten__(inner, self._ctx(self.ctx, device), torch.Size(self.outer_shape),
+                                             self.outer_stride)
+
     def whole_of_table(self, table: torch.Tensor):
         """The whole parameter (the subclass) from its gathered table: the cut inner tensors of
         every row joined on dim 0, the shared ones of row 0."""
         rows = [self._views(table[r]) for r in range(self.world_size)]
-        inner = {n: torch.cat([r[n] for r in rows]) if n in self.sharded else rows[0][n].clone()
-                 for n, _, _, _ in self.slots}
-        return self.cls.__tensor_unflatten__(inner, self._ctx(self.ctx, table.device), torch.Size(self.outer_shape),
-                                             self.outer_stride)
+        return self._whole({n: torch.cat([r[n] for r in rows]) if n in self.sharded else rows[0][n].clone()
+                            for n, _, _, _ in self.slots}, table.device)
 
     # -- the canonical bytes (Note [quantized storage]: what checkpoints hold)
     def _own_ranges(self, rank: int) -> list:
@@ -219,31 +222,39 @@ class PackedSpec(ExtensionSpec):
                 ranges.append((cursor, self.canonical_bytes))
         return sorted(ranges)
 
+    def _spans(self) -> list:
+        """Where each inner tensor of this rank's row lies in the canonical bytes: ``(offset in
+        the row, offset in the canonical bytes, bytes)``."""
+        where = {n: offset for n, offset, _, _ in self.canonical}
+        out = []
+        for n, at, shape, dtype in self.slots:
+            nbytes = math.prod(shape) * dtype.itemsize
+            out.append((at, where[n] + (self.rank * nbytes if n in self.sharded else 0), nbytes))
+        return out
+
     def _canonical_of_row(self, row: torch.Tensor) -> torch.Tensor:
         """The canonical bytes with this rank's row in place (the other ranks' parts zero)."""
-        out = torch.zeros(self.canonical_bytes, dtype=torch.uint8, device=row.device)
-        flat, where = row.reshape(-1), {c[0]: c[1] for c in self.canonical}
-        for n, at, shape, dtype in self.slots:
-            nbytes, offset = math.prod(shape) * dtype.itemsize, where[n]
-            start = offset + (self.rank * nbytes if n in self.sharded else 0)
+        out, flat = torch.zeros(self.canonical_bytes, dtype=torch.uint8, device=row.device), row.reshape(-1)
+        for at, start, nbytes in self._spans():
             out[start:start + nbytes].copy_(flat[at:at + nbytes])
         return out
 
     def _row_of_canonical(self, canonical: torch.Tensor) -> torch.Tensor:
         """This rank's row cut from the canonical bytes."""
-        row = torch.zeros(1, self.row_bytes, dtype=torch.uint8, device=canonical.device)
-        flat, where = canonical.reshape(-1), {c[0]: c[1] for c in self.canonical}
-        for n, at, shape, dtype in self.slots:
-            nbytes, offset = math.prod(shape) * dtype.itemsize, where[n]
-            start = offset + (self.rank * nbytes if n in self.sharded else 0)
+        row, flat = torch.zeros(1, self.row_bytes, dtype=torch.uint8, device=canonical.device), canonical.reshape(-1)
+        for at, start, nbytes in self._spans():
             row[0, at:at + nbytes].copy_(flat[start:start + nbytes])
         return row
 
-    def entry(self, row: torch.Tensor, shared: bool = True) -> torch.Tensor:
-        """This rank's held ranges of the canonical bytes, end to end: what its state-dict entry
-        and checkpoint fragments carry."""
+    def entry_parts(self, row: torch.Tensor, shared: bool = True) -> list:
+        """This rank's held ranges of the canonical bytes with their bytes, ``((lo, hi), bytes)``
+        in order: what its checkpoint fragments carry."""
         canonical = self._canonical_of_row(row)
-        return torch.cat([canonical[lo:hi] for lo, hi in self.held_ranges(shared)])
+        return [((lo, hi), canonical[lo:hi]) for lo, hi in self.held_ranges(shared)]
+
+    def entry(self, row: torch.Tensor, shared: bool = True) -> torch.Tensor:
+        """:meth:`entry_parts`' bytes end to end: this rank's state-dict entry."""
+        return torch.cat([part for _, part in self.entry_parts(row, shared)])
 
     def row_of_entry(self, entry: torch.Tensor) -> torch.Tensor:
         canonical = torch.zeros(self.canonical_bytes, dtype=torch.uint8, device=entry.device)
@@ -258,9 +269,7 @@ class PackedSpec(ExtensionSpec):
         its canonical bytes are made the subclass."""
         if isinstance(whole, self.cls) or whole.dtype != torch.uint8 or tuple(whole.shape) != (self.canonical_bytes,):
             return whole
-        views = self._views(whole, self.canonical)
-        return self.cls.__tensor_unflatten__(views, self._ctx(self.ctx, whole.device), torch.Size(self.outer_shape),
-                                             self.outer_stride)
+        return self._whole(self._views(whole, self.canonical), whole.device)
 
     def row_of_whole(self, whole, key: str, template: torch.Tensor) -> torch.Tensor:
         """This rank's row of ``whole``: the canonical bytes (as a checkpoint holds them), the

@@ -247,7 +247,7 @@ def test_torch_helpers_full_state_dict(ws):
 def _wrapped(ws, seed, shard_blocks):
     """Net with every block in torch's ``checkpoint_wrapper``, whose state-dict hooks drop the
     ``_checkpoint_wrapped_module.`` segment from the keys (Note [state-dict hooks on every module
-    of a unit] in fusedist/fsdp/dcp.py): the wrappers sharded on their own, or inside the root's
+    of a unit] in fusedist/fsdp/state_dict_hooks.py): the wrappers sharded on their own, or inside the root's
     unit."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -3,7 +3,7 @@
 ``state_dict()`` / ``load_state_dict``, torch's ``get_model_state_dict`` /
 ``set_model_state_dict`` on it, and ``torch.distributed.checkpoint`` of its dict, against torch's
 FSDP2 on the same model and wrapping (Note [state-dict hooks on every module of a unit] in
-fusedist/fsdp/dcp.py), world size 2 on gloo.
+fusedist/fsdp/state_dict_hooks.py), world size 2 on gloo.
 
 FSDP2's entries are DTensors; fusedist's are ``ShardedPiece`` entries, as at the unit level: this
 rank's piece, whose ``size()`` is the whole parameter's. Loads are compared by the whole weights
@@ -167,7 +167,7 @@ def _held(rank, ws):
     import torch.distributed.checkpoint.state_dict as helpers
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from fusedist.fsdp import dcp
+    from fusedist.fsdp import state_dict_hooks
 
     ours, ref = _make("ours", 0), _make("torch", 0)
     inner = helpers._maybe_full_or_cpu_state_dict
@@ -175,7 +175,7 @@ def _held(rank, ws):
 
     def produced(state_dict, info):
         # the dict the modules' hooks filled, before torch copies it: what is kept whole for it
-        held = _tensors_in(dcp._GATHERED, {})
+        held = _tensors_in(state_dict_hooks._GATHERED, {})
         seen.append((sum(t.nbytes for t in held.values()), sum(v.nbytes for v in state_dict.values()),
                      set(held) <= {id(v) for v in state_dict.values()}))
         return inner(state_dict, info)
@@ -191,7 +191,7 @@ def _held(rank, ws):
                 assert got.keys() == theirs.keys(), (path, cpu)
                 _same(got, theirs, (path, cpu))
                 held, wanted, only_entries = seen[-2]  # (the last is FSDP2's call)
-                out[path, cpu] = (held, wanted, only_entries, len(dcp._GATHERED))
+                out[path, cpu] = (held, wanted, only_entries, len(state_dict_hooks._GATHERED))
     finally:
         helpers._maybe_full_or_cpu_state_dict = inner
     return out

@@ -5,7 +5,8 @@ a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the para
 ``grads`` (gradients to shards), ``mesh`` (the shard and replicate groups of a mesh),
 ``replicate`` (HSDP's all-reduce across replicas), ``tensor_parallel`` (DTensor parameters of a
 tensor-parallel mesh: their local tensors sharded), ``extension`` (parameters that choose
-what is gathered: FSDP2's all-gather extension, torchao's float8 weights), ``float8`` (their
+what is gathered: FSDP2's all-gather extension, torchao's float8 weights), ``packed`` (frozen
+quantized storage, QLoRA's NF4 weights, held as bytes), ``float8`` (their
 scales for the next gathers in one all-reduce), ``post_forward`` (an int
 ``reshard_after_forward``: the smaller groups units reshard to after forward), ``state`` (when to gather, reshard and reduce),
 ``recovery`` (forwards and backwards an exception ended midway),
@@ -13,6 +14,7 @@ scales for the next gathers in one all-reduce), ``post_forward`` (an int
 an optimizer step outdated), ``holder``
 (global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
 ``dcp`` (state-dict entries torch's distributed checkpoint can save and load),
+``state_dict_hooks`` (the hooks that put those entries in ``state_dict()`` and take them back),
 ``optim_state`` (the same for an optimizer's state over the pieces),
 ``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as
 the unsharded one), ``api`` (``fully_shard`` and the methods a module gains), ``functions``

@@ -15,7 +15,7 @@ from typing_extensions import deprecated
 
 from ..comm import get_communicator
 from ..ownership import register_step_watch
-from .dcp import install_state_dict_hooks
+from .state_dict_hooks import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats

@@ -52,7 +52,8 @@ from typing import Optional
 
 import torch
 
-from .dcp import ShardedPiece, as_entry, describe_region, piece_region, whole_to_piece
+from .dcp import ShardedPiece, describe_region, piece_region
+from .state_dict_hooks import as_entry, whole_to_piece
 from .torch_helpers import torch_helper_options
 
 __all__ = ["track_optimizer", "note_unit"]

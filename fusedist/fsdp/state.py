@@ -47,7 +47,7 @@ Note [forward without gradients]
     gradients -- "no backward will need it" -- and paid an all-gather per unit per forward.)
     Such a unit stays gathered until something frees it: the end of a backward
     (``reshard_after_backward``), ``reshard()`` (not recursive, as FSDP2's), ``reset_iter_state()``,
-    a state-dict save or load of its module (FSDP2's state-dict pre-hooks reshard too; ``dcp.py``),
+    a state-dict save or load of its module (FSDP2's state-dict pre-hooks reshard too; ``state_dict_hooks.py``),
     or an optimizer step over its pieces. The last is where fusedist departs from FSDP2 on
     purpose: FSDP2 keeps serving a gathered copy after ``optimizer.step()`` wrote the shards
     (an evaluation between a backward and the step leaves the root gathered, and the next forward,

@@ -19,7 +19,7 @@ Note [full state dict through torch's helpers]
 
     The frame also names the module whose state dict is taken (``model``), which tells a
     unit's hooks which of its parameters that dict will hold (Note [state-dict hooks on every
-    module of a unit] in ``dcp.py``).
+    module of a unit] in ``state_dict_hooks.py``).
 """
 
 from __future__ import annotations

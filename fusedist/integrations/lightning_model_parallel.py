@@ -71,7 +71,7 @@ class FusedistModelParallelStrategy(RoutesPrecision, ModelParallelStrategy):
 # take fusedist.fully_shard's pieces as they take FSDP2's DTensors (fsdp/dcp.py); a full
 # checkpoint (save_distributed_checkpoint=False) it loads submodule by submodule with
 # set_model_state_dict(submodule, ...), which every module holding a unit's parameters takes
-# too (Note [state-dict hooks on every module of a unit] in fsdp/dcp.py). So, for the duration
+# too (Note [state-dict hooks on every module of a unit] in fsdp/state_dict_hooks.py). So, for the duration
 # of this strategy's load_checkpoint, the predicate also accepts a module holding fully_shard
 # units. The replacement is scoped (restored on exit, even on error) and checks DTensors
 # first, so a module sharded with torch's fully_shard loads exactly as before.

@@ -22,7 +22,12 @@
 # Whole run is bounded to ~8.7 minutes (FUSEDIST_GPU_BUDGET_S, under 9 in all); each step has
 # its own time limit, and the multi-rank tier's share (FUSEDIST_GPU_MULTI_S) is kept for it.
 # FUSEDIST_GPU_BENCHES replaces the benchmark list; FUSEDIST_GPU_ARCHIVE=file.tar.gz packs the
-# logs and result files of the run.
+# logs and result files of the run. The benchmarks that did not fit are written one per line to
+# build/gpu-checks/benches_left.txt, so that a second run can take them up:
+#   FUSEDIST_GPU_BENCH_ONLY=1 FUSEDIST_GPU_BENCHES="$(cat build/gpu-checks/benches_left.txt)" \
+#       benchmarks/gpu/run_checks.sh
+# runs those benchmarks alone (building only if the extension does not load), its summary saved
+# as gpu_checks_<date>_benchmarks.md.
 # Exit status: 0 all checks passed, 1 some check failed, 2 the machine cannot run them.
 set -uo pipefail
 
@@ -54,7 +59,14 @@ for t in $MULTI_TESTS; do
 done
 SKIPPED_FOR_TIME=()  # what did not fit, printed with the summary
 STAMP="$(date -u +%F)"
-WORK="$ROOT/build/gpu-checks"
+BENCH_ONLY="${FUSEDIST_GPU_BENCH_ONLY:-0}"
+if [ "$BENCH_ONLY" = 1 ]; then
+    WORK="$ROOT/build/gpu-checks-benchmarks"  # leaves the full run's logs in place
+    SUFFIX=_benchmarks
+else
+    WORK="$ROOT/build/gpu-checks"
+    SUFFIX=
+fi
 RESULTS="$ROOT/benchmarks/results"
 rm -rf "$WORK" && mkdir -p "$WORK/report" "$RESULTS" && touch "$WORK/.started" || exit 2
 
@@ -71,7 +83,7 @@ run_step() {
     local limit="$1" log="$2"
     shift 2
     local start=$SECONDS
-    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1 </dev/null
     RC=$?
     TOOK=$((SECONDS - start))
     if [ "$RC" -ne 0 ]; then
@@ -126,15 +138,9 @@ echo "GPU: $GPU_NAME (sm_${ARCH/./}), $GPU_COUNT visible"
 [ "$GPU_COUNT" -gt 1 ] && echo "note: only GPU 0 is used (the multi-rank tier puts both ranks on it)"
 
 # ----------------------------------------------------------------------------- build
-say "build (FUSEDIST_BUILD_CUDA=1, arch $ARCH)"
-run_step 300 "$WORK/build.log" env FUSEDIST_BUILD_CUDA=1 FUSEDIST_CUDA_ARCH_LIST="$ARCH" \
-    "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .
-if [ "$RC" -eq 0 ]; then
-    row "build fusedist (sm_${ARCH/./})" ok "$TOOK" "editable install, --no-build-isolation"
-else
-    row "build fusedist (sm_${ARCH/./})" FAIL "$TOOK" "see $WORK/build.log"
-fi
-ext_info="$("$PY" - <<'EOF' 2>&1
+# Sets ext_info (one line for the table) and ext_rc (0 when the extension and NCCL load).
+check_extension() {
+    ext_info="$("$PY" - <<'EOF' 2>&1
 import fusedist
 if not fusedist.cuda_ext_available():
     raise SystemExit(f"fusedist._C did not load: {fusedist.cuda_ext_error()}")
@@ -147,7 +153,21 @@ except Exception as exc:  # one line for the table
 print(f"CUDA runtime {C.build_info()['cuda_runtime']}, NCCL {version} from {C.nccl_library()}")
 EOF
 )"
-ext_rc=$?
+    ext_rc=$?
+}
+ext_rc=1
+[ "$BENCH_ONLY" = 1 ] && check_extension  # a full run on this machine built it already
+if [ "$ext_rc" -ne 0 ]; then
+    say "build (FUSEDIST_BUILD_CUDA=1, arch $ARCH)"
+    run_step 300 "$WORK/build.log" env FUSEDIST_BUILD_CUDA=1 FUSEDIST_CUDA_ARCH_LIST="$ARCH" \
+        "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .
+    if [ "$RC" -eq 0 ]; then
+        row "build fusedist (sm_${ARCH/./})" ok "$TOOK" "editable install, --no-build-isolation"
+    else
+        row "build fusedist (sm_${ARCH/./})" FAIL "$TOOK" "see $WORK/build.log"
+    fi
+    check_extension
+fi
 if [ "$ext_rc" -eq 0 ]; then
     row "import fusedist._C + load NCCL" ok 0 "$ext_info"
 else
@@ -188,81 +208,84 @@ EOF
     row "$label" "$status" "$TOOK" "exit $RC; log $log"
 }
 
-# ----------------------------------------------------------------------------- GPU test tier
-say "pytest -m gpu"
-limit=$(( $(left) - 15 - MULTI_S )); [ "$limit" -gt 300 ] && limit=300
-if [ "$limit" -lt 30 ]; then
-    row "pytest -m gpu" FAIL 0 "no time left in the budget"
-    SKIPPED_FOR_TIME+=("pytest -m gpu (needs ~90 s, ${limit} s left before the multi-rank reserve)")
-else
-    # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
-    run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
-        "$PY" -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
-        "${MULTI_SKIP[@]}" --junitxml="$WORK/report/gpu-tests.xml"
-    tail -n 5 "$WORK/pytest.log"
-    pytest_rows "$WORK/report/gpu-tests.xml" "pytest -m gpu (all)" "$WORK/pytest.log"
-    if [ -f "$WORK/report/overlap.json" ]; then
-        overlap="$("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"comm {d['comm_ms']:.1f} ms + compute {d['compute_ms']:.1f} ms -> together {d['together_ms']:.1f} ms ({100*d['hidden_fraction_of_shorter']:.0f}% of the shorter hidden)\")" "$WORK/report/overlap.json")"
-        row "comm stream overlap (CUDA events)" info "" "$overlap"
+if [ "$BENCH_ONLY" != 1 ]; then  # the test tiers; a benchmarks-only run leaves them out
+    # ----------------------------------------------------------------------------- GPU test tier
+    say "pytest -m gpu"
+    limit=$(( $(left) - 15 - MULTI_S )); [ "$limit" -gt 300 ] && limit=300
+    if [ "$limit" -lt 30 ]; then
+        row "pytest -m gpu" FAIL 0 "no time left in the budget"
+        SKIPPED_FOR_TIME+=("pytest -m gpu (needs ~90 s, ${limit} s left before the multi-rank reserve)")
+    else
+        # Compiled Triton kernels, not the interpreter: the GPU tier is what checks them.
+        run_step "$limit" "$WORK/pytest.log" env -u TRITON_INTERPRET FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
+            "$PY" -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+            "${MULTI_SKIP[@]}" --junitxml="$WORK/report/gpu-tests.xml"
+        tail -n 5 "$WORK/pytest.log"
+        pytest_rows "$WORK/report/gpu-tests.xml" "pytest -m gpu (all)" "$WORK/pytest.log"
+        if [ -f "$WORK/report/overlap.json" ]; then
+            overlap="$("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"comm {d['comm_ms']:.1f} ms + compute {d['compute_ms']:.1f} ms -> together {d['together_ms']:.1f} ms ({100*d['hidden_fraction_of_shorter']:.0f}% of the shorter hidden)\")" "$WORK/report/overlap.json")"
+            row "comm stream overlap (CUDA events)" info "" "$overlap"
+        fi
     fi
+
+    # ----------------------------------------------------------------------------- multi-rank tier
+    # Ranks on GPU 0 over NCCL's socket transport (slow, but real NCCL across ranks), fusedist and
+    # torch alike. Groups run in priority order within MULTI_S (and the whole budget); a group whose
+    # estimate does not fit in what is left is skipped and listed; each runs at most twice its
+    # estimate and leaves the next group's estimate, so one that hangs leaves time to the next.
+    say "multi-rank tier (ranks sharing GPU 0)"
+    multi_end=$(( SECONDS + MULTI_S )); [ "$multi_end" -gt $((BUDGET_S - 15)) ] && multi_end=$((BUDGET_S - 15))
+    ESTIMATES=($(cut -d'|' -f3 <<<"$MULTI_GROUPS"))
+    gi=0
+    while IFS='|' read -r label per_gpu estimate tests; do
+        [ -z "$label" ] && continue
+        gi=$((gi + 1))
+        stage_left=$(( multi_end - SECONDS )); [ "$stage_left" -lt 0 ] && stage_left=0
+        next_estimate="${ESTIMATES[$gi]:-0}"  # kept for the next group unless this one needs it
+        if [ "$stage_left" -lt "$estimate" ]; then
+            echo "   skipped for time: $label (needs ~${estimate} s, ${stage_left} s left): $tests"
+            row "multi-rank: $label" skipped "" "skipped for time (needs ~${estimate} s, ${stage_left} s left)"
+            SKIPPED_FOR_TIME+=("multi-rank: $label -- $tests")
+            continue
+        fi
+        limit=$(( stage_left - next_estimate )); [ "$limit" -lt "$estimate" ] && limit=$estimate
+        [ "$limit" -gt $(( 2 * estimate )) ] && limit=$(( 2 * estimate ))
+        echo "-- $label: up to ${limit} s (estimate ${estimate} s)"
+        log="$WORK/multirank$gi.log"
+        # shellcheck disable=SC2086  # the test files are words
+        run_step "$limit" "$log" env -u TRITON_INTERPRET FUSEDIST_TEST_RANKS_PER_GPU="$per_gpu" \
+            CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
+            "$PY" -m pytest $tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs -s \
+            --junitxml="$WORK/report/multirank-tests$gi.xml"
+        tail -n 5 "$log"
+        pytest_rows "$WORK/report/multirank-tests$gi.xml" "multi-rank: $label (all)" "$log"
+        late="$(grep -m1 -o 'rank 0: launch took .*' "$log" | cut -c1-150)"
+        [ -n "$late" ] && row "late peer, first launch (#24 finding 3)" info "" "$late"
+    done <<<"$MULTI_GROUPS"
 fi
 
-# ----------------------------------------------------------------------------- multi-rank tier
-# Ranks on GPU 0 over NCCL's socket transport (slow, but real NCCL across ranks), fusedist and
-# torch alike. Groups run in priority order within MULTI_S (and the whole budget); a group whose
-# estimate does not fit in what is left is skipped and listed; each runs at most twice its
-# estimate and leaves the next group's estimate, so one that hangs leaves time to the next.
-say "multi-rank tier (ranks sharing GPU 0)"
-multi_end=$(( SECONDS + MULTI_S )); [ "$multi_end" -gt $((BUDGET_S - 15)) ] && multi_end=$((BUDGET_S - 15))
-ESTIMATES=($(cut -d'|' -f3 <<<"$MULTI_GROUPS"))
-gi=0
-while IFS='|' read -r label per_gpu estimate tests; do
-    [ -z "$label" ] && continue
-    gi=$((gi + 1))
-    stage_left=$(( multi_end - SECONDS )); [ "$stage_left" -lt 0 ] && stage_left=0
-    next_estimate="${ESTIMATES[$gi]:-0}"  # kept for the next group unless this one needs it
-    if [ "$stage_left" -lt "$estimate" ]; then
-        echo "   skipped for time: $label (needs ~${estimate} s, ${stage_left} s left): $tests"
-        row "multi-rank: $label" skipped "" "skipped for time (needs ~${estimate} s, ${stage_left} s left)"
-        SKIPPED_FOR_TIME+=("multi-rank: $label -- $tests")
-        continue
-    fi
-    limit=$(( stage_left - next_estimate )); [ "$limit" -lt "$estimate" ] && limit=$estimate
-    [ "$limit" -gt $(( 2 * estimate )) ] && limit=$(( 2 * estimate ))
-    echo "-- $label: up to ${limit} s (estimate ${estimate} s)"
-    log="$WORK/multirank$gi.log"
-    # shellcheck disable=SC2086  # the test files are words
-    run_step "$limit" "$log" env -u TRITON_INTERPRET FUSEDIST_TEST_RANKS_PER_GPU="$per_gpu" \
-        CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" FUSEDIST_GPU_REPORT_DIR="$WORK/report" \
-        "$PY" -m pytest $tests -m gpu -q -p no:cacheprovider -o addopts="" -rfEs -s \
-        --junitxml="$WORK/report/multirank-tests$gi.xml"
-    tail -n 5 "$log"
-    pytest_rows "$WORK/report/multirank-tests$gi.xml" "multi-rank: $label (all)" "$log"
-    late="$(grep -m1 -o 'rank 0: launch took .*' "$log" | cut -c1-150)"
-    [ -n "$late" ] && row "late peer, first launch (#24 finding 3)" info "" "$late"
-done <<<"$MULTI_GROUPS"
-
 # ----------------------------------------------------------------------------- benchmarks
-# One benchmark per line: script and arguments. The default list is the GPU benchmarks plus
-# ZeRO-3 against torch FSDP2 with two ranks sharing the GPU (the stage-3 step-time target on NCCL),
-# the GPT-style step at world size 2 (DDP vs torch DDP, host-blocking vs stream-ordered waits,
-# ZeRO-2 vs FSDP2, fully_shard vs FSDP2 with bf16 gathers, exposed communication), and
+# One benchmark per line: script and arguments, in priority order: the kernel benchmarks (fused
+# optimizer step at every size, SyncBN on ResNet-50's shapes at batch 64), the GPT-style step at
+# world size 2 with two ranks sharing the GPU (DDP vs torch DDP, host-blocking vs stream-ordered
+# waits, ZeRO-2 vs FSDP2, fully_shard vs FSDP2 with bf16 gathers, exposed communication), ZeRO-3
+# against torch FSDP2 on the same transport, SyncBN at batch 32, the communicator's overhead at
+# world size 1, fully_shard pipeline stages under a zero-bubble schedule (deferred weight passes)
+# against FSDP2's, ZeRO-3 against FSDP2 on QLoRA blocks (frozen NF4 weights; needs torchao), and
 # the gloo collectives on this host's CPUs (a GPU host has more cores than CI, so the
-# reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription);
-# last, if time is left, ZeRO-3 against FSDP2 on QLoRA blocks (frozen NF4 weights) and
-# fully_shard pipeline stages under a zero-bubble schedule (deferred weight passes) against FSDP2's.
+# reduce-scatter / all-gather vs all-reduce comparison runs there without oversubscription).
 # FUSEDIST_GPU_BENCHES replaces the list (newline-separated).
 say "benchmarks"
-DEFAULT_BENCHES="bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8
-bench_gpt_step.py --device cuda --ranks-per-gpu 2 --repeats 5
-bench_optimizer.py --device cuda
+DEFAULT_BENCHES="bench_optimizer.py --device cuda
 bench_syncbn.py --skip-cpu --batch 64
-bench_nccl.py --device cuda
-bench_zero.py --collectives-only --world-size 2
-bench_zero.py --collectives-only --world-size 4
+bench_gpt_step.py --device cuda --ranks-per-gpu 2 --repeats 5
+bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8
 bench_syncbn.py --skip-cpu --batch 32
+bench_nccl.py --device cuda
+bench_pipeline.py --schedule zero-bubble --device cuda --ranks-per-gpu 4 --repeats 5
 bench_zero.py --stage3 --qlora --device cuda --ranks-per-gpu 2 --repeats 8
-bench_pipeline.py --schedule zero-bubble --device cuda --ranks-per-gpu 4 --repeats 5"
+bench_zero.py --collectives-only --world-size 2
+bench_zero.py --collectives-only --world-size 4"
 BENCH_LIMIT_S="${FUSEDIST_GPU_BENCH_LIMIT_S:-120}"
 while IFS= read -r line; do
     [ -z "${line// }" ] && continue
@@ -278,6 +301,7 @@ while IFS= read -r line; do
     if [ "$budget" -lt 20 ]; then
         row "$tag" skipped "" "time budget spent"
         SKIPPED_FOR_TIME+=("benchmark: $tag")
+        echo "$line" >>"$WORK/benches_left.txt"
         continue
     fi
     # shellcheck disable=SC2086  # the arguments are words
@@ -287,6 +311,8 @@ while IFS= read -r line; do
         row "$tag" ok "$TOOK" "$last"
     else
         row "$tag" FAIL "$TOOK" "exit $RC: $last"
+        # Stopped by what was left of the budget, not by its own limit: a later run can retry it.
+        [ "$RC" -eq 124 ] && [ "$budget" -lt "$BENCH_LIMIT_S" ] && echo "$line" >>"$WORK/benches_left.txt"
     fi
 done <<<"${FUSEDIST_GPU_BENCHES:-$DEFAULT_BENCHES}"
 
@@ -299,7 +325,8 @@ table="$WORK/summary.md"
     echo "CPU: $(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(nproc) cores; total ${SECONDS} s"
     echo
     if [ "${#SKIPPED_FOR_TIME[@]}" -gt 0 ]; then
-        echo "Skipped for time (budget ${BUDGET_S} s, multi-rank reserve ${MULTI_S} s):"
+        reserve=", multi-rank reserve ${MULTI_S} s"; [ "$BENCH_ONLY" = 1 ] && reserve=", benchmarks only"
+        echo "Skipped for time (budget ${BUDGET_S} s${reserve}):"
         for item in "${SKIPPED_FOR_TIME[@]}"; do echo "- $item"; done
         echo
     fi
@@ -310,16 +337,16 @@ table="$WORK/summary.md"
         echo "| $check | $status | $took | ${detail//|//} |"
     done
 } >"$table"
-cp "$table" "$RESULTS/gpu_checks_${STAMP}.md"
+cp "$table" "$RESULTS/gpu_checks_${STAMP}${SUFFIX}.md"
 shopt -s nullglob
-for f in "$WORK"/report/*.json; do cp "$f" "$RESULTS/gpu_checks_${STAMP}_$(basename "$f")"; done
-say "summary (saved to benchmarks/results/gpu_checks_${STAMP}.md)"
+for f in "$WORK"/report/*.json; do cp "$f" "$RESULTS/gpu_checks_${STAMP}${SUFFIX}_$(basename "$f")"; done
+say "summary (saved to benchmarks/results/gpu_checks_${STAMP}${SUFFIX}.md)"
 cat "$table"
 # FUSEDIST_GPU_ARCHIVE=file.tar.gz: logs, test report and every result file written in this
 # run, for copying off a machine that is handed back afterwards.
 if [ -n "${FUSEDIST_GPU_ARCHIVE:-}" ]; then
     find "$RESULTS" -newer "$WORK/.started" -type f >"$WORK/new-results.txt"
-    tar -czf "$FUSEDIST_GPU_ARCHIVE" -C "$ROOT" build/gpu-checks \
+    tar -czf "$FUSEDIST_GPU_ARCHIVE" -C "$ROOT" "${WORK#"$ROOT"/}" \
         $(sed "s|^$ROOT/||" "$WORK/new-results.txt") && echo "archive: $FUSEDIST_GPU_ARCHIVE"
 fi
 exit "$FAILED"

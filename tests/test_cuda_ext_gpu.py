@@ -229,8 +229,9 @@ print("READ", value, flush=True)
 
 def test_watchdog_reports_and_exits_before_a_result_can_be_read(tmp_path):
     """FUSEDIST_NCCL_WATCHDOG=exit (the default): the rank prints the error naming the
-    collective, aborts and exits with status 1 while the host is still blocked on the result,
-    so nothing read from the aborted collective reaches the program."""
+    collective and exits with status 1 while the host is still blocked on the result, so
+    nothing read behind the failed collective reaches the program (no abort first: it would
+    block until the queued work ran, releasing the read)."""
     _require_ext()
     script = tmp_path / "exit_on_timeout.py"
     script.write_text(_EXIT_SCRIPT)

@@ -133,8 +133,10 @@ def test_ws4_communicator_equals_torch_nccl():
 # peer that is late blocks the launch. Note [launches without the GIL]: other Python threads
 # must keep running meanwhile. Whether the launch returns at once depends on eager connection;
 # either way the watchdog watches it from before the launch call, so the failure is bounded by
-# the timeout: the second test states that bound with NCCL_RUNTIME_CONNECT=0 (connect at
-# init), and the outcome without it is printed.
+# the timeout and names it: with lazy connection (NCCL's default) the watchdog's abort ends the
+# stuck launch, which raises the timeout, not NCCL's "internal error" (seen on an H200 with
+# NCCL 2.28); with NCCL_RUNTIME_CONNECT=0 (connect at init) the launch returns at once and the
+# next collective raises it.
 LATE_S, TIMEOUT_S = 12.0, 4.0
 
 
@@ -172,16 +174,18 @@ def _late_peer(rank, world_size):
     thread = threading.Thread(target=ticker, daemon=True)
     thread.start()
     start = time.monotonic()
-    handle = comm.all_reduce(x, async_op=True, tag="first")
-    launched = time.monotonic() - start
-    ticks_during_launch = sum(1 for t in ticks if start <= t <= start + launched)
-    error = None
+    launched, error = None, None
     try:
+        handle = comm.all_reduce(x, async_op=True, tag="first")  # may block: lazy connection
+        launched = time.monotonic() - start
         handle.wait()  # stream-ordered: returns at once unless the watchdog already gave up
         x.sum().item()  # blocks until the collective completes or the watchdog aborts it
         comm.all_reduce(x, tag="next")  # FUSEDIST_NCCL_WATCHDOG=raise: raises the failure
     except CollectiveError as exc:
         error = str(exc)
+    if launched is None:  # the launch itself raised
+        launched = time.monotonic() - start
+    ticks_during_launch = sum(1 for t in ticks if start <= t <= start + launched)
     stop.set()
     return {"launch_s": launched, "ticks_during_launch": ticks_during_launch,
             "ended_s": time.monotonic() - start, "error": error}
@@ -203,6 +207,10 @@ def test_ws2_late_peer_does_not_stop_other_threads():
     r0 = _late_peer_run({"FUSEDIST_TIMEOUT_S": str(TIMEOUT_S)})
     if r0["launch_s"] > 1.0:  # the launch blocked (lazy connect): without the GIL, as it must
         assert r0["ticks_during_launch"] >= 10 * (r0["launch_s"] - 0.5), r0
+    # Either way the failure names the collective and the timeout, within the timeout.
+    assert r0["error"] is not None and "all_reduce (tag 'first'" in r0["error"], r0
+    assert "did not complete within 4 s" in r0["error"], r0
+    assert r0["ended_s"] < TIMEOUT_S + 5, r0
 
 
 @needs_two_ranks
@@ -223,6 +231,10 @@ def _skipped_collective(rank, world_size):
     from fusedist.comm import CollectiveError
 
     comm, x = _comm_with_timeout(rank)
+    # A step both ranks run first: it connects the algorithm (NCCL connects lazily, in the
+    # first launch of each), so what follows is a skipped collective, not a late peer.
+    comm.all_reduce(x, tag="bucket 1")
+    torch.cuda.synchronize(x.device)
     if rank == 1:
         time.sleep(TIMEOUT_S + 6)  # never joins "bucket 2"
         return {}

@@ -327,13 +327,13 @@ class NcclCommunicator(Communicator):
         if self.blocking_wait or self.on_watchdog_failure == "raise":
             self._comm.abort(reason)  # the waiting host, or the next wait or launch, raises it
             return
-        # Report while whatever depends on the collective is still unreadable on the host,
-        # then abort and end the process: nothing read from an aborted collective escapes.
+        # Report while whatever depends on the collective is still unreadable on the host, and
+        # end the process without aborting NCCL first (the abort would release a blocked read).
         error = self._watchdog_error("the rest of the program")
         try:
             error = self._report_failure(error)  # the stall report, if monitored
         finally:
-            _exit_reporting(error, lambda: self._comm.abort(reason))
+            _exit_reporting(error)
 
     def settle_at_exit(self, limit_s: float) -> None:
         # Note [stream-ordered waits and the watchdog]: a failure in the last collectives of a
@@ -371,8 +371,13 @@ class NcclCommunicator(Communicator):
         try:
             if count > 0:  # NCCL gets no zero-size calls (null data pointers)
                 launch(self._stream.handle)
-        except BaseException:
+        except BaseException as exc:
             self.watchdog.cancel(watched)
+            if isinstance(exc, Exception):
+                # A launch stuck past its deadline (NCCL connects lazily inside the first
+                # collective of each algorithm, waiting for every peer) ends when the watchdog
+                # aborts the communicator, with NCCL's "internal error": say what happened.
+                self._raise_watchdog_failure(op)
             raise
         for t in tensors:
             # Ordering 3: keep the caching allocator from reusing the memory too early.

@@ -24,13 +24,17 @@ What the handler does matters because the host has run ahead: while the collecti
 nothing that depends on it can be read on the host (such a read blocks), but aborting the
 NCCL communicator ends its kernels, and a host read after that returns garbage -- which the
 program might save before it reaches another collective that could raise. So by default
-(``FUSEDIST_NCCL_WATCHDOG=exit``) the handler reports first, while the results are still
+(``FUSEDIST_NCCL_WATCHDOG=exit``) the handler reports, while the results are still
 unreadable -- the error and fusedist's stall report (which collective, which ranks got how
-far), printed as an uncaught exception would be -- and then aborts NCCL and ends the process
-with status 1, as torch's NCCL watchdog tears its process down; torchrun then stops the other
-ranks. With ``raise`` it aborts, and the next ``wait()`` or collective on the communicator
-raises the error instead (for programs that rebuild their process groups in-process; they
-must not use results read in between). At interpreter exit the communicator waits for its
+far), printed as an uncaught exception would be -- and ends the process with status 1 at
+once, as torch's NCCL watchdog tears its process down; torchrun then stops the other ranks.
+It does not abort NCCL first: the abort is what would release a blocked host read, and
+``ncclCommAbort`` itself can block while device work is queued (it frees device memory),
+long enough for the program to run on with what it read (seen on an H200: a read behind a
+timed-out collective returned while the abort was still running). Process exit ends the
+kernels, and the peers see their connections close. With ``raise`` it aborts, and the next
+``wait()`` or collective on the communicator raises the error instead (for programs that
+rebuild their process groups in-process; they must not use results read in between). At interpreter exit the communicator waits for its
 pending collectives (bounded), so a failure in the last step is reported too, not lost with
 the process. A ``wait(timeout=...)`` shorter than the communicator's own tightens the deadline
 of that collective.

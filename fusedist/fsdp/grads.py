@@ -336,7 +336,7 @@ def finish(p: PendingReduce) -> None:
         out = out.to(dtype) if out.dtype != dtype else out
         out.div_(p.post)
     if out.dtype != dtype or out.device != unit.shard_device:
-        out = out.to(device=unit.shard_device, dtype=dtype, non_blocking=unit.offload)
+        out = _to_shard_device(unit, out, dtype)
     base = unit.layout.sections[p.section].shard_base
     for i in p.with_grad:
         sp = unit.sharded[i]
@@ -348,9 +348,37 @@ def finish(p: PendingReduce) -> None:
         if sp.grad is None:
             sp.grad = view
         else:
+            wait_host_copies(unit)  # the host adds: the copy must have landed
             sp.grad.add_(view)
     COUNTERS.add_scratch(-p.output.numel() * p.output.element_size())
     p.output = None
+
+
+# Note [offloaded gradients land before backward returns]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With CPUOffloadPolicy on a GPU a reduced gradient goes to host memory by a non-blocking
+# device-to-host copy, so the host keeps queueing backward's kernels. Until that copy lands the
+# host ``.grad`` holds nothing meaningful: what reads or writes it -- torch's clip, a scaler's
+# inf check, the optimizer's step on the host, code editing gradients -- must come after it
+# (an H200 run lost an inf written into such a gradient: the copy landed on top of it). So
+# each copy records an event, the end of backward waits for all of them, as FSDP2 does, and a
+# host-side accumulation waits before it adds.
+def _to_shard_device(unit, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in the shard's dtype on the shard's device; an offloaded unit's copy from a GPU
+    is non-blocking and tracked (Note [offloaded gradients land before backward returns])."""
+    copy_to_host = unit.offload and out.device.type == "cuda"
+    moved = out.to(device=unit.shard_device, dtype=dtype, non_blocking=copy_to_host)
+    if copy_to_host:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(out.device))
+        unit.host_copies.append(event)
+    return moved
+
+
+def wait_host_copies(unit) -> None:
+    """Block until the unit's gradient copies to host memory have landed."""
+    while unit.host_copies:
+        unit.host_copies.pop(0).synchronize()
 
 
 def _run_hook(hook, out: torch.Tensor, stream) -> None:

@@ -147,6 +147,9 @@ class IterationContext:
                     self.deferred[st] = [None] * len(st.unit.unsharded)  # zeros, after the units that ran
             self.reduce_in_order(None, None)
             grads_mod.finish_all(self.pending)
+            for st in self.states:  # Note [offloaded gradients land before backward returns]
+                if st.unit is not None:
+                    grads_mod.wait_host_copies(st.unit)
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
                 self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log,
                                          units=[st.unit.label for st in self.post_forward_order])

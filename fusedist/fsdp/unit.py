@@ -111,6 +111,9 @@ class ShardedUnit(PieceMixin):
         self.param_dtype = self.gather_dtype(self.dtype)
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
+        #: events of gradient copies to host memory in flight (Note [offloaded gradients land
+        #: before backward returns] in grads.py)
+        self.host_copies: list = []
         self.reshard_after_forward = reshard_after_forward
         #: reshard_after_forward as an int: the smaller group the unit reshards to after forward
         #: (post_forward.py, Note [resharding to a smaller group after forward]), else None

@@ -326,3 +326,130 @@ def test_nccl_failure_in_the_last_collectives_is_reported_at_exit():
         assert out.returncode == 1, (mode, out.returncode, out.stdout, out.stderr)
         assert "PROGRAM DONE" in out.stdout and "NOT REACHED" not in out.stdout, (mode, out.stdout)
         assert "collective #7) did not complete within 0.2 s" in out.stderr, (mode, out.stderr)
+
+
+# ---- Note [a crashed peer, seen through the store]
+def test_a_crashed_peer_fails_the_overdue_collective_and_is_asked_sparingly(no_thread):
+    from fusedist.comm.watchdog import PEER_CHECK_AFTER_S, PEER_CHECK_EVERY_S
+
+    asked = []
+    answer = {"value": None}
+
+    def crashed_peer():
+        asked.append(clock.now)
+        return answer["value"]
+
+    dog, rec, clock = _watchdog(crashed_peer=crashed_peer)
+    _launch(dog, tag="ddp bucket 3", seq=5, timeout_s=600.0)
+    for _ in range(5):  # not overdue yet: the store is not asked
+        clock.now += PEER_CHECK_AFTER_S / 10
+        assert dog.poll() is None
+    assert asked == []
+    clock.now += PEER_CHECK_AFTER_S
+    assert dog.poll() is None and len(asked) == 1
+    for _ in range(3):  # polled every 0.1 s: asked at most once per PEER_CHECK_EVERY_S
+        clock.now += PEER_CHECK_EVERY_S / 4
+        dog.poll()
+    assert len(asked) == 1
+    clock.now += PEER_CHECK_EVERY_S
+    answer["value"] = "rank 1 on host pid 7 crashed with ValueError: boom"
+    reason = dog.poll()
+    assert len(asked) == 2 and rec.failures == [reason] and rec.failed_seq == 5
+    assert reason.startswith("all_reduce [ddp bucket 3] (collective #5) cannot complete: rank 1 on host pid 7 "
+                             "crashed with ValueError: boom (seen through the store after"), reason
+
+
+def test_no_peer_check_without_pending_collectives(no_thread):
+    asked = []
+    dog, rec, clock = _watchdog(crashed_peer=lambda: asked.append(1) or "crashed")
+    _, event = _launch(dog)
+    event.completed = True
+    clock.now += 10.0
+    assert dog.poll() is None and asked == [] and rec.failures == []
+
+
+def test_crash_counter_and_survivor_entries_through_a_store():
+    """The store side: one call while no peer crashed; the crashed peer named once it did; a
+    crashed rank's wait for the survivors' entries ends when they are there, or at its bound."""
+    import torch.distributed as dist
+
+    from fusedist.reliability import stall_report
+
+    class CountingStore:
+        def __init__(self):
+            self.store, self.calls = dist.HashStore(), 0
+
+        def __getattr__(self, name):
+            method = getattr(self.store, name)
+
+            def call(*args):
+                self.calls += 1
+                return method(*args)
+            return call
+
+    store = CountingStore()
+    assert stall_report.crashed_peer(store, "g", 0, rank=0, world_size=4) is None
+    assert store.calls <= 2  # the timeout setting and one counter read
+    stall_report.publish(store, "g", 0, 2, {"kind": "exit", "error": ""})
+    assert stall_report.crashed_peer(store, "g", 0, rank=0, world_size=4) is None  # an exit is no crash
+    stall_report.publish(store, "g", 0, 3, {"kind": "crash", "error": "ValueError: boom"})
+    stall_report.count_crash(store, "g", 0)
+    found = stall_report.crashed_peer(store, "g", 0, rank=0, world_size=4)
+    assert found is not None and found.startswith("rank 3 on ") and found.endswith("crashed with ValueError: boom")
+    assert stall_report.crashed_peer(store, "g", 0, rank=3, world_size=4) is None  # its own entry
+    assert stall_report.crashed_peer(store, "g", 1, rank=0, world_size=4) is None  # another generation
+
+    start = time.monotonic()
+    assert not stall_report.await_entries(store, "g", 0, rank=3, world_size=4, window_s=0.3)  # rank 0, 1 silent
+    assert 0.3 <= time.monotonic() - start < 3.0
+    for r in (0, 1):
+        stall_report.publish(store, "g", 0, r, {"kind": "failure", "error": "x"})
+    start = time.monotonic()
+    assert stall_report.await_entries(store, "g", 0, rank=3, world_size=4, window_s=30.0)
+    assert time.monotonic() - start < 3.0
+
+
+def test_a_crashed_rank_waits_for_the_survivors_only_where_they_poll_the_store(monkeypatch):
+    """A crash entry bumps the counter the survivors poll; the crashed rank then stays until
+    the survivors published (NCCL communicators: a watchdog asks the store), and not at all
+    over gloo, where the survivors learn of the crash from the closed connections."""
+    import datetime
+    import gc
+    import threading
+
+    import torch.distributed as dist
+
+    from fusedist.reliability import monitor as mon
+    from fusedist.reliability import stall_report
+
+    class Comm:  # a communicator, as far as the monitor uses it
+        rank, world_size, observer = 1, 2, None
+        timeout = datetime.timedelta(seconds=60)
+
+    monkeypatch.setenv("FUSEDIST_STALL_REPORT_S", "0.5")
+    comm = Comm()
+    monitor = mon.CollectiveMonitor(comm)
+    try:
+        monitor.store = store = dist.HashStore()
+        monitor.publish("crash", "ValueError: boom")
+        assert "rank 1 on " in stall_report.crashed_peer(store, monitor.group_name, 0, rank=0, world_size=2)
+
+        start = time.monotonic()
+        monitor.await_survivors()  # no watchdog: gloo
+        assert time.monotonic() - start < 0.2
+
+        comm.watchdog = object()
+        start = time.monotonic()
+        monitor.await_survivors()  # nobody reports: the bound (window + the survivors' check cadence + 1 s)
+        assert 3.4 <= time.monotonic() - start < 6.0
+
+        survivor = threading.Timer(0.3, stall_report.publish,
+                                   (store, monitor.group_name, 0, 0, {"kind": "failure", "error": "x"}))
+        survivor.start()
+        start = time.monotonic()
+        monitor.await_survivors()  # the survivor's entry: then the time to print its report
+        took = time.monotonic() - start
+        assert 0.3 + mon.SURVIVOR_PRINT_S <= took < 0.3 + mon.SURVIVOR_PRINT_S + 1.5, took
+    finally:
+        del monitor
+        gc.collect()

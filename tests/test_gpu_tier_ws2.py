@@ -54,6 +54,7 @@ Sections and their tolerances:
 from __future__ import annotations
 
 import copy
+import os
 import traceback
 
 import pytest
@@ -434,12 +435,23 @@ SECTIONS = {"bf16_reduce": _bf16_reduce, "fp16_master": _fp16_master, "zero_offl
             "stage3_offload": _stage3_offload, "stage3_extension": _stage3_extension}
 
 
-def _tier(rank, world_size, device_type):
+def _selected_sections() -> list:
+    """``FUSEDIST_TIER_SECTIONS`` (comma-separated names): run only those sections, for a short
+    rerun on a GPU; the other sections' tests skip, saying so."""
+    names = [n.strip() for n in os.environ.get("FUSEDIST_TIER_SECTIONS", "").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"FUSEDIST_TIER_SECTIONS names unknown sections {unknown}; known: {sorted(SECTIONS)}")
+    return names or list(SECTIONS)
+
+
+def _tier(rank, world_size, device_type, names):
     device = _device(rank, device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     out = {}
-    for name, section in SECTIONS.items():
+    for name in names:
+        section = SECTIONS[name]
         try:
             out[name] = ("ok", section(rank, world_size, device))
         except Exception:  # noqa: BLE001 - the section's test reports it
@@ -450,13 +462,16 @@ def _tier(rank, world_size, device_type):
 @pytest.fixture(scope="module", params=DEVICES)
 def tier(request):
     device_type = request.param
-    results = run_distributed(_tier, WORLD, device_type, backend="nccl" if device_type == "cuda" else "gloo",
+    results = run_distributed(_tier, WORLD, device_type, _selected_sections(),
+                              backend="nccl" if device_type == "cuda" else "gloo",
                               timeout=400 if device_type == "cuda" else 240)
     return device_type, results
 
 
 def _section(tier, name):
     device_type, results = tier
+    if name not in results[0]:
+        pytest.skip(f"section {name} not selected (FUSEDIST_TIER_SECTIONS)")
     for rank, res in enumerate(results):
         status, value = res[name]
         assert status == "ok", f"{name} on {device_type}, rank {rank}:\n{value}"

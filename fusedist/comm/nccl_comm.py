@@ -239,7 +239,8 @@ class NcclCommunicator(Communicator):
         self.closed = False
         self._failure_raised = False  # the watchdog's failure reached the program
         self.watchdog = CollectiveWatchdog(self._watchdog_failed, self._poll_async_error,
-                                           name=f"rank{self.rank}-cuda{self._device}")
+                                           name=f"rank{self.rank}-cuda{self._device}",
+                                           crashed_peer=self._crashed_peer)
 
     # ---- Communicator interface
     @property
@@ -355,6 +356,12 @@ class NcclCommunicator(Communicator):
 
     def _poll_async_error(self) -> None:
         self._comm.check_async_error("a collective in flight (seen by the watchdog)")
+
+    def _crashed_peer(self) -> Optional[str]:
+        """A peer's published crash (Note [a crashed peer, seen through the store] in
+        watchdog.py): through the reliability monitor, when one watches this communicator."""
+        check = getattr(self.observer, "crashed_peer", None)
+        return check() if check is not None else None
 
     # ---- helpers
     def _enqueue(self, op: str, tensors, count: int, launch) -> _Work:

@@ -57,15 +57,33 @@ log = logging.getLogger(__name__)
 #: How often pending collectives are polled (torch's NCCL watchdog polls every 100 ms).
 POLL_INTERVAL_S = 0.1
 
+# Note [a crashed peer, seen through the store]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank that dies of an uncaught exception publishes a "crash" entry in the store before it
+# exits (reliability/monitor.py). Over gloo the survivors learn of the death at once (its
+# connections close) and their stall reports name it; over NCCL nothing tells them until their
+# timeout (an H200 run saw no error in the 1.6 s before torchrun ended the survivor), and
+# torchrun ends the survivors as soon as the crashed worker has exited (it polls every 0.1 s by
+# default), so no report naming the crash is ever printed. So the watchdog also asks whether a
+# peer crashed -- one store call (a counter) every PEER_CHECK_EVERY_S, only while a collective
+# has been pending for PEER_CHECK_AFTER_S -- and a crash is a failure of the oldest pending
+# collective, reported as any other; and a crashed rank with NCCL communicators lingers
+# (bounded) until the survivors have published their entries. A peer's clean exit is not a
+# failure here: a rank that left cleanly has completed its collectives, while ours may still
+# be landing; a peer that left early shows up in the report at the timeout.
+PEER_CHECK_AFTER_S = 1.0
+PEER_CHECK_EVERY_S = 1.0
+
 
 class WatchedCollective:
     """One watched collective: which it is, its deadline and, once launched, its done event."""
 
-    __slots__ = ("op", "tag", "seq", "timeout_s", "deadline", "done")
+    __slots__ = ("op", "tag", "seq", "timeout_s", "deadline", "done", "started")
 
     def __init__(self, op: str, tag: str, seq: int, timeout_s: float, deadline: float):
         self.op, self.tag, self.seq = op, tag, seq
         self.timeout_s, self.deadline, self.done = timeout_s, deadline, None
+        self.started = deadline - timeout_s
 
     @property
     def what(self) -> str:
@@ -81,6 +99,9 @@ class CollectiveWatchdog:
             or None). It must at least abort the communicator (see the Note).
         poll_error: raises when the communicator hit an asynchronous error (and aborts it);
             returns otherwise.
+        crashed_peer: returns why a peer can no longer join (a crash it published), else
+            None; asked only while a collective is overdue (Note [a crashed peer, seen
+            through the store]).
         name: how the thread and the messages name the communicator.
         clock: seconds, monotonic (tests pass a fake one).
         interval_s: polling period while collectives are pending.
@@ -88,8 +109,10 @@ class CollectiveWatchdog:
 
     def __init__(self, on_failure: Callable[[str, Optional["WatchedCollective"]], None],
                  poll_error: Callable[[], None], *, name: str,
+                 crashed_peer: Optional[Callable[[], Optional[str]]] = None,
                  clock: Callable[[], float] = time.monotonic, interval_s: float = POLL_INTERVAL_S):
-        self._on_failure, self._poll_error = on_failure, poll_error
+        self._on_failure, self._poll_error, self._crashed_peer = on_failure, poll_error, crashed_peer
+        self._next_peer_check = 0.0
         self.name = name
         self._clock, self._interval = clock, interval_s
         self._pending: collections.deque[WatchedCollective] = collections.deque()
@@ -156,6 +179,11 @@ class CollectiveWatchdog:
                           "another code path), or ranks issuing collectives in different orders or sizes")
             else:
                 self._poll_error()
+                crash = self._peer_crash(watched, now)
+                if crash is not None:
+                    failed = watched[0]
+                    reason = (f"{failed.what} cannot complete: {crash} (seen through the store after "
+                              f"{now - failed.started:.1f} s)")
         except Exception as exc:  # noqa: BLE001 - an async NCCL error or a failed kernel
             reason = str(exc)
             with self._cond:
@@ -175,6 +203,15 @@ class CollectiveWatchdog:
             self._pending.clear()
             self._cond.notify_all()
         return reason
+
+    def _peer_crash(self, watched: list, now: float) -> Optional[str]:
+        """Note [a crashed peer, seen through the store]: asked only while the oldest pending
+        collective is overdue, at most every PEER_CHECK_EVERY_S."""
+        if self._crashed_peer is None or not watched or now - watched[0].started < PEER_CHECK_AFTER_S \
+                or now < self._next_peer_check:
+            return None
+        self._next_peer_check = now + PEER_CHECK_EVERY_S
+        return self._crashed_peer()
 
     def settle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds until nothing is pending or a failure was handled

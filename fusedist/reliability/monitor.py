@@ -25,6 +25,10 @@ from . import stall_report
 #: Collectives remembered per communicator for the report.
 HISTORY = 16
 
+#: How long a crashed rank stays after the survivors published their entries: they render and
+#: print their reports right after (Note [a crashed peer, seen through the store]).
+SURVIVOR_PRINT_S = 0.5
+
 _monitors: "weakref.WeakSet[CollectiveMonitor]" = weakref.WeakSet()
 _crashed = False
 
@@ -136,6 +140,31 @@ class CollectiveMonitor:
         if self.store is not None:
             stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank,
                                  self._entry(kind=kind, error=error))
+            if kind == "crash":
+                stall_report.count_crash(self.store, self.group_name, self.generation)
+
+    def crashed_peer(self) -> Optional[str]:
+        """Which peer published a crash (Note [a crashed peer, seen through the store] in
+        comm/watchdog.py), else None."""
+        if self.store is None:
+            return None
+        return stall_report.crashed_peer(self.store, self.group_name, self.generation, self.comm.rank,
+                                         self.comm.world_size)
+
+    def await_survivors(self) -> None:
+        """A crashed rank whose peers learn of crashes only through the store (communicators
+        with a watchdog: NCCL) waits, bounded, until they have published their entries, so
+        that it is still alive while they report (torchrun ends them once it has exited)."""
+        if self.store is None or self.reports or getattr(self.comm, "watchdog", None) is None \
+                or self.comm.world_size < 2:
+            return  # no store, a failure of its own already published, or peers that see closed connections
+        from ..comm.watchdog import PEER_CHECK_AFTER_S, PEER_CHECK_EVERY_S
+
+        bound = stall_report.report_window_s(self.comm.timeout.total_seconds()) + PEER_CHECK_AFTER_S \
+            + PEER_CHECK_EVERY_S + 1.0
+        if stall_report.await_entries(self.store, self.group_name, self.generation, self.comm.rank,
+                                      self.comm.world_size, bound):
+            time.sleep(SURVIVOR_PRINT_S)  # their reports are rendered right after they publish
 
 
 def _short(error: BaseException, limit: int = 400) -> str:
@@ -149,13 +178,21 @@ def publish_crash(error: BaseException) -> None:
 
     Called automatically for uncaught exceptions once a monitor exists (chained
     ``sys.excepthook``); call it yourself from an ``except`` that ends a rank's training.
-    Never raises.
+    Never raises. With NCCL communicators it then waits, bounded by the report window plus a
+    few seconds, for the survivors' entries (Note [a crashed peer, seen through the store] in
+    comm/watchdog.py).
     """
     global _crashed
     _crashed = True
-    for monitor in list(_monitors):
+    monitors = list(_monitors)
+    for monitor in monitors:
         try:
             monitor.publish("crash", _short(error))
+        except Exception:  # noqa: BLE001
+            pass
+    for monitor in monitors:  # Note [a crashed peer, seen through the store] in comm/watchdog.py
+        try:
+            monitor.await_survivors()
         except Exception:  # noqa: BLE001
             pass
 

@@ -97,6 +97,47 @@ def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
         return False
 
 
+def _crash_count_key(group: str, generation: int) -> str:
+    return f"{KEY_PREFIX}/{group}/{generation}/crashed"
+
+
+def count_crash(store, group: str, generation: int) -> None:
+    """Bump the group's crash counter: what survivors poll (one call) instead of every entry
+    (Note [a crashed peer, seen through the store] in comm/watchdog.py)."""
+    try:
+        _bounded(store, 5.0)
+        store.add(_crash_count_key(group, generation), 1)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def crashed_peer(store, group: str, generation: int, rank: int, world_size: int) -> Optional[str]:
+    """Which other rank of the group published a crash, as a phrase for an error (None: none
+    did, or the store cannot say). One store call while none has."""
+    try:
+        _bounded(store, 5.0)
+        if int(store.add(_crash_count_key(group, generation), 0)) == 0:
+            return None
+        for other in range(world_size):
+            key = _key(group, generation, other)
+            if other == rank or not store.check([key]):
+                continue
+            entry = json.loads(store.get(key).decode())
+            if entry.get("kind") == "crash":
+                return (f"rank {other} on {entry.get('host')} pid {entry.get('pid')} crashed with "
+                        f"{entry.get('error')}")
+    except Exception:  # noqa: BLE001 - a report must never fail because the store is odd
+        return None
+    return None
+
+
+def await_entries(store, group: str, generation: int, rank: int, world_size: int, window_s: float) -> bool:
+    """Wait up to ``window_s`` until every other rank of the group has published an entry (a
+    crashed rank lingering for the survivors' reports). True when all did."""
+    others = [r for r in range(world_size) if r != rank]
+    return len(collect(store, group, generation, others, window_s)) == len(others)
+
+
 def _global_rank():
     """This process's rank in the default group (None outside one): a report over a subgroup
     (HSDP's replicate group, a ZeRO group) names its ranks within the group, and this says

@@ -365,3 +365,59 @@ def test_gpu_fused_amp_step_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(norm.item())
+
+
+# ---- Note [host gradients under a device scaler]
+def test_copies_of_the_scale_and_flag_to_the_host_are_blocking():
+    """A host kernel reads the scale and sets the flag at once: a non-blocking copy from the GPU
+    would land after it (an H200 run: wrong unscaling, a lost inf). Between devices it stays
+    asynchronous."""
+    from fusedist.amp.grad_scaler import copy_to
+
+    class Spy:  # a GPU tensor, as far as the copy uses it
+        def to(self, **kw):
+            self.kw = kw
+            return self
+
+    host, gpu = Spy(), Spy()
+    copy_to(host, torch.device("cpu"))
+    copy_to(gpu, torch.device("cuda", 1))
+    assert host.kw == dict(device=torch.device("cpu"), non_blocking=False, copy=True)
+    assert gpu.kw["non_blocking"] is True and gpu.kw["copy"] is True
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_unscaling_by_device_matches_torchs(poison):
+    """fusedist's per-device unscale (torch's optimizers) against torch's own: fp32 and bf16
+    dense gradients, a sparse fp16 one with duplicate indices, a parameter without a gradient."""
+    from torch.amp.grad_scaler import GradScaler as TorchGradScaler
+
+    from fusedist.amp.grad_scaler import _unscale_per_device
+
+    def make():
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3, generator=g).to(dtype))
+                  for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32)]
+        params[0].grad = torch.randn(5, 3, generator=g) * 1024
+        params[1].grad = (torch.randn(5, 3, generator=g) * 1024).bfloat16()
+        params[2].grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 4]]), torch.randn(3, 3, generator=g).half() * 1024,
+                                                 (5, 3))
+        if poison:
+            params[1].grad.view(-1)[7] = float("nan")
+        return params, torch.optim.SGD(params, lr=0.1)
+
+    inv_scale = torch.full((1,), 1.0 / 1024)
+    ours, ours_opt = make()
+    theirs, theirs_opt = make()
+    flags = _unscale_per_device(ours_opt, inv_scale, torch.zeros(1), allow_fp16=True)
+    expected = TorchGradScaler("cpu")._unscale_grads_(theirs_opt, inv_scale, torch.zeros(1), True)
+    assert list(flags) == list(expected) == [torch.device("cpu")]
+    assert flags[torch.device("cpu")].item() == expected[torch.device("cpu")].item() == float(poison)
+    for a, b in zip(ours, theirs):
+        if b.grad is None:
+            assert a.grad is None
+            continue
+        da, db = (a.grad.to_dense(), b.grad.to_dense()) if b.grad.is_sparse else (a.grad, b.grad)
+        torch.testing.assert_close(da, db, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        _unscale_per_device(make()[1], inv_scale, torch.zeros(1), allow_fp16=False)

@@ -170,6 +170,49 @@ def _refuse_fp16_in_place(optimizer) -> None:
         )
 
 
+# Note [host gradients under a device scaler]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's scaler unscales each device's gradients with copies of the inverse scale and the
+# inf flag made for that device by non-blocking copies. For gradients in host memory under a
+# GPU scaler (CPUOffloadPolicy) those are device-to-host copies that have not landed when the
+# host kernel reads the scale and sets the flag at once: it unscaled by whatever the buffer
+# held, and the late copy overwrote the flag (seen on an H200: norms unlike the device run's
+# from the first step, an inf on one rank not seen, the scale grown instead of backed off).
+# So the copies to the host are blocking here; between devices they stay asynchronous.
+def _unscale_per_device(optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
+    """torch's ``GradScaler._unscale_grads_`` (same grouping, checks and kernel), with the
+    scale and flag copied to the host synchronously: the flag of each device, by device."""
+    grads: dict = defaultdict(lambda: defaultdict(list))
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if grad.is_sparse:
+                    # Duplicate indices add up on coalescing, which can overflow in fp16: check
+                    # the coalesced values, as torch does.
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grads[grad.device][grad.dtype].append(grad)
+        flags = {}
+        for device, by_dtype in grads.items():
+            flags[device] = flag = copy_to(found_inf, device)
+            inv = copy_to(inv_scale, device)
+            for same_dtype in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, inv)
+    return flags
+
+
+def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on ``device``; blocking when that is the host, where a kernel reads and
+    writes it at once (Note [host gradients under a device scaler])."""
+    return t.to(device=device, non_blocking=torch.device(device).type != "cpu", copy=True)
+
+
 def _real(value) -> Optional[float]:
     try:
         return None if isinstance(value, bool) else float(value)
@@ -339,7 +382,7 @@ class GradScaler(_TorchGradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch's path (any other optimizer): unscale_ and step both come through here.
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        per_device = _unscale_per_device(optimizer, inv_scale, found_inf, allow_fp16)
         for flag in per_device.values():
             _combine_over_shards(optimizer, flag)  # [sharded gradients]
         return per_device

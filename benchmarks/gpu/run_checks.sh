@@ -35,20 +35,18 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
 PY="${PYTHON:-python3}"
 BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-525}"  # stay under 9 minutes in total
-# Reserved for the multi-rank tier. A sober estimate: each 2-rank NCCL spawn pays two CUDA
-# contexts and NCCL init over loopback sockets (~15 s) before its work; the ws2 group holds
-# ~13 spawns (two of them wait out a 12 s late peer, one a 10 s skipped collective, one
-# rebuilds its group 5 times) plus the GPU tier's ws2 file (one spawn, five sections, first
-# Triton compiles): ~255 s; the fault
-# matrix runs 6 torchrun jobs (4 then 2 concurrently) that each wait out a 3 s timeout and a 3 s
-# report window: ~80 s. World size 4 (~50 s) runs only if those finish early.
-MULTI_S="${FUSEDIST_GPU_MULTI_S:-345}"
+# Reserved for the multi-rank tier, from the first run on an H200 (2026-12-04, torch 2.11,
+# NCCL 2.28; benchmarks/results/gpu_h200_2026-12-04/) with a third on top: the world-size-2
+# group took 103 s (its ~13 spawns pay two CUDA contexts and NCCL init over loopback sockets,
+# a few seconds each; two wait out a 12 s late peer, one a 10 s skipped collective), the fault
+# matrix 44 s (torchrun jobs that wait out 3 s timeouts and report windows), world size 4 16 s.
+MULTI_S="${FUSEDIST_GPU_MULTI_S:-240}"
 # The multi-rank groups, in priority order: "label|ranks per GPU|estimated s|tests" (whole
 # files, or node ids of files whose other GPU tests stay in the GPU tier). The GPU tier leaves
 # all of their tests out.
-MULTI_GROUPS="ws2 vs torch (2 ranks on GPU 0)|2|255|tests/test_nccl_multirank_gpu.py tests/test_gpu_tier_ws2.py tests/test_reliability.py::test_divergence_detected_on_cuda tests/test_syncbn.py::test_nccl_unequal_batches tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw
-fault matrix on NCCL (2 ranks on GPU 0)|2|80|tests/test_fault_matrix_gpu.py tests/test_fault_matrix_ws2.py
-ws4 collectives (4 ranks on GPU 0)|4|50|tests/test_nccl_multirank_gpu.py::test_ws4_communicator_equals_torch_nccl"
+MULTI_GROUPS="ws2 vs torch (2 ranks on GPU 0)|2|150|tests/test_nccl_multirank_gpu.py tests/test_gpu_tier_ws2.py tests/test_reliability.py::test_divergence_detected_on_cuda tests/test_syncbn.py::test_nccl_unequal_batches tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw
+fault matrix on NCCL (2 ranks on GPU 0)|2|60|tests/test_fault_matrix_gpu.py tests/test_fault_matrix_ws2.py
+ws4 collectives (4 ranks on GPU 0)|4|30|tests/test_nccl_multirank_gpu.py::test_ws4_communicator_equals_torch_nccl"
 MULTI_TESTS="$(cut -d'|' -f4 <<<"$MULTI_GROUPS" | tr ' ' '\n')"
 MULTI_SKIP=()  # pytest options that leave MULTI_TESTS out of the GPU tier
 for t in $MULTI_TESTS; do

@@ -400,8 +400,8 @@ def test_unscaling_by_device_matches_torchs(poison):
                   for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32)]
         params[0].grad = torch.randn(5, 3, generator=g) * 1024
         params[1].grad = (torch.randn(5, 3, generator=g) * 1024).bfloat16()
-        params[2].grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 4]]), torch.randn(3, 3, generator=g).half() * 1024,
-                                                 (5, 3))
+        values = torch.randn(3, 3, generator=g).half() * 1024  # rows 0, 0 and 4: a duplicate index
+        params[2].grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 4]]), values, (5, 3))
         if poison:
             params[1].grad.view(-1)[7] = float("nan")
         return params, torch.optim.SGD(params, lr=0.1)

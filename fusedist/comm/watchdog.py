@@ -34,10 +34,10 @@ long enough for the program to run on with what it read (seen on an H200: a read
 timed-out collective returned while the abort was still running). Process exit ends the
 kernels, and the peers see their connections close. With ``raise`` it aborts, and the next
 ``wait()`` or collective on the communicator raises the error instead (for programs that
-rebuild their process groups in-process; they must not use results read in between). At interpreter exit the communicator waits for its
-pending collectives (bounded), so a failure in the last step is reported too, not lost with
-the process. A ``wait(timeout=...)`` shorter than the communicator's own tightens the deadline
-of that collective.
+rebuild their process groups in-process; they must not use results read in between). At
+interpreter exit the communicator waits for its pending collectives (bounded), so a failure in
+the last step is reported too, not lost with the process. A ``wait(timeout=...)`` shorter than
+the communicator's own tightens the deadline of that collective.
 """
 
 from __future__ import annotations

@@ -113,9 +113,11 @@ def count_crash(store, group: str, generation: int) -> None:
 
 def crashed_peer(store, group: str, generation: int, rank: int, world_size: int) -> Optional[str]:
     """Which other rank of the group published a crash, as a phrase for an error (None: none
-    did, or the store cannot say). One store call while none has."""
+    did, or the store cannot say). One store call while none has. It runs while training may
+    still be healthy, so it leaves the store's timeout alone (``_bounded`` would shorten it for
+    every later user of the store, torch's group creation included); none of its calls waits
+    for a key."""
     try:
-        _bounded(store, 5.0)
         if int(store.add(_crash_count_key(group, generation), 0)) == 0:
             return None
         for other in range(world_size):

@@ -32,6 +32,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 
 import torch
 
@@ -129,12 +130,23 @@ def torch_step(shapes, device, mode):
     return step, (model, model_grads, masters, opt, scaler)
 
 
+def host_ms(fn, calls: int = 20) -> float:
+    """The host's time per call on CUDA, ``calls`` calls issued back to back: about the
+    device time when the step's own launches and Python bound it (the small sizes), far less
+    when its kernels do, and the device time or more when the step synchronizes the host."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return took
+
+
 def copy_ms(nbytes_moved: int, device: torch.device, **timing):
     src = torch.empty(nbytes_moved // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    result = bench_ms(lambda: dst.copy_(src), device, **timing)["median_ms"]
-    del src, dst
-    return result
+    return bench_ms(lambda: dst.copy_(src), device, **timing)["median_ms"]  # both freed on return
 
 
 def verdict(rows: list[dict]) -> str:
@@ -175,6 +187,7 @@ def main(argv=None):
         for mode in modes:
             ours, keep_ours = fusedist_step(shapes, device, mode)
             ours_t = bench_ms(ours, device, **timing)
+            ours_host = host_ms(ours) if device.type == "cuda" else None
             del ours, keep_ours
             gc.collect()
             default, keep_default = fusedist_step(shapes, device, mode, lazy_unscale=False)
@@ -183,6 +196,7 @@ def main(argv=None):
             gc.collect()
             theirs, keep_theirs = torch_step(shapes, device, mode)
             theirs_t = bench_ms(theirs, device, **timing)
+            theirs_host = host_ms(theirs) if device.type == "cuda" else None
             del theirs, keep_theirs
             gc.collect()
             if device.type == "cuda":
@@ -201,6 +215,7 @@ def main(argv=None):
             }
             if device.type == "cuda":
                 row["copy_fraction"] = copy_ms(modeled, device, **timing) / ours_t["median_ms"]
+                row["fusedist_host_ms"], row["torch_host_ms"] = ours_host, theirs_host
             rows.append(row)
             print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     notes = (
@@ -212,7 +227,10 @@ def main(argv=None):
         f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled). "
         "Loss scale 1 on both sides, so the in-place unscales do not drive the reused gradients into "
         "denormals (the passes run all the same)."
-        + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms." if device.type == "cuda" else
+        + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms. "
+           "fusedist_host_ms / torch_host_ms: the host's time per step, 20 steps issued back to back "
+           "(near the device time: bound by launches and Python; above it: the step synchronizes)."
+           if device.type == "cuda" else
            "\nOn CPU fusedist_backend says what ran: 'torch' is the pure-PyTorch reference (about a dozen foreach "
            "passes), against torch's single-pass C++ fused AdamW; the C++ CPU Adam ('cpu_ext') is the intended fast "
            "CPU path. CPU timings on a shared machine are noisy: see loadavg_1m and the p20/p80 columns.")

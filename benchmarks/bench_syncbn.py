@@ -14,7 +14,10 @@ x; backward reduce: read dy and x; normalize: read x, write y; elementwise backw
 and x, write dx), the fraction of a same-run read bandwidth (``torch.sum`` over a 1 GiB fp32
 buffer), and the ratio torch / fusedist (> 1: fusedist is faster). The last line is the
 verdict: the lowest ratio over every row (target >= 1.0) and the lowest bandwidth fraction
-over the rows whose input is at least 100 MB (target >= 0.85).
+over the rows whose input is at least 100 MB (target >= 0.85). ``fusedist_host_us`` /
+``torch_host_us``: the host's time to issue one call (50 calls, no synchronization between
+them); where it is most of the measured time the call is bound by its launch, not by its
+kernels, and the verdict counts those rows among the slower ones.
 
 CPU (always): two ranks on gloo, each normalizing its own batch: fusedist SyncBatchNorm
 forward+backward against plain ``nn.BatchNorm`` on the same per-rank batch in the same
@@ -114,6 +117,20 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
         # whole matrix (2 batches x 3 dtypes x 2 layouts x 12 shapes x 4 ops x 2) in ~1-2 min.
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
+    def host_us(fn, calls: int = 50) -> float:
+        """The host's time per call, issuing ``calls`` calls back to back (far fewer than the
+        launch queue holds, so none waits for the GPU)."""
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            took = (time.perf_counter() - start) / calls * 1e6
+            torch.cuda.synchronize()
+            return took
+        except RuntimeError:
+            return float("nan")
+
     def timed(fn) -> tuple[float, str]:
         """(median µs, "") or (nan, the error): one op that fails (a dtype a torch kernel lacks)
         must not cost the rest of a GPU run's rows."""
@@ -123,7 +140,7 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
             return float("nan"), f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
     big = torch.empty(256 * 2**20, device="cuda", dtype=torch.float32).uniform_()
-    read_gbs = big.numel() * 4 / (median_us(lambda: big.sum()) * 1e-6) / 1e9
+    read_gbs = big.numel() * 4 / (median_us(big.sum) * 1e-6) / 1e9
     del big
     print(f"same-run read bandwidth (torch.sum, 1 GiB fp32): {read_gbs:.0f} GB/s")
 
@@ -174,6 +191,7 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
                 "fusedist_us": t_ours, "torch_us": t_torch,
                 "fusedist_GBps": gbs, "torch_GBps": moved / (t_torch * 1e-6) / 1e9,
                 "frac_read_bw": gbs / read_gbs, "speedup_vs_torch": t_torch / t_ours,
+                "fusedist_host_us": host_us(ours), "torch_host_us": host_us(theirs),
                 "error": "; ".join(e for e in (err_ours and f"fusedist: {err_ours}",
                                                err_torch and f"torch: {err_torch}") if e),
             })
@@ -193,6 +211,10 @@ def verdict(rows: list[dict]) -> str:
             f"{worst['dtype']} {worst['layout']} {worst['shape']}; target >= 1.0)")
     if failed:
         text += f"; {len(failed)} row(s) failed (see their error column), first: {failed[0]['error']}"
+    slower = [r for r in rows if r["speedup_vs_torch"] < 1.0]
+    if slower and "fusedist_host_us" in slower[0]:
+        launch_bound = [r for r in slower if r["fusedist_host_us"] >= 0.8 * r["fusedist_us"]]
+        text += f"; {len(launch_bound)} of the {len(slower)} slower rows are launch-bound (host >= 80% of the time)"
     large = [r for r in rows if r["input_MB"] >= 100]
     if large:
         low = min(large, key=lambda r: r["frac_read_bw"])

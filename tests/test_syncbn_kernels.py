@@ -268,3 +268,17 @@ def test_parallel_welford_combine_over_uneven_ranks():
         torch.testing.assert_close(stats.m2, ref_m2, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"more than 1 value per channel .* \[1, 0\]"):
         combine(torch.stack([stats_payload(*as_ncs(x[:1, :, :1])), stats_payload(*as_ncs(x[:0, :, :1]))]), 3)
+
+
+def test_launch_arithmetic_equals_tritons():
+    """Note [launch arithmetic in plain Python]: the launchers' own cdiv and next power of two
+    give what triton's helpers give, over every value the launch sizes can take."""
+    import triton
+
+    from fusedist.triton_kernels.syncbn import _cdiv, _next_pow2
+
+    values = list(range(0, 4200)) + [2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1, 2**31, 3 * 2**33 + 5]
+    for n in values:
+        assert _next_pow2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 32, 64, 1000, 2048):
+            assert _cdiv(n, d) == triton.cdiv(n, d), (n, d)

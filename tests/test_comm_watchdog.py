@@ -435,19 +435,21 @@ def test_a_crashed_rank_waits_for_the_survivors_only_where_they_poll_the_store(m
         assert "rank 1 on " in stall_report.crashed_peer(store, monitor.group_name, 0, rank=0, world_size=2)
 
         start = time.monotonic()
-        monitor.await_survivors()  # no watchdog: gloo
+        assert monitor.survivor_wait_s() == 0 and not monitor.await_survivors()  # no watchdog: gloo
         assert time.monotonic() - start < 0.2
 
         comm.watchdog = object()
+        assert monitor.survivor_wait_s() == 0.5 + 1.0 + 1.0 + 1.0  # window + the survivors' check cadence + 1 s
         start = time.monotonic()
-        monitor.await_survivors()  # nobody reports: the bound (window + the survivors' check cadence + 1 s)
+        assert not monitor.await_survivors()  # nobody reports: the bound
         assert 3.4 <= time.monotonic() - start < 6.0
 
+        monkeypatch.setattr(mon, "_crashed", False)  # publish_crash sets it for the process
         survivor = threading.Timer(0.3, stall_report.publish,
                                    (store, monitor.group_name, 0, 0, {"kind": "failure", "error": "x"}))
         survivor.start()
         start = time.monotonic()
-        monitor.await_survivors()  # the survivor's entry: then the time to print its report
+        mon.publish_crash(ValueError("boom"))  # the survivor's entry: then the time to print its report
         took = time.monotonic() - start
         assert 0.3 + mon.SURVIVOR_PRINT_S <= took < 0.3 + mon.SURVIVOR_PRINT_S + 1.5, took
     finally:

@@ -151,20 +151,30 @@ class CollectiveMonitor:
         return stall_report.crashed_peer(self.store, self.group_name, self.generation, self.comm.rank,
                                          self.comm.world_size)
 
-    def await_survivors(self) -> None:
-        """A crashed rank whose peers learn of crashes only through the store (communicators
-        with a watchdog: NCCL) waits, bounded, until they have published their entries, so
-        that it is still alive while they report (torchrun ends them once it has exited)."""
+    def survivor_wait_s(self) -> float:
+        """How long a crashed rank waits for this group's survivors (0: it need not): only
+        where they learn of crashes through the store alone (communicators with a watchdog:
+        NCCL), and only while this rank has not published a failure of its own."""
         if self.store is None or self.reports or getattr(self.comm, "watchdog", None) is None \
                 or self.comm.world_size < 2:
-            return  # no store, a failure of its own already published, or peers that see closed connections
+            return 0.0
         from ..comm.watchdog import PEER_CHECK_AFTER_S, PEER_CHECK_EVERY_S
 
-        bound = stall_report.report_window_s(self.comm.timeout.total_seconds()) + PEER_CHECK_AFTER_S \
+        return stall_report.report_window_s(self.comm.timeout.total_seconds()) + PEER_CHECK_AFTER_S \
             + PEER_CHECK_EVERY_S + 1.0
-        if stall_report.await_entries(self.store, self.group_name, self.generation, self.comm.rank,
-                                      self.comm.world_size, bound):
-            time.sleep(SURVIVOR_PRINT_S)  # their reports are rendered right after they publish
+
+    def await_survivors(self, deadline: Optional[float] = None) -> bool:
+        """Wait until the group's other ranks have published their entries, so that this
+        crashed rank is still alive while they report (torchrun ends them once it has exited);
+        bounded by :meth:`survivor_wait_s` or ``deadline`` (``time.monotonic()``). True when
+        they all did."""
+        bound = self.survivor_wait_s()
+        if bound <= 0:
+            return False
+        if deadline is not None:
+            bound = max(0.0, deadline - time.monotonic())
+        return stall_report.await_entries(self.store, self.group_name, self.generation, self.comm.rank,
+                                          self.comm.world_size, bound)
 
 
 def _short(error: BaseException, limit: int = 400) -> str:
@@ -190,11 +200,20 @@ def publish_crash(error: BaseException) -> None:
             monitor.publish("crash", _short(error))
         except Exception:  # noqa: BLE001
             pass
-    for monitor in monitors:  # Note [a crashed peer, seen through the store] in comm/watchdog.py
-        try:
-            monitor.await_survivors()
-        except Exception:  # noqa: BLE001
-            pass
+    # Note [a crashed peer, seen through the store] in comm/watchdog.py: one deadline for all
+    # the groups that need it, then a moment for the survivors to print what they published.
+    waits = [(m, m.survivor_wait_s()) for m in monitors]
+    waits = [(m, w) for m, w in waits if w > 0]
+    if waits:
+        deadline = time.monotonic() + max(w for _, w in waits)
+        reported = True
+        for monitor, _ in waits:
+            try:
+                reported = monitor.await_survivors(deadline) and reported
+            except Exception:  # noqa: BLE001
+                reported = False
+        if reported:
+            time.sleep(SURVIVOR_PRINT_S)
 
 
 def _publish_exit() -> None:

@@ -4,6 +4,9 @@ Rows, each contender timed in turn within every repetition (ranks barrier-aligne
 median of the paired per-repetition ratios (below 1: fusedist is faster):
 
   ddp            fusedist DDP vs torch DDP, both + AdamW(fused), bf16 autocast on CUDA
+  ddp, step check off
+                 the same with fusedist's per-step cross-rank check off (FUSEDIST_CHECKS=0 when
+                 built): that check's share of the step
   ddp blocking   fusedist DDP with host-blocking waits (``blocking_wait``, the
                  FUSEDIST_NCCL_BLOCKING_WAIT=1 form) vs the same with stream-ordered waits and
                  the watchdog (the default): what blocking the host in every bucket wait costs
@@ -98,6 +101,20 @@ def _contenders(base: nn.Module, device: torch.device, mesh) -> dict:
     out["torch ddp"] = (ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=fused), ref.no_sync)
     ours = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
     out["fusedist ddp"] = (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=fused), ours.no_sync)
+    # The same without the per-step cross-rank check (one small all-reduce per step, on the
+    # gradients' communicator): its share of the step, large where a collective's latency is
+    # (NCCL over sockets, milliseconds), negligible over NVLink.
+    previous = os.environ.get("FUSEDIST_CHECKS")
+    os.environ["FUSEDIST_CHECKS"] = "0"
+    try:
+        unchecked = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
+    finally:
+        if previous is None:
+            del os.environ["FUSEDIST_CHECKS"]
+        else:
+            os.environ["FUSEDIST_CHECKS"] = previous
+    out["fusedist ddp unchecked"] = (unchecked, torch.optim.AdamW(unchecked.parameters(), lr=1e-4, fused=fused),
+                                     unchecked.no_sync)
     zero = fusedist.DistributedDataParallel(copy.deepcopy(base), device_ids=ids)
     opt = fusedist.ZeroRedundancyOptimizer(zero.parameters(), torch.optim.AdamW, stage=2, lr=1e-4, fused=fused)
     out["fusedist zero2"] = (zero, opt, zero.no_sync)
@@ -198,6 +215,7 @@ def _worker(rank, world_size, device_type, repeats, args):
     rows = []
     pairs = [("ddp", "torch ddp", "fusedist ddp", "<= 1.0"), ("zero2", "torch fsdp2", "fusedist zero2", "<= 1.0"),
              ("zero3", "torch fsdp2 zero3", "fusedist zero3", "<= 1.0")]
+    pairs.insert(1, ("ddp, step check off", "torch ddp", "fusedist ddp unchecked", "(the check's share)"))
     if blocking_comm is not None:
         pairs.insert(1, ("ddp blocking", "fusedist ddp", "fusedist ddp blocking", "(cost of host-blocking waits)"))
     for row, baseline, ours, target in pairs:

@@ -78,6 +78,20 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> 
     return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
 
 
+def host_ms_per_call(fn: Callable[[], object], calls: int = 20) -> float:
+    """The host's time per call on CUDA, ``calls`` calls issued back to back (far fewer launches
+    than the queue holds, so none waits for the GPU): about the device time when launches and
+    Python bound the call, far less when its kernels do, the device time or more when it
+    synchronizes the host."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return took
+
+
 def bench_ms(fn: Callable[[], object], device: torch.device | str, **kwargs) -> dict:
     """Time ``fn`` on ``device`` with the right timer (see module docstring)."""
     if torch.device(device).type == "cuda":

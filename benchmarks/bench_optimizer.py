@@ -32,12 +32,11 @@ import argparse
 import gc
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_ms, environment, write_results  # noqa: E402
+from _common import bench_ms, environment, host_ms_per_call, write_results  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist.amp import GradScaler  # noqa: E402
@@ -130,19 +129,6 @@ def torch_step(shapes, device, mode):
     return step, (model, model_grads, masters, opt, scaler)
 
 
-def host_ms(fn, calls: int = 20) -> float:
-    """The host's time per call on CUDA, ``calls`` calls issued back to back: about the
-    device time when the step's own launches and Python bound it (the small sizes), far less
-    when its kernels do, and the device time or more when the step synchronizes the host."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    took = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
-    return took
-
-
 def copy_ms(nbytes_moved: int, device: torch.device, **timing):
     src = torch.empty(nbytes_moved // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -187,7 +173,7 @@ def main(argv=None):
         for mode in modes:
             ours, keep_ours = fusedist_step(shapes, device, mode)
             ours_t = bench_ms(ours, device, **timing)
-            ours_host = host_ms(ours) if device.type == "cuda" else None
+            ours_host = host_ms_per_call(ours) if device.type == "cuda" else None
             del ours, keep_ours
             gc.collect()
             default, keep_default = fusedist_step(shapes, device, mode, lazy_unscale=False)
@@ -196,7 +182,7 @@ def main(argv=None):
             gc.collect()
             theirs, keep_theirs = torch_step(shapes, device, mode)
             theirs_t = bench_ms(theirs, device, **timing)
-            theirs_host = host_ms(theirs) if device.type == "cuda" else None
+            theirs_host = host_ms_per_call(theirs) if device.type == "cuda" else None
             del theirs, keep_theirs
             gc.collect()
             if device.type == "cuda":

@@ -41,9 +41,13 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import host_ms_per_call  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -117,18 +121,10 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
         # whole matrix (2 batches x 3 dtypes x 2 layouts x 12 shapes x 4 ops x 2) in ~1-2 min.
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
-    def host_us(fn, calls: int = 50) -> float:
-        """The host's time per call, issuing ``calls`` calls back to back (far fewer than the
-        launch queue holds, so none waits for the GPU)."""
+    def host_us(fn) -> float:
         try:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            took = (time.perf_counter() - start) / calls * 1e6
-            torch.cuda.synchronize()
-            return took
-        except RuntimeError:
+            return host_ms_per_call(fn, calls=50) * 1e3
+        except RuntimeError:  # (a dtype a torch kernel lacks: its row says so)
             return float("nan")
 
     def timed(fn) -> tuple[float, str]:

@@ -42,6 +42,8 @@ _holders_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _lookup(table: WeakIdKeyDictionary, p) -> Optional[object]:
+    if not table:  # the common case, asked per parameter per step: no weak reference made
+        return None
     ref = table.get(p)
     return ref() if ref is not None else None
 

@@ -99,6 +99,7 @@ class ChunkTable:
         self.chunk_start = table[base + self.n_chunks :]
 
 
+_data_ptr = torch.Tensor.data_ptr  # (mapped over each role: the key is built at every launch)
 _TABLE_CACHE: "OrderedDict[tuple, ChunkTable]" = OrderedDict()
 _TABLE_CACHE_SIZE = 64
 
@@ -108,7 +109,7 @@ def chunk_table(roles: list, numels: list[int], chunk: int, device: torch.device
     after the first step a launch costs no table upload. The key is the addresses and sizes
     themselves, so a hit is correct even if the tensors behind an address changed."""
     key = (device, chunk, tuple(numels)) + tuple(
-        None if role is None else tuple(x.data_ptr() for x in role) for role in roles
+        None if role is None else tuple(map(_data_ptr, role)) for role in roles
     )
     table = _TABLE_CACHE.get(key)
     if table is None:

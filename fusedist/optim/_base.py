@@ -25,9 +25,11 @@ def check_steppable(p: torch.Tensor, where: str) -> None:
     (``values_of``), whose in-place updates are the parameter's, as the subclass's own ops
     make them. Other subclasses have no memory the kernels could write (a wrapper's data
     pointer is null): refused, naming the parameter (``where``)."""
+    if type(p) in (torch.Tensor, torch.nn.Parameter):  # the common case, per parameter per step
+        return
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    if type(p) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(p):
+    if not is_traceable_wrapper_subclass(p):
         return
     if wrapped_name(p) is None:
         raise TypeError(f"{where} is a tensor subclass, {type(p).__qualname__}, that is not a wrapper of one tensor "

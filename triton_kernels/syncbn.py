@@ -252,10 +252,12 @@ _INT32_LIMIT = 2**31 - 1
 
 # Note [launch arithmetic in plain Python]
 #     The launchers run on every BatchNorm call, and on ResNet's late layers (7x7 and 14x14
-#     maps) the host's time per call is the whole cost (an H200 run: 113 us for statistics that
-#     torch computes in 11 us). ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr
-#     functions whose host-side call unwraps every argument (about 2 us each, seven per
-#     statistics call); these two do the same integer arithmetic directly.
+#     maps) the kernels are short enough that the host's time per call can be most of the cost
+#     (an H200 run measured 113 us for statistics that torch computes in 11 us; how much of it
+#     is host time is what bench_syncbn's host column says). ``triton.cdiv`` and
+#     ``triton.next_power_of_2`` are constexpr functions whose host-side call unwraps every
+#     argument (about 2 us each on the CI machine, seven per statistics call); these two do the
+#     same integer arithmetic directly.
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

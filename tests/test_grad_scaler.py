@@ -246,6 +246,33 @@ def test_hysteresis_delays_backoff_for_consecutive_overflows():
     assert skipped == pattern
 
 
+def test_skip_flag_read_late_reports_the_last_update():
+    """The flag is compared on first read (Note [the skip flag on demand]): read after the next
+    iteration's unscale_ found the opposite, it still reports the iteration update() closed,
+    and update() leaves the found-inf flag the step used as it was."""
+    scaler = GradScaler(DEVICE.type, init_scale=1024.0, growth_interval=100)
+    params = _params()
+    opt = FusedAdamW(params, lr=0.1)
+    for step, overflow in enumerate([True, False, True]):
+        opt.zero_grad()
+        _backward(scaler, params, step, float("inf") if overflow else None)
+        scaler.unscale_(opt)
+        flag = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][scaler._scale.device]
+        scaler.step(opt)
+        scaler.update()
+        assert float(flag) == float(overflow), step  # update() did not write it
+        opt.zero_grad()
+        _backward(scaler, params, step + 1, None if overflow else float("inf"))  # the opposite, unread
+        scaler.unscale_(opt)
+        assert scaler.last_step_skipped is overflow, step
+        assert bool(scaler.last_step_skipped_tensor.item()) is overflow, step
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.last_step_skipped is (not overflow), step
+    restored = pickle.loads(pickle.dumps(scaler))
+    assert restored.last_step_skipped_tensor is None and not restored.last_step_skipped
+
+
 def test_explicit_new_scale_restarts_hysteresis_and_reports_the_step():
     """update(new_scale) sets the scale (as torch's) and starts the hysteresis count afresh:
     the overflows counted before it were at the old scale, so the next one is again

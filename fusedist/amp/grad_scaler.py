@@ -295,7 +295,7 @@ class GradScaler(_TorchGradScaler):
         self._min_scale_policy = min_scale_policy
         self._init_hysteresis_tracker = self._hysteresis
         self._hysteresis_tracker: Optional[torch.Tensor] = None
-        self.last_step_skipped_tensor: Optional[torch.Tensor] = None
+        self.last_step_skipped_tensor = None
         self._min_scale_flag = _LazyHostFlag()
 
     # -- state ---------------------------------------------------------------------------------
@@ -307,9 +307,31 @@ class GradScaler(_TorchGradScaler):
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last iteration's step was skipped (reads a device flag: a host sync)."""
-        if self.last_step_skipped_tensor is None:
+        skipped = self.last_step_skipped_tensor
+        if skipped is None:
             return False
-        return bool(self.last_step_skipped_tensor.item())
+        return bool(skipped.item())
+
+    # Note [the skip flag on demand]
+    # ``last_step_skipped_tensor`` is ``found_inf > 0`` of the last update(). Most programs
+    # never read it, and on a GPU each small op costs a launch on the host's side of a step
+    # that is bound by its launches when the model is small: update() keeps the found-inf
+    # tensor (which nothing writes afterwards: each unscale_ makes a new one) and the
+    # comparison runs when the flag is first read.
+    @property
+    def last_step_skipped_tensor(self) -> Optional[torch.Tensor]:
+        """A device bool tensor: True when an optimizer step of the last iteration was skipped."""
+        found = getattr(self, "_last_found_inf", None)
+        if found is not None:
+            self._last_skipped, self._last_found_inf = found > 0, None
+        return getattr(self, "_last_skipped", None)
+
+    @last_step_skipped_tensor.setter
+    def last_step_skipped_tensor(self, value: Optional[torch.Tensor]) -> None:
+        self._last_skipped, self._last_found_inf = value, None
+
+    def _record_found_inf(self, found_inf: torch.Tensor) -> None:
+        self._last_skipped, self._last_found_inf = None, found_inf
 
     # -- fused protocol ------------------------------------------------------------------------
 
@@ -411,10 +433,11 @@ class GradScaler(_TorchGradScaler):
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")
         found_inf = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
-        self.last_step_skipped_tensor = found_inf > 0
+        self._record_found_inf(found_inf)  # Note [the skip flag on demand]
         if self._hysteresis == 1 and self._min_scale is None:
-            # Exactly torch's update (same kernel).
-            torch._amp_update_scale_(_scale, _growth_tracker, found_inf.clone(), self._growth_factor,
+            # Exactly torch's update (same kernel; it reads found_inf and writes only the scale
+            # and the growth tracker).
+            torch._amp_update_scale_(_scale, _growth_tracker, found_inf, self._growth_factor,
                                      self._backoff_factor, self._growth_interval)
         else:
             self._update_with_hysteresis(_scale, _growth_tracker, self.last_step_skipped_tensor)
@@ -523,6 +546,6 @@ class GradScaler(_TorchGradScaler):
                 else int(self._hysteresis_tracker.item())
             )
             state["_hysteresis_tracker"] = None
-            state["last_step_skipped_tensor"] = None
+            state["_last_skipped"] = state["_last_found_inf"] = None
             state["_min_scale_flag"] = _LazyHostFlag()
         return state

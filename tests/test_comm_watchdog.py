@@ -271,6 +271,12 @@ class Pending:
     def query(self):
         return False
 
+def prefixed(*exc_info):  # as torch.distributed's hook prefixes each line with the rank
+    import traceback
+    text = "".join(traceback.format_exception(*exc_info))
+    sys.stderr.write("".join(f"[hooked]: {line}\n" for line in text.splitlines()))
+
+sys.excepthook = prefixed
 mode, where = sys.argv[1], sys.argv[2]
 comm = object.__new__(NcclCommunicator)
 Communicator.__init__(comm, 0, 2)
@@ -308,9 +314,11 @@ def test_nccl_watchdog_exit_policy_reports_and_exits_1_without_aborting():
     out = _policy("exit", "running")
     assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
     assert "NOT REACHED" not in out.stdout and "ABORTED" not in out.stdout, out.stdout
-    line = ("fusedist.comm.base.CollectiveError: fusedist: all_reduce (tag 'ddp bucket 0', collective #7) "
-            "failed on rank 0 of 2: all_reduce [ddp bucket 0] (collective #7) did not complete within 0.2 s "
-            "of its launch")
+    # Printed through sys.excepthook, as an uncaught exception: torch.distributed's hook adds
+    # the rank to every line (here a stand-in hook adds "[hooked]").
+    line = ("[hooked]: fusedist.comm.base.CollectiveError: fusedist: all_reduce (tag 'ddp bucket 0', "
+            "collective #7) failed on rank 0 of 2: all_reduce [ddp bucket 0] (collective #7) did not complete "
+            "within 0.2 s of its launch")
     assert line in out.stderr, out.stderr
 
 

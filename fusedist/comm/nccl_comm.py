@@ -490,10 +490,17 @@ def _return_comm_stream(device: int, stream, torch_stream) -> None:
 def _exit_reporting(error: BaseException, before_exit=None) -> None:
     """Print ``error`` as an uncaught exception would be printed, run ``before_exit`` (the
     abort), and end the process with status 1 at once: from the watchdog thread (or an exit
-    hook) nothing else can stop a program that runs on with results it cannot trust."""
+    hook) nothing else can stop a program that runs on with results it cannot trust.
+
+    Printed through ``sys.excepthook``, as the interpreter prints an uncaught exception: under
+    torch.distributed that hook prefixes every line with ``[rank<N>]:``, so a report from here
+    reads (and greps) as the same error raised by the program would."""
     try:
         sys.stdout.flush()
-        traceback.print_exception(type(error), error, None, file=sys.stderr)
+        try:
+            sys.excepthook(type(error), error, None)
+        except Exception:  # noqa: BLE001 - a broken hook must not hide the report
+            traceback.print_exception(type(error), error, None, file=sys.stderr)
         sys.stderr.flush()
         if before_exit is not None:
             before_exit()

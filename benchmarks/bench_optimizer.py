@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 
 import torch
@@ -150,6 +151,22 @@ def verdict(rows: list[dict]) -> str:
     return text
 
 
+def interleaved_rounds(steps: dict, device: torch.device, rounds: int, timing: dict) -> dict:
+    """Each contender timed once per round, in turn, for ``rounds`` rounds: a slow stretch of a
+    shared host (the small steps are bound by it) falls on every contender alike instead of on
+    whichever ran then. Per contender: the median of its rounds' medians, and the spread of
+    those (max - min over the median)."""
+    per_round: dict = {k: [] for k in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            per_round[key].append(bench_ms(step, device, **timing)["median_ms"])
+    out = {}
+    for key, values in per_round.items():
+        median = statistics.median(values)
+        out[key] = {"median_ms": median, "spread": (max(values) - min(values)) / median}
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -157,6 +174,8 @@ def main(argv=None):
     parser.add_argument("--no-write", action="store_true", help="print only, do not write results/")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default); 1 gives steadier numbers on a shared machine")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="timing rounds, the contenders in turn in each (0: 3 on CUDA, 1 on CPU)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -164,26 +183,23 @@ def main(argv=None):
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("warning: TRITON_INTERPRET is set; CPU timings measure the Triton interpreter", file=sys.stderr)
-    timing = {} if device.type == "cuda" else {"warmup": 2, "repeats": 5 if args.quick else 15}
+    # (CUDA: three rounds of ~50 ms per contender, about the one 125 ms timing of before)
+    timing = {"warmup": 10, "rep": 40} if device.type == "cuda" else {"warmup": 2, "repeats": 5 if args.quick else 15}
     modes = ["bf16+master", "fp32"]
     backend = select_backend("adam_update", device, has_cpu_ext=F._has_cpu_adam())
     rows = []
+    rounds = args.rounds or (3 if device.type == "cuda" else 1)
     for name, shapes in configs(device, args.quick):
         n = sum(torch.Size(s).numel() for s in shapes)
         for mode in modes:
-            ours, keep_ours = fusedist_step(shapes, device, mode)
-            ours_t = bench_ms(ours, device, **timing)
-            ours_host = host_ms_per_call(ours) if device.type == "cuda" else None
-            del ours, keep_ours
-            gc.collect()
-            default, keep_default = fusedist_step(shapes, device, mode, lazy_unscale=False)
-            default_t = bench_ms(default, device, **timing)
-            del default, keep_default
-            gc.collect()
-            theirs, keep_theirs = torch_step(shapes, device, mode)
-            theirs_t = bench_ms(theirs, device, **timing)
-            theirs_host = host_ms_per_call(theirs) if device.type == "cuda" else None
-            del theirs, keep_theirs
+            contenders = {"ours": fusedist_step(shapes, device, mode),
+                          "default": fusedist_step(shapes, device, mode, lazy_unscale=False),
+                          "theirs": torch_step(shapes, device, mode)}
+            times = interleaved_rounds({k: step for k, (step, _) in contenders.items()}, device, rounds, timing)
+            ours_t, default_t, theirs_t = times["ours"], times["default"], times["theirs"]
+            ours_host = host_ms_per_call(contenders["ours"][0]) if device.type == "cuda" else None
+            theirs_host = host_ms_per_call(contenders["theirs"][0]) if device.type == "cuda" else None
+            del contenders
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -191,8 +207,8 @@ def main(argv=None):
             row = {
                 "config": name, "tensors": len(shapes), "params_M": n / 1e6, "mode": mode,
                 "fusedist_backend": backend,
-                "fusedist_ms": ours_t["median_ms"], "fusedist_p20_ms": ours_t["p20_ms"], "fusedist_p80_ms": ours_t["p80_ms"],
-                "torch_ms": theirs_t["median_ms"], "torch_p20_ms": theirs_t["p20_ms"], "torch_p80_ms": theirs_t["p80_ms"],
+                "fusedist_ms": ours_t["median_ms"], "fusedist_round_spread": ours_t["spread"],
+                "torch_ms": theirs_t["median_ms"], "torch_round_spread": theirs_t["spread"],
                 "speedup_vs_torch": theirs_t["median_ms"] / ours_t["median_ms"],
                 "fusedist_default_ms": default_t["median_ms"],
                 "default_speedup_vs_torch": theirs_t["median_ms"] / default_t["median_ms"],
@@ -211,6 +227,8 @@ def main(argv=None):
         "torch: grad upcast + GradScaler.unscale_ + clip_grad_norm_ + GradScaler.step(AdamW(fused=True)) "
         "+ update + bf16 write-back (bf16+master); fp32 rows have no masters.\n"
         f"speedup_vs_torch = torch_ms / fusedist_ms. GB/s at {BYTES_PER_PARAM} bytes/param (modeled). "
+        f"Times: median over {rounds} round(s), the three contenders timed in turn in each round; "
+        "_round_spread = (slowest - fastest round) / median, the host's noise on the launch-bound rows. "
         "Loss scale 1 on both sides, so the in-place unscales do not drive the reused gradients into "
         "denormals (the passes run all the same)."
         + ("\ncopy_fraction = time of a device-to-device copy of the same bytes / fusedist_ms. "

@@ -178,9 +178,10 @@ def triton_launch_rows() -> list[dict]:
         jit()
         torch.cuda.synchronize()
         expected = [o.clone() for o in outputs]
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))  # (the runner reads grid[0], grid[1], grid[2])
         for variant, call_args in variants.items():
             try:
-                runner = compiled[grid]
+                runner = compiled[grid3]
                 runner(*call_args)
                 torch.cuda.synchronize()
                 row[f"runner_{variant}_host_us"] = round(host_ms_per_call(lambda: runner(*call_args), 200) * 1e3, 2)
@@ -196,7 +197,36 @@ def triton_launch_rows() -> list[dict]:
     rows.append({"row": "torch.batch_norm_stats call", "who": "torch",
                  "jit_host_us": round(host_ms_per_call(torch_op, 200) * 1e3, 2)})
     print(json.dumps(rows[-1]), flush=True)
+    rows.append(_stats_launcher_parts(x, layout, outs))
+    print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _stats_launcher_parts(x, layout, outs) -> dict:
+    """The host's µs for each piece of the SyncBN statistics launcher, called alone 200 times:
+    where its time outside the two launches goes."""
+    from fusedist.triton_kernels import syncbn as K
+
+    N, C, S, stride_n, stride_c, stride_s = layout
+    block_s, block_c = K._tile(C, S, stride_c, K._reduction_tile(x.device))
+    split = K._row_splits(N * K._cdiv(S, block_s), K._cdiv(C, block_c), x.device)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    parts = {
+        "welford_stats (whole)": lambda: K.welford_stats(x, layout, *outs),
+        "launch arithmetic (_tile, _cdiv, _wide_index)": lambda: (
+            K._tile(C, S, stride_c, K._reduction_tile(x.device)), K._wide_index(layout, C, S)),
+        "_row_splits (device properties)": lambda: K._row_splits(N, 4, x.device),
+        "torch.cuda.get_device_properties": lambda: torch.cuda.get_device_properties(x.device),
+        "one torch.empty((split, C))": lambda: torch.empty((split, C), **f32),
+        "triton_interpreting()": K.triton_interpreting,
+    }
+    row = {"row": "statistics launcher, host us per piece", "who": "fusedist"}
+    for name, fn in parts.items():
+        try:
+            row[name] = round(host_ms_per_call(fn, 200) * 1e3, 2)
+        except Exception as exc:  # noqa: BLE001 - one piece's failure must not lose the others
+            row[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    return row
 
 
 def main(argv=None) -> None:

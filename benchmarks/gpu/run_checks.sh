@@ -264,7 +264,8 @@ fi
 
 # ----------------------------------------------------------------------------- benchmarks
 # One benchmark per line: script and arguments, in priority order: the kernel benchmarks (fused
-# optimizer step at every size, SyncBN on ResNet-50's shapes at batch 64), the GPT-style step at
+# optimizer step at every size, where the launch-bound rows' host time goes, SyncBN on
+# ResNet-50's shapes at batch 64), the GPT-style step at
 # world size 2 with two ranks sharing the GPU (DDP vs torch DDP, host-blocking vs stream-ordered
 # waits, ZeRO-2 vs FSDP2, fully_shard vs FSDP2 with bf16 gathers, exposed communication), ZeRO-3
 # against torch FSDP2 on the same transport, SyncBN at batch 32, the communicator's overhead at
@@ -275,6 +276,7 @@ fi
 # FUSEDIST_GPU_BENCHES replaces the list (newline-separated).
 say "benchmarks"
 DEFAULT_BENCHES="bench_optimizer.py --device cuda
+gpu/profile_launch_bound.py --out benchmarks/results
 bench_syncbn.py --skip-cpu --batch 64
 bench_gpt_step.py --device cuda --ranks-per-gpu 2 --repeats 5
 bench_zero.py --stage3 --device cuda --ranks-per-gpu 2 --repeats 8

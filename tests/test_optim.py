@@ -285,6 +285,21 @@ def test_mixed_dtype_groups_and_zero_grad(backend):
     opt.step()  # no grads: a no-op
 
 
+def test_gradient_unlike_its_parameter_is_refused_before_any_write():
+    """A gradient whose shape no longer matches its parameter (resized through ``.data``, which
+    torch's own assignment check does not see) fails the step naming the parameter, with every
+    parameter unchanged -- also the ones the checks pass over first."""
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(4)
+    params[2].grad.data = torch.randn(5)
+    before = [p.detach().clone() for p in params]
+    opt = FusedAdamW(params, lr=0.1)
+    with pytest.raises(ValueError, match=r"gradient of param 2 of group 0 has shape \(5,\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_clear_errors():
     with pytest.raises(TypeError, match=r"param 1 of param group 0 has dtype torch.int64"):
         FusedAdam([torch.zeros(2), torch.zeros(2, dtype=torch.long)])

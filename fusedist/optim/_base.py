@@ -274,6 +274,9 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     def _collect_group(self, group: dict, gi: int) -> tuple[list, list]:
         """The parameters of group ``gi`` that have a gradient, and the gradients, checked."""
         self._validate_group(group, gi)
+        collected = _collect_plain(group["params"])
+        if collected is not None:
+            return collected
         params, grads = [], []
         for pi, p in enumerate(group["params"]):
             g = p.grad
@@ -474,6 +477,31 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 yield self.state[p].get("master_param", p) if p in self.state else p
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
+    """``_collect_group``'s checks for the common group, made a whole list at a time: plain
+    tensors, dense floating-point gradients of their parameters' shapes, one device. A step
+    runs them for every parameter, and per-tensor Python costs add up on a GPU, where the host
+    issues the step (hundreds of tensors: hundreds of microseconds). None when anything is
+    unusual; the per-parameter loop then runs the checks again, naming the parameter at fault."""
+    params = [p for p in group_params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not params:
+        return params, grads
+    if (
+        {type(p) for p in params} <= set(_PLAIN_TYPES)
+        and {g.layout for g in grads} == {torch.strided}
+        and {g.dtype for g in grads} <= _FLOAT_DTYPES
+        and len({g.device for g in grads} | {p.device for p in params}) == 1
+        and all(g.shape == p.shape for g, p in zip(grads, params))
+    ):
+        return params, grads
+    return None
 
 
 def _uncount_if_skipped(steps: list, found_inf: torch.Tensor) -> None:

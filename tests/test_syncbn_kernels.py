@@ -282,3 +282,27 @@ def test_launch_arithmetic_equals_tritons():
         assert _next_pow2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 32, 64, 1000, 2048):
             assert _cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_row_splits_ask_the_device_once(monkeypatch):
+    """The CUDA launch split reads the multiprocessor count once per device (each lookup costs
+    host time in every BatchNorm call): four waves of programs over the channel blocks, per
+    device, with the properties asked once for each device."""
+    from types import SimpleNamespace
+
+    from fusedist.triton_kernels import syncbn as k
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(multi_processor_count={0: 132, 1: 16}[index])
+
+    monkeypatch.setattr(k, "_SM_COUNTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for _ in range(3):
+        assert k._row_splits(10_000, 8, torch.device("cuda", 0)) == 4 * 132 // 8
+        assert k._row_splits(10_000, 8, torch.device("cuda")) == 4 * 16 // 8  # the current device
+        assert k._row_splits(5, 8, torch.device("cuda", 0)) == 5  # no more splits than rows
+    assert asked == [0, 1]

@@ -289,13 +289,25 @@ def _wide_index(layout, C: int, S: int) -> bool:
     return (S - 1) * abs(stride_s) + (C - 1) * abs(stride_c) + 1 > _INT32_LIMIT
 
 
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's multiprocessor count, asked once per device: the launchers run for every
+    BatchNorm layer of every step, and the properties lookup costs host time each call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 def _row_splits(num_units: int, num_c_blocks: int, device: torch.device) -> int:
     """Programs along the row axis: about four waves of programs on a GPU; two on CPU (the
     interpreter), where every program costs ~1 ms regardless of size but the partial-row
     combine should still be exercised."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = max(1, (4 * sms) // max(num_c_blocks, 1))
+        target = max(1, (4 * _sm_count(device)) // max(num_c_blocks, 1))
     else:
         target = 2
     return max(1, min(num_units, target))

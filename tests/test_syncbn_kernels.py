@@ -4,6 +4,7 @@ channels_last and folded (N, C) layouts, fp32/fp16/bf16 inputs, odd sizes."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -222,6 +223,14 @@ def _aot_compile_all() -> None:
                      {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
                       "part_ptr": "*fp32"}, ints,
                      {"BLOCK_S": 2048, "BLOCK_C": 1, "WIDE_INDEX": wide})
+            compile_(kernels._welford_channel_kernel,
+                     {"x_ptr": x_type, "mean_out_ptr": "*fp32", "m2_out_ptr": "*fp32", "count_out_ptr": "*fp32"},
+                     ("total_count", "N", "S", "stride_n", "stride_c"),
+                     {"BLOCK_N": 64, "BLOCK_S": 64, "WIDE_INDEX": wide})
+            compile_(kernels._backward_reduce_channel_kernel,
+                     {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
+                      "out_ptr": "*fp32"}, ("N", "C", "S", "stride_n", "stride_c"),
+                     {"BLOCK_N": 16, "BLOCK_S": 256, "WIDE_INDEX": wide})
         compile_(kernels._channel_affine_kernel,
                  {"out_ptr": x_type, "u_ptr": x_type, "v_ptr": x_type,
                   **{f"{n}_ptr": "*fp32" for n in "pqrtb"}},
@@ -306,3 +315,93 @@ def test_row_splits_ask_the_device_once(monkeypatch):
         assert k._row_splits(10_000, 8, torch.device("cuda")) == 4 * 16 // 8  # the current device
         assert k._row_splits(5, 8, torch.device("cuda", 0)) == 5  # no more splits than rows
     assert asked == [0, 1]
+
+
+# Note [one program per channel]: shapes the launchers give one program per channel (NCHW,
+# at least 256 channels, few values per channel), including two tiles per channel with a
+# partial second one (N=100 at 7x7: BLOCK_N=64) and S padded to a power of two.
+CHANNEL_PATH = [(3, 256, 2, 3), (5, 300, 7, 7), (100, 256, 7, 7), (2, 256, 9)]
+CHANNEL_PATH_CASES = ([(shape, torch.float32) for shape in CHANNEL_PATH]
+                      + [(CHANNEL_PATH[1], torch.bfloat16), (CHANNEL_PATH[1], torch.float16)])
+
+
+def _channel_launches(monkeypatch):
+    grids = {"stats": [], "reduce": []}
+    monkeypatch.setattr(kernels, "_welford_channel_kernel", _Recorder(kernels._welford_channel_kernel, grids["stats"]))
+    monkeypatch.setattr(kernels, "_backward_reduce_channel_kernel",
+                        _Recorder(kernels._backward_reduce_channel_kernel, grids["reduce"]))
+    return grids
+
+
+@pytest.mark.parametrize("shape,dtype", CHANNEL_PATH_CASES)
+def test_one_program_per_channel_matches_fp64(shape, dtype, monkeypatch):
+    grids = _channel_launches(monkeypatch)
+    x = _make(shape, "contiguous", dtype, seed=7)
+    lay = ncs_layout(x)
+    mean, m2, count = _stats(kernels.welford_stats, x, lay)
+    assert grids["stats"] == [(shape[1],)], "one launch, one program per channel"
+    ref_mean, ref_m2 = _oracle_stats(x)
+    assert count.item() == x.numel() // shape[1]
+    torch.testing.assert_close(mean, ref_mean, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(m2, ref_m2, rtol=1e-5, atol=1e-5)
+    dy = _make(shape, "contiguous", dtype, offset=0.0, scale=1.0, seed=8)
+    mean32, invstd = mean.float(), torch.rsqrt(m2 / count + 1e-5).float()
+    got = kernels.backward_reduce(dy, x, lay, mean32, invstd)
+    assert grids["reduce"] == [(shape[1],)]
+    assert got.shape == (2, shape[1]) and got.dtype == torch.float32
+    # Against fp64 sums of the same terms: fp32 lanes summed as a tree err by about
+    # log2(n) * eps32 * sum|term| (n up to 4900 here: ~1e-6 of sum|term|).
+    dims = [0] + list(range(2, x.dim()))
+    view = [1, -1] + [1] * (x.dim() - 2)
+    terms = dy.double() * ((x.double() - mean32.double().view(view)) * invstd.double().view(view))
+    want = torch.stack([dy.double().sum(dims), terms.sum(dims)])
+    bound = 1e-6 * torch.stack([dy.double().abs().sum(dims), terms.abs().sum(dims)]) + 1e-12
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (inf - inf in the interpreter)
+def test_one_program_per_channel_non_finite(monkeypatch):
+    """Note [non-finite statistics] on the per-channel path: a channel with +inf has mean +inf,
+    +inf and -inf together NaN, M2 NaN for both; the other channels are untouched."""
+    grids = _channel_launches(monkeypatch)
+    x = _make((4, 256, 3, 3), "contiguous", torch.float32, seed=9)
+    x[1, 3, 2, 1] = float("inf")
+    x[0, 7, 0, 0], x[3, 7, 1, 2] = float("inf"), float("-inf")
+    x[2, 9, 1, 1] = float("nan")
+    mean, m2, _ = _stats(kernels.welford_stats, x, ncs_layout(x))
+    r_mean, r_m2, _ = _stats(reference.welford_stats, x)
+    assert grids["stats"], "the per-channel kernel ran"
+    assert mean[3].item() == float("inf") and math.isnan(mean[7].item()) and math.isnan(mean[9].item())
+    torch.testing.assert_close(mean, r_mean, equal_nan=True, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(m2, r_m2, equal_nan=True, rtol=1e-5, atol=1e-5)
+    # backward: an infinite invstd with dy * (x - mean) > 0 everywhere in channel 5 sums to
+    # +inf; the tile's padding lanes (S = 9 in 16 lanes) must add 0, not 0 * inf = NaN
+    dy = _make((4, 256, 3, 3), "contiguous", torch.float32, offset=0.0, scale=1.0, seed=10)
+    dy[:, 5] = dy[:, 5].abs() + 0.5
+    mean32 = torch.zeros(256)
+    mean32[5] = x[:, 5].min() - 1.0
+    invstd = torch.ones(256)
+    invstd[5] = float("inf")
+    got = kernels.backward_reduce(dy, x, ncs_layout(x), mean32, invstd)
+    assert grids["reduce"] and got[1, 5].item() == float("inf")
+    x64 = x.double()
+    want = torch.stack([dy.double().sum((0, 2, 3)),
+                        (dy.double() * (x64 - mean32.double().view(1, -1, 1, 1)) * invstd.double().view(1, -1, 1, 1))
+                        .sum((0, 2, 3))])
+    torch.testing.assert_close(got.double(), want, equal_nan=True, rtol=1e-5, atol=1e-4)
+
+
+def test_one_program_per_channel_only_where_meant():
+    """channels_last (channels contiguous, the batch folded into S), too few or too many
+    channels, or too many values per channel keep the row-split kernels."""
+    cases = {
+        (8, 512, 7, 7): True, (64, 512, 7, 7): True, (32, 256, 14, 14): True,
+        (64, 256, 14, 14): False,  # 64 x 256 values per channel: the row-split path
+        (64, 2048, 7, 7): False, (64, 128, 7, 7): False, (64, 512, 28, 28): False,
+    }
+    for shape, expected in cases.items():
+        x = torch.empty(shape, device="meta")
+        assert (kernels._channel_path(ncs_layout(x)) is not None) == expected, shape
+        xl = x.contiguous(memory_format=torch.channels_last)
+        assert kernels._channel_path(ncs_layout(xl)) is None, shape
+    assert kernels._channel_path(ncs_layout(torch.empty(64, 512, device="meta"))) is None  # (N, C)

@@ -405,3 +405,5 @@ def test_one_program_per_channel_only_where_meant():
         xl = x.contiguous(memory_format=torch.channels_last)
         assert kernels._channel_path(ncs_layout(xl)) is None, shape
     assert kernels._channel_path(ncs_layout(torch.empty(64, 512, device="meta"))) is None  # (N, C)
+    assert kernels._channel_path((0, 512, 49, 512 * 49, 49, 1)) is None  # an empty batch
+    assert kernels._channel_path((8, 512, 0, 0, 0, 1)) is None  # no spatial values

@@ -422,8 +422,8 @@ _CHANNEL_PATH_MAX_C = 1024
 def _channel_path(layout) -> tuple[int, int] | None:
     """``(BLOCK_N, BLOCK_S)`` when one program per channel takes this input, else None."""
     N, C, S, _, _, stride_s = layout
-    if stride_s != 1 or N < 2 or not _CHANNEL_PATH_MIN_C <= C <= _CHANNEL_PATH_MAX_C:
-        return None
+    if stride_s != 1 or N < 2 or S < 1 or not _CHANNEL_PATH_MIN_C <= C <= _CHANNEL_PATH_MAX_C:
+        return None  # (N < 2 also leaves out empty batches and channels_last's folded layouts)
     block_s = _next_pow2(S)
     if N * block_s > _CHANNEL_PATH_MAX_VALUES:
         return None

@@ -201,8 +201,10 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
         for op, (ours, theirs, moved) in ops.items():
             (t_ours, err_ours), (t_torch, err_torch) = timed(ours), timed(theirs)
             gbs = moved / (t_ours * 1e-6) / 1e9
+            path = ("per-channel" if op in ("stats", "backward_reduce") and kernels._channel_path(layout) is not None
+                    else "row-split" if op in ("stats", "backward_reduce") else "tiles")
             rows.append({
-                "op": op, "dtype": str(dtype).replace("torch.", ""), "layout": memory_format,
+                "op": op, "dtype": str(dtype).replace("torch.", ""), "layout": memory_format, "path": path,
                 "shape": f"{batch}x{C}x{H}x{W}", "input_MB": nbytes / 1e6,
                 "fusedist_us": t_ours, "torch_us": t_torch,
                 "fusedist_GBps": gbs, "torch_GBps": moved / (t_torch * 1e-6) / 1e9,
@@ -364,7 +366,8 @@ def main() -> None:
             "read bandwidth; `speedup_vs_torch` = torch time / fusedist time. `_host_us`: the "
             "host's time to issue one call; `_device_us`: the call replayed from a CUDA graph, the "
             "kernels alone (20 calls per graph, inputs warm in L2), `device_speedup` their ratio "
-            "(Note [call time and device time] in the benchmark).",
+            "(Note [call time and device time] in the benchmark). `path`: the kernels' choice (per-channel: "
+            "Note [one program per channel] in triton_kernels/syncbn.py).",
             "",
             line,
         ]))

@@ -118,7 +118,8 @@ def syncbn_rows() -> list[dict]:
         ours = lambda: kernels.welford_stats(x, layout, mean_out, m2_out, count_out)  # noqa: E731
         theirs = lambda: torch.batch_norm_stats(x, 1e-5)  # noqa: E731
         for who, fn in (("fusedist", ours), ("torch", theirs)):
-            row = {"row": f"stats {batch}x{C}x{H}x{W} {str(dtype)[6:]} {fmt}", "who": who,
+            path = "per-channel" if kernels._channel_path(layout) is not None else "row-split"
+            row = {"row": f"stats {batch}x{C}x{H}x{W} {str(dtype)[6:]} {fmt} ({path})", "who": who,
                    "device_ms": round(time_cuda(fn)["median_ms"], 4), "host_ms": round(host_ms_per_call(fn, 50), 4)}
             row.update(_profile(fn))
             rows.append(row)
@@ -157,12 +158,17 @@ def triton_launch_rows() -> list[dict]:
 
     x = torch.randn(64, 512, 7, 7, device="cuda", dtype=torch.float16)
     layout = ncs_layout(x)
+    x_nhwc = x.contiguous(memory_format=torch.channels_last)
+    layout_nhwc = ncs_layout(x_nhwc)
     f32 = dict(device="cuda", dtype=torch.float32)
     outs = torch.empty(512, **f32), torch.empty(512, **f32), torch.empty(1, **f32)
     step, (params, opt, scaler) = fusedist_step(split_shapes(1_000_000), torch.device("cuda"), "fp32")
     for _ in range(3):
         step()
-    cases = [("welford partial (syncbn stats)", K, "_welford_partial_kernel", lambda: K.welford_stats(x, layout, *outs)),
+    cases = [("welford per channel (syncbn stats, NCHW)", K, "_welford_channel_kernel",
+              lambda: K.welford_stats(x, layout, *outs)),
+             ("welford partial (syncbn stats, NHWC)", K, "_welford_partial_kernel",
+              lambda: K.welford_stats(x_nhwc, layout_nhwc, *outs)),
              ("adam (1M fp32, 4 tensors)", MT, "_adam_kernel", step)]
     rows = []
     for label, module, name, call in cases:
@@ -172,7 +178,8 @@ def triton_launch_rows() -> list[dict]:
         torch.cuda.synchronize()
         row = {"row": f"launch {label}", "who": "fusedist", "jit_host_us": round(host_ms_per_call(jit, 200) * 1e3, 2)}
         named = dict(zip(kernel.arg_names, args), **kwargs)
-        variants = {"runtime args": [named[n] for i, n in enumerate(kernel.arg_names) if i not in kernel.constexprs],
+        constexprs = getattr(kernel, "constexprs", ())
+        variants = {"runtime args": [named[n] for i, n in enumerate(kernel.arg_names) if i not in constexprs],
                     "all args": [named[n] for n in kernel.arg_names]}
         outputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         jit()
@@ -197,7 +204,7 @@ def triton_launch_rows() -> list[dict]:
     rows.append({"row": "torch.batch_norm_stats call", "who": "torch",
                  "jit_host_us": round(host_ms_per_call(torch_op, 200) * 1e3, 2)})
     print(json.dumps(rows[-1]), flush=True)
-    rows.append(_stats_launcher_parts(x, layout, outs))
+    rows.append(_stats_launcher_parts(x_nhwc, layout_nhwc, outs))
     print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -212,7 +219,8 @@ def _stats_launcher_parts(x, layout, outs) -> dict:
     split = K._row_splits(N * K._cdiv(S, block_s), K._cdiv(C, block_c), x.device)
     f32 = dict(device=x.device, dtype=torch.float32)
     parts = {
-        "welford_stats (whole)": lambda: K.welford_stats(x, layout, *outs),
+        "welford_stats, row-split (whole)": lambda: K.welford_stats(x, layout, *outs),
+        "_channel_path": lambda: K._channel_path(layout),
         "launch arithmetic (_tile, _cdiv, _wide_index)": lambda: (
             K._tile(C, S, stride_c, K._reduction_tile(x.device)), K._wide_index(layout, C, S)),
         "_row_splits (device properties)": lambda: K._row_splits(N, 4, x.device),

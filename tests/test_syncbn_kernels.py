@@ -389,6 +389,9 @@ def test_one_program_per_channel_non_finite(monkeypatch):
                         (dy.double() * (x64 - mean32.double().view(1, -1, 1, 1)) * invstd.double().view(1, -1, 1, 1))
                         .sum((0, 2, 3))])
     torch.testing.assert_close(got.double(), want, equal_nan=True, rtol=1e-5, atol=1e-4)
+    # the CPU path too (its fused inference form would give NaN here: x * inf - mean * inf)
+    torch.testing.assert_close(reference.backward_reduce(dy, x, mean32, invstd).double(), want, equal_nan=True,
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_one_program_per_channel_only_where_meant():

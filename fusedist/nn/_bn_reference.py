@@ -93,7 +93,7 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
     """Per-channel ``[sum(dy), sum(dy * xhat)]`` as a (2, C) tensor in the accumulation dtype,
     with ``xhat = (x - mean) * invstd``."""
     acc = compute_dtype(x.dtype)
-    if _fused_ok(dy, x) and dy.dtype == x.dtype:
+    if _fused_ok(dy, x) and dy.dtype == x.dtype and _all_finite(mean, invstd):  # (see _all_finite)
         xhat = _centered_scaled(x, mean, invstd)
         sum_dy_xhat, sum_dy = _channel_dot(dy, xhat)
         return torch.stack([sum_dy, sum_dy_xhat])

@@ -17,13 +17,14 @@ import torch
 __all__ = ["wrapped_name", "values_of", "plain_parts"]
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: The tensor types that are never wrappers: every check per parameter per step asks this first.
+PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def wrapped_name(p: torch.Tensor) -> Optional[str]:
     """The attribute holding the one plain tensor of ``p``'s shape and dtype that ``p`` wraps
     (``__tensor_flatten__``'s names), or None when ``p`` is not such a wrapper."""
-    if type(p) in _PLAIN:  # the common case, asked per parameter per optimizer step
+    if type(p) in PLAIN_TYPES:  # the common case, asked per parameter per optimizer step
         return None
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 

@@ -12,7 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from .._dtypes import compute_dtype
-from .._wrapper import values_of, wrapped_name
+from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import functional
 from ._scaler_protocol import ScalerProtocol
 
@@ -25,7 +25,7 @@ def check_steppable(p: torch.Tensor, where: str) -> None:
     (``values_of``), whose in-place updates are the parameter's, as the subclass's own ops
     make them. Other subclasses have no memory the kernels could write (a wrapper's data
     pointer is null): refused, naming the parameter (``where``)."""
-    if type(p) in (torch.Tensor, torch.nn.Parameter):  # the common case, per parameter per step
+    if type(p) in PLAIN_TYPES:  # the common case, per parameter per step
         return
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -479,7 +479,6 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 yield self.state[p].get("master_param", p) if p in self.state else p
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
@@ -494,7 +493,7 @@ def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
     if not params:
         return params, grads
     if (
-        {type(p) for p in params} <= set(_PLAIN_TYPES)
+        {type(p) for p in params} <= PLAIN_TYPES
         and {g.layout for g in grads} == {torch.strided}
         and {g.dtype for g in grads} <= _FLOAT_DTYPES
         and len({g.device for g in grads} | {p.device for p in params}) == 1

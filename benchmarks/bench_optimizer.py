@@ -155,7 +155,9 @@ def interleaved_rounds(steps: dict, device: torch.device, rounds: int, timing: d
     """Each contender timed once per round, in turn, for ``rounds`` rounds: a slow stretch of a
     shared host (the small steps are bound by it) falls on every contender alike instead of on
     whichever ran then. Per contender: the median of its rounds' medians, and the spread of
-    those (max - min over the median)."""
+    those (max - min over the median). (``_common.time_interleaved`` alternates too, but
+    synchronizes around every single call: at tens of microseconds per step that would time
+    the synchronization; each round here is ``bench_ms``'s own timing.)"""
     per_round: dict = {k: [] for k in steps}
     for _ in range(rounds):
         for key, step in steps.items():

@@ -206,11 +206,12 @@ def _aot_compile_all() -> None:
     target = GPUTarget("cuda", 90, 32)
     ints = ("N", "C", "S", "stride_n", "stride_c", "stride_s", "num_s_tiles", "SPLIT")
 
-    def compile_(fn, pointers, scalars, constexprs):
+    def compile_(fn, pointers, scalars, constexprs, options=None):
         sig = dict(pointers)
         sig.update({name: "i32" for name in scalars})
         sig.update({name: "constexpr" for name in constexprs})
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target)
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target,
+                                  options=options)
         assert ".entry" in compiled.asm["ptx"], fn
 
     for x_type in ("*fp32", "*bf16", "*fp16"):
@@ -226,7 +227,7 @@ def _aot_compile_all() -> None:
             compile_(kernels._welford_channel_kernel,
                      {"x_ptr": x_type, "mean_out_ptr": "*fp32", "m2_out_ptr": "*fp32", "count_out_ptr": "*fp32"},
                      ("total_count", "N", "S", "stride_n", "stride_c"),
-                     {"BLOCK_N": 64, "BLOCK_S": 64, "WIDE_INDEX": wide})
+                     {"BLOCK_N": 128, "BLOCK_S": 64, "WIDE_INDEX": wide}, {"num_warps": 8})
             compile_(kernels._backward_reduce_channel_kernel,
                      {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
                       "out_ptr": "*fp32"}, ("N", "C", "S", "stride_n", "stride_c"),
@@ -318,8 +319,9 @@ def test_row_splits_ask_the_device_once(monkeypatch):
 
 
 # Note [one program per channel]: shapes the launchers give one program per channel (NCHW,
-# at least 256 channels, few values per channel), including two tiles per channel with a
-# partial second one (N=100 at 7x7: BLOCK_N=64) and S padded to a power of two.
+# at least 256 channels, few values per channel), including a padded batch (N=100 at 7x7: the
+# statistics' one 128x64 tile, the backward reduce's two 64-row tiles, the second partial) and
+# S padded to a power of two.
 CHANNEL_PATH = [(3, 256, 2, 3), (5, 300, 7, 7), (100, 256, 7, 7), (2, 256, 9)]
 CHANNEL_PATH_CASES = ([(shape, torch.float32) for shape in CHANNEL_PATH]
                       + [(CHANNEL_PATH[1], torch.bfloat16), (CHANNEL_PATH[1], torch.float16)])

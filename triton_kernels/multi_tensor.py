@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..backend import triton_interpreting
+from .launch_cache import cached
 
 _TORCH_TO_TL = {
     torch.float32: tl.float32,
@@ -577,7 +578,7 @@ def check_and_norm(grads, inv_scale, unscale_in_place=False):
         return zero, zero.clone()
     partial_bad = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     partial_sumsq = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
-    _check_and_norm_kernel[(table.n_chunks,)](
+    cached(_check_and_norm_kernel)[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, partial_bad), partial_bad, partial_sumsq,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), HAS_INV_SCALE=inv_scale is not None,
@@ -609,7 +610,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     dummy = exp_avgs[0]
     lr_ptr, lr_host = _lr_args(lr, device, dummy)
     betas_ptr, *betas_host = _betas_args(beta1, beta2, device, dummy)
-    _adam_kernel[(table.n_chunks,)](
+    cached(_adam_kernel)[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
         _scalar_or_dummy(found_inf, dummy), lr_ptr, betas_ptr,
@@ -637,7 +638,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     if table.n_chunks == 0:
         return
     dummy = torch.empty(1, dtype=torch.float32, device=device)
-    _sgd_kernel[(table.n_chunks,)](
+    cached(_sgd_kernel)[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
         _scalar_or_dummy(found_inf, dummy), *_lr_args(lr, device, dummy),
@@ -668,7 +669,7 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
     partial_p2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     partial_u2 = torch.empty(table.n_chunks, dtype=torch.float32, device=device)
     dummy = partial_p2
-    _lamb_stage1_kernel[(table.n_chunks,)](
+    cached(_lamb_stage1_kernel)[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
         _scalar_or_dummy(found_inf, dummy), global_div, partial_p2, partial_u2,
@@ -691,7 +692,7 @@ def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
     table = chunk_table([params, masters, updates], [p.numel() for p in params], block * iters, device)
     if table.n_chunks == 0:
         return
-    _lamb_stage2_kernel[(table.n_chunks,)](
+    cached(_lamb_stage2_kernel)[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(found_inf, ratios), ratios, *_lr_args(lr, device, ratios),
         PARAM_DTYPE=tl_dtype(params[0].dtype), HAS_MASTER=masters is not None,

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..backend import triton_interpreting
+from .launch_cache import cached
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -428,7 +429,7 @@ def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch
     blocks = _channel_path(layout)
     if blocks is not None:
         block_n, block_s = _next_pow2(N), blocks[1]
-        _welford_channel_kernel[(C,)](
+        cached(_welford_channel_kernel)[(C,)](
             x, mean_out, m2_out, count_out, N * S, N, S, stride_n, stride_c,
             BLOCK_N=block_n, BLOCK_S=block_s, WIDE_INDEX=_wide_index(layout, C, S),
             num_warps=4 if block_n * block_s <= 2048 else 8,
@@ -441,7 +442,7 @@ def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch
     mean_part = torch.empty((split, C), device=x.device, dtype=torch.float32)
     m2_part = torch.empty_like(mean_part)
     count_part = torch.empty((split,), device=x.device, dtype=torch.int32)
-    _welford_partial_kernel[(num_c_blocks, split)](
+    cached(_welford_partial_kernel)[(num_c_blocks, split)](
         x, mean_part, m2_part, count_part,
         N, C, S, stride_n, stride_c, stride_s, num_s_tiles, split,
         BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
@@ -450,7 +451,7 @@ def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch
         block_p, block_cc = _next_pow2(split), _next_pow2(C)
     else:
         block_p, block_cc = min(_next_pow2(split), 32), min(_next_pow2(C), 64)
-    _welford_combine_kernel[(_cdiv(C, block_cc),)](
+    cached(_welford_combine_kernel)[(_cdiv(C, block_cc),)](
         mean_part, m2_part, count_part, mean_out, m2_out, count_out, split, C, N * S,
         BLOCK_P=block_p, BLOCK_C=block_cc,
     )
@@ -464,7 +465,7 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, layout, mean: torch.Tenso
     blocks = _channel_path(layout)
     if blocks is not None:
         out = torch.empty((2, C), device=x.device, dtype=torch.float32)
-        _backward_reduce_channel_kernel[(C,)](
+        cached(_backward_reduce_channel_kernel)[(C,)](
             dy, x, mean, invstd, out, N, C, S, stride_n, stride_c,
             BLOCK_N=blocks[0], BLOCK_S=blocks[1], WIDE_INDEX=_wide_index(layout, C, S),
         )
@@ -474,7 +475,7 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, layout, mean: torch.Tenso
     num_c_blocks = _cdiv(C, block_c)
     split = _row_splits(N * num_s_tiles, num_c_blocks, x.device)
     part = torch.empty((split, 2, C), device=x.device, dtype=torch.float32)
-    _backward_reduce_kernel[(num_c_blocks, split)](
+    cached(_backward_reduce_kernel)[(num_c_blocks, split)](
         dy, x, mean, invstd, part,
         N, C, S, stride_n, stride_c, stride_s, num_s_tiles, split,
         BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
@@ -493,7 +494,7 @@ def channel_affine(out: torch.Tensor, u: torch.Tensor, layout, p: torch.Tensor, 
     num_s_tiles = _cdiv(S, block_s)
     grid = (N * num_s_tiles, _cdiv(C, block_c))
     has_v, has_b = v is not None, b is not None
-    _channel_affine_kernel[grid](
+    cached(_channel_affine_kernel)[grid](
         out, u, v if has_v else u, p, q, r if has_v else p, t if has_v else q, b if has_b else p,
         C, S, stride_n, stride_c, stride_s, num_s_tiles,
         HAS_V=has_v, HAS_B=has_b,

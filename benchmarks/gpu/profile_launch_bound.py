@@ -151,10 +151,12 @@ def triton_launch_rows() -> list[dict]:
     """The host's time per launch of one Triton kernel through its JIT function (argument
     binding, specialization key, cache lookup, then the launch) and through the compiled
     kernel's own runner (the launch alone, arguments as the JIT function passes them), with
-    the outputs compared; beside one torch op's call."""
+    the outputs compared; through fusedist's launch cache (the call sites' path: key, lookup,
+    then the compiled kernel's launcher); beside one torch op's call."""
     from fusedist.nn._layout import ncs_layout
     from fusedist.triton_kernels import multi_tensor as MT
     from fusedist.triton_kernels import syncbn as K
+    from fusedist.triton_kernels.launch_cache import cached
 
     x = torch.randn(64, 512, 7, 7, device="cuda", dtype=torch.float16)
     layout = ncs_layout(x)
@@ -177,6 +179,9 @@ def triton_launch_rows() -> list[dict]:
         compiled = jit()
         torch.cuda.synchronize()
         row = {"row": f"launch {label}", "who": "fusedist", "jit_host_us": round(host_ms_per_call(jit, 200) * 1e3, 2)}
+        launcher = cached(kernel)  # Note [a launch cache in front of the JIT]
+        row["launch_cache_host_us"] = (round(host_ms_per_call(lambda: launcher[grid](*args, **kwargs), 200) * 1e3, 2)
+                                       if launcher is not kernel else "off")
         named = dict(zip(kernel.arg_names, args), **kwargs)
         constexprs = getattr(kernel, "constexprs", ())
         variants = {"runtime args": [named[n] for i, n in enumerate(kernel.arg_names) if i not in constexprs],

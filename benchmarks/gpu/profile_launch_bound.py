@@ -127,6 +127,51 @@ def syncbn_rows() -> list[dict]:
     return rows
 
 
+def channel_path_variants() -> list[dict]:
+    """The per-channel kernels (Note [one program per channel]) at each warp count and, for the
+    backward reduce, one whole-slab tile against 4096-value tiles: the kernels' device time
+    alone (replayed from a CUDA graph), beside torch's kernels, to pick the launch settings."""
+    import triton
+    from fusedist.nn._layout import ncs_layout
+    from fusedist.triton_kernels import syncbn as K
+
+    def device_us(fn):
+        fn()
+        return round(triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3, 2)
+
+    rows = []
+    for shape in ((64, 512, 7, 7), (32, 512, 7, 7), (32, 256, 14, 14)):
+        for dtype in (torch.float32, torch.bfloat16):
+            N, C = shape[:2]
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            dy = torch.randn(shape, device="cuda", dtype=dtype)
+            lay = ncs_layout(x)
+            _, _, S, stride_n, stride_c, _ = lay
+            blocks = K._channel_path(lay)
+            if blocks is None:
+                continue
+            f32 = dict(device="cuda", dtype=torch.float32)
+            mean, m2, count = torch.empty(C, **f32), torch.empty(C, **f32), torch.empty(1, **f32)
+            invstd, out = torch.ones(C, **f32), torch.empty((2, C), **f32)
+            weight = torch.ones(C, device="cuda", dtype=dtype)
+            row = {"row": f"per-channel kernels {'x'.join(map(str, shape))} {str(dtype)[6:]}", "who": "both",
+                   "torch_stats_us": device_us(lambda: torch.batch_norm_stats(x, 1e-5)),
+                   "torch_reduce_us": device_us(lambda: torch.batch_norm_backward_reduce(
+                       dy, x, mean, invstd, weight, True, True, True))}
+            block_n = K._next_pow2(N)
+            for warps in (2, 4, 8):
+                row[f"stats_w{warps}_us"] = device_us(lambda: K._welford_channel_kernel[(C,)](
+                    x, mean, m2, count, N * S, N, S, stride_n, stride_c,
+                    BLOCK_N=block_n, BLOCK_S=blocks[1], WIDE_INDEX=False, num_warps=warps))
+                for label, bn in (("tile", blocks[0]), ("slab", block_n)):
+                    row[f"reduce_{label}_w{warps}_us"] = device_us(lambda: K._backward_reduce_channel_kernel[(C,)](
+                        dy, x, mean, invstd, out, N, C, S, stride_n, stride_c,
+                        BLOCK_N=bn, BLOCK_S=blocks[1], WIDE_INDEX=False, num_warps=warps))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def _record_launch(module, name: str, call) -> tuple:
     """(kernel, grid, args, kwargs) of the first launch of ``module.name`` made by ``call()``."""
     kernel, seen = getattr(module, name), []
@@ -247,7 +292,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     rows = []
-    for section in (triton_launch_rows, optimizer_rows, syncbn_rows):
+    for section in (triton_launch_rows, channel_path_variants, optimizer_rows, syncbn_rows):
         try:
             rows += section()
         except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the other's rows

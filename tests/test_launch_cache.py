@@ -177,6 +177,11 @@ def test_cached_returns_kernels_it_cannot_serve_unchanged(monkeypatch):
     # under the interpreter (as here) or without a GPU driver, the kernel itself
     kernel = syncbn._welford_channel_kernel
     assert launch_cache.cached(kernel) is kernel
-    monkeypatch.setenv("FUSEDIST_TRITON_LAUNCH_CACHE", "0")
+    # Note [the launch cache is opt-in]: off unless switched on, and never under the interpreter
+    monkeypatch.delenv("FUSEDIST_TRITON_LAUNCH_CACHE", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not launch_cache._enabled()
+    monkeypatch.setenv("FUSEDIST_TRITON_LAUNCH_CACHE", "1")
+    assert launch_cache._enabled() == launch_cache._triton_supports_direct_launch()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not launch_cache._enabled()

@@ -25,8 +25,15 @@ Note [a launch cache in front of the JIT]
     launch hook is installed (profilers read the launch metadata it builds), for a grid given
     as a function, when the kernel has pre-run hooks or arguments left to their defaults,
     under the interpreter, for Triton versions without the launcher convention checked here
-    (3.4 and later: every argument, constexprs included, in signature order), and with
-    ``FUSEDIST_TRITON_LAUNCH_CACHE=0``.
+    (3.4 and later: every argument, constexprs included, in signature order).
+
+Note [the launch cache is opt-in]
+    Set ``FUSEDIST_TRITON_LAUNCH_CACHE=1`` to use it. It is off by default until a GPU run
+    has compared its launches with the JIT's (``tests/test_kernels_gpu_launch.py``) and timed
+    them (``benchmarks/gpu/profile_launch_bound.py`` times both paths whatever the setting):
+    the launcher convention it relies on was read from Triton 3.9's source and seen to work
+    through ``CompiledKernel``'s own runner on Triton 3.6, but this module's calls have not
+    run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def _triton_supports_direct_launch() -> bool:
 
 
 def _enabled() -> bool:
-    if os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE", "1") == "0":
+    if os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE", "0") != "1":  # Note [the launch cache is opt-in]
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
@@ -137,7 +144,7 @@ _LAUNCHERS: dict = {}  # id(kernel) -> (kernel, its launcher); by id: a JITFunct
 def cached(kernel):
     """The cached launcher of ``kernel`` (a ``triton.jit`` function), or ``kernel`` itself
     where the cache does not apply (an interpreted kernel, a test's stand-in, a Triton
-    without the checked launcher convention, ``FUSEDIST_TRITON_LAUNCH_CACHE=0``)."""
+    without the checked launcher convention, the cache not switched on)."""
     entry = _LAUNCHERS.get(id(kernel))
     if entry is not None and entry[0] is kernel:
         return entry[1]

@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "register_data_parallel", "data_parallel_owner",
-    "register_gradient_holder", "gradient_holder", "gradient_holders_of", "held_parameters",
+    "register_gradient_holder", "gradient_holder", "any_gradient_holder", "gradient_holders_of", "held_parameters",
     "register_step_watch", "step_watch",
 ]
 
@@ -84,6 +84,12 @@ def held_parameters() -> list:
         if holder is not None:
             found.append((p, holder))
     return found
+
+
+def any_gradient_holder() -> bool:
+    """Whether any live parameter has a gradient holder: when none does (no sharded optimizer
+    in the process), callers skip asking parameter by parameter."""
+    return bool(_gradient_holder)
 
 
 def gradient_holder(p) -> Optional[object]:

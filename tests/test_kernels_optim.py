@@ -13,6 +13,7 @@ import torch
 from fusedist.optim import _reference
 from fusedist.optim import functional as F
 
+from fusedist._memory_layout import is_dense
 from fusedist.backend import triton_available, triton_interpreting
 
 pytestmark = pytest.mark.skipif(
@@ -208,6 +209,32 @@ def test_check_and_norm_unscales_in_place_when_asked(device, grad_dtype):
     _reference.check_and_norm(ref_grads, inv, unscale_in_place=True)
     for g, e in zip(ref_grads, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_check_and_norm_takes_gradients_of_every_layout(device):
+    """Gradients that are not contiguous -- dense in another order (channels_last, a
+    transpose) or not dense at all (a strided slice of a larger tensor) -- among contiguous
+    ones: the same flag, norm and in-place unscale as contiguous copies, and the slice's base
+    untouched outside the slice."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 10, generator=gen).to(device)
+    grads = [torch.randn(64, generator=gen).to(device),
+             torch.randn(4, 3, 5, 5, generator=gen).to(device).to(memory_format=torch.channels_last),
+             torch.randn(7, 5, generator=gen).to(device).t(),
+             base[:, ::2]]
+    assert not grads[3].is_contiguous() and not is_dense(grads[3])
+    inv = torch.tensor([0.37], device=device)
+    copies = [g.clone(memory_format=torch.contiguous_format) for g in grads]
+    base_before = base.clone()
+    bad, sumsq = F.check_and_norm(grads, inv, unscale_in_place=True)
+    ref_bad, ref_sumsq = _reference.check_and_norm(copies, inv, unscale_in_place=True)
+    assert bad.item() == ref_bad.item() == 0.0
+    torch.testing.assert_close(sumsq, ref_sumsq, rtol=1e-6, atol=0)
+    for g, c in zip(grads, copies):
+        torch.testing.assert_close(g, c, rtol=0, atol=0)
+    assert torch.equal(base[:, 1::2], base_before[:, 1::2])
+    grads[3][2, 1] = float("inf")  # an overflow only in the slice
+    assert F.check_and_norm(grads, inv)[0].item() == 1.0
 
 
 def test_check_and_norm_reads_only(device):

@@ -83,6 +83,36 @@ def test_every_layout_steps_like_torch(backend, fused_cls, torch_cls, kwargs):
                 assert value.stride() == p.stride(), key
 
 
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_states_laid_out_unlike_a_changed_parameter(backend, master_weights):
+    """A parameter made contiguous after its states were made channels_last (``p.data =
+    p.data.contiguous()``, as a model moved back from channels_last): its states and master
+    no longer walk like it, so that parameter must leave the kernels' flat path -- the steps
+    still follow torch's."""
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.randn(4, 3, 3, 3, generator=gen).to(DEVICE).to(memory_format=torch.channels_last)
+    ours = [nn.Parameter(conv.clone(memory_format=torch.preserve_format).to(dtype)),
+            nn.Parameter(torch.randn(16, generator=gen).to(DEVICE).to(dtype))]
+    theirs = [nn.Parameter(p.detach().float().clone(memory_format=torch.preserve_format)) for p in ours]
+    opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.05, master_weights=master_weights)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.05)
+    for step in range(4):
+        if step == 2:
+            for p in (ours[0], theirs[0]):
+                p.data = p.data.contiguous()
+        for a, b in zip(ours, theirs):
+            g = torch.randn(a.shape, generator=gen).to(DEVICE).to(dtype)
+            a.grad, b.grad = g, g.float()  # (the same values on both sides)
+        opt.step()
+        ref.step()
+        for a, b in zip(ours, theirs):
+            if master_weights:
+                a = opt.state[a]["master_param"]
+            torch.testing.assert_close(a.detach().float(), b.detach(), rtol=0, atol=ATOL)
+    assert ours[0].is_contiguous() and not opt.state[ours[0]]["exp_avg"].is_contiguous()
+
+
 def test_lamb_steps_odd_layouts_like_contiguous_copies(backend):
     """FusedLAMB has no torch counterpart: the same parameters made contiguous are the oracle."""
     ours = _odd_layout_params(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -248,7 +249,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 steps = [s["step"] for s in states]
                 torch._foreach_add_(steps, 1.0)
                 # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
-                tensors = [values_of(p) for p in params]
+                tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
                 self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
                                  clip_coef=clip_coef, found_inf=found_inf)
                 if group.get("master_weights", False):
@@ -493,14 +494,21 @@ def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
     if not params:
         return params, grads
     if (
-        {type(p) for p in params} <= PLAIN_TYPES
-        and {g.layout for g in grads} == {torch.strided}
-        and {g.dtype for g in grads} <= _FLOAT_DTYPES
-        and len({g.device for g in grads} | {p.device for p in params}) == 1
-        and all(g.shape == p.shape for g, p in zip(grads, params))
+        set(map(type, params)) <= PLAIN_TYPES
+        and set(map(_layout_of, grads)) == {torch.strided}
+        and set(map(_dtype_of, grads)) <= _FLOAT_DTYPES
+        and len(set(map(_device_of, grads)) | set(map(_device_of, params))) == 1
+        and list(map(_shape_of, grads)) == list(map(_shape_of, params))
     ):
         return params, grads
     return None
+
+
+# (Getters mapped over a whole list: no Python frame per tensor in the per-step checks.)
+_layout_of = operator.attrgetter("layout")
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_shape_of = operator.attrgetter("shape")
 
 
 def _uncount_if_skipped(steps: list, found_inf: torch.Tensor) -> None:

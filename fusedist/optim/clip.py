@@ -18,7 +18,7 @@ from typing import Iterable, Union
 
 import torch
 
-from ..ownership import gradient_holder
+from ..ownership import any_gradient_holder, gradient_holder
 from .step_context import materialize_unscales, pending_contexts
 from .torch_clip import torch_clip_grad_norm_
 
@@ -58,7 +58,7 @@ def clip_grad_norm_(
     # Gradients held sharded across ranks (ZeRO stage 2 keeps only a shard, p.grad is None;
     # fully_shard's p.grad is this rank's shard): the holder computes the global norm.
     holders, unheld = {}, False
-    for p in params:
+    for p in params if any_gradient_holder() else ():
         holder = gradient_holder(p)
         if holder is not None:
             holders.setdefault(id(holder), (holder, []))[1].append(p)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import operator
 from collections import defaultdict
 from typing import Optional, Sequence, Union
 
@@ -161,15 +162,15 @@ def _bucketize(params, grads, masters, state_lists, check_states=True):
     else:
         has_master = [m is not None for m in masters]
     companions = [lst for lst in (masters, *state_lists) if lst is not None]
-    p_dtypes = {p.dtype for p in params}
-    g_dtypes = {g.dtype for g in grads}
-    devices = {p.device for p in params}
+    p_dtypes = set(map(_dtype_of, params))
+    g_dtypes = set(map(_dtype_of, grads))
+    devices = set(map(_device_of, params))
     if (
         len(p_dtypes) == 1 and len(g_dtypes) == 1 and len(devices) == 1
         and len(set(has_master)) == 1
         and p_dtypes <= set(_KERNEL_DTYPES) and g_dtypes <= set(_KERNEL_DTYPES)
-        and all(p.is_contiguous() for p in params) and all(g.is_contiguous() for g in grads)
-        and all(t is None or t.is_contiguous() for lst in companions for t in lst)
+        and all(map(_is_contiguous, params)) and all(map(_is_contiguous, grads))
+        and all(_all_contiguous_or_none(lst) for lst in companions)
         and (not check_states or _states_fp32(companions, range(n)))
     ):
         return {(params[0].device, params[0].dtype, grads[0].dtype, has_master[0], True): list(range(n))}
@@ -183,6 +184,21 @@ def _bucketize(params, grads, masters, state_lists, check_states=True):
         )
         buckets[(p.device, p.dtype, g.dtype, has_master[i], eligible)].append(i)
     return buckets
+
+
+# (Unbound methods and getters mapped over a list: a whole-list check without a Python frame per
+# tensor; _bucketize runs them over every tensor of every step.)
+_is_contiguous = torch.Tensor.is_contiguous
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_layout_of = operator.attrgetter("layout")
+
+
+def _all_contiguous_or_none(lst) -> bool:
+    try:
+        return all(map(_is_contiguous, lst))
+    except TypeError:  # a None among them (a parameter without a master)
+        return all(t is None or t.is_contiguous() for t in lst)
 
 
 def _states_fp32(companions, indices) -> bool:
@@ -258,15 +274,17 @@ def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, 
     device = grads[0].device
     _check_scalar_tensor("inv_scale", inv_scale, device)
     bads, sumsqs = [], []
-    buckets: dict[tuple, list[Tensor]] = defaultdict(list)
-    for i, g in enumerate(grads):
-        if g.is_sparse:
-            raise RuntimeError(f"check_and_norm: grads[{i}] is sparse; only dense gradients are supported")
-        if not g.is_floating_point():
-            raise TypeError(f"check_and_norm: grads[{i}] has dtype {g.dtype}; expected a floating-point gradient")
-        if g.device != device:
-            raise ValueError(f"check_and_norm: grads[{i}] is on {g.device}, grads[0] on {device}")
-        buckets[(g.dtype, g.dtype in _KERNEL_DTYPES and is_dense(g))].append(g)
+    buckets = _one_bucket(grads, device)
+    if buckets is None:
+        buckets = defaultdict(list)
+        for i, g in enumerate(grads):
+            if g.is_sparse:
+                raise RuntimeError(f"check_and_norm: grads[{i}] is sparse; only dense gradients are supported")
+            if not g.is_floating_point():
+                raise TypeError(f"check_and_norm: grads[{i}] has dtype {g.dtype}; expected a floating-point gradient")
+            if g.device != device:
+                raise ValueError(f"check_and_norm: grads[{i}] is on {g.device}, grads[0] on {device}")
+            buckets[(g.dtype, g.dtype in _KERNEL_DTYPES and is_dense(g))].append(g)
     for (_, eligible), bucket in buckets.items():
         impl = _kernels() if _backend_for("check_and_norm", device, eligible) == "triton" else _reference
         bad, sumsq = impl.check_and_norm(bucket, inv_scale, unscale_in_place)
@@ -275,6 +293,18 @@ def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, 
     if len(bads) == 1:
         return bads[0], sumsqs[0]
     return torch.stack(bads).amax().reshape(1), torch.stack(sumsqs).sum().reshape(1)
+
+
+def _one_bucket(grads: list, device) -> Optional[dict]:
+    """check_and_norm's buckets when every gradient is a dense (contiguous) strided tensor of one
+    kernel dtype on ``device``: checked a whole list at a time (the unscale of every step runs
+    this over every gradient). None otherwise: the per-gradient loop sorts them and names any
+    gradient at fault."""
+    dtypes = set(map(_dtype_of, grads))
+    if (len(dtypes) == 1 and dtypes <= set(_KERNEL_DTYPES) and set(map(_layout_of, grads)) == {torch.strided}
+            and set(map(_device_of, grads)) == {device} and all(map(_is_contiguous, grads))):
+        return {(grads[0].dtype, True): grads}
+    return None
 
 
 def adam_update(

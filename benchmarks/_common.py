@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import os
@@ -113,6 +114,26 @@ def graph_ms_per_call(fn: Callable[[], object], calls: int = 20, replays: int = 
         samples.append(start.elapsed_time(end) / calls)
     del graph
     return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def launch_cache_on():
+    """Within the block, fusedist's Triton launches go through the launch cache (Note [the
+    launch cache is opt-in] in triton_kernels/launch_cache.py), whatever the setting outside;
+    yields whether this Triton supports it (False: the block runs the JIT path as usual)."""
+    from fusedist.triton_kernels import launch_cache
+
+    saved_env, saved_launchers = os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE"), launch_cache._LAUNCHERS
+    os.environ["FUSEDIST_TRITON_LAUNCH_CACHE"] = "1"
+    launch_cache._LAUNCHERS = {}
+    try:
+        yield launch_cache._enabled()
+    finally:
+        launch_cache._LAUNCHERS = saved_launchers
+        if saved_env is None:
+            os.environ.pop("FUSEDIST_TRITON_LAUNCH_CACHE", None)
+        else:
+            os.environ["FUSEDIST_TRITON_LAUNCH_CACHE"] = saved_env
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device | str, **kwargs) -> dict:

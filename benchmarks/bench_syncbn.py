@@ -17,7 +17,9 @@ verdict: the lowest ratio over every row (target >= 1.0) and the lowest bandwidt
 over the rows whose input is at least 100 MB (target >= 0.85). ``fusedist_host_us`` /
 ``torch_host_us``: the host's time to issue one call (50 calls, no synchronization between
 them); where it is most of the measured time the call is bound by its launch, not by its
-kernels, and the verdict counts those rows among the slower ones.
+kernels, and the verdict counts those rows among the slower ones. ``launch_cache_*``: the
+same call with the Triton launch cache switched on (``FUSEDIST_TRITON_LAUNCH_CACHE=1``, off by
+default: Note [the launch cache is opt-in] in triton_kernels/launch_cache.py).
 
 CPU (always): two ranks on gloo, each normalizing its own batch: fusedist SyncBatchNorm
 forward+backward against plain ``nn.BatchNorm`` on the same per-rank batch in the same
@@ -47,7 +49,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import graph_ms_per_call, host_ms_per_call  # noqa: E402
+from _common import graph_ms_per_call, host_ms_per_call, launch_cache_on  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -200,6 +202,8 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
         }
         for op, (ours, theirs, moved) in ops.items():
             (t_ours, err_ours), (t_torch, err_torch) = timed(ours), timed(theirs)
+            with launch_cache_on() as on:  # the same launchers, repeats past the JIT's per-call work
+                t_cached, h_cached = (timed(ours)[0], host_us(ours)) if on else (float("nan"), float("nan"))
             gbs = moved / (t_ours * 1e-6) / 1e9
             path = ("per-channel" if op in ("stats", "backward_reduce") and kernels._channel_path(layout) is not None
                     else "row-split" if op in ("stats", "backward_reduce") else "tiles")
@@ -212,6 +216,8 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
                 "fusedist_host_us": host_us(ours), "torch_host_us": host_us(theirs),
                 "fusedist_device_us": (d_ours := device_us(ours)), "torch_device_us": (d_torch := device_us(theirs)),
                 "device_speedup": d_torch / d_ours,
+                "launch_cache_us": t_cached, "launch_cache_host_us": h_cached,
+                "launch_cache_speedup": t_torch / t_cached,
                 "error": "; ".join(e for e in (err_ours and f"fusedist: {err_ours}",
                                                err_torch and f"torch: {err_torch}") if e),
             })
@@ -241,6 +247,12 @@ def verdict(rows: list[dict]) -> str:
         text += (f"; device time alone (graph replay): lowest ratio {low['device_speedup']:.3f}x ({low['op']} "
                  f"{low['dtype']} {low['layout']} {low['shape']}), "
                  f"{sum(r['device_speedup'] < 1.0 for r in timed)} of {len(timed)} rows below 1.0")
+    cached = [r for r in rows if r.get("launch_cache_speedup") == r.get("launch_cache_speedup")]  # (not nan)
+    if cached:
+        low = min(cached, key=lambda r: r["launch_cache_speedup"])
+        text += (f"; with FUSEDIST_TRITON_LAUNCH_CACHE=1: lowest ratio {low['launch_cache_speedup']:.3f}x "
+                 f"({low['op']} {low['dtype']} {low['layout']} {low['shape']}), "
+                 f"{sum(r['launch_cache_speedup'] < 1.0 for r in cached)} of {len(cached)} rows below 1.0")
     large = [r for r in rows if r["input_MB"] >= 100]
     if large:
         low = min(large, key=lambda r: r["frac_read_bw"])
@@ -367,7 +379,8 @@ def main() -> None:
             "host's time to issue one call; `_device_us`: the call replayed from a CUDA graph, the "
             "kernels alone (20 calls per graph, inputs warm in L2), `device_speedup` their ratio "
             "(Note [call time and device time] in the benchmark). `path`: the kernels' choice (per-channel: "
-            "Note [one program per channel] in triton_kernels/syncbn.py).",
+            "Note [one program per channel] in triton_kernels/syncbn.py). `launch_cache_*`: the same "
+            "call with FUSEDIST_TRITON_LAUNCH_CACHE=1 (Note [the launch cache is opt-in]).",
             "",
             line,
         ]))

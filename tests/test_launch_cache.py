@@ -185,3 +185,21 @@ def test_cached_returns_kernels_it_cannot_serve_unchanged(monkeypatch):
     assert launch_cache._enabled() == launch_cache._triton_supports_direct_launch()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not launch_cache._enabled()
+
+
+def test_the_benchmarks_switch_restores_the_setting(monkeypatch):
+    """``benchmarks/_common.launch_cache_on`` (the SyncBN benchmark's second timing) switches
+    the cache on for its block only, and says whether it could."""
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "benchmarks"))
+    sys.modules.pop("_common", None)
+    from _common import launch_cache_on
+
+    monkeypatch.delenv("FUSEDIST_TRITON_LAUNCH_CACHE", raising=False)
+    before = launch_cache._LAUNCHERS
+    with launch_cache_on() as on:
+        assert os.environ["FUSEDIST_TRITON_LAUNCH_CACHE"] == "1" and launch_cache._LAUNCHERS is not before
+        assert on == launch_cache._enabled()
+    assert "FUSEDIST_TRITON_LAUNCH_CACHE" not in os.environ and launch_cache._LAUNCHERS is before

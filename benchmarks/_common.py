@@ -117,15 +117,17 @@ def graph_ms_per_call(fn: Callable[[], object], calls: int = 20, replays: int = 
 
 
 @contextlib.contextmanager
-def launch_cache_on():
+def launch_cache_on(launchers: dict | None = None):
     """Within the block, fusedist's Triton launches go through the launch cache (Note [the
     launch cache is opt-in] in triton_kernels/launch_cache.py), whatever the setting outside;
-    yields whether this Triton supports it (False: the block runs the JIT path as usual)."""
+    yields whether this Triton supports it (False: the block runs the JIT path as usual).
+    ``launchers``: a dict that keeps the block's launchers for the next block (see
+    :func:`with_launchers`); a fresh one by default."""
     from fusedist.triton_kernels import launch_cache
 
     saved_env, saved_launchers = os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE"), launch_cache._LAUNCHERS
     os.environ["FUSEDIST_TRITON_LAUNCH_CACHE"] = "1"
-    launch_cache._LAUNCHERS = {}
+    launch_cache._LAUNCHERS = {} if launchers is None else launchers
     try:
         yield launch_cache._enabled()
     finally:
@@ -134,6 +136,22 @@ def launch_cache_on():
             os.environ.pop("FUSEDIST_TRITON_LAUNCH_CACHE", None)
         else:
             os.environ["FUSEDIST_TRITON_LAUNCH_CACHE"] = saved_env
+
+
+def with_launchers(fn: Callable[[], object], launchers: dict) -> Callable[[], object]:
+    """``fn`` run with the launchers a :func:`launch_cache_on` block made (call ``fn`` once in
+    such a block first): each call swaps the module's table in and out, two assignments, so
+    calls can be timed in turn with the default path's."""
+    from fusedist.triton_kernels import launch_cache
+
+    def run():
+        saved, launch_cache._LAUNCHERS = launch_cache._LAUNCHERS, launchers
+        try:
+            return fn()
+        finally:
+            launch_cache._LAUNCHERS = saved
+
+    return run
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device | str, **kwargs) -> dict:

@@ -195,7 +195,7 @@ def test_the_benchmarks_switch_restores_the_setting(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                              "benchmarks"))
     sys.modules.pop("_common", None)
-    from _common import launch_cache_on
+    from _common import launch_cache_on, with_launchers
 
     monkeypatch.delenv("FUSEDIST_TRITON_LAUNCH_CACHE", raising=False)
     before = launch_cache._LAUNCHERS
@@ -203,3 +203,9 @@ def test_the_benchmarks_switch_restores_the_setting(monkeypatch):
         assert os.environ["FUSEDIST_TRITON_LAUNCH_CACHE"] == "1" and launch_cache._LAUNCHERS is not before
         assert on == launch_cache._enabled()
     assert "FUSEDIST_TRITON_LAUNCH_CACHE" not in os.environ and launch_cache._LAUNCHERS is before
+    kept = {}
+    with launch_cache_on(kept):
+        assert launch_cache._LAUNCHERS is kept
+    seen = []
+    run = with_launchers(lambda: seen.append(launch_cache._LAUNCHERS) or 7, kept)
+    assert run() == 7 and seen == [kept] and launch_cache._LAUNCHERS is before

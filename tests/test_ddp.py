@@ -114,7 +114,7 @@ def test_parity_with_torch_ddp(world_size):
         for rank in range(1, world_size):
             assert torch.equal(per_rank[rank][key][1], flat0), f"{key}: rank {rank} diverged from rank 0"
     # The bucket configurations really differ.
-    assert per_rank[0][("MLP", "tiny")][2] > 3
+    assert per_rank[0][("MLP", "tiny")][2] >= 3  # (as many as torch DDP makes of these caps)
     assert per_rank[0][("MLP", "one")][2] == 1
 
 

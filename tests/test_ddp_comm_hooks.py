@@ -84,9 +84,7 @@ def _side_by_side_worker(rank, world, kind):
     caps = {}
     if kind.endswith("buckets"):
         # Two buckets, the same in both (PowerSGD compresses per bucket): the last two
-        # layers, then the first. Past the first bucket torch closes a bucket after the
-        # parameter that crosses its cap and fusedist before it (Note [the first bucket] in
-        # fusedist/ddp/layout.py), so the second cap is wide enough for both to agree.
+        # layers, then the first (Note [buckets close as torch's do] in fusedist/ddp/layout.py).
         caps = dict(bucket_cap_mb_list=[0.004, 0.01])
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **caps)
     ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **caps)

@@ -31,9 +31,11 @@ from torch import nn
 import models
 from fusedist.testing import run_distributed
 
-# One bucket per layer of SlowMLP (hidden 32): the last layer (528 B) alone under the first
-# cap (629 B); each 32x32 layer (4224 B) alone under the cap (4299 B).
-PER_LAYER_BUCKETS = dict(bucket_cap_mb=0.0041, first_bucket_cap_mb=0.0006)
+# One bucket per layer of SlowMLP (hidden 32), each closed once it reaches its cap (Note
+# [buckets close as torch's do]): the last layer (16 B of bias, then 512 B of weight) reaches
+# the first cap (419 B) with its weight; each 32x32 layer (128 B, then 4096 B) reaches the cap
+# (4194 B) with its weight; the first layer (2176 B) is what is left, the last bucket.
+PER_LAYER_BUCKETS = dict(bucket_cap_mb=0.004, first_bucket_cap_mb=0.0004)
 
 
 class _SleepInBackward(torch.autograd.Function):

@@ -82,12 +82,12 @@ def _parity_worker(rank, world, views, accumulate, late):
     import fusedist
 
     base = SharedBlocks()
-    # A bucket per weight (and the head in the first): the shared block's gradient first
-    # arrives early in backward (from its last call) and again at the end; its bucket must
-    # wait for the second arrival. Each 256x256 weight alone in its bucket is large enough
-    # to fold the division into the copies -- except the shared one's, whose second gradient
-    # is added onto the first.
-    opts = dict(bucket_cap_mb_list=[0.001, 0.2505])
+    # A bucket per parameter (the head's two in the first; each later one reaches the 943 B
+    # cap alone): the shared block's gradient first arrives early in backward (from its last
+    # call) and again at the end; its bucket must wait for the second arrival. Each 256x256
+    # weight alone in its bucket is large enough to fold the division into the copies --
+    # except the shared one's, whose second gradient is added onto the first.
+    opts = dict(bucket_cap_mb_list=[0.001, 0.0009])
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), static_graph=True, **opts)
     if late:  # torch's private switch after construction
         ours = fusedist.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=views, **opts)
@@ -167,7 +167,7 @@ def _zero_worker(rank, world, stage):
     import fusedist
 
     base = SharedBlocks()
-    opts = dict(bucket_cap_mb_list=[0.001, 0.2505])
+    opts = dict(bucket_cap_mb_list=[0.001, 0.0009])  # (as in _parity_worker)
     ours = fusedist.DistributedDataParallel(copy.deepcopy(base), static_graph=True, **opts)
     zero = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, stage=stage, lr=0.5, momentum=0.9)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), static_graph=True, **opts)

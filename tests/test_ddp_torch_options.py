@@ -124,13 +124,14 @@ def test_bucket_cap_mb_list_caps_each_bucket_in_readiness_order():
     from fusedist.ddp.layout import build_layout
 
     params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 50, 400, 10, 10, 10, 500)]
-    caps = [1000, 1200, 400]  # bytes: the first bucket closes once reached, the others before overflowing
+    caps = [1000, 1200, 400]  # bytes: each bucket closes once it reached its cap, as torch's
     layout = build_layout(params, [str(i) for i in range(len(params))], caps=caps, world_size=1,
                           device=torch.device("meta"))
     sizes = [[p.numel() for p in b.params] for b in layout.buckets]
-    assert sizes == [[100, 300], [50, 50], [400], [10, 10, 10], [500]], sizes
-    for k, b in enumerate(layout.buckets[1:], start=1):
-        assert sum(p.numel() * 4 for p in b.params) <= caps[min(k, len(caps) - 1)] or len(b.params) == 1
+    assert sizes == [[100, 300], [50, 50, 400], [10, 10, 10, 500]], sizes
+    torch_buckets, _ = torch.distributed._compute_bucket_assignment_by_size(
+        [p.detach() for p in params], caps, [False] * len(params), list(range(len(params))))
+    assert [len(b.params) for b in layout.buckets] == [len(b) for b in torch_buckets]
 
 
 def _caps_worker(rank, world_size):
@@ -151,24 +152,23 @@ def _caps_worker(rank, world_size):
             opt.step()
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
     bucket_bytes = [sum(p.numel() * 4 for p in b.params) for b in ours.buckets]
+    torch_bytes = [int(n) for n in str(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]).split(",")]
     errors = []
     for bad in ([], [0.0], "x", [True]):
         try:
             fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=bad)
         except ValueError as exc:
             errors.append(str(exc))
-    return diff, bucket_bytes, errors
+    return diff, bucket_bytes, torch_bytes, errors
 
 
 def test_bucket_cap_mb_list_trains_as_torch_ddp():
-    for diff, bucket_bytes, errors in run_distributed(_caps_worker, 2, timeout=120):
+    for diff, bucket_bytes, torch_bytes, errors in run_distributed(_caps_worker, 2, timeout=120):
         assert diff < 1e-6, diff
-        # Linear(32, 32): 4096 B of weight, 128 B of bias. The first bucket closes once it
-        # reaches 2 KiB (a layer), the second holds up to 10 KiB, every later one 5 KiB.
-        caps = [0.002 * 2**20, 0.01 * 2**20, 0.005 * 2**20]
-        assert 2**11 <= bucket_bytes[0] <= 4224, bucket_bytes
-        assert 8448 <= bucket_bytes[1] <= caps[1] and all(b <= caps[2] for b in bucket_bytes[2:]), bucket_bytes
-        assert sum(bucket_bytes) == 6 * 4224
+        # Linear(32, 32): 4096 B of weight, 128 B of bias. Each bucket closes once it reaches
+        # its cap (2 KiB, then 10 KiB, then 5 KiB each): the buckets torch DDP rebuilt after
+        # its first step (Note [buckets close as torch's do]).
+        assert bucket_bytes == torch_bytes == [4224, 3 * 4224, 2 * 4224], (bucket_bytes, torch_bytes)
         assert len(errors) == 4 and all("bucket_cap_mb_list" in e for e in errors), errors
 
 
@@ -200,14 +200,13 @@ def _unfreeze_caps_worker(rank, world_size):
 def test_buckets_appended_for_unfrozen_parameters_follow_bucket_cap_mb_list():
     """Buckets appended when parameters become trainable (under a ZeroRedundancyOptimizer)
     take the list's last cap, not bucket_cap_mb (which the list replaces): here 5 KiB, so the
-    four layers (4224 B each) take three buckets, not one; the first appended bucket closes
-    after the layer that crosses the cap (Note [the first bucket]). The gradients are torch
+    four layers (4224 B each: a 4096 B weight and its bias) take two buckets, not one, each
+    closed once it reached the cap (Note [buckets close as torch's do]). The gradients are torch
     DDP's (fp32, same sums)."""
     for diff, appended in run_distributed(_unfreeze_caps_worker, 2, timeout=120):
         assert diff < 1e-6, diff
         cap = int(0.005 * 2**20)
-        assert len(appended) == 3 and sum(appended) == 4 * 4224, appended
-        assert all(size <= cap for size in appended[1:]), appended
+        assert appended == [2 * 4224, 2 * 4224] and all(size >= cap for size in appended), appended
 
 
 def _two_forwards_worker(rank, world_size):

@@ -17,6 +17,13 @@ def _random_params(rng: random.Random, n: int) -> list:
                                      dtype=rng.choice(dtypes))) for _ in range(n)]
 
 
+def _torch_assignment(params, caps) -> list:
+    """torch DDP's bucket assignment of ``params`` (indices per bucket), from its own function."""
+    buckets, _ = torch.distributed._compute_bucket_assignment_by_size(
+        [p.detach() for p in params], caps, [False] * len(params), list(range(len(params))))
+    return sorted((list(b) for b in buckets), key=min)
+
+
 def _check_layout(layout, params, cap, first_cap, world_size):
     # Every parameter exactly once, in one bucket of its dtype, at its own offset.
     seen = [p for b in layout.buckets for p in b.params]
@@ -28,23 +35,22 @@ def _check_layout(layout, params, cap, first_cap, world_size):
         assert used <= b.numel < used + world_size * SHARD_ALIGN  # padding under one alignment unit
         for p, off, nxt in zip(b.params, b.offsets, b.offsets[1:] + [b.start + used]):
             assert nxt - off == p.numel()
-    # Per dtype: buckets are contiguous ranges of one flat buffer, in readiness order. The first
-    # bucket closed once it reached its cap (Note [the first bucket]); a later one only because
-    # the next parameter would have overflowed the cap.
+    # Per dtype: buckets are contiguous ranges of one flat buffer, in readiness order, each
+    # closed once it reached its cap, the crossing parameter included (Note [buckets close as
+    # torch's do]) -- exactly torch DDP's assignment.
     by_dtype: dict = {}
     for b in layout.buckets:
         by_dtype.setdefault(b.dtype, []).append(b)
     for dtype, buckets in by_dtype.items():
         assert buckets[0].start == 0
         assert all(a.end == b.start for a, b in zip(buckets, buckets[1:]))
-        for k, (a, b) in enumerate(zip(buckets, buckets[1:])):
+        for k, a in enumerate(buckets[:-1]):
             size = sum(p.numel() for p in a.params) * a.params[0].element_size()
-            if k == 0:
-                before_last = size - a.params[-1].numel() * a.params[-1].element_size()
-                assert size >= first_cap > before_last
-            else:
-                assert size <= cap or len(a.params) == 1
-                assert size + b.params[0].numel() * b.params[0].element_size() > cap
+            before_last = size - a.params[-1].numel() * a.params[-1].element_size()
+            assert size >= (first_cap if k == 0 else cap) > before_last
+    # (ordered by first parameter: torch lists buckets of several dtypes as they closed)
+    index = {id(p): i for i, p in enumerate(params)}
+    assert [[index[id(p)] for p in b.params] for b in layout.buckets] == _torch_assignment(params, [first_cap, cap])
     # Readiness order is kept within each dtype.
     for dtype in by_dtype:
         expected = [id(p) for p in params if p.dtype == dtype]

@@ -218,21 +218,25 @@ def build_layout(
 
     ``caps`` are bytes: the k-th bucket of each dtype has cap ``caps[k]``, the last entry
     serving every bucket after (``DDPConfig.bucket_caps_bytes``: torch DDP's first and later
-    caps, or its ``bucket_cap_mb_list``). A bucket closes when adding the next parameter
-    would exceed its cap; a parameter larger than the cap gets a bucket of its own. The
-    first bucket of each dtype closes once it *reaches* its cap, the parameter that crosses
-    it included (Note [the first bucket]). ``bucket_storage``: one tensor per bucket, all
-    released (Note [bucket storage]).
+    caps, or its ``bucket_cap_mb_list``). A bucket closes once it *reaches* its cap, the
+    parameter that crosses it included, as torch DDP's (Note [buckets close as torch's do]).
+    ``bucket_storage``: one tensor per bucket, all released (Note [bucket storage]).
 
-    Note [the first bucket]
-        The first bucket exists to start communication as soon as backward produces
-        gradients. Closed *before* a parameter that would overflow it, it holds only what
-        fits under the small cap -- with a large last layer, just its bias: a few kilobytes
-        go out at once, and the first real all-reduce waits for the next bucket to fill
-        (another layer of backward). Measured on an 8-layer MLP of 9.4 MB weights, gloo,
-        2 ranks: ~5 ms more exposed communication per step than torch DDP, whose buckets
-        close after the crossing parameter. So the first bucket closes after it; later
-        buckets keep the strict cap, which bounds ZeRO stage 2's per-bucket memory.
+    Note [buckets close as torch's do]
+        torch DDP adds a parameter to the open bucket, then closes the bucket if it has
+        reached its cap (``_compute_bucket_assignment_by_size``), so a bucket may exceed the
+        cap by up to one parameter. fusedist once closed every bucket but the first *before*
+        a parameter that would overflow it, which bounds a bucket's bytes by the cap but makes
+        more, smaller buckets: 18 collectives a step against torch's 13 on the 98M GPT of
+        bench_gpt_step, and where each collective has a fixed cost (NCCL over sockets:
+        milliseconds) that showed as 1.086x torch DDP's step on an H200
+        (``benchmarks/results/gpu_h200_2026-12-04c``). The first bucket had already been
+        switched, for the same reason in the small: closed before a large last layer, it
+        held only that layer's bias, and the first real all-reduce waited for another layer
+        of backward. So every bucket closes as torch's: the same buckets, hence the same
+        collectives, as the torch DDP a user replaces (``tests/test_grad_buffer.py`` compares
+        with torch's assignment). ZeRO stage 2, whose gradient buckets these are, holds at
+        most one bucket's worth more than ``bucket_cap_mb`` for it.
     """
     pad_to = world_size * SHARD_ALIGN
     open_buckets: dict[torch.dtype, dict] = {}
@@ -250,21 +254,16 @@ def build_layout(
     order = 0
     for p, name in zip(params, names):
         dtype = p.dtype
-        used = caps_used.get(dtype, 0)
-        first, cap = used == 0, caps[min(used, len(caps) - 1)]
+        cap = caps[min(caps_used.get(dtype, 0), len(caps) - 1)]
         b = open_buckets.get(dtype)
-        nbytes = p.numel() * p.element_size()
-        if b is not None and not first and b["bytes"] + nbytes > cap:
-            close(dtype)
-            b = None
         if b is None:
             b = open_buckets[dtype] = {"dtype": dtype, "params": [], "names": [], "bytes": 0, "order": order}
             order += 1
         b["params"].append(p)
         b["names"].append(name)
-        b["bytes"] += nbytes
-        if first and b["bytes"] >= cap:
-            close(dtype)  # Note [the first bucket]: the crossing parameter included
+        b["bytes"] += p.numel() * p.element_size()
+        if b["bytes"] >= cap:
+            close(dtype)  # Note [buckets close as torch's do]: the crossing parameter included
     for dtype in list(open_buckets):
         close(dtype)
     closed.sort(key=lambda b: b["order"])

@@ -228,15 +228,16 @@ def build_layout(
         cap by up to one parameter. fusedist once closed every bucket but the first *before*
         a parameter that would overflow it, which bounds a bucket's bytes by the cap but makes
         more, smaller buckets: 18 collectives a step against torch's 13 on the 98M GPT of
-        bench_gpt_step, and where each collective has a fixed cost (NCCL over sockets:
-        milliseconds) that showed as 1.086x torch DDP's step on an H200
-        (``benchmarks/results/gpu_h200_2026-12-04c``). The first bucket had already been
-        switched, for the same reason in the small: closed before a large last layer, it
-        held only that layer's bias, and the first real all-reduce waited for another layer
-        of backward. So every bucket closes as torch's: the same buckets, hence the same
-        collectives, as the torch DDP a user replaces (``tests/test_grad_buffer.py`` compares
-        with torch's assignment). ZeRO stage 2, whose gradient buckets these are, holds at
-        most one bucket's worth more than ``bucket_cap_mb`` for it.
+        bench_gpt_step. Where each collective has a fixed cost (NCCL over sockets:
+        milliseconds), five more are about the gap an H200 measured there, 1.086x torch DDP's
+        step (``benchmarks/results/gpu_h200_2026-12-04c``; not re-measured since). The first
+        bucket had already been switched, for the same reason in the small: closed before a
+        large last layer, it held only that layer's bias, and the first real all-reduce
+        waited for another layer of backward. So every bucket closes as torch's: the same
+        buckets, hence the same collectives, as the torch DDP a user replaces
+        (``tests/test_grad_buffer.py`` compares with torch's assignment). ZeRO stage 2's
+        gradient buckets, which these are, may likewise exceed ``bucket_cap_mb`` by up to one
+        parameter.
     """
     pad_to = world_size * SHARD_ALIGN
     open_buckets: dict[torch.dtype, dict] = {}

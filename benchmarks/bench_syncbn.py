@@ -225,6 +225,17 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
     return rows
 
 
+def _lowest_clause(rows: list[dict], key: str, label: str) -> str:
+    """"; <label>: lowest ratio ..., k of n rows below 1.0" over the rows where ``key`` was
+    measured (not nan), or "" when none was."""
+    timed = [r for r in rows if r.get(key) == r.get(key)]
+    if not timed:
+        return ""
+    low = min(timed, key=lambda r: r[key])
+    return (f"; {label}: lowest ratio {low[key]:.3f}x ({low['op']} {low['dtype']} {low['layout']} {low['shape']}), "
+            f"{sum(r[key] < 1.0 for r in timed)} of {len(timed)} rows below 1.0")
+
+
 def verdict(rows: list[dict]) -> str:
     """One line: the lowest ratio against torch, and the lowest bandwidth fraction of the rows
     whose input is at least 100 MB."""
@@ -241,18 +252,8 @@ def verdict(rows: list[dict]) -> str:
     if slower and "fusedist_host_us" in slower[0]:
         launch_bound = [r for r in slower if r["fusedist_host_us"] >= 0.8 * r["fusedist_us"]]
         text += f"; {len(launch_bound)} of the {len(slower)} slower rows are launch-bound (host >= 80% of the time)"
-    timed = [r for r in rows if r.get("device_speedup") == r.get("device_speedup")]  # (not nan)
-    if timed:
-        low = min(timed, key=lambda r: r["device_speedup"])
-        text += (f"; device time alone (graph replay): lowest ratio {low['device_speedup']:.3f}x ({low['op']} "
-                 f"{low['dtype']} {low['layout']} {low['shape']}), "
-                 f"{sum(r['device_speedup'] < 1.0 for r in timed)} of {len(timed)} rows below 1.0")
-    cached = [r for r in rows if r.get("launch_cache_speedup") == r.get("launch_cache_speedup")]  # (not nan)
-    if cached:
-        low = min(cached, key=lambda r: r["launch_cache_speedup"])
-        text += (f"; with FUSEDIST_TRITON_LAUNCH_CACHE=1: lowest ratio {low['launch_cache_speedup']:.3f}x "
-                 f"({low['op']} {low['dtype']} {low['layout']} {low['shape']}), "
-                 f"{sum(r['launch_cache_speedup'] < 1.0 for r in cached)} of {len(cached)} rows below 1.0")
+    text += _lowest_clause(rows, "device_speedup", "device time alone (graph replay)")
+    text += _lowest_clause(rows, "launch_cache_speedup", "with FUSEDIST_TRITON_LAUNCH_CACHE=1")
     large = [r for r in rows if r["input_MB"] >= 100]
     if large:
         low = min(large, key=lambda r: r["frac_read_bw"])

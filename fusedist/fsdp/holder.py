@@ -48,6 +48,17 @@ class ShardedGradHolder:
             if same:
                 self._tp_replicated[p] = True
 
+    # Note [one norm on every tensor-parallel rank]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A parameter the tensor-parallel ranks hold alike is cut into pieces where each rank's
+    # flat layout puts it, and the layouts differ between tensor-parallel ranks when their local
+    # tensors differ in size (13 vocabulary rows over 2 ranks). Its pieces' sums of squares,
+    # added over the data-parallel group, then group the same values differently on each
+    # tensor-parallel rank: totals an ulp apart, a clip coefficient an ulp apart, and the
+    # copies of that parameter drifting apart by ulps -- seen as a checkpoint round trip off by
+    # 7e-9 on the second tensor-parallel rank. So the figure of such parameters is the first
+    # tensor-parallel rank's, spread by the same all-reduce that sums the tensor-parallel
+    # parts: every rank ends with the same bits.
     @torch.no_grad()
     def grad_norm(self, params, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all ranks' pieces of these parameters' gradients (a collective: every
@@ -74,10 +85,10 @@ class ShardedGradHolder:
             local[0] += powered[~alike].sum()
             local[1] += powered[alike].sum()
         _all_reduce(self.comm, local, "sum", "fully_shard grad norm")
-        if self.tp is not None:
-            own = local[:1].clone()
-            _all_reduce(self.tp, own, "sum", "fully_shard grad norm (tensor-parallel)")
-            local[0] = own[0]
+        if self.tp is not None:  # Note [one norm on every tensor-parallel rank]
+            if self.tp.rank != 0:
+                local[1] = 0.0
+            _all_reduce(self.tp, local, "sum", "fully_shard grad norm (tensor-parallel)")
         return local.sum().pow(1.0 / norm_type)
 
     @torch.no_grad()
@@ -97,10 +108,10 @@ class ShardedGradHolder:
 
         def all_reduce(t: torch.Tensor, op: str) -> None:
             _all_reduce(self.comm, t, op, "fully_shard per-parameter grad norms")
-            if self.tp is not None:
-                over_tp = t.clone()
+            if self.tp is not None:  # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike
+                over_tp = torch.where(alike, torch.zeros_like(t), t) if self.tp.rank != 0 else t.clone()
                 _all_reduce(self.tp, over_tp, op, "fully_shard per-parameter grad norms (tensor-parallel)")
-                t.copy_(torch.where(alike, t, over_tp))
+                t.copy_(over_tp)
 
         norms = per_tensor_global_norms(
             [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), device, all_reduce)

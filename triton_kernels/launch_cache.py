@@ -42,6 +42,8 @@ import os
 
 import torch
 
+from ..backend import triton_interpreting
+
 # Entries per kernel before the cache starts over: argument patterns are few (one per layer
 # shape and dtype); a caller feeding ever-new ints must not grow it without bound.
 MAX_ENTRIES = 512
@@ -63,7 +65,7 @@ def _triton_supports_direct_launch() -> bool:
 def _enabled() -> bool:
     if os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE", "0") != "1":  # Note [the launch cache is opt-in]
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpreting():
         return False
     return _triton_supports_direct_launch()
 

@@ -109,7 +109,7 @@ class ShardedGradHolder:
         def all_reduce(t: torch.Tensor, op: str) -> None:
             _all_reduce(self.comm, t, op, "fully_shard per-parameter grad norms")
             if self.tp is not None:  # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike
-                over_tp = torch.where(alike, torch.zeros_like(t), t) if self.tp.rank != 0 else t.clone()
+                over_tp = t.masked_fill(alike, 0.0) if self.tp.rank != 0 else t.clone()
                 _all_reduce(self.tp, over_tp, op, "fully_shard per-parameter grad norms (tensor-parallel)")
                 t.copy_(over_tp)
 

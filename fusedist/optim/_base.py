@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from .._dtypes import compute_dtype
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import functional
+from .functional import _device_of, _dtype_of, _layout_of
 from ._scaler_protocol import ScalerProtocol
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -504,11 +505,7 @@ def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
     return None
 
 
-# (Getters mapped over a whole list: no Python frame per tensor in the per-step checks.)
-_layout_of = operator.attrgetter("layout")
-_dtype_of = operator.attrgetter("dtype")
-_device_of = operator.attrgetter("device")
-_shape_of = operator.attrgetter("shape")
+_shape_of = operator.attrgetter("shape")  # (with functional's getters: whole-list checks)
 
 
 def _uncount_if_skipped(steps: list, found_inf: torch.Tensor) -> None:

@@ -107,6 +107,30 @@ def test_training_flops_count_the_attention_scores():
     assert attention_flops_per_token(ModelSpec(params=7e9), 4096) == 0
 
 
+
+def test_training_flops_leave_out_the_embedding_lookups():
+    """Note [lookups are not products]: Llama-3-8B's untied 128256 x 4096 input embedding does
+    no matrix product (its output layer does), a tied table does the output layer's, and gpt's
+    position embedding is a lookup too. A model given by --params alone has no shape to tell:
+    every parameter counts."""
+    from fusedist.plan import Job, build_plan, resolve_hardware
+    from fusedist.plan.model import matmul_params
+
+    llama3 = dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256,
+                  seq=8192)
+    untied, tied = ModelSpec(**llama3, tied=False), ModelSpec(**llama3, tied=True)
+    assert count_params(untied) == 8_030_261_248  # the model card's 8.03B
+    assert matmul_params(untied) == 8_030_261_248 - 128256 * 4096
+    assert matmul_params(tied) == count_params(tied)  # the one table is the output layer's weight
+    gpt2 = ModelSpec(arch="gpt", layers=12, hidden=768, heads=12, vocab=50257, seq=1024)
+    assert matmul_params(gpt2) == count_params(gpt2) - 1024 * 768
+    assert matmul_params(ModelSpec(params=7e9)) == 7e9
+    job, hw = Job(gpus=8, micro_batch=1, seq=8192), resolve_hardware("h100")
+    a, b = build_plan(untied, job, hw), build_plan(tied, job, hw)
+    assert (a["inputs"]["assumptions"]["flops_per_token"] == b["inputs"]["assumptions"]["flops_per_token"]
+            == 6 * (8_030_261_248 - 128256 * 4096) + 12 * 32 * 8192 * 4096)
+    assert a["time"]["ddp"]["compute_s"] == b["time"]["ddp"]["compute_s"]
+
 def test_parameter_counts():
     gpt2 = ModelSpec(arch="gpt", layers=12, hidden=768, heads=12, seq=1024, vocab=50257)
     assert count_params(gpt2) == 124_439_808  # GPT-2 small, tied embeddings
@@ -211,9 +235,11 @@ def test_json_contract(capsys):
     assert plan["suggestion"]["strategy"] == "ddp" and plan["suggestion"]["grad_accum_steps"] == 4
     assert plan["inputs"]["params"] == 124_439_808 and plan["inputs"]["assumptions"]["mfu"] == 0.4
     assert plan["inputs"]["gpus_per_node"] == 8 and plan["inputs"]["gpu"]["name"] == "h100"
-    # (6·Ψ + 12·L·s·d_q)·tokens / (N · peak · MFU)
+    # (6·Ψ + 12·L·s·d_q)·tokens / (N · peak · MFU), Ψ without the 1024 x 768 position embedding
+    # (a lookup); the tied token embedding is the output layer's weight and counts
     tokens = 256 * 1024
-    per_token = 6 * 124_439_808 + 12 * 12 * 1024 * 768
+    per_token = 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 1024 * 768
+    assert plan["inputs"]["matmul_params"] == 124_439_808 - 1024 * 768
     assert plan["time"]["ddp"]["compute_s"] == pytest.approx(per_token * tokens / (16 * 989e12 * 0.4))
     assert plan["memory"]["ddp"]["total_bytes"] == (plan["memory"]["ddp"]["model_states_bytes"]
                                                     + plan["memory"]["ddp"]["activation_bytes"]

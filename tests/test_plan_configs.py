@@ -272,7 +272,8 @@ def test_active_parameter_counts(tmp_path, cfg, expected):
 
 def test_mixture_of_experts_memory_counts_all_compute_the_active(tmp_path, capsys):
     """Qwen3-30B-A3B on 8 GPUs: model states are those of 30.5B parameters, the FLOPs per token
-    those of 3.35B (6 x active + attention), and the report says which is which."""
+    those of 3.35B less the input embedding (6 x active in products + attention), and the
+    report says which is which."""
     from fusedist.plan import Job, build_plan, resolve_hardware
     from fusedist.plan import cli
     from fusedist.plan.model import attention_flops_per_token
@@ -281,8 +282,10 @@ def test_mixture_of_experts_memory_counts_all_compute_the_active(tmp_path, capsy
     plan = build_plan(spec, Job(gpus=8, micro_batch=1, seq=4096), resolve_hardware("h100"))
     assert plan["inputs"]["params"] == 30_532_122_624 and plan["inputs"]["active_params"] == 3_353_032_704
     assert plan["memory"]["ddp"]["terms"]["params"] == 2 * 30_532_122_624  # bf16 weights, all experts
-    assert plan["inputs"]["assumptions"]["flops_per_token"] == 6 * 3_353_032_704 + 3 * attention_flops_per_token(
-        spec, 4096)
+    # the untied 151936 x 2048 input embedding is a lookup, not a product (the output layer is one)
+    assert plan["inputs"]["matmul_params"] == 3_353_032_704 - 151_936 * 2048
+    assert plan["inputs"]["assumptions"]["flops_per_token"] == (6 * (3_353_032_704 - 151_936 * 2048)
+                                                                + 3 * attention_flops_per_token(spec, 4096))
     assert cli.main(["--hf-config", _write(tmp_path, QWEN3_30B_A3B), "--gpus", "8", "--seq", "4096",
                      "--recompute", "full"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -60,11 +60,12 @@ datasheet's (80 GB = 80e9 bytes, below what the driver reports, which leaves roo
 CUDA context and NCCL's buffers); --scratch-gb (1) for workspaces; model states of
 mixed-precision Adam, 16 bytes per parameter before sharding (ZeRO paper); activations per
 Korthikanti et al. 2022 with unfused attention (flash attention needs about the selective
-figure), sequence parallelism wherever tensor parallelism is suggested; compute
-6 x params + attention FLOPs per token at --mfu of the dense peak (a sliding-window layer
-charged min(seq, window) keys a query); communication at the slowest link's peak, per GPU
-and direction; under --ep, the experts' all-to-alls on the step's critical path (not
-overlapped) and even routing (no load imbalance)."""
+figure), sequence parallelism wherever tensor parallelism is suggested; compute 6 x the
+parameters in matrix products (not the embedding lookups) + attention FLOPs per token at
+--mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query);
+communication at the slowest link's peak, per GPU and direction; under --ep, the experts'
+all-to-alls on the step's critical path (not overlapped) and even routing (no load
+imbalance)."""
 
 
 def parser() -> argparse.ArgumentParser:

@@ -48,14 +48,17 @@ Note [measuring ZeRO-3]
     below the two-reduction one); ``temp_error`` is the distance outside the range.
 
 Note [the measured peak]
-    The MFU column divides the step's planned FLOPs (6 x active parameters + attention, per
-    token) by the step time and by a peak measured here, in the step's dtype. A peak taken from
-    one 1024 x 1024 product is not a peak: on a CPU without native bf16 matrix units that
-    product runs at a third of the rate of the step's own small, cache-resident bf16 products,
-    and the MFU came out above 100%. The peak is the best rate over the products the step
-    makes (each weight's forward, input-gradient and weight-gradient shapes) and one large
-    square one, timed over repeated calls after a first, and the largest over the ranks, so
-    every rank divides by the same figure and the step's matrix products cannot beat it.
+    The MFU column divides the step's planned FLOPs (6 x the active parameters in matrix
+    products + attention, per token) by the step time and by a peak measured here, in the
+    step's dtype. A peak taken from one 1024 x 1024 product is not a peak: on a CPU without
+    native bf16 matrix units that product runs at a third of the rate of the step's own small,
+    cache-resident bf16 products, and the MFU came out above 100%. The peak is the best rate
+    over the products the step makes (each weight's forward, input-gradient and weight-gradient
+    shapes) and one large square one, timed over repeated calls after a first, and the largest
+    over the ranks, so every rank divides by the same figure and the step's matrix products
+    cannot beat it. The planned FLOPs must not count more products than the step makes: with
+    the untied input embedding counted as 6 FLOPs a parameter (a fifth of the tiny llama's),
+    a quick step read 100.4% (Note [lookups are not products] in model.py).
     A mixture of experts is built to run every expert on every token (fusedist/plan/torch_model.py),
     more FLOPs than the active ones the plan counts: its MFU is a lower bound. So is that of a
     model with sliding windows: its windowed blocks mask the scores (Note [sliding windows] in
@@ -420,9 +423,9 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
                        f"{m['host_error']:>+8.2%}")
     d = measured["ddp"]
     out += ["",
-            f"MFU: the step's FLOPs as planned (6 x {'active ' if 'experts' in i['model'] else ''}params + attention, "
-            f"per token) against the best {i['precision']} matmul rate of these ranks over the step's own products "
-            f"({d['matmul_flops'] / 1e9:.1f} GFLOP/s); use it as --mfu for this machine",
+            f"MFU: the step's FLOPs as planned (6 x {'active ' if 'experts' in i['model'] else ''}params in matrix "
+            f"products + attention, per token) against the best {i['precision']} matmul rate of these ranks "
+            f"over the step's own products ({d['matmul_flops'] / 1e9:.1f} GFLOP/s); use it as --mfu for this machine",
             f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",
             "peak allocated: " + (_b(d["peak_allocated_bytes"]) if "peak_allocated_bytes" in d else "n/a on CPU"),

@@ -30,8 +30,19 @@ Note [active parameters]
     with a ``Linear(h, 1)`` gate; each token goes through the router, ``experts_per_token``
     routed experts and the shared one. Memory and communication move every parameter
     (:func:`count_params`); the FLOPs of a token are those of the parameters it goes through
-    (:func:`active_params`), which is what the model cards call "activated" (Mixtral-8x7B:
-    46.7B in all, 12.9B active).
+    (:func:`active_params`, which is what the model cards call "activated": Mixtral-8x7B,
+    46.7B in all, 12.9B active), less its embedding lookups (Note [lookups are not products]).
+
+Note [lookups are not products]
+    The 6Ψ rule charges every parameter 2 forward and 4 backward FLOPs a token, which is what
+    a weight in a matrix product costs. An embedding table is read by index: a token's row is
+    copied forward and its gradient added back, no products. So the FLOPs count
+    :func:`matmul_params`: the active parameters less an untied input embedding and gpt's
+    position embedding. A tied table is also the output layer's weight and does that layer's
+    2·V·h product a token: it is counted, once. Megatron-LM's FLOP count has the logit layer and
+    no input embedding; nanoGPT's MFU estimate leaves the position embedding out. Counting the
+    lookups overstated Llama-3-8B's FLOPs by 6.5% (525M of 8.03B) and a small model's by a
+    fifth, so a measured MFU could pass 100% (fusedist/plan/measure.py).
 
 Note [latent attention]
     DeepSeek-V2/V3's attention (DeepseekV3Attention in transformers) compresses keys and
@@ -309,6 +320,24 @@ def active_params(spec: ModelSpec) -> int:
     if not spec.has_shape:
         return int(spec.params)
     return _all_layers(spec, active=True) + embedding_params(spec)
+
+
+def lookup_params(spec: ModelSpec) -> int:
+    """Parameters a token reads by index, not through a matrix product: an untied input
+    embedding and gpt's position embedding (Note [lookups are not products])."""
+    if not spec.has_shape:
+        return 0
+    n = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
+    if spec.arch == "gpt":
+        n += spec.seq * spec.hidden
+    return n
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    """The active parameters that multiply a token's activations, which set its FLOPs (6 a
+    token in training): :func:`active_params` less :func:`lookup_params`. A model given by
+    --params alone has no shape: all of them."""
+    return active_params(spec) - lookup_params(spec)
 
 
 def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:

@@ -10,7 +10,7 @@ from . import comm, memory, suggest, timing
 from .errors import PlanError
 from .hardware import Hardware
 from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
-                    count_params, embedding_params, expert_params)
+                    count_params, embedding_params, expert_params, matmul_params)
 from .memory import STRATEGIES
 
 GB = 10**9
@@ -126,6 +126,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     check_expert_parallel(job.ep, spec, job.gpus)
     psi = count_params(spec)
     psi_active = active_params(spec)
+    psi_flops = matmul_params(spec)  # Note [lookups are not products] in model.py
     n = job.gpus
     accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, n)
     tokens = global_batch * job.seq
@@ -144,7 +145,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         pcie_s = comm.seconds(pcie, hw.pcie_gbps)
         com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
                   "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s, **a2a}
-        compute_s = timing.compute_seconds(psi_active, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
+        compute_s = timing.compute_seconds(psi_flops, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
         tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens, a2a["all_to_all_seconds"])
 
     best = suggest.cheapest(mem, tim)
@@ -165,6 +166,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                   if v is not None and not (k in _SHOWN_WHEN_ON and not v)},
         "params": psi,
         "active_params": psi_active,
+        "matmul_params": psi_flops,
         "expert_params": expert,
         "ep": job.ep,
         "sliding_window": spec.sliding_window,
@@ -178,8 +180,9 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "mfu": job.mfu,
             "peak_flops": peak,
             "peak_flops_kind": "tf32 dense" if job.precision == "fp32" else "bf16/fp16 dense",
-            "flops_per_token": timing.flops_per_token(psi_active, job.recompute, attention_fwd),
-            "flops": (f"{8 if job.recompute == 'full' else 6} x {'active ' if spec.moe else ''}params + "
+            "flops_per_token": timing.flops_per_token(psi_flops, job.recompute, attention_fwd),
+            "flops": (f"{8 if job.recompute == 'full' else 6} x {'active ' if spec.moe else ''}params in matrix "
+                      f"products ({psi_flops:,}; embedding lookups are not) + "
                       f"{12 if job.recompute == 'none' else 16} x layers x seq x heads x head_dim "
                       + _window_note(spec, job.seq) +
                       f"(weights, attention scores{'' if job.recompute == 'none' else ', recomputation'}; "

@@ -1,6 +1,7 @@
 """Compute and step time.
 
-Training FLOPs per token: 6Ψ for the weights (2 forward + 4 backward per parameter;
+Training FLOPs per token: 6Ψ for the weights (2 forward + 4 backward per parameter in a matrix
+product, so Ψ leaves out the embedding lookups: Note [lookups are not products] in model.py;
 Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Section 2.1) plus the
 attention scores, which have no parameters: QKᵀ and the product with V are 2·s·d_q FLOPs
 each per token and layer forward (d_q = heads · head_dim), 12·L·s·d_q for training

@@ -29,12 +29,13 @@ from typing import Iterable, Optional
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "register_data_parallel", "data_parallel_owner",
+    "register_data_parallel", "data_parallel_owner", "register_wrapped_module", "wrapping_owner",
     "register_gradient_holder", "gradient_holder", "any_gradient_holder", "gradient_holders_of", "held_parameters",
     "register_step_watch", "step_watch",
 ]
 
 _data_parallel: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_wrapping: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _gradient_holder: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _step_watch: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # optimizer -> (parameter count, weak references to the gradient holders of its parameters)
@@ -57,6 +58,18 @@ def _register(table: WeakIdKeyDictionary, params: Iterable, obj) -> None:
 def register_data_parallel(params: Iterable, owner) -> None:
     """``owner`` (a DDP wrapper) reduces these parameters' gradients."""
     _register(_data_parallel, params, owner)
+
+
+def register_wrapped_module(params: Iterable, owner) -> None:
+    """``owner`` (a DDP wrapper) wraps the module holding these parameters, frozen ones
+    included: it reduces them once they are trainable (Note [trainable set changes])."""
+    _register(_wrapping, params, owner)
+
+
+def wrapping_owner(p) -> Optional[object]:
+    """The DDP wrapper whose module holds ``p``, trainable or not (None without one): how a
+    ZeroRedundancyOptimizer of a module frozen whole finds its model."""
+    return _lookup(_wrapping, p)
 
 
 def data_parallel_owner(p) -> Optional[object]:

@@ -270,10 +270,62 @@ def test_frozen_parameters_are_in_state_dicts_like_torch(monkeypatch):
                                            r"requires_grad=False"):
         opt.step()
 
-    everything_frozen = _make(frozen=True)
-    everything_frozen.requires_grad_(False)
-    with pytest.raises(ValueError, match="all 10 parameters have requires_grad=False"):
-        fusedist.ZeroRedundancyOptimizer(everything_frozen.parameters(), torch.optim.AdamW)
+
+
+def _frozen_whole_worker(rank, world_size):
+    """A model frozen whole when the optimizer is built (a fine-tuning script that unfreezes
+    stage by stage, or builds its optimizer first): torch's ZeroRedundancyOptimizer takes it,
+    steps it as a no-op and trains the parameters once they are unfrozen; so must ZeRO, with
+    and without a DDP model (which follows the unfreezing, Note [trainable set changes]),
+    stage 2 and host offload included. Rank 0 compares the consolidated state dicts."""
+    import fusedist
+    from fusedist.optim import FusedAdamW
+
+    os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"  # FusedAdamW's PyTorch path (kernels tested elsewhere)
+    ref_model, ref_opt = _reference(False, "always", world_size, "foreach")
+    ref_state = ref_opt.state_dict()
+    failures = []
+    for stage, ddp, offload in ((1, False, None), (1, True, None), (2, True, None), (2, True, "cpu")):
+        where = f"rank {rank}, stage {stage}, ddp {ddp}, offload {offload}"
+        module = _make(frozen=False)
+        initial = _flat(module)
+        module.requires_grad_(False)
+        model = fusedist.DistributedDataParallel(module, find_unused_parameters=True, **TINY_BUCKETS) if ddp else module
+        opt = fusedist.ZeroRedundancyOptimizer(_groups(module), FusedAdamW, stage=stage, offload=offload, lr=1e-2,
+                                               bucket_cap_mb=0.002, weight_decay=0.1)
+        for _ in range(2):  # nothing to step: as torch's, which steps no parameter without a gradient
+            opt.zero_grad()
+            opt.step()
+        frozen = opt.consolidate_state_dict(to=0)
+        if not torch.equal(_flat(module), initial):
+            failures.append(f"{where}: a step changed frozen parameters")
+        if rank == 0 and (frozen["state"] != {} or [g["params"] for g in frozen["param_groups"]]
+                          != [g["params"] for g in ref_state["param_groups"]]):
+            failures.append(f"{where}: state dict while frozen {frozen}")
+        module.requires_grad_(True)
+        for step in range(STEPS):
+            opt.zero_grad()
+            _local_step(model, step, rank, world_size, "always")
+            if not ddp:
+                for p in module.parameters():
+                    if p.grad is not None:  # (the late layer is unused)
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world_size)
+            opt.step()
+        opt.wait_for_params()
+        diff = (_flat(module) - _flat(ref_model)).abs().max().item()
+        if not diff < TOL:
+            failures.append(f"{where}: max |fusedist - torch| = {diff:.3g} after unfreezing")
+        full = opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            assert sorted(full["state"]) == sorted(ref_state["state"]), where
+            _same_state(full, ref_state)
+    return failures
+
+
+def test_a_model_frozen_whole_trains_once_unfrozen():
+    failures = [f for fs in run_distributed(_frozen_whole_worker, 2, timeout=300) for f in fs]
+    assert not failures, "\n".join(failures)
 
 
 def _same_state(ours, theirs, tol=TOL):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch
+from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch, register_wrapped_module
 from .._timeline import Timeline
 from .._wrapper import plain_parts
 from ..comm import get_communicator
@@ -170,6 +170,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         )
         # ZeroRedundancyOptimizer and the optimizer step guard find the wrapper of their params.
         register_data_parallel([p for _, p in named], self)
+        register_wrapped_module([p for _, p in self.synced_parameters()], self)  # frozen ones too
         # [reliability] the engine's observer: step counters, the per-step cross-rank check
         # and the stall-report context (fusedist/reliability/engine_watch.py).
         self.watch = engine_watch.StepWatch(self.reducer)

@@ -125,7 +125,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       (``requires_grad=False`` when the optimizer is constructed) stay in ``param_groups``, so
       state dicts keep torch's indices, but are never sharded, stepped or given state (with
       DDP the optimizer must own DDP's *trainable* parameters); one that has a gradient at
-      ``step()`` raises, naming it. A trainable parameter without a gradient in a step
+      ``step()`` raises, naming it. A model frozen whole is taken, as torch's optimizers take it:
+      its steps change nothing until parameters are unfrozen, which then join (Note [growing
+      the partition] in ``grow.py``). A trainable parameter without a gradient in a step
       (stage 1: ``p.grad`` is None; stage 2: no synchronized backward since the last step gave
       it one, i.e. DDP found it unused on every rank) is skipped: its master, optimizer state
       and step count stay as they are (Note [piece splitting] in ``partition.py``).
@@ -186,17 +188,12 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         param_checks.check_distinct(self._params, self._group_of, self._param_shape)
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
-        if not self._trainable:
-            raise ValueError(
-                f"ZeroRedundancyOptimizer: all {len(self._params)} parameters have requires_grad=False; "
-                "there is nothing to shard or optimize"
-            )
         for i in self._trainable:
             p = self._params[i]
             if not p.is_floating_point() or p.is_complex():
                 raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only real "
                                 "floating-point parameters can be sharded")
-        self._device = self._params[self._trainable[0]].device
+        self._device = self._params[self._trainable[0] if self._trainable else 0].device
         self._fill_group_defaults()
         if self.offload:
             check_offload_config(self.optimizer_class, [self._params[i] for i in self._trainable])

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..comm import get_communicator
 from ..ddp.replicate import build_pending
-from ..ownership import data_parallel_owner, register_gradient_holder
+from ..ownership import data_parallel_owner, register_gradient_holder, wrapping_owner
 from ..reliability import attach_monitor
 from .grad_sync import ReduceScatterToShard
 
@@ -24,6 +24,8 @@ def find_ddp(trainable: list, params: list):
     DDP's (it reduces only trainable ones) and never communicated."""
     build_pending(trainable)  # a replicated module still waiting for its first forward
     found = [data_parallel_owner(p) for p in trainable]
+    if not trainable:  # a model frozen whole: its DDP takes the parameters on once they train
+        found = [wrapping_owner(p) for p in params]
     owners = {id(d): d for d in found if d is not None}
     ddp = next(iter(owners.values()), None)
     module_params = set(ddp.module.parameters()) if ddp is not None else set()

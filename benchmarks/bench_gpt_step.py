@@ -94,9 +94,10 @@ class GPT(nn.Module):
         return self.ln(x) @ self.tok.weight.t()
 
 
-# Contenders whose step leaves work for the next one (ZeRO-2's parameter gathers), and their
-# baseline: timed over this many consecutive steps.
-OVERLAPPED = ("fusedist zero2", "torch fsdp2")
+# The contender whose step leaves work for the next one (ZeRO-2's parameter gathers), and its
+# baseline: both timed over this many consecutive steps.
+LEAVES_GATHERS = "fusedist zero2"
+OVERLAPPED = (LEAVES_GATHERS, "torch fsdp2")
 OVERLAPPED_STEPS = 4
 
 
@@ -214,7 +215,7 @@ def _worker(rank, world_size, device_type, repeats, args):
 
     # (a contender leaving gathers in flight has no one-step sample: they would land in the next one)
     fns = {f"step {n}": (lambda m=m, o=o: step(m, o)) for n, (m, o, _) in contenders.items()
-           if n not in OVERLAPPED or n.startswith("torch")}
+           if n != LEAVES_GATHERS}
     for n in OVERLAPPED:
         m, o, _ = contenders[n]
         fns[f"{OVERLAPPED_STEPS} steps {n}"] = lambda m=m, o=o: steps(m, o)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -15,7 +14,7 @@ from torch.optim import Optimizer
 from .._dtypes import compute_dtype
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import functional
-from .functional import _device_of, _dtype_of, _layout_of
+from .functional import _device_of, _dtype_of, _layout_of, _shape_of
 from ._scaler_protocol import ScalerProtocol
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -503,9 +502,6 @@ def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
     ):
         return params, grads
     return None
-
-
-_shape_of = operator.attrgetter("shape")  # (with functional's getters: whole-list checks)
 
 
 def _uncount_if_skipped(steps: list, found_inf: torch.Tensor) -> None:

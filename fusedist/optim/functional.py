@@ -192,6 +192,7 @@ _is_contiguous = torch.Tensor.is_contiguous
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
 _layout_of = operator.attrgetter("layout")
+_shape_of = operator.attrgetter("shape")
 
 
 def _all_contiguous_or_none(lst) -> bool:

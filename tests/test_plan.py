@@ -167,11 +167,17 @@ def test_fusedist_convention_adds_fp32_gradient_shard():
     off32 = model_states(psi, n, "zero2_offload", "fp32", convention="fusedist")
     assert off32.device == 4 * psi + 4 * psi / n and off32.host == (12 + 4) * psi / n
     assert model_states(psi, n, "zero2", "fp32", convention="paper").device == 4 * psi + 12 * psi / n
-    # offload: the K term on the host
+    # ZeRO-Offload (its paper's Section 4): the 16-bit parameters stay on the GPU, the gradient
+    # shard and the K term go to the host; stage 3 sends the parameter shard there too
     off = model_states(psi, n, "zero2_offload", "bf16", convention="paper")
-    assert off.device == 2 * psi + 2 * psi / n and off.host == 12 * psi / n
+    assert off.device == 2 * psi and off.host == (2 + 12) * psi / n
     off3 = model_states(psi, n, "zero3_offload", "bf16", convention="paper")
-    assert off3.device == 2 * psi / n and off3.host == 14 * psi / n
+    assert off3.device == 0 and off3.host == 16 * psi / n
+    # fully_shard with CPUOffloadPolicy keeps every shard, the gradient's too, on the host
+    ours3 = model_states(psi, n, "zero3_offload", "bf16", convention="fusedist")
+    assert ours3.device == 0 and ours3.host == 16 * psi / n
+    assert ours3.terms == {"host:params": 2 * psi / n, "host:grad_shard": 2 * psi / n,
+                           "host:optimizer": 12 * psi / n}
 
 
 def test_communication_volumes():
@@ -278,6 +284,7 @@ BAD = [
     (["--params", "nan", "--gpus", "8", "--seq", "8"], "--params"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--scratch-gb", "nan"], "--scratch-gb"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--host-memory-gb", "0"], "--host-memory-gb"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--bucket-cap-mb", "inf"], "--bucket-cap-mb"),
     # a count that rounds to no parameters was planned as an empty model
     (["--params", "0.4", "--gpus", "8", "--seq", "8"], "--params"),
@@ -488,3 +495,60 @@ def test_a_model_parallel_suggestion_says_how_to_build_it(capsys):
     lines = "\n".join(report.recipe({"dp": 8, "tp": 1, "pp": 4, "ep": 1, "strategy": "ddp", "total_bytes": 0}))
     assert '(4, 8), mesh_dim_names=("pp", "dp")' in lines and 'process_group=mesh["dp"], pipeline=True' in lines
     assert "parallelize_module" not in lines and "fusedist.DistributedDataParallel(module" in lines, lines
+
+
+# ------------------------------------------------------------------ host memory (offload)
+def test_offload_fits_only_where_the_nodes_host_memory_holds_it(capsys):
+    """Note [host memory fits too]: a node's ranks share its host memory. Before, a 7T-parameter
+    model "fit" on 8 GPUs with zero3_offload (no model states on the GPU), needing 112 TB of
+    host memory on the node."""
+    psi = 7e12
+    code, out, _ = run_cli(capsys, "--params", str(psi), "--gpus", "8", "--seq", "8", "--json")
+    plan = json.loads(out)
+    off3 = plan["memory"]["zero3_offload"]
+    assert off3["model_states_bytes"] == 0 and off3["total_bytes"] < 80 * GB  # the GPU alone would fit
+    assert off3["host_bytes"] == 16 * psi / 8 and off3["host_node_bytes"] == 16 * psi
+    assert not off3["host_fits"] and not off3["fits"]
+    assert off3["host_headroom_bytes"] == 2000 * GB - 16 * psi
+    assert code == 1 and plan["suggestion"]["strategy"] is None
+    for s in ("ddp", "zero1", "zero2", "zero3"):  # nothing offloaded: the host check passes
+        assert plan["memory"][s]["host_fits"] and plan["memory"][s]["host_node_bytes"] == 0
+
+
+LLAMA_7B = ["--arch", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32", "--ffn-hidden", "11008",
+            "--vocab", "32000", "--seq", "4096", "--micro-batch", "1", "--recompute", "selective"]
+
+
+def test_host_memory_per_node_is_shared_by_the_nodes_ranks(capsys):
+    """The 7B Llama of the README on 8 GPUs with 16 per node (one node) and with 4 per node
+    (two nodes): the same bytes a GPU, a node's sum over its own ranks only."""
+    code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--gpus-per-node", "8", "--json")
+    one = json.loads(out)["memory"]
+    psi = count_params(ModelSpec(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000))
+    assert one["zero3_offload"]["host_bytes"] == round(16 * psi / 8)
+    assert one["zero3_offload"]["host_node_bytes"] == round(16 * psi)
+    code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--gpus-per-node", "4", "--json")
+    two = json.loads(out)["memory"]
+    assert two["zero3_offload"]["host_bytes"] == one["zero3_offload"]["host_bytes"]
+    assert two["zero3_offload"]["host_node_bytes"] == round(16 * psi / 2)
+
+
+def test_host_memory_gb_decides_what_offload_fits(capsys):
+    """With 120 GB of host memory a node, the 7B Llama's zero2_offload (15.16 GB x 8 = 121 GB)
+    and no longer fits while zero3_offload (13.48 x 8 = 108 GB) still does; at 100 GB neither,
+    and the table names the host as the reason."""
+    def plan_at(host_gb):
+        code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--host-memory-gb", str(host_gb), "--json")
+        return json.loads(out)
+    mem = plan_at(120)["memory"]
+    assert mem["zero2_offload"]["host_node_bytes"] > 120 * GB >= mem["zero3_offload"]["host_node_bytes"]
+    assert not mem["zero2_offload"]["fits"] and mem["zero2_offload"]["headroom_bytes"] > 0
+    assert mem["zero3_offload"]["fits"]
+    plan = plan_at(100)
+    assert plan["inputs"]["gpu"]["host_memory_gb"] == 100
+    assert not plan["memory"]["zero2_offload"]["fits"] and not plan["memory"]["zero3_offload"]["fits"]
+    assert plan["memory"]["zero2"]["fits"]  # nothing on the host
+    code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--host-memory-gb", "100")
+    row = next(line for line in out.splitlines() if line.startswith("zero3_offload "))
+    assert "NO (+" in row and "host 107.81 a node, 7.81 over its 100" in row, row
+    assert "host memory 100 GB a node" in out

@@ -103,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--intra-node-gbps", type=_real, help="GB/s per GPU per direction within a node")
     h.add_argument("--inter-node-gbps", type=_real, help="GB/s per GPU per direction between nodes")
     h.add_argument("--pcie-gbps", type=_real, help="GB/s per direction host <-> GPU (offload)")
+    h.add_argument("--host-memory-gb", type=_real,
+                   help="host memory per node, shared by its GPUs' ranks, which offload must fit (default 2000: "
+                        "the DGX systems' 2 TB)")
     h.add_argument("--mfu", type=_real, default=timing.DEFAULT_MFU,
                    help=f"assumed model FLOPs utilisation (default {timing.DEFAULT_MFU})")
     o = p.add_argument_group("other")
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(argv)
         spec = model_spec(args)
         hw = hardware.resolve(args.gpu, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
-                              args.inter_node_gbps, args.pcie_gbps)
+                              args.inter_node_gbps, args.pcie_gbps, args.host_memory_gb)
         if args.measure:
             world = int(os.environ.get("WORLD_SIZE", "0") or 0)
             if world < 2:

@@ -20,6 +20,10 @@ Figures are the vendors' datasheet values for the SXM parts, as published by NVI
   8x ConnectX-6 at 200 Gb/s (HDR) = 25 GB/s per GPU; DGX B200 as DGX H100.
 * HBM bandwidth, shown with the plan and not used by its step time (compute- and
   link-bound): H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB SXM 2,039 GB/s (the datasheets).
+* Host memory per node, which the offload strategies fill (and must fit): the DGX datasheets'
+  system memory for 8 GPUs -- DGX H100 2 TB, DGX H200 2 TB, DGX A100 640GB 2 TB, DGX B200
+  2 TB (configurable to 4 TB). The node's ranks share it; the operating system, data loaders
+  and the CUDA context's pinned buffers need some of it too, which the plan does not count.
 
 Conventions: memory in decimal GB (10^9 bytes; the driver reports a little more usable memory,
 so this errs on the safe side). Bandwidths in GB/s *per GPU and direction*: the datasheets'
@@ -49,6 +53,7 @@ class Hardware:
     inter_node_gbps: float     # GB/s per GPU per direction (InfiniBand)
     pcie_gbps: float           # GB/s per direction, host <-> GPU (offload)
     hbm_gbps: float            # GB/s, device memory (shown with the plan)
+    host_memory_gb: float = 2000  # decimal GB of host memory per node, shared by its GPUs (offload)
 
     def peak_flops(self, precision: str) -> float:
         tflops = self.peak_tflops_tf32 if precision == "fp32" else self.peak_tflops_16bit
@@ -56,22 +61,22 @@ class Hardware:
 
 
 PRESETS = {
-    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64, 3350),
-    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64, 4800),
-    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32, 2039),
-    "b200": Hardware("b200", 180, 2250, 1125, 900, 50, 64, 8000),
+    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64, 3350, 2000),
+    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64, 4800, 2000),
+    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32, 2039, 2000),
+    "b200": Hardware("b200", 180, 2250, 1125, 900, 50, 64, 8000, 2000),
 }
 CHOICES = (*PRESETS, "custom")
 
 
 def resolve(gpu: str, memory_gb: Optional[float] = None, peak_tflops: Optional[float] = None,
             intra_node_gbps: Optional[float] = None, inter_node_gbps: Optional[float] = None,
-            pcie_gbps: Optional[float] = None) -> Hardware:
+            pcie_gbps: Optional[float] = None, host_memory_gb: Optional[float] = None) -> Hardware:
     """The preset named ``gpu`` with any given figure overriding it; ``custom`` needs memory
     and peak (bandwidths default to the H100's)."""
     for flag, value in (("--gpu-memory-gb", memory_gb), ("--peak-tflops", peak_tflops),
                         ("--intra-node-gbps", intra_node_gbps), ("--inter-node-gbps", inter_node_gbps),
-                        ("--pcie-gbps", pcie_gbps)):
+                        ("--pcie-gbps", pcie_gbps), ("--host-memory-gb", host_memory_gb)):
         if value is not None and not value > 0:
             raise PlanError(flag, f"must be positive, got {value:g}")
     key = (gpu or "").lower()
@@ -94,4 +99,6 @@ def resolve(gpu: str, memory_gb: Optional[float] = None, peak_tflops: Optional[f
         changes["inter_node_gbps"] = inter_node_gbps
     if pcie_gbps is not None:
         changes["pcie_gbps"] = pcie_gbps
+    if host_memory_gb is not None:
+        changes["host_memory_gb"] = host_memory_gb
     return dataclasses.replace(base, **changes)

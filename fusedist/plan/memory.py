@@ -9,8 +9,11 @@ data-parallel ranks:
     DDP     (2 + 2 + K)·Ψ          ZeRO-1  4Ψ + K·Ψ/N
     ZeRO-2  2Ψ + (2 + K)·Ψ/N       ZeRO-3  (2 + 2 + K)·Ψ/N
 
-ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840) moves the K term (and, for stage 3, the
-parameters: ZeRO-Infinity, arXiv:2104.07857) to host memory, reported as ``host_bytes``.
+ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, Section 4) keeps the 16-bit parameters on
+the GPU and moves the gradient shard and the K term to host memory, where the CPU steps them;
+at stage 3 the parameter shard goes there too (ZeRO-Infinity's CPU offload, arXiv:2104.07857),
+so the GPU keeps no model states between steps. Host memory is reported as ``host_bytes`` and
+must fit (Note [host memory fits too]).
 fp32 training replaces the 2s by 4s and drops the master copy (K = 8 for Adam); SGD with
 momentum keeps one state instead of two (K = 8 mixed, 4 in fp32).
 
@@ -29,6 +32,8 @@ Two conventions (``--convention``):
     parameters too, so K = 12 for Adam (8 for SGD) there at every precision.
   - ZeRO-2 offload keeps the FP32 gradient shard on the device and, on the host, an FP32
     gradient staging shard and (16-bit parameters) a 16-bit parameter staging shard.
+  - ZeRO-3 offload is ``fully_shard(..., offload_policy=CPUOffloadPolicy())``: parameter
+    shard, gradient shard and optimizer state all in host memory, as FSDP2's.
   - Each gradient bucket is padded to a multiple of N·16 elements (shard alignment): at
     most N·16 elements per bucket (one bucket per 25 MiB), not modelled (< 0.01% for any
     model worth planning).
@@ -119,15 +124,19 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
         # (2 + 2 + K)Ψ/N -- ZeRO paper, Figure 1 "Pos+g+p"
         terms = {"params": p * shard, "grad_shard": g * shard, "optimizer": k * shard}
     elif strategy == "zero2_offload":
-        # ZeRO-Offload: the K term on the host
-        terms = {"params": p * whole, "grad_shard": (4 if fused else g) * shard, "host:optimizer": k * shard}
+        # ZeRO-Offload: the gradient shard and the K term on the host (fusedist: the gradient
+        # shard stays on the device, with staging copies on the host)
+        terms = {"params": p * whole, "host:optimizer": k * shard}
         if fused:
+            terms["grad_shard"] = 4 * shard
             terms["host:grad_staging"] = 4 * shard
             if p < 4:
                 terms["host:param_staging"] = p * shard
+        else:
+            terms["host:grad_shard"] = g * shard
     elif strategy == "zero3_offload":
-        # ZeRO-Infinity style: K and the parameter shard on the host
-        terms = {"grad_shard": g * shard, "host:params": p * shard, "host:optimizer": k * shard}
+        # ZeRO-Infinity's CPU offload, FSDP2's CPUOffloadPolicy: every shard on the host
+        terms = {"host:params": p * shard, "host:grad_shard": g * shard, "host:optimizer": k * shard}
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
     device = sum(v for name, v in terms.items() if not name.startswith("host:"))

@@ -59,6 +59,9 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     temp_min = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, in_flight=1)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
+    # Note [host memory fits too]
+    host_node = states.host * min(job.gpus, job.gpus_per_node)
+    host_capacity = hw.host_memory_gb * GB
     return {
         "model_states_bytes": int(round(states.device)),
         "activation_bytes": act,
@@ -66,10 +69,24 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
         "temp_min_bytes": int(round(temp_min)),
         "total_bytes": int(round(total)),
         "host_bytes": int(round(states.host)),
-        "fits": bool(total <= capacity),
+        "host_node_bytes": int(round(host_node)),
+        "host_fits": bool(host_node <= host_capacity),
+        "host_headroom_bytes": int(round(host_capacity - host_node)),
+        "fits": bool(total <= capacity and host_node <= host_capacity),
         "headroom_bytes": int(round(capacity - total)),
         "terms": {k: int(round(v)) for k, v in states.terms.items()},
     }
+
+
+# Note [host memory fits too]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Offloading moves model states to host memory, which is finite too: a node's ranks share its
+# system memory (2 TB on the DGX systems of the presets, --host-memory-gb), so a strategy fits
+# only where each GPU's share and the node's sum of them both fit. Without this check every
+# model "fits" with zero3_offload, whose GPU holds no model states between steps: a 7T-parameter
+# model on 8 GPUs needs 16 x 7T / 8 = 14 TB of host memory a GPU, 112 TB on the node. The sum is
+# over the ranks on one node (all of them when the job fits in a node); what the operating
+# system, data loaders and pinned staging buffers take is left to the headroom.
 
 
 def _zero3_units(spec: ModelSpec, tp: int, dp: int, ep: int) -> tuple:

@@ -115,22 +115,27 @@ def format_plan(plan: dict) -> str:
          + (f", expert parallelism {i['ep']}" if i.get("ep", 1) > 1 else "")),
         (f"GPU: {g['name']}, {g['memory_gb']:g} GB ({g['hbm_gbps']:g} GB/s), peak {a['peak_flops'] / 1e12:g} TFLOPS "
          f"({a['peak_flops_kind']}), MFU {a['mfu']:g} (assumed), NVLink {g['intra_node_gbps']:g} GB/s, "
-         f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction)"),
+         f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction); "
+         f"host memory {g.get('host_memory_gb', 0):g} GB a node"),
         f"compute: {a['flops_per_token']:.4g} FLOPs per token = {a['flops']}",
         (f"model states: {i['convention']} convention; K = {a['K']['ddp']} (ddp), {a['K']['zero1']} (ZeRO); "
          f"temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
         f"GPU memory: {a['gpu_memory']}",
         f"activations: {a['activations']}",
         "",
-        "memory per GPU, GB (10^9 bytes)",
+        "memory per GPU, GB (10^9 bytes); host: per GPU, the node's ranks share its host memory",
         f"{'strategy':<15}{'states':>9}{'activ.':>9}{'temp':>8}{'total':>9}{'host':>8}  fits (headroom)",
     ]
     for st in STRATEGIES:
         e = plan["memory"][st]
         fits = "yes" if e["fits"] else "NO"
+        host = ""
+        if not e.get("host_fits", True):  # Note [host memory fits too] in plan.py
+            host = (f"; host {_gb(e['host_node_bytes'])} a node, {-e['host_headroom_bytes'] / GB:.2f} over its "
+                    f"{g['host_memory_gb']:g}")
         out.append(f"{st:<15} {_gb(e['model_states_bytes']):>8} {_gb(e['activation_bytes']):>8}"
                    f" {_gb(e['temp_bytes']):>7} {_gb(e['total_bytes']):>8} {_gb(e['host_bytes']):>7}  "
-                   f"{fits} ({e['headroom_bytes'] / GB:+.2f})")
+                   f"{fits} ({e['headroom_bytes'] / GB:+.2f}{host})")
     out += ["", f"communication and time per step ({a['tokens_per_step']:,} tokens)",
             f"{'strategy':<15}{'comm GB':>9}{'comm':>10}{'compute':>10}{'step':>10}{'no overlap':>12}{'tokens/s':>11}"]
     for st in STRATEGIES:

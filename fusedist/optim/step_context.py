@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["StepContext", "materialize_unscales", "pending_contexts"]
+__all__ = ["StepContext", "inverse_scale", "materialize_unscales", "pending_contexts"]
 
 
 @dataclasses.dataclass
@@ -59,8 +59,7 @@ class StepContext:
         """The factor that unscales the gradients in the update: ``1 / grad_scale`` when the
         scaler passed the scale itself (no ``unscale_``), else the pending ``inv_scale``."""
         if grad_scale is not None:
-            # torch computes the reciprocal in fp64 (fp32 division can be imprecise).
-            return grad_scale.double().reciprocal().float().reshape(1)
+            return inverse_scale(grad_scale)
         if self.inv_scale is not None:
             return self.inv_scale.reshape(1)
         return None
@@ -73,16 +72,38 @@ class StepContext:
         prev = self.clip_coef
         if prev is not None:  # clipped twice: the second norm sees the first clip
             sumsq = sumsq * prev.reshape(sumsq.shape) ** 2
-        total_norm = sumsq.sqrt().reshape(()).to(norm_dtype)
+        total_norm = sumsq.sqrt().reshape(())
+        if total_norm.dtype != norm_dtype:
+            total_norm = total_norm.to(norm_dtype)
         if error_if_nonfinite and bool(torch.logical_or(total_norm.isnan(), total_norm.isinf())):
             raise RuntimeError(
                 "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite "
                 "norm anyway, set `error_if_nonfinite=False`"
             )
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).float().reshape(1)
+        # torch's max_norm / (total_norm + 1e-6), clamped at 1: Tensor.__rdiv__ is reciprocal()
+        # times the number, so this is the same value in the norm's dtype, without the Python
+        # operator wrapper and with the temporaries reused (one launch fewer on the host's path).
+        coef = total_norm.add(1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0).reshape(1)
+        if coef.dtype != torch.float32:
+            coef = coef.float()
         self.clip_coef = coef if prev is None else prev.reshape(1) * coef
         return total_norm
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as a 1-element fp32 tensor, the reciprocal taken in fp64 as torch's
+    GradScaler takes it (fp32 division can be imprecise).
+
+    The result is kept on ``scale`` with its version counter and reused until the scale is
+    written (``update()`` writes it in place, which counts): four tensor ops a step fewer on
+    the host's path, where small models spend their step. Callers only read it."""
+    kept = scale.__dict__.get("_fusedist_inverse")
+    if kept is not None and kept[0] == scale._version:
+        return kept[1]
+    inverse = scale.double().reciprocal().float().reshape(1)
+    scale._fusedist_inverse = (scale._version, inverse)
+    return inverse
 
 
 # Optimizers whose context holds a norm recorded by ``unscale_`` and not yet used, so that

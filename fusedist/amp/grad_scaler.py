@@ -81,7 +81,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ..optim.step_context import inverse_scale, mark_pending
+from ..optim.step_context import mark_pending
 from ..ownership import gradient_holders_of
 
 MIN_SCALE_POLICIES = ("warn", "raise")
@@ -348,7 +348,8 @@ class GradScaler(_TorchGradScaler):
             optimizer_state["found_inf_per_device"] = {}
             optimizer_state["stage"] = OptState.UNSCALED
             return
-        inv_scale = inverse_scale(self._scale)  # reciprocal in fp64, as torch's
+        # Reciprocal in fp64, as torch does.
+        inv_scale = self._scale.double().reciprocal().float().reshape(1)
         ctx = optimizer.step_context
         clipped_before = _clip_before_unscale(optimizer)  # Note [a clip before unscale_]
         if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]

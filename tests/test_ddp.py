@@ -399,7 +399,7 @@ def _bad_input_worker(rank, world_size):
 def test_bad_input_messages():
     for errors in run_distributed(_bad_input_worker, 2):
         assert "device_ids=None for CPU" in errors["device_ids"]
-        assert "bucket_cap_mb must be a positive" in errors["cap"]
+        assert "bucket_cap_mb must be a number of MiB >= 0" in errors["cap"]
         assert "not_an_option" in errors["kwarg"]
         assert "sparse gradient" in errors["sparse"] and "'weight'" in errors["sparse"]
         assert "powerSGD_hook" in errors["powersgd"] and "reduce_dtype=torch.bfloat16" in errors["powersgd"]

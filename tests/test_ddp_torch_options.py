@@ -154,7 +154,7 @@ def _caps_worker(rank, world_size):
     bucket_bytes = [sum(p.numel() * 4 for p in b.params) for b in ours.buckets]
     torch_bytes = [int(n) for n in str(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]).split(",")]
     errors = []
-    for bad in ([], [0.0], "x", [True]):
+    for bad in ([], [-1.0], "x", [True]):
         try:
             fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=bad)
         except ValueError as exc:
@@ -170,6 +170,42 @@ def test_bucket_cap_mb_list_trains_as_torch_ddp():
         # its first step (Note [buckets close as torch's do]).
         assert bucket_bytes == torch_bytes == [4224, 3 * 4224, 2 * 4224], (bucket_bytes, torch_bytes)
         assert len(errors) == 4 and all("bucket_cap_mb_list" in e for e in errors), errors
+
+
+def _bucket_cap_worker(rank, world_size, bucket_cap_mb):
+    import fusedist
+
+    torch.manual_seed(0)
+    # 1 MiB weights: torch's first bucket is 1 MiB while bucket_cap_mb is its default, and
+    # bucket_cap_mb itself once it is given (2 MiB: two layers), so the two rules differ here
+    base = nn.Sequential(*[nn.Linear(512, 512) for _ in range(5)])
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kwargs)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **kwargs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    gen = torch.Generator().manual_seed(1 + rank)
+    for _ in range(3):  # (torch's logging data holds its rebuilt buckets from the third on)
+        x = torch.randn(4, 512, generator=gen)
+        for model, opt in zip((ref, ours), opts):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+    torch_bytes = [int(n) for n in str(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]).split(",")]
+    return diff, [sum(p.numel() * 4 for p in b.params) for b in ours.buckets], torch_bytes
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 2, 0])
+def test_bucket_cap_mb_makes_torch_ddps_buckets(bucket_cap_mb):
+    """The first bucket's cap is torch's: 1 MiB by default, ``bucket_cap_mb`` once it is given
+    (fusedist kept 1 MiB, one collective more than torch for 2 MiB here); and 0 is one bucket
+    per parameter, as torch's (fusedist refused it)."""
+    for diff, bucket_bytes, torch_bytes in run_distributed(_bucket_cap_worker, 2, bucket_cap_mb, timeout=120):
+        assert diff < 1e-6, diff
+        layer = 512 * 512 * 4 + 512 * 4
+        expected = {None: [layer, 4 * layer], 2: [2 * layer, 2 * layer, layer],
+                    0: [512 * 4, 512 * 512 * 4] * 5}[bucket_cap_mb]
+        assert bucket_bytes == torch_bytes == expected, (bucket_bytes, torch_bytes)
 
 
 def _unfreeze_caps_worker(rank, world_size):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -18,7 +19,9 @@ class DDPConfig:
 
     first_bucket_cap_mb: float = 1.0
     """The first bucket (the last layers, whose gradients are ready first) is small so that
-    communication starts as early as possible in backward."""
+    communication starts as early as possible in backward. torch's rule for the wrapper's
+    default: 1 MiB when ``bucket_cap_mb`` is left at its default, else ``bucket_cap_mb``
+    itself (:func:`first_bucket_cap`)."""
 
     bucket_cap_mb_list: Optional[tuple] = None
     """torch DDP's per-bucket caps: the k-th bucket of each dtype (in readiness order) holds up
@@ -57,17 +60,34 @@ class DDPConfig:
         return [int(c * MiB) for c in caps]
 
     def __post_init__(self):
+        # A cap of 0 is torch's too: every bucket closes at its first parameter (one bucket per
+        # parameter). A negative one, which torch also takes that way, is refused as a mistake.
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"DistributedDataParallel: {name} must be a positive number of MiB, got {value!r}")
+            if not (_is_number(value) and value >= 0):
+                raise ValueError(f"DistributedDataParallel: {name} must be a number of MiB >= 0 "
+                                 f"(0: one bucket per parameter), got {value!r}")
         if self.bucket_cap_mb_list is not None:
             caps = tuple(self.bucket_cap_mb_list)
-            if not caps or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps):
-                raise ValueError("DistributedDataParallel: bucket_cap_mb_list must be a non-empty list of positive "
-                                 f"numbers of MiB, got {self.bucket_cap_mb_list!r}")
+            if not caps or not all(_is_number(c) and c >= 0 for c in caps):
+                raise ValueError("DistributedDataParallel: bucket_cap_mb_list must be a non-empty list of numbers "
+                                 f"of MiB >= 0, got {self.bucket_cap_mb_list!r}")
             self.bucket_cap_mb_list = caps
         if self.reduce_dtype is not None and not (
             isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
         ):
             raise ValueError(f"DistributedDataParallel: reduce_dtype must be a floating dtype, got {self.reduce_dtype!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def first_bucket_cap(bucket_cap_mb: Optional[float], first_bucket_cap_mb: Optional[float]) -> float:
+    """The first bucket's cap, as torch DDP chooses it: the one given, else 1 MiB
+    (``_DEFAULT_FIRST_BUCKET_BYTES``) while ``bucket_cap_mb`` is left at its default and
+    ``bucket_cap_mb`` itself once it is given -- a job that sets 100 MiB buckets gets a first
+    bucket of 100 MiB from torch, and the same collectives here."""
+    if first_bucket_cap_mb is not None:
+        return first_bucket_cap_mb
+    return 1.0 if bucket_cap_mb is None else bucket_cap_mb

@@ -21,7 +21,7 @@ from .agreement import check_layout_agrees, check_model_agrees, check_reduction_
 from .arguments import (TORCH_ONLY_OPTIONS, buffer_sync_settings, check_device_ids, group_of, module_device,
                         reduce_dtype_from_mixed_precision)
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
-from .config import DDPConfig
+from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
 from .reducer import Reducer
 from .static_graph import ArrivalCounts
@@ -102,7 +102,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         bucket_cap_mb: Optional[float] = None,
         find_unused_parameters: bool = False,
         *,
-        first_bucket_cap_mb: float = 1.0,
+        first_bucket_cap_mb: Optional[float] = None,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
         reduce_dtype: Optional[torch.dtype] = None,
@@ -127,7 +127,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.module = module
         self.config = DDPConfig(
             bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap(bucket_cap_mb, first_bucket_cap_mb),
             bucket_cap_mb_list=bucket_cap_mb_list,
             broadcast_buffers=forward_sync,
             find_unused_parameters=find_unused_parameters,

@@ -84,7 +84,7 @@ class StepContext:
             )
         # torch's max_norm / (total_norm + 1e-6), clamped at 1: Tensor.__rdiv__ is reciprocal()
         # times the number, so this is the same value in the norm's dtype, without the Python
-        # operator wrapper and with the temporaries reused (one launch fewer on the host's path).
+        # operator wrapper and with one temporary for the three results (fewer allocations).
         coef = total_norm.add(1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0).reshape(1)
         if coef.dtype != torch.float32:
             coef = coef.float()

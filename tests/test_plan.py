@@ -285,6 +285,7 @@ BAD = [
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--scratch-gb", "nan"], "--scratch-gb"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--host-memory-gb", "0"], "--host-memory-gb"),
+    (["--params", "7e9", "--gpus", "8", "--seq", "8", "--host-memory-gbps", "-1"], "--host-memory-gbps"),
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--bucket-cap-mb", "inf"], "--bucket-cap-mb"),
     # a count that rounds to no parameters was planned as an empty model
     (["--params", "0.4", "--gpus", "8", "--seq", "8"], "--params"),
@@ -552,3 +553,42 @@ def test_host_memory_gb_decides_what_offload_fits(capsys):
     row = next(line for line in out.splitlines() if line.startswith("zero3_offload "))
     assert "NO (+" in row and "host 107.81 a node, 7.81 over its 100" in row, row
     assert "host memory 100 GB a node" in out
+
+
+def test_the_offloaded_update_takes_the_nodes_host_memory_bandwidth(capsys):
+    """The host optimizer update runs in step(), after backward: per parameter of a GPU's shard
+    it reads the gradient, reads and writes K, and writes the 16-bit parameter, and a node's
+    ranks share its host memory bandwidth (563 GB/s for an H100 node)."""
+    psi = count_params(ModelSpec(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000))
+
+    def plan(*extra):
+        code, out, _ = run_cli(capsys, *LLAMA_7B, "--global-batch", "256", *extra, "--json")
+        return json.loads(out)
+
+    one_node = plan("--gpus", "8")
+    t, c = one_node["time"], one_node["comm"]
+    # fusedist's bf16 ZeRO-2 offload: FP32 gradient staging 4 + Adam's K = 12 twice + bf16 param 2
+    assert t["zero2_offload"]["host_update_s"] == pytest.approx(psi * 30 / 563e9)
+    assert c["zero2_offload"]["host_update_bytes_per_step"] == round(psi * 30 / 8)
+    # fully_shard offload: the bf16 gradient shard 2 + 24 + 2
+    assert t["zero3_offload"]["host_update_s"] == pytest.approx(psi * 28 / 563e9)
+    for s in ("ddp", "zero1", "zero2", "zero3"):
+        assert t[s]["host_update_s"] == 0 and c[s]["host_update_bytes_per_step"] == 0
+    for s in ("zero2_offload", "zero3_offload"):  # after backward: added to both step times
+        other = c[s]["seconds"] + c[s]["pcie_seconds"]
+        assert t[s]["step_s"] == pytest.approx(max(t[s]["compute_s"], other) + t[s]["host_update_s"])
+        assert t[s]["step_s_no_overlap"] == pytest.approx(t[s]["compute_s"] + other + t[s]["host_update_s"])
+    # half the bandwidth, twice the time; two nodes: each node's 8 ranks update half as much
+    assert plan("--gpus", "8", "--host-memory-gbps", "281.5")["time"]["zero2_offload"]["host_update_s"] == \
+        pytest.approx(2 * t["zero2_offload"]["host_update_s"])
+    assert plan("--gpus", "16")["time"]["zero2_offload"]["host_update_s"] == \
+        pytest.approx(t["zero2_offload"]["host_update_s"] / 2)
+    # fp32 parameters are their host masters (K = 12 for ZeRO-2 offload, 8 for fully_shard's)
+    fp32 = plan("--gpus", "8", "--precision", "fp32")["time"]
+    assert fp32["zero2_offload"]["host_update_s"] == pytest.approx(psi * (4 + 24) / 563e9)
+    assert fp32["zero3_offload"]["host_update_s"] == pytest.approx(psi * (4 + 16) / 563e9)
+    # the paper's ZeRO-Offload reads 16-bit gradients: 2 + 24 + 2
+    paper = plan("--gpus", "8", "--convention", "paper")["time"]
+    assert paper["zero2_offload"]["host_update_s"] == pytest.approx(psi * 28 / 563e9)
+    assert plan("--gpus", "8", "--gpu", "a100")["time"]["zero2_offload"]["host_update_s"] == \
+        pytest.approx(psi * 30 / 410e9)

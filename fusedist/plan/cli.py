@@ -106,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--host-memory-gb", type=_real,
                    help="host memory per node, shared by its GPUs' ranks, which offload must fit (default 2000: "
                         "the DGX systems' 2 TB)")
+    h.add_argument("--host-memory-gbps", type=_real,
+                   help="host memory bandwidth per node, which bounds the offloaded optimizer update (default: the "
+                        "preset's peak, 563 for H100/H200/B200 nodes, 410 for A100)")
     h.add_argument("--mfu", type=_real, default=timing.DEFAULT_MFU,
                    help=f"assumed model FLOPs utilisation (default {timing.DEFAULT_MFU})")
     o = p.add_argument_group("other")
@@ -196,7 +199,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(argv)
         spec = model_spec(args)
         hw = hardware.resolve(args.gpu, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
-                              args.inter_node_gbps, args.pcie_gbps, args.host_memory_gb)
+                              args.inter_node_gbps, args.pcie_gbps, args.host_memory_gb, args.host_memory_gbps)
         if args.measure:
             world = int(os.environ.get("WORLD_SIZE", "0") or 0)
             if world < 2:

@@ -24,6 +24,13 @@ Figures are the vendors' datasheet values for the SXM parts, as published by NVI
   system memory for 8 GPUs -- DGX H100 2 TB, DGX H200 2 TB, DGX A100 640GB 2 TB, DGX B200
   2 TB (configurable to 4 TB). The node's ranks share it; the operating system, data loaders
   and the CUDA context's pinned buffers need some of it too, which the plan does not count.
+* Host memory bandwidth per node, which bounds the offloaded optimizer update (a CPU Adam
+  moves ~30 bytes a parameter and little arithmetic): the peak of the two CPUs' memory
+  channels as the 2 TB is populated, 32 DIMMs of 64 GB, two per channel. DGX H100 / H200
+  (2x Xeon Platinum 8480C) and DGX B200 (2x Xeon Platinum 8570): 8 DDR5 channels a socket,
+  which run at 4400 MT/s with two DIMMs per channel (4800 with one), 2 x 8 x 4400e6 x 8 B =
+  563 GB/s. DGX A100 (2x EPYC 7742): 8 DDR4-3200 channels a socket, 410 GB/s. A streaming
+  kernel reaches 70-80% of such peaks (``--host-memory-gbps`` can say so).
 
 Conventions: memory in decimal GB (10^9 bytes; the driver reports a little more usable memory,
 so this errs on the safe side). Bandwidths in GB/s *per GPU and direction*: the datasheets'
@@ -54,6 +61,7 @@ class Hardware:
     pcie_gbps: float           # GB/s per direction, host <-> GPU (offload)
     hbm_gbps: float            # GB/s, device memory (shown with the plan)
     host_memory_gb: float = 2000  # decimal GB of host memory per node, shared by its GPUs (offload)
+    host_memory_gbps: float = 563  # GB/s of host memory per node: the offloaded optimizer update
 
     def peak_flops(self, precision: str) -> float:
         tflops = self.peak_tflops_tf32 if precision == "fp32" else self.peak_tflops_16bit
@@ -61,22 +69,24 @@ class Hardware:
 
 
 PRESETS = {
-    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64, 3350, 2000),
-    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64, 4800, 2000),
-    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32, 2039, 2000),
-    "b200": Hardware("b200", 180, 2250, 1125, 900, 50, 64, 8000, 2000),
+    "h100": Hardware("h100", 80, 989, 494, 450, 50, 64, 3350, 2000, 563),
+    "h200": Hardware("h200", 141, 989, 494, 450, 50, 64, 4800, 2000, 563),
+    "a100": Hardware("a100", 80, 312, 156, 300, 25, 32, 2039, 2000, 410),
+    "b200": Hardware("b200", 180, 2250, 1125, 900, 50, 64, 8000, 2000, 563),
 }
 CHOICES = (*PRESETS, "custom")
 
 
 def resolve(gpu: str, memory_gb: Optional[float] = None, peak_tflops: Optional[float] = None,
             intra_node_gbps: Optional[float] = None, inter_node_gbps: Optional[float] = None,
-            pcie_gbps: Optional[float] = None, host_memory_gb: Optional[float] = None) -> Hardware:
+            pcie_gbps: Optional[float] = None, host_memory_gb: Optional[float] = None,
+            host_memory_gbps: Optional[float] = None) -> Hardware:
     """The preset named ``gpu`` with any given figure overriding it; ``custom`` needs memory
     and peak (bandwidths default to the H100's)."""
     for flag, value in (("--gpu-memory-gb", memory_gb), ("--peak-tflops", peak_tflops),
                         ("--intra-node-gbps", intra_node_gbps), ("--inter-node-gbps", inter_node_gbps),
-                        ("--pcie-gbps", pcie_gbps), ("--host-memory-gb", host_memory_gb)):
+                        ("--pcie-gbps", pcie_gbps), ("--host-memory-gb", host_memory_gb),
+                        ("--host-memory-gbps", host_memory_gbps)):
         if value is not None and not value > 0:
             raise PlanError(flag, f"must be positive, got {value:g}")
     key = (gpu or "").lower()
@@ -101,4 +111,6 @@ def resolve(gpu: str, memory_gb: Optional[float] = None, peak_tflops: Optional[f
         changes["pcie_gbps"] = pcie_gbps
     if host_memory_gb is not None:
         changes["host_memory_gb"] = host_memory_gb
+    if host_memory_gbps is not None:
+        changes["host_memory_gbps"] = host_memory_gbps
     return dataclasses.replace(base, **changes)

@@ -163,7 +163,11 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
                   "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s, **a2a}
         compute_s = timing.compute_seconds(psi_flops, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
-        tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens, a2a["all_to_all_seconds"])
+        # the node's ranks update at once, sharing its host memory bandwidth
+        host_b = timing.host_update_bytes(psi, n, s, job.precision, job.optimizer, job.convention)
+        host_s = comm.seconds(host_b * min(n, job.gpus_per_node), hw.host_memory_gbps)
+        com[s]["host_update_bytes_per_step"] = int(round(host_b))
+        tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens, a2a["all_to_all_seconds"], host_s)
 
     best = suggest.cheapest(mem, tim)
     layout = None

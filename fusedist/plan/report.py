@@ -144,7 +144,10 @@ def format_plan(plan: dict) -> str:
         out.append(f"{st:<15} {_gb(c['bytes_per_step']):>8} {_seconds(comm_s):>9} {_seconds(t['compute_s']):>9}"
                    f" {_seconds(t['step_s']):>9} {_seconds(t['step_s_no_overlap']):>11} {t['tokens_per_s']:>10,.0f}")
     out.append(f"(communication at {plan['comm']['ddp']['bandwidth_gbps']:g} GB/s, the ring's slowest link; "
-               "offload rows add the PCIe copies, not the host optimizer update)")
+               "offload rows add the PCIe copies to it and the host optimizer update to the step: "
+               + ", ".join(f"{st} {_seconds(plan['time'][st]['host_update_s'])}" for st in STRATEGIES
+                           if st.endswith("_offload"))
+               + f" at {g.get('host_memory_gbps', 0):g} GB/s of host memory a node)")
     out += _expert_lines(plan)
     out.append("")
     lay = s["layout"]

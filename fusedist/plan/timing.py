@@ -27,13 +27,35 @@ the attention core only: 6Ψ + 16·L·s·d_q. A model given by --params alone ha
 does; ``step_s_no_overlap`` adds them. The expert all-to-alls of a mixture of experts under
 expert parallelism are on the critical path (no layer can go on before its tokens are back)
 and add to both; overlapping them with another micro-batch's compute (DeepSeek-V3's
-DualPipe) is not modelled. Offload adds the PCIe copies to the communication
-side; the host optimizer update itself is not modelled.
+DualPipe) is not modelled. Offload adds the PCIe copies to the communication side, and the
+host optimizer update to both: it runs in ``step()``, after backward, on the node's CPUs,
+whose memory bandwidth bounds it (:func:`host_update_bytes`; ZeRO-Offload's "delayed
+parameter update", which overlaps it with the next step, is not what fusedist does).
 """
 
 from __future__ import annotations
 
+from .memory import optimizer_k, param_bytes
+
 DEFAULT_MFU = 0.40
+
+
+def host_update_bytes(psi: float, n: int, strategy: str, precision: str, optimizer: str = "adamw",
+                      convention: str = "fusedist") -> float:
+    """Bytes of host memory one GPU's offloaded optimizer update reads and writes per step:
+    its ``Ψ/N`` parameters' gradient read, optimizer state (K bytes: masters, moments) read
+    and written, and the updated 16-bit parameters written for the copy up. A CPU Adam does a
+    few flops a byte, so memory bandwidth bounds it (fusedist's C++ Adam runs at the speed of
+    a copy: benchmarks/bench_cpu_adam.py). fusedist's ZeRO-2 offload reads its FP32 gradient
+    staging; fp32 parameters are their host masters, written as part of K. 0 without offload."""
+    if not strategy.endswith("_offload"):
+        return 0.0
+    p = g = param_bytes(precision)
+    k = optimizer_k(precision, optimizer, strategy, convention)
+    fused = convention == "fusedist"
+    grad = 4 if fused and strategy == "zero2_offload" else g
+    written = p if (p < 4 or not fused) else 0
+    return (grad + 2 * k + written) * psi / n
 
 
 def flops_per_token(psi: float, recompute: str, attention_fwd: float = 0.0) -> float:
@@ -49,12 +71,14 @@ def compute_seconds(psi: float, tokens: float, n: int, peak_flops: float, mfu: f
     return flops_per_token(psi, recompute, attention_fwd) * tokens / (n * peak_flops * mfu)
 
 
-def step_times(compute_s: float, comm_s: float, pcie_s: float, tokens: float, blocking_s: float = 0.0) -> dict:
+def step_times(compute_s: float, comm_s: float, pcie_s: float, tokens: float, blocking_s: float = 0.0,
+               host_update_s: float = 0.0) -> dict:
     """``blocking_s``: communication on the compute's path (the expert all-to-alls: an MoE
     layer's experts wait for their tokens, the next layer for their outputs), added to the
-    step rather than overlapped."""
+    step rather than overlapped; ``host_update_s``: the offloaded optimizer update, after
+    backward, added too."""
     other = comm_s + pcie_s
-    step = max(compute_s, other) + blocking_s
-    serial = compute_s + other + blocking_s
-    return {"compute_s": compute_s, "step_s": step, "step_s_no_overlap": serial,
+    step = max(compute_s, other) + blocking_s + host_update_s
+    serial = compute_s + other + blocking_s + host_update_s
+    return {"compute_s": compute_s, "step_s": step, "step_s_no_overlap": serial, "host_update_s": host_update_s,
             "tokens_per_s": tokens / step if step > 0 else float("inf")}

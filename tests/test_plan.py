@@ -552,7 +552,7 @@ def test_host_memory_gb_decides_what_offload_fits(capsys):
     code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--host-memory-gb", "100")
     row = next(line for line in out.splitlines() if line.startswith("zero3_offload "))
     assert "NO (+" in row and "host 107.81 a node, 7.81 over its 100" in row, row
-    assert "host memory 100 GB a node" in out
+    assert "host memory 100 GB at 563 GB/s a node" in out
 
 
 def test_the_offloaded_update_takes_the_nodes_host_memory_bandwidth(capsys):

@@ -116,7 +116,7 @@ def format_plan(plan: dict) -> str:
         (f"GPU: {g['name']}, {g['memory_gb']:g} GB ({g['hbm_gbps']:g} GB/s), peak {a['peak_flops'] / 1e12:g} TFLOPS "
          f"({a['peak_flops_kind']}), MFU {a['mfu']:g} (assumed), NVLink {g['intra_node_gbps']:g} GB/s, "
          f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction); "
-         f"host memory {g.get('host_memory_gb', 0):g} GB a node"),
+         f"host memory {g['host_memory_gb']:g} GB at {g['host_memory_gbps']:g} GB/s a node"),
         f"compute: {a['flops_per_token']:.4g} FLOPs per token = {a['flops']}",
         (f"model states: {i['convention']} convention; K = {a['K']['ddp']} (ddp), {a['K']['zero1']} (ZeRO); "
          f"temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
@@ -130,7 +130,7 @@ def format_plan(plan: dict) -> str:
         e = plan["memory"][st]
         fits = "yes" if e["fits"] else "NO"
         host = ""
-        if not e.get("host_fits", True):  # Note [host memory fits too] in plan.py
+        if not e["host_fits"]:  # Note [host memory fits too] in plan.py
             host = (f"; host {_gb(e['host_node_bytes'])} a node, {-e['host_headroom_bytes'] / GB:.2f} over its "
                     f"{g['host_memory_gb']:g}")
         out.append(f"{st:<15} {_gb(e['model_states_bytes']):>8} {_gb(e['activation_bytes']):>8}"
@@ -147,7 +147,7 @@ def format_plan(plan: dict) -> str:
                "offload rows add the PCIe copies to it and the host optimizer update to the step: "
                + ", ".join(f"{st} {_seconds(plan['time'][st]['host_update_s'])}" for st in STRATEGIES
                            if st.endswith("_offload"))
-               + f" at {g.get('host_memory_gbps', 0):g} GB/s of host memory a node)")
+               + f" at {g['host_memory_gbps']:g} GB/s of host memory a node)")
     out += _expert_lines(plan)
     out.append("")
     lay = s["layout"]

@@ -134,25 +134,34 @@ def test_bucket_cap_mb_list_caps_each_bucket_in_readiness_order():
     assert [len(b.params) for b in layout.buckets] == [len(b) for b in torch_buckets]
 
 
-def _caps_worker(rank, world_size):
+def _trained_beside_torch(base, rank, batch, **ddp_kwargs):
+    """torch DDP and fusedist's on copies of ``base`` with the same options, three SGD steps:
+    the largest parameter difference, fusedist's bucket bytes and the buckets torch rebuilt
+    (its logging data holds them from the third iteration on)."""
     import fusedist
 
-    torch.manual_seed(0)
-    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
-    caps = [0.002, 0.01, 0.005]
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     gen = torch.Generator().manual_seed(1 + rank)
+    width = next(base.parameters()).shape[1]
     for _ in range(3):
-        x = torch.randn(16, 32, generator=gen)
+        x = torch.randn(batch, width, generator=gen)
         for model, opt in zip((ref, ours), opts):
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
-    bucket_bytes = [sum(p.numel() * 4 for p in b.params) for b in ours.buckets]
     torch_bytes = [int(n) for n in str(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]).split(",")]
+    return diff, [sum(p.numel() * 4 for p in b.params) for b in ours.buckets], torch_bytes
+
+
+def _caps_worker(rank, world_size):
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    diff, bucket_bytes, torch_bytes = _trained_beside_torch(base, rank, 16, bucket_cap_mb_list=[0.002, 0.01, 0.005])
     errors = []
     for bad in ([], [-1.0], "x", [True]):
         try:
@@ -173,26 +182,12 @@ def test_bucket_cap_mb_list_trains_as_torch_ddp():
 
 
 def _bucket_cap_worker(rank, world_size, bucket_cap_mb):
-    import fusedist
-
     torch.manual_seed(0)
     # 1 MiB weights: torch's first bucket is 1 MiB while bucket_cap_mb is its default, and
     # bucket_cap_mb itself once it is given (2 MiB: two layers), so the two rules differ here
     base = nn.Sequential(*[nn.Linear(512, 512) for _ in range(5)])
     kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kwargs)
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **kwargs)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
-    gen = torch.Generator().manual_seed(1 + rank)
-    for _ in range(3):  # (torch's logging data holds its rebuilt buckets from the third on)
-        x = torch.randn(4, 512, generator=gen)
-        for model, opt in zip((ref, ours), opts):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
-    torch_bytes = [int(n) for n in str(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]).split(",")]
-    return diff, [sum(p.numel() * 4 for p in b.params) for b in ours.buckets], torch_bytes
+    return _trained_beside_torch(base, rank, 4, **kwargs)
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [None, 2, 0])

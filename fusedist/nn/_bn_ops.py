@@ -30,13 +30,14 @@ def _kernels(x: torch.Tensor):
     return syncbn
 
 
-def stats_payload(x: torch.Tensor, layout: NCSLayout) -> torch.Tensor:
+def stats_payload(x: torch.Tensor, layout: NCSLayout, tail: int = 0) -> torch.Tensor:
     """This rank's ``[count, mean (C), M2 (C)]`` as one flat fp64 tensor on x's device: the
     message the forward all-gather carries (fp64 so that counts stay exact and the
-    cross-rank combine adds no rounding of its own)."""
+    cross-rank combine adds no rounding of its own), followed by ``tail`` elements left for
+    the caller to write (the layer's identity: no concatenation to send both)."""
     C = layout.C
-    payload = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
-    count, mean, m2 = payload[:1], payload[1:C + 1], payload[C + 1:]
+    payload = torch.empty(2 * C + 1 + tail, dtype=torch.float64, device=x.device)
+    count, mean, m2 = payload[:1], payload[1:C + 1], payload[C + 1:2 * C + 1]
     kernels = _kernels(x)
     if kernels is None or x.numel() == 0:
         reference.welford_stats(x, mean, m2, count)

@@ -23,7 +23,7 @@ from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
 from ._layout import NCSLayout, as_ncs, like_layout
-from ._sync_stats import GRAD_TAG, combine, gather_payloads, layer_identity
+from ._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages, write_layer_identity
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -85,11 +85,15 @@ def _param_grads(ctx, sums: torch.Tensor, weight: Optional[torch.Tensor]):
     return grad_w, grad_b
 
 
-def _blend_(buffer: torch.Tensor, value: torch.Tensor, momentum: float) -> None:
+def _blend_(buffers: list, values: list, momentum: float) -> None:
     """``buffer = (1 - momentum) * buffer + momentum * value`` in fp64 (``value`` is), rounded
     once to the buffer's dtype, as torch's BatchNorm rounds it: scaling and adding in place
-    in fp16/bf16 rounds twice and doubles the drift of half-precision running statistics."""
-    buffer.copy_(buffer.to(value.dtype) * (1.0 - momentum) + value * momentum)
+    in fp16/bf16 rounds twice and doubles the drift of half-precision running statistics.
+    Both running statistics in one list: each step below is one multi-tensor op for the two."""
+    wide = [b.to(v.dtype, copy=True) for b, v in zip(buffers, values)]
+    torch._foreach_mul_(wide, 1.0 - momentum)
+    torch._foreach_add_(wide, torch._foreach_mul(values, momentum))
+    torch._foreach_copy_(buffers, wide)
 
 
 class BatchStatsNorm(torch.autograd.Function):
@@ -100,10 +104,13 @@ class BatchStatsNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float, momentum: float,
                 comm: Optional[Communicator], num_batches_tracked: Optional[torch.Tensor] = None):
         x, layout = as_ncs(x)
-        identity = None  # Note [the same layer on every rank] in _sync_stats.py
-        if comm is not None:
-            identity = layer_identity(num_batches_tracked, running_mean, running_var, x.device)
-        stats = combine(gather_payloads(ops.stats_payload(x, layout), comm, identity), layout.C)
+        if comm is None:
+            gathered = ops.stats_payload(x, layout).unsqueeze(0)
+        else:  # the payload followed by the layer's identity: Note [the same layer on every rank]
+            message = ops.stats_payload(x, layout, tail=IDENTITY_LEN)
+            write_layer_identity(message[-IDENTITY_LEN:], num_batches_tracked, running_mean, running_var)
+            gathered = gather_messages(message, comm)
+        stats = combine(gathered, layout.C)
         acc = compute_dtype(x.dtype)
         var = stats.m2 / stats.count
         mean = stats.mean.to(acc)
@@ -114,8 +121,7 @@ class BatchStatsNorm(torch.autograd.Function):
             # global batch (count 0: mean and var are NaN, y is empty) leaves them alone, as
             # BatchNorm does.
             unbiased = stats.m2 / (stats.count - 1)
-            _blend_(running_mean, stats.mean, momentum)
-            _blend_(running_var, unbiased, momentum)
+            _blend_([running_mean, running_var], [stats.mean, unbiased], momentum)
         y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.layout, ctx.count, ctx.comm = layout, stats.count, comm

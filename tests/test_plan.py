@@ -521,7 +521,7 @@ LLAMA_7B = ["--arch", "llama", "--layers", "32", "--hidden", "4096", "--heads", 
 
 
 def test_host_memory_per_node_is_shared_by_the_nodes_ranks(capsys):
-    """The 7B Llama of the README on 8 GPUs with 16 per node (one node) and with 4 per node
+    """The 7B Llama of the README on 8 GPUs with 8 per node (one node) and with 4 per node
     (two nodes): the same bytes a GPU, a node's sum over its own ranks only."""
     code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--gpus-per-node", "8", "--json")
     one = json.loads(out)["memory"]
@@ -536,7 +536,7 @@ def test_host_memory_per_node_is_shared_by_the_nodes_ranks(capsys):
 
 def test_host_memory_gb_decides_what_offload_fits(capsys):
     """With 120 GB of host memory a node, the 7B Llama's zero2_offload (15.16 GB x 8 = 121 GB)
-    and no longer fits while zero3_offload (13.48 x 8 = 108 GB) still does; at 100 GB neither,
+    no longer fits while zero3_offload (13.48 x 8 = 108 GB) still does; at 100 GB neither,
     and the table names the host as the reason."""
     def plan_at(host_gb):
         code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--host-memory-gb", str(host_gb), "--json")

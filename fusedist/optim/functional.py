@@ -51,18 +51,13 @@ Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-_multi_tensor = None
-
-
+@functools.lru_cache(maxsize=None)
 def _kernels():
     # Imported lazily: the module imports triton (see fusedist/backend.py); once, as an import
     # statement costs microseconds on every call of a step's host path.
-    global _multi_tensor
-    if _multi_tensor is None:
-        from ..triton_kernels import multi_tensor
+    from ..triton_kernels import multi_tensor
 
-        _multi_tensor = multi_tensor
-    return _multi_tensor
+    return multi_tensor
 
 
 # ----------------------------------------------------------------------------- cpu_ext hook

@@ -27,7 +27,7 @@ sends its tokens to their experts' ranks and back (:func:`all_to_all_bytes`).
 
 from __future__ import annotations
 
-from .memory import param_bytes
+from .memory import host_grad_bytes, param_bytes
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -107,9 +107,8 @@ def pcie_bytes(psi: float, n: int, strategy: str, precision: str, convention: st
     fusedist copies the FP32 gradient shard down; the paper's 16-bit gradients."""
     if not strategy.endswith("_offload"):
         return 0.0
-    p = g = param_bytes(precision)
-    down = (4 if convention == "fusedist" and strategy.startswith("zero2") else g) * psi / n
-    return down + p * psi / n
+    down = host_grad_bytes(strategy, precision, convention) * psi / n
+    return down + param_bytes(precision) * psi / n
 
 
 def bandwidth_gbps(n: int, gpus_per_node: int, intra: float, inter: float) -> float:

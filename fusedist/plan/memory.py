@@ -74,6 +74,12 @@ def optimizer_k(precision: str, optimizer: str, strategy: str = "ddp", conventio
     return states + master
 
 
+def host_grad_bytes(strategy: str, precision: str, convention: str = "fusedist") -> int:
+    """Bytes of one gradient element an offload strategy hands to the host: fusedist's ZeRO-2
+    offload stages its FP32 gradient shard there, the others send the gradients' own dtype."""
+    return 4 if convention == "fusedist" and strategy == "zero2_offload" else param_bytes(precision)
+
+
 @dataclasses.dataclass
 class ModelStates:
     device: float
@@ -127,16 +133,18 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
         # ZeRO-Offload: the gradient shard and the K term on the host (fusedist: the gradient
         # shard stays on the device, with staging copies on the host)
         terms = {"params": p * whole, "host:optimizer": k * shard}
+        host_grad = host_grad_bytes(strategy, precision, convention) * shard
         if fused:
             terms["grad_shard"] = 4 * shard
-            terms["host:grad_staging"] = 4 * shard
+            terms["host:grad_staging"] = host_grad
             if p < 4:
                 terms["host:param_staging"] = p * shard
         else:
-            terms["host:grad_shard"] = g * shard
+            terms["host:grad_shard"] = host_grad
     elif strategy == "zero3_offload":
         # ZeRO-Infinity's CPU offload, FSDP2's CPUOffloadPolicy: every shard on the host
-        terms = {"host:params": p * shard, "host:grad_shard": g * shard, "host:optimizer": k * shard}
+        terms = {"host:params": p * shard, "host:grad_shard": host_grad_bytes(strategy, precision, convention) * shard,
+                 "host:optimizer": k * shard}
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
     device = sum(v for name, v in terms.items() if not name.startswith("host:"))

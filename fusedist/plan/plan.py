@@ -39,6 +39,11 @@ class Job:
     seq_from_config: bool = False  # --seq not given: the model's maximum
     ep: int = 1  # expert parallelism: each MoE layer's routed experts over ep ranks of the N
 
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks one node runs, which share its host memory (all of them in a one-node job)."""
+        return min(self.gpus, self.gpus_per_node)
+
 
 def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy: str,
                   dp: int, tp: int = 1, pp: int = 1, ep: Optional[int] = None) -> dict:
@@ -60,7 +65,7 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     # Note [host memory fits too]
-    host_node = states.host * min(job.gpus, job.gpus_per_node)
+    host_node = states.host * job.ranks_per_node
     host_capacity = hw.host_memory_gb * GB
     return {
         "model_states_bytes": int(round(states.device)),
@@ -165,7 +170,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         compute_s = timing.compute_seconds(psi_flops, tokens, n, peak, job.mfu, job.recompute, attention_fwd)
         # the node's ranks update at once, sharing its host memory bandwidth
         host_b = timing.host_update_bytes(psi, n, s, job.precision, job.optimizer, job.convention)
-        host_s = comm.seconds(host_b * min(n, job.gpus_per_node), hw.host_memory_gbps)
+        host_s = comm.seconds(host_b * job.ranks_per_node, hw.host_memory_gbps)
         com[s]["host_update_bytes_per_step"] = int(round(host_b))
         tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens, a2a["all_to_all_seconds"], host_s)
 

@@ -35,7 +35,7 @@ parameter update", which overlaps it with the next step, is not what fusedist do
 
 from __future__ import annotations
 
-from .memory import optimizer_k, param_bytes
+from .memory import host_grad_bytes, optimizer_k, param_bytes
 
 DEFAULT_MFU = 0.40
 
@@ -50,12 +50,10 @@ def host_update_bytes(psi: float, n: int, strategy: str, precision: str, optimiz
     staging; fp32 parameters are their host masters, written as part of K. 0 without offload."""
     if not strategy.endswith("_offload"):
         return 0.0
-    p = g = param_bytes(precision)
+    p = param_bytes(precision)
     k = optimizer_k(precision, optimizer, strategy, convention)
-    fused = convention == "fusedist"
-    grad = 4 if fused and strategy == "zero2_offload" else g
-    written = p if (p < 4 or not fused) else 0
-    return (grad + 2 * k + written) * psi / n
+    written = p if (p < 4 or convention != "fusedist") else 0
+    return (host_grad_bytes(strategy, precision, convention) + 2 * k + written) * psi / n
 
 
 def flops_per_token(psi: float, recompute: str, attention_fwd: float = 0.0) -> float:

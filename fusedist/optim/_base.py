@@ -15,7 +15,7 @@ from .._dtypes import compute_dtype
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import functional
 from .functional import _device_of, _dtype_of, _layout_of, _shape_of
-from ._scaler_protocol import ScalerProtocol
+from ._scaler_protocol import ScalerProtocol, _grad_of, without_none
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -162,8 +162,14 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
 
     # -- scaler protocol (Note [scaler protocol]; bookkeeping in ScalerProtocol) --------------
 
+    def _fusedist_params_and_grads(self) -> tuple[list, list]:
+        # One pass over the groups' parameters (Note [whole-list passes] in _scaler_protocol.py).
+        groups = self.param_groups
+        params = list(groups[0]["params"]) if len(groups) == 1 else [p for g in groups for p in g["params"]]
+        return without_none(params, list(map(_grad_of, params)))
+
     def _fusedist_grad_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return self._fusedist_params_and_grads()[0]
 
     def _fusedist_has_grads(self) -> bool:
         # (Stops at the first gradient, where listing them all costs a pass over the parameters.)
@@ -172,13 +178,17 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         return any(p.grad is not None for g in self.param_groups for p in g["params"])
 
     def _fusedist_local_grads(self) -> list[torch.Tensor]:
-        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return self._fusedist_params_and_grads()[1]
+
+    def _fusedist_unscale_targets(self) -> list[torch.Tensor]:
+        return self._fusedist_params_and_grads()[1]
 
     def _fusedist_check_norm_and_unscale(self, inv_scale: torch.Tensor):
-        local = self._fusedist_local_grads()
-        if [id(g) for g in local] != [id(g) for g in self._fusedist_unscale_targets()]:
-            return super()._fusedist_check_norm_and_unscale(inv_scale)  # a sharded subclass
-        found_inf, sumsq = functional.check_and_norm(local, inv_scale, unscale_in_place=True)
+        cls = type(self)
+        if (cls._fusedist_local_grads is not FusedOptimizerBase._fusedist_local_grads
+                or cls._fusedist_unscale_targets is not FusedOptimizerBase._fusedist_unscale_targets):
+            return super()._fusedist_check_norm_and_unscale(inv_scale)  # a subclass reads other gradients
+        found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale, unscale_in_place=True)
         return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
 
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
@@ -489,8 +499,8 @@ def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
     runs them for every parameter, and per-tensor Python costs add up on a GPU, where the host
     issues the step (hundreds of tensors: hundreds of microseconds). None when anything is
     unusual; the per-parameter loop then runs the checks again, naming the parameter at fault."""
-    params = [p for p in group_params if p.grad is not None]
-    grads = [p.grad for p in params]
+    params = list(group_params)  # (a copy: the lists below are handed on)
+    params, grads = without_none(params, list(map(_grad_of, params)))
     if not params:
         return params, grads
     if (

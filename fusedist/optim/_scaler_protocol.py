@@ -10,13 +10,44 @@ What the scaler and clip decided for the next step lives in one :class:`StepCont
 
 from __future__ import annotations
 
+import operator
 import weakref
-from typing import Optional
+from itertools import compress, repeat
+from typing import NamedTuple, Optional
 
 import torch
 
 from .functional import _effective_factor
 from .step_context import StepContext
+
+# Note [whole-list passes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each phase of an AMP step (unscale_, clip, step) looks at every gradient: is it still the
+# one recorded, was it written since. On a GPU the host issues the step, and a Python loop over
+# hundreds of tensors costs hundreds of microseconds there, as much as the kernels. So these
+# checks map C-level getters over whole lists (``map(_grad_of, params)``) and compare the
+# resulting lists, and fall back to a per-tensor loop only to find and name what changed.
+_grad_of = operator.attrgetter("grad")
+_version_of = operator.attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
+_deref = weakref.ref.__call__
+
+
+def without_none(params: list, grads: list) -> tuple[list, list]:
+    """``(params, grads)`` less the pairs whose gradient is None (Note [whole-list passes])."""
+    has = list(map(operator.is_not, grads, repeat(None)))
+    if all(has):
+        return params, grads
+    return list(compress(params, has)), list(compress(grads, has))
+
+
+class ClippedGrads(NamedTuple):
+    """What fusedist's clip recorded (Note [gradients changed after the clip]): parallel lists
+    of the parameters, weak references to their gradients and the gradients' version counts."""
+
+    params: list
+    refs: list
+    versions: list
 
 
 class ScalerProtocol:
@@ -82,8 +113,7 @@ class ScalerProtocol:
     # counters: fusedist's clip then measures afresh instead of using a stale norm, and a
     # lazy unscale_ followed by writes raises at step() instead of stepping silently wrong.
     def _fusedist_record_grad_versions(self) -> None:
-        # Addresses, not ids: a sharded optimizer hands out fresh views of the same shards.
-        self.step_context.grad_versions = [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
+        self.step_context.grad_versions = _addresses_and_versions(self._fusedist_unscale_targets())
 
     def _fusedist_check_grads_since_unscale(self) -> bool:
         """Whether the gradients were written or replaced since unscale_ recorded them; raises
@@ -91,7 +121,7 @@ class ScalerProtocol:
         recorded = self.step_context.grad_versions
         if recorded is None:
             return False
-        written = recorded != [(g.data_ptr(), g._version) for g in self._fusedist_unscale_targets()]
+        written = recorded != _addresses_and_versions(self._fusedist_unscale_targets())
         if written and self.step_context.inv_scale is not None:
             raise RuntimeError(self._written_while_scaled_message())
         return written
@@ -130,8 +160,9 @@ class ScalerProtocol:
     #   differently from torch.
     def _fusedist_record_clipped_grads(self) -> None:
         """Called by fusedist's clip after it recorded a coefficient for the step."""
-        self.step_context.clipped_grads = [
-            (p, weakref.ref(p.grad), p.grad._version) for p in self._fusedist_grad_params() if p.grad is not None]
+        params, grads = self._fusedist_params_and_grads()
+        self.step_context.clipped_grads = ClippedGrads(
+            params, list(map(weakref.ref, grads)), list(map(_version_of, grads)))
 
     def _fusedist_settle_clip(self) -> None:
         """Before a recorded clip coefficient is used: keep it when the gradients it covers are
@@ -141,17 +172,22 @@ class ScalerProtocol:
         recorded = ctx.clipped_grads
         if recorded is None or ctx.clip_coef is None:
             return
-        unchanged, replaced = [], False
-        for p, ref, version in recorded:
+        now = list(map(_grad_of, recorded.params))
+        if (all(map(operator.is_, map(_deref, recorded.refs), now))
+                and all(map(operator.is_not, now, repeat(None)))):  # none replaced or dropped
+            if list(map(_version_of, now)) != recorded.versions:
+                written = next(p for p, g, v in zip(recorded.params, now, recorded.versions) if g._version != v)
+                raise RuntimeError(self._written_after_clip_message(written))
+            if len(now) == len(self._fusedist_grad_params()):
+                return  # (none appeared either)
+        unchanged = []
+        for p, ref, version in zip(*recorded):
             g = p.grad
             if g is None or ref() is not g:
-                replaced = True
-            elif g._version != version:
+                continue
+            if g._version != version:
                 raise RuntimeError(self._written_after_clip_message(p))
-            else:
-                unchanged.append(g)
-        if not replaced and len(unchanged) == sum(p.grad is not None for p in self._fusedist_grad_params()):
-            return  # (none appeared either)
+            unchanged.append(g)
         if ctx.inv_scale is not None:
             self._fusedist_check_grads_since_unscale()  # raises: these gradients were still scaled
         if unchanged:
@@ -187,7 +223,13 @@ class ScalerProtocol:
 
     def _fusedist_unscale_targets(self) -> list:
         """Gradients a materialized unscale writes: those users see in ``p.grad`` by default."""
-        return [p.grad for p in self._fusedist_grad_params() if p.grad is not None]
+        return self._fusedist_params_and_grads()[1]
+
+    def _fusedist_params_and_grads(self) -> tuple[list, list]:
+        """The parameters of :meth:`_fusedist_grad_params` that have a ``p.grad``, and those
+        gradients (Note [whole-list passes])."""
+        params = self._fusedist_grad_params()
+        return without_none(params, list(map(_grad_of, params)))
 
     def _fusedist_grads_in_user_view(self) -> bool:
         """Whether users read the gradients this optimizer steps (``p.grad``): then
@@ -230,3 +272,9 @@ class ScalerProtocol:
 
     def _effective_inv_scale(self) -> Optional[torch.Tensor]:
         return self.step_context.effective_inv_scale(self.grad_scale)
+
+
+def _addresses_and_versions(grads: list) -> tuple[list, list]:
+    """What unscale_ records of the gradients (Note [gradients changed after unscale_]):
+    addresses, not ids, as a sharded optimizer hands out fresh views of the same shards."""
+    return list(map(_data_ptr, grads)), list(map(_version_of, grads))

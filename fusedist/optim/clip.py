@@ -19,6 +19,8 @@ from typing import Iterable, Union
 import torch
 
 from ..ownership import any_gradient_holder, gradient_holder
+from ._scaler_protocol import _grad_of, without_none
+from .functional import _dtype_of
 from .step_context import materialize_unscales, pending_contexts
 from .torch_clip import torch_clip_grad_norm_
 
@@ -28,7 +30,7 @@ def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) ->
     # gradients of several dtypes it stacks their norms, which promotes (bf16 and fp32 give
     # fp32, whichever comes first), so the promoted dtype, not the first gradient's.
     ctx = opt.step_context
-    dtype = functools.reduce(torch.promote_types, {g.dtype for g in grads})
+    dtype = functools.reduce(torch.promote_types, set(map(_dtype_of, grads)))
     total_norm = ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
     opt._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
     return total_norm
@@ -75,8 +77,9 @@ def clip_grad_norm_(
         holder, held = next(iter(holders.values()))
         return holder.clip_sharded_grads_(held, max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)
-    with_grad = [p for p in params if p.grad is not None]
-    ids = {id(p) for p in with_grad}
+    # (whole-list passes: Note [whole-list passes] in _scaler_protocol.py)
+    with_grad, grads = without_none(params, list(map(_grad_of, params)))
+    ids = set(map(id, with_grad))
     pending = pending_contexts() if ids else []
     for opt in pending:
         if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
@@ -85,7 +88,7 @@ def clip_grad_norm_(
         for opt in pending:
             if opt.step_context.grad_sumsq is None:
                 continue
-            if {id(p) for p in opt._fusedist_grad_params()} == ids:
-                return _record_clip(opt, [p.grad for p in with_grad], max_norm, error_if_nonfinite)
+            if set(map(id, opt._fusedist_grad_params())) == ids:
+                return _record_clip(opt, grads, max_norm, error_if_nonfinite)
     materialize_unscales(with_grad, pending)
     return torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -37,9 +37,11 @@ class StepContext:
     * ``grad_versions``: the gradients' (address, version counter) pairs when ``unscale_``
       measured them (Note [gradients changed after unscale_] in
       fusedist/optim/_scaler_protocol.py).
-    * ``clipped_grads``: ``(parameter, weak reference to its gradient, version counter)`` for
-      each gradient the recorded ``clip_coef`` covers, taken when fusedist's clip recorded it
-      (Note [gradients changed after the clip] in fusedist/optim/_scaler_protocol.py). Not
+    * ``clipped_grads``: the parameters, weak references to their gradients and the
+      gradients' version counters (a ``ClippedGrads`` of parallel lists) for the gradients the
+      recorded ``clip_coef`` covers, taken when fusedist's clip recorded it
+      (Note [gradients changed after the clip] in fusedist/optim/_scaler_protocol.py; stage 2
+      of ZeroRedundancyOptimizer records its gradient shards, fusedist/zero/scaling.py). Not
       copied by ``dataclasses.replace``: it describes the gradients of the optimizer the clip
       measured, and a sharded optimizer hands a copy of its context to an inner optimizer
       that steps other tensors.
@@ -49,7 +51,7 @@ class StepContext:
     clip_coef: Optional[torch.Tensor] = None
     grad_sumsq: Optional[torch.Tensor] = None
     grad_versions: Optional[list] = None
-    clipped_grads: Optional[list] = dataclasses.field(default=None, init=False)
+    clipped_grads: Optional[Sequence] = dataclasses.field(default=None, init=False)
 
     def clear(self) -> None:
         self.inv_scale = self.clip_coef = self.grad_sumsq = self.grad_versions = None

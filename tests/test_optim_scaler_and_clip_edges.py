@@ -174,6 +174,35 @@ def test_gradients_replaced_after_the_clip_are_not_clipped():
     _assert_close(ours, theirs)
 
 
+def test_gradients_replaced_by_a_step_pre_hook_are_seen_by_the_step():
+    """A step pre-hook is program code that runs inside ``scaler.step``, after the scaler's own
+    checks looked at the gradients: the step must look again (Note [gradients looked up once a
+    call]), stepping the new tensors unclipped as torch's does, and the dropped one not at all."""
+    ours, theirs = _twins()
+    opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
+    sc, ref_sc = _scalers()
+    for step in range(3):
+        for o, params in ((opt, ours), (ref, theirs)):
+            def change(o, args, kwargs, params=params, step=step):
+                _replace_two(params, step)
+                _drop_one(params, step)
+            o._hook = o.register_step_pre_hook(change)
+        grads = _grads(step)
+        _set(ours, [g * sc.get_scale() for g in grads])
+        _set(theirs, [g * ref_sc.get_scale() for g in grads])
+        sc.unscale_(opt)
+        ref_sc.unscale_(ref)
+        clip_grad_norm_(ours, 0.5)
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+        sc.step(opt)
+        ref_sc.step(ref)
+        sc.update()
+        ref_sc.update()
+        for o in (opt, ref):
+            o._hook.remove()
+        _assert_close(ours, theirs)
+
+
 def test_a_gradient_dropped_after_the_clip():
     """``p.grad = None`` after the clip: that parameter is not stepped, the others are clipped."""
     ours, theirs = _clip_then(_drop_one)

@@ -81,6 +81,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from ..optim._scaler_protocol import looked_up_once
 from ..optim.step_context import mark_pending
 from ..ownership import gradient_holders_of
 
@@ -348,6 +349,10 @@ class GradScaler(_TorchGradScaler):
             optimizer_state["found_inf_per_device"] = {}
             optimizer_state["stage"] = OptState.UNSCALED
             return
+        with looked_up_once(optimizer):  # Note [gradients looked up once a call]
+            self._unscale_fused(optimizer, optimizer_state)
+
+    def _unscale_fused(self, optimizer, optimizer_state: dict) -> None:
         # Reciprocal in fp64, as torch does.
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
         ctx = optimizer.step_context
@@ -379,6 +384,20 @@ class GradScaler(_TorchGradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        with looked_up_once(optimizer):  # (not around optimizer.step: its pre-hooks are program code)
+            self._before_fused_step(optimizer, optimizer_state)
+        found = list(optimizer_state["found_inf_per_device"].values())
+        optimizer.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            if hasattr(optimizer, "_fusedist_clear_protocol"):
+                optimizer._fusedist_clear_protocol()
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    def _before_fused_step(self, optimizer, optimizer_state: dict) -> None:
+        """step()'s checks, and the found-inf check when unscale_ was not called."""
         if optimizer.step_context.inv_scale is not None:  # lazy: Note [gradients changed after unscale_]
             optimizer._fusedist_check_grads_since_unscale()
         if optimizer_state["stage"] is OptState.READY and not optimizer._fusedist_has_grads():
@@ -392,15 +411,6 @@ class GradScaler(_TorchGradScaler):
             optimizer.grad_scale = self._scale
         else:
             optimizer.grad_scale = None
-        found = list(optimizer_state["found_inf_per_device"].values())
-        optimizer.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
-        try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
-            if hasattr(optimizer, "_fusedist_clear_protocol"):
-                optimizer._fusedist_clear_protocol()
-        optimizer_state["stage"] = OptState.STEPPED
-        return retval
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch's path (any other optimizer): unscale_ and step both come through here.

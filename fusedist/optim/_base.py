@@ -15,7 +15,7 @@ from .._dtypes import compute_dtype
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import functional
 from .functional import _device_of, _dtype_of, _layout_of, _shape_of
-from ._scaler_protocol import ScalerProtocol, _grad_of, without_none
+from ._scaler_protocol import _LOOKED, ScalerProtocol, _grad_of, looked_up_once, without_none
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -163,10 +163,17 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     # -- scaler protocol (Note [scaler protocol]; bookkeeping in ScalerProtocol) --------------
 
     def _fusedist_params_and_grads(self) -> tuple[list, list]:
-        # One pass over the groups' parameters (Note [whole-list passes] in _scaler_protocol.py).
+        # One pass over the groups' parameters (Note [whole-list passes] in _scaler_protocol.py),
+        # once a call (Note [gradients looked up once a call]). (The lists are read, not changed.)
+        looked = self.__dict__.get(_LOOKED, False)
+        if looked:
+            return looked
         groups = self.param_groups
         params = list(groups[0]["params"]) if len(groups) == 1 else [p for g in groups for p in g["params"]]
-        return without_none(params, list(map(_grad_of, params)))
+        params_and_grads = without_none(params, list(map(_grad_of, params)))
+        if looked is None:
+            self.__dict__[_LOOKED] = params_and_grads
+        return params_and_grads
 
     def _fusedist_grad_params(self) -> list[torch.Tensor]:
         return self._fusedist_params_and_grads()[0]
@@ -236,39 +243,44 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._fusedist_settle_clip()  # Note [gradients changed after the clip]
-            inv_scale = self._effective_inv_scale()
-            clip_coef = self.step_context.clip_coef
-            found_inf = self.found_inf
-            if found_inf is not None:
-                found_inf = found_inf.reshape(1).to(torch.float32)
-            if clip_coef is not None:
-                clip_coef = clip_coef.reshape(1).to(torch.float32)
-            # Validate every group before anything changes: a bad gradient in the last group
-            # must not leave the earlier ones stepped (Note [validate, then mutate]).
-            self._fusedist_in_step = True  # (a tensor lr on the device is not read: Note [a tensor learning rate])
-            try:
-                work = [(group, *self._collect_group(group, gi)) for gi, group in enumerate(self.param_groups)]
-            finally:
-                self._fusedist_in_step = False
-            for group, params, grads in work:
-                if not params:
-                    continue
-                states = self._ready_states(group, params)
-                self._take_outside_writes(params, states)
-                steps = [s["step"] for s in states]
-                torch._foreach_add_(steps, 1.0)
-                # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
-                tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
-                self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
-                                 clip_coef=clip_coef, found_inf=found_inf)
-                if group.get("master_weights", False):
-                    self._record_master_versions(params, states)
-                if found_inf is not None:
-                    _uncount_if_skipped(steps, found_inf)
+            with looked_up_once(self):  # Note [gradients looked up once a call]
+                self._step_groups()
         finally:
             self._fusedist_clear_protocol()
         return loss
+
+    def _step_groups(self) -> None:
+        """The body of :meth:`step`, after the closure."""
+        self._fusedist_settle_clip()  # Note [gradients changed after the clip]
+        inv_scale = self._effective_inv_scale()
+        clip_coef = self.step_context.clip_coef
+        found_inf = self.found_inf
+        if found_inf is not None:
+            found_inf = found_inf.reshape(1).to(torch.float32)
+        if clip_coef is not None:
+            clip_coef = clip_coef.reshape(1).to(torch.float32)
+        # Validate every group before anything changes: a bad gradient in the last group
+        # must not leave the earlier ones stepped (Note [validate, then mutate]).
+        self._fusedist_in_step = True  # (a tensor lr on the device is not read: Note [a tensor learning rate])
+        try:
+            work = [(group, *self._collect_group(group, gi)) for gi, group in enumerate(self.param_groups)]
+        finally:
+            self._fusedist_in_step = False
+        for group, params, grads in work:
+            if not params:
+                continue
+            states = self._ready_states(group, params)
+            self._take_outside_writes(params, states)
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)
+            # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
+            tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
+            self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
+                             clip_coef=clip_coef, found_inf=found_inf)
+            if group.get("master_weights", False):
+                self._record_master_versions(params, states)
+            if found_inf is not None:
+                _uncount_if_skipped(steps, found_inf)
 
     # Note [validate, then mutate]
     # An optimizer step, a state-dict load: either it completes or it changes nothing. Every
@@ -285,7 +297,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     def _collect_group(self, group: dict, gi: int) -> tuple[list, list]:
         """The parameters of group ``gi`` that have a gradient, and the gradients, checked."""
         self._validate_group(group, gi)
-        collected = _collect_plain(group["params"])
+        if len(self.param_groups) == 1:  # (the one look of this call: Note [gradients looked up once a call])
+            collected = _checked_plain(*self._fusedist_params_and_grads())
+        else:
+            params = list(group["params"])
+            collected = _checked_plain(*without_none(params, list(map(_grad_of, params))))
         if collected is not None:
             return collected
         params, grads = [], []
@@ -493,14 +509,12 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
-def _collect_plain(group_params: list) -> Optional[tuple[list, list]]:
+def _checked_plain(params: list, grads: list) -> Optional[tuple[list, list]]:
     """``_collect_group``'s checks for the common group, made a whole list at a time: plain
     tensors, dense floating-point gradients of their parameters' shapes, one device. A step
     runs them for every parameter, and per-tensor Python costs add up on a GPU, where the host
     issues the step (hundreds of tensors: hundreds of microseconds). None when anything is
     unusual; the per-parameter loop then runs the checks again, naming the parameter at fault."""
-    params = list(group_params)  # (a copy: the lists below are handed on)
-    params, grads = without_none(params, list(map(_grad_of, params)))
     if not params:
         return params, grads
     if (

@@ -41,6 +41,37 @@ def without_none(params: list, grads: list) -> tuple[list, list]:
     return list(compress(params, has)), list(compress(grads, has))
 
 
+# Note [gradients looked up once a call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inside one call of the protocol -- GradScaler.unscale_, fusedist.clip_grad_norm_, the checks of
+# GradScaler.step, the body of a fused optimizer's step() -- no program code runs, so no
+# gradient can be replaced: a fused optimizer's first look at (parameters, gradients) serves
+# the rest of the call (:class:`looked_up_once`), where each check used to walk the parameters
+# again. In-place writes inside the call keep the tensors, so the look stays true. Only inside
+# the call: between calls the program may replace or write gradients, which is what the checks
+# are for; step()'s pre-hooks and closure run before its body looks.
+_LOOKED = "_fusedist_looked"
+
+
+class looked_up_once:
+    """``with looked_up_once(optimizer):`` one call of the protocol (Note [gradients looked up
+    once a call]); nested uses keep the outer one's look."""
+
+    __slots__ = ("_state", "_outer")
+
+    def __init__(self, optimizer) -> None:
+        self._state = optimizer.__dict__
+
+    def __enter__(self) -> None:
+        self._outer = _LOOKED in self._state
+        if not self._outer:
+            self._state[_LOOKED] = None  # (in a call; not looked yet)
+
+    def __exit__(self, *exc) -> None:
+        if not self._outer:
+            self._state.pop(_LOOKED, None)
+
+
 class ClippedGrads(NamedTuple):
     """What fusedist's clip recorded (Note [gradients changed after the clip]): parallel lists
     of the parameters, weak references to their gradients and the gradients' version counts."""

@@ -13,13 +13,14 @@ unscale to the gradients so they hold the values torch expects.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Iterable, Union
 
 import torch
 
 from ..ownership import any_gradient_holder, gradient_holder
-from ._scaler_protocol import _grad_of, without_none
+from ._scaler_protocol import _grad_of, looked_up_once, without_none
 from .functional import _dtype_of
 from .step_context import materialize_unscales, pending_contexts
 from .torch_clip import torch_clip_grad_norm_
@@ -34,6 +35,15 @@ def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) ->
     total_norm = ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
     opt._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
     return total_norm
+
+
+def _looked_up_once_each(optimizers: list):
+    if len(optimizers) == 1:  # (the common case, without an ExitStack's cost)
+        return looked_up_once(optimizers[0])
+    stack = contextlib.ExitStack()
+    for opt in optimizers:
+        stack.enter_context(looked_up_once(opt))
+    return stack
 
 
 def clip_grad_norm_(
@@ -81,14 +91,15 @@ def clip_grad_norm_(
     with_grad, grads = without_none(params, list(map(_grad_of, params)))
     ids = set(map(id, with_grad))
     pending = pending_contexts() if ids else []
-    for opt in pending:
-        if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
-            opt.step_context.grad_sumsq = None  # stale: measured afresh below
-    if pending and float(norm_type) == 2.0:
+    with _looked_up_once_each(pending):  # Note [gradients looked up once a call]
         for opt in pending:
-            if opt.step_context.grad_sumsq is None:
-                continue
-            if set(map(id, opt._fusedist_grad_params())) == ids:
-                return _record_clip(opt, grads, max_norm, error_if_nonfinite)
-    materialize_unscales(with_grad, pending)
+            if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
+                opt.step_context.grad_sumsq = None  # stale: measured afresh below
+        if pending and float(norm_type) == 2.0:
+            for opt in pending:
+                if opt.step_context.grad_sumsq is None:
+                    continue
+                if set(map(id, opt._fusedist_grad_params())) == ids:
+                    return _record_clip(opt, grads, max_norm, error_if_nonfinite)
+        materialize_unscales(with_grad, pending)
     return torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -101,6 +101,7 @@ class ChunkTable:
 
 
 _data_ptr = torch.Tensor.data_ptr  # (mapped over each role: the key is built at every launch)
+_numel = torch.Tensor.numel
 _TABLE_CACHE: "OrderedDict[tuple, ChunkTable]" = OrderedDict()
 _TABLE_CACHE_SIZE = 64
 
@@ -572,7 +573,7 @@ def check_and_norm(grads, inv_scale, unscale_in_place=False):
     ``unscale_in_place`` also writes ``grad * inv_scale`` back in the same pass."""
     device = grads[0].device
     block, iters, warps = launch_config()
-    table = chunk_table([grads], [g.numel() for g in grads], block * iters, device)
+    table = chunk_table([grads], list(map(_numel, grads)), block * iters, device)
     if table.n_chunks == 0:  # only empty tensors
         zero = torch.zeros(1, dtype=torch.float32, device=device)
         return zero, zero.clone()
@@ -604,7 +605,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
     roles = [grads, params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
     if steps is not None:
         roles.append(steps)
-    table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    table = chunk_table(roles, list(map(_numel, params)), block * iters, device)
     if table.n_chunks == 0:
         return
     dummy = exp_avgs[0]
@@ -634,7 +635,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
     roles = [grads, params, masters, momentum_buffers]
     if steps is not None:
         roles.append(steps)
-    table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    table = chunk_table(roles, list(map(_numel, params)), block * iters, device)
     if table.n_chunks == 0:
         return
     dummy = torch.empty(1, dtype=torch.float32, device=device)
@@ -662,7 +663,7 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
     roles = [grads, params, masters, exp_avgs, exp_avg_sqs, updates]
     if steps is not None:
         roles.append(steps)
-    table = chunk_table(roles, [p.numel() for p in params], block * iters, device)
+    table = chunk_table(roles, list(map(_numel, params)), block * iters, device)
     if table.n_chunks == 0:
         zeros = torch.zeros(table.n_tensors, dtype=torch.float32, device=device)
         return zeros, zeros.clone()
@@ -689,7 +690,7 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
 def lamb_stage2(params, masters, updates, ratios, *, lr, found_inf):
     device = params[0].device
     block, iters, warps = launch_config()
-    table = chunk_table([params, masters, updates], [p.numel() for p in params], block * iters, device)
+    table = chunk_table([params, masters, updates], list(map(_numel, params)), block * iters, device)
     if table.n_chunks == 0:
         return
     cached(_lamb_stage2_kernel)[(table.n_chunks,)](

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+from itertools import repeat
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -271,7 +273,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 continue
             states = self._ready_states(group, params)
             self._take_outside_writes(params, states)
-            steps = [s["step"] for s in states]
+            steps = state_values(states, "step")
             torch._foreach_add_(steps, 1.0)
             # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
             tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
@@ -540,8 +542,14 @@ def _uncount_if_skipped(steps: list, found_inf: torch.Tensor) -> None:
     torch._foreach_add_(steps, found_inf.reshape(()), alpha=-1.0)
 
 
+def state_values(states: list, key: str) -> list:
+    """``[s[key] for s in states]`` without a Python frame per state (a step asks for each
+    state tensor of every parameter: Note [whole-list passes] in _scaler_protocol.py)."""
+    return list(map(operator.itemgetter(key), states))
+
+
 def masters_of(states: list) -> Optional[list]:
-    masters = [s.get("master_param") for s in states]
+    masters = list(map(dict.get, states, repeat("master_param")))
     return masters if any(m is not None for m in masters) else None
 
 

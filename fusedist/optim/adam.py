@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, check_tensor_betas, lr_value, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, check_tensor_betas, lr_value, masters_of, state_values
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -98,11 +98,12 @@ class FusedAdam(FusedOptimizerBase):
             for p, s in zip(params, states):  # amsgrad may be switched on after the state was made
                 if "max_exp_avg_sq" not in s:
                     self._init_state(group, p, s)
-            max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
+            max_exp_avg_sqs = state_values(states, "max_exp_avg_sq")
         functional.adam_update(
-            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            params, grads, state_values(states, "exp_avg"), state_values(states, "exp_avg_sq"),
             masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"], step=[s["step"] for s in states],
+            weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"],
+            step=state_values(states, "step"),
             bias_correction=group.get("bias_correction", True), maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False, max_exp_avg_sqs=max_exp_avg_sqs,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of, state_values
 
 
 class FusedLAMB(FusedOptimizerBase):
@@ -74,9 +74,9 @@ class FusedLAMB(FusedOptimizerBase):
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         beta1, beta2 = group["betas"]
         functional.lamb_update(
-            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            params, grads, state_values(states, "exp_avg"), state_values(states, "exp_avg_sq"),
             masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], step=[s["step"] for s in states],
+            weight_decay=group["weight_decay"], step=state_values(states, "step"),
             bias_correction=group["bias_correction"], adam_w_mode=self.adam_w_mode,
             grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
             use_nvlamb=self.use_nvlamb, inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,

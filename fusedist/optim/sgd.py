@@ -6,7 +6,7 @@ import torch
 
 from .._dtypes import compute_dtype
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, masters_of
+from ._base import FusedOptimizerBase, check_finite_hyper, masters_of, state_values
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -72,10 +72,10 @@ class FusedSGD(FusedOptimizerBase):
         if momentum != 0 and id(group) in self._groups_without_buffers:
             self._add_missing_buffers(group, params, states)
         functional.sgd_update(
-            params, grads, [s["momentum_buffer"] for s in states] if momentum != 0 else None,
+            params, grads, state_values(states, "momentum_buffer") if momentum != 0 else None,
             masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
             weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
-            step=[s["step"] for s in states], inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
+            step=state_values(states, "step"), inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,
         )
 

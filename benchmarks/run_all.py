@@ -20,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (script, extra arguments): the CPU benchmarks in the order a newcomer would read them.
 BENCHMARKS = [
     ("bench_optimizer.py", ["--device", "cpu"]),
+    ("bench_amp_step_host.py", []),
     ("bench_cpu_adam.py", []),
     ("bench_ddp.py", []),
     ("bench_zero.py", []),

@@ -48,3 +48,14 @@ def test_pipeline_benchmark_runs():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "fusedist stage / torch FSDP2 stage:" in out.stdout, out.stdout
     assert "'reduce_scatters_per_step': 2}" in out.stdout and "'reduce_scatters_per_step': 8}" in out.stdout, out.stdout
+
+
+def test_amp_step_host_benchmark_runs():
+    """bench_amp_step_host at --quick size: it times the Triton path's host code (it refuses to
+    time another path), one row per dtype and unscale mode."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_amp_step_host.py"), "--quick", "--no-write",
+         "--counts", "4"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count(" total ") == 4, out.stdout

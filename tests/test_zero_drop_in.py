@@ -11,8 +11,9 @@ seed is in every assertion message).
   ``functools.partial``: consolidation failed on it; a zero-element parameter's state in
   torch's state dict was refused), and ``zero_grad(set_to_none=False)`` with a layer no rank
   uses in some steps, or followed by steps without a backward (stage 2 skipped them; torch
-  steps the zero gradients), and the optimizer's
-  state-dict hooks (never called).
+  steps the zero gradients), the optimizer's
+  state-dict hooks (never called), and torch's attributes (``rank``, ``global_rank``,
+  ``world_size``, ``optim``: the shard's optimizer, also read before the first step).
 * One spawn at 2 ranks checks the refusals: parameter lists that differ between ranks (gloo
   aborted the process, or the ranks silently stepped each other's elements), a parameter
   given twice, a partial of a non-elementwise optimizer, and torch's ``Join`` over torch's
@@ -158,13 +159,35 @@ def _training_worker(rank, ws, seed):
         (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1), False),
     ]
     for cls, kw, betas in classes:
-        ref, _ = torch_run(lambda m: TorchZeRO(_groups(m, betas), optimizer_class=cls, **kw), 4)
+        ref, ref_opt = torch_run(lambda m: TorchZeRO(_groups(m, betas), optimizer_class=cls, **kw), 4)
         for stage in (1, 2):
-            got, _ = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
+            got, opt = fusedist_run(lambda m: fusedist.ZeroRedundancyOptimizer(
                 _groups(m, betas), optimizer_class=cls, stage=stage, parameters_as_bucket_view=True, **kw), 4)
             close(f"{cls.__name__} stage {stage}", _flat(got), _flat(ref))
+            # torch's attributes, which scripts and frameworks read.
+            for attr in ("rank", "global_rank", "world_size"):
+                if getattr(opt, attr) != getattr(ref_opt, attr):
+                    failures.append(f"{attr}: fusedist {getattr(opt, attr)!r}, torch {getattr(ref_opt, attr)!r}")
+            if opt.parameters_as_bucket_view is not True:  # (given True; and always so here)
+                failures.append(f"parameters_as_bucket_view: {opt.parameters_as_bucket_view!r}")
+            if type(opt.optim) is not type(ref_opt.optim) or not opt.optim.state:
+                failures.append(f"optim: fusedist {type(opt.optim).__name__} with {len(opt.optim.state)} states")
+            mine, theirs = ([{k: v for k, v in g.items() if k != "params"} for g in o.optim.param_groups]
+                            for o in (opt, ref_opt))
+            if mine != theirs:
+                failures.append(f"{cls.__name__} stage {stage} optim.param_groups: fusedist {mine}, torch {theirs}")
 
     adamw = dict(lr=0.01, weight_decay=0.1, eps=EPS)
+    # torch's ``optim`` read before the first step, which makes it here: training is unchanged.
+    def read_optim_first(opt):
+        assert isinstance(opt.optim, torch.optim.AdamW) and not opt.optim.state
+        return opt
+
+    ref, _ = torch_run(lambda m: TorchZeRO(_groups(m), optimizer_class=torch.optim.AdamW, **adamw), 4)
+    for stage in (1, 2):
+        got, _ = fusedist_run(lambda m: read_optim_first(fusedist.ZeroRedundancyOptimizer(
+            _groups(m), optimizer_class=torch.optim.AdamW, stage=stage, **adamw)), 4)
+        close(f"optim read before the first step, stage {stage}", _flat(got), _flat(ref))
     # LR schedulers editing param_groups (OneCycleLR reads betas from the defaults: torch's
     # ZeroRedundancyOptimizer needs them passed, fusedist fills them in).
     for name, sched in {

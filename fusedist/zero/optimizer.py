@@ -231,6 +231,28 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._stage2_stepped: set[int] = set()
         self._fusedist_clear_protocol()
 
+    # ------------------------------------------------------------------ torch's attributes
+    # What torch's ZeroRedundancyOptimizer exposes besides ``rank``, ``world_size`` and
+    # ``process_group`` (set in __init__), for scripts and frameworks that read them.
+
+    #: The shards are always views of flat buckets here, whatever the constructor was given.
+    parameters_as_bucket_view = True
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group (torch's attribute)."""
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def optim(self) -> Optimizer:
+        """The optimizer of this rank's shard, an ``optimizer_class`` over flat slices of the
+        master weights (torch's attribute; each step gives its ``param_groups`` this optimizer's
+        hyperparameters, as torch's does). Made
+        at the first step here; reading it earlier makes it from the current parameters."""
+        self._ensure_state()
+        return self.inner
+
     # ------------------------------------------------------------------ construction
     def _fill_group_defaults(self) -> None:
         """Fill each group's missing hyperparameters, and ``self.defaults``, with the inner

@@ -241,6 +241,15 @@ def _aot_compile_all() -> None:
              {"mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "count_part_ptr": "*i32",
               "mean_out_ptr": "*fp64", "m2_out_ptr": "*fp64", "count_out_ptr": "*fp64"},
              ("P", "C", "total_count"), {"BLOCK_P": 32, "BLOCK_C": 64})
+    for stat_type in ("*fp32", "*fp16", "*bf16"):
+        for total_type in ("i32", "i64"):  # (a global count past 2**31 is passed as i64)
+            compile_(kernels._rank_combine_kernel,
+                     {"gathered_ptr": "*fp64", "out_ptr": "*fp32",
+                      **{f"{n}_ptr": stat_type for n in ("weight", "bias", "running_mean", "running_var")},
+                      "total": total_type, **{f"{n}_{part}": "fp32" for n in ("eps", "momentum")
+                                              for part in ("hi", "mid", "lo")}},
+                     ("W", "row_len", "C"), {"HAS_WEIGHT": True, "HAS_BIAS": True, "UPDATE_RUNNING": True,
+                                             "BLOCK_C": 256})
     print("compiled")
 
 
@@ -278,6 +287,70 @@ def test_parallel_welford_combine_over_uneven_ranks():
         torch.testing.assert_close(stats.m2, ref_m2, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"more than 1 value per channel .* \[1, 0\]"):
         combine(torch.stack([stats_payload(*as_ncs(x[:1, :, :1])), stats_payload(*as_ncs(x[:0, :, :1]))]), 3)
+
+
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rank_combine_kernel_equals_the_torch_path(affine, buffer_dtype):
+    """Note [the forward's combine in one launch]: the kernel's mean, invstd, scale, shift and
+    blended running statistics equal the PyTorch path's (combine, rsqrt, the fp64 blend) on
+    gathered statistics of uneven ranks -- an empty one, a single-sample one -- with and
+    without an identity tail, for momentum 0.1 and a cumulative average's 1/3 (fp64 values
+    that fp32 arguments would round: Note [fp64 scalars as three fp32 arguments]). Both work
+    in fp64 in the same order; the bound is one rounding of each output (fp32, or the
+    buffers' dtype)."""
+    from fusedist.nn._bn_ops import stats_payload
+    from fusedist.nn._function import _blend_
+    from fusedist.nn._sync_stats import IDENTITY_LEN, combine
+
+    g = torch.Generator().manual_seed(11)
+    for C, sizes, tail, momentum in ((5, (4, 0, 1, 3), 0, 0.1), (37, (6, 2), IDENTITY_LEN, 1 / 3),
+                                     (1, (3,), 0, 0.1)):
+        x = (torch.randn(sum(sizes), C, 3, generator=g) * 3 + 5).to(DEVICE)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        rows = [torch.cat([stats_payload(*as_ncs(x[s:s + n])),
+                           torch.randn(tail, generator=g, dtype=torch.float64).to(DEVICE)])
+                for s, n in zip(starts, sizes)]
+        gathered = torch.stack(rows)
+        weight = torch.rand(C, generator=g).to(DEVICE) + 0.5 if affine else None
+        bias = torch.randn(C, generator=g).to(DEVICE) if affine else None
+        running = [torch.rand(C, generator=g).to(DEVICE, buffer_dtype) + 0.5 for _ in range(2)]
+        theirs = [r.clone() for r in running]
+        stats = combine(gathered[:, :2 * C + 1], C)
+        out = kernels.combine_ranks(gathered, C, stats.count, 1e-5, momentum, weight, bias, *running)
+        invstd = torch.rsqrt(stats.m2 / stats.count + 1e-5).float()
+        _blend_(theirs, [stats.mean, stats.m2 / (stats.count - 1)], momentum)
+        one_rounding = dict(rtol=1.2e-7, atol=0)
+        torch.testing.assert_close(out[0], stats.mean.float(), **one_rounding)
+        torch.testing.assert_close(out[1], invstd, **one_rounding)
+        torch.testing.assert_close(out[2], invstd * weight if affine else invstd, **one_rounding)
+        if affine:
+            torch.testing.assert_close(out[3], bias, rtol=0, atol=0)
+        ulp = torch.finfo(buffer_dtype).eps
+        for mine, ref in zip(running, theirs):
+            torch.testing.assert_close(mine.float(), ref.float(), rtol=ulp, atol=0)
+
+
+@triton.jit
+def _fp64_scalar_kernel(out_ptr, hi, mid, lo):
+    triton.language.store(out_ptr, kernels._fp64_from_parts(hi, mid, lo))
+
+
+def test_fp64_scalars_reach_the_kernel_exactly():
+    """Note [fp64 scalars as three fp32 arguments]: momentum and eps arrive in the combine
+    kernel as the fp64 numbers the PyTorch path uses; one fp32 argument would not carry them
+    (the last check: 0.1 and 1/3 are not fp32 numbers)."""
+    g = torch.Generator().manual_seed(3)
+    values = [0.1, 1 / 3, 1e-5, 1e-3, 0.999, 0.0, 1.0]
+    values += (torch.rand(50, generator=g, dtype=torch.float64) ** 3).tolist()
+    out = torch.empty(1, dtype=torch.float64, device=DEVICE)
+    for value in values:
+        parts = kernels._fp64_parts(value)
+        assert all(float(torch.tensor(p, dtype=torch.float32)) == p for p in parts), (value, parts)
+        _fp64_scalar_kernel[(1,)](out, *parts)
+        assert out.item() == value, (value, parts, out.item())
+    _fp64_scalar_kernel[(1,)](out, 0.1, 0.0, 0.0)
+    assert out.item() != 0.1
 
 
 def test_launch_arithmetic_equals_tritons():

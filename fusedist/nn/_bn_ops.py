@@ -68,3 +68,18 @@ def channel_affine(u: torch.Tensor, layout: NCSLayout, p, q, v=None, r=None, t=N
     out = torch.empty_like(u, dtype=out_dtype or u.dtype)
     assert out.stride() == u.stride(), "dense inputs give empty_like outputs with equal strides"
     return kernels.channel_affine(out, u, layout, p, q, v, r, t, b)
+
+
+def combine_ranks(gathered: torch.Tensor, x: torch.Tensor, C: int, total: int, eps: float, momentum: float,
+                  weight, bias, running_mean, running_var):
+    """The global batch's ``(mean, invstd, scale, shift)`` for normalizing ``x`` (fp32;
+    ``shift`` None without a bias), merged from the gathered per-rank statistics, with the
+    running statistics blended in place when given, in one kernel launch -- or None where the
+    kernels do not take ``x`` (then the caller combines with torch ops). ``total`` > 0."""
+    kernels = _kernels(x)
+    tensors = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+    if kernels is None or not all(t.is_contiguous() and t.device == x.device and t.dtype in _KERNEL_DTYPES
+                                  for t in tensors):
+        return None  # (fp64 buffers keep their precision on the torch path)
+    out = kernels.combine_ranks(gathered, C, total, eps, momentum, weight, bias, running_mean, running_var)
+    return out[0], out[1], out[2], (out[3] if bias is not None else None)

@@ -23,7 +23,7 @@ from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
 from ._layout import NCSLayout, as_ncs, like_layout
-from ._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages, write_layer_identity
+from ._sync_stats import GRAD_TAG, IDENTITY_LEN, checked_counts, combine, gather_messages, write_layer_identity
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -110,21 +110,34 @@ class BatchStatsNorm(torch.autograd.Function):
             message = ops.stats_payload(x, layout, tail=IDENTITY_LEN)
             write_layer_identity(message[-IDENTITY_LEN:], num_batches_tracked, running_mean, running_var)
             gathered = gather_messages(message, comm)
-        stats = combine(gathered, layout.C)
-        acc = compute_dtype(x.dtype)
-        var = stats.m2 / stats.count
-        mean = stats.mean.to(acc)
-        invstd = torch.rsqrt(var + eps).to(acc)
-        if running_mean is not None and stats.count > 0:
-            # From the gathered statistics, identical on every rank (Note [bit-identical
-            # statistics] in _sync_stats); the running variance is the unbiased one. An empty
-            # global batch (count 0: mean and var are NaN, y is empty) leaves them alone, as
-            # BatchNorm does.
-            unbiased = stats.m2 / (stats.count - 1)
-            _blend_([running_mean, running_var], [stats.mean, unbiased], momentum)
-        y = _normalize(x, layout, mean, invstd, weight, bias)
+        rank_counts = checked_counts(gathered, layout.C)
+        total = sum(rank_counts)
+        # Note [the forward's combine in one launch]: after the gather, merging the ranks'
+        # statistics, the running statistics' blend and the normalization's per-channel
+        # factors are about twenty small device ops, each a launch and its host time on a
+        # GPU (where ResNet's late layers spend less on their kernels than that); the Triton
+        # path does them in one kernel, the same fp64 arithmetic in the same order.
+        fused = ops.combine_ranks(gathered, x, layout.C, total, eps, momentum, weight, bias,
+                                  running_mean, running_var) if total > 0 else None
+        if fused is not None:
+            mean, invstd, scale, shift = fused
+            y = ops.channel_affine(x, layout, mean, scale, b=shift)
+        else:
+            stats = combine(gathered, layout.C, rank_counts)
+            acc = compute_dtype(x.dtype)
+            var = stats.m2 / stats.count
+            mean = stats.mean.to(acc)
+            invstd = torch.rsqrt(var + eps).to(acc)
+            if running_mean is not None and stats.count > 0:
+                # From the gathered statistics, identical on every rank (Note [bit-identical
+                # statistics] in _sync_stats); the running variance is the unbiased one. An
+                # empty global batch (count 0: mean and var are NaN, y is empty) leaves them
+                # alone, as BatchNorm does.
+                unbiased = stats.m2 / (stats.count - 1)
+                _blend_([running_mean, running_var], [stats.mean, unbiased], momentum)
+            y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.layout, ctx.count, ctx.comm = layout, stats.count, comm
+        ctx.layout, ctx.count, ctx.comm = layout, total, comm
         return y
 
     @staticmethod

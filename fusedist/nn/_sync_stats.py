@@ -89,7 +89,7 @@ def gather_messages(message: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return gathered.view(comm.world_size, message.numel())
 
 
-def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
+def combine(gathered: torch.Tensor, num_features: int, rank_counts: Optional[list] = None) -> GlobalStats:
     """Merge per-rank payloads with the parallel Welford formula (see the note above).
 
     Reads the per-rank counts to the host (one small device-to-host copy, as torch's
@@ -100,7 +100,20 @@ def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
     (undefined) mean and M2.
     """
     C = num_features
-    counts = gathered[:, 0]
+    if rank_counts is None:  # (else read and checked by the caller: checked_counts)
+        rank_counts = checked_counts(gathered, C)
+    total = sum(rank_counts)
+    means, m2s = gathered[:, 1:C + 1], gathered[:, C + 1:2 * C + 1]
+    weights = gathered[:, 0].unsqueeze(1)
+    mean = (weights * means).sum(0) / total
+    m2 = m2s.sum(0) + (weights * (means - mean).square()).sum(0)
+    return GlobalStats(total, mean, m2, rank_counts)
+
+
+def checked_counts(gathered: torch.Tensor, num_features: int) -> list[int]:
+    """The per-rank counts of a gather, read on the host, after the checks :func:`combine`
+    describes (the layer identities, a global batch of one value per channel)."""
+    C = num_features
     identified = gathered.shape[1] == 2 * C + 1 + IDENTITY_LEN
     host = (gathered[:, [0, *range(2 * C + 1, 2 * C + 1 + IDENTITY_LEN)]] if identified else gathered[:, :1]).tolist()
     if identified:
@@ -112,11 +125,7 @@ def combine(gathered: torch.Tensor, num_features: int) -> GlobalStats:
             "SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{total} over all ranks (per-rank values per channel: {rank_counts})"
         )
-    means, m2s = gathered[:, 1:C + 1], gathered[:, C + 1:2 * C + 1]
-    weights = counts.unsqueeze(1)
-    mean = (weights * means).sum(0) / total
-    m2 = m2s.sum(0) + (weights * (means - mean).square()).sum(0)
-    return GlobalStats(total, mean, m2, rank_counts)
+    return rank_counts
 
 
 def _same(a: list, b: list) -> bool:

@@ -7,7 +7,7 @@ NCHW and NHWC (channels_last), fp32, fp16 and bf16:
 * statistics: ``welford_stats`` (per-channel count/mean/M2) vs ``torch.batch_norm_stats``;
 * backward reduce: ``backward_reduce`` (sum dy, sum dy*x̂) vs ``torch.batch_norm_backward_reduce``;
 * normalize: ``channel_affine`` vs ``torch.batch_norm_elemt``;
-* elementwise backward: ``channel_affine`` with the input term vs ``torch.batch_norm_backward_elemt``.
+* elementwise backward: ``input_grad`` (from the all-reduced sums) vs ``torch.batch_norm_backward_elemt``.
 
 Median µs from ``triton.testing.do_bench``, GB/s at the bytes each op must move (stats: read
 x; backward reduce: read dy and x; normalize: read x, write y; elementwise backward: read dy
@@ -177,12 +177,12 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
         count_out = torch.empty(1, **f32)
         mean, invstd = torch.batch_norm_stats(x, 1e-5)
         y = torch.empty_like(x)
-        # the elementwise backward's per-channel terms (Note in fusedist/nn/_function.py)
+        # the elementwise backward's inputs: the all-reduced sums and the global count (both
+        # sides make the per-channel factors from them: Note [the backward's factors in the
+        # kernel] in fusedist/nn/_function.py)
         count = torch.full((1,), x.numel() // C, device="cuda", dtype=torch.int32)
         sum_dy, sum_dy_xmu = torch.randn(C, **f32), torch.randn(C, **f32)
-        mean_dy = (sum_dy / count).contiguous()
-        k = (invstd * weight).contiguous()
-        t = (-k * invstd * (sum_dy_xmu * invstd / count)).contiguous()
+        sums = torch.stack([sum_dy, sum_dy_xmu * invstd])  # [sum(dy), sum(dy * xhat)]
         nbytes = x.numel() * x.element_size()
         ops = {
             "stats": (lambda: kernels.welford_stats(x, layout, mean_out, m2_out, count_out),
@@ -196,7 +196,7 @@ def bench_cuda(batches: list[int], dtypes: list[torch.dtype]) -> list[dict]:
                 lambda: torch.batch_norm_elemt(x, weight, bias, mean, invstd, 1e-5),
                 2 * nbytes),
             "backward_elemt": (
-                lambda: kernels.channel_affine(y, dy, layout, mean_dy, k, v=x, r=mean, t=t),
+                lambda: kernels.input_grad(y, dy, x, layout, sums, mean, invstd, weight, x.numel() // C),
                 lambda: torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count),
                 3 * nbytes),
         }

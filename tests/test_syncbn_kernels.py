@@ -179,6 +179,31 @@ def test_channel_affine_matches_reference(shape, layout, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("shape,layout", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_grad_equals_the_factors_made_by_torch_ops(shape, layout, dtype):
+    """Note [the backward's factors in the kernel]: the input gradient made from the sums in
+    one launch equals the torch-ops path (the factors by torch, then ``channel_affine``): the
+    same fp32 operations in the same order. Exact under the interpreter; on a GPU the
+    compiler may contract a multiply-add differently in the two kernels (an ulp)."""
+    dy = _make(shape, layout, dtype, seed=4)
+    x = _make(shape, layout, dtype, seed=5)
+    lay = ncs_layout(x)
+    C = shape[1]
+    g = torch.Generator().manual_seed(6)
+    sums, mean = torch.randn(2, C, generator=g).to(DEVICE), torch.randn(C, generator=g).to(DEVICE)
+    invstd = (torch.rand(C, generator=g) + 0.5).to(DEVICE)
+    count = (x.numel() // C) * 3 + 1  # (a global count: several ranks' batches)
+    for weight in (None, (torch.rand(C, generator=g) + 0.5).to(DEVICE, dtype)):
+        got = kernels.input_grad(torch.empty_like(x), dy, x, lay, sums, mean, invstd, weight, count)
+        k = invstd if weight is None else invstd * weight.to(torch.float32)
+        want = kernels.channel_affine(torch.empty_like(x), dy, lay, (sums[0] / count).contiguous(), k.contiguous(),
+                                      v=x, r=mean, t=(-k * invstd * (sums[1] / count)).contiguous())
+        exact = DEVICE == "cpu"
+        ulp = 0 if exact else torch.finfo(dtype).eps
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=0 if exact else 1e-6)
+
+
 def test_layout_view_and_copies():
     x = torch.randn(2, 3, 4, 5)
     assert ncs_layout(x) == NCSLayout(2, 3, 20, 60, 20, 1)
@@ -241,6 +266,12 @@ def _aot_compile_all() -> None:
              {"mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "count_part_ptr": "*i32",
               "mean_out_ptr": "*fp64", "m2_out_ptr": "*fp64", "count_out_ptr": "*fp64"},
              ("P", "C", "total_count"), {"BLOCK_P": 32, "BLOCK_C": 64})
+    for x_type in ("*fp32", "*bf16", "*fp16"):
+        compile_(kernels._input_grad_kernel,
+                 {"out_ptr": x_type, "dy_ptr": x_type, "x_ptr": x_type, "sums_ptr": "*fp32", "mean_ptr": "*fp32",
+                  "invstd_ptr": "*fp32", "weight_ptr": x_type, "count": "i64"},
+                 ("C", "S", "stride_n", "stride_c", "stride_s", "num_s_tiles"),
+                 {"HAS_WEIGHT": True, "BLOCK_S": 64, "BLOCK_C": 64, "WIDE_INDEX": False})
     for stat_type in ("*fp32", "*fp16", "*bf16"):
         for total_type in ("i32", "i64"):  # (a global count past 2**31 is passed as i64)
             compile_(kernels._rank_combine_kernel,

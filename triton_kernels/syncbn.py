@@ -363,6 +363,56 @@ def _rank_combine_kernel(
 
 
 @triton.jit
+def _elementwise_tile(C, S, stride_n, stride_c, stride_s, num_s_tiles,
+                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr):
+    """The elementwise kernels' tile: program (u, c-block) covers spatial tile u of its sample
+    and BLOCK_C channels. Returns the element offsets, their mask, the channels and theirs."""
+    pid_u = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    n = pid_u // num_s_tiles
+    s = (pid_u - n * num_s_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    s_mask = s < S
+    c_mask = c < C
+    if WIDE_INDEX:
+        offs = n.to(tl.int64) * stride_n + s.to(tl.int64)[:, None] * stride_s + c.to(tl.int64)[None, :] * stride_c
+    else:
+        offs = n.to(tl.int64) * stride_n + s[:, None] * stride_s + c[None, :] * stride_c
+    return offs, s_mask[:, None] & c_mask[None, :], c, c_mask
+
+
+@triton.jit
+def _input_grad_kernel(
+    out_ptr, dy_ptr, x_ptr, sums_ptr, mean_ptr, invstd_ptr, weight_ptr, count,
+    C, S, stride_n, stride_c, stride_s, num_s_tiles,
+    HAS_WEIGHT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr,
+):
+    """The input gradient from the all-reduced ``sums`` (2, C) = [sum(dy), sum(dy * xhat)]:
+
+        k = weight * invstd,   grad_x = (dy - sum(dy)/n) * k + (x - mean) * (-k * invstd * sum(dy*xhat)/n)
+
+    the per-channel factors made by each program from the sums (Note [the backward's factors
+    in the kernel]), in fp32 with correctly rounded divisions by n rounded to fp32, as the
+    PyTorch ops make them; then the same arithmetic as ``_channel_affine_kernel``'s."""
+    offs, mask, c, c_mask = _elementwise_tile(C, S, stride_n, stride_c, stride_s, num_s_tiles,
+                                              BLOCK_S, BLOCK_C, WIDE_INDEX)
+    n = tl.cast(count, tl.float32)
+    invstd = tl.load(invstd_ptr + c, mask=c_mask, other=0.0)
+    k = invstd
+    if HAS_WEIGHT:
+        k = invstd * tl.load(weight_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    mean_dy = tl.math.div_rn(tl.load(sums_ptr + c, mask=c_mask, other=0.0), n)
+    mean_dy_xhat = tl.math.div_rn(tl.load(sums_ptr + C + c, mask=c_mask, other=0.0), n)
+    t = -k * invstd * mean_dy_xhat
+    mean = tl.load(mean_ptr + c, mask=c_mask, other=0.0)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = (dy - mean_dy[None, :]) * k[None, :]
+    out += (x - mean[None, :]) * t[None, :]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _channel_affine_kernel(
     out_ptr, u_ptr, v_ptr, p_ptr, q_ptr, r_ptr, t_ptr, b_ptr,
     C, S, stride_n, stride_c, stride_s, num_s_tiles,
@@ -375,18 +425,8 @@ def _channel_affine_kernel(
     Backward: u = dy, p = mean(dy), q = weight * invstd, v = x, r = mean, t = -q * invstd *
     mean(dy * xhat). Centering before scaling keeps fp32 accuracy when |mean| >> std.
     """
-    pid_u = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    n = pid_u // num_s_tiles
-    s = (pid_u - n * num_s_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    s_mask = s < S
-    c_mask = c < C
-    if WIDE_INDEX:
-        offs = n.to(tl.int64) * stride_n + s.to(tl.int64)[:, None] * stride_s + c.to(tl.int64)[None, :] * stride_c
-    else:
-        offs = n.to(tl.int64) * stride_n + s[:, None] * stride_s + c[None, :] * stride_c
-    mask = s_mask[:, None] & c_mask[None, :]
+    offs, mask, c, c_mask = _elementwise_tile(C, S, stride_n, stride_c, stride_s, num_s_tiles,
+                                              BLOCK_S, BLOCK_C, WIDE_INDEX)
     p = tl.load(p_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
     q = tl.load(q_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -576,6 +616,22 @@ def channel_affine(out: torch.Tensor, u: torch.Tensor, layout, p: torch.Tensor, 
         C, S, stride_n, stride_c, stride_s, num_s_tiles,
         HAS_V=has_v, HAS_B=has_b,
         BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
+    )
+    return out
+
+
+def input_grad(out: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, layout, sums: torch.Tensor,
+               mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None, count: int) -> torch.Tensor:
+    """``out`` = SyncBatchNorm's input gradient from the all-reduced (2, C) ``sums`` over a
+    global batch of ``count`` values per channel (out, dy and x share ``layout``; the
+    per-channel tensors fp32 and contiguous but ``weight``, any float dtype). Returns ``out``."""
+    N, C, S, stride_n, stride_c, stride_s = layout
+    block_s, block_c = _tile(C, S, stride_c, 65536 if triton_interpreting() else 4096)
+    num_s_tiles = _cdiv(S, block_s)
+    cached(_input_grad_kernel)[(N * num_s_tiles, _cdiv(C, block_c))](
+        out, dy, x, sums, mean, invstd, weight if weight is not None else invstd, count,
+        C, S, stride_n, stride_c, stride_s, num_s_tiles,
+        HAS_WEIGHT=weight is not None, BLOCK_S=block_s, BLOCK_C=block_c, WIDE_INDEX=_wide_index(layout, C, S),
     )
     return out
 

@@ -83,3 +83,18 @@ def combine_ranks(gathered: torch.Tensor, x: torch.Tensor, C: int, total: int, e
         return None  # (fp64 buffers keep their precision on the torch path)
     out = kernels.combine_ranks(gathered, C, total, eps, momentum, weight, bias, running_mean, running_var)
     return out[0], out[1], out[2], (out[3] if bias is not None else None)
+
+
+def input_grad(dy: torch.Tensor, x: torch.Tensor, layout: NCSLayout, sums: torch.Tensor, mean: torch.Tensor,
+               invstd: torch.Tensor, weight, count: int):
+    """SyncBatchNorm's input gradient from the all-reduced (2, C) ``sums``, the per-channel
+    factors made inside one kernel launch (Note [the backward's factors in the kernel] in
+    _function.py) -- or None where the kernels do not take ``x`` (the caller then makes them
+    with torch ops and calls :func:`channel_affine`). dy must share x's strides."""
+    kernels = _kernels(x)
+    if kernels is None or x.numel() == 0 or not sums.is_contiguous() or (
+            weight is not None and not (weight.is_contiguous() and weight.dtype in _KERNEL_DTYPES)):
+        return None
+    out = torch.empty_like(x)
+    assert out.stride() == x.stride(), "dense inputs give empty_like outputs with equal strides"
+    return kernels.input_grad(out, dy, x, layout, sums, mean, invstd, weight, count)

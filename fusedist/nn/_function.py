@@ -151,6 +151,12 @@ class BatchStatsNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if ctx.comm is not None:
                 ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG)
+            # Note [the backward's factors in the kernel]: on the Triton path the per-channel
+            # factors below (six small device ops, each a launch on a GPU) are made by the
+            # kernel's programs from the sums, with the same fp32 operations in the same order.
+            grad_x = ops.input_grad(dy, x, ctx.layout, sums, mean, invstd, weight, ctx.count)
+            if grad_x is not None:
+                return grad_x, grad_w, grad_b, None, None, None, None, None, None
             mean_dy, mean_dy_xhat = sums[0] / ctx.count, sums[1] / ctx.count
             k = _scale(invstd, weight)
             grad_x = ops.channel_affine(

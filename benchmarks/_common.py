@@ -172,6 +172,24 @@ def _markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_run_options(parser) -> None:
+    """``--quick``, ``--no-write`` and ``--note``: the options :func:`record_results` reads."""
+    parser.add_argument("--quick", action="store_true", help="a few short repetitions (a smoke run)")
+    parser.add_argument("--no-write", action="store_true", help="print only, write no result file")
+    parser.add_argument("--note", default="", help="a line for the result file (the machine, the commit compared)")
+
+
+def record_results(name: str, rows: list[dict], notes: str, args) -> None:
+    """The result files of a script's run, unless it was given ``--no-write``; its ``--note``
+    (a line about the machine or the commit compared) follows the notes."""
+    if getattr(args, "no_write", False):
+        return
+    if getattr(args, "note", ""):
+        notes += "\n\n" + args.note
+    for path in write_results(name, rows, notes):
+        print("wrote", path)
+
+
 def write_results(name: str, rows: Sequence[dict], markdown: str = "", env: dict | None = None) -> tuple[str, str]:
     """Write ``results/<name>_<date>.md`` (environment, ``markdown`` notes, table) and
     ``.csv`` (one line per row, environment columns appended). Returns both paths."""

@@ -39,7 +39,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import add_run_options, record_results  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist.triton_kernels import multi_tensor  # noqa: E402
@@ -120,9 +120,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="steps per timing")
     parser.add_argument("--keep-foreach", action="store_true", help="run torch's foreach ops (per tensor on CPU)")
-    parser.add_argument("--quick", action="store_true", help="a few short repetitions (a smoke run)")
-    parser.add_argument("--no-write", action="store_true", help="print only, write no result file")
-    parser.add_argument("--note", default="", help="a line for the result file (e.g. the commit compared)")
+    add_run_options(parser)
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steps = 3, 3
@@ -134,15 +132,11 @@ def main() -> None:
         print(f"{row['tensors']:5d} {row['mode']:12s} {row['unscale']:5s} "
               + " ".join(f"{name} {row[name + '_us']:7.1f}" for name in PHASES)
               + f"  total {row['total_us']:7.1f}  per tensor {row['us_per_tensor']:6.2f}")
-    if not args.no_write:
-        notes = (f"Host microseconds of the fused AMP step's GPU code path on CPU tensors of {NUMEL} elements, "
-                 "Triton launches replaced by no-ops" + ("" if args.keep_foreach else " and so are torch's "
-                 "_foreach_add_ ops") + f"; median over {args.repeats} timings of {args.steps} steps, one torch "
-                 "thread. Ranks host paths against each other; not a GPU step time (see the script's docstring).")
-        if args.note:
-            notes += "\n\n" + args.note
-        for path in write_results("amp_step_host_cpu", rows, notes):
-            print("wrote", path)
+    record_results("amp_step_host_cpu", rows, (
+        f"Host microseconds of the fused AMP step's GPU code path on CPU tensors of {NUMEL} elements, Triton "
+        "launches replaced by no-ops" + ("" if args.keep_foreach else " and so are torch's _foreach_add_ ops")
+        + f"; median over {args.repeats} timings of {args.steps} steps, one torch thread. Ranks host paths "
+        "against each other; not a GPU step time (see the script's docstring)."), args)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, write_results  # noqa: E402
+from _common import add_run_options, record_results  # noqa: E402
 
 from fusedist.optim import FusedAdamW  # noqa: E402
 
@@ -108,9 +108,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=16, help="elements per parameter")
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--steps", type=int, default=50, help="steps per timing")
-    parser.add_argument("--quick", action="store_true", help="a few short repetitions (a smoke run)")
-    parser.add_argument("--no-write", action="store_true", help="print only, write no result file")
-    parser.add_argument("--note", default="", help="a line for the result file (e.g. about the machine)")
+    add_run_options(parser)
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steps = 3, 5
@@ -122,14 +120,10 @@ def main() -> None:
         print(f"{row['fusedist']:20s} {row['fusedist_us_per_param']:8.3f}   torch foreach "
               f"{row['torch_foreach_us_per_param']:8.3f} (ratio {row['ratio_vs_foreach']:.3f})   torch fused "
               f"{row['torch_fused_us_per_param']:8.3f} (ratio {row['ratio_vs_fused']:.3f})")
-    if not args.no_write:
-        notes = (f"AdamW step on {args.count} CPU parameters of {args.numel} elements, one torch thread; "
-                 f"median over {args.repeats} repetitions of {args.steps} steps, contenders in rotating order. "
-                 "Ratio = fusedist / torch (< 1: less host time).")
-        if args.note:
-            notes += "\n\n" + args.note
-        for path in write_results("optim_host_cpu", rows, notes):
-            print("wrote", path)
+    record_results("optim_host_cpu", rows, (
+        f"AdamW step on {args.count} CPU parameters of {args.numel} elements, one torch thread; median over "
+        f"{args.repeats} repetitions of {args.steps} steps, contenders in rotating order. "
+        "Ratio = fusedist / torch (< 1: less host time)."), args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from one commit to the next. torch's multi-tensor ops (``_foreach_add_`` on the 
 are replaced by no-ops too, by default: on a CPU they loop over the tensors one by one, on a GPU
 each is one launch (``--keep-foreach`` keeps them).
 
-Not included: the launches themselves (per launch, 15-41 us through Triton's JIT on the H200
+Not included: the launches themselves (per launch, 17-41 us through Triton's JIT on the H200
 host: ``benchmarks/gpu/profile_launch_bound.py``) and the device ops' own host cost on a GPU
 (each aten op on CUDA costs a few microseconds more than on a CPU). So the numbers rank host
 paths against each other -- this commit against an earlier one, one tensor count against

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fusedist.amp import GradScaler
-from fusedist.optim import FusedAdamW, FusedSGD, clip_grad_norm_
+from fusedist.optim import FusedAdamW, FusedLAMB, FusedSGD, clip_grad_norm_
 
 from test_optim import BACKENDS, DEVICE  # noqa: F401 - the backend fixture's parameters
 from test_optim_off_common_path import _scalers
@@ -201,6 +201,34 @@ def test_gradients_replaced_by_a_step_pre_hook_are_seen_by_the_step():
         for o in (opt, ref):
             o._hook.remove()
         _assert_close(ours, theirs)
+
+
+def test_lamb_norm_after_a_replacement_is_of_what_the_step_uses():
+    """FusedLAMB clips again with the global norm of the gradients it steps. A gradient replaced
+    after fusedist's clip is stepped unclipped (as torch's clip would leave it): the norm must
+    be of those gradients too, as with torch's clip scaling p.grad in place. (LAMB measured
+    its norm before settling the clip, with the coefficient on the new gradient as well.)
+    A large eps and a small max_grad_norm make the update depend on that norm."""
+    lamb = dict(lr=0.05, eps=0.1, weight_decay=0.01, max_grad_norm=0.1)
+    ours, theirs = _twins()
+    opt, ref = FusedLAMB(ours, **lamb), FusedLAMB(theirs, **lamb)
+    sc, ref_sc = _scalers()
+    for step in range(3):
+        grads = _grads(step)
+        _set(ours, [g * sc.get_scale() for g in grads])
+        _set(theirs, [g * ref_sc.get_scale() for g in grads])
+        sc.unscale_(opt)
+        ref_sc.unscale_(ref)
+        clip_grad_norm_(ours, 0.5)
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5)  # scales p.grad in place
+        assert opt.step_context.clip_coef is not None  # the fast path was taken
+        _replace_two(ours, step)
+        _replace_two(theirs, step)
+        sc.step(opt)
+        ref_sc.step(ref)
+        sc.update()
+        ref_sc.update()
+    _assert_close(ours, theirs)
 
 
 def test_a_gradient_dropped_after_the_clip():

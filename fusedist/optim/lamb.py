@@ -61,10 +61,17 @@ class FusedLAMB(FusedOptimizerBase):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # apex clips with the norm over every parameter of every group: compute it once.
-        factor = functional._effective_factor(self._effective_inv_scale(), self.step_context.clip_coef)
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
+        # apex clips with the norm over every parameter of every group: compute it once, of
+        # the gradients the step uses -- after a gradient replaced since fusedist's clip has
+        # been left out of its coefficient (Note [gradients changed after the clip]).
+        try:
+            self._fusedist_settle_clip()
+            factor = functional._effective_factor(self._effective_inv_scale(), self.step_context.clip_coef)
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
+        except BaseException:
+            self._fusedist_clear_protocol()  # (as the base class's step does when it raises)
+            raise
         try:
             super().step()
         finally:

@@ -51,12 +51,29 @@ def requested_backend() -> str:
     return value
 
 
+# The choice for each (op, device type, has_cpu_ext, the two environment variables as set):
+# asked at every kernel call -- several per BatchNorm layer and per optimizer step -- where
+# deciding afresh cost about 4 us of host time each. The environment is part of the key, so a
+# program (or a test) that changes FUSEDIST_KERNEL_BACKEND between calls gets the new choice.
+_CHOICES: dict[tuple, str] = {}
+
+
 def select_backend(op: str, device: torch.device | str, *, has_cpu_ext: bool = False) -> str:
     """Return the backend that runs ``op`` on ``device``: 'triton', 'cpu_ext' or 'torch'.
 
     ``has_cpu_ext`` says whether ``op`` has a C++ CPU implementation that is built.
     """
-    device = torch.device(device)
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    environ = os.environ
+    key = (op, device_type, has_cpu_ext, environ.get("FUSEDIST_KERNEL_BACKEND"), environ.get("TRITON_INTERPRET"))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _choose_backend(op, torch.device(device_type), has_cpu_ext)
+    return choice
+
+
+def _choose_backend(op: str, device: torch.device, has_cpu_ext: bool) -> str:
+    """:func:`select_backend`'s decision (raising on a request that cannot be met)."""
     requested = requested_backend()
     if requested == "auto":
         if device.type == "cuda":

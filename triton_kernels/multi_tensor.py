@@ -586,7 +586,7 @@ def check_and_norm(grads, inv_scale, unscale_in_place=False):
         WRITE_BACK=unscale_in_place and inv_scale is not None,
         ALIGNED=table.aligned, BLOCK=block, ITERS=iters, num_warps=warps,
     )
-    return partial_bad.amax().reshape(1), partial_sumsq.sum().reshape(1)
+    return partial_bad.amax(0, keepdim=True), partial_sumsq.sum(0, keepdim=True)  # (1-element: no reshape)
 
 
 def _step_role(step, n_roles_before: int):

@@ -133,11 +133,14 @@ def test_no_inf_check_is_about_the_protocol_not_p_grad():
 # -- 2. gradients written between fusedist's clip and the step ---------------------------------
 
 
-def _clip_then(change, lazy_unscale=False):
-    """unscale_, clip (fusedist's fast path / torch's), ``change(params, step)`` on both sides,
-    scaler step; three iterations of FusedSGD against torch's SGD."""
+def _clip_then(change, lazy_unscale=False, optimizers=None, in_step_pre_hook=False):
+    """unscale_, clip (fusedist's fast path / torch's), ``change(params, step)`` on both sides
+    (or, ``in_step_pre_hook``, from a step pre-hook: program code inside ``scaler.step``),
+    scaler step; three iterations of ``optimizers(ours, theirs)``, by default FusedSGD
+    against torch's SGD."""
     ours, theirs = _twins()
-    opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
+    make = optimizers or (lambda a, b: (FusedSGD(a, **SGD_KW), torch.optim.SGD(b, **SGD_KW)))
+    opt, ref = make(ours, theirs)
     sc, ref_sc = _scalers(lazy_unscale)
     for step in range(3):
         grads = _grads(step)
@@ -148,12 +151,18 @@ def _clip_then(change, lazy_unscale=False):
         n, t = clip_grad_norm_(ours, 0.5), torch.nn.utils.clip_grad_norm_(theirs, 0.5)
         torch.testing.assert_close(n, t, rtol=1e-6, atol=0)
         assert opt.step_context.clip_coef is not None  # the fast path was taken
-        change(ours, step)
-        change(theirs, step)
+        hooks = []
+        for o, params in ((opt, ours), (ref, theirs)):
+            if in_step_pre_hook:
+                hooks.append(o.register_step_pre_hook(lambda o, a, k, params=params, step=step: change(params, step)))
+            else:
+                change(params, step)
         sc.step(opt)
         ref_sc.step(ref)
         sc.update()
         ref_sc.update()
+        for hook in hooks:
+            hook.remove()
     return ours, theirs
 
 
@@ -178,56 +187,23 @@ def test_gradients_replaced_by_a_step_pre_hook_are_seen_by_the_step():
     """A step pre-hook is program code that runs inside ``scaler.step``, after the scaler's own
     checks looked at the gradients: the step must look again (Note [gradients looked up once a
     call]), stepping the new tensors unclipped as torch's does, and the dropped one not at all."""
-    ours, theirs = _twins()
-    opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
-    sc, ref_sc = _scalers()
-    for step in range(3):
-        for o, params in ((opt, ours), (ref, theirs)):
-            def change(o, args, kwargs, params=params, step=step):
-                _replace_two(params, step)
-                _drop_one(params, step)
-            o._hook = o.register_step_pre_hook(change)
-        grads = _grads(step)
-        _set(ours, [g * sc.get_scale() for g in grads])
-        _set(theirs, [g * ref_sc.get_scale() for g in grads])
-        sc.unscale_(opt)
-        ref_sc.unscale_(ref)
-        clip_grad_norm_(ours, 0.5)
-        torch.nn.utils.clip_grad_norm_(theirs, 0.5)
-        sc.step(opt)
-        ref_sc.step(ref)
-        sc.update()
-        ref_sc.update()
-        for o in (opt, ref):
-            o._hook.remove()
-        _assert_close(ours, theirs)
+    def replace_and_drop(params, step):
+        _replace_two(params, step)
+        _drop_one(params, step)
+
+    ours, theirs = _clip_then(replace_and_drop, in_step_pre_hook=True)
+    _assert_close(ours, theirs)
 
 
 def test_lamb_norm_after_a_replacement_is_of_what_the_step_uses():
     """FusedLAMB clips again with the global norm of the gradients it steps. A gradient replaced
     after fusedist's clip is stepped unclipped (as torch's clip would leave it): the norm must
-    be of those gradients too, as with torch's clip scaling p.grad in place. (LAMB measured
-    its norm before settling the clip, with the coefficient on the new gradient as well.)
-    A large eps and a small max_grad_norm make the update depend on that norm."""
+    be of those gradients too, as with torch's clip scaling p.grad in place (the other side,
+    FusedLAMB as well). (LAMB measured its norm before settling the clip, with the coefficient
+    on the new gradient too.) A large eps and a small max_grad_norm make the update depend on
+    that norm."""
     lamb = dict(lr=0.05, eps=0.1, weight_decay=0.01, max_grad_norm=0.1)
-    ours, theirs = _twins()
-    opt, ref = FusedLAMB(ours, **lamb), FusedLAMB(theirs, **lamb)
-    sc, ref_sc = _scalers()
-    for step in range(3):
-        grads = _grads(step)
-        _set(ours, [g * sc.get_scale() for g in grads])
-        _set(theirs, [g * ref_sc.get_scale() for g in grads])
-        sc.unscale_(opt)
-        ref_sc.unscale_(ref)
-        clip_grad_norm_(ours, 0.5)
-        torch.nn.utils.clip_grad_norm_(theirs, 0.5)  # scales p.grad in place
-        assert opt.step_context.clip_coef is not None  # the fast path was taken
-        _replace_two(ours, step)
-        _replace_two(theirs, step)
-        sc.step(opt)
-        ref_sc.step(ref)
-        sc.update()
-        ref_sc.update()
+    ours, theirs = _clip_then(_replace_two, optimizers=lambda a, b: (FusedLAMB(a, **lamb), FusedLAMB(b, **lamb)))
     _assert_close(ours, theirs)
 
 

@@ -313,8 +313,9 @@ def _rank_combine_kernel(
     parallel formula (Note [bit-identical statistics] in fusedist/nn/_sync_stats.py), in
     fp64 and in rank order, and write ``out`` (4, C) fp32: the mean, invstd = 1/sqrt(M2/n +
     eps), the normalization's scale (invstd * weight) and shift (bias); with
-    ``UPDATE_RUNNING`` also blend the running statistics in place, in fp64 rounded once to
-    their dtype (the unbiased variance M2/(n-1)), as the PyTorch path does. ``total`` is the
+    ``UPDATE_RUNNING`` also blend the running statistics in place, in fp64 (the unbiased
+    variance M2/(n-1)) as the PyTorch path does, rounded to their dtype (through fp32 for a
+    half-precision buffer: the comment at the stores). ``total`` is the
     global count n, read on the host by the caller's checks."""
     pid = tl.program_id(0)
     c = pid * BLOCK_C + tl.arange(0, BLOCK_C)

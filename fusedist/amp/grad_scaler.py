@@ -82,7 +82,7 @@ from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..optim._scaler_protocol import looked_up_once
-from ..optim.step_context import mark_pending
+from ..optim.step_context import inverse_scale, mark_pending
 from ..ownership import gradient_holders_of
 
 MIN_SCALE_POLICIES = ("warn", "raise")
@@ -353,8 +353,7 @@ class GradScaler(_TorchGradScaler):
             self._unscale_fused(optimizer, optimizer_state)
 
     def _unscale_fused(self, optimizer, optimizer_state: dict) -> None:
-        # Reciprocal in fp64, as torch does.
-        inv_scale = self._scale.double().reciprocal().float().reshape(1)
+        inv_scale = inverse_scale(self._scale)
         ctx = optimizer.step_context
         clipped_before = _clip_before_unscale(optimizer)  # Note [a clip before unscale_]
         if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]

@@ -213,14 +213,15 @@ def _shadow_sync_bn(ddp, trace: list) -> None:
     """SyncBatchNorm's collectives with an empty batch: count 0 in each statistics gather
     (forward order), zeros in each backward all-reduce (reverse order)."""
     from .._dtypes import compute_dtype
-    from ..nn._sync_stats import GRAD_TAG, combine, gather_payloads
+    from ..nn._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages
 
     for layer, channels, _dtype, _needs in trace:
         comm = layer._communicator(ddp.device)
         if comm is None:
             continue
-        payload = torch.zeros(2 * channels + 1, dtype=torch.float64, device=comm.device)
-        combine(gather_payloads(payload, comm), channels)  # raises where the active ranks raise
+        # count 0 and an identity of zeros (compared with nothing): Note [the same layer on every rank]
+        message = torch.zeros(2 * channels + 1 + IDENTITY_LEN, dtype=torch.float64, device=comm.device)
+        combine(gather_messages(message, comm), channels)  # raises where the active ranks raise
     for layer, channels, dtype, needs in reversed(trace):
         comm = layer._communicator(ddp.device)
         if comm is None or not needs:

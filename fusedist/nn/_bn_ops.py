@@ -77,9 +77,7 @@ def combine_ranks(gathered: torch.Tensor, x: torch.Tensor, C: int, total: int, e
     running statistics blended in place when given, in one kernel launch -- or None where the
     kernels do not take ``x`` (then the caller combines with torch ops). ``total`` > 0."""
     kernels = _kernels(x)
-    tensors = [t for t in (weight, bias, running_mean, running_var) if t is not None]
-    if kernels is None or not all(t.is_contiguous() and t.device == x.device and t.dtype in _KERNEL_DTYPES
-                                  for t in tensors):
+    if kernels is None or not _kernels_read(x, weight, bias, running_mean, running_var):
         return None  # (fp64 buffers keep their precision on the torch path)
     out = kernels.combine_ranks(gathered, C, total, eps, momentum, weight, bias, running_mean, running_var)
     return out[0], out[1], out[2], (out[3] if bias is not None else None)
@@ -92,9 +90,15 @@ def input_grad(dy: torch.Tensor, x: torch.Tensor, layout: NCSLayout, sums: torch
     _function.py) -- or None where the kernels do not take ``x`` (the caller then makes them
     with torch ops and calls :func:`channel_affine`). dy must share x's strides."""
     kernels = _kernels(x)
-    if kernels is None or x.numel() == 0 or not sums.is_contiguous() or (
-            weight is not None and not (weight.is_contiguous() and weight.dtype in _KERNEL_DTYPES)):
+    if kernels is None or x.numel() == 0 or not _kernels_read(x, sums, weight):
         return None
     out = torch.empty_like(x)
     assert out.stride() == x.stride(), "dense inputs give empty_like outputs with equal strides"
     return kernels.input_grad(out, dy, x, layout, sums, mean, invstd, weight, count)
+
+
+def _kernels_read(x: torch.Tensor, *per_channel) -> bool:
+    """Whether the kernels can read these per-channel tensors (None: absent) for ``x``:
+    contiguous, on x's device, of a kernel dtype."""
+    return all(t is None or (t.is_contiguous() and t.device == x.device and t.dtype in _KERNEL_DTYPES)
+               for t in per_channel)

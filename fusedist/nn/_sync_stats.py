@@ -71,16 +71,6 @@ def write_layer_identity(tail: torch.Tensor, num_batches_tracked, running_mean, 
     torch.sum(running_var, 0, True, dtype=torch.float64, out=tail[3:4])
 
 
-def gather_payloads(payload: torch.Tensor, comm: Optional[Communicator]) -> torch.Tensor:
-    """All ranks' ``[count, mean, M2]`` payloads as a ``(world_size, len)`` tensor, rank order,
-    each followed by an identity of zeros (compared with nothing). Without a communicator (one
-    process) it is this rank's payload alone, with no identity."""
-    if comm is None:
-        return payload.unsqueeze(0)
-    identity = torch.zeros(IDENTITY_LEN, dtype=torch.float64, device=payload.device)
-    return gather_messages(torch.cat([payload, identity]), comm)
-
-
 def gather_messages(message: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """All ranks' messages (a payload and its identity, Note [the same layer on every rank]) as
     a ``(world_size, len)`` tensor, rank order."""

@@ -67,7 +67,7 @@ class FusedLAMB(FusedOptimizerBase):
         try:
             self._fusedist_settle_clip()
             factor = functional._effective_factor(self._effective_inv_scale(), self.step_context.clip_coef)
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            grads = self._fusedist_local_grads()
             self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
         except BaseException:
             self._fusedist_clear_protocol()  # (as the base class's step does when it raises)

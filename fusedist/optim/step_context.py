@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["StepContext", "materialize_unscales", "pending_contexts"]
+__all__ = ["StepContext", "inverse_scale", "materialize_unscales", "pending_contexts"]
 
 
 @dataclasses.dataclass
@@ -61,8 +61,7 @@ class StepContext:
         """The factor that unscales the gradients in the update: ``1 / grad_scale`` when the
         scaler passed the scale itself (no ``unscale_``), else the pending ``inv_scale``."""
         if grad_scale is not None:
-            # torch computes the reciprocal in fp64 (fp32 division can be imprecise).
-            return grad_scale.double().reciprocal().float().reshape(1)
+            return inverse_scale(grad_scale)
         if self.inv_scale is not None:
             return self.inv_scale.reshape(1)
         return None
@@ -92,6 +91,12 @@ class StepContext:
             coef = coef.float()
         self.clip_coef = coef if prev is None else prev.reshape(1) * coef
         return total_norm
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as a 1-element fp32 tensor, the reciprocal taken in fp64 as torch's
+    GradScaler takes it (fp32 division can be imprecise)."""
+    return scale.double().reciprocal().float().reshape(1)
 
 
 # Optimizers whose context holds a norm recorded by ``unscale_`` and not yet used, so that

@@ -1,6 +1,7 @@
 """``python -m fusedist.plan --measure`` under torchrun (2 CPU ranks, gloo, a tiny model):
 the planner's model-state and communication bytes must be within 5% of what fusedist's DDP,
-ZeRO-1, ZeRO-2, ZeRO-2 with CPU offload and ZeRO-3 (``fully_shard``) allocate and send. Each
+ZeRO-1, ZeRO-2, ZeRO-2 with CPU offload and ZeRO-3 (``fully_shard``, also with
+``CPUOffloadPolicy``) allocate and send. Each
 strategy trains a freshly built model, all in one launch."""
 
 import json
@@ -45,7 +46,7 @@ def test_measured_within_5_percent(extra):
     assert measured["zero1"]["comm_bytes_per_step"] == pytest.approx(1.5 * measured["ddp"]["comm_bytes_per_step"],
                                                                       rel=0.05)
     _zero3_checks(measured)
-    assert measured["zero3_offload"].startswith("not measured")
+    _zero3_offload_checks(measured)
     _mfu_checks(measured)
 
 
@@ -91,8 +92,9 @@ def test_measured_mixture_of_experts(tmp_path, cfg):
     assert plan["inputs"]["active_params"] < plan["inputs"]["params"] == measured["ddp"]["params"]
     if cfg is TINY_ALTERNATING:  # built where the config puts them, as the plan counts them
         assert plan["inputs"]["model"]["dense_ids"] == [0, 2] and plan["inputs"]["windowed_layers"] == 2
-    for s in ("ddp", "zero1", "zero2", "zero2_offload", "zero3"):
+    for s in ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"):
         assert abs(measured[s]["model_states_error"]) <= 0.05 and abs(measured[s]["comm_error"]) <= 0.05, s
+    assert abs(measured["zero3_offload"]["host_error"]) <= 0.05
     # ZeRO-3's temporary bytes: the two consecutive blocks gathered together, a dense and an
     # MoE one where they alternate (the largest block twice was 56% over on TINY_ALTERNATING)
     assert abs(measured["zero3"]["temp_error"]) <= 0.01
@@ -137,6 +139,30 @@ def _zero3_checks(measured):
     assert z3["model_states_bytes"] == pytest.approx(measured["ddp"]["model_states_bytes"] / 2, rel=0.01)
     # ... and sends 1.5x DDP's volume
     assert z3["comm_bytes_per_step"] == pytest.approx(1.5 * measured["ddp"]["comm_bytes_per_step"], rel=0.01)
+
+
+def _zero3_offload_checks(measured):
+    """Note [measuring ZeRO-3 offload]: zero3's model states, all in host memory (the pieces,
+    their gradients and the optimizer state), and zero3's collectives and temporary bytes."""
+    z3, off = measured["zero3"], measured["zero3_offload"]
+    assert off["predicted_model_states_bytes"] == 0 and off["model_states_error"] == 0
+    assert off["host_bytes"] == pytest.approx(z3["model_states_bytes"], rel=1e-6)
+    assert off["predicted_host_bytes"] == z3["predicted_model_states_bytes"]
+    assert 0 <= off["padding_host_bytes"] <= 0.01 * off["predicted_host_bytes"]
+    assert abs(off["host_error"]) <= 1e-3 and abs(off["comm_error"]) <= 1e-3, off
+    assert off["collectives_per_step"] == z3["collectives_per_step"]
+    assert abs(off["temp_error"]) <= 0.01 and off["gathered_bytes_at_rest"] == 0, off
+
+
+def test_a_prediction_of_nothing_is_met_only_by_nothing():
+    """zero3_offload's device model states are predicted 0 (Note [measuring ZeRO-3 offload]):
+    any measured byte there is off without bound, never a division by zero."""
+    from fusedist.plan.measure import _out_of_tolerance, _relative_error
+
+    assert _relative_error(0, 0) == 0.0 and _relative_error(105, 100) == pytest.approx(0.05)
+    assert _relative_error(1, 0) == float("inf")
+    assert _out_of_tolerance({"zero3_offload": {"model_states_error": [0.0, _relative_error(4, 0)]}}) == \
+        ["rank 1: zero3_offload model states off by +inf% (tolerance 5%)"]
 
 
 def test_a_figure_off_on_one_rank_fails_the_run_naming_the_rank():

@@ -1,6 +1,6 @@
 """``--measure``: train the model with fusedist's DDP, ZeRO-1, ZeRO-2 (and ZeRO-2 with
-``offload="cpu"`` for Adam) and ZeRO-3 (``fusedist.fully_shard``) under torchrun and put the
-planner's numbers next to measured ones.
+``offload="cpu"`` for Adam), ZeRO-3 (``fusedist.fully_shard``) and ZeRO-3 with
+``CPUOffloadPolicy`` under torchrun and put the planner's numbers next to measured ones.
 
 What is measured, per strategy, on each rank, from public objects:
 
@@ -64,8 +64,19 @@ Note [the measured peak]
     model with sliding windows: its windowed blocks mask the scores (Note [sliding windows] in
     model.py) and compute all s x s of them, where the plan charges min(s, w) keys a query.
 
-zero3_offload is reported as not measured. Gradient accumulation is not exercised (one
-micro-batch per step).
+Note [measuring ZeRO-3 offload]
+    zero3_offload is zero3 with ``offload_policy=CPUOffloadPolicy()`` on every unit: the
+    pieces, their gradients and the optimizer state (made on the pieces) live in host memory,
+    and the planner puts all three there, none on the device. So the model states are split
+    by where each tensor is: those on the host are ``host_bytes``, the rest
+    ``model_states_bytes`` (predicted 0: its error is 0 when nothing is there, else
+    infinite). On a CPU run the compute device is the host itself, so that split cannot
+    fail; what is checked there is the host total (with the padding term of the note
+    above, all on the host here), the collectives and the temporary term, which are zero3's.
+    The step is the planner's offloaded update: the optimizer DDP uses at that precision,
+    stepping host tensors (fusedist's FusedAdamW runs its C++ CPU Adam on them).
+
+Gradient accumulation is not exercised (one micro-batch per step).
 """
 
 from __future__ import annotations
@@ -87,7 +98,6 @@ from .torch_model import Transformer
 
 TOLERANCE = 0.05
 NOT_MEASURED = "not measured (offload steps Adam only)"
-NOT_MEASURED_ZERO3_OFFLOAD = "not measured (ZeRO-3 offload is not measured yet)"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _PAYLOAD = {  # which argument is the collective's full buffer
     "all_reduce": lambda a, k: a[0], "broadcast": lambda a, k: a[0],
@@ -128,6 +138,15 @@ def _storage_bytes(tensors) -> int:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+def _model_state_bytes(params, opt, where=lambda t: True) -> int:
+    """The storages of the parameters and their gradients, and the optimizer's state tensors,
+    that ``where`` selects."""
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return (_storage_bytes(t for t in params if where(t)) + _storage_bytes(g for g in grads if where(g))
+            + sum(v.numel() * v.element_size() for v in state if where(v)))
 
 
 def _saved_activation_bytes(model, tokens, targets) -> int:
@@ -186,7 +205,7 @@ def _optimizer(strategy, params, job):
     from fusedist.optim import FusedAdamW, FusedSGD
     adam = job.optimizer == "adamw"
     kw = {"lr": 1e-4, "weight_decay": 0.0} if adam else {"lr": 1e-4, "momentum": 0.9}
-    if strategy in ("ddp", "zero3"):  # zero3 steps the pieces like any parameters
+    if strategy in ("ddp", "zero3", "zero3_offload"):  # zero3 steps the pieces like any parameters
         if job.precision == "fp32":
             return (torch.optim.AdamW if adam else torch.optim.SGD)(params, **kw)
         return (FusedAdamW if adam else FusedSGD)(params, master_weights=True, **kw)
@@ -200,10 +219,11 @@ def _wrap(strategy, model, job, device):
     """The model as trained, its communicator and its optimizer."""
     import fusedist
     from fusedist.comm import get_communicator
-    if strategy == "zero3":  # Note [measuring ZeRO-3]
+    if strategy.startswith("zero3"):  # Note [measuring ZeRO-3], Note [measuring ZeRO-3 offload]
+        policy = fusedist.CPUOffloadPolicy() if strategy == "zero3_offload" else None
         for block in model.blocks:
-            fusedist.fully_shard(block, reshard_after_forward=True)
-        fusedist.fully_shard(model, reshard_after_forward=True)
+            fusedist.fully_shard(block, reshard_after_forward=True, offload_policy=policy)
+        fusedist.fully_shard(model, reshard_after_forward=True, offload_policy=policy)
         return model, get_communicator(None, device), _optimizer(strategy, model.parameters(), job)
     ddp = fusedist.DistributedDataParallel(model)
     return ddp, ddp.comm, _optimizer(strategy, ddp.parameters(), job)
@@ -239,7 +259,7 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
         for i in range(warmup + steps):
             tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
             counter.active = i >= warmup
-            if strategy == "zero3" and i == warmup:
+            if strategy.startswith("zero3") and i == warmup:
                 from fusedist.fsdp import reset_peak_memory_stats
                 reset_peak_memory_stats()
             t0 = time.perf_counter()
@@ -256,32 +276,34 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
     finally:
         counter.close()
     params = list(model.parameters())
-    states = _storage_bytes(params) + _storage_bytes(p.grad for p in params)
-    host = 0
-    if strategy in ("ddp", "zero3"):
-        states += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                      if isinstance(v, torch.Tensor))
+    if strategy == "zero3_offload":  # Note [measuring ZeRO-3 offload]
+        states, host = (_model_state_bytes(params, opt, lambda t, on_host=on_host: (t.device.type == "cpu") == on_host)
+                        for on_host in (False, True))
+    elif strategy in ("ddp", "zero3"):
+        states, host = _model_state_bytes(params, opt), 0
     else:
         ms = opt.memory_stats()
-        states += ms["device_bytes"]
+        states = _storage_bytes(params) + _storage_bytes(p.grad for p in params) + ms["device_bytes"]
         host = ms["host_bytes"]
     result = {"params": params_counted, "model_states_bytes": states, "host_bytes": host,
               "comm_bytes_per_step": counter.bytes / steps, "collectives_per_step":
               {k: v / steps for k, v in counter.calls.items()}, "step_s": statistics.median(times)}
-    if strategy == "zero3":
+    if strategy.startswith("zero3"):
         from fusedist.fsdp import FullyShardedModule
         ms = model.memory_stats()
         result.update({
             "units": sum(1 for m in model.modules() if isinstance(m, FullyShardedModule)),
             "rank_model_states_bytes": states,
             "model_states_bytes": _mean_over_ranks(states, device),
+            "rank_host_bytes": host, "host_bytes": _mean_over_ranks(host, device),
             "gathered_bytes_at_rest": ms["gathered_bytes"],
             # the temporary term's two parts (Note [measuring ZeRO-3]): gathered units and
             # gradients on their way through the reduce-scatters, each at its peak
             "peak_gathered_bytes": ms["peak_gathered_bytes"], "peak_scratch_bytes": ms["peak_scratch_bytes"],
         })
-        result["padding_model_states_bytes"], result["padding_comm_bytes_per_step"] = \
-            _zero3_padding(model, params_counted, job, dist.get_world_size())
+        pad_states, result["padding_comm_bytes_per_step"] = _zero3_padding(model, params_counted, job,
+                                                                           dist.get_world_size())
+        result["padding_host_bytes" if strategy == "zero3_offload" else "padding_model_states_bytes"] = pad_states
         # A forward outside training would leave units gathered and hooks pending; the
         # saved-activation figure is shown for DDP only.
         result["saved_activation_bytes"] = None
@@ -303,7 +325,8 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
     with torch.device("meta"):
         shapes = _gemm_shapes(Transformer(spec), job.micro_batch * job.seq)
     peak = _peak_matmul_flops(shapes, _DTYPES[job.precision], info.device)
-    strategies = ["ddp", "zero1", "zero2", "zero3"] + (["zero2_offload"] if job.optimizer == "adamw" else [])
+    strategies = ["ddp", "zero1", "zero2", "zero3", "zero3_offload"] + (["zero2_offload"] if job.optimizer == "adamw"
+                                                                        else [])
     measured = {}
     for s in strategies:
         m = measure_one(spec, job, s, steps, warmup, info.device)
@@ -313,15 +336,15 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
             "predicted_model_states_bytes": mem["model_states_bytes"], "predicted_host_bytes": mem["host_bytes"],
             "predicted_comm_bytes_per_step": com["bytes_per_step"],
             "predicted_activation_bytes": mem["activation_bytes"],
-            "model_states_error": m["model_states_bytes"] / (mem["model_states_bytes"]
-                                                             + m.get("padding_model_states_bytes", 0)) - 1,
-            "comm_error": m["comm_bytes_per_step"] / (com["bytes_per_step"]
-                                                      + m.get("padding_comm_bytes_per_step", 0)) - 1,
+            "model_states_error": _relative_error(m["model_states_bytes"], mem["model_states_bytes"]
+                                                  + m.get("padding_model_states_bytes", 0)),
+            "comm_error": _relative_error(m["comm_bytes_per_step"], com["bytes_per_step"]
+                                          + m.get("padding_comm_bytes_per_step", 0)),
             "matmul_flops": peak, "achieved_mfu": predicted_compute / m["step_s"],
         })
         if s.endswith("offload"):
-            m["host_error"] = m["host_bytes"] / mem["host_bytes"] - 1
-        if s == "zero3":  # the temporary term without the --scratch-gb allowance
+            m["host_error"] = _relative_error(m["host_bytes"], mem["host_bytes"] + m.get("padding_host_bytes", 0))
+        if s.startswith("zero3"):  # the temporary term without the --scratch-gb allowance
             m["predicted_gathered_and_scratch_bytes"] = mem["temp_bytes"] - int(job.scratch_gb * GB)
             m["predicted_min_gathered_and_scratch_bytes"] = mem["temp_min_bytes"] - int(job.scratch_gb * GB)
             m["temp_error"] = _range_error(m["peak_gathered_bytes"] + m["peak_scratch_bytes"],
@@ -333,7 +356,7 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
         measured[s] = m
     for s in STRATEGIES:
         if s not in measured:
-            measured[s] = NOT_MEASURED_ZERO3_OFFLOAD if s == "zero3_offload" else NOT_MEASURED
+            measured[s] = NOT_MEASURED
     rank_errors = _errors_over_ranks(measured, info.device)
     off = _out_of_tolerance(rank_errors)
     ok = not off
@@ -370,6 +393,14 @@ def _errors_over_ranks(measured, device) -> dict:
     for j, (s, k) in enumerate(keys):
         out.setdefault(s, {})[k] = table[:, j].tolist()
     return out
+
+
+def _relative_error(measured: float, predicted: float) -> float:
+    """``measured / predicted - 1``; for a prediction of nothing (zero3_offload's device model
+    states), 0 when nothing was measured either, else infinite."""
+    if predicted == 0:
+        return 0.0 if measured == 0 else float("inf")
+    return measured / predicted - 1
 
 
 def _range_error(measured: float, low: float, high: float) -> float:
@@ -419,8 +450,11 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
         if "padding_model_states_bytes" in m:
             out.append(f"{'  of which pad':<15}{_b(pad_states):>25}{'':>21}{_b(pad_comm):>23}")
         if "host_error" in m:
-            out.append(f"{'  host':<15}{_b(m['predicted_host_bytes']):>25}{_b(m['host_bytes']):>13}"
+            pad_host = m.get("padding_host_bytes", 0)
+            out.append(f"{'  host':<15}{_b(m['predicted_host_bytes'] + pad_host):>25}{_b(m['host_bytes']):>13}"
                        f"{m['host_error']:>+8.2%}")
+            if "padding_host_bytes" in m:
+                out.append(f"{'  of which pad':<15}{_b(pad_host):>25}{'':>21}{_b(pad_comm):>23}")
     d = measured["ddp"]
     out += ["",
             f"MFU: the step's FLOPs as planned (6 x {'active ' if 'experts' in i['model'] else ''}params in matrix "
@@ -429,21 +463,25 @@ def format_measured(plan, measured, info, steps, warmup, ok) -> str:
             f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",
             "peak allocated: " + (_b(d["peak_allocated_bytes"]) if "peak_allocated_bytes" in d else "n/a on CPU"),
-            *_zero3_lines(measured.get("zero3")),
+            *_zero3_lines("zero3", measured.get("zero3")),
+            *_zero3_lines("zero3_offload", measured.get("zero3_offload")),
             f"model states, communication (and zero3's temporary bytes) within {TOLERANCE:.0%}: "
             f"{'yes' if ok else 'NO'}"]
     return "\n".join(out)
 
 
-def _zero3_lines(m) -> list:
+def _zero3_lines(s, m) -> list:
     if not isinstance(m, dict):
         return []
     calls = m["collectives_per_step"]
-    return [f"zero3: fully_shard per block and the root ({m['units']} units), reshard_after_forward=True; "
+    where = (f"host model states are the mean over ranks (this rank: {_b(m['rank_host_bytes'])})"
+             if s == "zero3_offload" else
+             f"model states are the mean over ranks (this rank: {_b(m['rank_model_states_bytes'])})")
+    return [f"{s}: fully_shard per block and the root ({m['units']} units), reshard_after_forward=True"
+            f"{', CPUOffloadPolicy' if s == 'zero3_offload' else ''}; "
             f"per step {calls.get('all_gather', 0):g} all-gathers, {calls.get('reduce_scatter', 0):g} "
-            "reduce-scatters (2 and 1 per unit); predictions include the flat buffers' padding; "
-            f"model states are the mean over ranks (this rank: {_b(m['rank_model_states_bytes'])})",
-            f"zero3 temporary (gathered units + reduce-scatter buffers, at their peaks): predicted "
+            "reduce-scatters (2 and 1 per unit); predictions include the flat buffers' padding; " + where,
+            f"{s} temporary (gathered units + reduce-scatter buffers, at their peaks): predicted "
             f"{_b(m['predicted_min_gathered_and_scratch_bytes'])} to {_b(m['predicted_gathered_and_scratch_bytes'])} "
             f"(one or two reductions in flight), measured {_b(m['peak_gathered_bytes'])} + "
             f"{_b(m['peak_scratch_bytes'])} ({m['temp_error']:+.2%} outside)"]

@@ -192,3 +192,18 @@ def test_zero3_temporary_peak_is_checked_against_a_range():
     two = memory.temp_bytes("zero3", 90, "fp32", [10, 30], 25, 0, root_params=50, n=2)
     one = memory.temp_bytes("zero3", 90, "fp32", [10, 30], 25, 0, root_params=50, n=2, in_flight=1)
     assert (two, one) == ((40 + 50 + 15 + 75) * 4, (40 + 50 + 75) * 4)
+
+
+@pytest.mark.gpu
+def test_zero3_offload_holds_no_model_state_on_the_gpu():
+    """Note [measuring ZeRO-3 offload] on CUDA, where the split can fail: with CPUOffloadPolicy
+    the pieces, their gradients and the optimizer state are all in host memory (one rank)."""
+    proc = launch("-m", "fusedist.plan", "--measure", "--json", *TINY, "--precision", "bf16", nproc=1)
+    code, out = finish(proc, timeout=240)
+    start = out.find("{\n")
+    assert start >= 0, out[-3000:]
+    result = json.loads(out[start:out.rindex("\n}") + 2])
+    off, z3 = result["measured"]["zero3_offload"], result["measured"]["zero3"]
+    assert off["model_states_bytes"] == 0 and off["host_bytes"] > 0, off
+    assert abs(off["host_error"]) <= 0.05 and z3["host_bytes"] == 0, (off, z3)
+    assert code == 0, (result["out_of_tolerance"], out[-3000:])

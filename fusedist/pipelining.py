@@ -222,6 +222,7 @@ def _ddp_backward(engine, last: bool):
     """The DDP engine's next backward synchronizes only if it is the step's last: its switch is
     read when a backward begins, not at the forward, which a pipeline runs micro-batches ahead."""
     engine.reducer.next_backward_sync = last
+    engine.reducer.prepared = True  # each micro-batch's forward prepared it, runs ago
     try:
         yield
     finally:

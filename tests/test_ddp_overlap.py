@@ -141,6 +141,9 @@ def _scripted_reducer(model, timeline_path=None, **config):
     names, params = zip(*[(n, p) for n, p in model.named_parameters()])
     reducer = Reducer(list(params), list(names), comm, DDPConfig(**PER_LAYER_BUCKETS, **config),
                       torch.device("cpu"), Timeline(timeline_path, 0))
+    # each forward prepares a synchronized backward, as the wrapper's does (Note [a backward no
+    # DDP forward prepared] in fusedist/ddp/reducer.py)
+    model.register_forward_pre_hook(lambda module, args: reducer.prepare_forward(sync=True))
     return reducer, comm
 
 

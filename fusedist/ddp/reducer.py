@@ -143,6 +143,7 @@ class Reducer:
         self.caught_up_now: set = set()
 
         self.next_backward_sync = True
+        self.prepared = False  # Note [a backward no DDP forward prepared]
         self.in_backward = False
         self._observed_order: Optional[list[int]] = None
         self.warned_unused = False  # settle_unused's one warning (unused.py)
@@ -353,11 +354,23 @@ class Reducer:
     def prepare_forward(self, sync: bool) -> None:
         """A training forward begins (before its first collective)."""
         self.next_backward_sync = sync
+        self.prepared = True
         for observer in self.observers:
             observer.forward_begins(self)
 
+    # Note [a backward no DDP forward prepared]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # As torch's DDP (its reducer's ``expect_autograd_hooks_``): only the first backward after
+    # a training forward through the wrapper synchronizes. Any other -- through ``model.module``
+    # (a saliency map, a probe on one rank), or a second backward of a graph kept with
+    # ``retain_graph=True`` -- accumulates local gradients, as under ``no_sync``, which the next
+    # synchronized backward reduces with its own. Reducing it instead made its gradients
+    # averages, and a rank that ran one alone waited in a bucket collective that its peers,
+    # in their next forward, paired with nothing (a stall until the collective timeout).
     def _begin_backward(self, shadow: bool = False) -> None:
         self.in_backward = True
+        if not self.prepared:
+            self.next_backward_sync = False
         self.sync = self.next_backward_sync
         inactive = self.inactive
         self.pending = [len(b.params) - (sum(p in inactive for p in b.params) if inactive else 0)
@@ -469,6 +482,7 @@ class Reducer:
                 self.synced_generation = self.generation
             self.in_backward = False
             self.next_backward_sync = True
+            self.prepared = False
             self.iteration += 1
             for observer in self.observers:
                 observer.backward_ends(self)
@@ -569,7 +583,7 @@ class Reducer:
         bucket collective of a backward, in order, with zero gradients; the buffers receive
         the active ranks' average (a ZeroRedundancyOptimizer steps its shard with it)."""
         self.check_previous_backward()
-        self.next_backward_sync = True
+        self.next_backward_sync = self.prepared = True
         self._begin_backward(shadow=True)
         if self._observed_order is not None:
             self._observed_order = []  # rank 0's order rules the rebuild (if it ran one)

@@ -50,14 +50,17 @@ def _train(model, opt, batches, ctx, clip=None, clip_fn=None):
             opt.step()
 
 
-def _ddp_case(rank, world, opt_name, divide):
-    """fusedist DDP vs torch DDP under model.join(), plain optimizer."""
+def _ddp_case(rank, world, opt_name, divide, forward_sync_buffers=True):
+    """fusedist DDP vs torch DDP under model.join(), plain optimizer. With
+    ``forward_sync_buffers=False`` every rank keeps its own BatchNorm statistics, also when the
+    context ends (torch broadcasts the last joiner's parameters only)."""
     import fusedist
 
     base = _mlp_bn()
     batches = [_batch(rank, i) for i in range(3 + rank)]
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), forward_sync_buffers=forward_sync_buffers)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002,
+                                            forward_sync_buffers=forward_sync_buffers)
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[opt_name]
     _train(ref, make(ref.parameters()), batches, ref.join(divide_by_initial_world_size=divide))
@@ -162,6 +165,7 @@ def _worker(rank, world):
     out = {}
     for opt_name, divide in [("sgd", True), ("sgd", False), ("adamw", True), ("adamw", False)]:
         out[f"ddp {opt_name} divide={divide}"] = _ddp_case(rank, world, opt_name, divide)
+    out["ddp sgd forward_sync_buffers=False"] = _ddp_case(rank, world, "sgd", True, forward_sync_buffers=False)
     out["zero1 torch Join"] = _zero_case(rank, world, 1, True, True, None)
     out["zero2 fusedist Join divide=False"] = _zero_case(rank, world, 2, False, False, None)
     out["zero2 clip torch Join"] = _zero_case(rank, world, 2, True, True, 0.05, "sgd")

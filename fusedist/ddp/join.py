@@ -270,7 +270,7 @@ class DDPJoinHook(JoinHook):
         counters = torch.tensor(ddp.watch.counters(), dtype=torch.int64, device=comm.device)
         comm.broadcast(counters, src=src, tag="ddp join: counters")
         ddp.watch.set_counters(counters.tolist())
-        ddp._broadcast_state(src=src, tag="ddp join: final model")
+        ddp._broadcast_state(src=src, tag="ddp join: final model", buffers=ddp.config.broadcast_buffers)
         reducer.joined = False
         reducer.grad_divisor = ddp.world_size
         reducer.defer_launch = False

@@ -75,6 +75,40 @@ def _ddp_case(rank, world, opt_name, divide, forward_sync_buffers=True):
     return _max_diff(ref.module, ours.module)
 
 
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, use_c):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+def _find_unused_case(rank, world):
+    """find_unused_parameters under join: ``c`` is used by the last rank alone, in its first
+    batch only; once the others have joined it is unused. As torch's joined ranks send the used
+    map of the last backward they took part in (Note [a joined rank's used map] in
+    fusedist/ddp/unused.py), ``c`` then gets zero gradients, not None -- and SGD's momentum
+    keeps moving it."""
+    import fusedist
+
+    base = _Branches()
+    out = []
+    for cls in (nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+        model = cls(copy.deepcopy(base), find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with model.join():
+            for i in range(1 + 2 * rank):
+                x, y = _batch(rank, i)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x, use_c=(rank == world - 1 and i == 0)), y).backward()
+                opt.step()
+        out.append(model.module)
+    return _max_diff(*out)
+
+
 _OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
                "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}
 
@@ -166,6 +200,7 @@ def _worker(rank, world):
     for opt_name, divide in [("sgd", True), ("sgd", False), ("adamw", True), ("adamw", False)]:
         out[f"ddp {opt_name} divide={divide}"] = _ddp_case(rank, world, opt_name, divide)
     out["ddp sgd forward_sync_buffers=False"] = _ddp_case(rank, world, "sgd", True, forward_sync_buffers=False)
+    out["ddp find_unused_parameters"] = _find_unused_case(rank, world)
     out["zero1 torch Join"] = _zero_case(rank, world, 1, True, True, None)
     out["zero2 fusedist Join divide=False"] = _zero_case(rank, world, 2, False, False, None)
     out["zero2 clip torch Join"] = _zero_case(rank, world, 2, True, True, 0.05, "sgd")

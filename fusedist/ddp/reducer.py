@@ -147,6 +147,7 @@ class Reducer:
         self.in_backward = False
         self._observed_order: Optional[list[int]] = None
         self.warned_unused = False  # settle_unused's one warning (unused.py)
+        self.last_used_map: list = []  # Note [a joined rank's used map] in unused.py
         self.last_stats: dict = {}
         # Parameters whose grad is None after the last synchronized backward (unused by every
         # rank, or by this one without find_unused_parameters) -- for consumers that release

@@ -33,13 +33,23 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> None:
     used keep (or get back) ``grad=None`` and the others used elsewhere get their average."""
     # Built on the host and read back once: one transfer each way, not one per parameter.
     generation = reducer.generation
-    # Used in this backward or in a no_sync one since the last synchronization; a joined
-    # rank's shadow contributes nothing it accumulated.
-    since = generation if reducer.shadowing else reducer.synced_generation
-    local = [int(e.ready == generation or e.accumulated > since) for e in reducer.entries]
+    if reducer.shadowing:
+        # Note [a joined rank's used map]: as torch's joined rank, the used map of the last
+        # synchronized backward it took part in, as all the ranks reduced it then: a parameter
+        # some rank used then gets an (averaged, zero where no active rank uses it now)
+        # gradient on the active ranks, not None, as with torch's DDP.
+        local = reducer.last_used_map
+        if len(local) != len(reducer.entries):  # (none yet, or the layout has grown since)
+            local = [0] * len(reducer.entries)
+    else:
+        # Used in this backward or in a no_sync one since the last synchronization.
+        since = reducer.synced_generation
+        local = [int(e.ready == generation or e.accumulated > since) for e in reducer.entries]
     used = torch.tensor(local, dtype=torch.int32, device=reducer.comm.device)
     reducer.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
     used_anywhere = used.tolist()
+    if not reducer.shadowing:
+        reducer.last_used_map = used_anywhere
     globally_unused, without_grad, used_elsewhere = [], [], []
     for p in unused:
         if used_anywhere[reducer.index_of[p]] == 0:

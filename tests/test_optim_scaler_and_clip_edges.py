@@ -347,6 +347,43 @@ def test_an_unchanged_clip_stays_in_the_step():
     _assert_close(ours, theirs)
 
 
+def test_a_parameter_listed_twice_counts_twice_as_in_torchs_clip():
+    """Two modules sharing a tied tensor, chained: torch's norm counts it twice (and scales it
+    twice). The recorded norm of unscale_ counts each of the optimizer's parameters once, so
+    the clip takes torch's path; the step then matches torch's."""
+    ours, theirs = _twins()
+    opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
+    sc, ref_sc = _scalers()
+    grads = _grads(0)
+    _set(ours, [g * 4.0 for g in grads])
+    _set(theirs, [g * 4.0 for g in grads])
+    sc.unscale_(opt)
+    ref_sc.unscale_(ref)
+    norm = clip_grad_norm_([ours[0], *ours], 0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_([theirs[0], *theirs], 0.5)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    sc.step(opt)
+    ref_sc.step(ref)
+    _assert_close(ours, theirs)
+
+
+def test_a_fused_step_writes_no_gradient_back():
+    """The documented difference from torch's scaler: a fused update applies the scale inline
+    and leaves p.grad as it was (scaled, when unscale_ was not called); parameters match."""
+    ours, theirs = _twins()
+    opt, ref = FusedAdamW(ours, lr=0.01), torch.optim.AdamW(theirs, lr=0.01)
+    sc, ref_sc = _scalers()
+    grads = _grads(0)
+    _set(ours, [g * 4.0 for g in grads])
+    _set(theirs, [g * 4.0 for g in grads])
+    scaled = [p.grad.clone() for p in ours]
+    sc.step(opt)
+    ref_sc.step(ref)
+    for p, g in zip(ours, scaled):
+        assert torch.equal(p.grad, g)
+    _assert_close(ours, theirs)
+
+
 # -- 3. FusedSGD after an overflowed first step -------------------------------------------------
 
 

@@ -95,7 +95,9 @@ def clip_grad_norm_(
         for opt in pending:
             if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
                 opt.step_context.grad_sumsq = None  # stale: measured afresh below
-        if pending and float(norm_type) == 2.0:
+        # A parameter listed twice counts twice in torch's norm (and is scaled twice): torch's
+        # path, not the recorded norm of the optimizer's parameters, each once.
+        if pending and float(norm_type) == 2.0 and len(ids) == len(with_grad):
             for opt in pending:
                 if opt.step_context.grad_sumsq is None:
                     continue

@@ -121,6 +121,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     #: in torch's keys]); and this optimizer's own group settings with their defaults.
     _torch_counterpart: Optional[type] = None
     _own_group_defaults: dict = {}
+    #: what to use for sparse gradients, which the fused kernels do not take
+    _sparse_alternative = "torch.optim.SparseAdam"
 
     # Note [param groups in torch's keys]
     #     torch's distributed checkpoint loads an optimizer state by the keys of the *target's*
@@ -152,15 +154,40 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                     )
             self._validate_group(group, gi)
         self._fusedist_clear_protocol()
-        # ids of parameters whose state _init_state has completed (cleared on load_state_dict):
-        # spares per-step dict lookups for every parameter.
+        self._fusedist_reset_bookkeeping()
+
+    def _fusedist_reset_bookkeeping(self) -> None:
+        """What this optimizer knows of its states besides the states themselves: none is known
+        ready or written by it, so the next step looks at each again (at construction, after
+        ``load_state_dict`` and after unpickling)."""
+        # ids of parameters whose state _init_state has completed: spares per-step dict
+        # lookups for every parameter.
         self._fusedist_ready: set[int] = set()
         # Note [masters and writes from outside]: id(p) -> p._version after this optimizer's last
         # write, for parameters with an FP32 master.
         self._master_versions: dict[int, int] = {}
         # Note [loaded masters checked against the parameters]: ids of parameters whose loaded
         # master the next step compares with the parameter.
-        self._masters_to_check: set[int] = set()
+        self._masters_to_check: set[int] = {id(p) for p, st in self.state.items() if "master_param" in st}
+
+    # Note [an optimizer pickled or copied]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch's Optimizer pickles -- and so ``copy.deepcopy`` and ``torch.save`` of the whole
+    # object -- keep its defaults, state and param groups only. A fused optimizer's own settings
+    # kept outside them (``_pickled_attrs``: FusedLAMB's modes) travel with them; its
+    # bookkeeping (the step context, which states are ready, the masters' versions) is made
+    # afresh, as by ``load_state_dict``. Without this, a copy failed at its first step.
+    _pickled_attrs: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update({name: self.__dict__[name] for name in self._pickled_attrs})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._fusedist_clear_protocol()
+        self._fusedist_reset_bookkeeping()
 
     # -- scaler protocol (Note [scaler protocol]; bookkeeping in ScalerProtocol) --------------
 
@@ -314,7 +341,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             if g.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients (param {pi} of "
-                    f"param group {gi}); use torch.optim.SparseAdam or a dense gradient."
+                    f"param group {gi}); use {self._sparse_alternative} for this parameter, or a dense gradient."
                 )
             if not g.is_floating_point():
                 raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}")
@@ -425,14 +452,16 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         self._check_loadable(saved_groups, saved_state)
+        # The post-hooks run last, as in torch's loader: after the states are made below, so
+        # what a hook changes stays.
+        post_hooks = self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
         try:
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
-        self._fusedist_ready = set()
-        self._master_versions = {}  # the loaded masters are checked at the next step instead
-        self._masters_to_check = set()
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         for group in self.param_groups:
             # A key missing (a torch optimizer's state dict, or a fusedist-only key left out as
             # the class default, Note [param groups in torch's keys]): this optimizer's setting.
@@ -448,8 +477,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             if p is None:
                 continue
             self.state[p] = {key: self._loaded_value(key, value, p) for key, value in values.items()}
-            if "master_param" in self.state[p]:  # Note [loaded masters checked against the parameters]
-                self._masters_to_check.add(id(p))
+        # the loaded masters are checked at the next step (Note [loaded masters checked against
+        # the parameters]), not against versions of the states before
+        self._fusedist_reset_bookkeeping()
+        for hook in post_hooks.values():
+            hook(self)
 
     def _check_loadable(self, saved_groups: list, saved_state: dict) -> None:
         """Every check of :meth:`load_state_dict` that can fail, on the saved groups merged

@@ -111,7 +111,17 @@ class FusedAdam(FusedOptimizerBase):
 
 
 class FusedAdamW(FusedAdam):
-    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2); see FusedAdam."""
+    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2); see FusedAdam.
+    Its signature is AdamW's: ``decoupled_weight_decay`` is not a keyword here (it was taken
+    and ignored), as torch's AdamW refuses it."""
 
     _adamw = True
     _torch_counterpart = torch.optim.AdamW
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 *, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 master_weights=False, bias_correction=True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, master_weights=master_weights,
+                         bias_correction=bias_correction)

@@ -28,6 +28,7 @@ class FusedLAMB(FusedOptimizerBase):
         "max_grad_norm clip the norm of all the gradients")
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _pickled_attrs = ("adam_w_mode", "set_grad_none", "use_nvlamb")  # Note [an optimizer pickled or copied]
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,

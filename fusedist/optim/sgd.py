@@ -21,6 +21,7 @@ class FusedSGD(FusedOptimizerBase):
     _fusedist_elementwise = True
 
     _torch_counterpart = torch.optim.SGD
+    _sparse_alternative = "torch.optim.SGD (which takes sparse gradients)"
     _own_group_defaults = {"master_weights": False}
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
@@ -32,10 +33,9 @@ class FusedSGD(FusedOptimizerBase):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights,
                         foreach=foreach, fused=fused)  # kept as torch keeps them (its keys)
-        super().__init__(params, defaults)
         # Note [momentum switched on later]: ids of the param groups that may hold states
-        # without a momentum buffer.
-        self._groups_without_buffers: set[int] = set()
+        # without a momentum buffer (``_groups_without_buffers``, made with the bookkeeping).
+        super().__init__(params, defaults)
 
     def _validate_group(self, group, index):
         name = f"FusedSGD (param group {index})"
@@ -105,9 +105,10 @@ class FusedSGD(FusedOptimizerBase):
                 state[key] = kept
         return {**state_dict, "state": state}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        # The groups are new dicts and every state is re-created by _init_state at its next step.
+    def _fusedist_reset_bookkeeping(self) -> None:
+        super()._fusedist_reset_bookkeeping()
+        # The groups may be new dicts, and every state is looked at by _init_state at its next
+        # step, which records the groups again.
         self._groups_without_buffers = set()
 
 

@@ -90,6 +90,61 @@ def test_conversions_under_swap_module_params_on_conversion_match_fsdp2():
     assert run_distributed(_swap_flag, 2, seed) == [True, True], f"seed {seed}"
 
 
+def _converted(rank, ws, seed):
+    mesh = _mesh(ws)
+    ref, ours = _pair(mesh)
+    _both(lambda m: m.double(), ref, ours)
+    opts = _adamw(ref, ours)
+    for step in range(2):
+        _step(ref, ours, opts, _ids(seed, rank, step), f"seed {seed}: step {step} after double()")
+    return True
+
+
+def test_a_dtype_conversion_after_sharding_reduces_in_the_new_dtype():
+    """model.double() after fully_shard: the gradients are reduce-scattered in fp64, as by
+    FSDP2 (they were reduced in the dtype the model was sharded in, fp32: off in the 8th digit)."""
+    seed = _seed()
+    assert run_distributed(_converted, 2, seed) == [True, True], f"seed {seed}"
+
+
+def _dtensor_entries(rank, ws, seed):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    mesh = _mesh(ws)
+    ref, ours = _pair(mesh)
+    opts = _adamw(ref, ours)
+    _step(ref, ours, opts, _ids(seed, rank, 0), f"seed {seed}: the first step")
+    # FSDP2's state dicts hold DTensors; so does a full one once torch's loader has used it
+    model_sd, optim_sd = ref.state_dict(), get_optimizer_state_dict(ref, opts[0])
+    full = get_model_state_dict(ref, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(_pair(mesh)[0], full, options=StateDictOptions(full_state_dict=True))
+    assert all(type(v).__name__ == "DTensor" for v in [*model_sd.values(), *full.values()])
+    for sd in (model_sd, full):
+        ref2, ours2 = _pair(mesh)
+        for model in (ref2, ours2):
+            model.load_state_dict(dict(sd))
+        opts2 = _adamw(ref2, ours2)
+        for model, opt in zip((ref2, ours2), opts2):  # (copies: a load may keep the tensors it is given)
+            set_optimizer_state_dict(model, opt, {**optim_sd, "state": {
+                k: {n: v.clone() for n, v in st.items()} for k, st in optim_sd["state"].items()}})
+        _step(ref2, ours2, opts2, _ids(seed, rank, 1), f"seed {seed}: after loading DTensor entries")
+    _step(ref, ours, opts, _ids(seed, rank, 1), f"seed {seed}: the second step")
+    _check_params(ref, ours2, f"seed {seed}: loaded against uninterrupted")
+    return True
+
+
+def test_state_dicts_of_dtensors_load():
+    """FSDP2's model state dict and its optimizer's (through torch's helpers; DTensor values),
+    and a full state dict torch's loader turned into DTensors, load into fusedist's model and
+    optimizer on every rank alike (Note [DTensor entries loaded]); the model's used to abort
+    one rank and hang the other."""
+    seed = _seed()
+    assert run_distributed(_dtensor_entries, 2, seed, env={"FUSEDIST_TIMEOUT_S": "30"},
+                           timeout=120) == [True, True], f"seed {seed}"
+
+
 # ------------------------------------------ a unit's output in the loss on some ranks only
 class Branchy(nn.Module):
     """Three blocks of different widths (a reduce-scatter paired with another unit's would fail

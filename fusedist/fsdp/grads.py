@@ -145,9 +145,10 @@ class UnitGrads:
 
     def __init__(self, unit, reduce_dtype):
         self.unit = unit
-        #: None in a mixed-dtype unit without a policy's reduce_dtype: each section reduces in its
-        #: gathered dtype (Note [dtype sections] in layout.py)
-        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else unit.param_dtype
+        #: the policy's; None: the unit's gathered dtype as it is now (a module converted after
+        #: sharding, ``model.double()``, reduces in its new dtype, as with FSDP2), and in a
+        #: mixed-dtype unit each section's (Note [dtype sections] in layout.py)
+        self.policy_reduce_dtype = reduce_dtype
         self.reduce_grads = True
         self.divide_factor = None  # set_gradient_divide_factor; None: the world size
         self.force_sum = False  # set_force_sum_reduction_for_comms
@@ -165,7 +166,10 @@ class UnitGrads:
 
     def dtype_of(self, k: int) -> torch.dtype:
         """The dtype section ``k`` reduces in."""
-        return self.reduce_dtype if self.reduce_dtype is not None else self.unit.section_param_dtype(k)
+        if self.policy_reduce_dtype is not None:
+            return self.policy_reduce_dtype
+        unit = self.unit
+        return unit.param_dtype if unit.param_dtype is not None else unit.section_param_dtype(k)
 
     def _sections(self, grads: list) -> list[int]:
         """The sections to reduce: those with a parameter that requires a gradient now (the

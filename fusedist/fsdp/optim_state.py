@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from .dcp import ShardedPiece, describe_region, piece_region
-from .state_dict_hooks import as_entry, whole_to_piece
+from .state_dict_hooks import as_entry, whole_of_dtensor, whole_to_piece
 from .torch_helpers import torch_helper_options
 
 __all__ = ["track_optimizer", "note_unit"]
@@ -231,6 +231,7 @@ def _pre_load_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
 def _to_piece(name, value, unit, i: int, key):
     if not isinstance(value, torch.Tensor) or name == "step":
         return value
+    value = whole_of_dtensor(value)  # Note [DTensor entries loaded] in state_dict_hooks.py
     full_shape = unit.whole_shape(i)
     region = piece_region(unit, i)
     if isinstance(value, ShardedPiece):

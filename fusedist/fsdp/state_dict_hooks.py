@@ -16,7 +16,7 @@ from .._wrapper import values_of
 from .dcp import ShardedPiece, _is_box, describe_region, piece_region
 from .torch_helpers import full_state_dict_requested
 
-__all__ = ["install_state_dict_hooks", "as_entry", "whole_to_piece"]
+__all__ = ["install_state_dict_hooks", "as_entry", "whole_of_dtensor", "whole_to_piece"]
 
 
 # Note [state-dict hooks on every module of a unit]
@@ -164,6 +164,23 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     return entry
 
 
+# Note [DTensor entries loaded]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A state dict may hold DTensors: FSDP2's ``model.state_dict()``, or a full state dict that
+# torch's ``set_model_state_dict(full_state_dict=True)`` loaded into an FSDP2 model before
+# (it replaces the dict's tensors with DTensors in place). Their shards are not fusedist's
+# pieces (another layout), and a DTensor reports the whole shape, so one was taken for a
+# whole tensor: returned as it was where the piece has the whole shape and cut (a collective
+# inside the DTensor's reshape) elsewhere -- ranks at different collectives, an abort or a
+# hang. Each is made whole on every rank first (``full_tensor()``, one collective over its
+# mesh, in the state dict's order, which every rank shares) and cut as a full entry.
+def whole_of_dtensor(value):
+    """``value`` whole when it is a DTensor (Note [DTensor entries loaded]), else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def whole_to_piece(value: torch.Tensor, unit, index: int) -> torch.Tensor:
     """``value`` cut to this rank's piece of parameter ``index`` of ``unit`` (a view) when it has
     the whole parameter's shape, as a full state dict's entries do; anything else as it is (a
@@ -241,7 +258,7 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
     one of another shape is reported against the whole parameter's shape, as FSDP2 reports it."""
     _reshard_at_rest(module)
     for key, unit, i in _entries(module, prefix):
-        value = state_dict.get(key)
+        value = whole_of_dtensor(state_dict.get(key))
         if not isinstance(value, torch.Tensor):
             continue
         if unit.ext[i] is not None and unit.ext[i].packed:

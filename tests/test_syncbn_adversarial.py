@@ -224,8 +224,28 @@ def _eval_batch_stats_empty_rank(rank, ws):
     assert bn(torch.randn(0 if rank == 1 else 3, 3, 2, 2)).shape[1:] == (3, 2, 2)
 
 
+def _double_backward_synchronized(rank, ws):
+    """Synchronized training has no double backward (neither has torch's layer there): the
+    second backward raises, naming the layer; eval on the same ranks has one (Note [double
+    backward where torch's layer has one] in fusedist/nn/_function.py)."""
+    bn = SyncBatchNorm(3)
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    (gx,) = torch.autograd.grad((bn(x) * torch.randn(4, 3, 5)).sum(), x, create_graph=True)
+    try:
+        gx.square().sum().backward()
+    except RuntimeError as exc:
+        assert "SyncBatchNorm" in str(exc) and "double backward" in str(exc), exc
+    else:
+        raise AssertionError("a double backward through synchronized statistics did not raise")
+    bn.eval()
+    (gx,) = torch.autograd.grad(bn(x).square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    assert bn.weight.grad is not None and bn.weight.grad.abs().sum() > 0
+
+
 PROBES = [_one_value_per_rank, _different_lengths, _nan_on_one_rank, _backward_twice,
-          _subset_groups, _half_params, _autocast, _empty_everywhere, _eval_batch_stats_empty_rank]
+          _subset_groups, _half_params, _autocast, _empty_everywhere, _eval_batch_stats_empty_rank,
+          _double_backward_synchronized]
 
 
 def _probes_rank(rank, ws, probes):
@@ -269,23 +289,35 @@ def test_empty_batch_single_process_is_batchnorm():
         ours(torch.randn(1, 3, 1, 1))
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_double_backward_is_refused_not_silently_zero(train):
-    """create_graph=True through the layer (e.g. a gradient penalty): torch's SyncBatchNorm
-    has no second derivative either, so fusedist raises -- at the second backward, naming the
-    layer -- instead of returning a first-order gradient with no graph, which would make a
-    penalty built from it contribute nothing without any error."""
-    bn = SyncBatchNorm(3).train(train)
-    x = torch.randn(4, 3, 5, requires_grad=True)
-    y = bn(x)
-    (gx,) = torch.autograd.grad((y * torch.randn_like(y)).sum(), x, create_graph=True)
-    assert gx.requires_grad
-    with pytest.raises(RuntimeError, match="SyncBatchNorm.*double backward"):
-        gx.square().sum().backward()
-    # without create_graph the first-order gradient is what it always was
-    x.grad = None
-    bn(x).sum().backward()
-    assert x.grad is not None
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_double_backward_where_torchs_layer_has_one(train, affine, dtype):
+    """A gradient penalty (create_graph=True) through the layer where torch.nn.SyncBatchNorm is
+    F.batch_norm -- eval with running statistics, training without a process group (Note
+    [double backward where torch's layer has one]): the penalty's gradients equal torch's.
+    (Synchronized training still raises: _double_backward_synchronized above.) fp64: the same
+    formulas, last-bit differences; fp32: a sum over 60 terms twice differentiated, 1e-4."""
+    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(4, 3, 5, generator=g, dtype=dtype) * 2 + 0.5
+    upstream = torch.randn(4, 3, 5, generator=g, dtype=dtype)
+    grads = []
+    for cls in (nn.SyncBatchNorm, SyncBatchNorm):
+        bn = cls(3, affine=affine).to(dtype).train(train)
+        with torch.no_grad():
+            bn.running_mean.copy_(torch.tensor([0.3, -0.2, 1.0]))
+            bn.running_var.copy_(torch.tensor([2.0, 0.5, 1.5]))
+            if affine:
+                bn.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+                bn.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+        x = x0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((bn(x) * upstream).square().sum(), x, create_graph=True)
+        (gx.square().sum() + gx.sum()).backward()
+        grads.append([x.grad, gx.detach(), *([bn.weight.grad, bn.bias.grad] if affine else [])])
+    for theirs, ours in zip(*grads):
+        torch.testing.assert_close(ours, theirs, **tol)
+    assert grads[1][0].abs().sum() > 0
 
 
 def _nested_model():

@@ -33,9 +33,11 @@ _NO_DOUBLE_BACKWARD = (
 )
 
 
-def _first_order_only(backward):
+def _first_order_only(backward, differentiable=None):
     """``once_differentiable`` that also catches double backward when the incoming gradient is
-    a constant.
+    a constant; where the layer runs as torch's ``F.batch_norm`` would (Note [double backward
+    where torch's layer has one]), ``differentiable(ctx, *grads)`` gives the gradients as a
+    graph instead under ``create_graph=True`` (None where it does not apply).
 
     Note [double backward]: torch's ``once_differentiable`` marks the returned gradients as
     non-differentiable only when an incoming *gradient* requires grad. Ours depend on the
@@ -48,6 +50,10 @@ def _first_order_only(backward):
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and differentiable is not None:  # create_graph=True
+            outputs = differentiable(ctx, *grads)
+            if outputs is not None:
+                return outputs
         with torch.no_grad():
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():  # create_graph=False: the usual case
@@ -64,6 +70,50 @@ def _first_order_only(backward):
         return error(*[differentiable_alias(t) for t in outputs])
 
     return wrapper
+
+
+# Note [double backward where torch's layer has one]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.nn.SyncBatchNorm synchronizes only in training with other ranks; otherwise -- eval with
+# running statistics, training without a process group or alone in it -- it is
+# ``F.batch_norm``, which has a double backward (a gradient penalty through the layer works).
+# In those two cases the gradients under ``create_graph=True`` are computed here with
+# differentiable torch ops from the saved input and weight: the same values as the kernels' up
+# to rounding, and a graph to differentiate again. Synchronized training still refuses (its
+# statistics come from a collective, which torch's layer does not differentiate either).
+def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _running_stats_grads(ctx, dy):
+    x, weight, mean, invstd = ctx.saved_tensors
+    dims = [d for d in range(x.dim()) if d != 1]
+    acc = mean.dtype
+    dy_acc = dy.to(acc)
+    scale = invstd if weight is None else invstd * weight.to(acc)
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x = (dy_acc * _channel_view(scale, x.dim())).to(x.dtype) if need_x else None
+    grad_w = None
+    if need_w:
+        xhat = (x.to(acc) - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        grad_w = (dy_acc * xhat).sum(dims).to(weight.dtype)
+    grad_b = dy_acc.sum(dims).to(weight.dtype if weight is not None else acc) if need_b else None
+    return grad_x, grad_w, grad_b, None, None, None
+
+
+def _local_batch_stats_grads(ctx, dy):
+    if ctx.comm is not None:
+        return None
+    x, weight, _, _ = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    wanted = [t for t, need in ((x, need_x), (weight, need_w)) if need]
+    grads = iter(torch.autograd.grad(torch.nn.functional.batch_norm(x, None, None, weight, None, True, 0.0, ctx.eps),
+                                     wanted, dy, create_graph=True) if wanted else ())
+    grad_x = next(grads) if need_x else None
+    grad_w = next(grads) if need_w else None
+    dims = [d for d in range(x.dim()) if d != 1]
+    grad_b = dy.sum(dims).to(weight.dtype if weight is not None else dy.dtype) if need_b else None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -137,11 +187,11 @@ class BatchStatsNorm(torch.autograd.Function):
                 _blend_([running_mean, running_var], [stats.mean, unbiased], momentum)
             y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.layout, ctx.count, ctx.comm = layout, total, comm
+        ctx.layout, ctx.count, ctx.comm, ctx.eps = layout, total, comm, eps
         return y
 
     @staticmethod
-    @_first_order_only
+    @functools.partial(_first_order_only, differentiable=_local_batch_stats_grads)
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         dy = like_layout(dy, x)
@@ -181,7 +231,7 @@ class RunningStatsNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @_first_order_only
+    @functools.partial(_first_order_only, differentiable=_running_stats_grads)
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         dy = like_layout(dy, x)

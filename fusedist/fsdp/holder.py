@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..optim.grad_norms import per_tensor_global_norms
+from ..optim.grad_norms import per_tensor_global_norms, tensor_norms
 from ..optim.step_context import materialize_unscales
 from ..ownership import register_gradient_holder
 
@@ -79,7 +79,7 @@ class ShardedGradHolder:
         # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike
         local = torch.zeros(2, dtype=torch.float32, device=device)
         if grads:
-            norms = torch.stack([n.float() for n in torch._foreach_norm([g.detach() for g in grads], norm_type)])
+            norms = tensor_norms([g.detach() for g in grads], norm_type).float()
             alike = torch.tensor([p in self._tp_replicated for p in with_grad], device=device)
             powered = norms.pow(norm_type)
             local[0] += powered[~alike].sum()

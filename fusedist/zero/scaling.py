@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
+from ..optim.grad_norms import tensor_norms
 from . import grow
 
 
@@ -44,7 +45,7 @@ class ZeroScalerProtocol(ScalerProtocol):
         if grads:
             # Norms per tensor, then squares summed in fp32: a non-finite gradient element makes
             # its norm non-finite, so the same pass yields the overflow flag.
-            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            norms = tensor_norms(grads).float()
             if inv_scale is not None:
                 norms = norms * inv_scale.reshape(())
             sumsq = norms.pow(2).sum().reshape(1)

@@ -55,21 +55,24 @@ class RestoreMixin:
             raise CheckpointError(candidates)
         failures = []
         for saved_step, path in candidates:
-            error = None
+            # The rank files are read first, on every rank, and the objects loaded only when
+            # every rank could read its own: a file that fails after the model and optimizer
+            # were loaded left them changed behind the CheckpointError that says nothing was.
+            error = per_rank = None
             try:
-                extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict,
-                                 process_group=self._coord.group, pipeline=self.pipeline)
+                per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
             except CheckpointError as exc:
                 error = str(exc)
-            else:
-                try:
-                    per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
+                error = f"rank {self.rank} could not read its per-rank state: {type(exc).__name__}: {exc}"
+            errors = [e for e in self._coord.all_gather(error) if e is not None]
+            error = errors[0] if errors else None
+            if error is None:
+                try:  # (checked on every rank alike before anything is loaded: raises on all or none)
+                    extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict,
+                                     process_group=self._coord.group, pipeline=self.pipeline)
                 except CheckpointError as exc:
                     error = str(exc)
-                except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
-                    error = f"rank {self.rank} could not read its per-rank state: {type(exc).__name__}: {exc}"
-                errors = [e for e in self._coord.all_gather(error) if e is not None]
-                error = errors[0] if errors else None
             if error is None:
                 self._apply_agreed(saved_step, path, extra, per_rank)
                 return saved_step
@@ -177,6 +180,9 @@ class RestoreMixin:
         elif sampler is not None:
             if per_rank is not None and per_rank.get("sampler") is not None:
                 sampler.load_state_dict(per_rank["sampler"])
+            elif saved_world == self.world_size:  # (saved without one: the epoch would start over)
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position "
+                                      f"for this {type(sampler).__name__}")
             elif self.rank == 0:
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: the data position in {path} was saved at world size "
                               f"{saved_world} by a {type(sampler).__name__}, whose position belongs to one rank; it "

@@ -10,7 +10,6 @@ again while a previous snapshot is still being written (one save in flight).
 
 from __future__ import annotations
 
-import collections
 import copy
 from typing import Any
 
@@ -44,7 +43,7 @@ class StagingBuffers:
             return self._tensor(obj, path)
         if isinstance(obj, dict):
             out = {k: self._copy(v, path + (k,)) for k, v in obj.items()}
-            return collections.OrderedDict(out) if isinstance(obj, collections.OrderedDict) else out
+            return out if type(obj) is dict else _same_kind(obj, out)
         if isinstance(obj, list):
             return [self._copy(v, path + (i,)) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
@@ -71,3 +70,16 @@ class StagingBuffers:
         self.bytes += t.numel() * t.element_size()
         self._seen[alias] = buf
         return buf
+
+
+def _same_kind(original: dict, items: dict) -> dict:
+    """``items`` in a dict of ``original``'s type and attributes -- a ``Counter`` (MultiStepLR's
+    milestones), a ``defaultdict``'s factory, an ``OrderedDict`` -- as ``torch.save`` keeps them:
+    a plain dict came back from a restore, and MultiStepLR's ``step(epoch)`` failed on it."""
+    try:
+        kept = copy.copy(original)
+        kept.clear()
+        kept.update(items)
+    except Exception:  # noqa: BLE001 - a subclass that cannot be copied so: its items, as a dict
+        return items
+    return kept

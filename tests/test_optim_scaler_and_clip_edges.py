@@ -326,9 +326,9 @@ def test_a_write_after_the_clip_under_lazy_unscale_raises():
         sc.step(opt)
 
 
-def test_an_unchanged_clip_stays_in_the_step():
-    """Nothing written between clip and step: the coefficient is still applied by the step
-    (p.grad keeps its unclipped values), and parameters match torch's."""
+def _sgd_twins_unscaled():
+    """FusedSGD and torch's SGD with the same scaled gradients, each unscaled by its scaler:
+    (ours, theirs, opt, ref, scaler, torch's scaler)."""
     ours, theirs = _twins()
     opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
     sc, ref_sc = _scalers()
@@ -337,6 +337,13 @@ def test_an_unchanged_clip_stays_in_the_step():
     _set(theirs, [g * 4.0 for g in grads])
     sc.unscale_(opt)
     ref_sc.unscale_(ref)
+    return ours, theirs, opt, ref, sc, ref_sc
+
+
+def test_an_unchanged_clip_stays_in_the_step():
+    """Nothing written between clip and step: the coefficient is still applied by the step
+    (p.grad keeps its unclipped values), and parameters match torch's."""
+    ours, theirs, opt, ref, sc, ref_sc = _sgd_twins_unscaled()
     clip_grad_norm_(ours, 0.5)
     torch.nn.utils.clip_grad_norm_(theirs, 0.5)
     unclipped = [p.grad.clone() for p in ours]
@@ -351,14 +358,7 @@ def test_a_parameter_listed_twice_counts_twice_as_in_torchs_clip():
     """Two modules sharing a tied tensor, chained: torch's norm counts it twice (and scales it
     twice). The recorded norm of unscale_ counts each of the optimizer's parameters once, so
     the clip takes torch's path; the step then matches torch's."""
-    ours, theirs = _twins()
-    opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
-    sc, ref_sc = _scalers()
-    grads = _grads(0)
-    _set(ours, [g * 4.0 for g in grads])
-    _set(theirs, [g * 4.0 for g in grads])
-    sc.unscale_(opt)
-    ref_sc.unscale_(ref)
+    ours, theirs, opt, ref, sc, ref_sc = _sgd_twins_unscaled()
     norm = clip_grad_norm_([ours[0], *ours], 0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_([theirs[0], *theirs], 0.5)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)

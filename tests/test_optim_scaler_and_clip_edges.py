@@ -326,39 +326,45 @@ def test_a_write_after_the_clip_under_lazy_unscale_raises():
         sc.step(opt)
 
 
-def _sgd_twins_unscaled():
-    """FusedSGD and torch's SGD with the same scaled gradients, each unscaled by its scaler:
-    (ours, theirs, opt, ref, scaler, torch's scaler)."""
+def _scaled_twins(fused=FusedSGD, reference=torch.optim.SGD, kw=SGD_KW, unscale=True):
+    """A fused optimizer and its torch counterpart with the same scaled gradients, each
+    unscaled by its scaler if ``unscale``: (ours, theirs, opt, ref, scaler, torch's scaler)."""
     ours, theirs = _twins()
-    opt, ref = FusedSGD(ours, **SGD_KW), torch.optim.SGD(theirs, **SGD_KW)
+    opt, ref = fused(ours, **kw), reference(theirs, **kw)
     sc, ref_sc = _scalers()
     grads = _grads(0)
     _set(ours, [g * 4.0 for g in grads])
     _set(theirs, [g * 4.0 for g in grads])
-    sc.unscale_(opt)
-    ref_sc.unscale_(ref)
+    if unscale:
+        sc.unscale_(opt)
+        ref_sc.unscale_(ref)
     return ours, theirs, opt, ref, sc, ref_sc
+
+
+def _steps_leave_grads_as_they_were(ours, theirs, opt, ref, sc, ref_sc):
+    """Both scalers step: fusedist's leaves p.grad bit for bit as it was, the parameters match."""
+    before = [p.grad.clone() for p in ours]
+    sc.step(opt)
+    ref_sc.step(ref)
+    for p, g in zip(ours, before):
+        assert torch.equal(p.grad, g)
+    _assert_close(ours, theirs)
 
 
 def test_an_unchanged_clip_stays_in_the_step():
     """Nothing written between clip and step: the coefficient is still applied by the step
     (p.grad keeps its unclipped values), and parameters match torch's."""
-    ours, theirs, opt, ref, sc, ref_sc = _sgd_twins_unscaled()
+    ours, theirs, opt, ref, sc, ref_sc = _scaled_twins()
     clip_grad_norm_(ours, 0.5)
     torch.nn.utils.clip_grad_norm_(theirs, 0.5)
-    unclipped = [p.grad.clone() for p in ours]
-    sc.step(opt)
-    ref_sc.step(ref)
-    for p, g in zip(ours, unclipped):
-        assert torch.equal(p.grad, g)
-    _assert_close(ours, theirs)
+    _steps_leave_grads_as_they_were(ours, theirs, opt, ref, sc, ref_sc)
 
 
 def test_a_parameter_listed_twice_counts_twice_as_in_torchs_clip():
     """Two modules sharing a tied tensor, chained: torch's norm counts it twice (and scales it
     twice). The recorded norm of unscale_ counts each of the optimizer's parameters once, so
     the clip takes torch's path; the step then matches torch's."""
-    ours, theirs, opt, ref, sc, ref_sc = _sgd_twins_unscaled()
+    ours, theirs, opt, ref, sc, ref_sc = _scaled_twins()
     norm = clip_grad_norm_([ours[0], *ours], 0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_([theirs[0], *theirs], 0.5)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
@@ -370,18 +376,8 @@ def test_a_parameter_listed_twice_counts_twice_as_in_torchs_clip():
 def test_a_fused_step_writes_no_gradient_back():
     """The documented difference from torch's scaler: a fused update applies the scale inline
     and leaves p.grad as it was (scaled, when unscale_ was not called); parameters match."""
-    ours, theirs = _twins()
-    opt, ref = FusedAdamW(ours, lr=0.01), torch.optim.AdamW(theirs, lr=0.01)
-    sc, ref_sc = _scalers()
-    grads = _grads(0)
-    _set(ours, [g * 4.0 for g in grads])
-    _set(theirs, [g * 4.0 for g in grads])
-    scaled = [p.grad.clone() for p in ours]
-    sc.step(opt)
-    ref_sc.step(ref)
-    for p, g in zip(ours, scaled):
-        assert torch.equal(p.grad, g)
-    _assert_close(ours, theirs)
+    ours, theirs, opt, ref, sc, ref_sc = _scaled_twins(FusedAdamW, torch.optim.AdamW, dict(lr=0.01), unscale=False)
+    _steps_leave_grads_as_they_were(ours, theirs, opt, ref, sc, ref_sc)
 
 
 # -- 3. FusedSGD after an overflowed first step -------------------------------------------------

@@ -67,6 +67,18 @@ def _collectives(rank, world_size):
         gathered.append(None if g is None else g.tolist())
     del comm._gather
     out["gather"] = gathered
+    # an output of shape (world_size, n), as gather's docstring draws it (taken flat)
+    g2 = torch.empty(world_size, 2) if rank == dst else None
+    comm.gather(g2, torch.full((2,), float(rank)), dst, tag="gather 2-D")
+    out["gather_2d"] = None if g2 is None else g2.flatten().tolist()
+    # gloo's own reduce-scatter (FUSEDIST_GLOO_COLLECTIVES=builtin) takes a 2-D input flat, as the exchange does
+    os.environ["FUSEDIST_GLOO_COLLECTIVES"] = "builtin"
+    try:
+        rs2 = torch.empty(4)
+        comm.reduce_scatter(rs2, inp.view(1, -1), tag="builtin 2-D")
+    finally:
+        del os.environ["FUSEDIST_GLOO_COLLECTIVES"]
+    out["rs_builtin_2d"] = rs2.tolist()
     # Python objects of different sizes, through the same collectives.
     out["objects"] = (all_gather_object(comm, {"rank": rank, "pad": "x" * 100 * rank}, tag="objects"),
                       gather_object(comm, ("r", rank), dst, tag="objects to dst"),
@@ -110,6 +122,8 @@ def test_collectives_exact(world_size):
         assert out["ranges"] == ["fusedist::all_gather", "fusedist::all_reduce"]
         expected_gather = [float(r) for r in range(world_size) for _ in range(2)] if rank == world_size - 1 else None
         assert out["gather"] == [expected_gather] * 2
+        assert out["gather_2d"] == expected_gather
+        assert out["rs_builtin_2d"] == expected_rs
         everyone, at_dst, broadcast = out["objects"]
         assert broadcast == {"from": world_size - 1}
         assert everyone == [{"rank": r, "pad": "x" * 100 * r} for r in range(world_size)]

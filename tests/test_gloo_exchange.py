@@ -307,6 +307,25 @@ def _failures(rank, world_size):
     except CollectiveError as exc:
         out["skipped"] = (str(exc), time.monotonic() - start)
 
+    # 1c. A wait shorter than the communicator's timeout, for a peer 3 s late: it raises at
+    # its own timeout, as a torch gloo work's does (it had waited for the peer).
+    late = TorchCommunicator(dist.new_group([0, 1]), timeout=datetime.timedelta(seconds=20))
+    late.all_reduce(torch.ones(1))
+    if rank == 0:
+        start = time.monotonic()
+        handle = late.all_gather(torch.empty(8), torch.ones(4), async_op=True, tag="late")
+        try:
+            handle.wait(timeout=datetime.timedelta(seconds=1))
+            out["late"] = ("completed", time.monotonic() - start)
+        except CollectiveError as exc:
+            out["late"] = (str(exc), time.monotonic() - start)
+    else:
+        time.sleep(3)
+        try:
+            late.all_gather(torch.empty(8), torch.ones(4), tag="late")
+        except CollectiveError:
+            pass  # (rank 0 gave up: the exchange failed)
+
     # 2. A rank that never joins: rank 0's reduce_scatter times out with a stall report.
     lonely = TorchCommunicator(dist.new_group([0, 1]))
     monitor = attach_monitor(lonely)
@@ -339,6 +358,8 @@ def test_failures_time_out_naming_op_tag_rank():
         message, elapsed = out["skipped"]
         assert f"all_gather (tag 'blocks.{rank}'" in message and "did not complete" in message, message
         assert elapsed < 15
+    message, elapsed = results[0]["late"]
+    assert "all_gather (tag 'late'" in message and "receiving chunk" in message and elapsed < 2.5, (message, elapsed)
     message, report, elapsed = results[0]["lonely"]
     assert "reduce_scatter (tag 'lonely'" in message and "rank 0 of 2" in message, message
     assert "receiving chunk 0 from rank 1" in message

@@ -79,7 +79,10 @@ class ExchangeWork:
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else None
-        self.run()  # drive it here unless the progress thread already is (saves a thread hand-off)
+        # Drive it here unless the progress thread already is (saves a thread hand-off), for no
+        # longer than ``timeout``: as torch's gloo work, a wait that times out fails the
+        # exchange (it had driven on to the launch deadline, ignoring a shorter timeout).
+        self.run(None if seconds is None else time.monotonic() + seconds)
         if not self._finished.wait(seconds):
             raise RuntimeError(f"{self.op} exchange did not complete within {seconds:g} s "
                                f"(still {self._waiting_for})")
@@ -87,13 +90,15 @@ class ExchangeWork:
             raise self._error
         return True
 
-    def run(self) -> None:
+    def run(self, until: Optional[float] = None) -> None:
         """Drive the exchange to completion, unless another thread does or did (Note [exchange
-        progress]): the progress thread, or a caller of ``wait`` that got there first."""
+        progress]): the progress thread, or a caller of ``wait`` that got there first; by the
+        launch deadline, or ``until`` (a ``time.monotonic()``) if that is sooner."""
         if self._finished.is_set() or not self._runner.acquire(blocking=False):
             return
         try:
-            self._drive()  # its frame, and the gloo works it held, are gone when it returns
+            # its frame, and the gloo works it held, are gone when it returns
+            self._drive(self._deadline if until is None else min(until, self._deadline))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             _drop_frame_locals(exc)
             self._error = exc
@@ -105,28 +110,28 @@ class ExchangeWork:
             self._finished.set()
             self._runner.release()
 
-    def _drive(self) -> None:
+    def _drive(self, deadline: float) -> None:
         posted = []
         for post, peer, global_peer, chunk in self._sends:
             self._waiting_for = f"posting the send of chunk {chunk} to {_where(peer, global_peer)}"
             posted.append((post(), peer, global_peer, chunk))
         for work, peer, global_peer, chunk, complete in self._receives:
-            self._wait_one(work, "receiving", peer, global_peer, chunk)
+            self._wait_one(work, "receiving", peer, global_peer, chunk, deadline)
             if complete is not None:
                 complete()
         for work, peer, global_peer, chunk in posted:
-            self._wait_one(work, "sending", peer, global_peer, chunk)
+            self._wait_one(work, "sending", peer, global_peer, chunk, deadline)
         self._waiting_for = "done"
         if self._on_success is not None:
             self._on_success()
 
-    def _wait_one(self, work, what, peer, global_peer, chunk) -> None:
+    def _wait_one(self, work, what, peer, global_peer, chunk, deadline: float) -> None:
         where = _where(peer, global_peer)
         self._waiting_for = f"{what} chunk {chunk} {'from' if what == 'receiving' else 'to'} {where}"
         try:
-            if time.monotonic() >= self._deadline:
-                raise TimeoutError(f"timed out after {self._timeout_s:g} s")
-            work.wait(timeout=_remaining(self._deadline))
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out after {self._timeout_s - (self._deadline - deadline):g} s")
+            work.wait(timeout=_remaining(deadline))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; say what we waited on
             raise RuntimeError(f"{self.op} exchange: {self._waiting_for} did not complete: {exc}") from exc
 

@@ -101,7 +101,10 @@ class TorchCommunicator(Communicator):
     # collectives, by order.) Each rank's tensor is gathered (one round, like the
     # builtin ring for tensors this small) and folded locally; only reductions whose result
     # does not depend on the order take this path -- max, min, integer sums, and float sums of
-    # two ranks (a + b == b + a) -- so results stay bit-identical to gloo's.
+    # two ranks (a + b == b + a) -- so results stay bit-identical to gloo's. Except max and
+    # min over a NaN: here (and in the exchange's reduce-scatter) a NaN on any rank gives NaN,
+    # as torch.maximum does, where gloo's std::max keeps whichever operand comes first, so its
+    # result depends on the rank order (and, with this path, it would depend on the size).
     def _small_all_reduce(self, tensor, op) -> bool:
         return (self.exchange is not None and tensor.device.type == "cpu"
                 and tensor.dtype in gloo_exchange.REDUCIBLE_DTYPES
@@ -149,8 +152,8 @@ class TorchCommunicator(Communicator):
 
     def _gather(self, output, input, dst):
         global_dst = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        chunks = list(output.chunk(self.world_size)) if output is not None else None
-        return dist.gather(input, chunks, dst=global_dst, group=self.group, async_op=True)
+        chunks = list(output.view(-1).chunk(self.world_size)) if output is not None else None  # (any shape: flat)
+        return dist.gather(input.view(-1), chunks, dst=global_dst, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
@@ -179,5 +182,5 @@ class _GlooReduceScatter:
 
     def wait(self, timeout=None) -> None:
         self.work.wait(timeout=timeout)
-        self.output.copy_(self.buffer.chunk(self.world_size)[self.rank])
+        self.output.view(-1).copy_(self.buffer.view(-1).chunk(self.world_size)[self.rank])  # (any shapes: flat)
         self.buffer = None

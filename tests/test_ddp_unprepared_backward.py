@@ -1,13 +1,16 @@
 """A backward that no DDP forward prepared (Note [a backward no DDP forward prepared] in
 fusedist/ddp/reducer.py) accumulates local gradients, as with torch DDP: one through
-``model.module``, and a second backward of a graph kept with ``retain_graph=True``. The next
-synchronized backward reduces them with its own. Compared with torch DDP on 2 gloo ranks, with
-rank-dependent inputs so that a reduced gradient differs from a local one."""
+``model.module``; the next synchronized backward reduces them with its own, and a step right
+after one is refused. A second backward through the wrapper's output (two losses of one
+forward) synchronizes again, where torch's leaves it local and its ranks diverge: the result is
+torch's for the sum of the losses. Compared with torch DDP on 2 gloo ranks, with rank-dependent
+inputs so that a reduced gradient differs from a local one."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -28,29 +31,39 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _exact(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
 def _bare_and_retained(rank, world_size):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
-    results = []
-    for model in _pair():
+    torch_ddp, ours = _pair()
+    for model in (torch_ddp, ours):
         model.module(x).sum().backward()                      # through the bare module: local
-        bare = _grads(model)
-        local = torch.autograd.grad(model.module(x).sum(), list(model.parameters()))
-        y = model(2 * x).sum()
-        y.backward(retain_graph=True)                         # synchronized: the sum, reduced
-        synced = _grads(model)
-        y.backward()                                          # the retained graph again: local
-        results.append((bare, local, synced, _grads(model)))
-    (t_bare, t_local, t_synced, t_after), (bare, local, synced, after) = results
-    for a, b, c in zip(bare, local, t_bare):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)      # nothing reduced
-        torch.testing.assert_close(a, c, rtol=0, atol=0)
-    for ours, theirs in ((synced, t_synced), (after, t_after)):
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    return [float((a - b).abs().max()) for a, b in zip(synced, bare)]
+    bare = _grads(ours)
+    local = torch.autograd.grad(ours.module(x).sum(), list(ours.parameters()))
+    _exact(bare, local)
+    _exact(bare, _grads(torch_ddp))
+    with pytest.raises(RuntimeError, match="not synchronized.*model.module"):
+        torch.optim.SGD(ours.parameters(), lr=0.1).step()     # the ranks would diverge
+    for model in (torch_ddp, ours):
+        model((2 * x)).sum().backward()                       # synchronized: the sum, reduced
+    _exact(_grads(ours), _grads(torch_ddp))
+    moved = [float((a - b).abs().max()) for a, b in zip(_grads(ours), bare)]
+    # two losses of one forward: the second backward synchronizes too (torch's is local)
+    for model in (torch_ddp, ours):
+        model.zero_grad()
+    y = ours(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    torch_ddp(x).sum().mul(2).backward()                      # torch, both losses in one backward
+    _exact(_grads(ours), _grads(torch_ddp))
+    torch.optim.SGD(ours.parameters(), lr=0.1).step()         # synchronized: the step is taken
+    return moved
 
 
-def test_backward_through_the_module_or_a_retained_graph_is_local_as_torchs():
+def test_backward_through_the_module_is_local_and_a_second_loss_synchronizes():
     moved = run_distributed(_bare_and_retained, 2)
     assert all(d > 1e-3 for per_rank in moved for d in per_rank)  # the synchronized backward did reduce
 

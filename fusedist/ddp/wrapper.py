@@ -261,9 +261,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     def forward(self, *args, **kwargs):
         args, kwargs = self._inputs_on_device(args, kwargs)  # Note [inputs moved to the module's device]
         # Note [bookkeeping outside compiled graphs]: only the module's own forward is traced.
-        if self._before_forward(torch.compiler.is_compiling()):
+        compiling = torch.compiler.is_compiling()
+        if self._before_forward(compiling):
             return _join.run_module(self, args, kwargs)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if not compiling and torch.is_grad_enabled():
+            self.reducer.arm_again_through(out, sync=self._no_sync_depth == 0)
+        return out
 
     # Note [bookkeeping outside compiled graphs]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

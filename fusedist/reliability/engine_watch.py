@@ -62,9 +62,10 @@ class StepWatch(WatchBase, EngineObserver):
     owner_name = "DistributedDataParallel model"
     no_backward_advice = ("so there are no averaged gradients to apply. Call loss.backward() (outside no_sync()) "
                           "before optimizer.step().")
-    unsynced_advice = ("whose forward ran under no_sync(): the gradients are this rank's local sums, not averaged "
-                       "across ranks, so the ranks would diverge. Run the last micro-batch's forward and backward "
-                       "outside no_sync() before stepping.")
+    unsynced_advice = ("that was not synchronized -- its forward ran under no_sync(), or it did not go through a "
+                       "forward of the wrapper (a backward through model.module): the gradients are this rank's "
+                       "local sums, not averaged across ranks, so the ranks would diverge. Run the last "
+                       "micro-batch's forward (through the wrapper, outside no_sync()) and backward before stepping.")
 
     def __init__(self, engine):
         self._engine = engine  # (before the base registers position() with the monitor)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -244,6 +245,37 @@ def test_swapped_optimizer_pickles():
     loaded = torch.load(buffer, weights_only=False)
     assert type(loaded) is type(swapped) and isinstance(loaded, FusedAdamW) and type(loaded).__name__ == "AdamW"
     assert torch.equal(loaded.state_dict()["state"][1]["exp_avg"], swapped.state_dict()["state"][1]["exp_avg"])
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW(p, lr=1e-2, fused=False),
+                                  lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=False, fused=False)],
+                         ids=["AdamW fused=False", "SGD foreach=False fused=False"])
+def test_an_optimizer_choosing_torchs_implementation_is_swapped_all_the_same(make):
+    """foreach= / fused=False pick among torch's implementations; the swap replaces the
+    implementation (fused=False made the fused class refuse, on every rank at setup). The
+    swapped optimizer steps as the returned one: fp32, the same formula fused, within 1e-6."""
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    theirs = [nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(2, 3))]
+    ours = [nn.Parameter(p.detach().clone()) for p in theirs]
+    ref, swapped = make(theirs), FusedistStrategy()._convert_optimizer(make(ours), master_weights=False)
+    assert type(swapped).__name__ == type(ref).__name__ and type(swapped) is not type(ref)
+    for step in range(3):
+        for p, q in zip(theirs, ours):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        ref.step()
+        swapped.step()
+    for p, q in zip(theirs, ours):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [True, 1.0, "1", 3])
+def test_zero_stage_is_0_1_or_2_as_an_int(stage):
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
+        FusedistStrategy(zero_stage=stage)
 
 
 # ----------------------------------------------------------------------------- LR schedules

@@ -75,7 +75,7 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
     strategy_name = "fusedist"
 
     def __init__(self, *, zero_stage: int = 0, fused_optimizer: bool = True, **kwargs: Any) -> None:
-        if zero_stage not in (0, 1, 2):
+        if type(zero_stage) is not int or zero_stage not in (0, 1, 2):  # (not True, not 1.0)
             raise ValueError(f"FusedistStrategy: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         super().__init__(**kwargs)
         self.zero_stage = zero_stage
@@ -147,9 +147,14 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
                                "before its first step (return a fresh optimizer from configure_optimizers)")
         target = fused or cls
         defaults = {k: v for k, v in optimizer.defaults.items() if k in _keywords(target)}
+        groups = [dict(group) for group in optimizer.param_groups]
         if fused is not None:
             defaults["master_weights"] = master_weights
-        groups = [dict(group) for group in optimizer.param_groups]
+            # which of torch's implementations to run (foreach=, fused=False): the conversion
+            # replaces the implementation, so they say nothing here (fused=False was refused)
+            for settings in (defaults, *groups):
+                settings.pop("foreach", None)
+                settings.pop("fused", None)
         if self.zero_stage == 0:
             return _named_as(target, cls)(groups, **defaults)
         return _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=self.zero_stage, **defaults)

@@ -385,9 +385,9 @@ class Reducer:
             return
         reducer = weakref.ref(self)
 
-        def arm(grad_outputs):
+        def arm(grad_outputs):  # (only where nothing prepared it: a pipeline's schedule does)
             r = reducer()
-            if r is not None and not r.in_backward:
+            if r is not None and not r.in_backward and not r.prepared:
                 r.prepared, r.next_backward_sync = True, sync
 
         for node in nodes.values():

@@ -293,6 +293,20 @@ BAD = [
     # a global batch that is not whole micro-batches on every GPU was rounded up silently
     (["--params", "7e9", "--gpus", "8", "--seq", "8", "--micro-batch", "3", "--global-batch", "100"],
      "--global-batch"),
+    # past what the planner models: an overflow traceback, Infinity in --json, or minutes of a
+    # walk over a million layers
+    (["--params", "1e307", "--gpus", "8", "--seq", "2048"], "--params"),
+    (["--params", "1e17", "--gpus", "8", "--seq", "2048", "--json"], "--params"),
+    (["--layers", "1000000", "--hidden", "64", "--heads", "4", "--seq", "8", "--vocab", "9", "--gpus", "8"],
+     "--layers"),
+    (["--layers", "2", "--hidden", str(2 ** 600), "--heads", "4", "--seq", "8", "--vocab", "9", "--gpus", "8"],
+     "--hidden"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", str(10 ** 160), "--vocab", "9", "--gpus", "8"],
+     "--seq"),
+    (["--params", "7e9", "--gpus", str(2 ** 40), "--seq", "8"], "--gpus"),
+    # shape options beside --params were ignored
+    (["--params", "7B", "--gpus", "8", "--seq", "4096", "--arch", "llama", "--kv-heads", "3"], "--params"),
+    (["--params", "7B", "--gpus", "8", "--seq", "4096", "--ffn-hidden", "7"], "--params"),
 ]
 
 
@@ -314,6 +328,28 @@ def test_bad_hf_config(capsys, tmp_path, content):
     path.write_text(content)
     code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--hf-config" in err
+
+
+def test_the_arch_given_with_a_config_is_refused_even_if_it_is_the_default(capsys, tmp_path):
+    """--arch gpt beside --hf-config was taken for the default and ignored."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2_7B))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--arch", "gpt", "--gpus", "8")
+    assert code == 2 and err.strip() == "python -m fusedist.plan: error: --hf-config: --arch comes from the config"
+
+
+def test_a_config_past_the_bounds_is_refused(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2_7B, "num_hidden_layers": 10 ** 9}))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 2 and "--hf-config: layers 1000000000 is beyond what the planner models" in err
+
+
+def test_measure_with_a_world_size_that_is_not_a_number(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    code, _, err = run_cli(capsys, "--measure", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "8",
+                           "--vocab", "9")
+    assert code == 2 and "WORLD_SIZE='abc' is not a rank count" in err
 
 
 def test_bad_input_exit_status_without_traceback():

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+from typing import Optional
 
 from . import hardware, memory, timing
 from .errors import PlanError
@@ -20,6 +21,14 @@ from .plan import Job, build_plan, check_expert_parallel
 PROG = "python -m fusedist.plan"
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab")
+# What the planner models at most: far past any model or cluster built, and where its figures
+# still hold (huge counts overflowed to a traceback, printed Infinity in --json, or, with a
+# million layers, ran for minutes; the per-layer terms walk the blocks).
+MAX_PARAMS = 1e16
+_MAX = {"layers": 100_000, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "vocab": 1 << 26,
+        "ffn_hidden": 1 << 24, "seq": 1 << 26, "expert_ffn": 1 << 24, "experts": 1 << 20}
+_MAX_JOB = {"gpus": 1 << 24, "gpus_per_node": 1 << 16, "micro_batch": 1 << 24, "global_batch": 1 << 40,
+            "ref_batch": 1 << 40, "ep": 1 << 24}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
         "Memory in GB = 1e9 bytes; bandwidths in GB/s per GPU and direction."))
     m = p.add_argument_group("model (one of: --params, the shape, --hf-config)")
     m.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 7B")
-    m.add_argument("--arch", default="gpt", help=f"block shape for the shape flags: {', '.join(ARCHS)} (default gpt)")
+    m.add_argument("--arch", help=f"block shape for the shape flags: {', '.join(ARCHS)} (default gpt)")
     for flag, text in (("layers", "transformer blocks"), ("hidden", "model width h"),
                        ("heads", "attention heads"), ("vocab", "vocabulary size"),
                        ("ffn-hidden", "MLP width (default 4h)"),
@@ -136,25 +145,45 @@ def model_spec(args) -> ModelSpec:
     if len(given) > 1:
         raise PlanError("--params" if "--params" in given else "--hf-config",
                         f"give the model one way, not {' and '.join(given)}")
+    shape_only = [f"--{f.replace('_', '-')}" for f in ("arch", "ffn_hidden", "kv_heads") if getattr(args, f) is not None]
     if args.hf_config:
-        spec = from_hf_config(args.hf_config)
-        if args.arch != "gpt" or args.ffn_hidden is not None or args.kv_heads is not None:
-            raise PlanError("--hf-config", "--arch/--ffn-hidden/--kv-heads come from the config")
-        return spec
+        if shape_only:
+            raise PlanError("--hf-config", f"{'/'.join(shape_only)} {'come' if len(shape_only) > 1 else 'comes'} "
+                                           "from the config")
+        return _within_bounds(from_hf_config(args.hf_config), "--hf-config")
     if args.params is not None:
+        if shape_only:
+            raise PlanError("--params", f"{'/'.join(shape_only)} {'describe' if len(shape_only) > 1 else 'describes'} "
+                                        "a shape, which --params does not give")
         if args.params <= 0:
             raise PlanError("--params", f"must be positive, got {args.params:g}")
         if round(args.params) < 1:
             raise PlanError("--params", f"{args.params:g} rounds to no parameters")
+        if args.params > MAX_PARAMS:
+            raise PlanError("--params", f"{args.params:g} is beyond what the planner models (at most {MAX_PARAMS:g})")
         return ModelSpec(params=int(round(args.params)), source="params")
-    if args.arch not in ARCHS:
-        raise PlanError("--arch", f"unknown architecture {args.arch!r} (choose {', '.join(ARCHS)})")
+    arch = args.arch or "gpt"
+    if arch not in ARCHS:
+        raise PlanError("--arch", f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
     for f in (*_SHAPE_FLAGS, "seq"):
         if getattr(args, f) is None:
             raise PlanError(f"--{f}", "missing: the shape needs --layers --hidden --heads --seq --vocab")
-    spec = ModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+    spec = ModelSpec(arch=arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                      kv_heads=args.kv_heads, seq=args.seq, vocab=args.vocab, ffn_hidden=args.ffn_hidden)
+    _within_bounds(spec, None)
     validate(spec)
+    return spec
+
+
+def _within_bounds(spec: ModelSpec, source: Optional[str]) -> ModelSpec:
+    """``spec`` unless a dimension is past what the planner models (``_MAX``), naming the flag
+    (or ``source``, the config)."""
+    for name, limit in _MAX.items():
+        value = getattr(spec, name)
+        if isinstance(value, int) and value > limit:
+            where = source or f"--{name.replace('_', '-')}"
+            raise PlanError(where, f"{name.replace('_', ' ')} {value} is beyond what the planner models "
+                                   f"(at most {limit})")
     return spec
 
 
@@ -162,6 +191,12 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
     seq = args.seq if args.seq is not None else spec.seq
     if seq is None:
         raise PlanError("--seq", "needed (tokens per step)")
+    for name, limit in _MAX_JOB.items():
+        value = gpus if name == "gpus" else getattr(args, name)
+        if value is not None and value > limit:
+            raise PlanError(f"--{name.replace('_', '-')}", f"{value} is beyond what the planner models (at most {limit})")
+    if seq is not None and seq > _MAX["seq"]:
+        raise PlanError("--seq", f"{seq} is beyond what the planner models (at most {_MAX['seq']})")
     checks = (("--gpus", gpus), ("--gpus-per-node", args.gpus_per_node), ("--micro-batch", args.micro_batch),
               ("--global-batch", args.global_batch), ("--seq", seq), ("--ref-batch", args.ref_batch),
               ("--bucket-cap-mb", args.bucket_cap_mb), ("--ref-lr", args.ref_lr), ("--steps", args.steps))
@@ -201,7 +236,11 @@ def main(argv=None) -> int:
         hw = hardware.resolve(args.gpu, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
                               args.inter_node_gbps, args.pcie_gbps, args.host_memory_gb, args.host_memory_gbps)
         if args.measure:
-            world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+            try:
+                world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+            except ValueError:
+                raise PlanError("--measure", f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a rank count: "
+                                             "run under torchrun") from None
             if world < 2:
                 raise PlanError("--measure", "run under torchrun with 2 or more ranks, e.g. torchrun "
                                              "--nproc_per_node=2 -m fusedist.plan --measure ...")
@@ -225,7 +264,12 @@ def main(argv=None) -> int:
         from .measure import run  # imports torch.distributed only when measuring
         return run(spec, job, hw, plan, steps=args.steps, as_json=args.json)
     if args.json:
-        print(json.dumps(plan, indent=2))
+        try:
+            text = json.dumps(plan, indent=2, allow_nan=False)  # JSON itself: no Infinity, no NaN
+        except ValueError as exc:
+            print(f"{PROG}: error: a figure of the plan is not finite ({exc})", file=sys.stderr)
+            return 2
+        print(text)
     else:
         from .report import format_plan
         print(format_plan(plan))

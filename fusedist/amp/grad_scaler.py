@@ -254,8 +254,9 @@ class GradScaler(_TorchGradScaler):
     ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Like torch's,
     it refuses float16 gradients (in place they would underflow); ``lazy_unscale`` takes them.
     A fused update writes no gradient back: after ``step``, ``p.grad`` holds what it held
-    before (scaled where ``unscale_`` was not called, unclipped after ``fusedist.clip_grad_norm_``),
-    where torch's leaves unscaled, clipped gradients. Settings torch takes silently but cannot train with (``init_scale`` <= 0 or not finite,
+    before (scaled where ``unscale_`` was not called, unclipped after
+    ``fusedist.clip_grad_norm_``), where torch's leaves unscaled, clipped gradients.
+    Settings torch takes silently but cannot train with (``init_scale`` <= 0 or not finite,
     ``backoff_factor`` <= 0, an infinite ``growth_factor``, ``growth_interval`` not an integer
     >= 1) raise ValueError, here and in ``load_state_dict``. Extra keyword-only arguments:
 

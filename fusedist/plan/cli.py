@@ -145,7 +145,8 @@ def model_spec(args) -> ModelSpec:
     if len(given) > 1:
         raise PlanError("--params" if "--params" in given else "--hf-config",
                         f"give the model one way, not {' and '.join(given)}")
-    shape_only = [f"--{f.replace('_', '-')}" for f in ("arch", "ffn_hidden", "kv_heads") if getattr(args, f) is not None]
+    shape_only = [f"--{f.replace('_', '-')}" for f in ("arch", "ffn_hidden", "kv_heads")
+                  if getattr(args, f) is not None]
     if args.hf_config:
         if shape_only:
             raise PlanError("--hf-config", f"{'/'.join(shape_only)} {'come' if len(shape_only) > 1 else 'comes'} "
@@ -194,7 +195,8 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
     for name, limit in _MAX_JOB.items():
         value = gpus if name == "gpus" else getattr(args, name)
         if value is not None and value > limit:
-            raise PlanError(f"--{name.replace('_', '-')}", f"{value} is beyond what the planner models (at most {limit})")
+            raise PlanError(f"--{name.replace('_', '-')}",
+                            f"{value} is beyond what the planner models (at most {limit})")
     if seq is not None and seq > _MAX["seq"]:
         raise PlanError("--seq", f"{seq} is beyond what the planner models (at most {_MAX['seq']})")
     checks = (("--gpus", gpus), ("--gpus-per-node", args.gpus_per_node), ("--micro-batch", args.micro_batch),

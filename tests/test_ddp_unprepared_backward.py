@@ -1,5 +1,5 @@
 """A backward that no DDP forward prepared (Note [a backward no DDP forward prepared] in
-fusedist/ddp/reducer.py) accumulates local gradients, as with torch DDP: one through
+fusedist/ddp/prepared.py) accumulates local gradients, as with torch DDP: one through
 ``model.module``; the next synchronized backward reduces them with its own, and a step right
 after one is refused. A second backward through the wrapper's output (two losses of one
 forward) synchronizes again, where torch's leaves it local and its ranks diverge: the result is

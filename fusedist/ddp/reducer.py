@@ -143,7 +143,7 @@ class Reducer:
         self.caught_up_now: set = set()
 
         self.next_backward_sync = True
-        self.prepared = False  # Note [a backward no DDP forward prepared]
+        self.prepared = False  # Note [a backward no DDP forward prepared] in prepared.py
         self.in_backward = False
         self._observed_order: Optional[list[int]] = None
         self.warned_unused = False  # settle_unused's one warning (unused.py)
@@ -359,43 +359,9 @@ class Reducer:
         for observer in self.observers:
             observer.forward_begins(self)
 
-    # Note [a backward no DDP forward prepared]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # As torch's DDP (its reducer's ``expect_autograd_hooks_``): a training forward through the
-    # wrapper prepares the next backward to synchronize, and a backward nothing prepared --
-    # through ``model.module`` after the step's own (a saliency map, a probe on one rank) --
-    # accumulates local gradients, as under ``no_sync``, which the next synchronized backward
-    # reduces with its own. Reducing it instead made its gradients averages, and a rank that
-    # ran one alone waited in a bucket collective that its peers, in their next forward,
-    # paired with nothing (a stall until the collective timeout).
-    #     One difference from torch, kept on purpose: a backward that passes through the
-    # wrapper's output again -- the second of two losses of one forward, ``loss1.backward(
-    # retain_graph=True); loss2.backward()`` -- is prepared again by that output (a hook on
-    # its autograd node, :meth:`arm_again_through`) and synchronizes too, so the step gets
-    # avg(g1) + avg(g2) on every rank. torch reduces only the first, and its ranks step with
-    # different gradients. Not under ``torch.compile`` of the wrapper, whose outputs are
-    # the compiled graph's: there, as in torch, the second is local (and the step refuses).
-    def arm_again_through(self, out, sync: bool) -> None:
-        """Hook the autograd nodes of a training forward's outputs so that a backward passing
-        through them later is prepared as that forward prepared its first (Note [a backward no
-        DDP forward prepared])."""
-        nodes = {id(t.grad_fn): t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-        if not nodes:
-            return
-        reducer = weakref.ref(self)
-
-        def arm(grad_outputs):  # (only where nothing prepared it: a pipeline's schedule does)
-            r = reducer()
-            if r is not None and not r.in_backward and not r.prepared:
-                r.prepared, r.next_backward_sync = True, sync
-
-        for node in nodes.values():
-            node.register_prehook(arm)
-
     def _begin_backward(self, shadow: bool = False) -> None:
         self.in_backward = True
-        if not self.prepared:
+        if not self.prepared:  # Note [a backward no DDP forward prepared] in prepared.py
             self.next_backward_sync = False
         self.sync = self.next_backward_sync
         inactive = self.inactive

@@ -23,6 +23,7 @@ from .arguments import (TORCH_ONLY_OPTIONS, buffer_sync_settings, check_device_i
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
+from .prepared import arm_again_through
 from .reducer import Reducer
 from .static_graph import ArrivalCounts
 from .torch_surface import TorchDDPSurface
@@ -266,7 +267,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             return _join.run_module(self, args, kwargs)
         out = self.module(*args, **kwargs)
         if not compiling and torch.is_grad_enabled():
-            self.reducer.arm_again_through(out, sync=self._no_sync_depth == 0)
+            arm_again_through(self.reducer, out, sync=self._no_sync_depth == 0)
         return out
 
     # Note [bookkeeping outside compiled graphs]

@@ -1,0 +1,45 @@
+"""Which backward a DDP model synchronizes.
+
+Note [a backward no DDP forward prepared]
+    As torch's DDP (its reducer's ``expect_autograd_hooks_``): a training forward through the
+    wrapper prepares the next backward to synchronize (``Reducer.prepare_forward`` sets
+    ``prepared``), and a backward nothing prepared -- through ``model.module`` after the step's
+    own (a saliency map, a probe on one rank) -- accumulates local gradients, as under
+    ``no_sync``, which the next synchronized backward reduces with its own
+    (``Reducer._begin_backward`` reads the flag, ``_finish_backward`` clears it). Reducing it
+    instead made its gradients averages, and a rank that ran one alone waited in a bucket
+    collective that its peers, in their next forward, paired with nothing (a stall until the
+    collective timeout).
+
+    One difference from torch, kept on purpose: a backward that passes through the wrapper's
+    output again -- the second of two losses of one forward, ``loss1.backward(
+    retain_graph=True); loss2.backward()`` -- is prepared again by that output (a hook on its
+    autograd node, :func:`arm_again_through`) and synchronizes too, so the step gets
+    avg(g1) + avg(g2) on every rank. torch reduces only the first, and its ranks step with
+    different gradients. Not under ``torch.compile`` of the wrapper, whose outputs are the
+    compiled graph's: there, as in torch, the second is local (and the step refuses).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def arm_again_through(reducer, out, sync: bool) -> None:
+    """Hook the autograd nodes of a training forward's outputs ``out`` so that a backward
+    passing through them later is prepared as that forward prepared its first (``sync``)."""
+    nodes = {id(t.grad_fn): t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    if not nodes:
+        return
+    held = weakref.ref(reducer)
+
+    def arm(grad_outputs):  # (only where nothing prepared it: a pipeline's schedule does)
+        r = held()
+        if r is not None and not r.in_backward and not r.prepared:
+            r.prepared, r.next_backward_sync = True, sync
+
+    for node in nodes.values():
+        node.register_prehook(arm)

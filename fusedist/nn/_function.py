@@ -22,6 +22,7 @@ from torch._C import _functions as _autograd_functions
 from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
+from ._bn_reference import _per_channel
 from ._layout import NCSLayout, as_ncs, like_layout
 from ._sync_stats import GRAD_TAG, IDENTITY_LEN, checked_counts, combine, gather_messages, write_layer_identity
 
@@ -81,23 +82,23 @@ def _first_order_only(backward, differentiable=None):
 # differentiable torch ops from the saved input and weight: the same values as the kernels' up
 # to rounding, and a graph to differentiate again. Synchronized training still refuses (its
 # statistics come from a collective, which torch's layer does not differentiate either).
-def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
-    return t.view(1, -1, *([1] * (ndim - 2)))
+def _channel_sums(t: torch.Tensor) -> torch.Tensor:
+    """Per-channel sums (dim 1) over every other dimension, differentiable."""
+    return t.sum([d for d in range(t.dim()) if d != 1])
 
 
 def _running_stats_grads(ctx, dy):
     x, weight, mean, invstd = ctx.saved_tensors
-    dims = [d for d in range(x.dim()) if d != 1]
     acc = mean.dtype
     dy_acc = dy.to(acc)
     scale = invstd if weight is None else invstd * weight.to(acc)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    grad_x = (dy_acc * _channel_view(scale, x.dim())).to(x.dtype) if need_x else None
+    grad_x = (dy_acc * _per_channel(scale, x)).to(x.dtype) if need_x else None
     grad_w = None
     if need_w:
-        xhat = (x.to(acc) - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
-        grad_w = (dy_acc * xhat).sum(dims).to(weight.dtype)
-    grad_b = dy_acc.sum(dims).to(weight.dtype if weight is not None else acc) if need_b else None
+        xhat = (x.to(acc) - _per_channel(mean, x)) * _per_channel(invstd, x)
+        grad_w = _channel_sums(dy_acc * xhat).to(weight.dtype)
+    grad_b = _channel_sums(dy_acc).to(weight.dtype if weight is not None else acc) if need_b else None
     return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -111,8 +112,7 @@ def _local_batch_stats_grads(ctx, dy):
                                      wanted, dy, create_graph=True) if wanted else ())
     grad_x = next(grads) if need_x else None
     grad_w = next(grads) if need_w else None
-    dims = [d for d in range(x.dim()) if d != 1]
-    grad_b = dy.sum(dims).to(weight.dtype if weight is not None else dy.dtype) if need_b else None
+    grad_b = _channel_sums(dy).to(weight.dtype if weight is not None else dy.dtype) if need_b else None
     return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 

@@ -145,8 +145,7 @@ def model_spec(args) -> ModelSpec:
     if len(given) > 1:
         raise PlanError("--params" if "--params" in given else "--hf-config",
                         f"give the model one way, not {' and '.join(given)}")
-    shape_only = [f"--{f.replace('_', '-')}" for f in ("arch", "ffn_hidden", "kv_heads")
-                  if getattr(args, f) is not None]
+    shape_only = [_flag(f) for f in ("arch", "ffn_hidden", "kv_heads") if getattr(args, f) is not None]
     if args.hf_config:
         if shape_only:
             raise PlanError("--hf-config", f"{'/'.join(shape_only)} {'come' if len(shape_only) > 1 else 'comes'} "
@@ -160,8 +159,7 @@ def model_spec(args) -> ModelSpec:
             raise PlanError("--params", f"must be positive, got {args.params:g}")
         if round(args.params) < 1:
             raise PlanError("--params", f"{args.params:g} rounds to no parameters")
-        if args.params > MAX_PARAMS:
-            raise PlanError("--params", f"{args.params:g} is beyond what the planner models (at most {MAX_PARAMS:g})")
+        _bounded("--params", args.params, MAX_PARAMS)
         return ModelSpec(params=int(round(args.params)), source="params")
     arch = args.arch or "gpt"
     if arch not in ARCHS:
@@ -181,11 +179,22 @@ def _within_bounds(spec: ModelSpec, source: Optional[str]) -> ModelSpec:
     (or ``source``, the config)."""
     for name, limit in _MAX.items():
         value = getattr(spec, name)
-        if isinstance(value, int) and value > limit:
-            where = source or f"--{name.replace('_', '-')}"
-            raise PlanError(where, f"{name.replace('_', ' ')} {value} is beyond what the planner models "
-                                   f"(at most {limit})")
+        if isinstance(value, int):
+            _bounded(source or _flag(name), value, limit, named=name.replace("_", " "))
     return spec
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _bounded(flag: str, value, limit, named: str = "") -> None:
+    """Refuse ``value`` (None: not given) past ``limit``, what the planner models."""
+    if value is not None and value > limit:
+        def shown(x):
+            return f"{x:g}" if isinstance(x, float) else str(x)
+        raise PlanError(flag, f"{named + ' ' if named else ''}{shown(value)} is beyond what the planner models "
+                              f"(at most {shown(limit)})")
 
 
 def job_of(args, spec: ModelSpec, gpus: int) -> Job:
@@ -193,12 +202,8 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
     if seq is None:
         raise PlanError("--seq", "needed (tokens per step)")
     for name, limit in _MAX_JOB.items():
-        value = gpus if name == "gpus" else getattr(args, name)
-        if value is not None and value > limit:
-            raise PlanError(f"--{name.replace('_', '-')}",
-                            f"{value} is beyond what the planner models (at most {limit})")
-    if seq is not None and seq > _MAX["seq"]:
-        raise PlanError("--seq", f"{seq} is beyond what the planner models (at most {_MAX['seq']})")
+        _bounded(_flag(name), gpus if name == "gpus" else getattr(args, name), limit)
+    _bounded("--seq", seq, _MAX["seq"])
     checks = (("--gpus", gpus), ("--gpus-per-node", args.gpus_per_node), ("--micro-batch", args.micro_batch),
               ("--global-batch", args.global_batch), ("--seq", seq), ("--ref-batch", args.ref_batch),
               ("--bucket-cap-mb", args.bucket_cap_mb), ("--ref-lr", args.ref_lr), ("--steps", args.steps))

@@ -277,8 +277,8 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
         counter.close()
     params = list(model.parameters())
     if strategy == "zero3_offload":  # Note [measuring ZeRO-3 offload]
-        states, host = (_model_state_bytes(params, opt, lambda t, on_host=on_host: (t.device.type == "cpu") == on_host)
-                        for on_host in (False, True))
+        states = _model_state_bytes(params, opt, lambda t: t.device.type != "cpu")
+        host = _model_state_bytes(params, opt, lambda t: t.device.type == "cpu")
     elif strategy in ("ddp", "zero3"):
         states, host = _model_state_bytes(params, opt), 0
     else:

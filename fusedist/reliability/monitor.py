@@ -178,7 +178,7 @@ class CollectiveMonitor:
 
 
 def _short(error: BaseException, limit: int = 400) -> str:
-    text = f"{type(error).__name__}: {error}"
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     text = text.splitlines()[0] if text else type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -229,7 +229,9 @@ def _publish_exit() -> None:
 
 
 def _publish_uncaught(exc_type, exc, tb) -> None:
-    if not issubclass(exc_type, (KeyboardInterrupt, CollectiveError)):
+    """A KeyboardInterrupt is published too: without an entry the atexit hook would report the
+    interrupted rank as one that "EXITED without an error" after running fewer iterations."""
+    if not issubclass(exc_type, CollectiveError):
         publish_crash(exc)  # a collective failure already published its own entry
 
 

@@ -32,34 +32,61 @@ from ..ownership import data_parallel_owner, step_watch
 
 _lock = threading.Lock()
 # optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
-# trainable parameter or None, weak references to the watches of every owning model: the DDP
-# wrappers' and fully_shard roots'). Weak: a value that reaches its own key keeps the entry alive
-# forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer (through its module's hooks).
+# trainable parameter or None, (weak reference, [(group, index) of its parameters]) of the watch
+# of every owning model: the DDP wrappers' and fully_shard roots'). Weak: a value that reaches its
+# own key keeps the entry alive forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer
+# (through its module's hooks). Positions, not parameters: a parameter's hooks may reach it too.
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _watch_of(p):
+    ddp = data_parallel_owner(p)
+    return (ddp, ddp.watch) if ddp is not None else (None, step_watch(p))
+
+
+def _param_at(groups, gi: int, pi: int):
+    """The parameter at a cached position (None: the groups were reshaped in place since)."""
+    try:
+        return groups[gi]["params"][pi]
+    except IndexError:
+        return None
+
+
+def _still_valid(optimizer, cached, count) -> bool:
+    """The entry is stale once a model it names is gone, or a parameter it found watched has
+    another watch now (its module was wrapped again, the older wrapper dropped or not): kept,
+    the new model's optimizer steps would go uncounted by the step check and unguarded."""
+    if cached[0] != count or cached[2] is not None:
+        return False  # (an unowned parameter is looked at again: DDP may have taken it on since)
+    if any(ref() is None for ref in cached[1]):
+        return False
+    groups = optimizer.param_groups
+    for ref, positions in cached[3]:  # one lookup per model: its first parameter's watch
+        p = _param_at(groups, *positions[0])
+        if ref() is None or p is None or _watch_of(p)[1] is not ref():
+            return False
+    return True
 
 
 def _classify(optimizer):
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     cached = _cache.get(optimizer)
-    if cached is not None and cached[0] == count and cached[2] is None:
-        return cached  # (an unowned parameter is looked at again: DDP may have taken it on since)
+    if cached is not None and _still_valid(optimizer, cached, count):
+        return cached
     owners: dict[int, object] = {}
-    watches: dict[int, object] = {}
+    watches: dict[int, tuple] = {}  # id -> (watch, positions of its parameters in the optimizer)
     unowned = None
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            ddp = data_parallel_owner(p)
+            ddp, watch = _watch_of(p)
             if ddp is not None:
                 owners[id(ddp)] = ddp
-                watches[id(ddp.watch)] = ddp.watch
-                continue
-            watch = step_watch(p)
             if watch is not None:
-                watches[id(watch)] = watch
+                watches.setdefault(id(watch), (watch, []))[1].append((gi, pi))
             elif p.requires_grad and unowned is None:
                 unowned = (gi, pi, tuple(p.shape), str(p.dtype))
     entry = (count, [weakref.ref(ddp) for ddp in owners.values()], unowned,
-             [weakref.ref(w) for w in watches.values()])
+             [(weakref.ref(w), positions) for w, positions in watches.values()])
     _cache[optimizer] = entry
     return entry
 
@@ -69,7 +96,23 @@ def _owners(entry) -> list:
 
 
 def _watches(entry) -> list:
-    return [w for w in (ref() for ref in entry[3]) if w is not None]
+    return [w for w in (ref() for ref, _ in entry[3]) if w is not None]
+
+
+def _checked_watches(optimizer, entry) -> list:
+    """Note [several models in one optimizer]: one optimizer over two DDP models (an encoder and
+    a head wrapped apart, a GAN's two nets) may step while only one of them ran a backward; as
+    with torch, the other's parameters have no gradient and the step leaves them alone. So a
+    model none of whose parameters here has a gradient is not checked -- unless no model has
+    one (the documented single-model refusal of a step before any backward)."""
+    groups = optimizer.param_groups
+    watches = [(ref(), positions) for ref, positions in entry[3]]
+    watches = [(w, positions) for w, positions in watches if w is not None]
+    if len(watches) < 2:
+        return [w for w, _ in watches]
+    with_grad = [w for w, positions in watches
+                 if any(getattr(_param_at(groups, gi, pi), "grad", None) is not None for gi, pi in positions)]
+    return with_grad or [w for w, _ in watches]
 
 
 # Note [step with a closure]
@@ -90,12 +133,12 @@ def _pre_step(optimizer, args, kwargs):
     # torch passes step()'s own arguments: (optimizer, closure, ...) or closure=...
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is None:
-        _check_backward(optimizer, watches)
+        _check_backward(optimizer, _checked_watches(optimizer, entry))
         return None
 
     def checked_closure():
         loss = closure()
-        _check_backward(optimizer, watches)
+        _check_backward(optimizer, _checked_watches(optimizer, entry))
         return loss
 
     if len(args) > 1:

@@ -1,0 +1,104 @@
+"""Reliability defects found by probing, each kept as a regression test (gloo, 2 ranks):
+
+* a rank ended by an uncaught KeyboardInterrupt was reported as one that "EXITED without an
+  error" (it ran fewer iterations), not as interrupted;
+* an optimizer kept across a re-wrap of its module still counted its steps for the dropped
+  wrapper: a rank that skipped ``optimizer.step()`` was never reported;
+* one optimizer over two DDP models refused to step while only one of them had run a backward
+  ("step() was called before any backward pass"), where torch's DDP steps the trained one.
+"""
+
+import gc
+import sys
+
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "5", "FUSEDIST_STALL_REPORT_S": "1"}
+
+
+# ---------------------------------------------------------------- an interrupted rank
+def _interrupted_worker(rank, world_size):
+    import torch.distributed as dist
+
+    import fusedist
+    from fusedist.reliability import stall_report
+    from fusedist.reliability.monitor import monitor_of
+
+    model = fusedist.DistributedDataParallel(nn.Linear(4, 4))
+    monitor = monitor_of(model.comm)
+    if rank == 1:  # what Python does with an uncaught Ctrl-C, before the process exits
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+    dist.barrier()
+    entries = stall_report.collect(monitor.store, monitor.group_name, monitor.generation, [0, 1], 0.5)
+    return stall_report.render(entries, world_size, 0.5, rank)
+
+
+def test_an_interrupted_rank_is_reported_as_interrupted_not_as_exited():
+    for report in run_distributed(_interrupted_worker, 2, env=FAST_FAILURE, timeout=60):
+        assert "rank 1" in report and "CRASHED with KeyboardInterrupt" in report, report
+        assert "EXITED" not in report
+
+
+# ---------------------------------------------------------------- the step guard's models
+def _models_worker(rank, world_size, which):
+    import fusedist
+
+    wrap = torch.nn.parallel.DistributedDataParallel if which == "torch" else fusedist.DistributedDataParallel
+    torch.manual_seed(0)
+    enc, head = nn.Linear(6, 5), nn.Linear(5, 3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = {}
+
+    # Two models, one optimizer; the first phase trains the encoder only.
+    a, b = wrap(enc), wrap(head)
+    opt = torch.optim.AdamW(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            a(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        out["two_models"] = [p.detach().clone() for p in (*enc.parameters(), *head.parameters())]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["two_models"] = f"{type(exc).__name__}: {exc}"
+    if which == "torch":
+        return out
+
+    # The module wrapped again (the first wrapper dropped), the optimizer kept; rank 1 skips a step.
+    model = fusedist.DistributedDataParallel(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    model(torch.randn(2, 4, generator=gen)).sum().backward()
+    opt.step()
+    module = model.module
+    del model
+    gc.collect()
+    model = fusedist.DistributedDataParallel(module)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 4, generator=gen)).sum().backward()
+            if not (rank == 1 and step == 1):
+                opt.step()
+        model.check_consistency()
+        out["rewrapped"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["rewrapped"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_step_guard_follows_rewrapped_modules_and_several_models():
+    ours = run_distributed(_models_worker, 2, "fusedist", env=FAST_FAILURE, timeout=90)
+    ref = run_distributed(_models_worker, 2, "torch", timeout=90)
+    for rank in range(2):
+        got, want = ours[rank]["two_models"], ref[rank]["two_models"]
+        assert not isinstance(got, str), got
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        text = ours[rank]["rewrapped"]
+        assert text.startswith("RankMismatchError") and "optimizer_steps: ranks [0]: 2; ranks [1]: 1" in text, text

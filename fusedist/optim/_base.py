@@ -41,15 +41,30 @@ def check_steppable(p: torch.Tensor, where: str) -> None:
 
 
 def check_finite_hyper(owner: str, **values: Any) -> None:
-    """Every value a finite Python number (tensors refused: see :func:`lr_value` for the one
-    hyperparameter that may be a tensor)."""
+    """Every value a finite number: a Python number or a 1-element real tensor (Note [tensor
+    hyperparameters]; :func:`lr_value` for the learning rate)."""
     for name, value in values.items():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for v in items:
-            if isinstance(v, torch.Tensor):
-                raise TypeError(f"{owner}: {name} must be a Python number, got a tensor (tensor hyperparameters are not supported)")
+            if isinstance(v, torch.Tensor) and (v.numel() != 1 or v.is_complex() or v.dtype == torch.bool):
+                raise ValueError(f"{owner}: a tensor {name} must be one real number, got shape {tuple(v.shape)} "
+                                 f"of {v.dtype}")
             if not math.isfinite(float(v)):
                 raise ValueError(f"{owner}: hyperparameter {name}={value} is not finite")
+
+
+# Note [tensor hyperparameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's optimizers take eps, weight_decay, momentum and dampening as 1-element tensors too
+# (their ops read them as numbers: ``add(p, alpha=wd)`` reads the tensor's value). The fused
+# kernels take these as numbers, so ``hyper_number`` reads the value when the step runs, as
+# torch does: a scheduler's in-place change is seen, the state dict keeps the tensor, and a
+# tensor on an accelerator costs one wait for the device per read, as torch's ``item()`` does.
+# (The learning rate and Adam's betas are read on the device instead: Note [a tensor learning
+# rate], Note [betas on the device].)
+def hyper_number(value: Any) -> Any:
+    """``value`` as a Python number where it is a tensor (Note [tensor hyperparameters])."""
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 # Note [a tensor learning rate]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, check_tensor_betas, lr_value, masters_of, state_values
+from ._base import (FusedOptimizerBase, check_finite_hyper, check_tensor_betas, hyper_number, lr_value, masters_of,
+                    state_values)
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -101,8 +102,8 @@ class FusedAdam(FusedOptimizerBase):
             max_exp_avg_sqs = state_values(states, "max_exp_avg_sq")
         functional.adam_update(
             params, grads, state_values(states, "exp_avg"), state_values(states, "exp_avg_sq"),
-            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=self._adamw or group["decoupled_weight_decay"],
+            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=hyper_number(group["eps"]),
+            weight_decay=hyper_number(group["weight_decay"]), adamw=self._adamw or group["decoupled_weight_decay"],
             step=state_values(states, "step"),
             bias_correction=group.get("bias_correction", True), maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,

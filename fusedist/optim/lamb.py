@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, masters_of, state_values
+from ._base import FusedOptimizerBase, check_finite_hyper, hyper_number, masters_of, state_values
 
 
 class FusedLAMB(FusedOptimizerBase):
@@ -83,10 +83,11 @@ class FusedLAMB(FusedOptimizerBase):
         beta1, beta2 = group["betas"]
         functional.lamb_update(
             params, grads, state_values(states, "exp_avg"), state_values(states, "exp_avg_sq"),
-            masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], step=state_values(states, "step"),
+            masters_of(states), lr=group["lr"], beta1=hyper_number(beta1), beta2=hyper_number(beta2),
+            eps=hyper_number(group["eps"]), weight_decay=hyper_number(group["weight_decay"]),
+            step=state_values(states, "step"),
             bias_correction=group["bias_correction"], adam_w_mode=self.adam_w_mode,
-            grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
+            grad_averaging=group["grad_averaging"], max_grad_norm=hyper_number(group["max_grad_norm"]),
             use_nvlamb=self.use_nvlamb, inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             global_grad_sumsq=self._global_sumsq,
             validate=False,

@@ -6,7 +6,7 @@ import torch
 
 from .._dtypes import compute_dtype
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, masters_of, state_values
+from ._base import FusedOptimizerBase, check_finite_hyper, hyper_number, masters_of, state_values
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -73,8 +73,9 @@ class FusedSGD(FusedOptimizerBase):
             self._add_missing_buffers(group, params, states)
         functional.sgd_update(
             params, grads, state_values(states, "momentum_buffer") if momentum != 0 else None,
-            masters_of(states), lr=group["lr"], momentum=momentum, dampening=group["dampening"],
-            weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
+            masters_of(states), lr=group["lr"], momentum=hyper_number(momentum),
+            dampening=hyper_number(group["dampening"]), weight_decay=hyper_number(group["weight_decay"]),
+            nesterov=group["nesterov"], maximize=group["maximize"],
             step=state_values(states, "step"), inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,
         )

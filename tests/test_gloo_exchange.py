@@ -196,6 +196,9 @@ def _exchange_checks(rank, world_size, seed):
             comm.all_gather(buf, buf[1:5])  # misaligned: never exactly this rank's slice
     with pytest.raises(ValueError, match="op='avg' needs a floating-point tensor, got torch.int32"):
         comm.reduce_scatter(torch.empty(2, dtype=torch.int32), torch.ones(2 * world_size, dtype=torch.int32), op="avg")
+    for n in (3, 300):  # the small all-reduces' exchange path and gloo's own: refused alike
+        with pytest.raises(ValueError, match="all_reduce: op='avg' needs a floating-point tensor, got torch.int64"):
+            comm.all_reduce(torch.ones(n, dtype=torch.int64), op="avg")
     out = torch.empty(3)
     comm.reduce_scatter(out, torch.ones(3 * world_size))  # still in step after refusals
     check("after refusals", out, torch.full((3,), float(world_size)))

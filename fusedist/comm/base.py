@@ -205,13 +205,13 @@ class Communicator(abc.ABC):
 
     # ---- public wrappers: validation, sequence numbers, handles
     def all_reduce(self, tensor, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
-        self._check_op(op)
+        self._check_op(op, "all_reduce", tensor.dtype, tag)
         self._check_flat("all_reduce", tensor)
         return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op))
 
     def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "",
                        label: Optional[str] = None) -> CommHandle:
-        self._check_op(op)
+        self._check_op(op, "reduce_scatter", input.dtype, tag)
         self._check_flat("reduce_scatter", output, input)
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(
@@ -311,9 +311,15 @@ class Communicator(abc.ABC):
         return None
 
     @staticmethod
-    def _check_op(op: str) -> None:
+    def _check_op(op: str, name: str, dtype: torch.dtype, tag: str) -> None:
+        """Refused before any launch, so on every rank alike: an unknown op, and avg of an
+        integer tensor (gloo fails it inside the collective with a cast error; a mean of
+        integers has no integer result on every backend)."""
         if op not in REDUCE_OPS:
             raise ValueError(f"fusedist: reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"fusedist {name}{_tag(tag)}: op='avg' needs a floating-point tensor, got {dtype}; "
+                             "reduce with 'sum' and divide, or convert to a floating-point dtype")
 
     @staticmethod
     def _check_flat(name: str, *tensors: torch.Tensor) -> None:

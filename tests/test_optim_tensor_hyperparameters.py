@@ -1,5 +1,5 @@
 """Fused optimizers against torch with eps, weight_decay, momentum and dampening given as
-1-element tensors (Note [tensor hyperparameters] in fusedist/optim/_base.py): the same steps,
+1-element tensors (Note [tensor hyperparameters] in fusedist/optim/_hyperparameters.py): the same steps,
 a change made in place between steps seen by the next, the tensors kept in the state dict,
 and a tensor of several elements refused naming it.
 

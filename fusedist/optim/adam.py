@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import (FusedOptimizerBase, check_finite_hyper, check_tensor_betas, hyper_number, lr_value, masters_of,
-                    state_values)
+from ._base import FusedOptimizerBase, masters_of, state_values
+from ._hyperparameters import check_finite_hyper, check_tensor_betas, hyper_number, lr_value
 
 
 class FusedAdam(FusedOptimizerBase):

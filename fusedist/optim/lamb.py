@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, hyper_number, masters_of, state_values
+from ._base import FusedOptimizerBase, masters_of, state_values
+from ._hyperparameters import check_finite_hyper, hyper_number
 
 
 class FusedLAMB(FusedOptimizerBase):

@@ -6,7 +6,8 @@ import torch
 
 from .._dtypes import compute_dtype
 from . import functional
-from ._base import FusedOptimizerBase, check_finite_hyper, hyper_number, masters_of, state_values
+from ._base import FusedOptimizerBase, masters_of, state_values
+from ._hyperparameters import check_finite_hyper, hyper_number
 
 
 class FusedSGD(FusedOptimizerBase):

@@ -35,6 +35,12 @@ def members_of(module) -> list:
     if not isinstance(module, (list, tuple)):
         if not isinstance(module, nn.Module):
             raise TypeError(f"fusedist.fully_shard expects an nn.Module or a list of them, got {type(module).__name__}")
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+            # as torch's FSDP2: its unit would never gather, having no forward to hook
+            raise ValueError(
+                f"fusedist.fully_shard does not support containers that do not implement forward: "
+                f"{type(module).__name__} of {len(module)} modules. Shard each of its modules "
+                "(for block in model.layers: fully_shard(block)), or pass list(container) to make them one unit")
         return [module]
     if not module:
         raise ValueError("fusedist.fully_shard: the list of modules is empty")

@@ -68,6 +68,7 @@ def install_state_dict_hooks(module: nn.Module) -> None:
         sub.register_state_dict_pre_hook(_pre_state_dict)
         sub.register_state_dict_post_hook(_post_state_dict)
         sub.register_load_state_dict_pre_hook(_pre_load_state_dict)
+        sub.register_load_state_dict_post_hook(_post_load_state_dict)
 
 
 def _unit_state(module: nn.Module):
@@ -257,6 +258,7 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
     """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece;
     one of another shape is reported against the whole parameter's shape, as FSDP2 reports it."""
     _reshard_at_rest(module)
+    assign = local_metadata.get("assign_to_params_buffers", False)
     for key, unit, i in _entries(module, prefix):
         value = whole_of_dtensor(state_dict.get(key))
         if not isinstance(value, torch.Tensor):
@@ -265,14 +267,49 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
             problem = _load_packed(value, unit, i, key)
             if problem is not None:
                 error_msgs.append(f"size mismatch for {key}: {problem}")
-            state_dict[key] = unit.sharded[i].detach()  # loaded above; copied onto itself
-            continue
-        problem = _wrong_entry(value, unit, i)
-        if problem is None:
-            state_dict[key] = whole_to_piece(value, unit, i)
-            continue
-        error_msgs.append(f"size mismatch for {key}: {problem}")
-        state_dict[key] = unit.sharded[i].detach()  # copied onto itself; the load raises with the message
+            loaded = unit.sharded[i].detach()  # loaded above; copied onto itself
+        else:
+            problem = _wrong_entry(value, unit, i)
+            if problem is not None:
+                error_msgs.append(f"size mismatch for {key}: {problem}")
+            # (a wrong entry: the piece copied onto itself; the load raises with the message)
+            loaded = whole_to_piece(value, unit, i) if problem is None else unit.sharded[i].detach()
+        state_dict[key] = _assigned(unit, i, loaded) if assign else loaded
+
+
+# Note [load_state_dict(assign=True)]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With ``assign=True`` torch puts each entry in the module as a new Parameter instead of copying
+# it into the parameter. A unit reads its pieces, not the modules' slots: the new Parameter
+# was dropped at the next gather and the loaded values with it. So on a materialized unit the
+# entry is copied into the piece and the piece itself is handed to torch to assign, which keeps
+# it (and an optimizer built over it). On a unit built on the meta device (torchtune's load of
+# a sharded checkpoint) the piece has no memory: torch assigns a plain copy of the entry, and
+# once every parameter of the unit holds one, the unit adopts them as its pieces, as after
+# ``to_empty`` (``_post_load_state_dict``). FSDP2 loads both ways too (``reset_sharded_param``).
+def _assigned(unit, index: int, loaded: torch.Tensor) -> torch.Tensor:
+    """What ``load_state_dict(assign=True)`` assigns for piece ``index`` (Note
+    [load_state_dict(assign=True)])."""
+    piece = unit.sharded[index]
+    if not unit.is_meta:
+        piece.copy_(loaded)
+        return piece
+    loaded = values_of(loaded.detach())
+    return (loaded.local() if isinstance(loaded, ShardedPiece) else loaded).clone(memory_format=torch.contiguous_format)
+
+
+def _post_load_state_dict(module, incompatible_keys) -> None:
+    """A unit built on meta whose parameters an ``assign=True`` load all replaced adopts them
+    (Note [load_state_dict(assign=True)])."""
+    from .api import _register_pieces
+
+    st = _unit_state(module)
+    if st is None or st.unit is None or not st.unit.is_meta:
+        return
+    held = [m._parameters.get(attr) for m, attr in (regs[0] for regs in st.unit.registrations)]
+    if all(p is not None and not p.is_meta for p in held):
+        _register_pieces(st, st.unit.repack())
+        st.unit.relink_borrowed()
 
 
 def _load_packed(value: torch.Tensor, unit, index: int, key: str) -> Optional[str]:

@@ -57,8 +57,9 @@ def supported_optimizer_classes() -> tuple:
     return (FusedAdam, FusedAdamW, torch.optim.Adam, torch.optim.AdamW)
 
 
-def check_offload_config(optimizer_class, params) -> None:
-    """Raise a clear error for anything ``offload="cpu"`` cannot run."""
+def check_offload_config(optimizer_class, params: dict) -> None:
+    """Raise a clear error for anything ``offload="cpu"`` cannot run. ``params``: each trainable
+    parameter by its index in the optimizer's parameters (the index the error names)."""
     supported = supported_optimizer_classes()
     if optimizer_class not in supported:
         names = ", ".join(f"{c.__module__}.{c.__name__}" for c in supported)
@@ -67,7 +68,7 @@ def check_offload_config(optimizer_class, params) -> None:
             f"kernel; optimizer_class={getattr(optimizer_class, '__name__', optimizer_class)} is not "
             f"supported. Supported: {names}. Use offload=None for other optimizers."
         )
-    for i, p in enumerate(params):
+    for i, p in params.items():
         if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(
                 f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}; the host "
@@ -99,6 +100,10 @@ class HostShardOffload:
     for one :class:`ZeroRedundancyOptimizer`. Built with the shards at the first step."""
 
     def __init__(self, zero):
+        # Parameters that joined since construction (unfrozen, ``add_param_group``) are checked
+        # here, before any update: a float64 one failed in the kernel call after the buckets
+        # before it had been stepped, so every failed step changed the parameters.
+        check_offload_config(zero.optimizer_class, {i: zero._params[i] for i in zero._trainable})
         self.zero = zero
         part = zero._partition
         device = zero._device

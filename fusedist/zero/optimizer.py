@@ -196,7 +196,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._device = self._params[self._trainable[0] if self._trainable else 0].device
         self._fill_group_defaults()
         if self.offload:
-            check_offload_config(self.optimizer_class, [self._params[i] for i in self._trainable])
+            check_offload_config(self.optimizer_class, {i: self._params[i] for i in self._trainable})
             for gi, group in enumerate(self.param_groups):
                 check_offload_group(group, gi)
         self._offload: Optional[HostShardOffload] = None

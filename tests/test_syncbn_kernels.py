@@ -262,10 +262,10 @@ def _aot_compile_all() -> None:
                   **{f"{n}_ptr": "*fp32" for n in "pqrtb"}},
                  ("C", "S", "stride_n", "stride_c", "stride_s", "num_s_tiles"),
                  {"HAS_V": True, "HAS_B": True, "BLOCK_S": 64, "BLOCK_C": 64, "WIDE_INDEX": False})
-    compile_(kernels._welford_combine_kernel,
-             {"mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "count_part_ptr": "*i32",
-              "mean_out_ptr": "*fp64", "m2_out_ptr": "*fp64", "count_out_ptr": "*fp64"},
-             ("P", "C", "total_count"), {"BLOCK_P": 32, "BLOCK_C": 64})
+        compile_(kernels._welford_combine_kernel,
+                 {"x_ptr": x_type, "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "count_part_ptr": "*i32",
+                  "mean_out_ptr": "*fp64", "m2_out_ptr": "*fp64", "count_out_ptr": "*fp64"},
+                 ("P", "C", "total_count", "stride_c"), {"BLOCK_P": 32, "BLOCK_C": 64})
     for x_type in ("*fp32", "*bf16", "*fp16"):
         compile_(kernels._input_grad_kernel,
                  {"out_ptr": x_type, "dy_ptr": x_type, "x_ptr": x_type, "sums_ptr": "*fp32", "mean_ptr": "*fp32",

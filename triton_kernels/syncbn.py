@@ -45,6 +45,23 @@ from .multi_tensor import _to_param
 #     reports NaN there: we follow the CPU result, the one the arithmetic defines.)
 
 
+# Note [statistics about a shift]
+#     Each kernel takes its statistics of ``x - K``, K a value of the channel (its first
+#     element, or 0 where that is not finite), and adds K back to the mean as it stores it
+#     (in the output's dtype: fp64 in the forward's payload). An fp32 mean rounds by about
+#     eps * |mean|; where |mean| >> std that rounding is a large part of the spread, and M2
+#     taken about a mean off by d gains n * d^2 (the CPU reference was 30-100x torch's
+#     running-variance error at |mean| = 1e4 std). Shifted values have a mean within a few
+#     std of 0, so the same fp32 arithmetic keeps the mean to eps * std.
+
+
+@triton.jit
+def _channel_shift(x_ptr, c_off, c_mask):
+    """K per channel (Note [statistics about a shift]): element (0, c, 0), 0 if not finite."""
+    k = tl.load(x_ptr + c_off, mask=c_mask, other=0.0).to(tl.float32)
+    return tl.where((k - k) == 0.0, k, 0.0)
+
+
 @triton.jit
 def _welford_partial_kernel(
     x_ptr, mean_part_ptr, m2_part_ptr, count_part_ptr,
@@ -52,6 +69,7 @@ def _welford_partial_kernel(
     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr,
 ):
     """Program (c-block, r) -> count, mean, M2 of its channels over rows u = r, r+SPLIT, ...
+(the mean of ``x - K``: Note [statistics about a shift]; the combine adds K back).
 
     Each lane of the [BLOCK_S, BLOCK_C] tile runs its own Welford recurrence (no cross-lane
     traffic in the loop); the lanes are merged once at the end with the parallel formula
@@ -72,6 +90,7 @@ def _welford_partial_kernel(
         c_off = c.to(tl.int64) * stride_c
     else:
         c_off = c * stride_c
+    shift = _channel_shift(x_ptr, c_off, c_mask)
     rem = S - (num_s_tiles - 1) * BLOCK_S
     in_last_tile = s_lane < rem
     seen_full = tl.zeros([1], dtype=tl.float32)
@@ -94,7 +113,7 @@ def _welford_partial_kernel(
         # Note [non-finite statistics]: inf/NaN go to lane_special, the recurrence sees delta 0
         finite = (v - v) == 0.0
         lane_special += tl.where(finite, 0.0, v)
-        v = tl.where(finite, v, lane_mean)
+        v = tl.where(finite, v - shift[None, :], lane_mean)
         seen_last += is_last
         seen_full += 1.0 - is_last
         step_low = 1.0 / tl.maximum(seen_full + seen_last, 1.0)
@@ -122,8 +141,8 @@ def _welford_partial_kernel(
 
 @triton.jit
 def _welford_combine_kernel(
-    mean_part_ptr, m2_part_ptr, count_part_ptr, mean_out_ptr, m2_out_ptr, count_out_ptr,
-    P, C, total_count, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, mean_part_ptr, m2_part_ptr, count_part_ptr, mean_out_ptr, m2_out_ptr, count_out_ptr,
+    P, C, total_count, stride_c, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Merge P partial (count, mean, M2) rows with the k-way parallel formula
 
@@ -132,7 +151,9 @@ def _welford_combine_kernel(
     in two vectorized passes over the rows (a row-by-row Chan update would be a chain of P
     dependent global loads). Rows with n_p = 0 contribute nothing; the order of the sums is
     fixed, so the result is deterministic. Outputs are cast to the output pointers' dtype;
-    ``total_count`` (known exactly on the host) is written to ``count_out``.
+    ``total_count`` (known exactly on the host) is written to ``count_out``. The partial means
+    are of ``x - K``: K, read again from ``x``, is added in the output's dtype (Note
+    [statistics about a shift]).
     """
     pid = tl.program_id(0)
     c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -159,7 +180,9 @@ def _welford_combine_kernel(
         m2_p = tl.load(m2_part_ptr + p[:, None] * C + c[None, :], mask=mask, other=0.0)
         dev = m_p - mean[None, :]
         m2_acc += m2_p + n_p[:, None] * dev * dev
-    tl.store(mean_out_ptr + c, mean, mask=c_mask)
+    shift = _channel_shift(x_ptr, c.to(tl.int64) * stride_c, c_mask)
+    out_dtype = mean_out_ptr.dtype.element_ty
+    tl.store(mean_out_ptr + c, shift.to(out_dtype) + mean.to(out_dtype), mask=c_mask)
     tl.store(m2_out_ptr + c, tl.sum(m2_acc, axis=0), mask=c_mask)
     if pid == 0:
         tl.store(count_out_ptr, total_count)
@@ -231,7 +254,8 @@ def _welford_channel_kernel(
     """Program c -> count, mean, M2 of channel c over all its N * S values (stride_s == 1),
     into the outputs (Note [one program per channel]). The whole (N, S) slab is one tile
     (BLOCK_N >= N), so the mean and M2 come from two passes over registers: exact centering,
-    and no per-value division as in a Welford recurrence."""
+    and no per-value division as in a Welford recurrence; about a shift (Note [statistics
+    about a shift])."""
     c = tl.program_id(0)
     if WIDE_INDEX:
         base = x_ptr + c.to(tl.int64) * stride_c
@@ -243,12 +267,14 @@ def _welford_channel_kernel(
     v = tl.load(base + n.to(tl.int64)[:, None] * stride_n + s[None, :], mask=mask, other=0.0).to(tl.float32)
     finite = (v - v) == 0.0  # (the masked lanes hold 0: finite)
     special = tl.sum(tl.sum(tl.where(finite, 0.0, v), axis=1), axis=0)  # Note [non-finite statistics]
-    v = tl.where(finite, v, 0.0)
+    shift = _channel_shift(base, 0, True)
+    v = tl.where(mask & finite, v - shift, 0.0)
     n_finite = tl.sum(tl.sum((mask & finite).to(tl.float32), axis=1), axis=0)
     mean = tl.sum(tl.sum(v, axis=1), axis=0) / tl.maximum(n_finite, 1.0)
     dev = tl.where(mask & finite, v - mean, 0.0)
     m2 = tl.sum(tl.sum(dev * dev, axis=1), axis=0)
-    tl.store(mean_out_ptr + c, mean + special)
+    out_dtype = mean_out_ptr.dtype.element_ty
+    tl.store(mean_out_ptr + c, shift.to(out_dtype) + (mean + special).to(out_dtype))
     tl.store(m2_out_ptr + c, tl.where(special == 0.0, m2, float("nan")))
     if c == 0:
         tl.store(count_out_ptr, total_count)
@@ -570,7 +596,7 @@ def welford_stats(x: torch.Tensor, layout, mean_out: torch.Tensor, m2_out: torch
     else:
         block_p, block_cc = min(_next_pow2(split), 32), min(_next_pow2(C), 64)
     cached(_welford_combine_kernel)[(_cdiv(C, block_cc),)](
-        mean_part, m2_part, count_part, mean_out, m2_out, count_out, split, C, N * S,
+        x, mean_part, m2_part, count_part, mean_out, m2_out, count_out, split, C, N * S, stride_c,
         BLOCK_P=block_p, BLOCK_C=block_cc,
     )
 

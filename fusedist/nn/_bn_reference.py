@@ -72,8 +72,11 @@ def welford_stats(x: torch.Tensor, mean_out: torch.Tensor, m2_out: torch.Tensor,
                   count_out: torch.Tensor) -> None:
     """Per-channel count, mean and M2 = sum((x - mean)^2) of ``x`` into the output tensors.
 
-    Two passes (the mean, then the squared deviations from it): as stable as Welford, and
-    the textbook definition the kernels are checked against.
+    Two passes, the mean and then the deviations from it, with the correction of the
+    corrected two-pass algorithm (Chan, Golub and LeVeque): the fp32 sum rounds the mean by
+    about ``eps * |mean|``, which is most of a channel's spread when ``|mean| >> std``, and the
+    deviations' own sum ``s`` measures that rounding, so ``mean + s / n`` and
+    ``M2 = sum(d^2) - s^2 / n`` are as accurate as Welford's lanes in the kernels.
     """
     count = x.numel() // x.shape[1]
     count_out.fill_(count)
@@ -84,8 +87,12 @@ def welford_stats(x: torch.Tensor, mean_out: torch.Tensor, m2_out: torch.Tensor,
     xa = x.to(compute_dtype(x.dtype))
     mean = xa.sum(_reduce_dims(x)) / count
     centered = _centered_scaled(xa, mean, torch.ones_like(mean))
-    mean_out.copy_(mean)
-    m2_out.copy_(_channel_dot(centered, centered)[0])
+    squares, drift = _channel_dot(centered, centered)
+    # (the payload is fp64: the corrected mean stays exact; an infinite mean keeps its value,
+    # Note [non-finite statistics] in triton_kernels/syncbn.py, where the drift is NaN)
+    drift = torch.where(torch.isfinite(mean), drift, 0.0).to(mean_out.dtype)
+    mean_out.copy_(mean).add_(drift / count)
+    m2_out.copy_(squares).sub_(drift * drift / count)
 
 
 def backward_reduce(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
@@ -94,9 +101,11 @@ def backward_reduce(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
     with ``xhat = (x - mean) * invstd``."""
     acc = compute_dtype(x.dtype)
     if _fused_ok(dy, x) and dy.dtype == x.dtype and _all_finite(mean, invstd):  # (see _all_finite)
-        xhat = _centered_scaled(x, mean, invstd)
-        sum_dy_xhat, sum_dy = _channel_dot(dy, xhat)
-        return torch.stack([sum_dy, sum_dy_xhat])
+        # x - mean, then invstd on the sum: the inference form's x * invstd - mean * invstd
+        # would cancel most of xhat's digits where |mean| >> std
+        centered = _centered_scaled(x, mean, torch.ones_like(invstd))
+        sum_dy_centered, sum_dy = _channel_dot(dy, centered)
+        return torch.stack([sum_dy, sum_dy_centered * invstd.to(sum_dy.dtype)])
     dims = _reduce_dims(x)
     dy_acc = dy.to(acc)
     xhat = (x.to(acc) - _per_channel(mean.to(acc), x)) * _per_channel(invstd.to(acc), x)
@@ -113,12 +122,14 @@ def channel_affine(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     if _fused_ok(u, *(() if v is None else (v,))) and (v is None or _all_finite(p, q, r, t, b)):
         if v is None:
             return _centered_scaled(u, p, q, b).to(out_dtype)
-        # (v - r) t + (b - p q) in one pass, then + u q in place: two passes in all
+        # v - r first (exact where |r| >> v's spread, as torch's backward kernel centers x;
+        # the inference form v t - r t would cancel), then * t + (b - p q) and + u q in place
         acc = u.dtype
         shift = -(p.to(acc) * q.to(acc))
         if b is not None:
             shift += b.to(acc)
-        res = _centered_scaled(v.to(acc), r, t, shift)
+        res = _centered_scaled(v.to(acc), r, torch.ones_like(t, dtype=acc))
+        torch.addcmul(_per_channel(shift, u), res, _per_channel(t.to(acc), u), out=res)
         return res.addcmul_(u, _per_channel(q.to(acc), u)).to(out_dtype)
     acc = compute_dtype(u.dtype)
     res = (u.to(acc) - _per_channel(p.to(acc), u)) * _per_channel(q.to(acc), u)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
+from . import _checks, _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from .sampler import ElasticDistributedSampler
@@ -52,17 +52,25 @@ class SnapshotMixin:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
             error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
         stages = (snapshot["stages"], snapshot["entries"]) if self.pipeline and snapshot is not None else None
-        everyone = self._coord.all_gather((error, position, refused, stages), f"step {step}: snapshot taken")
-        refusals = [f"rank {r}: {why}" for r, (_, _, why, _) in enumerate(everyone) if why is not None]
+        everyone = self._coord.all_gather((error, position, refused, stages, self._registered()),
+                                          f"step {step}: snapshot taken")
+        refusals = [f"rank {r}: {why}" for r, (_, _, why, _, _) in enumerate(everyone) if why is not None]
         if refusals:
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot save step {step} to {self.directory}: "
                                   f"{'; '.join(refusals)}. Nothing was written")
-        failed = [e for e, _, _, _ in everyone if e is not None]
+        registered = [r for *_, r in everyone]
+        unlike = "; ".join(f"{field} is {d}" for field in registered[0] if (d := _checks._differs(registered, field)))
+        if unlike:  # Note [the same objects on every rank]
+            raise CheckpointError(
+                f"fusedist.checkpoint.Checkpointer: the ranks registered different objects at restore(): {unlike}. "
+                "A checkpoint is one job's state, which every rank restores: pass the same kinds of objects on "
+                f"every rank. Nothing was written for step {step}; earlier checkpoints are unaffected")
+        failed = [e for e, *_ in everyone if e is not None]
         if not failed:
-            differs = _sampler_state.disagreement([p for _, p, _, _ in everyone])
+            differs = _sampler_state.disagreement([p for _, p, *_ in everyone])
             if differs is None:
                 if self.pipeline:
-                    self._place_stages(step, snapshot, [info for _, _, _, info in everyone])
+                    self._place_stages(step, snapshot, [info for _, _, _, info, _ in everyone])
                 return snapshot
             raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py
                 f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {differs}. "
@@ -73,6 +81,14 @@ class SnapshotMixin:
         message = (f"fusedist.checkpoint.Checkpointer: the snapshot of step {step} failed on "
                    f"{'; '.join(failed)}. Nothing was written for step {step}; earlier checkpoints are unaffected")
         raise CheckpointError(message) from cause
+
+    def _registered(self) -> dict:
+        """Note [the same objects on every rank]: rank 0 writes the job's GradScaler and LR
+        scheduler state. Registered on some ranks only, the saves went through without it (or
+        with rank 0's alone), and a restart passing the same objects could load none of them
+        (``holds no LR scheduler state`` / ``holds no GradScaler state``, on every checkpoint)."""
+        return {"scaler": "a GradScaler" if self._state["scaler"] is not None else "None",
+                "lr_scheduler": "an LR scheduler" if lr_schedulers(self._state["lr_scheduler"]) else "None"}
 
     def _snapshot(self, step: int, extra: Optional[dict], elastic_position: Optional[dict]) -> dict:
         """Copies of everything the checkpoint holds (the only part the training loop waits for)."""

@@ -264,6 +264,7 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
     where = piece_index(model)
     tp_mesh = tensor_parallel_mesh(units(model))
     full = optimizer.state_dict()
+    per_element = _per_element_keys(full["state"], params)
     fragments: dict[int, list] = {}
     for index, st in full["state"].items():
         index = int(index)
@@ -287,6 +288,9 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
         # Copies: a fused optimizer's state may be views of its flat buffers (saved whole otherwise).
         frag["state"] = zstate.slice_state(frag["state"], n, 0, n, copy=True, optimizer_name=type(optimizer).__name__,
                                            why="it cannot be cut into the pieces of fully_shard")
+        if p.dim() == 0:  # its moments as one-element fragments (_per_element_keys)
+            frag["state"] = {k: v.reshape(1) if k in per_element and torch.is_tensor(v) else v
+                             for k, v in frag["state"].items()}
         frag["master"] = frag["master"].clone() if frag["master"] is not None else None
         fragments[index] = [frag]
     return {
@@ -350,6 +354,7 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
     assembled = zstate.assemble(frags, wholes, range(len(params)), source=source)
     if saved_meta is not None:
         zstate.relayout(assembled, wholes, saved_meta)
+    per_element = _per_element_keys({i: item["state"] for i, item in assembled.items()}, wholes)
     mine = {}
     for index, item in assembled.items():
         hit = where.get(id(params[index]))
@@ -359,11 +364,24 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
         n = wholes[index].numel()
         zstate.slice_state(item["state"], n, 0, n, copy=False, optimizer_name=type(optimizer).__name__,
                            why="it cannot be cut into the pieces of fully_shard")  # refuses non-elementwise state
+        scalar_param = wholes[index].dim() == 0
         mine[index] = {
             "master": _piece_boxes.cut(item["master"], *hit) if item["master"] is not None else None,
-            "state": {key: _piece_boxes.cut(v, *hit) if zstate.is_elementwise(v, n)
+            "state": {key: _piece_boxes.cut(v, *hit)
+                      if zstate.is_elementwise(v, n) or (scalar_param and key in per_element and torch.is_tensor(v))
                       else (v.clone() if isinstance(v, torch.Tensor) else v) for key, v in item["state"].items()},
         }
     out = zstate.to_torch_format(mine, params, groups)
     zstate.check_groups(out["param_groups"], optimizer.param_groups, source)
     return out
+
+
+def _per_element_keys(states: dict, params: list) -> set:
+    """The optimizer state keys that hold one value per element (moments), as the parameters
+    with dims show them (``states``: index -> state). A 0-dim parameter's moments are 0-dim
+    like its ``step``: taken for scalars, they were cloned whole at load to the ranks whose
+    piece of it is empty (shape ``(0,)``), whose next step then failed ("output with shape []
+    doesn't match the broadcast shape [0]"). They are saved as one-element fragments, as
+    ZeRO saves them, and cut like the other moments at load."""
+    return {key for index, state in states.items() if params[int(index)].dim() > 0
+            for key, v in state.items() if zstate.is_elementwise(v, params[int(index)].numel())}

@@ -97,9 +97,11 @@ class GradientsMixin:
         """After each synchronized backward: which parameters no rank gave a gradient (DDP
         left their grad None, Note [unused parameters]; their slices hold zeros), and the
         gradients DDP averaged outside its buckets (parameters it took on in this backward)."""
-        without = set(reducer.params_without_grad)
+        caught = grow.store_caught_up(self, reducer, self._grads_present)  # Note [growing the partition]
+        # A parameter trainable again after being frozen was inactive in this backward, so DDP
+        # lists it without a gradient, although it took it on (averaged) at the end: it has one.
+        without = set(reducer.params_without_grad).difference(caught)
         self._note_params_without_grad([i for i, p in enumerate(self._params) if p in without])
-        grow.store_caught_up(self, reducer, self._grads_present)  # Note [growing the partition]
         self._grads_present = True
 
     def _zero_fill_without_backward(self) -> None:

@@ -20,7 +20,8 @@ Note [growing the partition]
     they join at the first ``step()`` -- or ``GradScaler.unscale_`` / clip before it -- that
     sees them trainable.
     A parameter frozen later stays sharded; it gets no gradient, so steps skip it as torch's
-    optimizers skip a parameter whose grad is None. ``offload="cpu"``: joining before the first
+    optimizers skip a parameter whose grad is None; made trainable again, it takes its averaged
+    gradient from the backward that saw it trainable, as torch's DDP rebuilt. ``offload="cpu"``: joining before the first
     step only (the host pipeline's buffers are not regrown).
 """
 
@@ -203,20 +204,22 @@ def _regrow_state(zero, old, part) -> None:
         zero._gatherer.hook_buckets(zero.ddp.module, part.bucket_shards[len(old.bucket_shards):])
 
 
-def store_caught_up(zero, reducer, accumulate: bool) -> None:
+def store_caught_up(zero, reducer, accumulate: bool) -> list:
     """Stage 2: the gradients DDP averaged outside its buckets in this backward (parameters it
-    took on, Note [trainable set changes]) go into this rank's gradient shard."""
-    caught = reducer.take_caught_up()
+    took on, Note [trainable set changes]) go into this rank's gradient shard. Returns the
+    parameters taken on with a gradient (the same on every rank)."""
+    caught = [p for p in reducer.take_caught_up() if p.grad is not None]
     if not caught:
-        return
+        return []
     from ..ddp.layout import flat_like
 
     part = zero._partition
     index_of = {p: i for i, p in enumerate(zero._params)}
     for p in caught:
         e = part.entry_of.get(index_of.get(p, -1))
-        if p.grad is None or e is None:
+        if e is None:
             continue
         src = flat_like(p.grad, p)[e.lo:e.hi]
         dst = zero._grad_shards[e.dtype][e.pos:e.pos + e.numel]
         dst.add_(src) if accumulate else dst.copy_(src)
+    return caught

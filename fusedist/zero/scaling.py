@@ -95,15 +95,26 @@ class ZeroScalerProtocol(ScalerProtocol):
         total norm before clipping, like ``torch.nn.utils.clip_grad_norm_``.
 
         The norm costs one all-reduce of two numbers (none after ``GradScaler.unscale_``, which
-        already computed it). The clip coefficient is applied inside ``step()``; ``p.grad`` is
-        not modified. Call it after backward (and after ``scaler.unscale_``), before ``step()``.
+        already computed it); ``norm_type`` may be any p > 0 or ``inf``, as with torch's. The
+        clip coefficient is applied inside ``step()``; ``p.grad`` is not modified. Call it after
+        backward (and after ``scaler.unscale_``), before ``step()``.
         """
-        if float(norm_type) != 2.0:
-            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_ supports norm_type=2 only, got {norm_type}")
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_: norm_type must be positive (or inf), "
+                             f"got {norm_type}")
         ctx = self.step_context
         written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
-        sumsq = ctx.grad_sumsq
-        if sumsq is None or written:
+        sumsq = ctx.grad_sumsq if norm_type == 2.0 else None
+        if norm_type != 2.0:
+            total = self._global_grad_norm(norm_type, ctx.inv_scale)
+            if error_if_nonfinite and not bool(torch.isfinite(total)):
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                    "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                    "anyway, set `error_if_nonfinite=False`")
+            sumsq = total.double().square()  # record_clip takes a sum of squares (fp64: no overflow)
+        elif sumsq is None or written:
             _, sumsq = self._fusedist_check_and_norm(ctx.inv_scale)
             if ctx.inv_scale is not None:
                 ctx.grad_sumsq = sumsq
@@ -115,6 +126,27 @@ class ZeroScalerProtocol(ScalerProtocol):
         norm = ctx.record_clip(sumsq, max_norm, error_if_nonfinite, dtype)
         self._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
         return norm
+
+    def _global_grad_norm(self, norm_type: float, inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """The ``norm_type``-norm (not 2) of the gradients over every rank's shard: one small
+        all-reduce, the max of the shards' norms for inf, else the sum of their p-th powers."""
+        grow.join_pending(self)  # (see _fusedist_check_and_norm)
+        self._zero_fill_without_backward()
+        grads = [g for g in self._local_grads() if g.numel()]  # (an empty tensor has no inf-norm)
+        inf = norm_type == float("inf")
+        local = torch.zeros(1, device=self._device)
+        if grads:
+            norms = tensor_norms(grads, norm_type).float()
+            if inv_scale is not None:
+                norms = norms * inv_scale.reshape(())
+            local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
+        if self.comm is not None and self.world_size > 1:
+            # With a NaN flag: a max all-reduce may drop a NaN (NCCL's fmax does); torch's norm keeps it.
+            packed = torch.cat([local, local.isnan().float()]).to(self.comm.device)
+            self.comm.all_reduce(packed, op="max" if inf else "sum", tag="zero grad norm")
+            self._join_norm_calls += 1  # a joined rank replays them (Note [joined ranks])
+            local = torch.where(packed[1:] > 0, float("nan"), packed[:1]).to(self._device)
+        return local.reshape(()) if inf else local.pow(1.0 / norm_type).reshape(())
 
     def _fusedist_record_clipped_grads(self) -> None:
         """Stage 1: ``p.grad``, as for any fused optimizer. Stage 2: the shards' version counts,

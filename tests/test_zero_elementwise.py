@@ -1,6 +1,6 @@
 """ZeRO's shards and fully_shard's pieces cut parameters between ranks, so only optimizers
 whose update is elementwise may step them (Note [elementwise optimizers only] in
-fusedist/optim/elementwise.py): FusedLAMB and torch's LBFGS are refused by name (by
+fusedist/optim/elementwise.py): FusedLAMB and torch's LBFGS, Adafactor and Muon are refused by name (by
 ZeroRedundancyOptimizer at construction, over fully_shard pieces at the first step), an
 optimizer of unknown kind is taken with a warning (once per class), and one that declares itself
 elementwise is taken silently and trains as on whole tensors. Why the refusal: LAMB stepped per
@@ -47,7 +47,8 @@ def _worker(rank, world):
 
     out = {}
     model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
-    for name, cls in (("lamb", FusedLAMB), ("lbfgs", torch.optim.LBFGS)):
+    for name, cls in (("lamb", FusedLAMB), ("lbfgs", torch.optim.LBFGS), ("adafactor", torch.optim.Adafactor),
+                      ("muon", torch.optim.Muon)):
         try:
             fusedist.ZeroRedundancyOptimizer(model.parameters(), cls, lr=1e-2)
         except ValueError as exc:
@@ -83,6 +84,8 @@ def test_zero_takes_elementwise_optimizers_only():
         assert "ZeroRedundancyOptimizer: FusedLAMB cannot step flat slices of each rank's shard: LAMB's trust ratio" in out["lamb"], out["lamb"]
         assert "without sharding" in out["lamb"]
         assert "LBFGS cannot step flat slices" in out["lbfgs"], out["lbfgs"]
+        assert "Adafactor cannot step flat slices of each rank's shard: it keeps factored" in out["adafactor"]
+        assert "Muon cannot step flat slices of each rank's shard: it orthogonalizes" in out["muon"]
         assert len(out["warnings"]) == 1, out["warnings"]  # once per class, none for torch's AdamW
         assert "Undeclared steps flat slices of each rank's shard" in out["warnings"][0]
         # Sign updates are +-lr exactly: the same signs give the same weights bit for bit.

@@ -23,7 +23,10 @@ import warnings
 _TORCH_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
                       "Rprop", "ASGD")
 _TORCH_WHOLE_TENSOR = {"LBFGS": "it steps all parameters as one vector, with line searches over closures",
-                       "SparseAdam": "it needs sparse gradients"}
+                       "SparseAdam": "it needs sparse gradients",
+                       "Adafactor": "it keeps factored second moments, the row and column means of each whole "
+                                    "matrix",
+                       "Muon": "it orthogonalizes each whole 2-D update (Newton-Schulz iterations)"}
 _warned: set = set()
 
 

@@ -102,9 +102,25 @@ def merge_fragments(state_dicts: list[dict]) -> dict[int, list]:
     return merged
 
 
+def per_element_keys(states: dict, params) -> set:
+    """The optimizer state keys that hold one value per element (moments), as the parameters
+    with dims show them (``states``: index -> state). A 0-dim parameter's moments are 0-dim
+    like its ``step``: taken for scalars, they were copied whole to every rank, and to a rank
+    whose piece of the parameter is empty (or to every rank of ZeRO, whose slices are flat)
+    the next step failed ("output with shape [] doesn't match the broadcast shape [0]"). Those
+    keys are per element for the 0-dim parameter too: one-element fragments, cut as the others."""
+    return {key for index, state in states.items() if params[int(index)].dim() > 0
+            for key, v in state.items() if is_elementwise(v, params[int(index)].numel())}
+
+
 def fragments_from_full(full: dict, params) -> dict[int, list]:
-    """Fragments of a torch-format state dict ``{"state": {index: {...}}, "param_groups"}``."""
+    """Fragments of a torch-format state dict ``{"state": {index: {...}}, "param_groups"}``
+    (a 0-dim parameter's moments made one-element: :func:`per_element_keys`)."""
     out: dict[int, list] = {}
+    for index in full.get("state", {}):
+        if not 0 <= int(index) < len(params):
+            raise StateDictError(f"state dict has state for parameter {index}, the optimizer has {len(params)}")
+    per_element = per_element_keys(full.get("state", {}), params)
     for index, values in full.get("state", {}).items():
         index = int(index)
         if not 0 <= index < len(params):
@@ -114,7 +130,7 @@ def fragments_from_full(full: dict, params) -> dict[int, list]:
         for key, v in values.items():
             if key == "master_param":
                 master = flat_like(v, params[index])
-            elif isinstance(v, torch.Tensor) and v.dim() > 0:
+            elif isinstance(v, torch.Tensor) and (v.dim() > 0 or (params[index].dim() == 0 and key in per_element)):
                 if v.numel() != n:
                     raise StateDictError(
                         f"state '{key}' of parameter {index} has {v.numel()} elements, the parameter has {n} "

@@ -53,6 +53,14 @@ class DDPConfig:
     """Reduce in this dtype (e.g. bfloat16 to halve the bytes on the wire); the result is
     written back in the gradient's dtype. None: reduce in the gradient's dtype."""
 
+    @property
+    def tolerates_unused(self) -> bool:
+        """Whether parameters without a gradient are settled (Note [unused parameters] in
+        unused.py) rather than refused: with ``find_unused_parameters``, and with
+        ``static_graph``, which torch documents for models with unused parameters (its first
+        iteration finds them, no ``find_unused_parameters`` needed)."""
+        return self.find_unused_parameters or self.static_graph
+
     def bucket_caps_bytes(self) -> list[int]:
         """The caps of the k-th bucket of each dtype, in bytes, the last serving every later
         bucket: ``bucket_cap_mb_list``, else ``first_bucket_cap_mb`` then ``bucket_cap_mb``."""

@@ -14,7 +14,8 @@ Note [a backward no DDP forward prepared]
     One difference from torch, kept on purpose: a backward that passes through the wrapper's
     output again -- the second of two losses of one forward, ``loss1.backward(
     retain_graph=True); loss2.backward()`` -- is prepared again by that output (a hook on its
-    autograd node, :func:`arm_again_through`) and synchronizes too, so the step gets
+    autograd node, :func:`arm_again_through`; the output's tensors found in lists, tuples,
+    dicts and dataclasses, as torch's DDP finds them) and synchronizes too, so the step gets
     avg(g1) + avg(g2) on every rank. torch reduces only the first, and its ranks step with
     different gradients. Not under ``torch.compile`` of the wrapper, whose outputs are the
     compiled graph's: there, as in torch, the second is local (and the step refuses).
@@ -22,16 +23,27 @@ Note [a backward no DDP forward prepared]
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 
 
+def _tensors(out):
+    """The tensors in a forward's output: pytree's leaves, and inside dataclasses (which pytree
+    leaves whole) their fields, as torch's DDP finds its outputs' tensors."""
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                yield from _tensors(getattr(leaf, field.name))
+
+
 def arm_again_through(reducer, out, sync: bool) -> None:
     """Hook the autograd nodes of a training forward's outputs ``out`` so that a backward
     passing through them later is prepared as that forward prepared its first (``sync``)."""
-    nodes = {id(t.grad_fn): t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
     if not nodes:
         return
     held = weakref.ref(reducer)

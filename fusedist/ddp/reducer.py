@@ -526,9 +526,9 @@ class Reducer:
             observer.buckets_launched(self, unused)
         for bucket in self.layout.buckets[self.next_finish:]:
             self._finish_bucket(bucket)
-        if shadow and not self.config.find_unused_parameters:
+        if shadow and not self.config.tolerates_unused:
             self.expose_grads(unused)  # the average of the active ranks' gradients
-        if self.config.find_unused_parameters:
+        if self.config.tolerates_unused:
             # Every rank, every synchronized iteration: a rank with nothing unused must still
             # take part in the used-map all-reduce (Note [unused parameters] in unused.py).
             settle_unused(self, unused, had_grad)
@@ -558,7 +558,7 @@ class Reducer:
         if self.tracker is not None and self.tracker.target is not None:
             apply_trainable_change(self)  # Note [trainable set changes]
         self.strategy.after_sync(self)
-        if unused and not self.config.find_unused_parameters and not shadow:
+        if unused and not self.config.tolerates_unused and not shadow:
             for observer in self.observers:
                 observer.agreement_point(self)
             names = [self.names[self.index_of[p]] for p in unused]

@@ -459,7 +459,10 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 "parameters the gradient hooks are attached to; load with assign=False"
             )
         keys = list(state_dict.keys())
-        if keys and not any(k.startswith("module.") for k in keys):
+        # Bare when no key is one of this wrapper's own: a module whose own child is named
+        # ``module`` has bare keys that start with "module." too.
+        own = self.state_dict(keep_vars=True).keys()
+        if keys and not any(k in own for k in keys) and any("module." + k in own for k in keys):
             metadata = getattr(state_dict, "_metadata", None)
             state_dict = OrderedDict(("module." + k, v) for k, v in state_dict.items())
             if metadata is not None:

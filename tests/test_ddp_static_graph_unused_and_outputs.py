@@ -1,0 +1,131 @@
+"""fusedist DDP against torch DDP where they differed: ``static_graph=True`` with parameters no
+iteration uses, the second loss of a forward whose output is a dataclass, and a bare state
+dict of a module whose own child is named ``module``. 2 gloo ranks, fresh random inputs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fusedist.testing import run_distributed
+
+
+class _Unused(nn.Module):
+    """A block called twice under reentrant checkpointing, and a head no loss uses (torch's
+    documented ``static_graph`` cases)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out, self.unused = (nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2),
+                                                        nn.Linear(8, 2))
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for _ in range(2):
+            h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+def _static_graph_worker(rank, world_size, seed):
+    import fusedist
+
+    torch.manual_seed(seed)
+    base = _Unused()
+    runs = []
+    for wrap in (nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+        model = wrap(copy.deepcopy(base), static_graph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(seed + rank)
+        grads = []
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4, generator=gen)).pow(2).sum().backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+        runs.append((grads, [p.detach().clone() for p in model.parameters()]))
+    (grads_t, params_t), (grads_f, params_f) = runs
+    for step_t, step_f in zip(grads_t, grads_f):
+        assert [g is None for g in step_t] == [g is None for g in step_f]
+        for a, b in zip(step_t, step_f):
+            if a is not None:
+                torch.testing.assert_close(b, a)
+    for a, b in zip(params_t, params_f):
+        torch.testing.assert_close(b, a)
+
+
+def test_static_graph_takes_parameters_no_iteration_uses_as_torch():
+    run_distributed(_static_graph_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+
+
+@dataclasses.dataclass
+class _Output:
+    main: torch.Tensor
+    aux: torch.Tensor
+    note: str
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.main, self.aux = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return _Output(self.main(h), self.aux(h), "two heads")
+
+
+def _two_losses_worker(rank, world_size, seed):
+    import fusedist
+
+    torch.manual_seed(seed)
+    base = _TwoHeads()
+    model = fusedist.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed + rank))
+    out = model(x)
+    out.main.pow(2).sum().backward(retain_graph=True)
+    out.aux.pow(2).sum().backward()
+    # README: the second backward through the wrapper's output synchronizes too: avg(g1) + avg(g2)
+    ref = copy.deepcopy(base)
+    out = ref(x)
+    (out.main.pow(2).sum() + out.aux.pow(2).sum()).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        expected = q.grad.clone()
+        dist.all_reduce(expected)
+        torch.testing.assert_close(p.grad, expected / world_size)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # (refused after a local backward)
+
+
+def test_second_loss_of_a_dataclass_output_synchronizes():
+    run_distributed(_two_losses_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+
+
+class _ChildNamedModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.module(x))
+
+
+def _bare_keys_worker(rank, world_size, seed):
+    import fusedist
+
+    torch.manual_seed(seed)
+    saved = _ChildNamedModule().state_dict()
+    ours = fusedist.DistributedDataParallel(_ChildNamedModule())
+    theirs = nn.parallel.DistributedDataParallel(_ChildNamedModule())
+    ours.load_state_dict(saved)  # the bare module's keys, accepted as documented
+    theirs.load_state_dict({"module." + k: v for k, v in saved.items()})
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b)
+    ours.load_state_dict(theirs.state_dict())  # and the wrapper's own keys still
+
+
+def test_bare_state_dict_of_a_module_with_a_child_named_module_loads():
+    run_distributed(_bare_keys_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)

@@ -129,3 +129,31 @@ def _bare_keys_worker(rank, world_size, seed):
 
 def test_bare_state_dict_of_a_module_with_a_child_named_module_loads():
     run_distributed(_bare_keys_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+
+
+def _compiled_autograd_worker(rank, world_size):
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    import fusedist
+
+    model = fusedist.DistributedDataParallel(nn.Linear(4, 2))
+    replicated = fusedist.replicate(nn.Linear(4, 2))
+    refused = []
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        for m in (model, replicated):
+            try:
+                m(torch.randn(3, 4)).sum().backward()
+            except RuntimeError as exc:
+                refused.append(str(exc))
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # (an eval forward computes no gradients: not refused)
+    model(torch.randn(3, 4)).sum().backward()  # without it, training goes on
+    return refused
+
+
+def test_compiled_autograd_is_refused_at_the_forward_not_a_stall():
+    """torch's DDP runs under compiled autograd with optimize_ddp='python_reducer'; fusedist's
+    reducer cannot (its end-of-backward callback never runs): a clear error on every rank."""
+    for refused in run_distributed(_compiled_autograd_worker, 2, timeout=120):
+        assert len(refused) == 2, refused
+        assert all("compiled autograd is enabled" in r for r in refused), refused

@@ -23,7 +23,7 @@ from .arguments import (TORCH_ONLY_OPTIONS, buffer_sync_settings, check_device_i
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
-from .prepared import arm_again_through
+from .prepared import arm_again_through, refuse_compiled_autograd
 from .reducer import Reducer
 from .static_graph import ArrivalCounts
 from .torch_surface import TorchDDPSurface
@@ -286,6 +286,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         active and the module must run through :func:`_join.run_module`."""
         if self._superseded_by is not None:
             raise RuntimeError(self._superseded_by)
+        if torch.is_grad_enabled():
+            refuse_compiled_autograd(type(self).__name__)
         if self._join_config.enable and torch.is_grad_enabled():
             _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
             self._wait_for_params(traced)

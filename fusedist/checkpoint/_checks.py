@@ -8,6 +8,7 @@ rank is left waiting in a collective while another raises alone."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Optional
 
@@ -62,6 +63,56 @@ def _differs(calls: list, field: str) -> Optional[str]:
     if len(ranks) < 2:
         return None
     return "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
+
+
+# Note [one model per save]: a checkpoint holds one model, whose unsharded entries rank 0
+# writes. Ranks whose state-dict keys or shapes differ (a buffer registered on one rank
+# only, a layer built on some ranks) saved rank 0's entries silently and lost the others'.
+# Each rank sends a digest of its keys and whole shapes in an exchange the save makes
+# anyway; only when the digests differ do the ranks exchange the keys, to name them.
+def keys_digest(shapes: dict) -> str:
+    """A short digest of a model's canonical state-dict keys and whole shapes (tuples, or None
+    for a value that is not a tensor: :func:`api.model_shapes`)."""
+    return hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:16]
+
+
+def check_same_keys(digests: list, gather_shapes, what: str) -> None:
+    """Raise on every rank (Note [one model per save]) when ranks saving one model part hold
+    different keys or shapes. ``digests``: each rank's ``{part: digest}`` (an empty dict for a
+    rank that failed before it had one); ``gather_shapes()``: every rank's ``{part: {key:
+    shape}}``, a second exchange that every rank makes only when the digests differ."""
+    parts: dict = {}
+    for r, mine in enumerate(digests):
+        for part, digest in mine.items():
+            parts.setdefault(part, {}).setdefault(digest, []).append(r)
+    differing = {part: by for part, by in parts.items() if len(by) > 1}
+    if not differing:
+        return
+    shapes = gather_shapes()
+    found = []
+    for part, by in differing.items():
+        ranks = sorted(r for rs in by.values() for r in rs)
+        first = shapes[ranks[0]][part]
+        where = "" if part == "model" else f"{part}: "
+        for r in ranks[1:]:
+            found += [where + d for d in _key_differences(first, ranks[0], shapes[r][part], r)]
+    raise CheckpointError(
+        f"{what}: the ranks' models have different state-dict keys: {'; '.join(found[:8])}"
+        f"{'; ...' if len(found) > 8 else ''}. A checkpoint holds one model, whose unsharded entries rank 0 writes, "
+        "so the other ranks' would be lost: every rank must hold the same parameters and buffers (register "
+        "them on every rank). Nothing was written")
+
+
+def _key_differences(first: dict, r0: int, other: dict, r: int) -> list:
+    def shown(keys):
+        return f"{keys[:6]}{' ...' if len(keys) > 6 else ''}"
+
+    extra = sorted(k for k in other if k not in first)
+    lacking = sorted(k for k in first if k not in other)
+    shapes = sorted(k for k in first if k in other and first[k] != other[k])
+    return ([f"rank {r} has {shown(extra)}, which rank {r0} has not"] if extra else []) + \
+        ([f"rank {r} lacks {shown(lacking)}, which rank {r0} has"] if lacking else []) + \
+        [f"'{k}' is {first[k]} on rank {r0}, {other[k]} on rank {r}" for k in shapes[:3]]
 
 
 def unseen_rank_files(directory: str, files: dict, directories: list) -> Optional[str]:

@@ -17,13 +17,15 @@ from . import _checks, _files, _from_dcp, _names, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
+_EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # a module's get_extra_state() entry
+
 
 def _expected_model(target) -> tuple[dict, bool]:
     """The model's canonical keys and whole shapes, and whether it is sharded (fully_shard)."""
     sharded_target = bool(stage3.units(target))
-    expected = (stage3.full_shapes(target) if sharded_target
-                else {k: v.shape for k, v in _names.canonical_state(target, target.state_dict()).items()})
-    return expected, sharded_target
+    if sharded_target:
+        return stage3.full_shapes(target), True
+    return {k: stage3.full_shape(v, {}) for k, v in _names.canonical_state(target, target.state_dict()).items()}, False
 
 
 def _check_model(saved: dict, expected: dict, directory: str, strict: bool = True) -> dict:
@@ -39,22 +41,31 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
         # With shapes: a renamed parameter shows up once on each side, and its shape is what
         # lets the reader pair the two names.
         def listed(keys, shapes):
-            shown = ", ".join(f"{k} {tuple(shapes[k])}" for k in keys[:10])
+            shown = ", ".join(f"{k} {_shown(shapes[k])}" for k in keys[:10])
             return f"[{shown}{', ...' if len(keys) > 10 else ''}]"
 
         raise CheckpointError(
             f"fusedist.checkpoint: the model in {directory} does not match: missing keys (in the model, "
             f"not in the checkpoint) {listed(missing, expected)}, unexpected keys (in the checkpoint, not "
-            f"in the model) {listed(unexpected, {k: v.shape for k, v in saved.items()})}; load(..., strict=False) "
+            f"in the model) {listed(unexpected, {k: _shape(v) for k, v in saved.items()})}; load(..., strict=False) "
             "loads the keys both have, as torch's load_state_dict(strict=False) does"
         )
     for k, shape in expected.items():
-        if tuple(saved[k].shape) != tuple(shape):
+        if _shape(saved[k]) != (None if shape is None else tuple(shape)):
             raise CheckpointError(
-                f"fusedist.checkpoint: '{k}' has shape {tuple(saved[k].shape)} in {directory}, the model's "
-                f"is {tuple(shape)}"
+                f"fusedist.checkpoint: '{k}' has shape {_shown(_shape(saved[k]))} in {directory}, the model's "
+                f"is {_shown(shape)}"
             )
     return saved
+
+
+def _shape(value):
+    """A saved entry's shape; None for a value that is not a tensor (``get_extra_state()``)."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _shown(shape) -> str:
+    return "(not a tensor: a module's extra state)" if shape is None else str(tuple(shape))
 
 
 def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True) -> dict:
@@ -202,7 +213,12 @@ def apply(plan: dict, model, optimizer, scaler):
         if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
             from ..fsdp.state_dict import load_full_state_dict
 
-            load_full_state_dict(target, state, strict=plan["strict"])
+            # The keys were checked in prepare; a module's get_extra_state() value (any object:
+            # no rows to copy) goes to its set_extra_state, as in torch's load_state_dict.
+            extra = {k: v for k, v in state.items() if k.rpartition(".")[2] == _EXTRA_STATE}
+            load_full_state_dict(target, {k: v for k, v in state.items() if k not in extra}, strict=False)
+            for key, value in extra.items():
+                target.get_submodule(key.rpartition(".")[0]).set_extra_state(value)
         else:
             target.load_state_dict(state, strict=plan["strict"])
     if isinstance(optimizer, ZeroRedundancyOptimizer):

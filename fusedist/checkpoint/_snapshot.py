@@ -44,33 +44,37 @@ class SnapshotMixin:
         refused = _root_checks.claim(self.directory, self)  # Note [one saving Checkpointer per root in a process]
         if refused is None and self.rank == 0:
             refused = _root_checks.unwritable(self.directory)  # Note [a root that cannot be written]
-        snapshot, error, cause, position = None, None, None, None
+        snapshot, error, cause, position, shapes = None, None, None, None, {}
         try:
             if refused is None:
+                shapes = self._model_shapes()  # Note [one model per save] in _checks.py
                 position = _sampler_state.position(self._state["sampler"])
                 snapshot = self._snapshot(step, extra, position[1])
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
             error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
         stages = (snapshot["stages"], snapshot["entries"]) if self.pipeline and snapshot is not None else None
-        everyone = self._coord.all_gather((error, position, refused, stages, self._registered()),
+        digests = {part: _checks.keys_digest(keys) for part, keys in shapes.items()}
+        everyone = self._coord.all_gather((error, position, refused, stages, self._registered(), digests),
                                           f"step {step}: snapshot taken")
-        refusals = [f"rank {r}: {why}" for r, (_, _, why, _, _) in enumerate(everyone) if why is not None]
+        refusals = [f"rank {r}: {why}" for r, (_, _, why, *_) in enumerate(everyone) if why is not None]
         if refusals:
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot save step {step} to {self.directory}: "
                                   f"{'; '.join(refusals)}. Nothing was written")
-        registered = [r for *_, r in everyone]
+        registered = [r for *_, r, _ in everyone]
         unlike = "; ".join(f"{field} is {d}" for field in registered[0] if (d := _checks._differs(registered, field)))
         if unlike:  # Note [the same objects on every rank]
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: the ranks registered different objects at restore(): {unlike}. "
                 "A checkpoint is one job's state, which every rank restores: pass the same kinds of objects on "
                 f"every rank. Nothing was written for step {step}; earlier checkpoints are unaffected")
+        _checks.check_same_keys([d for *_, d in everyone], lambda: self._coord.all_gather(
+            shapes, f"step {step}: model keys"), f"fusedist.checkpoint.Checkpointer (step {step})")
         failed = [e for e, *_ in everyone if e is not None]
         if not failed:
             differs = _sampler_state.disagreement([p for _, p, *_ in everyone])
             if differs is None:
                 if self.pipeline:
-                    self._place_stages(step, snapshot, [info for _, _, _, info, _ in everyone])
+                    self._place_stages(step, snapshot, [info for _, _, _, info, *_ in everyone])
                 return snapshot
             raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py
                 f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {differs}. "
@@ -81,6 +85,13 @@ class SnapshotMixin:
         message = (f"fusedist.checkpoint.Checkpointer: the snapshot of step {step} failed on "
                    f"{'; '.join(failed)}. Nothing was written for step {step}; earlier checkpoints are unaffected")
         raise CheckpointError(message) from cause
+
+    def _model_shapes(self) -> dict:
+        """Each model part's keys and whole shapes, by a name the ranks saving it share."""
+        held = self._parts()
+        if not self.pipeline:
+            return {"model": api.model_shapes(held[0][0])}
+        return {f"part {j} of ranks {list(self._stage_ranks)}": api.model_shapes(m) for j, (m, _) in enumerate(held)}
 
     def _registered(self) -> dict:
         """Note [the same objects on every rank]: rank 0 writes the job's GradScaler and LR

@@ -209,8 +209,12 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     _warn_trusted_only(world.rank, optimizer, extra, per_rank)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
-    save_id, calls, claim, _ = start_save(world, directory, _checks.save_call(directory, optimizer, scaler, extra,
-                                                                          per_rank))
+    shapes = {"model": model_shapes(model)}  # Note [one model per save] in _checks.py
+    save_id, calls, claim, _ = start_save(
+        world, directory, _checks.save_call(directory, optimizer, scaler, extra, per_rank),
+        {"model": _checks.keys_digest(shapes["model"])},
+        lambda infos: _checks.check_same_keys(infos, lambda: world.all_gather(shapes, "save: model keys"),
+                                              "fusedist.checkpoint.save"))
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.wait_for_params()
@@ -435,6 +439,14 @@ def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Option
     if info is None or "per_rank" not in info.get("sections", []):
         return None
     return _files.load_file(_files.verify_file(directory, rank_file(rank), info), trusted)["per_rank"]
+
+
+def model_shapes(model) -> dict:
+    """The model's canonical state-dict keys and whole shapes (Note [one model per save]); None
+    for a module's ``get_extra_state()`` entry, whose size may differ by rank (serialized state)."""
+    shapes = _load_plan._expected_model(_names.unwrap(model))[0]
+    return {k: None if v is None or k.rpartition(".")[2] == _load_plan._EXTRA_STATE else tuple(v)
+            for k, v in shapes.items()}
 
 
 def rank_sections(model, optimizer, rank: int, world_size: int) -> tuple[dict, set]:

@@ -155,16 +155,20 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     members = [tuple(w.ranks()) for w in stages]
     first_opt = held[0][1]
     api._warn_trusted_only(job.rank, first_opt, extra, per_rank)
-    keys = [sorted(_load_plan._expected_model(_names.unwrap(module))[0]) for module, _ in held]
+    shapes = {f"part {j} of ranks {list(members[j])}": api.model_shapes(module) for j, (module, _) in enumerate(held)}
+    keys = [sorted(part) for part in shapes.values()]
+    digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
     call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
 
     def check(infos: list) -> None:
-        check_stages([m for m, _ in infos])
-        check_names({(tuple(ranks), j): part_keys for members_of, keys_of in infos
+        check_stages([m for m, _, _ in infos])
+        _checks.check_same_keys([d for _, _, d in infos], lambda: job.all_gather(shapes, "save: model keys"),
+                                "fusedist.checkpoint.save")  # Note [one model per save]: the ranks of a stage
+        check_names({(tuple(ranks), j): part_keys for members_of, keys_of, _ in infos
                      for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
 
-    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys), check)
-    order = stage_order([m for m, _ in infos])
+    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests), check)
+    order = stage_order([m for m, _, _ in infos])
 
     for _, opt in held:
         if isinstance(opt, ZeroRedundancyOptimizer):

@@ -159,10 +159,13 @@ def _writes_piece(unit, index: int, tp_mesh) -> bool:
     return all(coordinate[d] == 0 for d in range(mesh.ndim) if d >= len(placements) or not placements[d].is_shard())
 
 
-def full_shape(p: torch.Tensor, where: dict) -> tuple:
-    """The whole parameter's shape for a piece, the tensor's own for anything else."""
+def full_shape(p: torch.Tensor, where: dict) -> Optional[tuple]:
+    """The whole parameter's shape for a piece, the tensor's own for any other tensor, None
+    for a value that is not one (a module's ``get_extra_state()``, which torch saves as is)."""
     hit = where.get(id(p))
-    return hit[0].whole_shape(hit[1]) if hit is not None else tuple(p.shape)
+    if hit is not None:
+        return hit[0].whole_shape(hit[1])
+    return tuple(p.shape) if isinstance(p, torch.Tensor) else None
 
 
 def _whole(p: torch.Tensor, where: dict) -> torch.Tensor:
@@ -254,7 +257,8 @@ def common_model(model: torch.nn.Module, sharded_keys: set) -> dict:
     """The state dict entries every rank holds whole (buffers, ignored parameters), by
     canonical name (Note [canonical names])."""
     state = _names.canonical_state(model, model.state_dict())
-    return {k: v.detach().cpu() for k, v in state.items() if k not in sharded_keys}
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # (get_extra_state()'s: as is)
+            for k, v in state.items() if k not in sharded_keys}
 
 
 @torch.no_grad()
@@ -264,7 +268,7 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
     where = piece_index(model)
     tp_mesh = tensor_parallel_mesh(units(model))
     full = optimizer.state_dict()
-    per_element = _per_element_keys(full["state"], params)
+    per_element = zstate.per_element_keys(full["state"], params)
     fragments: dict[int, list] = {}
     for index, st in full["state"].items():
         index = int(index)
@@ -288,7 +292,7 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
         # Copies: a fused optimizer's state may be views of its flat buffers (saved whole otherwise).
         frag["state"] = zstate.slice_state(frag["state"], n, 0, n, copy=True, optimizer_name=type(optimizer).__name__,
                                            why="it cannot be cut into the pieces of fully_shard")
-        if p.dim() == 0:  # its moments as one-element fragments (_per_element_keys)
+        if p.dim() == 0:  # its moments as one-element fragments (per_element_keys)
             frag["state"] = {k: v.reshape(1) if k in per_element and torch.is_tensor(v) else v
                              for k, v in frag["state"].items()}
         frag["master"] = frag["master"].clone() if frag["master"] is not None else None
@@ -354,7 +358,7 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
     assembled = zstate.assemble(frags, wholes, range(len(params)), source=source)
     if saved_meta is not None:
         zstate.relayout(assembled, wholes, saved_meta)
-    per_element = _per_element_keys({i: item["state"] for i, item in assembled.items()}, wholes)
+    per_element = zstate.per_element_keys({i: item["state"] for i, item in assembled.items()}, wholes)
     mine = {}
     for index, item in assembled.items():
         hit = where.get(id(params[index]))
@@ -376,12 +380,3 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
     return out
 
 
-def _per_element_keys(states: dict, params: list) -> set:
-    """The optimizer state keys that hold one value per element (moments), as the parameters
-    with dims show them (``states``: index -> state). A 0-dim parameter's moments are 0-dim
-    like its ``step``: taken for scalars, they were cloned whole at load to the ranks whose
-    piece of it is empty (shape ``(0,)``), whose next step then failed ("output with shape []
-    doesn't match the broadcast shape [0]"). They are saved as one-element fragments, as
-    ZeRO saves them, and cut like the other moments at load."""
-    return {key for index, state in states.items() if params[int(index)].dim() > 0
-            for key, v in state.items() if zstate.is_elementwise(v, params[int(index)].numel())}

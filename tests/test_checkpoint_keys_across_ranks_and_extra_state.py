@@ -123,3 +123,34 @@ def test_fully_shard_extra_state_loads_like_torch(tmp_path):
     for tensor_tag in (True, False):
         root = str(tmp_path / str(tensor_tag))
         assert run_distributed(_fsdp_extra_state_worker, 2, root, tensor_tag, tag, timeout=90) == [True, True]
+
+
+def _full_state_dict_extra_worker(rank, world, tensor_tag, tag):
+    import fusedist
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
+        fusedist.fully_shard(m[0])
+        fusedist.fully_shard(m)
+        return m
+
+    m = build()
+    m[0].tag = torch.tensor(tag) if tensor_tag else {"v": tag[0]}
+    whole = fusedist.fsdp.full_state_dict(m)
+    other = build()
+    fusedist.fsdp.load_full_state_dict(other, whole)
+    ref = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
+    ref.load_state_dict(whole)  # torch's load of the same whole dict
+    got, want = other[0].tag, ref[0].tag
+    same_weights = all(torch.equal(a, b) for a, b in zip(fusedist.fsdp.full_state_dict(other).values(),
+                                                         ref.state_dict().values()) if isinstance(a, torch.Tensor))
+    return same_weights and (torch.equal(got, want) if tensor_tag else got == want == {"v": tag[0]})
+
+
+def test_full_state_dict_functions_carry_extra_state_as_torch():
+    """fusedist.fsdp.full_state_dict / load_full_state_dict themselves (not only the checkpoint
+    functions): the extra state travels as torch's state_dict / load_state_dict carry it."""
+    tag = torch.rand(2).add(1).tolist()
+    for tensor_tag in (True, False):
+        assert run_distributed(_full_state_dict_extra_worker, 2, tensor_tag, tag, timeout=90) == [True, True]

@@ -213,12 +213,9 @@ def apply(plan: dict, model, optimizer, scaler):
         if plan["model_sharded"]:  # each rank keeps its rows of the whole parameters
             from ..fsdp.state_dict import load_full_state_dict
 
-            # The keys were checked in prepare; a module's get_extra_state() value (any object:
-            # no rows to copy) goes to its set_extra_state, as in torch's load_state_dict.
-            extra = {k: v for k, v in state.items() if k.rpartition(".")[2] == _EXTRA_STATE}
-            load_full_state_dict(target, {k: v for k, v in state.items() if k not in extra}, strict=False)
-            for key, value in extra.items():
-                target.get_submodule(key.rpartition(".")[0]).set_extra_state(value)
+            # (the keys were checked in prepare; a module's get_extra_state() value goes to its
+            # set_extra_state there, as in torch's load_state_dict)
+            load_full_state_dict(target, state, strict=False)
         else:
             target.load_state_dict(state, strict=plan["strict"])
     if isinstance(optimizer, ZeroRedundancyOptimizer):

@@ -86,6 +86,14 @@ def _canonical_state(model: nn.Module, state: dict) -> dict:
     return canonical_state(model, state)
 
 
+_EXTRA_STATE = nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # a module's get_extra_state() entry
+
+
+def _original_keys(model: nn.Module) -> dict:
+    """Canonical key -> the key ``model.state_dict()`` has for it (its module's path)."""
+    return _canonical_state(model, {k: k for k in model.state_dict(keep_vars=True)})
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
     """``model``'s state dict with every parameter whole, under the keys of the unwrapped
@@ -102,9 +110,11 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
         hit = where.get(id(value))
         if hit is not None:
             out[key] = gathered[hit[1], id(hit[0])]
-        else:
+        elif isinstance(value, torch.Tensor):
             value = value.detach()
             out[key] = value.cpu() if to_cpu else value
+        else:  # a module's get_extra_state() value: any object, kept as torch's state_dict keeps it
+            out[key] = value
     return out
 
 
@@ -120,10 +130,15 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         unexpected = sorted(set(state_dict) - set(own))
         if missing or unexpected:
             raise KeyError(f"fusedist.fsdp.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    originals = None
     for key, target in own.items():
         if key not in state_dict:
             continue
         src = state_dict[key]
+        if key.rpartition(".")[2] == _EXTRA_STATE:  # any object, no rows: to its module, as torch loads it
+            originals = originals or _original_keys(model)
+            model.get_submodule(originals[key].rpartition(".")[0]).set_extra_state(src)
+            continue
         hit = where.get(id(target))
         if hit is None:
             target.copy_(src)

@@ -285,9 +285,13 @@ class Reducer:
 
     # ---- for a strategy that moves gradients out of the buffer (ZeRO stage 2)
     def release_bucket(self, bucket: Bucket) -> None:
-        """Drop one bucket's full gradients (its consumer has stored what it needs)."""
+        """Drop one bucket's full gradients (its consumer has stored what it needs). An
+        inactive parameter's gradient is its own, not a view of the bucket: one trainable again
+        is averaged after the buckets (Note [trainable set changes]), so it is kept."""
+        inactive = self.inactive
         for p in bucket.params:
-            p.grad = None  # views of the bucket: they would keep its memory alive
+            if not inactive or p not in inactive:
+                p.grad = None  # views of the bucket: they would keep its memory alive
         self.layout.release(bucket)
 
     def release_gradients(self) -> None:

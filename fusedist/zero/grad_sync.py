@@ -62,12 +62,7 @@ class ReduceScatterToShard(GradSyncStrategy):
         out = self._outputs.pop(bucket.index)
         _, post = divide_factors(reducer.grad_divisor, out.dtype)
         self.zero.store_reduced(bucket.index, out, post)
-        # An inactive parameter's gradient is its own, not a view of the bucket: one trainable
-        # again is averaged after the buckets (Note [trainable set changes]), so it is kept.
-        kept = [(p, p.grad) for p in bucket.params if p.grad is not None and p in reducer.inactive]
         reducer.release_bucket(bucket)  # the shard holds this bucket's gradients now
-        for p, grad in kept:
-            p.grad = grad
 
     def after_sync(self, reducer) -> None:
         self.zero.end_reduction(reducer)

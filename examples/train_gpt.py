@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import math
 import statistics
@@ -78,6 +79,25 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.fail_at_step is not None and not args.checkpoint_dir:
         p.error("--fail-at-step needs --checkpoint-dir (its marker file lives there)")
+    # Refused here, before any rank starts: otherwise a negative --steps saved a checkpoint
+    # labelled with a step behind its weights, --resume was ignored next to --checkpoint-dir,
+    # sizes failed deep inside the model, and --plot failed only after the whole run.
+    for name in ("steps", "layers", "batch", "context", "dim", "heads", "checkpoint_every", "checkpoint_keep"):
+        least = 0 if name in ("steps", "layers") else 1
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    if args.dim % args.heads:
+        p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    if args.resume and args.checkpoint_dir:
+        p.error("--resume and --checkpoint-dir are two ways to resume: pass one (--checkpoint-dir resumes from "
+                "its latest complete checkpoint)")
+    if args.overlap_param_gather and args.zero not in (1, 2):
+        p.error("--overlap-param-gather applies to --zero 1 or 2")
+    if args.optimizer == "torch" and args.zero == 0 and args.precision in ("bf16", "fp16"):
+        p.error(f"--precision {args.precision} needs FP32 master weights: use --optimizer fused, --zero 1/2/3 "
+                "or --precision fp32")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib)")
     return args
 
 

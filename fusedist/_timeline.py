@@ -21,6 +21,12 @@ def now_us() -> float:
     return (time.perf_counter() - _EPOCH) * 1e6
 
 
+# (path, rank) -> (events, lock) that every Timeline writing that file appends to: one file, so
+# a second model wrapped in the process (or a model wrapped again) adds to the trace, where a
+# Timeline of its own would never be flushed (one exit flush per file) and its events were lost.
+_shared: dict[tuple[str, int], tuple[list, threading.Lock]] = {}
+
+
 class Timeline:
     def __init__(self, path: str | None, rank: int):
         self.path = path
@@ -28,11 +34,17 @@ class Timeline:
         self.events: list[dict] = []
         self._lock = threading.Lock()
         if path:
-            at_exit(f"flush timeline {path}", self.flush)  # fusedist/_process_hooks.py
+            self.events, self._lock = _shared.setdefault((path, rank), (self.events, self._lock))
+            at_exit(f"flush timeline {path} rank {rank}", self.flush)  # fusedist/_process_hooks.py
 
     @classmethod
     def from_env(cls, rank: int) -> "Timeline":
-        return cls(os.environ.get("FUSEDIST_TIMELINE") or None, rank)
+        path = os.environ.get("FUSEDIST_TIMELINE") or None
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            # Refused now: the trace is written at exit, where the error would come after the run.
+            raise ValueError(f"FUSEDIST_TIMELINE={path!r}: the directory {os.path.dirname(os.path.abspath(path))!r} "
+                             "does not exist (the value is a path prefix: <path>.rank<R>.json is written)")
+        return cls(path, rank)
 
     @property
     def enabled(self) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,12 @@ DEFAULT_TIMEOUT_S = 600.0
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+# init_distributed(timeout=...): (a weak reference to the default group it created, the timeout).
+# Held for that group only, so that fusedist's own collectives on it time out with it (not at
+# FUSEDIST_TIMEOUT_S's 600 s while gloo's would at the given timeout), and a group made later
+# by init_process_group is not affected.
+_init_timeout: tuple[weakref.ref, datetime.timedelta] | None = None
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedInfo:
@@ -48,19 +56,34 @@ class DistributedInfo:
 
 
 def collective_timeout() -> datetime.timedelta:
-    """The timeout applied to each collective wait (``FUSEDIST_TIMEOUT_S`` overrides)."""
-    seconds = float(os.environ.get("FUSEDIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    if not seconds > 0:
-        raise ValueError(f"FUSEDIST_TIMEOUT_S must be a positive number of seconds, got {seconds}")
-    return datetime.timedelta(seconds=seconds)
+    """The timeout applied to each collective wait: ``init_distributed(timeout=...)``'s for the
+    group it created, else ``FUSEDIST_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`."""
+    if _init_timeout is not None and dist.is_available() and dist.is_initialized():
+        group, timeout = _init_timeout
+        if group() is dist.group.WORLD:
+            return timeout
+    value = os.environ.get("FUSEDIST_TIMEOUT_S")
+    if value is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    return _checked(value, "FUSEDIST_TIMEOUT_S")
+
+
+def _checked(value, name: str) -> datetime.timedelta:
+    """``value`` (seconds or a timedelta) as a positive, finite timedelta; else a ValueError naming ``name``."""
+    try:
+        seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+        timeout = datetime.timedelta(seconds=seconds) if math.isfinite(seconds) else None
+    except (TypeError, ValueError, OverflowError):
+        timeout = None
+    if timeout is None or timeout <= datetime.timedelta(0):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return timeout
 
 
 def _as_timedelta(timeout) -> datetime.timedelta:
     if timeout is None:
         return collective_timeout()
-    if isinstance(timeout, datetime.timedelta):
-        return timeout
-    return datetime.timedelta(seconds=float(timeout))
+    return _checked(timeout, "init_distributed(timeout=...)")
 
 
 def _current_info() -> DistributedInfo:
@@ -71,6 +94,17 @@ def _current_info() -> DistributedInfo:
     else:
         device = torch.device("cpu")
     return DistributedInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None and default is not None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"fusedist.init_distributed: malformed launch environment: {name}={value!r} is not "
+                           "an integer") from None
 
 
 def init_distributed(backend: str | None = None, timeout=None) -> DistributedInfo:
@@ -86,7 +120,7 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     """
     if dist.is_available() and dist.is_initialized():
         info = _current_info()
-        if backend is not None and backend != info.backend:
+        if backend is not None and backend.lower() != info.backend:
             raise RuntimeError(
                 f"torch.distributed is already initialized with backend {info.backend!r}; "
                 f"init_distributed(backend={backend!r}) cannot change it"
@@ -101,17 +135,15 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
             + ". Launch with torchrun (e.g. `torchrun --nproc_per_node=2 train.py`), which sets "
             "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, or set them yourself."
         )
-    try:
-        rank = int(os.environ["RANK"])
-        world_size = int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    except ValueError as exc:
-        raise RuntimeError(f"fusedist.init_distributed: malformed launch environment: {exc}") from None
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", rank)
     if not 0 <= rank < world_size:
         raise RuntimeError(f"fusedist.init_distributed: RANK={rank} is outside WORLD_SIZE={world_size}")
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend.lower()  # torch's spelling: "NCCL" is nccl, and binds the GPU as nccl does
+    explicit, timeout = timeout is not None, _as_timedelta(timeout)
     device = torch.device("cpu")
     kwargs = {}
     if backend == "nccl":
@@ -124,5 +156,7 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         kwargs["device_id"] = device
-    dist.init_process_group(backend=backend, timeout=_as_timedelta(timeout), **kwargs)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    global _init_timeout
+    _init_timeout = (weakref.ref(dist.group.WORLD), timeout) if explicit else None
     return DistributedInfo(rank, world_size, local_rank, backend, device)

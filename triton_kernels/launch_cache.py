@@ -63,7 +63,10 @@ def _triton_supports_direct_launch() -> bool:
 
 
 def _enabled() -> bool:
-    if os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE", "0") != "1":  # Note [the launch cache is opt-in]
+    value = os.environ.get("FUSEDIST_TRITON_LAUNCH_CACHE", "0").strip() or "0"
+    if value not in ("0", "1"):  # refused, not read as off: "true" or "yes" would be ignored silently
+        raise ValueError(f"FUSEDIST_TRITON_LAUNCH_CACHE must be 0 or 1, got {value!r}")
+    if value == "0":  # Note [the launch cache is opt-in]
         return False
     if triton_interpreting():
         return False

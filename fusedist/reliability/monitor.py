@@ -63,6 +63,8 @@ class CollectiveMonitor:
         # Held from the start: the process group (and its store handle) may be destroyed by the
         # time a crash or exit entry is published.
         self.store = stall_report.default_store()
+        # A bad FUSEDIST_STALL_REPORT_S is refused now, not in place of a later collective's error.
+        stall_report.report_window_s(comm.timeout.total_seconds())
         _monitors.add(self)
 
     # ---- observer interface (see Communicator._launch / CommHandle.wait)

@@ -46,9 +46,12 @@ def report_window_s(collective_timeout_s: float, peer_gone: bool = False) -> flo
     """
     env = os.environ.get("FUSEDIST_STALL_REPORT_S")
     if env is not None:
-        value = float(env)
-        if not value >= 0:
-            raise ValueError(f"FUSEDIST_STALL_REPORT_S must be >= 0 seconds, got {env!r}")
+        try:
+            value = float(env)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < float("inf"):  # an infinite window would hang the failing rank
+            raise ValueError(f"FUSEDIST_STALL_REPORT_S must be a finite number of seconds >= 0, got {env!r}")
         return value
     window = min(15.0, max(2.0, 0.05 * collective_timeout_s))
     return min(window, PEER_GONE_WINDOW_S) if peer_gone else window

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .holder import all_reduce_on_comm_device
 from .state_dict import piece_index, units_of
 
 __all__ = ["precompute_float8_dynamic_scale_for_fsdp"]
@@ -49,7 +50,8 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
     for comm, entries in by_group.values():
         local = [p._tensor.abs().max() if p.numel() else p._tensor.new_zeros(()) for p, _ in entries]
         amax = torch.stack(local).to(torch.float32)
-        comm.all_reduce(amax, op="max", tag="fully_shard float8 scales")
+        # (in host memory under CPUOffloadPolicy: reduced through the communicator's device)
+        all_reduce_on_comm_device(comm, amax, "max", "fully_shard float8 scales")
         for (piece, dtype), a in zip(entries, amax):
             # (no rounding to a power of 2: the float8 gather's own scale has none)
             piece._precomputed_scale = amax_to_scale(a.to(piece.dtype), dtype)

@@ -72,9 +72,9 @@ class ShardedGradHolder:
             for g in grads:
                 if g.numel():
                     local = torch.maximum(local, g.detach().abs().max().float().reshape(1))
-            _all_reduce(self.comm, local, "max", "fully_shard grad norm (inf)")
+            all_reduce_on_comm_device(self.comm, local, "max", "fully_shard grad norm (inf)")
             if self.tp is not None:
-                _all_reduce(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
+                all_reduce_on_comm_device(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
             return local[0]
         # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike
         local = torch.zeros(2, dtype=torch.float32, device=device)
@@ -84,11 +84,11 @@ class ShardedGradHolder:
             powered = norms.pow(norm_type)
             local[0] += powered[~alike].sum()
             local[1] += powered[alike].sum()
-        _all_reduce(self.comm, local, "sum", "fully_shard grad norm")
+        all_reduce_on_comm_device(self.comm, local, "sum", "fully_shard grad norm")
         if self.tp is not None:  # Note [one norm on every tensor-parallel rank]
             if self.tp.rank != 0:
                 local[1] = 0.0
-            _all_reduce(self.tp, local, "sum", "fully_shard grad norm (tensor-parallel)")
+            all_reduce_on_comm_device(self.tp, local, "sum", "fully_shard grad norm (tensor-parallel)")
         return local.sum().pow(1.0 / norm_type)
 
     @torch.no_grad()
@@ -107,10 +107,10 @@ class ShardedGradHolder:
         alike = torch.tensor([p in self._tp_replicated for p in params], dtype=torch.bool, device=device)
 
         def all_reduce(t: torch.Tensor, op: str) -> None:
-            _all_reduce(self.comm, t, op, "fully_shard per-parameter grad norms")
+            all_reduce_on_comm_device(self.comm, t, op, "fully_shard per-parameter grad norms")
             if self.tp is not None:  # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike
                 over_tp = t.masked_fill(alike, 0.0) if self.tp.rank != 0 else t.clone()
-                _all_reduce(self.tp, over_tp, op, "fully_shard per-parameter grad norms (tensor-parallel)")
+                all_reduce_on_comm_device(self.tp, over_tp, op, "fully_shard per-parameter grad norms (tensor-parallel)")
                 t.copy_(over_tp)
 
         norms = per_tensor_global_norms(
@@ -138,20 +138,20 @@ class ShardedGradHolder:
 
     def all_reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
         """Max of the ranks' inf/nan flags, in place (GradScaler: every rank skips together)."""
-        _all_reduce(self.comm, found_inf, "max", "fully_shard found inf")
+        all_reduce_on_comm_device(self.comm, found_inf, "max", "fully_shard found inf")
         if self.replicate is not None:
-            _all_reduce(self.replicate, found_inf, "max", "fully_shard found inf (replicas)")
+            all_reduce_on_comm_device(self.replicate, found_inf, "max", "fully_shard found inf (replicas)")
         if self.tp is not None:
-            _all_reduce(self.tp, found_inf, "max", "fully_shard found inf (tensor-parallel)")
+            all_reduce_on_comm_device(self.tp, found_inf, "max", "fully_shard found inf (tensor-parallel)")
         return found_inf
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (GradScaler: the global sum of squares of the pieces)."""
-        _all_reduce(self.comm, value, "sum", "fully_shard grad sumsq")
+        all_reduce_on_comm_device(self.comm, value, "sum", "fully_shard grad sumsq")
         return value
 
 
-def _all_reduce(comm, t: torch.Tensor, op: str, tag: str) -> None:
+def all_reduce_on_comm_device(comm, t: torch.Tensor, op: str, tag: str) -> None:
     """All-reduce ``t`` in place over ``comm``, through the communicator's device when ``t`` is
     elsewhere: with ``CPUOffloadPolicy`` on CUDA the pieces and their gradients live in host
     memory, where the NCCL communicator cannot reduce (a few numbers: the copies cost nothing)."""

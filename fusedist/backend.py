@@ -43,7 +43,8 @@ def triton_available() -> bool:
 
 
 def requested_backend() -> str:
-    value = os.environ.get("FUSEDIST_KERNEL_BACKEND", "auto").strip().lower()
+    # (an empty value is the default, as for FUSEDIST_COMM and the other settings)
+    value = os.environ.get("FUSEDIST_KERNEL_BACKEND", "").strip().lower() or "auto"
     if value not in BACKENDS + ("auto",):
         raise ValueError(
             f"FUSEDIST_KERNEL_BACKEND={value!r} is not one of auto, {', '.join(BACKENDS)}"

@@ -169,6 +169,18 @@ def test_launch_cache_setting_refuses_unknown_values(monkeypatch):
     assert launch_cache._enabled() is False
 
 
+def test_kernel_backend_setting_empty_is_auto_and_a_typo_is_refused(monkeypatch):
+    from fusedist import backend
+
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", " ")  # empty, as the other settings take it: the default
+    assert backend.requested_backend() == "auto"
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "Torch")
+    assert backend.requested_backend() == "torch"
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "trition")
+    with pytest.raises(ValueError, match="FUSEDIST_KERNEL_BACKEND='trition' is not one of auto"):
+        backend.requested_backend()
+
+
 @pytest.fixture(scope="module")
 def demo():
     spec = importlib.util.spec_from_file_location("train_gpt_probe", os.path.join(ROOT, "examples", "train_gpt.py"))

@@ -924,3 +924,40 @@ def test_a_users_own_no_sync_holds_over_the_pipeline_step():
     for rank, out in enumerate(per_rank):
         assert out == {"fully_shard": [0, BLOCKS_PER_STAGE], "DistributedDataParallel": [0, 1],
                        "replicate": [0, 1]}, (rank, out)
+
+
+def _short_step_worker(rank, world_size, wrap):
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    if wrap == "fully_shard":
+        wrapped = fusedist.fully_shard(m, mesh=mesh["dp"])
+    else:
+        wrapped = fusedist.DistributedDataParallel(m, process_group=mesh["dp"].get_group())
+    stage = PipelineStage(wrapped, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = pipelining.ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda o, t: (o - t).square().mean())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    schedule.step(x, target=y, losses=[])
+    opt.step()
+    opt.zero_grad()
+    stage.clear_runtime_states()  # a step of 4 forwards and 3 backwards: the last never synchronizes
+    losses = [(stage.forward_one_chunk(i, (x[2 * i:2 * i + 2],), {}) - y[2 * i:2 * i + 2]).square().mean()
+              for i in range(4)]
+    for i in range(3):
+        stage.backward_one_chunk(i, loss=losses[i], last_backward=False)
+    with pytest.raises(RuntimeError, match="In a pipeline stage: the schedule's step ran fewer backwards than micro"):
+        opt.step()
+
+
+@pytest.mark.parametrize("wrap", ["fully_shard", "ddp"])
+def test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline(wrap):
+    """README: a step that runs fewer backwards than micro-batches leaves the gradients
+    unreduced, and the optimizer step is refused -- with advice a pipeline user can act on."""
+    run_distributed(_short_step_worker, 2, wrap, timeout=120)

@@ -16,6 +16,11 @@ from .config import checks_enabled
 from .monitor import attach_monitor
 from .step_check import StepCheck, layout_crc
 
+#: The other way to an unsynchronized step: a pipeline schedule's step synchronizes a stage's
+#: gradients at its last micro-batch's backward only.
+PIPELINE_HINT = (" In a pipeline stage: the schedule's step ran fewer backwards than micro-batches (a "
+                 "forward-only step, or one stopped early), so the last one never synchronized.")
+
 
 class WatchBase:
     """What every model's watch has: the counters the ranks must agree on, the per-step check,
@@ -65,7 +70,7 @@ class StepWatch(WatchBase, EngineObserver):
     unsynced_advice = ("that was not synchronized -- its forward ran under no_sync(), or it did not go through a "
                        "forward of the wrapper (a backward through model.module): the gradients are this rank's "
                        "local sums, not averaged across ranks, so the ranks would diverge. Run the last "
-                       "micro-batch's forward (through the wrapper, outside no_sync()) and backward before stepping.")
+                       "micro-batch's forward (through the wrapper, outside no_sync()) and backward before stepping." + PIPELINE_HINT)
 
     def __init__(self, engine):
         self._engine = engine  # (before the base registers position() with the monitor)

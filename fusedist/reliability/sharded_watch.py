@@ -29,7 +29,7 @@ from __future__ import annotations
 import zlib
 
 from ..ownership import register_step_watch
-from .engine_watch import WatchBase
+from .engine_watch import PIPELINE_HINT, WatchBase
 
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {
     "unused": "a different set of parameters received gradients (a branch of a unit ran on some ranks only): "
@@ -49,7 +49,7 @@ class ShardedStepWatch(WatchBase):
     no_backward_advice = "so there are no reduced gradients to apply. Call loss.backward() before optimizer.step()."
     unsynced_advice = ("under set_requires_gradient_sync(False): the gradients are this rank's unreduced local "
                        "sums, so the ranks would diverge. Turn gradient synchronization back on for the last "
-                       "micro-batch's backward before stepping.")
+                       "micro-batch's backward before stepping." + PIPELINE_HINT)
 
     def __init__(self, comm, wrapping: list, params: list):
         self.comm = comm

@@ -70,7 +70,8 @@ class StepWatch(WatchBase, EngineObserver):
     unsynced_advice = ("that was not synchronized -- its forward ran under no_sync(), or it did not go through a "
                        "forward of the wrapper (a backward through model.module): the gradients are this rank's "
                        "local sums, not averaged across ranks, so the ranks would diverge. Run the last "
-                       "micro-batch's forward (through the wrapper, outside no_sync()) and backward before stepping." + PIPELINE_HINT)
+                       "micro-batch's forward (through the wrapper, outside no_sync()) and backward before "
+                       "stepping." + PIPELINE_HINT)
 
     def __init__(self, engine):
         self._engine = engine  # (before the base registers position() with the monitor)

@@ -97,20 +97,23 @@ def test_plain_extra_state_loads_like_torch(tmp_path):
         assert a == b if isinstance(a, dict) else torch.equal(a, b)
 
 
+def _tagged_sharded(tensor_tag: bool) -> nn.Module:
+    import fusedist
+
+    torch.manual_seed(0)
+    m = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
+    fusedist.fully_shard(m[0])
+    fusedist.fully_shard(m)
+    return m
+
+
 def _fsdp_extra_state_worker(rank, world, root, tensor_tag, tag):
     import fusedist
 
-    def build():
-        torch.manual_seed(0)
-        m = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
-        fusedist.fully_shard(m[0])
-        fusedist.fully_shard(m)
-        return m
-
-    m = build()
+    m = _tagged_sharded(tensor_tag)
     m[0].tag = torch.tensor(tag) if tensor_tag else {"v": tag[0]}
     fusedist.checkpoint.save(root, m)
-    other = build()
+    other = _tagged_sharded(tensor_tag)
     fusedist.checkpoint.load(root, other)
     ref = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
     ref.load_state_dict({"0._extra_state": m[0].get_extra_state()}, strict=False)  # torch's load of the entry
@@ -128,17 +131,10 @@ def test_fully_shard_extra_state_loads_like_torch(tmp_path):
 def _full_state_dict_extra_worker(rank, world, tensor_tag, tag):
     import fusedist
 
-    def build():
-        torch.manual_seed(0)
-        m = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
-        fusedist.fully_shard(m[0])
-        fusedist.fully_shard(m)
-        return m
-
-    m = build()
+    m = _tagged_sharded(tensor_tag)
     m[0].tag = torch.tensor(tag) if tensor_tag else {"v": tag[0]}
     whole = fusedist.fsdp.full_state_dict(m)
-    other = build()
+    other = _tagged_sharded(tensor_tag)
     fusedist.fsdp.load_full_state_dict(other, whole)
     ref = nn.Sequential(_Tagged(tensor_tag), nn.Linear(4, 2))
     ref.load_state_dict(whole)  # torch's load of the same whole dict

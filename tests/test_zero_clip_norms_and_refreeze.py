@@ -26,6 +26,16 @@ def _net():
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+def _pair(base, stage, lr):
+    """fusedist DDP + ZeRO(SGD with momentum) and torch DDP + SGD, from the same weights."""
+    import fusedist
+
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, stage=stage, lr=lr, momentum=0.9)
+    return ours, theirs, opt, torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9)
+
+
 def _batch(rank, step):
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank))
 
@@ -37,11 +47,7 @@ def _diff(a, b):
 def _clip_worker(rank, ws, stage, norm_type):
     import fusedist
 
-    base = _net()
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
-    ref = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    ours, theirs, opt, ref = _pair(_net(), stage, lr=0.1)
     scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     clips = [lambda: opt.clip_grad_norm_(0.3, norm_type),
              lambda: fusedist.clip_grad_norm_(ours.parameters(), 0.3, norm_type),
@@ -95,13 +101,7 @@ class _TwoLayers(nn.Module):
 
 
 def _refreeze_worker(rank, ws, stage, set_to_none):
-    import fusedist
-
-    base = _TwoLayers()
-    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, stage=stage, lr=0.05, momentum=0.9)
-    ref = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
+    ours, theirs, opt, ref = _pair(_TwoLayers(), stage, lr=0.05)
     for step in range(6):
         if step in (2, 4):  # frozen for two steps, then trainable again
             for m in (ours.module, theirs.module):

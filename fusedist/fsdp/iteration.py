@@ -64,6 +64,9 @@ class IterationContext:
         backward, issue the rest in order (then any unit outside the order, in registration
         order)."""
         if state is not None:
+            if state in self.deferred:  # later gradients while the first wait their turn: add them
+                # (Note [gradients after the unit's reduction] in state.py)
+                grads = [a if b is None else b if a is None else a + b for a, b in zip(self.deferred[state], grads)]
             self.deferred[state] = grads
         order, deferred = self.reduce_order, self.deferred
         while self.next_reduce < len(order) and (state is None or order[self.next_reduce] in deferred):

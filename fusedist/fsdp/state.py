@@ -95,6 +95,15 @@ Note [accumulated units a synchronized backward does not reach]
     pipeline schedules do for FSDP2 at the end of a step. Which units ran forward is the same
     on every rank (their gathers pair up by order), so the reductions are too.
 
+Note [gradients after the unit's reduction]
+    A unit called twice in one forward, each call under reentrant activation checkpointing
+    (inside the unit or around its call), is recomputed and differentiated in two nested
+    backwards: its parameters' gradients accumulate once per call, so the count of
+    accumulations is complete after the first call's and the unit reduces then. A gradient
+    that arrives after that reduction, in the same backward, starts another count: the unit's
+    next reduction adds the later calls' gradients (as FSDP2 reduces once per call); they used
+    to be left in the unsharded parameters and lost.
+
 Note [repeated backward]
     ``loss1.backward(retain_graph=True); loss2.backward()`` runs two backwards through one
     forward. The first ends as any; the second meets units whose forward bookkeeping is
@@ -387,6 +396,8 @@ class FullyShardState:
     def _on_grad(self, index: int) -> None:
         self.ctx.ensure_final_callback()
         self.backward_pending = True
+        if self._post_backward_done:  # Note [gradients after the unit's reduction]
+            self._post_backward_done, self._grads_seen = False, 0
         self._grads_seen += 1
         self._maybe_post_backward()
 

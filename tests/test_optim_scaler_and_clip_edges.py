@@ -545,3 +545,17 @@ def test_buffers_missing_in_a_loaded_torch_state_are_made(backend):
         opt.step()
         ref.step()
     _assert_close(ours, theirs)
+
+
+def test_gradients_written_after_a_lazy_unscale_are_refused_with_advice_that_exists():
+    """The refusal names the clip the optimizer has: FusedAdamW has no clip_grad_norm_ of its
+    own (ZeroRedundancyOptimizer has one), so the advice is fusedist.clip_grad_norm_ alone."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt, scaler = FusedAdamW([p]), GradScaler("cpu", lazy_unscale=True)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.randn(4) * 65536.0
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_([p], 1.0)  # writes the still scaled gradient
+    with pytest.raises(RuntimeError, match="Clip with fusedist.clip_grad_norm_, or build") as caught:
+        scaler.step(opt)
+    assert not hasattr(opt, "clip_grad_norm_") and "optimizer.clip_grad_norm_" not in str(caught.value)

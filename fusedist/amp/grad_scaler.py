@@ -263,7 +263,7 @@ class GradScaler(_TorchGradScaler):
     * ``lazy_unscale`` (default False): ``unscale_`` only checks and measures the gradients
       (one read-only pass) and the optimizer's update unscales inline, saving the write of
       every gradient. ``p.grad`` then keeps the *scaled* values until ``step()``: clip with
-      ``fusedist.clip_grad_norm_`` or ``optimizer.clip_grad_norm_``, not with
+      ``fusedist.clip_grad_norm_`` (or a ZeroRedundancyOptimizer's ``clip_grad_norm_``), not with
       ``torch.nn.utils.clip_grad_norm_`` (which would measure and clip scaled gradients).
 
     * ``hysteresis`` (default 1 = torch): the scale backs off on the ``hysteresis``-th

@@ -166,13 +166,14 @@ class ScalerProtocol:
                 "unscales its gradient shards inside step(), so the new values would be unscaled as if "
                 "unscale_ had seen them and the recorded found-inf and norm miss them. Call unscale_ (and "
                 "clip) after the last backward of the step.")
+        own_clip = " (or optimizer.clip_grad_norm_)" if hasattr(self, "clip_grad_norm_") else ""
         return (
             f"fusedist: {name}'s gradients were written after "
             "GradScaler(lazy_unscale=True).unscale_, while they still held the *scaled* values (e.g. "
             "by torch.nn.utils.clip_grad_norm_, which then measured a norm 'scale' times too large): "
-            "stepping would apply a wrong update. Clip with fusedist.clip_grad_norm_ (or "
-            "optimizer.clip_grad_norm_), or build the GradScaler without lazy_unscale=True so that "
-            "unscale_ writes the unscaled gradients as torch's does.")
+            f"stepping would apply a wrong update. Clip with fusedist.clip_grad_norm_{own_clip}, or build "
+            "the GradScaler without lazy_unscale=True so that unscale_ writes the unscaled gradients as "
+            "torch's does.")
 
     # Note [gradients changed after the clip]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

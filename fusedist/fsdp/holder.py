@@ -110,7 +110,8 @@ class ShardedGradHolder:
             all_reduce_on_comm_device(self.comm, t, op, "fully_shard per-parameter grad norms")
             if self.tp is not None:  # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike
                 over_tp = t.masked_fill(alike, 0.0) if self.tp.rank != 0 else t.clone()
-                all_reduce_on_comm_device(self.tp, over_tp, op, "fully_shard per-parameter grad norms (tensor-parallel)")
+                all_reduce_on_comm_device(self.tp, over_tp, op,
+                                          "fully_shard per-parameter grad norms (tensor-parallel)")
                 t.copy_(over_tp)
 
         norms = per_tensor_global_norms(

@@ -21,8 +21,8 @@ Note [growing the partition]
     sees them trainable.
     A parameter frozen later stays sharded; it gets no gradient, so steps skip it as torch's
     optimizers skip a parameter whose grad is None; made trainable again, it takes its averaged
-    gradient from the backward that saw it trainable, as torch's DDP rebuilt. ``offload="cpu"``: joining before the first
-    step only (the host pipeline's buffers are not regrown).
+    gradient from the backward that saw it trainable, as torch's DDP rebuilt. ``offload="cpu"``:
+    joining before the first step only (the host pipeline's buffers are not regrown).
 """
 
 from __future__ import annotations

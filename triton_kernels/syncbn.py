@@ -69,7 +69,7 @@ def _welford_partial_kernel(
     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WIDE_INDEX: tl.constexpr,
 ):
     """Program (c-block, r) -> count, mean, M2 of its channels over rows u = r, r+SPLIT, ...
-(the mean of ``x - K``: Note [statistics about a shift]; the combine adds K back).
+    (the mean of ``x - K``: Note [statistics about a shift]; the combine adds K back).
 
     Each lane of the [BLOCK_S, BLOCK_C] tile runs its own Welford recurrence (no cross-lane
     traffic in the loop); the lanes are merged once at the end with the parallel formula

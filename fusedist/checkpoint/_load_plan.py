@@ -17,8 +17,6 @@ from . import _checks, _files, _from_dcp, _names, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
-_EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # a module's get_extra_state() entry
-
 
 def _expected_model(target) -> tuple[dict, bool]:
     """The model's canonical keys and whole shapes, and whether it is sharded (fully_shard)."""

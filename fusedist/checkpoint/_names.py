@@ -25,6 +25,13 @@ _ORIG_MOD = "_orig_mod"
 #: (``checkpoint_wrapper``): their own state-dict hooks drop it from the keys, not from
 #: parameter names.
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+_EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+def is_extra_state(key: str) -> bool:
+    """Whether a state-dict key is a module's ``get_extra_state()`` entry: any object, which
+    torch's ``load_state_dict`` hands to the module's ``set_extra_state``."""
+    return key.rpartition(".")[2] == _EXTRA_STATE
 
 
 def _inner(obj, part: str) -> Optional[torch.nn.Module]:

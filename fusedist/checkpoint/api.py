@@ -445,7 +445,7 @@ def model_shapes(model) -> dict:
     """The model's canonical state-dict keys and whole shapes (Note [one model per save]); None
     for a module's ``get_extra_state()`` entry, whose size may differ by rank (serialized state)."""
     shapes = _load_plan._expected_model(_names.unwrap(model))[0]
-    return {k: None if v is None or k.rpartition(".")[2] == _load_plan._EXTRA_STATE else tuple(v)
+    return {k: None if v is None or _names.is_extra_state(k) else tuple(v)
             for k, v in shapes.items()}
 
 

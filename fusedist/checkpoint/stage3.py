@@ -378,5 +378,3 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
     out = zstate.to_torch_format(mine, params, groups)
     zstate.check_groups(out["param_groups"], optimizer.param_groups, source)
     return out
-
-

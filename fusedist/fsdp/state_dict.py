@@ -86,14 +86,6 @@ def _canonical_state(model: nn.Module, state: dict) -> dict:
     return canonical_state(model, state)
 
 
-_EXTRA_STATE = nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # a module's get_extra_state() entry
-
-
-def _original_keys(model: nn.Module) -> dict:
-    """Canonical key -> the key ``model.state_dict()`` has for it (its module's path)."""
-    return _canonical_state(model, {k: k for k in model.state_dict(keep_vars=True)})
-
-
 @torch.no_grad()
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
     """``model``'s state dict with every parameter whole, under the keys of the unwrapped
@@ -122,21 +114,24 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
 def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True) -> None:
     """Load a whole-parameter state dict (:func:`full_state_dict`'s, or an unwrapped model's)
     into the sharded ``model``: each rank copies its pieces' rows. No communication."""
+    from ..checkpoint._names import is_extra_state
+
     where = piece_index(units_of(model))
-    own = _canonical_state(model, model.state_dict(keep_vars=True))
+    held = model.state_dict(keep_vars=True)
+    own = _canonical_state(model, held)
     state_dict = _canonical_state(model, state_dict)
     if strict:
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
         if missing or unexpected:
             raise KeyError(f"fusedist.fsdp.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-    originals = None
+    originals = None  # canonical key -> the model's own key (its module's path), made if needed
     for key, target in own.items():
         if key not in state_dict:
             continue
         src = state_dict[key]
-        if key.rpartition(".")[2] == _EXTRA_STATE:  # any object, no rows: to its module, as torch loads it
-            originals = originals or _original_keys(model)
+        if is_extra_state(key):  # any object, no rows: to its module, as torch loads it
+            originals = originals or _canonical_state(model, {k: k for k in held})
             model.get_submodule(originals[key].rpartition(".")[0]).set_extra_state(src)
             continue
         hit = where.get(id(target))

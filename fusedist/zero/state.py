@@ -117,14 +117,13 @@ def fragments_from_full(full: dict, params) -> dict[int, list]:
     """Fragments of a torch-format state dict ``{"state": {index: {...}}, "param_groups"}``
     (a 0-dim parameter's moments made one-element: :func:`per_element_keys`)."""
     out: dict[int, list] = {}
-    for index in full.get("state", {}):
+    states = full.get("state", {})
+    for index in states:  # (all checked first: per_element_keys reads every index's parameter)
         if not 0 <= int(index) < len(params):
-            raise StateDictError(f"state dict has state for parameter {index}, the optimizer has {len(params)}")
-    per_element = per_element_keys(full.get("state", {}), params)
-    for index, values in full.get("state", {}).items():
+            raise StateDictError(f"state dict has state for parameter {int(index)}, the optimizer has {len(params)}")
+    per_element = per_element_keys(states, params)
+    for index, values in states.items():
         index = int(index)
-        if not 0 <= index < len(params):
-            raise StateDictError(f"state dict has state for parameter {index}, the optimizer has {len(params)}")
         n = params[index].numel()
         state, master = {}, None
         for key, v in values.items():

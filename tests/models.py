@@ -88,6 +88,18 @@ class WithUnused(nn.Module):
         return MLP.batch(gen, n)
 
 
+class LogitScaled(nn.Module):
+    """A CLIP-like model: a 0-dim learnable scale (its ``logit_scale``) beside a Linear(4, out)."""
+
+    def __init__(self, out: int = 4):
+        super().__init__()
+        self.lin = nn.Linear(4, out)
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.logit_scale
+
+
 def loss_fn(model_cls, out, target):
     if model_cls is TiedLM:
         return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))

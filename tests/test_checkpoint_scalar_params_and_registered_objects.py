@@ -7,19 +7,10 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from models import LogitScaled  # a 0-dim learnable scale beside ordinary layers
 
 
 # ------------------------------------------------- a 0-dim parameter of a fully_shard model
-class _Scaled(nn.Module):
-    """A CLIP-like model: a 0-dim learnable scale beside ordinary layers."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.logit_scale = nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x):
-        return self.lin(x) * self.logit_scale
 
 
 def _batch(step: int, seed: int):
@@ -31,7 +22,7 @@ def _scalar_rank(rank, world_size, root, seed, phase):
     from fusedist.fsdp import full_state_dict
 
     torch.manual_seed(seed)
-    model = _Scaled()
+    model = LogitScaled()
     if phase == "zero":  # DDP + ZeRO-2 loading the fully_shard checkpoint
         model = fusedist.DistributedDataParallel(model)
         opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
@@ -60,7 +51,7 @@ def _scalar_rank(rank, world_size, root, seed, phase):
 
 def _scalar_reference(seed: int) -> dict:
     torch.manual_seed(seed)
-    ref = _Scaled()
+    ref = LogitScaled()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(4):
         ref(_batch(step, seed)).square().mean().backward()

@@ -13,21 +13,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from fusedist.testing import run_distributed
+from models import LogitScaled
 
 ATOL = 1e-6
 
 
-class _Scaled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
-        self.scale = nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x):
-        return self.lin(x) * self.scale
 
 
 def _loss(model, x):
@@ -38,7 +30,7 @@ def _worker(rank, world, stage):
     import fusedist
 
     torch.manual_seed(0)
-    base = _Scaled()
+    base = LogitScaled(out=3)
     xs = [torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
     mine = slice(2 * rank, 2 * rank + 2)
 

@@ -72,7 +72,7 @@ from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
 from .static_graph import ArrivalCounts, check_all_arrived
-from .unused import settle_unused
+from .unused import raise_graph_changed, settle_unused
 from .events import EngineObserver
 
 _perf_counter = time.perf_counter
@@ -189,6 +189,8 @@ class Reducer:
     def inactive(self, params: set) -> None:
         self._inactive = params
         self._refresh_entries()
+        if self.arrivals is not None:
+            self.arrivals.forget_used()
 
     def ensure_hook(self, p) -> None:
         """Register ``p``'s gradient hook once. Its entry has no slot until
@@ -224,6 +226,8 @@ class Reducer:
         for p in self.params:
             self.ensure_hook(p)
         self._refresh_entries()
+        if self.arrivals is not None:
+            self.arrivals.forget_used()
 
     def add_params(self, params: list, names: list) -> None:
         self.set_params(self.params + list(params), self.names + list(names))
@@ -532,10 +536,11 @@ class Reducer:
             self._finish_bucket(bucket)
         if shadow and not self.config.tolerates_unused:
             self.expose_grads(unused)  # the average of the active ranks' gradients
+        changed = []
         if self.config.tolerates_unused:
             # Every rank, every synchronized iteration: a rank with nothing unused must still
             # take part in the used-map all-reduce (Note [unused parameters] in unused.py).
-            settle_unused(self, unused, had_grad)
+            changed = settle_unused(self, unused, had_grad)
         t_end = now_us()
         first_launch = min(self.t_launch.values()) if self.t_launch else t_compute_end
         span = max(t_end - first_launch, 1e-9)
@@ -562,6 +567,8 @@ class Reducer:
         if self.tracker is not None and self.tracker.target is not None:
             apply_trainable_change(self)  # Note [trainable set changes]
         self.strategy.after_sync(self)
+        if changed:
+            raise_graph_changed(self, changed)  # Note [the used map of a static graph]
         if unused and not self.config.tolerates_unused and not shadow:
             for observer in self.observers:
                 observer.agreement_point(self)

@@ -26,7 +26,7 @@ Note [gradients that arrive twice]
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from .grad_hook import ParamEntry
@@ -44,6 +44,13 @@ class ArrivalCounts:
         self.expected: dict = {}  # parameter -> arrivals per backward (> 1 only)
         self.now: dict = {}  # parameter -> arrivals so far in this backward (second and later)
         self.extra_per_bucket: dict[int, int] = {}  # bucket index -> sum(expected - 1)
+        # Note [the used map of a static graph] (unused.py): every rank's, and this rank's own.
+        self.used_anywhere: Optional[list] = None
+        self.local_used: Optional[list] = None
+
+    def forget_used(self) -> None:
+        """The parameters or the trainable set changed: the next backward learns the map again."""
+        self.used_anywhere = self.local_used = None
 
     def begin(self, sync: bool) -> bool:
         """A backward begins; True if it is the one that learns (launches deferred)."""

@@ -15,6 +15,16 @@ Note [unused parameters]
     average, also the ranks that never computed a gradient for it. Counting the synchronized
     backward alone would leave those ranks with ``grad=None`` while the others step with the
     average: the replicas would silently drift apart.
+
+Note [the used map of a static graph]
+    With ``static_graph=True`` every iteration uses the same parameters, so the used map is
+    all-reduced in the first synchronized backward only and kept, as torch's static graph
+    does: later steps skip that collective (and its read back to the host, a synchronization
+    on a GPU). Each rank keeps its own first map too and compares every later one with it: a
+    parameter used now and not then (or the reverse) means the graph is not static, and the
+    rank raises, naming it, rather than giving that parameter the wrong gradient. Parameters
+    frozen since the last forward are not compared; a change of the trainable set or of the
+    parameters (agreed by every rank) forgets the map, and the next backward learns it again.
 """
 
 from __future__ import annotations
@@ -28,9 +38,11 @@ if TYPE_CHECKING:
     from .reducer import Reducer
 
 
-def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> None:
-    """After the buckets finished: one all-reduce of the used map, then the parameters no rank
-    used keep (or get back) ``grad=None`` and the others used elsewhere get their average."""
+def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> list:
+    """After the buckets finished: one all-reduce of the used map (once, with a static graph),
+    then the parameters no rank used keep (or get back) ``grad=None`` and the others used
+    elsewhere get their average. Returns the names of the parameters whose use differs from the
+    static graph's first backward (Note [the used map of a static graph])."""
     # Built on the host and read back once: one transfer each way, not one per parameter.
     generation = reducer.generation
     if reducer.shadowing:
@@ -45,9 +57,17 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> None:
         # Used in this backward or in a no_sync one since the last synchronization.
         since = reducer.synced_generation
         local = [int(e.ready == generation or e.accumulated > since) for e in reducer.entries]
-    used = torch.tensor(local, dtype=torch.int32, device=reducer.comm.device)
-    reducer.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
-    used_anywhere = used.tolist()
+    static, changed = reducer.arrivals, []
+    if static is not None and static.used_anywhere is not None:
+        used_anywhere = static.used_anywhere
+        if not reducer.shadowing:
+            changed = _changed_since_learned(reducer, static, local)
+    else:
+        used = torch.tensor(local, dtype=torch.int32, device=reducer.comm.device)
+        reducer.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
+        used_anywhere = used.tolist()
+        if static is not None:
+            static.used_anywhere, static.local_used = used_anywhere, None if reducer.shadowing else local
     if not reducer.shadowing:
         reducer.last_used_map = used_anywhere
     globally_unused, without_grad, used_elsewhere = [], [], []
@@ -69,3 +89,24 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> None:
             f"in iteration {reducer.iteration}: {globally_unused[:10]} (reported once)",
             stacklevel=2,
         )
+    return changed
+
+
+def _changed_since_learned(reducer: "Reducer", static, local: list) -> list:
+    """The names of the parameters used now and not in the backward that learned the map, or
+    the reverse (frozen ones aside)."""
+    if static.local_used is None:  # (this rank was joined then)
+        static.local_used = local
+        return []
+    skip = reducer.frozen_now | reducer.inactive
+    return [reducer.names[i] for i, (now, then) in enumerate(zip(local, static.local_used))
+            if now != then and reducer.params[i] not in skip]
+
+
+def raise_graph_changed(reducer: "Reducer", changed: list) -> None:
+    raise RuntimeError(
+        f"fusedist DDP (rank {reducer.comm.rank}): with static_graph=True every iteration must use the same "
+        f"parameters, but {len(changed)} parameter(s) received a gradient in this backward and not in the first "
+        f"one, or the reverse: {changed[:10]}{' ...' if len(changed) > 10 else ''}. Pass "
+        "find_unused_parameters=True instead of static_graph=True if the set of used parameters changes"
+    )

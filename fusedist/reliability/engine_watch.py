@@ -119,7 +119,7 @@ class StepWatch(WatchBase, EngineObserver):
         if self._layout_crc is None or self._layout_crc[0] is not engine.layout:
             self._layout_crc = (engine.layout, layout_crc(engine.layout))
         tracker = engine.tracker
-        unused_count = 0 if engine.config.find_unused_parameters else len(unused)
+        unused_count = 0 if engine.config.tolerates_unused else len(unused)
         self.step_check.launch([
             self.sync_steps,
             self.forwards,

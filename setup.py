@@ -297,7 +297,7 @@ setup(
     if os.path.exists(os.path.join(ROOT, "README.md"))
     else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=packages,
     package_dir={"fusedist.triton_kernels": "triton_kernels"},
     ext_modules=extensions(),

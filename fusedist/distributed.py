@@ -139,6 +139,14 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     local_rank = _env_int("LOCAL_RANK", rank)
     if not 0 <= rank < world_size:
         raise RuntimeError(f"fusedist.init_distributed: RANK={rank} is outside WORLD_SIZE={world_size}")
+    # torch's env:// rendezvous reads MASTER_PORT with a bare int(), whose error names no variable
+    port = _env_int("MASTER_PORT")
+    if not 0 <= port <= 65535:
+        raise RuntimeError(f"fusedist.init_distributed: malformed launch environment: MASTER_PORT={port} is "
+                           "not a port (0-65535)")
+    if local_rank < 0:
+        raise RuntimeError(f"fusedist.init_distributed: malformed launch environment: LOCAL_RANK={local_rank} "
+                           "is negative")
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -375,3 +375,18 @@ def test_refusals_name_the_parameter_and_ranks():
         assert "fusedist.DistributedDataParallel model" in out["join torch ddp"], where
         assert out["no params key"].startswith("ValueError") and "'params'" in out["no params key"], where
     assert results[0]["after"] == results[1]["after"], f"seed {seed}: the ranks' parameters differ"
+
+
+def test_positional_arguments_as_torch():
+    """torch's ``ZeroRedundancyOptimizer(params, optimizer_class, process_group)`` works positionally."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+
+    import fusedist
+
+    def positional(cls):
+        return [name for name, p in inspect.signature(cls.__init__).parameters.items()
+                if p.kind == p.POSITIONAL_OR_KEYWORD][:4]
+
+    assert positional(fusedist.ZeroRedundancyOptimizer) == positional(TorchZeRO)

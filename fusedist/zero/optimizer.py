@@ -156,7 +156,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     """
 
 
-    def __init__(self, params, optimizer_class=None, *, stage: int = 1, process_group=None,
+    def __init__(self, params, optimizer_class=None, process_group=None, *, stage: int = 1,
                  bucket_cap_mb: float = 25.0, overlap_param_gather: bool = False,
                  offload: Optional[str] = None, **defaults):
         if defaults.pop("overlap_with_ddp", False):

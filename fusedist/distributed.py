@@ -112,7 +112,9 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds this process to GPU
     ``LOCAL_RANK``, and applies a finite ``timeout`` (seconds or timedelta; default
-    :func:`collective_timeout`). Calling it again returns the existing setup.
+    :func:`collective_timeout`). Calling it again, or after ``torch.distributed`` was initialized
+    elsewhere, returns the existing setup; a ``timeout`` given then bounds fusedist's collectives
+    on that group from then on (torch's own collectives keep the timeout the group was made with).
 
     Raises:
         RuntimeError: the launch environment is incomplete (names the missing variables), or
@@ -125,6 +127,8 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
                 f"torch.distributed is already initialized with backend {info.backend!r}; "
                 f"init_distributed(backend={backend!r}) cannot change it"
             )
+        if timeout is not None:
+            _remember_timeout(_as_timedelta(timeout))
         return info
 
     missing = [name for name in _REQUIRED_ENV if name not in os.environ]
@@ -165,6 +169,11 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
         device = torch.device("cuda", local_rank)
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    global _init_timeout
-    _init_timeout = (weakref.ref(dist.group.WORLD), timeout) if explicit else None
+    _remember_timeout(timeout if explicit else None)
     return DistributedInfo(rank, world_size, local_rank, backend, device)
+
+
+def _remember_timeout(timeout: datetime.timedelta | None) -> None:
+    """``timeout`` bounds fusedist's collectives on the default group (None: the default)."""
+    global _init_timeout
+    _init_timeout = (weakref.ref(dist.group.WORLD), timeout) if timeout is not None else None

@@ -57,6 +57,24 @@ def test_init_distributed_timeout_bounds_fusedist_collectives():
     assert outcome == "StallError" and elapsed < 4.5, (outcome, elapsed)
 
 
+def _timeout_after_torch_init(rank, world_size):
+    import fusedist
+    from fusedist.distributed import collective_timeout
+
+    before = collective_timeout()
+    with pytest.raises(ValueError, match=r"init_distributed\(timeout=...\) must be a positive"):
+        fusedist.init_distributed(timeout=-1)
+    fusedist.init_distributed(timeout=3)  # torch.distributed is already initialized (by the harness)
+    return before, collective_timeout()
+
+
+def test_init_distributed_timeout_applies_to_a_group_torch_made():
+    """A timeout passed once torch.distributed is initialized (by Lightning, accelerate, the
+    user's own init_process_group) bounds fusedist's collectives: it was silently ignored."""
+    for before, after in run_distributed(_timeout_after_torch_init, 2, timeout=60):
+        assert before != after == datetime.timedelta(seconds=3)
+
+
 @pytest.mark.parametrize("value", ["abc", "inf", "1e20", "", "1e-9", "-3"])
 def test_timeout_setting_bad_values_name_the_variable(monkeypatch, value):
     import fusedist

@@ -29,6 +29,7 @@ _MAX = {"layers": 100_000, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 <<
         "ffn_hidden": 1 << 24, "seq": 1 << 26, "expert_ffn": 1 << 24, "experts": 1 << 20}
 _MAX_JOB = {"gpus": 1 << 24, "gpus_per_node": 1 << 16, "micro_batch": 1 << 24, "global_batch": 1 << 40,
             "ref_batch": 1 << 40, "ep": 1 << 24}
+_REAL_RANGE = (1e-9, 1e12)  # GB, TFLOPS, GB/s, MB, learning rates: far past any job, none overflow
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,13 +51,19 @@ def _count(text: str) -> float:
 
 
 def _real(text: str) -> float:
-    """A finite float (``nan`` and ``inf`` would go through every comparison)."""
+    """A finite float (``nan`` and ``inf`` would go through every comparison) of a magnitude
+    the planner models: 0 or within ``_REAL_RANGE`` (a 1e300 GB GPU overflowed its headroom to
+    a traceback, a 1e-300 TFLOPS peak times the MFU underflowed to a division by zero)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    low, high = _REAL_RANGE
+    if value and not low <= abs(value) <= high:
+        raise argparse.ArgumentTypeError(f"{text} is beyond what the planner models (0 or a size from {low:g} "
+                                         f"to {high:g})")
     return value
 
 

@@ -10,7 +10,10 @@ Per strategy (ZeRO paper, Section 7: stages 1 and 2 move the data-parallel volum
 
 * ddp: one all-reduce of the gradients, 2(N-1)/N·Ψ·g.
 * zero2: a reduce-scatter of the gradients and an all-gather of the parameters, the same
-  volume as DDP (with 16-bit gradients and parameters).
+  volume as DDP (with 16-bit gradients and parameters); with gradient accumulation every
+  micro-batch reduce-scatters, as the memory it is planned with holds no full gradients to
+  accumulate into (``no_sync()`` would keep them: Note [stage 2 gradients] in
+  fusedist/zero/grad_sync.py).
 * zero1: the paper's stage 1 is the same; fusedist's stage 1 all-reduces the gradients (its
   DDP does) and then all-gathers the updated parameters: 3(N-1)/N·Ψ (1.5x), ``fusedist``
   convention only.
@@ -52,7 +55,7 @@ def bytes_per_step(psi: float, n: int, strategy: str, precision: str, convention
             return ring_factor("all_reduce", n) * psi * g + rs_ag * p
         return rs_ag * (g + p)
     if base == "zero2":
-        return rs_ag * (g + p)
+        return rs_ag * (grad_accum * g + p)
     if base == "zero3":
         # 1.5x: gather parameters for forward and again for backward, reduce-scatter gradients;
         # the gathers repeat for every micro-batch of an accumulated step.
@@ -102,12 +105,17 @@ def expert_bandwidth_gbps(ep: int, n: int, gpus_per_node: int, intra: float, int
     return intra if n <= gpus_per_node or gpus_per_node % ep == 0 else inter
 
 
-def pcie_bytes(psi: float, n: int, strategy: str, precision: str, convention: str = "fusedist") -> float:
+def pcie_bytes(psi: float, n: int, strategy: str, precision: str, convention: str = "fusedist",
+               grad_accum: int = 1) -> float:
     """Offload only: host <-> GPU bytes per step (gradient shard down, parameter shard up).
-    fusedist copies the FP32 gradient shard down; the paper's 16-bit gradients."""
+    fusedist copies the FP32 gradient shard down; the paper's 16-bit gradients. ZeRO-2
+    offload copies it down after every micro-batch's reduce-scatter (Note [offload pipeline]
+    in fusedist/zero/offload.py: a shard changed by a later backward is copied again)."""
     if not strategy.endswith("_offload"):
         return 0.0
     down = host_grad_bytes(strategy, precision, convention) * psi / n
+    if strategy == "zero2_offload":
+        down *= grad_accum
     return down + param_bytes(precision) * psi / n
 
 

@@ -163,7 +163,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         mem[s] = _memory_entry(spec, psi, job, hw, s, n)
         nbytes = comm.expert_parallel_bytes(psi, expert, job.ep, n, s, job.precision, job.convention, accum)
         com_s = comm.seconds(nbytes, gbps)
-        pcie = comm.pcie_bytes(psi, n, s, job.precision, job.convention)
+        pcie = comm.pcie_bytes(psi, n, s, job.precision, job.convention, accum)
         pcie_s = comm.seconds(pcie, hw.pcie_gbps)
         com[s] = {"bytes_per_step": int(round(nbytes)), "seconds": com_s,
                   "bandwidth_gbps": gbps, "pcie_bytes_per_step": int(round(pcie)), "pcie_seconds": pcie_s, **a2a}
@@ -174,7 +174,9 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         com[s]["host_update_bytes_per_step"] = int(round(host_b))
         tim[s] = timing.step_times(compute_s, com_s, pcie_s, tokens, a2a["all_to_all_seconds"], host_s)
 
-    best = suggest.cheapest(mem, tim)
+    for s in STRATEGIES:
+        mem[s]["runs"] = suggest.runs(s, job.optimizer)
+    best = suggest.cheapest(mem, tim, job.optimizer)
     layout = None
     if best is None:
         def total_of(strategy, dp, tp, pp, ep):
@@ -215,8 +217,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                       "PaLM, Appendix B)"
                       if spec.has_shape else f"{8 if job.recompute == 'full' else 6} x params (attention not "
                       "counted: the model was given by --params, not its shape)"),
-            "K": {s: memory.optimizer_k(job.precision, job.optimizer, s.replace("_offload", ""), job.convention)
-                  for s in STRATEGIES},
+            "K": {s: memory.optimizer_k(job.precision, job.optimizer, s, job.convention) for s in STRATEGIES},
             "bucket_cap_mb": job.bucket_cap_mb,
             "scratch_bytes": int(job.scratch_gb * GB),
             "tokens_per_step": tokens,

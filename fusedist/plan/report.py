@@ -118,8 +118,10 @@ def format_plan(plan: dict) -> str:
          f"network {g['inter_node_gbps']:g} GB/s, PCIe {g['pcie_gbps']:g} GB/s (per GPU, per direction); "
          f"host memory {g['host_memory_gb']:g} GB at {g['host_memory_gbps']:g} GB/s a node"),
         f"compute: {a['flops_per_token']:.4g} FLOPs per token = {a['flops']}",
-        (f"model states: {i['convention']} convention; K = {a['K']['ddp']} (ddp), {a['K']['zero1']} (ZeRO); "
-         f"temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
+        (f"model states: {i['convention']} convention; K = {a['K']['ddp']} (ddp), {a['K']['zero1']} (ZeRO)"
+         + (f", {a['K']['zero2_offload']} (zero2_offload: FP32 masters on the host)"
+            if a['K']['zero2_offload'] != a['K']['zero1'] else "")
+         + f"; temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
         f"GPU memory: {a['gpu_memory']}",
         f"activations: {a['activations']}",
         "",
@@ -135,7 +137,8 @@ def format_plan(plan: dict) -> str:
                     f"{g['host_memory_gb']:g}")
         out.append(f"{st:<15} {_gb(e['model_states_bytes']):>8} {_gb(e['activation_bytes']):>8}"
                    f" {_gb(e['temp_bytes']):>7} {_gb(e['total_bytes']):>8} {_gb(e['host_bytes']):>7}  "
-                   f"{fits} ({e['headroom_bytes'] / GB:+.2f}{host})")
+                   f"{fits} ({e['headroom_bytes'] / GB:+.2f}{host})"
+                   + ("" if e.get("runs", True) else f"; not with {i['optimizer']}: fusedist offloads Adam only"))
     out += ["", f"communication and time per step ({a['tokens_per_step']:,} tokens)",
             f"{'strategy':<15}{'comm GB':>9}{'comm':>10}{'compute':>10}{'step':>10}{'no overlap':>12}{'tokens/s':>11}"]
     for st in STRATEGIES:

@@ -12,11 +12,19 @@ from .memory import STRATEGIES
 IN_GPU = ("ddp", "zero1", "zero2", "zero3")
 
 
-def cheapest(memory: dict, time: dict) -> Optional[str]:
+def runs(strategy: str, optimizer: str) -> bool:
+    """Whether fusedist trains with ``strategy`` and ``optimizer``: ZeRO-2 offload
+    (``ZeroRedundancyOptimizer(offload="cpu")``) steps Adam/AdamW only, with its C++ CPU Adam
+    (``check_offload_config`` in fusedist/zero/offload.py refuses SGD)."""
+    return not (strategy == "zero2_offload" and optimizer != "adamw")
+
+
+def cheapest(memory: dict, time: dict, optimizer: str = "adamw") -> Optional[str]:
     """The fitting strategy with the shortest step (communication not overlapped, so extra
     traffic counts even where compute would hide it); ties go to the simpler strategy
-    (order ddp, zero1, zero2, zero3, zero2_offload, zero3_offload)."""
-    fitting = [s for s in STRATEGIES if memory[s]["fits"]]
+    (order ddp, zero1, zero2, zero3, zero2_offload, zero3_offload). Only strategies that
+    :func:`runs` with ``optimizer``."""
+    fitting = [s for s in STRATEGIES if memory[s]["fits"] and runs(s, optimizer)]
     if not fitting:
         return None
     return min(fitting, key=lambda s: (round(time[s]["step_s_no_overlap"], 9), STRATEGIES.index(s)))

@@ -133,6 +133,8 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:
                 average_factor = 1.0 / float(self.num_batches_tracked)
         if not self.training and self.running_mean is not None and self.running_var is not None:
+            if torch._C._are_functorch_transforms_active():  # Note [SyncBatchNorm under torch.func]
+                return self._torch_batch_norm(input, average_factor)
             return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
                                           self.running_var, self.eps)
         try:
@@ -148,11 +150,27 @@ class SyncBatchNorm(_BatchNorm):
                 self.num_batches_tracked.sub_(1)
             raise
 
+    # Note [SyncBatchNorm under torch.func]
+    #     torch.nn.SyncBatchNorm is ``F.batch_norm`` wherever it does not synchronize (eval, or
+    #     training without other ranks), so torch.func's transforms (grad, vmap, jvp, jacrev;
+    #     functional_call with the buffers passed in) work there. Our autograd Functions have
+    #     no functorch rules (their kernels could not be vmapped): the same calls failed with
+    #     "must override the setup_context staticmethod". Under a transform those forwards are
+    #     torch's op, as in torch's layer; synchronized training still takes the Function
+    #     (torch's layer has no functorch rule there either).
+    def _torch_batch_norm(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
+        use_running = not self.training or self.track_running_stats
+        return torch.nn.functional.batch_norm(
+            input, self.running_mean if use_running else None, self.running_var if use_running else None,
+            self.weight, self.bias, self.training or self.running_mean is None, average_factor, self.eps)
+
     def _batch_stats_forward(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
         # Batch statistics. Only training synchronizes: eval with track_running_stats=False
         # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
         update_running = self.training and self.track_running_stats
         comm = self._communicator(input.device) if self.training else None
+        if comm is None and torch._C._are_functorch_transforms_active():  # Note [SyncBatchNorm under torch.func]
+            return self._torch_batch_norm(input, average_factor)
         if comm is not None and _join._sync_bn_trace is not None:
             _join.record_sync_bn(self, input)  # replayed by ranks that ran out of inputs
         return BatchStatsNorm.apply(

@@ -39,8 +39,9 @@ class ExchangeWork:
         (:class:`ProgressThread`), in launch order: it posts the sends (Note [receives first,
         sends later] in ``gloo_exchange.py``), waits for the receives in a fixed order, runs
         each one's completion step (the reduction of a chunk) as it lands, then waits for the
-        sends, and sets the work's completion flag. So ``is_completed()`` is a truthful non-blocking query -- DDP finishes
-        buckets during backward when it turns True -- and the reduction runs while the caller
+        sends, and sets the work's completion flag. So ``is_completed()`` is a truthful
+        non-blocking query -- DDP finishes buckets during backward when it turns True -- and
+        the reduction runs while the caller
         computes (torch's kernels release the GIL). A caller that waits before the thread
         got to the exchange drives it itself (whoever starts first finishes it; the other
         skips it). A synchronous launch never reaches the thread: its caller drives it at

@@ -14,7 +14,11 @@ Note [exchange tags]
     there, and the two all-gathers of alike blocks paired silently) -- unless the two tags'
     hashes agree, one chance in 64. (A caller may give a label other than the tag: the object
     exchanges' headers share one, so that ranks in different exchanges pair there and each
-    sees what the others are in, Note in objects.py.) The chunk index makes the pairing of
+    sees what the others are in, Note in objects.py.) The hash also covers the size and dtype
+    of a rank's part ("zero2 bucket 3 [4096 x torch.float32]"): ranks whose parts differ (a
+    shape that depends on the rank) time out too, where gloo paired the messages anyway and
+    terminated the process whose receive was smaller, while the other rank went on with
+    garbage in the rest of its output. The chunk index makes the pairing of
     chunks independent of the transport's message order. Tags lie in [2**30, 2**31): far from
     user point-to-point traffic (tag 0 by default) and within gloo's C int tags. Several
     collectives may be in flight at once: they differ in seq; a clash would need 2**13

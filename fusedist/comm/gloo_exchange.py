@@ -167,6 +167,12 @@ class _LandingPool:
             return self.idle_bytes() + self._in_flight
 
 
+def _described(kind: str, part: torch.Tensor) -> str:
+    """How errors name an exchange: with this rank's part, since ranks whose parts differ in
+    size or dtype never pair (Note [exchange tags]) and time out instead."""
+    return f"{kind} [{part.numel()} x {part.dtype} per rank]"
+
+
 def _as_real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t  # as dist.isend / irecv do
 
@@ -213,14 +219,14 @@ class GlooExchange:
         pooled = self._landing.take(len(landed) * m, input.dtype) if landed else None
         landing = pooled[:len(landed) * m].view(len(landed), m) if landed else None
         sends, receives = self._post(
-            "reduce_scatter", seq, label, m, input.element_size(),
+            "reduce_scatter", seq, label, output,
             send_slice=lambda dst, lo, hi: rows[dst, lo:hi],
             recv_slice=lambda src, lo, hi: output[lo:hi] if src == direct else landing[peer_row[src], lo:hi])
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, holder)
         pool = self._landing
         return ExchangeWork(
-            "reduce_scatter", ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
+            _described("reduce_scatter", output), ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
             on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None)
 
@@ -242,11 +248,13 @@ class GlooExchange:
                 result = rows[0].clone()
                 for row in rows[1:]:
                     result.add_(row)
-            tensor.view(-1).copy_(result)
+            # Through detach(): a parameter outside no_grad is written in place as by gloo's own
+            # all-reduce, not refused by autograd after the exchange.
+            tensor.detach().view(-1).copy_(result)
 
         # Its own label: an all-reduce never pairs with an all-gather of the same tag.
         work = self.all_gather(gathered, tensor, seq, label=f"all_reduce {label}", on_success=fold)
-        work.op = "all_reduce"  # how its errors name it
+        work.op = _described("all_reduce", tensor)  # how its errors name it
         return work
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int, label: str = "",
@@ -260,13 +268,13 @@ class GlooExchange:
         if rows is None:
             return None
         sends, receives = self._post(
-            "all_gather", seq, label, input.numel(), input.element_size(),
+            "all_gather", seq, label, input,
             send_slice=lambda dst, lo, hi: input[lo:hi],
             recv_slice=lambda src, lo, hi: rows[src, lo:hi])
         receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
             rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
-        return ExchangeWork("all_gather", receives, sends, (input, output), timeout_s=self.timeout_s,
+        return ExchangeWork(_described("all_gather", input), receives, sends, (input, output), timeout_s=self.timeout_s,
                             on_success=on_success)
 
     def progress_in_background(self, work: ExchangeWork) -> None:
@@ -303,17 +311,19 @@ class GlooExchange:
             return None, part, in_place
         return rows, part, in_place
 
-    def _post(self, kind: str, seq: int, label: str, numel: int, element_size: int, send_slice, recv_slice):
+    def _post(self, kind: str, seq: int, label: str, part: torch.Tensor, send_slice, recv_slice):
         """Post the receives of one exchange and prepare its sends (posted when driven; Note
         [receives first, sends later]): chunk by chunk, one message per peer and chunk, tagged
-        by Note [exchange tags] in exchange_tags.py. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
+        by Note [exchange tags] in exchange_tags.py, the size and dtype of a rank's ``part``
+        (its slice) in the label. ``send_slice(dst, lo, hi)`` is what goes to peer ``dst``,
         ``recv_slice(src, lo, hi)`` where peer ``src``'s part lands, for elements [lo, hi) of a
         slice. Returns (sends, receives), each entry (work or send to post, peer, global peer,
         chunk)."""
         n, r = self.world_size, self.rank
         sends: list = []
         receives: list = []
-        for chunk, (lo, hi) in enumerate(_chunk_bounds(numel, element_size)):
+        label = f"{label} [{part.numel()} x {part.dtype}]"
+        for chunk, (lo, hi) in enumerate(_chunk_bounds(part.numel(), part.element_size())):
             tag = message_tag(kind, seq, chunk, label)
             # Ring order spreads the first messages of all ranks over all links.
             for k in range(1, n):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _extension
-from ._nccl_types import nccl_dtype, nccl_op
+from ._nccl_types import NCCL_DTYPES, nccl_dtype, nccl_op
 from .base import CollectiveError, Communicator
 from .torch_comm import TorchCommunicator
 from .watchdog import CollectiveWatchdog
@@ -266,20 +266,19 @@ class NcclCommunicator(Communicator):
         return self._enqueue("reduce_scatter", (output, input), output.numel(), launch)
 
     def _all_gather(self, output, input):
-        dtype = nccl_dtype(input.dtype, "all_gather")
+        dtype, count = _moved(input)
 
         def launch(stream):
-            self._comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), dtype,
-                                  stream, "all_gather")
+            self._comm.all_gather(input.data_ptr(), output.data_ptr(), count, dtype, stream, "all_gather")
 
         return self._enqueue("all_gather", (output, input), input.numel(), launch)
 
     def _broadcast(self, tensor, src):
-        dtype = nccl_dtype(tensor.dtype, "broadcast")
+        dtype, count = _moved(tensor)
 
         def launch(stream):
             ptr = tensor.data_ptr()
-            self._comm.broadcast(ptr, ptr, tensor.numel(), dtype, src, stream, "broadcast")
+            self._comm.broadcast(ptr, ptr, count, dtype, src, stream, "broadcast")
 
         return self._enqueue("broadcast", (tensor,), tensor.numel(), launch)
 
@@ -506,6 +505,15 @@ def _exit_reporting(error: BaseException, before_exit=None) -> None:
             before_exit()
     finally:
         os._exit(1)
+
+
+def _moved(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NCCL dtype, count) of a collective that only moves ``tensor``'s data (all-gather,
+    broadcast): a dtype NCCL has no code for (bool, float8, complex, int16) travels as its bytes,
+    as with torch's NCCL backend -- DDP broadcasts a model's bool buffers and float8 weights."""
+    if tensor.dtype in NCCL_DTYPES:
+        return NCCL_DTYPES[tensor.dtype], tensor.numel()
+    return NCCL_DTYPES[torch.uint8], tensor.numel() * tensor.element_size()
 
 
 def _device_index(device) -> int:

@@ -48,7 +48,8 @@ def gather_object(comm: Communicator, obj: Any, dst: int, *, tag: str) -> Option
     if comm.world_size == 1:
         return [obj]
     sizes, row = _rows(comm, obj, tag)
-    out = torch.empty(row.numel() * comm.world_size, dtype=torch.uint8, device=comm.device) if comm.rank == dst else None
+    out = (torch.empty(row.numel() * comm.world_size, dtype=torch.uint8, device=comm.device)
+           if comm.rank == dst else None)
     comm.gather(out, row, dst, tag=tag)
     return _decode_rows(out, sizes) if out is not None else None
 
@@ -58,7 +59,7 @@ def broadcast_object(comm: Communicator, obj: Any, src: int, *, tag: str) -> Any
     if comm.world_size == 1:
         return obj
     payload = _encode(obj, comm.device) if comm.rank == src else None
-    sizes = _exchange_headers(comm, payload.numel() if payload is not None else 0, tag)
+    sizes = _exchange_headers(comm, _size(payload) if comm.rank == src else 0, tag, payload)
     if payload is None:
         payload = torch.empty(sizes[src], dtype=torch.uint8, device=comm.device)
     comm.broadcast(payload, src, tag=tag)
@@ -69,7 +70,7 @@ def _rows(comm: Communicator, obj: Any, tag: str):
     """Every rank's payload size (after the header exchange) and this rank's payload padded
     to the largest: equal rows, as all-gather and gather need."""
     payload = _encode(obj, comm.device)
-    sizes = _exchange_headers(comm, payload.numel(), tag)
+    sizes = _exchange_headers(comm, _size(payload), tag, payload)
     return sizes, _padded(payload, max(sizes))
 
 
@@ -81,9 +82,10 @@ def _monitored(comm: Communicator) -> None:
     attach_monitor(comm)
 
 
-def _exchange_headers(comm: Communicator, nbytes: int, tag: str) -> list[int]:
+def _exchange_headers(comm: Communicator, nbytes: int, tag: str, payload=None) -> list[int]:
     """Gather every rank's (payload size, exchange name); return the sizes, or raise on every
-    rank if the ranks are in different exchanges."""
+    rank if the ranks are in different exchanges or some rank's object could not be pickled
+    (``payload``: this rank's :class:`_Unpicklable`, raised here)."""
     _monitored(comm)
     name = tag.encode()[:NAME_BYTES]
     header = torch.zeros(1 + NAME_BYTES, dtype=torch.int64)
@@ -97,7 +99,16 @@ def _exchange_headers(comm: Communicator, nbytes: int, tag: str) -> list[int]:
     names = [bytes(row[1:][row[1:] > 0].tolist()).decode(errors="replace") for row in rows]
     if len(set(names)) > 1:
         raise _mismatch(comm, tag, names)
-    return [int(row[0]) for row in rows]
+    sizes = [int(row[0]) for row in rows]
+    failed = [r for r, n in enumerate(sizes) if n < 0]
+    if isinstance(payload, _Unpicklable):
+        raise payload.error
+    if failed:
+        raise CollectiveError(
+            f"fusedist ({tag}, rank {comm.rank} of {comm.world_size}): the object of rank(s) {failed} "
+            "could not be pickled for this exchange (their error says why); nothing was exchanged",
+            op="all_gather", tag=tag, rank=comm.rank)
+    return sizes
 
 
 def _mismatch(comm: Communicator, tag: str, names: list[str]) -> CollectiveError:
@@ -111,9 +122,25 @@ def _mismatch(comm: Communicator, tag: str, names: list[str]) -> CollectiveError
     )
 
 
-def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+class _Unpicklable:
+    """This rank's object failed to pickle: its header says so (size -1), so every rank raises
+    after the header exchange instead of the others waiting out the timeout for a rank that
+    raised before it, with the group still in step."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _encode(obj: Any, device: torch.device):
+    try:
+        data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types; re-raised after the headers
+        return _Unpicklable(exc)
     return torch.frombuffer(data, dtype=torch.uint8).to(device)
+
+
+def _size(payload) -> int:
+    return -1 if isinstance(payload, _Unpicklable) else payload.numel()
 
 
 def _padded(payload: torch.Tensor, width: int) -> torch.Tensor:

@@ -168,6 +168,15 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
         else:
             yield None
 
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Manual optimization: every ``manual_backward`` synchronizes (outside ``no_sync``), as
+        Lightning's DDP prepares each one (Note [each manual_backward synchronizes])."""
+        super().pre_backward(closure_loss)
+        model = self.model
+        if (isinstance(model, DistributedDataParallel) and not self.lightning_module.automatic_optimization
+                and torch.is_grad_enabled() and not model.reducer.in_backward):
+            model.reducer.prepared, model.reducer.next_backward_sync = True, model._no_sync_depth == 0
+
     def on_exception(self, exception: BaseException) -> None:
         """fusedist DDP's error about parameters without a gradient names its own keyword; with
         Lightning the setting is the strategy's, which the message then names too (as
@@ -196,6 +205,17 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
 # Lightning happens to be imported first would make the string depend on import order). A
 # script that names the strategy by string imports fusedist.integrations.lightning first;
 # Lightning's launcher re-runs the script in each worker, which imports it there too.
+
+
+# Note [each manual_backward synchronizes]
+# In manual optimization the whole training_step, manual_backward calls included, runs inside
+# one forward of the DDP wrapper. fusedist's DDP prepares one backward per training forward
+# (Note [a backward no DDP forward prepared] in fusedist/ddp/prepared.py), so the second
+# manual_backward of a step -- Lightning's GAN recipe: generator loss, step, discriminator
+# loss, step -- accumulated local gradients and the second optimizer refused to step.
+# Lightning's DDPStrategy.pre_backward prepares torch's reducer before each manual_backward
+# (prepare_for_backward), but only for torch's class; the strategy does the same for
+# fusedist's: synchronized unless the backward runs under no_sync.
 
 
 # Note [the optimizer's name]
@@ -308,7 +328,10 @@ def _keywords(cls) -> frozenset:
 # that steps stayed where the swap left it, and training went on without a word. The returned
 # optimizer now reads and writes the new one's param groups, so a hyperparameter set through
 # it takes effect; and every scheduler in a config's tree drives the new optimizer, as torch
-# otherwise warns that a part stepped an optimizer that never stepped.
+# otherwise warns that a part stepped an optimizer that never stepped. A param group added
+# through it (unfreezing a backbone: self.opt.add_param_group(...)) is added by the new one:
+# torch's add_param_group appended a group the new optimizer had not set up -- without FP32
+# masters under "bf16-true", and refused by ZeRO as parameters "not held" by it.
 
 
 def _hand_over(old, new, configs) -> None:
@@ -320,6 +343,7 @@ def _hand_over(old, new, configs) -> None:
                 scheduler.optimizer = new
                 _track_step_calls(new)
     old.param_groups = new.param_groups
+    old.add_param_group = new.add_param_group
 
 
 def _scheduler_tree(scheduler, seen=None):

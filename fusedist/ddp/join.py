@@ -19,11 +19,12 @@ Note [joined ranks]
                                                (neutral values)
         optimizer.step() (ZeRO: gathers)       ZeroRedundancyOptimizer's hook: a step
 
-    The *join state* all-reduce (int64, SUM, ``3 + world_size`` values) tells every rank
+    The *join state* all-reduce (int64, SUM, ``4 + world_size`` values) tells every rank
     what the active ranks do this iteration: how many are active, how many synchronize
     gradients (0: a ``no_sync()`` iteration, no bucket collectives), how many broadcast
-    buffers, and which ranks are active (a one-hot row: the buffer authority is the highest
-    active rank, as torch's). The gradient divisor is the initial world size or, with
+    buffers, how many changed their trainable set (then followed by a broadcast of the flags:
+    ``_share_trainable_flags``), and which ranks are active (a one-hot row: the buffer
+    authority is the highest active rank, as torch's). The gradient divisor is the initial world size or, with
     ``divide_by_initial_world_size=False``, the number of active ranks, on every rank (the
     joined ranks need it too: their buffers receive the average, which ZeRO steps with).
 
@@ -134,6 +135,7 @@ class DDPJoinState:
     def __init__(self, ddp, divide_by_initial_world_size: bool):
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.joined = False
+        self.grads_at_join: list = []  # (parameter, its gradient when this rank joined): restored after
         self.synced = False  # whether this iteration synchronized gradients (ZeRO's hook reads it)
         self.trace: Optional[list] = None  # SyncBatchNorm layers of the last training forward
         self.has_sync_bn = any(_is_sync_bn(m) for m in ddp.module.modules())
@@ -146,17 +148,41 @@ def _is_sync_bn(module) -> bool:
 
 
 def exchange_state(ddp, active: bool, sync: bool, wants_buffers: bool) -> tuple[int, int, int]:
-    """The join state all-reduce: (active ranks, ranks synchronizing, buffer authority or -1)."""
+    """The join state all-reduce: (active ranks, ranks synchronizing, buffer authority or -1).
+    Then, when an active rank's trainable set changes, its flags go to every rank (below)."""
     comm = ddp.comm
-    state = torch.zeros(3 + ddp.world_size, dtype=torch.int64)
+    tracker = ddp.reducer.tracker
+    state = torch.zeros(4 + ddp.world_size, dtype=torch.int64)
     if active:
-        state[0], state[1], state[2], state[3 + ddp.rank] = 1, int(sync), int(wants_buffers), 1
+        state[0], state[1], state[2], state[4 + ddp.rank] = 1, int(sync), int(wants_buffers), 1
+        state[3] = int(tracker.target is not None)
     state = state.to(comm.device)
     comm.all_reduce(state, tag="ddp join state")
     values = state.tolist()
-    ranks = [r for r in range(ddp.world_size) if values[3 + r]]
+    ranks = [r for r in range(ddp.world_size) if values[4 + r]]
+    if values[3] and ranks:
+        _share_trainable_flags(ddp, max(ranks), active)
     authority = max(ranks) if values[2] and ranks else -1
     return values[0], values[1], authority
+
+
+@torch.no_grad()
+def _share_trainable_flags(ddp, src: int, active: bool) -> None:
+    """Note [trainable set changes] in trainable.py under join: the active ranks changed which
+    parameters train, and the end of their backward averages and re-buckets accordingly, with
+    collectives a joined rank must shadow. So it takes the flags of the highest active rank and
+    follows them as a training forward would; the newly trainable parameters contribute no
+    gradient from it (their ``.grad`` set to None)."""
+    reducer, tracker = ddp.reducer, ddp.reducer.tracker
+    flags = torch.tensor([p.requires_grad for p in tracker.params], dtype=torch.uint8, device=ddp.comm.device)
+    ddp.comm.broadcast(flags, src=src, tag="ddp join: trainable flags")
+    if active:
+        return
+    for p, f in zip(tracker.params, flags.tolist()):
+        p.requires_grad_(bool(f))
+        if f and not reducer.is_active(p):
+            p.grad = None
+    tracker.observe(reducer)
 
 
 def before_forward(ddp) -> None:
@@ -169,13 +195,16 @@ def before_forward(ddp) -> None:
     state = ddp._join_state
     if state is None:  # torch's Join built without our hook: treat as dividing by the world size
         state = ddp._join_state = DDPJoinState(ddp, True)
-    wants = bool(ddp.config.broadcast_buffers and ddp.module.training and ddp._module_buffers())
+    # Note [when buffers are broadcast] in wrapper.py holds here too: torch's join broadcasts at a
+    # forward only after a synchronized one, not at every micro-batch of a no_sync accumulation.
+    wants = bool(ddp.config.broadcast_buffers and ddp._buffers_due and ddp.module.training and ddp._module_buffers())
+    ddp._buffers_due = sync
+    reducer.tracker.observe(reducer)  # Note [trainable set changes]: before the exchange, which shares it
     active, _, authority = exchange_state(ddp, True, sync, wants)
     reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else active
     if authority >= 0:
         ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
     reducer.defer_launch = state.has_sync_bn
-    reducer.tracker.observe(reducer)  # Note [trainable set changes]
 
 
 def run_module(ddp, args, kwargs):
@@ -229,6 +258,31 @@ def _shadow_sync_bn(ddp, trace: list) -> None:
         comm.all_reduce(torch.zeros(2 * channels, dtype=compute_dtype(dtype), device=comm.device), tag=GRAD_TAG)
 
 
+def _grads_at_join(params: list) -> list:
+    """``(p, g)`` for each parameter: ``g`` None (no gradient), 0 (zeros) or a copy of its gradient
+    when this rank joined. The shadowed backwards write the active ranks' averages into the
+    gradients (ZeRO steps with them); torch's joined rank keeps its own, so they are given back when
+    the context ends, else the first backward after it adds to the last shadowed average."""
+    out = []
+    for p in params:
+        g = p.grad
+        out.append((p, None if g is None else 0 if not g.count_nonzero() else g.detach().clone()))
+    return out
+
+
+@torch.no_grad()
+def _restore_grads(grads_at_join: list) -> None:
+    for p, g in grads_at_join:
+        if g is None:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = torch.zeros_like(p) if isinstance(g, int) else g
+        elif isinstance(g, int):
+            p.grad.zero_()
+        else:
+            p.grad.copy_(g)
+
+
 class DDPJoinHook(JoinHook):
     """Shadows a DistributedDataParallel model's collectives on a joined rank."""
 
@@ -244,6 +298,7 @@ class DDPJoinHook(JoinHook):
             state.joined = True
             reducer.joined = True
             reducer.check_previous_backward()
+            state.grads_at_join = _grads_at_join(reducer.tracker.params)  # (the frozen ones included)
         reducer.prepare_forward(sync=True)  # the shadowed training forward, before its collectives
         active, syncing, authority = exchange_state(ddp, False, False, False)
         reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else max(active, 1)
@@ -252,6 +307,7 @@ class DDPJoinHook(JoinHook):
         if state.has_sync_bn:
             _shadow_sync_bn(ddp, state.trace if state.trace is not None else _static_sync_bn_trace(ddp))
         state.synced = syncing > 0
+        ddp._buffers_due = state.synced  # as on the active ranks, for the forwards after the context
         if state.synced:
             reducer.shadow_backward()
         else:
@@ -271,6 +327,7 @@ class DDPJoinHook(JoinHook):
         comm.broadcast(counters, src=src, tag="ddp join: counters")
         ddp.watch.set_counters(counters.tolist())
         ddp._broadcast_state(src=src, tag="ddp join: final model", buffers=ddp.config.broadcast_buffers)
+        _restore_grads(ddp._join_state.grads_at_join)
         reducer.joined = False
         reducer.grad_divisor = ddp.world_size
         reducer.defer_launch = False

@@ -27,6 +27,8 @@ buckets.
 Submodules sharded by ``fully_shard`` are left out, as torch's replicate leaves out FSDP2's:
 their units gather, reduce-scatter and check their own parameters, the engine reduces the
 rest (the replicated module itself may not be a ``fully_shard`` module: refused, as by torch).
+Replicated submodules (nested ``replicate``) are left to their own engines likewise: torch's two
+DDPs would both reduce them, to the same average; two engines here would retire each other's hooks.
 
 Buffers are not synchronized, as with torch's replicate (its DDP is built over a
 ``ParameterList``, so there are none to broadcast: each rank keeps its own BatchNorm running
@@ -85,10 +87,11 @@ class _ReplicateState:
         if device_id is not None and torch.device(device_id if not isinstance(device_id, int) else
                                                   f"cuda:{device_id}").type != "cpu":
             kwargs["device_ids"] = [device_id]
-        left_out = self.ignored_modules | _fully_shard_submodules(module)
-        ignored = [f"{prefix}.{n}" if prefix else n
-                   for prefix, m in module.named_modules() if m in left_out
-                   for n, _ in list(m.named_parameters(recurse=True)) + list(m.named_buffers(recurse=True))]
+        left_out = self.ignored_modules | _fully_shard_submodules(module) | _replicated_submodules(module)
+        # By identity, under the names the engine knows them by: a parameter tied between a left-out
+        # module and another one is left out (torch's), whichever name named_parameters() keeps.
+        left = {id(t) for m in left_out for t in [*m.parameters(), *m.buffers()]}
+        ignored = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if id(t) in left]
         if ignored:
             previous = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, previous + ignored)
@@ -109,6 +112,12 @@ def _fully_shard_submodules(module: nn.Module) -> set:
     from ..fsdp.api import FullyShardedModule
 
     return {m for m in module.modules() if isinstance(m, FullyShardedModule)}
+
+
+def _replicated_submodules(module: nn.Module) -> set:
+    """The replicated modules under ``module`` (nested ``replicate``): each engine reduces its own
+    subtree, once (two engines over one parameter would retire each other's hooks)."""
+    return {m for m in module.modules() if m is not module and isinstance(m, ReplicatedModule)}
 
 
 def _before_forward(module: nn.Module, args, kwargs):

@@ -291,3 +291,44 @@ def test_parameters_assigned_after_wrapping_raise_before_training_on_them():
                                 reference.parameters()):
         torch.testing.assert_close(got0, want.grad, rtol=TOL, atol=TOL)
         torch.testing.assert_close(got1, got0, rtol=0, atol=0)
+
+
+def _frozen_after_forward_worker(rank, world_size, find_unused):
+    """Freeze the head between the loss and its backward in step 1, unfreeze it before step 3's
+    forward (Lightning's toggle_optimizer after the loss): gradients as torch DDP's with
+    find_unused_parameters=True, which autograd's skipped accumulation needs there."""
+    import fusedist
+
+    base = _model()
+    runs = []
+    for wrap, unused in ((nn.parallel.DistributedDataParallel, True), (fusedist.DistributedDataParallel, find_unused)):
+        model = copy.deepcopy(base)
+        ddp = wrap(model, find_unused_parameters=unused)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        grads = []
+        for step in range(4):
+            if step == 3:
+                model[4].requires_grad_(True)
+            x, y = _batch(step, rank, world_size)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if step == 1:
+                model[4].requires_grad_(False)
+            loss.backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        runs.append((grads, _flat(model)))
+    (want_grads, want), (got_grads, got) = runs
+    for step, (a, b) in enumerate(zip(want_grads, got_grads)):
+        assert [g is None for g in a] == [g is None for g in b], step
+        for ga, gb in zip(a, b):
+            if ga is not None:
+                torch.testing.assert_close(gb, ga, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_parameters_frozen_between_forward_and_backward(find_unused):
+    """It raised AttributeError from the gradient hook (p.grad None), or, without
+    find_unused_parameters, called the frozen parameters unused."""
+    run_distributed(_frozen_after_forward_worker, 2, find_unused, timeout=120)

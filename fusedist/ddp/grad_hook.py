@@ -93,6 +93,8 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
         bucket = slot.bucket
         fresh = grad is not view
         if fresh:
+            if grad is None:  # frozen after the forward: autograd accumulated nothing (torch's DDP
+                return  # leaves it None too); the end of backward handles it as unused
             if grad.is_sparse:
                 raise self._sparse_gradient(entry)
             fresh = grad.data_ptr() != view.data_ptr()

@@ -495,12 +495,16 @@ class Reducer:
                 arrivals.finish_learning(self)
             elif arrivals.expected:
                 check_all_arrived(self)
-        # Frozen since the layout was built: no gradient expected (Note [trainable set changes]).
-        frozen = self.frozen_now
         generation = self.generation
         # Every reduced parameter's gradient counts down its bucket: none missing if all are 0.
         missing = [p for p, e in zip(self.params, self.entries)
                    if e.ready != generation and e.slot is not None] if any(self.pending) else []
+        if self.tracker is not None and any(not p.requires_grad for p in missing):
+            # Frozen after the forward (Lightning's toggle_optimizer after the loss): autograd
+            # accumulated nothing; the change is taken now, as at a forward, not as unused.
+            self.tracker.observe(self)
+        # Frozen since the layout was built: no gradient expected (Note [trainable set changes]).
+        frozen = self.frozen_now
         unused = [p for p in missing if p not in frozen] if frozen else missing
         had_grad = {p: p.grad is not None for p in missing}
         shadow = self.shadowing

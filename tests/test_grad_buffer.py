@@ -18,10 +18,11 @@ def _random_params(rng: random.Random, n: int) -> list:
 
 
 def _torch_assignment(params, caps) -> list:
-    """torch DDP's bucket assignment of ``params`` (indices per bucket), from its own function."""
+    """torch DDP's bucket assignment of ``params`` (indices per bucket), from its own function, in
+    the order the buckets become ready (torch lists those left open at the end in no set order)."""
     buckets, _ = torch.distributed._compute_bucket_assignment_by_size(
         [p.detach() for p in params], caps, [False] * len(params), list(range(len(params))))
-    return sorted((list(b) for b in buckets), key=min)
+    return sorted((list(b) for b in buckets), key=max)
 
 
 def _check_layout(layout, params, cap, first_cap, world_size):
@@ -48,7 +49,7 @@ def _check_layout(layout, params, cap, first_cap, world_size):
             size = sum(p.numel() for p in a.params) * a.params[0].element_size()
             before_last = size - a.params[-1].numel() * a.params[-1].element_size()
             assert size >= (first_cap if k == 0 else cap) > before_last
-    # (ordered by first parameter: torch lists buckets of several dtypes as they closed)
+    # (numbered as they become ready, as torch's rebuilt buckets)
     index = {id(p): i for i, p in enumerate(params)}
     assert [[index[id(p)] for p in b.params] for b in layout.buckets] == _torch_assignment(params, [first_cap, cap])
     # Readiness order is kept within each dtype.

@@ -7,6 +7,7 @@ collectives that pair up wrongly later."""
 from __future__ import annotations
 
 from .._consistency import check_same_across_ranks
+from .layout import slot_order
 
 __all__ = ["check_layout_agrees", "check_model_agrees", "check_reduction_agrees"]
 
@@ -16,7 +17,8 @@ def check_model_agrees(ddp) -> None:
     # ignored tensors are rank-local (Note [parameters and buffers DDP ignores]); the list
     # comes first, so that a list differing between ranks is the difference named
     entries = [("setting", "params_and_buffers_to_ignore", tuple(sorted(ddp.parameters_to_ignore)), "", True)]
-    entries += [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in ddp.synced_parameters()]
+    entries += [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad, slot_order(p))
+                for n, p in ddp.synced_parameters()]
     entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in ddp.synced_buffers()]
     entries += [("setting", name, value, "", True) for name, value in _construction_settings(ddp.config)]
     check_same_across_ranks(
@@ -24,8 +26,8 @@ def check_model_agrees(ddp) -> None:
         "the model (parameters and buffers)",  # and the settings: the entry names one
         label=_entry_label,
         comm=ddp.comm, op="DistributedDataParallel construction: model check",
-        hint="Every rank must build the same model and wrap it in DistributedDataParallel with the same "
-             "settings.",
+        hint="Every rank must build the same model (in the same memory format) and wrap it in "
+             "DistributedDataParallel with the same settings.",
     )
 
 
@@ -83,4 +85,5 @@ def _entry_label(e) -> str:
     """How a check's entry reads in an error: a parameter, a buffer, a setting."""
     if e[0] == "setting":
         return f"{e[1]}={e[2]}"
-    return f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}" + ("" if e[4] or e[0] == "buffer" else " (frozen)")
+    order = f" in the memory order of strides {e[5]}" if len(e) > 5 and e[5] else ""
+    return f"{e[0]} '{e[1]}' shape {e[2]} dtype {e[3]}{order}" + ("" if e[4] or e[0] == "buffer" else " (frozen)")

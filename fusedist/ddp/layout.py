@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._memory_layout import is_dense
+from .._memory_layout import is_dense, layout_of as memory_order
 
 MiB = 1024 * 1024
 
@@ -94,6 +94,15 @@ def shaped_like(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if param.is_contiguous() or not is_dense(param):
         return flat.view(param.shape)
     return flat.as_strided(param.shape, param.stride())
+
+
+def slot_order(param: torch.Tensor) -> tuple:
+    """The strides that order ``param``'s slot (:func:`shaped_like`), ``()`` when row-major. Ranks
+    whose slots order a parameter differently (channels_last on one rank only) would reduce
+    unrelated elements together, so the ranks compare it (torch's DDP compares the strides)."""
+    if param.is_contiguous() or not is_dense(param):
+        return ()
+    return memory_order(param)
 
 
 def flat_like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -252,22 +261,24 @@ def build_layout(
         closed.append(b)
         caps_used[dtype] = caps_used.get(dtype, 0) + 1
 
-    order = 0
-    for p, name in zip(params, names):
+    for position, (p, name) in enumerate(zip(params, names)):
         dtype = p.dtype
         cap = caps[min(caps_used.get(dtype, 0), len(caps) - 1)]
         b = open_buckets.get(dtype)
         if b is None:
-            b = open_buckets[dtype] = {"dtype": dtype, "params": [], "names": [], "bytes": 0, "order": order}
-            order += 1
+            b = open_buckets[dtype] = {"dtype": dtype, "params": [], "names": [], "bytes": 0}
         b["params"].append(p)
         b["names"].append(name)
         b["bytes"] += p.numel() * p.element_size()
+        b["ready"] = position
         if b["bytes"] >= cap:
             close(dtype)  # Note [buckets close as torch's do]: the crossing parameter included
     for dtype in list(open_buckets):
         close(dtype)
-    closed.sort(key=lambda b: b["order"])
+    # Numbered by when each becomes ready (its last parameter), as torch's rebuilt buckets: launches
+    # go in index order, so a bucket of another dtype opened early but filled late must not hold
+    # back the buckets that fill meanwhile (numbered by opening, none launched before backward ended).
+    closed.sort(key=lambda b: b["ready"])
 
     sizes: dict[torch.dtype, int] = {}
     buckets = []

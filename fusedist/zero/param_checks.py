@@ -16,7 +16,9 @@ Note [the same parameters on every rank]
     constructor exchanges one small description per parameter (a collective: every rank
     constructs the optimizer, as every rank wraps the model) and every rank raises the same
     :class:`fusedist.RankMismatchError` naming the first parameter that differs and the ranks.
-    Hyperparameters are not compared: LR schedulers change them at every step.
+    Hyperparameters are not compared: LR schedulers change them at every step. The memory
+    format is: a parameter channels_last on one rank only lies in another element order in
+    that rank's flat buffer (``shaped_like``), and the ranks would exchange unrelated elements.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .._consistency import check_same_across_ranks
+from ..ddp.layout import slot_order
 
 
 def check_param_groups_given(params) -> list:
@@ -61,11 +64,12 @@ def check_same_params_on_every_rank(zero) -> None:
     """Note [the same parameters on every rank]."""
     if zero.comm is None or zero.world_size == 1:
         return
-    entries = [(i, zero._group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
-               for i, p in enumerate(zero._params)]
+    entries = [(i, zero._group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad),
+                slot_order(p)) for i, p in enumerate(zero._params)]
 
     def label(e):
         return (f"parameter {e[0]} (param group {e[1]}) shape {e[2]} {e[3]}"
+                + (f" in the memory order of strides {e[5]}" if e[5] else "")
                 + ("" if e[4] else " requires_grad=False"))
 
     check_same_across_ranks(

@@ -115,6 +115,48 @@ def test_ws2_communicator_equals_torch_nccl():
     assert results[0] == results[1] > 0
 
 
+MOVED_DTYPES = (torch.bool, torch.int16, torch.complex64, torch.float8_e4m3fn)
+
+
+def _bits(rank, n, dtype):
+    """Rank ``rank``'s data for dtype: random bytes viewed as it (no arithmetic: NaN bit patterns
+    are compared as bytes)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).bool()
+    width = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n * width,), generator=gen, dtype=torch.uint8).view(dtype)
+
+
+def _moved_dtypes(rank, world_size):
+    """Broadcast and all-gather of dtypes NCCL has no code for travel as bytes (DDP broadcasts
+    bool buffers and float8 weights through them); expected results built from every rank's data."""
+    from fusedist.comm import get_communicator
+    from fusedist.comm.nccl_comm import NcclCommunicator
+
+    device = _device(rank)
+    comm = get_communicator(device=device)
+    assert isinstance(comm, NcclCommunicator), type(comm)
+    for dtype in MOVED_DTYPES:
+        n = 1027
+        mine = _bits(rank, n, dtype).to(device)
+        gathered = torch.empty(n * world_size, dtype=dtype, device=device)
+        comm.all_gather(gathered, mine)
+        want = torch.cat([_bits(r, n, dtype) for r in range(world_size)])
+        assert torch.equal(gathered.cpu().view(torch.uint8), want.view(torch.uint8)), ("all_gather", dtype)
+        for src in range(world_size):
+            t = _bits(rank, n, dtype).to(device)
+            comm.broadcast(t, src=src)
+            assert torch.equal(t.cpu().view(torch.uint8), _bits(src, n, dtype).view(torch.uint8)), ("broadcast", dtype)
+    return len(MOVED_DTYPES)
+
+
+@needs_two_ranks
+def test_ws2_broadcast_and_all_gather_move_dtypes_nccl_has_no_code_for():
+    _require_ext()
+    assert run_distributed(_moved_dtypes, WORLD, backend="nccl", timeout=300) == [len(MOVED_DTYPES)] * WORLD
+
+
 # World size 4: four ranks on one GPU (FUSEDIST_TEST_RANKS_PER_GPU=4), or two on each of two.
 # The cheapest parity check, on a subset of dtypes and sizes (each collective over loopback
 # sockets costs milliseconds at 4 ranks); benchmarks/gpu/run_checks.sh runs it when time allows.

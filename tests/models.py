@@ -124,6 +124,19 @@ def rank_step_batch(rank: int, step: int, n: int = 6, *, seed: int = 0):
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
+def assert_same_steps(reference, got):
+    """Two runs, each (per-step gradients, None where a parameter had none; final parameters),
+    agree: the same gradients present, equal within fp32 tolerance, and the same weights."""
+    (ref_grads, ref_params), (got_grads, got_params) = reference, got
+    for step, (want, have) in enumerate(zip(ref_grads, got_grads)):
+        assert [g is None for g in have] == [g is None for g in want], f"step {step}: gradients present"
+        for a, b in zip(want, have):
+            if a is not None:
+                torch.testing.assert_close(b, a, msg=lambda m: f"step {step}: {m}")
+    for a, b in zip(ref_params, got_params):
+        torch.testing.assert_close(b, a)
+
+
 def flat_params(model):
     """Every parameter, flattened and concatenated (to compare two models at once)."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

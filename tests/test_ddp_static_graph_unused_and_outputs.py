@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import models
 from fusedist.testing import run_distributed
 
 
@@ -48,14 +49,7 @@ def _static_graph_worker(rank, world_size, seed):
             grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
             opt.step()
         runs.append((grads, [p.detach().clone() for p in model.parameters()]))
-    (grads_t, params_t), (grads_f, params_f) = runs
-    for step_t, step_f in zip(grads_t, grads_f):
-        assert [g is None for g in step_t] == [g is None for g in step_f]
-        for a, b in zip(step_t, step_f):
-            if a is not None:
-                torch.testing.assert_close(b, a)
-    for a, b in zip(params_t, params_f):
-        torch.testing.assert_close(b, a)
+    models.assert_same_steps(*runs)
 
 
 def test_static_graph_takes_parameters_no_iteration_uses_as_torch():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 
@@ -41,17 +42,6 @@ def _train(model, rank, seed, uses_c, steps=4, freeze_at=None):
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _assert_same(ref, got):
-    (grads_t, params_t), (grads_f, params_f) = ref, got
-    for step_t, step_f in zip(grads_t, grads_f):
-        assert [g is None for g in step_f] == [g is None for g in step_t]
-        for a, b in zip(step_t, step_f):
-            if a is not None:
-                torch.testing.assert_close(b, a)
-    for a, b in zip(params_t, params_f):
-        torch.testing.assert_close(b, a)
-
-
 def _count_used_map_reductions(model) -> list:
     comm, tags = model.reducer.comm, []
     all_reduce = comm.all_reduce
@@ -75,7 +65,7 @@ def _rank_dependent_worker(rank, world_size, seed):
     tags = _count_used_map_reductions(model)
     # The per-step cross-rank check (on by default) must not take the ranks' different unused
     # sets for a divergence: static_graph accepts them, as torch does.
-    _assert_same(ref, _train(model, rank, seed, uses_c))
+    models.assert_same_steps(ref, _train(model, rank, seed, uses_c))
     assert tags.count("ddp used-parameter map") == 1, tags
 
 

@@ -173,6 +173,9 @@ def holder_for(comm, replicate=None, tp=None) -> ShardedGradHolder:
     key = (id(comm), id(replicate), id(tp))
     holder = _holders.get(key)
     if holder is None or holder.comm is not comm or holder.replicate is not replicate or holder.tp is not tp:
+        from ..amp.torch_scaler import install  # Note [torch's scaler on sharded gradients]
+
+        install()
         holder = ShardedGradHolder(comm, replicate, tp)
         _holders[key] = holder
     return holder

@@ -327,15 +327,27 @@ def assemble_model(shards: list[dict], source: str) -> dict:
     if any(sd["keys"] != keys for sd in shards):
         raise zstate.StateDictError(f"{source}: the ranks' model shards name different parameters")
     meta = shards[0]["param_meta"]
-    wholes = [torch.empty(m["shape"], device="meta") for m in meta]
-    assembled = zstate.assemble(zstate.merge_fragments(shards), wholes, range(len(keys)), source=source)
+    # Keyed by the quoted state-dict key, which assemble's errors then name (not a position in ``keys``).
+    names = [f"'{key}'" for key in keys]
+    wholes = {name: torch.empty(m["shape"], device="meta") for name, m in zip(names, meta)}
+    merged = zstate.merge_fragments(shards)
+    for k, name in enumerate(names):  # (assemble checks a range's optimizer state, not its values)
+        for f in merged.get(k, []):
+            if "range" not in f:
+                continue  # (a box's values are checked where they are placed)
+            size, got = f["range"][1] - f["range"][0], f["master"].numel() if torch.is_tensor(f["master"]) else 0
+            if got != size or not torch.is_tensor(f["master"]):
+                raise zstate.StateDictError(
+                    f"{source}: the fragment of {name} (shape {tuple(meta[k]['shape'])}) for elements "
+                    f"{tuple(f['range'])} holds {got} values, not {size}; a rank's file is corrupt")
+    assembled = zstate.assemble({name: merged.get(k) for k, name in enumerate(names)}, wholes, names, source=source)
     out = {}
     for k, key in enumerate(keys):
         shape = tuple(meta[k]["shape"])
-        item = assembled.get(k)
+        item = assembled.get(names[k])
         if item is None:
-            if wholes[k].numel():
-                raise zstate.StateDictError(f"{source}: no rank's model shard holds '{key}'")
+            if wholes[names[k]].numel():
+                raise zstate.StateDictError(f"{source}: no rank's model shard holds '{key}' (shape {shape})")
             out[key] = torch.empty(shape, dtype=getattr(torch, meta[k]["dtype"]))
         else:
             out[key] = item["master"].view(shape)

@@ -20,7 +20,7 @@ Per strategy (ZeRO paper, Section 7: stages 1 and 2 move the data-parallel volum
 * zero3: two parameter all-gathers (forward and backward) and one gradient reduce-scatter,
   3(N-1)/N·Ψ; with gradient accumulation every micro-batch gathers again.
 * offload: the same network traffic; the gradient shard goes down and the parameter shard
-  comes up over PCIe (:func:`pcie_bytes`).
+  comes up over PCIe (:func:`pcie_bytes`), at stage 3 for every gather and reduce-scatter.
 
 Expert parallelism (``ep``, :func:`expert_parallel_bytes`): the dense parameters go through
 the collectives above over all N ranks, a rank's routed experts (Ψ_e/ep) over the N/ep ranks
@@ -110,13 +110,18 @@ def pcie_bytes(psi: float, n: int, strategy: str, precision: str, convention: st
     """Offload only: host <-> GPU bytes per step (gradient shard down, parameter shard up).
     fusedist copies the FP32 gradient shard down; the paper's 16-bit gradients. ZeRO-2
     offload copies it down after every micro-batch's reduce-scatter (Note [offload pipeline]
-    in fusedist/zero/offload.py: a shard changed by a later backward is copied again)."""
+    in fusedist/zero/offload.py: a shard changed by a later backward is copied again) and the
+    updated parameter shard up once. ZeRO-3 offload (``CPUOffloadPolicy``) keeps no shard on
+    the GPU: every gather copies the parameter shard up first, twice a micro-batch as
+    :func:`bytes_per_step` gathers, and every micro-batch's reduce-scatter copies its gradient
+    shard down (``_gather_source`` in fusedist/fsdp/unit.py, ``finish`` in fusedist/fsdp/grads.py)."""
     if not strategy.endswith("_offload"):
         return 0.0
     down = host_grad_bytes(strategy, precision, convention) * psi / n
-    if strategy == "zero2_offload":
-        down *= grad_accum
-    return down + param_bytes(precision) * psi / n
+    up = param_bytes(precision) * psi / n
+    if strategy == "zero3_offload":
+        return grad_accum * (down + 2 * up)
+    return grad_accum * down + up
 
 
 def bandwidth_gbps(n: int, gpus_per_node: int, intra: float, inter: float) -> float:

@@ -331,15 +331,6 @@ def assemble_model(shards: list[dict], source: str) -> dict:
     names = [f"'{key}'" for key in keys]
     wholes = {name: torch.empty(m["shape"], device="meta") for name, m in zip(names, meta)}
     merged = zstate.merge_fragments(shards)
-    for k, name in enumerate(names):  # (assemble checks a range's optimizer state, not its values)
-        for f in merged.get(k, []):
-            if "range" not in f:
-                continue  # (a box's values are checked where they are placed)
-            size, got = f["range"][1] - f["range"][0], f["master"].numel() if torch.is_tensor(f["master"]) else 0
-            if got != size or not torch.is_tensor(f["master"]):
-                raise zstate.StateDictError(
-                    f"{source}: the fragment of {name} (shape {tuple(meta[k]['shape'])}) for elements "
-                    f"{tuple(f['range'])} holds {got} values, not {size}; a rank's file is corrupt")
     assembled = zstate.assemble({name: merged.get(k) for k, name in enumerate(names)}, wholes, names, source=source)
     out = {}
     for k, key in enumerate(keys):
@@ -349,6 +340,8 @@ def assemble_model(shards: list[dict], source: str) -> dict:
             if wholes[names[k]].numel():
                 raise zstate.StateDictError(f"{source}: no rank's model shard holds '{key}' (shape {shape})")
             out[key] = torch.empty(shape, dtype=getattr(torch, meta[k]["dtype"]))
+        elif item["master"] is None:
+            raise zstate.StateDictError(f"{source}: the model shards hold no values of '{key}' (shape {shape})")
         else:
             out[key] = item["master"].view(shape)
     return out

@@ -206,6 +206,11 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
         for f in frags:
             if set(f["state"]) != keys or (f["master"] is not None) != has_master:
                 raise StateDictError(f"{source}: shards of parameter {index} hold different state keys")
+            lo, hi = f["range"]
+            if has_master and f["master"].numel() != hi - lo:
+                raise StateDictError(
+                    f"{source}: the fragment of parameter {index} (shape {tuple(p.shape)}) for elements "
+                    f"{(lo, hi)} holds {f['master'].numel()} values, not {hi - lo}; a rank's file is corrupt")
         master = torch.cat([f["master"].reshape(-1) for f in frags]) if has_master else None
         out[index] = {"master": master, "state": state}
     return out

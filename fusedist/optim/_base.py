@@ -46,7 +46,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     Subclasses implement :meth:`_validate_group` and :meth:`_step_group`; this class owns
     state creation (fp32 optimizer states, an fp32 ``master_param`` for bf16/fp16 parameters
     when the group has ``master_weights=True``, a per-parameter fp32 ``step`` tensor on the
-    parameter's device) and the scaler protocol attributes.
+    parameter's device -- the CPU for one on ``meta``: :func:`step_device`) and the scaler
+    protocol attributes.
     """
 
     _state_keys: tuple[str, ...] = ()
@@ -187,7 +188,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             if isinstance(state.get(key), torch.Tensor):
                 state[key] = values_of(state[key])
         if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device(p))
         state_dtype = compute_dtype(p.dtype)
         for key in self._state_keys:
             if state.get(key) is None:
@@ -323,7 +324,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 if id(p) in pending:
                     pending.discard(id(p))
                     master = state.get("master_param")
-                    if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
+                    # (a parameter on meta holds no values to compare)
+                    if master is not None and not p.is_meta and not torch.equal(master.to(p.dtype), p.detach()):
                         master.copy_(p.detach())
         versions = self._master_versions
         if not versions:
@@ -457,7 +459,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     def _loaded_value(self, key: str, value, p: torch.Tensor):
         if key == "step":  # kept as an fp32 tensor on the parameter's device, as torch converts numbers
             step = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            return step.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+            return step.detach().to(device=step_device(p), dtype=torch.float32, copy=True).reshape(())
         if not isinstance(value, torch.Tensor):
             return value
         if key in self._state_keys or key in self._KERNEL_STATE_KEYS:
@@ -472,6 +474,13 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 yield self.state[p].get("master_param", p) if p in self.state else p
+
+
+def step_device(p: torch.Tensor) -> torch.device:
+    """Where ``p``'s step count lives: its device, but the CPU for a parameter on ``meta``, as
+    torch's optimizers keep it there -- a count on ``meta`` holds no value, so a load lost it
+    and reading it (a state dict, the step) failed where torch's optimizers work."""
+    return torch.device("cpu") if p.is_meta else p.device
 
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))

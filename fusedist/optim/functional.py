@@ -251,7 +251,10 @@ def _indices_by_step(step, n: int) -> dict:
 def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: bool = False) -> str:
     """The backend for one bucket: tensors the kernels cannot walk (``eligible`` False) always
     take the reference path, whichever backend was asked for, so every layout torch's
-    optimizers accept steps here too."""
+    optimizers accept steps here too; so do tensors on ``meta``, which have no memory for the
+    kernels (the C++ CPU Adam was picked for them, as for any non-CUDA device)."""
+    if device.type == "meta":
+        return "torch"
     choice = select_backend(op, device, has_cpu_ext=has_cpu_ext)
     return choice if eligible else "torch"
 

@@ -6,7 +6,7 @@ import torch
 
 from .._dtypes import compute_dtype
 from . import functional
-from ._base import FusedOptimizerBase, masters_of, state_values
+from ._base import FusedOptimizerBase, masters_of, state_values, step_device
 from ._hyperparameters import check_finite_hyper, hyper_number
 
 
@@ -53,7 +53,7 @@ class FusedSGD(FusedOptimizerBase):
     def _init_state(self, group, p, state):
         if "step" not in state and isinstance(state.get("momentum_buffer"), torch.Tensor):
             # A state from torch's SGD (no step count): its buffer has seen at least one step.
-            state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+            state["step"] = torch.ones((), dtype=torch.float32, device=step_device(p))
         super()._init_state(group, p, state)
         if state.get("momentum_buffer") is not None:
             return

@@ -19,14 +19,16 @@ Note [joined ranks]
                                                (neutral values)
         optimizer.step() (ZeRO: gathers)       ZeroRedundancyOptimizer's hook: a step
 
-    The *join state* all-reduce (int64, SUM, ``4 + world_size`` values) tells every rank
+    The *join state* all-reduce (int64, SUM, ``4 + 2 * world_size`` values) tells every rank
     what the active ranks do this iteration: how many are active, how many synchronize
-    gradients (0: a ``no_sync()`` iteration, no bucket collectives), how many broadcast
-    buffers, how many changed their trainable set (then followed by a broadcast of the flags:
-    ``_share_trainable_flags``), and which ranks are active (a one-hot row: the buffer
-    authority is the highest active rank, as torch's). The gradient divisor is the initial world size or, with
+    gradients (0: a ``no_sync()`` iteration, no bucket collectives; some but not all: raised
+    on every rank, naming them), how many broadcast buffers, how many changed their trainable
+    set (then followed by a broadcast of the flags: ``_share_trainable_flags``), which ranks
+    are active (a one-hot row: the buffer authority is the highest active rank, as torch's)
+    and which synchronize (another row). The gradient divisor is the initial world size or, with
     ``divide_by_initial_world_size=False``, the number of active ranks, on every rank (the
-    joined ranks need it too: their buffers receive the average, which ZeRO steps with).
+    joined ranks need it too: their buffers receive the average, which ZeRO steps with); with
+    a torch communication hook registered it stays the world size, as torch's hooks divide.
 
     While a join context is enabled the gradient buckets are launched at the end of
     backward when the model has SyncBatchNorm layers (whose backward all-reduces must come
@@ -152,18 +154,33 @@ def exchange_state(ddp, active: bool, sync: bool, wants_buffers: bool) -> tuple[
     Then, when an active rank's trainable set changes, its flags go to every rank (below)."""
     comm = ddp.comm
     tracker = ddp.reducer.tracker
-    state = torch.zeros(4 + ddp.world_size, dtype=torch.int64)
+    world = ddp.world_size
+    state = torch.zeros(4 + 2 * world, dtype=torch.int64)
     if active:
         state[0], state[1], state[2], state[4 + ddp.rank] = 1, int(sync), int(wants_buffers), 1
-        state[3] = int(tracker.target is not None)
+        state[3], state[4 + world + ddp.rank] = int(tracker.target is not None), int(sync)
     state = state.to(comm.device)
     comm.all_reduce(state, tag="ddp join state")
     values = state.tolist()
-    ranks = [r for r in range(ddp.world_size) if values[4 + r]]
+    ranks = [r for r in range(world) if values[4 + r]]
+    if 0 < values[1] < values[0]:
+        _mixed_no_sync(ddp, ranks, [r for r in range(world) if values[4 + world + r]])
     if values[3] and ranks:
         _share_trainable_flags(ddp, max(ranks), active)
     authority = max(ranks) if values[2] and ranks else -1
     return values[0], values[1], authority
+
+
+def _mixed_no_sync(ddp, ranks: list, syncing: list) -> None:
+    """Some ranks still training synchronize this iteration's backward, others run it under
+    ``no_sync()``: their bucket collectives would not pair up (torch's DDP aborts in gloo or
+    hangs). Raised on every rank, which all read the same join state."""
+    local = [r for r in ranks if r not in syncing]
+    raise RuntimeError(
+        f"fusedist.DistributedDataParallel (rank {ddp.rank}) under join: the ranks still training disagree on "
+        f"no_sync() at the same iteration: ranks {local} run it under no_sync(), ranks {syncing} synchronize "
+        "gradients. Every rank still training must accumulate the same number of micro-batches between "
+        "synchronized backwards (a rank that runs out of batches may stop at any point)")
 
 
 @torch.no_grad()
@@ -201,10 +218,19 @@ def before_forward(ddp) -> None:
     ddp._buffers_due = sync
     reducer.tracker.observe(reducer)  # Note [trainable set changes]: before the exchange, which shares it
     active, _, authority = exchange_state(ddp, True, sync, wants)
-    reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else active
+    reducer.grad_divisor = _grad_divisor(ddp, state, active)
     if authority >= 0:
         ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
     reducer.defer_launch = state.has_sync_bn
+
+
+def _grad_divisor(ddp, state: DDPJoinState, active: int) -> int:
+    """The initial world size, or the active ranks' count with ``divide_by_initial_world_size=False``
+    -- unless a torch communication hook is registered: torch's hooks, the averaging ones fusedist
+    runs as its own reduction included, divide by the group's size whatever the join asks."""
+    if state.divide_by_initial_world_size or ddp._comm_hook is not None:
+        return ddp.world_size
+    return max(active, 1)
 
 
 def run_module(ddp, args, kwargs):
@@ -301,7 +327,7 @@ class DDPJoinHook(JoinHook):
             state.grads_at_join = _grads_at_join(reducer.tracker.params)  # (the frozen ones included)
         reducer.prepare_forward(sync=True)  # the shadowed training forward, before its collectives
         active, syncing, authority = exchange_state(ddp, False, False, False)
-        reducer.grad_divisor = ddp.world_size if state.divide_by_initial_world_size else max(active, 1)
+        reducer.grad_divisor = _grad_divisor(ddp, state, active)
         if authority >= 0:
             ddp._broadcast_coalesced(ddp._module_buffers(), tag="ddp buffers", src=authority)
         if state.has_sync_bn:

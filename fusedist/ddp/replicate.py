@@ -212,11 +212,30 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     if not dist.is_initialized():
         raise RuntimeError("fusedist.replicate: torch.distributed is not initialized; call fusedist.init_distributed() "
                            "(under torchrun) before replicating the model")
+    _refuse_engine_over(module)
     module.__dict__[_STATE] = _ReplicateState(module, set(ignored_modules or ()), kwargs)
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))
     _PENDING.add(module)
     return module
+
+
+def _refuse_engine_over(module: nn.Module) -> None:
+    """A submodule replicated after the first forward of a module holding it (replicated or
+    wrapped): the engine already built reduces its parameters, and the submodule's engine,
+    built at its first forward inside the outer one, would retire the outer engine's hooks
+    (Note [a module wrapped again] in wrapper.py): that step trains unsynchronized. Refused."""
+    from ..ownership import wrapping_owner
+
+    for name, p in module.named_parameters():
+        owner = wrapping_owner(p)
+        if owner is not None and owner._superseded_by is None and owner.module is not module:
+            raise RuntimeError(
+                f"fusedist.replicate({type(module).__name__}) (rank {owner.rank}): its parameter '{name}' is "
+                f"already reduced by the data-parallel engine of {type(owner.module).__name__} (a replicated "
+                "module's is built at its first forward); a second engine would take its parameters over in the "
+                "middle of training. Replicate submodules before the first forward of the module holding them "
+                "(nested replicate: each engine reduces its own subtree)")
 
 
 def wrapper_of(module: nn.Module):

@@ -225,7 +225,7 @@ def _average(reducer, params: list, names: dict) -> None:
             p.grad = None
     for dtype, group in by_dtype.items():
         reduce_dtype = reducer.config.reduce_dtype or dtype
-        pre, post = divide_factors(world, reduce_dtype)
+        pre, post = divide_factors(reducer.grad_divisor, reduce_dtype)  # as the buckets (join may change it)
         wire = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
         wire = wire.to(device=comm.device, dtype=reduce_dtype).div_(pre)
         if world > 1:

@@ -123,10 +123,34 @@ def _checked_watches(optimizer, entry) -> list:
 # previous backward. The hook passes step() a closure that calls the user's and then checks;
 # optimizers evaluate the closure before their update, so nothing has changed yet when it
 # raises. torch lets a pre-step hook return replaced (args, kwargs).
+# Note [torch's state-creating step]
+# torch.distributed.checkpoint's get_optimizer_state_dict / set_optimizer_state_dict (the
+# standard resume: dcp.load into get_state_dict(model, optimizer)) create a fresh optimizer's
+# state by one step() with zero gradients and every lr set to 0 (_init_optim_state). That step
+# changes no parameter and follows no backward: the guard lets it through and does not count it,
+# where it refused it on every rank as a step before any backward.
+_state_creating: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _is_state_creating(optimizer) -> bool:
+    if optimizer.state:
+        return False
+    for group in optimizer.param_groups:
+        if "lr" in group and float(group["lr"]) != 0.0:
+            return False
+        for p in group["params"]:
+            if p.requires_grad and (p.grad is None or bool(p.grad.any())):
+                return False
+    return True
+
+
 def _pre_step(optimizer, args, kwargs):
     entry = _classify(optimizer)
     owners, watches = _owners(entry), _watches(entry)
     if not watches:
+        return None
+    if _is_state_creating(optimizer):  # Note [torch's state-creating step]
+        _state_creating.add(optimizer)
         return None
     if owners and entry[2] is not None:
         _refuse_unowned(optimizer, owners[0], entry[2])
@@ -186,6 +210,9 @@ def _check_backward(optimizer, watches) -> None:
 
 
 def _post_step(optimizer, args, kwargs) -> None:
+    if optimizer in _state_creating:
+        _state_creating.discard(optimizer)
+        return
     for watch in _watches(_classify(optimizer)):
         watch.optimizer_steps += 1
 

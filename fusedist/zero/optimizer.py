@@ -360,7 +360,6 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._record_param_versions()
         finally:
             self._fusedist_clear_protocol()
-            self._join_norm_calls_last, self._join_norm_calls = self._join_norm_calls, 0
         return loss
 
     def _gather_without_step(self) -> None:

@@ -61,8 +61,8 @@ class ZeroScalerProtocol(ScalerProtocol):
         if self.comm is None or self.world_size == 1:
             return found_inf.reshape(1), sumsq.reshape(1)
         packed = torch.cat([found_inf.reshape(1).float(), sumsq.reshape(1).float()]).to(self.comm.device)
+        self._join_announce()  # under join (Note [the announce] in join.py)
         self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
-        self._join_norm_calls += 1  # a joined rank replays them (Note [joined ranks])
         packed = packed.to(sumsq.device)
         return (packed[0:1] > 0).float(), packed[1:2]
 
@@ -90,7 +90,8 @@ class ZeroScalerProtocol(ScalerProtocol):
         return [p.grad for p in self._trainable_params() if p.grad is not None]
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shard) to ``max_norm``; returns the
         total norm before clipping, like ``torch.nn.utils.clip_grad_norm_``.
 
@@ -106,19 +107,22 @@ class ZeroScalerProtocol(ScalerProtocol):
         ctx = self.step_context
         written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
         sumsq = ctx.grad_sumsq if norm_type == 2.0 else None
-        if norm_type != 2.0:
-            total = self._global_grad_norm(norm_type, ctx.inv_scale)
-            if error_if_nonfinite and not bool(torch.isfinite(total)):
-                raise RuntimeError(
-                    f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
-                    "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
-                    "anyway, set `error_if_nonfinite=False`")
-            sumsq = total.double().square()  # record_clip takes a sum of squares (fp64: no overflow)
-        elif sumsq is None or written:
-            _, sumsq = self._fusedist_check_and_norm(ctx.inv_scale)
-            if ctx.inv_scale is not None:
-                ctx.grad_sumsq = sumsq
-        self._join_clip = (max_norm, norm_type, error_if_nonfinite)
+        self._join_clip = (max_norm, norm_type, error_if_nonfinite)  # announced with its all-reduce, under join
+        try:
+            if norm_type != 2.0:
+                total = self._global_grad_norm(norm_type, ctx.inv_scale)
+                if error_if_nonfinite and not bool(torch.isfinite(total)):
+                    raise RuntimeError(
+                        f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                        "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                        "anyway, set `error_if_nonfinite=False`")
+                sumsq = total.double().square()  # record_clip takes a sum of squares (fp64: no overflow)
+            elif sumsq is None or written:
+                _, sumsq = self._fusedist_check_and_norm(ctx.inv_scale)
+                if ctx.inv_scale is not None:
+                    ctx.grad_sumsq = sumsq
+        finally:
+            self._join_clip = None
         # torch returns the norm in the gradients' dtype (their promotion): the parameters'
         # dtypes, whatever precision the shards hold them in.
         dtypes = {p.dtype for p in self._trainable_params()}
@@ -143,8 +147,8 @@ class ZeroScalerProtocol(ScalerProtocol):
         if self.comm is not None and self.world_size > 1:
             # With a NaN flag: a max all-reduce may drop a NaN (NCCL's fmax does); torch's norm keeps it.
             packed = torch.cat([local, local.isnan().float()]).to(self.comm.device)
+            self._join_announce()  # under join (Note [the announce] in join.py)
             self.comm.all_reduce(packed, op="max" if inf else "sum", tag="zero grad norm")
-            self._join_norm_calls += 1  # a joined rank replays them (Note [joined ranks])
             local = torch.where(packed[1:] > 0, float("nan"), packed[:1]).to(self._device)
         return local.reshape(()) if inf else local.pow(1.0 / norm_type).reshape(())
 

@@ -1,0 +1,127 @@
+"""ZeroRedundancyOptimizer under Join with a clip before each step, on ranks that run out early.
+
+A rank with no batch at all (or whose last step clipped differently) must still take part in the
+gradient-norm reductions of the ranks still training (Note [the announce] in fusedist/zero/join.py).
+The oracle is torch's DDP with the unsharded torch optimizer and torch's clip under torch's Join.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+TOL = 2e-5
+
+
+def _batches(seed, rank, count):
+    g = torch.Generator().manual_seed(seed + 1000 * rank)
+    return [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(count)]
+
+
+def _clip_at(i):
+    """The clip of step i: none at step 1, else a max_norm changing from step to step."""
+    return None if i == 1 else 0.02 * (i + 1)
+
+
+def _train(model, opt, batches, ctx, clip_fn):
+    with ctx:
+        for i, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if _clip_at(i) is not None:
+                clip_fn(_clip_at(i))
+            opt.step()
+
+
+def _case(rank, seed, counts, stage, norm_type, opt_cls, kw, torch_clip=False):
+    import fusedist
+    from torch.distributed.algorithms import Join as TorchJoin
+
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batches = _batches(seed, rank, counts[rank])
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt_ref = opt_cls(ref.parameters(), **kw)
+    _train(ref, opt_ref, batches, TorchJoin([ref]),
+           lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c, norm_type))
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    zero = fusedist.ZeroRedundancyOptimizer(ours.parameters(), opt_cls, stage=stage, **kw)
+    clip = (lambda c: torch.nn.utils.clip_grad_norm_(ours.parameters(), c, norm_type)) if torch_clip else \
+        (lambda c: zero.clip_grad_norm_(c, norm_type))
+    _train(ours, zero, batches, fusedist.Join([ours, zero]), clip)
+    ours.check_consistency()
+    return max((a - b).abs().max().item() for a, b in zip(ref.module.parameters(), ours.module.parameters()))
+
+
+def _worker(rank, world, seed, counts):
+    sgd = (torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    adamw = (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))
+    out = {}
+    for stage, norm_type, (opt_cls, kw) in [(1, 2.0, sgd), (2, 2.0, adamw), (1, float("inf"), adamw),
+                                            (2, float("inf"), sgd)]:
+        out[f"stage {stage} norm {norm_type}"] = _case(rank, seed, counts, stage, norm_type, opt_cls, kw)
+    return out
+
+
+@pytest.mark.parametrize("world,counts", [(2, [0, 3]), (3, [0, 1, 3])])
+def test_clip_under_join_with_a_rank_without_batches_matches_torch(world, counts):
+    seed = int(torch.randint(0, 2**30, ()))
+    results = run_distributed(_worker, world, seed, counts, timeout=200, env={"FUSEDIST_TIMEOUT_S": "15"})
+    for rank, out in enumerate(results):
+        for key, value in out.items():
+            assert value < TOL, f"rank {rank} (seed {seed}): {key}: max difference {value}"
+
+
+def _torch_clip_worker(rank, world, seed, counts):
+    sgd = (torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    return {f"norm {n}": _case(rank, seed, counts, 1, n, *sgd, torch_clip=True) for n in (2.0, float("inf"))}
+
+
+def test_stage1_torch_clip_of_grads_in_place_under_join_matches_torch():
+    """Stage 1 steps with p.grad, which torch's clip_grad_norm_ on the model's parameters scales in
+    place on the ranks still training: a joined rank's shard must be stepped with those gradients."""
+    seed = int(torch.randint(0, 2**30, ()))
+    results = run_distributed(_torch_clip_worker, 3, seed, [0, 1, 3], timeout=200, env={"FUSEDIST_TIMEOUT_S": "15"})
+    for rank, out in enumerate(results):
+        for key, value in out.items():
+            assert value < TOL, f"rank {rank} (seed {seed}): {key}: max difference {value}"
+
+
+def _scaler_worker(rank, world, seed):
+    """Stage 1 with an explicit ``unscale_`` (in place: no inverse scale left for the step), then a
+    clip: docs/errors.md says a GradScaler under join is refused on every rank at the first step."""
+    import fusedist
+
+    out = {}
+    for counts in ([1, 3], [0, 2]):
+        torch.manual_seed(seed)
+        model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+        zero = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
+        scaler = fusedist.amp.GradScaler("cpu")
+        out[str(counts)] = None
+        try:
+            with fusedist.Join([model, zero]):
+                for x, y in _batches(seed, rank, counts[rank]):
+                    zero.zero_grad()
+                    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+                    scaler.unscale_(zero)
+                    zero.clip_grad_norm_(0.05)
+                    scaler.step(zero)
+                    scaler.update()
+        except NotImplementedError as e:
+            out[str(counts)] = str(e)
+    return out
+
+
+def test_grad_scaler_after_unscale_is_refused_under_join_on_every_rank():
+    seed = int(torch.randint(0, 2**30, ()))
+    results = run_distributed(_scaler_worker, 2, seed, timeout=120, env={"FUSEDIST_TIMEOUT_S": "15"})
+    for rank, out in enumerate(results):
+        for counts, refusal in out.items():
+            assert refusal is not None and "a GradScaler is not supported yet" in refusal, \
+                f"rank {rank}, batches per rank {counts}: trained on (the joined rank steps with scaled gradients)"

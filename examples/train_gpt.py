@@ -61,7 +61,7 @@ def parse_args(argv=None):
                                                  "(needs matplotlib)")
     p.add_argument("--save", metavar="DIR", help="write a fusedist checkpoint here at the end")
     p.add_argument("--resume", metavar="DIR", help="load a fusedist checkpoint (any world size) first")
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--bucket-cap-mb", type=float, help="DistributedDataParallel's gradient buckets (default 1 MiB)")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO: let step() return before the parameter all-gathers land (the next forward waits)")
     p.add_argument("--seed", type=int, default=0)
@@ -70,8 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save step-numbered checkpoints here and resume from the latest complete one "
                         "(--steps is then the run's total step count)")
-    p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="steps between checkpoints")
-    p.add_argument("--checkpoint-keep", type=int, default=3, metavar="K", help="complete checkpoints kept")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints (default 100)")
+    p.add_argument("--checkpoint-keep", type=int, metavar="K", help="complete checkpoints kept (default 3)")
     p.add_argument("--sync-checkpoint", action="store_true", help="save in the training thread (default: async)")
     p.add_argument("--fail-at-step", type=int, metavar="K",
                    help="testing: rank 1 exits hard after step K, once (a marker file in --checkpoint-dir "
@@ -79,6 +79,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.fail_at_step is not None and not args.checkpoint_dir:
         p.error("--fail-at-step needs --checkpoint-dir (its marker file lives there)")
+    # Options that cannot apply are refused, not ignored (their defaults are filled in after).
+    stray = [f"--{n.replace('_', '-')}" for n in ("checkpoint_every", "checkpoint_keep", "sync_checkpoint")
+             if getattr(args, n) not in (None, False)]
+    if stray and not args.checkpoint_dir:
+        p.error(f"{', '.join(stray)}: only with --checkpoint-dir (nothing else saves periodically)")
+    if args.bucket_cap_mb is not None and args.zero == 3:
+        p.error("--bucket-cap-mb sizes DistributedDataParallel's buckets: --zero 3 has none (use --zero 0, 1 or 2)")
+    for name, default in (("checkpoint_every", 100), ("checkpoint_keep", 3), ("bucket_cap_mb", 1.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     # Refused here, before any rank starts: otherwise a negative --steps saved a checkpoint
     # labelled with a step behind its weights, --resume was ignored next to --checkpoint-dir,
     # sizes failed deep inside the model, and --plot failed only after the whole run.
@@ -86,6 +96,9 @@ def parse_args(argv=None):
         least = 0 if name in ("steps", "layers") else 1
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    for name in ("lr", "bucket_cap_mb"):  # (NaN fails the comparison too)
+        if not 0 <= getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(args, name)}")
     if args.dim % args.heads:
         p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if args.resume and args.checkpoint_dir:
@@ -113,7 +126,8 @@ class Progress:
         if not self.enabled:
             return
         done = int(30 * step / self.total)
-        line = f"[{'#' * done}{'.' * (30 - done)}] step {step:>5}/{self.total}  loss {loss:6.3f}  {tokens_per_s:9.0f} tok/s"
+        bar = f"[{'#' * done}{'.' * (30 - done)}]"
+        line = f"{bar} step {step:>5}/{self.total}  loss {loss:6.3f}  {tokens_per_s:9.0f} tok/s"
         if self.tty:
             print("\r" + line, end="", flush=True)
             if step == self.total:
@@ -129,10 +143,8 @@ def build_optimizer(args, model, ddp):
         if args.optimizer == "fused":
             return fusedist.optim.FusedAdamW(params, **kwargs)
         return torch.optim.AdamW(params, **kwargs)
-    if args.zero:
+    if args.zero:  # ZeRO keeps FP32 masters itself: its inner optimizer steps FP32 shards (any class)
         inner = fusedist.optim.FusedAdamW if args.optimizer == "fused" else torch.optim.AdamW
-        if args.low_precision:
-            kwargs["master_weights"] = True
         return fusedist.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=inner, stage=args.zero,
                                                 overlap_param_gather=args.overlap_param_gather, **kwargs)
     if args.optimizer == "fused":
@@ -217,10 +229,9 @@ def main(argv=None):
         start_step = ckpt.restore(ddp, opt, scaler, lr_scheduler=sched, sampler=sampler)
         if start_step and rank == 0:
             moved = ckpt.restored_world_size != world
-            print(f"resumed from step {start_step}"
-                  + (f" (saved at world size {ckpt.restored_world_size}, now {world}: optimizer resharded, data "
-                     f"re-split at epoch {sampler.epoch}, sample {sampler.consumed} of {len(windows)})" if moved else ""),
-                  flush=True)
+            where = (f" (saved at world size {ckpt.restored_world_size}, now {world}: optimizer resharded, data "
+                     f"re-split at epoch {sampler.epoch}, sample {sampler.consumed} of {len(windows)})")
+            print(f"resumed from step {start_step}" + (where if moved else ""), flush=True)
     elif args.resume:
         extra = fusedist.checkpoint.load(args.resume, ddp, opt, scaler)
         start_step = extra["step"]

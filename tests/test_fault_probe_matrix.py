@@ -126,7 +126,9 @@ def test_ranks_in_different_small_all_reduces_raise_instead_of_aborting():
         assert kind == "error" and waited < 30, (rank, value)
     assert "all_reduce (tag 'zero found_inf and grad norm', collective #0) failed on rank 0" in results[0][1][1]
     assert "all_reduce (tag 'ddp step check', collective #0) failed on rank 1" in results[1][1][1]
-    assert "all_reduce exchange" in results[0][1][1] and "chunk 0 from rank 1" in results[0][1][1]
+    # (the exchange names this rank's part: Note [exchange tags])
+    assert "all_reduce [2 x torch.float32 per rank] exchange" in results[0][1][1]
+    assert "chunk 0 from rank 1" in results[0][1][1]
 
 
 def _small_all_reduce_values_worker(rank, world_size):

@@ -9,7 +9,11 @@ Note [a pass of the sampler]
     that never calls ``set_epoch`` (``shuffle=False``, or a script that does not care) walks
     the same order again and again. The position is therefore counted per pass, one pass
     being one ``iter(sampler)`` -- what one ``iter(DataLoader)`` makes, with or without
-    workers, and after the loop's last ``advance`` of the previous pass. The first pass after
+    workers, and after the loop's last ``advance`` of the previous pass. A pass begins at its
+    iterator's first ``next()``, not at ``iter()``: ``DataLoader(batch_size=None,
+    num_workers>0)`` calls ``iter(sampler)`` twice and drops the first iterator unused, and
+    counting that one as a pass made the real one start the epoch over -- a resume retrained
+    the part of the epoch it had restored past. The first pass after
     ``load_state_dict`` continues the saved epoch; every later ``iter()`` starts the epoch
     order from its beginning and the count from 0, as torch's would. Counting ``advance``
     across passes instead ran past the end of the epoch: the saved position could not be
@@ -18,8 +22,9 @@ Note [a pass of the sampler]
 
     ``advance`` past the end of this rank's share of the pass is refused: the position would
     name samples that do not exist (``advance(batch_size)`` for a shorter last batch, say).
-    A pass that drew indices while ``advance`` was never called saves the start of the epoch,
-    and a resume from it repeats what was trained; ``state_dict`` warns about that, once.
+    A pass that drew indices while ``advance`` was never called saves the start of the pass,
+    and a resume from it repeats what was trained; ``state_dict`` warns about that, once (a
+    resumed pass too: its position starts where the restored one was).
 
 Note [set_epoch after a resume]
     The loop most scripts already have resumes with ``for epoch in range(start_epoch, E):
@@ -48,7 +53,7 @@ class PassPosition:
         """A new position (construction, ``set_epoch``, ``load_state_dict``: ``restored``):
         the next ``iter()`` is the pass it describes."""
         self._pass_open = False
-        self._drawn = 0
+        self._drawn = self._advanced = 0
         self._restored = restored
 
     def _keeps_restored_position(self, epoch: int) -> bool:
@@ -57,12 +62,13 @@ class PassPosition:
         return getattr(self, "_restored", False) and epoch == self.epoch
 
     def _begin_pass(self) -> None:
-        """Called by ``__iter__`` before it computes the indices."""
+        """Called by ``__iter__``, a generator, before it computes the indices: at the pass's
+        first ``next()``."""
         if getattr(self, "_pass_open", False):  # a second iter() without set_epoch
             self.offset = 0
             self._restart_epoch()
         self._pass_open = True
-        self._drawn = 0
+        self._drawn = self._advanced = 0
         self._restored = False
 
     def _counted(self, indices: Iterable[int]) -> Iterator[int]:
@@ -84,9 +90,10 @@ class PassPosition:
                 "actually trained (len(batch), the last batch may be shorter) and call set_epoch() for a new epoch"
             )
         self.offset += samples
+        self._advanced += samples
 
     def _warn_if_never_advanced(self) -> None:
-        if self._drawn and not self.offset and not getattr(self, "_warned", False):
+        if self._drawn and not self._advanced and not getattr(self, "_warned", False):
             self._warned = True
             warnings.warn(
                 f"{type(self).__name__} (rank {self.rank}): {self._drawn} indices of epoch {self.epoch} were drawn but "

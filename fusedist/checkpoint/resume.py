@@ -105,12 +105,13 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        self._begin_pass()
+        self._begin_pass()  # a generator: at the first next() (Note [a pass of the sampler])
         indices = list(super().__iter__())
-        start, self._resume_offset = self._resume_offset, 0
-        return self._counted(indices[start:])
+        yield from self._counted(indices[self._resume_offset:])
 
     def __len__(self) -> int:
+        """This rank's share of the current pass: of the rest of the epoch after a resume (the
+        next pass, after the loop's last ``advance`` of this one, is the whole share)."""
         return self.num_samples - self._resume_offset
 
     def state_dict(self) -> dict:

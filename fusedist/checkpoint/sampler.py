@@ -93,9 +93,9 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
         return rest
 
     def __iter__(self) -> Iterator[int]:
-        self._begin_pass()
+        self._begin_pass()  # a generator: at the first next() (Note [a pass of the sampler])
         rest = self._remaining()
-        return self._counted(rest[self.rank::self.num_replicas])
+        yield from self._counted(rest[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
         """This rank's share of the current pass: of the rest of the epoch after a resume."""

@@ -18,7 +18,7 @@ from .._wrapper import plain_parts
 from ..comm import get_communicator
 from . import join as _join
 from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
-from .arguments import (TORCH_ONLY_OPTIONS, buffer_sync_settings, check_device_ids, group_of, module_device,
+from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
                         reduce_dtype_from_mixed_precision)
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
@@ -102,20 +102,29 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
         find_unused_parameters: bool = False,
-        *,
-        first_bucket_cap_mb: Optional[float] = None,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
-        reduce_dtype: Optional[torch.dtype] = None,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
         device_mesh=None,
+        skip_all_reduce_unused_params: bool = False,
         bucket_cap_mb_list: Optional[list] = None,
+        batched_grad_copy: bool = False,
         forward_sync_buffers: Optional[bool] = None,
+        *,
+        first_bucket_cap_mb: Optional[float] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
         **torch_options,
     ):
+        # (every torch parameter, in torch's order, so that torch's positional calls bind alike;
+        # check_reduction, delay_all_reduce_named_params, param_to_hook_all_reduce,
+        # skip_all_reduce_unused_params and batched_grad_copy are TORCH_ONLY_OPTIONS: ignored)
         super().__init__()
         forward_sync, init_sync_buffers = buffer_sync_settings(broadcast_buffers, forward_sync_buffers)
-        reduce_dtype = reduce_dtype_from_mixed_precision(torch_options.pop("mixed_precision", None), reduce_dtype)
-        unknown = set(torch_options) - TORCH_ONLY_OPTIONS
+        reduce_dtype = reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype)
+        unknown = set(torch_options)
         if unknown:
             raise TypeError(f"fusedist.DistributedDataParallel got unexpected keyword argument(s) {sorted(unknown)}")
         if not dist.is_initialized():
@@ -181,7 +190,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         register_step_watch([p for _, p in self.ignored_parameters()], self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(module, self)
-        self._no_sync_depth = 0
+        self._no_sync_depth = 0  # 0: backwards reduce (require_backward_grad_sync)
         self._buffers_due = True  # Note [when buffers are broadcast]: the first forward broadcasts
         self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
         self._param_waiters: list = []  # Note [hooks inside compiled modules]
@@ -356,11 +365,28 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     def no_sync(self):
         """Accumulate gradients locally for backward passes whose forward runs in this context;
         the first synchronized backward afterwards reduces the accumulated sum."""
-        self._no_sync_depth += 1
+        synced = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self.require_backward_grad_sync = synced
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch's flag: whether the backwards of forwards run now reduce gradients (False in
+        ``no_sync()``, which restores it on exit, as torch's). Scripts set it themselves
+        (nanoGPT: ``model.require_backward_grad_sync = micro_step == last``)."""
+        return self._no_sync_depth == 0
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._no_sync_depth = 0 if value else 1
+
+    # torch's read-only views of the constructor's settings
+    find_unused_parameters = property(lambda self: self.config.find_unused_parameters)
+    static_graph = property(lambda self: self.config.static_graph)
+    gradient_as_bucket_view = property(lambda self: self.config.gradient_as_bucket_view)
 
     # ------------------------------------------------------------------ torch's hook API
     def register_comm_hook(self, state, hook) -> None:

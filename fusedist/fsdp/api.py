@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import weakref
 from typing import Callable, Literal, Optional
 
 import torch
@@ -30,9 +31,10 @@ from .unit import ShardedUnit
 
 __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
 
-# Every parameter a unit took over -- the original and its piece -- maps to (unit, index), so a
-# later fully_shard call that meets it (a weight tied across units) borrows it instead of
-# sharding it twice.
+# Every parameter a unit took over -- the original and its piece -- maps to (weak reference to
+# the unit, index), so a later fully_shard call that meets it (a weight tied across units)
+# borrows it instead of sharding it twice. Weak: the unit holds the parameter, so a strong value
+# would keep the whole model alive for good.
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -120,8 +122,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             owned = _OWNED.get(p)
-            if owned is not None:  # tied with a parameter another unit holds
-                owner, idx = owned
+            owner = owned[0]() if owned is not None else None  # (a dropped model's unit is gone)
+            if owner is not None:  # tied with a parameter another unit holds
+                idx = owned[1]
                 if any(m is sub and a == attr for m, a in owner.registrations[idx]):
                     raise sharded_by_parent(module, fqn, owner, idx)
                 borrowed.append((owner, idx, (sub, attr), fqn))
@@ -159,7 +162,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         unit.post_forward = post_forward
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
-            _OWNED[p] = _OWNED[sp] = (unit, i)
+            _OWNED[p] = _OWNED[sp] = (weakref.ref(unit), i)
             unit._register(i, sp)
         holder = holder_for(comm, replicate_comm, unit.tp_comm)
         holder.register(unit.sharded, [s is None or s.replicated for s in unit.tp] if unit.tp_comm else None)
@@ -561,7 +564,7 @@ def _register_pieces(state, adopted: list) -> None:
         return
     unit = state.unit
     for i, piece in adopted:
-        _OWNED[piece] = (unit, i)
+        _OWNED[piece] = (weakref.ref(unit), i)
     pieces = [piece for _, piece in adopted]
     unit.holder.register(pieces)
     watch = state.ctx.watch if state.ctx is not None else None

@@ -2,11 +2,14 @@
 gathered bytes (unsharded unit buffers: now and at peak) and scratch (gradient buffers on
 their way through a reduce-scatter, the no-sync accumulators and cast copies: now and at
 peak). Gathered and scratch bytes are counted process-wide: the peak is the peak of the
-process, whichever models were running."""
+process, whichever models were running. A unit collected while it still holds gathered bytes
+(a model dropped after a forward that kept its units: ``reshard_after_forward=False``, an int,
+an exception) gives them back then: its buffers are freed with it."""
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 
 @dataclasses.dataclass
@@ -15,10 +18,22 @@ class Counters:
     peak_gathered: int = 0
     scratch: int = 0
     peak_scratch: int = 0
+    #: id(owner) -> [gathered bytes it holds now], for the owners that passed themselves
+    _held: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def add_gathered(self, nbytes: int) -> None:
+    def add_gathered(self, nbytes: int, owner=None) -> None:
         self.gathered += nbytes
         self.peak_gathered = max(self.peak_gathered, self.gathered)
+        if owner is not None:
+            held = self._held.get(id(owner))
+            if held is None:
+                held = self._held[id(owner)] = [0]
+                weakref.finalize(owner, self._drop, id(owner))
+            held[0] += nbytes
+
+    def _drop(self, key: int) -> None:
+        """``owner`` was collected: what it held is freed with it (its id is not reused before this)."""
+        self.gathered -= self._held.pop(key)[0]
 
     def add_scratch(self, nbytes: int) -> None:
         self.scratch += nbytes

@@ -130,11 +130,14 @@ from .containers import map_tensors as _map_tensors
 from .iteration import IterationContext
 from .wrapping_check import check_wrapping
 
-_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardState]" = weakref.WeakKeyDictionary()
+# a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
+# strong value would keep both alive for good
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def state_of(module: torch.nn.Module) -> Optional["FullyShardState"]:
-    return _STATES.get(module)
+    ref = _STATES.get(module)
+    return ref() if ref is not None else None
 
 
 def _cast(dtype, obj):
@@ -198,7 +201,7 @@ class FullyShardState:
             unit.on_grad = self._on_grad
             unit.busy = self._busy
         for module in self.modules:
-            _STATES[module] = self
+            _STATES[module] = weakref.ref(self)
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
 

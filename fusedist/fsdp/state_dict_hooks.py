@@ -52,8 +52,9 @@ __all__ = ["install_state_dict_hooks", "as_entry", "whole_of_dtensor", "whole_to
 #     walk over the unit.
 
 _KEEP_VARS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-# a hooked module -> the module fully_shard was called on, whose state holds the unit
-_OWNER: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+# a hooked module -> the module fully_shard was called on, whose state holds the unit (a weak
+# reference: that module holds the hooked one, so a strong value would keep both alive for good)
+_OWNER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def install_state_dict_hooks(module: nn.Module) -> None:
@@ -64,7 +65,7 @@ def install_state_dict_hooks(module: nn.Module) -> None:
     for _, sub in managed_modules(module):
         if sub in _OWNER or (sub is not module and not any(p is not None for p in sub._parameters.values())):
             continue
-        _OWNER[sub] = module
+        _OWNER[sub] = weakref.ref(module)
         sub.register_state_dict_pre_hook(_pre_state_dict)
         sub.register_state_dict_post_hook(_post_state_dict)
         sub.register_load_state_dict_pre_hook(_pre_load_state_dict)
@@ -75,7 +76,8 @@ def _unit_state(module: nn.Module):
     """The fully_shard state holding the unit of ``module``'s parameters, or None."""
     from .state import state_of
 
-    owner = _OWNER.get(module)
+    ref = _OWNER.get(module)
+    owner = ref() if ref is not None else None
     return state_of(owner) if owner is not None else None
 
 

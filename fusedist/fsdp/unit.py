@@ -65,6 +65,7 @@ Note [units built on the meta device]
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -161,15 +162,14 @@ class ShardedUnit(PieceMixin):
         u, spec = self.unsharded[i], self.tp[i]
         if self.ext[i] is not None and self.ext[i].packed:
             return  # frozen quantized storage: no gradient to hear of (Note [quantized storage] in packed.py)
+        if not (u.is_floating_point() or u.is_complex()):
+            return  # a frozen integer/bool parameter (as FSDP2 takes it) can never have a gradient
         if spec is not None:
             u = self.visible[i] = spec.wrap(u, u.requires_grad)
         # (hooks register only on tensors requiring grad; a frozen one may be unfrozen later)
         frozen = not u.requires_grad
         u.requires_grad_(True)
-        if spec is None:
-            u.register_post_accumulate_grad_hook(lambda _p, i=i: self.on_grad(i) if self.on_grad else None)
-        else:
-            u.register_post_accumulate_grad_hook(lambda p, i=i: self._local_grad(i, p))
+        u.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), i, spec is not None))
         u.requires_grad_(not frozen)
 
     def _local_grad(self, index: int, visible: nn.Parameter) -> None:
@@ -283,7 +283,7 @@ class ShardedUnit(PieceMixin):
         if not self.is_unsharded and self._gather is None:
             if (self.full if self.full is not None else self.fulls[0]).untyped_storage().nbytes() == 0:
                 self._resize_full(True)
-                COUNTERS.add_gathered(self._full_nbytes)
+                COUNTERS.add_gathered(self._full_nbytes, self)
                 self._gathered_bytes = self._full_nbytes
             if self._post_forward_parts is not None:
                 # Note [resharding to a smaller group after forward]: gather the parts within the run
@@ -417,7 +417,7 @@ class ShardedUnit(PieceMixin):
         self._free_full()
         self._post_forward_parts, self._post_forward_source = parts, group
         self._post_forward_bytes = sum(p.numel() * p.element_size() for p in parts)
-        COUNTERS.add_gathered(self._post_forward_bytes)
+        COUNTERS.add_gathered(self._post_forward_bytes, self)
         # (still noted as gathered: an optimizer step over the pieces drops the stale parts, stale.py)
         self._reshard_owners()
 
@@ -432,7 +432,7 @@ class ShardedUnit(PieceMixin):
         for i, sp in enumerate(self.sharded):
             self._register(i, sp)
         self._resize_full(False)
-        COUNTERS.add_gathered(-self._gathered_bytes)
+        COUNTERS.add_gathered(-self._gathered_bytes, self)
         self._gathered_bytes = 0
         self.is_unsharded = False
 
@@ -443,7 +443,7 @@ class ShardedUnit(PieceMixin):
                 owner.reshard()
 
     def _release_post_forward_bytes(self) -> None:
-        COUNTERS.add_gathered(-self._post_forward_bytes)
+        COUNTERS.add_gathered(-self._post_forward_bytes, self)
         self._post_forward_bytes = 0
 
     @property
@@ -521,3 +521,20 @@ def _on_meta(name: str, params: list, fqns: list) -> bool:
 def _first_names(names: list, limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _grad_hook(unit_ref: "weakref.ref[ShardedUnit]", index: int, local: bool) -> Callable:
+    """The gradient hook of a unit's unsharded parameter ``index``. It holds the unit weakly:
+    autograd keeps a tensor's hooks where the garbage collector cannot see them, so a hook
+    holding the unit that holds the tensor kept the whole model alive after it was dropped."""
+
+    def hook(p) -> None:
+        unit = unit_ref()
+        if unit is None:
+            return
+        if local:
+            unit._local_grad(index, p)
+        elif unit.on_grad:
+            unit.on_grad(index)
+
+    return hook

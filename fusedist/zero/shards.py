@@ -55,7 +55,32 @@ class ShardsMixin:
         aliasable = self.stage == 1 and self.ddp is not None and not self.offload
         return [dt for dt in part.shard_numel if not aliasable or self._master_dtype(dt) != dt]
 
+    # Note [parameters converted after the optimizer was built]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # ``model.double()`` / ``.half()`` / ``.to(dtype)`` keep the Parameter objects and swap their
+    # data. The partition and gradient shards were cut for the old dtypes, and after the first
+    # step the parameters are no longer the flat buffer's views the step writes and gathers:
+    # the first step after a conversion failed with a KeyError, a later one silently stopped
+    # updating the parameters. As fusedist DDP does (Note [parameters replaced after wrapping]
+    # in ddp/trainable.py), each step compares the first parameter of every bucket with the
+    # bucket's dtype (a whole-module conversion, no per-parameter cost), and the step that
+    # builds the state compares every parameter.
+    def _check_not_converted(self, every: bool = False) -> None:
+        """Raise, naming the parameter, if a trainable one changed dtype since its bucket was
+        cut (Note [parameters converted after the optimizer was built])."""
+        for bucket in self._partition.buckets:
+            for p in (bucket.params if every else bucket.params[:1]):
+                if p.dtype is not bucket.dtype:
+                    index = next(i for i, q in enumerate(self._params) if q is p)
+                    raise RuntimeError(
+                        f"ZeroRedundancyOptimizer (rank {self.rank}): {self._param_name(index)} is now "
+                        f"{p.dtype}, but the optimizer was built with it as {bucket.dtype}: the module was "
+                        "converted after the optimizer was built (e.g. model.double(), model.to(dtype)). Its "
+                        "shards keep the dtypes they were built with; convert the module first, then build "
+                        "the optimizer (and the DDP model)")
+
     def _ensure_state(self) -> None:
+        self._check_not_converted(every=self.inner is None)
         if self.inner is not None:
             return
         part = self._partition

@@ -1,0 +1,117 @@
+"""fully_shard under CPUOffloadPolicy: a model dropped by the script is freed, as torch's FSDP2
+model is, and what it held gathered leaves ``memory_stats()``.
+
+Registries keyed weakly by a module, parameter or unit held a strong value that leads back to
+the key (the state to its modules, the unit to its parameters, the owner to its submodules),
+and the unsharded parameters' gradient hooks held the unit, where autograd keeps them out of
+the garbage collector's sight: every sharded model stayed alive for good, gathered buffers
+included, and their bytes stayed in the process-wide ``gathered_bytes``.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fusedist
+from fusedist.testing import run_distributed
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _shard(model, fully_shard, mesh, reshard_after_forward, offload):
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    fully_shard(model, mesh=mesh, offload_policy=offload)
+    return model
+
+
+def _dropped(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(rank)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    out = {}
+    for who, shard, policy in [("torch", fully_shard, CPUOffloadPolicy(pin_memory=False)),
+                               ("fusedist", fusedist.fully_shard, fusedist.CPUOffloadPolicy(pin_memory=False))]:
+        torch.manual_seed(0)
+        model = _shard(Net(), shard, mesh, False, policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # reshard_after_forward=False: the blocks stay gathered
+            model(x)
+        gathered = model.memory_stats()["gathered_bytes"] if who == "fusedist" else None
+        alive = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        out[who] = (alive() is None, gathered)
+    fresh = _shard(Net(), fusedist.fully_shard, mesh, True, fusedist.CPUOffloadPolicy())
+    out["fresh"] = fresh.memory_stats()["gathered_bytes"]
+    return out
+
+
+def test_a_dropped_model_is_freed_and_leaves_memory_stats():
+    for res in run_distributed(_dropped, 2, timeout=120):
+        assert res["torch"][0], res  # torch's FSDP2 model is collected
+        freed, gathered = res["fusedist"]
+        assert gathered > 0, res
+        assert freed, res  # it stayed alive for good
+        assert res["fresh"] == 0, res  # the dropped model's gathered bytes were still counted
+
+
+def _init_then_drop(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    with torch.device("meta"):
+        model = Net()
+    _shard(model, fusedist.fully_shard, mesh, True, fusedist.CPUOffloadPolicy())
+    model.to_empty(device="cpu")
+    torch.manual_seed(3)
+    fusedist.fsdp.init_parameters(model)
+    ref = Net()
+    torch.manual_seed(3)
+    ref.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    whole = fusedist.fsdp.full_state_dict(model)
+    same = all(torch.equal(whole[k], v) for k, v in ref.state_dict().items())
+    model.set_requires_gradient_sync(False)  # a no-sync accumulation left behind
+    F.mse_loss(model(torch.randn(2, 5)), torch.randn(2, 3)).backward()
+    alive = weakref.ref(model.blocks[0])
+    del model
+    gc.collect()
+    return same, alive() is None
+
+
+def test_a_meta_initialized_offloaded_model_is_freed():
+    for same, freed in run_distributed(_init_then_drop, 2, timeout=120):
+        assert same
+        assert freed

@@ -35,6 +35,23 @@ class ResidualBlock(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
+class BlockStack(nn.Module):
+    """An input projection, residual blocks in a ModuleList (one ``fully_shard`` unit each), a
+    head: the usual shape of a sharded model, tiny."""
+
+    def __init__(self, d_in: int = 5, d: int = 6, d_out: int = 3, blocks: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(ResidualBlock(d) for _ in range(blocks))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class ConvBN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -15,33 +15,10 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import fusedist
+import models
 from fusedist.testing import run_distributed
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.b(torch.tanh(self.a(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 6):
-        super().__init__()
-        self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
-        self.head = nn.Linear(d, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def _shard(model, fully_shard, mesh, reshard_after_forward, offload):
@@ -62,7 +39,7 @@ def _dropped(rank, ws):
     for who, shard, policy in [("torch", fully_shard, CPUOffloadPolicy(pin_memory=False)),
                                ("fusedist", fusedist.fully_shard, fusedist.CPUOffloadPolicy(pin_memory=False))]:
         torch.manual_seed(0)
-        model = _shard(Net(), shard, mesh, False, policy)
+        model = _shard(models.BlockStack(), shard, mesh, False, policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         F.mse_loss(model(x), y).backward()
         opt.step()
@@ -74,7 +51,7 @@ def _dropped(rank, ws):
         del model, opt
         gc.collect()
         out[who] = (alive() is None, gathered)
-    fresh = _shard(Net(), fusedist.fully_shard, mesh, True, fusedist.CPUOffloadPolicy())
+    fresh = _shard(models.BlockStack(), fusedist.fully_shard, mesh, True, fusedist.CPUOffloadPolicy())
     out["fresh"] = fresh.memory_stats()["gathered_bytes"]
     return out
 
@@ -93,12 +70,12 @@ def _init_then_drop(rank, ws):
 
     mesh = init_device_mesh("cpu", (ws,))
     with torch.device("meta"):
-        model = Net()
+        model = models.BlockStack()
     _shard(model, fusedist.fully_shard, mesh, True, fusedist.CPUOffloadPolicy())
     model.to_empty(device="cpu")
     torch.manual_seed(3)
     fusedist.fsdp.init_parameters(model)
-    ref = Net()
+    ref = models.BlockStack()
     torch.manual_seed(3)
     ref.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
     whole = fusedist.fsdp.full_state_dict(model)

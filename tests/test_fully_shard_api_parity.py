@@ -116,14 +116,14 @@ def _units(model) -> list:
 
 def _check_grads(ref, ours, tol: dict, what: str) -> None:
     """This rank's gradient pieces equal the same elements of FSDP2's whole gradients."""
-    from fusedist.fsdp.api import _OWNED
+    from fusedist.fsdp.api import owner_of
 
     whole = {n: p.grad.full_tensor() if p.grad is not None else None for n, p in ref.named_parameters()}
     for name, p in ours.named_parameters():
         assert (p.grad is None) == (whole[name] is None), f"{what}: {name}: gradient presence differs"
         if p.grad is None:
             continue
-        unit, i = _OWNED[p]
+        unit, i = owner_of(p)
         a, b = unit.element_range(i)
         expected = whole[name].reshape(-1)[a:b].view(p.shape)
         torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"{what}: {name}: {m}")

@@ -109,7 +109,7 @@ def _tol(t, fp32=FP32, bf16=BF16):
 
 
 def _check_grads(ref, ours, what, fp32=FP32, bf16_sum=False):
-    from fusedist.fsdp.api import _OWNED
+    from fusedist.fsdp.api import owner_of
 
     whole = {n: p.grad.full_tensor() if p.grad is not None else None for n, p in ref.named_parameters()}
     for name, p in ours.named_parameters():
@@ -117,7 +117,7 @@ def _check_grads(ref, ours, what, fp32=FP32, bf16_sum=False):
         if p.grad is None:
             continue
         assert p.grad.dtype == whole[name].dtype == p.dtype, (what, name, p.grad.dtype, whole[name].dtype)
-        unit, i = _OWNED[p]
+        unit, i = owner_of(p)
         a, b = unit.element_range(i)
         expected = whole[name].reshape(-1)[a:b].view(p.shape)
         tol = _tol(p, fp32)

@@ -104,7 +104,7 @@ def _dim_sharded(model):
 def _check_pieces(ref, ours, what, tol, grads=True):
     """Each dim-sharded piece (and its gradient) equals FSDP2's local tensor in shape and value;
     every other gradient equals this rank's range of FSDP2's whole gradient."""
-    from fusedist.fsdp.api import _OWNED
+    from fusedist.fsdp.api import owner_of
 
     chunked = _dim_sharded(ref)
     theirs = dict(ref.named_parameters())
@@ -121,7 +121,7 @@ def _check_pieces(ref, ours, what, tol, grads=True):
         if name in chunked:
             expected = r.grad.to_local()
         else:
-            unit, i = _OWNED[p]
+            unit, i = owner_of(p)
             a, b = unit.element_range(i)
             expected = r.grad.full_tensor().reshape(-1)[a:b].view(p.shape)
         torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"{what}: {name} grad: {m}")

@@ -38,6 +38,20 @@ __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+class _Held:
+    """``p in _Held()``: whether a live unit holds ``p`` (a dropped model's parameters are free)."""
+
+    def __contains__(self, p) -> bool:
+        return owner_of(p) is not None
+
+
+def owner_of(p) -> Optional[tuple]:
+    """``(unit, index)`` of the unit holding ``p`` (an original parameter or its piece), or None."""
+    owned = _OWNED.get(p)
+    unit = owned[0]() if owned is not None else None
+    return (unit, owned[1]) if unit is not None else None
+
+
 def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                 reshard_after_forward: Optional[bool | int] = None,
                 shard_placement_fn: Optional[Callable] = None,
@@ -102,7 +116,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     ignored = {id(p) for p in (ignored_params or ())}
     dims_of: dict = {}  # id(param) -> the dim it is sharded on
     for m in modules:
-        dims_of.update(check_params(m, ignored, shard_placement_fn, taken=_OWNED))
+        dims_of.update(check_params(m, ignored, shard_placement_fn, taken=_Held()))
     offload_policy = as_offload_policy(offload_policy)
     groups = groups_of(mesh, process_group)
     device = groups.device
@@ -121,10 +135,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
             if p is None or id(p) in ignored:
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
-            owned = _OWNED.get(p)
-            owner = owned[0]() if owned is not None else None  # (a dropped model's unit is gone)
-            if owner is not None:  # tied with a parameter another unit holds
-                idx = owned[1]
+            owned = owner_of(p)  # (None also where a dropped model's unit is gone)
+            if owned is not None:  # tied with a parameter another unit holds
+                owner, idx = owned
                 if any(m is sub and a == attr for m, a in owner.registrations[idx]):
                     raise sharded_by_parent(module, fqn, owner, idx)
                 borrowed.append((owner, idx, (sub, attr), fqn))

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..optim.grad_norms import per_tensor_global_norms, tensor_norms
+from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, unflag_nan
 from ..optim.step_context import materialize_unscales
 from ..ownership import register_gradient_holder
 
@@ -72,12 +72,11 @@ class ShardedGradHolder:
             for g in grads:
                 if g.numel():
                     local = torch.maximum(local, g.detach().abs().max().float().reshape(1))
-            # With a NaN flag: a max all-reduce may drop a NaN (NCCL's is fmax); torch's norm keeps it.
-            local = torch.cat([local, local.isnan().float()])
+            local = flag_nan(local)  # Note [a NaN through a max all-reduce] in optim/grad_norms.py
             all_reduce_on_comm_device(self.comm, local, "max", "fully_shard grad norm (inf)")
             if self.tp is not None:
                 all_reduce_on_comm_device(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
-            return torch.where(local[1] > 0, float("nan"), local[0])
+            return unflag_nan(local)[0]
         # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike
         local = torch.zeros(2, dtype=torch.float32, device=device)
         if grads:

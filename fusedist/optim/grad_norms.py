@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["per_tensor_global_norms", "tensor_norms"]
+__all__ = ["flag_nan", "per_tensor_global_norms", "tensor_norms", "unflag_nan"]
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
@@ -43,3 +43,19 @@ def per_tensor_global_norms(parts: Sequence[Optional[torch.Tensor]], norm_type: 
         partial[torch.tensor(at, device=device)] = local if inf else local.pow(norm_type)
     all_reduce(partial, "max" if inf else "sum")
     return partial if inf else partial.pow(1.0 / norm_type)
+
+
+# Note [a NaN through a max all-reduce]
+#     A max all-reduce may drop a NaN (NCCL's max is fmax), where torch's norm of the whole
+#     gradient keeps it. So a norm reduced by max travels with a flag beside it: [value, isnan],
+#     both reduced by max (a sum reduces the flag as well as a max does), and read back as NaN
+#     wherever any rank's flag was set.
+def flag_nan(local: torch.Tensor) -> torch.Tensor:
+    """``[local, isnan(local)]`` (one element each) to all-reduce (Note [a NaN through a max all-reduce])."""
+    local = local.reshape(1)
+    return torch.cat([local, local.isnan().to(local.dtype)])
+
+
+def unflag_nan(packed: torch.Tensor) -> torch.Tensor:
+    """The reduced value of :func:`flag_nan`'s pair, NaN where a rank's flag was set (shape (1,))."""
+    return torch.where(packed[1:] > 0, float("nan"), packed[:1])

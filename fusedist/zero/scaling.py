@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
-from ..optim.grad_norms import tensor_norms
+from ..optim.grad_norms import flag_nan, tensor_norms, unflag_nan
 from . import grow
 
 
@@ -145,11 +145,10 @@ class ZeroScalerProtocol(ScalerProtocol):
                 norms = norms * inv_scale.reshape(())
             local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
         if self.comm is not None and self.world_size > 1:
-            # With a NaN flag: a max all-reduce may drop a NaN (NCCL's fmax does); torch's norm keeps it.
-            packed = torch.cat([local, local.isnan().float()]).to(self.comm.device)
+            packed = flag_nan(local).to(self.comm.device)  # Note [a NaN through a max all-reduce]
             self._join_announce()  # under join (Note [the announce] in join.py)
             self.comm.all_reduce(packed, op="max" if inf else "sum", tag="zero grad norm")
-            local = torch.where(packed[1:] > 0, float("nan"), packed[:1]).to(self._device)
+            local = unflag_nan(packed).to(self._device)
         return local.reshape(()) if inf else local.pow(1.0 / norm_type).reshape(())
 
     def _fusedist_record_clipped_grads(self) -> None:

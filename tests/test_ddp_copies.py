@@ -58,7 +58,7 @@ def _worker(rank, world):
             kind=type(averaged.module).__name__,
         )
     copied = copy.deepcopy(fusedist.DistributedDataParallel(_net(), bucket_cap_mb=0.001))
-    out["options"] = (copied.config.bucket_cap_mb, copied.process_group is None)
+    out["options"] = (copied.config.bucket_cap_mb, copied.process_group is torch.distributed.group.WORLD)
     try:
         pickle.dumps(copied)
     except TypeError as exc:

@@ -116,7 +116,7 @@ def _units(model) -> list:
 
 def _check_grads(ref, ours, tol: dict, what: str) -> None:
     """This rank's gradient pieces equal the same elements of FSDP2's whole gradients."""
-    from fusedist.fsdp.api import owner_of
+    from fusedist.fsdp.owners import owner_of
 
     whole = {n: p.grad.full_tensor() if p.grad is not None else None for n, p in ref.named_parameters()}
     for name, p in ours.named_parameters():

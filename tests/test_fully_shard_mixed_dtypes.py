@@ -109,7 +109,7 @@ def _tol(t, fp32=FP32, bf16=BF16):
 
 
 def _check_grads(ref, ours, what, fp32=FP32, bf16_sum=False):
-    from fusedist.fsdp.api import owner_of
+    from fusedist.fsdp.owners import owner_of
 
     whole = {n: p.grad.full_tensor() if p.grad is not None else None for n, p in ref.named_parameters()}
     for name, p in ours.named_parameters():

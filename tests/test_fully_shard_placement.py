@@ -104,7 +104,7 @@ def _dim_sharded(model):
 def _check_pieces(ref, ours, what, tol, grads=True):
     """Each dim-sharded piece (and its gradient) equals FSDP2's local tensor in shape and value;
     every other gradient equals this rank's range of FSDP2's whole gradient."""
-    from fusedist.fsdp.api import owner_of
+    from fusedist.fsdp.owners import owner_of
 
     chunked = _dim_sharded(ref)
     theirs = dict(ref.named_parameters())

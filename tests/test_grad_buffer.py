@@ -1,5 +1,5 @@
 """The gradient buffer on its own: bucket layout logic without a process group, and the one
-re-bucketing rule (Note [layout fixed by a sharded consumer] in fusedist/ddp/reducer.py)."""
+re-bucketing rule (Note [layout fixed by a sharded consumer] in fusedist/ddp/rebucket.py)."""
 
 import random
 

@@ -326,6 +326,18 @@ def _buffer_sizes(buckets: Sequence[Bucket]) -> dict:
     return sizes
 
 
+def converted_param(buckets: Sequence[Bucket], every: bool = False) -> Optional[tuple[Bucket, int]]:
+    """``(bucket, position)`` of the first parameter whose dtype is no longer its bucket's (the
+    module was converted after its buckets were cut), or None. ``every=False`` looks at each
+    bucket's first parameter only: a whole-module conversion changes them all, so one look per
+    bucket finds it without a per-parameter cost."""
+    for bucket in buckets:
+        for position, p in enumerate(bucket.params if every else bucket.params[:1]):
+            if p.dtype is not bucket.dtype:
+                return bucket, position
+    return None
+
+
 def sparse_gradient_error(rank: int, name: str) -> RuntimeError:
     """The error for a sparse gradient reaching the buckets (the reducer's hook and the
     catch-up of newly trainable parameters)."""

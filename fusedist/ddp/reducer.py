@@ -40,18 +40,6 @@ Note [finishing buckets during backward]
     end-of-backward loop finishes most of them, as before; the stage-2 memory saving then
     needs a stream-ordered release (finish right after launch with a device-side wait),
     which this scheme does not do.
-
-Note [layout fixed by a sharded consumer]
-    The buckets are built when the model is wrapped, in reverse registration order (the last
-    layers' gradients come first). A plain DDP model re-buckets once, after its first
-    synchronized backward, by the readiness order rank 0 observed (as torch DDP does); that
-    stays inside the reducer: gradient views move with it and nobody else is told. A consumer
-    whose own state follows the buckets -- a ZeroRedundancyOptimizer, whose shards are ranges
-    of them -- registers with :meth:`Reducer.fix_layout` at its construction: from then on the
-    layout is final (Megatron-Core's buffers are never re-bucketed either) and changes only by
-    appending buckets for parameters that become trainable (Note [trainable set changes]), so
-    the consumer's shards exist from its construction and its first backward is like every
-    other.
 """
 
 from __future__ import annotations
@@ -69,10 +57,12 @@ from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .grad_hook import ParamEntry, make_hook, remove_hooks
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
+from .rebucket import rebuild_from_observed
+from .backward_stats import backward_stats
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
 from .static_graph import ArrivalCounts, check_all_arrived
-from .unused import raise_graph_changed, settle_unused
+from .unused import raise_graph_changed, settle_unused, unused_without_find_unused
 from .events import EngineObserver
 
 _perf_counter = time.perf_counter
@@ -112,7 +102,7 @@ class Reducer:
         self.layout_listeners: list[Callable[[GradLayout], None]] = []
         # Expected readiness order before anything is observed: reverse registration order
         # (the last layers' gradients are produced first), like torch DDP.
-        self._layout = self._build(list(reversed(range(len(params)))))
+        self._layout = self.build_in_order(list(reversed(range(len(params)))))
         self.layout_final = False  # becomes True after the rebuild from observed order
         for p in params:
             self._attach_grad(p)
@@ -160,7 +150,8 @@ class Reducer:
         self.observers: list[EngineObserver] = []
 
     # ------------------------------------------------------------------ layout
-    def _build(self, order: list[int], bucket_storage: bool = False) -> GradLayout:
+    def build_in_order(self, order: list[int], bucket_storage: bool = False) -> GradLayout:
+        """A layout of this model's parameters, bucketed in ``order`` (indices into ``params``)."""
         return build_layout(
             [self.params[i] for i in order],
             [self.names[i] for i in order],
@@ -241,39 +232,6 @@ class Reducer:
         if self.config.gradient_as_bucket_view:
             p.grad = view
 
-    def _rebuild(self, observed: list[int]) -> None:
-        """Re-bucket by the readiness order rank 0 observed, carrying gradient values over.
-
-        Rank 0's order is broadcast so every rank builds the identical layout (ranks can
-        observe different orders, and the layouts must match for the collectives to pair).
-        """
-        n = len(self.params)
-        order = torch.full((n,), -1, dtype=torch.int64, device=self.comm.device)
-        seen = list(dict.fromkeys(observed))
-        order[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
-        self.comm.broadcast(order, src=0, tag="ddp bucket rebuild")
-        chosen = [i for i in order.tolist() if i >= 0]
-        chosen_set = set(chosen)
-        rest = [i for i in reversed(range(n)) if i not in chosen_set]
-        new_order = chosen + rest
-        old = self.layout
-        new = self._build(new_order, bucket_storage=old.bucket_storage)
-        if new.fingerprint() == old.fingerprint():
-            self.layout_final = True
-            return
-        for p in self.params:
-            if not old.is_allocated(old.slots[p].bucket):
-                continue  # a released bucket reads as zero, as a newly allocated one does
-            new.allocate(new.slots[p].bucket)
-            new.grad_view(p).copy_(old.grad_view(p))
-            if p.grad is not None and self.config.gradient_as_bucket_view:
-                p.grad = new.grad_view(p)
-        self.layout = new
-        self.layout_final = True
-        self.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
-        for listener in self.layout_listeners:
-            listener(new)
-
     def use_strategy(self, strategy: GradSyncStrategy) -> None:
         """Choose how buckets are synchronized: all-reduce and average (the default), or a
         consumer's own (ZeRO stage 2 reduce-scatters into its gradient shards). Chosen once,
@@ -320,7 +278,7 @@ class Reducer:
         return self.layout.allocated_bytes > 0
 
     def fix_layout(self) -> None:
-        """Note [layout fixed by a sharded consumer]: no re-bucketing from now on; the
+        """Note [layout fixed by a sharded consumer] (rebucket.py): no re-bucketing from now on; the
         layout grows only by appending."""
         if self.in_backward:
             raise RuntimeError("fusedist DDP: the bucket layout cannot be fixed during a backward pass")
@@ -469,6 +427,7 @@ class Reducer:
         self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
                            self.t_launch[bucket.index], t_done, tid=1, numel=bucket.numel)
 
+    @torch.compiler.disable  # Note [gradient hooks under a compiled caller] in grad_hook.py
     def _finish_backward(self) -> None:
         try:
             if self.sync:
@@ -546,28 +505,11 @@ class Reducer:
             # take part in the used-map all-reduce (Note [unused parameters] in unused.py).
             changed = settle_unused(self, unused, had_grad)
         t_end = now_us()
-        first_launch = min(self.t_launch.values()) if self.t_launch else t_compute_end
-        span = max(t_end - first_launch, 1e-9)
-        exposed = max(t_end - max(t_compute_end, first_launch), 0.0)
-        self.last_stats = {
-            "backward_us": t_compute_end - self.t_begin,
-            "comm_span_us": span,
-            "exposed_comm_us": exposed,
-            "hidden_fraction": max(0.0, 1.0 - exposed / span),
-            "first_launch_before_last_grad": first_launch < _us(self.t_last_grad),
-            "buckets": len(self.layout.buckets),
-            # Note [finishing buckets during backward]: finished by gradient hooks, i.e.
-            # before the last gradient's hook returned (the rest at the end of backward).
-            "buckets_finished_in_backward": self.finished_in_hooks,
-            # Note [bucket storage]: full-gradient bytes held at most during this backward
-            # (the bucket storage; a reduce_dtype conversion in flight is extra), and all of them.
-            "peak_grad_bytes": self.layout.peak_bytes,
-            "grad_bytes": self.layout.total_bytes,
-        }
+        self.last_stats, first_launch = backward_stats(self, t_compute_end, t_end)
         self.timeline.span("exposed communication", max(t_compute_end, first_launch), t_end, tid=2)
         if self._observed_order is not None and not self.layout_final:
             observed, self._observed_order = self._observed_order, None
-            self._rebuild(observed)
+            rebuild_from_observed(self, observed)
         if self.tracker is not None and self.tracker.target is not None:
             apply_trainable_change(self)  # Note [trainable set changes]
         self.strategy.after_sync(self)
@@ -576,14 +518,7 @@ class Reducer:
         if unused and not self.config.tolerates_unused and not shadow:
             for observer in self.observers:
                 observer.agreement_point(self)
-            names = [self.names[self.index_of[p]] for p in unused]
-            raise RuntimeError(
-                f"fusedist DDP (rank {self.comm.rank}): {len(names)} parameter(s) received no "
-                f"gradient in this backward: {names[:10]}{' ...' if len(names) > 10 else ''}. "
-                "Pass find_unused_parameters=True to DistributedDataParallel if parts of the model "
-                "are legitimately unused in some iterations, or make sure every parameter takes part "
-                "in computing the loss."
-            )
+            raise unused_without_find_unused(self, unused)
 
     def shadow_backward(self) -> None:
         """A joined rank's synchronized backward (Note [joined ranks] in join.py): every
@@ -608,7 +543,3 @@ class Reducer:
                 view = self.layout.grad_view(p)
                 p.grad = view if self.config.gradient_as_bucket_view else view.clone()
 
-
-def _us(t: float) -> float:
-    """A raw ``perf_counter`` reading on the timeline's microsecond clock (``now_us``)."""
-    return now_us() - (_perf_counter() - t) * 1e6

@@ -56,7 +56,7 @@ import torch
 
 from .._process_hooks import install_parameter_registration_hook
 from ..ownership import register_data_parallel
-from .layout import append_buckets, layout_of, sparse_gradient_error
+from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
 from .strategy import divide_factors
 
 
@@ -91,10 +91,10 @@ class TrainableTracker:
         """Called by every training forward; cheap unless the flags changed."""
         if self.assigned:
             raise self._assigned_error(reducer)
-        for bucket in reducer.layout.buckets:  # a whole-module conversion: one look per bucket
-            first = bucket.params[0]
-            if first.dtype is not bucket.dtype:
-                raise reducer.converted_after_wrapping(bucket.names[0], first, bucket.dtype, reducer.device)
+        converted = converted_param(reducer.layout.buckets)
+        if converted is not None:
+            bucket, _ = converted
+            raise reducer.converted_after_wrapping(bucket.names[0], bucket.params[0], bucket.dtype, reducer.device)
         flags = [p.requires_grad for p in self.params]
         if flags == (self.target if self.target is not None else self.layout_flags):
             return
@@ -304,7 +304,7 @@ def _rebuild(reducer, wanted: list, names: dict) -> None:
     order += [p for p in reversed(wanted) if p not in placed]
     reducer.caught_up_now = {p for p in wanted if not reducer.is_active(p)}
     reducer.set_params(list(reversed(order)), [names[p] for p in reversed(order)])
-    new = reducer._build(list(reversed(range(len(order)))), bucket_storage=old.bucket_storage)
+    new = reducer.build_in_order(list(reversed(range(len(order)))), bucket_storage=old.bucket_storage)
     _carry(reducer, old, new, reducer.params)
     reducer.caught_up_now = set()
     reducer.layout = new

@@ -110,3 +110,16 @@ def raise_graph_changed(reducer: "Reducer", changed: list) -> None:
         f"one, or the reverse: {changed[:10]}{' ...' if len(changed) > 10 else ''}. Pass "
         "find_unused_parameters=True instead of static_graph=True if the set of used parameters changes"
     )
+
+
+def unused_without_find_unused(reducer: "Reducer", unused: list) -> RuntimeError:
+    """The error of a rank whose parameters got no gradient while ``find_unused_parameters``
+    is off (Note [unused parameters]), raised after the collectives completed."""
+    names = [reducer.names[reducer.index_of[p]] for p in unused]
+    return RuntimeError(
+        f"fusedist DDP (rank {reducer.comm.rank}): {len(names)} parameter(s) received no "
+        f"gradient in this backward: {names[:10]}{' ...' if len(names) > 10 else ''}. "
+        "Pass find_unused_parameters=True to DistributedDataParallel if parts of the model "
+        "are legitimately unused in some iterations, or make sure every parameter takes part "
+        "in computing the loss."
+    )

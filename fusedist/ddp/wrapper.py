@@ -145,7 +145,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             reduce_dtype=reduce_dtype,
             static_graph=bool(static_graph),
         )
-        self.process_group = process_group
+        # torch's DDP holds the default group itself, not None: ``model.process_group`` is a
+        # group to pass on (to ZeroRedundancyOptimizer, to collectives).
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.dim = dim
         self.device = module_device(module)
         check_device_ids(self.device, device_ids, output_device)

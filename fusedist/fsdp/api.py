@@ -6,16 +6,13 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import weakref
 from typing import Callable, Literal, Optional
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import deprecated
 
 from ..comm import get_communicator
-from ..ownership import register_step_watch
 from .state_dict_hooks import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
@@ -24,33 +21,13 @@ from .post_forward import resolve_reshard_after_forward
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .mesh import groups_of, shard_mesh_of
+from .owners import Held, owner_of, record_owner, register_pieces
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
 from .state import FullyShardState, state_of
 from .tensor_parallel import tensor_parallel_specs
 from .unit import ShardedUnit
 
 __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
-
-# Every parameter a unit took over -- the original and its piece -- maps to (weak reference to
-# the unit, index), so a later fully_shard call that meets it (a weight tied across units)
-# borrows it instead of sharding it twice. Weak: the unit holds the parameter, so a strong value
-# would keep the whole model alive for good.
-_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-class _Held:
-    """``p in _Held()``: whether a live unit holds ``p`` (a dropped model's parameters are free)."""
-
-    def __contains__(self, p) -> bool:
-        return owner_of(p) is not None
-
-
-def owner_of(p) -> Optional[tuple]:
-    """``(unit, index)`` of the unit holding ``p`` (an original parameter or its piece), or None."""
-    owned = _OWNED.get(p)
-    unit = owned[0]() if owned is not None else None
-    return (unit, owned[1]) if unit is not None else None
-
 
 def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                 reshard_after_forward: Optional[bool | int] = None,
@@ -116,7 +93,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     ignored = {id(p) for p in (ignored_params or ())}
     dims_of: dict = {}  # id(param) -> the dim it is sharded on
     for m in modules:
-        dims_of.update(check_params(m, ignored, shard_placement_fn, taken=_Held()))
+        dims_of.update(check_params(m, ignored, shard_placement_fn, taken=Held()))
     offload_policy = as_offload_policy(offload_policy)
     groups = groups_of(mesh, process_group)
     device = groups.device
@@ -175,7 +152,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         unit.post_forward = post_forward
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
-            _OWNED[p] = _OWNED[sp] = (weakref.ref(unit), i)
+            record_owner(unit, i, p, sp)
             unit._register(i, sp)
         holder = holder_for(comm, replicate_comm, unit.tp_comm)
         holder.register(unit.sharded, [s is None or s.replicated for s in unit.tp] if unit.tp_comm else None)
@@ -531,7 +508,7 @@ class FullyShardedModule:
             out = super()._apply(fn, *args, **kwargs)
         if st.unit is not None:
             take_stand_ins(st.unit, stand_ins)
-            _register_pieces(st, st.unit.repack())
+            register_pieces(st, st.unit.repack())
         for st in states:  # after every unit below has repacked (the outermost call's pass is last)
             if st.unit is not None:
                 st.unit.relink_borrowed()
@@ -568,21 +545,6 @@ def _conversions_in_place():
         yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-
-
-def _register_pieces(state, adopted: list) -> None:
-    """Register pieces a conversion replaced where their predecessors were registered: the
-    tied-weight table, the gradient holder and the step watch."""
-    if not adopted:
-        return
-    unit = state.unit
-    for i, piece in adopted:
-        _OWNED[piece] = (weakref.ref(unit), i)
-    pieces = [piece for _, piece in adopted]
-    unit.holder.register(pieces)
-    watch = state.ctx.watch if state.ctx is not None else None
-    if watch is not None:
-        register_step_watch(pieces, watch)
 
 
 def _record_hint(states, name: str, value) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from .._wrapper import values_of
 from .dcp import ShardedPiece, _is_box, describe_region, piece_region
 from .torch_helpers import full_state_dict_requested
+from .owners import register_pieces
 
 __all__ = ["install_state_dict_hooks", "as_entry", "whole_of_dtensor", "whole_to_piece"]
 
@@ -303,14 +304,12 @@ def _assigned(unit, index: int, loaded: torch.Tensor) -> torch.Tensor:
 def _post_load_state_dict(module, incompatible_keys) -> None:
     """A unit built on meta whose parameters an ``assign=True`` load all replaced adopts them
     (Note [load_state_dict(assign=True)])."""
-    from .api import _register_pieces
-
     st = _unit_state(module)
     if st is None or st.unit is None or not st.unit.is_meta:
         return
     held = [m._parameters.get(attr) for m, attr in (regs[0] for regs in st.unit.registrations)]
     if all(p is not None and not p.is_meta for p in held):
-        _register_pieces(st, st.unit.repack())
+        register_pieces(st, st.unit.repack())
         st.unit.relink_borrowed()
 
 

@@ -20,7 +20,7 @@ Note [stage 2 gradients]
     the next synchronized backward reduce-scatters the sums and releases them as it goes.
 
     The bucket layout is fixed from the moment the optimizer registers with DDP (Note [layout
-    fixed by a sharded consumer] in ``fusedist/ddp/reducer.py``), so the first backward
+    fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``), so the first backward
     reduce-scatters like every other.
 """
 

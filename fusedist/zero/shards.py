@@ -3,7 +3,7 @@ parameters.
 
 The flat partition and the gradient shards are built at construction, over the buckets of the
 DDP model's gradient engine (whose layout is fixed from the moment the optimizer registers with
-it: Note [layout fixed by a sharded consumer] in ``fusedist/ddp/reducer.py``) or, without DDP,
+it: Note [layout fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``) or, without DDP,
 over buckets of its own. The optimizer state proper -- the flat parameter buffers, the FP32
 masters (FP64 for FP64 parameters), the pieces and the inner optimizer -- is created when first
 needed (the first ``step()`` or a ``load_state_dict``), as torch's optimizers create theirs.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._dtypes import compute_dtype
+from ..ddp.layout import converted_param
 from . import grow
 from . import state as zstate
 from .shard_store import ShardStore, bucket_grad_slice, own_tensors
@@ -68,16 +69,18 @@ class ShardsMixin:
     def _check_not_converted(self, every: bool = False) -> None:
         """Raise, naming the parameter, if a trainable one changed dtype since its bucket was
         cut (Note [parameters converted after the optimizer was built])."""
-        for bucket in self._partition.buckets:
-            for p in (bucket.params if every else bucket.params[:1]):
-                if p.dtype is not bucket.dtype:
-                    index = next(i for i, q in enumerate(self._params) if q is p)
-                    raise RuntimeError(
-                        f"ZeroRedundancyOptimizer (rank {self.rank}): {self._param_name(index)} is now "
-                        f"{p.dtype}, but the optimizer was built with it as {bucket.dtype}: the module was "
-                        "converted after the optimizer was built (e.g. model.double(), model.to(dtype)). Its "
-                        "shards keep the dtypes they were built with; convert the module first, then build "
-                        "the optimizer (and the DDP model)")
+        converted = converted_param(self._partition.buckets, every)
+        if converted is None:
+            return
+        bucket, position = converted
+        p = bucket.params[position]
+        index = next(i for i, q in enumerate(self._params) if q is p)
+        raise RuntimeError(
+            f"ZeroRedundancyOptimizer (rank {self.rank}): {self._param_name(index)} is now "
+            f"{p.dtype}, but the optimizer was built with it as {bucket.dtype}: the module was "
+            "converted after the optimizer was built (e.g. model.double(), model.to(dtype)). Its "
+            "shards keep the dtypes they were built with; convert the module first, then build "
+            "the optimizer (and the DDP model)")
 
     def _ensure_state(self) -> None:
         self._check_not_converted(every=self.inner is None)

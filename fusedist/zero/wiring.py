@@ -77,7 +77,8 @@ def connect(trainable: list, params: list, process_group, device):
     if dist.is_available() and dist.is_initialized():
         comm = get_communicator(process_group, device)
         attach_monitor(comm)  # [reliability] stall reports without a DDP model too
-        return None, comm, process_group
+        # As torch's ZeroRedundancyOptimizer: the default group itself, not None.
+        return None, comm, process_group if process_group is not None else dist.group.WORLD
     return None, None, process_group  # a single process without torch.distributed
 
 

@@ -1,0 +1,57 @@
+"""Re-bucketing a DDP model's gradients by the order they became ready in its first backward.
+
+Note [layout fixed by a sharded consumer]
+    The buckets are built when the model is wrapped, in reverse registration order (the last
+    layers' gradients come first). A plain DDP model re-buckets once, after its first
+    synchronized backward, by the readiness order rank 0 observed (as torch DDP does); that
+    stays inside the reducer: gradient views move with it and nobody else is told. A consumer
+    whose own state follows the buckets -- a ZeroRedundancyOptimizer, whose shards are ranges
+    of them -- registers with :meth:`Reducer.fix_layout` at its construction: from then on the
+    layout is final (Megatron-Core's buffers are never re-bucketed either) and changes only by
+    appending buckets for parameters that become trainable (Note [trainable set changes]), so
+    the consumer's shards exist from its construction and its first backward is like every
+    other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
+
+
+def rebuild_from_observed(reducer: "Reducer", observed: list[int]) -> None:
+    """Re-bucket by the readiness order rank 0 observed, carrying gradient values over.
+
+    Rank 0's order is broadcast so every rank builds the identical layout (ranks can
+    observe different orders, and the layouts must match for the collectives to pair).
+    """
+    n = len(reducer.params)
+    order = torch.full((n,), -1, dtype=torch.int64, device=reducer.comm.device)
+    seen = list(dict.fromkeys(observed))
+    order[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
+    reducer.comm.broadcast(order, src=0, tag="ddp bucket rebuild")
+    chosen = [i for i in order.tolist() if i >= 0]
+    chosen_set = set(chosen)
+    rest = [i for i in reversed(range(n)) if i not in chosen_set]
+    new_order = chosen + rest
+    old = reducer.layout
+    new = reducer.build_in_order(new_order, bucket_storage=old.bucket_storage)
+    if new.fingerprint() == old.fingerprint():
+        reducer.layout_final = True
+        return
+    for p in reducer.params:
+        if not old.is_allocated(old.slots[p].bucket):
+            continue  # a released bucket reads as zero, as a newly allocated one does
+        new.allocate(new.slots[p].bucket)
+        new.grad_view(p).copy_(old.grad_view(p))
+        if p.grad is not None and reducer.config.gradient_as_bucket_view:
+            p.grad = new.grad_view(p)
+    reducer.layout = new
+    reducer.layout_final = True
+    reducer.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
+    for listener in reducer.layout_listeners:
+        listener(new)

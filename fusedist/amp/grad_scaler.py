@@ -244,6 +244,16 @@ def _check_settings(where: str, scale_name: str, scale, growth_factor, backoff_f
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 
+def _check_new_scale(new_scale) -> None:
+    """``update(new_scale)`` with a number: torch takes any, but a scale of 0 zeroes every
+    gradient (the steps go on, the scale never grows from 0), and an inf or nan one makes every
+    gradient non-finite (every step skipped, the backoff keeps it there), silently, as with
+    ``init_scale`` (:func:`_check_settings`). A tensor is not read: that would be a host sync."""
+    s = _real(new_scale)
+    if s is None or not (math.isfinite(s) and s > 0):
+        raise ValueError(f"GradScaler.update: new_scale must be a finite number > 0, got {new_scale!r}")
+
+
 class GradScaler(_TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
@@ -258,7 +268,8 @@ class GradScaler(_TorchGradScaler):
     ``fusedist.clip_grad_norm_``), where torch's leaves unscaled, clipped gradients.
     Settings torch takes silently but cannot train with (``init_scale`` <= 0 or not finite,
     ``backoff_factor`` <= 0, an infinite ``growth_factor``, ``growth_interval`` not an integer
-    >= 1) raise ValueError, here and in ``load_state_dict``. Extra keyword-only arguments:
+    >= 1) raise ValueError, here and in ``load_state_dict``, as does ``update(new_scale)`` with a
+    number <= 0 or not finite. Extra keyword-only arguments:
 
     * ``lazy_unscale`` (default False): ``unscale_`` only checks and measures the gradients
       (one read-only pass) and the optimizer's update unscales inline, saving the write of
@@ -269,7 +280,8 @@ class GradScaler(_TorchGradScaler):
     * ``hysteresis`` (default 1 = torch): the scale backs off on the ``hysteresis``-th
       *consecutive* overflow, and on every further overflow until a step succeeds; a finite
       step resets the count. Every overflowing step is skipped regardless.
-    * ``min_scale`` (default None = no floor): backoff never goes below it.
+    * ``min_scale`` (default None = no floor): backoff never goes below it (a scale already
+      below it, after ``update(new_scale)`` or a loaded state dict, is kept, not raised).
       ``min_scale_policy`` says what happens when the gradients still overflow at the floor:
       ``"warn"`` keeps skipping those steps and warns (the flag is read asynchronously, so the
       warning can come one ``update()`` late; no host sync), ``"raise"`` raises RuntimeError
@@ -427,6 +439,8 @@ class GradScaler(_TorchGradScaler):
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None and not isinstance(new_scale, torch.Tensor):
+            _check_new_scale(new_scale)
         self._forget_unstepped()
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())
@@ -495,13 +509,21 @@ class GradScaler(_TorchGradScaler):
         shrunk = scale * self._backoff_factor
         if self._min_scale is not None:
             at_floor = backoff & (scale <= self._min_scale)
-            shrunk = torch.clamp(shrunk, min=self._min_scale)
+            shrunk = torch.maximum(shrunk, self._floor_for(scale))
             self._check_min_scale(at_floor)
         new_scale = torch.where(backoff, shrunk, torch.where(grow, grown, scale))
         new_tracker = torch.where(found | attempt, torch.zeros_like(growth_tracker), successful)
         scale.copy_(new_scale)
         growth_tracker.copy_(new_tracker)
         hyst.copy_(torch.clamp(new_hyst, min=0))
+
+    def _floor_for(self, scale: torch.Tensor) -> torch.Tensor:
+        """The lowest scale a backoff from ``scale`` may reach: ``min_scale``, or ``scale``
+        itself when it is already below the floor. A scale can be there after ``update(new_scale)``
+        or after loading a state dict (torch's has no min_scale, so this scaler's stays); flooring
+        at min_scale then *raised* the scale on an overflow (64 -> 256 at min_scale=256),
+        the opposite of a backoff, and the larger scale overflowed again."""
+        return torch.clamp(scale, max=self._min_scale)
 
     def _check_min_scale(self, at_floor: torch.Tensor) -> None:
         message = (

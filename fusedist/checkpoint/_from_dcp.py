@@ -117,7 +117,7 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
     (each takes the saved settings of its parameters; an empty one keeps its own), ``others``:
     as in :func:`_nested`."""
     group_sizes = [len(g["params"]) for g in optimizer_groups]
-    state, groups = _nested(optim, names, source, others)
+    state, groups = _nested(_without_ddp_prefix(optim, names), names, source, others)
     if groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         return _by_index(state, groups, group_sizes, source)
     group_of = {}
@@ -145,6 +145,34 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
                 out_state[i] = dict(state[name])
         start += size
     return {"state": out_state, "param_groups": out_groups}
+
+
+_DDP = "module."
+
+
+def _without_ddp_prefix(optim: dict, names: list) -> dict:
+    """``optim`` with DDP's ``module.`` taken off its parameter names when every name has it and
+    they are not the optimizer's names as they are (as ``_names.strip_prefix`` does for the
+    model's keys): torch's ``get_state_dict`` leaves the segment in the names of a model
+    wrapped by fusedist's DDP, which is not torch's class, so the optimizer state of such a
+    checkpoint named no parameter while its model state loaded."""
+    known = set(names)
+    if "state" in optim and "param_groups" in optim:
+        saved = [k for k in optim["state"] if isinstance(k, str)]
+        saved += [n for g in optim["param_groups"] for n in g.get("params", []) if isinstance(n, str)]
+    else:
+        saved = [key.split(".", 1)[1].rpartition(".")[0] for key in optim if "." in key]
+    if not saved or not all(n.startswith(_DDP) for n in saved) or all(n in known for n in saved):
+        return optim
+
+    def strip(name):
+        return name[len(_DDP):] if isinstance(name, str) and name.startswith(_DDP) else name
+
+    if "state" in optim and "param_groups" in optim:
+        return dict(optim, state={strip(k): v for k, v in optim["state"].items()},
+                    param_groups=[dict(g, params=[strip(n) for n in g.get("params", [])])
+                                  for g in optim["param_groups"]])
+    return {kind + "." + strip(rest): v for (kind, rest), v in ((k.split(".", 1), v) for k, v in optim.items())}
 
 
 def state_names(optim: dict) -> list:

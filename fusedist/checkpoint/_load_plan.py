@@ -143,6 +143,10 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     target = _names.unwrap(model)
     sharded_target, where = sharding = _sharding(target)
     saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
+    order = _reordered(saved_names, names, optimizer)
+    if order is not None:  # Note [parameters in another order]
+        saved_names = names
+        meta = dict(meta, param_shapes=[meta["param_shapes"][i] for i in order])
     if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
         first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
         detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
@@ -156,6 +160,8 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     source = f"optimizer state in {directory}"
     if meta["kind"] == "zero":
         shards = sections("optimizer_shard")
+        if order is not None:
+            shards = [_renumber_shard(s, order) for s in shards]
         if len(shards) != manifest["world_size"]:
             raise CheckpointError(
                 f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "
@@ -175,7 +181,49 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
         _checks.check_loadable(optimizer, full, directory)
         return full
-    return _prepare_full(common["optimizer"], directory, target, sharding, optimizer, params, source)
+    full = common["optimizer"] if order is None else _renumber_full(common["optimizer"], order)
+    return _prepare_full(full, directory, target, sharding, optimizer, params, source)
+
+
+def _reordered(saved_names: list, names: list, optimizer) -> list | None:
+    """Where the optimizer's parameters are the saved ones in another order within each param
+    group, ``order[i]``: the saved index of parameter ``i`` here; else None.
+
+    Note [parameters in another order]
+        An optimizer's state is saved by position, and its positions follow the model's
+        registration order: a model whose class now registers its layers in another order
+        (same names, same shapes) has the same parameters at other positions. The manifest
+        names every position, so the state is renumbered by name, as torch's distributed
+        checkpoint matches it by name; loading it by position would give one parameter
+        another's moments, silently where their shapes agree. Only a reordering inside each
+        param group is taken: a parameter moved to another group would take that group's
+        hyperparameters, which the checkpoint did not train it with.
+    """
+    if saved_names == names or len(set(names)) != len(names) or sorted(saved_names) != sorted(names):
+        return None
+    start = 0
+    for group in optimizer.param_groups:
+        end = start + len(group["params"])
+        if sorted(saved_names[start:end]) != sorted(names[start:end]):
+            return None
+        start = end
+    where = {n: i for i, n in enumerate(saved_names)}
+    return [where[n] for n in names]
+
+
+def _renumber_full(full: dict, order: list) -> dict:
+    """A torch-format optimizer state dict with its state keyed by the positions of ``order``
+    (the param groups keep their ranges: ``_reordered`` moves no parameter between groups)."""
+    new_of = {old: new for new, old in enumerate(order)}
+    return dict(full, state={new_of.get(k, k): v for k, v in full["state"].items()})
+
+
+def _renumber_shard(shard: dict, order: list) -> dict:
+    """A ZeroRedundancyOptimizer shard with its fragments and parameter records in the
+    positions of ``order``."""
+    new_of = {old: new for new, old in enumerate(order)}
+    return dict(shard, fragments={new_of[k]: v for k, v in shard["fragments"].items()},
+                param_meta=[shard["param_meta"][old] for old in order])
 
 
 def _sharding(target) -> tuple[bool, dict]:

@@ -16,6 +16,7 @@ from ..ownership import data_parallel_owner, register_data_parallel, register_st
 from .._timeline import Timeline
 from .._wrapper import plain_parts
 from ..comm import get_communicator
+from . import dcp_names
 from . import join as _join
 from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
 from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
@@ -133,6 +134,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 "fusedist.init_distributed() (under torchrun) before wrapping the model"
             )
         process_group = group_of(process_group, device_mesh)
+        dcp_names.install()  # Note [checkpoint names through the DDP wrapper]
         self.device_mesh = device_mesh
         self.module = module
         self.config = DDPConfig(

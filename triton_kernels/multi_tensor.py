@@ -25,6 +25,7 @@ The math lives in the kernels below and, identically, in ``fusedist/optim/_refer
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 
 import torch
@@ -102,6 +103,9 @@ class ChunkTable:
 
 _data_ptr = torch.Tensor.data_ptr  # (mapped over each role: the key is built at every launch)
 _numel = torch.Tensor.numel
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_FP32 = {torch.float32}
 _TABLE_CACHE: "OrderedDict[tuple, ChunkTable]" = OrderedDict()
 _TABLE_CACHE_SIZE = 64
 
@@ -589,11 +593,22 @@ def check_and_norm(grads, inv_scale, unscale_in_place=False):
     return partial_bad.amax(0, keepdim=True), partial_sumsq.sum(0, keepdim=True)  # (1-element: no reshape)
 
 
-def _step_role(step, n_roles_before: int):
+def _step_role(step, n_roles_before: int, device: torch.device):
     """Steps are either one host number for the bucket or a list of fp32 device tensors."""
     if isinstance(step, (list, tuple)):
-        return step, n_roles_before, 0.0
+        return _fp32_steps(step, device), n_roles_before, 0.0
     return None, -1, float(step)
+
+
+def _fp32_steps(steps, device: torch.device):
+    """The step counts as the kernels read them: fp32 tensors on ``device``, which is how the
+    optimizers keep them. A count the program put in a state itself (an fp64 tensor, one on
+    the CPU as torch's Adam keeps them) is read through an fp32 copy on ``device`` -- its memory
+    read as fp32, or from another device, gave a wrong bias correction or a fault. (The kernels
+    only read the counts: a copy loses no write.)"""
+    if set(map(_dtype_of, steps)) == _FP32 and set(map(_device_of, steps)) == {device}:
+        return steps
+    return [s.detach().reshape(()).to(device=device, dtype=torch.float32) for s in steps]
 
 
 def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps,
@@ -601,7 +616,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
          max_exp_avg_sqs=None):
     device = params[0].device
     block, iters, warps = launch_config()
-    steps, step_role, step_scalar = _step_role(step, 6)
+    steps, step_role, step_scalar = _step_role(step, 6, device)
     roles = [grads, params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
     if steps is not None:
         roles.append(steps)
@@ -631,7 +646,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
         weight_decay, nesterov, maximize, inv_scale, clip_coef, found_inf):
     device = params[0].device
     block, iters, warps = launch_config()
-    steps, step_role, step_scalar = _step_role(step, 4)
+    steps, step_role, step_scalar = _step_role(step, 4, device)
     roles = [grads, params, masters, momentum_buffers]
     if steps is not None:
         roles.append(steps)
@@ -659,7 +674,7 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
     """Moments + raw update ``u`` into ``updates``; returns per-tensor (||p||^2, ||u||^2)."""
     device = params[0].device
     block, iters, warps = launch_config()
-    steps, step_role, step_scalar = _step_role(step, 6)
+    steps, step_role, step_scalar = _step_role(step, 6, device)
     roles = [grads, params, masters, exp_avgs, exp_avg_sqs, updates]
     if steps is not None:
         roles.append(steps)

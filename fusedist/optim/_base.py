@@ -78,18 +78,27 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         # torch's load_state_dict adds this key to every group; having it from the start keeps
         # state_dict() stable across a save/load round trip.
         defaults = self._in_torch_keys({**defaults, "differentiable": False})
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # (each group through add_param_group)
         for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.is_complex() or not p.is_floating_point():
-                    raise TypeError(
-                        f"{type(self).__name__}: param {pi} of param group {gi} has dtype {p.dtype}; "
-                        "only real floating-point parameters (float32/float16/bfloat16/float64) "
-                        "are supported. For complex parameters use torch.view_as_real."
-                    )
             self._validate_group(group, gi)
         self._fusedist_clear_protocol()
         self._fusedist_reset_bookkeeping()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, refusing a parameter the kernels cannot step (complex, integer) when its
+        group is added: the constructor's groups and a group added later alike (a later group's
+        complex parameter was refused only by its first step, as a gradient of the wrong
+        dtype, without the way out). Nothing is added when it raises."""
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for pi, p in enumerate(self.param_groups[gi]["params"]):
+            if p.is_complex() or not p.is_floating_point():
+                self.param_groups.pop()
+                raise TypeError(
+                    f"{type(self).__name__}: param {pi} of param group {gi} has dtype {p.dtype}; "
+                    "only real floating-point parameters (float32/float16/bfloat16/float64) "
+                    "are supported. For complex parameters use torch.view_as_real."
+                )
 
     def _fusedist_reset_bookkeeping(self) -> None:
         """What this optimizer knows of its states besides the states themselves: none is known
@@ -235,7 +244,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 continue
             states = self._ready_states(group, params)
             self._take_outside_writes(params, states)
-            steps = state_values(states, "step")
+            steps = fp32_steps(params, states)
             torch._foreach_add_(steps, 1.0)
             # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
             tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
@@ -521,6 +530,27 @@ def state_values(states: list, key: str) -> list:
     """``[s[key] for s in states]`` without a Python frame per state (a step asks for each
     state tensor of every parameter: Note [whole-list passes] in _scaler_protocol.py)."""
     return list(map(operator.itemgetter(key), states))
+
+
+def fp32_steps(params: list, states: list) -> list:
+    """The states' step counts, fp32 tensors as :meth:`FusedOptimizerBase._init_state` makes
+    them. A count the program put in a state itself (an int64 tensor; a number, as torch before
+    1.12 kept them) is replaced by its fp32 tensor, which the step counts up in place and the
+    kernels read: ``_foreach_add_`` of 1.0 refused an int64 count with torch's "result type
+    Float can't be cast to the desired output type Long", where torch's Adam counts it up
+    (Note [states the program replaced] in functional.py)."""
+    steps = state_values(states, "step")
+    try:
+        if set(map(_dtype_of, steps)) == {torch.float32}:  # (the common case, a whole-list pass)
+            return steps
+    except AttributeError:  # a number among them
+        pass
+    for p, state in zip(params, states):
+        step = state["step"]
+        if not isinstance(step, torch.Tensor) or step.dtype != torch.float32:
+            device = step.device if isinstance(step, torch.Tensor) else step_device(p)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+    return state_values(states, "step")
 
 
 def masters_of(states: list) -> Optional[list]:

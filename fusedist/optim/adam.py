@@ -21,7 +21,8 @@ class FusedAdam(FusedOptimizerBase):
     torch. ``amsgrad=True`` keeps torch's ``max_exp_avg_sq`` state (fp32) and runs in the same
     fused pass on the GPU (on the CPU it takes the PyTorch path: the C++ kernel has no
     AMSGrad). ``capturable`` and ``differentiable`` are not supported (True raises);
-    ``foreach``/``fused`` are accepted as hints (``fused=False`` raises).
+    ``foreach``/``fused`` are accepted as hints (``fused=False`` raises, and both True
+    as in torch).
     """
 
     # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers
@@ -44,6 +45,8 @@ class FusedAdam(FusedOptimizerBase):
                 raise ValueError(f"{name}: {flag}=True is not supported")
         if fused is False:
             raise ValueError(f"{name}: fused=False asks for torch's unfused implementation; use torch.optim instead")
+        if fused and foreach:  # (torch's refusal: the two name different implementations)
+            raise RuntimeError(f"{name}: `fused` and `foreach` cannot be `True` together.")
         if isinstance(lr, torch.Tensor) and foreach:  # Note [a tensor learning rate]
             raise ValueError(f"{name}: lr as a Tensor is not supported for capturable=False and foreach=True")
         betas = check_tensor_betas(name, tuple(betas), foreach)  # torch's rules, read as numbers at each step

@@ -150,14 +150,13 @@ def _walkable_together(p: Tensor, companions) -> bool:
     return is_dense(p) and all(t is None or walks_like(t, p) for t in companions)
 
 
-def _bucketize(params, grads, masters, state_lists, check_states=True):
+def _bucketize(params, grads, masters, state_lists):
     """Group tensor indices by (device, param dtype, grad dtype, has master, kernel-eligible).
 
     The common case (one device and dtype pair, everything contiguous) is recognized with a few
     list passes; Python overhead per step matters when hundreds of small tensors are stepped.
     Layouts are always checked (a parameter's memory format can change after its states were
-    made); ``check_states=False`` trusts that states and masters are fp32 (the fused
-    optimizers create them so)."""
+    made), and so are the states' and masters' dtypes (Note [states the program replaced])."""
     n = len(params)
     if masters is None:
         has_master = [False] * n
@@ -173,7 +172,7 @@ def _bucketize(params, grads, masters, state_lists, check_states=True):
         and p_dtypes <= set(_KERNEL_DTYPES) and g_dtypes <= set(_KERNEL_DTYPES)
         and all(map(_is_contiguous, params)) and all(map(_is_contiguous, grads))
         and all(_all_contiguous_or_none(lst) for lst in companions)
-        and (not check_states or _states_fp32(companions, range(n)))
+        and _all_fp32(companions)
     ):
         return {(params[0].device, params[0].dtype, grads[0].dtype, has_master[0], True): list(range(n))}
     buckets: dict[tuple, list[int]] = defaultdict(list)
@@ -182,7 +181,7 @@ def _bucketize(params, grads, masters, state_lists, check_states=True):
             p.dtype in _KERNEL_DTYPES
             and g.dtype in _KERNEL_DTYPES
             and _walkable_together(p, [g] + [lst[i] for lst in companions])
-            and (not check_states or _states_fp32(companions, (i,)))
+            and all(lst[i] is None or lst[i].dtype == torch.float32 for lst in companions)
         )
         buckets[(p.device, p.dtype, g.dtype, has_master[i], eligible)].append(i)
     return buckets
@@ -204,11 +203,28 @@ def _all_contiguous_or_none(lst) -> bool:
         return all(t is None or t.is_contiguous() for t in lst)
 
 
-def _states_fp32(companions, indices) -> bool:
+# Note [states the program replaced]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The kernels walk a parameter's states and master as fp32 arrays. The fused optimizers make
+# them so, but a program may replace one between steps (``optimizer.state[p]["exp_avg"] =
+# ...``: a state carried over from torch's optimizer, bf16 for a bf16 parameter, or cast to
+# save memory). Handed to the kernels, such a tensor was read and written as fp32 memory it
+# does not have -- silently wrong values, or writes past its end. So every call checks the
+# dtypes (a whole list at a time, as for the layouts: the shapes and devices, which only a
+# program's error could change, are not re-checked at every step), and a tensor of another
+# dtype takes the reference path, which computes with it as torch's optimizers do.
+_FP32 = {torch.float32}
+
+
+def _all_fp32(companions) -> bool:
+    """Whether every state and master (None entries aside) is fp32 (Note [states the program
+    replaced])."""
     for lst in companions:
-        for i in indices:
-            t = lst[i]
-            if t is not None and t.dtype != torch.float32:
+        try:
+            if set(map(_dtype_of, lst)) != _FP32:
+                return False
+        except AttributeError:  # a None among them (a parameter without a master)
+            if any(t is not None and t.dtype != torch.float32 for t in lst):
                 return False
     return True
 
@@ -349,7 +365,7 @@ def adam_update(
         _check_scalar_tensor(name, t, device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  bias_correction=bias_correction, maximize=maximize)
-    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), check_states=validate)
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
     has_cpu_ext = _has_cpu_adam() and max_exp_avg_sqs is None  # the C++ kernel has no AMSGrad
     for (dev, _, _, has_master, eligible), idx in buckets.items():
         b_params, b_grads = _take(params, idx), _take(grads, idx)
@@ -413,8 +429,8 @@ def sgd_update(
     bufs = momentum_buffers if momentum != 0 else None
     hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov, maximize=maximize)
-    for (dev, p_dtype, g_dtype, has_master, eligible), idx in _bucketize(params, grads, masters, (bufs,),
-                                                                        check_states=validate).items():
+    buckets = _bucketize(params, grads, masters, (bufs,))
+    for (dev, p_dtype, g_dtype, has_master, eligible), idx in buckets.items():
         b_params, b_grads, b_masters = _take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None
         b_bufs, b_step = _take(bufs, idx), _take_step(step, idx)
         triton = _backend_for("sgd_update", dev, eligible) == "triton"
@@ -483,7 +499,7 @@ def lamb_update(
         global_div = torch.ones(1, dtype=torch.float32, device=device)
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
     use_ratio = use_nvlamb or weight_decay != 0
-    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs), check_states=validate)
+    buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs))
     for (dev, _, _, has_master, eligible), idx in buckets.items():
         triton = _backend_for("lamb_update", dev, eligible) == "triton"
         impl = _kernels() if triton else _reference

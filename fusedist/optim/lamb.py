@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from . import functional
 from ._base import FusedOptimizerBase, masters_of, state_values
 from ._hyperparameters import check_finite_hyper, hyper_number
+
+_PENDING = object()  # the global gradient norm of the step under way, not computed yet
 
 
 class FusedLAMB(FusedOptimizerBase):
@@ -59,26 +59,24 @@ class FusedLAMB(FusedOptimizerBase):
             raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # apex clips with the norm over every parameter of every group: compute it once, of
-        # the gradients the step uses -- after a gradient replaced since fusedist's clip has
-        # been left out of its coefficient (Note [gradients changed after the clip]).
+        # apex clips with the norm over every parameter of every group: computed once, at the
+        # first group's update, of the gradients the step uses -- after the base class has
+        # checked every group's gradients (a sparse one is refused naming its parameter, not
+        # by the norm's pass) and left a gradient replaced since fusedist's clip out of its
+        # coefficient (Note [gradients changed after the clip]).
+        self._global_sumsq = _PENDING
         try:
-            self._fusedist_settle_clip()
-            factor = functional._effective_factor(self._effective_inv_scale(), self.step_context.clip_coef)
-            grads = self._fusedist_local_grads()
-            self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
-        except BaseException:
-            self._fusedist_clear_protocol()  # (as the base class's step does when it raises)
-            raise
-        try:
-            super().step()
+            return super().step(closure)
         finally:
             self._global_sumsq = None
-        return loss
+
+    def _global_grad_sumsq(self, inv_scale, clip_coef):
+        """The squared norm of all the step's gradients, ``grad * inv_scale * clip_coef``."""
+        if self._global_sumsq is _PENDING:
+            grads = self._fusedist_local_grads()
+            factor = functional._effective_factor(inv_scale, clip_coef)
+            self._global_sumsq = functional.check_and_norm(grads, factor)[1] if grads else None
+        return self._global_sumsq
 
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         beta1, beta2 = group["betas"]
@@ -90,6 +88,6 @@ class FusedLAMB(FusedOptimizerBase):
             bias_correction=group["bias_correction"], adam_w_mode=self.adam_w_mode,
             grad_averaging=group["grad_averaging"], max_grad_norm=hyper_number(group["max_grad_norm"]),
             use_nvlamb=self.use_nvlamb, inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
-            global_grad_sumsq=self._global_sumsq,
+            global_grad_sumsq=self._global_grad_sumsq(inv_scale, clip_coef),
             validate=False,
         )

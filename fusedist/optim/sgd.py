@@ -31,6 +31,8 @@ class FusedSGD(FusedOptimizerBase):
             raise ValueError("FusedSGD: differentiable=True is not supported")
         if fused is False:
             raise ValueError("FusedSGD: fused=False asks for torch's unfused implementation; use torch.optim.SGD")
+        if fused and foreach:  # (torch's refusal: the two name different implementations)
+            raise RuntimeError("FusedSGD: `fused` and `foreach` cannot be `True` together.")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights,
                         foreach=foreach, fused=fused)  # kept as torch keeps them (its keys)
@@ -98,14 +100,25 @@ class FusedSGD(FusedOptimizerBase):
         torch's SGD does not keep (torch's distributed checkpoint loads by the target's keys,
         so an extra key is a missing one for the other side). A loaded buffer means its first
         step is done (``_init_state``), all the count decides. (Reads the step counts: one host
-        synchronization per device.)"""
-        state_dict = super().state_dict()
+        synchronization per device.) The state-dict post-hooks run on that state dict, as
+        torch's SGD runs them on its own: they saw the step counts and the unfilled buffers."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()
+        try:
+            state_dict = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         state = {}
         for key, values in without_unfilled_buffers(state_dict["state"]).items():
             kept = {k: v for k, v in values.items() if k != "step"}
             if kept:
                 state[key] = kept
-        return {**state_dict, "state": state}
+        state_dict = {**state_dict, "state": state}
+        for hook in post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _fusedist_reset_bookkeeping(self) -> None:
         super()._fusedist_reset_bookkeeping()

@@ -125,7 +125,8 @@ def unseen_rank_files(directory: str, files: dict, directories: list) -> Optiona
         return None
     shown = "; ".join(f"rank {files[n]['rank']} wrote {files[n].get('file', n)} into {directories[files[n]['rank']]}"
                       for n in missing[:4])
-    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{'; ...' if len(missing) > 4 else ''}): "
+    more = "; ..." if len(missing) > 4 else ""
+    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{more}): "
             "every rank must pass the same directory, on a filesystem every rank sees")
 
 

@@ -78,7 +78,8 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True) -> di
     saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
     saved = _check_model(saved, expected, directory, strict)
     plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target, "strict": strict,
-                  "read": {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, optimizer, scaler)}}
+                  "read": {"manifest": digest, "strict": strict,
+                           **_checks.objects_passed(directory, optimizer, scaler)}}
     if optimizer is not None:
         if optim is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -97,7 +98,8 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: 
     manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]
     if _files.COMMON not in files:
-        raise CheckpointError(f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {_files.COMMON}")
+        raise CheckpointError(
+            f"fusedist.checkpoint: {os.path.join(directory, _files.MANIFEST)} lists no {_files.COMMON}")
     common = _files.load_file(_files.verify_file(directory, _files.COMMON, files[_files.COMMON]), trusted)
     # What the ranks compare before any of them applies its plan (_checks.check_same_load).
     read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, optimizer, scaler)}

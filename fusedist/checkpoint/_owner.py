@@ -127,7 +127,8 @@ def refusal(root: str, run: str, source: str, timeout: Optional[float] = None) -
         # A holder on this host whose process lives runs (no need to wait for its next beat),
         # unless its lease is stale already (its process id reused by another program).
         here = current.get("host") == socket.gethostname()
-        if (stale_for(current, timeout) is not None or not here) and wait_until_stale_or_renewed(root, current, timeout):
+        stale_or_elsewhere = stale_for(current, timeout) is not None or not here
+        if stale_or_elsewhere and wait_until_stale_or_renewed(root, current, timeout):
             return None
         current = read(root) or current
     return (

@@ -109,7 +109,8 @@ class PersistMixin:
             try:
                 manifest = dict(snapshot["manifest"], files={}, created_unix=time.time())
                 if save_id:
-                    manifest["version"] = max(manifest["version"], _files.SAVE_ID_VERSION)  # files with names of their own
+                    # files with names of their own
+                    manifest["version"] = max(manifest["version"], _files.SAVE_ID_VERSION)
                 for entry, _, _ in files:
                     manifest["files"].update(entry)
                 # Before the manifest lists them (a Checkpointer built with another directory

@@ -153,8 +153,9 @@ def retain(root: str, keep: Optional[int], newest: int, started: Optional[float]
     """Apply retention after the checkpoint of step ``newest`` completed: keep the ``keep``
     newest complete checkpoints (None keeps all) and drop incomplete directories older than
     ``newest`` (interrupted saves that a complete checkpoint has superseded). Directories of
-    steps above ``newest``, and checkpoints of a newer fusedist, are never touched. With ``started`` (when that save began), the
-    kept checkpoints' leftovers older than it -- a killed rewrite's files -- are removed too.
+    steps above ``newest``, and checkpoints of a newer fusedist, are never touched. With
+    ``started`` (when that save began), the kept checkpoints' leftovers older than it -- a
+    killed rewrite's files -- are removed too.
     Returns the removed steps."""
     removed = []
     complete = 0

@@ -15,7 +15,8 @@ What a checkpoint holds: model, optimizer (ZeRO shards, offloaded state included
 LR scheduler, every rank's RNG states, the data position of an
 :class:`~fusedist.checkpoint.ElasticDistributedSampler` (the job's, which every save checks is
 the same on every rank: Note [one data position for the job] in ``_sampler_state.py``; or a
-``ResumableDistributedSampler``'s per rank, same world size only), the step, and a user ``extra`` dict. It is an ordinary
+``ResumableDistributedSampler``'s per rank, same world size only), the step, and a user
+``extra`` dict. It is an ordinary
 :func:`fusedist.checkpoint.save`-format directory ``<directory>/step-<N>``, so
 :func:`~fusedist.checkpoint.load` reads it too, at any world size.
 
@@ -114,7 +115,8 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         self._run, self._run_source = _owner.run_identity(run_id)
         self._lease: Optional[dict] = None
         if not isinstance(lease_timeout_s, (int, float)) or not lease_timeout_s > 0:
-            raise ValueError(f"Checkpointer: lease_timeout_s must be a positive number of seconds, got {lease_timeout_s!r}")
+            raise ValueError(
+                f"Checkpointer: lease_timeout_s must be a positive number of seconds, got {lease_timeout_s!r}")
         self._lease_timeout = float(lease_timeout_s)  # Note [lease heartbeat] in _heartbeat.py
         self._heartbeat: Optional[_heartbeat.Heartbeat] = None
         # Note [a restore that rolls back]: the restored step, until the first save sets aside

@@ -246,7 +246,8 @@ def _named_as(implementation: type, returned: type) -> type:
 
     return type(returned.__name__, (implementation,),
                 {"__module__": __name__, "__qualname__": f"{implementation.__qualname__}[{returned.__name__}]",
-                 "__doc__": f"{implementation.__qualname__}, named as {returned.__qualname__} (Note [the optimizer's name]).",
+                 "__doc__": (f"{implementation.__qualname__}, named as {returned.__qualname__} "
+                             "(Note [the optimizer's name])."),
                  "__reduce_ex__": __reduce_ex__})
 
 

@@ -24,8 +24,9 @@ on every rank alike (they all read the same gathered tensor), a gather whose ran
 different ones: counts that differ, or sums more than 0.1% apart. The sums are compared with
 that margin, not bit for bit, because a sum over the channels may be associated differently
 on different hardware, and half-precision buffers round at 0.1%; two different layers' sums
-of absolute values (no cancellation) are much further apart. Layers still at their initial statistics look alike, so a mix-up is caught
-from the second training step of the layers involved. A payload without an identity (a layer
+of absolute values (no cancellation) are much further apart. Layers still at their initial
+statistics look alike, so a mix-up is caught from the second training step of the layers
+involved. A payload without an identity (a layer
 with ``track_running_stats=False``, or the empty batch a rank that ran out of inputs
 contributes under ``join()``) starts with 0 and is compared with nothing. The identity rides
 in the same message and is read to the host with the counts, which ``combine`` reads anyway.

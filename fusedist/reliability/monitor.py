@@ -95,7 +95,8 @@ class CollectiveMonitor:
         window = (stall_report.report_window_s(comm.timeout.total_seconds(), stall_report.peer_gone(error))
                   if not self.reports else 0.0)
         report = stall_report.exchange(
-            self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank, comm.world_size, entry, window
+            self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank,
+            comm.world_size, entry, window,
         )
         if report is None:
             report = "Stall report unavailable: the torch.distributed store could not be reached."

@@ -328,7 +328,8 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     lines.extend(detail.get("trainable_lines", ()))
     unused = detail.get("unused_names")
     if unused:
-        lines.append(f"  parameters without a gradient on rank {rank}: {unused[:10]}{' ...' if len(unused) > 10 else ''}")
+        more = " ..." if len(unused) > 10 else ""
+        lines.append(f"  parameters without a gradient on rank {rank}: {unused[:10]}{more}")
     lines.append(
         "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
         f"{detail.get('model', 'DistributedDataParallel model')}; look for rank-dependent control flow "

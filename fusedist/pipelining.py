@@ -73,11 +73,32 @@ Note [pipeline stages of DDP modules]
     all-reduce the sum. Zero-bubble schedules run as for sharded stages. (For
     torch's own DDP, torch's schedules reach into its reducer; under torch 2.13 they fail in
     its bucket rebuild at the first step.) Any other stage module is left to torch's stage.
+
+Note [gradients held outside p.grad]
+    After a step's backwards torch's schedules divide the stage's gradients by the number of
+    micro-batches (``scale_grads``, the loss being each micro-batch's mean), through
+    ``p.grad`` of ``submod.parameters()``. A ``ZeroRedundancyOptimizer(stage=2)`` over a DDP
+    stage keeps them elsewhere: the reduce-scatter writes its shards and leaves ``p.grad``
+    None, so torch's division missed them and the step took ``n_microbatches`` times the
+    gradient (SGD moved that much too far; a clip saw that norm). The stage divides the shards
+    of such holders too -- what a scaler's unscale writes -- once per step, as torch does
+    ``p.grad``.
+
+Note [accumulating across pipeline steps]
+    Under the user's ``set_requires_gradient_sync(False)`` or DDP's ``no_sync`` a step only
+    accumulates (above), and the next synchronized step reduces the sum of both. torch's
+    division of ``p.grad`` at each step's end would then divide the first step's part twice
+    for a DDP stage, whose ``p.grad`` holds it (``g1 / n**2 + g2 / n``), and not at all for a
+    ``fully_shard`` stage, whose unsharded sum is not ``p.grad`` yet (``(g1 + g2) / n``, the
+    gradient of the two steps' losses, as without pipelining). So a step that only
+    accumulates divides nothing, and the synchronized step divides the whole sum once: every
+    fusedist stage gives ``(g1 + g2) / n``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
@@ -98,6 +119,9 @@ class PipelineStage(_TorchPipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         sync_only_if = _sync_switch(self.submod)
         if sync_only_if is None:  # not a module of fusedist's data parallelism: torch's stage decides
+            if backward_type != "full" and not getattr(self, "_root_checked", False):
+                _check_root_sharded(self.submod, self.stage_index)
+                self._root_checked = True
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         if backward_type == "input":  # Note [zero-bubble passes of fusedist stages]
             with sync_only_if(False):
@@ -112,6 +136,48 @@ class PipelineStage(_TorchPipelineStage):
                 return (), None
             grads, _ = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last)
         return grads, None
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """torch's division of the step's gradients by the micro-batch count, also of those a
+        sharded optimizer holds outside ``p.grad`` (Note [gradients held outside p.grad]); none
+        in a step that only accumulates, under the user's own switch (Note [accumulating across
+        pipeline steps])."""
+        if _user_sync(self.submod) is False:
+            return
+        super().scale_grads(grad_scale_factor)
+        if grad_scale_factor != 1:
+            for holder in _holders_outside_grad(self.submod):
+                torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
+
+
+def _check_root_sharded(module, stage_index: int) -> None:
+    """A zero-bubble pass over a plain stage module holding ``fully_shard`` units would be
+    torch's, over the units' pieces the graph never saw (Note [pipeline stages of fully_shard
+    modules]): it failed inside torch with a KeyError of an ``AccumulateGrad`` node. Refuse it
+    naming the fix instead."""
+    from .fsdp import FullyShardedModule
+
+    inner = next((name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)), None)
+    if inner is not None:
+        raise RuntimeError(
+            f"fusedist.pipelining.PipelineStage: stage {stage_index}'s module is not a fully_shard module itself, "
+            f"but holds one ('{inner}'); zero-bubble schedules split its backward over the gathered parameters of "
+            "a fully_shard stage only: shard the stage module too, fully_shard(stage_module, mesh=...) after its "
+            "blocks (or use a schedule without weight passes)")
+
+
+def _holders_outside_grad(module) -> list:
+    """The distinct gradient holders of ``module``'s parameters that keep the gradients where
+    ``p.grad`` is not (ZeRO stage 2's shards; a ``fully_shard`` shard is ``p.grad`` itself)."""
+    from .ownership import any_gradient_holder, gradient_holder
+
+    found = {}
+    for p in module.parameters() if any_gradient_holder() else ():
+        holder = gradient_holder(p)
+        in_user_view = getattr(holder, "_fusedist_grads_in_user_view", None)
+        if in_user_view is not None and not in_user_view():
+            found.setdefault(id(holder), holder)
+    return list(found.values())
 
 
 def _weights(module) -> list:
@@ -189,8 +255,7 @@ def _micro_batch(module, last: bool):
                                   (st.unit, ("reshard_after_backward",)))
              if owner is not None for name in names]
     # the user's own set_requires_gradient_sync(False) (accumulating across steps) still holds
-    user_sync = all(st.grads.reduce_grads for st in states if st.grads is not None)
-    module.set_requires_gradient_sync(last and user_sync)
+    module.set_requires_gradient_sync(last and _user_sync(module))
     module.set_reshard_after_backward(last)
     try:
         yield
@@ -204,17 +269,34 @@ def _sync_switch(module):
     accumulate them: a context manager taking ``last``, or None for a module fusedist does not
     reduce (Note [pipeline stages of fully_shard modules])."""
     from .ddp import DistributedDataParallel
-    from .ddp.replicate import _STATE, wrapper_of
+    from .ddp.replicate import wrapper_of
     from .fsdp import FullyShardedModule
 
     if isinstance(module, FullyShardedModule):
         return lambda last: _micro_batch(module, last)
     if isinstance(module, DistributedDataParallel):  # the user's no_sync() still holds
-        return lambda last: _ddp_backward(module, last and module._no_sync_depth == 0)
+        return lambda last: _ddp_backward(module, last and _user_sync(module))
     engine = wrapper_of(module)  # a fusedist.replicate module's (built at its first forward)
     if engine is None:
         return None
-    return lambda last: _ddp_backward(engine, last and module.__dict__[_STATE].requires_gradient_sync)
+    return lambda last: _ddp_backward(engine, last and _user_sync(module))
+
+
+def _user_sync(module) -> Optional[bool]:
+    """The user's own switch of a stage module fusedist reduces: False under
+    ``set_requires_gradient_sync(False)`` or DDP's ``no_sync`` (accumulating across steps),
+    None for a module fusedist does not reduce."""
+    from .ddp import DistributedDataParallel
+    from .ddp.replicate import _STATE, wrapper_of
+    from .fsdp import FullyShardedModule
+
+    if isinstance(module, FullyShardedModule):
+        return all(st.grads.reduce_grads for st in module._fs_states() if st.grads is not None)
+    if isinstance(module, DistributedDataParallel):
+        return module._no_sync_depth == 0
+    if wrapper_of(module) is None:
+        return None
+    return bool(module.__dict__[_STATE].requires_gradient_sync)
 
 
 @contextlib.contextmanager

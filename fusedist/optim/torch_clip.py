@@ -17,7 +17,9 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacemen
 
 * ``torch.nn.utils.clip_grad_norm_`` (also under ``torch.nn.utils.clip_grad``): parameters with
   a gradient holder go to :func:`fusedist.clip_grad_norm_` (the global norm, one small
-  all-reduce; stage 2 applies the coefficient in its step). Any other call is torch's function,
+  all-reduce; stage 2 applies the coefficient in its step), except ``fully_shard`` pieces, which
+  torch's own scaling clips by the global norm cast to the gradients' dtype, as FSDP2's clip
+  does (a bf16 model: a bf16 norm and coefficient). Any other call is torch's function,
   unchanged.
 * ``torch.nn.utils.get_total_norm`` and the module-level ``_get_total_norm`` that torch's
   ``clip_grad_norm_`` calls: gradients that are ``fully_shard`` pieces' ``.grad`` give the global
@@ -141,10 +143,49 @@ def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfin
             # (the exhausted generator itself: torch warns that an empty one clips nothing)
             return _TORCH_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if any(gradient_holder(p) is not None for p in params):
+        holder = _one_fully_shard_holder(params)
+        if holder is not None:
+            return _clip_pieces_as_torch(holder, params, max_norm, norm_type, error_if_nonfinite, foreach)
         from .clip import clip_grad_norm_
 
         return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _one_fully_shard_holder(params: list):
+    """The ``fully_shard`` gradient holder of every trainable parameter in ``params``, or None
+    (a stage-2 optimizer's parameters, several holders, or pieces mixed with plain parameters:
+    fusedist's clip handles or refuses those)."""
+    holders = {id(h): h for h in map(gradient_holder, params) if h is not None}
+    if len(holders) != 1 or any(gradient_holder(p) is None and p.requires_grad for p in params):
+        return None
+    holder = next(iter(holders.values()))
+    return holder if hasattr(holder, "grad_norm") else None
+
+
+@torch.no_grad()
+def _clip_pieces_as_torch(holder, params, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over ``fully_shard`` pieces, as FSDP2's over its DTensors: the
+    global norm, returned in the gradients' (promoted) dtype, and torch's own scaling by it, so
+    the coefficient is taken in that dtype too. (``fusedist.clip_grad_norm_`` returns the fp32
+    norm; a bf16 model clipped by an fp32 coefficient left every clipped gradient an ulp from
+    FSDP2's.) The holder's norm is a collective on every rank, one whose pieces have no
+    gradient included."""
+    held = [p for p in params if gradient_holder(p) is not None]
+    materialize_unscales(held)  # lazily unscaled gradients: torch's values first
+    with_grad = [p for p in held if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    total = holder.grad_norm(held, norm_type)
+    total = total.to(functools.reduce(torch.promote_types, {g.dtype for g in grads} or {p.dtype for p in held}))
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite "
+            "over all ranks' pieces of the fully_shard parameters, so it cannot be clipped (every rank "
+            "raises this). To disable this error and scale the gradients by the non-finite norm "
+            "anyway, set `error_if_nonfinite=False`")
+    if with_grad:
+        _TORCH_CLIP_WITH_NORM(with_grad, max_norm, total.to(grads[0].device), foreach)
+    return total
 
 
 def _held_by_stage2(p) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import weakref
 from typing import Iterable, Optional
 
+import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
@@ -110,6 +111,7 @@ def gradient_holder(p) -> Optional[object]:
     return _lookup(_gradient_holder, p)
 
 
+@torch.compiler.disable  # traced (a GradScaler in a compiled step), each lookup recompiled per parameter
 def gradient_holders_of(optimizer) -> list:
     """The distinct gradient holders of ``optimizer``'s parameters, looked up once per
     optimizer (again when its parameter count changes): a step's hot path pays one lookup."""

@@ -30,20 +30,24 @@ import weakref
 import torch
 
 
-def refuse_compiled_autograd(owner: str) -> None:
+def refuse_compiled_autograd(owner: str, alternative: str = "torch's DistributedDataParallel with "
+                             "torch._dynamo.config.optimize_ddp='python_reducer'") -> None:
     """Raise under compiled autograd (``torch._dynamo.compiled_autograd``, torchtitan's
     ``enable_compiled_autograd``): it traces the gradient hooks into the compiled backward,
     communicator included, and never runs the end-of-backward callback, so no backward could
     synchronize; every rank stalled until the collective timeout with an error about a traced
     ``group.send``. Checked at each training forward, on every rank alike (the setting is the
-    program's); dynamo is not imported for it."""
+    program's), and as a backward begins (enabled around the backward alone; the hooks then
+    run inside the compiled backward's region); dynamo is not imported for it."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
-    if compiled_autograd is not None and getattr(compiled_autograd, "compiled_autograd_enabled", False):
+    # (a hook the compiled backward calls runs with the first flag off and the second on)
+    if compiled_autograd is not None and (getattr(compiled_autograd, "compiled_autograd_enabled", False)
+                                          or getattr(compiled_autograd, "in_compiled_autograd_region", False)):
         raise RuntimeError(
             f"fusedist {owner}: compiled autograd is enabled (torch._dynamo.compiled_autograd), which traces "
             "the gradient hooks and skips the end-of-backward callback the gradient synchronization needs. "
             "Run the backward without compiled autograd (torch.compile of the model still works), or use "
-            "torch's DistributedDataParallel with torch._dynamo.config.optimize_ddp='python_reducer'")
+            f"{alternative}")
 
 
 def _tensors(out):

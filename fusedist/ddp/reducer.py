@@ -57,6 +57,7 @@ from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .grad_hook import ParamEntry, make_hook, remove_hooks
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
+from .prepared import refuse_compiled_autograd
 from .rebucket import rebuild_from_observed
 from .backward_stats import backward_stats
 from .strategy import AllReduceAverage, GradSyncStrategy
@@ -326,6 +327,9 @@ class Reducer:
             observer.forward_begins(self)
 
     def _begin_backward(self, shadow: bool = False) -> None:
+        # compiled autograd enabled around the backward alone (the forward refuses it otherwise):
+        # the end-of-backward callback never ran, and the step then said no backward had run
+        refuse_compiled_autograd("DistributedDataParallel")
         self.in_backward = True
         if not self.prepared:  # Note [a backward no DDP forward prepared] in prepared.py
             self.next_backward_sync = False

@@ -59,6 +59,7 @@ class ShardedGradHolder:
     # 7e-9 on the second tensor-parallel rank. So the figure of such parameters is the first
     # tensor-parallel rank's, spread by the same all-reduce that sums the tensor-parallel
     # parts: every rank ends with the same bits.
+    @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     @torch.no_grad()
     def grad_norm(self, params, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all ranks' pieces of these parameters' gradients (a collective: every
@@ -92,6 +93,7 @@ class ShardedGradHolder:
             all_reduce_on_comm_device(self.tp, local, "sum", "fully_shard grad norm (tensor-parallel)")
         return local.sum().pow(1.0 / norm_type)
 
+    @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     @torch.no_grad()
     def parameter_grad_norms(self, params, norm_type: float = 2.0) -> list:
         """Each parameter's global gradient norm over all ranks' pieces, None where its piece
@@ -119,6 +121,7 @@ class ShardedGradHolder:
             [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), device, all_reduce)
         return [norms[i] if p.grad is not None else None for i, p in enumerate(params)]
 
+    @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     @torch.no_grad()
     def clip_sharded_grads_(self, params, max_norm: float, norm_type: float = 2.0,
                             error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -138,6 +141,7 @@ class ShardedGradHolder:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
 
+    @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     def all_reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
         """Max of the ranks' inf/nan flags, in place (GradScaler: every rank skips together)."""
         all_reduce_on_comm_device(self.comm, found_inf, "max", "fully_shard found inf")
@@ -147,6 +151,7 @@ class ShardedGradHolder:
             all_reduce_on_comm_device(self.tp, found_inf, "max", "fully_shard found inf (tensor-parallel)")
         return found_inf
 
+    @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (GradScaler: the global sum of squares of the pieces)."""
         all_reduce_on_comm_device(self.comm, value, "sum", "fully_shard grad sumsq")

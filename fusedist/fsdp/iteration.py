@@ -138,6 +138,7 @@ class IterationContext:
             for st in self.states:
                 st.reset_iteration()
 
+    @torch.compiler.disable  # Note [hooks outside compiled graphs] in state.py
     def finish_backward(self) -> None:
         try:
             # Note [accumulated units a synchronized backward does not reach] in state.py

@@ -71,6 +71,20 @@ Note [hooks outside compiled graphs]
     backward pre-hook regathers it before the compiled backward runs. The gradient hooks are
     post-accumulate hooks on the unsharded leaves, fired by the autograd engine after the
     compiled backward, as in eager. tests/test_fully_shard_compile.py: exact parity.
+    They, the inputs' backward and the end-of-backward callback are disabled too: a
+    ``loss.backward()`` inside a compiled function (a compiled training step) runs eagerly
+    but under dynamo's frame hook, which compiled each of them as a frame of its own and
+    traced into the communicator -- the first step failed on every rank, where FSDP2 trains.
+
+Note [compiled autograd refused]
+    Under compiled autograd (``torch._dynamo.compiled_autograd``, torchtitan's
+    ``enable_compiled_autograd``) the gradient hooks are traced into the compiled backward
+    and the end-of-backward callback never runs: the backward failed inside dynamo tracing
+    the communicator, or (hooks disabled for dynamo) finished without the unit's last
+    reduction, and the step then refused "before any backward pass". So a training forward
+    of the root and every backward pre-hook raise at once, naming it, as DDP's forward does
+    (``fusedist/ddp/prepared.py``); ``torch.compile`` of the model and of a whole training
+    step work.
 
 Note [frozen parameters in backward]
     Counting gradient accumulations tells when a unit's backward is over only if every
@@ -123,6 +137,7 @@ from typing import Optional
 
 import torch
 
+from ..ddp.prepared import refuse_compiled_autograd
 from ..reliability.sharded_watch import ShardedStepWatch
 from . import recovery
 from .containers import grad_tensors as _grad_tensors
@@ -144,6 +159,9 @@ def _cast(dtype, obj):
     if dtype is None:
         return obj
     return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
+
+
+_WITH_COMPILED_AUTOGRAD = "torch's fully_shard (FSDP2)"
 
 
 class _InputsBackward(torch.autograd.Function):
@@ -288,6 +306,8 @@ class FullyShardState:
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
         if self.is_root and ctx.in_forward and not recovery.forward_is_live(ctx):
             recovery.recover_aborted_forward(ctx, module)  # Note [aborted forward]
+        if self.is_root and torch.is_grad_enabled():
+            refuse_compiled_autograd("fully_shard", _WITH_COMPILED_AUTOGRAD)  # Note [compiled autograd refused]
         if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
             if self._group_pending:  # a later member of this call: the unit is gathered already
                 if unit is not None and torch.is_grad_enabled() and not all(sp.requires_grad for sp in unit.sharded):
@@ -355,6 +375,7 @@ class FullyShardState:
     # ------------------------------------------------------------------ backward
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _pre_backward(self, call: int, grad):
+        refuse_compiled_autograd("fully_shard", _WITH_COMPILED_AUTOGRAD)  # Note [compiled autograd refused]
         ctx, unit = self.ctx, self.unit
         if ctx.backward_hooks_off:  # Note [zero-bubble passes of fusedist stages] in pipelining.py
             return grad
@@ -391,6 +412,7 @@ class FullyShardState:
         self._input_calls[0] += 1
         return _replace_tensors((args, kwargs), {id(t): r for t, r in zip(tensors, routed)})
 
+    @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _on_inputs_grad(self) -> None:
         self.ctx.ensure_final_callback()
         self._input_calls[1] += 1

@@ -537,4 +537,4 @@ def _grad_hook(unit_ref: "weakref.ref[ShardedUnit]", index: int, local: bool) ->
         elif unit.on_grad:
             unit.on_grad(index)
 
-    return hook
+    return torch.compiler.disable(hook)  # Note [hooks outside compiled graphs] in state.py

@@ -49,6 +49,7 @@ def _first_order_only(backward, differentiable=None):
     differentiating it raises, naming the layer; only using it as a value works.
     """
 
+    @torch.compiler.disable  # (a backward inside a compiled training step: Note [SyncBatchNorm under torch.compile])
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled() and differentiable is not None:  # create_graph=True

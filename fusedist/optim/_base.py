@@ -209,6 +209,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
 
+    # Disabled for dynamo: ``torch.compile(optimizer.step)`` (or a compiled training step) traced
+    # into the launches of the fused kernels (the step is one fused pass already; compiling it
+    # gains nothing): the step runs eagerly between graphs (Note [a compiled step runs eagerly]
+    # in fusedist/zero/optimizer.py).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import functional
 from ._base import FusedOptimizerBase, masters_of, state_values
 from ._hyperparameters import check_finite_hyper, hyper_number
@@ -58,6 +60,7 @@ class FusedLAMB(FusedOptimizerBase):
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
 
+    @torch.compiler.disable  # as the base class's step
     def step(self, closure=None):
         # apex clips with the norm over every parameter of every group: computed once, at the
         # first group's update, of the gradients the step uses -- after the base class has

@@ -27,6 +27,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+import torch
+
 from .._process_hooks import install_optimizer_step_hooks
 from ..ownership import data_parallel_owner, step_watch
 
@@ -219,7 +221,10 @@ def _post_step(optimizer, args, kwargs) -> None:
 
 def install() -> None:
     """Register the global hooks once per process (idempotent; fusedist/_process_hooks.py)."""
-    install_optimizer_step_hooks("DDP optimizer-step guard", _pre_step, _post_step)
+    # Disabled for dynamo: traced inside a compiled optimizer.step() (or a compiled training step),
+    # _watch_of recompiled once per parameter up to dynamo's recompile limit on the first step.
+    install_optimizer_step_hooks("DDP optimizer-step guard", torch.compiler.disable(_pre_step),
+                                 torch.compiler.disable(_post_step))
 
 
 __all__ = ["install"]

@@ -83,7 +83,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the
       gradients must already be synchronized (e.g. torch DDP, or a single process).
     * The shards are built at construction (DDP's bucket layout is fixed from then on, Note
-      [layout fixed by a sharded consumer] in ``fusedist/ddp/reducer.py``); the first ``step()``
+      [layout fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``); the first ``step()``
       (or a load) creates the optimizer state and re-points every parameter's storage into one
       flat buffer per dtype so the all-gather writes straight into the parameters. The inner
       ``optimizer_class`` steps FP32 views of the rank's flat shard, one per run of a param
@@ -298,6 +298,14 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._gatherer.wait_all()
 
     # ------------------------------------------------------------------ step
+    # Note [a compiled step runs eagerly]
+    #     ``torch.compile(optimizer.step)`` (or a compiled training step that calls it) traced
+    #     into the step's bookkeeping and its collectives; dynamo cannot trace the communicator,
+    #     so the first compiled step failed on every rank inside the parameter all-gather
+    #     ("Attempted to access unregistered member on an OpaqueObject"), where torch's
+    #     ZeroRedundancyOptimizer steps. The step is disabled for dynamo: a compiled caller
+    #     breaks its graph around it, and the step runs eagerly, with the same numbers.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         if grad_scaler is not None:

@@ -32,6 +32,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             return self._trainable_params()
         return [p for p in self._trainable_params() if p.grad is not None]
 
+    @torch.compiler.disable  # its all-reduce, as step()'s (Note [a compiled step runs eagerly] in optimizer.py)
     @torch.no_grad()
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
@@ -89,6 +90,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             return self._local_grads()
         return [p.grad for p in self._trainable_params() if p.grad is not None]
 
+    @torch.compiler.disable  # (Note [a compiled step runs eagerly] in optimizer.py)
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -174,6 +176,7 @@ class ZeroScalerProtocol(ScalerProtocol):
                 "torch's clip would have scaled only the gradients before that backward, which are gone, so "
                 "stepping could not match it. Clip after the last backward of the step.")
 
+    @torch.compiler.disable  # (Note [a compiled step runs eagerly] in optimizer.py)
     def clip_sharded_grads_(self, params: list, max_norm: float, norm_type: float = 2.0,
                             error_if_nonfinite: bool = False) -> torch.Tensor:
         """``fusedist.clip_grad_norm_`` on this optimizer's parameters (the gradient-holder

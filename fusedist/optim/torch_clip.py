@@ -122,12 +122,7 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     holder, params = next(iter(found.values()))
     materialize_unscales(params)  # lazily unscaled gradients: torch's values first
     total = holder.grad_norm(params, norm_type)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite "
-            "over all ranks' pieces of the fully_shard parameters, so it cannot be clipped (every rank "
-            "raises this). To disable this error and scale the gradients by the non-finite norm "
-            "anyway, set `error_if_nonfinite=False`")
+    _check_finite(total, norm_type, error_if_nonfinite)
     # torch returns the norm in the gradients' (promoted) dtype
     dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors})
     return total.to(device=tensors[0].device, dtype=dtype)
@@ -177,15 +172,21 @@ def _clip_pieces_as_torch(holder, params, max_norm, norm_type, error_if_nonfinit
     grads = [p.grad for p in with_grad]
     total = holder.grad_norm(held, norm_type)
     total = total.to(functools.reduce(torch.promote_types, {g.dtype for g in grads} or {p.dtype for p in held}))
+    _check_finite(total, norm_type, error_if_nonfinite)
+    if with_grad:
+        _TORCH_CLIP_WITH_NORM(with_grad, max_norm, total.to(grads[0].device), foreach)
+    return total
+
+
+def _check_finite(total: torch.Tensor, norm_type, error_if_nonfinite: bool) -> None:
+    """torch's ``error_if_nonfinite`` for the global norm of ``fully_shard`` pieces (a read of
+    the norm: one host synchronization, as torch's)."""
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite "
             "over all ranks' pieces of the fully_shard parameters, so it cannot be clipped (every rank "
             "raises this). To disable this error and scale the gradients by the non-finite norm "
             "anyway, set `error_if_nonfinite=False`")
-    if with_grad:
-        _TORCH_CLIP_WITH_NORM(with_grad, max_norm, total.to(grads[0].device), foreach)
-    return total
 
 
 def _held_by_stage2(p) -> bool:

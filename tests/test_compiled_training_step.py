@@ -64,6 +64,32 @@ def _train(run, opt, batches, compile_step=True, compile_opt_step=False):
     return graphs
 
 
+def _eager_and_compiled_scaled(make, batches) -> list:
+    """Two fresh ``make()`` = (model, optimizer) trained on ``batches`` with fusedist's GradScaler
+    and clip in one step, eagerly and then compiled (recompiling to the limit is an error)."""
+    import fusedist
+
+    trained = []
+    for compiled in (False, True):
+        model, opt = make()
+        scaler = fusedist.amp.GradScaler("cpu", init_scale=1024.0)
+
+        def scaled_step(x, y):
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.unscale_(opt)
+            fusedist.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+        step = torch.compile(scaled_step, backend=BACKEND) if compiled else scaled_step
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for x, y in batches:
+                step(x, y)
+        trained.append(model)
+    return trained
+
+
 def _batches(rank, n=8, steps=3, width=16):
     gen = torch.Generator().manual_seed(rank)
     return [(torch.randn(n, width, generator=gen), torch.randn(n, 4, generator=gen)) for _ in range(steps)]
@@ -100,25 +126,11 @@ def _ddp_worker(rank, ws):
 
     # fusedist's GradScaler and clip in the compiled step: ZeRO's found-inf/norm all-reduce
     # and its clip were traced too; compared with the same steps run eagerly
-    runs = []
-    for compiled in (False, True):
+    def zero2():
         ddp = fusedist.DistributedDataParallel(copy.deepcopy(base))
-        zero = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
-        scaler = fusedist.amp.GradScaler("cpu", init_scale=1024.0)
+        return ddp, fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
 
-        def scaled_step(x, y):
-            scaler.scale(F.mse_loss(ddp(x), y)).backward()
-            scaler.unscale_(zero)
-            fusedist.clip_grad_norm_(ddp.parameters(), 0.5)
-            scaler.step(zero)
-            scaler.update()
-            zero.zero_grad()
-
-        step = torch.compile(scaled_step, backend=BACKEND) if compiled else scaled_step
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            for x, y in batches:
-                step(x, y)
-        runs.append(list(ddp.parameters()))
+    runs = [list(m.parameters()) for m in _eager_and_compiled_scaled(zero2, batches)]
     out["zero2 + GradScaler + clip, compiled training step"] = (_max_diff(*runs), [0])
 
     # a fused optimizer: its step traced into the kernel launches; fusedist's clip looked up
@@ -202,28 +214,14 @@ def _fsdp_worker(rank, ws):
 
     # fusedist's GradScaler and clip in the compiled step (the holder's found-inf and norm
     # all-reduces were traced); compared with the same steps run eagerly
-    runs = []
-    for compiled in (False, True):
+    def sharded():
         model = copy.deepcopy(base)
         for block in model.blocks:
             fusedist.fully_shard(block, mesh=mesh)
         fusedist.fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = fusedist.amp.GradScaler("cpu", init_scale=1024.0)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
-        def scaled_step(x, y):
-            scaler.scale(F.mse_loss(model(x), y)).backward()
-            scaler.unscale_(opt)
-            fusedist.clip_grad_norm_(model.parameters(), 0.5)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-
-        step = torch.compile(scaled_step, backend=BACKEND) if compiled else scaled_step
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            for x, y in batches:
-                step(x, y)
-        runs.append(fusedist.fsdp.full_state_dict(model))
+    runs = [fusedist.fsdp.full_state_dict(m) for m in _eager_and_compiled_scaled(sharded, batches)]
     scaled = max((runs[0][k] - runs[1][k]).abs().max().item() for k in runs[0])
     return max((ref[k] - got[k]).abs().max().item() for k in ref), graphs, scaled
 

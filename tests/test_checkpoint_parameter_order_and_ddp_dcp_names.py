@@ -104,11 +104,16 @@ def _worker(rank, world_size, root):
     return out
 
 
-def test_optimizer_state_follows_names_when_the_parameter_order_differs(tmp_path):
+def _uninterrupted() -> dict:
+    """The weights of the single-process torch AdamW run of all 6 steps on the global batch."""
     model = _model(0, False)
     opt = torch.optim.AdamW(_groups(model), lr=1e-2)
     _steps(model, opt, 0, 6, 0, 1)
-    expected = _weights(model)
+    return _weights(model)
+
+
+def test_optimizer_state_follows_names_when_the_parameter_order_differs(tmp_path):
+    expected = _uninterrupted()
     results = run_distributed(_worker, 2, str(tmp_path), timeout=120)
     for out in results:
         for pair, weights in out.items():
@@ -149,10 +154,7 @@ def _dcp_worker(rank, world_size, root):
 
 
 def test_torch_dcp_checkpoint_of_a_fusedist_ddp_model_continues_on_zero(tmp_path):
-    model = _model(0, False)
-    opt = torch.optim.AdamW(_groups(model), lr=1e-2)
-    _steps(model, opt, 0, 6, 0, 1)
-    expected = _weights(model)
+    expected = _uninterrupted()
     for out in run_distributed(_dcp_worker, 2, str(tmp_path), timeout=120):
         for case, weights in out.items():
             err = max((weights[k] - expected[k]).abs().max().item() for k in expected)

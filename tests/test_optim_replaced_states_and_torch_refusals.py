@@ -23,6 +23,19 @@ def _steps(params, opt, steps: int, seed: int) -> None:
         opt.step()
 
 
+def _train_replacing_states(ref, ref_opt, got, opt, seed: int, convert, replace_in) -> None:
+    """2 steps of each, ``convert(key, value)`` applied to the states of the optimizers in
+    ``replace_in``, 3 more steps; then the parameters must agree."""
+    _steps(ref, ref_opt, 2, seed + 1)
+    _steps(got, opt, 2, seed + 1)
+    for o in replace_in:
+        _replace_states(o, convert)
+    _steps(ref, ref_opt, 3, seed + 2)
+    _steps(got, opt, 3, seed + 2)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def _replace_states(opt, convert) -> None:
     for state in opt.state.values():
         for key, value in list(state.items()):
@@ -37,14 +50,8 @@ def test_sgd_momentum_buffer_replaced_by_fp64_steps_as_torch():
     ref, got = _params(seed), _params(seed)
     ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
     opt = FusedSGD(got, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
-    _steps(ref, ref_opt, 2, seed + 1)
-    _steps(got, opt, 2, seed + 1)
-    for o in (ref_opt, opt):
-        _replace_states(o, lambda k, v: v.double() if k == "momentum_buffer" else v)
-    _steps(ref, ref_opt, 3, seed + 2)
-    _steps(got, opt, 3, seed + 2)
-    for a, b in zip(ref, got):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _train_replacing_states(ref, ref_opt, got, opt, seed, lambda k, v: v.double() if k == "momentum_buffer" else v,
+                            (ref_opt, opt))
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
@@ -74,13 +81,8 @@ def test_adam_moments_replaced_by_fp64_keep_the_update():
     seed = int(torch.randint(0, 10_000, ()).item())
     ref, got = _params(seed), _params(seed)
     ref_opt, opt = FusedAdam(ref, lr=0.05, weight_decay=0.1), FusedAdam(got, lr=0.05, weight_decay=0.1)
-    _steps(ref, ref_opt, 2, seed + 1)
-    _steps(got, opt, 2, seed + 1)
-    _replace_states(opt, lambda k, v: v.double() if k in ("exp_avg", "exp_avg_sq") else v)
-    _steps(ref, ref_opt, 3, seed + 2)
-    _steps(got, opt, 3, seed + 2)
-    for a, b in zip(ref, got):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _train_replacing_states(ref, ref_opt, got, opt, seed,
+                            lambda k, v: v.double() if k in ("exp_avg", "exp_avg_sq") else v, (opt,))
 
 
 def test_lamb_refuses_a_sparse_gradient_naming_it():
@@ -105,14 +107,7 @@ def test_step_counts_replaced_by_int64_step_as_torch(torch_cls, cls, kwargs):
     seed = int(torch.randint(0, 10_000, ()).item())
     ref, got = _params(seed), _params(seed)
     ref_opt, opt = torch_cls(ref, **kwargs), cls(got, **kwargs)
-    _steps(ref, ref_opt, 2, seed + 1)
-    _steps(got, opt, 2, seed + 1)
-    for o in (ref_opt, opt):
-        _replace_states(o, lambda k, v: v.long() if k == "step" else v)
-    _steps(ref, ref_opt, 3, seed + 2)
-    _steps(got, opt, 3, seed + 2)
-    for a, b in zip(ref, got):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _train_replacing_states(ref, ref_opt, got, opt, seed, lambda k, v: v.long() if k == "step" else v, (ref_opt, opt))
     assert all(float(st["step"]) == 5 for st in opt.state.values())
 
 

@@ -139,23 +139,12 @@ def _ddp_worker(rank, ws):
     graphs = _train(ddp, fusedist.optim.FusedAdamW(ddp.parameters(), lr=1e-2), batches, compile_step=False,
                     compile_opt_step=True)
     out["fused AdamW, compiled opt.step"] = (_max_diff(ref.parameters(), ddp.parameters()), graphs)
-    runs = []
-    for compiled in (False, True):
+    def fused():
         ddp = fusedist.DistributedDataParallel(copy.deepcopy(base))
-        fused = fusedist.optim.FusedAdamW(ddp.parameters(), lr=1e-2)
+        return ddp, fusedist.optim.FusedAdamW(ddp.parameters(), lr=1e-2)
 
-        def clipped_step(x, y):
-            F.mse_loss(ddp(x), y).backward()
-            fusedist.clip_grad_norm_(ddp.parameters(), 0.5)
-            fused.step()
-            fused.zero_grad()
-
-        step = torch.compile(clipped_step, backend=BACKEND) if compiled else clipped_step
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            for x, y in batches:
-                step(x, y)
-        runs.append(list(ddp.parameters()))
-    out["fused AdamW + clip, compiled training step"] = (_max_diff(*runs), [0])
+    runs = [list(m.parameters()) for m in _eager_and_compiled_scaled(fused, batches)]
+    out["fused AdamW + GradScaler + clip, compiled training step"] = (_max_diff(*runs), [0])
     return out
 
 

@@ -351,6 +351,10 @@ class GradScaler(_TorchGradScaler):
 
     # -- fused protocol ------------------------------------------------------------------------
 
+    # Disabled for dynamo: in a compiled training step it traced into the fused kernels' launches
+    # (and a sharded optimizer's found-inf all-reduce); it runs eagerly between the graphs, as the
+    # optimizer's step does (Note [a compiled step runs eagerly] in fusedist/zero/optimizer.py).
+    @torch.compiler.disable
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._enabled or not is_fused(optimizer):
             return super().unscale_(optimizer)

@@ -23,7 +23,7 @@ def objects_passed(directory, optimizer, scaler) -> dict:
     directory, the optimizer's algorithm, whether there is a scaler."""
     return {
         "directory": os.path.abspath(directory),
-        "optimizer": None if optimizer is None else optimizer_algorithm(optimizer),
+        "optimizer": optimizer_passed(optimizer),
         "scaler": "a GradScaler" if scaler is not None else "None",
     }
 
@@ -46,7 +46,7 @@ def check_same_save(calls: list) -> None:
     if bad:
         raise TypeError("fusedist.checkpoint.save: extra must be a dict, got "
                         + ", ".join(f"{kind} on rank {r}" for r, kind in bad) + " (nothing was written)")
-    for field in ("optimizer", "scaler", "per_rank"):
+    for field in ("optimizer", "scaler", "per_rank"):  # (a pipelined save compares its optimizers per stage)
         detail = _differs(calls, field)
         if detail:
             raise CheckpointError(
@@ -56,13 +56,41 @@ def check_same_save(calls: list) -> None:
 
 
 def _differs(calls: list, field: str) -> Optional[str]:
-    """'X on ranks [..]; Y on ranks [..]' when the ranks' ``field`` differ, else None."""
+    """'X on ranks [..]; Y on ranks [..]' when the ranks' ``field`` differ, else None (also when
+    no rank's call has the field: a pipelined save or load compares its optimizers per stage)."""
+    if not any(field in c for c in calls):
+        return None
     ranks: dict = {}
     for r, c in enumerate(calls):
-        ranks.setdefault(c[field], []).append(r)
+        ranks.setdefault(c.get(field), []).append(r)
     if len(ranks) < 2:
         return None
     return "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
+
+
+# Note [an optimizer per pipeline stage]: the ranks of a pipeline-parallel job hold other parts,
+# and a stage may have no parameters at all (a last stage holding only the loss), for which torch
+# refuses to build an optimizer: that stage passes None where the others pass theirs. The ranks
+# of one stage (replicas of one part) must still pass the same optimizer -- one rank's None
+# would save or load no optimizer state for that part while the others do -- so a pipelined
+# save or load compares the optimizers within each stage rather than across the job.
+def check_stage_optimizers(held: list, what: str, undone: str) -> None:
+    """Raise on every rank (Note [an optimizer per pipeline stage]) when the ranks holding one
+    part pass different optimizers. ``held``: every rank's ``[(stage, label, optimizer)]`` for
+    its parts, where ``stage`` identifies the part's stage alike on every rank holding it,
+    ``label`` names it in the message and ``optimizer`` is :func:`objects_passed`'s; ``undone``:
+    what was not done ("written", "loaded")."""
+    stages: dict = {}
+    for r, parts in enumerate(held):
+        for stage, label, optimizer in parts:
+            stages.setdefault((stage, label), {}).setdefault(optimizer, []).append(r)
+    for (_, label), ranks in stages.items():
+        if len(ranks) > 1:
+            detail = "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
+            raise CheckpointError(
+                f"{what}: the ranks of one pipeline stage ({label}) passed different optimizers: {detail}. Every "
+                "rank of a stage passes the stage's optimizer (or None on each of them: stages may differ); "
+                f"nothing was {undone}")
 
 
 # Note [one model per save]: a checkpoint holds one model, whose unsharded entries rank 0
@@ -144,6 +172,8 @@ def check_same_load(reads: list) -> None:
         raise CheckpointError(
             f"fusedist.checkpoint: the ranks read different checkpoints: {shown}. A load is a collective of one "
             "checkpoint: every rank passes the same directory, on a filesystem every rank sees; nothing was loaded")
+    if any("optimizers" in r for r in reads):  # a pipelined load: Note [an optimizer per pipeline stage]
+        check_stage_optimizers([r.get("optimizers", []) for r in reads], "fusedist.checkpoint.load", "loaded")
     for field in ("optimizer", "scaler", "strict"):
         detail = _differs(reads, field)
         if detail:
@@ -182,6 +212,11 @@ def check_loadable(optimizer, full: dict, directory: str) -> None:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"fusedist.checkpoint: the optimizer state in {directory} cannot be loaded into "
                               f"{type(optimizer).__name__}: {exc}") from exc
+
+
+def optimizer_passed(optimizer) -> Optional[str]:
+    """The optimizer as the ranks compare it: its algorithm, or None."""
+    return None if optimizer is None else optimizer_algorithm(optimizer)
 
 
 def optimizer_algorithm(optimizer) -> str:

@@ -6,7 +6,9 @@ Note [pipelined checkpoints]
 Under pipeline parallelism the ranks of each stage hold other parameters, sharded over that
 stage's data-parallel (or HSDP / tensor-parallel) group. A save with ``pipeline=True`` is a
 collective of the whole job: every rank passes its model part -- a list of them where a rank
-holds several stages, as interleaved and V schedules place them -- with one optimizer per part.
+holds several stages, as interleaved and V schedules place them -- with one optimizer per part
+(None for a stage without parameters: the ranks of each stage pass the same, Note [an optimizer
+per pipeline stage] in ``_checks.py``).
 Each part and the group of ranks holding it form one *stage* of the checkpoint. Its ranks write
 what an ordinary save over that group writes into their own files (``rank-<job rank>.pt``,
 sections suffixed with the part's slot on the rank, ``model_shard.0``); the stage's first rank
@@ -153,22 +155,28 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     # No exchange over the stages' groups: ranks naming groups that do not agree would wait
     # in one for a peer that is in another; check_stages reports them on every rank instead.
     members = [tuple(w.ranks()) for w in stages]
-    first_opt = held[0][1]
-    api._warn_trusted_only(job.rank, first_opt, extra, per_rank)
+    api._warn_trusted_only(job.rank, None, extra, per_rank)
+    for (_, opt), w in zip(held, stages):  # each stage's first rank writes its param groups
+        api._warn_trusted_only(w.rank, opt, None, None)
     shapes = {f"part {j} of ranks {list(members[j])}": api.model_shapes(module) for j, (module, _) in enumerate(held)}
     keys = [sorted(part) for part in shapes.values()]
     digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
-    call = _checks.save_call(directory, first_opt, scaler, extra, per_rank)
+    optimizers = [_checks.optimizer_passed(opt) for _, opt in held]
+    call = _checks.save_call(directory, None, scaler, extra, per_rank)
+    del call["optimizer"]  # compared within each stage (Note [an optimizer per pipeline stage] in _checks.py)
 
     def check(infos: list) -> None:
-        check_stages([m for m, _, _ in infos])
-        _checks.check_same_keys([d for _, _, d in infos], lambda: job.all_gather(shapes, "save: model keys"),
+        check_stages([m for m, *_ in infos])
+        _checks.check_stage_optimizers([[((ranks, j), f"part {j} of ranks {list(ranks)}", opt)
+                                         for j, (ranks, opt) in enumerate(zip(m, o))] for m, _, _, o in infos],
+                                       "fusedist.checkpoint.save", "written")
+        _checks.check_same_keys([d for _, _, d, _ in infos], lambda: job.all_gather(shapes, "save: model keys"),
                                 "fusedist.checkpoint.save")  # Note [one model per save]: the ranks of a stage
-        check_names({(tuple(ranks), j): part_keys for members_of, keys_of, _ in infos
+        check_names({(tuple(ranks), j): part_keys for members_of, keys_of, *_ in infos
                      for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
 
-    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests), check)
-    order = stage_order([m for m, _, _ in infos])
+    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests, optimizers), check)
+    order = stage_order([m for m, *_ in infos])
 
     for _, opt in held:
         if isinstance(opt, ZeroRedundancyOptimizer):
@@ -236,9 +244,14 @@ class _Reader:
         return out
 
     def model(self, k: int, stage: dict, expected: dict) -> dict:
-        """The stage's whole model entries by canonical key."""
+        """The stage's whole model entries by canonical key. A pipelined stage's keys are its
+        model's canonical ones as saved: normalized against a part holding some of them, they lost
+        a ``module.`` segment every key starts with (a stage whose only child is ``module``), and
+        a part of another split found none of its keys. Only an ordinary checkpoint's are
+        normalized against the part (``_names.strip_prefix``: older checkpoints' DDP prefix)."""
         if k not in self._models:
-            saved = dict(_names.strip_prefix(self.file(stage["common"])["model"], expected))
+            own = expected if stage["keys"] is None else dict.fromkeys(stage["keys"])
+            saved = dict(_names.strip_prefix(self.file(stage["common"])["model"], own))
             if stage.get("model_sharded"):  # Note [stage-3 checkpoints]
                 saved.update(stage3.assemble_model(self.sections(stage, "model_shard"),
                                                    source=f"model in {self.directory}"))
@@ -280,7 +293,7 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
         return _prepare_dcp(directory, held, scaler, strict)
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)
-    read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, held[0][1], scaler)}
+    read = loaded_objects(directory, digest, strict, held, scaler)
     plans = [_prepare_part(directory, stages, reader, module, opt, scaler if j == 0 else None, strict)
              for j, (module, opt) in enumerate(held)]
     read["keys"] = sorted({k for p in plans for k in p["model"]})
@@ -290,7 +303,22 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     all_params = {n: i for i, s in enumerate(stages) if s.get("optimizer") is not None
                   for n in s["optimizer"]["param_names"]}
     return {"parts": plans, "extra": reader.file(_files.COMMON).get("extra"), "read": read, "strict": strict,
-            "stages": stages, "all_keys": all_keys, "all_params": all_params if held[0][1] is not None else {}}
+            "stages": stages, "all_keys": all_keys, "all_params": all_params}
+
+
+def loaded_objects(directory: str, digest: str, strict: bool, held: list, scaler) -> dict:
+    """What this rank's load reads and is given, for every rank to compare
+    (``_checks.check_same_load``): the optimizers part by part, each part's stage known by its
+    keys and shapes, which the ranks of a stage share (Note [an optimizer per pipeline stage]
+    in ``_checks.py``: a stage without parameters has none)."""
+    read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, None, scaler)}
+    del read["optimizer"]
+    read["optimizers"] = []
+    for module, opt in held:
+        shapes = api.model_shapes(module)
+        label = f"the part holding '{min(shapes)}'" if shapes else "the parts holding no state"
+        read["optimizers"].append((_checks.keys_digest(shapes), label, _checks.optimizer_passed(opt)))
+    return read
 
 
 def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
@@ -302,12 +330,16 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
         raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
                               "which holds no GradScaler state fusedist reads; pass scaler=None")
     digest, tree = _from_dcp.read(directory)
-    read = {"manifest": digest, "strict": strict, **_checks.objects_passed(directory, held[0][1], scaler)}
+    read = loaded_objects(directory, digest, strict, held, scaler)
     plans, every_key, every_param = [], {}, {}
     for module, optimizer in held:
         target = _names.unwrap(module)
         expected, sharded_target = _load_plan._expected_model(target)
-        saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
+        if expected or strict:
+            names = expected or _dcp_model_keys(tree, directory)
+            saved, optim = _from_dcp.split(tree, names, lambda d: _names.strip_prefix(d, expected), directory)
+        else:  # a part without state takes nothing, and a load that is not strict checks nothing more
+            saved, optim = {}, None
         every_key.update((k, 0) for k in saved)
         mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
         plan = {"model": _load_plan._check_model(mine, expected, directory, strict), "model_sharded": sharded_target,
@@ -321,12 +353,29 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
             full = _from_dcp.to_torch_format(optim, plan["params"], optimizer.param_groups, source, others=True)
             plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
                                                          optimizer, params, source)
+        if optim is not None:  # (what a strict load takes when a rank passes an optimizer: check_taken)
             every_param.update((n, 0) for n in _from_dcp.state_names(optim))
         plans.append(plan)
     read["keys"] = sorted({k for p in plans for k in p["model"]})
     read["params"] = sorted({n for p in plans for n in p.pop("params")})
     return {"parts": plans, "extra": None, "read": read, "strict": strict, "stages": [{"ranks": None}],
             "all_keys": every_key, "all_params": every_param}
+
+
+def _dcp_model_keys(tree: dict, directory: str) -> dict:
+    """The model keys of torch's distributed checkpoint ``tree``, for a part without state (a
+    pipeline stage without parameters, Note [an optimizer per pipeline stage] in ``_checks.py``),
+    which has no names to find the model's state by: it takes nothing, but must know every key
+    and parameter the checkpoint holds, as the other ranks do, for a strict load's check that
+    the parts took all of it (:func:`check_taken`, alike on every rank). The model's state is
+    then the one entry holding tensors that is not an optimizer's."""
+    found = [d for _, d in _from_dcp._dicts(tree) if not _from_dcp._is_optimizer(d)
+             and any(isinstance(v, torch.Tensor) for v in d.values())]
+    if len(found) != 1:
+        raise CheckpointError(f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds {len(found)} "
+                              "entries of tensors besides an optimizer's: a model part without state cannot tell "
+                              "which is the model's state (load with strict=False)")
+    return _names.strip_prefix({k: v for k, v in found[0].items() if isinstance(v, torch.Tensor)}, {})
 
 
 def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimizer, scaler, strict: bool) -> dict:
@@ -346,13 +395,21 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
     if optimizer is not None:
         plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer)
     if scaler is not None:
-        found = next((s for _, s in chosen if s.get("scaler")), None)
+        found = next((s for _, s in chosen or _stateless_first(stages) if s.get("scaler")), None)
         if found is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state for this part's stages")
         state = reader.file(found["common"])["scaler"]
         _checks.check_scaler(state, scaler, directory)
         plan["scaler"] = state
     return plan
+
+
+def _stateless_first(stages: list) -> list:
+    """The stages whose GradScaler state a part holding no state takes (a pipeline stage without
+    parameters, whose loss the scaler scales; it takes nothing else): a stage saved without
+    state first, else the first saved with a scaler. Those holding a part's layers are the
+    ones a part with state takes it from."""
+    return sorted(enumerate(stages), key=lambda ks: bool(ks[1]["keys"]))
 
 
 def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer) -> tuple:
@@ -399,8 +456,13 @@ def check_taken(plan: dict, reads: list, directory: str) -> None:
     on every rank alike, before any loads."""
     if not plan["strict"]:
         return
-    for what, every, taken in (("model keys", plan["all_keys"], "keys"), ("parameters' optimizer state",
-                                                                           plan["all_params"], "params")):
+    # The optimizer state must all be taken when any rank loads an optimizer (a stage without
+    # parameters has none: Note [an optimizer per pipeline stage]), decided alike on every rank.
+    optimizers = any(opt is not None for r in reads for _, _, opt in r["optimizers"])
+    for what, every, taken, hint in (
+            ("model keys", plan["all_keys"], "keys", ""),
+            ("parameters' optimizer state", plan["all_params"] if optimizers else {}, "params",
+             ", each part holding parameters with its optimizer")):
         took = set().union(*(r[taken] for r in reads))
         left = [k for k in every if k not in took]
         if left:
@@ -409,7 +471,7 @@ def check_taken(plan: dict, reads: list, directory: str) -> None:
             raise CheckpointError(
                 f"fusedist.checkpoint: {directory} holds {len(left)} {what} that no model part of this job loads "
                 f"({left[:5]}{' ...' if len(left) > 5 else ''}{saved_by}): every rank of a pipeline-parallel job "
-                "passes its parts with pipeline=True, and the parts together must be the saved model "
+                f"passes its parts with pipeline=True{hint}, and the parts together must be the saved model "
                 "(load(..., strict=False) loads what the parts have); nothing was loaded")
 
 

@@ -45,20 +45,26 @@ def synthetic_data(n: int = 4096) -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 8, generator=gen))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0, help="ZeRO stage (0: off)")
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
     p.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     p.add_argument("--epochs", type=int, default=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.epochs < 0:  # (Lightning's max_epochs=-1 trains without end)
+        p.error(f"--epochs must be >= 0, got {args.epochs}")
+    if args.devices < 1:
+        p.error(f"--devices must be >= 1, got {args.devices}")
     torch.manual_seed(0)
     trainer = L.Trainer(strategy=FusedistStrategy(zero_stage=args.zero), accelerator="cpu", devices=args.devices,
                         precision=args.precision, gradient_clip_val=args.clip, max_epochs=args.epochs,
                         logger=False, enable_checkpointing=False)
     trainer.fit(Regressor(), DataLoader(synthetic_data(), batch_size=64, shuffle=True))
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and "loss" not in trainer.callback_metrics:  # (it raised KeyError: 'loss')
+        print(f"nothing trained: --epochs {args.epochs}")
+    elif trainer.is_global_zero:
         print(f"final loss {trainer.callback_metrics['loss'].item():.4f} "
               f"(optimizer {type(trainer.optimizers[0]).__qualname__}, ZeRO stage {args.zero})")
 

@@ -66,7 +66,9 @@ def parse_args(argv=None):
                    help="ZeRO: let step() return before the parameter all-gathers land (the next forward waits)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
-                   help="cosine: linear warmup over 10%% of --steps, then cosine decay to 10%% of --lr")
+                   help="cosine: linear warmup over 10%% of --steps, then cosine decay to 10%% of --lr; a run "
+                        "resumed by --resume continues the schedule saved with the checkpoint (past its end: 10%% "
+                        "of --lr), one resumed from --checkpoint-dir spans --steps, the job's total")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save step-numbered checkpoints here and resume from the latest complete one "
                         "(--steps is then the run's total step count)")
@@ -155,18 +157,32 @@ def build_optimizer(args, model, ddp):
     return torch.optim.AdamW(params, **kwargs)
 
 
+class WarmupCosine:
+    """--lr-schedule cosine: the LR factor at a step, over a run of ``steps`` steps.
+
+    An object, not a function, so that the scheduler's state_dict carries ``steps`` and
+    ``warmup`` and a run resumed by ``--resume`` continues the schedule it saved: there
+    ``--steps`` counts the steps still to train, and a schedule rebuilt from it took the
+    saved step index into another schedule -- the LR jumped at the resume and the decay
+    depended on how the training was split into runs. (With ``--checkpoint-dir``, ``--steps``
+    is the job's total, and the schedule spans it.)
+    """
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.warmup = max(1, steps // 10)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
 def lr_schedule(args, opt):
     if args.lr_schedule == "constant":
         return None
-    warmup = max(1, args.steps // 10)
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(args.steps))
 
 
 def fail_once(args, rank: int, step: int) -> None:
@@ -219,6 +235,9 @@ def main(argv=None):
     # independently of the world size, so a resume at another rank count re-splits the epoch.
     windows = CharWindows(data.data, args.context)
     sampler = ElasticDistributedSampler(windows, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    if sampler.num_samples < args.batch:  # (every rank alike) an epoch of no batch: a bare StopIteration later
+        raise SystemExit(f"--batch {args.batch} is more than a rank's share of an epoch: {len(windows)} windows of "
+                         f"--context {args.context} over {world} rank(s) are {sampler.num_samples} per rank")
     # Its own generator: every iter() draws a seed from it, and a resumed run calls iter()
     # where the uninterrupted one did not (Note in fusedist/checkpoint/resume.py).
     loader = DataLoader(windows, batch_size=args.batch, sampler=sampler, drop_last=True, generator=torch.Generator())
@@ -227,6 +246,8 @@ def main(argv=None):
         ckpt = Checkpointer(args.checkpoint_dir, every_steps=args.checkpoint_every, keep=args.checkpoint_keep,
                             async_save=not args.sync_checkpoint)
         start_step = ckpt.restore(ddp, opt, scaler, lr_scheduler=sched, sampler=sampler)
+        if sched is not None:  # --steps is the job's total here: the schedule spans it, whatever was saved
+            sched.lr_lambdas[0] = WarmupCosine(args.steps)
         if start_step and rank == 0:
             moved = ckpt.restored_world_size != world
             where = (f" (saved at world size {ckpt.restored_world_size}, now {world}: optimizer resharded, data "
@@ -257,6 +278,7 @@ def main(argv=None):
         print(f"fusedist demo: GPT {n_params / 1e6:.2f}M params, {world} rank(s) on {device.type} ({info.backend}), "
               f"optimizer={type(opt).__name__}{' (ZeRO-%d)' % args.zero if args.zero else ''}, "
               f"{_describe(precision)} ({args.precision}: {precision.reason})", flush=True)
+        _say_what_the_run_does(args, start_step, end_step, sched)
 
     progress = Progress(max(end_step - start_step, 1), rank == 0)
     losses, step_times, hidden = [], [], []
@@ -326,6 +348,18 @@ def main(argv=None):
                  [tokens_per_step / t for t in step_times], [1.0 - h for h in hidden], _describe(precision))
             print(f"  plot                  {args.plot}")
     torch.distributed.destroy_process_group()
+
+
+def _say_what_the_run_does(args, start_step: int, end_step: int, sched) -> None:
+    """A run with no step to train said nothing about it: it printed its header and ended.
+    And a resumed cosine schedule past its end trains at its floor: say so too."""
+    if end_step <= start_step:
+        why = ("--steps 0" if args.steps == 0 else f"the checkpoint is at step {start_step}, and with "
+               f"--checkpoint-dir --steps {args.steps} is the total step count of the run")
+        print(f"nothing to train: {why}", flush=True)
+    elif sched is not None and sched.last_epoch >= sched.lr_lambdas[0].steps:  # (restored: the saved step)
+        print(f"lr schedule: the cosine schedule saved with the checkpoint ended at step {sched.lr_lambdas[0].steps}; "
+              f"steps {start_step + 1}-{end_step} train at its final LR (10% of --lr)", flush=True)
 
 
 def _describe(precision) -> str:

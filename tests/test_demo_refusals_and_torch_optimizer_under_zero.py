@@ -5,7 +5,6 @@ that cannot apply or bad values are refused by argparse before any process group
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import random
@@ -14,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import demo_recording
 from fusedist.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,27 +22,9 @@ TINY = dict(dim=32, layers=1, heads=2, context=16, batch=4)
 STEPS = 4
 
 
-def _load_demo(name: str = "train_gpt_probe2"):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, "train_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _demo_run(argv):
     """The demo's main() on this rank: its per-step losses and its final parameters (rank 0)."""
-    demo = _load_demo()
-    seen = {"losses": [], "state": None}
-
-    class Recording(demo.Progress):
-        def update(self, step, loss, tokens_per_s):
-            seen["losses"].append(loss)
-
-    def digest(state):
-        seen["state"] = {k: v.detach().float().clone() for k, v in state.items()}
-        return "-"
-
-    demo.Progress, demo.parameter_digest = Recording, digest
+    demo, seen = demo_recording.recording_demo()
     with contextlib.redirect_stdout(io.StringIO()):
         demo.main(argv)  # (destroys the process group at the end)
     return seen["losses"], seen["state"]
@@ -137,7 +119,7 @@ def test_demo_torch_optimizer_under_zero_with_low_precision_trains_as_torch(tmp_
 
 @pytest.fixture(scope="module")
 def demo():
-    return _load_demo("train_gpt_probe2_args")
+    return demo_recording.load_demo("train_gpt_args")
 
 
 @pytest.mark.parametrize("argv, message", [

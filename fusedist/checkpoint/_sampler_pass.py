@@ -26,6 +26,16 @@ Note [a pass of the sampler]
     and a resume from it repeats what was trained; ``state_dict`` warns about that, once (a
     resumed pass too: its position starts where the restored one was).
 
+    ``len()`` is the length of the pass the loop is in, or of the next one once the current
+    pass is over: advanced to its end. Only the resumed pass is shorter than the rank's
+    share, so after its last ``advance`` ``len()`` is the whole share again, as torch's, for
+    the next ``iter()`` (a ``tqdm(loader)`` or ``len(loader)`` before the next loop). It said
+    the resumed remainder until the next pass drew its first index. Merely drawing every
+    index does not end a pass: a DataLoader with workers draws the last batches before the
+    loop has trained them, and ``len()`` in the loop must not change there. (So a loop whose
+    DataLoader drops a last partial batch never ends its resumed pass: ``len()`` says the
+    remainder until the next pass begins, or until ``set_epoch``.)
+
 Note [set_epoch after a resume]
     The loop most scripts already have resumes with ``for epoch in range(start_epoch, E):
     sampler.set_epoch(epoch); for batch in loader: ...``, so the first thing after
@@ -38,6 +48,7 @@ Note [set_epoch after a resume]
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Iterable, Iterator
 
@@ -71,6 +82,11 @@ class PassPosition:
         self._drawn = self._advanced = 0
         self._restored = False
 
+    def _pass_over(self) -> bool:
+        """Whether the current pass was advanced to its end, so that the next ``iter()`` starts
+        the epoch from its beginning (Note [a pass of the sampler])."""
+        return getattr(self, "_pass_open", False) and self.offset >= self._advance_limit()
+
     def _counted(self, indices: Iterable[int]) -> Iterator[int]:
         for index in indices:
             self._drawn += 1
@@ -100,6 +116,21 @@ class PassPosition:
                 "advance() was never called in this pass, so the saved position is the start of the pass and a "
                 "resume repeats what was trained. Call sampler.advance(len(batch)) after each step (a save before "
                 "the pass's first step may ignore this)", stacklevel=3)
+
+    def _check_state_types(self, state: dict, ints: tuple, bools: tuple, label: str) -> None:
+        """Refuse a saved state whose values are of the wrong kinds, naming the key, before
+        anything changes: an epoch saved as a string or a float loaded silently and failed
+        only at the next ``iter()``, with a TypeError far from the load. Keys absent from the
+        state (of an earlier version) are the caller's to handle."""
+        for key in (k for k in ints if k in state):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{label}: the saved {key}={value!r} is not an int (a {type(value).__name__}); "
+                                 f"the state is not this sampler's state_dict()")
+        for key in (k for k in bools if k in state):
+            if not isinstance(state[key], bool):
+                raise ValueError(f"{label}: the saved {key}={state[key]!r} is not a bool (a "
+                                 f"{type(state[key]).__name__}); the state is not this sampler's state_dict()")
 
     # -- supplied by the sampler
     def _restart_epoch(self) -> None:

@@ -112,7 +112,7 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
     def __len__(self) -> int:
         """This rank's share of the current pass: of the rest of the epoch after a resume (the
         next pass, after the loop's last ``advance`` of this one, is the whole share)."""
-        return self.num_samples - self._resume_offset
+        return self.num_samples if self._pass_over() else self.num_samples - self._resume_offset
 
     def state_dict(self) -> dict:
         self._warn_if_never_advanced()
@@ -125,6 +125,8 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
             hint = " (an ElasticDistributedSampler's state?)" if isinstance(state, dict) and "consumed" in state else ""
             raise ValueError(f"ResumableDistributedSampler: the state to load lacks {missing}; it is not a "
                              f"ResumableDistributedSampler.state_dict(){hint}")
+        self._check_state_types(state, ("epoch", "offset", "seed", "num_replicas", "dataset_len"),
+                                ("shuffle", "drop_last"), "ResumableDistributedSampler")
         mine = {"seed": self.seed, "num_replicas": self.num_replicas, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "dataset_len": len(self.dataset)}
         for key, value in mine.items():
@@ -137,8 +139,8 @@ class ResumableDistributedSampler(PassPosition, DistributedSampler):
         if not 0 <= state["offset"] <= self.num_samples:
             raise ValueError(f"ResumableDistributedSampler: saved offset {state['offset']} is outside "
                              f"[0, {self.num_samples}]")
-        super().set_epoch(state["epoch"])
-        self.offset = self._resume_offset = state["offset"]
+        super().set_epoch(int(state["epoch"]))
+        self.offset = self._resume_offset = int(state["offset"])
         self._reset_pass(restored=True)
 
 

@@ -63,7 +63,7 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
         self._start = 0
 
     def _advance_limit(self) -> int:
-        return len(self)
+        return self._pass_length()
 
     @property
     def consumed(self) -> int:
@@ -98,7 +98,12 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
         yield from self._counted(rest[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
-        """This rank's share of the current pass: of the rest of the epoch after a resume."""
+        """This rank's share of the current pass: of the rest of the epoch after a resume, and
+        the whole share once that pass is over (Note [a pass of the sampler])."""
+        return self.num_samples if self._pass_over() else self._pass_length()
+
+    def _pass_length(self) -> int:
+        """What the current pass yields on this rank (torch's ``num_samples`` from the start)."""
         rest = max(len(self.dataset) - self._start, 0)
         if self.drop_last:
             return rest // self.num_replicas
@@ -117,6 +122,8 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
             hint = " (a ResumableDistributedSampler's state?)" if isinstance(state, dict) and "offset" in state else ""
             raise ValueError(f"ElasticDistributedSampler (rank {self.rank}): the state to load lacks {missing}; it is "
                              f"not an ElasticDistributedSampler.state_dict(){hint}")
+        self._check_state_types(state, ("epoch", "seed", "dataset_len", "num_replicas"),  # consumed: below
+                                ("shuffle", "drop_last"), f"ElasticDistributedSampler (rank {self.rank})")
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("drop_last", self.drop_last),
                           ("dataset_len", len(self.dataset))):
             if state[key] != mine:
@@ -126,8 +133,8 @@ class ElasticDistributedSampler(PassPosition, DistributedSampler):
                 )
         consumed = state["consumed"]
         if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-            raise ValueError(f"ElasticDistributedSampler (rank {self.rank}): saved position {consumed!r} is not a "
-                             f"number of samples of the epoch of {len(self.dataset)}")
-        super().set_epoch(state["epoch"])
-        self._start, self.offset = min(consumed, len(self.dataset)), 0  # past the end: padding, the epoch is done
+            raise ValueError(f"ElasticDistributedSampler (rank {self.rank}): saved position consumed={consumed!r} is "
+                             f"not a number of samples of the epoch of {len(self.dataset)}")
+        super().set_epoch(int(state["epoch"]))
+        self._start, self.offset = min(int(consumed), len(self.dataset)), 0  # past the end: padding, the epoch is done
         self._reset_pass(restored=True)

@@ -80,6 +80,22 @@ class Join(_TorchJoin):
     named in stall reports. ``DistributedDataParallel.join()`` returns one; use it like
     torch's: ``with fusedist.Join([model, optimizer]): ...``."""
 
+    # Note [join under torch.compile]
+    #     A join context inside a compiled training step (or around a compiled loop): dynamo
+    #     traced its enter and exit into the communicator's all-reduces (the count of ranks
+    #     still training, the joined ranks' shadowed collectives), and every rank failed at
+    #     the first step ("Attempted to access unregistered member on an OpaqueObject"). Both
+    #     run eagerly, a graph break on each side of the ``with`` block; so do the join hooks
+    #     (DDPJoinHook here, ZeroJoinHook in zero/join.py), which torch's own ``Join`` calls
+    #     from its traced exit.
+    @torch.compiler.disable
+    def __enter__(self):
+        return super().__enter__()
+
+    @torch.compiler.disable
+    def __exit__(self, type, value, traceback):
+        return super().__exit__(type, value, traceback)
+
     def _set_joinable_configs(self) -> None:
         super()._set_joinable_configs()
         for joinable in self._joinables:
@@ -316,6 +332,7 @@ class DDPJoinHook(JoinHook):
         self.ddp = ddp
         ddp._join_state = DDPJoinState(ddp, divide_by_initial_world_size)
 
+    @torch.compiler.disable  # Note [join under torch.compile]
     def main_hook(self) -> None:
         ddp = self.ddp
         reducer = ddp.reducer
@@ -339,6 +356,7 @@ class DDPJoinHook(JoinHook):
         else:
             reducer.iteration += 1  # a no_sync() backward elsewhere: nothing to send
 
+    @torch.compiler.disable  # Note [join under torch.compile]
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         reducer = ddp.reducer

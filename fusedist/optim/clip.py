@@ -46,6 +46,7 @@ def _looked_up_once_each(optimizers: list):
     return stack
 
 
+@torch.compiler.disable  # eager in a compiled step: a holder lookup per parameter, and all-reduces
 def clip_grad_norm_(
     parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
     max_norm: float,

@@ -82,6 +82,13 @@ _installed = False
 _empty_norm = threading.local()
 
 
+# The replacements look up each parameter's gradient holder and all-reduce: traced in a compiled
+# training step, the lookup recompiled once per parameter shape (up to dynamo's limit) and the
+# collectives failed. They run eagerly between the graphs, one graph break per call (a lookup
+# disabled one by one would cost each parameter's lookup its own eager frame).
+_eager_in_compiled_code = torch.compiler.disable
+
+
 def torch_clip_grad_norm_(*args, **kwargs) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` as torch ships it (whatever is installed in its place)."""
     return _TORCH_CLIP(*args, **kwargs)
@@ -100,6 +107,7 @@ def _pieces_by_holder(grads: list) -> tuple[dict, bool]:
     return found, bool(ids)
 
 
+@_eager_in_compiled_code
 @torch.no_grad()
 def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
     if isinstance(tensors, torch.Tensor):
@@ -128,6 +136,7 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     return total.to(device=tensors[0].device, dtype=dtype)
 
 
+@_eager_in_compiled_code
 @torch.no_grad()
 def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     if isinstance(parameters, torch.Tensor):
@@ -194,6 +203,7 @@ def _held_by_stage2(p) -> bool:
     return p.grad is None and getattr(gradient_holder(p), "stage", None) == 2
 
 
+@_eager_in_compiled_code
 @torch.no_grad()
 def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None) -> None:
     last = getattr(_empty_norm, "last", None)
@@ -211,6 +221,7 @@ def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None)
     _TORCH_CLIP_WITH_NORM(parameters, max_norm, total_norm, foreach)
 
 
+@_eager_in_compiled_code
 def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> None:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     for i, p in enumerate(params):

@@ -77,6 +77,7 @@ class ZeroJoinHook(JoinHook):
         self.zero = zero
         zero._join_live = True
 
+    @torch.compiler.disable  # Note [join under torch.compile] in ddp/join.py
     def main_hook(self) -> None:
         zero = self.zero
         ddp = zero.ddp
@@ -99,6 +100,7 @@ class ZeroJoinHook(JoinHook):
         finally:
             zero._join_shadowing = False
 
+    @torch.compiler.disable  # Note [join under torch.compile] in ddp/join.py
     def post_hook(self, is_last_joiner: bool) -> None:
         zero = self.zero
         zero.wait_for_params()

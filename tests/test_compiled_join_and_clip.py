@@ -1,0 +1,206 @@
+"""A whole training step under ``torch.compile`` (backend ``eager``; a recompile past dynamo's
+limit made an error), in configurations that failed:
+
+* a join context inside the compiled step, or around a compiled loop with uneven inputs:
+  dynamo traced the context's enter and exit and the join hooks into fusedist's
+  communicator, and every rank failed at the first compiled step;
+* a gradient clip (fusedist's or torch's) over ``fully_shard`` or ZeRO-2 parameters of more
+  than eight shapes: the lookup of each parameter's gradient holder, traced, recompiled per
+  shape past the limit.
+
+Compared with torch's DDP run eagerly; the number of graphs stays the same from step to step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import models
+from fusedist.testing import run_distributed
+
+BACKEND = "eager"
+
+
+def _batches(rank, steps=3):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(steps)]
+
+
+def _run(step, batches):
+    """``step`` compiled, over ``batches``; the number of graphs compiled after each step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(step, backend=BACKEND)
+    graphs = []
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for x, y in batches:
+            fn(x, y)
+            graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
+def _max_diff(a, b):
+    return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a, b))
+
+
+def _torch_reference(base, batches):
+    """torch's DDP and AdamW run eagerly."""
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in batches:
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return list(ref.parameters())
+
+
+def _join_worker(rank, ws):
+    import fusedist
+    from torch.distributed.algorithms import Join as TorchJoin
+
+    torch.manual_seed(0)
+    base = models.BlockStack(d_in=5, d=8, d_out=3, blocks=2)
+    batches = _batches(rank)
+    ref = _torch_reference(base, batches)
+    out = {}
+    for how in ("model.join()", "fusedist.Join", "torch Join, ZeRO-2"):
+        model = fusedist.DistributedDataParallel(copy.deepcopy(base))
+        if how.endswith("ZeRO-2"):
+            opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            ctx = (model.join() if how == "model.join()" else fusedist.Join([model]) if how == "fusedist.Join"
+                   else TorchJoin([model, opt]))
+            with ctx:
+                F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        graphs = _run(step, batches)
+        out[how] = (_max_diff(ref, model.parameters()), graphs)
+    return out
+
+
+def test_join_context_inside_compiled_step_matches_torch():
+    """The context's enter and exit (the count of ranks still training) and, under torch's
+    Join, fusedist's join hooks (the shadowed step check) were traced into the communicator."""
+    for rank, out in enumerate(run_distributed(_join_worker, 2, timeout=300)):
+        for how, (diff, graphs) in out.items():
+            assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP - fusedist| = {diff}"
+            assert graphs[-1] == graphs[0], f"rank {rank}, {how}: recompiled, graphs after each step {graphs}"
+
+
+def _uneven_worker(rank, ws):
+    import fusedist
+    from torch.distributed.algorithms import Join as TorchJoin
+
+    torch.manual_seed(0)
+    base = models.BlockStack(d_in=5, d=8, d_out=3, blocks=2)
+    batches = _batches(rank, steps=2 + rank)  # rank 0 joins after two steps, rank 1 trains a third
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with TorchJoin([ref]):
+        for x, y in batches:
+            F.mse_loss(ref(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    out = {}
+    for how in ("fusedist.Join", "torch Join, ZeRO-2"):
+        torch._dynamo.reset()
+        model = fusedist.DistributedDataParallel(copy.deepcopy(base))
+        if how.endswith("ZeRO-2"):
+            opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def train(batches):
+            with fusedist.Join([model]) if how == "fusedist.Join" else TorchJoin([model, opt]):
+                for x, y in batches:
+                    F.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+
+        torch.compile(train, backend=BACKEND)(batches)
+        out[how] = _max_diff(ref.parameters(), model.parameters())
+    return out
+
+
+def test_compiled_training_loop_in_join_context_with_uneven_inputs_matches_torch():
+    """The joined rank's hooks (DDP's shadowed collectives, ZeRO's shadowed step) were traced
+    when the loop with its join context was compiled."""
+    for rank, out in enumerate(run_distributed(_uneven_worker, 2, timeout=300)):
+        for how, diff in out.items():
+            assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP under Join - fusedist| = {diff}"
+
+
+class Ladder(nn.Module):
+    """Linear layers of distinct widths: every parameter (and every piece of one) a shape of its own."""
+
+    def __init__(self, widths=(5, 6, 7, 9, 10, 11, 12, 3)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def _clip_worker(rank, ws):
+    import fusedist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    base = Ladder()
+    batches = _batches(rank)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches:
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    ref = list(ref.parameters())
+    out = {}
+    for how in ("fully_shard, fusedist clip", "fully_shard, torch clip", "ZeRO-2, fusedist clip",
+                "ZeRO-2, torch clip"):
+        model = copy.deepcopy(base)
+        if how.startswith("fully_shard"):
+            mesh = init_device_mesh("cpu", (ws,))
+            for layer in model.layers:
+                fusedist.fully_shard(layer, mesh=mesh)
+            fusedist.fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            model = fusedist.DistributedDataParallel(model)
+            opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+        clip = fusedist.clip_grad_norm_ if "fusedist" in how else torch.nn.utils.clip_grad_norm_
+
+        def step(x, y):
+            F.mse_loss(model(x), y).backward()
+            clip(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+
+        graphs = _run(step, batches)
+        got = (list(fusedist.fsdp.full_state_dict(model).values()) if how.startswith("fully_shard")
+               else list(model.parameters()))
+        out[how] = (_max_diff(ref, got), graphs)
+    return out
+
+
+def test_clip_in_compiled_step_over_many_parameter_shapes_matches_torch():
+    """The clips look up each parameter's gradient holder: traced, the lookup recompiled per
+    parameter shape, past dynamo's limit with more than eight."""
+    for rank, out in enumerate(run_distributed(_clip_worker, 2, timeout=120)):
+        for how, (diff, graphs) in out.items():
+            assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP - fusedist| = {diff}"
+            assert graphs[-1] == graphs[0], f"rank {rank}, {how}: recompiled, graphs after each step {graphs}"

@@ -139,6 +139,7 @@ def _ddp_worker(rank, ws):
     graphs = _train(ddp, fusedist.optim.FusedAdamW(ddp.parameters(), lr=1e-2), batches, compile_step=False,
                     compile_opt_step=True)
     out["fused AdamW, compiled opt.step"] = (_max_diff(ref.parameters(), ddp.parameters()), graphs)
+
     def fused():
         ddp = fusedist.DistributedDataParallel(copy.deepcopy(base))
         return ddp, fusedist.optim.FusedAdamW(ddp.parameters(), lr=1e-2)

@@ -146,36 +146,37 @@ def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfin
         if not params and isinstance(parameters, types.GeneratorType):
             # (the exhausted generator itself: torch warns that an empty one clips nothing)
             return _TORCH_CLIP(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-    if any(gradient_holder(p) is not None for p in params):
-        holder = _one_fully_shard_holder(params)
+    holders = [gradient_holder(p) for p in params]  # (one lookup per parameter, for every use below)
+    if any(h is not None for h in holders):
+        holder = _one_fully_shard_holder(params, holders)
         if holder is not None:
-            return _clip_pieces_as_torch(holder, params, max_norm, norm_type, error_if_nonfinite, foreach)
+            held = [p for p, h in zip(params, holders) if h is not None]
+            return _clip_pieces_as_torch(holder, held, max_norm, norm_type, error_if_nonfinite, foreach)
         from .clip import clip_grad_norm_
 
         return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
-def _one_fully_shard_holder(params: list):
-    """The ``fully_shard`` gradient holder of every trainable parameter in ``params``, or None
-    (a stage-2 optimizer's parameters, several holders, or pieces mixed with plain parameters:
-    fusedist's clip handles or refuses those)."""
-    holders = {id(h): h for h in map(gradient_holder, params) if h is not None}
-    if len(holders) != 1 or any(gradient_holder(p) is None and p.requires_grad for p in params):
+def _one_fully_shard_holder(params: list, holders: list):
+    """The ``fully_shard`` gradient holder of every trainable parameter in ``params`` (whose
+    holders are ``holders``), or None (a stage-2 optimizer's parameters, several holders, or
+    pieces mixed with plain parameters: fusedist's clip handles or refuses those)."""
+    distinct = {id(h): h for h in holders if h is not None}
+    if len(distinct) != 1 or any(h is None and p.requires_grad for p, h in zip(params, holders)):
         return None
-    holder = next(iter(holders.values()))
+    holder = next(iter(distinct.values()))
     return holder if hasattr(holder, "grad_norm") else None
 
 
 @torch.no_grad()
-def _clip_pieces_as_torch(holder, params, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
+def _clip_pieces_as_torch(holder, held, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over ``fully_shard`` pieces, as FSDP2's over its DTensors: the
     global norm, returned in the gradients' (promoted) dtype, and torch's own scaling by it, so
     the coefficient is taken in that dtype too. (``fusedist.clip_grad_norm_`` returns the fp32
     norm; a bf16 model clipped by an fp32 coefficient left every clipped gradient an ulp from
     FSDP2's.) The holder's norm is a collective on every rank, one whose pieces have no
-    gradient included."""
-    held = [p for p in params if gradient_holder(p) is not None]
+    gradient included. ``held``: the pieces among the parameters to clip."""
     materialize_unscales(held)  # lazily unscaled gradients: torch's values first
     with_grad = [p for p in held if p.grad is not None]
     grads = [p.grad for p in with_grad]

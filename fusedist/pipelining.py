@@ -293,7 +293,7 @@ def _user_sync(module) -> Optional[bool]:
     if isinstance(module, FullyShardedModule):
         return all(st.grads.reduce_grads for st in module._fs_states() if st.grads is not None)
     if isinstance(module, DistributedDataParallel):
-        return module._no_sync_depth == 0
+        return module.require_backward_grad_sync
     if wrapper_of(module) is None:
         return None
     return bool(module.__dict__[_STATE].requires_gradient_sync)

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from . import _names
 from ._files import CheckpointError
 
 METADATA = ".metadata"
@@ -147,26 +148,23 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
     return {"state": out_state, "param_groups": out_groups}
 
 
-_DDP = "module."
-
-
 def _without_ddp_prefix(optim: dict, names: list) -> dict:
     """``optim`` with DDP's ``module.`` taken off its parameter names when every name has it and
     they are not the optimizer's names as they are (as ``_names.strip_prefix`` does for the
     model's keys): torch's ``get_state_dict`` leaves the segment in the names of a model
     wrapped by fusedist's DDP, which is not torch's class, so the optimizer state of such a
     checkpoint named no parameter while its model state loaded."""
-    known = set(names)
     if "state" in optim and "param_groups" in optim:
         saved = [k for k in optim["state"] if isinstance(k, str)]
         saved += [n for g in optim["param_groups"] for n in g.get("params", []) if isinstance(n, str)]
     else:
         saved = [key.split(".", 1)[1].rpartition(".")[0] for key in optim if "." in key]
-    if not saved or not all(n.startswith(_DDP) for n in saved) or all(n in known for n in saved):
+    if not _names.has_ddp_prefix(saved, set(names)):
         return optim
 
     def strip(name):
-        return name[len(_DDP):] if isinstance(name, str) and name.startswith(_DDP) else name
+        prefixed = isinstance(name, str) and name.startswith(_names.DDP_PREFIX)
+        return name[len(_names.DDP_PREFIX):] if prefixed else name
 
     if "state" in optim and "param_groups" in optim:
         return dict(optim, state={strip(k): v for k, v in optim["state"].items()},

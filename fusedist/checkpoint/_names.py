@@ -103,7 +103,15 @@ def strip_prefix(state: dict, expected) -> dict:
     own as they are: a model whose only child is called ``module`` saved keys that all start
     with it, and stripping them made its own checkpoint unloadable."""
     state = type(state)((k if k in expected else legacy_key(k), v) for k, v in state.items())
-    keys = list(state)
-    if keys and all(k.startswith("module.") for k in keys) and not all(k in expected for k in keys):
-        return type(state)((k[len("module."):], v) for k, v in state.items())
+    if has_ddp_prefix(list(state), expected):
+        return type(state)((k[len(DDP_PREFIX):], v) for k, v in state.items())
     return state
+
+
+DDP_PREFIX = "module."
+
+
+def has_ddp_prefix(names: list, expected) -> bool:
+    """Whether every one of ``names`` (at least one) carries DDP's ``module.`` and they are not
+    all names of ``expected`` as they are (a model whose only child is called ``module``)."""
+    return bool(names) and all(n.startswith(DDP_PREFIX) for n in names) and not all(n in expected for n in names)

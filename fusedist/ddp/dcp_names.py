@@ -39,18 +39,20 @@ def install() -> None:
     original = getattr(helpers, "_get_fqns", None)
     if original is None or getattr(original, "_fusedist_ddp_names", False):
         return
-    helpers._get_fqns = _through_fusedist_ddp(original)
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from .wrapper import DistributedDataParallel
+
+    helpers._get_fqns = _through_fusedist_ddp(original, DistributedDataParallel, OptimizedModule)
 
 
-def _through_fusedist_ddp(original):
+def _through_fusedist_ddp(original, DistributedDataParallel, OptimizedModule):
+    """``original`` (torch's ``_get_fqns``), walking a path through a fusedist DDP wrapper at
+    the root, or under ``torch.compile``'s ``_orig_mod`` there, as through torch's DDP."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def get_fqns(model, name, *args, **kwargs):
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        from .wrapper import DistributedDataParallel
-
         head, dot, rest = name.partition(".")
         compiled = isinstance(model, OptimizedModule) and head == "_orig_mod" and dot
         inner = model._orig_mod if compiled else model

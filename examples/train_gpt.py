@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3); with --resume or "
+                   "--checkpoint-dir, given explicitly, it replaces the LR saved with the checkpoint")
     p.add_argument("--optimizer", choices=["fused", "torch"], default="fused",
                    help="fusedist.optim.FusedAdamW (default) or torch.optim.AdamW")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=2,
@@ -88,7 +89,8 @@ def parse_args(argv=None):
         p.error(f"{', '.join(stray)}: only with --checkpoint-dir (nothing else saves periodically)")
     if args.bucket_cap_mb is not None and args.zero == 3:
         p.error("--bucket-cap-mb sizes DistributedDataParallel's buckets: --zero 3 has none (use --zero 0, 1 or 2)")
-    for name, default in (("checkpoint_every", 100), ("checkpoint_keep", 3), ("bucket_cap_mb", 1.0)):
+    args.lr_given = args.lr is not None
+    for name, default in (("checkpoint_every", 100), ("checkpoint_keep", 3), ("bucket_cap_mb", 1.0), ("lr", 3e-3)):
         if getattr(args, name) is None:
             setattr(args, name, default)
     # Refused here, before any rank starts: otherwise a negative --steps saved a checkpoint
@@ -185,6 +187,22 @@ def lr_schedule(args, opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(args.steps))
 
 
+def replace_saved_lr(lr: float, opt, sched, announce: bool) -> None:
+    """An explicit --lr wins over the checkpoint's: the optimizer's load_state_dict restores
+    the LR it saved (torch's rule), and a resumed run ignored the --lr it was given. With a
+    schedule the base LR is replaced and the schedule's factor at the restored step kept."""
+    factor = 1.0 if sched is None else sched.lr_lambdas[0](sched.last_epoch)
+    saved = opt.param_groups[0].get("initial_lr", opt.param_groups[0]["lr"])
+    for group in opt.param_groups:
+        group["lr"] = lr * factor
+        if sched is not None:
+            group["initial_lr"] = lr
+    if sched is not None:
+        sched.base_lrs = [lr for _ in sched.base_lrs]
+    if announce and saved != lr:
+        print(f"lr: --lr {lr:g} replaces the checkpoint's {saved:g}", flush=True)
+
+
 def fail_once(args, rank: int, step: int) -> None:
     """--fail-at-step: rank 1 dies as a bad host would (no cleanup, no exception)."""
     if args.fail_at_step != step or rank != 1:
@@ -263,6 +281,8 @@ def main(argv=None):
         mine = fusedist.checkpoint.load_per_rank(args.resume)
         if mine is not None:  # same world size: this rank's generators continue exactly
             restore_rng_state(mine["rng"])
+    if args.lr_given and start_step:
+        replace_saved_lr(args.lr, opt, sched, announce=rank == 0)
     end_step = args.steps if args.checkpoint_dir else start_step + args.steps
     batches = iter(loader)
 

@@ -8,8 +8,9 @@
   and failed at the next ``iter()``.
 * The demo (``examples/train_gpt.py``): a resumed cosine schedule continues the schedule it
   saved, so a resumed run split in two trains as the unsplit one; a run with no step to
-  train says so, and one whose batch exceeds a rank's share of an epoch is refused. The
-  Lightning example with no epoch to train says so too.
+  train says so, and one whose batch exceeds a rank's share of an epoch is refused; an
+  explicit --lr at a resume replaces the saved LR. The Lightning example with no epoch to
+  train says so too.
 """
 
 from __future__ import annotations
@@ -146,6 +147,26 @@ def test_demo_resumed_cosine_schedule_continues_the_saved_one_and_an_empty_run_s
     for text in (empty, empty2):
         assert "nothing to train: --steps 0" in text, text
     assert "SystemExit: --batch 40000 is more than a rank's share of an epoch" in big, big  # (a bare StopIteration)
+
+
+def test_demo_lr_given_at_resume_replaces_the_saved_one(tmp_path):
+    """--lr was ignored by --resume: the optimizer's state restored the saved LR. Resumed
+    with --lr 0, AdamW moves no parameter (its decay is lr * weight_decay too), so the
+    resumed run ends on the saved weights, with a constant schedule and mid-cosine."""
+    seed, tmp = random.randrange(1000), str(tmp_path)
+    cos = ["--lr-schedule", "cosine"]
+    runs = [["--steps", "2", "--save", f"{tmp}/const"],
+            ["--resume", f"{tmp}/const", "--steps", "2", "--lr", "0"],
+            ["--steps", "4", "--save", f"{tmp}/cos"] + cos,
+            ["--resume", f"{tmp}/cos", "--steps", "2", "--lr", "0"] + cos,
+            ["--resume", f"{tmp}/const", "--steps", "1"]]
+    out = run_distributed(_demo_runs, 2, tmp, seed, runs, timeout=150)[0]
+    (_, _, const), (said, _, after_const), (_, _, cos_state), (_, _, after_cos), (kept, losses, _) = out
+    for saved, resumed in ((const, after_const), (cos_state, after_cos)):
+        for k, v in saved.items():
+            assert torch.equal(resumed[k], v), k
+    assert "lr: --lr 0 replaces the checkpoint's 0.003" in said, said
+    assert "replaces" not in kept and len(losses) == 1  # (no --lr: the saved LR, silently)
 
 
 def test_lightning_example_with_nothing_to_train_says_so_and_refuses_endless_epochs():

@@ -329,7 +329,8 @@ def _adam_kernel(
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
-    BETAS_ON_DEVICE: tl.constexpr, ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
+    BETAS_ON_DEVICE: tl.constexpr, ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     pid, t, start, n = _chunk_coords(numels, chunk_t, chunk_start, BLOCK * ITERS)
@@ -689,7 +690,8 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
         _scalar_or_dummy(found_inf, dummy), global_div, partial_p2, partial_u2,
-        float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(beta3), float(eps), float(weight_decay), step_scalar,
+        float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(beta3), float(eps), float(weight_decay),
+        step_scalar,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,

@@ -83,7 +83,8 @@ def module_device(module: nn.Module) -> torch.device:
         listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
         raise ValueError(
             f"fusedist.DistributedDataParallel (rank {dist.get_rank() if dist.is_initialized() else 0}): "
-            f"the module's parameters live on several devices: {listing}. Move the whole module to one device (module.to(device)) before wrapping."
+            f"the module's parameters live on several devices: {listing}. Move the whole module to one device "
+            "(module.to(device)) before wrapping."
         )
     return next(iter(devices)) if devices else torch.device("cpu")
 

@@ -187,7 +187,8 @@ class CommHookStrategy(GradSyncStrategy):
         result = _the_tensor(handle.wait())
         flat = handle.hook_bucket._flat
         if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
-            got = f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else type(result).__name__
+            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                   else type(result).__name__)
             raise ValueError(
                 f"fusedist DDP (rank {reducer.comm.rank}): the communication hook {self.name} returned "
                 f"{got} for bucket {bucket.index}, which holds {flat.numel()} gradient elements; the "
@@ -234,7 +235,8 @@ def register_builtin_comm_hook(wrapper, comm_hook_type) -> None:
     """``DistributedDataParallel.register_builtin_comm_hook``: ALLREDUCE or FP16_COMPRESS."""
     dtypes = {dist.BuiltinCommHookType.ALLREDUCE: None, dist.BuiltinCommHookType.FP16_COMPRESS: torch.float16}
     if comm_hook_type not in dtypes:
-        raise NotImplementedError(f"fusedist.DistributedDataParallel: builtin comm hook {comm_hook_type} is not supported")
+        raise NotImplementedError(f"fusedist.DistributedDataParallel: builtin comm hook {comm_hook_type} "
+                                  "is not supported")
     _set_hook_dtype(wrapper, dtypes[comm_hook_type], str(comm_hook_type))
 
 

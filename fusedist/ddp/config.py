@@ -84,7 +84,8 @@ class DDPConfig:
         if self.reduce_dtype is not None and not (
             isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
         ):
-            raise ValueError(f"DistributedDataParallel: reduce_dtype must be a floating dtype, got {self.reduce_dtype!r}")
+            raise ValueError(f"DistributedDataParallel: reduce_dtype must be a floating dtype, "
+                             f"got {self.reduce_dtype!r}")
 
 
 def _is_number(value) -> bool:

@@ -3,7 +3,8 @@ its default, averaging with one all-reduce (ZeRO stage 2 installs a reduce-scatt
 ``fusedist/zero/grad_sync.py``).
 
 Note [division folded into the copy]
-    Averaging divides every gradient by the world size before the sum (``divide_factors``). Done at launch, that is one more pass over each bucket. But a gradient
+    Averaging divides every gradient by the world size before the sum (``divide_factors``).
+    Done at launch, that is one more pass over each bucket. But a gradient
     that arrives as a fresh tensor (after ``zero_grad(set_to_none=True)``, the common case)
     is copied into its bucket view by the hook anyway, so the hook multiplies by ``1 / pre``
     on the way (torch DDP scales while copying too) and the bucket needs no pass of its own.

@@ -8,7 +8,8 @@ tensor-parallel mesh: their local tensors sharded), ``extension`` (parameters th
 what is gathered: FSDP2's all-gather extension, torchao's float8 weights), ``packed`` (frozen
 quantized storage, QLoRA's NF4 weights, held as bytes), ``float8`` (their
 scales for the next gathers in one all-reduce), ``post_forward`` (an int
-``reshard_after_forward``: the smaller groups units reshard to after forward), ``state`` (when to gather, reshard and reduce),
+``reshard_after_forward``: the smaller groups units reshard to after forward), ``state`` (when
+to gather, reshard and reduce),
 ``recovery`` (forwards and backwards an exception ended midway),
 ``containers`` (the tensors in a unit's inputs and outputs), ``stale`` (gathered copies
 an optimizer step outdated), ``holder``
@@ -34,7 +35,8 @@ from .state_dict import full_state_dict, load_full_state_dict
 FSDPModule = FullyShardedModule
 
 __all__ = [
-    "fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule", "FSDPModule", "UnshardHandle",
+    "fully_shard", "register_fsdp_forward_method", "share_comm_ctx", "FullyShardedModule", "FSDPModule",
+    "UnshardHandle",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy",
     "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer", "init_parameters",
     "precompute_float8_dynamic_scale_for_fsdp",

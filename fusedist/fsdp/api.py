@@ -32,7 +32,8 @@ __all__ = ["fully_shard", "FullyShardedModule", "UnshardHandle"]
 def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                 reshard_after_forward: Optional[bool | int] = None,
                 shard_placement_fn: Optional[Callable] = None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: Optional[OffloadPolicy] = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[set] = None, dp_mesh_dims=None) -> nn.Module:
     """Shard ``module``'s parameters across the ranks of ``mesh`` or ``process_group``
     (default: the world), as torch's ``fully_shard``; returns ``module``. A 1-D mesh shards
@@ -143,8 +144,8 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         # Note [tensor-parallel parameters] in tensor_parallel.py
         tp = tensor_parallel_specs(name, params, fqns, dims, groups, post_forward, device)
         # Note [all-gather extension] in extension.py
-        ext = extension_specs(name, [s.local(p) if s is not None else p for p, s in zip(params, tp or [None] * len(params))],
-                              fqns, regs, dims, post_forward, comm.world_size, comm.rank, tp)
+        locals_ = [s.local(p) if s is not None else p for p, s in zip(params, tp or [None] * len(params))]
+        ext = extension_specs(name, locals_, fqns, regs, dims, post_forward, comm.world_size, comm.rank, tp)
         unit = ShardedUnit(name, params, regs, fqns, comm, device, mp_policy, offload_policy,
                            reshard_after_forward=True if auto else reshard_after_forward,
                            replicate_comm=replicate_comm, dims=dims, tp=tp, ext=ext,

@@ -123,7 +123,8 @@ class ExtensionSpec:
         if bad:
             raise RuntimeError(
                 f"fusedist.fully_shard: {self.cls.__name__}.fsdp_pre_all_gather of '{fqn}' returned inputs of shapes "
-                f"{[tuple(s) for s, _ in got]}; its {whole_shape[0]} rows do not divide evenly over {mesh.size()} ranks, "
+                f"{[tuple(s) for s, _ in got]}; its {whole_shape[0]} rows do not divide evenly over "
+                f"{mesh.size()} ranks, "
                 f"so each input must have the padded shard's {padded_rows} rows on dim 0 (FSDP2's contract), for "
                 "the gathered rows to be the parameter's.")
         if self.inputs is None:

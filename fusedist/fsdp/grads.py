@@ -12,7 +12,8 @@ Note [unit gradients]
     reduce-scatter (average) of that buffer leaves this rank's slice of the section, whose
     pieces become (or are added to, as torch accumulates) the sharded parameters' ``.grad``:
     views of one gradient shard per unit. Frozen parameters get neither buffer slots nor
-    gradient storage; a unit with no trainable parameter issues no reduce-scatter. Reduce-scatters run asynchronously; each launch finishes those that have landed
+    gradient storage; a unit with no trainable parameter issues no reduce-scatter.
+    Reduce-scatters run asynchronously; each launch finishes those that have landed
     (oldest first) and, before allocating its buffers, waits for the oldest while
     ``MAX_IN_FLIGHT`` are pending (or the ``set_reduce_scatter_max_input_buffers`` cap);
     the end of backward finishes the rest.
@@ -44,7 +45,8 @@ Note [rank-independent reductions]
     with gradients enabled reduces its trainable sections in every synchronized backward, also
     when no gradient reached it on this rank (zeros: another rank's gradients may be in the
     sum); under ``set_reduce_scatter_unused_params(True)`` so does one that did not run, once
-    it has been gathered (``FullyShardState.reduces_unused_unit``). When: a unit's backward is over once all its parameters have their gradients, or
+    it has been gathered (``FullyShardState.reduces_unused_unit``). When: a unit's backward is
+    over once all its parameters have their gradients, or
     at the end of backward if some never get one, and that differs between ranks; so the
     reduce-scatters are issued in one fixed order, the reverse of the units' first forward
     calls (``IterationContext.reduce_in_order`` in ``iteration.py``; a unit that is done waits,
@@ -204,7 +206,8 @@ class UnitGrads:
                 torch._foreach_copy_([views[j] for j in present], [grads[sec.indices[j]] for j in present])
         elif present:
             src = [grads[sec.indices[j]] for j in present]
-            torch._foreach_add_([views[j] for j in present], [g if g.dtype == flat.dtype else g.to(flat.dtype) for g in src])
+            src = [g if g.dtype == flat.dtype else g.to(flat.dtype) for g in src]
+            torch._foreach_add_([views[j] for j in present], src)
         return flat, {sec.indices[j] for j in present}
 
     @torch.no_grad()

@@ -65,7 +65,8 @@ Note [dtype sections]
     its pieces' ``.grad`` come back in the section's dtype -- each parameter's own, as
     FSDP2's (a ``set_all_reduce_hook`` hook is called once per section, with that section's
     output). Gradient norms (``holder.py``) already sum over any pieces, so a clip is global
-    across the dtypes; CPU offload keeps every section's shard on the CPU. The cost against one flat buffer is one all-gather and one
+    across the dtypes; CPU offload keeps every section's shard on the CPU. The cost against one
+    flat buffer is one all-gather and one
     reduce-scatter per extra dtype. A unit of one dtype has ``layout.mixed`` False and is laid
     out, gathered and reduced exactly as before: ``shards`` / ``fulls`` are then slices of
     its one ``shard`` / ``full`` tensor.

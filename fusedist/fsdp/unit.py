@@ -12,7 +12,8 @@ Note [sharded parameters]
     *is* this rank's piece of it: a tensor on the storage of the unit's flat shard (not a
     view: a leaf of its own), shaped ``(rows, *shape[1:])`` (Note [row-aligned flat
     layout]), or for a parameter a ``shard_placement_fn`` shards on another dim its chunk on
-    that dim (Note [dim-sharded sections] in chunk_layout.py). Why plain tensors, not DTensors as torch's FSDP2: any optimizer -- torch's,
+    that dim (Note [dim-sharded sections] in chunk_layout.py). Why plain tensors, not DTensors
+    as torch's FSDP2: any optimizer -- torch's,
     fusedist's fused and C++ CPU ones, ``master_weights``, LR schedulers -- steps them with
     no per-op dispatch, and its in-place update lands directly in the buffer the next
     all-gather sends. The cost is that a piece does not know it is a piece: a norm over
@@ -268,7 +269,8 @@ class ShardedUnit(PieceMixin):
                 self.unsharded[i].data = view
                 if self.tp[i] is not None:  # a DTensor over the new storage (and dtype, device)
                     self._make_visible(i)
-        self._full_nbytes = sum(f.untyped_storage().nbytes() for f in ([self.full] if self.full is not None else self.fulls))
+        fulls = [self.full] if self.full is not None else self.fulls
+        self._full_nbytes = sum(f.untyped_storage().nbytes() for f in fulls)
         self._full_nbytes += sum(o.untyped_storage().nbytes() for o, sec in zip(self.outs, secs)
                                  if o is not None and not sec.extension)
         self._resize_full(False)

@@ -54,7 +54,9 @@ def _unit_params(unit) -> list:
             name = f"{name} ({unit.ext[i].cls.__name__})"
         elif sec.chunked:  # the dim decides the layout too (Note [dim-sharded sections] in chunk_layout.py)
             name = f"{name} (Shard({unit.layout.dims[i]}))"
-        out.append((f"{name} ({str(sec.dtype).replace('torch.', '')})" if unit.layout.mixed else name, tuple(slot.shape)))
+        if unit.layout.mixed:
+            name = f"{name} ({str(sec.dtype).replace('torch.', '')})"
+        out.append((name, tuple(slot.shape)))
     return out
 
 

@@ -80,7 +80,8 @@ def add_param_group(zero, param_group: dict) -> None:
     combined = zero._params + new
     try:
         param_checks.check_distinct(combined, zero._group_of + [gi] * len(new),
-                                    lambda i: f"parameter {i} (shape {tuple(combined[i].shape)})", first=len(zero._params))
+                                    lambda i: f"parameter {i} (shape {tuple(combined[i].shape)})",
+                                    first=len(zero._params))
     except ValueError:
         zero.param_groups.pop()
         raise

@@ -208,7 +208,8 @@ class ShardedState:
         try:
             probe = z._optimizer_factory([{**merged, "params": [params[i] for i in ids]} for merged, ids in groups],
                                          **z._inner_defaults)
-            probe.load_state_dict({"state": state, "param_groups": [{**merged, "params": ids} for merged, ids in groups]})
+            probe.load_state_dict({"state": state,
+                                   "param_groups": [{**merged, "params": ids} for merged, ids in groups]})
         except Exception as exc:  # noqa: BLE001 - whatever the inner loader raises, before anything changes
             raise zstate.StateDictError(
                 f"{source}: the inner {z.optimizer_class.__name__} refuses it ({type(exc).__name__}: {exc}): "

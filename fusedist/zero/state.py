@@ -189,7 +189,8 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
                     v = f["state"].get(key)
                     lo, hi = f["range"]
                     if not (isinstance(v, torch.Tensor) and v.numel() == hi - lo):
-                        raise StateDictError(f"{source}: state '{key}' of parameter {index} is inconsistent across shards")
+                        raise StateDictError(f"{source}: state '{key}' of parameter {index} is inconsistent "
+                                             "across shards")
                     parts.append(v.reshape(-1))
                 state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
             else:

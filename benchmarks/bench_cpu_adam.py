@@ -19,7 +19,8 @@ slow drifts of the machine.
    ``--deepspeed-only`` mode with this repository on ``PYTHONPATH`` and times DeepSpeed,
    fusedist and torch fused in one process.
 
-Reported: ms per step (median and min; on a shared machine the min is the least disturbed), parameters/s, GB/s at modeled bytes (fp32 Adam: read p, g, m, v and
+Reported: ms per step (median and min; on a shared machine the min is the least disturbed),
+parameters/s, GB/s at modeled bytes (fp32 Adam: read p, g, m, v and
 write p, m, v = 28 B/param; fusedist bf16+master: 4+2+4+4 read, 4+4+4+2 written = 28 B/param;
 torch's bf16 equivalent: 6 (grad upcast) + 28 + 6 (copy back) = 40 B/param), a same-run
 memory-copy bandwidth (``dst.copy_(src)`` on fp32, 8 B/element, timed inside the same
@@ -308,8 +309,8 @@ def write_report(args, rows, ds_note, load_before, load_after) -> None:
         f"- fusedist {sh(f'git -C {REPO} rev-parse --short HEAD')}, ISA paths available: "
         f"{_cpu_adam.available_isas()} (default: {_cpu_adam.selected_isa()})",
         f"- Load average (1/5/15 min) before / after: {load_before} / {load_after}"
-        + (" -- the load average exceeded 1.5 during this run, so other processes competed for the cores: expect noise, trust the"
-           " same-run ratios and the `ms_min` column more than absolute medians"
+        + (" -- the load average exceeded 1.5 during this run, so other processes competed for the cores:"
+           " expect noise, trust the same-run ratios and the `ms_min` column more than absolute medians"
            if max(float(x) for x in (load_before + " " + load_after).split()[::3]) > 1.5 else ""),
         f"- {args.tensors} tensors of uneven sizes; AdamW lr={HYPER['lr']} wd={HYPER['weight_decay']}; "
         "every contender steps the same tensors; each repetition runs all contenders in a new random order; "

@@ -21,8 +21,8 @@ Rows:
   600 x (Linear(16,16) + Tanh) -- 1,200 parameter tensors, 0.3M elements -- at batch 8, so the
   gradient hooks, not the arithmetic or the bytes, set the time of forward+backward. Each
   timed iteration runs every contender once, in an order that rotates between iterations
-  (each contender takes each position equally often); the ratio is the median of the per-iteration ratios, and a second torch DDP
-  copy gives the run's noise floor (torch vs itself).
+  (each contender takes each position equally often); the ratio is the median of the
+  per-iteration ratios, and a second torch DDP copy gives the run's noise floor (torch vs itself).
 """
 
 from __future__ import annotations
@@ -267,7 +267,8 @@ def run_many_params(args, write: bool) -> str:
         "iterations, each running every contender once (order rotating); timed: zero_grad + "
         "forward + backward with gradient sync (the SGD step after it is not timed).",
         "",
-        "| impl | fwd+bwd+sync (ms, median) | p20-p80 (ms) | / torch (median of paired ratios) | / torch (ratio of medians) |",
+        "| impl | fwd+bwd+sync (ms, median) | p20-p80 (ms) | / torch (median of paired ratios) | "
+        "/ torch (ratio of medians) |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
@@ -371,12 +372,14 @@ def run_mlp(args) -> None:
     ratio, ratio_off, floor = (rows[k]["vs_torch_paired_median"] for k in (1, 2, 3))
     lines = [
         f"Model: {args.layers}x Linear({args.width},{args.width}) MLP, {r0['params'] / 1e6:.1f}M params, "
-        f"batch {args.batch} per rank, {args.world_size} ranks (1 intra-op thread each), gloo, bucket_cap_mb={args.bucket_cap_mb} "
+        f"batch {args.batch} per rank, {args.world_size} ranks (1 intra-op thread each), gloo, "
+        f"bucket_cap_mb={args.bucket_cap_mb} "
         f"(torch's CPU allocator: {'THP_MEM_ALLOC_ENABLE=1' if args.allocator == 'thp' else 'default'}) "
         f"(fusedist: {r0['buckets']} buckets), {args.rounds} rounds x {args.steps} steps, {design}; "
         "ratios: median over rounds of (round median / torch's round median).",
         "",
-        "| impl | fwd+bwd+sync (ms, median) | fwd+bwd under no_sync (ms) | exposed comm (ms) | exposed / unoverlapped comm | / torch (paired) |",
+        "| impl | fwd+bwd+sync (ms, median) | fwd+bwd under no_sync (ms) | exposed comm (ms) | "
+        "exposed / unoverlapped comm | / torch (paired) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -395,7 +398,8 @@ def run_mlp(args) -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        md, _ = write_results("ddp_cpu" if args.allocator == "default" else "ddp_cpu_thp", rows, "fusedist DDP vs torch DDP (CPU, gloo)\n\n" + text)
+        md, _ = write_results("ddp_cpu" if args.allocator == "default" else "ddp_cpu_thp", rows,
+                              "fusedist DDP vs torch DDP (CPU, gloo)\n\n" + text)
         print(f"\nwritten: {md}")
 
 

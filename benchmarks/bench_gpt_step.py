@@ -186,7 +186,8 @@ def _worker(rank, world_size, device_type, repeats, args):
     contenders = _contenders(base, device, mesh)
     gen = torch.Generator().manual_seed(rank)
     idx = torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen).to(device)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+                else contextlib.nullcontext)
 
     def fwd_bwd(model):
         with autocast():

@@ -66,7 +66,8 @@ def run(repeats: int) -> list[dict]:
         rows.append({"case": case, "params": count, "elements_each": numel,
                      "fusedist_ms": statistics.median(times["fusedist"]), "torch_ms": statistics.median(times["torch"]),
                      "torch_over_fusedist": statistics.median(ratios)})
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+              flush=True)
     return rows
 
 

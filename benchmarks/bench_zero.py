@@ -47,7 +47,8 @@ Every rank runs the same loop; timings are rank 0's, each repetition after a bar
 on CPU; ``--device cuda`` uses NCCL, one GPU per rank (run it on a GPU machine; the script
 never reports GPU numbers it did not measure).
 
-Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick] [--iterations-only | --collectives-only | --stage3 [--float8 | --qlora] | --memory]
+Usage: python benchmarks/bench_zero.py [--world-size 2] [--device cpu|cuda] [--quick]
+       [--iterations-only | --collectives-only | --stage3 [--float8 | --qlora] | --memory]
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ def _collectives(rank, world_size, device, sizes, repeats):
                 "reduce_scatter_ms": t[f"rs {impl}"][0], "all_gather_ms": t[f"ag {impl}"][0],
                 "gloo_all_to_all_rs_ms": t["rs a2a"][0] if "rs a2a" in t else "",
                 "bare_p2p_rsag_ms": t["rsag bare"][0] if "rsag bare" in t else "",
-                "bare_p2p_ratio_paired": statistics.median(
-                    [z / b for z, b in zip(t["_samples"]["rsag bare"], t["_samples"]["ar"])]) if "rsag bare" in t else "",
+                "bare_p2p_ratio_paired": (statistics.median(
+                    [z / b for z, b in zip(t["_samples"]["rsag bare"], t["_samples"]["ar"])])
+                    if "rsag bare" in t else ""),
             })
     return rows
 
@@ -248,7 +250,8 @@ def _training(rank, world_size, device, d, layers, batch, repeats):
     for name in names[1:]:
         t, (mem, host, dev), (peak_grad, all_grad, buckets, early) = results[name]
         rows.append({
-            "part": "iteration", "config": f"{name} vs ddp+adamw, MLP {layers}x{d} ({psi / 1e6:.2f}M params), batch {batch}",
+            "part": "iteration",
+            "config": f"{name} vs ddp+adamw, MLP {layers}x{d} ({psi / 1e6:.2f}M params), batch {batch}",
             "baseline_ms": base_t[0], "zero_ms": t[0], "ratio_zero/baseline": t[0] / base_t[0],
             "baseline_busbw_GBs": "", "zero_busbw_GBs": "",
             "baseline_p20_p80": f"{base_t[1]:.2f}-{base_t[2]:.2f}", "zero_p20_p80": f"{t[1]:.2f}-{t[2]:.2f}",
@@ -624,7 +627,8 @@ def main():
                  "(gradients still held), minus those alive before the model was built: parameters, gradients, "
                  "master weights, optimizer state, gradient buckets, staging and communication buffers, counted "
                  "the same way for every variant. textbook = parameters + gradients + AdamW state (fp32 parameters are "
-                 "their own masters; offload keeps an FP32 master copy of the shard) without padding or buffers. peak_rss_growth = growth of the process's peak "
+                 "their own masters; offload keeps an FP32 master copy of the shard) without padding or buffers. "
+                 "peak_rss_growth = growth of the process's peak "
                  "RSS over building the model and the steps (activations, temporaries and what the allocator "
                  "keeps included). Offload variants on a CPU device: host and device are the same memory, so "
                  "offloading cannot lower these figures here; the rows show what it adds.")
@@ -637,8 +641,8 @@ def main():
         notes = ("Stage 3: fusedist.fully_shard vs torch FSDP2 fully_shard, same wrapping (each block, then the "
                  "root; reshard_after_forward=None for both), torch.optim.AdamW for both; forward + backward + step "
                  "of rank 0, interleaved, ratio_paired = median over repetitions of fusedist / torch (< 1: fusedist "
-                 "faster). Memory: each contender alone in a fresh process, growth of the peak memory (host RSS on CPU, "
-                 "allocated device memory on CUDA) over building "
+                 "faster). Memory: each contender alone in a fresh process, growth of the peak memory (host RSS "
+                 "on CPU, allocated device memory on CUDA) over building "
                  "the model and 4 steps (MiB, rank 0); formula = 16Ψ/N + two largest units gathered + activations "
                  "(saved by autograd in one forward); fusedist_accounted = its counters: shards x4 (parameters, "
                  "gradients, AdamW's two moments) + peak gathered + peak scratch + communicator scratch + activations.")

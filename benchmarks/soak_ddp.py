@@ -114,7 +114,8 @@ def main(argv=None):
         d_rss, d_t = growth(tr)
         lines.append(f"| {rank} | {r['seconds']:.0f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | "
                      f"{tr[0][1]:.1f} -> {tr[-1][1]:.1f} | {tr[0][2]} -> {tr[-1][2]} | {d_rss:+.2f} | {d_t:+d} |")
-    lines += ["", "Samples (rank 0): " + ", ".join(f"step {s}: {m:.1f} MiB / {n} tensors" for s, m, n in results[0]["trace"])]
+    lines += ["", "Samples (rank 0): " + ", ".join(f"step {s}: {m:.1f} MiB / {n} tensors"
+                                                   for s, m, n in results[0]["trace"])]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

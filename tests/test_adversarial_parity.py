@@ -196,7 +196,8 @@ def test_ddp_option_combinations_match_torch(world_size):
         for group in ("unused", "layout"):
             for key, (grad_diff, param_diff, none_mismatch) in out[group].items():
                 tol = 5e-3 if key.startswith("MixedDtypes") else 1e-6  # bf16: see the module docstring
-                assert not none_mismatch, f"rank {rank}, {key}: grad None on one side only (step, param, torch's is None): {none_mismatch}"
+                assert not none_mismatch, \
+                    f"rank {rank}, {key}: grad None on one side only (step, param, torch's is None): {none_mismatch}"
                 assert grad_diff < tol, f"rank {rank}, {key}: max |grad torch - fusedist| = {grad_diff}"
                 assert param_diff < tol, f"rank {rank}, {key}: max |param torch - fusedist| = {param_diff}"
         for key, diff in out["buffers"].items():

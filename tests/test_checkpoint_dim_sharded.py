@@ -291,7 +291,8 @@ def test_box_fragments_must_tile_the_dim_once():
     from fusedist.zero import state as zstate
 
     whole = [torch.empty(4, 6, device="meta")]
-    frag = lambda start, length: {"box": (1, start, length), "master": torch.ones(4 * length), "state": {}}  # noqa: E731
+    frag = lambda start, length: {"box": (1, start, length), "master": torch.ones(4 * length),  # noqa: E731
+                                  "state": {}}
     got = zstate.assemble({0: [frag(3, 3), frag(0, 3)]}, whole, [0], source="s")
     assert torch.equal(got[0]["master"], torch.ones(24))
     for frags in ([frag(0, 3), frag(2, 4)], [frag(0, 3)], [frag(0, 3), frag(3, 3), frag(3, 3)],

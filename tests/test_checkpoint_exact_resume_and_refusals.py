@@ -69,7 +69,8 @@ def _build_resume(config, seed):
                                                weight_decay=0.1, master_weights=True, offload=offload)
     else:
         opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
-    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2) if with_scaler else None
+    scaler = (fusedist.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2)
+              if with_scaler else None)
     return model, opt, scaler
 
 
@@ -167,7 +168,8 @@ def test_offloaded_zero_with_scaler_reshards_2_to_3(tmp_path):
     after = run_distributed(_reshard_worker, 3, str(tmp_path), "after", timeout=120)
     for name, (params, scaler) in before[0].items():
         for rank, out in enumerate(after):
-            torch.testing.assert_close(out[name][0], params, atol=1e-5, rtol=0, msg=lambda m: f"{name}, rank {rank}: {m}")
+            torch.testing.assert_close(out[name][0], params, atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{name}, rank {rank}: {m}")
             assert out[name][1] == scaler, (name, rank, out[name][1], scaler)
 
 
@@ -382,10 +384,12 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path):
         assert kind == "CheckpointError" and os.path.join(root, "periodic-1") in text, (rank, out["checkpointer dirs"])
         assert out["checkpointer complete"] is False
         kind, text, seconds = out["restore unreadable"] or (None, "", 0)
-        assert kind == "CheckpointError" and "Permission denied" in text and seconds < 10, (rank, out["restore unreadable"])
+        assert kind == "CheckpointError" and "Permission denied" in text and seconds < 10, \
+            (rank, out["restore unreadable"])
         for case, what in (("save scaler", "scaler"), ("save per_rank", "per_rank")):
             kind, text, _ = out[case] or (None, "", 0)
-            assert kind == "CheckpointError" and what in text and "ranks [0]" in text and "ranks [1]" in text, (rank, case, text)
+            assert kind == "CheckpointError" and what in text and "ranks [0]" in text and "ranks [1]" in text, \
+                (rank, case, text)
         kind, text, seconds = out["save extra"] or (None, "", 0)
         assert kind == "TypeError" and "rank 1" in text and "extra must be a dict" in text, (rank, out["save extra"])
         assert seconds < 10, (rank, seconds)

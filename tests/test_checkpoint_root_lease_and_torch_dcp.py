@@ -368,7 +368,8 @@ def test_torch_dcp_checkpoint_of_a_model_with_a_child_called_state(tmp_path):
     target_opt = FusedAdamW(target.parameters(), lr=1e-2)
     assert checkpoint.load(str(tmp_path), target, target_opt) is None
     assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
-    assert torch.equal(target_opt.state[target["state"].weight]["exp_avg"], opt.state[source["state"].weight]["exp_avg"])
+    assert torch.equal(target_opt.state[target["state"].weight]["exp_avg"],
+                       opt.state[source["state"].weight]["exp_avg"])
 
 
 def test_a_rollback_is_not_undone_by_the_next_restart(tmp_path):
@@ -387,7 +388,8 @@ def test_a_rollback_is_not_undone_by_the_next_restart(tmp_path):
     assert ckpt.restore(model, opt, step=2) == 2
     assert _steps(root) == [6, 5, 4, 3, 2, 1]  # a restore alone moves nothing
     with pytest.warns(UserWarning, match=r"continues from step 2; .*set aside as \['abandoned-step-00000003', "
-                                         r"'abandoned-step-00000004', 'abandoned-step-00000005', 'abandoned-step-00000006'\]"):
+                                         r"'abandoned-step-00000004', 'abandoned-step-00000005', "
+                                         r"'abandoned-step-00000006'\]"):
         _train(model, opt, ckpt, range(3, 5))
     expected = [p.detach().clone() for p in model.parameters()]
     # killed here (no close); the restart:

@@ -118,7 +118,8 @@ def test_non_strict_load_is_torchs_and_refusals_name_the_keys(tmp_path):
     results = run_distributed(_job, 2, os.path.join(str(tmp_path), "ckpt"), timeout=120)
     for out in results:
         strict = out["strict"]
-        assert "missing keys (in the model, not in the checkpoint) [temperature (1,), classifier.weight (5, 8)" in strict, strict
+        assert "missing keys (in the model, not in the checkpoint) [temperature (1,), classifier.weight (5, 8)" \
+            in strict, strict
         assert "unexpected keys (in the checkpoint, not in the model) [head.weight (3, 8)" in strict, strict
         assert "load(..., strict=False) loads the keys both have" in strict, strict
         assert out["strict unchanged"]

@@ -94,7 +94,8 @@ def _side_by_side_worker(rank, world, kind):
         if name == "torch" and caps:
             hook = _one_at_a_time(hook)
         model.register_comm_hook(states[name], hook)
-    opts = {name: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for name, m in (("torch", ref), ("fusedist", ours))}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            for name, m in (("torch", ref), ("fusedist", ours))}
     gen = torch.Generator().manual_seed(100 + rank)
     worst = []
     for _ in range(STEPS):
@@ -122,7 +123,8 @@ def test_hook_trains_as_torch_ddp_with_the_same_hook(kind):
     tolerance (1e-6 on weights of order 0.1) only covers summation order, and a missed bucket,
     gradients that are not views of the buffer the hook set (the compression wrapper's) or
     a lost error-feedback term moves weights by 1e-3 or more."""
-    for rank, (worst, step_size, user, ref_user, buckets) in enumerate(run_distributed(_side_by_side_worker, 2, kind, timeout=180)):
+    results = run_distributed(_side_by_side_worker, 2, kind, timeout=180)
+    for rank, (worst, step_size, user, ref_user, buckets) in enumerate(results):
         assert max(worst) <= 1e-6, (kind, rank, worst)
         assert step_size > 1e-3, (kind, step_size)  # the runs trained
         assert buckets == ((2, 2) if kind.endswith("buckets") else (1, 1)), buckets
@@ -215,7 +217,8 @@ def _error_worker(rank, world):
 def test_hook_errors_name_the_hook_and_bucket():
     results = run_distributed(_error_worker, 2, env={"FUSEDIST_TIMEOUT_S": "3"}, timeout=120)
     for rank, errors in enumerate(results):
-        assert errors["none"].startswith("TypeError") and "_returns_none returned NoneType for bucket 0" in errors["none"]
+        assert (errors["none"].startswith("TypeError")
+                and "_returns_none returned NoneType for bucket 0" in errors["none"])
         assert errors["size"].startswith("ValueError") and "_wrong_size returned a tensor of" in errors["size"]
         assert "holds" in errors["size"] and "bucket 0" in errors["size"]
         assert errors["never"].startswith("CollectiveError"), errors["never"]

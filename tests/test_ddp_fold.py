@@ -79,12 +79,13 @@ def _fold_worker(rank, world_size):
         grads, used = {}, {}
         for label, threshold in (("fold", ALWAYS), ("plain", NEVER)):
             strategy.FOLD_MIN_ELEMENTS_PER_PARAM = threshold
-            model = fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005, first_bucket_cap_mb=0.002,
-                                                     **kwargs)
+            model = fusedist.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005,
+                                                     first_bucket_cap_mb=0.002, **kwargs)
             for step in range(2):  # the second runs on the rebuilt (final) layout
                 _run(model, schedule, torch.Generator().manual_seed(100 * step + rank), set_to_none)
             buckets = model.reducer.layout.buckets
-            used[label] = (sum(b.fold is not None for b in buckets), sum(len(b.unfolded) for b in buckets), len(buckets))
+            used[label] = (sum(b.fold is not None for b in buckets), sum(len(b.unfolded) for b in buckets),
+                           len(buckets))
             grads[label] = _grads(model)
         torch_kwargs = {"find_unused_parameters": True} if kwargs.get("find_unused_parameters") else {}
         ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **torch_kwargs)

@@ -229,8 +229,8 @@ def test_bucket_storage_allocates_zeroed_and_accounts_bytes():
 
     model = SlowMLP(layers=4)
     params = list(reversed(list(model.parameters())))
-    layout = build_layout(params, [str(i) for i in range(len(params))], caps=[629, 4299], world_size=3, device=torch.device("cpu"),
-                          bucket_storage=True)
+    layout = build_layout(params, [str(i) for i in range(len(params))], caps=[629, 4299], world_size=3,
+                          device=torch.device("cpu"), bucket_storage=True)
     assert layout.allocated_bytes == 0 and all(b.data is None for b in layout.buckets)
     with pytest.raises(RuntimeError, match="released"):
         layout.grad_view(params[0])
@@ -247,7 +247,8 @@ def test_bucket_storage_allocates_zeroed_and_accounts_bytes():
     layout.reset_peak()
     assert layout.peak_bytes == b0.nbytes
     assert layout.total_bytes == sum(b.nbytes for b in layout.buckets)
-    flat = build_layout(params, [str(i) for i in range(len(params))], caps=[629, 4299], world_size=3, device=torch.device("cpu"))
+    flat = build_layout(params, [str(i) for i in range(len(params))], caps=[629, 4299], world_size=3,
+                        device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="per-bucket storage"):
         flat.release(flat.buckets[0])
 

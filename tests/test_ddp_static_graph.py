@@ -116,7 +116,8 @@ def test_static_graph_matches_torch_and_the_global_batch(views, accumulate, late
     single-process run by the fp32 rounding of the sums (3e-8 measured, 1e-6 allowed on
     weights of order 0.1); a gradient reduced without its second arrival, or divided twice,
     moves them by 1e-3 or more."""
-    for ours, torchs, moved, buckets, folded in run_distributed(_parity_worker, 2, views, accumulate, late, timeout=180):
+    for ours, torchs, moved, buckets, folded in run_distributed(_parity_worker, 2, views, accumulate, late,
+                                                                timeout=180):
         assert moved > 1e-2, moved  # the runs trained
         assert buckets >= 5, buckets
         assert torchs is None or torchs <= 1e-6, torchs  # the reference itself

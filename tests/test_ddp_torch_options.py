@@ -80,7 +80,8 @@ def _buffer_worker(rank, world_size):
     for name, kwargs in BUFFER_CASES:
         base = _rank_distinct_net(rank)
         seen = {}
-        for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        for who, cls in (("torch", nn.parallel.DistributedDataParallel),
+                         ("fusedist", fusedist.DistributedDataParallel)):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 model = cls(copy.deepcopy(base), **kwargs)
@@ -107,7 +108,8 @@ def test_buffer_and_parameter_sync_options_match_torch():
             where = f"rank {rank}, {name}"
             for key in t_init:
                 assert torch.equal(t_init[key], f_init[key]), f"{where}: {key} after construction"
-                assert torch.allclose(t_after[key], f_after[key], rtol=1e-6, atol=1e-7), f"{where}: {key} after forwards"
+                assert torch.allclose(t_after[key], f_after[key], rtol=1e-6, atol=1e-7), \
+                    f"{where}: {key} after forwards"
             assert torch.allclose(t_y, f_y, rtol=1e-6, atol=1e-6), where
             assert t_sync == f_sync, (where, t_sync, f_sync)
             assert t_warn == f_warn, (where, "FutureWarning", t_warn, f_warn)
@@ -425,7 +427,8 @@ def _zero_with_rank_local_parameters(rank, world):
     batches = [torch.randn(5, 4, generator=gen) for _ in range(3)]
     out = {}
     for name, ddp_cls, zero_cls, stages in (("torch", nn.parallel.DistributedDataParallel, TorchZero, (1,)),
-                                            ("fusedist", fusedist.DistributedDataParallel, ZeroRedundancyOptimizer, (1, 2))):
+                                            ("fusedist", fusedist.DistributedDataParallel, ZeroRedundancyOptimizer,
+                                             (1, 2))):
         for stage in stages:
             module = copy.deepcopy(base)
             ddp_cls._set_params_and_buffers_to_ignore_for_model(module, ignored)

@@ -194,7 +194,8 @@ def test_trainability_changed_on_some_ranks_raises_on_every_rank():
         assert "trainable:" in text
         step, text = out["freeze on rank 0"]
         assert "parameter '2.weight': requires_grad=True on ranks [1], False on ranks [0]" in text, text
-        assert "parameter '0.weight'" in out["guard"] and "requires_grad=False when the model was wrapped" in out["guard"]
+        assert ("parameter '0.weight'" in out["guard"]
+                and "requires_grad=False when the model was wrapped" in out["guard"])
         assert out["guard left parameters unchanged"]
 
 

@@ -157,7 +157,8 @@ def _trainer(side, cfg, root, extra_callbacks=(), **kwargs):
         strategy=_strategy(side, cfg.get("fusedist", {})), accelerator="cpu", devices=2, num_nodes=1,
         precision=precision, plugins=plugins, max_epochs=EPOCHS,
         accumulate_grad_batches=1 if cfg.get("manual") else cfg.get("accumulate", 2),
-        gradient_clip_val=None if cfg.get("manual") else cfg.get("clip", 0.5), gradient_clip_algorithm=cfg.get("clip_by", "norm"), val_check_interval=4, num_sanity_val_steps=0,
+        gradient_clip_val=None if cfg.get("manual") else cfg.get("clip", 0.5),
+        gradient_clip_algorithm=cfg.get("clip_by", "norm"), val_check_interval=4, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=root is not None, callbacks=callbacks, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True, use_distributed_sampler=True,
         sync_batchnorm=bool(cfg.get("sync_bn")) and side == "fusedist", **kwargs)
@@ -251,11 +252,13 @@ def _compare(ours: dict, ref: dict, tol, what: str, norms: bool = True, opt: boo
         for i, (a, b) in enumerate(zip(ours[key], ref[key])):
             scaled = key != "weights"
             assert _close(a, b, key_tol, scaled), \
-                f"{what}: {key}[{i}] differ by more than {key_tol}{' x max(1, |value|)' if scaled else ''}:\n ours {a}\n ddp  {b}"
+                (f"{what}: {key}[{i}] differ by more than {key_tol}{' x max(1, |value|)' if scaled else ''}:\n"
+                 f" ours {a}\n ddp  {b}")
     assert ours["global_step"] == ref["global_step"], what
     if not opt:  # a ZeRO optimizer's state is consolidated on rank 0 only
         ref = dict(ref, opt={})
-    assert ours["opt"].keys() == ref["opt"].keys(), f"{what}: optimizer state of {ours['opt'].keys()} vs {ref['opt'].keys()}"
+    assert ours["opt"].keys() == ref["opt"].keys(), \
+        f"{what}: optimizer state of {ours['opt'].keys()} vs {ref['opt'].keys()}"
     for i, state in ref["opt"].items():
         for k, v in state.items():
             assert _close(ours["opt"][i][k], v, tols["state"]), f"{what}: optimizer state {i}.{k} differs"
@@ -302,7 +305,8 @@ CASES = {
     # 7 micro-batches per rank and epoch: the last step of each epoch accumulates only one.
     # moved: 0.014 at least.
     "ZeRO 2, fused SGD, bf16-mixed, clip, odd epoch": (dict(precision="bf16-mixed", optimizer="sgd", samples=56,
-                                                            fusedist=dict(zero_stage=2), resume=True, moved=5e-3), 1e-3),
+                                                            fusedist=dict(zero_stage=2), resume=True,
+                                                            moved=5e-3), 1e-3),
     "manual optimization, fused AdamW, bf16-mixed": (dict(manual=True, precision="bf16-mixed", resume=True), 1e-3),
     # The module clips before Lightning's fp16 unscale: the scaled gradients, so the steps are
     # ~1e-4 (Note [clipping before the unscale]); an unclipped step moves the weights by 5e-2.
@@ -319,7 +323,8 @@ CASES = {
     "ZeRO 2, fused AdamW, bf16-true": (dict(precision="bf16-true", resume=True,
                                             fusedist=dict(zero_stage=2)), None),
     # moved: 0.0151 at least (3 skipped steps).
-    "fused AdamW, fp16-mixed, clip by value": (dict(precision="16-mixed", clip_by="value", clip=0.05, moved=5e-3), 1e-3),
+    "fused AdamW, fp16-mixed, clip by value": (dict(precision="16-mixed", clip_by="value", clip=0.05,
+                                                    moved=5e-3), 1e-3),
     # moved: 0.0113 at least (each gradient element clipped to 0.05, steps of lr 0.02 or less).
     "ZeRO 1, fused SGD, fp32, clip by value": (dict(optimizer="sgd", clip_by="value", clip=0.05,
                                                     fusedist=dict(zero_stage=1), moved=2e-3), 1e-5),
@@ -342,7 +347,8 @@ def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
             _compare(res["fusedist"], res["ddp"], tol, what, norms=not (stage2 or zero_manual), opt=not zero_elsewhere)
         batches = cfg.get("samples", SAMPLES) // (2 * BATCH)
         assert res["fusedist"]["global_step"] == EPOCHS * ((batches + 1) // 2), what
-        assert (res["fusedist"]["weights"][-1] - res["fusedist"]["weights"][0]).abs().max() > cfg.get("moved", 1e-2), what
+        moved = (res["fusedist"]["weights"][-1] - res["fusedist"]["weights"][0]).abs().max()
+        assert moved > cfg.get("moved", 1e-2), what
         if cfg.get("resume"):
             # The same process, data and arithmetic as the uninterrupted run: bit for bit.
             _compare(res["resumed from fusedist"], _second_epoch(res["fusedist"], batches), 0.0,
@@ -352,7 +358,8 @@ def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
             # Lightning's DDP checkpoint (torch's optimizer and GradScaler state) continues as
             # Lightning's DDP run does.
             _compare(res["resumed from ddp"], _second_epoch(res["ddp"], batches), tol,
-                     f"{what}, resumed from strategy='ddp' after epoch 1", norms=not (stage2 or zero_manual), opt=not zero_elsewhere)
+                     f"{what}, resumed from strategy='ddp' after epoch 1", norms=not (stage2 or zero_manual),
+                     opt=not zero_elsewhere)
             _compare(res["ddp resumed from fusedist"], _second_epoch(res["ddp"], batches), tol,
                      f"{what}, strategy='ddp' resumed after epoch 1", norms=not (stage2 or zero_manual))
 
@@ -390,7 +397,8 @@ def _comm_hook_worker(rank, world, seed):
             return hook(state, bucket)
         return counted
 
-    out["own wrapper"] = _fit("fusedist", dict(fusedist=dict(ddp_comm_hook=d.allreduce_hook, ddp_comm_wrapper=counting)),
+    out["own wrapper"] = _fit("fusedist", dict(fusedist=dict(ddp_comm_hook=d.allreduce_hook,
+                                                             ddp_comm_wrapper=counting)),
                               seed)[2]["weights"][-1]
     out["calls"] = len(calls)
     return out

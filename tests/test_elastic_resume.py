@@ -262,7 +262,8 @@ def test_elastic_sampler_resplits_the_rest_of_the_epoch_exactly_once():
             ref.set_epoch(3)
             assert list(ours) == list(ref) and len(ours) == len(ref)
         # 2 ranks consume 6 samples each, then 3 ranks continue the same epoch.
-        before = [ElasticDistributedSampler(data, num_replicas=2, rank=r, seed=5, drop_last=drop_last) for r in range(2)]
+        before = [ElasticDistributedSampler(data, num_replicas=2, rank=r, seed=5, drop_last=drop_last)
+                  for r in range(2)]
         seen = []
         for s in before:
             s.set_epoch(1)

@@ -96,7 +96,8 @@ def _shard_both(ref, ours, mesh, *, wrap_ref=None, wrap_ours=None, **kw):
 
 
 def _full_torch(model) -> dict:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -304,7 +305,8 @@ def _parity_case(rank, ws, mesh, make, steps=3, freeze=None, wrap_ref=None, wrap
     o_ours = (opt_ours or torch.optim.AdamW)(ours.parameters(), lr=1e-2)
     l_ref = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), rank, steps, loss_fn, batch)
     l_ours = _train(ours, o_ours, rank, steps, loss_fn, batch)
-    return dict(losses=(l_ref, l_ours), weights=_max_diff(_full_torch(ref), fusedist.fsdp.full_state_dict(ours))), ours, o_ours
+    return dict(losses=(l_ref, l_ours),
+                weights=_max_diff(_full_torch(ref), fusedist.fsdp.full_state_dict(ours))), ours, o_ours
 
 
 def _tied_batch(rank, step):
@@ -421,7 +423,8 @@ def _state_and_memory(rank, ws):
     out["stats"] = stats
     out["root_bytes"] = state_of(model).unit.unsharded_bytes
     out["shard_elems"] = sum(state_of(m).unit.shard.numel() for m in [model, *model.blocks])
-    out["numel"] = sum(math.prod(s.shape) for u in [state_of(m).unit for m in [model, *model.blocks]] for s in u.layout.slots)
+    out["numel"] = sum(math.prod(s.shape) for u in [state_of(m).unit for m in [model, *model.blocks]]
+                       for s in u.layout.slots)
 
     x, _ = _batch(rank, 50)
     with torch.no_grad():
@@ -508,7 +511,8 @@ def test_row_aligned_layout_pieces_cover_each_parameter_once(world_size):
 
     g = torch.Generator().manual_seed(world_size)
     for _ in range(300):
-        shapes = [tuple(int(d) for d in torch.randint(1, 40, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g))
+        shapes = [tuple(int(d) for d in torch.randint(1, 40, (int(torch.randint(0, 4, (1,), generator=g)),),
+                                                      generator=g))
                   for _ in range(int(torch.randint(1, 7, (1,), generator=g)))]
         layout = UnitLayout(shapes, world_size)
         end = 0

@@ -326,7 +326,8 @@ def _variations(rank, ws):
         tf(m, mesh=mesh)
     case("partial outputs", _TwoHeads, two_heads,
          loss_of=lambda m, x, y, s: (lambda h, a: F.mse_loss(h, y) + (0 if s == 1 else a.square().mean()))(*m(x)))
-    case("skipped block", _SkipNet, loss_of=lambda m, x, y, s: (setattr(m, "skip", s in (1, 2)), F.mse_loss(m(x), y))[1])
+    case("skipped block", _SkipNet,
+         loss_of=lambda m, x, y, s: (setattr(m, "skip", s in (1, 2)), F.mse_loss(m(x), y))[1])
     case("zero_grad(set_to_none=False)", opt_cls=torch.optim.SGD, lr=0.1, zero_to_none=False)
     case("in-place writes between steps", between=_halve)
     case("accumulation, 3 micro-batches", micro=3)

@@ -282,7 +282,8 @@ def _wrapped_round_trip(rank, ws, where, shard_blocks):
     loaded = {"model": fresh.state_dict()}
     dcp.load(loaded, checkpoint_id=where)
     fresh.load_state_dict(loaded["model"])
-    out["dcp round trip"] = _diff(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)), reference)
+    out["dcp round trip"] = _diff(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)),
+                                  reference)
     fresh = _wrapped(ws, 1, shard_blocks)
     set_model_state_dict(fresh, dict(reference), options=StateDictOptions(full_state_dict=True))
     out["set full"] = _diff(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)), reference)

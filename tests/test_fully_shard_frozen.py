@@ -120,7 +120,8 @@ def _torch_fully_shard():
 
 
 def _full_torch(model) -> dict:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -367,8 +368,10 @@ def _changes(rank, ws, directory):
     l_model = _train(model, opt, rank, 2, first=2)
     l_again = _train(again, again_opt, rank, 2, first=2)
     out["checkpoint"] = dict(losses=(l_model, l_again),
-                             weights=_max_diff(fusedist.fsdp.full_state_dict(model), fusedist.fsdp.full_state_dict(again)),
-                             cross=_max_diff(fusedist.fsdp.full_state_dict(plain), fusedist.fsdp.full_state_dict(other)))
+                             weights=_max_diff(fusedist.fsdp.full_state_dict(model),
+                                               fusedist.fsdp.full_state_dict(again)),
+                             cross=_max_diff(fusedist.fsdp.full_state_dict(plain),
+                                             fusedist.fsdp.full_state_dict(other)))
     return out
 
 

@@ -171,7 +171,8 @@ def _generation(rank, ws, seed):
         assert stats["gathered_bytes"] == 0, f"{what}: after reshard(): {stats}"
         from fusedist.fsdp.owners import owner_of
 
-        assert all(owner_of(p) is not None for p in ours.parameters()), f"{what}: the modules should hold the pieces again"
+        assert all(owner_of(p) is not None for p in ours.parameters()), \
+            f"{what}: the modules should hold the pieces again"
     return True
 
 

@@ -5,8 +5,9 @@ fusedist/fsdp/post_forward.py).
 
 World 4 on gloo, k = 2 (runs {0, 1} and {2, 3}). References: torch's FSDP2 with the same int
 (losses, eval outputs and weights within fp32 / bf16 tolerance: the two libraries reduce in
-different layouts, so AdamW steps differ by roundings), and fusedist with ``reshard_after_forward=True``, which must be bitwise
-equal -- the parts gathered back are the same bytes in the same places.
+different layouts, so AdamW steps differ by roundings), and fusedist with
+``reshard_after_forward=True``, which must be bitwise equal -- the parts gathered back are the
+same bytes in the same places.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def _parity(rank, ws):
         f_ref, f_ref_true, f_ours, f_true = _full(ref), _full(ref_true), _full(ours), _full(ours_true)
         tol = BF16 if mp else FP32
         torch.testing.assert_close(l_ours, l_ref, **tol, msg=lambda m, w=what: f"{w}: losses\n{m}")
-        torch.testing.assert_close(e_ours, e_ref, **(BF16_STEPPED if mp else FP32), msg=lambda m, w=what: f"{w}: eval\n{m}")
+        torch.testing.assert_close(e_ours, e_ref, **(BF16_STEPPED if mp else FP32),
+                                   msg=lambda m, w=what: f"{w}: eval\n{m}")
         # bitwise against True, in each library: the post-forward parts are the gathered bytes
         assert torch.equal(l_ours, l_true) and torch.equal(e_ours, e_true), what
         assert torch.equal(l_ref, l_ref_true) and torch.equal(e_ref, e_ref_true), what

@@ -122,7 +122,8 @@ def _fully_shard_clips(rank, ws):
             n_ours = _train(ours, rank, clip, norm_type)
             f_ref, f_ours = _full(getattr(ref, "module", ref)), _full(ours)
             key = f"{form} {norm_type}"
-            torch.testing.assert_close(torch.tensor(n_ours), torch.tensor(n_ref), **NORM, msg=lambda m, k=key: f"{k}: norms\n{m}")
+            torch.testing.assert_close(torch.tensor(n_ours), torch.tensor(n_ref), **NORM,
+                                       msg=lambda m, k=key: f"{k}: norms\n{m}")
             assert min(n_ref) > MAX_NORM, (key, n_ref)  # every step clipped
             for n in f_ref:
                 torch.testing.assert_close(f_ours[n], f_ref[n], **WEIGHTS, msg=lambda m, k=key, n=n: f"{k}: {n}\n{m}")
@@ -212,8 +213,9 @@ def _zero2_clip(rank, ws, form):
 def test_torch_clip_on_zero_stage2_matches_ddp(form):
     """Stage 2 keeps no ``p.grad``: torch's clip -- through the module attribute, or through the
     name imported from torch before the optimizer existed (torch's own function, which sees no
-    gradient), or torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_`` -- clips by the global norm (stage 2 applies the coefficient in its step) and
-    returns it, as torch's clip on torch DDP."""
+    gradient), or torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_`` -- clips by the
+    global norm (stage 2 applies the coefficient in its step) and returns it, as torch's clip on
+    torch DDP."""
     for norms, diff in run_distributed(_zero2_clip, 2, form):
         for ref, ours in norms:
             assert ref > 0.05 and ours == pytest.approx(ref, rel=1e-5), norms

@@ -190,7 +190,8 @@ def _exchange_checks(rank, world_size, seed):
     if world_size > 1:
         buf = torch.zeros(world_size * 4)
         other = (rank + 1) % world_size
-        with pytest.raises(ValueError, match=rf"output overlaps input other than at this rank's own slice \(rank {rank}\)"):
+        with pytest.raises(ValueError,
+                           match=rf"output overlaps input other than at this rank's own slice \(rank {rank}\)"):
             comm.reduce_scatter(buf[other * 4:other * 4 + 4], buf)
         with pytest.raises(ValueError, match="input overlaps output"):
             comm.all_gather(buf, buf[1:5])  # misaligned: never exactly this rank's slice

@@ -136,7 +136,8 @@ def _bf16_reduce(rank, world_size, device):
             opts[k].zero_grad()
             F.mse_loss(m(x), y).backward()
         if step == 0:
-            first_grads = {k: [p.grad.detach().float().cpu().clone() for p in m.parameters()] for k, m in models.items()}
+            first_grads = {k: [p.grad.detach().float().cpu().clone() for p in m.parameters()]
+                           for k, m in models.items()}
         for opt in opts.values():
             opt.step()
     return dict(grads=first_grads, params={k: _flat(m.parameters()) for k, m in models.items()},

@@ -370,7 +370,8 @@ def test_misuse_errors_like_torch():
 
 @pytest.mark.gpu
 def test_gpu_fused_amp_step_never_syncs():
-    params = [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in [(1,), (4097,), (300, 300)]]
+    params = [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for s in [(1,), (4097,), (300, 300)]]
     opt = FusedAdamW(params, lr=1e-3, master_weights=True)
     scaler = GradScaler("cuda")
 

@@ -53,7 +53,8 @@ def _worker(rank, world_size, which):
     if which == "fully_shard":
         fusedist.fully_shard(model)
         _grads_with_nan(model, rank)
-        clip = lambda **kw: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"), **kw)  # noqa
+        clip = lambda **kw: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"),  # noqa
+                                                           **kw)
     else:  # stage 1: every rank holds the averaged gradient, the norm reads its own slice of it
         ddp = fusedist.DistributedDataParallel(model)
         opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, stage=1, lr=0.1)

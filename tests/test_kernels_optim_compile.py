@@ -49,7 +49,8 @@ def compile_ptx(fn, **constexprs):
 
 base = dict(HAS_INV_SCALE=True, HAS_CLIP=True, HAS_FOUND_INF=True, ALIGNED=True, BLOCK=1024, ITERS=4)
 out = {}
-for pd, gd, master in [(tl.float32, tl.float32, False), (tl.bfloat16, tl.bfloat16, True), (tl.float16, tl.float32, True)]:
+for pd, gd, master in [(tl.float32, tl.float32, False), (tl.bfloat16, tl.bfloat16, True),
+                       (tl.float16, tl.float32, True)]:
     key = f"{pd}-{gd}-{master}"
     out["adam " + key] = compile_ptx(mt._adam_kernel, GRAD_DTYPE=gd, PARAM_DTYPE=pd, HAS_MASTER=master, STEP_ROLE=5,
                                      ADAMW=True, BIAS_CORRECTION=True, MAXIMIZE=False, **base)

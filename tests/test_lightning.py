@@ -43,4 +43,5 @@ def test_import_fusedist_does_not_import_lightning():
     import sys
 
     code = "import fusedist, fusedist.integrations, sys; print('lightning' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

@@ -94,7 +94,8 @@ def _module_class():
                 return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
             decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
             rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
-            opt = self.returned = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest}], lr=1e-2)
+            opt = self.returned = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest}],
+                                                    lr=1e-2)
             kind = self.opts.get("scheduler", "lambda")
             if kind == "none":
                 return opt
@@ -176,7 +177,8 @@ def _same_run(ours: dict, ref: dict, what: str) -> None:
     assert diff <= tol, f"{what}: weights differ by {diff}"
     assert len(ours["rows"]) == len(ref["rows"]), f"{what}: {len(ours['rows'])} logged rows vs {len(ref['rows'])}"
     for (step, mine), (ref_step, theirs) in zip(ours["rows"], ref["rows"]):
-        assert step == ref_step and mine.keys() == theirs.keys(), f"{what}: logged\n {step} {sorted(mine)}\nvs\n {ref_step} {sorted(theirs)}"
+        assert step == ref_step and mine.keys() == theirs.keys(), \
+            f"{what}: logged\n {step} {sorted(mine)}\nvs\n {ref_step} {sorted(theirs)}"
         for key, value in theirs.items():
             exact = key.startswith("lr-")
             assert (mine[key] == value) if exact else abs(mine[key] - value) <= tol, \
@@ -198,7 +200,8 @@ def test_strategy_names_are_registered():
     for name, (stage, unused) in expected.items():
         strategy = StrategyRegistry.get(name)
         assert type(strategy) is FusedistStrategy, name
-        assert strategy.zero_stage == stage and strategy._ddp_kwargs.get("find_unused_parameters", False) == unused, name
+        assert (strategy.zero_stage == stage
+                and strategy._ddp_kwargs.get("find_unused_parameters", False) == unused), name
     assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy  # DDPStrategy's names stay Lightning's
     assert type(StrategyRegistry.get("ddp_find_unused_parameters_true")) is DDPStrategy
     # A second registration (a reloaded module) replaces the entries instead of failing.
@@ -219,7 +222,8 @@ def test_strategy_by_name_and_lr_monitor_keys_match_ddp():
     for rank, runs in enumerate(run_distributed(_names_worker, 2, timeout=180)):
         ref = runs["ddp"]
         assert "lr-AdamW/pg1" in ref["rows"][0][1] and any("val_loss" in r for _, r in ref["rows"]), ref["rows"][:2]
-        for name, stage, implementation in (("fusedist", 0, "FusedAdamW"), ("fusedist_zero2", 2, "ZeroRedundancyOptimizer")):
+        for name, stage, implementation in (("fusedist", 0, "FusedAdamW"),
+                                            ("fusedist_zero2", 2, "ZeroRedundancyOptimizer")):
             what = f"strategy={name!r}, rank {rank}"
             assert runs[name]["strategy"] == ("FusedistStrategy", stage), what
             assert runs[name]["optimizers"][0][:2] == ["AdamW", implementation], what
@@ -283,7 +287,8 @@ SCHEDULE_CASES = {
     # name: (strategy, module options)
     "SequentialLR warm-up then cosine": ("fusedist", dict(scheduler="warmup_cosine")),
     "ChainedScheduler, ZeRO 1": ("fusedist_zero1", dict(scheduler="chained")),
-    "learning rate set through the returned optimizer, ZeRO 2": ("fusedist_zero2", dict(scheduler="none", manual_warmup=True)),
+    "learning rate set through the returned optimizer, ZeRO 2": ("fusedist_zero2",
+                                                                 dict(scheduler="none", manual_warmup=True)),
 }
 
 
@@ -329,8 +334,10 @@ def _recipes_worker(rank, world, root):
                  opts=dict(unused="by data"), precision="16-mixed", gradient_clip_val=0.3)
     side_by_side("two optimizers, manual optimization, fp16-mixed", "fusedist", "ddp",
                  opts=dict(two_optimizers=True), precision="16-mixed")
-    side_by_side("StochasticWeightAveraging, ZeRO 2, then predict", "fusedist_zero2", "ddp", opts=dict(scheduler="none"),
-                 callbacks=lambda: [StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)], max_epochs=3, predict=True)
+    side_by_side("StochasticWeightAveraging, ZeRO 2, then predict", "fusedist_zero2", "ddp",
+                 opts=dict(scheduler="none"),
+                 callbacks=lambda: [StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)],
+                 max_epochs=3, predict=True)
     side_by_side("EMA (WeightAveraging), ZeRO 1, bf16-mixed, clip by norm", "fusedist_zero1", "ddp",
                  callbacks=lambda: [WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.9))],
                  precision="bf16-mixed", gradient_clip_val=0.3)
@@ -376,9 +383,10 @@ def test_recipes_match_ddp(tmp_path):
         assert "zero_stage=2" in message and "returned 2 optimizers" in message, (rank, message)
         # fusedist DDP's error names the parameters; the strategy adds the setting to change.
         message = runs.pop("unused branch, ZeRO 2", "")
-        assert "branch.weight" in message and "FusedistStrategy(zero_stage=2, find_unused_parameters=True)" in message, \
-            (rank, message)
+        assert ("branch.weight" in message
+                and "FusedistStrategy(zero_stage=2, find_unused_parameters=True)" in message), (rank, message)
         for name, (ours, ref) in runs.items():
             _same_run(ours, ref, f"{name}, rank {rank}")
-        assert {"lr-AdamW", "lr-AdamW-1"} <= runs["two optimizers, manual optimization, fp16-mixed"][1]["rows"][0][1].keys()
+        first_row = runs["two optimizers, manual optimization, fp16-mixed"][1]["rows"][0][1]
+        assert {"lr-AdamW", "lr-AdamW-1"} <= first_row.keys()
         assert runs["StochasticWeightAveraging, ZeRO 2, then predict"][0]["predictions"].shape == (8, 3)

@@ -25,7 +25,8 @@ PAIRS = {
 def test_default_groups_have_torchs_keys():
     p = [torch.nn.Parameter(torch.zeros(2))]
     for torch_cls, fused_cls, kw in PAIRS.values():
-        assert set(fused_cls(p, **kw).state_dict()["param_groups"][0]) == set(torch_cls(p, **kw).state_dict()["param_groups"][0])
+        assert (set(fused_cls(p, **kw).state_dict()["param_groups"][0])
+                == set(torch_cls(p, **kw).state_dict()["param_groups"][0]))
     # a setting torch has no equivalent for stays, and loads back
     saved = FusedAdamW(p, lr=0.01, master_weights=True).state_dict()
     assert saved["param_groups"][0]["master_weights"] is True

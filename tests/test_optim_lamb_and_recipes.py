@@ -16,7 +16,9 @@ import torch
 
 from fusedist.optim import FusedLAMB
 
-from test_optim import BACKENDS, SHAPES, _assert_params_close, _clone_params, _grads, _params, _reference_lamb, _set_grads  # noqa: F401
+from test_optim import (  # noqa: F401
+    BACKENDS, SHAPES, _assert_params_close, _clone_params, _grads, _params, _reference_lamb, _set_grads,
+)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -137,7 +139,8 @@ def test_torch_dcp_checkpoint_into_fused_adamw_with_master_weights(tmp_path):
     target, opt = fused_target(1)
     msd, osd = get_state_dict(target, opt)
     state = {"model": msd, "optim": osd}
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\..*\.master_(param|weights)"):
+    with pytest.raises(CheckpointException,
+                       match=r"Missing key in checkpoint state_dict: optim\..*\.master_(param|weights)"):
         dcp.load(copy.deepcopy(state), checkpoint_id=str(tmp_path))
     dcp.load(state, checkpoint_id=str(tmp_path), planner=FusedOptimizerLoadPlanner())
     set_state_dict(target, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -229,7 +232,8 @@ def test_tensor_betas_step_like_torch(backend, fused_name, torch_cls):
     for cls, params in ((torch_cls, theirs), (fused_cls, ours)):
         with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
             cls(params, betas=(torch.tensor(0.9), 0.999))
-        with pytest.raises(ValueError, match=r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True"):
+        with pytest.raises(ValueError,
+                           match=r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True"):
             cls(params, betas=(torch.tensor(0.9), torch.tensor(0.999)), foreach=True)
     # (torch's range check on the tensor fails first there: RuntimeError "Boolean value of Tensor ...")
     with pytest.raises(ValueError, match=r"Tensor betas\[1\] must be 1-element"):

@@ -239,7 +239,8 @@ def _assert_same_snapshot(a, b):
 @pytest.mark.parametrize("damage,message", [
     (lambda sd: sd["param_groups"][0].update(capturable=True), "capturable=True is not supported"),
     (lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.5)), "invalid betas"),
-    (lambda sd: sd["state"][1].update(exp_avg=torch.zeros(9)), r"state 'exp_avg' of param 1 of param group 0 has shape \(9,\)"),
+    (lambda sd: sd["state"][1].update(exp_avg=torch.zeros(9)),
+     r"state 'exp_avg' of param 1 of param group 0 has shape \(9,\)"),
 ])
 def test_refused_state_dict_changes_nothing(damage, message):
     params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, 2))]

@@ -4,8 +4,9 @@ accumulation through ``set_requires_gradient_sync(False)``, a ``forward`` replac
 instance, a communication hook, ignored
 modules, a model built on the meta device whose engine a ZeroRedundancyOptimizer builds before
 the first forward (and its fusedist.checkpoint round trip), a submodule sharded by fully_shard
-(left to its unit, against FSDP2's under torch's replicate), and the module left as it was (class tree, state-dict keys, one call of its
-hooks per forward). Refusals are checked in one process.
+(left to its unit, against FSDP2's under torch's replicate), and the module left as it was
+(class tree, state-dict keys, one call of its hooks per forward). Refusals are checked in one
+process.
 """
 
 from __future__ import annotations

@@ -312,8 +312,10 @@ def _read_after_step_worker(rank, world_size):
         ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **TINY_BUCKETS)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
-        ema = torch.optim.swa_utils.AveragedModel(ours.module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
-        ema_ref = torch.optim.swa_utils.AveragedModel(ref.module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        ema = torch.optim.swa_utils.AveragedModel(ours.module,
+                                                  multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        ema_ref = torch.optim.swa_utils.AveragedModel(ref.module,
+                                                      multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
         gen = torch.Generator().manual_seed(rank)
         worst = 0.0
         for _ in range(8):
@@ -618,7 +620,8 @@ def _misuse_worker(rank, world_size):
             opt.step()
         opt.wait_for_params()
         finals[stage] = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-        errors[f"bf16 master bytes {stage}"] = opt.memory_stats()["master_bytes"] == 4 * opt.memory_stats()["shard_elements"]
+        errors[f"bf16 master bytes {stage}"] = (opt.memory_stats()["master_bytes"]
+                                                == 4 * opt.memory_stats()["shard_elements"])
     errors["bf16 stage1 vs stage2"] = (finals[1] - finals[2]).abs().max().item()
     return errors
 

@@ -43,7 +43,8 @@ def _pair(stage, inner=torch.optim.AdamW, **kw):
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), inner, stage=stage, lr=0.05, **kw)
     ref = (torch.optim.SGD if inner.__name__.endswith("SGD") else torch.optim.AdamW)(theirs.parameters(), lr=0.05, **kw)
-    return ours, theirs, opt, ref, fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    return (ours, theirs, opt, ref, fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8),
+            torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
 
 
 def _diff(a, b):
@@ -171,7 +172,8 @@ def _clip_before_unscale_worker(rank, ws, kind):
         ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         opt, ref = FusedAdamW(ours.parameters(), lr=0.05), torch.optim.AdamW(theirs.parameters(), lr=0.05)
-        sc, ref_sc = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        sc, ref_sc = (fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8),
+                      torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
         clip = fusedist.clip_grad_norm_
     else:
         ours, theirs, opt, ref, sc, ref_sc = _pair(int(kind[-1]))

@@ -350,7 +350,8 @@ def _refusal_worker(rank, ws, seed):
 
     net = _net(seed)
     torch_ddp = nn.parallel.DistributedDataParallel(net)
-    out["join torch ddp"] = message(lambda: Join([torch_ddp, zero(net.parameters(), optimizer_class=torch.optim.AdamW)]))
+    out["join torch ddp"] = message(
+        lambda: Join([torch_ddp, zero(net.parameters(), optimizer_class=torch.optim.AdamW)]))
     out["no params key"] = message(lambda: zero([{"lr": 0.1}], optimizer_class=torch.optim.AdamW))
     return out
 

@@ -81,7 +81,8 @@ def _worker(rank, world):
 
 def test_zero_takes_elementwise_optimizers_only():
     for out in run_distributed(_worker, 2, timeout=120):
-        assert "ZeroRedundancyOptimizer: FusedLAMB cannot step flat slices of each rank's shard: LAMB's trust ratio" in out["lamb"], out["lamb"]
+        assert "ZeroRedundancyOptimizer: FusedLAMB cannot step flat slices of each rank's shard: LAMB's trust ratio" \
+            in out["lamb"], out["lamb"]
         assert "without sharding" in out["lamb"]
         assert "LBFGS cannot step flat slices" in out["lbfgs"], out["lbfgs"]
         assert "Adafactor cannot step flat slices of each rank's shard: it keeps factored" in out["adafactor"]
@@ -145,4 +146,5 @@ def _fully_shard_worker(rank, world):
 def test_fully_shard_refuses_lamb_at_its_first_step():
     for out in run_distributed(_fully_shard_worker, 2, timeout=120):
         assert "fully_shard: FusedLAMB cannot step this rank's pieces of the parameters" in out["lamb"], out["lamb"]
-        assert len(out["warnings"]) == 1 and "Undeclared steps this rank's pieces" in out["warnings"][0], out["warnings"]
+        assert len(out["warnings"]) == 1 and "Undeclared steps this rank's pieces" in out["warnings"][0], \
+            out["warnings"]

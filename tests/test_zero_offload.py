@@ -242,7 +242,8 @@ def test_offload_checkpoint_interchange(offload_run, monkeypatch):
     for saved, offload in ((saved_plain, "cpu"), (saved_off, None), (saved_off, "cpu")):
         got, opt = _load_and_train(saved, offload)
         diff = (ref - got).abs().max().item()
-        assert diff < TOL, f"saved {os.path.basename(saved)} at world size {world_size}, loaded with offload={offload}: {diff}"
+        assert diff < TOL, \
+            f"saved {os.path.basename(saved)} at world size {world_size}, loaded with offload={offload}: {diff}"
         assert {float(s["step"]) for s in opt.inner.state.values()} == {7.0}
 
 

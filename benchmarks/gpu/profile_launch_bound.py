@@ -312,7 +312,8 @@ def main(argv=None) -> None:
             print(f"| {r['row']} | {r['who']} | {r['device_ms']} | {r['host_ms']} | {r['launches_per_call']:.1f} | "
                   f"{r['syncs_per_call']} |")
         else:
-            print(f"| {r['row']} | {r['who']} | {json.dumps({k: v for k, v in r.items() if k not in ('row', 'who')})} |")
+            print(f"| {r['row']} | {r['who']} | "
+                  f"{json.dumps({k: v for k, v in r.items() if k not in ('row', 'who')})} |")
 
 
 if __name__ == "__main__":

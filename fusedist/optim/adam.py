@@ -95,6 +95,20 @@ class FusedAdam(FusedOptimizerBase):
         if group.get("amsgrad") and state.get("max_exp_avg_sq") is None:
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"], memory_format=torch.preserve_format)
 
+    def _decoupled(self, group) -> bool:
+        """Whether ``group`` takes AdamW's decoupled weight decay: its own setting, as torch's
+        Adam and AdamW read it per group (a group added with ``decoupled_weight_decay=False``
+        to an AdamW takes L2 decay in torch's step too)."""
+        return bool(group.get("decoupled_weight_decay", self._adamw))
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's Adam: a loaded group without the key (saved before torch had it) is Adam's
+        L2 decay, whatever this optimizer was built with (torch's ``load_state_dict`` passes
+        the loaded groups through here)."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", self._adamw)
+
     def _step_group(self, group, params, grads, states, *, inv_scale, clip_coef, found_inf):
         beta1, beta2 = group["betas"]  # tensors are read by the kernels (Note [betas on the device])
         max_exp_avg_sqs = None
@@ -106,7 +120,7 @@ class FusedAdam(FusedOptimizerBase):
         functional.adam_update(
             params, grads, state_values(states, "exp_avg"), state_values(states, "exp_avg_sq"),
             masters_of(states), lr=group["lr"], beta1=beta1, beta2=beta2, eps=hyper_number(group["eps"]),
-            weight_decay=hyper_number(group["weight_decay"]), adamw=self._adamw or group["decoupled_weight_decay"],
+            weight_decay=hyper_number(group["weight_decay"]), adamw=self._decoupled(group),
             step=state_values(states, "step"),
             bias_correction=group.get("bias_correction", True), maximize=group["maximize"],
             inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
@@ -117,7 +131,8 @@ class FusedAdam(FusedOptimizerBase):
 class FusedAdamW(FusedAdam):
     """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2); see FusedAdam.
     Its signature is AdamW's: ``decoupled_weight_decay`` is not a keyword here (it was taken
-    and ignored), as torch's AdamW refuses it."""
+    and ignored), as torch's AdamW refuses it; a param group given
+    ``decoupled_weight_decay=False`` takes Adam's L2 decay, as in torch's AdamW."""
 
     _adamw = True
     _torch_counterpart = torch.optim.AdamW
@@ -129,3 +144,11 @@ class FusedAdamW(FusedAdam):
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights,
                          bias_correction=bias_correction)
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's AdamW: every loaded group takes decoupled weight decay, also one saved with
+        ``decoupled_weight_decay=False`` (torch's ``load_state_dict`` passes the loaded groups
+        through here); a group added with False keeps it, as in torch."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

@@ -86,7 +86,10 @@ def clip_grad_norm_(
                 "optimizer.clip_grad_norm_ for a ZeroRedundancyOptimizer)"
             )
         holder, held = next(iter(holders.values()))
-        return holder.clip_sharded_grads_(held, max_norm, norm_type, error_if_nonfinite)
+        # (a stage-2 optimizer also clips some of its parameters: Note [clipping some of the
+        # parameters in stage 2] in fusedist/zero/grads.py)
+        clip = getattr(holder, "clip_grads_of_", holder.clip_sharded_grads_)
+        return clip(held, max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)
     # (whole-list passes: Note [whole-list passes] in _scaler_protocol.py)
     with_grad, grads = without_none(params, list(map(_grad_of, params)))

@@ -33,13 +33,26 @@ Note [per-parameter gradient slices]
     gradients in stage 2]). A parameter meets a rank's shard in at most one contiguous range
     (Note [flat partition]), so one slice per parameter covers it; the slices of one parameter
     over all ranks are its whole gradient, in its memory order.
+
+Note [clipping some of the parameters in stage 2]
+    A clip over some of the parameters (timm's ``clip_grad_norm_`` that leaves the head out)
+    measures and scales those gradients only. The step's clip coefficient is one factor for
+    every piece, so such a clip cannot be deferred to the step: it applies any pending unscale
+    and recorded clip to the shards first (the values torch's ``p.grad`` would hold), takes
+    the norm of the parameters' slices (one all-reduce of two numbers) and scales those slices
+    in place, as torch's clip scales ``p.grad``. It costs a pass over the shards, as torch's
+    clip does. Under ``join()`` it is refused: a joined rank replays the clip of all the
+    parameters it is announced (Note [the announce] in ``join.py``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..ddp.layout import flat_like
+from ..optim.grad_norms import flag_nan, tensor_norms, unflag_nan
 from . import grow
 
 
@@ -203,6 +216,60 @@ class GradientsMixin:
                 view = (like if like is not None else p).new_empty(0)
             pairs.append((p, view))
         return pairs
+
+    @torch.compiler.disable  # an all-reduce (Note [a compiled step runs eagerly] in optimizer.py)
+    @torch.no_grad()
+    def clip_grads_of_(self, params: list, max_norm: float, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over ``params``, some or all of this optimizer's
+        parameters: the norm of their gradients over every rank's shard (all of them: the
+        coefficient is applied in the step; some: Note [clipping some of the parameters in
+        stage 2]). A collective: every rank passes the same parameters."""
+        trainable = {id(p) for p in self._trainable_params()}
+        wanted = {id(p) for p in params if p.requires_grad}
+        if wanted == trainable or self.stage != 2:
+            return self.clip_sharded_grads_(params, max_norm, norm_type, error_if_nonfinite)
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be positive (or inf), got {norm_type}")
+        if wanted - trainable:
+            raise ValueError("fusedist.clip_grad_norm_: some of these parameters are not trained by the "
+                             "ZeroRedundancyOptimizer(stage=2) that holds the others' gradients")
+        if self._join_config.enable:
+            raise NotImplementedError(
+                "fusedist.clip_grad_norm_: ZeroRedundancyOptimizer(stage=2) under join() clips all of its "
+                f"parameters or none ({len(wanted)} of its {len(trainable)} trainable parameters were given): "
+                "a rank out of data replays the clip of all of them. Clip all of the optimizer's parameters "
+                "(optimizer.clip_grad_norm_), or use stage=1.")
+        slices = [s for p, s in self.gradient_slices() if id(p) in wanted and s.numel()]
+        self._fusedist_materialize_unscale()  # the shards hold torch's p.grad values from here
+        total = self._norm_of_slices(slices, norm_type)
+        dtypes = {p.dtype for p in params if id(p) in wanted}
+        total = total.to(functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped (over every rank's shard; every rank raises this). To disable this error "
+                "and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # torch's, in the gradients' dtype
+        if slices:
+            torch._foreach_mul_(slices, coef.to(device=slices[0].device, dtype=slices[0].dtype))
+        return total
+
+    def _norm_of_slices(self, slices: list, norm_type: float) -> torch.Tensor:
+        """The ``norm_type``-norm over every rank's ``slices`` (fp64): one all-reduce of the
+        local max or sum of p-th powers, with its NaN flag (Note [a NaN through a max
+        all-reduce] in ``fusedist/optim/grad_norms.py``)."""
+        inf = norm_type == float("inf")
+        local = torch.zeros(1, dtype=torch.float64, device=self._device)
+        if slices:
+            norms = tensor_norms(slices, norm_type, at_least=torch.float64)
+            local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1).to(self._device)
+        if self.comm is not None and self.world_size > 1:
+            packed = flag_nan(local).to(self.comm.device)
+            self.comm.all_reduce(packed, op="max" if inf else "sum", tag="zero grad norm of some parameters")
+            local = unflag_nan(packed).to(self._device)
+        return local.reshape(()) if inf else local.pow(1.0 / norm_type).reshape(())
 
     def gradient_shards(self) -> dict:
         """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32

@@ -91,8 +91,7 @@ def check_offload_group(group: dict, index: int) -> None:
 
 def _adamw(optimizer_class, group: dict) -> bool:
     from ..optim import FusedAdamW
-    return bool(group.get("decoupled_weight_decay", False)) or issubclass(
-        optimizer_class, (FusedAdamW, torch.optim.AdamW))
+    return bool(group.get("decoupled_weight_decay", issubclass(optimizer_class, (FusedAdamW, torch.optim.AdamW))))
 
 
 class HostShardOffload:

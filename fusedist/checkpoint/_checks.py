@@ -74,12 +74,13 @@ def _differs(calls: list, field: str) -> Optional[str]:
 # of one stage (replicas of one part) must still pass the same optimizer -- one rank's None
 # would save or load no optimizer state for that part while the others do -- so a pipelined
 # save or load compares the optimizers within each stage rather than across the job.
-def check_stage_optimizers(held: list, what: str, undone: str) -> None:
+def check_stage_optimizers(held: list, what: str, undone: str, objects: str = "optimizer") -> None:
     """Raise on every rank (Note [an optimizer per pipeline stage]) when the ranks holding one
     part pass different optimizers. ``held``: every rank's ``[(stage, label, optimizer)]`` for
     its parts, where ``stage`` identifies the part's stage alike on every rank holding it,
     ``label`` names it in the message and ``optimizer`` is :func:`objects_passed`'s; ``undone``:
-    what was not done ("written", "loaded")."""
+    what was not done ("written", "loaded"). ``objects``: what is compared (a Checkpointer's
+    LR schedulers are, as their optimizers)."""
     stages: dict = {}
     for r, parts in enumerate(held):
         for stage, label, optimizer in parts:
@@ -88,8 +89,8 @@ def check_stage_optimizers(held: list, what: str, undone: str) -> None:
         if len(ranks) > 1:
             detail = "; ".join(f"{value} on ranks {rs}" for value, rs in ranks.items())
             raise CheckpointError(
-                f"{what}: the ranks of one pipeline stage ({label}) passed different optimizers: {detail}. Every "
-                "rank of a stage passes the stage's optimizer (or None on each of them: stages may differ); "
+                f"{what}: the ranks of one pipeline stage ({label}) passed different {objects}s: {detail}. Every "
+                f"rank of a stage passes the stage's {objects} (or None on each of them: stages may differ); "
                 f"nothing was {undone}")
 
 

@@ -101,7 +101,8 @@ def strip_prefix(state: dict, expected) -> dict:
     know as they are (checkpoints of compiled models written before names were canonical), and
     without DDP's ``module.`` prefix when every key has it -- unless the keys are the model's
     own as they are: a model whose only child is called ``module`` saved keys that all start
-    with it, and stripping them made its own checkpoint unloadable."""
+    with it, and stripping them made its own checkpoint unloadable. ``expected`` may be part of
+    the saved model (a pipeline stage's layers): one key of its own as it is tells."""
     state = type(state)((k if k in expected else legacy_key(k), v) for k, v in state.items())
     if has_ddp_prefix(list(state), expected):
         return type(state)((k[len(DDP_PREFIX):], v) for k, v in state.items())
@@ -112,6 +113,7 @@ DDP_PREFIX = "module."
 
 
 def has_ddp_prefix(names: list, expected) -> bool:
-    """Whether every one of ``names`` (at least one) carries DDP's ``module.`` and they are not
-    all names of ``expected`` as they are (a model whose only child is called ``module``)."""
-    return bool(names) and all(n.startswith(DDP_PREFIX) for n in names) and not all(n in expected for n in names)
+    """Whether every one of ``names`` (at least one) carries DDP's ``module.`` and none is a name
+    of ``expected`` as it is (a model whose only child is called ``module``; ``expected`` may
+    hold some of ``names`` only: a pipeline stage of that model, a load that is not strict)."""
+    return bool(names) and all(n.startswith(DDP_PREFIX) for n in names) and not any(n in expected for n in names)

@@ -16,7 +16,7 @@ from . import _owner, api, layout, resume
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._schedule import step_count
-from ._snapshot import is_zero, lr_schedulers
+from ._snapshot import is_zero
 from .sampler import ElasticDistributedSampler
 
 
@@ -165,12 +165,7 @@ class RestoreMixin:
     def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
         state = self._state
         meta = extra or {}
-        schedulers = lr_schedulers(state["lr_scheduler"])
-        if schedulers:
-            if meta.get("lr_scheduler") is None:
-                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state")
-            for scheduler in schedulers:  # one per model part: one schedule (Note [pipelined checkpoints])
-                scheduler.load_state_dict(meta["lr_scheduler"])
+        self._load_lr_schedulers(path, meta)  # Note [an LR scheduler per pipeline part] in _snapshot.py
         saved_world = meta.get("world_size", self.world_size)
         sampler = state["sampler"]
         if isinstance(sampler, ElasticDistributedSampler):

@@ -23,10 +23,37 @@ def is_zero(optimizer) -> bool:
 
 
 def lr_schedulers(lr_scheduler) -> list:
-    """The registered LR schedulers: none, one, or one per model part (Note [pipelined checkpoints])."""
+    """The registered LR schedulers: none, one, or a list of them."""
     if lr_scheduler is None:
         return []
     return list(lr_scheduler) if isinstance(lr_scheduler, (list, tuple)) else [lr_scheduler]
+
+
+# Note [an LR scheduler per pipeline part]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under pipeline parallelism each model part has an optimizer of its own and an LR scheduler
+# over it: the parts' schedules may differ (each part's learning rates, its own schedule), and
+# a stage without parameters has neither (Note [an optimizer per pipeline stage] in _checks.py).
+# A pipelined Checkpointer takes one scheduler per part, in the parts' order (None for a part
+# without one); the ranks of one stage register alike (a scheduler or None), stages may differ.
+# Each part's state is saved with its stage (its common file, beside the optimizer's), and at
+# restore each part's scheduler gets the state of the stage that saved its layers (the first
+# of them with one, for a part of another split: pipeline.prepare). The first part's state,
+# saved by rank 0 alone and loaded into every part, gave each part the first part's base
+# learning rates and schedule, and a job with a stage without a scheduler was refused. Rank 0
+# still writes its first part's state job-wide, for readers of checkpoints without per-stage
+# states (a pipelined Checkpointer given an ordinary checkpoint loads it into every part).
+def part_schedulers(lr_scheduler, count: int, rank: int) -> list:
+    """A pipelined Checkpointer's LR scheduler of each of its ``count`` model parts, None where a
+    part has none (Note [an LR scheduler per pipeline part])."""
+    if lr_scheduler is None:
+        return [None] * count
+    listed = lr_schedulers(lr_scheduler)
+    if len(listed) != count:
+        raise ValueError(f"fusedist.checkpoint.Checkpointer (rank {rank}): {count} model part(s) and {len(listed)} "
+                         "LR schedulers: pass a list of one per part, in the parts' order (None for a part without "
+                         "one); each part's schedule is saved with its stage")
+    return listed
 
 
 class SnapshotMixin:
@@ -60,21 +87,27 @@ class SnapshotMixin:
         if refusals:
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot save step {step} to {self.directory}: "
                                   f"{'; '.join(refusals)}. Nothing was written")
-        registered = [r for *_, r, _ in everyone]
+        registered = [job for *_, (job, _), _ in everyone]
         unlike = "; ".join(f"{field} is {d}" for field in registered[0] if (d := _checks._differs(registered, field)))
         if unlike:  # Note [the same objects on every rank]
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: the ranks registered different objects at restore(): {unlike}. "
                 "A checkpoint is one job's state, which every rank restores: pass the same kinds of objects on "
                 f"every rank. Nothing was written for step {step}; earlier checkpoints are unaffected")
+        _checks.check_stage_optimizers([held for *_, (_, held), _ in everyone],  # Note [an LR scheduler per
+                                       "fusedist.checkpoint.Checkpointer (registered at restore())",  # pipeline part]
+                                       f"written for step {step}; earlier checkpoints are unaffected", "LR scheduler")
         _checks.check_same_keys([d for *_, d in everyone], lambda: self._coord.all_gather(
             shapes, f"step {step}: model keys"), f"fusedist.checkpoint.Checkpointer (step {step})")
         failed = [e for e, *_ in everyone if e is not None]
         if not failed:
-            differs = _sampler_state.disagreement([p for _, p, *_ in everyone])
+            positions, infos = [p for _, p, *_ in everyone], [info for _, _, _, info, *_ in everyone]
+            differs = self._positions_differ(positions, infos)
             if differs is None:
                 if self.pipeline:
-                    self._place_stages(step, snapshot, [info for _, _, _, info, *_ in everyone])
+                    self._place_stages(step, snapshot, infos)
+                    if self.rank == 0:  # Note [a sampler per pipeline stage]
+                        snapshot["common"]["extra"]["sampler"] = next((p for _, p in positions if p is not None), None)
                 return snapshot
             raise CheckpointError(  # Note [one data position for the job] in _sampler_state.py
                 f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {differs}. "
@@ -86,6 +119,34 @@ class SnapshotMixin:
                    f"{'; '.join(failed)}. Nothing was written for step {step}; earlier checkpoints are unaffected")
         raise CheckpointError(message) from cause
 
+    # Note [a sampler per pipeline stage]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Under pipeline parallelism only the stages that read data hold a sampler (the first stage
+    # its inputs, the last its labels; the stages between none), and every rank's sampler was
+    # compared with every other's: such a job was refused at its first save ("the sampler passed
+    # to restore() is ElasticDistributedSampler on ranks [0, 1], None on ranks [2, 3]"). A
+    # pipelined Checkpointer compares the samplers' kinds within each stage, and the positions
+    # of the ElasticDistributedSamplers across the job (the stages read the same batches: one
+    # data position, Note [one data position for the job] in _sampler_state.py); rank 0 writes
+    # that position whether or not it holds a sampler itself.
+    def _positions_differ(self, positions: list, infos: list) -> Optional[str]:
+        """What differs between the ranks' ``_sampler_state.position`` (Note [a sampler per
+        pipeline stage]), or None. ``infos``: every rank's ``(its parts' stages, entries)``."""
+        if not self.pipeline:
+            return _sampler_state.disagreement(positions)
+        kinds: dict = {}
+        for r, ((kind, _), (stages, _)) in enumerate(zip(positions, infos)):
+            kinds.setdefault(stages[0], {}).setdefault(kind, []).append(r)
+        for ranks, of_kind in kinds.items():
+            if len(of_kind) > 1:
+                return (f"the sampler passed to restore() by the ranks of one pipeline stage ({list(ranks)}) is "
+                        + ", ".join(f"{kind} on ranks {rs}" for kind, rs in of_kind.items()))
+        elastic = [p for p in positions if p[1] is not None]
+        if not elastic:
+            return None
+        # the ranks without an ElasticDistributedSampler agree with any position
+        return _sampler_state.disagreement([p if p[1] is not None else elastic[0] for p in positions])
+
     def _model_shapes(self) -> dict:
         """Each model part's keys and whole shapes, by a name the ranks saving it share."""
         held = self._parts()
@@ -93,13 +154,48 @@ class SnapshotMixin:
             return {"model": api.model_shapes(held[0][0])}
         return {f"part {j} of ranks {list(self._stage_ranks)}": api.model_shapes(m) for j, (m, _) in enumerate(held)}
 
-    def _registered(self) -> dict:
+    def _registered(self) -> tuple:
         """Note [the same objects on every rank]: rank 0 writes the job's GradScaler and LR
         scheduler state. Registered on some ranks only, the saves went through without it (or
         with rank 0's alone), and a restart passing the same objects could load none of them
-        (``holds no LR scheduler state`` / ``holds no GradScaler state``, on every checkpoint)."""
-        return {"scaler": "a GradScaler" if self._state["scaler"] is not None else "None",
-                "lr_scheduler": "an LR scheduler" if lr_schedulers(self._state["lr_scheduler"]) else "None"}
+        (``holds no LR scheduler state`` / ``holds no GradScaler state``, on every checkpoint).
+        Returns what the job's ranks compare, and ``[(stage, label, scheduler)]`` of each part
+        that the ranks of its stage compare (Note [an LR scheduler per pipeline part])."""
+        job = {"scaler": "a GradScaler" if self._state["scaler"] is not None else "None"}
+        if not self.pipeline:
+            job["lr_scheduler"] = "an LR scheduler" if lr_schedulers(self._state["lr_scheduler"]) else "None"
+            return job, []
+        try:
+            schedulers = part_schedulers(self._state["lr_scheduler"], len(self._parts()), self.rank)
+        except ValueError:  # raised by the snapshot, on every rank
+            schedulers = []
+        ranks = tuple(self._stage_ranks)
+        return job, [((ranks, j), f"part {j} of ranks {list(ranks)}", "None" if s is None else "an LR scheduler")
+                     for j, s in enumerate(schedulers)]
+
+    def _load_lr_schedulers(self, path: str, meta: dict) -> None:
+        """The restore's half of Note [an LR scheduler per pipeline part], beside the save of the
+        same states: each registered scheduler's state, checked for every part before any is
+        loaded. Without per-part states (an ordinary checkpoint, or one saved before them) the
+        job's one state goes into each; a Checkpointer of the whole model takes the state of the
+        first stage with one."""
+        if self.pipeline:
+            schedulers = part_schedulers(self._state["lr_scheduler"], len(self._parts()), self.rank)
+        else:
+            schedulers = lr_schedulers(self._state["lr_scheduler"])
+        per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
+        if per_part is None or not self.pipeline:
+            states = [meta.get("lr_scheduler") if per_part is None else per_part[0]] * len(schedulers)
+        else:
+            states = per_part
+        lacking = [j for j, (scheduler, state) in enumerate(zip(schedulers, states))
+                   if scheduler is not None and state is None]
+        if lacking:
+            which = f" for model part(s) {lacking} (their stages were saved without one)" if self.pipeline else ""
+            raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state{which}")
+        for scheduler, state in zip(schedulers, states):
+            if scheduler is not None:
+                scheduler.load_state_dict(state)
 
     def _snapshot(self, step: int, extra: Optional[dict], elastic_position: Optional[dict]) -> dict:
         """Copies of everything the checkpoint holds (the only part the training loop waits for)."""
@@ -114,6 +210,9 @@ class SnapshotMixin:
             per_rank["sampler"] = sampler.state_dict()
         sections = {"per_rank": per_rank}
         scaler = s["scaler"].state_dict() if s["scaler"] is not None else None
+        schedulers = part_schedulers(s["lr_scheduler"], len(held), self.rank) if self.pipeline else \
+            lr_schedulers(s["lr_scheduler"])
+        scheduled = [None if x is None else x.state_dict() for x in schedulers]
         common = manifest = None
         stage_commons, entries = {}, {}
         if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
@@ -121,9 +220,10 @@ class SnapshotMixin:
                 world = self._stage_world(model, optimizer, j)
                 part, sharded_keys = api.rank_sections(model, optimizer, world.rank, world.size)
                 sections.update({f"{name}.{j}": value for name, value in part.items()})
-                if world.rank == 0:
+                if world.rank == 0:  # (the part's LR scheduler: Note [an LR scheduler per pipeline part])
                     stage_commons[j] = {"model": api.common_model(model, sharded_keys),
-                                        "optimizer": api.full_optimizer_state(model, optimizer), "scaler": scaler}
+                                        "optimizer": api.full_optimizer_state(model, optimizer), "scaler": scaler,
+                                        "lr_scheduler": scheduled[j]}
                     keys = sorted(_load_plan._expected_model(_names.unwrap(model))[0])
                     entries[j] = dict(api.manifest_base(model, optimizer, s["scaler"], world.size),
                                       ranks=list(self._stage_ranks), part=j, keys=keys)
@@ -132,9 +232,8 @@ class SnapshotMixin:
             part, sharded_keys = api.rank_sections(model, optimizer, self.rank, self.world_size)
             sections.update(part)  # ZeRO's or fully_shard's shards (Note [stage-3 checkpoints])
         if self.rank == 0:
-            schedulers = lr_schedulers(s["lr_scheduler"])
             meta = {"step": step, "world_size": self.world_size, "user": extra,
-                    "lr_scheduler": schedulers[0].state_dict() if schedulers else None,
+                    "lr_scheduler": next((x for x in scheduled if x is not None), None),
                     "sampler": elastic_position}  # the same on every rank (checked by the caller)
             common = {"model": {}, "optimizer": None, "scaler": None, "extra": meta}
             if not self.pipeline:
@@ -181,6 +280,7 @@ class SnapshotMixin:
         parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler"))]
         for c in held:
             parts += [("the GradScaler's state_dict()", c.get("scaler")),
+                      ("the LR scheduler's state_dict()", c.get("lr_scheduler")),
                       ("the optimizer's state_dict()", c.get("optimizer")),
                       ("the model's state_dict()", c.get("model"))]
         parts += [("the optimizer's state" if name.startswith("optimizer_shard") else "the model's state", value)

@@ -82,8 +82,9 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
     checkpoints] in ``pipeline.py``), whose checkpoints restore into another pipeline split.
     Every rank constructs it with its stage's ``process_group`` (as above), and registers at
     ``restore`` its model part -- a list of parts where it holds several stages -- with one
-    optimizer per part; a list of LR schedulers (one per part) follows one schedule: the first's
-    state is saved, and loaded into each.
+    optimizer per part, and a list of one LR scheduler per part (None for a part without one;
+    the ranks of a stage alike), each saved with its part's stage and restored into the part
+    holding its layers (Note [an LR scheduler per pipeline part] in ``_snapshot.py``).
 
     ``run_id``: what identifies this job across restarts (default: torchrun's rendezvous id,
     else this launch); a job of another run holding ``directory`` is refused (Note [one job

@@ -51,6 +51,11 @@ from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
 
+#: the key of each part's LR scheduler state in a Checkpointer's ``extra`` as :func:`load`
+#: returns it (Note [an LR scheduler per pipeline part] in ``_snapshot.py``)
+PART_LR_SCHEDULERS = "part_lr_schedulers"
+
+
 def job_world() -> "api._World":
     """Every rank of the job (the default group): a pipelined save or load is its collective."""
     return api._World(None, None, None)
@@ -244,19 +249,26 @@ class _Reader:
         return out
 
     def model(self, k: int, stage: dict, expected: dict) -> dict:
-        """The stage's whole model entries by canonical key. A pipelined stage's keys are its
-        model's canonical ones as saved: normalized against a part holding some of them, they lost
-        a ``module.`` segment every key starts with (a stage whose only child is ``module``), and
-        a part of another split found none of its keys. Only an ordinary checkpoint's are
-        normalized against the part (``_names.strip_prefix``: older checkpoints' DDP prefix)."""
+        """The stage's whole model entries, ``{canonical key: (saved key, value)}``. A pipelined
+        stage's keys are its model's canonical ones as saved: normalized against a part holding
+        some of them, they lost a ``module.`` segment every key starts with (a stage whose only
+        child is ``module``), and a part of another split found none of its keys. Only an
+        ordinary checkpoint's are normalized, against each part (``_names.strip_prefix``: older
+        checkpoints' DDP prefix), and the saved keys kept: they are what :func:`check_taken`
+        compares, alike on every rank whatever parts it holds (a rank of a part without state
+        normalized them against none and refused a load the others went on with)."""
         if k not in self._models:
-            own = expected if stage["keys"] is None else dict.fromkeys(stage["keys"])
-            saved = dict(_names.strip_prefix(self.file(stage["common"])["model"], own))
+            saved = dict(self.file(stage["common"])["model"])
+            common = list(saved)
             if stage.get("model_sharded"):  # Note [stage-3 checkpoints]
                 saved.update(stage3.assemble_model(self.sections(stage, "model_shard"),
                                                    source=f"model in {self.directory}"))
-            self._models[k] = saved
-        return self._models[k]
+            self._models[k] = (common, saved)
+        common, saved = self._models[k]
+        names = {}
+        if stage["keys"] is None:  # an ordinary checkpoint's, normalized against the part
+            names = dict(zip(common, _names.strip_prefix(dict.fromkeys(common), expected)))
+        return {names.get(key, key): (key, value) for key, value in saved.items()}
 
     def optimizer(self, stage: dict) -> dict:
         """The stage's optimizer state in torch's format (whole tensors; indices of its saved
@@ -296,13 +308,15 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     read = loaded_objects(directory, digest, strict, held, scaler)
     plans = [_prepare_part(directory, stages, reader, module, opt, scaler if j == 0 else None, strict)
              for j, (module, opt) in enumerate(held)]
-    read["keys"] = sorted({k for p in plans for k in p["model"]})
+    read["keys"] = sorted({k for p in plans for k in p.pop("keys")})  # as saved (_Reader.model)
     read["params"] = sorted({n for p in plans for n in p.pop("params")})
-    all_keys = {k: i for i, s in enumerate(stages)
-                for k in (s["keys"] if s["keys"] is not None else reader.model(i, s, {}))}
+    all_keys = {key: i for i, s in enumerate(stages) for key, _ in reader.model(i, s, {}).values()}
     all_params = {n: i for i, s in enumerate(stages) if s.get("optimizer") is not None
                   for n in s["optimizer"]["param_names"]}
-    return {"parts": plans, "extra": reader.file(_files.COMMON).get("extra"), "read": read, "strict": strict,
+    extra = reader.file(_files.COMMON).get("extra")
+    if any("lr_scheduler" in p for p in plans):  # a Checkpointer's (Note [an LR scheduler per pipeline part])
+        extra = dict(extra or {}, **{PART_LR_SCHEDULERS: [p.pop("lr_scheduler", None) for p in plans]})
+    return {"parts": plans, "extra": extra, "read": read, "strict": strict,
             "stages": stages, "all_keys": all_keys, "all_params": all_params}
 
 
@@ -337,13 +351,14 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
         expected, sharded_target = _load_plan._expected_model(target)
         if expected or strict:
             names = expected or _dcp_model_keys(tree, directory)
-            saved, optim = _from_dcp.split(tree, names, lambda d: _names.strip_prefix(d, expected), directory)
+            saved, optim, saved_key = _dcp_split(tree, names, expected, directory)
         else:  # a part without state takes nothing, and a load that is not strict checks nothing more
-            saved, optim = {}, None
-        every_key.update((k, 0) for k in saved)
+            saved, optim, saved_key = {}, None, {}
+        every_key.update((saved_key[k], 0) for k in saved)
         mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
         plan = {"model": _load_plan._check_model(mine, expected, directory, strict), "model_sharded": sharded_target,
                 "strict": strict, "extra": None, "params": []}
+        plan["keys"] = [saved_key[k] for k in plan["model"]]
         if optimizer is not None:
             if optim is None:
                 raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -356,10 +371,27 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
         if optim is not None:  # (what a strict load takes when a rank passes an optimizer: check_taken)
             every_param.update((n, 0) for n in _from_dcp.state_names(optim))
         plans.append(plan)
-    read["keys"] = sorted({k for p in plans for k in p["model"]})
+    read["keys"] = sorted({k for p in plans for k in p.pop("keys")})
     read["params"] = sorted({n for p in plans for n in p.pop("params")})
     return {"parts": plans, "extra": None, "read": read, "strict": strict, "stages": [{"ranks": None}],
             "all_keys": every_key, "all_params": every_param}
+
+
+def _dcp_split(tree: dict, names, expected: dict, directory: str) -> tuple:
+    """``_from_dcp.split`` of ``tree`` for a part expecting ``expected``, and the saved key of
+    each model entry by its name here. The names are normalized against the part, so they
+    differ by part (a part of a model whose only child is ``module`` keeps that segment, a part
+    without state strips it); the saved keys are what :func:`check_taken` compares, alike on
+    every rank (as :meth:`_Reader.model`'s)."""
+    normalized = []
+
+    def normalize(d: dict) -> dict:
+        out = _names.strip_prefix(d, expected)
+        normalized.append((out, dict(zip(out, d))))
+        return out
+
+    saved, optim = _from_dcp.split(tree, names, normalize, directory)
+    return saved, optim, next(keys for out, keys in normalized if out is saved)
 
 
 def _dcp_model_keys(tree: dict, directory: str) -> dict:
@@ -382,18 +414,22 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
     target = _names.unwrap(model)
     expected, sharded_target = _load_plan._expected_model(target)
     chosen = [(k, s) for k, s in enumerate(stages) if s["keys"] is None or not expected.keys().isdisjoint(s["keys"])]
-    saved, holder = {}, {}
+    saved, holder, taken = {}, {}, []
     for k, stage in chosen:
-        for key, value in reader.model(k, stage, expected).items():
+        for key, (saved_key, value) in reader.model(k, stage, expected).items():
             if key in expected:
                 if key in saved:
                     raise CheckpointError(f"fusedist.checkpoint: '{key}' is saved by two stages of {directory} "
                                           f"(ranks {stages[holder[key]]['ranks']} and {stage['ranks']})")
                 saved[key], holder[key] = value, k
+                taken.append(saved_key)
     plan: dict = {"model": _load_plan._check_model(saved, expected, directory, strict),
-                  "model_sharded": sharded_target, "strict": strict, "extra": None, "params": []}
+                  "model_sharded": sharded_target, "strict": strict, "extra": None, "params": [], "keys": taken}
     if optimizer is not None:
         plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer)
+    scheduled = [c["lr_scheduler"] for c in (reader.file(s["common"]) for _, s in chosen) if "lr_scheduler" in c]
+    if scheduled:  # the stages' LR schedulers, saved by a Checkpointer (Note [an LR scheduler per pipeline part])
+        plan["lr_scheduler"] = next((state for state in scheduled if state is not None), None)
     if scaler is not None:
         found = next((s for _, s in chosen or _stateless_first(stages) if s.get("scaler")), None)
         if found is None:

@@ -184,7 +184,9 @@ class SnapshotMixin:
         else:
             schedulers = lr_schedulers(self._state["lr_scheduler"])
         per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
-        if per_part is None or not self.pipeline:
+        if not self.pipeline and (len(schedulers) > 1 or (schedulers and meta.get("lr_schedulers") is not None)):
+            states = self._several_lr_scheduler_states(path, meta, len(schedulers))
+        elif per_part is None or not self.pipeline:
             states = [meta.get("lr_scheduler") if per_part is None else per_part[0]] * len(schedulers)
         else:
             states = per_part
@@ -196,6 +198,27 @@ class SnapshotMixin:
         for scheduler, state in zip(schedulers, states):
             if scheduler is not None:
                 scheduler.load_state_dict(state)
+
+    # Note [several LR schedulers of one model]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A Checkpointer of the whole model may be given a list of LR schedulers (a warmup and a
+    # decay stepped side by side on one optimizer, say). Each has its own state (its step count,
+    # base learning rates); the first one's was saved and loaded into each, so the second
+    # resumed with the first's schedule position. Their states are saved in order, and a restore
+    # registering another number of schedulers is refused: which saved state belongs to which
+    # registered scheduler cannot be told.
+    @staticmethod
+    def _several_lr_scheduler_states(path: str, meta: dict, count: int) -> list:
+        """The saved states of ``count`` LR schedulers of one model, in their order (Note
+        [several LR schedulers of one model])."""
+        states = meta.get("lr_schedulers")
+        if states is not None and len(states) == count:
+            return states
+        if states is None and meta.get("lr_scheduler") is None:
+            return [None] * count  # (refused by the caller: no LR scheduler state)
+        held = "one LR scheduler's state" if states is None else f"the states of {len(states)} LR schedulers"
+        raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds {held}, and restore() registered "
+                              f"{count}: pass the schedulers it was saved with, in their order")
 
     def _snapshot(self, step: int, extra: Optional[dict], elastic_position: Optional[dict]) -> dict:
         """Copies of everything the checkpoint holds (the only part the training loop waits for)."""
@@ -234,6 +257,8 @@ class SnapshotMixin:
         if self.rank == 0:
             meta = {"step": step, "world_size": self.world_size, "user": extra,
                     "lr_scheduler": next((x for x in scheduled if x is not None), None),
+                    # Note [several LR schedulers of one model]
+                    "lr_schedulers": scheduled if not self.pipeline and len(scheduled) > 1 else None,
                     "sampler": elastic_position}  # the same on every rank (checked by the caller)
             common = {"model": {}, "optimizer": None, "scaler": None, "extra": meta}
             if not self.pipeline:
@@ -277,7 +302,8 @@ class SnapshotMixin:
         read back (Note [checkpoints the restore cannot read] in ``_safe_values.py``)."""
         meta = (common or {}).get("extra") or {}
         held = [common or {}] + list((stage_commons or {}).values())
-        parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler"))]
+        parts = [("extra", meta.get("user")), ("the LR scheduler's state_dict()", meta.get("lr_scheduler")),
+                 ("the LR schedulers' state_dict()", meta.get("lr_schedulers"))]
         for c in held:
             parts += [("the GradScaler's state_dict()", c.get("scaler")),
                       ("the LR scheduler's state_dict()", c.get("lr_scheduler")),

@@ -53,7 +53,35 @@ def check_same_across_ranks(entries: Sequence[Any], what: str, label=str, *, com
     difference = describe_difference(everyone, label)
     if difference is not None:
         counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
+        try:  # (an extra to the message: it must never replace the error itself)
+            unshared = describe_unshared(everyone, label) if len(set(map(len, everyone))) > 1 else None
+        except Exception:  # noqa: BLE001
+            unshared = None
         raise RankMismatchError(
             f"fusedist: {what} differs across ranks (this is rank {comm.rank}); "
             f"{difference}. Entry counts: {counts}.{(' ' + hint) if hint else ''}"
+            f"{(' Not on every rank: ' + unshared + '.') if unshared else ''}"
         )
+
+
+def describe_unshared(entries_by_rank: Sequence[Sequence[Any]], label, limit: int = 3) -> str | None:
+    """The entries some ranks hold and others do not, grouped by rank (at most ``limit`` shown
+    per group), or None when every rank holds the same ones in other orders.
+
+    Why: when the counts differ, the first difference by position pairs one rank's extra entry
+    with whatever the others hold there -- a model with one layer more on rank 1 read as
+    ``ranks [0]: find_unused_parameters=False; ranks [1]: param 'extra.weight'``, a settings
+    difference that is not there. Naming what is only on some ranks points at the extra layer.
+    """
+    labelled = [[label(v) for v in entries] for entries in entries_by_rank]
+    everywhere = set(labelled[0]).intersection(*labelled[1:])
+    groups: dict[tuple, list[int]] = {}
+    for rank, labels in enumerate(labelled):
+        own = tuple(text for text in labels if text not in everywhere)
+        groups.setdefault(own, []).append(rank)
+    parts = []
+    for own, ranks in groups.items():
+        if own:
+            shown = ", ".join(own[:limit]) + (f", ... ({len(own)} in all)" if len(own) > limit else "")
+            parts.append(f"ranks {ranks} hold {shown}")
+    return "; ".join(parts) or None

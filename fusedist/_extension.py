@@ -8,6 +8,7 @@ that needs the extension is actually asked for.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from types import ModuleType
 
@@ -23,9 +24,41 @@ _BUILD_HINT = {
     ),
 }
 
+# Note [an extension's settings are checked when it is first asked for]
+#     A setting that steers one extension (the CPU Adam's instruction-set path) is read only
+#     where that extension's kernel runs, so a misspelt value was ignored whenever another
+#     backend ran the step (``TRITON_INTERPRET=1``, ``FUSEDIST_KERNEL_BACKEND=torch``, CUDA
+#     tensors) and the user never learned the setting did nothing. Asking whether the
+#     extension is available -- which the optimizer step does first, whatever backend it then
+#     picks, and whether or not the extension is built -- checks its settings, so the first
+#     step raises. (``require`` does not: it hands the module to code that reads the setting
+#     itself before its kernel runs, as ``fusedist.optim._cpu_adam.selected_isa`` does.)
+#     (Not at ``import fusedist``: settings are read when used, so a rank's own environment
+#     decides them.)
+_SETTINGS = {
+    # extension -> (variable, accepted values; the first is the default); the same list as
+    # ``fusedist.optim._cpu_adam``'s ISA codes
+    "_cpu_ops": ("FUSEDIST_CPU_ISA", ("auto", "scalar", "avx2", "avx512")),
+}
+
 _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}
 _errors: dict[str, str] = {}
+
+
+def check_settings(name: str) -> None:
+    """Raise ValueError naming the variable and its accepted values if a setting of
+    ``fusedist.<name>`` has a value it does not know (Note [an extension's settings are
+    checked when it is first asked for])."""
+    setting = _SETTINGS.get(name)
+    if setting is None:
+        return
+    variable, accepted = setting
+    raw = os.environ.get(variable)
+    value = (raw or "").strip().lower() or accepted[0]  # (empty is the default, as for the other settings)
+    if value not in accepted:
+        raise ValueError(f"{variable}={value!r} is not one of {', '.join(accepted)} "
+                         f"(unset it, or use {accepted[0]!r}, for the default)")
 
 
 def _load(name: str) -> ModuleType | None:
@@ -40,7 +73,9 @@ def _load(name: str) -> ModuleType | None:
 
 
 def is_available(name: str) -> bool:
-    """True if the extension ``fusedist.<name>`` imported."""
+    """True if the extension ``fusedist.<name>`` imported; raises ValueError for a misspelt
+    setting of it (Note [an extension's settings are checked when it is first asked for])."""
+    check_settings(name)
     return _load(name) is not None
 
 

@@ -272,8 +272,14 @@ def attach_monitor(comm: Communicator) -> Optional[CollectiveMonitor]:
     from .config import checks_enabled
 
     existing = monitor_of(comm)
-    if existing is not None or not checks_enabled():
+    if existing is not None:
+        # The monitor outlives fusedist._process_hooks.uninstall(), which removes its crash
+        # and exit entries; a later model on the communicator puts them back ("later use
+        # installs them again"), or its rank would die unnamed in the others' reports.
+        _install_excepthook()
         return existing
+    if not checks_enabled():
+        return None
     if comm.observer is not None:
         return None
     monitor = CollectiveMonitor(comm, _group_name(comm))

@@ -14,6 +14,7 @@ exchange happens only on failure, so the steady state pays nothing.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -80,12 +81,32 @@ def _key(group: str, generation: int, rank: int) -> str:
     return f"{KEY_PREFIX}/{group}/{generation}/{rank}"
 
 
+@contextlib.contextmanager
 def _bounded(store, seconds: float):
-    """Make blocking store calls give up after ``seconds`` (best effort)."""
+    """Make blocking store calls inside the block give up after ``seconds`` (best effort),
+    then give the store its own timeout back.
+
+    Why back: the store is the process group's, shared with torch. A rank that caught the
+    StallError and goes on -- rebuilding its groups in-process (``FUSEDIST_NCCL_WATCHDOG=raise``),
+    or a peer's report read after its own -- used to keep the store at 5 s for good, so the
+    next NCCL communicator's id exchange (a plain ``store.get``) failed when a peer took
+    longer than that to get there."""
+    try:
+        previous = store.timeout
+    except Exception:  # noqa: BLE001 - a store without the property: bounded, not restored
+        previous = None
     try:
         store.set_timeout(datetime.timedelta(seconds=max(seconds, 0.1)))
     except Exception:  # noqa: BLE001
         pass
+    try:
+        yield
+    finally:
+        if previous is not None:
+            try:
+                store.set_timeout(previous)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
@@ -93,8 +114,8 @@ def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
     entry = dict(entry, rank=rank, host=socket.gethostname(), pid=os.getpid(), time=time.time(),
                  global_rank=_global_rank())
     try:
-        _bounded(store, 5.0)
-        store.set(_key(group, generation, rank), json.dumps(entry, default=str))
+        with _bounded(store, 5.0):
+            store.set(_key(group, generation, rank), json.dumps(entry, default=str))
         return True
     except Exception:  # noqa: BLE001
         return False
@@ -108,8 +129,8 @@ def count_crash(store, group: str, generation: int) -> None:
     """Bump the group's crash counter: what survivors poll (one call) instead of every entry
     (Note [a crashed peer, seen through the store] in comm/watchdog.py)."""
     try:
-        _bounded(store, 5.0)
-        store.add(_crash_count_key(group, generation), 1)
+        with _bounded(store, 5.0):
+            store.add(_crash_count_key(group, generation), 1)
     except Exception:  # noqa: BLE001
         pass
 
@@ -159,20 +180,20 @@ def collect(store, group: str, generation: int, ranks: list[int], window_s: floa
     """Poll for the entries of ``ranks`` until all are there or ``window_s`` has passed."""
     found: dict[int, dict] = {}
     deadline = time.monotonic() + window_s
-    _bounded(store, 5.0)
-    while True:
-        for rank in ranks:
-            if rank in found:
-                continue
-            key = _key(group, generation, rank)
-            try:
-                if store.check([key]):
-                    found[rank] = json.loads(store.get(key).decode())
-            except Exception:  # noqa: BLE001 - an unreachable store ends the wait
+    with _bounded(store, 5.0):
+        while True:
+            for rank in ranks:
+                if rank in found:
+                    continue
+                key = _key(group, generation, rank)
+                try:
+                    if store.check([key]):
+                        found[rank] = json.loads(store.get(key).decode())
+                except Exception:  # noqa: BLE001 - an unreachable store ends the wait
+                    return found
+            if len(found) == len(ranks) or time.monotonic() >= deadline:
                 return found
-        if len(found) == len(ranks) or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.05)
+            time.sleep(0.05)
 
 
 def _describe_op(entry: dict) -> str:

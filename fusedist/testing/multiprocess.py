@@ -66,6 +66,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import signal
 import tempfile
 import time
 import traceback
@@ -115,6 +116,13 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
         # Plain pickle to bytes: torch's multiprocessing reducers would share tensors through
         # this process's file descriptors, which vanish when it exits.
         results.put((rank, True, pickle.dumps(value)))
+    except SystemExit as exc:  # Note [a rank that calls sys.exit]
+        status = _exit_status(exc.code)
+        if status == 0:
+            results.put((rank, True, pickle.dumps(None)))
+        else:
+            results.put((rank, False, f"rank {rank} exited with code {status} (sys.exit({exc.code!r}))\n"
+                                      + traceback.format_exc()))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, False, traceback.format_exc()))
     # The answer goes out before the group is destroyed (whose destructor waits for gloo's
@@ -128,6 +136,49 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
         import atexit
 
         atexit._run_exitfuncs()
+
+
+def _exit_status(code) -> int:
+    """The process exit status ``sys.exit(code)`` stands for, as the interpreter computes it.
+
+    Note [a rank that calls sys.exit]
+        A rank function may end itself with ``sys.exit`` as a script run by torchrun would. The
+        harness catches the SystemExit (the rank must still answer and release its group), so
+        it decides as a launcher would from the status: 0 (``sys.exit()``, ``sys.exit(0)``) is
+        a clean end whose result is None, as with ``torch.multiprocessing.spawn``; any other
+        status (an int, or a message, which exits with 1) fails the run naming the rank and
+        the code.
+    """
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return int(code)  # (True is 1)
+    return 1
+
+
+def _describe_exit(exitcode: int) -> str:
+    """How a rank's process ended, for the report: multiprocessing gives ``-N`` for a process
+    killed by signal N (an OOM killer's SIGKILL, a segfault), which reads better named."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def _decoded(rank: int, ok: bool, value):
+    """A rank's answer as ``(ok, result or report)``. A result that pickled in the rank but
+    cannot be rebuilt here (its class is importable only there, a ``__reduce__`` that raises)
+    is that rank's failure, reported as such -- not an exception out of the harness that drops
+    the other ranks' outcomes and ignores ``expect_failure``."""
+    if not ok:
+        return ok, value
+    try:
+        return True, pickle.loads(value)
+    except Exception:  # noqa: BLE001 - whatever unpickling raises is the rank's failure
+        return False, f"rank {rank} returned a result that cannot be unpickled here:\n{traceback.format_exc()}"
 
 
 def _release_process_group() -> None:
@@ -156,12 +207,32 @@ def _rank_env(rank: int, per_gpu: int | None, env: dict[str, str] | None) -> dic
     settings, then the caller's ``env`` (a test that sets one of the variables itself, a
     fault test say, means it)."""
     shared = rank_environment(rank, per_gpu) if per_gpu is not None else {}
+    for name, value in (env or {}).items():
+        # (checked here: in the rank, os.environ would refuse it before the rank could report,
+        # and every rank would read as "exited with code 1 without reporting")
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"run_distributed(env=...): environment variables are strings, got "
+                            f"{name!r}={value!r} ({type(value).__name__}); pass {name!r}: {str(value)!r}")
     return {**os.environ, **shared, **(env or {})}
+
+
+#: ``FUSEDIST_TEST_START``'s values (the first is the default)
+START_METHODS = ("forkserver", "spawn")
+
+
+def _requested_start() -> str:
+    """``FUSEDIST_TEST_START``, checked: a misspelt ``spawn`` would otherwise fork ranks from
+    the server silently, the very thing the setting exists to rule out."""
+    raw = os.environ.get("FUSEDIST_TEST_START", "")
+    value = raw.strip().lower() or START_METHODS[0]
+    if value not in START_METHODS:
+        raise ValueError(f"FUSEDIST_TEST_START={raw!r} is not one of {', '.join(START_METHODS)}")
+    return value
 
 
 def _start_context():
     """Note [ranks forked from a server that imported torch]."""
-    if os.environ.get("FUSEDIST_TEST_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+    if _requested_start() == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     preload = ["torch", "torch._dynamo"]
@@ -203,11 +274,16 @@ def run_distributed(
         threads: torch intra-op threads per rank (1 keeps the ranks from oversubscribing the cores).
         env: extra environment variables for the children.
         expect_failure: return a list of ``("error", traceback)`` / ``("ok", value)`` pairs
-            instead of raising when ranks fail (for tests of failure behaviour).
+            instead of raising when ranks fail (for tests of failure behaviour); a rank is
+            ``"error"`` exactly when it would fail the run without this flag (a crash at exit
+            after answering included).
         ranks_per_gpu: place this many consecutive ranks on each GPU, with the NCCL settings
             that allow it (:func:`fusedist.testing.shared_gpu.rank_environment`); default
             ``FUSEDIST_TEST_RANKS_PER_GPU``, else one rank per GPU. With backend ``"nccl"``
             each rank's device is made current before the group is created.
+
+    A rank that ends with ``sys.exit(0)`` or ``sys.exit()`` returns None; any other status
+    fails the run naming the rank and the code (Note [a rank that calls sys.exit]).
     """
     per_gpu = ranks_per_gpu if ranks_per_gpu is not None else ranks_per_gpu_setting()
     ctx = _start_context()
@@ -216,6 +292,7 @@ def run_distributed(
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
     procs = []
+    outcome: dict[int, tuple[bool, Any]] = {}
     try:
         for rank in range(world_size):
             p = ctx.Process(
@@ -227,7 +304,6 @@ def run_distributed(
             )
             p.start()
             procs.append(p)
-        outcome: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
@@ -235,7 +311,7 @@ def run_distributed(
                 break
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 0.5))
-                outcome[rank] = (ok, pickle.loads(value) if ok else value)
+                outcome[rank] = _decoded(rank, ok, value)
                 continue
             except queue_mod.Empty:
                 pass
@@ -245,13 +321,17 @@ def run_distributed(
                 if rank not in outcome and not p.is_alive() and p.exitcode is not None:
                     try:  # its result may still be in flight in the queue
                         r, ok, value = results.get(timeout=0.5)
-                        outcome[r] = (ok, pickle.loads(value) if ok else value)
+                        outcome[r] = _decoded(r, ok, value)
                     except queue_mod.Empty:
-                        outcome[rank] = (False, f"rank {rank} exited with code {p.exitcode} without reporting")
+                        outcome[rank] = (False, f"rank {rank} {_describe_exit(p.exitcode)} without reporting")
     finally:
+        killed = set()
+        for rank, p in enumerate(procs):
+            if rank not in outcome and p.is_alive():  # past the deadline: nothing more will come
+                p.kill()
+                killed.add(rank)
         for p in procs:
             p.join(timeout=5)
-        killed = set()
         for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
@@ -268,12 +348,12 @@ def run_distributed(
         # after 5 s was killed here (destroying a group waits for a collective still stuck in
         # a failure test); that is not its own crash.
         if r in outcome and outcome[r][0] and r not in killed and p.exitcode not in (0, None):
-            failures[r] = (f"rank {r} returned its result, then exited with code {p.exitcode} while "
+            failures[r] = (f"rank {r} returned its result, then {_describe_exit(p.exitcode)} while "
                            "shutting down (stderr has faulthandler's stack if it crashed)")
     for r in hung:
         failures[r] = f"rank {r} did not finish within {timeout:.0f} s (killed)"
     if expect_failure:
-        return [("ok", outcome[r][1]) if r in outcome and outcome[r][0] else ("error", failures[r])
+        return [("error", failures[r]) if r in failures else ("ok", outcome[r][1])
                 for r in range(world_size)]
     if failures:
         lines = [f"{len(failures)} of {world_size} ranks failed" + (f"; hung: {hung}" if hung else "")]

@@ -1,0 +1,264 @@
+"""How the multi-rank harness reports ranks that end unusually, and settings checked at first use.
+
+* ``run_distributed``: a rank ending with ``sys.exit`` is judged by its status as a launcher
+  would (0 is a clean end, anything else a failure naming the rank and code); a rank killed by
+  a signal is named with the signal; ranks past the deadline are killed and named; and
+  ``expect_failure=True`` reports a rank as failed exactly when the raising mode would.
+* ``FUSEDIST_CPU_ISA`` / ``FUSEDIST_TEST_START``: a misspelt value raises naming the accepted
+  ones, whatever backend the step would have run with.
+* Cross-rank checks name the entries only some ranks hold (a layer more on one rank); a model
+  built after ``fusedist._process_hooks.uninstall()`` publishes crashes again; a stall report
+  leaves the process group's store with its own timeout.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from fusedist import _extension
+from fusedist.optim import FusedAdamW
+from fusedist.optim import functional
+from fusedist.testing import DistributedRunError, run_distributed
+
+
+def _exits(rank, world_size, code):
+    """Rank 1 ends through sys.exit(code) (``"raise"``: raise SystemExit(code) itself)."""
+    if rank == 1:
+        if isinstance(code, tuple):
+            raise SystemExit(code[1])
+        sys.exit(code)
+    return rank * 10
+
+
+def test_sys_exit_in_a_rank_is_judged_by_its_status():
+    for code in (0, None, False):
+        assert run_distributed(_exits, 2, code, timeout=60) == [0, None], code
+    for code, status in ((3, 3), (("raise", 4), 4), ("fatal: bad config", 1), (True, 1)):
+        with pytest.raises(DistributedRunError) as info:
+            run_distributed(_exits, 2, code, timeout=60)
+        assert set(info.value.failures) == {1}, info.value.failures
+        assert f"rank 1 exited with code {status} (sys.exit(" in info.value.failures[1], info.value.failures[1]
+        assert "SystemExit" in info.value.failures[1]
+    results = run_distributed(_exits, 2, 3, timeout=60, expect_failure=True)
+    assert results[0] == ("ok", 0)
+    assert results[1][0] == "error" and "rank 1 exited with code 3" in results[1][1]
+
+
+def _dies(rank, world_size, how):
+    if rank == 1:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "exit code at shutdown":
+            import atexit
+
+            atexit.register(os._exit, 7)  # the rank answers first, then its exit fails
+        else:
+            os._exit(5)
+    return rank
+
+
+def test_ranks_that_die_are_reported_the_same_way_in_both_modes():
+    for how, text in (("signal", "rank 1 was killed by SIGKILL (exit code -9) without reporting"),
+                      ("os._exit", "rank 1 exited with code 5 without reporting"),
+                      ("exit code at shutdown", "rank 1 returned its result, then exited with code 7")):
+        with pytest.raises(DistributedRunError) as info:
+            run_distributed(_dies, 2, how, timeout=60)
+        assert set(info.value.failures) == {1} and text in info.value.failures[1], (how, info.value.failures)
+        results = run_distributed(_dies, 2, how, timeout=60, expect_failure=True)
+        assert results[0] == ("ok", 0), (how, results)
+        assert results[1][0] == "error" and text in results[1][1], (how, results)
+
+
+def _hangs(rank, world_size):
+    if rank == 1:
+        time.sleep(120)
+    return rank
+
+
+def test_a_rank_past_the_deadline_is_killed_and_named():
+    # (not timed: how soon it is killed depends on the machine's load)
+    results = run_distributed(_hangs, 2, timeout=10, expect_failure=True)
+    assert results[0] == ("ok", 0)
+    assert results[1] == ("error", "rank 1 did not finish within 10 s (killed)")
+    with pytest.raises(DistributedRunError, match=r"1 of 2 ranks failed; hung: \[1\]"):
+        run_distributed(_hangs, 2, timeout=10)
+
+
+def test_a_misspelt_start_method_is_refused(monkeypatch):
+    monkeypatch.setenv("FUSEDIST_TEST_START", "spwan")
+    with pytest.raises(ValueError, match="FUSEDIST_TEST_START='spwan' is not one of forkserver, spawn"):
+        run_distributed(_exits, 2, 0, timeout=60)
+
+
+def _adamw_pair(seed):
+    torch.manual_seed(seed)
+    ours = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_misspelt_cpu_isa_is_refused_whatever_backend_runs_the_step(monkeypatch, backend):
+    """With TRITON_INTERPRET=1 (or FUSEDIST_KERNEL_BACKEND=torch) the C++ kernel never runs,
+    so its setting was never read: ``avx5l2`` stepped silently."""
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", backend)
+    ours, ref = _adamw_pair(0)
+    opt = FusedAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(4, 6)
+    functional._has_cpu_adam.cache_clear()  # (the first step of a process is where it is asked)
+    monkeypatch.setenv("FUSEDIST_CPU_ISA", "avx5l2")
+    before = [p.detach().clone() for p in ours.parameters()]
+    with pytest.raises(ValueError, match=r"FUSEDIST_CPU_ISA='avx5l2' is not one of auto, scalar, avx2, avx512"):
+        _step(ours, opt, x)
+    assert all(torch.equal(a, p) for a, p in zip(before, ours.parameters()))
+    # accepted values (any case, blank = default) step as torch does
+    for value in ("", " Auto ", "scalar"):
+        monkeypatch.setenv("FUSEDIST_CPU_ISA", value)
+        functional._has_cpu_adam.cache_clear()
+        fresh, ref = _adamw_pair(1)
+        opt, ref_opt = (FusedAdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1),
+                        torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))
+        for _ in range(2):
+            x = torch.randn(4, 6)
+            _step(fresh, opt, x)
+            _step(ref, ref_opt, x)
+        for a, b in zip(fresh.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_extension_is_refused_by_name_under_a_misspelt_isa(monkeypatch):
+    """Asking whether the CPU extension is available checks the setting first."""
+    monkeypatch.setenv("FUSEDIST_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="FUSEDIST_CPU_ISA='sse9' is not one of auto, scalar, avx2, avx512"):
+        _extension.is_available("_cpu_ops")
+    assert _extension.is_available("_C") in (True, False)  # other extensions have no such setting
+    monkeypatch.setenv("FUSEDIST_CPU_ISA", "AVX2")
+    _extension.check_settings("_cpu_ops")
+    from fusedist.optim import _cpu_adam
+
+    assert set(_extension._SETTINGS["_cpu_ops"][1]) == set(_cpu_adam._ISA_CODES)  # one list of values
+
+
+def _extra_layer_on_rank_1(rank, world_size):
+    import fusedist
+    from fusedist import RankMismatchError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    if rank == 1:
+        net.add_module("extra", torch.nn.Linear(2, 2))
+    try:
+        fusedist.DistributedDataParallel(net)
+    except RankMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_layer_more_on_one_rank_is_named_not_read_as_a_settings_difference():
+    """The first difference by position paired rank 1's extra parameter with rank 0's first
+    setting entry; the message now also names what only some ranks hold."""
+    for text in run_distributed(_extra_layer_on_rank_1, 2, timeout=60):
+        assert text is not None
+        assert ("Not on every rank: ranks [1] hold param 'extra.weight' shape (2, 2) dtype torch.float32, "
+                "param 'extra.bias' shape (2,) dtype torch.float32.") in text, text
+
+
+def test_entries_not_on_every_rank_are_grouped_by_rank():
+    from fusedist._consistency import describe_unshared
+
+    everyone = [["a", "b", "c"], ["a", "c"], ["a", "b", "c", "d", "e", "f", "g"], ["c", "a", "b"]]
+    assert describe_unshared(everyone, str) == "ranks [0, 3] hold b; ranks [2] hold b, d, e, ... (5 in all)"
+    assert describe_unshared([["a", "b"], ["b", "a"]], str) is None
+
+
+class _RebuildsOnlyInTheRank:
+    """Pickles in the rank; rebuilding it in the parent raises (a class importable only there)."""
+
+    def __reduce__(self):
+        return (_refuse_rebuild, (os.getpid(),))
+
+
+def _refuse_rebuild(pid):
+    if pid != os.getpid():
+        raise ModuleNotFoundError("No module named 'only_in_the_rank'")
+    return _RebuildsOnlyInTheRank()
+
+
+def _returns_unrebuildable(rank, world_size):
+    return _RebuildsOnlyInTheRank() if rank == 1 else rank
+
+
+def test_a_result_that_cannot_be_unpickled_is_that_ranks_failure():
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_returns_unrebuildable, 2, timeout=60)
+    assert set(info.value.failures) == {1}
+    assert "rank 1 returned a result that cannot be unpickled here" in info.value.failures[1]
+    assert "No module named 'only_in_the_rank'" in info.value.failures[1]
+    results = run_distributed(_returns_unrebuildable, 2, timeout=60, expect_failure=True)
+    assert results[0] == ("ok", 0) and results[1][0] == "error", results
+
+
+def _hooks_after_uninstall(rank, world_size):
+    import fusedist
+    from fusedist import _process_hooks
+
+    fusedist.DistributedDataParallel(torch.nn.Linear(3, 2))
+    first = _process_hooks.installed()
+    _process_hooks.uninstall()
+    fusedist.DistributedDataParallel(torch.nn.Linear(3, 2))  # the same group, its monitor kept
+    return first, _process_hooks.installed()
+
+
+def test_a_model_built_after_uninstall_publishes_crashes_again():
+    for first, again in run_distributed(_hooks_after_uninstall, 2, timeout=60):
+        for key in ("publish a crashed rank", "publish a rank's exit"):
+            assert key in first and key in again, (first, again)
+
+
+def _store_timeout_around_a_failure(rank, world_size):
+    import fusedist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    before = store.timeout
+    torch.manual_seed(0)
+    model = fusedist.DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        if rank == 1 and step == 1:
+            os._exit(3)  # a peer dies while rank 0 is in its gradient all-reduce
+        try:
+            model(torch.randn(3, 4)).sum().backward()
+        except Exception as exc:  # the program catches it and goes on (rebuilds its groups, say)
+            return type(exc).__name__, before, store.timeout
+        opt.step()
+        opt.zero_grad()
+    return None, before, store.timeout
+
+
+def test_a_stall_report_gives_the_store_its_timeout_back():
+    """The report's store calls are bounded to a few seconds; torch's later users of the same
+    store (an NCCL communicator's id exchange after an in-process restart) get its own back."""
+    results = run_distributed(_store_timeout_around_a_failure, 2, timeout=90, pg_timeout=40,
+                              env={"FUSEDIST_TIMEOUT_S": "20"}, expect_failure=True)
+    status, (error, before, after) = results[0]
+    assert status == "ok" and error == "StallError", results
+    assert before.total_seconds() == 40 and after == before, (before, after)
+    assert results[1] == ("error", "rank 1 exited with code 3 without reporting")
+
+
+def test_an_environment_value_that_is_not_a_string_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"'FUSEDIST_TIMEOUT_S'=5 \(int\); pass 'FUSEDIST_TIMEOUT_S': '5'"):
+        run_distributed(_exits, 2, 0, timeout=60, env={"FUSEDIST_TIMEOUT_S": 5})

@@ -18,9 +18,12 @@ import torch.distributed as dist
 
 __all__ = ["DataParallelGroups", "groups_of"]
 
-#: dim names that say a dim is not data parallel (tensor, pipeline, context, expert parallel):
-#: a 2-D mesh naming one of them was most likely meant to be sliced (``mesh["dp"]``) first.
-_NOT_DATA_PARALLEL = {"tp", "pp", "cp", "ep", "etp"}
+#: dim names that say a dim is not data parallel (tensor, pipeline, expert parallel): its ranks
+#: hold different parameters, so a 2-D mesh naming one of them was most likely meant to be
+#: sliced (``mesh["dp"]``) first. Not "cp": context-parallel ranks hold the same parameters and
+#: their gradients are averaged like data-parallel ones (torchtitan shards over ``dp_shard_cp``),
+#: so a ``("dp", "cp")`` mesh is a valid HSDP mesh, which FSDP2 runs too.
+_NOT_DATA_PARALLEL = {"tp", "pp", "ep", "etp"}
 
 
 @dataclasses.dataclass(frozen=True)

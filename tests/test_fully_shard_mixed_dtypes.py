@@ -399,6 +399,29 @@ def _dtype_differs(rank, ws):
     model(_batch(rank, 0)[0])
 
 
+def _model_dtype_differs(rank, ws):
+    import fusedist
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    if rank == 1:  # this rank loaded the whole model in float64: one dtype per unit, another one
+        model.double()
+    fusedist.fully_shard(model[0])
+    fusedist.fully_shard(model)
+    model(torch.randn(3, 8, dtype=model[0].weight.dtype))
+
+
+def test_a_model_of_another_dtype_on_one_rank_fails_on_every_rank_without_hanging():
+    """A unit of one dtype was compared without it: a rank that loaded the model in float64
+    waited in its first all-gather until the timeout (a StallError, not the mismatch)."""
+    out = run_distributed(_model_dtype_differs, 2, expect_failure=True, timeout=90,
+                          env={"FUSEDIST_TIMEOUT_S": "30"})
+    for status, text in out:
+        assert status == "error"
+        assert "RankMismatchError" in text and "fully_shard wrapping of the model differs across ranks" in text, text
+        assert "unit '<root>' [2.weight (float32) (4, 8)" in text and "2.weight (float64)" in text, text
+
+
 def test_dtypes_differing_across_ranks_fail_on_every_rank_without_hanging():
     for status, text in run_distributed(_dtype_differs, 2, expect_failure=True, timeout=60):
         assert status == "error"

@@ -263,7 +263,9 @@ class FullyShardState:
             for st in states:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
-            signature = check_wrapping([(st.path_in(names) or "?", st.unit) for st in states if st.unit is not None])
+            # (the root's path is "": named '<root>' by the check's messages)
+            paths = [(st.path_in(names), st.unit) for st in states if st.unit is not None]
+            signature = check_wrapping([("?" if path is None else path, unit) for path, unit in paths])
             # the runs' process groups, now that the ranks agree on them, in the same order on every rank
             for u in units:
                 if u.post_forward is not None:

@@ -43,7 +43,9 @@ def check_wrapping(named_units: list) -> list:
 def _unit_params(unit) -> list:
     """(name, shape) of a unit's parameters for the wrapping check; a frozen one is named so,
     since the flags at wrapping decide the layout (Note [trainable section]), and in a unit of
-    several dtypes each is named with its dtype, which decides it too (Note [dtype sections]);
+    several dtypes each is named with its dtype, which decides it too (Note [dtype sections]),
+    in a unit of one dtype the first (a rank that loaded the model in float64 gathered other
+    bytes: it waited in its first all-gather until the timeout);
     so is an extension parameter's subclass (a rank that converted to float8 and one that
     did not gather different bytes)."""
     out = []
@@ -54,8 +56,8 @@ def _unit_params(unit) -> list:
             name = f"{name} ({unit.ext[i].cls.__name__})"
         elif sec.chunked:  # the dim decides the layout too (Note [dim-sharded sections] in chunk_layout.py)
             name = f"{name} (Shard({unit.layout.dims[i]}))"
-        if unit.layout.mixed:
-            name = f"{name} ({str(sec.dtype).replace('torch.', '')})"
+        if unit.layout.mixed or i == 0:  # (one dtype: named on the first, which names the unit's)
+            name = f"{name} ({str(sec.dtype or unit.dtype).replace('torch.', '')})"
         out.append((name, tuple(slot.shape)))
     return out
 

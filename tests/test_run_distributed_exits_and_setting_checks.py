@@ -123,6 +123,14 @@ def test_a_misspelt_cpu_isa_is_refused_whatever_backend_runs_the_step(monkeypatc
     with pytest.raises(ValueError, match=r"FUSEDIST_CPU_ISA='avx5l2' is not one of auto, scalar, avx2, avx512"):
         _step(ours, opt, x)
     assert all(torch.equal(a, p) for a, p in zip(before, ours.parameters()))
+    # ... and changed nothing: corrected, the same optimizer's first step is torch's first step
+    # (the failed step had counted itself, and every later bias correction was off)
+    monkeypatch.setenv("FUSEDIST_CPU_ISA", "auto")
+    functional._has_cpu_adam.cache_clear()
+    opt.step()
+    _step(ref, ref_opt, x)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # accepted values (any case, blank = default) step as torch does
     for value in ("", " Auto ", "scalar"):
         monkeypatch.setenv("FUSEDIST_CPU_ISA", value)

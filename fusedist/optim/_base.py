@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
+from .. import _extension
 from .._dtypes import compute_dtype
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import functional
@@ -244,6 +245,9 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             work = [(group, *self._collect_group(group, gi)) for gi, group in enumerate(self.param_groups)]
         finally:
             self._fusedist_in_step = False
+        # a misspelt kernel setting raised after the step counts were bumped (Note [an extension's
+        # settings are checked when it is first asked for] in fusedist/_extension.py)
+        _extension.check_settings("_cpu_ops")
         for group, params, grads in work:
             if not params:
                 continue

@@ -53,6 +53,23 @@ def test_fusedist_reinstalls_what_it_needs_after_uninstall(monkeypatch):
     assert "DDP optimizer-step guard" in hooks.installed()
 
 
+def _drain_hook_after_uninstall(rank, world):
+    from fusedist.comm import get_communicator
+
+    get_communicator()
+    assert "drain in-flight exchanges" in hooks.installed()
+    hooks.uninstall()
+    get_communicator()  # the same group's communicator, already cached: used again
+    return hooks.installed()
+
+
+def test_a_communicator_in_use_is_drained_at_exit_again_after_uninstall():
+    from fusedist.testing import run_distributed
+
+    for installed in run_distributed(_drain_hook_after_uninstall, 2, timeout=60):
+        assert "drain in-flight exchanges" in installed, installed
+
+
 def test_parameter_registration_hook_installs_once_and_is_removed(monkeypatch):
     monkeypatch.setattr(hooks, "_removers", {})
     seen = []

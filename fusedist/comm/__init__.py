@@ -73,7 +73,9 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     if entry is None or entry[0] is not group_obj:
         comm = _cuda_factory(process_group, device) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
-        at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
+    # (at every lookup: after _process_hooks.uninstall() a communicator already in use is
+    # drained at exit again once it is next used)
+    at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
     comm = entry[1]
     if comm.aborted:
         raise _aborted_error(comm)

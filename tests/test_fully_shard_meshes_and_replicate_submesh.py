@@ -288,3 +288,25 @@ def test_tensor_parallel_on_size_one_dims_and_replicate_on_a_sub_mesh():
             ref, ours, weights = out[name]
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), **TOL, msg=what)
             assert weights < 1e-5, f"{what}: weights differ by {weights}"
+
+
+def _units_on_two_groups(rank, world_size):
+    import torch.distributed as dist
+
+    import fusedist
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fusedist.fully_shard(model[1], process_group=dist.new_group([0, 1]))  # the same ranks, another group
+    fusedist.fully_shard(model)
+    try:
+        model(torch.randn(3, 4))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_units_on_different_groups_under_one_root_are_refused_naming_them():
+    """The refusal named neither the units nor their groups."""
+    for text in run_distributed(_units_on_two_groups, 2, timeout=60):
+        assert ("the units under one root must share one mesh / process group: '<root>' (2 shards, "
+                in text and "and '1' (2 shards, communicator #" in text), text

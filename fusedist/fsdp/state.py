@@ -255,14 +255,12 @@ class FullyShardState:
         if self.auto_reshard and self.unit is not None:
             self.unit.reshard_after_forward = False  # None: the root keeps its parameters gathered
         units = [st.unit for st in states if st.unit is not None]
-        comms = {(id(u.comm), id(u.replicate_comm)) for u in units}
-        if len(comms) > 1:
-            raise ValueError("fusedist.fully_shard: the units under one root must share one mesh / process group")
         if units:
             names = {id(m): n for member in self.modules for n, m in member.named_modules()}
             for st in states:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
+            _check_one_mesh(units)
             # (the root's path is "": named '<root>' by the check's messages)
             paths = [(st.path_in(names), st.unit) for st in states if st.unit is not None]
             signature = check_wrapping([("?" if path is None else path, unit) for path, unit in paths])
@@ -492,3 +490,21 @@ class FullyShardState:
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
+
+
+def _check_one_mesh(units: list) -> None:
+    """Refuse units of one root sharded over different meshes or process groups (FSDP2 runs
+    them: experts on a mesh of their own), naming the first two that differ; before, the
+    message named neither the units nor their groups."""
+    first = units[0]
+    other = next((u for u in units if (u.comm, u.replicate_comm) != (first.comm, first.replicate_comm)), None)
+    if other is None:
+        return
+
+    def described(u) -> str:
+        replicas = f" x {u.replicate_comm.world_size} replicas" if u.replicate_comm is not None else ""
+        return f"'{u.path or '<root>'}' ({u.comm.world_size} shards{replicas}, communicator #{u.comm.uid})"
+
+    raise ValueError(f"fusedist.fully_shard: the units under one root must share one mesh / process group: "
+                     f"{described(first)} and {described(other)} differ. Shard every module of the model over "
+                     "the same mesh (units on meshes of their own, as for experts, are not supported)")

@@ -54,7 +54,7 @@ import torch
 
 from .dcp import ShardedPiece, describe_region, piece_region
 from .state_dict_hooks import as_entry, whole_of_dtensor, whole_to_piece
-from .torch_helpers import torch_helper_options
+from .torch_helpers import full_load_without_broadcast, torch_helper_options
 
 __all__ = ["track_optimizer", "note_unit"]
 
@@ -208,6 +208,7 @@ def _check_same_jobs(units: list, jobs: list) -> None:
 @torch.no_grad()
 def _pre_load_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
     where = _piece_map()
+    _check_full_load(optimizer, where)
     saved_groups = state_dict.get("param_groups")
     if not where or not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
         return None  # torch's loader reports a mismatch
@@ -226,6 +227,26 @@ def _pre_load_state_dict(optimizer, state_dict: dict) -> Optional[dict]:
         new_state[key] = {name: _to_piece(name, v, *hit, key) for name, v in values.items()}
         changed = True
     return {**state_dict, "state": new_state} if changed else None
+
+
+def _check_full_load(optimizer, where: dict) -> None:
+    """Under ``set_optimizer_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0``,
+    check that every rank was given a state dict (Note [full state dict loaded on some ranks
+    only] in torch_helpers.py): a rank given ``{}`` loads its own state back while the others
+    load the dict. A collective over the ranks of the optimizer's first sharded parameter."""
+    found = full_load_without_broadcast("_load_optim_state_dict")
+    unit = next((where[id(p)][0] for group in optimizer.param_groups for p in group["params"] if id(p) in where),
+                None)
+    if found is None or unit is None:
+        return
+    from .._consistency import check_same_across_ranks
+
+    given = "a state dict" if found[1].get("state_dict") else "an empty state dict"
+    check_same_across_ranks(
+        [given], "the optimizer state dict given to set_optimizer_state_dict(full_state_dict=True)",
+        comm=unit.comm, op="fully_shard: set_optimizer_state_dict(full_state_dict=True) on every rank",
+        hint="Without broadcast_from_rank0 each rank loads the dict it is given: pass the whole state dict "
+             "on every rank, or pass it on rank 0 with StateDictOptions(broadcast_from_rank0=True).")
 
 
 def _to_piece(name, value, unit, i: int, key):

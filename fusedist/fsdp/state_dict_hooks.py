@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from .._wrapper import values_of
+from ..comm.base import CollectiveError
 from .dcp import ShardedPiece, _is_box, describe_region, piece_region
-from .torch_helpers import full_state_dict_requested
+from .torch_helpers import full_load_without_broadcast, full_state_dict_requested
 from .owners import register_pieces
 
 __all__ = ["install_state_dict_hooks", "as_entry", "whole_of_dtensor", "whole_to_piece"]
@@ -123,12 +124,17 @@ def _reshard_at_rest(module: nn.Module) -> None:
     """Reshard the module's unit before its state dict is taken or loaded, as FSDP2's
     state-dict pre-hooks do: a load (or ``dcp.load`` into the entries) writes the pieces, and a
     copy gathered before it would be stale (Note [forward without gradients] in ``state.py``).
-    Not while the unit's forward or backward is running, nor between a forward and its
-    backward (which reads the gathered parameters)."""
+    Not while the unit's forward or backward is running. Between a forward and its backward
+    too, as FSDP2 does: the backward gathers the unit again before it reads the parameters
+    (a unit left gathered there is the root, or one that does not reshard after forward;
+    its module held the whole parameters, so a load refused each piece-shaped entry and left
+    the gathered copy stale -- also after a forward with gradients whose backward never
+    came). A unit set ``set_unshard_in_backward(False)`` is not gathered again: its backward
+    reads no parameter values."""
     from . import recovery
 
     st = _unit_state(module)
-    if st is None or st.unit is None or st.backward_pending:
+    if st is None or st.unit is None:
         return
     if st.ctx is not None and recovery.is_running(st.ctx):
         return
@@ -260,6 +266,7 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
                          error_msgs) -> None:
     """An entry of the whole parameter's shape (a full state dict) is cut to this rank's piece;
     one of another shape is reported against the whole parameter's shape, as FSDP2 reports it."""
+    _check_full_load(module)
     _reshard_at_rest(module)
     assign = local_metadata.get("assign_to_params_buffers", False)
     for key, unit, i in _entries(module, prefix):
@@ -278,6 +285,36 @@ def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, mis
             # (a wrong entry: the piece copied onto itself; the load raises with the message)
             loaded = whole_to_piece(value, unit, i) if problem is None else unit.sharded[i].detach()
         state_dict[key] = _assigned(unit, i, loaded) if assign else loaded
+
+
+def _check_full_load(module: nn.Module) -> None:
+    """Under ``set_model_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0``,
+    check once per call that every rank loads the same keys (Note [full state dict loaded on
+    some ranks only] in torch_helpers.py): a collective over the unit's ranks."""
+    found = full_load_without_broadcast("_load_model_state_dict")
+    st = _unit_state(module)
+    if found is None or st is None or st.unit is None or getattr(found[0], "_fs_full_load_checked", False):
+        return
+    info, helper = found
+    info._fs_full_load_checked = True  # (torch's options object of this one call)
+    from .._consistency import check_same_across_ranks
+
+    model, loaded = helper.get("model"), helper.get("state_dict")
+    own = {id(t) for t in (*model.parameters(), *model.buffers())} if isinstance(model, nn.Module) else set()
+    lacking = sorted(k for k, v in (loaded or {}).items() if id(v) in own)  # (torch put the model's own there)
+    hint = ("Without broadcast_from_rank0 each rank loads the dict it is given: pass the whole state dict "
+            "on every rank, or pass it on rank 0 with StateDictOptions(broadcast_from_rank0=True).")
+    try:
+        check_same_across_ranks(
+            lacking, "the keys missing from the full state dict given to set_model_state_dict",
+            label=lambda k: f"missing {k!r}", comm=st.unit.comm, hint=hint,
+            op="fully_shard: set_model_state_dict(full_state_dict=True, broadcast_from_rank0=False) on every rank")
+    except CollectiveError as e:  # a rank never joined: given {}, torch skipped its load
+        raise RuntimeError(
+            f"fusedist.fully_shard: rank {st.unit.comm.rank} loads a full state dict through torch's "
+            "set_model_state_dict/set_state_dict(full_state_dict=True, broadcast_from_rank0=False), but not every "
+            "rank joined the load (a rank given an empty dict skips it, keeping its old values). " + hint +
+            f"\n{e}") from e
 
 
 # Note [load_state_dict(assign=True)]

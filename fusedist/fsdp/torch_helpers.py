@@ -30,7 +30,7 @@ from typing import Optional
 
 from torch import nn
 
-__all__ = ["torch_helper_options", "full_state_dict_requested"]
+__all__ = ["torch_helper_options", "full_state_dict_requested", "full_load_without_broadcast"]
 
 
 _TORCH_CALLERS: dict = {}
@@ -86,3 +86,28 @@ def full_state_dict_requested() -> Optional[tuple]:
         return None
     model = _torch_helper_locals("_get_model_state_dict").get("model")
     return found[1], model if isinstance(model, nn.Module) else None
+
+
+# Note [full state dict loaded on some ranks only]
+#     ``set_model_state_dict`` / ``set_optimizer_state_dict`` / ``set_state_dict`` with
+#     ``StateDictOptions(full_state_dict=True)`` and no ``broadcast_from_rank0`` take the whole
+#     dict on every rank (with ``cpu_offload=True`` torch's check lets an empty dict through). A
+#     rank given ``{}`` skips the model load (torch returns before ``load_state_dict``) and
+#     loads its optimizer's own state back, while the others load the dict: with FSDP2 the
+#     ranks that load wait in ``distribute_tensor``'s collective for good; with pieces,
+#     which each rank cuts from the whole tensor without communication, every rank went on and
+#     the model was loaded on some ranks' rows only -- silently. So such a load is checked
+#     across the ranks first, once per helper call: the optimizer's (every rank reaches it)
+#     compares whether each rank was passed a dict, and the model's compares the keys each rank
+#     lacks; a rank that never reaches the model's check (given ``{}``) is named by the stall
+#     report of the check's collective instead of the job hanging.
+def full_load_without_broadcast(function: str) -> Optional[tuple]:
+    """``(info, locals)`` of torch's load helper frame ``function`` (``_load_model_state_dict``
+    or ``_load_optim_state_dict``) when the caller runs under it loading a full state dict that
+    each rank passes itself (``full_state_dict=True``, ``broadcast_from_rank0=False``), else
+    None (Note [full state dict loaded on some ranks only])."""
+    found = _torch_helper_locals(function)
+    info = found.get("info") if found is not None else None
+    if not getattr(info, "full_state_dict", False) or getattr(info, "broadcast_from_rank0", True):
+        return None
+    return info, found

@@ -101,11 +101,14 @@ class SyncBatchNorm(_BatchNorm):
                 f"{self.weight.device}{_rank_suffix()}; move the module or the input"
             )
 
+    def _synchronizes(self) -> bool:
+        """Whether a training forward talks to other ranks: a process group of more than one
+        rank (a rank outside the group is refused by the communicator lookup)."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) != 1
+
     def _communicator(self, device: torch.device) -> Communicator | None:
         """The communicator to synchronize over, or None when there is nobody to talk to."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        if dist.get_world_size(self.process_group) == 1:
+        if not self._synchronizes():
             return None
         comm = get_communicator(self.process_group, device)
         if comm.uid not in self._channels_checked:
@@ -122,10 +125,23 @@ class SyncBatchNorm(_BatchNorm):
     #     none of which dynamo can trace -- the first training forward failed on every rank.
     #     Both modes launch fusedist's own kernels (Triton, C++ or the reference, chosen at
     #     run time), which dynamo would have to trace through their launchers: eval under the
-    #     Triton interpreter failed in dynamo's fake-tensor pass.
-    @torch.compiler.disable
+    #     Triton interpreter failed in dynamo's fake-tensor pass. Where the layer does not
+    #     synchronize (eval, or training without other ranks) a compiled forward is torch's
+    #     ``_BatchNorm.forward`` instead, as torch.nn.SyncBatchNorm is there: inside the graph,
+    #     so ``fullgraph=True`` and ``torch.export`` of a model holding the layer work (they
+    #     failed on the graph break, even in eval), at the compiled op's rounding (an ulp or
+    #     so from the eager kernel's).
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and not (self.training and self._synchronizes()):
+            self._check_input_dim(input)
+            return super().forward(input)
+        return self._eager_forward(input)
+
+    @torch.compiler.disable  # Note [SyncBatchNorm under torch.compile]
+    def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
+        if self.training and torch._C._are_functorch_transforms_active():
+            self._refuse_synchronized_transform()
         average_factor = 0.0 if self.momentum is None else self.momentum
         counted = self.training and self.track_running_stats and self.num_batches_tracked is not None
         if counted:
@@ -156,8 +172,24 @@ class SyncBatchNorm(_BatchNorm):
     #     functional_call with the buffers passed in) work there. Our autograd Functions have
     #     no functorch rules (their kernels could not be vmapped): the same calls failed with
     #     "must override the setup_context staticmethod". Under a transform those forwards are
-    #     torch's op, as in torch's layer; synchronized training still takes the Function
-    #     (torch's layer has no functorch rule there either).
+    #     torch's op, as in torch's layer; synchronized training is refused by name, before
+    #     anything is counted or exchanged (torch's layer has no functorch rule there either).
+    def _refuse_synchronized_transform(self) -> None:
+        """Raise, before anything is counted or exchanged, when a torch.func transform runs a
+        training forward that synchronizes (Note [SyncBatchNorm under torch.func]): the
+        Function's error ("must override the setup_context staticmethod") names neither the
+        layer nor a way out, and ``vmap`` had already counted the batch."""
+        size = dist.get_world_size(self.process_group) if self._synchronizes() else 1
+        if size <= 1:  # (-1: a rank outside the group, which the communicator lookup refuses)
+            return
+        raise RuntimeError(
+            f"SyncBatchNorm({self.num_features}): torch.func transforms (vmap, grad, jvp, jacrev, ...) "
+            f"cannot run a synchronized training forward (a process group of {size} ranks){_rank_suffix()}: "
+            "its statistics come from a collective, which has no functorch rule (nor has "
+            "torch.nn.SyncBatchNorm's). Run the transform in eval mode, or with a process_group of "
+            "this rank alone, or call the layer outside the transform"
+        )
+
     def _torch_batch_norm(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
         use_running = not self.training or self.track_running_stats
         return torch.nn.functional.batch_norm(

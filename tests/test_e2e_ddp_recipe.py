@@ -24,7 +24,6 @@ Torch references where torch cannot run the same thing on CPU/gloo:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 
 import pytest

@@ -329,10 +329,10 @@ def test_a_model_frozen_whole_trains_once_unfrozen():
 
 
 def _same_state(ours, theirs, tol=TOL):
-    for index, st in theirs["state"].items():
+    for index, state in theirs["state"].items():
         mine = ours["state"][index]
-        assert set(mine) == set(st), (index, set(mine), set(st))
-        for key, v in st.items():
+        assert set(mine) == set(state), (index, set(mine), set(state))
+        for key, v in state.items():
             if key == "step":
                 assert float(mine[key]) == float(v), (index, float(mine[key]), float(v))
             else:

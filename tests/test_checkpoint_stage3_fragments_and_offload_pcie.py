@@ -144,3 +144,14 @@ def test_zero3_offload_pcie_bytes_are_what_fully_shard_copies():
     assert plan["suggestion"]["grad_accum_steps"] == accum
     for c in copied:  # (fully_shard's padding: well under 1% here)
         assert plan["comm"]["zero3_offload"]["pcie_bytes_per_step"] == pytest.approx(c, rel=0.01)
+
+
+def test_an_incomplete_shard_set_names_the_ranks_and_the_world_size():
+    """The world size was printed as a list ("of a world of [3]")."""
+    from fusedist.checkpoint import stage3
+    from fusedist.zero.state import StateDictError
+
+    with pytest.raises(StateDictError, match=r"model shards of ranks \[0, 2\] of a world of 3; a rank's file"):
+        stage3.check_shard_set([{"rank": 0, "world_size": 3}, {"rank": 2, "world_size": 3}], "model", "ckpt")
+    with pytest.raises(StateDictError, match=r"of ranks \[0, 1\] of worlds of sizes \[2, 3\]"):
+        stage3.check_shard_set([{"rank": 0, "world_size": 2}, {"rank": 1, "world_size": 3}], "model", "ckpt")

@@ -316,7 +316,9 @@ def check_shard_set(shards: list[dict], what: str, source: str) -> None:
     ranks = sorted(sd.get("rank") for sd in shards)
     sizes = {sd.get("world_size") for sd in shards}
     if len(sizes) != 1 or ranks != list(range(next(iter(sizes)))):
-        raise zstate.StateDictError(f"{source}: {what} shards of ranks {ranks} of a world of {sorted(sizes)}; "
+        world = (f"a world of {next(iter(sizes))}" if len(sizes) == 1
+                 else f"worlds of sizes {sorted(sizes, key=str)}")
+        raise zstate.StateDictError(f"{source}: {what} shards of ranks {ranks} of {world}; "
                                     "a rank's file is missing or comes from another save")
 
 

@@ -159,6 +159,19 @@ def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def shard_both(ref, ours, mesh, units=lambda model: model.blocks):
+    """``ref`` sharded by torch's ``fully_shard`` and ``ours`` by fusedist's, alike: each of
+    ``units(model)``, then the root, over ``mesh``. Returns ``(ref, ours)``."""
+    import fusedist
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
+        for unit in units(model):
+            shard(unit, mesh=mesh)
+        shard(model, mesh=mesh)
+    return ref, ours
+
+
 def error_text(fn, exc_type=Exception):
     """``str`` of the ``exc_type`` that ``fn()`` raises, or None when it returns (other
     exceptions propagate): what a worker reports back for the test to read."""

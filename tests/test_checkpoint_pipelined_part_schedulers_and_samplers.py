@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from test_checkpoint_pipelined_stage_without_parameters import _differ, _error
 
 WIDTH, STEPS, SAVED_AT = 4, 4, 2
 
@@ -81,18 +82,6 @@ def _train(held, step: int) -> list:
 
 def _params(held) -> dict:
     return {f"{j}/{k}": v.clone() for j, (module, _, _) in enumerate(held) for k, v in module.state_dict().items()}
-
-
-def _differ(a: dict, b: dict) -> list:
-    return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return ""
 
 
 def _run(root: str, specs: list, group) -> dict:

@@ -58,18 +58,10 @@ def _max_diff(a: dict, b: dict) -> float:
 # ------------------------------------------------------------------------------ HSDP meshes
 def _pair(mesh, shard_blocks: bool = True):
     """The same BlockStack (sizes not divisible by 2 or 4) under FSDP2 and under fusedist."""
-    import fusedist
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     torch.manual_seed(0)
     ref = models.BlockStack(d_in=7, d=11, d_out=5)
     ours = copy.deepcopy(ref)
-    for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
-        if shard_blocks:
-            for block in model.blocks:
-                shard(block, mesh=mesh)
-        shard(model, mesh=mesh)
-    return ref, ours
+    return models.shard_both(ref, ours, mesh, lambda model: model.blocks if shard_blocks else ())
 
 
 def _train(model, seed: int, data_rank: int, steps: int = 3) -> list:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 from test_fully_shard_api_parity import (EXACT, FP16, _check_grads, _check_params, _gathering, _ids, _loss,
                                          _mesh, _optimizers, _pair, _seed, _train_step, _units)
@@ -221,17 +222,10 @@ class Gated(nn.Module):
 def _gated_pair(mesh):
     import copy
 
-    import fusedist
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     torch.manual_seed(0)
     ref = Gated()
     ours = copy.deepcopy(ref)
-    for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
-        for g in model.gates:
-            shard(g, mesh=mesh)
-        shard(model, mesh=mesh)
-    return ref, ours
+    return models.shard_both(ref, ours, mesh, lambda model: model.gates)
 
 
 def _unused_params(rank, ws, seed) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 from test_fully_shard_api_parity import EXACT, _check_grads, _check_params, _ids, _loss, _mesh, _pair, _seed
 from test_fully_shard_gaps import _drop_unsharded_grads, _step
@@ -160,21 +161,14 @@ def _wrapped_pair(mesh, seed: int, shard_blocks: bool):
     root's unit."""
     import copy
 
-    import fusedist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     torch.manual_seed(seed)
     ref = WrappedNet()
     for i, b in enumerate(ref.blocks):
         ref.blocks[i] = checkpoint_wrapper(b)
     ours = copy.deepcopy(ref)
-    for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
-        if shard_blocks:
-            for b in model.blocks:
-                shard(b, mesh=mesh)
-        shard(model, mesh=mesh)
-    return ref, ours
+    return models.shard_both(ref, ours, mesh, lambda model: model.blocks if shard_blocks else ())
 
 
 def _wrapper_names(rank, ws, seed, where):

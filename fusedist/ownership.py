@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "register_data_parallel", "data_parallel_owner", "register_wrapped_module", "wrapping_owner",
     "register_gradient_holder", "gradient_holder", "any_gradient_holder", "gradient_holders_of", "held_parameters",
-    "register_step_watch", "step_watch",
+    "register_step_watch", "step_watch", "release",
 ]
 
 _data_parallel: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -138,3 +138,16 @@ def step_watch(p) -> Optional[object]:
     reduces no ``p.grad`` (a ``fully_shard`` model's pieces, a DDP model's ignored
     parameters); None: none."""
     return _lookup(_step_watch, p)
+
+
+def release(params: Iterable, owners: Iterable) -> None:
+    """Drop the registrations of ``params`` that name one of ``owners``: a wrapper (and its
+    optimizers) retired while the parameters live on, so that torch's optimizers and clips
+    treat them as plain parameters again (Lightning's teardown: Note [the wrapper retires at
+    teardown] in fusedist/integrations/lightning.py)."""
+    retired = {id(owner) for owner in owners if owner is not None}
+    for p in params:
+        for table in (_data_parallel, _wrapping, _step_watch, _gradient_holder):
+            owner = _lookup(table, p)
+            if owner is not None and id(owner) in retired:
+                del table[p]

@@ -142,7 +142,7 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
         fused = _FUSED.get(cls) if self.fused_optimizer else None
         if fused is None and self.zero_stage == 0:
             return optimizer
-        if optimizer.state:
+        if _has_stepped(optimizer):
             raise RuntimeError(f"FusedistStrategy: {cls.__name__} already has state; it must be converted "
                                "before its first step (return a fresh optimizer from configure_optimizers)")
         target = fused or cls
@@ -193,8 +193,32 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
+            _retire(self.model, self.optimizers)  # Note [the wrapper retires at teardown]
             self.model = self.lightning_module  # unwrap, as Lightning does for torch's DDP
         super().teardown()
+
+
+# Note [the wrapper retires at teardown]
+# Lightning unwraps the module when a fit ends, and torch's DDP wrapper dies with its last
+# reference, its gradient hooks with it. fusedist's wrapper is kept alive by its hooks (Note [a
+# module wrapped again] in fusedist/ddp/wrapper.py) and stays registered as the parameters'
+# data-parallel owner, and a stage-2 optimizer as the holder of their gradients. So after
+# trainer.fit the module was still fusedist's: a backward reduced into the retired buckets,
+# torch's optimizers stepping it afterwards (a later Trainer with strategy="ddp", a plain
+# loop) were refused as "not synchronized" through a wrapper no forward went through, and
+# torch's clip_grad_norm_ asked the retired stage-2 shards for the norm (0: nothing clipped).
+# At teardown the strategy removes the wrapper's hooks and the registrations that name it or
+# its optimizers, leaving the module as Lightning's DDP leaves it; a later fit wraps it again.
+
+
+def _retire(ddp: DistributedDataParallel, optimizers) -> None:
+    """``ddp`` and the strategy's ``optimizers`` stop acting on the module's parameters (Note
+    [the wrapper retires at teardown])."""
+    from fusedist import ownership
+
+    ddp.reducer.remove_hooks()
+    ownership.release(ddp.module.parameters(),
+                      [ddp, ddp.watch, *(getattr(o, "_optimizer", o) for o in optimizers)])
 
 
 # Note [strategy names]
@@ -312,6 +336,18 @@ def _revert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
     for name, child in module.named_children():
         converted.add_module(name, _revert_sync_batchnorm(child))
     return converted
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds state a step made. torch's Adagrad fills its state when it is
+    built (``step`` 0, ``sum`` at ``initial_accumulator_value``), which its converted
+    counterpart builds again; any other entry (a ``step`` past 0, a ``momentum_buffer``) would
+    be lost by the conversion."""
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is None or float(step) != 0:
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import LBFGS
 
 import fusedist
 
@@ -123,6 +125,8 @@ class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):  # Lightning's refusal: the scaler cannot step a closure optimizer
+            raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
         closure_result = closure()
         skip_unscaling = closure_result is None and model.automatic_optimization
         if not skip_unscaling:

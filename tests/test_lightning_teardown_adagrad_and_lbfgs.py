@@ -1,0 +1,143 @@
+"""FusedistStrategy against Lightning's ``strategy="ddp"`` where a fit meets what the strategy
+does not convert, and what a module is after a fit:
+
+* an optimizer that fills its state when it is built (torch's Adagrad) sharded with ZeRO: it
+  was refused as an optimizer "that already has state";
+* a module trained by FusedistStrategy and then by anything else (a second Trainer with
+  ``strategy="ddp"``, a plain loop): the fusedist wrapper stayed registered on its parameters,
+  so torch's optimizers were refused as stepping unsynchronized gradients and torch's clip
+  read the retired ZeRO-2 shards (a norm of 0, nothing clipped).
+
+Ranks are processes of :func:`fusedist.testing.run_distributed` with the torchelastic
+variables set (test_e2e_lightning_recipe.py). Tolerance: fp32, the same operations in
+another order over 16 steps on values of order 1: 1e-5; the failures move weights by far
+more, or raise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+from test_e2e_lightning_recipe import _data, _flat, _launched_env
+
+TOL = 1e-5
+
+
+def _module(optimizer: str):
+    import lightning as L
+
+    class Regressor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y, reduction="sum")
+
+        def configure_optimizers(self):
+            if optimizer == "adagrad":
+                return torch.optim.Adagrad(self.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    return Regressor()
+
+
+def _fit(module, strategy, **trainer_kw):
+    import importlib
+
+    import lightning as L
+
+    importlib.import_module("fusedist.integrations.lightning")  # registers strategy="fusedist..."
+
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        deterministic=True, **trainer_kw)
+    trainer.fit(module, _data(1))
+    return _flat(module)
+
+
+def _adagrad_worker(rank, world):
+    _launched_env(rank, world)
+    ref = _fit(_module("adagrad"), "ddp", gradient_clip_val=0.5)
+    return {name: (_fit(_module("adagrad"), name, gradient_clip_val=0.5) - ref).abs().max().item()
+            for name in ("fusedist_zero1", "fusedist_zero2")}
+
+
+def test_adagrad_is_sharded_as_ddp_trains_it():
+    """torch's Adagrad builds its state (``step`` 0, ``sum`` at ``initial_accumulator_value``)
+    in its constructor; ZeRO 1 and 2 shard it and train as Lightning's DDP, clipped by norm."""
+    for rank, diffs in enumerate(run_distributed(_adagrad_worker, 2, timeout=120)):
+        for name, diff in diffs.items():
+            assert diff <= TOL, f"{name}, rank {rank}: weights differ by {diff}"
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                  lambda p: torch.optim.Adagrad(p, lr=0.1)], ids=["SGD momentum", "Adagrad"])
+def test_an_optimizer_that_stepped_is_still_refused(make):
+    """The conversion would drop state a step made (a momentum buffer, Adagrad's sums)."""
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    params = [nn.Parameter(torch.randn(4, 3))]
+    optimizer = make(params)
+    params[0].grad = torch.randn(4, 3)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="already has state"):
+        FusedistStrategy(zero_stage=1)._convert_optimizer(optimizer, master_weights=False)
+
+
+def _after_fit_worker(rank, world):
+    _launched_env(rank, world)
+    out = {}
+    clip = dict(gradient_clip_val=0.05)  # bites every step: a clip with a wrong norm shows
+    ref = _module("adamw")
+    _fit(ref, "ddp", **clip)
+    ref = _fit(ref, "ddp", **clip)
+    for first in ("fusedist", "fusedist_zero2"):
+        module = _module("adamw")
+        _fit(module, first, **clip)
+        out[f"{first}, then strategy='ddp'"] = (_fit(module, "ddp", **clip) - ref).abs().max().item()
+    # and in a plain loop: torch's optimizer and clip on the module a ZeRO-2 fit returned
+    module = _module("adamw")
+    _fit(module, "fusedist_zero2")
+    x, y = next(iter(_data(2)))
+    nn.functional.mse_loss(module.net(x), y).backward()
+    true_norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in module.parameters()]))
+    out["torch clip's norm"] = (torch.nn.utils.clip_grad_norm_(module.parameters(), 1e9) - true_norm).abs().item()
+    before = _flat(module)
+    torch.optim.SGD(module.parameters(), lr=0.1).step()
+    out["plain SGD step"] = ((before - _flat(module)) - 0.1 * torch.cat(
+        [p.grad.reshape(-1) for p in module.parameters()])).abs().max().item()
+    return out
+
+
+def test_a_module_after_fit_trains_as_after_lightnings_ddp():
+    """After ``trainer.fit`` the strategy leaves the module as Lightning's DDP leaves it: a
+    second Trainer with ``strategy="ddp"`` continues as after a ``"ddp"`` fit (it was refused:
+    "step() after a backward pass that was not synchronized"), and torch's optimizer and
+    clip see the module's own ``p.grad`` (the clip measured the retired ZeRO-2 shards)."""
+    for rank, diffs in enumerate(run_distributed(_after_fit_worker, 2, timeout=180)):
+        for name, diff in diffs.items():
+            assert diff <= TOL, f"{name}, rank {rank}: differs by {diff}"
+
+
+def test_lbfgs_under_fp16_mixed_is_refused_as_lightning_refuses_it():
+    """Lightning's "16-mixed" refuses LBFGS before running its closure; the strategy's plugin
+    ran the closure and then failed inside ``LBFGS.step`` ("missing ... 'closure'")."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    strategy = FusedistStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")
+    for plugin in (MixedPrecision("16-mixed", "cpu"), strategy.precision_plugin):
+        calls = []
+        optimizer = torch.optim.LBFGS([nn.Parameter(torch.randn(3))])
+        with pytest.raises(MisconfigurationException, match="LBFGS optimizer are not compatible"):
+            plugin.optimizer_step(optimizer, model=None, closure=lambda: calls.append(1))
+        assert calls == [], type(plugin).__name__

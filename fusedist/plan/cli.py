@@ -14,8 +14,8 @@ from typing import Optional
 
 from . import hardware, memory, timing
 from .errors import PlanError
-from .hf_config import HF_MODEL_TYPES, from_hf_config
-from .model import ARCHS, ModelSpec, validate
+from .hf_config import HF_MODEL_TYPES, MAX_LAYERS, from_hf_config
+from .model import ARCHS, ModelSpec, count_params, validate
 from .plan import Job, build_plan, check_expert_parallel
 
 PROG = "python -m fusedist.plan"
@@ -25,7 +25,7 @@ _SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab")
 # still hold (huge counts overflowed to a traceback, printed Infinity in --json, or, with a
 # million layers, ran for minutes; the per-layer terms walk the blocks).
 MAX_PARAMS = 1e16
-_MAX = {"layers": 100_000, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "vocab": 1 << 26,
+_MAX = {"layers": MAX_LAYERS, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "vocab": 1 << 26,
         "ffn_hidden": 1 << 24, "seq": 1 << 26, "expert_ffn": 1 << 24, "experts": 1 << 20}
 _MAX_JOB = {"gpus": 1 << 24, "gpus_per_node": 1 << 16, "micro_batch": 1 << 24, "global_batch": 1 << 40,
             "ref_batch": 1 << 40, "ep": 1 << 24}
@@ -157,7 +157,7 @@ def model_spec(args) -> ModelSpec:
         if shape_only:
             raise PlanError("--hf-config", f"{'/'.join(shape_only)} {'come' if len(shape_only) > 1 else 'comes'} "
                                            "from the config")
-        return _within_bounds(from_hf_config(args.hf_config), "--hf-config")
+        return _params_within_bounds(_within_bounds(from_hf_config(args.hf_config), "--hf-config"), "--hf-config")
     if args.params is not None:
         if shape_only:
             raise PlanError("--params", f"{'/'.join(shape_only)} {'describe' if len(shape_only) > 1 else 'describes'} "
@@ -178,16 +178,32 @@ def model_spec(args) -> ModelSpec:
                      kv_heads=args.kv_heads, seq=args.seq, vocab=args.vocab, ffn_hidden=args.ffn_hidden)
     _within_bounds(spec, None)
     validate(spec)
-    return spec
+    return _params_within_bounds(spec, "--layers")
 
 
 def _within_bounds(spec: ModelSpec, source: Optional[str]) -> ModelSpec:
     """``spec`` unless a dimension is past what the planner models (``_MAX``), naming the flag
-    (or ``source``, the config)."""
+    (or ``source``, the config). A config's maximum positions count only as gpt's learned
+    position embedding; elsewhere they are just the default --seq, which :func:`job_of`
+    bounds as the job's, so a long-context config planned at a given --seq is not refused."""
     for name, limit in _MAX.items():
+        if name == "seq" and spec.arch != "gpt":
+            continue
         value = getattr(spec, name)
         if isinstance(value, int):
             _bounded(source or _flag(name), value, limit, named=name.replace("_", " "))
+    return spec
+
+
+def _params_within_bounds(spec: ModelSpec, flag: str) -> ModelSpec:
+    """``spec`` unless its parameters are past :data:`MAX_PARAMS`, as ``--params`` is bounded:
+    each dimension within its bound can still multiply to more (a thousand times a head size,
+    or 10^5 layers of width 2^20: 1.8e18 parameters, planned as if they were a model)."""
+    psi = count_params(spec)
+    if psi > MAX_PARAMS:
+        shape = "the config" if flag == "--hf-config" else "the shape"
+        raise PlanError(flag, f"{shape} gives {psi:.3g} parameters, beyond what the planner models "
+                              f"(at most {MAX_PARAMS:g})")
     return spec
 
 

@@ -30,7 +30,7 @@ HF_MODEL_TYPES = {
     "mistral": {"tie": False, "keys": ("head_dim",), "window": ("all", 4096)},
     "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",), "window": ("qwen", 4096)},
     "phi3": {"tie": False, "keys": (), "window": ("all", None)},
-    "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim",)},
+    "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim", "attention_bias")},  # GemmaAttention reads it
     "gpt2": {"tie": True, "keys": ()},
     "qwen3": {"tie": False, "head_dim": "required", "qk_norm": True, "keys": ("head_dim", "attention_bias"),
               "window": ("qwen", 4096)},
@@ -51,6 +51,10 @@ HF_MODEL_TYPES = {
 # refused in any family not counted as one.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
              "n_shared_experts", "num_experts_per_tok")
+# The most blocks the planner models (``--layers`` too): checked before the per-block walks
+# below (which blocks are experts, which windowed), which for a billion layers took minutes and
+# gigabytes before the bound the command line applies afterwards was reached.
+MAX_LAYERS = 100_000
 # Families seen in the wild whose blocks are not llama's, with why, for the refusal.
 _NOT_COUNTED = {
     "gemma3": "a multimodal config (a vision tower besides text_config); a config.json of its text_config "
@@ -105,6 +109,7 @@ def from_hf_config(path: str) -> ModelSpec:
     values = {}
     for field, key in keys.items():
         values[field] = _positive_int(cfg, key, path, required=True)
+    _layers_within_bounds(values["layers"])
     optional = family["keys"]
     values["ffn_hidden"] = _positive_int(cfg, ffn_key, path, required=arch == "llama")
     values["kv_heads"] = _positive_int(cfg, kv_key, path) if kv_key else None
@@ -130,6 +135,12 @@ def from_hf_config(path: str) -> ModelSpec:
                      sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
                      **values)
     return _checked(spec, path)
+
+
+def _layers_within_bounds(layers: int) -> None:
+    """Refuse more blocks than :data:`MAX_LAYERS` before anything walks them."""
+    if layers > MAX_LAYERS:
+        raise PlanError("--hf-config", f"layers {layers} is beyond what the planner models (at most {MAX_LAYERS})")
 
 
 def _checked(spec: ModelSpec, path: str) -> ModelSpec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .memory import STRATEGIES
+from .suggest import grad_accum
 
 GB = 1e9
 
@@ -106,11 +107,14 @@ def format_plan(plan: dict) -> str:
     i, a = plan["inputs"], plan["inputs"]["assumptions"]
     g = i["gpu"]
     s = plan["suggestion"]
+    # The job as asked, which the tables are for; a suggested layout with fewer data-parallel
+    # ranks has its own batch and accumulation, given with the suggestion.
+    job_accum, job_batch = grad_accum(i["global_batch"], i["micro_batch"], i["gpus"])
     out = [
         model_line(plan),
         (f"job: {i['gpus']} GPUs ({i['gpus_per_node']} per node), micro-batch {i['micro_batch']}, "
          f"seq {i['seq']}{' (the model maximum: --seq sets the training length)' if i.get('seq_from_config') else ''}"
-         f", global batch {s['global_batch']} (gradient accumulation {s['grad_accum_steps']}), "
+         f", global batch {job_batch} (gradient accumulation {job_accum}), "
          f"{i['precision']}, recompute {i['recompute']}, {i['optimizer']}"
          + (f", expert parallelism {i['ep']}" if i.get("ep", 1) > 1 else "")),
         (f"GPU: {g['name']}, {g['memory_gb']:g} GB ({g['hbm_gbps']:g} GB/s), peak {a['peak_flops'] / 1e12:g} TFLOPS "
@@ -171,7 +175,9 @@ def format_plan(plan: dict) -> str:
                    f"experts over ep={lay['ep']} of the {lay['dp']} GPUs does ({_gb(lay['total_bytes'])} GB per GPU)")
     else:
         out.append(f"suggestion: {s['strategy']} (the fitting strategy with the shortest step)")
-    out.append(f"gradient accumulation: {s['grad_accum_steps']} step(s) for a global batch of {s['global_batch']}"
+    at_dp = f" at the suggested dp={lay['dp']}" if lay and lay["dp"] != i["gpus"] else ""
+    out.append(f"gradient accumulation{at_dp}: {s['grad_accum_steps']} step(s) for a global batch of "
+               f"{s['global_batch']}"
                + (f" (asked {i['global_batch']}, rounded up)" if i["global_batch"] not in (None, s["global_batch"])
                   else ""))
     if s["lr"]:

@@ -25,7 +25,8 @@ Note [pieces in torch's distributed checkpoint]
 
     One deliberate difference: ``size()`` is the *whole* parameter's size (DCP's load compares
     it with the checkpoint's, as it does for a DTensor, whose size is the global one), while
-    ``shape``/``numel()``/``len()`` are the piece's (except to torch's async-save stager: Note [staging a piece]). Tensor's own Python methods that rebuild a
+    ``shape``/``numel()``/``len()`` are the piece's (except to torch's async-save stager: Note
+    [staging a piece]). Tensor's own Python methods that rebuild a
     tensor from ``self.size()`` (``__deepcopy__``, ``__reduce_ex__``, ``__repr__``) are
     overridden to use the piece.
 

@@ -23,7 +23,8 @@ Note [optimizer state of pieces]
     Under torch's ``get_optimizer_state_dict(..., full_state_dict=True)`` (the stack lookup of
     Note [full state dict through torch's helpers] in torch_helpers.py, for
     ``_get_optim_state_dict``) the entries are the whole state tensors instead: one all-gather
-    per unit and state name, on every rank, in the optimizer's parameter order. The ranks first check that they hold the same state
+    per unit and state name, on every rank, in the optimizer's parameter order. The ranks first
+    check that they hold the same state
     names (one all-reduce), so a mismatch raises instead of hanging.
 
     Loading: a load pre-hook turns each entry of a piece back into a plain piece-shaped

@@ -4,7 +4,8 @@
 parameters] in unit.py), as ``ShardedPiece`` entries that torch's distributed checkpoint saves
 and loads at any world size (Note [pieces in torch's distributed checkpoint] in dcp.py): it
 round-trips through ``load_state_dict`` at the same world size, as torch's FSDP2 sharded state
-dict does, and ``load_state_dict`` also takes whole parameters (each rank keeps its rows). For a file any world size -- or an unsharded model --
+dict does, and ``load_state_dict`` also takes whole parameters (each rank keeps its rows). For
+a file any world size -- or an unsharded model --
 can read, :func:`full_state_dict` gathers every parameter whole (one all-gather per unit),
 and :func:`load_full_state_dict` loads such a dict, each rank keeping its rows.
 """

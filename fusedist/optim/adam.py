@@ -52,8 +52,8 @@ class FusedAdam(FusedOptimizerBase):
         betas = check_tensor_betas(name, tuple(betas), foreach)  # torch's rules, read as numbers at each step
         # ``foreach`` only picks between torch's implementations (same math): accepted as a
         # hint for drop-in compatibility; this optimizer is always multi-tensor and fused.
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad), maximize=maximize,
-                        master_weights=master_weights, bias_correction=bias_correction,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
+                        maximize=maximize, master_weights=master_weights, bias_correction=bias_correction,
                         decoupled_weight_decay=bool(decoupled_weight_decay) or self._adamw,
                         foreach=foreach, fused=fused)  # kept as torch keeps them (its keys)
         super().__init__(params, defaults)

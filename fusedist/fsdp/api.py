@@ -224,6 +224,7 @@ class FullyShardedModule:
         # each state once: a group's members share one (Note [a list of modules as one unit] in members.py)
         return list(dict.fromkeys(st for st in (state_of(m) for m in mods) if st is not None))
 
+    @torch.compiler.disable  # its all-gather, traced in a compiled step, failed on every rank (FSDP2's runs)
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this module's unit (not recursive); with ``async_op`` return a handle to wait on
         (the next forward of the module waits for it anyway)."""

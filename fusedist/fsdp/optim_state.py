@@ -73,6 +73,7 @@ def note_unit(unit) -> None:
     install_optimizer_step_hooks("fully_shard: optimizer state dicts", _before_step, lambda *_: None)
 
 
+@torch.compiler.disable  # a global step hook: traced in a compiled step, it broke the graph inside torch's hook table
 def _before_step(optimizer, args, kwargs) -> None:
     if optimizer not in _TRACKED:
         _check_elementwise(optimizer)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 __all__ = ["note_gathered", "note_resharded", "install"]
 
 #: units gathered or being gathered now
@@ -35,6 +37,7 @@ def note_resharded(unit) -> None:
     _GATHERED.discard(unit)
 
 
+@torch.compiler.disable  # a global step hook (as optim_state._before_step): runs eagerly between graphs
 def _after_step(optimizer, args, kwargs) -> None:
     if not _GATHERED:
         return

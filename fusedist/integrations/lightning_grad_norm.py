@@ -92,6 +92,7 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
     return norms
 
 
+@torch.compiler.disable  # its all-reduce, traced in a compiled training step, failed on every rank
 @torch.no_grad()
 def _held_norms(zero: ZeroRedundancyOptimizer, norm_type: float) -> dict[int, torch.Tensor]:
     """``id(param) -> global norm of its gradient`` for the parameters ``zero`` holds a gradient

@@ -277,7 +277,18 @@ def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: boo
 
 # ----------------------------------------------------------------------------- public API
 
+# Note [the functional API under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A call inside a compiled function (a hand-written optimizer step, as torch's recipe compiles
+# ``opt.step``) would be traced: the Triton launches too, whose pointer tables are built from
+# data pointers (under the interpreter their pointer arithmetic ran on fake tensors and failed
+# at the first step), and the host paths recompiled on each new step count. The entry points
+# run eagerly instead, as the fused optimizers' steps do; the updates are in place, so the
+# caller's graph sees the result.
+_eager_in_compiled_code = torch.compiler.disable
 
+
+@_eager_in_compiled_code  # Note [the functional API under torch.compile]
 def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, unscale_in_place: bool = False):
     """One read-only pass over ``grads``: returns ``(found_inf, sumsq)``, 1-element fp32 tensors
     (``sumsq`` fp64 when there are fp64 gradients, which keep their precision as in torch's clip).
@@ -329,6 +340,7 @@ def _one_bucket(grads: list, device) -> Optional[dict]:
     return None
 
 
+@_eager_in_compiled_code  # Note [the functional API under torch.compile]
 def adam_update(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -390,6 +402,7 @@ def adam_update(
                   **b_hyper)
 
 
+@_eager_in_compiled_code  # Note [the functional API under torch.compile]
 def sgd_update(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -447,6 +460,7 @@ def sgd_update(
                  found_inf=found_inf, **b_hyper)
 
 
+@_eager_in_compiled_code  # Note [the functional API under torch.compile]
 def lamb_update(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],

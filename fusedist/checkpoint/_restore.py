@@ -7,12 +7,14 @@ only the registered objects and the coordinator with.
 
 from __future__ import annotations
 
+import copy
+import os
 import warnings
 from typing import Optional
 
 import torch
 
-from . import _owner, api, layout, resume
+from . import _files, _owner, api, layout, resume
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._schedule import step_count
@@ -33,11 +35,14 @@ class RestoreMixin:
         corrupt file) is reported and the next older one is tried. ``step`` picks a specific
         checkpoint instead. At the world size that saved it, everything -- RNG states and the
         data position included -- continues bit for bit; at another world size the optimizer
-        is resharded and an ElasticDistributedSampler re-splits the rest of the epoch, while
+        is resharded and an ElasticDistributedSampler re-splits the rest of the epoch (a
+        ResumableDistributedSampler starts the saved epoch from its beginning), while
         the per-rank RNG states (which belong to the old ranks) are left as the script set
         them. Create DataLoader iterators after this call. ``strict=False`` resumes a model
         that gained or lost parameters or buffers since (Note [a load that is not strict] in
-        ``api.py``: the keys both have are loaded, the others left as they are).
+        ``api.py``: the keys both have are loaded, the others left as they are). A restore
+        refused for objects that do not match the checkpoint changes none of them (Note [a
+        refused restore changes nothing]).
         """
         if step is not None:
             step = step_count(step, "restore")
@@ -54,13 +59,20 @@ class RestoreMixin:
         if isinstance(candidates, str):
             raise CheckpointError(candidates)
         failures = []
-        for saved_step, path in candidates:
+        for saved_step, path, incomplete in candidates:
+            if incomplete is not None:  # (Note [incomplete checkpoints below the newest complete one])
+                failures.append(f"step {saved_step} ({path}): incomplete: {incomplete}")
+                if self.rank == 0:
+                    warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {path} "
+                                  f"(step {saved_step}): {incomplete}", stacklevel=2)
+                continue
             # The rank files are read first, on every rank, and the objects loaded only when
             # every rank could read its own: a file that fails after the model and optimizer
             # were loaded left them changed behind the CheckpointError that says nothing was.
-            error = per_rank = None
+            error = per_rank = first = None
             try:
                 per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
+                first = self._first_rank_state(path, trusted)
             except CheckpointError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
@@ -68,19 +80,20 @@ class RestoreMixin:
             errors = [e for e in self._coord.all_gather(error) if e is not None]
             error = errors[0] if errors else None
             if error is None:
+                self._refuse_mismatch_agreed(saved_step, path, per_rank, first, trusted)
                 try:  # (checked on every rank alike before anything is loaded: raises on all or none)
                     extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict,
                                      process_group=self._coord.group, pipeline=self.pipeline)
                 except CheckpointError as exc:
                     error = str(exc)
             if error is None:
-                self._apply_agreed(saved_step, path, extra, per_rank)
+                self._apply_agreed(saved_step, path, extra, per_rank, first)
                 return saved_step
             failures.append(f"step {saved_step} ({path}): {error}")
             if self.rank == 0 and saved_step != candidates[-1][0]:
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: the checkpoint of step {saved_step} in {path} "
                               f"could not be loaded ({error}); trying the previous one", stacklevel=2)
-        if failures:
+        if any(incomplete is None for _, _, incomplete in candidates):  # (none complete: a fresh start)
             raise CheckpointError("fusedist.checkpoint.Checkpointer: no checkpoint under "
                                   f"{self.directory} could be loaded: " + "; ".join(failures))
         return 0
@@ -113,7 +126,8 @@ class RestoreMixin:
                     f"{self.directory}: {type(exc).__name__}: {exc}")
 
     def _candidates(self, step: Optional[int]):
-        """Rank 0: the complete checkpoints to try, newest first, or an error message."""
+        """Rank 0: ``(step, path, why it is incomplete or None)`` of the checkpoints to try, newest
+        first, or an error message."""
         refused = _owner.refusal(self.directory, self._run, self._run_source, self._lease_timeout)
         if refused is not None:  # another job's root: read nothing (Note [one job per checkpoint root])
             return refused
@@ -124,7 +138,7 @@ class RestoreMixin:
                 why = chosen[0].reason if chosen else "there is no such directory"
                 return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {self.directory}: {why} "
                         f"(complete checkpoints: steps {[e.step for e in entries if e.complete]})")
-            return [(step, chosen[0].path)]
+            return [(step, chosen[0].path, None)]
         complete = [(e.step, e.path) for e in entries if e.complete]
         newest = complete[0][0] if complete else -1
         newer = [e for e in entries if e.newer_format and e.step > newest]
@@ -135,24 +149,26 @@ class RestoreMixin:
                     f"fusedist (steps {[e.step for e in newer]}: {newer[0].reason}); restoring an older one would "
                     f"silently go back past them. Upgrade fusedist, or {older}; they are never removed")
         for e in entries:
-            if not e.complete and e.step > newest:
-                warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {e.path} "
-                              f"(step {e.step}): {e.reason}", stacklevel=3)
-            elif e.complete and e.leftovers:  # Note [saving a step again] in _replace.py
+            if e.complete and e.leftovers:  # Note [saving a step again] in _replace.py
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: {e.path} holds files of an interrupted save of "
                               f"step {e.step} ({', '.join(e.leftovers)}), which its manifest does not list: they "
                               "are ignored, the complete checkpoint there is used, and the next complete save "
                               "removes them", stacklevel=3)
-        return complete
+        # Note [incomplete checkpoints below the newest complete one]
+        #     The incomplete ones stay in the list, newest first, for restore to skip by name when
+        #     it reaches them: those below the newest complete one were skipped without a word
+        #     when it failed to load, and the final error named only the checkpoints tried.
+        return [(e.step, e.path, None if e.complete else e.reason) for e in entries]
 
-    def _apply_agreed(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
+    def _apply_agreed(self, step: int, path: str, extra: dict, per_rank: Optional[dict],
+                      first: Optional[dict] = None) -> None:
         """:meth:`_apply` on every rank, or an error on every rank naming the ranks where it
         failed: a sampler refusing the saved position on one rank (another seed or dataset
         there) raised on that rank alone, and the others trained on into their next
         collective, waiting for it until the timeout."""
         error = None
         try:
-            self._apply(step, path, extra, per_rank)
+            self._apply(step, path, extra, per_rank, first)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         failed = [e for e in self._coord.all_gather(error, f"step {step}: restored") if e is not None]
@@ -162,30 +178,155 @@ class RestoreMixin:
                 "The model and optimizer state were loaded; pass objects that match the checkpoint (the same "
                 "sampler settings and dataset, an LR scheduler if one was saved) and restore again")
 
-    def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict]) -> None:
+    def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict],
+               first: Optional[dict] = None) -> None:
         state = self._state
         meta = extra or {}
         self._load_lr_schedulers(path, meta)  # Note [an LR scheduler per pipeline part] in _snapshot.py
         saved_world = meta.get("world_size", self.world_size)
         sampler = state["sampler"]
-        if isinstance(sampler, ElasticDistributedSampler):
-            if meta.get("sampler") is None:
-                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position")
-            sampler.load_state_dict(meta["sampler"])
+        position = self._saved_position(path, meta, per_rank)
+        if position is not None:
+            sampler.load_state_dict(position)
         elif sampler is not None:
-            if per_rank is not None and per_rank.get("sampler") is not None:
-                sampler.load_state_dict(per_rank["sampler"])
-            elif saved_world == self.world_size:  # (saved without one: the epoch would start over)
-                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position "
-                                      f"for this {type(sampler).__name__}")
-            elif self.rank == 0:
-                warnings.warn(f"fusedist.checkpoint.Checkpointer: the data position in {path} was saved at world size "
-                              f"{saved_world} by a {type(sampler).__name__}, whose position belongs to one rank; it "
-                              "is not restored here. Use ElasticDistributedSampler to resume at another world size",
-                              stacklevel=3)
+            self._restore_epoch(path, saved_world, first)
         if per_rank is not None:
             resume.restore_rng_state(per_rank["rng"])
         self.restored_step = self.last_saved_step = step
         self._set_aside_above = step
         self.restored_world_size = saved_world
         self.extra = meta.get("user")
+
+    def _saved_position(self, path: str, meta: dict, per_rank: Optional[dict]) -> Optional[dict]:
+        """The state the registered sampler loads; None for none (no sampler, or a per-rank
+        position saved at another world size); CheckpointError when the checkpoint holds none
+        for it."""
+        sampler = self._state["sampler"]
+        if isinstance(sampler, ElasticDistributedSampler):
+            if meta.get("sampler") is None:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position")
+            return meta["sampler"]
+        if sampler is None:
+            return None
+        if per_rank is not None and per_rank.get("sampler") is not None:
+            return per_rank["sampler"]
+        if meta.get("world_size", self.world_size) == self.world_size:  # (saved without one: it would start over)
+            raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no sampler position "
+                                  f"for this {type(sampler).__name__}")
+        return None
+
+    # Note [a per-rank position at another world size]
+    #     A ResumableDistributedSampler's position is an offset into one rank's share, which
+    #     another world size splits otherwise: it is not restored there (documented, with a
+    #     warning). Its epoch is the job's, though, and was dropped with it: the sampler went
+    #     back to epoch 0's order, so a resumed job re-trained the first epoch's order instead of
+    #     continuing the saved one. The saved epoch is read from the saving world's rank 0 (every
+    #     rank saved the same one) and set, from its beginning, as torch's ``set_epoch`` would.
+    def _first_rank_state(self, path: str, trusted: bool) -> Optional[dict]:
+        """The saving world's rank 0's per-rank state when the registered sampler needs its epoch
+        (Note [a per-rank position at another world size]), else None."""
+        sampler = self._state["sampler"]
+        if sampler is None or isinstance(sampler, ElasticDistributedSampler):
+            return None
+        saved_world = _files.read_manifest(path).get("world_size", self.world_size)
+        if saved_world == self.world_size:
+            return None
+        return api.load_per_rank(path, 0, saved_world, trusted=trusted)
+
+    def _restore_epoch(self, path: str, saved_world: int, first: Optional[dict]) -> None:
+        """Set the saved epoch on a sampler whose position stays behind (Note [a per-rank
+        position at another world size]), and say so."""
+        sampler = self._state["sampler"]
+        epoch = ((first or {}).get("sampler") or {}).get("epoch")
+        if epoch is not None:
+            sampler.set_epoch(int(epoch))
+        if self.rank == 0:
+            kept = (f"its epoch {epoch} is restored, from the beginning of that epoch" if epoch is not None
+                    else "nor is its epoch (none was saved)")
+            warnings.warn(f"fusedist.checkpoint.Checkpointer: the data position in {path} was saved at world size "
+                          f"{saved_world} by a {type(sampler).__name__}, whose position belongs to one rank; it "
+                          f"is not restored here ({kept}). Use ElasticDistributedSampler to resume mid-epoch at "
+                          "another world size", stacklevel=5)
+
+    # Note [a refused restore changes nothing]
+    #     The registered LR scheduler and sampler were checked against the checkpoint only after
+    #     the model and optimizer had been loaded into: a sampler of another seed or dataset (a
+    #     scheduler missing from the checkpoint) was refused with the model already changed,
+    #     although a failed call changes nothing elsewhere. Their saved states are now read
+    #     (from the job's common file, whose tensors are mapped, not read) and tried on stand-ins
+    #     -- a shallow copy of the sampler, schedulers that keep nothing -- on every rank before
+    #     api.load; the load repeats the checks, the last word on a file it then verifies.
+    def _refuse_mismatch_agreed(self, step: int, path: str, per_rank: Optional[dict], first: Optional[dict],
+                                trusted: bool) -> None:
+        """Raise on every rank, naming the ranks, when the registered objects do not take what
+        the checkpoint holds for them (Note [a refused restore changes nothing])."""
+        error = None
+        try:
+            self._check_takes(path, per_rank, first, trusted)
+        except _Unreadable:  # (the load names what is wrong with the file, and tries an older one)
+            pass
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        failed = [e for e in self._coord.all_gather(error, f"step {step}: checked") if e is not None]
+        if failed:
+            raise CheckpointError(
+                f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} is refused on "
+                f"{'; '.join(failed)}. Nothing was loaded; pass objects that match the checkpoint (the same sampler "
+                "settings and dataset, an LR scheduler if one was saved) and restore again")
+
+    def _check_takes(self, path: str, per_rank: Optional[dict], first: Optional[dict], trusted: bool) -> None:
+        meta = _saved_meta(path, trusted)
+        try:
+            # (per-part states, of a pipelined Checkpointer or checkpoint, are found by the load)
+            if not self.pipeline and not pipelined.is_pipelined(path):
+                self._check_lr_schedulers(path, meta)
+            position = self._saved_position(path, meta, per_rank)
+            if position is not None:
+                copy.copy(self._state["sampler"]).load_state_dict(position)
+        except Exception:
+            _verified(path)  # a mismatch read from a corrupt file is the file's fault
+            raise
+
+    def _check_lr_schedulers(self, path: str, meta: dict) -> None:
+        """``_load_lr_schedulers`` into stand-ins of the registered schedulers: what it refuses."""
+        registered = self._state["lr_scheduler"]
+        if isinstance(registered, (list, tuple)):
+            stand_ins = [None if x is None else _KeepsNothing() for x in registered]
+        else:
+            stand_ins = None if registered is None else _KeepsNothing()
+        self._state["lr_scheduler"] = stand_ins
+        try:
+            self._load_lr_schedulers(path, meta)
+        finally:
+            self._state["lr_scheduler"] = registered
+
+
+class _KeepsNothing:
+    """An LR scheduler's stand-in for :meth:`RestoreMixin._check_lr_schedulers`."""
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+class _Unreadable(Exception):
+    """The job's common file could not be read for the checks before the load, which reports it."""
+
+
+def _saved_meta(path: str, trusted: bool) -> dict:
+    """The Checkpointer's state in the checkpoint's common file (its ``extra``), read with the
+    tensors memory-mapped (they are the load's), unverified (the load verifies the file)."""
+    try:
+        info = _files.read_manifest(path)["files"][_files.COMMON]
+        common = torch.load(os.path.join(path, info.get("file", _files.COMMON)), map_location="cpu",
+                            weights_only=not trusted, mmap=True)
+        return common.get("extra") or {}
+    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
+        raise _Unreadable(str(exc)) from exc
+
+
+def _verified(path: str) -> None:
+    """Raise _Unreadable when the common file does not match its manifest entry."""
+    try:
+        _files.verify_file(path, _files.COMMON, _files.read_manifest(path)["files"][_files.COMMON])
+    except Exception as exc:  # noqa: BLE001
+        raise _Unreadable(str(exc)) from exc

@@ -35,7 +35,7 @@ import torch
 from .. import _extension
 from .._memory_layout import is_dense, walks_like
 
-__all__ = ["adam_update", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
+__all__ = ["adam_update", "check_hyperparameters", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
 
 ISA_ENV = "FUSEDIST_CPU_ISA"
 _ISA_CODES = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
@@ -167,6 +167,18 @@ def _states_fit(params, exp_avgs, exp_avg_sqs, masters) -> bool:
     return True
 
 
+def check_hyperparameters(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """Raise for values the kernel refuses. Separate so that a caller stepping many tensors in
+    several calls (the ZeRO-Offload step: one call per bucket, each followed by its all-gather)
+    can check every group before the first call, instead of failing after some were updated."""
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"betas must lie in [0, 1), got ({beta1}, {beta2})")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not math.isfinite(lr) or not math.isfinite(weight_decay):
+        raise ValueError(f"lr and weight_decay must be finite, got lr={lr}, weight_decay={weight_decay}")
+
+
 def adam_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -207,14 +219,9 @@ def adam_update(
     for name, seq in lists.items():
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} tensors but params has {n}")
-    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"betas must lie in [0, 1), got ({beta1}, {beta2})")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
     if isinstance(lr, torch.Tensor):
         lr = float(lr)
-    if not math.isfinite(lr) or not math.isfinite(weight_decay):
-        raise ValueError(f"lr and weight_decay must be finite, got lr={lr}, weight_decay={weight_decay}")
+    check_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if bias_correction and int(step) < 1:
         raise ValueError(f"step must be >= 1 with bias correction (got {step})")
     isa = _requested_isa()

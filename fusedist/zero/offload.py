@@ -94,6 +94,27 @@ def _adamw(optimizer_class, group: dict) -> bool:
     return bool(group.get("decoupled_weight_decay", issubclass(optimizer_class, (FusedAdamW, torch.optim.AdamW))))
 
 
+def group_hyperparameters(optimizer_class, group: dict, index: int) -> dict:
+    """The host kernel's arguments for param group ``index``, checked for every group before
+    the first bucket is updated. The kernel checks only the call it gets, one per bucket: a bad
+    value (an lr a schedule made NaN, betas edited to 1.0) raised after earlier buckets had been
+    stepped, and only on the ranks whose shard holds that group's pieces -- the others went on
+    into an all-gather the failing rank never joined. Every rank holds the same groups, so all
+    raise here, before anything changes."""
+    from ..optim._cpu_adam import check_hyperparameters
+
+    check_offload_group(group, index)
+    hyper = dict(lr=float(group["lr"]), beta1=float(group["betas"][0]), beta2=float(group["betas"][1]),
+                 eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+    try:
+        check_hyperparameters(**hyper)
+    except ValueError as e:
+        raise ValueError(f"ZeroRedundancyOptimizer(offload='cpu'), param group {index}: {e}; nothing was "
+                         "updated") from None
+    return dict(hyper, adamw=_adamw(optimizer_class, group), maximize=bool(group.get("maximize", False)),
+                bias_correction=bool(group.get("bias_correction", True)))
+
+
 class HostShardOffload:
     """Host masters, host gradient staging and the per-bucket pipeline (Note [offload pipeline])
     for one :class:`ZeroRedundancyOptimizer`. Built with the shards at the first step."""
@@ -229,13 +250,7 @@ class HostShardOffload:
                 event.synchronize()  # nothing may still write the host gradients
             self.d2h_done.clear()
             return  # every rank skips: found_inf was all-reduced
-        hyper = []
-        for gi, g in enumerate(inner.param_groups):
-            check_offload_group(g, gi)
-            hyper.append(dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
-                              eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
-                              adamw=_adamw(z.optimizer_class, g), maximize=bool(g.get("maximize", False)),
-                              bias_correction=bool(g.get("bias_correction", True))))
+        hyper = [group_hyperparameters(z.optimizer_class, g, gi) for gi, g in enumerate(inner.param_groups)]
         steps = self._piece_states(z._pieces, stepped)
         states = [inner.state[t] if active else None for t, active in zip(z._pieces, stepped)]
         if self.cuda:

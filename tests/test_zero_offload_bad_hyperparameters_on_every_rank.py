@@ -1,0 +1,82 @@
+"""``ZeroRedundancyOptimizer(offload="cpu")``: a hyperparameter the host Adam cannot run is
+refused by every rank before anything is updated, and the step can then be retried.
+
+The host step updates and all-gathers bucket by bucket. When the kernel's own check was the
+only one, a bad value in one param group (a schedule that made the learning rate NaN, betas
+edited to 1.0) raised on the ranks whose shard held a piece of that group -- after earlier
+buckets had been stepped -- while the other ranks stepped on into an all-gather the failing
+rank never joined: parameters and step counts diverged across ranks, and the job hung.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _groups(model):
+    """Group 1 is only the last bias: its two elements lie in one rank's shard."""
+    ps = list(model.parameters())
+    return [dict(params=ps[:-1]), dict(params=ps[-1:], weight_decay=0.0)]
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _refused_then_retried(rank, world_size, key, bad):
+    import fusedist
+
+    model = _model()
+    ref = _model()
+    ddp = fusedist.DistributedDataParallel(model, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
+    ref_ddp = nn.parallel.DistributedDataParallel(ref)
+    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, offload="cpu", lr=1e-2)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + rank)
+    out = {}
+    for step in range(3):
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 2, generator=gen)
+        for m, o in ((ddp, opt), (ref_ddp, ref_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        ref_opt.step()
+        if step == 1:
+            good = opt.param_groups[1][key]
+            before = _flat(model)
+            opt.param_groups[1][key] = bad
+            try:
+                opt.step()
+                out["error"] = None
+            except ValueError as e:
+                out["error"] = str(e)
+            out["changed"] = int((_flat(model) != before).sum())
+            out["steps"] = sorted({float(s["step"]) for s in opt.inner.state.values()})
+            dist.barrier()  # every rank is here: none is left in a parameter all-gather
+            opt.param_groups[1][key] = good
+        opt.step()  # the refused step again, with the gradients it kept
+    opt.wait_for_params()
+    out["diff"] = (_flat(model) - _flat(ref)).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("key,bad,message", [
+    ("betas", (0.9, 1.0), r"betas must lie in \[0, 1\)"),
+    ("lr", float("nan"), "lr and weight_decay must be finite"),
+], ids=["betas", "lr"])
+def test_a_bad_hyperparameter_is_refused_on_every_rank_before_any_update(key, bad, message):
+    import re
+
+    for rank, out in enumerate(run_distributed(_refused_then_retried, 2, key, bad, timeout=90)):
+        assert out["error"] is not None, f"rank {rank} stepped with {key}={bad}"
+        assert "param group 1" in out["error"] and re.search(message, out["error"]), out["error"]
+        assert out["changed"] == 0, f"rank {rank}: {out['changed']} parameter elements changed by a refused step"
+        assert out["steps"] == [1.0], f"rank {rank}: step counts {out['steps']} after a refused step"
+        assert out["diff"] < 1e-6, f"rank {rank}: after the retried step, max |fusedist - torch| = {out['diff']}"

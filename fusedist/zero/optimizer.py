@@ -335,7 +335,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2]
             if not self._has_any_grad():
-                if self.ddp is None and self.world_size > 1 and self.offload is None:
+                if self.ddp is None and self.world_size > 1:
                     self._gather_without_step()
                 return loss
             self._ensure_state()
@@ -376,12 +376,20 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         gradients are the caller's (e.g. torch's DDP), and another rank may hold some: it steps
         and all-gathers, and a rank returning at once left it waiting until the timeout (torch's
         ZeroRedundancyOptimizer broadcasts in every step too). With a DDP model every rank has
-        the same gradients after a synchronized backward, so all of them return."""
+        the same gradients after a synchronized backward, so all of them return. (With
+        ``offload``: in the order the host step gathers, bucket by bucket as they are stepped,
+        so that the ranks' all-gathers pair up; it returned at once, and the others waited.)"""
         self._ensure_state()
         written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
         if written:
             self._sync_masters_of(written)
-        self._gatherer.publish(self._partition, self._flat_params, self._masters)
+        if self._offload is None:
+            self._gatherer.publish(self._partition, self._flat_params, self._masters)
+        else:
+            for bs in self._partition.bucket_shards:  # (HostShardOffload.step's order)
+                self._gatherer.gather(self._flat_params, bs)
+            if not self.overlap_param_gather:
+                self.wait_for_params()
         self._record_param_versions()
 
     def add_param_group(self, param_group: dict) -> None:

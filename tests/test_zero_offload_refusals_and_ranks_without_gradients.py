@@ -1,5 +1,6 @@
 """``ZeroRedundancyOptimizer(offload="cpu")``: a hyperparameter the host Adam cannot run is
-refused by every rank before anything is updated, and the step can then be retried.
+refused by every rank before anything is updated, and the step can then be retried; and a rank
+without gradients, without a DDP model, still joins the others' all-gathers.
 
 The host step updates and all-gathers bucket by bucket. When the kernel's own check was the
 only one, a bad value in one param group (a schedule that made the learning rate NaN, betas
@@ -80,3 +81,30 @@ def test_a_bad_hyperparameter_is_refused_on_every_rank_before_any_update(key, ba
         assert out["changed"] == 0, f"rank {rank}: {out['changed']} parameter elements changed by a refused step"
         assert out["steps"] == [1.0], f"rank {rank}: step counts {out['steps']} after a refused step"
         assert out["diff"] < 1e-6, f"rank {rank}: after the retried step, max |fusedist - torch| = {out['diff']}"
+
+
+def _rank_without_gradients(rank, world_size, offload):
+    import fusedist
+
+    model = _model()
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, stage=1,
+                                           offload=offload, lr=1e-2)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        if not (rank == 1 and step == 1):  # (no DDP model: each rank's gradients are its own)
+            g = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(4, 16, generator=g)).square().mean().backward()
+        opt.step()
+    return _flat(model)
+
+
+def test_a_rank_without_gradients_joins_the_offloaded_gathers():
+    """Without a DDP model a rank with no gradient returned from step() at once under offload,
+    and the rank that stepped waited in its all-gather until the timeout; without offload it
+    all-gathers its slices as they are. Both now agree (the host Adam within fp32 rounding of
+    torch's AdamW), and every rank ends with the same parameters."""
+    env = {"FUSEDIST_TIMEOUT_S": "20"}
+    offloaded = run_distributed(_rank_without_gradients, 2, "cpu", timeout=120, env=env)
+    on_device = run_distributed(_rank_without_gradients, 2, None, timeout=120, env=env)
+    assert torch.equal(offloaded[0], offloaded[1])
+    torch.testing.assert_close(offloaded[0], on_device[0], rtol=1e-5, atol=1e-6)

@@ -39,7 +39,9 @@ class CommHandle:
 
     ``wait()`` blocks until the result is usable by the caller (on CUDA: until the caller's
     current stream is ordered after it), runs the completion callbacks once, and raises
-    :class:`CollectiveError` on failure or timeout. Calling it again is a no-op.
+    :class:`CollectiveError` on failure or timeout. Calling it again is a no-op. On gloo, a
+    ``wait(timeout)`` shorter than the communicator's timeout that runs out raises without
+    failing the collective, as torch's gloo work does: a later ``wait()`` returns the result.
     """
 
     def __init__(
@@ -87,6 +89,8 @@ class CommHandle:
                 raise
             raise self._error from exc
         except Exception as exc:  # noqa: BLE001 - backend errors come in many types
+            if timeout < self._timeout and self._comm._wait_can_resume(self._work):
+                raise self._still_running(timeout, exc) from exc
             self._error = CollectiveError(
                 f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
                 f"{self._comm.rank} of {self._comm.world_size}: {exc}",
@@ -103,6 +107,16 @@ class CommHandle:
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
+
+    def _still_running(self, timeout: datetime.timedelta, exc: Exception) -> CollectiveError:
+        """A wait shorter than the collective's timeout ran out and the collective goes on: as
+        with a torch gloo work, the error is not recorded (a later ``wait`` returns the result)
+        nor reported as a failure."""
+        return CollectiveError(
+            f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) on rank {self._comm.rank} of "
+            f"{self._comm.world_size}, waited for with a shorter timeout than the communicator's: {exc}. "
+            "The collective goes on: wait() again for its result",
+            op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
 
 
 class Communicator(abc.ABC):
@@ -150,6 +164,12 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _wait_work(self, work, timeout: datetime.timedelta) -> None:
         """Block until ``work`` is complete; raise on error or after ``timeout``."""
+
+    def _wait_can_resume(self, work) -> bool:
+        """Whether ``work``, whose wait with a timeout shorter than the collective's just ran
+        out, is still running and may be waited for again. False by default: the direct-NCCL
+        communicator aborts at a wait's timeout, as torch's NCCL does."""
+        return False
 
     def scratch_bytes(self) -> int:
         """Host or device memory the communicator holds for its own use between collectives

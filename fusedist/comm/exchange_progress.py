@@ -53,13 +53,18 @@ class ExchangeWork:
     naming the peer and chunk it was waiting for, which ``wait`` raises. A failed exchange is
     not retried, and its landing buffer is not reused: a late message may still land in it (or
     in the output, which receives one peer's part directly; Note [in-place fold] in
-    ``gloo_exchange.py``).
+    ``gloo_exchange.py``). A ``wait`` with a timeout shorter than that deadline that runs out
+    raises ``TimeoutError`` and leaves the exchange going (as a torch gloo work's wait does):
+    a later ``wait`` returns its result.
     """
 
     def __init__(self, op: str, receives: list, sends: list, keep_alive: Sequence[torch.Tensor],
                  on_success: Optional[Callable[[], None]] = None, timeout_s: float = 30 * 60.0,
-                 on_failure: Optional[Callable[[], None]] = None):
+                 on_failure: Optional[Callable[[], None]] = None,
+                 background: Optional[Callable[["ExchangeWork"], None]] = None):
         self.op = op
+        # hands this work to the progress thread (for a wait shorter than the launch deadline)
+        self._background = background
         self._on_success = on_success  # runs once, after every message has completed
         self._on_failure = on_failure  # runs once, if the exchange failed
         # (recv work, peer group rank, peer global rank, chunk index, completion step or None)
@@ -80,13 +85,20 @@ class ExchangeWork:
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else None
-        # Drive it here unless the progress thread already is (saves a thread hand-off), for no
-        # longer than ``timeout``: as torch's gloo work, a wait that times out fails the
-        # exchange (it had driven on to the launch deadline, ignoring a shorter timeout).
-        self.run(None if seconds is None else time.monotonic() + seconds)
+        if seconds is not None and self._background is not None and time.monotonic() + seconds < self._deadline:
+            # A wait shorter than the launch deadline must not fail the exchange: a gloo wait
+            # that times out closes the connection to the peer (the whole group is unusable
+            # after it), while a torch gloo work whose wait timed out completes all the same
+            # and a later wait succeeds. So the progress thread drives it to the launch
+            # deadline, and this waits for it at most ``timeout`` (Note [exchange progress]).
+            self._background(self)
+        else:
+            # Drive it here unless the progress thread already is (saves a thread hand-off),
+            # for no longer than ``timeout``.
+            self.run(None if seconds is None else time.monotonic() + seconds)
         if not self._finished.wait(seconds):
-            raise RuntimeError(f"{self.op} exchange did not complete within {seconds:g} s "
-                               f"(still {self._waiting_for})")
+            raise TimeoutError(f"{self.op} exchange did not complete within {seconds:g} s (still "
+                               f"{self._waiting_for}); it goes on until its deadline")
         if self._error is not None:
             raise self._error
         return True

@@ -110,6 +110,15 @@ def validate_reduce_op(op: str, dtype: torch.dtype) -> None:
         )
 
 
+def _unrecorded(written: torch.Tensor):
+    """The mode to write ``written`` in, as a collective writes its output: outside autograd
+    (an input that requires grad, a parameter, would make the fold's ``out=`` combines raise),
+    and an inference tensor (a metric computed under ``torch.inference_mode()``) writable as
+    gloo's own collectives write it. Set here, not taken from the caller: the driving thread
+    may be the progress thread, whose grad and inference modes are its own."""
+    return torch.inference_mode() if written.is_inference() else torch.no_grad()
+
+
 def _chunk_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
     step = max(1, CHUNK_BYTES // element_size)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
@@ -228,7 +237,8 @@ class GlooExchange:
         return ExchangeWork(
             _described("reduce_scatter", output), ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
-            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None)
+            on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None,
+            background=self._progress.submit)
 
     def all_reduce(self, tensor: torch.Tensor, op: str, seq: int, label: str = "") -> Optional[ExchangeWork]:
         """Start a small ``tensor = reduce(tensor over ranks)`` (Note [small all-reduces through
@@ -250,7 +260,8 @@ class GlooExchange:
                     result.add_(row)
             # Through detach(): a parameter outside no_grad is written in place as by gloo's own
             # all-reduce, not refused by autograd after the exchange.
-            tensor.detach().view(-1).copy_(result)
+            with _unrecorded(tensor):
+                tensor.detach().view(-1).copy_(result)
 
         # Its own label: an all-reduce never pairs with an all-gather of the same tag.
         work = self.all_gather(gathered, tensor, seq, label=f"all_reduce {label}", on_success=fold)
@@ -267,15 +278,21 @@ class GlooExchange:
         rows, input, in_place = self._rows("all_gather", output, input)
         if rows is None:
             return None
+        # The sends read this rank's row of ``output``, which holds ``input`` as it was at the
+        # launch (copied below; sends are posted later, Note [receives first, sends later]):
+        # every rank then gathers the same contribution from this one, also when ``input``
+        # changes before the exchange is driven -- another collective in flight on it, such as
+        # a second all-reduce of the same tensor, whose result the ranks would otherwise differ on.
         sends, receives = self._post(
             "all_gather", seq, label, input,
-            send_slice=lambda dst, lo, hi: input[lo:hi],
+            send_slice=lambda dst, lo, hi: rows[self.rank, lo:hi],
             recv_slice=lambda src, lo, hi: rows[src, lo:hi])
         receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
-            rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
+            with _unrecorded(output):
+                rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
         return ExchangeWork(_described("all_gather", input), receives, sends, (input, output), timeout_s=self.timeout_s,
-                            on_success=on_success)
+                            on_success=on_success, background=self._progress.submit)
 
     def progress_in_background(self, work: ExchangeWork) -> None:
         """Have the progress thread drive ``work`` (in launch order) unless its caller gets to
@@ -304,10 +321,11 @@ class GlooExchange:
         in_place = m > 0 and part.data_ptr() == whole.data_ptr() + r * m * whole.element_size()
         if n == 1 or m == 0:
             if m and not in_place:
-                if kind == "reduce_scatter":
-                    part.copy_(rows[0])
-                else:
-                    rows[r].copy_(part)
+                with _unrecorded(whole if kind == "all_gather" else part):
+                    if kind == "reduce_scatter":
+                        part.copy_(rows[0])
+                    else:
+                        rows[r].copy_(part)
             return None, part, in_place
         return rows, part, in_place
 
@@ -395,6 +413,10 @@ class _ChunkFold:
 
     def advance(self, in_hand: int) -> None:
         """Fold contributions up to ``in_hand`` (exclusive); all of them must have landed."""
+        with _unrecorded(self.out):
+            self._advance(in_hand)
+
+    def _advance(self, in_hand: int) -> None:
         if self.folded == 0:
             if in_hand < 2:
                 return

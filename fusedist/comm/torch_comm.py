@@ -159,6 +159,11 @@ class TorchCommunicator(Communicator):
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
 
+    def _wait_can_resume(self, work) -> bool:
+        # A gloo work (and the gloo exchange) goes on after a wait that timed out; torch's NCCL
+        # may abort there.
+        return "gloo" in str(self.backend) and not work.is_completed()
+
     def _wait_work(self, work, timeout: datetime.timedelta) -> None:
         # gloo honours the timeout here; for NCCL, wait() orders the current stream after the
         # collective and torch's watchdog enforces the process-group timeout.

@@ -166,12 +166,8 @@ class RestoreMixin:
         failed: a sampler refusing the saved position on one rank (another seed or dataset
         there) raised on that rank alone, and the others trained on into their next
         collective, waiting for it until the timeout."""
-        error = None
-        try:
-            self._apply(step, path, extra, per_rank, first)
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        failed = [e for e in self._coord.all_gather(error, f"step {step}: restored") if e is not None]
+        failed = self._failures_on_any_rank(lambda: self._apply(step, path, extra, per_rank, first),
+                                            f"step {step}: restored")
         if failed:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} failed on {'; '.join(failed)}. "
@@ -260,19 +256,26 @@ class RestoreMixin:
                                 trusted: bool) -> None:
         """Raise on every rank, naming the ranks, when the registered objects do not take what
         the checkpoint holds for them (Note [a refused restore changes nothing])."""
-        error = None
-        try:
-            self._check_takes(path, per_rank, first, trusted)
-        except _Unreadable:  # (the load names what is wrong with the file, and tries an older one)
-            pass
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        failed = [e for e in self._coord.all_gather(error, f"step {step}: checked") if e is not None]
+        # (_Unreadable: the load names what is wrong with the file, and tries an older one)
+        failed = self._failures_on_any_rank(lambda: self._check_takes(path, per_rank, first, trusted),
+                                            f"step {step}: checked", tolerated=_Unreadable)
         if failed:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} is refused on "
                 f"{'; '.join(failed)}. Nothing was loaded; pass objects that match the checkpoint (the same sampler "
                 "settings and dataset, an LR scheduler if one was saved) and restore again")
+
+    def _failures_on_any_rank(self, fn, label: str, tolerated=()) -> list:
+        """``fn()`` on every rank, and what failed on each, as ``"rank r: Error: message"``
+        (a collective: a rank that raised alone left the others waiting in their next one)."""
+        error = None
+        try:
+            fn()
+        except tolerated:
+            pass
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        return [e for e in self._coord.all_gather(error, label) if e is not None]
 
     def _check_takes(self, path: str, per_rank: Optional[dict], first: Optional[dict], trusted: bool) -> None:
         meta = _saved_meta(path, trusted)

@@ -4,7 +4,9 @@ A ``wait(timeout)`` shorter than the communicator's timeout that runs out must l
 collective going, as a torch gloo work's does: a later ``wait()`` returns the result torch's
 collective computes, and the group stays usable. (Before, on the gloo exchange, the short
 wait failed the exchange for good and gloo closed the connection, so every later collective
-of the group failed too.)
+of the group failed too.) Also: outputs written outside autograd and inference mode (a
+parameter's reduce-scatter, an inference tensor's small all-reduce), an all-gather that sends
+its launch-time input, and a gather of complex tensors.
 """
 
 import datetime
@@ -202,3 +204,21 @@ def test_same_tensor_in_two_collectives_in_flight_stays_consistent_across_ranks(
     everyone = results[0]
     for step, (mine, other) in enumerate(zip(*everyone)):
         assert mine == other, (seed, step, mine, other)
+
+
+def _gather_complex(rank, world_size):
+    from fusedist.comm import get_communicator
+
+    comm = get_communicator()
+    x = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(world_size * 5, dtype=torch.complex64) if rank == 0 else None
+    comm.gather(out, x, dst=0)
+    everyone = [torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(r))
+                for r in range(world_size)]
+    return out is None or torch.equal(out, torch.cat(everyone))
+
+
+def test_gather_of_complex_tensors():
+    """torch's gloo gather refuses complex dtypes ("Invalid scalar type"), which fusedist's
+    all-gather and all-reduce carry: the gather sends their real pairs."""
+    assert run_distributed(_gather_complex, 3, timeout=60) == [True, True, True]

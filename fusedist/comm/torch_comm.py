@@ -152,8 +152,10 @@ class TorchCommunicator(Communicator):
 
     def _gather(self, output, input, dst):
         global_dst = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        chunks = list(output.view(-1).chunk(self.world_size)) if output is not None else None  # (any shape: flat)
-        return dist.gather(input.view(-1), chunks, dst=global_dst, group=self.group, async_op=True)
+        # (any shape: flat; complex as its real pairs, which gloo's gather takes -- it refuses
+        # complex dtypes, which the other collectives here carry)
+        chunks = list(_flat_real(output).chunk(self.world_size)) if output is not None else None
+        return dist.gather(_flat_real(input), chunks, dst=global_dst, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
@@ -189,3 +191,10 @@ class _GlooReduceScatter:
         self.work.wait(timeout=timeout)
         self.output.view(-1).copy_(self.buffer.view(-1).chunk(self.world_size)[self.rank])  # (any shapes: flat)
         self.buffer = None
+
+
+def _flat_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, a complex one as its (real, imaginary) pairs: the same bytes, in a dtype
+    every backend's gather takes."""
+    flat = t.view(-1)
+    return torch.view_as_real(flat).view(-1) if flat.is_complex() else flat

@@ -249,9 +249,9 @@ class RestoreMixin:
     #     the model and optimizer had been loaded into: a sampler of another seed or dataset (a
     #     scheduler missing from the checkpoint) was refused with the model already changed,
     #     although a failed call changes nothing elsewhere. Their saved states are now read
-    #     (from the job's common file, whose tensors are mapped, not read) and tried on stand-ins
-    #     -- a shallow copy of the sampler, schedulers that keep nothing -- on every rank before
-    #     api.load; the load repeats the checks, the last word on a file it then verifies.
+    #     (from the job's common file, whose tensors are mapped, not read) and matched to the
+    #     registered schedulers, and the sampler's tried on a shallow copy of it, on every rank
+    #     before api.load; the load repeats the checks, the last word on a file it then verifies.
     def _refuse_mismatch_agreed(self, step: int, path: str, per_rank: Optional[dict], first: Optional[dict],
                                 trusted: bool) -> None:
         """Raise on every rank, naming the ranks, when the registered objects do not take what
@@ -282,33 +282,13 @@ class RestoreMixin:
         try:
             # (per-part states, of a pipelined Checkpointer or checkpoint, are found by the load)
             if not self.pipeline and not pipelined.is_pipelined(path):
-                self._check_lr_schedulers(path, meta)
+                self._lr_scheduler_states(path, meta)  # (raises what the load would)
             position = self._saved_position(path, meta, per_rank)
             if position is not None:
                 copy.copy(self._state["sampler"]).load_state_dict(position)
         except Exception:
             _verified(path)  # a mismatch read from a corrupt file is the file's fault
             raise
-
-    def _check_lr_schedulers(self, path: str, meta: dict) -> None:
-        """``_load_lr_schedulers`` into stand-ins of the registered schedulers: what it refuses."""
-        registered = self._state["lr_scheduler"]
-        if isinstance(registered, (list, tuple)):
-            stand_ins = [None if x is None else _KeepsNothing() for x in registered]
-        else:
-            stand_ins = None if registered is None else _KeepsNothing()
-        self._state["lr_scheduler"] = stand_ins
-        try:
-            self._load_lr_schedulers(path, meta)
-        finally:
-            self._state["lr_scheduler"] = registered
-
-
-class _KeepsNothing:
-    """An LR scheduler's stand-in for :meth:`RestoreMixin._check_lr_schedulers`."""
-
-    def load_state_dict(self, state) -> None:
-        pass
 
 
 class _Unreadable(Exception):

@@ -176,28 +176,32 @@ class SnapshotMixin:
     def _load_lr_schedulers(self, path: str, meta: dict) -> None:
         """The restore's half of Note [an LR scheduler per pipeline part], beside the save of the
         same states: each registered scheduler's state, checked for every part before any is
-        loaded. Without per-part states (an ordinary checkpoint, or one saved before them) the
-        job's one state goes into each; a Checkpointer of the whole model takes the state of the
-        first stage with one."""
+        loaded."""
+        for scheduler, state in self._lr_scheduler_states(path, meta):
+            if scheduler is not None:
+                scheduler.load_state_dict(state)
+
+    def _lr_scheduler_states(self, path: str, meta: dict) -> list:
+        """``[(registered scheduler or None, its saved state)]``, or CheckpointError when the
+        checkpoint holds none for a registered one. Without per-part states (an ordinary
+        checkpoint, or one saved before them) the job's one state goes into each part; a
+        Checkpointer of the whole model takes the state of the first stage with one."""
+        per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
         if self.pipeline:
             schedulers = part_schedulers(self._state["lr_scheduler"], len(self._parts()), self.rank)
+            states = per_part if per_part is not None else [meta.get("lr_scheduler")] * len(schedulers)
         else:
             schedulers = lr_schedulers(self._state["lr_scheduler"])
-        per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
-        if not self.pipeline and (len(schedulers) > 1 or (schedulers and meta.get("lr_schedulers") is not None)):
-            states = self._several_lr_scheduler_states(path, meta, len(schedulers))
-        elif per_part is None or not self.pipeline:
-            states = [meta.get("lr_scheduler") if per_part is None else per_part[0]] * len(schedulers)
-        else:
-            states = per_part
+            if len(schedulers) > 1 or (schedulers and meta.get("lr_schedulers") is not None):
+                states = self._several_lr_scheduler_states(path, meta, len(schedulers))
+            else:
+                states = [meta.get("lr_scheduler") if per_part is None else per_part[0]] * len(schedulers)
         lacking = [j for j, (scheduler, state) in enumerate(zip(schedulers, states))
                    if scheduler is not None and state is None]
         if lacking:
             which = f" for model part(s) {lacking} (their stages were saved without one)" if self.pipeline else ""
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state{which}")
-        for scheduler, state in zip(schedulers, states):
-            if scheduler is not None:
-                scheduler.load_state_dict(state)
+        return list(zip(schedulers, states))
 
     # Note [several LR schedulers of one model]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -383,15 +383,11 @@ def _dcp_split(tree: dict, names, expected: dict, directory: str) -> tuple:
     differ by part (a part of a model whose only child is ``module`` keeps that segment, a part
     without state strips it); the saved keys are what :func:`check_taken` compares, alike on
     every rank (as :meth:`_Reader.model`'s)."""
-    normalized = []
-
-    def normalize(d: dict) -> dict:
-        out = _names.strip_prefix(d, expected)
-        normalized.append((out, dict(zip(out, d))))
-        return out
-
-    saved, optim = _from_dcp.split(tree, names, normalize, directory)
-    return saved, optim, next(keys for out, keys in normalized if out is saved)
+    # (each value carries its saved key through the renaming)
+    pairs, optim = _from_dcp.split(tree, names, lambda d: _names.strip_prefix(
+        type(d)((key, (key, value)) for key, value in d.items()), expected), directory)
+    saved = type(pairs)((name, value) for name, (_, value) in pairs.items())
+    return saved, optim, {name: key for name, (key, _) in pairs.items()}
 
 
 def _dcp_model_keys(tree: dict, directory: str) -> dict:

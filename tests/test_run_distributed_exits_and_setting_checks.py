@@ -49,6 +49,9 @@ def test_sys_exit_in_a_rank_is_judged_by_its_status():
 
 
 def _dies(rank, world_size, how):
+    # every rank past the group's set-up first: gloo connects the ranks pairwise, and a rank
+    # dying while a peer still connects fails that peer's init_process_group instead
+    torch.distributed.barrier()
     if rank == 1:
         if how == "signal":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -141,3 +141,20 @@ def test_lbfgs_under_fp16_mixed_is_refused_as_lightning_refuses_it():
         with pytest.raises(MisconfigurationException, match="LBFGS optimizer are not compatible"):
             plugin.optimizer_step(optimizer, model=None, closure=lambda: calls.append(1))
         assert calls == [], type(plugin).__name__
+
+
+@pytest.mark.parametrize("make, flag", [
+    (lambda p: torch.optim.AdamW(p, lr=0.1, capturable=True), "capturable"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True), "differentiable"),
+], ids=["AdamW capturable", "SGD differentiable"])
+def test_settings_without_a_fused_counterpart_name_the_strategy_setting_that_keeps_torchs(make, flag):
+    """A setting the fused optimizers do not run is refused at setup naming the user's class
+    and ``fused_optimizer=False`` (the refusal came from FusedAdamW, a class the user never
+    wrote); with ``fused_optimizer=False`` torch's optimizer is kept as it is."""
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    optimizer = make([nn.Parameter(torch.randn(4, 3))])
+    name = type(optimizer).__name__
+    with pytest.raises(ValueError, match=rf"{name}\({flag}=True\).*fused_optimizer=False"):
+        FusedistStrategy()._convert_optimizer(optimizer, master_weights=False)
+    assert FusedistStrategy(fused_optimizer=False)._convert_optimizer(optimizer, master_weights=False) is optimizer

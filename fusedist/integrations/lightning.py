@@ -55,6 +55,19 @@ __all__ = ["FusedistStrategy", "FusedistModelParallelStrategy", "grad_norm"]
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
 
 
+def _refuse_unfusable_settings(optimizer: torch.optim.Optimizer) -> None:
+    """The fused optimizers run no CUDA-graph-capturable or differentiable step: an optimizer
+    asking for one is refused at setup, with the strategy setting that keeps torch's (the fused
+    optimizer's own refusal would name a class the user never wrote)."""
+    name = type(optimizer).__name__
+    for flag in ("capturable", "differentiable"):
+        if optimizer.defaults.get(flag) or any(group.get(flag) for group in optimizer.param_groups):
+            raise ValueError(
+                f"FusedistStrategy: {name}({flag}=True) has no fused counterpart (fusedist's fused "
+                f"{name} does not support {flag}=True); pass FusedistStrategy(fused_optimizer=False) "
+                f"to train with torch's {name}, or drop {flag}=True")
+
+
 class FusedistStrategy(RoutesPrecision, DDPStrategy):
     """Lightning's ``DDPStrategy`` with fusedist's DDP, fused optimizers and ZeRO.
 
@@ -145,6 +158,8 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
         if _has_stepped(optimizer):
             raise RuntimeError(f"FusedistStrategy: {cls.__name__} already has state; it must be converted "
                                "before its first step (return a fresh optimizer from configure_optimizers)")
+        if fused is not None:
+            _refuse_unfusable_settings(optimizer)
         target = fused or cls
         defaults = {k: v for k, v in optimizer.defaults.items() if k in _keywords(target)}
         groups = [dict(group) for group in optimizer.param_groups]

@@ -82,8 +82,8 @@ class _FusedistClip:
 
 
 def _lightning_base(plugin) -> type:
-    """The Lightning precision plugin class an adapter stands in for."""
-    return next(c for c in type(plugin).__mro__ if c.__module__.startswith("lightning."))
+    """The plugin class an adapter stands in for: Lightning's, or the user's subclass of it."""
+    return next(c for c in type(plugin).__mro__ if c.__module__ != __name__)
 
 
 # Note [clipping by value on stage 2]
@@ -157,6 +157,18 @@ class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
 # step unscales as Lightning's does.
 
 
+# Note [a subclass of a Lightning plugin]
+# A user's plugin subclassing one of Lightning's (another autocast dtype in forward_context, a
+# hook around optimizer_step) keeps its overrides: it is adapted by a class deriving from the
+# user's class and the adapter, in that order, so the user's methods run first and their
+# super() calls reach fusedist's step and clip instead of torch's scaler and clip. The plugin's
+# attributes carry over as they are (the torch scaler swapped for fusedist's), and its state
+# is filed under the user's class name, where Lightning's own strategies file it.
+
+_ADAPTERS = {MixedPrecision: _FusedistMixedPrecision, HalfPrecision: _FusedistHalfPrecision,
+             DoublePrecision: _FusedistDoublePrecision, Precision: _FusedistPrecision}
+
+
 def _adapt_precision(plugin: Precision) -> Precision:
     if isinstance(plugin, _FusedistClip):
         return plugin
@@ -169,10 +181,29 @@ def _adapt_precision(plugin: Precision) -> Precision:
         return _FusedistHalfPrecision(plugin.precision)
     if kind is MixedPrecision:
         return _FusedistMixedPrecision(plugin.precision, plugin.device, scaler=_fusedist_scaler(plugin))
-    raise ValueError(
-        f"FusedistStrategy: the precision plugin {kind.__name__} is not supported; use precision="
-        "'32-true', '64-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"
-    )
+    return _adapt_subclass(plugin)
+
+
+def _adapt_subclass(plugin: Precision) -> Precision:
+    """Note [a subclass of a Lightning plugin]."""
+    kind = type(plugin)
+    mro = kind.__mro__
+    base = next(c for c in mro if c in _ADAPTERS)
+    if any(c.__module__.startswith("lightning.") for c in mro[:mro.index(base)]):
+        # Lightning's other plugins (bitsandbytes, Transformer Engine, FSDP, DeepSpeed, XLA)
+        # convert modules or step through their own engines this strategy does not run
+        raise ValueError(
+            f"FusedistStrategy: the precision plugin {kind.__name__} is not supported; use precision="
+            "'32-true', '64-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true', or a subclass "
+            "of Lightning's Precision, DoublePrecision, HalfPrecision or MixedPrecision"
+        )
+    adapted_kind = type(kind.__name__, (kind, _ADAPTERS[base]), {"__module__": __name__,
+                                                                 "__qualname__": kind.__qualname__})
+    adapted = adapted_kind.__new__(adapted_kind)
+    adapted.__dict__.update(vars(plugin))
+    if base is MixedPrecision:
+        adapted.scaler = _fusedist_scaler(plugin)
+    return adapted
 
 
 def _fusedist_scaler(plugin: MixedPrecision):

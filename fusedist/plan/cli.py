@@ -29,6 +29,7 @@ _MAX = {"layers": MAX_LAYERS, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1
         "ffn_hidden": 1 << 24, "seq": 1 << 26, "expert_ffn": 1 << 24, "experts": 1 << 20}
 _MAX_JOB = {"gpus": 1 << 24, "gpus_per_node": 1 << 16, "micro_batch": 1 << 24, "global_batch": 1 << 40,
             "ref_batch": 1 << 40, "ep": 1 << 24}
+MEASURE_STEPS = 6  # --steps' default
 _REAL_RANGE = (1e-9, 1e12)  # GB, TFLOPS, GB/s, MB, learning rates: far past any job, none overflow
 
 
@@ -78,10 +79,12 @@ mixed-precision Adam, 16 bytes per parameter before sharding (ZeRO paper); activ
 Korthikanti et al. 2022 with unfused attention (flash attention needs about the selective
 figure), sequence parallelism wherever tensor parallelism is suggested; compute 6 x the
 parameters in matrix products (not the embedding lookups) + attention FLOPs per token at
---mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query);
-communication at the slowest link's peak, per GPU and direction; under --ep, the experts'
-all-to-alls on the step's critical path (not overlapped) and even routing (no load
-imbalance)."""
+--mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query;
+--precision fp32 at the TF32 tensor-core peak, which fp32 matmuls reach only with
+torch.set_float32_matmul_precision('high'): torch's default is plain fp32, several times
+slower, so give --peak-tflops for that); communication at the slowest link's peak, per GPU
+and direction; under --ep, the experts' all-to-alls on the step's critical path (not
+overlapped) and even routing (no load imbalance)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,7 +118,9 @@ def parser() -> argparse.ArgumentParser:
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)
-    h.add_argument("--peak-tflops", type=_real, help="dense peak for the run's precision")
+    h.add_argument("--peak-tflops", type=_real, help="dense peak for the run's precision (the presets' fp32 is "
+                                                      "TF32's, which fp32 matmuls reach only with "
+                                                      "torch.set_float32_matmul_precision('high'))")
     h.add_argument("--intra-node-gbps", type=_real, help="GB/s per GPU per direction within a node")
     h.add_argument("--inter-node-gbps", type=_real, help="GB/s per GPU per direction between nodes")
     h.add_argument("--pcie-gbps", type=_real, help="GB/s per direction host <-> GPU (offload)")
@@ -138,7 +143,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--measure", action="store_true",
                    help="under torchrun: train the model with fusedist DDP, ZeRO-1, ZeRO-2, ZeRO-2 offload "
                         "and ZeRO-3 and compare")
-    o.add_argument("--steps", type=int, default=6, help="--measure: steps per strategy (default 6)")
+    o.add_argument("--steps", type=int, help=f"--measure: steps per strategy (default {MEASURE_STEPS}); only with "
+                                             "--measure")
     return p
 
 
@@ -168,9 +174,9 @@ def model_spec(args) -> ModelSpec:
             raise PlanError("--params", f"{args.params:g} rounds to no parameters")
         _bounded("--params", args.params, MAX_PARAMS)
         return ModelSpec(params=int(round(args.params)), source="params")
-    arch = args.arch or "gpt"
+    arch = (args.arch or "gpt").lower()  # as --gpu: Llama, LLAMA and llama alike
     if arch not in ARCHS:
-        raise PlanError("--arch", f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
+        raise PlanError("--arch", f"unknown architecture {args.arch!r} (choose {', '.join(ARCHS)}, in any case)")
     for f in (*_SHAPE_FLAGS, "seq"):
         if getattr(args, f) is None:
             raise PlanError(f"--{f}", "missing: the shape needs --layers --hidden --heads --seq --vocab")
@@ -262,6 +268,8 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
 def main(argv=None) -> int:
     try:
         args = parser().parse_args(argv)
+        if args.steps is not None and not args.measure:  # a plan trains nothing: say so, not ignore it
+            raise PlanError("--steps", "counts the steps --measure trains; give it with --measure")
         spec = model_spec(args)
         hw = hardware.resolve(args.gpu, args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps,
                               args.inter_node_gbps, args.pcie_gbps, args.host_memory_gb, args.host_memory_gbps)
@@ -292,7 +300,7 @@ def main(argv=None) -> int:
         return 2
     if args.measure:
         from .measure import run  # imports torch.distributed only when measuring
-        return run(spec, job, hw, plan, steps=args.steps, as_json=args.json)
+        return run(spec, job, hw, plan, steps=args.steps or MEASURE_STEPS, as_json=args.json)
     if args.json:
         try:
             text = json.dumps(plan, indent=2, allow_nan=False)  # JSON itself: no Infinity, no NaN

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 
@@ -320,6 +321,7 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
     prediction by more than 5%; rank 0 names the rank and the figure."""
     import fusedist
     info = fusedist.init_distributed()
+    asked_batch = job.global_batch  # not exercised: said with the table, not dropped silently
     job = dataclasses.replace(job, convention="fusedist", global_batch=None)
     plan = build_plan(spec, job, hw)  # what fusedist allocates, one micro-batch per step
     with torch.device("meta"):
@@ -363,11 +365,10 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
     assert count_params(spec) == measured["ddp"]["params"], "the built model differs from the count"
     if info.rank == 0:
         if as_json:
-            print(json.dumps({"plan": plan, "measured": measured, "within_tolerance": ok,
-                              "tolerance": TOLERANCE, "rank_errors": rank_errors,
-                              "out_of_tolerance": off}, indent=2))
+            print(json_text({"plan": plan, "measured": measured, "within_tolerance": ok,
+                             "tolerance": TOLERANCE, "rank_errors": rank_errors, "out_of_tolerance": off}))
         else:
-            print(format_measured(plan, measured, info, steps, warmup, ok))
+            print(format_measured(plan, measured, info, steps, warmup, ok, asked_batch))
             for line in off:
                 print(line)
     from fusedist.comm import get_communicator
@@ -375,6 +376,21 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
     get_communicator(None, info.device).barrier()  # bounded and reported, like fusedist's own exchanges
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def json_text(doc) -> str:
+    """``doc`` as strict JSON, as the plan's ``--json`` is: an error with no finite value (a
+    prediction of nothing met by something, :func:`_relative_error`) is ``null`` -- json's
+    default wrote ``Infinity``, which strict parsers (``jq``, JavaScript) refuse."""
+    def finite(x):
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+    return json.dumps(finite(doc), indent=2, allow_nan=False)
 
 
 _ERRORS = ("model_states_error", "comm_error", "host_error", "temp_error")
@@ -427,13 +443,15 @@ def _b(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def format_measured(plan, measured, info, steps, warmup, ok) -> str:
+def format_measured(plan, measured, info, steps, warmup, ok, asked_batch=None) -> str:
     from .report import model_line
     i = plan["inputs"]
     out = [model_line(plan),
            f"measured on {i['gpus']} ranks ({info.device.type}, {info.backend}), {i['precision']}, {i['optimizer']}, "
            f"micro-batch {i['micro_batch']} x seq {i['seq']}, {steps} timed steps after {warmup} warm-up; "
-           "predictions in the fusedist convention",
+           "predictions in the fusedist convention"
+           + (f"; one micro-batch a step: --global-batch {asked_batch} (gradient accumulation) is not measured"
+              if asked_batch is not None else ""),
            "",
            f"{'strategy':<15}{'model states: predicted':>25}{'measured':>13}{'diff':>8}"
            f"{'comm/step: predicted':>23}{'measured':>13}{'diff':>8}{'step':>10}{'MFU':>7}"]

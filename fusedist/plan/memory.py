@@ -154,13 +154,21 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
 
 def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_cap_mb: float,
                scratch_bytes: float, root_params: float = 0.0, n: int = 1, unit_outputs=None,
-               in_flight: int = 2) -> float:
+               in_flight: int = 2, largest_tensor: float = 0.0) -> float:
     """Temporary buffers per GPU besides model states and activations.
 
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
       gradients; fusedist and torch DDP make ``p.grad`` views of them).
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
-      stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``).
+      stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``). A bucket
+      closes once it reaches the cap, the tensor that crosses it included, so each holds up to
+      ``largest_tensor`` elements past the cap (a 128k-token embedding alone is 1 GB of bf16
+      gradients, 40 caps of 25 MiB): two buckets are ``2 (cap + largest)``, at most every
+      gradient. Without a shape (``--params``) the tensors are unknown and two caps stand in.
+      Two is what the reducer holds when each reduce-scatter lands before the bucket after next
+      fills; nothing bounds how many are in flight, so a backward whose collectives land late
+      (gloo with small buckets, a device-bound GPU: Note [finishing buckets during backward] in
+      fusedist/ddp/reducer.py) holds more, up to every gradient, which is not counted.
     * ZeRO-3 (``fully_shard``): the gathered units -- two consecutive blocks (one in use, the
       next prefetched, in forward and in backward; a unit = one transformer block, ZeRO paper
       Section 5.3) and the root unit (embeddings, final norm, output layer: ``root_params``),
@@ -185,7 +193,7 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
-    buckets = min(2 * bucket_cap_mb * MiB, g * psi)
+    buckets = min(2 * (bucket_cap_mb * MiB + g * largest_tensor), g * psi)
     extra = 0.0
     if strategy.startswith("zero2"):
         extra = buckets

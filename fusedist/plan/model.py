@@ -286,6 +286,23 @@ def block_params(spec: ModelSpec, i: int, ep: int = 1) -> int:
     return n - _moe_params(spec, spec.experts) + _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
 
 
+def largest_tensor(spec: ModelSpec) -> int:
+    """Elements of the largest parameter tensor, at most: a gradient bucket closes only once it
+    reaches its cap, the tensor that crosses it included (Note [buckets close as torch's do] in
+    fusedist/ddp/layout.py), so a bucket holds up to this much past the cap. Counted as the
+    widest layout the planner's blocks come in: the embedding (and an untied output layer),
+    q, k and v as one matrix, gate and up as one, and of a mixture of experts one expert's
+    gate and up (a tensor per expert, as Hugging Face's checkpoints hold them; experts stacked
+    into one tensor a layer, as fusedist/plan/torch_model.py builds them, make larger buckets)."""
+    h = spec.hidden
+    sizes = [spec.vocab * h, h * (spec.q_dim + 2 * spec.kv_dim), spec.o_dim * h, 2 * h * spec.ffn]
+    if spec.arch == "gpt":
+        sizes.append((spec.seq or 0) * h)  # learned positions
+    if spec.moe:
+        sizes.append(2 * h * spec.expert_ffn)
+    return max(sizes)
+
+
 def _all_layers(spec: ModelSpec, active: bool) -> int:
     total = spec.layers * layer_params(spec, active)
     if spec.moe and spec.dense_layers:  # those blocks' MLP is a dense one of ffn

@@ -8,9 +8,9 @@ from typing import Optional
 
 from . import comm, memory, suggest, timing
 from .errors import PlanError
-from .hardware import Hardware
+from .hardware import PRESETS, Hardware
 from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
-                    count_params, embedding_params, expert_params, matmul_params)
+                    count_params, embedding_params, expert_params, largest_tensor, matmul_params)
 from .memory import STRATEGIES
 
 GB = 10**9
@@ -59,9 +59,11 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
                  job.scratch_gb * GB)
-    temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs)
+    largest = largest_tensor(spec) / tp if spec.has_shape else 0.0
+    temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, largest_tensor=largest)
     # the least the peak can be: one gradient reduction in flight (memory.temp_bytes)
-    temp_min = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, in_flight=1)
+    temp_min = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, in_flight=1,
+                                 largest_tensor=largest)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     # Note [host memory fits too]
@@ -141,6 +143,18 @@ def check_expert_parallel(ep: int, spec: ModelSpec, gpus: int) -> None:
         raise PlanError("--ep", f"{ep} does not divide the {gpus} data-parallel GPUs")
 
 
+def _peak_kind(hw: Hardware, precision: str) -> str:
+    """What the peak is: a preset's for the precision -- for fp32 the TF32 tensor-core one,
+    which fp32 matmuls reach only when allowed (torch's default keeps them plain fp32) -- or
+    the figure --peak-tflops gave."""
+    preset = PRESETS.get(hw.name)
+    if preset is None or preset.peak_flops(precision) != hw.peak_flops(precision):
+        return "given by --peak-tflops"
+    if precision == "fp32":
+        return "tf32 dense: needs torch.set_float32_matmul_precision('high'), else give --peak-tflops"
+    return "bf16/fp16 dense"
+
+
 def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     """The full plan: ``inputs``, ``memory``, ``comm``, ``time``, ``suggestion``. Memory and
     communication move every parameter; compute is that of the parameters a token goes through
@@ -207,7 +221,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         "assumptions": {
             "mfu": job.mfu,
             "peak_flops": peak,
-            "peak_flops_kind": "tf32 dense" if job.precision == "fp32" else "bf16/fp16 dense",
+            "peak_flops_kind": _peak_kind(hw, job.precision),
             "flops_per_token": timing.flops_per_token(psi_flops, job.recompute, attention_fwd),
             "flops": (f"{8 if job.recompute == 'full' else 6} x {'active ' if spec.moe else ''}params in matrix "
                       f"products ({psi_flops:,}; embedding lookups are not) + "
@@ -219,6 +233,12 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                       "counted: the model was given by --params, not its shape)"),
             "K": {s: memory.optimizer_k(job.precision, job.optimizer, s, job.convention) for s in STRATEGIES},
             "bucket_cap_mb": job.bucket_cap_mb,
+            "temp": ("zero2: two gradient buckets, each up to --bucket-cap-mb plus the largest parameter "
+                     "tensor (a bucket closes once it reaches the cap; two caps for a model given by --params), "
+                     "more while reduce-scatters land late, up to every gradient; "
+                     "zero3: fully_shard with "
+                     "reshard_after_forward=True on the blocks (the default), two gathered at once -- False "
+                     "keeps every unit gathered from forward to backward, all the parameters, not counted"),
             "scratch_bytes": int(job.scratch_gb * GB),
             "tokens_per_step": tokens,
             "bytes_unit": "GB = 1e9 bytes in the table",

@@ -128,6 +128,7 @@ def format_plan(plan: dict) -> str:
          + f"; temp includes {a['scratch_bytes'] / GB:g} GB scratch"),
         f"GPU memory: {a['gpu_memory']}",
         f"activations: {a['activations']}",
+        f"temp: {a['temp']}",
         "",
         "memory per GPU, GB (10^9 bytes); host: per GPU, the node's ranks share its host memory",
         f"{'strategy':<15}{'states':>9}{'activ.':>9}{'temp':>8}{'total':>9}{'host':>8}  fits (headroom)",

@@ -7,7 +7,7 @@ with ``lazy_unscale=True``, left the gradients scaled, recording ``inv_scale`` f
 When ``clip_grad_norm_`` is then called with exactly the parameters that optimizer covers and
 ``norm_type=2``, the total norm is ``sqrt(sumsq)`` and the clip coefficient is recorded in the
 optimizer's step context, which its update applies inline. Everything else (other parameter sets, other
-norms, no recorded norm) runs torch's own ``clip_grad_norm_``, after applying any pending
+norms, fp64 gradients, no recorded norm) runs torch's own ``clip_grad_norm_``, after applying any pending
 unscale to the gradients so they hold the values torch expects.
 """
 
@@ -35,6 +35,10 @@ def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) ->
     total_norm = ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
     opt._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
     return total_norm
+
+
+def _any_fp64(grads: list) -> bool:
+    return any(g.dtype == torch.float64 for g in grads)
 
 
 def _looked_up_once_each(optimizers: list):
@@ -100,8 +104,11 @@ def clip_grad_norm_(
             if opt._fusedist_check_grads_since_unscale():  # Note [gradients changed after unscale_]
                 opt.step_context.grad_sumsq = None  # stale: measured afresh below
         # A parameter listed twice counts twice in torch's norm (and is scaled twice): torch's
-        # path, not the recorded norm of the optimizer's parameters, each once.
-        if pending and float(norm_type) == 2.0 and len(ids) == len(with_grad):
+        # path, not the recorded norm of the optimizer's parameters, each once. So do fp64
+        # gradients: the update takes the coefficient as fp32 (the kernels' contract), where
+        # torch scales them by an fp64 one -- 1e-8 apart, in a model trained in fp64 for its
+        # precision.
+        if pending and float(norm_type) == 2.0 and len(ids) == len(with_grad) and not _any_fp64(grads):
             for opt in pending:
                 if opt.step_context.grad_sumsq is None:
                     continue

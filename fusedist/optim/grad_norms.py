@@ -32,17 +32,37 @@ def per_tensor_global_norms(parts: Sequence[Optional[torch.Tensor]], norm_type: 
                             all_reduce: Callable[[torch.Tensor, str], None]) -> torch.Tensor:
     """One float64 norm per entry of ``parts`` (on ``device``) over every rank's part of it:
     ``parts[i]`` is this rank's part of tensor ``i`` (None or empty where it holds none). Each
-    rank takes the sum of ``|x|^p`` of its parts (the max of ``|x|`` for ``p = inf``) and
-    ``all_reduce(t, op)`` combines them in place. A collective: every rank passes the same
-    entries in the same order."""
-    inf = norm_type == float("inf")
-    partial = torch.zeros(len(parts), dtype=torch.float64, device=device)
+    rank takes the sum of ``|x|^p`` of its parts (the max of ``|x|`` for ``p = inf``, the
+    negated min for ``-inf``, the count of nonzeros for ``p = 0``: every order torch's norms
+    take) and ``all_reduce(t, op)`` combines them in place. A collective: every rank passes
+    the same entries in the same order."""
+    norm_type = float(norm_type)
+    by_max = abs(norm_type) == float("inf")
+    # (an empty part has no elements: nothing to add, no max, and +inf as its min)
+    partial = torch.full((len(parts),), -float("inf") if norm_type == -float("inf") else 0.0,
+                         dtype=torch.float64, device=device)
     at = [i for i, t in enumerate(parts) if t is not None and t.numel()]  # (an empty part has no inf-norm)
     if at:
         local = tensor_norms([parts[i] for i in at], norm_type, at_least=torch.float64).to(device)
-        partial[torch.tensor(at, device=device)] = local if inf else local.pow(norm_type)
-    all_reduce(partial, "max" if inf else "sum")
-    return partial if inf else partial.pow(1.0 / norm_type)
+        partial[torch.tensor(at, device=device)] = _to_reducible(local, norm_type)
+    all_reduce(partial, "max" if by_max else "sum")
+    return _from_reducible(partial, norm_type)
+
+
+def _to_reducible(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Parts' norms as what adds up (or maxes) over the parts: ``|x|^p`` summed for a finite
+    ``p != 0`` (also a negative one: ``sum |x|^p`` is additive), the count itself for ``p = 0``,
+    the max for ``inf``, the negated min for ``-inf``."""
+    if norm_type == float("inf") or norm_type == 0.0:
+        return norms
+    return -norms if norm_type == -float("inf") else norms.pow(norm_type)
+
+
+def _from_reducible(reduced: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The inverse of :func:`_to_reducible` on the reduced values."""
+    if norm_type == float("inf") or norm_type == 0.0:
+        return reduced
+    return -reduced if norm_type == -float("inf") else reduced.pow(1.0 / norm_type)
 
 
 # Note [a NaN through a max all-reduce]

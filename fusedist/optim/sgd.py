@@ -77,7 +77,7 @@ class FusedSGD(FusedOptimizerBase):
         functional.sgd_update(
             params, grads, state_values(states, "momentum_buffer") if momentum != 0 else None,
             masters_of(states), lr=group["lr"], momentum=hyper_number(momentum),
-            dampening=hyper_number(group["dampening"]), weight_decay=hyper_number(group["weight_decay"]),
+            dampening=_dampening(group["dampening"]), weight_decay=hyper_number(group["weight_decay"]),
             nesterov=group["nesterov"], maximize=group["maximize"],
             step=state_values(states, "step"), inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf,
             validate=False,
@@ -125,6 +125,17 @@ class FusedSGD(FusedOptimizerBase):
         # The groups may be new dicts, and every state is looked at by _init_state at its next
         # step, which records the groups again.
         self._groups_without_buffers = set()
+
+
+def _dampening(value):
+    """``dampening`` as the number whose ``1 - dampening`` (what the update weighs the gradient
+    by) is torch's: torch's SGD takes ``1 - dampening`` of a tensor in the tensor's dtype, so a
+    float32 tensor 0.1 weighs it by float32(0.9), 1e-8 from ``1 - 0.1`` in Python's float64 --
+    a difference float64 training shows. ``1 - x`` is exact for such an ``x`` both ways, so the
+    number returned carries torch's rounding."""
+    if isinstance(value, torch.Tensor):
+        return 1.0 - (1 - value).item()
+    return value
 
 
 def _add_momentum_buffer(p, state: dict, step: float) -> None:

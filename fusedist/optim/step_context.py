@@ -87,7 +87,7 @@ class StepContext:
         # times the number, so this is the same value in the norm's dtype, without the Python
         # operator wrapper and with one temporary for the three results (fewer allocations).
         coef = total_norm.add(1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0).reshape(1)
-        if coef.dtype != torch.float32:
+        if coef.dtype != torch.float64:  # (fp64 gradients' coefficient is fp64, as torch's)
             coef = coef.float()
         self.clip_coef = coef if prev is None else prev.reshape(1) * coef
         return total_norm

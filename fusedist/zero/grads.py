@@ -52,7 +52,7 @@ import functools
 import torch
 
 from ..ddp.layout import flat_like
-from ..optim.grad_norms import flag_nan, tensor_norms, unflag_nan
+from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, unflag_nan
 from . import grow
 
 
@@ -230,8 +230,6 @@ class GradientsMixin:
         if wanted == trainable or self.stage != 2:
             return self.clip_sharded_grads_(params, max_norm, norm_type, error_if_nonfinite)
         norm_type = float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(f"clip_grad_norm_: norm_type must be positive (or inf), got {norm_type}")
         if wanted - trainable:
             raise ValueError("fusedist.clip_grad_norm_: some of these parameters are not trained by the "
                              "ZeroRedundancyOptimizer(stage=2) that holds the others' gradients")
@@ -241,9 +239,13 @@ class GradientsMixin:
                 f"parameters or none ({len(wanted)} of its {len(trainable)} trainable parameters were given): "
                 "a rank out of data replays the clip of all of them. Clip all of the optimizer's parameters "
                 "(optimizer.clip_grad_norm_), or use stage=1.")
-        slices = [s for p, s in self.gradient_slices() if id(p) in wanted and s.numel()]
+        slices = [s for p, s in self.gradient_slices() if id(p) in wanted]
         self._fusedist_materialize_unscale()  # the shards hold torch's p.grad values from here
-        total = self._norm_of_slices(slices, norm_type)
+        if norm_type > 0:
+            total = self._norm_of_slices([s for s in slices if s.numel()], norm_type)
+        else:
+            total = self._norm_tensor_by_tensor(slices, norm_type, "zero grad norm of some parameters")
+        slices = [s for s in slices if s.numel()]
         dtypes = {p.dtype for p in params if id(p) in wanted}
         total = total.to(functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -270,6 +272,40 @@ class GradientsMixin:
             self.comm.all_reduce(packed, op="max" if inf else "sum", tag="zero grad norm of some parameters")
             local = unflag_nan(packed).to(self._device)
         return local.reshape(()) if inf else local.pow(1.0 / norm_type).reshape(())
+
+    # Note [norms that are not sums over elements]
+    #     torch's total norm is the norm of the per-tensor norms. For p > 0 (and inf) that is
+    #     the p-norm of all the elements, so the shards' flat sums (padding and gradients of
+    #     zeros included) give it. For the orders torch also takes that are not -- 0 (the count
+    #     of tensors with a nonzero gradient), negative p and -inf (a zero anywhere, the padding
+    #     between slices included, pulls them to 0) -- each parameter's norm is first taken
+    #     over every rank's slice of it, then torch's norm of those norms.
+    def _norm_tensor_by_tensor(self, slices: list, norm_type: float, tag: str,
+                               inv_scale=None) -> torch.Tensor:
+        """torch's total ``norm_type``-norm (0, negative or -inf) of the gradients whose slices on
+        this rank are ``slices`` (one per parameter, empty where this rank holds none, the same
+        parameters on every rank), fp64, times ``inv_scale`` where given (Note [norms that are
+        not sums over elements]). One all-reduce of a number (and a NaN flag for -inf) per
+        parameter."""
+
+        def all_reduce(t: torch.Tensor, op: str) -> None:
+            if self.comm is None or self.world_size == 1:
+                return
+            # a max travels with NaN flags (Note [a NaN through a max all-reduce] in grad_norms.py)
+            packed = (torch.cat([t, t.isnan().to(t.dtype)]) if op == "max" else t).to(self.comm.device)
+            self._join_announce()  # under join (Note [the announce] in join.py)
+            self.comm.all_reduce(packed, op=op, tag=tag)
+            packed = packed.to(t.device)
+            if op == "max":
+                packed = torch.where(packed[len(t):] > 0, float("nan"), packed[:len(t)])
+            t.copy_(packed)
+
+        if not slices:  # (no gradients on any rank: torch's norm of no tensors)
+            return torch.zeros((), dtype=torch.float64, device=self._device)
+        norms = per_tensor_global_norms(slices, norm_type, self._device, all_reduce)
+        if inv_scale is not None and norm_type != 0.0:  # (a count of nonzeros does not scale)
+            norms = norms * inv_scale.double().reshape(())
+        return torch.linalg.vector_norm(norms, norm_type)
 
     def gradient_shards(self) -> dict:
         """This rank's averaged gradient shard per dtype (stage 2; after backward), flat FP32

@@ -42,26 +42,34 @@ class ZeroScalerProtocol(ScalerProtocol):
         grow.join_pending(self)
         self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2] in grads.py
         grads = self._local_grads()
-        device = self._device
+        device, dtype = self._device, self._norm_dtype()
         if grads:
-            # Norms per tensor, then squares summed in fp32: a non-finite gradient element makes
-            # its norm non-finite, so the same pass yields the overflow flag.
-            norms = tensor_norms(grads).float()
+            # Norms per tensor, then squares summed in fp32 (fp64 with fp64 parameters): a
+            # non-finite gradient element makes its norm non-finite, so the same pass yields
+            # the overflow flag.
+            norms = tensor_norms(grads).to(dtype)
             if inv_scale is not None:
-                norms = norms * inv_scale.reshape(())
+                norms = norms * inv_scale.reshape(()).to(dtype)
             sumsq = norms.pow(2).sum().reshape(1)
             found = (~torch.isfinite(sumsq)).float()
         else:
-            sumsq = torch.zeros(1, device=device)
+            sumsq = torch.zeros(1, device=device, dtype=dtype)
             found = torch.zeros(1, device=device)
         return self._fusedist_reduce_found_inf_and_norm(found, sumsq)
+
+    def _norm_dtype(self) -> torch.dtype:
+        """The dtype the global norms are taken and all-reduced in, the same on every rank: fp32,
+        or fp64 where a parameter is fp64 (torch's clip measures fp64 gradients in fp64, and an
+        fp32 norm left the clip coefficient of an fp64 model 1e-8 from torch's)."""
+        return torch.float64 if any(p.dtype == torch.float64 for p in self._trainable_params()) else torch.float32
 
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
         """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
         inf/nan) and so are the shards' sums of squares."""
         if self.comm is None or self.world_size == 1:
             return found_inf.reshape(1), sumsq.reshape(1)
-        packed = torch.cat([found_inf.reshape(1).float(), sumsq.reshape(1).float()]).to(self.comm.device)
+        dtype = self._norm_dtype()
+        packed = torch.cat([found_inf.reshape(1).to(dtype), sumsq.reshape(1).to(dtype)]).to(self.comm.device)
         self._join_announce()  # under join (Note [the announce] in join.py)
         self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
         packed = packed.to(sumsq.device)
@@ -98,14 +106,12 @@ class ZeroScalerProtocol(ScalerProtocol):
         total norm before clipping, like ``torch.nn.utils.clip_grad_norm_``.
 
         The norm costs one all-reduce of two numbers (none after ``GradScaler.unscale_``, which
-        already computed it); ``norm_type`` may be any p > 0 or ``inf``, as with torch's. The
-        clip coefficient is applied inside ``step()``; ``p.grad`` is not modified. Call it after
-        backward (and after ``scaler.unscale_``), before ``step()``.
+        already computed it); ``norm_type`` may be any order torch's takes (0, negative p and
+        ``-inf``: one number per parameter). The clip coefficient is applied inside ``step()``;
+        ``p.grad`` is not modified. Call it after backward (and after ``scaler.unscale_``),
+        before ``step()``.
         """
         norm_type = float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_: norm_type must be positive (or inf), "
-                             f"got {norm_type}")
         ctx = self.step_context
         written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
         sumsq = ctx.grad_sumsq if norm_type == 2.0 else None
@@ -138,13 +144,16 @@ class ZeroScalerProtocol(ScalerProtocol):
         all-reduce, the max of the shards' norms for inf, else the sum of their p-th powers."""
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
         self._zero_fill_without_backward()
+        if not norm_type > 0:  # Note [norms that are not sums over elements] in grads.py
+            slices = [s for _, s in self.gradient_slices()]
+            return self._norm_tensor_by_tensor(slices, norm_type, "zero grad norm", inv_scale)
         grads = [g for g in self._local_grads() if g.numel()]  # (an empty tensor has no inf-norm)
-        inf = norm_type == float("inf")
-        local = torch.zeros(1, device=self._device)
+        inf, dtype = norm_type == float("inf"), self._norm_dtype()
+        local = torch.zeros(1, device=self._device, dtype=dtype)
         if grads:
-            norms = tensor_norms(grads, norm_type).float()
+            norms = tensor_norms(grads, norm_type).to(dtype)
             if inv_scale is not None:
-                norms = norms * inv_scale.reshape(())
+                norms = norms * inv_scale.reshape(()).to(dtype)
             local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
         if self.comm is not None and self.world_size > 1:
             packed = flag_nan(local).to(self.comm.device)  # Note [a NaN through a max all-reduce]

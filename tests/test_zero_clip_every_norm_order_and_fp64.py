@@ -1,0 +1,159 @@
+"""Gradient clipping and update numerics against torch (2 gloo ranks, and one process):
+
+* ``ZeroRedundancyOptimizer.clip_grad_norm_`` (the method, ``fusedist.clip_grad_norm_`` and
+  torch's clip) with every order torch's clip takes -- 0 (tensors with a nonzero gradient),
+  negative p and -inf, whose totals are not sums over the elements -- in both stages, also over
+  some of the parameters in stage 2: the norm and the trained parameters match torch DDP +
+  torch's clip;
+* a float64 model under stage 2 with clipping: the norm and the parameters match torch's to
+  float64 precision (the norm and the clip coefficient are not rounded to float32);
+* ``FusedSGD`` with ``dampening`` given as a tensor, in float64: torch's update exactly;
+* a fused optimizer's float64 gradients clipped after ``GradScaler.unscale_`` (also a lazy
+  one): torch's norm and update exactly (the coefficient is not rounded to float32).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+
+INF = float("inf")
+ORDERS = [0.0, -INF, -1.5]
+
+
+def _net(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def _batch(rank, step, dtype=torch.float32):
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank)).to(dtype)
+
+
+def _pair(stage, dtype=torch.float32, optimizer=torch.optim.SGD, **kw):
+    import fusedist
+
+    base = _net(dtype)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), optimizer, stage=stage, **kw)
+    return ours, theirs, opt, optimizer(theirs.parameters(), **kw)
+
+
+def _diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _every_order_worker(rank, ws, stage):
+    import fusedist
+
+    ours, theirs, opt, ref = _pair(stage, lr=0.1, momentum=0.9)
+    clips = [lambda nt: opt.clip_grad_norm_(0.3, nt),
+             lambda nt: fusedist.clip_grad_norm_(ours.parameters(), 0.3, nt),
+             lambda nt: nn.utils.clip_grad_norm_(ours.parameters(), 0.3, nt)]
+    step = 0
+    for nt in ORDERS:
+        for clip in clips:
+            x = _batch(rank, step)
+            step += 1
+            opt.zero_grad()
+            ref.zero_grad()
+            ours(x).square().sum().backward()
+            theirs(x).square().sum().backward()
+            got, want = clip(nt).item(), nn.utils.clip_grad_norm_(theirs.parameters(), 0.3, nt).item()
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-9), (nt, got, want)
+            opt.step()
+            ref.step()
+            assert _diff(ours, theirs) < 1e-5, (nt, _diff(ours, theirs))
+    if stage == 2:  # some of the parameters (the head left out): scaled in their shards
+        for nt in ORDERS:
+            x = _batch(rank, step)
+            step += 1
+            opt.zero_grad()
+            ref.zero_grad()
+            ours(x).square().sum().backward()
+            theirs(x).square().sum().backward()
+            got = fusedist.clip_grad_norm_(list(ours.module[0].parameters()), 0.3, nt).item()
+            want = nn.utils.clip_grad_norm_(list(theirs.module[0].parameters()), 0.3, nt).item()
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-9), (nt, got, want)
+            opt.step()
+            ref.step()
+            assert _diff(ours, theirs) < 1e-5, (nt, _diff(ours, theirs))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_clip_takes_every_norm_order_torch_takes(stage):
+    run_distributed(_every_order_worker, 2, stage, timeout=120)
+
+
+def _float64_worker(rank, ws):
+    ours, theirs, opt, ref = _pair(2, torch.float64, torch.optim.Adam, lr=0.05)
+    for step, nt in enumerate([2.0, 1.0, INF, 2.0]):
+        x = _batch(rank, step, torch.float64)
+        opt.zero_grad()
+        ref.zero_grad()
+        ours(x).square().sum().backward()
+        theirs(x).square().sum().backward()
+        got = nn.utils.clip_grad_norm_(ours.parameters(), 0.3, nt)
+        want = nn.utils.clip_grad_norm_(theirs.parameters(), 0.3, nt)
+        assert got.dtype == torch.float64
+        assert abs(got.item() - want.item()) <= 1e-12 * want.item(), (nt, got.item(), want.item())
+        opt.step()
+        ref.step()
+        assert _diff(ours, theirs) < 1e-13, (step, _diff(ours, theirs))
+
+
+def test_zero_stage2_float64_clip_matches_torch_to_float64_precision():
+    run_distributed(_float64_worker, 2, timeout=120)
+
+
+def test_fused_sgd_tensor_dampening_is_torchs_in_float64():
+    from fusedist.optim import FusedSGD
+
+    torch.manual_seed(1)
+    ours = [torch.randn(7, 5, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64,
+                                                                                  requires_grad=True)]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    kw = dict(lr=0.1, momentum=0.9, dampening=torch.tensor(0.1), weight_decay=0.01)
+    opt, ref = FusedSGD(ours, **kw), torch.optim.SGD(theirs, **kw)
+    for _ in range(4):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_fused_optimizer_clip_after_unscale_in_float64_is_torchs(lazy):
+    import fusedist
+    from fusedist.optim import FusedSGD
+
+    torch.manual_seed(2)
+    ours = [torch.randn(9, 4, dtype=torch.float64, requires_grad=True), torch.randn(4, requires_grad=True)]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    opt, ref = FusedSGD(ours, lr=0.1, momentum=0.9), torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    ours_scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 10, lazy_unscale=lazy)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in ours]
+        sum((p * g).sum() for p, g in zip(ours, grads)).mul(ours_scaler.scale(torch.ones(()))).backward()
+        sum((q * g).sum() for q, g in zip(theirs, grads)).mul(torch_scaler.scale(torch.ones(()))).backward()
+        ours_scaler.unscale_(opt)
+        torch_scaler.unscale_(ref)
+        got = fusedist.clip_grad_norm_(ours, 0.5)
+        want = nn.utils.clip_grad_norm_(theirs, 0.5)
+        assert got.dtype == want.dtype == torch.float64 and got.item() == want.item()
+        for scaler, o in ((ours_scaler, opt), (torch_scaler, ref)):
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-15 if p.dtype == torch.float64 else 1e-7)

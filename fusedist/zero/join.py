@@ -75,7 +75,6 @@ class ZeroJoinHook(JoinHook):
 
     def __init__(self, zero):
         self.zero = zero
-        zero._join_live = True
 
     @torch.compiler.disable  # Note [join under torch.compile] in ddp/join.py
     def main_hook(self) -> None:
@@ -105,7 +104,6 @@ class ZeroJoinHook(JoinHook):
         zero = self.zero
         zero.wait_for_params()
         zero._record_param_versions()  # the final broadcast wrote identical values
-        zero._join_live = False
         zero._join_config = DISABLED
 
 
@@ -113,7 +111,6 @@ class JoinableOptimizer(Joinable):
     """The Joinable side of ZeroRedundancyOptimizer (Note [joined ranks])."""
 
     _join_config = DISABLED  # set by a join context
-    _join_live = False
     _join_shadowing = False  # a joined rank's step, run by the hook
     _join_clip = None  # (max_norm, norm_type, error_if_nonfinite) of the clip in progress
 

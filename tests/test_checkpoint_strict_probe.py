@@ -136,7 +136,7 @@ def test_non_strict_load_is_torchs_and_refusals_name_the_keys(tmp_path):
         assert out["ranks differ unchanged"]
 
         refused = out["restore strict=True"]
-        assert "no checkpoint" in refused and "missing keys (in the model, not in the checkpoint) [temperature" \
+        assert "is refused" in refused and "missing keys (in the model, not in the checkpoint) [temperature" \
             in refused, refused
         assert out["restore strict=False"] == "loaded" and out["restored strict=False"]
 

@@ -101,8 +101,8 @@ class PersistMixin:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = (f"rank {rank} could not write {os.path.join(path, _files.file_name(name, save_id))}: "
                      f"{type(exc).__name__}: {exc}")
-        files = self._coord.all_gather((mine, error, os.path.abspath(path)))
-        agree(next((e for _, e, _ in files if e is not None), None), "writing the rank files")
+        files = self._coord.all_gather((mine, error, os.path.abspath(path), _sampler_epoch(snapshot)))
+        agree(next((e for _, e, *_ in files if e is not None), None), "writing the rank files")
 
         error = None
         if rank == 0:
@@ -111,11 +111,14 @@ class PersistMixin:
                 if save_id:
                     # files with names of their own
                     manifest["version"] = max(manifest["version"], _files.SAVE_ID_VERSION)
-                for entry, _, _ in files:
+                for entry, *_ in files:
                     manifest["files"].update(entry)
+                # Note [a per-rank position at another world size] in _restore.py: the job's epoch
+                epoch = next((e for *_, e in files if e is not None), None)
+                manifest["checkpointer"] = dict(manifest.get("checkpointer") or {}, epoch=epoch)
                 # Before the manifest lists them (a Checkpointer built with another directory
                 # on some rank, or one not every rank sees, would write no loadable checkpoint).
-                error = _checks.unseen_rank_files(path, manifest["files"], [d for _, _, d in files])
+                error = _checks.unseen_rank_files(path, manifest["files"], [d for _, _, d, _ in files])
                 if error is None:
                     error = _owner.lost(self.directory, self._lease)
                 if error is None:
@@ -125,3 +128,11 @@ class PersistMixin:
             except Exception as exc:  # noqa: BLE001
                 error = f"rank 0 could not complete {path}: {type(exc).__name__}: {exc}"
         agree(error, "writing the manifest")
+
+
+def _sampler_epoch(snapshot: dict) -> Optional[int]:
+    """The epoch of this rank's per-rank sampler state in ``snapshot`` (a
+    ResumableDistributedSampler's), else None."""
+    per_rank = (snapshot.get("sections") or {}).get("per_rank") or {}
+    epoch = (per_rank.get("sampler") or {}).get("epoch")
+    return None if epoch is None else int(epoch)

@@ -14,9 +14,10 @@ from typing import Optional
 
 import torch
 
-from . import _files, _owner, api, layout, resume
+from . import _checks, _files, _load_plan, _names, _owner, api, layout, resume, stage3
 from . import pipeline as pipelined
 from ._files import CheckpointError
+from ._params import optimizer_params, param_names
 from ._schedule import step_count
 from ._snapshot import is_zero
 from .sampler import ElasticDistributedSampler
@@ -69,10 +70,11 @@ class RestoreMixin:
             # The rank files are read first, on every rank, and the objects loaded only when
             # every rank could read its own: a file that fails after the model and optimizer
             # were loaded left them changed behind the CheckpointError that says nothing was.
-            error = per_rank = first = None
+            error = manifest = per_rank = epoch = None
             try:
-                per_rank = api.load_per_rank(path, self.rank, self.world_size, trusted=trusted)
-                first = self._first_rank_state(path, trusted)
+                manifest = _files.read_manifest(path)  # (once: every check below reads this one)
+                per_rank = api.per_rank_of(path, manifest, self.rank, self.world_size, trusted)
+                epoch = self._saved_epoch(path, manifest, trusted)
             except CheckpointError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
@@ -80,14 +82,14 @@ class RestoreMixin:
             errors = [e for e in self._coord.all_gather(error) if e is not None]
             error = errors[0] if errors else None
             if error is None:
-                self._refuse_mismatch_agreed(saved_step, path, per_rank, first, trusted)
+                self._refuse_mismatch_agreed(saved_step, path, manifest, per_rank, trusted, strict)
                 try:  # (checked on every rank alike before anything is loaded: raises on all or none)
                     extra = api.load(path, model, optimizer, scaler, trusted=trusted, strict=strict,
                                      process_group=self._coord.group, pipeline=self.pipeline)
                 except CheckpointError as exc:
                     error = str(exc)
             if error is None:
-                self._apply_agreed(saved_step, path, extra, per_rank, first)
+                self._apply_agreed(saved_step, path, extra, per_rank, epoch)
                 return saved_step
             failures.append(f"step {saved_step} ({path}): {error}")
             if self.rank == 0 and saved_step != candidates[-1][0]:
@@ -161,12 +163,12 @@ class RestoreMixin:
         return [(e.step, e.path, None if e.complete else e.reason) for e in entries]
 
     def _apply_agreed(self, step: int, path: str, extra: dict, per_rank: Optional[dict],
-                      first: Optional[dict] = None) -> None:
+                      epoch: Optional[int] = None) -> None:
         """:meth:`_apply` on every rank, or an error on every rank naming the ranks where it
         failed: a sampler refusing the saved position on one rank (another seed or dataset
         there) raised on that rank alone, and the others trained on into their next
         collective, waiting for it until the timeout."""
-        failed = self._failures_on_any_rank(lambda: self._apply(step, path, extra, per_rank, first),
+        failed = self._failures_on_any_rank(lambda: self._apply(step, path, extra, per_rank, epoch),
                                             f"step {step}: restored")
         if failed:
             raise CheckpointError(
@@ -175,7 +177,7 @@ class RestoreMixin:
                 "sampler settings and dataset, an LR scheduler if one was saved) and restore again")
 
     def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict],
-               first: Optional[dict] = None) -> None:
+               epoch: Optional[int] = None) -> None:
         state = self._state
         meta = extra or {}
         self._load_lr_schedulers(path, meta)  # Note [an LR scheduler per pipeline part] in _snapshot.py
@@ -185,13 +187,33 @@ class RestoreMixin:
         if position is not None:
             sampler.load_state_dict(position)
         elif sampler is not None:
-            self._restore_epoch(path, saved_world, first)
+            self._restore_epoch(path, saved_world, epoch)
         if per_rank is not None:
-            resume.restore_rng_state(per_rank["rng"])
+            resume.restore_rng_state(self._restorable_rng(path, per_rank["rng"]))
         self.restored_step = self.last_saved_step = step
         self._set_aside_above = step
         self.restored_world_size = saved_world
         self.extra = meta.get("user")
+
+    # Note [CUDA generator states without CUDA]
+    #     A checkpoint saved on GPUs holds every device's CUDA generator state, and a restore on
+    #     a machine without CUDA (debugging a GPU job's checkpoint on a laptop, a CPU fallback)
+    #     raised in restore_rng_state -- after the model and optimizer had been loaded, behind
+    #     an error telling the user to pass other objects, which could not help. The tensors
+    #     are read onto the CPU and copied into the model wherever it lives; the CUDA states,
+    #     which nothing here could use, are left out with a warning saying the continuation is
+    #     not the saved run's bit for bit (the other generators are restored).
+    def _restorable_rng(self, path: str, rng: dict) -> dict:
+        """``rng`` less the CUDA generator states where CUDA is not available (Note [CUDA
+        generator states without CUDA])."""
+        if "cuda" not in rng or torch.cuda.is_available():
+            return rng
+        if self.rank == 0:
+            warnings.warn(f"fusedist.checkpoint.Checkpointer: {path} holds CUDA generator states (it was saved on "
+                          "GPUs) but CUDA is not available here: they are not restored (the CPU, Python and NumPy "
+                          "generators are), so random draws on the GPU side do not continue the saved run's",
+                          stacklevel=7)  # (the caller of restore)
+        return {k: v for k, v in rng.items() if k != "cuda"}
 
     def _saved_position(self, path: str, meta: dict, per_rank: Optional[dict]) -> Optional[dict]:
         """The state the registered sampler loads; None for none (no sampler, or a per-rank
@@ -216,24 +238,30 @@ class RestoreMixin:
     #     another world size splits otherwise: it is not restored there (documented, with a
     #     warning). Its epoch is the job's, though, and was dropped with it: the sampler went
     #     back to epoch 0's order, so a resumed job re-trained the first epoch's order instead of
-    #     continuing the saved one. The saved epoch is read from the saving world's rank 0 (every
-    #     rank saved the same one) and set, from its beginning, as torch's ``set_epoch`` would.
-    def _first_rank_state(self, path: str, trusted: bool) -> Optional[dict]:
-        """The saving world's rank 0's per-rank state when the registered sampler needs its epoch
-        (Note [a per-rank position at another world size]), else None."""
+    #     continuing the saved one. The saved epoch is set, from its beginning, as torch's
+    #     ``set_epoch`` would. It is the job's, so the save writes it into the manifest
+    #     (``checkpointer.epoch``, by ``_persist.py``); checkpoints written before it was there
+    #     are read from the saving world's rank-0 file (every rank saved the same epoch), which
+    #     every new rank read whole -- a ZeRO shard with it -- for one number.
+    def _saved_epoch(self, path: str, manifest: dict, trusted: bool) -> Optional[int]:
+        """The saved epoch of the registered sampler when its position stays behind (Note [a
+        per-rank position at another world size]), else None."""
         sampler = self._state["sampler"]
         if sampler is None or isinstance(sampler, ElasticDistributedSampler):
             return None
-        saved_world = _files.read_manifest(path).get("world_size", self.world_size)
+        saved_world = manifest.get("world_size", self.world_size)
         if saved_world == self.world_size:
             return None
-        return api.load_per_rank(path, 0, saved_world, trusted=trusted)
+        job = manifest.get("checkpointer") or {}
+        if "epoch" in job:
+            return job["epoch"]
+        first = api.per_rank_of(path, manifest, 0, saved_world, trusted)  # (an older checkpoint)
+        return ((first or {}).get("sampler") or {}).get("epoch")
 
-    def _restore_epoch(self, path: str, saved_world: int, first: Optional[dict]) -> None:
+    def _restore_epoch(self, path: str, saved_world: int, epoch: Optional[int]) -> None:
         """Set the saved epoch on a sampler whose position stays behind (Note [a per-rank
         position at another world size]), and say so."""
         sampler = self._state["sampler"]
-        epoch = ((first or {}).get("sampler") or {}).get("epoch")
         if epoch is not None:
             sampler.set_epoch(int(epoch))
         if self.rank == 0:
@@ -242,7 +270,7 @@ class RestoreMixin:
             warnings.warn(f"fusedist.checkpoint.Checkpointer: the data position in {path} was saved at world size "
                           f"{saved_world} by a {type(sampler).__name__}, whose position belongs to one rank; it "
                           f"is not restored here ({kept}). Use ElasticDistributedSampler to resume mid-epoch at "
-                          "another world size", stacklevel=5)
+                          "another world size", stacklevel=7)  # (the caller of restore)
 
     # Note [a refused restore changes nothing]
     #     The registered LR scheduler and sampler were checked against the checkpoint only after
@@ -252,18 +280,33 @@ class RestoreMixin:
     #     (from the job's common file, whose tensors are mapped, not read) and matched to the
     #     registered schedulers, and the sampler's tried on a shallow copy of it, on every rank
     #     before api.load; the load repeats the checks, the last word on a file it then verifies.
-    def _refuse_mismatch_agreed(self, step: int, path: str, per_rank: Optional[dict], first: Optional[dict],
-                                trusted: bool) -> None:
+    #
+    # Note [a model that does not match]
+    #     A model of another architecture than the saved one (a layer widened, renamed or
+    #     removed since) failed api.load like a corrupt file: every older checkpoint was tried
+    #     in turn, each failing alike, and the error ended on the whole list. The mismatch is
+    #     the user's, the same for every checkpoint of the job: the model's keys and shapes are
+    #     now compared with those of the common file (mapped, as above) before the load, and a
+    #     mismatch refuses the restore at once, naming the key and both shapes -- unless the
+    #     common file fails its checksum, which makes it the file's fault, and an older
+    #     checkpoint is tried. So are the optimizer (none saved, another algorithm, other
+    #     parameters by name and shape: from the manifest) and a GradScaler none was saved for.
+    #     The parameters a sharded (``fully_shard``) checkpoint keeps in its rank files, and
+    #     the optimizer's state itself, are checked by the load.
+    def _refuse_mismatch_agreed(self, step: int, path: str, manifest: dict, per_rank: Optional[dict],
+                                trusted: bool, strict: bool = True) -> None:
         """Raise on every rank, naming the ranks, when the registered objects do not take what
-        the checkpoint holds for them (Note [a refused restore changes nothing])."""
+        the checkpoint holds for them (Notes [a refused restore changes nothing], [a model that
+        does not match])."""
         # (_Unreadable: the load names what is wrong with the file, and tries an older one)
-        failed = self._failures_on_any_rank(lambda: self._check_takes(path, per_rank, first, trusted),
+        failed = self._failures_on_any_rank(lambda: self._check_takes(path, manifest, per_rank, trusted, strict),
                                             f"step {step}: checked", tolerated=_Unreadable)
         if failed:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} is refused on "
-                f"{'; '.join(failed)}. Nothing was loaded; pass objects that match the checkpoint (the same sampler "
-                "settings and dataset, an LR scheduler if one was saved) and restore again")
+                f"{'; '.join(failed)}. Nothing was loaded, and no older checkpoint is tried (they hold the same "
+                "job's state); pass objects that match the checkpoint (the model it was saved from, the same "
+                "sampler settings and dataset, an LR scheduler if one was saved) and restore again")
 
     def _failures_on_any_rank(self, fn, label: str, tolerated=()) -> list:
         """``fn()`` on every rank, and what failed on each, as ``"rank r: Error: message"``
@@ -277,39 +320,79 @@ class RestoreMixin:
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         return [e for e in self._coord.all_gather(error, label) if e is not None]
 
-    def _check_takes(self, path: str, per_rank: Optional[dict], first: Optional[dict], trusted: bool) -> None:
-        meta = _saved_meta(path, trusted)
+    def _check_takes(self, path: str, manifest: dict, per_rank: Optional[dict], trusted: bool,
+                     strict: bool = True) -> None:
+        common = _saved_common(path, manifest, trusted)
+        meta = common.get("extra") or {}
         try:
             # (per-part states, of a pipelined Checkpointer or checkpoint, are found by the load)
-            if not self.pipeline and not pipelined.is_pipelined(path):
+            if not self.pipeline and "pipeline" not in manifest:
+                self._check_objects(path, manifest, common, strict)
                 self._lr_scheduler_states(path, meta)  # (raises what the load would)
             position = self._saved_position(path, meta, per_rank)
             if position is not None:
                 copy.copy(self._state["sampler"]).load_state_dict(position)
         except Exception:
-            _verified(path)  # a mismatch read from a corrupt file is the file's fault
+            _verified(path, manifest)  # a mismatch read from a corrupt file is the file's fault
             raise
+
+    def _check_objects(self, path: str, manifest: dict, common: dict, strict: bool) -> None:
+        """The registered model, optimizer and scaler against the checkpoint (Note [a model
+        that does not match]): the load's first checks, on the manifest and the mapped common
+        file, raised as the load raises them."""
+        model, optimizer, scaler = self._state["model"], self._state["optimizer"], self._state["scaler"]
+        expected, _ = _load_plan._expected_model(_names.unwrap(model))
+        saved = _names.strip_prefix(common.get("model") or {}, expected)
+        # (a sharded checkpoint's parameters are in the rank files: only the keys both have here)
+        _load_plan._check_model(saved, expected, path, strict and not manifest.get("model_sharded"))
+        if optimizer is not None:
+            if manifest.get("optimizer") is None:
+                raise CheckpointError(f"fusedist.checkpoint: {path} holds no optimizer state")
+            if _other_parameters(model, optimizer, manifest["optimizer"]):
+                _load_plan._prepare_optimizer(path, manifest, common, model, optimizer, _not_read)  # (raises)
+            _checks.check_algorithm(manifest["optimizer"], optimizer, path)
+        if scaler is not None:
+            if common.get("scaler") is None:
+                raise CheckpointError(f"fusedist.checkpoint: {path} holds no GradScaler state")
+            _checks.check_scaler(common["scaler"], scaler, path)
+
+
+def _other_parameters(model, optimizer, meta: dict) -> bool:
+    """Whether the optimizer's parameters, by name and whole shape, are not the saved ones in any
+    order: the load refuses them whatever the checkpoint's files hold (its own check, which
+    also takes a reordering, then says which)."""
+    params = optimizer_params(optimizer)
+    names = param_names(model, params)
+    _, where = _load_plan._sharding(_names.unwrap(model))
+    here = sorted((n, list(stage3.full_shape(p, where))) for n, p in zip(names, params))
+    saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
+    return here != sorted((n, list(shape)) for n, shape in zip(saved_names, meta["param_shapes"]))
+
+
+def _not_read(name: str):
+    """The rank files are not read before the load (its own check of the parameters comes first)."""
+    raise _Unreadable(f"the {name} sections are the load's to read")
 
 
 class _Unreadable(Exception):
     """The job's common file could not be read for the checks before the load, which reports it."""
 
 
-def _saved_meta(path: str, trusted: bool) -> dict:
-    """The Checkpointer's state in the checkpoint's common file (its ``extra``), read with the
+def _saved_common(path: str, manifest: dict, trusted: bool) -> dict:
+    """The checkpoint's common file (the Checkpointer's state in its ``extra``), read with the
     tensors memory-mapped (they are the load's), unverified (the load verifies the file)."""
     try:
-        info = _files.read_manifest(path)["files"][_files.COMMON]
+        info = manifest["files"][_files.COMMON]
         common = torch.load(os.path.join(path, info.get("file", _files.COMMON)), map_location="cpu",
                             weights_only=not trusted, mmap=True)
-        return common.get("extra") or {}
+        return common if isinstance(common, dict) else {}
     except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
         raise _Unreadable(str(exc)) from exc
 
 
-def _verified(path: str) -> None:
+def _verified(path: str, manifest: dict) -> None:
     """Raise _Unreadable when the common file does not match its manifest entry."""
     try:
-        _files.verify_file(path, _files.COMMON, _files.read_manifest(path)["files"][_files.COMMON])
+        _files.verify_file(path, _files.COMMON, manifest["files"][_files.COMMON])
     except Exception as exc:  # noqa: BLE001
         raise _Unreadable(str(exc)) from exc

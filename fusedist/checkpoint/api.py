@@ -432,7 +432,11 @@ def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Option
         initialized = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if rank is None and initialized else (rank or 0)
         world_size = dist.get_world_size() if world_size is None and initialized else (world_size or 1)
-    manifest = _files.read_manifest(directory)
+    return per_rank_of(directory, _files.read_manifest(directory), rank, world_size, trusted)
+
+
+def per_rank_of(directory: str, manifest: dict, rank: int, world_size: int, trusted: bool) -> Optional[dict]:
+    """:func:`load_per_rank` with the manifest already read (a restore reads it once)."""
     if manifest["world_size"] != world_size:
         return None
     info = manifest["files"].get(rank_file(rank))

@@ -54,21 +54,29 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    """Put back what :func:`capture_rng_state` returned."""
+    """Put back what :func:`capture_rng_state` returned; refused before any generator is set
+    when it holds CUDA states and CUDA is not available (drop ``state["cuda"]`` to restore the
+    others)."""
+    _refuse_cuda_states_without_cuda(state)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "fusedist.checkpoint.resume: the checkpoint holds CUDA generator states but CUDA is not "
-                "available here; an exact resume needs the same kind of devices"
-            )
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state and _np is not None:
         name, keys, pos, has_gauss, cached = state["numpy"]
         if isinstance(keys, torch.Tensor):
             keys = keys.numpy().astype(_np.uint32)
         _np.random.set_state((name, keys, pos, has_gauss, cached))
+
+
+def _refuse_cuda_states_without_cuda(state: dict) -> None:
+    """Raise before anything is set: the generators set first stayed changed behind the error."""
+    if "cuda" in state and not torch.cuda.is_available():
+        raise RuntimeError(
+            "fusedist.checkpoint.resume: the checkpoint holds CUDA generator states but CUDA is not "
+            "available here; an exact resume needs the same kind of devices (no generator was set; "
+            "restore the others without state['cuda'])"
+        )
 
 
 class ResumableDistributedSampler(PassPosition, DistributedSampler):
@@ -153,6 +161,7 @@ def restore(state: Optional[dict], sampler: Optional[ResumableDistributedSampler
     """Apply :func:`resume_state`'s result; False (nothing changed) when ``state`` is None."""
     if state is None:
         return False
+    _refuse_cuda_states_without_cuda(state["rng"])  # (before the sampler is changed)
     if sampler is not None:
         if state.get("sampler") is None:
             raise ValueError("fusedist.checkpoint.resume: the checkpoint holds no sampler position")

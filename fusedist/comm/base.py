@@ -74,12 +74,14 @@ class CommHandle:
             return True
         return bool(self._work.is_completed())
 
+    # Never traced (Note [collectives under torch.compile]).
+    @torch.compiler.disable
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> None:
         if self._error is not None:
             raise self._error
         if self._done:
             return
-        timeout = timeout or self._timeout
+        timeout = _as_wait_timeout(timeout, self._timeout)
         try:
             self._comm._wait_work(self._work, timeout)
         except CollectiveError as exc:
@@ -286,6 +288,17 @@ class Communicator(abc.ABC):
         return self._all_gather(output, input)
 
     # ---- helpers
+    # Note [collectives under torch.compile]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A compiled function (fullgraph=False) that calls a collective must run it as eager code
+    # does. Traced by dynamo, the launch fails: the gloo exchange posts its messages through
+    # the process group's own ``send``/``recv``, which dynamo sees as an opaque object with no
+    # such members ("UnsafeScriptObjectError: ... Member 'send' is not registered"), and the
+    # exchange's threads, events and deadlines are not graph material either. So the launch
+    # and a handle's ``wait`` are never traced: the compiled function breaks its graph there
+    # and the collective runs eagerly, with the values it would have in eager mode (under a
+    # microsecond per call).
+    @torch.compiler.disable
     def _launch(self, op: str, tag: str, async_op: bool, start, label: Optional[str] = None) -> CommHandle:
         seq = self.last_seq = next(self._seq)
         self.last_tag = tag
@@ -373,6 +386,16 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _as_wait_timeout(timeout: Optional[datetime.timedelta], default: datetime.timedelta) -> datetime.timedelta:
+    """A ``wait(timeout)``'s timeout as torch's works read it: they count whole milliseconds and
+    take 0 for "no timeout", so None, zero and anything under a millisecond wait the
+    collective's own timeout (waiting that out is this handle's "no timeout"), where the gloo
+    exchange would otherwise give up at once on what torch's gloo work waits for."""
+    if timeout is None or datetime.timedelta(0) <= timeout < datetime.timedelta(milliseconds=1):
+        return default
+    return timeout
 
 
 def _tag(tag: str) -> str:

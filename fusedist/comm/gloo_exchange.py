@@ -14,7 +14,9 @@ the README and ``benchmarks/results/`` (``zero_cpu_ws*_collectives_*``, and
 * reduce-scatter: rank r sends chunk j of its input to rank j for every peer j, receives
   the peers' copies of chunk r, and reduces them chunk by chunk as they land;
 * all-gather: rank r sends its input to every peer and receives each peer's slice straight
-  into the output.
+  into the output;
+* broadcast: the source sends its tensor to every peer (Note [broadcasts through the
+  exchange]).
 
 Memory: a reduce-scatter in flight holds a landing buffer of (N-2)/N of its input (the
 peers' copies of this rank's slice but one, which lands in the output; (N-1)/N when the
@@ -294,6 +296,28 @@ class GlooExchange:
         return ExchangeWork(_described("all_gather", input), receives, sends, (input, output), timeout_s=self.timeout_s,
                             on_success=on_success, background=self._progress.submit)
 
+    def broadcast(self, tensor: torch.Tensor, src: int, seq: int) -> Optional[ExchangeWork]:
+        """Start ``tensor = tensor of rank src`` (Note [broadcasts through the exchange]): rank
+        ``src`` sends its tensor to every peer, chunk by chunk; None when already done."""
+        flat = tensor.view(-1)
+        if self.world_size == 1 or flat.numel() == 0:
+            return None
+        # Labelled by size, dtype and source, not by tag (as the small all-reduces): ranks whose
+        # tensors or sources differ never pair, whatever their tags.
+        label = f"broadcast from {src} [{flat.numel()} x {flat.dtype}]"
+        sends: list = []
+        receives: list = []
+        for chunk, (lo, hi) in enumerate(_chunk_bounds(flat.numel(), flat.element_size())):
+            tag = message_tag("all_gather", seq, chunk, label)
+            if self.rank == src:
+                for k in range(1, self.world_size):
+                    dst = (src + k) % self.world_size
+                    sends.append((self._send_later(flat[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
+            else:
+                receives.append((self._irecv(flat[lo:hi], src, tag), src, self.global_ranks[src], chunk, None))
+        return ExchangeWork(_described("broadcast", flat), receives, sends, (flat,), timeout_s=self.timeout_s,
+                            background=self._progress.submit)
+
     def progress_in_background(self, work: ExchangeWork) -> None:
         """Have the progress thread drive ``work`` (in launch order) unless its caller gets to
         it first; for launches the caller does not wait for at once (Note [exchange
@@ -393,6 +417,18 @@ class GlooExchange:
 # reduce-scatter on rank >= 2, whose own part is needed after c_0 op c_1 has overwritten it:
 # that chunk keeps a copy of it and its first step writes ``output`` from two other buffers.
 # With 2 ranks and a separate output, the reduce-scatter needs no landing buffer at all.
+#
+# Note [broadcasts through the exchange]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# gloo's own broadcast pairs by issue order alone and trusts every rank's size: where a
+# rank's tensor is larger than the source's (a shape that depends on the rank, a dtype that
+# differs), its tail keeps stale data and the broadcast "succeeds"; where it is smaller,
+# gloo's transport thread fails an assertion and the process dies (SIGABRT). Here the
+# source's messages are labelled by the size, dtype and source of the broadcast (Note
+# [exchange tags]), so ranks that disagree on any of them never pair: each waits out the
+# timeout and raises a CollectiveError naming its own part, and no rank keeps stale data as
+# a result. The source sends to each peer in turn; for the few ranks of a CPU group this
+# timed within the noise of gloo's broadcast (2 and 4 ranks, 16 to 1M elements, medians).
 
 
 class _ChunkFold:

@@ -47,7 +47,7 @@ def gather_object(comm: Communicator, obj: Any, dst: int, *, tag: str) -> Option
     collective; only ``dst`` receives the payloads."""
     if comm.world_size == 1:
         return [obj]
-    sizes, row = _rows(comm, obj, tag)
+    sizes, row = _rows(comm, obj, tag, root=f" (to rank {dst})")
     out = (torch.empty(row.numel() * comm.world_size, dtype=torch.uint8, device=comm.device)
            if comm.rank == dst else None)
     comm.gather(out, row, dst, tag=tag)
@@ -59,18 +59,19 @@ def broadcast_object(comm: Communicator, obj: Any, src: int, *, tag: str) -> Any
     if comm.world_size == 1:
         return obj
     payload = _encode(obj, comm.device) if comm.rank == src else None
-    sizes = _exchange_headers(comm, _size(payload) if comm.rank == src else 0, tag, payload)
+    sizes = _exchange_headers(comm, _size(payload) if comm.rank == src else 0, tag, payload,
+                              root=f" (from rank {src})")
     if payload is None:
         payload = torch.empty(sizes[src], dtype=torch.uint8, device=comm.device)
     comm.broadcast(payload, src, tag=tag)
     return obj if comm.rank == src else _decode_rows(payload, [sizes[src]])[0]
 
 
-def _rows(comm: Communicator, obj: Any, tag: str):
+def _rows(comm: Communicator, obj: Any, tag: str, root: str = ""):
     """Every rank's payload size (after the header exchange) and this rank's payload padded
     to the largest: equal rows, as all-gather and gather need."""
     payload = _encode(obj, comm.device)
-    sizes = _exchange_headers(comm, _size(payload), tag, payload)
+    sizes = _exchange_headers(comm, _size(payload), tag, payload, root)
     return sizes, _padded(payload, max(sizes))
 
 
@@ -82,12 +83,16 @@ def _monitored(comm: Communicator) -> None:
     attach_monitor(comm)
 
 
-def _exchange_headers(comm: Communicator, nbytes: int, tag: str, payload=None) -> list[int]:
+def _exchange_headers(comm: Communicator, nbytes: int, tag: str, payload=None, root: str = "") -> list[int]:
     """Gather every rank's (payload size, exchange name); return the sizes, or raise on every
     rank if the ranks are in different exchanges or some rank's object could not be pickled
-    (``payload``: this rank's :class:`_Unpicklable`, raised here)."""
+    (``payload``: this rank's :class:`_Unpicklable`, raised here). ``root`` (" (from rank 1)")
+    ends the name of a rooted exchange, never cut: ranks that disagree on the root rank are in
+    different exchanges too, raised here at once rather than as a timeout of the payload's
+    broadcast or gather (whose messages would never pair)."""
     _monitored(comm)
-    name = tag.encode()[:NAME_BYTES]
+    suffix = root.encode()
+    name = tag.encode()[:NAME_BYTES - len(suffix)] + suffix
     header = torch.zeros(1 + NAME_BYTES, dtype=torch.int64)
     header[0] = nbytes
     header[1 : 1 + len(name)] = torch.tensor(list(name), dtype=torch.int64)

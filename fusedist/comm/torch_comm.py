@@ -1,7 +1,8 @@
 """Communicator implemented on ``torch.distributed`` (gloo on CPU, torch's NCCL on GPU).
 
-On gloo, reduce-scatter and all-gather of CPU tensors go through the point-to-point exchange
-of :mod:`.gloo_exchange` (``FUSEDIST_GLOO_COLLECTIVES=builtin`` keeps gloo's own).
+On gloo, reduce-scatter, all-gather and broadcast of CPU tensors (and small all-reduces) go
+through the point-to-point exchange of :mod:`.gloo_exchange` (``FUSEDIST_GLOO_COLLECTIVES=builtin``
+keeps gloo's own).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import gloo_exchange
-from .base import Communicator
+from .base import Communicator, describe_collective
 
 #: All-reduces up to this size go through the gloo exchange when their result does not depend
 #: on the summation order (Note [small all-reduces through the exchange]).
@@ -60,6 +61,8 @@ class TorchCommunicator(Communicator):
                 "(under torchrun) or torch.distributed.init_process_group() first"
             )
         self.group = process_group
+        #: The group object itself (the default group resolved): what "destroyed" is asked of.
+        self._group_obj = process_group if process_group is not None else dist.group.WORLD
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
         self._seq = _SequenceCounter()
@@ -70,6 +73,24 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
         if "gloo" in str(self.backend) and mode == "p2p":
             self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size, self.timeout)
+
+    def _launch(self, op, tag, async_op, start, label=None):
+        self._check_group_alive(op, tag)
+        return super()._launch(op, tag, async_op, start, label)
+
+    def _check_group_alive(self, op: str, tag: str) -> None:
+        """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as
+        torch.distributed's own collectives do. Why: the communicator still holds the group
+        object, whose connections live on, so the collective would run on a group the program
+        gave up -- and pair with whatever a peer still holding it issues -- rather than fail."""
+        if _is_alive(self._group_obj):
+            return
+        what = "default process group" if self.group is None else "process group"
+        raise RuntimeError(
+            f"fusedist {describe_collective(op, tag, self.last_seq + 1)} on rank {self.rank} of "
+            f"{self.world_size}: the {what} of this communicator was destroyed "
+            "(torch.distributed.destroy_process_group()); get a communicator for a live group "
+            "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
 
     @property
     def device(self) -> torch.device:
@@ -158,6 +179,8 @@ class TorchCommunicator(Communicator):
         return dist.gather(_flat_real(input), chunks, dst=global_dst, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):
+        if self.exchange is not None and tensor.device.type == "cpu":
+            return self.exchange.broadcast(tensor, src, seq=self._seq.last)  # Note [broadcasts through the exchange]
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
 
@@ -191,6 +214,18 @@ class _GlooReduceScatter:
         self.work.wait(timeout=timeout)
         self.output.view(-1).copy_(self.buffer.view(-1).chunk(self.world_size)[self.rank])  # (any shapes: flat)
         self.buffer = None
+
+
+def _is_alive(group) -> bool:
+    """Whether torch.distributed still has ``group`` (a group object, not None), i.e. it was
+    not destroyed."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if not dist.is_initialized():
+        return False
+    if pg_map is None:  # internals moved: the coarser public question only
+        return True
+    return group in pg_map
 
 
 def _flat_real(t: torch.Tensor) -> torch.Tensor:

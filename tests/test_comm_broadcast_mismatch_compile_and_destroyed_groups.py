@@ -1,0 +1,232 @@
+"""Communicator entry points against torch.distributed on gloo, on random inputs.
+
+* A ``wait(timeout)`` under a millisecond waits for the collective, as torch's gloo work
+  does (it counts whole milliseconds; 0 is "no timeout"); the gloo exchange gave up at once.
+* Collectives called from a function compiled with ``torch.compile`` (fullgraph=False) give
+  the eager results (they broke there: dynamo traced the gloo exchange's posting of its
+  messages and failed the launch).
+* A broadcast whose tensors differ in size or dtype across ranks raises a CollectiveError
+  naming each rank's part, with no rank keeping a partly written tensor (gloo's own broadcast
+  leaves the tail of a larger tensor stale and reports success, and terminates the process
+  of a smaller one); matching broadcasts still equal torch's, on a subgroup in non-sorted
+  rank order too.
+* Rooted object exchanges whose ranks disagree on the root raise at once on every rank,
+  naming each rank's root; a communicator whose group was destroyed refuses collectives.
+"""
+
+import torch
+
+from fusedist.testing import run_distributed
+
+
+def _compiled_collectives(rank, world_size, seed):
+    import torch.distributed as dist
+
+    from fusedist.comm import get_communicator
+
+    comm = get_communicator(None)
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+
+    def small_max(x):
+        y = x * 2
+        comm.all_reduce(y, op="max")
+        return y + 1
+
+    def small_sum_async(x):
+        y = x * 3
+        handle = comm.all_reduce(y, async_op=True)
+        z = x - 1
+        handle.wait()
+        return y * z
+
+    def reduce_scatter(x):
+        out = torch.empty(x.numel() // world_size)
+        comm.reduce_scatter(out, x * 2, op="avg")
+        return out + 1
+
+    def all_gather(x):
+        out = torch.empty(x.numel() * world_size)
+        comm.all_gather(out, x + 1)
+        return out * 2
+
+    def broadcast(x):
+        y = x + 1
+        comm.broadcast(y, world_size - 1)
+        return y * 2
+
+    def torch_ref(name, x):
+        if name == "small_max":
+            y = x * 2
+            dist.all_reduce(y, op=dist.ReduceOp.MAX)
+            return y + 1
+        if name == "small_sum_async":
+            y = x * 3
+            dist.all_reduce(y)
+            return y * (x - 1)
+        if name == "reduce_scatter":
+            y = x * 2
+            dist.all_reduce(y)
+            return y.chunk(world_size)[rank] / world_size + 1
+        if name == "all_gather":
+            out = torch.empty(x.numel() * world_size)
+            dist.all_gather_into_tensor(out, x + 1)
+            return out * 2
+        y = x + 1
+        dist.broadcast(y, world_size - 1)
+        return y * 2
+
+    errors = []
+    fns = {"small_max": small_max, "small_sum_async": small_sum_async, "reduce_scatter": reduce_scatter,
+           "all_gather": all_gather, "broadcast": broadcast}
+    for name, fn in fns.items():
+        x = torch.randn(4 if name.startswith("small") else 6 * world_size, generator=gen)
+        ref = torch_ref(name, x.clone())
+        try:
+            got = torch.compile(fn, backend="eager")(x.clone())
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        if not torch.allclose(got, ref, rtol=1e-6, atol=1e-6):
+            errors.append(f"{name}: max diff {(got - ref).abs().max()}")
+    return errors
+
+
+def test_collectives_called_from_a_compiled_function_match_eager():
+    for rank_errors in run_distributed(_compiled_collectives, 2, 1, timeout=180):
+        assert rank_errors == []
+
+
+def _sub_millisecond_waits(rank, world_size, seed):
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from fusedist.comm import get_communicator
+
+    comm = get_communicator(None)
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    outcomes, errors = [], []
+    for name in ("torch", "all_reduce_small", "reduce_scatter", "all_gather", "all_reduce"):
+        x = torch.randn({"all_reduce_small": 2, "all_reduce": 100}.get(name, 6 * world_size), generator=gen)
+        ref = x.clone()
+        dist.all_reduce(ref, op=dist.ReduceOp.MAX)
+        dist.barrier()
+        if rank == 1:
+            time.sleep(0.3)  # late: rank 0's waits start before the collective can complete
+        out = x
+        if name == "torch":
+            handle = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+        elif name == "reduce_scatter":
+            out, ref = torch.empty(6), ref.chunk(world_size)[rank]
+            handle = comm.reduce_scatter(out, x, op="max", async_op=True)
+        elif name == "all_gather":
+            out, ref = torch.empty(x.numel() * world_size), torch.empty(x.numel() * world_size)
+            dist.all_gather_into_tensor(ref, x)
+            handle = comm.all_gather(out, x, async_op=True)
+        else:
+            handle = comm.all_reduce(x, op="max", async_op=True)
+        try:
+            handle.wait(timeout=datetime.timedelta(microseconds=500))  # torch: 0 ms, "no timeout"
+            outcomes.append((name, "completed"))
+        except RuntimeError as exc:
+            outcomes.append((name, f"raised {exc}"))
+            handle.wait()
+        if not torch.equal(out, ref):
+            errors.append(name)
+    return outcomes, errors
+
+
+def test_sub_millisecond_wait_waits_as_torch_gloo_work_does():
+    for outcomes, errors in run_distributed(_sub_millisecond_waits, 2, 3, timeout=60):
+        assert errors == []
+        assert outcomes == [(name, "completed") for name, _ in outcomes], outcomes
+
+
+def _broadcasts(rank, world_size, seed):
+    import torch.distributed as dist
+
+    from fusedist.comm import get_communicator
+
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    shared = torch.Generator().manual_seed(seed)  # the same sources on every rank
+    errors = []
+    order = list(range(world_size))[::-1]
+    sub = dist.new_group(order)
+    for group in (None, sub):
+        comm = get_communicator(group)
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+            for n in (1, 37):
+                src = int(torch.randint(world_size, (1,), generator=shared))
+                x = torch.randn(n, generator=gen, dtype=torch.complex64 if dtype.is_complex else torch.float32)
+                x = (x * 10).to(dtype)
+                ours, ref = x.clone(), x.clone()
+                handle = comm.broadcast(ours, src, async_op=bool(n % 2), tag="random")
+                handle.wait()
+                dist.broadcast(ref, dist.get_global_rank(group, src) if group is not None else src, group=group)
+                if not torch.equal(ours, ref):
+                    errors.append(f"group {group is not None} {dtype} n={n} src={src}")
+    return errors
+
+
+def test_broadcast_matches_torch_on_the_world_and_a_subgroup_in_reverse_order():
+    for rank_errors in run_distributed(_broadcasts, 3, 2, timeout=120):
+        assert rank_errors == []
+
+
+def _mismatched_broadcast(rank, world_size, kind):
+    from fusedist.comm import CollectiveError, get_communicator
+
+    comm = get_communicator(None)
+    n = 10 + (3 * rank if kind == "size" else 0)
+    dtype = torch.float64 if kind == "dtype" and rank == 1 else torch.float32
+    tensor = torch.full((n,), float(rank + 1), dtype=dtype)
+    try:
+        comm.broadcast(tensor, 0, tag="model state")
+    except CollectiveError as exc:
+        return str(exc), tensor.tolist()
+    return "no error", tensor.tolist()
+
+
+def test_broadcast_of_tensors_that_differ_across_ranks_raises_naming_each_part():
+    for kind, parts in (("size", ["10 x torch.float32", "13 x torch.float32"]),
+                        ("dtype", ["10 x torch.float32", "10 x torch.float64"])):
+        results = run_distributed(_mismatched_broadcast, 2, kind, timeout=60, env={"FUSEDIST_TIMEOUT_S": "2"})
+        for rank, (message, values) in enumerate(results):
+            assert "broadcast" in message and "model state" in message and parts[rank] in message, message
+            assert values == [float(rank + 1)] * len(values), values  # nothing half-written
+
+
+def _rooted_objects_and_destroyed_groups(rank, world_size):
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, get_communicator
+    from fusedist.comm.objects import broadcast_object, gather_object
+
+    comm = get_communicator(None)
+    out = {}
+    for name, call in (("broadcast_object", lambda: broadcast_object(comm, {"r": rank}, rank, tag="config")),
+                       ("gather_object", lambda: gather_object(comm, rank, world_size - 1 - rank, tag="stats"))):
+        try:
+            call()
+            out[name] = "no error"
+        except CollectiveError as exc:
+            out[name] = str(exc)
+    # the group is still in step: a matching exchange works
+    out["after"] = broadcast_object(comm, {"from": rank}, 1, tag="config")
+    x = torch.ones(3)
+    dist.destroy_process_group()
+    try:
+        comm.all_reduce(x, tag="late")
+        out["destroyed"] = "no error"
+    except RuntimeError as exc:
+        out["destroyed"] = str(exc)
+    return out
+
+
+def test_rooted_object_exchanges_disagreeing_on_the_root_and_destroyed_groups_raise():
+    for out in run_distributed(_rooted_objects_and_destroyed_groups, 2, timeout=60, env={"FUSEDIST_TIMEOUT_S": "10"}):
+        assert "rank 0: config (from rank 0); rank 1: config (from rank 1)" in out["broadcast_object"], out
+        assert "rank 0: stats (to rank 1); rank 1: stats (to rank 0)" in out["gather_object"], out
+        assert out["after"] == {"from": 1}
+        assert "all_reduce [late]" in out["destroyed"] and "destroyed" in out["destroyed"], out["destroyed"]

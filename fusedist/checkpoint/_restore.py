@@ -325,10 +325,11 @@ class RestoreMixin:
         common = _saved_common(path, manifest, trusted)
         meta = common.get("extra") or {}
         try:
-            # (per-part states, of a pipelined Checkpointer or checkpoint, are found by the load)
+            # (the objects of a pipelined Checkpointer or checkpoint, per part, are checked by the
+            # load; their LR scheduler states are read from the stages' files here)
             if not self.pipeline and "pipeline" not in manifest:
                 self._check_objects(path, manifest, common, strict)
-                self._lr_scheduler_states(path, meta)  # (raises what the load would)
+            self._lr_scheduler_states(path, meta)  # (raises what the load would)
             position = self._saved_position(path, meta, per_rank)
             if position is not None:
                 copy.copy(self._state["sampler"]).load_state_dict(position)

@@ -56,6 +56,17 @@ def part_schedulers(lr_scheduler, count: int, rank: int) -> list:
     return listed
 
 
+def _read_checkpoint(read):
+    """``read()`` of a checkpoint's files before the load; a file that cannot be read so is the
+    load's to report (and the restore tries an older one)."""
+    from ._restore import _Unreadable
+
+    try:
+        return read()
+    except pipelined.UnreadableFile as exc:
+        raise _Unreadable(str(exc)) from exc
+
+
 class SnapshotMixin:
     """The snapshot of ``Checkpointer.save``, over its coordinator, staging buffers and
     registered objects."""
@@ -183,25 +194,61 @@ class SnapshotMixin:
 
     def _lr_scheduler_states(self, path: str, meta: dict) -> list:
         """``[(registered scheduler or None, its saved state)]``, or CheckpointError when the
-        checkpoint holds none for a registered one. Without per-part states (an ordinary
-        checkpoint, or one saved before them) the job's one state goes into each part; a
-        Checkpointer of the whole model takes the state of the first stage with one."""
+        checkpoint holds none for a registered one. ``meta``: the load's ``extra``, or before the
+        load the job's common file's (the per-part states are then read from the stages' files).
+        Without per-part states (an ordinary checkpoint, or one saved before them) the job's one
+        state goes into each part whose param groups it fits; a Checkpointer of the whole model
+        takes the state of the first stage with one."""
         per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
+        if per_part is None and self._state["lr_scheduler"] is not None and pipelined.is_pipelined(path):
+            # before the load (Note [LR scheduler states before the load] in pipeline.py)
+            per_part = _read_checkpoint(lambda: pipelined.part_lr_scheduler_states(
+                path, self._state["model"], self._state["optimizer"], self._trusted()))
         if self.pipeline:
             schedulers = part_schedulers(self._state["lr_scheduler"], len(self._parts()), self.rank)
-            states = per_part if per_part is not None else [meta.get("lr_scheduler")] * len(schedulers)
+            states = per_part if per_part is not None else self._whole_model_lr_scheduler_states(path, meta,
+                                                                                                  schedulers)
+            self._check_scheduled_groups(path, schedulers, states)
         else:
             schedulers = lr_schedulers(self._state["lr_scheduler"])
             if len(schedulers) > 1 or (schedulers and meta.get("lr_schedulers") is not None):
                 states = self._several_lr_scheduler_states(path, meta, len(schedulers))
             else:
                 states = [meta.get("lr_scheduler") if per_part is None else per_part[0]] * len(schedulers)
+                if per_part is not None:  # a stage's schedule, loaded by name (as a pipelined Checkpointer's)
+                    self._check_scheduled_groups(path, schedulers, states)
         lacking = [j for j, (scheduler, state) in enumerate(zip(schedulers, states))
                    if scheduler is not None and state is None]
         if lacking:
             which = f" for model part(s) {lacking} (their stages were saved without one)" if self.pipeline else ""
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds no LR scheduler state{which}")
         return list(zip(schedulers, states))
+
+    def _trusted(self) -> bool:
+        """Whether the restore reads its checkpoints fully unpickled (``trusted=True``)."""
+        return getattr(self, "_restores_trusted", False)
+
+    def _whole_model_lr_scheduler_states(self, path: str, meta: dict, schedulers: list) -> list:
+        """The states of a pipelined Checkpointer's part schedulers from a checkpoint of the whole
+        model: its one state for each (a part whose groups it does not fit is refused:
+        :meth:`_check_scheduled_groups`)."""
+        if any(s is not None for s in schedulers) and meta.get("lr_schedulers") is not None:
+            raise CheckpointError(f"fusedist.checkpoint.Checkpointer: {path} holds the states of "  # Note [several
+                                  f"{len(meta['lr_schedulers'])} LR schedulers of the whole model, which cannot be "
+                                  "told apart into one per model part: restore without lr_scheduler= and set the "
+                                  "parts' schedulers yourself")  # LR schedulers of one model]
+        return [meta.get("lr_scheduler")] * len(schedulers)
+
+    def _check_scheduled_groups(self, path: str, schedulers: list, states: list) -> None:
+        """Refuse a part's saved LR scheduler state that belongs to other param groups than its
+        optimizer's (Note [LR scheduler states before the load] in pipeline.py)."""
+        held = pipelined.parts(self._state["model"], self._state["optimizer"])  # (a list of one optimizer too)
+        for j, ((module, optimizer), scheduler, state) in enumerate(zip(held, schedulers, states)):
+            why = None if scheduler is None or state is None else _read_checkpoint(
+                lambda: pipelined.lr_scheduler_group_mismatch(path, module, optimizer, self._trusted()))
+            if why is not None:
+                raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot load the LR scheduler state of "
+                                      f"model part {j} (rank {self.rank}): {why}")
 
     # Note [several LR schedulers of one model]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -306,8 +306,8 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)
     read = loaded_objects(directory, digest, strict, held, scaler)
-    plans = [_prepare_part(directory, stages, reader, module, opt, scaler if j == 0 else None, strict)
-             for j, (module, opt) in enumerate(held)]
+    plans = [_prepare_part(directory, stages, reader, module, opt, scaler if j == 0 else None, strict,
+                           (job_world().rank, j)) for j, (module, opt) in enumerate(held)]
     read["keys"] = sorted({k for p in plans for k in p.pop("keys")})  # as saved (_Reader.model)
     read["params"] = sorted({n for p in plans for n in p.pop("params")})
     all_keys = {key: i for i, s in enumerate(stages) for key, _ in reader.model(i, s, {}).values()}
@@ -406,10 +406,26 @@ def _dcp_model_keys(tree: dict, directory: str) -> dict:
     return _names.strip_prefix({k: v for k, v in found[0].items() if isinstance(v, torch.Tensor)}, {})
 
 
-def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimizer, scaler, strict: bool) -> dict:
+def _chosen(stages: list, expected: dict) -> list:
+    """``(index, stage)`` of the stages a part expecting the model keys ``expected`` takes its
+    state from: those saving any of its keys (every stage of an ordinary checkpoint: its one)."""
+    return [(k, s) for k, s in enumerate(stages) if s["keys"] is None or not expected.keys().isdisjoint(s["keys"])]
+
+
+def _part_lr_scheduler(commons: list):
+    """A part's LR scheduler state from the common files of its stages (Note [an LR scheduler
+    per pipeline part] in ``_snapshot.py``): the first with one; absent (no key) when they were
+    saved without per-stage states."""
+    scheduled = [c["lr_scheduler"] for c in commons if "lr_scheduler" in c]
+    return {"lr_scheduler": next((state for state in scheduled if state is not None), None)} if scheduled else {}
+
+
+def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimizer, scaler, strict: bool,
+                  where: tuple) -> dict:
+    """The plan of one part; ``where``: ``(job rank, the part's slot on it)``."""
     target = _names.unwrap(model)
     expected, sharded_target = _load_plan._expected_model(target)
-    chosen = [(k, s) for k, s in enumerate(stages) if s["keys"] is None or not expected.keys().isdisjoint(s["keys"])]
+    chosen = _chosen(stages, expected)
     saved, holder, taken = {}, {}, []
     for k, stage in chosen:
         for key, (saved_key, value) in reader.model(k, stage, expected).items():
@@ -423,11 +439,10 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
                   "model_sharded": sharded_target, "strict": strict, "extra": None, "params": [], "keys": taken}
     if optimizer is not None:
         plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer)
-    scheduled = [c["lr_scheduler"] for c in (reader.file(s["common"]) for _, s in chosen) if "lr_scheduler" in c]
-    if scheduled:  # the stages' LR schedulers, saved by a Checkpointer (Note [an LR scheduler per pipeline part])
-        plan["lr_scheduler"] = next((state for state in scheduled if state is not None), None)
+    # the stages' LR schedulers, saved by a Checkpointer (Note [an LR scheduler per pipeline part])
+    plan.update(_part_lr_scheduler([reader.file(s["common"]) for _, s in chosen]))
     if scaler is not None:
-        found = next((s for _, s in chosen or _stateless_first(stages) if s.get("scaler")), None)
+        found = next((s for _, s in chosen or _stateless_first(stages, *where) if s.get("scaler")), None)
         if found is None:
             raise CheckpointError(f"fusedist.checkpoint: {directory} holds no GradScaler state for this part's stages")
         state = reader.file(found["common"])["scaler"]
@@ -436,25 +451,134 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
     return plan
 
 
-def _stateless_first(stages: list) -> list:
+# Note [LR scheduler states before the load]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A Checkpointer's restore matches the registered LR schedulers to the saved states before
+# anything is loaded (Note [a refused restore changes nothing] in _restore.py). A pipelined
+# checkpoint's states are per stage, and they were known only from the load's plan: a part
+# whose stages were saved without one was refused after the model and optimizer were loaded.
+# These read what the match needs from the small files alone (the stages' common files, their
+# tensors memory-mapped, not read; unverified: the load verifies them), choosing the stages as
+# the load does (_chosen, _part_lr_scheduler).
+#
+# A scheduler's state holds values per param group of the optimizer that saved it (base and
+# last learning rates): an ordinary checkpoint's one schedule of the whole model, a pipelined
+# one's of each stage. It was loaded into each part's scheduler as it was, so a part whose
+# groups are not the saved ones in their order (other groups, fewer, another order) took
+# another group's rates (LambdaLR set a weight group's rate from the bias group's base), where
+# the optimizer's groups took their own (by parameter name). It is loaded only into a part
+# whose param groups are the saved ones in their order (lr_scheduler_group_mismatch).
+class UnreadableFile(CheckpointError):
+    """A file :func:`_peek` could not read: the load's to report (it verifies the file)."""
+
+
+def _peek(directory: str, files: dict, name: str, trusted: bool, *path):
+    """File ``name`` of the checkpoint (its entry ``path``), its tensors memory-mapped (Note [LR
+    scheduler states before the load])."""
+    try:
+        value = torch.load(os.path.join(directory, files[name].get("file", name)), map_location="cpu",
+                           weights_only=not trusted, mmap=True)
+        for key in path:
+            value = value[key]
+        return value
+    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
+        raise UnreadableFile(f"fusedist.checkpoint: {name} of {directory}: {type(exc).__name__}: {exc}") from exc
+
+
+def part_lr_scheduler_states(directory: str, model, optimizer, trusted: bool) -> Optional[list]:
+    """The LR scheduler state the load gives each part of ``model`` (``PART_LR_SCHEDULERS`` of
+    its ``extra``), None where a pipelined checkpoint holds none for a part; None for a
+    checkpoint without per-stage states (an ordinary one, or one saved before them)."""
+    manifest = _files.read_manifest(directory)
+    if "pipeline" not in manifest:
+        return None
+    stages, commons = manifest["pipeline"], {}
+
+    def common(stage: dict) -> dict:
+        if stage["common"] not in commons:
+            commons[stage["common"]] = _peek(directory, manifest["files"], stage["common"], trusted)
+        return commons[stage["common"]]
+
+    found = [_part_lr_scheduler([common(s) for _, s in _chosen(stages, _load_plan._expected_model(
+        _names.unwrap(module))[0])]) for module, _ in parts(model, optimizer)]
+    return [f.get("lr_scheduler") for f in found] if any(found) else None
+
+
+def _saved_groups(directory: str, files: dict, stage: dict, trusted: bool) -> list:
+    """The stage's optimizer param groups as saved (their parameters by index into its
+    ``param_names``): in its common file, or in its first rank's ZeRO shard."""
+    if stage["optimizer"]["kind"] == "full":
+        return _peek(directory, files, stage["common"], trusted, "optimizer", "param_groups")
+    return _peek(directory, files, api.rank_file(stage["ranks"][0]), trusted,
+                 _section("optimizer_shard", stage["part"]), "param_groups")
+
+
+def lr_scheduler_group_mismatch(directory: str, model, optimizer, trusted: bool) -> Optional[str]:
+    """Why the LR scheduler state the load gives the part ``model`` does not fit its optimizer
+    (its param groups are not those of the optimizer that saved the state, in their order: Note
+    [LR scheduler states before the load]), or None when it fits or nothing tells."""
+    manifest = _files.read_manifest(directory)
+    files, stages = manifest["files"], _stages(manifest)
+    chosen = [s for _, s in _chosen(stages, _load_plan._expected_model(_names.unwrap(model))[0])
+              if s.get("optimizer") is not None]
+    if optimizer is None or not chosen:
+        return None
+    # the stage the state is from: the first of them saved with one (an ordinary checkpoint's one)
+    source = next((s for s in chosen if s["keys"] is None or _peek(directory, files, s["common"], trusted).get(
+        "lr_scheduler") is not None), chosen[0])
+    names = param_names(model, optimizer_params(optimizer))
+    wanted, group_of, count = set(names), {}, 0
+    for stage in chosen:
+        saved = _saved_groups(directory, files, stage, trusted)
+        count = len(saved) if stage is source else count
+        for g, group in enumerate(saved):
+            for i in group["params"]:
+                name = stage["optimizer"]["param_names"][int(i)]
+                group_of[name if name in wanted else _names.legacy_key(name)] = g
+    taken, start = [], 0
+    for group in optimizer.param_groups:
+        members = names[start:start + len(group["params"])]
+        start += len(members)
+        taken.append(sorted({group_of.get(n) for n in members}, key=str))
+    if len(taken) == count and all(sources in ([], [g]) for g, sources in enumerate(taken)):
+        return None
+    saver = "the whole model's optimizer" if source["keys"] is None else \
+        f"the optimizer of the stage of ranks {source['ranks']} (its part {source['part']})"
+    return (f"the LR scheduler state {directory} holds for it was saved over {saver}, with {count} param group(s); "
+            f"this part's optimizer has {len(taken)}, taken from the saved groups "
+            f"{[s[0] if len(s) == 1 else s for s in taken]}: the schedule's values per group (base and last learning "
+            "rates) would go to other groups. Give the part's optimizer the saved param groups in their order (its "
+            "group i from the saved group i), or restore without its LR scheduler and set its state yourself")
+
+
+def _stateless_first(stages: list, rank: int, slot: int) -> list:
     """The stages whose GradScaler state a part holding no state takes (a pipeline stage without
-    parameters, whose loss the scaler scales; it takes nothing else): a stage saved without
-    state first, else the first saved with a scaler. Those holding a part's layers are the
-    ones a part with state takes it from."""
-    return sorted(enumerate(stages), key=lambda ks: bool(ks[1]["keys"]))
+    parameters, whose loss the scaler scales; it takes nothing else): the stage this rank saved
+    in this slot when it held no state either (each stage's own GradScaler, as at the save:
+    with several stages without parameters, each took the first one's scale and growth
+    tracker), then a stage saved without state, else the first saved with a scaler. Those
+    holding a part's layers are the ones a part with state takes it from."""
+    def order(ks):
+        stage = ks[1]
+        own = rank in (stage["ranks"] or ()) and stage["part"] == slot and not stage["keys"]
+        return not own, bool(stage["keys"])
+
+    return sorted(enumerate(stages), key=order)
 
 
 def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer) -> tuple:
     """The part's optimizer state in torch's format, from the stages holding its parameters:
     their state and param groups by parameter name, put in the optimizer's order as a torch
     distributed checkpoint's are (``_from_dcp.to_torch_format``), then checked and converted
-    by :func:`_load_plan._prepare_full`; and the names taken."""
+    by :func:`_load_plan._prepare_full`; and the names taken, as saved (what :func:`check_taken`
+    compares with the stages' ``param_names``: an older checkpoint's ``_orig_mod.`` names,
+    taken by their names now, were reported as state no part loads)."""
     params = optimizer_params(optimizer)
     names = param_names(model, params)
     target = _names.unwrap(model)
     sharding = _load_plan._sharding(target)
     wanted = set(names)
-    state, groups, shapes = {}, [], {}  # by name; the saved groups with their parameters' names
+    state, groups, shapes, taken = {}, [], {}, []  # by name; the saved groups with their parameters' names
     with_state = [s for _, s in chosen if s.get("optimizer") is not None]
     if not with_state:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -465,6 +589,7 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
         saved = {i: n if n in wanted else _names.legacy_key(n) for i, n in enumerate(meta["param_names"])}
         saved = {i: n for i, n in saved.items() if n in wanted}
         shapes.update((n, meta["param_shapes"][i]) for i, n in saved.items())
+        taken += [meta["param_names"][i] for i in saved]
         state.update((saved[int(i)], v) for i, v in full.get("state", {}).items() if int(i) in saved)
         groups += [dict(g, params=[saved[int(i)] for i in g["params"] if int(i) in saved])
                    for g in full["param_groups"]]
@@ -479,7 +604,7 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
                                   f"its state in {directory} shape {tuple(shapes[name])}")
     source = f"optimizer state in {directory}"
     full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source)
-    return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), names
+    return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), taken
 
 
 def check_taken(plan: dict, reads: list, directory: str) -> None:

@@ -45,6 +45,20 @@ Note [gradient hooks under a compiled caller]
     unregistered member on an OpaqueObject"), where torch's DDP (whose reducer is C++) trains.
     So the hook and the callback are ``torch.compiler.disable``-d: they run eagerly whoever
     calls them (about 0.4 us per gradient, measured on a 2-core CPU).
+
+Note [the user's gradient hooks first]
+    torch's DDP reduces a gradient in a hook on the parameter's AccumulateGrad node, which
+    runs after all of the parameter's post-accumulate-grad hooks: a hook the user registers
+    (``p.register_post_accumulate_grad_hook``), before or after wrapping, sees the local
+    gradient, and what it does to ``p.grad`` in place (scaling, clipping, adding noise) is
+    part of what is averaged. The reducer's hook is a post-accumulate-grad hook itself, and
+    torch runs those in the order they were registered, so a user's hook registered after
+    wrapping ran after the reducer had copied the gradient and possibly launched its bucket:
+    its change was lost (overwritten by the average, without gradient views) or raced the
+    collective in flight, and the ranks stepped with neither torch's gradients nor their own.
+    So every training forward puts the reducer's hook last again where a hook was registered
+    since (``hooks_last``: a sum of the hook dicts' sizes when nothing changed; torch calls
+    the hooks in the dicts' insertion order, hence pop and re-insert).
 """
 
 from __future__ import annotations
@@ -154,3 +168,18 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
 def remove_hooks(handles) -> None:
     for handle in handles:
         handle.remove()
+
+
+def hooks_last(handles, hook_dicts, ordered: int) -> int:
+    """Move each of ``handles`` (the reducer's hooks, one per parameter; ``hook_dicts`` the
+    parameters' post-accumulate-grad hook dicts, aligned) behind the hooks registered after it
+    (Note [the user's gradient hooks first]). ``ordered``: the dicts' total size when they were
+    last put in order; returns the total now (the same when nothing was registered since)."""
+    total = sum(map(len, hook_dicts))
+    if total == ordered:
+        return total
+    for handle, hooks in zip(handles, hook_dicts):
+        key = handle.id
+        if key in hooks and next(reversed(hooks)) != key:
+            hooks[key] = hooks.pop(key)  # re-inserted: called last
+    return total

@@ -55,7 +55,7 @@ from torch.autograd import Variable
 from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
-from .grad_hook import ParamEntry, make_hook, remove_hooks
+from .grad_hook import ParamEntry, hooks_last, make_hook, remove_hooks
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .prepared import refuse_compiled_autograd
 from .rebucket import rebuild_from_observed
@@ -122,6 +122,10 @@ class Reducer:
         self._entry_of: dict = {}
         self._hook_entries: list = []
         self._hooks: list = []
+        # Note [the user's gradient hooks first] (grad_hook.py): the hooked parameters' hook
+        # dicts, aligned with _hooks, and their total size when last put in order (-1: unchecked).
+        self._hook_dicts: list = []
+        self._hooks_ordered = -1
         self.generation = 0  # numbers the backwards (the entries' readiness stamps)
         self.synced_generation = 0  # the number of the last synchronized backward
         self.as_view = config.gradient_as_bucket_view
@@ -192,6 +196,8 @@ class Reducer:
             self._hook_entries.append(entry)
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 make_hook(self._ref, len(self._hook_entries) - 1)))
+            self._hook_dicts.append(p._post_accumulate_grad_hooks)
+            self._hooks_ordered = -1
 
     def _refresh_entries(self) -> None:
         """Point every hooked parameter's entry at its current slot and position (Note
@@ -323,6 +329,8 @@ class Reducer:
         """A training forward begins (before its first collective)."""
         self.next_backward_sync = sync
         self.prepared = True
+        # Note [the user's gradient hooks first] in grad_hook.py
+        self._hooks_ordered = hooks_last(self._hooks, self._hook_dicts, self._hooks_ordered)
         for observer in self.observers:
             observer.forward_begins(self)
 
@@ -382,6 +390,7 @@ class Reducer:
         """Stop receiving gradients (Note [a module wrapped again] in wrapper.py)."""
         remove_hooks(self._hooks)
         self._hooks.clear()
+        self._hook_dicts.clear()
 
     def converted_after_wrapping(self, name: str, p: torch.Tensor, dtype: torch.dtype,
                                  device: torch.device) -> RuntimeError:

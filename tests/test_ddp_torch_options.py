@@ -36,6 +36,19 @@ def test_signature_takes_torchs_parameters_in_torchs_positions():
         assert ours[name].default == theirs[name].default, name
 
 
+@pytest.mark.parametrize("given", ["delay_all_reduce_named_params", "param_to_hook_all_reduce"])
+def test_delayed_all_reduce_options_given_alone_are_refused_as_torch_refuses_them(given):
+    """torch's DDP requires both or neither (a ValueError before it touches a group); fusedist
+    ignored the one given, where the user meant a delay torch would have refused."""
+    import fusedist
+
+    module = nn.Linear(3, 2)
+    value = list(module.named_parameters()) if given == "delay_all_reduce_named_params" else module.weight
+    for ddp in (nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+        with pytest.raises(ValueError, match="need to be set at the same time"):
+            ddp(module, **{given: value})
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()

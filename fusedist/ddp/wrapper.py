@@ -123,6 +123,10 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         # check_reduction, delay_all_reduce_named_params, param_to_hook_all_reduce,
         # skip_all_reduce_unused_params and batched_grad_copy are TORCH_ONLY_OPTIONS: ignored)
         super().__init__()
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("fusedist.DistributedDataParallel: delay_all_reduce_named_params and "
+                             "param_to_hook_all_reduce need to be set at the same time (as torch's DDP "
+                             "requires; fusedist reduces those parameters with the others either way)")
         forward_sync, init_sync_buffers = buffer_sync_settings(broadcast_buffers, forward_sync_buffers)
         reduce_dtype = reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype)
         unknown = set(torch_options)

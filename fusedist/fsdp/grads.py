@@ -86,6 +86,7 @@ Note [fp16 reduction]
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -135,6 +136,14 @@ class PendingReduce:
         self.hook = grads.all_reduce_hook  # the hook as set when the reduction was issued
         self.hook_stream = grads.all_reduce_hook_stream
 
+    def __del__(self):
+        """Collected still holding its buffers (a model dropped after an aborted backward, before
+        a forward discarded its reductions): they leave the scratch count with it (Note [held
+        gradient buffers of a dropped model])."""
+        for t in (self.input, self.output):
+            if t is not None:
+                COUNTERS.add_scratch(-t.numel() * t.element_size())
+
     def ready(self) -> bool:
         """Landed, and may be finished now: a hooked or replicated reduction waits for its
         fixed point (Note [replicate all-reduce] in replicate.py)."""
@@ -165,6 +174,9 @@ class UnitGrads:
         self._partial: dict[int, tuple[torch.Tensor, set]] = {}
         self._acc: dict[int, torch.Tensor] = {}  # section -> flat accumulator of unsynchronized backwards
         self._acc_with_grad: dict[int, set] = {}  # section -> parameters with a gradient in it
+        # a model dropped with accumulators or partial sums frees them with it (Note [held
+        # gradient buffers of a dropped model]): the same dicts, emptied in place, never replaced
+        weakref.finalize(self, _free_held, self._acc, self._partial)
 
     def dtype_of(self, k: int) -> torch.dtype:
         """The dtype section ``k`` reduces in."""
@@ -260,7 +272,8 @@ class UnitGrads:
             handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
                                               tag=f"fully_shard grads {unit.label}")
             pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post, op))
-        self._acc, self._acc_with_grad = {}, {}
+        self._acc.clear()
+        self._acc_with_grad.clear()
         while pending and pending[0].ready():
             finish(pending.pop(0))  # the landed ones free their buffers at once
 
@@ -294,12 +307,34 @@ class UnitGrads:
 
     @property
     def accumulator_bytes(self) -> int:
-        return (sum(a.numel() * a.element_size() for a in self._acc.values())
-                + sum(t.numel() * t.element_size() for t, _ in self._partial.values()))
+        return _held_bytes(self._acc, self._partial)
 
     def drop_accumulator(self) -> None:
         COUNTERS.add_scratch(-self.accumulator_bytes)
-        self._acc, self._acc_with_grad, self._partial = {}, {}, {}
+        self._acc.clear()
+        self._acc_with_grad.clear()
+        self._partial.clear()
+
+
+# Note [held gradient buffers of a dropped model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The accumulators of unsynchronized backwards (set_requires_gradient_sync(False)) and HSDP's
+# partial sums (set_requires_all_reduce(False)) are scratch that outlives a backward, and so are
+# the buffers of reductions a backward that raised left listed until the next forward discards
+# them (Note [aborted backward] in recovery.py): a model dropped while it holds them frees them
+# with it, and memory_stats()' process-wide ``scratch_bytes`` must then drop too, or every
+# later model reports them (as gathered bytes of a collected unit are given back, memory.py).
+def _held_bytes(acc: dict, partial: dict) -> int:
+    """Bytes of a unit's accumulators ``acc`` and partial sums ``partial``."""
+    return (sum(a.numel() * a.element_size() for a in acc.values())
+            + sum(t.numel() * t.element_size() for t, _ in partial.values()))
+
+
+def _free_held(acc: dict, partial: dict) -> None:
+    """The unit's gradients were collected: what they held leaves the scratch count."""
+    COUNTERS.add_scratch(-_held_bytes(acc, partial))
+    acc.clear()
+    partial.clear()
 
 
 def _land(p: PendingReduce) -> None:
@@ -346,9 +381,9 @@ def finish(p: PendingReduce) -> None:
         out = _to_shard_device(unit, out, dtype)
     base = unit.layout.sections[p.section].shard_base
     for i in p.with_grad:
+        # (a parameter frozen since unsynchronized backwards gave it gradients is one of them:
+        # those gradients become its .grad, as FSDP2's and an unsharded model's keep them)
         sp = unit.sharded[i]
-        if not sp.requires_grad:
-            continue
         piece = unit.layout.piece(i, unit.rank)
         a = piece.shard_offset - base
         view = out[a:a + piece.numel].view(piece.shape)

@@ -48,7 +48,10 @@ Note [trainable section]
     Flags changed after wrapping are followed (``grads.py``): a section is reduce-scattered
     when one of its parameters requires a gradient now, so a frozen-section parameter that was
     unfrozen makes its section reduce too (the unit's whole size, as without sections), and
-    a trainable-section parameter that was frozen is left a zero slot and no ``.grad``.
+    a trainable-section parameter that was frozen is left a zero slot and no ``.grad`` -- unless
+    unsynchronized backwards (``set_requires_gradient_sync(False)``) accumulated gradients for it
+    while it was trainable: the synchronized backward reduces those into its ``.grad``, as FSDP2
+    does and an unsharded model keeps them.
 
 Note [dtype sections]
     A unit whose parameters have different dtypes (a bf16 decoder layer with fp32 norms or an

@@ -4,7 +4,9 @@ their way through a reduce-scatter, the no-sync accumulators and cast copies: no
 peak). Gathered and scratch bytes are counted process-wide: the peak is the peak of the
 process, whichever models were running. A unit collected while it still holds gathered bytes
 (a model dropped after a forward that kept its units: ``reshard_after_forward=False``, an int,
-an exception) gives them back then: its buffers are freed with it."""
+an exception) gives them back then: its buffers are freed with it; so do the gradient
+accumulators and HSDP partial sums it held as scratch (Note [held gradient buffers of a dropped
+model] in grads.py)."""
 
 from __future__ import annotations
 

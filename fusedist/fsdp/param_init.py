@@ -88,15 +88,30 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
         for sub in _apply_order(module):
             needed = plan.needs.get(id(sub), ())
             if any(u not in whole for u in needed):
-                while whole:
-                    whole.popitem()[1].release()
+                _release_all(whole)
                 for u in needed:
                     whole[u] = _WholeUnit(u, plan.borrowers.get(u, {}))
             init_fn(sub)
-    finally:
-        while whole:
-            whole.popitem()[1].release()
+    except BaseException:
+        _release_all(whole, quiet=True)  # (the exception that stopped it is the one to see)
+        raise
+    _release_all(whole)
     return module
+
+
+def _release_all(whole: dict, quiet: bool = False) -> None:
+    """Release every unit of ``whole`` (emptied), each completely even where another's
+    ``init_fn`` result was refused -- the pieces back in every module and the buffers freed,
+    so the model stays usable after the error -- then raise the first refusal unless
+    ``quiet``."""
+    error = None
+    while whole:
+        try:
+            whole.popitem()[1].release()
+        except ValueError as e:
+            error = error or e
+    if error is not None and not quiet:
+        raise error
 
 
 def _reset_parameters(sub: nn.Module) -> None:
@@ -226,12 +241,15 @@ class _WholeUnit:
         """Keep this rank's rows of what ``init_fn`` wrote (also through a replaced parameter or
         ``.data``), put the pieces back, free the buffer."""
         unit = self.unit
+        error = None  # a refused shape: raised once every piece is back and the buffers are freed
         for i, (whole, spec) in enumerate(zip(self.wholes, unit.tp)):
             for m, attr in self._slots(i):
                 held = m._parameters.get(attr)
                 if held is not None and not _same_data(held, whole):
-                    _check_shape(unit, i, m, attr, held, tuple(whole.shape))
-                    whole.copy_(held)
+                    refused = _shape_error(unit, i, m, attr, held, tuple(whole.shape))
+                    if refused is None:
+                        whole.copy_(held)
+                    error = error or refused
                 m._parameters[attr] = unit.sharded[i]
             if spec is not None:
                 self._view(i).copy_(spec.local_of_global(whole))
@@ -241,15 +259,20 @@ class _WholeUnit:
             unit.sharded[i].copy_(unit.piece_of_whole(i, self._view(i)))
         self.buffers, self.wholes, self.params = None, None, None
         COUNTERS.add_scratch(-self.nbytes)
+        if error is not None:
+            raise error
 
 
 def _same_data(t: torch.Tensor, view: torch.Tensor) -> bool:
     return t.device == view.device and t.data_ptr() == view.data_ptr() and t.shape == view.shape
 
 
-def _check_shape(unit, index: int, module: nn.Module, attr: str, held: torch.Tensor, shape: tuple) -> None:
+def _shape_error(unit, index: int, module: nn.Module, attr: str, held: torch.Tensor,
+                 shape: tuple) -> Optional[ValueError]:
+    """The error for a parameter ``init_fn`` replaced with one of another shape, or None."""
     if tuple(held.shape) != shape:
-        raise ValueError(
+        return ValueError(
             f"fusedist.fsdp.init_parameters: after init_fn, {type(module).__name__}.{attr} "
             f"('{unit.fqns[index]}' of unit {unit.name or 'root'}) has shape {tuple(held.shape)}; "
             f"expected the whole parameter's {shape}")
+    return None

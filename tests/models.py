@@ -52,6 +52,24 @@ class BlockStack(nn.Module):
         return self.head(x)
 
 
+class WholeModelLayers(nn.Module):
+    """Layers ``ids`` of one model of ``count`` tanh-activated ``width``-wide linear layers, under
+    the whole model's names in the child ``child`` (a pipeline stage as torchtitan splits a model:
+    the whole model with the other layers removed); the same ``seed`` gives every split the
+    whole model's values."""
+
+    def __init__(self, ids, seed: int, *, width: int, count: int, child: str = "layers"):
+        super().__init__()
+        torch.manual_seed(seed)
+        every = [nn.Linear(width, width) for _ in range(count)]
+        setattr(self, child, nn.ModuleDict({str(i): every[i] for i in ids}))
+
+    def forward(self, x):
+        for layer in next(iter(self.children())).values():
+            x = torch.tanh(layer(x))
+        return x
+
+
 class ConvBN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -26,30 +26,20 @@ Every load must give each part exactly the saved values of its layers and their 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 LAYERS, WIDTH = 8, 8
 
 
-class _Layers(nn.Module):
-    """Layers ``ids`` of one model of LAYERS layers, under the whole model's names."""
-
-    def __init__(self, ids, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        every = [nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
-        self.layers = nn.ModuleDict({str(i): every[i] for i in ids})
-
-    def forward(self, x):
-        for layer in self.layers.values():
-            x = torch.tanh(layer(x))
-        return x
+_Layers = functools.partial(models.WholeModelLayers, width=WIDTH, count=LAYERS)
 
 
 def _part(ids, mesh, seed: int, shift: float):

@@ -21,31 +21,20 @@ child is ``module`` loaded with ``pipeline=True``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 from test_checkpoint_pipelined_stage_without_parameters import _differ, _error
 
 WIDTH, STEPS, SAVED_AT = 4, 4, 2
 
 
-class _Layers(nn.Module):
-    """Layers ``ids`` of a model of four, under the whole model's names (in ``module`` when
-    ``child`` says so: a model whose only child is called ``module``)."""
-
-    def __init__(self, ids, seed: int, child: str = "layers"):
-        super().__init__()
-        torch.manual_seed(seed)
-        every = [nn.Linear(WIDTH, WIDTH) for _ in range(4)]
-        setattr(self, child, nn.ModuleDict({str(i): every[i] for i in ids}))
-
-    def forward(self, x):
-        for layer in next(iter(self.children())).values():
-            x = torch.tanh(layer(x))
-        return x
+_Layers = functools.partial(models.WholeModelLayers, width=WIDTH, count=4)
 
 
 def _part(spec, seed: int):

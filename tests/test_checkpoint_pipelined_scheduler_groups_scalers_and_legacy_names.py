@@ -18,29 +18,19 @@ states before the load] in fusedist/checkpoint/pipeline.py):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 WIDTH = 4
 
 
-class _Layers(nn.Module):
-    """Layers ``ids`` of a model of four, under the whole model's names."""
-
-    def __init__(self, ids, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        every = [nn.Linear(WIDTH, WIDTH) for _ in range(4)]
-        self.layers = nn.ModuleDict({str(i): every[i] for i in ids})
-
-    def forward(self, x):
-        for layer in self.layers.values():
-            x = torch.tanh(layer(x))
-        return x
+_Layers = functools.partial(models.WholeModelLayers, width=WIDTH, count=4)
 
 
 def _optimizer(module, order: str):

@@ -25,24 +25,15 @@ import os
 import torch
 from torch import nn
 
+import models
 from fusedist.testing import run_distributed
 
 WIDTH, STEPS, SAVED_AT = 6, 4, 2
 
 
-class _Body(nn.Module):
+def _Body(seed: int, ids=(0, 1)):
     """Stage 0: layers ``ids`` of two, under the whole model's names."""
-
-    def __init__(self, seed: int, ids=(0, 1)):
-        super().__init__()
-        torch.manual_seed(seed)
-        every = [nn.Linear(WIDTH, WIDTH) for _ in range(2)]
-        self.layers = nn.ModuleDict({str(i): every[i] for i in ids})
-
-    def forward(self, x):
-        for layer in self.layers.values():
-            x = torch.tanh(layer(x))
-        return x
+    return models.WholeModelLayers(ids, seed, width=WIDTH, count=2)
 
 
 class _Loss(nn.Module):

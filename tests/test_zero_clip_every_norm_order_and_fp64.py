@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -56,34 +57,28 @@ def _every_order_worker(rank, ws, stage):
     clips = [lambda nt: opt.clip_grad_norm_(0.3, nt),
              lambda nt: fusedist.clip_grad_norm_(ours.parameters(), 0.3, nt),
              lambda nt: nn.utils.clip_grad_norm_(ours.parameters(), 0.3, nt)]
-    step = 0
+    batches = itertools.count()
+
+    def clipped_step(nt, clip_ours, clip_theirs):
+        """One step of both sides, clipped by order ``nt``: the norms and then the weights agree."""
+        x = _batch(rank, next(batches))
+        opt.zero_grad()
+        ref.zero_grad()
+        ours(x).square().sum().backward()
+        theirs(x).square().sum().backward()
+        got, want = clip_ours(nt).item(), clip_theirs(nt).item()
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-9), (nt, got, want)
+        opt.step()
+        ref.step()
+        assert _diff(ours, theirs) < 1e-5, (nt, _diff(ours, theirs))
+
     for nt in ORDERS:
         for clip in clips:
-            x = _batch(rank, step)
-            step += 1
-            opt.zero_grad()
-            ref.zero_grad()
-            ours(x).square().sum().backward()
-            theirs(x).square().sum().backward()
-            got, want = clip(nt).item(), nn.utils.clip_grad_norm_(theirs.parameters(), 0.3, nt).item()
-            assert got == pytest.approx(want, rel=1e-5, abs=1e-9), (nt, got, want)
-            opt.step()
-            ref.step()
-            assert _diff(ours, theirs) < 1e-5, (nt, _diff(ours, theirs))
+            clipped_step(nt, clip, lambda nt: nn.utils.clip_grad_norm_(theirs.parameters(), 0.3, nt))
     if stage == 2:  # some of the parameters (the head left out): scaled in their shards
         for nt in ORDERS:
-            x = _batch(rank, step)
-            step += 1
-            opt.zero_grad()
-            ref.zero_grad()
-            ours(x).square().sum().backward()
-            theirs(x).square().sum().backward()
-            got = fusedist.clip_grad_norm_(list(ours.module[0].parameters()), 0.3, nt).item()
-            want = nn.utils.clip_grad_norm_(list(theirs.module[0].parameters()), 0.3, nt).item()
-            assert got == pytest.approx(want, rel=1e-5, abs=1e-9), (nt, got, want)
-            opt.step()
-            ref.step()
-            assert _diff(ours, theirs) < 1e-5, (nt, _diff(ours, theirs))
+            clipped_step(nt, lambda nt: fusedist.clip_grad_norm_(list(ours.module[0].parameters()), 0.3, nt),
+                         lambda nt: nn.utils.clip_grad_norm_(list(theirs.module[0].parameters()), 0.3, nt))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -206,6 +206,29 @@ def test_same_tensor_in_two_collectives_in_flight_stays_consistent_across_ranks(
         assert mine == other, (seed, step, mine, other)
 
 
+def _two_all_reduces_one_late_rank(rank, world_size):
+    from fusedist.comm import get_communicator
+
+    comm = get_communicator(None)
+    x = torch.arange(3, dtype=torch.float32) + 10 * rank
+    first = comm.all_reduce(x, async_op=True, tag="first")
+    if rank == 0:  # the progress thread finishes the first here before the second is launched
+        time.sleep(0.2)
+    second = comm.all_reduce(x, async_op=True, tag="second")
+    second.wait()
+    first.wait()
+    total = sum(torch.arange(3, dtype=torch.float32) + 10 * r for r in range(world_size))
+    return x.tolist(), (world_size * total).tolist()
+
+
+def test_collectives_on_one_tensor_take_effect_in_issue_order():
+    """Note [one buffer, issue order]: the second all-reduce of a tensor reads the first's
+    result on every rank -- also on a rank that launched it only after the first had landed
+    there, where the others had read the tensor before (the ranks ended with different values)."""
+    for rank, (got, want) in enumerate(run_distributed(_two_all_reduces_one_late_rank, 2, timeout=60)):
+        assert got == want, (rank, got, want)
+
+
 def _gather_complex(rank, world_size):
     from fusedist.comm import get_communicator
 

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .base import _overlaps
 from .exchange_progress import ExchangeWork, ProgressThread
 from .exchange_tags import message_tag
 
@@ -209,6 +210,7 @@ class GlooExchange:
             list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size))
         )
         self._landing = _LandingPool()
+        self._writing: list = []  # (work in flight, tensor it writes): Note [one buffer, issue order]
 
     # ---- public
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int,
@@ -221,6 +223,7 @@ class GlooExchange:
         rows, output, in_place = self._rows("reduce_scatter", input, output)
         if rows is None:
             return None
+        self._after_writes_to(input, output)
         n, r, m = self.world_size, self.rank, output.numel()
         # One peer's part lands straight in ``output`` (Note [in-place fold]); the others land
         # in rows of a pooled buffer, in ring order after this rank.
@@ -236,11 +239,11 @@ class GlooExchange:
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold
         ordered = self._reduction_schedule(receives, rows, landing, peer_row, output, op, holder)
         pool = self._landing
-        return ExchangeWork(
+        return self._writes(output, ExchangeWork(
             _described("reduce_scatter", output), ordered, sends, (landing, rows, output), timeout_s=self.timeout_s,
             on_success=functools.partial(pool.give_back, pooled) if pooled is not None else None,
             on_failure=functools.partial(pool.drop, pooled) if pooled is not None else None,
-            background=self._progress.submit)
+            background=self._progress.submit))
 
     def all_reduce(self, tensor: torch.Tensor, op: str, seq: int, label: str = "") -> Optional[ExchangeWork]:
         """Start a small ``tensor = reduce(tensor over ranks)`` (Note [small all-reduces through
@@ -268,7 +271,7 @@ class GlooExchange:
         # Its own label: an all-reduce never pairs with an all-gather of the same tag.
         work = self.all_gather(gathered, tensor, seq, label=f"all_reduce {label}", on_success=fold)
         work.op = _described("all_reduce", tensor)  # how its errors name it
-        return work
+        return self._writes(tensor, work)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int, label: str = "",
                    on_success: Optional[Callable[[], None]] = None) -> Optional[ExchangeWork]:
@@ -280,6 +283,7 @@ class GlooExchange:
         rows, input, in_place = self._rows("all_gather", output, input)
         if rows is None:
             return None
+        self._after_writes_to(input, output)
         # The sends read this rank's row of ``output``, which holds ``input`` as it was at the
         # launch (copied below; sends are posted later, Note [receives first, sends later]):
         # every rank then gathers the same contribution from this one, also when ``input``
@@ -293,8 +297,9 @@ class GlooExchange:
         if not in_place:
             with _unrecorded(output):
                 rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
-        return ExchangeWork(_described("all_gather", input), receives, sends, (input, output), timeout_s=self.timeout_s,
-                            on_success=on_success, background=self._progress.submit)
+        return self._writes(output, ExchangeWork(_described("all_gather", input), receives, sends, (input, output),
+                                                 timeout_s=self.timeout_s, on_success=on_success,
+                                                 background=self._progress.submit))
 
     def broadcast(self, tensor: torch.Tensor, src: int, seq: int) -> Optional[ExchangeWork]:
         """Start ``tensor = tensor of rank src`` (Note [broadcasts through the exchange]): rank
@@ -302,6 +307,7 @@ class GlooExchange:
         flat = tensor.view(-1)
         if self.world_size == 1 or flat.numel() == 0:
             return None
+        self._after_writes_to(flat)
         # Labelled by size, dtype and source, not by tag (as the small all-reduces): ranks whose
         # tensors or sources differ never pair, whatever their tags.
         label = f"broadcast from {src} [{flat.numel()} x {flat.dtype}]"
@@ -315,8 +321,29 @@ class GlooExchange:
                     sends.append((self._send_later(flat[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
             else:
                 receives.append((self._irecv(flat[lo:hi], src, tag), src, self.global_ranks[src], chunk, None))
-        return ExchangeWork(_described("broadcast", flat), receives, sends, (flat,), timeout_s=self.timeout_s,
-                            background=self._progress.submit)
+        return self._writes(flat, ExchangeWork(_described("broadcast", flat), receives, sends, (flat,),
+                                               timeout_s=self.timeout_s, background=self._progress.submit))
+
+    def _after_writes_to(self, *tensors: torch.Tensor) -> None:
+        """Wait for the exchanges in flight that write any of ``tensors`` (Note [one buffer,
+        issue order]); forget the finished ones."""
+        live = []
+        for work, written in self._writing:
+            if work.is_completed():
+                continue
+            if any(_overlaps(written, t) for t in tensors):
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001 - its own wait() raises it to its caller
+                    pass
+                continue
+            live.append((work, written))
+        self._writing = live
+
+    def _writes(self, written: torch.Tensor, work: Optional[ExchangeWork]) -> Optional[ExchangeWork]:
+        if work is not None:
+            self._writing.append((work, written))
+        return work
 
     def progress_in_background(self, work: ExchangeWork) -> None:
         """Have the progress thread drive ``work`` (in launch order) unless its caller gets to
@@ -429,6 +456,19 @@ class GlooExchange:
 # timeout and raises a CollectiveError naming its own part, and no rank keeps stale data as
 # a result. The source sends to each peer in turn; for the few ranks of a CPU group this
 # timed within the noise of gloo's broadcast (2 and 4 ranks, 16 to 1M elements, medians).
+
+
+# Note [one buffer, issue order]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two collectives in flight on one tensor (two asynchronous all-reduces of it, an all-gather
+# into a buffer a broadcast is still writing) ran concurrently: an exchange launched with
+# async_op=True is finished by the progress thread whenever its messages land, so whether the
+# second read the tensor before or after the first wrote its result differed from rank to rank,
+# and the ranks ended with different values (torch's gloo, with two worker threads, is
+# no better). A launch now first waits for the exchanges in flight that write what it reads or
+# writes, so the collectives on one buffer take effect in issue order on every rank, as on one
+# NCCL stream. The peers launched those exchanges first too, so the wait completes; a failed
+# one's error is its own wait's to raise.
 
 
 class _ChunkFold:

@@ -18,6 +18,11 @@ fusedist's pieces, which are plain tensors where FSDP2's are DTensors:
 * Resuming (``trainer.fit(ckpt_path=...)``): Lightning finds the model to load among the
   objects it restores by its DTensor parameters and finds none: "Could not find a distributed
   model in the provided checkpoint state" (Note [finding the sharded model]).
+* Building on the meta device (``with trainer.init_module(empty_init=True)``): Lightning
+  materializes with ``reset_parameters()`` on each submodule, which on fusedist's pieces fails
+  (a piece cut anywhere is 1-D: "Fan in and fan out can not be computed") or draws the same
+  numbers on every rank; the strategy initializes with ``fusedist.fsdp.init_parameters``, the
+  unsharded model's values (Note [materializing fully_shard units]).
 
 Gradient norms: Lightning's ``grad_norm`` reads ``p.grad``, here the gradient of this rank's
 piece, so it would log per-rank piece norms; log
@@ -41,13 +46,18 @@ against FSDP2's DTensor gradients in tests/test_fully_shard_tensor_parallel.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.strategies import model_parallel as _fabric_model_parallel
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import model_parallel as _pytorch_model_parallel
 
 from fusedist.fsdp.api import FullyShardedModule
+from fusedist.fsdp.param_init import init_parameters
 
 from .lightning_precision import RoutesPrecision
 
@@ -57,7 +67,12 @@ __all__ = ["FusedistModelParallelStrategy"]
 class FusedistModelParallelStrategy(RoutesPrecision, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (same arguments) for modules sharded with
     ``fusedist.fully_shard``: global-norm clipping, fusedist's GradScaler, and resuming from
-    Lightning's sharded or full checkpoints (module docstring)."""
+    Lightning's sharded or full checkpoints, meta-device builds initialized as the unsharded
+    model (module docstring)."""
+
+    def setup(self, trainer) -> None:
+        with _fully_shard_modules_materialize_whole():
+            super().setup(trainer)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with _fully_shard_modules_count_as_distributed():
@@ -96,3 +111,54 @@ def _fully_shard_modules_count_as_distributed():
         yield
     finally:
         _fabric_model_parallel._has_dtensor_modules = saved
+
+
+# Note [materializing fully_shard units]
+# A module built on the meta device (trainer.init_module(empty_init=True)) is materialized by
+# ModelParallelStrategy.setup with Lightning's _materialize_distributed_module: to_empty, then
+# reset_parameters() on every submodule holding parameters or buffers, which on FSDP2's
+# DTensors sees the global shapes. On fusedist's pieces it initializes each piece as a tensor
+# of its own shape: every rank draws the same numbers for different rows, and a piece cut
+# anywhere (1-D, Note [row-aligned flat layout] in fsdp/layout.py) makes nn.Linear's init
+# fail ("Fan in and fan out can not be computed"). For a module holding fully_shard units the
+# strategy runs the same reset_parameters() calls through fusedist.fsdp.init_parameters, which
+# makes each unit whole while its submodules initialize: the values the unsharded model gets
+# from the same RNG state, each rank keeping its rows. Lightning's warning for submodules
+# without reset_parameters() is kept. Scoped to setup, as Note [finding the sharded model].
+
+
+_lightning_materialize = _pytorch_model_parallel._materialize_distributed_module
+
+
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Note [materializing fully_shard units]."""
+    if not (_holds_units(module) and _has_meta_device_parameters_or_buffers(module)):
+        return _lightning_materialize(module, device)
+    module.to_empty(device=device)
+    uninitialized = set()
+
+    def reset(sub: torch.nn.Module) -> None:
+        if not any(True for _ in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
+            return
+        reset_method = getattr(sub, "reset_parameters", None)
+        if callable(reset_method):
+            reset_method()
+        else:
+            uninitialized.add(type(sub).__name__)
+
+    init_parameters(module, reset)
+    if uninitialized:
+        rank_zero_warn(
+            "FusedistModelParallelStrategy: modules built on the meta device without a reset_parameters() method "
+            f"keep uninitialized memory in their parameters or buffers: {', '.join(sorted(uninitialized))}"
+        )
+
+
+@contextlib.contextmanager
+def _fully_shard_modules_materialize_whole():
+    saved = _pytorch_model_parallel._materialize_distributed_module
+    _pytorch_model_parallel._materialize_distributed_module = _materialize
+    try:
+        yield
+    finally:
+        _pytorch_model_parallel._materialize_distributed_module = saved

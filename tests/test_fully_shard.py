@@ -507,7 +507,7 @@ def test_different_wrapping_fails_on_every_rank_without_hanging():
 # ------------------------------------------------------------------------- layout (no spawn)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
 def test_row_aligned_layout_pieces_cover_each_parameter_once(world_size):
-    from fusedist.fsdp.layout import UnitLayout
+    from fusedist.fsdp.layout import MIN_ROW_PADDING, UnitLayout
 
     g = torch.Generator().manual_seed(world_size)
     for _ in range(300):
@@ -528,12 +528,16 @@ def test_row_aligned_layout_pieces_cover_each_parameter_once(world_size):
                     assert p.shape[1:] == shape[1:]  # whole rows: the piece keeps the dimensions
         assert end <= layout.total_numel
         assert layout.total_numel - end < world_size + sum(math.prod(s[1:]) for s in shapes if s) * world_size \
-            + sum(math.prod(s) for s in shapes) // 64
+            + max(sum(math.prod(s) for s in shapes) // 64, MIN_ROW_PADDING)
     # transformer shapes: rows everywhere, padding below one row per boundary
     shapes = [(1280, 320), (1280,), (320, 1280), (320,)]
     layout = UnitLayout(shapes, world_size)
     assert not layout.flat_pieces
     assert layout.total_numel - sum(math.prod(s) for s in shapes) < world_size * 1280
+    # a small unit (a root holding only a head): rows too, where 1/64 of it allowed no padding
+    # and cut the weight into 1-D pieces, which "no weight decay for p.dim() < 2" took for a bias
+    for shapes in ([(3, 12), (3,)], [(5, 7), (5,)], [(7, 10), (7,), (10, 7)]):
+        assert not UnitLayout(shapes, world_size).flat_pieces, (shapes, world_size)
 
 
 class _SkipsSecond(nn.Module):

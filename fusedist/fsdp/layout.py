@@ -21,8 +21,9 @@ Note [row-aligned flat layout]
 
     The multiple-of-row-size rule can blow up when several parameters are cut twice (it
     takes the least common multiple of their row sizes: coprime widths at many ranks). When
-    the padding it would add exceeds 1/64 of the unit, the parameter asking for it is cut
-    anywhere instead, and its pieces are 1-D (``flat_pieces``); the rest keep their rows.
+    the padding it would add exceeds 1/64 of the unit (and ``MIN_ROW_PADDING`` elements), the
+    parameter asking for it is cut anywhere instead, and its pieces are 1-D (``flat_pieces``);
+    the rest keep their rows.
 
 Note [trainable section]
     A unit whose parameters are partly frozen (fine-tuning, LoRA: big frozen weights, small
@@ -109,6 +110,13 @@ class Piece:
     rows: tuple  # (first row, end row) of the parameter this piece holds
 
 
+#: The padding (elements, all ranks together) the row rule may always add to a unit: 16 KiB of
+#: fp32, nothing beside the unit's own buffers, where 1/64 of a small unit (a root holding only
+#: a ``Linear(12, 3)`` head) is no padding at all and cut its weight into 1-D pieces, which
+#: "no weight decay for p.dim() < 2" then sorted as a bias (Note [row-aligned flat layout]).
+MIN_ROW_PADDING = 4096
+
+
 def _row_numel(shape: tuple) -> int:
     if len(shape) == 0 or shape[0] == 0:
         return 1
@@ -126,7 +134,9 @@ class UnitLayout:
         numels = [math.prod(s) for s in shapes]
         rows = [_row_numel(s) for s in shapes]
         total = sum(numels)
-        budget = total // 64  # most padding the row rule may add (beyond one row per cut)
+        # most padding the row rule may add (beyond one row per cut): 1/64 of the unit, and at
+        # least MIN_ROW_PADDING elements, so that a small unit (a head, a norm) keeps its rows
+        budget = max(total // 64, MIN_ROW_PADDING)
         first = max(1, -(-total // world_size))
         step, shard = 1, first  # the shard size is a multiple of step
         #: parameters cut anywhere, with 1-D pieces (the row rule would pad too much)

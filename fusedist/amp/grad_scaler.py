@@ -214,6 +214,16 @@ def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, non_blocking=torch.device(device).type != "cpu", copy=True)
 
 
+def _device_type(device):
+    """The device's type, as torch's ``update`` compares it with a new scale tensor's
+    ``device.type``: torch keeps the argument as given, so ``GradScaler(torch.device("cpu"))`` or
+    ``GradScaler("cuda:0")`` trained, then refused ``update(new_scale)`` with any tensor."""
+    try:
+        return torch.device(device).type
+    except (TypeError, RuntimeError):
+        return device  # (torch's own checks speak about it)
+
+
 def _real(value) -> Optional[float]:
     try:
         return None if isinstance(value, bool) else float(value)
@@ -225,10 +235,11 @@ def _check_settings(where: str, scale_name: str, scale, growth_factor, backoff_f
     """torch checks only growth_factor > 1 and backoff_factor < 1; the values below pass its
     checks yet train wrongly without an error: a scale of 0 zeroes every gradient (or makes
     every step overflow), a backoff factor <= 0 or an infinite growth factor makes the scale 0,
-    negative or inf after one update, and growth_interval <= 0 never grows the scale."""
+    negative or inf after one update, and growth_interval <= 0 never grows the scale. Without a
+    ``scale_name`` the scale is not checked (a setter's call)."""
     problems = []
     s, gf, bf = _real(scale), _real(growth_factor), _real(backoff_factor)
-    if s is None or not (math.isfinite(s) and s > 0):
+    if scale_name is not None and (s is None or not (math.isfinite(s) and s > 0)):
         problems.append(f"{scale_name} must be a finite number > 0, got {scale!r}")
     if gf is None or not math.isfinite(gf):
         problems.append(f"growth_factor must be a finite number, got {growth_factor!r}")
@@ -244,14 +255,34 @@ def _check_settings(where: str, scale_name: str, scale, growth_factor, backoff_f
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 
-def _check_new_scale(new_scale) -> None:
+def _checked_new_scale(new_scale):
     """``update(new_scale)`` with a number: torch takes any, but a scale of 0 zeroes every
     gradient (the steps go on, the scale never grows from 0), and an inf or nan one makes every
     gradient non-finite (every step skipped, the backoff keeps it there), silently, as with
-    ``init_scale`` (:func:`_check_settings`). A tensor is not read: that would be a host sync."""
+    ``init_scale`` (:func:`_check_settings`). A tensor is not read: that would be a host sync.
+
+    Returns the scale in the form torch's update takes: a float (its update fills the scale only
+    from a ``float``, and failed on an int with "'int' object has no attribute 'device'"), or a
+    tensor of the scale's shape: its docstring asks for a 1-element tensor, but its scale has
+    shape ``()``, so ``torch.tensor([s])`` failed in ``copy_`` ("output with shape [] doesn't
+    match the broadcast shape [1]"). Other tensors go to torch's checks unchanged."""
+    if isinstance(new_scale, torch.Tensor):
+        return new_scale.reshape(()) if new_scale.numel() == 1 else new_scale
     s = _real(new_scale)
     if s is None or not (math.isfinite(s) and s > 0):
         raise ValueError(f"GradScaler.update: new_scale must be a finite number > 0, got {new_scale!r}")
+    return s
+
+
+def _check_loaded_min_scale(min_scale) -> None:
+    """A loaded ``min_scale`` is checked as the constructor checks it, less the bound by
+    ``init_scale`` (a loaded scale may lie below the floor): an infinite one never let the scale
+    back off (every step skipped, with a warning at each update), a string failed only at the
+    first overflow, and 0 or less silently meant no floor."""
+    m = _real(min_scale)
+    if min_scale is not None and (m is None or not (math.isfinite(m) and m > 0)):
+        raise ValueError(f"GradScaler.load_state_dict: min_scale must be None or a finite number > 0, "
+                         f"got {min_scale!r}")
 
 
 class GradScaler(_TorchGradScaler):
@@ -268,8 +299,9 @@ class GradScaler(_TorchGradScaler):
     ``fusedist.clip_grad_norm_``), where torch's leaves unscaled, clipped gradients.
     Settings torch takes silently but cannot train with (``init_scale`` <= 0 or not finite,
     ``backoff_factor`` <= 0, an infinite ``growth_factor``, ``growth_interval`` not an integer
-    >= 1) raise ValueError, here and in ``load_state_dict``, as does ``update(new_scale)`` with a
-    number <= 0 or not finite. Extra keyword-only arguments:
+    >= 1) raise ValueError, here, in ``load_state_dict`` and in the ``set_*`` setters, as does
+    ``update(new_scale)`` with a number <= 0 or not finite. ``update`` takes an int, and the
+    1-element tensor torch documents (torch's fails on both). Extra keyword-only arguments:
 
     * ``lazy_unscale`` (default False): ``unscale_`` only checks and measures the gradients
       (one read-only pass) and the optimizer's update unscales inline, saving the write of
@@ -297,6 +329,7 @@ class GradScaler(_TorchGradScaler):
                  hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn",
                  lazy_unscale: bool = False):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self._device = _device_type(device)
         if self._enabled:  # (torch checks its factors only when enabled, too)
             _check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
         self.lazy_unscale = bool(lazy_unscale)
@@ -313,6 +346,30 @@ class GradScaler(_TorchGradScaler):
         self._hysteresis_tracker: Optional[torch.Tensor] = None
         self.last_step_skipped_tensor = None
         self._min_scale_flag = _LazyHostFlag()
+
+    # -- settings ------------------------------------------------------------------------------
+    # torch's setters check nothing, so they took the values the constructor and load_state_dict
+    # refuse (_check_settings): set_backoff_factor(0) made the scale 0 at the next overflow, and
+    # every later gradient 0, silently. They are checked here as there (when enabled, as torch's
+    # constructor checks its factors).
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._check_new_setting("set_growth_factor", growth_factor=new_factor)
+        super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._check_new_setting("set_backoff_factor", backoff_factor=new_factor)
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._check_new_setting("set_growth_interval", growth_interval=new_interval)
+        super().set_growth_interval(new_interval)
+
+    def _check_new_setting(self, where: str, **setting) -> None:
+        if self._enabled:
+            settings = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                        "growth_interval": self._growth_interval, **setting}
+            _check_settings(f"GradScaler.{where}", None, None, **settings)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -443,8 +500,8 @@ class GradScaler(_TorchGradScaler):
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        if new_scale is not None and not isinstance(new_scale, torch.Tensor):
-            _check_new_scale(new_scale)
+        if new_scale is not None:
+            new_scale = _checked_new_scale(new_scale)
         self._forget_unstepped()
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())
@@ -566,12 +623,14 @@ class GradScaler(_TorchGradScaler):
             hysteresis = state_dict.get("hysteresis", 1)
             if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
                 raise ValueError(f"GradScaler.load_state_dict: hysteresis must be an integer >= 1, got {hysteresis!r}")
+            _check_loaded_min_scale(state_dict.get("min_scale"))
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
         # A torch GradScaler state dict has none of these keys: keep this scaler's settings.
         self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        min_scale = state_dict.get("min_scale", self._min_scale)
+        self._min_scale = None if min_scale is None else float(min_scale)  # (as the constructor keeps it)
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)

@@ -348,13 +348,17 @@ def load_file(path: str, trusted: bool = False) -> Any:
     except pickle.UnpicklingError as exc:
         if trusted:
             raise CheckpointError(f"fusedist.checkpoint: cannot read {path}: {exc}") from exc
-        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
-                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         raise CheckpointError(
             f"fusedist.checkpoint: {path} holds objects other than tensors and plain containers "
-            f"(e.g. in `extra` or `per_rank`), which the safe loader refuses ({reason}). Pass "
+            f"(e.g. in `extra` or `per_rank`), which the safe loader refuses ({refusal_reason(exc)}). Pass "
             "trusted=True to load it with full unpickling -- only for a checkpoint from a source "
             "you trust: unpickling can run arbitrary code."
         ) from exc
     except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
         raise CheckpointError(f"fusedist.checkpoint: cannot read {path}: {exc}") from exc
+
+
+def refusal_reason(exc: pickle.UnpicklingError) -> str:
+    """The line of the restricted unpickler's refusal that names what it refused."""
+    return next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line),
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

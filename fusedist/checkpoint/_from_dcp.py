@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from typing import Optional
 
 import torch
 
 from . import _names
-from ._files import CheckpointError
+from ._files import CheckpointError, refusal_reason
 
 METADATA = ".metadata"
 
@@ -38,21 +39,69 @@ def is_dcp(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, METADATA))
 
 
-def read(directory: str) -> tuple[str, dict]:
+# Note [objects of a torch distributed checkpoint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's planner unpickles a checkpoint's non-tensor entries (step counts, a module's extra
+# state, a user's objects) with torch.load(weights_only=False), which runs whatever a pickle
+# says: a checkpoint from elsewhere ran its code at fusedist.checkpoint.load, where the docs
+# promise torch's restricted unpickler unless trusted=True (as for fusedist's own files). The
+# reader here unpickles them as fusedist's files are read: restricted, and an entry the
+# restricted unpickler refuses names its key and trusted=True.
+def _restricted_planner(trusted: bool):
+    """torch's planner of a whole checkpoint, unpickling its objects restricted unless ``trusted``."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+    class _Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            if trusted:
+                return super().load_bytes(read_item, value)
+            key = read_item.dest_index.fqn
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(
+                    f"fusedist.checkpoint: entry {key!r} of torch's distributed checkpoint holds an object the "
+                    f"safe loader refuses ({refusal_reason(exc)}). Pass trusted=True to load it with full "
+                    "unpickling -- only for a checkpoint from a source you trust: unpickling can run "
+                    "arbitrary code.") from exc
+            if self.flatten_state_dict:  # (where torch's load_bytes puts it)
+                set_element(self.original_state_dict, self.mappings[key], loaded)
+            else:
+                self.state_dict[key] = loaded
+
+    return _Planner()
+
+
+def _refusal_inside(exc: BaseException) -> Optional[CheckpointError]:
+    """The planner's refusal, wrapped by torch's CheckpointException (one failure per rank)."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None
+
+
+def read(directory: str, trusted: bool = False) -> tuple[str, dict]:
     """The SHA-256 of the checkpoint's metadata (what ranks compare) and the whole checkpoint,
-    nested as it was saved, on the CPU."""
+    nested as it was saved, on the CPU; its objects unpickled by torch's restricted unpickler
+    unless ``trusted`` (Note [objects of a torch distributed checkpoint])."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     with open(os.path.join(directory, METADATA), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     tree: dict = {}
     try:  # every rank reads all of it, on its own (what torch's dcp_to_torch_save does)
-        _load_state_dict(tree, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(),
+        _load_state_dict(tree, storage_reader=FileSystemReader(directory), planner=_restricted_planner(trusted),
                          no_dist=True)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        refusal = _refusal_inside(exc)
+        if refusal is not None:
+            raise CheckpointError(str(refusal)) from exc
         raise CheckpointError(f"fusedist.checkpoint: reading torch's distributed checkpoint {directory} failed: "
                               f"{type(exc).__name__}: {exc}") from exc
     return digest, tree
@@ -68,26 +117,51 @@ def _is_optimizer(d: dict) -> bool:
         bool(d) and all(isinstance(k, str) and k.split(".", 1)[0] in ("state", "param_groups") for k in d))
 
 
+def _model_entries(d: dict) -> dict:
+    """A saved model state: its tensors and its modules' ``get_extra_state()`` values, which DCP
+    saves as objects (read back as they were). Taking the tensors only, a model with extra state
+    was refused: its checkpoint seemed to lack the ``_extra_state`` keys it holds."""
+    return {k: v for k, v in d.items()
+            if isinstance(v, torch.Tensor) or (isinstance(k, str) and _names.is_extra_state(k))}
+
+
 def split(tree: dict, expected: dict, normalize, directory: str) -> tuple[dict, Optional[dict]]:
     """(the model's state, the optimizer's or None) in ``tree``. ``normalize`` maps a dict of
     saved keys to the model's names (``_names.strip_prefix``)."""
-    best, best_overlap, found = None, 0, None
-    for _, d in _dicts(tree):  # (by names, not form: a model may have a child called "state")
-        tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
-        if not tensors:
-            continue
-        overlap = len(set(normalize(tensors)) & set(expected))
-        if overlap > best_overlap:
-            best, best_overlap, found = normalize(tensors), overlap, d
-    if best is None:
-        raise CheckpointError(
-            f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds no state of this model (none of "
-            f"its top-level entries {sorted(tree)[:10]} has the model's parameter names)")
+    found = _model_dict(tree, expected, normalize, directory)
+    best = normalize(_model_entries(found))
     optimizers = [d for _, d in _dicts(tree) if d is not found and _is_optimizer(d)]
     if len(optimizers) > 1:
         raise CheckpointError(f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds "
                               f"{len(optimizers)} optimizer states; fusedist.checkpoint.load reads one")
     return best, (optimizers[0] if optimizers else None)
+
+
+def _model_dict(tree: dict, expected: dict, normalize, directory: str) -> dict:
+    """The entry of ``tree`` holding the most of the model's names (by names, not form: a model
+    may have a child called "state"). Several that hold as many -- an EMA copy of the model saved
+    beside it -- are told apart by the name ``model`` (torch's recipes, torchtitan), and refused
+    otherwise: taking the first one, a checkpoint that saved ``{"ema": ..., "model": ...}``
+    loaded the EMA weights into the model, silently, with the model's optimizer state."""
+    scored = []
+    for key, d in _dicts(tree):
+        tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+        if tensors:
+            scored.append((len(set(normalize(tensors)) & set(expected)), key, d))
+    most = max((overlap for overlap, _, _ in scored), default=0)
+    if not most:
+        raise CheckpointError(
+            f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds no state of this model (none of "
+            f"its top-level entries {sorted(tree)[:10]} has the model's parameter names)")
+    tied = [(key, d) for overlap, key, d in scored if overlap == most]
+    named = [d for key, d in tied if key == "model"]
+    if len(tied) > 1 and not named:
+        shown = ", ".join(repr(key) if key else "its top level" for key, _ in tied)
+        raise CheckpointError(
+            f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds the model's names in several "
+            f"entries ({shown}) and none is called 'model'; fusedist.checkpoint.load cannot tell which is the "
+            "model's state (load it with dcp.load and set_state_dict instead)")
+    return named[0] if len(tied) > 1 else tied[0][1]
 
 
 def _nested(optim: dict, names: list, source: str, others: bool = False) -> tuple[dict, list]:

@@ -66,13 +66,13 @@ def _shown(shape) -> str:
     return "(not a tensor: a module's extra state)" if shape is None else str(tuple(shape))
 
 
-def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True) -> dict:
+def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trusted: bool = False) -> dict:
     """:func:`prepare` for a checkpoint of torch's distributed checkpoint (Note [torch's
     distributed checkpoints in load] in ``_from_dcp.py``)."""
     if scaler is not None:
         raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
                               "which holds no GradScaler state fusedist reads; pass scaler=None")
-    digest, tree = _from_dcp.read(directory)
+    digest, tree = _from_dcp.read(directory, trusted)
     target = _names.unwrap(model)
     expected, sharded_target = _expected_model(target)
     saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
@@ -94,7 +94,7 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: 
     """Read and check every file ``load`` needs and every tensor against ``model``, ``optimizer``
     and ``scaler``, without modifying them: the plan :func:`apply` carries out."""
     if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
-        return _prepare_dcp(directory, model, optimizer, scaler, strict)
+        return _prepare_dcp(directory, model, optimizer, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]
     if _files.COMMON not in files:

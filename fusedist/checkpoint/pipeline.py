@@ -302,7 +302,7 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     part's :func:`_load_plan.prepare`-style plan, read and checked without modifying anything."""
     held = parts(model, optimizer)
     if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
-        return _prepare_dcp(directory, held, scaler, strict)
+        return _prepare_dcp(directory, held, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)
     read = loaded_objects(directory, digest, strict, held, scaler)
@@ -335,7 +335,7 @@ def loaded_objects(directory: str, digest: str, strict: bool, held: list, scaler
     return read
 
 
-def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
+def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool) -> dict:
     """:func:`prepare` for a checkpoint of torch's distributed checkpoint holding the whole
     model (Note [torch's distributed checkpoints in load] in ``_from_dcp.py``): torchtitan's
     save of a pipeline-parallel job, every part's state by its names, the optimizer's
@@ -343,7 +343,7 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool) -> dict:
     if scaler is not None:
         raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
                               "which holds no GradScaler state fusedist reads; pass scaler=None")
-    digest, tree = _from_dcp.read(directory)
+    digest, tree = _from_dcp.read(directory, trusted)
     read = loaded_objects(directory, digest, strict, held, scaler)
     plans, every_key, every_param = [], {}, {}
     for module, optimizer in held:

@@ -392,8 +392,27 @@ def finish(p: PendingReduce) -> None:
         else:
             wait_host_copies(unit)  # the host adds: the copy must have landed
             sp.grad.add_(view)
+        _run_grad_hooks(unit, sp)
     COUNTERS.add_scratch(-p.output.numel() * p.output.element_size())
     p.output = None
+
+
+# Note [the user's gradient hooks on pieces]
+#     Autograd never accumulates into a piece (forward and backward use the unsharded
+#     parameters), so a ``register_post_accumulate_grad_hook`` on a parameter after sharding --
+#     the optimizer-in-backward recipe, a per-parameter clip or scale -- would never run, and
+#     the model would silently not train. FSDP2 calls the hooks of its sharded parameter right
+#     after the reduced gradient is stored as (or added to) its ``.grad``, once per reduction
+#     (not in unsynchronized backwards); so does ``finish``, with that rank's piece's ``.grad``.
+def _run_grad_hooks(unit, sp) -> None:
+    """The post-accumulate-grad hooks registered on piece ``sp``, on its reduced ``.grad``
+    (Note [the user's gradient hooks on pieces]); an offloaded gradient has landed first."""
+    hooks = getattr(sp, "_post_accumulate_grad_hooks", None)
+    if not hooks:
+        return
+    wait_host_copies(unit)  # the hook reads .grad on the host
+    for hook in list(hooks.values()):
+        hook(sp)
 
 
 # Note [offloaded gradients land before backward returns]

@@ -63,25 +63,33 @@ class ShardedGradHolder:
     @torch.no_grad()
     def grad_norm(self, params, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all ranks' pieces of these parameters' gradients (a collective: every
-        rank calls it with the same parameters, also a rank whose pieces are empty)."""
+        rank calls it with the same parameters, also a rank whose pieces are empty). In float32,
+        float64 where a gradient is float64: torch's norm of float64 gradients is not rounded to
+        float32, nor is the clip coefficient taken from it."""
         norm_type = float(norm_type)
         with_grad = [p for p in params if p.grad is not None]
         grads = [p.grad for p in with_grad]
         device = grads[0].device if grads else self.comm.device
+        acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        if norm_type == 0.0 or norm_type < 0.0:  # Note [norms that are not sums over pieces]
+            norms = [n for n in self._global_norms(list(params), norm_type) if n is not None]
+            if not norms:  # (torch's norm of no gradients)
+                return torch.zeros((), dtype=acc, device=device)
+            return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(device=device, dtype=acc)
         if norm_type == float("inf"):
-            local = torch.zeros(1, dtype=torch.float32, device=device)
+            local = torch.zeros(1, dtype=acc, device=device)
             for g in grads:
                 if g.numel():
-                    local = torch.maximum(local, g.detach().abs().max().float().reshape(1))
+                    local = torch.maximum(local, g.detach().abs().max().to(acc).reshape(1))
             local = flag_nan(local)  # Note [a NaN through a max all-reduce] in optim/grad_norms.py
             all_reduce_on_comm_device(self.comm, local, "max", "fully_shard grad norm (inf)")
             if self.tp is not None:
                 all_reduce_on_comm_device(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
             return unflag_nan(local)[0]
         # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike
-        local = torch.zeros(2, dtype=torch.float32, device=device)
+        local = torch.zeros(2, dtype=acc, device=device)
         if grads:
-            norms = tensor_norms([g.detach() for g in grads], norm_type).float()
+            norms = tensor_norms([g.detach() for g in grads], norm_type).to(acc)
             alike = torch.tensor([p in self._tp_replicated for p in with_grad], device=device)
             powered = norms.pow(norm_type)
             local[0] += powered[~alike].sum()
@@ -106,19 +114,44 @@ class ShardedGradHolder:
         order. The norms are in float64, for the caller to cast."""
         params = list(params)
         materialize_unscales(params)
+        return self._global_norms(params, norm_type)
+
+    # Note [norms that are not sums over pieces]
+    #     torch's total norm is the norm of the per-tensor norms (FSDP2's too, each DTensor's
+    #     norm reduced over the ranks first). For p > 0 and inf that is the p-norm of all the
+    #     elements, so every rank's sum of p-th powers (its max) over its pieces gives it. For
+    #     the other orders torch takes it is not -- 0 counts the tensors with a nonzero
+    #     gradient, a negative p or -inf is pulled to 0 by one zero gradient -- so each
+    #     parameter's norm is taken over every rank's piece first (``_global_norms``), then
+    #     torch's norm of those norms.
+    def _global_norms(self, params: list, norm_type: float) -> list:
+        """``parameter_grad_norms`` without the unscale: each of ``params``' global gradient norm
+        (float64), None where it has no ``.grad``. A collective."""
+        norm_type = float(norm_type)
         device = self.comm.device
         alike = torch.tensor([p in self._tp_replicated for p in params], dtype=torch.bool, device=device)
 
-        def all_reduce(t: torch.Tensor, op: str) -> None:
+        def reduce(t: torch.Tensor, alike: torch.Tensor, op: str) -> None:
             all_reduce_on_comm_device(self.comm, t, op, "fully_shard per-parameter grad norms")
             if self.tp is not None:  # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike
-                over_tp = t.masked_fill(alike, 0.0) if self.tp.rank != 0 else t.clone()
+                # (the others add nothing: 0 to a sum, -inf to a max, whose values may be negative)
+                nothing = -float("inf") if op == "max" else 0.0
+                over_tp = t.masked_fill(alike, nothing) if self.tp.rank != 0 else t.clone()
                 all_reduce_on_comm_device(self.tp, over_tp, op,
                                           "fully_shard per-parameter grad norms (tensor-parallel)")
                 t.copy_(over_tp)
 
+        def all_reduce(t: torch.Tensor, op: str) -> None:
+            if op != "max":
+                reduce(t, alike, op)
+                return
+            # NaN flags beside the values (Note [a NaN through a max all-reduce] in optim/grad_norms.py)
+            packed = torch.cat([t, t.isnan().to(t.dtype)])
+            reduce(packed, torch.cat([alike, alike]), op)
+            t.copy_(torch.where(packed[len(t):] > 0, float("nan"), packed[:len(t)]))
+
         norms = per_tensor_global_norms(
-            [p.grad.detach() if p.grad is not None else None for p in params], float(norm_type), device, all_reduce)
+            [p.grad.detach() if p.grad is not None else None for p in params], norm_type, device, all_reduce)
         return [norms[i] if p.grad is not None else None for i, p in enumerate(params)]
 
     @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)

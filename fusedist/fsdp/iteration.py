@@ -11,6 +11,7 @@ import torch
 from torch.autograd import Variable
 
 from . import grads as grads_mod
+from . import stale
 
 if TYPE_CHECKING:
     from .state import FullyShardState
@@ -157,6 +158,8 @@ class IterationContext:
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
                 self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log,
                                          units=[st.unit.label for st in self.post_forward_order])
+            # (stepped from a gradient hook: Note [gathered copies and the optimizer step] in stale.py)
+            stale.reshard_stepped([st.unit for st in self.states if st.unit is not None])
         finally:
             self.reduce_log, self.deferred = [], {}
             self.post_forward_order.clear()

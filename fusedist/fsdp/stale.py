@@ -13,7 +13,10 @@ Note [gathered copies and the optimizer step]
     the optimizer holds; the next forward gathers the stepped values. A hook rather than the
     pieces' version counters: fused optimizers write parameters without bumping them. A
     unit in the middle of its own forward or backward (an optimizer stepped from a hook) is
-    left alone. Writes to the pieces outside an optimizer (``p.mul_()`` under ``no_grad``
+    left alone then, and resharded when its root's backward ends (``reshard_stepped``): an
+    optimizer stepped from a gradient hook once a unit's reduction landed (optimizer in
+    backward) under ``set_reshard_after_backward(False)`` left the gathered copy stale for the
+    next forward. Writes to the pieces outside an optimizer (``p.mul_()`` under ``no_grad``
     while the unit is gathered) are not seen: reshard the unit first.
 """
 
@@ -23,10 +26,12 @@ import weakref
 
 import torch
 
-__all__ = ["note_gathered", "note_resharded", "install"]
+__all__ = ["note_gathered", "note_resharded", "install", "reshard_stepped"]
 
 #: units gathered or being gathered now
 _GATHERED: "weakref.WeakSet" = weakref.WeakSet()
+#: gathered units whose pieces an optimizer stepped while their root was busy
+_STEPPED_WHILE_BUSY: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def note_gathered(unit) -> None:
@@ -35,6 +40,7 @@ def note_gathered(unit) -> None:
 
 def note_resharded(unit) -> None:
     _GATHERED.discard(unit)
+    _STEPPED_WHILE_BUSY.discard(unit)
 
 
 @torch.compiler.disable  # a global step hook (as optim_state._before_step): runs eagerly between graphs
@@ -43,8 +49,21 @@ def _after_step(optimizer, args, kwargs) -> None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for unit in list(_GATHERED):
-        if not unit.busy() and any(id(sp) in held for sp in unit.sharded):
-            unit.reshard()
+        if any(id(sp) in held for sp in unit.sharded):
+            if unit.busy():
+                _STEPPED_WHILE_BUSY.add(unit)
+            else:
+                unit.reshard()
+
+
+def reshard_stepped(units) -> None:
+    """Reshard those of ``units`` (a root's, its backward over) an optimizer stepped while they
+    were busy and that are still gathered (Note [gathered copies and the optimizer step])."""
+    for unit in units:
+        if unit in _STEPPED_WHILE_BUSY:
+            _STEPPED_WHILE_BUSY.discard(unit)
+            if unit.is_unsharded:
+                unit.reshard()
 
 
 def install() -> None:

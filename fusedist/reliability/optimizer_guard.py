@@ -199,6 +199,8 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
 def _check_backward(optimizer, watches) -> None:
     """Each owning model's watch says how it names itself and what to do (``WatchBase``)."""
     for watch in watches:
+        if getattr(watch, "in_backward", False):
+            continue  # stepped from a gradient hook once its reduction landed (optimizer in backward)
         if watch.backward_count() == 0:  # backwards completed, synchronized or not
             raise RuntimeError(
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() was called before any "

@@ -26,6 +26,7 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from test_checkpoint_pipelined_stage_without_parameters import _error
 
 WIDTH = 4
 
@@ -50,14 +51,6 @@ def _train(module, opt, schedulers, seed: int) -> None:
     opt.zero_grad()
     for scheduler in schedulers:
         scheduler.step()
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return ""
 
 
 def _schedulers_worker(rank, world_size, root):

@@ -1,4 +1,4 @@
-"""fully_shard probes against torch's FSDP2 (or the unsharded model) on gloo: what a dropped model
+"""fully_shard against torch's FSDP2 (or the unsharded model) on gloo: what a dropped model
 held leaves ``memory_stats()``, a parameter frozen after unsynchronized backwards keeps their
 gradients, and a refused ``init_parameters`` leaves the model usable.
 

@@ -1,4 +1,4 @@
-"""fusedist.amp.GradScaler against torch.amp.GradScaler("cpu"), second round: the forms of
+"""fusedist.amp.GradScaler against torch.amp.GradScaler("cpu"): the forms of
 ``update(new_scale)`` torch documents (a float, a 1-element tensor) and a plain number.
 
 Loss scales are powers of two, so unscaling is exact and both sides see the same unscaled

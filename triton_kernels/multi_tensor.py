@@ -257,6 +257,13 @@ def _to_param(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _plus_decay(g, p, weight_decay):
+    # g + weight_decay * p, left out when weight_decay is 0 as torch leaves it out: 0 * p is nan
+    # for an inf or nan parameter, and would turn a finite gradient and the states into nan.
+    return tl.where(weight_decay != 0.0, g + weight_decay * p, g)
+
+
+@triton.jit
 def _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER: tl.constexpr, MASKED: tl.constexpr):
     """The FP32 value being optimized: the master weight, or the parameter upcast."""
     if HAS_MASTER:
@@ -288,7 +295,7 @@ def _bias_correction(log2_beta, s):
 @triton.jit
 def _adam_chunk(
     g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor,
-    beta1, beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
+    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
     PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
     AMSGRAD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
 ):
@@ -303,9 +310,9 @@ def _adam_chunk(
         if ADAMW:
             p = p * decay  # decay = 1 - lr * weight_decay, rounded once (on the host for a float lr) like torch
         else:
-            g = g + weight_decay * p
-        m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
-        v = v * beta2 + (1.0 - beta2) * (g * g)
+            g = _plus_decay(g, p, weight_decay)
+        m = m + one_minus_beta1 * (g - m)  # torch's lerp form
+        v = v * beta2 + (one_minus_beta2 * g) * g  # torch's addcmul order: g * g alone overflows past 1.8e19
         if AMSGRAD:  # the denominator uses the running maximum of v (torch.maximum: nan wins)
             vmax = _ld(vmax_ptr, offs, n, MASKED)
             vmax = tl.where((v > vmax) | (v != v), v, vmax)
@@ -325,7 +332,7 @@ def _adam_chunk(
 def _adam_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
     inv_scale_ptr, clip_ptr, found_inf_ptr, lr_ptr, betas_ptr,
-    lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, decay, step,
+    lr, beta1, beta2, log2_beta1, log2_beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step,
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
@@ -345,6 +352,8 @@ def _adam_kernel(
         beta2 = tl.load(betas_ptr + 1)
         log2_beta1 = tl.log2(tl.cast(beta1, tl.float64)).to(tl.float32)  # rounded as the host's argument is
         log2_beta2 = tl.log2(tl.cast(beta2, tl.float64)).to(tl.float32)
+        one_minus_beta1 = 1.0 - beta1  # in fp32, as torch's ``1 - beta`` on a tensor beta
+        one_minus_beta2 = 1.0 - beta2
     step_size = lr
     bc2_sqrt = 1.0
     if BIAS_CORRECTION:
@@ -357,13 +366,13 @@ def _adam_kernel(
     v_ptr = _role_ptr(ptrs, 4, n_tensors, t, tl.float32, ALIGNED)
     vmax_ptr = _role_ptr(ptrs, 5, n_tensors, t, tl.float32, ALIGNED)
     if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
-        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor, beta1, beta2, eps,
-                    weight_decay, decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE,
-                    AMSGRAD, BLOCK, ITERS, False)
+        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor, one_minus_beta1, beta2,
+                    one_minus_beta2, eps, weight_decay, decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER,
+                    ADAMW, MAXIMIZE, AMSGRAD, BLOCK, ITERS, False)
     else:
-        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor, beta1, beta2, eps,
-                    weight_decay, decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER, ADAMW, MAXIMIZE,
-                    AMSGRAD, BLOCK, ITERS, True)
+        _adam_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, vmax_ptr, start, n, factor, one_minus_beta1, beta2,
+                    one_minus_beta2, eps, weight_decay, decay, step_size, bc2_sqrt, PARAM_DTYPE, HAS_MASTER,
+                    ADAMW, MAXIMIZE, AMSGRAD, BLOCK, ITERS, True)
 
 
 @triton.jit
@@ -379,7 +388,7 @@ def _sgd_chunk(
         if MAXIMIZE:
             d = -d
         p = _ld_param(p_ptr, w_ptr, offs, n, HAS_MASTER, MASKED)
-        d = d + weight_decay * p
+        d = _plus_decay(d, p, weight_decay)
         if HAS_MOMENTUM:
             buf = _ld(b_ptr, offs, n, MASKED)
             # First step of this tensor: torch initializes the buffer with the gradient.
@@ -426,7 +435,7 @@ def _sgd_kernel(
 @triton.jit
 def _lamb_stage1_chunk(
     g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, u_ptr, start, n, factor,
-    beta1, beta2, beta3, eps, weight_decay, bc1, bc2,
+    beta1, beta2, one_minus_beta2, beta3, eps, weight_decay, bc1, bc2,
     HAS_MASTER: tl.constexpr, ADAMW: tl.constexpr,
     BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
 ):
@@ -439,12 +448,12 @@ def _lamb_stage1_chunk(
         m = _ld(m_ptr, offs, n, MASKED)
         v = _ld(v_ptr, offs, n, MASKED)
         if not ADAMW:
-            g = g + weight_decay * p
+            g = _plus_decay(g, p, weight_decay)
         m = m * beta1 + beta3 * g
-        v = v * beta2 + (1.0 - beta2) * (g * g)
+        v = v * beta2 + (one_minus_beta2 * g) * g  # torch's addcmul order: g * g alone overflows past 1.8e19
         u = (m / bc1) / (tl.sqrt(v / bc2) + eps)
         if ADAMW:
-            u = u + weight_decay * p
+            u = _plus_decay(u, p, weight_decay)
         _st(m_ptr, offs, n, m, MASKED)
         _st(v_ptr, offs, n, v, MASKED)
         _st(u_ptr, offs, n, u, MASKED)
@@ -460,7 +469,7 @@ def _lamb_stage1_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
     inv_scale_ptr, clip_ptr, found_inf_ptr, global_div_ptr,
     partial_p2, partial_u2,
-    beta1, beta2, log2_beta1, log2_beta2, beta3, eps, weight_decay, step,
+    beta1, beta2, log2_beta1, log2_beta2, one_minus_beta2, beta3, eps, weight_decay, step,
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr,
@@ -485,10 +494,12 @@ def _lamb_stage1_kernel(
     u_ptr = _role_ptr(ptrs, 5, n_tensors, t, tl.float32, ALIGNED)
     if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
         p2, u2 = _lamb_stage1_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, u_ptr, start, n, factor, beta1, beta2,
-                                    beta3, eps, weight_decay, bc1, bc2, HAS_MASTER, ADAMW, BLOCK, ITERS, False)
+                                    one_minus_beta2, beta3, eps, weight_decay, bc1, bc2, HAS_MASTER, ADAMW,
+                                    BLOCK, ITERS, False)
     else:
         p2, u2 = _lamb_stage1_chunk(g_ptr, p_ptr, w_ptr, m_ptr, v_ptr, u_ptr, start, n, factor, beta1, beta2,
-                                    beta3, eps, weight_decay, bc1, bc2, HAS_MASTER, ADAMW, BLOCK, ITERS, True)
+                                    one_minus_beta2, beta3, eps, weight_decay, bc1, bc2, HAS_MASTER, ADAMW,
+                                    BLOCK, ITERS, True)
     tl.store(partial_p2 + pid, p2)
     tl.store(partial_u2 + pid, u2)
 
@@ -564,13 +575,16 @@ def _lr_args(lr, device: torch.device, dummy: torch.Tensor) -> tuple:
 #     comment on ``_bias_correction``) and the update equal those of float betas holding the
 #     tensors' values (and the branch keeps the argument's type, as Triton requires).
 def _betas_args(beta1, beta2, device: torch.device, dummy: torch.Tensor) -> tuple:
-    """``(pointer operand, beta1, beta2, log2 beta1, log2 beta2)`` for the Adam kernel: the
-    host numbers are placeholders when the betas are tensors."""
+    """``(pointer operand, beta1, beta2, log2 beta1, log2 beta2, 1 - beta1, 1 - beta2)`` for the
+    Adam kernel: the host numbers are placeholders when the betas are tensors. ``1 - beta`` is
+    formed here in double and rounded once, as torch rounds its Python-float ``1 - beta``: in the
+    kernel it would be ``1 - fp32(beta)``, off by up to 2^-24 / (1 - beta) relative (1.7e-4 for
+    beta2 = 0.9999) on a GPU, where float arguments arrive as fp32."""
     if isinstance(beta1, torch.Tensor):
         on_device = torch.cat([b.detach().reshape(1).to(device=device, dtype=torch.float32, non_blocking=True)
                                for b in (beta1, beta2)])
-        return on_device, 0.0, 0.0, 0.0, 0.0
-    return dummy, float(beta1), float(beta2), _log2(beta1), _log2(beta2)
+        return on_device, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    return dummy, float(beta1), float(beta2), _log2(beta1), _log2(beta2), 1.0 - float(beta1), 1.0 - float(beta2)
 
 
 def check_and_norm(grads, inv_scale, unscale_in_place=False):
@@ -690,7 +704,8 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
         _scalar_or_dummy(found_inf, dummy), global_div, partial_p2, partial_u2,
-        float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(beta3), float(eps), float(weight_decay),
+        float(beta1), float(beta2), _log2(beta1), _log2(beta2), 1.0 - float(beta2), float(beta3),
+        float(eps), float(weight_decay),
         step_scalar,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,

@@ -68,6 +68,12 @@ def _host_steps(step, n: int) -> list:
     return [float(step)] * n
 
 
+def _plus_decay(x: torch.Tensor, p: torch.Tensor, weight_decay) -> torch.Tensor:
+    """``x + weight_decay * p``, left out when ``weight_decay`` is 0 as torch leaves it out: ``0 * p``
+    is nan for an inf or nan parameter and would turn a finite gradient and the states into nan."""
+    return x + weight_decay * p if weight_decay != 0 else x
+
+
 def check_and_norm(grads, inv_scale, unscale_in_place=False):
     device = grads[0].device
     # In fp32, or fp64 for fp64 gradients (foreach_norm refuses to narrow them, and their norm
@@ -110,7 +116,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
         if adamw:
             p = p * (1.0 - lr * weight_decay)
         else:
-            g = g + weight_decay * p
+            g = _plus_decay(g, p, weight_decay)
         s = _step_value(step, i)
         if bias_correction:
             step_size = lr / (1.0 - beta1 ** s)
@@ -120,7 +126,7 @@ def adam(params, grads, masters, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta
         if isinstance(step_size, torch.Tensor):
             step_size, bc2_sqrt = step_size.to(dtype), bc2_sqrt.to(dtype)
         m_new = m + (1.0 - beta1) * (g - m)
-        v_new = v * beta2 + (1.0 - beta2) * (g * g)
+        v_new = v * beta2 + ((1.0 - beta2) * g) * g  # torch's addcmul order (g * g alone overflows)
         if max_exp_avg_sqs is not None:  # AMSGrad: the running maximum of v
             vmax_new = torch.maximum(max_exp_avg_sqs[i], v_new)
             _commit(max_exp_avg_sqs[i], vmax_new, skip_mask)
@@ -186,7 +192,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
         dtype = compute_dtype(param.dtype)
         d = _scaled_grad(grad, factor, maximize, dtype)
         p = (master if master is not None else param).to(dtype)
-        d = d + weight_decay * p
+        d = _plus_decay(d, p, weight_decay)
         if momentum_buffers is not None:
             buf = momentum_buffers[i]
             first = torch.as_tensor(_step_value(step, i) == 1.0, device=param.device)
@@ -221,12 +227,12 @@ def lamb_stage1(params, grads, masters, exp_avgs, exp_avg_sqs, updates, step, gl
         if isinstance(bc1, torch.Tensor):
             bc1, bc2 = bc1.to(dtype), bc2.to(dtype)
         if not adamw:
-            g = g + weight_decay * p
+            g = _plus_decay(g, p, weight_decay)
         m_new = m * beta1 + beta3 * g
-        v_new = v * beta2 + (1.0 - beta2) * (g * g)
+        v_new = v * beta2 + ((1.0 - beta2) * g) * g  # torch's addcmul order (g * g alone overflows)
         u_new = (m_new / bc1) / ((v_new / bc2).sqrt() + eps)
         if adamw:
-            u_new = u_new + weight_decay * p
+            u_new = _plus_decay(u_new, p, weight_decay)
         _commit(m, m_new, skip_mask)
         _commit(v, v_new, skip_mask)
         u.copy_(u_new)

@@ -26,7 +26,8 @@ Note [unit schedule]
               parameters were not all reached are reduced now, every reduce-scatter is
               finished, and per-backward state is reset.
     recompute a forward during backward (activation checkpointing) gathers the unit if needed
-              and changes nothing else.
+              and changes nothing else (but for routing the inputs of a unit with frozen
+              parameters: Note [frozen parameters in backward]).
     recovery  ``reset_iter_state`` after an exception in forward or backward: the collectives
               in flight are waited for, every unit reshards, and the iteration's gradients and
               bookkeeping are dropped (``IterationContext.reset_iteration`` in iteration.py);
@@ -97,6 +98,19 @@ Note [frozen parameters in backward]
     the gradients of those inputs -- the last use of the unit's parameters -- are computed,
     and the unit is reduced and resharded only when that has happened for every call and all
     trainable gradients are in (a fully frozen unit thus reshards during backward too).
+    The open calls are kept across backwards, not reset at a backward's end: with two forwards
+    before their backwards (``l0 = m(x0); l1 = m(x1); l0.backward(); l1.backward()``, a
+    pipeline's micro-batches) the first backward's end used to forget the second call, so the
+    second backward resharded the unit once its trainable gradients were in and autograd then
+    read the frozen weight from freed storage ("setStorage: ... storage of size 0"; FSDP2
+    trains). Each open call is a token its autograd node holds: a forward whose backward never
+    runs (a validation loss computed with gradients, a forward an exception ended) is forgotten
+    when its graph is freed, so it does not keep the unit gathered through later backwards.
+    A recompute under reentrant activation checkpointing routes its inputs too: the original
+    forward ran without gradients, and the recompute's own backward is where the frozen weight
+    gives the input's gradient (the unit resharded before it; FSDP2 trains). A repeated
+    backward through one forward (Note [repeated backward]) reaches calls the first closed: the
+    backward pre-hook on a call's outputs opens its calls again (they crashed likewise).
 
 Note [accumulated units a synchronized backward does not reach]
     Accumulating over micro-batches (``set_requires_gradient_sync(False)``, a pipeline stage's
@@ -169,14 +183,21 @@ class _InputsBackward(torch.autograd.Function):
     the inputs are done (Note [frozen parameters in backward])."""
 
     @staticmethod
-    def forward(ctx, state, *tensors):
-        ctx.state = state
+    def forward(ctx, state, call, *tensors):
+        ctx.state, ctx.call = state, call
         return tensors
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state._on_inputs_grad()
-        return (None, *grads)
+        ctx.state._on_inputs_grad(ctx.call)
+        return (None, None, *grads)
+
+
+class _OpenCall:
+    """A unit call whose inputs' gradients are still to come; alive while its autograd node is
+    (Note [frozen parameters in backward])."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _replace_tensors(obj, new: dict):
@@ -213,7 +234,10 @@ class FullyShardState:
         self._post_forward_indices: list[int] = []
         self._in_backward = False
         self._grads_seen = 0
-        self._input_calls = [0, 0]  # calls whose inputs were routed / whose input gradients are done
+        # calls whose inputs were routed and whose input gradients are not done yet, across backwards
+        # (Note [frozen parameters in backward])
+        self._open_calls: "weakref.WeakSet[_OpenCall]" = weakref.WeakSet()
+        self._call_opened: list = []  # those of the call running forward (its outputs' hooks reopen them)
         self._post_backward_done = False
         if unit is not None:
             unit.on_grad = self._on_grad
@@ -303,6 +327,8 @@ class FullyShardState:
                 unit.unshard(async_op=False)
                 if torch.is_grad_enabled():
                     self.backward_pending = True
+                    if not all(sp.requires_grad for sp in unit.sharded):  # Note [frozen parameters in backward]
+                        args, kwargs = self._route_inputs(args, kwargs, recompute=True)
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
         if self.is_root and ctx.in_forward and not recovery.forward_is_live(ctx):
             recovery.recover_aborted_forward(ctx, module)  # Note [aborted forward]
@@ -357,6 +383,7 @@ class FullyShardState:
                 unit.reshard_post_forward()  # (an int: Note [resharding to a smaller group after forward])
         if grad:
             self._hook_outputs(output, len(self._post_forward_indices) - 1)
+        self._call_opened = []
         if self.is_root:
             ctx.end_forward()
         return _cast(self.mp_policy.output_dtype, output)
@@ -368,17 +395,18 @@ class FullyShardState:
 
     def _hook_outputs(self, output, call: int) -> None:
         """The backward pre-hook of call ``call`` on each output that requires a gradient."""
-        hook = functools.partial(self._pre_backward, call)
+        hook = functools.partial(self._pre_backward, call, tuple(self._call_opened))
         for t in _grad_tensors(output, []):
             t.register_hook(hook)
 
     # ------------------------------------------------------------------ backward
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
-    def _pre_backward(self, call: int, grad):
+    def _pre_backward(self, call: int, opened: tuple, grad):
         refuse_compiled_autograd("fully_shard", _WITH_COMPILED_AUTOGRAD)  # Note [compiled autograd refused]
         ctx, unit = self.ctx, self.unit
         if ctx.backward_hooks_off:  # Note [zero-bubble passes of fusedist stages] in pipelining.py
             return grad
+        self._open_calls.update(opened)  # (open again in a repeated backward: Note [frozen parameters in backward])
         ctx.ensure_final_callback()
         self._in_backward = True
         self.backward_pending = True  # (a second backward through the same graph: Note [repeated backward])
@@ -404,18 +432,21 @@ class FullyShardState:
     def _calls_started(self) -> set:
         return set()
 
-    def _route_inputs(self, args, kwargs):
+    def _route_inputs(self, args, kwargs, recompute: bool = False):
         tensors = _grad_tensors((args, kwargs), [])
         if not tensors:
             return args, kwargs
-        routed = _InputsBackward.apply(self, *tensors)
-        self._input_calls[0] += 1
+        call = _OpenCall()
+        routed = _InputsBackward.apply(self, call, *tensors)
+        self._open_calls.add(call)
+        if not recompute:  # (a recompute's outputs are not hooked)
+            self._call_opened.append(call)
         return _replace_tensors((args, kwargs), {id(t): r for t, r in zip(tensors, routed)})
 
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
-    def _on_inputs_grad(self) -> None:
+    def _on_inputs_grad(self, call: "_OpenCall") -> None:
         self.ctx.ensure_final_callback()
-        self._input_calls[1] += 1
+        self._open_calls.discard(call)
         self._maybe_post_backward()
 
     def _on_grad(self, index: int) -> None:
@@ -428,7 +459,7 @@ class FullyShardState:
 
     def _maybe_post_backward(self) -> None:
         expected = sum(1 for u in self.unit.unsharded if u.requires_grad)
-        if self._grads_seen >= expected and self._input_calls[1] >= self._input_calls[0]:
+        if self._grads_seen >= expected and not self._open_calls:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -471,6 +502,8 @@ class FullyShardState:
         """This module's part of ``IterationContext.reset_iteration``."""
         self.reset_backward()
         self.forward_since_reduce = False
+        self._open_calls = weakref.WeakSet()  # the aborted iteration's calls get no backward
+        self._call_opened = []
         unit = self.unit
         if unit is None:
             return
@@ -483,7 +516,6 @@ class FullyShardState:
         self._group_pending.clear()  # a group call an exception ended (Note [aborted forward])
         self._in_backward = False
         self._grads_seen = 0
-        self._input_calls = [0, 0]
         self._post_backward_done = False
         self.backward_pending = False
         self._post_forward_indices.clear()

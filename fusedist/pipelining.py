@@ -64,19 +64,6 @@ Note [zero-bubble passes of fusedist stages]
     A DDP stage's engine reduces when every bucket is ready, so there the pass accumulates a
     zero gradient into each weight instead (the step's last then all-reduces the sums).
 
-Note [frozen parameters in a stage's last backward]
-    A unit holding a frozen parameter (a LoRA stage's base weights) knows its backward is over
-    when the gradients of all its calls' inputs are in (Note [frozen parameters in backward] in
-    fsdp/state.py), counting the calls since the last backward ended. A pipeline runs the
-    forwards of several micro-batches before their backwards (GPipe; a stage after the first
-    under interleaved 1F1B): the first micro-batch's backward ends and forgets the other calls,
-    so in the step's last backward the unit reshards once its trainable gradients are in, before
-    its frozen weights have given the stage input's gradient -- which autograd then read from
-    freed storage ("setStorage: ... out of bounds for storage of size 0"; torch's FSDP2 runs).
-    So in the stage's last backward such units stay gathered (their gradients are reduced as
-    usual; every unit stays gathered in the step's other backwards anyway, so the peak memory is
-    the same) and reshard when the backward is over.
-
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
     module) is treated alike, through its engine's switch for the next backward: torch's
@@ -270,22 +257,11 @@ def _micro_batch(module, last: bool):
     # the user's own set_requires_gradient_sync(False) (accumulating across steps) still holds
     module.set_requires_gradient_sync(last and _user_sync(module))
     module.set_reshard_after_backward(last)
-    kept = _units_with_frozen_parameters(states) if last else []  # Note [frozen parameters in a stage's last backward]
-    for unit in kept:
-        unit.reshard_after_backward = False
     try:
         yield
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
-        for unit in kept:
-            unit.reshard()
-
-
-def _units_with_frozen_parameters(states) -> list:
-    """The units of ``states`` holding a parameter that does not require gradients (Note [frozen
-    parameters in a stage's last backward])."""
-    return [st.unit for st in states if st.unit is not None and not all(p.requires_grad for p in st.unit.sharded)]
 
 
 def _sync_switch(module):

@@ -5,8 +5,9 @@ A LoRA-style stage (a frozen base ``Linear`` under each trainable block, the sta
 frozen weight) on 4 gloo ranks, 2 pipeline ranks x 2 data-parallel ranks, under schedules that
 run several micro-batches' forwards before their backwards on a stage whose input needs a
 gradient (GPipe's second stage; interleaved 1F1B's later stages). Before, the step's last
-backward (whose start forgot the other micro-batches' calls) resharded such a unit once its trainable gradients were in, and autograd then read the
-frozen weight from freed storage for the input's gradient: every step failed.
+backward (the end of the first had forgotten the other micro-batches' calls) resharded such a
+unit once its trainable gradients were in, and autograd then read the frozen weight from freed
+storage for the input's gradient: every step failed.
 
 Reference: the whole model in one process, trained by SGD on the global batch (every
 data-parallel rank's rows), the loss the mean over the micro-batches' means. Tolerance 1e-6

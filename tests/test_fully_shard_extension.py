@@ -545,7 +545,8 @@ def _refusal_worker(rank, world):
             layer.weight = nn.Parameter(layer.weight._data.clone())
     shard(m, fusedist.fully_shard)
     with pytest.raises(fusedist.RankMismatchError,
-                       match=r"4\.weight \(RowwiseInt8Weight\) .*; ranks \[1, 3\]: .*\[4\.weight \(float32\) \(4, 13\)"):
+                       match=r"4\.weight \(RowwiseInt8Weight\) .*; ranks \[1, 3\]: "
+                             r".*\[4\.weight \(float32\) \(4, 13\)"):
         m(batch(0, rank, world))
     # HSDP over a 2x2 mesh, against FSDP2's
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))

@@ -28,7 +28,8 @@ def test_segfault_names_the_rank_and_prints_the_python_stack(capfd, monkeypatch)
     # forked ones keep the fork server's (Note [ranks forked from a server that imported
     # torch] in fusedist/testing/multiprocess.py).
     monkeypatch.setenv("FUSEDIST_TEST_START", "spawn")
-    with pytest.raises(DistributedRunError, match=r"rank 1 was killed by SIGSEGV \(exit code -11\) without reporting") as info:
+    with pytest.raises(DistributedRunError,
+                       match=r"rank 1 was killed by SIGSEGV \(exit code -11\) without reporting") as info:
         run_distributed(_segfault_in_native_code, 2, backend=None, timeout=60)
     assert set(info.value.failures) == {1}
     err = capfd.readouterr().err
@@ -36,7 +37,8 @@ def test_segfault_names_the_rank_and_prints_the_python_stack(capfd, monkeypatch)
 
 
 def test_crash_during_shutdown_after_answering_fails_the_run():
-    with pytest.raises(DistributedRunError, match=r"rank 0 returned its result, then was killed by SIGSEGV \(exit code -11\)") as info:
+    with pytest.raises(DistributedRunError,
+                       match=r"rank 0 returned its result, then was killed by SIGSEGV \(exit code -11\)") as info:
         run_distributed(_crash_while_exiting, 1, backend=None, timeout=60)
     assert set(info.value.failures) == {0}
 

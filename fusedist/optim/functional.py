@@ -444,7 +444,8 @@ def sgd_update(
                  nesterov=nesterov, maximize=maximize)
     buckets = _bucketize(params, grads, masters, (bufs,))
     for (dev, p_dtype, g_dtype, has_master, eligible), idx in buckets.items():
-        b_params, b_grads, b_masters = _take(params, idx), _take(grads, idx), _take(masters, idx) if has_master else None
+        b_params, b_grads = _take(params, idx), _take(grads, idx)
+        b_masters = _take(masters, idx) if has_master else None
         b_bufs, b_step = _take(bufs, idx), _take_step(step, idx)
         triton = _backend_for("sgd_update", dev, eligible) == "triton"
         b_hyper = hyper if triton else dict(hyper, lr=_host(lr))

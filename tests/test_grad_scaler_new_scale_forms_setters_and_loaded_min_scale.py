@@ -12,6 +12,7 @@ import torch
 
 from fusedist.amp import GradScaler
 from fusedist.optim import FusedAdamW
+from test_grad_scaler_probe import _scaled_backward
 
 TOL = 1e-6
 
@@ -19,15 +20,6 @@ TOL = 1e-6
 def _params(seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=gen).requires_grad_() for s in ((5,), (3, 4))]
-
-
-def _scaled_backward(scaler, params, step, poison=None):
-    gen = torch.Generator().manual_seed(100 + step)
-    loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params)
-    scaler.scale(loss).backward()
-    if poison is not None:
-        with torch.no_grad():
-            params[0].grad.view(-1)[0] = poison
 
 
 def _max_diff(a, b):
@@ -47,7 +39,7 @@ def test_update_to_a_new_scale_in_each_documented_form_trains_as_torchs_float(fo
     sa = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, **kw)
     sb = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     for step in range(6):
-        poison = float("inf") if step == 4 else None
+        poison = (0, float("inf")) if step == 4 else None
         for scaler, opt, params in ((sa, a, ours), (sb, b, theirs)):
             opt.zero_grad()
             _scaled_backward(scaler, params, step, poison)
@@ -87,7 +79,7 @@ def test_a_scaler_built_with_a_device_object_or_index_takes_a_new_scale_tensor(d
     for step in range(4):
         for scaler, opt, params in ((sa, a, ours), (sb, b, theirs)):
             opt.zero_grad()
-            _scaled_backward(scaler, params, step, float("nan") if step == 2 else None)
+            _scaled_backward(scaler, params, step, (0, float("nan")) if step == 2 else None)
             scaler.step(opt)
             scaler.update(torch.tensor(32.0) if step == 0 else None)
         assert _max_diff(ours, theirs) <= TOL, step
@@ -130,7 +122,7 @@ def test_a_setter_refuses_what_the_constructor_refuses_and_valid_ones_train_as_t
                 scaler.set_growth_interval(2)
         for scaler, opt, params in ((sa, a, ours), (sb, b, theirs)):
             opt.zero_grad()
-            _scaled_backward(scaler, params, step, float("inf") if step in (3, 6) else None)
+            _scaled_backward(scaler, params, step, (0, float("inf")) if step in (3, 6) else None)
             scaler.step(opt)
             scaler.update()
         assert _max_diff(ours, theirs) <= TOL, step

@@ -146,9 +146,9 @@ class ShardedGradHolder:
                 reduce(t, alike, op)
                 return
             # NaN flags beside the values (Note [a NaN through a max all-reduce] in optim/grad_norms.py)
-            packed = torch.cat([t, t.isnan().to(t.dtype)])
+            packed = flag_nan(t)
             reduce(packed, torch.cat([alike, alike]), op)
-            t.copy_(torch.where(packed[len(t):] > 0, float("nan"), packed[:len(t)]))
+            t.copy_(unflag_nan(packed))
 
         norms = per_tensor_global_norms(
             [p.grad.detach() if p.grad is not None else None for p in params], norm_type, device, all_reduce)

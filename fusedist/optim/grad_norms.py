@@ -71,11 +71,13 @@ def _from_reducible(reduced: torch.Tensor, norm_type: float) -> torch.Tensor:
 #     both reduced by max (a sum reduces the flag as well as a max does), and read back as NaN
 #     wherever any rank's flag was set.
 def flag_nan(local: torch.Tensor) -> torch.Tensor:
-    """``[local, isnan(local)]`` (one element each) to all-reduce (Note [a NaN through a max all-reduce])."""
-    local = local.reshape(1)
+    """``[local, isnan(local)]`` (flat, the values then one flag each) to all-reduce (Note [a NaN
+    through a max all-reduce])."""
+    local = local.reshape(-1)
     return torch.cat([local, local.isnan().to(local.dtype)])
 
 
 def unflag_nan(packed: torch.Tensor) -> torch.Tensor:
-    """The reduced value of :func:`flag_nan`'s pair, NaN where a rank's flag was set (shape (1,))."""
-    return torch.where(packed[1:] > 0, float("nan"), packed[:1])
+    """The reduced values of :func:`flag_nan`'s packing, NaN where a rank's flag was set (flat)."""
+    n = packed.numel() // 2
+    return torch.where(packed[n:] > 0, float("nan"), packed[:n])

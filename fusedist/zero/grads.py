@@ -292,13 +292,11 @@ class GradientsMixin:
             if self.comm is None or self.world_size == 1:
                 return
             # a max travels with NaN flags (Note [a NaN through a max all-reduce] in grad_norms.py)
-            packed = (torch.cat([t, t.isnan().to(t.dtype)]) if op == "max" else t).to(self.comm.device)
+            packed = (flag_nan(t) if op == "max" else t).to(self.comm.device)
             self._join_announce()  # under join (Note [the announce] in join.py)
             self.comm.all_reduce(packed, op=op, tag=tag)
             packed = packed.to(t.device)
-            if op == "max":
-                packed = torch.where(packed[len(t):] > 0, float("nan"), packed[:len(t)])
-            t.copy_(packed)
+            t.copy_(unflag_nan(packed) if op == "max" else packed)
 
         if not slices:  # (no gradients on any rank: torch's norm of no tensors)
             return torch.zeros((), dtype=torch.float64, device=self._device)

@@ -8,7 +8,6 @@ only the registered objects and the coordinator with.
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from typing import Optional
 
@@ -298,9 +297,9 @@ class RestoreMixin:
         """Raise on every rank, naming the ranks, when the registered objects do not take what
         the checkpoint holds for them (Notes [a refused restore changes nothing], [a model that
         does not match])."""
-        # (_Unreadable: the load names what is wrong with the file, and tries an older one)
+        # (UnreadableFile: the load names what is wrong with the file, and tries an older one)
         failed = self._failures_on_any_rank(lambda: self._check_takes(path, manifest, per_rank, trusted, strict),
-                                            f"step {step}: checked", tolerated=_Unreadable)
+                                            f"step {step}: checked", tolerated=pipelined.UnreadableFile)
         if failed:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} is refused on "
@@ -372,28 +371,19 @@ def _other_parameters(model, optimizer, meta: dict) -> bool:
 
 def _not_read(name: str):
     """The rank files are not read before the load (its own check of the parameters comes first)."""
-    raise _Unreadable(f"the {name} sections are the load's to read")
-
-
-class _Unreadable(Exception):
-    """The job's common file could not be read for the checks before the load, which reports it."""
+    raise pipelined.UnreadableFile(f"the {name} sections are the load's to read")
 
 
 def _saved_common(path: str, manifest: dict, trusted: bool) -> dict:
     """The checkpoint's common file (the Checkpointer's state in its ``extra``), read with the
     tensors memory-mapped (they are the load's), unverified (the load verifies the file)."""
-    try:
-        info = manifest["files"][_files.COMMON]
-        common = torch.load(os.path.join(path, info.get("file", _files.COMMON)), map_location="cpu",
-                            weights_only=not trusted, mmap=True)
-        return common if isinstance(common, dict) else {}
-    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways
-        raise _Unreadable(str(exc)) from exc
+    common = pipelined.peek(path, manifest["files"], _files.COMMON, trusted)
+    return common if isinstance(common, dict) else {}
 
 
 def _verified(path: str, manifest: dict) -> None:
-    """Raise _Unreadable when the common file does not match its manifest entry."""
+    """Raise UnreadableFile when the common file does not match its manifest entry."""
     try:
         _files.verify_file(path, _files.COMMON, manifest["files"][_files.COMMON])
     except Exception as exc:  # noqa: BLE001
-        raise _Unreadable(str(exc)) from exc
+        raise pipelined.UnreadableFile(str(exc)) from exc

@@ -56,17 +56,6 @@ def part_schedulers(lr_scheduler, count: int, rank: int) -> list:
     return listed
 
 
-def _read_checkpoint(read):
-    """``read()`` of a checkpoint's files before the load; a file that cannot be read so is the
-    load's to report (and the restore tries an older one)."""
-    from ._restore import _Unreadable
-
-    try:
-        return read()
-    except pipelined.UnreadableFile as exc:
-        raise _Unreadable(str(exc)) from exc
-
-
 class SnapshotMixin:
     """The snapshot of ``Checkpointer.save``, over its coordinator, staging buffers and
     registered objects."""
@@ -202,8 +191,8 @@ class SnapshotMixin:
         per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
         if per_part is None and self._state["lr_scheduler"] is not None and pipelined.is_pipelined(path):
             # before the load (Note [LR scheduler states before the load] in pipeline.py)
-            per_part = _read_checkpoint(lambda: pipelined.part_lr_scheduler_states(
-                path, self._state["model"], self._state["optimizer"], self._trusted()))
+            per_part = pipelined.part_lr_scheduler_states(
+                path, self._state["model"], self._state["optimizer"], self._trusted())
         if self.pipeline:
             schedulers = part_schedulers(self._state["lr_scheduler"], len(self._parts()), self.rank)
             states = per_part if per_part is not None else self._whole_model_lr_scheduler_states(path, meta,
@@ -244,8 +233,8 @@ class SnapshotMixin:
         optimizer's (Note [LR scheduler states before the load] in pipeline.py)."""
         held = pipelined.parts(self._state["model"], self._state["optimizer"])  # (a list of one optimizer too)
         for j, ((module, optimizer), scheduler, state) in enumerate(zip(held, schedulers, states)):
-            why = None if scheduler is None or state is None else _read_checkpoint(
-                lambda: pipelined.lr_scheduler_group_mismatch(path, module, optimizer, self._trusted()))
+            why = None if scheduler is None or state is None else pipelined.lr_scheduler_group_mismatch(
+                path, module, optimizer, self._trusted())
             if why is not None:
                 raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot load the LR scheduler state of "
                                       f"model part {j} (rank {self.rank}): {why}")
@@ -316,7 +305,7 @@ class SnapshotMixin:
                 common.update(model=api.common_model(model, sharded_keys),
                               optimizer=api.full_optimizer_state(model, optimizer), scaler=scaler)
                 manifest = self._manifest_base(step, model, optimizer)
-        if not getattr(self, "_restores_trusted", False):
+        if not self._trusted():
             self._refuse_unreadable(sections, common, stage_commons)
         staged = self._staging.stage({"sections": sections, "common": common, "stage_commons": stage_commons})
         return dict(staged, manifest=manifest, entries=entries,

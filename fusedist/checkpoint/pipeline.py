@@ -469,10 +469,11 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
 # the optimizer's groups took their own (by parameter name). It is loaded only into a part
 # whose param groups are the saved ones in their order (lr_scheduler_group_mismatch).
 class UnreadableFile(CheckpointError):
-    """A file :func:`_peek` could not read: the load's to report (it verifies the file)."""
+    """A file :func:`peek` could not read before the load: the load's to report (it verifies
+    the file), and a restore then tries an older checkpoint."""
 
 
-def _peek(directory: str, files: dict, name: str, trusted: bool, *path):
+def peek(directory: str, files: dict, name: str, trusted: bool, *path):
     """File ``name`` of the checkpoint (its entry ``path``), its tensors memory-mapped (Note [LR
     scheduler states before the load])."""
     try:
@@ -496,7 +497,7 @@ def part_lr_scheduler_states(directory: str, model, optimizer, trusted: bool) ->
 
     def common(stage: dict) -> dict:
         if stage["common"] not in commons:
-            commons[stage["common"]] = _peek(directory, manifest["files"], stage["common"], trusted)
+            commons[stage["common"]] = peek(directory, manifest["files"], stage["common"], trusted)
         return commons[stage["common"]]
 
     found = [_part_lr_scheduler([common(s) for _, s in _chosen(stages, _load_plan._expected_model(
@@ -508,8 +509,8 @@ def _saved_groups(directory: str, files: dict, stage: dict, trusted: bool) -> li
     """The stage's optimizer param groups as saved (their parameters by index into its
     ``param_names``): in its common file, or in its first rank's ZeRO shard."""
     if stage["optimizer"]["kind"] == "full":
-        return _peek(directory, files, stage["common"], trusted, "optimizer", "param_groups")
-    return _peek(directory, files, api.rank_file(stage["ranks"][0]), trusted,
+        return peek(directory, files, stage["common"], trusted, "optimizer", "param_groups")
+    return peek(directory, files, api.rank_file(stage["ranks"][0]), trusted,
                  _section("optimizer_shard", stage["part"]), "param_groups")
 
 
@@ -524,7 +525,7 @@ def lr_scheduler_group_mismatch(directory: str, model, optimizer, trusted: bool)
     if optimizer is None or not chosen:
         return None
     # the stage the state is from: the first of them saved with one (an ordinary checkpoint's one)
-    source = next((s for s in chosen if s["keys"] is None or _peek(directory, files, s["common"], trusted).get(
+    source = next((s for s in chosen if s["keys"] is None or peek(directory, files, s["common"], trusted).get(
         "lr_scheduler") is not None), chosen[0])
     names = param_names(model, optimizer_params(optimizer))
     wanted, group_of, count = set(names), {}, 0

@@ -70,8 +70,6 @@ gradients are shards only it reads (``p.grad`` is None), so there is nothing to 
 
 from __future__ import annotations
 
-import math
-import operator
 import warnings
 import weakref
 from collections import defaultdict
@@ -84,9 +82,9 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from ..optim._scaler_protocol import looked_up_once
 from ..optim.step_context import inverse_scale, mark_pending
 from ..ownership import gradient_holders_of
+from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
 
 MIN_SCALE_POLICIES = ("warn", "raise")
-_TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def is_fused(optimizer) -> bool:
@@ -224,67 +222,6 @@ def _device_type(device):
         return device  # (torch's own checks speak about it)
 
 
-def _real(value) -> Optional[float]:
-    try:
-        return None if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _check_settings(where: str, scale_name: str, scale, growth_factor, backoff_factor, growth_interval) -> None:
-    """torch checks only growth_factor > 1 and backoff_factor < 1; the values below pass its
-    checks yet train wrongly without an error: a scale of 0 zeroes every gradient (or makes
-    every step overflow), a backoff factor <= 0 or an infinite growth factor makes the scale 0,
-    negative or inf after one update, and growth_interval <= 0 never grows the scale. Without a
-    ``scale_name`` the scale is not checked (a setter's call)."""
-    problems = []
-    s, gf, bf = _real(scale), _real(growth_factor), _real(backoff_factor)
-    if scale_name is not None and (s is None or not (math.isfinite(s) and s > 0)):
-        problems.append(f"{scale_name} must be a finite number > 0, got {scale!r}")
-    if gf is None or not math.isfinite(gf):
-        problems.append(f"growth_factor must be a finite number, got {growth_factor!r}")
-    if bf is None or not bf > 0:
-        problems.append(f"backoff_factor must be a number > 0, got {backoff_factor!r}")
-    try:
-        interval = None if isinstance(growth_interval, bool) else operator.index(growth_interval)
-    except TypeError:
-        interval = None
-    if interval is None or interval < 1:
-        problems.append(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
-    if problems:
-        raise ValueError(f"{where}: " + "; ".join(problems))
-
-
-def _checked_new_scale(new_scale):
-    """``update(new_scale)`` with a number: torch takes any, but a scale of 0 zeroes every
-    gradient (the steps go on, the scale never grows from 0), and an inf or nan one makes every
-    gradient non-finite (every step skipped, the backoff keeps it there), silently, as with
-    ``init_scale`` (:func:`_check_settings`). A tensor is not read: that would be a host sync.
-
-    Returns the scale in the form torch's update takes: a float (its update fills the scale only
-    from a ``float``, and failed on an int with "'int' object has no attribute 'device'"), or a
-    tensor of the scale's shape: its docstring asks for a 1-element tensor, but its scale has
-    shape ``()``, so ``torch.tensor([s])`` failed in ``copy_`` ("output with shape [] doesn't
-    match the broadcast shape [1]"). Other tensors go to torch's checks unchanged."""
-    if isinstance(new_scale, torch.Tensor):
-        return new_scale.reshape(()) if new_scale.numel() == 1 else new_scale
-    s = _real(new_scale)
-    if s is None or not (math.isfinite(s) and s > 0):
-        raise ValueError(f"GradScaler.update: new_scale must be a finite number > 0, got {new_scale!r}")
-    return s
-
-
-def _check_loaded_min_scale(min_scale) -> None:
-    """A loaded ``min_scale`` is checked as the constructor checks it, less the bound by
-    ``init_scale`` (a loaded scale may lie below the floor): an infinite one never let the scale
-    back off (every step skipped, with a warning at each update), a string failed only at the
-    first overflow, and 0 or less silently meant no floor."""
-    m = _real(min_scale)
-    if min_scale is not None and (m is None or not (math.isfinite(m) and m > 0)):
-        raise ValueError(f"GradScaler.load_state_dict: min_scale must be None or a finite number > 0, "
-                         f"got {min_scale!r}")
-
-
 class GradScaler(_TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
@@ -331,7 +268,7 @@ class GradScaler(_TorchGradScaler):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._device = _device_type(device)
         if self._enabled:  # (torch checks its factors only when enabled, too)
-            _check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
+            check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
         self.lazy_unscale = bool(lazy_unscale)
         if int(hysteresis) != hysteresis or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
@@ -349,7 +286,7 @@ class GradScaler(_TorchGradScaler):
 
     # -- settings ------------------------------------------------------------------------------
     # torch's setters check nothing, so they took the values the constructor and load_state_dict
-    # refuse (_check_settings): set_backoff_factor(0) made the scale 0 at the next overflow, and
+    # refuse (check_settings): set_backoff_factor(0) made the scale 0 at the next overflow, and
     # every later gradient 0, silently. They are checked here as there (when enabled, as torch's
     # constructor checks its factors).
 
@@ -369,7 +306,7 @@ class GradScaler(_TorchGradScaler):
         if self._enabled:
             settings = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
                         "growth_interval": self._growth_interval, **setting}
-            _check_settings(f"GradScaler.{where}", None, None, **settings)
+            check_settings(f"GradScaler.{where}", None, None, **settings)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -501,7 +438,7 @@ class GradScaler(_TorchGradScaler):
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            new_scale = _checked_new_scale(new_scale)
+            new_scale = checked_new_scale(new_scale)
         self._forget_unstepped()
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())
@@ -615,15 +552,7 @@ class GradScaler(_TorchGradScaler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._enabled and state_dict:  # validate, then load: torch's load stops half-way at a missing key
-            missing = [k for k in _TORCH_STATE_KEYS if k not in state_dict]
-            if missing:
-                raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing} "
-                               f"(it has {sorted(state_dict)}); not a GradScaler state dict?")
-            _check_settings("GradScaler.load_state_dict", "scale", *(state_dict[k] for k in _TORCH_STATE_KEYS[:4]))
-            hysteresis = state_dict.get("hysteresis", 1)
-            if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-                raise ValueError(f"GradScaler.load_state_dict: hysteresis must be an integer >= 1, got {hysteresis!r}")
-            _check_loaded_min_scale(state_dict.get("min_scale"))
+            check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
         if not self._enabled:
             return

@@ -127,3 +127,28 @@ def test_a_setter_refuses_what_the_constructor_refuses_and_valid_ones_train_as_t
             scaler.update()
         assert _max_diff(ours, theirs) <= TOL, step
         assert (sa.get_scale(), sa._get_growth_tracker()) == (sb.get_scale(), sb._get_growth_tracker()), step
+
+
+@pytest.mark.parametrize("bad", ["meta device", "two elements", "requires grad"])
+def test_a_refused_new_scale_tensor_changes_nothing_before_the_next_update(bad):
+    """torch's update refuses such a tensor before it changes anything, so a loop that catches the
+    error and calls ``update()`` goes on as if the bad call never happened. fusedist's reset the
+    hysteresis count first: an overflow counted towards the backoff was forgotten, and the scale
+    stayed up a step longer than the same loop without the bad call."""
+    new = {"meta device": torch.tensor(8.0, device="meta"), "two elements": torch.tensor([8.0, 2.0]),
+           "requires grad": torch.tensor([8.0], requires_grad=True)}[bad]
+    runs = []
+    for refused_first in (False, True):
+        params = _params()
+        opt, scaler = FusedAdamW(params, lr=1e-2), GradScaler("cpu", init_scale=2.0**10, hysteresis=2)
+        for step in range(4):
+            opt.zero_grad()
+            _scaled_backward(scaler, params, step, (0, float("inf")) if step in (0, 1) else None)
+            scaler.step(opt)
+            if refused_first and step == 1:
+                with pytest.raises(AssertionError, match="1-element"):
+                    scaler.update(new)
+            scaler.update()
+        runs.append((scaler.state_dict(), [p.detach().clone() for p in params]))
+    assert runs[1][0] == runs[0][0]
+    assert _max_diff(runs[1][1], runs[0][1]) == 0

@@ -438,7 +438,7 @@ class GradScaler(_TorchGradScaler):
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            new_scale = checked_new_scale(new_scale)
+            new_scale = checked_new_scale(new_scale, self._device)
         self._forget_unstepped()
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())

@@ -48,7 +48,7 @@ def check_settings(where: str, scale_name: str, scale, growth_factor, backoff_fa
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 
-def checked_new_scale(new_scale):
+def checked_new_scale(new_scale, device_type: str):
     """``update(new_scale)`` with a number: torch takes any, but a scale of 0 zeroes every
     gradient (the steps go on, the scale never grows from 0), and an inf or nan one makes every
     gradient non-finite (every step skipped, the backoff keeps it there), silently, as with
@@ -58,9 +58,14 @@ def checked_new_scale(new_scale):
     from a ``float``, and failed on an int with "'int' object has no attribute 'device'"), or a
     tensor of the scale's shape: its docstring asks for a 1-element tensor, but its scale has
     shape ``()``, so ``torch.tensor([s])`` failed in ``copy_`` ("output with shape [] doesn't
-    match the broadcast shape [1]"). Other tensors go to torch's checks unchanged."""
+    match the broadcast shape [1]"). A tensor torch's update refuses (on another device type, of
+    several elements, requiring grad) is refused here with its message, before the update changes
+    anything (torch's refuses before it does; the hysteresis count was reset first)."""
     if isinstance(new_scale, torch.Tensor):
-        return new_scale.reshape(()) if new_scale.numel() == 1 else new_scale
+        if new_scale.device.type != device_type or new_scale.numel() != 1 or new_scale.requires_grad:
+            raise AssertionError("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                                 "torch.FloatTensor with requires_grad=False.")
+        return new_scale.reshape(())
     s = _real(new_scale)
     if s is None or not (math.isfinite(s) and s > 0):
         raise ValueError(f"GradScaler.update: new_scale must be a finite number > 0, got {new_scale!r}")

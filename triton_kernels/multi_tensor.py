@@ -377,7 +377,7 @@ def _adam_kernel(
 
 @triton.jit
 def _sgd_chunk(
-    g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, dampening, weight_decay,
+    g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
     BLOCK: tl.constexpr, ITERS: tl.constexpr, MASKED: tl.constexpr,
@@ -392,7 +392,8 @@ def _sgd_chunk(
         if HAS_MOMENTUM:
             buf = _ld(b_ptr, offs, n, MASKED)
             # First step of this tensor: torch initializes the buffer with the gradient.
-            buf = tl.where(s == 1.0, d, buf * momentum + (1.0 - dampening) * d)
+            # (1 - dampening arrives computed in float64 on the host, as torch's ``alpha=1 - dampening``)
+            buf = tl.where(s == 1.0, d, buf * momentum + one_minus_dampening * d)
             _st(b_ptr, offs, n, buf, MASKED)
             if NESTEROV:
                 d = d + momentum * buf
@@ -407,7 +408,7 @@ def _sgd_chunk(
 def _sgd_kernel(
     ptrs, numels, chunk_t, chunk_start, n_tensors,
     inv_scale_ptr, clip_ptr, found_inf_ptr, lr_ptr,
-    lr, momentum, dampening, weight_decay, step,
+    lr, momentum, one_minus_dampening, weight_decay, step,
     GRAD_DTYPE: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_INV_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, STEP_ROLE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
@@ -425,11 +426,11 @@ def _sgd_kernel(
     w_ptr = _role_ptr(ptrs, 2, n_tensors, t, tl.float32, ALIGNED)
     b_ptr = _role_ptr(ptrs, 3, n_tensors, t, tl.float32, ALIGNED)
     if start + BLOCK * ITERS <= n:  # Note [full and tail chunks]
-        _sgd_chunk(g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, dampening, weight_decay,
-                   PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, BLOCK, ITERS, False)
+        _sgd_chunk(g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, one_minus_dampening,
+                   weight_decay, PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, BLOCK, ITERS, False)
     else:
-        _sgd_chunk(g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, dampening, weight_decay,
-                   PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, BLOCK, ITERS, True)
+        _sgd_chunk(g_ptr, p_ptr, w_ptr, b_ptr, start, n, factor, s, lr, momentum, one_minus_dampening,
+                   weight_decay, PARAM_DTYPE, HAS_MASTER, HAS_MOMENTUM, NESTEROV, MAXIMIZE, BLOCK, ITERS, True)
 
 
 @triton.jit
@@ -673,7 +674,7 @@ def sgd(params, grads, masters, momentum_buffers, step, *, lr, momentum, dampeni
         table.ptrs, table.numels, table.chunk_t, table.chunk_start, table.n_tensors,
         _scalar_or_dummy(inv_scale, dummy), _scalar_or_dummy(clip_coef, dummy),
         _scalar_or_dummy(found_inf, dummy), *_lr_args(lr, device, dummy),
-        float(momentum), float(dampening), float(weight_decay), step_scalar,
+        float(momentum), 1.0 - float(dampening), float(weight_decay), step_scalar,
         GRAD_DTYPE=tl_dtype(grads[0].dtype), PARAM_DTYPE=tl_dtype(params[0].dtype),
         HAS_MASTER=masters is not None, HAS_INV_SCALE=inv_scale is not None,
         HAS_CLIP=clip_coef is not None, HAS_FOUND_INF=found_inf is not None,

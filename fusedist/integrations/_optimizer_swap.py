@@ -1,0 +1,182 @@
+"""The optimizer a fusedist strategy swaps in for the one a user built (Lightning's Trainer
+and Fabric strategies share it): torch's Adam/AdamW/SGD become fusedist's fused ones, optionally
+sharded by ``ZeroRedundancyOptimizer``, under the user's class name; whoever kept the user's
+optimizer (its LR schedulers, the user's own reference) reaches the new one.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+import fusedist
+from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
+
+__all__ = ["convert_optimizer", "hand_over"]
+
+# torch optimizer -> its fused drop-in (same constructor keywords).
+_FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
+
+
+def _refuse_unfusable_settings(optimizer: torch.optim.Optimizer, strategy: str) -> None:
+    """The fused optimizers run no CUDA-graph-capturable or differentiable step: an optimizer
+    asking for one is refused at setup, with the strategy setting that keeps torch's (the fused
+    optimizer's own refusal would name a class the user never wrote)."""
+    name = type(optimizer).__name__
+    for flag in ("capturable", "differentiable"):
+        if optimizer.defaults.get(flag) or any(group.get(flag) for group in optimizer.param_groups):
+            raise ValueError(
+                f"{strategy}: {name}({flag}=True) has no fused counterpart (fusedist's fused "
+                f"{name} does not support {flag}=True); pass {strategy}(fused_optimizer=False) "
+                f"to train with torch's {name}, or drop {flag}=True")
+
+
+def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool, zero_stage: int,
+                      master_weights: bool, strategy: str, fresh_from: str) -> torch.optim.Optimizer:
+    """``optimizer`` as a strategy runs it: its fused counterpart (torch's Adam, AdamW, SGD, when
+    ``fused_optimizer``; same hyperparameters and param groups, FP32 masters when
+    ``master_weights``), sharded by ``ZeroRedundancyOptimizer`` when ``zero_stage`` is 1 or 2,
+    under the returned class's name (Note [the optimizer's name]); ``optimizer`` itself when
+    nothing changes. ``strategy`` names the strategy in errors, ``fresh_from`` where a fresh
+    optimizer comes from."""
+    cls = type(optimizer)
+    fused = _FUSED.get(cls) if fused_optimizer else None
+    if fused is None and zero_stage == 0:
+        return optimizer
+    if _has_stepped(optimizer):
+        raise RuntimeError(f"{strategy}: {cls.__name__} already has state; it must be converted "
+                           f"before its first step ({fresh_from})")
+    if fused is not None:
+        _refuse_unfusable_settings(optimizer, strategy)
+    target = fused or cls
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in _keywords(target)}
+    groups = [dict(group) for group in optimizer.param_groups]
+    if fused is not None:
+        defaults["master_weights"] = master_weights
+        # which of torch's implementations to run (foreach=, fused=False): the conversion
+        # replaces the implementation, so they say nothing here (fused=False was refused)
+        for settings in (defaults, *groups):
+            settings.pop("foreach", None)
+            settings.pop("fused", None)
+    if zero_stage == 0:
+        return _named_as(target, cls)(groups, **defaults)
+    return _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=zero_stage, **defaults)
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds state a step made. torch's Adagrad fills its state when it is
+    built (``step`` 0, ``sum`` at ``initial_accumulator_value``), which its converted
+    counterpart builds again; any other entry (a ``step`` past 0, a ``momentum_buffer``) would
+    be lost by the conversion."""
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is None or float(step) != 0:
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(cls) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(cls.__init__).parameters)
+
+
+# Note [the optimizer's name]
+# LearningRateMonitor names its keys after the optimizer's class ("lr-AdamW/pg1") and numbers
+# several optimizers of one class by type ("lr-AdamW", "lr-AdamW-1"). The optimizer the
+# strategy swaps in would log "lr-FusedAdamW/pg1" or "lr-ZeroRedundancyOptimizer/pg1": the same
+# training under other keys, so dashboards and monitors keyed on them go blank when only the
+# strategy changed. The swapped optimizer is therefore an instance of a subclass of its
+# implementation that carries the returned class's name -- one subclass per (implementation,
+# returned class), so the numbering by type is Lightning's too. It is still the implementation
+# (isinstance, methods, ZeroRedundancyOptimizer's repr, the algorithm fusedist's checkpoints
+# record, found through the bases; pickling); only __name__ is borrowed, which torch's
+# Optimizer repr and fusedist's messages about the optimizer also show: the class the user
+# wrote. An optimizer the strategy keeps as it is keeps its own name, so one written as
+# fusedist.optim.FusedAdamW logs under "lr-FusedAdamW" with every strategy, Lightning's too;
+# giving its LR scheduler config "name": "lr-AdamW" keeps torch's keys.
+
+
+@functools.lru_cache(maxsize=None)
+def _named_as(implementation: type, returned: type) -> type:
+    """``implementation`` under the name of ``returned`` (Note [the optimizer's name])."""
+    if implementation.__name__ == returned.__name__:
+        return implementation
+
+    def __reduce_ex__(self, protocol):
+        # The class is made here, not found by name: pickle rebuilds it from the two classes.
+        return _new_named, (implementation, returned), self.__getstate__()
+
+    return type(returned.__name__, (implementation,),
+                {"__module__": __name__, "__qualname__": f"{implementation.__qualname__}[{returned.__name__}]",
+                 "__doc__": (f"{implementation.__qualname__}, named as {returned.__qualname__} "
+                             "(Note [the optimizer's name])."),
+                 "__reduce_ex__": __reduce_ex__})
+
+
+def _new_named(implementation: type, returned: type):
+    cls = _named_as(implementation, returned)
+    return cls.__new__(cls)
+
+
+# Note [the returned optimizer]
+# The optimizer configure_optimizers returned stays reachable after the swap: SequentialLR and
+# ChainedScheduler keep it in their parts (the usual warm-up then decay is a SequentialLR),
+# and modules keep it to set a learning rate by hand (self.opt = AdamW(...); return self.opt).
+# Written to, its param groups used to be a discarded copy: the learning rate of the optimizer
+# that steps stayed where the swap left it, and training went on without a word. The returned
+# optimizer now reads and writes the new one's param groups, so a hyperparameter set through
+# it takes effect; and every scheduler in a config's tree drives the new optimizer, as torch
+# otherwise warns that a part stepped an optimizer that never stepped. A param group added
+# through it (unfreezing a backbone: self.opt.add_param_group(...)) is added by the new one:
+# torch's add_param_group appended a group the new optimizer had not set up -- without FP32
+# masters under "bf16-true", and refused by ZeRO as parameters "not held" by it.
+
+
+def hand_over(old, new, schedulers) -> None:
+    """``new`` takes ``old``'s place for the LR ``schedulers`` (and those they hold) and for whoever kept ``old``
+    (Note [the returned optimizer]); ``new``'s groups carry the schedulers' ``initial_lr``."""
+    for top in schedulers:
+        for scheduler in _scheduler_tree(top):
+            if getattr(scheduler, "optimizer", None) is old:
+                scheduler.optimizer = new
+                _track_step_calls(new)
+    old.param_groups = new.param_groups
+    old.add_param_group = new.add_param_group
+
+
+def _scheduler_tree(scheduler, seen=None):
+    """``scheduler`` and the schedulers it keeps, at any depth, in attributes or in lists and
+    tuples held by them (SequentialLR's and ChainedScheduler's ``_schedulers``)."""
+    seen = set() if seen is None else seen
+    if id(scheduler) in seen:
+        return
+    seen.add(id(scheduler))
+    yield scheduler
+    kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    for value in getattr(scheduler, "__dict__", {}).values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, kinds):
+                yield from _scheduler_tree(item, seen)
+
+
+def _track_step_calls(optimizer) -> None:
+    # torch's LRScheduler marks optimizer.step to warn when the scheduler steps first; the
+    # new optimizer gets the same mark (held weakly, as torch does).
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)
+    func = step.__func__
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        opt = owner()
+        opt._opt_called = True
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper

@@ -1,0 +1,213 @@
+"""``FusedistFabricStrategy``: Lightning Fabric's DDP strategy, with fusedist underneath.
+
+``Fabric(strategy=FusedistFabricStrategy(), devices=N)`` wraps the module that
+``fabric.setup`` is given in :class:`fusedist.DistributedDataParallel`; optionally the
+optimizer is swapped for its fused counterpart (torch's Adam, AdamW and SGD ->
+``fusedist.optim.FusedAdam/FusedAdamW/FusedSGD``, same hyperparameters and param groups, FP32
+master weights under ``precision="16-true"/"bf16-true"``) and sharded with
+:class:`fusedist.ZeroRedundancyOptimizer` (``zero_stage=1|2``), as ``FusedistStrategy`` does
+for the Trainer. The loop stays Fabric's:
+
+    fabric = L.Fabric(strategy=FusedistFabricStrategy(zero_stage=2), precision="bf16-mixed")
+    model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
+    with fabric.no_backward_sync(model, enabled=accumulating):
+        fabric.backward(model(x).loss)
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+
+Note [Fabric's steps on a fused or sharded optimizer]
+    Three of Fabric's DDP steps assume torch's classes: ``no_backward_sync`` accepts only
+    torch's DDP module, ``"16-mixed"`` scales with torch's GradScaler (which cannot step ZeRO
+    stage 2: no ``p.grad``) and refuses to clip for an optimizer that unscales inside its step
+    (stage 2 does), and ``clip_gradients`` measures ``p.grad`` with torch's clip, which stage 2
+    leaves None. The strategy takes fusedist's module in ``no_backward_sync``, swaps the
+    precision plugin's scaler for ``fusedist.amp.GradScaler`` (same settings; its unscale of a
+    stage-2 optimizer is read-only, and the step applies it), and clips through
+    ``ZeroRedundancyOptimizer.clip_grad_norm_`` or ``fusedist.clip_grad_norm_``, which give the
+    global norm over the shards, returned as Fabric returns torch's. Clipping by value needs
+    ``p.grad``, so stage 2 refuses it.
+
+    An LR scheduler passed to ``fabric.setup(..., scheduler=...)`` -- and any scheduler it holds
+    (SequentialLR) -- drives the swapped optimizer, and the optimizer given to ``setup`` reads
+    and writes the swapped one's param groups (Note [the returned optimizer] in
+    ``_optimizer_swap.py``). ``fabric.save`` consolidates a ZeRO optimizer's state on rank 0, as
+    Fabric does for torch's ``ZeroRedundancyOptimizer``; ``fabric.load`` loads it on every rank.
+
+Importing this module registers the strategy under Fabric's strategy names: ``"fusedist"``,
+``"fusedist_zero1"``, ``"fusedist_zero2"`` and ``"fusedist_find_unused_parameters_true"``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+import fusedist
+from fusedist.ddp import DistributedDataParallel
+
+from ._optimizer_swap import convert_optimizer, hand_over
+
+__all__ = ["FusedistFabricStrategy"]
+
+_NAME = "FusedistFabricStrategy"
+
+
+class FusedistFabricStrategy(DDPStrategy):
+    """Fabric's ``DDPStrategy`` with fusedist's DDP, fused optimizers and ZeRO (module docstring).
+
+    Args:
+        zero_stage: 0 (plain data parallelism), 1 or 2 (``fusedist.ZeroRedundancyOptimizer``
+            over each optimizer set up with the module; one optimizer per module).
+        fused_optimizer: replace torch's Adam/AdamW/SGD by fusedist's fused ones (other
+            optimizers are kept as they are).
+        **kwargs: Fabric's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``,
+            ``start_method``, ...) and fusedist ``DistributedDataParallel`` keywords
+            (``bucket_cap_mb``, ``find_unused_parameters``, ``reduce_dtype``, ...).
+    """
+
+    def __init__(self, *, zero_stage: int = 0, fused_optimizer: bool = True, **kwargs: Any) -> None:
+        if type(zero_stage) is not int or zero_stage not in (0, 1, 2):  # (not True, not 1.0)
+            raise ValueError(f"{_NAME}: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        super().__init__(**kwargs)
+        self.zero_stage = zero_stage
+        self.fused_optimizer = bool(fused_optimizer)
+        self._backward_sync_control = _FusedistBackwardSyncControl()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """The strategy's names. Overrides DDPStrategy's, which would register ``"ddp"`` and its
+        variants again, for this class."""
+        entries = (("fusedist", {}, "fused optimizers"),
+                   ("fusedist_zero1", {"zero_stage": 1}, "ZeRO stage 1"),
+                   ("fusedist_zero2", {"zero_stage": 2}, "ZeRO stage 2"),
+                   ("fusedist_find_unused_parameters_true", {"find_unused_parameters": True},
+                    "fused optimizers, find_unused_parameters=True"))
+        for name, options, what in entries:
+            strategy_registry.register(name, cls, description=f"fusedist DDP with {what}", override=True,
+                                       **options)
+
+    # -- precision (Note [Fabric's steps on a fused or sharded optimizer]) --------------------
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, plugin: Optional[Precision]) -> None:
+        self._precision = None if plugin is None else _adapt_precision(plugin)
+
+    # -- module and optimizers ------------------------------------------------------------------
+
+    def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
+
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list, scheduler=None):
+        if self.zero_stage and len(optimizers) > 1:
+            # each ZeroRedundancyOptimizer shards along the DDP model's gradient buckets and must
+            # own all of its trainable parameters
+            raise ValueError(
+                f"{_NAME}(zero_stage={self.zero_stage}) shards one optimizer over all the module's trainable "
+                f"parameters, but fabric.setup was given {len(optimizers)}; use zero_stage=0 (fused, unsharded "
+                "optimizers), or one optimizer with a param group per part of the module")
+        module = self.setup_module(module)
+        return module, [self._converted(opt, scheduler) for opt in optimizers], scheduler
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``fabric.setup_optimizers`` after ``fabric.setup_module``: the same conversion."""
+        return self._converted(optimizer, None)
+
+    def _converted(self, optimizer, scheduler):
+        new = convert_optimizer(optimizer, fused_optimizer=self.fused_optimizer, zero_stage=self.zero_stage,
+                                master_weights=isinstance(self.precision, HalfPrecision), strategy=_NAME,
+                                fresh_from="pass a fresh optimizer to fabric.setup")
+        if new is not optimizer:
+            hand_over(optimizer, new, [] if scheduler is None else [scheduler])
+        return new
+
+    def get_module_state_dict(self, module: torch.nn.Module) -> dict:
+        return super().get_module_state_dict(module.module if isinstance(module, DistributedDataParallel) else module)
+
+    def load_module_state_dict(self, module: torch.nn.Module, state_dict: dict, strict: bool = True) -> None:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        super().load_module_state_dict(module, state_dict, strict=strict)
+
+    # -- clipping (Note [Fabric's steps on a fused or sharded optimizer]) -----------------------
+
+    def clip_gradients_norm(self, module: torch.nn.Module, optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer):
+            return optimizer.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return fusedist.clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def clip_gradients_value(self, module: torch.nn.Module, optimizer, clip_val: Union[float, int]) -> None:
+        if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer) and optimizer.stage == 2:
+            raise ValueError(f"{_NAME}: fabric.clip_gradients(clip_val=...) cannot be applied with zero_stage=2, "
+                             "which keeps only this rank's shard of the gradients and no p.grad; clip by norm "
+                             "(max_norm=...) or use zero_stage=1")
+        super().clip_gradients_value(module, optimizer, clip_val)
+
+
+class _FusedistBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync`` on fusedist's DDP module (Fabric's accepts torch's only)."""
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(f"{_NAME}: no_backward_sync needs the module set up by fabric.setup (a fusedist "
+                            f"DistributedDataParallel), got {type(module).__name__}")
+        return module.no_sync()
+
+
+class _FusedistMixedPrecision:
+    """Mixed into Fabric's ``MixedPrecision`` (or the user's subclass of it): unscale before a
+    clip for every optimizer, a stage-2 one included (Fabric refuses one that unscales inside its
+    step; fusedist's GradScaler records the unscale for the step)."""
+
+    def unscale_gradients(self, optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+
+def _adapt_precision(plugin: Precision) -> Precision:
+    """The plugin, with fusedist's GradScaler where it scales (Note [Fabric's steps on a fused
+    or sharded optimizer]); Fabric's other plugins (bitsandbytes, Transformer Engine, FSDP,
+    DeepSpeed, XLA) convert modules or step through engines this strategy does not run."""
+    kind = type(plugin)
+    base = next((c for c in kind.__mro__ if c in (MixedPrecision, HalfPrecision, DoublePrecision, Precision)), None)
+    mro = kind.__mro__
+    if base is None or any(c.__module__.startswith("lightning.") for c in mro[:mro.index(base)]):
+        raise ValueError(f"{_NAME}: the precision plugin {kind.__name__} is not supported; use precision='32-true', "
+                         "'64-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true', or a subclass of Fabric's "
+                         "Precision, DoublePrecision, HalfPrecision or MixedPrecision")
+    if base is not MixedPrecision or isinstance(plugin, _FusedistMixedPrecision):
+        return plugin
+    adapted_kind = type(kind.__name__, (_FusedistMixedPrecision, kind),
+                        {"__module__": __name__, "__qualname__": kind.__qualname__})
+    adapted = adapted_kind.__new__(adapted_kind)
+    adapted.__dict__.update(vars(plugin))
+    adapted.scaler = _fusedist_scaler(plugin.scaler, plugin.device)
+    return adapted
+
+
+def _fusedist_scaler(scaler, device):
+    """fusedist's GradScaler with the settings and state of torch's ``scaler`` (None for bf16)."""
+    if scaler is None or isinstance(scaler, fusedist.amp.GradScaler):
+        return scaler
+    ours = fusedist.amp.GradScaler(device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
+                                   backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
+                                   enabled=scaler._enabled)
+    if scaler._enabled and scaler._scale is not None:  # a scaler that has scaled already: its state
+        ours.load_state_dict(scaler.state_dict())
+    return ours
+
+
+FusedistFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -52,7 +52,7 @@ from fusedist.ddp import DistributedDataParallel
 
 from ._optimizer_swap import convert_optimizer, hand_over
 
-__all__ = ["FusedistFabricStrategy"]
+__all__ = ["FusedistFabricStrategy", "FusedistFabricModelParallelStrategy"]
 
 _NAME = "FusedistFabricStrategy"
 
@@ -211,3 +211,6 @@ def _fusedist_scaler(scaler, device):
 
 
 FusedistFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+
+# fully_shard modules under Fabric's ModelParallelStrategy (its own module).
+from .fabric_model_parallel import FusedistFabricModelParallelStrategy  # noqa: E402

@@ -18,7 +18,8 @@ from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 from ._schedule import step_count
-from ._snapshot import is_zero
+from ._persist import _sampler_epoch
+from ._snapshot import epochs_differ, is_zero
 from .sampler import ElasticDistributedSampler
 
 
@@ -38,11 +39,12 @@ class RestoreMixin:
         is resharded and an ElasticDistributedSampler re-splits the rest of the epoch (a
         ResumableDistributedSampler starts the saved epoch from its beginning), while
         the per-rank RNG states (which belong to the old ranks) are left as the script set
-        them. Create DataLoader iterators after this call. ``strict=False`` resumes a model
-        that gained or lost parameters or buffers since (Note [a load that is not strict] in
-        ``api.py``: the keys both have are loaded, the others left as they are). A restore
-        refused for objects that do not match the checkpoint changes none of them (Note [a
-        refused restore changes nothing]).
+        them. CUDA generator states are restored into the devices the saving machine and this
+        one both have (with a warning when their numbers differ). Create DataLoader iterators
+        after this call. ``strict=False`` resumes a model that gained or lost parameters or
+        buffers since (Note [a load that is not strict] in ``api.py``: the keys both have are
+        loaded, the others left as they are). A restore refused for objects that do not match
+        the checkpoint changes none of them (Note [a refused restore changes nothing]).
         """
         if step is not None:
             step = step_count(step, "restore")
@@ -78,8 +80,9 @@ class RestoreMixin:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
                 error = f"rank {self.rank} could not read its per-rank state: {type(exc).__name__}: {exc}"
-            errors = [e for e in self._coord.all_gather(error) if e is not None]
-            error = errors[0] if errors else None
+            everyone = self._coord.all_gather((error, self._epoch_restored(per_rank)))
+            errors = [e for e, _ in everyone if e is not None]
+            error = errors[0] if errors else _mixed_epochs([e for _, e in everyone])
             if error is None:
                 self._refuse_mismatch_agreed(saved_step, path, manifest, per_rank, trusted, strict)
                 try:  # (checked on every rank alike before anything is loaded: raises on all or none)
@@ -88,7 +91,7 @@ class RestoreMixin:
                 except CheckpointError as exc:
                     error = str(exc)
             if error is None:
-                self._apply_agreed(saved_step, path, extra, per_rank, epoch)
+                self._apply_agreed(saved_step, path, extra, per_rank, epoch, manifest)
                 return saved_step
             failures.append(f"step {saved_step} ({path}): {error}")
             if self.rank == 0 and saved_step != candidates[-1][0]:
@@ -162,12 +165,12 @@ class RestoreMixin:
         return [(e.step, e.path, None if e.complete else e.reason) for e in entries]
 
     def _apply_agreed(self, step: int, path: str, extra: dict, per_rank: Optional[dict],
-                      epoch: Optional[int] = None) -> None:
+                      epoch: Optional[int], manifest: dict) -> None:
         """:meth:`_apply` on every rank, or an error on every rank naming the ranks where it
         failed: a sampler refusing the saved position on one rank (another seed or dataset
         there) raised on that rank alone, and the others trained on into their next
         collective, waiting for it until the timeout."""
-        failed = self._failures_on_any_rank(lambda: self._apply(step, path, extra, per_rank, epoch),
+        failed = self._failures_on_any_rank(lambda: self._apply(step, path, extra, per_rank, epoch, manifest),
                                             f"step {step}: restored")
         if failed:
             raise CheckpointError(
@@ -176,10 +179,10 @@ class RestoreMixin:
                 "sampler settings and dataset, an LR scheduler if one was saved) and restore again")
 
     def _apply(self, step: int, path: str, extra: dict, per_rank: Optional[dict],
-               epoch: Optional[int] = None) -> None:
+               epoch: Optional[int], manifest: dict) -> None:
         state = self._state
         meta = extra or {}
-        self._load_lr_schedulers(path, meta)  # Note [an LR scheduler per pipeline part] in _snapshot.py
+        self._load_lr_schedulers(path, meta, manifest)  # Note [an LR scheduler per pipeline part] in _snapshot.py
         saved_world = meta.get("world_size", self.world_size)
         sampler = state["sampler"]
         position = self._saved_position(path, meta, per_rank)
@@ -202,17 +205,38 @@ class RestoreMixin:
     #     are read onto the CPU and copied into the model wherever it lives; the CUDA states,
     #     which nothing here could use, are left out with a warning saying the continuation is
     #     not the saved run's bit for bit (the other generators are restored).
+    #
+    # Note [CUDA generator states of another number of devices]
+    #     A save holds the state of every CUDA device its rank saw (``get_rng_state_all``), and
+    #     a restore on a machine with fewer devices (another node type, CUDA_VISIBLE_DEVICES
+    #     narrowed) failed in ``set_rng_state_all`` on the first missing device -- after the
+    #     model and optimizer had been loaded. Device ``i``'s state is restored into device
+    #     ``i`` wherever both exist; the states of devices missing here are left out, devices the
+    #     save did not have keep their own, and a warning says so.
     def _restorable_rng(self, path: str, rng: dict) -> dict:
-        """``rng`` less the CUDA generator states where CUDA is not available (Note [CUDA
-        generator states without CUDA])."""
-        if "cuda" not in rng or torch.cuda.is_available():
+        """``rng`` less the CUDA generator states where CUDA is not available, or those of the
+        devices this machine does not have (Notes [CUDA generator states without CUDA], [CUDA
+        generator states of another number of devices])."""
+        if "cuda" not in rng:
+            return rng
+        if not torch.cuda.is_available():
+            if self.rank == 0:
+                warnings.warn(f"fusedist.checkpoint.Checkpointer: {path} holds CUDA generator states (it was saved on "
+                              "GPUs) but CUDA is not available here: they are not restored (the CPU, Python and "
+                              "NumPy generators are), so random draws on the GPU side do not continue the saved "
+                              "run's", stacklevel=7)  # (the caller of restore)
+            return {k: v for k, v in rng.items() if k != "cuda"}
+        saved, here = len(rng["cuda"]), torch.cuda.device_count()
+        if saved == here:
             return rng
         if self.rank == 0:
-            warnings.warn(f"fusedist.checkpoint.Checkpointer: {path} holds CUDA generator states (it was saved on "
-                          "GPUs) but CUDA is not available here: they are not restored (the CPU, Python and NumPy "
-                          "generators are), so random draws on the GPU side do not continue the saved run's",
-                          stacklevel=7)  # (the caller of restore)
-        return {k: v for k, v in rng.items() if k != "cuda"}
+            kept = (f"devices {saved}..{here - 1} keep their own" if saved < here
+                    else f"those of devices {here}..{saved - 1} are left out")
+            warnings.warn(f"fusedist.checkpoint.Checkpointer: {path} holds the CUDA generator states of {saved} "
+                          f"device(s), this machine has {here}: those of devices 0..{min(saved, here) - 1} are "
+                          f"restored, {kept}, so random draws on another device than the saved run's may not "
+                          "continue it", stacklevel=7)  # (the caller of restore)
+        return dict(rng, cuda=list(rng["cuda"])[:here])
 
     def _saved_position(self, path: str, meta: dict, per_rank: Optional[dict]) -> Optional[dict]:
         """The state the registered sampler loads; None for none (no sampler, or a per-rank
@@ -257,6 +281,14 @@ class RestoreMixin:
         first = api.per_rank_of(path, manifest, 0, saved_world, trusted)  # (an older checkpoint)
         return ((first or {}).get("sampler") or {}).get("epoch")
 
+    def _epoch_restored(self, per_rank: Optional[dict]) -> Optional[int]:
+        """The epoch this rank's saved sampler state gives the registered sampler, or None (Note
+        [one epoch for the job] in ``_snapshot.py``)."""
+        sampler = self._state["sampler"]
+        if sampler is None or isinstance(sampler, ElasticDistributedSampler):
+            return None
+        return _sampler_epoch({"sections": {"per_rank": per_rank}})
+
     def _restore_epoch(self, path: str, saved_world: int, epoch: Optional[int]) -> None:
         """Set the saved epoch on a sampler whose position stays behind (Note [a per-rank
         position at another world size]), and say so."""
@@ -290,8 +322,11 @@ class RestoreMixin:
     #     common file fails its checksum, which makes it the file's fault, and an older
     #     checkpoint is tried. So are the optimizer (none saved, another algorithm, other
     #     parameters by name and shape: from the manifest) and a GradScaler none was saved for.
-    #     The parameters a sharded (``fully_shard``) checkpoint keeps in its rank files, and
-    #     the optimizer's state itself, are checked by the load.
+    #     The parameters a sharded (``fully_shard``) checkpoint keeps in its rank files are
+    #     compared by the whole shapes every rank file lists; the parts of a pipelined
+    #     Checkpointer, or a pipelined checkpoint's stages, by the shapes of the keys both have
+    #     (which part takes which key is the load's to check). The optimizer's state itself is
+    #     checked by the load.
     def _refuse_mismatch_agreed(self, step: int, path: str, manifest: dict, per_rank: Optional[dict],
                                 trusted: bool, strict: bool = True) -> None:
         """Raise on every rank, naming the ranks, when the registered objects do not take what
@@ -324,11 +359,13 @@ class RestoreMixin:
         common = _saved_common(path, manifest, trusted)
         meta = common.get("extra") or {}
         try:
-            # (the objects of a pipelined Checkpointer or checkpoint, per part, are checked by the
-            # load; their LR scheduler states are read from the stages' files here)
+            # (the optimizers of a pipelined Checkpointer or checkpoint, per part, are checked by
+            # the load; the parts' shapes, and their LR scheduler states, from the stages' files here)
             if not self.pipeline and "pipeline" not in manifest:
-                self._check_objects(path, manifest, common, strict)
-            self._lr_scheduler_states(path, meta)  # (raises what the load would)
+                self._check_objects(path, manifest, common, trusted, strict)
+            else:
+                self._check_part_shapes(path, manifest, common, trusted)
+            self._lr_scheduler_states(path, meta, manifest)  # (raises what the load would)
             position = self._saved_position(path, meta, per_rank)
             if position is not None:
                 copy.copy(self._state["sampler"]).load_state_dict(position)
@@ -336,25 +373,44 @@ class RestoreMixin:
             _verified(path, manifest)  # a mismatch read from a corrupt file is the file's fault
             raise
 
-    def _check_objects(self, path: str, manifest: dict, common: dict, strict: bool) -> None:
+    def _check_objects(self, path: str, manifest: dict, common: dict, trusted: bool, strict: bool) -> None:
         """The registered model, optimizer and scaler against the checkpoint (Note [a model
         that does not match]): the load's first checks, on the manifest and the mapped common
         file, raised as the load raises them."""
         model, optimizer, scaler = self._state["model"], self._state["optimizer"], self._state["scaler"]
         expected, _ = _load_plan._expected_model(_names.unwrap(model))
-        saved = _names.strip_prefix(common.get("model") or {}, expected)
-        # (a sharded checkpoint's parameters are in the rank files: only the keys both have here)
-        _load_plan._check_model(saved, expected, path, strict and not manifest.get("model_sharded"))
+        saved = _saved_model(path, manifest, common, trusted)
+        _load_plan._check_model(_names.strip_prefix(saved, expected), expected, path, strict)
         if optimizer is not None:
             if manifest.get("optimizer") is None:
                 raise CheckpointError(f"fusedist.checkpoint: {path} holds no optimizer state")
             if _other_parameters(model, optimizer, manifest["optimizer"]):
+                _refuse_other_parameters(path, model, optimizer, manifest["optimizer"])
                 _load_plan._prepare_optimizer(path, manifest, common, model, optimizer, _not_read)  # (raises)
             _checks.check_algorithm(manifest["optimizer"], optimizer, path)
         if scaler is not None:
             if common.get("scaler") is None:
                 raise CheckpointError(f"fusedist.checkpoint: {path} holds no GradScaler state")
             _checks.check_scaler(common["scaler"], scaler, path)
+
+    def _check_part_shapes(self, path: str, manifest: dict, common: dict, trusted: bool) -> None:
+        """The shapes of the keys each registered model part and the checkpoint both have (Note
+        [a model that does not match]) -- a pipelined Checkpointer's parts or a pipelined
+        checkpoint's stages, whose keys are shared out by the load (which checks them all)."""
+        saved = _saved_model(path, manifest, common, trusted)
+        for module, _ in self._parts():
+            expected, _ = _load_plan._expected_model(_names.unwrap(module))
+            _load_plan._check_model(_names.strip_prefix(saved, expected), expected, path, strict=False)
+
+
+def _mixed_epochs(epochs: list) -> Optional[str]:
+    """Why a checkpoint whose ranks saved different sampler epochs is not restored (written
+    before saves refused them: Note [one epoch for the job] in ``_snapshot.py``), or None."""
+    differs = epochs_differ(epochs)
+    if differs is None:
+        return None
+    return (f"its ranks saved different data positions ({differs}): each rank would resume in another epoch's "
+            "order. It was written by ranks that called set_epoch differently")
 
 
 def _other_parameters(model, optimizer, meta: dict) -> bool:
@@ -367,6 +423,73 @@ def _other_parameters(model, optimizer, meta: dict) -> bool:
     here = sorted((n, list(stage3.full_shape(p, where))) for n, p in zip(names, params))
     saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
     return here != sorted((n, list(shape)) for n, shape in zip(saved_names, meta["param_shapes"]))
+
+
+def _here_and_saved(model, optimizer, meta: dict) -> tuple:
+    """``{name: whole shape}`` of the optimizer's parameters here, and of the saved ones."""
+    params = optimizer_params(optimizer)
+    names = param_names(model, params)
+    _, where = _load_plan._sharding(_names.unwrap(model))
+    here = {n: tuple(stage3.full_shape(p, where)) for n, p in zip(names, params)}
+    saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
+    return here, {n: tuple(shape) for n, shape in zip(saved_names, meta["param_shapes"])}
+
+
+def _refuse_other_parameters(path: str, model, optimizer, meta: dict) -> None:
+    """Raise naming the parameters and shapes in which the optimizer's differ from the saved
+    ones (the load's own message names only the first name out of place, or the counts)."""
+    here, saved = _here_and_saved(model, optimizer, meta)
+    found = [f"'{n}' is {saved[n]} in the checkpoint, {here[n]} here" for n in here
+             if n in saved and saved[n] != here[n]]
+    lacking = [n for n in here if n not in saved]
+    extra = [n for n in saved if n not in here]
+    if lacking:
+        found.append(f"the checkpoint's optimizer lacks {lacking[:4]}{' ...' if len(lacking) > 4 else ''}")
+    if extra:
+        found.append(f"the checkpoint's optimizer also holds {extra[:4]}{' ...' if len(extra) > 4 else ''}" + (
+            "" if lacking else ": param groups it gained during training (add_param_group) must be added again "
+            "before loading"))
+    if found:
+        raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {path}: {len(saved)} "
+                              f"parameters saved, {len(here)} here: {'; '.join(found[:4])}"
+                              f"{'; ...' if len(found) > 4 else ''}")
+
+
+def _saved_model(path: str, manifest: dict, common: dict, trusted: bool) -> dict:
+    """Every model entry of the checkpoint by its saved key: the common files' tensors (mapped),
+    and the parameters sharded (``fully_shard``) checkpoints keep in their rank files as empty
+    tensors of their whole shapes, for the checks before the load."""
+    files = manifest["files"]
+    saved = {} if "pipeline" in manifest else dict(common.get("model") or {})
+    for stage in manifest.get("pipeline", []):  # Note [pipelined checkpoints] in pipeline.py
+        saved.update(pipelined.peek(path, files, stage["common"], trusted).get("model") or {})
+    for name, section in _sharded_sections(manifest):  # every rank's names all sharded parameters
+        shard = pipelined.peek(path, files, name, trusted, section)
+        saved.update((k, torch.empty(meta["shape"], device="meta"))
+                     for k, meta in zip(shard["keys"], shard["param_meta"]))
+    return saved
+
+
+def _sharded_sections(manifest: dict) -> list:
+    """``(rank file, section)`` of one ``model_shard`` section of each sharded model (stage)."""
+    files = manifest["files"]
+
+    def held(name: str, section: str) -> bool:
+        return section in files.get(name, {}).get("sections", [])
+
+    if "pipeline" in manifest:
+        found = [(api.rank_file(s["ranks"][0]), pipelined._section("model_shard", s["part"]))
+                 for s in manifest["pipeline"] if s.get("model_sharded")]
+        return [(n, section) for n, section in found if held(n, section)]
+    if not manifest.get("model_sharded"):
+        return []
+    return [(n, "model_shard") for n in sorted(files) if held(n, "model_shard")][:1]
+
+
+def _model_files(manifest: dict) -> list:
+    """The files :func:`_saved_model` reads, beside the common file."""
+    commons = [s["common"] for s in manifest.get("pipeline", [])]
+    return commons + [n for n, _ in _sharded_sections(manifest)]
 
 
 def _not_read(name: str):
@@ -382,8 +505,11 @@ def _saved_common(path: str, manifest: dict, trusted: bool) -> dict:
 
 
 def _verified(path: str, manifest: dict) -> None:
-    """Raise UnreadableFile when the common file does not match its manifest entry."""
+    """Raise UnreadableFile when a file the checks read does not match its manifest entry: the
+    common files, and a rank file whose ``model_shard`` section gave the sharded shapes."""
+    files = manifest["files"]
     try:
-        _files.verify_file(path, _files.COMMON, manifest["files"][_files.COMMON])
+        for name in dict.fromkeys([_files.COMMON] + _model_files(manifest)):
+            _files.verify_file(path, name, files[name])
     except Exception as exc:  # noqa: BLE001
         raise pipelined.UnreadableFile(str(exc)) from exc

@@ -11,6 +11,7 @@ from typing import Optional
 from . import _checks, _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
 from . import pipeline as pipelined
 from ._files import CheckpointError
+from ._persist import _sampler_epoch
 from .sampler import ElasticDistributedSampler
 
 
@@ -56,6 +57,32 @@ def part_schedulers(lr_scheduler, count: int, rank: int) -> list:
     return listed
 
 
+# Note [one epoch for the job]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A ResumableDistributedSampler's offset is its rank's, but its epoch is the job's (set_epoch
+# alike on every rank): each rank restores its own saved state at the same world size, and the
+# manifest keeps one epoch for another world size. Ranks that saved different epochs (a
+# set_epoch skipped on one rank) were saved without a word and restored so, each rank reading
+# another epoch's order -- or, at another world size, every rank the first rank's epoch. A save
+# whose ranks' epochs differ is now refused on every rank before anything is written, and a
+# restore refuses a checkpoint written so before (an older one is tried, as for a corrupt one).
+def epochs_differ(epochs: list) -> Optional[str]:
+    """What differs between the ranks' saved sampler epochs (None where a rank saves none: a
+    pipeline stage without a sampler), naming the ranks, or None (Note [one epoch for the job])."""
+    ranks: dict = {}
+    for rank, epoch in enumerate(epochs):
+        if epoch is not None:
+            ranks.setdefault(int(epoch), []).append(rank)
+    if len(ranks) < 2:
+        return None
+    return "the sampler's epoch is " + ", ".join(f"{epoch} on ranks {rs}" for epoch, rs in ranks.items())
+
+
+def _pipelined(path: str, manifest: Optional[dict]) -> bool:
+    """Whether ``path`` holds a pipelined checkpoint, by its ``manifest`` when it was read."""
+    return "pipeline" in manifest if manifest is not None else pipelined.is_pipelined(path)
+
+
 class SnapshotMixin:
     """The snapshot of ``Checkpointer.save``, over its coordinator, staging buffers and
     registered objects."""
@@ -81,7 +108,8 @@ class SnapshotMixin:
             error, cause = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
         stages = (snapshot["stages"], snapshot["entries"]) if self.pipeline and snapshot is not None else None
         digests = {part: _checks.keys_digest(keys) for part, keys in shapes.items()}
-        everyone = self._coord.all_gather((error, position, refused, stages, self._registered(), digests),
+        epoch = _sampler_epoch(snapshot) if snapshot is not None else None  # Note [one epoch for the job]
+        everyone = self._coord.all_gather((error, position, refused, stages, epoch, self._registered(), digests),
                                           f"step {step}: snapshot taken")
         refusals = [f"rank {r}: {why}" for r, (_, _, why, *_) in enumerate(everyone) if why is not None]
         if refusals:
@@ -103,6 +131,13 @@ class SnapshotMixin:
         if not failed:
             positions, infos = [p for _, p, *_ in everyone], [info for _, _, _, info, *_ in everyone]
             differs = self._positions_differ(positions, infos)
+            epochs = epochs_differ([e for *_, e, _, _ in everyone])
+            if epochs is not None:
+                raise CheckpointError(  # Note [one epoch for the job]
+                    f"fusedist.checkpoint.Checkpointer: the ranks' data positions differ at step {step}: {epochs}. "
+                    "A sampler's epoch is the job's: call set_epoch(epoch) alike on every rank; each rank would "
+                    f"resume in another epoch's order. Nothing was written for step {step}; earlier checkpoints "
+                    "are unaffected")
             if differs is None:
                 if self.pipeline:
                     self._place_stages(step, snapshot, infos)
@@ -173,23 +208,24 @@ class SnapshotMixin:
         return job, [((ranks, j), f"part {j} of ranks {list(ranks)}", "None" if s is None else "an LR scheduler")
                      for j, s in enumerate(schedulers)]
 
-    def _load_lr_schedulers(self, path: str, meta: dict) -> None:
+    def _load_lr_schedulers(self, path: str, meta: dict, manifest: dict) -> None:
         """The restore's half of Note [an LR scheduler per pipeline part], beside the save of the
         same states: each registered scheduler's state, checked for every part before any is
         loaded."""
-        for scheduler, state in self._lr_scheduler_states(path, meta):
+        for scheduler, state in self._lr_scheduler_states(path, meta, manifest):
             if scheduler is not None:
                 scheduler.load_state_dict(state)
 
-    def _lr_scheduler_states(self, path: str, meta: dict) -> list:
+    def _lr_scheduler_states(self, path: str, meta: dict, manifest: Optional[dict] = None) -> list:
         """``[(registered scheduler or None, its saved state)]``, or CheckpointError when the
         checkpoint holds none for a registered one. ``meta``: the load's ``extra``, or before the
         load the job's common file's (the per-part states are then read from the stages' files).
         Without per-part states (an ordinary checkpoint, or one saved before them) the job's one
         state goes into each part whose param groups it fits; a Checkpointer of the whole model
-        takes the state of the first stage with one."""
+        takes the state of the first stage with one. ``manifest``: the checkpoint's, as the
+        restore read it (read here when not given)."""
         per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
-        if per_part is None and self._state["lr_scheduler"] is not None and pipelined.is_pipelined(path):
+        if per_part is None and self._state["lr_scheduler"] is not None and _pipelined(path, manifest):
             # before the load (Note [LR scheduler states before the load] in pipeline.py)
             per_part = pipelined.part_lr_scheduler_states(
                 path, self._state["model"], self._state["optimizer"], self._trusted())

@@ -25,6 +25,7 @@ resume) there is no exact continuation -- each rank's data partition changes -- 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any, Iterator, Optional
 
 import torch
@@ -56,17 +57,33 @@ def capture_rng_state() -> dict:
 def restore_rng_state(state: dict) -> None:
     """Put back what :func:`capture_rng_state` returned; refused before any generator is set
     when it holds CUDA states and CUDA is not available (drop ``state["cuda"]`` to restore the
-    others)."""
+    others). On a machine with fewer CUDA devices than the save, the states of the devices it
+    has are restored, with a warning."""
     _refuse_cuda_states_without_cuda(state)
+    cuda = _cuda_states_here(state)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
     if "numpy" in state and _np is not None:
         name, keys, pos, has_gauss, cached = state["numpy"]
         if isinstance(keys, torch.Tensor):
             keys = keys.numpy().astype(_np.uint32)
         _np.random.set_state((name, keys, pos, has_gauss, cached))
+
+
+def _cuda_states_here(state: dict) -> Optional[list]:
+    """The saved CUDA generator states of the devices this machine has (device ``i``'s into
+    device ``i``), with a warning when some are left out: setting them all failed on the first
+    missing device, after the other generators had been set."""
+    if "cuda" not in state:
+        return None
+    count = torch.cuda.device_count()
+    if len(state["cuda"]) > count:
+        warnings.warn(f"fusedist.checkpoint.resume: the checkpoint holds the CUDA generator states of "
+                      f"{len(state['cuda'])} devices, this machine has {count}: those of devices {count}.."
+                      f"{len(state['cuda']) - 1} are not restored", stacklevel=3)
+    return list(state["cuda"])[:count]
 
 
 def _refuse_cuda_states_without_cuda(state: dict) -> None:

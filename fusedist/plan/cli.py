@@ -51,6 +51,11 @@ def _count(text: str) -> float:
     return value
 
 
+def _choice(text: str) -> str:
+    """A named choice in any case (``BF16``, ``Selective``), as --arch and --gpu take theirs."""
+    return text.strip().lower()
+
+
 def _real(text: str) -> float:
     """A finite float (``nan`` and ``inf`` would go through every comparison) of a magnitude
     the planner models: 0 or within ``_REAL_RANGE`` (a 1e300 GB GPU overflowed its headroom to
@@ -109,9 +114,9 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--global-batch", type=int, help="sequences per optimizer step (sets gradient accumulation)")
     j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum, "
                                            "max_position_embeddings or n_positions)")
-    j.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    j.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
-    j.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    j.add_argument("--precision", type=_choice, default="bf16", choices=("bf16", "fp16", "fp32"))
+    j.add_argument("--recompute", type=_choice, default="none", choices=("none", "selective", "full"))
+    j.add_argument("--optimizer", type=_choice, default="adamw", choices=("adamw", "sgd"))
     j.add_argument("--ep", type=int, default=1,
                    help="expert parallelism, mixtures of experts: each MoE layer's routed experts split over ep of "
                         "the data-parallel GPUs (dividing the experts and --gpus; default 1, none)")
@@ -133,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--mfu", type=_real, default=timing.DEFAULT_MFU,
                    help=f"assumed model FLOPs utilisation (default {timing.DEFAULT_MFU})")
     o = p.add_argument_group("other")
-    o.add_argument("--convention", default="fusedist", choices=memory.CONVENTIONS,
+    o.add_argument("--convention", type=_choice, default="fusedist", choices=memory.CONVENTIONS,
                    help="model states as fusedist allocates them (default) or as the ZeRO paper counts")
     o.add_argument("--bucket-cap-mb", type=_real, default=25.0, help="gradient bucket size (default 25)")
     o.add_argument("--scratch-gb", type=_real, default=1.0, help="allowance for workspaces (default 1)")

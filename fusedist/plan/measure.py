@@ -76,6 +76,15 @@ Note [measuring ZeRO-3 offload]
     The step is the planner's offloaded update: the optimizer DDP uses at that precision,
     stepping host tensors (fusedist's FusedAdamW runs its C++ CPU Adam on them).
 
+Note [the ZeRO-2 buckets measured]
+    zero2 and zero2_offload train ``DistributedDataParallel(model, bucket_cap_mb=--bucket-cap-mb)``,
+    the buckets the plan counts, and report the most full-gradient bytes a timed backward held
+    (``comm_stats()["peak_grad_bytes"]``) beside the plan's ZeRO-2 temporary term less
+    ``--scratch-gb``: two consecutive buckets (``memory.temp_bytes``). Shown, not checked: how
+    many buckets are held depends on when each reduce-scatter lands, and on a CPU the small
+    model's backward outruns gloo's collectives and holds more than two (Note [finishing
+    buckets during backward] in fusedist/ddp/reducer.py).
+
 Gradient accumulation is not exercised (one micro-batch per step).
 """
 
@@ -226,7 +235,7 @@ def _wrap(strategy, model, job, device):
             fusedist.fully_shard(block, reshard_after_forward=True, offload_policy=policy)
         fusedist.fully_shard(model, reshard_after_forward=True, offload_policy=policy)
         return model, get_communicator(None, device), _optimizer(strategy, model.parameters(), job)
-    ddp = fusedist.DistributedDataParallel(model)
+    ddp = fusedist.DistributedDataParallel(model, bucket_cap_mb=job.bucket_cap_mb)  # the planned buckets
     return ddp, ddp.comm, _optimizer(strategy, ddp.parameters(), job)
 
 
@@ -255,7 +264,7 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
     wrapped, comm, opt = _wrap(strategy, model, job, device)
     counter = CommCounter(comm)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    times = []
+    times, peak_grad = [], 0
     try:
         for i in range(warmup + steps):
             tokens = torch.randint(0, spec.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
@@ -273,6 +282,8 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                if strategy.startswith("zero2"):  # Note [the ZeRO-2 buckets measured]
+                    peak_grad = max(peak_grad, wrapped.comm_stats()["peak_grad_bytes"])
         counter.active = False
     finally:
         counter.close()
@@ -289,6 +300,8 @@ def measure_one(spec, job, strategy, steps, warmup, device) -> dict:
     result = {"params": params_counted, "model_states_bytes": states, "host_bytes": host,
               "comm_bytes_per_step": counter.bytes / steps, "collectives_per_step":
               {k: v / steps for k, v in counter.calls.items()}, "step_s": statistics.median(times)}
+    if strategy.startswith("zero2"):
+        result["peak_grad_bytes"] = peak_grad
     if strategy.startswith("zero3"):
         from fusedist.fsdp import FullyShardedModule
         ms = model.memory_stats()
@@ -346,6 +359,8 @@ def run(spec, job, hw, plan, *, steps: int = 6, warmup: int = 3, as_json: bool =
         })
         if s.endswith("offload"):
             m["host_error"] = _relative_error(m["host_bytes"], mem["host_bytes"] + m.get("padding_host_bytes", 0))
+        if s.startswith("zero2"):  # the bucket term without the --scratch-gb allowance: shown, not checked
+            m["predicted_grad_bucket_bytes"] = mem["temp_bytes"] - int(job.scratch_gb * GB)
         if s.startswith("zero3"):  # the temporary term without the --scratch-gb allowance
             m["predicted_gathered_and_scratch_bytes"] = mem["temp_bytes"] - int(job.scratch_gb * GB)
             m["predicted_min_gathered_and_scratch_bytes"] = mem["temp_min_bytes"] - int(job.scratch_gb * GB)
@@ -481,11 +496,21 @@ def format_measured(plan, measured, info, steps, warmup, ok, asked_batch=None) -
             f"activations: predicted {_b(d['predicted_activation_bytes'])} (Megatron's layer, Korthikanti et al.); "
             f"this model saved {_b(d['saved_activation_bytes'])} for backward (shown, not checked)",
             "peak allocated: " + (_b(d["peak_allocated_bytes"]) if "peak_allocated_bytes" in d else "n/a on CPU"),
+            *_zero2_lines(measured, i["assumptions"]["bucket_cap_mb"]),
             *_zero3_lines("zero3", measured.get("zero3")),
             *_zero3_lines("zero3_offload", measured.get("zero3_offload")),
             f"model states, communication (and zero3's temporary bytes) within {TOLERANCE:.0%}: "
             f"{'yes' if ok else 'NO'}"]
     return "\n".join(out)
+
+
+def _zero2_lines(measured, cap_mb) -> list:
+    """ZeRO-2's gradient buckets held at once, predicted and measured (Note [the ZeRO-2 buckets
+    measured])."""
+    return [f"{s} gradient buckets (two consecutive, --bucket-cap-mb {cap_mb:g}): predicted "
+            f"{_b(m['predicted_grad_bucket_bytes'])}, measured peak {_b(m['peak_grad_bytes'])} on this rank "
+            "(shown, not checked: more are held when backward outruns the reduce-scatters)"
+            for s in ("zero2", "zero2_offload") if isinstance(m := measured.get(s), dict)]
 
 
 def _zero3_lines(s, m) -> list:

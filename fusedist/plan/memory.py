@@ -49,6 +49,7 @@ Two conventions (``--convention``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -154,21 +155,27 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
 
 def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_cap_mb: float,
                scratch_bytes: float, root_params: float = 0.0, n: int = 1, unit_outputs=None,
-               in_flight: int = 2, largest_tensor: float = 0.0) -> float:
+               in_flight: int = 2, tensors=None) -> float:
     """Temporary buffers per GPU besides model states and activations.
 
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
       gradients; fusedist and torch DDP make ``p.grad`` views of them).
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
-      stored" -- about two buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``). A bucket
-      closes once it reaches the cap, the tensor that crosses it included, so each holds up to
-      ``largest_tensor`` elements past the cap (a 128k-token embedding alone is 1 GB of bf16
-      gradients, 40 caps of 25 MiB): two buckets are ``2 (cap + largest)``, at most every
-      gradient. Without a shape (``--params``) the tensors are unknown and two caps stand in.
-      Two is what the reducer holds when each reduce-scatter lands before the bucket after next
-      fills; nothing bounds how many are in flight, so a backward whose collectives land late
-      (gloo with small buckets, a device-bound GPU: Note [finishing buckets during backward] in
-      fusedist/ddp/reducer.py) holds more, up to every gradient, which is not counted.
+      stored" -- two consecutive buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``), the
+      largest such pair of the buckets DDP builds from ``tensors`` (every parameter tensor's
+      elements in registration order, :func:`fusedist.plan.model.param_tensors`): a bucket
+      closes once it reaches the cap, the tensor that crosses it included, so a 128k-token
+      embedding alone is a 1 GB bucket of bf16 gradients, 40 caps of 25 MiB. The pair is what
+      the buckets hold, not ``2 (cap + largest tensor)``, which counted an untied model's
+      embedding twice though it and the output layer fill the last and the first bucket, never
+      two consecutive ones (1.9x the pair on a small untied llama). Under the default cap (25)
+      the first bucket is DDP's 1 MiB, or the cap when it is given explicitly: the larger pair
+      of the two layouts. Without a shape (``--params``) the tensors are unknown and two caps
+      stand in. Two is what the reducer holds when each reduce-scatter lands before the bucket
+      after next fills; nothing bounds how many are in flight, so a backward whose collectives
+      land late (gloo on a CPU, whose tiny backward outruns every collective; a device-bound
+      GPU: Note [finishing buckets during backward] in fusedist/ddp/reducer.py) holds more,
+      up to every gradient, which is not counted.
     * ZeRO-3 (``fully_shard``): the gathered units -- two consecutive blocks (one in use, the
       next prefetched, in forward and in backward; a unit = one transformer block, ZeRO paper
       Section 5.3) and the root unit (embeddings, final norm, output layer: ``root_params``),
@@ -193,7 +200,8 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
-    buckets = min(2 * (bucket_cap_mb * MiB + g * largest_tensor), g * psi)
+    pair = zero2_bucket_pair(tuple(tensors), bucket_cap_mb, g, n) if tensors else 2 * bucket_cap_mb * MiB
+    buckets = min(pair, g * psi)
     extra = 0.0
     if strategy.startswith("zero2"):
         extra = buckets
@@ -220,3 +228,35 @@ def _reducing(blocks: list, outputs: list, root: float, n: int, in_flight: int =
     and outputs: units in backward's order (the blocks last to first, then the root)."""
     order = [b + o for b, o in zip(blocks, outputs)][::-1] + [root * (1 + 1 / n)]
     return _largest_pair(order) if in_flight == 2 else max(order)
+
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+FIRST_BUCKET_BYTES = MiB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, fusedist's too, under the default cap
+SHARD_ALIGN = 16  # elements: each bucket is padded to a multiple of N of them (fusedist/ddp/layout.py)
+
+
+@functools.lru_cache(maxsize=64)
+def zero2_bucket_pair(tensors: tuple, bucket_cap_mb: float, g: int, n: int) -> float:
+    """Bytes of the largest two consecutive gradient buckets DDP builds of ``tensors`` (elements,
+    registration order) at ``g`` bytes an element over ``n`` ranks (``temp_bytes``). Cached: the
+    layout search asks for the same layout once per strategy and layout."""
+    layouts = [(bucket_cap_mb * MiB,)]
+    if bucket_cap_mb == DEFAULT_BUCKET_CAP_MB:
+        layouts.append((FIRST_BUCKET_BYTES, bucket_cap_mb * MiB))
+    return g * max(_largest_pair(_bucket_elements(tensors[::-1], caps, g, n)) for caps in layouts)
+
+
+def _bucket_elements(order, caps: tuple, g: int, n: int) -> list:
+    """Elements of each bucket (padding included) of tensors taken in ``order``: the k-th bucket
+    closes once it reaches ``caps[k]`` bytes (the last cap serving every later one), the tensor
+    that crosses it included (Note [buckets close as torch's do] in fusedist/ddp/layout.py)."""
+    pad = n * SHARD_ALIGN
+    sizes, open_elements = [], 0
+    for t in order:
+        open_elements += t
+        if open_elements * g >= caps[min(len(sizes), len(caps) - 1)]:
+            sizes.append(open_elements)
+            open_elements = 0
+    if open_elements or not sizes:
+        sizes.append(open_elements)
+    return [-(-max(s, 1) // pad) * pad for s in sizes]

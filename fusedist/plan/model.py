@@ -286,21 +286,53 @@ def block_params(spec: ModelSpec, i: int, ep: int = 1) -> int:
     return n - _moe_params(spec, spec.experts) + _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
 
 
-def largest_tensor(spec: ModelSpec) -> int:
-    """Elements of the largest parameter tensor, at most: a gradient bucket closes only once it
+def param_tensors(spec: ModelSpec, ep: int = 1) -> list:
+    """Elements of each parameter tensor, in the order fusedist/plan/torch_model.py registers
+    them: DDP's gradient buckets take them last to first, and a bucket closes only once it
     reaches its cap, the tensor that crosses it included (Note [buckets close as torch's do] in
-    fusedist/ddp/layout.py), so a bucket holds up to this much past the cap. Counted as the
-    widest layout the planner's blocks come in: the embedding (and an untied output layer),
-    q, k and v as one matrix, gate and up as one, and of a mixture of experts one expert's
-    gate and up (a tensor per expert, as Hugging Face's checkpoints hold them; experts stacked
-    into one tensor a layer, as fusedist/plan/torch_model.py builds them, make larger buckets)."""
+    fusedist/ddp/layout.py), so the buckets' sizes follow from this list and the cap. A mixture
+    of experts' routed experts are stacked, one gate-and-up and one down tensor a block (as
+    torch_model.py and transformers 5 hold them; ``experts / ep`` of them on a rank), not a
+    tensor per expert (transformers 4): a stacked tensor is a bucket of its own, 1.9 GB of
+    bf16 gradients a Mixtral-8x7B layer, which one expert's tensors counted as 0.23 GB."""
     h = spec.hidden
-    sizes = [spec.vocab * h, h * (spec.q_dim + 2 * spec.kv_dim), spec.o_dim * h, 2 * h * spec.ffn]
-    if spec.arch == "gpt":
-        sizes.append((spec.seq or 0) * h)  # learned positions
-    if spec.moe:
-        sizes.append(2 * h * spec.expert_ffn)
-    return max(sizes)
+    norm = [h] if spec.arch == "llama" else [h, h]  # RMSNorm: weight; LayerNorm: weight and bias
+    out = [spec.vocab * h] + ([spec.seq * h] if spec.arch == "gpt" else [])
+    for i in range(spec.layers):
+        out += _block_tensors(spec, i, norm, ep)
+    out += norm + ([] if spec.tied_embeddings else [spec.vocab * h])
+    return out
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool) -> list:
+    return [fan_in * fan_out] + ([fan_out] if bias else [])
+
+
+def _block_tensors(spec: ModelSpec, i: int, norm: list, ep: int) -> list:
+    """Block ``i``'s tensors in torch_model.Block's order (norms, attention, experts, MLP)."""
+    h, f, gpt = spec.hidden, spec.ffn, spec.arch == "gpt"
+    t = norm * (1 if spec.shared_norm else 2) + norm * 2 * spec.sandwich_norm + [spec.head_size] * 2 * spec.qk_norm
+    if spec.kv_lora_rank is not None:  # Note [latent attention]
+        r, qr, rope = spec.kv_lora_rank, spec.q_lora_rank, spec.rope_head_dim
+        t += (_linear(h, qr, spec.qkv_bias) + [qr] + _linear(qr, spec.q_dim, False) if qr
+              else _linear(h, spec.q_dim, False))
+        t += _linear(h, r + rope, spec.qkv_bias) + [r]
+        t += _linear(r, spec.heads * (spec.head_size - rope + spec.v_head_dim), False)
+    else:
+        t += _linear(h, spec.q_dim + 2 * spec.kv_dim, gpt or spec.qkv_bias)
+    t += _linear(spec.o_dim, h, gpt or spec.out_bias)
+    moe = spec.is_moe_block(i)
+    if moe:
+        e, fe = spec.experts // ep, spec.expert_ffn
+        # stacked gate-and-up and down, then the router: a module's own parameters come before its children's
+        t += [e * h * 2 * fe, e * fe * h, h * spec.experts]
+        t += [h * 2 * spec.shared_ffn, spec.shared_ffn * h] if spec.shared_ffn else []
+        t += [h] if spec.shared_gate else []
+    if spec.arch != "llama":
+        t += _linear(h, f, gpt or spec.mlp_bias) + _linear(f, h, gpt or spec.mlp_bias)
+    elif not moe:
+        t += _linear(h, 2 * f, spec.mlp_bias) + _linear(f, h, spec.mlp_bias)
+    return t
 
 
 def _all_layers(spec: ModelSpec, active: bool) -> int:

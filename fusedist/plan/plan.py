@@ -4,13 +4,14 @@ a GPU."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from . import comm, memory, suggest, timing
 from .errors import PlanError
 from .hardware import PRESETS, Hardware
 from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
-                    count_params, embedding_params, expert_params, largest_tensor, matmul_params)
+                    count_params, embedding_params, expert_params, matmul_params, param_tensors)
 from .memory import STRATEGIES
 
 GB = 10**9
@@ -59,11 +60,11 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
                  job.scratch_gb * GB)
-    largest = largest_tensor(spec) / tp if spec.has_shape else 0.0
-    temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, largest_tensor=largest)
+    tensors = _tensors(spec, tp, ep)
+    temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, tensors=tensors)
     # the least the peak can be: one gradient reduction in flight (memory.temp_bytes)
     temp_min = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, in_flight=1,
-                                 largest_tensor=largest)
+                                 tensors=tensors)
     total = states.device + (act or 0) + temp
     capacity = hw.memory_gb * GB
     # Note [host memory fits too]
@@ -94,6 +95,15 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
 # model on 8 GPUs needs 16 x 7T / 8 = 14 TB of host memory a GPU, 112 TB on the node. The sum is
 # over the ranks on one node (all of them when the job fits in a node); what the operating
 # system, data loaders and pinned staging buffers take is left to the headroom.
+
+
+@functools.lru_cache(maxsize=32)
+def _tensors(spec: ModelSpec, tp: int, ep: int) -> Optional[tuple]:
+    """A rank's parameter tensors, elements in registration order (ZeRO-2's buckets), each
+    split ``tp`` ways; None without a shape. Cached: the layout search asks for it per strategy."""
+    if not spec.has_shape:
+        return None
+    return tuple(-(-t // tp) for t in param_tensors(spec, ep))
 
 
 def _zero3_units(spec: ModelSpec, tp: int, dp: int, ep: int) -> tuple:
@@ -233,8 +243,9 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                       "counted: the model was given by --params, not its shape)"),
             "K": {s: memory.optimizer_k(job.precision, job.optimizer, s, job.convention) for s in STRATEGIES},
             "bucket_cap_mb": job.bucket_cap_mb,
-            "temp": ("zero2: two gradient buckets, each up to --bucket-cap-mb plus the largest parameter "
-                     "tensor (a bucket closes once it reaches the cap; two caps for a model given by --params), "
+            "temp": ("zero2: the largest two consecutive gradient buckets DDP builds at --bucket-cap-mb (a "
+                     "bucket closes once it reaches the cap, the tensor crossing it included; a mixture's "
+                     "experts stacked, one tensor a layer; two caps for a model given by --params), "
                      "more while reduce-scatters land late, up to every gradient; "
                      "zero3: fully_shard with "
                      "reshard_after_forward=True on the blocks (the default), two gathered at once -- False "

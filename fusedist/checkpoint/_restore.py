@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _checks, _files, _load_plan, _names, _owner, api, layout, resume, stage3
+from . import _preload
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
@@ -334,7 +335,7 @@ class RestoreMixin:
         does not match])."""
         # (UnreadableFile: the load names what is wrong with the file, and tries an older one)
         failed = self._failures_on_any_rank(lambda: self._check_takes(path, manifest, per_rank, trusted, strict),
-                                            f"step {step}: checked", tolerated=pipelined.UnreadableFile)
+                                            f"step {step}: checked", tolerated=_preload.UnreadableFile)
         if failed:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: restoring step {step} from {path} is refused on "
@@ -462,9 +463,9 @@ def _saved_model(path: str, manifest: dict, common: dict, trusted: bool) -> dict
     files = manifest["files"]
     saved = {} if "pipeline" in manifest else dict(common.get("model") or {})
     for stage in manifest.get("pipeline", []):  # Note [pipelined checkpoints] in pipeline.py
-        saved.update(pipelined.peek(path, files, stage["common"], trusted).get("model") or {})
+        saved.update(_preload.peek(path, files, stage["common"], trusted).get("model") or {})
     for name, section in _sharded_sections(manifest):  # every rank's names all sharded parameters
-        shard = pipelined.peek(path, files, name, trusted, section)
+        shard = _preload.peek(path, files, name, trusted, section)
         saved.update((k, torch.empty(meta["shape"], device="meta"))
                      for k, meta in zip(shard["keys"], shard["param_meta"]))
     return saved
@@ -494,13 +495,13 @@ def _model_files(manifest: dict) -> list:
 
 def _not_read(name: str):
     """The rank files are not read before the load (its own check of the parameters comes first)."""
-    raise pipelined.UnreadableFile(f"the {name} sections are the load's to read")
+    raise _preload.UnreadableFile(f"the {name} sections are the load's to read")
 
 
 def _saved_common(path: str, manifest: dict, trusted: bool) -> dict:
     """The checkpoint's common file (the Checkpointer's state in its ``extra``), read with the
     tensors memory-mapped (they are the load's), unverified (the load verifies the file)."""
-    common = pipelined.peek(path, manifest["files"], _files.COMMON, trusted)
+    common = _preload.peek(path, manifest["files"], _files.COMMON, trusted)
     return common if isinstance(common, dict) else {}
 
 
@@ -512,4 +513,4 @@ def _verified(path: str, manifest: dict) -> None:
         for name in dict.fromkeys([_files.COMMON] + _model_files(manifest)):
             _files.verify_file(path, name, files[name])
     except Exception as exc:  # noqa: BLE001
-        raise pipelined.UnreadableFile(str(exc)) from exc
+        raise _preload.UnreadableFile(str(exc)) from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import _checks, _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
+from . import _preload
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._persist import _sampler_epoch
@@ -226,8 +227,8 @@ class SnapshotMixin:
         restore read it (read here when not given)."""
         per_part = meta.get(pipelined.PART_LR_SCHEDULERS)
         if per_part is None and self._state["lr_scheduler"] is not None and _pipelined(path, manifest):
-            # before the load (Note [LR scheduler states before the load] in pipeline.py)
-            per_part = pipelined.part_lr_scheduler_states(
+            # before the load (Note [LR scheduler states before the load] in _preload.py)
+            per_part = _preload.part_lr_scheduler_states(
                 path, self._state["model"], self._state["optimizer"], self._trusted())
         if self.pipeline:
             schedulers = part_schedulers(self._state["lr_scheduler"], len(self._parts()), self.rank)
@@ -266,10 +267,10 @@ class SnapshotMixin:
 
     def _check_scheduled_groups(self, path: str, schedulers: list, states: list) -> None:
         """Refuse a part's saved LR scheduler state that belongs to other param groups than its
-        optimizer's (Note [LR scheduler states before the load] in pipeline.py)."""
+        optimizer's (Note [LR scheduler states before the load] in _preload.py)."""
         held = pipelined.parts(self._state["model"], self._state["optimizer"])  # (a list of one optimizer too)
         for j, ((module, optimizer), scheduler, state) in enumerate(zip(held, schedulers, states)):
-            why = None if scheduler is None or state is None else pipelined.lr_scheduler_group_mismatch(
+            why = None if scheduler is None or state is None else _preload.lr_scheduler_group_mismatch(
                 path, module, optimizer, self._trusted())
             if why is not None:
                 raise CheckpointError(f"fusedist.checkpoint.Checkpointer: cannot load the LR scheduler state of "

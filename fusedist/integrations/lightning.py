@@ -46,6 +46,7 @@ from fusedist.ddp import DistributedDataParallel
 
 from . import _optimizer_swap
 from ._optimizer_swap import convert_optimizer, hand_over
+from ._strategy_options import check_zero_stage, register_names
 from .lightning_precision import RoutesPrecision
 
 __all__ = ["FusedistStrategy", "FusedistModelParallelStrategy", "grad_norm"]
@@ -70,8 +71,7 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
     strategy_name = "fusedist"
 
     def __init__(self, *, zero_stage: int = 0, fused_optimizer: bool = True, **kwargs: Any) -> None:
-        if type(zero_stage) is not int or zero_stage not in (0, 1, 2):  # (not True, not 1.0)
-            raise ValueError(f"FusedistStrategy: zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        check_zero_stage("FusedistStrategy", zero_stage)
         super().__init__(**kwargs)
         self.zero_stage = zero_stage
         self.fused_optimizer = bool(fused_optimizer)
@@ -80,14 +80,7 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         """The strategy's names (Note [strategy names]). Overrides DDPStrategy's, which would
         register ``"ddp"`` and its variants again, for this class."""
-        entries = (("fusedist", {}, "fused optimizers"),
-                   ("fusedist_zero1", {"zero_stage": 1}, "ZeRO stage 1"),
-                   ("fusedist_zero2", {"zero_stage": 2}, "ZeRO stage 2"),
-                   ("fusedist_find_unused_parameters_true", {"find_unused_parameters": True},
-                    "fused optimizers, find_unused_parameters=True"))
-        for name, options, what in entries:
-            strategy_registry.register(name, cls, description=f"fusedist DDP with {what}", override=True,
-                                       **options)
+        register_names(cls, strategy_registry)
 
     # -- Trainer(sync_batchnorm=True) (Note [sync_batchnorm]) ---------------------------------
 

@@ -42,6 +42,9 @@ class GradSyncStrategy:
     averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
     """
 
+    #: Launched buckets allowed unfinished at once (Note [buckets in flight] in reducer.py); None: no bound.
+    max_buckets_in_flight: Optional[int] = None
+
     @property
     def description(self) -> str:
         """What synchronizes the buckets, for errors."""

@@ -16,6 +16,15 @@ Note [stage 2 gradients]
     reducer's ``last_stats["peak_grad_bytes"]``), and between backward passes -- including the
     next forward, the activation peak -- only its gradient shard.
 
+    How many: at most ``max_buckets_in_flight`` reduce-scatters (default
+    ``DEFAULT_MAX_BUCKETS_IN_FLIGHT``, 2) are in flight at once; launching another first
+    finishes the oldest (Note [buckets in flight] in ``fusedist/ddp/reducer.py``). So a
+    synchronized backward holds the full gradients of at most that many buckets plus those
+    being filled, however slow the network -- unbounded, reduce-scatters that land after the
+    next buckets' gradients kept every bucket to the end of backward (up to the whole
+    model's gradients). A larger bound buys overlap for uneven collectives with memory;
+    ``None`` lifts it.
+
     ``no_sync()`` backward passes accumulate into full buckets as in DDP (nothing is released);
     the next synchronized backward reduce-scatters the sums and releases them as it goes.
 
@@ -26,9 +35,26 @@ Note [stage 2 gradients]
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..ddp.strategy import GradSyncStrategy, divide_before_sum, divide_factors, pre_division_fold
+
+
+#: Reduce-scatters in flight at once by default (Note [stage 2 gradients]): one landing while
+#: the next is on the wire, as DeepSpeed's double buffer and ``fully_shard``'s default.
+DEFAULT_MAX_BUCKETS_IN_FLIGHT = 2
+
+
+def check_max_buckets_in_flight(value) -> Optional[int]:
+    """``value`` if it is a bound on the buckets in flight (an int >= 1, or None: no bound)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"ZeroRedundancyOptimizer(stage=2): max_buckets_in_flight must be an int >= 1 (the gradient buckets "
+        f"whose reduce-scatter may be in flight at once, each holding its full gradients), or None for no "
+        f"bound, got {value!r}")
 
 
 class ReduceScatterToShard(GradSyncStrategy):
@@ -36,9 +62,20 @@ class ReduceScatterToShard(GradSyncStrategy):
     ``bucket_shard(index)`` (this rank's range of a bucket), ``store_reduced(index, value,
     post)`` and ``end_reduction(reducer)``; the shards themselves are the optimizer's."""
 
-    def __init__(self, zero):
+    def __init__(self, zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT):
         self.zero = zero
         self._outputs: dict[int, torch.Tensor] = {}
+        self.max_buckets_in_flight = max_buckets_in_flight
+
+    @property
+    def max_buckets_in_flight(self) -> Optional[int]:
+        """The bound on buckets in flight (Note [buckets in flight] in ``fusedist/ddp/reducer.py``):
+        checked when set and read at each launch, so a change applies from the next one."""
+        return self._max_in_flight
+
+    @max_buckets_in_flight.setter
+    def max_buckets_in_flight(self, value: Optional[int]) -> None:
+        self._max_in_flight = check_max_buckets_in_flight(value)
 
     description = "ZeRO stage 2's reduce-scatter"
 

@@ -172,10 +172,10 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
       the first bucket is DDP's 1 MiB, or the cap when it is given explicitly: the larger pair
       of the two layouts. Without a shape (``--params``) the tensors are unknown and two caps
       stand in. Two is what the reducer holds when each reduce-scatter lands before the bucket
-      after next fills; nothing bounds how many are in flight, so a backward whose collectives
-      land late (gloo on a CPU, whose tiny backward outruns every collective; a device-bound
-      GPU: Note [finishing buckets during backward] in fusedist/ddp/reducer.py) holds more,
-      up to every gradient, which is not counted.
+      after next fills. A backward whose collectives land late (gloo on a CPU, whose tiny
+      backward outruns every collective; a device-bound GPU) holds at most the two in flight
+      -- ``max_buckets_in_flight``, Note [buckets in flight] in fusedist/ddp/reducer.py -- and
+      the bucket (rarely two) whose gradients are arriving: a third bucket, not counted.
     * ZeRO-3 (``fully_shard``): the gathered units -- two consecutive blocks (one in use, the
       next prefetched, in forward and in backward; a unit = one transformer block, ZeRO paper
       Section 5.3) and the root unit (embeddings, final norm, output layer: ``root_params``),

@@ -16,6 +16,8 @@ import abc
 import contextlib
 import datetime
 import itertools
+import re
+import time
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +44,18 @@ class CommHandle:
     :class:`CollectiveError` on failure or timeout. Calling it again is a no-op. On gloo, a
     ``wait(timeout)`` shorter than the communicator's timeout that runs out raises without
     failing the collective, as torch's gloo work does: a later ``wait()`` returns the result.
+
+    Note [one deadline per collective]
+        A collective is bounded by the communicator's timeout counted from its launch, on
+        every path: the gloo exchange and the direct-NCCL watchdog both count from the launch,
+        and a torch work is waited for only as long as that deadline leaves. ``wait(timeout)``
+        can shorten a wait, never extend the collective: a timeout longer than what is left
+        waits until the deadline and then fails. (torch's gloo work, waited for with a longer
+        timeout, waited all of it, where the exchange gave up at the deadline: the same call
+        succeeded or failed depending on the tensor's size.) gloo's own collectives are also
+        bounded by the process group's timeout, which fusedist cannot extend; when that one
+        is shorter and fires first, the error says so. Every timeout error names the
+        collective, its tag, the rank, the peers when known and how long it waited.
     """
 
     def __init__(
@@ -58,6 +72,7 @@ class CommHandle:
         self._work = work
         self.op, self.tag, self.seq = op, tag, seq
         self._timeout = timeout
+        self._launched = time.monotonic()  # Note [one deadline per collective]
         self._callbacks: list[Callable[[], None]] = []
         self._done = work is None
         self._error: Optional[BaseException] = None
@@ -81,9 +96,13 @@ class CommHandle:
             raise self._error
         if self._done:
             return
-        timeout = _as_wait_timeout(timeout, self._timeout)
+        requested = _as_wait_timeout(timeout, self._timeout)
+        left = self._left()
+        # Note [one deadline per collective]: never past the launch + the communicator's timeout.
+        shortened = requested < left
+        waited = requested if shortened else left
         try:
-            self._comm._wait_work(self._work, timeout)
+            self._comm._wait_work(self._work, waited)
         except CollectiveError as exc:
             # [reliability] observed like any other failure; may come back as a stall report.
             self._error = self._comm._on_failure(self, exc) or exc
@@ -91,11 +110,11 @@ class CommHandle:
                 raise
             raise self._error from exc
         except Exception as exc:  # noqa: BLE001 - backend errors come in many types
-            if timeout < self._timeout and self._comm._wait_can_resume(self._work):
-                raise self._still_running(timeout, exc) from exc
+            if shortened and self._comm._wait_can_resume(self._work):
+                raise self._still_running(requested, exc) from exc
             self._error = CollectiveError(
                 f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
-                f"{self._comm.rank} of {self._comm.world_size}: {exc}",
+                f"{self._comm.rank} of {self._comm.world_size}: {self._why(exc, requested if shortened else None)}",
                 op=self.op,
                 tag=self.tag,
                 rank=self._comm.rank,
@@ -110,15 +129,50 @@ class CommHandle:
         for fn in callbacks:
             fn()
 
+    def _left(self) -> datetime.timedelta:
+        """What is left of the collective's deadline (at least a millisecond: torch's works
+        read a zero timeout as "no timeout")."""
+        left = self._launched + self._timeout.total_seconds() - time.monotonic()
+        return datetime.timedelta(seconds=max(left, 1e-3))
+
+    def _why(self, exc: Exception, wait_timeout: Optional[datetime.timedelta]) -> str:
+        """The backend's error, preceded for a timeout by what the backend's own message may
+        not say (gloo's reads "Operation timed out!"): how long the collective had been
+        running, which timeout ended it and the peers it involves (Note [one deadline per
+        collective])."""
+        if not _is_timeout(exc):
+            return str(exc)
+        elapsed = time.monotonic() - self._launched
+        comm, limit = self._comm, self._timeout.total_seconds()
+        group_limit = comm._transport_timeout(self._work) if self._work is not None else None
+        if wait_timeout is not None:
+            cause = f"the timeout of this wait, {wait_timeout.total_seconds():g} s"
+        elif group_limit is not None and group_limit < limit and elapsed < limit:
+            cause = (f"the process group's own timeout, {group_limit:g} s, which ends gloo's collectives before "
+                     f"fusedist's collective timeout ({limit:g} s, FUSEDIST_TIMEOUT_S) would; give the process "
+                     "group a timeout at least as long")
+        else:
+            cause = f"fusedist's collective timeout, {limit:g} s"
+        peers = [r for r in range(comm.world_size) if r != comm.rank]
+        return (f"timed out {elapsed:.1f} s after its launch ({cause}); some rank of {peers} did not join it, "
+                f"or joined another collective: {exc}")
+
     def _still_running(self, timeout: datetime.timedelta, exc: Exception) -> CollectiveError:
         """A wait shorter than the collective's timeout ran out and the collective goes on: as
         with a torch gloo work, the error is not recorded (a later ``wait`` returns the result)
         nor reported as a failure."""
         return CollectiveError(
             f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) on rank {self._comm.rank} of "
-            f"{self._comm.world_size}, waited for with a shorter timeout than the communicator's: {exc}. "
+            f"{self._comm.world_size}, waited for with a shorter timeout ({timeout.total_seconds():g} s) than the "
+            f"communicator's ({self._timeout.total_seconds():g} s): {exc}. "
             "The collective goes on: wait() again for its result",
             op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether a backend's error is a timeout (gloo: "Timed out waiting 2000ms for recv
+    operation", "Operation timed out!"; the exchange's TimeoutError)."""
+    return isinstance(exc, TimeoutError) or re.search(r"timed out", str(exc), re.IGNORECASE) is not None
 
 
 class Communicator(abc.ABC):
@@ -172,6 +226,11 @@ class Communicator(abc.ABC):
         out, is still running and may be waited for again. False by default: the direct-NCCL
         communicator aborts at a wait's timeout, as torch's NCCL does."""
         return False
+
+    def _transport_timeout(self, work) -> Optional[float]:
+        """Seconds after which the transport itself gives up on ``work`` whatever fusedist's
+        timeout (gloo's own collectives: the process group's timeout), or None."""
+        return None
 
     def scratch_bytes(self) -> int:
         """Host or device memory the communicator holds for its own use between collectives
@@ -280,6 +339,56 @@ class Communicator(abc.ABC):
             )
         return self._launch("gather", tag, async_op, lambda: self._gather(output, input, dst))
 
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, *,
+                          async_op: bool = False, tag: str = "", label: Optional[str] = None) -> CommHandle:
+        """``torch.distributed.all_to_all_single``: rank r sends its ``input_split_sizes[j]`` rows
+        (along dim 0) to rank j and receives ``output_split_sizes[j]`` rows from rank j into
+        ``output``, in rank order. A split list left None splits that tensor evenly. The
+        expert exchange of a mixture-of-experts layer. Ranks whose splits disagree (rank i
+        sends rank j other than j expects) time out, naming the pair, where gloo's own
+        all-to-all terminates the process (Note [exchange tags] in exchange_tags.py)."""
+        self._check_flat("all_to_all_single", output, input)
+        out_splits = self._splits("output", output, output_split_sizes, tag)
+        in_splits = self._splits("input", input, input_split_sizes, tag)
+        if _row_numel(output) != _row_numel(input):
+            raise ValueError(
+                f"fusedist all_to_all_single{_tag(tag)}: output rows of shape {tuple(output.shape[1:])} and input "
+                f"rows of shape {tuple(input.shape[1:])} differ in size (rank {self.rank})")
+        if out_splits[self.rank] != in_splits[self.rank]:
+            raise ValueError(
+                f"fusedist all_to_all_single{_tag(tag)}: rank {self.rank} sends itself {in_splits[self.rank]} "
+                f"rows (input_split_sizes[{self.rank}]) but receives {out_splits[self.rank]} from itself "
+                f"(output_split_sizes[{self.rank}]); they must be equal")
+        if _overlaps(output, input):
+            raise ValueError(f"fusedist all_to_all_single{_tag(tag)}: output overlaps input (rank {self.rank}); "
+                             "pass a separate output, as torch.distributed.all_to_all_single needs")
+        return self._launch("all_to_all_single", tag, async_op,
+                            lambda: self._all_to_all(output, input, out_splits, in_splits), label)
+
+    def _splits(self, which: str, t: torch.Tensor, sizes, tag: str) -> list[int]:
+        """Rows per rank of ``t`` (``which``: output or input): ``sizes`` checked, or even."""
+        if t.dim() == 0:
+            raise ValueError(f"fusedist all_to_all_single{_tag(tag)}: the {which} is a 0-dim tensor; "
+                             "pass at least one dimension (the rows that are split)")
+        rows = t.shape[0]
+        if sizes is None:
+            if rows % self.world_size:
+                raise ValueError(
+                    f"fusedist all_to_all_single{_tag(tag)}: the {which}'s {rows} rows (dim 0) do not split "
+                    f"evenly over world_size {self.world_size} (rank {self.rank}); pass {which}_split_sizes")
+            return [rows // self.world_size] * self.world_size
+        sizes = [int(n) for n in sizes]
+        if len(sizes) != self.world_size or min(sizes) < 0 or sum(sizes) != rows:
+            raise ValueError(
+                f"fusedist all_to_all_single{_tag(tag)}: {which}_split_sizes={sizes} on rank {self.rank} must "
+                f"have world_size ({self.world_size}) non-negative entries summing to the {which}'s {rows} "
+                "rows (dim 0)")
+        return sizes
+
+    def _all_to_all(self, output, input, output_splits: list[int], input_splits: list[int]):
+        """Start the all-to-all (splits in rows); implementations that have one override this."""
+        raise NotImplementedError(f"fusedist: the {self.name} communicator has no all_to_all_single")
+
     def _gather(self, output, input, dst: int):
         """Default for implementations without a rooted gather: an all-gather, into scratch
         on the ranks other than ``dst``."""
@@ -379,6 +488,14 @@ def check_in_place(kind: str, output: torch.Tensor, input: torch.Tensor, rank: i
             f"fusedist {kind}: {name} overlaps {other} other than at this rank's own slice (rank "
             f"{rank}); pass a separate {name}, or exactly {other}.view(-1)[{rank * m}:{(rank + 1) * m}]"
         )
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    """Elements per row (dim 0) of ``t``."""
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -23,6 +23,11 @@ import torch
 __all__ = ["ExchangeWork", "ProgressThread"]
 
 
+#: How long after its deadline a waiter waits for the thread driving an exchange to report
+#: its failure.
+VERDICT_GRACE_S = 1.0
+
+
 def _remaining(deadline: float) -> datetime.timedelta:
     # gloo reads a zero timeout as "no timeout": never pass less than a millisecond.
     return datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
@@ -83,6 +88,12 @@ class ExchangeWork:
     def is_completed(self) -> bool:
         return self._finished.is_set()
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error the exchange failed with, once it finished failing (None otherwise; a
+        wait that ran out while the exchange goes on is no failure)."""
+        return self._error if self._finished.is_set() else None
+
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else None
         if seconds is not None and self._background is not None and time.monotonic() + seconds < self._deadline:
@@ -96,6 +107,11 @@ class ExchangeWork:
             # Drive it here unless the progress thread already is (saves a thread hand-off),
             # for no longer than ``timeout``.
             self.run(None if seconds is None else time.monotonic() + seconds)
+            if seconds is not None and time.monotonic() + seconds >= self._deadline:
+                # The driving thread gives up at the deadline: wait for its verdict (the
+                # failure, naming the peer) rather than race it and report the exchange as
+                # still going.
+                seconds = max(seconds, self._deadline - time.monotonic() + VERDICT_GRACE_S)
         if not self._finished.wait(seconds):
             raise TimeoutError(f"{self.op} exchange did not complete within {seconds:g} s (still "
                                f"{self._waiting_for}); it goes on until its deadline")

@@ -16,7 +16,10 @@ the README and ``benchmarks/results/`` (``zero_cpu_ws*_collectives_*``, and
 * all-gather: rank r sends its input to every peer and receives each peer's slice straight
   into the output;
 * broadcast: the source sends its tensor to every peer (Note [broadcasts through the
-  exchange]).
+  exchange]);
+* gather: every peer sends its input to the destination;
+* all-to-all: rank r sends each peer its part of the input and receives each peer's part
+  for it, parts labelled by their sizes (``all_to_all``).
 
 Memory: a reduce-scatter in flight holds a landing buffer of (N-2)/N of its input (the
 peers' copies of this rank's slice but one, which lands in the output; (N-1)/N when the
@@ -185,6 +188,14 @@ def _described(kind: str, part: torch.Tensor) -> str:
     return f"{kind} [{part.numel()} x {part.dtype} per rank]"
 
 
+def _offsets(counts: list[int]) -> list[int]:
+    """Where each rank's part starts, for parts of ``counts`` elements laid end to end."""
+    at = [0]
+    for c in counts[:-1]:
+        at.append(at[-1] + c)
+    return at
+
+
 def _as_real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t  # as dist.isend / irecv do
 
@@ -211,6 +222,7 @@ class GlooExchange:
         )
         self._landing = _LandingPool()
         self._writing: list = []  # (work in flight, tensor it writes): Note [one buffer, issue order]
+        self._failed: Optional[str] = None  # Note [no collectives after a failed exchange]
 
     # ---- public
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int,
@@ -324,10 +336,93 @@ class GlooExchange:
         return self._writes(flat, ExchangeWork(_described("broadcast", flat), receives, sends, (flat,),
                                                timeout_s=self.timeout_s, background=self._progress.submit))
 
+    def gather(self, output: Optional[torch.Tensor], input: torch.Tensor, dst: int, seq: int,
+               label: str = "") -> Optional[ExchangeWork]:
+        """Start ``output[p-th slice] = input of rank p`` on rank ``dst`` (``output`` None on the
+        others): every peer sends its input to ``dst``; None when already done. Labelled by
+        the size, dtype and destination of the parts, as the broadcast (Note [broadcasts
+        through the exchange]): where gloo's own gather got a part larger than the destination
+        expected it terminated that process, and a smaller one left stale data in the output."""
+        flat, n, r = input.view(-1), self.world_size, self.rank
+        rows = output.view(n, -1) if output is not None else None
+        self._after_writes_to(flat, *([] if rows is None else [rows]))
+        label = f"gather to {dst} {label} [{flat.numel()} x {flat.dtype}]"
+        sends: list = []
+        receives: list = []
+        for chunk, (lo, hi) in enumerate(_chunk_bounds(flat.numel(), flat.element_size())):
+            tag = message_tag("reduce_scatter", seq, chunk, label)
+            if r != dst:
+                sends.append((self._send_later(flat[lo:hi], dst, tag), dst, self.global_ranks[dst], chunk))
+                continue
+            for k in range(1, n):
+                src = (dst + k) % n
+                receives.append((self._irecv(rows[src, lo:hi], src, tag), src, self.global_ranks[src], chunk, None))
+        if rows is not None:
+            with _unrecorded(rows):
+                rows[r].copy_(flat)
+        if not sends and not receives:
+            return None
+        # (the input too: the sends read it when the exchange is driven, after the launch)
+        return self._writes(flat if rows is None else rows, ExchangeWork(
+            _described("gather", flat), receives, sends, (flat,) if rows is None else (flat, rows),
+            timeout_s=self.timeout_s, background=self._progress.submit))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                   input_counts: list[int], seq: int, label: str = "") -> Optional[ExchangeWork]:
+        """Start ``output[part from rank j] = input of rank j[part for this rank]`` for every
+        rank j (``all_to_all_single``; counts in elements, per rank); None when already done.
+        Each pair's messages are labelled by the count the sender sends and the receiver
+        expects (Note [exchange tags]): ranks whose splits disagree never pair, and each
+        waits out the timeout naming that peer, where gloo's own all-to-all pairs them and
+        terminates the process whose receive is smaller."""
+        out, inp = output.view(-1), input.view(-1)
+        n, r = self.world_size, self.rank
+        out_at, in_at = _offsets(output_counts), _offsets(input_counts)
+        self._after_writes_to(inp, out)
+        sends: list = []
+        receives: list = []
+        for k in range(1, n):
+            dst, src = (r + k) % n, (r - k) % n
+            sent = f"all_to_all {label} [{input_counts[dst]} x {inp.dtype}] {r}->{dst}"
+            for chunk, (lo, hi) in enumerate(_chunk_bounds(input_counts[dst], inp.element_size())):
+                part = inp[in_at[dst] + lo:in_at[dst] + hi]
+                tag = message_tag("all_gather", seq, chunk, sent)
+                sends.append((self._send_later(part, dst, tag), dst, self.global_ranks[dst], chunk))
+            expected = f"all_to_all {label} [{output_counts[src]} x {out.dtype}] {src}->{r}"
+            for chunk, (lo, hi) in enumerate(_chunk_bounds(output_counts[src], out.element_size())):
+                part = out[out_at[src] + lo:out_at[src] + hi]
+                tag = message_tag("all_gather", seq, chunk, expected)
+                receives.append((self._irecv(part, src, tag), src, self.global_ranks[src], chunk, None))
+        with _unrecorded(out):
+            out[out_at[r]:out_at[r] + output_counts[r]].copy_(inp[in_at[r]:in_at[r] + input_counts[r]])
+        if not sends and not receives:
+            return None
+        what = f"all_to_all_single [{inp.numel()} x {inp.dtype} sent, {out.numel()} received]"
+        return self._writes(out, ExchangeWork(what, receives, sends, (inp, out), timeout_s=self.timeout_s,
+                                              background=self._progress.submit))
+
+    # Note [no collectives after a failed exchange]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # An exchange that failed -- a transfer that timed out (a rank that never joined, or ranks
+    # out of step) or a peer whose connection closed -- leaves the group unusable: gloo closes
+    # its connection to that peer at a timeout, and the ranks no longer agree on which
+    # collective comes next. Every later collective then failed with gloo's bare "Application
+    # timeout caused pair closure", naming neither the failure nor what to do. So the failure
+    # is recorded, and later launches on the group raise an error naming it instead.
+    def failure(self) -> Optional[str]:
+        """What the first failed exchange of this group was and why (None: none failed)."""
+        if self._failed is None:
+            for work, _ in self._writing:
+                if work.failure is not None:
+                    self._failed = str(work.failure)
+                    break
+        return self._failed
+
     def _after_writes_to(self, *tensors: torch.Tensor) -> None:
         """Wait for the exchanges in flight that write any of ``tensors`` (Note [one buffer,
         issue order]); forget the finished ones."""
         live = []
+        self.failure()  # recorded before the finished works are forgotten
         for work, written in self._writing:
             if work.is_completed():
                 continue

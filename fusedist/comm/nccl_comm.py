@@ -153,6 +153,26 @@ class _Work:
         return self.done.query()
 
 
+# Note [all-to-all through torch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# NCCL has no all-to-all collective: it is a group of ncclSend / ncclRecv calls, which the
+# CUDA extension does not expose. Until it does, ``all_to_all_single`` on the direct-NCCL
+# communicator runs torch.distributed's on the same process group (torch's NCCL, its own
+# stream and communicator): the caller's stream is ordered before it at the launch and after
+# it at ``wait()``, as with this communicator's own collectives, but its timeout is the
+# process group's, enforced by torch's NCCL watchdog, not fusedist's.
+class _TorchWork:
+    """A collective run by torch.distributed for the direct-NCCL communicator."""
+
+    __slots__ = ("work", "op")
+
+    def __init__(self, work, op: str):
+        self.work, self.op = work, op
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class NcclCommunicator(Communicator):
     """Collectives through NCCL directly, on a dedicated high-priority CUDA stream.
 
@@ -282,7 +302,22 @@ class NcclCommunicator(Communicator):
 
         return self._enqueue("broadcast", (tensor,), tensor.numel(), launch)
 
+    def _all_to_all(self, output, input, output_splits, input_splits):
+        # Note [all-to-all through torch]: the extension exposes no ncclSend / ncclRecv.
+        self._check_usable("all_to_all_single", (output, input))
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
+        return _TorchWork(work, "all_to_all_single")
+
     def _wait_work(self, work: _Work, timeout: datetime.timedelta) -> None:
+        if isinstance(work, _TorchWork):
+            self._raise_watchdog_failure(work.op)
+            # Orders the caller's stream after it, as this communicator's waits do; with
+            # blocking_wait, blocks the host too (torch's NCCL blocks for a wait with a timeout).
+            if self.blocking_wait:
+                work.work.wait(timeout)
+            else:
+                work.work.wait()
+            return
         # Ordering 2 of Note [comm stream ordering]: whoever waits reads the result next.
         consumer = torch.cuda.current_stream(self._device).cuda_stream
         self._stream.make_wait(consumer, work.done)
@@ -363,12 +398,16 @@ class NcclCommunicator(Communicator):
         return check() if check is not None else None
 
     # ---- helpers
-    def _enqueue(self, op: str, tensors, count: int, launch) -> _Work:
+    def _check_usable(self, op: str, tensors) -> None:
+        """Refuse a launch on a closed or failed communicator, or with tensors elsewhere."""
         if self.closed:
             raise RuntimeError(f"the NCCL communicator of rank {self.rank} was closed (destroyed with "
                                "its process group, or by close()); use the communicator of a live group")
         self._check_tensors(op, tensors)
         self._raise_watchdog_failure(op)
+
+    def _enqueue(self, op: str, tensors, count: int, launch) -> _Work:
+        self._check_usable(op, tensors)
         producer = torch.cuda.current_stream(self._device).cuda_stream
         # Ordering 1: the collective reads what the caller enqueued so far.
         self._stream.wait_for(producer)

@@ -1,8 +1,8 @@
 """Communicator implemented on ``torch.distributed`` (gloo on CPU, torch's NCCL on GPU).
 
-On gloo, reduce-scatter, all-gather and broadcast of CPU tensors (and small all-reduces) go
-through the point-to-point exchange of :mod:`.gloo_exchange` (``FUSEDIST_GLOO_COLLECTIVES=builtin``
-keeps gloo's own).
+On gloo, reduce-scatter, all-gather, broadcast, gather and all-to-all of CPU tensors (and small
+all-reduces) go through the point-to-point exchange of :mod:`.gloo_exchange`
+(``FUSEDIST_GLOO_COLLECTIVES=builtin`` keeps gloo's own).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import gloo_exchange
-from .base import Communicator, describe_collective
+from .base import CollectiveError, Communicator, _row_numel, describe_collective
 
 #: All-reduces up to this size go through the gloo exchange when their result does not depend
 #: on the summation order (Note [small all-reduces through the exchange]).
@@ -76,7 +76,30 @@ class TorchCommunicator(Communicator):
 
     def _launch(self, op, tag, async_op, start, label=None):
         self._check_group_alive(op, tag)
+        self._check_exchange_usable(op, tag)
         return super()._launch(op, tag, async_op, start, label)
+
+    def _check_exchange_usable(self, op: str, tag: str) -> None:
+        """Refuse a collective once an exchange of this group failed (Note [no collectives after
+        a failed exchange] in gloo_exchange.py)."""
+        if self.exchange is None or self.exchange.failure() is None:
+            return
+        raise CollectiveError(
+            f"fusedist {describe_collective(op, tag, self.last_seq + 1)} on rank {self.rank} of "
+            f"{self.world_size}: this process group can no longer run collectives, because an earlier "
+            f"one failed ({self.exchange.failure()}); gloo closes its connection to a peer after a failed "
+            "transfer, and the ranks are out of step. Destroy and re-create the process group on every rank "
+            "(torch.distributed.destroy_process_group() + init_process_group(), or a new "
+            "torch.distributed.new_group()), or restart the job (torchrun --max-restarts)",
+            op=op, tag=tag, rank=self.rank)
+
+    @property
+    def aborted(self) -> bool:
+        return self.exchange is not None and self.exchange.failure() is not None
+
+    @property
+    def abort_reason(self) -> str:
+        return (self.exchange.failure() or "") if self.exchange is not None else ""
 
     def _check_group_alive(self, op: str, tag: str) -> None:
         """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as
@@ -171,7 +194,17 @@ class TorchCommunicator(Communicator):
             return self.exchange.all_gather(output, input, seq=self._seq.last, label=self.last_label)
         return _all_gather_flat(output, input, group=self.group, async_op=True)
 
+    def _all_to_all(self, output, input, output_splits, input_splits):
+        if self._use_exchange(output, input, reduces=False):
+            row = _row_numel(input)
+            return self.exchange.all_to_all(output, input, [c * row for c in output_splits],
+                                            [c * row for c in input_splits], seq=self._seq.last,
+                                            label=self.last_label)
+        return dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
+
     def _gather(self, output, input, dst):
+        if self._use_exchange(input if output is None else output, input, reduces=False):
+            return self.exchange.gather(output, input, dst, seq=self._seq.last, label=self.last_label)
         global_dst = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         # (any shape: flat; complex as its real pairs, which gloo's gather takes -- it refuses
         # complex dtypes, which the other collectives here carry)
@@ -188,6 +221,16 @@ class TorchCommunicator(Communicator):
         # A gloo work (and the gloo exchange) goes on after a wait that timed out; torch's NCCL
         # may abort there.
         return "gloo" in str(self.backend) and not work.is_completed()
+
+    def _transport_timeout(self, work) -> Optional[float]:
+        # The exchange waits with fusedist's deadline only; gloo's own collectives also end
+        # at the process group's timeout (Note [one deadline per collective] in base.py).
+        if isinstance(work, gloo_exchange.ExchangeWork) or "gloo" not in str(self.backend):
+            return None
+        try:
+            return self._group_obj._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - internals moved: the message just says less
+            return None
 
     def _wait_work(self, work, timeout: datetime.timedelta) -> None:
         # gloo honours the timeout here; for NCCL, wait() orders the current stream after the

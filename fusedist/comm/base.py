@@ -55,7 +55,10 @@ class CommHandle:
         succeeded or failed depending on the tensor's size.) gloo's own collectives are also
         bounded by the process group's timeout, which fusedist cannot extend; when that one
         is shorter and fires first, the error says so. Every timeout error names the
-        collective, its tag, the rank, the peers when known and how long it waited.
+        collective, its tag, the rank, the peers when known and how long it waited. One
+        exception: torch's NCCL work (the GPU path without the C++ extension) is waited for
+        without a timeout -- given one, it blocks the host until the collective completes --
+        so its bound is the process group's timeout, which torch's watchdog enforces.
     """
 
     def __init__(

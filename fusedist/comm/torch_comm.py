@@ -233,9 +233,14 @@ class TorchCommunicator(Communicator):
             return None
 
     def _wait_work(self, work, timeout: datetime.timedelta) -> None:
-        # gloo honours the timeout here; for NCCL, wait() orders the current stream after the
-        # collective and torch's watchdog enforces the process-group timeout.
-        work.wait(timeout=timeout)
+        # gloo honours the timeout here. torch's NCCL work given a timeout blocks the host until
+        # the collective completes (a host synchronization at every wait: no overlap of the
+        # buckets' collectives with backward); without one, wait() only orders the current
+        # stream after the collective, and torch's watchdog enforces the process-group timeout.
+        if self.backend == "nccl":
+            work.wait()
+        else:
+            work.wait(timeout=timeout)
 
 
 class _GlooReduceScatter:

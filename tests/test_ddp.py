@@ -388,7 +388,12 @@ def _bad_input_worker(rank, world_size):
     except NotImplementedError as exc:
         errors["mp cast"] = str(exc)
     model._set_static_graph()  # accepted, as static_graph=True is
-    emb = fusedist.DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
+    # (an nn.Embedding(sparse=True) trains: its gradient is averaged apart; a sparse gradient
+    # from elsewhere reaches the buckets)
+    holder = nn.Module()
+    holder.weight = nn.Parameter(torch.randn(10, 3))
+    holder.forward = lambda ids: nn.functional.embedding(ids, holder.weight, sparse=True)
+    emb = fusedist.DistributedDataParallel(holder)
     try:
         emb(torch.tensor([1, 2])).sum().backward()
     except RuntimeError as exc:

@@ -248,8 +248,8 @@ def _assignment_worker(rank, world_size):
     again = fusedist.DistributedDataParallel(model)
     nn.functional.mse_loss(again(x), y).backward()
     out["rewrapped grad"] = model[2].weight.grad.clone()
-    # Note [a module wrapped again]: the older wrapper of the same module stops; so does an
-    # inner wrapper once an outer one is built around it.
+    # Note [a module wrapped again]: the older wrapper of the same module stops; an inner
+    # wrapper that an outer one is built around passes through (the outer one reduces).
     model = _model()
     old = fusedist.DistributedDataParallel(model)
     new = fusedist.DistributedDataParallel(model)
@@ -281,8 +281,9 @@ def test_parameters_assigned_after_wrapping_raise_before_training_on_them():
     # the rewrapped model's new Parameter got the averaged gradient: equal on both ranks
     torch.testing.assert_close(results[0]["rewrapped grad"], results[1]["rewrapped grad"], rtol=0, atol=0)
     for rank, out in enumerate(results):
-        for key in ("older wrapper", "nested"):
-            assert out[key] is not None and "wrapped again by a newer DistributedDataParallel" in out[key], out[key]
+        text = out["older wrapper"]
+        assert text is not None and "wrapped again by a newer DistributedDataParallel" in text, text
+        assert out["nested"] is None, out["nested"]
     # the newer wrapper alone reduced the gradients: averaged once, equal to the single-process
     # gradient of the global batch's mean loss
     reference = _model()

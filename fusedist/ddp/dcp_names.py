@@ -11,8 +11,9 @@ Note [checkpoint names through the DDP wrapper]
     state_dict: model.module.w``), and one saved from a fusedist DDP model loaded into nothing
     else. The helpers find every name through one private function, ``_get_fqns``; building
     a fusedist DDP model wraps it once so that a path through a fusedist wrapper at the root
-    (or under ``torch.compile``'s ``_orig_mod`` there) is named as through torch's, with the
-    same ``skip_ddp_prefix`` / ``skip_compiler_prefix`` switches. A torch without that
+    (or under ``torch.compile``'s ``_orig_mod`` there), or through one nested inside it below
+    plain modules (Note [a module wrapped again] in wrapper.py), is named as through torch's,
+    with the same ``skip_ddp_prefix`` / ``skip_compiler_prefix`` switches. A torch without that
     function keeps the segment (``tests/test_ddp_dcp_names.py`` fails there).
     Checkpoints saved with the segment still load with ``fusedist.checkpoint.load``
     (``_without_ddp_prefix`` in ``fusedist/checkpoint/_from_dcp.py``).
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+
+import torch
 
 _INSTALLED = False
 
@@ -59,9 +62,13 @@ def _through_fusedist_ddp(original, DistributedDataParallel, OptimizedModule):
         if compiled:
             head, dot, rest = rest.partition(".")
         if not (isinstance(inner, DistributedDataParallel) and head == "module" and dot):
-            return original(model, name, *args, **kwargs)
+            nested = None if compiled else _nested_wrapper(model, name, DistributedDataParallel, OptimizedModule)
+            if nested is None:
+                return original(model, name, *args, **kwargs)
+            prefix, wrapper, rest = nested  # Note [a module wrapped again] in wrapper.py: nested inside
+            return {f"{prefix}.{fqn}" for fqn in get_fqns(wrapper, rest, *args, **kwargs)}
         options = signature.bind(model, name, *args, **kwargs).arguments
-        fqns = original(inner.module, rest, *args, **kwargs)
+        fqns = get_fqns(inner.module, rest, *args, **kwargs)  # (a wrapper nested further in, too)
         if not options.get("skip_ddp_prefix", True):
             fqns = {f"module.{fqn}" for fqn in fqns}
         if compiled and not options.get("skip_compiler_prefix", True):
@@ -70,3 +77,25 @@ def _through_fusedist_ddp(original, DistributedDataParallel, OptimizedModule):
 
     get_fqns._fusedist_ddp_names = True
     return get_fqns
+
+
+def _nested_wrapper(model, name: str, DistributedDataParallel, OptimizedModule):
+    """``(prefix, wrapper, rest)`` when the path ``name`` passes through a fusedist DDP wrapper
+    below the root (``DDP(nn.Sequential(DDP(a), b))``, Note [a module wrapped again] in
+    wrapper.py) after plain modules only (``prefix``: their names, which torch keeps), ``rest``
+    the path from the wrapper on; else None: torch's own walk names it (a wrapper it knows,
+    its DDP, FSDP or a compiled module, on the way)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    parts = name.split(".")
+    current = model
+    for i, part in enumerate(parts[:-1]):
+        if i and isinstance(current, DistributedDataParallel):
+            return ".".join(parts[:i]), current, ".".join(parts[i:])
+        if isinstance(current, (TorchDDP, FullyShardedDataParallel, OptimizedModule)):
+            return None
+        current = getattr(current, part, None)
+        if not isinstance(current, torch.nn.Module):
+            return None
+    return None

@@ -57,8 +57,8 @@ Note [the user's gradient hooks first]
     its change was lost (overwritten by the average, without gradient views) or raced the
     collective in flight, and the ranks stepped with neither torch's gradients nor their own.
     So every training forward puts the reducer's hook last again where a hook was registered
-    since (``hooks_last``: a sum of the hook dicts' sizes when nothing changed; torch calls
-    the hooks in the dicts' insertion order, hence pop and re-insert).
+    since (``hooks_last``: torch's hook-handle counter tells whether any hook was registered
+    at all; torch calls the hooks in the dicts' insertion order, hence pop and re-insert).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from .reducer import Reducer
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .static_graph import arrived_again
 
@@ -120,7 +121,9 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
         fresh = grad is not view
         if fresh:
             if grad is None:  # frozen after the forward: autograd accumulated nothing (torch's DDP
-                return  # leaves it None too); the end of backward handles it as unused
+                if p.requires_grad:  # leaves it None too); the end of backward handles it as unused
+                    raise gradient_taken(self, entry)
+                return
             if grad.is_sparse:
                 raise self._sparse_gradient(entry)
             fresh = grad.data_ptr() != view.data_ptr()
@@ -165,6 +168,21 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
     return torch.compiler.disable(grad_ready)
 
 
+def gradient_taken(reducer: "Reducer", entry: ParamEntry) -> RuntimeError:
+    """The error for a trainable parameter whose gradient was gone when the reducer's hook ran:
+    autograd had accumulated it, so a hook of the user's, which runs first (Note [the user's
+    gradient hooks first]), set ``p.grad = None`` -- typically an optimizer stepped in backward
+    and zeroed it. That step used this rank's local gradient; reported as an unused parameter,
+    the advice to pass find_unused_parameters=True pointed the wrong way."""
+    return RuntimeError(
+        f"fusedist DDP (rank {reducer.comm.rank}): the gradient of parameter '{reducer.names[entry.index]}' "
+        "was set to None by a post-accumulate-grad hook before DistributedDataParallel averaged it "
+        "(an optimizer stepping inside backward, then zero_grad()?). Such hooks run before the "
+        "average, as with torch's DDP, so a step there uses this rank's local gradient and the ranks "
+        "diverge: call optimizer.step() after loss.backward() returns"
+    )
+
+
 def remove_hooks(handles) -> None:
     for handle in handles:
         handle.remove()
@@ -173,13 +191,22 @@ def remove_hooks(handles) -> None:
 def hooks_last(handles, hook_dicts, ordered: int) -> int:
     """Move each of ``handles`` (the reducer's hooks, one per parameter; ``hook_dicts`` the
     parameters' post-accumulate-grad hook dicts, aligned) behind the hooks registered after it
-    (Note [the user's gradient hooks first]). ``ordered``: the dicts' total size when they were
-    last put in order; returns the total now (the same when nothing was registered since)."""
-    total = sum(map(len, hook_dicts))
-    if total == ordered:
-        return total
+    (Note [the user's gradient hooks first]). ``ordered``: torch's hook-handle counter when
+    they were last put in order (-1: never); returns the counter now. Every hook registered
+    anywhere takes the next number of that counter, so an unchanged counter means that no
+    hook was registered since, at no per-parameter cost; a removed one leaves the order
+    right. (The dicts' total size, compared before, missed a hook removed and another added.)"""
+    if RemovableHandle.next_id == ordered:
+        return ordered
     for handle, hooks in zip(handles, hook_dicts):
         key = handle.id
         if key in hooks and next(reversed(hooks)) != key:
             hooks[key] = hooks.pop(key)  # re-inserted: called last
-    return total
+    return RemovableHandle.next_id
+
+
+def still_in_order(ordered: int, before: int) -> int:
+    """The ``ordered`` mark of :func:`hooks_last` after the wrapper registered hooks of its
+    own (on a forward's outputs, none on parameters) while the counter stood at ``before``:
+    they need no reordering, so a mark that was current stays current."""
+    return RemovableHandle.next_id if ordered == before else ordered

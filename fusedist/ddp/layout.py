@@ -342,6 +342,7 @@ def sparse_gradient_error(rank: int, name: str) -> RuntimeError:
     """The error for a sparse gradient reaching the buckets (the reducer's hook and the
     catch-up of newly trainable parameters)."""
     return RuntimeError(
-        f"fusedist DDP (rank {rank}): parameter '{name}' received a sparse gradient; sparse "
-        "gradients are not supported (use nn.Embedding(sparse=False))"
+        f"fusedist DDP (rank {rank}): parameter '{name}' received a sparse gradient; sparse gradients "
+        "are averaged only for the weights of nn.Embedding / nn.EmbeddingBag modules built with "
+        "sparse=True (as torch's DDP expects them): compute this one through such a module, or densely"
     )

@@ -70,7 +70,11 @@ class TrainableTracker:
 
     def __init__(self, module, owner):
         self.ignore = owner.parameters_to_ignore  # Note [parameters and buffers DDP ignores]
-        named = owner.synced_parameters()
+        # The weights with sparse gradients are the wrapper's, never the buckets' (Note [sparse
+        # gradients] in sparse.py): their flags change no layout; only their assignment is followed.
+        sparse = dict(zip(owner._sparse.names, owner._sparse.params))
+        named = [(n, p) for n, p in owner.synced_parameters() if n not in sparse]
+        self.sparse = sparse
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.position = {n: i for i, n in enumerate(self.names)}
@@ -114,12 +118,14 @@ class TrainableTracker:
         if name in self.ignore:  # rank-local: not DDP's to follow
             return
         index = self.position.get(name)
-        if (index is None or self.params[index] is not param) and name not in self.assigned:
+        held = self.params[index] if index is not None else self.sparse.get(name)
+        if held is not param and name not in self.assigned:
             self.assigned.append(name)
 
     def _assigned_error(self, reducer) -> RuntimeError:
-        groups = (("replaced by new Parameter objects", [n for n in self.assigned if n in self.position]),
-                  ("added", [n for n in self.assigned if n not in self.position]))
+        known = [n for n in self.assigned if n in self.position or n in self.sparse]
+        groups = (("replaced by new Parameter objects", known),
+                  ("added", [n for n in self.assigned if n not in known]))
         what = [f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}" for label, names in groups if names]
         return RuntimeError(
             f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped "

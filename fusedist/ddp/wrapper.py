@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
+from torch.utils.hooks import RemovableHandle
 
 from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch, register_wrapped_module
 from .._timeline import Timeline
@@ -24,8 +25,10 @@ from .arguments import (buffer_sync_settings, check_device_ids, group_of, module
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
+from .grad_hook import still_in_order
 from .prepared import arm_again_through, refuse_compiled_autograd
 from .reducer import Reducer
+from .sparse import SparseGradients, sparse_parameter_ids
 from .static_graph import ArrivalCounts
 from .torch_surface import TorchDDPSurface
 from .trainable import TrainableTracker
@@ -40,19 +43,29 @@ from ..reliability import engine_watch  # (the module: it imports ddp.events, se
 #     gradient hooks in place until garbage collection: both would reduce the same gradients
 #     and each would miss the parameters only the other holds. So the newer wrapper retires
 #     the older ones over any of its parameters: their hooks are removed, and a forward
-#     through one of them raises, saying which wrapper took over (a wrapper nested inside
-#     another is such a case: only the outer module should be wrapped).
+#     through one of them raises, saying which wrapper took over.
+#
+#     Except a wrapper nested inside the newer one's module (``DDP(nn.Sequential(DDP(a), b))``,
+#     ``DDP(DDP(m))``) over the same process group: torch's DDP trains it, each wrapper
+#     averaging the gradients once more, which leaves the average unchanged. Here the inner
+#     one becomes a plain pass-through to its module (``_nested``): the outer reduces every
+#     gradient once, with the same result. Over another group the averages would differ, and
+#     that stays refused.
 
 
 def _supersede_owners(params, newer) -> None:
     older = {id(o): o for o in map(data_parallel_owner, params) if o is not None and o is not newer}
+    inside = {id(m) for m in newer.module.modules()}
     for wrapper in older.values():
         wrapper.reducer.remove_hooks()
+        if id(wrapper) in inside and wrapper.process_group is newer.process_group:
+            wrapper._nested = True
+            continue
         wrapper._superseded_by = (
             f"fusedist.DistributedDataParallel (rank {wrapper.rank}): this wrapper no longer reduces "
             f"gradients: its module's parameters were wrapped again by a newer DistributedDataParallel "
             f"(of a module of type {type(newer.module).__name__}), which now owns them. Use the newer "
-            "wrapper (a wrapper nested inside another one is not supported: wrap only the outer module)"
+            "wrapper (a wrapper nested inside another one must use the same process group)"
         )
 
 
@@ -167,9 +180,15 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                 raise TypeError(
                     f"fusedist.DistributedDataParallel (rank {dist.get_rank()}): parameter '{name}' has "
                     f"dtype {p.dtype}; only floating-point parameters can be trained (complex "
-                    "parameters are not supported). Store it as real/imaginary float parameters, or "
+                    "parameters are not supported). Store it as a real parameter with a last dimension "
+                    "of 2 (torch.view_as_real) and use torch.view_as_complex(param) in the forward, or "
                     "set requires_grad=False to keep it as broadcast state"
                 )
+        # Note [sparse gradients] in sparse.py: averaged by the wrapper, outside the buckets
+        sparse = sparse_parameter_ids(module)
+        self._sparse = SparseGradients([p for _, p in named if id(p) in sparse],
+                                       [n for n, p in named if id(p) in sparse], self.process_group, self.world_size)
+        named = [(n, p) for n, p in named if id(p) not in sparse]
         checks = construction_checks()  # Note [copies of the wrapper] in copies.py
         if checks:
             check_model_agrees(self)
@@ -182,10 +201,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._buffer_dicts = [(m._buffers, self._ignored_keys(prefix)) for prefix, m in module.named_modules()]
         self.timeline = Timeline.from_env(self.rank)
         self._superseded_by: Optional[str] = None
+        self._nested = False  # inside a newer wrapper that reduces for it (Note [a module wrapped again])
         _supersede_owners([p for _, p in named], self)  # Note [a module wrapped again]
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
         )
+        if not named:
+            self._sparse.reducer = self.reducer  # Note [sparse gradients] in sparse.py
         # ZeroRedundancyOptimizer and the optimizer step guard find the wrapper of their params.
         register_data_parallel([p for _, p in named], self)
         register_wrapped_module([p for _, p in self.synced_parameters()], self)  # frozen ones too
@@ -195,7 +217,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.reducer.observers.append(self.watch)
         # an optimizer holding the ignored (rank-local) parameters steps them under this watch,
         # not as parameters no model synchronizes (Note [parameters and buffers DDP ignores])
-        register_step_watch([p for _, p in self.ignored_parameters()], self.watch)
+        register_step_watch([p for _, p in self.ignored_parameters()] + self._sparse.params, self.watch)
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(module, self)
         self._no_sync_depth = 0  # 0: backwards reduce (require_backward_grad_sync)
@@ -277,6 +299,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
+        if self._nested:  # Note [a module wrapped again]: the outer wrapper does the work
+            return self.module(*args, **kwargs)
         args, kwargs = self._inputs_on_device(args, kwargs)  # Note [inputs moved to the module's device]
         # Note [bookkeeping outside compiled graphs]: only the module's own forward is traced.
         compiling = torch.compiler.is_compiling()
@@ -284,7 +308,12 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             return _join.run_module(self, args, kwargs)
         out = self.module(*args, **kwargs)
         if not compiling and torch.is_grad_enabled():
+            before = RemovableHandle.next_id
             arm_again_through(self.reducer, out, sync=self._no_sync_depth == 0)
+            if self._sparse and self._no_sync_depth == 0:
+                self._sparse.arm(out)
+            reducer = self.reducer  # Note [the user's gradient hooks first] in grad_hook.py
+            reducer._hooks_ordered = still_in_order(reducer._hooks_ordered, before)
         return out
 
     # Note [bookkeeping outside compiled graphs]
@@ -305,6 +334,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             raise RuntimeError(self._superseded_by)
         if torch.is_grad_enabled():
             refuse_compiled_autograd(type(self).__name__)
+            if traced:
+                self._sparse.refuse_compiled(self.rank)
         if self._join_config.enable and torch.is_grad_enabled():
             _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
             self._wait_for_params(traced)
@@ -423,11 +454,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         raises on every rank as soon as one runs out. With an optimizer that communicates
         (ZeroRedundancyOptimizer) use ``fusedist.Join([model, optimizer], ...)`` (or torch's
         ``Join``). Note [joined ranks] in ``fusedist/ddp/join.py``."""
+        self._sparse.refuse_join(self.rank)
         return _join.Join([self], enable, throw_on_early_termination,
                           divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
         """torch's Joinable protocol: the hook that shadows this model on a joined rank."""
+        self._sparse.refuse_join(self.rank)
         return _join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

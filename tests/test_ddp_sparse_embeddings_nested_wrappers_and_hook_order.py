@@ -1,0 +1,187 @@
+"""fusedist.DistributedDataParallel against torch's DDP where a model uses sparse gradients
+(Note [sparse gradients] in fusedist/ddp/sparse.py), where the user's gradient hooks change after
+wrapping or step an optimizer inside backward (Note [the user's gradient hooks first] in
+fusedist/ddp/grad_hook.py), and where a wrapper is nested inside another (Note [a module wrapped
+again] in fusedist/ddp/wrapper.py). 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.utils.hooks import RemovableHandle
+
+import fusedist
+import models
+from fusedist.testing import run_distributed
+
+
+class _SparseNet(nn.Module):
+    def __init__(self, dense: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6, sparse=True)
+        self.bag = nn.EmbeddingBag(15, 6, sparse=True, mode="sum")
+        self.lin = nn.Linear(6, 3) if dense else nn.Identity()
+
+    def forward(self, ids, bag_ids):
+        return self.lin(self.emb(ids).mean(1) + self.bag(bag_ids))
+
+
+def _dense(grad):
+    return None if grad is None else grad.to_dense().clone()
+
+
+def _train_sparse(wrap, rank, dense: bool = True, freeze: bool = False):
+    """Three SGD steps, the second with a no_sync backward before it; per-step gradients (dense).
+    ``dense=False``: every trainable weight has sparse gradients; ``freeze``: the dense layer is
+    frozen for the third step (find_unused_parameters=True)."""
+    torch.manual_seed(0)
+    net = _SparseNet(dense)
+    model = wrap(net, find_unused_parameters=freeze)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    grads = []
+    for step in range(3):
+        if freeze:
+            net.lin.requires_grad_(step != 2)
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        ids, bag = torch.randint(0, 20, (4, 3), generator=gen), torch.randint(0, 15, (4, 2), generator=gen)
+        if step == 1:
+            with model.no_sync():
+                model(ids, bag).pow(2).mean().backward()
+        model(ids, bag).pow(2).mean().backward()
+        grads.append([_dense(p.grad) for p in net.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return grads, [p.detach().clone() for p in net.parameters()]
+
+
+def _sparse_worker(rank, world_size):
+    out = {"torch": _train_sparse(torch.nn.parallel.DistributedDataParallel, rank),
+           "fusedist": _train_sparse(fusedist.DistributedDataParallel, rank),
+           "torch, sparse only": _train_sparse(torch.nn.parallel.DistributedDataParallel, rank, dense=False),
+           "fusedist, sparse only": _train_sparse(fusedist.DistributedDataParallel, rank, dense=False),
+           "torch, frozen": _train_sparse(torch.nn.parallel.DistributedDataParallel, rank, freeze=True),
+           "fusedist, frozen": _train_sparse(fusedist.DistributedDataParallel, rank, freeze=True)}
+    model = fusedist.DistributedDataParallel(_SparseNet())
+    out["join"] = models.error_text(lambda: model.join().__enter__(), RuntimeError)
+    return out
+
+
+def _sparse_compiled_worker(rank, world_size):
+    """Compiled as a whole, the wrapper's outputs are not hooked: refused, not left local."""
+    compiled = torch.compile(fusedist.DistributedDataParallel(_SparseNet()), backend="eager")
+    return models.error_text(lambda: compiled(torch.tensor([[1, 2]]), torch.tensor([[3, 4]])), RuntimeError)
+
+
+def test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does():
+    for rank, out in enumerate(run_distributed(_sparse_worker, 2, timeout=120)):
+        models.assert_same_steps(out["torch"], out["fusedist"])
+        models.assert_same_steps(out["torch, sparse only"], out["fusedist, sparse only"])
+        models.assert_same_steps(out["torch, frozen"], out["fusedist, frozen"])
+        text = out["join"]
+        assert text is not None and f"rank {rank}" in text and "'emb.weight'" in text, text
+
+
+def test_sparse_gradients_under_compile_of_the_wrapper_are_refused():
+    for rank, text in enumerate(run_distributed(_sparse_compiled_worker, 2, timeout=120)):
+        assert text is not None and f"rank {rank}" in text and "'emb.weight'" in text, text
+
+
+def _scale(p):
+    p.grad.mul_(3.0)
+
+
+def _noop(p):
+    pass
+
+
+def _run_swapped_hook(wrap, rank):
+    """A hook registered before wrapping is removed after it and another one registered (the
+    same number of hooks): the new one's change is part of what is averaged, as with torch's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    old = [p.register_post_accumulate_grad_hook(_noop) for p in net.parameters()]
+    model = wrap(net)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()  # one step with the old hooks: the order was checked
+    for p in net.parameters():
+        p.grad = None
+    for handle in old:
+        handle.remove()
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(_scale)
+    model(x).sum().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _swapped_hook_worker(rank, world_size):
+    out = {"torch": _run_swapped_hook(torch.nn.parallel.DistributedDataParallel, rank),
+           "fusedist": _run_swapped_hook(fusedist.DistributedDataParallel, rank)}
+    # nothing registered since the last forward: the next one checks the order at no per-parameter cost
+    model = fusedist.DistributedDataParallel(nn.Linear(3, 2))
+    model(torch.randn(2, 3)).sum().backward()
+    out["mark current"] = model.reducer._hooks_ordered == RemovableHandle.next_id
+    out["optimizer in backward"] = models.error_text(lambda: _optimizer_in_backward(rank), RuntimeError)
+    return out
+
+
+def _optimizer_in_backward(rank):
+    """A step, then an optimizer per parameter stepped (and zeroed) from a post-accumulate-grad
+    hook: the hook runs before the average, so the step would use the local gradient."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = fusedist.DistributedDataParallel(net)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in net.parameters()}
+
+    def step(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    model(x).sum().backward()
+
+
+def test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does():
+    for out in run_distributed(_swapped_hook_worker, 2, timeout=120):
+        for want, got in zip(out["torch"], out["fusedist"]):
+            torch.testing.assert_close(got, want)
+        assert out["mark current"]
+        text = out["optimizer in backward"]
+        assert text is not None and "'1.bias'" in text and "optimizer.step() after loss.backward()" in text, text
+
+
+def _train_nested(wrap, rank, double: bool):
+    """A wrapper nested inside another (``DDP(Sequential(DDP(a), tanh, b))``, or ``DDP(DDP(m))``):
+    three SGD steps with momentum; per-step gradients and the final weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    if double:
+        model = wrap(wrap(net))
+    else:
+        net[0] = wrap(net[0])
+        model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return (grads, [p.detach().clone() for p in model.parameters()]), sorted(get_model_state_dict(model))
+
+
+def _nested_worker(rank, world_size):
+    return {double: (_train_nested(torch.nn.parallel.DistributedDataParallel, rank, double),
+                     _train_nested(fusedist.DistributedDataParallel, rank, double)) for double in (False, True)}
+
+
+def test_wrapper_nested_inside_another_trains_as_torch_ddp():
+    for out in run_distributed(_nested_worker, 2, timeout=120):
+        for (want, want_names), (got, got_names) in out.values():
+            models.assert_same_steps(want, got)
+            assert got_names == want_names  # checkpoint names: every wrapper's "module." dropped

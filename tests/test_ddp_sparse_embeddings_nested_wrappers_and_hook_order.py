@@ -123,17 +123,21 @@ def _swapped_hook_worker(rank, world_size):
     model(torch.randn(2, 3)).sum().backward()
     out["mark current"] = model.reducer._hooks_ordered == RemovableHandle.next_id
     out["optimizer in backward"] = models.error_text(lambda: _optimizer_in_backward(rank), RuntimeError)
+    out["first backward"] = models.error_text(lambda: _optimizer_in_backward(rank, first=True), RuntimeError)
     return out
 
 
-def _optimizer_in_backward(rank):
+def _optimizer_in_backward(rank, first=False):
     """A step, then an optimizer per parameter stepped (and zeroed) from a post-accumulate-grad
-    hook: the hook runs before the average, so the step would use the local gradient."""
+    hook: the hook runs before the average, so the step would use the local gradient. ``first``:
+    the hooks step in the very first backward (the step guard speaks; it said "before any
+    backward pass")."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model = fusedist.DistributedDataParallel(net)
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
-    model(x).sum().backward()
+    if not first:
+        model(x).sum().backward()
     opts = {p: torch.optim.SGD([p], lr=0.1) for p in net.parameters()}
 
     def step(p):
@@ -152,6 +156,8 @@ def test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does():
         assert out["mark current"]
         text = out["optimizer in backward"]
         assert text is not None and "'1.bias'" in text and "optimizer.step() after loss.backward()" in text, text
+        text = out["first backward"]
+        assert text is not None and "from inside a backward pass" in text and "after loss.backward()" in text, text
 
 
 def _train_nested(wrap, rank, double: bool):

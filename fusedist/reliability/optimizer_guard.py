@@ -201,6 +201,12 @@ def _check_backward(optimizer, watches) -> None:
     for watch in watches:
         if getattr(watch, "in_backward", False):
             continue  # stepped from a gradient hook once its reduction landed (optimizer in backward)
+        if watch.backward_count() == 0 and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(  # a user's gradient hook: it runs before the model's average
+                f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() was called from inside a "
+                f"backward pass (a gradient hook: an optimizer in backward) before the {watch.owner_name} "
+                "averaged the gradients; such hooks run before the average (torch's DDP then lets the ranks "
+                "diverge): call optimizer.step() after loss.backward() returns")
         if watch.backward_count() == 0:  # backwards completed, synchronized or not
             raise RuntimeError(
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() was called before any "

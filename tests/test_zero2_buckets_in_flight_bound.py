@@ -100,9 +100,8 @@ def _zero2(base, bound, reduce_dtype):
     import fusedist
 
     ddp = fusedist.DistributedDataParallel(copy.deepcopy(base), reduce_dtype=reduce_dtype, **PER_LAYER)
-    opt = fusedist.ZeroRedundancyOptimizer(_groups(ddp.module), torch.optim.AdamW, stage=2, lr=1e-2)
-    if bound != "default":
-        ddp.reducer.strategy.max_buckets_in_flight = bound
+    bound = {} if bound == "default" else {"max_buckets_in_flight": bound}
+    opt = fusedist.ZeroRedundancyOptimizer(_groups(ddp.module), torch.optim.AdamW, stage=2, lr=1e-2, **bound)
     ddp.reducer.comm = _SlowReduceScatter(ddp.reducer.comm)
     return ddp, opt
 
@@ -168,10 +167,13 @@ def test_bounded_stage2_numerics_equal_unbounded_and_torch(slow_runs):
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", float("inf")])
 def test_bad_bounds_are_refused_with_the_knob_named(value):
+    import fusedist
     from fusedist.zero.grad_sync import ReduceScatterToShard
 
     with pytest.raises(ValueError, match=r"max_buckets_in_flight must be an int >= 1.*got"):
         ReduceScatterToShard(None, value)
+    with pytest.raises(ValueError, match=r"max_buckets_in_flight must be an int >= 1.*got"):
+        fusedist.ZeroRedundancyOptimizer([nn.Parameter(torch.zeros(2))], stage=1, max_buckets_in_flight=value)
     strategy = ReduceScatterToShard(None)
     assert strategy.max_buckets_in_flight == 2
     with pytest.raises(ValueError, match="max_buckets_in_flight"):

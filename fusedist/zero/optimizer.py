@@ -14,6 +14,8 @@ where they keep state of their own:
 * ``scaling.py`` (mixin) -- the GradScaler protocol, clipping and the inner step;
 * ``gather.py`` (:class:`ParamGatherer`) -- parameter all-gathers and the hooks that wait;
 * ``sharded_state.py`` (:class:`ShardedState`) -- state dicts: shard, consolidate, load;
+* ``empty_params.py`` (:class:`EmptyParams`) -- the state of parameters with no elements, which
+  no shard holds;
 * ``grow.py`` -- parameters joining after construction; ``grad_sync.py`` -- the stage-2
   reduce-scatter; ``offload.py`` -- ZeRO-Offload; ``join.py`` -- uneven inputs (its join hook).
 """
@@ -27,8 +29,9 @@ import torch
 from torch.optim import Optimizer
 
 from ..optim.elementwise import check_elementwise
-from . import grow, param_checks, wiring
+from . import grad_sync, grow, param_checks, wiring
 from . import state as zstate
+from .empty_params import EmptyParams
 from .gather import ParamGatherer
 from .grads import GradientsMixin
 from .join import JoinableOptimizer
@@ -63,6 +66,48 @@ def _optimizer_type(factory):
     while isinstance(factory, functools.partial):
         factory = factory.func
     return factory
+
+
+# Note [torch's state-dict helpers on a sharded optimizer]
+#     torch's ``get_state_dict`` / ``set_state_dict`` (and ``get_optimizer_state_dict`` /
+#     ``set_optimizer_state_dict``) read ``optimizer.state_dict()`` as the whole state in torch's
+#     format on every rank, keyed by parameter index; this optimizer's is its rank's shard, so
+#     they failed inside torch with a bare ``KeyError: 'state'``. Worse, they first call
+#     ``step()`` with zero gradients and a zero learning rate when ``optimizer.state`` is empty
+#     (``_init_optim_state``: to create the state of a fresh optimizer), and a sharded
+#     optimizer's ``state`` is always empty (its inner optimizer holds the state, as torch's
+#     ZeroRedundancyOptimizer's does): that step advanced Adam's moments and step counts before
+#     the failure. So ``step()``, ``state_dict()`` and ``load_state_dict()`` called by those
+#     helpers (found on the call stack, as ``fusedist/fsdp/torch_helpers.py`` finds them) raise
+#     a clear error before anything changes, naming what saves and loads a sharded optimizer.
+def _refuse_torch_helpers(what: str, helper: str) -> None:
+    """Raise when ``what`` runs under torch's state-dict helper function ``helper`` (Note
+    [torch's state-dict helpers on a sharded optimizer])."""
+    from ..fsdp.torch_helpers import _torch_helper_locals
+
+    if _torch_helper_locals(helper) is None:
+        return
+    raise RuntimeError(
+        f"ZeroRedundancyOptimizer.{what}: called by torch's get_state_dict / set_state_dict (or "
+        "get_/set_optimizer_state_dict), which need an optimizer whose state_dict() is the whole state on "
+        "every rank; this optimizer's is its rank's shard. Save and load the model and this optimizer with "
+        "fusedist.checkpoint.save(dir, model, optimizer) / fusedist.checkpoint.load(dir, model, optimizer) "
+        "(any world size; load also reads DCP checkpoints of torch's optimizers), or gather the whole "
+        "state with consolidate_state_dict(to=0) and then state_dict() on rank 0. The optimizer's state was not "
+        "changed")
+
+
+def _all_rates_zero(groups) -> bool:
+    """Whether every group's learning rate is 0, as torch's ``_init_optim_state`` sets them before
+    its step (a rate on a device counts as 0: reading it would synchronize)."""
+    for group in groups:
+        lr = group.get("lr", 0.0)
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type == "cpu" and bool(lr != 0):
+                return False
+        elif lr != 0:
+            return False
+    return True
 
 
 class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin,
@@ -152,19 +197,25 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             every gather completes inside ``step()``.
         offload: None (everything on the parameters' device) or ``"cpu"`` (master weights and
             optimizer state on the host, stepped there; Adam/AdamW only).
+        max_buckets_in_flight: stage 2: gradient buckets whose reduce-scatter may be in flight
+            at once (default 2). Each holds its full gradients until it lands, so a backward
+            holds at most this many buckets plus the one filling (Note [buckets in flight] in
+            ``fusedist/ddp/reducer.py``); more buys overlap on uneven networks, None lifts it.
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
 
     def __init__(self, params, optimizer_class=None, process_group=None, *, stage: int = 1,
                  bucket_cap_mb: float = 25.0, overlap_param_gather: bool = False,
-                 offload: Optional[str] = None, **defaults):
+                 offload: Optional[str] = None,
+                 max_buckets_in_flight: Optional[int] = grad_sync.DEFAULT_MAX_BUCKETS_IN_FLIGHT, **defaults):
         if defaults.pop("overlap_with_ddp", False):
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
                              "a fusedist DistributedDataParallel model instead")
         defaults.pop("parameters_as_bucket_view", None)  # always true here
         if stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
+        grad_sync.check_max_buckets_in_flight(max_buckets_in_flight)
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
         self.offload = "cpu" if offload == "cpu" else None
@@ -214,12 +265,13 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         if self.ddp is not None:  # Note [growing the partition]: parameters DDP appends join at once
             self.ddp.reducer.layout_listeners.append(self._on_layout_change)
         if stage == 2:
-            wiring.install_stage2(self)
+            wiring.install_stage2(self, max_buckets_in_flight)
         self._flat_params: Optional[FlatParams] = None
         self._masters: Optional[ShardStore] = None  # Note [shards aliasing the parameters and gradients]
         self._pieces: list[torch.Tensor] = []
         self.inner: Optional[Optimizer] = None
         self._sharded_state = ShardedState(self)  # state dicts and the consolidated copy
+        self._empty = EmptyParams(self)  # Note [parameters with no elements] in empty_params.py
         # Note [parameters changed outside the optimizer]: index -> version after our last write.
         self._param_versions: Optional[dict] = None
         # Stage 2: trainable parameters some synchronized backward since the last step (or
@@ -316,6 +368,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                 "Use fusedist.amp.GradScaler (same API) and fusedist.clip_grad_norm_ or "
                 "optimizer.clip_grad_norm_, or stage=1"
             )
+        if _all_rates_zero(self.param_groups):  # (torch's helper zeroes them first: no stack walk per step)
+            _refuse_torch_helpers("step", "_init_optim_state")  # Note [torch's state-dict helpers ...]
         if self._join_config.enable:
             self._join_before_step()  # uneven inputs (Note [joined ranks] in fusedist/ddp/join.py)
         self._sharded_state.invalidate()  # the state moves on: a gathered copy would be stale
@@ -346,7 +400,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                 self._collect_stage1_grads()
             for group, inner_group in zip(self.param_groups, self.inner.param_groups):
                 inner_group.update(zstate.hyperparameters(group))
-            stepped = self._pieces_to_step(self._params_without_grad())
+            without_grad = self._params_without_grad()
+            stepped = self._pieces_to_step(without_grad)
             if self._offload is not None:
                 self._offload.step(stepped)
                 if not self.overlap_param_gather:
@@ -360,6 +415,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                 finally:
                     self._restore_piece_grads(skipped)
                 self._gatherer.publish(self._partition, self._flat_params, self._masters)
+            self._empty.step(without_grad)  # Note [parameters with no elements] in empty_params.py
             # Stage 2: step() consumes the gradient shard, so the next synchronized backward
             # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
             # reach the shard). Several synchronized backward passes *before* a step still
@@ -454,6 +510,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run around it, as
         around torch's (whose ZeroRedundancyOptimizer builds its full state dict with
         ``Optimizer.state_dict``); a post hook's return value replaces the state dict."""
+        _refuse_torch_helpers("state_dict", "_get_optim_state_dict")  # (as in step())
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._sharded_state.state_dict()
@@ -489,6 +546,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         with ``register_load_state_dict_pre_hook`` see the state dict first (a return value
         replaces it; a dict is shallow-copied before, so a hook's edits stay out of the caller's)
         and those of ``register_load_state_dict_post_hook`` run after the load."""
+        _refuse_torch_helpers("load_state_dict", "_load_optim_state_dict")  # (as in step())
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

@@ -203,30 +203,33 @@ class ZeroScalerProtocol(ScalerProtocol):
     def _inner_step(self) -> None:
         """Step the inner optimizer over the pieces with this step's inverse scale, clip
         coefficient and found-inf flag: a fused one applies them in its update; any other gets
-        its gradients multiplied first and is skipped on overflow, as torch's GradScaler does."""
+        its gradients multiplied first and is skipped on overflow, as torch's GradScaler does.
+
+        An fp64 clip coefficient (a model with fp64 parameters: :meth:`_norm_dtype`) is applied
+        to the gradients before a fused inner step too: the fused update takes its factors as
+        fp32, and the coefficient rounded to fp32 left an fp64 model trained with clipping 1e-9
+        from torch's, where torch multiplies the fp64 gradients by the fp64 coefficient."""
         inner, found = self.inner, self.found_inf
         if getattr(inner, "_fusedist_fused", False):
             # The whole decision in one hand-over: the inner optimizer's step consumes a copy
             # of this step context (its own is cleared by that step).
-            inner.grad_scale = self.grad_scale
-            inner.step_context = dataclasses.replace(self.step_context)
-            inner.found_inf = found
-            inner.step()
+            context = dataclasses.replace(self.step_context)
+            clip = context.clip_coef
+            fp64_clip = clip is not None and clip.dtype == torch.float64
+            if fp64_clip:
+                context.clip_coef = None
+            aliased = self._scale_piece_grads(clip.reshape(1)) if fp64_clip else []
+            try:
+                inner.grad_scale = self.grad_scale
+                inner.step_context = context
+                inner.found_inf = found
+                inner.step()
+            finally:
+                self._restore_aliased(aliased)
             return
         inv, clip = self._effective_inv_scale(), self.step_context.clip_coef
         mult = inv if clip is None else (clip.reshape(1) if inv is None else inv * clip.reshape(1))
-        aliased: list = []  # (piece tensor, its gradient view) handed a scaled copy for this step
-        if mult is not None:
-            own = list(self._grad_shards.values())
-            if own:
-                torch._foreach_mul_(own, mult.reshape(()))
-            # Gradients that are p.grad's own memory (Note [shards aliasing the parameters and
-            # gradients]) are not scaled in place: the step gets scaled copies.
-            store = self._piece_grads
-            for piece, t in zip(self._partition.pieces, self._pieces):
-                if t.grad is not None and store.aliases(piece.dtype):
-                    aliased.append((t, t.grad))
-                    t.grad = t.grad * mult.reshape(())
+        aliased = self._scale_piece_grads(mult) if mult is not None else []
         try:
             if found is None:
                 inner.step()
@@ -239,5 +242,26 @@ class ZeroScalerProtocol(ScalerProtocol):
             elif not bool(found.item()):  # host read, as torch's GradScaler does for such optimizers
                 inner.step()
         finally:
-            for t, grad in aliased:
-                t.grad = grad
+            self._restore_aliased(aliased)
+
+    def _scale_piece_grads(self, mult: torch.Tensor) -> list:
+        """Multiply the gradients the inner step reads by ``mult``: the gradient shards this
+        optimizer owns in place; gradients that are p.grad's own memory (Note [shards aliasing
+        the parameters and gradients]) are not scaled in place: the piece gets a scaled copy.
+        Returns the (piece tensor, its gradient view) pairs :meth:`_restore_aliased` restores."""
+        aliased: list = []
+        own = list(self._grad_shards.values())
+        if own:
+            torch._foreach_mul_(own, mult.reshape(()))
+        store = self._piece_grads
+        for piece, t in zip(self._partition.pieces, self._pieces):
+            if t.grad is not None and store.aliases(piece.dtype):
+                aliased.append((t, t.grad))
+                t.grad = t.grad * mult.reshape(())
+        return aliased
+
+    @staticmethod
+    def _restore_aliased(aliased: list) -> None:
+        """Give the pieces :meth:`_scale_piece_grads` handed scaled copies their views back."""
+        for t, grad in aliased:
+            t.grad = grad

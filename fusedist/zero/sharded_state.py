@@ -45,6 +45,13 @@ class ShardedState:
             start += n
         return out
 
+    def _without_step(self) -> bool:
+        """Whether the full state dict leaves the step counts out, as the inner class's own does
+        (FusedSGD: torch's SGD keeps none, and DCP loads by the target's keys)."""
+        from ..optim.sgd import FusedSGD
+
+        return issubclass(self.zero.optimizer_class, FusedSGD)
+
     def invalidate(self) -> None:
         """The optimizer state moves on (a step, a load, a new group): a consolidated copy is stale."""
         self.consolidated = None
@@ -54,7 +61,8 @@ class ShardedState:
         """``ZeroRedundancyOptimizer.state_dict``: the consolidated state while it is current, else the shard."""
         z = self.zero
         if self.consolidated is not None:
-            return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts())
+            return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts(),
+                                          without_step=self._without_step())
         return self.shard()
 
     def shard(self) -> dict:
@@ -79,6 +87,7 @@ class ShardedState:
                     "master": z._masters.slice(e.dtype, e.pos, e.pos + e.numel).clone(),
                     "state": state,
                 }]
+        fragments.update(z._empty.fragments())  # Note [parameters with no elements] in empty_params.py
         return {
             "format": zstate.FORMAT,
             "stage": z.stage,
@@ -108,8 +117,9 @@ class ShardedState:
                 return None
         merged = zstate.merge_fragments(everyone)
         self.consolidated = zstate.assemble(merged, z._params, range(len(z._params)),
-                                             source="consolidate_state_dict")
-        return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts())
+                                             source="consolidate_state_dict", keep_empty=True)
+        return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts(),
+                                      without_step=self._without_step())
 
     def load(self, state_dict) -> None:
         """``ZeroRedundancyOptimizer.load_state_dict``: validate everything, then apply."""
@@ -139,7 +149,7 @@ class ShardedState:
             raise zstate.StateDictError(f"{source}: not a ZeroRedundancyOptimizer or torch optimizer state dict")
         zstate.check_groups(groups, z.param_groups, source)
         # Every parameter is assembled (and so validated) now; the rank keeps its own ranges.
-        assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source)
+        assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source, keep_empty=True)
         if sds[0].get("format") == zstate.FORMAT:
             zstate.relayout(assembled, z._params, sds[0]["param_meta"])
         hyper = [zstate.hyperparameters(g) for g in groups]
@@ -276,6 +286,7 @@ class ShardedState:
         z.inner.state.clear()
         z.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
+        z._empty.load(assembled)  # Note [parameters with no elements] in empty_params.py
         # The parameters take the loaded masters' values now, whole and on every rank (the
         # assembled state holds every parameter): aliased masters (Note [shards aliasing the
         # parameters and gradients]) are the parameters, and writing only this rank's slices

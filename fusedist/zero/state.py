@@ -142,14 +142,17 @@ def fragments_from_full(full: dict, params) -> dict[int, list]:
     return out
 
 
-def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -> dict[int, dict]:
+def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
+             keep_empty: bool = False) -> dict[int, dict]:
     """Full flat ``{"master", "state"}`` per parameter in ``indices`` from its fragments.
 
     Raises :class:`StateDictError` naming the parameter when fragments do not cover it exactly
     once, disagree on keys or scalars, or have the wrong sizes. A parameter with no fragment
-    at all has no state (it was never stepped). Neither has a parameter with no elements: it
-    owns no slice of any shard, so its state -- torch's optimizers step it, and their state
-    dicts hold empty moments and a step count for it -- has nowhere to go and is dropped."""
+    at all has no state (it was never stepped). A parameter with no elements owns no slice of
+    any shard: its state -- torch's optimizers step it, and their state dicts hold empty
+    moments and a step count for it -- is taken from its first fragment with ``keep_empty``
+    (a ZeroRedundancyOptimizer keeps it: Note [parameters with no elements] in
+    ``empty_params.py``), else dropped."""
     from .box_fragments import assemble_boxes, is_box  # (it imports this module)
 
     out: dict[int, dict] = {}
@@ -157,6 +160,8 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
         frags = frags_by_param.get(index)
         p = params[index]
         n = p.numel()
+        if frags and n == 0 and keep_empty:
+            out[index] = _assemble_empty(frags[0], index, source)
         if not frags or n == 0:
             continue
         if any(is_box(f) for f in frags):  # Note [box fragments], Note [region fragments]
@@ -217,21 +222,39 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str) -
     return out
 
 
-def to_torch_format(assembled: dict[int, dict], params, param_groups: list[dict]) -> dict:
+def _assemble_empty(frag: dict, index: int, source: str) -> dict:
+    """The state of a parameter with no elements from one of its fragments (every rank's
+    holds the same): its tensors must be empty too."""
+    state = {}
+    for key, v in frag["state"].items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if v.numel():
+                raise StateDictError(f"{source}: state '{key}' of parameter {index} has {v.numel()} elements, "
+                                     "the parameter has none")
+            v = v.reshape(-1)
+        state[key] = v
+    return {"master": None, "state": state}
+
+
+def to_torch_format(assembled: dict[int, dict], params, param_groups: list[dict], *,
+                    without_step: bool = False) -> dict:
     """A state dict loadable by an unsharded optimizer over ``params`` (torch's format; FP32
     master weights of half-precision parameters under ``master_param``, as fusedist's fused
     optimizers keep them). A FusedSGD momentum buffer no step has filled is left out, as that
-    optimizer's own state dict does (``without_unfilled_buffers``)."""
+    optimizer's own state dict does (``without_unfilled_buffers``); so are the step counts
+    ``without_step`` (FusedSGD's, which its own state dict leaves out as torch's SGD keeps none)."""
     state = {}
     inner = without_unfilled_buffers({index: item["state"] for index, item in assembled.items()})
     for index, item in sorted(assembled.items()):
         p = params[index]
         entry = {}
         for key, v in inner.get(index, {}).items():
+            if without_step and key == "step":
+                continue
             entry[key] = shaped_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
         if item["master"] is not None and p.dtype in (torch.float16, torch.bfloat16):
             entry["master_param"] = shaped_like(item["master"], p)
-        if entry or index in inner:
+        if entry or (index in inner and not without_step):
             state[index] = entry
     return {"state": state, "param_groups": [dict(g) for g in param_groups]}
 

@@ -8,13 +8,15 @@ objects at construction: the rest of the optimizer sees ``ddp``, ``comm`` and th
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.distributed as dist
 
 from ..comm import get_communicator
 from ..ddp.replicate import build_pending
 from ..ownership import data_parallel_owner, register_gradient_holder, wrapping_owner
 from ..reliability import attach_monitor
-from .grad_sync import ReduceScatterToShard
+from .grad_sync import DEFAULT_MAX_BUCKETS_IN_FLIGHT, ReduceScatterToShard
 
 
 def find_ddp(trainable: list, params: list):
@@ -82,9 +84,9 @@ def connect(trainable: list, params: list, process_group, device):
     return None, None, process_group  # a single process without torch.distributed
 
 
-def install_stage2(zero) -> None:
+def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT) -> None:
     """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
-    (Note [stage 2 gradients] in ``grad_sync.py``)."""
+    (Note [stage 2 gradients] in ``grad_sync.py``), at most ``max_buckets_in_flight`` at once."""
     if zero.ddp is None:
         raise ValueError(
             "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "
@@ -92,7 +94,7 @@ def install_stage2(zero) -> None:
         )
     reducer = zero.ddp.reducer
     try:
-        reducer.use_strategy(ReduceScatterToShard(zero))
+        reducer.use_strategy(ReduceScatterToShard(zero, max_buckets_in_flight))
     except ValueError:
         raise ValueError(
             f"ZeroRedundancyOptimizer(stage=2): this DDP model's gradients are already synchronized by "

@@ -191,15 +191,21 @@ def _sharded_class(cls: type) -> type:
 
 
 class UnshardHandle:
-    """A pending :meth:`FullyShardedModule.unshard`; ``wait()`` makes the gathered parameters usable."""
+    """A pending :meth:`FullyShardedModule.unshard`; ``wait()`` makes the gathered parameters usable.
+
+    As FSDP2's, ``wait()`` waits for the gather in flight, and does nothing once none is in
+    flight and the unit is sharded again: a forward of the module already waited for the gather
+    and resharded after it (``h = block.unshard(async_op=True); model(x); h.wait()``). It
+    used to gather the unit once more there, an all-gather nobody needed, and held the unit's
+    parameters gathered until the end of the next backward."""
 
     def __init__(self, unit):
         self._unit = unit
 
     def wait(self) -> None:
-        if self._unit is not None:
-            self._unit.wait_for_unshard()
-            self._unit = None
+        unit, self._unit = self._unit, None
+        if unit is not None and (unit.is_unsharded or unit.gather_in_flight):
+            unit.wait_for_unshard()
 
 
 class FullyShardedModule:

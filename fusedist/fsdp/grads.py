@@ -86,6 +86,7 @@ Note [fp16 reduction]
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Optional
 
@@ -139,10 +140,15 @@ class PendingReduce:
     def __del__(self):
         """Collected still holding its buffers (a model dropped after an aborted backward, before
         a forward discarded its reductions): they leave the scratch count with it (Note [held
-        gradient buffers of a dropped model])."""
-        for t in (self.input, self.output):
+        gradient buffers of a dropped model]). At interpreter shutdown, or for an instance whose
+        ``__init__`` did not finish, there is nothing to count: silent (Note [reductions
+        collected at shutdown])."""
+        counters = COUNTERS  # None once the interpreter has cleared this module's globals
+        if counters is None or sys.is_finalizing():
+            return
+        for t in (getattr(self, "input", None), getattr(self, "output", None)):
             if t is not None:
-                COUNTERS.add_scratch(-t.numel() * t.element_size())
+                counters.add_scratch(-t.numel() * t.element_size())
 
     def ready(self) -> bool:
         """Landed, and may be finished now: a hooked or replicated reduction waits for its
@@ -324,6 +330,13 @@ class UnitGrads:
 # them (Note [aborted backward] in recovery.py): a model dropped while it holds them frees them
 # with it, and memory_stats()' process-wide ``scratch_bytes`` must then drop too, or every
 # later model reports them (as gathered bytes of a collected unit are given back, memory.py).
+#
+# Note [reductions collected at shutdown]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A script that ends after a backward that raised (or exits from a hook mid-backward) leaves its
+# reductions listed; they are collected while the interpreter shuts down, when module globals may
+# already be None, and an error in ``__del__`` is printed as "Exception ignored in ..." after the
+# script's own output. The counts are process-wide and the process is ending: nothing to update.
 def _held_bytes(acc: dict, partial: dict) -> int:
     """Bytes of a unit's accumulators ``acc`` and partial sums ``partial``."""
     return (sum(a.numel() * a.element_size() for a in acc.values())

@@ -103,14 +103,24 @@ Note [frozen parameters in backward]
     pipeline's micro-batches) the first backward's end used to forget the second call, so the
     second backward resharded the unit once its trainable gradients were in and autograd then
     read the frozen weight from freed storage ("setStorage: ... storage of size 0"; FSDP2
-    trains). Each open call is a token its autograd node holds: a forward whose backward never
-    runs (a validation loss computed with gradients, a forward an exception ended) is forgotten
-    when its graph is freed, so it does not keep the unit gathered through later backwards.
+    trains). Each open call is a token its autograd node holds, opened when a backward reaches
+    it: a forward whose backward never runs (a validation loss computed with gradients, a
+    forward an exception ended) is never waited for (Note [calls a backward does not reach]).
     A recompute under reentrant activation checkpointing routes its inputs too: the original
     forward ran without gradients, and the recompute's own backward is where the frozen weight
     gives the input's gradient (the unit resharded before it; FSDP2 trains). A repeated
     backward through one forward (Note [repeated backward]) reaches calls the first closed: the
     backward pre-hook on a call's outputs opens its calls again (they crashed likewise).
+
+Note [calls a backward does not reach]
+    A call is waited for once a backward reaches it -- the pre-hook on its outputs opens it --
+    not from its forward on. A forward with gradients whose backward never runs (a validation
+    loss kept for logging without ``.item()``/``detach()``, an output kept as it was) keeps its
+    autograd node, and with it its token, alive; opened at its forward, such a call held every
+    unit with frozen parameters gathered through each later backward, until that backward's
+    end: all of them at once (FSDP2 reshards each unit after its own post-backward). A call
+    the running backward does reach has its outputs' gradients computed before its inputs',
+    so it is opened before any of its parameters can be read again.
 
 Note [accumulated units a synchronized backward does not reach]
     Accumulating over micro-batches (``set_requires_gradient_sync(False)``, a pipeline stage's
@@ -234,8 +244,8 @@ class FullyShardState:
         self._post_forward_indices: list[int] = []
         self._in_backward = False
         self._grads_seen = 0
-        # calls whose inputs were routed and whose input gradients are not done yet, across backwards
-        # (Note [frozen parameters in backward])
+        # calls a backward reached (their outputs' pre-hook ran) whose input gradients are not done yet,
+        # across backwards (Notes [frozen parameters in backward] and [calls a backward does not reach])
         self._open_calls: "weakref.WeakSet[_OpenCall]" = weakref.WeakSet()
         self._call_opened: list = []  # those of the call running forward (its outputs' hooks reopen them)
         self._post_backward_done = False
@@ -438,8 +448,9 @@ class FullyShardState:
             return args, kwargs
         call = _OpenCall()
         routed = _InputsBackward.apply(self, call, *tensors)
-        self._open_calls.add(call)
-        if not recompute:  # (a recompute's outputs are not hooked)
+        if recompute:  # (a recompute's outputs are not hooked: it is part of the running backward)
+            self._open_calls.add(call)
+        else:  # opened by its outputs' backward pre-hook (Note [calls a backward does not reach])
             self._call_opened.append(call)
         return _replace_tensors((args, kwargs), {id(t): r for t, r in zip(tensors, routed)})
 

@@ -137,15 +137,20 @@ def test_slow_reduce_scatter_holds_at_most_the_bound_plus_the_bucket_filling(slo
             unbounded = out[(reduce_dtype, None)]
             assert len(unbounded["bucket_bytes"]) == LAYERS
             largest = max(unbounded["bucket_bytes"])
-            for st in unbounded["stats"]:  # what the bound prevents: every bucket held to the end
-                assert st["peak_grad_bytes"] == st["grad_bytes"] > 3 * largest, st
+            for step, st in enumerate(unbounded["stats"]):
+                if reduce_dtype is None:  # what the bound prevents: every bucket held to the end
+                    assert st["peak_grad_bytes"] == st["grad_bytes"] > 3 * largest, st
+                elif step != ACCUMULATE_AT:  # converted buckets are released at launch: their bf16 copies held
+                    assert st["peak_grad_bytes"] < st["grad_bytes"], st
             for bound in (1, "default"):
                 run = out[(reduce_dtype, bound)]
                 k = run["resolved"]
                 assert k == (1 if bound == 1 else 2)
                 for step, st in enumerate(run["stats"]):
                     if step == ACCUMULATE_AT:  # no_sync filled every bucket before this backward
-                        assert st["peak_grad_bytes"] == st["grad_bytes"], st
+                        # (with a bf16 reduce, the first bucket's copy is made before the bucket is released)
+                        copy_made = largest // 2 if reduce_dtype is not None else 0
+                        assert st["peak_grad_bytes"] == st["grad_bytes"] + copy_made, st
                         continue
                     assert st["peak_grad_bytes"] <= (k + 1) * largest, (bound, reduce_dtype, step, st)
                     # waited for in the gradient hooks, all but the last k

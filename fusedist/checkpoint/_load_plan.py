@@ -177,7 +177,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
             return stage3.optimizer_for_pieces(target, optimizer, params, zstate.merge_fragments(shards),
                                                shards[0]["param_groups"], shards[0]["param_meta"], source)
         merged = zstate.merge_fragments(shards)
-        assembled = zstate.assemble(merged, params, range(len(params)), source=source)
+        assembled = zstate.assemble(merged, params, range(len(params)), source=source, keep_empty=True)
         zstate.relayout(assembled, params, shards[0]["param_meta"])
         full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)

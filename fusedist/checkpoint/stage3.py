@@ -362,7 +362,7 @@ def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags:
     another memory order, and cut to this rank's range."""
     where = piece_index(model)
     wholes = [_whole(p, where) for p in params]
-    assembled = zstate.assemble(frags, wholes, range(len(params)), source=source)
+    assembled = zstate.assemble(frags, wholes, range(len(params)), source=source, keep_empty=True)
     if saved_meta is not None:
         zstate.relayout(assembled, wholes, saved_meta)
     per_element = zstate.per_element_keys({i: item["state"] for i, item in assembled.items()}, wholes)

@@ -18,8 +18,9 @@ Note [bucket storage]
       "reduce-scatter finished" -- a few buckets, not every gradient. Zeroed because padding
       and the slots of parameters without a gradient must read as zero in the collective.
 
-    ``allocated_bytes`` / ``peak_bytes`` account the bucket storage (the full gradients); the
-    reducer resets the peak at the start of each backward and reports it in ``last_stats``.
+    ``allocated_bytes`` / ``peak_bytes`` account the bucket storage (the full gradients) and
+    the converted copies of buckets on the wire (:meth:`GradLayout.account`); the reducer resets
+    the peak at the start of each backward and reports it in ``last_stats``.
 """
 
 from __future__ import annotations
@@ -198,6 +199,12 @@ class GradLayout:
     def release_all(self) -> None:
         for bucket in self.buckets:
             self.release(bucket)
+
+    def account(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (negative: fewer) of gradient memory held outside the buckets --
+        a bucket's converted copy on the wire -- in ``allocated_bytes`` / ``peak_bytes``."""
+        self.allocated_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.allocated_bytes

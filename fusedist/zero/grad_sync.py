@@ -28,6 +28,19 @@ Note [stage 2 gradients]
     ``no_sync()`` backward passes accumulate into full buckets as in DDP (nothing is released);
     the next synchronized backward reduce-scatters the sums and releases them as it goes.
 
+    Note [a converted bucket released at launch]
+        With a ``reduce_dtype`` other than the gradients' own (bf16 reduction of FP32
+        gradients), the reduce-scatter reads the bucket's converted copy only, so the bucket's
+        full gradients are released as soon as the copy is made, at launch, not when the
+        reduce-scatter is finished: the rank holds the narrow copies of the buckets in flight
+        instead of both those and their full buckets (the peak drops by the in-flight buckets'
+        full gradients; ``peak_grad_bytes`` counts both the full buckets and the copies on the
+        wire). Nothing reads them later: every gradient of a launched bucket has arrived (its
+        count includes the repeated arrivals of a static graph; one more raises), ``p.grad``
+        is None after ``finish`` anyway, and the optimizer, its clip and ``gradient_slices()``
+        read the shards. A bucket reduced in its own dtype is the wire itself and is kept
+        until its reduce-scatter is finished.
+
     The bucket layout is fixed from the moment the optimizer registers with DDP (Note [layout
     fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``), so the first backward
     reduce-scatters like every other.
@@ -88,6 +101,9 @@ class ReduceScatterToShard(GradSyncStrategy):
         out = torch.empty(hi - lo, dtype=reduce_dtype, device=wire.device)
         self._outputs[bucket.index] = out
         reducer.bucket_scratch[bucket.index] = wire  # keeps a converted copy alive until done
+        if wire is not bucket.data:  # Note [a converted bucket released at launch]
+            reducer.layout.account(wire.nbytes)  # (counted in peak_grad_bytes while on the wire)
+            reducer.release_bucket(bucket)
         return reducer.comm.reduce_scatter(out, wire, async_op=True, tag=f"zero2 bucket {bucket.index}")
 
     def fold_factor(self, reducer, bucket):
@@ -95,7 +111,9 @@ class ReduceScatterToShard(GradSyncStrategy):
 
     def finish(self, reducer, bucket, handle):
         handle.wait()
-        reducer.bucket_scratch.pop(bucket.index, None)
+        wire = reducer.bucket_scratch.pop(bucket.index, None)
+        if wire is not None and wire.dtype != bucket.dtype:  # a converted copy, no longer held
+            reducer.layout.account(-wire.nbytes)
         out = self._outputs.pop(bucket.index)
         _, post = divide_factors(reducer.grad_divisor, out.dtype)
         self.zero.store_reduced(bucket.index, out, post)

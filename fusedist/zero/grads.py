@@ -68,7 +68,7 @@ class GradientsMixin:
             if g is None:
                 continue
             if g.is_sparse:
-                raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {e.index} has a sparse gradient")
+                raise self._sparse_grad_error(e.index)
             flat = flat_like(g, self._params[e.index])  # the slot's (memory) order
             pairs.append((e, flat[e.lo:e.hi]))
         return pairs
@@ -162,9 +162,22 @@ class GradientsMixin:
         self._grads_present = False  # the next reduce-scatter overwrites the shard
         self._stage2_with_grad = set()
 
+    def _sparse_grad_error(self, index: int) -> RuntimeError:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) has no flat slices to shard; torch's
+        ZeroRedundancyOptimizer refuses it too. Checked before the frozen-parameter check: DDP
+        averages such a weight outside its buckets, so it is never sharded and would be
+        reported as frozen, which points the wrong way."""
+        return RuntimeError(
+            f"ZeroRedundancyOptimizer (rank {self.rank}): {self._param_name(index)} has a sparse gradient; "
+            "ZeRO shards dense gradients only (as torch's ZeroRedundancyOptimizer). Build the module with "
+            "sparse=False, or give this parameter to an optimizer of its own outside ZeroRedundancyOptimizer.")
+
     def _check_frozen_grads(self) -> None:
         for i in self._frozen:
-            if self._params[i].grad is not None:
+            grad = self._params[i].grad
+            if grad is not None and grad.is_sparse:
+                raise self._sparse_grad_error(i)
+            if grad is not None:
                 raise RuntimeError(
                     f"ZeroRedundancyOptimizer: {self._param_name(i)} has a gradient, but it is not sharded: "
                     "it had requires_grad=False when the optimizer was constructed and "

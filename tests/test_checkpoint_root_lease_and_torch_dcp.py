@@ -446,7 +446,7 @@ def test_a_param_group_added_during_training_is_named_when_missing_at_restore(tm
     ckpt.save(2)
     ckpt.close()
     fresh = _net(1)
-    with pytest.raises(CheckpointError, match=r"4 parameters saved, 2 here .*also holds \['2\.weight', '2\.bias'\]: "
+    with pytest.raises(CheckpointError, match=r"4 parameters saved, 2 here.*also holds \['2\.weight', '2\.bias'\]: "
                                               r"param groups it gained during training \(add_param_group\)"):
         Checkpointer(root).restore(fresh, FusedAdamW(fresh[0].parameters(), lr=1e-2))
     fresh_opt = FusedAdamW(fresh[0].parameters(), lr=1e-2)

@@ -19,6 +19,20 @@ Note [a backward no DDP forward prepared]
     avg(g1) + avg(g2) on every rank. torch reduces only the first, and its ranks step with
     different gradients. Not under ``torch.compile`` of the wrapper, whose outputs are the
     compiled graph's: there, as in torch, the second is local (and the step refuses).
+
+Note [the end of a backward with nested ones]
+    The end-of-backward callback goes to the autograd graph task that is running when it is
+    queued. Under reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``)
+    each checkpoint's backward is a graph task of its own, nested in the one the loss started:
+    queued by the first gradient hook, inside the first checkpoint's backward, the callback ran
+    at that nested task's end -- before the gradients of the parameters of any checkpoint still
+    to come. With chained checkpoints (``checkpoint(b, checkpoint(a, x))``) every backward then
+    failed ("received no gradient: a.weight ..."), or, with static_graph, the step refused it as
+    not synchronized; torch's DDP trains. So the wrapper's outputs queue it, from the hook on
+    their autograd node, in the graph task that passes through them -- the outermost one, as
+    torch's ``_DDPSink`` queues its static graph's first reduction -- and the callback finishes
+    the backward only if a gradient hook began one (``torch.autograd.grad`` through the output
+    accumulates no gradient and leaves the forward's preparation to the next backward).
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ import sys
 import weakref
 
 import torch
+
+from .unused import note_unreached
 
 
 def refuse_compiled_autograd(owner: str, alternative: str = "torch's DistributedDataParallel with "
@@ -64,6 +80,8 @@ def _tensors(out):
 def arm_again_through(reducer, out, sync: bool) -> None:
     """Hook the autograd nodes of a training forward's outputs ``out`` so that a backward
     passing through them later is prepared as that forward prepared its first (``sync``)."""
+    if sync and reducer.config.find_unused_parameters and not reducer.in_backward:
+        note_unreached(reducer, out)  # Note [unused parameters known after the forward] in unused.py
     nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
     if not nodes:
         return
@@ -71,8 +89,10 @@ def arm_again_through(reducer, out, sync: bool) -> None:
 
     def arm(grad_outputs):  # (only where nothing prepared it: a pipeline's schedule does)
         r = held()
-        if r is not None and not r.in_backward and not r.prepared:
-            r.prepared, r.next_backward_sync = True, sync
+        if r is not None and not r.in_backward:
+            if not r.prepared:
+                r.prepared, r.next_backward_sync = True, sync
+            r.finish_with_this_graph_task()  # Note [the end of a backward with nested ones]
 
     for node in nodes.values():
         node.register_prehook(arm)

@@ -103,7 +103,7 @@ from .backward_stats import backward_stats
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
 from .static_graph import ArrivalCounts, check_all_arrived
-from .unused import raise_graph_changed, settle_unused, unused_without_find_unused
+from .unused import mark_known_unused, raise_graph_changed, settle_unused, unused_without_find_unused
 from .events import EngineObserver
 
 _perf_counter = time.perf_counter
@@ -179,9 +179,16 @@ class Reducer:
 
         self.next_backward_sync = True
         self.prepared = False  # Note [a backward no DDP forward prepared] in prepared.py
+        self._finish_queued = False  # Note [the end of a backward with nested ones] in prepared.py
         self.in_backward = False
         self._observed_order: Optional[list[int]] = None
         self.warned_unused = False  # settle_unused's one warning (unused.py)
+        # Note [unused parameters known after the forward] in unused.py: those the forwards since
+        # the last backward did not reach (None: no forward noted them), and those counted unused
+        # as this backward began, less any that got a gradient after all (late ones, in launched buckets).
+        self.known_unused: Optional[set] = None
+        self.marked_unused: set = set()
+        self.late_arrivals: list = []
         self.last_used_map: list = []  # Note [a joined rank's used map] in unused.py
         self.last_stats: dict = {}
         # Parameters whose grad is None after the last synchronized backward (unused by every
@@ -369,6 +376,8 @@ class Reducer:
         """A training forward begins (before its first collective)."""
         self.next_backward_sync = sync
         self.prepared = True
+        if torch._C._current_graph_task_id() == -1:  # (one an exception interrupted queued nothing more)
+            self._finish_queued = False
         # Note [the user's gradient hooks first] in grad_hook.py
         self._hooks_ordered = hooks_last(self._hooks, self._hook_dicts, self._hooks_ordered)
         for observer in self.observers:
@@ -410,11 +419,17 @@ class Reducer:
             bucket.unfolded = []
         if self._observed_order is None and self.sync and not self.layout_final:
             self._observed_order = []
-        if not shadow:
+        if not shadow and not self._finish_queued:  # Note [the end of a backward with nested ones]
             Variable._execution_engine.queue_callback(self._finish_backward)
         for observer in self.observers:
             observer.backward_begins(self)
         self.timeline.instant("backward begins", sync=self.sync)
+        known, self.known_unused = self.known_unused, None
+        self.marked_unused, self.late_arrivals = set(), []
+        if known and fold and self.arrivals is None:  # Note [unused parameters known after the forward]
+            mark_known_unused(self, known)
+            if not self.defer_launch:
+                self._launch_in_order(in_hook=False)
 
     # The gradient hook itself is ``grad_hook.make_hook``'s closure (Note [per-parameter cost]
     # in grad_hook.py); these are its rare paths.
@@ -500,6 +515,19 @@ class Reducer:
         self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
                            self.t_launch[bucket.index], t_done, tid=1, numel=bucket.numel)
 
+    def finish_with_this_graph_task(self) -> None:
+        """Queue the end of the next backward in the running graph task, not in the nested one
+        its first gradient may arrive in (Note [the end of a backward with nested ones])."""
+        if not self._finish_queued:
+            self._finish_queued = True
+            Variable._execution_engine.queue_callback(self._finish_if_begun)
+
+    @torch.compiler.disable
+    def _finish_if_begun(self) -> None:
+        self._finish_queued = False
+        if self.in_backward:
+            self._finish_backward()
+
     @torch.compiler.disable  # Note [gradient hooks under a compiled caller] in grad_hook.py
     def _finish_backward(self) -> None:
         try:
@@ -539,6 +567,9 @@ class Reducer:
         frozen = self.frozen_now
         unused = [p for p in missing if p not in frozen] if frozen else missing
         had_grad = {p: p.grad is not None for p in missing}
+        if self.marked_unused:  # counted as the backward began (unused.py)
+            unused = unused + [p for p in self.params if p in self.marked_unused]
+            had_grad.update(dict.fromkeys(self.marked_unused, False))
         shadow = self.shadowing
         if shadow:  # Note [joined ranks]: this rank contributes zeros, whatever it holds
             had_grad = dict.fromkeys(missing, False)

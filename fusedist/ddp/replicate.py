@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 import weakref
 
+from .prepared import arm_again_through
+
 __all__ = ["replicate", "ReplicatedModule", "wrapper_of", "build_pending"]
 
 _STATE = "_fusedist_replicate"
@@ -137,6 +139,18 @@ def _before_forward(module: nn.Module, args, kwargs):
     return args, kwargs
 
 
+def _after_forward(module: nn.Module, args, kwargs, out):
+    """The forward hook of a replicated module: the wrapper's forward hooks its outputs' autograd
+    nodes (Note [the end of a backward with nested ones] in ``prepared.py``: a backward through
+    chained reentrant checkpoints ended at the first nested one's end, its parameters without
+    gradients; and Note [unused parameters known after the forward] in ``unused.py``)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return out
+    state: _ReplicateState = module.__dict__[_STATE]
+    arm_again_through(state.ddp.reducer, out, sync=state.requires_gradient_sync)
+    return out
+
+
 class ReplicatedModule:
     """What a module gains from :func:`replicate` (torch's composable ``DDP`` class): torch's two
     methods, and the wrapper's ``check_consistency``."""
@@ -215,6 +229,7 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     _refuse_engine_over(module)
     module.__dict__[_STATE] = _ReplicateState(module, set(ignored_modules or ()), kwargs)
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    module.register_forward_hook(_after_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))
     _PENDING.add(module)
     return module

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from .unused import late_arrival
+
 if TYPE_CHECKING:
     from .grad_hook import ParamEntry
     from .reducer import Reducer
@@ -82,6 +84,8 @@ def arrived_again(reducer: "Reducer", entry: "ParamEntry", p) -> bool:
     """A parameter's gradient arrived again in the same synchronized backward. Returns
     whether this arrival counts down its bucket (False while learning: the launches wait
     for the end of backward anyway). Raises where a second arrival is not expected."""
+    if reducer.marked_unused and p in reducer.marked_unused:  # (unused.py)
+        return late_arrival(reducer, entry, p)
     counts = reducer.arrivals
     name = reducer.names[entry.index]
     if counts is None:

@@ -3,9 +3,11 @@
 Note [unused parameters]
     A parameter whose hook did not fire by the end of backward is unused this iteration. Its
     slot is zero-filled (when it holds no gradient) and its bucket is launched then, so every
-    rank issues the same collectives. With ``find_unused_parameters=True`` a small used-map
-    all-reduce (issued after all buckets, so the order stays the same on every rank) tells
-    which parameters no rank used: those keep ``grad=None``, as in torch. With it False the
+    rank issues the same collectives (with ``find_unused_parameters``, most are known, and
+    counted, as the backward begins: Note [unused parameters known after the forward]). With
+    ``find_unused_parameters=True`` a small used-map all-reduce (issued after all buckets, so
+    the order stays the same on every rank) tells which parameters no rank used: those keep
+    ``grad=None``, as in torch. With it False the
     rank raises after the collectives completed, naming the parameters, instead of leaving
     the other ranks to hang in the next step.
 
@@ -25,6 +27,20 @@ Note [the used map of a static graph]
     rank raises, naming it, rather than giving that parameter the wrong gradient. Parameters
     frozen since the last forward are not compared; a change of the trainable set or of the
     parameters (agreed by every rank) forgets the map, and the next backward learns it again.
+
+Note [unused parameters known after the forward]
+    Buckets launch in order, so a bucket whose unused parameter waits for the end of backward
+    holds back every later one: no overlap, and ZeRO stage 2 held every gradient to the end.
+    As torch's DDP (its graph traversal in ``prepare_for_backward``), with
+    ``find_unused_parameters=True`` (and no static graph) a synchronized training forward walks
+    the autograd graph of its output (:func:`note_unreached`), and the next backward counts
+    the parameters it does not reach as ready at once, their slots zero
+    (:func:`mark_known_unused`). They are unused for the used map as before, so no rank's
+    result changes. A graph holding a reentrant checkpoint (whose parameters it hides) is not
+    used, nor are parameters holding a gradient already; those are found at the end, as
+    before. A parameter counted unused that still gets a gradient (used in the loss outside
+    the forward) is reduced if its bucket has not launched yet; otherwise the used map tells
+    every rank, and every rank raises, naming it, where torch's DDP fails too.
 """
 
 from __future__ import annotations
@@ -57,6 +73,11 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> list:
         # Used in this backward or in a no_sync one since the last synchronization.
         since = reducer.synced_generation
         local = [int(e.ready == generation or e.accumulated > since) for e in reducer.entries]
+        for p in reducer.marked_unused:  # Note [unused parameters known after the forward]
+            i = reducer.index_of[p]
+            local[i] = int(reducer.entries[i].accumulated > since)
+        for p in reducer.late_arrivals:
+            local[reducer.index_of[p]] = 2  # every rank learns of it, and raises
     static, changed = reducer.arrivals, []
     if static is not None and static.used_anywhere is not None:
         used_anywhere = static.used_anywhere
@@ -66,6 +87,9 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> list:
         used = torch.tensor(local, dtype=torch.int32, device=reducer.comm.device)
         reducer.comm.all_reduce(used, op="max", tag="ddp used-parameter map")
         used_anywhere = used.tolist()
+        if 2 in used_anywhere:
+            late = [reducer.names[i] for i, v in enumerate(used_anywhere) if v == 2]
+            raise late_arrivals_error(reducer, late)
         if static is not None:
             static.used_anywhere, static.local_used = used_anywhere, None if reducer.shadowing else local
     if not reducer.shadowing:
@@ -90,6 +114,85 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> list:
             stacklevel=2,
         )
     return changed
+
+
+def note_unreached(reducer: "Reducer", out) -> None:
+    """After a synchronized training forward with ``find_unused_parameters``: the parameters
+    its autograd graph does not reach are unused in the next backward (Note [unused parameters
+    known after the forward]). Several forwards before one backward: those none of them reach."""
+    reached = _reached_leaves(out)
+    if reached is None:  # (a reentrant checkpoint hides its parameters: found at the end instead)
+        reducer.known_unused = set()
+        return
+    unreached = {p for p in reducer.params if p not in reached}
+    known = reducer.known_unused
+    reducer.known_unused = unreached if known is None else known & unreached
+
+
+def _reached_leaves(out):
+    """The leaf tensors the autograd graph of ``out`` accumulates into, or None where a reentrant
+    checkpoint's node hides the ones behind it (torch's DDP marks those unused, then fails)."""
+    from .prepared import _tensors
+
+    reached, seen, stack = set(), set(), []
+    for t in _tensors(out):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            reached.add(t)  # a parameter returned as it is
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
+            reached.add(node.variable)
+        elif kind == "CheckpointFunctionBackward":
+            return None
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return reached
+
+
+def mark_known_unused(reducer: "Reducer", known: set) -> None:
+    """As a synchronized backward begins: count the parameters the forward's graph did not reach
+    as ready now, their slots zero, so that the buckets after theirs launch during backward
+    (Note [unused parameters known after the forward]). Those holding a gradient already (a
+    no_sync one, or zero_grad(set_to_none=False)) are left to the end of backward."""
+    generation, marked = reducer.generation, reducer.marked_unused
+    for p in reducer.params:
+        if p not in known or p.grad is not None or not p.requires_grad:
+            continue
+        entry = reducer.entries[reducer.index_of[p]]
+        if entry.slot is None or entry.ready == generation:
+            continue
+        bucket = entry.slot.bucket
+        if bucket.data is not None:  # (else the launch allocates it zeroed)
+            reducer.layout.grad_view(p).zero_()  # the slot may hold a stale gradient
+        entry.ready = generation  # an arrival after all takes the rare path: late_arrival
+        marked.add(p)
+        reducer.pending[bucket.index] -= 1
+
+
+def late_arrival(reducer: "Reducer", entry, p) -> bool:
+    """A gradient for a parameter counted unused as the backward began (Note [unused parameters
+    known after the forward]): used outside the forward, or through a graph the traversal could
+    not see. Its count is taken already (returns False); a bucket not launched yet holds the
+    gradient (the hook copied it), one launched without it is reported by every rank at the end."""
+    reducer.marked_unused.discard(p)
+    if entry.slot.bucket.index < reducer.next_launch:
+        reducer.late_arrivals.append(p)
+    return False
+
+
+def late_arrivals_error(reducer: "Reducer", names: list) -> RuntimeError:
+    return RuntimeError(
+        f"fusedist DDP (rank {reducer.comm.rank}): parameter(s) {names[:10]} received a gradient in this "
+        "backward although the autograd graph of the wrapper's forward output does not reach them (used "
+        "outside the forward, e.g. in the loss through model.module, or hidden from the graph), so with "
+        "find_unused_parameters=True their bucket was reduced without it, as torch's DDP refuses too. Use "
+        "them inside the forward, or pass static_graph=True if every iteration uses the same parameters"
+    )
 
 
 def _changed_since_learned(reducer: "Reducer", static, local: list) -> list:
@@ -121,5 +224,7 @@ def unused_without_find_unused(reducer: "Reducer", unused: list) -> RuntimeError
         f"gradient in this backward: {names[:10]}{' ...' if len(names) > 10 else ''}. "
         "Pass find_unused_parameters=True to DistributedDataParallel if parts of the model "
         "are legitimately unused in some iterations, or make sure every parameter takes part "
-        "in computing the loss."
+        "in computing the loss. Under reentrant activation checkpointing (checkpoint(..., "
+        "use_reentrant=True)), whose parameters get no gradient where no input of the checkpoint "
+        "requires one, pass static_graph=True, as torch's DDP needs there, or use use_reentrant=False."
     )

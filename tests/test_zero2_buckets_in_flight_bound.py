@@ -276,3 +276,38 @@ def test_a_bucket_frozen_whole_and_a_joined_rank_stay_within_the_bound():
         # whole model's gradients at once
         largest = max(out["bucket bytes"])
         assert max(out["join peaks"]) <= 3 * largest, out
+
+
+def _peer_gone_worker(rank, world, bound):
+    import time
+
+    import fusedist
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    model = fusedist.DistributedDataParallel(net, bucket_cap_mb=0.005)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=1e-2,
+                                           max_buckets_in_flight=bound)
+    for step in range(2):
+        if rank == 1 and step == 1:
+            time.sleep(5)  # never joins this step's reduce-scatters
+            return None
+        try:
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 - the error is what is compared
+            return f"{type(exc).__name__}: {exc}"
+    return "trained on"
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_peer_missing_while_the_bound_waits_is_reported_as_itself(bound):
+    """A reduce-scatter that failed while the bound waited for it (a peer gone) used to be followed
+    by the next bucket's launch, which the communicator refused ("can no longer run collectives,
+    because an earlier one failed"): the error the rank saw was that refusal, without the stall
+    report. The launches stop at the failure, and the end of backward raises it."""
+    out = run_distributed(_peer_gone_worker, 2, bound, timeout=60,
+                          env={"FUSEDIST_TIMEOUT_S": "2", "FUSEDIST_STALL_REPORT_S": "1"})
+    assert "can no longer run collectives" not in out[0], out[0]
+    assert "StallError" in out[0] and "rank 1" in out[0], out[0]

@@ -134,7 +134,10 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
             raise TypeError(f"fusedist.checkpoint.Checkpointer.save: extra must be a dict, got {type(extra).__name__}")
         step = self._check_step(step, "save")
         t0 = time.perf_counter()
-        self._wait_previous()
+        try:
+            self._wait_previous()
+        except CheckpointError as exc:
+            raise _not_saved(exc, step) from exc
         t1 = time.perf_counter()
         for module, optimizer in self._parts():
             api._check_ranks_agree(module, optimizer)
@@ -209,3 +212,12 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
             self.close()
         except Exception as err:  # noqa: BLE001
             warnings.warn(str(err), stacklevel=2)
+
+
+def _not_saved(error: CheckpointError, step: int) -> CheckpointError:
+    """The previous save's error, raised by ``save(step)``, saying that ``step`` itself was not
+    saved. Why: the message names only the earlier step, so a loop that reports the error and
+    trains on (a full disk freed meanwhile) believed the checkpoint of ``step`` written, and
+    lost it silently; calling ``save(step)`` again writes it."""
+    return CheckpointError(f"{error}. The checkpoint of step {step} was not saved (this save raised the error of "
+                           f"the one before it): call save({step}) again to write it")

@@ -463,6 +463,10 @@ class Reducer:
         while self.next_launch < len(buckets) and self.pending[self.next_launch] == 0:
             if limit is not None and self.next_launch - self.next_finish >= limit:
                 self._finish_oldest(in_hook)
+            if self._early_finish_stopped:
+                # a collective failed: launching more would only meet the communicator's refusal
+                # ("can no longer run collectives"); the end of backward raises the failure itself
+                return
             bucket = buckets[self.next_launch]
             if bucket.data is None:  # Note [buckets allocated at launch]
                 self.layout.allocate(bucket)
@@ -597,6 +601,8 @@ class Reducer:
             self.inactive) + list(frozen)
         if missing or self.defer_launch:
             self._launch_in_order(in_hook=False)
+        if self._early_finish_stopped and self.next_launch < len(self.layout.buckets):
+            self.handles[self.next_finish].wait()  # the failed collective's own error (it raises)
         assert self.next_launch == len(self.layout.buckets), "every bucket is launched once per backward"
         self.strategy.quiesce(self)  # Note [one hook at a time] in comm_hook.py
         # After the last bucket: the same place in every rank's collective order.

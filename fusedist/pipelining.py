@@ -93,6 +93,13 @@ Note [accumulating across pipeline steps]
     gradient of the two steps' losses, as without pipelining). So a step that only
     accumulates divides nothing, and the synchronized step divides the whole sum once: every
     fusedist stage gives ``(g1 + g2) / n``.
+
+Note [an eval step divides nothing]
+    torch's schedules end every step, ``schedule.eval(...)`` (forward only) included, with the
+    division of the stage's gradients by the micro-batch count. An evaluation run between a
+    step's backwards and its optimizer step thus divided the gradients held then once more
+    (ZeRO-2's shards too): the update came out ``n_microbatches`` times too small, silently.
+    A forward-only step computes no gradient, so it divides none.
 """
 
 from __future__ import annotations
@@ -141,8 +148,8 @@ class PipelineStage(_TorchPipelineStage):
         """torch's division of the step's gradients by the micro-batch count, also of those a
         sharded optimizer holds outside ``p.grad`` (Note [gradients held outside p.grad]); none
         in a step that only accumulates, under the user's own switch (Note [accumulating across
-        pipeline steps])."""
-        if _user_sync(self.submod) is False:
+        pipeline steps]); none in a forward-only step (Note [an eval step divides nothing])."""
+        if not self.has_backward or _user_sync(self.submod) is False:
             return
         super().scale_grads(grad_scale_factor)
         if grad_scale_factor != 1:

@@ -135,13 +135,7 @@ def test_unused_parameters_in_the_first_bucket_hold_back_no_launch():
     run_distributed(_unused_first_worker, 2, timeout=120)
 
 
-class OneCheckpoint(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 3)
-
+class OneCheckpoint(Chained):
     def forward(self, x):
         return self.b(checkpoint(self.a, x, use_reentrant=True))
 

@@ -9,7 +9,10 @@ Note [initializing like the unsharded model]
 
     * submodules are visited in ``nn.Module.apply``'s order (children first, then the
       module), and ``init_fn`` is called once on each, so the RNG is consumed in the same
-      order and amounts;
+      order and amounts; ``order="modules"`` visits them in ``module.modules()``'s order
+      instead (each module before its children), the order in which Lightning materializes
+      a meta-device model (``reset_parameters()`` per submodule), so a parent's init that
+      re-initializes its children is overwritten by theirs there as it is in Lightning;
     * before ``init_fn(sub)`` the units holding ``sub``'s parameters are made *whole*: a
       temporary flat buffer in the shard's dtype on the compute device, laid out as the
       gathered buffer, with this rank's shard copied into its place, and whole parameters on
@@ -70,13 +73,18 @@ __all__ = ["init_parameters"]
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None, *,
+                    order: str = "apply") -> nn.Module:
     """Initialize a ``fully_shard`` model (after ``to_empty``) to exactly what
     ``module.apply(init_fn)`` gives the unsharded model from the same RNG state, each rank
     keeping its rows (Note [initializing like the unsharded model]). ``init_fn(submodule)``
     defaults to ``submodule.reset_parameters()`` for the submodules that define it.
-    Buffers are initialized by ``init_fn`` too (they are not sharded). Needs no
-    communication, but call it on every rank with the same RNG state. Returns ``module``."""
+    ``order="modules"`` calls it in ``module.modules()``'s order instead (parents first), as
+    ``for m in module.modules(): init_fn(m)`` would. Buffers are initialized by ``init_fn``
+    too (they are not sharded). Needs no communication, but call it on every rank with the
+    same RNG state. Returns ``module``."""
+    if order not in _ORDERS:
+        raise ValueError(f"fusedist.fsdp.init_parameters: order must be one of {sorted(_ORDERS)}, got {order!r}")
     init_fn = init_fn if init_fn is not None else _reset_parameters
     units = _units_under(module)
     for unit in units:
@@ -85,7 +93,7 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
     plan = _plan(module, units)
     whole: dict = {}  # unit -> _WholeUnit, the units whole now
     try:
-        for sub in _apply_order(module):
+        for sub in _ORDERS[order](module):
             needed = plan.needs.get(id(sub), ())
             if any(u not in whole for u in needed):
                 _release_all(whole)
@@ -125,6 +133,9 @@ def _apply_order(module: nn.Module):
     for child in module.children():
         yield from _apply_order(child)
     yield module
+
+
+_ORDERS = {"apply": _apply_order, "modules": lambda module: module.modules()}
 
 
 def _units_under(module: nn.Module) -> list:

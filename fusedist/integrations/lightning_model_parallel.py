@@ -121,9 +121,11 @@ def _fully_shard_modules_count_as_distributed():
 # of its own shape: every rank draws the same numbers for different rows, and a piece cut
 # anywhere (1-D, Note [row-aligned flat layout] in fsdp/layout.py) makes nn.Linear's init
 # fail ("Fan in and fan out can not be computed"). For a module holding fully_shard units the
-# strategy runs the same reset_parameters() calls through fusedist.fsdp.init_parameters, which
-# makes each unit whole while its submodules initialize: the values the unsharded model gets
-# from the same RNG state, each rank keeping its rows. Lightning's warning for submodules
+# strategy runs the same reset_parameters() calls, in the same order (module.modules(): a
+# parent before its children, so a child's reset_parameters overwrites what its parent's
+# wrote, as under Lightning), through fusedist.fsdp.init_parameters, which makes each unit
+# whole while its submodules initialize: the values the unsharded model gets from the same
+# RNG state, each rank keeping its rows. Lightning's warning for submodules
 # without reset_parameters() is kept. Scoped to setup, as Note [finding the sharded model].
 
 
@@ -146,7 +148,7 @@ def _materialize(module: torch.nn.Module, device: torch.device) -> None:
         else:
             uninitialized.add(type(sub).__name__)
 
-    init_parameters(module, reset)
+    init_parameters(module, reset, order="modules")  # Lightning's order: parents first
     if uninitialized:
         rank_zero_warn(
             "FusedistModelParallelStrategy: modules built on the meta device without a reset_parameters() method "

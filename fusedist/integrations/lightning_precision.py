@@ -161,9 +161,12 @@ class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
 # A user's plugin subclassing one of Lightning's (another autocast dtype in forward_context, a
 # hook around optimizer_step) keeps its overrides: it is adapted by a class deriving from the
 # user's class and the adapter, in that order, so the user's methods run first and their
-# super() calls reach fusedist's step and clip instead of torch's scaler and clip. The plugin's
-# attributes carry over as they are (the torch scaler swapped for fusedist's), and its state
-# is filed under the user's class name, where Lightning's own strategies file it.
+# super() calls reach fusedist's step and clip instead of torch's scaler and clip. The adapter
+# shares the plugin's attributes (one __dict__; the torch scaler swapped for fusedist's): under
+# Lightning's strategies the Trainer runs the user's very object, so what its methods record
+# there (a count of skipped steps, a scale history) is read from the user's reference after
+# fit; a copy left that reference at its initial values. Its state is filed under the user's
+# class name, where Lightning's own strategies file it.
 
 _ADAPTERS = {MixedPrecision: _FusedistMixedPrecision, HalfPrecision: _FusedistHalfPrecision,
              DoublePrecision: _FusedistDoublePrecision, Precision: _FusedistPrecision}
@@ -200,19 +203,33 @@ def _adapt_subclass(plugin: Precision) -> Precision:
     adapted_kind = type(kind.__name__, (kind, _ADAPTERS[base]), {"__module__": __name__,
                                                                  "__qualname__": kind.__qualname__})
     adapted = adapted_kind.__new__(adapted_kind)
-    adapted.__dict__.update(vars(plugin))
+    adapted.__dict__ = vars(plugin)  # shared, not copied (Note [a subclass of a Lightning plugin])
     if base is MixedPrecision:
         adapted.scaler = _fusedist_scaler(plugin)
     return adapted
 
 
+# Note [the plugin keeps the scaler that steps]
+# A plugin object passed to Trainer(plugins=[...]) keeps its GradScaler, whose scale and growth
+# tracker Lightning's own strategies carry on with: a second Trainer given the same plugin (a
+# second fit of the same recipe) starts at the scale the first one ended with, and a scaler
+# whose state the user loaded starts there. The adapter's fusedist scaler takes the torch
+# scaler's state, and the user's plugin holds it in the torch scaler's place, so its state
+# carries over as it does under strategy="ddp" (a fresh scaler at init_scale skipped steps the
+# reference took, and the user's plugin.scaler read a scale that never moved).
+
+
 def _fusedist_scaler(plugin: MixedPrecision):
-    """fusedist's GradScaler with the settings of the plugin's torch scaler (None for bf16)."""
+    """fusedist's GradScaler with the settings and state of the plugin's torch scaler (None for
+    bf16), which it replaces in ``plugin`` (Note [the plugin keeps the scaler that steps])."""
     torch_scaler = plugin.scaler
     if torch_scaler is None or isinstance(torch_scaler, fusedist.amp.GradScaler):
         return torch_scaler
-    return fusedist.amp.GradScaler(
+    scaler = fusedist.amp.GradScaler(
         plugin.device, init_scale=torch_scaler._init_scale, growth_factor=torch_scaler._growth_factor,
         backoff_factor=torch_scaler._backoff_factor, growth_interval=torch_scaler._growth_interval,
         enabled=torch_scaler._enabled,
     )
+    scaler.load_state_dict(torch_scaler.state_dict())
+    plugin.scaler = scaler
+    return scaler

@@ -39,6 +39,7 @@ Importing this module registers the strategy under Fabric's strategy names: ``"f
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -77,6 +78,7 @@ class FusedistFabricStrategy(DDPStrategy):
         self.zero_stage = zero_stage
         self.fused_optimizer = bool(fused_optimizer)
         self._backward_sync_control = _FusedistBackwardSyncControl()
+        self._set_up_modules: list = []  # weak references to the DDP modules setup_module made
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -97,7 +99,9 @@ class FusedistFabricStrategy(DDPStrategy):
     # -- module and optimizers ------------------------------------------------------------------
 
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
-        return DistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
+        ddp = DistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
+        self._set_up_modules.append(weakref.ref(ddp))
+        return ddp
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list, scheduler=None):
         if self.zero_stage and len(optimizers) > 1:
@@ -112,7 +116,26 @@ class FusedistFabricStrategy(DDPStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers`` after ``fabric.setup_module``: the same conversion."""
+        if self.zero_stage:
+            self._check_holds_its_module(optimizer)
         return self._converted(optimizer, None)
+
+    def _check_holds_its_module(self, optimizer: torch.optim.Optimizer) -> None:
+        """The check ``fabric.setup`` makes for several optimizers, for ``fabric.setup_optimizers``:
+        a ZeRO optimizer must hold every trainable parameter of the module it trains. (ZeRO's own
+        refusal would advise freezing the parameters that another optimizer trains.)"""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for ref in self._set_up_modules:
+            ddp = ref()
+            trainable = [] if ddp is None else [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+            missing = [n for n, p in trainable if id(p) not in held]
+            if missing and len(missing) < len(trainable):
+                raise ValueError(
+                    f"{_NAME}(zero_stage={self.zero_stage}) shards one optimizer over all the trainable parameters of "
+                    f"its module, but the {type(optimizer).__name__} given to fabric.setup_optimizers does not hold "
+                    f"{missing[:4]}{' ...' if len(missing) > 4 else ''}; set requires_grad=False on parameters that no "
+                    "optimizer trains before fabric.setup_module, and for several optimizers over one module use "
+                    "zero_stage=0 (fused, unsharded optimizers), or one optimizer with a param group per part")
 
     def _converted(self, optimizer, scheduler):
         new = convert_optimizer(optimizer, fused_optimizer=self.fused_optimizer, zero_stage=self.zero_stage,

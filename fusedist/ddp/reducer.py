@@ -522,6 +522,7 @@ class Reducer:
     def finish_with_this_graph_task(self) -> None:
         """Queue the end of the next backward in the running graph task, not in the nested one
         its first gradient may arrive in (Note [the end of a backward with nested ones])."""
+        refuse_compiled_autograd("DistributedDataParallel")  # (its traced hooks cannot queue callbacks)
         if not self._finish_queued:
             self._finish_queued = True
             Variable._execution_engine.queue_callback(self._finish_if_begun)

@@ -51,7 +51,7 @@ def test_sgd_is_never_suggested_zero2_offload():
     from fusedist.zero.offload import check_offload_config
     with pytest.raises(TypeError, match="SGD"):
         check_offload_config(torch.optim.SGD, {})
-    psi = random.uniform(28e9, 32e9)  # zero2 does not fit on 16 H100s, zero2_offload does
+    psi = random.uniform(30e9, 34e9)  # zero2 does not fit on 16 H100s, zero2_offload does
     plan = build_plan(ModelSpec(params=int(psi)), Job(gpus=16, micro_batch=1, seq=2048, optimizer="sgd"),
                       PRESETS["h100"])
     assert plan["memory"]["zero2_offload"]["fits"] and not plan["memory"]["zero2"]["fits"]

@@ -418,28 +418,24 @@ def _other_parameters(model, optimizer, meta: dict) -> bool:
     """Whether the optimizer's parameters, by name and whole shape, are not the saved ones in any
     order: the load refuses them whatever the checkpoint's files hold (its own check, which
     also takes a reordering, then says which)."""
-    params = optimizer_params(optimizer)
-    names = param_names(model, params)
-    _, where = _load_plan._sharding(_names.unwrap(model))
-    here = sorted((n, list(stage3.full_shape(p, where))) for n, p in zip(names, params))
-    saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
-    return here != sorted((n, list(shape)) for n, shape in zip(saved_names, meta["param_shapes"]))
+    here, saved = _here_and_saved(model, optimizer, meta)
+    return sorted(here) != sorted(saved)
 
 
 def _here_and_saved(model, optimizer, meta: dict) -> tuple:
-    """``{name: whole shape}`` of the optimizer's parameters here, and of the saved ones."""
+    """``(name, whole shape)`` of the optimizer's parameters here, and of the saved ones."""
     params = optimizer_params(optimizer)
     names = param_names(model, params)
     _, where = _load_plan._sharding(_names.unwrap(model))
-    here = {n: tuple(stage3.full_shape(p, where)) for n, p in zip(names, params)}
+    here = [(n, tuple(stage3.full_shape(p, where))) for n, p in zip(names, params)]
     saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
-    return here, {n: tuple(shape) for n, shape in zip(saved_names, meta["param_shapes"])}
+    return here, [(n, tuple(shape)) for n, shape in zip(saved_names, meta["param_shapes"])]
 
 
 def _refuse_other_parameters(path: str, model, optimizer, meta: dict) -> None:
     """Raise naming the parameters and shapes in which the optimizer's differ from the saved
     ones (the load's own message names only the first name out of place, or the counts)."""
-    here, saved = _here_and_saved(model, optimizer, meta)
+    here, saved = map(dict, _here_and_saved(model, optimizer, meta))
     found = [f"'{n}' is {saved[n]} in the checkpoint, {here[n]} here" for n in here
              if n in saved and saved[n] != here[n]]
     lacking = [n for n in here if n not in saved]

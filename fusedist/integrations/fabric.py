@@ -52,7 +52,7 @@ import fusedist
 from fusedist.ddp import DistributedDataParallel
 
 from ._optimizer_swap import convert_optimizer, hand_over
-from ._strategy_options import check_zero_stage, register_names
+from ._strategy_options import check_zero_stage, clip_by_norm, register_names
 
 __all__ = ["FusedistFabricStrategy", "FusedistFabricModelParallelStrategy"]
 
@@ -158,10 +158,7 @@ class FusedistFabricStrategy(DDPStrategy):
     def clip_gradients_norm(self, module: torch.nn.Module, optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
-        if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer):
-            return optimizer.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return fusedist.clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+        return clip_by_norm(optimizer, max_norm, norm_type, error_if_nonfinite)
 
     def clip_gradients_value(self, module: torch.nn.Module, optimizer, clip_val: Union[float, int]) -> None:
         if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer) and optimizer.stage == 2:

@@ -15,6 +15,8 @@ from torch.optim import LBFGS
 
 import fusedist
 
+from ._strategy_options import clip_by_norm
+
 __all__ = ["RoutesPrecision"]
 
 
@@ -41,20 +43,12 @@ class RoutesPrecision:
 # fusedist.clip_grad_norm_ / ZeroRedundancyOptimizer.clip_grad_norm_.
 
 
-def _clip_by_norm(optimizer, clip_val: float) -> None:
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    if hasattr(optimizer, "clip_grad_norm_"):  # ZeroRedundancyOptimizer: the shards' global norm
-        optimizer.clip_grad_norm_(clip_val)
-    else:
-        fusedist.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip_val)
-
-
 class _FusedistClip:
     """Clipping by norm through fusedist, and the checkpoint key of the Lightning plugin it
     stands in for (mixed into each adapted plugin; Note [plugin state under Lightning's key])."""
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        _clip_by_norm(optimizer, clip_val)
+        clip_by_norm(optimizer, clip_val)
 
     def clip_grad_by_value(self, optimizer, clip_val) -> None:
         """torch's clip on ``p.grad``; refused on ZeRO stage 2, which keeps none (Note

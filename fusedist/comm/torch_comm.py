@@ -247,7 +247,7 @@ class _GlooReduceScatter:
     """gloo's flat reduce-scatter is an all-reduce of a copy of the input whose chunk is copied
     out in ``wait()``; its work never reports completion (``is_completed()`` stays False), so
     DDP could not finish such buckets during backward (Note [finishing buckets during
-    backward] in ``fusedist/ddp/reducer.py``). The same two steps here, with a truthful
+    backward] in ``fusedist/ddp/in_flight.py``). The same two steps here, with a truthful
     ``is_completed`` (and the reduce op honoured)."""
 
     def __init__(self, output, input, op, group, rank: int, world_size: int):

@@ -9,77 +9,9 @@ Note [bucket readiness]
     two ranks whose gradients become ready in a different order would otherwise pair up
     different buckets. The last step of backward (an autograd-engine callback queued by the
     first hook) launches what is left and finishes (waits for, and averages) every bucket not
-    finished during backward yet (Note [finishing buckets during backward]). So
-    ``loss.backward()`` returns with synchronized gradients, like torch DDP.
-
-Note [finishing buckets during backward]
-    A bucket is *finished* when the strategy has waited for its collective and left the
-    result where the consumer expects it (averaged gradients; for ZeRO stage 2, the rank's
-    shard, after which the bucket's full gradients are released and ZeRO-Offload starts the
-    shard's copy down). After each launch and in every gradient hook of a synchronized
-    backward, launched buckets whose collective has already completed
-    (``CommHandle.is_completed()``, a non-blocking query) are finished, oldest first,
-    stopping at the first one still in flight; the end-of-backward callback finishes the
-    rest. So the work that follows a collective overlaps the rest of backward's compute
-    instead of queuing up behind the last gradient, and stage 2 holds only the few buckets
-    between "first gradient arrived" and "reduce-scatter done" (Note [bucket storage] in
-    ``layout.py``).
-
-    Finishing issues no collective, so ranks may finish different buckets early without
-    affecting the collective order. ``is_completed`` never synchronizes the host: gloo work
-    reads a completion flag; torch's NCCL work queries its end CUDA event (and NCCL's
-    asynchronous error state); the direct-NCCL handle queries its done event
-    (``cudaEventQuery``). A collective that *failed* is not raised from a gradient hook: the
-    early path stops, and the end-of-backward loop waits for that bucket again -- ``wait()``
-    re-raises the recorded error there, where failures surfaced before.
-
-    What it depends on: a bucket is finished early only if its collective has completed by a
-    later gradient hook. On CPU (gloo) and on a GPU whose backward is host-bound, that is the
-    common case. When the GPU is the bottleneck the host enqueues all of backward (and runs
-    every hook) long before the device gets there, so few buckets complete in time and the
-    end-of-backward loop finishes most of them, as before; a strategy that must bound the
-    memory bounds the buckets in flight instead (Note [buckets in flight]).
-
-Note [buckets in flight]
-    A strategy whose launched buckets hold memory until finished (ZeRO stage 2: each bucket's
-    full gradients, and its ``reduce_dtype`` copy) sets ``max_buckets_in_flight``: before a
-    launch that would exceed it, the oldest launched bucket is waited for and finished (its
-    full gradients released). Without it, a backward whose collectives land later than its
-    gradients arrive (a slow network, small buckets, a device-bound GPU) holds every
-    launched bucket to its end: up to every gradient of the model, the memory stage 2 is
-    meant to save. With it, at most that many buckets are in flight, plus those being filled
-    (a bucket's first gradient arrived, not all of them) -- DeepSpeed's reduction double
-    buffer, and ``fully_shard``'s bound on its reduce-scatters (``MAX_IN_FLIGHT`` in
-    ``fusedist/fsdp/grads.py``). The price is overlap: the backward goes on only once the
-    oldest collective has landed, which a bound of 2 rarely costs, since collectives run one
-    after the other on the wire anyway (the next is queued behind the one awaited). Measured
-    (2 ranks, gloo, 2-core CPU, 12 buckets of 1 MiB): unbounded, a step's peak held 58-71% of
-    the gradients; bounded to 2, 25%, and the step took 338 ms against 406 ms.
-
-    The wait is the strategy's ``finish`` (``CommHandle.wait``), which the end of backward
-    would run anyway: on gloo the host blocks; on CUDA the direct NCCL communicator orders
-    the current stream after the collective and the host does not wait (no synchronization
-    is added; torch's NCCL work, the fallback, blocks the host in a wait with a timeout, at
-    the end of backward as here). The released bucket's memory then goes back to the caching
-    allocator stream-ordered (the direct NCCL communicator ``record_stream``-s it on its comm
-    stream; torch's NCCL work holds it until waited for), so a host far ahead of the device
-    may see it reusable only once the collective has run -- when memory runs short, the
-    allocator waits for those events before it grows. Finishing issues no collective, so
-    ranks may wait at different points. A collective that failed is left to the
-    end-of-backward loop (as the early finishing leaves it), whose ``wait()`` raises its error.
-    The default all-reduce sets no bound: its buckets are views of one flat buffer that stays
-    allocated.
-
-Note [buckets allocated at launch]
-    With per-bucket storage (ZeRO stage 2) a bucket is allocated when its first gradient
-    arrives -- or, if none arrives, at its launch, zeroed: a bucket whose parameters are all
-    frozen since the layout was fixed (inactive: sent as zeros), all unused, or a joined
-    rank's shadow backward, where no gradient arrives at all. The end of backward writes
-    only the slots that hold something (an earlier gradient); a slot without one is the
-    allocation's zero. So such buckets are allocated one launch at a time, within the bound
-    (Note [buckets in flight]), not all at the end of backward at once -- a joined rank held
-    the whole model's gradients in every shadow step -- and a bucket of frozen parameters is
-    launched like any other (it reached the launch unallocated and failed).
+    finished during backward yet (Note [finishing buckets during backward] in ``in_flight.py``,
+    with the bound on the buckets in flight). So ``loss.backward()`` returns with synchronized
+    gradients, like torch DDP.
 """
 
 from __future__ import annotations
@@ -96,6 +28,7 @@ from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .grad_hook import ParamEntry, hooks_last, make_hook, remove_hooks
+from .in_flight import finish_bucket, finish_completed, launch_in_order
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .prepared import refuse_compiled_autograd
 from .rebucket import rebuild_from_observed
@@ -457,67 +390,10 @@ class Reducer:
             "the dtype and device of the wrapping; convert the module first, then wrap it"
         )
 
-    def _launch_in_order(self, in_hook: bool = True) -> None:
-        buckets = self.layout.buckets
-        limit = self.strategy.max_buckets_in_flight  # Note [buckets in flight]
-        while self.next_launch < len(buckets) and self.pending[self.next_launch] == 0:
-            if limit is not None and self.next_launch - self.next_finish >= limit:
-                self._finish_oldest(in_hook)
-            if self._early_finish_stopped:
-                # a collective failed: launching more would only meet the communicator's refusal
-                # ("can no longer run collectives"); the end of backward raises the failure itself
-                return
-            bucket = buckets[self.next_launch]
-            if bucket.data is None:  # Note [buckets allocated at launch]
-                self.layout.allocate(bucket)
-            self.t_launch[bucket.index] = now_us()
-            self.handles[bucket.index] = self.strategy.launch(self, bucket)
-            self.next_launch += 1
-
-    def _finish_completed(self) -> None:
-        """Finish launched buckets whose collective has completed, oldest first, stopping at
-        the first still in flight (Note [finishing buckets during backward])."""
-        if self._early_finish_stopped:
-            return
-        buckets = self.layout.buckets
-        while self.next_finish < self.next_launch:
-            handle = self.handles[self.next_finish]
-            try:
-                if not handle.is_completed():
-                    return
-                handle.wait()  # completed: returns at once (orders the current CUDA stream)
-            except Exception:  # noqa: BLE001 - re-raised by the end-of-backward wait
-                self._early_finish_stopped = True
-                return
-            self._finish_bucket(buckets[self.next_finish])
-            self.finished_in_hooks += 1
-
-    def _finish_oldest(self, in_hook: bool) -> None:
-        """Wait for the oldest launched bucket's collective and finish it, to launch another
-        within the strategy's bound (Note [buckets in flight]). A collective that failed is
-        left to the end-of-backward loop, which raises its error, as in ``_finish_completed``."""
-        if self._early_finish_stopped:
-            return
-        handle = self.handles[self.next_finish]
-        try:
-            handle.wait()
-        except Exception:  # noqa: BLE001 - re-raised by the end-of-backward wait
-            self._early_finish_stopped = True
-            return
-        self._finish_bucket(self.layout.buckets[self.next_finish])
-        self.finished_in_hooks += in_hook
-
-    def _finish_bucket(self, bucket: Bucket) -> None:
-        """Wait for ``bucket``'s collective and hand its result over (the strategy's finish)."""
-        self.strategy.finish(self, bucket, self.handles[bucket.index])
-        if not self.config.gradient_as_bucket_view and self.layout.is_allocated(bucket):
-            for p in bucket.params:
-                if p.grad is not None and p not in self.inactive:
-                    p.grad.copy_(self.layout.grad_view(p))
-        self.next_finish = bucket.index + 1
-        t_done = self.t_done[bucket.index] = now_us()
-        self.timeline.span(f"{type(self.strategy).__name__} bucket {bucket.index}",
-                           self.t_launch[bucket.index], t_done, tid=1, numel=bucket.numel)
+    # Note [finishing buckets during backward] in in_flight.py
+    _launch_in_order = launch_in_order
+    _finish_completed = finish_completed
+    _finish_bucket = finish_bucket
 
     def finish_with_this_graph_task(self) -> None:
         """Queue the end of the next backward in the running graph task, not in the nested one

@@ -42,7 +42,7 @@ class GradSyncStrategy:
     averages with an all-reduce; ZeRO stage 2 installs a reduce-scatter strategy.
     """
 
-    #: Launched buckets allowed unfinished at once (Note [buckets in flight] in reducer.py); None: no bound.
+    #: Launched buckets allowed unfinished at once (Note [buckets in flight] in in_flight.py); None: no bound.
     max_buckets_in_flight: Optional[int] = None
 
     @property

@@ -174,7 +174,7 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
       stand in. Two is what the reducer holds when each reduce-scatter lands before the bucket
       after next fills. A backward whose collectives land late (gloo on a CPU, whose tiny
       backward outruns every collective; a device-bound GPU) holds at most the two in flight
-      -- ``max_buckets_in_flight``, Note [buckets in flight] in fusedist/ddp/reducer.py -- and
+      -- ``max_buckets_in_flight``, Note [buckets in flight] in fusedist/ddp/in_flight.py -- and
       the bucket (rarely two) whose gradients are arriving: a third bucket, not counted.
     * ZeRO-3 (``fully_shard``): the gathered units -- two consecutive blocks (one in use, the
       next prefetched, in forward and in backward; a unit = one transformer block, ZeRO paper

@@ -7,7 +7,7 @@ Note [stage 2 gradients]
     arrives. A bucket that becomes ready is pre-divided (as DDP's all-reduce does) and
     reduce-scattered. When the bucket is finished -- during backward as soon as its
     reduce-scatter has completed (Note [finishing buckets during backward] in
-    ``fusedist/ddp/reducer.py``), else at its end -- its output, the rank's slice of the
+    ``fusedist/ddp/in_flight.py``), else at its end -- its output, the rank's slice of the
     averaged bucket, is copied (first backward after ``zero_grad``) or added (a further
     synchronized backward, torch's accumulation semantics) into the optimizer's flat FP32
     gradient shard, and the bucket's full gradients are released at once (its parameters'
@@ -18,7 +18,7 @@ Note [stage 2 gradients]
 
     How many: at most ``max_buckets_in_flight`` reduce-scatters (default
     ``DEFAULT_MAX_BUCKETS_IN_FLIGHT``, 2) are in flight at once; launching another first
-    finishes the oldest (Note [buckets in flight] in ``fusedist/ddp/reducer.py``). So a
+    finishes the oldest (Note [buckets in flight] in ``fusedist/ddp/in_flight.py``). So a
     synchronized backward holds the full gradients of at most that many buckets plus those
     being filled, however slow the network -- unbounded, reduce-scatters that land after the
     next buckets' gradients kept every bucket to the end of backward (up to the whole
@@ -82,7 +82,7 @@ class ReduceScatterToShard(GradSyncStrategy):
 
     @property
     def max_buckets_in_flight(self) -> Optional[int]:
-        """The bound on buckets in flight (Note [buckets in flight] in ``fusedist/ddp/reducer.py``):
+        """The bound on buckets in flight (Note [buckets in flight] in ``fusedist/ddp/in_flight.py``):
         checked when set and read at each launch, so a change applies from the next one."""
         return self._max_in_flight
 

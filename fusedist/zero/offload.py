@@ -12,7 +12,7 @@ Note [offload pipeline]
       the compute stream first, so it sees the stored gradient) and an event records its
       completion; nothing waits for it until ``step()``. DDP finishes a bucket (waits for its
       collective and stores the result) in the first gradient hook after the collective has
-      completed (Note [finishing buckets during backward] in ``fusedist/ddp/reducer.py``), so
+      completed (Note [finishing buckets during backward] in ``fusedist/ddp/in_flight.py``), so
       the copies of early buckets are issued while backward is still computing the gradients
       of earlier layers and overlap that compute; only buckets whose collective is still in
       flight when the last gradient arrives are finished, and copied, at the end of backward.

@@ -373,7 +373,7 @@ def test_failures_time_out_naming_op_tag_rank():
 
 
 def test_landing_pool_reuses_the_smallest_fitting_buffer():
-    from fusedist.comm.gloo_exchange import _LandingPool
+    from fusedist.comm.exchange_fold import LandingPool as _LandingPool
 
     pool = _LandingPool(slots=2)
     a, b = pool.take(100, torch.float32), pool.take(10, torch.float32)
@@ -396,7 +396,7 @@ def test_landing_pool_reuses_the_smallest_fitting_buffer():
 
 
 def test_landing_pool_counts_what_it_holds():
-    from fusedist.comm.gloo_exchange import _LandingPool
+    from fusedist.comm.exchange_fold import LandingPool as _LandingPool
 
     pool = _LandingPool()
     a, b = pool.take(100, torch.float32), pool.take(10, torch.float64)

@@ -4,8 +4,8 @@ The gloo exchange (``gloo_exchange.py``) builds each reduce-scatter and all-gath
 point-to-point messages; this module is what happens after the launch: posting the deferred
 sends, waiting for every message with the communicator's deadline, running each chunk's
 completion step as it lands, and reporting completion truthfully to callers that poll
-(Note [exchange progress]). The exchange's own notes (Note [receives first, sends later],
-Note [in-place fold]) are in ``gloo_exchange.py``.
+(Note [exchange progress]). The exchange's own notes are in ``gloo_exchange.py`` (Note
+[receives first, sends later]) and ``exchange_fold.py`` (Note [in-place fold]).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ExchangeWork:
     naming the peer and chunk it was waiting for, which ``wait`` raises. A failed exchange is
     not retried, and its landing buffer is not reused: a late message may still land in it (or
     in the output, which receives one peer's part directly; Note [in-place fold] in
-    ``gloo_exchange.py``). A ``wait`` with a timeout shorter than that deadline that runs out
+    ``exchange_fold.py``). A ``wait`` with a timeout shorter than that deadline that runs out
     raises ``TimeoutError`` and leaves the exchange going (as a torch gloo work's wait does):
     a later ``wait`` returns its result.
     """

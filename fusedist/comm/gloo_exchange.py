@@ -23,7 +23,7 @@ the README and ``benchmarks/results/`` (``zero_cpu_ws*_collectives_*``, and
 
 Memory: a reduce-scatter in flight holds a landing buffer of (N-2)/N of its input (the
 peers' copies of this rank's slice but one, which lands in the output; (N-1)/N when the
-output is the input's own slice). Landing buffers are reused (see :class:`_LandingPool`):
+output is the input's own slice). Landing buffers are reused (see ``exchange_fold.LandingPool``):
 a fresh multi-MiB CPU allocation is page-faulted in as the messages land, a cost that grows
 with the buffer and is a large share of a big reduce-scatter.
 
@@ -36,8 +36,9 @@ rank's slice of the output.
 ``builtin`` keeps gloo's own collectives. Every rank of a group must use the same setting
 (a mix turns into a timeout, not a wrong result).
 
-See Note [exchange determinism], Note [exchange tags] (exchange_tags.py) and Note [receives
-first, sends later]. What drives a launched exchange to completion -- the work handle and the
+See Note [receives first, sends later], Note [exchange tags] (exchange_tags.py) and Note
+[exchange determinism] (exchange_fold.py, with how a reduce-scatter folds what lands and the
+landing buffers' pool). What drives a launched exchange to completion -- the work handle and the
 progress thread -- is in ``exchange_progress.py`` (Note [exchange progress]).
 """
 
@@ -46,13 +47,13 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import threading
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .base import _overlaps
+from .exchange_fold import ChunkFold, LandingPool, unrecorded
 from .exchange_progress import ExchangeWork, ProgressThread
 from .exchange_tags import message_tag
 
@@ -81,14 +82,7 @@ CHUNK_BYTES = 16 << 20
 # A synchronous launch also defers them, although its caller drives it at once: posting them
 # right after the receives helps only when the ranks enter a collective together, which they
 # do not when ZeRO runs RS then AG back to back (benchmarks/results/gloo_exchange_notes.md).
-#
-# Note [exchange determinism]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The reduce-scatter combines the contributions of ranks 0, 1, ..., N-1 in that order for
-# every chunk, whatever order they arrive in, so every run computes bit-identical results.
-# Like gloo, it accumulates in the tensor's dtype (bf16 + bf16 rounds to bf16 after each add):
-# for N > 2 floating-point results can differ from gloo's own reduce-scatter in the last bits,
-# as gloo's order is not rank order. avg is the sum divided by N, in the dtype.
+
 
 #: dtypes the exchange reduces; others go to gloo's builtin collectives.
 REDUCIBLE_DTYPES = (
@@ -116,70 +110,9 @@ def validate_reduce_op(op: str, dtype: torch.dtype) -> None:
         )
 
 
-def _unrecorded(written: torch.Tensor):
-    """The mode to write ``written`` in, as a collective writes its output: outside autograd
-    (an input that requires grad, a parameter, would make the fold's ``out=`` combines raise),
-    and an inference tensor (a metric computed under ``torch.inference_mode()``) writable as
-    gloo's own collectives write it. Set here, not taken from the caller: the driving thread
-    may be the progress thread, whose grad and inference modes are its own."""
-    return torch.inference_mode() if written.is_inference() else torch.no_grad()
-
-
 def _chunk_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
     step = max(1, CHUNK_BYTES // element_size)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
-
-
-class _LandingPool:
-    """Reusable landing buffers for reduce-scatters, per dtype.
-
-    A buffer is taken at launch and given back when the exchange completes (never after a
-    failure: a late message may still be written into it). Idle buffers are bounded: at most
-    ``slots`` per dtype and ``max_bytes`` in all (the smallest go first), so between steps
-    the pool holds at most what the reduce-scatters of one backward had in flight at once,
-    and never more than ``max_bytes`` -- ZeRO shards gradients to save memory.
-    """
-
-    def __init__(self, slots: int = 16, max_bytes: int = 256 << 20):
-        self.slots, self.max_bytes = slots, max_bytes
-        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()  # gradient hooks may launch from autograd's threads
-        self._in_flight = 0  # bytes of buffers taken and not yet given back or dropped
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements; hand it back whole."""
-        with self._lock:
-            free = self._free.get(dtype, [])
-            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
-            if fits:
-                best = min(fits, key=lambda i: free[i].numel())  # the smallest that fits
-                buffer = free.pop(best)
-            else:
-                buffer = torch.empty(numel, dtype=dtype)
-            self._in_flight += _nbytes(buffer)
-            return buffer
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._in_flight -= _nbytes(buffer)
-            free = self._free.setdefault(buffer.dtype, [])
-            free.append(buffer)
-            while free and (len(free) > self.slots or self.idle_bytes() > self.max_bytes):
-                free.remove(min(free, key=torch.Tensor.numel))
-
-    def drop(self, buffer: torch.Tensor) -> None:
-        """Forget a buffer that is not coming back (its exchange failed; a late message may
-        still land in it): it is freed once the failed work is gone."""
-        with self._lock:
-            self._in_flight -= _nbytes(buffer)
-
-    def idle_bytes(self) -> int:
-        return sum(_nbytes(b) for free in self._free.values() for b in free)
-
-    def held_bytes(self) -> int:
-        """Idle buffers plus those lent to exchanges in flight."""
-        with self._lock:
-            return self.idle_bytes() + self._in_flight
 
 
 def _described(kind: str, part: torch.Tensor) -> str:
@@ -220,7 +153,7 @@ class GlooExchange:
         self.global_ranks = (
             list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size))
         )
-        self._landing = _LandingPool()
+        self._landing = LandingPool()
         self._writing: list = []  # (work in flight, tensor it writes): Note [one buffer, issue order]
         self._failed: Optional[str] = None  # Note [no collectives after a failed exchange]
 
@@ -277,7 +210,7 @@ class GlooExchange:
                     result.add_(row)
             # Through detach(): a parameter outside no_grad is written in place as by gloo's own
             # all-reduce, not refused by autograd after the exchange.
-            with _unrecorded(tensor):
+            with unrecorded(tensor):
                 tensor.detach().view(-1).copy_(result)
 
         # Its own label: an all-reduce never pairs with an all-gather of the same tag.
@@ -307,7 +240,7 @@ class GlooExchange:
             recv_slice=lambda src, lo, hi: rows[src, lo:hi])
         receives = [(*recv, None) for recv in receives]  # nothing to fold as they land
         if not in_place:
-            with _unrecorded(output):
+            with unrecorded(output):
                 rows[self.rank].copy_(input)  # after posting the messages: the copy overlaps the transfers
         return self._writes(output, ExchangeWork(_described("all_gather", input), receives, sends, (input, output),
                                                  timeout_s=self.timeout_s, on_success=on_success,
@@ -358,7 +291,7 @@ class GlooExchange:
                 src = (dst + k) % n
                 receives.append((self._irecv(rows[src, lo:hi], src, tag), src, self.global_ranks[src], chunk, None))
         if rows is not None:
-            with _unrecorded(rows):
+            with unrecorded(rows):
                 rows[r].copy_(flat)
         if not sends and not receives:
             return None
@@ -393,7 +326,7 @@ class GlooExchange:
                 part = out[out_at[src] + lo:out_at[src] + hi]
                 tag = message_tag("all_gather", seq, chunk, expected)
                 receives.append((self._irecv(part, src, tag), src, self.global_ranks[src], chunk, None))
-        with _unrecorded(out):
+        with unrecorded(out):
             out[out_at[r]:out_at[r] + output_counts[r]].copy_(inp[in_at[r]:in_at[r] + input_counts[r]])
         if not sends and not receives:
             return None
@@ -454,7 +387,7 @@ class GlooExchange:
 
     def scratch_bytes(self) -> int:
         """Bytes of reduce-scatter landing buffers this group holds: pooled between exchanges
-        (at most ``_LandingPool.max_bytes``) and lent to exchanges in flight."""
+        (at most ``LandingPool.max_bytes``) and lent to exchanges in flight."""
         return self._landing.held_bytes()
 
     # ---- helpers
@@ -467,7 +400,7 @@ class GlooExchange:
         in_place = m > 0 and part.data_ptr() == whole.data_ptr() + r * m * whole.element_size()
         if n == 1 or m == 0:
             if m and not in_place:
-                with _unrecorded(whole if kind == "all_gather" else part):
+                with unrecorded(whole if kind == "all_gather" else part):
                     if kind == "reduce_scatter":
                         part.copy_(rows[0])
                     else:
@@ -515,7 +448,7 @@ class GlooExchange:
         schedule = []
         for chunk, (lo, hi) in enumerate(_chunk_bounds(output.numel(), rows.element_size())):
             peers = {j: landing[row, lo:hi] for j, row in peer_row.items()}
-            fold = _ChunkFold(output[lo:hi], rows[r, lo:hi], peers, r, n, op, holder)
+            fold = ChunkFold(output[lo:hi], rows[r, lo:hi], peers, r, n, op, holder)
             for j in range(n):
                 if j == r:
                     continue
@@ -527,19 +460,6 @@ class GlooExchange:
         return schedule
 
 
-# Note [in-place fold]
-# ~~~~~~~~~~~~~~~~~~~~
-# A reduction that writes a third buffer (``torch.add(a, b, out=c)``) costs several times an
-# in-place one (``c.add_(b)``) on CPUs, and the reduce-scatter's fold is most of its CPU time.
-# So ``output`` itself receives one of the first two contributions -- rank 1's part on rank 0,
-# rank 0's part on every other rank -- or already holds this rank's own part when the
-# reduce-scatter is in place, and every step of the fold is in place: ``out = out op c_j``. The fold order stays
-# ((c_0 op c_1) op c_2) ... (Note [exchange determinism]): sum, max and min are commutative,
-# so ``c_1 op c_0`` is bit-identical to ``c_0 op c_1``. The one exception is an in-place
-# reduce-scatter on rank >= 2, whose own part is needed after c_0 op c_1 has overwritten it:
-# that chunk keeps a copy of it and its first step writes ``output`` from two other buffers.
-# With 2 ranks and a separate output, the reduce-scatter needs no landing buffer at all.
-#
 # Note [broadcasts through the exchange]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # gloo's own broadcast pairs by issue order alone and trusts every rank's size: where a
@@ -568,67 +488,3 @@ class GlooExchange:
 # one's error is its own wait's to raise.
 
 
-class _ChunkFold:
-    """Folds the N contributions to one output chunk left to right, in rank order:
-    ``out = ((c_0 op c_1) op c_2) ...``, then ``/ N`` for avg; in place (Note [in-place fold]).
-    ``holder`` is the contribution ``out`` holds once it has landed, or this rank's own part
-    when the reduce-scatter is in place."""
-
-    def __init__(self, out, own, peers, rank, world_size, op, holder):
-        self.out, self.own, self.peers = out, own, peers
-        self.rank, self.world_size, self.op, self.holder = rank, world_size, op, holder
-        self.combine, self.combine_ = _COMBINE[op], _COMBINE_INPLACE[op]
-        self.folded = 0  # contributions already in ``out``
-        self.finished = False
-
-    def _contribution(self, j):
-        return self.own if j == self.rank else self.peers[j]
-
-    def advance(self, in_hand: int) -> None:
-        """Fold contributions up to ``in_hand`` (exclusive); all of them must have landed."""
-        with _unrecorded(self.out):
-            self._advance(in_hand)
-
-    def _advance(self, in_hand: int) -> None:
-        if self.folded == 0:
-            if in_hand < 2:
-                return
-            if self.holder in (0, 1):
-                self.combine_(self.out, self._contribution(1 - self.holder))
-            else:
-                # In place on rank >= 2: ``out`` is this rank's own part, folded again later.
-                self.own = self.own.clone()
-                self.combine(self._contribution(0), self._contribution(1), self.out)
-            self.folded = 2
-        while self.folded < in_hand:
-            self.combine_(self.out, self._contribution(self.folded))
-            self.folded += 1
-        if self.folded == self.world_size and not self.finished:
-            self.finished = True
-            if self.op == "avg":
-                _divide(self.out, self.world_size)
-
-
-def _sum(a, b, out):
-    torch.add(a, b, out=out)
-
-
-def _max(a, b, out):
-    torch.maximum(a, b, out=out)
-
-
-def _min(a, b, out):
-    torch.minimum(a, b, out=out)
-
-
-_COMBINE = {"sum": _sum, "avg": _sum, "max": _max, "min": _min}
-_COMBINE_INPLACE = {
-    "sum": torch.Tensor.add_,
-    "avg": torch.Tensor.add_,
-    "max": lambda out, b: torch.maximum(out, b, out=out),
-    "min": lambda out, b: torch.minimum(out, b, out=out),
-}
-
-
-def _divide(out: torch.Tensor, n: int) -> None:
-    out.div_(n)  # floating point only: validate_reduce_op() refuses integer avg

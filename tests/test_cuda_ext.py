@@ -139,15 +139,15 @@ def _communicator_without_driver(rank, world_size):
     # Rank 0 believes it is ready and gets as far as ncclGetUniqueId: the other ranks must
     # still learn about it (and rank 0 about theirs) instead of waiting in ncclCommInitRank.
     if rank == 0:
-        original = nccl_comm._local_problem
-        nccl_comm._local_problem = lambda: None
+        original = nccl_comm.local_problem
+        nccl_comm.local_problem = lambda: None
     try:
         with pytest.raises(nccl_comm.NcclUnavailableError) as info:
             nccl_comm.NcclCommunicator()
         out["rank0_ready"] = str(info.value)
     finally:
         if rank == 0:
-            nccl_comm._local_problem = original
+            nccl_comm.local_problem = original
     # The registered factory falls back to torch.distributed on every rank together...
     comm = get_communicator(device="cuda")
     out["fallback"] = type(comm).__name__
@@ -211,7 +211,7 @@ def test_communicator_without_process_group_explains_the_first_problem(monkeypat
     if not HAS_DRIVER:  # the missing driver is the first thing to fix
         with pytest.raises(nccl_comm.NcclUnavailableError, match="driver"):
             nccl_comm.NcclCommunicator()
-    monkeypatch.setattr(nccl_comm, "_local_problem", lambda: None)
+    monkeypatch.setattr(nccl_comm, "local_problem", lambda: None)
     with pytest.raises(nccl_comm.NcclUnavailableError, match="torch.distributed is not initialized"):
         nccl_comm.NcclCommunicator()
 

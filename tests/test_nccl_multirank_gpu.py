@@ -367,7 +367,7 @@ def _zero_group_rebuilt(rank, world_size, init_files):
     import torch.distributed as dist
     from torch import nn
 
-    from fusedist.comm import get_communicator, nccl_comm, release_destroyed_groups
+    from fusedist.comm import get_communicator, nccl_setup, release_destroyed_groups
 
     device = _device(rank)
     torch.cuda.set_device(device)
@@ -389,7 +389,7 @@ def _zero_group_rebuilt(rank, world_size, init_files):
         gc.collect()
         torch.cuda.synchronize(device)
         allocated.append(torch.cuda.memory_allocated(device))
-        streams.append(len(nccl_comm._streams_created))
+        streams.append(len(nccl_setup._streams_created))
     release_destroyed_groups()
     # Note [comm streams live as long as the process]: one stream reused by every rebuilt
     # group's communicator; each NCCL communicator freed once its group was destroyed.

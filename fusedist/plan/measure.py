@@ -80,10 +80,10 @@ Note [the ZeRO-2 buckets measured]
     zero2 and zero2_offload train ``DistributedDataParallel(model, bucket_cap_mb=--bucket-cap-mb)``,
     the buckets the plan counts, and report the most full-gradient bytes a timed backward held
     (``comm_stats()["peak_grad_bytes"]``) beside the plan's ZeRO-2 temporary term less
-    ``--scratch-gb``: two consecutive buckets (``memory.temp_bytes``). Shown, not checked: how
-    many buckets are held depends on when each reduce-scatter lands, and on a CPU the small
-    model's backward outruns gloo's collectives and holds more than two (Note [finishing
-    buckets during backward] in fusedist/ddp/reducer.py).
+    ``--scratch-gb``: three consecutive buckets (``memory.temp_bytes``: two in flight and one
+    filling). Shown, not checked: how many buckets are held depends on when each
+    reduce-scatter lands (two when each lands before the bucket after next fills; Note
+    [buckets in flight] in fusedist/ddp/in_flight.py).
 
 Gradient accumulation is not exercised (one micro-batch per step).
 """
@@ -507,9 +507,9 @@ def format_measured(plan, measured, info, steps, warmup, ok, asked_batch=None) -
 def _zero2_lines(measured, cap_mb) -> list:
     """ZeRO-2's gradient buckets held at once, predicted and measured (Note [the ZeRO-2 buckets
     measured])."""
-    return [f"{s} gradient buckets (two consecutive, --bucket-cap-mb {cap_mb:g}): predicted "
+    return [f"{s} gradient buckets (three consecutive, --bucket-cap-mb {cap_mb:g}): predicted "
             f"{_b(m['predicted_grad_bucket_bytes'])}, measured peak {_b(m['peak_grad_bytes'])} on this rank "
-            "(shown, not checked: more are held when backward outruns the reduce-scatters)"
+            "(shown, not checked: two are held when each reduce-scatter lands in time)"
             for s in ("zero2", "zero2_offload") if isinstance(m := measured.get(s), dict)]
 
 

@@ -161,21 +161,20 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
     * DDP, ZeRO-1: none for gradients (the flat gradient buffers are the model states'
       gradients; fusedist and torch DDP make ``p.grad`` views of them).
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
-      stored" -- two consecutive buckets (fusedist's ``comm_stats()["peak_grad_bytes"]``), the
-      largest such pair of the buckets DDP builds from ``tensors`` (every parameter tensor's
-      elements in registration order, :func:`fusedist.plan.model.param_tensors`): a bucket
-      closes once it reaches the cap, the tensor that crosses it included, so a 128k-token
-      embedding alone is a 1 GB bucket of bf16 gradients, 40 caps of 25 MiB. The pair is what
-      the buckets hold, not ``2 (cap + largest tensor)``, which counted an untied model's
-      embedding twice though it and the output layer fill the last and the first bucket, never
-      two consecutive ones (1.9x the pair on a small untied llama). Under the default cap (25)
-      the first bucket is DDP's 1 MiB, or the cap when it is given explicitly: the larger pair
-      of the two layouts. Without a shape (``--params``) the tensors are unknown and two caps
-      stand in. Two is what the reducer holds when each reduce-scatter lands before the bucket
-      after next fills. A backward whose collectives land late (gloo on a CPU, whose tiny
-      backward outruns every collective; a device-bound GPU) holds at most the two in flight
-      -- ``max_buckets_in_flight``, Note [buckets in flight] in fusedist/ddp/in_flight.py -- and
-      the bucket (rarely two) whose gradients are arriving: a third bucket, not counted.
+      stored" (fusedist's ``comm_stats()["peak_grad_bytes"]``): the largest three consecutive
+      buckets DDP builds from ``tensors`` (every parameter tensor's elements in registration
+      order, :func:`fusedist.plan.model.param_tensors`) -- the two reduce-scatters fusedist
+      lets be in flight (``max_buckets_in_flight``, Note [buckets in flight] in
+      fusedist/ddp/in_flight.py) and the bucket whose gradients are arriving, which a backward
+      that outruns its collectives (a device-bound GPU; gloo on a CPU) holds at once; two are
+      held when each reduce-scatter lands before the bucket after next fills. A bucket closes
+      once it reaches the cap, the tensor that crosses it included, so a 128k-token embedding
+      alone is a 1 GB bucket of bf16 gradients, 40 caps of 25 MiB. The run is what the buckets
+      hold, not ``k (cap + largest tensor)``, which counted an untied model's embedding twice
+      though it and the output layer fill the last and the first bucket, never neighbours
+      (1.9x on a small untied llama). Under the default cap (25) the first bucket is DDP's
+      1 MiB, or the cap when it is given explicitly: the larger run of the two layouts.
+      Without a shape (``--params``) the tensors are unknown and three caps stand in.
     * ZeRO-3 (``fully_shard``): the gathered units -- two consecutive blocks (one in use, the
       next prefetched, in forward and in backward; a unit = one transformer block, ZeRO paper
       Section 5.3) and the root unit (embeddings, final norm, output layer: ``root_params``),
@@ -200,11 +199,11 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
     * all: ``scratch_bytes`` (cuBLAS workspace, communicator buffers, allocator slack).
     """
     g = param_bytes(precision)
-    pair = zero2_bucket_pair(tuple(tensors), bucket_cap_mb, g, n) if tensors else 2 * bucket_cap_mb * MiB
-    buckets = min(pair, g * psi)
     extra = 0.0
     if strategy.startswith("zero2"):
-        extra = buckets
+        held = (zero2_buckets_held(tuple(tensors), bucket_cap_mb, g, n) if tensors
+                else ZERO2_BUCKETS_HELD * bucket_cap_mb * MiB)
+        extra = min(held, g * psi)
     elif strategy.startswith("zero3"):
         if unit_params or root_params:
             blocks = list(unit_params) if isinstance(unit_params, (list, tuple)) else [unit_params] * 2
@@ -212,15 +211,20 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
             extra = ((_largest_pair(blocks) + root_params) * g
                      + _reducing(blocks, outputs, root_params, n, in_flight) * g)
         else:
-            extra = buckets
+            extra = min(2 * bucket_cap_mb * MiB, g * psi)  # the units unknown: two buckets stand in
     return extra + scratch_bytes
 
 
 def _largest_pair(sizes: list) -> float:
     """The most two consecutive units hold together (one unit alone if there is one)."""
-    if len(sizes) < 2:
+    return _largest_run(sizes, 2)
+
+
+def _largest_run(sizes: list, k: int) -> float:
+    """The most ``k`` consecutive sizes add up to (all of them if there are fewer)."""
+    if len(sizes) <= k:
         return sum(sizes)
-    return max(a + b for a, b in zip(sizes, sizes[1:]))
+    return max(sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
 
 
 def _reducing(blocks: list, outputs: list, root: float, n: int, in_flight: int = 2) -> float:
@@ -235,15 +239,20 @@ FIRST_BUCKET_BYTES = MiB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, fusedist's
 SHARD_ALIGN = 16  # elements: each bucket is padded to a multiple of N of them (fusedist/ddp/layout.py)
 
 
+#: ZeRO-2's gradient buckets held at once: ``max_buckets_in_flight`` (2, the default) and the
+#: one filling (``temp_bytes``).
+ZERO2_BUCKETS_HELD = 3
+
+
 @functools.lru_cache(maxsize=64)
-def zero2_bucket_pair(tensors: tuple, bucket_cap_mb: float, g: int, n: int) -> float:
-    """Bytes of the largest two consecutive gradient buckets DDP builds of ``tensors`` (elements,
-    registration order) at ``g`` bytes an element over ``n`` ranks (``temp_bytes``). Cached: the
+def zero2_buckets_held(tensors: tuple, bucket_cap_mb: float, g: int, n: int) -> float:
+    """Bytes of the largest ``ZERO2_BUCKETS_HELD`` consecutive gradient buckets DDP builds of
+    ``tensors`` (elements, registration order) at ``g`` bytes an element over ``n`` ranks (``temp_bytes``). Cached: the
     layout search asks for the same layout once per strategy and layout."""
     layouts = [(bucket_cap_mb * MiB,)]
     if bucket_cap_mb == DEFAULT_BUCKET_CAP_MB:
         layouts.append((FIRST_BUCKET_BYTES, bucket_cap_mb * MiB))
-    return g * max(_largest_pair(_bucket_elements(tensors[::-1], caps, g, n)) for caps in layouts)
+    return g * max(_largest_run(_bucket_elements(tensors[::-1], caps, g, n), ZERO2_BUCKETS_HELD) for caps in layouts)
 
 
 def _bucket_elements(order, caps: tuple, g: int, n: int) -> list:

@@ -243,10 +243,10 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                       "counted: the model was given by --params, not its shape)"),
             "K": {s: memory.optimizer_k(job.precision, job.optimizer, s, job.convention) for s in STRATEGIES},
             "bucket_cap_mb": job.bucket_cap_mb,
-            "temp": ("zero2: the largest two consecutive gradient buckets DDP builds at --bucket-cap-mb (a "
-                     "bucket closes once it reaches the cap, the tensor crossing it included; a mixture's "
-                     "experts stacked, one tensor a layer; two caps for a model given by --params), "
-                     "more while reduce-scatters land late, up to every gradient; "
+            "temp": ("zero2: the largest three consecutive gradient buckets DDP builds at --bucket-cap-mb "
+                     "(two reduce-scatters in flight, fusedist's bound, and the bucket filling; a bucket "
+                     "closes once it reaches the cap, the tensor crossing it included; a mixture's "
+                     "experts stacked, one tensor a layer; three caps for a model given by --params); "
                      "zero3: fully_shard with "
                      "reshard_after_forward=True on the blocks (the default), two gathered at once -- False "
                      "keeps every unit gathered from forward to backward, all the parameters, not counted"),

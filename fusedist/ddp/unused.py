@@ -41,6 +41,18 @@ Note [unused parameters known after the forward]
     before. A parameter counted unused that still gets a gradient (used in the loss outside
     the forward) is reduced if its bucket has not launched yet; otherwise the used map tells
     every rank, and every rank raises, naming it, where torch's DDP fails too.
+
+Note [the cost of the graph walk]
+    torch walks the graph in C++; here it is Python, once per synchronized training forward,
+    about two node visits per parameter tensor. Measured on a 1000-layer MLP of width 4 (2000
+    parameter tensors, 2-core CPU, :func:`note_unreached` 20 times): the first version, which
+    asked every node its type name, pushed every edge before checking it and kept the reached
+    tensors themselves in a set, took 10.5-11.5 ms per forward (the forward itself ~80 ms under
+    DDP; torch's find_unused_parameters adds ~5-10 ms). Checking each node once as it is met,
+    comparing types by identity, asking only custom functions' nodes their name and keeping the
+    reached tensors' ids, 3.6-6.4 ms: the bare walk over ``next_functions`` is ~3 ms of it, and
+    reading the 2000 leaves' tensors ~2 ms. The walk is never skipped or cached: a stale
+    "unused" would count a used parameter's bucket as ready before its gradient arrives.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 if TYPE_CHECKING:
     from .reducer import Reducer
@@ -120,38 +133,61 @@ def note_unreached(reducer: "Reducer", out) -> None:
     """After a synchronized training forward with ``find_unused_parameters``: the parameters
     its autograd graph does not reach are unused in the next backward (Note [unused parameters
     known after the forward]). Several forwards before one backward: those none of them reach."""
-    reached = _reached_leaves(out)
+    reached = _reached_leaf_ids(out)
     if reached is None:  # (a reentrant checkpoint hides its parameters: found at the end instead)
         reducer.known_unused = set()
         return
-    unreached = {p for p in reducer.params if p not in reached}
+    unreached = {p for p in reducer.params if id(p) not in reached}
     known = reducer.known_unused
     reducer.known_unused = unreached if known is None else known & unreached
 
 
-def _reached_leaves(out):
-    """The leaf tensors the autograd graph of ``out`` accumulates into, or None where a reentrant
-    checkpoint's node hides the ones behind it (torch's DDP marks those unused, then fails)."""
+def _reached_leaf_ids(out):
+    """The ids of the leaf tensors the autograd graph of ``out`` accumulates into, or None where a reentrant
+    checkpoint's node hides the ones behind it (torch's DDP marks those unused, then fails).
+
+    It runs after every synchronized training forward, so it is kept lean (Note [the cost of
+    the graph walk]): each node is looked at once, as it is first met; leaves are told apart by
+    their exact type, and only custom functions' nodes are asked their name."""
     from .prepared import _tensors
 
     reached, seen, stack = set(), set(), []
     for t in _tensors(out):
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
+            seen.add(t.grad_fn)
         elif t.requires_grad:
-            reached.add(t)  # a parameter returned as it is
+            reached.add(id(t))  # a parameter returned as it is
+    if any(_is_reentrant_checkpoint(node) for node in stack):
+        return None
+    leaves, accumulate, custom = [], _ACCUMULATE_GRAD, BackwardCFunction
+    pop, push, see, leaf = stack.pop, stack.append, seen.add, leaves.append
     while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        kind = type(node).__name__
-        if kind == "AccumulateGrad":
-            reached.add(node.variable)
-        elif kind == "CheckpointFunctionBackward":
-            return None
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+        for node, _ in pop().next_functions:
+            if node is None or node in seen:
+                continue
+            see(node)
+            if type(node) is accumulate:
+                leaf(node)
+            elif isinstance(node, custom) and type(node).__name__ == "CheckpointFunctionBackward":
+                return None
+            else:
+                push(node)
+    reached.update(id(node.variable) for node in leaves)
     return reached
+
+
+def _is_reentrant_checkpoint(node) -> bool:
+    return type(node).__name__ == "CheckpointFunctionBackward"
+
+
+def _accumulate_grad_type() -> type:
+    """The node type that accumulates a leaf's gradient (``AccumulateGrad``)."""
+    leaf = torch.zeros(1, requires_grad=True)
+    return type(leaf.view(1).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()
 
 
 def mark_known_unused(reducer: "Reducer", known: set) -> None:

@@ -184,10 +184,11 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                     "of 2 (torch.view_as_real) and use torch.view_as_complex(param) in the forward, or "
                     "set requires_grad=False to keep it as broadcast state"
                 )
-        # Note [sparse gradients] in sparse.py: averaged by the wrapper, outside the buckets
+        # Note [sparse gradients] in sparse.py: averaged by the wrapper, outside the buckets;
+        # frozen ones too, which may be unfrozen later (Note [sparse weights frozen at wrapping])
         sparse = sparse_parameter_ids(module)
-        self._sparse = SparseGradients([p for _, p in named if id(p) in sparse],
-                                       [n for n, p in named if id(p) in sparse], self.process_group, self.world_size)
+        every_sparse = [(n, p) for n, p in self.synced_parameters() if id(p) in sparse]
+        self._sparse = SparseGradients([p for _, p in every_sparse], [n for n, _ in every_sparse], self.comm)
         named = [(n, p) for n, p in named if id(p) not in sparse]
         checks = construction_checks()  # Note [copies of the wrapper] in copies.py
         if checks:

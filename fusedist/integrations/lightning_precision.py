@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import LBFGS
@@ -25,11 +26,13 @@ class RoutesPrecision:
 
     @property
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else _FusedistPrecision()
+        if self._precision_plugin is None:
+            return _adapt_precision(Precision(), type(self).__name__)
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else _adapt_precision(plugin)
+        self._precision_plugin = None if plugin is None else _adapt_precision(plugin, type(self).__name__)
 
 
 # Note [Lightning precision]
@@ -45,7 +48,10 @@ class RoutesPrecision:
 
 class _FusedistClip:
     """Clipping by norm through fusedist, and the checkpoint key of the Lightning plugin it
-    stands in for (mixed into each adapted plugin; Note [plugin state under Lightning's key])."""
+    stands in for (mixed into each adapted plugin; Note [plugin state under Lightning's key]).
+    ``_fusedist_strategy`` is the class name of the strategy that adapted it, which its refusals name."""
+
+    _fusedist_strategy = "FusedistStrategy"
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         clip_by_norm(optimizer, clip_val)
@@ -56,9 +62,9 @@ class _FusedistClip:
         inner = getattr(optimizer, "_optimizer", optimizer)
         if getattr(inner, "stage", None) == 2 and isinstance(inner, fusedist.ZeroRedundancyOptimizer):
             raise ValueError(
-                "FusedistStrategy: gradient_clip_algorithm='value' cannot be applied with zero_stage=2, "
-                "which keeps only this rank's shard of the gradients and no p.grad; clip by norm "
-                "(gradient_clip_algorithm='norm') or use zero_stage=1"
+                f"{self._fusedist_strategy}: gradient_clip_algorithm='value' cannot be applied with zero_stage=2 "
+                "(a ZeroRedundancyOptimizer of stage 2), which keeps only this rank's shard of the gradients "
+                "and no p.grad; clip by norm (gradient_clip_algorithm='norm') or use zero_stage=1"
             )
         super().clip_grad_by_value(optimizer, clip_val)
 
@@ -166,22 +172,26 @@ _ADAPTERS = {MixedPrecision: _FusedistMixedPrecision, HalfPrecision: _FusedistHa
              DoublePrecision: _FusedistDoublePrecision, Precision: _FusedistPrecision}
 
 
-def _adapt_precision(plugin: Precision) -> Precision:
+def _adapt_precision(plugin: Precision, strategy: str) -> Precision:
+    """``plugin``'s adapter, for the strategy class named ``strategy`` (which its errors name)."""
     if isinstance(plugin, _FusedistClip):
         return plugin
     kind = type(plugin)
     if kind is Precision:
-        return _FusedistPrecision()
-    if kind is DoublePrecision:
-        return _FusedistDoublePrecision()
-    if kind is HalfPrecision:
-        return _FusedistHalfPrecision(plugin.precision)
-    if kind is MixedPrecision:
-        return _FusedistMixedPrecision(plugin.precision, plugin.device, scaler=_fusedist_scaler(plugin))
-    return _adapt_subclass(plugin)
+        adapted = _FusedistPrecision()
+    elif kind is DoublePrecision:
+        adapted = _FusedistDoublePrecision()
+    elif kind is HalfPrecision:
+        adapted = _FusedistHalfPrecision(plugin.precision)
+    elif kind is MixedPrecision:
+        adapted = _FusedistMixedPrecision(plugin.precision, plugin.device, scaler=_fusedist_scaler(plugin, strategy))
+    else:
+        return _adapt_subclass(plugin, strategy)
+    adapted._fusedist_strategy = strategy
+    return adapted
 
 
-def _adapt_subclass(plugin: Precision) -> Precision:
+def _adapt_subclass(plugin: Precision, strategy: str) -> Precision:
     """Note [a subclass of a Lightning plugin]."""
     kind = type(plugin)
     mro = kind.__mro__
@@ -190,16 +200,17 @@ def _adapt_subclass(plugin: Precision) -> Precision:
         # Lightning's other plugins (bitsandbytes, Transformer Engine, FSDP, DeepSpeed, XLA)
         # convert modules or step through their own engines this strategy does not run
         raise ValueError(
-            f"FusedistStrategy: the precision plugin {kind.__name__} is not supported; use precision="
+            f"{strategy}: the precision plugin {kind.__name__} is not supported; use precision="
             "'32-true', '64-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true', or a subclass "
             "of Lightning's Precision, DoublePrecision, HalfPrecision or MixedPrecision"
         )
-    adapted_kind = type(kind.__name__, (kind, _ADAPTERS[base]), {"__module__": __name__,
+    # (the strategy's name on the class: the instance's __dict__ is the user's plugin's)
+    adapted_kind = type(kind.__name__, (kind, _ADAPTERS[base]), {"__module__": __name__, "_fusedist_strategy": strategy,
                                                                  "__qualname__": kind.__qualname__})
     adapted = adapted_kind.__new__(adapted_kind)
     adapted.__dict__ = vars(plugin)  # shared, not copied (Note [a subclass of a Lightning plugin])
     if base is MixedPrecision:
-        adapted.scaler = _fusedist_scaler(plugin)
+        adapted.scaler = _fusedist_scaler(plugin, strategy)
     return adapted
 
 
@@ -213,17 +224,66 @@ def _adapt_subclass(plugin: Precision) -> Precision:
 # reference took, and the user's plugin.scaler read a scale that never moved).
 
 
-def _fusedist_scaler(plugin: MixedPrecision):
+def _fusedist_scaler(plugin: MixedPrecision, strategy: str):
     """fusedist's GradScaler with the settings and state of the plugin's torch scaler (None for
-    bf16), which it replaces in ``plugin`` (Note [the plugin keeps the scaler that steps])."""
+    bf16), which it replaces in ``plugin`` (Note [the plugin keeps the scaler that steps]); a
+    user's subclass of torch's keeps its overrides (Note [a subclass of torch's GradScaler])."""
     torch_scaler = plugin.scaler
     if torch_scaler is None or isinstance(torch_scaler, fusedist.amp.GradScaler):
         return torch_scaler
-    scaler = fusedist.amp.GradScaler(
-        plugin.device, init_scale=torch_scaler._init_scale, growth_factor=torch_scaler._growth_factor,
-        backoff_factor=torch_scaler._backoff_factor, growth_interval=torch_scaler._growth_interval,
-        enabled=torch_scaler._enabled,
-    )
+    if not isinstance(torch_scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"{strategy}: {type(plugin).__name__}(scaler=...) got a {type(torch_scaler).__name__}, which is not a "
+            "torch.amp.GradScaler: fusedist's strategies scale through fusedist.amp.GradScaler, which takes the "
+            "settings and state of a torch.amp.GradScaler (or of a subclass of it, whose overrides it keeps)"
+        )
+    settings = {}
+    if torch_scaler._enabled:  # (a disabled torch scaler, GradScaler(enabled=False), keeps no settings)
+        settings = dict(init_scale=torch_scaler._init_scale, growth_factor=torch_scaler._growth_factor,
+                        backoff_factor=torch_scaler._backoff_factor, growth_interval=torch_scaler._growth_interval)
+    scaler = fusedist.amp.GradScaler(plugin.device, enabled=torch_scaler._enabled, **settings)
     scaler.load_state_dict(torch_scaler.state_dict())
+    if not _is_torchs(type(torch_scaler)):
+        scaler = _adapt_scaler_subclass(torch_scaler, scaler, strategy)
     plugin.scaler = scaler
     return scaler
+
+
+# Note [a subclass of torch's GradScaler]
+# MixedPrecision("16-mixed", ..., scaler=MyScaler(...)) with the user's subclass of
+# torch.amp.GradScaler (an update() that logs the scale or caps it, a hook around step) runs
+# that subclass under strategy="ddp". Replacing it by a plain fusedist GradScaler dropped the
+# overrides without a word. As a plugin subclass is adapted (Note [a subclass of a Lightning
+# plugin]), the scaler is adapted by a class deriving from the user's class and fusedist's
+# GradScaler, in that order: the user's methods run first and their super() calls reach
+# fusedist's (which derives from torch's). The adapter shares the user's scaler's __dict__,
+# whose torch attributes are replaced by fusedist's scaler's (same names, the same state), so
+# what the overrides record is read from the user's reference, as under strategy="ddp".
+# torch's own subclasses (ShardedGradScaler: a found-inf all-reduced over its process group, an
+# unscale of p.grad) do what fusedist's scaler does for the gradients it steps, including those
+# ZeRO stage 2 keeps in shards, which theirs would not see: like torch's GradScaler, they are
+# replaced. A user's subclass of one of them would put torch's unscale before fusedist's, and is
+# refused.
+
+
+def _is_torchs(kind: type) -> bool:
+    return kind.__module__ == "torch" or kind.__module__.startswith("torch.")
+
+
+def _adapt_scaler_subclass(user_scaler: torch.amp.GradScaler, scaler: fusedist.amp.GradScaler, strategy: str):
+    """``scaler``'s state and methods under the user's overrides (Note [a subclass of torch's GradScaler])."""
+    kind = type(user_scaler)
+    mro = kind.__mro__
+    torchs = [c for c in mro[:mro.index(torch.amp.GradScaler)] if _is_torchs(c) and c is not torch.cuda.amp.GradScaler]
+    if torchs:
+        raise TypeError(
+            f"{strategy}: the GradScaler {kind.__name__} subclasses torch's {torchs[0].__name__}, whose unscale "
+            "would run instead of fusedist's GradScaler's; derive it from torch.amp.GradScaler (or "
+            f"fusedist.amp.GradScaler), or pass a {torchs[0].__name__} itself"
+        )
+    adapted_kind = type(kind.__name__, (kind, fusedist.amp.GradScaler), {"__module__": __name__,
+                                                                         "__qualname__": kind.__qualname__})
+    adapted = adapted_kind.__new__(adapted_kind)
+    adapted.__dict__ = vars(user_scaler)  # shared, not copied
+    adapted.__dict__.update(vars(scaler))
+    return adapted

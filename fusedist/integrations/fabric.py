@@ -52,6 +52,7 @@ import fusedist
 from fusedist.ddp import DistributedDataParallel
 
 from ._optimizer_swap import convert_optimizer, hand_over
+from ._scaler_swap import fusedist_scaler
 from ._strategy_options import check_zero_stage, clip_by_norm, register_names
 
 __all__ = ["FusedistFabricStrategy", "FusedistFabricModelParallelStrategy"]
@@ -207,20 +208,8 @@ def _adapt_precision(plugin: Precision) -> Precision:
                         {"__module__": __name__, "__qualname__": kind.__qualname__})
     adapted = adapted_kind.__new__(adapted_kind)
     adapted.__dict__.update(vars(plugin))
-    adapted.scaler = _fusedist_scaler(plugin.scaler, plugin.device)
+    adapted.scaler = fusedist_scaler(plugin.scaler, plugin.device, _NAME, kind.__name__)
     return adapted
-
-
-def _fusedist_scaler(scaler, device):
-    """fusedist's GradScaler with the settings and state of torch's ``scaler`` (None for bf16)."""
-    if scaler is None or isinstance(scaler, fusedist.amp.GradScaler):
-        return scaler
-    ours = fusedist.amp.GradScaler(device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
-                                   backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-                                   enabled=scaler._enabled)
-    if scaler._enabled and scaler._scale is not None:  # a scaler that has scaled already: its state
-        ours.load_state_dict(scaler.state_dict())
-    return ours
 
 
 FusedistFabricStrategy.register_strategies(STRATEGY_REGISTRY)

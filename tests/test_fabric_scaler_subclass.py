@@ -1,0 +1,89 @@
+"""FusedistFabricStrategy with a scaler the user gave Fabric's fp16 plugin, against Fabric's own
+``strategy="ddp"`` (two gloo ranks): a subclass of torch's GradScaler keeps its overrides
+(the strategy used to replace it by a plain fusedist scaler, dropping them without a word); a
+disabled one (``GradScaler(enabled=False)``) trains unscaled, where the conversion read the
+settings a disabled scaler does not keep and failed; a scaler of another kind is refused by
+name. Tolerance: fp16 autocast, 1e-3 (test_fabric_strategy.py); a skipped or unscaled step
+moves the weights by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist.testing import run_distributed
+from test_e2e_lightning_recipe import _launched_env
+
+
+class _RecordingScaler(torch.amp.GradScaler):
+    """Records the scale after every update and caps its growth: overrides a user might write."""
+
+    def update(self, new_scale=None):
+        super().update(new_scale)
+        if self.get_scale() > 2.0 ** 9:
+            super().update(2.0 ** 9)
+        self.seen = getattr(self, "seen", []) + [self.get_scale()]
+
+
+def _fit(side: str, scaler):
+    import lightning as L
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    if side == "ddp":
+        strategy = "ddp"
+    else:
+        from fusedist.integrations.fabric import FusedistFabricStrategy
+
+        strategy = FusedistFabricStrategy()
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                      plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + fabric.global_rank)
+        x = torch.randn(4, 8, generator=g)
+        fabric.backward(nn.functional.mse_loss(model(x).float(), torch.sin(2 * x[:, :3])))
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _worker(rank: int, world: int):
+    _launched_env(rank, world)
+    out = {}
+    for kind in ("subclass", "disabled"):
+        runs = []
+        for side in ("fusedist", "ddp"):
+            scaler = (_RecordingScaler("cpu", init_scale=2.0 ** 8, growth_interval=2) if kind == "subclass"
+                      else torch.amp.GradScaler("cpu", enabled=False))
+            runs.append((_fit(side, scaler), getattr(scaler, "seen", None)))
+        (ours, our_seen), (ddp, ddp_seen) = runs
+        out[kind] = (float((ours - ddp).abs().max()), our_seen, ddp_seen)
+    return out
+
+
+def test_scaler_subclass_and_disabled_scaler_train_as_under_fabric_ddp():
+    for rank_out in run_distributed(_worker, 2, timeout=300):
+        err, ours, ddp = rank_out["subclass"]
+        assert ddp and ours == ddp, (ours, ddp)  # the override ran, on the user's object, as under ddp
+        assert err <= 1e-3, err
+        err, _, _ = rank_out["disabled"]
+        assert err <= 1e-3, err
+
+
+def test_a_scaler_of_another_kind_is_refused_by_name():
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from fusedist.integrations.fabric import FusedistFabricStrategy
+
+    class NotAScaler:
+        pass
+
+    with pytest.raises(TypeError, match="FusedistFabricStrategy: MixedPrecision.*NotAScaler.*not a torch.amp.GradScaler"):
+        FusedistFabricStrategy().precision = MixedPrecision("16-mixed", "cpu", scaler=NotAScaler())

@@ -1,8 +1,9 @@
 """``fusedist.nn.SyncBatchNorm``: BatchNorm over the global batch of all ranks.
 
-A drop-in for ``torch.nn.SyncBatchNorm`` (same constructor, buffers, state_dict and
-``convert_sync_batchnorm``) that also runs on CPU (gloo), reads channels_last inputs in
-place, and talks to the other ranks once per forward and once per backward:
+A subclass of, and drop-in for, ``torch.nn.SyncBatchNorm`` (same constructor, buffers,
+state_dict and ``convert_sync_batchnorm``; Note [a torch.nn.SyncBatchNorm]) that also runs on
+CPU (gloo), reads channels_last inputs in place, and talks to the other ranks once per
+forward and once per backward:
 
 * forward: one all-gather of every rank's per-channel ``(count, mean, M2)``, merged with the
   parallel Welford formula, so per-rank batch sizes may differ (an empty batch included);
@@ -31,7 +32,7 @@ from ._sync_stats import check_channels_agree
 
 
 # torch >= 2.13 can drop the additive bias of an affine BatchNorm (keyword-only ``bias``).
-_BASE_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+_BASE_TAKES_BIAS = "bias" in inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
 
 
 def _rank_suffix() -> str:
@@ -40,7 +41,45 @@ def _rank_suffix() -> str:
     return ""
 
 
-class SyncBatchNorm(_BatchNorm):
+# Note [SyncBatchNorm under torch.fx]
+#     ``torch.fx.symbolic_trace`` keeps torch's own layers (torch.nn.SyncBatchNorm included)
+#     as leaves, one ``call_module`` node each, and traces into every other module. Traced
+#     into, this layer's input checks branch on the proxy ("symbolically traced variables
+#     cannot be used as inputs to control flow"), so tracing a converted model failed where
+#     torch's conversion traces -- and with it every fx tool: torchvision's
+#     ``create_feature_extractor``, FX quantization, ``torch.fx.experimental.optimization``.
+#     Inside a traced model the layer records itself as a leaf, as the tracer records
+#     torch's: the graph calls the module, which still synchronizes when it runs. Traced as
+#     the root (no call to record) it behaves as torch.nn.SyncBatchNorm does there.
+def _as_fx_leaf(module: torch.nn.Module, input: torch.fx.Proxy):
+    """The ``call_module`` node of ``module`` called on ``input`` under ``torch.fx`` symbolic
+    tracing, or None where there is no module path to call (``module`` is the traced root)."""
+    tracer = input.tracer
+    path_of_module = getattr(tracer, "path_of_module", None)
+    if path_of_module is None:
+        return None
+    try:
+        path = path_of_module(module)
+    except NameError:  # not a submodule of the traced root
+        return None
+    if not path:
+        return None
+    return tracer.create_proxy("call_module", path, (input,), {})
+
+
+# Note [a torch.nn.SyncBatchNorm]
+#     The layer is a subclass of torch.nn.SyncBatchNorm (and so of BatchNorm's ``_BatchNorm``)
+#     with torch's constructor, buffers, state_dict keys and ``process_group`` attribute: code
+#     that recognizes the layer by ``isinstance`` -- Lightning's ``TorchSyncBatchNorm.revert``,
+#     weight-decay exclusion lists naming ``nn.SyncBatchNorm`` (detectron2, YOLO recipes),
+#     torch DDP's logging -- treats it as torch's, where it skipped it silently (its
+#     parameters decayed, the layer never reverted). The one place torch refuses its own
+#     layer refuses this one too: torch's DistributedDataParallel on CPU modules ("SyncBatchNorm
+#     layers only work with GPU modules"); fusedist.DistributedDataParallel runs it on CPU.
+#     Only the constructor, the input checks, ``forward`` and ``convert_sync_batchnorm`` are
+#     ours; a compiled non-synchronizing forward is ``_BatchNorm.forward`` (torch's
+#     SyncBatchNorm.forward refuses CPU inputs in training once a process group is initialized).
+class SyncBatchNorm(torch.nn.SyncBatchNorm):
     """Batch normalization with statistics over all ranks of ``process_group``.
 
     Args mirror ``torch.nn.SyncBatchNorm``: ``num_features`` (C of an ``(N, C, ...)``
@@ -65,9 +104,8 @@ class SyncBatchNorm(_BatchNorm):
                     "use affine=False, or keep the bias"
                 )
             extra["bias"] = False
-        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group,
                          device=device, dtype=dtype, **extra)
-        self.process_group = process_group
         # Communicators (by uid) this layer has run the channel agreement check on.
         self._channels_checked: set[int] = set()
 
@@ -132,9 +170,13 @@ class SyncBatchNorm(_BatchNorm):
     #     failed on the graph break, even in eval), at the compiled op's rounding (an ulp or
     #     so from the eager kernel's).
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):  # Note [SyncBatchNorm under torch.fx]
+            traced = _as_fx_leaf(self, input)
+            if traced is not None:
+                return traced
         if torch.compiler.is_compiling() and not (self.training and self._synchronizes()):
             self._check_input_dim(input)
-            return super().forward(input)
+            return _BatchNorm.forward(self, input)  # Note [a torch.nn.SyncBatchNorm]
         return self._eager_forward(input)
 
     @torch.compiler.disable  # Note [SyncBatchNorm under torch.compile]

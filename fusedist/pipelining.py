@@ -105,6 +105,8 @@ Note [an eval step divides nothing]
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -112,11 +114,21 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 __all__ = ["PipelineStage"]
 
+# The live stages of this process, in the order they were made (the same on every rank of a
+# stage's data-parallel group): whose gradients a clip across the stages measures (Note
+# [torchtitan's clip across pipeline stages of stage 2] in fusedist/optim/torch_clip.py).
+_stages: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_made = itertools.count()
+
 
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard`` or
     wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
     fully_shard modules], Note [pipeline stages of DDP modules])."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _stages[next(_made)] = self
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
@@ -155,6 +167,16 @@ class PipelineStage(_TorchPipelineStage):
         if grad_scale_factor != 1:
             for holder in _holders_outside_grad(self.submod):
                 torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
+
+
+def stage_holders_outside_grad() -> list:
+    """The distinct gradient holders keeping gradients outside ``p.grad`` (ZeRO stage 2) of
+    this process's live stages' parameters, in the order the stages were made."""
+    found: dict = {}
+    for _, stage in sorted(_stages.items(), key=lambda item: item[0]):
+        for holder in _holders_outside_grad(stage.submod):
+            found.setdefault(id(holder), holder)
+    return list(found.values())
 
 
 def _check_root_sharded(module, stage_index: int) -> None:

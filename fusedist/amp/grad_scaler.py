@@ -256,6 +256,14 @@ class GradScaler(_TorchGradScaler):
       warning can come one ``update()`` late; no host sync), ``"raise"`` raises RuntimeError
       from ``update()`` (this reads the flag, a host sync per ``update()``).
 
+    * ``found_inf_group`` (default None): a process group over which every optimizer's inf/nan
+      flag is combined (max) before its step is decided -- the pipeline group under pipeline
+      parallelism, where each stage's optimizer sees only that stage's gradients: an overflow in
+      one stage then skips every stage's step and backs off the scale on every rank alike, as
+      torchtitan and Megatron all-reduce found_inf over their model-parallel groups (torch's
+      scaler has no such argument; without it each stage skipped by its own flag, and the
+      stages' weights and scales drifted apart). Note [found_inf over the pipeline stages].
+
     ``last_step_skipped_tensor`` is a device bool tensor (set by ``update()``): True when an
     optimizer step of the last iteration was skipped for inf/nan gradients. The property
     ``last_step_skipped`` reads it (a host sync, only when read).
@@ -264,8 +272,9 @@ class GradScaler(_TorchGradScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn",
-                 lazy_unscale: bool = False):
+                 lazy_unscale: bool = False, found_inf_group=None):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self._found_inf_group = found_inf_group
         self._device = _device_type(device)
         if self._enabled:  # (torch checks its factors only when enabled, too)
             check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
@@ -283,6 +292,27 @@ class GradScaler(_TorchGradScaler):
         self._hysteresis_tracker: Optional[torch.Tensor] = None
         self.last_step_skipped_tensor = None
         self._min_scale_flag = _LazyHostFlag()
+
+    # Note [found_inf over the pipeline stages]
+    # Each pipeline stage's optimizer checks only its stage's gradients, and each stage's rank
+    # steps its own optimizer(s): an overflow in one stage skipped that stage's step only, and
+    # lowered that rank's scale only -- the next iteration's stages trained at different scales
+    # on weights that were no longer one model's step. With ``found_inf_group`` each flag is
+    # all-reduced (max) over the group where it is made (unscale_, or step without unscale_),
+    # after the combination over a sharded optimizer's own ranks, so every rank decides the
+    # step and the new scale from the same flag. A collective per optimizer (and per device for
+    # torch's optimizers): every rank of the group unscales/steps the same number of optimizers
+    # in the same order, also one without gradients (whose check then counts as no overflow here;
+    # its step still raises as torch's does).
+    def _agree_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """``found_inf``, combined in place over ``found_inf_group`` (Note [found_inf over the
+        pipeline stages])."""
+        group = getattr(self, "_found_inf_group", None)  # (None in a scaler pickled before it existed)
+        if group is not None:  # (on fusedist's communicator: the collective deadline and stall report)
+            from ..comm import get_communicator
+
+            get_communicator(group, found_inf.device).all_reduce(found_inf, op="max", tag="GradScaler found_inf_group")
+        return found_inf
 
     # -- settings ------------------------------------------------------------------------------
     # torch's setters check nothing, so they took the values the constructor and load_state_dict
@@ -359,6 +389,7 @@ class GradScaler(_TorchGradScaler):
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         if not optimizer._fusedist_has_grads():  # Note [no inf checks recorded]
+            self._agree_found_inf(torch.zeros(1, device=self._scale.device))  # (the other ranks' collective)
             optimizer_state["found_inf_per_device"] = {}
             optimizer_state["stage"] = OptState.UNSCALED
             return
@@ -377,6 +408,7 @@ class GradScaler(_TorchGradScaler):
             found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
             ctx.inv_scale = inv_scale
         found_inf, sumsq = _combine_over_shards(optimizer, found_inf, sumsq)  # [sharded gradients]
+        found_inf = self._agree_found_inf(found_inf)  # Note [found_inf over the pipeline stages]
         ctx.grad_sumsq = sumsq
         ctx.clip_coef = clipped_before
         if clipped_before is not None:  # the gradients it covers were just unscaled in place
@@ -414,11 +446,13 @@ class GradScaler(_TorchGradScaler):
             optimizer._fusedist_check_grads_since_unscale()
         if optimizer_state["stage"] is OptState.READY and not optimizer._fusedist_has_grads():
             optimizer_state["stage"] = OptState.UNSCALED  # as torch's step, which unscale_s first
+            self._agree_found_inf(torch.zeros(1, device=self._scale.device))  # (the other ranks' collective)
         if optimizer_state["stage"] is OptState.UNSCALED and not optimizer_state["found_inf_per_device"]:
             raise AssertionError("No inf checks were recorded for this optimizer.")  # Note [no inf checks recorded]
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)
             found_inf, _ = _combine_over_shards(optimizer, found_inf)  # [sharded gradients]
+            found_inf = self._agree_found_inf(found_inf)  # Note [found_inf over the pipeline stages]
             optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
             optimizer.grad_scale = self._scale
         else:
@@ -429,6 +463,9 @@ class GradScaler(_TorchGradScaler):
         per_device = _unscale_per_device(optimizer, inv_scale, found_inf, allow_fp16)
         for flag in per_device.values():
             _combine_over_shards(optimizer, flag)  # [sharded gradients]
+            self._agree_found_inf(flag)  # Note [found_inf over the pipeline stages]
+        if not per_device:  # no gradient here: no flag, but the group's collective all the same
+            self._agree_found_inf(torch.zeros(1, device=self._scale.device))
         return per_device
 
     # -- scale update --------------------------------------------------------------------------
@@ -574,4 +611,5 @@ class GradScaler(_TorchGradScaler):
             state["_hysteresis_tracker"] = None
             state["_last_skipped"] = state["_last_found_inf"] = None
             state["_min_scale_flag"] = _LazyHostFlag()
+        state["_found_inf_group"] = None  # (a process group does not travel: pass it again)
         return state

@@ -48,12 +48,37 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacemen
   (Lightning's value clip is refused there already). A value clip on ``fully_shard`` pieces is
   elementwise, so torch's function is right on them and runs unchanged.
 
+* ``torch.nn.utils.get_total_norm`` itself (the public name) of an empty list while ZeRO stage-2
+  optimizers hold gradients: torchtitan's clip across pipeline stages (Note [torchtitan's clip
+  across pipeline stages of stage 2]).
+
 What stays outside: a list mixing sharded and unsharded gradients or two process groups' units,
 which raises (FSDP2's clip refuses DTensors mixed with plain tensors too), and, under stage 2,
 the norm read before ``clip_grads_with_norm_`` runs (it is 0 until then) or the two calls made
 through names bound before the installation.
 The replacements are collectives exactly when they see sharded gradients: every rank calls them
 with the same parameters, as FSDP2 requires of its clip.
+
+Note [torchtitan's clip across pipeline stages of stage 2]
+---------------------------------------------------------
+torchtitan's ``clip_grad_norm_(..., pp_mesh=...)`` takes each stage's norm with ``get_total_norm``
+of the ``p.grad``, raises it to ``p``, all-reduces it over the pipeline group in place (a max for
+``inf``), takes the ``p``-th root in place, and clips with ``clip_grads_with_norm_`` by that whole
+model's norm. A stage-2 stage has no ``p.grad``: the zero of the empty list went into the sum,
+and the clip above then measured and clipped the stage by its own norm and wrote that into the
+tensor -- every stage clipped by another norm than torch's over the whole model, and returned it.
+So the public ``get_total_norm`` of an empty list, while the stage-2 optimizers of this process's
+``fusedist.pipelining.PipelineStage`` modules hold gradients (the same ones on every rank of a
+stage), is their global norm (a collective over their groups, one all-reduce each), remembered
+with the tensor's value and version. Given exactly those optimizers' parameters,
+``clip_grads_with_norm_`` with that tensor -- as returned, or combined by the caller over the
+stages (changed in place) -- clips by it: each optimizer records torch's coefficient
+``max_norm / (norm + 1e-6)``, at most 1, for its step, and the tensor is left as the caller made
+it. Given other parameters, an unchanged tensor is the clip above; a changed one is refused
+(its norm counts gradients that would not be clipped). Only the stages' optimizers are
+measured: one no longer in use but not yet collected would count on some ranks and not others,
+and their collectives would mismatch. torch's own ``clip_grad_norm_`` calls the internal name,
+which keeps the zero.
 """
 
 from __future__ import annotations
@@ -78,7 +103,8 @@ _TORCH_CLIP_WITH_NORM = clip_grad_module._clip_grads_with_norm_
 _TORCH_CLIP_VALUE = clip_grad_module.clip_grad_value_
 _installed = False
 # this thread's last norm of an empty gradient list: (the tensor returned, norm_type,
-# error_if_nonfinite) -- what torch's clip_grad_norm_ hands on to _clip_grads_with_norm_
+# error_if_nonfinite, its value and version then, the stage-2 optimizers measured or None) -- what
+# torch's clip_grad_norm_ hands on to _clip_grads_with_norm_
 _empty_norm = threading.local()
 
 
@@ -115,7 +141,7 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     tensors = list(tensors)
     if not tensors:  # maybe torch's clip over stage-2 parameters (their p.grad is None)
         total = _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-        _empty_norm.last = (total, norm_type, error_if_nonfinite)
+        _empty_norm.last = (total, norm_type, error_if_nonfinite, total.clone(), total._version, None)
         return total
     found, unheld = _pieces_by_holder(tensors)
     if not found:
@@ -134,6 +160,47 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     # torch returns the norm in the gradients' (promoted) dtype
     dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors})
     return total.to(device=tensors[0].device, dtype=dtype)
+
+
+@_eager_in_compiled_code
+@torch.no_grad()
+def _public_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm``: of an empty list while the stage-2 optimizers of this
+    process's pipeline stages hold gradients, their global norm (Note [torchtitan's clip across
+    pipeline stages of stage 2]); else as torch's clip sees it."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    holders = _stage2_holders_with_grads() if not tensors else []
+    if not holders:
+        return _global_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    norm_type = float(norm_type)
+    norms = [h._global_grad_norm(norm_type, h.step_context.inv_scale).double().reshape(1) for h in holders]
+    norms = torch.cat([n.to(norms[0].device) for n in norms])
+    total = norms.sum() if norm_type == 0.0 else torch.linalg.vector_norm(norms, norm_type)  # (0: counts add)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite: the gradients "
+            "the ZeroRedundancyOptimizer(stage=2) of this rank's pipeline stage holds over every rank's shard "
+            "(its p.grad are None), so they cannot be clipped (every rank of the stage raises this). To disable "
+            "this error and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    dtype = functools.reduce(torch.promote_types, {p.dtype for h in holders for p in h._trainable_params()})
+    total = total.to(dtype)
+    _empty_norm.last = (total, norm_type, error_if_nonfinite, total.clone(), total._version, holders)
+    return total
+
+
+def _stage2_holders_with_grads() -> list:
+    """The ZeRO stage-2 optimizers of this process's fusedist pipeline stages that hold
+    gradients of a synchronized backward, in the order the stages were made (the same on every
+    rank of a stage). Only the stages' own: an optimizer no longer in use but not yet collected
+    would be counted on some ranks and not others."""
+    import sys
+
+    pipelining = sys.modules.get("fusedist.pipelining")  # (not imported: no stage to measure)
+    if pipelining is None:
+        return []
+    return [h for h in pipelining.stage_holders_outside_grad() if h._fusedist_has_grads()]
 
 
 @_eager_in_compiled_code
@@ -211,15 +278,67 @@ def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None)
     _empty_norm.last = None
     if last is not None and last[0] is total_norm:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(_held_by_stage2(p) for p in params):
+        _, norm_type, error_if_nonfinite, measured, version, holders = last
+        # (an in-place all-reduce leaves the version as it was: the value tells)
+        changed = total_norm._version != version or not torch.allclose(total_norm, measured, 0.0, 0.0, True)
+        if holders is not None and _all_parameters_of(params, holders):
+            _clip_stage2_by(max_norm, total_norm, holders)  # the norm measured, or the caller's from it
+            return
+        if changed:  # combined by the caller over other stages: no norm of these gradients to take
+            _refuse_combined_norm(params, holders)
+        elif any(_held_by_stage2(p) for p in params):
             from .clip import clip_grad_norm_
 
-            _, norm_type, error_if_nonfinite = last
             norm = clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
             total_norm.copy_(norm)  # the tensor torch's clip_grad_norm_ returns to its caller
             return
         parameters = params
     _TORCH_CLIP_WITH_NORM(parameters, max_norm, total_norm, foreach)
+
+
+def _refuse_combined_norm(params: list, holders) -> None:
+    """A norm combined from ``get_total_norm`` of an empty list that does not cover the stage-2
+    gradients of ``params`` (Note [torchtitan's clip across pipeline stages of stage 2]): clipping
+    by it would leave them unclipped, or clip them by a norm counting others' gradients."""
+    held = {id(h): h for p in params if _held_by_stage2(p) for h in (gradient_holder(p),)}
+    if not any(h._fusedist_has_grads() for h in held.values()):
+        return
+    if holders is None:
+        raise ValueError(
+            "torch.nn.utils.clip_grads_with_norm_: the norm given was combined from get_total_norm of an empty "
+            "list, which measured nothing, but a ZeroRedundancyOptimizer(stage=2) holds gradients of these "
+            "parameters (it keeps no p.grad): the combined norm leaves them out. Build the pipeline stages with "
+            "fusedist.pipelining.PipelineStage (get_total_norm then measures their stage-2 optimizers), or clip "
+            "with optimizer.clip_grad_norm_")
+    raise ValueError(
+        "torch.nn.utils.clip_grads_with_norm_: the norm given was combined from get_total_norm of an empty list "
+        "-- the norm of the gradients of every ZeroRedundancyOptimizer(stage=2) of this process's pipeline "
+        f"stages (stage 2 keeps no p.grad) -- but these parameters are not all of those {len(holders)} "
+        "optimizers' parameters, so the norm counts gradients this would not clip. Clip exactly the parameters "
+        "of the stage-2 optimizers of the stages on this rank")
+
+
+def _all_parameters_of(params: list, holders: list) -> bool:
+    """Whether ``params`` are every trainable parameter of the stage-2 optimizers ``holders``
+    and of no other stage-2 optimizer holding gradients (frozen ones and others aside)."""
+    given = {id(p) for p in params if p.requires_grad}
+    others = {id(h) for h in map(gradient_holder, params) if getattr(h, "stage", None) == 2}
+    others -= {id(h) for h in holders}
+    return (all(id(p) in given for h in holders for p in h._trainable_params())
+            and not any(h._fusedist_has_grads() for h in map(gradient_holder, params) if id(h) in others))
+
+
+def _clip_stage2_by(max_norm, total_norm: torch.Tensor, holders: list) -> None:
+    """Clip the gradients ``holders`` (stage-2 optimizers) hold by ``total_norm``, the norm
+    :func:`_public_total_norm` measured over them or one the caller made from it (Note
+    [torchtitan's clip across pipeline stages of stage 2]): each records torch's coefficient,
+    ``max_norm / (total_norm + 1e-6)`` at most 1, for its step."""
+    sumsq = total_norm.detach().double().reshape(1).square()  # (record_clip takes a sum of squares)
+    for holder in holders:
+        dtypes = {p.dtype for p in holder._trainable_params()}
+        holder.step_context.record_clip(sumsq.to(holder._device), float(max_norm), False,
+                                        functools.reduce(torch.promote_types, dtypes))
+        holder._fusedist_record_clipped_grads()  # Note [gradients changed after the clip] in _scaler_protocol.py
 
 
 @_eager_in_compiled_code
@@ -236,6 +355,7 @@ def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> No
 
 
 functools.update_wrapper(_global_total_norm, _TORCH_TOTAL_NORM)
+functools.update_wrapper(_public_total_norm, _TORCH_TOTAL_NORM)
 functools.update_wrapper(_clip_grad_value_refusing_stage2, _TORCH_CLIP_VALUE)
 functools.update_wrapper(_clip_grads_with_norm_stage2, _TORCH_CLIP_WITH_NORM)
 functools.update_wrapper(_global_clip_grad_norm_, _TORCH_CLIP)
@@ -250,7 +370,7 @@ def install() -> None:
     clip_grad_module._get_total_norm = _global_total_norm
     clip_grad_module._clip_grads_with_norm_ = _clip_grads_with_norm_stage2
     nn_utils.clip_grads_with_norm_ = _clip_grads_with_norm_stage2
-    nn_utils.get_total_norm = _global_total_norm
+    nn_utils.get_total_norm = _public_total_norm
     clip_grad_module.clip_grad_norm_ = _global_clip_grad_norm_
     clip_grad_module.clip_grad_value_ = _clip_grad_value_refusing_stage2
     nn_utils.clip_grad_value_ = _clip_grad_value_refusing_stage2

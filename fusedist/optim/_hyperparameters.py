@@ -11,12 +11,24 @@ from typing import Any
 import torch
 
 
+def check_not_text(owner: str, name: str, value: Any) -> None:
+    """Refuse a string as a hyperparameter, as torch's optimizers do (their range checks compare
+    it with a number). ``lr: 1e-3`` read from a YAML file is the string "1e-3": the checks here
+    read values with ``float()``, which parses it, so it was kept and failed at the first step
+    with an unrelated TypeError, or on the GPU stepped as a number. (Anything else ``float()``
+    takes -- numpy scalars and 0-d arrays -- torch takes too.)"""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise TypeError(f"{owner}: {name} must be a number or a 1-element tensor, got {type(value).__name__} "
+                        f"{value!r}")
+
+
 def check_finite_hyper(owner: str, **values: Any) -> None:
     """Every value a finite number: a Python number or a 1-element real tensor (Note [tensor
     hyperparameters]; :func:`lr_value` for the learning rate)."""
     for name, value in values.items():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for v in items:
+            check_not_text(owner, name, v)
             if isinstance(v, torch.Tensor) and (v.numel() != 1 or v.is_complex() or v.dtype == torch.bool):
                 raise ValueError(f"{owner}: a tensor {name} must be one real number, got shape {tuple(v.shape)} "
                                  f"of {v.dtype}")
@@ -65,6 +77,7 @@ def check_lr(owner: str, lr, read_device_value: bool = True) -> None:
             raise TypeError(f"{owner}: Tensor lr has dtype {lr.dtype}; expected a real number")
         if lr.device.type != "cpu" and not read_device_value:
             return
+    check_not_text(owner, "lr", lr)
     value = lr_value(lr)
     if not math.isfinite(value):
         raise ValueError(f"{owner}: hyperparameter lr={value} is not finite")

@@ -7,7 +7,7 @@ import torch
 
 from . import functional
 from ._base import FusedOptimizerBase, masters_of, state_values
-from ._hyperparameters import check_finite_hyper, check_tensor_betas, hyper_number, lr_value
+from ._hyperparameters import check_finite_hyper, check_not_text, check_tensor_betas, hyper_number, lr_value
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -63,6 +63,8 @@ class FusedAdam(FusedOptimizerBase):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         self._check_lr(name, lr)
         check_finite_hyper(name, eps=eps, weight_decay=wd)
+        for beta in group["betas"]:  # (a string passed the float() below)
+            check_not_text(name, "betas", beta)
         if self._reads_betas(group["betas"]):  # (tensors too, as torch's: Note [betas on the device])
             beta1, beta2 = (lr_value(b) for b in group["betas"])
             check_finite_hyper(name, betas=(beta1, beta2))

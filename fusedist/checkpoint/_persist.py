@@ -23,7 +23,12 @@ class PersistMixin:
     def _persist(self, step: int, snapshot: dict, record: dict) -> None:
         """Write ``snapshot`` as ``step-<N>`` on every rank, the manifest last; then retention.
         A step the root holds complete already is rewritten beside it (Note [saving a step
-        again] in ``_replace.py``)."""
+        again] in ``_replace.py``). The ranks wait for each other's I/O without the collective
+        deadline (Note [waiting for a peer's I/O] in ``_writer.py``)."""
+        with self._coord.io_round():
+            self._persist_round(step, snapshot, record)
+
+    def _persist_round(self, step: int, snapshot: dict, record: dict) -> None:
         start, started = time.perf_counter(), time.time()
         path = layout.step_dir(self.directory, step)
         rank = self.rank
@@ -60,6 +65,7 @@ class PersistMixin:
                     save_id, error = _replace.prepare(self.directory, step)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not wait
                 error = f"rank 0 could not create {path}: {type(exc).__name__}: {exc}"
+        self._coord.io_wait("creating the directory")
         everyone = self._coord.all_gather((error, save_id))
         failed = [e for e, _ in everyone if e is not None]
         if failed:
@@ -101,6 +107,7 @@ class PersistMixin:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = (f"rank {rank} could not write {os.path.join(path, _files.file_name(name, save_id))}: "
                      f"{type(exc).__name__}: {exc}")
+        self._coord.io_wait("writing the rank files")
         files = self._coord.all_gather((mine, error, os.path.abspath(path), _sampler_epoch(snapshot)))
         agree(next((e for _, e, *_ in files if e is not None), None), "writing the rank files")
 
@@ -127,6 +134,7 @@ class PersistMixin:
                     _files.write_manifest(path, manifest)
             except Exception as exc:  # noqa: BLE001
                 error = f"rank 0 could not complete {path}: {type(exc).__name__}: {exc}"
+        self._coord.io_wait("writing the manifest")
         agree(error, "writing the manifest")
 
 

@@ -14,8 +14,10 @@ which the next start skips.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import uuid
 import weakref
 from typing import Callable, Optional
 
@@ -44,6 +46,40 @@ class Coordinator:
                 self.comm = get_communicator(self.group)
         else:
             self.rank, self.size, self.group, self.ranks = 0, 1, None, [0]
+        self._io = _IOWaits(self) if self.comm is not None else None
+
+    @contextlib.contextmanager
+    def io_round(self):
+        """The background part of one save (Note [waiting for a peer's I/O]): this rank shows
+        it is alive while inside, and leaves only once every rank is done with its own I/O."""
+        if self._io is None:
+            yield
+            return
+        from ._files import CheckpointError
+
+        self._io.start()
+        try:
+            yield
+        except CheckpointError as exc:
+            # A failure every rank agreed on: the ranks are alive, rank 0 may still clean up.
+            # Not one of a rank gone silent, or of a failed collective (a peer died): waiting
+            # for it would only add the collective timeout.
+            if getattr(exc, "silent_ranks", None) is None:
+                with contextlib.suppress(Exception):  # the error on its way says more
+                    self._io.wait("the failed save")
+                    self.all_gather(None, "failed save finished")
+            raise
+        else:
+            self._io.wait("the save (its retention)")
+            self.all_gather(None, "save finished")
+        finally:
+            self._io.stop()
+
+    def io_wait(self, what: str) -> None:
+        """Wait, however long their disks take, until every rank is done with the I/O before
+        the exchange ``what`` (Note [waiting for a peer's I/O]); no-op on a single rank."""
+        if self._io is not None:
+            self._io.wait(what)
 
     def all_gather(self, obj, what: str = "exchange") -> list:
         if self.comm is None:
@@ -104,6 +140,183 @@ def _checkpoint_group(process_group) -> tuple:
         return mine, whole_job
     made = {g: dist.new_group(ranks=list(g), backend="gloo", timeout=collective_timeout()) for g in groups}
     return mine, made[tuple(mine)]
+
+
+# Note [waiting for a peer's I/O]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A save writes files and then exchanges the outcome with the other ranks. Were the
+# exchange's collective deadline (FUSEDIST_TIMEOUT_S) counted while a peer still writes, one
+# slow write (a busy shared filesystem, a large shard) would end the exchange on the waiting
+# rank -- and a gloo group whose collective failed closes its connections: every later save of
+# a Checkpointer failed, and a ``fusedist.checkpoint.save`` broke the training group itself.
+# Torch DCP bounds these waits by its process group's timeout only (30 minutes by default). So
+# before each exchange that follows I/O (a Checkpointer's background part, and ``save``'s), every
+# rank first arrives at a barrier in the job's store, and waits there for as long as the missing
+# ranks show they are alive: each process renews a beat key while a save of it runs, and a
+# missing rank is given up on after its beat stopped for the collective timeout (its process
+# ended), or once it kept writing for IO_LIMIT_S (its disk hangs) -- an error that names it. The
+# exchange itself starts once every rank arrived, well within its deadline. A Checkpointer save also
+# ends at such a barrier, so the next save's exchanges never wait on a peer's retention, and
+# then at one small exchange: a barrier in the store alone would let the first rank to see
+# it complete leave -- and exit, ending the store it may host -- before a slower rank polled.
+class IOBarrier:
+    """Store barriers between the I/O of the ranks of one group (Note [waiting for a peer's
+    I/O]): ``name`` is the same on every rank and new for each run of the group's saves."""
+
+    def __init__(self, store, name: str, rank: int, ranks: list):
+        self.store, self.rank, self.ranks = store, rank, ranks
+        self.prefix, self.phase = f"{_PREFIX}/{name}", 0
+
+    def wait(self, what: str) -> None:
+        """Arrive at the next barrier; return once every rank has, or raise a CheckpointError
+        naming the ranks whose process showed no sign of life for the collective timeout."""
+        from ._files import CheckpointError
+
+        self.phase += 1
+        key, size = f"{self.prefix}/{self.phase}", len(self.ranks)
+        arrived, limit = self.store.add(key, 1), collective_timeout().total_seconds()
+        seen: dict = {}
+        started = next_check = time.monotonic()
+        give_up = started + max(limit, IO_LIMIT_S)
+        pause = 0.005
+        while arrived < size:
+            time.sleep(pause)
+            pause = min(0.1, pause * 2)
+            arrived = self.store.add(key, 0)
+            now = time.monotonic()
+            if arrived < size and now >= next_check:
+                next_check = now + min(1.0, limit / 4)
+                silent = self._silent(seen, started, now, limit)
+                if not silent and now > give_up:
+                    raise CheckpointError(
+                        f"{Coordinator.NAME}: rank {self.ranks[self.rank]}: the other ranks were not done with {what} "
+                        f"after {now - started:.0f} s; their storage seems to hang (a save waits at most "
+                        f"{give_up - started:g} s for another rank's writes: the longer of FUSEDIST_TIMEOUT_S and "
+                        f"{IO_LIMIT_S:g} s, torch's default process group timeout)")
+                if silent:
+                    error = CheckpointError(
+                        f"{Coordinator.NAME}: rank {self.ranks[self.rank]}: waiting for the other ranks to be done "
+                        f"with {what}, rank(s) {silent} showed no sign of life for {limit:g} s (FUSEDIST_TIMEOUT_S): "
+                        "their process ended or hangs")
+                    error.silent_ranks = silent
+                    raise error
+
+    def forget(self, phases: int) -> None:
+        """Remove the keys of this barrier's first ``phases`` phases (once every rank left them)."""
+        for phase in range(1, phases + 1):
+            with contextlib.suppress(Exception):  # keys only take space
+                self.store.delete_key(f"{self.prefix}/{phase}")
+
+    def _silent(self, seen: dict, started: float, now: float, limit: float) -> list:
+        """The job's ranks whose beat has not changed for ``limit`` seconds."""
+        silent = []
+        for r in self.ranks:
+            if r == self.ranks[self.rank]:
+                continue
+            key = _beat_key(r)
+            value = self.store.get(key) if self.store.check([key]) else None
+            if r not in seen or seen[r][0] != value:
+                seen[r] = (value, now if r in seen else started)
+            elif now - seen[r][1] > limit:
+                silent.append(r)
+        return silent
+
+
+_PREFIX = "fusedist/checkpoint-io"
+IO_LIMIT_S = 1800.0  # the longest wait for another rank's writes (Note [waiting for a peer's I/O])
+
+
+def _beat_key(rank: int) -> str:
+    return f"{_PREFIX}/alive/{rank}"
+
+
+class _Beat:
+    """This process's sign of life in the store, renewed while any save of it runs."""
+
+    lock = threading.Lock()
+    users = 0
+    stop: Optional[threading.Event] = None
+
+    @classmethod
+    def acquire(cls, store) -> None:
+        with cls.lock:
+            cls.users += 1
+            if cls.stop is None:
+                cls.stop = threading.Event()
+                threading.Thread(target=cls._run, args=(store, cls.stop), name=f"{_PREFIX} beat", daemon=True).start()
+
+    @classmethod
+    def release(cls) -> None:
+        with cls.lock:
+            cls.users = max(0, cls.users - 1)
+            if cls.users == 0 and cls.stop is not None:
+                cls.stop.set()
+                cls.stop = None
+
+    @staticmethod
+    def _run(store, stop: threading.Event) -> None:
+        key, count = _beat_key(dist.get_rank()), 0
+        while True:
+            count += 1
+            with contextlib.suppress(Exception):  # a store that fails: the peers' waits report it
+                store.set(key, str(count))
+            if stop.wait(min(1.0, collective_timeout().total_seconds() / 4)):
+                return
+
+
+@contextlib.contextmanager
+def beating(store):
+    """Renew this process's beat inside the block (Note [waiting for a peer's I/O])."""
+    if store is None:
+        yield
+        return
+    _Beat.acquire(store)
+    try:
+        yield
+    finally:
+        _Beat.release()
+
+
+def io_barrier(name: str, rank: int, ranks: list) -> Optional[IOBarrier]:
+    """An :class:`IOBarrier` in the job's store, None without one (then the exchanges wait as
+    any collective does)."""
+    from ..reliability.stall_report import default_store
+
+    store = default_store()
+    return IOBarrier(store, name, rank, ranks) if store is not None and len(ranks) > 1 else None
+
+
+class _IOWaits:
+    """The barriers of a :class:`Coordinator`'s saves, one :class:`IOBarrier` per save."""
+
+    def __init__(self, coord: Coordinator):
+        self.coord = coord
+        # One name per Checkpointer of this run: a store kept across restarts holds the keys of
+        # an earlier run's group of the same name, whose counts would end a barrier early.
+        nonce = coord.broadcast(uuid.uuid4().hex[:12] if coord.rank == 0 else None, "checkpoint I/O keys")
+        self.name = f"{getattr(coord.group, 'group_name', 'default')}-{nonce}"
+        self.round, self.barrier, self.previous = 0, None, None
+        self._beat = None
+
+    def start(self) -> None:
+        """Number this save's round and renew this rank's beat until :meth:`stop`."""
+        self.round += 1
+        if self.previous is not None:  # every rank left the round before the last one: each ends at a barrier
+            self.previous.forget(self.previous.phase)
+        self.previous = self.barrier
+        self.barrier = io_barrier(f"{self.name}/{self.round}", self.coord.rank, self.coord.ranks)
+        if self.barrier is not None:
+            self._beat = beating(self.barrier.store)
+            self._beat.__enter__()
+
+    def stop(self) -> None:
+        if self._beat is not None:
+            self._beat.__exit__(None, None, None)
+            self._beat = None
+
+    def wait(self, what: str) -> None:
+        if self.barrier is not None:
+            self.barrier.wait(what)
 
 
 def stage_group(process_group) -> tuple:

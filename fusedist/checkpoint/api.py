@@ -41,7 +41,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _load_plan, _names, stage3
+from . import _checks, _files, _load_plan, _names, _writer, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -60,6 +60,8 @@ class _World:
     Its exchanges go through the communicator (bounded, monitored), so a rank missing from a
     save or load is named in a StallError, and ranks in different checkpoint calls are told
     which call each is in."""
+
+    io = io_beat = None  # a save's I/O barrier and this rank's beat (start_save)
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
         self.comm = None
@@ -254,12 +256,13 @@ def start_save(world: "_World", directory: str, call: dict, info=None, check=Non
             start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
         except OSError as exc:
             start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
-    everyone = world.all_gather((start, call, info), "save: start")
-    (problem, save_id), calls = everyone[0][0], [c for _, c, _ in everyone]
+    # Rank 0's random name for this save's I/O barriers (Note [waiting for a peer's I/O] in _writer.py).
+    everyone = world.all_gather((start, call, info, uuid.uuid4().hex[:12]), "save: start")
+    (problem, save_id), calls = everyone[0][0], [c for _, c, *_ in everyone]
     try:
         _checks.check_same_save(calls)
         if check is not None:
-            check([i for _, _, i in everyone])
+            check([i for _, _, i, _ in everyone])
     except (TypeError, CheckpointError):
         if created:  # rank 0 made it for this save: leave no trace of a refused one
             _remove_empty(directory)
@@ -267,7 +270,24 @@ def start_save(world: "_World", directory: str, call: dict, info=None, check=Non
     if problem:
         raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
     claim = _claim(directory) if world.rank == 0 else None  # Note [one save at a time]
-    return save_id, calls, claim, [i for _, _, i in everyone]
+    _start_io(world, everyone[0][3])
+    return save_id, calls, claim, [i for _, _, i, _ in everyone]
+
+
+def _start_io(world: "_World", name: str) -> None:
+    """Let the ranks of this save wait for each other's writes without the collective deadline:
+    a write slower than FUSEDIST_TIMEOUT_S ended the exchange after it, and with it the group
+    (gloo closes a failed collective's connections), training included (Note [waiting for a
+    peer's I/O] in ``_writer.py``). This rank beats until :func:`finish_save`."""
+    world.io = _writer.io_barrier(f"save-{name}", world.rank, world.ranks())
+    world.io_beat = _writer.beating(world.io.store) if world.io is not None else None
+    if world.io_beat is not None:
+        world.io_beat.__enter__()
+
+
+def _io_wait(world: "_World", what: str) -> None:
+    if world.io is not None:
+        world.io.wait(what)
 
 
 def finish_save(world: "_World", directory: str, started: float, save_id: str, calls: list, claim, written: tuple,
@@ -276,6 +296,17 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
     written, error or None, info)``. Every rank learns of any rank's failure; rank 0 then writes
     ``common.pt`` (``common()``, unless None) and the manifest (``base(every rank's info)``) and
     removes the files the manifest does not list; every rank raises any failure."""
+    try:
+        _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
+    finally:
+        beat, world.io_beat = world.io_beat, None
+        if beat is not None:
+            beat.__exit__(None, None, None)
+
+
+def _finish_written(world: "_World", directory: str, started: float, save_id: str, calls: list, claim,
+                    written: tuple, base, common) -> None:
+    _io_wait(world, "writing the rank files")
     everyone = world.all_gather(written, "save: rank files written")
     failed = [e for _, e, _ in everyone if e is not None]
     if failed:
@@ -291,6 +322,7 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
         # Before the last exchange (every rank file is written by now): the other ranks return
         # to a directory that holds the new checkpoint alone, without the claim.
         _finish_save(world, directory, calls, claim, None if error else started)
+    _io_wait(world, "writing the manifest")
     failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
     if world.rank != 0:
         _finish_save(world, directory, calls, claim)
@@ -537,10 +569,9 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     if not pipeline:
         _refuse_parts(model)
     world = pipelined.job_world() if pipeline else _World(optimizer, model, process_group)
-    by_stage = pipeline or pipelined.is_pipelined(directory)
+    by_stage = pipeline
     try:
-        prepare = pipelined.prepare if by_stage else _load_plan.prepare
-        plan = prepare(directory, model, optimizer, scaler, trusted, strict)
+        plan, by_stage = _prepared(directory, model, optimizer, scaler, trusted, strict, pipeline)
         error = None
     except (CheckpointError, zstate.StateDictError) as exc:
         plan, error = None, str(exc)
@@ -558,3 +589,39 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         pipelined.check_taken(plan, [r for _, r in everyone], directory)
         return pipelined.apply(plan, model, optimizer, scaler)
     return _load_plan.apply(plan, model, optimizer, scaler)
+
+
+def _prepared(directory: str, model, optimizer, scaler, trusted: bool, strict: bool, pipeline: bool) -> tuple:
+    """The load's plan, and whether it loads by stage (a pipelined checkpoint or job), both of
+    one manifest. Why: which reader a checkpoint needs is told by its manifest, which the reader
+    reads again; a checkpoint replaced in between (a save of the same directory by another
+    job) was read as the other kind -- a pipelined one as an ordinary one loads no model key,
+    which strict=False took silently. A manifest that changed between the two reads is read
+    again, and refused if it keeps changing."""
+    from . import pipeline as pipelined
+
+    for _ in range(3):
+        try:
+            manifest, digest = _files.read_manifest_and_digest(directory)
+        except Exception:  # noqa: BLE001 - reported by the reader that follows (or a DCP checkpoint)
+            manifest, digest = {}, None
+        by_stage = pipeline or "pipeline" in manifest
+        try:
+            plan = (pipelined.prepare if by_stage else _load_plan.prepare)(directory, model, optimizer, scaler,
+                                                                           trusted, strict)
+        except Exception:
+            if digest is None or _digest_now(directory) == digest:
+                raise  # the manifest read is the one refused
+            continue
+        if digest is None or plan["read"].get("manifest") == digest:
+            return plan, by_stage
+    raise CheckpointError(f"fusedist.checkpoint: the manifest of {directory} changed during each of 3 loads (another "
+                          "job saves into it): load it once that save is complete, or load another checkpoint")
+
+
+def _digest_now(directory: str) -> Optional[str]:
+    """The SHA-256 of the manifest ``directory`` holds now, None where it cannot be read."""
+    try:
+        return _files.read_manifest_and_digest(directory)[1]
+    except Exception:  # noqa: BLE001
+        return None

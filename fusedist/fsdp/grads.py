@@ -82,6 +82,24 @@ Note [fp16 reduction]
     factor, or ``set_force_sum_reduction_for_comms(True)``, with ``sum`` and a division by F
     after it (FSDP2's forced-sum path; its NCCL default for F != N, a PreMulSum by 1/F,
     rounds differently, within an ulp).
+
+Note [bf16 reduction order]
+    A bf16 ``reduce_dtype`` (or bf16 gradients and none) reduces as FSDP2 does: ``avg`` in
+    bf16, no upcast -- each addition rounds to bf16, then the sum is divided. On gloo FSDP2
+    calls gloo's own reduce-scatter (``ReduceOp.AVG``), whose order of additions is gloo's
+    (at 3 ranks, small tensors: the other ranks in ring order, this rank's part last; other
+    orders at other sizes); fusedist's gloo exchange adds in rank order (Note [exchange
+    determinism] in comm/exchange_fold.py). Even one algorithm would not line up: the order
+    depends on which rank an element's reduction lands on, and that differs (Note [row-aligned
+    flat layout] in layout.py against FSDP2's per-parameter dim-0 chunks), on NCCL too.
+    Matching FSDP2 bit for bit would take its layout (a copy-out after every all-gather).
+    So at world size 2 (one addition: commutative; halving: exact) the results are
+    bit-identical; at N >= 3 a reduced element may differ from FSDP2's by the rounding of
+    the N - 1 additions, ``|diff| <= 2 (N - 1) 2**-8 sum_i |g_i| / N`` -- in practice a bf16
+    ulp of the gradient, so one SGD step moves the weights apart by about ``lr * 2**-8 *
+    |grad|`` (e.g. 5e-4 at lr 1 for gradients near 0.1). Compare against FSDP2 with that
+    tolerance, or reduce in float32 (bf16 gradients of a few ranks add exactly there).
+    fp32 reductions differ likewise at fp32's precision.
 """
 
 from __future__ import annotations
@@ -93,6 +111,7 @@ from typing import Optional
 import torch
 
 from .._dtypes import fp16_divisors
+from .layout import as_wire
 from .memory import COUNTERS
 from .replicate import start_across_replicas
 
@@ -185,11 +204,15 @@ class UnitGrads:
         weakref.finalize(self, _free_held, self._acc, self._partial)
 
     def dtype_of(self, k: int) -> torch.dtype:
-        """The dtype section ``k`` reduces in."""
-        if self.policy_reduce_dtype is not None:
-            return self.policy_reduce_dtype
+        """The dtype section ``k`` reduces in: the policy's ``reduce_dtype`` for a floating
+        section, else its gathered dtype. A complex section keeps its own: a real
+        ``reduce_dtype`` would drop the gradients' imaginary parts (FSDP2 keeps complex too
+        where ``reduce_dtype`` equals ``param_dtype``, and fails on the cast otherwise)."""
         unit = self.unit
-        return unit.param_dtype if unit.param_dtype is not None else unit.section_param_dtype(k)
+        dtype = unit.param_dtype if unit.param_dtype is not None else unit.section_param_dtype(k)
+        if self.policy_reduce_dtype is not None and not dtype.is_complex:
+            return self.policy_reduce_dtype
+        return dtype
 
     def _sections(self, grads: list) -> list[int]:
         """The sections to reduce: those with a parameter that requires a gradient now (the
@@ -223,9 +246,9 @@ class UnitGrads:
             if present:
                 torch._foreach_copy_([views[j] for j in present], [grads[sec.indices[j]] for j in present])
         elif present:
-            src = [grads[sec.indices[j]] for j in present]
-            src = [g if g.dtype == flat.dtype else g.to(flat.dtype) for g in src]
-            torch._foreach_add_([views[j] for j in present], src)
+            # added as they are, not cast first: a gradient wider than ``reduce_dtype`` (fp32
+            # parameters, a bf16 reduce) then rounds once, in the sum, as FSDP2's ``+=`` does
+            torch._foreach_add_([views[j] for j in present], [grads[sec.indices[j]] for j in present])
         return flat, {sec.indices[j] for j in present}
 
     @torch.no_grad()
@@ -275,7 +298,7 @@ class UnitGrads:
                                            self.replicas)
             if pre != 1.0:  # Note [fp16 reduction]
                 flat.div_(pre)
-            handle = unit.comm.reduce_scatter(out, flat, op=op, async_op=True,
+            handle = unit.comm.reduce_scatter(as_wire(out), as_wire(flat), op=op, async_op=True,
                                               tag=f"fully_shard grads {unit.label}")
             pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post, op))
         self._acc.clear()

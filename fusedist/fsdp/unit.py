@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from .extension import ExtensionGathers
-from .layout import SplitLayout, alias
+from .layout import SplitLayout, alias, as_wire
 from .memory import COUNTERS
 from .pieces import PieceMixin
 from . import stale
@@ -292,7 +292,7 @@ class ShardedUnit(PieceMixin):
                 src, group = self._post_forward_parts, self._post_forward_source
                 self._post_forward_parts = self._post_forward_source = None  # (kept alive by _gather)
                 tag = f"fully_shard gather {self.label} (post-forward group of {group.size})"
-                handles = [group.comm.all_gather(out, part, async_op=True, tag=tag)
+                handles = [group.comm.all_gather(as_wire(out), as_wire(part), async_op=True, tag=tag)
                            for out, part in zip(self.fulls, src)]
             else:
                 if self.shard is not None:
@@ -465,7 +465,7 @@ class ShardedUnit(PieceMixin):
             src = shard[k] if isinstance(shard, (list, tuple)) else shard[c:d]
             if src is None:
                 continue  # (an extension section's gather: ExtensionGathers.start)
-            handles.append(self.comm.all_gather(out, src, async_op=True, tag=tag))
+            handles.append(self.comm.all_gather(as_wire(out), as_wire(src), async_op=True, tag=tag))
         return handles
 
     @property

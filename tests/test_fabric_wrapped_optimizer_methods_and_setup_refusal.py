@@ -6,8 +6,8 @@ is given several ZeRO optimizers for one module.
   ``opt_d.zero_grad()`` clears. Through Fabric's wrapper, ZeroRedundancyOptimizer's zero_grad ran
   with the wrapper as ``self`` and kept the stage-2 gradient shard, so the discriminator then
   stepped with the generator step's gradients too (weights off by 1e-2 after a few steps; the
-  same loop matches to 1e-7). Note [methods called through a wrapper] in
-  ``fusedist/integrations/_optimizer_swap.py``.
+  same loop matches to 1e-7). Note [state shared with wrappers] in
+  ``fusedist/zero/optimizer.py``.
 * ``fabric.setup_optimizers(opt_a, opt_b)`` over one module with ``zero_stage`` 1 or 2: refused
   with the strategy's advice, as ``fabric.setup(module, opt_a, opt_b)`` is (ZeRO's own message
   advised freezing the parameters the other optimizer trains).

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 import weakref
 
 import torch
@@ -41,8 +40,12 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
     ``fused_optimizer``; same hyperparameters and param groups, FP32 masters when
     ``master_weights``), sharded by ``ZeroRedundancyOptimizer`` when ``zero_stage`` is 1 or 2,
     under the returned class's name (Note [the optimizer's name]); ``optimizer`` itself when
-    nothing changes. ``strategy`` names the strategy in errors, ``fresh_from`` where a fresh
-    optimizer comes from."""
+    nothing changes, or when it is a ``ZeroRedundancyOptimizer`` already: the user sharded it, at
+    the stage they chose (sharding it again nested one inside the other: its first step failed
+    with an unclear error, or it trained 3e-2 off torch). ``strategy`` names the strategy in
+    errors, ``fresh_from`` where a fresh optimizer comes from."""
+    if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer):
+        return optimizer
     cls = type(optimizer)
     fused = _FUSED.get(cls) if fused_optimizer else None
     if fused is None and zero_stage == 0:
@@ -115,54 +118,12 @@ def _named_as(implementation: type, returned: type) -> type:
                  "__doc__": (f"{implementation.__qualname__}, named as {returned.__qualname__} "
                              "(Note [the optimizer's name])."),
                  "__reduce_ex__": __reduce_ex__})
-
-    def __init_subclass__(cls, **kwargs):
-        super(named, cls).__init_subclass__(**kwargs)
-        _forward_to_the_wrapped(cls)
-
-    named.__init_subclass__ = classmethod(__init_subclass__)
     return named
 
 
 def _new_named(implementation: type, returned: type):
     cls = _named_as(implementation, returned)
     return cls.__new__(cls)
-
-
-# Note [methods called through a wrapper]
-# Fabric's _FabricOptimizer and Lightning's LightningOptimizer wrap an optimizer in an instance
-# of a class made on the fly, with the optimizer's class as a second base (so that isinstance
-# holds), and forward the attributes they lack to the wrapped optimizer (``__getattr__``). A
-# method the wrapper class does not define itself -- zero_grad, add_param_group,
-# ZeroRedundancyOptimizer's clip_grad_norm_ -- is found on the optimizer's class and runs with
-# the wrapper as ``self``: what it reads is the optimizer's, what it assigns lands on the
-# wrapper. ZeroRedundancyOptimizer's zero_grad marks the gradient shard of stage 2 stale by an
-# assignment, so ``optimizer.zero_grad()`` through Fabric's wrapper left the shard in place and
-# the next backward added to the gradients it was to clear (a GAN loop's discriminator stepped
-# with the generator step's gradients too). For a wrapper class made from a swapped optimizer's
-# class, each public method that the wrapper does not define runs on the wrapped optimizer.
-
-
-def _forward_to_the_wrapped(cls) -> None:
-    """For ``cls``, a subclass of a swapped class, made by a wrapper: Note [methods called through a wrapper]."""
-    wrapper, *rest = cls.__bases__
-    if not rest or issubclass(wrapper, torch.optim.Optimizer) or not isinstance(
-            getattr(wrapper, "optimizer", None), property):
-        return  # a subclass of the optimizer, not a wrapper
-    for name in dir(cls):
-        if name.startswith("_") or hasattr(wrapper, name):
-            continue
-        if isinstance(inspect.getattr_static(cls, name), types.FunctionType):
-            setattr(cls, name, _forwarded(name))
-
-
-def _forwarded(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self.optimizer, name)(*args, **kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"The wrapped optimizer's {name} (Note [methods called through a wrapper])."
-    return method
 
 
 # Note [the returned optimizer]

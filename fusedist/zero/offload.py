@@ -134,7 +134,8 @@ class HostShardOffload:
         self.host_grads = {dt: torch.zeros(n, dtype=torch.float32, pin_memory=pin)
                            for dt, n in part.shard_numel.items()}
         # bf16/fp16 parameters: the kernel writes the rounded master here (half the bytes up).
-        self.staging = {dt: torch.empty(n, dtype=dt, pin_memory=pin)
+        # Zeros, not garbage: the bucket's whole slice goes up, padding included.
+        self.staging = {dt: torch.zeros(n, dtype=dt, pin_memory=pin)
                         for dt, n in part.shard_numel.items() if dt != torch.float32}
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -267,6 +268,8 @@ class HostShardOffload:
             staging = self.staging.get(dt)
             for k, lo, hi in segs:
                 if not stepped[k]:
+                    if staging is not None:  # Note [staging of pieces a step skips]
+                        staging[lo:hi].copy_(master[lo:hi])
                     continue
                 piece = part.pieces[k]
                 st = states[k]
@@ -286,6 +289,14 @@ class HostShardOffload:
         if self.cuda and z.world_size == 1:
             torch.cuda.current_stream().wait_stream(self.h2d_stream)
 
+    # Note [staging of pieces a step skips]
+    #     A bucket's whole slice of the staging goes up, but the kernel writes only the pieces
+    #     it steps. A piece a step skips (its parameter got no gradient) sent up what the
+    #     staging held from its last update: uninitialized memory when it had none (the
+    #     parameter turned NaN after a first step without its gradient), or the value before
+    #     a ``model.load_state_dict`` / ``load_state_dict`` / ``sync_master_from_params`` had
+    #     written the master (the parameter silently went back). torch leaves such a parameter
+    #     as it is; its master rounded is exactly that value, so that is what goes up.
     def _copy_up(self, bs, source: torch.Tensor) -> None:
         n = bs.hi - bs.lo
         src = source[bs.pos:bs.pos + n]

@@ -29,6 +29,8 @@ class WatchBase:
 
     #: The model, as the step guard names it, and the ends of its two messages (subclasses).
     owner_name = no_backward_advice = unsynced_advice = ""
+    #: The per-step check's collectives, as errors and stall reports name them.
+    check_tag = "ddp step check"
 
     def __init__(self, comm):
         self.rank = comm.rank
@@ -36,7 +38,7 @@ class WatchBase:
         self.forwards = 0  # training forwards (grad enabled)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.last_backward_synced = True
-        self.step_check = StepCheck(comm) if checks_enabled() and comm.world_size > 1 else None
+        self.step_check = StepCheck(comm, self.check_tag) if checks_enabled() and comm.world_size > 1 else None
         self.monitor = attach_monitor(comm)
         if self.monitor is not None:
             self.monitor.add_context_provider(self.position)

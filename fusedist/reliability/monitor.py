@@ -54,7 +54,8 @@ class CollectiveMonitor:
         self.comm = comm
         self.group_name = group_name
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
-        self.launch_times: dict[int, float] = {}
+        # slot -> (seq, launch time): a slot holds the latest of the collectives sharing it.
+        self.launch_times: dict[int, tuple] = {}
         #: Training position stamped into each history entry (set by DDP, cheap int).
         self.step_hint: int = -1
         self._context_providers: list[Callable[[], Optional[Callable[[], dict]]]] = []
@@ -70,7 +71,7 @@ class CollectiveMonitor:
     # ---- observer interface (see Communicator._launch / CommHandle.wait)
     def on_launch(self, comm: Communicator, handle: CommHandle) -> None:
         self.history.append((handle.seq, handle.op, handle.tag, self.step_hint))
-        self.launch_times[handle.seq % HISTORY] = time.monotonic()
+        self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic())
 
     def on_failure(self, comm: Communicator, handle: CommHandle, error: BaseException) -> BaseException:
         """Publish this rank's state, gather the others', return the error to raise."""
@@ -80,7 +81,7 @@ class CollectiveMonitor:
         # NCCL watchdog found after that collective's wait had returned), else the handle's.
         named = isinstance(error, CollectiveError) and error.seq >= 0
         op, tag, seq = (error.op, error.tag, error.seq) if named else (handle.op, handle.tag, handle.seq)
-        started = self.launch_times.get(seq % HISTORY)
+        started = self.launched_at(seq)
         # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
         reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
         entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
@@ -106,6 +107,13 @@ class CollectiveMonitor:
             op=op, tag=tag, rank=comm.rank, seq=seq,
         )
 
+    def launched_at(self, seq: int) -> Optional[float]:
+        """When collective ``seq`` was launched (``time.monotonic()``); None once HISTORY later
+        collectives took its slot (a model of many buckets): the time of a later one would
+        understate how long it has waited."""
+        launched = self.launch_times.get(seq % HISTORY)
+        return launched[1] if launched is not None and launched[0] == seq else None
+
     def add_context_provider(self, provider: Callable[[], dict]) -> None:
         """Call ``provider()`` for the training position whenever a report is built. A bound
         method is held weakly. Why: the monitor lives as long as its communicator, which the
@@ -119,7 +127,9 @@ class CollectiveMonitor:
 
     # ---- helpers
     def context(self) -> dict:
-        out: dict = {}
+        """The training position for a report: that of the one model on this communicator, or
+        (Note [several models on one communicator]) that of the model inside backward."""
+        positions = []
         live = []
         for ref in self._context_providers:
             provider = ref()
@@ -127,11 +137,11 @@ class CollectiveMonitor:
                 continue  # its owner is gone
             live.append(ref)
             try:
-                out.update(provider())
+                positions.append(dict(provider()))
             except Exception:  # noqa: BLE001 - the report must not fail on a bad provider
                 pass
         self._context_providers = live
-        return out
+        return _pick_position(positions)
 
     def _entry(self, kind: str, error: str) -> dict:
         return {"kind": kind, "error": error, "context": self.context(), "recent": list(self.history)}
@@ -178,6 +188,25 @@ class CollectiveMonitor:
             bound = max(0.0, deadline - time.monotonic())
         return stall_report.await_entries(self.store, self.group_name, self.generation, self.comm.rank,
                                           self.comm.world_size, bound)
+
+
+# Note [several models on one communicator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Models built on one process group share its communicator and so its monitor: a GAN's two
+# nets, an encoder and a head wrapped apart. Their positions have the same keys (step,
+# forwards, optimizer steps, in backward), and merging them let the last model built overwrite
+# the others: a stall in one model's bucket was reported at the other model's step, not
+# inside backward. The report takes the position of the model inside backward (the one whose
+# buckets or units are in flight); with none or several there, the last one built, as before;
+# either way it says how many models share the group and which position it shows.
+def _pick_position(positions: list) -> dict:
+    if len(positions) <= 1:
+        return positions[0] if positions else {}
+    inside = [p for p in positions if p.get("in_backward")]
+    chosen = dict(inside[0] if len(inside) == 1 else positions[-1])
+    chosen["models_on_group"] = len(positions)
+    chosen["position_of"] = "the model inside backward" if len(inside) == 1 else "the last model built"
+    return chosen
 
 
 def _short(error: BaseException, limit: int = 400) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import zlib
 
 from ..ownership import register_step_watch
+from .config import checks_enabled
 from .engine_watch import PIPELINE_HINT, WatchBase
 
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {
@@ -46,6 +47,7 @@ class ShardedStepWatch(WatchBase):
     """Counters, the per-step check and the stall-report context of one fully_shard root."""
 
     owner_name = "fully_shard model"
+    check_tag = "fully_shard step check"
     no_backward_advice = "so there are no reduced gradients to apply. Call loss.backward() before optimizer.step()."
     unsynced_advice = ("under set_requires_gradient_sync(False): the gradients are this rank's unreduced local "
                        "sums, so the ranks would diverge. Turn gradient synchronization back on for the last "
@@ -62,7 +64,8 @@ class ShardedStepWatch(WatchBase):
         super().__init__(comm)
         from . import optimizer_guard
 
-        optimizer_guard.install()  # counts optimizer steps over these parameters
+        if checks_enabled():  # FUSEDIST_CHECKS=0 turns the guard off, as for a DDP model
+            optimizer_guard.install()  # counts optimizer steps over these parameters
         register_step_watch(params, self)
 
     # ------------------------------------------------------------------ events of the root

@@ -211,7 +211,10 @@ def _position(entry: dict) -> str:
     parts = [fmt.format(ctx[key]) for key, fmt in labels if key in ctx]
     if ctx.get("in_backward"):
         parts.append("inside backward")
-    return ", ".join(parts)
+    text = ", ".join(parts)
+    if ctx.get("models_on_group"):  # Note [several models on one communicator] in monitor.py
+        text += f" (the position of {ctx.get('position_of')}, of {ctx['models_on_group']} models on this group)"
+    return text
 
 
 def _history(entry: dict, last: int = 4) -> str:

@@ -85,8 +85,11 @@ def layout_crc(layout) -> int:
 class StepCheck:
     """Launch/settle pair for the check of one DDP reducer (see Note [step check])."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, tag: str = "ddp step check"):
         self.comm = comm
+        # How its collectives are named in errors and stall reports: a fully_shard model's
+        # check is not called a DDP one there.
+        self.tag = tag
         self.k = len(FIELDS)
         self.buf = torch.zeros(2 * self.k, dtype=torch.int64, device=comm.device)
         self.on_cuda = comm.device.type == "cuda"
@@ -109,7 +112,7 @@ class StepCheck:
         if self.on_cuda:  # pinned + non_blocking: a pageable copy would synchronize the host
             local = local.pin_memory()
         self.buf.copy_(local, non_blocking=self.on_cuda)
-        handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag="ddp step check")
+        handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag=self.tag)
         host = event = None
         if self.on_cuda:
             # Note [the check off the step's stream]
@@ -141,7 +144,7 @@ class StepCheck:
         if event is not None:
             event.synchronize()
             # wait() did not block the host: an aborted all-reduce would have left garbage.
-            self.comm.raise_if_failed("ddp step check")
+            self.comm.raise_if_failed(self.tag)
             reduced = host.tolist()
         else:
             reduced = self.buf.tolist()
@@ -175,7 +178,7 @@ class StepCheck:
         mine = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
         everyone = torch.empty(self.comm.world_size * k, dtype=torch.int64, device=self.comm.device)
         try:
-            self.comm.all_gather(everyone, mine, tag="ddp step check details")
+            self.comm.all_gather(everyone, mine, tag=f"{self.tag} details")
         except CollectiveError as exc:
             # Note [verdict without details]: the divergence is known from the reduction.
             raise RankMismatchError(render_bounds(reduced, values, self.comm.rank, detail, exc)) from exc

@@ -1,0 +1,126 @@
+"""Stall reports and per-step checks where several models share a process group, and the names
+the reliability layer gives its own collectives."""
+
+import time
+
+import torch
+
+import models
+from fusedist.testing import run_distributed
+
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "2", "FUSEDIST_STALL_REPORT_S": "1"}
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a rank stuck in backward, outside any collective."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(5)
+        return grad
+
+
+def _two_models_stall_worker(rank, world_size):
+    import fusedist
+    from fusedist.reliability import StallError
+
+    torch.manual_seed(0)
+    first = fusedist.DistributedDataParallel(models.MLP())
+    second = fusedist.DistributedDataParallel(models.MLP(hidden=8))  # built last: its position overwrote
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        (second(x) - y).pow(2).mean().backward()
+    try:
+        out = first(x)
+        if rank == 1:
+            out = SlowBackward.apply(out)
+        (out - y).pow(2).mean().backward()
+    except StallError as exc:
+        return exc.report
+    return "finished"
+
+
+def test_stall_report_shows_the_position_of_the_model_in_backward():
+    """Two DDP models on one group share its monitor: rank 0's report on the first model's stuck
+    bucket gives that model's position (step 0, inside backward), not the second's (step 3)."""
+    report = run_distributed(_two_models_stall_worker, 2, env=FAST_FAILURE, timeout=60)[0]
+    line = next(text for text in report.splitlines() if text.startswith("  rank 0 on"))
+    assert "DDP step 0, 1 training forwards" in line, line
+    assert "inside backward" in line and "of 2 models on this group" in line, line
+    assert "DDP step 3" not in line, line
+
+
+def _sharded_tags_worker(rank, world_size):
+    import fusedist
+    from fusedist.fsdp.state import state_of
+    from fusedist.reliability import monitor_of
+
+    torch.manual_seed(0)
+    model = models.BlockStack()
+    for block in model.blocks:
+        fusedist.fully_shard(block)
+    fusedist.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model.check_consistency()
+    monitor = monitor_of(state_of(model).ctx.watch.step_check.comm)
+    tags = sorted({tag for _, _, tag, _ in monitor.history if "step check" in tag})
+    ddp = fusedist.DistributedDataParallel(models.MLP())
+    for _ in range(2):
+        ddp(torch.randn(4, 16)).sum().backward()
+    position = monitor.context()  # two models on the group: the last built, and it says so
+    return tags, position.get("models_on_group"), position.get("ddp_step")
+
+
+def test_fully_shard_step_check_is_not_named_a_ddp_one():
+    """The fully_shard model's per-step check shows in stall reports under its own name."""
+    for tags, models_on_group, ddp_step in run_distributed(_sharded_tags_worker, 2, timeout=60):
+        assert tags == ["fully_shard step check"], tags
+        assert (models_on_group, ddp_step) == (2, 2)
+
+
+def test_launch_time_of_a_collective_is_not_taken_from_a_later_one():
+    """A failure of a collective launched more than HISTORY collectives ago (the first bucket of
+    a model of many buckets) reports no age rather than the age of a later collective."""
+    from types import SimpleNamespace
+
+    from fusedist.reliability.monitor import HISTORY, CollectiveMonitor
+
+    monitor = CollectiveMonitor.__new__(CollectiveMonitor)
+    monitor.history, monitor.launch_times, monitor.step_hint = [], {}, 0
+    for seq in range(HISTORY + 3):
+        monitor.on_launch(None, SimpleNamespace(seq=seq, op="all_reduce", tag=f"ddp bucket {seq}"))
+    assert monitor.launched_at(0) is None and monitor.launched_at(2) is None
+    assert monitor.launched_at(HISTORY + 2) is not None and monitor.launched_at(3) is not None
+
+
+def _sharded_checks_off_worker(rank, world_size):
+    import fusedist
+
+    torch.manual_seed(0)
+    model = models.BlockStack()
+    for block in model.blocks:
+        fusedist.fully_shard(block)
+    fusedist.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    try:
+        opt.step()  # a local step, as torch's FSDP2 allows: the guard is off with the checks
+    except RuntimeError as exc:
+        return f"refused: {exc}"
+    return "stepped"
+
+
+def test_checks_off_turns_the_fully_shard_step_guard_off():
+    """FUSEDIST_CHECKS=0 turns the optimizer-step guard off for fully_shard models too."""
+    results = run_distributed(_sharded_checks_off_worker, 2, env={"FUSEDIST_CHECKS": "0"}, timeout=60)
+    assert results == ["stepped", "stepped"], results

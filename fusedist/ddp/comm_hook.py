@@ -20,7 +20,9 @@ Note [communication hooks]
     The launches follow fusedist's bucket order and its one rebuild after the first
     synchronized backward, as torch's do (PowerSGD's ``start_powerSGD_iter`` > 1 exists for
     that rebuild). A joined rank's shadow backward runs the hook on zeroed buckets, as
-    torch's join does.
+    torch's join does. Sparse gradients (``nn.Embedding(sparse=True)``) are in no bucket: they
+    are averaged over the model's group as without a hook (Note [sparse gradients] in
+    sparse.py), where torch passes them to the hook; registering a hook on such a model warns.
 
     Every wait is bounded: the hook's collectives run on torch process groups fusedist does
     not see, so the reducer waits for the future itself, up to the collective timeout
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import warnings
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -258,8 +261,27 @@ def _set_hook_strategy(wrapper, state, hook) -> None:
             f"synchronized by {reducer.strategy.description} (ZeRO stage 2 reduce-scatters "
             f"the buckets itself); the communication hook {name} cannot synchronize them too"
         )
+    _warn_sparse_weights_bypass(wrapper, name)
     wrapper._comm_hook = name
     reducer.strategy = CommHookStrategy(state, hook)
+
+
+def _warn_sparse_weights_bypass(wrapper, name: str) -> None:
+    """torch's DDP hands a sparse gradient (``nn.Embedding(sparse=True)``) to the hook in a bucket
+    of its own; here such weights are averaged outside the buckets (Note [sparse gradients] in
+    sparse.py), so the hook never sees them. A hook that does not average over the model's group
+    (the no-op hook, post-local SGD's subgroup phase, a custom compression) then gets numbers
+    torch's would not: said at registration rather than left silent."""
+    sparse = getattr(wrapper, "_sparse", None)
+    if not sparse:
+        return
+    warnings.warn(
+        f"fusedist.DistributedDataParallel (rank {wrapper.rank}): the communication hook {name} is not called "
+        f"for the sparse gradients of {list(sparse.names)[:4]} (nn.Embedding/EmbeddingBag with sparse=True): "
+        "fusedist averages them over the model's process group after the buckets, where torch's DDP passes "
+        "them to the hook in a bucket of their own",
+        stacklevel=5,  # the user's register_comm_hook call
+    )
 
 
 def _check_hook_allowed(wrapper) -> None:

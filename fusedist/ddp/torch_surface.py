@@ -1,7 +1,7 @@
 """What torch's DDP does around its reducer that scripts rely on: inputs copied to the
-``device_ids`` GPU, the legacy ``to_kwargs``/``scatter``/``gather`` helpers, and parameters and
-buffers marked rank-local. A mixin of :class:`~fusedist.ddp.wrapper.DistributedDataParallel`,
-kept apart from the gradient engine it wraps.
+``device_ids`` GPU, the legacy ``to_kwargs``/``scatter``/``gather`` helpers, parameters and
+buffers marked rank-local, and the private names scripts call (``_register_builtin_comm_hook``).
+A mixin of :class:`~fusedist.ddp.wrapper.DistributedDataParallel`, kept apart from the gradient engine it wraps.
 
 Note [inputs moved to the module's device]
     torch's DDP given ``device_ids=[i]`` copies the forward's tensor inputs (in args and
@@ -64,6 +64,12 @@ class TorchDDPSurface:
 
     def gather(self, outputs, output_device):
         return gather(outputs, output_device, dim=self.dim)
+
+    # ------------------------------------------------------------ torch's private names
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's name for ``register_builtin_comm_hook`` (torch's DDP has only this private one,
+        and its docs show ``ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)``)."""
+        self.register_builtin_comm_hook(comm_hook_type)
 
     # ------------------------------------------------------------ Note [parameters and buffers DDP ignores]
     @staticmethod

@@ -294,6 +294,14 @@ def _check_hook_allowed(wrapper) -> None:
         raise RuntimeError("fusedist.DistributedDataParallel: register_comm_hook was called during backward")
 
 
+# Note [compression hooks divide first]
+# torch's fp16_compress_hook / bf16_compress_hook (and the builtin FP16_COMPRESS) divide each
+# bucket by the world size in the narrow dtype, then all-reduce the sum. fusedist runs them as
+# its own reduction in that ``reduce_dtype``, whose fp16 division is otherwise split around
+# the sum (FSDP2's rule: no overflowing sum where the average fits, fewer small gradients
+# flushed to zero). Under the hook the user asked for torch's numerics, so the division comes
+# first, whole: at 3 ranks an fp16 gradient of 50000 averaged to inf with the split (25000 x 3
+# overflows) where torch's hook gives 49984, and results differed in rounding beyond 2 ranks.
 def _set_hook_dtype(wrapper, dtype: Optional[torch.dtype], name: str) -> None:
     _check_hook_allowed(wrapper)
     current = wrapper.config.reduce_dtype
@@ -305,3 +313,4 @@ def _set_hook_dtype(wrapper, dtype: Optional[torch.dtype], name: str) -> None:
         )
     wrapper._comm_hook = name
     wrapper.config.reduce_dtype = dtype
+    wrapper.config.divide_first = dtype is not None  # Note [compression hooks divide first]

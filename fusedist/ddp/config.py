@@ -53,6 +53,12 @@ class DDPConfig:
     """Reduce in this dtype (e.g. bfloat16 to halve the bytes on the wire); the result is
     written back in the gradient's dtype. None: reduce in the gradient's dtype."""
 
+    divide_first: bool = False
+    """Divide by the whole world size before the sum whatever ``reduce_dtype`` is, as torch's
+    ``fp16_compress_hook`` / ``bf16_compress_hook`` do (set when one is registered; Note
+    [compression hooks divide first] in comm_hook.py). False: an fp16 reduce splits the
+    division around the sum (``strategy.divide_factors``)."""
+
     @property
     def tolerates_unused(self) -> bool:
         """Whether parameters without a gradient are settled (Note [unused parameters] in

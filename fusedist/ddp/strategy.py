@@ -74,6 +74,14 @@ class GradSyncStrategy:
         after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
 
 
+def bucket_divide_factors(reducer: "Reducer", dtype: torch.dtype) -> tuple[float, float]:
+    """:func:`divide_factors` for a DDP model's buckets: all before the sum where a compression
+    hook asked for torch's division (``DDPConfig.divide_first``)."""
+    if reducer.config.divide_first:
+        return float(reducer.grad_divisor), 1.0
+    return divide_factors(reducer.grad_divisor, dtype)
+
+
 def divide_factors(world_size: int, dtype: torch.dtype) -> tuple[float, float]:
     """(pre, post) divisors whose product is ``world_size``.
 
@@ -99,7 +107,7 @@ def pre_division_fold(reducer: "Reducer", bucket: Bucket) -> Optional[float]:
     reduce_dtype = reducer.config.reduce_dtype or bucket.dtype
     if reduce_dtype != bucket.dtype or bucket.numel < FOLD_MIN_ELEMENTS_PER_PARAM * len(bucket.params):
         return None
-    pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
+    pre, _ = bucket_divide_factors(reducer, reduce_dtype)
     return 1.0 / pre if pre != 1.0 else None
 
 
@@ -122,7 +130,7 @@ class AllReduceAverage(GradSyncStrategy):
     def launch(self, reducer, bucket):
         data = bucket.data
         reduce_dtype = reducer.config.reduce_dtype or data.dtype
-        pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
+        pre, _ = bucket_divide_factors(reducer, reduce_dtype)
         wire = data.to(reduce_dtype) if reduce_dtype != data.dtype else data
         divide_before_sum(bucket, wire, pre)
         reducer.bucket_scratch[bucket.index] = wire
@@ -135,7 +143,7 @@ class AllReduceAverage(GradSyncStrategy):
         handle.wait()
         wire = reducer.bucket_scratch.pop(bucket.index)
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
-        _, post = divide_factors(reducer.grad_divisor, reduce_dtype)
+        _, post = bucket_divide_factors(reducer, reduce_dtype)
         if wire.data_ptr() != bucket.data.data_ptr():
             bucket.data.copy_(wire)
         if post != 1.0:

@@ -57,7 +57,7 @@ import torch
 from .._process_hooks import install_parameter_registration_hook
 from ..ownership import register_data_parallel
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
-from .strategy import divide_factors
+from .strategy import bucket_divide_factors
 
 
 def flags_crc(flags: list) -> int:
@@ -231,7 +231,7 @@ def _average(reducer, params: list, names: dict) -> None:
             p.grad = None
     for dtype, group in by_dtype.items():
         reduce_dtype = reducer.config.reduce_dtype or dtype
-        pre, post = divide_factors(reducer.grad_divisor, reduce_dtype)  # as the buckets (join may change it)
+        pre, post = bucket_divide_factors(reducer, reduce_dtype)  # as the buckets (join may change it)
         wire = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
         wire = wire.to(device=comm.device, dtype=reduce_dtype).div_(pre)
         if world > 1:

@@ -173,9 +173,15 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
 
 
 def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
+    """``value`` as a bool; a numpy bool (``i == n - 1`` over a numpy range) is one too, as
+    torch takes it. Others are refused, naming the type with its module ("numpy.int64")."""
+    if isinstance(value, bool):
+        return value
+    cls = type(value)
+    if cls.__module__ == "numpy" and cls.__name__ in ("bool", "bool_"):
+        return bool(value)
+    where = "" if cls.__module__ == "builtins" else f"{cls.__module__}."
+    raise TypeError(f"{name} must be a bool, got {where}{cls.__qualname__}")
 
 
 _CLASSES: dict = {}
@@ -245,10 +251,16 @@ class FullyShardedModule:
         return None
 
     def reshard(self) -> None:
-        """Free this module's gathered parameters (not recursive)."""
-        unit = self._fs_state().unit
-        if unit is not None:
-            unit.reshard()
+        """Free this module's gathered parameters (not recursive). During the module's own
+        forward (called from a hook or a submodule) it does nothing: the rest of that forward
+        still reads them, and its end reshards as ``reshard_after_forward`` says. FSDP2 does
+        nothing there too when the unit stays gathered after forward (the root by default);
+        otherwise it reshards, and a later use in that forward fails on the sharded DTensors.
+        Freeing them here failed the rest of the forward on the empty buffer, or computed
+        silently with this rank's pieces (an empty output)."""
+        st = self._fs_state()
+        if st.unit is not None and not st.in_own_forward():
+            st.unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates the unsharded gradients locally in ``reduce_dtype``, with no
@@ -299,7 +311,7 @@ class FullyShardedModule:
         next backward with True all-reduces the sum (FSDP2's micro-batching switch; Note
         [replicate all-reduce] in replicate.py). On a 1-D mesh there is no all-reduce (as in
         FSDP2): either value leaves the gradients as they are; the setting is recorded."""
-        _check_bool("requires_all_reduce", requires_all_reduce)
+        requires_all_reduce = _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._fs_states(recurse):
             st.requires_all_reduce = requires_all_reduce
             if st.grads is not None:
@@ -563,10 +575,12 @@ def _record_hint(states, name: str, value) -> None:
 
 
 def _states_of(modules) -> list:
+    """The states of ``modules``; anything else is a ``ValueError`` naming it, as FSDP2's (a
+    string, None or a number used to fail on a weak reference instead)."""
     out = []
     for m in modules:
-        st = state_of(m)
+        st = state_of(m) if isinstance(m, nn.Module) else None
         if st is None:
-            raise ValueError(f"expected modules sharded with fusedist.fully_shard, got {type(m).__name__}")
+            raise ValueError(f"expected modules sharded with fusedist.fully_shard, got {type(m).__name__}: {m!r:.80}")
         out.append(st)
     return out

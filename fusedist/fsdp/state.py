@@ -249,6 +249,7 @@ class FullyShardState:
         self._open_calls: "weakref.WeakSet[_OpenCall]" = weakref.WeakSet()
         self._call_opened: list = []  # those of the call running forward (its outputs' hooks reopen them)
         self._post_backward_done = False
+        self.forward_running = False  # between this module's pre- and post-forward (FSDP2's FORWARD state)
         if unit is not None:
             unit.on_grad = self._on_grad
             unit.busy = self._busy
@@ -262,6 +263,13 @@ class FullyShardState:
         ended is not: Note [aborted forward])."""
         ctx = self.ctx
         return ctx is not None and recovery.is_running(ctx)
+
+    def in_own_forward(self) -> bool:
+        """Whether this module's forward is running now (``reshard()`` waits for its end): begun
+        and not ended, unless an exception ended the root's forward midway (Note [aborted
+        forward]), which leaves the flag set until the next forward drops it."""
+        ctx = self.ctx
+        return self.forward_running and not (ctx is not None and ctx.in_forward and not recovery.is_running(ctx))
 
     # ------------------------------------------------------------------ root
     def lazy_init(self) -> None:
@@ -350,6 +358,7 @@ class FullyShardState:
                     args, kwargs = self._route_inputs(args, kwargs)  # Note [frozen parameters in backward]
                 return args, kwargs
             self._group_pending = {id(m) for m in self.modules}
+        self.forward_running = True
         if not ctx.in_forward:  # a forward begins (the root's, or a submodule run alone)
             ctx.wait_post_optim_event()
         if self.is_root and not ctx.in_forward:
@@ -386,6 +395,7 @@ class FullyShardState:
                 if grad:  # the entry the group's post-forward will record
                     self._hook_outputs(output, len(self._post_forward_indices))
                 return output
+        self.forward_running = False
         if unit is not None:
             if grad:
                 self._record_post_forward()
@@ -506,6 +516,7 @@ class FullyShardState:
         record it as the post-forward that member's would have recorded (its outputs' backward
         hooks point at that entry); ``end_forward`` reshards the unit as for any unit."""
         self._group_pending.clear()
+        self.forward_running = False
         if self.unit is not None and torch.is_grad_enabled():
             self._record_post_forward()
 
@@ -525,6 +536,7 @@ class FullyShardState:
 
     def reset_backward(self) -> None:
         self._group_pending.clear()  # a group call an exception ended (Note [aborted forward])
+        self.forward_running = False
         self._in_backward = False
         self._grads_seen = 0
         self._post_backward_done = False

@@ -76,6 +76,33 @@ def test_module_list_is_refused_as_torch_refuses_it():
         assert out["fusedist unchanged"], "the refusal came after the module changed"
 
 
+def _module_list_in_a_list(rank, world):
+    import fusedist
+
+    out = []
+    for members in (lambda m: [m.blocks], lambda m: [m.blocks, m.blocks[0]], lambda m: [m.emb, m.blocks]):
+        model = _Net()
+        before = [id(p) for p in model.parameters()]
+        try:
+            fusedist.fully_shard(members(model))
+            out.append(None)
+        except ValueError as e:
+            out.append((str(e), [id(p) for p in model.parameters()] == before))
+    return out
+
+
+def test_module_list_as_the_outermost_member_of_a_list_is_refused_too():
+    """A list unit whose outermost member is a container without forward was taken, and the
+    modules inside then ran on this rank's pieces (a shape error, or a wrong result where the
+    shapes fit)."""
+    for out in run_distributed(_module_list_in_a_list, 2, timeout=120):
+        for refused, item in zip(out, (0, 0, 1)):
+            assert refused is not None, out
+            message, unchanged = refused
+            assert "do not implement forward" in message and f"item {item} of the list" in message, message
+            assert unchanged
+
+
 def _build(impl, seed, meta):
     torch.manual_seed(seed)
     with torch.device("meta") if meta else torch.device("cpu"):

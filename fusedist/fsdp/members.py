@@ -35,12 +35,7 @@ def members_of(module) -> list:
     if not isinstance(module, (list, tuple)):
         if not isinstance(module, nn.Module):
             raise TypeError(f"fusedist.fully_shard expects an nn.Module or a list of them, got {type(module).__name__}")
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
-            # as torch's FSDP2: its unit would never gather, having no forward to hook
-            raise ValueError(
-                f"fusedist.fully_shard does not support containers that do not implement forward: "
-                f"{type(module).__name__} of {len(module)} modules. Shard each of its modules "
-                "(for block in model.layers: fully_shard(block)), or pass list(container) to make them one unit")
+        _refuse_forwardless(module, "")
         return [module]
     if not module:
         raise ValueError("fusedist.fully_shard: the list of modules is empty")
@@ -49,7 +44,22 @@ def members_of(module) -> list:
             raise TypeError(f"fusedist.fully_shard: item {i} of the list is a {type(m).__name__}, not an nn.Module")
     members = list(dict.fromkeys(module))  # as given, each once
     inside = {id(sub) for m in members for sub in m.modules() if sub is not m}
-    return [m for m in members if id(m) not in inside]
+    outermost = [m for m in members if id(m) not in inside]
+    for m in outermost:
+        _refuse_forwardless(m, f" (item {module.index(m)} of the list)")
+    return outermost
+
+
+def _refuse_forwardless(module: nn.Module, where: str) -> None:
+    """A ModuleList / ModuleDict without a forward of its own cannot be (the outermost member
+    of) a unit, as with torch's FSDP2: the unit's gather hooks on forward, which never runs, so
+    the modules inside computed on this rank's pieces (a shape error, or a silently wrong
+    result where the shapes fit)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fusedist.fully_shard does not support containers that do not implement forward: "
+            f"{type(module).__name__} of {len(module)} modules{where}. Shard each of its modules "
+            "(for block in model.layers: fully_shard(block)), or pass list(container) to make them one unit")
 
 
 def managed_modules_of(modules: list):

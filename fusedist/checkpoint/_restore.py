@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..zero import state as zstate
 from . import _checks, _files, _load_plan, _names, _owner, api, layout, resume, stage3
 from . import _preload
 from . import pipeline as pipelined
@@ -49,6 +50,7 @@ class RestoreMixin:
         """
         if step is not None:
             step = step_count(step, "restore")
+        _refuse_stateless_sampler(sampler, self.rank)
         if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
             for j, (module, opt) in enumerate(pipelined.parts(model, optimizer)):
                 self._stage_world(module, opt, j)
@@ -389,6 +391,7 @@ class RestoreMixin:
                 _refuse_other_parameters(path, model, optimizer, manifest["optimizer"])
                 _load_plan._prepare_optimizer(path, manifest, common, model, optimizer, _not_read)  # (raises)
             _checks.check_algorithm(manifest["optimizer"], optimizer, path)
+            _check_param_groups(path, manifest, common, optimizer, trusted)
         if scaler is not None:
             if common.get("scaler") is None:
                 raise CheckpointError(f"fusedist.checkpoint: {path} holds no GradScaler state")
@@ -402,6 +405,20 @@ class RestoreMixin:
         for module, _ in self._parts():
             expected, _ = _load_plan._expected_model(_names.unwrap(module))
             _load_plan._check_model(_names.strip_prefix(saved, expected), expected, path, strict=False)
+
+
+def _refuse_stateless_sampler(sampler, rank: int) -> None:
+    """Raise when ``sampler`` cannot save its position (no ``state_dict`` / ``load_state_dict``:
+    torch's ``DistributedSampler``, a ``RandomSampler``, a DataLoader passed by mistake). It was
+    registered without a word, and every later save failed in its snapshot with an
+    AttributeError; a restore from a checkpoint said only that it held no position for it."""
+    if sampler is None or all(callable(getattr(sampler, m, None)) for m in ("state_dict", "load_state_dict")):
+        return
+    raise TypeError(
+        f"Checkpointer.restore (rank {rank}): the sampler, a {type(sampler).__name__}, has no state_dict() and "
+        "load_state_dict(), so its data position cannot be saved or restored. Use "
+        "fusedist.checkpoint.ElasticDistributedSampler (torch's DistributedSampler, resumable mid-epoch at any world "
+        "size; report what was trained with sampler.advance(len(batch))), or pass sampler=None")
 
 
 def _mixed_epochs(epochs: list) -> Optional[str]:
@@ -450,6 +467,37 @@ def _refuse_other_parameters(path: str, model, optimizer, meta: dict) -> None:
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {path}: {len(saved)} "
                               f"parameters saved, {len(here)} here: {'; '.join(found[:4])}"
                               f"{'; ...' if len(found) > 4 else ''}")
+
+
+# Note [param groups that do not match]
+#     An optimizer whose parameters are the saved ones but grouped otherwise (the weight-decay
+#     split added or dropped since) is refused by the load: its state's group sizes are not the
+#     optimizer's. That refusal came from the load, as a corrupt file's does: the restore warned
+#     that the newest checkpoint "could not be loaded" and tried every older one, each failing
+#     alike, and ended on the whole list. The grouping is the user's, the same for every
+#     checkpoint of the job, so it is compared before the load (the saved groups: in the common
+#     file, or in the first ZeRO shard's rank file, mapped) and refused at once -- unless the
+#     file it was read from fails its checksum, which makes it the file's fault.
+def _check_param_groups(path: str, manifest: dict, common: dict, optimizer, trusted: bool) -> None:
+    """Raise as the load would when the optimizer's param group sizes are not the saved ones
+    (Note [param groups that do not match])."""
+    files, name = manifest["files"], _files.COMMON
+    if manifest["optimizer"]["kind"] == "full":
+        saved = (common.get("optimizer") or {}).get("param_groups")
+    else:
+        name = next((n for n in sorted(files) if "optimizer_shard" in files[n].get("sections", [])), None)
+        saved = None if name is None else _preload.peek(path, files, name, trusted, "optimizer_shard",
+                                                        "param_groups")
+    if saved is None:  # (nothing to compare: the load says what is missing)
+        return
+    try:
+        zstate.check_groups(saved, optimizer.param_groups, f"optimizer state in {path}")
+    except zstate.StateDictError:
+        try:
+            _files.verify_file(path, name, files[name])
+        except Exception as exc:  # noqa: BLE001 - a damaged file: the load's to report
+            raise _preload.UnreadableFile(str(exc)) from exc
+        raise
 
 
 def _saved_model(path: str, manifest: dict, common: dict, trusted: bool) -> dict:

@@ -92,13 +92,42 @@ def _check_elementwise(optimizer) -> None:
 
 def track_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Register the state-dict hooks of Note [optimizer state of pieces] on ``optimizer`` (once;
-    done on its first step by itself). Returns ``optimizer``."""
+    done on its first step by itself), after turning the state it already holds into pieces
+    (Note [state loaded before the hooks]). Returns ``optimizer``."""
     if optimizer not in _TRACKED:
+        _pieces_of_loaded_state(optimizer)
         _TRACKED.add(optimizer)
         optimizer.register_state_dict_post_hook(_post_state_dict)
         optimizer.register_load_state_dict_pre_hook(_pre_load_state_dict)
         optimizer.register_load_state_dict_post_hook(_post_load_state_dict)
     return optimizer
+
+
+# Note [state loaded before the hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The load hooks are registered at an optimizer's first step, so ``optimizer.load_state_dict``
+# on a fresh optimizer (the usual resume) runs without them: an FSDP2 optimizer's state dict
+# left DTensors in the state (the first step then failed with "got mixed torch.Tensor and
+# DTensor"), and a full state dict left whole-shaped tensors (a shape error at the step).
+# So before the hooks are registered the state already held is turned into pieces as the load
+# pre-hook would have done: a DTensor made whole (a collective: every rank steps together),
+# a whole tensor cut to this rank's range, a ShardedPiece of this rank's range to its plain
+# piece (one of another range is refused). State that is already piece-shaped is left as is.
+@torch.no_grad()
+def _pieces_of_loaded_state(optimizer) -> None:
+    """The state ``optimizer`` holds for pieces, as pieces (Note [state loaded before the hooks])."""
+    if not optimizer.state:
+        return
+    where = _piece_map()
+    for index, p in enumerate(_ordered_params(optimizer.param_groups)):
+        hit = where.get(id(p))
+        values = optimizer.state.get(p)
+        if hit is None or not isinstance(values, dict):
+            continue
+        for name, value in list(values.items()):
+            piece = _to_piece(name, value, *hit, f"parameter {index}")
+            if piece is not value:
+                values[name] = piece
 
 
 def _piece_map() -> dict:

@@ -137,6 +137,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
             continue
         hit = where.get(id(target))
         if hit is None:
+            _check_whole_shape(key, src, tuple(target.shape), "tensor")
             target.copy_(src)
             continue
         unit, i = hit
@@ -146,11 +147,21 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
             if unit.is_unsharded:  # (the gathered subclass; its copy_ quantizes a plain weight alike)
                 unit.unsharded[i].copy_(spec.as_whole(src))
             continue
-        if tuple(src.shape) != unit.whole_shape(i):
-            raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "
-                             f"the model's parameter {unit.whole_shape(i)}")
+        _check_whole_shape(key, src, unit.whole_shape(i), "parameter")
         if unit.tp[i] is not None:  # this rank's local tensor of the global parameter
             src = unit.tp[i].local_of_global(src)
         unit.sharded[i].copy_(unit.piece_of_whole(i, src))
         if unit.is_unsharded:
             unit.unsharded[i].copy_(src)
+
+
+def _check_whole_shape(key: str, src, shape: tuple, what: str) -> None:
+    """``src`` must be a tensor of the model's ``shape`` for ``key``: ``copy_`` would broadcast
+    a smaller one (a buffer of shape (1,) filling a (10,) buffer) silently, where torch's
+    ``load_state_dict`` reports a size mismatch."""
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"fusedist.fsdp.load_full_state_dict: '{key}' is a {type(src).__name__}, "
+                        f"the model's {what} is a tensor of shape {shape}")
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(f"fusedist.fsdp.load_full_state_dict: '{key}' has shape {tuple(src.shape)}, "
+                         f"the model's {what} {tuple(shape)}")

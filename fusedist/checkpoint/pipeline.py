@@ -119,7 +119,10 @@ def check_stages(members: list) -> None:
 
 def check_names(stage_keys: dict) -> None:
     """Stages must hold disjoint state-dict keys: a pipelined checkpoint keys each entry by its
-    name in the whole model. ``stage_keys``: ``{(ranks, part slot): keys}``."""
+    name in the whole model. ``stage_keys``: ``{(ranks, part slot): keys}``. Two causes are
+    named, as the keys alone do not tell them apart: stages cut as slices (renumbered names), and
+    an entry every stage keeps from the whole model's root (a persistent buffer such as RoPE
+    frequencies), whose fix is another."""
     owner: dict = {}
     for stage, keys in sorted(stage_keys.items()):
         for key in keys:
@@ -129,8 +132,10 @@ def check_names(stage_keys: dict) -> None:
                     f"fusedist.checkpoint: '{key}' is the name of an entry of two pipeline stages (ranks "
                     f"{list(other[0])} part {other[1]} and ranks {list(stage[0])} part {stage[1]}); a pipelined "
                     "checkpoint keys each entry by its name in the whole model, so build each stage from the whole "
-                    "model with the other layers removed (its names kept), not from a slice that renumbers them. "
-                    "Nothing was written")
+                    "model with the other layers removed (its names kept), not from a slice that renumbers them; "
+                    "an entry several stages keep alike (a persistent buffer of the model's root, such as RoPE "
+                    "frequencies) must be kept by one stage only: register it with persistent=False (left out of "
+                    "checkpoints) or remove it from the other stages. Nothing was written")
 
 
 def stage_order(members: list) -> list:

@@ -153,8 +153,8 @@ def _checkpoint_group(process_group) -> tuple:
 # before each exchange that follows I/O (a Checkpointer's background part, and ``save``'s), every
 # rank first arrives at a barrier in the job's store, and waits there for as long as the missing
 # ranks show they are alive: each process renews a beat key while a save of it runs, and a
-# missing rank is given up on after its beat stopped for the collective timeout (its process
-# ended), or once it kept writing for IO_LIMIT_S (its disk hangs) -- an error that names it. The
+# missing rank is given up on after its beat stopped for SILENT_AFTER_S (its process ended),
+# or once it kept writing for IO_LIMIT_S (its disk hangs) -- an error that names it. The
 # exchange itself starts once every rank arrived, well within its deadline. A Checkpointer save also
 # ends at such a barrier, so the next save's exchanges never wait on a peer's retention, and
 # then at one small exchange: a barrier in the store alone would let the first rank to see
@@ -163,8 +163,8 @@ class IOBarrier:
     """Store barriers between the I/O of the ranks of one group (Note [waiting for a peer's
     I/O]): ``name`` is the same on every rank and new for each run of the group's saves."""
 
-    def __init__(self, store, name: str, rank: int, ranks: list):
-        self.store, self.rank, self.ranks = store, rank, ranks
+    def __init__(self, store, name: str, rank: int, ranks: list, who: str = Coordinator.NAME):
+        self.store, self.rank, self.ranks, self.who = store, rank, ranks, who
         self.prefix, self.phase = f"{_PREFIX}/{name}", 0
 
     def wait(self, what: str) -> None:
@@ -175,6 +175,7 @@ class IOBarrier:
         self.phase += 1
         key, size = f"{self.prefix}/{self.phase}", len(self.ranks)
         arrived, limit = self.store.add(key, 1), collective_timeout().total_seconds()
+        silence = min(limit, SILENT_AFTER_S)  # a beat renewed every second or faster stopped: gone
         seen: dict = {}
         started = next_check = time.monotonic()
         give_up = started + max(limit, IO_LIMIT_S)
@@ -186,18 +187,18 @@ class IOBarrier:
             now = time.monotonic()
             if arrived < size and now >= next_check:
                 next_check = now + min(1.0, limit / 4)
-                silent = self._silent(seen, started, now, limit)
+                silent = self._silent(seen, started, now, silence)
                 if not silent and now > give_up:
                     raise CheckpointError(
-                        f"{Coordinator.NAME}: rank {self.ranks[self.rank]}: the other ranks were not done with {what} "
+                        f"{self.who}: rank {self.ranks[self.rank]}: the other ranks were not done with {what} "
                         f"after {now - started:.0f} s; their storage seems to hang (a save waits at most "
                         f"{give_up - started:g} s for another rank's writes: the longer of FUSEDIST_TIMEOUT_S and "
                         f"{IO_LIMIT_S:g} s, torch's default process group timeout)")
                 if silent:
                     error = CheckpointError(
-                        f"{Coordinator.NAME}: rank {self.ranks[self.rank]}: waiting for the other ranks to be done "
-                        f"with {what}, rank(s) {silent} showed no sign of life for {limit:g} s (FUSEDIST_TIMEOUT_S): "
-                        "their process ended or hangs")
+                        f"{self.who}: rank {self.ranks[self.rank]}: waiting for the other ranks to be done "
+                        f"with {what}, rank(s) {silent} showed no sign of life for {silence:g} s (their beat, renewed "
+                        "every second while a save runs, stopped): their process ended or hangs")
                     error.silent_ranks = silent
                     raise error
 
@@ -224,6 +225,12 @@ class IOBarrier:
 
 _PREFIX = "fusedist/checkpoint-io"
 IO_LIMIT_S = 1800.0  # the longest wait for another rank's writes (Note [waiting for a peer's I/O])
+# A rank whose beat has not changed for this long (or FUSEDIST_TIMEOUT_S, if shorter) has ended
+# or hangs: its beat thread renews it every second or faster, even while the rank writes (file
+# writes release the GIL), so ten missed renewals are not a slow disk. Not the collective timeout
+# (600 s by default): a rank killed mid-save was then waited for ten minutes, where the failed
+# exchange used to tell at once.
+SILENT_AFTER_S = 10.0
 
 
 def _beat_key(rank: int) -> str:
@@ -277,13 +284,13 @@ def beating(store):
         _Beat.release()
 
 
-def io_barrier(name: str, rank: int, ranks: list) -> Optional[IOBarrier]:
+def io_barrier(name: str, rank: int, ranks: list, who: str = Coordinator.NAME) -> Optional[IOBarrier]:
     """An :class:`IOBarrier` in the job's store, None without one (then the exchanges wait as
-    any collective does)."""
+    any collective does); ``who`` is what its errors say they come from."""
     from ..reliability.stall_report import default_store
 
     store = default_store()
-    return IOBarrier(store, name, rank, ranks) if store is not None and len(ranks) > 1 else None
+    return IOBarrier(store, name, rank, ranks, who) if store is not None and len(ranks) > 1 else None
 
 
 class _IOWaits:

@@ -279,7 +279,7 @@ def _start_io(world: "_World", name: str) -> None:
     a write slower than FUSEDIST_TIMEOUT_S ended the exchange after it, and with it the group
     (gloo closes a failed collective's connections), training included (Note [waiting for a
     peer's I/O] in ``_writer.py``). This rank beats until :func:`finish_save`."""
-    world.io = _writer.io_barrier(f"save-{name}", world.rank, world.ranks())
+    world.io = _writer.io_barrier(f"save-{name}", world.rank, world.ranks(), "fusedist.checkpoint.save")
     world.io_beat = _writer.beating(world.io.store) if world.io is not None else None
     if world.io_beat is not None:
         world.io_beat.__enter__()

@@ -163,9 +163,9 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
     def _wait_previous(self) -> None:
         try:
             self._writer.wait()
-        except CheckpointError:
-            raise
         except Exception as exc:  # noqa: BLE001 - e.g. a peer died during the exchange
+            if isinstance(exc, CheckpointError) and getattr(exc, "silent_ranks", None) is None:
+                raise  # (the save's own error, which names it; a silent peer's does not)
             step = self.last_saved_step
             where = layout.entry(self.directory, step)
             if where is not None and where.complete:

@@ -54,17 +54,24 @@ def test_stall_report_shows_the_position_of_the_model_in_backward():
     assert "DDP step 3" not in line, line
 
 
-def _sharded_tags_worker(rank, world_size):
+def _sharded_block_stack():
+    """A BlockStack sharded per block and at the root, with its SGD."""
     import fusedist
-    from fusedist.fsdp.state import state_of
-    from fusedist.reliability import monitor_of
 
     torch.manual_seed(0)
     model = models.BlockStack()
     for block in model.blocks:
         fusedist.fully_shard(block)
     fusedist.fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _sharded_tags_worker(rank, world_size):
+    import fusedist
+    from fusedist.fsdp.state import state_of
+    from fusedist.reliability import monitor_of
+
+    model, opt = _sharded_block_stack()
     gen = torch.Generator().manual_seed(rank)
     for _ in range(2):
         model(torch.randn(4, 5, generator=gen)).square().mean().backward()
@@ -103,14 +110,7 @@ def test_launch_time_of_a_collective_is_not_taken_from_a_later_one():
 
 
 def _sharded_checks_off_worker(rank, world_size):
-    import fusedist
-
-    torch.manual_seed(0)
-    model = models.BlockStack()
-    for block in model.blocks:
-        fusedist.fully_shard(block)
-    fusedist.fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _sharded_block_stack()
     model.set_requires_gradient_sync(False)
     model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).sum().backward()
     try:

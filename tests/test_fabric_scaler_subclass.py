@@ -85,5 +85,6 @@ def test_a_scaler_of_another_kind_is_refused_by_name():
     class NotAScaler:
         pass
 
-    with pytest.raises(TypeError, match="FusedistFabricStrategy: MixedPrecision.*NotAScaler.*not a torch.amp.GradScaler"):
+    refusal = "FusedistFabricStrategy: MixedPrecision.*NotAScaler.*not a torch.amp.GradScaler"
+    with pytest.raises(TypeError, match=refusal):
         FusedistFabricStrategy().precision = MixedPrecision("16-mixed", "cpu", scaler=NotAScaler())

@@ -47,6 +47,7 @@ def _root_buffer_worker(rank, world_size, seed, root):
         raised = f"{type(e).__name__}: {e}"
     else:
         raised = "no error"
+    torch.distributed.barrier()  # every rank done with the save (and its clean-up) before listing
     return raised, sorted(os.listdir(root)) if os.path.isdir(root) else []
 
 

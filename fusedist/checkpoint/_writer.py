@@ -166,6 +166,18 @@ class IOBarrier:
     def __init__(self, store, name: str, rank: int, ranks: list, who: str = Coordinator.NAME):
         self.store, self.rank, self.ranks, self.who = store, rank, ranks, who
         self.prefix, self.phase = f"{_PREFIX}/{name}", 0
+        self._beating = False
+
+    def start_beat(self) -> None:
+        """Renew this process's beat until :meth:`stop_beat` (the peers' waits read it)."""
+        if not self._beating:
+            self._beating = True
+            _Beat.acquire(self.store)
+
+    def stop_beat(self) -> None:
+        if self._beating:
+            self._beating = False
+            _Beat.release()
 
     def wait(self, what: str) -> None:
         """Arrive at the next barrier; return once every rank has, or raise a CheckpointError
@@ -271,19 +283,6 @@ class _Beat:
                 return
 
 
-@contextlib.contextmanager
-def beating(store):
-    """Renew this process's beat inside the block (Note [waiting for a peer's I/O])."""
-    if store is None:
-        yield
-        return
-    _Beat.acquire(store)
-    try:
-        yield
-    finally:
-        _Beat.release()
-
-
 def io_barrier(name: str, rank: int, ranks: list, who: str = Coordinator.NAME) -> Optional[IOBarrier]:
     """An :class:`IOBarrier` in the job's store, None without one (then the exchanges wait as
     any collective does); ``who`` is what its errors say they come from."""
@@ -303,7 +302,6 @@ class _IOWaits:
         nonce = coord.broadcast(uuid.uuid4().hex[:12] if coord.rank == 0 else None, "checkpoint I/O keys")
         self.name = f"{getattr(coord.group, 'group_name', 'default')}-{nonce}"
         self.round, self.barrier, self.previous = 0, None, None
-        self._beat = None
 
     def start(self) -> None:
         """Number this save's round and renew this rank's beat until :meth:`stop`."""
@@ -313,13 +311,11 @@ class _IOWaits:
         self.previous = self.barrier
         self.barrier = io_barrier(f"{self.name}/{self.round}", self.coord.rank, self.coord.ranks)
         if self.barrier is not None:
-            self._beat = beating(self.barrier.store)
-            self._beat.__enter__()
+            self.barrier.start_beat()
 
     def stop(self) -> None:
-        if self._beat is not None:
-            self._beat.__exit__(None, None, None)
-            self._beat = None
+        if self.barrier is not None:
+            self.barrier.stop_beat()
 
     def wait(self, what: str) -> None:
         if self.barrier is not None:

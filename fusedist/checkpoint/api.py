@@ -61,7 +61,7 @@ class _World:
     save or load is named in a StallError, and ranks in different checkpoint calls are told
     which call each is in."""
 
-    io = io_beat = None  # a save's I/O barrier and this rank's beat (start_save)
+    io = None  # a save's I/O barrier, beating from start_save to finish_save
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
         self.comm = None
@@ -280,9 +280,8 @@ def _start_io(world: "_World", name: str) -> None:
     (gloo closes a failed collective's connections), training included (Note [waiting for a
     peer's I/O] in ``_writer.py``). This rank beats until :func:`finish_save`."""
     world.io = _writer.io_barrier(f"save-{name}", world.rank, world.ranks(), "fusedist.checkpoint.save")
-    world.io_beat = _writer.beating(world.io.store) if world.io is not None else None
-    if world.io_beat is not None:
-        world.io_beat.__enter__()
+    if world.io is not None:
+        world.io.start_beat()
 
 
 def _io_wait(world: "_World", what: str) -> None:
@@ -299,9 +298,8 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
     try:
         _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
     finally:
-        beat, world.io_beat = world.io_beat, None
-        if beat is not None:
-            beat.__exit__(None, None, None)
+        if world.io is not None:
+            world.io.stop_beat()
 
 
 def _finish_written(world: "_World", directory: str, started: float, save_id: str, calls: list, claim,

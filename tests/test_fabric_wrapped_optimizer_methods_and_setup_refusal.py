@@ -7,7 +7,7 @@ is given several ZeRO optimizers for one module.
   with the wrapper as ``self`` and kept the stage-2 gradient shard, so the discriminator then
   stepped with the generator step's gradients too (weights off by 1e-2 after a few steps; the
   same loop matches to 1e-7). Note [state shared with wrappers] in
-  ``fusedist/zero/optimizer.py``.
+  ``fusedist/zero/shared_state.py``.
 * ``fabric.setup_optimizers(opt_a, opt_b)`` over one module with ``zero_stage`` 1 or 2: refused
   with the strategy's advice, as ``fabric.setup(module, opt_a, opt_b)`` is (ZeRO's own message
   advised freezing the parameters the other optimizer trains).

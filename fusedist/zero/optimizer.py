@@ -36,6 +36,7 @@ from .gather import ParamGatherer
 from .grads import GradientsMixin
 from .join import JoinableOptimizer
 from .shard_store import ShardStore
+from .shared_state import MutableState, share_with_wrappers
 from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
@@ -108,61 +109,6 @@ def _all_rates_zero(groups) -> bool:
         elif lr != 0:
             return False
     return True
-
-
-# Note [state shared with wrappers]
-#     Frameworks wrap an optimizer in an instance of a class made on the fly with the
-#     optimizer's class as a second base, so that isinstance holds, and forward the attributes
-#     the wrapper lacks to the optimizer (Lightning's LightningOptimizer and Fabric's
-#     _FabricOptimizer, through ``__getattr__``; earlier versions of them copied the optimizer's
-#     ``__dict__`` instead). A method the wrapper class does not define itself -- zero_grad,
-#     add_param_group, clip_grad_norm_, the GradScaler protocol's -- is found on this class and
-#     runs with the wrapper as ``self``: what it reads is the optimizer's, but what it assigns
-#     lands on the wrapper, and the optimizer's own methods (its step, which wrappers forward)
-#     never see it. zero_grad marks stage 2's gradient shard stale by an assignment, so
-#     ``optimizer.zero_grad()`` through Fabric's wrapper left the shard in place and the next
-#     backward added to the gradients it was to clear (a GAN loop's discriminator stepped with
-#     the generator step's gradients too); ``optim`` read through a wrapper built a second inner
-#     optimizer; a GradScaler given the wrapper set its found-inf flag there, so an overflowing
-#     step was taken; a Join given the wrapper configured the wrapper, and the ranks hung. So
-#     every attribute that changes after construction lives in one :class:`_MutableState`, held
-#     by the optimizer and reached through it by any wrapper, behind a property of the same name
-#     (``_MUTABLE_ATTRIBUTES``): an assignment through the optimizer or any wrapper changes the
-#     one state, and every reader sees it. An attribute assigned after construction must be
-#     listed there.
-class _MutableState:
-    """The attributes of a ZeroRedundancyOptimizer that change after construction (Note [state
-    shared with wrappers]); the class attributes are the values before the first assignment."""
-
-    _join_config = JoinableOptimizer._join_config
-    _join_shadowing = JoinableOptimizer._join_shadowing
-    _join_clip = JoinableOptimizer._join_clip
-
-
-# What the optimizer, its mixins and helpers, DDP's join and the GradScaler assign after
-# construction: the gradient bookkeeping (grads.py), the shards and the inner optimizer
-# (shards.py, grow.py, pieces.py), the join state (join.py, fusedist/ddp/join.py) and the
-# scaler protocol's attributes.
-_MUTABLE_ATTRIBUTES = (
-    "_grads_present", "_stage2_with_grad", "_stage2_zero_filled", "_stage2_stepped",
-    "_trainable", "_frozen", "_partition", "_grad_shards", "_grad_store", "_flat_params", "_masters",
-    "_piece_grads", "_pieces", "_offload", "inner", "_param_versions",
-    "_join_config", "_join_shadowing", "_join_clip", "_fusedist_join_config",
-    "grad_scale", "found_inf", "step_context",
-)
-
-
-def _mutable_attribute(name: str) -> property:
-    """``name`` as a property over the optimizer's :class:`_MutableState` (Note [state shared
-    with wrappers])."""
-
-    def get(self):
-        return getattr(self._zero_mutable, name)
-
-    def set(self, value) -> None:
-        setattr(self._zero_mutable, name, value)
-
-    return property(get, set, doc=f"``{name}``, kept where wrappers share it (Note [state shared with wrappers]).")
 
 
 class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin,
@@ -264,7 +210,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                  bucket_cap_mb: float = 25.0, overlap_param_gather: bool = False,
                  offload: Optional[str] = None,
                  max_buckets_in_flight: Optional[int] = grad_sync.DEFAULT_MAX_BUCKETS_IN_FLIGHT, **defaults):
-        self._zero_mutable = _MutableState()  # Note [state shared with wrappers]
+        self._zero_mutable = MutableState()  # Note [state shared with wrappers] in shared_state.py
         if defaults.pop("overlap_with_ddp", False):
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
                              "a fusedist DistributedDataParallel model instead")
@@ -629,6 +575,4 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                 + (f", offload={self.offload!r})" if self.offload else ")"))
 
 
-for _name in _MUTABLE_ATTRIBUTES:  # Note [state shared with wrappers]
-    setattr(ZeroRedundancyOptimizer, _name, _mutable_attribute(_name))
-del _name
+share_with_wrappers(ZeroRedundancyOptimizer)  # Note [state shared with wrappers] in shared_state.py

@@ -400,7 +400,7 @@ def test_copies_of_the_scale_and_flag_to_the_host_are_blocking():
     """A host kernel reads the scale and sets the flag at once: a non-blocking copy from the GPU
     would land after it (an H200 run: wrong unscaling, a lost inf). Between devices it stays
     asynchronous."""
-    from fusedist.amp.grad_scaler import copy_to
+    from fusedist.amp.unscale import copy_to
 
     class Spy:  # a GPU tensor, as far as the copy uses it
         def to(self, **kw):
@@ -420,7 +420,7 @@ def test_unscaling_by_device_matches_torchs(poison):
     dense gradients, a sparse fp16 one with duplicate indices, a parameter without a gradient."""
     from torch.amp.grad_scaler import GradScaler as TorchGradScaler
 
-    from fusedist.amp.grad_scaler import _unscale_per_device
+    from fusedist.amp.unscale import unscale_per_device
 
     def make():
         g = torch.Generator().manual_seed(0)
@@ -437,7 +437,7 @@ def test_unscaling_by_device_matches_torchs(poison):
     inv_scale = torch.full((1,), 1.0 / 1024)
     ours, ours_opt = make()
     theirs, theirs_opt = make()
-    flags = _unscale_per_device(ours_opt, inv_scale, torch.zeros(1), allow_fp16=True)
+    flags = unscale_per_device(ours_opt, inv_scale, torch.zeros(1), allow_fp16=True)
     expected = TorchGradScaler("cpu")._unscale_grads_(theirs_opt, inv_scale, torch.zeros(1), True)
     assert list(flags) == list(expected) == [torch.device("cpu")]
     assert flags[torch.device("cpu")].item() == expected[torch.device("cpu")].item() == float(poison)
@@ -448,4 +448,4 @@ def test_unscaling_by_device_matches_torchs(poison):
         da, db = (a.grad.to_dense(), b.grad.to_dense()) if b.grad.is_sparse else (a.grad, b.grad)
         torch.testing.assert_close(da, db, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
-        _unscale_per_device(make()[1], inv_scale, torch.zeros(1), allow_fp16=False)
+        unscale_per_device(make()[1], inv_scale, torch.zeros(1), allow_fp16=False)

@@ -81,7 +81,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..optim._scaler_protocol import looked_up_once
 from ..optim.step_context import inverse_scale, mark_pending
-from ..ownership import gradient_holders_of
+from . import unscale
 from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
 
 MIN_SCALE_POLICIES = ("warn", "raise")
@@ -89,127 +89,6 @@ MIN_SCALE_POLICIES = ("warn", "raise")
 
 def is_fused(optimizer) -> bool:
     return bool(getattr(optimizer, "_fusedist_fused", False))
-
-
-class _LazyHostFlag:
-    """Reads a device flag without stalling the stream: the value is copied to host memory
-    asynchronously and looked at on a later call, once the copy has completed."""
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, Any]] = []
-
-    def record(self, flag: torch.Tensor) -> None:
-        if flag.device.type == "cuda":
-            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending.append((host, event))
-        else:
-            self._pending.append((flag.clone(), None))
-
-    def poll(self) -> bool:
-        """True if any completed copy held a nonzero value (completed ones are dropped)."""
-        hit, keep = False, []
-        for host, event in self._pending:
-            if event is not None and not event.query():
-                keep.append((host, event))
-            elif bool(host.any()):
-                hit = True
-        self._pending = keep
-        return hit
-
-
-# -- [sharded gradients] ----------------------------------------------------------------------
-# A parameter whose gradient holder (fusedist/ownership.py) offers ``all_reduce_found_inf`` --
-# fully_shard's pieces -- has only this rank's piece of its gradient in ``p.grad``, so the
-# inf/nan flag (and the sum of squares) measured over it are this rank's. They are combined
-# over the holder's ranks (max / sum), so every rank skips the step together.
-def _combine_over_shards(optimizer, found_inf: torch.Tensor, sumsq: Optional[torch.Tensor] = None):
-    holders = [h for h in gradient_holders_of(optimizer) if hasattr(h, "all_reduce_found_inf")]
-    for holder in holders:
-        holder.all_reduce_found_inf(found_inf)
-        if sumsq is not None and not getattr(holder, "sums_exactly", True):
-            sumsq = None  # not known globally (tensor parallelism): measured afresh where needed
-        if sumsq is not None:
-            holder.all_reduce_sum(sumsq)
-    return found_inf, sumsq
-# -- end [sharded gradients] ------------------------------------------------------------------
-
-
-# Note [a clip before unscale_]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# torch's documented order is unscale_, then clip. A script (or a framework: Lightning's
-# manual optimization) may clip first: torch's clip then scales the still-scaled gradients
-# by min(1, max_norm / scaled norm), and unscale_ divides the result -- a clip at
-# max_norm / scale in true units. fusedist's clip records that coefficient for the step
-# instead of scaling p.grad, so unscale_ keeps it (it used to drop it, and the step went
-# unclipped); a gradient replaced or written since the clip is settled first, as the step
-# would settle it (Note [gradients changed after the clip]).
-def _clip_before_unscale(optimizer):
-    """The clip coefficient recorded before this ``unscale_``, settled; None without one."""
-    if optimizer.step_context.clip_coef is None:
-        return None
-    optimizer._fusedist_settle_clip()
-    return optimizer.step_context.clip_coef
-
-
-def _refuse_fp16_in_place(optimizer) -> None:
-    """fp16 gradients unscaled in place lose what loss scaling kept: unscaled values below
-    fp16's normal range (6e-5) keep a few bits or become zero (measured: 9% error at 3e-7),
-    and Adam's per-element normalization makes such small gradients count fully. torch's
-    unscale_ refuses them; the fused update unscales in fp32 instead (lazy_unscale)."""
-    if any(g.dtype == torch.float16 for g in optimizer._fusedist_unscale_targets()):
-        raise ValueError(
-            f"GradScaler.unscale_: {type(optimizer).__name__} has float16 gradients; unscaling them "
-            "in place would round the small values loss scaling preserves to subnormals or zero "
-            "(torch's GradScaler refuses float16 gradients too). Build the scaler with "
-            "lazy_unscale=True and clip with fusedist.clip_grad_norm_ (the update unscales in fp32), "
-            "or call scaler.step(optimizer) without unscale_."
-        )
-
-
-# Note [host gradients under a device scaler]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# torch's scaler unscales each device's gradients with copies of the inverse scale and the
-# inf flag made for that device by non-blocking copies. For gradients in host memory under a
-# GPU scaler (CPUOffloadPolicy) those are device-to-host copies that have not landed when the
-# host kernel reads the scale and sets the flag at once: it unscaled by whatever the buffer
-# held, and the late copy overwrote the flag (seen on an H200: norms unlike the device run's
-# from the first step, an inf on one rank not seen, the scale grown instead of backed off).
-# So the copies to the host are blocking here; between devices they stay asynchronous.
-def _unscale_per_device(optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
-    """torch's ``GradScaler._unscale_grads_`` (same grouping, checks and kernel), with the
-    scale and flag copied to the host synchronously: the flag of each device, by device."""
-    grads: dict = defaultdict(lambda: defaultdict(list))
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if grad.is_sparse:
-                    # Duplicate indices add up on coalescing, which can overflow in fp16: check
-                    # the coalesced values, as torch does.
-                    if grad.dtype is torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                grads[grad.device][grad.dtype].append(grad)
-        flags = {}
-        for device, by_dtype in grads.items():
-            flags[device] = flag = copy_to(found_inf, device)
-            inv = copy_to(inv_scale, device)
-            for same_dtype in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, inv)
-    return flags
-
-
-def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``t`` on ``device``; blocking when that is the host, where a kernel reads and
-    writes it at once (Note [host gradients under a device scaler])."""
-    return t.to(device=device, non_blocking=torch.device(device).type != "cpu", copy=True)
 
 
 def _device_type(device):
@@ -291,7 +170,7 @@ class GradScaler(_TorchGradScaler):
         self._init_hysteresis_tracker = self._hysteresis
         self._hysteresis_tracker: Optional[torch.Tensor] = None
         self.last_step_skipped_tensor = None
-        self._min_scale_flag = _LazyHostFlag()
+        self._min_scale_flag = unscale.LazyHostFlag()
 
     # Note [found_inf over the pipeline stages]
     # Each pipeline stage's optimizer checks only its stage's gradients, and each stage's rank
@@ -399,15 +278,15 @@ class GradScaler(_TorchGradScaler):
     def _unscale_fused(self, optimizer, optimizer_state: dict) -> None:
         inv_scale = inverse_scale(self._scale)
         ctx = optimizer.step_context
-        clipped_before = _clip_before_unscale(optimizer)  # Note [a clip before unscale_]
+        clipped_before = unscale.clip_before_unscale(optimizer)  # Note [a clip before unscale_]
         if not self.lazy_unscale and optimizer._fusedist_grads_in_user_view():  # Note [lazy unscale]
-            _refuse_fp16_in_place(optimizer)
+            unscale.refuse_fp16_in_place(optimizer)
             found_inf, sumsq = optimizer._fusedist_check_norm_and_unscale(inv_scale)
             ctx.inv_scale = None
         else:
             found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
             ctx.inv_scale = inv_scale
-        found_inf, sumsq = _combine_over_shards(optimizer, found_inf, sumsq)  # [sharded gradients]
+        found_inf, sumsq = unscale.combine_over_shards(optimizer, found_inf, sumsq)  # [sharded gradients]
         found_inf = self._agree_found_inf(found_inf)  # Note [found_inf over the pipeline stages]
         ctx.grad_sumsq = sumsq
         ctx.clip_coef = clipped_before
@@ -451,7 +330,7 @@ class GradScaler(_TorchGradScaler):
             raise AssertionError("No inf checks were recorded for this optimizer.")  # Note [no inf checks recorded]
         if optimizer_state["stage"] is OptState.READY:
             found_inf, _ = optimizer._fusedist_check_and_norm(None)
-            found_inf, _ = _combine_over_shards(optimizer, found_inf)  # [sharded gradients]
+            found_inf, _ = unscale.combine_over_shards(optimizer, found_inf)  # [sharded gradients]
             found_inf = self._agree_found_inf(found_inf)  # Note [found_inf over the pipeline stages]
             optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
             optimizer.grad_scale = self._scale
@@ -460,9 +339,9 @@ class GradScaler(_TorchGradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch's path (any other optimizer): unscale_ and step both come through here.
-        per_device = _unscale_per_device(optimizer, inv_scale, found_inf, allow_fp16)
+        per_device = unscale.unscale_per_device(optimizer, inv_scale, found_inf, allow_fp16)
         for flag in per_device.values():
-            _combine_over_shards(optimizer, flag)  # [sharded gradients]
+            unscale.combine_over_shards(optimizer, flag)  # [sharded gradients]
             self._agree_found_inf(flag)  # Note [found_inf over the pipeline stages]
         if not per_device:  # no gradient here: no flag, but the group's collective all the same
             self._agree_found_inf(torch.zeros(1, device=self._scale.device))
@@ -610,6 +489,6 @@ class GradScaler(_TorchGradScaler):
             )
             state["_hysteresis_tracker"] = None
             state["_last_skipped"] = state["_last_found_inf"] = None
-            state["_min_scale_flag"] = _LazyHostFlag()
+            state["_min_scale_flag"] = unscale.LazyHostFlag()
         state["_found_inf_group"] = None  # (a process group does not travel: pass it again)
         return state

@@ -101,7 +101,7 @@ def check_stage_optimizers(held: list, what: str, undone: str, objects: str = "o
 # anyway; only when the digests differ do the ranks exchange the keys, to name them.
 def keys_digest(shapes: dict) -> str:
     """A short digest of a model's canonical state-dict keys and whole shapes (tuples, or None
-    for a value that is not a tensor: :func:`api.model_shapes`)."""
+    for a value that is not a tensor: :func:`_sections.model_shapes`)."""
     return hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:16]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _checks, _load_plan, _names, _root_checks, _safe_values, _sampler_state, api, resume
+from . import _checks, _load_plan, _names, _root_checks, _safe_values, _sampler_state, _sections, api, resume
 from . import _preload
 from . import pipeline as pipelined
 from ._files import CheckpointError
@@ -187,8 +187,9 @@ class SnapshotMixin:
         """Each model part's keys and whole shapes, by a name the ranks saving it share."""
         held = self._parts()
         if not self.pipeline:
-            return {"model": api.model_shapes(held[0][0])}
-        return {f"part {j} of ranks {list(self._stage_ranks)}": api.model_shapes(m) for j, (m, _) in enumerate(held)}
+            return {"model": _sections.model_shapes(held[0][0])}
+        return {f"part {j} of ranks {list(self._stage_ranks)}": _sections.model_shapes(m)
+                for j, (m, _) in enumerate(held)}
 
     def _registered(self) -> tuple:
         """Note [the same objects on every rank]: rank 0 writes the job's GradScaler and LR
@@ -318,18 +319,18 @@ class SnapshotMixin:
         if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
             for j, (model, optimizer) in enumerate(held):
                 world = self._stage_world(model, optimizer, j)
-                part, sharded_keys = api.rank_sections(model, optimizer, world.rank, world.size)
+                part, sharded_keys = _sections.rank_sections(model, optimizer, world.rank, world.size)
                 sections.update({f"{name}.{j}": value for name, value in part.items()})
                 if world.rank == 0:  # (the part's LR scheduler: Note [an LR scheduler per pipeline part])
-                    stage_commons[j] = {"model": api.common_model(model, sharded_keys),
-                                        "optimizer": api.full_optimizer_state(model, optimizer), "scaler": scaler,
+                    stage_commons[j] = {"model": _sections.common_model(model, sharded_keys),
+                                        "optimizer": _sections.full_optimizer_state(model, optimizer), "scaler": scaler,
                                         "lr_scheduler": scheduled[j]}
                     keys = sorted(_load_plan._expected_model(_names.unwrap(model))[0])
-                    entries[j] = dict(api.manifest_base(model, optimizer, s["scaler"], world.size),
+                    entries[j] = dict(_sections.manifest_base(model, optimizer, s["scaler"], world.size),
                                       ranks=list(self._stage_ranks), part=j, keys=keys)
         else:
             model, optimizer = held[0]
-            part, sharded_keys = api.rank_sections(model, optimizer, self.rank, self.world_size)
+            part, sharded_keys = _sections.rank_sections(model, optimizer, self.rank, self.world_size)
             sections.update(part)  # ZeRO's or fully_shard's shards (Note [stage-3 checkpoints])
         if self.rank == 0:
             meta = {"step": step, "world_size": self.world_size, "user": extra,
@@ -339,8 +340,8 @@ class SnapshotMixin:
                     "sampler": elastic_position}  # the same on every rank (checked by the caller)
             common = {"model": {}, "optimizer": None, "scaler": None, "extra": meta}
             if not self.pipeline:
-                common.update(model=api.common_model(model, sharded_keys),
-                              optimizer=api.full_optimizer_state(model, optimizer), scaler=scaler)
+                common.update(model=_sections.common_model(model, sharded_keys),
+                              optimizer=_sections.full_optimizer_state(model, optimizer), scaler=scaler)
                 manifest = self._manifest_base(step, model, optimizer)
         if not self._trusted():
             self._refuse_unreadable(sections, common, stage_commons)
@@ -399,5 +400,5 @@ class SnapshotMixin:
 
     def _manifest_base(self, step: int, model, optimizer) -> dict:
         """The manifest :func:`fusedist.checkpoint.load` expects, less the file list."""
-        base = api.manifest_base(model, optimizer, self._state["scaler"], self.world_size)
+        base = _sections.manifest_base(model, optimizer, self._state["scaler"], self.world_size)
         return dict(base, checkpointer={"step": step})

@@ -11,8 +11,8 @@ Layout of a checkpoint directory::
                          fragments} (Note [stage-3 checkpoints] in ``stage3.py``)
 
 Both files are dicts of named *sections*; adding per-rank state (RNG states, data-loader
-position) means adding a section to :func:`rank_sections` / ``_common_sections`` and consuming it
-in ``_load_plan.prepare`` -- older checkpoints simply lack the section. ``load`` reads and checks
+position) means adding a section to ``_sections.rank_sections`` / ``_sections.common_sections`` and
+consuming it in ``_load_plan.prepare`` -- older checkpoints simply lack the section. ``load`` reads and checks
 everything before it modifies anything (``_load_plan.py``: the plan, then its application).
 
 The directory must be visible to every rank (a shared filesystem): ranks write their own
@@ -36,14 +36,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._tensor_tree import to_cpu
 from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _load_plan, _names, _writer, stage3
+from . import _checks, _files, _load_plan, _names, _sections, _writer, stage3
 from ._files import CheckpointError
-from ._params import optimizer_params, param_names
 
 
 
@@ -211,7 +209,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     _warn_trusted_only(world.rank, optimizer, extra, per_rank)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
-    shapes = {"model": model_shapes(model)}  # Note [one model per save] in _checks.py
+    shapes = {"model": _sections.model_shapes(model)}  # Note [one model per save] in _checks.py
     save_id, calls, claim, _ = start_save(
         world, directory, _checks.save_call(directory, optimizer, scaler, extra, per_rank),
         {"model": _checks.keys_digest(shapes["model"])},
@@ -222,18 +220,18 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         optimizer.wait_for_params()
     mine, error = {}, None
     try:
-        sections, sharded_keys = rank_sections(model, optimizer, world.rank, world.size)
+        mine_sections, sharded_keys = _sections.rank_sections(model, optimizer, world.rank, world.size)
         if per_rank is not None:  # [resume] this rank's RNG / data position (fusedist.checkpoint.resume)
-            sections["per_rank"] = per_rank
-        if sections:
+            mine_sections["per_rank"] = per_rank
+        if mine_sections:
             os.makedirs(directory, exist_ok=True)  # (rank 0 made it; seen here too on shared storage)
-            mine[rank_file(world.rank)] = _write(directory, rank_file(world.rank), save_id, sections,
+            mine[rank_file(world.rank)] = _write(directory, rank_file(world.rank), save_id, mine_sections,
                                                  rank=world.rank)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
         error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
     finish_save(world, directory, started, save_id, calls, claim, (mine, error, None),
-                lambda infos: manifest_base(model, optimizer, scaler, world.size),
-                lambda: _common_sections(model, optimizer, scaler, extra, sharded_keys))
+                lambda infos: _sections.manifest_base(model, optimizer, scaler, world.size),
+                lambda: _sections.common_sections(model, optimizer, scaler, extra, sharded_keys))
 
 
 def _refuse_parts(model) -> None:
@@ -417,40 +415,6 @@ def _kept(save_id: str) -> str:
             else "no manifest was written")
 
 
-def _format_version(module: torch.nn.Module) -> int:
-    """The lowest format version that reads a save of ``module``: box and region fragments need
-    a fusedist that reads them (Note [box fragments], Note [region fragments])."""
-    if stage3.has_tensor_parallel(module):
-        return _files.REGION_VERSION
-    return _files.BOX_VERSION if stage3.has_dim_sharded(module) else _files.BASE_VERSION
-
-
-def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) -> dict:
-    """The manifest :func:`load` reads, less the file list and the time: what was saved and
-    at which world size (also written by the periodic ``Checkpointer``)."""
-    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-    params = optimizer_params(optimizer) if optimizer is not None else []
-    sharded = bool(stage3.units(_names.unwrap(model)))
-    where = stage3.piece_index(_names.unwrap(model)) if sharded else {}
-    return {
-        "format": _files.FORMAT,
-        "version": _format_version(_names.unwrap(model)),
-        "world_size": world_size,
-        # Note [stage-3 checkpoints]: the sharded parameters are in the rank files
-        "model_sharded": sharded,
-        "optimizer": None if optimizer is None else {
-            # a stage-3 optimizer is saved as ZeRO shards (whole-parameter fragments)
-            "kind": "zero" if zero or sharded else "full",
-            "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
-            "algorithm": _checks.optimizer_algorithm(optimizer),  # what load compares (check_algorithm)
-            "stage": optimizer.stage if zero else (3 if sharded else None),
-            "param_names": param_names(model, params),
-            "param_shapes": [list(stage3.full_shape(p, where)) for p in params],
-        },
-        "scaler": scaler is not None,
-    }
-
-
 def load_per_rank(directory: str, rank: Optional[int] = None, world_size: Optional[int] = None, *,
                   trusted: bool = False) -> Optional[dict]:
     """[resume] This rank's ``per_rank`` state saved by :func:`save`, verified against the
@@ -473,54 +437,6 @@ def per_rank_of(directory: str, manifest: dict, rank: int, world_size: int, trus
     if info is None or "per_rank" not in info.get("sections", []):
         return None
     return _files.load_file(_files.verify_file(directory, rank_file(rank), info), trusted)["per_rank"]
-
-
-def model_shapes(model) -> dict:
-    """The model's canonical state-dict keys and whole shapes (Note [one model per save]); None
-    for a module's ``get_extra_state()`` entry, whose size may differ by rank (serialized state)."""
-    shapes = _load_plan._expected_model(_names.unwrap(model))[0]
-    return {k: None if v is None or _names.is_extra_state(k) else tuple(v)
-            for k, v in shapes.items()}
-
-
-def rank_sections(model, optimizer, rank: int, world_size: int) -> tuple[dict, set]:
-    """This rank's sections (ZeRO's optimizer shard; a ``fully_shard`` model's pieces and
-    optimizer shard, Note [stage-3 checkpoints]) and the model keys they hold."""
-    sections, sharded_keys = {}, set()
-    module = _names.unwrap(model)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        sections["optimizer_shard"] = to_cpu(optimizer.shard_state_dict())
-    elif stage3.units(module):
-        sections["model_shard"], sharded_keys = stage3.model_shard(module, rank, world_size)
-        if optimizer is not None:
-            sections["optimizer_shard"] = to_cpu(stage3.optimizer_shard(
-                module, optimizer, optimizer_params(optimizer), rank, world_size))
-    return sections, sharded_keys
-
-
-def common_model(model, sharded_keys: set) -> dict:
-    """The model state rank 0 writes to ``common.pt`` (all of it, less what the rank files hold)."""
-    if sharded_keys or stage3.units(_names.unwrap(model)):
-        return stage3.common_model(_names.unwrap(model), sharded_keys)
-    module = _names.unwrap(model)
-    return to_cpu(_names.canonical_state(module, module.state_dict()))
-
-
-def full_optimizer_state(model, optimizer) -> Optional[dict]:
-    """The optimizer state rank 0 writes to ``common.pt``: an unsharded optimizer's (a ZeRO or
-    stage-3 optimizer's state is in the rank files)."""
-    if optimizer is None or isinstance(optimizer, ZeroRedundancyOptimizer) or stage3.units(_names.unwrap(model)):
-        return None
-    return to_cpu(optimizer.state_dict())
-
-
-def _common_sections(model, optimizer, scaler, extra, sharded_keys: set) -> dict:
-    return {
-        "model": common_model(model, sharded_keys),
-        "optimizer": full_optimizer_state(model, optimizer),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "extra": extra,
-    }
 
 
 # ---------------------------------------------------------------------------- load

@@ -46,7 +46,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _from_dcp, _load_plan, _names, api, stage3
+from . import _checks, _files, _from_dcp, _load_plan, _names, _sections, api, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -168,7 +168,8 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     api._warn_trusted_only(job.rank, None, extra, per_rank)
     for (_, opt), w in zip(held, stages):  # each stage's first rank writes its param groups
         api._warn_trusted_only(w.rank, opt, None, None)
-    shapes = {f"part {j} of ranks {list(members[j])}": api.model_shapes(module) for j, (module, _) in enumerate(held)}
+    shapes = {f"part {j} of ranks {list(members[j])}": _sections.model_shapes(module)
+              for j, (module, _) in enumerate(held)}
     keys = [sorted(part) for part in shapes.values()]
     digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
     optimizers = [_checks.optimizer_passed(opt) for _, opt in held]
@@ -195,7 +196,7 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     try:
         sections, sharded = {}, []
         for j, ((module, opt), w) in enumerate(zip(held, stages)):
-            part_sections, sharded_keys = api.rank_sections(module, opt, w.rank, w.size)
+            part_sections, sharded_keys = _sections.rank_sections(module, opt, w.rank, w.size)
             sections.update({_section(name, j): value for name, value in part_sections.items()})
             sharded.append(sharded_keys)
         if per_rank is not None:  # [resume] this rank's RNG / data position
@@ -210,11 +211,11 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
             k = order.index((members[j], j))
             name = stage_common_file(k)
             mine[name] = api._write(directory, name, save_id, {
-                "model": api.common_model(module, sharded[j]),
-                "optimizer": api.full_optimizer_state(module, opt),
+                "model": _sections.common_model(module, sharded[j]),
+                "optimizer": _sections.full_optimizer_state(module, opt),
                 "scaler": scaler.state_dict() if scaler is not None else None,
             }, rank=job.rank)
-            entries[k] = dict(api.manifest_base(module, opt, scaler, w.size), ranks=list(members[j]), part=j,
+            entries[k] = dict(_sections.manifest_base(module, opt, scaler, w.size), ranks=list(members[j]), part=j,
                               keys=keys[j])
     except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
         error = f"rank {job.rank} could not write its checkpoint files in {directory}: {type(exc).__name__}: {exc}"
@@ -334,7 +335,7 @@ def loaded_objects(directory: str, digest: str, strict: bool, held: list, scaler
     del read["optimizer"]
     read["optimizers"] = []
     for module, opt in held:
-        shapes = api.model_shapes(module)
+        shapes = _sections.model_shapes(module)
         label = f"the part holding '{min(shapes)}'" if shapes else "the parts holding no state"
         read["optimizers"].append((_checks.keys_digest(shapes), label, _checks.optimizer_passed(opt)))
     return read

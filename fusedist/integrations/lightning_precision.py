@@ -152,7 +152,7 @@ class _FusedistMixedPrecision(_FusedistClip, MixedPrecision):
 # clip sees the scaled gradients S*g. Lightning's DDP clips those, so the step's gradient is
 # g * min(1, c / (S |g|)). fusedist's clip of a fused or ZeRO optimizer records that
 # coefficient for the step, and fusedist's GradScaler.unscale_ keeps a coefficient recorded
-# before it (Note [a clip before unscale_] in fusedist/amp/grad_scaler.py); a clip by value
+# before it (Note [a clip before unscale_] in fusedist/amp/unscale.py); a clip by value
 # scales p.grad, which the unscale then divides. So the adapter clips as it is asked, and the
 # step unscales as Lightning's does.
 

@@ -79,9 +79,10 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ..optim._scaler_protocol import looked_up_once
+from ..optim._scaler_protocol import looked_up_once, protocol_owner
 from ..optim.step_context import inverse_scale, mark_pending
 from . import unscale
+from .found_inf_group import FoundInfGroupMixin
 from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
 
 MIN_SCALE_POLICIES = ("warn", "raise")
@@ -101,7 +102,7 @@ def _device_type(device):
         return device  # (torch's own checks speak about it)
 
 
-class GradScaler(_TorchGradScaler):
+class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
     With a fused optimizer (Note [scaler protocol]) ``step`` without ``unscale_`` does no
@@ -135,13 +136,17 @@ class GradScaler(_TorchGradScaler):
       warning can come one ``update()`` late; no host sync), ``"raise"`` raises RuntimeError
       from ``update()`` (this reads the flag, a host sync per ``update()``).
 
-    * ``found_inf_group`` (default None): a process group over which every optimizer's inf/nan
-      flag is combined (max) before its step is decided -- the pipeline group under pipeline
-      parallelism, where each stage's optimizer sees only that stage's gradients: an overflow in
-      one stage then skips every stage's step and backs off the scale on every rank alike, as
-      torchtitan and Megatron all-reduce found_inf over their model-parallel groups (torch's
-      scaler has no such argument; without it each stage skipped by its own flag, and the
-      stages' weights and scales drifted apart). Note [found_inf over the pipeline stages].
+    * ``found_inf_group`` (default None): a process group over which the inf/nan flags are
+      combined (max), once per iteration, before any step is decided -- the pipeline group under
+      pipeline parallelism, where each stage's optimizer sees only that stage's gradients: an
+      overflow in any stage then skips every stage's step (every optimizer on every rank) and
+      backs off the scale on every rank alike, as torchtitan and Megatron all-reduce found_inf
+      over their model-parallel groups (torch's scaler has no such argument; without it each
+      stage skipped by its own flag, and the stages' weights and scales drifted apart). Ranks
+      may hold different numbers of stages (optimizers). In the first iteration, ``unscale_``
+      each optimizer of the rank before the first ``step()`` when the rank has several. A stage
+      without a loss needs no ``scale(loss)``: the scale is made on first use. Note [found_inf
+      over the pipeline stages] and Note [a stage without a loss] in fusedist/amp/found_inf_group.py.
 
     ``last_step_skipped_tensor`` is a device bool tensor (set by ``update()``): True when an
     optimizer step of the last iteration was skipped for inf/nan gradients. The property
@@ -154,6 +159,8 @@ class GradScaler(_TorchGradScaler):
                  lazy_unscale: bool = False, found_inf_group=None):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._found_inf_group = found_inf_group
+        self._group_optimizers: dict = {}  # (id -> weak reference) Note [found_inf over the pipeline stages]
+        self._agreed = None  # (this iteration's agreed flag, and the optimizers it covers)
         self._device = _device_type(device)
         if self._enabled:  # (torch checks its factors only when enabled, too)
             check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
@@ -171,27 +178,6 @@ class GradScaler(_TorchGradScaler):
         self._hysteresis_tracker: Optional[torch.Tensor] = None
         self.last_step_skipped_tensor = None
         self._min_scale_flag = unscale.LazyHostFlag()
-
-    # Note [found_inf over the pipeline stages]
-    # Each pipeline stage's optimizer checks only its stage's gradients, and each stage's rank
-    # steps its own optimizer(s): an overflow in one stage skipped that stage's step only, and
-    # lowered that rank's scale only -- the next iteration's stages trained at different scales
-    # on weights that were no longer one model's step. With ``found_inf_group`` each flag is
-    # all-reduced (max) over the group where it is made (unscale_, or step without unscale_),
-    # after the combination over a sharded optimizer's own ranks, so every rank decides the
-    # step and the new scale from the same flag. A collective per optimizer (and per device for
-    # torch's optimizers): every rank of the group unscales/steps the same number of optimizers
-    # in the same order, also one without gradients (whose check then counts as no overflow here;
-    # its step still raises as torch's does).
-    def _agree_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """``found_inf``, combined in place over ``found_inf_group`` (Note [found_inf over the
-        pipeline stages])."""
-        group = getattr(self, "_found_inf_group", None)  # (None in a scaler pickled before it existed)
-        if group is not None:  # (on fusedist's communicator: the collective deadline and stall report)
-            from ..comm import get_communicator
-
-            get_communicator(group, found_inf.device).all_reduce(found_inf, op="max", tag="GradScaler found_inf_group")
-        return found_inf
 
     # -- settings ------------------------------------------------------------------------------
     # torch's setters check nothing, so they took the values the constructor and load_state_dict
@@ -259,6 +245,8 @@ class GradScaler(_TorchGradScaler):
     # optimizer's step does (Note [a compiled step runs eagerly] in fusedist/zero/optimizer.py).
     @torch.compiler.disable
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._enabled:
+            self._scale_for_stage(optimizer)  # Note [a stage without a loss]
         if not self._enabled or not is_fused(optimizer):
             return super().unscale_(optimizer)
         self._check_scale_growth_tracker("unscale_")
@@ -267,15 +255,17 @@ class GradScaler(_TorchGradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        if not optimizer._fusedist_has_grads():  # Note [no inf checks recorded]
-            self._agree_found_inf(torch.zeros(1, device=self._scale.device))  # (the other ranks' collective)
+        owner = protocol_owner(optimizer)  # Note [the protocol's owner behind a wrapper]
+        if not owner._fusedist_has_grads():  # Note [no inf checks recorded]
+            self._remember(optimizer)  # Note [found_inf over the pipeline stages]
             optimizer_state["found_inf_per_device"] = {}
             optimizer_state["stage"] = OptState.UNSCALED
             return
-        with looked_up_once(optimizer):  # Note [gradients looked up once a call]
-            self._unscale_fused(optimizer, optimizer_state)
+        with looked_up_once(owner):  # Note [gradients looked up once a call]
+            self._unscale_fused(owner, optimizer_state, optimizer)
 
-    def _unscale_fused(self, optimizer, optimizer_state: dict) -> None:
+    def _unscale_fused(self, optimizer, optimizer_state: dict, given) -> None:
+        """unscale_ of the protocol's owner ``optimizer``; ``given`` is what the program passed."""
         inv_scale = inverse_scale(self._scale)
         ctx = optimizer.step_context
         clipped_before = unscale.clip_before_unscale(optimizer)  # Note [a clip before unscale_]
@@ -287,7 +277,7 @@ class GradScaler(_TorchGradScaler):
             found_inf, sumsq = optimizer._fusedist_check_and_norm(inv_scale)
             ctx.inv_scale = inv_scale
         found_inf, sumsq = unscale.combine_over_shards(optimizer, found_inf, sumsq)  # [sharded gradients]
-        found_inf = self._agree_found_inf(found_inf)  # Note [found_inf over the pipeline stages]
+        found_inf = self._flag_in_iteration(given, found_inf)  # Note [found_inf over the pipeline stages]
         ctx.grad_sumsq = sumsq
         ctx.clip_coef = clipped_before
         if clipped_before is not None:  # the gradients it covers were just unscaled in place
@@ -299,7 +289,11 @@ class GradScaler(_TorchGradScaler):
         optimizer_state["fused_optimizer"] = weakref.ref(optimizer)  # Note [an iteration without a step]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        if self._enabled:
+            self._scale_for_stage(optimizer)  # Note [a stage without a loss]
         if not self._enabled or not is_fused(optimizer):
+            if self._enabled and self._scale is not None:
+                self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
@@ -307,32 +301,35 @@ class GradScaler(_TorchGradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        with looked_up_once(optimizer):  # (not around optimizer.step: its pre-hooks are program code)
-            self._before_fused_step(optimizer, optimizer_state)
+        self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]
+        owner = protocol_owner(optimizer)  # Note [the protocol's owner behind a wrapper]
+        with looked_up_once(owner):  # (not around optimizer.step: its pre-hooks are program code)
+            self._before_fused_step(owner, optimizer_state, optimizer)
         found = list(optimizer_state["found_inf_per_device"].values())
-        optimizer.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
+        owner.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
-            if hasattr(optimizer, "_fusedist_clear_protocol"):
-                optimizer._fusedist_clear_protocol()
+            if hasattr(owner, "_fusedist_clear_protocol"):
+                owner._fusedist_clear_protocol()
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
-    def _before_fused_step(self, optimizer, optimizer_state: dict) -> None:
-        """step()'s checks, and the found-inf check when unscale_ was not called."""
+    def _before_fused_step(self, optimizer, optimizer_state: dict, given) -> None:
+        """step()'s checks, and the found-inf check when unscale_ was not called (not again when
+        the group's agreement made it); ``optimizer`` owns the protocol, ``given`` was passed."""
         if optimizer.step_context.inv_scale is not None:  # lazy: Note [gradients changed after unscale_]
             optimizer._fusedist_check_grads_since_unscale()
         if optimizer_state["stage"] is OptState.READY and not optimizer._fusedist_has_grads():
             optimizer_state["stage"] = OptState.UNSCALED  # as torch's step, which unscale_s first
-            self._agree_found_inf(torch.zeros(1, device=self._scale.device))  # (the other ranks' collective)
         if optimizer_state["stage"] is OptState.UNSCALED and not optimizer_state["found_inf_per_device"]:
             raise AssertionError("No inf checks were recorded for this optimizer.")  # Note [no inf checks recorded]
         if optimizer_state["stage"] is OptState.READY:
-            found_inf, _ = optimizer._fusedist_check_and_norm(None)
-            found_inf, _ = unscale.combine_over_shards(optimizer, found_inf)  # [sharded gradients]
-            found_inf = self._agree_found_inf(found_inf)  # Note [found_inf over the pipeline stages]
-            optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
+            if not optimizer_state.pop("checked_for_step", False):
+                found_inf, _ = optimizer._fusedist_check_and_norm(None)
+                found_inf, _ = unscale.combine_over_shards(optimizer, found_inf)  # [sharded gradients]
+                found_inf = self._flag_in_iteration(given, found_inf)  # Note [found_inf over the pipeline stages]
+                optimizer_state["found_inf_per_device"] = {self._scale.device: found_inf.reshape(())}
             optimizer.grad_scale = self._scale
         else:
             optimizer.grad_scale = None
@@ -342,9 +339,9 @@ class GradScaler(_TorchGradScaler):
         per_device = unscale.unscale_per_device(optimizer, inv_scale, found_inf, allow_fp16)
         for flag in per_device.values():
             unscale.combine_over_shards(optimizer, flag)  # [sharded gradients]
-            self._agree_found_inf(flag)  # Note [found_inf over the pipeline stages]
-        if not per_device:  # no gradient here: no flag, but the group's collective all the same
-            self._agree_found_inf(torch.zeros(1, device=self._scale.device))
+            self._flag_in_iteration(optimizer, flag)  # Note [found_inf over the pipeline stages]
+        if not per_device:  # no gradient here: no flag, but counted in the group's agreement
+            self._remember(optimizer)
         return per_device
 
     # -- scale update --------------------------------------------------------------------------
@@ -352,9 +349,12 @@ class GradScaler(_TorchGradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled:
             return
+        self._scale_for_stage()  # Note [a stage without a loss]
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             new_scale = checked_new_scale(new_scale, self._device)
+        self._agree_iteration()  # (made here when nothing was stepped: one per iteration on every rank)
+        self._end_agreement()
         self._forget_unstepped()
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True).reshape(())
@@ -491,4 +491,5 @@ class GradScaler(_TorchGradScaler):
             state["_last_skipped"] = state["_last_found_inf"] = None
             state["_min_scale_flag"] = unscale.LazyHostFlag()
         state["_found_inf_group"] = None  # (a process group does not travel: pass it again)
+        state["_group_optimizers"], state["_agreed"] = {}, None  # (weak references do not either)
         return state

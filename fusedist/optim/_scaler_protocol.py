@@ -72,6 +72,32 @@ class looked_up_once:
             self._state.pop(_LOOKED, None)
 
 
+# Note [the protocol's owner behind a wrapper]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Frameworks hand programs a wrapper of the optimizer that forwards missing attributes with
+# ``__getattr__`` (Lightning's LightningOptimizer and Fabric's optimizer, which also subclass
+# the wrapped class dynamically; accelerate's AcceleratedOptimizer). Reading the protocol
+# through such a wrapper works, but GradScaler's writes (``found_inf``, ``grad_scale``) landed in
+# the wrapper's own ``__dict__``, and the fused optimizer's step never saw them: an overflowing
+# step was applied, and without ``unscale_`` the scaled gradients were (weights inf/nan at the
+# first overflow). The scaler therefore reads and writes the protocol on its owner: the object
+# holding ``step_context`` itself, found among the wrapper's attributes.
+def protocol_owner(optimizer):
+    """The object that owns the scaler protocol of ``optimizer`` (itself, or the fused optimizer
+    a forwarding wrapper holds, Note [the protocol's owner behind a wrapper]); ``optimizer``
+    itself when none is found."""
+    obj = optimizer
+    for _ in range(8):  # (wrappers of wrappers; bounded against cycles)
+        state = getattr(obj, "__dict__", None)
+        if state is None or "step_context" in state:
+            return obj
+        inner = next((v for v in state.values() if isinstance(v, ScalerProtocol) and v is not obj), None)
+        if inner is None:
+            return optimizer
+        obj = inner
+    return optimizer
+
+
 class ClippedGrads(NamedTuple):
     """What fusedist's clip recorded (Note [gradients changed after the clip]): parallel lists
     of the parameters, weak references to their gradients and the gradients' version counts."""

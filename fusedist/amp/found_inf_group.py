@@ -1,0 +1,156 @@
+"""``GradScaler(found_inf_group=...)``: one inf/nan decision per iteration over the pipeline stages.
+
+# Note [found_inf over the pipeline stages]
+Each pipeline stage's optimizer checks only its stage's gradients, and each rank steps its own
+optimizer(s): an overflow in one stage skipped that stage's step only, and lowered that rank's
+scale only -- the next iteration's stages trained at different scales on weights that were no
+longer one model's step. With ``found_inf_group`` the scaler takes, once per iteration, the max
+of every flag of every optimizer this rank unscales or steps, over the group: an overflow in
+any stage skips the step of every stage (of every optimizer on every rank) and backs the scale
+off on every rank alike, as Megatron and torchtitan all-reduce found_inf over their
+model-parallel groups. (torch's scaler in one process skips each optimizer by its own flag; a
+pipeline split of one model must skip as one model, so the stages skip together.)
+
+The agreement is one all-reduce of one flag, at the iteration's first ``step()`` (or at
+``update()`` when nothing was stepped), so ranks holding different numbers of stages (of
+optimizers) agree without matching calls: it used to be one all-reduce per optimizer, paired by
+position, so a rank stepping two stages' optimizers against one stepping one hung, and ranks
+stepping two each combined stage 0 with stage 1 and stage 2 with stage 3. Before the
+agreement, each optimizer this rank has unscaled this iteration, or unscaled or stepped in an
+earlier one, is checked (a flag-only pass for one not unscaled yet; a fused optimizer's step
+then uses it and does not check again). An optimizer first seen after the agreement, in the
+first iteration, cannot join it: the scaler raises, asking to ``unscale_`` each optimizer before
+the first ``step()`` (from the second iteration on the scaler knows them).
+
+# Note [a stage without a loss]
+A middle pipeline stage computes no loss, so it never calls ``scaler.scale(loss)``, which is
+where torch's scaler makes its scale; its gradients come from the last stage's scaled loss and
+are scaled all the same. With ``found_inf_group`` the scale is made on first use by
+``unscale_``, ``step`` or ``update`` too (with the loaded or initial scale, as ``scale`` makes
+it), where torch's asserts "Attempted step but _scale is None"; every rank's scale then follows
+the same agreed flags. Without a group the assertion stays: there a missing ``scale(loss)``
+means unscaled gradients, which the step would divide by the scale.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from ..optim._scaler_protocol import looked_up_once, protocol_owner
+from . import unscale
+
+
+def device_of(optimizer, default) -> torch.device:
+    """Where the scale of a stage without a loss lives: its optimizer's parameters' device."""
+    for group in getattr(optimizer, "param_groups", ()):
+        for param in group["params"]:
+            return param.device
+    return torch.device(default)
+
+
+class FoundInfGroupMixin:
+    """The ``found_inf_group`` part of :class:`fusedist.amp.GradScaler` (Note [found_inf over
+    the pipeline stages])."""
+
+    def _group(self):
+        return self.__dict__.get("_found_inf_group")  # (None in a scaler pickled before it existed)
+
+    def _scale_for_stage(self, optimizer=None) -> None:
+        """Make the scale on first use under a group (Note [a stage without a loss])."""
+        if self._scale is None and self._group() is not None:
+            self._lazy_init_scale_growth_tracker(device_of(optimizer, self._device))
+
+    def _remember(self, optimizer) -> None:
+        """Count ``optimizer`` in this rank's agreements, from this iteration's on, while this
+        iteration's is still to be made."""
+        if self._group() is None or self.__dict__.get("_agreed") is not None:
+            return
+        known = self.__dict__.setdefault("_group_optimizers", {})
+        ref = known.get(id(optimizer))
+        if ref is None or ref() is not optimizer:
+            known[id(optimizer)] = weakref.ref(optimizer)
+
+    def _flag_in_iteration(self, optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+        """``found_inf`` (measured on this rank), combined in place with the iteration's agreed
+        flag once that is made; before, ``optimizer`` joins the agreement to come."""
+        agreed = self.__dict__.get("_agreed")
+        if self._group() is None:
+            return found_inf
+        if agreed is None:
+            self._remember(optimizer)
+            return found_inf
+        flag, included = agreed
+        if id(optimizer) not in included:
+            raise RuntimeError(self._late_message(optimizer))
+        torch.maximum(found_inf, flag.reshape(found_inf.shape).to(found_inf.device), out=found_inf)
+        return found_inf
+
+    def _late_message(self, optimizer) -> str:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return (
+            f"GradScaler(found_inf_group=...) on rank {rank}: {type(optimizer).__name__} was first unscaled or "
+            "stepped after this iteration's inf/nan flag was agreed over the group (at the first step()), so "
+            "its gradients cannot count in it and its stage could step apart from the others. Call "
+            "scaler.unscale_(optimizer) for every optimizer of this rank before the first scaler.step() of the "
+            "iteration (needed only where an optimizer is new: the scaler remembers each one it unscaled or "
+            "stepped)."
+        )
+
+    def _agree_iteration(self, stepping=None) -> None:
+        """The iteration's one all-reduce of the inf/nan flag over the group (Note [found_inf
+        over the pipeline stages]); written into every flag this rank recorded."""
+        group = self._group()
+        if group is None or self.__dict__.get("_agreed") is not None:
+            return
+        if stepping is not None:
+            self._remember(stepping)
+        known = self.__dict__.setdefault("_group_optimizers", {})
+        flag = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+        states = []
+        for key, ref in list(known.items()):
+            optimizer = ref()
+            if optimizer is None:
+                del known[key]
+                continue
+            state = self._per_optimizer_states[key]
+            if state["stage"] is OptState.READY and not state["found_inf_per_device"]:
+                self._check_before_agreement(optimizer, state)
+            for value in state["found_inf_per_device"].values():
+                flag = torch.maximum(flag, value.reshape(1).to(flag.device, torch.float32))
+            states.append(state)
+        from ..comm import get_communicator  # (the collective deadline and stall report)
+
+        get_communicator(group, flag.device).all_reduce(flag, op="max", tag="GradScaler found_inf_group")
+        for state in states:
+            for value in state["found_inf_per_device"].values():
+                value.copy_(flag.reshape(value.shape).to(value.device))
+        self._agreed = (flag, set(known))
+
+    def _check_before_agreement(self, optimizer, state: dict) -> None:
+        """The flag of an optimizer not unscaled this iteration, for the agreement: a fused
+        optimizer's step uses it (no second check); torch's path measures again when it
+        unscales (in place, as torch's step does)."""
+        device = self._scale.device
+        if getattr(optimizer, "_fusedist_fused", False):
+            owner = protocol_owner(optimizer)
+            if not owner._fusedist_has_grads():
+                return
+            with looked_up_once(owner):
+                found_inf, _ = owner._fusedist_check_and_norm(None)
+            found_inf, _ = unscale.combine_over_shards(owner, found_inf)  # [sharded gradients]
+            state["found_inf_per_device"] = {device: found_inf.reshape(())}
+            state["checked_for_step"] = True
+            return
+        one, zero = torch.ones(1, device=device), torch.zeros(1, device=device)
+        flags = unscale.unscale_per_device(optimizer, one, zero, allow_fp16=True)  # (x * 1: a check)
+        for value in flags.values():
+            unscale.combine_over_shards(optimizer, value)  # [sharded gradients]
+        state["found_inf_per_device"] = flags
+
+    def _end_agreement(self) -> None:
+        self._agreed = None

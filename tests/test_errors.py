@@ -158,6 +158,14 @@ def test_checks_switch_rejects_bad_values(monkeypatch):
 
     with pytest.raises(ValueError, match="FUSEDIST_STALL_REPORT_S"):
         report_window_s(600)
+    from fusedist.reliability.config import param_check_every
+
+    for bad in ("-1", "often", "1.5"):
+        monkeypatch.setenv("FUSEDIST_PARAM_CHECK_EVERY", bad)
+        with pytest.raises(ValueError, match="FUSEDIST_PARAM_CHECK_EVERY must be a whole number"):
+            param_check_every()
+    monkeypatch.setenv("FUSEDIST_PARAM_CHECK_EVERY", " 7 ")
+    assert param_check_every() == 7
 
 
 def test_stall_report_waits_briefly_for_a_peer_whose_connection_is_gone(monkeypatch):

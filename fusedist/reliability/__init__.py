@@ -5,6 +5,8 @@
 * :mod:`.engine_watch` -- the observer of a DDP model's gradient engine: step counters, the
   per-step check at the point of the collective order the engine announces, stall-report context;
 * :mod:`.step_check` -- DDP's per-step cross-rank agreement check;
+* :mod:`.param_check` -- the digest of DDP's replicated parameters that check compares every
+  ``FUSEDIST_PARAM_CHECK_EVERY`` steps and at ``check_consistency()``;
 * :mod:`.optimizer_guard` -- ``optimizer.step()`` misuse checks;
 * :mod:`.stall_report` -- the store protocol and the report text.
 

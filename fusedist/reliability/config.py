@@ -17,3 +17,22 @@ def checks_enabled() -> bool:
     if value not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"FUSEDIST_CHECKS must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on")
+
+
+#: Default period of the parameter check (Note [parameter check] in ``param_check.py``).
+PARAM_CHECK_EVERY = 100
+
+
+def param_check_every() -> int:
+    """Every how many synchronized backwards the replicated parameters are compared across
+    ranks, and at every ``check_consistency()`` (``FUSEDIST_PARAM_CHECK_EVERY``; 0 turns the
+    comparison off, for replicas that differ on purpose). Part of the per-step check: nothing
+    with ``FUSEDIST_CHECKS=0``."""
+    value = os.environ.get("FUSEDIST_PARAM_CHECK_EVERY", str(PARAM_CHECK_EVERY)).strip()
+    try:
+        every = int(value)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise ValueError(f"FUSEDIST_PARAM_CHECK_EVERY must be a whole number of steps >= 0 (0: off), got {value!r}")
+    return every

@@ -9,11 +9,15 @@ this: it only announces events (``fusedist/ddp/events.py``).
 
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
+import torch
+
 from ..ddp.events import EngineObserver
-from .config import checks_enabled
+from .config import checks_enabled, param_check_every
 from .monitor import attach_monitor
+from .param_check import ParamDigest, replicates
 from .step_check import StepCheck, layout_crc
 
 #: The other way to an unsynchronized step: a pipeline schedule's step synchronizes a stage's
@@ -78,7 +82,10 @@ class StepWatch(WatchBase, EngineObserver):
     def __init__(self, engine):
         self._engine = engine  # (before the base registers position() with the monitor)
         self._layout_crc: Optional[tuple] = None
+        self._digest: Optional[ParamDigest] = None  # built at the first check that needs it
+        self._sparse_flags: list = []  # requires_grad of the sparse-gradient weights at the last forward
         super().__init__(engine.comm)
+        self.param_every = param_check_every() if self.step_check is not None else 0
 
     def backward_count(self) -> int:
         return self._engine.iteration  # every backward, synchronized or not
@@ -87,6 +94,7 @@ class StepWatch(WatchBase, EngineObserver):
     def forward_begins(self, engine) -> None:
         self.settle()  # the last step's verdict, before this step's first collective
         self.forwards += 1
+        self._sparse_flags = [p.requires_grad for p in _sparse_params(engine).values()]
 
     def backward_begins(self, engine) -> None:
         if self.monitor is not None:  # stamps this step on the collective history
@@ -95,6 +103,10 @@ class StepWatch(WatchBase, EngineObserver):
     def buckets_launched(self, engine, unused: list) -> None:
         if self.step_check is not None:
             self.launch_check(engine, unused)
+            if _sparse_params(engine):
+                # Note [sparse weights in the step check]: read the verdict before the
+                # sparse gradients' collectives, which ranks that differ would not pair.
+                self.settle()
 
     def backward_ends(self, engine) -> None:
         self.last_backward_synced = engine.sync
@@ -122,6 +134,11 @@ class StepWatch(WatchBase, EngineObserver):
             self._layout_crc = (engine.layout, layout_crc(engine.layout))
         tracker = engine.tracker
         unused_count = 0 if engine.config.tolerates_unused else len(unused)
+        digest = None
+        if self._params_due(engine, checked_now):
+            if checked_now:
+                _wait_for_parameters(engine)
+            digest = self._param_digest(engine)
         self.step_check.launch([
             self.sync_steps,
             self.forwards,
@@ -130,11 +147,70 @@ class StepWatch(WatchBase, EngineObserver):
             self._layout_crc[1],
             last_seq,
             unused_count,
-            tracker.crc if tracker is not None else 0,
+            self._trainable_crc(tracker),
+            0,  # the parameter digest, when due, is written on the device
         ], {"buckets": len(engine.layout.buckets),
             "unused_names": [engine.names[engine.index_of[p]] for p in unused],
             "checked_now": checked_now,
-            "describe_trainable": tracker.describe_mismatch if tracker is not None else None})
+            "describe_trainable": lambda comm: self._describe_trainable(engine, comm),
+            "describe_params": self._digest.describe if digest is not None else None,
+            # Note [sparse weights in the step check]
+            "reported_at": "the end of that backward" if _sparse_params(engine) else "the next training forward",
+        }, digest=digest)
+
+    # Note [sparse weights in the step check]
+    #     The weights with sparse gradients (nn.Embedding(sparse=True)) are averaged outside the
+    #     buckets (Note [sparse gradients] in fusedist/ddp/sparse.py), so their requires_grad
+    #     flags are not in the tracker's layout flags; a rank that froze one sends no sparse
+    #     gradient (or none at all while every such weight is frozen) and the ranks' sparse
+    #     collectives no longer pair: a timeout naming a collective, not the cause. So their
+    #     flags at the forward are folded into the ``trainable`` field, and a model with such
+    #     weights reads the check's verdict right after launching it, before those collectives
+    #     (every rank there, as it sits after the last bucket): a mismatch raises on every rank
+    #     naming the weight and the ranks. The wait costs nothing extra while such a weight
+    #     trains (the sparse averaging reads its size exchange on the host right after anyway);
+    #     while all of them are frozen it is one wait for the step's reductions per synchronized
+    #     backward -- kept, as every rank must read the verdict at the same point.
+    def _trainable_crc(self, tracker) -> int:
+        crc = tracker.crc if tracker is not None else 0
+        if not self._sparse_flags:
+            return crc  # (as before: no sparse-gradient weights)
+        return zlib.crc32(bytes(self._sparse_flags), crc) & 0x7FFFFFFF
+
+    def _describe_trainable(self, engine, comm) -> list[str]:
+        """The tracker's lines and those of the sparse-gradient weights (a collective, as the
+        tracker's: every rank calls it on the same verdict)."""
+        tracker = engine.tracker
+        lines = tracker.describe_mismatch(comm) if tracker is not None else []
+        sparse = list(_sparse_params(engine))
+        if sparse:
+            mine = torch.tensor(self._sparse_flags or [True] * len(sparse), dtype=torch.uint8, device=comm.device)
+            everyone = torch.empty(comm.world_size * len(sparse), dtype=torch.uint8, device=comm.device)
+            comm.all_gather(everyone, mine, tag="ddp sparse weights' trainable flags")
+            table = everyone.view(comm.world_size, len(sparse)).tolist()
+            for i, name in enumerate(sparse):
+                column = [row[i] for row in table]
+                if len(set(column)) > 1:
+                    on = [r for r, v in enumerate(column) if v]
+                    off = [r for r, v in enumerate(column) if not v]
+                    lines.append(f"  parameter '{name}' (sparse gradients): requires_grad=True on ranks {on}, "
+                                 f"False on ranks {off}")
+        return lines
+
+    def _params_due(self, engine, checked_now: bool) -> bool:
+        """Whether this check compares the parameters (Note [parameter check] in param_check.py):
+        at ``check_consistency()`` and every ``param_every`` synchronized backwards (never with 0)."""
+        if self.param_every == 0 or not replicates(engine):
+            return False
+        return checked_now or self.sync_steps % self.param_every == 0
+
+    def _param_digest(self, engine) -> torch.Tensor:
+        if self._digest is None:
+            tracker = engine.tracker
+            named = (list(zip(tracker.names, tracker.params)) + list(tracker.sparse.items()) if tracker is not None
+                     else list(zip(engine.names, engine.params)))
+            self._digest = ParamDigest(named)
+        return self._digest.compute(self.step_check.comm.device)
 
     # ------------------------------------------------------------------ joined ranks
     def counters(self) -> list:
@@ -156,3 +232,20 @@ class StepWatch(WatchBase, EngineObserver):
             "buckets_launched": f"{getattr(engine, 'next_launch', 0)}/{len(engine.layout.buckets)}",
             "buckets_finished": f"{getattr(engine, 'next_finish', 0)}/{len(engine.layout.buckets)}",
         }
+
+
+def _sparse_params(engine) -> dict:
+    """name -> weight of the model's sparse-gradient weights (Note [sparse gradients] in
+    fusedist/ddp/sparse.py), as the wrapper's tracker lists them."""
+    tracker = getattr(engine, "tracker", None)
+    return getattr(tracker, "sparse", None) or {}
+
+
+def _wait_for_parameters(engine) -> None:
+    """Wait for the wrapper's parameters to be final: after a step of a ZeroRedundancyOptimizer
+    with ``overlap_param_gather=True`` their all-gathers may still be in flight until the next
+    forward (Note [overlapped parameter gathers] in fusedist/zero/gather.py)."""
+    owner = getattr(getattr(engine, "tracker", None), "owner", lambda: None)()
+    wait = getattr(owner, "_wait_for_params", None)
+    if wait is not None:
+        wait(True)  # (as before a traced forward: every gather)

@@ -112,7 +112,7 @@ class ShardedStepWatch(WatchBase):
     def _launch(self, checked_now: bool) -> None:
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
-             self.comm.last_seq, self._gradients_crc, self._units_crc],
+             self.comm.last_seq, self._gradients_crc, self._units_crc, 0],  # (no replicated parameters)
             dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
                  describe_trainable=self._describe_units))
 

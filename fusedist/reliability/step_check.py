@@ -16,6 +16,9 @@ Note [step check]
         unused           parameters without a gradient (0 with find_unused_parameters)
         trainable        CRC of the module's requires_grad flags at this step's forward
                          (Note [trainable set changes] in fusedist/ddp/trainable.py)
+        params           every few steps and at check_consistency(), a digest of the
+                         replicated parameters' values, else 0 (Note [parameter check] in
+                         param_check.py)
 
     The vector ``[v, -v]`` is all-reduced with MAX, giving every rank ``max(v)`` and
     ``min(v)`` exactly (int64), so every rank reaches the same verdict -- agreement iff
@@ -58,7 +61,8 @@ from .._process_hooks import at_exit
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
 
-FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable")
+FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable",
+          "params")
 
 _EXPLAIN = {
     "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
@@ -74,6 +78,10 @@ _EXPLAIN = {
     "ranks (pass find_unused_parameters=True if that is intended)",
     "trainable": "ranks changed requires_grad of different parameters after wrapping the model (frozen or "
     "unfrozen on some ranks only); change the same parameters on every rank, before the same forward",
+    "params": "the replicated parameters' values differ across ranks: a rank changed weights in place, loaded "
+    "a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the model was wrapped with "
+    "init_sync=False from different values; the ranks now train different models (load or change weights "
+    "on every rank alike, before wrapping)",
 }
 
 
@@ -100,9 +108,11 @@ class StepCheck:
         _checks.add(self)
         at_exit("report unread step-check verdicts", _report_unread_at_exit)  # Note [verdicts unread at exit]
 
-    def launch(self, values: Optional[list[int]], detail: dict) -> None:
+    def launch(self, values: Optional[list[int]], detail: dict, digest: Optional[torch.Tensor] = None) -> None:
         """Start this step's check (async); its verdict is read by :meth:`settle`.
-        ``values=None``: this rank has joined and is not compared."""
+        ``values=None``: this rank has joined and is not compared. ``digest``: the ``params``
+        field (a 0-dim int64 tensor on the device, Note [parameter check]), written there;
+        else ``values`` holds it."""
         self.settle()
         if values is None:
             values = [JOINED] * self.k
@@ -112,6 +122,11 @@ class StepCheck:
         if self.on_cuda:  # pinned + non_blocking: a pageable copy would synchronize the host
             local = local.pin_memory()
         self.buf.copy_(local, non_blocking=self.on_cuda)
+        if digest is not None and values[0] != JOINED:
+            field = FIELDS.index("params")
+            self.buf[field].copy_(digest)
+            self.buf[self.k + field].copy_(-digest)
+            detail = dict(detail, param_digest=digest)
         handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag=self.tag)
         host = event = None
         if self.on_cuda:
@@ -163,7 +178,7 @@ class StepCheck:
         k = self.k
         if all(reduced[i] == -reduced[k + i] for i in range(k)):
             return None
-        lines = render_bounds(reduced, values, self.comm.rank, detail, None).replace(
+        lines = render_bounds(reduced, _with_digest(values, detail), self.comm.rank, detail, None).replace(
             "detected on every rank that took part; ", "").splitlines()
         lines[0] = (f"{lines[0]} [found at exit: the verdict of this rank's last synchronized backward was "
                     "never read, as no training forward followed it; call check_consistency() on every rank "
@@ -174,6 +189,7 @@ class StepCheck:
         k = self.k
         if all(reduced[i] == -reduced[k + i] for i in range(k)):
             return
+        values = _with_digest(values, detail)  # (read from the device on a mismatch only)
         # Every rank saw the same max/min, so every rank is here: the all-gather pairs up.
         mine = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
         everyone = torch.empty(self.comm.world_size * k, dtype=torch.int64, device=self.comm.device)
@@ -185,9 +201,29 @@ class StepCheck:
         table = everyone.view(self.comm.world_size, k).tolist()
         column = FIELDS.index("trainable")
         describe = detail.get("describe_trainable")
-        if describe is not None and len({row[column] for row in table if row[0] != JOINED}) > 1:
+        if describe is not None and _differs(table, column):
             detail = dict(detail, trainable_lines=describe(self.comm))  # a collective: same verdict everywhere
+        describe = detail.get("describe_params")
+        if describe is not None and _differs(table, FIELDS.index("params")) and not _differs(table, 0):
+            # (a collective too; with different step counts the digests are of different steps)
+            joined = [r for r, row in enumerate(table) if row[0] == JOINED]
+            detail = dict(detail, param_lines=describe(self.comm, joined))
         raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
+
+
+def _differs(table: list[list[int]], column: int) -> bool:
+    """Whether the ranks still training hold different values in ``column``."""
+    return len({row[column] for row in table if row[0] != JOINED}) > 1
+
+
+def _with_digest(values: list[int], detail: dict) -> list[int]:
+    """``values`` with this rank's parameter digest, which stayed on the device, read in."""
+    digest = detail.get("param_digest")
+    if digest is None:
+        return values
+    values = list(values)
+    values[FIELDS.index("params")] = int(digest.item())
+    return values
 
 
 # Note [verdicts unread at exit]
@@ -279,8 +315,12 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         high, low = reduced[i], -reduced[k + i]
         if high == low:
             continue
-        mine = "joined" if values[i] == JOINED else values[i]
         explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
+        if field == "params":  # a digest: its range says nothing (nor when the steps differ)
+            if reduced[0] == -reduced[k]:
+                lines.append(f"  {field}: the ranks' digests differ -- {explain}")
+            continue
+        mine = "joined" if values[i] == JOINED else values[i]
         lines.append(f"  {field}: ranks range from {low} to {high} (rank {rank}: {mine}) -- {explain}")
     if error is not None:
         report = getattr(error, "report", None)
@@ -310,11 +350,18 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
             f"{step} synchronized backward(s), found by check_consistency() (which "
             "fusedist.checkpoint.save runs before writing):"
         ]
+    elif [f for i, f in enumerate(FIELDS) if _differs(table, i)] == ["params"]:
+        lines = [  # the ranks are at the same point, only their parameters differ
+            f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}): their parameters "
+            f"differ, found by the periodic parameter check at synchronized backward #{step} (reported at "
+            f"{detail.get('reported_at', 'the next training forward')}):"
+        ]
     else:
         lines = [
             f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
             f"backward #{step}, whose {detail.get('reduced', 'buckets')} 0..{detail.get('buckets', 0) - 1} were "
-            "reduced across ranks that were at different points (reported at the next training forward):"
+            "reduced across ranks that were at different points (reported at "
+            f"{detail.get('reported_at', 'the next training forward')}):"
         ]
     for field_index, field in enumerate(FIELDS):
         groups: dict[int, list[int]] = {}
@@ -323,12 +370,19 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
                 groups.setdefault(row[field_index], []).append(r)
         if len(groups) <= 1:
             continue
-        listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+        if field == "params":  # a digest: which ranks agree is what tells
+            if _differs(table, 0):
+                continue  # digests of different steps (or none on some ranks): a consequence, not a cause
+            listing = " | ".join(f"ranks {ranks}" for ranks in sorted(groups.values())) + " hold different values"
+        else:
+            listing = "; ".join(f"ranks {ranks}: {value}"
+                                for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
         lines.append(f"  {field}: {listing} -- {explain}")
     if joined:
         lines.append(f"  ranks {joined} had run out of inputs (joined) and were not compared")
     lines.extend(detail.get("trainable_lines", ()))
+    lines.extend(detail.get("param_lines", ()))
     unused = detail.get("unused_names")
     if unused:
         more = " ..." if len(unused) > 10 else ""

@@ -19,8 +19,10 @@ Note [communication hooks]
     (a bucket is padded for ZeRO's equal shards; torch's buffer is exactly the gradients).
     The launches follow fusedist's bucket order and its one rebuild after the first
     synchronized backward, as torch's do (PowerSGD's ``start_powerSGD_iter`` > 1 exists for
-    that rebuild). A joined rank's shadow backward runs the hook on zeroed buckets, as
-    torch's join does. Sparse gradients (``nn.Embedding(sparse=True)``) are in no bucket: they
+    that rebuild); with ``find_unused_parameters=True``, where torch's DDP never rebuilds, the
+    hook's registration cuts the buckets as torch's and keeps them (Note [buckets of
+    find_unused_parameters] in layout.py). A joined rank's shadow backward runs the hook on
+    zeroed buckets, as torch's join does. Sparse gradients (``nn.Embedding(sparse=True)``) are in no bucket: they
     are averaged over the model's group as without a hook (Note [sparse gradients] in
     sparse.py), where torch passes them to the hook; registering a hook on such a model warns.
 
@@ -58,7 +60,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.base import CollectiveError
-from .layout import Bucket, shaped_like
+from .layout import Bucket, layout_of_groups, shaped_like, torch_unused_groups
+from .rebucket import switch_layout
 from .strategy import AllReduceAverage, GradSyncStrategy
 
 if TYPE_CHECKING:
@@ -264,6 +267,27 @@ def _set_hook_strategy(wrapper, state, hook) -> None:
     _warn_sparse_weights_bypass(wrapper, name)
     wrapper._comm_hook = name
     reducer.strategy = CommHookStrategy(state, hook)
+    match_torch_unused_buckets(reducer)
+
+
+def match_torch_unused_buckets(reducer) -> None:
+    """With ``find_unused_parameters=True`` (no static graph), cut the buckets as torch's DDP
+    does, once and for good (Note [buckets of find_unused_parameters] in layout.py): the hook
+    then sees the bucket indices and gradient order torch's would. A layout already fixed (a
+    ZeroRedundancyOptimizer built first, or rebuilt after a synchronized backward) stays.
+    The listeners are not told: the only one a layout not yet fixed has is the cross-rank
+    layout check, a collective, and torch's registration is none -- a hook registered on some
+    ranks only must reach the first forward's check, which names it (Note [reduction settings
+    across ranks] in agreement.py). The new layout follows from the parameters and settings
+    that the construction compared."""
+    config = reducer.config
+    if not config.find_unused_parameters or config.static_graph or reducer.layout_final:
+        return
+    params, names = reducer.params, reducer.names
+    groups = torch_unused_groups(params, config.bucket_caps_bytes())
+    new = layout_of_groups([[(params[i], names[i]) for i in g] for g in groups], world_size=reducer.world_size,
+                           device=reducer.device, bucket_storage=reducer.layout.bucket_storage)
+    switch_layout(reducer, new, notify=False)
 
 
 def _warn_sparse_weights_bypass(wrapper, name: str) -> None:

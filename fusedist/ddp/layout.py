@@ -255,7 +255,6 @@ def build_layout(
         gradient buckets, which these are, may likewise exceed ``bucket_cap_mb`` by up to one
         parameter.
     """
-    pad_to = world_size * SHARD_ALIGN
     open_buckets: dict[torch.dtype, dict] = {}
     closed: list[dict] = []
     caps_used: dict[torch.dtype, int] = {}
@@ -286,19 +285,64 @@ def build_layout(
     # go in index order, so a bucket of another dtype opened early but filled late must not hold
     # back the buckets that fill meanwhile (numbered by opening, none launched before backward ended).
     closed.sort(key=lambda b: b["ready"])
+    groups = [list(zip(b["params"], b["names"])) for b in closed]
+    return layout_of_groups(groups, world_size=world_size, device=device, bucket_storage=bucket_storage)
 
+
+def layout_of_groups(groups: Sequence[Sequence[tuple]], *, world_size: int, device: torch.device,
+                     bucket_storage: bool = False) -> GradLayout:
+    """A layout whose k-th bucket holds ``groups[k]`` (``(param, name)`` pairs, one dtype, in
+    slot order), each bucket padded for ZeRO's equal shards."""
+    pad_to = world_size * SHARD_ALIGN
     sizes: dict[torch.dtype, int] = {}
     buckets = []
-    for index, b in enumerate(closed):
-        start = sizes.get(b["dtype"], 0)
+    for index, group in enumerate(groups):
+        params, names = [p for p, _ in group], [n for _, n in group]
+        dtype = params[0].dtype
+        start = sizes.get(dtype, 0)
         offsets, cursor = [], start
-        for p in b["params"]:
+        for p in params:
             offsets.append(cursor)
             cursor += p.numel()
         end = start + _round_up(max(cursor - start, 1), pad_to)
-        sizes[b["dtype"]] = end
-        buckets.append(Bucket(index, b["dtype"], start, end, b["params"], b["names"], offsets))
+        sizes[dtype] = end
+        buckets.append(Bucket(index, dtype, start, end, params, names, offsets))
     return GradLayout(buckets, sizes, device, bucket_storage=bucket_storage)
+
+
+def torch_unused_groups(params: Sequence[torch.nn.Parameter], caps: Sequence[int]) -> list[list[int]]:
+    """torch DDP's buckets with ``find_unused_parameters=True`` (and no static graph), as indices
+    into ``params`` (registration order): Note [buckets of find_unused_parameters].
+
+    Note [buckets of find_unused_parameters]
+        With ``find_unused_parameters=True`` torch's DDP never rebuilds its buckets from the
+        observed order (a rank's unused parameters would make that order differ between
+        iterations): it keeps the buckets it cut at wrapping, which differ from fusedist's
+        reverse-order ones. Each dtype's parameters are packed in *registration* order, a bucket
+        closing once it reaches its cap (``caps[k]`` for the k-th of the dtype, the last serving
+        every later one), the buckets sorted by their first parameter and then reversed: bucket 0
+        holds the last parameters, each bucket its parameters in registration order. The fused
+        reduction does not care (an all-reduce is elementwise), but a communication hook sees
+        the buckets: PowerSGD draws its random projections per bucket index and compresses the
+        bucket's gradients in their order, so a hooked model cuts its buckets this way
+        (``comm_hook.match_torch_unused_buckets``) and trains as torch's does.
+    """
+    caps = list(caps)
+    open_groups: dict[torch.dtype, list[int]] = {}
+    filled: dict[torch.dtype, int] = {}
+    caps_used: dict[torch.dtype, int] = {}
+    groups: list[list[int]] = []
+    for i, p in enumerate(params):
+        group = open_groups.setdefault(p.dtype, [])
+        group.append(i)
+        filled[p.dtype] = filled.get(p.dtype, 0) + p.numel() * p.element_size()
+        if filled[p.dtype] >= caps[min(caps_used.get(p.dtype, 0), len(caps) - 1)]:
+            groups.append(open_groups.pop(p.dtype))
+            filled[p.dtype] = 0
+            caps_used[p.dtype] = caps_used.get(p.dtype, 0) + 1
+    groups.extend(open_groups.values())
+    groups.sort(key=lambda g: g[0])
+    return groups[::-1]
 
 
 def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Parameter], names: Sequence[str], *,

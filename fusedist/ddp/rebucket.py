@@ -40,6 +40,14 @@ def rebuild_from_observed(reducer: "Reducer", observed: list[int]) -> None:
     new_order = chosen + rest
     old = reducer.layout
     new = reducer.build_in_order(new_order, bucket_storage=old.bucket_storage)
+    switch_layout(reducer, new)
+
+
+def switch_layout(reducer: "Reducer", new, notify: bool = True) -> None:
+    """Make ``new`` the reducer's final layout, carrying gradient values over (gradient views
+    follow) and, with ``notify``, telling the layout's listeners; nothing happens if it has the
+    same buckets."""
+    old = reducer.layout
     if new.fingerprint() == old.fingerprint():
         reducer.layout_final = True
         return
@@ -52,6 +60,7 @@ def rebuild_from_observed(reducer: "Reducer", observed: list[int]) -> None:
             p.grad = new.grad_view(p)
     reducer.layout = new
     reducer.layout_final = True
+    reducer._observed_order = None
     reducer.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
-    for listener in reducer.layout_listeners:
+    for listener in reducer.layout_listeners if notify else ():
         listener(new)

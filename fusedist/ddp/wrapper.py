@@ -484,7 +484,9 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
     def check_consistency(self) -> None:
         """Raise :class:`fusedist.RankMismatchError` on every rank unless all ranks have run the
-        same forwards, backwards and optimizer steps on this model so far. A collective: call
+        same forwards, backwards and optimizer steps on this model so far, and the replicated
+        parameters hold the same values (Note [parameter check] in reliability/param_check.py;
+        not with ``FUSEDIST_PARAM_CHECK_EVERY=0``). A collective: call
         it on every rank at the same point, e.g. after the last step of a run (the per-step
         check reports a divergence at the next training forward, which the last step lacks).
         ``fusedist.checkpoint.save`` calls it before writing anything. Nothing is checked with

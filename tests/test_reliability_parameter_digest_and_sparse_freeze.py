@@ -183,3 +183,17 @@ def test_sparse_weight_frozen_on_one_rank_is_named_on_every_rank():
     alike = [result[1] for result in results]
     assert [message for message, _ in alike] == [None, None], alike
     assert torch.equal(alike[0][1], alike[1][1])
+
+
+def test_digest_depends_on_the_bits_only_not_where_they_lie():
+    """A parameter that is a view into a flat buffer at an odd offset (ZeRO's) is read as
+    int64 words like any other copy of its bits; any changed element changes the digest."""
+    from fusedist.reliability.param_check import tensor_digest
+
+    flat = torch.randn(23)
+    for start, size in ((1, 4), (2, 6), (3, 5), (0, 8)):
+        view = flat[start:start + size]
+        assert tensor_digest(view).item() == tensor_digest(view.clone()).item()
+        changed = view.clone()
+        changed[-1] = torch.nextafter(changed[-1], torch.tensor(float("inf")))
+        assert tensor_digest(changed).item() != tensor_digest(view).item()

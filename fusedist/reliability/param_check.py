@@ -64,6 +64,8 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0:
+        if (t.storage_offset() * t.element_size()) % 8:  # (a view into a flat buffer, e.g. ZeRO's:
+            t = t.clone()                                 # the same digest as any other copy of its bits)
         # Read as int64 words, summed modulo 2**64 (any order gives the same sum): ~10x faster
         # on CPU than widening each element, and a change of any element still changes it.
         return t.reshape(-1).view(torch.int64).sum()

@@ -13,7 +13,7 @@ import os
 from typing import Optional
 
 from ..zero import ZeroRedundancyOptimizer
-from ..zero.sharded_state import algorithm_difference, class_algorithm
+from ..zero.sharded_state import algorithm_difference, class_algorithm, inner_class
 from . import _files
 from ._files import CheckpointError
 
@@ -223,16 +223,18 @@ def optimizer_passed(optimizer) -> Optional[str]:
 def optimizer_algorithm(optimizer) -> str:
     """The algorithm an optimizer runs, whichever implementation runs it (``class_algorithm``
     in ``zero/sharded_state.py``); a ZeroRedundancyOptimizer has its inner optimizer's."""
-    return class_algorithm(_optimizer_class(optimizer))
+    return class_algorithm(optimizer_class(optimizer))
 
 
-def _optimizer_class(optimizer) -> type:
-    return optimizer.optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
+def optimizer_class(optimizer) -> type:
+    """The class that runs the algorithm: a ZeroRedundancyOptimizer's inner one (``inner_class``:
+    also where its ``optimizer_class`` is a factory such as a lambda)."""
+    return inner_class(optimizer) if isinstance(optimizer, ZeroRedundancyOptimizer) else type(optimizer)
 
 
 def _class_name(optimizer) -> str:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return f"ZeroRedundancyOptimizer({optimizer.optimizer_class.__name__})"
+        return f"ZeroRedundancyOptimizer({inner_class(optimizer).__name__})"
     return type(optimizer).__name__
 
 
@@ -242,7 +244,7 @@ def check_algorithm(meta: dict, optimizer, directory: str) -> None:
     saved algorithm's settings (AdamW turned into Adam by the saved group's
     ``decoupled_weight_decay``) or fails at its next step. Checkpoints written before the
     algorithm was recorded are checked only when their class is one of torch's or fusedist's."""
-    difference = algorithm_difference(meta["class"], meta.get("algorithm"), _optimizer_class(optimizer))
+    difference = algorithm_difference(meta["class"], meta.get("algorithm"), optimizer_class(optimizer))
     if difference is None:
         return
     raise CheckpointError(

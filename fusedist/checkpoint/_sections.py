@@ -38,7 +38,7 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
         "optimizer": None if optimizer is None else {
             # a stage-3 optimizer is saved as ZeRO shards (whole-parameter fragments)
             "kind": "zero" if zero or sharded else "full",
-            "class": (optimizer.optimizer_class.__name__ if zero else type(optimizer).__name__),
+            "class": _checks.optimizer_class(optimizer).__name__,
             "algorithm": _checks.optimizer_algorithm(optimizer),  # what load compares (check_algorithm)
             "stage": optimizer.stage if zero else (3 if sharded else None),
             "param_names": param_names(model, params),

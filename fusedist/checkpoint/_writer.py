@@ -63,8 +63,10 @@ class Coordinator:
         except CheckpointError as exc:
             # A failure every rank agreed on: the ranks are alive, rank 0 may still clean up.
             # Not one of a rank gone silent, or of a failed collective (a peer died): waiting
-            # for it would only add the collective timeout.
-            if getattr(exc, "silent_ranks", None) is None:
+            # for it would only add the collective timeout. Nor one of a barrier given up on:
+            # its slow rank leaves at that barrier too (Note [a save given up on]).
+            self._io.unsettled = bool(getattr(exc, "given_up", False))
+            if getattr(exc, "silent_ranks", None) is None and not self._io.unsettled:
                 with contextlib.suppress(Exception):  # the error on its way says more
                     self._io.wait("the failed save")
                     self.all_gather(None, "failed save finished")
@@ -74,6 +76,12 @@ class Coordinator:
             self.all_gather(None, "save finished")
         finally:
             self._io.stop()
+
+    def settle(self) -> None:
+        """Before the next save's first exchange: wait until every rank has left a save given up
+        on (Note [a save given up on]); no-op otherwise."""
+        if self._io is not None:
+            self._io.settle()
 
     def io_wait(self, what: str) -> None:
         """Wait, however long their disks take, until every rank is done with the I/O before
@@ -181,11 +189,13 @@ class IOBarrier:
 
     def wait(self, what: str) -> None:
         """Arrive at the next barrier; return once every rank has, or raise a CheckpointError
-        naming the ranks whose process showed no sign of life for the collective timeout."""
+        naming the ranks whose process showed no sign of life for the collective timeout, or
+        saying that a rank gave up on the barrier (Note [a save given up on])."""
         from ._files import CheckpointError
 
         self.phase += 1
         key, size = f"{self.prefix}/{self.phase}", len(self.ranks)
+        outcome = f"{key}/outcome"
         arrived, limit = self.store.add(key, 1), collective_timeout().total_seconds()
         silence = min(limit, SILENT_AFTER_S)  # a beat renewed every second or faster stopped: gone
         seen: dict = {}
@@ -199,13 +209,17 @@ class IOBarrier:
             now = time.monotonic()
             if arrived < size and now >= next_check:
                 next_check = now + min(1.0, limit / 4)
+                if self.store.check([outcome]):  # another rank gave up on this barrier
+                    break
                 silent = self._silent(seen, started, now, silence)
                 if not silent and now > give_up:
-                    raise CheckpointError(
+                    message = (
                         f"{self.who}: rank {self.ranks[self.rank]}: the other ranks were not done with {what} "
                         f"after {now - started:.0f} s; their storage seems to hang (a save waits at most "
                         f"{give_up - started:g} s for another rank's writes: the longer of FUSEDIST_TIMEOUT_S and "
                         f"{IO_LIMIT_S:g} s, torch's default process group timeout)")
+                    self._decide(outcome, _GIVEN_UP + message)
+                    break
                 if silent:
                     error = CheckpointError(
                         f"{self.who}: rank {self.ranks[self.rank]}: waiting for the other ranks to be done "
@@ -213,12 +227,30 @@ class IOBarrier:
                         "every second while a save runs, stopped): their process ended or hangs")
                     error.silent_ranks = silent
                     raise error
+        decided = self._decide(outcome, _PASSED)
+        if decided != _PASSED:
+            raise _given_up(decided[len(_GIVEN_UP):], self.ranks[self.rank])
+
+    def _decide(self, outcome: str, decision: str) -> str:
+        """The barrier's outcome: ``decision`` where this rank decides first, else the one decided
+        first -- atomically, so a rank giving up and the last rank arriving cannot both win."""
+        try:
+            value = self.store.compare_set(outcome, "", decision)
+        except (RuntimeError, NotImplementedError):  # a store without it: each rank keeps its own
+            return decision
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     def forget(self, phases: int) -> None:
         """Remove the keys of this barrier's first ``phases`` phases (once every rank left them)."""
         for phase in range(1, phases + 1):
+            self.forget_phase(phase)
+
+    def forget_phase(self, phase: int) -> None:
+        """Remove the keys of ``phase`` (once every rank left it: a rank still waiting would
+        recreate them and wait on)."""
+        for key in (f"{self.prefix}/{phase}", f"{self.prefix}/{phase}/outcome"):
             with contextlib.suppress(Exception):  # keys only take space
-                self.store.delete_key(f"{self.prefix}/{phase}")
+                self.store.delete_key(key)
 
     def _silent(self, seen: dict, started: float, now: float, limit: float) -> list:
         """The job's ranks whose beat has not changed for ``limit`` seconds."""
@@ -233,6 +265,34 @@ class IOBarrier:
             elif now - seen[r][1] > limit:
                 silent.append(r)
         return silent
+
+
+# Note [a save given up on]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank that gave up waiting at a barrier after IO_LIMIT_S (a peer's storage hangs) used to
+# leave the save alone; the peer, its write done at last, passed the barrier (every rank had
+# arrived) into the exchange after it, which the other rank had left: from then on the ranks
+# were one exchange apart, and every later save of the job failed with "the ranks are in
+# different exchanges", as if the user's code called them in another order. So each barrier
+# has an outcome, decided once, atomically (``compare_set``): passed by the last rank to
+# arrive, or given up on by a rank that waited too long. Every rank follows it: a rank that
+# arrives after the barrier was given up on raises the giving-up rank's error too, and no rank
+# runs the save's closing exchanges (as for a silent rank). The ranks leave that save at the
+# same point; a Checkpointer's next save first waits at one more barrier of it (``settle``, as
+# long as the slow ranks show they are alive, up to IO_LIMIT_S again), so that its exchanges
+# never time out on a rank still writing, and then starts afresh on every rank.
+_PASSED = "passed"
+_GIVEN_UP = "given up: "
+
+
+def _given_up(message: str, rank: int):
+    """The CheckpointError of a barrier given up on (Note [a save given up on]), on ``rank``."""
+    from ._files import CheckpointError
+
+    error = CheckpointError(f"{message}; the save was given up on every rank (raised on rank {rank}), and the next "
+                            "save starts afresh once the slow writes have ended")
+    error.given_up = True
+    return error
 
 
 _PREFIX = "fusedist/checkpoint-io"
@@ -302,6 +362,7 @@ class _IOWaits:
         nonce = coord.broadcast(uuid.uuid4().hex[:12] if coord.rank == 0 else None, "checkpoint I/O keys")
         self.name = f"{getattr(coord.group, 'group_name', 'default')}-{nonce}"
         self.round, self.barrier, self.previous = 0, None, None
+        self.unsettled = False  # the last save was given up on (Note [a save given up on])
 
     def start(self) -> None:
         """Number this save's round and renew this rank's beat until :meth:`stop`."""
@@ -316,6 +377,18 @@ class _IOWaits:
     def stop(self) -> None:
         if self.barrier is not None:
             self.barrier.stop_beat()
+
+    def settle(self) -> None:
+        """Wait, at one more barrier of the save given up on, beating as its rounds do, for the
+        ranks still writing it; raised errors leave it unsettled, for the next save to retry."""
+        if not self.unsettled or self.barrier is None:
+            return
+        self.barrier.start_beat()
+        try:
+            self.barrier.wait("the save given up on before this one")
+        finally:
+            self.barrier.stop_beat()
+        self.unsettled = False
 
     def wait(self, what: str) -> None:
         if self.barrier is not None:

@@ -216,10 +216,10 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         lambda infos: _checks.check_same_keys(infos, lambda: world.all_gather(shapes, "save: model keys"),
                                               "fusedist.checkpoint.save"))
 
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.wait_for_params()
     mine, error = {}, None
     try:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.wait_for_params()
         mine_sections, sharded_keys = _sections.rank_sections(model, optimizer, world.rank, world.size)
         if per_rank is not None:  # [resume] this rank's RNG / data position (fusedist.checkpoint.resume)
             mine_sections["per_rank"] = per_rank
@@ -229,6 +229,9 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
                                                  rank=world.rank)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below instead of a hang
         error = f"rank {world.rank} could not write its checkpoint file in {directory}: {type(exc).__name__}: {exc}"
+    except BaseException:
+        stop_io(world)
+        raise
     finish_save(world, directory, started, save_id, calls, claim, (mine, error, None),
                 lambda infos: _sections.manifest_base(model, optimizer, scaler, world.size),
                 lambda: _sections.common_sections(model, optimizer, scaler, extra, sharded_keys))
@@ -282,9 +285,25 @@ def _start_io(world: "_World", name: str) -> None:
         world.io.start_beat()
 
 
-def _io_wait(world: "_World", what: str) -> None:
+def stop_io(world: "_World") -> None:
+    """Stop this rank's beat, on a save leaving between :func:`start_save` and :func:`finish_save`
+    (an interrupt): left beating, the process showed its peers, waiting at the save's barrier for
+    a rank that had left it, a save still running -- for as long as it lived, up to 30 minutes."""
     if world.io is not None:
-        world.io.wait(what)
+        world.io.stop_beat()
+
+
+def _io_exchange(world: "_World", obj, waited: str, what: str) -> list:
+    """Every rank's ``obj``, exchanged once every rank is done with its I/O (``waited``).
+    Once the exchange completed every rank has left the barrier, so rank 0 then removes the
+    barrier's key: each save's barriers have names of their own, and their keys, left in the
+    job's store, grew it by two keys a save for as long as the job ran."""
+    if world.io is not None:
+        world.io.wait(waited)
+    everyone = world.all_gather(obj, what)
+    if world.io is not None and world.rank == 0:
+        world.io.forget_phase(world.io.phase)
+    return everyone
 
 
 def finish_save(world: "_World", directory: str, started: float, save_id: str, calls: list, claim, written: tuple,
@@ -296,14 +315,12 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
     try:
         _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
     finally:
-        if world.io is not None:
-            world.io.stop_beat()
+        stop_io(world)
 
 
 def _finish_written(world: "_World", directory: str, started: float, save_id: str, calls: list, claim,
                     written: tuple, base, common) -> None:
-    _io_wait(world, "writing the rank files")
-    everyone = world.all_gather(written, "save: rank files written")
+    everyone = _io_exchange(world, written, "writing the rank files", "save: rank files written")
     failed = [e for _, e, _ in everyone if e is not None]
     if failed:
         _finish_save(world, directory, calls, claim)
@@ -318,8 +335,7 @@ def _finish_written(world: "_World", directory: str, started: float, save_id: st
         # Before the last exchange (every rank file is written by now): the other ranks return
         # to a directory that holds the new checkpoint alone, without the claim.
         _finish_save(world, directory, calls, claim, None if error else started)
-    _io_wait(world, "writing the manifest")
-    failed = [e for e in world.all_gather(error, "save: manifest written") if e is not None]
+    failed = [e for e in _io_exchange(world, error, "writing the manifest", "save: manifest written") if e is not None]
     if world.rank != 0:
         _finish_save(world, directory, calls, claim)
     if failed:

@@ -136,6 +136,7 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         t0 = time.perf_counter()
         try:
             self._wait_previous()
+            self._coord.settle()  # Note [a save given up on] in _writer.py
         except CheckpointError as exc:
             raise _not_saved(exc, step) from exc
         t1 = time.perf_counter()

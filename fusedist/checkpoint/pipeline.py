@@ -187,13 +187,12 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
                      for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
 
     save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests, optimizers), check)
-    order = stage_order([m for m, *_ in infos])
-
-    for _, opt in held:
-        if isinstance(opt, ZeroRedundancyOptimizer):
-            opt.wait_for_params()
     mine, entries, error = {}, {}, None
-    try:
+    try:  # (every failure up to finish_save is reported on every rank: Note [waiting for a peer's I/O])
+        order = stage_order([m for m, *_ in infos])
+        for _, opt in held:
+            if isinstance(opt, ZeroRedundancyOptimizer):
+                opt.wait_for_params()
         sections, sharded = {}, []
         for j, ((module, opt), w) in enumerate(zip(held, stages)):
             part_sections, sharded_keys = _sections.rank_sections(module, opt, w.rank, w.size)
@@ -219,6 +218,9 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
                               keys=keys[j])
     except Exception as exc:  # noqa: BLE001 - reported on every rank instead of a hang
         error = f"rank {job.rank} could not write its checkpoint files in {directory}: {type(exc).__name__}: {exc}"
+    except BaseException:
+        api.stop_io(job)
+        raise
 
     api.finish_save(job, directory, started, save_id, calls, claim, (mine, error, entries),
                     lambda infos: manifest({k: e for info in infos for k, e in info.items()}, job.size),

@@ -50,7 +50,7 @@ class ShardedState:
         (FusedSGD: torch's SGD keeps none, and DCP loads by the target's keys)."""
         from ..optim.sgd import FusedSGD
 
-        return issubclass(self.zero.optimizer_class, FusedSGD)
+        return issubclass(inner_class(self.zero), FusedSGD)
 
     def invalidate(self) -> None:
         """The optimizer state moves on (a step, a load, a new group): a consolidated copy is stale."""
@@ -80,7 +80,7 @@ class ShardedState:
                     continue
                 off = e.pos - piece.start
                 state = zstate.slice_state(st, piece.end - piece.start, off, off + e.numel, copy=True,
-                                           optimizer_name=z.optimizer_class.__name__,
+                                           optimizer_name=inner_class(z).__name__,
                                            why="it cannot be split across ranks")
                 fragments[e.index] = [{
                     "range": (e.lo, e.hi),
@@ -93,8 +93,8 @@ class ShardedState:
             "stage": z.stage,
             "world_size": z.world_size,
             "rank": z.rank,
-            "optimizer_class": z.optimizer_class.__name__,
-            "algorithm": class_algorithm(z.optimizer_class),  # what a load compares (algorithm_difference)
+            "optimizer_class": inner_class(z).__name__,
+            "algorithm": class_algorithm(inner_class(z)),  # what a load compares (algorithm_difference)
             "param_groups": self._group_dicts(),
             "param_meta": self._meta(),
             # Informational: loading never needs it (fragments are layout independent).
@@ -180,7 +180,7 @@ class ShardedState:
         state may even load, and the optimizer would then step with the other algorithm's
         hyperparameters."""
         z = self.zero
-        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), z.optimizer_class)
+        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), inner_class(z))
         if difference is not None:
             raise zstate.StateDictError(f"{source}: {difference}; nothing was changed")
 
@@ -222,9 +222,9 @@ class ShardedState:
                                    "param_groups": [{**merged, "params": ids} for merged, ids in groups]})
         except Exception as exc:  # noqa: BLE001 - whatever the inner loader raises, before anything changes
             raise zstate.StateDictError(
-                f"{source}: the inner {z.optimizer_class.__name__} refuses it ({type(exc).__name__}: {exc}): "
+                f"{source}: the inner {inner_class(z).__name__} refuses it ({type(exc).__name__}: {exc}): "
                 f"hyperparameters it cannot run, or the state of another algorithm than "
-                f"{class_algorithm(z.optimizer_class)}'s; nothing was changed") from exc
+                f"{class_algorithm(inner_class(z))}'s; nothing was changed") from exc
 
     @classmethod
     def _probe_value(cls, v, probe: torch.Tensor):
@@ -305,6 +305,24 @@ class ShardedState:
 
 
 # ---------------------------------------------------------------------------- algorithms
+def inner_class(zero) -> type:
+    """The class of the optimizer ``zero`` steps its shard with: ``optimizer_class`` when that is
+    a class (a ``functools.partial``'s is unwrapped already), else the class of what the factory
+    builds -- the inner optimizer once made, else a probe over one element, as the construction's
+    defaults probe. Why: ``optimizer_class=lambda groups, **kw: AdamW(groups, **kw)`` trains, but a
+    lambda names no class, and ``fusedist.checkpoint.save`` failed on it reading the algorithm it
+    records (and a load compares)."""
+    cls = zero.optimizer_class
+    if isinstance(cls, type):
+        return cls
+    built = zero.inner
+    if built is None:
+        group = {k: v for k, v in zero.param_groups[0].items() if k != "params"} if zero.param_groups else {}
+        built = zero._optimizer_factory([{**group, "params": [torch.zeros(1, requires_grad=True)]}],
+                                        **zero._inner_defaults)
+    return type(built)
+
+
 def class_algorithm(cls: type) -> str:
     """The algorithm an optimizer class runs, whichever implementation runs it: torch's and
     fusedist's fused class of one algorithm share it (AdamW for both ``torch.optim.AdamW``

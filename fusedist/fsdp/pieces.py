@@ -55,6 +55,18 @@ class PieceMixin:
         sp, shard = self.sharded[index], self.shards[self.section_index(index)]
         if sp.device == shard.device and sp.dtype == shard.dtype and not self._aliases_shard(index):
             self._point_piece(index, self.piece_view(index))
+            self.mark_pieces()
+
+    def mark_pieces(self) -> None:
+        """Record where each piece's data lies now that it is on the shard (Note [a submodule
+        converted on its own])."""
+        self._marks = [None if e is not None else _mark(sp) for sp, e in zip(self.sharded, self.ext)]
+
+    def converted_on_its_own(self) -> bool:
+        """Whether a conversion of a submodule without a unit of its own (``block.fc.double()``)
+        gave a piece other data since the unit last placed it (Note [a submodule converted on its
+        own])."""
+        return any(m is not None and _mark(sp) != m for sp, m in zip(self.sharded, self._marks))
 
     def piece_of_whole(self, index: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's piece of parameter ``index`` cut from ``whole`` (the whole parameter's
@@ -106,6 +118,7 @@ class PieceMixin:
         [units built on the meta device]): the caller registers it where the old one was."""
         self.reshard()
         adopted = self._adopt_replaced()
+        self._check_uniform()
         first = self.sharded[0]
         # the unit takes its first parameter's new dtype; in a mixed-dtype unit each section
         # takes its own first parameter's (Note [dtype sections])
@@ -113,6 +126,7 @@ class PieceMixin:
                   for sec in self.layout.sections]
         if all(self._aliases_shard(i) for i in range(len(self.sharded))) and \
                 dtypes == [s.dtype for s in self.shards]:
+            self.mark_pieces()
             return adopted
         device = torch.device("cpu") if self.offload and not first.is_meta else first.device
         self._new_shard(dtypes, device)
@@ -128,7 +142,28 @@ class PieceMixin:
             if not self.offload:
                 self.device = device
         self._new_full()
+        self.mark_pieces()
         return adopted
+
+    def _check_uniform(self) -> None:
+        """Refuse pieces a conversion left in several dtypes (or devices) where the unit holds
+        them in one flat shard: a submodule converted on its own (Note [a submodule converted on
+        its own]). FSDP2 refuses them too ("FSDP expects uniform original parameter dtype")."""
+        n = len(self.sharded)
+        data = [self.piece_data(i) for i in range(n)]
+        groups = [list(sec.indices) for sec in self.layout.sections] if self.layout.mixed else [range(n)]
+        for indices, what in [(g, "dtype") for g in groups] + [(range(n), "device")]:
+            kinds: dict = {}
+            for i in indices:
+                kinds.setdefault(getattr(data[i], what), self.fqns[i])
+            if len(kinds) > 1:
+                found = ", ".join(f"'{fqn}' {kind}" for kind, fqn in kinds.items())
+                raise ValueError(
+                    f"fusedist.fully_shard({self.name or 'root'}): a conversion changed the {what} of some "
+                    f"parameters of this unit and not others ({found}); the unit holds them in one flat shard of "
+                    f"one {what}. Convert the whole module given to fully_shard (or the root), e.g. "
+                    "model.to(dtype), or convert the submodule before calling fully_shard, which takes "
+                    "parameters of several dtypes.")
 
     def _adopt_replaced(self) -> list:
         """Take as piece ``i`` the tensor the module now holds where piece ``i`` was (a new
@@ -152,3 +187,8 @@ class PieceMixin:
             owner.realias(index)
             for module, attr in regs:
                 module._parameters[attr] = owner.sharded[index]
+
+
+def _mark(t: torch.Tensor) -> tuple:
+    """Where a tensor's data lies: a conversion gives a piece a new pointer, dtype or device."""
+    return t.data_ptr(), t.dtype, t.device

@@ -122,6 +122,20 @@ Note [calls a backward does not reach]
     the running backward does reach has its outputs' gradients computed before its inputs',
     so it is opened before any of its parameters can be read again.
 
+Note [frozen parameters of a call without input gradients]
+    A call none of whose inputs requires a gradient (the root, fed token ids or data) has no
+    input gradient to wait for, yet a frozen parameter of it may still be read for the
+    gradient of an activation inside it: a frozen layer of the root after a block with its own
+    trainable unit (``fully_shard(model.block); fully_shard(model)``, ``model.frozen`` between
+    them). Counting only the trainable gradients, the unit resharded once those were in --
+    the root's head, first in backward -- and autograd then read the frozen weight from freed
+    storage ("setStorage: ... storage of size 0"; FSDP2 trains). Such a call gets a token that
+    no input gradient closes: opened when backward reaches its outputs, it holds the unit
+    gathered until the backward's end, where ``finish_backward`` reduces and reshards it --
+    FSDP2's post-backward of a module whose inputs need no gradient (its final callback). A
+    unit without frozen parameters is unaffected: the node that reads a trainable weight gives
+    its gradient.
+
 Note [accumulated units a synchronized backward does not reach]
     Accumulating over micro-batches (``set_requires_gradient_sync(False)``, a pipeline stage's
     micro-batches), a unit may run in some micro-batches and not in the last one, whose
@@ -167,6 +181,7 @@ from . import recovery
 from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
 from .iteration import IterationContext
+from .owners import register_pieces
 from .wrapping_check import check_wrapping
 
 # a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
@@ -253,6 +268,7 @@ class FullyShardState:
         if unit is not None:
             unit.on_grad = self._on_grad
             unit.busy = self._busy
+            unit.on_adopted = functools.partial(register_pieces, self)
         for module in self.modules:
             _STATES[module] = weakref.ref(self)
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -455,6 +471,8 @@ class FullyShardState:
     def _route_inputs(self, args, kwargs, recompute: bool = False):
         tensors = _grad_tensors((args, kwargs), [])
         if not tensors:
+            if not recompute:  # Note [frozen parameters of a call without input gradients]
+                self._call_opened.append(_OpenCall())
             return args, kwargs
         call = _OpenCall()
         routed = _InputsBackward.apply(self, call, *tensors)

@@ -62,6 +62,23 @@ Note [units built on the meta device]
     One unit is on meta or not as a whole: its parameters share one flat shard. A unit with
     some parameters on meta and others not is refused: ``to_empty`` would discard the real
     ones anyway, so nothing is lost by building the whole module on meta.
+
+Note [a submodule converted on its own]
+    ``block.fc.double()`` after ``fully_shard(block)``: ``fc`` is a plain module holding pieces
+    of ``block``'s unit, so the sharded module's ``_apply`` never runs. torch's ``Module._apply``
+    gives each piece new data (``piece.data = converted``), off the unit's shard: the next
+    gather sent the old shard in the old dtype, the conversion was ignored in forward, and an
+    optimizer then stepped pieces no gather read any more -- training silently stopped for
+    them. FSDP2 applies such a conversion made before the first forward (its lazy init reads
+    the parameters' dtype) and refuses one that leaves a unit's parameters in several dtypes.
+    A unit records where each piece's data lies (pointer, dtype, device) whenever it places
+    them; before each gather it compares (a few tensor attribute reads per parameter), and on
+    a change rebuilds its shard from the pieces as a conversion of the sharded module does
+    (``repack``; a converted piece keeps its identity, so optimizers keep it), at any point
+    between steps. Pieces left in several dtypes or devices where the unit holds them in one
+    flat shard are refused, naming them (a unit built from parameters of several dtypes keeps
+    a section per dtype: Note [dtype sections] in layout.py). A dtype change is the same on
+    every rank, so every rank rebuilds alike and the gathers stay paired.
 """
 
 from __future__ import annotations
@@ -145,6 +162,9 @@ class ShardedUnit(PieceMixin):
         self._gathered_bytes = 0
         #: called with the parameter index when an unsharded parameter's gradient is accumulated
         self.on_grad: Optional[Callable[[int], None]] = None
+        #: called with ``repack``'s adopted pieces when the unit adopts a submodule's conversion
+        #: (its module's state registers them: Note [a submodule converted on its own])
+        self.on_adopted: Optional[Callable[[list], None]] = None
         #: whether the unit's forward or backward is running (set by its module's state)
         self.busy: Callable[[], bool] = lambda: False
         stale.install()  # Note [gathered copies and the optimizer step]
@@ -217,6 +237,7 @@ class ShardedUnit(PieceMixin):
         self.unsharded = [None] * len(params)
         self._new_full()
         self.unsharded = [nn.Parameter(u, requires_grad=p.requires_grad) for u, p in zip(self.unsharded, params)]
+        self.mark_pieces()
 
     def _new_shard(self, dtypes: list, device: torch.device) -> None:
         """Zeroed shard storage: one tensor ``shard`` whose sections ``shards`` are slices, or in a
@@ -281,6 +302,10 @@ class ShardedUnit(PieceMixin):
         owning parameters this one borrows); without ``async_op``, wait for it."""
         for owner, _, _ in self.borrowed:
             owner.unshard(async_op=True)
+        if self.is_unsharded and self._gather is None:
+            self._adopt_gathered_conversion()
+        if not self.is_unsharded and self._gather is None and self.converted_on_its_own():
+            self.adopt_conversion()
         self.check_materialized()
         if not self.is_unsharded and self._gather is None:
             if (self.full if self.full is not None else self.fulls[0]).untyped_storage().nbytes() == 0:
@@ -311,6 +336,31 @@ class ShardedUnit(PieceMixin):
             stale.note_gathered(self)
         if not async_op:
             self.wait_for_unshard()
+
+    def adopt_conversion(self) -> None:
+        """Rebuild the shard around pieces a submodule's own conversion changed (Note [a submodule
+        converted on its own]), as a conversion of the sharded module does."""
+        adopted = self.repack()
+        if self.on_adopted is not None:
+            self.on_adopted(adopted)
+        for borrower in self.lent_to:
+            borrower.relink_borrowed()
+
+    @torch.no_grad()
+    def _adopt_gathered_conversion(self) -> None:
+        """A submodule converted on its own while the unit was gathered converted the unsharded
+        parameters, not the pieces (Note [a submodule converted on its own]): give the pieces
+        the converted parameters' dtype and device, reshard, and place the unsharded
+        parameters on the unit's buffer again, so the next gather reads the pieces."""
+        changed = [i for i, u in enumerate(self.unsharded) if self.ext[i] is None and self.tp[i] is None
+                   and (u.dtype != self.section_param_dtype(self.section_index(i)) or u.device != self.device)]
+        if not changed or any(b.is_unsharded for b in self.lent_to):
+            return
+        for i in changed:
+            u, data = self.unsharded[i], self.piece_data(i)
+            self._point_piece(i, data.to(dtype=u.dtype, device=data.device if self.offload else u.device))
+        self.reshard()
+        self._new_full()
 
     def _gather_source(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if src.device != self.device:

@@ -137,7 +137,14 @@ def _new_named(implementation: type, returned: type):
 # otherwise warns that a part stepped an optimizer that never stepped. A param group added
 # through it (unfreezing a backbone: self.opt.add_param_group(...)) is added by the new one:
 # torch's add_param_group appended a group the new optimizer had not set up -- without FP32
-# masters under "bf16-true", and refused by ZeRO as parameters "not held" by it.
+# masters under "bf16-true", and refused by ZeRO as parameters "not held" by it. Its state
+# dicts are the new one's: state_dict() returned the returned optimizer's empty state, and
+# load_state_dict() (resuming from a file of the user's own) loaded into an optimizer that
+# never steps -- and, replacing its param groups, cut it off from the new one's, so learning
+# rates set through it afterwards were lost too. A load into the new optimizer (a resume with
+# trainer.fit(ckpt_path=...), fabric.load) replaces the new one's list of groups as well,
+# which the returned optimizer follows: the learning rates of a warm-up written against it
+# stopped reaching the optimizer that steps after a resume.
 
 
 def hand_over(old, new, schedulers) -> None:
@@ -150,6 +157,16 @@ def hand_over(old, new, schedulers) -> None:
                 _track_step_calls(new)
     old.param_groups = new.param_groups
     old.add_param_group = new.add_param_group
+    old.state_dict, old.load_state_dict = new.state_dict, new.load_state_dict
+    new.register_load_state_dict_post_hook(functools.partial(_share_loaded_groups, weakref.ref(old)))
+
+
+def _share_loaded_groups(old_ref, new) -> None:
+    """After a load into ``new``, which replaces its list of param groups, ``old`` reads and
+    writes the loaded ones (Note [the returned optimizer])."""
+    old = old_ref()
+    if old is not None:
+        old.param_groups = new.param_groups
 
 
 def _scheduler_tree(scheduler, seen=None):

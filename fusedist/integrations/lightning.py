@@ -33,6 +33,7 @@ own launcher, or ``torchrun``).
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -96,6 +97,16 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
 
     # -- model and optimizers -----------------------------------------------------------------
 
+    @property
+    def optimizers(self) -> list:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list) -> None:
+        DDPStrategy.optimizers.fset(self, optimizers)
+        for wrapper in self._lightning_optimizers:  # Note [a load through self.optimizers()]
+            wrapper.load_state_dict = functools.partial(_load_into_wrapped, wrapper)
+
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
@@ -129,6 +140,12 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
         return convert_optimizer(optimizer, fused_optimizer=self.fused_optimizer, zero_stage=self.zero_stage,
                                  master_weights=master_weights, strategy="FusedistStrategy",
                                  fresh_from="return a fresh optimizer from configure_optimizers")
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        for optimizer in self.optimizers:  # Note [param groups assigned before a resume]
+            if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer):
+                _adopt_assigned_groups(optimizer)
+        super().load_optimizer_state_dict(checkpoint)
 
     @contextmanager
     def block_backward_sync(self):
@@ -190,6 +207,54 @@ def _retire(ddp: DistributedDataParallel, optimizers) -> None:
     ddp.reducer.remove_hooks()
     ownership.release(ddp.module.parameters(),
                       [ddp, ddp.watch, *(getattr(o, "_optimizer", o) for o in optimizers)])
+
+
+# Note [a load through self.optimizers()]
+# self.optimizers() hands the LightningModule a LightningOptimizer: an instance of a class made
+# with the optimizer's class as a second base, which forwards the attributes it lacks to the
+# optimizer. load_state_dict is found on the optimizer's class and runs with the wrapper as
+# self: torch's loader assigns the loaded state and param groups, and a fused optimizer's
+# bookkeeping, to the wrapper, and the optimizer that steps never sees them. A ZeRO optimizer
+# keeps what a load changes where wrappers share it (Note [state shared with wrappers] in
+# fusedist/zero/shared_state.py), so with zero_stage=1/2 a load took effect and with
+# zero_stage=0 it was silently dropped: the same module trained from the loaded state or from
+# scratch depending on the stage. The strategy's wrappers load into the optimizer they wrap,
+# as Fabric's optimizer wrapper does (Lightning's own DDP strategy drops the load, for torch's
+# optimizers too).
+
+
+def _load_into_wrapped(wrapper, state_dict) -> None:
+    """``wrapper.load_state_dict``: the wrapped optimizer's (Note [a load through
+    self.optimizers()])."""
+    wrapper.optimizer.load_state_dict(state_dict)
+
+
+# Note [param groups assigned before a resume]
+# Lightning's fine-tuning callbacks (BaseFinetuning, BackboneFinetuning) record the param groups
+# they add, and on a resume rebuild them by assigning the optimizer's param_groups before the
+# checkpoint's optimizer state is loaded: the groups of the backbone unfrozen before the save
+# are in the list again. A ZeroRedundancyOptimizer shards the parameters it was built with and
+# those add_param_group gave it; the assigned groups' parameters it did not hold, and the
+# load failed ("state dict has state for parameter 2, the optimizer has 2") where Lightning's
+# DDP resumed. Before the load the strategy adds the groups appended after those holding its
+# parameters, as add_param_group would; any other change to the list is left to the load.
+
+
+def _adopt_assigned_groups(zero) -> None:
+    """``zero`` takes the groups assigned after the ones holding its parameters (Note [param
+    groups assigned before a resume])."""
+    held, groups = [id(p) for p in zero._params], zero.param_groups
+    seen, known = [], 0
+    while len(seen) < len(held) and known < len(groups):
+        seen += [id(p) for p in groups[known]["params"]]
+        known += 1
+    while known < len(groups) and not groups[known]["params"]:  # empty groups it holds, as built
+        known += 1
+    if seen != held or known == len(groups):
+        return
+    zero.param_groups = groups[:known]
+    for group in groups[known:]:
+        zero.add_param_group(group)
 
 
 # Note [strategy names]

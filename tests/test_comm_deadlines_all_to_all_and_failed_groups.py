@@ -34,8 +34,10 @@ def _late_peer(rank, world_size):
     builtin = TorchCommunicator(dist.new_group([0, 1]), timeout=timeout, gloo_collectives="builtin")
     dist.barrier()
     small, large = torch.ones(4), torch.ones(1000)
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
-        time.sleep(3.5)  # joins after rank 0's deadline: the exchange is gone by then
+        # joins once rank 0's waits have ended (its deadline passed): the exchange is gone by then
+        store.wait(["rank 0 waited"], datetime.timedelta(seconds=60))
         with pytest.raises(CollectiveError):
             exchange.all_reduce(small, tag="late small")
         builtin.all_reduce(large, tag="late large")
@@ -50,6 +52,7 @@ def _late_peer(rank, world_size):
             out[path] = ("completed", time.monotonic() - start, "")
         except CollectiveError as exc:
             out[path] = ("failed", time.monotonic() - start, str(exc))
+    store.set("rank 0 waited", "yes")
     return out
 
 
@@ -76,6 +79,7 @@ def _group_timeout_first(rank, world_size):
     quick = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1.5))
     comm = TorchCommunicator(quick, timeout=datetime.timedelta(seconds=20), gloo_collectives="builtin")
     default = TorchCommunicator(None, timeout=datetime.timedelta(seconds=20), gloo_collectives="builtin")
+    store = dist.distributed_c10d._get_default_store()
     out = {}
     if rank == 0:
         with pytest.raises(CollectiveError) as info:
@@ -88,10 +92,11 @@ def _group_timeout_first(rank, world_size):
         with pytest.raises(CollectiveError) as info:
             handle.wait(datetime.timedelta(seconds=0.3))
         out["short"] = str(info.value)
+        store.set("rank 0 waited", "yes")
         handle.wait()
         out["sum"] = t[0].item()
-    else:
-        time.sleep(2.5)
+    else:  # joins once rank 0's group timeout has fired and its short wait has run out
+        store.wait(["rank 0 waited"], datetime.timedelta(seconds=60))
         default.all_reduce(torch.ones(1000), tag="short")
     return out
 

@@ -5,6 +5,9 @@ for pending collectives at exit, and the thread's lifecycle.
 The direct-NCCL communicator's use of it is exercised on a GPU (tests/test_cuda_ext_gpu.py,
 tests/test_nccl_multirank_gpu.py)."""
 
+import functools
+import subprocess
+import sys
 import threading
 import time
 
@@ -285,7 +288,7 @@ comm._failure_raised, comm.closed = False, False
 comm.watchdog = CollectiveWatchdog(comm._watchdog_failed, comm._poll_async_error, name="t", interval_s=0.01)
 comm.watchdog.launched(comm.watchdog.begin("all_reduce", "ddp bucket 0", 7, 0.2), Pending())
 if where == "running":
-    time.sleep(5)
+    time.sleep(2)  # the deadline (0.2 s) passes, the watchdog acts (exits, or aborts for 1 s)
     try:
         comm.raise_if_failed("the step check")
     except Exception as exc:
@@ -299,12 +302,29 @@ else:  # the program ends while the collective hangs
 '''
 
 
-def _policy(mode, where):
-    import subprocess
-    import sys
+@functools.lru_cache(maxsize=None)
+def _policy_runs() -> dict:
+    """Every (mode, where) the tests below read, each in its own process, started at once
+    (each process mostly imports torch, then waits for the watchdog): a finished
+    ``subprocess.CompletedProcess`` by (mode, where)."""
+    cases = [(mode, where) for mode in ("exit", "raise") for where in ("running", "exit")]
+    procs = {case: subprocess.Popen([sys.executable, "-c", _POLICY, *case], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for case in cases}
+    runs = {}
+    try:
+        for case, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            runs[case] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
 
-    return subprocess.run([sys.executable, "-c", _POLICY, mode, where], capture_output=True, text=True,
-                          timeout=120)
+
+def _policy(mode, where):
+    return _policy_runs()[(mode, where)]
 
 
 def test_nccl_watchdog_exit_policy_reports_and_exits_1_without_aborting():

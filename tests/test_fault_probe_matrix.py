@@ -12,7 +12,7 @@ import torch
 import models
 from fusedist.testing import run_distributed
 
-FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "5", "FUSEDIST_STALL_REPORT_S": "1"}
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "1"}
 
 
 def _train(model, opt, rank, steps, skip=None):

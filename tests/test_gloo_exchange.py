@@ -26,7 +26,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 OPS = ("sum", "avg", "max", "min")
 CHUNK_BYTES = 64
 # (the report's window: rank 1 never reports, however long rank 0 waits for it)
-FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "1"}
+FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "2", "FUSEDIST_STALL_REPORT_S": "1"}
 
 
 def _random(shape_numel, dtype, gen):
@@ -311,8 +311,10 @@ def _failures(rank, world_size):
     except CollectiveError as exc:
         out["skipped"] = (str(exc), time.monotonic() - start)
 
-    # 1c. A wait shorter than the communicator's timeout, for a peer 3 s late: it raises at
-    # its own timeout, as a torch gloo work's does (it had waited for the peer).
+    # 1c. A wait shorter than the communicator's timeout, for a peer that joins only once that
+    # wait is over: it raises at its own timeout, as a torch gloo work's does (it had waited
+    # for the peer).
+    store = distributed_c10d._get_default_store()
     late = TorchCommunicator(dist.new_group([0, 1]), timeout=datetime.timedelta(seconds=20))
     late.all_reduce(torch.ones(1))
     if rank == 0:
@@ -323,8 +325,9 @@ def _failures(rank, world_size):
             out["late"] = ("completed", time.monotonic() - start)
         except CollectiveError as exc:
             out["late"] = (str(exc), time.monotonic() - start)
+        store.set("late waited", "yes")
     else:
-        time.sleep(3)
+        store.wait(["late waited"], datetime.timedelta(seconds=60))
         try:
             late.all_gather(torch.empty(8), torch.ones(4), tag="late")
         except CollectiveError:
@@ -335,7 +338,6 @@ def _failures(rank, world_size):
     monitor = attach_monitor(lonely)
     assert monitor is not None
     lonely.all_reduce(torch.ones(1), tag="warm-up")
-    store = distributed_c10d._get_default_store()
     if rank == 0:
         start = time.monotonic()
         try:

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -25,9 +26,11 @@ from fusedist.optim import functional
 from fusedist.testing import DistributedRunError, run_distributed
 
 
-def _exits(rank, world_size, code):
-    """Rank 1 ends through sys.exit(code) (``"raise"``: raise SystemExit(code) itself)."""
-    if rank == 1:
+def _exits(rank, world_size, codes):
+    """Rank r >= 1 ends through sys.exit(codes[r - 1]) (``("raise", c)``: raise SystemExit(c)
+    itself); several ranks, one code each, share one launch."""
+    if rank >= 1:
+        code = codes[rank - 1]
         if isinstance(code, tuple):
             raise SystemExit(code[1])
         sys.exit(code)
@@ -35,45 +38,53 @@ def _exits(rank, world_size, code):
 
 
 def test_sys_exit_in_a_rank_is_judged_by_its_status():
-    for code in (0, None, False):
-        assert run_distributed(_exits, 2, code, timeout=60) == [0, None], code
-    for code, status in ((3, 3), (("raise", 4), 4), ("fatal: bad config", 1), (True, 1)):
-        with pytest.raises(DistributedRunError) as info:
-            run_distributed(_exits, 2, code, timeout=60)
-        assert set(info.value.failures) == {1}, info.value.failures
-        assert f"rank 1 exited with code {status} (sys.exit(" in info.value.failures[1], info.value.failures[1]
-        assert "SystemExit" in info.value.failures[1]
-    results = run_distributed(_exits, 2, 3, timeout=60, expect_failure=True)
+    clean = (0, None, False)
+    assert run_distributed(_exits, 1 + len(clean), clean, timeout=60) == [0, None, None, None]
+    failing = ((3, 3), (("raise", 4), 4), ("fatal: bad config", 1), (True, 1))
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_exits, 1 + len(failing), [code for code, _ in failing], timeout=60)
+    assert set(info.value.failures) == {1, 2, 3, 4}, info.value.failures
+    for rank, (code, status) in enumerate(failing, start=1):
+        failure = info.value.failures[rank]
+        assert f"rank {rank} exited with code {status} (sys.exit(" in failure, (code, failure)
+        assert "SystemExit" in failure, (code, failure)
+    results = run_distributed(_exits, 2, [3], timeout=60, expect_failure=True)
     assert results[0] == ("ok", 0)
     assert results[1][0] == "error" and "rank 1 exited with code 3" in results[1][1]
 
 
-def _dies(rank, world_size, how):
+#: how a rank dies (one rank each, ranks 1, 2, 3 of one launch), and what the report says
+_DEATHS = (("signal", "rank 1 was killed by SIGKILL (exit code -9) without reporting"),
+           ("os._exit", "rank 2 exited with code 5 without reporting"),
+           ("exit code at shutdown", "rank 3 returned its result, then exited with code 7"))
+
+
+def _dies(rank, world_size):
     # every rank past the group's set-up first: gloo connects the ranks pairwise, and a rank
     # dying while a peer still connects fails that peer's init_process_group instead
     torch.distributed.barrier()
-    if rank == 1:
-        if how == "signal":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif how == "exit code at shutdown":
-            import atexit
+    how = _DEATHS[rank - 1][0] if rank >= 1 else None
+    if how == "signal":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "exit code at shutdown":
+        import atexit
 
-            atexit.register(os._exit, 7)  # the rank answers first, then its exit fails
-        else:
-            os._exit(5)
+        atexit.register(os._exit, 7)  # the rank answers first, then its exit fails
+    elif how == "os._exit":
+        os._exit(5)
     return rank
 
 
 def test_ranks_that_die_are_reported_the_same_way_in_both_modes():
-    for how, text in (("signal", "rank 1 was killed by SIGKILL (exit code -9) without reporting"),
-                      ("os._exit", "rank 1 exited with code 5 without reporting"),
-                      ("exit code at shutdown", "rank 1 returned its result, then exited with code 7")):
-        with pytest.raises(DistributedRunError) as info:
-            run_distributed(_dies, 2, how, timeout=60)
-        assert set(info.value.failures) == {1} and text in info.value.failures[1], (how, info.value.failures)
-        results = run_distributed(_dies, 2, how, timeout=60, expect_failure=True)
-        assert results[0] == ("ok", 0), (how, results)
-        assert results[1][0] == "error" and text in results[1][1], (how, results)
+    world = 1 + len(_DEATHS)
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_dies, world, timeout=60)
+    assert set(info.value.failures) == {1, 2, 3}, info.value.failures
+    results = run_distributed(_dies, world, timeout=60, expect_failure=True)
+    assert results[0] == ("ok", 0), results
+    for rank, (how, text) in enumerate(_DEATHS, start=1):
+        assert text in info.value.failures[rank], (how, info.value.failures)
+        assert results[rank][0] == "error" and text in results[rank][1], (how, results)
 
 
 def _hangs(rank, world_size):
@@ -83,18 +94,23 @@ def _hangs(rank, world_size):
 
 
 def test_a_rank_past_the_deadline_is_killed_and_named():
-    # (not timed: how soon it is killed depends on the machine's load)
-    results = run_distributed(_hangs, 2, timeout=10, expect_failure=True)
-    assert results[0] == ("ok", 0)
-    assert results[1] == ("error", "rank 1 did not finish within 10 s (killed)")
-    with pytest.raises(DistributedRunError, match=r"1 of 2 ranks failed; hung: \[1\]"):
-        run_distributed(_hangs, 2, timeout=10)
+    # (not timed: how soon it is killed depends on the machine's load.) Rank 0 ends within
+    # about 1.5 s of its start on a loaded 2-core machine; 5 s leaves it 3x that. Both modes
+    # run at once, each launch waited for on its own thread: one deadline's wait, not two.
+    with ThreadPoolExecutor(2) as pool:
+        lenient = pool.submit(run_distributed, _hangs, 2, timeout=5, expect_failure=True)
+        strict = pool.submit(run_distributed, _hangs, 2, timeout=5)
+        results = lenient.result()
+        assert results[0] == ("ok", 0)
+        assert results[1] == ("error", "rank 1 did not finish within 5 s (killed)")
+        with pytest.raises(DistributedRunError, match=r"1 of 2 ranks failed; hung: \[1\]"):
+            strict.result()
 
 
 def test_a_misspelt_start_method_is_refused(monkeypatch):
     monkeypatch.setenv("FUSEDIST_TEST_START", "spwan")
     with pytest.raises(ValueError, match="FUSEDIST_TEST_START='spwan' is not one of forkserver, spawn"):
-        run_distributed(_exits, 2, 0, timeout=60)
+        run_distributed(_exits, 2, [0], timeout=60)
 
 
 def _adamw_pair(seed):
@@ -272,4 +288,4 @@ def test_a_stall_report_gives_the_store_its_timeout_back():
 
 def test_an_environment_value_that_is_not_a_string_is_refused_by_name():
     with pytest.raises(TypeError, match=r"'FUSEDIST_TIMEOUT_S'=5 \(int\); pass 'FUSEDIST_TIMEOUT_S': '5'"):
-        run_distributed(_exits, 2, 0, timeout=60, env={"FUSEDIST_TIMEOUT_S": 5})
+        run_distributed(_exits, 2, [0], timeout=60, env={"FUSEDIST_TIMEOUT_S": 5})

@@ -136,9 +136,11 @@ def _grow(zero, buckets: list) -> None:
     zero.wait_for_params()
     if zero._offload is not None:
         raise NotImplementedError(
-            "ZeroRedundancyOptimizer(offload='cpu'): parameters cannot join after the first step (the host "
-            "pipeline's buffers are not regrown); set requires_grad and add_param_group before the first "
-            "step, or use offload=None"
+            f"ZeroRedundancyOptimizer(offload='cpu', rank {zero.rank}): parameters cannot join once the optimizer "
+            "state exists -- after the first step or a load_state_dict (the host pipeline's buffers are not "
+            "regrown); set requires_grad and add_param_group before both (with DDP a parameter joins in the "
+            "first synchronized backward that trains it: load a state dict after that backward), or use "
+            "offload=None"
         )
     old = zero._partition
     index_of = {p: i for i, p in enumerate(zero._params)}
@@ -152,6 +154,7 @@ def _grow(zero, buckets: list) -> None:
     zero._partition = part
     if zero.inner is not None:
         _regrow_state(zero, old, part)
+        zero._sharded_state.install_joined(joined)  # Note [loaded state of parameters not sharded yet]
     # The joiners' masters were just copied from them; the others keep their recorded versions,
     # so a write from outside since the last step still reaches their masters at the next one
     # (Note [parameters changed outside the optimizer] in ``shards.py``).

@@ -58,15 +58,26 @@ def _default_optimizer_class():
     return FusedAdamW
 
 
-def _optimizer_type(factory):
-    """The optimizer class behind ``optimizer_class``: itself, or the class a ``functools.partial``
-    wraps (nested partials included). torch's ZeroRedundancyOptimizer only calls what it is
-    given, so a partial works there; here the class is also what the elementwise check, the
-    offload check, state-dict metadata and error messages read, so it must be the class, not
-    the partial (a partial has no ``__name__``: consolidate_state_dict failed on it)."""
-    while isinstance(factory, functools.partial):
-        factory = factory.func
-    return factory
+def _optimizer_type(factory, defaults: dict):
+    """The optimizer class behind ``optimizer_class``: itself, the class a ``functools.partial``
+    wraps (nested partials included), or the class of what any other factory (a lambda, a
+    function) builds, probed over one element with ``defaults``. torch's
+    ZeroRedundancyOptimizer only calls what it is given, so a factory works there; here the
+    class is also what the elementwise check, the offload check, state-dict metadata and error
+    messages read, so it must be the class, not the factory (a partial has no ``__name__``:
+    consolidate_state_dict failed on it; a lambda building AdamW was warned about as an
+    optimizer of unknown kind, and refused by ``offload="cpu"``). A factory that cannot be
+    probed this way stays itself (the elementwise check then warns about it)."""
+    inner = factory
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    if isinstance(inner, type) or not callable(factory):
+        return inner
+    try:
+        built = factory([{"params": [torch.zeros(1, requires_grad=True)]}], **defaults)
+    except Exception:  # noqa: BLE001 - a factory of its own kind: the checks take it as it is
+        return inner
+    return type(built) if isinstance(built, Optimizer) else inner
 
 
 # Note [torch's state-dict helpers on a sharded optimizer]
@@ -187,8 +198,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
     Args:
         params: parameters or param groups (all of one fusedist DDP model, or none).
-        optimizer_class: the per-shard optimizer class, or a ``functools.partial`` of one (default
-            ``fusedist.optim.FusedAdamW``); the ``optimizer_class`` attribute is the class.
+        optimizer_class: the per-shard optimizer class, or a factory of one (a ``functools.partial``,
+            a lambda; default ``fusedist.optim.FusedAdamW``); the ``optimizer_class`` attribute is
+            the class (for a factory, the class of what it builds).
         stage: 1 (shard master weights and optimizer state) or 2 (also gradients; needs DDP).
         process_group: the data-parallel group when there is no DDP wrapper (with DDP its
             group is used).
@@ -224,7 +236,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # What constructs the inner optimizer (and the probes of it), and the class behind it:
         # optimizer_class may be a functools.partial (Hydra's `_partial_: true` configs make them).
         self._optimizer_factory = optimizer_class or _default_optimizer_class()
-        self.optimizer_class = _optimizer_type(self._optimizer_factory)
+        self.optimizer_class = _optimizer_type(self._optimizer_factory, defaults)
         # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
         check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
         self.stage = stage
@@ -398,6 +410,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
             if written:
                 self._sync_masters_of(written)
+            self._sharded_state.unmatched.clear()  # Note [loaded masters that do not match the parameters]
             if self.stage == 1:
                 self._collect_stage1_grads()
             for group, inner_group in zip(self.param_groups, self.inner.param_groups):
@@ -441,6 +454,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
         if written:
             self._sync_masters_of(written)
+        self._sharded_state.unmatched.clear()  # Note [loaded masters that do not match the parameters]
         if self._offload is None:
             self._gatherer.publish(self._partition, self._flat_params, self._masters)
         else:
@@ -544,7 +558,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         shards is refused. Master weights it carries (shards always; a full
         state dict as ``master_param`` of half-precision parameters) are written into the
         parameters at once, whole and on every rank (half precision rounded), so the model
-        matches the loaded optimizer state before the next step. As torch's, the hooks registered
+        matches the loaded optimizer state before the next step -- except a master that does not
+        round to the parameter the program holds (stale: Note [loaded masters that do not match
+        the parameters] in ``sharded_state.py``), which is dropped for the parameter. As torch's, the hooks registered
         with ``register_load_state_dict_pre_hook`` see the state dict first (a return value
         replaces it; a dict is shallow-copied before, so a hook's edits stay out of the caller's)
         and those of ``register_load_state_dict_post_hook`` run after the load."""

@@ -31,6 +31,11 @@ class ShardedState:
         # consolidate_state_dict's full state on its ``to`` rank, returned by state_dict()
         # until a step or load changes the state, as torch's optimizer does.
         self.consolidated: Optional[dict] = None
+        # Note [loaded state of parameters not sharded yet]: index -> assembled item.
+        self.pending: dict[int, dict] = {}
+        # Note [loaded masters that do not match the parameters]: index -> this rank's slice of
+        # a loaded master that did not round to its parameter, until the next step.
+        self.unmatched: dict[int, torch.Tensor] = {}
 
     def _meta(self) -> list[dict]:
         z = self.zero
@@ -88,6 +93,8 @@ class ShardedState:
                     "state": state,
                 }]
         fragments.update(z._empty.fragments())  # Note [parameters with no elements] in empty_params.py
+        if z.rank == 0:  # Note [loaded state of parameters not sharded yet]: every rank holds it whole
+            fragments.update({i: [{"range": (0, z._params[i].numel()), **item}] for i, item in self.pending.items()})
         return {
             "format": zstate.FORMAT,
             "stage": z.stage,
@@ -245,32 +252,12 @@ class ShardedState:
         z.wait_for_params()
         if z._offload is not None:
             z._offload.wait_host_buffers()
-        part = z._partition
+        self.unmatched = {}
+        assembled = self._without_stale_masters(assembled)
         # Parameters with different scalar state (a step count, or no state at all: never
         # stepped) must not share a piece (Note [piece splitting]).
         z._split_pieces(z._cuts_between_states(assembled))
-        new_state: dict = {t: {} for t in z._pieces}
-        for e in part.entries:
-            item = assembled.get(e.index)
-            if item is None:
-                continue
-            k = part.piece_index(e)
-            piece, t = part.pieces[k], z._pieces[k]
-            if not z._masters.aliases(e.dtype):  # (aliased: the parameter, written whole below)
-                master = z._masters.slice(e.dtype, e.pos, e.pos + e.numel)
-                p = z._params[e.index]
-                master.copy_(item["master"][e.lo:e.hi] if item["master"] is not None
-                             else flat_like(p.detach(), p)[e.lo:e.hi])
-            st = new_state[t]
-            n_piece = piece.end - piece.start
-            off = e.pos - piece.start
-            for key, v in item["state"].items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    if key not in st:
-                        st[key] = torch.zeros(n_piece, dtype=self._state_dtype(v, t), device=t.device)
-                    st[key][off:off + e.numel].copy_(v[e.lo:e.hi])
-                else:
-                    st.setdefault(key, v.clone().to(t.device) if isinstance(v, torch.Tensor) else v)
+        new_state = self._fill_pieces(assembled)
         # Through the inner optimizer's own load_state_dict, so it places each state tensor
         # where it wants it (e.g. torch keeps a non-capturable Adam's ``step`` on the CPU).
         for group, inner_group in zip(z.param_groups, z.inner.param_groups):
@@ -287,6 +274,8 @@ class ShardedState:
         z.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
         z._empty.load(assembled)  # Note [parameters with no elements] in empty_params.py
+        sharded = set(z._trainable)
+        self.pending = {i: item for i, item in assembled.items() if i not in sharded and z._params[i].numel()}
         # The parameters take the loaded masters' values now, whole and on every rank (the
         # assembled state holds every parameter): aliased masters (Note [shards aliasing the
         # parameters and gradients]) are the parameters, and writing only this rank's slices
@@ -298,6 +287,112 @@ class ShardedState:
                 p.detach().copy_(shaped_like(item["master"], p))
         # The loaded masters are current (Note [parameters changed outside the optimizer]).
         z._record_param_versions()
+
+    def _fill_pieces(self, assembled: dict) -> dict:
+        """Write the masters of this rank's ranges of the parameters in ``assembled`` into the
+        master shards, and return their optimizer state per piece (piece tensor -> state; the
+        pieces were cut so that each holds one consistent state)."""
+        z = self.zero
+        part = z._partition
+        new_state: dict = {t: {} for t in z._pieces}
+        for e in part.entries:
+            item = assembled.get(e.index)
+            if item is None:
+                continue
+            k = part.piece_index(e)
+            piece, t = part.pieces[k], z._pieces[k]
+            if not z._masters.aliases(e.dtype):  # (aliased: the parameter, written whole by the caller)
+                master = z._masters.slice(e.dtype, e.pos, e.pos + e.numel)
+                p = z._params[e.index]
+                master.copy_(item["master"][e.lo:e.hi] if item["master"] is not None
+                             else flat_like(p.detach(), p)[e.lo:e.hi])
+            st = new_state[t]
+            n_piece = piece.end - piece.start
+            off = e.pos - piece.start
+            for key, v in item["state"].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if key not in st:
+                        st[key] = torch.zeros(n_piece, dtype=self._state_dtype(v, t), device=t.device)
+                    st[key][off:off + e.numel].copy_(v[e.lo:e.hi])
+                else:
+                    st.setdefault(key, v.clone().to(t.device) if isinstance(v, torch.Tensor) else v)
+        return new_state
+
+    # Note [loaded state of parameters not sharded yet]
+    #     A load may carry the state of a parameter the optimizer holds but does not shard yet:
+    #     resuming progressive unfreezing, the program unfreezes a layer and adds its group
+    #     before loading, and with DDP the parameter joins the partition only in the backward
+    #     after the next training forward (Note [growing the partition] in ``grow.py``). Its
+    #     state was dropped: the layer restarted from fresh Adam moments and step count, where
+    #     torch's optimizers (its ZeroRedundancyOptimizer too) resume it. So such state is kept,
+    #     whole on every rank, installed into the rank's slices when the parameter joins
+    #     (:meth:`install_joined`), and saved meanwhile with rank 0's shard (a frozen
+    #     parameter's state stays in the state dicts, as in torch's). Its master, if any, is not
+    #     written into the parameter: it is checked against it when installed (Note [loaded
+    #     masters that do not match the parameters]).
+    @torch.no_grad()
+    def install_joined(self, indices) -> None:
+        """Give the parameters ``indices``, just sharded, the state a load kept for them (Note
+        [loaded state of parameters not sharded yet])."""
+        z = self.zero
+        items = {i: self.pending.pop(i) for i in indices if i in self.pending}
+        if not items or z.inner is None:
+            return
+        items = self._without_stale_masters(items)  # (the parameter may have been written since the load)
+        z._split_pieces(z._cuts_between_states(items))
+        filled = {t: st for t, st in self._fill_pieces(items).items() if st}
+        state_dict = z.inner.state_dict()  # (its indices: the pieces in param-group order)
+        position = {id(t): n for n, t in enumerate(t for g in z.inner.param_groups for t in g["params"])}
+        state_dict["state"].update({position[id(t)]: st for t, st in filled.items()})
+        z.inner.load_state_dict(state_dict)
+
+    # Note [loaded masters that do not match the parameters]
+    #     A master the state dict carries may not belong to the parameters the program holds:
+    #     torch's optimizers carry a ``master_param`` entry they do not know forward unchanged,
+    #     so a consolidated state dict of bf16 parameters, resumed and trained on by torch's
+    #     AdamW and loaded here again, holds the masters of the older step, while the model was
+    #     given the newer weights; writing those masters into the parameters silently undid the
+    #     steps trained meanwhile. The rule is fusedist.optim's (Note [loaded masters checked
+    #     against the parameters] in ``fusedist/optim/_base.py``): a master this optimizer wrote
+    #     the parameter from rounds to it exactly, so a consistent one is kept bit for bit; one
+    #     that does not is dropped and the parameter taken, as when there is no master. Checked
+    #     at load, after the model's load as ``fusedist.checkpoint.load`` does it. A program
+    #     may load the optimizer first: then the parameters do not match yet, and the model's
+    #     load bumps their versions, so the next step takes them into the masters (Note
+    #     [parameters changed outside the optimizer] in ``shards.py``) -- rounded, losing what
+    #     the FP32 masters hold. So this rank's slices of the dropped masters are kept until the
+    #     next step, which takes a slice whose parameter it refreshes instead of the parameter
+    #     if it rounds to it now (:meth:`take_matching_masters`), as fusedist.optim's check at
+    #     the first step after a load keeps them in either order.
+    def _without_stale_masters(self, assembled: dict) -> dict:
+        """``assembled`` with the masters that do not round to their parameters dropped (Note
+        [loaded masters that do not match the parameters])."""
+        z = self.zero
+        out = dict(assembled)
+        for index, item in assembled.items():
+            master, p = item["master"], z._params[index]
+            if master is None or p.is_meta or p.numel() == 0:
+                continue
+            if not torch.equal(master.to(p.device, p.dtype), flat_like(p.detach(), p)):
+                out[index] = {**item, "master": None}
+                e = z._partition.entry_of.get(index)
+                if e is not None and not z._masters.aliases(e.dtype):  # (aliased: the parameter is the master)
+                    self.unmatched[index] = master[e.lo:e.hi].clone()
+        return out
+
+    @torch.no_grad()
+    def take_matching_masters(self, entries) -> None:
+        """After the masters of ``entries`` were refreshed from their parameters: take the
+        loaded master slices kept for them instead where they round to the parameters now (Note
+        [loaded masters that do not match the parameters])."""
+        z = self.zero
+        for e in entries:
+            master = self.unmatched.pop(e.index, None)
+            if master is None or z._masters.aliases(e.dtype):
+                continue
+            p = z._params[e.index]
+            if torch.equal(master.to(p.device, p.dtype), flat_like(p.detach(), p)[e.lo:e.hi]):
+                z._masters.slice(e.dtype, e.pos, e.pos + e.numel).copy_(master)
 
     @staticmethod
     def _state_dtype(v: torch.Tensor, t: torch.Tensor) -> torch.dtype:

@@ -131,6 +131,7 @@ class ShardsMixin:
         entry_of = self._partition.entry_of
         entries = [entry_of[i] for i in indices if i in entry_of]  # elements this rank owns
         self._masters.copy_own_from_view_ranges((e.dtype, e.pos, e.pos + e.numel) for e in entries)
+        self._sharded_state.take_matching_masters(entries)  # Note [loaded masters that do not match ...]
         self._record_param_versions()
 
     # Note [parameters changed outside the optimizer]

@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 #: Integer dtypes to read a parameter's bits as, by element size.
 _BITS_AS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -59,6 +60,9 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     """The int64 sum of ``t``'s elements read as integers of their size (a 0-dim tensor on
     ``t``'s device): exact, so the same on every rank for the same bits."""
     t = getattr(t, "_local_tensor", t).detach()  # (a DTensor's local values)
+    if is_traceable_wrapper_subclass(t):  # (quantized storage, e.g. NF4: the bits of its inner tensors)
+        inner = [tensor_digest(getattr(t, name)) for name in t.__tensor_flatten__()[0]]
+        return torch.stack(inner).sum() if inner else torch.zeros((), dtype=torch.int64, device=t.device)
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=t.device)
     if t.is_complex():

@@ -65,8 +65,17 @@ from .._wrapper import wrapped_name
 from .layout import alias
 from .memory import COUNTERS
 
-__all__ = ["ExtensionGathers", "ExtensionSpec", "extension_specs", "has_extension", "put_stand_ins",
+__all__ = ["ExtensionGathers", "ExtensionSpec", "as_bytes", "extension_specs", "has_extension", "put_stand_ins",
            "take_stand_ins"]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in order as a flat uint8 tensor (a view where ``t`` is contiguous). A
+    contiguous tensor may carry any stride on a dim of size 1 -- NF4's ``quantization_factor``
+    of a weight with one block of scales is ``(1,)`` with stride 256 -- which ``view(uint8)``
+    refuses: the flat view is made with stride 1."""
+    t = t.detach().contiguous()
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def has_extension(p) -> bool:
@@ -190,7 +199,7 @@ class ExtensionGathers:
                 source = spec.wrap(spec.inner(source).to(unit.device, non_blocking=True)) if spec.packed \
                     else source.to(unit.device, non_blocking=True)  # (quantized storage: its row, one copy)
             inputs, self.meta[i] = spec.pre_all_gather(source, self.mesh, shape, self.mp_policy, unit.fqns[i], rows)
-            parts.extend(t.contiguous().reshape(-1).view(torch.uint8) for t in inputs)
+            parts.extend(as_bytes(t) for t in inputs)
         send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=unit.device)
         if send.device != unit.device:
             send = send.to(unit.device)

@@ -50,7 +50,7 @@ import math
 
 import torch
 
-from .extension import ExtensionSpec
+from .extension import ExtensionSpec, as_bytes
 
 __all__ = ["PackedSpec", "is_packed_candidate"]
 
@@ -137,8 +137,7 @@ class PackedSpec(ExtensionSpec):
         """The bytes of ``part`` (a chunk, or a piece): one row."""
         row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=getattr(part, self.slots[0][0]).device)
         for n, offset, shape, dtype in self.slots:
-            t = getattr(part, n)
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat = as_bytes(getattr(part, n))
             row[offset:offset + flat.numel()].copy_(flat)
         return row
 

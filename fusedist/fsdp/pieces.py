@@ -149,6 +149,13 @@ class PieceMixin:
         """Refuse pieces a conversion left in several dtypes (or devices) where the unit holds
         them in one flat shard: a submodule converted on its own (Note [a submodule converted on
         its own]). FSDP2 refuses them too ("FSDP expects uniform original parameter dtype")."""
+        problem = self.mixed_conversion()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def mixed_conversion(self):
+        """Why the pieces cannot be packed in the unit's shards again -- a conversion left them in
+        several dtypes (or devices) where the unit holds them in one flat shard -- or None."""
         n = len(self.sharded)
         data = [self.piece_data(i) for i in range(n)]
         groups = [list(sec.indices) for sec in self.layout.sections] if self.layout.mixed else [range(n)]
@@ -158,12 +165,12 @@ class PieceMixin:
                 kinds.setdefault(getattr(data[i], what), self.fqns[i])
             if len(kinds) > 1:
                 found = ", ".join(f"'{fqn}' {kind}" for kind, fqn in kinds.items())
-                raise ValueError(
-                    f"fusedist.fully_shard({self.name or 'root'}): a conversion changed the {what} of some "
-                    f"parameters of this unit and not others ({found}); the unit holds them in one flat shard of "
-                    f"one {what}. Convert the whole module given to fully_shard (or the root), e.g. "
-                    "model.to(dtype), or convert the submodule before calling fully_shard, which takes "
-                    "parameters of several dtypes.")
+                return (f"fusedist.fully_shard({self.name or 'root'}): a conversion changed the {what} of some "
+                        f"parameters of this unit and not others ({found}); the unit holds them in one flat shard of "
+                        f"one {what}. Convert the whole module given to fully_shard (or the root), e.g. "
+                        "model.to(dtype), or convert the submodule before calling fully_shard, which takes "
+                        "parameters of several dtypes.")
+        return None
 
     def _adopt_replaced(self) -> list:
         """Take as piece ``i`` the tensor the module now holds where piece ``i`` was (a new

@@ -45,7 +45,14 @@ def gather_params(unit, *, to_cpu: bool, only=None) -> list:
     """Every parameter of ``unit`` whole (fresh tensors, in its piece's dtype), from the pieces:
     one all-gather per section -- a collective, every rank calls it for the same unit. With
     ``only`` (a set of parameter indices) the others are None: the gathered buffer is freed on
-    return, so a caller keeps no more than it asked for."""
+    return, so a caller keeps no more than it asked for. A submodule converted on its own since
+    the last gather (``model.head.double()``) is taken up first, as that gather would, so the
+    dict holds the converted dtype at once, as FSDP2's does; a conversion the unit cannot take
+    up (its pieces left in several dtypes: the next forward refuses it) is not, and each
+    parameter is then given in its piece's dtype."""
+    mixed = unit.mixed_conversion() is not None
+    if not mixed:
+        unit.adopt_conversions()
     shards = [s.to(unit.device) for s in unit.shards]
     flats = [torch.empty(sec.layout.total_numel, dtype=s.dtype, device=unit.device)
              for sec, s in zip(unit.layout.sections, shards)]
@@ -62,6 +69,8 @@ def gather_params(unit, *, to_cpu: bool, only=None) -> list:
             continue
         if unit.tp[i] is not None:  # the global parameter (a collective over the tensor-parallel group)
             full = unit.tp[i].full(full)
+        if mixed and full.dtype != unit.sharded[i].dtype:
+            full = full.to(unit.sharded[i].dtype)
         out.append(full.cpu().clone() if to_cpu else full.clone())
     return out
 

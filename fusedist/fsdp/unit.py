@@ -302,10 +302,7 @@ class ShardedUnit(PieceMixin):
         owning parameters this one borrows); without ``async_op``, wait for it."""
         for owner, _, _ in self.borrowed:
             owner.unshard(async_op=True)
-        if self.is_unsharded and self._gather is None:
-            self._adopt_gathered_conversion()
-        if not self.is_unsharded and self._gather is None and self.converted_on_its_own():
-            self.adopt_conversion()
+        self.adopt_conversions()
         self.check_materialized()
         if not self.is_unsharded and self._gather is None:
             if (self.full if self.full is not None else self.fulls[0]).untyped_storage().nbytes() == 0:
@@ -336,6 +333,16 @@ class ShardedUnit(PieceMixin):
             stale.note_gathered(self)
         if not async_op:
             self.wait_for_unshard()
+
+    def adopt_conversions(self) -> None:
+        """Take up a submodule's own conversion made since the unit last placed its pieces (Note
+        [a submodule converted on its own]), before anything reads the shard: a gather for
+        forward, or the whole parameters of a state dict (which FSDP2 reports in the converted
+        dtype at once)."""
+        if self.is_unsharded and self._gather is None:
+            self._adopt_gathered_conversion()
+        if not self.is_unsharded and self._gather is None and self.converted_on_its_own():
+            self.adopt_conversion()
 
     def adopt_conversion(self) -> None:
         """Rebuild the shard around pieces a submodule's own conversion changed (Note [a submodule

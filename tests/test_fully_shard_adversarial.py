@@ -159,34 +159,41 @@ def test_sharding_a_submodule_after_its_parent_names_the_order():
 
 
 # ------------------------------------------------------------------ units kept gathered
+def _kept_gathered_run(mesh, rank, name, opt_cls):
+    """Four steps of ``name``'s model (torch's FSDP2 with torch's AdamW, or fusedist's with
+    ``opt_cls``): its losses and full weights."""
+    torch.manual_seed(0)
+    model = Net()
+    impl = _torch_fully_shard() if name == "torch" else fusedist.fully_shard
+    for b in model.blocks:
+        impl(b, mesh=mesh)
+    impl(model, mesh=mesh)
+    if "kept" in name:
+        model.set_reshard_after_backward(False)
+    opt = (torch.optim.AdamW if name == "torch" else opt_cls)(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(4):
+        micro = 2 if "accumulating" in name else 1
+        for i in range(micro):
+            model.set_requires_gradient_sync(i == micro - 1)
+            x, y = _batch(rank, step)
+            n = x.shape[0] // micro
+            loss = F.mse_loss(model(x[i * n:(i + 1) * n]), y[i * n:(i + 1) * n]) / micro
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, _full_torch(model) if name == "torch" else fusedist.fsdp.full_state_dict(model)
+
+
 def _kept_gathered(rank, ws):
     mesh = _mesh(ws)
     out = {}
+    reference = _kept_gathered_run(mesh, rank, "torch", None)  # the same for both optimizers
     for opt_cls in (torch.optim.AdamW, fusedist.optim.FusedAdamW):
-        runs = {}
-        for name in ("torch", "ours", "ours kept", "ours kept, accumulating"):
-            torch.manual_seed(0)
-            model = Net()
-            impl = _torch_fully_shard() if name == "torch" else fusedist.fully_shard
-            for b in model.blocks:
-                impl(b, mesh=mesh)
-            impl(model, mesh=mesh)
-            if "kept" in name:
-                model.set_reshard_after_backward(False)
-            opt = (torch.optim.AdamW if name == "torch" else opt_cls)(model.parameters(), lr=1e-2)
-            losses = []
-            for step in range(4):
-                micro = 2 if "accumulating" in name else 1
-                for i in range(micro):
-                    model.set_requires_gradient_sync(i == micro - 1)
-                    x, y = _batch(rank, step)
-                    n = x.shape[0] // micro
-                    loss = F.mse_loss(model(x[i * n:(i + 1) * n]), y[i * n:(i + 1) * n]) / micro
-                    loss.backward()
-                    losses.append(loss.item())
-                opt.step()
-                opt.zero_grad()
-            runs[name] = (losses, _full_torch(model) if name == "torch" else fusedist.fsdp.full_state_dict(model))
+        runs = {"torch": reference}
+        for name in ("ours", "ours kept", "ours kept, accumulating"):
+            runs[name] = _kept_gathered_run(mesh, rank, name, opt_cls)
         out[opt_cls.__name__] = {name: (losses, _max_diff(runs["torch"][1], w)) for name, (losses, w) in runs.items()}
     return out
 

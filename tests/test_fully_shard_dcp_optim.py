@@ -157,14 +157,22 @@ def _full_optim_helpers(rank, ws, opt_name):
     return out
 
 
+def _full_optim_helpers_each(rank, ws, opt_names):
+    """:func:`_full_optim_helpers` for each optimizer, in one launch of the ranks."""
+    return {opt_name: _full_optim_helpers(rank, ws, opt_name) for opt_name in opt_names}
+
+
 @pytest.mark.parametrize("ws", [2, 3])
-@pytest.mark.parametrize("opt_name", ["adamw", "fused_adamw", "sgd_momentum"])
-def test_optimizer_full_state_dict(opt_name, ws):
-    for rank, res in enumerate(run_distributed(_full_optim_helpers, ws, opt_name)):
-        ours_keys, torch_keys = res.pop("offload keys")
-        assert ours_keys == torch_keys and (ours_keys != []) == (rank == 0)  # rank 0 only with cpu_offload
-        # torch's model took its steps with its own 3-way gradient average, and FusedAdamW's
-        # kernel rounds differently from torch's AdamW: last-bit differences
-        assert res.pop("vs torch") <= (0.0 if ws == 2 and opt_name != "fused_adamw" else TOL3)
-        for name, value in res.items():
-            assert value in (True, 0.0), (rank, name, value)
+def test_optimizer_full_state_dict(ws):
+    opt_names = ("adamw", "fused_adamw", "sgd_momentum")
+    for rank, by_opt in enumerate(run_distributed(_full_optim_helpers_each, ws, opt_names)):
+        assert sorted(by_opt) == sorted(opt_names), by_opt
+        for opt_name, res in by_opt.items():
+            ours_keys, torch_keys = res.pop("offload keys")
+            # rank 0 only with cpu_offload
+            assert ours_keys == torch_keys and (ours_keys != []) == (rank == 0), (opt_name, ours_keys, torch_keys)
+            # torch's model took its steps with its own 3-way gradient average, and FusedAdamW's
+            # kernel rounds differently from torch's AdamW: last-bit differences
+            assert res.pop("vs torch") <= (0.0 if ws == 2 and opt_name != "fused_adamw" else TOL3), opt_name
+            for name, value in res.items():
+                assert value in (True, 0.0), (opt_name, rank, name, value)

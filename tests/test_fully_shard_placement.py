@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -478,18 +479,25 @@ def _resave(rank, ws, directory):
     return True
 
 
-def test_state_dicts_and_dcp_interchange_with_fsdp2(tmp_path):
-    for ws in (2, 3):
-        directory = tmp_path / str(ws)
-        directory.mkdir()
-        for res in run_distributed(_checkpoints, ws, str(directory), timeout=300):
-            assert all(res.values()), (ws, res)
+@pytest.fixture(scope="module")
+def checkpoints_at_2(tmp_path_factory):
+    """:func:`_checkpoints` at world 2, launched once for the two tests that read it: its
+    directory and the ranks' results."""
+    directory = tmp_path_factory.mktemp("checkpoints-2")
+    return str(directory), run_distributed(_checkpoints, 2, str(directory), timeout=300)
 
 
-def test_dcp_checkpoint_saved_at_world_2_loads_at_world_3(tmp_path):
-    run_distributed(_checkpoints, 2, str(tmp_path), timeout=300)
-    assert run_distributed(_resave, 2, str(tmp_path), timeout=120) == [True] * 2
-    for res in run_distributed(_load_at, 3, str(tmp_path), timeout=300):
+def test_state_dicts_and_dcp_interchange_with_fsdp2(tmp_path, checkpoints_at_2):
+    for res in checkpoints_at_2[1]:
+        assert all(res.values()), (2, res)
+    for res in run_distributed(_checkpoints, 3, str(tmp_path), timeout=300):
+        assert all(res.values()), (3, res)
+
+
+def test_dcp_checkpoint_saved_at_world_2_loads_at_world_3(checkpoints_at_2):
+    directory = checkpoints_at_2[0]
+    assert run_distributed(_resave, 2, directory, timeout=120) == [True] * 2
+    for res in run_distributed(_load_at, 3, directory, timeout=300):
         assert all(res.values()), res
 
 

@@ -249,14 +249,16 @@ def test_interleaved_groups_at_world_size_4():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_half_running_stats_drift_no_more_than_torch(dtype, momentum):
-    """model.half() / .bfloat16(): after 60 steps the running statistics are within torch's
-    own half-precision BatchNorm error of an fp64 oracle (torch rounds each update once;
-    updating in place in the half dtype rounded twice and drifted up to 2.1x as far)."""
+    """model.half() / .bfloat16(): after 30 steps (60 for bf16's cumulative average) the running
+    statistics are within torch's own half-precision BatchNorm error of an fp64 oracle (torch
+    rounds each update once; updating in place in the half dtype rounded twice and drifted up
+    to 2.1x as far: 1.4-1.7x in fp16 by 30 steps, but in bf16's cumulative average only 1.14x,
+    and only after 60)."""
     torch.manual_seed(0)
     ours = SyncBatchNorm(64, momentum=momentum).to(dtype)
     theirs = nn.BatchNorm1d(64, momentum=momentum).to(dtype)
     oracle = nn.BatchNorm1d(64, momentum=momentum).double()
-    for _ in range(60):
+    for _ in range(60 if (dtype, momentum) == (torch.bfloat16, None) else 30):
         x = (torch.randn(16, 64) * 3 + 5).to(dtype)
         ours(x), theirs(x), oracle(x.double())
     for name in ("running_mean", "running_var"):

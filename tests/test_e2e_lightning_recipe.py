@@ -31,6 +31,7 @@ IN, HIDDEN, OUT = 8, 16, 3
 BATCH = 4           # per rank and micro-batch
 SAMPLES = 64        # 8 micro-batches per rank and epoch (2 ranks): 4 optimizer steps with accumulation 2
 EPOCHS = 2
+HOOK_SAMPLES = 32   # the communication-hook runs: 4 micro-batches per rank and epoch (val_check_interval)
 
 
 def _module_class():
@@ -388,7 +389,9 @@ def _comm_hook_worker(rank, world, seed):
     _launched_env(rank, world)
     runs = {"plain": {}, "hook": dict(ddp_comm_hook=d.bf16_compress_hook),
             "wrapped": dict(ddp_comm_hook=d.allreduce_hook, ddp_comm_wrapper=d.bf16_compress_wrapper)}
-    out = {name: _fit("fusedist", dict(fusedist=options), seed)[2]["weights"][-1] for name, options in runs.items()}
+    # (half the recipe's data: 2 optimizer steps per epoch are enough to compare bits)
+    out = {name: _fit("fusedist", dict(fusedist=options, samples=HOOK_SAMPLES), seed)[2]["weights"][-1]
+           for name, options in runs.items()}
     calls = []
 
     def counting(hook):
@@ -398,7 +401,7 @@ def _comm_hook_worker(rank, world, seed):
         return counted
 
     out["own wrapper"] = _fit("fusedist", dict(fusedist=dict(ddp_comm_hook=d.allreduce_hook,
-                                                             ddp_comm_wrapper=counting)),
+                                                             ddp_comm_wrapper=counting), samples=HOOK_SAMPLES),
                               seed)[2]["weights"][-1]
     out["calls"] = len(calls)
     return out

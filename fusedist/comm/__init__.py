@@ -150,17 +150,19 @@ def _aborted_error(comm: Communicator) -> CollectiveError:
 # no longer has, stop their helper threads, and collect the cycles that held them. (A group
 # never destroyed stays torch's business, as without fusedist: call
 # ``destroy_process_group()`` before exiting.)
-def release_destroyed_groups() -> int:
+def release_destroyed_groups(collect: bool = True) -> int:
     """Forget (and stop the helper threads of) the cached communicators whose process group
     ``torch.distributed`` has destroyed; returns how many. Runs on every
-    :func:`get_communicator` call and at interpreter exit."""
+    :func:`get_communicator` call and at interpreter exit (there with ``collect=False``: the
+    interpreter's finalization runs a full collection of its own right after the exit hooks,
+    and a second one costs a large fraction of a second once torch's compiler stack is loaded)."""
     stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
     for key in stale:
         # Note [draining at exit]: nothing left running behind the release. The direct-NCCL
         # communicator also destroys its NCCL communicator here (one per rebuilt group would
         # otherwise leak) and hands its comm stream back.
         _release(_cache.pop(key)[1])  # (no local name: it would hold the group through gc below)
-    if stale:
+    if stale and collect:
         # A DDP model or ZeRO optimizer and its communicator form reference cycles; collect
         # them now, while the interpreter runs, rather than at its shutdown.
         gc.collect()
@@ -203,7 +205,7 @@ def _drain_at_exit() -> None:
     for _, comm in list(_cache.values()):
         comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
         _drain(comm)
-    release_destroyed_groups()
+    release_destroyed_groups(collect=False)
 
 
 # Note [one decision on every rank]

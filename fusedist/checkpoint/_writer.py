@@ -457,4 +457,5 @@ def _finish_at_exit() -> None:
             writer.wait()
         except BaseException as exc:  # noqa: BLE001 - too late to raise; say what was lost
             print(f"{writer.name}: the checkpoint being written at exit was not completed: "
-                  f"{type(exc).__name__}: {exc}", flush=True)
+                  f"{type(exc).__name__}: {exc} (call the Checkpointer's wait() or close() before "
+                  "destroy_process_group() and exit: the save needs the process group to finish)", flush=True)

@@ -221,6 +221,28 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def pack_by_cap(params: Sequence[torch.nn.Parameter], caps: Sequence[int]) -> list[list[int]]:
+    """``params`` packed per dtype in the order given, as indices: the k-th bucket of a dtype
+    closes once it reaches ``caps[k]`` bytes (the last cap serving every later bucket), the
+    parameter that crosses it included (Note [buckets close as torch's do]); the buckets in the
+    order they closed, then the ones left open. torch's ``_compute_bucket_assignment_by_size``."""
+    caps = list(caps)
+    open_groups: dict[torch.dtype, list[int]] = {}
+    filled: dict[torch.dtype, int] = {}
+    caps_used: dict[torch.dtype, int] = {}
+    groups: list[list[int]] = []
+    for i, p in enumerate(params):
+        cap = caps[min(caps_used.get(p.dtype, 0), len(caps) - 1)]
+        open_groups.setdefault(p.dtype, []).append(i)
+        filled[p.dtype] = filled.get(p.dtype, 0) + p.numel() * p.element_size()
+        if filled[p.dtype] >= cap:
+            groups.append(open_groups.pop(p.dtype))
+            filled[p.dtype] = 0
+            caps_used[p.dtype] = caps_used.get(p.dtype, 0) + 1
+    groups.extend(open_groups.values())
+    return groups
+
+
 def build_layout(
     params: Sequence[torch.nn.Parameter],
     names: Sequence[str],
@@ -255,37 +277,14 @@ def build_layout(
         gradient buckets, which these are, may likewise exceed ``bucket_cap_mb`` by up to one
         parameter.
     """
-    open_buckets: dict[torch.dtype, dict] = {}
-    closed: list[dict] = []
-    caps_used: dict[torch.dtype, int] = {}
     caps = list(caps)
     if not caps:
         raise ValueError("build_layout: caps must hold at least one bucket cap")
-
-    def close(dtype):
-        b = open_buckets.pop(dtype)
-        closed.append(b)
-        caps_used[dtype] = caps_used.get(dtype, 0) + 1
-
-    for position, (p, name) in enumerate(zip(params, names)):
-        dtype = p.dtype
-        cap = caps[min(caps_used.get(dtype, 0), len(caps) - 1)]
-        b = open_buckets.get(dtype)
-        if b is None:
-            b = open_buckets[dtype] = {"dtype": dtype, "params": [], "names": [], "bytes": 0}
-        b["params"].append(p)
-        b["names"].append(name)
-        b["bytes"] += p.numel() * p.element_size()
-        b["ready"] = position
-        if b["bytes"] >= cap:
-            close(dtype)  # Note [buckets close as torch's do]: the crossing parameter included
-    for dtype in list(open_buckets):
-        close(dtype)
     # Numbered by when each becomes ready (its last parameter), as torch's rebuilt buckets: launches
     # go in index order, so a bucket of another dtype opened early but filled late must not hold
     # back the buckets that fill meanwhile (numbered by opening, none launched before backward ended).
-    closed.sort(key=lambda b: b["ready"])
-    groups = [list(zip(b["params"], b["names"])) for b in closed]
+    indices = sorted(pack_by_cap(params, caps), key=lambda group: group[-1])
+    groups = [[(params[i], names[i]) for i in group] for group in indices]
     return layout_of_groups(groups, world_size=world_size, device=device, bucket_storage=bucket_storage)
 
 
@@ -327,20 +326,7 @@ def torch_unused_groups(params: Sequence[torch.nn.Parameter], caps: Sequence[int
         bucket's gradients in their order, so a hooked model cuts its buckets this way
         (``comm_hook.match_torch_unused_buckets``) and trains as torch's does.
     """
-    caps = list(caps)
-    open_groups: dict[torch.dtype, list[int]] = {}
-    filled: dict[torch.dtype, int] = {}
-    caps_used: dict[torch.dtype, int] = {}
-    groups: list[list[int]] = []
-    for i, p in enumerate(params):
-        group = open_groups.setdefault(p.dtype, [])
-        group.append(i)
-        filled[p.dtype] = filled.get(p.dtype, 0) + p.numel() * p.element_size()
-        if filled[p.dtype] >= caps[min(caps_used.get(p.dtype, 0), len(caps) - 1)]:
-            groups.append(open_groups.pop(p.dtype))
-            filled[p.dtype] = 0
-            caps_used[p.dtype] = caps_used.get(p.dtype, 0) + 1
-    groups.extend(open_groups.values())
+    groups = pack_by_cap(params, caps)
     groups.sort(key=lambda g: g[0])
     return groups[::-1]
 

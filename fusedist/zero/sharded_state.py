@@ -401,21 +401,16 @@ class ShardedState:
 
 # ---------------------------------------------------------------------------- algorithms
 def inner_class(zero) -> type:
-    """The class of the optimizer ``zero`` steps its shard with: ``optimizer_class`` when that is
-    a class (a ``functools.partial``'s is unwrapped already), else the class of what the factory
-    builds -- the inner optimizer once made, else a probe over one element, as the construction's
-    defaults probe. Why: ``optimizer_class=lambda groups, **kw: AdamW(groups, **kw)`` trains, but a
-    lambda names no class, and ``fusedist.checkpoint.save`` failed on it reading the algorithm it
-    records (and a load compares)."""
+    """The class of the optimizer ``zero`` steps its shard with: ``optimizer_class``, which the
+    construction resolved to the class a factory builds (``_optimizer_type`` in optimizer.py),
+    else -- a factory that could not be probed there -- the class of the inner optimizer it built.
+    Why: ``optimizer_class=lambda groups, **kw: AdamW(groups, **kw)`` trains, but a lambda names
+    no class, and ``fusedist.checkpoint.save`` failed on it reading the algorithm it records (and
+    a load compares)."""
     cls = zero.optimizer_class
-    if isinstance(cls, type):
+    if isinstance(cls, type) or zero.inner is None:
         return cls
-    built = zero.inner
-    if built is None:
-        group = {k: v for k, v in zero.param_groups[0].items() if k != "params"} if zero.param_groups else {}
-        built = zero._optimizer_factory([{**group, "params": [torch.zeros(1, requires_grad=True)]}],
-                                        **zero._inner_defaults)
-    return type(built)
+    return type(zero.inner)
 
 
 def class_algorithm(cls: type) -> str:

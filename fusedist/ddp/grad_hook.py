@@ -179,7 +179,9 @@ def gradient_taken(reducer: "Reducer", entry: ParamEntry) -> RuntimeError:
         "was set to None by a post-accumulate-grad hook before DistributedDataParallel averaged it "
         "(an optimizer stepping inside backward, then zero_grad()?). Such hooks run before the "
         "average, as with torch's DDP, so a step there uses this rank's local gradient and the ranks "
-        "diverge: call optimizer.step() after loss.backward() returns"
+        "diverge: call optimizer.step() after loss.backward() returns, or give the parameters their "
+        "optimizers with torch.distributed.optim._apply_optimizer_in_backward before the first forward "
+        "(stepped once the average has landed, as by torch's DDP)"
     )
 
 

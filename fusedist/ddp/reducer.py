@@ -28,6 +28,7 @@ from .._timeline import Timeline, now_us
 from ..comm import CommHandle, Communicator
 from .config import DDPConfig
 from .grad_hook import ParamEntry, hooks_last, make_hook, remove_hooks
+from .in_backward import step_in_backward_optimizers, take_in_backward_optimizers
 from .in_flight import finish_bucket, finish_completed, launch_in_order
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .prepared import refuse_compiled_autograd
@@ -124,6 +125,8 @@ class Reducer:
         self.late_arrivals: list = []
         self.last_used_map: list = []  # Note [a joined rank's used map] in unused.py
         self.last_stats: dict = {}
+        # Note [optimizers applied in backward] (in_backward.py): taken at the first training forward.
+        self.in_backward_params: Optional[list] = None
         # Parameters whose grad is None after the last synchronized backward (unused by every
         # rank, or by this one without find_unused_parameters) -- for consumers that release
         # the gradients themselves and so cannot ask p.grad (ZeRO stage 2).
@@ -313,6 +316,8 @@ class Reducer:
             self._finish_queued = False
         # Note [the user's gradient hooks first] in grad_hook.py
         self._hooks_ordered = hooks_last(self._hooks, self._hook_dicts, self._hooks_ordered)
+        if self.in_backward_params is None:
+            self.in_backward_params = take_in_backward_optimizers(self.params)
         for observer in self.observers:
             observer.forward_begins(self)
 
@@ -427,6 +432,8 @@ class Reducer:
             self.iteration += 1
             for observer in self.observers:
                 observer.backward_ends(self)
+        if self.sync and self.in_backward_params:  # after backward_ends: the step guard counts this backward
+            step_in_backward_optimizers(self.in_backward_params)
 
     def _synchronize(self) -> None:
         t_compute_end = now_us()

@@ -36,7 +36,7 @@ def _stage(seed: int) -> nn.Linear:
 def _uneven_stages_worker(rank, world_size, seed):
     """Three stages on two ranks (a fused and a torch optimizer on rank 0), an inf in stage 2's
     loss at steps 1 and 3, unscale_ at steps 0 and 3: the weights' largest difference from torch's
-    scaler and one SGD over the whole model, the scales of both, and the error of a first
+    scaler and one SGD over the whole model, the scales of both, and the error (if any) of a first
     iteration that steps two optimizers without unscale_ (rank 0)."""
     stages = STAGES_OF[rank]
     models = {s: _stage(seed + s) for s in stages}
@@ -94,9 +94,9 @@ def test_found_inf_group_with_uneven_stages_and_a_stage_without_a_loss():
         assert weights < 1e-6, (seed, rank, weights)
         assert all(ours == theirs for ours, theirs in scales), (seed, rank, scales)
         assert [s for s, _ in scales] == [512.0, 256.0, 512.0, 256.0], (seed, rank, scales)
-    late = results[0][2]
-    assert late is not None and "rank 0" in late and "unscale_" in late and "SGD" in late, late
-    assert results[1][2] is None
+    # A first iteration stepping two optimizers without unscale_ waits for update() (Note [the
+    # first iteration's steps wait for update()]): no error.
+    assert all(late is None for _, _, late in results), results
 
 
 class _Forwarding:

@@ -18,9 +18,20 @@ position, so a rank stepping two stages' optimizers against one stepping one hun
 stepping two each combined stage 0 with stage 1 and stage 2 with stage 3. Before the
 agreement, each optimizer this rank has unscaled this iteration, or unscaled or stepped in an
 earlier one, is checked (a flag-only pass for one not unscaled yet; a fused optimizer's step
-then uses it and does not check again). An optimizer first seen after the agreement, in the
-first iteration, cannot join it: the scaler raises, asking to ``unscale_`` each optimizer before
-the first ``step()`` (from the second iteration on the scaler knows them).
+then uses it and does not check again). An optimizer first seen after the agreement (a new one,
+after the first iteration) cannot join it: the scaler raises, asking to ``unscale_`` it before
+the first ``step()`` of the iteration.
+
+# Note [the first iteration's steps wait for update()]
+In the first iteration the scaler does not know yet which optimizers the rank steps: torch's
+multi-optimizer loop (``scaler.step(opt1); scaler.step(opt2); scaler.update()``) agreed at
+``step(opt1)`` without ``opt2``'s flag, stepped ``opt1`` (and every other rank's stages) through
+an overflow in ``opt2``'s stage, then raised at ``step(opt2)``. So until the scaler knows the
+rank's optimizers (the first ``update()`` after a step), ``step()`` checks and records the call,
+and ``update()`` agrees over every optimizer stepped and runs the recorded steps, as the later
+iterations do at the first ``step()``: the weights change at ``update()`` instead, once. A
+gradient zeroed, replaced or written between such a ``step()`` and ``update()`` would be stepped
+silently in its new state, so it raises, naming the optimizer.
 
 # Note [a stage without a loss]
 A middle pipeline stage computes no loss, so it never calls ``scaler.scale(loss)``, which is
@@ -96,9 +107,57 @@ class FoundInfGroupMixin:
             f"GradScaler(found_inf_group=...) on rank {rank}: {type(optimizer).__name__} was first unscaled or "
             "stepped after this iteration's inf/nan flag was agreed over the group (at the first step()), so "
             "its gradients cannot count in it and its stage could step apart from the others. Call "
-            "scaler.unscale_(optimizer) for every optimizer of this rank before the first scaler.step() of the "
-            "iteration (needed only where an optimizer is new: the scaler remembers each one it unscaled or "
-            "stepped)."
+            "scaler.unscale_(optimizer) for an optimizer new after the first iteration before the first "
+            "scaler.step() of the iteration (the scaler remembers each one it unscaled or stepped)."
+        )
+
+    # -- Note [the first iteration's steps wait for update()] -----------------------------------
+
+    def _defers_steps(self) -> bool:
+        """Whether ``step()`` waits for ``update()``: a group, and no optimizer known yet."""
+        return (self._group() is not None and self.__dict__.get("_agreed") is None
+                and not self.__dict__.get("_knows_optimizers", False))
+
+    def _pending(self) -> list:
+        return self.__dict__.setdefault("_pending_steps", [])
+
+    def _is_pending(self, optimizer) -> bool:
+        return any(entry[0] is optimizer for entry in self._pending())
+
+    def _defer_step(self, optimizer, args: tuple, kwargs: dict) -> None:
+        """``step()`` before the scaler knows the rank's optimizers: torch's checks now, the step
+        at ``update()``."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        if self._is_pending(optimizer) or self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        self._remember(optimizer)
+        self._pending().append((optimizer, args, kwargs, _grads_now(optimizer)))
+
+    def _agree_and_run_pending(self) -> None:
+        """``update()``'s part: the agreement (when no ``step()`` made it), then the steps that
+        waited for it."""
+        pending, self._pending_steps = self._pending(), []
+        changed = [opt for opt, _, _, grads in pending if not _same_grads(grads, _grads_now(opt))]
+        self._agree_iteration()  # (first: the other ranks wait for it)
+        if changed:
+            raise RuntimeError(self._changed_message(changed[0]))
+        for optimizer, args, kwargs, _ in pending:
+            self.step(optimizer, *args, **kwargs)
+        if self.__dict__.get("_group_optimizers"):
+            self._knows_optimizers = True
+
+    def _changed_message(self, optimizer) -> str:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return (
+            f"GradScaler(found_inf_group=...) on rank {rank}: the gradients of {type(optimizer).__name__} were "
+            "zeroed, replaced or written between scaler.step(optimizer) and scaler.update() of the first "
+            "iteration. Until it knows every optimizer of the rank, the scaler steps them at update(), once "
+            "their inf/nan flags are agreed over the group, so it would step the new gradients. Zero the "
+            "gradients after scaler.update()."
         )
 
     def _agree_iteration(self, stepping=None) -> None:
@@ -154,3 +213,19 @@ class FoundInfGroupMixin:
 
     def _end_agreement(self) -> None:
         self._agreed = None
+
+
+def _grads_now(optimizer) -> list:
+    """The gradients of ``optimizer``'s parameters, and those a fused optimizer steps (a stage-2
+    ZeroRedundancyOptimizer's shards: its ``p.grad`` is None; views made afresh at each call for
+    stage 1), each with its address and version count (the tensors are held, so a new gradient
+    cannot take an old one's address)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    if getattr(optimizer, "_fusedist_fused", False):
+        grads += protocol_owner(optimizer)._fusedist_local_grads()
+    return [(g, None) if g is None else (g, (g.data_ptr(), g._version)) for g in grads]
+
+
+def _same_grads(before: list, now: list) -> bool:
+    """Whether no gradient was replaced, dropped or written in place since ``before``."""
+    return len(before) == len(now) and all(u == v for (_, u), (_, v) in zip(before, now))

@@ -143,10 +143,12 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
       backs off the scale on every rank alike, as torchtitan and Megatron all-reduce found_inf
       over their model-parallel groups (torch's scaler has no such argument; without it each
       stage skipped by its own flag, and the stages' weights and scales drifted apart). Ranks
-      may hold different numbers of stages (optimizers). In the first iteration, ``unscale_``
-      each optimizer of the rank before the first ``step()`` when the rank has several. A stage
-      without a loss needs no ``scale(loss)``: the scale is made on first use. Note [found_inf
-      over the pipeline stages] and Note [a stage without a loss] in fusedist/amp/found_inf_group.py.
+      may hold different numbers of stages (optimizers). In the first iteration, before the
+      scaler knows the rank's optimizers, ``step()`` only checks, and ``update()`` steps them once
+      the flags are agreed: zero the gradients after ``update()``. A stage without a loss needs no
+      ``scale(loss)``: the scale is made on first use. Note [found_inf over the pipeline stages],
+      Note [the first iteration's steps wait for update()] and Note [a stage without a loss] in
+      fusedist/amp/found_inf_group.py.
 
     ``last_step_skipped_tensor`` is a device bool tensor (set by ``update()``): True when an
     optimizer step of the last iteration was skipped for inf/nan gradients. The property
@@ -161,6 +163,8 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
         self._found_inf_group = found_inf_group
         self._group_optimizers: dict = {}  # (id -> weak reference) Note [found_inf over the pipeline stages]
         self._agreed = None  # (this iteration's agreed flag, and the optimizers it covers)
+        self._pending_steps: list = []  # Note [the first iteration's steps wait for update()]
+        self._knows_optimizers = False
         self._device = _device_type(device)
         if self._enabled:  # (torch checks its factors only when enabled, too)
             check_settings("GradScaler", "init_scale", init_scale, growth_factor, backoff_factor, growth_interval)
@@ -247,6 +251,8 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self._enabled:
             self._scale_for_stage(optimizer)  # Note [a stage without a loss]
+            if self._is_pending(optimizer):  # Note [the first iteration's steps wait for update()]
+                raise RuntimeError("unscale_() is being called after step().")
         if not self._enabled or not is_fused(optimizer):
             return super().unscale_(optimizer)
         self._check_scale_growth_tracker("unscale_")
@@ -291,6 +297,8 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         if self._enabled:
             self._scale_for_stage(optimizer)  # Note [a stage without a loss]
+            if self._defers_steps():  # Note [the first iteration's steps wait for update()]
+                return self._defer_step(optimizer, args, kwargs)
         if not self._enabled or not is_fused(optimizer):
             if self._enabled and self._scale is not None:
                 self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]
@@ -353,7 +361,9 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             new_scale = checked_new_scale(new_scale, self._device)
-        self._agree_iteration()  # (made here when nothing was stepped: one per iteration on every rank)
+        # (made here when nothing was stepped: one per iteration on every rank; then the steps
+        # that waited for it, Note [the first iteration's steps wait for update()])
+        self._agree_and_run_pending()
         self._end_agreement()
         self._forget_unstepped()
         found_infs = [
@@ -492,4 +502,5 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
             state["_min_scale_flag"] = unscale.LazyHostFlag()
         state["_found_inf_group"] = None  # (a process group does not travel: pass it again)
         state["_group_optimizers"], state["_agreed"] = {}, None  # (weak references do not either)
+        state["_pending_steps"], state["_knows_optimizers"] = [], False
         return state

@@ -57,6 +57,78 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
     return saved
 
 
+def _cross_packed(saved: dict, target, sharded_target: bool, directory) -> dict:
+    """``saved`` with each quantized-storage weight (an NF4 one) in the form ``target`` holds it.
+
+    Note [quantized storage across run kinds]
+        A ``fully_shard`` unit holds a frozen NF4 weight as bytes, and its checkpoints hold the
+        weight's canonical bytes, of shape ``(nbytes,)`` (Note [quantized storage] in
+        ``fsdp/packed.py``); a DDP, ZeRO or plain model's checkpoint holds the subclass itself,
+        of the weight's shape. Either loads into the other, as every other weight does: for a
+        sharded model the subclass becomes its canonical bytes, for an unsharded one the bytes
+        become the subclass (the model's own parameter gives its class, context and inner
+        layout). A weight of another inner layout (other block sizes: another class layout, or
+        another byte count) is refused by name.
+    """
+    from ..fsdp.packed import canonical_slots, from_canonical, is_packed_candidate, to_canonical
+
+    out = None
+    for key, (param, spec, mine, other) in _packed_forms(target, sharded_target).items():
+        value = saved.get(key)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) == mine:
+            continue
+        if tuple(value.shape) != other:
+            if spec is None and value.dim() == 1 and (value.dtype == torch.uint8 or value.is_meta):
+                raise CheckpointError(
+                    f"fusedist.checkpoint: '{key}' in {directory} holds {value.numel()} bytes of quantized storage (a "
+                    f"fully_shard checkpoint's); the model's {type(param).__name__} {tuple(param.shape)} has "
+                    f"{other[0]}: inner tensors {_inner(canonical_slots(param)[0])} (quantized with other block "
+                    "sizes?)")
+            continue  # (a shape the checks name)
+        if value.is_meta:  # (the checks before a restore: shapes only)
+            converted = torch.empty(mine, device="meta")
+        elif spec is not None:
+            layout = canonical_slots(value)[0] if is_packed_candidate(value) else None
+            if layout != spec.canonical:
+                raise CheckpointError(
+                    f"fusedist.checkpoint: '{key}' in {directory} is a {type(value).__name__} of dtype {value.dtype} "
+                    + (f"whose inner tensors are {_inner(layout)}" if layout is not None else "")
+                    + f"; the model holds it as quantized storage ({spec.cls.__name__}) whose inner tensors are "
+                    f"{_inner(spec.canonical)}: save it as that class (quantized with the same block sizes)")
+            converted = to_canonical(value)
+        elif not is_packed_candidate(value) and value.dtype == torch.uint8:
+            converted = from_canonical(value, param)
+        else:
+            continue
+        out = out if out is not None else type(saved)(saved)
+        out[key] = converted
+    return saved if out is None else out
+
+
+def _packed_forms(target, sharded_target: bool) -> dict:
+    """``{canonical key: (parameter, its unit's spec or None, the shape the model holds it in,
+    the other form's shape)}`` of every quantized-storage weight of ``target`` (Note
+    [quantized storage across run kinds]): a unit's canonical bytes ``(nbytes,)`` against the
+    weight's shape."""
+    from ..fsdp.packed import canonical_slots, is_packed_candidate
+
+    where = stage3.piece_index(target) if sharded_target else {}
+    out = {}
+    for key, param in _names.canonical_state(target, target.state_dict(keep_vars=True)).items():
+        hit = where.get(id(param))
+        spec = hit[0].ext[hit[1]] if hit is not None else None
+        if spec is not None and spec.packed:
+            out[key] = (param, spec, (spec.canonical_bytes,), spec.outer_shape)
+        elif hit is None and is_packed_candidate(param):
+            out[key] = (param, None, tuple(param.shape), (canonical_slots(param)[1],))
+    return out
+
+
+def _inner(layout: list) -> str:
+    """Inner tensors of quantized storage as a message shows them."""
+    return ", ".join(f"{n} {tuple(shape)} {str(dtype).replace('torch.', '')}" for n, _, shape, dtype in layout)
+
+
 def _shape(value):
     """A saved entry's shape; None for a value that is not a tensor (``get_extra_state()``)."""
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
@@ -123,6 +195,7 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: 
     if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
         saved = dict(saved)
         saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
+    saved = _cross_packed(saved, target, sharded_target, directory)
     plan["model"] = _check_model(saved, expected, directory, strict)
     plan["model_sharded"] = sharded_target
 
@@ -149,6 +222,10 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     if order is not None:  # Note [parameters in another order]
         saved_names = names
         meta = dict(meta, param_shapes=[meta["param_shapes"][i] for i in order])
+    crossed = _packed_positions(meta["param_shapes"], params, where)
+    if crossed:  # Note [quantized storage across run kinds]
+        meta = dict(meta, param_shapes=[list(stage3.full_shape(p, where)) if i in crossed else shape
+                                         for i, (p, shape) in enumerate(zip(params, meta["param_shapes"]))])
     if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
         first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
         detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
@@ -164,6 +241,8 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         shards = sections("optimizer_shard")
         if order is not None:
             shards = [_renumber_shard(s, order) for s in shards]
+        if crossed:
+            shards = [_packed_shard(s, crossed, params, where, names, directory) for s in shards]
         if len(shards) != manifest["world_size"]:
             raise CheckpointError(
                 f"fusedist.checkpoint: {directory} lists {len(shards)} optimizer shard files for world size "
@@ -184,7 +263,53 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         _checks.check_loadable(optimizer, full, directory)
         return full
     full = common["optimizer"] if order is None else _renumber_full(common["optimizer"], order)
+    _check_no_state(full["state"], crossed, names, directory)
     return _prepare_full(full, directory, target, sharding, optimizer, params, source)
+
+
+def _packed_positions(saved_shapes: list, params: list, where: dict) -> set:
+    """The optimizer positions of quantized-storage weights saved in the other form than the
+    loading model's (canonical bytes against the weight's shape, or the reverse: Note
+    [quantized storage across run kinds]). Frozen, they hold no optimizer state, only records
+    of their shape, which take the loading model's."""
+    from ..fsdp.packed import canonical_slots, is_packed_candidate
+
+    out = set()
+    for i, (p, saved) in enumerate(zip(params, saved_shapes)):
+        hit = where.get(id(p))
+        spec = hit[0].ext[hit[1]] if hit is not None else None
+        if spec is not None and spec.packed:
+            forms = (list(spec.outer_shape), [spec.canonical_bytes])
+        elif hit is None and is_packed_candidate(p):
+            forms = (list(p.shape), [canonical_slots(p)[1]])
+        else:
+            continue
+        if list(saved) != list(stage3.full_shape(p, where)) and list(saved) in forms:
+            out.add(i)
+    return out
+
+
+def _check_no_state(state: dict, crossed: set, names: list, directory) -> None:
+    """A crossed quantized weight (:func:`_packed_positions`) must hold no optimizer state: it
+    could not follow the weight into its other form."""
+    for i in sorted(crossed):
+        if state.get(i) or state.get(str(i)):
+            raise CheckpointError(
+                f"fusedist.checkpoint: the optimizer state in {directory} holds state for '{names[i]}', a weight of "
+                "quantized storage saved in another layout (fully_shard's bytes against the weight's shape); such "
+                "weights are frozen and their state cannot be carried across. Load it into the run kind that saved it")
+
+
+def _packed_shard(shard: dict, crossed: set, params: list, where: dict, names: list, directory) -> dict:
+    """A ZeroRedundancyOptimizer shard whose records of the crossed quantized weights
+    (:func:`_packed_positions`) are the loading model's; a fragment holding values for one is
+    refused."""
+    _check_no_state({i: any(f.get("master") is not None or f.get("state") for f in shard["fragments"].get(i, []))
+                     for i in crossed}, crossed, names, directory)
+    records = list(shard["param_meta"])
+    for i in crossed:
+        records[i] = stage3._meta(params[i], where)
+    return dict(shard, param_meta=records)
 
 
 def _reordered(saved_names: list, names: list, optimizer) -> list | None:

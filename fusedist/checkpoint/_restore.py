@@ -381,9 +381,10 @@ class RestoreMixin:
         that does not match]): the load's first checks, on the manifest and the mapped common
         file, raised as the load raises them."""
         model, optimizer, scaler = self._state["model"], self._state["optimizer"], self._state["scaler"]
-        expected, _ = _load_plan._expected_model(_names.unwrap(model))
-        saved = _saved_model(path, manifest, common, trusted)
-        _load_plan._check_model(_names.strip_prefix(saved, expected), expected, path, strict)
+        expected, sharded = _load_plan._expected_model(_names.unwrap(model))
+        saved = _names.strip_prefix(_saved_model(path, manifest, common, trusted), expected)
+        saved = _load_plan._cross_packed(saved, _names.unwrap(model), sharded, path)  # (NF4 weights' other form)
+        _load_plan._check_model(saved, expected, path, strict)
         if optimizer is not None:
             if manifest.get("optimizer") is None:
                 raise CheckpointError(f"fusedist.checkpoint: {path} holds no optimizer state")
@@ -446,7 +447,11 @@ def _here_and_saved(model, optimizer, meta: dict) -> tuple:
     _, where = _load_plan._sharding(_names.unwrap(model))
     here = [(n, tuple(stage3.full_shape(p, where))) for n, p in zip(names, params)]
     saved_names = [n if n in names else _names.legacy_key(n) for n in meta["param_names"]]
-    return here, [(n, tuple(shape)) for n, shape in zip(saved_names, meta["param_shapes"])]
+    by_name = dict(zip(names, params))
+    # (a quantized weight saved in its other form counts as its form here: the load takes it)
+    shapes = [stage3.full_shape(by_name[n], where) if n in by_name and _load_plan._packed_positions(
+        [shape], [by_name[n]], where) else shape for n, shape in zip(saved_names, meta["param_shapes"])]
+    return here, [(n, tuple(shape)) for n, shape in zip(saved_names, shapes)]
 
 
 def _refuse_other_parameters(path: str, model, optimizer, meta: dict) -> None:

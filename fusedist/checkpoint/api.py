@@ -203,6 +203,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         return pipelined.save(directory, model, optimizer, scaler, extra, per_rank=per_rank,
                               process_group=process_group)
     _refuse_parts(model)
+    settle_given_up()  # Note [a plain save given up on]
     started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model, process_group)
@@ -314,8 +315,42 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
     removes the files the manifest does not list; every rank raises any failure."""
     try:
         _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
+    except CheckpointError as exc:
+        if getattr(exc, "given_up", False) and world.io is not None:  # Note [a plain save given up on]
+            _given_up.append((world.io, lambda: _finish_save(world, directory, calls, claim)))
+        raise
     finally:
         stop_io(world)
+
+
+# Note [a plain save given up on]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A save whose barrier was given up on (a rank's storage hangs: Note [a save given up on] in
+# ``_writer.py``) raises on every rank, while the slow rank may still be writing. A
+# Checkpointer's next save first waits for it (``settle``); ``save`` did not: the next save
+# (or load) started its first collective at once, which timed out on the rank still writing
+# after FUSEDIST_TIMEOUT_S -- and a gloo group whose collective failed is broken for good,
+# training included. Its claim on the directory and its rank files were left behind too. So
+# each rank keeps the barrier of a save given up on, and its next ``save`` or ``load`` first
+# waits at one more phase of it, beating, for as long as the slow ranks show they are alive
+# (up to IO_LIMIT_S again: a wait given up on leaves it for the next call); once every rank
+# is there, rank 0 removes what the given-up save left (its claim, its unlisted files).
+_given_up: list = []  # (the IOBarrier of a save given up on, its cleanup), oldest first
+
+
+def settle_given_up() -> None:
+    """Before a save's or load's first exchange: wait until every rank has left the saves
+    given up on before it, and clean up after them (Note [a plain save given up on])."""
+    while _given_up:
+        barrier, cleanup = _given_up[0]
+        barrier.start_beat()
+        try:
+            barrier.wait("the save given up on before this call")
+        finally:
+            barrier.stop_beat()
+        del _given_up[0]
+        barrier.forget(barrier.phase - 1)  # (every rank left those; a slower one may still read this phase's keys)
+        cleanup()
 
 
 def _finish_written(world: "_World", directory: str, started: float, save_id: str, calls: list, claim,
@@ -498,6 +533,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
 
     if not pipeline:
         _refuse_parts(model)
+    settle_given_up()  # Note [a plain save given up on]
     world = pipelined.job_world() if pipeline else _World(optimizer, model, process_group)
     by_stage = pipeline
     try:

@@ -156,6 +156,7 @@ def manifest(entries: dict, world_size: int) -> dict:
 def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dict] = None, *,
          per_rank: Optional[dict] = None, process_group=None) -> None:
     """``fusedist.checkpoint.save(..., pipeline=True)`` (Note [pipelined checkpoints])."""
+    api.settle_given_up()  # Note [a plain save given up on] in api.py
     started = time.time()
     held = parts(model, optimizer)
     for module, opt in held:

@@ -14,6 +14,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._wrapper import values_of
 
@@ -54,6 +55,8 @@ class StagingBuffers:
 
     def _tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
         t = values_of(t).detach()  # (a wrapper subclass has no storage of its own: its wrapped tensor)
+        if is_traceable_wrapper_subclass(t):
+            return self._subclass(t, path)
         if t.is_sparse or t.layout != torch.strided or t.numel() == 0:
             return t.to("cpu", copy=True)
         alias = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -70,6 +73,16 @@ class StagingBuffers:
         self.bytes += t.numel() * t.element_size()
         self._seen[alias] = buf
         return buf
+
+    def _subclass(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
+        """Quantized storage (an NF4 weight of a DDP model) staged as its inner tensors, the
+        subclass rebuilt over their host copies: ``copy_`` into a plain buffer would go through
+        the subclass's own ops, which refuse it (or quantize again)."""
+        from ..fsdp.packed import ctx_on
+
+        names, ctx = t.__tensor_flatten__()
+        inner = {n: self._tensor(getattr(t, n), path + (n,)) for n in names}
+        return type(t).__tensor_unflatten__(inner, ctx_on(ctx, torch.device("cpu")), t.shape, t.stride())
 
 
 def _same_kind(original: dict, items: dict) -> dict:

@@ -52,7 +52,7 @@ import torch
 
 from .extension import ExtensionSpec, as_bytes
 
-__all__ = ["PackedSpec", "is_packed_candidate"]
+__all__ = ["PackedSpec", "is_packed_candidate", "canonical_slots", "to_canonical", "from_canonical", "ctx_on"]
 
 _ALIGN = 16  # bytes: every dtype views in place at such an offset
 
@@ -69,6 +69,51 @@ def is_packed_candidate(p) -> bool:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     return is_traceable_wrapper_subclass(p) and hasattr(p, "fsdp_pre_all_gather")
+
+
+def ctx_on(ctx, device: torch.device):
+    """``ctx`` (a ``__tensor_flatten__`` context) on ``device``: a context that records its
+    device (NF4's ``tensor_meta``, a dataclass) moves with the inner tensors -- a wrapper's
+    device is fixed at its creation."""
+    if not isinstance(ctx, dict):
+        return ctx
+    return {k: dataclasses.replace(v, device=device) if dataclasses.is_dataclass(v) and hasattr(v, "device")
+            else v for k, v in ctx.items()}
+
+
+def canonical_slots(whole) -> tuple[list, int]:
+    """The layout of the canonical bytes of quantized storage ``whole`` (Note [quantized
+    storage]): ``(name, byte offset, shape, dtype)`` of each inner tensor whole, end to end in
+    ``__tensor_flatten__``'s order at aligned offsets, and the bytes in all. It depends on the
+    weight alone, so an unsharded model computes the same layout a unit does."""
+    slots, offset = [], 0
+    for n in whole.__tensor_flatten__()[0]:
+        t = getattr(whole, n)
+        slots.append((n, offset, tuple(t.shape), t.dtype))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return slots, max(offset, _ALIGN)
+
+
+def to_canonical(whole) -> torch.Tensor:
+    """The canonical bytes of the whole subclass ``whole`` (on the CPU): what a checkpoint of a
+    ``fully_shard`` model holds for it."""
+    slots, nbytes = canonical_slots(whole)
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    for n, offset, _, _ in slots:
+        flat = as_bytes(getattr(whole, n)).cpu()
+        out[offset:offset + flat.numel()].copy_(flat)
+    return out
+
+
+def from_canonical(data: torch.Tensor, like):
+    """The canonical bytes ``data`` as the whole subclass of ``like`` (a model's own parameter,
+    whose class, context and inner layout they must have: the caller checks the byte count),
+    on ``like``'s device, in fresh storage."""
+    slots, _ = canonical_slots(like)
+    flat = data.detach().reshape(-1).to(like.device)
+    inner = {n: flat[offset:offset + math.prod(shape) * dtype.itemsize].clone().view(dtype).view(shape)
+             for n, offset, shape, dtype in slots}
+    return type(like).__tensor_unflatten__(inner, like.__tensor_flatten__()[1], like.shape, like.stride())
 
 
 class PackedSpec(ExtensionSpec):
@@ -126,11 +171,7 @@ class PackedSpec(ExtensionSpec):
         #: the whole parameter's bytes as checkpoints hold them at any world size: its inner
         #: tensors whole, end to end in ``__tensor_flatten__``'s order (name, byte offset, shape,
         #: dtype)
-        self.canonical, offset = [], 0
-        for n in names:
-            self.canonical.append((n, offset, tuple(whole[n].shape), whole[n].dtype))
-            offset += -(-whole[n].numel() * whole[n].element_size() // _ALIGN) * _ALIGN
-        self.canonical_bytes = max(offset, _ALIGN)
+        self.canonical, self.canonical_bytes = canonical_slots(param)
 
     # -- the table and the rows
     def _pack(self, part) -> torch.Tensor:
@@ -166,12 +207,7 @@ class PackedSpec(ExtensionSpec):
                 for n, offset, shape, dtype in (slots or self.slots)}
 
     def _ctx(self, ctx, device: torch.device):
-        """``ctx`` on ``device``: a context that records its device (NF4's ``tensor_meta``, a
-        dataclass) moves with the inner tensors -- a wrapper's device is fixed at its creation."""
-        if not isinstance(ctx, dict):
-            return ctx
-        return {k: dataclasses.replace(v, device=device) if dataclasses.is_dataclass(v) and hasattr(v, "device")
-                else v for k, v in ctx.items()}
+        return ctx_on(ctx, device)
 
     def wrap(self, inner: torch.Tensor, like=None) -> torch.Tensor:
         """The piece: the subclass over views of the row ``inner`` (``like`` is not needed: the

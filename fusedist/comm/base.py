@@ -117,7 +117,8 @@ class CommHandle:
                 raise self._still_running(requested, exc) from exc
             self._error = CollectiveError(
                 f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
-                f"{self._comm.rank} of {self._comm.world_size}: {self._why(exc, requested if shortened else None)}",
+                f"{self._comm.rank} of {self._comm.world_size}{self._comm._global_note([self._comm.rank])}: "
+                f"{self._why(exc, requested if shortened else None)}",
                 op=self.op,
                 tag=self.tag,
                 rank=self._comm.rank,
@@ -157,8 +158,8 @@ class CommHandle:
         else:
             cause = f"fusedist's collective timeout, {limit:g} s"
         peers = [r for r in range(comm.world_size) if r != comm.rank]
-        return (f"timed out {elapsed:.1f} s after its launch ({cause}); some rank of {peers} did not join it, "
-                f"or joined another collective: {exc}")
+        return (f"timed out {elapsed:.1f} s after its launch ({cause}); some rank of {peers}"
+                f"{comm._global_note(peers)} did not join it, or joined another collective: {exc}")
 
     def _still_running(self, timeout: datetime.timedelta, exc: Exception) -> CollectiveError:
         """A wait shorter than the collective's timeout ran out and the collective goes on: as
@@ -234,6 +235,34 @@ class Communicator(abc.ABC):
         """Seconds after which the transport itself gives up on ``work`` whatever fusedist's
         timeout (gloo's own collectives: the process group's timeout), or None."""
         return None
+
+    def _global_note(self, ranks: list) -> str:
+        """The text ' (global ranks [...])' to follow ``ranks`` (positions in this communicator's
+        group) where they differ from the global ranks, else '': on a subgroup
+        (``new_group([2, 3])``) "rank 1" alone reads as global rank 1, a rank of another group,
+        not the one a user's logs and launcher name."""
+        group = getattr(self, "group", None)
+        if group is None or not torch.distributed.is_initialized():
+            return ""
+        try:
+            global_ranks = [torch.distributed.get_global_rank(group, r) for r in ranks]
+        except (RuntimeError, ValueError):  # the default group itself, or a destroyed one
+            return ""
+        if global_ranks == list(ranks):
+            return ""
+        if len(ranks) == 1:
+            return f" (global rank {global_ranks[0]})"
+        return f" (global ranks {global_ranks})"
+
+    def _outside_group(self) -> str:
+        """Why a root rank was refused: it is a position in this communicator's group, which on a
+        subgroup is not the global rank a caller may have meant (as in torch, where
+        ``ZeroRedundancyOptimizer.consolidate_state_dict(to=...)`` takes a group rank too)."""
+        note = self._global_note(list(range(self.world_size)))
+        if not note:  # the default group, or one of the same ranks
+            return f"outside world_size {self.world_size}"
+        return (f"outside world_size {self.world_size}: it is a rank of this process group, 0..{self.world_size - 1}"
+                f"{note}, not a global rank")
 
     def scratch_bytes(self) -> int:
         """Host or device memory the communicator holds for its own use between collectives
@@ -321,7 +350,7 @@ class Communicator(abc.ABC):
 
     def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         if not 0 <= src < self.world_size:
-            raise ValueError(f"fusedist broadcast{_tag(tag)}: src={src} outside world_size {self.world_size}")
+            raise ValueError(f"fusedist broadcast{_tag(tag)}: src={src} {self._outside_group()}")
         self._check_flat("broadcast", tensor)
         return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src))
 
@@ -330,7 +359,7 @@ class Communicator(abc.ABC):
         rank order); the other ranks pass ``output=None``. Why not an all-gather: consolidating
         sharded state on one rank should not make every rank receive (and hold) all of it."""
         if not 0 <= dst < self.world_size:
-            raise ValueError(f"fusedist gather{_tag(tag)}: dst={dst} outside world_size {self.world_size}")
+            raise ValueError(f"fusedist gather{_tag(tag)}: dst={dst} {self._outside_group()}")
         if (output is not None) != (self.rank == dst):
             raise ValueError(f"fusedist gather{_tag(tag)}: pass an output on rank dst={dst} only "
                              f"(this is rank {self.rank})")
@@ -428,7 +457,7 @@ class Communicator(abc.ABC):
                     raise self._report_failure(exc) from None
                 error = CollectiveError(
                     f"fusedist: launching {op}{_tag(tag)} (collective #{seq}) failed on rank "
-                    f"{self.rank} of {self.world_size}: {exc}",
+                    f"{self.rank} of {self.world_size}{self._global_note([self.rank])}: {exc}",
                     op=op, tag=tag, rank=self.rank, seq=seq,
                 )
                 # [reliability] a launch failure is reported like a wait failure.

@@ -46,6 +46,10 @@ def groups_of(mesh, process_group) -> DataParallelGroups:
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None
         shape = tuple(mesh.mesh.shape)
+        if mesh.get_coordinate() is None:  # (torch's get_group fails with a bare IndexError there)
+            raise ValueError(
+                f"fusedist.fully_shard: rank {dist.get_rank()} is not in the mesh (shape {shape}, dims {names}, "
+                f"global ranks {mesh.mesh.flatten().tolist()}); shard a module over a mesh only on its ranks.")
         if mesh.ndim == 2:
             _check_hsdp_mesh(shape, names)
             shard, replicate = mesh.get_group(1), mesh.get_group(0)
@@ -60,6 +64,7 @@ def groups_of(mesh, process_group) -> DataParallelGroups:
         ranks = tuple(mesh.mesh.flatten().tolist())
     else:
         shard = process_group
+        _check_member(shard)
         device_type = "cuda" if dist.get_backend(shard) == "nccl" else "cpu"
         ranks = tuple(dist.get_process_group_ranks(shard) if shard is not None else range(dist.get_world_size()))
     if device_type == "cuda":
@@ -67,6 +72,18 @@ def groups_of(mesh, process_group) -> DataParallelGroups:
     else:
         device = torch.device(device_type)
     return DataParallelGroups(shard, replicate, device, ranks)
+
+
+def _check_member(group) -> None:
+    """Refuse a ``process_group`` this rank is not in: ``new_group`` hands the other ranks a
+    placeholder, on which torch's lookups fail with "Invalid process group specified", naming
+    neither the rank nor the call."""
+    if group is None or dist.get_rank(group) >= 0:
+        return
+    raise ValueError(
+        f"fusedist.fully_shard: rank {dist.get_rank()} is not a member of process_group (torch.distributed."
+        "new_group returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves out); shard a module over a "
+        "group only on that group's ranks.")
 
 
 def _check_hsdp_mesh(shape: tuple, names: Optional[tuple]) -> None:

@@ -73,8 +73,7 @@ def connect(trainable: list, params: list, process_group, device):
     if ddp is not None:
         # The shards follow its buckets: fixed from now on, grown only by appending.
         ddp.reducer.fix_layout()
-        if process_group is not None and process_group is not ddp.process_group:
-            raise ValueError("ZeroRedundancyOptimizer: process_group differs from the DDP model's group")
+        _check_same_group(process_group, ddp.process_group)
         return ddp, ddp.comm, ddp.process_group
     if dist.is_available() and dist.is_initialized():
         comm = get_communicator(process_group, device)
@@ -82,6 +81,35 @@ def connect(trainable: list, params: list, process_group, device):
         # As torch's ZeroRedundancyOptimizer: the default group itself, not None.
         return None, comm, process_group if process_group is not None else dist.group.WORLD
     return None, None, process_group  # a single process without torch.distributed
+
+
+def _group_ranks(group) -> Optional[list]:
+    """The global ranks of ``group`` (None: the default group), or None where this rank is not
+    one of them (``new_group`` hands the other ranks a placeholder, which has no ranks)."""
+    try:
+        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _check_same_group(process_group, ddp_group) -> None:
+    """Refuse a ``process_group`` over other ranks than the DDP model's: the shards follow the
+    model's gradient buckets, reduce-scattered over its group. A group of the same ranks (another
+    ``new_group`` of them, one of another backend) is that group, as it is to torch's
+    ZeroRedundancyOptimizer, whose results do not depend on which object names the ranks."""
+    if process_group is None or process_group is ddp_group:
+        return
+    mine, theirs = _group_ranks(process_group), _group_ranks(ddp_group)
+    if mine is not None and mine == theirs:
+        return
+    spans = f"spans global ranks {mine}" if mine is not None else "does not include this rank"
+    raise ValueError(
+        f"ZeroRedundancyOptimizer (rank {dist.get_rank()}): process_group {spans}, but the parameters' "
+        f"DistributedDataParallel model averages over global ranks {theirs}; the optimizer shards over the "
+        "model's group, whose gradient buckets it reduce-scatters. Omit process_group (or pass "
+        "model.process_group): sharding over other ranks than the model's is not supported. For a subgroup of "
+        "the model's ranks (torch's ZeroRedundancyOptimizer sharded within a node) the model's group gives the "
+        "same parameters: every rank holds the same averaged gradients.")
 
 
 def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT) -> None:

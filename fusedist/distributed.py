@@ -38,9 +38,9 @@ DEFAULT_TIMEOUT_S = 600.0
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # init_distributed(timeout=...): (a weak reference to the default group it created, the timeout).
-# Held for that group only, so that fusedist's own collectives on it time out with it (not at
-# FUSEDIST_TIMEOUT_S's 600 s while gloo's would at the given timeout), and a group made later
-# by init_process_group is not affected.
+# Held while that group is the default one, so that fusedist's own collectives on it and on
+# its subgroups time out with it (not at FUSEDIST_TIMEOUT_S's 600 s while gloo's would at the
+# given timeout), and a default group made later by init_process_group is not affected.
 _init_timeout: tuple[weakref.ref, datetime.timedelta] | None = None
 
 

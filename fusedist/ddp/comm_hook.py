@@ -17,11 +17,8 @@ Note [communication hooks]
     the reducer's strategy (:class:`CommHookStrategy`) and sees :class:`HookBucket`, which
     answers every ``GradBucket`` call from the bucket's storage, without its trailing padding
     (a bucket is padded for ZeRO's equal shards; torch's buffer is exactly the gradients).
-    The launches follow fusedist's bucket order and its one rebuild after the first
-    synchronized backward, as torch's do (PowerSGD's ``start_powerSGD_iter`` > 1 exists for
-    that rebuild); with ``find_unused_parameters=True``, where torch's DDP never rebuilds, the
-    hook's registration cuts the buckets as torch's and keeps them (Note [buckets of
-    find_unused_parameters] in layout.py). A joined rank's shadow backward runs the hook on
+    The launches follow the buckets torch's DDP would hand the hook, before and after its one
+    rebuild (Note [a hook's first buckets]). A joined rank's shadow backward runs the hook on
     zeroed buckets, as torch's join does. Sparse gradients (``nn.Embedding(sparse=True)``) are in no bucket: they
     are averaged over the model's group as without a hook (Note [sparse gradients] in
     sparse.py), where torch passes them to the hook; registering a hook on such a model warns.
@@ -33,6 +30,23 @@ Note [communication hooks]
     ZeRO stage 2 reduce-scatters the buckets itself, so it refuses a hook (and a hook
     refuses a model already synchronized by stage 2); a hook and ``reduce_dtype`` are one
     choice too.
+
+Note [a hook's first buckets]
+    Without ``find_unused_parameters`` (or with a static graph) torch's DDP cuts no buckets at
+    wrapping: the first synchronized backward goes out in one bucket per dtype, its parameters in
+    registration order (or in the buckets of ``bucket_cap_mb_list``, cut in registration order,
+    the last parameters' first), and the buckets are rebuilt from the observed readiness order
+    before the second (with a static graph: from the second backward's order, before the
+    third). fusedist's reverse-order buckets of that first backward are equal for the
+    fused reduction, but a hook sees them: a user's hook counts other buckets, ``is_last()``
+    comes elsewhere, and PowerSGD (``start_powerSGD_iter=1``, or the batched hook) compresses
+    other matrices. So the hook's registration cuts torch's first buckets, and the rebuild after
+    the first synchronized backward (rebucket.py) gives torch's later ones. A
+    ZeroRedundancyOptimizer built after the registration fixes the layout for good (Note [layout
+    fixed by a sharded consumer]): it gets the usual reverse-order buckets, not one bucket with
+    no overlap. With ``find_unused_parameters=True``, where torch's DDP never rebuilds, the
+    registration cuts torch's buckets and keeps them (Note [buckets of find_unused_parameters]
+    in layout.py).
 
 Note [one hook at a time]
     A hook may issue collectives from its future's callbacks (PowerSGD chains three:
@@ -52,6 +66,7 @@ Note [one hook at a time]
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING, Optional
@@ -160,6 +175,8 @@ class HookHandle:
 class CommHookStrategy(GradSyncStrategy):
     """Synchronize each bucket with a torch communication hook (Note [communication hooks])."""
 
+    keeps_buckets = True  # PowerSGD keys its error feedback and projections by bucket index
+
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
         self.name = hook_name(hook)
@@ -267,27 +284,31 @@ def _set_hook_strategy(wrapper, state, hook) -> None:
     _warn_sparse_weights_bypass(wrapper, name)
     wrapper._comm_hook = name
     reducer.strategy = CommHookStrategy(state, hook)
-    match_torch_unused_buckets(reducer)
+    match_torch_buckets(reducer)
 
 
-def match_torch_unused_buckets(reducer) -> None:
-    """With ``find_unused_parameters=True`` (no static graph), cut the buckets as torch's DDP
-    does, once and for good (Note [buckets of find_unused_parameters] in layout.py): the hook
-    then sees the bucket indices and gradient order torch's would. A layout already fixed (a
-    ZeroRedundancyOptimizer built first, or rebuilt after a synchronized backward) stays.
+def match_torch_buckets(reducer) -> None:
+    """Cut the buckets as torch's DDP hands them to a hook (Note [a hook's first buckets]): with
+    ``find_unused_parameters=True`` (no static graph) torch's buckets for good (Note [buckets of
+    find_unused_parameters] in layout.py); otherwise torch's buckets of the first synchronized
+    backward, one per dtype (or cut by ``bucket_cap_mb_list``), until the rebuild from the observed
+    order. A layout already fixed (a ZeroRedundancyOptimizer built first, or rebuilt after a
+    synchronized backward) stays.
     The listeners are not told: the only one a layout not yet fixed has is the cross-rank
     layout check, a collective, and torch's registration is none -- a hook registered on some
     ranks only must reach the first forward's check, which names it (Note [reduction settings
     across ranks] in agreement.py). The new layout follows from the parameters and settings
     that the construction compared."""
     config = reducer.config
-    if not config.find_unused_parameters or config.static_graph or reducer.layout_final:
+    if reducer.layout_final:
         return
+    final = config.find_unused_parameters and not config.static_graph
+    caps = config.bucket_caps_bytes() if final or config.bucket_cap_mb_list else [sys.maxsize]
     params, names = reducer.params, reducer.names
-    groups = torch_unused_groups(params, config.bucket_caps_bytes())
+    groups = torch_unused_groups(params, caps)
     new = layout_of_groups([[(params[i], names[i]) for i in g] for g in groups], world_size=reducer.world_size,
                            device=reducer.device, bucket_storage=reducer.layout.bucket_storage)
-    switch_layout(reducer, new, notify=False)
+    switch_layout(reducer, new, notify=False, final=final)
 
 
 def _warn_sparse_weights_bypass(wrapper, name: str) -> None:

@@ -43,13 +43,15 @@ def rebuild_from_observed(reducer: "Reducer", observed: list[int]) -> None:
     switch_layout(reducer, new)
 
 
-def switch_layout(reducer: "Reducer", new, notify: bool = True) -> None:
-    """Make ``new`` the reducer's final layout, carrying gradient values over (gradient views
-    follow) and, with ``notify``, telling the layout's listeners; nothing happens if it has the
-    same buckets."""
+def switch_layout(reducer: "Reducer", new, notify: bool = True, final: bool = True) -> None:
+    """Make ``new`` the reducer's layout, carrying gradient values over (gradient views follow)
+    and, with ``notify``, telling the layout's listeners; nothing happens if it has the same
+    buckets. ``final=False``: a communication hook's first buckets, rebuilt after the first
+    synchronized backward (Note [a hook's first buckets] in comm_hook.py)."""
     old = reducer.layout
+    reducer.provisional_layout = not final
     if new.fingerprint() == old.fingerprint():
-        reducer.layout_final = True
+        reducer.layout_final = final
         return
     for p in reducer.params:
         if not old.is_allocated(old.slots[p].bucket):
@@ -59,7 +61,7 @@ def switch_layout(reducer: "Reducer", new, notify: bool = True) -> None:
         if p.grad is not None and reducer.config.gradient_as_bucket_view:
             p.grad = new.grad_view(p)
     reducer.layout = new
-    reducer.layout_final = True
+    reducer.layout_final = final
     reducer._observed_order = None
     reducer.timeline.instant("buckets rebuilt", buckets=len(new.buckets))
     for listener in reducer.layout_listeners if notify else ():

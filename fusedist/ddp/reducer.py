@@ -32,7 +32,7 @@ from .in_backward import step_in_backward_optimizers, take_in_backward_optimizer
 from .in_flight import finish_bucket, finish_completed, launch_in_order
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .prepared import refuse_compiled_autograd
-from .rebucket import rebuild_from_observed
+from .rebucket import rebuild_from_observed, switch_layout
 from .backward_stats import backward_stats
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable import apply_change as apply_trainable_change
@@ -79,6 +79,7 @@ class Reducer:
         # (the last layers' gradients are produced first), like torch DDP.
         self._layout = self.build_in_order(list(reversed(range(len(params)))))
         self.layout_final = False  # becomes True after the rebuild from observed order
+        self.provisional_layout = False  # Note [a hook's first buckets] (comm_hook.py)
         for p in params:
             self._attach_grad(p)
         # Note [trainable set changes] (trainable.py): the module's requires_grad flags, layout
@@ -272,6 +273,9 @@ class Reducer:
         layout grows only by appending."""
         if self.in_backward:
             raise RuntimeError("fusedist DDP: the bucket layout cannot be fixed during a backward pass")
+        if self.provisional_layout and not self.layout_final:
+            # A hook's first buckets (torch's before its rebuild) would stay for good: the usual ones instead.
+            switch_layout(self, self.build_in_order(list(reversed(range(len(self.params))))), notify=False)
         self.append_only = True
         self.layout_final = True
         self._observed_order = None
@@ -355,7 +359,10 @@ class Reducer:
         for bucket in self.layout.buckets:  # Note [division folded into the copy]
             bucket.fold = strategy.fold_factor(self, bucket) if fold and bucket.index not in repeated else None
             bucket.unfolded = []
-        if self._observed_order is None and self.sync and not self.layout_final:
+        # A static graph's first backward, which learns it, observes nothing for a hook's buckets:
+        # torch's rebuild follows its second (Note [a hook's first buckets] in comm_hook.py).
+        observe = not (learning and self.provisional_layout)
+        if self._observed_order is None and self.sync and not self.layout_final and observe:
             self._observed_order = []
         if not shadow and not self._finish_queued:  # Note [the end of a backward with nested ones]
             Variable._execution_engine.queue_callback(self._finish_backward)

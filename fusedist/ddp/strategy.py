@@ -44,6 +44,10 @@ class GradSyncStrategy:
 
     #: Launched buckets allowed unfinished at once (Note [buckets in flight] in in_flight.py); None: no bound.
     max_buckets_in_flight: Optional[int] = None
+    #: Whether state outside the reducer follows the buckets' indices and sizes (a communication
+    #: hook's, e.g. PowerSGD's error feedback), so a trainable-set change must keep them
+    #: (Note [trainable set changes] in trainable.py).
+    keeps_buckets: bool = False
 
     @property
     def description(self) -> str:

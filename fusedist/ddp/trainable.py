@@ -22,7 +22,12 @@ Note [trainable set changes]
       the frozen parameters (and re-observes the readiness order at the next synchronized
       backward); with a ZeroRedundancyOptimizer, whose shards follow the buckets, the layout
       only grows (``Reducer.append_only``): new parameters get new buckets at the end, frozen
-      ones keep a slot sent as zeros, so no other parameter's shard moves.
+      ones keep a slot sent as zeros, so no other parameter's shard moves. A communication
+      hook gets the same: its buckets keep their indices and sizes, as under torch's DDP, whose
+      buckets never change (PowerSGD keys its error feedback by bucket index; a rebuilt layout
+      failed its next backward with a size mismatch), and a parameter trainable again whose
+      slot was kept goes through the hook from its first backward, as torch's does
+      (``_thaw_into_hook_buckets``).
 
     So the optimizer step after that backward sees averaged gradients, as torch DDP built with
     the parameter already trainable would give. With ``FUSEDIST_CHECKS=0`` there is no step
@@ -112,6 +117,7 @@ class TrainableTracker:
             if f and not reducer.is_active(p):
                 _check_trainable_dtype(reducer, p, name)
                 reducer.ensure_hook(p)
+        _thaw_into_hook_buckets(reducer, {p for p, f in zip(self.params, flags) if f})
 
     def note_assignment(self, name: str, param) -> None:
         """A Parameter was registered under ``name`` (Note [parameters replaced after wrapping])."""
@@ -175,6 +181,16 @@ def _parameter_registered(module, name: str, param):
     return None  # the Parameter is registered unchanged
 
 
+def _thaw_into_hook_buckets(reducer, trainable: set) -> None:
+    """Under a communication hook, a parameter trainable again whose slot the buckets kept goes
+    through the hook from this backward on, as under torch's DDP (whose buckets keep every
+    parameter), not averaged after the buckets: a hook that compresses (PowerSGD) or averages
+    over a subgroup (post-local SGD) would give other numbers."""
+    thawed = {p for p in reducer.inactive if p in trainable}
+    if thawed and reducer.strategy.keeps_buckets:
+        reducer.inactive = reducer.inactive - thawed
+
+
 def _check_trainable_dtype(reducer, p, name: str) -> None:
     if not p.dtype.is_floating_point:
         raise TypeError(
@@ -195,7 +211,7 @@ def apply_change(reducer) -> None:
     newly = [p for p in wanted if not reducer.is_active(p)]
     _average(reducer, newly, names)
     reducer.params_without_grad += [p for p in newly if p.grad is None]
-    if reducer.append_only:
+    if reducer.append_only or reducer.strategy.keeps_buckets:
         _grow(reducer, wanted, newly, names)
     else:
         _rebuild(reducer, wanted, names)

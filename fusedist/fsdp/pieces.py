@@ -119,6 +119,7 @@ class PieceMixin:
         self.reshard()
         adopted = self._adopt_replaced()
         self._check_uniform()
+        self._check_piece_sizes()
         first = self.sharded[0]
         # the unit takes its first parameter's new dtype; in a mixed-dtype unit each section
         # takes its own first parameter's (Note [dtype sections])
@@ -152,6 +153,23 @@ class PieceMixin:
         problem = self.mixed_conversion()
         if problem is not None:
             raise ValueError(problem)
+
+    def _check_piece_sizes(self) -> None:
+        """Refuse a piece whose data was replaced by a tensor of another size -- ``param.data =``,
+        ``param.set_()``, or a parametrization's setter (``module.weight = value`` under
+        ``torch.nn.utils.parametrize`` calls ``original.set_(value)``) given the whole parameter
+        -- naming it, before the shard is rebuilt: the copy into the piece's place failed on a bare
+        reshape. FSDP2 refuses it too (its DTensor cannot be swapped for a plain tensor)."""
+        for i in range(len(self.sharded)):
+            data, want = self.piece_data(i), self.layout.piece(i, self.rank)
+            if data.numel() != want.numel:
+                raise ValueError(
+                    f"fusedist.fully_shard: parameter '{self.fqns[i]}' of unit {self.label} now holds a tensor "
+                    f"of shape {tuple(data.shape)} where this rank's piece (rank {self.rank}) has shape "
+                    f"{tuple(want.shape)}: its data was replaced by a tensor of another size (param.data = ..., "
+                    "param.set_(...), or module.weight = value on a parametrized module, which calls set_). "
+                    "Set a sharded model's values through its state dict (fusedist.fsdp.load_full_state_dict, "
+                    "load_state_dict), or before calling fully_shard.")
 
     def mixed_conversion(self):
         """Why the pieces cannot be packed in the unit's shards again -- a conversion left them in

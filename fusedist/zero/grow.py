@@ -21,8 +21,9 @@ Note [growing the partition]
     sees them trainable.
     A parameter frozen later stays sharded; it gets no gradient, so steps skip it as torch's
     optimizers skip a parameter whose grad is None; made trainable again, it takes its averaged
-    gradient from the backward that saw it trainable, as torch's DDP rebuilt. ``offload="cpu"``:
-    joining before the first step only (the host pipeline's buffers are not regrown).
+    gradient from the backward that saw it trainable, as torch's DDP rebuilt. ``offload="cpu"``
+    grows its host masters, gradient and parameter staging the same way (``HostShardOffload.grow``),
+    before or after the first step or a load.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
 from . import param_checks
 from . import state as zstate
+from .offload import check_offload_config
 from .shard_store import ShardStore, bucket_grad_slice
 from .partition import FlatParams, FlatPartition
 
@@ -134,18 +136,12 @@ def on_layout_change(zero, layout) -> None:
 @torch.no_grad()
 def _grow(zero, buckets: list) -> None:
     zero.wait_for_params()
-    if zero._offload is not None:
-        raise NotImplementedError(
-            f"ZeroRedundancyOptimizer(offload='cpu', rank {zero.rank}): parameters cannot join once the optimizer "
-            "state exists -- after the first step or a load_state_dict (the host pipeline's buffers are not "
-            "regrown); set requires_grad and add_param_group before both (with DDP a parameter joins in the "
-            "first synchronized backward that trains it: load a state dict after that backward), or use "
-            "offload=None"
-        )
     old = zero._partition
     index_of = {p: i for i, p in enumerate(zero._params)}
     sharded = sorted({index_of[p] for b in buckets for p in b.params})
     joined = sorted(set(sharded) - set(zero._trainable))
+    if zero._offload is not None:  # what the host Adam cannot step is refused before anything changes
+        check_offload_config(zero.optimizer_class, {i: zero._params[i] for i in joined})
     _set_sharded(zero, sharded)
     part = FlatPartition(buckets, zero._params, zero._group_of, zero.rank, zero.world_size, sharded=sharded)
     part.keep_pieces_of(old)
@@ -179,7 +175,14 @@ def _regrow(tensors: dict, part, zero, alloc, dtypes=None) -> dict:
 def _regrow_state(zero, old, part) -> None:
     """Masters, flat parameters and the inner optimizer's pieces for the grown partition."""
     zero._flat_params = FlatParams(part, zero._params, zero._device)  # current values, re-pointed
-    own = _regrow(zero._masters.own, part, zero, torch.empty, dtypes=zero._own_master_dtypes(part))
+    offload = zero._offload
+    if offload is not None:  # host masters and gradients (Note [offload pipeline] in offload.py)
+        offload.grow()
+        own = offload.masters
+        piece_grads = ShardStore(part, bucket_grad_slice, offload.host_grads)
+    else:
+        own = _regrow(zero._masters.own, part, zero, torch.empty, dtypes=zero._own_master_dtypes(part))
+        piece_grads = zero._grad_store
     masters = ShardStore(part, zero._flat_params.shard_view, own)  # Note [shards aliasing the parameters ...]
     masters.copy_own_from_views(part.bucket_shards[len(old.bucket_shards):])  # the new slices only
     inner = zero.inner
@@ -187,7 +190,7 @@ def _regrow_state(zero, old, part) -> None:
     tensors = []
     for k, piece in enumerate(part.pieces):
         t = masters.slice(piece.dtype, piece.start, piece.end)
-        t.grad = zero._grad_store.slice(piece.dtype, piece.start, piece.end)
+        t.grad = piece_grads.slice(piece.dtype, piece.start, piece.end)
         params = inner.param_groups[piece.group]["params"]
         if k < len(zero._pieces):
             before = zero._pieces[k]
@@ -202,7 +205,7 @@ def _regrow_state(zero, old, part) -> None:
             params.append(t)
         tensors.append(t)
     zero._masters = masters
-    zero._piece_grads = zero._grad_store
+    zero._piece_grads = piece_grads
     zero._pieces = tensors
     if zero.overlap_param_gather:
         zero._gatherer.hook_buckets(zero.ddp.module, part.bucket_shards[len(old.bucket_shards):])

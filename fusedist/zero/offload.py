@@ -117,7 +117,8 @@ def group_hyperparameters(optimizer_class, group: dict, index: int) -> dict:
 
 class HostShardOffload:
     """Host masters, host gradient staging and the per-bucket pipeline (Note [offload pipeline])
-    for one :class:`ZeroRedundancyOptimizer`. Built with the shards at the first step."""
+    for one :class:`ZeroRedundancyOptimizer`. Built with the shards at the first step, grown
+    with them when parameters join (:meth:`grow`)."""
 
     def __init__(self, zero):
         # Parameters that joined since construction (unfrozen, ``add_param_group``) are checked
@@ -158,6 +159,27 @@ class HostShardOffload:
                 if piece.dtype == bs.bucket.dtype and piece.start < hi and lo < piece.end:
                     segs.append((k, max(lo, piece.start), min(hi, piece.end)))
             self.segments.append(segs)
+
+    # ------------------------------------------------------------------ growing
+    @torch.no_grad()
+    def grow(self) -> None:
+        """The host buffers sized for the grown partition (Note [growing the partition] in
+        ``grow.py``): the old masters, gradients and staging copied to their front, so the
+        existing slices (and the Adam state of their pieces) stay where they are; the caller
+        fills the new slices of the masters from the parameters. Every copy still reading or
+        writing the old buffers is waited for first, and every gradient slice is copied down
+        again at the next step (the device gradient shards were reallocated too)."""
+        for event in self.d2h_done.values():
+            event.synchronize()
+        self.d2h_done.clear()
+        self.wait_host_buffers()
+        part = self.zero._partition
+        self.masters = _regrown(self.masters, part, torch.float32, torch.empty, self.cuda)
+        self.host_grads = _regrown(self.host_grads, part, torch.float32, torch.zeros, self.cuda)
+        self.staging = _regrown(self.staging, part, None, torch.zeros, self.cuda, half_only=True)
+        self._copied.clear()
+        self._copied_version.clear()
+        self.build_segments()
 
     # ------------------------------------------------------------------ gradients down
     def before_grad_write(self, bs) -> None:
@@ -324,3 +346,19 @@ class HostShardOffload:
             return sum(t.numel() * t.element_size() for t in d.values())
         return {"master": size(self.masters), "gradient_staging": size(self.host_grads),
                 "param_staging": size(self.staging)}
+
+
+def _regrown(tensors: dict, part, dtype, alloc, pin: bool, half_only: bool = False) -> dict:
+    """Host flat shards sized for ``part`` (in ``dtype``, or each shard's own dtype for None;
+    ``half_only``: for the bf16/fp16 shards only, as the staging), the old contents copied to
+    their front."""
+    out = {}
+    for dt, n in part.shard_numel.items():
+        if half_only and dt == torch.float32:
+            continue
+        t = alloc(n, dtype=dtype or dt, pin_memory=pin)
+        previous = tensors.get(dt)
+        if previous is not None:
+            t[:previous.numel()].copy_(previous)
+        out[dt] = t
+    return out

@@ -273,12 +273,12 @@ def _compiled_sync_bn_worker(rank, world):
             and torch.allclose(evaluated, compiled_evaluated, rtol=1e-6, atol=1e-6))
 
 
-def test_sync_batch_norm_in_a_compiled_module_synchronizes_as_eager():
+def test_sync_batch_norm_in_a_compiled_module_synchronizes_as_eager(shared_launch):
     """The layer runs outside the compiled graph (Note [SyncBatchNorm under torch.compile]):
     dynamo used to trace into the communicator and fail on every rank at the first training
     forward, and into the kernel launch of an eval forward under the Triton interpreter (where it
     does not synchronize, a compiled forward is torch's, in the graph)."""
-    assert run_distributed(_compiled_sync_bn_worker, 2, timeout=120) == [True, True]
+    assert _outcome(shared_launch, "compiled SyncBN") == [True, True]
 
 
 def _compiled_wrapper_frames_worker(rank, world):
@@ -301,12 +301,12 @@ def _compiled_wrapper_frames_worker(rank, world):
     return frames
 
 
-def test_compiled_wrapper_compiles_once_not_every_step():
+def test_compiled_wrapper_compiles_once_not_every_step(shared_launch):
     """The wrapper's pre-forward bookkeeping runs outside the graph (Note [bookkeeping outside
     compiled graphs]): dynamo used to trace into the communicator's buffer broadcast and
     recompile its frames at every step (guards on the collective's tag and sequence number)
     until its recompile limit -- 38 frames in 6 steps, against 2."""
-    for early, late in run_distributed(_compiled_wrapper_frames_worker, 2, timeout=120):
+    for early, late in _outcome(shared_launch, "compiled wrapper frames"):
         assert late == early, (early, late)
 
 
@@ -360,11 +360,60 @@ CASES = {
 }
 
 
+# One launch of 2 ranks runs the side-by-side work of the recipe cases and of the compile checks
+# above that pytest runs (a shorter suite: each launch costs a process group, and dynamo's first
+# compile in a process costs more than the next), each job after torch._dynamo.reset().
+_FOCUSED = {"compiled SyncBN": ("test_sync_batch_norm_in_a_compiled_module_synchronizes_as_eager",
+                                _compiled_sync_bn_worker),
+            "compiled wrapper frames": ("test_compiled_wrapper_compiles_once_not_every_step",
+                                        _compiled_wrapper_frames_worker)}
+
+
+def _jobs_worker(rank, world, jobs):
+    """Each job in turn (a recipe case or a focused check), dynamo's caches reset before each; a
+    job that raises gives its traceback, and the next one runs."""
+    import traceback
+
+    out = {}
+    for job in jobs:
+        torch._dynamo.reset()
+        try:
+            if job in CASES:
+                out[job] = _side_by_side_worker(rank, world, CASES[job][0])
+            else:
+                out[job] = _FOCUSED[job][1](rank, world)
+        except Exception:  # noqa: BLE001 - reported by the job's test
+            out[job] = traceback.format_exc()
+    return out
+
+
+def _job_of(item):
+    """The shared launch's job of a collected test of this file, or None."""
+    if getattr(item, "originalname", None) == "test_recipe_matches_torch":
+        return item.callspec.params["case"]
+    return next((job for job, (test, _) in _FOCUSED.items() if item.name == test), None)
+
+
+@pytest.fixture(scope="module")
+def shared_launch(request):
+    """{job: per-rank results} for the jobs of the tests of this file that pytest runs."""
+    jobs = [_job_of(item) for item in request.session.items if item.module is request.module]
+    jobs = [job for job in jobs if job is not None]
+    per_rank = run_distributed(_jobs_worker, 2, jobs, timeout=600)
+    return {job: [results[job] for results in per_rank] for job in jobs}
+
+
+def _outcome(shared: dict, job: str) -> list:
+    """The per-rank results of ``job``; a rank that raised fails the test with its traceback."""
+    for rank, res in enumerate(shared[job]):
+        assert not isinstance(res, str), f"{job}, rank {rank} raised:\n{res}"
+    return shared[job]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_recipe_matches_torch(case):
+def test_recipe_matches_torch(case, shared_launch):
     cfg, tol = CASES[case]
-    out = run_distributed(_side_by_side_worker, 2, cfg, timeout=240)
-    for rank, res in enumerate(out):
+    for rank, res in enumerate(_outcome(shared_launch, case)):
         assert math.isinf(res["torch"]["loss"][2 * INF_STEP + 1]) == (rank == 1)
         assert res["torch"]["scale"][INF_STEP] == res["torch"]["scale"][INF_STEP - 1] / 2  # backed off
         _compare(res["fusedist"], res["torch"], tol, f"{case}, rank {rank}")
@@ -445,12 +494,29 @@ def _tail(run: dict) -> dict:
     return dict(run, loss=run["loss"][micro:], **{k: run[k][RESUME_AT:] for k in ("norm", "scale", "lr", "eval")})
 
 
-def test_resume_in_fresh_processes_continues_the_uninterrupted_run(tmp_path):
+def _uninterrupted_runs_worker(rank, world, runs):
+    """:func:`_uninterrupted_worker` for each ``(ckpt_dir, save_dir, cfg)`` in turn, in the same
+    processes (one launch: a shorter suite); each run builds and seeds what it uses."""
+    return [_uninterrupted_worker(rank, world, *run) for run in runs]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """{"resume" / "elastic": (per-rank results, periodic checkpoints, saved step RESUME_AT)} of
+    the uninterrupted runs of RESUME_CFG and ELASTIC_CFG at world size 2."""
+    runs = {}
+    for name, cfg in (("resume", RESUME_CFG), ("elastic", ELASTIC_CFG)):
+        root = tmp_path_factory.mktemp(name)
+        runs[name] = (str(root / "periodic"), str(root / "saved"), cfg)
+    per_rank = run_distributed(_uninterrupted_runs_worker, 2, list(runs.values()), timeout=300)
+    return {name: ([results[i] for results in per_rank], *runs[name][:2]) for i, name in enumerate(runs)}
+
+
+def test_resume_in_fresh_processes_continues_the_uninterrupted_run(uninterrupted):
     """Same world size, bit for bit (dropout masks from the restored generators included),
     through the periodic Checkpointer's asynchronous save and through checkpoint.save/load
     with a ResumableDistributedSampler."""
-    ckpt_dir, save_dir = str(tmp_path / "periodic"), str(tmp_path / "saved")
-    full = run_distributed(_uninterrupted_worker, 2, ckpt_dir, save_dir, RESUME_CFG, timeout=180)
+    full, ckpt_dir, save_dir = uninterrupted["resume"]
     assert math.isinf(full[1]["loss"][2 * INF_STEP + 1])
     for how, directory in (("checkpointer", ckpt_dir), ("load", save_dir)):
         resumed = run_distributed(_resumed_worker, 2, how, directory, RESUME_CFG, timeout=180)
@@ -458,13 +524,12 @@ def test_resume_in_fresh_processes_continues_the_uninterrupted_run(tmp_path):
             _compare(resumed[rank], _tail(full[rank]), 0.0, f"resumed with {how}, rank {rank}")
 
 
-def test_resume_at_another_world_size_reshards_zero_and_the_sampler(tmp_path):
+def test_resume_at_another_world_size_reshards_zero_and_the_sampler(uninterrupted):
     """World sizes 1 and 3 from a checkpoint of 2: ZeRO's state resharded and the
     ElasticDistributedSampler's position re-split (the same global batches); gradient sums over
     12 or 4 rows per rank instead of 6, so 1e-5. The generators belong to the old ranks and are
     left as the script seeded them (README), so they are not compared."""
-    ckpt_dir = str(tmp_path / "periodic")
-    full = run_distributed(_uninterrupted_worker, 2, ckpt_dir, str(tmp_path / "saved"), ELASTIC_CFG, timeout=180)
+    full, ckpt_dir, _ = uninterrupted["elastic"]
     for world in (1, 3):
         elastic = run_distributed(_resumed_worker, world, "checkpointer", ckpt_dir, ELASTIC_CFG, timeout=180)
         expected = _tail(full[0])

@@ -5,14 +5,15 @@
   parameters, bit for bit, as a run that never failed (and never checkpointed).
 * A rank SIGKILLed while an asynchronous save is being written: the directory of that step
   has no manifest, ``restore`` skips it with a warning and loads the previous one intact.
-* A relaunch at another rank count (2 -> 3) resumes: the ZeRO state is resharded and the
-  rest of the epoch is re-split over the new ranks.
+* A relaunch of that job at another rank count (2 -> 3) resumes: the ZeRO state is resharded
+  and the rest of the epoch is re-split over the new ranks.
 * Without a process group: latest-complete discovery, retention, corrupt-checkpoint
   fallback, and the elastic sampler's exactly-once re-split.
 """
 
 import os
 import re
+import shutil
 import signal
 import warnings
 
@@ -39,13 +40,22 @@ def _final(out: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- under torchrun
-def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def restarted_job(tmp_path_factory):
+    """A job whose rank 1 dies at step 35 of 40, restarted by torchrun, and an uninterrupted
+    run beside it: (exit codes, outputs, its checkpoint directory as the job left it). Shared
+    by the restart test and the relaunch at 3 ranks, which goes on from a copy (a shorter suite)."""
+    ckpt = str(tmp_path_factory.mktemp("restarted") / "ckpt")
     clean = launch(SCRIPT, "--steps", "40", *TINY, env=RESTART_ENV)
     failing = launch(SCRIPT, "--steps", "40", *TINY, "--checkpoint-dir", ckpt, "--checkpoint-every", "10",
                      "--fail-at-step", "35", env=RESTART_ENV, torchrun_args=("--max-restarts=1",))
     rc_clean, out_clean = finish(clean, timeout=150)
     rc, out = finish(failing, timeout=150)
+    return rc_clean, out_clean, rc, out, ckpt
+
+
+def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(restarted_job):
+    rc_clean, out_clean, rc, out, ckpt = restarted_job
     assert rc_clean == 0, out_clean[-3000:]
     assert rc == 0, out[-3000:]
     # Step 30's save is asynchronous: on a loaded machine it may still be in flight when rank 1
@@ -55,6 +65,23 @@ def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(
     assert _final(out) == _final(out_clean)
     # Retention (keep 3) and the one-shot failure marker.
     assert sorted(os.listdir(ckpt)) == ["failed-at-step-35", "step-00000020", "step-00000030", "step-00000040"]
+
+
+def test_relaunch_at_another_rank_count_reshards_and_resplits_the_epoch(restarted_job, tmp_path):
+    """The restarted job's checkpoint of step 40 (world size 2), relaunched at 3 ranks."""
+    rc_clean, out_clean, rc, out, job_ckpt = restarted_job
+    assert rc == 0 and rc_clean == 0 and "resumed" not in out_clean, (out[-3000:], out_clean[-3000:])
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(job_ckpt, ckpt)
+    args = (*TINY, "--checkpoint-dir", ckpt, "--checkpoint-every", "10")
+    rc, out = finish(launch(SCRIPT, "--steps", "50", *args, nproc=3), timeout=150)
+    assert rc == 0, out[-3000:]
+    # 40 steps x 4 sequences x 2 ranks consumed; the 3 ranks go on from there.
+    assert re.search(r"resumed from step 40 \(saved at world size 2, now 3: optimizer resharded, data re-split "
+                     r"at epoch 0, sample 320 of \d+\)", out), out[-3000:]
+    loss = float(_final(out)[0])
+    assert 0 < loss < 3.5  # trained on (the untrained loss is ~3.6), not restarted from scratch
+    assert layout.latest_complete(ckpt).step == 50
 
 
 def test_zero3_demo_restarts_and_matches_ddp_bitwise(tmp_path):
@@ -74,21 +101,6 @@ def test_zero3_demo_restarts_and_matches_ddp_bitwise(tmp_path):
     assert "(ZeRO-3)" in out and "rank 1: failing at step 35" in out, out[-3000:]
     assert re.search(r"resumed from step (20|30)\b", out), out[-3000:]  # (as above: step 30's save may be in flight)
     assert _final(out) == _final(out_ddp)
-
-
-def test_relaunch_at_another_rank_count_reshards_and_resplits_the_epoch(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    args = (*TINY, "--checkpoint-dir", ckpt, "--checkpoint-every", "10")
-    rc, out = finish(launch(SCRIPT, "--steps", "20", *args, nproc=2), timeout=150)
-    assert rc == 0 and "resumed" not in out, out[-3000:]
-    rc, out = finish(launch(SCRIPT, "--steps", "30", *args, nproc=3), timeout=150)
-    assert rc == 0, out[-3000:]
-    # 20 steps x 4 sequences x 2 ranks consumed; the 3 ranks go on from there.
-    assert re.search(r"resumed from step 20 \(saved at world size 2, now 3: optimizer resharded, data re-split "
-                     r"at epoch 0, sample 160 of \d+\)", out), out[-3000:]
-    loss = float(_final(out)[0])
-    assert 0 < loss < 3.5  # trained on (the untrained loss is ~3.6), not restarted from scratch
-    assert layout.latest_complete(ckpt).step == 30
 
 
 # ---------------------------------------------------------------- killed during an async save

@@ -376,12 +376,18 @@ def _job(rank, world, root, stop):
     return start, seen, params, resplit, per_rank is not None, first_draw
 
 
+def _jobs(rank, world, runs):
+    """:func:`_job` for each ``(root, stop)`` of ``runs`` in turn, in the same processes (one
+    launch: a shorter suite); each job seeds what it uses."""
+    return [_job(rank, world, root, stop) for root, stop in runs]
+
+
 def test_checkpointer_job_without_set_epoch_resumes_bitwise_and_resplits_at_3_ranks(tmp_path):
     """Steps 1-7 are the first pass, 8-14 the second. Killed after step 10 (checkpoints 4 and
     8): the resumed ranks continue from step 8 bit for bit. At 3 ranks, the rest of the second
     pass (34 samples, padded to 36) is split over them, each sample once."""
-    full = run_distributed(_job, 2, str(tmp_path / "full"), 16, timeout=120)
-    run_distributed(_job, 2, str(tmp_path / "ckpt"), 10, timeout=120)
+    runs = [(str(tmp_path / "full"), 16), (str(tmp_path / "ckpt"), 10)]
+    full = [per_rank[0] for per_rank in run_distributed(_jobs, 2, runs, timeout=120)]
     shutil.copytree(tmp_path / "ckpt", tmp_path / "wide")  # steps 4 and 8, for the relaunch at 3 ranks
     resumed = run_distributed(_job, 2, str(tmp_path / "ckpt"), 16, timeout=120)
     for rank in range(2):

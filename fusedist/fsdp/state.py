@@ -331,7 +331,8 @@ class FullyShardState:
             # Its buffers live across steps: made outside inference mode even when the first
             # forward runs under torch.inference_mode() (an evaluation before training).
             with torch.inference_mode(False):
-                self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded])
+                self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded],
+                                                  units)
 
     def _check_materialized(self) -> None:
         """Before the first forward sets up the root: every unit below holds data (a unit built

@@ -63,6 +63,11 @@ class WatchBase:
     def backward_count(self) -> int:
         raise NotImplementedError
 
+    def averaging(self) -> bool:
+        """Whether the model's backward is running, its gradients not yet averaged (Note [a step
+        inside the backward] in optimizer_guard.py): no optimizer step over its parameters then."""
+        return False
+
     def position(self) -> dict:
         raise NotImplementedError
 
@@ -89,6 +94,10 @@ class StepWatch(WatchBase, EngineObserver):
 
     def backward_count(self) -> int:
         return self._engine.iteration  # every backward, synchronized or not
+
+    def averaging(self) -> bool:
+        # (in the autograd engine: a backward an exception interrupted leaves the flag set)
+        return self._engine.in_backward and torch._C._current_graph_task_id() != -1
 
     # ------------------------------------------------------------------ engine events
     def forward_begins(self, engine) -> None:

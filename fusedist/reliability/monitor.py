@@ -97,7 +97,7 @@ class CollectiveMonitor:
                   if not self.reports else 0.0)
         report = stall_report.exchange(
             self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank,
-            comm.world_size, entry, window,
+            comm.world_size, entry, window, stall_report.global_ranks(comm),
         )
         if report is None:
             report = "Stall report unavailable: the torch.distributed store could not be reached."

@@ -1,10 +1,12 @@
 """Checks on ``optimizer.step()`` for optimizers over DistributedDataParallel (or fully_shard) parameters.
 
-Three mistakes that make ranks diverge *silently* are caught where they happen, on the rank
+Mistakes that make ranks diverge *silently* are caught where they happen, on the rank
 that makes them, before the step changes any parameter:
 
 * ``step()`` before any backward pass through the DDP model;
 * ``step()`` right after a backward run under ``no_sync()`` (gradients are rank-local sums);
+* ``step()`` from a gradient hook, inside a DDP model's backward, before its gradients are
+  averaged (Note [a step inside the backward]);
 * an optimizer that mixes DDP-owned parameters with trainable parameters the DDP model does
   not own (their gradients are never averaged across ranks).
 
@@ -199,6 +201,8 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
 def _check_backward(optimizer, watches) -> None:
     """Each owning model's watch says how it names itself and what to do (``WatchBase``)."""
     for watch in watches:
+        if watch.averaging():
+            _refuse_inside_backward(optimizer, watch)
         if getattr(watch, "in_backward", False):
             continue  # stepped from a gradient hook once its reduction landed (optimizer in backward)
         if watch.backward_count() == 0 and torch._C._current_graph_task_id() != -1:
@@ -217,6 +221,30 @@ def _check_backward(optimizer, watches) -> None:
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() after a backward pass "
                 f"{watch.unsynced_advice}"
             )
+
+
+def _refuse_inside_backward(optimizer, watch) -> None:
+    """Note [a step inside the backward]: a step of an optimizer over a DDP model's parameters
+    while that model's backward is still reducing (from a gradient hook: a
+    ``register_post_accumulate_grad_hook`` or tensor hook that calls ``step()``)."""
+    raise RuntimeError(
+        f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() was called from inside a backward pass "
+        f"through the {watch.owner_name} (a gradient hook), before the model averaged the gradients across "
+        "ranks: each rank would step with its own local gradient and the replicas would diverge (torch's DDP "
+        "lets them). Call optimizer.step() after loss.backward() returns, or give the parameters optimizers "
+        "with torch.distributed.optim._apply_optimizer_in_backward before the first forward: fusedist's DDP "
+        "steps those at the end of each synchronized backward, on the averaged gradients")
+
+
+# Note [a step inside the backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A gradient hook runs on this rank's gradient before the bucket holding it is averaged, so a
+# step() from it applies a local gradient, and the ranks drift apart without an error: torch's
+# DDP does that. The check for it used to look at the backward count only (the very first
+# backward) and missed every later one. The DDP watch says whether its model's backward is
+# running (the reducer's flag, one attribute read per step); the optimizers of
+# ``_apply_optimizer_in_backward`` are stepped by the reducer after that flag is cleared
+# (Note [optimizers applied in backward] in fusedist/ddp/in_backward.py), so they pass.
 
 
 def _post_step(optimizer, args, kwargs) -> None:

@@ -261,9 +261,10 @@ class ParamDigest:
         terms = x * w_all + (x >> 32) * u_all
         return torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, segment, terms)
 
-    def describe(self, comm, skip=(), limit: int = 5) -> list[str]:
+    def describe(self, comm, skip=(), limit: int = 5, labels: Optional[list] = None) -> list[str]:
         """Lines naming the first parameters whose digests differ across ranks (those in
-        ``skip``, joined ones, apart), and which ranks agree. A collective: every rank calls it
+        ``skip``, joined ones, apart), and which ranks agree (``labels[r]`` for position ``r``
+        of ``comm``'s group: the global ranks on a subgroup). A collective: every rank calls it
         when the check's ``params`` field differs."""
         mine = self.per_param if self.per_param is not None else torch.zeros(len(self.params), dtype=torch.int64)
         mine = mine.to(comm.device)
@@ -276,7 +277,7 @@ class ParamDigest:
         for i in differing[:limit]:
             groups: dict[int, list[int]] = {}
             for r, row in table.items():
-                groups.setdefault(row[i], []).append(r)
+                groups.setdefault(row[i], []).append(labels[r] if labels else r)
             alike = " | ".join(f"ranks {ranks}" for ranks in sorted(groups.values()))
             shape = tuple(self.params[i].shape)
             lines.append(f"  parameter '{self.names[i]}' (shape {shape}) differs across ranks: {alike} hold "

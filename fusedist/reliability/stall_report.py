@@ -176,6 +176,34 @@ def _global_rank():
         return None
 
 
+def global_ranks(comm) -> Optional[list]:
+    """The global rank of each position in ``comm``'s group, where they differ from the
+    positions (a subgroup: an HSDP mesh's shard or replicate group), else None: messages name
+    the ranks a user's logs and launcher name."""
+    import torch.distributed as dist
+
+    group = getattr(comm, "group", None)
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        ranks = [dist.get_global_rank(group, r) for r in range(comm.world_size)]
+    except Exception:  # noqa: BLE001 - the default group itself, a destroyed one: a report never fails
+        return None
+    return ranks if ranks != list(range(comm.world_size)) else None
+
+
+def _global_note(ranks: list, named: Optional[list]) -> str:
+    """' (global ranks [...])' after group positions ``ranks`` where ``named`` (each position's
+    global rank, :func:`global_ranks`) says they differ, else '' (as the communicator's
+    errors do: "rank 1" of ``new_group([2, 3])`` reads as another process)."""
+    if not named:
+        return ""
+    mapped = [named[r] for r in ranks if r < len(named)]
+    if mapped == list(ranks):
+        return ""
+    return f" (global rank {mapped[0]})" if len(ranks) == 1 else f" (global ranks {mapped})"
+
+
 def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:
     """Poll for the entries of ``ranks`` until all are there or ``window_s`` has passed."""
     found: dict[int, dict] = {}
@@ -225,10 +253,13 @@ def _history(entry: dict, last: int = 4) -> str:
     return "last issued: " + ", ".join(items)
 
 
-def render(entries: dict[int, dict], world_size: int, window_s: float, reporter: int) -> str:
-    """A multi-line report: one line per rank, then who reached which operation."""
+def render(entries: dict[int, dict], world_size: int, window_s: float, reporter: int,
+           named: Optional[list] = None) -> str:
+    """A multi-line report: one line per rank, then who reached which operation. ``named``:
+    each group position's global rank on a subgroup (:func:`global_ranks`), else None."""
     lines = [
-        f"Stall report (rank {reporter}, through the torch.distributed store; waited up to "
+        f"Stall report (rank {reporter}{_global_note([reporter], named)}, through the torch.distributed store; "
+        "waited up to "
         f"{window_s:.1f} s for {world_size} ranks):"
     ]
     reached: dict[str, list[int]] = {}
@@ -238,11 +269,11 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
         if entry is None:
             silent.append(rank)
             lines.append(
-                f"  rank {rank}: did not report (dead, or alive but stuck outside fusedist "
-                "collectives, e.g. in data loading or a different code path)"
+                f"  rank {rank}{_global_note([rank], named)}: did not report (dead, or alive but stuck outside "
+                "fusedist collectives, e.g. in data loading or a different code path)"
             )
             continue
-        global_rank = entry.get("global_rank")
+        global_rank = entry.get("global_rank", named[rank] if named else None)
         where = f" (global rank {global_rank})" if global_rank is not None and global_rank != rank else ""
         where += f" on {entry.get('host')} pid {entry.get('pid')}"
         pos = _position(entry)
@@ -268,7 +299,7 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
             f"{_history(entry)}"
         )
     for op, ranks in reached.items():
-        lines.append(f"  ranks {ranks} reached {op}")
+        lines.append(f"  ranks {ranks}{_global_note(ranks, named)} reached {op}")
     if len(reached) > 1:
         # Note [ranks at different collectives]: none of them will ever complete.
         lines.append(
@@ -277,7 +308,7 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
             "control flow, or options that differ across ranks); compare the positions above"
         )
     if silent:
-        lines.append(f"  ranks {silent} did not report")
+        lines.append(f"  ranks {silent}{_global_note(silent, named)} did not report")
     return "\n".join(lines)
 
 
@@ -289,9 +320,11 @@ def exchange(
     world_size: int,
     entry: dict,
     window_s: float,
+    named: Optional[list] = None,
 ) -> Optional[str]:
-    """Publish ``entry`` and return the rendered report (None if the store is unreachable)."""
+    """Publish ``entry`` and return the rendered report (None if the store is unreachable).
+    ``named``: the group positions' global ranks on a subgroup (:func:`global_ranks`)."""
     if store is None or not publish(store, group, generation, rank, entry):
         return None
     others = collect(store, group, generation, list(range(world_size)), window_s)
-    return render(others, world_size, window_s, rank)
+    return render(others, world_size, window_s, rank, named)

@@ -57,6 +57,7 @@ from .._consistency import RankMismatchError
 from ..comm import Communicator
 from ..comm.base import CollectiveError
 from .._process_hooks import at_exit
+from .stall_report import global_ranks
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
@@ -208,7 +209,8 @@ class StepCheck:
             # (a collective too; with different step counts the digests are of different steps)
             joined = [r for r, row in enumerate(table) if row[0] == JOINED]
             detail = dict(detail, param_lines=describe(self.comm, joined))
-        raise RankMismatchError(render_mismatch(table, self.comm.rank, detail))
+        raise RankMismatchError(render_mismatch(table, self.comm.rank, dict(detail, global_ranks=global_ranks(
+            self.comm))))
 
 
 def _differs(table: list[list[int]], column: int) -> bool:
@@ -344,6 +346,8 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     joined = [r for r, row in enumerate(table) if row[0] == JOINED]
     step = max((row[0] for row in table if row[0] != JOINED), default=0) if rank in joined else table[rank][0]
     what = detail.get("subject", "DDP")
+    named = detail.get("global_ranks")  # on a subgroup: positions -> global ranks
+    rank = named[rank] if named else rank
     if detail.get("checked_now"):
         lines = [
             f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}) after "
@@ -367,19 +371,23 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
         groups: dict[int, list[int]] = {}
         for r, row in enumerate(table):
             if r not in joined:
-                groups.setdefault(row[field_index], []).append(r)
+                groups.setdefault(row[field_index], []).append(named[r] if named else r)
         if len(groups) <= 1:
             continue
         if field == "params":  # a digest: which ranks agree is what tells
             if _differs(table, 0):
                 continue  # digests of different steps (or none on some ranks): a consequence, not a cause
             listing = " | ".join(f"ranks {ranks}" for ranks in sorted(groups.values())) + " hold different values"
+            if detail.get("params_listed") is False:  # (a flag of its own, Note [replica check]: no ranks to list)
+                lines.append(f"  {field}: {detail.get('explain', {}).get(field, _EXPLAIN[field])}")
+                continue
         else:
             listing = "; ".join(f"ranks {ranks}: {value}"
                                 for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
         lines.append(f"  {field}: {listing} -- {explain}")
     if joined:
+        joined = [named[r] for r in joined] if named else joined
         lines.append(f"  ranks {joined} had run out of inputs (joined) and were not compared")
     lines.extend(detail.get("trainable_lines", ()))
     lines.extend(detail.get("param_lines", ()))

@@ -27,7 +27,6 @@ where casting the gathered weight equals gathering the cast shards (one amax, on
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -262,8 +261,8 @@ def _float8_worker(rank, world):
     return out
 
 
-def test_float8_training_matches_fsdp2():
-    run_distributed(_float8_worker, 2)
+def test_float8_training_matches_fsdp2(two_ranks):
+    _passed(two_ranks, "float8")
 
 
 class _Block(nn.Module):
@@ -297,8 +296,8 @@ def _compiled_float8_worker(rank, world):
         torch.testing.assert_close(a[k], b[k], **CLOSE, msg=f"{k} differs from FSDP2's")
 
 
-def test_float8_compiled_blocks_match_fsdp2():
-    run_distributed(_compiled_float8_worker, 2)
+def test_float8_compiled_blocks_match_fsdp2(two_ranks):
+    _passed(two_ranks, "compiled")
 
 
 def _train_float8_tp(ours: bool, mp):
@@ -383,10 +382,10 @@ def _precompute_worker(rank, world):
         layer.reshard()
 
 
-def test_float8_precomputed_scales_are_the_gathers_own():
+def test_float8_precomputed_scales_are_the_gathers_own(two_ranks):
     """fusedist's precompute_float8_dynamic_scale_for_fsdp (torchao's finds no DTensor weights in
     fusedist's units): one all-reduce for every weight's scale, the same numbers."""
-    run_distributed(_precompute_worker, 2)
+    _passed(two_ranks, "precompute")
 
 
 def _state_worker(rank, world, path):
@@ -483,9 +482,8 @@ def _state_worker(rank, world, path):
         torch.testing.assert_close(initialized[k], v.detach(), **EXACT, msg=k)
 
 
-def test_extension_optimizers_checkpoints_and_meta_init():
-    with tempfile.TemporaryDirectory() as path:
-        run_distributed(_state_worker, 2, path)
+def test_extension_optimizers_checkpoints_and_meta_init(two_ranks):
+    _passed(two_ranks, "state")
 
 
 class Int8StorageWeight(RowwiseInt8Weight):
@@ -600,7 +598,45 @@ def _optimizer_dcp_worker(rank, world, path):
     torch.testing.assert_close(resumed[False], expected, **CLOSE)
 
 
-def test_extension_optimizer_state_in_torch_dcp(tmp_path):
+def test_extension_optimizer_state_in_torch_dcp(two_ranks):
     """Model and AdamW state of extension pieces through torch's state-dict helpers and DCP: a
     resume into fusedist's units continues exactly, into FSDP2's as FSDP2 would."""
-    run_distributed(_optimizer_dcp_worker, 2, str(tmp_path))
+    _passed(two_ranks, "dcp")
+
+
+def _two_rank_worker(rank, world, root):
+    """Every 2-rank scenario of this file in one spawn (starting ranks that import torchao and
+    dynamo costs more than most scenarios), each as it ran in a spawn of its own. A scenario
+    that fails gives its traceback, for its own test to report, and ends the run: the other
+    rank may be elsewhere, so the scenarios after it are not started."""
+    import traceback
+
+    scenarios = {"float8": (_float8_worker,), "precompute": (_precompute_worker,),
+                 "state": (_state_worker, os.path.join(root, "state")),
+                 "dcp": (_optimizer_dcp_worker, os.path.join(root, "dcp")),
+                 "compiled": (_compiled_float8_worker,)}  # last: compiling leaves dynamo's caches behind
+    out = {}
+    for name, (fn, *args) in scenarios.items():
+        try:
+            fn(rank, world, *args)
+        except Exception:
+            out[name] = f"rank {rank}:\n{traceback.format_exc()}"
+            break
+        out[name] = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Per rank, {scenario: None when it passed, else its traceback}. 300 s: 40 s on a loaded
+    2-core machine (the five spawns it replaces had 60 s each)."""
+    root = tmp_path_factory.mktemp("extension")
+    for sub in ("state", "dcp"):
+        (root / sub).mkdir()
+    return run_distributed(_two_rank_worker, 2, str(root), timeout=300)
+
+
+def _passed(per_rank, name):
+    for rank, out in enumerate(per_rank):
+        assert name in out, f"rank {rank}: {name} did not run, after a failure:\n{[v for v in out.values() if v]}"
+        assert out[name] is None, out[name]

@@ -4,7 +4,8 @@ loop (composite LR schedulers, several optimizers, unused branches, weight avera
 predict, mid-epoch resumes), each against Lightning's own ``strategy="ddp"`` run.
 
 Ranks are processes of :func:`fusedist.testing.run_distributed` with the torchelastic
-variables set (test_e2e_lightning_recipe.py), several Trainers per spawn to keep it fast.
+variables set (test_e2e_lightning_recipe.py): every Trainer of this file runs in ONE spawn
+(the ``launched`` fixture), since starting ranks that import Lightning costs more than a fit.
 
 Tolerances, by dtype. fp32: fused kernels and the bucketed all-reduce against torch's foreach
 ops and all-reduce are the same operations in another order, an ulp or two per step on values
@@ -213,13 +214,26 @@ def _names_worker(rank, world):
     return {name: _fit(name) for name in ("ddp", "fusedist", "fusedist_zero2")}
 
 
-def test_strategy_by_name_and_lr_monitor_keys_match_ddp():
+def _all_worker(rank, world, root):
+    """The three workers' runs in one spawn, each as it ran in a spawn of its own."""
+    return {"names": _names_worker(rank, world), "schedules": _schedules_worker(rank, world),
+            "recipes": _recipes_worker(rank, world, root)}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Per rank, {worker: its results}. 720 s: 100-240 s on a loaded 2-core machine (the three
+    spawns it replaces had 660 s together)."""
+    return run_distributed(_all_worker, 2, str(tmp_path_factory.mktemp("drop_in")), timeout=720)
+
+
+def test_strategy_by_name_and_lr_monitor_keys_match_ddp(launched):
     """``Trainer(strategy="fusedist")`` / ``"fusedist_zero2"`` train as ``strategy="ddp"``,
     and log the same rows under the same keys: LearningRateMonitor's ``lr-AdamW/pg1`` (with
     momentum and weight decay) and not ``lr-FusedAdamW/pg1`` or
     ``lr-ZeroRedundancyOptimizer/pg1`` for the optimizer the strategy swapped in (Note [the
     optimizer's name]), and the validation metrics logged with ``sync_dist=True``."""
-    for rank, runs in enumerate(run_distributed(_names_worker, 2, timeout=180)):
+    for rank, runs in enumerate(r["names"] for r in launched):
         ref = runs["ddp"]
         assert "lr-AdamW/pg1" in ref["rows"][0][1] and any("val_loss" in r for _, r in ref["rows"]), ref["rows"][:2]
         for name, stage, implementation in (("fusedist", 0, "FusedAdamW"),
@@ -297,13 +311,13 @@ def _schedules_worker(rank, world):
     return {name: (_fit(strategy, opts), _fit("ddp", opts)) for name, (strategy, opts) in SCHEDULE_CASES.items()}
 
 
-def test_learning_rates_reach_the_swapped_optimizer():
+def test_learning_rates_reach_the_swapped_optimizer(launched):
     """The learning rate follows a composite scheduler (SequentialLR, ChainedScheduler), and
     one set through the optimizer configure_optimizers returned, as under ``strategy="ddp"``:
     their parts and the module held the returned optimizer, whose param groups the strategy
     had copied, so the optimizer that steps kept its first learning rate (Note [the returned
     optimizer])."""
-    for rank, runs in enumerate(run_distributed(_schedules_worker, 2, timeout=180)):
+    for rank, runs in enumerate(r["schedules"] for r in launched):
         for name, (ours, ref) in runs.items():
             lrs = {row["lr-AdamW/pg1"] for _, row in ref["rows"] if "lr-AdamW/pg1" in row}
             assert len(lrs) > 3, (name, lrs)  # the schedule moves
@@ -366,12 +380,12 @@ def _recipes_worker(rank, world, root):
     return out
 
 
-def test_recipes_match_ddp(tmp_path):
+def test_recipes_match_ddp(launched):
     """Recipes beyond the basic loop train as under ``strategy="ddp"``; ZeRO with two
     optimizers is refused by the strategy, naming the setting, instead of by ZeRO advising to
     freeze the other optimizer's parameters; a parameter without a gradient is reported with
     the strategy's setting to change (fusedist DDP's message named its own keyword alone)."""
-    results = run_distributed(_recipes_worker, 2, str(tmp_path), timeout=300)
+    results = [dict(r["recipes"]) for r in launched]  # popped below: a copy
     backbone = [runs.pop("BackboneFinetuning") for runs in results]
     torch.manual_seed(0)
     initial = _module_class()({"backbone": True})

@@ -2,10 +2,18 @@
 the planner's model-state and communication bytes must be within 5% of what fusedist's DDP,
 ZeRO-1, ZeRO-2, ZeRO-2 with CPU offload and ZeRO-3 (``fully_shard``, also with
 ``CPUOffloadPolicy``) allocate and send. Each
-strategy trains a freshly built model, all in one launch."""
+strategy trains a freshly built model, all in one launch.
+
+Every CPU measurement of this file runs in ONE torchrun job (tests/scripts/plan_measure_many.py
+calls the CLI's ``main`` once per case; the first case initializes as the CLI does, the later
+ones find a fresh process group made for them; each destroys its group at the end), after one
+warm-up step per strategy instead of the CLI's three: a launch costs more than the
+measurements, and no figure checked here moves after the first step (the optimizer state
+exists and the buckets are built by then)."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -15,22 +23,60 @@ from torchrun_launch import finish, launch  # noqa: E402
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--micro-batch", "2",
         "--steps", "3"]
+WARMUP = 1
+MANY = os.path.join(os.path.dirname(__file__), "scripts", "plan_measure_many.py")
 
 
-def _measure(*extra):
-    proc = launch("-m", "fusedist.plan", "--measure", "--json", *TINY, *extra)
-    code, out = finish(proc, timeout=240)
+def _json_of(out):
     start = out.find("{\n")
     assert start >= 0, out[-3000:]
-    return code, json.loads(out[start:out.rindex("\n}") + 2]), out
+    return json.loads(out[start:out.rindex("\n}") + 2])
 
 
-@pytest.mark.parametrize("extra", [("--precision", "fp32"),
-                                   ("--precision", "bf16", "--arch", "llama", "--kv-heads", "2",
-                                    "--ffn-hidden", "96")], ids=["gpt-fp32", "llama-bf16"])
-def test_measured_within_5_percent(extra):
-    code, result, out = _measure(*extra)
+def _cases():
+    """(id, CLI arguments) of every CPU measurement; MoE configs as files written by the fixture."""
+    cases = {"gpt-fp32": [*TINY, "--precision", "fp32"],
+             "llama-bf16": [*TINY, "--precision", "bf16", "--arch", "llama", "--kv-heads", "2", "--ffn-hidden", "96"]}
+    for name in MOE_CONFIGS:
+        cases[name] = ["--hf-config", name, "--seq", "32", "--micro-batch", "2", "--steps", "3", "--precision", "fp32"]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """{case id: (exit status or None, output)} of the one launch measuring every case in turn."""
+    root = tmp_path_factory.mktemp("measure")
+    names, cases = list(_cases()), []
+    for name, args in _cases().items():
+        if name in MOE_CONFIGS:
+            path = root / f"{name}.json"
+            path.write_text(json.dumps(MOE_CONFIGS[name]))
+            args = [str(path) if a == name else a for a in args]
+        cases.append(["--measure", "--json", *args])
+    (root / "cases.json").write_text(json.dumps(cases))
+    # 600 s: the 5 cases took 60-90 s on a loaded 2-core machine (5 launches of 240 s each before)
+    code, out = finish(launch(MANY, str(WARMUP), str(root / "cases.json")), timeout=600)
+    results, current = {}, None
+    for line in out.splitlines(keepends=True):
+        mark = re.fullmatch(r"@@ case (\d+) (start|exit (-?\d+))", line.rstrip("\n"))
+        if mark and mark[2] == "start":
+            current = names[int(mark[1])]
+            results[current] = [None, ""]
+        elif mark:
+            results[current][0], current = int(mark[3]), None
+        elif current:
+            results[current][1] += line
+    for name in names:  # a case that did not finish: the launch's own output says why
+        if results.get(name, [None])[0] is None:
+            results[name] = (None, f"case {name} did not finish (launch exit {code}):\n{out[-3000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case", ["gpt-fp32", "llama-bf16"])
+def test_measured_within_5_percent(launched, case):
+    code, out = launched[case]
     assert code == 0, out[-3000:]
+    result = _json_of(out)
     measured = result["measured"]
     assert result["within_tolerance"] is True
     _every_rank_within(result)
@@ -75,18 +121,16 @@ TINY_ALTERNATING = {  # dense blocks 0 and 2, MoE blocks 1 and 3 (decoder_sparse
     "decoder_sparse_step": 2, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
 
 
-@pytest.mark.parametrize("cfg", [TINY_QWEN2_MOE, TINY_DEEPSEEK_V3, TINY_ALTERNATING],
-                         ids=["qwen2_moe", "deepseek_v3", "alternating-windowed"])
-def test_measured_mixture_of_experts(tmp_path, cfg):
+MOE_CONFIGS = {"qwen2_moe": TINY_QWEN2_MOE, "deepseek_v3": TINY_DEEPSEEK_V3, "alternating-windowed": TINY_ALTERNATING}
+
+
+@pytest.mark.parametrize("case", list(MOE_CONFIGS))
+def test_measured_mixture_of_experts(launched, case):
     """Mixture-of-experts configs (and DeepSeek's latent attention) train and hold and send
     what the planner counts for every parameter, experts included."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    proc = launch("-m", "fusedist.plan", "--measure", "--json", "--hf-config", str(path), "--seq", "32",
-                  "--micro-batch", "2", "--steps", "3", "--precision", "fp32")
-    code, out = finish(proc, timeout=240)
-    assert out.find("{\n") >= 0, out[-3000:]
-    result = json.loads(out[out.find("{\n"):out.rindex("\n}") + 2])
+    cfg = MOE_CONFIGS[case]
+    code, out = launched[case]
+    result = _json_of(out)
     assert code == 0, (result["out_of_tolerance"], out[-3000:])
     plan, measured = result["plan"], result["measured"]
     assert plan["inputs"]["active_params"] < plan["inputs"]["params"] == measured["ddp"]["params"]

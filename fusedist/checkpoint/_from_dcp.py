@@ -65,12 +65,59 @@ def _restricted_planner(trusted: bool):
                     f"safe loader refuses ({refusal_reason(exc)}). Pass trusted=True to load it with full "
                     "unpickling -- only for a checkpoint from a source you trust: unpickling can run "
                     "arbitrary code.") from exc
+            self._put(key, loaded)
+
+        def _put(self, key: str, value) -> None:
             if self.flatten_state_dict:  # (where torch's load_bytes puts it)
-                set_element(self.original_state_dict, self.mappings[key], loaded)
-            else:
-                self.state_dict[key] = loaded
+                set_element(self.original_state_dict, self.mappings[key], value)
+            self.state_dict[key] = value
+
+        def resolve_tensor(self, read_item):  # Note [quantized storage in a torch distributed checkpoint]
+            target = super().resolve_tensor(read_item).as_subclass(_Receiver)
+            target._fusedist_item = (self, read_item)
+            return target
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            received = getattr(tensor, "_fusedist_received", None)
+            if received is not None:
+                self._put(read_item.dest_index.fqn, received)
 
     return _Planner()
+
+
+# Note [quantized storage in a torch distributed checkpoint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DCP saves a DDP or plain model's NF4 weight (torchao's NF4Tensor, a wrapper subclass) as the
+# pickled subclass under a plain tensor's metadata (its shape, its dequantized dtype). Reading
+# the checkpoint whole, torch's planner makes a plain tensor of that metadata and copies the
+# subclass read back into it -- which NF4's copy_ refuses with an AttributeError (and would
+# otherwise dequantize). So the planner's targets receive such a value as it is: a copy_ from a
+# wrapper subclass keeps the subclass, which replaces the plain target in the tree read; the
+# load then takes it as a fusedist checkpoint's subclass (Note [quantized storage across run
+# kinds] in _load_plan.py). A subclass saved in chunks (sharded) cannot be joined here: refused
+# by key.
+class _Receiver(torch.Tensor):
+    """A planner's target that keeps a wrapper subclass copied into it instead of converting
+    it (Note [quantized storage in a torch distributed checkpoint])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if func is torch.Tensor.detach:  # (the reader detaches the target: keep its record)
+            return args[0]
+        if func is torch.Tensor.copy_ and is_traceable_wrapper_subclass(args[1]):
+            target, value = args[0], args[1]
+            planner, item = target._fusedist_item
+            if tuple(value.shape) != tuple(planner.lookup_tensor(item.dest_index).shape):
+                raise CheckpointError(
+                    f"fusedist.checkpoint: entry {item.dest_index.fqn!r} of torch's distributed checkpoint is a "
+                    f"{type(value).__name__} saved in chunks (a sharded model's); fusedist reads such a tensor only "
+                    "saved whole (by a DDP or plain model)")
+            target._fusedist_received = value
+            return target
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def _refusal_inside(exc: BaseException) -> Optional[CheckpointError]:

@@ -57,7 +57,7 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
     return saved
 
 
-def _cross_packed(saved: dict, target, sharded_target: bool, directory) -> dict:
+def _cross_packed(saved: dict, target, sharded_target: bool, directory, layouts=None) -> dict:
     """``saved`` with each quantized-storage weight (an NF4 one) in the form ``target`` holds it.
 
     Note [quantized storage across run kinds]
@@ -68,14 +68,22 @@ def _cross_packed(saved: dict, target, sharded_target: bool, directory) -> dict:
         sharded model the subclass becomes its canonical bytes, for an unsharded one the bytes
         become the subclass (the model's own parameter gives its class, context and inner
         layout). A weight of another inner layout (other block sizes: another class layout, or
-        another byte count) is refused by name.
+        another byte count) is refused by name. The byte count alone does not tell the layout
+        (NF4 weights of other scaler block sizes can have the same one), so ``fully_shard``
+        checkpoints record it (``layouts``, by key: ``stage3.packed_layout``) and canonical
+        bytes of another recorded layout are refused too, into either kind of model.
     """
     from ..fsdp.packed import canonical_slots, from_canonical, is_packed_candidate, to_canonical
 
     out = None
     for key, (param, spec, mine, other) in _packed_forms(target, sharded_target).items():
         value = saved.get(key)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) == mine:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) in (mine, other):  # (another byte count: refused below, by its count)
+            _check_layout(key, value, (layouts or {}).get(key), spec.canonical if spec is not None else
+                          canonical_slots(param)[0], param if spec is None else spec.cls, directory)
+        if tuple(value.shape) == mine:
             continue
         if tuple(value.shape) != other:
             if spec is None and value.dim() == 1 and (value.dtype == torch.uint8 or value.is_meta):
@@ -103,6 +111,26 @@ def _cross_packed(saved: dict, target, sharded_target: bool, directory) -> dict:
         out = out if out is not None else type(saved)(saved)
         out[key] = converted
     return saved if out is None else out
+
+
+def _check_layout(key: str, value: torch.Tensor, recorded, layout: list, held, directory) -> None:
+    """Canonical bytes ``value`` whose recorded layout (a ``fully_shard`` checkpoint's) is not
+    the model's ``layout`` are refused by name (Note [quantized storage across run kinds]): read
+    with the model's layout they would be another weight, silently."""
+    if recorded is None or value.is_floating_point() or _is_wrapper(value):
+        return
+    if [list(r) for r in recorded] != stage3.packed_layout(layout):
+        what = held if isinstance(held, type) else type(held)
+        raise CheckpointError(
+            f"fusedist.checkpoint: '{key}' in {directory} holds quantized storage whose inner tensors are "
+            f"{_inner(recorded)}; the model's {what.__name__} has {_inner(layout)} (quantized with other block "
+            "sizes?): quantize the model's weight as the saved one was")
+
+
+def _is_wrapper(value) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(value)
 
 
 def _packed_forms(target, sharded_target: bool) -> dict:
@@ -148,6 +176,7 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trust
     target = _names.unwrap(model)
     expected, sharded_target = _expected_model(target)
     saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
+    saved = _cross_packed(saved, target, sharded_target, directory)  # Note [quantized storage across run kinds]
     saved = _check_model(saved, expected, directory, strict)
     plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target, "strict": strict,
                   "read": {"manifest": digest, "strict": strict,
@@ -192,10 +221,12 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: 
     target = _names.unwrap(model)
     expected, sharded_target = _expected_model(target)
     saved = _names.strip_prefix(common["model"], expected)
+    layouts = {}
     if manifest.get("model_sharded"):  # Note [stage-3 checkpoints]
         saved = dict(saved)
         saved.update(stage3.assemble_model(sections("model_shard"), source=f"model in {directory}"))
-    saved = _cross_packed(saved, target, sharded_target, directory)
+        layouts = stage3.packed_layouts(sections("model_shard"))
+    saved = _cross_packed(saved, target, sharded_target, directory, layouts)
     plan["model"] = _check_model(saved, expected, directory, strict)
     plan["model_sharded"] = sharded_target
 

@@ -404,8 +404,9 @@ class RestoreMixin:
         checkpoint's stages, whose keys are shared out by the load (which checks them all)."""
         saved = _saved_model(path, manifest, common, trusted)
         for module, _ in self._parts():
-            expected, _ = _load_plan._expected_model(_names.unwrap(module))
-            _load_plan._check_model(_names.strip_prefix(saved, expected), expected, path, strict=False)
+            expected, sharded = _load_plan._expected_model(_names.unwrap(module))
+            mine = _load_plan._cross_packed(_names.strip_prefix(saved, expected), _names.unwrap(module), sharded, path)
+            _load_plan._check_model(mine, expected, path, strict=False)
 
 
 def _refuse_stateless_sampler(sampler, rank: int) -> None:

@@ -60,6 +60,7 @@ class _World:
     which call each is in."""
 
     io = None  # a save's I/O barrier, beating from start_save to finish_save
+    created = False  # whether rank 0 made the save's directory for it (start_save)
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
         self.comm = None
@@ -253,7 +254,7 @@ def start_save(world: "_World", directory: str, call: dict, info=None, check=Non
     start, created = None, False
     if world.rank == 0:
         try:
-            created = not os.path.isdir(directory)
+            created = world.created = not os.path.isdir(directory)
             os.makedirs(directory, exist_ok=True)
             start = ("", uuid.uuid4().hex[:12] if os.path.exists(os.path.join(directory, _files.MANIFEST)) else "")
         except OSError as exc:
@@ -317,7 +318,7 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
         _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
     except CheckpointError as exc:
         if getattr(exc, "given_up", False) and world.io is not None:  # Note [a plain save given up on]
-            _given_up.append((world.io, lambda: _finish_save(world, directory, calls, claim)))
+            _given_up.append((world.io, lambda: _finish_given_up(world, directory, calls, claim)))
         raise
     finally:
         stop_io(world)
@@ -334,7 +335,8 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
 # each rank keeps the barrier of a save given up on, and its next ``save`` or ``load`` first
 # waits at one more phase of it, beating, for as long as the slow ranks show they are alive
 # (up to IO_LIMIT_S again: a wait given up on leaves it for the next call); once every rank
-# is there, rank 0 removes what the given-up save left (its claim, its unlisted files).
+# is there, rank 0 removes what the given-up save left (its claim, its unlisted files, and the
+# directory it made for the save, left empty: the save created it, and nothing there is the user's).
 _given_up: list = []  # (the IOBarrier of a save given up on, its cleanup), oldest first
 
 
@@ -351,6 +353,15 @@ def settle_given_up() -> None:
         del _given_up[0]
         barrier.forget(barrier.phase - 1)  # (every rank left those; a slower one may still read this phase's keys)
         cleanup()
+
+
+def _finish_given_up(world: "_World", directory: str, calls: list, claim: Optional[dict]) -> None:
+    """The cleanup of a save given up on, once every rank has left it (:func:`settle_given_up`):
+    its claim and files go (:func:`_finish_save`), and so does the directory rank 0 made for it,
+    left empty -- a user's directory, or one holding other files, stays."""
+    _finish_save(world, directory, calls, claim)
+    if world.rank == 0 and world.created:
+        _remove_empty(directory)
 
 
 def _finish_written(world: "_World", directory: str, started: float, save_id: str, calls: list, claim,

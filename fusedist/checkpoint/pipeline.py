@@ -237,6 +237,7 @@ class _Reader:
         self.directory, self.files, self.trusted = directory, manifest["files"], trusted
         self._loaded: dict = {}
         self._models: dict = {}
+        self.layouts: dict = {}  # recorded layouts of quantized storage, by key (stage3.packed_layouts)
 
     def file(self, name: str):
         if name not in self.files:
@@ -272,6 +273,7 @@ class _Reader:
             if stage.get("model_sharded"):  # Note [stage-3 checkpoints]
                 saved.update(stage3.assemble_model(self.sections(stage, "model_shard"),
                                                    source=f"model in {self.directory}"))
+                self.layouts.update(stage3.packed_layouts(self.sections(stage, "model_shard")))
             self._models[k] = (common, saved)
         common, saved = self._models[k]
         names = {}
@@ -365,6 +367,7 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool
             saved, optim, saved_key = {}, None, {}
         every_key.update((saved_key[k], 0) for k in saved)
         mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
+        mine = _load_plan._cross_packed(mine, target, sharded_target, directory)  # (an NF4 weight's other form)
         plan = {"model": _load_plan._check_model(mine, expected, directory, strict), "model_sharded": sharded_target,
                 "strict": strict, "extra": None, "params": []}
         plan["keys"] = [saved_key[k] for k in plan["model"]]
@@ -444,6 +447,8 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
                                           f"(ranks {stages[holder[key]]['ranks']} and {stage['ranks']})")
                 saved[key], holder[key] = value, k
                 taken.append(saved_key)
+    # (an NF4 weight saved in its other form: Note [quantized storage across run kinds] in _load_plan.py)
+    saved = _load_plan._cross_packed(saved, target, sharded_target, directory, reader.layouts)
     plan: dict = {"model": _load_plan._check_model(saved, expected, directory, strict),
                   "model_sharded": sharded_target, "strict": strict, "extra": None, "params": [], "keys": taken}
     if optimizer is not None:
@@ -508,6 +513,10 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
                               f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for p, name in zip(params, names):
         shape = list(stage3.full_shape(p, sharding[1]))
+        if shapes[name] != shape and _load_plan._packed_positions([shapes[name]], [p], sharding[1]):
+            # a frozen NF4 weight saved in its other form (Note [quantized storage across run kinds])
+            _load_plan._check_no_state({0: state.get(name)}, {0}, [name], directory)
+            continue
         if shapes[name] != shape:
             raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameter '{name}' has shape {tuple(shape)}, "
                                   f"its state in {directory} shape {tuple(shapes[name])}")

@@ -40,7 +40,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _load_plan, _names, _sections, _writer, stage3
+from . import _checks, _files, _given_up, _load_plan, _names, _sections, _writer, stage3
 from ._files import CheckpointError
 
 
@@ -204,7 +204,7 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
         return pipelined.save(directory, model, optimizer, scaler, extra, per_rank=per_rank,
                               process_group=process_group)
     _refuse_parts(model)
-    settle_given_up()  # Note [a plain save given up on]
+    _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
     world = _World(optimizer, model, process_group)
@@ -318,45 +318,14 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
         _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
     except CheckpointError as exc:
         if getattr(exc, "given_up", False) and world.io is not None:  # Note [a plain save given up on]
-            _given_up.append((world.io, lambda: _finish_given_up(world, directory, calls, claim)))
+            _given_up.remember(world.io, lambda: _finish_given_up(world, directory, calls, claim))
         raise
     finally:
         stop_io(world)
 
 
-# Note [a plain save given up on]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A save whose barrier was given up on (a rank's storage hangs: Note [a save given up on] in
-# ``_writer.py``) raises on every rank, while the slow rank may still be writing. A
-# Checkpointer's next save first waits for it (``settle``); ``save`` did not: the next save
-# (or load) started its first collective at once, which timed out on the rank still writing
-# after FUSEDIST_TIMEOUT_S -- and a gloo group whose collective failed is broken for good,
-# training included. Its claim on the directory and its rank files were left behind too. So
-# each rank keeps the barrier of a save given up on, and its next ``save`` or ``load`` first
-# waits at one more phase of it, beating, for as long as the slow ranks show they are alive
-# (up to IO_LIMIT_S again: a wait given up on leaves it for the next call); once every rank
-# is there, rank 0 removes what the given-up save left (its claim, its unlisted files, and the
-# directory it made for the save, left empty: the save created it, and nothing there is the user's).
-_given_up: list = []  # (the IOBarrier of a save given up on, its cleanup), oldest first
-
-
-def settle_given_up() -> None:
-    """Before a save's or load's first exchange: wait until every rank has left the saves
-    given up on before it, and clean up after them (Note [a plain save given up on])."""
-    while _given_up:
-        barrier, cleanup = _given_up[0]
-        barrier.start_beat()
-        try:
-            barrier.wait("the save given up on before this call")
-        finally:
-            barrier.stop_beat()
-        del _given_up[0]
-        barrier.forget(barrier.phase - 1)  # (every rank left those; a slower one may still read this phase's keys)
-        cleanup()
-
-
 def _finish_given_up(world: "_World", directory: str, calls: list, claim: Optional[dict]) -> None:
-    """The cleanup of a save given up on, once every rank has left it (:func:`settle_given_up`):
+    """The cleanup of a save given up on, once every rank has left it (:func:`_given_up.settle`):
     its claim and files go (:func:`_finish_save`), and so does the directory rank 0 made for it,
     left empty -- a user's directory, or one holding other files, stays."""
     _finish_save(world, directory, calls, claim)
@@ -544,7 +513,7 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
 
     if not pipeline:
         _refuse_parts(model)
-    settle_given_up()  # Note [a plain save given up on]
+    _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     world = pipelined.job_world() if pipeline else _World(optimizer, model, process_group)
     by_stage = pipeline
     try:

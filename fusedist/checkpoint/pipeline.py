@@ -46,7 +46,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _from_dcp, _load_plan, _names, _sections, api, stage3
+from . import _checks, _files, _from_dcp, _given_up, _load_plan, _names, _sections, api, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -156,7 +156,7 @@ def manifest(entries: dict, world_size: int) -> dict:
 def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dict] = None, *,
          per_rank: Optional[dict] = None, process_group=None) -> None:
     """``fusedist.checkpoint.save(..., pipeline=True)`` (Note [pipelined checkpoints])."""
-    api.settle_given_up()  # Note [a plain save given up on] in api.py
+    _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     started = time.time()
     held = parts(model, optimizer)
     for module, opt in held:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .state import state_of
+from .state_dict_hooks import whole_of_dtensor
 
 __all__ = ["full_state_dict", "load_full_state_dict", "units_of", "piece_index", "gather_params"]
 
@@ -123,7 +124,10 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict:
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True) -> None:
     """Load a whole-parameter state dict (:func:`full_state_dict`'s, or an unwrapped model's)
-    into the sharded ``model``: each rank copies its pieces' rows. No communication."""
+    into the sharded ``model``: each rank copies its pieces' rows. No communication, except
+    for DTensor entries (torch's FSDP2 state dicts, or a full one torch's
+    ``set_model_state_dict`` loaded before): each is made whole first, a collective over its
+    mesh, so every rank passes the same dict then."""
     from ..checkpoint._names import is_extra_state
 
     where = piece_index(units_of(model))
@@ -144,6 +148,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
             originals = originals or _canonical_state(model, {k: k for k in held})
             model.get_submodule(originals[key].rpartition(".")[0]).set_extra_state(src)
             continue
+        src = whole_of_dtensor(src)  # Note [DTensor entries loaded] in state_dict_hooks.py
         hit = where.get(id(target))
         if hit is None:
             _check_whole_shape(key, src, tuple(target.shape), "tensor")

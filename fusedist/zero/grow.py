@@ -174,6 +174,7 @@ def _regrow(tensors: dict, part, zero, alloc, dtypes=None) -> dict:
 
 def _regrow_state(zero, old, part) -> None:
     """Masters, flat parameters and the inner optimizer's pieces for the grown partition."""
+    zero._take_up_moved_params()  # (the new buffer copies the parameters; their masters still must)
     zero._flat_params = FlatParams(part, zero._params, zero._device)  # current values, re-pointed
     offload = zero._offload
     if offload is not None:  # host masters and gradients (Note [offload pipeline] in offload.py)

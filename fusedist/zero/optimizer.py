@@ -193,8 +193,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       parameters and gradients] in ``shard_store.py``). Parameters changed outside
       the optimizer between steps (``model.load_state_dict``, in-place ops under
       ``no_grad``) are taken into the masters by the next ``step()``, as torch's optimizers
-      would use them (Note [parameters changed outside the optimizer] in ``shards.py``);
-      after writing through ``p.data``, call :meth:`sync_master_from_params`.
+      would use them (Note [parameters changed outside the optimizer] in ``shards.py``), and so
+      are parameters whose storage was replaced (``p.set_(t)``, a parametrization's setter,
+      ``p.data = t``: Note [parameters moved off the flat buffer]); after writing in place
+      through ``p.data``, call :meth:`sync_master_from_params`.
 
     Args:
         params: parameters or param groups (all of one fusedist DDP model, or none).

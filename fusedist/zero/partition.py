@@ -287,16 +287,39 @@ class FlatParams:
 
     def __init__(self, partition: FlatPartition, params: Sequence[torch.Tensor], device: torch.device):
         self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in partition.sizes.items()}
+        # (parameter index, its slot as the parameter sees it, the slot's data_ptr)
+        self._slots: list[tuple[int, torch.Tensor, int]] = []
         with torch.no_grad():
             for index, off in partition.offset_of.items():
                 p = params[index]
                 view = shaped_like(self.buffers[p.dtype][off:off + p.numel()], p)
                 view.copy_(p.detach())
-                inner = wrapped_name(p)
-                if inner is not None:
-                    setattr(p, inner, view)
-                else:
-                    p.data = view
+                _point_at(p, view)
+                if view.numel():
+                    self._slots.append((index, view, view.data_ptr()))
+
+    @torch.no_grad()
+    def take_up_moved(self, params: Sequence[torch.Tensor], describe) -> list:
+        """Copy each parameter whose storage is no longer its slot into the slot and point it
+        back there; returns their indices (Note [parameters moved off the flat buffer] in
+        ``shards.py``). One data_ptr comparison per parameter when nothing moved."""
+        moved = []
+        for index, view, ptr in self._slots:
+            p = params[index]
+            inner = wrapped_name(p)
+            t = p if inner is None else getattr(p, inner)
+            if t.data_ptr() == ptr:
+                continue
+            if t.shape != view.shape or t.dtype != view.dtype:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: {describe(index)} was replaced between steps by a tensor of shape "
+                    f"{tuple(t.shape)} {t.dtype} (e.g. by p.set_() or p.data = ...); its shard was built for "
+                    f"shape {tuple(view.shape)} {view.dtype}. Replace a parameter only by values of its own "
+                    "shape and dtype, or build the optimizer after changing the model")
+            view.copy_(t.detach())
+            _point_at(p, view)
+            moved.append(index)
+        return moved
 
     def shard_view(self, bs: BucketShard) -> torch.Tensor:
         b = bs.bucket
@@ -305,3 +328,13 @@ class FlatParams:
     def bucket_view(self, bs: BucketShard) -> torch.Tensor:
         b = bs.bucket
         return self.buffers[b.dtype][b.start:b.end]
+
+
+def _point_at(p: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``p`` compute with ``view``: a wrapper subclass through its wrapped tensor
+    (:class:`FlatParams`), any other parameter through ``p.data``."""
+    inner = wrapped_name(p)
+    if inner is not None:
+        setattr(p, inner, view)
+    else:
+        p.data = view

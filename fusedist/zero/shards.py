@@ -118,6 +118,7 @@ class ShardsMixin:
         self.wait_for_params()
         if self._offload is not None:
             self._offload.wait_host_buffers()
+        self._take_up_moved_params()  # Note [parameters moved off the flat buffer]
         self._masters.copy_own_from_views(self._partition.bucket_shards)
         self._record_param_versions()
 
@@ -152,8 +153,8 @@ class ShardsMixin:
     # and writes from outside]). Aliased masters (fp32/fp64 parameters without offload, Note
     # [shards aliasing the parameters and gradients]) are the parameters: nothing to copy. A
     # parameter without a recorded version (it joined the partition since) counts as written.
-    # Writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`
-    # (every master).
+    # In-place writes through ``p.data`` bypass the counter: call :meth:`sync_master_from_params`
+    # (every master). (Replacing the storage is seen: Note [parameters moved off the flat buffer].)
     def _record_param_versions(self, indices=None) -> None:
         """Record the versions of the parameters ``indices`` (default: every trainable one) as
         those after the optimizer's last write."""
@@ -163,8 +164,32 @@ class ShardsMixin:
             self._param_versions.update((i, self._params[i]._version) for i in indices)
 
     def _params_written_outside(self) -> list:
-        """The trainable parameters whose version moved since it was recorded."""
+        """The trainable parameters whose version moved since it was recorded, or whose
+        storage was replaced (Note [parameters moved off the flat buffer])."""
         recorded = self._param_versions
         if recorded is None:
             return []
+        self._take_up_moved_params()
         return [i for i in self._trainable if recorded.get(i) != self._params[i]._version]
+
+    # Note [parameters moved off the flat buffer]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The first step points every parameter at its slot of a flat buffer (``FlatParams``), and
+    # each step all-gathers the updated shards into those buffers. A program that *replaces* a
+    # parameter's storage between steps -- ``p.set_(t)`` under no_grad, a parametrization's
+    # setter (``orthogonal``, ``weight_norm``: ``module.weight = Q`` calls ``original.set_``),
+    # ``p.data = t`` -- left the parameter off the buffer: the masters never saw the new values,
+    # and every later all-gather landed in the slot while the model computed with the replaced
+    # tensor, frozen at the values set (measured: 0.1 away from torch after two steps), where
+    # torch's optimizers, its ZeroRedundancyOptimizer too, update whatever tensor the parameter
+    # holds. So each step (and :meth:`sync_master_from_params`) compares each parameter's
+    # data_ptr with its slot's; a moved one is copied into its slot, pointed back at it, and
+    # counts as written, so its master takes the new values. A replacement of another shape or
+    # dtype cannot fit the slot and raises, naming the parameter.
+    def _take_up_moved_params(self) -> None:
+        """Note [parameters moved off the flat buffer]."""
+        moved = self._flat_params.take_up_moved(
+            self._params, lambda i: f"{self._param_name(i)} on rank {self.rank}")
+        if moved and self._param_versions is not None:
+            for i in moved:
+                self._param_versions.pop(i, None)  # counts as written (no recorded version)

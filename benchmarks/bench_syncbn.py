@@ -380,7 +380,7 @@ def main() -> None:
             "host's time to issue one call; `_device_us`: the call replayed from a CUDA graph, the "
             "kernels alone (20 calls per graph, inputs warm in L2), `device_speedup` their ratio "
             "(Note [call time and device time] in the benchmark). `path`: the kernels' choice (per-channel: "
-            "Note [one program per channel] in triton_kernels/syncbn.py). `launch_cache_*`: the same "
+            "Note [one program per channel] in triton_kernels/syncbn_reduce.py). `launch_cache_*`: the same "
             "call with FUSEDIST_TRITON_LAUNCH_CACHE=1 (Note [the launch cache is opt-in]).",
             "",
             line,

@@ -4,7 +4,7 @@ The interpreter (how the other kernel tests run on CPU) accepts things the compi
 and ignores compiler hints, so this test lowers every kernel through Triton's CUDA backend to
 PTX and SASS (ptxas ships with Triton; no GPU or driver is needed) in a subprocess without
 ``TRITON_INTERPRET``. It also checks that aligned full chunks get 128-bit vector memory
-accesses (Note [full and tail chunks] in triton_kernels/multi_tensor.py).
+accesses (Note [full and tail chunks] in triton_kernels/multi_tensor_helpers.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def test_bf16_output_and_input_grad_round_to_nearest(layout, train):
     """A bf16 input gives the fp32 computation's output and input gradient rounded to nearest,
     as torch's ``.to(torch.bfloat16)`` rounds: Triton's interpreter truncated the kernels'
     stores (one unit low in magnitude for about half of the elements, Note [rounding to bf16]
-    in triton_kernels/syncbn.py). The same values in fp32 take the same kernels and the same
+    in triton_kernels/syncbn_elementwise.py). The same values in fp32 take the same kernels and the same
     fp32 arithmetic, so the bf16 results must be exactly their rounding."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(6, 5, 7, 3, generator=g) * 3 + 2).to(torch.bfloat16)
@@ -59,7 +59,7 @@ def test_values_whose_squares_overflow_fp32_give_torchs_result(shape):
     """Values near 1e20 square past fp32's range: the variance is inf, so torch's BatchNorm
     outputs the bias, has finite gradients and an inf running variance. The kernels gave NaN
     everywhere, from 0 * inf in the tile lanes that held no value (Note [overflowing
-    squares] in triton_kernels/syncbn.py)."""
+    squares] in triton_kernels/syncbn_reduce.py)."""
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(shape, generator=g) * 1e20).to(DEVICE)
     dy = torch.randn(shape, generator=g).to(DEVICE)

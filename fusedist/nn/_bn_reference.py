@@ -64,7 +64,7 @@ def _all_finite(*tensors: torch.Tensor | None) -> bool:
     while p and q are finite: an inf in the upstream gradient makes mean(dy) and the x
     coefficient of the input gradient infinite, and ``x * t - r * t`` then turns elements
     that torch's centered backward leaves at +-inf into NaN (Note [non-finite statistics]
-    in ``triton_kernels/syncbn.py``)."""
+    in ``triton_kernels/syncbn_reduce.py``)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors if t is not None)
 
 
@@ -89,7 +89,7 @@ def welford_stats(x: torch.Tensor, mean_out: torch.Tensor, m2_out: torch.Tensor,
     centered = _centered_scaled(xa, mean, torch.ones_like(mean))
     squares, drift = _channel_dot(centered, centered)
     # (the payload is fp64: the corrected mean stays exact; an infinite mean keeps its value,
-    # Note [non-finite statistics] in triton_kernels/syncbn.py, where the drift is NaN)
+    # Note [non-finite statistics] in triton_kernels/syncbn_reduce.py, where the drift is NaN)
     drift = torch.where(torch.isfinite(mean), drift, 0.0).to(mean_out.dtype)
     mean_out.copy_(mean).add_(drift / count)
     m2_out.copy_(squares).sub_(drift * drift / count)

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference of the multi-tensor optimizer kernels.
 
-Same math, same operation order as ``triton_kernels/multi_tensor.py``; it runs on CPU tensors
+Same math, same operation order as the kernels of ``triton_kernels/multi_tensor_*.py``; it runs on CPU tensors
 when the interpreter is off, on tensors the kernels do not take (float64, non-contiguous),
 and it is the oracle the kernel tests compare against. Each function takes one list per role
 (see :mod:`fusedist.optim.functional` for the meaning of the arguments).

@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.base import CollectiveError
-from .layout import Bucket, layout_of_groups, shaped_like, torch_unused_groups
+from .layout import Bucket, layout_of_groups, slot_view, torch_unused_groups
 from .rebucket import switch_layout
 from .strategy import AllReduceAverage, GradSyncStrategy
 
@@ -116,8 +116,8 @@ class HookBucket:
         if self._buffer is self._flat:
             return [self._layout.grad_view(p) for p in self._bucket.params]
         start = self._bucket.start
-        return [shaped_like(self._buffer[off - start:off - start + p.numel()], p)
-                for p, off in zip(self._bucket.params, self._bucket.offsets)]
+        return [slot_view(self._buffer[off - start:off - start + p.numel()], p, record)
+                for p, off, record in zip(self._bucket.params, self._bucket.offsets, self._bucket.orders)]
 
     def parameters(self) -> list:
         return list(self._bucket.params)

@@ -57,6 +57,13 @@ class Bucket:
     # this bucket (None: copy as is), and the views that got theirs another way.
     fold: Optional[float] = None
     unfolded: list = dataclasses.field(default_factory=list)
+    # Each parameter's slot order, recorded when the bucket is cut (Note [slot order fixed at
+    # bucketing]); filled from the parameters when not given.
+    orders: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.orders:
+            self.orders = [slot_record(p) for p in self.params]
 
     @property
     def numel(self) -> int:
@@ -95,6 +102,33 @@ def shaped_like(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if param.is_contiguous() or not is_dense(param):
         return flat.view(param.shape)
     return flat.as_strided(param.shape, param.stride())
+
+
+def slot_record(param: torch.Tensor) -> tuple:
+    """``param``'s shape and the strides its slot is seen with (None: row-major), as
+    :func:`shaped_like` would cut it now: kept by the bucket so later views keep this order.
+
+    Note [slot order fixed at bucketing]
+        A slot's element order is what the ranks agreed on and what a consumer of the buckets
+        built on (ZeRO's shards, its flat parameter storage): it must not change with the
+        parameter. Replacing a parameter's storage by a tensor of other strides between steps
+        (``p.set_(t.t())``, a parametrization's setter given a column-major Q) used to make
+        per-bucket storage cut the next gradient views in the new order, so ZeRO stage 2 read
+        that backward's gradient shard transposed. Views are cut with the recorded order
+        instead (as torch's DDP keeps its bucket views from bucketing on); a gradient in
+        another layout is copied into the view element by element."""
+    if param.is_contiguous() or not is_dense(param):
+        return tuple(param.shape), None
+    return tuple(param.shape), tuple(param.stride())
+
+
+def slot_view(flat: torch.Tensor, param: torch.Tensor, record: tuple) -> torch.Tensor:
+    """``flat`` seen as ``param``'s gradient in the slot order ``record`` (:func:`slot_record`);
+    a parameter since reshaped is cut as it is now."""
+    shape, strides = record
+    if tuple(param.shape) != shape:
+        return shaped_like(flat, param)
+    return flat.view(shape) if strides is None else flat.as_strided(shape, strides)
 
 
 def slot_order(param: torch.Tensor) -> tuple:
@@ -154,9 +188,17 @@ class GradLayout:
 
     def _cut_views(self, bucket: Bucket) -> None:
         data, start = bucket.data, bucket.start
-        for p, off in zip(bucket.params, bucket.offsets):
+        for p, off, record in zip(bucket.params, bucket.offsets, bucket.orders):
             lo = off - start
-            self.slots[p].view = shaped_like(data[lo:lo + p.numel()], p)
+            self.slots[p].view = slot_view(data[lo:lo + p.numel()], p, record)
+
+    def record_orders(self) -> None:
+        """Record each slot's order from its parameter as it is now (Note [slot order fixed at
+        bucketing]): a consumer that lays out its own storage by the parameters (ZeRO's flat
+        parameters) fixes the layout at its construction, so views cut from then on follow it.
+        Views already cut stay as they are."""
+        for bucket in self.buckets:
+            bucket.orders = [slot_record(p) for p in bucket.params]
 
     def _drop_views(self, bucket: Bucket) -> None:
         for p in bucket.params:
@@ -338,7 +380,7 @@ def append_buckets(existing: Sequence[Bucket], params: Sequence[torch.nn.Paramet
     stay where they are: what a sharded optimizer over them needs when parameters join
     (Note [trainable set changes] in ``trainable.py``)."""
     out = [dataclasses.replace(b, params=list(b.params), names=list(b.names), offsets=list(b.offsets), data=None,
-                               fold=None, unfolded=[])
+                               fold=None, unfolded=[], orders=list(b.orders))
            for b in existing]
     sizes = _buffer_sizes(out)
     fresh = build_layout(params, names, caps=[bucket_cap_bytes], world_size=world_size, device=torch.device("meta"),

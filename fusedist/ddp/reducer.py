@@ -276,6 +276,8 @@ class Reducer:
         if self.provisional_layout and not self.layout_final:
             # A hook's first buckets (torch's before its rebuild) would stay for good: the usual ones instead.
             switch_layout(self, self.build_in_order(list(reversed(range(len(self.params))))), notify=False)
+        if not self.append_only:  # the consumer lays out its storage by the parameters as they are now
+            self.layout.record_orders()
         self.append_only = True
         self.layout_final = True
         self._observed_order = None

@@ -135,6 +135,22 @@ class LogitScaled(nn.Module):
         return self.lin(x) * self.logit_scale
 
 
+class TwoLinearTanh(nn.Module):
+    """Linear(4, 4) -> tanh -> Linear(4, 2), seeded; ``orthogonal=True`` parametrizes the first
+    layer's weight (its setter replaces the parameter's storage)."""
+
+    def __init__(self, orthogonal: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+        if orthogonal:
+            nn.utils.parametrizations.orthogonal(self.fc)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+
 def loss_fn(model_cls, out, target):
     if model_cls is TiedLM:
         return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))

@@ -13,22 +13,9 @@ DDP model, world size 2 on gloo, against a single-process ``torch.optim.AdamW`` 
 
 import torch
 from torch import nn
-from torch.nn.utils.parametrizations import orthogonal
 
 from fusedist.testing import run_distributed
-
-
-class Net(nn.Module):
-    def __init__(self, parametrized: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 2)
-        if parametrized:
-            orthogonal(self.fc)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.fc(x)))
+from models import TwoLinearTanh
 
 
 class ConvNet(nn.Module):
@@ -76,10 +63,10 @@ def _worker(rank, world_size):
     errors = {}
     cases = (("set_ transposed", _transposed, False, (0, 2)), ("orthogonal Q", _column_major_q, True, (2,)))
     for name, replace, parametrized, stages in cases:
-        m = Net(parametrized)
+        m = TwoLinearTanh(parametrized)
         ref = _train(m, torch.optim.AdamW(m.parameters(), lr=0.05), m, replace)
         for stage in stages:  # 0: plain DDP, gradients as bucket views
-            m = Net(parametrized)
+            m = TwoLinearTanh(parametrized)
             ddp = fusedist.DistributedDataParallel(m, gradient_as_bucket_view=stage == 0)
             opt = (torch.optim.AdamW(m.parameters(), lr=0.05) if stage == 0 else
                    fusedist.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, stage=stage, lr=0.05))

@@ -12,25 +12,12 @@ given to ``fusedist.fsdp.load_full_state_dict``, against torch, world size 2 on 
 
 import torch
 from torch import nn
-from torch.nn.utils.parametrizations import orthogonal
 
 from fusedist.testing import run_distributed
+from models import TwoLinearTanh
 
 
-class Net(nn.Module):
-    def __init__(self, parametrized: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 2)
-        if parametrized:
-            orthogonal(self.fc)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.fc(x)))
-
-
-def _replace(kind: str, model: Net) -> None:
+def _replace(kind: str, model: TwoLinearTanh) -> None:
     """Replace the storage of ``fc``'s weight (and ``out``'s bias) with new values."""
     with torch.no_grad():
         if kind == "set_":
@@ -62,16 +49,16 @@ def _replaced_worker(rank, world_size):
     cases = [("set_", 1, True, None), ("orthogonal", 2, True, None), ("data", 1, False, None),
              ("set_", 2, True, "cpu")]
     for kind, stage, with_ddp, offload in cases:
-        ref_model = Net(kind == "orthogonal")
+        ref_model = TwoLinearTanh(kind == "orthogonal")
         ref = _train(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=0.05), ref_model, kind)
-        model = Net(kind == "orthogonal")
+        model = TwoLinearTanh(kind == "orthogonal")
         forward = fusedist.DistributedDataParallel(model) if with_ddp else model
         opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=0.05,
                                                offload=offload)
         got = _train(model, opt, forward, kind)
         errors[kind, stage, with_ddp, offload] = max((got[k] - ref[k]).abs().max().item() for k in ref)
 
-    model = Net()
+    model = TwoLinearTanh()
     ddp = fusedist.DistributedDataParallel(model)
     opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05)
     ddp(torch.randn(2, 4)).sum().backward()

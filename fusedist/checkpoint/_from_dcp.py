@@ -72,6 +72,10 @@ def _restricted_planner(trusted: bool):
                 set_element(self.original_state_dict, self.mappings[key], value)
             self.state_dict[key] = value
 
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            _tag_layouts(self.state_dict, metadata)
+
         def resolve_tensor(self, read_item):  # Note [quantized storage in a torch distributed checkpoint]
             target = super().resolve_tensor(read_item).as_subclass(_Receiver)
             target._fusedist_item = (self, read_item)
@@ -83,6 +87,21 @@ def _restricted_planner(trusted: bool):
                 self._put(read_item.dest_index.fqn, received)
 
     return _Planner()
+
+
+def _tag_layouts(flat: dict, metadata) -> None:
+    """Each tensor read whose chunks record the layout of quantized storage (Note [the layout of
+    quantized storage in DCP] in fsdp/dcp.py) keeps it as ``LAYOUT_TAG``, through the tree's
+    reshaping to the model's names, for the load's check (``_load_plan._cross_packed``)."""
+    from ..fsdp.dcp import recorded_layout
+
+    for fqn, md in metadata.state_dict_metadata.items():
+        layout = recorded_layout(md)
+        if layout is not None and isinstance(flat.get(fqn), torch.Tensor):
+            setattr(flat[fqn], LAYOUT_TAG, layout)
+
+
+LAYOUT_TAG = "_fusedist_packed_layout"
 
 
 # Note [quantized storage in a torch distributed checkpoint]

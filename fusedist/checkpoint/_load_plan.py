@@ -70,8 +70,10 @@ def _cross_packed(saved: dict, target, sharded_target: bool, directory, layouts=
         layout). A weight of another inner layout (other block sizes: another class layout, or
         another byte count) is refused by name. The byte count alone does not tell the layout
         (NF4 weights of other scaler block sizes can have the same one), so ``fully_shard``
-        checkpoints record it (``layouts``, by key: ``stage3.packed_layout``) and canonical
-        bytes of another recorded layout are refused too, into either kind of model.
+        checkpoints record it (``layouts``, by key: ``fsdp.packed.layout_record``; in torch's
+        distributed checkpoint the chunks' metadata does, read as ``_from_dcp.LAYOUT_TAG``: Note
+        [the layout of quantized storage in DCP] in ``fsdp/dcp.py``) and canonical bytes of
+        another recorded layout are refused too, into either kind of model.
     """
     from ..fsdp.packed import canonical_slots, from_canonical, is_packed_candidate, to_canonical
 
@@ -81,7 +83,8 @@ def _cross_packed(saved: dict, target, sharded_target: bool, directory, layouts=
         if not isinstance(value, torch.Tensor):
             continue
         if tuple(value.shape) in (mine, other):  # (another byte count: refused below, by its count)
-            _check_layout(key, value, (layouts or {}).get(key), spec.canonical if spec is not None else
+            recorded = (layouts or {}).get(key, getattr(value, _from_dcp.LAYOUT_TAG, None))
+            _check_layout(key, value, recorded, spec.canonical if spec is not None else
                           canonical_slots(param)[0], param if spec is None else spec.cls, directory)
         if tuple(value.shape) == mine:
             continue
@@ -117,9 +120,11 @@ def _check_layout(key: str, value: torch.Tensor, recorded, layout: list, held, d
     """Canonical bytes ``value`` whose recorded layout (a ``fully_shard`` checkpoint's) is not
     the model's ``layout`` are refused by name (Note [quantized storage across run kinds]): read
     with the model's layout they would be another weight, silently."""
+    from ..fsdp.packed import layout_record
+
     if recorded is None or value.is_floating_point() or _is_wrapper(value):
         return
-    if [list(r) for r in recorded] != stage3.packed_layout(layout):
+    if [list(r) for r in recorded] != layout_record(layout):
         what = held if isinstance(held, type) else type(held)
         raise CheckpointError(
             f"fusedist.checkpoint: '{key}' in {directory} holds quantized storage whose inner tensors are "

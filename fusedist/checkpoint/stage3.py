@@ -224,17 +224,9 @@ def _packed_fragments(unit, i: int) -> list:
             for span, part in spec.entry_parts(spec.inner(unit.sharded[i]), shared=unit.rank == 0)]
 
 
-def packed_layout(slots: list) -> list:
-    """The layout of quantized storage's canonical bytes (``canonical_slots``) as a checkpoint
-    records it: ``[name, byte offset, shape, dtype name]`` of each inner tensor. The bytes alone
-    do not tell it: NF4 weights quantized with other block sizes can have the same byte count
-    (Note [quantized storage across run kinds] in ``_load_plan.py``)."""
-    return [[n, int(offset), list(shape), str(dtype).replace("torch.", "")] for n, offset, shape, dtype in slots]
-
-
 def packed_layouts(shards: list[dict]) -> dict:
     """``{state-dict key: recorded layout}`` of the quantized-storage weights of a stage-3
-    save's model shards (:func:`packed_layout`; none in a checkpoint written before it was recorded)."""
+    save's model shards (``fsdp.packed.layout_record``; none in a checkpoint written before it was recorded)."""
     if not shards:
         return {}
     return {k: m["packed"] for k, m in zip(shards[0]["keys"], shards[0]["param_meta"]) if "packed" in m}
@@ -244,6 +236,8 @@ def packed_layouts(shards: list[dict]) -> dict:
 @torch.no_grad()
 def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dict, set]:
     """This rank's ``model_shard`` section and the state-dict keys it covers."""
+    from ..fsdp import packed
+
     where = piece_index(model)
     tp_mesh = tensor_parallel_mesh(units(model))
     keys, meta, fragments = [], [], {}
@@ -257,7 +251,7 @@ def model_shard(model: torch.nn.Module, rank: int, world_size: int) -> tuple[dic
         meta.append(_meta(unit.sharded[i], where))
         spec = unit.ext[i]
         if spec is not None and spec.packed:  # its canonical bytes' ranges (Note [quantized storage])
-            meta[-1]["packed"] = packed_layout(spec.canonical)  # (what the bytes hold: checked at a load)
+            meta[-1]["packed"] = packed.layout_record(spec.canonical)  # (what the bytes hold: checked at a load)
             if _writes_piece(unit, i, tp_mesh):
                 fragments[k] = _packed_fragments(unit, i)
             continue

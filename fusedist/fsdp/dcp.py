@@ -117,6 +117,9 @@ class ShardedPiece(torch.Tensor):
     # whether this rank writes the entry's chunks: not for a parameter every tensor-parallel rank
     # holds alike, except on the first of them (Note [tensor-parallel parameters])
     _fs_writes: bool = True
+    # quantized storage: the layout of its canonical bytes (``packed.layout_record``), which the
+    # checkpoint records and a load checks (Note [the layout of quantized storage in DCP])
+    _fs_layout: Optional[list] = None
 
     @staticmethod
     def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
@@ -135,10 +138,13 @@ class ShardedPiece(torch.Tensor):
         return ShardedPiece._carrier(piece, full_shape, (tuple(offsets), tuple(sizes)), tuple(piece.shape))
 
     @staticmethod
-    def wrap_ranges(entry: torch.Tensor, full_shape, ranges) -> "ShardedPiece":
+    def wrap_ranges(entry: torch.Tensor, full_shape, ranges, layout: Optional[list] = None) -> "ShardedPiece":
         """The entry of quantized storage (Note [quantized storage] in packed.py): ``entry`` is
-        the byte ranges ``ranges`` of its canonical bytes (1-D, of ``full_shape``), end to end."""
-        return ShardedPiece._carrier(entry, full_shape, Ranges(ranges), tuple(entry.shape))
+        the byte ranges ``ranges`` of its canonical bytes (1-D, of ``full_shape``), end to end,
+        laid out as ``layout`` says (Note [the layout of quantized storage in DCP])."""
+        out = ShardedPiece._carrier(entry, full_shape, Ranges(ranges), tuple(entry.shape))
+        out._fs_layout = layout
+        return out
 
     @staticmethod
     def _carrier(t: torch.Tensor, full_shape, element_range, piece_shape) -> "ShardedPiece":
@@ -183,7 +189,7 @@ class ShardedPiece(torch.Tensor):
     def _placed_as(self, src: "ShardedPiece") -> "ShardedPiece":
         """This entry with ``src``'s place in the parameter: its whole size, and for tensor
         parallelism the local tensor's shape and offsets and whether this rank writes it."""
-        self._fs_size, self._fs_writes = src._fs_size, src._fs_writes
+        self._fs_size, self._fs_writes, self._fs_layout = src._fs_size, src._fs_writes, src._fs_layout
         return self.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else self
 
     @property
@@ -249,14 +255,21 @@ class ShardedPiece(torch.Tensor):
             return []
         props = TensorProperties.create_from_tensor(self.local())
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(o),
-                                                                                 sizes=torch.Size(s)),
-                                                      properties=props, size=self._fs_size))
+                          tensor_data=TensorWriteData(chunk=self._recorded(ChunkStorageMetadata(
+                              offsets=torch.Size(o), sizes=torch.Size(s))), properties=props, size=self._fs_size))
                 for o, s in self._chunks()]
+
+    def _recorded(self, chunk):
+        """``chunk`` carrying the layout of quantized storage (Note [the layout of quantized
+        storage in DCP])."""
+        if self._fs_layout is not None:
+            setattr(chunk, LAYOUT_KEY, self._fs_layout)
+        return chunk
 
     def __create_chunk_list__(self) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
+        _check_layout_at_read(self)
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self._chunks()]
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
@@ -268,6 +281,69 @@ class ShardedPiece(torch.Tensor):
             start += n
         raise ValueError(f"FQN '{index.fqn}': this rank's piece ({describe_region(self._fs_range)} of shape "
                          f"{tuple(self._fs_size)}) holds no chunk at offsets {tuple(index.offset or ())}")
+
+
+# Note [the layout of quantized storage in DCP]
+#     A quantized-storage entry is its canonical bytes (Note [quantized storage] in packed.py),
+#     and the byte count does not tell their layout: NF4 weights quantized with other scaler
+#     block sizes can have the same count, and a load read one as the other -- other numbers,
+#     silently. So each chunk the entry writes carries the layout (``LAYOUT_KEY``, plain lists:
+#     DCP pickles the chunks' fields into ``.metadata``, where torch's own loads, a FSDP2 model's
+#     among them, ignore it). A load compares it with the model's: ``dcp.load`` into the entries
+#     of ``model.state_dict()`` when torch's planner asks an entry for its chunks (the caller's
+#     ``md``: the checkpoint's record of the key, found as ``_stager_code`` finds the stager),
+#     and ``fusedist.checkpoint.load`` from the metadata it reads (``_from_dcp.read``). A
+#     checkpoint written before the record has none: only its byte count is checked.
+LAYOUT_KEY = "fusedist_packed_layout"
+
+
+def recorded_layout(md) -> Optional[list]:
+    """The layout of quantized storage recorded in DCP's metadata ``md`` of one key (a
+    ``TensorStorageMetadata``), or None (Note [the layout of quantized storage in DCP])."""
+    for chunk in getattr(md, "chunks", None) or ():
+        layout = getattr(chunk, LAYOUT_KEY, None)
+        if layout is not None:
+            return [list(r) for r in layout]
+    return None
+
+
+def layout_mismatch(key: str, recorded: Optional[list], layout: Optional[list]) -> Optional[str]:
+    """Why canonical bytes recorded as ``recorded`` cannot load into a weight of ``layout``, or
+    None (either unknown, or the same)."""
+    if recorded is None or layout is None or [list(r) for r in recorded] == [list(r) for r in layout]:
+        return None
+    return (f"'{key}' holds quantized storage whose inner tensors are {_inner(recorded)}; the model's weight has "
+            f"{_inner(layout)} (quantized with other block sizes?): its bytes would load as other numbers. "
+            "Quantize the model's weight as the saved one was")
+
+
+def _inner(layout: list) -> str:
+    return ", ".join(f"{n} {tuple(shape)} {dtype}" for n, _, shape, dtype in layout)
+
+
+def _read_items_code():
+    """The code object of torch's ``planner_helpers._create_read_items``, or None."""
+    helpers = sys.modules.get("torch.distributed.checkpoint.planner_helpers")
+    return getattr(getattr(helpers, "_create_read_items", None), "__code__", None)
+
+
+def _check_layout_at_read(piece: "ShardedPiece") -> None:
+    """Refuse a ``dcp.load`` of canonical bytes recorded in another layout than ``piece``'s
+    (Note [the layout of quantized storage in DCP]): torch's planner asks for the chunks from
+    ``_create_read_items(fqn, md, obj)``, through ``_create_chunk_list``."""
+    if piece._fs_layout is None:
+        return
+    try:
+        frame = sys._getframe(3)  # (this, __create_chunk_list__, _create_chunk_list, _create_read_items)
+    except ValueError:
+        return
+    code = _read_items_code()
+    if code is None or frame.f_code is not code:
+        return
+    fqn, md = frame.f_locals.get("fqn"), frame.f_locals.get("md")
+    problem = layout_mismatch(str(fqn), recorded_layout(md), piece._fs_layout)
+    if problem is not None:  # (not a ValueError: torch's caller rewords those as a metadata type error)
+        raise RuntimeError(f"fully_shard state dict: loading torch's distributed checkpoint: {problem}")
 
 
 class Ranges(tuple):

@@ -40,7 +40,9 @@ weight. fusedist follows that contract and stores the result in its flat shard:
   tensors and alignment gaps are held by every rank alike. ``model.state_dict()`` gives each
   rank's ranges as one entry (DCP writes the alike ranges once), ``fusedist.checkpoint``
   writes them as range fragments (the alike ones from the group's first rank), so both load
-  into a ``fully_shard`` model at any world size whose chunks the subclass can cut.
+  into a ``fully_shard`` model at any world size whose chunks the subclass can cut. Both
+  record the bytes' layout (:func:`layout_record`): the byte count does not tell it (Note
+  [the layout of quantized storage in DCP] in dcp.py).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ import torch
 
 from .extension import ExtensionSpec, as_bytes
 
-__all__ = ["PackedSpec", "is_packed_candidate", "canonical_slots", "to_canonical", "from_canonical", "ctx_on"]
+__all__ = ["PackedSpec", "is_packed_candidate", "canonical_slots", "layout_record", "to_canonical", "from_canonical",
+           "ctx_on"]
 
 _ALIGN = 16  # bytes: every dtype views in place at such an offset
 
@@ -92,6 +95,14 @@ def canonical_slots(whole) -> tuple[list, int]:
         slots.append((n, offset, tuple(t.shape), t.dtype))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     return slots, max(offset, _ALIGN)
+
+
+def layout_record(slots: list) -> list:
+    """The layout ``slots`` (:func:`canonical_slots`) as checkpoints record it: ``[name, byte
+    offset, shape, dtype name]`` of each inner tensor, plain values only (fusedist's own
+    checkpoints and torch DCP ones both record it). The bytes alone do
+    not tell it: NF4 weights quantized with other block sizes can have the same byte count."""
+    return [[n, int(offset), list(shape), str(dtype).replace("torch.", "")] for n, offset, shape, dtype in slots]
 
 
 def to_canonical(whole) -> torch.Tensor:

@@ -152,7 +152,10 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     region = piece_region(unit, index)
     spec = unit.ext[index]
     if spec is not None and spec.packed:  # its ranges of the canonical bytes (Note [quantized storage])
-        return ShardedPiece.wrap_ranges(spec.entry(spec.inner(value.detach())), (spec.canonical_bytes,), region)
+        from .packed import layout_record
+
+        return ShardedPiece.wrap_ranges(spec.entry(spec.inner(value.detach())), (spec.canonical_bytes,), region,
+                                        layout_record(spec.canonical))
     # (an extension piece: the high-precision values its subclass wraps, Note [all-gather extension])
     value = values_of(value.detach())
     if isinstance(value, ShardedPiece):

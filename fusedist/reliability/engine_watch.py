@@ -158,6 +158,7 @@ class StepWatch(WatchBase, EngineObserver):
             unused_count,
             self._trainable_crc(tracker),
             0,  # the parameter digest, when due, is written on the device
+            0,  # replicas: fully_shard's (Note [replica check] in sharded_watch.py)
         ], {"buckets": len(engine.layout.buckets),
             "unused_names": [engine.names[engine.index_of[p]] for p in unused],
             "checked_now": checked_now,

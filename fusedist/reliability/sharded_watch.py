@@ -30,25 +30,39 @@ Note [replica check]
     changes its piece (in place, by a checkpoint load or an optimizer step of its own) trains
     on with replicas that differ, silently. So every ``FUSEDIST_PARAM_CHECK_EVERY``
     synchronized backwards (Note [parameter check] in ``param_check.py``) and at every
-    ``check_now()``, each rank all-reduces ``[d, -d]`` over its replicate group (MAX), ``d``
-    the digest of its pieces, right after the last unit's reduce-scatter (the same point of
-    every rank's order). Its spread ``max(d) - min(d)`` is nonzero iff the replicas of this
-    rank's pieces differ; the step check's ``params`` field then carries 0 where they agree,
-    else the rank's shard position + 1. Every shard group holds one rank of every replicate
-    group, so every shard group sees the same field values, and the verdict (a mismatch on
-    every rank) is the same everywhere; each rank then names, over its replicate group, the
-    parameters whose pieces differ and the global ranks that agree. On a (replicas, 1) mesh the
-    shard groups are single ranks: the step check itself runs over the replicate group there,
-    its ``params`` field the digest (the counters are compared across the replicas too).
+    ``check_now()``, each rank all-gathers ``[d, sync_steps, forwards, backwards, optimizer
+    steps]`` over its replicate group, ``d`` the digest of its pieces, right after the last
+    unit's reduce-scatter (the same point of every rank's order). The counters matter as much
+    as the digest: the step check compares them over the shard group only, so a whole shard
+    group that skips an optimizer step, or runs a forward without its backward, agrees with
+    itself, and the replicate all-reduce averages gradients of different steps with nothing
+    reported (the parameters may even stay equal). Where this rank's replicas ran different
+    steps, the step check's ``replicas`` field carries the rank's shard position + 1 (and
+    ``params`` 0: digests of different steps say nothing more); else, where their digests
+    differ, ``params`` carries it; 0 where they agree. Every shard group holds one rank of
+    every replicate group, so every shard group sees the same field values, and the verdict
+    (a mismatch on every rank) is the same everywhere; each rank then names the counters its
+    replicas disagree on and the global ranks at each value (from the table it holds), or,
+    over its replicate group, the parameters whose pieces differ and the global ranks that
+    agree. So a skip is found within ``FUSEDIST_PARAM_CHECK_EVERY`` synchronized backwards
+    (or at the next ``check_now()``), not at once; ``=0`` turns this comparison off too. A
+    shard group that skips a whole iteration (forward, backward and step) stays in step with
+    its replicas by every counter -- their gradients pair one batch apart -- and only runs
+    out of iterations first (its replicas then stall, with a stall report). On a (replicas, 1)
+    mesh the shard groups are single ranks: the step check itself runs over the replicate
+    group there, its ``params`` field the digest (the counters are compared across the
+    replicas at every step).
 
-    Cost: the digest of the rank's pieces and one 2-element all-reduce, waited for (its result
-    goes into the step check's vector: the host waits for the slowest replica there), once per
-    period. Measured on CPU (gloo, 2 x 2 mesh, 4 ranks on a loaded 2-core machine, one thread
-    each, 2026-12-06), 4 units of Linear + Tanh, batch 16: the digest and all-reduce took
-    3-6 ms at 8.4K parameters per rank and 6.5 ms at 0.53M; with ``FUSEDIST_PARAM_CHECK_EVERY=1``
-    a step took 84 ms instead of 75, and 123 instead of 79 (most of it the wait for the other
-    replica, which the oversubscribed cores make long); at the default period of 100, 0.1% and
-    0.6% of a step.
+    Cost: the digest of the rank's pieces and one small all-gather (5 int64 per rank),
+    waited for (its result goes into the step check's vector: the host waits for the slowest
+    replica there), once per period. Measured on CPU (gloo, 2 x 2 mesh, 4 ranks on a loaded
+    2-core machine, one thread each, 2026-12-06), 4 units of Linear + Tanh, batch 16: the
+    digest and exchange took 3-6 ms at 8.4K parameters per rank and 6.5 ms at 0.53M (the
+    all-gather with the counters cost the same as the 2-element all-reduce of the digest
+    alone it replaced: 4.1-4.6 ms against 4.3-5.7, 5.9-7.0 against 6.2-7.4, alternated in one
+    run); with ``FUSEDIST_PARAM_CHECK_EVERY=1`` a step took 84 ms instead of 75, and 123
+    instead of 79 (most of it the wait for the other replica, which the oversubscribed cores
+    make long); at the default period of 100, 0.1% and 0.6% of a step.
 """
 
 from __future__ import annotations
@@ -105,6 +119,7 @@ class ShardedStepWatch(WatchBase):
             self.step_check = StepCheck(self.replicate_comm, self.check_tag)
         self.param_every = param_check_every() if self.replicate_comm is not None else 0
         self._replicas: Optional[ParamDigest] = None  # the digests of this rank's pieces, built when first due
+        self._replica_table: Optional[torch.Tensor] = None  # the last exchange with the replicas (digest, counters)
         self._units_of = units
         from . import optimizer_guard
 
@@ -156,7 +171,7 @@ class ShardedStepWatch(WatchBase):
     def _launch(self, checked_now: bool) -> None:
         detail = dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
                       describe_trainable=self._describe_units)
-        flag = None
+        flag = replicas = None
         if self.param_every and (checked_now or self.sync_steps % self.param_every == 0):
             detail.update(explain=dict(SUBJECT["explain"], params=REPLICAS_DIFFER))
             if self.replicas_only:  # (the step check's ranks are the replicas: the digest itself)
@@ -164,22 +179,33 @@ class ShardedStepWatch(WatchBase):
                 detail.update(describe_params=lambda comm, skip=(): self._replicas.describe(
                     comm, skip, labels=global_ranks(comm)))
             else:
-                flag = self._replica_flag()  # Note [replica check]
-                detail.update(describe_params=self._describe_replicas, params_listed=False)
+                flag, replicas = self._replica_flags()  # Note [replica check]
+                detail.update(describe_params=self._describe_replicas, params_listed=False,
+                              describe_replicas=self._describe_replica_steps)
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
-             self.comm.last_seq, self._gradients_crc, self._units_crc, 0],  # (params: the replica flag, if due)
-            detail, digest=flag)
+             self.comm.last_seq, self._gradients_crc, self._units_crc, 0, 0],  # (the replica flags, if due)
+            detail, digest=flag, replicas=replicas)
 
     @torch.no_grad()
-    def _replica_flag(self) -> torch.Tensor:
-        """Note [replica check]: 0 where the replicas of this rank's pieces agree, else the
-        rank's shard position + 1 (a 0-dim int64 tensor on the device)."""
+    def _replica_flags(self) -> tuple:
+        """Note [replica check]: the ``params`` and ``replicas`` flags (0-dim int64 tensors on
+        the device): 0 where the replicas of this rank's pieces agree, else the rank's shard
+        position + 1 -- ``replicas`` where they ran different steps, else ``params`` where their
+        pieces differ. Keeps the exchanged table for the report."""
         comm = self.replicate_comm
-        digest = self._pieces().compute(comm.device)
-        bounds = torch.stack([digest, -digest])
-        comm.all_reduce(bounds, op="max", tag="fully_shard replica check").wait()
-        return (bounds.sum() != 0).to(torch.int64) * (self.rank + 1)
+        counters = torch.tensor([self.sync_steps, self.forwards, self.backwards, self.optimizer_steps],
+                                dtype=torch.int64)
+        if comm.device.type == "cuda":  # pinned + non_blocking: a pageable copy would synchronize the host
+            counters = counters.pin_memory()
+        mine = torch.cat([self._pieces().compute(comm.device).view(1), counters.to(comm.device, non_blocking=True)])
+        table = torch.empty(comm.world_size, mine.numel(), dtype=torch.int64, device=comm.device)
+        comm.all_gather(table.view(-1), mine, tag="fully_shard replica check").wait()
+        self._replica_table = table
+        differ = table.amax(0) != table.amin(0)
+        steps = differ[1:].any()  # (then the digests are of different steps: a consequence)
+        position = self.rank + 1
+        return (differ[0] & ~steps).to(torch.int64) * position, steps.to(torch.int64) * position
 
     def _pieces(self) -> ParamDigest:
         if self._replicas is None:
@@ -190,11 +216,37 @@ class ShardedStepWatch(WatchBase):
         """The lines naming the pieces whose replicas differ (a collective over the replicate
         group: every rank calls it on the same verdict, Note [replica check])."""
         replicas = self.replicate_comm
+        if self._replica_steps_differ():  # (the same on every rank of the group: none of them calls)
+            return []
         lines = self._replicas.describe(replicas, labels=global_ranks(replicas))
         if not lines:
             return []
         shown = global_ranks(replicas) or list(range(replicas.world_size))
         return [f"  replicas of rank {_global(self.comm, self.rank)}'s pieces (ranks {shown}):"] + lines
+
+    def _replica_steps_differ(self) -> bool:
+        """Whether this rank's replicas sent different counters in the last exchange (the same
+        answer on every rank of the replicate group: they hold the same table)."""
+        table = self._replica_table
+        return bool((table[:, 1:].amax(0) != table[:, 1:].amin(0)).any())
+
+    def _describe_replica_steps(self) -> list:
+        """The lines naming the counters on which this rank's replicas differ and the global
+        ranks at each value, from the table exchanged with them (local: no collective)."""
+        if not self._replica_steps_differ():
+            return []
+        table = self._replica_table.tolist()
+        shown = global_ranks(self.replicate_comm) or list(range(self.replicate_comm.world_size))
+        lines = [f"  replicas of rank {_global(self.comm, self.rank)}'s pieces (ranks {shown}) ran different steps:"]
+        for column, name in enumerate(REPLICA_COUNTERS, start=1):
+            groups: dict = {}
+            for position, row in enumerate(table):
+                groups.setdefault(row[column], []).append(shown[position])
+            if len(groups) > 1:
+                listing = "; ".join(f"ranks {ranks}: {value}"
+                                    for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+                lines.append(f"    {name}: {listing}")
+        return lines
 
     def _describe_units(self, comm) -> list:
         """This rank's units in forward order, for the mismatch report (every rank prints its own)."""
@@ -220,6 +272,10 @@ REPLICAS_DIFFER = ("the replicas of a shard (the ranks holding the same pieces a
                    "dimension) hold different values: a rank changed weights in place, loaded a checkpoint, or "
                    "stepped an optimizer or a learning-rate scheduler on its own; the replicas now train different "
                    "models (load or change weights on every rank alike)")
+
+
+#: The counters the replicas compare at the parameter-check period (Note [replica check]).
+REPLICA_COUNTERS = ("synchronized backwards", "training forwards", "backwards", "optimizer steps")
 
 
 def _named_pieces(units) -> list:

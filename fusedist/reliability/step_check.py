@@ -19,6 +19,9 @@ Note [step check]
         params           every few steps and at check_consistency(), a digest of the
                          replicated parameters' values, else 0 (Note [parameter check] in
                          param_check.py)
+        replicas         fully_shard on a (replicate, shard) mesh, at the parameter check's
+                         period: a flag, nonzero where the replicas of this rank's pieces ran
+                         different steps (Note [replica check] in sharded_watch.py); else 0
 
     The vector ``[v, -v]`` is all-reduced with MAX, giving every rank ``max(v)`` and
     ``min(v)`` exactly (int64), so every rank reaches the same verdict -- agreement iff
@@ -63,7 +66,7 @@ from .stall_report import global_ranks
 JOINED = -(2**62)
 
 FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable",
-          "params")
+          "params", "replicas")
 
 _EXPLAIN = {
     "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
@@ -83,6 +86,9 @@ _EXPLAIN = {
     "a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the model was wrapped with "
     "init_sync=False from different values; the ranks now train different models (load or change weights "
     "on every rank alike, before wrapping)",
+    "replicas": "the replicas of a shard (the ranks holding the same pieces along the mesh's replicate dimension) "
+    "ran different steps: a whole shard group skipped or added a forward, a backward or an optimizer step, so "
+    "the replicate all-reduce averaged gradients of different steps",
 }
 
 
@@ -109,11 +115,13 @@ class StepCheck:
         _checks.add(self)
         at_exit("report unread step-check verdicts", _report_unread_at_exit)  # Note [verdicts unread at exit]
 
-    def launch(self, values: Optional[list[int]], detail: dict, digest: Optional[torch.Tensor] = None) -> None:
+    def launch(self, values: Optional[list[int]], detail: dict, digest: Optional[torch.Tensor] = None,
+               replicas: Optional[torch.Tensor] = None) -> None:
         """Start this step's check (async); its verdict is read by :meth:`settle`.
         ``values=None``: this rank has joined and is not compared. ``digest``: the ``params``
         field (a 0-dim int64 tensor on the device, Note [parameter check]), written there;
-        else ``values`` holds it."""
+        else ``values`` holds it. ``replicas``: the ``replicas`` field, the same way (Note
+        [replica check] in sharded_watch.py)."""
         self.settle()
         if values is None:
             values = [JOINED] * self.k
@@ -123,11 +131,13 @@ class StepCheck:
         if self.on_cuda:  # pinned + non_blocking: a pageable copy would synchronize the host
             local = local.pin_memory()
         self.buf.copy_(local, non_blocking=self.on_cuda)
-        if digest is not None and values[0] != JOINED:
-            field = FIELDS.index("params")
-            self.buf[field].copy_(digest)
-            self.buf[self.k + field].copy_(-digest)
-            detail = dict(detail, param_digest=digest)
+        on_device = {name: t for name, t in (("params", digest), ("replicas", replicas)) if t is not None}
+        if on_device and values[0] != JOINED:
+            for name, t in on_device.items():
+                field = FIELDS.index(name)
+                self.buf[field].copy_(t)
+                self.buf[self.k + field].copy_(-t)
+            detail = dict(detail, on_device=on_device)
         handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag=self.tag)
         host = event = None
         if self.on_cuda:
@@ -209,6 +219,9 @@ class StepCheck:
             # (a collective too; with different step counts the digests are of different steps)
             joined = [r for r, row in enumerate(table) if row[0] == JOINED]
             detail = dict(detail, param_lines=describe(self.comm, joined))
+        describe = detail.get("describe_replicas")
+        if describe is not None and _differs(table, FIELDS.index("replicas")):
+            detail = dict(detail, replica_lines=describe())  # (local: what this rank's replicas exchanged)
         raise RankMismatchError(render_mismatch(table, self.comm.rank, dict(detail, global_ranks=global_ranks(
             self.comm))))
 
@@ -219,12 +232,14 @@ def _differs(table: list[list[int]], column: int) -> bool:
 
 
 def _with_digest(values: list[int], detail: dict) -> list[int]:
-    """``values`` with this rank's parameter digest, which stayed on the device, read in."""
-    digest = detail.get("param_digest")
-    if digest is None:
+    """``values`` with this rank's fields that stayed on the device (the parameter digest, the
+    replica flag) read in."""
+    on_device = detail.get("on_device")
+    if not on_device:
         return values
     values = list(values)
-    values[FIELDS.index("params")] = int(digest.item())
+    for name, t in on_device.items():
+        values[FIELDS.index(name)] = int(t.item())
     return values
 
 
@@ -322,6 +337,9 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
             if reduced[0] == -reduced[k]:
                 lines.append(f"  {field}: the ranks' digests differ -- {explain}")
             continue
+        if field == "replicas":  # a flag (Note [replica check]): its range says nothing
+            lines.append(f"  {field}: {explain}")
+            continue
         mine = "joined" if values[i] == JOINED else values[i]
         lines.append(f"  {field}: ranks range from {low} to {high} (rank {rank}: {mine}) -- {explain}")
     if error is not None:
@@ -381,6 +399,9 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
             if detail.get("params_listed") is False:  # (a flag of its own, Note [replica check]: no ranks to list)
                 lines.append(f"  {field}: {detail.get('explain', {}).get(field, _EXPLAIN[field])}")
                 continue
+        elif field == "replicas":  # a flag: the lines of each rank's replicas say who ran what
+            lines.append(f"  {field}: {detail.get('explain', {}).get(field, _EXPLAIN[field])}")
+            continue
         else:
             listing = "; ".join(f"ranks {ranks}: {value}"
                                 for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
@@ -391,6 +412,7 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
         lines.append(f"  ranks {joined} had run out of inputs (joined) and were not compared")
     lines.extend(detail.get("trainable_lines", ()))
     lines.extend(detail.get("param_lines", ()))
+    lines.extend(detail.get("replica_lines", ()))
     unused = detail.get("unused_names")
     if unused:
         more = " ..." if len(unused) > 10 else ""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import models
-from fusedist.testing import DistributedRunError, run_distributed
+from fusedist.testing import run_distributed
 
 BACKEND = "eager"
 
@@ -149,8 +149,8 @@ def _ddp_worker(rank, ws):
     return out
 
 
-def test_compiled_training_step_ddp_and_zero_match_torch():
-    for rank, out in enumerate(run_distributed(_ddp_worker, 2, timeout=300)):
+def test_compiled_training_step_ddp_and_zero_match_torch(shared_launch):
+    for rank, out in enumerate(_outcome(shared_launch, "ddp")):
         for case, (diff, graphs) in out.items():
             # (a compiled AdamW against the eager one: last bits only)
             assert diff < 1e-5, f"rank {rank}, {case}: max |torch DDP - fusedist| = {diff}"
@@ -172,9 +172,9 @@ def _syncbn_worker(rank, ws):
     return _max_diff(single.parameters(), sync.module.parameters()), graphs
 
 
-def test_compiled_training_step_syncbn_matches_global_batchnorm():
+def test_compiled_training_step_syncbn_matches_global_batchnorm(shared_launch):
     """SyncBatchNorm's backward, a custom Function, inside the compiled step."""
-    for rank, (diff, graphs) in enumerate(run_distributed(_syncbn_worker, 2, timeout=300)):
+    for rank, (diff, graphs) in enumerate(_outcome(shared_launch, "syncbn")):
         assert diff < 1e-5, f"rank {rank}: max |BatchNorm on the global batch - SyncBatchNorm| = {diff}"
         assert graphs[-1] == graphs[0], f"rank {rank}: recompiled, graphs after each step {graphs}"
 
@@ -216,9 +216,9 @@ def _fsdp_worker(rank, ws):
     return max((ref[k] - got[k]).abs().max().item() for k in ref), graphs, scaled
 
 
-def test_compiled_training_step_fully_shard_matches_fsdp2():
+def test_compiled_training_step_fully_shard_matches_fsdp2(shared_launch):
     """(16 parameters: the step guard, traced, recompiled past dynamo's limit of 8.)"""
-    for rank, (diff, graphs, scaled) in enumerate(run_distributed(_fsdp_worker, 2, timeout=300)):
+    for rank, (diff, graphs, scaled) in enumerate(_outcome(shared_launch, "fully_shard")):
         assert diff < 1e-6, f"rank {rank}: max |FSDP2 - fusedist| = {diff}"
         assert scaled < 1e-6, f"rank {rank}: GradScaler and clip, max |eager - compiled| = {scaled}"
         assert graphs[-1] == graphs[0], f"rank {rank}: recompiled, graphs after each step {graphs}"
@@ -246,10 +246,47 @@ def _compiled_autograd_worker(rank, ws, kind, around_forward):
 
 
 @pytest.mark.parametrize("kind", ["fully_shard", "DistributedDataParallel"])
-def test_compiled_autograd_refused_by_name(kind):
+def test_compiled_autograd_refused_by_name(kind, shared_launch):
     """DDP refused it at the training forward; enabled around the backward alone, it (and
     fully_shard in both cases) let the backward finish without its end-of-backward callback
     (fully_shard's last reduction), and the step then said no backward had run."""
     for around_forward in (True, False):
-        with pytest.raises(DistributedRunError, match=f"{kind}: compiled autograd is enabled"):
-            run_distributed(_compiled_autograd_worker, 2, kind, around_forward, timeout=120)
+        for rank, raised in enumerate(shared_launch[(kind, around_forward)]):
+            assert isinstance(raised, str) and f"{kind}: compiled autograd is enabled" in raised, \
+                (kind, around_forward, rank, raised)
+
+
+# One launch of 2 ranks runs every check above in sequence (each launch costs a process group
+# and the imports in every rank, and dynamo's first compile in a process costs more than the
+# next); the refusals run last, each rank catching its own error.
+_JOBS = {"ddp": (_ddp_worker,), "syncbn": (_syncbn_worker,), "fully_shard": (_fsdp_worker,),
+         **{(kind, around): (_compiled_autograd_worker, kind, around)
+            for kind in ("fully_shard", "DistributedDataParallel") for around in (True, False)}}
+
+
+def _jobs_worker(rank, ws):
+    """{job: result, or the traceback of the error it raised}."""
+    import traceback
+
+    out = {}
+    for job, (worker, *args) in _JOBS.items():
+        torch._dynamo.reset()
+        try:
+            out[job] = worker(rank, ws, *args)
+        except Exception:  # noqa: BLE001 - reported by the job's test
+            out[job] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_launch():
+    """{job: per-rank results} of every job of :data:`_JOBS`."""
+    per_rank = run_distributed(_jobs_worker, 2, timeout=600)
+    return {job: [results[job] for results in per_rank] for job in _JOBS}
+
+
+def _outcome(shared: dict, job: str) -> list:
+    """The per-rank results of ``job``; a rank that raised fails the test with its traceback."""
+    for rank, res in enumerate(shared[job]):
+        assert not isinstance(res, str), f"{job}, rank {rank} raised:\n{res}"
+    return shared[job]

@@ -333,11 +333,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_lightning_recipe_matches_lightning_ddp(case, tmp_path):
+def test_lightning_recipe_matches_lightning_ddp(case, shared_launch):
     cfg, tol = CASES[case]
-    seed = random.randrange(2**31)
-    out = run_distributed(_side_by_side_worker, 2, cfg, seed, str(tmp_path), timeout=180)
-    for rank, res in enumerate(out):
+    seed, per_rank = shared_launch[case]
+    for rank, res in enumerate(_outcome(per_rank, case)):
         what = f"{case}, rank {rank}, data seed {seed}"
         stage2 = cfg.get("fusedist", {}).get("zero_stage") == 2
         # The norms are of p.grad when the step begins: in manual optimization that is after the
@@ -370,14 +369,13 @@ def _stage2_clip_by_value_worker(rank, world, seed):
     _fit("fusedist", dict(clip_by="value", fusedist=dict(zero_stage=2)), seed)
 
 
-def test_clip_by_value_on_zero_stage_2_is_refused():
+def test_clip_by_value_on_zero_stage_2_is_refused(shared_launch):
     """Stage 2 keeps no p.grad for torch's clip by value to clamp (Note [clipping by value on
     stage 2]): torch's clip used to fail on the empty list of gradients with an internal
     message; now every rank stops at the first clip with one that names the setting."""
-    seed = random.randrange(2**31)
-    out = run_distributed(_stage2_clip_by_value_worker, 2, seed, timeout=120, expect_failure=True)
-    for status, value in out:
-        assert status == "error" and "gradient_clip_algorithm='value'" in value, (seed, status, str(value)[-2000:])
+    seed, per_rank = shared_launch["clip by value on stage 2"]
+    for value in per_rank:
+        assert isinstance(value, str) and "gradient_clip_algorithm='value'" in value, (seed, str(value)[-2000:])
 
 
 def _comm_hook_worker(rank, world, seed):
@@ -407,14 +405,66 @@ def _comm_hook_worker(rank, world, seed):
     return out
 
 
-def test_comm_hook_wrapper_is_applied():
+def test_comm_hook_wrapper_is_applied(shared_launch):
     """``ddp_comm_wrapper`` used to be dropped: the hook ran unwrapped, without the bf16
     compression asked for (Note [communication hook wrappers]). Lightning's own DDP registers
     hooks on CUDA only, so the reference is fusedist with torch's bf16 compress hook."""
-    seed = random.randrange(2**31)
-    for rank, res in enumerate(run_distributed(_comm_hook_worker, 2, seed, timeout=120)):
+    seed, per_rank = shared_launch["communication hooks"]
+    for rank, res in enumerate(_outcome(per_rank, "communication hooks")):
         what = f"rank {rank}, data seed {seed}"
         assert torch.equal(res["wrapped"], res["hook"]), what
         assert not torch.equal(res["wrapped"], res["plain"]), what  # the compression rounds
         # allreduce_hook divides by 2 before the sum as fusedist's own average does: the same bits.
         assert torch.equal(res["own wrapper"], res["plain"]) and res["calls"] > 0, what
+
+
+# ----------------------------------------------------------------------------- one launch
+# One launch of 2 ranks runs the jobs of the tests of this file that pytest runs, in sequence
+# (each launch costs a process group and the imports of torch and Lightning in every rank); the
+# refusal runs last, as its ranks stop inside a Trainer.
+_FOCUSED = {"communication hooks": ("test_comm_hook_wrapper_is_applied", _comm_hook_worker),
+            "clip by value on stage 2": ("test_clip_by_value_on_zero_stage_2_is_refused",
+                                         _stage2_clip_by_value_worker)}
+
+
+def _jobs_worker(rank, world, jobs, root):
+    """Each job in turn, with its own data seed and checkpoint folder: a recipe case (side by
+    side) or a focused check; a job that raises gives its traceback, and the next one runs."""
+    import traceback
+
+    out = {}
+    for job, seed in jobs:
+        try:
+            if job in CASES:
+                where = os.path.join(root, f"case{list(CASES).index(job)}")
+                out[job] = _side_by_side_worker(rank, world, CASES[job][0], seed, where)
+            else:
+                out[job] = _FOCUSED[job][1](rank, world, seed)
+        except Exception:  # noqa: BLE001 - reported by the job's test
+            out[job] = traceback.format_exc()
+    return out
+
+
+def _job_of(item):
+    """The shared launch's job of a collected test of this file, or None."""
+    if getattr(item, "originalname", None) == "test_lightning_recipe_matches_lightning_ddp":
+        return item.callspec.params["case"]
+    return next((job for job, (test, _) in _FOCUSED.items() if item.name == test), None)
+
+
+@pytest.fixture(scope="module")
+def shared_launch(request, tmp_path_factory):
+    """{job: (data seed, per-rank results)} for the jobs of the tests of this file that pytest runs."""
+    jobs = [_job_of(item) for item in request.session.items if item.module is request.module]
+    jobs = sorted({job for job in jobs if job is not None}, key=lambda job: job == "clip by value on stage 2")
+    seeds = [(job, random.randrange(2**31)) for job in jobs]
+    per_rank = run_distributed(_jobs_worker, 2, seeds, str(tmp_path_factory.mktemp("lightning")),
+                               timeout=600)
+    return {job: (seed, [results[job] for results in per_rank]) for job, seed in seeds}
+
+
+def _outcome(per_rank: list, job: str) -> list:
+    """The per-rank results of ``job``; a rank that raised fails the test with its traceback."""
+    for rank, res in enumerate(per_rank):
+        assert not isinstance(res, str), f"{job}, rank {rank} raised:\n{res}"
+    return per_rank

@@ -17,6 +17,7 @@ one rank's piece loaded everywhere, or a fresh state -- is off by ~1e-3 or more)
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -79,13 +80,58 @@ def _helpers_load(rank, ws, where, opt_name, kind, scalar=True):
     return out
 
 
+# The checkpoints every test below loads: (kind, optimizer, 0-dim parameter) -- fusedist's model
+# with each optimizer, and each side of the interchange with torch's FSDP2 (no 0-dim parameters).
+SAVES = [("ours", opt_name, True) for opt_name in OPTIMIZERS] + [("ours", "adamw", False), ("torch", "adamw", False)]
+# The loads at each world size: {world size: [(saved checkpoint, kind loading it)]}.
+LOADS = {2: [(save, "ours") for save in SAVES[:3]],
+         3: [(save, "ours") for save in SAVES[:3]] + [(SAVES[3], "torch"), (SAVES[4], "ours")]}
+FULL_OPT_NAMES = ("adamw", "fused_adamw", "sgd_momentum")
+
+
+def _where(root: str, save) -> str:
+    return os.path.join(root, "-".join(map(str, save)))
+
+
+def _save_all(rank, ws, root):
+    """Every checkpoint of SAVES at 2 ranks, and the full-state-dict checks at 2, in one launch."""
+    saved = {save: _helpers_save(rank, ws, _where(root, save), save[1], save[0], save[2]) for save in SAVES}
+    return saved, _full_optim_helpers_each(rank, ws, FULL_OPT_NAMES)
+
+
+def _load_all(rank, ws, root):
+    """Every load of LOADS[ws] (and the full-state-dict checks at 3 ranks), in one launch."""
+    loaded = {(save, kind): _helpers_load(rank, ws, _where(root, save), save[1], kind, save[2])
+              for save, kind in LOADS[ws]}
+    return loaded, _full_optim_helpers_each(rank, ws, FULL_OPT_NAMES) if ws == 3 else None
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """One launch saves every checkpoint at 2 ranks, one loads at 2 and one at 3 (each launch
+    costs a process group and the imports in every rank): {"saved": rank 0's results by save,
+    world size: per-rank results by (save, kind), ("full", world size): per-rank full-state-dict results}."""
+    root = str(tmp_path_factory.mktemp("ck"))
+    out = {}
+    saved = run_distributed(_save_all, 2, root, timeout=300)
+    out["saved"] = saved[0][0]
+    out[("full", 2)] = [by_opt for _, by_opt in saved]
+    for ws in (2, 3):
+        loaded = run_distributed(_load_all, ws, root, timeout=300)
+        out[ws] = [by_load for by_load, _ in loaded]
+        if ws == 3:
+            out[("full", 3)] = [by_opt for _, by_opt in loaded]
+    return out
+
+
 @pytest.mark.parametrize("load_ws", [3, 2])
 @pytest.mark.parametrize("opt_name", ["adamw", "fused_adamw", "sgd_momentum"])
-def test_optimizer_dcp_save_at_2_load_resharded_matches_uninterrupted(tmp_path, opt_name, load_ws):
-    where = str(tmp_path / "ck")
-    saved = run_distributed(_helpers_save, 2, where, opt_name, "ours")[0]
+def test_optimizer_dcp_save_at_2_load_resharded_matches_uninterrupted(launches, opt_name, load_ws):
+    save = ("ours", opt_name, True)
+    saved = launches["saved"][save]
     tol = 0.0 if load_ws == 2 else TOL3
-    for res in run_distributed(_helpers_load, load_ws, where, opt_name, "ours"):
+    for by_load in launches[load_ws]:
+        res = by_load[(save, "ours")]
         assert res["plain"]  # the optimizer holds plain pieces after the load
         assert _diff(res["weights"], saved["weights 2"]) == 0.0
         assert _diff(res["optim"], saved["optim 2"]) == 0.0
@@ -93,11 +139,12 @@ def test_optimizer_dcp_save_at_2_load_resharded_matches_uninterrupted(tmp_path, 
 
 
 @pytest.mark.parametrize("src,dst", [("ours", "torch"), ("torch", "ours")])
-def test_optimizer_dcp_interchange_with_torch_fsdp2(tmp_path, src, dst):
+def test_optimizer_dcp_interchange_with_torch_fsdp2(launches, src, dst):
     """A checkpoint of fusedist's model and AdamW loads into torch's FSDP2 at 3 ranks, and back."""
-    where = str(tmp_path / "ck")
-    saved = run_distributed(_helpers_save, 2, where, "adamw", src, False)[0]  # (FSDP2: no 0-dim parameters)
-    for res in run_distributed(_helpers_load, 3, where, "adamw", dst, False):
+    save = (src, "adamw", False)  # (FSDP2: no 0-dim parameters)
+    saved = launches["saved"][save]
+    for by_load in launches[3]:
+        res = by_load[(save, dst)]
         assert res["plain"]
         assert _diff(res["weights"], saved["weights 2"]) == 0.0
         assert _diff(res["optim"], saved["optim 2"]) == 0.0
@@ -163,9 +210,9 @@ def _full_optim_helpers_each(rank, ws, opt_names):
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-def test_optimizer_full_state_dict(ws):
-    opt_names = ("adamw", "fused_adamw", "sgd_momentum")
-    for rank, by_opt in enumerate(run_distributed(_full_optim_helpers_each, ws, opt_names)):
+def test_optimizer_full_state_dict(launches, ws):
+    opt_names = FULL_OPT_NAMES
+    for rank, by_opt in enumerate(launches[("full", ws)]):
         assert sorted(by_opt) == sorted(opt_names), by_opt
         for opt_name, res in by_opt.items():
             ours_keys, torch_keys = res.pop("offload keys")

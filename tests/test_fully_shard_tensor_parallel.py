@@ -31,6 +31,7 @@ from torch import nn
 from fusedist.testing import run_distributed
 
 VOCAB, HIDDEN = 13, 8  # 13: local tensors of unequal sizes (7 and 6 rows of the embedding)
+PINNED_SEED = 3418  # Note [one norm on every tensor-parallel rank]: see the test that pins it
 
 
 class _FeedForward(nn.Module):
@@ -239,6 +240,9 @@ def _worker(rank, world_size, seed, root):
     model = _build(mesh, fusedist.fully_shard, seed)
     opt, out["scaler"] = _scaler_step_with_inf_on(3, rank, model, seed)
     out["refusals"] = _refusals(mesh)
+    # the pinned seed of the test below, on the same mesh (one launch of the 4 ranks for both)
+    pinned, _, _ = _against_fsdp2(mesh, PINNED_SEED, os.path.join(root, "pinned"))
+    out["pinned"] = pinned["dcp ours->torch"], pinned["dcp torch->ours"]
     return out
 
 
@@ -331,21 +335,13 @@ def test_checkpoints_interchange_with_fsdp2(results):
         assert out["init"] == [0.0, 0.0], (seed, rank, out["init"])  # the same draws: bit for bit
 
 
-def _pinned_seed_worker(rank, world_size, root):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    out, _, _ = _against_fsdp2(mesh, 3418, root)
-    return out["dcp ours->torch"], out["dcp torch->ours"]
-
-
-def test_held_alike_parameters_stay_bit_identical_across_tensor_parallel_ranks(tmp_path):
+def test_held_alike_parameters_stay_bit_identical_across_tensor_parallel_ranks(results):
     """Note [one norm on every tensor-parallel rank] (fusedist/fsdp/holder.py): with this seed
     the clip's total norm came out an ulp apart on the two tensor-parallel ranks, so the copies
     of the replicated parameters drifted apart and the checkpoint written from the first rank's
     copies loaded 7e-9 off on the second (the random seed of ``results`` finds such a case only
     now and then)."""
-    for ours_to_torch, torch_to_ours in run_distributed(_pinned_seed_worker, 4, str(tmp_path), timeout=300):
+    for ours_to_torch, torch_to_ours in (out["pinned"] for out in results[1]):
         assert ours_to_torch == 0.0 and torch_to_ours == 0.0, (ours_to_torch, torch_to_ours)
 
 

@@ -166,18 +166,28 @@ def _train_zero(rank, world_size, *, frozen, schedule, stage, ddp, offload=None,
     return module, opt
 
 
+def _shared_references(rank, world_size, keys):
+    """{(frozen, schedule, clip, impl): flat weights} of the single-process torch runs, each
+    computed once: by one rank in turn, then gathered on every rank (the same runs on every
+    rank were a large share of the test's time)."""
+    mine = {key: _flat(_reference(key[0], key[1], world_size, key[3], clip=key[2])[0])
+            for i, key in enumerate(keys) if i % world_size == rank}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {key: flat for part in gathered for key, flat in part.items()}
+
+
 def _parity_worker(rank, world_size):
     """(a) frozen parameters and (b) parameters without a gradient in some steps: every
     configuration against torch AdamW (foreach and fused)."""
     from fusedist.optim import FusedAdamW
 
     os.environ["FUSEDIST_KERNEL_BACKEND"] = "torch"  # FusedAdamW's PyTorch path (kernels tested elsewhere)
-    refs = {}
-    for frozen, schedule, clip in ((True, "always", None), (False, "some", None), (True, "some", None),
-                                   (True, "allnone", None), (True, "some", 0.05)):
-        for impl in ("foreach", "fused"):
-            model, _ = _reference(frozen, schedule, world_size, impl, clip=clip)
-            refs[(frozen, schedule, clip, impl)] = _flat(model)
+    refs = _shared_references(rank, world_size, [
+        (frozen, schedule, clip, impl)
+        for frozen, schedule, clip in ((True, "always", None), (False, "some", None), (True, "some", None),
+                                       (True, "allnone", None), (True, "some", 0.05))
+        for impl in ("foreach", "fused")])
     configs = []
     for frozen, schedule in ((True, "always"), (False, "some"), (True, "some")):
         for stage in (1, 2):
@@ -222,8 +232,11 @@ def _parity_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
-def test_frozen_and_skipped_parameters_match_torch(world_size):
-    per_rank = run_distributed(_parity_worker, world_size, timeout=300)
+def test_frozen_and_skipped_parameters_match_torch(world_size, request):
+    if world_size == 2:
+        per_rank = _outcome(request.getfixturevalue("two_ranks"), "parity")
+    else:
+        per_rank = run_distributed(_parity_worker, world_size, timeout=300)
     for r in per_rank:
         for item in r:
             cfg = item["cfg"]
@@ -323,8 +336,8 @@ def _frozen_whole_worker(rank, world_size):
     return failures
 
 
-def test_a_model_frozen_whole_trains_once_unfrozen():
-    failures = [f for fs in run_distributed(_frozen_whole_worker, 2, timeout=300) for f in fs]
+def test_a_model_frozen_whole_trains_once_unfrozen(two_ranks):
+    failures = [f for fs in _outcome(two_ranks, "frozen whole") for f in fs]
     assert not failures, "\n".join(failures)
 
 
@@ -393,12 +406,12 @@ def _checkpoint_load_worker(rank, world_size, directory, save_world):
     return out
 
 
-def test_checkpoint_after_split_reshards(tmp_path, monkeypatch):
+def test_checkpoint_after_split_reshards(two_ranks, monkeypatch):
     import fusedist
 
     monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "torch")  # FusedAdamW's PyTorch path
-    directory = str(tmp_path)
-    saved = run_distributed(_checkpoint_save_worker, 2, directory, timeout=240)[0]
+    directory = two_ranks["directory"]
+    saved = _outcome(two_ranks, "checkpoint save")[0]
     model = _make(frozen=True)
     names = {p: n for n, p in model.named_parameters()}
     order = [names[p] for g in _groups(model) for p in g["params"]]  # the state dicts' indices
@@ -565,8 +578,41 @@ def _compiled_name_worker(rank, world_size):
     return opt._param_name(index)
 
 
-def test_parameter_named_in_errors_as_the_model_spells_it_under_torch_compile():
+def test_parameter_named_in_errors_as_the_model_spells_it_under_torch_compile(two_ranks):
     # torch.compile's wrapper adds an `_orig_mod.` segment to every parameter name; errors name
     # the parameter as the user's model defines it.
-    for name in run_distributed(_compiled_name_worker, 2, timeout=120):
+    for name in _outcome(two_ranks, "compiled name"):
         assert "'stem.bias'" in name and "_orig_mod" not in name, name
+
+
+# ----------------------------------------------------------------------------- one launch
+# The 2-rank work of the tests above runs in one launch of the ranks (each launch costs a
+# process group and the imports of torch in every rank), one job after the other.
+def _two_rank_jobs_worker(rank, world_size, directory):
+    """{job: result, or ("raised", the traceback of the error it raised)}."""
+    import traceback
+
+    jobs = {"parity": (_parity_worker,), "frozen whole": (_frozen_whole_worker,),
+            "checkpoint save": (_checkpoint_save_worker, directory), "compiled name": (_compiled_name_worker,)}
+    out = {}
+    for job, (worker, *args) in jobs.items():
+        try:
+            out[job] = worker(rank, world_size, *args)
+        except Exception:  # noqa: BLE001 - reported by the job's test
+            out[job] = ("raised", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """{job: per-rank results} of :func:`_two_rank_jobs_worker`, and the checkpoints' ``directory``."""
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    per_rank = run_distributed(_two_rank_jobs_worker, 2, directory, timeout=600)
+    return dict({job: [results[job] for results in per_rank] for job in per_rank[0]}, directory=directory)
+
+
+def _outcome(shared: dict, job: str) -> list:
+    """The per-rank results of ``job``; a rank that raised fails the test with its traceback."""
+    for rank, res in enumerate(shared[job]):
+        assert not (isinstance(res, tuple) and res[:1] == ("raised",)), f"{job}, rank {rank} raised:\n{res[1]}"
+    return shared[job]

@@ -28,7 +28,7 @@ def _hsdp_worker(rank, world_size):
     """A 2 x 2 (replicate, shard) mesh: clean AdamW steps checked every step, then rank 2 changes
     one element of its piece and the period-2 check must tell every rank."""
     import fusedist
-    from fusedist.reliability.stall_report import global_ranks
+    from fusedist.comm.base import global_ranks
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ["FUSEDIST_PARAM_CHECK_EVERY"] = "1"

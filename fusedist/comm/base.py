@@ -36,6 +36,34 @@ class CollectiveError(RuntimeError):
         self.op, self.tag, self.rank, self.seq = op, tag, rank, seq
 
 
+def global_ranks(comm) -> Optional[list]:
+    """The global rank of each position in ``comm``'s group where they differ from the
+    positions (a subgroup: ``new_group([2, 3])``, an HSDP mesh's shard or replicate group),
+    else None -- also where they cannot be looked up (the default group itself, a destroyed
+    one): an error message or a report never fails for want of them."""
+    group = getattr(comm, "group", None)
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        ranks = [torch.distributed.get_global_rank(group, r) for r in range(comm.world_size)]
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    return ranks if ranks != list(range(comm.world_size)) else None
+
+
+def global_note(ranks: list, named: Optional[list]) -> str:
+    """' (global rank N)' / ' (global ranks [...])' to follow group positions ``ranks`` where
+    ``named`` (:func:`global_ranks`) says they differ, else '': on a subgroup "rank 1" alone
+    reads as global rank 1, a process of another group, not the one a user's logs and
+    launcher name."""
+    if not named:
+        return ""
+    mapped = [named[r] for r in ranks if r < len(named)]
+    if mapped == list(ranks):
+        return ""
+    return f" (global rank {mapped[0]})" if len(ranks) == 1 else f" (global ranks {mapped})"
+
+
 class CommHandle:
     """An in-flight (or finished) collective.
 
@@ -237,22 +265,8 @@ class Communicator(abc.ABC):
         return None
 
     def _global_note(self, ranks: list) -> str:
-        """The text ' (global ranks [...])' to follow ``ranks`` (positions in this communicator's
-        group) where they differ from the global ranks, else '': on a subgroup
-        (``new_group([2, 3])``) "rank 1" alone reads as global rank 1, a rank of another group,
-        not the one a user's logs and launcher name."""
-        group = getattr(self, "group", None)
-        if group is None or not torch.distributed.is_initialized():
-            return ""
-        try:
-            global_ranks = [torch.distributed.get_global_rank(group, r) for r in ranks]
-        except (RuntimeError, ValueError):  # the default group itself, or a destroyed one
-            return ""
-        if global_ranks == list(ranks):
-            return ""
-        if len(ranks) == 1:
-            return f" (global rank {global_ranks[0]})"
-        return f" (global ranks {global_ranks})"
+        """:func:`global_note` of ``ranks`` (positions in this communicator's group)."""
+        return global_note(ranks, global_ranks(self))
 
     def _outside_group(self) -> str:
         """Why a root rank was refused: it is a position in this communicator's group, which on a

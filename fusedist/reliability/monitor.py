@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from ..comm.base import CollectiveError, CommHandle, Communicator
+from ..comm.base import CollectiveError, CommHandle, Communicator, global_ranks
 from .._process_hooks import at_exit, chain_excepthook
 from . import stall_report
 
@@ -97,7 +97,7 @@ class CollectiveMonitor:
                   if not self.reports else 0.0)
         report = stall_report.exchange(
             self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank,
-            comm.world_size, entry, window, stall_report.global_ranks(comm),
+            comm.world_size, entry, window, global_ranks(comm),
         )
         if report is None:
             report = "Stall report unavailable: the torch.distributed store could not be reached."

@@ -72,11 +72,11 @@ from typing import Optional
 
 import torch
 
+from ..comm.base import global_ranks
 from ..ownership import register_step_watch
 from .config import checks_enabled, param_check_every
 from .engine_watch import PIPELINE_HINT, WatchBase
 from .param_check import ParamDigest
-from .stall_report import global_ranks
 from .step_check import StepCheck
 
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {

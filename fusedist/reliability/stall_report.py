@@ -22,6 +22,8 @@ import socket
 import time
 from typing import Optional
 
+from ..comm.base import global_note
+
 #: Keys live under this prefix in the process group's store.
 KEY_PREFIX = "fusedist/stall"
 
@@ -176,34 +178,6 @@ def _global_rank():
         return None
 
 
-def global_ranks(comm) -> Optional[list]:
-    """The global rank of each position in ``comm``'s group, where they differ from the
-    positions (a subgroup: an HSDP mesh's shard or replicate group), else None: messages name
-    the ranks a user's logs and launcher name."""
-    import torch.distributed as dist
-
-    group = getattr(comm, "group", None)
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        ranks = [dist.get_global_rank(group, r) for r in range(comm.world_size)]
-    except Exception:  # noqa: BLE001 - the default group itself, a destroyed one: a report never fails
-        return None
-    return ranks if ranks != list(range(comm.world_size)) else None
-
-
-def _global_note(ranks: list, named: Optional[list]) -> str:
-    """' (global ranks [...])' after group positions ``ranks`` where ``named`` (each position's
-    global rank, :func:`global_ranks`) says they differ, else '' (as the communicator's
-    errors do: "rank 1" of ``new_group([2, 3])`` reads as another process)."""
-    if not named:
-        return ""
-    mapped = [named[r] for r in ranks if r < len(named)]
-    if mapped == list(ranks):
-        return ""
-    return f" (global rank {mapped[0]})" if len(ranks) == 1 else f" (global ranks {mapped})"
-
-
 def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:
     """Poll for the entries of ``ranks`` until all are there or ``window_s`` has passed."""
     found: dict[int, dict] = {}
@@ -256,9 +230,9 @@ def _history(entry: dict, last: int = 4) -> str:
 def render(entries: dict[int, dict], world_size: int, window_s: float, reporter: int,
            named: Optional[list] = None) -> str:
     """A multi-line report: one line per rank, then who reached which operation. ``named``:
-    each group position's global rank on a subgroup (:func:`global_ranks`), else None."""
+    each group position's global rank on a subgroup (``comm.base.global_ranks``), else None."""
     lines = [
-        f"Stall report (rank {reporter}{_global_note([reporter], named)}, through the torch.distributed store; "
+        f"Stall report (rank {reporter}{global_note([reporter], named)}, through the torch.distributed store; "
         "waited up to "
         f"{window_s:.1f} s for {world_size} ranks):"
     ]
@@ -269,7 +243,7 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
         if entry is None:
             silent.append(rank)
             lines.append(
-                f"  rank {rank}{_global_note([rank], named)}: did not report (dead, or alive but stuck outside "
+                f"  rank {rank}{global_note([rank], named)}: did not report (dead, or alive but stuck outside "
                 "fusedist collectives, e.g. in data loading or a different code path)"
             )
             continue
@@ -299,7 +273,7 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
             f"{_history(entry)}"
         )
     for op, ranks in reached.items():
-        lines.append(f"  ranks {ranks}{_global_note(ranks, named)} reached {op}")
+        lines.append(f"  ranks {ranks}{global_note(ranks, named)} reached {op}")
     if len(reached) > 1:
         # Note [ranks at different collectives]: none of them will ever complete.
         lines.append(
@@ -308,7 +282,7 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
             "control flow, or options that differ across ranks); compare the positions above"
         )
     if silent:
-        lines.append(f"  ranks {silent}{_global_note(silent, named)} did not report")
+        lines.append(f"  ranks {silent}{global_note(silent, named)} did not report")
     return "\n".join(lines)
 
 
@@ -323,7 +297,7 @@ def exchange(
     named: Optional[list] = None,
 ) -> Optional[str]:
     """Publish ``entry`` and return the rendered report (None if the store is unreachable).
-    ``named``: the group positions' global ranks on a subgroup (:func:`global_ranks`)."""
+    ``named``: the group positions' global ranks on a subgroup (``comm.base.global_ranks``)."""
     if store is None or not publish(store, group, generation, rank, entry):
         return None
     others = collect(store, group, generation, list(range(world_size)), window_s)

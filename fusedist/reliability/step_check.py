@@ -58,9 +58,8 @@ import torch
 
 from .._consistency import RankMismatchError
 from ..comm import Communicator
-from ..comm.base import CollectiveError
+from ..comm.base import CollectiveError, global_ranks
 from .._process_hooks import at_exit
-from .stall_report import global_ranks
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)

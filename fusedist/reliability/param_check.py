@@ -129,20 +129,17 @@ def _weighed(words: torch.Tensor) -> torch.Tensor:
         blocks = words[:full].view(-1, CHUNK)
         for start in range(0, blocks.shape[0], _ROWS_AT_ONCE):  # (a block never crosses a CHUNK of rows)
             block = blocks[start:start + _ROWS_AT_ONCE]
-            if block.device.type == "cpu":  # (integer matrix-vector products: CPU only, and faster there)
-                sums = block @ w + (block >> 32) @ u
-            else:
-                sums = (block * w).sum(1) + ((block >> 32) * u).sum(1)
+            sums = _products(block, w, u)
             weights = m[start % CHUNK:start % CHUNK + block.shape[0]] * (2 * (start // CHUNK) + 1)
             total = total + (sums * weights).sum()
     return total
 
 
 def _products(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """sum(x * w + (x >> 32) * u) in int64, for 1-D ``x``."""
-    if x.device.type == "cpu":
+    """sum(x * w + (x >> 32) * u) over the last dim of ``x`` (one row, or a block of rows), in int64."""
+    if x.device.type == "cpu":  # (integer matrix-vector products: CPU only, and faster there)
         return x @ w + (x >> 32) @ u
-    return (x * w).sum() + ((x >> 32) * u).sum()
+    return (x * w).sum(-1) + ((x >> 32) * u).sum(-1)
 
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,7 @@ def settle() -> None:
     given up on before it, and clean up after them (Note [a plain save given up on])."""
     while _pending:
         barrier, cleanup = _pending[0]
-        barrier.start_beat()
-        try:
-            barrier.wait("the save given up on before this call")
-        finally:
-            barrier.stop_beat()
+        barrier.wait_beating("the save given up on before this call")
         del _pending[0]
         barrier.forget(barrier.phase - 1)  # (every rank left those; a slower one may still read this phase's keys)
         cleanup()

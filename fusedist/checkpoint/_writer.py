@@ -187,6 +187,15 @@ class IOBarrier:
             self._beating = False
             _Beat.release()
 
+    def wait_beating(self, what: str) -> None:
+        """:meth:`wait`, beating meanwhile (a wait outside a save's rounds, at one more barrier
+        of a save given up on, so the ranks still writing it see this one alive)."""
+        self.start_beat()
+        try:
+            self.wait(what)
+        finally:
+            self.stop_beat()
+
     def wait(self, what: str) -> None:
         """Arrive at the next barrier; return once every rank has, or raise a CheckpointError
         naming the ranks whose process showed no sign of life for the collective timeout, or
@@ -383,11 +392,7 @@ class _IOWaits:
         ranks still writing it; raised errors leave it unsettled, for the next save to retry."""
         if not self.unsettled or self.barrier is None:
             return
-        self.barrier.start_beat()
-        try:
-            self.barrier.wait("the save given up on before this one")
-        finally:
-            self.barrier.stop_beat()
+        self.barrier.wait_beating("the save given up on before this one")
         self.unsettled = False
 
     def wait(self, what: str) -> None:

@@ -36,6 +36,21 @@ def test_segfault_names_the_rank_and_prints_the_python_stack(capfd, monkeypatch)
     assert "Segmentation fault" in err and "_segfault_in_native_code" in err, err[-2000:]
 
 
+def _abort_like_a_corrupt_heap(rank, world_size):
+    if rank == 1:
+        os.abort()  # SIGABRT, as glibc's heap checks raise it
+    return rank
+
+
+def test_a_forked_rank_killed_by_a_signal_has_its_stack_in_the_report():
+    # Forked ranks' stderr is the fork server's (a stale capture under pytest): the stack must
+    # come back in the report itself (Note [a crashed rank's last words]).
+    with pytest.raises(DistributedRunError, match=r"rank 1 was killed by SIGABRT") as info:
+        run_distributed(_abort_like_a_corrupt_heap, 2, backend=None, timeout=60)
+    report = info.value.failures[1]
+    assert "Fatal Python error: Aborted" in report and "_abort_like_a_corrupt_heap" in report, report
+
+
 def test_crash_during_shutdown_after_answering_fails_the_run():
     with pytest.raises(DistributedRunError,
                        match=r"rank 0 returned its result, then was killed by SIGSEGV \(exit code -11\)") as info:

@@ -67,12 +67,17 @@ import os
 import pickle
 import queue as queue_mod
 import signal
+import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
 from .shared_gpu import rank_environment, ranks_per_gpu_setting
+
+
+#: a rank's faulthandler file (Note [a crashed rank's last words])
+_FAULTS = None
 
 
 class DistributedRunError(RuntimeError):
@@ -86,8 +91,11 @@ class DistributedRunError(RuntimeError):
 def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn, args, kwargs, results,
            forked=False):
     # A rank that dies in native code (a segfault in an extension, NCCL or the CUDA driver)
-    # leaves no Python traceback; faulthandler prints every thread's stack to stderr instead.
-    faulthandler.enable(all_threads=True)
+    # leaves no Python traceback; faulthandler writes every thread's stack instead, to a file
+    # the harness puts in the report (Note [a crashed rank's last words]).
+    global _FAULTS
+    _FAULTS = open(_fault_file(init_file, rank), "w")  # (held to the end: faulthandler writes to its descriptor)
+    faulthandler.enable(file=_FAULTS, all_threads=True)
     # The caller's environment as it is now (Note [ranks forked from a server that imported
     # torch]). LOCAL_RANK first: ``env`` carries the rank's GPU sharing settings (LOCAL_RANK =
     # its device, NCCL_HOSTID, ...), set before this process makes its first NCCL call.
@@ -168,6 +176,29 @@ def _describe_exit(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
+def _fault_file(init_file: str, rank: int) -> str:
+    """Where rank ``rank`` of the run rendezvousing at ``init_file`` writes faulthandler's report.
+
+    Note [a crashed rank's last words]
+        A forked rank's stderr is the fork server's, which under pytest is the capture of
+        whichever test started the server: the stack faulthandler prints when a rank dies in
+        native code (a heap corruption's abort, a segfault) reached no report, and a failed
+        run said only "killed by SIGABRT without reporting". So each rank writes that stack
+        to a file of its own; the harness puts it in the rank's failure (the report a CI log
+        shows) and on its own stderr (which pytest shows with the failure)."""
+    return f"{init_file}.rank{rank}.faults"
+
+
+def _last_words(init_file: str, rank: int, limit: int = 6000) -> str:
+    """The end of rank ``rank``'s faulthandler report ('' when it wrote none)."""
+    try:
+        with open(_fault_file(init_file, rank), errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text if len(text) <= limit else "[...]\n" + text[-limit:]
+
+
 def _decoded(rank: int, ok: bool, value):
     """A rank's answer as ``(ok, result or report)``. A result that pickled in the rank but
     cannot be rebuilt here (its class is importable only there, a ``__reduce__`` that raises)
@@ -187,7 +218,6 @@ def _release_process_group() -> None:
     than during interpreter shutdown, where that can abort the process (Note [releasing
     destroyed groups] in ``fusedist/comm/__init__.py``)."""
     import gc
-    import sys
 
     import torch.distributed as dist
 
@@ -337,8 +367,10 @@ def run_distributed(
                 p.kill()
                 p.join(timeout=5)
                 killed.add(rank)
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+        words = {r: _last_words(init_file, r) for r in range(world_size)}
+        for path in [init_file] + [_fault_file(init_file, r) for r in range(world_size)]:
+            if os.path.exists(path):
+                os.unlink(path)
 
     hung = [r for r in range(world_size) if r not in outcome]
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}
@@ -348,8 +380,11 @@ def run_distributed(
         # after 5 s was killed here (destroying a group waits for a collective still stuck in
         # a failure test); that is not its own crash.
         if r in outcome and outcome[r][0] and r not in killed and p.exitcode not in (0, None):
-            failures[r] = (f"rank {r} returned its result, then {_describe_exit(p.exitcode)} while "
-                           "shutting down (stderr has faulthandler's stack if it crashed)")
+            failures[r] = f"rank {r} returned its result, then {_describe_exit(p.exitcode)} while shutting down"
+    for r in failures:
+        if words[r] and r not in killed:  # Note [a crashed rank's last words]
+            sys.stderr.write(f"--- rank {r}: faulthandler ---\n{words[r]}\n")
+            failures[r] += f"\nits faulthandler report:\n{words[r]}"
     for r in hung:
         failures[r] = f"rank {r} did not finish within {timeout:.0f} s (killed)"
     if expect_failure:

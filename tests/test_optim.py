@@ -304,7 +304,7 @@ def test_clear_errors():
     with pytest.raises(TypeError, match=r"param 1 of param group 0 has dtype torch.int64"):
         FusedAdam([torch.zeros(2), torch.zeros(2, dtype=torch.long)])
     with pytest.raises(TypeError, match="complex"):
-        FusedSGD([torch.zeros(2, dtype=torch.complex64)])
+        FusedLAMB([torch.zeros(2, dtype=torch.complex64)])
     with pytest.raises(ValueError, match="lr=nan is not finite"):
         FusedAdamW([torch.zeros(2)], lr=float("nan"))
     with pytest.raises(ValueError, match="betas"):

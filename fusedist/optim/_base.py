@@ -13,9 +13,9 @@ import torch
 from torch.optim import Optimizer
 
 from .. import _extension
-from .._dtypes import compute_dtype
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
-from . import functional
+from . import _complex, functional
+from ._complex import state_dtype_of
 from .functional import _device_of, _dtype_of, _layout_of, _shape_of
 from ._hyperparameters import check_lr
 from ._scaler_protocol import _LOOKED, ScalerProtocol, _grad_of, looked_up_once, without_none
@@ -85,21 +85,21 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         self._fusedist_clear_protocol()
         self._fusedist_reset_bookkeeping()
 
+    _takes_complex = False  # whether complex parameters are stepped (Note [complex parameters] in _complex.py)
+
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, refusing a parameter the kernels cannot step (complex, integer) when its
-        group is added: the constructor's groups and a group added later alike (a later group's
-        complex parameter was refused only by its first step, as a gradient of the wrong
-        dtype, without the way out). Nothing is added when it raises."""
+        """torch's, refusing a parameter the kernels cannot step (integer; complex where the
+        class does not take it) when its group is added: the constructor's groups and a group
+        added later alike. Nothing is added when it raises."""
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         for pi, p in enumerate(self.param_groups[gi]["params"]):
-            if p.is_complex() or not p.is_floating_point():
+            refusal = _complex.dtype_refusal(p, self._takes_complex)
+            if refusal:
                 self.param_groups.pop()
-                raise TypeError(
-                    f"{type(self).__name__}: param {pi} of param group {gi} has dtype {p.dtype}; "
-                    "only real floating-point parameters (float32/float16/bfloat16/float64) "
-                    "are supported. For complex parameters use torch.view_as_real."
-                )
+                raise TypeError(f"{type(self).__name__}: param {pi} of param group {gi} has dtype {p.dtype}; {refusal}")
+        self._fusedist_complex = self.__dict__.get("_fusedist_complex") or (
+            self._takes_complex and _complex.any_complex(self.param_groups[gi]["params"]))
 
     def _fusedist_reset_bookkeeping(self) -> None:
         """What this optimizer knows of its states besides the states themselves: none is known
@@ -114,6 +114,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         # Note [loaded masters checked against the parameters]: ids of parameters whose loaded
         # master the next step compares with the parameter.
         self._masters_to_check: set[int] = {id(p) for p, st in self.state.items() if "master_param" in st}
+        # whether a step may see complex parameters (Note [complex parameters] in _complex.py)
+        self._fusedist_complex = any(_complex.any_complex(g["params"]) for g in self.param_groups)
 
     # Note [an optimizer pickled or copied]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -158,11 +160,13 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             return super()._fusedist_has_grads()  # a sharded subclass says which gradients count
         return any(p.grad is not None for g in self.param_groups for p in g["params"])
 
-    def _fusedist_local_grads(self) -> list[torch.Tensor]:
-        return self._fusedist_params_and_grads()[1]
+    def _fusedist_local_grads(self) -> list[torch.Tensor]:  # (complex ones as real: Note [complex parameters])
+        grads = self._fusedist_params_and_grads()[1]
+        return _complex.real_views(grads) if self._fusedist_complex else grads
 
     def _fusedist_unscale_targets(self) -> list[torch.Tensor]:
-        return self._fusedist_params_and_grads()[1]
+        grads = self._fusedist_params_and_grads()[1]
+        return _complex.real_views(grads) if self._fusedist_complex else grads
 
     def _fusedist_check_norm_and_unscale(self, inv_scale: torch.Tensor):
         cls = type(self)
@@ -199,7 +203,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                 state[key] = values_of(state[key])
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_device(p))
-        state_dtype = compute_dtype(p.dtype)
+        state_dtype = state_dtype_of(p)
         for key in self._state_keys:
             if state.get(key) is None:
                 # Laid out like the parameter (as torch's optimizers make them), so a dense
@@ -257,8 +261,14 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             torch._foreach_add_(steps, 1.0)
             # (a wrapper subclass is stepped through its tensor; _collect_group checked each: check_steppable)
             tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
-            self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
-                             clip_coef=clip_coef, found_inf=found_inf)
+            if self._fusedist_complex and _complex.any_complex(tensors):  # Note [complex parameters]
+                views, made = _complex.real_states(states)
+                self._step_group(group, _complex.real_views(tensors), _complex.real_views(grads), views,
+                                 inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf)
+                _complex.keep_created_states(tensors, states, views, made)
+            else:
+                self._step_group(group, tensors, grads, states, inv_scale=inv_scale,
+                                 clip_coef=clip_coef, found_inf=found_inf)
             if group.get("master_weights", False):
                 self._record_master_versions(params, states)
             if found_inf is not None:
@@ -285,6 +295,8 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             params = list(group["params"])
             collected = _checked_plain(*without_none(params, list(map(_grad_of, params))))
         if collected is not None:
+            if self._fusedist_complex:  # (a real gradient of a complex parameter: its grad_dtype lifted)
+                _complex.check_gradients(*collected, group["params"], f"{type(self).__name__} (group {gi})")
             return collected
         params, grads = [], []
         for pi, p in enumerate(group["params"]):
@@ -296,8 +308,10 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
                     f"{type(self).__name__} does not support sparse gradients (param {pi} of "
                     f"param group {gi}); use {self._sparse_alternative} for this parameter, or a dense gradient."
                 )
-            if not g.is_floating_point():
-                raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}")
+            if (not g.is_floating_point() and not g.is_complex()) or g.is_complex() != p.is_complex():
+                raise TypeError(f"{type(self).__name__}: gradient of param {pi} of group {gi} has dtype {g.dtype}, "
+                                f"the parameter {p.dtype}")
+            self._fusedist_complex |= g.is_complex()  # (a complex parameter put into a group by hand)
             if g.shape != p.shape or g.device != p.device:
                 raise ValueError(
                     f"{type(self).__name__}: gradient of param {pi} of group {gi} has shape "
@@ -483,7 +497,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         if key in self._state_keys or key in self._KERNEL_STATE_KEYS:
             # The kernels read states as fp32 (a torch state dict for bf16 params holds bf16
             # moments): widen, which is exact, laid out like the parameter.
-            dtype = torch.float32 if key == "master_param" else compute_dtype(p.dtype)
+            dtype = torch.float32 if key == "master_param" else state_dtype_of(p)
             return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
         return value.detach().to(device=p.device, copy=True)
 

@@ -28,6 +28,7 @@ class FusedAdam(FusedOptimizerBase):
     # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers
     # only] in elementwise.py).
     _fusedist_elementwise = True
+    _takes_complex = True  # Note [complex parameters] in _complex.py
 
     _state_keys = ("exp_avg", "exp_avg_sq")
     _adamw = False

@@ -30,15 +30,16 @@ def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) ->
     # torch returns the norm in the gradients' dtype and computes the coefficient in it; with
     # gradients of several dtypes it stacks their norms, which promotes (bf16 and fp32 give
     # fp32, whichever comes first), so the promoted dtype, not the first gradient's.
+    # (A complex gradient's norm is real, as torch's: Note [complex parameters] in _complex.py.)
     ctx = opt.step_context
-    dtype = functools.reduce(torch.promote_types, set(map(_dtype_of, grads)))
+    dtype = functools.reduce(torch.promote_types, {d.to_real() for d in map(_dtype_of, grads)})
     total_norm = ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
     opt._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
     return total_norm
 
 
 def _any_fp64(grads: list) -> bool:
-    return any(g.dtype == torch.float64 for g in grads)
+    return any(g.dtype in (torch.float64, torch.complex128) for g in grads)
 
 
 def _looked_up_once_each(optimizers: list):

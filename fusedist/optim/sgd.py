@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._dtypes import compute_dtype
 from . import functional
 from ._base import FusedOptimizerBase, masters_of, state_values, step_device
+from ._complex import state_dtype_of
 from ._hyperparameters import check_finite_hyper, hyper_number
 
 
@@ -20,6 +20,7 @@ class FusedSGD(FusedOptimizerBase):
     # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers
     # only] in elementwise.py).
     _fusedist_elementwise = True
+    _takes_complex = True  # Note [complex parameters] in _complex.py
 
     _torch_counterpart = torch.optim.SGD
     _sparse_alternative = "torch.optim.SGD (which takes sparse gradients)"
@@ -142,7 +143,7 @@ def _add_momentum_buffer(p, state: dict, step: float) -> None:
     """A zero momentum buffer, and the step count set so that the kernel sees 1 when it next
     runs: it then fills the buffer with the gradient, as torch's SGD does when it finds no
     buffer. ``step``: 0 before the step that will use it is counted, 1 after."""
-    state["momentum_buffer"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
+    state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype_of(p), memory_format=torch.preserve_format)
     state["step"].fill_(step)
 
 

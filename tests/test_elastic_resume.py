@@ -163,12 +163,10 @@ def test_kill_during_async_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert "save of step 4" in error and "step-00000004" in error and "incomplete" in error, error
 
     entries = {e.step: e for e in layout.scan(root)}
-    assert entries[2].complete and not entries[4].complete
-    assert "no manifest" in entries[4].reason
+    assert entries[2].complete and 4 not in entries  # (the failed save's step directory is removed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.warns(UserWarning, match=r"skipping incomplete checkpoint .*step-00000004 \(step 4\): no manifest"):
-        assert Checkpointer(root).restore(model) == 2
+    assert Checkpointer(root).restore(model) == 2
     assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
     del opt
 

@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import Optional
 
-from . import _checks, _files, _heartbeat, _owner, _replace, api, layout
+from . import _checks, _failed_save, _files, _heartbeat, _owner, _replace, api, layout
 from ._files import CheckpointError
 
 
@@ -73,15 +73,20 @@ class PersistMixin:
                                   f"(creating the directory): {failed[0]}; nothing was written")
         save_id = everyone[0][1]
         kept = ("the complete checkpoint of that step written before is kept" if save_id
-                else "the checkpoint is incomplete and will be skipped")
-        completed = None
+                else "the incomplete checkpoint is removed; earlier ones are unaffected")
+        completed, failure = None, None
         try:
             self._write_files(step, path, save_id, snapshot, lambda error, what: agree(error, what, kept))
             completed = started
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
             # Not once another job holds the root: the files unknown here may be its own.
             if rank == 0 and _replace.still_held(self.directory, self._lease):
                 _replace.finish(path, save_id, completed)
+                if failure is not None and _failed_save.peers_done(failure):  # Note [a failed save leaves nothing]
+                    _failed_save.remove_step_directory(path, save_id)
         record["persist_s"] = time.perf_counter() - start
         if rank == 0:
             other = _owner.lost(self.directory, self._lease)

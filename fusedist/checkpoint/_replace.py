@@ -60,8 +60,8 @@ def finish(path: str, save_id: str, completed_since: Optional[float]) -> None:
     """Rank 0, once no rank writes into ``path`` any more: remove the files its manifest
     does not list: the replaced checkpoint's after a complete save (started at
     ``completed_since``; abandoned temporaries too), the failed rewrite's own otherwise. A
-    failed save into a fresh directory leaves it without a manifest: skipped, and removed by
-    a later save. Never raises: the leftovers only take space."""
+    failed save into a fresh directory is removed whole by the caller (Note [a failed save
+    leaves nothing] in ``_failed_save.py``). Never raises: the leftovers only take space."""
     if completed_since is None and not save_id:
         return
     try:

@@ -40,7 +40,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _given_up, _load_plan, _names, _sections, _writer, stage3
+from . import _checks, _failed_save, _files, _given_up, _load_plan, _names, _sections, _writer, stage3
 from ._files import CheckpointError
 
 
@@ -211,12 +211,16 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     _warn_trusted_only(world.rank, optimizer, extra, per_rank)
     # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
     # their own, so that the old checkpoint stays whole until the new manifest replaces its.
-    shapes = {"model": _sections.model_shapes(model)}  # Note [one model per save] in _checks.py
+    info, failure = None, None
+    try:  # (a user's state_dict hook may raise: Note [a failed save leaves nothing] in _failed_save.py)
+        shapes = {"model": _sections.model_shapes(model)}  # Note [one model per save] in _checks.py
+        info = {"model": _checks.keys_digest(shapes["model"])}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by start_save
+        failure = exc
     save_id, calls, claim, _ = start_save(
-        world, directory, _checks.save_call(directory, optimizer, scaler, extra, per_rank),
-        {"model": _checks.keys_digest(shapes["model"])},
+        world, directory, _checks.save_call(directory, optimizer, scaler, extra, per_rank), info,
         lambda infos: _checks.check_same_keys(infos, lambda: world.all_gather(shapes, "save: model keys"),
-                                              "fusedist.checkpoint.save"))
+                                              "fusedist.checkpoint.save"), failure)
 
     mine, error = {}, None
     try:
@@ -245,12 +249,15 @@ def _refuse_parts(model) -> None:
                         "pipeline=True (Note [pipelined checkpoints])")
 
 
-def start_save(world: "_World", directory: str, call: dict, info=None, check=None) -> tuple:
+def start_save(world: "_World", directory: str, call: dict, info=None, check=None,
+               failure: Optional[BaseException] = None) -> tuple:
     """The first exchange of a save: rank 0 creates ``directory`` (and picks the new files' names,
     Note [checkpoint atomicity]), every rank's ``call`` must match the others' (else every rank
     raises, before anything is written), and rank 0 claims the directory (Note [one save at a
     time]). ``info``: what else each rank tells the others, which ``check(infos)`` may refuse
-    (raising ``CheckpointError``) as the calls are. Returns ``(save_id, calls, claim, infos)``."""
+    (raising ``CheckpointError``) as the calls are. ``failure``: what this rank raised while
+    preparing its part, raised on every rank (Note [a failed save leaves nothing]). Returns
+    ``(save_id, calls, claim, infos)``."""
     start, created = None, False
     if world.rank == 0:
         try:
@@ -260,21 +267,26 @@ def start_save(world: "_World", directory: str, call: dict, info=None, check=Non
         except OSError as exc:
             start = (f"rank 0 cannot create {directory}: {type(exc).__name__}: {exc}", "")
     # Rank 0's random name for this save's I/O barriers (Note [waiting for a peer's I/O] in _writer.py).
-    everyone = world.all_gather((start, call, info, uuid.uuid4().hex[:12]), "save: start")
+    words = None if failure is None else _failed_save.preparation_failure(world.rank, failure)
+    everyone = world.all_gather((start, call, info, uuid.uuid4().hex[:12], words), "save: start")
     (problem, save_id), calls = everyone[0][0], [c for _, c, *_ in everyone]
     try:
+        failed = next((w for *_, w in everyone if w is not None), None)
+        if failed is not None:
+            raise CheckpointError(f"fusedist.checkpoint.save: {failed} (nothing was written)") from failure
         _checks.check_same_save(calls)
         if check is not None:
-            check([i for _, _, i, _ in everyone])
+            check([i for _, _, i, *_ in everyone])
     except (TypeError, CheckpointError):
         if created:  # rank 0 made it for this save: leave no trace of a refused one
             _remove_empty(directory)
+        _failed_save.leave_together(lambda: world.all_gather(None, "save: refused save removed"))
         raise
     if problem:
         raise CheckpointError(f"fusedist.checkpoint.save: {problem} (nothing was written)")
     claim = _claim(directory) if world.rank == 0 else None  # Note [one save at a time]
     _start_io(world, everyone[0][3])
-    return save_id, calls, claim, [i for _, _, i, _ in everyone]
+    return save_id, calls, claim, [i for _, _, i, *_ in everyone]
 
 
 def _start_io(world: "_World", name: str) -> None:
@@ -316,30 +328,39 @@ def finish_save(world: "_World", directory: str, started: float, save_id: str, c
     removes the files the manifest does not list; every rank raises any failure."""
     try:
         _finish_written(world, directory, started, save_id, calls, claim, written, base, common)
-    except CheckpointError as exc:
-        if getattr(exc, "given_up", False) and world.io is not None:  # Note [a plain save given up on]
-            _given_up.remember(world.io, lambda: _finish_given_up(world, directory, calls, claim))
+    except Exception as exc:
+        if not _failed_save.peers_done(exc) and world.io is not None:  # Note [a plain save given up on]
+            _given_up.remember(world.io, lambda: _finish_failed(world, directory, save_id, calls, claim))
+        elif _failed_save.peers_done(exc):  # Note [a failed save leaves nothing] in _failed_save.py
+            _finish_failed(world, directory, save_id, calls, claim)
+            if getattr(exc, "agreed", False):
+                _failed_save.leave_together(lambda: world.all_gather(None, "save: failed save removed"))
         raise
     finally:
         stop_io(world)
 
 
-def _finish_given_up(world: "_World", directory: str, calls: list, claim: Optional[dict]) -> None:
-    """The cleanup of a save given up on, once every rank has left it (:func:`_given_up.settle`):
-    its claim and files go (:func:`_finish_save`), and so does the directory rank 0 made for it,
-    left empty -- a user's directory, or one holding other files, stays."""
+def _finish_failed(world: "_World", directory: str, save_id: str, calls: list, claim: Optional[dict]) -> None:
+    """The cleanup of a failed save once no rank writes for it any more (at once, or for a save
+    given up on once every rank has left it: :func:`_given_up.settle`): its claim and files go
+    (:func:`_finish_save`), and so do its writers' temporaries and the directory rank 0 made
+    for it -- a user's directory, or one holding other files (a complete checkpoint's
+    manifest), stays. Not once another save claimed the directory (Note [one save at a time]:
+    the temporaries may be that save's)."""
+    ours = world.rank == 0 and (claim is None or _files.claim_lost(directory, claim) is None)
     _finish_save(world, directory, calls, claim)
-    if world.rank == 0 and world.created:
-        _remove_empty(directory)
+    if ours and world.created:
+        _failed_save.remove_made_directory(directory)
+    elif ours and save_id:
+        _failed_save.remove_temporaries(directory, save_id)
 
 
 def _finish_written(world: "_World", directory: str, started: float, save_id: str, calls: list, claim,
                     written: tuple, base, common) -> None:
     everyone = _io_exchange(world, written, "writing the rank files", "save: rank files written")
     failed = [e for _, e, _ in everyone if e is not None]
-    if failed:
-        _finish_save(world, directory, calls, claim)
-        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
+    if failed:  # (cleaned up by finish_save: Note [a failed save leaves nothing])
+        raise _failed_save.agreed(CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})"))
     error = None
     if world.rank == 0:
         # Rank 0's failure is exchanged like the rank files' above: raised here alone, it
@@ -349,12 +370,13 @@ def _finish_written(world: "_World", directory: str, started: float, save_id: st
         error = _complete(directory, save_id, [m for m, _, _ in everyone], calls, common, lambda: base(infos), claim)
         # Before the last exchange (every rank file is written by now): the other ranks return
         # to a directory that holds the new checkpoint alone, without the claim.
-        _finish_save(world, directory, calls, claim, None if error else started)
+        if error is None:
+            _finish_save(world, directory, calls, claim, started)
     failed = [e for e in _io_exchange(world, error, "writing the manifest", "save: manifest written") if e is not None]
     if world.rank != 0:
         _finish_save(world, directory, calls, claim)
     if failed:
-        raise CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})")
+        raise _failed_save.agreed(CheckpointError(f"fusedist.checkpoint.save: {failed[0]} ({_kept(save_id)})"))
 
 
 def _claim(directory: str) -> Optional[dict]:

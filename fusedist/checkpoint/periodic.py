@@ -30,8 +30,9 @@ Note [asynchronous save]
     interpreter exit) first waits for it, so the staging buffers are never overwritten while
     being written, and its error, if any, is raised in the training thread there, on every
     rank. The checkpoint becomes visible (its manifest written) only once every rank's files
-    are complete; a process killed before that leaves a directory without a manifest, which
-    ``restore`` skips with a warning.
+    are complete. A save that fails, or loses a rank killed mid-write, leaves no directory:
+    rank 0 removes it (Note [a failed save leaves nothing] in ``_failed_save.py``); rank 0
+    killed leaves one without a manifest, which ``restore`` skips with a warning.
 
 Steps only go forward (Note [steps only go forward] in ``_schedule.py``). The parts of the
 class live next to this module, one job each: ``_schedule.py`` (which steps are saved),
@@ -174,6 +175,8 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
                 # the checkpoint is whole, and saying it was skipped would send users to an older one.
                 outcome = ("its checkpoint was written completely and loads; the failure came after its manifest, "
                            "so checkpoints older than it may not have been pruned")
+            elif where is None:  # removed by rank 0 (Note [a failed save leaves nothing] in _failed_save.py)
+                outcome = "the incomplete checkpoint is removed; earlier ones are unaffected"
             else:
                 outcome = "the checkpoint is incomplete and will be skipped; earlier ones are unaffected"
             raise CheckpointError(

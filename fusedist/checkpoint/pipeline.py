@@ -169,10 +169,14 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     api._warn_trusted_only(job.rank, None, extra, per_rank)
     for (_, opt), w in zip(held, stages):  # each stage's first rank writes its param groups
         api._warn_trusted_only(w.rank, opt, None, None)
-    shapes = {f"part {j} of ranks {list(members[j])}": _sections.model_shapes(module)
-              for j, (module, _) in enumerate(held)}
-    keys = [sorted(part) for part in shapes.values()]
-    digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
+    shapes, keys, digests, failure = {}, [], {}, None
+    try:  # (a user's state_dict hook may raise: Note [a failed save leaves nothing] in _failed_save.py)
+        shapes = {f"part {j} of ranks {list(members[j])}": _sections.model_shapes(module)
+                  for j, (module, _) in enumerate(held)}
+        keys = [sorted(part) for part in shapes.values()]
+        digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by start_save
+        failure = exc
     optimizers = [_checks.optimizer_passed(opt) for _, opt in held]
     call = _checks.save_call(directory, None, scaler, extra, per_rank)
     del call["optimizer"]  # compared within each stage (Note [an optimizer per pipeline stage] in _checks.py)
@@ -187,7 +191,8 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
         check_names({(tuple(ranks), j): part_keys for members_of, keys_of, *_ in infos
                      for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
 
-    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests, optimizers), check)
+    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests, optimizers), check,
+                                                  failure)
     mine, entries, error = {}, {}, None
     try:  # (every failure up to finish_save is reported on every rank: Note [waiting for a peer's I/O])
         order = stage_order([m for m, *_ in infos])

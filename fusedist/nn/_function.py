@@ -24,7 +24,7 @@ from ..comm import Communicator
 from . import _bn_ops as ops
 from ._bn_reference import _per_channel
 from ._layout import NCSLayout, as_ncs, like_layout
-from ._sync_stats import GRAD_TAG, IDENTITY_LEN, checked_counts, combine, gather_messages, write_layer_identity
+from ._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages, read_gather, write_layer_identity
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -114,7 +114,7 @@ def _local_batch_stats_grads(ctx, dy):
     grad_x = next(grads) if need_x else None
     grad_w = next(grads) if need_w else None
     grad_b = _channel_sums(dy).to(weight.dtype if weight is not None else dy.dtype) if need_b else None
-    return grad_x, grad_w, grad_b, None, None, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -149,19 +149,22 @@ def _blend_(buffers: list, values: list, momentum: float) -> None:
 
 class BatchStatsNorm(torch.autograd.Function):
     """Normalize with the statistics of the global batch (this rank's alone when ``comm`` is
-    None) and update the running statistics with them, if given."""
+    None) and update the running statistics with them, if given. ``backward_plan``: this
+    rank's, sent to the others (Note [one backward decision for all ranks] in _sync_stats)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float, momentum: float,
-                comm: Optional[Communicator], num_batches_tracked: Optional[torch.Tensor] = None):
+                comm: Optional[Communicator], num_batches_tracked: Optional[torch.Tensor] = None,
+                backward_plan: float = 0.0):
         x, layout = as_ncs(x)
         if comm is None:
             gathered = ops.stats_payload(x, layout).unsqueeze(0)
         else:  # the payload followed by the layer's identity: Note [the same layer on every rank]
             message = ops.stats_payload(x, layout, tail=IDENTITY_LEN)
-            write_layer_identity(message[-IDENTITY_LEN:], num_batches_tracked, running_mean, running_var)
+            write_layer_identity(message[-IDENTITY_LEN:], num_batches_tracked, running_mean, running_var,
+                                 backward_plan)
             gathered = gather_messages(message, comm)
-        rank_counts = checked_counts(gathered, layout.C)
+        rank_counts, ctx.reduces_grads = read_gather(gathered, layout.C, comm)
         total = sum(rank_counts)
         # Note [the forward's combine in one launch]: after the gather, merging the ranks'
         # statistics, the running statistics' blend and the normalization's per-channel
@@ -199,22 +202,24 @@ class BatchStatsNorm(torch.autograd.Function):
         sums = ops.backward_reduce(dy, x, ctx.layout, mean, invstd)
         grad_w, grad_b = _param_grads(ctx, sums, weight)
         grad_x = None
+        # on every rank alike, one that wants no input gradient included: its dy is part of the
+        # global sums (Note [one backward decision for all ranks] in _sync_stats.py)
+        if ctx.comm is not None and ctx.reduces_grads:
+            ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG)
         if ctx.needs_input_grad[0]:
-            if ctx.comm is not None:
-                ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG)
             # Note [the backward's factors in the kernel]: on the Triton path the per-channel
             # factors below (six small device ops, each a launch on a GPU) are made by the
             # kernel's programs from the sums, with the same fp32 operations in the same order.
             grad_x = ops.input_grad(dy, x, ctx.layout, sums, mean, invstd, weight, ctx.count)
             if grad_x is not None:
-                return grad_x, grad_w, grad_b, None, None, None, None, None, None
+                return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
             mean_dy, mean_dy_xhat = sums[0] / ctx.count, sums[1] / ctx.count
             k = _scale(invstd, weight)
             grad_x = ops.channel_affine(
                 dy, ctx.layout, mean_dy.contiguous(), k,
                 v=x, r=mean, t=(-k * invstd * mean_dy_xhat).contiguous(), out_dtype=x.dtype,
             )
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 class RunningStatsNorm(torch.autograd.Function):

@@ -30,6 +30,19 @@ involved. A payload without an identity (a layer
 with ``track_running_stats=False``, or the empty batch a rank that ran out of inputs
 contributes under ``join()``) starts with 0 and is compared with nothing. The identity rides
 in the same message and is read to the host with the counts, which ``combine`` reads anyway.
+
+Note [one backward decision for all ranks]
+The backward all-reduces the per-channel sums only when the input gradient is wanted, and a
+rank used to decide that from its own input alone. Ranks can differ there: a rank with no
+samples hands the layer a fresh ``x.new_zeros(0, C)``, which requires no gradient, while the
+others' inputs do. That rank skipped the all-reduce the others waited in (a stall until the
+timeout), and its ``dy`` was missing from their sums. So every rank sends, after its
+identity, its backward plan: 1 (its input wants a gradient), -1 (no backward will run through
+this layer here: grad mode is off, or neither the input nor a parameter requires grad) or 0
+(a backward for the parameters only; also what a rank that ran out of inputs sends under
+``join()``). Every rank whose backward runs all-reduces when any rank sent 1, contributing its
+own sums; a gather with both a 1 and a -1 is refused on every rank in the forward, because the
+-1 rank would never join the others' all-reduce.
 """
 
 from __future__ import annotations
@@ -40,11 +53,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..comm import Communicator
+from ..comm.base import global_note, global_ranks
 
 STATS_TAG = "sync_batch_norm.stats"
 GRAD_TAG = "sync_batch_norm.grad"
 CHECK_TAG = "sync_batch_norm.check"
-IDENTITY_LEN = 4  # [1, num_batches_tracked, sum(|running_mean|), sum(running_var)]: Note [the same layer on every rank]
+# [1, num_batches_tracked, sum(|running_mean|), sum(running_var)]: Note [the same layer on every rank],
+# then the backward plan: Note [one backward decision for all ranks]
+IDENTITY_LEN = 5
+WANTS_INPUT_GRAD, NO_BACKWARD = 1.0, -1.0  # backward plans (0.0: a backward for the parameters only)
 SUM_MARGIN = 1e-3  # relative: Note [the same layer on every rank]
 
 
@@ -57,14 +74,17 @@ class GlobalStats(NamedTuple):
     rank_counts: list[int]
 
 
-def write_layer_identity(tail: torch.Tensor, num_batches_tracked, running_mean, running_var) -> None:
+def write_layer_identity(tail: torch.Tensor, num_batches_tracked, running_mean, running_var,
+                         backward_plan: float = 0.0) -> None:
     """Write the identity a training layer sends with its statistics (Note [the same layer on
     every rank]) into ``tail``, the last ``IDENTITY_LEN`` fp64 elements of its message: zeros,
-    compared with nothing, when it keeps no running statistics. In place, the sums converting
-    as they reduce: five small device ops instead of eleven and a concatenation, once per
-    layer and forward."""
+    compared with nothing, when it keeps no running statistics; then this rank's backward plan
+    (Note [one backward decision for all ranks]). In place, the sums converting as they
+    reduce: a few small device ops instead of a dozen and a concatenation, once per layer and
+    forward."""
+    tail[4:5].fill_(backward_plan)
     if num_batches_tracked is None or running_mean is None or running_var is None:
-        tail.zero_()
+        tail[:4].zero_()
         return
     tail[:1].fill_(1.0)
     tail[1:2].copy_(num_batches_tracked.reshape(1))
@@ -104,6 +124,14 @@ def combine(gathered: torch.Tensor, num_features: int, rank_counts: Optional[lis
 def checked_counts(gathered: torch.Tensor, num_features: int) -> list[int]:
     """The per-rank counts of a gather, read on the host, after the checks :func:`combine`
     describes (the layer identities, a global batch of one value per channel)."""
+    return read_gather(gathered, num_features)[0]
+
+
+def read_gather(gathered: torch.Tensor, num_features: int, comm: Optional[Communicator] = None
+                ) -> tuple[list[int], bool]:
+    """:func:`checked_counts` and whether the backward all-reduces (Note [one backward decision
+    for all ranks]; False for a gather without identities), from one read to the host. ``comm``
+    (the gather's) lets errors add global ranks to the group's."""
     C = num_features
     identified = gathered.shape[1] == 2 * C + 1 + IDENTITY_LEN
     host = (gathered[:, [0, *range(2 * C + 1, 2 * C + 1 + IDENTITY_LEN)]] if identified else gathered[:, :1]).tolist()
@@ -116,7 +144,25 @@ def checked_counts(gathered: torch.Tensor, num_features: int) -> list[int]:
             "SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{total} over all ranks (per-rank values per channel: {rank_counts})"
         )
-    return rank_counts
+    return rank_counts, identified and _reduces_grads([row[-1] for row in host], C, comm)
+
+
+def _reduces_grads(plans: list, num_features: int, comm: Optional[Communicator]) -> bool:
+    """Whether the ranks' backwards all-reduce, refusing plans that would leave ranks waiting
+    (Note [one backward decision for all ranks])."""
+    wanting = [r for r, plan in enumerate(plans) if plan == WANTS_INPUT_GRAD]
+    idle = [r for r, plan in enumerate(plans) if plan == NO_BACKWARD]
+    if wanting and idle:
+        named = global_ranks(comm) if comm is not None else None
+        raise ValueError(
+            f"SyncBatchNorm({num_features}): ranks {wanting}{global_note(wanting, named)} want this layer's "
+            "input gradient, whose backward all-reduces over every rank of its group, but ranks "
+            f"{idle}{global_note(idle, named)} will run no backward through it "
+            "(there grad mode is off, or neither the input nor the layer's weight and bias require grad). "
+            "Give every rank an input that requires grad (e.g. an empty batch made with new_zeros: "
+            "call .requires_grad_() on it), or run the layer under torch.no_grad() on every rank."
+        )
+    return bool(wanting)
 
 
 def _same(a: list, b: list) -> bool:
@@ -124,7 +170,7 @@ def _same(a: list, b: list) -> bool:
     statistics, a poisoned batch, are alike)."""
     if a[1] != b[1]:
         return False
-    for x, y in zip(a[2:], b[2:]):
+    for x, y in zip(a[2:4], b[2:4]):  # (a[4]: the backward plan, not part of the identity)
         if not (math.isfinite(x) and math.isfinite(y)):
             if not (x == y or (math.isnan(x) and math.isnan(y))):
                 return False

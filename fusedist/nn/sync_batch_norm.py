@@ -17,9 +17,11 @@ BatchNorm on the local batch (same kernels, no communication).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -28,7 +30,7 @@ from ..comm import Communicator, get_communicator
 from ..ddp import join as _join
 from ..reliability import attach_monitor
 from ._function import BatchStatsNorm, RunningStatsNorm
-from ._sync_stats import check_channels_agree
+from ._sync_stats import NO_BACKWARD, WANTS_INPUT_GRAD, check_channels_agree
 
 
 # torch >= 2.13 can drop the additive bias of an affine BatchNorm (keyword-only ``bias``).
@@ -39,6 +41,28 @@ def _rank_suffix() -> str:
     if dist.is_available() and dist.is_initialized():
         return f" on rank {dist.get_rank()}"
     return ""
+
+
+# What dynamo reports where ``fullgraph=True`` or ``torch.export`` meets the graph break (Note
+# [SyncBatchNorm under torch.compile]): without it, "Skip inlining `torch.compiler.disable()`d
+# function ... Hint: Remove the `torch.compiler.disable` call", which names neither the cause nor
+# a way out. (An older torch takes no reason.)
+_GRAPH_BREAK_REASON = (
+    "fusedist.nn.SyncBatchNorm: a training forward that synchronizes with other ranks runs eagerly "
+    "(its collectives cannot be traced), so fullgraph=True and torch.export cannot capture it; "
+    "capture the model in eval mode, or compile without fullgraph (a graph break around the layer)"
+)
+if "reason" in inspect.signature(torch.compiler.disable).parameters:
+    _eager_under_compile = functools.partial(torch.compiler.disable, reason=_GRAPH_BREAK_REASON)
+else:
+    _eager_under_compile = torch.compiler.disable
+
+
+def _torch_op_needed() -> bool:
+    """Whether a forward that does not synchronize must be torch's ``F.batch_norm`` (Note
+    [SyncBatchNorm under torch.func]): under a torch.func transform, or inside a forward-mode
+    AD level (dual tensors: our Functions have no ``jvp``)."""
+    return torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0
 
 
 # Note [SyncBatchNorm under torch.fx]
@@ -179,7 +203,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             return _BatchNorm.forward(self, input)  # Note [a torch.nn.SyncBatchNorm]
         return self._eager_forward(input)
 
-    @torch.compiler.disable  # Note [SyncBatchNorm under torch.compile]
+    @_eager_under_compile  # Note [SyncBatchNorm under torch.compile]
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if self.training and torch._C._are_functorch_transforms_active():
@@ -191,7 +215,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             if self.momentum is None:
                 average_factor = 1.0 / float(self.num_batches_tracked)
         if not self.training and self.running_mean is not None and self.running_var is not None:
-            if torch._C._are_functorch_transforms_active():  # Note [SyncBatchNorm under torch.func]
+            if _torch_op_needed():  # Note [SyncBatchNorm under torch.func]
                 return self._torch_batch_norm(input, average_factor)
             return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
                                           self.running_var, self.eps)
@@ -216,6 +240,10 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     #     "must override the setup_context staticmethod". Under a transform those forwards are
     #     torch's op, as in torch's layer; synchronized training is refused by name, before
     #     anything is counted or exchanged (torch's layer has no functorch rule there either).
+    #     Forward-mode AD (``torch.autograd.forward_ad``'s dual tensors) is no functorch
+    #     transform, and our Functions have no ``jvp``: inside a dual level those forwards failed
+    #     with "You must implement the jvp function", where torch's layer gives the tangent. They
+    #     are torch's op there too.
     def _refuse_synchronized_transform(self) -> None:
         """Raise, before anything is counted or exchanged, when a torch.func transform runs a
         training forward that synchronizes (Note [SyncBatchNorm under torch.func]): the
@@ -243,7 +271,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
         update_running = self.training and self.track_running_stats
         comm = self._communicator(input.device) if self.training else None
-        if comm is None and torch._C._are_functorch_transforms_active():  # Note [SyncBatchNorm under torch.func]
+        if comm is None and _torch_op_needed():  # Note [SyncBatchNorm under torch.func]
             return self._torch_batch_norm(input, average_factor)
         if comm is not None and _join._sync_bn_trace is not None:
             _join.record_sync_bn(self, input)  # replayed by ranks that ran out of inputs
@@ -253,7 +281,18 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             self.running_var if update_running else None,
             self.eps, average_factor, comm,
             self.num_batches_tracked if update_running else None,
+            self._backward_plan(input) if comm is not None else 0.0,
         )
+
+    def _backward_plan(self, input: torch.Tensor) -> float:
+        """What this rank's backward will do, sent to the others with the statistics (Note [one
+        backward decision for all ranks] in _sync_stats.py)."""
+        if not torch.is_grad_enabled():
+            return NO_BACKWARD
+        if input.requires_grad:
+            return WANTS_INPUT_GRAD
+        trained = any(p is not None and p.requires_grad for p in (self.weight, self.bias))
+        return 0.0 if trained else NO_BACKWARD
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:

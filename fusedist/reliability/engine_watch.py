@@ -26,6 +26,32 @@ PIPELINE_HINT = (" In a pipeline stage: the schedule's step ran fewer backwards 
                  "forward-only step, or one stopped early), so the last one never synchronized.")
 
 
+# Note [a rank behind at the check]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank that skips a backward the others run (its batch was empty; its loss was None and the loop
+# went on with ``continue``) is found by the per-step check only when it runs another synchronized
+# backward afterwards and that backward's collectives pair with the others' skipped one: on DDP and
+# ZeRO the two checks then pair too, and a forward without its backward shows in the ``forward``
+# field. A rank that skips a whole iteration (forward, backward and step) stays in step by every
+# counter -- its buckets pair one batch apart -- until it runs out of iterations first. And on
+# ``fully_shard`` (1-D or HSDP) a forward without its backward meets the others' reduce-scatters
+# with its next all-gather, before any check. In all of these the rank goes on to a collective the
+# others never issue -- its next forward's all-gather, or ``check_consistency()``'s all-reduce (also
+# from ``fusedist.checkpoint.save``) -- while the others wait inside the backward it skipped; neither
+# side's check can run. Telling a rank that skipped a backward from one that is only slow needs a
+# word from every rank at every step (torch's ``Join`` pays an all-reduce per step for it), which
+# these checks do not pay, so it ends as a ``StallError`` on every rank at the collective timeout
+# (``FUSEDIST_TIMEOUT_S``), not at once. The report says what is known: a rank waiting in
+# ``check_consistency()`` leaves its position in the store meanwhile (one entry, removed when the
+# check returns: two store calls per check, none per step), so the others' reports hold it even
+# when its own collective times out after theirs; and the report compares the ranks' counters --
+# backwards (the one in progress included), training forwards, optimizer steps -- naming the ranks
+# behind, by how many backwards (or forwards, where a whole iteration was skipped), the ranks that ran
+# a forward without its backward, and those waiting in ``check_consistency()``
+# (``stall_report.behind``). On HSDP both groups' reports do: the watch
+# gives its position to the replicate group's monitor too.
+
+
 class WatchBase:
     """What every model's watch has: the counters the ranks must agree on, the per-step check,
     the stall-report context, and what the optimizer step guard reads (``rank``,
@@ -42,6 +68,7 @@ class WatchBase:
         self.forwards = 0  # training forwards (grad enabled)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.last_backward_synced = True
+        self.checking = False  # inside check_consistency() (Note [a rank behind at the check])
         self.step_check = StepCheck(comm, self.check_tag) if checks_enabled() and comm.world_size > 1 else None
         self.monitor = attach_monitor(comm)
         if self.monitor is not None:
@@ -53,12 +80,26 @@ class WatchBase:
             self.step_check.settle()
 
     def _check_now(self, launch) -> None:
-        """The pending verdict, then ``launch()``'s check of the current counters, waited for."""
+        """The pending verdict, then ``launch()``'s check of the current counters, waited for, with
+        this rank's position left in the store meanwhile (Note [a rank behind at the check])."""
         if self.step_check is None:
             return
-        self.step_check.settle()
-        launch()
-        self.step_check.settle()
+        self.checking = True
+        monitors = [m for m in self._check_monitors() if m is not None]
+        context = self.position()
+        left = [(m, len(m.reports)) for m in monitors if m.announce_check(context)]
+        try:
+            self.step_check.settle()
+            launch()
+            self.step_check.settle()
+        finally:
+            self.checking = False
+            for monitor, reports_before in left:
+                monitor.withdraw_check(reports_before)
+
+    def _check_monitors(self) -> list:
+        """The monitors of the groups the check's collectives run on."""
+        return [self.monitor]
 
     def backward_count(self) -> int:
         raise NotImplementedError
@@ -239,6 +280,7 @@ class StepWatch(WatchBase, EngineObserver):
             "ddp_forwards": self.forwards,
             "optimizer_steps": self.optimizer_steps,
             "in_backward": engine.in_backward,
+            "in_check": self.checking,
             "buckets_launched": f"{getattr(engine, 'next_launch', 0)}/{len(engine.layout.buckets)}",
             "buckets_finished": f"{getattr(engine, 'next_finish', 0)}/{len(engine.layout.buckets)}",
         }

@@ -156,6 +156,21 @@ class CollectiveMonitor:
             if kind == "crash":
                 stall_report.count_crash(self.store, self.group_name, self.generation)
 
+    def announce_check(self, context: dict) -> bool:
+        """Leave a ``checking`` entry while this rank waits in ``check_consistency()`` (Note [a rank
+        behind at the check] in engine_watch.py); False when none was left (one of its own is there,
+        or no store)."""
+        if self.reports or self.store is None:
+            return False
+        entry = {"kind": "checking", "error": "", "context": context, "recent": list(self.history)}
+        return stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank, entry)
+
+    def withdraw_check(self, reports_before: int) -> None:
+        """Remove the ``checking`` entry once the check returned or raised its own verdict; kept when a
+        failure of this group published its entry in its place since (``reports_before``)."""
+        if len(self.reports) == reports_before and self.store is not None:
+            stall_report.withdraw(self.store, self.group_name, self.generation, self.comm.rank)
+
     def crashed_peer(self) -> Optional[str]:
         """Which peer published a crash (Note [a crashed peer, seen through the store] in
         comm/watchdog.py), else None."""
@@ -262,9 +277,12 @@ def _publish_exit() -> None:
 
 def _publish_uncaught(exc_type, exc, tb) -> None:
     """A KeyboardInterrupt is published too: without an entry the atexit hook would report the
-    interrupted rank as one that "EXITED without an error" after running fewer iterations."""
-    if not issubclass(exc_type, CollectiveError):
-        publish_crash(exc)  # a collective failure already published its own entry
+    interrupted rank as one that "EXITED without an error" after running fewer iterations. So is
+    a collective failure: its own group keeps the entry it published (``publish`` leaves a monitor
+    with a report alone), the rank's other groups get a crash entry naming it -- on an HSDP mesh a
+    shard group's stall ended the rank, and the replicate group's report said it had exited
+    cleanly after running fewer iterations."""
+    publish_crash(exc)
 
 
 def _install_excepthook() -> None:

@@ -48,7 +48,8 @@ Note [replica check]
     (or at the next ``check_now()``), not at once; ``=0`` turns this comparison off too. A
     shard group that skips a whole iteration (forward, backward and step) stays in step with
     its replicas by every counter -- their gradients pair one batch apart -- and only runs
-    out of iterations first (its replicas then stall, with a stall report). On a (replicas, 1)
+    out of iterations first (its replicas then stall, with a stall report naming the ranks behind:
+    Note [a rank behind at the check] in ``engine_watch.py``). On a (replicas, 1)
     mesh the shard groups are single ranks: the step check itself runs over the replicate
     group there, its ``params`` field the digest (the counters are compared across the
     replicas at every step).
@@ -76,6 +77,7 @@ from ..comm.base import global_ranks
 from ..ownership import register_step_watch
 from .config import checks_enabled, param_check_every
 from .engine_watch import PIPELINE_HINT, WatchBase
+from .monitor import attach_monitor, monitor_of
 from .param_check import ParamDigest
 from .step_check import StepCheck
 
@@ -118,6 +120,10 @@ class ShardedStepWatch(WatchBase):
         if self.replicas_only:
             self.step_check = StepCheck(self.replicate_comm, self.check_tag)
         self.param_every = param_check_every() if self.replicate_comm is not None else 0
+        if self.replicate_comm is not None:  # the replicate group's reports give the position too
+            replicas = attach_monitor(self.replicate_comm)
+            if replicas is not None and replicas is not self.monitor:
+                replicas.add_context_provider(self.position)
         self._replicas: Optional[ParamDigest] = None  # the digests of this rank's pieces, built when first due
         self._replica_table: Optional[torch.Tensor] = None  # the last exchange with the replicas (digest, counters)
         self._units_of = units
@@ -167,6 +173,11 @@ class ShardedStepWatch(WatchBase):
     def check_now(self) -> None:
         """Compare where the ranks are now (a collective: every rank calls it at the same point)."""
         self._check_now(lambda: self._launch(checked_now=True))
+
+    def _check_monitors(self) -> list:
+        """The shard group's monitor and, on HSDP, the replicate group's (the replica check's)."""
+        replicas = monitor_of(self.replicate_comm) if self.replicate_comm is not None else None
+        return [self.monitor] + ([replicas] if replicas is not None and replicas is not self.monitor else [])
 
     def _launch(self, checked_now: bool) -> None:
         detail = dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
@@ -264,6 +275,7 @@ class ShardedStepWatch(WatchBase):
             "fully_shard_forwards": self.forwards,
             "optimizer_steps": self.optimizer_steps,
             "in_backward": self.in_backward,
+            "in_check": self.checking,
         }
 
 

@@ -9,7 +9,9 @@ on, its recent collective history and its training position. It then waits a bou
 for the other ranks' entries and renders a report that says which ranks reached which
 operation, which crashed (see :func:`publish_crash`) and which never reported -- dead, or
 stuck outside fusedist collectives. Horovod's stall inspector is the model; unlike it, the
-exchange happens only on failure, so the steady state pays nothing.
+exchange happens only on failure, so the steady state pays nothing. A rank waiting in
+``check_consistency()`` leaves an entry too, removed when the check returns, and the report
+compares the ranks' training counters (Note [a rank behind at the check] in ``engine_watch.py``).
 """
 
 from __future__ import annotations
@@ -123,6 +125,15 @@ def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
         return False
 
 
+def withdraw(store, group: str, generation: int, rank: int) -> None:
+    """Remove this rank's entry (a ``checking`` one whose check completed); never raises."""
+    try:
+        with _bounded(store, 5.0):
+            store.delete_key(_key(group, generation, rank))
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _crash_count_key(group: str, generation: int) -> str:
     return f"{KEY_PREFIX}/{group}/{generation}/crashed"
 
@@ -206,13 +217,15 @@ def _describe_op(entry: dict) -> str:
 
 def _position(entry: dict) -> str:
     ctx = entry.get("context", {})
-    labels = (("ddp_step", "DDP step {}"), ("ddp_forwards", "{} training forwards"),
+    labels = (("ddp_step", "DDP step {}"), ("ddp_forwards", "{} training forwards"), ("ddp_backward", "{} backwards"),
               ("fully_shard_step", "fully_shard step {}"), ("fully_shard_forwards", "{} training forwards"),
               ("fully_shard_backward", "{} backwards"),
               ("optimizer_steps", "{} optimizer steps"), ("buckets_launched", "buckets launched {}"))
     parts = [fmt.format(ctx[key]) for key, fmt in labels if key in ctx]
     if ctx.get("in_backward"):
         parts.append("inside backward")
+    if ctx.get("in_check"):
+        parts.append("inside check_consistency()")
     text = ", ".join(parts)
     if ctx.get("models_on_group"):  # Note [several models on one communicator] in monitor.py
         text += f" (the position of {ctx.get('position_of')}, of {ctx['models_on_group']} models on this group)"
@@ -258,11 +271,17 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
                 "iterations or collectives than the ranks still waiting"
             )
             continue
-        if entry.get("kind") == "crash":
+        if entry.get("kind") == "checking":  # Note [a rank behind at the check] in engine_watch.py
             lines.append(
-                f"  rank {rank}{where}: CRASHED with {entry.get('error')} (outside fusedist "
-                f"collectives){pos}; {_history(entry)}"
+                f"  rank {rank}{where}: waits in check_consistency() (its check's collective has not completed; no "
+                f"failure of its own yet){pos}; {_history(entry)}"
             )
+            continue
+        if entry.get("kind") == "crash":
+            error = str(entry.get("error"))
+            where_from = ("a fusedist collective of another group failed" if error.startswith(_COLLECTIVE_ERRORS)
+                          else "outside fusedist collectives")
+            lines.append(f"  rank {rank}{where}: CRASHED with {error} ({where_from}){pos}; {_history(entry)}")
             continue
         op = _describe_op(entry)
         reached.setdefault(op, []).append(rank)
@@ -283,7 +302,77 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
         )
     if silent:
         lines.append(f"  ranks {silent}{global_note(silent, named)} did not report")
+    lines.extend(behind(entries, named))
     return "\n".join(lines)
+
+
+#: How a crash entry's error begins when a collective failure ended the rank (monitor._publish_uncaught).
+_COLLECTIVE_ERRORS = ("StallError", "CollectiveError")
+
+#: What ``behind`` compares: the name in the report, and the count from a position (``context``).
+_COUNTERS = (
+    ("backwards (the one in progress included)",
+     lambda c: _first(c, "ddp_backward", "fully_shard_backward") + bool(c.get("in_backward"))),
+    ("training forwards", lambda c: _first(c, "ddp_forwards", "fully_shard_forwards")),
+    ("optimizer steps", lambda c: c["optimizer_steps"]),
+)
+
+
+def _first(ctx: dict, *keys: str) -> int:
+    return next(int(ctx[k]) for k in keys if k in ctx)
+
+
+def behind(entries: dict[int, dict], named: Optional[list] = None) -> list[str]:
+    """The lines comparing the reporting ranks' training counters: each counter on which they differ,
+    with the ranks at each value, then which ranks ran a forward without its backward and which are
+    behind, by how many backwards or forwards (Note [a rank behind at the check] in engine_watch.py).
+    Empty when they agree or fewer than two ranks said."""
+    rows = {}
+    for rank, entry in entries.items():
+        if entry.get("kind") == "crash":
+            continue  # (where a rank died says nothing of what it skipped)
+        try:
+            rows[rank] = [count(entry.get("context") or {}) for _, count in _COUNTERS]
+        except (KeyError, StopIteration, TypeError, ValueError):
+            continue  # no training position (an entry of another kind of collective)
+    if len(rows) < 2:
+        return []
+    shown = {rank: (named[rank] if named else rank) for rank in rows}
+    word = "global ranks" if named else "ranks"
+    lines = []
+    for column, (name, _) in enumerate(_COUNTERS):
+        groups: dict = {}
+        for rank, row in sorted(rows.items()):
+            groups.setdefault(row[column], []).append(shown[rank])
+        if len(groups) > 1:
+            listing = "; ".join(f"{word} {ranks}: {value}" for value, ranks in sorted(groups.items()))
+            lines.append(f"    {name}: {listing}")
+    if not lines:
+        return []
+    out = ["  the ranks' training positions differ:"] + lines
+    context = {rank: entries[rank].get("context") or {} for rank in rows}
+    checking = sorted(shown[r] for r in rows if context[r].get("in_check"))
+    where = f"; {word} {checking} wait in check_consistency()" if checking else ""
+    # a forward not followed by its backward: more forwards than backwards begun, beyond the one a rank
+    # may be running (none inside a backward or the check)
+    unmatched = sorted(shown[r] for r, row in rows.items()
+                       if row[1] - row[0] > (0 if context[r].get("in_backward") or context[r].get("in_check") else 1))
+    if unmatched:
+        out.append(f"  {word} {unmatched} ran a training forward without its backward (a loss computed, then the "
+                   "backward skipped on these ranks only)")
+    for column, what in ((0, "backward(s)"), (1, "training forward(s)")):
+        counts = {rank: row[column] for rank, row in rows.items()}
+        low, high = min(counts.values()), max(counts.values())
+        if low < high and not (column == 1 and unmatched):  # (then the forwards differ by that forward)
+            late = sorted(shown[r] for r, v in counts.items() if v == low)
+            out.append(
+                f"  {word} {late} are behind by {high - low} {what}{where}: the others began what these did not -- "
+                "skipped on these ranks (an empty batch, a loss skipped with `continue`, an exception caught around "
+                "the step), an iteration fewer, or these wait earlier in the same step; every rank must run a "
+                "forward and a backward in every iteration"
+            )
+            break
+    return out
 
 
 def exchange(

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from ..comm.base import CollectiveError
 from .layout import Bucket, layout_of_groups, slot_view, torch_unused_groups
 from .rebucket import switch_layout
-from .strategy import AllReduceAverage, GradSyncStrategy
+from .strategy import AllReduceAverage, GradSyncStrategy, as_real
 
 if TYPE_CHECKING:
     from .reducer import Reducer
@@ -97,7 +97,8 @@ class HookBucket:
         self._bucket = bucket
         used = sum(p.numel() for p in bucket.params)
         self._flat = bucket.data[:used]
-        self._buffer = self._flat
+        self._real = as_real(self._flat)  # what torch's GradBucket.buffer() is (Note [complex buckets])
+        self._buffer = self._real
         self._layout = reducer.layout
         self._is_last = bucket.index == len(reducer.layout.buckets) - 1
 
@@ -113,10 +114,12 @@ class HookBucket:
     def gradients(self) -> list:
         """Each parameter's gradient as a view of the current buffer: the gradients
         themselves, or slices of a buffer the hook set (a compression wrapper's)."""
-        if self._buffer is self._flat:
+        if self._buffer is self._real:
             return [self._layout.grad_view(p) for p in self._bucket.params]
-        start = self._bucket.start
-        return [slot_view(self._buffer[off - start:off - start + p.numel()], p, record)
+        start, buffer = self._bucket.start, self._buffer
+        if self._flat.is_complex() and not buffer.is_complex():  # a converted buffer of real pairs
+            buffer = torch.view_as_complex(buffer.view(-1, 2))
+        return [slot_view(buffer[off - start:off - start + p.numel()], p, record)
                 for p, off, record in zip(self._bucket.params, self._bucket.offsets, self._bucket.orders)]
 
     def parameters(self) -> list:
@@ -207,18 +210,19 @@ class CommHookStrategy(GradSyncStrategy):
             previous.wait_done()
 
     def finish(self, reducer, bucket, handle):
+        real = handle.hook_bucket._real  # a complex bucket as its real pairs (Note [complex buckets])
         result = _the_tensor(handle.wait())
-        flat = handle.hook_bucket._flat
-        if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
+        if not isinstance(result, torch.Tensor) or result.numel() != real.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
+            pairs = " (its complex gradients as real pairs)" if bucket.dtype.is_complex else ""
             raise ValueError(
                 f"fusedist DDP (rank {reducer.comm.rank}): the communication hook {self.name} returned "
-                f"{got} for bucket {bucket.index}, which holds {flat.numel()} gradient elements; the "
+                f"{got} for bucket {bucket.index}, which holds {real.numel()} gradient elements{pairs}; the "
                 "future's value must be the bucket's reduced buffer"
             )
-        if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
-            flat.copy_(result.reshape(-1))
+        if result.data_ptr() != real.data_ptr() or result.dtype != real.dtype:
+            real.copy_(result.reshape(-1))
 
 
 def _the_tensor(value) -> Optional[object]:

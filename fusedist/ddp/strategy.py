@@ -78,6 +78,33 @@ class GradSyncStrategy:
         after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
 
 
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, a complex one as its real pairs (a view): Note [complex buckets].
+
+    Note [complex buckets]
+        A complex parameter's gradient gets a complex bucket, as in torch's DDP. Its collectives
+        carry it as its real pairs (``view_as_real``), as torch's process groups do: a sum or
+        an average acts on both parts alike, and NCCL has no complex dtypes (the direct-NCCL
+        communicator refuses them). Anything that converts a bucket (a ``reduce_dtype``, and
+        torch's fp16/bf16 compression hooks, which map onto it) converts those real pairs, as
+        torch's DDP does: its hooks get a complex bucket's ``buffer()`` as its real pairs, so
+        ``fp16_compress_hook`` sends both parts in fp16. A plain ``.to(reduce_dtype)`` of the
+        complex bucket would drop its imaginary parts. A communication hook sees the real pairs
+        too (``HookBucket.buffer()`` in comm_hook.py)."""
+    return torch.view_as_real(t).view(-1) if t.is_complex() else t
+
+
+def to_wire(data: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """``data`` as reduced in ``reduce_dtype``: itself, or a converted copy (Note [complex buckets])."""
+    return data if reduce_dtype == data.dtype else as_real(data).to(reduce_dtype)
+
+
+def from_wire(data: torch.Tensor, wire: torch.Tensor) -> None:
+    """Copy the reduced ``wire`` back into ``data`` unless it is ``data`` itself."""
+    if wire.data_ptr() != data.data_ptr() or wire.dtype != data.dtype:
+        as_real(data).copy_(as_real(wire))
+
+
 def bucket_divide_factors(reducer: "Reducer", dtype: torch.dtype) -> tuple[float, float]:
     """:func:`divide_factors` for a DDP model's buckets: all before the sum where a compression
     hook asked for torch's division (``DDPConfig.divide_first``)."""
@@ -135,10 +162,10 @@ class AllReduceAverage(GradSyncStrategy):
         data = bucket.data
         reduce_dtype = reducer.config.reduce_dtype or data.dtype
         pre, _ = bucket_divide_factors(reducer, reduce_dtype)
-        wire = data.to(reduce_dtype) if reduce_dtype != data.dtype else data
+        wire = to_wire(data, reduce_dtype)
         divide_before_sum(bucket, wire, pre)
         reducer.bucket_scratch[bucket.index] = wire
-        return reducer.comm.all_reduce(wire, async_op=True, tag=f"ddp bucket {bucket.index}")
+        return reducer.comm.all_reduce(as_real(wire), async_op=True, tag=f"ddp bucket {bucket.index}")
 
     def fold_factor(self, reducer, bucket):
         return pre_division_fold(reducer, bucket)
@@ -148,7 +175,6 @@ class AllReduceAverage(GradSyncStrategy):
         wire = reducer.bucket_scratch.pop(bucket.index)
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
         _, post = bucket_divide_factors(reducer, reduce_dtype)
-        if wire.data_ptr() != bucket.data.data_ptr():
-            bucket.data.copy_(wire)
+        from_wire(bucket.data, wire)
         if post != 1.0:
             bucket.data.div_(post)

@@ -62,7 +62,7 @@ import torch
 from .._process_hooks import install_parameter_registration_hook
 from ..ownership import register_data_parallel
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
-from .strategy import bucket_divide_factors
+from .strategy import as_real, bucket_divide_factors, from_wire, to_wire
 
 
 def flags_crc(flags: list) -> int:
@@ -192,10 +192,10 @@ def _thaw_into_hook_buckets(reducer, trainable: set) -> None:
 
 
 def _check_trainable_dtype(reducer, p, name: str) -> None:
-    if not p.dtype.is_floating_point:
+    if not (p.dtype.is_floating_point or p.dtype.is_complex):
         raise TypeError(
             f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameter '{name}' became "
-            f"trainable with dtype {p.dtype}; only floating-point parameters can be trained"
+            f"trainable with dtype {p.dtype}; only floating-point and complex parameters can be trained"
         )
 
 
@@ -248,15 +248,17 @@ def _average(reducer, params: list, names: dict) -> None:
     for dtype, group in by_dtype.items():
         reduce_dtype = reducer.config.reduce_dtype or dtype
         pre, post = bucket_divide_factors(reducer, reduce_dtype)  # as the buckets (join may change it)
-        wire = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
-        wire = wire.to(device=comm.device, dtype=reduce_dtype).div_(pre)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        flat = flat.to(comm.device)  # a fresh tensor: reduced in place unless converted
+        wire = to_wire(flat, reduce_dtype).div_(pre)  # (Note [complex buckets] in strategy.py)
         if world > 1:
-            comm.all_reduce(wire, tag=f"ddp unfrozen gradients {dtype}")
+            comm.all_reduce(as_real(wire), tag=f"ddp unfrozen gradients {dtype}")
         if post != 1.0:
             wire.div_(post)
+        from_wire(flat, wire)
         offset = 0
         for p in group:
-            p.grad = wire[offset:offset + p.numel()].view(p.shape).to(device=p.device, dtype=dtype, copy=True)
+            p.grad = flat[offset:offset + p.numel()].view(p.shape).to(device=p.device, copy=True)
             offset += p.numel()
 
 

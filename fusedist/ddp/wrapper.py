@@ -176,13 +176,11 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
 
         named = [(n, p) for n, p in self.synced_parameters() if p.requires_grad]
         for name, p in named:
-            if not (p.dtype.is_floating_point):
+            if not (p.dtype.is_floating_point or p.dtype.is_complex):
                 raise TypeError(
                     f"fusedist.DistributedDataParallel (rank {dist.get_rank()}): parameter '{name}' has "
-                    f"dtype {p.dtype}; only floating-point parameters can be trained (complex "
-                    "parameters are not supported). Store it as a real parameter with a last dimension "
-                    "of 2 (torch.view_as_real) and use torch.view_as_complex(param) in the forward, or "
-                    "set requires_grad=False to keep it as broadcast state"
+                    f"dtype {p.dtype}; only floating-point and complex parameters can be trained; set "
+                    "requires_grad=False to keep it as broadcast state"
                 )
         # Note [sparse gradients] in sparse.py: averaged by the wrapper, outside the buckets;
         # frozen ones too, which may be unfrozen later (Note [sparse weights frozen at wrapping])

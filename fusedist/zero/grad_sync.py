@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from ..ddp.strategy import GradSyncStrategy, divide_before_sum, divide_factors, pre_division_fold
+from ..ddp.strategy import GradSyncStrategy, as_real, divide_before_sum, divide_factors, pre_division_fold, to_wire
 
 
 #: Reduce-scatters in flight at once by default (Note [stage 2 gradients]): one landing while
@@ -96,15 +96,17 @@ class ReduceScatterToShard(GradSyncStrategy):
         lo, hi = self.zero.bucket_shard(bucket.index)
         reduce_dtype = reducer.config.reduce_dtype or bucket.data.dtype
         pre, _ = divide_factors(reducer.grad_divisor, reduce_dtype)
-        wire = bucket.data.to(reduce_dtype) if reduce_dtype != bucket.data.dtype else bucket.data
+        wire = to_wire(bucket.data, reduce_dtype)  # a converted complex bucket: its real pairs
         divide_before_sum(bucket, wire, pre)
-        out = torch.empty(hi - lo, dtype=reduce_dtype, device=wire.device)
+        # the real pairs of rank r's complex slice are rank r's slice of the real pairs
+        out = torch.empty((hi - lo) * (wire.numel() // bucket.numel), dtype=reduce_dtype, device=wire.device)
         self._outputs[bucket.index] = out
         reducer.bucket_scratch[bucket.index] = wire  # keeps a converted copy alive until done
         if wire is not bucket.data:  # Note [a converted bucket released at launch]
             reducer.layout.account(wire.nbytes)  # (counted in peak_grad_bytes while on the wire)
             reducer.release_bucket(bucket)
-        return reducer.comm.reduce_scatter(out, wire, async_op=True, tag=f"zero2 bucket {bucket.index}")
+        return reducer.comm.reduce_scatter(as_real(out), as_real(wire), async_op=True,  # Note [complex buckets]
+                                           tag=f"zero2 bucket {bucket.index}")
 
     def fold_factor(self, reducer, bucket):
         return pre_division_fold(reducer, bucket)
@@ -116,6 +118,8 @@ class ReduceScatterToShard(GradSyncStrategy):
             reducer.layout.account(-wire.nbytes)
         out = self._outputs.pop(bucket.index)
         _, post = divide_factors(reducer.grad_divisor, out.dtype)
+        if bucket.dtype.is_complex and not out.is_complex():  # Note [complex buckets] in ddp/strategy.py
+            out = torch.view_as_complex(out.to(bucket.dtype.to_real()).view(-1, 2))
         self.zero.store_reduced(bucket.index, out, post)
         reducer.release_bucket(bucket)  # the shard holds this bucket's gradients now
 

@@ -56,6 +56,23 @@ from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, 
 from . import grow
 
 
+def magnitudes(tensors: list, norm_type: float) -> list:
+    """``tensors`` with each complex one replaced by a real tensor of the same ``norm_type``-norm,
+    as torch's clip measures complex gradients (by their magnitudes): its real pairs for the
+    2-norm (a view), its magnitudes otherwise. The norm kernels take real tensors only."""
+    if not any(t.is_complex() for t in tensors):
+        return tensors
+    if norm_type == 2.0:
+        return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+    return [t.abs() if t.is_complex() else t for t in tensors]
+
+
+def norm_result_dtype(dtypes) -> torch.dtype:
+    """The dtype torch's clip returns the total norm in: the promotion of the gradients' dtypes,
+    real (the norm of complex gradients is real)."""
+    return functools.reduce(torch.promote_types, dtypes).to_real() if dtypes else torch.float32
+
+
 class GradientsMixin:
     """Reading, collecting and accounting for this rank's gradients."""
 
@@ -260,7 +277,7 @@ class GradientsMixin:
             total = self._norm_tensor_by_tensor(slices, norm_type, "zero grad norm of some parameters")
         slices = [s for s in slices if s.numel()]
         dtypes = {p.dtype for p in params if id(p) in wanted}
-        total = total.to(functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32)
+        total = total.to(norm_result_dtype(dtypes))
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
@@ -268,7 +285,7 @@ class GradientsMixin:
                 "and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # torch's, in the gradients' dtype
         if slices:
-            torch._foreach_mul_(slices, coef.to(device=slices[0].device, dtype=slices[0].dtype))
+            torch._foreach_mul_(slices, coef.to(device=slices[0].device, dtype=slices[0].dtype.to_real()))
         return total
 
     def _norm_of_slices(self, slices: list, norm_type: float) -> torch.Tensor:
@@ -278,7 +295,7 @@ class GradientsMixin:
         inf = norm_type == float("inf")
         local = torch.zeros(1, dtype=torch.float64, device=self._device)
         if slices:
-            norms = tensor_norms(slices, norm_type, at_least=torch.float64)
+            norms = tensor_norms(magnitudes(slices, norm_type), norm_type, at_least=torch.float64)
             local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1).to(self._device)
         if self.comm is not None and self.world_size > 1:
             packed = flag_nan(local).to(self.comm.device)
@@ -313,7 +330,7 @@ class GradientsMixin:
 
         if not slices:  # (no gradients on any rank: torch's norm of no tensors)
             return torch.zeros((), dtype=torch.float64, device=self._device)
-        norms = per_tensor_global_norms(slices, norm_type, self._device, all_reduce)
+        norms = per_tensor_global_norms(magnitudes(slices, norm_type), norm_type, self._device, all_reduce)
         if inv_scale is not None and norm_type != 0.0:  # (a count of nonzeros does not scale)
             norms = norms * inv_scale.double().reshape(())
         return torch.linalg.vector_norm(norms, norm_type)

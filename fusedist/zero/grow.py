@@ -88,10 +88,10 @@ def add_param_group(zero, param_group: dict) -> None:
         zero.param_groups.pop()
         raise
     for p in new:
-        if p.requires_grad and (not p.is_floating_point() or p.is_complex()):
+        if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
             zero.param_groups.pop()
             raise TypeError(f"ZeroRedundancyOptimizer.add_param_group: a parameter has dtype {p.dtype}; only "
-                            "real floating-point parameters can be sharded")
+                            "floating-point and complex parameters can be sharded")
     start = len(zero._params)
     zero._params.extend(new)
     zero._group_of.extend([gi] * len(new))

@@ -70,9 +70,12 @@ def check_offload_config(optimizer_class, params: dict) -> None:
         )
     for i, p in params.items():
         if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            advice = ("; its host buffers are real FP32 and cannot hold a complex parameter's masters or "
+                      "moments: shard complex parameters with offload=None (on the device, stepped as torch's "
+                      "Adam steps them)" if p.is_complex() else "")
             raise TypeError(
-                f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}; the host "
-                "Adam supports float32, bfloat16 and float16 parameters (FP32 masters)"
+                f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}; the host Adam "
+                f"supports float32, bfloat16 and float16 parameters (FP32 masters){advice}"
             )
     _extension.require("_cpu_ops")  # raises the build failure and how to rebuild
 

@@ -257,9 +257,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
         for i in self._trainable:
             p = self._params[i]
-            if not p.is_floating_point() or p.is_complex():
-                raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only real "
-                                "floating-point parameters can be sharded")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only "
+                                "floating-point and complex parameters can be sharded")
         self._device = self._params[self._trainable[0] if self._trainable else 0].device
         self._fill_group_defaults()
         if self.offload:

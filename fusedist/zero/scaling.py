@@ -11,7 +11,6 @@ protocol can change in one place.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from ..optim._scaler_protocol import ScalerProtocol
 from ..optim.grad_norms import flag_nan, tensor_norms, unflag_nan
 from . import grow
+from .grads import magnitudes, norm_result_dtype
 
 
 class ZeroScalerProtocol(ScalerProtocol):
@@ -47,7 +47,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             # Norms per tensor, then squares summed in fp32 (fp64 with fp64 parameters): a
             # non-finite gradient element makes its norm non-finite, so the same pass yields
             # the overflow flag.
-            norms = tensor_norms(grads).to(dtype)
+            norms = tensor_norms(magnitudes(grads, 2.0)).to(dtype)
             if inv_scale is not None:
                 norms = norms * inv_scale.reshape(()).to(dtype)
             sumsq = norms.pow(2).sum().reshape(1)
@@ -61,7 +61,8 @@ class ZeroScalerProtocol(ScalerProtocol):
         """The dtype the global norms are taken and all-reduced in, the same on every rank: fp32,
         or fp64 where a parameter is fp64 (torch's clip measures fp64 gradients in fp64, and an
         fp32 norm left the clip coefficient of an fp64 model 1e-8 from torch's)."""
-        return torch.float64 if any(p.dtype == torch.float64 for p in self._trainable_params()) else torch.float32
+        wide = (torch.float64, torch.complex128)
+        return torch.float64 if any(p.dtype in wide for p in self._trainable_params()) else torch.float32
 
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
         """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
@@ -133,8 +134,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             self._join_clip = None
         # torch returns the norm in the gradients' dtype (their promotion): the parameters'
         # dtypes, whatever precision the shards hold them in.
-        dtypes = {p.dtype for p in self._trainable_params()}
-        dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+        dtype = norm_result_dtype({p.dtype for p in self._trainable_params()})
         norm = ctx.record_clip(sumsq, max_norm, error_if_nonfinite, dtype)
         self._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
         return norm
@@ -151,7 +151,7 @@ class ZeroScalerProtocol(ScalerProtocol):
         inf, dtype = norm_type == float("inf"), self._norm_dtype()
         local = torch.zeros(1, device=self._device, dtype=dtype)
         if grads:
-            norms = tensor_norms(grads, norm_type).to(dtype)
+            norms = tensor_norms(magnitudes(grads, norm_type), norm_type).to(dtype)
             if inv_scale is not None:
                 norms = norms * inv_scale.reshape(()).to(dtype)
             local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)

@@ -216,8 +216,10 @@ class ShardedState:
             ids = []
             for index in [i for i in z._trainable if z._group_of[i] == gi] or [None]:
                 ids.append(len(params))
+                # complex for a complex parameter: its states are complex (a real probe casts them)
+                dtype = z._master_dtype(z._params[index].dtype) if index is not None else torch.float32
                 params.append(torch.zeros(min(1, z._params[index].numel()) if index is not None else 1,
-                                          requires_grad=True))
+                                          dtype=dtype if dtype.is_complex else torch.float32, requires_grad=True))
                 item = assembled.get(index)
                 if item is not None and item["state"]:
                     state[ids[-1]] = {k: self._probe_value(v, params[-1]) for k, v in item["state"].items()}

@@ -25,6 +25,16 @@ from .offload import HostShardOffload
 from .partition import FlatParams, FlatPartition, bucketize
 
 
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a ``dtype`` shard's masters and gradients: ``compute_dtype``; a complex
+    one keeps its own (complex32 widens to complex64), as torch's optimizers keep complex
+    parameters and states complex (fusedist/optim/_complex.py). A real master would cast the
+    imaginary parts away."""
+    if dtype.is_complex:
+        return torch.complex64 if dtype == torch.complex32 else dtype
+    return compute_dtype(dtype)
+
+
 class ShardsMixin:
     """Building the shards, masters and inner optimizer; syncing masters from the parameters."""
 
@@ -45,8 +55,8 @@ class ShardsMixin:
         self._partition = part
         return part
 
-    # Masters and gradient shards: fp64 stays fp64, everything else is fp32.
-    _master_dtype = staticmethod(compute_dtype)
+    # Masters and gradient shards: fp64 stays fp64, every other real dtype is fp32.
+    _master_dtype = staticmethod(master_dtype)
 
     # Note [shards aliasing the parameters and gradients]: which dtypes need copies.
     def _own_master_dtypes(self, part: FlatPartition) -> list:

@@ -70,8 +70,7 @@ _sync_bn_trace: Optional[list] = None
 def record_sync_bn(layer, input: torch.Tensor) -> None:
     """Called by SyncBatchNorm's synchronizing forward; cheap (a global read) otherwise."""
     if _sync_bn_trace is not None:
-        _sync_bn_trace.append((layer, layer.num_features, input.dtype,
-                               bool(input.requires_grad and torch.is_grad_enabled())))
+        _sync_bn_trace.append((layer, layer.num_features, input.dtype))
 
 
 class Join(_TorchJoin):
@@ -266,38 +265,68 @@ def run_module(ddp, args, kwargs):
 
 def _static_sync_bn_trace(ddp) -> list:
     """The model's training SyncBatchNorm layers in registration order, for a rank that never
-    ran a forward under the context; a layer's input needs a gradient if any parameter
-    registered before it is trainable."""
+    ran a forward under the context."""
     trace = []
-    seen_trainable = False
     for module in ddp.module.modules():
         if _is_sync_bn(module) and module.training:
             ref = module.weight if module.weight is not None else module.running_mean
-            dtype = ref.dtype if ref is not None else torch.float32
-            trace.append((module, module.num_features, dtype, seen_trainable))
-        seen_trainable = seen_trainable or any(p.requires_grad for p in module.parameters(recurse=False))
+            trace.append((module, module.num_features, ref.dtype if ref is not None else torch.float32))
     return trace
 
 
+# Note [a joined rank's running statistics]
+#     A rank that ran out of inputs takes part in each SyncBatchNorm statistics gather with an
+#     empty batch, as a rank whose batch is empty does in a training forward -- and such a
+#     forward (torch's SyncBatchNorm too) still counts the batch and blends the global batch's
+#     statistics into the running ones. So does the joined rank: without it, a model whose
+#     buffers are not broadcast (``broadcast_buffers=False``) left the joined ranks with old
+#     running statistics and ``num_batches_tracked``, and the first training forward after the
+#     context was refused on every rank as layers mixed up (Note [the same layer on every rank]
+#     in nn/_sync_stats.py). The gathered tensor is the active ranks' own, so the blend gives
+#     the same values. Its backward plan is read from the gather as well: the joined rank
+#     all-reduces in the reverse loop exactly where the active ranks' backwards do.
 @torch.no_grad()
 def _shadow_sync_bn(ddp, trace: list) -> None:
     """SyncBatchNorm's collectives with an empty batch: count 0 in each statistics gather
-    (forward order), zeros in each backward all-reduce (reverse order)."""
+    (forward order), with the running statistics updated from it (Note [a joined rank's running
+    statistics]), zeros in each backward all-reduce the gathers call for (reverse order)."""
     from .._dtypes import compute_dtype
-    from ..nn._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages
+    from ..nn._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages, read_gather
 
-    for layer, channels, _dtype, _needs in trace:
+    reduces = []
+    for layer, channels, _dtype in trace:
         comm = layer._communicator(ddp.device)
         if comm is None:
+            reduces.append(False)
             continue
         # count 0 and an identity of zeros (compared with nothing): Note [the same layer on every rank]
         message = torch.zeros(2 * channels + 1 + IDENTITY_LEN, dtype=torch.float64, device=comm.device)
-        combine(gather_messages(message, comm), channels)  # raises where the active ranks raise
-    for layer, channels, dtype, needs in reversed(trace):
-        comm = layer._communicator(ddp.device)
-        if comm is None or not needs:
-            continue
-        comm.all_reduce(torch.zeros(2 * channels, dtype=compute_dtype(dtype), device=comm.device), tag=GRAD_TAG)
+        gathered = gather_messages(message, comm)
+        counts, reduce = read_gather(gathered, channels, comm)  # raises where the active ranks raise
+        reduces.append(reduce)
+        _track_running_stats(layer, combine(gathered, channels, counts))
+    for (layer, channels, dtype), reduce in reversed(list(zip(trace, reduces))):
+        if reduce:
+            comm = layer._communicator(ddp.device)
+            comm.all_reduce(torch.zeros(2 * channels, dtype=compute_dtype(dtype), device=comm.device), tag=GRAD_TAG)
+
+
+def _track_running_stats(layer, stats) -> None:
+    """A training forward's update of ``layer``'s running statistics from the global batch's
+    ``stats`` (Note [a joined rank's running statistics]): the count, and the blend unless the
+    global batch is empty."""
+    from ..nn._function import _blend_
+
+    if not layer.track_running_stats or layer.running_mean is None or layer.running_var is None:
+        return
+    tracked = layer.num_batches_tracked
+    factor = 0.0 if layer.momentum is None else layer.momentum
+    if tracked is not None:
+        tracked.add_(1)
+        if layer.momentum is None:
+            factor = 1.0 / float(tracked)
+    if stats.count > 0:
+        _blend_([layer.running_mean, layer.running_var], [stats.mean, stats.m2 / (stats.count - 1)], factor)
 
 
 def _grads_at_join(params: list) -> list:

@@ -12,17 +12,30 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["flag_nan", "per_tensor_global_norms", "tensor_norms", "unflag_nan"]
+__all__ = ["flag_nan", "magnitudes", "per_tensor_global_norms", "tensor_norms", "unflag_nan"]
+
+
+def magnitudes(tensors: Sequence[torch.Tensor], norm_type: float) -> list:
+    """``tensors`` with each complex one replaced by a real tensor of the same ``norm_type``-norm,
+    as torch's clip measures complex gradients (by their magnitudes): its real pairs for the
+    2-norm (a view), its magnitudes otherwise. The norm kernels take real tensors only."""
+    if not any(t.is_complex() for t in tensors):
+        return list(tensors)
+    if float(norm_type) == 2.0:
+        return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+    return [t.abs() if t.is_complex() else t for t in tensors]
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
                  at_least: torch.dtype = torch.float32) -> torch.Tensor:
-    """The norm of each tensor, stacked, computed in ``at_least`` (fp64 where a tensor is fp64).
+    """The norm of each tensor, stacked, computed in ``at_least`` (fp64 where a tensor is fp64
+    or complex128). A complex tensor's norm is that of its magnitudes (:func:`magnitudes`).
 
     Not in the tensors' own dtype: a bf16/fp16 part's norm rounded to 8 (11) bits before the
     parts are combined makes a total over sharded gradients depend on where the shards are cut
     (a bf16 global norm 6e-4 off at 2 ranks, 2e-3 at 3, for the same gradients), and an fp16
     norm overflows where no element does."""
+    tensors = magnitudes(tensors, norm_type)  # (complex128 becomes float64 here)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else at_least
     return torch.stack(torch._foreach_norm(list(tensors), norm_type, dtype=dtype))
 

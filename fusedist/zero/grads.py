@@ -52,19 +52,8 @@ import functools
 import torch
 
 from ..ddp.layout import flat_like
-from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, unflag_nan
+from ..optim.grad_norms import flag_nan, magnitudes, per_tensor_global_norms, tensor_norms, unflag_nan
 from . import grow
-
-
-def magnitudes(tensors: list, norm_type: float) -> list:
-    """``tensors`` with each complex one replaced by a real tensor of the same ``norm_type``-norm,
-    as torch's clip measures complex gradients (by their magnitudes): its real pairs for the
-    2-norm (a view), its magnitudes otherwise. The norm kernels take real tensors only."""
-    if not any(t.is_complex() for t in tensors):
-        return tensors
-    if norm_type == 2.0:
-        return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
-    return [t.abs() if t.is_complex() else t for t in tensors]
 
 
 def norm_result_dtype(dtypes) -> torch.dtype:

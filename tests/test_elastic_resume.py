@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def restarted_job(tmp_path_factory):
     return rc_clean, out_clean, rc, out, ckpt
 
 
-def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(restarted_job):
+def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(restarted_job, killed_async_save_run):
     rc_clean, out_clean, rc, out, ckpt = restarted_job
     assert rc_clean == 0, out_clean[-3000:]
     assert rc == 0, out[-3000:]
@@ -152,11 +153,21 @@ def _killed_async_save_worker(rank, world_size, root):
     return saved, None
 
 
-def test_kill_during_async_save_leaves_previous_checkpoint_loadable(tmp_path):
+@pytest.fixture(scope="module")
+def killed_async_save_run(tmp_path_factory):
+    """(root, future of the killed-async-save launch), started by the first test that asks: rank 0
+    spends most of it waiting for its dead peer's beat to stay silent (10 s), which then overlaps
+    the torchrun jobs instead of adding to them."""
     from fusedist.testing import run_distributed
 
-    root = str(tmp_path)
-    outcome = run_distributed(_killed_async_save_worker, 2, root, timeout=120, pg_timeout=10, expect_failure=True)
+    root = str(tmp_path_factory.mktemp("killed_async_save"))
+    with ThreadPoolExecutor(1) as pool:
+        yield root, pool.submit(run_distributed, _killed_async_save_worker, 2, root, timeout=120, pg_timeout=10,
+                                expect_failure=True)
+
+
+def test_kill_during_async_save_leaves_previous_checkpoint_loadable(killed_async_save_run):
+    root, outcome = killed_async_save_run[0], killed_async_save_run[1].result()
     assert outcome[1][0] == "error"  # SIGKILLed
     status, (saved, error) = outcome[0]
     assert status == "ok" and error is not None, outcome[0]

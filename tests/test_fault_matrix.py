@@ -24,6 +24,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from torchrun_launch import finish, launch
 
@@ -73,7 +74,17 @@ def cpu_fault_runs() -> dict:
     return _finish_all(procs)
 
 
-def test_fault_matrix_under_torchrun():
+@pytest.fixture(scope="module")
+def inf_on_one_rank_run():
+    """Future of item 3's launch, started by the first test that asks: it runs while the torchrun
+    jobs of ``cpu_fault_runs`` wait for their timeouts, instead of after them."""
+    from fusedist.testing import run_distributed
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_distributed, _inf_on_one_rank_worker, 2, timeout=120)
+
+
+def test_fault_matrix_under_torchrun(inf_on_one_rank_run):
     results = cpu_fault_runs()
 
     # 1. One rank raises mid-backward: every rank exits non-zero, the output names rank 1.
@@ -144,10 +155,8 @@ def _inf_on_one_rank_worker(rank, world_size, steps=5, bad_step=2):
     return skipped, scales, flat_ours, flat_ref
 
 
-def test_inf_gradients_on_one_rank_skip_the_step_on_every_rank():
-    from fusedist.testing import run_distributed
-
-    results = run_distributed(_inf_on_one_rank_worker, 2, timeout=120)
+def test_inf_gradients_on_one_rank_skip_the_step_on_every_rank(inf_on_one_rank_run):
+    results = inf_on_one_rank_run.result()
     for skipped, scales, flat_ours, flat_ref in results:
         # Every rank skipped exactly the bad step, and only it, and left the parameters as they were.
         assert skipped == [(False, False), (False, False), (True, True), (False, False), (False, False)]

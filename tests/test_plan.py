@@ -1,6 +1,7 @@
 """fusedist.plan: the formulas against published figures, the CLI's output contract and its
 bad-input handling (one line naming the flag, exit status 2)."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -352,9 +353,30 @@ def test_measure_with_a_world_size_that_is_not_a_number(capsys, monkeypatch):
     assert code == 2 and "WORLD_SIZE='abc' is not a rank count" in err
 
 
+# Every ``python -m fusedist.plan`` process of this file (each imports torch), started at once on
+# the first use and shared by the tests that read them: {arguments: (exit status, stdout, stderr)}.
+_PROCESS_ARGV = [
+    ("--layers", "2", "--hidden", "64", "--heads", "5", "--seq", "8", "--vocab", "9", "--gpus", "2"),
+    ("--params", "7e12", "--gpus", "8", "--seq", "4096"),
+    ("--layers", "200", "--hidden", "32768", "--heads", "256", "--vocab", "32000", "--seq", "4096", "--gpus", "8"),
+    ("--params", "7e12", "--gpus", "8", "--seq", "4096", "--json"),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _processes() -> dict:
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "fusedist.plan", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for argv in _PROCESS_ARGV}
+    try:
+        outputs = {argv: proc.communicate(timeout=300) for argv, proc in procs.items()}
+        return {argv: (procs[argv].returncode, out, err) for argv, (out, err) in outputs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+
+
 def test_bad_input_exit_status_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "fusedist.plan", "--layers", "2", "--hidden", "64", "--heads",
-                           "5", "--seq", "8", "--vocab", "9", "--gpus", "2"], capture_output=True, text=True)
+    proc = subprocess.CompletedProcess(_PROCESS_ARGV[0], *_processes()[_PROCESS_ARGV[0]])
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "python -m fusedist.plan: error: --heads: 5 heads do not divide --hidden 64"
 
@@ -379,20 +401,16 @@ def test_global_batch_not_divisible_names_the_multiples(capsys):
 
 def test_nothing_fits_exits_1_with_the_plan(tmp_path):
     """A model that fits nowhere prints its plan (which says so) and exits 1, no traceback."""
-    for argv in (["--params", "7e12", "--gpus", "8", "--seq", "4096"],
-                 ["--layers", "200", "--hidden", "32768", "--heads", "256", "--vocab", "32000", "--seq", "4096",
-                  "--gpus", "8"]):
-        proc = subprocess.run([sys.executable, "-m", "fusedist.plan", *argv], capture_output=True, text=True)
+    runs = _processes()
+    for argv in _PROCESS_ARGV[1:3]:
+        proc = subprocess.CompletedProcess(argv, *runs[argv])
         assert proc.returncode == 1, proc.stderr
         assert "suggestion: nothing fits" in proc.stdout and "Traceback" not in proc.stderr
         assert proc.stderr.strip() == "python -m fusedist.plan: nothing fits (exit status 1): see the suggestion above"
-    proc = subprocess.run([sys.executable, "-m", "fusedist.plan", "--params", "7e12", "--gpus", "8", "--seq", "4096",
-                           "--json"], capture_output=True, text=True)
+    proc = subprocess.CompletedProcess(_PROCESS_ARGV[3], *runs[_PROCESS_ARGV[3]])
     assert proc.returncode == 1 and json.loads(proc.stdout)["suggestion"]["strategy"] is None
-    # --params has no shape: no layout was searched, and the message says so
-    assert "no (dp, tp, pp) layout was searched" in subprocess.run(
-        [sys.executable, "-m", "fusedist.plan", "--params", "7e12", "--gpus", "8", "--seq", "4096"],
-        capture_output=True, text=True).stdout
+    # --params has no shape: no layout was searched, and the message says so (the first run's table)
+    assert "no (dp, tp, pp) layout was searched" in runs[_PROCESS_ARGV[1]][1]
 
 
 def test_help_and_assumptions_in_the_output(capsys, tmp_path):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from lightning_shared_launch import launch_selected, outcome
 from test_e2e_lightning_recipe import _launched_env
 
 TOL = {"32-true": 1e-5, "bf16-mixed": 1e-3, "16-mixed": 1e-3}
@@ -119,13 +119,13 @@ def _compare(rank, world, precision, zero_stage, directory):
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_fabric_loop_trains_resumes_and_clips_as_fabrics_ddp(zero_stage, tmp_path):
-    run_distributed(_compare, 2, "32-true", zero_stage, str(tmp_path), timeout=240)
+def test_fabric_loop_trains_resumes_and_clips_as_fabrics_ddp(zero_stage, launched):
+    outcome(launched, f"32-true, ZeRO {zero_stage}")
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_fabric_mixed_precision_with_zero2_trains_as_fabrics_ddp(precision, tmp_path):
-    run_distributed(_compare, 2, precision, 2, str(tmp_path), timeout=240)
+def test_fabric_mixed_precision_with_zero2_trains_as_fabrics_ddp(precision, launched):
+    outcome(launched, f"{precision}, ZeRO 2")
 
 
 def _refusals_and_names(rank, world):
@@ -166,8 +166,8 @@ def _refusals_and_names(rank, world):
         fabric.setup(module, stepped)
 
 
-def test_fabric_strategy_names_and_refusals():
-    run_distributed(_refusals_and_names, 2, timeout=180)
+def test_fabric_strategy_names_and_refusals(launched):
+    outcome(launched, "names and refusals")
 
 
 def _separate_setup_half_precision(rank, world, zero_stage):
@@ -212,5 +212,28 @@ def _separate_setup_half_precision(rank, world, zero_stage):
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
-def test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters(zero_stage):
-    run_distributed(_separate_setup_half_precision, 2, zero_stage, timeout=180)
+def test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters(zero_stage, launched):
+    outcome(launched, f"separate setup, bf16-true, ZeRO {zero_stage}")
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The checks of this file's selected tests in one launch of 2 ranks (lightning_shared_launch.py);
+    each runs in the ranks as it ran in a launch of its own, its assertions included. 600 s: the
+    eight launches it replaces had 1620 s together; it takes 30-60 s on a loaded 2-core machine."""
+    root = tmp_path_factory.mktemp("fabric")
+
+    def compare(precision, zero_stage):
+        directory = root / f"{precision}-{zero_stage}"
+        directory.mkdir()
+        return {f"{precision}, ZeRO {zero_stage}": (_compare, (precision, zero_stage, str(directory)))}
+
+    jobs = {"test_fabric_loop_trains_resumes_and_clips_as_fabrics_ddp": {
+                k: v for stage in (0, 1, 2) for k, v in compare("32-true", stage).items()},
+            "test_fabric_mixed_precision_with_zero2_trains_as_fabrics_ddp": {
+                k: v for precision in ("bf16-mixed", "16-mixed") for k, v in compare(precision, 2).items()},
+            "test_fabric_strategy_names_and_refusals": {"names and refusals": (_refusals_and_names, ())},
+            "test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters": {
+                f"separate setup, bf16-true, ZeRO {stage}": (_separate_setup_half_precision, (stage,))
+                for stage in (0, 2)}}
+    return launch_selected(request, jobs, 2, timeout=600)

@@ -9,10 +9,11 @@ order against torch's: 1e-5 (the failures move them by 1e-2 or more, or raise).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from lightning_shared_launch import launch_selected, outcome
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
 
 
@@ -68,12 +69,23 @@ def _two_backwards_worker(rank, world, seed):
             for side, strategy in (("ddp", "ddp"), ("fusedist", FusedistStrategy()))}
 
 
-def test_every_manual_backward_of_a_step_synchronizes():
+@pytest.fixture(scope="module")
+def launched(request):
+    """Both tests' workers in one launch of 2 ranks (lightning_shared_launch.py), on one fresh
+    random seed; 300 s: the launches it replaces had 180 s each."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    jobs = {"test_every_manual_backward_of_a_step_synchronizes": {"two backwards": (_two_backwards_worker, (seed,))},
+            "test_a_group_added_through_the_returned_optimizer_is_added_by_the_swapped_one": {
+                "added group": (_added_group_worker, (seed,))}}
+    return dict(launch_selected(request, jobs, 2, timeout=300), seed=seed)
+
+
+def test_every_manual_backward_of_a_step_synchronizes(launched):
     """Each ``manual_backward`` is synchronized, as Lightning's DDP prepares each one: the
     second of a step accumulated this rank's gradients and the second optimizer refused to
     step (Note [each manual_backward synchronizes])."""
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    results = run_distributed(_two_backwards_worker, 2, seed, timeout=180)
+    seed = launched["seed"]
+    results = outcome(launched, "two backwards")
     torch.manual_seed(seed)
     initial = _flat(_two_backwards_module(seed))
     for rank, out in enumerate(results):
@@ -130,14 +142,14 @@ def _added_group_worker(rank, world, seed):
     return out
 
 
-def test_a_group_added_through_the_returned_optimizer_is_added_by_the_swapped_one():
+def test_a_group_added_through_the_returned_optimizer_is_added_by_the_swapped_one(launched):
     """``add_param_group`` on the optimizer ``configure_optimizers`` returned trains the group as
     one added to ``trainer.optimizers`` does (Note [the returned optimizer]): torch's method
     appended a group the fused optimizer had not set up (no FP32 masters under bf16-true), and
     ZeRO refused its parameters as not held. (No ``strategy="ddp"`` reference: torch's DDP does
     not reduce parameters frozen when it wrapped the module, so its ranks drift apart.)"""
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    results = run_distributed(_added_group_worker, 2, seed, timeout=180)
+    seed = launched["seed"]
+    results = outcome(launched, "added group")
     for name in ("bf16-true", "ZeRO 1"):
         for rank, out in enumerate(results):
             ours, ref = out[name, "returned"], out.get((name, "trainer"))

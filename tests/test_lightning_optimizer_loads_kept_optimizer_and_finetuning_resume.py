@@ -12,10 +12,12 @@ computed by the same code: compared exactly.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from lightning_shared_launch import launch_selected, outcome
 from test_e2e_lightning_recipe import IN, OUT, _data, _flat, _launched_env
 
 
@@ -98,13 +100,14 @@ def _loading_worker(rank: int, world: int) -> dict:
             "through the kept optimizer": _fit(FusedistStrategy(), {"load": "kept"})}
 
 
-def test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps():
+def test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps(launched):
     """A state loaded through ``self.optimizers()`` or through the optimizer the module returned
     and kept is the swapped optimizer's, as it is Lightning's DDP optimizer's; the kept one's
     ``state_dict()`` is the stepping one's, and a learning rate set through it after the load
     still reaches it. (The fused optimizer stepped from a fresh state: the load landed on the
     wrapper, or on the kept optimizer, which then no longer shared the swapped one's groups.)"""
-    for rank, runs in enumerate(run_distributed(_loading_worker, 2, timeout=120)):
+    for rank, runs in enumerate(outcome(launched, "loading")):
+        runs = dict(runs)  # popped below: a copy
         ref_weights, ref_seen = runs.pop("ddp")
         assert ref_seen["lrs"] == [0.02] * 3 and ref_seen["kept state"] == 4, (rank, ref_seen)
         for name, (weights, seen) in runs.items():
@@ -121,13 +124,24 @@ def _resume_worker(rank: int, world: int, path: str) -> list:
     return _fit(FusedistStrategy(), {"warmup": True}, max_steps=5, ckpt_path=path)[1]["lrs"]
 
 
-def test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume(tmp_path):
+def test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume(launched):
     """A warm-up written against the optimizer ``configure_optimizers`` returned sets the
     learning rate of the optimizer that steps after ``trainer.fit(ckpt_path=...)`` too, as under
     ``strategy="ddp"``, where they are one optimizer. (The resume's load replaced the swapped
     optimizer's groups, and the learning rate stayed at the checkpoint's.)"""
-    for rank, lrs in enumerate(run_distributed(_resume_worker, 2, str(tmp_path / "step2.ckpt"), timeout=120)):
+    for rank, lrs in enumerate(outcome(launched, "resume")):
         assert lrs == [1e-2 * min(1.0, (step + 1) / 6) for step in (2, 3, 4)], (rank, lrs)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The two 2-rank tests' workers in one launch (lightning_shared_launch.py); 200 s: the
+    launches it replaces had 120 s each."""
+    path = str(tmp_path_factory.mktemp("kept") / "step2.ckpt")
+    jobs = {"test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps": {"loading": (_loading_worker, ())},
+            "test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume": {
+                "resume": (_resume_worker, (path,))}}
+    return launch_selected(request, jobs, 2, timeout=200)
 
 
 def _finetuning_worker(rank: int, world: int, path: str) -> dict:

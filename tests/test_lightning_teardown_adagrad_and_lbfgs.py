@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from lightning_shared_launch import launch_selected, outcome
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
 
 TOL = 1e-5
@@ -68,10 +68,10 @@ def _adagrad_worker(rank, world):
             for name in ("fusedist_zero1", "fusedist_zero2")}
 
 
-def test_adagrad_is_sharded_as_ddp_trains_it():
+def test_adagrad_is_sharded_as_ddp_trains_it(launched):
     """torch's Adagrad builds its state (``step`` 0, ``sum`` at ``initial_accumulator_value``)
     in its constructor; ZeRO 1 and 2 shard it and train as Lightning's DDP, clipped by norm."""
-    for rank, diffs in enumerate(run_distributed(_adagrad_worker, 2, timeout=120)):
+    for rank, diffs in enumerate(outcome(launched, "adagrad")):
         for name, diff in diffs.items():
             assert diff <= TOL, f"{name}, rank {rank}: weights differ by {diff}"
 
@@ -115,14 +115,23 @@ def _after_fit_worker(rank, world):
     return out
 
 
-def test_a_module_after_fit_trains_as_after_lightnings_ddp():
+def test_a_module_after_fit_trains_as_after_lightnings_ddp(launched):
     """After ``trainer.fit`` the strategy leaves the module as Lightning's DDP leaves it: a
     second Trainer with ``strategy="ddp"`` continues as after a ``"ddp"`` fit (it was refused:
     "step() after a backward pass that was not synchronized"), and torch's optimizer and
     clip see the module's own ``p.grad`` (the clip measured the retired ZeRO-2 shards)."""
-    for rank, diffs in enumerate(run_distributed(_after_fit_worker, 2, timeout=180)):
+    for rank, diffs in enumerate(outcome(launched, "after fit")):
         for name, diff in diffs.items():
             assert diff <= TOL, f"{name}, rank {rank}: differs by {diff}"
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The two multi-rank tests' workers in one launch of 2 ranks (lightning_shared_launch.py);
+    300 s: the launches it replaces had 120 s and 180 s."""
+    jobs = {"test_adagrad_is_sharded_as_ddp_trains_it": {"adagrad": (_adagrad_worker, ())},
+            "test_a_module_after_fit_trains_as_after_lightnings_ddp": {"after fit": (_after_fit_worker, ())}}
+    return launch_selected(request, jobs, 2, timeout=300)
 
 
 def test_lbfgs_under_fp16_mixed_is_refused_as_lightning_refuses_it():

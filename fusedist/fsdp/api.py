@@ -13,6 +13,7 @@ from torch import nn
 from typing_extensions import deprecated
 
 from ..comm import get_communicator
+from . import recovery
 from .state_dict_hooks import install_state_dict_hooks
 from .grads import UnitGrads
 from .holder import holder_for
@@ -257,9 +258,11 @@ class FullyShardedModule:
         nothing there too when the unit stays gathered after forward (the root by default);
         otherwise it reshards, and a later use in that forward fails on the sharded DTensors.
         Freeing them here failed the rest of the forward on the empty buffer, or computed
-        silently with this rank's pieces (an empty output)."""
+        silently with this rank's pieces (an empty output). Likewise during the unit's own
+        backward (from a gradient hook), whose end reshards as ``reshard_after_backward`` says;
+        there it failed on the empty buffer ("storage of size 0"), as FSDP2's does."""
         st = self._fs_state()
-        if st.unit is not None and not st.in_own_forward():
+        if st.unit is not None and not st.in_own_forward() and not st.in_own_backward():
             st.unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -433,12 +436,14 @@ class FullyShardedModule:
         stay: call ``zero_grad()`` and restart a micro-batch sequence. Call it on the root
         (FSDP2's rule). This is FSDP2's documented contract; torch 2.13's own reset keeps the
         unsharded gradients of units whose post-backward had not run (the root's, a no-sync
-        accumulation) and adds them into the next reduction."""
+        accumulation) and adds them into the next reduction. Refused from a hook while the model's
+        forward or backward runs (Note [reset during forward or backward] in recovery.py)."""
         st = self._fs_state()
         if st.is_root is False:
             raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
                                f"(the outermost one, the first to run forward), not on {type(self).__name__}")
         if st.ctx is not None:
+            recovery.refuse_reset_while_running(st.ctx, self)  # Note [reset during forward or backward]
             st.ctx.reset_iteration()
 
     def _set_unshard_async_op(self, async_op: bool):

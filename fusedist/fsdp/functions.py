@@ -18,8 +18,10 @@ __all__ = ["register_fsdp_forward_method", "share_comm_ctx"]
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` gather before and reshard after, as ``forward`` does,
     for methods that use the weights without calling ``forward`` (``generate``); torch's
-    FSDP2 function. A no-op for a module fusedist did not shard, so the same code runs
-    unsharded; a module torch's ``fully_shard`` sharded is handed to torch's function."""
+    FSDP2 function. The method may call the module itself: the unit stays gathered until it
+    returns (Note [a unit called inside its own call]). A no-op for a module fusedist did not
+    shard, so the same code runs unsharded; a module torch's ``fully_shard`` sharded is handed
+    to torch's function."""
     if not isinstance(module, FullyShardedModule):
         _register_torch_forward_method(module, method_name)
         return
@@ -55,6 +57,19 @@ def share_comm_ctx(modules: list) -> None:
         raise ValueError(f"share_comm_ctx: {type(other).__name__} was sharded by torch's fully_shard and "
                          f"{type(modules[ours.index(True)]).__name__} by fusedist's; the two libraries' modules "
                          "share no communication context")
+
+
+# Note [a unit called inside its own call]
+#     A method registered with ``register_fsdp_forward_method`` often calls the module itself
+#     (``generate`` running ``self(ids)`` per token, then reading ``self.head.weight``), and
+#     a module's forward may call itself. The inner call's post-forward resharded the unit
+#     (under ``reshard_after_forward``) while the outer call still ran: the rest of it read
+#     this rank's pieces and computed silently on them (FSDP2's block fails there, on the mix
+#     of tensors and DTensors; its root's returns a DTensor). So each state counts its running
+#     calls (``_depth``), and only the outermost call's end reshards the unit; the outer call
+#     is "in its own forward" (``reshard()`` waits) until then. The count is cleared where an
+#     aborted call's state is (the root's end of forward, the end of a backward,
+#     ``reset_iter_state``).
 
 
 # Note [one communicator per mesh]

@@ -103,6 +103,7 @@ class IterationContext:
         self.forward_order = self._current_order
         for st in self.states:
             st.forward_running = False  # (one whose forward raised, caught inside the root's, ended too)
+            st._depth = 0
             if st._group_pending:  # Note [a list of modules as one unit] in members.py: a member did not run
                 st.close_group_call()
         for st in self.states:  # Note [unit schedule]: prefetched but never run

@@ -36,6 +36,19 @@ Note [aborted forward]
     test, over every thread's stack, tells the optimizer's post-step hook that no forward is
     running (``is_running``), so a step in between reshards what the aborted forward left
     gathered (Note [gathered copies and the optimizer step]).
+
+Note [reset during forward or backward]
+    ``reset_iter_state()`` is for after an exception, between iterations. Called while the
+    root's forward runs (from a hook or a submodule) it resharded every unit under the running
+    forward: the rest of it computed with this rank's pieces -- silently, where their shapes
+    fit (a head's output of this rank's rows, a loss and a backward that "worked"), where
+    FSDP2 fails on the mix of tensors and DTensors. Called from a hook of the running
+    backward, it freed the parameters the rest of that backward reads and dropped the
+    reductions in flight, failing with a storage error. Both are refused, naming the call
+    and when to make it; the forward or backward then fails on that error, and the next
+    forward recovers from it as from any other (Notes [aborted forward] and [aborted
+    backward]). A forward that an exception ended is no longer on the stack, and an aborted
+    backward's graph task is over, so the documented use after an exception is unchanged.
 """
 
 from __future__ import annotations
@@ -121,3 +134,18 @@ def recover_aborted_backward(ctx, module) -> None:
         "reset_iter_state() does. Call model.reset_iter_state() on the root after such an exception, and "
         "zero_grad(), to make this explicit.", RuntimeWarning, stacklevel=4)
     ctx.reset_iteration()
+
+
+def refuse_reset_while_running(ctx, module) -> None:
+    """``reset_iter_state()`` inside the root's running forward or a running backward is
+    refused (Note [reset during forward or backward])."""
+    if ctx.in_forward and ctx._forward_frame is not None and forward_is_live(ctx):
+        when = "forward"
+    elif ctx.backward_running and in_autograd_backward():
+        when = "backward"
+    else:
+        return
+    raise RuntimeError(
+        f"fusedist.fully_shard({type(module).__name__}): reset_iter_state() was called during the model's {when} "
+        f"(from a hook or a submodule); it would free the parameters the rest of the {when} uses. Call it on "
+        "the root between iterations, after the exception that ended a forward or backward.")

@@ -265,6 +265,8 @@ class FullyShardState:
         self._call_opened: list = []  # those of the call running forward (its outputs' hooks reopen them)
         self._post_backward_done = False
         self.forward_running = False  # between this module's pre- and post-forward (FSDP2's FORWARD state)
+        # its calls running, nested ones included (Note [a unit called inside its own call] in functions.py)
+        self._depth = 0
         if unit is not None:
             unit.on_grad = self._on_grad
             unit.busy = self._busy
@@ -286,6 +288,11 @@ class FullyShardState:
         forward]), which leaves the flag set until the next forward drops it."""
         ctx = self.ctx
         return self.forward_running and not (ctx is not None and ctx.in_forward and not recovery.is_running(ctx))
+
+    def in_own_backward(self) -> bool:
+        """Whether this unit's backward is running now: its outputs' gradients arrived, its own
+        are not all in (``reshard()`` waits for its end too; the rest of it reads the parameters)."""
+        return self._in_backward and not self._post_backward_done and recovery.in_autograd_backward()
 
     # ------------------------------------------------------------------ root
     def lazy_init(self) -> None:
@@ -376,6 +383,7 @@ class FullyShardState:
                 return args, kwargs
             self._group_pending = {id(m) for m in self.modules}
         self.forward_running = True
+        self._depth += 1
         if not ctx.in_forward:  # a forward begins (the root's, or a submodule run alone)
             ctx.wait_post_optim_event()
         if self.is_root and not ctx.in_forward:
@@ -412,11 +420,14 @@ class FullyShardState:
                 if grad:  # the entry the group's post-forward will record
                     self._hook_outputs(output, len(self._post_forward_indices))
                 return output
-        self.forward_running = False
+        self._depth = max(self._depth - 1, 0)
+        self.forward_running = self._depth > 0  # an outer call of this unit still runs
         if unit is not None:
             if grad:
                 self._record_post_forward()
-            if unit.reshard_after_forward:  # with or without grad: Note [forward without gradients]
+            # with or without grad (Note [forward without gradients]); after the outermost call only
+            # (Note [a unit called inside its own call] in functions.py)
+            if unit.reshard_after_forward and not self._depth:
                 unit.reshard_post_forward()  # (an int: Note [resharding to a smaller group after forward])
         if grad:
             self._hook_outputs(output, len(self._post_forward_indices) - 1)
@@ -556,6 +567,7 @@ class FullyShardState:
     def reset_backward(self) -> None:
         self._group_pending.clear()  # a group call an exception ended (Note [aborted forward])
         self.forward_running = False
+        self._depth = 0
         self._in_backward = False
         self._grads_seen = 0
         self._post_backward_done = False

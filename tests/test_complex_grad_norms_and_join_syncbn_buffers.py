@@ -69,9 +69,8 @@ def _complex_case(rank, ws, mesh, dtype, with_real):
         theirs(_input(rank, dtype)).abs().sum().backward()
         fsdp2 = _clip_each_order(theirs, lambda ps, nt: torch.nn.utils.clip_grad_norm_(ps, 1.0, nt).full_tensor())
     # complex64: float32 sums of 12-16 magnitudes, in another order over the pieces (a few ulp);
-    # complex128: float64 ones -- but without a float64 real gradient beside it the holder rounds
-    # its result to float32, so float64 precision and dtype are asked where one is present
-    fp64 = dtype == torch.complex128 and with_real
+    # complex128: float64 ones, returned in float64 as torch's
+    fp64 = dtype == torch.complex128
     tol = dict(rtol=1e-12, atol=0) if fp64 else dict(rtol=2e-6, atol=1e-7)
     bad = []
     for i, nt in enumerate(ORDERS):

@@ -65,12 +65,12 @@ class ShardedGradHolder:
         """The norm of all ranks' pieces of these parameters' gradients (a collective: every
         rank calls it with the same parameters, also a rank whose pieces are empty). In float32,
         float64 where a gradient is float64: torch's norm of float64 gradients is not rounded to
-        float32, nor is the clip coefficient taken from it."""
+        float32, nor is the clip coefficient taken from it (complex128 ones alike)."""
         norm_type = float(norm_type)
         with_grad = [p for p in params if p.grad is not None]
         grads = [p.grad for p in with_grad]
         device = grads[0].device if grads else self.comm.device
-        acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        acc = torch.float64 if any(g.dtype in (torch.float64, torch.complex128) for g in grads) else torch.float32
         if norm_type == 0.0 or norm_type < 0.0:  # Note [norms that are not sums over pieces]
             norms = [n for n in self._global_norms(list(params), norm_type) if n is not None]
             if not norms:  # (torch's norm of no gradients)

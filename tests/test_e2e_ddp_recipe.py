@@ -488,6 +488,12 @@ def _resumed_worker(rank, world, how, directory, cfg):
     return _result(bare, opt, scaler, sched, log)
 
 
+def _resumed_runs_worker(rank, world, hows, cfg):
+    """:func:`_resumed_worker` for each ``(how, directory)`` in turn, in the same processes (one
+    launch: a shorter suite); each restores all it uses, generators included, from its checkpoint."""
+    return [_resumed_worker(rank, world, how, directory, cfg) for how, directory in hows]
+
+
 def _tail(run: dict) -> dict:
     """The uninterrupted run as a resumed one logs it: the steps from RESUME_AT on."""
     micro = RESUME_AT * MICRO_STEPS
@@ -518,10 +524,11 @@ def test_resume_in_fresh_processes_continues_the_uninterrupted_run(uninterrupted
     with a ResumableDistributedSampler."""
     full, ckpt_dir, save_dir = uninterrupted["resume"]
     assert math.isinf(full[1]["loss"][2 * INF_STEP + 1])
-    for how, directory in (("checkpointer", ckpt_dir), ("load", save_dir)):
-        resumed = run_distributed(_resumed_worker, 2, how, directory, RESUME_CFG, timeout=180)
+    hows = (("checkpointer", ckpt_dir), ("load", save_dir))
+    per_rank = run_distributed(_resumed_runs_worker, 2, hows, RESUME_CFG, timeout=300)
+    for i, (how, _) in enumerate(hows):
         for rank in range(2):
-            _compare(resumed[rank], _tail(full[rank]), 0.0, f"resumed with {how}, rank {rank}")
+            _compare(per_rank[rank][i], _tail(full[rank]), 0.0, f"resumed with {how}, rank {rank}")
 
 
 def test_resume_at_another_world_size_reshards_zero_and_the_sampler(uninterrupted):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shared_launch import launch_selected, outcome
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _launched_env
 
 TOL = {"32-true": 1e-5, "bf16-mixed": 1e-3, "16-mixed": 1e-3}
@@ -120,12 +120,12 @@ def _compare(rank, world, precision, zero_stage, directory):
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_fabric_loop_trains_resumes_and_clips_as_fabrics_ddp(zero_stage, launched):
-    outcome(launched, f"32-true, ZeRO {zero_stage}")
+    results_of(launched, f"32-true, ZeRO {zero_stage}")
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_fabric_mixed_precision_with_zero2_trains_as_fabrics_ddp(precision, launched):
-    outcome(launched, f"{precision}, ZeRO 2")
+    results_of(launched, f"{precision}, ZeRO 2")
 
 
 def _refusals_and_names(rank, world):
@@ -167,7 +167,7 @@ def _refusals_and_names(rank, world):
 
 
 def test_fabric_strategy_names_and_refusals(launched):
-    outcome(launched, "names and refusals")
+    results_of(launched, "names and refusals")
 
 
 def _separate_setup_half_precision(rank, world, zero_stage):
@@ -213,12 +213,12 @@ def _separate_setup_half_precision(rank, world, zero_stage):
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters(zero_stage, launched):
-    outcome(launched, f"separate setup, bf16-true, ZeRO {zero_stage}")
+    results_of(launched, f"separate setup, bf16-true, ZeRO {zero_stage}")
 
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """The checks of this file's selected tests in one launch of 2 ranks (lightning_shared_launch.py);
+    """The checks of this file's selected tests in one launch of 2 ranks (shared_rank_launch.py);
     each runs in the ranks as it ran in a launch of its own, its assertions included. 600 s: the
     eight launches it replaces had 1620 s together; it takes 30-60 s on a loaded 2-core machine."""
     root = tmp_path_factory.mktemp("fabric")
@@ -236,4 +236,4 @@ def launched(request, tmp_path_factory):
             "test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters": {
                 f"separate setup, bf16-true, ZeRO {stage}": (_separate_setup_half_precision, (stage,))
                 for stage in (0, 2)}}
-    return launch_selected(request, jobs, 2, timeout=600)
+    return launch_for_selected(request, jobs, 2, timeout=600)

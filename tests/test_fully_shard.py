@@ -12,6 +12,7 @@ atol=1e-6)``. Each spawn runs several scenarios (a spawn costs seconds).
 from __future__ import annotations
 
 import copy
+import gc
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from torch import nn
 import fusedist
 import models
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -164,8 +166,8 @@ def _core(rank, ws):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_parity_with_torch_fsdp2_adamw(world_size):
-    for rank, res in enumerate(run_distributed(_core, world_size)):
+def test_parity_with_torch_fsdp2_adamw(request, world_size):
+    for rank, res in enumerate(results_of(request.getfixturevalue(f"launched{world_size}"), "core")):
         for reshard, r in res.items():
             l_ref, l_ours = r["losses"]
             torch.testing.assert_close(l_ours, l_ref, **FP32)
@@ -269,8 +271,8 @@ def _scaler_clip_mp(rank, ws):
     return out
 
 
-def test_grad_scaler_clip_and_mixed_precision():
-    for rank, res in enumerate(run_distributed(_scaler_clip_mp, 2)):
+def test_grad_scaler_clip_and_mixed_precision(launched2):
+    for rank, res in enumerate(results_of(launched2, "scaler")):
         s = res["scaler"]
         (l_ref, n_ref, sc_ref) = s["ref"]
         for name in ("ours", "fused"):
@@ -384,8 +386,8 @@ def _edges(rank, ws):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_edge_cases_match_torch_fsdp2(world_size):
-    for rank, res in enumerate(run_distributed(_edges, world_size)):
+def test_edge_cases_match_torch_fsdp2(request, world_size):
+    for rank, res in enumerate(results_of(request.getfixturevalue(f"launched{world_size}"), "edges")):
         for case in ("frozen", "tied", "twice", "checkpoint", "prefetch", "offload"):
             l_ref, l_ours = res[case]["losses"]
             torch.testing.assert_close(l_ours, l_ref, **FP32, msg=lambda m, case=case: f"{case}: {m}")
@@ -464,8 +466,8 @@ def _state_and_memory(rank, ws):
     return out
 
 
-def test_state_dict_memory_stats_and_unshard():
-    for rank, res in enumerate(run_distributed(_state_and_memory, 2)):
+def test_state_dict_memory_stats_and_unshard(launched2):
+    for rank, res in enumerate(results_of(launched2, "state")):
         s = res["stats"]
         assert s["sharded_bytes"] == res["shard_elems"] * 4
         assert res["shard_elems"] * 2 - res["numel"] < 64  # padding only
@@ -575,10 +577,42 @@ def _skipped_in_the_synchronized_backward(rank, ws):
     return _max_diff(fusedist.fsdp.full_state_dict(ours), ref.state_dict())
 
 
-def test_a_unit_the_synchronized_backward_skips_reduces_what_it_accumulated():
+def test_a_unit_the_synchronized_backward_skips_reduces_what_it_accumulated(launched2):
     """Note [accumulated units a synchronized backward does not reach]: gradient accumulation
     with ``set_requires_gradient_sync``, a unit that runs in the unsynchronized micro-batches
     and not in the synchronized last one: its accumulated sum is reduced and stepped, as the
     unsharded model's gradients on the global batch say."""
-    for rank, diff in enumerate(run_distributed(_skipped_in_the_synchronized_backward, 2, timeout=120)):
+    for rank, diff in enumerate(results_of(launched2, "skipped")):
         assert diff < 1e-6, (rank, diff)
+
+
+# ----------------------------------------------------------------------------- shared spawns
+# One spawn per world size runs the scenarios of the tests selected (a spawn costs seconds),
+# each after collecting the models of the ones before: gathered and scratch bytes are counted
+# process-wide, and a model dropped with a unit still gathered gives its bytes back only when
+# collected (fusedist/fsdp/memory.py).
+def _after_collecting(rank, ws, fn):
+    gc.collect()
+    return fn(rank, ws)
+
+
+JOBS = {
+    2: {"test_parity_with_torch_fsdp2_adamw": {"core": (_after_collecting, (_core,))},
+        "test_grad_scaler_clip_and_mixed_precision": {"scaler": (_after_collecting, (_scaler_clip_mp,))},
+        "test_edge_cases_match_torch_fsdp2": {"edges": (_after_collecting, (_edges,))},
+        "test_state_dict_memory_stats_and_unshard": {"state": (_after_collecting, (_state_and_memory,))},
+        "test_a_unit_the_synchronized_backward_skips_reduces_what_it_accumulated": {
+            "skipped": (_after_collecting, (_skipped_in_the_synchronized_backward,))}},
+    3: {"test_parity_with_torch_fsdp2_adamw": {"core": (_after_collecting, (_core,))},
+        "test_edge_cases_match_torch_fsdp2": {"edges": (_after_collecting, (_edges,))}},
+}
+
+
+@pytest.fixture(scope="module")
+def launched2(request):
+    return launch_for_selected(request, JOBS[2], 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def launched3(request):
+    return launch_for_selected(request, JOBS[3], 3, timeout=300)

@@ -25,6 +25,7 @@ from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 from test_fully_shard import Net, _batch, _full_torch, _max_diff, _mesh, _shard_both, _sharded_net
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -111,11 +112,11 @@ def _containers(rank, ws):
     return out
 
 
-def test_outputs_in_dataclasses_and_ordered_dicts_match_torch_fsdp2():
+def test_outputs_in_dataclasses_and_ordered_dicts_match_torch_fsdp2(launched2):
     """A unit returning a dataclass: its backward must gather the unit again (torch's FSDP2
     hooks the tensors inside dataclasses); output_dtype casts them and keeps the container
     types (a dataclass stays that dataclass, an OrderedDict an OrderedDict)."""
-    for res in run_distributed(_containers, 2):
+    for res in results_of(launched2, "containers"):
         assert res["ours"]["losses"] == res["ref"]["losses"]
         assert res["weights"] == 0.0
         assert res["ours"]["block_out"] == res["ref"]["block_out"] == ("_Out", torch.float64, 0)
@@ -146,10 +147,10 @@ def _child_after_parent(rank, ws):
     return out
 
 
-def test_sharding_a_submodule_after_its_parent_names_the_order():
+def test_sharding_a_submodule_after_its_parent_names_the_order(launched2):
     """Bottom-up is the rule (torch's FSDP2 fails here with an internal invariant error); the
     message must say that, not call the parent's parameters tied weights."""
-    for res in run_distributed(_child_after_parent, 2):
+    for res in results_of(launched2, "child after parent"):
         for case in ("whole", "partly"):
             text = res[case]
             assert text is not None, case
@@ -198,14 +199,14 @@ def _kept_gathered(rank, ws):
     return out
 
 
-def test_units_kept_gathered_after_backward_see_the_optimizer_step():
+def test_units_kept_gathered_after_backward_see_the_optimizer_step(launched2):
     """``set_reshard_after_backward(False)`` keeps the gathered parameters for the next forward
     (gradient accumulation); after an optimizer step they are stale. fusedist drops them at the
     step (Note [gathered copies and the optimizer step]), so training is the same as with the
     default, also when the optimizer writes the pieces without bumping their version counters
     (FusedAdamW). Difference from torch's FSDP2, which keeps the stale copy and runs the next
     forward on the pre-step parameters."""
-    for res in run_distributed(_kept_gathered, 2):
+    for res in results_of(launched2, "kept gathered"):
         for opt_name, runs in res.items():
             base, _ = runs["ours"]
             for name in ("ours kept",):
@@ -411,9 +412,12 @@ def _resume(rank, ws):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_training_loop_variations_match_torch_fsdp2(world_size):
+def test_training_loop_variations_match_torch_fsdp2(request, world_size):
     tol = 0.0 if world_size == 2 else FP32["atol"]  # exact at 2; the last bit of a 3-way average
-    for res in run_distributed(_variations, world_size):
+    # at 2 ranks in the file's shared spawn, at 3 in one of its own
+    per_rank = results_of(request.getfixturevalue("launched2"), "variations") if world_size == 2 \
+        else run_distributed(_variations, world_size)
+    for res in per_rank:
         (ref_tiny, ref_inf), (tiny, inf) = res.pop("clip norms")
         assert tiny == pytest.approx(ref_tiny, rel=1e-6) and inf == ref_inf == float("inf")
         for name, diff in res.items():
@@ -424,6 +428,22 @@ def test_training_loop_variations_match_torch_fsdp2(world_size):
             assert diff <= bound, (name, diff)
 
 
-def test_state_dict_helpers_round_trip_with_a_scheduler_bitwise():
-    for diff, same_lr in run_distributed(_resume, 2):
+def test_state_dict_helpers_round_trip_with_a_scheduler_bitwise(launched2):
+    for diff, same_lr in results_of(launched2, "resume"):
         assert diff == 0.0 and same_lr
+
+
+# ------------------------------------------------------------------------------ shared spawn
+# The 2-rank scenarios of the tests selected, in one spawn (a spawn costs seconds).
+JOBS2 = {
+    "test_outputs_in_dataclasses_and_ordered_dicts_match_torch_fsdp2": {"containers": (_containers, ())},
+    "test_sharding_a_submodule_after_its_parent_names_the_order": {"child after parent": (_child_after_parent, ())},
+    "test_units_kept_gathered_after_backward_see_the_optimizer_step": {"kept gathered": (_kept_gathered, ())},
+    "test_training_loop_variations_match_torch_fsdp2": {"variations": (_variations, ())},
+    "test_state_dict_helpers_round_trip_with_a_scheduler_bitwise": {"resume": (_resume, ())},
+}
+
+
+@pytest.fixture(scope="module")
+def launched2(request):
+    return launch_for_selected(request, JOBS2, 2, timeout=300)

@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fusedist
 from fusedist.testing import run_distributed
@@ -94,9 +95,11 @@ def _where(root: str, save) -> str:
 
 
 def _save_all(rank, ws, root):
-    """Every checkpoint of SAVES at 2 ranks, and the full-state-dict checks at 2, in one launch."""
+    """Every checkpoint of SAVES at 2 ranks, the full-state-dict checks at 2, and then the loads
+    at 2 (into fresh models and optimizers: nothing of the saving ones is reused), in one launch."""
     saved = {save: _helpers_save(rank, ws, _where(root, save), save[1], save[0], save[2]) for save in SAVES}
-    return saved, _full_optim_helpers_each(rank, ws, FULL_OPT_NAMES)
+    dist.barrier()  # every rank's pieces written before any rank loads
+    return saved, _full_optim_helpers_each(rank, ws, FULL_OPT_NAMES), _load_all(rank, ws, root)[0]
 
 
 def _load_all(rank, ws, root):
@@ -108,19 +111,17 @@ def _load_all(rank, ws, root):
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """One launch saves every checkpoint at 2 ranks, one loads at 2 and one at 3 (each launch
-    costs a process group and the imports in every rank): {"saved": rank 0's results by save,
-    world size: per-rank results by (save, kind), ("full", world size): per-rank full-state-dict results}."""
+    """One launch saves every checkpoint at 2 ranks and loads them at 2, one loads at 3 (each
+    launch costs a process group and the imports in every rank): {"saved": rank 0's results by
+    save, world size: per-rank results by (save, kind), ("full", world size): per-rank
+    full-state-dict results}."""
     root = str(tmp_path_factory.mktemp("ck"))
-    out = {}
     saved = run_distributed(_save_all, 2, root, timeout=300)
-    out["saved"] = saved[0][0]
-    out[("full", 2)] = [by_opt for _, by_opt in saved]
-    for ws in (2, 3):
-        loaded = run_distributed(_load_all, ws, root, timeout=300)
-        out[ws] = [by_load for by_load, _ in loaded]
-        if ws == 3:
-            out[("full", 3)] = [by_opt for _, by_opt in loaded]
+    out = {"saved": saved[0][0], ("full", 2): [by_opt for _, by_opt, _ in saved],
+           2: [by_load for _, _, by_load in saved]}
+    loaded = run_distributed(_load_all, 3, root, timeout=300)
+    out[3] = [by_load for by_load, _ in loaded]
+    out[("full", 3)] = [by_opt for _, by_opt in loaded]
     return out
 
 

@@ -189,8 +189,15 @@ def _rowwise_worker(rank, world, bf16, reshard_after_forward, accumulate):
     (2, False, True, True),
     (3, True, False, False),
 ])
-def test_rowwise_extension_matches_fsdp2(world, bf16, reshard_after_forward, accumulate):
+def test_rowwise_extension_matches_fsdp2(request, world, bf16, reshard_after_forward, accumulate):
+    if world == 2:  # run in the shared 2-rank spawn (``two_ranks``), with these arguments
+        assert ROWWISE_2 == (bf16, reshard_after_forward, accumulate)
+        _passed(request.getfixturevalue("two_ranks"), "rowwise")
+        return
     run_distributed(_rowwise_worker, world, bf16, reshard_after_forward, accumulate)
+
+
+ROWWISE_2 = (False, True, True)  # the 2-rank case above, as the shared spawn runs it
 
 
 def float8_model(bias: bool, out: int):
@@ -354,10 +361,10 @@ def _float8_tp_worker(rank, world, root):
             assert torch.equal(a[k], b[k]), f"{k} differs after fusedist.checkpoint"
 
 
-def test_float8_with_tensor_parallelism_matches_fsdp2(tmp_path):
+def test_float8_with_tensor_parallelism_matches_fsdp2(four_ranks):
     """fp32 and bf16 gathers, a unit kept gathered across forward, the clip over both groups;
     fusedist.checkpoint of such a model loads exactly."""
-    run_distributed(_float8_tp_worker, 4, str(tmp_path))
+    _passed(four_ranks, "float8 tp")
 
 
 def _precompute_worker(rank, world):
@@ -558,9 +565,9 @@ def _refusal_worker(rank, world):
     return errors
 
 
-def test_extension_refusals_and_hsdp():
-    errors = run_distributed(_refusal_worker, 4)[0]
-    assert len(errors) == 5
+def test_extension_refusals_and_hsdp(four_ranks):
+    _passed(four_ranks, "refusals")
+    assert len(four_ranks[0]["refusals result"]) == 5
 
 
 def test_fused_optimizer_refuses_a_subclass_it_cannot_step():
@@ -604,26 +611,44 @@ def test_extension_optimizer_state_in_torch_dcp(two_ranks):
     _passed(two_ranks, "dcp")
 
 
-def _two_rank_worker(rank, world, root):
-    """Every 2-rank scenario of this file in one spawn (starting ranks that import torchao and
-    dynamo costs more than most scenarios), each as it ran in a spawn of its own. A scenario
-    that fails gives its traceback, for its own test to report, and ends the run: the other
-    rank may be elsewhere, so the scenarios after it are not started."""
+def _run_scenarios(rank, world, scenarios: dict) -> dict:
+    """Each scenario in turn, as it ran in a spawn of its own. A scenario that fails gives its
+    traceback, for its own test to report, and ends the run: the other ranks may be elsewhere,
+    so the scenarios after it are not started. A scenario's return value is kept under
+    "<name> result" (the refusal messages)."""
     import traceback
 
-    scenarios = {"float8": (_float8_worker,), "precompute": (_precompute_worker,),
-                 "state": (_state_worker, os.path.join(root, "state")),
-                 "dcp": (_optimizer_dcp_worker, os.path.join(root, "dcp")),
-                 "compiled": (_compiled_float8_worker,)}  # last: compiling leaves dynamo's caches behind
     out = {}
     for name, (fn, *args) in scenarios.items():
         try:
-            fn(rank, world, *args)
+            result = fn(rank, world, *args)
         except Exception:
             out[name] = f"rank {rank}:\n{traceback.format_exc()}"
             break
-        out[name] = None
+        out[name], out[f"{name} result"] = None, result
     return out
+
+
+def _two_rank_worker(rank, world, root):
+    """Every 2-rank scenario of this file in one spawn (starting ranks that import torchao and
+    dynamo costs more than most scenarios)."""
+    return _run_scenarios(rank, world, {
+        "float8": (_float8_worker,), "precompute": (_precompute_worker,),
+        "state": (_state_worker, os.path.join(root, "state")),
+        "dcp": (_optimizer_dcp_worker, os.path.join(root, "dcp")),
+        "rowwise": (_rowwise_worker, *ROWWISE_2),
+        "compiled": (_compiled_float8_worker,)})  # last: compiling leaves dynamo's caches behind
+
+
+def _four_rank_worker(rank, world, root):
+    """Both 4-rank scenarios in one spawn."""
+    return _run_scenarios(rank, world, {"refusals": (_refusal_worker,), "float8 tp": (_float8_tp_worker, root)})
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Per rank, {scenario: None when it passed, else its traceback; "<scenario> result": its return}."""
+    return run_distributed(_four_rank_worker, 4, str(tmp_path_factory.mktemp("extension_tp")), timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shared_launch import launch_selected, outcome
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
 
 
@@ -71,13 +71,13 @@ def _two_backwards_worker(rank, world, seed):
 
 @pytest.fixture(scope="module")
 def launched(request):
-    """Both tests' workers in one launch of 2 ranks (lightning_shared_launch.py), on one fresh
+    """Both tests' workers in one launch of 2 ranks (shared_rank_launch.py), on one fresh
     random seed; 300 s: the launches it replaces had 180 s each."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     jobs = {"test_every_manual_backward_of_a_step_synchronizes": {"two backwards": (_two_backwards_worker, (seed,))},
             "test_a_group_added_through_the_returned_optimizer_is_added_by_the_swapped_one": {
                 "added group": (_added_group_worker, (seed,))}}
-    return dict(launch_selected(request, jobs, 2, timeout=300), seed=seed)
+    return dict(launch_for_selected(request, jobs, 2, timeout=300), seed=seed)
 
 
 def test_every_manual_backward_of_a_step_synchronizes(launched):
@@ -85,7 +85,7 @@ def test_every_manual_backward_of_a_step_synchronizes(launched):
     second of a step accumulated this rank's gradients and the second optimizer refused to
     step (Note [each manual_backward synchronizes])."""
     seed = launched["seed"]
-    results = outcome(launched, "two backwards")
+    results = results_of(launched, "two backwards")
     torch.manual_seed(seed)
     initial = _flat(_two_backwards_module(seed))
     for rank, out in enumerate(results):
@@ -149,7 +149,7 @@ def test_a_group_added_through_the_returned_optimizer_is_added_by_the_swapped_on
     ZeRO refused its parameters as not held. (No ``strategy="ddp"`` reference: torch's DDP does
     not reduce parameters frozen when it wrapped the module, so its ranks drift apart.)"""
     seed = launched["seed"]
-    results = outcome(launched, "added group")
+    results = results_of(launched, "added group")
     for name in ("bf16-true", "ZeRO 1"):
         for rank, out in enumerate(results):
             ours, ref = out[name, "returned"], out.get((name, "trainer"))

@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_shared_launch import launch_selected, outcome
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _launched_env
 from test_lightning_model_parallel import _data, _module_class
 
@@ -81,20 +81,20 @@ def _check(results, seed):
 
 @pytest.fixture(scope="module")
 def launched(request):
-    """Both tests' workers in one launch of 2 ranks (lightning_shared_launch.py), each on a fresh
+    """Both tests' workers in one launch of 2 ranks (shared_rank_launch.py), each on a fresh
     random seed; 450 s: the launches it replaces had 300 s each."""
     seeds = [random.randrange(2**20) for _ in range(2)]
     jobs = {"test_meta_device_build_initializes_as_the_unsharded_module": {"dp": (_worker, (seeds[0], WORLD, 1))},
             "test_meta_device_build_with_tensor_parallelism": {"tp": (_worker, (seeds[1], 1, WORLD))}}
-    return dict(launch_selected(request, jobs, WORLD, timeout=450), seeds=seeds)
+    return dict(launch_for_selected(request, jobs, WORLD, timeout=450), seeds=seeds)
 
 
 def test_meta_device_build_initializes_as_the_unsharded_module(launched):
     """2 ranks: the root unit's head weight (3x12, with the head bias) is cut mid-row."""
-    _check(outcome(launched, "dp"), launched["seeds"][0])
+    _check(results_of(launched, "dp"), launched["seeds"][0])
 
 
 def test_meta_device_build_with_tensor_parallelism(launched):
     """data_parallel_size=1, tensor_parallel_size=2: the plan's DTensors are made whole as the
     global parameters, each rank keeping its columns or rows."""
-    _check(outcome(launched, "tp"), launched["seeds"][1])
+    _check(results_of(launched, "tp"), launched["seeds"][1])

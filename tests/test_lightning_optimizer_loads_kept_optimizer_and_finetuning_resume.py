@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
-from lightning_shared_launch import launch_selected, outcome
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import IN, OUT, _data, _flat, _launched_env
 
 
@@ -106,7 +106,7 @@ def test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps(launched)
     ``state_dict()`` is the stepping one's, and a learning rate set through it after the load
     still reaches it. (The fused optimizer stepped from a fresh state: the load landed on the
     wrapper, or on the kept optimizer, which then no longer shared the swapped one's groups.)"""
-    for rank, runs in enumerate(outcome(launched, "loading")):
+    for rank, runs in enumerate(results_of(launched, "loading")):
         runs = dict(runs)  # popped below: a copy
         ref_weights, ref_seen = runs.pop("ddp")
         assert ref_seen["lrs"] == [0.02] * 3 and ref_seen["kept state"] == 4, (rank, ref_seen)
@@ -129,19 +129,19 @@ def test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume(l
     learning rate of the optimizer that steps after ``trainer.fit(ckpt_path=...)`` too, as under
     ``strategy="ddp"``, where they are one optimizer. (The resume's load replaced the swapped
     optimizer's groups, and the learning rate stayed at the checkpoint's.)"""
-    for rank, lrs in enumerate(outcome(launched, "resume")):
+    for rank, lrs in enumerate(results_of(launched, "resume")):
         assert lrs == [1e-2 * min(1.0, (step + 1) / 6) for step in (2, 3, 4)], (rank, lrs)
 
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """The two 2-rank tests' workers in one launch (lightning_shared_launch.py); 200 s: the
+    """The two 2-rank tests' workers in one launch (shared_rank_launch.py); 200 s: the
     launches it replaces had 120 s each."""
     path = str(tmp_path_factory.mktemp("kept") / "step2.ckpt")
     jobs = {"test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps": {"loading": (_loading_worker, ())},
             "test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume": {
                 "resume": (_resume_worker, (path,))}}
-    return launch_selected(request, jobs, 2, timeout=200)
+    return launch_for_selected(request, jobs, 2, timeout=200)
 
 
 def _finetuning_worker(rank: int, world: int, path: str) -> dict:

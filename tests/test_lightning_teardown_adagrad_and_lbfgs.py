@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shared_launch import launch_selected, outcome
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
 
 TOL = 1e-5
@@ -71,7 +71,7 @@ def _adagrad_worker(rank, world):
 def test_adagrad_is_sharded_as_ddp_trains_it(launched):
     """torch's Adagrad builds its state (``step`` 0, ``sum`` at ``initial_accumulator_value``)
     in its constructor; ZeRO 1 and 2 shard it and train as Lightning's DDP, clipped by norm."""
-    for rank, diffs in enumerate(outcome(launched, "adagrad")):
+    for rank, diffs in enumerate(results_of(launched, "adagrad")):
         for name, diff in diffs.items():
             assert diff <= TOL, f"{name}, rank {rank}: weights differ by {diff}"
 
@@ -120,18 +120,18 @@ def test_a_module_after_fit_trains_as_after_lightnings_ddp(launched):
     second Trainer with ``strategy="ddp"`` continues as after a ``"ddp"`` fit (it was refused:
     "step() after a backward pass that was not synchronized"), and torch's optimizer and
     clip see the module's own ``p.grad`` (the clip measured the retired ZeRO-2 shards)."""
-    for rank, diffs in enumerate(outcome(launched, "after fit")):
+    for rank, diffs in enumerate(results_of(launched, "after fit")):
         for name, diff in diffs.items():
             assert diff <= TOL, f"{name}, rank {rank}: differs by {diff}"
 
 
 @pytest.fixture(scope="module")
 def launched(request):
-    """The two multi-rank tests' workers in one launch of 2 ranks (lightning_shared_launch.py);
+    """The two multi-rank tests' workers in one launch of 2 ranks (shared_rank_launch.py);
     300 s: the launches it replaces had 120 s and 180 s."""
     jobs = {"test_adagrad_is_sharded_as_ddp_trains_it": {"adagrad": (_adagrad_worker, ())},
             "test_a_module_after_fit_trains_as_after_lightnings_ddp": {"after fit": (_after_fit_worker, ())}}
-    return launch_selected(request, jobs, 2, timeout=300)
+    return launch_for_selected(request, jobs, 2, timeout=300)
 
 
 def test_lbfgs_under_fp16_mixed_is_refused_as_lightning_refuses_it():

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 WIDTH, BLOCKS_PER_STAGE, MICRO_BATCHES, STEPS = 16, 2, 4, 2
 
@@ -148,9 +149,8 @@ def _shard_compiled(module, mesh):
     return module
 
 
-def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(tmp_path):
-    seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_worker, 4, seed, str(tmp_path), timeout=300)
+def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(launched4):
+    seed, per_rank = launched4["seed"], results_of(launched4, "stages")
     for rank, out in enumerate(per_rank):
         for name, stages_per_rank in (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)):
             got = out[name]
@@ -388,12 +388,11 @@ def _full_model(module) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["tp", "hsdp"])
-def test_3d_pipeline_stages_match_fsdp2(kind, tmp_path):
+def test_3d_pipeline_stages_match_fsdp2(kind, launched8):
     """8 ranks, (pp 2, dp 2, tp 2) or (pp 2, dp_replicate 2, dp_shard 2): fusedist's stages equal
     FSDP2's under 1F1B (tolerance as above), and a Checkpointer per stage, over the stage's
     mesh, restores its stage exactly."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_worker_3d, 8, kind, seed, str(tmp_path), timeout=300)
+    seed, per_rank = launched8["seed"], results_of(launched8, kind)
     for rank, out in enumerate(per_rank):
         assert out["diff"] < 1e-6, (seed, rank, out)
         assert out["restored"] == [0, 3, 0, 3] and out["equal"], (seed, rank, out)
@@ -500,7 +499,7 @@ def _count_weight_gradients_by_pass() -> tuple:
     return counts, watch
 
 
-def test_zero_bubble_schedules_train_as_the_unsharded_model():
+def test_zero_bubble_schedules_train_as_the_unsharded_model(launched4):
     """Zero-bubble schedules over fully_shard stages (Note [zero-bubble passes of fusedist
     stages]): the input pass accumulates no weight gradient, the weight pass all of them
     through the units' hooks, the step's last one reduces the sum. 4 stages over 2 pipeline
@@ -510,8 +509,7 @@ def test_zero_bubble_schedules_train_as_the_unsharded_model():
     AdamW where gradients nearly cancel (1e-4, as above); one reduce-scatter per unit and step.
     (torch 2.13's FSDP2 under these schedules ends with weights 2-4e-2 away from 1F1B's; with
     torch's own PipelineStage a fusedist stage loses its gradients.)"""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_zero_bubble_worker, 4, seed, timeout=300)
+    seed, per_rank = launched4["seed"], results_of(launched4, "zero bubble")
     for rank, out in enumerate(per_rank):
         for name, got in out.items():
             assert got["diff"] < 1e-4, (seed, rank, name, got)
@@ -588,7 +586,7 @@ def _blocks_variant_worker(rank, world_size, seed):
     return out, issued
 
 
-def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b():
+def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b(launched4):
     """The weight pass re-enters a compiled block's backward, a checkpointed block's
     recomputation, or a custom function's backward that reads the weight (the block gathered
     again: another micro-batch's forward resharded it since the input pass): the same weights
@@ -596,8 +594,8 @@ def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b():
     accumulated in the same order), with one reduce-scatter per unit and step: a custom
     function's node is both an intermediate of the weight pass and the maker of its unit's
     output, whose backward hook must not start a backward of the unit there."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    for rank, (out, issued) in enumerate(run_distributed(_blocks_variant_worker, 4, seed, timeout=300)):
+    seed = launched4["seed"]
+    for rank, (out, issued) in enumerate(results_of(launched4, "block variants")):
         assert out == {"compiled": 0.0, "checkpointed": 0.0, "custom function": 0.0}, (seed, rank, out)
         # one reduce-scatter per unit and step, in either schedule (2 stages of 2 blocks per rank)
         assert set(issued.values()) == {2 * BLOCKS_PER_STAGE * STEPS}, (rank, issued)
@@ -694,12 +692,12 @@ def _empty_weight_pass_worker(rank, world_size, seed, wrap):
 
 
 @pytest.mark.parametrize("wrap", ["fully_shard", "DistributedDataParallel"])
-def test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum(wrap):
+def test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum(wrap, launched2):
     """A micro-batch whose output does not depend on the stage's weights (it goes around its
     blocks) has a weight pass with no gradient to compute; when it is the step's last, the
     units (the DDP buckets) still reduce what the earlier micro-batches accumulated (before, no
     backward ran, nothing was reduced, and the step guard refused the optimizer step)."""
-    for rank, (got, diff) in enumerate(run_distributed(_empty_weight_pass_worker, 2, 3, wrap, timeout=120)):
+    for rank, (got, diff) in enumerate(results_of(launched2, f"empty weight pass {wrap}")):
         assert all(got) and diff < 1e-6, (rank, got, diff)
 
 
@@ -787,12 +785,13 @@ def _skipping_batch(step: int, dp_rank: int) -> tuple:
 
 
 @pytest.mark.parametrize("schedule_name, stages_per_rank", [("Schedule1F1B", 1), ("ScheduleInterleavedZeroBubble", 2)])
-def test_a_block_skipped_in_the_last_micro_batch_still_reduces_its_sum(schedule_name, stages_per_rank):
+def test_a_block_skipped_in_the_last_micro_batch_still_reduces_its_sum(schedule_name, stages_per_rank, launched4):
     """Note [accumulated units a synchronized backward does not reach]: a block that runs in the
     first micro-batches of a step and not in the last (whose backward, or weight pass, is the
     synchronized one) reduces what it accumulated, as the unsharded model's gradients say
     (before, its gradients stayed in the accumulator and its weights were not stepped)."""
-    for rank, diff in enumerate(run_distributed(_skipping_worker, 4, 11, schedule_name, stages_per_rank, timeout=300)):
+    assert SKIPPING[schedule_name] == stages_per_rank
+    for rank, diff in enumerate(results_of(launched4, f"skipping {schedule_name}")):
         assert diff < 1e-6, (rank, schedule_name, diff)
 
 
@@ -854,15 +853,14 @@ def _ddp_worker(rank, world_size, seed):
     return out
 
 
-def test_stages_of_fusedist_ddp_reduce_once_per_step():
+def test_stages_of_fusedist_ddp_reduce_once_per_step(launched4):
     """Stage modules wrapped by fusedist.DistributedDataParallel or fusedist.replicate: the
     engine's switch is set for each backward (its forwards run micro-batches ahead), so the
     stage's last backward all-reduces the sum, once per step (torch's own stage: once per
     micro-batch, and torch's DDP under torch 2.13's schedules fails in its bucket rebuild on the
     first step); 1F1B and interleaved zero-bubble, against the unsharded model on the global
     batch (tolerance as above)."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_ddp_worker, 4, seed, timeout=300)
+    seed, per_rank = launched4["seed"], results_of(launched4, "ddp")
     for rank, out in enumerate(per_rank):
         for case, got in out.items():
             assert got["diff"] < 1e-4, (seed, rank, case, got)
@@ -922,12 +920,11 @@ def _no_sync_worker(rank, world_size, seed):
     return out
 
 
-def test_a_users_own_no_sync_holds_over_the_pipeline_step():
+def test_a_users_own_no_sync_holds_over_the_pipeline_step(launched4):
     """Accumulating across steps (``set_requires_gradient_sync(False)``, DDP's ``no_sync``) is
     the user's: fusedist's stage does not reduce at the step's last backward then; the next
     synchronized step reduces the sum once per unit or bucket."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    per_rank = run_distributed(_no_sync_worker, 4, seed, timeout=300)
+    per_rank = results_of(launched4, "no sync")
     for rank, out in enumerate(per_rank):
         assert out == {"fully_shard": [0, BLOCKS_PER_STAGE], "DistributedDataParallel": [0, 1],
                        "replicate": [0, 1]}, (rank, out)
@@ -964,7 +961,64 @@ def _short_step_worker(rank, world_size, wrap):
 
 
 @pytest.mark.parametrize("wrap", ["fully_shard", "ddp"])
-def test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline(wrap):
+def test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline(wrap, launched2):
     """README: a step that runs fewer backwards than micro-batches leaves the gradients
     unreduced, and the optimizer step is refused -- with advice a pipeline user can act on."""
-    run_distributed(_short_step_worker, 2, wrap, timeout=120)
+    results_of(launched2, f"short step {wrap}")
+
+
+# ----------------------------------------------------------------------------- shared spawns
+# One spawn per world size runs the scenarios of the tests selected (a 4-rank spawn costs
+# ~8 s of starting ranks), each with a fresh dynamo (compiled blocks recompile as in a spawn
+# of their own). One random seed per spawn, named in the failures.
+SKIPPING = {"Schedule1F1B": 1, "ScheduleInterleavedZeroBubble": 2}
+
+
+def _fresh_dynamo(rank, world, fn, *args):
+    torch._dynamo.reset()
+    return fn(rank, world, *args)
+
+
+def _jobs(named: dict) -> dict:
+    return {test: {name: (_fresh_dynamo, (fn, *args)) for name, (fn, *args) in jobs.items()}
+            for test, jobs in named.items()}
+
+
+@pytest.fixture(scope="module")
+def launched4(request, tmp_path_factory):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    root = str(tmp_path_factory.mktemp("stages"))
+    jobs = _jobs({
+        "test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2": {"stages": (_worker, seed, root)},
+        "test_zero_bubble_schedules_train_as_the_unsharded_model": {"zero bubble": (_zero_bubble_worker, seed)},
+        "test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b": {
+            "block variants": (_blocks_variant_worker, seed)},
+        "test_a_block_skipped_in_the_last_micro_batch_still_reduces_its_sum": {
+            f"skipping {name}": (_skipping_worker, 11, name, n) for name, n in SKIPPING.items()},
+        "test_stages_of_fusedist_ddp_reduce_once_per_step": {"ddp": (_ddp_worker, seed)},
+        "test_a_users_own_no_sync_holds_over_the_pipeline_step": {"no sync": (_no_sync_worker, seed)},
+    })
+    return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
+
+
+@pytest.fixture(scope="module")
+def launched8(request, tmp_path_factory):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    root = tmp_path_factory.mktemp("stages_3d")
+    for kind in ("tp", "hsdp"):
+        (root / kind).mkdir()
+    jobs = _jobs({"test_3d_pipeline_stages_match_fsdp2": {
+        kind: (_worker_3d, kind, seed, str(root / kind)) for kind in ("tp", "hsdp")}})
+    return {"seed": seed, **launch_for_selected(request, jobs, 8, timeout=500)}
+
+
+@pytest.fixture(scope="module")
+def launched2(request):
+    jobs = _jobs({
+        "test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum": {
+            f"empty weight pass {wrap}": (_empty_weight_pass_worker, 3, wrap)
+            for wrap in ("fully_shard", "DistributedDataParallel")},
+        "test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline": {
+            f"short step {wrap}": (_short_step_worker, wrap) for wrap in ("fully_shard", "ddp")},
+    })
+    return launch_for_selected(request, jobs, 2, timeout=300)

@@ -233,10 +233,7 @@ def _parity_worker(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
 def test_frozen_and_skipped_parameters_match_torch(world_size, request):
-    if world_size == 2:
-        per_rank = _outcome(request.getfixturevalue("two_ranks"), "parity")
-    else:
-        per_rank = run_distributed(_parity_worker, world_size, timeout=300)
+    per_rank = _outcome(request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[world_size]), "parity")
     for r in per_rank:
         for item in r:
             cfg = item["cfg"]
@@ -406,7 +403,7 @@ def _checkpoint_load_worker(rank, world_size, directory, save_world):
     return out
 
 
-def test_checkpoint_after_split_reshards(two_ranks, monkeypatch):
+def test_checkpoint_after_split_reshards(two_ranks, three_ranks, monkeypatch):
     import fusedist
 
     monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "torch")  # FusedAdamW's PyTorch path
@@ -428,7 +425,7 @@ def test_checkpoint_after_split_reshards(two_ranks, monkeypatch):
     # Uninterrupted: 10 steps of torch AdamW. The data is the global batch at every world size,
     # so training resumed at 3 ranks or at 1 process must continue the same trajectory.
     uninterrupted = [_flat(_reference(True, "some", 2, impl, late=True)[0]) for impl in ("foreach", "fused")]
-    at3 = run_distributed(_checkpoint_load_worker, 3, directory, 2, timeout=240)
+    at3 = _outcome(three_ranks, "checkpoint load")
     for per_variant in at3:
         for variant, flat in per_variant.items():
             for ref in uninterrupted:
@@ -587,13 +584,17 @@ def test_parameter_named_in_errors_as_the_model_spells_it_under_torch_compile(tw
 
 # ----------------------------------------------------------------------------- one launch
 # The 2-rank work of the tests above runs in one launch of the ranks (each launch costs a
-# process group and the imports of torch in every rank), one job after the other.
-def _two_rank_jobs_worker(rank, world_size, directory):
+# process group and the imports of torch in every rank), one job after the other; the 3-rank
+# work likewise, after it (it loads the checkpoints the 2-rank launch saved).
+def _jobs_worker(rank, world_size, directory):
     """{job: result, or ("raised", the traceback of the error it raised)}."""
     import traceback
 
-    jobs = {"parity": (_parity_worker,), "frozen whole": (_frozen_whole_worker,),
-            "checkpoint save": (_checkpoint_save_worker, directory), "compiled name": (_compiled_name_worker,)}
+    if world_size == 2:
+        jobs = {"parity": (_parity_worker,), "frozen whole": (_frozen_whole_worker,),
+                "checkpoint save": (_checkpoint_save_worker, directory), "compiled name": (_compiled_name_worker,)}
+    else:
+        jobs = {"parity": (_parity_worker,), "checkpoint load": (_checkpoint_load_worker, directory, 2)}
     out = {}
     for job, (worker, *args) in jobs.items():
         try:
@@ -607,8 +608,15 @@ def _two_rank_jobs_worker(rank, world_size, directory):
 def two_ranks(tmp_path_factory):
     """{job: per-rank results} of :func:`_two_rank_jobs_worker`, and the checkpoints' ``directory``."""
     directory = str(tmp_path_factory.mktemp("checkpoints"))
-    per_rank = run_distributed(_two_rank_jobs_worker, 2, directory, timeout=600)
+    per_rank = run_distributed(_jobs_worker, 2, directory, timeout=600)
     return dict({job: [results[job] for results in per_rank] for job in per_rank[0]}, directory=directory)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(two_ranks):
+    """{job: per-rank results} of :func:`_jobs_worker` at 3 ranks (the checkpoints of ``two_ranks`` loaded)."""
+    per_rank = run_distributed(_jobs_worker, 3, two_ranks["directory"], timeout=600)
+    return {job: [results[job] for results in per_rank] for job in per_rank[0]}
 
 
 def _outcome(shared: dict, job: str) -> list:

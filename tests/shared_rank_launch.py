@@ -1,0 +1,46 @@
+"""Several tests' multi-rank scenarios in one launch of the ranks: starting ranks (each imports
+torch) costs seconds, often more than the scenario itself. A module-scoped fixture gathers the
+scenarios of the file's tests that pytest selected, runs them in one ``run_distributed`` call,
+and each test reads its own scenario's per-rank results.
+
+A scenario is ``(module-level function, args)``, called as ``fn(rank, world, *args)``. One that
+raises keeps its traceback as its result and the next one runs: a failure fails its own test
+only (ranks that stopped at different collectives meet again within the process group's
+timeout).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from fusedist.testing import run_distributed
+
+
+def _run_in_turn(rank: int, world: int, scenarios: list) -> dict:
+    results = {}
+    for name, fn, args in scenarios:
+        try:
+            results[name] = (True, fn(rank, world, *args))
+        except Exception:  # noqa: BLE001 - the scenario's test reports it
+            results[name] = (False, f"rank {rank}:\n{traceback.format_exc()}")
+    return results
+
+
+def launch_for_selected(request, by_test: dict, world: int, timeout: float) -> dict:
+    """``by_test``: {test function name: {scenario name: (fn, args)}}, in the order to run.
+    Runs the scenarios of the tests of ``request.module`` that were collected; returns
+    {scenario name: per-rank (passed, result or traceback)}."""
+    wanted = {getattr(item, "originalname", item.name) for item in request.session.items
+              if item.module is request.module}
+    todo = [(name, fn, args) for test, scenarios in by_test.items() if test in wanted
+            for name, (fn, args) in scenarios.items()]
+    per_rank = run_distributed(_run_in_turn, world, todo, timeout=timeout)
+    return {name: [results[name] for results in per_rank] for name, _, _ in todo}
+
+
+def results_of(launched: dict, scenario: str) -> list:
+    """The per-rank results of ``scenario``; fails the calling test with a rank's traceback."""
+    assert scenario in launched, f"{scenario} was not run (its test was not selected when the ranks started)"
+    for passed, value in launched[scenario]:
+        assert passed, f"{scenario} raised on {value}"
+    return [value for _, value in launched[scenario]]

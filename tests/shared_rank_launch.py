@@ -38,6 +38,22 @@ def launch_for_selected(request, by_test: dict, world: int, timeout: float) -> d
     return {name: [results[name] for results in per_rank] for name, _, _ in todo}
 
 
+def fresh_compiler(rank: int, world: int, fn, *args):
+    """``fn(rank, world, *args)`` after ``torch._dynamo.reset()``: a compiled scenario compiles as
+    in a launch of its own, not from an earlier scenario's caches."""
+    import torch
+
+    torch._dynamo.reset()
+    return fn(rank, world, *args)
+
+
+def with_fresh_compiler(by_test: dict) -> dict:
+    """``by_test`` with scenarios given as ``(fn, *args)``, each run by :func:`fresh_compiler`, in
+    the form :func:`launch_for_selected` takes."""
+    return {test: {name: (fresh_compiler, (fn, *args)) for name, (fn, *args) in scenarios.items()}
+            for test, scenarios in by_test.items()}
+
+
 def results_of(launched: dict, scenario: str) -> list:
     """The per-rank results of ``scenario``; fails the calling test with a rank's traceback."""
     assert scenario in launched, f"{scenario} was not run (its test was not selected when the ranks started)"

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of, with_fresh_compiler
 
 BACKEND = "eager"
 
@@ -90,43 +90,22 @@ def _join_worker(rank, ws):
     return out
 
 
-# One launch of 2 ranks runs the three workers in turn (each launch costs a process group and
-# the imports in every rank); a worker's error is kept as its traceback and fails only its test.
-_JOBS = {"join": "_join_worker", "uneven": "_uneven_worker", "clip": "_clip_worker"}
-
-
-def _jobs_worker(rank, ws):
-    """{job: result, or the traceback of the error it raised}."""
-    import traceback
-
-    out = {}
-    for job, name in _JOBS.items():
-        torch._dynamo.reset()
-        try:
-            out[job] = globals()[name](rank, ws)
-        except Exception:  # noqa: BLE001 - reported by the job's test
-            out[job] = traceback.format_exc()
-    return out
-
-
 @pytest.fixture(scope="module")
-def shared_launch():
-    """{job: per-rank results} of every job of :data:`_JOBS`."""
-    per_rank = run_distributed(_jobs_worker, 2, timeout=600)
-    return {job: [results[job] for results in per_rank] for job in _JOBS}
-
-
-def _outcome(shared: dict, job: str) -> list:
-    """The per-rank results of ``job``; a rank that raised fails the test with its traceback."""
-    for rank, res in enumerate(shared[job]):
-        assert not isinstance(res, str), f"{job}, rank {rank} raised:\n{res}"
-    return shared[job]
+def shared_launch(request):
+    """One launch of 2 ranks runs the selected tests' workers in turn, each with a fresh dynamo
+    (each launch costs a process group and the imports in every rank); a worker's error fails
+    only its test."""
+    return launch_for_selected(request, with_fresh_compiler({
+        "test_join_context_inside_compiled_step_matches_torch": {"join": (_join_worker,)},
+        "test_compiled_training_loop_in_join_context_with_uneven_inputs_matches_torch": {"uneven": (_uneven_worker,)},
+        "test_clip_in_compiled_step_over_many_parameter_shapes_matches_torch": {"clip": (_clip_worker,)},
+    }), 2, timeout=600)
 
 
 def test_join_context_inside_compiled_step_matches_torch(shared_launch):
     """The context's enter and exit (the count of ranks still training) and, under torch's
     Join, fusedist's join hooks (the shadowed step check) were traced into the communicator."""
-    for rank, out in enumerate(_outcome(shared_launch, "join")):
+    for rank, out in enumerate(results_of(shared_launch, "join")):
         for how, (diff, graphs) in out.items():
             assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP - fusedist| = {diff}"
             assert graphs[-1] == graphs[0], f"rank {rank}, {how}: recompiled, graphs after each step {graphs}"
@@ -170,7 +149,7 @@ def _uneven_worker(rank, ws):
 def test_compiled_training_loop_in_join_context_with_uneven_inputs_matches_torch(shared_launch):
     """The joined rank's hooks (DDP's shadowed collectives, ZeRO's shadowed step) were traced
     when the loop with its join context was compiled."""
-    for rank, out in enumerate(_outcome(shared_launch, "uneven")):
+    for rank, out in enumerate(results_of(shared_launch, "uneven")):
         for how, diff in out.items():
             assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP under Join - fusedist| = {diff}"
 
@@ -234,7 +213,7 @@ def _clip_worker(rank, ws):
 def test_clip_in_compiled_step_over_many_parameter_shapes_matches_torch(shared_launch):
     """The clips look up each parameter's gradient holder: traced, the lookup recompiled per
     parameter shape, past dynamo's limit with more than eight."""
-    for rank, out in enumerate(_outcome(shared_launch, "clip")):
+    for rank, out in enumerate(results_of(shared_launch, "clip")):
         for how, (diff, graphs) in out.items():
             assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP - fusedist| = {diff}"
             assert graphs[-1] == graphs[0], f"rank {rank}, {how}: recompiled, graphs after each step {graphs}"

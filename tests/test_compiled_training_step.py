@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of, with_fresh_compiler
 
 BACKEND = "eager"
 
@@ -150,7 +150,7 @@ def _ddp_worker(rank, ws):
 
 
 def test_compiled_training_step_ddp_and_zero_match_torch(shared_launch):
-    for rank, out in enumerate(_outcome(shared_launch, "ddp")):
+    for rank, out in enumerate(results_of(shared_launch, "ddp")):
         for case, (diff, graphs) in out.items():
             # (a compiled AdamW against the eager one: last bits only)
             assert diff < 1e-5, f"rank {rank}, {case}: max |torch DDP - fusedist| = {diff}"
@@ -174,7 +174,7 @@ def _syncbn_worker(rank, ws):
 
 def test_compiled_training_step_syncbn_matches_global_batchnorm(shared_launch):
     """SyncBatchNorm's backward, a custom Function, inside the compiled step."""
-    for rank, (diff, graphs) in enumerate(_outcome(shared_launch, "syncbn")):
+    for rank, (diff, graphs) in enumerate(results_of(shared_launch, "syncbn")):
         assert diff < 1e-5, f"rank {rank}: max |BatchNorm on the global batch - SyncBatchNorm| = {diff}"
         assert graphs[-1] == graphs[0], f"rank {rank}: recompiled, graphs after each step {graphs}"
 
@@ -218,7 +218,7 @@ def _fsdp_worker(rank, ws):
 
 def test_compiled_training_step_fully_shard_matches_fsdp2(shared_launch):
     """(16 parameters: the step guard, traced, recompiled past dynamo's limit of 8.)"""
-    for rank, (diff, graphs, scaled) in enumerate(_outcome(shared_launch, "fully_shard")):
+    for rank, (diff, graphs, scaled) in enumerate(results_of(shared_launch, "fully_shard")):
         assert diff < 1e-6, f"rank {rank}: max |FSDP2 - fusedist| = {diff}"
         assert scaled < 1e-6, f"rank {rank}: GradScaler and clip, max |eager - compiled| = {scaled}"
         assert graphs[-1] == graphs[0], f"rank {rank}: recompiled, graphs after each step {graphs}"
@@ -251,42 +251,21 @@ def test_compiled_autograd_refused_by_name(kind, shared_launch):
     fully_shard in both cases) let the backward finish without its end-of-backward callback
     (fully_shard's last reduction), and the step then said no backward had run."""
     for around_forward in (True, False):
-        for rank, raised in enumerate(shared_launch[(kind, around_forward)]):
-            assert isinstance(raised, str) and f"{kind}: compiled autograd is enabled" in raised, \
+        for rank, (passed, raised) in enumerate(shared_launch[(kind, around_forward)]):
+            assert not passed and f"{kind}: compiled autograd is enabled" in raised, \
                 (kind, around_forward, rank, raised)
 
 
-# One launch of 2 ranks runs every check above in sequence (each launch costs a process group
-# and the imports in every rank, and dynamo's first compile in a process costs more than the
-# next); the refusals run last, each rank catching its own error.
-_JOBS = {"ddp": (_ddp_worker,), "syncbn": (_syncbn_worker,), "fully_shard": (_fsdp_worker,),
-         **{(kind, around): (_compiled_autograd_worker, kind, around)
-            for kind in ("fully_shard", "DistributedDataParallel") for around in (True, False)}}
-
-
-def _jobs_worker(rank, ws):
-    """{job: result, or the traceback of the error it raised}."""
-    import traceback
-
-    out = {}
-    for job, (worker, *args) in _JOBS.items():
-        torch._dynamo.reset()
-        try:
-            out[job] = worker(rank, ws, *args)
-        except Exception:  # noqa: BLE001 - reported by the job's test
-            out[job] = traceback.format_exc()
-    return out
-
-
 @pytest.fixture(scope="module")
-def shared_launch():
-    """{job: per-rank results} of every job of :data:`_JOBS`."""
-    per_rank = run_distributed(_jobs_worker, 2, timeout=600)
-    return {job: [results[job] for results in per_rank] for job in _JOBS}
-
-
-def _outcome(shared: dict, job: str) -> list:
-    """The per-rank results of ``job``; a rank that raised fails the test with its traceback."""
-    for rank, res in enumerate(shared[job]):
-        assert not isinstance(res, str), f"{job}, rank {rank} raised:\n{res}"
-    return shared[job]
+def shared_launch(request):
+    """One launch of 2 ranks runs the selected tests' checks in sequence, each with a fresh
+    dynamo (each launch costs a process group and the imports in every rank, and dynamo's first
+    compile in a process costs more than the next); the refusals run last, each raising."""
+    return launch_for_selected(request, with_fresh_compiler({
+        "test_compiled_training_step_ddp_and_zero_match_torch": {"ddp": (_ddp_worker,)},
+        "test_compiled_training_step_syncbn_matches_global_batchnorm": {"syncbn": (_syncbn_worker,)},
+        "test_compiled_training_step_fully_shard_matches_fsdp2": {"fully_shard": (_fsdp_worker,)},
+        "test_compiled_autograd_refused_by_name": {
+            (kind, around): (_compiled_autograd_worker, kind, around)
+            for kind in ("fully_shard", "DistributedDataParallel") for around in (True, False)},
+    }), 2, timeout=600)

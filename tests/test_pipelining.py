@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of, with_fresh_compiler
 
 WIDTH, BLOCKS_PER_STAGE, MICRO_BATCHES, STEPS = 16, 2, 4, 2
 
@@ -974,21 +974,11 @@ def test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline(wrap, 
 SKIPPING = {"Schedule1F1B": 1, "ScheduleInterleavedZeroBubble": 2}
 
 
-def _fresh_dynamo(rank, world, fn, *args):
-    torch._dynamo.reset()
-    return fn(rank, world, *args)
-
-
-def _jobs(named: dict) -> dict:
-    return {test: {name: (_fresh_dynamo, (fn, *args)) for name, (fn, *args) in jobs.items()}
-            for test, jobs in named.items()}
-
-
 @pytest.fixture(scope="module")
 def launched4(request, tmp_path_factory):
     seed = int(torch.randint(0, 10_000, ()).item())
     root = str(tmp_path_factory.mktemp("stages"))
-    jobs = _jobs({
+    jobs = with_fresh_compiler({
         "test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2": {"stages": (_worker, seed, root)},
         "test_zero_bubble_schedules_train_as_the_unsharded_model": {"zero bubble": (_zero_bubble_worker, seed)},
         "test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b": {
@@ -1007,14 +997,14 @@ def launched8(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("stages_3d")
     for kind in ("tp", "hsdp"):
         (root / kind).mkdir()
-    jobs = _jobs({"test_3d_pipeline_stages_match_fsdp2": {
+    jobs = with_fresh_compiler({"test_3d_pipeline_stages_match_fsdp2": {
         kind: (_worker_3d, kind, seed, str(root / kind)) for kind in ("tp", "hsdp")}})
     return {"seed": seed, **launch_for_selected(request, jobs, 8, timeout=500)}
 
 
 @pytest.fixture(scope="module")
 def launched2(request):
-    jobs = _jobs({
+    jobs = with_fresh_compiler({
         "test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum": {
             f"empty weight pass {wrap}": (_empty_weight_pass_worker, 3, wrap)
             for wrap in ("fully_shard", "DistributedDataParallel")},

@@ -18,6 +18,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def real_pairs(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the collectives carry it: a complex one flat, as its (real, imaginary) pairs (a
+    view: the same bytes), anything else as it is.
+
+    NCCL has no complex types (torch's NCCL backend sends complex tensors the same way, and the
+    direct-NCCL communicator refuses them); rank ``r``'s slice of the flat real view is the real
+    view of its complex slice, and a sum or average acts on the parts alone, so an all-gather,
+    reduce-scatter or all-reduce of the views is the complex one."""
+    return torch.view_as_real(t).view(-1) if t.is_complex() else t
+
+
 def fp16_divisors(factor: float) -> tuple[float, float]:
     """``(pre, post)`` with ``pre * post == factor``: an fp16 gradient average over ranks
     divides by ``pre`` before the sum and by ``post`` after it.

@@ -8,7 +8,7 @@ clamps ``reduce_dtype`` to None where it equals ``param_dtype``, so its complex 
 their own dtype; with another ``reduce_dtype`` its copy-in fails on the cast, so the reference
 there is FSDP2 without a policy on the complex unit (``param_dtype`` does not touch it anyway).
 NCCL has no complex dtypes, so the units' all-gathers and reduce-scatters carry complex buffers
-as their real parts (``as_wire`` in fusedist/fsdp/layout.py), as torch's NCCL backend does;
+as their real parts (``real_pairs`` in fusedist/_dtypes.py), as torch's NCCL backend does;
 ``NcclDtypes`` applies the direct-NCCL communicator's dtype check to a gloo run.
 
 Gradient accumulation without synchronization (``set_requires_gradient_sync(False)``) with a

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._dtypes import real_pairs
 from . import gloo_exchange
 from .base import CollectiveError, Communicator, _row_numel, describe_collective
 
@@ -208,8 +209,8 @@ class TorchCommunicator(Communicator):
         global_dst = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         # (any shape: flat; complex as its real pairs, which gloo's gather takes -- it refuses
         # complex dtypes, which the other collectives here carry)
-        chunks = list(_flat_real(output).chunk(self.world_size)) if output is not None else None
-        return dist.gather(_flat_real(input), chunks, dst=global_dst, group=self.group, async_op=True)
+        chunks = list(real_pairs(output.view(-1)).chunk(self.world_size)) if output is not None else None
+        return dist.gather(real_pairs(input.view(-1)), chunks, dst=global_dst, group=self.group, async_op=True)
 
     def _broadcast(self, tensor, src):
         if self.exchange is not None and tensor.device.type == "cpu":
@@ -275,9 +276,3 @@ def _is_alive(group) -> bool:
         return True
     return group in pg_map
 
-
-def _flat_real(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flat, a complex one as its (real, imaginary) pairs: the same bytes, in a dtype
-    every backend's gather takes."""
-    flat = t.view(-1)
-    return torch.view_as_real(flat).view(-1) if flat.is_complex() else flat

@@ -77,7 +77,8 @@ import torch.distributed as dist
 from ..comm.base import CollectiveError
 from .layout import Bucket, layout_of_groups, slot_view, torch_unused_groups
 from .rebucket import switch_layout
-from .strategy import AllReduceAverage, GradSyncStrategy, as_real
+from .._dtypes import real_pairs
+from .strategy import AllReduceAverage, GradSyncStrategy
 
 if TYPE_CHECKING:
     from .reducer import Reducer
@@ -97,7 +98,7 @@ class HookBucket:
         self._bucket = bucket
         used = sum(p.numel() for p in bucket.params)
         self._flat = bucket.data[:used]
-        self._real = as_real(self._flat)  # what torch's GradBucket.buffer() is (Note [complex buckets])
+        self._real = real_pairs(self._flat)  # what torch's GradBucket.buffer() is (Note [complex buckets])
         self._buffer = self._real
         self._layout = reducer.layout
         self._is_last = bucket.index == len(reducer.layout.buckets) - 1

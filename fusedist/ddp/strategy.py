@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .._dtypes import fp16_divisors
+from .._dtypes import fp16_divisors, real_pairs
 from ..comm import CommHandle
 from .layout import Bucket
 
@@ -78,31 +78,26 @@ class GradSyncStrategy:
         after the one-time layout rebuild (so ``reducer.layout`` is the current layout)."""
 
 
-def as_real(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flat, a complex one as its real pairs (a view): Note [complex buckets].
-
-    Note [complex buckets]
-        A complex parameter's gradient gets a complex bucket, as in torch's DDP. Its collectives
-        carry it as its real pairs (``view_as_real``), as torch's process groups do: a sum or
-        an average acts on both parts alike, and NCCL has no complex dtypes (the direct-NCCL
-        communicator refuses them). Anything that converts a bucket (a ``reduce_dtype``, and
-        torch's fp16/bf16 compression hooks, which map onto it) converts those real pairs, as
-        torch's DDP does: its hooks get a complex bucket's ``buffer()`` as its real pairs, so
-        ``fp16_compress_hook`` sends both parts in fp16. A plain ``.to(reduce_dtype)`` of the
-        complex bucket would drop its imaginary parts. A communication hook sees the real pairs
-        too (``HookBucket.buffer()`` in comm_hook.py)."""
-    return torch.view_as_real(t).view(-1) if t.is_complex() else t
+# Note [complex buckets]
+#     A complex parameter's gradient gets a complex bucket, as in torch's DDP. Its collectives
+#     carry it as its real pairs (``real_pairs``), as torch's process groups do: a sum or an
+#     average acts on both parts alike, and NCCL has no complex dtypes. Anything that converts a
+#     bucket (a ``reduce_dtype``, and torch's fp16/bf16 compression hooks, which map onto it)
+#     converts those real pairs, as torch's DDP does: its hooks get a complex bucket's
+#     ``buffer()`` as its real pairs, so ``fp16_compress_hook`` sends both parts in fp16. A plain
+#     ``.to(reduce_dtype)`` of the complex bucket would drop its imaginary parts. A
+#     communication hook sees the real pairs too (``HookBucket.buffer()`` in comm_hook.py).
 
 
 def to_wire(data: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
     """``data`` as reduced in ``reduce_dtype``: itself, or a converted copy (Note [complex buckets])."""
-    return data if reduce_dtype == data.dtype else as_real(data).to(reduce_dtype)
+    return data if reduce_dtype == data.dtype else real_pairs(data).to(reduce_dtype)
 
 
 def from_wire(data: torch.Tensor, wire: torch.Tensor) -> None:
     """Copy the reduced ``wire`` back into ``data`` unless it is ``data`` itself."""
     if wire.data_ptr() != data.data_ptr() or wire.dtype != data.dtype:
-        as_real(data).copy_(as_real(wire))
+        real_pairs(data).copy_(real_pairs(wire))
 
 
 def bucket_divide_factors(reducer: "Reducer", dtype: torch.dtype) -> tuple[float, float]:
@@ -165,7 +160,7 @@ class AllReduceAverage(GradSyncStrategy):
         wire = to_wire(data, reduce_dtype)
         divide_before_sum(bucket, wire, pre)
         reducer.bucket_scratch[bucket.index] = wire
-        return reducer.comm.all_reduce(as_real(wire), async_op=True, tag=f"ddp bucket {bucket.index}")
+        return reducer.comm.all_reduce(real_pairs(wire), async_op=True, tag=f"ddp bucket {bucket.index}")
 
     def fold_factor(self, reducer, bucket):
         return pre_division_fold(reducer, bucket)

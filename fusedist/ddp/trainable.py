@@ -62,7 +62,8 @@ import torch
 from .._process_hooks import install_parameter_registration_hook
 from ..ownership import register_data_parallel
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
-from .strategy import as_real, bucket_divide_factors, from_wire, to_wire
+from .._dtypes import real_pairs
+from .strategy import bucket_divide_factors, from_wire, to_wire
 
 
 def flags_crc(flags: list) -> int:
@@ -252,7 +253,7 @@ def _average(reducer, params: list, names: dict) -> None:
         flat = flat.to(comm.device)  # a fresh tensor: reduced in place unless converted
         wire = to_wire(flat, reduce_dtype).div_(pre)  # (Note [complex buckets] in strategy.py)
         if world > 1:
-            comm.all_reduce(as_real(wire), tag=f"ddp unfrozen gradients {dtype}")
+            comm.all_reduce(real_pairs(wire), tag=f"ddp unfrozen gradients {dtype}")
         if post != 1.0:
             wire.div_(post)
         from_wire(flat, wire)

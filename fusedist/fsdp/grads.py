@@ -111,7 +111,7 @@ from typing import Optional
 import torch
 
 from .._dtypes import fp16_divisors
-from .layout import as_wire
+from .._dtypes import real_pairs
 from .memory import COUNTERS
 from .replicate import start_across_replicas
 
@@ -298,7 +298,7 @@ class UnitGrads:
                                            self.replicas)
             if pre != 1.0:  # Note [fp16 reduction]
                 flat.div_(pre)
-            handle = unit.comm.reduce_scatter(as_wire(out), as_wire(flat), op=op, async_op=True,
+            handle = unit.comm.reduce_scatter(real_pairs(out), real_pairs(flat), op=op, async_op=True,
                                               tag=f"fully_shard grads {unit.label}")
             pending.append(PendingReduce(self, k, handle, out, flat, with_grad, post, op))
         self._acc.clear()

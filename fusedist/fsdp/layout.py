@@ -355,10 +355,3 @@ def alias(storage_of: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
     return t.set_(storage_of.untyped_storage(), storage_of.storage_offset() + offset, shape, stride)
 
 
-def as_wire(t: torch.Tensor) -> torch.Tensor:
-    """Flat buffer ``t`` as the collectives carry it: a complex one as its real and imaginary
-    parts (a view), anything else as it is. NCCL has no complex types (torch's NCCL backend
-    sends complex tensors the same way); rank ``r``'s slice of the real view is the real view
-    of its complex slice, and a sum or average acts on the parts alone, so an all-gather or
-    reduce-scatter of the views is the complex one."""
-    return torch.view_as_real(t).view(-1) if t.is_complex() else t

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import as_wire
+from .._dtypes import real_pairs
 from .memory import COUNTERS
 
 __all__ = ["start_across_replicas"]
@@ -74,6 +74,6 @@ def start_across_replicas(p, out: torch.Tensor):
         out.add_(total)
         COUNTERS.add_scratch(-total.numel() * total.element_size())
         p.with_grad = sorted(set(p.with_grad).union(with_grad))
-    handle = grads.replicate.all_reduce(as_wire(out), op=p.op, async_op=True,  # (complex: as its real pairs)
+    handle = grads.replicate.all_reduce(real_pairs(out), op=p.op, async_op=True,  # (complex: as its real pairs)
                                         tag=f"fully_shard all-reduce {grads.unit.label}")
     return out, handle

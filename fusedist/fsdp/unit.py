@@ -90,7 +90,8 @@ import torch
 from torch import nn
 
 from .extension import ExtensionGathers
-from .layout import SplitLayout, alias, as_wire
+from .._dtypes import real_pairs
+from .layout import SplitLayout, alias
 from .memory import COUNTERS
 from .pieces import PieceMixin
 from . import stale
@@ -314,7 +315,7 @@ class ShardedUnit(PieceMixin):
                 src, group = self._post_forward_parts, self._post_forward_source
                 self._post_forward_parts = self._post_forward_source = None  # (kept alive by _gather)
                 tag = f"fully_shard gather {self.label} (post-forward group of {group.size})"
-                handles = [group.comm.all_gather(as_wire(out), as_wire(part), async_op=True, tag=tag)
+                handles = [group.comm.all_gather(real_pairs(out), real_pairs(part), async_op=True, tag=tag)
                            for out, part in zip(self.fulls, src)]
             else:
                 if self.shard is not None:
@@ -522,7 +523,7 @@ class ShardedUnit(PieceMixin):
             src = shard[k] if isinstance(shard, (list, tuple)) else shard[c:d]
             if src is None:
                 continue  # (an extension section's gather: ExtensionGathers.start)
-            handles.append(self.comm.all_gather(as_wire(out), as_wire(src), async_op=True, tag=tag))
+            handles.append(self.comm.all_gather(real_pairs(out), real_pairs(src), async_op=True, tag=tag))
         return handles
 
     @property

@@ -52,7 +52,8 @@ from typing import Optional
 
 import torch
 
-from ..ddp.strategy import GradSyncStrategy, as_real, divide_before_sum, divide_factors, pre_division_fold, to_wire
+from .._dtypes import real_pairs
+from ..ddp.strategy import GradSyncStrategy, divide_before_sum, divide_factors, pre_division_fold, to_wire
 
 
 #: Reduce-scatters in flight at once by default (Note [stage 2 gradients]): one landing while
@@ -105,7 +106,7 @@ class ReduceScatterToShard(GradSyncStrategy):
         if wire is not bucket.data:  # Note [a converted bucket released at launch]
             reducer.layout.account(wire.nbytes)  # (counted in peak_grad_bytes while on the wire)
             reducer.release_bucket(bucket)
-        return reducer.comm.reduce_scatter(as_real(out), as_real(wire), async_op=True,  # Note [complex buckets]
+        return reducer.comm.reduce_scatter(real_pairs(out), real_pairs(wire), async_op=True,  # Note [complex buckets]
                                            tag=f"zero2 bucket {bucket.index}")
 
     def fold_factor(self, reducer, bucket):

@@ -14,7 +14,6 @@ unscale to the gradients so they hold the values torch expects.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterable, Union
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from ..ownership import any_gradient_holder, gradient_holder
 from ._scaler_protocol import _grad_of, looked_up_once, without_none
 from .functional import _dtype_of
+from .grad_norms import norm_result_dtype
 from .step_context import materialize_unscales, pending_contexts
 from .torch_clip import torch_clip_grad_norm_
 
@@ -32,7 +32,7 @@ def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) ->
     # fp32, whichever comes first), so the promoted dtype, not the first gradient's.
     # (A complex gradient's norm is real, as torch's: Note [complex parameters] in _complex.py.)
     ctx = opt.step_context
-    dtype = functools.reduce(torch.promote_types, {d.to_real() for d in map(_dtype_of, grads)})
+    dtype = norm_result_dtype(set(map(_dtype_of, grads)))
     total_norm = ctx.record_clip(ctx.grad_sumsq, max_norm, error_if_nonfinite, dtype)
     opt._fusedist_record_clipped_grads()  # Note [gradients changed after the clip]
     return total_norm

@@ -8,11 +8,18 @@ that know which part is whose call this with their own communicator.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["flag_nan", "magnitudes", "per_tensor_global_norms", "tensor_norms", "unflag_nan"]
+__all__ = ["flag_nan", "magnitudes", "norm_result_dtype", "per_tensor_global_norms", "tensor_norms", "unflag_nan"]
+
+
+def norm_result_dtype(dtypes) -> torch.dtype:
+    """The dtype torch's clip returns the total norm in: the promotion of the gradients' dtypes,
+    real (the norm of complex gradients is real)."""
+    return functools.reduce(torch.promote_types, dtypes).to_real() if dtypes else torch.float32
 
 
 def magnitudes(tensors: Sequence[torch.Tensor], norm_type: float) -> list:

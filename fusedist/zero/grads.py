@@ -47,19 +47,12 @@ Note [clipping some of the parameters in stage 2]
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from ..ddp.layout import flat_like
-from ..optim.grad_norms import flag_nan, magnitudes, per_tensor_global_norms, tensor_norms, unflag_nan
+from ..optim.grad_norms import flag_nan, norm_result_dtype, per_tensor_global_norms, tensor_norms, unflag_nan
 from . import grow
-
-
-def norm_result_dtype(dtypes) -> torch.dtype:
-    """The dtype torch's clip returns the total norm in: the promotion of the gradients' dtypes,
-    real (the norm of complex gradients is real)."""
-    return functools.reduce(torch.promote_types, dtypes).to_real() if dtypes else torch.float32
 
 
 class GradientsMixin:
@@ -284,7 +277,7 @@ class GradientsMixin:
         inf = norm_type == float("inf")
         local = torch.zeros(1, dtype=torch.float64, device=self._device)
         if slices:
-            norms = tensor_norms(magnitudes(slices, norm_type), norm_type, at_least=torch.float64)
+            norms = tensor_norms(slices, norm_type, at_least=torch.float64)
             local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1).to(self._device)
         if self.comm is not None and self.world_size > 1:
             packed = flag_nan(local).to(self.comm.device)
@@ -319,7 +312,7 @@ class GradientsMixin:
 
         if not slices:  # (no gradients on any rank: torch's norm of no tensors)
             return torch.zeros((), dtype=torch.float64, device=self._device)
-        norms = per_tensor_global_norms(magnitudes(slices, norm_type), norm_type, self._device, all_reduce)
+        norms = per_tensor_global_norms(slices, norm_type, self._device, all_reduce)
         if inv_scale is not None and norm_type != 0.0:  # (a count of nonzeros does not scale)
             norms = norms * inv_scale.double().reshape(())
         return torch.linalg.vector_norm(norms, norm_type)

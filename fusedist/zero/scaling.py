@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
-from ..optim.grad_norms import flag_nan, tensor_norms, unflag_nan
+from ..optim.grad_norms import flag_nan, norm_result_dtype, tensor_norms, unflag_nan
 from . import grow
-from .grads import magnitudes, norm_result_dtype
 
 
 class ZeroScalerProtocol(ScalerProtocol):
@@ -47,7 +46,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             # Norms per tensor, then squares summed in fp32 (fp64 with fp64 parameters): a
             # non-finite gradient element makes its norm non-finite, so the same pass yields
             # the overflow flag.
-            norms = tensor_norms(magnitudes(grads, 2.0)).to(dtype)
+            norms = tensor_norms(grads).to(dtype)
             if inv_scale is not None:
                 norms = norms * inv_scale.reshape(()).to(dtype)
             sumsq = norms.pow(2).sum().reshape(1)
@@ -151,7 +150,7 @@ class ZeroScalerProtocol(ScalerProtocol):
         inf, dtype = norm_type == float("inf"), self._norm_dtype()
         local = torch.zeros(1, device=self._device, dtype=dtype)
         if grads:
-            norms = tensor_norms(magnitudes(grads, norm_type), norm_type).to(dtype)
+            norms = tensor_norms(grads, norm_type).to(dtype)
             if inv_scale is not None:
                 norms = norms * inv_scale.reshape(()).to(dtype)
             local = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)

@@ -33,6 +33,17 @@ iterations do at the first ``step()``: the weights change at ``update()`` instea
 gradient zeroed, replaced or written between such a ``step()`` and ``update()`` would be stepped
 silently in its new state, so it raises, naming the optimizer.
 
+A deferred step must still be the step of the call it stands for. torch's loop may move on
+between ``step()`` and ``update()``: an LR scheduler stepped there (``scaler.step(opt);
+scheduler.step(); scaler.update()``) changed the learning rate the deferred step then used -- the
+first step ran at the schedule's second value -- and, finding no ``optimizer.step()`` call yet,
+warned "Detected call of `lr_scheduler.step()` before `optimizer.step()`" on every run. So
+``step()`` records the groups' hyperparameters (tensors copied) and the deferred step runs with
+them (the later values put back after it), and until ``update()`` the optimizer counts as stepped
+for a scheduler. ``update()`` then sets that flag as the step leaves it (unset when the agreed
+flag skipped the step): a scheduler stepped after ``update()`` warns exactly as with torch's
+scaler; one stepped before it does not warn, where torch's warns if that first step overflowed.
+
 # Note [a stage without a loss]
 A middle pipeline stage computes no loss, so it never calls ``scaler.scale(loss)``, which is
 where torch's scaler makes its scale; its gradients come from the last stage's scaled loss and
@@ -45,11 +56,13 @@ means unscaled gradients, which the step would divide by the scale.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 from torch.amp.grad_scaler import OptState
 
+from .._rank import this_rank
 from ..optim._scaler_protocol import looked_up_once, protocol_owner
 from . import unscale
 
@@ -100,11 +113,8 @@ class FoundInfGroupMixin:
         return found_inf
 
     def _late_message(self, optimizer) -> str:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
         return (
-            f"GradScaler(found_inf_group=...) on rank {rank}: {type(optimizer).__name__} was first unscaled or "
+            f"GradScaler(found_inf_group=...) on rank {this_rank()}: {type(optimizer).__name__} was first unscaled or "
             "stepped after this iteration's inf/nan flag was agreed over the group (at the first step()), so "
             "its gradients cannot count in it and its stage could step apart from the others. Call "
             "scaler.unscale_(optimizer) for an optimizer new after the first iteration before the first "
@@ -133,27 +143,28 @@ class FoundInfGroupMixin:
         if self._is_pending(optimizer) or self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         self._remember(optimizer)
-        self._pending().append((optimizer, args, kwargs, _grads_now(optimizer)))
+        self._pending().append((optimizer, args, kwargs, _grads_now(optimizer), _hyperparameters_now(optimizer),
+                                _count_as_stepped(optimizer)))
 
     def _agree_and_run_pending(self) -> None:
         """``update()``'s part: the agreement (when no ``step()`` made it), then the steps that
         waited for it."""
         pending, self._pending_steps = self._pending(), []
-        changed = [opt for opt, _, _, grads in pending if not _same_grads(grads, _grads_now(opt))]
+        changed = [entry[0] for entry in pending if not _same_grads(entry[3], _grads_now(entry[0]))]
         self._agree_iteration()  # (first: the other ranks wait for it)
+        for optimizer, *_, scheduler_flag in pending:
+            _restore_scheduler_flag(optimizer, scheduler_flag)  # (the step sets it as torch's would)
         if changed:
             raise RuntimeError(self._changed_message(changed[0]))
-        for optimizer, args, kwargs, _ in pending:
-            self.step(optimizer, *args, **kwargs)
+        for optimizer, args, kwargs, _, hyperparameters, _ in pending:
+            with _hyperparameters_as(optimizer, hyperparameters):
+                self.step(optimizer, *args, **kwargs)
         if self.__dict__.get("_group_optimizers"):
             self._knows_optimizers = True
 
     def _changed_message(self, optimizer) -> str:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
         return (
-            f"GradScaler(found_inf_group=...) on rank {rank}: the gradients of {type(optimizer).__name__} were "
+            f"GradScaler(found_inf_group=...) on rank {this_rank()}: the gradients of {type(optimizer).__name__} were "
             "zeroed, replaced or written between scaler.step(optimizer) and scaler.update() of the first "
             "iteration. Until it knows every optimizer of the rank, the scaler steps them at update(), once "
             "their inf/nan flags are agreed over the group, so it would step the new gradients. Zero the "
@@ -229,3 +240,61 @@ def _grads_now(optimizer) -> list:
 def _same_grads(before: list, now: list) -> bool:
     """Whether no gradient was replaced, dropped or written in place since ``before``."""
     return len(before) == len(now) and all(u == v for (_, u), (_, v) in zip(before, now))
+
+
+# -- what a deferred step keeps of its call (Note [the first iteration's steps wait for update()]) --
+
+def _count_as_stepped(optimizer) -> bool:
+    """Mark ``optimizer`` as stepped for an LR scheduler (torch's ``_opt_called``) until
+    ``update()`` runs its step; whether it was marked here, for :func:`_restore_scheduler_flag`."""
+    if getattr(optimizer, "_opt_called", False) is True:
+        return False
+    optimizer._opt_called = True  # (a fused optimizer's flag: no step flag set yet, so "called")
+    return True
+
+
+def _restore_scheduler_flag(optimizer, marked: bool) -> None:
+    if marked:
+        optimizer._opt_called = False
+
+
+def _frozen(value):
+    """``value`` as it is now: tensors copied (a scheduler changes a tensor lr in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _same(value, frozen) -> bool:
+    if value is frozen:
+        return True
+    if isinstance(value, torch.Tensor) and isinstance(frozen, torch.Tensor):
+        return value.shape == frozen.shape and value.dtype == frozen.dtype and torch.equal(value, frozen)
+    if isinstance(value, tuple) and isinstance(frozen, tuple):
+        return len(value) == len(frozen) and all(_same(v, f) for v, f in zip(value, frozen))
+    return False
+
+
+def _hyperparameters_now(optimizer) -> list:
+    """Each group's hyperparameters at ``step()``: (the object, its value then) by key."""
+    return [{key: (value, _frozen(value)) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def _hyperparameters_as(optimizer, recorded: list):
+    """Within the block, the groups' hyperparameters that changed since ``recorded`` was taken
+    are the recorded values; after it, the changed ones again (a scheduler's next value)."""
+    changed = []
+    for group, then in zip(optimizer.param_groups, recorded):
+        for key, (value, frozen) in then.items():
+            if key in group and not (group[key] is value and _same(value, frozen)):
+                changed.append((group, key, group[key]))
+                group[key] = frozen
+    try:
+        yield
+    finally:
+        for group, key, value in changed:
+            group[key] = value

@@ -92,6 +92,7 @@ import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
 from ..ownership import gradient_holder, held_parameters
+from .grad_norms import norm_result_dtype
 from .step_context import materialize_unscales
 
 __all__ = ["install", "installed", "torch_clip_grad_norm_"]
@@ -157,8 +158,8 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     materialize_unscales(params)  # lazily unscaled gradients: torch's values first
     total = holder.grad_norm(params, norm_type)
     _check_finite(total, norm_type, error_if_nonfinite)
-    # torch returns the norm in the gradients' (promoted) dtype
-    dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors})
+    # torch returns the norm in the gradients' (promoted) dtype, real for complex gradients
+    dtype = norm_result_dtype({t.dtype for t in tensors})
     return total.to(device=tensors[0].device, dtype=dtype)
 
 
@@ -184,7 +185,7 @@ def _public_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
             "the ZeroRedundancyOptimizer(stage=2) of this rank's pipeline stage holds over every rank's shard "
             "(its p.grad are None), so they cannot be clipped (every rank of the stage raises this). To disable "
             "this error and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    dtype = functools.reduce(torch.promote_types, {p.dtype for h in holders for p in h._trainable_params()})
+    dtype = norm_result_dtype({p.dtype for h in holders for p in h._trainable_params()})
     total = total.to(dtype)
     _empty_norm.last = (total, norm_type, error_if_nonfinite, total.clone(), total._version, holders)
     return total
@@ -248,7 +249,7 @@ def _clip_pieces_as_torch(holder, held, max_norm, norm_type, error_if_nonfinite,
     with_grad = [p for p in held if p.grad is not None]
     grads = [p.grad for p in with_grad]
     total = holder.grad_norm(held, norm_type)
-    total = total.to(functools.reduce(torch.promote_types, {g.dtype for g in grads} or {p.dtype for p in held}))
+    total = total.to(norm_result_dtype({g.dtype for g in grads} or {p.dtype for p in held}))
     _check_finite(total, norm_type, error_if_nonfinite)
     if with_grad:
         _TORCH_CLIP_WITH_NORM(with_grad, max_norm, total.to(grads[0].device), foreach)
@@ -336,8 +337,7 @@ def _clip_stage2_by(max_norm, total_norm: torch.Tensor, holders: list) -> None:
     sumsq = total_norm.detach().double().reshape(1).square()  # (record_clip takes a sum of squares)
     for holder in holders:
         dtypes = {p.dtype for p in holder._trainable_params()}
-        holder.step_context.record_clip(sumsq.to(holder._device), float(max_norm), False,
-                                        functools.reduce(torch.promote_types, dtypes))
+        holder.step_context.record_clip(sumsq.to(holder._device), float(max_norm), False, norm_result_dtype(dtypes))
         holder._fusedist_record_clipped_grads()  # Note [gradients changed after the clip] in _scaler_protocol.py
 
 

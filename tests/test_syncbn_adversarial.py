@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -141,9 +142,7 @@ def _backward_twice(rank, ws):
 
 def _subset_groups(rank, ws):
     """Ranks [0, 1] synchronize in one group, rank 2 alone in another (a group of one:
-    plain BatchNorm). A rank handed a group it is not in gets a clear error -- torch's
-    SyncBatchNorm silently falls back to local statistics there (its world size reads -1),
-    which hides a wrong group assignment, so fusedist refuses it."""
+    plain BatchNorm)."""
     g01, g2 = dist.new_group([0, 1]), dist.new_group([2])  # collective: every rank creates both
     sizes = (2, 3, 2)
     X, DY = _data(sizes, (3, 4), seed=6)
@@ -156,12 +155,38 @@ def _subset_groups(rank, ws):
     torch.testing.assert_close(y, ref_y[mine], **TOL)
     torch.testing.assert_close(dx, ref_dx[mine], **TOL)
     torch.testing.assert_close(ours.running_var, ref.running_var, **TOL)
-    outsider = SyncBatchNorm(3, process_group=g01)
-    if rank == 2:
-        with pytest.raises(ValueError, match="rank 2 is not a member of this process group"):
-            outsider(torch.randn(4, 3))
+    _converted_with_a_group_that_leaves_rank_2_out(rank, g01)
+
+
+def _converted_with_a_group_that_leaves_rank_2_out(rank, g01):
+    """``convert_sync_batchnorm(model, g01)`` on every rank: rank 2, outside the group (its
+    ``new_group`` returned torch's non-member placeholder), trains as torch.nn.SyncBatchNorm
+    does there -- BatchNorm on its own batch, running statistics and count included -- and
+    is warned once, by rank and layer; ranks 0 and 1 synchronize over their two batches.
+    (Its forward used to be refused.)"""
+    sizes = (2, 3, 4)
+    X, _ = _data(sizes, (3, 5), seed=9)
+    DY = torch.randn(sum(sizes), 4, 5, generator=torch.Generator().manual_seed(9))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4), nn.Tanh(), nn.BatchNorm1d(4, momentum=None))
+    model = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref), process_group=g01)
+    batch = slice(0, 5) if rank < 2 else slice(5, 9)  # the batch each rank's statistics cover
+    mine = _slice(X, sizes, rank)
+    mine_in_batch = {0: slice(0, 2), 1: slice(2, 5), 2: slice(0, 4)}[rank]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            y, dx = _step(model, mine, _slice(DY, sizes, rank))
+            ref_y, ref_dx = _step(ref, X[batch], DY[batch])
+            torch.testing.assert_close(y, ref_y[mine_in_batch], **TOL)
+            torch.testing.assert_close(dx, ref_dx[mine_in_batch], rtol=1e-4, atol=1e-5)  # (through the conv)
+    for name in ("1.running_mean", "1.running_var", "3.running_var", "3.num_batches_tracked"):
+        torch.testing.assert_close(model.get_buffer(name), ref.get_buffer(name), **TOL)
+    outside = [str(w.message) for w in caught if "not a member" in str(w.message)]
+    if rank == 2:  # once per process, however many layers and steps
+        assert len(outside) == 1 and "SyncBatchNorm(4): rank 2 is not a member" in outside[0], outside
     else:
-        outsider(torch.randn(4, 3))
+        assert not outside, outside
 
 
 def _half_params(rank, ws):

@@ -1,5 +1,6 @@
 """fusedist.nn.SyncBatchNorm under torch.func transforms in synchronized training, and in
-``torch.compile(fullgraph=True)`` / ``torch.export`` where it does not synchronize.
+``torch.compile(fullgraph=True)`` / ``torch.export`` / ``torch.jit.trace`` where it does not
+synchronize (the tracer refuses a synchronized training forward by name).
 
 Oracle: nn.BatchNorm on the concatenated global batch (torch.nn.SyncBatchNorm has no CPU
 kernel), and the same model with torch's BatchNorm for the whole-graph captures.
@@ -65,6 +66,9 @@ def _whole_graph_where_nothing_synchronizes(rank, ws):
     torch.manual_seed(3)
     ref = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
     ours = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\): torch.jit.trace cannot record a synchronized"):
+        torch.jit.trace(ours, mine, check_trace=False)  # (Note [SyncBatchNorm under torch.jit.trace])
+    assert int(ours[1].num_batches_tracked) == 0
     y = torch.compile(ours, backend="aot_eager")(mine)  # training: synchronized
     y.backward(_slice(DY, sizes, rank))
     ref_y = ref(X)
@@ -77,6 +81,7 @@ def _whole_graph_where_nothing_synchronizes(rank, ws):
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(ours, fullgraph=True, backend="aot_eager")(mine), expected, **TOL)
     torch.testing.assert_close(torch.export.export(ours, (mine,)).module()(mine), expected, **TOL)
+    torch.testing.assert_close(torch.jit.trace(ours, mine)(mine), expected, **TOL)
 
 
 def test_whole_graph_capture_where_the_layer_does_not_synchronize_at_world_size_2():

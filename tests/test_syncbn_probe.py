@@ -150,8 +150,59 @@ def _inf_on_one_rank(rank, ws):
     assert ours.running_mean[1] == float("inf")
 
 
+def _averaged_copy_shares_the_group(rank, ws):
+    """An EMA/SWA copy (AveragedModel deep-copies the model) of a model converted with a group
+    other than the default: copying failed on the ProcessGroup ("cannot pickle"), as with
+    torch's layer. The copy shares the group and trains like BatchNorm on the global batch,
+    its tensors apart from the original's (Note [copies share the process group])."""
+    pair = dist.new_group([0, 1])  # collective: every rank creates it
+    model = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3, momentum=None)), process_group=pair)
+    averaged = torch.optim.swa_utils.AveragedModel(model)
+    copied = averaged.module[0]
+    assert copied.process_group is pair and copied.weight is not model[0].weight
+    sizes = (2, 3)
+    X, DY = _data(sizes, (3, 4), seed=8)
+    ref = nn.BatchNorm1d(3, momentum=None)
+    for _ in range(2):
+        y, dx = _grad_step(averaged, _slice(X, sizes, rank), _slice(DY, sizes, rank))
+        ref_y, ref_dx = _grad_step(ref, X, DY)
+        torch.testing.assert_close(y, _slice(ref_y, sizes, rank), **TOL)
+        torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+    torch.testing.assert_close(copied.running_var, ref.running_var, **TOL)
+    assert int(copied.num_batches_tracked) == 2 and int(model[0].num_batches_tracked) == 0
+
+
+def _layers_saved_whole_check_channels_again_in_a_new_process(rank, ws):
+    """Layers saved whole (``torch.save(model)``) after a synchronized forward, loaded in a new
+    job where the ranks' models disagree on the width: the first forward raises the channel
+    check's error on every rank, as a fresh layer's does. The loaded layers used to count the
+    new job's communicator (uids restart at 0 in every process) as already checked, and the
+    ranks hung in a statistics gather of different sizes. A new process is stood in for by a
+    new process token (Note [checks that a pickle does not carry])."""
+    import io
+
+    from fusedist.nn import sync_batch_norm
+
+    blobs = []
+    for width in (3, 4):  # the same two layers on every rank
+        layer = SyncBatchNorm(width)
+        layer(torch.randn(2 + rank, width))
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        blobs.append(buffer.getvalue())
+    token = getattr(sync_batch_norm, "_PROCESS_TOKEN", 0)
+    sync_batch_norm._PROCESS_TOKEN = token + 1  # the loading job's
+    try:
+        mine = torch.load(io.BytesIO(blobs[rank]), weights_only=False)  # rank 0: width 3, rank 1: width 4
+        with pytest.raises(ValueError, match=r"ranks disagree on the number of channels \(per rank: \[3, 4\]"):
+            mine(torch.randn(2, 3 + rank))
+    finally:
+        sync_batch_norm._PROCESS_TOKEN = token
+
+
 PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_and_checkpointed,
-          _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank]
+          _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank,
+          _averaged_copy_shares_the_group, _layers_saved_whole_check_channels_again_in_a_new_process]
 
 
 def test_user_recipes_at_world_size_2():

@@ -11,24 +11,29 @@ forward and once per backward:
 * eval mode: no communication at all (running statistics, or this rank's batch statistics
   when ``track_running_stats=False``, as torch does).
 
-Without an initialized process group, or with a group of one rank, it behaves exactly like
-BatchNorm on the local batch (same kernels, no communication).
+Without an initialized process group, with a group of one rank, or on a rank outside its
+group (as torch's layer there; Note [a rank outside the layer's group]), it behaves exactly
+like BatchNorm on the local batch (same kernels, no communication).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import os
+import warnings
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.lazy import LazyModuleMixin
 
 from ..comm import Communicator, get_communicator
 from ..ddp import join as _join
 from ..reliability import attach_monitor
+from ._convert import convert_tree
 from ._function import BatchStatsNorm, RunningStatsNorm
 from ._sync_stats import NO_BACKWARD, WANTS_INPUT_GRAD, check_channels_agree
 
@@ -91,6 +96,60 @@ def _as_fx_leaf(module: torch.nn.Module, input: torch.fx.Proxy):
     return tracer.create_proxy("call_module", path, (input,), {})
 
 
+# Note [inputs without data]
+#     A meta-device input (shape inference, a model built on ``device="meta"``) or a fake tensor
+#     (torch's FakeTensorMode: memory and runtime estimators such as torch.distributed's
+#     FSDPMemTracker) has shapes and dtypes but no values. torch's BatchNorm computes its output's
+#     metadata there; our kernels and the statistics exchange need values (the forward failed
+#     with "Cannot copy out of meta tensor" / "Attempted to set the storage of a tensor on device
+#     meta"). Such an input takes torch's op on this rank's batch, in every mode: there is
+#     nothing to exchange, and the result's shape, dtype and memory format are the global
+#     batch's all the same. (Not under torch.compile, whose own fake tensors are the compiled
+#     forward's business: Note [SyncBatchNorm under torch.compile].)
+def _holds_no_data(input: torch.Tensor) -> bool:
+    return isinstance(input, FakeTensor) or (isinstance(input, torch.Tensor) and input.device.type == "meta")
+
+
+# Note [a rank outside the layer's group]
+#     torch.distributed.new_group is called by every rank, and returns a placeholder
+#     (GroupMember.NON_GROUP_MEMBER, world size -1) on the ranks it leaves out. A layer handed
+#     that placeholder -- ``convert_sync_batchnorm(model, groups[0])`` run on every rank, where
+#     the ranks outside ``groups[0]`` should have passed their own group -- is, in
+#     torch.nn.SyncBatchNorm, plain BatchNorm on the rank's own batch: it synchronizes only for
+#     a world size above one. This layer does the same (it used to refuse the forward, so
+#     models that train under torch's layer stopped at their first step), and warns once per
+#     process, naming the rank and the layer: the ranks outside the group then normalize
+#     over fewer samples than their group-mates, which is seldom what was meant.
+_warned_outside_group = False
+
+
+def _warn_outside_group(layer: torch.nn.Module) -> None:
+    """The once-per-process warning of Note [a rank outside the layer's group]."""
+    global _warned_outside_group
+    if _warned_outside_group:
+        return
+    _warned_outside_group = True
+    warnings.warn(
+        f"fusedist.nn.SyncBatchNorm({layer.num_features}): rank {dist.get_rank()} is not a member of the "
+        "layer's process_group, so this layer (and any other whose group leaves this rank out) normalizes "
+        "with this rank's own batch statistics, as torch.nn.SyncBatchNorm does. To synchronize, give each "
+        "rank a group that contains it (e.g. the first value of torch.distributed.new_subgroups(), or "
+        "groups[i] for the group i holding this rank) when converting the model.",
+        UserWarning, stacklevel=2,
+    )
+
+
+# Note [checks that a pickle does not carry]
+#     A layer runs the channel agreement check (and attaches the stall monitor) once per
+#     communicator, and remembers which. Communicator uids count from 0 in every process, so a
+#     layer saved whole (``torch.save(model)``, a checkpoint holding the model object) and loaded
+#     in a new job named the new job's first communicator as already checked: ranks whose
+#     models disagree on the width then met in a statistics gather of different sizes, which
+#     hangs past the collective timeout instead of raising. The entries carry a token of the
+#     process that made them; ``copy.deepcopy`` in the same process (an EMA copy) keeps them.
+_PROCESS_TOKEN = int.from_bytes(os.urandom(8), "little")
+
+
 # Note [a torch.nn.SyncBatchNorm]
 #     The layer is a subclass of torch.nn.SyncBatchNorm (and so of BatchNorm's ``_BatchNorm``)
 #     with torch's constructor, buffers, state_dict keys and ``process_group`` attribute: code
@@ -130,8 +189,28 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             extra["bias"] = False
         super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group,
                          device=device, dtype=dtype, **extra)
-        # Communicators (by uid) this layer has run the channel agreement check on.
-        self._channels_checked: set[int] = set()
+        # Communicators this layer has run the channel agreement check on (Note [checks that
+        # a pickle does not carry]).
+        self._channels_checked: set[tuple[int, int]] = set()
+
+    # Note [copies share the process group]
+    #     ``copy.deepcopy`` of a model -- an EMA or SWA copy (torch.optim.swa_utils.AveragedModel,
+    #     timm's and YOLO's ModelEMA, torchvision's reference scripts) -- copied every attribute,
+    #     the ``process_group`` too, and a ProcessGroup cannot be copied: a model converted with
+    #     a subgroup (per-node groups from new_subgroups) failed with "cannot pickle
+    #     'ProcessGroup' object", as torch.nn.SyncBatchNorm does. A group is a handle on the
+    #     ranks' shared communicator, not state of the layer: the copy shares it, and
+    #     synchronizes over the same ranks (fusedist's DDP copies share their group alike).
+    #     Everything else is copied as before. (Pickling to a file still refuses a group: it
+    #     means nothing in another process.)
+    def __deepcopy__(self, memo):
+        group = self.__dict__.get("process_group")
+        if group is not None:
+            memo.setdefault(id(group), group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -165,18 +244,21 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
 
     def _synchronizes(self) -> bool:
         """Whether a training forward talks to other ranks: a process group of more than one
-        rank (a rank outside the group is refused by the communicator lookup)."""
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) != 1
+        rank that includes this one (Note [a rank outside the layer's group])."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
 
     def _communicator(self, device: torch.device) -> Communicator | None:
         """The communicator to synchronize over, or None when there is nobody to talk to."""
         if not self._synchronizes():
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) < 0:
+                _warn_outside_group(self)
             return None
         comm = get_communicator(self.process_group, device)
-        if comm.uid not in self._channels_checked:
+        key = (_PROCESS_TOKEN, comm.uid)  # Note [checks that a pickle does not carry]
+        if key not in self._channels_checked:
             attach_monitor(comm)  # [reliability] a missing rank is named in a stall report
             check_channels_agree(comm, self.num_features, device)
-            self._channels_checked.add(comm.uid)
+            self._channels_checked.add(key)
         return comm
 
     # Note [SyncBatchNorm under torch.compile]
@@ -198,10 +280,32 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             traced = _as_fx_leaf(self, input)
             if traced is not None:
                 return traced
-        if torch.compiler.is_compiling() and not (self.training and self._synchronizes()):
+        compiling = torch.compiler.is_compiling()
+        if not compiling and _holds_no_data(input):  # Note [inputs without data]
+            self._check_input_dim(input)
+            return _BatchNorm.forward(self, input)
+        tracing = torch.jit.is_tracing()  # Note [SyncBatchNorm under torch.jit.trace]
+        if (compiling or tracing) and not (self.training and self._synchronizes()):
             self._check_input_dim(input)
             return _BatchNorm.forward(self, input)  # Note [a torch.nn.SyncBatchNorm]
+        if tracing:
+            raise RuntimeError(
+                f"SyncBatchNorm({self.num_features}): torch.jit.trace cannot record a synchronized training "
+                f"forward (its statistics come from a collective with the other ranks of its group){_rank_suffix()}; "
+                "trace the model in eval mode (model.eval()), where the layer is torch's batch_norm"
+            )
         return self._eager_forward(input)
+
+    # Note [SyncBatchNorm under torch.jit.trace]
+    #     ``torch.jit.trace`` (TorchScript deployment, and the TorchScript-based ONNX export) of a
+    #     model holding the layer failed, in eval too: the tracer hands the kernel launchers
+    #     tensors where they compute sizes (Triton: "'Tensor' object has no attribute
+    #     'bit_length'"), and cannot record our autograd Functions' arguments (the reference
+    #     path: "Found an unsupported argument type in the JIT tracer"). torch.nn.SyncBatchNorm
+    #     traces there: it is ``F.batch_norm`` wherever it does not synchronize. Under the tracer
+    #     this layer is torch's op in the same places (as under torch.compile, Note [SyncBatchNorm
+    #     under torch.compile]); a synchronized training forward, whose collectives a trace could
+    #     not replay, is refused by name before anything is counted.
 
     @_eager_under_compile  # Note [SyncBatchNorm under torch.compile]
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -249,9 +353,9 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         training forward that synchronizes (Note [SyncBatchNorm under torch.func]): the
         Function's error ("must override the setup_context staticmethod") names neither the
         layer nor a way out, and ``vmap`` had already counted the batch."""
-        size = dist.get_world_size(self.process_group) if self._synchronizes() else 1
-        if size <= 1:  # (-1: a rank outside the group, which the communicator lookup refuses)
+        if not self._synchronizes():  # (a rank outside the group too: Note [a rank outside the layer's group])
             return
+        size = dist.get_world_size(self.process_group)
         raise RuntimeError(
             f"SyncBatchNorm({self.num_features}): torch.func transforms (vmap, grad, jvp, jacrev, ...) "
             f"cannot run a synchronized training forward (a process group of {size} ranks){_rank_suffix()}: "
@@ -299,32 +403,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         """Replace every BatchNorm*D (and SyncBatchNorm, torch's or ours) in ``module`` with
         ``fusedist.nn.SyncBatchNorm``, keeping the very same parameter and buffer tensors (so
         an optimizer built on them stays valid) and the training flag. Returns the new root
-        (the module itself unless it is a BatchNorm)."""
-        converted = module
-        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-            # Its num_features is 0 until the first forward: the converted layer would expect
-            # 0 channels and fail with a misleading message at its first call.
-            raise ValueError(
-                f"SyncBatchNorm.convert_sync_batchnorm: {type(module).__name__} is still "
-                "uninitialized (num_features is inferred at its first forward); run one forward "
-                "of the model before converting it"
-            )
-        # A SyncBatchNorm (ours included) is rebuilt too, as torch's conversion does: it
-        # takes the process_group given now instead of silently keeping its old one.
-        if isinstance(module, _BatchNorm):
-            extra = {} if getattr(module, "bias", None) is not None or not module.affine else {"bias": False}
-            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group, **extra)
-            if module.affine:
-                with torch.no_grad():
-                    converted.weight = module.weight
-                    converted.bias = module.bias
-            converted.running_mean = module.running_mean
-            converted.running_var = module.running_var
-            converted.num_batches_tracked = module.num_batches_tracked
-            converted.training = module.training
-            if hasattr(module, "qconfig"):
-                converted.qconfig = module.qconfig
-        for name, child in module.named_children():
-            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
-        return converted
+        (the module itself unless it is a BatchNorm). A BatchNorm subclass whose own behaviour
+        the plain layer drops is converted all the same, as torch converts it, with a warning
+        naming it (Note [converting BatchNorm subclasses])."""
+        return convert_tree(cls, module, process_group)

@@ -175,13 +175,14 @@ def _killed_save_worker(rank, world_size, root, kill_fraction):
 
 @pytest.fixture(scope="module")
 def killed_save_run(tmp_path_factory):
-    """(root, future of the killed-save launch), started by the first test that asks: rank 0 spends
-    most of it waiting for its dead peer's beat to stay silent (10 s), which then overlaps the
-    exact-resume launches instead of adding to them."""
+    """(root, future of the killed-save launch), started by the first test that asks: rank 0 waits
+    for its dead peer's beat to stay silent (FUSEDIST_CHECKPOINT_PEER_SILENCE_S, 3 s here rather
+    than the default 10 s), which overlaps the exact-resume launches instead of adding to them."""
     root = str(tmp_path_factory.mktemp("killed_save"))
     with ThreadPoolExecutor(1) as pool:
         yield root, pool.submit(run_distributed, _killed_save_worker, 2, root, random.Random(0).uniform(0.1, 0.9),
-                                timeout=120, pg_timeout=10, expect_failure=True)
+                                timeout=120, pg_timeout=10, expect_failure=True,
+                                env={"FUSEDIST_CHECKPOINT_PEER_SILENCE_S": "3"})
 
 
 def test_killed_save_leaves_previous_checkpoint_intact_and_truncation_is_refused(killed_save_run):
@@ -196,7 +197,7 @@ def test_killed_save_leaves_previous_checkpoint_intact_and_truncation_is_refused
     assert error is not None  # rank 0's save failed instead of hanging
     # waiting for its peer's writes (Note [waiting for a peer's I/O] in fusedist/checkpoint/_writer.py),
     # it saw the peer's beat stop and named it, without waiting out FUSEDIST_TIMEOUT_S (600 s)
-    assert "fusedist.checkpoint.save: rank 0" in error and "rank(s) [1] showed no sign of life" in error, error
+    assert "fusedist.checkpoint.save: rank 0" in error and "rank(s) [1] showed no sign of life for 3 s" in error, error
 
     # The interrupted checkpoint: its directory is gone (Note [a failed save leaves nothing] in
     # fusedist/checkpoint/_failed_save.py), and loading it is refused with a message that says why.

@@ -13,7 +13,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _from_dcp, _names, stage3
+from . import _checks, _dcp_algorithm, _files, _from_dcp, _names, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -192,6 +192,7 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trust
         source = f"optimizer state in {directory}"
         params = optimizer_params(optimizer)
         full = _from_dcp.to_torch_format(optim, param_names(model, params), optimizer.param_groups, source)
+        _dcp_algorithm.check(full["param_groups"], optimizer, directory)
         plan["optimizer"] = _prepare_full(full, directory, target, _sharding(target), optimizer, params, source)
     return plan
 

@@ -71,7 +71,7 @@ class PersistMixin:
         if failed:
             raise CheckpointError(f"fusedist.checkpoint.Checkpointer: saving step {step} to {path} failed "
                                   f"(creating the directory): {failed[0]}; nothing was written")
-        save_id = everyone[0][1]
+        save_id = self._flight_id = everyone[0][1]  # what a failure left is told by it (periodic.py)
         kept = ("the complete checkpoint of that step written before is kept" if save_id
                 else "the incomplete checkpoint is removed; earlier ones are unaffected")
         completed, failure = None, None

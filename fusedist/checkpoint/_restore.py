@@ -56,7 +56,7 @@ class RestoreMixin:
                 self._stage_world(module, opt, j)
         else:
             self._check_saving_world(model, optimizer)
-        self._writer.wait()
+        self._wait_previous()  # (a save in flight counts once it completed)
         self._restores_trusted = bool(trusted)  # Note [checkpoints the restore cannot read]
         self._state = dict(model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler,
                            sampler=sampler)

@@ -10,7 +10,9 @@ Note [steps only go forward]
     means to go back restores that step first (Note [a restore that rolls back] in
     ``layout.py``). A step saved again (``save(N)`` after ``maybe_save(N)``) replaces it, the
     complete one kept until the new one is complete (Note [saving a step again] in
-    ``_replace.py``).
+    ``_replace.py``). Only a save that completed counts: after a failed ``save(N)`` (a full
+    disk, a peer lost) the run is still at its last complete checkpoint, and a step below N
+    may be saved -- refusing it left the run unable to save until it passed N.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ def step_count(step, what: str) -> int:
 
 
 class ScheduleMixin:
-    """``maybe_save`` and the step check of ``Checkpointer`` (``last_saved_step``,
+    """``maybe_save`` and the step check of ``Checkpointer`` (``last_saved_step``: the last
+    completed save's or restored step; ``_in_flight``: the step of the save not yet waited for;
     ``restored_step``, ``every_steps`` are its attributes)."""
 
     def maybe_save(self, step: int, extra: Optional[dict] = None) -> bool:
         """Save if ``step`` (completed training steps) is a multiple of ``every_steps``; returns
         whether a save started. Call it on every rank after each step."""
         step = self._check_step(step, "maybe_save")
-        if self.every_steps is None or step % self.every_steps or step == self.last_saved_step:
+        if self.every_steps is None or step % self.every_steps or step in (self.last_saved_step, self._in_flight):
             return False
         self.save(step, extra)
         return True

@@ -15,6 +15,8 @@ which the next start skips.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import threading
 import time
 import uuid
@@ -37,8 +39,9 @@ class Coordinator:
 
     NAME = "fusedist.checkpoint.Checkpointer"
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, silence: Optional[float] = None):
         self.comm = None
+        self.silence = peer_silence(silence, f"{self.NAME}(peer_silence_s=...)")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.ranks, self.group = _checkpoint_group(process_group)
             self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
@@ -161,7 +164,8 @@ def _checkpoint_group(process_group) -> tuple:
 # before each exchange that follows I/O (a Checkpointer's background part, and ``save``'s), every
 # rank first arrives at a barrier in the job's store, and waits there for as long as the missing
 # ranks show they are alive: each process renews a beat key while a save of it runs, and a
-# missing rank is given up on after its beat stopped for SILENT_AFTER_S (its process ended),
+# missing rank is given up on after its beat stopped for SILENT_AFTER_S (its process ended;
+# FUSEDIST_CHECKPOINT_PEER_SILENCE_S or a Checkpointer's ``peer_silence_s`` sets it: peer_silence),
 # or once it kept writing for IO_LIMIT_S (its disk hangs) -- an error that names it. The
 # exchange itself starts once every rank arrived, well within its deadline. A Checkpointer save also
 # ends at such a barrier, so the next save's exchanges never wait on a peer's retention, and
@@ -171,8 +175,11 @@ class IOBarrier:
     """Store barriers between the I/O of the ranks of one group (Note [waiting for a peer's
     I/O]): ``name`` is the same on every rank and new for each run of the group's saves."""
 
-    def __init__(self, store, name: str, rank: int, ranks: list, who: str = Coordinator.NAME):
+    def __init__(self, store, name: str, rank: int, ranks: list, who: str = Coordinator.NAME,
+                 silence: Optional[float] = None):
         self.store, self.rank, self.ranks, self.who = store, rank, ranks, who
+        # seconds a peer's beat may stop before it is given up on (:func:`peer_silence`)
+        self.silence = SILENT_AFTER_S if silence is None else silence
         self.prefix, self.phase = f"{_PREFIX}/{name}", 0
         self._beating = False
 
@@ -206,7 +213,7 @@ class IOBarrier:
         key, size = f"{self.prefix}/{self.phase}", len(self.ranks)
         outcome = f"{key}/outcome"
         arrived, limit = self.store.add(key, 1), collective_timeout().total_seconds()
-        silence = min(limit, SILENT_AFTER_S)  # a beat renewed every second or faster stopped: gone
+        silence = min(limit, self.silence)  # a beat renewed every second or faster stopped: gone
         seen: dict = {}
         started = next_check = time.monotonic()
         give_up = started + max(limit, IO_LIMIT_S)
@@ -233,7 +240,8 @@ class IOBarrier:
                     error = CheckpointError(
                         f"{self.who}: rank {self.ranks[self.rank]}: waiting for the other ranks to be done "
                         f"with {what}, rank(s) {silent} showed no sign of life for {silence:g} s (their beat, renewed "
-                        "every second while a save runs, stopped): their process ended or hangs")
+                        "every second while a save runs, stopped): their process ended or hangs (how long a beat "
+                        f"may stop: {SILENCE_ENV} or Checkpointer(peer_silence_s=), FUSEDIST_TIMEOUT_S if shorter)")
                     error.silent_ranks = silent
                     raise error
         decided = self._decide(outcome, _PASSED)
@@ -310,8 +318,37 @@ IO_LIMIT_S = 1800.0  # the longest wait for another rank's writes (Note [waiting
 # or hangs: its beat thread renews it every second or faster, even while the rank writes (file
 # writes release the GIL), so ten missed renewals are not a slow disk. Not the collective timeout
 # (600 s by default): a rank killed mid-save was then waited for ten minutes, where the failed
-# exchange used to tell at once.
+# exchange used to tell at once. The default of SILENCE_ENV and of a Checkpointer's
+# ``peer_silence_s`` (:func:`peer_silence`).
 SILENT_AFTER_S = 10.0
+SILENCE_ENV = "FUSEDIST_CHECKPOINT_PEER_SILENCE_S"
+# The shortest silence accepted: a beat is renewed each second, and a busy host (a rank's
+# training thread holding the GIL through a long kernel launch) delays a renewal now and then;
+# below two renewals a live rank writing a large file would be given up on.
+MIN_SILENCE_S = 2.0
+
+
+def peer_silence(value: Optional[float] = None, what: str = SILENCE_ENV) -> float:
+    """How long, in seconds, a peer's beat may stay unchanged during a save before its rank is
+    given up on as ended (Note [waiting for a peer's I/O]): ``value`` when given (named ``what``
+    in errors), else ``FUSEDIST_CHECKPOINT_PEER_SILENCE_S``, else :data:`SILENT_AFTER_S`. A
+    shorter silence reports a killed rank sooner; a longer one tolerates a host so loaded that
+    a beat thread is not scheduled for seconds. ValueError unless a finite number of seconds,
+    at least :data:`MIN_SILENCE_S`."""
+    seconds = math.nan
+    if value is None:
+        raw = os.environ.get(SILENCE_ENV)
+        if raw is None:
+            return SILENT_AFTER_S
+        value, what = raw, SILENCE_ENV
+        with contextlib.suppress(ValueError):
+            seconds = float(raw)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):  # (an argument: a number, not text)
+        seconds = float(value)
+    if not (math.isfinite(seconds) and seconds >= MIN_SILENCE_S):
+        raise ValueError(f"{what} must be a finite number of seconds of at least {MIN_SILENCE_S:g} (a peer's beat "
+                         f"is renewed each second), got {value!r}")
+    return seconds
 
 
 def _beat_key(rank: int) -> str:
@@ -352,13 +389,17 @@ class _Beat:
                 return
 
 
-def io_barrier(name: str, rank: int, ranks: list, who: str = Coordinator.NAME) -> Optional[IOBarrier]:
+def io_barrier(name: str, rank: int, ranks: list, who: str = Coordinator.NAME,
+               silence: Optional[float] = None) -> Optional[IOBarrier]:
     """An :class:`IOBarrier` in the job's store, None without one (then the exchanges wait as
-    any collective does); ``who`` is what its errors say they come from."""
+    any collective does); ``who`` is what its errors say they come from, ``silence`` how long a
+    peer's beat may stop (:func:`peer_silence`)."""
     from ..reliability.stall_report import default_store
 
     store = default_store()
-    return IOBarrier(store, name, rank, ranks, who) if store is not None and len(ranks) > 1 else None
+    if store is None or len(ranks) < 2:
+        return None
+    return IOBarrier(store, name, rank, ranks, who, peer_silence(silence, who))
 
 
 class _IOWaits:
@@ -379,7 +420,8 @@ class _IOWaits:
         if self.previous is not None:  # every rank left the round before the last one: each ends at a barrier
             self.previous.forget(self.previous.phase)
         self.previous = self.barrier
-        self.barrier = io_barrier(f"{self.name}/{self.round}", self.coord.rank, self.coord.ranks)
+        self.barrier = io_barrier(f"{self.name}/{self.round}", self.coord.rank, self.coord.ranks,
+                                  silence=self.coord.silence)
         if self.barrier is not None:
             self.barrier.start_beat()
 

@@ -60,6 +60,7 @@ class _World:
     which call each is in."""
 
     io = None  # a save's I/O barrier, beating from start_save to finish_save
+    silence = None  # how long its peers' beats may stop (start_save: _writer.peer_silence)
     created = False  # whether rank 0 made the save's directory for it (start_save)
 
     def __init__(self, optimizer, model: Optional[torch.nn.Module] = None, process_group=None):
@@ -258,6 +259,8 @@ def start_save(world: "_World", directory: str, call: dict, info=None, check=Non
     (raising ``CheckpointError``) as the calls are. ``failure``: what this rank raised while
     preparing its part, raised on every rank (Note [a failed save leaves nothing]). Returns
     ``(save_id, calls, claim, infos)``."""
+    # Read (and checked) before anything is exchanged or made: a bad setting writes nothing.
+    world.silence = _writer.peer_silence()  # Note [waiting for a peer's I/O] in _writer.py
     start, created = None, False
     if world.rank == 0:
         try:
@@ -294,7 +297,8 @@ def _start_io(world: "_World", name: str) -> None:
     a write slower than FUSEDIST_TIMEOUT_S ended the exchange after it, and with it the group
     (gloo closes a failed collective's connections), training included (Note [waiting for a
     peer's I/O] in ``_writer.py``). This rank beats until :func:`finish_save`."""
-    world.io = _writer.io_barrier(f"save-{name}", world.rank, world.ranks(), "fusedist.checkpoint.save")
+    world.io = _writer.io_barrier(f"save-{name}", world.rank, world.ranks(), "fusedist.checkpoint.save",
+                                  world.silence)
     if world.io is not None:
         world.io.start_beat()
 

@@ -51,12 +51,12 @@ import time
 import warnings
 from typing import Optional
 
-from . import _heartbeat, _owner, _root_checks, api, layout
+from . import _files, _heartbeat, _owner, _root_checks, api, layout
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._persist import PersistMixin
 from ._restore import RestoreMixin
-from ._schedule import ScheduleMixin, is_int
+from ._schedule import ScheduleMixin, is_int, step_count
 from ._snapshot import SnapshotMixin
 from ._writer import BackgroundWriter, Coordinator, stage_group
 from .staging import StagingBuffers
@@ -91,24 +91,36 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
     else this launch); a job of another run holding ``directory`` is refused (Note [one job
     per checkpoint root]), unless its holder stopped renewing the lease for
     ``lease_timeout_s`` seconds (it ended: Note [lease heartbeat]).
+
+    ``peer_silence_s``: how long a rank's sign of life may stop during a save before the other
+    ranks give it up as ended and fail the save naming it (Note [waiting for a peer's I/O] in
+    ``_writer.py``); default ``FUSEDIST_CHECKPOINT_PEER_SILENCE_S``, else 10 s; at least 2 s,
+    and never longer than ``FUSEDIST_TIMEOUT_S``. Shorter reports a killed rank sooner; longer
+    tolerates a host too loaded to renew the sign each second.
     """
 
     def __init__(self, directory: str, every_steps: Optional[int] = None, keep: Optional[int] = 3,
                  async_save: bool = True, *, run_id: Optional[str] = None,
-                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S, process_group=None, pipeline: bool = False):
+                 lease_timeout_s: float = _heartbeat.DEFAULT_TIMEOUT_S, process_group=None, pipeline: bool = False,
+                 peer_silence_s: Optional[float] = None):
         if every_steps is not None and (not is_int(every_steps) or every_steps < 1):
             raise ValueError(f"Checkpointer: every_steps must be a positive int or None, got {every_steps!r}")
         if keep is not None and (not is_int(keep) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int or None (keep all), got {keep!r}")
         self.directory, self.every_steps, self.keep, self.async_save = directory, every_steps, keep, async_save
         self.pipeline = bool(pipeline)  # Note [pipelined checkpoints] in pipeline.py
-        self._coord = Coordinator(None if self.pipeline else process_group)
+        self._coord = Coordinator(None if self.pipeline else process_group, peer_silence_s)
         self._stage_ranks, self._stage_group = stage_group(process_group) if self.pipeline else (None, None)
         self.rank, self.world_size = self._coord.rank, self._coord.size
         self._staging = StagingBuffers()
         self._writer = BackgroundWriter(f"fusedist.checkpoint.Checkpointer({directory!r}) on rank {self.rank}")
         self._state: Optional[dict] = None
+        # The step of the last save that completed (its manifest written), or of the restored
+        # checkpoint: what the step check compares with (Note [steps only go forward]). A save
+        # that failed never counts, so the step it was at may be saved again, or an earlier one.
         self.last_saved_step: Optional[int] = None
+        self._in_flight: Optional[int] = None  # the step of the save submitted and not yet waited for
+        self._flight_id: Optional[str] = None  # its save id, once its ranks agreed on it (_persist.py)
         self.restored_step: Optional[int] = None
         self.restored_world_size: Optional[int] = None
         self.extra: Optional[dict] = None  # the user `extra` of the restored checkpoint
@@ -133,13 +145,15 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
                                "it registers what a checkpoint holds (and returns 0 on a fresh start)")
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(f"fusedist.checkpoint.Checkpointer.save: extra must be a dict, got {type(extra).__name__}")
-        step = self._check_step(step, "save")
+        step = step_count(step, "save")
         t0 = time.perf_counter()
         try:
             self._wait_previous()
             self._coord.settle()  # Note [a save given up on] in _writer.py
         except CheckpointError as exc:
             raise _not_saved(exc, step) from exc
+        # Once the save before is known to have completed or failed: only a completed one counts.
+        step = self._check_step(step, "save")
         t1 = time.perf_counter()
         for module, optimizer in self._parts():
             api._check_ranks_agree(module, optimizer)
@@ -148,12 +162,19 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         record = {"step": step, "wait_s": t1 - t0, "stall_s": t2 - t0, "bytes": self._staging.bytes,
                   "async": self.async_save}
         self.stats.append(record)
-        self.last_saved_step = step
+        self._in_flight, self._flight_id = step, None
         if self.async_save:
             self._writer.submit(lambda: self._persist(step, snapshot, record))
-        else:
+            return
+        try:
             self._persist(step, snapshot, record)
-            record["stall_s"] = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - raised with what it left, as an asynchronous save's
+            self._ended(exc)
+        except BaseException:
+            self._in_flight = self._flight_id = None  # not known to have completed
+            raise
+        self._ended(None)
+        record["stall_s"] = time.perf_counter() - t0
 
     def _parts(self) -> list:
         """``(module, optimizer)`` of each registered model part (one unless ``pipeline=True``)."""
@@ -166,23 +187,39 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         try:
             self._writer.wait()
         except Exception as exc:  # noqa: BLE001 - e.g. a peer died during the exchange
-            if isinstance(exc, CheckpointError) and getattr(exc, "silent_ranks", None) is None:
-                raise  # (the save's own error, which names it; a silent peer's does not)
-            step = self.last_saved_step
-            where = layout.entry(self.directory, step)
-            if where is not None and where.complete:
-                # A peer stopped after the manifest was written (in the exchanges that follow it):
-                # the checkpoint is whole, and saying it was skipped would send users to an older one.
-                outcome = ("its checkpoint was written completely and loads; the failure came after its manifest, "
-                           "so checkpoints older than it may not have been pruned")
-            elif where is None:  # removed by rank 0 (Note [a failed save leaves nothing] in _failed_save.py)
-                outcome = "the incomplete checkpoint is removed; earlier ones are unaffected"
-            else:
-                outcome = "the checkpoint is incomplete and will be skipped; earlier ones are unaffected"
-            raise CheckpointError(
-                f"fusedist.checkpoint.Checkpointer: rank {self.rank}: the asynchronous save of step {step} to "
-                f"{layout.step_dir(self.directory, step)} failed: {type(exc).__name__}: {exc} ({outcome})"
-            ) from exc
+            self._ended(exc)
+        except BaseException:
+            self._in_flight = self._flight_id = None  # not known to have completed
+            raise
+        self._ended(None)
+
+    def _ended(self, error: Optional[BaseException]) -> None:
+        """Account for the save in flight, which ended with ``error`` (None: it completed), and
+        raise the error in words that say what it left. Only a save whose own manifest is in
+        place counts as saved (``last_saved_step``): one that failed leaves the step check where
+        the last completed save put it."""
+        step, save_id = self._in_flight, self._flight_id
+        self._in_flight = self._flight_id = None
+        if step is None:
+            return
+        if error is None:
+            self.last_saved_step = step
+            return
+        try:
+            written, outcome = _outcome(self.directory, step, save_id)
+        except Exception as exc:  # noqa: BLE001 - the save's error must come out, not this one
+            written, outcome = False, f"what it left could not be read: {type(exc).__name__}: {exc}"
+        if written:
+            self.last_saved_step = step
+        if isinstance(error, CheckpointError) and getattr(error, "silent_ranks", None) is None:
+            if written:  # given up on after its manifest (a peer's retention hung): it is whole all the same
+                raise CheckpointError(f"{error} ({outcome})") from error
+            raise error  # (the save's own error, agreed by every rank, which says what it left)
+        raise CheckpointError(
+            f"fusedist.checkpoint.Checkpointer: rank {self.rank}: the "
+            f"{'asynchronous ' if self.async_save else ''}save of step {step} to "
+            f"{layout.step_dir(self.directory, step)} failed: {type(error).__name__}: {error} ({outcome})"
+        ) from error
 
     def wait(self) -> None:
         """Block until the save in flight is complete on every rank; raise its error."""
@@ -216,6 +253,39 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
             self.close()
         except Exception as err:  # noqa: BLE001
             warnings.warn(str(err), stacklevel=2)
+
+
+def _outcome(directory: str, step: int, save_id: Optional[str]) -> tuple[bool, str]:
+    """Whether a save of ``step`` that failed on its way (a peer lost) wrote its manifest, and what
+    it left, in words. ``save_id``: the names its files took (Note [saving a step again] in
+    ``_replace.py``; '' for a directory it made itself), None where its ranks never agreed on
+    them -- it wrote nothing. A complete ``step-N`` may be the one it was to replace: that one is
+    kept and loads, but this save's state is not in it."""
+    where = layout.entry(directory, step)
+    if where is not None and where.complete and save_id is not None and _lists_files_of(where.path, save_id):
+        # A peer stopped after the manifest was written (in the exchanges that follow it):
+        # the checkpoint is whole, and saying it was skipped would send users to an older one.
+        return True, ("its checkpoint was written completely and loads; the failure came after its manifest, "
+                      "so checkpoints older than it may not have been pruned")
+    if where is not None and where.complete:
+        return False, (f"this save's state was not written: {where.path} still holds the complete checkpoint of "
+                       f"step {step} saved before, which loads; earlier ones are unaffected")
+    if where is None:  # removed by rank 0 (Note [a failed save leaves nothing] in _failed_save.py)
+        return False, "the incomplete checkpoint is removed; earlier ones are unaffected"
+    return False, "the checkpoint is incomplete and will be skipped; earlier ones are unaffected"
+
+
+def _lists_files_of(path: str, save_id: str) -> bool:
+    """Whether the manifest in ``path`` lists the files of the save ``save_id`` ('' for the save
+    that made ``path``: its files keep their plain names, and no other save wrote a manifest
+    there)."""
+    if not save_id:
+        return True
+    try:
+        files = _files.read_manifest(path)["files"]
+    except CheckpointError:
+        return False
+    return any(str(info.get("file", "")).endswith(f".{save_id}.pt") for info in files.values())
 
 
 def _not_saved(error: CheckpointError, step: int) -> CheckpointError:

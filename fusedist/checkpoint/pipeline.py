@@ -46,7 +46,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _from_dcp, _given_up, _load_plan, _names, _sections, api, stage3
+from . import _checks, _dcp_algorithm, _files, _from_dcp, _given_up, _load_plan, _names, _sections, api, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -383,6 +383,7 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool
             params = optimizer_params(optimizer)
             plan["params"] = param_names(module, params)
             full = _from_dcp.to_torch_format(optim, plan["params"], optimizer.param_groups, source, others=True)
+            _dcp_algorithm.check(full["param_groups"], optimizer, directory)
             plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
                                                          optimizer, params, source)
         if optim is not None:  # (what a strict load takes when a rank passes an optimizer: check_taken)

@@ -1,0 +1,86 @@
+"""The algorithm of an optimizer state read from torch's distributed checkpoint, told by its settings.
+
+Note [the algorithm of a torch distributed checkpoint's optimizer]
+    A fusedist checkpoint records the class and algorithm of the optimizer that saved it, and
+    ``load`` refuses another algorithm's state (``_checks.check_algorithm``). A torch DCP
+    checkpoint records neither: AdamW's state loaded into SGD was taken silently, as torch's
+    ``load_state_dict`` takes it -- SGD's param groups then held ``betas``, ``eps`` and
+    ``amsgrad`` and its state ``exp_avg``, and its next step failed or ran with settings it was
+    never given. What the checkpoint does record is each param group's settings. So its
+    hyperparameters are compared with the optimizer's: a setting of some optimizer's algorithm
+    (a key of a torch or fusedist optimizer's ``defaults``) that this optimizer does not have
+    means another algorithm's state, and is refused naming the settings. Keys no optimizer
+    defines (an LR scheduler's ``initial_lr``, a user's group name) and the ones that only say
+    how a step runs (``foreach``, ``fused``, ...) are left out, as are settings the optimizer
+    has and the checkpoint lacks (an older torch saved fewer). ``decoupled_weight_decay`` is a
+    setting of one class but two algorithms (Adam and AdamW), and is compared by value.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import torch
+
+from ._files import CheckpointError
+
+# How a step runs, not what it computes: states load across them (torch's loaders keep the saved ones).
+_HOW_IT_RUNS = frozenset({"params", "foreach", "fused", "capturable", "differentiable", "maximize"})
+
+
+@functools.lru_cache(maxsize=None)
+def _known_settings() -> frozenset:
+    """Every hyperparameter of torch's and fusedist's optimizers (the keys of their ``defaults``),
+    read once from an instance of each over one parameter."""
+    from .. import optim as fused
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    classes = [getattr(torch.optim, n) for n in dir(torch.optim)]
+    classes += [getattr(fused, n) for n in dir(fused) if n.startswith("Fused")]
+    known = set()
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                known.update(cls([param]).defaults)
+        except Exception:  # noqa: BLE001 - one that needs more arguments adds nothing
+            continue
+    return frozenset(known - _HOW_IT_RUNS)
+
+
+def _settings_of(optimizer) -> tuple[set, list]:
+    """The settings ``optimizer``'s algorithm has (its defaults and its groups' keys) and its groups."""
+    groups = optimizer.param_groups
+    own = set(getattr(optimizer, "defaults", {}) or {})
+    for group in groups:
+        own.update(group)
+    return own, groups
+
+
+def check(saved_groups: list, optimizer, directory: str) -> None:
+    """Refuse a torch DCP checkpoint's optimizer state whose param groups hold another algorithm's
+    settings (Note [the algorithm of a torch distributed checkpoint's optimizer])."""
+    own, groups = _settings_of(optimizer)
+    known = _known_settings()
+    foreign = sorted({k for g in saved_groups for k in g if k in known and k not in own})
+    problem: Optional[str] = None
+    if foreign:
+        problem = f"its param groups hold settings {foreign}, which {type(optimizer).__name__} does not have"
+    else:
+        for i, (saved, group) in enumerate(zip(saved_groups, groups)):
+            key = "decoupled_weight_decay"
+            if key in saved and key in group and bool(saved[key]) != bool(group[key]):
+                problem = (f"param group {i} was saved with {key}={saved[key]!r} ("
+                           f"{'AdamW' if saved[key] else 'Adam'}'s weight decay), the optimizer here has "
+                           f"{key}={group[key]!r}")
+                break
+    if problem is not None:
+        raise CheckpointError(
+            f"fusedist.checkpoint: the optimizer state in {directory} (torch's distributed checkpoint) is another "
+            f"algorithm's than {type(optimizer).__name__}'s: {problem}; its state and hyperparameters would be read "
+            "as this algorithm's. Load it into the optimizer that saved it, or load the model alone "
+            "(optimizer=None) to start a new optimizer from it")

@@ -115,7 +115,49 @@ def _aborted_forward(rank, ws, seed):
         assert ours.memory_stats()["gathered_bytes"] == 0, f"{what}: {ours.memory_stats()}"
         assert len(_aborted_warnings(caught)) == (0 if reset else 1), f"{what}: {_aborted_warnings(caught)}"
         ours.check_consistency()
+    _aborted_standalone_call(mesh, seed, rank)
     return True
+
+
+def _aborted_standalone_call(mesh, seed, rank) -> None:
+    """A block called on its own, outside the root's forward, raises inside its forward: the
+    unit's gathered parameters are freed at once (FSDP2 keeps them gathered until the block's
+    next call: a difference on purpose), its next calls and the next training steps match
+    FSDP2's and reshard as ``reshard_after_forward`` says (before, the block counted as still
+    running its forward: it stayed gathered through every later call until a root forward ended,
+    and ``reshard()`` did nothing)."""
+    from torch.distributed.tensor import DTensor
+
+    from fusedist.fsdp.state import state_of
+
+    what = f"seed {seed}, a block's own call raised"
+    ref, ours = _pair(mesh, wrap_embed=True)
+    armed: dict = {}
+    for model in (ref, ours):
+        _arm_forward(model, armed)
+    opts = _adamw(ref, ours)
+    _step(ref, ours, opts, _ids(seed, rank, 6), what + ", the step before")
+    unit = state_of(ours.blocks[1]).unit
+    x = ours.embed(_ids(seed, rank, 7)[0]).detach()
+    armed["on"] = True
+    for model in (ref, ours):
+        with pytest.raises(UserError):
+            model.blocks[1](x)
+    armed["on"] = False
+    assert not isinstance(ref.blocks[1].fc2.weight, DTensor), "FSDP2 now frees an aborted call's gathers"
+    assert not unit.is_unsharded and ours.memory_stats()["gathered_bytes"] == 0, f"{what}: {ours.memory_stats()}"
+    for grad in (False, True):  # the next own calls, evaluation then training: FSDP2's outputs, resharded after
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(ours.blocks[1](x), ref.blocks[1](x), **EXACT, msg=lambda m: f"{what}: {m}")
+        assert not unit.is_unsharded, f"{what}: the block's next call ({grad=}) left it gathered"
+    for model in (ref, ours):
+        model.zero_grad(set_to_none=True)
+    # the next root forward reshards the block after its forward, not at the forward's end
+    seen = []
+    ours.norm.register_forward_pre_hook(lambda *_: seen.append(unit.is_unsharded))
+    _step(ref, ours, opts, _ids(seed, rank, 8), what + ", the step after")
+    assert seen == [False], f"{what}: the block stayed gathered through the root's forward"
+    assert ours.memory_stats()["gathered_bytes"] == 0, f"{what}: {ours.memory_stats()}"
 
 
 def test_step_after_forward_that_raised_matches_fsdp2():
@@ -124,7 +166,8 @@ def test_step_after_forward_that_raised_matches_fsdp2():
     the following steps give FSDP2's gradients and parameters, the step watch counts every
     forward that began (the next one is not taken for a continuation of the aborted one), no
     unit stays gathered, and a registered forward method that calls forward inside is not
-    taken for an aborted forward."""
+    taken for an aborted forward. Then a block's own call (not through the root) that raises:
+    its gathers are freed at once and what follows matches FSDP2."""
     seed = _seed()
     assert run_distributed(_aborted_forward, 2, seed) == [True, True], f"seed {seed}"
 

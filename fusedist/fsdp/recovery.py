@@ -37,6 +37,18 @@ Note [aborted forward]
     running (``is_running``), so a step in between reshards what the aborted forward left
     gathered (Note [gathered copies and the optimizer step]).
 
+Note [aborted standalone call]
+    A unit called on its own, outside the root's forward (an encoder run alone, a layer probed
+    in evaluation), whose forward raises never runs its post-hook either: it stayed gathered,
+    and counted as still running its forward, so its next calls never resharded after forward
+    and ``reshard()`` took itself for a call from inside that forward and did nothing -- the
+    memory came back only at the end of the next root forward. FSDP2 leaves it gathered until
+    the unit's next call. No root forward is there to recover it, so a hook that runs after
+    every call (``always_call``) unwinds such a call at once: the call ends and the unit
+    reshards, whatever ``reshard_after_forward`` says (no backward will read what it gathered),
+    as the recovery of an aborted root forward reshards every unit. Inside a running root
+    forward the call is left to Note [aborted forward], which has the iteration to reset.
+
 Note [reset during forward or backward]
     ``reset_iter_state()`` is for after an exception, between iterations. Called while the
     root's forward runs (from a hook or a submodule) it resharded every unit under the running
@@ -134,6 +146,20 @@ def recover_aborted_backward(ctx, module) -> None:
         "reset_iter_state() does. Call model.reset_iter_state() on the root after such an exception, and "
         "zero_grad(), to make this explicit.", RuntimeWarning, stacklevel=4)
     ctx.reset_iteration()
+
+
+def unwind_aborted_call(state) -> None:
+    """A call of ``state``'s unit ended by an exception before its post-hook ran: outside the
+    root's forward, end it and reshard (Note [aborted standalone call])."""
+    ctx = state.ctx
+    if ctx is None or state._in_backward or ctx.backward_running or (ctx.in_forward and forward_is_live(ctx)):
+        return  # not begun (the first forward's checks raised), a recompute, or inside the root's forward
+    state._group_pending.clear()
+    state._call_opened = []
+    state._depth = max(state._depth - 1, 0)
+    state.forward_running = state._depth > 0
+    if not state._depth and state.unit is not None:
+        state.unit.reshard()
 
 
 def refuse_reset_while_running(ctx, module) -> None:

@@ -32,7 +32,8 @@ Note [unit schedule]
               in flight are waited for, every unit reshards, and the iteration's gradients and
               bookkeeping are dropped (``IterationContext.reset_iteration`` in iteration.py);
               without it, the next forward does the same (Notes [aborted forward] and [aborted
-              backward] in ``recovery.py``).
+              backward] in ``recovery.py``). A unit's own call outside the root's forward that
+              raises reshards at once (Note [aborted standalone call] there).
 
     Every rank must run the same units in the same order (the collectives pair up by order);
     the first forward of a root checks that the ranks wrapped the model alike (wrapping_check.py).
@@ -182,7 +183,7 @@ from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
 from .iteration import IterationContext
 from .owners import register_pieces
-from .wrapping_check import check_wrapping
+from .wrapping_check import check_one_mesh, check_wrapping
 
 # a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
 # strong value would keep both alive for good
@@ -267,6 +268,7 @@ class FullyShardState:
         self.forward_running = False  # between this module's pre- and post-forward (FSDP2's FORWARD state)
         # its calls running, nested ones included (Note [a unit called inside its own call] in functions.py)
         self._depth = 0
+        self._call_closed = False  # the post-forward of the call ending now ran (Note [aborted standalone call])
         if unit is not None:
             unit.on_grad = self._on_grad
             unit.busy = self._busy
@@ -275,6 +277,7 @@ class FullyShardState:
             _STATES[module] = weakref.ref(self)
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
+            module.register_forward_hook(self._after_call, always_call=True)  # Note [aborted standalone call]
 
     def _busy(self) -> bool:
         """Whether a forward or backward under this module's root is running (one an exception
@@ -325,7 +328,7 @@ class FullyShardState:
             for st in states:
                 if st.unit is not None:
                     st.unit.path = st.path_in(names)
-            _check_one_mesh(units)
+            check_one_mesh(units)
             # (the root's path is "": named '<root>' by the check's messages)
             paths = [(st.path_in(names), st.unit) for st in states if st.unit is not None]
             signature = check_wrapping([("?" if path is None else path, unit) for path, unit in paths])
@@ -410,6 +413,18 @@ class FullyShardState:
 
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _post_forward(self, module, args, output):
+        output = self._end_call(module, output)
+        self._call_closed = True
+        return output
+
+    @torch.compiler.disable  # Note [hooks outside compiled graphs]
+    def _after_call(self, module, args, output):
+        """After every call, one an exception ended too (``always_call``)."""
+        closed, self._call_closed = self._call_closed, False
+        if not closed:
+            recovery.unwind_aborted_call(self)
+
+    def _end_call(self, module, output):
         ctx, unit = self.ctx, self.unit
         if self._in_backward or ctx.backward_running:
             return _cast(self.mp_policy.output_dtype, output)
@@ -576,21 +591,3 @@ class FullyShardState:
         self._calls_started.clear()
         if self.unit is not None and self.unit.reshard_after_backward:
             self.unit.reshard()
-
-
-def _check_one_mesh(units: list) -> None:
-    """Refuse units of one root sharded over different meshes or process groups (FSDP2 runs
-    them: experts on a mesh of their own), naming the first two that differ; before, the
-    message named neither the units nor their groups."""
-    first = units[0]
-    other = next((u for u in units if (u.comm, u.replicate_comm) != (first.comm, first.replicate_comm)), None)
-    if other is None:
-        return
-
-    def described(u) -> str:
-        replicas = f" x {u.replicate_comm.world_size} replicas" if u.replicate_comm is not None else ""
-        return f"'{u.path or '<root>'}' ({u.comm.world_size} shards{replicas}, communicator #{u.comm.uid})"
-
-    raise ValueError(f"fusedist.fully_shard: the units under one root must share one mesh / process group: "
-                     f"{described(first)} and {described(other)} differ. Shard every module of the model over "
-                     "the same mesh (units on meshes of their own, as for experts, are not supported)")

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._consistency import check_same_across_ranks
 
-__all__ = ["check_wrapping"]
+__all__ = ["check_one_mesh", "check_wrapping"]
 
 
 def check_wrapping(named_units: list) -> list:
@@ -84,3 +84,21 @@ def _describe_unit(entry: Any) -> str:
     shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
     more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
     return f"unit '{name or '<root>'}' [{shown}{more}] reshard_after_forward={reshard}"
+
+
+def check_one_mesh(units: list) -> None:
+    """Refuse units of one root sharded over different meshes or process groups (FSDP2 runs
+    them: experts on a mesh of their own), naming the first two that differ; before, the
+    message named neither the units nor their groups."""
+    first = units[0]
+    other = next((u for u in units if (u.comm, u.replicate_comm) != (first.comm, first.replicate_comm)), None)
+    if other is None:
+        return
+
+    def described(u) -> str:
+        replicas = f" x {u.replicate_comm.world_size} replicas" if u.replicate_comm is not None else ""
+        return f"'{u.path or '<root>'}' ({u.comm.world_size} shards{replicas}, communicator #{u.comm.uid})"
+
+    raise ValueError(f"fusedist.fully_shard: the units under one root must share one mesh / process group: "
+                     f"{described(first)} and {described(other)} differ. Shard every module of the model over "
+                     "the same mesh (units on meshes of their own, as for experts, are not supported)")

@@ -3,19 +3,72 @@ of either, and the losses of a few plain training steps."""
 
 from __future__ import annotations
 
-__all__ = ["full_state", "square_loss_steps"]
+__all__ = ["full_state", "settled", "square_loss_steps", "unsettled"]
 
 
 def full_state(model, ours: bool) -> dict:
     """``model``'s state dict with every parameter whole: ``fusedist.fsdp.full_state_dict`` for a
-    fusedist model (``ours``), torch's full ``get_model_state_dict`` for an FSDP2 one."""
+    fusedist model (``ours``), torch's FSDP2 state gathered entry by entry for an FSDP2 one.
+
+    torch's ``get_model_state_dict(full_state_dict=True)`` waits only a gathered result that is an
+    ``AsyncCollectiveTensor`` itself: a tensor-subclass weight whose subclass gathers its inner
+    tensors (torchao's NF4) comes back holding those gathers unwaited, several gloo all-gathers in
+    flight while torch starts the next entry's, a window in which gloo's worker thread has been
+    seen to corrupt the heap (about once in 500 runs). Here the names are torch's own (its sharded
+    ``get_model_state_dict``, which gathers nothing) and each entry is gathered, and every subclass
+    weight settled, before the next starts."""
     if ours:
         from ..fsdp import full_state_dict
 
         return full_state_dict(model)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: _whole(value) for name, value in get_model_state_dict(model).items()}
+
+
+def _whole(value):
+    """One entry of a sharded state dict, gathered on its mesh and waited, inner tensors included."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(value, DTensor):
+        if value.device.type != value.device_mesh.device_type:  # (host-offloaded pieces: as torch's gather)
+            value = value.to(value.device_mesh.device_type)
+        value = value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)).to_local()
+    return settled(value)
+
+
+def settled(value):
+    """``value`` with every pending collective under it waited: an ``AsyncCollectiveTensor`` is
+    waited, a wrapper subclass is rebuilt from its settled inner tensors (recursively)."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(value, AsyncCollectiveTensor):
+        return settled(value.wait())
+    if not isinstance(value, torch.Tensor) or not hasattr(value, "__tensor_flatten__"):
+        return value
+    names, ctx = value.__tensor_flatten__()
+    inner = {n: getattr(value, n) for n in names}
+    waited = {n: settled(t) for n, t in inner.items()}
+    if all(waited[n] is inner[n] for n in names):
+        return value
+    return type(value).__tensor_unflatten__(waited, ctx, value.size(), value.stride())
+
+
+def unsettled(state: dict) -> list:
+    """The names of ``state``'s entries that still hold an unwaited collective, at any depth of a
+    tensor subclass: what a comparison must not hand back (see ``full_state``)."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def pending(t) -> bool:
+        if isinstance(t, AsyncCollectiveTensor):
+            return True
+        if not isinstance(t, torch.Tensor) or not hasattr(t, "__tensor_flatten__"):
+            return False
+        return any(pending(getattr(t, n)) for n in t.__tensor_flatten__()[0])
+
+    return [name for name, value in state.items() if pending(value)]
 
 
 def square_loss_steps(model, optimizer, batches) -> list:

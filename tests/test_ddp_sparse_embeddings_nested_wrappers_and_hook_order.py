@@ -1,8 +1,9 @@
 """fusedist.DistributedDataParallel against torch's DDP where a model uses sparse gradients
-(Note [sparse gradients] in fusedist/ddp/sparse.py), where the user's gradient hooks change after
-wrapping or step an optimizer inside backward (Note [the user's gradient hooks first] in
-fusedist/ddp/grad_hook.py), and where a wrapper is nested inside another (Note [a module wrapped
-again] in fusedist/ddp/wrapper.py). 2 gloo ranks.
+(Note [sparse gradients] in fusedist/ddp/sparse.py; a complex weight's, against torch's DDP on
+its real twin: torch's DDP cannot reduce a complex sparse gradient on gloo), where the user's
+gradient hooks change after wrapping or step an optimizer inside backward (Note [the user's
+gradient hooks first] in fusedist/ddp/grad_hook.py), and where a wrapper is nested inside another
+(Note [a module wrapped again] in fusedist/ddp/wrapper.py). 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -56,13 +57,53 @@ def _train_sparse(wrap, rank, dense: bool = True, freeze: bool = False):
     return grads, [p.detach().clone() for p in net.parameters()]
 
 
+class _GatherRows(nn.Embedding):
+    """Rows of a complex weight by ``torch.gather(sparse_grad=True)`` (``F.embedding`` has no
+    complex backward), or of its real twin (the real pairs side by side) viewed as complex."""
+
+    def forward(self, ids):
+        rows = torch.gather(self.weight, 0, ids[:, None].expand(-1, self.weight.shape[1]), sparse_grad=True)
+        return rows if rows.is_complex() else torch.view_as_complex(rows.view(len(ids), rows.shape[1] // 2, 2))
+
+
+def _train_complex_sparse(wrap, rank, complex_weight: bool):
+    """Three SGD steps of a complex weight with sparse gradients, or of its real twin (torch's DDP
+    cannot all-reduce a complex sparse gradient on gloo: "Invalid scalar type"); the second step
+    accumulates a no_sync backward, and rank 1 has no rows in the third. Gradients and weights as
+    real pairs."""
+    torch.manual_seed(0)
+    start = torch.randn(20, 3, dtype=torch.complex64)
+    weight = start if complex_weight else torch.view_as_real(start).view(20, 6)
+    net = _GatherRows(20, weight.shape[1], sparse=True, _weight=weight)
+    model = wrap(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    grads = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 20, (0 if step == 2 and rank == 1 else 5,), generator=gen)
+        if step == 1:
+            with model.no_sync():
+                model(ids * 0 + 7).abs().pow(2).sum().backward()
+        model(ids).abs().pow(2).sum().backward()
+        grads.append([_real_pairs(_dense(net.weight.grad))])
+        opt.step()
+        opt.zero_grad()
+    return grads, [_real_pairs(net.weight.detach())]
+
+
+def _real_pairs(t):
+    return torch.view_as_real(t).reshape(len(t), -1) if t is not None and t.is_complex() else t
+
+
 def _sparse_worker(rank, world_size):
     out = {"torch": _train_sparse(torch.nn.parallel.DistributedDataParallel, rank),
            "fusedist": _train_sparse(fusedist.DistributedDataParallel, rank),
            "torch, sparse only": _train_sparse(torch.nn.parallel.DistributedDataParallel, rank, dense=False),
            "fusedist, sparse only": _train_sparse(fusedist.DistributedDataParallel, rank, dense=False),
            "torch, frozen": _train_sparse(torch.nn.parallel.DistributedDataParallel, rank, freeze=True),
-           "fusedist, frozen": _train_sparse(fusedist.DistributedDataParallel, rank, freeze=True)}
+           "fusedist, frozen": _train_sparse(fusedist.DistributedDataParallel, rank, freeze=True),
+           "torch, real twin": _train_complex_sparse(torch.nn.parallel.DistributedDataParallel, rank, False),
+           "fusedist, complex": _train_complex_sparse(fusedist.DistributedDataParallel, rank, True)}
     model = fusedist.DistributedDataParallel(_SparseNet())
     out["join"] = models.error_text(lambda: model.join().__enter__(), RuntimeError)
     return out
@@ -79,6 +120,7 @@ def test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does():
         models.assert_same_steps(out["torch"], out["fusedist"])
         models.assert_same_steps(out["torch, sparse only"], out["fusedist, sparse only"])
         models.assert_same_steps(out["torch, frozen"], out["fusedist, frozen"])
+        models.assert_same_steps(out["torch, real twin"], out["fusedist, complex"])
         text = out["join"]
         assert text is not None and f"rank {rank}" in text and "'emb.weight'" in text, text
 

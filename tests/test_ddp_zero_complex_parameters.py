@@ -3,7 +3,8 @@
 torch's DDP keeps a complex parameter's gradient in a complex bucket and all-reduces it as its real
 pairs (``view_as_real``); an average divides both parts. fusedist's buckets do the same (the
 communicators carry a complex tensor as its real pairs), and ZeRO's shards are ranges of those
-buckets, stepped as the fused and torch optimizers step complex parameters (on the real view).
+buckets, stepped as the fused and torch optimizers step complex parameters (on the real view);
+ZeRO-Offload's host Adam steps complex64 shards as their real pairs too (complex128 is refused).
 
 Tolerances: at world size 2 a reduction is one addition and a division by 2 (exact), so the
 averaged gradients are bit-identical to torch's; what may differ is the optimizer's rounding
@@ -257,15 +258,17 @@ def _zero_worker(rank, world):
 
         want = _train(ref, ref_opt, data, False, clipper(torch.nn.utils.clip_grad_norm_))
         want_state = ref_opt.state_dict()["state"]
+        # ZeRO-Offload steps complex64 shards on the host as their real pairs (complex128: refused)
+        offloaded = [(1, FusedAdamW, "offload"), (2, torch.optim.AdamW, "offload")] if cdtype == torch.complex64 else []
         for stage, inner, wrap in [(1, FusedAdamW, "fusedist"), (1, torch.optim.AdamW, "fusedist"),
                                    (2, FusedAdamW, "fusedist"), (2, torch.optim.AdamW, "fusedist"),
-                                   (1, FusedAdamW, "torch")]:
-            ddp_class = (fusedist.DistributedDataParallel if wrap == "fusedist"
-                         else torch.nn.parallel.DistributedDataParallel)
+                                   (1, FusedAdamW, "torch")] + offloaded:
+            ddp_class = (torch.nn.parallel.DistributedDataParallel if wrap == "torch"
+                         else fusedist.DistributedDataParallel)
             ddp = ddp_class(copy.deepcopy(model), bucket_cap_mb=1e-4)
             zero = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), inner, stage=stage, lr=0.05,
-                                                    weight_decay=0.1)
-            if wrap == "fusedist":
+                                                    weight_decay=0.1, offload="cpu" if wrap == "offload" else None)
+            if wrap != "torch":
                 _nccl_dtypes_only(ddp)
             got = _train(ddp, zero, data, False, clipper(fusedist.clip_grad_norm_))
             zero.consolidate_state_dict(0)
@@ -274,19 +277,21 @@ def _zero_worker(rank, world):
             assert all(a.dtype == b.dtype for a, b in pairs)  # complex moments for complex parameters
             out[f"{cdtype}-stage{stage}-{inner.__name__}-{wrap}"] = max(
                 _ratio(got[0], want[0]), _ratio(got[1], want[1]), _ratio(*zip(*pairs)))
-    # torch's AdamW state (complex moments) loaded into ZeRO-2, both going on from there; a cast
-    # of a complex state to real anywhere on the way is an error
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="Casting complex values to real")
-        torch.manual_seed(4)
-        ref = torch.nn.parallel.DistributedDataParallel(MixedNet(torch.complex64))
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
-        _train(ref, ref_opt, data[:1], False)
-        ddp = fusedist.DistributedDataParallel(copy.deepcopy(ref.module))
-        zero = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, lr=0.05)
-        zero.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
-        want, got = _train(ref, ref_opt, data[1:], False), _train(ddp, zero, data[1:], False)
-        out["loaded"] = max(_ratio(got[0], want[0]), _ratio(got[1], want[1]))
+    # torch's AdamW state (complex moments) loaded into ZeRO-2 (its host masters and moments with
+    # offload), both going on from there; a cast of a complex state to real anywhere on the way is an error
+    for offload in (None, "cpu"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="Casting complex values to real")
+            torch.manual_seed(4)
+            ref = torch.nn.parallel.DistributedDataParallel(MixedNet(torch.complex64))
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+            _train(ref, ref_opt, data[:1], False)
+            ddp = fusedist.DistributedDataParallel(copy.deepcopy(ref.module))
+            zero = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, lr=0.05,
+                                                    offload=offload)
+            zero.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+            want, got = _train(ref, ref_opt, data[1:], False), _train(ddp, zero, data[1:], False)
+            out[f"loaded, offload {offload}"] = max(_ratio(got[0], want[0]), _ratio(got[1], want[1]))
     # a bf16 reduce-scatter of a complex bucket (its real pairs) against DDP's bf16 all-reduce
     torch.manual_seed(2)
     model = MixedNet(torch.complex64)
@@ -315,13 +320,14 @@ def _checks_worker(rank, world):
     model = MixedNet(torch.complex64)
     gen = torch.Generator().manual_seed(50 + rank)
     x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)
-    # ZeRO-Offload's host Adam keeps real FP32 buffers: refused, naming the parameter and the way out
-    ddp = fusedist.DistributedDataParallel(copy.deepcopy(model))
+    # ZeRO-Offload's host Adam has FP32 masters only: complex128 refused, naming the parameter and the way out
+    wide = fusedist.DistributedDataParallel(MixedNet(torch.complex128, rdtype=torch.float32))
     try:
-        fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, offload="cpu", lr=0.1)
+        fusedist.ZeroRedundancyOptimizer(wide.parameters(), torch.optim.AdamW, offload="cpu", lr=0.1)
         out["offload"] = "accepted"
     except TypeError as e:
         out["offload"] = str(e)
+    ddp = fusedist.DistributedDataParallel(copy.deepcopy(model))
     # The parameter digest sees a change of an imaginary part on one rank only.
     _loss(ddp, x, y).backward()
     ddp.check_consistency()
@@ -345,6 +351,20 @@ def _checks_worker(rank, world):
                else fusedist.DistributedDataParallel(copy.deepcopy(model), reduce_dtype=reduce_dtype))
         want = _grads_after_backward(ref, x, y)
         out[key] = max((a - b).abs().max().item() for a, b in zip(got, want))
+    # Complex parameters thawed after ZeRO-Offload's first steps join its host shards (grown in
+    # complex64); the reference is torch's AdamW on the same DDP model (whose thawed gradients are
+    # checked against torch's DDP above).
+    runs = []
+    for offload in (False, True):
+        thawing = copy.deepcopy(model)
+        thawing.w.requires_grad_(False)
+        ddp = fusedist.DistributedDataParallel(thawing)
+        opt = (fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, offload="cpu", lr=0.05)
+               if offload else torch.optim.AdamW(ddp.parameters(), lr=0.05))
+        _train(ddp, opt, [(x, y)], False)
+        thawing.w.requires_grad_(True)
+        runs.append(_train(ddp, opt, [(x * 2, y), (x, y)], False))
+    out["offload thawed"] = _ratio(runs[1][0] + runs[1][1], runs[0][0] + runs[0][1])
     # Complex parameters joining a ZeRO optimizer by add_param_group (under torch's DDP).
     runs = []
     for sharded in (False, True):
@@ -360,9 +380,10 @@ def _checks_worker(rank, world):
 
 def test_complex_refusals_digest_and_thawed_parameters():
     for out in run_distributed(_checks_worker, 2, timeout=120):
-        assert "parameter 0 has dtype torch.complex64" in out["offload"], out  # phase
+        assert "parameter 0 has dtype torch.complex128" in out["offload"], out  # phase
         assert "offload=None" in out["offload"], out
         assert "'phase'" in out["digest"], out
         # world size 2: exact (one addition, an exact halving), in bf16 too
         assert out["thawed"] == 0.0 and out["thawed_bf16"] == 0.0, out
         assert out["joined"] <= 1.0, out  # in units of each dtype's tolerance
+        assert out["offload thawed"] <= 1.0, out

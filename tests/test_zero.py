@@ -540,11 +540,16 @@ def _misuse_worker(rank, world_size):
         fusedist.ZeroRedundancyOptimizer(list(model.parameters())[:2], torch.optim.AdamW)
     except ValueError as exc:
         errors["subset"] = str(exc)
+    # A second stage-2 optimizer takes the model over; the first refuses to step.
     opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+    newer = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+    x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+    nn.functional.mse_loss(model(x), y).backward()
     try:
-        fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
-    except ValueError as exc:
+        opt.step()
+    except RuntimeError as exc:
         errors["two stage-2 optimizers"] = str(exc)
+    del newer
 
     # torch's GradScaler on stage 2 (no p.grad to unscale or check): a clear error at step().
     torch_scaled = fusedist.DistributedDataParallel(models.MLP())
@@ -628,7 +633,7 @@ def test_misuse_is_reported(zero_run):
         errors = r["misuse"]
         assert "DistributedDataParallel" in errors["stage2 without DDP"]
         assert "missing" in errors["subset"] and "layers." in errors["subset"]
-        assert "already synchronized by ZeRO stage 2's reduce-scatter" in errors["two stage-2 optimizers"]
+        assert "a newer stage-2 optimizer was built for the same DDP model" in errors["two stage-2 optimizers"]
         assert "cannot be stepped by torch.amp.GradScaler" in errors["torch scaler"]
         for stage in (1, 2):
             for overlap in (False, True):

@@ -18,7 +18,10 @@ seed is in every assertion message).
   aborted the process, or the ranks silently stepped each other's elements), a parameter
   given twice, a partial of a non-elementwise optimizer, and torch's ``Join`` over torch's
   DDP (torch's own message was "Using join context manager with multiple process groups");
-  and, without a DDP model, a step on a rank with no gradients while another has some.
+  and, without a DDP model, a step on a rank with no gradients while another has some. The same
+  spawn builds an optimizer again for the same model (stage 1 and 2, against torch's AdamW
+  rebuilt alike): the model kept every optimizer built for it alive, with the hooks of its
+  overlapped gathers, and a second stage-2 optimizer was refused.
 
 Tolerance: fp32 throughout, 1e-5 absolute on parameters of magnitude ~0.5 after at most 8
 steps. The two sides compute the same updates; they differ in the order gradients are summed
@@ -32,6 +35,7 @@ import functools
 import io
 import random
 
+import pytest
 import torch
 from torch import nn
 
@@ -356,10 +360,101 @@ def _refusal_worker(rank, ws, seed):
     return out
 
 
-def test_refusals_name_the_parameter_and_ranks():
+def _built_again(rank, ws, seed):
+    """An optimizer built again for the same model (``opt = make_optimizer(model)`` to start from
+    a fresh state), twice in four steps, against torch's AdamW rebuilt alike under torch's DDP;
+    whether the replaced optimizers were freed; a replaced stage-2 optimizer's step, and a stage-2
+    optimizer built while the one before holds gradients it has not stepped."""
+    import gc
+    import weakref
+
+    import fusedist
+
+    def message(fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as exc:
+            return str(exc)
+        return "no error"
+
+    out = {}
+    for stage in (1, 2):
+        final = {}
+        for kind in ("torch", "fusedist"):
+            model = _net(seed)
+            ddp = (nn.parallel.DistributedDataParallel(model) if kind == "torch"
+                   else fusedist.DistributedDataParallel(model))
+
+            def build():
+                if kind == "torch":
+                    return torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
+                return fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=stage, lr=0.01,
+                                                        weight_decay=0.1, overlap_param_gather=True)
+
+            def hooks():  # the overlapped gathers' forward pre-hooks on the model
+                return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+            opt, replaced = build(), []
+            for step in range(4):
+                if step in (1, 3):
+                    replaced.append(weakref.ref(opt))
+                    opt = build()
+                x, y = _batch(seed, step, rank, ws)
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 0:
+                    first_hooks = hooks()
+            gc.collect()
+            getattr(opt, "wait_for_params", lambda: None)()  # (the overlapped gathers of the last step)
+            final[kind] = _flat(model)
+            if kind == "fusedist":
+                out[f"stage {stage} alive"] = sum(ref() is not None for ref in replaced)
+                with torch.no_grad():
+                    ddp(x)  # (a collected optimizer's hooks come off before the model's next forward)
+                out[f"stage {stage} hooks"] = (first_hooks, hooks())
+                newer = build()
+                out[f"stage {stage} old step"] = message(opt.step)
+                x, y = _batch(seed, 9, rank, ws)
+                nn.functional.mse_loss(ddp(x), y).backward()
+                out[f"stage {stage} unstepped"] = message(build)
+                newer.step()
+        out[f"stage {stage} diff"] = (final["torch"] - final["fusedist"]).abs().max().item()
+    return out
+
+
+def _drop_in_checks(rank, ws, seed):
+    return {"refusals": _refusal_worker(rank, ws, seed), "built again": _built_again(rank, ws, seed)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_run():
+    """The 2-rank checks, in one spawn: (seed, per-rank results)."""
     seed = random.randrange(2**31)
-    results = run_distributed(_refusal_worker, 2, seed, timeout=120, pg_timeout=30,
-                              env={"FUSEDIST_TIMEOUT_S": "20"})
+    return seed, run_distributed(_drop_in_checks, 2, seed, timeout=120, pg_timeout=30,
+                                 env={"FUSEDIST_TIMEOUT_S": "20"})
+
+
+def test_optimizer_built_again_trains_as_torch_and_frees_the_old_one(two_rank_run):
+    seed, results = two_rank_run
+    for rank, per_rank in enumerate(results):
+        out = per_rank["built again"]
+        where = f"seed {seed}, rank {rank}: {out}"
+        for stage in (1, 2):
+            assert out[f"stage {stage} diff"] <= TOL, where
+            assert out[f"stage {stage} alive"] == 0, where  # the model kept every optimizer built for it
+            first, last = out[f"stage {stage} hooks"]
+            assert first > 0 and last == first, where  # the hooks of one optimizer, not of three
+        assert out["stage 1 old step"] == "no error", where  # two stage-1 optimizers: as two torch ones
+        assert out["stage 1 unstepped"] == "no error", where
+        assert "a newer stage-2 optimizer was built" in out["stage 2 old step"], where
+        assert f"(rank {rank})" in out["stage 2 unstepped"], where
+        assert "holds the gradients of a backward it has not stepped" in out["stage 2 unstepped"], where
+
+
+def test_refusals_name_the_parameter_and_ranks(two_rank_run):
+    seed, results = two_rank_run
+    results = [per_rank["refusals"] for per_rank in results]
     for rank, out in enumerate(results):
         where = f"seed {seed}, rank {rank}: {out}"
         assert out["extra"].startswith("RankMismatchError"), where

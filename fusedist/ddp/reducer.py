@@ -236,6 +236,14 @@ class Reducer:
         self.fix_layout()
         self.strategy = strategy
 
+    def release_strategy(self, strategy: GradSyncStrategy) -> None:
+        """Back to all-reduce and average from ``strategy``, whose consumer is replaced by another
+        about to install its own (Note [an optimizer built again] in fusedist/zero/wiring.py)."""
+        if self.in_backward:
+            raise RuntimeError("fusedist DDP: the gradient synchronization cannot change during a backward pass")
+        if self.strategy is strategy:
+            self.strategy = AllReduceAverage()
+
     # ---- for a strategy that moves gradients out of the buffer (ZeRO stage 2)
     def release_bucket(self, bucket: Bucket) -> None:
         """Drop one bucket's full gradients (its consumer has stored what it needs). An

@@ -45,7 +45,10 @@ Note [sparse gradients through the communicator]
     no more collectives; some rank's gradient is dense (a weight also used densely, e.g.
     tied to an output layer) -- every rank all-reduces it dense, where a sparse and a dense
     all-reduce would not pair; else the sparse gather, whose result every rank gets, also
-    one that had none (an empty sparse gradient where no rank had an entry).
+    one that had none (an empty sparse gradient where no rank had an entry). A complex weight
+    (its rows taken by ``torch.gather(..., sparse_grad=True)``: ``F.embedding`` has no complex
+    backward) is averaged the same way, its values carried as real pairs; torch's DDP fails
+    there on gloo ("Invalid scalar type").
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ class ParamGatherer:
         self.handles: dict[int, object] = {}  # bucket index -> all-gather in flight
         self.hooks: list = []  # removable handles of the hooks installed on the model
         self.compiled_inside = False
+        self.orphaned = False  # its optimizer is gone: the hooks come off before the next forward
 
     # ------------------------------------------------------------------ gathers
     def gather(self, flat_params, bs) -> None:
@@ -83,6 +84,21 @@ class ParamGatherer:
         self.hooks.append(ddp.module.register_state_dict_pre_hook(lambda *_args: self.wait_all()))
         self.hooks.append(ddp.module.register_load_state_dict_pre_hook(lambda *_args: self.wait_all()))
 
+    def release(self) -> None:
+        """Wait for the gathers in flight, then take the hooks off the model: its optimizer is
+        gone or replaced (Note [an optimizer built again] in ``wiring.py``); left in place, every
+        optimizer ever built for the model added its hooks to each forward."""
+        self.wait_all()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def orphan(self) -> None:
+        """Its optimizer was collected. Only a mark: the garbage collector runs this at any
+        point, on any thread (inside a hook loop of the model, during a collective); the hooks
+        come off in :meth:`wait_before_forward`, where the DDP wrapper calls it before a forward."""
+        self.orphaned = True
+
     def hook_buckets(self, root: torch.nn.Module, shards) -> None:
         """Forward pre-hooks: each module of ``root`` waits for the gathers of the buckets of
         ``shards`` holding its parameters (also for buckets that join later)."""
@@ -102,8 +118,11 @@ class ParamGatherer:
 
     def wait_before_forward(self, traced: bool) -> None:
         """Called by the DDP wrapper before each forward of its module (Note [hooks inside
-        compiled modules]): wait for every all-gather when the forward is compiled."""
-        if traced or self.compiled_inside:
+        compiled modules]): wait for every all-gather when the forward is compiled. An orphaned
+        gatherer takes its hooks off here (:meth:`orphan`)."""
+        if self.orphaned:
+            self.release()
+        elif traced or self.compiled_inside:
             self.wait_all()
 
 

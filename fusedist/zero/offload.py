@@ -50,6 +50,27 @@ import torch
 from .. import _extension
 
 OFFLOAD_CHOICES = (None, "none", "cpu")
+HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+# Note [complex parameters offloaded]
+#     The host kernel steps real FP32 elements. torch's Adam/AdamW step a complex parameter as
+#     ``view_as_real`` of it and of its gradient and moments: every operation is elementwise
+#     and the weight decay scales both parts alike, so stepping the real pairs is its math.
+#     A complex64 shard therefore keeps complex64 host masters and gradients (and complex
+#     moments, as torch's state dict holds them) and hands the kernel their real pairs; a
+#     range ``[lo, hi)`` of complex elements is ``[2 lo, 2 hi)`` of the pairs. complex128
+#     would need FP64 masters the kernel does not have, as float64 parameters do.
+def host_master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the host masters and gradients of a ``dtype`` shard (Note [complex
+    parameters offloaded])."""
+    return torch.complex64 if dtype.is_complex else torch.float32
+
+
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernel reads it: a complex range as its flat real pairs, a real one as is."""
+    return torch.view_as_real(t).view(-1) if t.is_complex() else t
 
 
 def supported_optimizer_classes() -> tuple:
@@ -69,13 +90,13 @@ def check_offload_config(optimizer_class, params: dict) -> None:
             f"supported. Supported: {names}. Use offload=None for other optimizers."
         )
     for i, p in params.items():
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            advice = ("; its host buffers are real FP32 and cannot hold a complex parameter's masters or "
-                      "moments: shard complex parameters with offload=None (on the device, stepped as torch's "
-                      "Adam steps them)" if p.is_complex() else "")
+        if p.dtype not in HOST_DTYPES:
+            advice = ("; complex64 parameters are stepped as their real pairs (FP32); a complex128 or complex32 "
+                      "one has no host format that keeps its precision: shard it with offload=None (on the "
+                      "device, stepped as torch's Adam steps it)" if p.is_complex() else "")
             raise TypeError(
                 f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}; the host Adam "
-                f"supports float32, bfloat16 and float16 parameters (FP32 masters){advice}"
+                f"supports float32, bfloat16, float16 and complex64 parameters (FP32 masters){advice}"
             )
     _extension.require("_cpu_ops")  # raises the build failure and how to rebuild
 
@@ -133,14 +154,14 @@ class HostShardOffload:
         device = zero._device
         self.cuda = device.type == "cuda"
         pin = self.cuda
-        self.masters = {dt: torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        self.masters = {dt: torch.empty(n, dtype=host_master_dtype(dt), pin_memory=pin)
                         for dt, n in part.shard_numel.items()}
-        self.host_grads = {dt: torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+        self.host_grads = {dt: torch.zeros(n, dtype=host_master_dtype(dt), pin_memory=pin)
                            for dt, n in part.shard_numel.items()}
         # bf16/fp16 parameters: the kernel writes the rounded master here (half the bytes up).
         # Zeros, not garbage: the bucket's whole slice goes up, padding included.
         self.staging = {dt: torch.zeros(n, dtype=dt, pin_memory=pin)
-                        for dt, n in part.shard_numel.items() if dt != torch.float32}
+                        for dt, n in part.shard_numel.items() if dt in _HALF}
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.d2h_done: dict[int, torch.cuda.Event] = {}
@@ -177,8 +198,8 @@ class HostShardOffload:
         self.d2h_done.clear()
         self.wait_host_buffers()
         part = self.zero._partition
-        self.masters = _regrown(self.masters, part, torch.float32, torch.empty, self.cuda)
-        self.host_grads = _regrown(self.host_grads, part, torch.float32, torch.zeros, self.cuda)
+        self.masters = _regrown(self.masters, part, host_master_dtype, torch.empty, self.cuda)
+        self.host_grads = _regrown(self.host_grads, part, host_master_dtype, torch.zeros, self.cuda)
         self.staging = _regrown(self.staging, part, None, torch.zeros, self.cuda, half_only=True)
         self._copied.clear()
         self._copied_version.clear()
@@ -299,9 +320,9 @@ class HostShardOffload:
                 piece = part.pieces[k]
                 st = states[k]
                 off_lo, off_hi = lo - piece.start, hi - piece.start
-                adam_update(
-                    [staging[lo:hi] if staging is not None else master[lo:hi]], [grad[lo:hi]],
-                    [st["exp_avg"][off_lo:off_hi]], [st["exp_avg_sq"][off_lo:off_hi]],
+                adam_update(  # (complex ranges as their real pairs: Note [complex parameters offloaded])
+                    [staging[lo:hi] if staging is not None else _pairs(master[lo:hi])], [_pairs(grad[lo:hi])],
+                    [_pairs(st["exp_avg"][off_lo:off_hi])], [_pairs(st["exp_avg_sq"][off_lo:off_hi])],
                     [master[lo:hi]] if staging is not None else None,
                     step=steps[k], inv_scale=inv_scale, clip_coef=clip_coef,
                     **hyper[piece.group])
@@ -351,15 +372,15 @@ class HostShardOffload:
                 "param_staging": size(self.staging)}
 
 
-def _regrown(tensors: dict, part, dtype, alloc, pin: bool, half_only: bool = False) -> dict:
-    """Host flat shards sized for ``part`` (in ``dtype``, or each shard's own dtype for None;
-    ``half_only``: for the bf16/fp16 shards only, as the staging), the old contents copied to
-    their front."""
+def _regrown(tensors: dict, part, dtype_of, alloc, pin: bool, half_only: bool = False) -> dict:
+    """Host flat shards sized for ``part`` (in ``dtype_of(shard dtype)``, or each shard's own
+    dtype for None; ``half_only``: for the bf16/fp16 shards only, as the staging), the old
+    contents copied to their front."""
     out = {}
     for dt, n in part.shard_numel.items():
-        if half_only and dt == torch.float32:
+        if half_only and dt not in _HALF:
             continue
-        t = alloc(n, dtype=dtype or dt, pin_memory=pin)
+        t = alloc(n, dtype=dtype_of(dt) if dtype_of else dt, pin_memory=pin)
         previous = tensors.get(dt)
         if previous is not None:
             t[:previous.numel()].copy_(previous)

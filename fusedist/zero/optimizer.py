@@ -175,9 +175,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       steps them bucket by bucket; gradient slices go down as their buckets are reduced
       (stage 2: during backward, as soon as each bucket's reduce-scatter has completed),
       updated parameter slices go up and are all-gathered as usual. Only
-      ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math) are supported.
-      ``step()`` reads the GradScaler's found-inf flag on the host (the CPU update needs it
-      there); state dicts and checkpoints are the same as without offload.
+      ``FusedAdam``/``FusedAdamW`` and ``torch.optim.Adam``/``AdamW`` (same math) are supported,
+      for float32, bfloat16, float16 and complex64 parameters (complex64 as its real pairs, as
+      torch's Adam steps it). ``step()`` reads the GradScaler's found-inf flag on the host (the
+      CPU update needs it there); state dicts and checkpoints are the same as without offload.
     * Parameters without a gradient behave as with torch's optimizers. Frozen parameters
       (``requires_grad=False`` when the optimizer is constructed) stay in ``param_groups``, so
       state dicts keep torch's indices, but are never sharded, stepped or given state (with
@@ -279,7 +280,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._grads_present = False
         self._partition: FlatPartition = self._build_partition()
         if self.ddp is not None:  # Note [growing the partition]: parameters DDP appends join at once
-            self.ddp.reducer.layout_listeners.append(self._on_layout_change)
+            wiring.listen_to_layout(self)
         if stage == 2:
             wiring.install_stage2(self, max_buckets_in_flight)
         self._flat_params: Optional[FlatParams] = None
@@ -376,6 +377,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        wiring.check_not_replaced(self)  # Note [an optimizer built again] in wiring.py
         if grad_scaler is not None:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(stage=2) cannot be stepped by torch.amp.GradScaler: stage 2 keeps "

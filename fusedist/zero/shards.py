@@ -18,7 +18,7 @@ import torch
 
 from .._dtypes import compute_dtype
 from ..ddp.layout import converted_param
-from . import grow
+from . import grow, wiring
 from . import state as zstate
 from .shard_store import ShardStore, bucket_grad_slice, own_tensors
 from .offload import HostShardOffload
@@ -118,6 +118,7 @@ class ShardsMixin:
         self.inner = self._optimizer_factory(groups, **self._inner_defaults)
         if self.overlap_param_gather:
             self._gatherer.install(self.ddp, part.bucket_shards)
+            wiring.release_hooks_with(self)
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:

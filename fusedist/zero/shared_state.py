@@ -34,6 +34,7 @@ class MutableState:
     _join_config = JoinableOptimizer._join_config
     _join_shadowing = JoinableOptimizer._join_shadowing
     _join_clip = JoinableOptimizer._join_clip
+    _replaced = None  # why a stage-2 optimizer may not step any more (Note [an optimizer built again])
 
 
 # What the optimizer, its mixins and helpers, DDP's join and the GradScaler assign after
@@ -45,7 +46,7 @@ _MUTABLE_ATTRIBUTES = (
     "_trainable", "_frozen", "_partition", "_grad_shards", "_grad_store", "_flat_params", "_masters",
     "_piece_grads", "_pieces", "_offload", "inner", "_param_versions",
     "_join_config", "_join_shadowing", "_join_clip", "_fusedist_join_config",
-    "grad_scale", "found_inf", "step_context",
+    "grad_scale", "found_inf", "step_context", "_replaced",
 )
 
 

@@ -8,6 +8,7 @@ objects at construction: the rest of the optimizer sees ``ddp``, ``comm`` and th
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch.distributed as dist
@@ -112,6 +113,49 @@ def _check_same_group(process_group, ddp_group) -> None:
         "same parameters: every rank holds the same averaged gradients.")
 
 
+class _LayoutListener:
+    """DDP's layout listener for one optimizer, held weakly (Note [an optimizer built again])."""
+
+    def __init__(self, zero):
+        self._method = weakref.WeakMethod(zero._on_layout_change)
+
+    def serves(self, zero) -> bool:
+        method = self._method()
+        return method is not None and method.__self__ is zero
+
+    def alive(self) -> bool:
+        return self._method() is not None
+
+    def __call__(self, layout) -> None:
+        method = self._method()
+        if method is not None:
+            method(layout)
+
+
+# Note [an optimizer built again]
+#     Programs build a model's optimizer more than once: ``optimizer = make_optimizer(model)``
+#     again to start from a fresh state, a learning-rate finder before the real run, a
+#     framework's ``configure_optimizers`` called per fit. With torch's optimizers the old one
+#     is simply dropped. The DDP model must not keep it: its layout listener holds the
+#     optimizer weakly, so the old one's masters and states are freed with it (held strongly,
+#     every optimizer ever built stayed alive, and was grown when parameters were unfrozen), and
+#     the forward pre-hooks of its overlapped gathers come off the model with it. Stage 2
+#     installs its reduce-scatter on the model; a later stage-2 optimizer of the same model
+#     takes it over (:func:`install_stage2`), and the one it replaced refuses to step.
+def release_hooks_with(zero) -> None:
+    """The overlapped gathers' hooks on the model go with ``zero``, at the model's next forward
+    (Note [an optimizer built again]; ``ParamGatherer.orphan``)."""
+    weakref.finalize(zero, zero._gatherer.orphan)
+
+
+def listen_to_layout(zero) -> None:
+    """Parameters DDP appends to its layout join ``zero`` at once (Note [growing the partition]
+    in ``grow.py``), while ``zero`` lives (Note [an optimizer built again])."""
+    listeners = zero.ddp.reducer.layout_listeners
+    listeners[:] = [f for f in listeners if not isinstance(f, _LayoutListener) or f.alive()]
+    listeners.append(_LayoutListener(zero))
+
+
 def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT) -> None:
     """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
     (Note [stage 2 gradients] in ``grad_sync.py``), at most ``max_buckets_in_flight`` at once."""
@@ -122,12 +166,17 @@ def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCK
         )
     reducer = zero.ddp.reducer
     try:
+        if isinstance(reducer.strategy, ReduceScatterToShard):
+            _take_over(reducer, zero)  # Note [an optimizer built again]
+    except RuntimeError as exc:
+        raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2) constructed during a backward pass: {exc}") from None
+    try:
         reducer.use_strategy(ReduceScatterToShard(zero, max_buckets_in_flight))
     except ValueError:
         raise ValueError(
             f"ZeroRedundancyOptimizer(stage=2): this DDP model's gradients are already synchronized by "
-            f"{reducer.strategy.description} (a model has one: one stage-2 optimizer, or a communication "
-            "hook; stage=1 works with a hook)"
+            f"{reducer.strategy.description} (a model has one: a communication hook, or a stage-2 optimizer; "
+            "stage=1 works with a hook)"
         ) from None
     except RuntimeError as exc:
         raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2) constructed during a backward pass: {exc}") from None
@@ -135,3 +184,31 @@ def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCK
     # parameters' gradients: p.grad is None in stage 2.
     register_gradient_holder(zero._trainable_params(), zero)
     reducer.release_gradients()  # gradients live in shards from now on
+
+
+def _take_over(reducer, zero) -> None:
+    """The stage-2 reduce-scatter of ``reducer``, installed by an earlier optimizer, passes to
+    ``zero``; the earlier one refuses to step from now on (Note [an optimizer built again]).
+    Refused while the earlier one holds gradients it has not stepped: they live in its shards,
+    which ``zero`` does not have (torch's new optimizer would step the old ``p.grad``)."""
+    old = reducer.strategy.zero
+    if old is zero:
+        return
+    if old._grads_present:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): this DDP model's stage-2 optimizer built "
+            "before holds the gradients of a backward it has not stepped (in its shards; p.grad is None in "
+            "stage 2). Call its step() or zero_grad() first, then build the new one")
+    reducer.release_strategy(reducer.strategy)  # (raises during a backward, before anything changed)
+    listeners = reducer.layout_listeners  # (a replaced optimizer is not grown any more)
+    listeners[:] = [f for f in listeners if not (isinstance(f, _LayoutListener) and f.serves(old))]
+    old._gatherer.release()  # (its last step's all-gathers may still be landing in the parameters)
+    old._replaced = (f"ZeroRedundancyOptimizer(stage=2) (rank {old.rank}): a newer stage-2 optimizer was built "
+                     "for the same DDP model and synchronizes its gradients now; this one cannot be stepped "
+                     "any more. Step the newer one (load this one's state_dict() into it to go on from here)")
+
+
+def check_not_replaced(zero) -> None:
+    """Raise if a newer stage-2 optimizer took ``zero``'s model over (Note [an optimizer built again])."""
+    if zero._replaced is not None:
+        raise RuntimeError(zero._replaced)

@@ -176,7 +176,8 @@ def _all_to_all(rank, world_size):
             x = (torch.randn(4, 3) + rank) * 5
             x = torch.complex(x, -x) if dtype.is_complex else x.to(dtype)
             got = torch.zeros(world_size * 4, 3, dtype=dtype) if rank == dst else None
-            comms["p2p"].gather(got, x, dst, tag="gather", async_op=dst == 1)
+            # (waited for before its output is read: an asynchronous one may still be landing)
+            comms["p2p"].gather(got, x, dst, tag="gather", async_op=dst == 1).wait()
             everyone = [torch.empty_like(x) for _ in range(world_size)]
             dist.all_gather(everyone, x)
             if rank == dst and not torch.equal(got, torch.cat(everyone)):

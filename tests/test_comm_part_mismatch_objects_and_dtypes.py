@@ -16,7 +16,20 @@ def _parts_that_differ(rank, world_size, kind):
     m = 3 + rank  # a shape that depends on the rank
     start = time.monotonic()
     try:
-        if kind == "reduce_scatter":
+        if kind == "all_reduce_op":  # the same tensor size everywhere, but max here and sum there
+            values = torch.randn(3, generator=torch.Generator().manual_seed(time.time_ns() % 2**31 + rank))
+            agreed, reference = values.clone(), values.clone()
+            comm.all_reduce(agreed, op="max", tag="same op")  # (12 bytes: the gloo exchange)
+            torch.distributed.all_reduce(reference, op=torch.distributed.ReduceOp.MAX)
+            assert torch.equal(agreed, reference), (agreed, reference)
+            start = time.monotonic()
+            comm.all_reduce(values, op="max" if rank == 0 else "sum", tag="ops differ")
+        elif kind == "probed all_gather":  # as DDP / ZeRO / fully_shard run theirs: monitored, asynchronous
+            from fusedist.reliability import attach_monitor
+
+            assert attach_monitor(comm).probe_delay_s == 0.3
+            comm.all_gather(torch.empty(m * world_size), torch.randn(m), tag="uneven", async_op=True).wait()
+        elif kind == "reduce_scatter":
             comm.reduce_scatter(torch.empty(m), torch.randn(m * world_size), tag="uneven")
         else:
             comm.all_gather(torch.empty(m * world_size), torch.randn(m), tag="uneven")
@@ -34,6 +47,34 @@ def test_parts_that_differ_across_ranks_time_out_naming_each_part(kind):
         assert status == "ok", value
         message, elapsed = value
         assert f"{kind} [{3 + rank} x torch.float32 per rank]" in message, (rank, message)
+        assert f"rank {rank} of 2" in message and elapsed < 15
+
+
+def test_parts_that_differ_fail_every_rank_soon_after_the_probes_delay_with_a_monitor():
+    """Note [divergence probe] in fusedist/reliability/divergence.py: the ranks wait in the same
+    collective (sequence number and op) with parts of different sizes, which never pair; that ended
+    only at the collective timeout, where the parts' sizes now end it about a second past the delay."""
+    env = {"FUSEDIST_TIMEOUT_S": "4", "FUSEDIST_DIVERGENCE_PROBE_S": "0.3", "FUSEDIST_STALL_REPORT_S": "0.5"}
+    results = run_distributed(_parts_that_differ, 2, "probed all_gather", env=env, expect_failure=True)
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", value
+        message, elapsed = value
+        assert "they wait in the same collective with parts of different sizes -- ranks [0] in all_gather " \
+               "(collective #0, 3 x torch.float32 per rank); ranks [1] in all_gather (collective #0, 4 x " \
+               "torch.float32 per rank)" in message, (rank, message)
+        assert "Stall report" in message and elapsed < 3.5, (rank, elapsed, message)
+
+
+def test_small_all_reduces_with_different_ops_across_ranks_time_out_instead_of_differing():
+    """A small all-reduce with ``max`` on one rank and ``sum`` on another paired on the exchange
+    (labelled by size and dtype only): each rank folded with its own op and the ranks went on with
+    different results, silently (rank 0 the max, rank 1 the sum; torch's gloo pairs them too)."""
+    results = run_distributed(_parts_that_differ, 2, "all_reduce_op", env={"FUSEDIST_TIMEOUT_S": "2"},
+                              expect_failure=True)
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", value
+        message, elapsed = value
+        assert "all_reduce (tag 'ops differ', collective #1)" in message and "timed out" in message, (rank, message)
         assert f"rank {rank} of 2" in message and elapsed < 15
 
 

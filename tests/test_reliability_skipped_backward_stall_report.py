@@ -6,6 +6,9 @@ while they wait (and gone once a check returns)."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 from torch import nn
 
@@ -21,13 +24,17 @@ def _model():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _skip_last_backward(rank, model, opt, watch) -> tuple:
+def _skip_last_backward(rank, model, opt, watch, late_s: float = 0.0) -> tuple:
     """Two steps, a check that passes, then rank 1 computes a loss and skips its backward and
-    step (``if loss is None: continue``) and every rank calls check_consistency()."""
+    step (``if loss is None: continue``) and every rank calls check_consistency(). ``late_s``:
+    rank 1 reaches the first backward so much later (a slow rank, not a diverged one)."""
     import torch.distributed as dist
 
     for step in range(2):
-        model(torch.randn(5, 8)).square().mean().backward()
+        loss = model(torch.randn(5, 8)).square().mean()
+        if rank == 1 and step == 0:
+            time.sleep(late_s)
+        loss.backward()
         opt.step()
         opt.zero_grad()
     model.check_consistency()
@@ -35,23 +42,30 @@ def _skip_last_backward(rank, model, opt, watch) -> tuple:
     key = stall_report._key(monitor.group_name, monitor.generation, rank)
     left_behind = dist.distributed_c10d._get_default_store().check([key])  # (withdrawn: none)
     loss = model(torch.randn(5, 8)).square().mean()
+    began = time.monotonic()
     try:
         if rank == 0:
             loss.backward()
             opt.step()
         model.check_consistency()
-        return left_behind, "no error"
+        return left_behind, "no error", time.monotonic() - began
     except Exception as exc:  # noqa: BLE001 - the test reads its type and text
-        return left_behind, f"{type(exc).__name__}: {exc}"
+        return left_behind, f"{type(exc).__name__}: {exc}", time.monotonic() - began
 
 
-def _ddp_worker(rank, world_size):
+def _ddp_worker(rank, world_size, late_s=0.0):
     import fusedist
     from fusedist.reliability import step_check
 
     step_check.EXIT_WAIT_S = 0.1  # (rank 0's check of the backward it never finished stays pending at exit)
     model = fusedist.DistributedDataParallel(_model())
-    return _skip_last_backward(rank, model, torch.optim.SGD(model.parameters(), lr=0.1), model.watch)
+    result = _skip_last_backward(rank, model, torch.optim.SGD(model.parameters(), lr=0.1), model.watch, late_s)
+    try:  # after the failure the group is refused at once (it would pair with the collectives left pending)
+        model.comm.all_reduce(torch.ones(1), tag="after")
+        after = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test reads its text
+        after = f"{type(exc).__name__}: {exc}"
+    return result + (after,)
 
 
 def _fully_shard_worker(rank, world_size):
@@ -67,7 +81,7 @@ def _fully_shard_worker(rank, world_size):
 
 
 def _assert_rank_1_named(results, forwards, backwards):
-    for rank, (left_behind, text) in enumerate(results):
+    for rank, (left_behind, text, *_) in enumerate(results):
         assert not left_behind, (rank, "a check that returned left its entry in the store")
         assert text.startswith("StallError"), (rank, text)
         assert "the ranks' training positions differ:" in text, (rank, text)
@@ -79,8 +93,22 @@ def _assert_rank_1_named(results, forwards, backwards):
         assert "training forwards: ranks" not in text, (rank, text)  # (rank 1 ran its forward: equal counts)
 
 
-def test_ddp_rank_that_skipped_its_last_backward_is_named_in_the_stall_report():
-    _assert_rank_1_named(run_distributed(_ddp_worker, 2, timeout=60, pg_timeout=1.5, env=_ENV), forwards=3, backwards=2)
+def test_ddp_rank_that_skipped_its_last_backward_is_named_in_the_stall_report_long_before_the_timeout():
+    # Note [divergence probe] in fusedist/reliability/divergence.py: rank 1 waits in the check, rank 0
+    # inside the backward; both have blocked past the probe's delay, so every rank fails about a second
+    # later with the report, not at the collective timeout (4 s; the exit drain still waits for it).
+    env = {"FUSEDIST_TIMEOUT_S": "4", "FUSEDIST_STALL_REPORT_S": "0.5", "FUSEDIST_DIVERGENCE_PROBE_S": "0.3"}
+    # (rank 1 is 1 s late to the first backward: rank 0's probe runs, finds a rank not blocked and
+    # keeps waiting; the check after two steps then passes, its entries withdrawn)
+    results = run_distributed(_ddp_worker, 2, 1.0, timeout=60, pg_timeout=4, env=env)
+    _assert_rank_1_named(results, forwards=3, backwards=2)
+    for rank, (_, text, seconds, after) in enumerate(results):
+        assert "found by the divergence probe" in text, (rank, text)
+        assert after.startswith("CollectiveError") and "can no longer run collectives" in after \
+            and "found by the divergence probe" in after, (rank, after)
+        assert "ranks [1] wait in check_consistency()'s collective, ranks [0] in a collective outside it" in text, \
+            (rank, text)
+        assert seconds < 3.5, (rank, f"the error came {seconds:.1f} s after the divergence", text)
 
 
 def test_fully_shard_rank_that_skipped_its_last_backward_is_named_in_the_stall_report():
@@ -160,3 +188,39 @@ def test_a_rank_ended_by_another_groups_stall_is_reported_as_crashed_not_as_exit
     text = stall_report.render({1: entries["replicate"]}, 2, 0.5, 0)
     assert "CRASHED with StallError: fusedist: all_gather" in text and "another group failed" in text, text
     assert "EXITED" not in text, text
+
+
+def test_probe_verdicts_and_its_setting(monkeypatch):
+    from fusedist.reliability import config, divergence
+
+    def at(seq, op="all_reduce", in_check=False, tag="t"):
+        return {"kind": "waiting", "waiting_on": {"op": op, "tag": tag, "seq": seq}, "context": {"in_check": in_check}}
+
+    # the same collective (tags may differ: a joined rank's shadows) is a slow one, not a divergence
+    assert divergence.diverged({0: at(7, tag="ddp bucket 0"), 1: at(7, tag="ddp join shadow")}) is None
+    assert divergence.diverged({0: at(7, in_check=True), 1: at(7, in_check=True)}) is None
+    text = divergence.diverged({0: at(7), 1: at(7, "all_gather"), 2: at(8)})
+    assert "ranks [0] in all_reduce (collective #7); ranks [1] in all_gather (collective #7); ranks [2] in " \
+           "all_reduce (collective #8)" in text, text
+    parts = [at(7), at(7)]
+    parts[0]["waiting_on"]["part"], parts[1]["waiting_on"]["part"] = "3 x torch.float32", "4 x torch.float32"
+    assert "they wait in the same collective with parts of different sizes -- ranks [0] in all_reduce (collective " \
+           "#7, 3 x torch.float32 per rank); ranks [1]" in divergence.diverged(dict(enumerate(parts)))
+    parts[1]["waiting_on"]["part"] = "3 x torch.float32"
+    assert divergence.diverged(dict(enumerate(parts))) is None
+    text = divergence.diverged({0: at(7, tag="b"), 1: at(7, in_check=True, tag="c")})
+    assert "ranks [1] wait in check_consistency()'s collective, ranks [0] in a collective outside it" in text, text
+    # a peer's report read while this rank still waits names where it waits
+    entries = {0: dict(at(7), host="h", pid=1), 1: _entry("failure")}
+    text = stall_report.render(entries, 2, 0.5, 1)
+    assert "rank 0 on h pid 1: waits in all_reduce [t] (collective #7) (blocked past the divergence probe's delay" \
+        in text, text
+    monkeypatch.delenv("FUSEDIST_DIVERGENCE_PROBE_S", raising=False)
+    assert config.divergence_probe_s() == config.DIVERGENCE_PROBE_S
+    for good, seconds in (("0", 0.0), (" 2.5 ", 2.5)):
+        monkeypatch.setenv("FUSEDIST_DIVERGENCE_PROBE_S", good)
+        assert config.divergence_probe_s() == seconds
+    for bad in ("soon", "-1", "inf", "nan", ""):
+        monkeypatch.setenv("FUSEDIST_DIVERGENCE_PROBE_S", bad)
+        with pytest.raises(ValueError, match="FUSEDIST_DIVERGENCE_PROBE_S must be a finite number of seconds >= 0"):
+            config.divergence_probe_s()

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..distributed import collective_timeout
+from .sliced_wait import wait_probed
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _uids = itertools.count()
@@ -107,6 +108,10 @@ class CommHandle:
         self._callbacks: list[Callable[[], None]] = []
         self._done = work is None
         self._error: Optional[BaseException] = None
+        #: Launched with ``async_op=True`` (set by the launch): whether a wait may be sliced; and
+        #: this rank's part (a tensor whose size every rank's must match; None for an all-to-all),
+        #: which the probe compares (Note [divergence probe] in fusedist/reliability/divergence.py).
+        self.async_op, self.part = False, None
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` inside ``wait()`` once the collective has completed (or now, if it has)."""
@@ -133,7 +138,7 @@ class CommHandle:
         shortened = requested < left
         waited = requested if shortened else left
         try:
-            self._comm._wait_work(self._work, waited)
+            wait_probed(self, waited)  # (one call of _wait_work unless it blocks long: Note [divergence probe])
         except CollectiveError as exc:
             # [reliability] observed like any other failure; may come back as a stall report.
             self._error = self._comm._on_failure(self, exc) or exc
@@ -235,6 +240,10 @@ class Communicator(abc.ABC):
         #: Optional observer with ``on_launch(comm, handle)`` / ``on_failure(comm, handle,
         #: error)``; the reliability monitor plugs in here.
         self.observer = None
+        #: Why a collective's wait was ended before its deadline because the ranks can never pair
+        #: (None: none was); later collectives are refused (Note [divergence probe] in
+        #: fusedist/reliability/divergence.py).
+        self.gave_up: Optional[str] = None
 
     # ---- the interface
     @abc.abstractmethod
@@ -257,6 +266,11 @@ class Communicator(abc.ABC):
         """Whether ``work``, whose wait with a timeout shorter than the collective's just ran
         out, is still running and may be waited for again. False by default: the direct-NCCL
         communicator aborts at a wait's timeout, as torch's NCCL does."""
+        return False
+
+    def _sliced_waits(self, work, async_op: bool) -> bool:
+        """Whether ``work`` may be waited for in short slices that leave it running (Note
+        [divergence probe] in fusedist/reliability/divergence.py). False by default."""
         return False
 
     def _transport_timeout(self, work) -> Optional[float]:
@@ -334,7 +348,7 @@ class Communicator(abc.ABC):
     def all_reduce(self, tensor, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
         self._check_op(op, "all_reduce", tensor.dtype, tag)
         self._check_flat("all_reduce", tensor)
-        return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op))
+        return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op), part=tensor)
 
     def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "",
                        label: Optional[str] = None) -> CommHandle:
@@ -346,7 +360,8 @@ class Communicator(abc.ABC):
                 f"world_size ({self.world_size}) x output ({output.numel()})"
             )
         check_in_place("reduce_scatter", output, input, self.rank, self.world_size)
-        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op), label)
+        return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op), label,
+                            part=output)
 
     def all_gather(self, output, input, *, async_op: bool = False, tag: str = "",
                    label: Optional[str] = None) -> CommHandle:
@@ -360,13 +375,13 @@ class Communicator(abc.ABC):
                 f"world_size ({self.world_size}) x input ({input.numel()})"
             )
         check_in_place("all_gather", output, input, self.rank, self.world_size)
-        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input), label)
+        return self._launch("all_gather", tag, async_op, lambda: self._all_gather(output, input), label, part=input)
 
     def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         if not 0 <= src < self.world_size:
             raise ValueError(f"fusedist broadcast{_tag(tag)}: src={src} {self._outside_group()}")
         self._check_flat("broadcast", tensor)
-        return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src))
+        return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src), part=tensor)
 
     def gather(self, output, input, dst: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         """Rank ``dst`` receives every rank's ``input`` into ``output`` (``world_size x input``,
@@ -383,7 +398,7 @@ class Communicator(abc.ABC):
                 f"fusedist gather{_tag(tag)}: output has {output.numel()} elements, expected "
                 f"world_size ({self.world_size}) x input ({input.numel()})"
             )
-        return self._launch("gather", tag, async_op, lambda: self._gather(output, input, dst))
+        return self._launch("gather", tag, async_op, lambda: self._gather(output, input, dst), part=input)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, *,
                           async_op: bool = False, tag: str = "", label: Optional[str] = None) -> CommHandle:
@@ -454,7 +469,8 @@ class Communicator(abc.ABC):
     # and the collective runs eagerly, with the values it would have in eager mode (under a
     # microsecond per call).
     @torch.compiler.disable
-    def _launch(self, op: str, tag: str, async_op: bool, start, label: Optional[str] = None) -> CommHandle:
+    def _launch(self, op: str, tag: str, async_op: bool, start, label: Optional[str] = None,
+                part: Optional[torch.Tensor] = None) -> CommHandle:
         seq = self.last_seq = next(self._seq)
         self.last_tag = tag
         self.last_label = tag if label is None else label
@@ -478,6 +494,7 @@ class Communicator(abc.ABC):
                 failed = CommHandle(self, None, op=op, tag=tag, seq=seq, timeout=self.timeout)
                 raise self._on_failure(failed, error) or error from exc
         handle = CommHandle(self, work, op=op, tag=tag, seq=seq, timeout=self.timeout)
+        handle.async_op, handle.part = async_op, part
         if async_op:
             self._progress_in_background(work)
         if self.observer is not None:

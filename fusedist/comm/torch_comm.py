@@ -75,20 +75,21 @@ class TorchCommunicator(Communicator):
         if "gloo" in str(self.backend) and mode == "p2p":
             self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size, self.timeout)
 
-    def _launch(self, op, tag, async_op, start, label=None):
+    def _launch(self, op, tag, async_op, start, label=None, part=None):
         self._check_group_alive(op, tag)
         self._check_exchange_usable(op, tag)
-        return super()._launch(op, tag, async_op, start, label)
+        return super()._launch(op, tag, async_op, start, label, part)
 
     def _check_exchange_usable(self, op: str, tag: str) -> None:
         """Refuse a collective once an exchange of this group failed (Note [no collectives after
-        a failed exchange] in gloo_exchange.py)."""
-        if self.exchange is None or self.exchange.failure() is None:
+        a failed exchange] in gloo_exchange.py), or a wait was given up because the ranks diverged
+        (Note [divergence probe] in fusedist/reliability/divergence.py)."""
+        if not self.aborted:
             return
         raise CollectiveError(
             f"fusedist {describe_collective(op, tag, self.last_seq + 1)} on rank {self.rank} of "
             f"{self.world_size}: this process group can no longer run collectives, because an earlier "
-            f"one failed ({self.exchange.failure()}); gloo closes its connection to a peer after a failed "
+            f"one failed ({self.abort_reason}); gloo closes its connection to a peer after a failed "
             "transfer, and the ranks are out of step. Destroy and re-create the process group on every rank "
             "(torch.distributed.destroy_process_group() + init_process_group(), or a new "
             "torch.distributed.new_group()), or restart the job (torchrun --max-restarts)",
@@ -96,11 +97,18 @@ class TorchCommunicator(Communicator):
 
     @property
     def aborted(self) -> bool:
-        return self.exchange is not None and self.exchange.failure() is not None
+        return self.gave_up is not None or (self.exchange is not None and self.exchange.failure() is not None)
 
     @property
     def abort_reason(self) -> str:
-        return (self.exchange.failure() or "") if self.exchange is not None else ""
+        failed = self.exchange.failure() if self.exchange is not None else None
+        return failed or self.gave_up or ""
+
+    def _sliced_waits(self, work, async_op: bool) -> bool:
+        # gloo's own works wait on a condition (a slice that runs out leaves them running); an
+        # exchange is sliced only once its progress thread drives it (a synchronous one is driven
+        # by its caller, with one deadline: Note [exchange progress] in exchange_progress.py).
+        return "gloo" in str(self.backend) and (async_op or not isinstance(work, gloo_exchange.ExchangeWork))
 
     def _check_group_alive(self, op: str, tag: str) -> None:
         """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as
@@ -124,9 +132,11 @@ class TorchCommunicator(Communicator):
 
     def _all_reduce(self, tensor, op):
         if self._small_all_reduce(tensor, op):
-            # Labelled by size, not tag: all-reduces of one size pair whatever their tags, as on
-            # gloo's own (a joined rank's shadow of an active rank's all-reduce has another tag).
-            return self.exchange.all_reduce(tensor, op, seq=self._seq.last, label=f"{tensor.numel()} {tensor.dtype}")
+            # Labelled by size and op, not tag: all-reduces of one size pair whatever their tags, as
+            # on gloo's own (a joined rank's shadow of an active rank's all-reduce has another tag);
+            # with different ops they must not (each rank would fold with its own: results differ).
+            return self.exchange.all_reduce(tensor, op, seq=self._seq.last,
+                                            label=f"{tensor.numel()} {tensor.dtype} {op}")
         return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
     # Note [small all-reduces through the exchange]
@@ -139,8 +149,10 @@ class TorchCommunicator(Communicator):
     # small all-reduces are where ranks meet at control points (the per-step check, the
     # found-inf and gradient-norm exchanges, the used-parameter map), so they are the ones
     # such a divergence pairs first. On the exchange they are tagged messages (Note [exchange
-    # tags]) labelled by their size and dtype, so all-reduces of different sizes never pair: a
-    # divergence is a timeout and a StallError naming both collectives. (Not labelled by their
+    # tags]) labelled by their size, dtype and reduce op, so all-reduces of different sizes never
+    # pair: a divergence is a timeout and a StallError naming both collectives (and ranks that
+    # pass different ops -- max on one, sum on another -- time out rather than each folding with
+    # its own and going on with different results). (Not labelled by their
     # tags: all-reduces that must pair carry different tags -- the joined rank's shadows of
     # the active ranks' all-reduces, fusedist/ddp/join.py -- and pair here as on gloo's own
     # collectives, by order.) Each rank's tensor is gathered (one round, like the

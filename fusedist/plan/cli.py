@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from typing import Optional
 
@@ -34,6 +35,13 @@ _REAL_RANGE = (1e-9, 1e12)  # GB, TFLOPS, GB/s, MB, learning rates: far past any
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A value that starts with a minus and a digit is a (negative) value, never a flag: argparse
+        # takes only plain integers and decimals for numbers, so "--params -7B" or "--ref-lr -1e-4"
+        # was "expected one argument" rather than the value's own error. No flag here starts so.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message):  # one line, no usage block
         raise PlanError("", message)  # argparse names the flag: "argument --x: ..."
 
@@ -154,6 +162,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def model_spec(args) -> ModelSpec:
+    if args.hf_config is not None and not args.hf_config.strip():
+        # (an unset shell variable, --hf-config "$CONFIG": a model given another way was planned
+        # as if the config were not there, or the error asked for a model the user had given)
+        raise PlanError("--hf-config", "the path is empty; give the config.json to read")
     given = [name for name, on in (("--params", args.params is not None), ("--hf-config", args.hf_config),
                                    ("the shape flags", any(getattr(args, f) is not None for f in _SHAPE_FLAGS)))
              if on]
@@ -237,6 +249,9 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
         raise PlanError("--seq", "needed (tokens per step)")
     for name, limit in _MAX_JOB.items():
         _bounded(_flag(name), gpus if name == "gpus" else getattr(args, name), limit)
+    if args.seq is None and seq > _MAX["seq"]:  # (the user gave no --seq: say where it came from)
+        raise PlanError("--seq", f"the model's {seq} positions, the default --seq, are beyond what the planner "
+                                 f"models (at most {_MAX['seq']}); give --seq, the tokens per sequence you train")
     _bounded("--seq", seq, _MAX["seq"])
     checks = (("--gpus", gpus), ("--gpus-per-node", args.gpus_per_node), ("--micro-batch", args.micro_batch),
               ("--global-batch", args.global_batch), ("--seq", seq), ("--ref-batch", args.ref_batch),

@@ -36,3 +36,22 @@ def param_check_every() -> int:
     if every < 0:
         raise ValueError(f"FUSEDIST_PARAM_CHECK_EVERY must be a whole number of steps >= 0 (0: off), got {value!r}")
     return every
+
+
+#: Default of ``FUSEDIST_DIVERGENCE_PROBE_S`` (Note [divergence probe] in ``divergence.py``).
+DIVERGENCE_PROBE_S = 5.0
+
+
+def divergence_probe_s() -> float:
+    """After how many seconds of one blocking collective wait a rank starts comparing, through the
+    store, where every rank of the group waits (``FUSEDIST_DIVERGENCE_PROBE_S``; 0 turns the probe
+    off). Waits that end sooner never touch the store."""
+    value = os.environ.get("FUSEDIST_DIVERGENCE_PROBE_S", str(DIVERGENCE_PROBE_S)).strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"FUSEDIST_DIVERGENCE_PROBE_S must be a finite number of seconds >= 0 (0: off), "
+                         f"got {value!r}")
+    return seconds

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 from ..comm.base import CollectiveError, CommHandle, Communicator, global_ranks
 from .._process_hooks import at_exit, chain_excepthook
 from . import stall_report
+from .config import divergence_probe_s
+from .divergence import WaitProbe
 
 #: Collectives remembered per communicator for the report.
 HISTORY = 16
@@ -66,6 +68,11 @@ class CollectiveMonitor:
         self.store = stall_report.default_store()
         # A bad FUSEDIST_STALL_REPORT_S is refused now, not in place of a later collective's error.
         stall_report.report_window_s(comm.timeout.total_seconds())
+        #: After how long a blocking wait starts the divergence probe (0: never; Note [divergence
+        #: probe] in divergence.py); read by the communicator's handles.
+        self.probe_delay_s = divergence_probe_s() if comm.world_size > 1 else 0.0
+        #: Whether this rank's ``checking`` entry is in the store (Note [a rank behind at the check]).
+        self.check_announced = False
         _monitors.add(self)
 
     # ---- observer interface (see Communicator._launch / CommHandle.wait)
@@ -163,13 +170,21 @@ class CollectiveMonitor:
         if self.reports or self.store is None:
             return False
         entry = {"kind": "checking", "error": "", "context": context, "recent": list(self.history)}
-        return stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank, entry)
+        self.check_announced = stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank,
+                                                    entry)
+        return self.check_announced
 
     def withdraw_check(self, reports_before: int) -> None:
         """Remove the ``checking`` entry once the check returned or raised its own verdict; kept when a
         failure of this group published its entry in its place since (``reports_before``)."""
+        self.check_announced = False
         if len(self.reports) == reports_before and self.store is not None:
             stall_report.withdraw(self.store, self.group_name, self.generation, self.comm.rank)
+
+    def divergence_probe(self, op: str, tag: str, seq: int, part=None) -> WaitProbe:
+        """The probe of a wait that has blocked for ``probe_delay_s`` (Note [divergence probe] in
+        divergence.py); ``part``: this rank's tensor of the collective, or None."""
+        return WaitProbe(self, op, tag, seq, self.probe_delay_s, part)
 
     def crashed_peer(self) -> Optional[str]:
         """Which peer published a crash (Note [a crashed peer, seen through the store] in

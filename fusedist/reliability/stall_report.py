@@ -113,22 +113,24 @@ def _bounded(store, seconds: float):
                 pass
 
 
-def publish(store, group: str, generation: int, rank: int, entry: dict) -> bool:
-    """Write this rank's entry; False if the store is unreachable."""
+def publish(store, group: str, generation: int, rank: int, entry: dict, bounded: bool = True) -> bool:
+    """Write this rank's entry; False if the store is unreachable. ``bounded=False`` leaves the
+    store's timeout alone (a write while training may be healthy: the divergence probe's)."""
     entry = dict(entry, rank=rank, host=socket.gethostname(), pid=os.getpid(), time=time.time(),
                  global_rank=_global_rank())
     try:
-        with _bounded(store, 5.0):
+        with _bounded(store, 5.0) if bounded else contextlib.nullcontext():
             store.set(_key(group, generation, rank), json.dumps(entry, default=str))
         return True
     except Exception:  # noqa: BLE001
         return False
 
 
-def withdraw(store, group: str, generation: int, rank: int) -> None:
-    """Remove this rank's entry (a ``checking`` one whose check completed); never raises."""
+def withdraw(store, group: str, generation: int, rank: int, bounded: bool = True) -> None:
+    """Remove this rank's entry (a ``checking`` one whose check completed, a ``waiting`` one whose
+    wait ended); never raises."""
     try:
-        with _bounded(store, 5.0):
+        with _bounded(store, 5.0) if bounded else contextlib.nullcontext():
             store.delete_key(_key(group, generation, rank))
     except Exception:  # noqa: BLE001
         pass
@@ -276,6 +278,12 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
                 f"  rank {rank}{where}: waits in check_consistency() (its check's collective has not completed; no "
                 f"failure of its own yet){pos}; {_history(entry)}"
             )
+            continue
+        if entry.get("kind") == "waiting":  # Note [divergence probe] in divergence.py
+            op = _describe_op(entry)
+            reached.setdefault(op, []).append(rank)
+            lines.append(f"  rank {rank}{where}: waits in {op} (blocked past the divergence probe's delay; no failure "
+                         f"of its own yet){pos}; {_history(entry)}")
             continue
         if entry.get("kind") == "crash":
             error = str(entry.get("error"))

@@ -1,0 +1,155 @@
+"""The divergence probe: ranks blocked in collectives that can never pair are told so at once.
+
+Note [divergence probe]
+~~~~~~~~~~~~~~~~~~~~~~~
+A rank that skips a backward the others run and goes on to ``check_consistency()`` (or any rank
+whose program took another path) waits in a collective the others never issue, while they wait
+inside the backward it skipped (Note [a rank behind at the check] in ``engine_watch.py``). Nothing
+on the wire tells a peer that never comes from one that is slow, so this used to end only at the
+collective timeout (``FUSEDIST_TIMEOUT_S``, minutes by default). The store can tell: a wait that
+has blocked for ``FUSEDIST_DIVERGENCE_PROBE_S`` (default 5 s) publishes where this rank waits --
+the collective's sequence number, op and part (this rank's tensor of it), and whether it is inside
+``check_consistency()`` -- in its stall-report entry (kind ``waiting``, or the ``checking`` entry
+the check left, now with its collective), and reads the other ranks' entries every
+``PROBE_EVERY_S`` while it keeps waiting. When every rank of the group is stuck like that --
+blocked past the delay, or failed already (a peer whose probe got there first has replaced its
+entry with its failure) -- in collectives that cannot pair -- different sequence numbers or ops,
+parts of different sizes (not compared for an all-to-all, whose splits may differ), or some inside
+``check_consistency()`` and others outside it -- and the same evidence still holds a quarter of
+the delay later (an entry a peer is about to withdraw is not taken for a stall), the wait fails
+with a ``StallError`` and its usual report on every rank, about a second past the delay instead
+of at the timeout, and the communicator refuses further collectives. Ranks at the same collective
+are only slow: the probe keeps waiting, as it does while some peer is not blocked (it may be
+computing). Tags are not compared: collectives that must pair may carry different tags (a joined
+rank's shadows, fusedist/ddp/join.py).
+
+The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that ends before the
+delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
+write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
+The store's timeout is left alone (training may be healthy). Only waits that can be sliced without
+disturbing the collective are probed: gloo's own works and the gloo exchange's asynchronous ones (a
+synchronous exchange is driven by its caller with one deadline; a direct-NCCL or torch-NCCL wait
+does not block the host: there the NCCL watchdog would have to publish its oldest pending
+collective instead -- not done). After the verdict the collectives left pending still end at their
+deadline, and the exit drain waits for them (Note [draining at exit] in fusedist/comm/__init__.py):
+the error and its report come early; the process ends when it did before.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+from . import stall_report
+
+#: Seconds between two reads of the other ranks' entries while a wait goes on.
+PROBE_EVERY_S = 0.25
+
+#: The entry kinds that say where a rank is stuck: blocked in a collective, or failed in one (a peer
+#: whose probe reached the verdict first has replaced its entry with its failure; crashed and
+#: exited ranks close their connections, which ends the waits on them).
+_STUCK = ("waiting", "checking", "failure")
+
+
+class WaitProbe:
+    """One blocking wait's probe (Note [divergence probe]): :meth:`check` after each slice of the
+    wait, :meth:`close` when the wait ends either way."""
+
+    #: How long the wait goes on between two checks.
+    every_s = PROBE_EVERY_S
+
+    def __init__(self, monitor, op: str, tag: str, seq: int, delay_s: float, part=None):
+        self.monitor, self.delay_s = monitor, delay_s
+        self.waiting_on = {"op": op, "tag": tag, "seq": seq}
+        if part is not None:  # (what must match across ranks: each rank's part of the collective)
+            self.waiting_on["part"] = f"{part.numel()} x {part.dtype}"
+        self._reports_before = len(monitor.reports)
+        self._published: Optional[str] = None  # the kind of the entry this wait wrote
+        self._evidence = None  # what the last read found, to be found again
+
+    def check(self) -> Optional[str]:
+        """Publish this rank's place (once), read the others'; the verdict once confirmed, else None."""
+        monitor = self.monitor
+        if monitor.store is None or len(monitor.reports) != self._reports_before:
+            return None
+        comm = monitor.comm
+        if self._published is None:
+            kind = "checking" if monitor.check_announced else "waiting"
+            entry = {"kind": kind, "error": "", "context": monitor.context(), "recent": list(monitor.history),
+                     "waiting_on": dict(self.waiting_on)}
+            if not stall_report.publish(monitor.store, monitor.group_name, monitor.generation, comm.rank, entry,
+                                        bounded=False):
+                return None
+            self._published = kind
+            self._mine = entry
+        others = _peek(monitor.store, monitor.group_name, monitor.generation,
+                       [r for r in range(comm.world_size) if r != comm.rank])
+        found = None if others is None else diverged({comm.rank: self._mine, **others})
+        if found is None:
+            self._evidence = None
+            return None
+        evidence = tuple((r, e.get("kind"), e.get("time"), json.dumps(e.get("waiting_on"), sort_keys=True))
+                         for r, e in sorted(others.items()))
+        now = time.monotonic()
+        if self._evidence is None or self._evidence[0] != evidence:
+            self._evidence = (evidence, now)
+            return None
+        if now - self._evidence[1] < max(PROBE_EVERY_S, self.delay_s / 4):
+            return None  # (the same evidence must hold a while: a peer's entry may be about to go)
+        return (f"every rank of the group has been blocked in a collective for over {self.delay_s:g} s, in "
+                f"collectives that can never pair: {found}. Their programs diverged (a backward, step or "
+                "collective skipped or added on some ranks); found by the divergence probe "
+                "(FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
+                f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
+
+    def close(self) -> None:
+        """Withdraw the ``waiting`` entry (a ``checking`` one is the check's to withdraw; a failure
+        entry published since replaced it and stays)."""
+        monitor = self.monitor
+        if self._published == "waiting" and len(monitor.reports) == self._reports_before:
+            stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank,
+                                  bounded=False)
+
+
+def _peek(store, group: str, generation: int, ranks: list) -> Optional[dict]:
+    """The entries of ``ranks`` if every one of them is stuck in a collective, else None; one
+    store call per rank, none of which waits for a key (the store's timeout is left alone)."""
+    found = {}
+    try:
+        for rank in ranks:
+            key = stall_report._key(group, generation, rank)
+            if not store.check([key]):
+                return None
+            entry = json.loads(store.get(key).decode())
+            if entry.get("kind") not in _STUCK or "seq" not in (entry.get("waiting_on") or {}):
+                return None  # (a check's entry without its collective: not blocked for the delay yet)
+            found[rank] = entry
+    except Exception:  # noqa: BLE001 - a probe never fails a wait because the store is odd
+        return None
+    return found
+
+
+def diverged(entries: dict) -> Optional[str]:
+    """Why the ranks of ``entries`` (rank -> blocked entry, every rank of the group) wait in
+    collectives that cannot pair, or None when they may be at the same one. Ranks inside
+    ``check_consistency()`` and ranks outside it are named first: that says which ranks skipped
+    what the others run (their collectives then differ too)."""
+    checking = sorted(r for r, e in entries.items() if (e.get("context") or {}).get("in_check"))
+    if checking and len(checking) < len(entries):
+        outside = sorted(set(entries) - set(checking))
+        tags = {r: entries[r]["waiting_on"].get("tag") for r in sorted(entries)}
+        return (f"ranks {checking} wait in check_consistency()'s collective, ranks {outside} in a collective "
+                f"outside it (tags {tags}): a check pairs only with the others' check")
+    at: dict = {}
+    for rank, entry in sorted(entries.items()):
+        w = entry["waiting_on"]
+        at.setdefault((w["seq"], w["op"], w.get("part")), []).append(rank)
+    if len(at) > 1:
+        groups = sorted(at.items(), key=lambda item: item[1])  # (by their first rank)
+        where = "; ".join(f"ranks {ranks} in {op} (collective #{seq}{f', {part} per rank' if part else ''})"
+                          for (seq, op, part), ranks in groups)
+        what = ("the same collective with parts of different sizes" if len({key[:2] for key in at}) == 1
+                else "different collectives")
+        return f"they wait in {what} -- {where}"
+    return None

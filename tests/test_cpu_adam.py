@@ -381,3 +381,69 @@ def test_result_does_not_depend_on_thread_count(isa):
     finally:
         torch.set_num_threads(saved)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_lazily_negated_gradient_steps_like_torch(monkeypatch):
+    """A real view with torch's negative bit holds ``-value`` in memory; the kernel reads raw
+    memory, so it must be resolved first (Note [lazily negated gradients]). ``z.conj().imag`` of
+    a one-element complex ``z`` is such a view and dense (a learned scalar given a gradient from
+    complex math); ``torch._neg_view`` makes larger ones. Through FusedAdamW's trusted path and
+    the checked direct call, against torch's AdamW."""
+    from fusedist.optim import FusedAdamW
+
+    monkeypatch.setenv("FUSEDIST_KERNEL_BACKEND", "cpu_ext")
+    torch.manual_seed(29)
+    shapes = [(1,), (17,), (3, 5)]
+    ours = [torch.nn.Parameter(p) for p in _rand(shapes)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdamW(ours, lr=LR, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.01, foreach=True)
+    direct = [p.detach().clone() for p in ours]
+    states = ([torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes])
+    for step in (1, 2):
+        grads = [torch.randn(1, dtype=torch.complex64).conj().imag] + [torch._neg_view(torch.randn(s))
+                                                                       for s in shapes[1:]]
+        assert all(g.is_neg() and g.is_contiguous() for g in grads)
+        for o, r, g in zip(ours, ref, grads):
+            o.grad, r.grad = g, g.clone()
+        opt.step()
+        ref_opt.step()
+        adam_update(direct, grads, *states, None, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.01, adamw=True, step=step)
+    _assert_fp32_close(ours, ref, steps=2, what="FusedAdamW")
+    _assert_fp32_close(direct, ref, steps=2, what="adam_update")
+    # The unscale factor is read from memory too: a negated view of -0.5 is 0.5 (exact scaling).
+    grads = [torch.randn(s) for s in shapes]
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    ref_opt.step()
+    adam_update(direct, [g * 2 for g in grads], *states, None, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.01, adamw=True, step=3, inv_scale=torch._neg_view(torch.tensor([-0.5])))
+    _assert_fp32_close(direct, ref, steps=3, what="adam_update with a negated inv_scale view")
+    # A negated view the kernel would write is refused, naming it, before anything is written.
+    with pytest.raises(ValueError, match=r"params\[0\] is a lazily negated view"):
+        _call([torch._neg_view(torch.zeros(4))])
+
+
+@pytest.mark.parametrize("step", [10**6, 2**40])
+def test_very_large_step_counts_match_torch(isa, step):
+    """Bias corrections at step counts where beta**step underflows (torch's AdamW resumed from
+    a state at that step, as after a long run's checkpoint), with an lr given as a tensor."""
+    torch.manual_seed(31)
+    shapes = [(1,), (17,), (65,)]
+    params = _rand(shapes)
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.01, foreach=True)
+    exp_avgs = [torch.randn(s) * 0.1 for s in shapes]
+    exp_avg_sqs = [torch.rand(s) * 0.01 for s in shapes]
+    grads = _rand(shapes)
+    for r, g, m, v in zip(ref, grads, exp_avgs, exp_avg_sqs):
+        opt.state[r] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        r.grad = g.clone()
+    opt.step()
+    adam_update(params, grads, exp_avgs, exp_avg_sqs, None, lr=torch.tensor(LR), beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.01, adamw=True, step=step)
+    _assert_fp32_close(params, ref, what="params")
+    ref_m, ref_v = _torch_states(opt, ref)
+    _assert_fp32_close(exp_avgs, ref_m, what="exp_avg", atol=STATE_ATOL)
+    _assert_fp32_close(exp_avg_sqs, ref_v, what="exp_avg_sq", atol=STATE_ATOL)

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -50,6 +51,10 @@ std::string NcclComm::where() const {
 
 ncclComm_t NcclComm::live(const std::string& what) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return live_locked(what);
+}
+
+ncclComm_t NcclComm::live_locked(const std::string& what) const {
   if (aborted_) {
     throw NcclError("fusedist: " + what + " on " + where() +
                     ": the NCCL communicator was aborted earlier (" + abort_reason_ +
@@ -127,9 +132,14 @@ void NcclComm::broadcast(uintptr_t send, uintptr_t recv, size_t count, int dtype
 }
 
 void NcclComm::check_async_error(const std::string& what) {
-  ncclComm_t comm = live(what);
   ncclResult_t async_error = ncclSuccess;
-  FUSEDIST_NCCL_CHECK(nccl().CommGetAsyncError(comm, &async_error));
+  {
+    // Held across the poll: abort() and destroy() (another thread: the watchdog, close()) mark
+    // the communicator gone under this lock before freeing it, so a poll never reads a freed
+    // communicator; the poll itself never blocks.
+    std::lock_guard<std::mutex> lock(mutex_);
+    FUSEDIST_NCCL_CHECK(nccl().CommGetAsyncError(live_locked(what), &async_error));
+  }
   if (async_error != ncclSuccess && async_error != ncclInProgress) {
     std::string reason = std::string("asynchronous NCCL error: ") +
                          nccl().GetErrorString(async_error) + " (code " +
@@ -184,7 +194,13 @@ void NcclComm::abort(const std::string& reason) {
     comm = comm_;
     comm_ = nullptr;
   }
-  DeviceGuard guard(device_);
+  // After a fatal CUDA error selecting the device may throw too: the abort goes on without it,
+  // so that the error which caused the abort is the one raised.
+  std::optional<DeviceGuard> guard;
+  try {
+    guard.emplace(device_);
+  } catch (const CudaError&) {
+  }
   // The communicator is gone whatever abort returns; its status adds nothing the caller can
   // act on, and throwing here would hide the error that caused the abort.
   nccl().CommAbort(comm);

@@ -72,6 +72,7 @@ class NcclComm {
 
  private:
   ncclComm_t live(const std::string& what) const;  // throws if aborted or destroyed
+  ncclComm_t live_locked(const std::string& what) const;  // the same, mutex_ held
   void check_launch(uintptr_t stream, const std::string& what, size_t count, int dtype,
                     std::initializer_list<uintptr_t> buffers) const;
   std::string where() const;

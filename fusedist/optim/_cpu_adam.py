@@ -18,6 +18,8 @@ Guarantees:
   (round to nearest even).
 * If ``found_inf`` holds a non-zero (or NaN) value, nothing at all is written.
 * Inputs are checked before anything is written; a bad input raises naming the list and index.
+* Gradients and scalars that are lazily negated views (torch's negative bit) are read as torch
+  reads them (Note [lazily negated gradients]).
 
 Writes go through raw pointers, so tensor version counters are not bumped (as with other
 fused optimizer kernels, the step must not run on tensors autograd saved for a pending
@@ -95,6 +97,9 @@ def _describe_bad_tensor(t, what: str, i: int, shape, dtypes) -> Exception:
         return ValueError(f"{what}[{i}] is on {t.device}; the cpu_ext Adam kernel needs CPU tensors")
     if t.layout != torch.strided:
         return ValueError(f"{what}[{i}] has layout {t.layout}; only dense tensors are supported")
+    if t.is_neg():
+        return ValueError(f"{what}[{i}] is a lazily negated view (e.g. ``z.conj().imag``): its memory holds the "
+                          "values' negation, and the kernel writes it in place; pass ``.resolve_neg()`` of it")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
         return TypeError(f"{what}[{i}] has dtype {t.dtype}; expected one of {allowed}")
@@ -121,6 +126,7 @@ def _check_list(tensors, what: str, params, dtypes) -> None:
             and t.dtype in dtypes
             and t.is_cpu
             and t.layout == strided
+            and not t.is_neg()
             and (p is None or t.shape == p.shape)
             and ((t.is_contiguous() and (p is None or p.is_contiguous()))
                  or (is_dense(t) if p is None else walks_like(t, p)))
@@ -165,6 +171,31 @@ def _states_fit(params, exp_avgs, exp_avg_sqs, masters) -> bool:
             if not (t.dtype is f32 and t.is_cpu and t.shape == shape):
                 return False
     return True
+
+
+# Note [lazily negated gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A real tensor may carry torch's negative bit: ``z.conj().imag`` of a complex ``z`` is a view
+# whose memory holds ``-value`` and which every torch op reads as ``value``. The kernel reads
+# raw memory, so such a gradient stepped every element the wrong way, silently (torch's Adam
+# steps it right). A gradient (and ``inv_scale``/``clip_coef``/``found_inf``) is only read: it
+# is resolved into a copy here, ~0.1 us per gradient to test, which no caller's checks cover
+# (``walks_like`` sees only the strides). A tensor the kernel writes cannot be resolved in
+# place: the full check refuses it.
+def _resolve_negations(tensors):
+    """``tensors`` with each lazily negated one replaced by its resolved copy (Note [lazily
+    negated gradients]); the same list when there is none. (Other entries pass unchanged: the
+    checks name them.)"""
+    try:
+        negated = any(map(_is_neg, tensors))  # (a pass in C: ~70 ns per tensor)
+    except TypeError:  # not all tensors
+        negated = True
+    if not negated:
+        return tensors
+    return [t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors]
+
+
+_is_neg = torch.Tensor.is_neg
 
 
 def check_hyperparameters(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
@@ -225,12 +256,16 @@ def adam_update(
     if bias_correction and int(step) < 1:
         raise ValueError(f"step must be >= 1 with bias correction (got {step})")
     isa = _requested_isa()
+    # (resolved copies stay referenced here until the kernel has read them)
+    inv_scale, clip_coef, found_inf = (t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
+                                       for t in (inv_scale, clip_coef, found_inf))
     addresses = (
         _scalar_address(inv_scale, "inv_scale"),
         _scalar_address(clip_coef, "clip_coef"),
         _scalar_address(found_inf, "found_inf"),
     )
 
+    grads = _resolve_negations(grads)
     if not (trusted and _states_fit(params, exp_avgs, exp_avg_sqs, masters)):
         _check_all(params, grads, exp_avgs, exp_avg_sqs, masters)
     sizes = [p.nelement() for p in params]

@@ -165,9 +165,136 @@ def _refusals_and_names(rank, world):
     with pytest.raises(RuntimeError, match="already has state.*pass a fresh optimizer to fabric.setup"):
         fabric.setup(module, stepped)
 
+    # Fabric's DDP takes fabric.setup_optimizers before fabric.setup_module; stage 2 is built on
+    # the module's wrapper, so that order is refused naming the calls to make (ZeRO's own refusal
+    # advised to "wrap the model"), and the same objects then set up in order train as stage 2
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="fusedist_zero2")
+    fabric.launch()
+    module, optimizer = _model_and_optimizer()[:2]
+    with pytest.raises(ValueError, match=r"zero_stage=2\): the AdamW .* 4 parameter\(s\) \(shapes \[\(16, 8\).*"
+                                         r"call fabric.setup_module\(model\) before fabric.setup_optimizers"):
+        fabric.setup_optimizers(optimizer)
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(optimizer)
+    assert isinstance(optimizer.optimizer, fusedist.ZeroRedundancyOptimizer) and optimizer.optimizer.stage == 2
+    fabric.backward(nn.functional.mse_loss(model(_batch(rank, 0, 0)[0]), _batch(rank, 0, 0)[1]))
+    optimizer.step()
+
 
 def test_fabric_strategy_names_and_refusals(launched):
     results_of(launched, "names and refusals")
+
+
+def _scheduler_built_before_setup(side, precision, zero_stage, overflow_first):
+    """A scheduler built on the optimizer before ``fabric.setup_optimizers``, which Fabric is not
+    given: its torch step-order warnings and learning rates (Note [a scheduler built on the
+    returned optimizer])."""
+    import warnings
+
+    fabric = _fabric(side, precision, zero_stage)
+    model, optimizer, scheduler = _model_and_optimizer()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = _batch(fabric.global_rank, step, 0)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            fabric.backward(loss * 1e30 if overflow_first and step == 0 else loss)  # fp16: inf, skipped
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    messages = [str(w.message)[:60] for w in caught if "lr_scheduler" in str(w.message)]
+    return messages, [group["lr"] for group in optimizer.param_groups]
+
+
+def _scheduler_warnings(rank, world):
+    _launched_env(rank, world)
+    for precision, overflow_first in (("32-true", False), ("16-mixed", True)):
+        ref = _scheduler_built_before_setup("ddp", precision, 0, overflow_first)
+        assert bool(ref[0]) == overflow_first, ref  # torch warns after a skipped first step only
+        for zero_stage in (0, 2):
+            ours = _scheduler_built_before_setup("fusedist", precision, zero_stage, overflow_first)
+            assert ours == ref, (precision, zero_stage, ours, ref)
+
+
+def test_fabric_scheduler_built_before_setup_warns_as_fabrics_ddp(launched):
+    """torch's step-order check read the flag of the optimizer the scheduler was built on, which
+    the strategy had swapped: it warned "lr_scheduler.step() before optimizer.step()" at every
+    first scheduler step, though the swapped optimizer had stepped; it now warns where torch's
+    does, after a first step skipped for an fp16 overflow."""
+    results_of(launched, "scheduler built before setup")
+
+
+def _saved_through_the_given_optimizer(side, zero_stage, directory):
+    """``fabric.save`` / ``fabric.load`` of the optimizer object passed to ``fabric.setup`` (the one
+    Fabric's DDP steps) rather than the one setup returned: (straight weights, resumed weights)."""
+    fabric = _fabric(side, "32-true", zero_stage)
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            x, y = _batch(fabric.global_rank, step, 0)
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    path = os.path.join(directory, f"given-{side}-{zero_stage}.ckpt")
+    model, given = _model_and_optimizer()[:2]
+    model, optimizer = fabric.setup(model, given)
+    train(model, optimizer, range(3))
+    fabric.save(path, {"model": model, "optimizer": given})
+    train(model, optimizer, range(3, 6))
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    model, given = _model_and_optimizer()[:2]
+    model, optimizer = fabric.setup(model, given)
+    fabric.load(path, {"model": model, "optimizer": given})
+    train(model, optimizer, range(3, 6))
+    return straight, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _given_optimizer_saves(rank, world, directory):
+    _launched_env(rank, world)
+    ref = _saved_through_the_given_optimizer("ddp", 0, directory)
+    assert torch.equal(ref[0], ref[1])
+    for zero_stage in (1, 2):
+        straight, resumed = _saved_through_the_given_optimizer("fusedist", zero_stage, directory)
+        for a, b in ((straight, ref[0]), (resumed, ref[1]), (resumed, straight)):
+            assert (a - b).abs().max().item() <= TOL["32-true"], (zero_stage, (a - b).abs().max().item())
+
+
+def test_fabric_save_of_the_optimizer_given_to_setup_holds_the_whole_zero_state(launched):
+    """Saving the optimizer object given to ``fabric.setup`` (Fabric's DDP steps that very
+    object) saved rank 0's ZeRO shard -- the swapped optimizer's state_dict without the
+    consolidation Fabric runs for a ZeroRedundancyOptimizer -- which ``fabric.load`` refused;
+    it now holds the whole state, and the run resumes as Fabric's DDP does."""
+    results_of(launched, "save through the given optimizer")
+
+
+def _stepped_through_the_given_optimizer(rank, world):
+    """A loop that steps and zeroes the optimizer it passed to ``fabric.setup``, not the one setup
+    returned: weights after 4 steps, against Fabric's DDP (where it is the optimizer that steps)."""
+    _launched_env(rank, world)
+    weights = {}
+    for side, zero_stage in (("ddp", 0), ("fusedist", 0), ("fusedist", 2)):
+        fabric = _fabric(side, "32-true", zero_stage)
+        model, given = _model_and_optimizer()[:2]
+        model, _ = fabric.setup(model, given)
+        for step in range(4):
+            x, y = _batch(fabric.global_rank, step, 0)
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            given.step()
+            given.zero_grad()
+        weights[side, zero_stage] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for key in (("fusedist", 0), ("fusedist", 2)):
+        diff = (weights[key] - weights["ddp", 0]).abs().max().item()
+        assert diff <= TOL["32-true"], (key, diff)
+
+
+def test_fabric_loop_stepping_the_optimizer_given_to_setup_trains_as_fabrics_ddp(launched):
+    """The given optimizer steps the swapped one (Note [the returned optimizer]): it used to step
+    as a separate torch optimizer with its own state, which on ZeRO stage 2 (no p.grad) did
+    nothing at all."""
+    results_of(launched, "step through the given optimizer")
 
 
 def _separate_setup_half_precision(rank, world, zero_stage):
@@ -233,6 +360,12 @@ def launched(request, tmp_path_factory):
             "test_fabric_mixed_precision_with_zero2_trains_as_fabrics_ddp": {
                 k: v for precision in ("bf16-mixed", "16-mixed") for k, v in compare(precision, 2).items()},
             "test_fabric_strategy_names_and_refusals": {"names and refusals": (_refusals_and_names, ())},
+            "test_fabric_save_of_the_optimizer_given_to_setup_holds_the_whole_zero_state": {
+                "save through the given optimizer": (_given_optimizer_saves, (str(root),))},
+            "test_fabric_loop_stepping_the_optimizer_given_to_setup_trains_as_fabrics_ddp": {
+                "step through the given optimizer": (_stepped_through_the_given_optimizer, ())},
+            "test_fabric_scheduler_built_before_setup_warns_as_fabrics_ddp": {
+                "scheduler built before setup": (_scheduler_warnings, ())},
             "test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters": {
                 f"separate setup, bf16-true, ZeRO {stage}": (_separate_setup_half_precision, (stage,))
                 for stage in (0, 2)}}

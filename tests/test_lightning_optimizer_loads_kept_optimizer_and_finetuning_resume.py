@@ -52,7 +52,13 @@ def _module(opts: dict):
 
         def configure_optimizers(self):
             self.opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            if opts.get("own_scheduler"):  # built on the returned optimizer, stepped by the module
+                self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 1, 0.5)
             return self.opt
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if opts.get("own_scheduler"):
+                self.sched.step()
 
         def on_train_start(self):
             stepping = self.trainer.strategy.optimizers[0]
@@ -116,6 +122,37 @@ def test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps(launched)
             assert diff <= 1e-5, f"{name}, rank {rank}: weights differ by {diff}"
 
 
+def _kept_scheduler_worker(rank: int, world: int) -> dict:
+    import warnings
+
+    _launched_env(rank, world)
+    from fusedist.integrations.lightning import FusedistStrategy
+
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("fusedist", FusedistStrategy())):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            weights, seen = _fit(strategy, {"own_scheduler": True})
+        seen["warnings"] = [str(w.message)[:60] for w in caught if "lr_scheduler" in str(w.message)]
+        out[name] = (weights, seen)
+    return out
+
+
+def test_a_scheduler_the_module_keeps_warns_and_schedules_as_under_ddp(launched):
+    """An LR scheduler the module builds on the optimizer it returns, and steps itself, drives
+    the optimizer that steps, as under ``strategy="ddp"``, without torch's warning that it
+    stepped "before optimizer.step()": torch read the flag of the returned optimizer, which the
+    swap kept from stepping (Note [a scheduler built on the returned optimizer])."""
+    for rank, runs in enumerate(results_of(launched, "kept scheduler")):
+        runs = dict(runs)  # popped below: a copy
+        ref_weights, ref_seen = runs.pop("ddp")
+        assert ref_seen["lrs"] == [1e-2, 5e-3, 2.5e-3] and ref_seen["warnings"] == [], (rank, ref_seen)
+        for name, (weights, seen) in runs.items():
+            assert seen == ref_seen, (rank, name, seen, ref_seen)
+            diff = (weights - ref_weights).abs().max().item()
+            assert diff <= 1e-5, f"{name}, rank {rank}: weights differ by {diff}"
+
+
 def _resume_worker(rank: int, world: int, path: str) -> list:
     _launched_env(rank, world)
     from fusedist.integrations.lightning import FusedistStrategy
@@ -139,6 +176,8 @@ def launched(request, tmp_path_factory):
     launches it replaces had 120 s each."""
     path = str(tmp_path_factory.mktemp("kept") / "step2.ckpt")
     jobs = {"test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps": {"loading": (_loading_worker, ())},
+            "test_a_scheduler_the_module_keeps_warns_and_schedules_as_under_ddp": {
+                "kept scheduler": (_kept_scheduler_worker, ())},
             "test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume": {
                 "resume": (_resume_worker, (path,))}}
     return launch_for_selected(request, jobs, 2, timeout=200)

@@ -106,7 +106,8 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments, defaults and methods).
 
     With a fused optimizer (Note [scaler protocol]) ``step`` without ``unscale_`` does no
-    separate unscale pass, and nothing synchronizes the host. ``unscale_`` unscales the
+    separate unscale pass, and nothing synchronizes the host (except a closure passed to ``step``,
+    Note [a skipped step runs no closure]). ``unscale_`` unscales the
     gradients in place, as torch's does, so ``torch.nn.utils.clip_grad_norm_`` and anything
     else reading ``p.grad`` sees unscaled values; it also records the global norm, so
     ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Like torch's,
@@ -315,13 +316,28 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
             self._before_fused_step(owner, optimizer_state, optimizer)
         found = list(optimizer_state["found_inf_per_device"].values())
         owner.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
+        # Note [a skipped step runs no closure]
+        skipped_closure = bool(args) and args[0] is not None and bool(owner.found_inf.item())
         try:
-            retval = optimizer.step(*args, **kwargs)
+            retval = optimizer.step(*((None, *args[1:]) if skipped_closure else args), **kwargs)
         finally:
             if hasattr(owner, "_fusedist_clear_protocol"):
                 owner._fusedist_clear_protocol()
         optimizer_state["stage"] = OptState.STEPPED
-        return retval
+        return None if skipped_closure else retval
+
+    # Note [a skipped step runs no closure]
+    # torch's scaler refuses a closure passed by keyword, and takes one passed positionally
+    # (``scaler.step(opt, closure)``) along with any other argument of ``optimizer.step``; when
+    # the gradients overflowed it does not call ``optimizer.step``, so the closure (a forward and
+    # backward, a counter, a log line) does not run, and ``step`` returns None. A fused optimizer
+    # decides the skip on the device, so it ran the closure on a skipped step too. With a closure
+    # the flag is therefore read on the host (the one sync here; without a closure there is none),
+    # and a skipped step calls the optimizer's step without the closure and returns None. The step
+    # itself still runs, skipping on the device as without a closure, for the bookkeeping of a
+    # skipped step: ZeRO stage 2 consumes the overflowed gradient shards there (else the next
+    # backward adds to them), and an LR scheduler learns that the step was skipped (Note [a
+    # skipped step and the LR scheduler] in fusedist/optim/_scaler_protocol.py).
 
     def _before_fused_step(self, optimizer, optimizer_state: dict, given) -> None:
         """step()'s checks, and the found-inf check when unscale_ was not called (not again when

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import weakref
 
 import torch
@@ -141,7 +142,15 @@ def _new_named(implementation: type, returned: type):
 # dicts are the new one's: state_dict() returned the returned optimizer's empty state, and
 # load_state_dict() (resuming from a file of the user's own) loaded into an optimizer that
 # never steps -- and, replacing its param groups, cut it off from the new one's, so learning
-# rates set through it afterwards were lost too. A load into the new optimizer (a resume with
+# rates set through it afterwards were lost too. A ZeroRedundancyOptimizer's consolidate_state_dict
+# is forwarded with them: Fabric consolidates an optimizer given to fabric.save when it has that
+# method, and fabric.save(path, {"optimizer": optimizer}) with the optimizer passed to
+# fabric.setup (Fabric's DDP saves the full state of that very object) wrote rank 0's shard of
+# the state, which fabric.load then refused on every rank. Its step and zero_grad are the new
+# one's too: a loop that kept stepping the optimizer it passed to fabric.setup (as Fabric's DDP
+# allows: it is the optimizer that steps there) stepped that torch optimizer, with its own state,
+# instead of the fused or sharded one -- on ZeRO stage 2, which keeps no p.grad, not at all, and
+# the model did not train. A load into the new optimizer (a resume with
 # trainer.fit(ckpt_path=...), fabric.load) replaces the new one's list of groups as well,
 # which the returned optimizer follows: the learning rates of a warm-up written against it
 # stopped reaching the optimizer that steps after a resume.
@@ -155,10 +164,57 @@ def hand_over(old, new, schedulers) -> None:
             if getattr(scheduler, "optimizer", None) is old:
                 scheduler.optimizer = new
                 _track_step_calls(new)
+    scheduled = hasattr(old.step, "_wrapped_by_lr_sched")
+    if scheduled:  # Note [a scheduler built on the returned optimizer]
+        _track_step_calls(new)
+        old._opt_called = _SteppedThrough(new)
+    old.step, old.zero_grad = _step_of(new, old, scheduled), new.zero_grad
     old.param_groups = new.param_groups
     old.add_param_group = new.add_param_group
     old.state_dict, old.load_state_dict = new.state_dict, new.load_state_dict
+    if hasattr(new, "consolidate_state_dict"):  # a ZeroRedundancyOptimizer (Note [the returned optimizer])
+        old.consolidate_state_dict = new.consolidate_state_dict
     new.register_load_state_dict_post_hook(functools.partial(_share_loaded_groups, weakref.ref(old)))
+
+
+def _step_of(new, old, scheduled: bool):
+    """``old.step``: ``new``'s (Note [the returned optimizer]). A bound method, as torch's LR
+    schedulers wrap ``step.__func__``; marked as their wrapper when one was built on ``old``."""
+
+    def step(self, *args, **kwargs):
+        return new.step(*args, **kwargs)
+
+    if scheduled:
+        step._wrapped_by_lr_sched = True
+    return types.MethodType(step, old)
+
+
+# Note [a scheduler built on the returned optimizer]
+# An LR scheduler the strategy is not handed -- built on the optimizer before
+# fabric.setup_optimizers(optimizer) or fabric.setup(model, optimizer) without scheduler=, or
+# kept by a LightningModule that steps it itself -- drives the new optimizer through the shared
+# param groups, but torch's check of the step order reads the returned optimizer's
+# ``_opt_called``, which only its own step sets: the first scheduler.step() warned that it came
+# "before optimizer.step()" and that "the first value of the learning rate schedule" was skipped,
+# although the new optimizer had stepped and nothing was skipped (Fabric's DDP, whose optimizer
+# is the one the scheduler holds, gives no warning). The returned optimizer's flag now reads the
+# new one's -- when read, which the scheduler does once -- so it warns where torch's would: after
+# a step the scaler skipped for inf/nan gradients (Note [a skipped step and the LR scheduler] in
+# fusedist/optim/_scaler_protocol.py), or when no step ran.
+
+
+class _SteppedThrough:
+    """The returned optimizer's ``_opt_called``: true once the new one has stepped (Note [a
+    scheduler built on the returned optimizer]). Held weakly, as torch holds the optimizer."""
+
+    __slots__ = ("_new",)
+
+    def __init__(self, new) -> None:
+        self._new = weakref.ref(new)
+
+    def __bool__(self) -> bool:
+        new = self._new()
+        return bool(new is not None and getattr(new, "_opt_called", False))
 
 
 def _share_loaded_groups(old_ref, new) -> None:

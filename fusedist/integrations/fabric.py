@@ -28,10 +28,12 @@ Note [Fabric's steps on a fused or sharded optimizer]
     ``p.grad``, so stage 2 refuses it.
 
     An LR scheduler passed to ``fabric.setup(..., scheduler=...)`` -- and any scheduler it holds
-    (SequentialLR) -- drives the swapped optimizer, and the optimizer given to ``setup`` reads
-    and writes the swapped one's param groups (Note [the returned optimizer] in
-    ``_optimizer_swap.py``). ``fabric.save`` consolidates a ZeRO optimizer's state on rank 0, as
-    Fabric does for torch's ``ZeroRedundancyOptimizer``; ``fabric.load`` loads it on every rank.
+    (SequentialLR) -- drives the swapped optimizer, and the optimizer given to ``setup`` stands
+    for the swapped one: its param groups, ``step``, ``zero_grad`` and state dicts are the swapped
+    one's, so a scheduler built on it and a loop or ``fabric.save`` given it act on the optimizer
+    that steps (Note [the returned optimizer] in ``_optimizer_swap.py``). ``fabric.save``
+    consolidates a ZeRO optimizer's state on rank 0, as Fabric does for torch's
+    ``ZeroRedundancyOptimizer``; ``fabric.load`` loads it on every rank.
 
 Importing this module registers the strategy under Fabric's strategy names: ``"fusedist"``,
 ``"fusedist_zero1"``, ``"fusedist_zero2"`` and ``"fusedist_find_unused_parameters_true"``.
@@ -117,9 +119,26 @@ class FusedistFabricStrategy(DDPStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers`` after ``fabric.setup_module``: the same conversion."""
+        if self.zero_stage == 2:
+            self._check_module_set_up_first(optimizer)
         if self.zero_stage:
             self._check_holds_its_module(optimizer)
         return self._converted(optimizer, None)
+
+    def _check_module_set_up_first(self, optimizer: torch.optim.Optimizer) -> None:
+        """Note [stage 2 needs its module set up first]."""
+        wrapped = {id(p) for ref in self._set_up_modules if ref() is not None for p in ref().module.parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        outside = [p for p in params if id(p) not in wrapped]
+        if outside:
+            shapes = [tuple(p.shape) for p in outside[:4]]
+            raise ValueError(
+                f"{_NAME}(zero_stage=2): the {type(optimizer).__name__} given to fabric.setup_optimizers trains "
+                f"{len(outside)} parameter(s) (shapes {shapes}{' ...' if len(outside) > 4 else ''}) of no module "
+                "set up yet. Stage 2 reduces the gradients into the optimizer's shards through the "
+                "DistributedDataParallel wrapper that fabric.setup_module makes, so call fabric.setup_module(model) "
+                "before fabric.setup_optimizers(optimizer) (as Fabric's FSDP strategy asks), or "
+                "fabric.setup(model, optimizer), or use zero_stage=1")
 
     def _check_holds_its_module(self, optimizer: torch.optim.Optimizer) -> None:
         """The check ``fabric.setup`` makes for several optimizers, for ``fabric.setup_optimizers``:
@@ -167,6 +186,15 @@ class FusedistFabricStrategy(DDPStrategy):
                              "which keeps only this rank's shard of the gradients and no p.grad; clip by norm "
                              "(max_norm=...) or use zero_stage=1")
         super().clip_gradients_value(module, optimizer, clip_val)
+
+
+# Note [stage 2 needs its module set up first]
+# Fabric's DDP strategy takes fabric.setup_optimizers before fabric.setup_module. A stage-2
+# ZeroRedundancyOptimizer is built on the gradient hooks of the fusedist DistributedDataParallel
+# that fabric.setup_module makes, and refused to be built over the parameters of a module not
+# wrapped yet, with advice ("Wrap the model, or use stage=1") that a Fabric program cannot
+# follow. The strategy refuses that order itself, naming the calls to make; stage 1 (which
+# shards only the optimizer's state) and the unsharded fused optimizers take either order.
 
 
 class _FusedistBackwardSyncControl(_BackwardSyncControl):

@@ -24,8 +24,9 @@ Importing this module registers the strategy under Lightning's strategy names
 ``"fusedist_zero2"`` and ``"fusedist_find_unused_parameters_true"``. A swapped optimizer keeps
 the class name of the one ``configure_optimizers`` returned, so ``LearningRateMonitor`` logs the
 keys it logs under ``strategy="ddp"`` (Note [the optimizer's name] in ``_optimizer_swap.py``);
-the returned optimizer shares the swapped one's param groups, so composite LR schedulers and
-learning rates set by hand reach the optimizer that steps (Note [the returned optimizer] there).
+the returned optimizer shares the swapped one's param groups (and its step, zero_grad and state
+dicts), so composite LR schedulers, schedulers the module keeps and learning rates set by hand
+reach the optimizer that steps (Note [the returned optimizer] there).
 
 Install with ``pip install fusedist[lightning]``; launch as any Lightning DDP job (Lightning's
 own launcher, or ``torchrun``).

@@ -156,14 +156,15 @@ def _killed_async_save_worker(rank, world_size, root):
 @pytest.fixture(scope="module")
 def killed_async_save_run(tmp_path_factory):
     """(root, future of the killed-async-save launch), started by the first test that asks: rank 0
-    spends most of it waiting for its dead peer's beat to stay silent (10 s), which then overlaps
-    the torchrun jobs instead of adding to them."""
+    spends most of it waiting for its dead peer's beat to stay silent (3 s here,
+    FUSEDIST_CHECKPOINT_PEER_SILENCE_S), which then overlaps the torchrun jobs instead of adding
+    to them."""
     from fusedist.testing import run_distributed
 
     root = str(tmp_path_factory.mktemp("killed_async_save"))
     with ThreadPoolExecutor(1) as pool:
         yield root, pool.submit(run_distributed, _killed_async_save_worker, 2, root, timeout=120, pg_timeout=10,
-                                expect_failure=True)
+                                expect_failure=True, env={"FUSEDIST_CHECKPOINT_PEER_SILENCE_S": "3"})
 
 
 def test_kill_during_async_save_leaves_previous_checkpoint_loadable(killed_async_save_run):

@@ -10,7 +10,8 @@ fusedist reaches outside its own objects in a few places, and each is here:
   (``register_module_parameter_registration_hook``): a Parameter assigned into a module that
   a DDP wrapper follows is noted, so the wrapper's next forward raises instead of training the
   new Parameter unsynchronized (Note [parameters replaced after wrapping] in
-  fusedist/ddp/trainable.py);
+  fusedist/ddp/trainable.py), and its module registration hook
+  (``register_module_module_registration_hook``) for submodules added there the same way;
 * a chained ``sys.excepthook``: an uncaught exception is published to the other ranks'
   stall reports before the process dies (fusedist/reliability/monitor.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
@@ -29,8 +30,8 @@ import sys
 import threading
 from typing import Callable
 
-__all__ = ["at_exit", "chain_excepthook", "install_optimizer_step_hooks", "install_parameter_registration_hook",
-           "installed", "uninstall"]
+__all__ = ["at_exit", "chain_excepthook", "install_module_registration_hook", "install_optimizer_step_hooks",
+           "install_parameter_registration_hook", "installed", "uninstall"]
 
 _lock = threading.Lock()
 # key -> a function that removes the hook
@@ -56,6 +57,16 @@ def install_parameter_registration_hook(key: str, hook: Callable) -> None:
         from torch.nn.modules.module import register_module_parameter_registration_hook
 
         _removers[key] = register_module_parameter_registration_hook(hook).remove
+
+
+def install_module_registration_hook(key: str, hook: Callable) -> None:
+    """torch's global ``hook(module, name, submodule)`` on every submodule registration, once per ``key``."""
+    with _lock:
+        if key in _removers:
+            return
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        _removers[key] = register_module_module_registration_hook(hook).remove
 
 
 def chain_excepthook(key: str, before: Callable[[type, BaseException, object], None]) -> None:

@@ -223,6 +223,12 @@ def _assignment_worker(rank, world_size):
     case("one replaced", lambda m: setattr(m[2], "weight", nn.Parameter(torch.zeros(16, 16))))
     case("one added", lambda m: m[0].register_parameter("extra", nn.Parameter(torch.zeros(3))))
     case("converted", lambda m: m.double(), dtype=torch.float64)
+    # Submodules added after wrapping: a new head, a layer replaced, an empty container filled later.
+    case("submodule added", lambda m: setattr(m, "extra", nn.Linear(2, 2)))
+    case("submodule replaced", lambda m: m.__setitem__(2, nn.Linear(16, 16)))
+    case("container filled", lambda m: (m.append(nn.Sequential()), m[5].append(nn.Linear(2, 2))))
+    # A followed submodule registered under a second name brings no new Parameter: training goes on.
+    case("shared submodule", lambda m: setattr(m[1], "shared", m[0]))
     # One parameter converted, not the first of its bucket, used through a cast so the forward
     # runs: the gradient hook reports it (after zero_grad(set_to_none=True), a fresh gradient).
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
@@ -248,6 +254,27 @@ def _assignment_worker(rank, world_size):
     again = fusedist.DistributedDataParallel(model)
     nn.functional.mse_loss(again(x), y).backward()
     out["rewrapped grad"] = model[2].weight.grad.clone()
+    # A head appended after wrapping: refused, then trained by a new wrapper on averaged gradients.
+    model = _model()
+    ddp = fusedist.DistributedDataParallel(model)
+    torch.manual_seed(1)
+    model.append(nn.Linear(2, 2))
+    out["appended head"] = models.error_text(lambda: ddp(x), RuntimeError)
+    again = fusedist.DistributedDataParallel(model)
+    nn.functional.mse_loss(again(x), y).backward()
+    out["appended head grads"] = [p.grad.clone() for p in model.parameters()]
+    # A submodule with buffers only, added after wrapping: its buffers are broadcast from rank 0
+    # before each training forward, as torch's DDP broadcasts them (each rank updates them on
+    # its own data in between). (torch's does so only if the model had a buffer when wrapped.)
+    for kind, wrap in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        model = _model()
+        model[1].register_buffer("marker", torch.zeros(1))
+        ddp = wrap(model)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        model.append(nn.BatchNorm1d(2, affine=False))
+        for step in (1, 2, 3):
+            nn.functional.mse_loss(ddp(_batch(step, rank, world_size)[0]), y).backward()
+        out[f"added buffers, {kind}"] = [b.clone() for b in model[5].buffers()]
     # Note [a module wrapped again]: the older wrapper of the same module stops; an inner
     # wrapper that an outer one is built around passes through (the outer one reduces).
     model = _model()
@@ -263,8 +290,13 @@ def _assignment_worker(rank, world_size):
     return out
 
 
-def test_parameters_assigned_after_wrapping_raise_before_training_on_them():
-    results = run_distributed(_assignment_worker, 2, timeout=180)
+@pytest.fixture(scope="module")
+def assignment_results():
+    return run_distributed(_assignment_worker, 2, timeout=180)
+
+
+def test_parameters_assigned_after_wrapping_raise_before_training_on_them(assignment_results):
+    results = assignment_results
     for rank, out in enumerate(results):
         text = out["assign=True"]
         assert text is not None and f"rank {rank}" in text and "assigned after it was wrapped" in text, text
@@ -293,6 +325,45 @@ def test_parameters_assigned_after_wrapping_raise_before_training_on_them():
                                 reference.parameters()):
         torch.testing.assert_close(got0, want.grad, rtol=TOL, atol=TOL)
         torch.testing.assert_close(got1, got0, rtol=0, atol=0)
+
+
+def test_submodules_added_after_wrapping_raise_before_training_on_them(assignment_results):
+    """torch DDP trains a submodule added after wrapping on each rank's own gradients (the ranks
+    drift apart); here the next training forward raises on every rank, naming its parameters."""
+    results = assignment_results
+    for rank, out in enumerate(results):
+        for name, kind, names in (("submodule added", "added", "['extra.weight', 'extra.bias']"),
+                                  ("submodule replaced", "replaced by new Parameter objects", "['2.weight', '2.bias']"),
+                                  ("container filled", "added", "['5.0.weight', '5.0.bias']"),
+                                  ("appended head", "added", "['5.weight', '5.bias']")):
+            text = out[name]
+            assert text is not None and f"rank {rank}" in text, (name, text)
+            assert f"{kind}: {names}" in text and "wrap the module again" in text, (name, text)
+            assert out.get(name + " left parameters unchanged", True), name
+        assert out["shared submodule"] is None, out["shared submodule"]
+    # wrapped again, the appended head is reduced with the rest: the single-process gradients of
+    # the global batch's mean loss (fp32, summation order only: TOL), the same on both ranks
+    reference = _model()
+    torch.manual_seed(1)
+    reference.append(nn.Linear(2, 2))
+    x, y = _batch(0)
+    nn.functional.mse_loss(reference(x), y).backward()
+    for got0, got1, want in zip(results[0]["appended head grads"], results[1]["appended head grads"],
+                                reference.parameters()):
+        torch.testing.assert_close(got0, want.grad, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(got1, got0, rtol=0, atol=0)
+
+
+def test_buffers_of_submodules_added_after_wrapping_are_broadcast(assignment_results):
+    """A BatchNorm without affine weights appended after wrapping: rank 0's statistics reach
+    every rank before each training forward, as with torch's DDP."""
+    for out in assignment_results:
+        # the same ops in the same order on the same data as torch's DDP: fp32 rounding only
+        for got, want in zip(out["added buffers, fusedist"], out["added buffers, torch"], strict=True):
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    # (the ranks' statistics differ: each updated rank 0's with its own batch)
+    assert not torch.equal(assignment_results[0]["added buffers, torch"][0],
+                           assignment_results[1]["added buffers, torch"][0])
 
 
 def _frozen_after_forward_worker(rank, world_size, find_unused):

@@ -228,7 +228,54 @@ def _zero_worker(rank, world_size):
             "consolidate": _consolidate_worker(rank, world_size), "misuse": _misuse_worker(rank, world_size),
             "read_after_step": _read_after_step_worker(rank, world_size),
             "stage1_aliasing": _stage1_aliasing_worker(rank, world_size),
-            "schedulers": _scheduler_worker(rank, world_size)}
+            "schedulers": _scheduler_worker(rank, world_size),
+            "lifetime": _lifetime_and_destination_worker(rank, world_size)}
+
+
+def _lifetime_and_destination_worker(rank, world_size):
+    """A dropped optimizer is freed at once, as torch's optimizers are (no cyclic collection:
+    until one, a DDP model's layout changes would still grow it); consolidate_state_dict's
+    ``to`` is checked before the gather."""
+    import gc
+    import weakref
+
+    import fusedist
+
+    out = {}
+    gen = torch.Generator().manual_seed(rank)
+    gc.collect()
+    gc.disable()
+    try:
+        for stage, name in ((1, "fusedist"), (2, "fusedist"), (1, "torch")):
+            model = fusedist.DistributedDataParallel(models.MLP(), **TINY_BUCKETS)
+            if name == "torch":
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            else:
+                opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+            x, y = models.MLP.batch(gen)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if name == "fusedist":
+                opt.consolidate_state_dict(to=0)
+            dropped = weakref.ref(opt)
+            del opt
+            if stage == 2:  # the model's reduce-scatter holds it until a newer optimizer takes over
+                out["stage 2 kept by its model"] = dropped() is not None
+                newer = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+            out[f"{name} stage {stage} freed"] = dropped() is None
+    finally:
+        gc.enable()
+    del newer
+    model = fusedist.DistributedDataParallel(models.MLP(), **TINY_BUCKETS)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    x, y = models.MLP.batch(gen)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    for to in (world_size, -1, "0"):
+        out[f"to={to!r}"] = models.error_text(lambda: opt.consolidate_state_dict(to=to))
+    full = opt.consolidate_state_dict(to=world_size - 1)  # the ranks still agree after the refusals
+    out["last rank got the state"] = full is not None and len(full["state"]) == len(list(model.parameters()))
+    return out
 
 
 def _stage1_aliasing_worker(rank, world_size):
@@ -645,6 +692,29 @@ def test_misuse_is_reported(zero_run):
         # bf16 has 8 mantissa bits: one rounding of a parameter near 0.5 is ~2e-3; the two
         # stages sum the bf16 gradients in different orders.
         assert errors["bf16 stage1 vs stage2"] < 2e-2
+
+
+def test_dropped_optimizer_is_freed_at_once(zero_run):
+    """As a torch optimizer: ``del opt`` frees it (and its masters) without a cyclic collection."""
+    _, per_rank = zero_run
+    for rank, r in enumerate(per_rank):
+        out = r["lifetime"]
+        assert out["torch stage 1 freed"], rank
+        assert out["fusedist stage 1 freed"], rank
+        assert out["stage 2 kept by its model"] and out["fusedist stage 2 freed"], (rank, out)
+
+
+def test_consolidate_destination_outside_the_group_is_named(zero_run):
+    """torch's optimizer takes any ``to`` and gathers nowhere (state_dict() fails later);
+    here every rank refuses it at once, naming the argument and the valid ranks."""
+    world_size, per_rank = zero_run
+    for rank, r in enumerate(per_rank):
+        out = r["lifetime"]
+        for to in (world_size, -1, "0"):
+            text = out[f"to={to!r}"]
+            assert text is not None and f"rank {rank}" in text and f"to={to!r}" in text, text
+            assert f"ranks are 0..{world_size - 1} (world size {world_size})" in text, text
+        assert out["last rank got the state"] == (rank == world_size - 1)
 
 
 def _cuda_worker(rank, world_size, stage):

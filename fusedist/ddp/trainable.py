@@ -43,7 +43,14 @@ Note [parameters replaced after wrapping]
     cause). torch calls a global hook on every Parameter registration: fusedist installs one
     (``fusedist/_process_hooks.py``) that notes assignments into the modules of a live wrapper,
     and the wrapper's next training forward raises, naming them, before anything trains on
-    them. Wrapping the module again takes such changes. Conversions such as ``model.half()``
+    them. A submodule added (``model.module.extra = nn.Linear(...)``) registers its Parameters
+    with no Parameter registration: torch's global submodule registration hook notes those
+    not followed already (a submodule shared under a second name is reduced once, as before),
+    and the submodules it brings are followed from then on (an empty container filled later).
+    A submodule registered also has the wrapper find the module's buffers again, so those of a
+    submodule without parameters (a normalization without affine weights) are broadcast, as
+    torch's DDP, which walks the module at every broadcast, does.
+    Wrapping the module again takes such changes. Conversions such as ``model.half()``
     keep the Parameter objects and change their data (and their gradients'), which the
     buckets no longer hold: every training forward compares the first parameter of each
     bucket with the bucket's dtype (a whole-module conversion, without a per-parameter cost),
@@ -59,7 +66,7 @@ from collections import OrderedDict
 
 import torch
 
-from .._process_hooks import install_parameter_registration_hook
+from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
 from ..ownership import register_data_parallel
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
 from .._dtypes import real_pairs
@@ -85,6 +92,7 @@ class TrainableTracker:
         self.params = [p for _, p in named]
         self.position = {n: i for i, n in enumerate(self.names)}
         self.assigned: list[str] = []  # Note [parameters replaced after wrapping]
+        self._held_ids: "frozenset[int] | None" = None  # the followed Parameters' ids, built when needed
         follow_assignments(module, self)
         self.layout_flags = [p.requires_grad for p in self.params]
         self.layout_crc = flags_crc(self.layout_flags)
@@ -126,8 +134,17 @@ class TrainableTracker:
             return
         index = self.position.get(name)
         held = self.params[index] if index is not None else self.sparse.get(name)
-        if held is not param and name not in self.assigned:
-            self.assigned.append(name)
+        if held is param or name in self.assigned:
+            return
+        if held is None and id(param) in self.held_ids():
+            return  # a followed Parameter under a second name (a shared submodule): reduced once, as before
+        self.assigned.append(name)
+
+    def held_ids(self) -> "frozenset[int]":
+        """The ids of the Parameters followed (alive: this tracker holds them)."""
+        if self._held_ids is None:
+            self._held_ids = frozenset(map(id, self.params + list(self.sparse.values())))
+        return self._held_ids
 
     def _assigned_error(self, reducer) -> RuntimeError:
         known = [n for n in self.assigned if n in self.position or n in self.sparse]
@@ -137,7 +154,8 @@ class TrainableTracker:
         return RuntimeError(
             f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped "
             f"module were assigned after it was wrapped ({'; '.join(what)}), e.g. by "
-            "load_state_dict(..., assign=True) or module.weight = nn.Parameter(...). The wrapper "
+            "load_state_dict(..., assign=True), module.weight = nn.Parameter(...) or a submodule added "
+            "(module.extra = nn.Linear(...)). The wrapper "
             "synchronizes the gradients of the Parameters it was built with, so these would train "
             "on this rank's gradients alone. Make such changes before wrapping, or wrap the module again"
         )
@@ -165,13 +183,18 @@ _followed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def follow_assignments(module, tracker: TrainableTracker) -> None:
-    """Have Parameter assignments into ``module`` or its submodules noted by ``tracker``."""
+    """Have Parameter assignments and submodules added into ``module`` or its submodules noted
+    by ``tracker``."""
     install_parameter_registration_hook("ddp parameters assigned after wrapping", _parameter_registered)
-    ref = weakref.ref(tracker)
-    for prefix, sub in module.named_modules():
+    install_module_registration_hook("ddp submodules added after wrapping", _module_registered)
+    _follow_tree(module, weakref.ref(tracker), "")
+
+
+def _follow_tree(module, ref, prefix: str) -> None:
+    for name, sub in module.named_modules():
         # (dropping the entries of wrappers that are gone: a module wrapped again and again)
         live = [entry for entry in _followed.get(sub, ()) if entry[0]() is not None]
-        _followed[sub] = live + [(ref, prefix + "." if prefix else "")]
+        _followed[sub] = live + [(ref, prefix + name + "." if name else prefix)]
 
 
 def _parameter_registered(module, name: str, param):
@@ -180,6 +203,24 @@ def _parameter_registered(module, name: str, param):
         if tracker is not None:
             tracker.note_assignment(prefix + name, param)
     return None  # the Parameter is registered unchanged
+
+
+def _module_registered(module, name: str, submodule):
+    """A submodule registered into a followed module: its Parameters are noted as assigned
+    (those followed already under another name excepted) and its tree is followed."""
+    for ref, prefix in _followed.get(module, ()):
+        tracker = ref()
+        if tracker is None:
+            continue
+        owner = tracker.owner()
+        if owner is not None:
+            owner.submodules_changed()  # its buffers are found again (a submodule set to None: dropped)
+        if submodule is None:
+            continue
+        for param_name, param in submodule.named_parameters():
+            tracker.note_assignment(f"{prefix}{name}.{param_name}", param)
+        _follow_tree(submodule, ref, f"{prefix}{name}.")
+    return None  # the submodule is registered unchanged
 
 
 def _thaw_into_hook_buckets(reducer, trainable: set) -> None:

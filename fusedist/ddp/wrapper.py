@@ -197,7 +197,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         if init_sync:
             self._broadcast_state(buffers=init_sync_buffers)
 
-        self._buffer_dicts = [(m._buffers, self._ignored_keys(prefix)) for prefix, m in module.named_modules()]
+        self._buffer_dicts = self._find_buffer_dicts()
         self.timeline = Timeline.from_env(self.rank)
         self._superseded_by: Optional[str] = None
         self._nested = False  # inside a newer wrapper that reduces for it (Note [a module wrapped again])
@@ -258,8 +258,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         """``list(self.module.buffers())`` without walking the module tree each forward (with
         many small modules the walk cost more than the buffers' broadcast): the ``_buffers``
         dicts of the submodules present when the model was wrapped are kept and read, so a
-        buffer registered, reassigned or moved (``.to()``) since is seen; a submodule added
-        after wrapping is not, as its parameters are not reduced either."""
+        buffer registered, reassigned or moved (``.to()``) since is seen. A submodule added or
+        replaced since (noted by the registration hook, Note [parameters replaced after
+        wrapping] in trainable.py) has the dicts found again, so its buffers are broadcast as
+        torch's DDP, which walks the module at every broadcast, broadcasts them (one with
+        parameters is refused at the next training forward)."""
+        if self._buffer_dicts is None:
+            self._buffer_dicts = self._find_buffer_dicts()
         unique = {}
         for buffers, ignored in self._buffer_dicts:
             if buffers:
@@ -267,6 +272,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
                     if b is not None and key not in ignored:
                         unique[id(b)] = b
         return list(unique.values())
+
+    def _find_buffer_dicts(self) -> list:
+        return [(m._buffers, self._ignored_keys(prefix)) for prefix, m in self.module.named_modules()]
+
+    def submodules_changed(self) -> None:
+        """A submodule was registered into the wrapped module: find its buffers at the next broadcast."""
+        self._buffer_dicts = None
 
     def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state", buffers: bool = True) -> None:
         """Every parameter (and buffer, unless ``buffers`` is False) from rank ``src`` (at

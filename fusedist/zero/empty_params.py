@@ -22,14 +22,15 @@ import torch
 from torch.optim import Optimizer
 
 from . import state as zstate
+from .owner_ref import HeldByOptimizer
 
 
-class EmptyParams:
+class EmptyParams(HeldByOptimizer):
     """The state of one ZeroRedundancyOptimizer's (``zero``) trainable parameters with no
     elements (Note [parameters with no elements])."""
 
     def __init__(self, zero):
-        self.zero = zero
+        self._hold(zero)  # weakly (owner_ref.py)
         self.indices: list[int] = []  # what ``inner`` was built over
         self._trainable_seen: Optional[list] = None  # the zero's list of trainable indices looked at last
         self.stand_ins: dict[int, torch.Tensor] = {}

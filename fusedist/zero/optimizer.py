@@ -550,7 +550,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         """Gather every rank's shard; rank ``to`` gets a full state dict in torch's format
         (``{"state", "param_groups"}``) loadable by the unsharded optimizer class (and from
         :meth:`state_dict` until the next step), other ranks get None. A collective: every
-        rank must call it."""
+        rank must call it. ``to`` is a rank of the optimizer's process group, as torch's; another
+        is refused on every rank, naming it."""
         return self._sharded_state.consolidate(to)
 
     def load_state_dict(self, state_dict) -> None:

@@ -12,6 +12,7 @@ is applied at once, whenever it comes.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -20,14 +21,32 @@ from .._tensor_tree import to_cpu
 from ..comm.objects import gather_object
 from ..ddp.layout import flat_like, shaped_like
 from . import state as zstate
+from .owner_ref import HeldByOptimizer
 from .offload import check_offload_group
 
 
-class ShardedState:
+def _is_group_rank(to, world_size: int) -> bool:
+    try:
+        return 0 <= operator.index(to) < world_size
+    except TypeError:
+        return False
+
+
+def _destination_error(to, rank: int, world_size: int, cause: str = "") -> ValueError:
+    """``consolidate_state_dict(to=...)`` names a rank of the optimizer's process group, as torch's
+    (whose optimizer gathers nowhere then, and whose ``state_dict()`` fails later); the gather's
+    own refusal (``cause``: on a subgroup, which global ranks the group holds) named only its ``dst``."""
+    return ValueError(
+        f"ZeroRedundancyOptimizer.consolidate_state_dict (rank {rank}): to={to!r} is not a rank of the "
+        f"optimizer's process group, whose ranks are 0..{world_size - 1} (world size {world_size}); "
+        "pass the rank (within that group) that should receive the full state dict" + (f" ({cause})" if cause else ""))
+
+
+class ShardedState(HeldByOptimizer):
     """Saving and loading the state of one ZeroRedundancyOptimizer (``zero``)."""
 
     def __init__(self, zero):
-        self.zero = zero
+        self._hold(zero)  # weakly (owner_ref.py)
         # consolidate_state_dict's full state on its ``to`` rank, returned by state_dict()
         # until a step or load changes the state, as torch's optimizer does.
         self.consolidated: Optional[dict] = None
@@ -116,10 +135,19 @@ class ShardedState:
         z = self.zero
         local = to_cpu(self.shard())
         if z.comm is None or z.world_size == 1:
+            if not _is_group_rank(to, 1):
+                raise _destination_error(to, z.rank, 1)
             everyone = [local]
         else:
+            if not isinstance(to, int) and not _is_group_rank(to, z.world_size):
+                raise _destination_error(to, z.rank, z.world_size)  # (every rank, before any collective)
             # Through the monitored path: a rank that never calls it is named in a StallError.
-            everyone = gather_object(z.comm, local, to, tag="ZeroRedundancyOptimizer.consolidate_state_dict")
+            try:
+                everyone = gather_object(z.comm, local, to, tag="ZeroRedundancyOptimizer.consolidate_state_dict")
+            except ValueError as exc:  # every rank refuses an int outside the group, after the size exchange
+                if _is_group_rank(to, z.world_size):
+                    raise
+                raise _destination_error(to, z.rank, z.world_size, str(exc)) from None
             if z.rank != to:
                 return None
         merged = zstate.merge_fragments(everyone)

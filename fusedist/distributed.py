@@ -86,9 +86,34 @@ def _as_timedelta(timeout) -> datetime.timedelta:
     return _checked(timeout, "init_distributed(timeout=...)")
 
 
-def _current_info() -> DistributedInfo:
-    backend = dist.get_backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+def _backends_by_device(spec: str) -> dict:
+    """torch's backend spec (``"gloo"``, ``"cpu:gloo,cuda:nccl"``) as {device type: backend}."""
+    spec = spec.lower()
+    if ":" not in spec:
+        return {"cpu": spec, "cuda": spec}
+    return dict(part.strip().split(":", 1) for part in spec.split(",") if part.strip())
+
+
+def _compute_backend(by_device: dict) -> str:
+    """The backend of the device this process computes on: NCCL's GPU where a spec gives CUDA
+    tensors to NCCL and CUDA is here, else the CPU's (what ``init_distributed`` reports)."""
+    cuda = by_device.get("cuda") if torch.cuda.is_available() else None
+    return cuda if cuda == "nccl" else by_device.get("cpu", next(iter(by_device.values())))
+
+
+def _current_info(backend: str | None = None) -> DistributedInfo:
+    """The setup of the group torch already initialized. Its backend is read from the group's
+    per-device configuration: ``dist.get_backend()`` says ``"undefined"`` for a group made with
+    several backends -- torch's own default, ``init_process_group()`` without one -- or names
+    the spec (``"cpu:gloo"``), which no requested ``backend`` would equal."""
+    by_device = _backends_by_device(dist.get_backend_config())
+    if backend is not None and backend.lower() not in by_device.values():
+        raise RuntimeError(
+            f"torch.distributed is already initialized with backend {dist.get_backend_config()!r}; "
+            f"init_distributed(backend={backend!r}) cannot change it"
+        )
+    backend = _compute_backend(by_device) if backend is None else backend.lower()
+    local_rank = _env_int("LOCAL_RANK", dist.get_rank())
     if backend == "nccl" and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -121,12 +146,7 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
             LOCAL_RANK names a GPU this machine does not have.
     """
     if dist.is_available() and dist.is_initialized():
-        info = _current_info()
-        if backend is not None and backend.lower() != info.backend:
-            raise RuntimeError(
-                f"torch.distributed is already initialized with backend {info.backend!r}; "
-                f"init_distributed(backend={backend!r}) cannot change it"
-            )
+        info = _current_info(backend)
         if timeout is not None:
             _remember_timeout(_as_timedelta(timeout))
         return info
@@ -158,7 +178,8 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     explicit, timeout = timeout is not None, _as_timedelta(timeout)
     device = torch.device("cpu")
     kwargs = {}
-    if backend == "nccl":
+    reported = _compute_backend(_backends_by_device(backend))  # "cpu:gloo,cuda:nccl" binds the GPU too
+    if reported == "nccl":
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise RuntimeError(
@@ -170,7 +191,7 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     _remember_timeout(timeout if explicit else None)
-    return DistributedInfo(rank, world_size, local_rank, backend, device)
+    return DistributedInfo(rank, world_size, local_rank, reported, device)
 
 
 def _remember_timeout(timeout: datetime.timedelta | None) -> None:

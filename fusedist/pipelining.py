@@ -64,6 +64,18 @@ Note [zero-bubble passes of fusedist stages]
     A DDP stage's engine reduces when every bucket is ready, so there the pass accumulates a
     zero gradient into each weight instead (the step's last then all-reduces the sums).
 
+Note [a stage whose inputs need no gradient]
+    torch's input pass (zero-bubble schedules) keeps, for the weight pass, the intermediates
+    where the weights' gradient paths meet the stage inputs' -- and then cuts the graph. A
+    stage none of whose inputs requires a gradient (the stage after a frozen one: a frozen
+    embedding or encoder being fine-tuned past; the first stage, which torch special-cases, is
+    such a stage) has no such meeting point: torch's weight pass then computed nothing and the
+    stage's weights silently got no gradient at all. Here such a stage runs its whole backward
+    in the input slot (gradient sync off, so it only accumulates), and its weight pass, with
+    nothing left to compute, counts the micro-batch and in the step's last reduces the sums
+    (Note [zero-bubble passes of fusedist stages]). The stage gives up overlap of its weight
+    gradients with the bubbles, not correctness.
+
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
     module) is treated alike, through its engine's switch for the next backward: torch's
@@ -124,7 +136,8 @@ _made = itertools.count()
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard`` or
     wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
-    fully_shard modules], Note [pipeline stages of DDP modules])."""
+    fully_shard modules], Note [pipeline stages of DDP modules]); it also trains a stage whose
+    inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient])."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -137,10 +150,15 @@ class PipelineStage(_TorchPipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         sync_only_if = _sync_switch(self.submod)
+        if sync_only_if is None and backward_type != "full" and not getattr(self, "_root_checked", False):
+            _check_root_sharded(self.submod, self.stage_index)
+            self._root_checked = True
+        if backward_type == "input" and _weights_miss_the_inputs(self.submod, bwd_kwargs["input_values"]):
+            # Note [a stage whose inputs need no gradient]
+            with sync_only_if(False) if sync_only_if is not None else contextlib.nullcontext():
+                grads, _ = super().backward_maybe_with_nosync("full", _as_full(bwd_kwargs), last_backward=False)
+            return grads, []
         if sync_only_if is None:  # not a module of fusedist's data parallelism: torch's stage decides
-            if backward_type != "full" and not getattr(self, "_root_checked", False):
-                _check_root_sharded(self.submod, self.stage_index)
-                self._root_checked = True
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         if backward_type == "input":  # Note [zero-bubble passes of fusedist stages]
             with sync_only_if(False):
@@ -193,6 +211,29 @@ def _check_root_sharded(module, stage_index: int) -> None:
             f"but holds one ('{inner}'); zero-bubble schedules split its backward over the gathered parameters of "
             "a fully_shard stage only: shard the stage module too, fully_shard(stage_module, mesh=...) after its "
             "blocks (or use a schedule without weight passes)")
+
+
+def _as_full(bwd_kwargs: dict) -> dict:
+    """An input pass's arguments as a full pass's: torch wraps the last stage's loss in a tuple
+    for the input pass, and a full pass skips a tuple without output gradients."""
+    output = bwd_kwargs["stage_output"]
+    if bwd_kwargs["output_grads"] is None and isinstance(output, tuple) and len(output) == 1:
+        return {**bwd_kwargs, "stage_output": output[0]}
+    return bwd_kwargs
+
+
+def _weights_miss_the_inputs(module, input_values) -> bool:
+    """An input pass would lose the weights' gradients: the stage has trainable weights but no
+    input that requires a gradient (Note [a stage whose inputs need no gradient]). Modules of
+    torch's own data parallelism are left to torch's stage, which switches their sync itself."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in input_values):
+        return False
+    if isinstance(module, (FSDPModule, TorchDDP)):
+        return False
+    return bool(_weights(module))
 
 
 def _holders_outside_grad(module) -> list:

@@ -28,6 +28,7 @@ by about lr = 1e-2.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -400,12 +401,13 @@ def test_3d_pipeline_stages_match_fsdp2(kind, launched8):
 
 
 # ------------------------------------------------------------------ zero-bubble schedules
-def _unsharded_reference(seed, steps, data_ranks, num_stages: int = 4) -> list:
+def _unsharded_reference(seed, steps, data_ranks, num_stages: int = 4, frozen=()) -> list:
     """The whole model of ``num_stages`` stages trained on the global batch (every data-parallel
-    rank's micro-batches) with AdamW in one process: each stage's state dict after ``steps`` steps."""
-    modules = [_stage_module(i, num_stages, seed) for i in range(num_stages)]
+    rank's micro-batches) with AdamW in one process: each stage's state dict after ``steps`` steps
+    (the stages ``frozen`` left untrained)."""
+    modules = [_stage_module(i, num_stages, seed).requires_grad_(i not in frozen) for i in range(num_stages)]
     whole = nn.Sequential(*modules)
-    opt = _adamw(whole.parameters())
+    opt = _adamw([p for p in whole.parameters() if p.requires_grad])
     generators = [torch.Generator().manual_seed(seed + r) for r in range(data_ranks)]
     for _ in range(steps):
         batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for g in generators]
@@ -525,6 +527,64 @@ def test_zero_bubble_schedules_train_as_the_unsharded_model(launched4):
                 assert passes.get("weight", 0) > 0, (rank, name, got)
             else:
                 assert passes.get("weight", 0) == weights * stages_with_input_passes, (rank, name, got)
+
+
+def _after_a_frozen_stage_worker(rank, world_size, seed):
+    """Interleaved zero bubble, 4 stages over pp x dp = 2 x 2, stage 0 frozen (stage 1's inputs
+    need no gradient) or stages 0-2 (the last stage's, whose input pass starts from the loss).
+    Each wrap's stages after 1 + STEPS AdamW steps, against the unsharded model with those stages
+    frozen; a plain stage module (fusedist's stage) is averaged over dp by hand."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    r = pp.get_local_rank()
+    placement, num_stages = (r, r + 2), 4
+    out = {}
+    for frozen, wrap in itertools.product(((0,), (0, 1, 2)), ("fully_shard", "DistributedDataParallel", "plain")):
+        reference = _unsharded_reference(seed, 1 + STEPS, dp.size(), num_stages, frozen=frozen)
+        modules, stages = [], []
+        for index in placement:
+            module = _stage_module(index, num_stages, seed).requires_grad_(index not in frozen)
+            wrapped = {"fully_shard": lambda m: fusedist.fully_shard(m, mesh=dp),
+                       "DistributedDataParallel": lambda m: fusedist.DistributedDataParallel(
+                           m, process_group=dp.get_group()),
+                       "plain": lambda m: m}[wrap](module)
+            modules.append(module)
+            stages.append(PipelineStage(wrapped, index, num_stages, torch.device("cpu"), group=pp.get_group()))
+        schedule = pipelining.ScheduleInterleavedZeroBubble(
+            stages, n_microbatches=MICRO_BATCHES, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        opt = _adamw(params) if params else None  # (pp rank 0 holds only frozen stages 0 and 2)
+        if wrap == "plain" and params:  # average the gradients over dp before each step, as DDP would
+            def average(opt, args, kwargs):
+                for p in params:  # (a gradient lost is a zero here: the test then names the wrap)
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                    torch.distributed.all_reduce(p.grad, group=dp.get_group())
+                    p.grad /= dp.size()
+            opt.register_step_pre_hook(average)
+        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+        _run_steps(schedule, opt, g, placement, num_stages)
+        ours = [fusedist.fsdp.full_state_dict(m) if wrap == "fully_shard" else m.state_dict() for m in modules]
+        out[f"{wrap}, stages {frozen} frozen"] = _max_diff(ours, [reference[i] for i in placement])
+    return out
+
+
+def test_zero_bubble_trains_a_stage_after_a_frozen_one(launched4):
+    """A stage none of whose inputs requires a gradient (the stage after a frozen one, the last
+    stage included) under a zero-bubble schedule (Note [a stage whose inputs need no gradient]):
+    torch's input pass finds no point where the weights' paths meet the inputs', so its weight
+    pass computed nothing and the stage never trained, silently (torch's own PipelineStage too).
+    fusedist stages (fully_shard, DDP, a plain module) train as the unsharded model with
+    the same stages frozen does (tolerance as above; a lost gradient is a ~lr difference)."""
+    seed, per_rank = launched4["seed"], results_of(launched4, "after a frozen stage")
+    for rank, out in enumerate(per_rank):
+        for wrap, diff in out.items():
+            assert diff < 1e-4, (seed, rank, wrap, diff)
 
 
 class _ScaleFunction(torch.autograd.Function):
@@ -987,6 +1047,8 @@ def launched4(request, tmp_path_factory):
             f"skipping {name}": (_skipping_worker, 11, name, n) for name, n in SKIPPING.items()},
         "test_stages_of_fusedist_ddp_reduce_once_per_step": {"ddp": (_ddp_worker, seed)},
         "test_a_users_own_no_sync_holds_over_the_pipeline_step": {"no sync": (_no_sync_worker, seed)},
+        "test_zero_bubble_trains_a_stage_after_a_frozen_one": {
+            "after a frozen stage": (_after_a_frozen_stage_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 

@@ -118,6 +118,7 @@ def unscale_per_device(optimizer, inv_scale: torch.Tensor, found_inf: torch.Tens
                     if grad.dtype is torch.float16:
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
+                grad = _memory_view(grad)  # Note [negated and conjugated gradients in unscale_]
                 grads[grad.device][grad.dtype].append(grad)
         flags = {}
         for device, by_dtype in grads.items():
@@ -126,6 +127,24 @@ def unscale_per_device(optimizer, inv_scale: torch.Tensor, found_inf: torch.Tens
             for same_dtype in by_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, inv)
     return flags
+
+
+# Note [negated and conjugated gradients in unscale_]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A gradient may be a lazily negated view (``z.conj().imag``, torch's negative bit) or a lazily
+# conjugated one (``p.grad = z.conj()``): torch's unscale kernel refuses either ("fallback doesn't
+# currently support mutable TensorLists with negation inputs"), and so did torch's GradScaler.
+# Its inf/nan check and its product with a real inverse scale give the same answer on the
+# tensor's memory (``-value``, ``conj(value)``), so the kernel is handed the plain view of that
+# memory (the bit cleared, no copy) and the gradient itself is unscaled in place. A complex
+# gradient, which the kernel does not take at all, is handed as its real view (both parts are
+# checked and scaled alike).
+def _memory_view(grad: torch.Tensor) -> torch.Tensor:
+    if grad.is_neg():
+        grad = torch._neg_view(grad)  # (toggles the bit: the memory as it is)
+    if grad.is_complex():
+        grad = torch.view_as_real(grad.conj() if grad.is_conj() else grad)
+    return grad
 
 
 def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

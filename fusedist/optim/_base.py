@@ -160,13 +160,11 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             return super()._fusedist_has_grads()  # a sharded subclass says which gradients count
         return any(p.grad is not None for g in self.param_groups for p in g["params"])
 
-    def _fusedist_local_grads(self) -> list[torch.Tensor]:  # (complex ones as real: Note [complex parameters])
-        grads = self._fusedist_params_and_grads()[1]
-        return _complex.real_views(grads) if self._fusedist_complex else grads
+    def _fusedist_local_grads(self) -> list[torch.Tensor]:  # (as their memory: _complex.grads_as_memory)
+        return _complex.grads_as_memory(self._fusedist_params_and_grads()[1], self._fusedist_complex)
 
     def _fusedist_unscale_targets(self) -> list[torch.Tensor]:
-        grads = self._fusedist_params_and_grads()[1]
-        return _complex.real_views(grads) if self._fusedist_complex else grads
+        return _complex.grads_as_memory(self._fusedist_params_and_grads()[1], self._fusedist_complex)
 
     def _fusedist_check_norm_and_unscale(self, inv_scale: torch.Tensor):
         cls = type(self)
@@ -263,7 +261,7 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
             tensors = params if set(map(type, params)) <= PLAIN_TYPES else [values_of(p) for p in params]
             if self._fusedist_complex and _complex.any_complex(tensors):  # Note [complex parameters]
                 views, made = _complex.real_states(states)
-                self._step_group(group, _complex.real_views(tensors), _complex.real_views(grads), views,
+                self._step_group(group, _complex.real_views(tensors), _complex.read_views(grads), views,
                                  inv_scale=inv_scale, clip_coef=clip_coef, found_inf=found_inf)
                 _complex.keep_created_states(tensors, states, views, made)
             else:

@@ -8,6 +8,7 @@ import operator
 import torch
 
 from .._dtypes import compute_dtype
+from ._negated import memory_views as negated_memory_views
 
 # Note [complex parameters]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -59,8 +60,55 @@ def check_gradients(params: list, grads: list, all_params: list, owner: str) -> 
             raise TypeError(f"{owner}: gradient of param {pi} has dtype {g.dtype}, the parameter {p.dtype}")
 
 
+# Note [lazily conjugated gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A complex tensor may carry torch's conjugate bit (``p.grad = z.conj()``): its memory holds the
+# conjugate of its values, and it has no real view (``view_as_real`` refuses it: torch's Adam,
+# AdamW and SGD raise on it). It is stepped as its values. The step only reads a gradient: the
+# real view of a resolved copy serves (:func:`read_views`). The scaler's inf check, sum of
+# squares and in-place unscale are blind to the sign of the imaginary parts and commute with a
+# real factor: they walk the memory itself (:func:`memory_views`, the conjugate bit cleared by
+# ``conj()``, a view), so an unscale writes the gradient. A parameter or state the step writes
+# cannot be resolved in place: refused, naming what to do.
 def real_view(t):
-    return torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
+    if isinstance(t, torch.Tensor) and t.is_complex():
+        if t.is_conj():
+            raise ValueError(f"a complex {tuple(t.shape)} parameter or optimizer state is a lazily conjugated view "
+                             "(``is_conj()``), which the step would write through its real view; pass "
+                             "``.resolve_conj()`` of it (for a parameter, a new nn.Parameter made of it)")
+        return torch.view_as_real(t)
+    return t
+
+
+def _read_view(t):
+    if isinstance(t, torch.Tensor) and t.is_complex():
+        return torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
+    return t
+
+
+def _memory_view(t):
+    if isinstance(t, torch.Tensor) and t.is_complex():
+        return torch.view_as_real(t.conj() if t.is_conj() else t)
+    return t
+
+
+def read_views(grads: list) -> list:
+    """Gradients as real tensors of their values, for a step that reads them (Note [lazily
+    conjugated gradients])."""
+    return list(map(_read_view, grads)) if any_complex(grads) else grads
+
+
+def memory_views(grads: list) -> list:
+    """Gradients as real views of their memory, for the sign-blind scaler passes (Note [lazily
+    conjugated gradients])."""
+    return list(map(_memory_view, grads)) if any_complex(grads) else grads
+
+
+def grads_as_memory(grads: list, may_be_complex: bool) -> list:
+    """The gradients the scaler checks, measures and unscales, as the memory they are written
+    in: complex ones as real views, conjugated and negated ones unflagged (Note [lazily
+    conjugated gradients], Note [lazily negated tensors] in _negated.py)."""
+    return negated_memory_views(memory_views(grads) if may_be_complex else grads)
 
 
 def real_views(tensors: list) -> list:

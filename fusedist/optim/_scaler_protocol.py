@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._complex import grads_as_memory
 from .functional import _effective_factor
 from .step_context import StepContext
 
@@ -248,8 +249,8 @@ class ScalerProtocol:
             unchanged.append(g)
         if ctx.inv_scale is not None:
             self._fusedist_check_grads_since_unscale()  # raises: these gradients were still scaled
-        if unchanged:
-            torch._foreach_mul_(unchanged, ctx.clip_coef.reshape(()).to(unchanged[0].device))
+        if unchanged:  # (a negated or conjugated one as its memory: Note [lazily conjugated gradients])
+            torch._foreach_mul_(grads_as_memory(unchanged, True), ctx.clip_coef.reshape(()).to(unchanged[0].device))
         ctx.clip_coef = ctx.clipped_grads = None
 
     def _written_after_clip_message(self, p) -> str:

@@ -116,4 +116,15 @@ def clip_grad_norm_(
                 if set(map(id, opt._fusedist_grad_params())) == ids:
                     return _record_clip(opt, grads, max_norm, error_if_nonfinite)
         materialize_unscales(with_grad, pending)
+    if foreach is not False and any(g.is_neg() or g.is_conj() for g in grads):
+        foreach = False  # Note [a negated or conjugated gradient clipped]
     return torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+# Note [a negated or conjugated gradient clipped]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A gradient that is a lazily negated view (``z.conj().imag``) or a lazily conjugated one
+# (``p.grad = z.conj()``) makes torch's foreach clip raise ("fallback doesn't currently support
+# mutable TensorLists with negation inputs"), the default on CPU and CUDA. Its per-tensor path
+# reads and scales them as their values (same norm, same coefficient): it is taken for such a
+# list, also where ``foreach=True`` was asked for.

@@ -45,6 +45,8 @@ import torch
 from .. import _extension
 from ..backend import select_backend
 from . import _cpu_sgd, _reference
+from ._negated import memory_views as _memory_views, read_resolved as _read_resolved
+from ._negated import refuse_negated as _refuse_negated, scalar_resolved as _scalar_resolved
 from .._memory_layout import is_dense, walks_like
 
 Tensor = torch.Tensor
@@ -299,13 +301,14 @@ def check_and_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None, 
     ``unscale_in_place``: also write ``grad * inv_scale`` into the gradients, as torch's
     ``GradScaler.unscale_`` does (the Triton kernel in the same pass).
     """
-    grads = [g for g in grads if g is not None]
+    grads = _memory_views([g for g in grads if g is not None])  # Note [lazily negated tensors] in _negated.py
     if not grads:
         device = inv_scale.device if inv_scale is not None else torch.device("cpu")
         zero = torch.zeros(1, dtype=torch.float32, device=device)
         return zero, zero.clone()
     device = grads[0].device
     _check_scalar_tensor("inv_scale", inv_scale, device)
+    inv_scale = _scalar_resolved(inv_scale)
     bads, sumsqs = [], []
     buckets = _one_bucket(grads, device)
     if buckets is None:
@@ -375,6 +378,12 @@ def adam_update(
     device = params[0].device
     for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
         _check_scalar_tensor(name, t, device)
+    _refuse_negated("adam_update", params=params)  # (Note [lazily negated tensors])
+    if validate:
+        _refuse_negated("adam_update", exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters,
+                        max_exp_avg_sqs=max_exp_avg_sqs)
+    grads = _read_resolved(grads)
+    inv_scale, clip_coef, found_inf = map(_scalar_resolved, (inv_scale, clip_coef, found_inf))
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  bias_correction=bias_correction, maximize=maximize)
     buckets = _bucketize(params, grads, masters, (exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
@@ -440,6 +449,11 @@ def sgd_update(
     for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
         _check_scalar_tensor(name, t, device)
     bufs = momentum_buffers if momentum != 0 else None
+    _refuse_negated("sgd_update", params=params)  # (Note [lazily negated tensors])
+    if validate:
+        _refuse_negated("sgd_update", momentum_buffers=bufs, masters=masters)
+    grads = _read_resolved(grads)
+    inv_scale, clip_coef, found_inf = map(_scalar_resolved, (inv_scale, clip_coef, found_inf))
     hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov, maximize=maximize)
     buckets = _bucketize(params, grads, masters, (bufs,))
@@ -504,6 +518,12 @@ def lamb_update(
     device = params[0].device
     for name, t in (("inv_scale", inv_scale), ("clip_coef", clip_coef), ("found_inf", found_inf)):
         _check_scalar_tensor(name, t, device)
+    _refuse_negated("lamb_update", params=params)  # (Note [lazily negated tensors])
+    if validate:
+        _refuse_negated("lamb_update", exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters)
+    grads = _read_resolved(grads)
+    inv_scale, clip_coef, found_inf = map(_scalar_resolved, (inv_scale, clip_coef, found_inf))
+    global_grad_sumsq = _scalar_resolved(global_grad_sumsq)
     if global_grad_sumsq is None:
         _, global_grad_sumsq = check_and_norm(grads, _effective_factor(inv_scale, clip_coef))
     if max_grad_norm > 0:

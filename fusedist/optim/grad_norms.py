@@ -25,11 +25,13 @@ def norm_result_dtype(dtypes) -> torch.dtype:
 def magnitudes(tensors: Sequence[torch.Tensor], norm_type: float) -> list:
     """``tensors`` with each complex one replaced by a real tensor of the same ``norm_type``-norm,
     as torch's clip measures complex gradients (by their magnitudes): its real pairs for the
-    2-norm (a view), its magnitudes otherwise. The norm kernels take real tensors only."""
+    2-norm (a view), its magnitudes otherwise. The norm kernels take real tensors only. A lazily
+    conjugated tensor (``z.conj()``), which has no real view, gives that of its memory: the
+    conjugate's, of the same norm."""
     if not any(t.is_complex() for t in tensors):
         return list(tensors)
     if float(norm_type) == 2.0:
-        return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+        return [torch.view_as_real(t.conj() if t.is_conj() else t) if t.is_complex() else t for t in tensors]
     return [t.abs() if t.is_complex() else t for t in tensors]
 
 

@@ -142,8 +142,9 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     on that group from then on (torch's own collectives keep the timeout the group was made with).
 
     Raises:
-        RuntimeError: the launch environment is incomplete (names the missing variables), or
-            LOCAL_RANK names a GPU this machine does not have.
+        RuntimeError: the launch environment is incomplete (names the missing variables) or
+            malformed (names the variable: RANK outside WORLD_SIZE, LOCAL_RANK negative or outside
+            LOCAL_WORLD_SIZE, MASTER_PORT not a port), or LOCAL_RANK names a GPU this machine does not have.
     """
     if dist.is_available() and dist.is_initialized():
         info = _current_info(backend)
@@ -171,6 +172,14 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     if local_rank < 0:
         raise RuntimeError(f"fusedist.init_distributed: malformed launch environment: LOCAL_RANK={local_rank} "
                            "is negative")
+    # torchrun sets both; a hand-written launch where they disagree would bind a GPU no local process should use
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        local_world = _env_int("LOCAL_WORLD_SIZE")
+        if local_rank >= local_world:
+            raise RuntimeError(
+                f"fusedist.init_distributed: malformed launch environment: LOCAL_RANK={local_rank} is outside "
+                f"LOCAL_WORLD_SIZE={local_world} (rank {rank}): LOCAL_RANK must be below the number of processes "
+                "on this node; launch with torchrun, or set LOCAL_RANK in 0..LOCAL_WORLD_SIZE-1")
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -76,6 +76,21 @@ Note [a stage whose inputs need no gradient]
     (Note [zero-bubble passes of fusedist stages]). The stage gives up overlap of its weight
     gradients with the bubbles, not correctness.
 
+Note [micro-batches of another shape]
+    torch's stages receive each micro-batch's activations into buffers allocated once, at the
+    first step, from micro-batch 0's shapes. A batch that ``n_microbatches`` does not divide
+    (``tensor_split`` makes micro-batches of 3, 3, 2, 2 rows), or a later batch of another
+    size, then failed far from its cause: gloo aborted the receiving process ("Received data
+    size doesn't match expected size"), or a smaller micro-batch landed in the first rows of a
+    larger buffer and the last stage's loss failed ("size of tensor a (3) must match b (2)")
+    -- or, with a loss that broadcasts, trained on the stale rows silently. Only the sender
+    can see the mismatch: the first stage checks each micro-batch's inputs (it is given them),
+    and any stage whose next stage is on another rank checks its outputs against the buffers
+    there, before they are sent. Later stages see only their fixed buffers; they learn of the
+    error when the first stage's process ends (gloo: "Connection closed by peer"), or at the
+    group's timeout. A pipeline whose stages are all on one rank passes tensors as they are and
+    is left alone.
+
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
     module) is treated alike, through its engine's switch for the next backward: torch's
@@ -136,17 +151,24 @@ _made = itertools.count()
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard`` or
     wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
-    fully_shard modules], Note [pipeline stages of DDP modules]); it also trains a stage whose
+    fully_shard modules], Note [pipeline stages of DDP modules]); it refuses a micro-batch of another shape
+    than the first (Note [micro-batches of another shape]); it also trains a stage whose
     inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient])."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _stages[next(_made)] = self
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+    def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        # Note [micro-batches of another shape]
+        if self.is_first and self.group_size > 1:
+            _check_shapes(self, fwd_chunk_id, "input", self._stage_meta.inputs, args)
+        output = super().forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
+        if not self.is_last and self.stage_index_to_group_rank[self.stage_index + 1] != self.group_rank:
+            _check_shapes(self, fwd_chunk_id, "output", self._stage_meta.outputs, output)
+        return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         sync_only_if = _sync_switch(self.submod)
@@ -185,6 +207,30 @@ class PipelineStage(_TorchPipelineStage):
         if grad_scale_factor != 1:
             for holder in _holders_outside_grad(self.submod):
                 torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
+
+
+def _check_shapes(stage, chunk: int, kind: str, metas, values) -> None:
+    """Refuse a micro-batch whose tensors differ from the shapes the receive buffers were made
+    for (Note [micro-batches of another shape]), naming the stage, the micro-batch and both shapes."""
+    if metas is None:
+        return
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    for i, (meta, value) in enumerate(zip(metas, values)):
+        if meta is None or not isinstance(value, torch.Tensor):
+            continue
+        local = getattr(value, "_local_tensor", value)  # a DTensor's metadata is its local shard's
+        if tuple(local.shape) == tuple(meta.shape) and local.dtype == meta.dtype:
+            continue
+        if kind == "input":
+            fix = (f"Give each step a batch of the same size, divisible by n_microbatches ({stage.chunks}) (with a "
+                   "DataLoader: drop_last=True, so the last batch is not smaller)")
+        else:
+            fix = "Make the stage's outputs keep their shapes from micro-batch to micro-batch (pad or trim them)"
+        raise RuntimeError(
+            f"fusedist.pipelining.PipelineStage: stage {stage.stage_index}, micro-batch {chunk}: {kind} {i} has "
+            f"shape {tuple(local.shape)} ({local.dtype}), expected {tuple(meta.shape)} ({meta.dtype}): the "
+            "pipeline's stages receive into buffers sized from micro-batch 0 of its first step, so every "
+            f"micro-batch of every step must have that shape. {fix}")
 
 
 def stage_holders_outside_grad() -> list:

@@ -1027,6 +1027,92 @@ def test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline(wrap, 
     results_of(launched2, f"short step {wrap}")
 
 
+def _refused(call):
+    """The message of the RuntimeError ``call()`` raised, or None."""
+    try:
+        call()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _uneven_worker(rank, world_size, seed, schedule_name):
+    """A 2-stage pipeline (stage ``rank`` on rank ``rank``): a good step, a batch the buffers
+    were not sized for (refused on the first stage, before anything is sent), a micro-batch and
+    an output of another shape by hand, then a good step again. Returns the errors and the stage's
+    weights against the unpipelined model's after the two good steps."""
+    from torch.distributed import pipelining
+
+    from fusedist.pipelining import PipelineStage
+
+    def build():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+    whole, model = build(), build()
+    part = model[2 * rank:2 * rank + 2]
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+
+    def mse(out, target):
+        return (out - target).square().mean()
+
+    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=MICRO_BATCHES, loss_fn=mse)
+    opt, ref_opt = torch.optim.SGD(part.parameters(), lr=0.1), torch.optim.SGD(whole.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    errors = []
+
+    def batch(rows):
+        return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
+
+    def good_step():
+        x, y = batch(8)
+        schedule.step(*((x,) if rank == 0 else ()), **({} if rank == 0 else {"target": y, "losses": []}))
+        opt.step()
+        opt.zero_grad()
+        mse(whole(x), y).backward()  # micro-batches of equal size: the mean of their means
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    good_step()
+    x, _ = batch(10)  # 4 micro-batches of 3, 3, 2, 2 rows; the buffers hold 2
+    if rank == 0:  # (the stage after it only ever sees its fixed buffers: it skips these)
+        errors.append(_refused(lambda: schedule.step(x)))
+        stage.clear_runtime_states()
+        stage.forward_one_chunk(0, (x[:2],), {})  # (no schedule: nothing is sent)
+        errors.append(_refused(lambda: stage.forward_one_chunk(1, (x[2:5],), {})))
+        stage.clear_runtime_states()
+        trim = part.register_forward_hook(lambda module, args, out: out[:1])  # an output of another shape
+        errors.append(_refused(lambda: stage.forward_one_chunk(0, (x[:2],), {})))
+        trim.remove()
+        stage.clear_runtime_states()
+        assert all(p.grad is None for p in part.parameters())
+    good_step()
+    return errors, _max_diff([part.state_dict()], [whole[2 * rank:2 * rank + 2].state_dict()])
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "Schedule1F1B"])
+def test_a_micro_batch_of_another_shape_is_refused_naming_stage_and_shapes(schedule_name, launched2):
+    """torch's stages receive into buffers sized from micro-batch 0 of the first step: a batch
+    that n_microbatches does not divide (or a later batch of another size) failed far away
+    (gloo aborting the receiver, or the loss's "size of tensor a (3) must match b (2)"). The
+    first stage refuses it before sending, naming the stage, the micro-batch, both shapes and
+    the fix; the pipeline then trains on as the unpipelined model (fp32 sums of the same terms
+    in another order: 1e-6)."""
+    seed = launched2["seed"]
+    for rank, (errors, diff) in enumerate(results_of(launched2, f"uneven {schedule_name}")):
+        assert diff < 1e-6, (rank, diff, seed)
+        if rank == 1:
+            assert errors == []
+            continue
+        step, by_hand, output = errors
+        assert None not in errors, errors
+        assert f"stage 0, micro-batch 0: input 0 has shape (3, {WIDTH})" in step, step
+        assert f"expected (2, {WIDTH})" in step and f"divisible by n_microbatches ({MICRO_BATCHES})" in step, step
+        assert "drop_last=True" in step, step
+        assert f"stage 0, micro-batch 1: input 0 has shape (3, {WIDTH})" in by_hand, by_hand
+        assert f"stage 0, micro-batch 0: output 0 has shape (1, {WIDTH})" in output, output
+
+
 # ----------------------------------------------------------------------------- shared spawns
 # One spawn per world size runs the scenarios of the tests selected (a 4-rank spawn costs
 # ~8 s of starting ranks), each with a fresh dynamo (compiled blocks recompile as in a spawn
@@ -1066,11 +1152,14 @@ def launched8(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched2(request):
+    seed = int(torch.randint(0, 10_000, ()).item())
     jobs = with_fresh_compiler({
         "test_a_last_weight_pass_that_computes_nothing_still_reduces_the_sum": {
             f"empty weight pass {wrap}": (_empty_weight_pass_worker, 3, wrap)
             for wrap in ("fully_shard", "DistributedDataParallel")},
         "test_a_step_short_of_its_last_backward_is_refused_naming_the_pipeline": {
             f"short step {wrap}": (_short_step_worker, wrap) for wrap in ("fully_shard", "ddp")},
+        "test_a_micro_batch_of_another_shape_is_refused_naming_stage_and_shapes": {
+            f"uneven {name}": (_uneven_worker, seed, name) for name in ("ScheduleGPipe", "Schedule1F1B")},
     })
-    return launch_for_selected(request, jobs, 2, timeout=300)
+    return {"seed": seed, **launch_for_selected(request, jobs, 2, timeout=300)}

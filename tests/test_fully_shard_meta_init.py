@@ -14,6 +14,9 @@ References:
   carries that rounding into its update at the scale of lr (up to 1e-4 seen, with the
   matmul kernels of another CPU); a wrong row, a lost rank's gradient or a garbage value
   left by ``to_empty`` moves weights by about lr per step, on average as well;
+* the default init_fn's blind spots (modules without ``reset_parameters()``): the tensors an
+  unsharded model filled with NaN after ``to_empty`` still holds NaN in after
+  ``apply(reset_parameters)`` are exactly those ``init_parameters``' warning names;
 * MixedPrecisionPolicy, CPUOffloadPolicy, reshard_after_forward=False: the same fully_shard
   configuration built with data (no meta) from the same initial weights, one step: bit for bit
   (the same operations on the same values).
@@ -351,6 +354,46 @@ def _misuse(rank, ws):
     torch.manual_seed(SEED)
     fusedist.fsdp.init_parameters(mixed)
     out["mixed units init"] = _init_diff(mixed, _reference(Net))
+    out.update(_uninitialized_named(ws))
+    return out
+
+
+class _Partly(nn.Module):
+    """Tensors no reset_parameters() reaches: an attention's projections (nn.MultiheadAttention has
+    only a private _reset_parameters), the model's own parameter and a buffer (of modules without one)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2)
+        self.fc = nn.Linear(d, d)
+        self.gain = nn.Parameter(torch.ones(d))
+        self.register_buffer("pos", torch.arange(float(d)), persistent=False)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x)[0]) * self.gain + self.pos
+
+
+def _uninitialized_named(ws) -> dict:
+    """What the default init_fn leaves as to_empty left it, and what init_parameters warns of."""
+    import warnings
+
+    # reference: the unsharded model filled with NaN after to_empty, then apply(reset_parameters): the NaN left
+    ref = _Partly()
+    ref.to_empty(device="cpu")
+    for t in (*ref.parameters(), *ref.buffers()):
+        t.detach().fill_(float("nan"))
+    ref.apply(_reset)
+    left = sorted(n for n, t in (*ref.named_parameters(), *ref.named_buffers()) if t.isnan().any())
+    out = {"left": left}
+    for name, make, units in (("partly", _Partly, lambda m: [m.attn]), ("all reset", Net, None)):
+        with torch.device("meta"):
+            model = make()
+        _shard(model, ws, units=units)
+        model.to_empty(device="cpu")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fusedist.fsdp.init_parameters(model)
+        out[f"warned {name}"] = [str(w.message) for w in seen if "init_parameters" in str(w.message)]
     return out
 
 
@@ -365,3 +408,9 @@ def test_misuse_and_mixed_devices():
         assert res["apply on pieces"] > 0.0
         assert "fc2.weight" in res["mixed unit"] and "fc1.weight (cpu)" in res["mixed unit"], res["mixed unit"]
         assert res["mixed units init"] == 0.0
+        # tensors no reset_parameters() reaches are named, as Lightning's materialization warns
+        assert res["left"] == ["attn.in_proj_bias", "attn.in_proj_weight", "gain", "pos"], res["left"]
+        assert len(res["warned partly"]) == 1, res["warned partly"]
+        named = res["warned partly"][0].split(" belong to ")[0].split(": ", 1)[1].split(", ")
+        assert sorted(named) == res["left"], res["warned partly"]
+        assert res["warned all reset"] == [], res["warned all reset"]

@@ -11,7 +11,9 @@ unit's layout differs between them.
 Checked: losses and the clip's global norm equal FSDP2's (fp32 AdamW; bf16 gathers with fp32
 reduction and ``reshard_after_forward=False``; accumulation without gradient sync; activation
 checkpointing of the blocks and an evaluation forward), full model and optimizer state dicts equal
-FSDP2's, ``CPUOffloadPolicy`` against FSDP2's, torch's distributed checkpoint both ways,
+FSDP2's, ``full_tensor()`` of ``model.state_dict()``'s and the optimizer state's entries equal
+FSDP2's DTensor entries' (also cloned entries, and dim-1 sharded HSDP ones), ``CPUOffloadPolicy``
+against FSDP2's, torch's distributed checkpoint both ways,
 fusedist's own full state dict round trip into a model built on the meta device, ``init_parameters``
 on such a model equal to the unsharded model's initialization, per-parameter gradient norms (the
 Lightning helper's) equal to FSDP2's DTensor gradients' norms, the GradScaler skipping on every rank when one rank's
@@ -23,6 +25,7 @@ ranks), and the refusals. fusedist's own checkpoint format: tests/test_checkpoin
 from __future__ import annotations
 
 import os
+import traceback
 
 import pytest
 import torch
@@ -164,6 +167,10 @@ def _worker(rank, world_size, seed, root):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out, ours, model_ours = _against_fsdp2(mesh, seed, root)
+    try:  # (a failure before any collective, alike on every rank: its own test reports it)
+        out["full_tensor"] = _entries_made_whole(mesh, seed, mesh["dp"].get_local_rank())
+    except Exception:  # noqa: BLE001
+        out["full_tensor"] = traceback.format_exc()
 
     # fusedist's full state dict, loaded into a model built on the meta device, trains on as ours
     whole = fusedist.fsdp.full_state_dict(ours)
@@ -263,6 +270,50 @@ def _scaler_step_with_inf_on(bad_rank: int, rank: int, model, seed: int):
     return opt, (all(torch.equal(x, p) for x, p in zip(before, model.parameters())), scaler.get_scale())
 
 
+def _whole_entries(state: dict) -> dict:
+    """FSDP2's export recipe: every entry of ``model.state_dict()`` made whole by ``full_tensor()``."""
+    return {k: v.full_tensor() for k, v in state.items()}
+
+
+def _entries_made_whole(mesh, seed, rank) -> dict:
+    """``full_tensor()`` of ``model.state_dict()``'s entries (Note [whole entries] in
+    fusedist/fsdp/whole_entry.py) against FSDP2's DTensor entries: tensor-parallel ones, entries
+    cloned before another optimizer step (their own values, not the parameters'), the optimizer
+    state's entries (``get_optimizer_state_dict``), and an HSDP
+    model whose 2-D weights are sharded on dim 1 (entries that are boxes, pieces held twice)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
+
+    import fusedist
+
+    out = {}
+    ours, theirs = _build(mesh, fusedist.fully_shard, seed), _build(mesh, torch_fully_shard, seed)
+    kept, moments = [], []
+    for model in (ours, theirs):
+        opt = _train(model, mesh, seed, steps=1)[0]
+        kept.append({k: v.clone() for k, v in model.state_dict().items()})
+        ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(seed + rank))
+        model(ids).float().square().mean().backward()
+        opt.step()
+        state = get_optimizer_state_dict(model, opt)["state"]
+        moments.append(_whole_entries({f"{k}.{n}": v for k, st in state.items() for n, v in st.items() if v.dim()}))
+    out["tp cloned"] = _max_diff(_whole_entries(kept[0]), _whole_entries(kept[1]))
+    out["tp now"] = _max_diff(_whole_entries(ours.state_dict()), _whole_entries(theirs.state_dict()))
+    out["tp optimizer"] = _max_diff(*moments)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    models = []
+    for shard in (fusedist.fully_shard, torch_fully_shard):
+        torch.manual_seed(seed)
+        model = _Net()
+        for m in (*model.blocks, model):
+            shard(m, mesh=hsdp, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+        models.append(_whole_entries(model.state_dict()))
+    out["hsdp dim 1"] = _max_diff(*models)
+    return out
+
+
 def _refusals(mesh) -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -323,6 +374,19 @@ def test_training_and_clip_match_fsdp2_with_tensor_parallelism(results):
         ours, theirs = out["bf16"]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5,
                                    msg=f"seed {seed}, rank {rank}")
+
+
+def test_state_dict_entries_full_tensor_as_fsdp2(results):
+    """``{k: v.full_tensor() for k, v in model.state_dict().items()}`` gives FSDP2's whole parameters
+    (and the optimizer state's entries FSDP2's whole moments):
+    the same values after the same fp32 steps (a few ulps: the clip's norm sums in another order,
+    as in the training test), and bit for bit for an untrained HSDP model (copies only)."""
+    seed, per_rank = results
+    for rank, out in enumerate(per_rank):
+        got = out["full_tensor"]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert max(got["tp cloned"], got["tp now"], got["tp optimizer"]) < 1e-6, (seed, rank, got)
+        assert got["hsdp dim 1"] == 0.0, (seed, rank, got)
 
 
 def test_checkpoints_interchange_with_fsdp2(results):

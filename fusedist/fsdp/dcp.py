@@ -120,6 +120,9 @@ class ShardedPiece(torch.Tensor):
     # quantized storage: the layout of its canonical bytes (``packed.layout_record``), which the
     # checkpoint records and a load checks (Note [the layout of quantized storage in DCP])
     _fs_layout: Optional[list] = None
+    # (a weak reference to the unit, the parameter's index in it): what ``full_tensor`` gathers
+    # over; None for an entry made without one
+    _fs_owner: Optional[tuple] = None
 
     @staticmethod
     def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
@@ -161,6 +164,14 @@ class ShardedPiece(torch.Tensor):
         self._fs_local, self._fs_shift = tuple(local_shape), tuple(int(s) for s in shift)
         return self
 
+    def full_tensor(self) -> torch.Tensor:
+        """The whole parameter from this entry's values on every rank, as FSDP2's
+        ``DTensor.full_tensor()`` gives it: a collective, every rank calls it for the same entry
+        (Note [whole entries] in whole_entry.py)."""
+        from .whole_entry import full_tensor_of
+
+        return full_tensor_of(self)
+
     def local(self) -> torch.Tensor:
         """The piece as a plain tensor (same storage)."""
         with torch._C.DisableTorchFunctionSubclass():
@@ -190,6 +201,7 @@ class ShardedPiece(torch.Tensor):
         """This entry with ``src``'s place in the parameter: its whole size, and for tensor
         parallelism the local tensor's shape and offsets and whether this rank writes it."""
         self._fs_size, self._fs_writes, self._fs_layout = src._fs_size, src._fs_writes, src._fs_layout
+        self._fs_owner = src._fs_owner
         return self.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else self
 
     @property

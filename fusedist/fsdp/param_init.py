@@ -60,6 +60,7 @@ Note [initializing like the unsharded model]
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -82,10 +83,16 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
     ``order="modules"`` calls it in ``module.modules()``'s order instead (parents first), as
     ``for m in module.modules(): init_fn(m)`` would. Buffers are initialized by ``init_fn``
     too (they are not sharded). Needs no communication, but call it on every rank with the
-    same RNG state. Returns ``module``."""
+    same RNG state. Returns ``module``.
+
+    With the default ``init_fn``, the parameters and buffers of submodules that define no
+    ``reset_parameters()`` (``nn.MultiheadAttention``'s projections, a model's own
+    ``nn.Parameter``) keep what they held -- after ``to_empty``, uninitialized memory: a
+    ``UserWarning`` names them, as Lightning's meta-device materialization does."""
     if order not in _ORDERS:
         raise ValueError(f"fusedist.fsdp.init_parameters: order must be one of {sorted(_ORDERS)}, got {order!r}")
-    init_fn = init_fn if init_fn is not None else _reset_parameters
+    default = init_fn is None
+    init_fn = _reset_parameters if default else init_fn
     units = _units_under(module)
     for unit in units:
         unit.check_materialized()
@@ -104,7 +111,25 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
         _release_all(whole, quiet=True)  # (the exception that stopped it is the one to see)
         raise
     _release_all(whole)
+    if default:
+        _warn_uninitialized(module)
     return module
+
+
+def _warn_uninitialized(module: nn.Module) -> None:
+    """Warn, naming them, of the tensors no ``reset_parameters()`` reached (see ``init_parameters``)."""
+    left = []
+    for prefix, sub in module.named_modules():
+        if callable(getattr(sub, "reset_parameters", None)):
+            continue
+        owned = [n for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
+        left.extend(f"{prefix}.{n}" if prefix else n for n in owned)
+    if left:
+        warnings.warn(
+            f"fusedist.fsdp.init_parameters: {', '.join(left)} belong to modules without a reset_parameters() "
+            "method, so they keep what they held (after to_empty, uninitialized memory) unless another module's "
+            "reset_parameters() wrote them. Pass an init_fn that initializes them, or give those modules "
+            "reset_parameters().", UserWarning, stacklevel=2)
 
 
 def _release_all(whole: dict, quiet: bool = False) -> None:

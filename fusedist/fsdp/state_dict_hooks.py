@@ -166,6 +166,7 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
         entry = ShardedPiece.wrap_box(value, unit.layout.slots[index].shape, *region)
     else:
         entry = ShardedPiece.wrap(value, unit.layout.slots[index].shape, *region)
+    entry._fs_owner = (weakref.ref(unit), index)
     spec = unit.tp[index]
     if spec is not None:  # Note [tensor-parallel parameters] in tensor_parallel.py
         entry._fs_size = torch.Size(spec.global_shape)

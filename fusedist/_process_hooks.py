@@ -13,7 +13,9 @@ fusedist reaches outside its own objects in a few places, and each is here:
   fusedist/ddp/trainable.py), and its module registration hook
   (``register_module_module_registration_hook``) for submodules added there the same way;
 * a chained ``sys.excepthook``: an uncaught exception is published to the other ranks'
-  stall reports before the process dies (fusedist/reliability/monitor.py);
+  stall reports before the process dies (fusedist/reliability/monitor.py), and one that ends
+  a process whose communicator gave up does so right after the exit handlers, not at the
+  deadline of the collectives left pending (fusedist/comm/given_up_exit.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
   written is finished, in-flight exchanges are drained before the interpreter finalizes
   (fusedist/comm), a rank leaving early says so to the others, a timeline is flushed.

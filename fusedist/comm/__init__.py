@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from .base import CollectiveError, CommHandle, Communicator
 from .torch_comm import TorchCommunicator
-from .._process_hooks import at_exit
+from .._process_hooks import at_exit, chain_excepthook
+from . import given_up_exit
 
 __all__ = [
     "CollectiveError",
@@ -76,6 +77,8 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     # (at every lookup: after _process_hooks.uninstall() a communicator already in use is
     # drained at exit again once it is next used)
     at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
+    # Note [ending after given-up collectives] in given_up_exit.py
+    chain_excepthook("end a process whose collectives were given up", given_up_exit.on_uncaught)
     comm = entry[1]
     if comm.aborted:
         raise _aborted_error(comm)
@@ -189,21 +192,31 @@ def _is_registered(group) -> bool:
 # -6), every time, on every rank. So at exit every cached communicator first lets its helper
 # threads finish the work already handed to them (milliseconds when the peers are healthy;
 # at most DRAIN_TIMEOUT_S, so an exit never waits out the full collective timeout), and only
-# then are destroyed groups released.
+# then are destroyed groups released. A communicator that gave up is not waited for at all when
+# the process ends by os._exit: what it left pending can never complete (Note [ending after
+# given-up collectives] in given_up_exit.py); its helpers are told to stop and left behind.
 DRAIN_TIMEOUT_S = 30.0
 
 
+def _join_limit(comm: Communicator) -> float:
+    """How long the exit or a release waits for ``comm``'s helper threads."""
+    if given_up_exit.skips_waits(comm):
+        return 0.0
+    return min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds())
+
+
 def _release(comm: Communicator) -> None:
-    comm.release(join_timeout=min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
+    comm.release(join_timeout=_join_limit(comm))
 
 
 def _drain(comm: Communicator) -> None:
-    comm.stop_helpers(join_timeout=min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
+    comm.stop_helpers(join_timeout=_join_limit(comm))
 
 
 def _drain_at_exit() -> None:
     for _, comm in list(_cache.values()):
-        comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
+        if not given_up_exit.skips_waits(comm):
+            comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
         _drain(comm)
     release_destroyed_groups(collect=False)
 

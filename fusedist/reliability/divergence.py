@@ -30,9 +30,10 @@ The store's timeout is left alone (training may be healthy). Only waits that can
 disturbing the collective are probed: gloo's own works and the gloo exchange's asynchronous ones (a
 synchronous exchange is driven by its caller with one deadline; a direct-NCCL or torch-NCCL wait
 does not block the host: there the NCCL watchdog would have to publish its oldest pending
-collective instead -- not done). After the verdict the collectives left pending still end at their
-deadline, and the exit drain waits for them (Note [draining at exit] in fusedist/comm/__init__.py):
-the error and its report come early; the process ends when it did before.
+collective instead -- not done). After the verdict the collectives left pending still run until
+their deadline (a gloo transfer cannot be cancelled); when the error reaches the top of the program,
+the process ends at once after its exit handlers, with status 1, instead of waiting for them (Note
+[ending after given-up collectives] in fusedist/comm/given_up_exit.py).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 from .._consistency import RankMismatchError
-from ..comm import Communicator
+from ..comm import Communicator, given_up_exit
 from ..comm.base import CollectiveError, global_ranks
 from .._process_hooks import at_exit
 
@@ -261,7 +261,9 @@ EXIT_WAIT_S = 5.0
 def unread_divergences(wait_s: float = 0.0) -> list[str]:
     """The messages of every pending verdict that says the ranks diverged (Note [verdicts
     unread at exit]), after waiting up to ``wait_s`` seconds for pending checks to complete."""
-    checks = [c for c in list(_checks) if c._pending is not None]
+    # (a check on a communicator that gave up can never complete: Note [ending after given-up
+    # collectives] in fusedist/comm/given_up_exit.py)
+    checks = [c for c in list(_checks) if c._pending is not None and not given_up_exit.gave_up(c.comm)]
     end = time.monotonic() + wait_s
     while time.monotonic() < end and not all(_completed(c) for c in checks):
         time.sleep(0.05)

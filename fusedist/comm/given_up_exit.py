@@ -1,0 +1,135 @@
+"""A process whose collectives were given up ends soon after its error, not at their deadline.
+
+Note [ending after given-up collectives]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When a communicator gives up -- the divergence probe found ranks waiting in collectives that can
+never pair (Note [divergence probe] in fusedist/reliability/divergence.py), or an exchange failed --
+the collectives left pending on gloo still run until their deadline (``FUSEDIST_TIMEOUT_S``, 600 s
+by default): a gloo transfer cannot be cancelled (``ProcessGroup.abort()`` does not end a pending
+receive, and torch binds no abort for a single receive). The error and its stall report came at
+once, but the process did not end: the exit drain waited for the pending exchanges (up to
+``DRAIN_TIMEOUT_S``, Note [draining at exit] in ``__init__.py``), the step check's exit read for
+its all-reduce (5 s), and a helper thread still blocked when the interpreter's shutdown began
+could abort the process there ("terminate called without an active exception"). Measured with two
+ranks, a skipped backward and a 60 s timeout: the error 0.6 s after the divergence, the exit 33 s
+after the error (one rank of two aborted). A job under torchrun should end, non-zero, soon after
+the error, so that the agent restarts it (as the direct-NCCL watchdog ends its process at once).
+
+So, when such an error reaches the top of the program (an uncaught exception while a cached
+communicator has given up):
+
+* every exit handler still runs, in the interpreter's order -- the drain and the step check's read
+  skip what belongs to a given-up communicator (it can never complete), the rank's other
+  communicators are drained as before, checkpoints and timelines are finished;
+* then the standard streams and open files are flushed, and the process ends with the status the
+  interpreter would have used (1; a KeyboardInterrupt ends it by SIGINT, as Python does) through
+  ``os._exit``, skipping the interpreter's shutdown: the helpers of the given-up communicator are
+  still blocked in gloo, and nothing left to do there could still matter.
+
+How: the excepthook (chained through fusedist/_process_hooks.py) registers the finishing handler
+anew, so that it is the newest exit handler and runs first; it runs all the others itself
+(``atexit._run_exitfuncs``), then ends the process. A program that catches the error and goes on is
+untouched: it ends as the interpreter makes it, with its own status (``sys.exit(n)`` cannot be read
+back at exit), and its exit still waits for the given-up communicator's helper threads (bounded:
+Note [draining at exit]; they end as soon as the peers exit), because the interpreter's shutdown
+must not begin while one is blocked in gloo. The step check's exit read skips a check of a given-up
+communicator either way. A clean run never takes this path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+from typing import Optional
+
+#: ``id()`` of the uncaught exception that ends the process (set by the excepthook while a
+#: communicator has given up), checked against ``sys.last_value`` at exit. Not the exception
+#: itself: a program that passes a caught one to the hook and goes on would keep its frames alive.
+_uncaught: Optional[int] = None
+#: Whether that exception is a KeyboardInterrupt (ended by SIGINT, as Python ends such a process).
+_interrupted = False
+#: Whether the exit handlers run on the way to ``os._exit`` (so nothing waits for given-up work).
+_ending = False
+
+
+def gave_up(comm) -> bool:
+    """Whether ``comm`` gave up after a failure: its pending collectives may never complete, so
+    nothing at exit waits for them."""
+    try:
+        return bool(comm.aborted)
+    except Exception:  # noqa: BLE001 - at exit, never fail on a half-torn-down communicator
+        return False
+
+
+def skips_waits(comm) -> bool:
+    """Whether the exit handlers leave ``comm``'s helper threads behind without waiting: it gave up,
+    and the process ends by ``os._exit``. A process that ends through the interpreter's shutdown
+    still waits for them (bounded): a helper woken there, by a peer's exit or the deadline, would
+    abort the process."""
+    return _ending and gave_up(comm)
+
+
+def any_gave_up() -> bool:
+    """Whether a cached communicator of this process gave up."""
+    from . import _cache
+
+    return any(gave_up(comm) for _, comm in list(_cache.values()))
+
+
+def on_uncaught(exc_type, exc, tb) -> None:
+    """The excepthook's part: an exception reaches the top while a communicator has given up, so
+    the process will end by it; make the finishing handler the first exit handler to run."""
+    global _uncaught, _interrupted
+    try:
+        if not any_gave_up():
+            return
+        _uncaught, _interrupted = id(exc), isinstance(exc, KeyboardInterrupt)
+        atexit.unregister(_finish)
+        atexit.register(_finish)
+    except Exception:  # noqa: BLE001 - an excepthook must not raise
+        pass
+
+
+def _finish() -> None:
+    """The first exit handler (Note [ending after given-up collectives]): run the others, then end
+    the process with the interpreter's status, skipping its shutdown."""
+    global _ending
+    atexit.unregister(_finish)
+    # A hook called by hand (a program that logs an error through sys.excepthook and goes on), or
+    # an interactive session that stays after the error, is not an end of the process.
+    if _uncaught is None or id(getattr(sys, "last_value", None)) != _uncaught or sys.flags.inspect \
+            or os.environ.get("PYTHONINSPECT"):
+        return
+    _ending = True
+    atexit._run_exitfuncs()  # (clears them: none runs twice)
+    _flush_files()
+    if _interrupted:  # Python ends such a process by SIGINT
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        except Exception:  # noqa: BLE001 - no signals here: the shell's status for SIGINT
+            pass
+        os._exit(128 + signal.SIGINT)
+    os._exit(1)
+
+
+def _flush_files() -> None:
+    """Flush the standard streams and every open file object: the interpreter's shutdown, which
+    ``os._exit`` skips, would have (a log file the program never closed keeps its last lines).
+    A tenth of a second with torch loaded."""
+    import gc
+    import io
+
+    files = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    try:
+        files += [obj for obj in gc.get_objects() if issubclass(type(obj), io.IOBase)]
+    except Exception:  # noqa: BLE001 - the standard streams at least
+        pass
+    for stream in files:
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a stream that cannot flush: nothing more to do for it
+            pass

@@ -1,0 +1,228 @@
+"""A process whose collectives were given up ends soon after its error, with the status the
+interpreter would use, after every exit handler ran (Note [ending after given-up collectives] in
+fusedist/comm/given_up_exit.py); a clean run, and a program that catches the error and goes on,
+exit as the interpreter makes them.
+
+The ranks here are real top-level programs (as torchrun starts them): an uncaught exception, the
+exit handlers and the interpreter's shutdown are what is tested, and the multi-rank harness
+catches a rank's exception itself."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+# One rank of a two-rank DDP job. argv: rank, rendezvous file, scenario.
+#   skip:   rank 1 computes a loss and skips its backward, every rank calls check_consistency();
+#           nothing catches the error (the divergence probe raises a StallError on every rank)
+#   caught: the same; rank 1 catches the error, checks the group refuses collectives, computes on
+#           and ends normally (rank 0 leaves the error uncaught)
+#   clean:  every rank runs its backward; the check passes and the program ends normally
+_RANK = r'''
+import atexit, datetime, os, sys, time
+
+def last_handler():  # registered first, so the interpreter runs it last
+    os.write(1, b"LAST EXIT HANDLER RAN\n")
+
+atexit.register(last_handler)
+
+class Shutdown:  # collected only by the interpreter's own shutdown
+    def __del__(self, write=os.write):  # (os may be gone from the module by then)
+        write(1, b"INTERPRETER SHUTDOWN RAN\n")
+
+_shutdown = Shutdown()
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+rank, init, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+import fusedist
+
+torch.manual_seed(0)
+model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(5, 8)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+loss = model(torch.randn(5, 8)).square().mean()
+try:
+    if scenario == "clean" or rank == 0:
+        loss.backward()
+        opt.step()
+    model.check_consistency()
+except Exception as exc:
+    print(f"ERROR AT {time.time():.3f}: {type(exc).__name__}", flush=True)
+    log = open(f"{init}.{rank}.log", "w")  # (never closed nor flushed: the exit flushes it)
+    log.write(f"rank {rank} logged {type(exc).__name__}\n")
+    if scenario == "caught" and rank == 1:
+        try:
+            model.comm.all_reduce(torch.ones(1), tag="after")
+        except Exception as refused:
+            print(f"REFUSED: {type(refused).__name__}", flush=True)
+        print(f"WENT ON: {float(torch.ones(3).sum()):g}", flush=True)
+        sys.exit(0)
+    raise
+print("NO ERROR", flush=True)
+dist.destroy_process_group()
+'''
+
+_ENV = {"FUSEDIST_TIMEOUT_S": "60", "FUSEDIST_DIVERGENCE_PROBE_S": "0.3", "FUSEDIST_STALL_REPORT_S": "0.5"}
+
+
+@functools.lru_cache(maxsize=None)
+def _runs() -> dict:
+    """Every scenario's two ranks, all started at once: (scenario, rank) -> (exit status, output,
+    ``time.time()`` at its end, what it wrote to its log file or None)."""
+    folder = tempfile.mkdtemp(prefix="fusedist-given-up-")
+    env = {**os.environ, **_ENV}
+    procs = {}
+    for scenario in ("skip", "caught", "clean"):
+        init = os.path.join(folder, f"{scenario}.rdzv")
+        for rank in (0, 1):
+            out = open(os.path.join(folder, f"{scenario}.{rank}.out"), "w+")
+            procs[scenario, rank] = (subprocess.Popen([sys.executable, "-c", _RANK, str(rank), init, scenario],
+                                                      stdout=out, stderr=subprocess.STDOUT, env=env), out)
+    ended = {}
+    deadline = time.monotonic() + 150
+    try:
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for key, (proc, _) in procs.items():
+                if key not in ended and proc.poll() is not None:
+                    ended[key] = time.time()
+            time.sleep(0.05)
+    finally:
+        runs = {}
+        for key, (proc, out) in procs.items():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            out.seek(0)
+            log = os.path.join(folder, f"{key[0]}.rdzv.{key[1]}.log")
+            runs[key] = (proc.returncode, out.read(), ended.get(key), _read(log))
+            out.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return runs
+
+
+def _read(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _error_at(text: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith("ERROR AT "))
+    return float(line.split()[2].rstrip(":"))
+
+
+def test_ranks_that_diverged_end_non_zero_with_the_report_soon_after_the_error():
+    # rank 1 skipped its backward; the probe's verdict (about a second after 0.3 s) is uncaught on
+    # both ranks. Before, each waited for its pending collectives at exit (the drain, up to 30 s, the
+    # step check's read, 5 s): it ended about 33 s after its error.
+    runs = _runs()
+    for rank in (0, 1):
+        status, text, ended, log = runs["skip", rank]
+        assert ended is not None, (rank, "still running after 150 s", text)
+        assert status == 1, (rank, status, text)
+        # (the report; the rank whose probe got there second may instead see the first one's
+        # exit close its connection: its report still names the divergence, from the store)
+        assert "StallError" in text and "Stall report" in text, (rank, text)
+        assert "ranks [1] are behind by 1 backward(s); ranks [1] wait in check_consistency()" in text, (rank, text)
+        assert "LAST EXIT HANDLER RAN" in text, (rank, "the exit handlers were cut short", text)
+        assert ended - _error_at(text) < 15.0, (rank, f"ended {ended - _error_at(text):.1f} s after its error", text)
+        assert log == f"rank {rank} logged StallError\n", (rank, log)
+    assert any("found by the divergence probe" in runs["skip", rank][1] for rank in (0, 1)), runs
+
+
+def test_a_rank_that_catches_the_error_goes_on_and_exits_as_the_interpreter_makes_it():
+    runs = _runs()
+    status, text, ended, _ = runs["caught", 1]
+    assert status == 0, (status, text)
+    assert "REFUSED: CollectiveError" in text and "WENT ON: 3" in text, text
+    assert "LAST EXIT HANDLER RAN" in text and "INTERPRETER SHUTDOWN RAN" in text, text
+    # (it ends once rank 0 has ended, which closes their connections: its exit waited for its helper)
+    assert ended - _error_at(text) < 20.0, (f"ended {ended - _error_at(text):.1f} s after its error", text)
+    status, text, ended, _ = runs["caught", 0]
+    assert status == 1 and "StallError" in text and ended - _error_at(text) < 15.0, (status, text)
+
+
+def test_a_clean_run_exits_through_the_interpreters_shutdown():
+    for rank in (0, 1):
+        status, text, _, _ = _runs()["clean", rank]
+        assert status == 0, (rank, status, text)
+        assert "NO ERROR" in text and "ERROR AT" not in text, (rank, text)
+        assert "LAST EXIT HANDLER RAN" in text and "INTERPRETER SHUTDOWN RAN" in text, (rank, text)
+
+
+# One process with a communicator that gave up (a stand-in in the cache, as the probe leaves a real
+# one) and fusedist's excepthook in place, as get_communicator() installs it. argv: scenario.
+#   by-hand:   the program passes a caught error to sys.excepthook itself (to log it) and goes on
+#   interrupt: a KeyboardInterrupt reaches the top
+_STAND_IN = r'''
+import atexit, os, sys
+
+atexit.register(lambda: os.write(1, b"LAST EXIT HANDLER RAN\n"))
+
+class Shutdown:
+    def __del__(self, write=os.write):
+        write(1, b"INTERPRETER SHUTDOWN RAN\n")
+
+_shutdown = Shutdown()
+
+from fusedist import comm
+from fusedist._process_hooks import chain_excepthook
+
+class GaveUp:
+    aborted = True
+
+comm._cache[("stand-in", "torch")] = (object(), GaveUp())
+chain_excepthook("end a process whose collectives were given up", comm.given_up_exit.on_uncaught)
+if sys.argv[1] == "by-hand":
+    try:
+        raise RuntimeError("logged, not fatal")
+    except RuntimeError:
+        sys.excepthook(*sys.exc_info())
+    print("WENT ON", flush=True)
+else:
+    raise KeyboardInterrupt
+'''
+
+
+@functools.lru_cache(maxsize=None)
+def _stand_in_runs() -> dict:
+    procs = {case: subprocess.Popen([sys.executable, "-c", _STAND_IN, case], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for case in ("by-hand", "interrupt")}
+    runs = {}
+    try:
+        for case, proc in procs.items():
+            runs[case] = (proc.communicate(timeout=120)[0], proc.returncode)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+def test_an_error_logged_through_the_excepthook_is_not_an_exit_and_an_interrupt_ends_by_sigint():
+    text, status = _stand_in_runs()["by-hand"]
+    assert status == 0, (status, text)
+    assert "logged, not fatal" in text and "WENT ON" in text, text
+    assert "LAST EXIT HANDLER RAN" in text and "INTERPRETER SHUTDOWN RAN" in text, text
+    # Python ends a process interrupted by an uncaught KeyboardInterrupt by SIGINT; so does the
+    # early end, after every exit handler
+    text, status = _stand_in_runs()["interrupt"]
+    assert status == -signal.SIGINT, (status, text)
+    assert "KeyboardInterrupt" in text and "LAST EXIT HANDLER RAN" in text, text

@@ -162,12 +162,13 @@ class PipelineStage(_TorchPipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
-        # Note [micro-batches of another shape]
-        if self.is_first and self.group_size > 1:
-            _check_shapes(self, fwd_chunk_id, "input", self._stage_meta.inputs, args)
+        # Note [micro-batches of another shape] (torch releases without the buffers' metadata: not checked)
+        meta = getattr(self, "_stage_meta", None)
+        if meta is not None and self.is_first and self.group_size > 1:
+            _check_shapes(self, fwd_chunk_id, "input", meta.inputs, args)
         output = super().forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
-        if not self.is_last and self.stage_index_to_group_rank[self.stage_index + 1] != self.group_rank:
-            _check_shapes(self, fwd_chunk_id, "output", self._stage_meta.outputs, output)
+        if meta is not None and not self.is_last and _next_on_another_rank(self):
+            _check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
         return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
@@ -207,6 +208,11 @@ class PipelineStage(_TorchPipelineStage):
         if grad_scale_factor != 1:
             for holder in _holders_outside_grad(self.submod):
                 torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
+
+
+def _next_on_another_rank(stage) -> bool:
+    ranks = getattr(stage, "stage_index_to_group_rank", None)
+    return ranks is not None and ranks.get(stage.stage_index + 1, stage.group_rank) != stage.group_rank
 
 
 def _check_shapes(stage, chunk: int, kind: str, metas, values) -> None:

@@ -19,6 +19,7 @@ import torch
 
 import models
 from fusedist.testing import run_distributed
+from fusedist.testing.fsdp_compare import assert_grad_pieces_match
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -48,15 +49,7 @@ def _batch(seed, rank, step):
 
 def _check_grads(ref, ours, what: str) -> None:
     """This rank's gradient pieces equal the same elements of FSDP2's whole gradients."""
-    from fusedist.fsdp.owners import owner_of
-
-    whole = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
-    for name, p in ours.named_parameters():
-        assert p.grad is not None, f"{what}: {name}: no gradient"
-        unit, i = owner_of(p)
-        a, b = unit.element_range(i)
-        expected = whole[name].reshape(-1)[a:b].view(p.shape)
-        torch.testing.assert_close(p.grad, expected, **EXACT, msg=lambda m: f"{what}: {name}: {m}")
+    assert_grad_pieces_match(ref, ours, what, **EXACT)
 
 
 def _in_head_pre_hook(model, call):
@@ -188,7 +181,7 @@ def _methods_calling_the_module(rank, ws, seed):
     h = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + rank))
     for model in (ref, ours):  # where FSDP2 runs it: the same gradients
         model.blocks[0].twice(h).square().sum().backward()
-    _check_grads_of(ref.blocks[0], ours.blocks[0], f"seed {seed}: a block method calling the block twice")
+    _check_grads(ref.blocks[0], ours.blocks[0], f"seed {seed}: a block method calling the block twice")
     # Reading a weight after the inner calls: resharded by then in FSDP2, whose block method
     # fails on the DTensor (its root's returns a DTensor); fusedist read this rank's piece of it
     # and returned a wrong value, silently. Same ops on the same weights as the unsharded
@@ -202,17 +195,6 @@ def _methods_calling_the_module(rank, ws, seed):
         torch.testing.assert_close(got, expected, **EXACT,
                                    msg=lambda m: f"seed {seed}: {what} method reading a weight after its calls: {m}")
     return True
-
-
-def _check_grads_of(ref, ours, what: str) -> None:
-    """``_check_grads`` for one block's parameters (the others have none)."""
-    from fusedist.fsdp.owners import owner_of
-
-    for (name, p), (_, r) in zip(ours.named_parameters(), ref.named_parameters()):
-        unit, i = owner_of(p)
-        a, b = unit.element_range(i)
-        expected = r.grad.full_tensor().reshape(-1)[a:b].view(p.shape)
-        torch.testing.assert_close(p.grad, expected, **EXACT, msg=lambda m: f"{what}: {name}: {m}")
 
 
 def test_registered_method_calling_the_module_keeps_it_gathered():

@@ -17,6 +17,7 @@ import torch
 
 import models
 from fusedist.testing import run_distributed
+from fusedist.testing.fsdp_compare import assert_grad_pieces_match
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -52,19 +53,11 @@ def _pair(seed, mesh, groups=None, **kw):
 def _check_step(ref, ours, x, what: str) -> None:
     """One forward and backward of each: the same output, and this rank's gradient pieces
     equal the same elements of FSDP2's whole gradients."""
-    from fusedist.fsdp.owners import owner_of
-
     y_ref, y_ours = ref(x), ours(x)
     torch.testing.assert_close(y_ours, y_ref, **EXACT, msg=lambda m: f"{what}: output: {m}")
     y_ref.square().sum().backward()
     y_ours.square().sum().backward()
-    whole = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
-    for name, p in ours.named_parameters():
-        assert p.grad is not None, f"{what}: {name}: no gradient"
-        unit, i = owner_of(p)
-        a, b = unit.element_range(i)
-        expected = whole[name].reshape(-1)[a:b].view(p.shape)
-        torch.testing.assert_close(p.grad, expected, **EXACT, msg=lambda m: f"{what}: {name}: {m}")
+    assert_grad_pieces_match(ref, ours, what, **EXACT)
 
 
 def _reshard_in_forward(rank, ws, seed):

@@ -3,7 +3,7 @@ of either, and the losses of a few plain training steps."""
 
 from __future__ import annotations
 
-__all__ = ["full_state", "settled", "square_loss_steps", "unsettled"]
+__all__ = ["assert_grad_pieces_match", "full_state", "settled", "square_loss_steps", "unsettled"]
 
 
 def full_state(model, ours: bool) -> dict:
@@ -81,3 +81,19 @@ def square_loss_steps(model, optimizer, batches) -> list:
         optimizer.zero_grad()
         out.append(loss.item())
     return out
+
+
+def assert_grad_pieces_match(ref, ours, what: str, **tolerances) -> None:
+    """This rank's gradient pieces of ``ours`` (a fusedist ``fully_shard`` module) equal the same
+    elements of FSDP2's whole gradients of ``ref`` (a collective: every rank calls it alike)."""
+    import torch
+
+    from ..fsdp.owners import owner_of
+
+    whole = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, f"{what}: {name}: no gradient"
+        unit, i = owner_of(p)
+        a, b = unit.element_range(i)
+        expected = whole[name].reshape(-1)[a:b].view(p.shape)
+        torch.testing.assert_close(p.grad, expected, **tolerances, msg=lambda m: f"{what}: {name}: {m}")

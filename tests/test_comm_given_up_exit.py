@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from script_runs import run_at_once
+
 # One rank of a two-rank DDP job. argv: rank, rendezvous file, scenario.
 #   skip:   rank 1 computes a loss and skips its backward, every rank calls check_consistency();
 #           nothing catches the error (the divergence probe raises a StallError on every rank)
@@ -202,18 +204,8 @@ else:
 
 @functools.lru_cache(maxsize=None)
 def _stand_in_runs() -> dict:
-    procs = {case: subprocess.Popen([sys.executable, "-c", _STAND_IN, case], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True) for case in ("by-hand", "interrupt")}
-    runs = {}
-    try:
-        for case, proc in procs.items():
-            runs[case] = (proc.communicate(timeout=120)[0], proc.returncode)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return runs
+    runs = run_at_once({case: (_STAND_IN, case) for case in ("by-hand", "interrupt")}, merge_stderr=True)
+    return {case: (run.stdout, run.returncode) for case, run in runs.items()}
 
 
 def test_an_error_logged_through_the_excepthook_is_not_an_exit_and_an_interrupt_ends_by_sigint():

@@ -6,8 +6,6 @@ The direct-NCCL communicator's use of it is exercised on a GPU (tests/test_cuda_
 tests/test_nccl_multirank_gpu.py)."""
 
 import functools
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,6 +13,7 @@ import pytest
 
 from fusedist.comm.base import CollectiveError, CommHandle, Communicator
 from fusedist.comm.watchdog import CollectiveWatchdog
+from script_runs import run_at_once
 
 
 class FakeClock:
@@ -308,19 +307,7 @@ def _policy_runs() -> dict:
     (each process mostly imports torch, then waits for the watchdog): a finished
     ``subprocess.CompletedProcess`` by (mode, where)."""
     cases = [(mode, where) for mode in ("exit", "raise") for where in ("running", "exit")]
-    procs = {case: subprocess.Popen([sys.executable, "-c", _POLICY, *case], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for case in cases}
-    runs = {}
-    try:
-        for case, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=120)
-            runs[case] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return runs
+    return run_at_once({case: (_POLICY, *case) for case in cases})
 
 
 def _policy(mode, where):

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..optim._complex import memory_view as complex_memory_view
+from ..optim._negated import memory_view as negated_memory_view
 from ..ownership import gradient_holders_of
 
 
@@ -140,11 +142,7 @@ def unscale_per_device(optimizer, inv_scale: torch.Tensor, found_inf: torch.Tens
 # gradient, which the kernel does not take at all, is handed as its real view (both parts are
 # checked and scaled alike).
 def _memory_view(grad: torch.Tensor) -> torch.Tensor:
-    if grad.is_neg():
-        grad = torch._neg_view(grad)  # (toggles the bit: the memory as it is)
-    if grad.is_complex():
-        grad = torch.view_as_real(grad.conj() if grad.is_conj() else grad)
-    return grad
+    return complex_memory_view(negated_memory_view(grad))
 
 
 def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -86,7 +86,9 @@ def _read_view(t):
     return t
 
 
-def _memory_view(t):
+def memory_view(t):
+    """A complex tensor as the real view of its memory (a conjugated one's bit cleared by
+    ``conj()``, a view), anything else as it is (Note [lazily conjugated gradients])."""
     if isinstance(t, torch.Tensor) and t.is_complex():
         return torch.view_as_real(t.conj() if t.is_conj() else t)
     return t
@@ -101,7 +103,7 @@ def read_views(grads: list) -> list:
 def memory_views(grads: list) -> list:
     """Gradients as real views of their memory, for the sign-blind scaler passes (Note [lazily
     conjugated gradients])."""
-    return list(map(_memory_view, grads)) if any_complex(grads) else grads
+    return list(map(memory_view, grads)) if any_complex(grads) else grads
 
 
 def grads_as_memory(grads: list, may_be_complex: bool) -> list:

@@ -19,7 +19,7 @@ Guarantees:
 * If ``found_inf`` holds a non-zero (or NaN) value, nothing at all is written.
 * Inputs are checked before anything is written; a bad input raises naming the list and index.
 * Gradients and scalars that are lazily negated views (torch's negative bit) are read as torch
-  reads them (Note [lazily negated gradients]).
+  reads them (Note [lazily negated tensors] in _negated.py).
 
 Writes go through raw pointers, so tensor version counters are not bumped (as with other
 fused optimizer kernels, the step must not run on tensors autograd saved for a pending
@@ -36,6 +36,7 @@ import torch
 
 from .. import _extension
 from .._memory_layout import is_dense, walks_like
+from ._negated import read_resolved, scalar_resolved
 
 __all__ = ["adam_update", "check_hyperparameters", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
 
@@ -173,31 +174,6 @@ def _states_fit(params, exp_avgs, exp_avg_sqs, masters) -> bool:
     return True
 
 
-# Note [lazily negated gradients]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A real tensor may carry torch's negative bit: ``z.conj().imag`` of a complex ``z`` is a view
-# whose memory holds ``-value`` and which every torch op reads as ``value``. The kernel reads
-# raw memory, so such a gradient stepped every element the wrong way, silently (torch's Adam
-# steps it right). A gradient (and ``inv_scale``/``clip_coef``/``found_inf``) is only read: it
-# is resolved into a copy here, ~0.1 us per gradient to test, which no caller's checks cover
-# (``walks_like`` sees only the strides). A tensor the kernel writes cannot be resolved in
-# place: the full check refuses it.
-def _resolve_negations(tensors):
-    """``tensors`` with each lazily negated one replaced by its resolved copy (Note [lazily
-    negated gradients]); the same list when there is none. (Other entries pass unchanged: the
-    checks name them.)"""
-    try:
-        negated = any(map(_is_neg, tensors))  # (a pass in C: ~70 ns per tensor)
-    except TypeError:  # not all tensors
-        negated = True
-    if not negated:
-        return tensors
-    return [t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors]
-
-
-_is_neg = torch.Tensor.is_neg
-
-
 def check_hyperparameters(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     """Raise for values the kernel refuses. Separate so that a caller stepping many tensors in
     several calls (the ZeRO-Offload step: one call per bucket, each followed by its all-gather)
@@ -256,16 +232,16 @@ def adam_update(
     if bias_correction and int(step) < 1:
         raise ValueError(f"step must be >= 1 with bias correction (got {step})")
     isa = _requested_isa()
-    # (resolved copies stay referenced here until the kernel has read them)
-    inv_scale, clip_coef, found_inf = (t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
-                                       for t in (inv_scale, clip_coef, found_inf))
+    # (resolved copies stay referenced here until the kernel has read them: Note [lazily negated
+    # tensors] in _negated.py -- the kernel reads raw memory, and the full check refuses written ones)
+    inv_scale, clip_coef, found_inf = map(scalar_resolved, (inv_scale, clip_coef, found_inf))
     addresses = (
         _scalar_address(inv_scale, "inv_scale"),
         _scalar_address(clip_coef, "clip_coef"),
         _scalar_address(found_inf, "found_inf"),
     )
 
-    grads = _resolve_negations(grads)
+    grads = read_resolved(grads)
     if not (trusted and _states_fit(params, exp_avgs, exp_avg_sqs, masters)):
         _check_all(params, grads, exp_avgs, exp_avg_sqs, masters)
     sizes = [p.nelement() for p in params]

@@ -28,15 +28,15 @@ _is_neg = torch.Tensor.is_neg
 def any_negated(lst) -> bool:
     try:
         return any(map(_is_neg, lst))  # (~70 ns per tensor)
-    except TypeError:  # a None among them
-        return any(t is not None and t.is_neg() for t in lst)
+    except TypeError:  # a None (or another non-tensor, which the callers' checks name) among them
+        return any(isinstance(t, Tensor) and t.is_neg() for t in lst)
 
 
 def read_resolved(tensors):
     """Each negated tensor resolved into a copy; the list itself when none is (one pass in C)."""
     if not any_negated(tensors):
         return tensors
-    return [t.resolve_neg() if t is not None and t.is_neg() else t for t in tensors]
+    return [t.resolve_neg() if isinstance(t, Tensor) and t.is_neg() else t for t in tensors]
 
 
 def scalar_resolved(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -48,15 +48,20 @@ def refuse_negated(op: str, **written) -> None:
     for name, lst in written.items():
         if lst is None or not any_negated(lst):
             continue
-        i = next(i for i, t in enumerate(lst) if t is not None and t.is_neg())
+        i = next(i for i, t in enumerate(lst) if isinstance(t, Tensor) and t.is_neg())
         raise ValueError(
             f"{op}: {name}[{i}] is a lazily negated view (torch's negative bit, e.g. ``z.conj().imag`` or "
             "``torch._neg_view``): its memory holds the values' negation and the update writes it in place; "
             "pass ``.resolve_neg()`` of it (for a parameter, a new nn.Parameter made of it)")
 
 
+def memory_view(g: Tensor) -> Tensor:
+    """A negated gradient as the plain view of its memory (``-value``): Note [lazily negated tensors]."""
+    return torch._neg_view(g) if g.is_neg() else g  # (toggles the bit: the memory as it is)
+
+
 def memory_views(grads):
-    """Each negated gradient as the plain view of its memory (``-value``): Note [lazily negated tensors]."""
+    """Each negated gradient as the plain view of its memory (:func:`memory_view`)."""
     if not any_negated(grads):
         return grads
-    return [torch._neg_view(g) if g.is_neg() else g for g in grads]
+    return [memory_view(g) for g in grads]

@@ -13,6 +13,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ._complex import memory_view
+
 __all__ = ["flag_nan", "magnitudes", "norm_result_dtype", "per_tensor_global_norms", "tensor_norms", "unflag_nan"]
 
 
@@ -31,7 +33,7 @@ def magnitudes(tensors: Sequence[torch.Tensor], norm_type: float) -> list:
     if not any(t.is_complex() for t in tensors):
         return list(tensors)
     if float(norm_type) == 2.0:
-        return [torch.view_as_real(t.conj() if t.is_conj() else t) if t.is_complex() else t for t in tensors]
+        return [memory_view(t) for t in tensors]  # (a conjugated one: its memory's, the conjugate's)
     return [t.abs() if t.is_complex() else t for t in tensors]
 
 

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._rank import this_rank
 from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
@@ -95,7 +96,7 @@ class _World:
     def ranks(self) -> list:
         """The job's ranks of this world, in its rank order (no exchange)."""
         if self.comm is None:
-            return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+            return [this_rank()]
         group = getattr(self.comm, "group", None)
         return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
 

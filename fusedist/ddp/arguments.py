@@ -8,8 +8,9 @@ import warnings
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from .._rank import this_rank
 
 __all__ = ["TORCH_ONLY_OPTIONS", "buffer_sync_settings", "check_device_ids", "group_of", "module_device",
            "reduce_dtype_from_mixed_precision"]
@@ -82,7 +83,7 @@ def module_device(module: nn.Module) -> torch.device:
     if len(devices) > 1:
         listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
         raise ValueError(
-            f"fusedist.DistributedDataParallel (rank {dist.get_rank() if dist.is_initialized() else 0}): "
+            f"fusedist.DistributedDataParallel (rank {this_rank()}): "
             f"the module's parameters live on several devices: {listing}. Move the whole module to one device "
             "(module.to(device)) before wrapping."
         )

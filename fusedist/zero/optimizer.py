@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
+from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
 from . import grad_sync, grow, param_checks, wiring
 from . import state as zstate
@@ -310,8 +311,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     @property
     def global_rank(self) -> int:
         """This process's rank in the default process group (torch's attribute)."""
-        dist = torch.distributed
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return this_rank()
 
     @property
     def optim(self) -> Optimizer:

@@ -117,7 +117,9 @@ PYBIND11_MODULE(_C, m) {
       .def("check_async_error", &NcclComm::check_async_error, py::arg("what"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait", &NcclComm::wait, py::arg("done"), py::arg("timeout_s"), py::arg("what"),
-           py::call_guard<py::gil_scoped_release>())
+           py::call_guard<py::gil_scoped_release>(),
+           "Block until `done` completed; past `timeout_s` seconds abort and raise NcclError. "
+           "inf waits without a deadline; NaN or a negative timeout raises ValueError.")
       .def("abort", &NcclComm::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>())
       .def("destroy", &NcclComm::destroy, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("aborted", &NcclComm::is_aborted)

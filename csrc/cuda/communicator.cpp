@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "checks.h"
+#include "wait_deadline.h"
 
 namespace fusedist {
 namespace {
@@ -153,8 +154,9 @@ void NcclComm::check_async_error(const std::string& what) {
 void NcclComm::wait(const Event& done, double timeout_s, const std::string& what) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto deadline = start + std::chrono::duration_cast<clock::duration>(
-                                    std::chrono::duration<double>(timeout_s));
+  // nullopt: no deadline (an infinite timeout); NaN or negative ones raise before anything is
+  // polled (Note [wait timeouts] in wait_deadline.h).
+  const std::optional<clock::time_point> deadline = wait_deadline(timeout_s, start, what);
   // Spin briefly (most waits at the end of a backward pass are short), then back off so a
   // long wait does not burn a CPU core.
   auto sleep = std::chrono::microseconds(0);
@@ -164,7 +166,7 @@ void NcclComm::wait(const Event& done, double timeout_s, const std::string& what
       return;
     }
     check_async_error(what);
-    if (clock::now() >= deadline) {
+    if (deadline && clock::now() >= *deadline) {
       const std::string reason = str(what, " did not complete within ", timeout_s, " s");
       abort(reason);
       throw NcclError("fusedist: " + reason + " on " + where() +

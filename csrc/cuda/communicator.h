@@ -60,7 +60,9 @@ class NcclComm {
   void check_async_error(const std::string& what);
   // Block the host until `done` has completed, polling for asynchronous errors. After
   // `timeout_s` seconds (or on an error) the communicator is aborted and NcclError names
-  // `what`, this rank and the reason. Call without the GIL.
+  // `what`, this rank and the reason. An infinite (or unrepresentably long) timeout waits
+  // without a deadline; a NaN or negative one raises std::invalid_argument before anything is
+  // polled (Note [wait timeouts] in wait_deadline.h). Call without the GIL.
   void wait(const Event& done, double timeout_s, const std::string& what);
 
   // Abort: stops in-flight NCCL work, frees the communicator; later calls raise `reason`.

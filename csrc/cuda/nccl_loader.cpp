@@ -1,6 +1,7 @@
 // dlopen-based NCCL loader (see nccl_api.h for why NCCL is not linked).
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -11,8 +12,16 @@
 namespace fusedist {
 namespace {
 
+// Note [publishing the NCCL table]
+// --------------------------------
+// load_nccl() runs under g_mutex, but nccl() -- called before every NCCL call, from whichever
+// thread launches or polls (the bindings release the GIL: Note [launches without the GIL] in
+// communicator.h) -- does not take the lock. So the table and the path are written once, before
+// g_loaded is set with release order, and never again; a reader that sees g_loaded true with
+// acquire order sees the complete table. (A plain bool here was a data race: a poller could
+// read it true while the loading thread's writes of the table were not yet visible to it.)
 NcclApi g_api{};
-bool g_loaded = false;
+std::atomic<bool> g_loaded{false};
 std::string g_path;
 std::mutex g_mutex;
 
@@ -30,7 +39,7 @@ void bind(void* lib, const char* name, Fn& slot, const std::string& path) {
 
 const NcclApi& load_nccl(const std::string& requested) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_loaded) return g_api;
+  if (g_loaded.load(std::memory_order_relaxed)) return g_api;  // (g_mutex orders it)
   std::string path = requested;
   if (path.empty()) {
     const char* env = std::getenv("FUSEDIST_NCCL_LIBRARY");
@@ -73,12 +82,12 @@ const NcclApi& load_nccl(const std::string& requested) {
   // Python object that could own the handle).
   g_api = api;
   g_path = path;
-  g_loaded = true;
+  g_loaded.store(true, std::memory_order_release);  // Note [publishing the NCCL table]
   return g_api;
 }
 
 const NcclApi& nccl() {
-  if (!g_loaded) {
+  if (!g_loaded.load(std::memory_order_acquire)) {
     throw std::runtime_error("fusedist: NCCL is not loaded yet (call fusedist._C.load_nccl())");
   }
   return g_api;
@@ -86,7 +95,7 @@ const NcclApi& nccl() {
 
 std::string nccl_library_path() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return g_loaded ? g_path : std::string();
+  return g_loaded.load(std::memory_order_relaxed) ? g_path : std::string();
 }
 
 size_t nccl_dtype_size(int dtype) {

@@ -166,7 +166,8 @@ class NcclCommunicator(Communicator):
         self._failure_raised = False  # the watchdog's failure reached the program
         self.watchdog = CollectiveWatchdog(self._watchdog_failed, self._poll_async_error,
                                            name=f"rank{self.rank}-cuda{self._device}",
-                                           crashed_peer=self._crashed_peer)
+                                           crashed_peer=self._crashed_peer,
+                                           divergence_probe=self._divergence_probe)
 
     # ---- Communicator interface
     @property
@@ -262,6 +263,14 @@ class NcclCommunicator(Communicator):
             f"fusedist: {name} failed on rank {self.rank} of {self.world_size}: {reason}. "
             f"fusedist's watchdog aborts the NCCL communicator on such a failure, so {what} cannot run",
             op=op, tag=tag, rank=self.rank, seq=seq)
+
+    def _divergence_probe(self, entry, pending_s: float):
+        """The probe of the oldest pending collective once it has been pending as long as the observer's
+        ``probe_delay_s`` (Note [probing stream-ordered waits for divergence] in watchdog.py)."""
+        delay = getattr(self.observer, "probe_delay_s", 0.0)
+        if not delay or pending_s < delay:
+            return None
+        return self.observer.divergence_probe(entry.op, entry.tag, entry.seq)
 
     def _watchdog_failed(self, reason: str, failed) -> None:
         """The watchdog's failure handler (Note [stream-ordered waits and the watchdog])."""

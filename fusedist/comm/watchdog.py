@@ -74,6 +74,22 @@ POLL_INTERVAL_S = 0.1
 PEER_CHECK_AFTER_S = 1.0
 PEER_CHECK_EVERY_S = 1.0
 
+# Note [probing stream-ordered waits for divergence]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The divergence probe (Note [divergence probe] in fusedist/reliability/divergence.py) runs between
+# the slices of a wait that blocks the host; on the direct-NCCL path no wait blocks (Note
+# [stream-ordered waits and the watchdog]), so ranks stuck in collectives that can never pair were
+# found only at the timeout. The watchdog is where such a collective is seen pending: while the
+# oldest pending collective has been pending long enough for the communicator's observer
+# (``divergence_probe(entry, pending_s)`` returns a probe then, None before or when probing is off),
+# its probe publishes where this rank waits and reads the peers' entries every ``probe.every_s``;
+# a verdict is a failure of that collective, handled as a timeout is (reported, then the process
+# ends or the communicator aborts). Only the oldest pending collective is probed: the stream runs
+# collectives in launch order, so it is the one every later one waits behind, and the one the
+# peers' entries must match. Its probe is closed (its entry withdrawn) once it completes; after a
+# verdict its entry stays, so that the peers' probes reach theirs, until the failure report
+# replaces it.
+
 
 class WatchedCollective:
     """One watched collective: which it is, its deadline and, once launched, its done event."""
@@ -102,6 +118,10 @@ class CollectiveWatchdog:
         crashed_peer: returns why a peer can no longer join (a crash it published), else
             None; asked only while a collective is overdue (Note [a crashed peer, seen
             through the store]).
+        divergence_probe: ``divergence_probe(entry, pending_s)`` returns the probe of the
+            oldest pending collective once it has been pending long enough, else None (Note
+            [probing stream-ordered waits for divergence]): an object with ``check()`` (a
+            verdict, or None), ``close()`` and ``every_s``.
         name: how the thread and the messages name the communicator.
         clock: seconds, monotonic (tests pass a fake one).
         interval_s: polling period while collectives are pending.
@@ -110,9 +130,15 @@ class CollectiveWatchdog:
     def __init__(self, on_failure: Callable[[str, Optional["WatchedCollective"]], None],
                  poll_error: Callable[[], None], *, name: str,
                  crashed_peer: Optional[Callable[[], Optional[str]]] = None,
+                 divergence_probe: Optional[Callable[["WatchedCollective", float], Optional[object]]] = None,
                  clock: Callable[[], float] = time.monotonic, interval_s: float = POLL_INTERVAL_S):
         self._on_failure, self._poll_error, self._crashed_peer = on_failure, poll_error, crashed_peer
         self._next_peer_check = 0.0
+        self._probe_for = divergence_probe
+        # (the probed collective, its probe, when to check next); None while none is probed. Its
+        # own lock: poll() runs on the thread and in settle(), and a check does store calls.
+        self._probing: Optional[tuple] = None
+        self._probe_lock = threading.RLock()
         self.name = name
         self._clock, self._interval = clock, interval_s
         self._pending: collections.deque[WatchedCollective] = collections.deque()
@@ -172,6 +198,7 @@ class CollectiveWatchdog:
             now = self._clock()
             with self._cond:
                 watched = list(self._pending)
+            self._retire_probe(watched)
             failed = next((e for e in watched if now >= e.deadline), None)
             if failed is not None:
                 reason = (f"{failed.what} did not complete within {failed.timeout_s:g} s of its launch; "
@@ -184,6 +211,11 @@ class CollectiveWatchdog:
                     failed = watched[0]
                     reason = (f"{failed.what} cannot complete: {crash} (seen through the store after "
                               f"{now - failed.started:.1f} s)")
+                else:
+                    verdict = self._probe_oldest(watched, now)
+                    if verdict is not None:
+                        failed = watched[0]
+                        reason = f"{failed.what} cannot complete on this rank: {verdict}"
         except Exception as exc:  # noqa: BLE001 - an async NCCL error or a failed kernel
             reason = str(exc)
             with self._cond:
@@ -202,7 +234,42 @@ class CollectiveWatchdog:
         with self._cond:
             self._pending.clear()
             self._cond.notify_all()
+        with self._probe_lock:  # (left published: this rank stays stuck there, and the peers' probes
+            self._probing = None  # must go on seeing it until its failure report replaces the entry)
         return reason
+
+    def _probe_oldest(self, watched: list, now: float) -> Optional[str]:
+        """Note [probing stream-ordered waits for divergence]: the verdict of the oldest pending
+        collective's probe, checked at most every ``probe.every_s``; None while there is none."""
+        if self._probe_for is None or not watched:
+            return None
+        oldest = watched[0]
+        with self._probe_lock:
+            if self._probing is None:
+                probe = self._probe_for(oldest, now - oldest.started)
+                if probe is None:
+                    return None
+                self._probing = (oldest, probe, now)
+            entry, probe, due = self._probing
+            if entry is not oldest or now < due:
+                return None
+            self._probing = (entry, probe, now + probe.every_s)
+            return probe.check()
+
+    def _retire_probe(self, watched: list) -> None:
+        """Close the probe of a collective that is no longer the oldest pending one (it completed,
+        or failed): its entry must not outlive the wait, or the peers would read it as stuck."""
+        if self._probing is not None and (not watched or watched[0] is not self._probing[0]):
+            self._close_probe()
+
+    def _close_probe(self) -> None:
+        with self._probe_lock:
+            probing, self._probing = self._probing, None
+        if probing is not None:
+            try:
+                probing[1].close()
+            except Exception:  # noqa: BLE001 - withdrawing an entry from the store must not fail a poll
+                log.debug("fusedist watchdog (%s): closing a divergence probe failed", self.name, exc_info=True)
 
     def _peer_crash(self, watched: list, now: float) -> Optional[str]:
         """Note [a crashed peer, seen through the store]: asked only while the oldest pending
@@ -267,3 +334,4 @@ class CollectiveWatchdog:
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)
+        self._close_probe()

@@ -27,13 +27,15 @@ The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that 
 delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
 write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
 The store's timeout is left alone (training may be healthy). Only waits that can be sliced without
-disturbing the collective are probed: gloo's own works and the gloo exchange's asynchronous ones (a
-synchronous exchange is driven by its caller with one deadline; a direct-NCCL or torch-NCCL wait
-does not block the host: there the NCCL watchdog would have to publish its oldest pending
-collective instead -- not done). After the verdict the collectives left pending still run until
-their deadline (a gloo transfer cannot be cancelled); when the error reaches the top of the program,
-the process ends at once after its exit handlers, with status 1, instead of waiting for them (Note
-[ending after given-up collectives] in fusedist/comm/given_up_exit.py).
+disturbing the collective are probed that way: gloo's own works and the gloo exchange's asynchronous
+ones (a synchronous exchange is driven by its caller with one deadline). A direct-NCCL wait does
+not block the host: there the communicator's watchdog probes its oldest pending collective instead,
+with the same probe (Note [probing stream-ordered waits for divergence] in
+fusedist/comm/watchdog.py); a torch-NCCL wait is not probed. After the verdict the collectives left
+pending still run until their deadline (a gloo transfer cannot be cancelled); when the error reaches
+the top of the program, or the program that caught it calls ``sys.exit(n)``, the process ends at
+once after its exit handlers, with status 1 (or ``n``), instead of waiting for them (Note [ending
+after given-up collectives] in fusedist/comm/given_up_exit.py).
 """
 
 from __future__ import annotations

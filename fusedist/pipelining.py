@@ -76,6 +76,21 @@ Note [a stage whose inputs need no gradient]
     (Note [zero-bubble passes of fusedist stages]). The stage gives up overlap of its weight
     gradients with the bubbles, not correctness.
 
+Note [weight paths around the inputs]
+    torch's input pass saves the gradients at the intermediates where the weights' paths meet
+    the paths of the stage inputs that require a gradient, and its weight pass starts from
+    those alone. A stage with several outputs, some of which no such input reaches (one made
+    from an input that needs no gradient only: a frozen embedding's output passed along), has
+    weights whose paths go around the inputs': a weight below only those outputs got no
+    gradient, one below both kinds got only part of it -- silently, torch's own stage alike.
+    Here the input pass also keeps the output edges (and their gradients) that no input path
+    reaches; the weight pass first computes the weights' gradients from them (keeping the
+    graph: torch's pass below may share their nodes), then torch's, and the sum is the weights'
+    gradient: every path from an output to a weight either meets an input's path (below its
+    lowest meeting point it is torch's) or reaches none of them (then it starts at one of
+    these outputs), so nothing is counted twice. A plain stage module gets the same passes;
+    torch's own FSDP and DDP modules are left to torch's stage, which switches their sync itself.
+
 Note [micro-batches of another shape]
     torch's stages receive each micro-batch's activations into buffers allocated once, at the
     first step, from micro-batch 0's shapes. A batch that ``n_microbatches`` does not divide
@@ -88,8 +103,22 @@ Note [micro-batches of another shape]
     and any stage whose next stage is on another rank checks its outputs against the buffers
     there, before they are sent. Later stages see only their fixed buffers; they learn of the
     error when the first stage's process ends (gloo: "Connection closed by peer"), or at the
-    group's timeout. A pipeline whose stages are all on one rank passes tensors as they are and
-    is left alone.
+    group's timeout. In a first step the buffers are sized from micro-batch 0, the largest of an
+    uneven split: the first smaller micro-batch is refused, the ones before it already sent.
+
+Note [uneven micro-batches on one rank]
+    A pipeline whose stages are all on one rank passes tensors as they are, so a later batch of
+    another size (another sequence length) is right there and left alone. A batch that
+    ``n_microbatches`` does not divide is not: torch's schedules ran it, and divided the sum of
+    the micro-batches' gradients by ``n_microbatches``, weighting each micro-batch's loss alike
+    -- with a mean loss the rows of the smaller micro-batches counted more than the others', a
+    gradient the unpipelined model on that batch does not give (by ~lr-sized amounts), and a
+    batch the same pipeline over several ranks refuses. The first stage of such a pipeline
+    refuses, in a step with backward, a micro-batch whose inputs differ in shape from the
+    step's micro-batch 0 (a forward-only step computes no gradient and is left alone). It can
+    only see one micro-batch at a time, so the micro-batches before it have run; torch's
+    schedule keeps their losses after any error in a step (and hands them to the next step's
+    backwards): the message says to make a new schedule.
 
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
@@ -153,7 +182,9 @@ class PipelineStage(_TorchPipelineStage):
     wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
     fully_shard modules], Note [pipeline stages of DDP modules]); it refuses a micro-batch of another shape
     than the first (Note [micro-batches of another shape]); it also trains a stage whose
-    inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient])."""
+    inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient]),
+    refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
+    and weights whose paths go around the inputs' (Note [weight paths around the inputs])."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -166,6 +197,8 @@ class PipelineStage(_TorchPipelineStage):
         meta = getattr(self, "_stage_meta", None)
         if meta is not None and self.is_first and self.group_size > 1:
             _check_shapes(self, fwd_chunk_id, "input", meta.inputs, args)
+        elif self.is_first and self.has_backward:  # Note [uneven micro-batches on one rank] (or no buffer metadata)
+            _check_even_split(self, fwd_chunk_id, args)
         output = super().forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
         if meta is not None and not self.is_last and _next_on_another_rank(self):
             _check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
@@ -181,8 +214,13 @@ class PipelineStage(_TorchPipelineStage):
             with sync_only_if(False) if sync_only_if is not None else contextlib.nullcontext():
                 grads, _ = super().backward_maybe_with_nosync("full", _as_full(bwd_kwargs), last_backward=False)
             return grads, []
-        if sync_only_if is None:  # not a module of fusedist's data parallelism: torch's stage decides
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if sync_only_if is None:  # not a module of fusedist's data parallelism
+            if backward_type == "full" or _torch_data_parallel(self.submod):  # torch's stage decides
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            if backward_type == "input":  # Note [weight paths around the inputs]
+                return _input_pass(self.submod, bwd_kwargs)
+            _plain_weight_pass(self.submod, bwd_kwargs["param_groups"])
+            return (), None
         if backward_type == "input":  # Note [zero-bubble passes of fusedist stages]
             with sync_only_if(False):
                 return _input_pass(self.submod, bwd_kwargs)
@@ -239,6 +277,29 @@ def _check_shapes(stage, chunk: int, kind: str, metas, values) -> None:
             f"micro-batch of every step must have that shape. {fix}")
 
 
+def _check_even_split(stage, chunk: int, args) -> None:
+    """Refuse a micro-batch of another shape than the step's micro-batch 0 (Note [uneven
+    micro-batches on one rank]), naming the stage, the micro-batch and both shapes."""
+    args = args if isinstance(args, (tuple, list)) else (args,)
+    shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
+    if chunk == 0:
+        stage._first_shapes = shapes
+        return
+    first = getattr(stage, "_first_shapes", None)
+    for i, (shape, expected) in enumerate(zip(shapes, first or ())):
+        if shape is None or expected is None or shape == expected:
+            continue
+        raise RuntimeError(
+            f"fusedist.pipelining.PipelineStage: stage {stage.stage_index}, micro-batch {chunk}: input {i} has shape "
+            f"{shape}, micro-batch 0 of this step {expected}: the step's batch does not split into {stage.chunks} "
+            "equal micro-batches. torch's schedules divide the micro-batches' summed gradients by n_microbatches, "
+            "weighting every micro-batch's loss alike, so with a mean loss the rows of the smaller micro-batches "
+            "would count more than the others' and the gradient would not be the batch's. Give each step a batch "
+            f"divisible by n_microbatches ({stage.chunks}) (with a DataLoader: drop_last=True). The micro-batches "
+            "before this one may have been backpropagated and torch's schedule keeps their losses: to train on, zero "
+            "the gradients and make a new schedule over the stages")
+
+
 def stage_holders_outside_grad() -> list:
     """The distinct gradient holders keeping gradients outside ``p.grad`` (ZeRO stage 2) of
     this process's live stages' parameters, in the order the stages were made."""
@@ -278,12 +339,9 @@ def _weights_miss_the_inputs(module, input_values) -> bool:
     """An input pass would lose the weights' gradients: the stage has trainable weights but no
     input that requires a gradient (Note [a stage whose inputs need no gradient]). Modules of
     torch's own data parallelism are left to torch's stage, which switches their sync itself."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     if any(isinstance(v, torch.Tensor) and v.requires_grad for v in input_values):
         return False
-    if isinstance(module, (FSDPModule, TorchDDP)):
+    if _torch_data_parallel(module):
         return False
     return bool(_weights(module))
 
@@ -317,14 +375,79 @@ def _weights(module) -> list:
     return list(found.values())
 
 
+class _PassGroups(list):
+    """torch's parameter groups of an input pass, and the output edges (with their gradients)
+    whose paths reach weights around the inputs' (Note [weight paths around the inputs])."""
+
+    def __init__(self, groups, around):
+        super().__init__(groups)
+        self.around = around
+
+
 def _input_pass(module, bwd_kwargs: dict):
     """torch's input pass over the parameters the graph holds: the stage inputs' gradients, and
     the intermediates' gradients the weight pass starts from (Note [zero-bubble passes of
-    fusedist stages])."""
+    fusedist stages]); also the stage outputs the inputs' paths do not reach (Note [weight paths
+    around the inputs])."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
-    return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"],
-                                iter(_weights(module)))
+    outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
+    edges = []  # taken before torch's pass detaches the outputs
+    for i, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):
+            grad = torch.ones_like(out) if output_grads is None else output_grads[i]
+            if grad is not None:
+                edges.append((torch.autograd.graph.get_gradient_edge(out), grad))
+    grads, groups = stage_backward_input(outputs, output_grads, bwd_kwargs["input_values"], iter(_weights(module)))
+    return grads, _PassGroups(groups, _around_the_inputs(edges, bwd_kwargs["input_values"]))
+
+
+def _around_the_inputs(edges: list, input_values) -> list:
+    """The output edges none of whose paths down the graph reaches a stage input that requires a
+    gradient: torch's input pass saved nothing for the weights below them."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc, construct_reverse_graph, reverse_closure)
+
+    if not edges:
+        return []
+    inputs = [_get_grad_fn_or_grad_acc(v) for v in input_values if isinstance(v, torch.Tensor)]
+    reverse = construct_reverse_graph([edge.node for edge, _ in edges])
+    reached, _ = reverse_closure([node for node in inputs if node is not None], set(), reverse)
+    return [(edge, grad) for edge, grad in edges if edge.node not in reached]
+
+
+def _grads_around_the_inputs(groups, weights: list) -> list:
+    """The weights' gradients along the paths from the outputs the inputs' do not reach (Note
+    [weight paths around the inputs]), None where there are none. The graph is kept: torch's
+    weight pass runs after, and its paths may share nodes with these."""
+    around = getattr(groups, "around", None)
+    if not around or not weights:
+        return [None] * len(weights)
+    groups.around = None  # (the graph goes when the pass ends)
+    return list(torch.autograd.grad([edge for edge, _ in around], weights, grad_outputs=[g for _, g in around],
+                                    retain_graph=True, allow_unused=True))
+
+
+def _plain_weight_pass(module, param_groups) -> None:
+    """torch's weight pass for a stage module no data parallelism wraps, with the gradients of the
+    paths around the inputs added (Note [weight paths around the inputs])."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    weights = [p for p in module.parameters() if p.requires_grad]
+    around = _grads_around_the_inputs(param_groups, weights)
+    stage_backward_weight(iter(weights), param_groups)
+    for w, grad in zip(weights, around):
+        if grad is not None:
+            w.grad = grad if w.grad is None else w.grad + grad
+
+
+def _torch_data_parallel(module) -> bool:
+    """A module of torch's own data parallelism, whose passes torch's stage runs (it switches
+    their gradient sync itself)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    return isinstance(module, (FSDPModule, TorchDDP))
 
 
 def _weight_pass(module, param_groups) -> None:
@@ -350,8 +473,10 @@ def _weight_pass(module, param_groups) -> None:
     for ctx in contexts:
         ctx.backward_hooks_off = True
     try:
+        around = _grads_around_the_inputs(param_groups, weights)
         stage_backward_weight(iter(weights), param_groups)  # writes .grad, outside the hooks
-        computed = [(w, w.grad) for w in weights if w.grad is not None]
+        computed = [(w, _sum(w.grad, extra)) for w, extra in zip(weights, around)
+                    if w.grad is not None or extra is not None]
     finally:
         for ctx in contexts:
             ctx.backward_hooks_off = False
@@ -364,6 +489,10 @@ def _weight_pass(module, param_groups) -> None:
             ctx.finish_backward()
     elif weights:  # a DDP stage's buckets are ready when every weight's gradient is: add zeros to each
         torch.autograd.backward(weights, grad_tensors=[torch.zeros_like(w) for w in weights])
+
+
+def _sum(a, b):
+    return b if a is None else a if b is None else a + b
 
 
 @contextlib.contextmanager

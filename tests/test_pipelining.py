@@ -560,13 +560,8 @@ def _after_a_frozen_stage_worker(rank, world_size, seed):
             stages, n_microbatches=MICRO_BATCHES, loss_fn=lambda o, t: ((o - t) ** 2).mean())
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
         opt = _adamw(params) if params else None  # (pp rank 0 holds only frozen stages 0 and 2)
-        if wrap == "plain" and params:  # average the gradients over dp before each step, as DDP would
-            def average(opt, args, kwargs):
-                for p in params:  # (a gradient lost is a zero here: the test then names the wrap)
-                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-                    torch.distributed.all_reduce(p.grad, group=dp.get_group())
-                    p.grad /= dp.size()
-            opt.register_step_pre_hook(average)
+        if wrap == "plain" and params:
+            _average_by_hand(opt, params, dp.get_group())
         g = torch.Generator().manual_seed(seed + dp.get_local_rank())
         _run_steps(schedule, opt, g, placement, num_stages)
         ours = [fusedist.fsdp.full_state_dict(m) if wrap == "fully_shard" else m.state_dict() for m in modules]
@@ -585,6 +580,110 @@ def test_zero_bubble_trains_a_stage_after_a_frozen_one(launched4):
     for rank, out in enumerate(per_rank):
         for wrap, diff in out.items():
             assert diff < 1e-4, (seed, rank, wrap, diff)
+
+
+class _AroundStage(nn.Module):
+    """Stage ``index`` of a 4-stage model passing (h, m, c) along: m a frozen embedding's output
+    (no gradient), c a side stream. A middle stage's ``m_only`` reaches only the output c, whose
+    path never meets an input that requires a gradient; ``both`` reaches h and c."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+        if index == 0:
+            self.a, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+            self.emb = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        elif index < 3:
+            self.h, self.both, self.m_only = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        else:
+            self.o = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, *args):
+        if self.index == 0:
+            (x,) = args
+            return self.a(x), self.emb(x), self.c(x)
+        h, m, c = args
+        if self.index == 3:
+            return self.o(h) * m + c
+        both = self.both(m)
+        return torch.tanh(self.h(h)) + both + c, m.clone(), torch.tanh(self.m_only(m)) + both
+
+
+def _around_model(seed: int) -> list:
+    torch.manual_seed(seed)
+    return [_AroundStage(i) for i in range(4)]
+
+
+def _average_by_hand(opt, params, group) -> None:
+    """Average a plain stage's gradients over the data-parallel group before each step, as DDP
+    would (a gradient lost counts as a zero: the test then names the wrap)."""
+    def average(opt, args, kwargs):
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            torch.distributed.all_reduce(p.grad, group=group)
+            p.grad /= torch.distributed.get_world_size(group)
+    opt.register_step_pre_hook(average)
+
+
+def _around_the_inputs_worker(rank, world_size, seed):
+    """Zero-bubble schedules (interleaved, ZBV, DualPipeV) over 4 ``_AroundStage`` stages, pp x dp = 2 x 2,
+    each wrap: the stages after 1 + STEPS AdamW steps against the unpipelined model trained on
+    the global batch."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    r = pp.get_local_rank()
+    reference = _around_model(seed)
+    whole_opt = _adamw([p for m in reference for p in m.parameters() if p.requires_grad])
+    generators = [torch.Generator().manual_seed(seed + d) for d in range(dp.size())]
+    for _ in range(1 + STEPS):
+        batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for g in generators]
+        out = torch.cat([b[0] for b in batches])
+        for module in reference:
+            out = module(*(out if isinstance(out, tuple) else (out,)))
+        ((out - torch.cat([b[1] for b in batches])) ** 2).mean().backward()
+        whole_opt.step()
+        whole_opt.zero_grad()
+    found = {}
+    for name, placement in (("ScheduleInterleavedZeroBubble", (r, r + 2)), ("ScheduleZBVZeroBubble", (r, 3 - r)),
+                            ("ScheduleDualPipeV", (r, 3 - r))):
+        for wrap in ("fully_shard", "DistributedDataParallel", "plain"):
+            modules = [_around_model(seed)[i] for i in placement]
+            wrapped = [{"fully_shard": lambda m: fusedist.fully_shard(m, mesh=dp),
+                        "DistributedDataParallel": lambda m: fusedist.DistributedDataParallel(
+                            m, process_group=dp.get_group()),
+                        "plain": lambda m: m}[wrap](m) for m in modules]
+            stages = [PipelineStage(w, i, 4, torch.device("cpu"), group=pp.get_group())
+                      for w, i in zip(wrapped, placement)]
+            schedule = getattr(pipelining, name)(stages, n_microbatches=MICRO_BATCHES,
+                                                 loss_fn=lambda o, t: ((o - t) ** 2).mean())
+            params = [p for m in modules for p in m.parameters() if p.requires_grad]
+            opt = _adamw(params)
+            if wrap == "plain":
+                _average_by_hand(opt, params, dp.get_group())
+            _run_steps(schedule, opt, torch.Generator().manual_seed(seed + dp.get_local_rank()), placement, 4)
+            ours = [fusedist.fsdp.full_state_dict(w) if wrap == "fully_shard" else m.state_dict()
+                    for w, m in zip(wrapped, modules)]
+            found[f"{name}, {wrap}"] = _max_diff(ours, [reference[i].state_dict() for i in placement])
+    return found
+
+
+def test_zero_bubble_trains_weights_whose_paths_go_around_the_inputs(launched4):
+    """Note [weight paths around the inputs]: a middle stage's weight whose path reaches an
+    output without meeting an input that requires a gradient (``m_only``) got no gradient under
+    zero-bubble schedules, and one that reaches both kinds of outputs (``both``) only part of it:
+    torch's input pass saves the gradients where the weights' paths meet the inputs', and its
+    weight pass starts from those alone (torch's own PipelineStage too). Every wrap trains as
+    the unpipelined model (tolerance as above; a lost gradient is a ~lr difference)."""
+    seed, per_rank = launched4["seed"], results_of(launched4, "around the inputs")
+    for rank, out in enumerate(per_rank):
+        for case, diff in out.items():
+            assert diff < 1e-4, (seed, rank, case, diff)
 
 
 class _ScaleFunction(torch.autograd.Function):
@@ -1113,6 +1212,76 @@ def test_a_micro_batch_of_another_shape_is_refused_naming_stage_and_shapes(sched
         assert f"stage 0, micro-batch 0: output 0 has shape (1, {WIDTH})" in output, output
 
 
+def _one_rank_uneven_worker(rank, world_size, seed):
+    """Each rank a pipeline of its own (2 stages, interleaved 1F1B, a one-rank group): a batch of
+    10 rows (micro-batches of 3, 3, 2, 2) through torch's stages and through fusedist's, then
+    fusedist's with batches of 8 and 12 rows. Returns fusedist's refusal, torch's gradients
+    against the batch's and against the mean of the micro-batches' means, and fusedist's
+    gradients after the good steps against the batch's."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    from fusedist.pipelining import PipelineStage
+
+    group = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    g = torch.Generator().manual_seed(seed + rank)
+
+    def build():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+    def mse(out, target):
+        return (out - target).square().mean()
+
+    def pipeline(cls):
+        model = build()
+        stages = [cls(model[2 * i:2 * i + 2], i, 2, torch.device("cpu"), group=group) for i in range(2)]
+        return model, stages, pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=mse)
+
+    def grads_against(model, x, y, split: bool) -> float:
+        whole = build()
+        if split:  # what torch's schedule computes: the mean of the micro-batches' means
+            for xc, yc in zip(x.tensor_split(MICRO_BATCHES), y.tensor_split(MICRO_BATCHES)):
+                (mse(whole(xc), yc) / MICRO_BATCHES).backward()
+        else:
+            mse(whole(x), y).backward()
+        return max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), whole.parameters()))
+
+    x, y = torch.randn(10, WIDTH, generator=g), torch.randn(10, WIDTH, generator=g)
+    theirs_model, _, theirs = pipeline(TorchStage)
+    theirs.step(x, target=y)
+    torch_vs_batch, torch_vs_means = (grads_against(theirs_model, x, y, split) for split in (False, True))
+    model, stages, ours = pipeline(PipelineStage)
+    refused = _refused(lambda: ours.step(x, target=y))
+    ours = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=mse)  # as told
+    after = []
+    for rows in (8, 12):  # (a later batch of another size is passed as it is: left alone)
+        model.zero_grad(set_to_none=True)
+        x, y = torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
+        ours.step(x, target=y)
+        after.append(grads_against(model, x, y, False))
+    return refused, torch_vs_batch, torch_vs_means, max(after)
+
+
+def test_uneven_micro_batches_on_one_rank_are_refused(launched2):
+    """Note [uneven micro-batches on one rank]: torch's schedules run a batch that n_microbatches
+    does not divide when every stage is on one rank, weighting each micro-batch's mean loss
+    alike (the sum of their gradients divided by n_microbatches): not the batch's gradient, by
+    ~1e-2 here, and a batch the same pipeline over several ranks refuses. fusedist's first stage
+    refuses it naming the micro-batch and both shapes; batches that split evenly, of any size,
+    then give the batch's gradient (fp32, the same terms summed in another order: 1e-6)."""
+    seed = launched2["seed"]
+    for rank, (refused, torch_vs_batch, torch_vs_means, after) in enumerate(
+            results_of(launched2, "uneven on one rank")):
+        assert torch_vs_means < 1e-6 and torch_vs_batch > 1e-3, (seed, rank, torch_vs_means, torch_vs_batch)
+        assert refused is not None, (seed, rank)
+        assert f"stage 0, micro-batch 2: input 0 has shape (2, {WIDTH}), micro-batch 0 of this step (3, {WIDTH})" \
+            in refused, refused
+        assert f"divisible by n_microbatches ({MICRO_BATCHES})" in refused and "drop_last=True" in refused, refused
+        assert "make a new schedule" in refused, refused
+        assert after < 1e-6, (seed, rank, after)
+
+
 # ----------------------------------------------------------------------------- shared spawns
 # One spawn per world size runs the scenarios of the tests selected (a 4-rank spawn costs
 # ~8 s of starting ranks), each with a fresh dynamo (compiled blocks recompile as in a spawn
@@ -1135,6 +1304,8 @@ def launched4(request, tmp_path_factory):
         "test_a_users_own_no_sync_holds_over_the_pipeline_step": {"no sync": (_no_sync_worker, seed)},
         "test_zero_bubble_trains_a_stage_after_a_frozen_one": {
             "after a frozen stage": (_after_a_frozen_stage_worker, seed)},
+        "test_zero_bubble_trains_weights_whose_paths_go_around_the_inputs": {
+            "around the inputs": (_around_the_inputs_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 
@@ -1161,5 +1332,7 @@ def launched2(request):
             f"short step {wrap}": (_short_step_worker, wrap) for wrap in ("fully_shard", "ddp")},
         "test_a_micro_batch_of_another_shape_is_refused_naming_stage_and_shapes": {
             f"uneven {name}": (_uneven_worker, seed, name) for name in ("ScheduleGPipe", "Schedule1F1B")},
+        "test_uneven_micro_batches_on_one_rank_are_refused": {
+            "uneven on one rank": (_one_rank_uneven_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 2, timeout=300)}

@@ -47,11 +47,11 @@ def _fabric(side: str, precision: str, zero_stage: int):
     return fabric
 
 
-def _model_and_optimizer():
+def _model_and_optimizer(with_scheduler: bool = True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)) if with_scheduler else None
     return model, optimizer, scheduler
 
 
@@ -185,18 +185,20 @@ def test_fabric_strategy_names_and_refusals(launched):
     results_of(launched, "names and refusals")
 
 
-def _scheduler_built_before_setup(side, precision, zero_stage, overflow_first):
-    """A scheduler built on the optimizer before ``fabric.setup_optimizers``, which Fabric is not
-    given: its torch step-order warnings and learning rates (Note [a scheduler built on the
-    returned optimizer])."""
+def _scheduler_built_around_setup(side, precision, zero_stage, overflow_first, after):
+    """A scheduler built on the optimizer before ``fabric.setup_optimizers`` (or, ``after``, on
+    that same optimizer after it), which Fabric is not given: its torch step-order warnings and
+    learning rates (Note [a scheduler built on the returned optimizer])."""
     import warnings
 
     fabric = _fabric(side, precision, zero_stage)
-    model, optimizer, scheduler = _model_and_optimizer()
+    model, original, scheduler = _model_and_optimizer(with_scheduler=not after)
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(optimizer)
+    optimizer = fabric.setup_optimizers(original)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if after:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(original, lambda step: 1.0 / (1 + step))
         for step in range(3):
             x, y = _batch(fabric.global_rank, step, 0)
             loss = nn.functional.mse_loss(model(x).float(), y)
@@ -210,20 +212,22 @@ def _scheduler_built_before_setup(side, precision, zero_stage, overflow_first):
 
 def _scheduler_warnings(rank, world):
     _launched_env(rank, world)
-    for precision, overflow_first in (("32-true", False), ("16-mixed", True)):
-        ref = _scheduler_built_before_setup("ddp", precision, 0, overflow_first)
-        assert bool(ref[0]) == overflow_first, ref  # torch warns after a skipped first step only
-        for zero_stage in (0, 2):
-            ours = _scheduler_built_before_setup("fusedist", precision, zero_stage, overflow_first)
-            assert ours == ref, (precision, zero_stage, ours, ref)
+    for after in (False, True):
+        for precision, overflow_first in (("32-true", False), ("16-mixed", True)):
+            ref = _scheduler_built_around_setup("ddp", precision, 0, overflow_first, after)
+            assert bool(ref[0]) == overflow_first, ref  # torch warns after a skipped first step only
+            for zero_stage in (0, 2):
+                ours = _scheduler_built_around_setup("fusedist", precision, zero_stage, overflow_first, after)
+                assert ours == ref, (after, precision, zero_stage, ours, ref)
 
 
-def test_fabric_scheduler_built_before_setup_warns_as_fabrics_ddp(launched):
+def test_fabric_scheduler_built_before_or_after_setup_warns_as_fabrics_ddp(launched):
     """torch's step-order check read the flag of the optimizer the scheduler was built on, which
     the strategy had swapped: it warned "lr_scheduler.step() before optimizer.step()" at every
-    first scheduler step, though the swapped optimizer had stepped; it now warns where torch's
+    first scheduler step, though the swapped optimizer had stepped -- for a scheduler built on
+    that optimizer before setup, and one built on it after setup; it now warns where torch's
     does, after a first step skipped for an fp16 overflow."""
-    results_of(launched, "scheduler built before setup")
+    results_of(launched, "scheduler built around setup")
 
 
 def _saved_through_the_given_optimizer(side, zero_stage, directory):
@@ -364,8 +368,8 @@ def launched(request, tmp_path_factory):
                 "save through the given optimizer": (_given_optimizer_saves, (str(root),))},
             "test_fabric_loop_stepping_the_optimizer_given_to_setup_trains_as_fabrics_ddp": {
                 "step through the given optimizer": (_stepped_through_the_given_optimizer, ())},
-            "test_fabric_scheduler_built_before_setup_warns_as_fabrics_ddp": {
-                "scheduler built before setup": (_scheduler_warnings, ())},
+            "test_fabric_scheduler_built_before_or_after_setup_warns_as_fabrics_ddp": {
+                "scheduler built around setup": (_scheduler_warnings, ())},
             "test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters": {
                 f"separate setup, bf16-true, ZeRO {stage}": (_separate_setup_half_precision, (stage,))
                 for stage in (0, 2)}}

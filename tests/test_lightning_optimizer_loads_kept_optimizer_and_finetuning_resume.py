@@ -52,7 +52,7 @@ def _module(opts: dict):
 
         def configure_optimizers(self):
             self.opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-            if opts.get("own_scheduler"):  # built on the returned optimizer, stepped by the module
+            if opts.get("own_scheduler") == "before setup":  # on the returned optimizer, stepped by the module
                 self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 1, 0.5)
             return self.opt
 
@@ -61,6 +61,8 @@ def _module(opts: dict):
                 self.sched.step()
 
         def on_train_start(self):
+            if opts.get("own_scheduler") == "after setup":  # on the returned optimizer, once swapped
+                self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 1, 0.5)
             stepping = self.trainer.strategy.optimizers[0]
             through = {"stepping": stepping, "self.optimizers()": self.optimizers(), "kept": self.opt}
             if "load" in opts:
@@ -68,6 +70,8 @@ def _module(opts: dict):
                 self.opt.param_groups[0]["lr"] = 0.02  # after the load: still the stepping optimizer's
 
         def on_train_batch_start(self, batch, batch_idx):
+            if opts.get("scheduler first") and batch_idx == 0:  # before any optimizer step: torch warns
+                self.sched.step()
             if opts.get("warmup"):
                 for group in self.opt.param_groups:
                     group["lr"] = 1e-2 * min(1.0, (self.global_step + 1) / 6)
@@ -129,28 +133,34 @@ def _kept_scheduler_worker(rank: int, world: int) -> dict:
     from fusedist.integrations.lightning import FusedistStrategy
 
     out = {}
-    for name, strategy in (("ddp", "ddp"), ("fusedist", FusedistStrategy())):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            weights, seen = _fit(strategy, {"own_scheduler": True})
-        seen["warnings"] = [str(w.message)[:60] for w in caught if "lr_scheduler" in str(w.message)]
-        out[name] = (weights, seen)
+    for built, first in (("before setup", False), ("after setup", False), ("after setup", True)):
+        for name, strategy in (("ddp", "ddp"), ("fusedist", FusedistStrategy())):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                weights, seen = _fit(strategy, {"own_scheduler": built, "scheduler first": first})
+            seen["warnings"] = [str(w.message)[:60] for w in caught if "lr_scheduler" in str(w.message)]
+            out[built, first, name] = (weights, seen)
     return out
 
 
 def test_a_scheduler_the_module_keeps_warns_and_schedules_as_under_ddp(launched):
-    """An LR scheduler the module builds on the optimizer it returns, and steps itself, drives
-    the optimizer that steps, as under ``strategy="ddp"``, without torch's warning that it
-    stepped "before optimizer.step()": torch read the flag of the returned optimizer, which the
-    swap kept from stepping (Note [a scheduler built on the returned optimizer])."""
+    """An LR scheduler the module builds on the optimizer it returns -- in configure_optimizers
+    or after the swap, in on_train_start -- and steps itself, drives the optimizer that steps,
+    as under ``strategy="ddp"``, without torch's warning that it stepped "before
+    optimizer.step()": torch read the flag of the returned optimizer, which the swap kept from
+    stepping (Note [a scheduler built on the returned optimizer]). Stepped before the first
+    optimizer step, it warns, as under ``strategy="ddp"``."""
+    first_warning = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"[:60]  # as recorded
     for rank, runs in enumerate(results_of(launched, "kept scheduler")):
-        runs = dict(runs)  # popped below: a copy
-        ref_weights, ref_seen = runs.pop("ddp")
-        assert ref_seen["lrs"] == [1e-2, 5e-3, 2.5e-3] and ref_seen["warnings"] == [], (rank, ref_seen)
-        for name, (weights, seen) in runs.items():
-            assert seen == ref_seen, (rank, name, seen, ref_seen)
+        for built, first in (("before setup", False), ("after setup", False), ("after setup", True)):
+            ref_weights, ref_seen = runs[built, first, "ddp"]
+            lrs = [5e-3, 2.5e-3, 1.25e-3] if first else [1e-2, 5e-3, 2.5e-3]
+            assert ref_seen["lrs"] == lrs and ref_seen["warnings"] == ([first_warning] if first else []), \
+                (rank, built, first, ref_seen)
+            weights, seen = runs[built, first, "fusedist"]
+            assert seen == ref_seen, (rank, built, first, seen, ref_seen)
             diff = (weights - ref_weights).abs().max().item()
-            assert diff <= 1e-5, f"{name}, rank {rank}: weights differ by {diff}"
+            assert diff <= 1e-5, f"{built}, {first}, rank {rank}: weights differ by {diff}"
 
 
 def _resume_worker(rank: int, world: int, path: str) -> list:

@@ -165,9 +165,9 @@ def hand_over(old, new, schedulers) -> None:
                 scheduler.optimizer = new
                 _track_step_calls(new)
     scheduled = hasattr(old.step, "_wrapped_by_lr_sched")
-    if scheduled:  # Note [a scheduler built on the returned optimizer]
-        _track_step_calls(new)
-        old._opt_called = _SteppedThrough(new)
+    # Note [a scheduler built on the returned optimizer]: one built on it before, or after, now
+    _track_step_calls(new)
+    old._opt_called = _SteppedThrough(new)
     old.step, old.zero_grad = _step_of(new, old, scheduled), new.zero_grad
     old.param_groups = new.param_groups
     old.add_param_group = new.add_param_group
@@ -200,7 +200,12 @@ def _step_of(new, old, scheduled: bool):
 # is the one the scheduler holds, gives no warning). The returned optimizer's flag now reads the
 # new one's -- when read, which the scheduler does once -- so it warns where torch's would: after
 # a step the scaler skipped for inf/nan gradients (Note [a skipped step and the LR scheduler] in
-# fusedist/optim/_scaler_protocol.py), or when no step ran.
+# fusedist/optim/_scaler_protocol.py), or when no step ran. That holds for a scheduler built on
+# the returned optimizer after the hand-over too (a module building its own in on_train_start, a
+# Fabric loop building one after fabric.setup): torch's scheduler then wraps the returned
+# optimizer's step to set the flag, which only a call of that step does, and the loop steps the
+# new optimizer -- so the flag is the new one's from the hand-over on, whether or not a
+# scheduler exists yet.
 
 
 class _SteppedThrough:

@@ -178,6 +178,63 @@ def _deferred_steps_case(rank, world, seed):
     return out
 
 
+def _closure_loop(rank, seed, who, fused_cls, torch_cls, inf_first, split):
+    """Three iterations of DDP + scaler, each ``scaler.step(opt, closure)`` (with ``split``, a first
+    optimizer on the first layer stepped without a closure before): (the weights, the closure's
+    calls, what step() returned, the scales)."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    if who == "ours":
+        model = fusedist.DistributedDataParallel(copy.deepcopy(base))
+        scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 6, found_inf_group=dist.group.WORLD)
+        cls = fused_cls
+    else:
+        model = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+        cls = torch_cls
+    layers = list(model.module)
+    opts = [cls(layers[0].parameters(), lr=0.05), cls(layers[2].parameters(), lr=0.05)] if split else \
+        [cls(model.parameters(), lr=0.05)]
+    calls, returned, scales = [], [], []
+    for it in range(3):
+        g = torch.Generator().manual_seed(seed + 10 * it + rank)
+        blowup = float("inf") if inf_first and it == 0 and rank == 0 else 1.0
+        for opt in opts:
+            opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 6, generator=g)).square().mean() * blowup).backward()
+
+        def closure(it=it):
+            calls.append(it)
+            return torch.tensor(float(it) + 0.5)
+
+        if split:
+            scaler.step(opts[0])
+        out = scaler.step(opts[-1], closure)
+        returned.append(None if out is None else float(out))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in model.parameters()], calls, returned, scales
+
+
+def _closure_first_iteration_case(rank, world, seed):
+    """Each closure loop of fusedist's scaler against torch's: (case, weight difference, ours,
+    torch's), the latter two as (closure calls, step returns, scales)."""
+    import fusedist
+
+    cases = [((fusedist.optim.FusedAdamW, torch.optim.AdamW), inf_first, split)
+             for inf_first in (False, True) for split in (False, True)]
+    cases.append(((torch.optim.SGD, torch.optim.SGD), True, False))  # (torch's path under the group)
+    out = []
+    for (fused_cls, torch_cls), inf_first, split in cases:
+        w_ours, *ours = _closure_loop(rank, seed, "ours", fused_cls, torch_cls, inf_first, split)
+        w_torch, *theirs = _closure_loop(rank, seed, "torch", fused_cls, torch_cls, inf_first, split)
+        diff = max(float((a - b).abs().max()) for a, b in zip(w_ours, w_torch))
+        out.append(((fused_cls.__name__, inf_first, split), diff, ours, theirs))
+    return out
+
+
 SEED = int(torch.randint(0, 10_000, ()).item())
 SCENARIOS = {
     "test_torch_clip_of_complex_fully_shard_pieces_is_real_as_torchs":
@@ -186,6 +243,8 @@ SCENARIOS = {
         {"zero2 stages": (_zero2_stage_case, (SEED,))},
     "test_found_inf_group_first_step_keeps_its_learning_rate_under_a_scheduler":
         {"deferred steps": (_deferred_steps_case, (SEED,))},
+    "test_found_inf_group_first_step_with_a_closure_returns_its_loss_as_torch":
+        {"closure first": (_closure_first_iteration_case, (SEED,))},
 }
 
 
@@ -219,3 +278,15 @@ def test_found_inf_group_first_step_keeps_its_learning_rate_under_a_scheduler(la
             else:
                 assert warn_ours == [], (SEED, rank, case, warn_ours)
             assert bool(warn_torch) == (case[3] == "inf first"), (rank, case, warn_torch)  # torch 2.13's
+
+
+def test_found_inf_group_first_step_with_a_closure_returns_its_loss_as_torch(launched):
+    """``scaler.step(opt, closure)`` in the first iteration returns the closure's loss (None when
+    skipped, the closure not run) as torch's does, also after another optimizer's step waited
+    (Note [a closure in the first iteration]). Before: the step waited for ``update()`` and
+    returned None; the closure ran at ``update()``."""
+    for rank, results in enumerate(results_of(launched, "closure first")):
+        for case, diff, ours, theirs in results:
+            assert diff < 1e-6, (SEED, rank, case, diff)
+            assert ours == theirs, (SEED, rank, case, ours, theirs)
+            assert ours[1][0] == (None if case[1] else 0.5), (rank, case, ours)

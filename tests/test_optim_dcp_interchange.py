@@ -35,6 +35,31 @@ def test_default_groups_have_torchs_keys():
     assert other.param_groups[0]["master_weights"] is True
 
 
+def test_groups_given_fusedist_settings_at_their_defaults_have_torchs_keys():
+    """A group given ``master_weights=False`` / ``bias_correction=True`` (the defaults), in the
+    constructor's list or by ``add_param_group``, kept the keys, which torch's DCP then looked for
+    in a torch checkpoint ("Missing key ...param_groups.1.master_weights"). A setting unlike the
+    optimizer's own stays, through a save and load."""
+    ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    adam = dict(master_weights=False, bias_correction=True)
+    own = {"AdamW": adam, "Adam": adam, "SGD": dict(master_weights=False)}
+    for name, (torch_cls, fused_cls, kw) in PAIRS.items():
+        ours = fused_cls([{"params": ps[:1], **own[name]}], **kw)
+        ours.add_param_group({"params": ps[1:2], **own[name]})
+        ours.add_param_group({"params": ps[2:], "lr": 0.5})
+        theirs = torch_cls([{"params": ps[:1]}], **kw)
+        theirs.add_param_group({"params": ps[1:2]})
+        theirs.add_param_group({"params": ps[2:], "lr": 0.5})
+        for gi, (a, b) in enumerate(zip(ours.state_dict()["param_groups"], theirs.state_dict()["param_groups"])):
+            assert set(a) == set(b), (name, gi, set(a) ^ set(b))
+    masters = FusedAdamW(ps[:1], lr=0.01, master_weights=True)
+    masters.add_param_group({"params": ps[1:], "master_weights": False})
+    again = FusedAdamW([ps[0]], lr=0.01, master_weights=True)
+    again.add_param_group({"params": ps[1:]})
+    again.load_state_dict(masters.state_dict())
+    assert [g["master_weights"] for g in again.param_groups] == [True, False]
+
+
 def _stepped(cls, kw, seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))

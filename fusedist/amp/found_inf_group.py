@@ -44,6 +44,17 @@ for a scheduler. ``update()`` then sets that flag as the step leaves it (unset w
 flag skipped the step): a scheduler stepped after ``update()`` warns exactly as with torch's
 scaler; one stepped before it does not warn, where torch's warns if that first step overflowed.
 
+# Note [a closure in the first iteration]
+torch's ``scaler.step(optimizer, closure)`` returns the closure's loss, or None when the step was
+skipped (the closure then does not run: Note [a skipped step runs no closure] in grad_scaler.py).
+A step waiting for ``update()`` returned None and ran the closure only at ``update()``, so a loop
+reading the loss from ``step()`` (LBFGS-style, or one that logs it) got None in the first iteration.
+The caller needs the answer now, so such a ``step()`` makes the iteration's agreement at once, as
+the later iterations' first ``step()`` does: over the optimizers unscaled or stepped so far on this
+rank (their waiting steps run first, in call order). An optimizer stepped after it in the same
+iteration raises, asking to ``unscale_`` it before that ``step()``, as a new optimizer after the
+first iteration does.
+
 # Note [a stage without a loss]
 A middle pipeline stage computes no loss, so it never calls ``scaler.scale(loss)``, which is
 where torch's scaler makes its scale; its gradients come from the last stage's scaled loss and
@@ -118,7 +129,8 @@ class FoundInfGroupMixin:
             "stepped after this iteration's inf/nan flag was agreed over the group (at the first step()), so "
             "its gradients cannot count in it and its stage could step apart from the others. Call "
             "scaler.unscale_(optimizer) for an optimizer new after the first iteration before the first "
-            "scaler.step() of the iteration (the scaler remembers each one it unscaled or stepped)."
+            "scaler.step() of the iteration (the scaler remembers each one it unscaled or stepped); in the first "
+            "iteration, before a scaler.step(optimizer, closure), which agrees at once to return the closure's loss."
         )
 
     # -- Note [the first iteration's steps wait for update()] -----------------------------------
@@ -145,6 +157,14 @@ class FoundInfGroupMixin:
         self._remember(optimizer)
         self._pending().append((optimizer, args, kwargs, _grads_now(optimizer), _hyperparameters_now(optimizer),
                                 _count_as_stepped(optimizer)))
+
+    def _agree_for_closure(self, optimizer) -> None:
+        """A first-iteration ``step()`` with a closure: the agreement now, over ``optimizer`` and
+        those known so far, and the steps that waited for it (Note [a closure in the first
+        iteration])."""
+        self._check_scale_growth_tracker("step")
+        self._remember(optimizer)
+        self._agree_and_run_pending()
 
     def _agree_and_run_pending(self) -> None:
         """``update()``'s part: the agreement (when no ``step()`` made it), then the steps that

@@ -70,6 +70,7 @@ gradients are shards only it reads (``p.grad`` is None), so there is nothing to 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections import defaultdict
@@ -81,7 +82,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..optim._scaler_protocol import looked_up_once, protocol_owner
 from ..optim.step_context import inverse_scale, mark_pending
-from . import unscale
+from . import skipped_step, unscale
 from .found_inf_group import FoundInfGroupMixin
 from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
 
@@ -107,9 +108,11 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
 
     With a fused optimizer (Note [scaler protocol]) ``step`` without ``unscale_`` does no
     separate unscale pass, and nothing synchronizes the host (except a closure passed to ``step``,
-    Note [a skipped step runs no closure]). ``unscale_`` unscales the
-    gradients in place, as torch's does, so ``torch.nn.utils.clip_grad_norm_`` and anything
-    else reading ``p.grad`` sees unscaled values; it also records the global norm, so
+    Note [a skipped step runs no closure], or step hooks registered on the optimizer, which a
+    skipped step does not run, as torch's: Note [a skipped step runs no step hooks] in
+    fusedist/amp/skipped_step.py). ``unscale_`` unscales the gradients in place, as torch's
+    does, so ``torch.nn.utils.clip_grad_norm_`` and anything else reading ``p.grad`` sees
+    unscaled values; it also records the global norm, so
     ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Like torch's,
     it refuses float16 gradients (in place they would underflow); ``lazy_unscale`` takes them.
     A fused update writes no gradient back: after ``step``, ``p.grad`` holds what it held
@@ -146,10 +149,13 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
       stage skipped by its own flag, and the stages' weights and scales drifted apart). Ranks
       may hold different numbers of stages (optimizers). In the first iteration, before the
       scaler knows the rank's optimizers, ``step()`` only checks, and ``update()`` steps them once
-      the flags are agreed: zero the gradients after ``update()``. A stage without a loss needs no
+      the flags are agreed: zero the gradients after ``update()``. A ``step(optimizer, closure)``
+      cannot wait: it agrees at once, over the optimizers unscaled or stepped so far, and returns
+      the closure's loss (None when skipped) as torch's does; a rank stepping several optimizers
+      so calls ``unscale_`` on each before that ``step()``. A stage without a loss needs no
       ``scale(loss)``: the scale is made on first use. Note [found_inf over the pipeline stages],
-      Note [the first iteration's steps wait for update()] and Note [a stage without a loss] in
-      fusedist/amp/found_inf_group.py.
+      Note [the first iteration's steps wait for update()], Note [a closure in the first
+      iteration] and Note [a stage without a loss] in fusedist/amp/found_inf_group.py.
 
     ``last_step_skipped_tensor`` is a device bool tensor (set by ``update()``): True when an
     optimizer step of the last iteration was skipped for inf/nan gradients. The property
@@ -299,7 +305,9 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
         if self._enabled:
             self._scale_for_stage(optimizer)  # Note [a stage without a loss]
             if self._defers_steps():  # Note [the first iteration's steps wait for update()]
-                return self._defer_step(optimizer, args, kwargs)
+                if not (args and args[0] is not None):
+                    return self._defer_step(optimizer, args, kwargs)
+                self._agree_for_closure(optimizer)  # Note [a closure in the first iteration]
         if not self._enabled or not is_fused(optimizer):
             if self._enabled and self._scale is not None:
                 self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]
@@ -317,14 +325,17 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
         found = list(optimizer_state["found_inf_per_device"].values())
         owner.found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
         # Note [a skipped step runs no closure]
-        skipped_closure = bool(args) and args[0] is not None and bool(owner.found_inf.item())
+        # and Note [a skipped step runs no step hooks] in skipped_step.py: the flag read on the host
+        hooked = skipped_step.has_own_step_hooks(optimizer, owner)
+        skipped = ((bool(args) and args[0] is not None) or hooked) and bool(owner.found_inf.item())
         try:
-            retval = optimizer.step(*((None, *args[1:]) if skipped_closure else args), **kwargs)
+            with skipped_step.own_step_hooks_off(optimizer, owner) if skipped and hooked else contextlib.nullcontext():
+                retval = optimizer.step(*((None, *args[1:]) if skipped and args else args), **kwargs)
         finally:
             if hasattr(owner, "_fusedist_clear_protocol"):
                 owner._fusedist_clear_protocol()
         optimizer_state["stage"] = OptState.STEPPED
-        return None if skipped_closure else retval
+        return None if skipped else retval
 
     # Note [a skipped step runs no closure]
     # torch's scaler refuses a closure passed by keyword, and takes one passed positionally
@@ -332,7 +343,7 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     # the gradients overflowed it does not call ``optimizer.step``, so the closure (a forward and
     # backward, a counter, a log line) does not run, and ``step`` returns None. A fused optimizer
     # decides the skip on the device, so it ran the closure on a skipped step too. With a closure
-    # the flag is therefore read on the host (the one sync here; without a closure there is none),
+    # the flag is therefore read on the host (the one sync here, with the one for step hooks),
     # and a skipped step calls the optimizer's step without the closure and returns None. The step
     # itself still runs, skipping on the device as without a closure, for the bookkeeping of a
     # skipped step: ZeRO stage 2 consumes the overflowed gradient shards there (else the next

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from .. import _extension
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
-from . import _complex, functional
+from . import _complex, _scaler_protocol, functional
 from ._complex import state_dtype_of
 from .functional import _device_of, _dtype_of, _layout_of, _shape_of
 from ._hyperparameters import check_lr
@@ -61,19 +61,17 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     _sparse_alternative = "torch.optim.SparseAdam"
 
     # Note [param groups in torch's keys]
-    #     torch's distributed checkpoint loads an optimizer state by the keys of the *target's*
-    #     state dict, flattened (``param_groups.0.master_weights``), and its flattened form
-    #     (``flatten_optimizer_state_dict``) rebuilds groups from the live optimizer's keys:
-    #     every one must be in the checkpoint. A fused optimizer's groups carried keys torch's
-    #     lack (``master_weights``, ``bias_correction``) and lacked some of torch's
-    #     (``foreach``, ``fused``, ...), so neither library loaded the other's checkpoint. So
-    #     the groups themselves are kept in the key set of the torch counterpart: a
-    #     fusedist-only setting is stored only when it differs from its default (what torch's
-    #     optimizer does: no masters, bias correction on) and read with that default, and
-    #     torch's keys are present with torch's defaults. A setting torch has no equivalent for
-    #     (``master_weights=True``) stays: a torch optimizer loading it keeps the key and
-    #     ignores it. ``load_state_dict`` fills a key the saved groups lack with this
-    #     optimizer's own setting.
+    #     torch's distributed checkpoint loads an optimizer state by the keys of the *target's* state dict, flattened
+    #     (``param_groups.0.master_weights``), and its flattened form (``flatten_optimizer_state_dict``) rebuilds
+    #     groups from the live optimizer's keys: every one must be in the checkpoint. A fused optimizer's groups
+    #     carried keys torch's lack (``master_weights``, ``bias_correction``) and lacked some of torch's (``foreach``,
+    #     ``fused``, ...), so neither library loaded the other's checkpoint. So the groups themselves are kept in the
+    #     key set of the torch counterpart: a fusedist-only setting is stored only when it differs from its default
+    #     (what torch's optimizer does: no masters, bias correction on) and read with that default, and torch's keys
+    #     are present with torch's defaults. A setting torch has no equivalent for (``master_weights=True``) stays: a
+    #     torch optimizer loading it keeps the key and ignores it. ``load_state_dict`` fills a key the saved groups
+    #     lack with this optimizer's own setting. A group added later leaves out a fusedist-only setting given at its
+    #     default, as the constructor does.
 
     def __init__(self, params, defaults: dict):
         # torch's load_state_dict adds this key to every group; having it from the start keeps
@@ -88,11 +86,14 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
     _takes_complex = False  # whether complex parameters are stepped (Note [complex parameters] in _complex.py)
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, refusing a parameter the kernels cannot step (integer; complex where the
-        class does not take it) when its group is added: the constructor's groups and a group
-        added later alike. Nothing is added when it raises."""
+        """torch's (for the constructor's groups too), refusing a parameter the kernels cannot step
+        (integer; complex where the class does not take it; nothing is added then), and leaving
+        out a fusedist-only setting given at its default (Note [param groups in torch's keys])."""
         super().add_param_group(param_group)
-        gi = len(self.param_groups) - 1
+        gi, own = len(self.param_groups) - 1, self._own_group_defaults
+        for key in [k for k, v in own.items() if _same_setting(self.defaults.get(k, v), v)]:
+            if key in self.param_groups[gi] and _same_setting(self.param_groups[gi][key], own[key]):
+                del self.param_groups[gi][key]
         for pi, p in enumerate(self.param_groups[gi]["params"]):
             refusal = _complex.dtype_refusal(p, self._takes_complex)
             if refusal:
@@ -171,13 +172,15 @@ class FusedOptimizerBase(ScalerProtocol, Optimizer):
         if (cls._fusedist_local_grads is not FusedOptimizerBase._fusedist_local_grads
                 or cls._fusedist_unscale_targets is not FusedOptimizerBase._fusedist_unscale_targets):
             return super()._fusedist_check_norm_and_unscale(inv_scale)  # a subclass reads other gradients
-        found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale, unscale_in_place=True)
+        with _scaler_protocol.gradients_named_on_refusal(self):  # (the step's checks name the parameter)
+            found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale, unscale_in_place=True)
         return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
 
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """One read-only pass over :meth:`_fusedist_local_grads`: (found_inf, sum of squares of
         grad*inv_scale), made global by :meth:`_fusedist_reduce_found_inf_and_norm`."""
-        found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale)
+        with _scaler_protocol.gradients_named_on_refusal(self):
+            found_inf, sumsq = functional.check_and_norm(self._fusedist_local_grads(), inv_scale)
         return self._fusedist_reduce_found_inf_and_norm(found_inf, sumsq)
 
     # -- hooks for subclasses -----------------------------------------------------------------

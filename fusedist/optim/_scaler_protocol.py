@@ -10,6 +10,7 @@ What the scaler and clip decided for the next step lives in one :class:`StepCont
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
 from itertools import compress, repeat
@@ -337,3 +338,18 @@ def _addresses_and_versions(grads: list) -> tuple[list, list]:
     """What unscale_ records of the gradients (Note [gradients changed after unscale_]):
     addresses, not ids, as a sharded optimizer hands out fresh views of the same shards."""
     return list(map(_data_ptr, grads)), list(map(_version_of, grads))
+
+
+@contextlib.contextmanager
+def gradients_named_on_refusal(optimizer):
+    """The check pass refuses a gradient the kernels cannot read (sparse, on another device) by
+    its place in a flat list ("grads[0] is sparse"), where ``step()`` names the parameter and says
+    what to use instead; the scaler runs that pass before the step. On such a refusal the step's
+    own checks (``_collect_group``) run and raise theirs; nothing was written before either. Free
+    when nothing is refused."""
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError):
+        for gi, group in enumerate(optimizer.param_groups):
+            optimizer._collect_group(group, gi)
+        raise

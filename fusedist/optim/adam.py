@@ -23,6 +23,14 @@ class FusedAdam(FusedOptimizerBase):
     AMSGrad). ``capturable`` and ``differentiable`` are not supported (True raises);
     ``foreach``/``fused`` are accepted as hints (``fused=False`` raises, and both True
     as in torch).
+
+    Two things torch's Adam refuses are taken, with torch's numerics where it has them: a
+    gradient of another floating dtype than its parameter (its ``grad_dtype`` lifted, e.g. fp32
+    gradients of bf16 weights) steps as torch's step on the gradient converted to the compute
+    dtype (fp32; fp64 for fp64 parameters), where torch's raises "expected dtype float for
+    `end`"; and ``amsgrad`` switched on after a parameter's state was made starts its
+    ``max_exp_avg_sq`` at zeros -- torch's AMSGrad from that step on -- where torch's raises
+    ``KeyError: 'max_exp_avg_sq'`` (tests/test_optim_gradient_dtypes_sparse_and_late_amsgrad.py).
     """
 
     # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers
@@ -76,7 +84,9 @@ class FusedAdam(FusedOptimizerBase):
         if wd < 0:
             raise ValueError(f"{name}: invalid weight_decay {wd}")
         if group.get("capturable"):  # e.g. from a loaded torch state dict
-            raise ValueError(f"{name}: capturable=True is not supported")
+            raise ValueError(f"{name}: capturable=True is not supported. A state dict of torch's optimizer made with "
+                             "capturable=True loads once its param groups' 'capturable' is set to False (the fused "
+                             "step keeps its step counts on the parameters' device and never waits for them).")
 
     def _reads_betas(self, betas) -> bool:
         """Whether validation reads the betas' values: always for numbers and host tensors;

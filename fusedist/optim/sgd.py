@@ -15,6 +15,10 @@ class FusedSGD(FusedOptimizerBase):
     plus ``master_weights`` (see :class:`FusedAdam`). The momentum buffer is FP32 and is kept
     as ``state["momentum_buffer"]`` like torch's (created zero, filled with the gradient on the
     parameter's first step, which is decided on the device so a skipped first step is safe).
+    A gradient of another floating dtype than its parameter (its ``grad_dtype`` lifted) steps
+    as torch's SGD on the gradient converted to the compute dtype: torch's own takes it too but
+    keeps the momentum buffer in the *gradient's* dtype (a bf16 buffer for fp32 weights, rounded
+    at every step), and its ``fused=True`` refuses it.
     """
 
     # ZeRO's slices and fully_shard's pieces may be stepped (Note [elementwise optimizers

@@ -200,9 +200,35 @@ def _layers_saved_whole_check_channels_again_in_a_new_process(rank, ws):
         sync_batch_norm._PROCESS_TOKEN = token
 
 
+def _float64_on_one_rank_only(rank, ws):
+    """A layer and input made float64 on rank 0 only: the backward would all-reduce float64 sums
+    against rank 1's float32 ones, which the ranks waited on until the collective timeout. The
+    training forward is refused on both ranks, naming the precisions (the batch not counted);
+    without a backward (no_grad) nothing is all-reduced and the forward is BatchNorm on the
+    global batch; with one dtype everywhere the layer trains again (Note [one width for the
+    backward's sums])."""
+    dtype = torch.float64 if rank == 0 else torch.float32
+    ours = SyncBatchNorm(3).to(dtype)
+    sizes = (2, 3)
+    X, DY = _data(sizes, (3, 4), seed=12)
+    x = _slice(X, sizes, rank).to(dtype).requires_grad_(True)
+    with pytest.raises(ValueError, match=r"different precisions \(ranks \[1\]: 32-bit; ranks \[0\]: 64-bit\)"):
+        ours(x)
+    assert int(ours.num_batches_tracked) == 0
+    ref = nn.BatchNorm1d(3).double()
+    with torch.no_grad():
+        y = ours(x)
+        torch.testing.assert_close(y.double(), _slice(ref(X.double()), sizes, rank), **TOL)
+    ours.float()
+    y, dx = _grad_step(ours, _slice(X, sizes, rank), _slice(DY, sizes, rank))
+    ref_y, ref_dx = _grad_step(nn.BatchNorm1d(3), X, DY)
+    torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+
+
 PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_and_checkpointed,
           _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank,
-          _averaged_copy_shares_the_group, _layers_saved_whole_check_channels_again_in_a_new_process]
+          _averaged_copy_shares_the_group, _layers_saved_whole_check_channels_again_in_a_new_process,
+          _float64_on_one_rank_only]
 
 
 def test_user_recipes_at_world_size_2():

@@ -83,6 +83,27 @@ def _tile(C: int, S: int, stride_c: int, tile_elems: int) -> tuple[int, int]:
     return block_s, block_c
 
 
+# Note [channel blocks on the grid's second axis]
+#     The elementwise kernels (normalize, input gradient) run a 2-D grid: (batch x spatial
+#     tiles) on the first axis, channel blocks on the second, which CUDA caps at 65535 programs
+#     (the first axis takes 2^31 - 1). A contiguous input with a long spatial run gets a one-
+#     channel block (the tile goes to the run), so a layer of more than 65535 channels -- an
+#     embedding-sized BatchNorm1d over (N, C, L) -- failed to launch on a GPU while the
+#     interpreter, which has no such cap, ran it. The launchers widen the channel block (and
+#     shorten the spatial one, the tile's size unchanged) until the blocks fit.
+_GRID_AXIS1_LIMIT = 65535
+
+
+def _elementwise_tile(C: int, S: int, stride_c: int, tile_elems: int) -> tuple[int, int]:
+    """``_tile`` for the elementwise kernels, whose channel blocks must fit the grid's second
+    axis (Note [channel blocks on the grid's second axis])."""
+    block_s, block_c = _tile(C, S, stride_c, tile_elems)
+    while _cdiv(C, block_c) > _GRID_AXIS1_LIMIT:
+        block_c *= 2
+        block_s = max(1, block_s // 2)
+    return block_s, block_c
+
+
 def _wide_index(layout, C: int, S: int) -> bool:
     _, _, _, _, stride_c, stride_s = layout
     return (S - 1) * abs(stride_s) + (C - 1) * abs(stride_c) + 1 > _INT32_LIMIT
@@ -209,7 +230,7 @@ def channel_affine(out: torch.Tensor, u: torch.Tensor, layout, p: torch.Tensor, 
     """``out = (u - p) * q [+ (v - r) * t] [+ b]`` with per-channel p, q, r, t, b (fp32,
     contiguous, C elements); out, u and v share ``layout``. Returns ``out``."""
     N, C, S, stride_n, stride_c, stride_s = layout
-    block_s, block_c = _tile(C, S, stride_c, 65536 if triton_interpreting() else 4096)
+    block_s, block_c = _elementwise_tile(C, S, stride_c, 65536 if triton_interpreting() else 4096)
     num_s_tiles = _cdiv(S, block_s)
     grid = (N * num_s_tiles, _cdiv(C, block_c))
     has_v, has_b = v is not None, b is not None
@@ -228,7 +249,7 @@ def input_grad(out: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, layout, sum
     global batch of ``count`` values per channel (out, dy and x share ``layout``; the
     per-channel tensors fp32 and contiguous but ``weight``, any float dtype). Returns ``out``."""
     N, C, S, stride_n, stride_c, stride_s = layout
-    block_s, block_c = _tile(C, S, stride_c, 65536 if triton_interpreting() else 4096)
+    block_s, block_c = _elementwise_tile(C, S, stride_c, 65536 if triton_interpreting() else 4096)
     num_s_tiles = _cdiv(S, block_s)
     cached(_input_grad_kernel)[(N * num_s_tiles, _cdiv(C, block_c))](
         out, dy, x, sums, mean, invstd, weight if weight is not None else invstd, count,

@@ -9,6 +9,8 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from . import _outside_group as outside_group
+
 
 def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "") -> torch.nn.Module:
     """``cls.convert_sync_batchnorm(module, process_group)``, ``module`` found at ``path`` in the
@@ -37,6 +39,7 @@ def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "") ->
         converted.running_var = module.running_var
         converted.num_batches_tracked = module.num_batches_tracked
         converted.training = module.training
+        outside_group.remember(converted, path)  # named in its warning: Note [a rank outside the layer's group]
         if hasattr(module, "qconfig"):
             converted.qconfig = module.qconfig
     for name, child in module.named_children():

@@ -162,7 +162,7 @@ class BatchStatsNorm(torch.autograd.Function):
         else:  # the payload followed by the layer's identity: Note [the same layer on every rank]
             message = ops.stats_payload(x, layout, tail=IDENTITY_LEN)
             write_layer_identity(message[-IDENTITY_LEN:], num_batches_tracked, running_mean, running_var,
-                                 backward_plan)
+                                 backward_plan, torch.finfo(compute_dtype(x.dtype)).bits)
             gathered = gather_messages(message, comm)
         rank_counts, ctx.reduces_grads = read_gather(gathered, layout.C, comm)
         total = sum(rank_counts)

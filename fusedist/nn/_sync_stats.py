@@ -43,6 +43,16 @@ this layer here: grad mode is off, or neither the input nor a parameter requires
 ``join()``). Every rank whose backward runs all-reduces when any rank sent 1, contributing its
 own sums; a gather with both a 1 and a -1 is refused on every rank in the forward, because the
 -1 rank would never join the others' all-reduce.
+
+Note [one width for the backward's sums]
+The all-reduced sums are in the input's compute dtype: fp64 for an fp64 input, fp32 for the
+others. Ranks whose layers disagree there (a model made ``.double()`` on some ranks only) met
+in an all-reduce of different element sizes, which gloo and NCCL cannot match: the ranks
+waited out the collective timeout (600 s by default) and failed naming neither the layer nor
+the cause. The message's last element is therefore the width in bits of this rank's sums, and
+a gather whose ranks will all-reduce with different widths is refused in the forward, on every
+rank, naming them. A message without one (0: a rank that ran out of inputs under ``join()``,
+which all-reduces in the width its trace recorded) is compared with nothing.
 """
 
 from __future__ import annotations
@@ -59,8 +69,9 @@ STATS_TAG = "sync_batch_norm.stats"
 GRAD_TAG = "sync_batch_norm.grad"
 CHECK_TAG = "sync_batch_norm.check"
 # [1, num_batches_tracked, sum(|running_mean|), sum(running_var)]: Note [the same layer on every rank],
-# then the backward plan: Note [one backward decision for all ranks]
-IDENTITY_LEN = 5
+# then the backward plan: Note [one backward decision for all ranks], then the width of the backward's
+# sums: Note [one width for the backward's sums]
+IDENTITY_LEN = 6
 WANTS_INPUT_GRAD, NO_BACKWARD = 1.0, -1.0  # backward plans (0.0: a backward for the parameters only)
 SUM_MARGIN = 1e-3  # relative: Note [the same layer on every rank]
 
@@ -75,14 +86,16 @@ class GlobalStats(NamedTuple):
 
 
 def write_layer_identity(tail: torch.Tensor, num_batches_tracked, running_mean, running_var,
-                         backward_plan: float = 0.0) -> None:
+                         backward_plan: float = 0.0, sum_bits: float = 0.0) -> None:
     """Write the identity a training layer sends with its statistics (Note [the same layer on
     every rank]) into ``tail``, the last ``IDENTITY_LEN`` fp64 elements of its message: zeros,
     compared with nothing, when it keeps no running statistics; then this rank's backward plan
-    (Note [one backward decision for all ranks]). In place, the sums converting as they
+    (Note [one backward decision for all ranks]) and the width of its backward's sums (Note [one
+    width for the backward's sums]). In place, the sums converting as they
     reduce: a few small device ops instead of a dozen and a concatenation, once per layer and
     forward."""
     tail[4:5].fill_(backward_plan)
+    tail[5:6].fill_(sum_bits)
     if num_batches_tracked is None or running_mean is None or running_var is None:
         tail[:4].zero_()
         return
@@ -144,7 +157,26 @@ def read_gather(gathered: torch.Tensor, num_features: int, comm: Optional[Commun
             "SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{total} over all ranks (per-rank values per channel: {rank_counts})"
         )
-    return rank_counts, identified and _reduces_grads([row[-1] for row in host], C, comm)
+    reduces = identified and _reduces_grads([row[5] for row in host], C, comm)
+    if reduces:
+        _check_sum_widths([row[6] for row in host], C, comm)
+    return rank_counts, reduces
+
+
+def _check_sum_widths(widths: list, num_features: int, comm: Optional[Communicator]) -> None:
+    """Raise when the ranks' backward all-reduce would pair sums of different widths (Note [one
+    width for the backward's sums])."""
+    known = {int(w) for w in widths if w}
+    if len(known) <= 1:
+        return
+    named = global_ranks(comm) if comm is not None else None
+    shown = "; ".join(f"ranks {ranks}{global_note(ranks, named)}: {bits}-bit"
+                      for bits in sorted(known) for ranks in [[r for r, w in enumerate(widths) if int(w) == bits]])
+    raise ValueError(
+        f"SyncBatchNorm({num_features}): the ranks' backwards would all-reduce this layer's gradient sums in "
+        f"different precisions ({shown}): a float64 input sums in float64, the others in float32. Give the "
+        "layer and its input the same dtype on every rank (e.g. model.double() on all ranks or none)."
+    )
 
 
 def _reduces_grads(plans: list, num_features: int, comm: Optional[Communicator]) -> bool:
@@ -170,7 +202,7 @@ def _same(a: list, b: list) -> bool:
     statistics, a poisoned batch, are alike)."""
     if a[1] != b[1]:
         return False
-    for x, y in zip(a[2:4], b[2:4]):  # (a[4]: the backward plan, not part of the identity)
+    for x, y in zip(a[2:4], b[2:4]):  # (a[4:]: the backward plan and width, not part of the identity)
         if not (math.isfinite(x) and math.isfinite(y)):
             if not (x == y or (math.isnan(x) and math.isnan(y))):
                 return False

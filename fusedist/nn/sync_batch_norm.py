@@ -22,7 +22,6 @@ import copy
 import functools
 import inspect
 import os
-import warnings
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -33,7 +32,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..comm import Communicator, get_communicator
 from ..ddp import join as _join
 from ..reliability import attach_monitor
+from . import _outside_group as outside_group
 from ._convert import convert_tree
+from ._dtype_rule import check_dtypes
 from ._function import BatchStatsNorm, RunningStatsNorm
 from ._sync_stats import NO_BACKWARD, WANTS_INPUT_GRAD, check_channels_agree
 
@@ -110,33 +111,7 @@ def _holds_no_data(input: torch.Tensor) -> bool:
     return isinstance(input, FakeTensor) or (isinstance(input, torch.Tensor) and input.device.type == "meta")
 
 
-# Note [a rank outside the layer's group]
-#     torch.distributed.new_group is called by every rank, and returns a placeholder
-#     (GroupMember.NON_GROUP_MEMBER, world size -1) on the ranks it leaves out. A layer handed
-#     that placeholder -- ``convert_sync_batchnorm(model, groups[0])`` run on every rank, where
-#     the ranks outside ``groups[0]`` should have passed their own group -- is, in
-#     torch.nn.SyncBatchNorm, plain BatchNorm on the rank's own batch: it synchronizes only for
-#     a world size above one. This layer does the same (it used to refuse the forward, so
-#     models that train under torch's layer stopped at their first step), and warns once per
-#     process, naming the rank and the layer: the ranks outside the group then normalize
-#     over fewer samples than their group-mates, which is seldom what was meant.
-_warned_outside_group = False
-
-
-def _warn_outside_group(layer: torch.nn.Module) -> None:
-    """The once-per-process warning of Note [a rank outside the layer's group]."""
-    global _warned_outside_group
-    if _warned_outside_group:
-        return
-    _warned_outside_group = True
-    warnings.warn(
-        f"fusedist.nn.SyncBatchNorm({layer.num_features}): rank {dist.get_rank()} is not a member of the "
-        "layer's process_group, so this layer (and any other whose group leaves this rank out) normalizes "
-        "with this rank's own batch statistics, as torch.nn.SyncBatchNorm does. To synchronize, give each "
-        "rank a group that contains it (e.g. the first value of torch.distributed.new_subgroups(), or "
-        "groups[i] for the group i holding this rank) when converting the model.",
-        UserWarning, stacklevel=2,
-    )
+# Note [a rank outside the layer's group]: in _outside_group.py.
 
 
 # Note [checks that a pickle does not carry]
@@ -192,6 +167,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         # Communicators this layer has run the channel agreement check on (Note [checks that
         # a pickle does not carry]).
         self._channels_checked: set[tuple[int, int]] = set()
+        outside_group.remember(self)  # Note [a rank outside the layer's group]
 
     # Note [copies share the process group]
     #     ``copy.deepcopy`` of a model -- an EMA or SWA copy (torch.optim.swa_utils.AveragedModel,
@@ -210,6 +186,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        outside_group.remember(copied, outside_group.path_of(self))
         return copied
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -236,6 +213,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
                 f"SyncBatchNorm: the number of input channels must be non-zero (input shape "
                 f"{tuple(input.shape)}){_rank_suffix()}"
             )
+        check_dtypes(self, input, _rank_suffix())  # Note [input and parameter dtypes]
         if self.weight is not None and self.weight.device != input.device:
             raise ValueError(
                 f"SyncBatchNorm: input is on {input.device} but the layer's parameters are on "
@@ -251,7 +229,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         """The communicator to synchronize over, or None when there is nobody to talk to."""
         if not self._synchronizes():
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) < 0:
-                _warn_outside_group(self)
+                outside_group.warn_once(self)
             return None
         comm = get_communicator(self.process_group, device)
         key = (_PROCESS_TOKEN, comm.uid)  # Note [checks that a pickle does not carry]

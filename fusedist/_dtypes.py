@@ -25,7 +25,21 @@ def real_pairs(t: torch.Tensor) -> torch.Tensor:
     NCCL has no complex types (torch's NCCL backend sends complex tensors the same way, and the
     direct-NCCL communicator refuses them); rank ``r``'s slice of the flat real view is the real
     view of its complex slice, and a sum or average acts on the parts alone, so an all-gather,
-    reduce-scatter or all-reduce of the views is the complex one."""
+    reduce-scatter or all-reduce of the views is the complex one.
+
+    A lazily negated or conjugated tensor (torch's negative or conjugate bit) is refused: its
+    memory holds the negation or conjugate of its values, and a collective reads and writes
+    memory, so its values would be carried negated (silently: ``view_as_real`` refuses only the
+    conjugate bit) and a result written into it read back negated. Gradients so flagged are
+    copied into plain buffers before they get here (a copy reads the values); this guards that.
+    """
+    if t.is_neg() or t.is_conj():
+        raise ValueError(
+            f"fusedist: a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor handed to a collective is "
+            f"a lazily {'negated' if t.is_neg() else 'conjugated'} view (torch's "
+            f"{'negative' if t.is_neg() else 'conjugate'} bit): its memory holds the "
+            f"{'negation' if t.is_neg() else 'conjugate'} of its values, which the collective would carry; "
+            "pass t.resolve_neg().resolve_conj() (a copy holding the values)")
     return torch.view_as_real(t).view(-1) if t.is_complex() else t
 
 

@@ -109,7 +109,7 @@ def test_subgroups_zero_groups_fully_shard_outside_and_timeouts_name_global_rank
         assert f"spans global ranks {mine}" in out["subgroup"], (what, out["subgroup"])
         assert "global ranks [0, 1, 2]" in out["subgroup"], (what, out["subgroup"])
     for out in outs[1:]:
-        assert out["to"].startswith("ValueError") and "dst=2" in out["to"], out["to"]
+        assert out["to"].startswith("ValueError") and "to=2 is not a rank" in out["to"], out["to"]
         assert "rank of this process group, 0..1 (global ranks [1, 2]), not a global rank" in out["to"], out["to"]
     assert not outs[1]["full on group rank 1"] and outs[2]["full on group rank 1"]
     outside = outs[0]["fully_shard outside"]

@@ -584,7 +584,8 @@ def _misuse_worker(rank, world_size):
     except ValueError as exc:
         errors["stage2 without DDP"] = str(exc)
     try:
-        fusedist.ZeroRedundancyOptimizer(list(model.parameters())[:2], torch.optim.AdamW)
+        # (stage 1 takes a subset, as torch's: tests/test_zero_subset_copies_and_state_refusals.py)
+        fusedist.ZeroRedundancyOptimizer(list(model.parameters())[:2], torch.optim.AdamW, stage=2)
     except ValueError as exc:
         errors["subset"] = str(exc)
     # A second stage-2 optimizer takes the model over; the first refuses to step.

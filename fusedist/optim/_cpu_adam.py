@@ -38,7 +38,8 @@ from .. import _extension
 from .._memory_layout import is_dense, walks_like
 from ._negated import read_resolved, scalar_resolved
 
-__all__ = ["adam_update", "check_hyperparameters", "is_available", "available_isas", "selected_isa", "ISA_ENV"]
+__all__ = ["adam_update", "check_hyperparameters", "check_isa_on_every_rank", "is_available", "available_isas",
+           "selected_isa", "ISA_ENV"]
 
 ISA_ENV = "FUSEDIST_CPU_ISA"
 _ISA_CODES = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
@@ -76,6 +77,67 @@ def selected_isa() -> str:
             f"{ISA_ENV}={name} but this CPU/build supports only {ops.available_isas()}"
         )
     return name
+
+
+# Note [a forced ISA on every rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# FUSEDIST_CPU_ISA is read per process, and the CPUs of a job need not match (mixed node types, a
+# container that hides AVX-512). A path forced on a rank whose CPU or build lacks it failed only
+# inside the first host step, on that rank only: the others went on into the step's all-gathers and
+# waited for it until the collective timeout. So the ZeRO-Offload construction checks the setting
+# of every rank with one small all-reduce -- which path each rank asks for, which ones it can run --
+# and every rank raises the same error, naming each rank that cannot and the paths every rank can.
+_ISA_UNKNOWN = len(_ISA_CODES)  # (a value of the setting that is not a path at all)
+
+
+def _isa_row() -> list:
+    """This rank's part of the check: [the path it asks for (its code + 1; 0 for auto), a bit per
+    path it can run, whether it cannot run the one it asks for]."""
+    try:
+        code = _requested_isa()
+    except ValueError:
+        code = _ISA_UNKNOWN
+    names = [name for name in _ISA_CODES if name != "auto"]
+    usable = set(available_isas())
+    mask = sum(1 << _ISA_CODES[name] for name in names if name in usable)
+    lacking = code == _ISA_UNKNOWN or (code >= 0 and not mask & (1 << code))
+    return [code + 1, mask, int(lacking)]
+
+
+def _isa_names(mask: int) -> str:
+    return ", ".join(name for name, code in _ISA_CODES.items() if code >= 0 and mask & (1 << code)) or "none"
+
+
+def check_isa_on_every_rank(comm, device, what: str) -> None:
+    """Raise RuntimeError on every rank of ``comm`` (None: this process alone) when a rank's
+    ``FUSEDIST_CPU_ISA`` asks for a path its CPU or build cannot run, or is not a path at all
+    (Note [a forced ISA on every rank]). A collective: every rank calls it at the same point.
+    ``device``: where ``comm``'s tensors live; ``what`` names the caller in the error."""
+    row = _isa_row()
+    world = 1 if comm is None else comm.world_size
+    rank = 0 if comm is None else comm.rank
+    table = torch.zeros(world * 3, dtype=torch.int64)
+    table[rank * 3:rank * 3 + 3] = torch.tensor(row)
+    if world > 1:
+        table = table.to(device)
+        comm.all_reduce(table, op="sum", tag="cpu adam ISA check").wait()
+        table = table.cpu()
+    rows = table.view(world, 3).tolist()
+    failed = [(r, code - 1, mask) for r, (code, mask, lacking) in enumerate(rows) if lacking]
+    if not failed:
+        return
+    common = (1 << _ISA_UNKNOWN) - 1
+    for _, mask, _ in rows:
+        common &= mask
+    problems = "; ".join(
+        f"rank {r}: {ISA_ENV} is not one of {', '.join(_ISA_CODES)}" if code == _ISA_UNKNOWN else
+        f"rank {r}: {ISA_ENV}={next(k for k, v in _ISA_CODES.items() if v == code)} but its CPU and build run only "
+        f"{_isa_names(mask)}"
+        for r, code, mask in failed)
+    raise RuntimeError(
+        f"{what}: the host Adam cannot run the instruction-set path forced on {len(failed)} of {world} rank(s) "
+        f"({problems}). Unset {ISA_ENV} (or set it to auto) there, or force a path every rank runs "
+        f"({_isa_names(common)}); nothing was updated")
 
 
 def _scalar_address(tensor: Optional[torch.Tensor], name: str) -> int:

@@ -142,11 +142,24 @@ def _products(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor
     return (x * w).sum(-1) + ((x >> 32) * u).sum(-1)
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, as its values: a DTensor's local values; a lazily negated or conjugated
+    tensor (torch's negative or conjugate bit: ``nn.Parameter(torch._neg_view(x))``,
+    ``nn.Parameter(z.conj())``) resolved into a copy. Such a tensor's memory holds the negation
+    or conjugate of its values, which cannot be read as integers in place (torch refuses the
+    dtype view and ``view_as_real``: the check failed on it), and the ranks hold the same
+    values whichever bits each carries, so its values are what is weighed."""
+    t = getattr(t, "_local_tensor", t).detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_conj().resolve_neg()
+    return t
+
+
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     """The position-weighted int64 digest of ``t``'s elements read as integers (a 0-dim
     tensor on ``t``'s device; Note [a digest that sees positions]): exact, so the same on
     every rank for the same bits, and changed by any changed, swapped or moved element."""
-    t = getattr(t, "_local_tensor", t).detach()  # (a DTensor's local values)
+    t = _values(t)
     if is_traceable_wrapper_subclass(t):  # (quantized storage, e.g. NF4: the bits of its inner tensors)
         inner = [tensor_digest(getattr(t, name)) for name in t.__tensor_flatten__()[0]]
         return torch.stack(inner).sum() if inner else torch.zeros((), dtype=torch.int64, device=t.device)
@@ -177,7 +190,7 @@ _BATCH_WORDS = 4096
 def _plain(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The int64 words :func:`tensor_digest` weighs for ``t``, if it can join the batch of
     small parameters (see ``_BATCH_WORDS``)."""
-    t = getattr(t, "_local_tensor", t).detach()
+    t = _values(t)
     if is_traceable_wrapper_subclass(t) or t.is_complex() or t.numel() == 0 or t.numel() > 2 * _BATCH_WORDS:
         return None
     words = _as_words(t)

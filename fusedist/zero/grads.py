@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from ..ddp.layout import flat_like
+from ..optim._negated import memory_view
 from ..optim.grad_norms import flag_nan, norm_result_dtype, per_tensor_global_norms, tensor_norms, unflag_nan
 from . import grow
 
@@ -194,8 +195,30 @@ class GradientsMixin:
         store = self._grad_store
         for e, src in self._stage1_grad_views():
             dst = store.slice(e.dtype, e.pos, e.pos + e.numel)
-            if dst.data_ptr() != src.data_ptr():  # (aliased: p.grad is its bucket view already)
-                dst.copy_(src)
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)  # (copy_ reads a negated or conjugated view's values)
+            elif src.is_neg() or src.is_conj():  # Note [lazily flagged gradients over their bucket view]
+                self._resolve_in_place(e.index)
+            # (else aliased: p.grad is its bucket view already)
+
+    # Note [lazily flagged gradients over their bucket view]
+    #     In stage 1 with DDP, ``p.grad`` is a view of its bucket, which is the gradient shard's
+    #     memory (Note [shards aliasing the parameters and gradients] in ``shard_store.py``), so
+    #     the step reads it without a copy. A program may replace it by a lazily negated or
+    #     conjugated view of the same memory (``p.grad = torch._neg_view(g.neg_())``,
+    #     ``p.grad = g.conj_physical_().conj()``: the values are the same, the memory holds their
+    #     negation or conjugate). The shard then held ``-value`` and was stepped the wrong way,
+    #     where torch's optimizers read the values. The memory is made to hold the values (a
+    #     copy of the view onto itself, element by element) and ``p.grad`` becomes the plain
+    #     view of it again, with the values it had: the bucket view, as DDP made it.
+    def _resolve_in_place(self, index: int) -> None:
+        p = self._params[index]
+        g = p.grad
+        plain = memory_view(g)  # (the negative bit cleared: the memory as it is)
+        if plain.is_conj():
+            plain = plain.conj()  # (the conjugate bit cleared, a view)
+        plain.copy_(g)
+        p.grad = plain
 
     @torch.no_grad()
     def gradient_slices(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -78,6 +78,15 @@ def supported_optimizer_classes() -> tuple:
     return (FusedAdam, FusedAdamW, torch.optim.Adam, torch.optim.AdamW)
 
 
+def check_offload_isa(zero) -> None:
+    """Note [a forced ISA on every rank] in fusedist/optim/_cpu_adam.py. A collective, so the
+    constructor makes it, where every rank is -- not the first read of ``.optim``, which builds the
+    shards and which a rank may do alone."""
+    from ..optim._cpu_adam import check_isa_on_every_rank
+
+    check_isa_on_every_rank(zero.comm, zero._device, "ZeroRedundancyOptimizer(offload='cpu')")
+
+
 def check_offload_config(optimizer_class, params: dict) -> None:
     """Raise a clear error for anything ``offload="cpu"`` cannot run. ``params``: each trainable
     parameter by its index in the optimizer's parameters (the index the error names)."""

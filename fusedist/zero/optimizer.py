@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import grad_sync, grow, param_checks, wiring
+from . import copies, grad_sync, grow, param_checks, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
 from .gather import ParamGatherer
@@ -38,7 +38,7 @@ from .grads import GradientsMixin
 from .join import JoinableOptimizer
 from .shard_store import ShardStore
 from .shared_state import MutableState, share_with_wrappers
-from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group
+from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group, check_offload_isa
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
 from .scaling import ZeroScalerProtocol
@@ -139,7 +139,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       DDP all-reduces, each rank updates its slice, the updated slices are all-gathered per
       bucket. Stage 2: DDP reduce-scatters each bucket as it becomes ready (Note [stage 2
       gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the
-      gradients must already be synchronized (e.g. torch DDP, or a single process).
+      gradients must already be synchronized (e.g. torch DDP, or a single process); so are a DDP model's
+      in stage 1 with a *subset* of its parameters (Note [a subset of a DDP model's parameters] in wiring.py).
     * The shards are built at construction (DDP's bucket layout is fixed from then on, Note
       [layout fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``); the first ``step()``
       (or a load) creates the optimizer state and re-points every parameter's storage into one
@@ -182,8 +183,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       CPU update needs it there); state dicts and checkpoints are the same as without offload.
     * Parameters without a gradient behave as with torch's optimizers. Frozen parameters
       (``requires_grad=False`` when the optimizer is constructed) stay in ``param_groups``, so
-      state dicts keep torch's indices, but are never sharded, stepped or given state (with
-      DDP the optimizer must own DDP's *trainable* parameters); one that has a gradient at
+      state dicts keep torch's indices, but are never sharded, stepped or given state; one that has a gradient at
       ``step()`` raises, naming it. A model frozen whole is taken, as torch's optimizers take it:
       its steps change nothing until parameters are unfrozen, which then join (Note [growing
       the partition] in ``grow.py``). A trainable parameter without a gradient in a step
@@ -201,7 +201,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       through ``p.data``, call :meth:`sync_master_from_params`.
 
     Args:
-        params: parameters or param groups (all of one fusedist DDP model, or none).
+        params: parameters or param groups (of one fusedist DDP model, a subset in stage 1, or none).
         optimizer_class: the per-shard optimizer class, or a factory of one (a ``functools.partial``,
             a lambda; default ``fusedist.optim.FusedAdamW``); the ``optimizer_class`` attribute is
             the class (for a factory, the class of what it builds).
@@ -269,12 +269,13 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             for gi, group in enumerate(self.param_groups):
                 check_offload_group(group, gi)
         self._offload: Optional[HostShardOffload] = None
-
         self.ddp, self.comm, self.process_group = wiring.connect(
-            self._trainable_params(), self._params, process_group, self._device)
+            self._trainable_params(), self._params, process_group, self._device, stage)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
         param_checks.check_same_params_on_every_rank(self)  # Note [the same parameters on every rank]
+        if self.offload:
+            check_offload_isa(self)
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
         self.overlap_param_gather = overlap_param_gather and self.ddp is not None
         self._gatherer = ParamGatherer(self.comm, self.world_size, self.overlap_param_gather)
@@ -317,8 +318,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     def optim(self) -> Optimizer:
         """The optimizer of this rank's shard, an ``optimizer_class`` over flat slices of the
         master weights (torch's attribute; each step gives its ``param_groups`` this optimizer's
-        hyperparameters, as torch's does). Made
-        at the first step here; reading it earlier makes it from the current parameters."""
+        hyperparameters, as torch's does). Made at the first step; read earlier, from the current parameters."""
         self._ensure_state()
         return self.inner
 
@@ -597,3 +597,4 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
 
 share_with_wrappers(ZeroRedundancyOptimizer)  # Note [state shared with wrappers] in shared_state.py
+copies.refuse_copies(ZeroRedundancyOptimizer)  # Note [copies of a sharded optimizer] in copies.py

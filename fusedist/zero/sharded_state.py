@@ -12,6 +12,8 @@ is applied at once, whenever it comes.
 
 from __future__ import annotations
 
+import collections
+import copy
 import operator
 from typing import Optional
 
@@ -34,12 +36,52 @@ def _is_group_rank(to, world_size: int) -> bool:
 
 def _destination_error(to, rank: int, world_size: int, cause: str = "") -> ValueError:
     """``consolidate_state_dict(to=...)`` names a rank of the optimizer's process group, as torch's
-    (whose optimizer gathers nowhere then, and whose ``state_dict()`` fails later); the gather's
-    own refusal (``cause``: on a subgroup, which global ranks the group holds) named only its ``dst``."""
+    (whose optimizer gathers nowhere then, and whose ``state_dict()`` fails later). ``cause``: on a
+    subgroup, which global ranks the group holds (a global rank is a likely mistake there)."""
     return ValueError(
         f"ZeroRedundancyOptimizer.consolidate_state_dict (rank {rank}): to={to!r} is not a rank of the "
         f"optimizer's process group, whose ranks are 0..{world_size - 1} (world size {world_size}); "
         "pass the rank (within that group) that should receive the full state dict" + (f" ({cause})" if cause else ""))
+
+
+# Note [a shard read as the full state]
+#     ``state_dict()`` returns the rank's shard unless ``consolidate_state_dict`` has just gathered
+#     the full state there (the shard is what every rank can save and load at any world size).
+#     torch's ZeroRedundancyOptimizer raises a RuntimeError there instead, asking for
+#     ``consolidate_state_dict(to=...)``; code written for it -- or for torch's optimizers --
+#     reads ``["state"]``, which the shard does not have: a bare ``KeyError: 'state'``. So the
+#     shard ``state_dict()`` returns is a :class:`ShardStateDict`, whose missing ``"state"``
+#     raises :class:`NotConsolidatedError` (a KeyError and a RuntimeError, so either handler
+#     catches it) saying what to call. It pickles as an ``OrderedDict``, which
+#     ``torch.load(weights_only=True)`` reads, and loads wherever a shard loads.
+class NotConsolidatedError(KeyError, RuntimeError):
+    """``state_dict()["state"]`` read from a shard (Note [a shard read as the full state])."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ShardStateDict(dict):
+    """A rank's shard as ``state_dict()`` returns it (Note [a shard read as the full state])."""
+
+    def __missing__(self, key):
+        if key == "state":
+            raise NotConsolidatedError(
+                f"ZeroRedundancyOptimizer.state_dict() (rank {self.get('rank')} of {self.get('world_size')}) is this "
+                "rank's shard, which has no 'state': the full optimizer state has not been consolidated on this "
+                "rank. Call consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 (as "
+                "with torch's ZeroRedundancyOptimizer); or save the shard as it is and load the list of every "
+                "rank's shards, or use fusedist.checkpoint.save")
+        raise KeyError(key)
+
+    def __reduce_ex__(self, protocol):
+        return collections.OrderedDict, (), None, None, iter(self.items())
+
+    def __copy__(self):
+        return ShardStateDict(self)
+
+    def __deepcopy__(self, memo):
+        return ShardStateDict(copy.deepcopy(dict(self), memo))
 
 
 class ShardedState(HeldByOptimizer):
@@ -87,7 +129,7 @@ class ShardedState(HeldByOptimizer):
         if self.consolidated is not None:
             return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts(),
                                           without_step=self._without_step())
-        return self.shard()
+        return ShardStateDict(self.shard())  # Note [a shard read as the full state]
 
     def shard(self) -> dict:
         """``ZeroRedundancyOptimizer.shard_state_dict``."""
@@ -133,21 +175,20 @@ class ShardedState(HeldByOptimizer):
     def consolidate(self, to: int = 0) -> Optional[dict]:
         """``ZeroRedundancyOptimizer.consolidate_state_dict`` (a collective)."""
         z = self.zero
+        alone = z.comm is None or z.world_size == 1
+        # Every rank refuses a bad ``to`` alike, before any collective: each checks the same
+        # value against the same group size, so no rank waits in a gather the others left.
+        if not _is_group_rank(to, 1 if alone else z.world_size):
+            cause = "" if alone or not isinstance(to, int) else z.comm._outside_group()
+            raise _destination_error(to, z.rank, 1 if alone else z.world_size,
+                                     cause if "global" in cause else "")
+        to = operator.index(to)
         local = to_cpu(self.shard())
-        if z.comm is None or z.world_size == 1:
-            if not _is_group_rank(to, 1):
-                raise _destination_error(to, z.rank, 1)
+        if alone:
             everyone = [local]
         else:
-            if not isinstance(to, int) and not _is_group_rank(to, z.world_size):
-                raise _destination_error(to, z.rank, z.world_size)  # (every rank, before any collective)
             # Through the monitored path: a rank that never calls it is named in a StallError.
-            try:
-                everyone = gather_object(z.comm, local, to, tag="ZeroRedundancyOptimizer.consolidate_state_dict")
-            except ValueError as exc:  # every rank refuses an int outside the group, after the size exchange
-                if _is_group_rank(to, z.world_size):
-                    raise
-                raise _destination_error(to, z.rank, z.world_size, str(exc)) from None
+            everyone = gather_object(z.comm, local, to, tag="ZeroRedundancyOptimizer.consolidate_state_dict")
             if z.rank != to:
                 return None
         merged = zstate.merge_fragments(everyone)
@@ -215,7 +256,8 @@ class ShardedState(HeldByOptimizer):
         state may even load, and the optimizer would then step with the other algorithm's
         hyperparameters."""
         z = self.zero
-        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), inner_class(z))
+        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), inner_class(z),
+                                          saved_groups=shard.get("param_groups"), groups=z.param_groups)
         if difference is not None:
             raise zstate.StateDictError(f"{source}: {difference}; nothing was changed")
 
@@ -462,15 +504,54 @@ def unfused(name: str) -> str:
     return name[len("Fused"):] if name.startswith("Fused") and len(name) > len("Fused") else name
 
 
-def algorithm_difference(saved_class: str, saved_algorithm: Optional[str], cls: type) -> Optional[str]:
+# Note [Adam and AdamW are one class in torch]
+#     torch's AdamW is Adam with ``decoupled_weight_decay=True`` (a subclass that only sets it),
+#     and the setting is read per param group; fusedist's FusedAdam takes it too. So the class
+#     names one of two algorithms and the groups tell which: the state of torch's AdamW is the
+#     state of ``Adam(decoupled_weight_decay=True)``, and was refused as another algorithm's.
+#     Where the groups are known, the Adam family is compared by each group's setting (a group
+#     without it runs its class's default); ``Adam`` saved with decoupled decay everywhere is
+#     AdamW, and the other way round. Adam's L2 decay loaded into AdamW (or into Adam with
+#     decoupled decay) stays refused: the loaded groups would switch the algorithm.
+_ADAM_FAMILY = ("Adam", "AdamW")
+
+
+def group_algorithms(algorithm: str, groups) -> Optional[tuple]:
+    """Per param group, the algorithm it runs (Note [Adam and AdamW are one class in torch]):
+    ``algorithm`` in every group, except that Adam's family reads each group's
+    ``decoupled_weight_decay``. None where the groups are not known."""
+    if groups is None:
+        return None
+    if algorithm not in _ADAM_FAMILY:
+        return tuple(algorithm for _ in groups)
+    default = algorithm == "AdamW"
+    return tuple("AdamW" if bool(g.get("decoupled_weight_decay", default)) else "Adam" for g in groups)
+
+
+def algorithm_difference(saved_class: str, saved_algorithm: Optional[str], cls: type, *,
+                         saved_groups=None, groups=None) -> Optional[str]:
     """Why the state of ``saved_class`` (running ``saved_algorithm``, when recorded) cannot load
     into an optimizer of class ``cls``, or None. State saved before algorithms were recorded is
     compared only when its class is one of torch's or fusedist's (a class of its own names no
-    algorithm)."""
+    algorithm). ``saved_groups`` / ``groups``: the param groups saved and of the optimizer loading
+    them, where known; with them Adam and AdamW are told apart by their groups' settings (Note
+    [Adam and AdamW are one class in torch])."""
     from .. import optim as fused
 
     algorithm = class_algorithm(cls)
     saved = saved_algorithm or unfused(saved_class)
+    if saved in _ADAM_FAMILY and algorithm in _ADAM_FAMILY and groups is not None:
+        mine = group_algorithms(algorithm, groups)
+        theirs = group_algorithms(saved, saved_groups) if saved_groups is not None else None
+        if theirs is None or len(theirs) != len(mine):
+            theirs = tuple(saved for _ in mine)  # (the class's algorithm in every group)
+        if theirs == mine:
+            return None
+        i = next(i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b)
+        decoupled = groups[i].get("decoupled_weight_decay", algorithm == "AdamW")
+        return (f"it holds the state of {saved_class} ({theirs[i]}), the optimizer here runs {cls.__name__} "
+                f"({mine[i]}) in param group {i} (decoupled_weight_decay={decoupled!r}): its state and weight "
+                "decay would be run as another algorithm's")
     if saved == algorithm:
         return None
     if saved_algorithm is None and not (hasattr(torch.optim, saved) or hasattr(fused, "Fused" + saved)):

@@ -20,11 +20,25 @@ from ..reliability import attach_monitor
 from .grad_sync import DEFAULT_MAX_BUCKETS_IN_FLIGHT, ReduceScatterToShard
 
 
-def find_ddp(trainable: list, params: list):
-    """The fusedist DDP model owning the ``trainable`` parameters (None without one). Parameters
-    the model does not reduce yet are accepted if they are the model's: trainable since it
-    was wrapped, it takes them on at its next training forward. Frozen parameters are not
-    DDP's (it reduces only trainable ones) and never communicated."""
+# Note [a subset of a DDP model's parameters]
+#     With every trainable parameter of a fusedist DDP model the optimizer shards along the
+#     model's gradient buckets (stage 1 aliases them, stage 2 reduce-scatters into its shard).
+#     torch's ZeroRedundancyOptimizer also takes a subset of a DDP model's parameters -- two
+#     optimizers over two parts of the model (a GAN's generator and discriminator, a backbone
+#     and a head with their own algorithms), or only the parameters still trained after some
+#     were frozen once the model was wrapped -- and this one refused them. A subset cannot follow
+#     the buckets (they hold the other parameters too), but it needs nothing of them in stage 1:
+#     DDP all-reduces every gradient whole, so the optimizer takes the subset as it takes the
+#     parameters of torch's DDP model -- its own buckets, its slices stepped from the averaged
+#     ``p.grad`` and all-gathered over the model's communicator, torch's algorithm. Stage 2 is
+#     refused for a subset: the model's backward reduce-scatters its buckets into one
+#     optimizer's shards, and a bucket holding both optimizers' parameters has no one shard.
+def find_ddp(trainable: list, params: list, stage: int = 1):
+    """``(ddp, whole)``: the fusedist DDP model owning the ``trainable`` parameters (None without
+    one) and whether they are all its trainable parameters (else a subset: Note [a subset of a
+    DDP model's parameters]). Parameters the model does not reduce yet are accepted if they are
+    the model's: trainable since it was wrapped, it takes them on at its next training forward.
+    Frozen parameters are not DDP's (it reduces only trainable ones) and never communicated."""
     build_pending(trainable)  # a replicated module still waiting for its first forward
     found = [data_parallel_owner(p) for p in trainable]
     if not trainable:  # a model frozen whole: its DDP takes the parameters on once they train
@@ -39,17 +53,18 @@ def find_ddp(trainable: list, params: list):
             "models (or some to none); give one optimizer the parameters of one DDP model"
         )
     if ddp is None:
-        return None
+        return None, True
     _refuse_rank_local(ddp, params)
     held = set(params)
     missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in held]
-    if missing:
+    if missing and stage == 2:
         raise ValueError(
-            f"ZeroRedundancyOptimizer: the optimizer must own every trainable parameter of its DDP model "
-            f"(it shards along DDP's gradient buckets); missing: {missing[:10]}. Set requires_grad=False "
-            "on parameters you do not train before wrapping the model in DistributedDataParallel."
-        )
-    return ddp
+            f"ZeroRedundancyOptimizer(stage=2) (rank {ddp.rank}): the optimizer holds a subset of its DDP model's "
+            f"trainable parameters (missing: {missing[:10]}); stage 2 reduce-scatters the model's gradient buckets "
+            "into one optimizer's shards, so it needs all of them. Use stage=1 for a subset (torch's algorithm: "
+            "DDP all-reduces, each optimizer shards its own parameters), or one stage-2 optimizer with a param "
+            "group per part (each group its own hyperparameters)")
+    return ddp, not missing
 
 
 def _refuse_rank_local(ddp, params: list) -> None:
@@ -66,11 +81,15 @@ def _refuse_rank_local(ddp, params: list) -> None:
             "overwrite their rank-local values. Step them with a separate, local optimizer.")
 
 
-def connect(trainable: list, params: list, process_group, device):
-    """``(ddp, comm, process_group)``: the DDP model of the parameters (None without one) and the
-    communicator to use -- DDP's, else one for ``process_group`` when torch.distributed is
-    initialized, else None (a single process)."""
-    ddp = find_ddp(trainable, params)
+def connect(trainable: list, params: list, process_group, device, stage: int = 1):
+    """``(ddp, comm, process_group)``: the DDP model of the parameters (None without one, or for a
+    subset of its parameters: Note [a subset of a DDP model's parameters]) and the communicator
+    to use -- DDP's, else one for ``process_group`` when torch.distributed is initialized, else
+    None (a single process)."""
+    ddp, whole = find_ddp(trainable, params, stage)
+    if ddp is not None and not whole:  # its communicator and group; the optimizer's own buckets
+        _check_same_group(process_group, ddp.process_group)
+        return None, ddp.comm, ddp.process_group
     if ddp is not None:
         # The shards follow its buckets: fixed from now on, grown only by appending.
         ddp.reducer.fix_layout()

@@ -47,10 +47,10 @@ def _fabric(side: str, precision: str, zero_stage: int):
     return fabric
 
 
-def _model_and_optimizer(with_scheduler: bool = True):
+def _model_and_optimizer(with_scheduler: bool = True, optimizer_cls=torch.optim.AdamW):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = optimizer_cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)) if with_scheduler else None
     return model, optimizer, scheduler
 
@@ -185,14 +185,14 @@ def test_fabric_strategy_names_and_refusals(launched):
     results_of(launched, "names and refusals")
 
 
-def _scheduler_built_around_setup(side, precision, zero_stage, overflow_first, after):
-    """A scheduler built on the optimizer before ``fabric.setup_optimizers`` (or, ``after``, on
-    that same optimizer after it), which Fabric is not given: its torch step-order warnings and
-    learning rates (Note [a scheduler built on the returned optimizer])."""
+def _scheduler_built_around_setup(side, precision, zero_stage, overflow_first, after, optimizer_cls=torch.optim.AdamW):
+    """A scheduler built on the optimizer (an ``optimizer_cls``) before ``fabric.setup_optimizers``
+    (or, ``after``, on that same optimizer after it), which Fabric is not given: its torch
+    step-order warnings and learning rates (Note [a scheduler built on the returned optimizer])."""
     import warnings
 
     fabric = _fabric(side, precision, zero_stage)
-    model, original, scheduler = _model_and_optimizer(with_scheduler=not after)
+    model, original, scheduler = _model_and_optimizer(with_scheduler=not after, optimizer_cls=optimizer_cls)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(original)
     with warnings.catch_warnings(record=True) as caught:
@@ -211,22 +211,28 @@ def _scheduler_built_around_setup(side, precision, zero_stage, overflow_first, a
 
 
 def _scheduler_warnings(rank, world):
+    from fusedist.optim import FusedAdamW
+
     _launched_env(rank, world)
     for after in (False, True):
         for precision, overflow_first in (("32-true", False), ("16-mixed", True)):
             ref = _scheduler_built_around_setup("ddp", precision, 0, overflow_first, after)
             assert bool(ref[0]) == overflow_first, ref  # torch warns after a skipped first step only
-            for zero_stage in (0, 2):
-                ours = _scheduler_built_around_setup("fusedist", precision, zero_stage, overflow_first, after)
-                assert ours == ref, (after, precision, zero_stage, ours, ref)
+            # (a user's FusedAdamW too, which the strategy shards at stage 2)
+            for zero_stage, optimizer_cls in ((0, torch.optim.AdamW), (2, torch.optim.AdamW), (2, FusedAdamW)):
+                ours = _scheduler_built_around_setup("fusedist", precision, zero_stage, overflow_first, after,
+                                                     optimizer_cls)
+                assert ours == ref, (after, precision, zero_stage, optimizer_cls.__name__, ours, ref)
 
 
 def test_fabric_scheduler_built_before_or_after_setup_warns_as_fabrics_ddp(launched):
     """torch's step-order check read the flag of the optimizer the scheduler was built on, which
     the strategy had swapped: it warned "lr_scheduler.step() before optimizer.step()" at every
     first scheduler step, though the swapped optimizer had stepped -- for a scheduler built on
-    that optimizer before setup, and one built on it after setup; it now warns where torch's
-    does, after a first step skipped for an fp16 overflow."""
+    that optimizer before setup, and one built on it after setup (and, for a user's FusedAdamW
+    the strategy sharded, still after the first fix: a fused optimizer's flag recorded the link to
+    the sharded one's as False); it now warns where torch's does, after a first step skipped for
+    an fp16 overflow."""
     results_of(launched, "scheduler built around setup")
 
 

@@ -15,6 +15,7 @@ import torch
 
 import fusedist
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
+from fusedist.optim._scaler_protocol import FlagOfAnother
 
 __all__ = ["convert_optimizer", "hand_over"]
 
@@ -205,12 +206,17 @@ def _step_of(new, old, scheduled: bool):
 # Fabric loop building one after fabric.setup): torch's scheduler then wraps the returned
 # optimizer's step to set the flag, which only a call of that step does, and the loop steps the
 # new optimizer -- so the flag is the new one's from the hand-over on, whether or not a
-# scheduler exists yet.
+# scheduler exists yet. A returned optimizer that is a fused one itself (a user's FusedAdamW
+# that zero_stage > 0 shards) has that flag as a property, whose setter keeps the link to the
+# new one's flag as it is (FlagOfAnother in fusedist/optim/_scaler_protocol.py): it recorded
+# the link as False, and the scheduler warned although the new optimizer had stepped.
 
 
-class _SteppedThrough:
+class _SteppedThrough(FlagOfAnother):
     """The returned optimizer's ``_opt_called``: true once the new one has stepped (Note [a
-    scheduler built on the returned optimizer]). Held weakly, as torch holds the optimizer."""
+    scheduler built on the returned optimizer]). Held weakly, as torch holds the optimizer. A
+    FlagOfAnother, which a fused optimizer's flag keeps as it is (a user's FusedAdamW that the
+    strategy shards)."""
 
     __slots__ = ("_new",)
 

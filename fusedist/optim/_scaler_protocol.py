@@ -100,6 +100,18 @@ def protocol_owner(optimizer):
     return optimizer
 
 
+class FlagOfAnother:
+    """A value of an optimizer's ``_opt_called`` (torch's LR schedulers' step-order flag) that
+    says whether *another* optimizer has stepped, decided when read: the optimizer handed its
+    place to that one, whose steps are its steps. :class:`ScalerProtocol`'s flag keeps it as it
+    is (Note [a skipped step and the LR scheduler])."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        raise NotImplementedError
+
+
 class ClippedGrads(NamedTuple):
     """What fusedist's clip recorded (Note [gradients changed after the clip]): parallel lists
     of the parameters, weak references to their gradients and the gradients' version counts."""
@@ -134,10 +146,14 @@ class ScalerProtocol:
     # ran that was not skipped -- what torch's flag means for its unfused optimizers, or, for a
     # group built with ``fused=True``, whether step was called, as for torch's fused ones. A
     # CPU flag is read when recorded; a device flag is kept (the minimum over the steps so far)
-    # and read only when the flag is, which a scheduler does once, at its first step.
+    # and read only when the flag is, which a scheduler does once, at its first step. A
+    # :class:`FlagOfAnother` set here (this optimizer handed over to another that steps in its
+    # place) is kept, and read when the flag is: the other's flag, skipped steps included.
     @property
     def _opt_called(self) -> bool:
         called = self.__dict__.get("_fusedist_opt_called", False)
+        if isinstance(called, FlagOfAnother):
+            return bool(called)
         if isinstance(called, torch.Tensor):  # Note [a skipped step and the LR scheduler]
             called = bool((called == 0).item())
             if called:
@@ -147,9 +163,12 @@ class ScalerProtocol:
     @_opt_called.setter
     def _opt_called(self, value) -> None:
         recorded = self.__dict__.get("_fusedist_opt_called", False)
-        if not value:
+        if isinstance(value, FlagOfAnother):
+            self.__dict__["_fusedist_opt_called"] = value
+        elif not value:
             self.__dict__["_fusedist_opt_called"] = False
-        elif recorded is not True:
+        elif recorded is not True and not isinstance(recorded, FlagOfAnother):
+            # (with a FlagOfAnother, this step was the other's, which keeps its own flag)
             self.__dict__["_fusedist_opt_called"] = self._fusedist_step_ran(recorded)
 
     def _fusedist_step_ran(self, recorded):

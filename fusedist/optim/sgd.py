@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import functional
-from ._base import FusedOptimizerBase, masters_of, state_values, step_device
+from ._base import FusedOptimizerBase, masters_of, state_values
 from ._complex import state_dtype_of
 from ._hyperparameters import check_finite_hyper, hyper_number
+from ._loaded_state import step_device
 
 
 class FusedSGD(FusedOptimizerBase):

@@ -15,7 +15,8 @@ to gather, reshard and reduce),
 an optimizer step outdated), ``holder``
 (global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
 ``dcp`` (state-dict entries torch's distributed checkpoint can save and load), ``whole_entry`` (an
-entry's ``full_tensor()``, as FSDP2's DTensor entries have),
+entry's ``full_tensor()`` and ``to_local()``, as FSDP2's DTensor entries have), ``dtensor_view`` (what
+else an entry answers as FSDP2's DTensor: ``placements``, ``device_mesh``, which shard is its own),
 ``state_dict_hooks`` (the hooks that put those entries in ``state_dict()`` and take them back),
 ``optim_state`` (the same for an optimizer's state over the pieces),
 ``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as

@@ -21,6 +21,7 @@ from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .extension import extension_specs, put_stand_ins, take_stand_ins
+from .dtensor_view import record_mesh
 from .mesh import groups_of, shard_mesh_of
 from .owners import Held, owner_of, record_owner, register_pieces
 from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
@@ -152,6 +153,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                            replicate_comm=replicate_comm, dims=dims, tp=tp, ext=ext,
                            shard_mesh=shard_mesh_of(mesh, groups) if ext is not None else None)
         unit.post_forward = post_forward
+        record_mesh(unit, mesh, groups)  # Note [entries read as DTensors] in dtensor_view.py
         grads = UnitGrads(unit, mp_policy.reduce_dtype)
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
             record_owner(unit, i, p, sp)

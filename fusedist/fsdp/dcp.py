@@ -120,9 +120,10 @@ class ShardedPiece(torch.Tensor):
     # quantized storage: the layout of its canonical bytes (``packed.layout_record``), which the
     # checkpoint records and a load checks (Note [the layout of quantized storage in DCP])
     _fs_layout: Optional[list] = None
-    # (a weak reference to the unit, the parameter's index in it): what ``full_tensor`` gathers
-    # over; None for an entry made without one
-    _fs_owner: Optional[tuple] = None
+    # what FSDP2's DTensor entry would answer (``dtensor_view.EntryLayout``): placements, mesh, its
+    # shard, and the group ``full_tensor``/``to_local`` gather over; None for an entry made without a
+    # unit (Note [entries read as DTensors] in dtensor_view.py)
+    _fs_view = None
 
     @staticmethod
     def wrap(piece: torch.Tensor, full_shape, lo: int, hi: int) -> "ShardedPiece":
@@ -172,6 +173,30 @@ class ShardedPiece(torch.Tensor):
 
         return full_tensor_of(self)
 
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard as FSDP2's ``DTensor.to_local()`` gives it: the entry's storage where
+        the piece is that shard, else a copy made by a collective every rank of the shard group
+        calls (Note [entries read as DTensors] in dtensor_view.py)."""
+        from .whole_entry import to_local_of
+
+        return to_local_of(self)
+
+    @property
+    def placements(self) -> tuple:
+        """FSDP2's placements of this parameter's DTensor (Note [entries read as DTensors])."""
+        return self._view("placements").placements
+
+    @property
+    def device_mesh(self):
+        """The mesh FSDP2's DTensor of this parameter is on (Note [entries read as DTensors])."""
+        return self._view("device_mesh").device_mesh
+
+    def _view(self, what: str):
+        if self._fs_view is None:
+            raise AttributeError(f"{what}: this piece ({describe_region(self._fs_range)} of a parameter of shape "
+                                 f"{tuple(self._fs_size)}) was not made by a fully_shard model's state_dict()")
+        return self._fs_view
+
     def local(self) -> torch.Tensor:
         """The piece as a plain tensor (same storage)."""
         with torch._C.DisableTorchFunctionSubclass():
@@ -201,7 +226,7 @@ class ShardedPiece(torch.Tensor):
         """This entry with ``src``'s place in the parameter: its whole size, and for tensor
         parallelism the local tensor's shape and offsets and whether this rank writes it."""
         self._fs_size, self._fs_writes, self._fs_layout = src._fs_size, src._fs_writes, src._fs_layout
-        self._fs_owner = src._fs_owner
+        self._fs_view = src._fs_view
         return self.placed(src._fs_local, src._fs_shift) if src._fs_local is not None else self
 
     @property

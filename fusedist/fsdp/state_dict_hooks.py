@@ -15,6 +15,7 @@ from torch import nn
 from .._wrapper import values_of
 from ..comm.base import CollectiveError
 from .dcp import ShardedPiece, _is_box, describe_region, piece_region
+from .dtensor_view import describe_entry
 from .torch_helpers import full_load_without_broadcast, full_state_dict_requested
 from .owners import register_pieces
 
@@ -154,8 +155,10 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
     if spec is not None and spec.packed:  # its ranges of the canonical bytes (Note [quantized storage])
         from .packed import layout_record
 
-        return ShardedPiece.wrap_ranges(spec.entry(spec.inner(value.detach())), (spec.canonical_bytes,), region,
-                                        layout_record(spec.canonical))
+        entry = ShardedPiece.wrap_ranges(spec.entry(spec.inner(value.detach())), (spec.canonical_bytes,), region,
+                                         layout_record(spec.canonical))
+        entry._fs_view = describe_entry(unit, index)
+        return entry
     # (an extension piece: the high-precision values its subclass wraps, Note [all-gather extension])
     value = values_of(value.detach())
     if isinstance(value, ShardedPiece):
@@ -166,7 +169,7 @@ def as_entry(value: torch.Tensor, unit, index: int) -> ShardedPiece:
         entry = ShardedPiece.wrap_box(value, unit.layout.slots[index].shape, *region)
     else:
         entry = ShardedPiece.wrap(value, unit.layout.slots[index].shape, *region)
-    entry._fs_owner = (weakref.ref(unit), index)
+    entry._fs_view = describe_entry(unit, index)  # Note [entries read as DTensors] in dtensor_view.py
     spec = unit.tp[index]
     if spec is not None:  # Note [tensor-parallel parameters] in tensor_parallel.py
         entry._fs_size = torch.Size(spec.global_shape)

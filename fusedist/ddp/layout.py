@@ -171,7 +171,7 @@ class GradLayout:
         self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         for bucket in self.buckets:
             bucket.data = self.buffers[bucket.dtype][bucket.start:bucket.end]
-            self._cut_views(bucket)
+            self.cut_views(bucket)
         self.allocated_bytes = self.total_bytes
         self.peak_bytes = self.total_bytes
 
@@ -186,7 +186,7 @@ class GradLayout:
             )
         return slot.view
 
-    def _cut_views(self, bucket: Bucket) -> None:
+    def cut_views(self, bucket: Bucket) -> None:
         data, start = bucket.data, bucket.start
         for p, off, record in zip(bucket.params, bucket.offsets, bucket.orders):
             lo = off - start
@@ -223,7 +223,7 @@ class GradLayout:
         """The bucket's storage, allocated zeroed if it was released."""
         if bucket.data is None:
             bucket.data = torch.zeros(bucket.numel, dtype=bucket.dtype, device=self.device)
-            self._cut_views(bucket)
+            self.cut_views(bucket)
             self.allocated_bytes += bucket.nbytes
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return bucket.data

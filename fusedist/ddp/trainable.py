@@ -56,6 +56,22 @@ Note [parameters replaced after wrapping]
     bucket with the bucket's dtype (a whole-module conversion, without a per-parameter cost),
     and a gradient hook that cannot hand a converted parameter its bucket view reports the
     parameter (``Reducer.converted_after_wrapping``).
+
+Note [submodules removed]
+    A submodule replaced (``model.module.fc = nn.Identity()``, or a new ``nn.Linear`` under
+    other parameter names) or set to None after wrapping takes Parameters out of the module
+    that the buckets, the step check and the optimizer still hold. torch's DDP keeps reducing
+    them: without ``find_unused_parameters`` its next forward fails ("Expected to have finished
+    reduction"), with it the module trains on with the wrapper's view of it out of date, and a
+    replacement's new Parameters train on each rank's gradient alone. The registration hook
+    above sees the old submodule while it is still registered: it only notes its name (no
+    per-step cost), and the next training forward walks the module once to find which followed
+    Parameters left it, raising with the other assignments, naming them. A submodule deleted
+    (``del model.module.fc``, a container's ``pop``) fires no hook: without
+    ``find_unused_parameters`` (or with ``static_graph``) its parameters then get no gradient,
+    and that error says they are no longer in the module (``unused.removed_from_module``, a walk
+    on the error path only); with it they are unused parameters, reduced as zeros, which
+    changes no result.
 """
 
 from __future__ import annotations
@@ -68,6 +84,7 @@ import torch
 
 from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
 from ..ownership import register_data_parallel
+from .memory_format import check_memory_format
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
 from .._dtypes import real_pairs
 from .strategy import bucket_divide_factors, from_wire, to_wire
@@ -92,6 +109,11 @@ class TrainableTracker:
         self.params = [p for _, p in named]
         self.position = {n: i for i, n in enumerate(self.names)}
         self.assigned: list[str] = []  # Note [parameters replaced after wrapping]
+        # Note [submodules removed]: submodules replaced or set to None since the last training
+        # forward, and the followed parameters found gone with them (with those submodules' names).
+        self.replaced_modules: list[str] = []
+        self.removed: list[str] = []
+        self.removed_modules: list[str] = []
         self._held_ids: "frozenset[int] | None" = None  # the followed Parameters' ids, built when needed
         follow_assignments(module, self)
         self.layout_flags = [p.requires_grad for p in self.params]
@@ -107,12 +129,15 @@ class TrainableTracker:
 
     def observe(self, reducer) -> None:
         """Called by every training forward; cheap unless the flags changed."""
-        if self.assigned:
+        if self.replaced_modules:
+            self._find_removed()
+        if self.assigned or self.removed:
             raise self._assigned_error(reducer)
         converted = converted_param(reducer.layout.buckets)
         if converted is not None:
             bucket, _ = converted
             raise reducer.converted_after_wrapping(bucket.names[0], bucket.params[0], bucket.dtype, reducer.device)
+        check_memory_format(reducer)  # Note [memory format changed after wrapping] in memory_format.py
         flags = [p.requires_grad for p in self.params]
         if flags == (self.target if self.target is not None else self.layout_flags):
             return
@@ -146,18 +171,48 @@ class TrainableTracker:
             self._held_ids = frozenset(map(id, self.params + list(self.sparse.values())))
         return self._held_ids
 
+    def assigned_since_wrapping(self, param, name: str) -> "str | None":
+        """``"replaced"`` or ``"added"`` for a Parameter held by the module under ``name`` that the
+        wrapper was not built with (Note [parameters replaced after wrapping]), else None."""
+        if id(param) in self.held_ids():
+            return None
+        return "replaced" if name in self.position or name in self.sparse else "added"
+
+    def not_in_module(self, params) -> list[str]:
+        """The names of those of ``params`` (followed ones) that the wrapped module no longer
+        holds (one walk of the module: for error paths and after a submodule was replaced)."""
+        owner = self.owner()
+        if owner is None:
+            return []
+        present = {id(p) for p in owner.module.parameters()}
+        names = {id(p): n for n, p in zip(self.names, self.params)}
+        names.update((id(p), n) for n, p in self.sparse.items())
+        return [names[id(p)] for p in params if id(p) in names and id(p) not in present]
+
+    def _find_removed(self) -> None:
+        """Note [submodules removed]: after a submodule was replaced or set to None, note the
+        followed Parameters that left the module with it."""
+        replaced, self.replaced_modules = self.replaced_modules, []
+        gone = [n for n in self.not_in_module(self.params + list(self.sparse.values())) if n not in self.assigned]
+        if gone:
+            self.removed += [n for n in gone if n not in self.removed]
+            self.removed_modules += [m for m in replaced if m not in self.removed_modules]
+
     def _assigned_error(self, reducer) -> RuntimeError:
         known = [n for n in self.assigned if n in self.position or n in self.sparse]
         groups = (("replaced by new Parameter objects", known),
-                  ("added", [n for n in self.assigned if n not in known]))
+                  ("added", [n for n in self.assigned if n not in known]),
+                  (f"removed with the submodule(s) {self.removed_modules} replaced or set to None", self.removed))
         what = [f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}" for label, names in groups if names]
         return RuntimeError(
-            f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped "
-            f"module were assigned after it was wrapped ({'; '.join(what)}), e.g. by "
-            "load_state_dict(..., assign=True), module.weight = nn.Parameter(...) or a submodule added "
-            "(module.extra = nn.Linear(...)). The wrapper "
-            "synchronizes the gradients of the Parameters it was built with, so these would train "
-            "on this rank's gradients alone. Make such changes before wrapping, or wrap the module again"
+            f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped module "
+            f"were assigned after it was wrapped, or removed ({'; '.join(what)}), e.g. by "
+            "load_state_dict(..., assign=True), module.weight = nn.Parameter(...), a submodule added "
+            "(module.extra = nn.Linear(...)) or replaced (module.fc = nn.Identity()). The wrapper synchronizes "
+            "the gradients of the Parameters "
+            "it was built with: new ones would train on this rank's gradients alone, and removed ones are "
+            "still reduced (and checked) as parts of the model. Make such changes before wrapping, or wrap "
+            "the module again"
         )
 
     def describe_mismatch(self, comm) -> list[str]:
@@ -215,6 +270,9 @@ def _module_registered(module, name: str, submodule):
         owner = tracker.owner()
         if owner is not None:
             owner.submodules_changed()  # its buffers are found again (a submodule set to None: dropped)
+        old = module._modules.get(name)  # still registered: the hook runs before the assignment
+        if old is not None and old is not submodule and next(old.parameters(), None) is not None:
+            tracker.replaced_modules.append(f"{prefix}{name}")  # Note [submodules removed]
         if submodule is None:
             continue
         for param_name, param in submodule.named_parameters():

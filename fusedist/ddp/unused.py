@@ -225,9 +225,12 @@ def late_arrivals_error(reducer: "Reducer", names: list) -> RuntimeError:
     return RuntimeError(
         f"fusedist DDP (rank {reducer.comm.rank}): parameter(s) {names[:10]} received a gradient in this "
         "backward although the autograd graph of the wrapper's forward output does not reach them (used "
-        "outside the forward, e.g. in the loss through model.module, or hidden from the graph), so with "
-        "find_unused_parameters=True their bucket was reduced without it, as torch's DDP refuses too. Use "
-        "them inside the forward, or pass static_graph=True if every iteration uses the same parameters"
+        "outside the forward, e.g. in the loss through model.module, hidden from the graph, or returned "
+        "inside an object the wrapper does not look into: as torch's DDP, it finds a forward's output "
+        "tensors in tuples, lists, dicts, namedtuples and dataclasses), so with find_unused_parameters=True "
+        "their bucket was reduced without it, as torch's DDP refuses too. Use them inside the forward and "
+        "return its tensors in such containers, or pass static_graph=True if every iteration uses the same "
+        "parameters"
     )
 
 
@@ -243,6 +246,10 @@ def _changed_since_learned(reducer: "Reducer", static, local: list) -> list:
 
 
 def raise_graph_changed(reducer: "Reducer", changed: list) -> None:
+    by_name = dict(zip(reducer.names, reducer.params))
+    removed = removed_from_module(reducer, [by_name[n] for n in changed if n in by_name])
+    if removed is not None:
+        raise removed
     raise RuntimeError(
         f"fusedist DDP (rank {reducer.comm.rank}): with static_graph=True every iteration must use the same "
         f"parameters, but {len(changed)} parameter(s) received a gradient in this backward and not in the first "
@@ -251,10 +258,27 @@ def raise_graph_changed(reducer: "Reducer", changed: list) -> None:
     )
 
 
+def removed_from_module(reducer: "Reducer", params: list) -> "RuntimeError | None":
+    """The error naming those of ``params`` (missing a gradient) that the module no longer holds,
+    or None (Note [submodules removed] in trainable.py: a submodule deleted fires no hook)."""
+    gone = reducer.tracker.not_in_module(params) if reducer.tracker is not None else []
+    if not gone:
+        return None
+    return RuntimeError(
+        f"fusedist DDP (rank {reducer.comm.rank}): {len(gone)} parameter(s) of the model as it was "
+        f"wrapped are no longer in the module: {gone[:10]}{' ...' if len(gone) > 10 else ''} (a submodule "
+        "deleted after wrapping, e.g. del model.module.fc). The wrapper still reduces the Parameters it "
+        "was built with, so they received no gradient. Change the module before wrapping it, or wrap it "
+        "again after the change")
+
+
 def unused_without_find_unused(reducer: "Reducer", unused: list) -> RuntimeError:
     """The error of a rank whose parameters got no gradient while ``find_unused_parameters``
     is off (Note [unused parameters]), raised after the collectives completed."""
     names = [reducer.names[reducer.index_of[p]] for p in unused]
+    removed = removed_from_module(reducer, unused)
+    if removed is not None:
+        return removed
     return RuntimeError(
         f"fusedist DDP (rank {reducer.comm.rank}): {len(names)} parameter(s) received no "
         f"gradient in this backward: {names[:10]}{' ...' if len(names) > 10 else ''}. "

@@ -178,6 +178,9 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
     gi, pi, shape, dtype = unowned
     p = optimizer.param_groups[gi]["params"][pi]
     name = next((n for n, q in ddp.module.named_parameters() if q is p), None)
+    change = ddp.reducer.tracker.assigned_since_wrapping(p, name) if name is not None else None
+    if change is not None:
+        raise _assigned_after_wrapping(optimizer, ddp, name, change)
     if name is not None:  # Note [trainable set changes] in fusedist/ddp/trainable.py
         if p.grad is None:
             return  # unfrozen since the last backward: nothing to apply yet, as with torch
@@ -195,6 +198,22 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
         f"{shape}, {dtype}), which that model does not own: its gradient is never averaged "
         "across ranks, so the ranks' copies would diverge. Build the optimizer from "
         "ddp_model.parameters() only, or wrap the module that owns that parameter too."
+    )
+
+
+def _assigned_after_wrapping(optimizer, ddp, name: str, change: str) -> ValueError:
+    """A parameter of the wrapped module that the wrapper was not built with (Note [parameters
+    replaced after wrapping] in fusedist/ddp/trainable.py). A forward through the wrapper
+    refuses it; one through ``model.module`` skips the wrapper, so the step is where it shows."""
+    how = ("replaced by a new Parameter object (module.weight = nn.Parameter(...), "
+           "load_state_dict(..., assign=True), a submodule replaced)" if change == "replaced" else
+           "added (a submodule or Parameter assigned into the module, e.g. module.extra = nn.Linear(...))")
+    return ValueError(
+        f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameter '{name}' of the "
+        f"DistributedDataParallel model's module, which was {how} after the module was wrapped: the wrapper "
+        "synchronizes the gradients of the Parameters it was built with, so this one would train on this "
+        "rank's gradient alone and the ranks would diverge. Make such changes before wrapping, or wrap the "
+        "module again (DistributedDataParallel(model.module, ...)) and run forward through the wrapper"
     )
 
 

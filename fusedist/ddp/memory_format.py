@@ -1,0 +1,125 @@
+"""Parameters converted to another memory format after wrapping (``model.to(memory_format=...)``).
+
+Note [memory format changed after wrapping]
+    ``Module._apply`` converts a parameter's gradient along with the parameter, in place of its
+    data: ``p.grad.data = converted``. With gradient views ``p.grad`` is the parameter's bucket
+    view, so after ``model.to(memory_format=torch.channels_last)`` that view object looks at a
+    fresh tensor: the next backward accumulated into it, the bucket kept the previous step's
+    values, and every rank stepped with its own gradient, or with a stale average, without an
+    error. torch's DDP trains wrongly there too (checked against one process on the global
+    batch: with ``gradient_as_bucket_view=False`` even a conversion before the first backward
+    goes wrong), so the reference is the single-process model.
+
+    Every training forward looks at one parameter per bucket that a memory-format conversion
+    changes (4-D or 5-D, not laid out the same in both formats): a whole-module conversion
+    changes them all, so one look per bucket finds it (as ``converted_param`` does for dtypes),
+    at no per-parameter cost. When a view no longer points into its bucket, every bucket's
+    views are cut again from the bucket storage, keep the values the old ones held (a
+    ``no_sync`` accumulation, zeros) and become ``p.grad`` again.
+
+    The slots keep the element order recorded when the buckets were cut (Note [slot order
+    fixed at bucketing] in layout.py: the ranks agreed on it and ZeRO's shards follow it), so
+    once the layout is final a converted parameter's slot keeps the old strides (so does its
+    ``.grad`` with gradient views) and each gradient is copied across layouts: values are
+    right, the copy costs time. A warning says so once per model, as torch's DDP warns about
+    gradient strides; converting before wrapping (or before the first backward, whose rebuilt
+    layout follows the parameters) avoids it.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+
+# layout -> [(bucket, parameter, its slot, its slot's strides, its name)] of the parameters looked
+# at (Note [memory format changed after wrapping]); weak: a rebuilt layout drops its entry.
+_probes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_warned: "weakref.WeakSet" = weakref.WeakSet()  # reducers that warned about copies across layouts
+
+
+def _format_sensitive(p: torch.Tensor) -> bool:
+    """Whether ``.to(memory_format=...)`` gives ``p`` new data in at least one of the two formats."""
+    if p.dim() == 4:
+        fmt = torch.channels_last
+    elif p.dim() == 5:
+        fmt = torch.channels_last_3d
+    else:
+        return False
+    return not (p.is_contiguous() and p.is_contiguous(memory_format=fmt))
+
+
+def _probes_of(layout) -> list:
+    probes = _probes.get(layout)
+    if probes is None:
+        probes = []
+        for bucket in layout.buckets:
+            i = next((i for i, q in enumerate(bucket.params) if _format_sensitive(q)), None)
+            if i is not None:
+                p = bucket.params[i]
+                shape, strides = bucket.orders[i]
+                probes.append((bucket, p, layout.slots[p], strides or _row_major(shape), bucket.names[i]))
+        _probes[layout] = probes
+    return probes
+
+
+def _row_major(shape) -> tuple:
+    """The strides of a row-major tensor of ``shape`` (what a slot recorded as row-major is cut with)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _detached(view, bucket, slot) -> bool:
+    """Whether ``view`` (a slot's gradient view) no longer points into its bucket."""
+    data = bucket.data
+    expected = data.data_ptr() + (slot.offset - bucket.start) * data.element_size()
+    return view.data_ptr() != expected
+
+
+def check_memory_format(reducer) -> None:
+    """Called by every training forward (Note [memory format changed after wrapping])."""
+    layout = reducer.layout
+    warn = reducer.layout_final and reducer not in _warned
+    for bucket, p, slot, strides, name in _probes_of(layout):
+        view = slot.view
+        if view is not None and _detached(view, bucket, slot):
+            reattach_views(reducer)
+        if warn and p.stride() != strides:
+            warn = False
+            _warned.add(reducer)
+            warnings.warn(
+                f"fusedist DDP (rank {reducer.comm.rank}): parameter '{name}' changed memory format after "
+                f"the gradient buckets were laid out (strides {tuple(p.stride())}, its bucket slot's "
+                f"{strides}): each backward copies its gradient between the two layouts "
+                "(with gradient_as_bucket_view=True, its .grad keeps the slot's strides). Values are "
+                "unaffected; convert the model (model.to(memory_format=...)) before wrapping it to avoid the copies",
+                stacklevel=4,
+            )
+
+
+@torch.no_grad()
+def reattach_views(reducer) -> None:
+    """Cut every allocated bucket's gradient views again where one no longer points into its
+    bucket, carrying the values it held, and hand them out as ``p.grad`` (gradient views)."""
+    layout = reducer.layout
+    for bucket in layout.buckets:
+        if bucket.data is None:
+            continue
+        stale = {}
+        for p in bucket.params:
+            view = layout.slots[p].view
+            if view is not None and _detached(view, bucket, layout.slots[p]):
+                stale[p] = view
+        if not stale:
+            continue
+        layout.cut_views(bucket)
+        for p, old in stale.items():
+            view = layout.slots[p].view
+            view.copy_(old)
+            if p.grad is old:
+                p.grad = view

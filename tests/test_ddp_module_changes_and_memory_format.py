@@ -1,0 +1,259 @@
+"""Changes to a module after fusedist's DDP wrapped it, world size 2 on gloo, in one launch.
+
+* ``model.to(memory_format=torch.channels_last)`` after wrapping converts each ``p.grad`` in place of
+  its data; with gradient views that is the bucket view, which then no longer pointed into the
+  bucket: the ranks stepped with local or stale gradients (Note [memory format changed after
+  wrapping] in fusedist/ddp/memory_format.py). The reference is one process on the global batch
+  (torch's DDP itself trains wrongly there, with and without gradient views).
+* A submodule replaced or set to None after wrapping is refused at the next forward, naming its
+  parameters (torch's DDP trains a replacement on each rank's own gradient with
+  ``find_unused_parameters=True``); one deleted is named by the unused-parameter error.
+* An optimizer step over a parameter added after wrapping (forward through ``model.module``) says so.
+* A forward output whose tensors sit in a plain object, with ``find_unused_parameters=True``: the
+  error says which containers the wrapper searches.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from shared_rank_launch import launch_for_selected, results_of
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.proj = nn.Conv2d(4, 4, 1)  # laid out alike in both formats: never the bucket's probe
+        self.head = nn.Conv2d(4, 2, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.proj(torch.tanh(self.conv(x))))).mean((2, 3))
+
+
+def _batches(world, steps):
+    gens = [torch.Generator().manual_seed(10 + r) for r in range(world)]
+    return [[torch.randn(2, 3, 7, 7, generator=g) for g in gens] for _ in range(steps)]
+
+
+def _loss(out):
+    return out.square().sum()
+
+
+def _reference(world, batches, convert_at, accumulate):
+    m = ConvNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    for s, xs in enumerate(batches):
+        if s == convert_at:
+            m.to(memory_format=torch.channels_last)
+        (sum(_loss(m(x)) for x in xs) / world).backward()
+        if accumulate and s % 2 == 0:
+            continue
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _memory_format(rank, world):
+    """Conversion after wrapping: before the first backward and after the layout is final
+    (step 2), gradient views on and off, and between a ``no_sync`` backward and the synchronized one."""
+    import fusedist
+
+    out = {}
+    batches = _batches(world, 4)
+    for convert_at, accumulate in ((0, False), (2, False), (3, True)):
+        ref = _reference(world, batches, convert_at, accumulate)
+        for as_view in (True, False):
+            m = ConvNet()
+            ddp = fusedist.DistributedDataParallel(m, gradient_as_bucket_view=as_view)
+            opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for s, xs in enumerate(batches):
+                    if s == convert_at:
+                        m.to(memory_format=torch.channels_last)
+                    if accumulate and s % 2 == 0:
+                        with ddp.no_sync():
+                            _loss(ddp(xs[rank])).backward()
+                        continue
+                    _loss(ddp(xs[rank])).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=False)
+            error = max((p.detach() - r).abs().max().item() / (1 + r.abs().max().item())
+                        for p, r in zip(m.parameters(), ref))
+            ours = [str(w.message) for w in caught if "changed memory format" in str(w.message)]
+            out[convert_at, accumulate, as_view] = (error, ours)
+    return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.a(x)
+        extra = getattr(self, "extra", None)
+        if extra is not None:
+            x = extra(x)
+        return self.fc(x) if self.fc is not None else x
+
+
+def _steps(ddp, opt, rank, change, steps=3):
+    """Train; ``change(module)`` before the second step. The error's text, or the parameters."""
+    try:
+        for s in range(steps):
+            if s == 1:
+                change(ddp.module)
+            ddp(torch.randn(3, 4) + rank).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+    return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def _set(name, make):
+    def change(module):
+        setattr(module, name, make(module))
+    return change
+
+
+def _delete(module):
+    del module.fc
+    module.__dict__["fc"] = None  # (the forward reads it)
+
+
+def _removed_submodules(rank, world):
+    import fusedist
+
+    out = {}
+    cases = {"identity": _set("fc", lambda m: nn.Identity()), "none": _set("fc", lambda m: None),
+             "other names": _set("fc", lambda m: nn.Sequential(nn.Linear(4, 2))),
+             "same parameters": _set("fc", lambda m: nn.Sequential(m.fc)), "deleted": _delete}
+    for case, change in cases.items():
+        for find_unused in (False, True):
+            results = []
+            for impl in (fusedist.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+                trains = case == "same parameters" or (case == "deleted" and find_unused)
+                if impl is not fusedist.DistributedDataParallel and not trains:
+                    continue  # torch's DDP is the reference only where it trains correctly
+                ddp = impl(Net(), find_unused_parameters=find_unused)
+                torch.manual_seed(100 + rank)  # the batches: alike for both wrappers
+                results.append(_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, change))
+            out[case, find_unused] = results
+    ddp = fusedist.DistributedDataParallel(Net(), static_graph=True)
+    out["deleted", "static_graph"] = [_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, _delete)]
+    return out
+
+
+def _added_after_wrapping(rank, world):
+    """Parameters added or replaced after wrapping, trained through ``model.module``."""
+    import fusedist
+
+    out = {}
+    for case in ("added", "replaced"):
+        m = Net()
+        ddp = fusedist.DistributedDataParallel(m)
+        if case == "added":
+            m.extra = nn.Linear(4, 4)
+        else:
+            m.fc.weight = nn.Parameter(torch.randn(2, 4))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(torch.randn(3, 4)).sum().backward()
+        try:
+            opt.step()
+            out[case] = "stepped"
+        except ValueError as exc:
+            out[case] = str(exc)
+        del ddp
+    return out
+
+
+class Box:
+    """A forward's output in an object DDP does not look into (neither torch's nor fusedist's)."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class BoxedNet(Net):
+    def forward(self, x):
+        return Box(super().forward(x))
+
+
+def _boxed_output(rank, world):
+    """find_unused_parameters=True with the output's tensors inside a plain object: refused, as
+    by torch's DDP (whose error blames parameters used outside the forward); the error says where
+    the wrapper looks for the output's tensors."""
+    import fusedist
+
+    ddp = fusedist.DistributedDataParallel(BoxedNet(), find_unused_parameters=True)
+    try:
+        ddp(torch.randn(3, 4)).logits.sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.fixture(scope="module")
+def shared_launch(request):
+    return launch_for_selected(request, {
+        "test_memory_format_changed_after_wrapping_trains_as_one_process": {"format": (_memory_format, ())},
+        "test_submodule_removed_after_wrapping_is_refused_naming_it": {"removed": (_removed_submodules, ())},
+        "test_step_over_parameter_added_after_wrapping_says_so": {"added": (_added_after_wrapping, ())},
+        "test_output_in_an_unsearched_object_says_where_tensors_are_found": {"boxed": (_boxed_output, ())},
+    }, world=2, timeout=180)
+
+
+def test_memory_format_changed_after_wrapping_trains_as_one_process(shared_launch):
+    for out in results_of(shared_launch, "format"):
+        for (convert_at, accumulate, as_view), (error, warned) in out.items():
+            case = f"converted at step {convert_at}, no_sync={accumulate}, gradient_as_bucket_view={as_view}"
+            # fp32, 4 SGD steps: the averages differ from the one-process sum by rounding only
+            assert error < 1e-5, (case, error)
+            # the copies between layouts are reported once, only where the layout was already final
+            assert len(warned) == (1 if convert_at > 0 else 0), (case, warned)
+            if warned:
+                assert "'conv.weight'" in warned[0] or "'head.weight'" in warned[0], warned
+
+
+def test_submodule_removed_after_wrapping_is_refused_naming_it(shared_launch):
+    for out in results_of(shared_launch, "removed"):
+        for find_unused in (False, True):
+            for case in ("identity", "none"):
+                (msg,) = out[case, find_unused]
+                assert "removed with the submodule(s) ['fc']" in msg and "'fc.weight', 'fc.bias'" in msg, msg
+            (msg,) = out["other names", find_unused]
+            assert "added: ['fc.0.weight', 'fc.0.bias']" in msg and "'fc.weight', 'fc.bias'" in msg, msg
+            ours, torch_ddp = out["same parameters", find_unused]
+            assert not isinstance(ours, str), ours  # the same Parameters under other names train on
+            for a, b in zip(ours, torch_ddp):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        for setting in (False, "static_graph"):  # the unused-parameter and the changed-graph errors
+            (msg,) = out["deleted", setting]
+            assert "no longer in the module: ['fc.weight', 'fc.bias']" in msg, (setting, msg)
+        ours, torch_ddp = out["deleted", True]  # unused parameters, reduced as zeros: nothing changes
+        assert not isinstance(ours, str), ours
+        for a, b in zip(ours, torch_ddp):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_step_over_parameter_added_after_wrapping_says_so(shared_launch):
+    for out in results_of(shared_launch, "added"):
+        assert "'extra.weight'" in out["added"] and "was added" in out["added"], out["added"]
+        assert "'fc.weight'" in out["replaced"] and "replaced by a new Parameter" in out["replaced"], out["replaced"]
+        for msg in out.values():
+            assert "requires_grad=False" not in msg and "wrap the module again" in msg, msg
+
+
+def test_output_in_an_unsearched_object_says_where_tensors_are_found(shared_launch):
+    for msg in results_of(shared_launch, "boxed"):
+        assert "'a.weight'" in msg and "tuples, lists, dicts, namedtuples and dataclasses" in msg, msg

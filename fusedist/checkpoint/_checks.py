@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero.sharded_state import algorithm_difference, class_algorithm, inner_class
-from . import _files
+from . import _files, _visibility
 from ._files import CheckpointError
 
 
@@ -150,12 +150,16 @@ def unseen_rank_files(directory: str, files: dict, directories: list) -> Optiona
     that cannot be loaded (ranks given different directories, e.g. with a timestamp in the
     name, or a directory not on a filesystem every rank shares)."""
     missing = _files.not_seen(directory, files)
+    if missing and len(set(directories)) == 1:  # (one directory: this host's view may lag the writers')
+        missing = _visibility.wait_seen(directory, files)
     if not missing:
         return None
     shown = "; ".join(f"rank {files[n]['rank']} wrote {files[n].get('file', n)} into {directories[files[n]['rank']]}"
                       for n in missing[:4])
     more = "; ..." if len(missing) > 4 else ""
-    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{more}): "
+    waited = "" if len(set(directories)) > 1 else \
+        f" after waiting {_visibility.wait_limit():g} s ({_visibility.WAIT_ENV})"
+    return (f"rank 0 does not find in {directories[0]} what other ranks wrote ({shown}{more}){waited}: "
             "every rank must pass the same directory, on a filesystem every rank sees")
 
 

@@ -321,7 +321,10 @@ def verify_file(directory: str, name: str, expected: dict) -> str:
     after checking it exists with the manifest's size and checksum."""
     path = os.path.join(directory, expected.get("file", name))
     if not os.path.isfile(path):
-        raise CheckpointError(f"fusedist.checkpoint: shard file {path} is missing (listed in the manifest)")
+        raise CheckpointError(
+            f"fusedist.checkpoint: shard file {path} is missing (listed in the manifest): removed since it was "
+            "written, or this host does not see the directory as the writing hosts do (not a shared filesystem, "
+            "or one whose view of another host's new files lags)")
     size = os.path.getsize(path)
     if size != expected["bytes"]:
         raise CheckpointError(

@@ -15,7 +15,7 @@ import torch
 
 from ..zero import state as zstate
 from . import _checks, _files, _load_plan, _names, _owner, api, layout, resume, stage3
-from . import _preload
+from . import _preload, _visibility
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
@@ -35,7 +35,9 @@ class RestoreMixin:
 
         Also registers the objects that later saves write. Incomplete directories (a save
         killed mid-write) are skipped with a warning; a complete one that fails to load (a
-        corrupt file) is reported and the next older one is tried. ``step`` picks a specific
+        corrupt file) is reported and the next older one is tried; one whose files a rank does not
+        see yet (a lagging network filesystem) is waited for, then refused, never passed over
+        (Note [a checkpoint another rank does not see yet] in ``_visibility.py``). ``step`` picks a specific
         checkpoint instead. At the world size that saved it, everything -- RNG states and the
         data position included -- continues bit for bit; at another world size the optimizer
         is resharded and an ElasticDistributedSampler re-splits the rest of the epoch (a
@@ -63,14 +65,20 @@ class RestoreMixin:
         candidates = self._coord.broadcast(self._candidates_or_error(step) if self.rank == 0 else None)
         if isinstance(candidates, str):
             raise CheckpointError(candidates)
-        failures = []
+        failures, tried = [], False
         for saved_step, path, incomplete in candidates:
+            if incomplete is not None:  # (Note [a checkpoint another rank does not see yet] in _visibility.py)
+                incomplete = _visibility.await_listed(self._coord, path, saved_step, incomplete)
             if incomplete is not None:  # (Note [incomplete checkpoints below the newest complete one])
                 failures.append(f"step {saved_step} ({path}): incomplete: {incomplete}")
                 if self.rank == 0:
                     warnings.warn(f"fusedist.checkpoint.Checkpointer: skipping incomplete checkpoint {path} "
                                   f"(step {saved_step}): {incomplete}", stacklevel=2)
                 continue
+            tried = True
+            lagging = _visibility.await_visible(self._coord, path, saved_step)
+            if lagging is not None:  # (not corrupt: an older checkpoint would undo the steps since)
+                raise CheckpointError(lagging)
             # The rank files are read first, on every rank, and the objects loaded only when
             # every rank could read its own: a file that fails after the model and optimizer
             # were loaded left them changed behind the CheckpointError that says nothing was.
@@ -100,7 +108,7 @@ class RestoreMixin:
             if self.rank == 0 and saved_step != candidates[-1][0]:
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: the checkpoint of step {saved_step} in {path} "
                               f"could not be loaded ({error}); trying the previous one", stacklevel=2)
-        if any(incomplete is None for _, _, incomplete in candidates):  # (none complete: a fresh start)
+        if tried or step is not None:  # (else nothing to load: a fresh start)
             raise CheckpointError("fusedist.checkpoint.Checkpointer: no checkpoint under "
                                   f"{self.directory} could be loaded: " + "; ".join(failures))
         return 0
@@ -141,6 +149,8 @@ class RestoreMixin:
         entries = layout.scan(self.directory)
         if step is not None:
             chosen = [e for e in entries if e.step == step]
+            if chosen and chosen[0].unseen:  # waited for by restore (Note [a checkpoint another rank does not see yet])
+                return [(step, chosen[0].path, chosen[0].reason)]
             if not chosen or not chosen[0].complete:
                 why = chosen[0].reason if chosen else "there is no such directory"
                 return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {self.directory}: {why} "

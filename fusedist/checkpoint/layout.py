@@ -64,6 +64,10 @@ class Entry:
     # The manifest's format version when a newer fusedist wrote it (Note [checkpoints of a
     # newer fusedist]): not complete here, and never removed by this fusedist.
     newer_format: Optional[int] = None
+    # Set where its manifest is whole but a file it lists is not there: not an interrupted save
+    # (the manifest is written last) but one this host does not see yet, or a copy still under way
+    # (Note [a checkpoint another rank does not see yet] in ``_visibility.py``).
+    unseen: bool = False
 
 
 def _check(step: int, path: str) -> Entry:
@@ -83,7 +87,7 @@ def _check(step: int, path: str) -> Entry:
         listed.add(info.get("file", name))
         file = os.path.join(path, info.get("file", name))
         if not os.path.isfile(file):
-            return Entry(step, path, False, f"{name} listed in the manifest is missing")
+            return Entry(step, path, False, f"{name} listed in the manifest is missing", unseen=True)
         if os.path.getsize(file) != info.get("bytes"):
             return Entry(step, path, False, f"{name} has {os.path.getsize(file)} bytes, the manifest says "
                                             f"{info.get('bytes')} (truncated)")
@@ -97,7 +101,12 @@ def _check(step: int, path: str) -> Entry:
 def entry(root: str, step: int) -> Optional[Entry]:
     """The ``step-N`` directory of ``step`` under ``root`` as :func:`scan` sees it, or None
     when there is no such directory."""
-    path = step_dir(root, step)
+    return entry_at(step_dir(root, step), step)
+
+
+def entry_at(path: str, step: int) -> Optional[Entry]:
+    """:func:`entry` of the directory ``path`` holding ``step``'s checkpoint (as :func:`scan`
+    named it), or None when it is gone."""
     return _check(step, path) if os.path.isdir(path) else None
 
 

@@ -1,0 +1,159 @@
+"""Waiting for a checkpoint's files where a host shows them late, instead of taking them for lost.
+
+Note [a checkpoint another rank does not see yet]
+    Rank 0 picks the checkpoint to restore from its own view of the filesystem: a manifest and
+    every file it lists, at the listed size. Another host may show the same directory later: a
+    network filesystem caches lookups and attributes (NFS: up to ``acdirmax``, 60 s by
+    default), so a file another host wrote can be missing or short there while rank 0 sees it
+    whole, and a manifest can be seen before the rank files it lists. Read at once, such a
+    file failed its size check like a truncated one, and ``restore`` went back to the previous
+    checkpoint with a warning on rank 0 alone: the run silently lost the steps since. So before
+    anything is read every rank checks that it sees what rank 0 saw -- the manifest's very
+    bytes, every listed file at its size -- and the ranks wait for each other together, one
+    exchange per try (no rank sits in a collective past its deadline while another polls), up
+    to ``FUSEDIST_CHECKPOINT_VISIBLE_S`` seconds (default :data:`DEFAULT_WAIT_S`). A file still
+    unseen then fails the restore on every rank, naming the ranks and files: it is not corrupt,
+    and falling back to an older checkpoint would undo the steps since without a word. Where
+    rank 0 itself no longer sees it (removed since it listed it), nothing is waited for: the
+    ordinary checks report it and the previous checkpoint is tried, as for a corrupt file.
+
+    Rank 0's own view may lag too (a restarted job's rank 0 on another host, a checkpoint
+    still being copied in): a manifest listing a file that is not there is never an
+    interrupted save -- the manifest is written last -- so restore waits for that file the same
+    way (:func:`await_listed`) and refuses rather than pass over the checkpoint. A save waits
+    likewise where rank 0 does not yet see a file another rank wrote into the same directory
+    (:func:`wait_seen`): failing the save lost a checkpoint its ranks had written whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from typing import Optional
+
+from . import _files, layout
+from ._files import CheckpointError
+
+WAIT_ENV = "FUSEDIST_CHECKPOINT_VISIBLE_S"
+DEFAULT_WAIT_S = 60.0  # NFS's default acdirmax: how stale a client's view of a directory may be
+_POLL_S = 0.25
+
+
+def wait_limit() -> float:
+    """``FUSEDIST_CHECKPOINT_VISIBLE_S`` in seconds (0: do not wait), else :data:`DEFAULT_WAIT_S`."""
+    raw = os.environ.get(WAIT_ENV)
+    if raw is None:
+        return DEFAULT_WAIT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{WAIT_ENV} must be a finite number of seconds >= 0, got {raw!r}")
+    return seconds
+
+
+def _expected(path: str) -> Optional[tuple]:
+    """Rank 0: the digest of the manifest of ``path`` and ``{file name: bytes}`` of the files it
+    lists, or None when it cannot be read (the ordinary checks then say why)."""
+    try:
+        manifest, digest = _files.read_manifest_and_digest(path)
+        return digest, {info.get("file", name): info["bytes"] for name, info in manifest["files"].items()}
+    except Exception:  # noqa: BLE001 - reported by the load that follows
+        return None
+
+
+def _unseen(path: str, digest: str, files: dict) -> list[str]:
+    """What of rank 0's view of ``path`` this rank does not see, in words ([] when it sees it all)."""
+    missing = []
+    try:
+        with open(os.path.join(path, _files.MANIFEST), "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != digest:
+                missing.append(f"{_files.MANIFEST} (another one than rank 0 read: of another save of the step)")
+    except OSError:
+        missing.append(f"{_files.MANIFEST} (not there)")
+    for name, size in sorted(files.items()):
+        try:
+            seen = os.path.getsize(os.path.join(path, name))
+        except OSError:
+            missing.append(f"{name} (not there)")
+            continue
+        if seen != size:
+            missing.append(f"{name} ({seen} of its {size} bytes)")
+    return missing
+
+
+def await_visible(coord, path: str, step: int) -> Optional[str]:
+    """Wait until every rank of ``coord`` sees the checkpoint in ``path`` as rank 0 does (Note [a
+    checkpoint another rank does not see yet]). A collective; None once they do (or where rank 0
+    itself no longer does), else the error, the same on every rank."""
+    want = coord.broadcast(_expected(path) if coord.rank == 0 else None, "checkpoint rank 0 sees")
+    if want is None:
+        return None
+    limit = wait_limit()
+    started = time.monotonic()
+    while True:
+        mine = _unseen(path, *want)
+        everyone = coord.all_gather((mine, time.monotonic() - started >= limit), "checkpoint every rank sees")
+        lagging = [(coord.ranks[i], seen) for i, (seen, _) in enumerate(everyone) if seen]
+        if not lagging or everyone[0][0]:
+            return None
+        if any(out for _, out in everyone):
+            break
+        time.sleep(_POLL_S)
+    where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
+    return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: rank 0 sees it complete, "
+            f"but {where}, after waiting {limit:g} s ({WAIT_ENV}). The directory is not on a filesystem every "
+            f"rank sees alike, or another host's view of it lags (a network filesystem's attribute cache): the "
+            f"files are not corrupt, so no older checkpoint was restored in its place. Restore again once every "
+            f"host shows them (raise {WAIT_ENV} to wait longer), or pass step= to restore an older one")
+
+
+def await_listed(coord, path: str, step: int, reason: str) -> Optional[str]:
+    """For the checkpoint of ``step`` that rank 0 listed as incomplete for ``reason``: wait while
+    it is incomplete only because a file its manifest lists is not there (Note [a checkpoint
+    another rank does not see yet]). A collective. None once it is complete; why it is
+    incomplete when that is something else (it is skipped, as before); a CheckpointError, on
+    every rank, when the file has not shown after the wait."""
+    limit = wait_limit()
+    started = time.monotonic()
+    while True:
+        state = None
+        if coord.rank == 0:
+            entry = layout.entry_at(path, step)
+            state = ((False, False, "its directory is gone") if entry is None
+                     else (entry.complete, entry.unseen, entry.reason))
+            state += (time.monotonic() - started >= limit,)
+        complete, unseen, now, out = coord.broadcast(state, "checkpoint files rank 0 sees")
+        if complete:
+            return None
+        if not unseen:
+            return now or reason
+        if out:
+            raise CheckpointError(
+                f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: "
+                f"its manifest is whole but {now}, after waiting {limit:g} s ({WAIT_ENV}). The manifest is written "
+                f"only after every file it lists, so the file is not lost in a save: rank 0's host does not see it "
+                f"yet (a network filesystem's view of another host's files lags), or the directory is being copied "
+                f"or was partly removed. No older checkpoint was restored in its place, which would undo the steps "
+                f"since: restore again once the file shows (raise {WAIT_ENV} to wait longer), or pass step= to "
+                f"restore an older one")
+        time.sleep(_POLL_S)
+
+
+def wait_seen(directory: str, files: dict) -> list[str]:
+    """Rank 0 before a manifest lists the rank files every rank wrote into ``directory`` (the
+    same path on every rank): the names in ``files`` it does not see with their size, after
+    waiting up to ``FUSEDIST_CHECKPOINT_VISIBLE_S`` for them to show ([] once they do). Why:
+    another host's new files may show late here (Note [a checkpoint another rank does not see
+    yet]), and failing the save for it lost a checkpoint the ranks had written whole. The other
+    ranks wait meanwhile at the save's I/O barrier, which has no deadline while rank 0 lives."""
+    limit = wait_limit()
+    started = time.monotonic()
+    while True:
+        missing = _files.not_seen(directory, files)
+        if not missing or time.monotonic() - started >= limit:
+            return missing
+        time.sleep(_POLL_S)

@@ -225,10 +225,104 @@ def _float64_on_one_rank_only(rank, ws):
     torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
 
 
+def _refusal_on_one_rank_reaches_every_rank(rank, ws):
+    """A forward refused by the input checks of rank 1 only -- its layer cast to fp16 there, its
+    layer on another device there, an input of another width there -- is refused on rank 0 too,
+    at once, naming rank 1 and why; it used to leave rank 0 in the statistics gather until the
+    collective timeout. No rank counts the batch; the next forward is BatchNorm on the global
+    batch. (A group whose collectives time out after 10 s: a regression fails in seconds.)"""
+    import datetime
+    import os
+
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))  # collective: every rank creates it
+    before = os.environ.get("FUSEDIST_TIMEOUT_S")
+    os.environ["FUSEDIST_TIMEOUT_S"] = "10"  # read when the pair's communicator is made (its first forward)
+    try:
+        _refusals_over(pair, rank)
+    finally:
+        if before is None:
+            del os.environ["FUSEDIST_TIMEOUT_S"]
+        else:
+            os.environ["FUSEDIST_TIMEOUT_S"] = before
+
+
+def _to_cpu_afresh(layer):
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+
+
+def _refusals_over(pair, rank):
+    """The cases of _refusal_on_one_rank_reaches_every_rank: (name, how rank 1's layer is
+    spoiled and repaired, rank 1's input, what rank 0 is told, rank 1's own error)."""
+    sizes = (2, 3)
+    X, DY = _data(sizes, (3, 4), seed=13)
+    mine = _slice(X, sizes, rank)
+    cases = [("fp16 parameters", lambda m: m.half(), lambda m: m.float(), mine,
+              r"rank 1: its input is torch.float32 but the layer's parameters there are torch.float16",
+              (RuntimeError, "the input is torch.float32 but the layer's weight is torch.float16")),
+             ("another device", lambda m: m.to("meta"), _to_cpu_afresh, mine,
+              r"rank 1: its input is on another device than the layer's parameters",
+              (ValueError, "input is on cpu but the layer's parameters are on meta")),
+             ("another width", lambda m: m, lambda m: m, torch.randn(3, 4, 4),
+              r"rank 1: its input has 4 channels in dim 1, not 3",
+              (ValueError, "expected 3 channels in dim 1, got 4"))]
+    for name, spoil, repair, theirs, told, (own_type, own) in cases:
+        layer = SyncBatchNorm(3, process_group=pair)
+        if rank == 1:
+            spoil(layer)
+        expected_type, expected = (own_type, own) if rank == 1 else (ValueError, told)
+        with pytest.raises(expected_type, match=expected):
+            layer(mine.clone().requires_grad_(True) if rank == 0 else theirs)
+        if layer.num_batches_tracked.device.type != "meta":
+            assert int(layer.num_batches_tracked) == 0, name
+        if rank == 0:
+            assert torch.equal(layer.running_mean, torch.zeros(3)) and torch.equal(layer.running_var, torch.ones(3))
+        if rank == 1:
+            repair(layer)
+        ref = nn.BatchNorm1d(3)
+        y, dx = _grad_step(layer, mine, _slice(DY, sizes, rank))
+        ref_y, ref_dx = _grad_step(ref, X, DY)
+        torch.testing.assert_close(y, _slice(ref_y, sizes, rank), **TOL)
+        torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+        torch.testing.assert_close(layer.running_var, ref.running_var, **TOL)
+        assert int(layer.num_batches_tracked) == 1, name
+
+
+def _outside_group_warning_as_error_counts_nothing(rank, ws):
+    """Rank 1 outside the layer's group, warnings turned into errors: the outside-group warning
+    raises from its first forward, which used to leave num_batches_tracked counted (and the
+    next forward counted again). A raised forward changes nothing; the next one warns no more
+    and is nn.BatchNorm1d's step under the same filter (Note [a raised forward changes nothing])."""
+    import warnings
+
+    from fusedist.nn import _outside_group
+
+    only_0 = dist.new_group([0])  # collective: every rank creates it; rank 1 gets the placeholder
+    X = _data((4,), (3, 5), seed=14)[0]
+    ours, ref = SyncBatchNorm(3, momentum=None, process_group=only_0), nn.BatchNorm1d(3, momentum=None)
+    warned_before = _outside_group._warned
+    _outside_group._warned = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            if rank == 1:
+                with pytest.raises(UserWarning, match="rank 1 is not a member"):
+                    ours(X)
+                assert int(ours.num_batches_tracked) == 0
+                assert torch.equal(ours.running_mean, torch.zeros(3)) and torch.equal(ours.running_var, torch.ones(3))
+            y, ref_y = ours(X), ref(X)
+    finally:
+        _outside_group._warned = warned_before or _outside_group._warned
+    torch.testing.assert_close(y, ref_y, **TOL)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(ref, name), **TOL)
+
+
 PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_and_checkpointed,
           _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank,
           _averaged_copy_shares_the_group, _layers_saved_whole_check_channels_again_in_a_new_process,
-          _float64_on_one_rank_only]
+          _float64_on_one_rank_only, _refusal_on_one_rank_reaches_every_rank,
+          _outside_group_warning_as_error_counts_nothing]
 
 
 def test_user_recipes_at_world_size_2():

@@ -23,7 +23,7 @@ from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
 from ._bn_reference import _per_channel
-from ._layout import NCSLayout, as_ncs, like_layout
+from ._layout import NCSLayout, as_ncs, like_layout, torch_output_format
 from ._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages, read_gather, write_layer_identity
 
 
@@ -114,7 +114,7 @@ def _local_batch_stats_grads(ctx, dy):
     grad_x = next(grads) if need_x else None
     grad_w = next(grads) if need_w else None
     grad_b = _channel_sums(dy).to(weight.dtype if weight is not None else dy.dtype) if need_b else None
-    return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _scale(invstd: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -136,6 +136,13 @@ def _param_grads(ctx, sums: torch.Tensor, weight: Optional[torch.Tensor]):
     return grad_w, grad_b
 
 
+def _mark(committed: Optional[list]) -> None:
+    """Record that the running statistics took this batch (Note [a raised forward changes
+    nothing] in sync_batch_norm.py): from here a raised forward keeps its count."""
+    if committed is not None:
+        committed.append(True)
+
+
 def _blend_(buffers: list, values: list, momentum: float) -> None:
     """``buffer = (1 - momentum) * buffer + momentum * value`` in fp64 (``value`` is), rounded
     once to the buffer's dtype, as torch's BatchNorm rounds it: scaling and adding in place
@@ -155,7 +162,8 @@ class BatchStatsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float, momentum: float,
                 comm: Optional[Communicator], num_batches_tracked: Optional[torch.Tensor] = None,
-                backward_plan: float = 0.0):
+                backward_plan: float = 0.0, committed: Optional[list] = None):
+        output_format = torch_output_format(x)
         x, layout = as_ncs(x)
         if comm is None:
             gathered = ops.stats_payload(x, layout).unsqueeze(0)
@@ -174,6 +182,7 @@ class BatchStatsNorm(torch.autograd.Function):
         fused = ops.combine_ranks(gathered, x, layout.C, total, eps, momentum, weight, bias,
                                   running_mean, running_var) if total > 0 else None
         if fused is not None:
+            _mark(committed)  # the running statistics took the batch (in the kernel)
             mean, invstd, scale, shift = fused
             y = ops.channel_affine(x, layout, mean, scale, b=shift)
         else:
@@ -189,10 +198,11 @@ class BatchStatsNorm(torch.autograd.Function):
                 # alone, as BatchNorm does.
                 unbiased = stats.m2 / (stats.count - 1)
                 _blend_([running_mean, running_var], [stats.mean, unbiased], momentum)
+            _mark(committed)
             y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.layout, ctx.count, ctx.comm, ctx.eps = layout, total, comm, eps
-        return y
+        return y.contiguous(memory_format=output_format)
 
     @staticmethod
     @functools.partial(_first_order_only, differentiable=_local_batch_stats_grads)
@@ -212,14 +222,14 @@ class BatchStatsNorm(torch.autograd.Function):
             # kernel's programs from the sums, with the same fp32 operations in the same order.
             grad_x = ops.input_grad(dy, x, ctx.layout, sums, mean, invstd, weight, ctx.count)
             if grad_x is not None:
-                return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+                return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
             mean_dy, mean_dy_xhat = sums[0] / ctx.count, sums[1] / ctx.count
             k = _scale(invstd, weight)
             grad_x = ops.channel_affine(
                 dy, ctx.layout, mean_dy.contiguous(), k,
                 v=x, r=mean, t=(-k * invstd * mean_dy_xhat).contiguous(), out_dtype=x.dtype,
             )
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 class RunningStatsNorm(torch.autograd.Function):
@@ -227,6 +237,7 @@ class RunningStatsNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float):
+        output_format = torch_output_format(x)
         x, layout = as_ncs(x)
         acc = compute_dtype(x.dtype)
         mean = running_mean.to(acc).contiguous()
@@ -234,7 +245,7 @@ class RunningStatsNorm(torch.autograd.Function):
         y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.layout = layout
-        return y
+        return y.contiguous(memory_format=output_format)
 
     @staticmethod
     @functools.partial(_first_order_only, differentiable=_running_stats_grads)

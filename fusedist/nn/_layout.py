@@ -13,6 +13,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 
 class NCSLayout(NamedTuple):
@@ -94,3 +95,19 @@ def like_layout(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(ref, dtype=t.dtype)
     out.copy_(t)
     return out
+
+
+# Note [the output's memory format]
+#     The kernels read an input in place whenever it has a dense (N, C, S) view, and wrote an
+#     output of the very same strides: an (N, C, L) input stored as (N, L, C), or a transposed
+#     (N, C) one, gave an output of those strides. torch's BatchNorm on CPU returns the input's
+#     suggested memory format instead -- channels_last for such 4-D and 5-D inputs, contiguous
+#     for everything else -- and so does torch.nn.SyncBatchNorm's synchronized forward on CUDA,
+#     which makes its input contiguous (unless channels_last) before its kernels run. The output
+#     takes that format on every device (one copy, for those unusual layouts only); the values
+#     are the same. torch's BatchNorm on CUDA may keep the input's strides, depending on the
+#     kernel it picks: code should not rely on an output's strides matching its input's.
+def torch_output_format(x: torch.Tensor) -> torch.memory_format:
+    """The memory format torch's BatchNorm gives its output for ``x`` (Note [the output's
+    memory format])."""
+    return suggest_memory_format(x)

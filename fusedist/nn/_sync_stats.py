@@ -64,6 +64,7 @@ import torch
 
 from ..comm import Communicator
 from ..comm.base import global_note, global_ranks
+from ._refusal import check_no_refusal
 
 STATS_TAG = "sync_batch_norm.stats"
 GRAD_TAG = "sync_batch_norm.grad"
@@ -148,6 +149,7 @@ def read_gather(gathered: torch.Tensor, num_features: int, comm: Optional[Commun
     C = num_features
     identified = gathered.shape[1] == 2 * C + 1 + IDENTITY_LEN
     host = (gathered[:, [0, *range(2 * C + 1, 2 * C + 1 + IDENTITY_LEN)]] if identified else gathered[:, :1]).tolist()
+    check_no_refusal(gathered, [row[0] for row in host], C, comm)  # Note [a refusal on one rank reaches every rank]
     if identified:
         _check_same_layer([row[1:] for row in host], C)
     rank_counts = [int(row[0]) for row in host]

@@ -33,10 +33,11 @@ from ..comm import Communicator, get_communicator
 from ..ddp import join as _join
 from ..reliability import attach_monitor
 from . import _outside_group as outside_group
+from . import _refusal as refusal
 from ._convert import convert_tree
 from ._dtype_rule import check_dtypes
 from ._function import BatchStatsNorm, RunningStatsNorm
-from ._sync_stats import NO_BACKWARD, WANTS_INPUT_GRAD, check_channels_agree
+from ._sync_stats import IDENTITY_LEN, NO_BACKWARD, WANTS_INPUT_GRAD, check_channels_agree, gather_messages
 
 
 # torch >= 2.13 can drop the additive bias of an affine BatchNorm (keyword-only ``bias``).
@@ -287,32 +288,59 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
 
     @_eager_under_compile  # Note [SyncBatchNorm under torch.compile]
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
+        try:
+            self._check_input_dim(input)
+        except Exception as exc:
+            self._share_refusal(input, exc)  # Note [a refusal on one rank reaches every rank]
+            raise
         if self.training and torch._C._are_functorch_transforms_active():
             self._refuse_synchronized_transform()
+        if not self.training and self.running_mean is not None and self.running_var is not None:
+            if _torch_op_needed():  # Note [SyncBatchNorm under torch.func]
+                return self._torch_batch_norm(input, 0.0)
+            return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
+                                          self.running_var, self.eps)
         average_factor = 0.0 if self.momentum is None else self.momentum
         counted = self.training and self.track_running_stats and self.num_batches_tracked is not None
         if counted:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 average_factor = 1.0 / float(self.num_batches_tracked)
-        if not self.training and self.running_mean is not None and self.running_var is not None:
-            if _torch_op_needed():  # Note [SyncBatchNorm under torch.func]
-                return self._torch_batch_norm(input, average_factor)
-            return RunningStatsNorm.apply(input, self.weight, self.bias, self.running_mean,
-                                          self.running_var, self.eps)
+        committed: list = []  # Note [a raised forward changes nothing]
         try:
-            return self._batch_stats_forward(input, average_factor)
-        except ValueError:
-            # A forward the ranks refused together (channels, a batch of one value, layers
-            # mixed up) counts no batch: the count is part of the layer's identity (Note [the
-            # same layer on every rank] in _sync_stats.py), and ranks that raised on different
-            # layers must agree again. Only ValueError: activation checkpointing ends its
-            # recomputation with an exception of its own, and that forward does count, as in
-            # torch's BatchNorm.
-            if counted:
+            return self._batch_stats_forward(input, average_factor, committed)
+        except BaseException:
+            if counted and not committed:
                 self.num_batches_tracked.sub_(1)
             raise
+
+    # Note [a raised forward changes nothing]
+    #     A training forward that raises before the running statistics took the batch counts no
+    #     batch, whatever it raised: a refusal the ranks share (channels, a batch of one value,
+    #     layers mixed up), a collective that failed, a kernel out of memory, a warning turned
+    #     into an error (``warnings.simplefilter("error")`` and the outside-group warning, which
+    #     is raised after the count was taken). The count is part of the layer's identity (Note
+    #     [the same layer on every rank] in _sync_stats.py): a count left behind by a raised
+    #     forward on some ranks only would refuse every later forward. The forward marks the
+    #     moment the running statistics take the batch (``committed``); from there the count
+    #     stays with them, whatever is raised later (the output's kernel failing, activation
+    #     checkpointing stopping a recomputation early), as torch's BatchNorm keeps both. (torch's
+    #     BatchNorm counts before ``F.batch_norm`` and keeps the count when that refuses the
+    #     batch, e.g. one value per channel: there this layer differs, on purpose.)
+
+    def _share_refusal(self, input, exc: Exception) -> None:
+        """Where this forward would synchronize, join the other ranks' statistics gather with a
+        refusal marker, so they raise too (Note [a refusal on one rank reaches every rank] in
+        _refusal.py); ``exc`` (this rank's refusal) is raised by the caller all the same."""
+        if not (self.training and self._synchronizes()):
+            return
+        try:
+            device = refusal.layer_device(self, input)
+            comm = self._communicator(device)
+            length = 2 * self.num_features + 1 + IDENTITY_LEN  # the others' message
+            gather_messages(refusal.refusal_message(refusal.reason_of(self, input), length, device), comm)
+        except Exception as failed:  # noqa: BLE001 - this rank's own refusal is the error to raise
+            exc.add_note(f"(telling the other ranks of the layer's group failed too: {failed!r})")
 
     # Note [SyncBatchNorm under torch.func]
     #     torch.nn.SyncBatchNorm is ``F.batch_norm`` wherever it does not synchronize (eval, or
@@ -348,13 +376,15 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             input, self.running_mean if use_running else None, self.running_var if use_running else None,
             self.weight, self.bias, self.training or self.running_mean is None, average_factor, self.eps)
 
-    def _batch_stats_forward(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
+    def _batch_stats_forward(self, input: torch.Tensor, average_factor: float, committed: list) -> torch.Tensor:
         # Batch statistics. Only training synchronizes: eval with track_running_stats=False
         # normalizes each rank's batch on its own, like torch.nn.SyncBatchNorm.
         update_running = self.training and self.track_running_stats
         comm = self._communicator(input.device) if self.training else None
         if comm is None and _torch_op_needed():  # Note [SyncBatchNorm under torch.func]
-            return self._torch_batch_norm(input, average_factor)
+            output = self._torch_batch_norm(input, average_factor)
+            committed.append(True)
+            return output
         if comm is not None and _join._sync_bn_trace is not None:
             _join.record_sync_bn(self, input)  # replayed by ranks that ran out of inputs
         return BatchStatsNorm.apply(
@@ -363,7 +393,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             self.running_var if update_running else None,
             self.eps, average_factor, comm,
             self.num_batches_tracked if update_running else None,
-            self._backward_plan(input) if comm is not None else 0.0,
+            self._backward_plan(input) if comm is not None else 0.0, committed,
         )
 
     def _backward_plan(self, input: torch.Tensor) -> float:

@@ -39,6 +39,7 @@ import traceback
 import pytest
 import torch
 from conftest import requires_rank_slots
+from test_fully_shard_dtensor_entries import _Net as _OddNet  # (its flat pieces are not FSDP2's chunks)
 from torch import nn
 
 from fusedist.testing import device_for_rank, run_distributed
@@ -92,19 +93,6 @@ def _zero_offload_complex(rank, world_size, device, seed):
                   for dt, t in host.masters.items() for g in (host.host_grads[dt],)},
             flat=torch.cat([torch.view_as_real(p).reshape(-1) if p.is_complex() else p.reshape(-1) for p in got]))
     return out
-
-
-class _OddNet(nn.Module):
-    """Odd sizes, so that the root unit's flat pieces cut ``a``/``b``/``d`` elsewhere than FSDP2's
-    per-parameter chunks; ``d`` has one row; ``c`` is a unit of its own, sharded on dim 1."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 4)
-        self.c, self.d = nn.Linear(4, 6, bias=False), nn.Linear(6, 1)
-
-    def forward(self, x):
-        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
 
 
 def _full_tensor(rank, world_size, device, seed):

@@ -216,6 +216,16 @@ def error_text(fn, exc_type=Exception):
     return None
 
 
+def raised(fn) -> str:
+    """``"Type: text"`` of whatever ``fn()`` raises, or ``"no error"``: for scenarios whose
+    worker reports several refusals (and non-refusals) back in one result."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def fp16_sum_overflow_case(rank: int, limit: float):
     """A small model and rank ``rank``'s input, scaled so that every rank's largest gradient is
     ``limit`` and the ranks' gradients are nearly equal: their fp16 sum overflows where their

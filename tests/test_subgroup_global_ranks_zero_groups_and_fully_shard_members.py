@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from models import raised
 
 WORLD = 3
 TOL = 1e-6
@@ -37,14 +38,6 @@ def _train(model, opt, rank, seed):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _zero_groups(rank, seed, out):
@@ -68,12 +61,12 @@ def _zero_groups(rank, seed, out):
     except ValueError as exc:
         out["same ranks"] = str(exc)
     other = fusedist.DistributedDataParallel(_net())
-    out["subgroup"] = _error(lambda: fusedist.ZeroRedundancyOptimizer(
+    out["subgroup"] = raised(lambda: fusedist.ZeroRedundancyOptimizer(
         other.parameters(), process_group=pair if rank < 2 else single, **adam))
     tail = dist.new_group([1, 2])
     if rank > 0:  # `to` is a group rank, as torch's: global rank 2 is group rank 1 here
         alone = fusedist.ZeroRedundancyOptimizer(_net().parameters(), process_group=tail, **adam)
-        out["to"] = _error(lambda: alone.consolidate_state_dict(to=2))
+        out["to"] = raised(lambda: alone.consolidate_state_dict(to=2))
         alone.consolidate_state_dict(to=1)
         out["full on group rank 1"] = sorted(alone.state_dict()) == ["param_groups", "state"]
 
@@ -89,11 +82,11 @@ def _timeout_worker(rank, world, seed):
     late = dist.new_group([1, 2])
     mesh = DeviceMesh("cpu", torch.tensor([1, 2]))
     if rank == 0:  # outside the group and the mesh: refused by name, before any collective
-        out["fully_shard outside"] = _error(lambda: fusedist.fully_shard(_net(), process_group=late))
-        out["fully_shard outside mesh"] = _error(lambda: fusedist.fully_shard(_net(), mesh=mesh))
+        out["fully_shard outside"] = raised(lambda: fusedist.fully_shard(_net(), process_group=late))
+        out["fully_shard outside mesh"] = raised(lambda: fusedist.fully_shard(_net(), mesh=mesh))
     elif rank == 1:  # group rank 0 of [1, 2]; global rank 2 is alive, in the next collective instead
         comm = TorchCommunicator(late, timeout=datetime.timedelta(seconds=1.0))
-        out["timeout"] = _error(lambda: comm.all_reduce(torch.ones(3)))
+        out["timeout"] = raised(lambda: comm.all_reduce(torch.ones(3)))
     _zero_groups(rank, seed, out)
     return out
 

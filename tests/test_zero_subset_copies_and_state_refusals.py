@@ -37,6 +37,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import raised
 from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 1e-5
@@ -61,14 +62,6 @@ def _losses_step(model, opts, rank, seed, steps=3):
 
 def _diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _subsets(rank, world, seed):
@@ -103,7 +96,7 @@ def _subsets(rank, world, seed):
     out["trained part"] = _diff(ref, got)
 
     other = fusedist.DistributedDataParallel(_net(seed))
-    out["stage 2"] = _error(lambda: fusedist.ZeroRedundancyOptimizer(
+    out["stage 2"] = raised(lambda: fusedist.ZeroRedundancyOptimizer(
         other.module[2].parameters(), optimizer_class=torch.optim.Adam, lr=0.01, stage=2))
     return out
 
@@ -119,20 +112,20 @@ def _unconsolidated_and_copies(rank, world, seed):
     theirs = TorchDDP(_net(seed))
     torch_opt = TorchZero(theirs.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
     ref = _losses_step(theirs, [torch_opt], rank, seed, steps=2)
-    out["torch state"] = _error(lambda: torch_opt.state_dict()["state"])
+    out["torch state"] = raised(lambda: torch_opt.state_dict()["state"])
     ours = fusedist.DistributedDataParallel(_net(seed))
     opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
     _losses_step(ours, [opt], rank, seed, steps=2)
     sd = opt.state_dict()
-    out["state"] = _error(lambda: sd["state"])
-    out["caught as KeyError"] = _error(lambda: _catch(KeyError, lambda: sd["state"]))
+    out["state"] = raised(lambda: sd["state"])
+    out["caught as KeyError"] = raised(lambda: _catch(KeyError, lambda: sd["state"]))
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
     shards = [None] * world
     torch.distributed.all_gather_object(shards, torch.load(buf, weights_only=True))
-    out["deepcopy"] = _error(lambda: copy.deepcopy(opt))
-    out["copy"] = _error(lambda: copy.copy(opt))
+    out["deepcopy"] = raised(lambda: copy.deepcopy(opt))
+    out["copy"] = raised(lambda: copy.copy(opt))
     # The shards load into a fresh optimizer, which then trains on as torch's (2 more steps).
     fresh_model = fusedist.DistributedDataParallel(_net(seed))
     with torch.no_grad():
@@ -184,20 +177,20 @@ def _adam_family_and_destination(rank, world, seed):
             a.copy_(b)
     adam = fusedist.ZeroRedundancyOptimizer(decoupled.parameters(), optimizer_class=torch.optim.Adam,
                                             decoupled_weight_decay=True, **hyper)
-    out["AdamW into Adam(decoupled)"] = _error(lambda: adam.load_state_dict(shards))
+    out["AdamW into Adam(decoupled)"] = raised(lambda: adam.load_state_dict(shards))
     out["AdamW into Adam(decoupled) steps"] = _diff(ref, _losses_step(decoupled, [adam], rank, seed + 1, steps=2))
     back = [None] * world
     torch.distributed.all_gather_object(back, adam.shard_state_dict())
     again = fusedist.ZeroRedundancyOptimizer(fusedist.DistributedDataParallel(_net(seed)).parameters(),
                                              optimizer_class=torch.optim.AdamW, **hyper)
-    out["Adam(decoupled) into AdamW"] = _error(lambda: again.load_state_dict(back))
+    out["Adam(decoupled) into AdamW"] = raised(lambda: again.load_state_dict(back))
     l2 = fusedist.ZeroRedundancyOptimizer(fusedist.DistributedDataParallel(_net(seed)).parameters(),
                                           optimizer_class=torch.optim.Adam, **hyper)
-    out["AdamW into Adam(L2)"] = _error(lambda: l2.load_state_dict(shards))
+    out["AdamW into Adam(L2)"] = raised(lambda: l2.load_state_dict(shards))
 
     before = model.comm.last_seq if hasattr(model.comm, "last_seq") else None
-    out["to=2"] = _error(lambda: adamw.consolidate_state_dict(to=2))
-    out["to=-1"] = _error(lambda: adamw.consolidate_state_dict(to=-1))
+    out["to=2"] = raised(lambda: adamw.consolidate_state_dict(to=2))
+    out["to=-1"] = raised(lambda: adamw.consolidate_state_dict(to=-1))
     out["collectives"] = (before, getattr(model.comm, "last_seq", None))
     return out
 

@@ -16,6 +16,9 @@ fusedist reaches outside its own objects in a few places, and each is here:
   stall reports before the process dies (fusedist/reliability/monitor.py), and one that ends
   a process whose communicator gave up does so right after the exit handlers, not at the
   deadline of the collectives left pending (fusedist/comm/given_up_exit.py);
+* a chained ``sys.exit``, installed only once a communicator gave up: the status a program that
+  caught the error asks for is noted, so the process ends with it right after the exit handlers
+  (fusedist/comm/given_up_exit.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
   written is finished, in-flight exchanges are drained before the interpreter finalizes
   (fusedist/comm), a rank leaving early says so to the others, a timeline is flushed.
@@ -32,8 +35,8 @@ import sys
 import threading
 from typing import Callable
 
-__all__ = ["at_exit", "chain_excepthook", "install_module_registration_hook", "install_optimizer_step_hooks",
-           "install_parameter_registration_hook", "installed", "uninstall"]
+__all__ = ["at_exit", "chain_excepthook", "chain_sys_exit", "install_module_registration_hook",
+           "install_optimizer_step_hooks", "install_parameter_registration_hook", "installed", "uninstall"]
 
 _lock = threading.Lock()
 # key -> a function that removes the hook
@@ -88,6 +91,28 @@ def chain_excepthook(key: str, before: Callable[[type, BaseException, object], N
         def remove():
             if sys.excepthook is hook:  # else someone chained after us: leave theirs in place
                 sys.excepthook = previous
+
+        _removers[key] = remove
+
+
+def chain_sys_exit(key: str, before: Callable[[object], None]) -> None:
+    """Run ``before(status)`` when ``sys.exit(status)`` is called, then the ``sys.exit`` that was in
+    place (it raises SystemExit as always). ``before`` must not raise."""
+    with _lock:
+        if key in _removers:
+            return
+        previous = sys.exit
+
+        def exit(status=None):  # (named as what it stands in for: tracebacks show sys.exit's frame)
+            before(status)
+            previous(status)
+
+        exit.__doc__ = previous.__doc__
+        sys.exit = exit
+
+        def remove():
+            if sys.exit is exit:  # else someone chained after us: leave theirs in place
+                sys.exit = previous
 
         _removers[key] = remove
 

@@ -24,7 +24,8 @@ from script_runs import run_at_once
 #   skip:   rank 1 computes a loss and skips its backward, every rank calls check_consistency();
 #           nothing catches the error (the divergence probe raises a StallError on every rank)
 #   caught: the same; rank 1 catches the error, checks the group refuses collectives, computes on
-#           and ends normally (rank 0 leaves the error uncaught)
+#           and ends by ``raise SystemExit(0)`` (rank 0 leaves the error uncaught); ``sys.exit(n)``
+#           instead ends at once (tests/test_given_up_exit_status.py)
 #   clean:  every rank runs its backward; the check passes and the program ends normally
 _RANK = r'''
 import atexit, datetime, os, sys, time
@@ -73,7 +74,7 @@ except Exception as exc:
         except Exception as refused:
             print(f"REFUSED: {type(refused).__name__}", flush=True)
         print(f"WENT ON: {float(torch.ones(3).sum()):g}", flush=True)
-        sys.exit(0)
+        raise SystemExit(0)  # (not sys.exit: nothing notes its status, the interpreter ends it)
     raise
 print("NO ERROR", flush=True)
 dist.destroy_process_group()

@@ -165,3 +165,116 @@ def test_two_ranks_watchdogs_stuck_in_collectives_that_cannot_pair_both_get_the_
                 "all_reduce (collective #6)") in failures[rank], failures[rank]
     # (the delay, then the same evidence for a quarter second: seconds at most, never the 600 s timeout)
     assert took < 5.0, took
+
+
+# ---- the direct-NCCL communicator's part: its observer's probe, handed to its watchdog. Built on
+# CPU with stand-ins for what the construction reaches outside Python (the process group's exchange of
+# the NCCL id, the extension's communicator and comm stream); the GPU tier runs it on NCCL.
+class _StandInNccl:
+    """The extension's NcclComm, as far as the communicator's watchdog policy uses it."""
+
+    def __init__(self, *args):
+        self.aborted_for = []
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self.aborted_for)
+
+    def abort(self, reason):
+        self.aborted_for.append(reason)
+
+    def check_async_error(self, what):
+        pass
+
+
+class _StandInExtension:
+    NcclComm = _StandInNccl
+
+    @staticmethod
+    def get_unique_id():
+        return b"unique id"
+
+    @staticmethod
+    def nccl_version():
+        return (2, 28, 9)
+
+    @classmethod
+    def require(cls, name):
+        assert name == "_C", name
+        return cls
+
+
+class _TwoRanks:
+    """What the construction asks of torch.distributed: rank 0 of 2, both ready."""
+
+    @staticmethod
+    def is_initialized():
+        return True
+
+    @staticmethod
+    def get_rank(group=None):
+        return 0
+
+    @staticmethod
+    def get_world_size(group=None):
+        return 2
+
+    @staticmethod
+    def all_gather_object(gathered, obj, group=None):
+        gathered[:] = [obj] * len(gathered)
+
+
+class _Observer:
+    """The reliability monitor's part: its delay, and the probe it hands out (recorded)."""
+
+    def __init__(self, delay_s: float, verdicts=()):
+        self.probe_delay_s, self.verdicts, self.asked = delay_s, verdicts, []
+
+    def divergence_probe(self, op, tag, seq, part=None):
+        self.asked.append((op, tag, seq))
+        return _Probe(self.verdicts)
+
+
+def _nccl_communicator(monkeypatch):
+    from fusedist.comm import nccl_comm
+
+    monkeypatch.delenv("FUSEDIST_COMM", raising=False)
+    monkeypatch.delenv("FUSEDIST_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.setenv("FUSEDIST_NCCL_WATCHDOG", "raise")  # a failure aborts NCCL; the process goes on
+    monkeypatch.setattr(nccl_comm, "local_problem", lambda: None)
+    monkeypatch.setattr(nccl_comm, "dist", _TwoRanks)
+    monkeypatch.setattr(nccl_comm, "_extension", _StandInExtension)
+    monkeypatch.setattr(nccl_comm, "take_comm_stream", lambda C, device: ("comm stream", "torch stream"))
+    return nccl_comm.NcclCommunicator(device=0)
+
+
+def test_the_nccl_communicators_probe_is_its_observers_once_the_oldest_collective_is_past_the_delay(monkeypatch):
+    from fusedist.comm.watchdog import WatchedCollective
+
+    comm = _nccl_communicator(monkeypatch)
+    entry = WatchedCollective("all_gather", "zero params", 12, 600.0, 700.0)
+    assert comm.observer is None and comm._divergence_probe(entry, 1e6) is None  # unmonitored
+    comm.observer = _Observer(delay_s=0.0)
+    assert comm._divergence_probe(entry, 1e6) is None and not comm.observer.asked  # probing off
+    comm.observer = observer = _Observer(delay_s=5.0)
+    assert comm._divergence_probe(entry, 4.9) is None and not observer.asked
+    probe = comm._divergence_probe(entry, 5.0)
+    assert isinstance(probe, _Probe) and observer.asked == [("all_gather", "zero params", 12)]
+
+
+def test_the_nccl_communicators_watchdog_probes_its_collectives_and_a_verdict_aborts_nccl(monkeypatch):
+    comm = _nccl_communicator(monkeypatch)
+    comm.observer = observer = _Observer(delay_s=0.05, verdicts=["ranks [1] wait in check_consistency()"])
+    try:
+        comm.watchdog.launched(comm.watchdog.begin("all_reduce", "ddp bucket 0", 7, 600.0), _Done())
+        start = time.monotonic()
+        while not comm._comm.aborted and time.monotonic() - start < 10.0:
+            time.sleep(0.01)
+        took = time.monotonic() - start
+    finally:
+        comm.watchdog.stop(join_timeout=5)
+    assert observer.asked == [("all_reduce", "ddp bucket 0", 7)], observer.asked
+    # (the probe's verdict, in the watchdog's thread, a fraction of a second past the delay: not the 600 s timeout)
+    assert comm._comm.aborted_for == ["all_reduce [ddp bucket 0] (collective #7) cannot complete on this rank: "
+                                      "ranks [1] wait in check_consistency()"], (comm._comm.aborted_for, took)
+    assert comm.aborted and took < 5.0, took

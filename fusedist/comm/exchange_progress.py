@@ -131,6 +131,12 @@ class ExchangeWork:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             _drop_frame_locals(exc)
             self._error = exc
+            # The group refuses collectives from now on (Note [no collectives after a failed exchange]
+            # in gloo_exchange.py): its communicator gave up, so a program that catches the error and
+            # ends by sys.exit(n) ends at once with n (Note [ending after given-up collectives]).
+            from . import given_up_exit
+
+            given_up_exit.watch_exit_requests()
             if self._on_failure is not None:
                 self._on_failure()
         finally:

@@ -26,14 +26,26 @@ communicator has given up):
   ``os._exit``, skipping the interpreter's shutdown: the helpers of the given-up communicator are
   still blocked in gloo, and nothing left to do there could still matter.
 
-How: the excepthook (chained through fusedist/_process_hooks.py) registers the finishing handler
-anew, so that it is the newest exit handler and runs first; it runs all the others itself
-(``atexit._run_exitfuncs``), then ends the process. A program that catches the error and goes on is
-untouched: it ends as the interpreter makes it, with its own status (``sys.exit(n)`` cannot be read
-back at exit), and its exit still waits for the given-up communicator's helper threads (bounded:
-Note [draining at exit]; they end as soon as the peers exit), because the interpreter's shutdown
-must not begin while one is blocked in gloo. The step check's exit read skips a check of a given-up
-communicator either way. A clean run never takes this path.
+A program that catches the error and then ends by ``sys.exit(n)`` (the usual way to log a failure
+and leave with a status of one's own) ends the same way, with status ``n`` (0 for None; 1, after
+the message the interpreter prints, for any other object). Its status cannot be read back at exit
+-- the interpreter keeps it in a C variable -- and waiting as the interpreter's shutdown must (next
+paragraph) let two ranks that both did this wait for each other until the drain's bound (30 s). So
+from the moment a communicator gives up (:func:`watch_exit_requests`, called where it gives up),
+``sys.exit`` notes its argument, on the main thread, before it raises as always. (After a failed
+gloo exchange nothing waits that long -- the failure closed the connection, so what the group left
+queued fails at once -- but such a program ends the same way: as its uncaught error would end it.)
+
+How: the excepthook (chained through fusedist/_process_hooks.py), or that ``sys.exit``, registers
+the finishing handler anew, so that it is the newest exit handler and runs first; it runs all the
+others itself (``atexit._run_exitfuncs``), then ends the process. A program that catches the error
+and goes on otherwise is untouched: it ends as the interpreter makes it (falling off the end, or
+``raise SystemExit``), with its own status, and its exit still waits for the given-up
+communicator's helper threads (bounded: Note [draining at exit]; they end as soon as the peers
+exit), because the interpreter's shutdown must not begin while one is blocked in gloo. (A program
+that catches the ``SystemExit`` of ``sys.exit`` itself and goes on ends with the status it asked
+for: nothing at exit tells the two apart.) The step check's exit read skips a check of a given-up
+communicator either way. A clean run never takes this path, and its ``sys.exit`` is Python's own.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import atexit
 import os
 import signal
 import sys
+import threading
 from typing import Optional
 
 #: ``id()`` of the uncaught exception that ends the process (set by the excepthook while a
@@ -52,6 +65,9 @@ _uncaught: Optional[int] = None
 _interrupted = False
 #: Whether the exit handlers run on the way to ``os._exit`` (so nothing waits for given-up work).
 _ending = False
+#: The argument of the last ``sys.exit`` call on the main thread after a communicator gave up, in
+#: a 1-tuple (None is a status too); None when there was none.
+_exit_request: Optional[tuple] = None
 
 
 def gave_up(comm) -> bool:
@@ -92,19 +108,57 @@ def on_uncaught(exc_type, exc, tb) -> None:
         pass
 
 
+def watch_exit_requests() -> None:
+    """Make ``sys.exit`` note its argument from now on (Note [ending after given-up collectives]);
+    called where a communicator gives up: the divergence probe's verdict (sliced_wait.py), a failed
+    gloo exchange (exchange_progress.py). Once per process; removed by ``_process_hooks.uninstall``."""
+    from .._process_hooks import chain_sys_exit
+
+    chain_sys_exit("end a process whose collectives were given up, by sys.exit", on_exit_request)
+
+
+def on_exit_request(status) -> None:
+    """``sys.exit(status)``'s part: on the main thread, while a communicator has given up, the
+    process ends by it unless the program catches it; make the finishing handler the first exit
+    handler to run. (On another thread ``sys.exit`` ends only that thread.)"""
+    global _exit_request
+    try:
+        if threading.current_thread() is not threading.main_thread() or not any_gave_up():
+            return
+        _exit_request = (status,)
+        atexit.unregister(_finish)
+        atexit.register(_finish)
+    except Exception:  # noqa: BLE001 - sys.exit must raise its SystemExit whatever happens here
+        pass
+
+
+def _exit_status(status) -> int:
+    """The process status the interpreter makes of ``sys.exit(status)``."""
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status & 0xFF  # (the C exit() keeps the low byte: -1 is 255)
+    return 1  # (the interpreter printed the object to stderr before the exit handlers ran)
+
+
 def _finish() -> None:
     """The first exit handler (Note [ending after given-up collectives]): run the others, then end
     the process with the interpreter's status, skipping its shutdown."""
     global _ending
     atexit.unregister(_finish)
-    # A hook called by hand (a program that logs an error through sys.excepthook and goes on), or
-    # an interactive session that stays after the error, is not an end of the process.
-    if _uncaught is None or id(getattr(sys, "last_value", None)) != _uncaught or sys.flags.inspect \
-            or os.environ.get("PYTHONINSPECT"):
+    # An interactive session that stays after the error is not an end of the process; neither is a
+    # hook called by hand (a program that logs an error through sys.excepthook and goes on), unless
+    # the program then called sys.exit.
+    if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):
+        return
+    uncaught = _uncaught is not None and id(getattr(sys, "last_value", None)) == _uncaught
+    if not uncaught and _exit_request is None:
         return
     _ending = True
     atexit._run_exitfuncs()  # (clears them: none runs twice)
     _flush_files()
+    if not uncaught:
+        os._exit(_exit_status(_exit_request[0]))
     if _interrupted:  # Python ends such a process by SIGINT
         try:
             signal.signal(signal.SIGINT, signal.SIG_DFL)

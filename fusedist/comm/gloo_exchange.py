@@ -353,20 +353,27 @@ class GlooExchange:
 
     def _after_writes_to(self, *tensors: torch.Tensor) -> None:
         """Wait for the exchanges in flight that write any of ``tensors`` (Note [one buffer,
-        issue order]); forget the finished ones."""
+        issue order]); forget the finished ones, a failure recorded first. Raises when one has
+        failed: the launch that called this would post its messages on a connection gloo closed."""
         live = []
-        self.failure()  # recorded before the finished works are forgotten
         for work, written in self._writing:
-            if work.is_completed():
-                continue
-            if any(_overlaps(written, t) for t in tensors):
+            if not work.is_completed() and any(_overlaps(written, t) for t in tensors):
                 try:
                     work.wait()
                 except Exception:  # noqa: BLE001 - its own wait() raises it to its caller
                     pass
-                continue
-            live.append((work, written))
+            if not work.is_completed():
+                live.append((work, written))
+            elif self._failed is None and work.failure is not None:
+                # (read after is_completed(): one that fails between the two is recorded too)
+                self._failed = str(work.failure)
         self._writing = live
+        if self._failed is not None:
+            raise RuntimeError(
+                f"this process group can no longer run collectives: an earlier exchange of it failed "
+                f"({self._failed}), and gloo closes its connection to a peer after a failed "
+                "transfer. Destroy and re-create the process group on every rank, or restart the job "
+                "(torchrun --max-restarts)")
 
     def _writes(self, written: torch.Tensor, work: Optional[ExchangeWork]) -> Optional[ExchangeWork]:
         if work is not None:
@@ -485,6 +492,8 @@ class GlooExchange:
 # no better). A launch now first waits for the exchanges in flight that write what it reads or
 # writes, so the collectives on one buffer take effect in issue order on every rank, as on one
 # NCCL stream. The peers launched those exchanges first too, so the wait completes; a failed
-# one's error is its own wait's to raise.
+# one's error is its own wait's to raise, and the launch that waited for it is refused (Note [no
+# collectives after a failed exchange]): its messages would go out on the connection gloo closed
+# (it failed with gloo's bare "Application timeout caused pair closure").
 
 

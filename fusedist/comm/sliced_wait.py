@@ -39,9 +39,12 @@ def wait_probed(handle, waited: datetime.timedelta) -> None:
             probe = probe or comm.observer.divergence_probe(handle.op, handle.tag, handle.seq, handle.part)
             verdict = probe.check()
             if verdict is not None:
+                from . import given_up_exit
                 from .base import CollectiveError, describe_collective
 
                 comm.gave_up = f"{describe_collective(handle.op, handle.tag, handle.seq)}: {verdict}"
+                # (a program that catches the error below and ends by sys.exit(n) ends at once, with n)
+                given_up_exit.watch_exit_requests()
                 raise CollectiveError(
                     f"fusedist: {handle.op} (tag {handle.tag!r}, collective #{handle.seq}) cannot complete on rank "
                     f"{comm.rank} of {comm.world_size}{comm._global_note([comm.rank])}: {verdict}",

@@ -13,7 +13,7 @@ import os
 from typing import Optional
 
 from ..zero import ZeroRedundancyOptimizer
-from ..zero.sharded_state import algorithm_difference, class_algorithm, inner_class
+from ..zero.sharded_state import algorithm_difference, class_algorithm, group_algorithms, inner_class
 from . import _files, _visibility
 from ._files import CheckpointError
 
@@ -230,6 +230,14 @@ def optimizer_algorithm(optimizer) -> str:
     return class_algorithm(optimizer_class(optimizer))
 
 
+def optimizer_group_algorithms(optimizer) -> list:
+    """Per param group, the algorithm it runs (``group_algorithms``: Adam's groups run Adam or
+    AdamW by their ``decoupled_weight_decay``), which a save records so that a load can tell
+    ``Adam(decoupled_weight_decay=True)``'s state for AdamW's (Note [Adam and AdamW are one class
+    in torch] in ``zero/sharded_state.py``)."""
+    return list(group_algorithms(optimizer_algorithm(optimizer), optimizer.param_groups))
+
+
 def optimizer_class(optimizer) -> type:
     """The class that runs the algorithm: a ZeroRedundancyOptimizer's inner one (``inner_class``:
     also where its ``optimizer_class`` is a factory such as a lambda)."""
@@ -246,12 +254,34 @@ def check_algorithm(meta: dict, optimizer, directory: str) -> None:
     """Refuse the state of another algorithm (SGD's momentum into AdamW, Adam's into AdamW):
     torch's loaders take it, hyperparameters included, and the optimizer then steps with the
     saved algorithm's settings (AdamW turned into Adam by the saved group's
-    ``decoupled_weight_decay``) or fails at its next step. Checkpoints written before the
-    algorithm was recorded are checked only when their class is one of torch's or fusedist's."""
-    difference = algorithm_difference(meta["class"], meta.get("algorithm"), optimizer_class(optimizer))
+    ``decoupled_weight_decay``) or fails at its next step. Adam and AdamW are compared per param
+    group (Note [Adam and AdamW are one class in torch]): torch's AdamW state loads into
+    ``Adam(decoupled_weight_decay=True)`` and back, Adam's L2 decay into AdamW stays refused.
+    Checkpoints written before the algorithm was recorded are checked only when their class is
+    one of torch's or fusedist's; before the per-group algorithms were, a class of the optimizer's
+    own algorithm loads as it did."""
+    cls, groups = optimizer_class(optimizer), optimizer.param_groups
+    saved_groups = _saved_groups(meta, len(groups))
+    if saved_groups is None and algorithm_difference(meta["class"], meta.get("algorithm"), cls) is None:
+        return  # (an older manifest: which groups decayed how was not recorded)
+    difference = algorithm_difference(meta["class"], meta.get("algorithm"), cls,
+                                      saved_groups=saved_groups, groups=groups)
     if difference is None:
         return
     raise CheckpointError(
         f"fusedist.checkpoint: {directory} cannot be loaded into {_class_name(optimizer)}: {difference}. "
         "Load the model alone (optimizer=None) to start a new optimizer from it"
     )
+
+
+def _saved_groups(meta: dict, count: int) -> Optional[list]:
+    """The saved param groups' settings that tell their algorithms (``group_algorithms`` reads
+    them back), from the per-group algorithms the manifest records; None where it records none.
+    One algorithm in every saved group stands for any number of groups (a pipelined load may
+    take a part's groups from stages that grouped them otherwise)."""
+    recorded = meta.get("group_algorithms")
+    if not recorded:
+        return None
+    if len(set(recorded)) == 1 and len(recorded) != count:
+        recorded = [recorded[0]] * count
+    return [{"decoupled_weight_decay": algorithm == "AdamW"} for algorithm in recorded]

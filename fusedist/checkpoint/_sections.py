@@ -40,6 +40,8 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
             "kind": "zero" if zero or sharded else "full",
             "class": _checks.optimizer_class(optimizer).__name__,
             "algorithm": _checks.optimizer_algorithm(optimizer),  # what load compares (check_algorithm)
+            # per param group: Adam or AdamW (Note [Adam and AdamW are one class in torch])
+            "group_algorithms": _checks.optimizer_group_algorithms(optimizer),
             "stage": optimizer.stage if zero else (3 if sharded else None),
             "param_names": param_names(model, params),
             "param_shapes": [list(stage3.full_shape(p, where)) for p in params],

@@ -1,0 +1,241 @@
+"""torch's AdamW is Adam with ``decoupled_weight_decay=True``: a checkpoint of either loads into the other.
+
+``fusedist.checkpoint.load`` and ``Checkpointer.restore`` refused torch AdamW's state for
+``Adam(decoupled_weight_decay=True)`` as another algorithm's (they compared classes only), and a
+checkpoint of ``Adam(decoupled_weight_decay=True)`` could not be told from Adam's L2 decay. The
+manifest now records each param group's algorithm (Note [Adam and AdamW are one class in torch]
+in fusedist/zero/sharded_state.py). Adam's L2 decay into AdamW stays refused. Single process.
+
+Reference: torch's optimizer of the loading kind, restored with ``load_state_dict`` from the
+saving optimizer's state, stepped on the same inputs. fp32 throughout: the loaded state is torch's
+exactly, so both sides run the same arithmetic (FusedAdamW and ZeRO's inner optimizer agree with
+torch's AdamW to a few fp32 ulps of an update), hence 1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import fusedist
+from fusedist import checkpoint
+from fusedist.checkpoint import Checkpointer, CheckpointError
+from fusedist.optim import FusedAdamW
+
+_LRS = (5e-2, 2e-2)
+
+
+def _net(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _groups(model, decoupled=None) -> list:
+    """Two param groups with weight decay (large enough that L2 and decoupled decay part ways);
+    ``decoupled``: each group's ``decoupled_weight_decay`` (None: the class's default)."""
+    out = []
+    for i, (layer, lr) in enumerate(zip((model[0], model[2]), _LRS)):
+        group = {"params": list(layer.parameters()), "lr": lr, "weight_decay": 0.3}
+        if decoupled is not None:
+            group["decoupled_weight_decay"] = decoupled[i]
+        out.append(group)
+    return out
+
+
+def _adam(decoupled=(True, True)):
+    return lambda m: torch.optim.Adam(_groups(m, decoupled))
+
+
+_MAKE = {
+    "AdamW": lambda m: torch.optim.AdamW(_groups(m)),
+    "Adam(decoupled)": _adam(),
+    "Adam(L2)": _adam((False, False)),
+    "Adam(one of each)": _adam((True, False)),
+    "FusedAdamW": lambda m: FusedAdamW(_groups(m)),
+    "ZeRO(AdamW)": lambda m: fusedist.ZeroRedundancyOptimizer(_groups(m), torch.optim.AdamW),
+    "ZeRO(Adam(decoupled))": lambda m: fusedist.ZeroRedundancyOptimizer(_groups(m, (True, True)), torch.optim.Adam),
+}
+# the torch optimizer each kind runs as (the reference)
+_TORCH = {"AdamW": "AdamW", "FusedAdamW": "AdamW", "ZeRO(AdamW)": "AdamW",
+          "Adam(decoupled)": "Adam(decoupled)", "ZeRO(Adam(decoupled))": "Adam(decoupled)"}
+
+
+def _steps(model, opt, seeds) -> None:
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(6, 5, generator=gen)), torch.randn(6, 3, generator=gen)).backward()
+        opt.step()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _torch_state(opt) -> dict:
+    return opt.consolidate_state_dict() if isinstance(opt, fusedist.ZeroRedundancyOptimizer) else opt.state_dict()
+
+
+def _save(kind: str, path: str, how: str):
+    """A checkpoint of ``kind`` after two steps, written by ``how``: the saving model and optimizer
+    (to continue) and the optimizer's state in torch's format, as saved."""
+    model = _net(0)
+    opt = _MAKE[kind](model)
+    ck = None
+    if how == "checkpointer":
+        ck = Checkpointer(path, every_steps=1, async_save=False)
+        assert ck.restore(model, opt) == 0  # (nothing yet: registers what the save writes)
+    _steps(model, opt, (1, 2))
+    if ck is not None:
+        ck.save(2)
+        ck.close()
+    elif how in ("save", "pipeline"):
+        checkpoint.save(path, *(([model], [opt]) if how == "pipeline" else (model, opt)), pipeline=how == "pipeline")
+    else:  # torch's distributed checkpoint
+        msd, osd = get_state_dict(model, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (no process group: DCP warns that it saves alone)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return model, opt, copy.deepcopy(_torch_state(opt))
+
+
+def _load(path: str, model, opt, how: str) -> None:
+    if how == "checkpointer":
+        assert Checkpointer(path, every_steps=1, async_save=False).restore(model, opt) == 2
+    elif how == "pipeline":  # the model's one part, as a pipelined job's rank passes its parts
+        checkpoint.load(path, [model], [opt], pipeline=True)
+    else:
+        checkpoint.load(path, model, opt)
+
+
+@pytest.mark.parametrize("saved_with,loaded_into,how", [
+    ("AdamW", "Adam(decoupled)", "save"),
+    ("Adam(decoupled)", "AdamW", "save"),
+    ("Adam(decoupled)", "FusedAdamW", "save"),
+    ("ZeRO(AdamW)", "ZeRO(Adam(decoupled))", "save"),
+    ("ZeRO(Adam(decoupled))", "AdamW", "save"),
+    ("AdamW", "Adam(decoupled)", "checkpointer"),
+    ("Adam(decoupled)", "AdamW", "checkpointer"),
+    ("Adam(decoupled)", "AdamW", "pipeline"),
+    ("AdamW", "Adam(decoupled)", "dcp"),
+    ("Adam(decoupled)", "AdamW", "dcp"),
+])
+def test_adamw_state_loads_into_adam_with_decoupled_decay_and_back(tmp_path, saved_with, loaded_into, how):
+    path = str(tmp_path / "ckpt")
+    saved_model, saved_opt, saved_state = _save(saved_with, path, how)
+    model = _net(1)
+    opt = _MAKE[loaded_into](model)
+    _load(path, model, opt, how)
+
+    reference = _net(1)
+    reference.load_state_dict(saved_model.state_dict())
+    torch_opt = _MAKE[_TORCH[loaded_into]](reference)
+    torch_opt.load_state_dict(saved_state)
+    assert torch.equal(_flat(model), _flat(reference))
+    for net, optimizer in ((model, opt), (reference, torch_opt), (saved_model, saved_opt)):
+        _steps(net, optimizer, (3, 4))
+    torch.testing.assert_close(_flat(model), _flat(reference), atol=1e-6, rtol=0)
+    # the same algorithm as the saving optimizer continued with: decoupled decay in every group
+    torch.testing.assert_close(_flat(model), _flat(saved_model), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("saved_with,loaded_into,how,group", [
+    ("Adam(L2)", "AdamW", "save", 0),
+    ("Adam(L2)", "Adam(decoupled)", "save", 0),
+    ("Adam(L2)", "FusedAdamW", "save", 0),
+    ("Adam(L2)", "AdamW", "checkpointer", 0),
+    ("Adam(L2)", "AdamW", "pipeline", 0),
+    ("Adam(one of each)", "AdamW", "save", 1),
+    ("Adam(one of each)", "Adam(decoupled)", "save", 1),
+])
+def test_adam_with_l2_decay_into_adamw_is_refused(tmp_path, saved_with, loaded_into, how, group):
+    """The saved groups would switch the algorithm (torch's Adam loads ``decoupled_weight_decay=False``
+    with the state; torch's AdamW reads Adam's L2 coefficient as decoupled): refused, nothing changed."""
+    path = str(tmp_path / "ckpt")
+    _save(saved_with, path, how)
+    model = _net(1)
+    opt = _MAKE[loaded_into](model)
+    before = _flat(model).clone()
+    with pytest.raises(CheckpointError, match=rf"holds the state of Adam \(Adam\).* in param group {group} "
+                                              r"\(decoupled_weight_decay=True\).*optimizer=None"):
+        _load(path, model, opt, how)
+    assert torch.equal(before, _flat(model))
+    assert not opt.state and [g["lr"] for g in opt.param_groups] == list(_LRS)
+
+
+def _without_group_algorithms(path: str) -> None:
+    """The manifest as a fusedist that did not record the per-group algorithms wrote it."""
+    name = os.path.join(path, "manifest.json")
+    with open(name) as f:
+        manifest = json.load(f)
+    assert manifest["optimizer"].pop("group_algorithms") is not None
+    with open(name, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("saved_with,loaded_into,loads", [
+    ("AdamW", "Adam(decoupled)", True),  # the class says AdamW in every group
+    ("Adam(decoupled)", "Adam(decoupled)", True),  # as before: the same class
+    ("Adam(L2)", "Adam(L2)", True),
+    ("Adam(decoupled)", "AdamW", False),  # as before: Adam's groups were not recorded
+    ("Adam(L2)", "AdamW", False),
+])
+def test_a_manifest_without_group_algorithms_reads_as_before(tmp_path, saved_with, loaded_into, loads):
+    path = str(tmp_path / "ckpt")
+    saved_model, _, saved_state = _save(saved_with, path, "save")
+    _without_group_algorithms(path)
+    model = _net(1)
+    opt = _MAKE[loaded_into](model)
+    if not loads:
+        with pytest.raises(CheckpointError, match=r"holds the state of Adam \(Adam\)"):
+            checkpoint.load(path, model, opt)
+        return
+    checkpoint.load(path, model, opt)
+    reference = _net(1)
+    reference.load_state_dict(saved_model.state_dict())
+    torch_opt = _MAKE[loaded_into](reference)
+    torch_opt.load_state_dict(saved_state)
+    _steps(model, opt, (3,))
+    _steps(reference, torch_opt, (3,))
+    torch.testing.assert_close(_flat(model), _flat(reference), atol=1e-6, rtol=0)
+
+
+def test_a_pipelined_checkpoint_regrouped_into_one_part(tmp_path):
+    """Two pipeline stages, each ``Adam(decoupled_weight_decay=True)`` over one layer (one param
+    group each), loaded into one part whose AdamW has both layers in two groups: the stages record
+    one group, the part has two, and decoupled decay in every saved group stands for both."""
+    path = str(tmp_path / "ckpt")
+    model = _net(0)
+    stages = [torch.optim.Adam(layer.parameters(), lr=lr, weight_decay=0.3, decoupled_weight_decay=True)
+              for layer, lr in zip((model[0], model[2]), _LRS)]
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        for opt in stages:
+            opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(6, 5, generator=gen)), torch.randn(6, 3, generator=gen)).backward()
+        for opt in stages:
+            opt.step()
+    parts = [nn.Sequential(model[0]), nn.Sequential(nn.Identity(), nn.Identity(), model[2])]  # (the keys of model)
+    checkpoint.save(path, parts, stages, pipeline=True)
+    loaded = _net(1)
+    opt = _MAKE["AdamW"](loaded)
+    checkpoint.load(path, [loaded], [opt], pipeline=True)
+
+    first, second = (s.state_dict() for s in stages)
+    saved_state = {"state": {**first["state"], **{i + 2: v for i, v in second["state"].items()}},
+                   "param_groups": [first["param_groups"][0], dict(second["param_groups"][0], params=[2, 3])]}
+    reference = _net(1)
+    reference.load_state_dict(model.state_dict())
+    torch_opt = _MAKE["AdamW"](reference)
+    torch_opt.load_state_dict(saved_state)
+    _steps(loaded, opt, (3, 4))
+    _steps(reference, torch_opt, (3, 4))
+    torch.testing.assert_close(_flat(loaded), _flat(reference), atol=1e-6, rtol=0)

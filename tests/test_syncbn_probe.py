@@ -231,6 +231,12 @@ def _refusal_on_one_rank_reaches_every_rank(rank, ws):
     at once, naming rank 1 and why; it used to leave rank 0 in the statistics gather until the
     collective timeout. No rank counts the batch; the next forward is BatchNorm on the global
     batch. (A group whose collectives time out after 10 s: a regression fails in seconds.)"""
+    _over_a_pair_timing_out_fast(_refusals_over, rank)
+
+
+def _over_a_pair_timing_out_fast(cases, rank):
+    """``cases(pair, rank)`` over a new group of ranks 0 and 1 whose collectives time out after
+    10 s: a regression that leaves a rank waiting fails in seconds."""
     import datetime
     import os
 
@@ -238,7 +244,7 @@ def _refusal_on_one_rank_reaches_every_rank(rank, ws):
     before = os.environ.get("FUSEDIST_TIMEOUT_S")
     os.environ["FUSEDIST_TIMEOUT_S"] = "10"  # read when the pair's communicator is made (its first forward)
     try:
-        _refusals_over(pair, rank)
+        cases(pair, rank)
     finally:
         if before is None:
             del os.environ["FUSEDIST_TIMEOUT_S"]
@@ -288,6 +294,71 @@ def _refusals_over(pair, rank):
         assert int(layer.num_batches_tracked) == 1, name
 
 
+def _transform_on_one_rank_reaches_every_rank(rank, ws):
+    """Rank 1 alone runs the training forward under a torch.func transform, which cannot
+    synchronize: under vmap (refused as a transform), under grad with an input of another width
+    (refused by the input checks, under the transform). Rank 0 raises at once naming rank 1 and
+    why. It used to wait in the statistics gather until the collective timeout: under vmap rank 1
+    sent nothing, under grad its refusal marker, made a functorch-wrapped tensor, never reached
+    rank 0 as one. No rank counts the batch; the next forward is BatchNorm on the global batch.
+    (The group's collectives time out after 10 s: a regression fails in seconds.)"""
+    _over_a_pair_timing_out_fast(_transform_refusals_over, rank)
+
+
+def _transform_refusals_over(pair, rank):
+    sizes = (2, 3)
+    X, DY = _data(sizes, (3, 4), seed=15)
+    mine = _slice(X, sizes, rank)
+    cases = [("vmap", lambda layer: torch.func.vmap(layer)(mine.unsqueeze(0)),
+              r"rank 1: the forward runs under a torch.func transform",
+              (RuntimeError, r"torch.func transforms \(vmap, grad, jvp, jacrev, ...\) cannot run a synchronized")),
+             ("grad, another width", lambda layer: torch.func.grad(lambda t: layer(t).sum())(torch.randn(3, 4, 4)),
+              r"rank 1: its input has 4 channels in dim 1, not 3", (ValueError, "expected 3 channels in dim 1, got 4"))]
+    for name, run, told, (own_type, own) in cases:
+        layer = SyncBatchNorm(3, process_group=pair)
+        expected_type, expected = (own_type, own) if rank == 1 else (ValueError, told)
+        with pytest.raises(expected_type, match=expected):
+            layer(mine.clone().requires_grad_(True)) if rank == 0 else run(layer)
+        assert int(layer.num_batches_tracked) == 0, name
+        assert torch.equal(layer.running_mean, torch.zeros(3)) and torch.equal(layer.running_var, torch.ones(3))
+        ref = nn.BatchNorm1d(3)
+        y, dx = _grad_step(layer, mine, _slice(DY, sizes, rank))
+        ref_y, ref_dx = _grad_step(ref, X, DY)
+        torch.testing.assert_close(y, _slice(ref_y, sizes, rank), **TOL)
+        torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+        torch.testing.assert_close(layer.running_var, ref.running_var, **TOL)
+        assert int(layer.num_batches_tracked) == 1, name
+
+
+def _one_rank_alone_is_refused_alone(rank, ws):
+    """What one rank does alone with a training layer -- torch.jit.trace (export), a meta input
+    (shape inference) -- is refused or run there at once, without a collective its group-mates
+    never join (Note [a traced forward refuses on its own rank]); the next forward of both ranks
+    pairs as before: BatchNorm on the global batch."""
+    _over_a_pair_timing_out_fast(_alone_over, rank)
+
+
+def _alone_over(pair, rank):
+    sizes = (3, 2)
+    X, DY = _data(sizes, (3, 4), seed=16)
+    mine = _slice(X, sizes, rank)
+    layer = SyncBatchNorm(3, process_group=pair)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="torch.jit.trace cannot record a synchronized training forward"):
+            torch.jit.trace(layer, mine)
+        with pytest.raises(ValueError, match="input is on meta but the layer's parameters are on cpu"):
+            layer(torch.empty(2, 3, 4, device="meta"))
+        meta = SyncBatchNorm(3, process_group=pair, device="meta")
+        assert meta(torch.empty(2, 3, 4, device="meta")).shape == (2, 3, 4)
+    assert int(layer.num_batches_tracked) == 0
+    ref = nn.BatchNorm1d(3)
+    y, dx = _grad_step(layer, mine, _slice(DY, sizes, rank))
+    ref_y, ref_dx = _grad_step(ref, X, DY)
+    torch.testing.assert_close(y, _slice(ref_y, sizes, rank), **TOL)
+    torch.testing.assert_close(dx, _slice(ref_dx, sizes, rank), **TOL)
+    assert int(layer.num_batches_tracked) == 1
+
+
 def _outside_group_warning_as_error_counts_nothing(rank, ws):
     """Rank 1 outside the layer's group, warnings turned into errors: the outside-group warning
     raises from its first forward, which used to leave num_batches_tracked counted (and the
@@ -322,6 +393,7 @@ PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_an
           _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank,
           _averaged_copy_shares_the_group, _layers_saved_whole_check_channels_again_in_a_new_process,
           _float64_on_one_rank_only, _refusal_on_one_rank_reaches_every_rank,
+          _transform_on_one_rank_reaches_every_rank, _one_rank_alone_is_refused_alone,
           _outside_group_warning_as_error_counts_nothing]
 
 

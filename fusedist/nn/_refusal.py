@@ -11,6 +11,15 @@ Note [a refusal on one rank reaches every rank]
     own error; every other rank reads the marker with the counts it reads anyway and raises,
     naming the refusing ranks and the reason. No rank counts the batch or touches its running
     statistics. A healthy forward pays nothing: no extra collective, no extra read to the host.
+    A synchronized training forward run under a torch.func transform (``vmap``, ``grad``, ...),
+    which cannot synchronize, is refused the same way (reason TRANSFORM): a transform runs the
+    training step on every rank (per-sample gradients, a functional training loop).
+
+    Not routed here, on purpose: ``torch.jit.trace`` of a training forward (Note [a traced forward
+    refuses on its own rank] in sync_batch_norm.py) and an input without data (Note [inputs without
+    data] there). Both are what one rank does alone -- export, shape inference, a memory estimate --
+    where a marker would wait for group-mates that never come, or meet their next training forward
+    and fail it; and a rank given a meta or fake input cannot tell which case it is in.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from ._dtype_rule import check_dtypes
 REFUSED = -1.0  # in a message's count slot
 
 # reason codes, each with what the other ranks are told (the details: two numbers)
-DIMS, NOT_FLOAT, CHANNELS, DTYPES, DEVICE, OTHER = range(1, 7)
+DIMS, NOT_FLOAT, CHANNELS, DTYPES, DEVICE, OTHER, TRANSFORM = range(1, 8)
 # dtypes named by their place here (-1: another one)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
@@ -72,6 +81,8 @@ def _reason_text(code: float, a: float, b: float, num_features: int) -> str:
         return f"its input is {_dtype_name(a)} but the layer's parameters there are {_dtype_name(b)}"
     if code == DEVICE:
         return "its input is on another device than the layer's parameters"
+    if code == TRANSFORM:
+        return "the forward runs under a torch.func transform (vmap, grad, jvp, ...), which cannot synchronize"
     return "its input check raised"
 
 
@@ -106,7 +117,7 @@ def check_no_refusal(gathered: torch.Tensor, counts: list, num_features: int,
                       for r, d in zip(refused, details))
     raise ValueError(
         f"SyncBatchNorm({num_features}): this training forward is refused on every rank of the layer's group, "
-        f"because the input checks refused it on {len(refused)} of them ({shown}); see the error raised there. "
-        "No rank counted the batch. Give every rank an input the layer takes, and the layer the same dtype "
-        "and device on every rank."
+        f"because it was refused on {len(refused)} of them ({shown}); see the error raised there. "
+        "No rank counted the batch. Give every rank an input the layer takes, the layer the same dtype "
+        "and device on every rank, and run torch.func transforms over the layer in eval mode only."
     )

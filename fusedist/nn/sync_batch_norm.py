@@ -107,7 +107,10 @@ def _as_fx_leaf(module: torch.nn.Module, input: torch.fx.Proxy):
 #     meta"). Such an input takes torch's op on this rank's batch, in every mode: there is
 #     nothing to exchange, and the result's shape, dtype and memory format are the global
 #     batch's all the same. (Not under torch.compile, whose own fake tensors are the compiled
-#     forward's business: Note [SyncBatchNorm under torch.compile].)
+#     forward's business: Note [SyncBatchNorm under torch.compile].) It exchanges nothing, in
+#     synchronized training too: shape inference or a memory estimate on one rank alone must not
+#     wait for the others, and that rank cannot tell whether they are in a real forward meanwhile
+#     (where they wait in the statistics gather, named by the stall monitor at the timeout).
 def _holds_no_data(input: torch.Tensor) -> bool:
     return isinstance(input, FakeTensor) or (isinstance(input, torch.Tensor) and input.device.type == "meta")
 
@@ -267,7 +270,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         if (compiling or tracing) and not (self.training and self._synchronizes()):
             self._check_input_dim(input)
             return _BatchNorm.forward(self, input)  # Note [a torch.nn.SyncBatchNorm]
-        if tracing:
+        if tracing:  # refused here alone: Note [a traced forward refuses on its own rank]
             raise RuntimeError(
                 f"SyncBatchNorm({self.num_features}): torch.jit.trace cannot record a synchronized training "
                 f"forward (its statistics come from a collective with the other ranks of its group){_rank_suffix()}; "
@@ -286,6 +289,15 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     #     under torch.compile]); a synchronized training forward, whose collectives a trace could
     #     not replay, is refused by name before anything is counted.
 
+    # Note [a traced forward refuses on its own rank]
+    #     Unlike the input checks' refusals and a torch.func transform's (Note [a refusal on one rank
+    #     reaches every rank] in _refusal.py), the tracer's refusal does not join the group's
+    #     statistics gather. Tracing is export, which a job runs on one rank alone (``if rank == 0:
+    #     torch.jit.trace(model, x)``, then a barrier): a marker there would wait for group-mates
+    #     that never come, turning the immediate "trace in eval mode" error into a wait until the
+    #     collective timeout, or meet their next training forward and fail it. Ranks that all trace
+    #     are all refused at once without it.
+
     @_eager_under_compile  # Note [SyncBatchNorm under torch.compile]
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:
         try:
@@ -294,7 +306,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             self._share_refusal(input, exc)  # Note [a refusal on one rank reaches every rank]
             raise
         if self.training and torch._C._are_functorch_transforms_active():
-            self._refuse_synchronized_transform()
+            self._refuse_synchronized_transform(input)
         if not self.training and self.running_mean is not None and self.running_var is not None:
             if _torch_op_needed():  # Note [SyncBatchNorm under torch.func]
                 return self._torch_batch_norm(input, 0.0)
@@ -328,17 +340,22 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     #     BatchNorm counts before ``F.batch_norm`` and keeps the count when that refuses the
     #     batch, e.g. one value per channel: there this layer differs, on purpose.)
 
-    def _share_refusal(self, input, exc: Exception) -> None:
+    def _share_refusal(self, input, exc: Exception, reason: tuple | None = None) -> None:
         """Where this forward would synchronize, join the other ranks' statistics gather with a
         refusal marker, so they raise too (Note [a refusal on one rank reaches every rank] in
-        _refusal.py); ``exc`` (this rank's refusal) is raised by the caller all the same."""
+        _refusal.py); ``exc`` (this rank's refusal) is raised by the caller all the same.
+        ``reason``: what the others are told (default: the input check ``input`` fails)."""
         if not (self.training and self._synchronizes()):
             return
         try:
+            reason = refusal.reason_of(self, input) if reason is None else reason
             device = refusal.layer_device(self, input)
-            comm = self._communicator(device)
-            length = 2 * self.num_features + 1 + IDENTITY_LEN  # the others' message
-            gather_messages(refusal.refusal_message(refusal.reason_of(self, input), length, device), comm)
+            # Plain tensors, under a torch.func transform too: it wraps the tensors made here, and a
+            # wrapped message did not reach the others as a refusal.
+            with torch._C._DisableFuncTorch():
+                comm = self._communicator(device)
+                length = 2 * self.num_features + 1 + IDENTITY_LEN  # the others' message
+                gather_messages(refusal.refusal_message(reason, length, device), comm)
         except Exception as failed:  # noqa: BLE001 - this rank's own refusal is the error to raise
             exc.add_note(f"(telling the other ranks of the layer's group failed too: {failed!r})")
 
@@ -349,26 +366,31 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     #     no functorch rules (their kernels could not be vmapped): the same calls failed with
     #     "must override the setup_context staticmethod". Under a transform those forwards are
     #     torch's op, as in torch's layer; synchronized training is refused by name, before
-    #     anything is counted or exchanged (torch's layer has no functorch rule there either).
+    #     anything is counted (torch's layer has no functorch rule there either), and on every rank
+    #     of the group where only some run the transform (Note [a refusal on one rank reaches every
+    #     rank] in _refusal.py): the others waited in the statistics gather until the timeout.
     #     Forward-mode AD (``torch.autograd.forward_ad``'s dual tensors) is no functorch
     #     transform, and our Functions have no ``jvp``: inside a dual level those forwards failed
     #     with "You must implement the jvp function", where torch's layer gives the tangent. They
     #     are torch's op there too.
-    def _refuse_synchronized_transform(self) -> None:
-        """Raise, before anything is counted or exchanged, when a torch.func transform runs a
-        training forward that synchronizes (Note [SyncBatchNorm under torch.func]): the
-        Function's error ("must override the setup_context staticmethod") names neither the
-        layer nor a way out, and ``vmap`` had already counted the batch."""
+    def _refuse_synchronized_transform(self, input) -> None:
+        """Raise, before anything is counted, when a torch.func transform runs a training forward
+        that synchronizes (Note [SyncBatchNorm under torch.func]): the Function's error ("must
+        override the setup_context staticmethod") names neither the layer nor a way out, and
+        ``vmap`` had already counted the batch. The other ranks are told through the statistics
+        gather (Note [a refusal on one rank reaches every rank]), where they would wait otherwise."""
         if not self._synchronizes():  # (a rank outside the group too: Note [a rank outside the layer's group])
             return
         size = dist.get_world_size(self.process_group)
-        raise RuntimeError(
+        refused = RuntimeError(
             f"SyncBatchNorm({self.num_features}): torch.func transforms (vmap, grad, jvp, jacrev, ...) "
             f"cannot run a synchronized training forward (a process group of {size} ranks){_rank_suffix()}: "
             "its statistics come from a collective, which has no functorch rule (nor has "
             "torch.nn.SyncBatchNorm's). Run the transform in eval mode, or with a process_group of "
             "this rank alone, or call the layer outside the transform"
         )
+        self._share_refusal(input, refused, (refusal.TRANSFORM, 0.0, 0.0))
+        raise refused
 
     def _torch_batch_norm(self, input: torch.Tensor, average_factor: float) -> torch.Tensor:
         use_running = not self.training or self.track_running_stats

@@ -1,6 +1,7 @@
 """``scaler.step(optimizer, closure)`` against torch.amp.GradScaler: a step skipped for inf/nan
-gradients runs no closure and returns None; a closure passed by keyword is refused, as torch's
-scaler refuses it (Note [a skipped step runs no closure] in fusedist/amp/grad_scaler.py).
+gradients runs no closure and returns None (with ``fused=True``, as torch's fused AdamW, it runs
+and its loss is returned); a closure passed by keyword is refused, as torch's scaler refuses it
+(Note [a skipped step runs no closure] in fusedist/amp/grad_scaler.py).
 
 Scales are powers of two and the closure only counts and returns a value, so both sides step
 the same unscaled gradients: parameters agree to fp32 rounding of the optimizer math (1e-6).
@@ -59,6 +60,26 @@ def test_positional_closure_is_not_run_on_a_skipped_step(ours_cls, theirs_cls, l
     assert ours == theirs
     for a, b in zip(ours_p, theirs_p):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step only", "unscale_ first"])
+def test_closure_of_a_fused_true_optimizer_runs_on_a_skipped_step_as_torch(unscale_first):
+    """torch's scaler calls a ``fused=True`` optimizer's step on a skipped step too (it skips on
+    the device), so the closure runs and its loss is returned; ours skipped it for every group.
+    A group built with ``fused=True`` now does as torch's fused AdamW does (as for its step hooks
+    and the LR scheduler's flag)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
+    ours_p = [torch.randn(s, generator=gen).requires_grad_() for s in [(7,), (3, 5)]]
+    theirs_p = [p.detach().clone().requires_grad_() for p in ours_p]
+    settings = dict(init_scale=2.0**8, growth_interval=2)
+    ours = _loop(GradScaler("cpu", **settings), FusedAdamW(ours_p, lr=1e-2, fused=True), ours_p, unscale_first)
+    theirs = _loop(torch.amp.GradScaler("cpu", **settings), torch.optim.AdamW(theirs_p, lr=1e-2, fused=True),
+                   theirs_p, unscale_first)
+    assert theirs[0] == list(range(7)), seed  # (torch's fused AdamW runs it on the skipped steps too)
+    assert ours == theirs, seed
+    for a, b in zip(ours_p, theirs_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
 
 
 def test_keyword_closure_is_refused_as_torch_refuses_it():

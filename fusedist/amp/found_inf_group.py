@@ -74,7 +74,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .._rank import this_rank
-from ..optim._scaler_protocol import looked_up_once, protocol_owner
+from ..optim._scaler_protocol import FlagOfAnother, follows_protocol, looked_up_once, protocol_owner
 from . import unscale
 
 
@@ -226,7 +226,7 @@ class FoundInfGroupMixin:
         optimizer's step uses it (no second check); torch's path measures again when it
         unscales (in place, as torch's step does)."""
         device = self._scale.device
-        if getattr(optimizer, "_fusedist_fused", False):
+        if follows_protocol(optimizer):
             owner = protocol_owner(optimizer)
             if not owner._fusedist_has_grads():
                 return
@@ -252,7 +252,7 @@ def _grads_now(optimizer) -> list:
     stage 1), each with its address and version count (the tensors are held, so a new gradient
     cannot take an old one's address)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-    if getattr(optimizer, "_fusedist_fused", False):
+    if follows_protocol(optimizer):
         grads += protocol_owner(optimizer)._fusedist_local_grads()
     return [(g, None) if g is None else (g, (g.data_ptr(), g._version)) for g in grads]
 
@@ -264,18 +264,61 @@ def _same_grads(before: list, now: list) -> bool:
 
 # -- what a deferred step keeps of its call (Note [the first iteration's steps wait for update()]) --
 
-def _count_as_stepped(optimizer) -> bool:
+def _count_as_stepped(optimizer):
     """Mark ``optimizer`` as stepped for an LR scheduler (torch's ``_opt_called``) until
-    ``update()`` runs its step; whether it was marked here, for :func:`_restore_scheduler_flag`."""
-    if getattr(optimizer, "_opt_called", False) is True:
-        return False
-    optimizer._opt_called = True  # (a fused optimizer's flag: no step flag set yet, so "called")
-    return True
+    ``update()`` runs its step; what :func:`_restore_scheduler_flag` puts back (None: nothing
+    was marked). The mark goes where the flag is read: an optimizer handed over to another reads
+    the other's (a :class:`FlagOfAnother`), which link is kept (Note [a deferred step keeps the
+    hand-over's flag])."""
+    holder = _flag_holder(optimizer)
+    if getattr(holder, "_opt_called", False) is True:
+        return None
+    key = _flag_key(holder)
+    saved = (holder, key, holder.__dict__.get(key, _ABSENT))
+    holder._opt_called = True  # (a fused optimizer's flag: no step flag set yet, so "called")
+    return saved
 
 
-def _restore_scheduler_flag(optimizer, marked: bool) -> None:
-    if marked:
-        optimizer._opt_called = False
+def _restore_scheduler_flag(optimizer, saved) -> None:
+    """The flag as it was before :func:`_count_as_stepped` (a link to another's flag, a pending
+    device flag), for the step to set as torch's would."""
+    if saved is None:
+        return
+    holder, key, value = saved
+    if value is _ABSENT:
+        holder.__dict__.pop(key, None)
+    else:
+        holder.__dict__[key] = value
+
+
+# Note [a deferred step keeps the hand-over's flag]
+# A deferred step's mark used to be written on the optimizer passed to ``step()``, and then
+# replaced by False: on an optimizer handed over to another (``hand_over`` in
+# fusedist/integrations/_optimizer_swap.py), whose flag is a link to the other's, the link was
+# lost -- a scheduler on it then warned "lr_scheduler.step() before optimizer.step()" at its first
+# step whenever that came after the first update(), however many steps had run -- and on a fused
+# one the link kept the mark from showing, so a scheduler stepped before update() warned. The
+# mark now goes on the optimizer at the end of the links, and the raw flag is put back as it was.
+_ABSENT = object()
+
+
+def _flag_key(optimizer) -> str:
+    """Where ``optimizer`` keeps its step flag: a fused optimizer's is a property over another
+    name (Note [a skipped step and the LR scheduler] in fusedist/optim/_scaler_protocol.py)."""
+    fused = isinstance(getattr(type(optimizer), "_opt_called", None), property)
+    return "_fusedist_opt_called" if fused else "_opt_called"
+
+
+def _flag_holder(optimizer):
+    """The optimizer whose own step flag ``optimizer``'s flag reads: itself, or, following
+    :class:`FlagOfAnother` links, the one it was handed over to."""
+    for _ in range(8):  # (bounded against cycles)
+        raw = getattr(optimizer, "__dict__", {}).get(_flag_key(optimizer))
+        other = raw.optimizer() if isinstance(raw, FlagOfAnother) else None
+        if other is None:
+            return optimizer
+        optimizer = other
+    return optimizer
 
 
 def _frozen(value):

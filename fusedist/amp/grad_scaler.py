@@ -80,7 +80,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ..optim._scaler_protocol import looked_up_once, protocol_owner
+from ..optim._scaler_protocol import follows_protocol, looked_up_once, protocol_owner
 from ..optim.step_context import inverse_scale, mark_pending
 from . import skipped_step, unscale
 from .found_inf_group import FoundInfGroupMixin
@@ -90,7 +90,9 @@ MIN_SCALE_POLICIES = ("warn", "raise")
 
 
 def is_fused(optimizer) -> bool:
-    return bool(getattr(optimizer, "_fusedist_fused", False))
+    """Whether ``optimizer`` is stepped through the protocol (Note [scaler protocol]), itself or,
+    handed over, by the one that steps for it (Note [the protocol of a handed-over optimizer])."""
+    return follows_protocol(optimizer)
 
 
 def _device_type(device):
@@ -110,9 +112,10 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     separate unscale pass, and nothing synchronizes the host (except a closure passed to ``step``,
     Note [a skipped step runs no closure], or step hooks registered on the optimizer, which a
     skipped step does not run, as torch's: Note [a skipped step runs no step hooks] in
-    fusedist/amp/skipped_step.py). ``unscale_`` unscales the gradients in place, as torch's
-    does, so ``torch.nn.utils.clip_grad_norm_`` and anything else reading ``p.grad`` sees
-    unscaled values; it also records the global norm, so
+    fusedist/amp/skipped_step.py; an optimizer built with ``fused=True`` runs both on a skipped
+    step, as torch's fused optimizers do, and needs no sync for them). ``unscale_`` unscales the
+    gradients in place, as torch's does, so ``torch.nn.utils.clip_grad_norm_`` and anything else
+    reading ``p.grad`` sees unscaled values; it also records the global norm, so
     ``fusedist.clip_grad_norm_`` needs no pass of its own (Note [lazy unscale]). Like torch's,
     it refuses float16 gradients (in place they would underflow); ``lazy_unscale`` takes them.
     A fused update writes no gradient back: after ``step``, ``p.grad`` holds what it held
@@ -327,7 +330,8 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
         # Note [a skipped step runs no closure]
         # and Note [a skipped step runs no step hooks] in skipped_step.py: the flag read on the host
         hooked = skipped_step.has_own_step_hooks(optimizer, owner)
-        skipped = ((bool(args) and args[0] is not None) or hooked) and bool(owner.found_inf.item())
+        closure = bool(args) and args[0] is not None and not skipped_step.built_fused(owner)
+        skipped = (closure or hooked) and bool(owner.found_inf.item())
         try:
             with skipped_step.own_step_hooks_off(optimizer, owner) if skipped and hooked else contextlib.nullcontext():
                 retval = optimizer.step(*((None, *args[1:]) if skipped and args else args), **kwargs)
@@ -349,6 +353,11 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     # skipped step: ZeRO stage 2 consumes the overflowed gradient shards there (else the next
     # backward adds to them), and an LR scheduler learns that the step was skipped (Note [a
     # skipped step and the LR scheduler] in fusedist/optim/_scaler_protocol.py).
+    # As for step hooks and the scheduler's flag, a param group built with ``fused=True`` behaves
+    # as torch's ``fused=True`` optimizers, which torch's scaler calls on a skipped step too: the
+    # closure runs and its loss is returned (no host read for it). Code written for
+    # ``torch.optim.AdamW(fused=True)`` -- a closure that logs or counts every iteration -- so
+    # runs unchanged; drop ``fused=True`` for the unfused behaviour (no closure on a skip).
 
     def _before_fused_step(self, optimizer, optimizer_state: dict, given) -> None:
         """step()'s checks, and the found-inf check when unscale_ was not called (not again when

@@ -38,7 +38,13 @@ def has_own_step_hooks(optimizer, owner) -> bool:
     run hooks that torch's scaler does not run (Note [a skipped step runs no step hooks])."""
     if not (_own_hooks(optimizer) or (owner is not optimizer and _own_hooks(owner))):
         return False
-    return not any(group.get("fused") for group in getattr(owner, "param_groups", ()))
+    return not built_fused(owner)
+
+
+def built_fused(owner) -> bool:
+    """Whether a param group of ``owner`` was built with ``fused=True``: a skipped step then does
+    what torch's fused optimizers do under torch's scaler (runs hooks and closure)."""
+    return any(group.get("fused") for group in getattr(owner, "param_groups", ()))
 
 
 @contextlib.contextmanager

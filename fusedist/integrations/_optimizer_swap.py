@@ -15,7 +15,7 @@ import torch
 
 import fusedist
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
-from fusedist.optim._scaler_protocol import FlagOfAnother
+from fusedist.optim._scaler_protocol import FlagOfAnother, hand_protocol_over
 
 __all__ = ["convert_optimizer", "hand_over"]
 
@@ -155,6 +155,9 @@ def _new_named(implementation: type, returned: type):
 # trainer.fit(ckpt_path=...), fabric.load) replaces the new one's list of groups as well,
 # which the returned optimizer follows: the learning rates of a warm-up written against it
 # stopped reaching the optimizer that steps after a resume.
+# A GradScaler given it checks, unscales and tells the new one (Note [the protocol of a
+# handed-over optimizer] in fusedist/optim/_scaler_protocol.py): scaler.step(optimizer) on the one
+# the program kept applied the scaled gradients, or an overflowed step, through the new one.
 
 
 def hand_over(old, new, schedulers) -> None:
@@ -169,6 +172,7 @@ def hand_over(old, new, schedulers) -> None:
     # Note [a scheduler built on the returned optimizer]: one built on it before, or after, now
     _track_step_calls(new)
     old._opt_called = _SteppedThrough(new)
+    hand_protocol_over(old, new)  # (a GradScaler given old tells new: Note [the returned optimizer])
     old.step, old.zero_grad = _step_of(new, old, scheduled), new.zero_grad
     old.param_groups = new.param_groups
     old.add_param_group = new.add_param_group
@@ -179,15 +183,37 @@ def hand_over(old, new, schedulers) -> None:
 
 
 def _step_of(new, old, scheduled: bool):
-    """``old.step``: ``new``'s (Note [the returned optimizer]). A bound method, as torch's LR
-    schedulers wrap ``step.__func__``; marked as their wrapper when one was built on ``old``."""
+    """``old.step``: ``new``'s, with ``old``'s own step hooks around it (Note [the returned
+    optimizer's step hooks]). A bound method, as torch's LR schedulers wrap ``step.__func__``;
+    marked as their wrapper when one was built on ``old``."""
 
     def step(self, *args, **kwargs):
-        return new.step(*args, **kwargs)
+        args = (self, *args)  # (torch's hooks see the optimizer among the arguments)
+        for hook in list(getattr(self, "_optimizer_step_pre_hooks", {}).values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{type(self).__name__}.step's pre-hook {hook!r} must return None or a "
+                                       f"tuple of (new_args, new_kwargs), but got {result!r}.")
+                args, kwargs = result
+        out = new.step(*args[1:], **kwargs)
+        for hook in list(getattr(self, "_optimizer_step_post_hooks", {}).values()):
+            hook(self, args, kwargs)
+        return out
 
     if scheduled:
         step._wrapped_by_lr_sched = True
     return types.MethodType(step, old)
+
+
+# Note [the returned optimizer's step hooks]
+# Hooks registered on the returned optimizer (``register_step_pre_hook`` / ``_post_hook``: an EMA of
+# the weights, a step counter), before the swap or after it, never ran: torch runs them in the
+# class's step, which the forwarding step above replaces, and the new optimizer runs only its own.
+# Its step now runs them around the new one's step, as torch's does (with the returned optimizer as
+# the hooks' optimizer; a pre-hook may replace the arguments). torch's global step hooks run once,
+# in the new one's step. A step the scaler skips runs none of them, as torch's scaler does not call
+# the step it skips (Note [a skipped step runs no step hooks] in fusedist/amp/skipped_step.py).
 
 
 # Note [a scheduler built on the returned optimizer]
@@ -226,6 +252,9 @@ class _SteppedThrough(FlagOfAnother):
     def __bool__(self) -> bool:
         new = self._new()
         return bool(new is not None and getattr(new, "_opt_called", False))
+
+    def optimizer(self):
+        return self._new()
 
 
 def _share_loaded_groups(old_ref, new) -> None:

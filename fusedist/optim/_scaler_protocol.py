@@ -85,19 +85,60 @@ class looked_up_once:
 # first overflow). The scaler therefore reads and writes the protocol on its owner: the object
 # holding ``step_context`` itself, found among the wrapper's attributes.
 def protocol_owner(optimizer):
-    """The object that owns the scaler protocol of ``optimizer`` (itself, or the fused optimizer
-    a forwarding wrapper holds, Note [the protocol's owner behind a wrapper]); ``optimizer``
-    itself when none is found."""
-    obj = optimizer
+    """The object that owns the scaler protocol of ``optimizer`` (itself, the fused optimizer
+    a forwarding wrapper holds, Note [the protocol's owner behind a wrapper], or the one it was
+    handed over to, Note [the protocol of a handed-over optimizer]); else ``optimizer`` itself
+    (or the one it was handed over to: a ZeroRedundancyOptimizer makes its step context lazily)."""
+    obj = found = optimizer
     for _ in range(8):  # (wrappers of wrappers; bounded against cycles)
         state = getattr(obj, "__dict__", None)
-        if state is None or "step_context" in state:
+        if state is None:
+            return obj
+        handed = state.get(_HANDED_TO)
+        successor = None if handed is None else handed()
+        if successor is not None:
+            obj = found = successor  # (its own, unless it wraps one in turn)
+            continue
+        if "step_context" in state:
             return obj
         inner = next((v for v in state.values() if isinstance(v, ScalerProtocol) and v is not obj), None)
         if inner is None:
-            return optimizer
+            return found
         obj = inner
-    return optimizer
+    return found
+
+
+# Note [the protocol of a handed-over optimizer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A strategy that swaps the user's optimizer for a fused or sharded one hands the old one over
+# (``hand_over`` in fusedist/integrations/_optimizer_swap.py): its step runs the new one's. A
+# program that kept the old one and scales it itself (``scaler.step(their_opt)`` in a Fabric
+# loop) had the scaler write ``grad_scale`` and ``found_inf`` on the old one, which its step
+# never reads: the new one applied the scaled gradients (weights inf/nan at the first overflow),
+# or an overflowed step; behind a torch optimizer the scaler unscaled ``p.grad``, which a ZeRO
+# stage-2 optimizer leaves None ("No inf checks were recorded"). The old one therefore names
+# its successor, and the scaler checks, unscales and tells the successor, as if it were passed.
+_HANDED_TO = "_fusedist_handed_to"
+
+
+def hand_protocol_over(old, new) -> None:
+    """From now on ``old``'s scaler protocol is ``new``'s (Note [the protocol of a handed-over
+    optimizer]); held weakly, as ``old``'s step flag holds ``new``."""
+    old.__dict__[_HANDED_TO] = weakref.ref(new)
+
+
+def follows_protocol(optimizer) -> bool:
+    """Whether the scaler steps ``optimizer`` through the protocol (Note [scaler protocol]): it
+    is (or forwards to) a fused or sharded optimizer, or was handed over to one. Only a hand-over
+    is followed here: an object merely holding fused optimizers may step several of them."""
+    for _ in range(8):  # (bounded against cycles)
+        if getattr(optimizer, "_fusedist_fused", False):
+            return True
+        handed = getattr(optimizer, "__dict__", {}).get(_HANDED_TO)
+        optimizer = None if handed is None else handed()
+        if optimizer is None:
+            return False
+    return False
 
 
 class FlagOfAnother:
@@ -109,6 +150,10 @@ class FlagOfAnother:
     __slots__ = ()
 
     def __bool__(self) -> bool:
+        raise NotImplementedError
+
+    def optimizer(self):
+        """The optimizer whose flag this reads (None once it is gone)."""
         raise NotImplementedError
 
 

@@ -33,36 +33,15 @@ Note [pipeline stages of fully_shard modules]
     pieces, which the graph never saw (the forward used the gathered parameters), so with
     torch's own ``PipelineStage`` such a stage loses its gradients (and torch 2.13's FSDP2
     ends with other weights under them than under 1F1B). Here (Note [zero-bubble passes of
-    fusedist stages]) the input pass is torch's, over the parameters the graph holds -- the
-    units' gathered parameters -- accumulating nothing; the weight pass is a backward from the
-    intermediates the input pass saved to those parameters, so their gradients arrive through
-    the usual hooks and the unit reduces (or accumulates) them as after any backward. Which
-    backward is the step's last is counted rather than taken from the schedule: each
-    micro-batch's weight gradients are computed once, in a full pass or a weight pass (the
-    first stage, whose input pass torch skips, runs a full pass in its weight slot), and the
-    stage's ``n_microbatches``-th of a step -- counted from its forward of micro-batch 0 --
-    reduces the sum.
-
-Note [zero-bubble passes of fusedist stages]
-    The input pass runs with gradient sync off and the parameters kept gathered, so the
-    backward it ends is an accumulation of nothing. The weight pass first gathers any unit a
-    forward of another micro-batch resharded meanwhile (``reshard_after_forward``: a weight
-    gradient may read the parameter, e.g. in a custom autograd function), then computes the
-    gradients with torch's weight pass over the gathered parameters (one ``autograd.grad`` per
-    group of weights, from the intermediates where their paths meet the input's: one backward
-    from all intermediates at once would recompute the input-gradient paths between them),
-    and hands them to ``torch.autograd.backward`` on the parameters themselves: autograd
-    accumulates them and runs the gradient hooks, and the unit reduces (or accumulates) as
-    after any backward, once per weight pass. The units' backward pre-hooks are off while the
-    gradients are computed: an intermediate may be the node that made a unit's output (a
-    custom function's), whose hook would start a backward of the unit in each
-    ``autograd.grad``, and its end would take the gradients written so far as the unit's.
-    A weight pass with nothing to compute (a micro-batch that goes around the stage's
-    weights) runs no backward; it ends the units' backward directly, as a backward that
-    reached none of them would end (Note [accumulated units a synchronized backward does not
-    reach] in fsdp/state.py): in the step's last pass the units reduce what they accumulated.
-    A DDP stage's engine reduces when every bucket is ready, so there the pass accumulates a
-    zero gradient into each weight instead (the step's last then all-reduces the sums).
+    fusedist stages] in _pipeline_passes.py) the input pass is torch's, over the parameters
+    the graph holds -- the units' gathered parameters -- accumulating nothing; the weight
+    pass is a backward from the intermediates the input pass saved to those parameters, so
+    their gradients arrive through the usual hooks and the unit reduces (or accumulates)
+    them as after any backward. Which backward is the step's last is counted rather than
+    taken from the schedule: each micro-batch's weight gradients are computed once, in a full
+    pass or a weight pass (the first stage, whose input pass torch skips, runs a full pass in
+    its weight slot), and the stage's ``n_microbatches``-th of a step -- counted from its
+    forward of micro-batch 0 -- reduces the sum.
 
 Note [a stage whose inputs need no gradient]
     torch's input pass (zero-bubble schedules) keeps, for the weight pass, the intermediates
@@ -73,23 +52,8 @@ Note [a stage whose inputs need no gradient]
     stage's weights silently got no gradient at all. Here such a stage runs its whole backward
     in the input slot (gradient sync off, so it only accumulates), and its weight pass, with
     nothing left to compute, counts the micro-batch and in the step's last reduces the sums
-    (Note [zero-bubble passes of fusedist stages]). The stage gives up overlap of its weight
-    gradients with the bubbles, not correctness.
-
-Note [weight paths around the inputs]
-    torch's input pass saves the gradients at the intermediates where the weights' paths meet
-    the paths of the stage inputs that require a gradient, and its weight pass starts from
-    those alone. A stage with several outputs, some of which no such input reaches (one made
-    from an input that needs no gradient only: a frozen embedding's output passed along), has
-    weights whose paths go around the inputs': a weight below only those outputs got no
-    gradient, one below both kinds got only part of it -- silently, torch's own stage alike.
-    Here the input pass also keeps the output edges (and their gradients) that no input path
-    reaches; the weight pass first computes the weights' gradients from them (keeping the
-    graph: torch's pass below may share their nodes), then torch's, and the sum is the weights'
-    gradient: every path from an output to a weight either meets an input's path (below its
-    lowest meeting point it is torch's) or reaches none of them (then it starts at one of
-    these outputs), so nothing is counted twice. A plain stage module gets the same passes;
-    torch's own FSDP and DDP modules are left to torch's stage, which switches their sync itself.
+    (Note [zero-bubble passes of fusedist stages] in _pipeline_passes.py). The stage gives up
+    overlap of its weight gradients with the bubbles, not correctness.
 
 Note [micro-batches of another shape]
     torch's stages receive each micro-batch's activations into buffers allocated once, at the
@@ -156,6 +120,23 @@ Note [an eval step divides nothing]
     step's backwards and its optimizer step thus divided the gradients held then once more
     (ZeRO-2's shards too): the update came out ``n_microbatches`` times too small, silently.
     A forward-only step computes no gradient, so it divides none.
+
+Note [accumulating over synchronized pipeline steps]
+    torch's division at a step's end takes ``p.grad`` whole, what earlier steps left there
+    included: two synchronized steps before one optimizer step (gradient accumulation, the
+    way an unpipelined model accumulates two batches' ``backward()``) gave ``g1 / n + g2``,
+    the first batch weighted ``n_microbatches`` times less than the second, silently (torch's
+    stage alike, for every kind of stage module). A step with backward sets aside a copy of
+    the gradients the division will reach (``p.grad``, ZeRO-2's shards) at its first
+    forward, and after the division adds back what it took of them: ``g1 + g2``, as without
+    pipelining. Under the user's own switch (Note [accumulating across pipeline steps]) the
+    copy waits for the next synchronized step, whose division is then undone for it alone.
+    The copy costs one gradient-sized buffer in a step that starts with gradients held; none
+    when they were zeroed to None. A tensor no longer the gradient at the division (the user
+    set the gradients to None meanwhile) gets nothing back; a step that raised before its
+    division drops its copy (the next step sets aside anew). (A DDP stage's accumulating step
+    after a synchronized one adds its undivided sum to the divided ``p.grad``: the copy taken
+    before the accumulating step is what keeps the two apart.)
 """
 
 from __future__ import annotations
@@ -167,6 +148,9 @@ from typing import Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+
+from ._pipeline_inference import over_copied_buffers
+from ._pipeline_passes import _input_pass, _plain_weight_pass, _weight_pass, _weights
 
 __all__ = ["PipelineStage"]
 
@@ -184,15 +168,25 @@ class PipelineStage(_TorchPipelineStage):
     than the first (Note [micro-batches of another shape]); it also trains a stage whose
     inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient]),
     refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
-    and weights whose paths go around the inputs' (Note [weight paths around the inputs])."""
+    and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
+    torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
+    as it was] in _pipeline_inference.py)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _stages[next(_made)] = self
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with over_copied_buffers(self.submod):  # Note [shape inference leaves the stage as it was]
+            return super()._forward_metadata_inference(*args, **kwargs)
+
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
+            if self.has_backward:  # Note [accumulating over synchronized pipeline steps]
+                if not getattr(self, "_held_over", False):  # (nor after a step that raised: set aside anew)
+                    self._held_before = _set_aside(self.submod)
+                self._held_over = False
         # Note [micro-batches of another shape] (torch releases without the buffers' metadata: not checked)
         meta = getattr(self, "_stage_meta", None)
         if meta is not None and self.is_first and self.group_size > 1:
@@ -217,11 +211,11 @@ class PipelineStage(_TorchPipelineStage):
         if sync_only_if is None:  # not a module of fusedist's data parallelism
             if backward_type == "full" or _torch_data_parallel(self.submod):  # torch's stage decides
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-            if backward_type == "input":  # Note [weight paths around the inputs]
+            if backward_type == "input":  # Note [weight paths around the inputs] (_pipeline_passes.py)
                 return _input_pass(self.submod, bwd_kwargs)
             _plain_weight_pass(self.submod, bwd_kwargs["param_groups"])
             return (), None
-        if backward_type == "input":  # Note [zero-bubble passes of fusedist stages]
+        if backward_type == "input":  # Note [zero-bubble passes of fusedist stages] (_pipeline_passes.py)
             with sync_only_if(False):
                 return _input_pass(self.submod, bwd_kwargs)
         # Each micro-batch's weight gradients are computed once, in a full pass or a weight
@@ -239,13 +233,43 @@ class PipelineStage(_TorchPipelineStage):
         """torch's division of the step's gradients by the micro-batch count, also of those a
         sharded optimizer holds outside ``p.grad`` (Note [gradients held outside p.grad]); none
         in a step that only accumulates, under the user's own switch (Note [accumulating across
-        pipeline steps]); none in a forward-only step (Note [an eval step divides nothing])."""
-        if not self.has_backward or _user_sync(self.submod) is False:
+        pipeline steps]); none in a forward-only step (Note [an eval step divides nothing]); and
+        none of the gradients earlier steps left (Note [accumulating over synchronized pipeline steps])."""
+        if not self.has_backward:
             return
+        if _user_sync(self.submod) is False:
+            self._held_over = True  # the set-aside waits for the synchronized step
+            return
+        held, self._held_before = getattr(self, "_held_before", None), None
         super().scale_grads(grad_scale_factor)
         if grad_scale_factor != 1:
             for holder in _holders_outside_grad(self.submod):
                 torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
+            _give_back(self.submod, held or [], grad_scale_factor)
+
+
+def _divided(module) -> list:
+    """The gradients a step's division reaches: ``p.grad`` of the module's parameters, and the
+    shards of ZeRO-2 optimizers over them (Note [gradients held outside p.grad])."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return grads + [g for holder in _holders_outside_grad(module) for g in holder._fusedist_unscale_targets()]
+
+
+def _set_aside(module) -> list:
+    """Each gradient held before a step, with a copy of its value (Note [accumulating over
+    synchronized pipeline steps])."""
+    with torch.no_grad():
+        return [(grad, grad.clone()) for grad in _divided(module)]
+
+
+def _give_back(module, held: list, factor: int) -> None:
+    """Add back to each gradient held before the step the part of its earlier value the step's
+    division took, where it is still a gradient the division reached."""
+    current = {id(grad) for grad in _divided(module)}
+    with torch.no_grad():
+        for grad, before in held:
+            if id(grad) in current:
+                grad.add_(before, alpha=1 - 1 / factor)
 
 
 def _next_on_another_rank(stage) -> bool:
@@ -360,87 +384,6 @@ def _holders_outside_grad(module) -> list:
     return list(found.values())
 
 
-def _weights(module) -> list:
-    """The trainable parameters the autograd graph of ``module``'s forward holds: a
-    ``fully_shard`` module's units' gathered parameters (each once: a tied weight is its
-    owner's), a DDP module's own parameters."""
-    from .fsdp import FullyShardedModule
-
-    if not isinstance(module, FullyShardedModule):
-        return [p for p in module.parameters() if p.requires_grad]
-    found = {}
-    for st in module._fs_states():
-        if st.unit is not None:
-            found.update((id(u), u) for u in st.unit.unsharded if u.requires_grad)
-    return list(found.values())
-
-
-class _PassGroups(list):
-    """torch's parameter groups of an input pass, and the output edges (with their gradients)
-    whose paths reach weights around the inputs' (Note [weight paths around the inputs])."""
-
-    def __init__(self, groups, around):
-        super().__init__(groups)
-        self.around = around
-
-
-def _input_pass(module, bwd_kwargs: dict):
-    """torch's input pass over the parameters the graph holds: the stage inputs' gradients, and
-    the intermediates' gradients the weight pass starts from (Note [zero-bubble passes of
-    fusedist stages]); also the stage outputs the inputs' paths do not reach (Note [weight paths
-    around the inputs])."""
-    from torch.distributed.pipelining._backward import stage_backward_input
-
-    outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
-    edges = []  # taken before torch's pass detaches the outputs
-    for i, out in enumerate(outputs):
-        if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):
-            grad = torch.ones_like(out) if output_grads is None else output_grads[i]
-            if grad is not None:
-                edges.append((torch.autograd.graph.get_gradient_edge(out), grad))
-    grads, groups = stage_backward_input(outputs, output_grads, bwd_kwargs["input_values"], iter(_weights(module)))
-    return grads, _PassGroups(groups, _around_the_inputs(edges, bwd_kwargs["input_values"]))
-
-
-def _around_the_inputs(edges: list, input_values) -> list:
-    """The output edges none of whose paths down the graph reaches a stage input that requires a
-    gradient: torch's input pass saved nothing for the weights below them."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc, construct_reverse_graph, reverse_closure)
-
-    if not edges:
-        return []
-    inputs = [_get_grad_fn_or_grad_acc(v) for v in input_values if isinstance(v, torch.Tensor)]
-    reverse = construct_reverse_graph([edge.node for edge, _ in edges])
-    reached, _ = reverse_closure([node for node in inputs if node is not None], set(), reverse)
-    return [(edge, grad) for edge, grad in edges if edge.node not in reached]
-
-
-def _grads_around_the_inputs(groups, weights: list) -> list:
-    """The weights' gradients along the paths from the outputs the inputs' do not reach (Note
-    [weight paths around the inputs]), None where there are none. The graph is kept: torch's
-    weight pass runs after, and its paths may share nodes with these."""
-    around = getattr(groups, "around", None)
-    if not around or not weights:
-        return [None] * len(weights)
-    groups.around = None  # (the graph goes when the pass ends)
-    return list(torch.autograd.grad([edge for edge, _ in around], weights, grad_outputs=[g for _, g in around],
-                                    retain_graph=True, allow_unused=True))
-
-
-def _plain_weight_pass(module, param_groups) -> None:
-    """torch's weight pass for a stage module no data parallelism wraps, with the gradients of the
-    paths around the inputs added (Note [weight paths around the inputs])."""
-    from torch.distributed.pipelining._backward import stage_backward_weight
-
-    weights = [p for p in module.parameters() if p.requires_grad]
-    around = _grads_around_the_inputs(param_groups, weights)
-    stage_backward_weight(iter(weights), param_groups)
-    for w, grad in zip(weights, around):
-        if grad is not None:
-            w.grad = grad if w.grad is None else w.grad + grad
-
-
 def _torch_data_parallel(module) -> bool:
     """A module of torch's own data parallelism, whose passes torch's stage runs (it switches
     their gradient sync itself)."""
@@ -448,51 +391,6 @@ def _torch_data_parallel(module) -> bool:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     return isinstance(module, (FSDPModule, TorchDDP))
-
-
-def _weight_pass(module, param_groups) -> None:
-    """The weights' gradients of one micro-batch, from the intermediates its input pass saved,
-    then handed to autograd to accumulate so the gradient hooks run (Note [zero-bubble passes
-    of fusedist stages])."""
-    from torch.distributed.pipelining._backward import stage_backward_weight
-
-    from .fsdp import FullyShardedModule
-
-    if param_groups is None:
-        raise RuntimeError("fusedist.pipelining.PipelineStage: a weight pass without the input pass before it")
-    contexts = []
-    if isinstance(module, FullyShardedModule):  # a forward since may have resharded a unit
-        for st in module._fs_states():
-            if st.unit is not None:
-                st.unit.unshard(async_op=False)
-        contexts = list({id(st.ctx): st.ctx for st in module._fs_states() if st.ctx is not None}.values())
-    weights = _weights(module)
-    held = [w.grad for w in weights]  # (a DDP stage's accumulated gradients: put back below)
-    for w in weights:
-        w.grad = None
-    for ctx in contexts:
-        ctx.backward_hooks_off = True
-    try:
-        around = _grads_around_the_inputs(param_groups, weights)
-        stage_backward_weight(iter(weights), param_groups)  # writes .grad, outside the hooks
-        computed = [(w, _sum(w.grad, extra)) for w, extra in zip(weights, around)
-                    if w.grad is not None or extra is not None]
-    finally:
-        for ctx in contexts:
-            ctx.backward_hooks_off = False
-        for w, grad in zip(weights, held):
-            w.grad = grad
-    if computed:
-        torch.autograd.backward([w for w, _ in computed], grad_tensors=[g for _, g in computed])
-    elif contexts:  # no backward to end: end the units' anyway, so a step's last pass still reduces the sums
-        for ctx in contexts:
-            ctx.finish_backward()
-    elif weights:  # a DDP stage's buckets are ready when every weight's gradient is: add zeros to each
-        torch.autograd.backward(weights, grad_tensors=[torch.zeros_like(w) for w in weights])
-
-
-def _sum(a, b):
-    return b if a is None else a if b is None else a + b
 
 
 @contextlib.contextmanager

@@ -183,6 +183,7 @@ from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
 from .iteration import IterationContext
 from .owners import register_pieces
+from .tensor_parallel import drop_pending_grads, settle_pending_grads
 from .wrapping_check import check_one_mesh, check_wrapping
 
 # a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
@@ -535,6 +536,8 @@ class FullyShardState:
         self._post_backward_done = True
         unit, ctx = self.unit, self.ctx
         grads = [u.grad for u in unit.unsharded]
+        if unit.tp_comm is not None:  # Note [tensor-parallel gradients across micro-batches] in tensor_parallel.py
+            settle_pending_grads(unit, grads, self.grads.reduce_grads, self.grads.policy_reduce_dtype)
         for u in unit.unsharded:
             u.grad = None
         with torch.profiler.record_function("fusedist::fully_shard::post_backward"):
@@ -578,6 +581,7 @@ class FullyShardState:
         for u in unit.unsharded:
             u.grad = None
         self.grads.drop_accumulator()
+        drop_pending_grads(unit)
 
     def reset_backward(self) -> None:
         self._group_pending.clear()  # a group call an exception ended (Note [aborted forward])

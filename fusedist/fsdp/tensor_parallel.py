@@ -14,7 +14,9 @@ reduce-scatters and pieces are those of plain parameters of the local shapes. Wh
   (``wrap``: the same storage), so the tensor-parallel plan's hooks and DTensor's ops run as
   under FSDP2. Their gradients are DTensors: before the unit's reduction each is redistributed
   to the parameter's placements (a ``Partial`` gradient is summed over the tensor-parallel
-  group, as FSDP2 does) and its local tensor becomes the gradient the unit reduces.
+  group, as FSDP2 does) and its local tensor becomes the gradient the unit reduces -- at the
+  unit's post-backward, and across unsynchronized backwards only then (Note [tensor-parallel
+  gradients across micro-batches]).
 * Global gradient quantities span both groups (``holder.py``): a norm sums each piece's share
   over the data-parallel group and then the tensor-parallel one, a parameter replicated across
   the tensor-parallel ranks (a ``Replicate()`` bias) counted once; the found-inf flag is the
@@ -34,6 +36,21 @@ reduce-scatters and pieces are those of plain parameters of the local shapes. Wh
   planner keeps one of equal write items).
 * ``CPUOffloadPolicy`` composes too: the pieces live in host memory and the gathered local
   tensors on the compute device, where the DTensors are made.
+
+Note [tensor-parallel gradients across micro-batches]
+-----------------------------------------------------
+A gradient that arrives with other placements than its parameter's (``Partial``: the weight of
+a ``SequenceParallel`` norm, a ``Replicate()`` bias) needs a sum over the tensor-parallel group.
+FSDP2 does it once, when the unit reduces: under ``set_requires_gradient_sync(False)`` it keeps
+the un-summed DTensor gradient, cast to ``reduce_dtype`` after each backward, adds the next
+backward's to it, and redistributes the total in the synchronized one. Summing each
+micro-batch's gradient over the group at once instead rounds every partial sum to the
+parameter dtype (bf16 under ``param_dtype=bf16``) before the float32 accumulation: a few bf16
+roundings more than FSDP2 per step, which a trained model shows. So such a gradient is kept by
+its spec (``pending``) and settled at the unit's post-backward (:func:`settle_pending_grads`):
+redistributed into the local gradients the unit reduces in a synchronized backward, kept in
+``reduce_dtype`` otherwise -- FSDP2's order and dtypes, so the same bits. A gradient that
+arrives with its parameter's placements (``Shard``) needs no collective and is taken at once.
 """
 
 from __future__ import annotations
@@ -43,7 +60,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["TensorParallelSpec", "tensor_parallel_specs"]
+__all__ = ["TensorParallelSpec", "drop_pending_grads", "settle_pending_grads", "tensor_parallel_specs"]
 
 
 class TensorParallelSpec:
@@ -63,6 +80,9 @@ class TensorParallelSpec:
         self.comm = comm  # fusedist communicator of the tensor-parallel group
         #: whether every tensor-parallel rank holds the same values (counted once in norms)
         self.replicated = not any(p.is_shard() for p in self.placements)
+        #: a gradient not yet redistributed to ``placements`` (Note [tensor-parallel gradients
+        #: across micro-batches]): this backward's, plus unsynchronized backwards' in reduce_dtype
+        self.pending = None
 
     @staticmethod
     def local(param) -> torch.Tensor:
@@ -78,15 +98,18 @@ class TensorParallelSpec:
                                     shape=torch.Size(self.global_shape), stride=self.global_stride)
         return nn.Parameter(dt, requires_grad=requires_grad)
 
-    def local_grad(self, grad) -> torch.Tensor:
-        """A DTensor gradient as this rank's local gradient of the parameter's placements."""
+    def local_grad(self, grad) -> Optional[torch.Tensor]:
+        """A DTensor gradient as this rank's local gradient of the parameter's placements, or
+        None where it needs redistributing: then kept in ``pending`` for the unit's
+        post-backward (Note [tensor-parallel gradients across micro-batches])."""
         from torch.distributed.tensor import DTensor
 
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.placements:
-            grad = grad.redistribute(self.mesh, self.placements)
-        return grad.to_local()
+        if tuple(grad.placements) == self.placements and self.pending is None:
+            return grad.to_local()
+        self.pending = grad if self.pending is None else self.pending + grad
+        return None
 
     def full(self, local_whole: torch.Tensor) -> torch.Tensor:
         """The global parameter from every tensor-parallel rank's whole local tensor (a
@@ -139,3 +162,31 @@ def tensor_parallel_specs(name: str, params: list, fqns: list, dims: list, group
                                       "on different tensor-parallel meshes; one unit takes one mesh")
     comm = get_communicator(first.device_mesh.get_group(), device)
     return [TensorParallelSpec(p, comm) if isinstance(p, DTensor) else None for p in params]
+
+
+def settle_pending_grads(unit, grads: list, synced: bool, reduce_dtype: Optional[torch.dtype]) -> None:
+    """At ``unit``'s post-backward (Note [tensor-parallel gradients across micro-batches]): in a
+    synchronized backward each pending gradient, redistributed (a collective over the
+    tensor-parallel group, in the same order on every rank: the unit's parameters'), is added
+    to its parameter's entry of ``grads`` (the local gradients the unit reduces; in
+    ``reduce_dtype`` after accumulation, which the unsharded parameter's ``.grad`` could not
+    hold); otherwise it stays pending, cast to ``reduce_dtype`` as FSDP2 casts its
+    accumulated gradient."""
+    for i, spec in enumerate(unit.tp):
+        if spec is None or spec.pending is None:
+            continue
+        pending = spec.pending
+        if not synced:
+            if reduce_dtype is not None and pending.is_floating_point() and pending.dtype != reduce_dtype:
+                spec.pending = pending.to(reduce_dtype)
+            continue
+        spec.pending = None
+        local = pending.redistribute(spec.mesh, spec.placements).to_local()
+        grads[i] = local if grads[i] is None else grads[i] + local
+
+
+def drop_pending_grads(unit) -> None:
+    """Forget ``unit``'s pending gradients (an aborted iteration drops its accumulators too)."""
+    for spec in unit.tp:
+        if spec is not None:
+            spec.pending = None

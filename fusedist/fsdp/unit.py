@@ -198,9 +198,9 @@ class ShardedUnit(PieceMixin):
         """A DTensor parameter's gradient, as its local tensor, onto the unsharded parameter
         the reduction reads (Note [tensor-parallel parameters])."""
         grad, visible.grad = visible.grad, None
-        local = self.tp[index].local_grad(grad)
-        u = self.unsharded[index]
-        u.grad = local if u.grad is None else u.grad + local
+        local, u = self.tp[index].local_grad(grad), self.unsharded[index]
+        if local is not None:  # (None: its spec keeps it, Note [tensor-parallel gradients across micro-batches])
+            u.grad = local if u.grad is None else u.grad + local
         if self.on_grad:
             self.on_grad(index)
 

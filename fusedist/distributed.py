@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import numbers
 import os
 import weakref
 
@@ -34,6 +35,24 @@ if dist.is_available():
 #: diverges must turn into an error on the others, not a hang. Override with
 #: ``FUSEDIST_TIMEOUT_S`` or ``init_distributed(timeout=...)``.
 DEFAULT_TIMEOUT_S = 600.0
+
+#: Longest timeout kept as a deadline (about 31.7 years); a longer one -- ``datetime.timedelta.max``,
+#: which programs pass for "no timeout" -- is used as this, i.e. no deadline in practice (Note
+#: [unbounded timeouts]). The same bound as the CUDA extension's waits (Note [wait timeouts] in
+#: csrc/cuda/wait_deadline.h).
+LONGEST_TIMEOUT_S = 1e9
+
+# Note [unbounded timeouts]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``datetime.timedelta.max`` (8.6e13 s) is finite, but deadline arithmetic on it breaks almost
+# everywhere: ``timedelta(seconds=launch + timeout - now)`` overflows timedelta's range,
+# ``threading.Event.wait`` refuses anything over ``threading.TIMEOUT_MAX`` (9.2e9 s), and gloo
+# converts timeouts to nanoseconds, where it overflows to a negative count: torch's
+# ``init_process_group("gloo", timeout=timedelta.max)`` fails with "[enforce fail at
+# gloo/context.cc] timeout.count() >= 0. Invalid timeout", and a gloo work's
+# ``wait(timeout=timedelta.max)`` raises "Operation timed out!" at once. So a timeout longer than
+# LONGEST_TIMEOUT_S is replaced by LONGEST_TIMEOUT_S where it enters fusedist (here, and a
+# communicator's ``timeout``), and everything downstream computes with a value every layer takes.
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -65,25 +84,64 @@ def collective_timeout() -> datetime.timedelta:
     value = os.environ.get("FUSEDIST_TIMEOUT_S")
     if value is None:
         return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
-    return _checked(value, "FUSEDIST_TIMEOUT_S")
+    return bounded_timeout(value, "FUSEDIST_TIMEOUT_S")
 
 
-def _checked(value, name: str) -> datetime.timedelta:
-    """``value`` (seconds or a timedelta) as a positive, finite timedelta; else a ValueError naming ``name``."""
-    try:
-        seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
-        timeout = datetime.timedelta(seconds=seconds) if math.isfinite(seconds) else None
-    except (TypeError, ValueError, OverflowError):
-        timeout = None
+def bounded_timeout(value, name: str) -> datetime.timedelta:
+    """``value`` (seconds or a timedelta) as a positive timedelta of at most LONGEST_TIMEOUT_S (Note
+    [unbounded timeouts]: ``timedelta.max`` is no deadline); else a ValueError naming ``name``. A
+    number must fit a timedelta: ``inf`` is refused, as it always was here."""
+    if isinstance(value, datetime.timedelta):
+        timeout = value
+    else:
+        try:
+            seconds = float(value)
+            timeout = datetime.timedelta(seconds=seconds) if math.isfinite(seconds) else None
+        except (TypeError, ValueError, OverflowError):
+            timeout = None
     if timeout is None or timeout <= datetime.timedelta(0):
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a positive, finite number of seconds or a datetime.timedelta "
+                         f"(timedelta.max: no deadline), got {value!r}")
+    return min(timeout, datetime.timedelta(seconds=LONGEST_TIMEOUT_S))
+
+
+def wait_timeout(timeout, default: datetime.timedelta, what) -> datetime.timedelta:
+    """A collective handle's ``wait(timeout)`` (a timedelta, seconds or None) as torch's works read it:
+    they count whole milliseconds and take 0 for "no timeout", so None, zero and anything under a
+    millisecond wait ``default``, the collective's own timeout (waiting that out is a handle's "no
+    timeout"), where the gloo exchange would otherwise give up at once on what torch's gloo work
+    waits for. ``what()``: the collective, for an error.
+
+    Note [negative wait timeouts]
+        A negative (or NaN) timeout is refused with a ValueError before anything is waited for, on
+        every communicator, and the collective goes on (a later ``wait()`` returns its result). It
+        is a caller's bug with no common meaning: torch's gloo work fails the wait at once ("Operation
+        timed out!", torch 2.13), and such a wait can leave gloo's pairs closed; the gloo exchange
+        gave up at once (and called it a timeout); the direct-NCCL communicator
+        moved its watchdog's deadline into the past, failing a collective that was running fine
+        (with FUSEDIST_NCCL_WATCHDOG=exit, ending the process). The CUDA extension's own wait
+        refuses it the same way (Note [wait timeouts] in csrc/cuda/wait_deadline.h)."""
+    if isinstance(timeout, numbers.Real):
+        seconds = float(timeout)
+        got = f"{seconds:g} s"
+        timeout = datetime.timedelta(seconds=min(seconds, LONGEST_TIMEOUT_S)) if seconds >= 0 else None
+    elif timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"fusedist: {what()}: wait(timeout) takes a datetime.timedelta, a number of seconds or "
+                        f"None, got {type(timeout).__name__}")
+    else:
+        got = f"{timeout.total_seconds():g} s" if timeout is not None else ""
+    if got and (timeout is None or timeout < datetime.timedelta(0)):  # (a NaN is None here)
+        raise ValueError(f"fusedist: {what()}: wait(timeout) must be >= 0 seconds, got {got}; pass None to wait "
+                         "up to the communicator's timeout. The collective goes on: wait() again for its result")
+    if timeout is None or timeout < datetime.timedelta(milliseconds=1):
+        return default
     return timeout
 
 
 def _as_timedelta(timeout) -> datetime.timedelta:
     if timeout is None:
         return collective_timeout()
-    return _checked(timeout, "init_distributed(timeout=...)")
+    return bounded_timeout(timeout, "init_distributed(timeout=...)")
 
 
 def _backends_by_device(spec: str) -> dict:
@@ -137,7 +195,9 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds this process to GPU
     ``LOCAL_RANK``, and applies a finite ``timeout`` (seconds or timedelta; default
-    :func:`collective_timeout`). Calling it again, or after ``torch.distributed`` was initialized
+    :func:`collective_timeout`; ``datetime.timedelta.max`` or anything over :data:`LONGEST_TIMEOUT_S`
+    is no deadline: the group and fusedist's collectives get LONGEST_TIMEOUT_S, as gloo refuses
+    timedelta.max itself). Calling it again, or after ``torch.distributed`` was initialized
     elsewhere, returns the existing setup; a ``timeout`` given then bounds fusedist's collectives
     on that group from then on (torch's own collectives keep the timeout the group was made with).
 

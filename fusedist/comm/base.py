@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..distributed import collective_timeout
+from ..distributed import LONGEST_TIMEOUT_S, bounded_timeout, collective_timeout, wait_timeout
 from .sliced_wait import wait_probed
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -72,7 +72,8 @@ class CommHandle:
     current stream is ordered after it), runs the completion callbacks once, and raises
     :class:`CollectiveError` on failure or timeout. Calling it again is a no-op. On gloo, a
     ``wait(timeout)`` shorter than the communicator's timeout that runs out raises without
-    failing the collective, as torch's gloo work does: a later ``wait()`` returns the result.
+    failing the collective, as torch's gloo work does: a later ``wait()`` returns the result. A
+    negative one is refused (Note [negative wait timeouts] in fusedist/distributed.py).
 
     Note [one deadline per collective]
         A collective is bounded by the communicator's timeout counted from its launch, on
@@ -82,8 +83,9 @@ class CommHandle:
         waits until the deadline and then fails. (torch's gloo work, waited for with a longer
         timeout, waited all of it, where the exchange gave up at the deadline: the same call
         succeeded or failed depending on the tensor's size.) gloo's own collectives are also
-        bounded by the process group's timeout, which fusedist cannot extend; when that one
-        is shorter and fires first, the error says so. Every timeout error names the
+        bounded by the process group's timeout, which fusedist cannot extend, and so is the gloo
+        exchange that stands in for them (Note [the exchange ends at the group's timeout] in
+        torch_comm.py); when that one is shorter and fires first, the error says so. Every timeout error names the
         collective, its tag, the rank, the peers when known and how long it waited. One
         exception: torch's NCCL work (the GPU path without the C++ extension) is waited for
         without a timeout -- given one, it blocks the host until the collective completes --
@@ -128,11 +130,13 @@ class CommHandle:
     # Never traced (Note [collectives under torch.compile]).
     @torch.compiler.disable
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> None:
+        # Refused before anything else, so alike whatever the collective's state (Note [negative wait timeouts]).
+        requested = wait_timeout(timeout, self._timeout, lambda: (
+            f"{self.op} (tag {self.tag!r}, collective #{self.seq}) on rank {self._comm.rank}"))
         if self._error is not None:
             raise self._error
         if self._done:
             return
-        requested = _as_wait_timeout(timeout, self._timeout)
         left = self._left()
         # Note [one deadline per collective]: never past the launch + the communicator's timeout.
         shortened = requested < left
@@ -169,7 +173,8 @@ class CommHandle:
     def _left(self) -> datetime.timedelta:
         """What is left of the collective's deadline (at least a millisecond: torch's works
         read a zero timeout as "no timeout")."""
-        left = self._launched + self._timeout.total_seconds() - time.monotonic()
+        # in float seconds, bounded: timedelta arithmetic overflows on timedelta.max (Note [unbounded timeouts])
+        left = self._launched + min(self._timeout.total_seconds(), LONGEST_TIMEOUT_S) - time.monotonic()
         return datetime.timedelta(seconds=max(left, 1e-3))
 
     def _why(self, exc: Exception, wait_timeout: Optional[datetime.timedelta]) -> str:
@@ -229,7 +234,7 @@ class Communicator(abc.ABC):
         self.uid = next(_uids)
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timeout or collective_timeout()
+        self.timeout = timeout or collective_timeout()  # (the property below checks and bounds it)
         self._seq = itertools.count()
         #: Sequence number and tag of the last collective issued (-1: none yet).
         self.last_seq = -1
@@ -244,6 +249,22 @@ class Communicator(abc.ABC):
         #: (None: none was); later collectives are refused (Note [divergence probe] in
         #: fusedist/reliability/divergence.py).
         self.gave_up: Optional[str] = None
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """Each collective's bound, from its launch (Note [one deadline per collective]); set it to
+        change the bound of the collectives launched from then on. A longer one than
+        ``fusedist.distributed.LONGEST_TIMEOUT_S`` -- ``datetime.timedelta.max`` -- is kept as that
+        (Note [unbounded timeouts] in fusedist/distributed.py): no deadline in practice."""
+        return self._collective_timeout
+
+    @timeout.setter
+    def timeout(self, value) -> None:
+        self._collective_timeout = bounded_timeout(value, f"the {self.name} communicator's timeout")
+        self._timeout_changed()
+
+    def _timeout_changed(self) -> None:
+        """``timeout`` was set: an implementation with helpers that hold a copy updates them."""
 
     # ---- the interface
     @abc.abstractmethod
@@ -566,16 +587,6 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _as_wait_timeout(timeout: Optional[datetime.timedelta], default: datetime.timedelta) -> datetime.timedelta:
-    """A ``wait(timeout)``'s timeout as torch's works read it: they count whole milliseconds and
-    take 0 for "no timeout", so None, zero and anything under a millisecond wait the
-    collective's own timeout (waiting that out is this handle's "no timeout"), where the gloo
-    exchange would otherwise give up at once on what torch's gloo work waits for."""
-    if timeout is None or datetime.timedelta(0) <= timeout < datetime.timedelta(milliseconds=1):
-        return default
-    return timeout
 
 
 def _tag(tag: str) -> str:

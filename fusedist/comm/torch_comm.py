@@ -74,6 +74,33 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
         if "gloo" in str(self.backend) and mode == "p2p":
             self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size, self.timeout)
+            self._timeout_changed()  # (bounded by the group's own timeout too)
+
+    # Note [the exchange ends at the group's timeout]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The exchange stands in for gloo's own collectives, which end at the process group's timeout
+    # whatever fusedist's is; so does each exchange. Before, it waited with fusedist's timeout
+    # only (FUSEDIST_TIMEOUT_S, 600 s by default): in a job whose group was made with
+    # ``init_process_group(timeout=30 s)``, ranks that diverged into two exchange collectives that
+    # can never pair (one rank caught an error and went on to another) stayed blocked for ten
+    # minutes, where with gloo's own collectives both fail at 30 s. The error names the group's
+    # timeout as the cause (Note [one deadline per collective] in base.py).
+    def _timeout_changed(self) -> None:
+        # The exchange counts each collective's deadline from its own copy: a timeout set on the
+        # communicator after it was made (longer ones included) bounds the exchange's collectives too.
+        exchange = getattr(self, "exchange", None)  # (None while __init__ has not made it yet)
+        if exchange is not None:
+            group = self._group_timeout()
+            exchange.timeout_s = min(self.timeout.total_seconds(), group if group is not None else float("inf"))
+
+    def _group_timeout(self) -> Optional[float]:
+        """The process group's own timeout in seconds (gloo's), or None where it cannot be read."""
+        if "gloo" not in str(self.backend):
+            return None
+        try:
+            return self._group_obj._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - internals moved: fusedist's timeout alone
+            return None
 
     def _launch(self, op, tag, async_op, start, label=None, part=None):
         self._check_group_alive(op, tag)
@@ -236,14 +263,9 @@ class TorchCommunicator(Communicator):
         return "gloo" in str(self.backend) and not work.is_completed()
 
     def _transport_timeout(self, work) -> Optional[float]:
-        # The exchange waits with fusedist's deadline only; gloo's own collectives also end
-        # at the process group's timeout (Note [one deadline per collective] in base.py).
-        if isinstance(work, gloo_exchange.ExchangeWork) or "gloo" not in str(self.backend):
-            return None
-        try:
-            return self._group_obj._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - internals moved: the message just says less
-            return None
+        # gloo's own collectives, and the exchange, end at the process group's timeout too (Note [one
+        # deadline per collective] in base.py, Note [the exchange ends at the group's timeout]).
+        return self._group_timeout()
 
     def _wait_work(self, work, timeout: datetime.timedelta) -> None:
         # gloo honours the timeout here. torch's NCCL work given a timeout blocks the host until

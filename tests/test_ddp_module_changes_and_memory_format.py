@@ -9,6 +9,10 @@
   parameters (torch's DDP trains a replacement on each rank's own gradient with
   ``find_unused_parameters=True``); one deleted is named by the unused-parameter error.
 * An optimizer step over a parameter added after wrapping (forward through ``model.module``) says so.
+* A submodule inserted with ``ModuleList.insert`` / ``Sequential.insert`` (which register it without
+  torch's registration hook) is refused at the next forward, naming it (torch's DDP leaves its
+  gradients unaveraged, so the ranks drift apart); a module without parameters inserted trains on as
+  torch's DDP does (Note [submodules inserted into a container] in fusedist/ddp/trainable.py).
 * A forward output whose tensors sit in a plain object, with ``find_unused_parameters=True``: the
   error says which containers the wrapper searches.
 """
@@ -177,6 +181,72 @@ def _added_after_wrapping(rank, world):
     return out
 
 
+class Stacked(nn.Module):
+    """Layers in a ModuleList, a Sequential head, and a container added later when present."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def forward(self, x):
+        for layer in [*self.layers, *getattr(self, "more", ())]:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _insert(where, index, make):
+    def change(module):
+        container = getattr(module, where)
+        container.insert(index, make())
+    return change
+
+
+def _insert_and_delete(module):
+    module.layers.insert(0, nn.Linear(4, 4))
+    del module.layers[2]  # (the same length again, in a new dict)
+
+
+def _local_grad_spread(rank, world, ddp, param):
+    """How far ``param``'s gradient differs across ranks after one backward (0 when averaged)."""
+    import torch.distributed as dist
+
+    ddp(torch.randn(3, 4) + rank).sum().backward()
+    grads = [torch.empty_like(param.grad) for _ in range(world)]
+    dist.all_gather(grads, param.grad)
+    return max((g - grads[0]).abs().max().item() for g in grads)
+
+
+def _inserted_submodules(rank, world):
+    import fusedist
+
+    out = {}
+    linear = lambda: nn.Linear(4, 4)  # noqa: E731
+    cases = {"list": _insert("layers", 0, linear), "sequential": _insert("head", 1, linear),
+             "insert and delete": _insert_and_delete, "parameterless": _insert("head", 1, nn.ReLU)}
+    for case, change in cases.items():
+        ddp = fusedist.DistributedDataParallel(Stacked())
+        torch.manual_seed(100 + rank)
+        out[case] = _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, change)
+    torch_ddp = nn.parallel.DistributedDataParallel(Stacked())
+    torch.manual_seed(100 + rank)
+    out["parameterless", "torch"] = _steps(torch_ddp, torch.optim.SGD(torch_ddp.parameters(), lr=0.1), rank,
+                                           cases["parameterless"])
+    # into a container added after wrapping (followed through the registration hook), then inserted into
+    ddp = fusedist.DistributedDataParallel(Stacked())
+    ddp.module.more = nn.ModuleList()
+
+    def into_added(module):
+        module.more.insert(0, nn.Linear(4, 4))
+    out["added container"] = _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, into_added)
+    # the reference's behaviour: torch's DDP leaves the inserted layer's gradient local
+    torch_ddp = nn.parallel.DistributedDataParallel(Stacked())
+    torch_ddp.module.layers.insert(0, nn.Linear(4, 4))
+    out["torch spread"] = _local_grad_spread(rank, world, torch_ddp, torch_ddp.module.layers[0].weight)
+    return out
+
+
 class Box:
     """A forward's output in an object DDP does not look into (neither torch's nor fusedist's)."""
 
@@ -210,6 +280,7 @@ def shared_launch(request):
         "test_submodule_removed_after_wrapping_is_refused_naming_it": {"removed": (_removed_submodules, ())},
         "test_step_over_parameter_added_after_wrapping_says_so": {"added": (_added_after_wrapping, ())},
         "test_output_in_an_unsearched_object_says_where_tensors_are_found": {"boxed": (_boxed_output, ())},
+        "test_submodule_inserted_into_a_container_is_refused_naming_it": {"inserted": (_inserted_submodules, ())},
     }, world=2, timeout=180)
 
 
@@ -257,3 +328,21 @@ def test_step_over_parameter_added_after_wrapping_says_so(shared_launch):
 def test_output_in_an_unsearched_object_says_where_tensors_are_found(shared_launch):
     for msg in results_of(shared_launch, "boxed"):
         assert "'a.weight'" in msg and "tuples, lists, dicts, namedtuples and dataclasses" in msg, msg
+
+
+def test_submodule_inserted_into_a_container_is_refused_naming_it(shared_launch):
+    for out in results_of(shared_launch, "inserted"):
+        assert out["torch spread"] > 0  # torch's DDP: the inserted layer trains on local gradients
+        expected = {"list": ("layers.0 (Linear)", "'layers.0.weight', 'layers.0.bias'"),
+                    "sequential": ("head.1 (Linear)", "'head.1.weight', 'head.1.bias'"),
+                    "insert and delete": ("layers.0 (Linear)", "'layers.0.weight', 'layers.0.bias'"),
+                    "added container": ("more.0 (Linear)", "'more.0.weight', 'more.0.bias'")}
+        for case, (module, params) in expected.items():
+            msg = out[case]
+            assert isinstance(msg, str), (case, "trained without an error")
+            assert f"['{module}'] inserted into a ModuleList or Sequential" in msg and params in msg, (case, msg)
+            assert "replaced by new Parameter objects" not in msg, (case, msg)
+        ours, reference = out["parameterless"], out["parameterless", "torch"]
+        assert not isinstance(ours, str), ours
+        for a, b in zip(ours, reference):  # fp32, 3 SGD steps of the same averaged gradients
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

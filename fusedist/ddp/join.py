@@ -79,6 +79,12 @@ class Join(_TorchJoin):
     named in stall reports. ``DistributedDataParallel.join()`` returns one; use it like
     torch's: ``with fusedist.Join([model, optimizer]): ...``."""
 
+    def __init__(self, joinables, *args, **kwargs):
+        # A replicated module joins through its engine (Note [replicate without a wrapper]), found
+        # through its class: a traced construction guards on types only.
+        engines = [getattr(type(j), "_fusedist_join_engine", None) for j in joinables]
+        super().__init__([j if e is None else e(j) for j, e in zip(joinables, engines)], *args, **kwargs)
+
     # Note [join under torch.compile]
     #     A join context inside a compiled training step (or around a compiled loop): dynamo
     #     traced its enter and exit into the communicator's all-reduces (the count of ranks
@@ -261,6 +267,22 @@ def run_module(ddp, args, kwargs):
     finally:
         _sync_bn_trace = previous
     return out
+
+
+def begin_module(ddp) -> None:
+    """:func:`run_module`'s recording, begun by a replicated module's forward pre-hook (its
+    forward runs between the hooks, not inside a call of ours); :func:`end_module` ends it."""
+    global _sync_bn_trace
+    state = ddp._join_state
+    if state is not None and state.has_sync_bn:
+        _sync_bn_trace = []
+
+
+def end_module(ddp) -> None:
+    global _sync_bn_trace
+    state = ddp._join_state
+    if state is not None and state.has_sync_bn and _sync_bn_trace is not None:
+        state.trace, _sync_bn_trace = _sync_bn_trace, None
 
 
 def _static_sync_bn_trace(ddp) -> list:

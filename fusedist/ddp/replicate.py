@@ -30,6 +30,14 @@ rest (the replicated module itself may not be a ``fully_shard`` module: refused,
 Replicated submodules (nested ``replicate``) are left to their own engines likewise: torch's two
 DDPs would both reduce them, to the same average; two engines here would retire each other's hooks.
 
+Uneven inputs. torch's replicated module is no ``Joinable``: ``Join([model])`` fails there
+("no attribute 'join_hook'"), and a rank that runs out of data hangs the others. Here the
+replicated module is one, served by its engine: ``fusedist.Join([model])`` (``[model,
+optimizer]`` with a ZeroRedundancyOptimizer; or torch's ``Join``) shadows the engine's
+collectives on a joined rank as for the wrapper (Note [joined ranks] in join.py), and the
+forward hooks do what the wrapper's forward does under the context (the SyncBatchNorm layers
+it runs are recorded for the joined ranks to replay).
+
 Buffers are not synchronized, as with torch's replicate (its DDP is built over a
 ``ParameterList``, so there are none to broadcast: each rank keeps its own BatchNorm running
 statistics). ``forward_sync_buffers=True`` broadcasts rank 0's buffers at each training
@@ -45,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 import weakref
 
+from . import join as _join
 from .prepared import arm_again_through
 
 __all__ = ["replicate", "ReplicatedModule", "wrapper_of", "build_pending"]
@@ -130,10 +139,12 @@ def _before_forward(module: nn.Module, args, kwargs):
     args, kwargs = ddp._inputs_on_device(args, kwargs)
     unsynced = 0 if state.requires_gradient_sync else 1
     ddp._no_sync_depth += unsynced  # (read by the bookkeeping below only)
+    compiling = torch.compiler.is_compiling()
     try:
-        # (True under a join context, which the wrapper's own forward serves; a replicated module
-        # offers none)
-        ddp._before_forward(torch.compiler.is_compiling())
+        # under a join context, recorded for the joined ranks (a compiled forward's is not: its
+        # SyncBatchNorm layers are replayed in registration order)
+        if ddp._before_forward(compiling) and not compiling:
+            _join.begin_module(ddp)
     finally:
         ddp._no_sync_depth -= unsynced
     return args, kwargs
@@ -147,6 +158,9 @@ def _after_forward(module: nn.Module, args, kwargs, out):
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return out
     state: _ReplicateState = module.__dict__[_STATE]
+    if state.ddp._join_config.enable:  # as the wrapper's forward under a join context
+        _join.end_module(state.ddp)
+        return out
     arm_again_through(state.ddp.reducer, out, sync=state.requires_gradient_sync)
     return out
 
@@ -154,6 +168,16 @@ def _after_forward(module: nn.Module, args, kwargs, out):
 class ReplicatedModule:
     """What a module gains from :func:`replicate` (torch's composable ``DDP`` class): torch's two
     methods, and the wrapper's ``check_consistency``."""
+
+    def __new__(cls, *args, **kwargs):
+        """A new instance of a replicated module's class -- a container's slice (``seq[1:]``,
+        ``layers[:2]``) is built by ``type(self)(...)`` -- is a module of the original class: it was
+        not replicated (a replicated one without an engine refused ``replicate`` as "already
+        replicated" and was left out of an enclosing replicated module's). torch's ``replicate``
+        returns the original class too, but uninitialized (calling it fails). Without arguments --
+        ``copy.copy`` and pickling make the object, then restore its state -- as torch's."""
+        original = cls.__mro__[2]  # (ReplicatedClass, ReplicatedModule, original, ...)
+        return original(*args, **kwargs) if args or kwargs else original.__new__(original)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: the backwards of the following forwards accumulate gradients locally, without
@@ -170,6 +194,31 @@ class ReplicatedModule:
             state.comm_hooks.append((args, kwargs))
         else:
             state.ddp.register_comm_hook(*args, **kwargs)
+
+    # torch's Joinable protocol, served by the engine (Note [replicate without a wrapper]: uneven
+    # inputs); built here if still pending (every rank enters the join context together).
+    def join_hook(self, **kwargs):
+        return self.__dict__[_STATE].build().join_hook(**kwargs)
+
+    def _fusedist_join_engine(self):
+        """The engine, for fusedist's ``Join`` (its communicator carries the join protocol)."""
+        return self.__dict__[_STATE].build()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.__dict__[_STATE].build().join_device
+
+    @property
+    def join_process_group(self):
+        return self.__dict__[_STATE].build().join_process_group
+
+    @property
+    def _join_config(self):
+        return self.__dict__[_STATE].build()._join_config
+
+    @_join_config.setter
+    def _join_config(self, config) -> None:
+        self.__dict__[_STATE].build()._join_config = config
 
     def check_consistency(self) -> None:
         """Whether the ranks ran the same steps, with the last one included (the wrapper's

@@ -72,6 +72,18 @@ Note [submodules removed]
     and that error says they are no longer in the module (``unused.removed_from_module``, a walk
     on the error path only); with it they are unused parameters, reduced as zeros, which
     changes no result.
+
+Note [submodules inserted into a container]
+    ``nn.ModuleList.insert`` and ``nn.Sequential.insert`` write the container's ``_modules``
+    directly (to shift the later entries' names), so torch's registration hook never sees the
+    inserted submodule: its Parameters would train on each rank's gradient alone, silently (torch's
+    DDP does so). The tracker keeps, for each such container in the module, its ``_modules`` dict
+    and its length; every forward compares them (one comparison per container, not per
+    submodule), and a container changed without the hook (a length that grew, or a dict replaced:
+    a ``del`` renumbers into a new one) is read once for the submodules this wrapper does not
+    follow yet. Each is then handled as an added submodule -- its buffers found, its tree followed
+    -- and one with parameters is refused at the next training forward, naming it. The entries
+    after the insertion point keep the names they were wrapped under in the wrapper's messages.
 """
 
 from __future__ import annotations
@@ -115,6 +127,11 @@ class TrainableTracker:
         self.removed: list[str] = []
         self.removed_modules: list[str] = []
         self._held_ids: "frozenset[int] | None" = None  # the followed Parameters' ids, built when needed
+        # Note [submodules inserted into a container]: the ModuleList/Sequential containers followed,
+        # and the parameters (and submodules) found inserted into them since the last training forward.
+        self.containers: list[_Container] = []
+        self.inserted: list[str] = []
+        self.inserted_modules: list[str] = []
         follow_assignments(module, self)
         self.layout_flags = [p.requires_grad for p in self.params]
         self.layout_crc = flags_crc(self.layout_flags)
@@ -129,9 +146,10 @@ class TrainableTracker:
 
     def observe(self, reducer) -> None:
         """Called by every training forward; cheap unless the flags changed."""
+        self.find_inserted()
         if self.replaced_modules:
             self._find_removed()
-        if self.assigned or self.removed:
+        if self.assigned or self.removed or self.inserted:
             raise self._assigned_error(reducer)
         converted = converted_param(reducer.layout.buckets)
         if converted is not None:
@@ -152,6 +170,32 @@ class TrainableTracker:
                 _check_trainable_dtype(reducer, p, name)
                 reducer.ensure_hook(p)
         _thaw_into_hook_buckets(reducer, {p for p, f in zip(self.params, flags) if f})
+
+    def watch(self, container, prefix: str) -> None:
+        """Follow a ModuleList or Sequential at ``prefix`` (Note [submodules inserted into a container])."""
+        if not any(c.module is container for c in self.containers):
+            self.containers.append(_Container(container, prefix))
+
+    def find_inserted(self) -> None:
+        """Handle the submodules inserted into the followed containers without a registration
+        (Note [submodules inserted into a container]); one comparison per container when none was."""
+        for container in self.containers:
+            if container.module._modules is container.modules and len(container.modules) == container.count:
+                continue
+            container.snapshot()
+            for name, sub in list(container.modules.items()):
+                if sub is not None and not _follows(sub, self):
+                    self._note_inserted(container.module, container.prefix, name, sub)
+
+    def _note_inserted(self, parent, prefix: str, name: str, submodule) -> None:
+        before = len(self.assigned)
+        _registered_into(self, parent, prefix, name, submodule)
+        # (its parameters may share names the container's shifted entries were wrapped under:
+        # reported as inserted, not as replacements)
+        added, self.assigned[before:] = self.assigned[before:], []
+        if added:
+            self.inserted += [n for n in added if n not in self.inserted]
+            self.inserted_modules.append(f"{prefix}{name} ({type(submodule).__name__})")
 
     def note_assignment(self, name: str, param) -> None:
         """A Parameter was registered under ``name`` (Note [parameters replaced after wrapping])."""
@@ -202,6 +246,8 @@ class TrainableTracker:
         known = [n for n in self.assigned if n in self.position or n in self.sparse]
         groups = (("replaced by new Parameter objects", known),
                   ("added", [n for n in self.assigned if n not in known]),
+                  (f"added with the submodule(s) {self.inserted_modules} inserted into a ModuleList or Sequential "
+                   "(insert() registers them without torch's registration hook)", self.inserted),
                   (f"removed with the submodule(s) {self.removed_modules} replaced or set to None", self.removed))
         what = [f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}" for label, names in groups if names]
         return RuntimeError(
@@ -245,11 +291,33 @@ def follow_assignments(module, tracker: TrainableTracker) -> None:
     _follow_tree(module, weakref.ref(tracker), "")
 
 
+class _Container:
+    """A ModuleList or Sequential in the wrapped module as last seen (Note [submodules inserted
+    into a container]): its ``_modules`` dict and that dict's length."""
+
+    __slots__ = ("module", "prefix", "modules", "count")
+
+    def __init__(self, module, prefix: str):
+        self.module, self.prefix = module, prefix
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        self.modules = self.module._modules
+        self.count = len(self.modules)
+
+
 def _follow_tree(module, ref, prefix: str) -> None:
+    tracker = ref()
     for name, sub in module.named_modules():
         # (dropping the entries of wrappers that are gone: a module wrapped again and again)
         live = [entry for entry in _followed.get(sub, ()) if entry[0]() is not None]
         _followed[sub] = live + [(ref, prefix + name + "." if name else prefix)]
+        if tracker is not None and isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
+            tracker.watch(sub, prefix + name + "." if name else prefix)
+
+
+def _follows(module, tracker) -> bool:
+    return any(ref() is tracker for ref, _ in _followed.get(module, ()))
 
 
 def _parameter_registered(module, name: str, param):
@@ -265,20 +333,25 @@ def _module_registered(module, name: str, submodule):
     (those followed already under another name excepted) and its tree is followed."""
     for ref, prefix in _followed.get(module, ()):
         tracker = ref()
-        if tracker is None:
-            continue
-        owner = tracker.owner()
-        if owner is not None:
-            owner.submodules_changed()  # its buffers are found again (a submodule set to None: dropped)
-        old = module._modules.get(name)  # still registered: the hook runs before the assignment
-        if old is not None and old is not submodule and next(old.parameters(), None) is not None:
-            tracker.replaced_modules.append(f"{prefix}{name}")  # Note [submodules removed]
-        if submodule is None:
-            continue
-        for param_name, param in submodule.named_parameters():
-            tracker.note_assignment(f"{prefix}{name}.{param_name}", param)
-        _follow_tree(submodule, ref, f"{prefix}{name}.")
+        if tracker is not None:
+            _registered_into(tracker, module, prefix, name, submodule)
     return None  # the submodule is registered unchanged
+
+
+def _registered_into(tracker: TrainableTracker, module, prefix: str, name: str, submodule) -> None:
+    """``submodule`` registered under ``name`` into ``module`` (at ``prefix``), which ``tracker``
+    follows; ``module._modules`` may still hold the submodule it replaces."""
+    owner = tracker.owner()
+    if owner is not None:
+        owner.submodules_changed()  # its buffers are found again (a submodule set to None: dropped)
+    old = module._modules.get(name)  # still registered: the hook runs before the assignment
+    if old is not None and old is not submodule and next(old.parameters(), None) is not None:
+        tracker.replaced_modules.append(f"{prefix}{name}")  # Note [submodules removed]
+    if submodule is None:
+        return
+    for param_name, param in submodule.named_parameters():
+        tracker.note_assignment(f"{prefix}{name}.{param_name}", param)
+    _follow_tree(submodule, weakref.ref(tracker), f"{prefix}{name}.")
 
 
 def _thaw_into_hook_buckets(reducer, trainable: set) -> None:

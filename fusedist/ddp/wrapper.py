@@ -362,6 +362,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             # Before this step's first collective (observers read the last step's checks).
             self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
         if sync_buffers and self.config.broadcast_buffers:
+            self.reducer.tracker.find_inserted()  # their buffers too (Note [submodules inserted into a container])
             buffers = self._module_buffers()
             if buffers:
                 self._broadcast_coalesced(buffers, tag="ddp buffers")

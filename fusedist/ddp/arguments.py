@@ -13,7 +13,7 @@ from torch import nn
 from .._rank import this_rank
 
 __all__ = ["TORCH_ONLY_OPTIONS", "buffer_sync_settings", "check_device_ids", "group_of", "module_device",
-           "reduce_dtype_from_mixed_precision"]
+           "reduce_dtype_from_mixed_precision", "refuse_dtensors"]
 
 #: torch options that change only how torch schedules its own reduction: accepted and ignored
 #: (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
@@ -73,6 +73,43 @@ def group_of(process_group, device_mesh):
             f"e.g. mesh['dp']), got {device_mesh.ndim} dimensions"
         )
     return device_mesh.get_group(mesh_dim=0)
+
+
+def refuse_dtensors(named_params: list, named_buffers: list) -> None:
+    """Note [DDP over a tensor-parallel model]: DTensor parameters or buffers are refused, by name,
+    before any collective."""
+    from torch.distributed.tensor import DTensor
+
+    found = [("parameter", n, t) for n, t in named_params if isinstance(t, DTensor)]
+    found += [("buffer", n, t) for n, t in named_buffers if isinstance(t, DTensor)]
+    if not found:
+        return
+    kind, name, t = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    dims = t.device_mesh.mesh_dim_names or tuple(range(t.device_mesh.ndim))
+    raise NotImplementedError(
+        f"fusedist.DistributedDataParallel (rank {this_rank()}): {kind} '{name}'{more} is a "
+        f"DTensor (placements {tuple(t.placements)} over mesh dims {dims}, local shape "
+        f"{tuple(t.to_local().shape)}): the module is tensor-parallel (or sharded by torch's fully_shard), and "
+        "fusedist's DistributedDataParallel takes plain tensors. For data parallelism over a tensor-parallel "
+        "model use fusedist.fully_shard(model, mesh=mesh['dp']) (it composes with tensor parallelism), or "
+        "torch.nn.parallel.DistributedDataParallel(model, device_mesh=mesh['dp']) (build the optimizer before "
+        "its first forward: the module's parameters() and state_dict() are empty after it, on torch 2.13)."
+    )
+
+
+# Note [DDP over a tensor-parallel model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's DDP, given a ``device_mesh`` sliced from a larger mesh, runs
+# ``_pre_dp_module_transform``: each DTensor parameter is replaced by a Parameter over its local
+# shard, and forward hooks swap DTensors back in for the forward. On torch 2.13 the pre-forward
+# swap assigns DTensors that are not Parameters, so after the first forward the module has no
+# parameters at all (``parameters()`` and ``state_dict()`` are empty; an optimizer built then gets
+# nothing; one built before it trains, and the dp replicas stay equal). Reducing DTensors needs
+# their placements and meshes, which the flat buckets do not carry; fully_shard's units do (it
+# composes with tensor parallelism). So the wrapper
+# refuses DTensors by name at construction, where they used to fail inside the first broadcast
+# ("'DeviceMesh' object has no attribute 'dtype'", from the DTensor's flattened parts).
 
 
 def module_device(module: nn.Module) -> torch.device:

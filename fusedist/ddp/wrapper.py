@@ -21,7 +21,7 @@ from . import dcp_names
 from . import join as _join
 from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
 from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
-                        reduce_dtype_from_mixed_precision)
+                        reduce_dtype_from_mixed_precision, refuse_dtensors)
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
@@ -88,7 +88,8 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             copied to it as torch's DDP copies them; on CPU it must be None.
         process_group: the data-parallel group (default: the world).
         device_mesh: as torch's: a 1-D ``DeviceMesh`` whose group is the data-parallel group
-            (instead of ``process_group``).
+            (instead of ``process_group``). DTensor parameters (tensor parallelism) are refused:
+            ``fully_shard`` composes with it (Note [DDP over a tensor-parallel model]).
         bucket_cap_mb, first_bucket_cap_mb, bucket_cap_mb_list, find_unused_parameters,
             gradient_as_bucket_view, reduce_dtype, static_graph: see
             :class:`~fusedist.ddp.config.DDPConfig`.
@@ -171,6 +172,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.device = module_device(module)
         check_device_ids(self.device, device_ids, output_device)
         self._init_surface(module, device_ids)  # torch's placement attributes, the ignored names
+        refuse_dtensors(self.synced_parameters(), self.synced_buffers())  # Note [DDP over a tensor-parallel model]
         self.comm = get_communicator(process_group, self.device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
 

@@ -174,6 +174,37 @@ def _pre_step(optimizer, args, kwargs):
     return args, {**kwargs, "closure": checked_closure}
 
 
+def _model_words(ddp) -> dict:
+    """How the refusals below name the model and what to do: a ``fusedist.replicate`` module is no
+    wrapper (it has no ``.module`` and its engine is built at its first forward), so words about a
+    wrapper would send its user looking for one."""
+    from ..ddp.replicate import ReplicatedModule
+
+    module = ddp.module
+    if isinstance(module, ReplicatedModule):
+        name = type(module).__mro__[2].__name__  # (ReplicatedClass, ReplicatedModule, original, ...)
+        return {
+            "model": f"replicated {name} (fusedist.replicate)",
+            "built": "its data-parallel engine was built (at its first forward)",
+            "forward": f"the replicated {name} (with set_requires_gradient_sync(True))",
+            "only": f"that module's parameters() only, or replicate the module that owns that parameter too "
+                    f"(or move it into the replicated {name} before its first forward)",
+            "changed": f"after its first forward (when replicate built its data-parallel engine): the engine "
+                       f"synchronizes the gradients of the Parameters the {name} held then",
+            "redo": f"Make such changes before the first forward of the replicated {name}.",
+        }
+    return {
+        "model": "DistributedDataParallel model",
+        "built": "the model was wrapped",
+        "forward": "the DistributedDataParallel model (outside no_sync())",
+        "only": "ddp_model.parameters() only, or wrap the module that owns that parameter too",
+        "changed": "after the module was wrapped: the wrapper synchronizes the gradients of the Parameters "
+                   "it was built with",
+        "redo": "Make such changes before wrapping, or wrap the module again (DistributedDataParallel("
+                "model.module, ...)) and run forward through the wrapper.",
+    }
+
+
 def _refuse_unowned(optimizer, ddp, unowned) -> None:
     gi, pi, shape, dtype = unowned
     p = optimizer.param_groups[gi]["params"][pi]
@@ -181,23 +212,23 @@ def _refuse_unowned(optimizer, ddp, unowned) -> None:
     change = ddp.reducer.tracker.assigned_since_wrapping(p, name) if name is not None else None
     if change is not None:
         raise _assigned_after_wrapping(optimizer, ddp, name, change)
+    words = _model_words(ddp)
     if name is not None:  # Note [trainable set changes] in fusedist/ddp/trainable.py
         if p.grad is None:
             return  # unfrozen since the last backward: nothing to apply yet, as with torch
         raise ValueError(
             f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameter '{name}' of the "
-            "DistributedDataParallel model, which had requires_grad=False when the model was wrapped; its "
+            f"{words['model']}, which had requires_grad=False when {words['built']}; its "
             "gradient was not averaged across ranks, because no synchronized backward of a training "
             "forward through the model has run since it became trainable (the model takes it on then). "
-            "Run forward and backward through the DistributedDataParallel model (outside no_sync()) "
-            "before optimizer.step()."
+            f"Run forward and backward through {words['forward']} before optimizer.step()."
         )
     raise ValueError(
-        f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameters of a "
-        f"DistributedDataParallel model and also param_groups[{gi}]['params'][{pi}] (shape "
+        f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameters of the "
+        f"{words['model']} and also param_groups[{gi}]['params'][{pi}] (shape "
         f"{shape}, {dtype}), which that model does not own: its gradient is never averaged "
         "across ranks, so the ranks' copies would diverge. Build the optimizer from "
-        "ddp_model.parameters() only, or wrap the module that owns that parameter too."
+        f"{words['only']}."
     )
 
 
@@ -208,12 +239,11 @@ def _assigned_after_wrapping(optimizer, ddp, name: str, change: str) -> ValueErr
     how = ("replaced by a new Parameter object (module.weight = nn.Parameter(...), "
            "load_state_dict(..., assign=True), a submodule replaced)" if change == "replaced" else
            "added (a submodule or Parameter assigned into the module, e.g. module.extra = nn.Linear(...))")
+    words = _model_words(ddp)
     return ValueError(
         f"fusedist (rank {ddp.rank}): {type(optimizer).__name__} holds parameter '{name}' of the "
-        f"DistributedDataParallel model's module, which was {how} after the module was wrapped: the wrapper "
-        "synchronizes the gradients of the Parameters it was built with, so this one would train on this "
-        "rank's gradient alone and the ranks would diverge. Make such changes before wrapping, or wrap the "
-        "module again (DistributedDataParallel(model.module, ...)) and run forward through the wrapper"
+        f"{words['model']}, which was {how} {words['changed']}, so this one would train on this "
+        f"rank's gradient alone and the ranks would diverge. {words['redo']}"
     )
 
 

@@ -17,7 +17,7 @@ from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, 
 from ..optim.step_context import materialize_unscales
 from ..ownership import register_gradient_holder
 
-__all__ = ["ShardedGradHolder", "holder_for"]
+__all__ = ["ShardedGradHolder", "holder_for", "joint_holder"]
 
 _holders: "weakref.WeakValueDictionary[tuple, ShardedGradHolder]" = weakref.WeakValueDictionary()
 
@@ -216,3 +216,36 @@ def holder_for(comm, replicate=None, tp=None) -> ShardedGradHolder:
         holder = ShardedGradHolder(comm, replicate, tp)
         _holders[key] = holder
     return holder
+
+
+# Note [plain units beside tensor-parallel ones]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In a tensor-parallel model, a unit with no tensor-parallel parameter (``fully_shard(m.head)`` on a
+# plain module left out of the plan) knows nothing of the tensor-parallel group: its holder is the
+# data-parallel communicator's alone, beside the tensor-parallel units' holder on the same
+# communicator. Its parameters are held alike by the tensor-parallel ranks (they see the same
+# inputs), like a ``Replicate()`` parameter of a tensor-parallel unit. So a clip over the whole
+# model is one norm: the tensor-parallel holder's collectives, with the plain units' pieces counted
+# as held alike (once over the tensor-parallel group, Note [one norm on every tensor-parallel rank]).
+def joint_holder(groups: list):
+    """One holder measuring every ``(holder, params)`` of ``groups`` together, with ``params``
+    concatenated: ``(holder, params)``, or None where their norms do not combine (other
+    data-parallel or replicate communicators, two tensor-parallel groups, not ``fully_shard``
+    holders). Same on every rank of a data-parallel group: the holders follow the units."""
+    holders = [h for h, _ in groups]
+    first = holders[0]
+    if not all(isinstance(h, ShardedGradHolder) for h in holders):
+        return None
+    if any(h.comm is not first.comm or h.replicate is not first.replicate for h in holders):
+        return None
+    tps = {id(h.tp): h.tp for h in holders if h.tp is not None}
+    if len(tps) != 1:
+        return None
+    joint = ShardedGradHolder(first.comm, first.replicate, next(iter(tps.values())))
+    params = []
+    for h, ps in groups:
+        for p in ps:
+            params.append(p)
+            if h.tp is None or p in h._tp_replicated:
+                joint._tp_replicated[p] = True
+    return joint, params

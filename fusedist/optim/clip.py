@@ -23,7 +23,7 @@ from ._scaler_protocol import _grad_of, looked_up_once, without_none
 from .functional import _dtype_of
 from .grad_norms import norm_result_dtype
 from .step_context import materialize_unscales, pending_contexts
-from .torch_clip import torch_clip_grad_norm_
+from .torch_clip import joint_fully_shard_holder, mixed_holders_message, torch_clip_grad_norm_
 
 
 def _record_clip(opt, grads: list, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -83,13 +83,13 @@ def clip_grad_norm_(
         elif p.requires_grad:  # (a frozen parameter has no gradient to clip anywhere)
             unheld = True
     if holders:
+        joint = None if unheld or len(holders) == 1 else joint_fully_shard_holder(list(holders.values()))
+        if joint is not None:  # Note [plain units beside tensor-parallel ones] in fusedist/fsdp/holder.py
+            return joint[0].clip_sharded_grads_(joint[1], max_norm, norm_type, error_if_nonfinite)
         if len(holders) > 1 or unheld:
-            raise ValueError(
-                "fusedist.clip_grad_norm_: some of these parameters keep their gradients sharded "
-                f"({', '.join(type(h).__name__ for h, _ in holders.values())}) and some do not, or "
-                "several sharded owners are mixed; clip each owner's parameters on their own (e.g. "
-                "optimizer.clip_grad_norm_ for a ZeroRedundancyOptimizer)"
-            )
+            raise ValueError(mixed_holders_message(
+                "fusedist.clip_grad_norm_: some of these parameters keep their gradients sharded and some do "
+                "not, or several sharded owners whose groups differ are mixed", params, unheld))
         holder, held = next(iter(holders.values()))
         # (a stage-2 optimizer also clips some of its parameters: Note [clipping some of the
         # parameters in stage 2] in fusedist/zero/grads.py)

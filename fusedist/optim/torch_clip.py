@@ -52,10 +52,13 @@ a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacemen
   optimizers hold gradients: torchtitan's clip across pipeline stages (Note [torchtitan's clip
   across pipeline stages of stage 2]).
 
-What stays outside: a list mixing sharded and unsharded gradients or two process groups' units,
-which raises (FSDP2's clip refuses DTensors mixed with plain tensors too), and, under stage 2,
-the norm read before ``clip_grads_with_norm_`` runs (it is 0 until then) or the two calls made
-through names bound before the installation.
+Units on one data-parallel group, some tensor-parallel and some not (a module left out of the
+plan), are measured together (Note [plain units beside tensor-parallel ones] in
+fusedist/fsdp/holder.py). What stays outside: a list mixing sharded and unsharded gradients or
+units of different data-parallel groups, which raises, naming the units on each side (FSDP2's
+clip refuses DTensors mixed with plain tensors too), and, under stage 2, the norm read before
+``clip_grads_with_norm_`` runs (it is 0 until then) or the two calls made through names bound
+before the installation.
 The replacements are collectives exactly when they see sharded gradients: every rank calls them
 with the same parameters, as FSDP2 requires of its clip.
 
@@ -95,7 +98,7 @@ from ..ownership import gradient_holder, held_parameters
 from .grad_norms import norm_result_dtype
 from .step_context import materialize_unscales
 
-__all__ = ["install", "installed", "torch_clip_grad_norm_"]
+__all__ = ["install", "installed", "joint_fully_shard_holder", "mixed_holders_message", "torch_clip_grad_norm_"]
 
 #: torch's own functions, saved before replacement (also what fusedist's clip falls back to)
 _TORCH_CLIP = clip_grad_module.clip_grad_norm_
@@ -119,6 +122,63 @@ _eager_in_compiled_code = torch.compiler.disable
 def torch_clip_grad_norm_(*args, **kwargs) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` as torch ships it (whatever is installed in its place)."""
     return _TORCH_CLIP(*args, **kwargs)
+
+
+def joint_fully_shard_holder(groups: list):
+    """``(holder, params)`` measuring the ``fully_shard`` pieces of ``groups`` (``(holder, params)``
+    of several holders) as one, or None (Note [plain units beside tensor-parallel ones] in
+    fusedist/fsdp/holder.py)."""
+    from ..fsdp.holder import joint_holder  # (fusedist.fsdp imports the optimizers)
+
+    return joint_holder(groups)
+
+
+def _describe_holder(holder, params: list) -> str:
+    """Who holds ``params``' gradients, for an error: the ``fully_shard`` units by name, with their
+    first parameters' names, and their groups; or the owner's type (a ZeRO optimizer)."""
+    if not hasattr(holder, "tp"):
+        return f"{type(holder).__name__} ({len(params)} parameters)"
+    from ..fsdp.owners import owner_of
+
+    units: dict = {}
+    for p in params:
+        owned = owner_of(p)
+        if owned is not None:
+            units.setdefault(id(owned[0]), (owned[0].name or "root", []))[1].append(owned[0].fqns[owned[1]])
+    names = ", ".join(f"{name} ({', '.join(fqns[:2])}{', ...' if len(fqns) > 2 else ''})"
+                      for name, fqns in units.values())
+    groups = [f"data-parallel group of {holder.comm.world_size}"]
+    if holder.replicate is not None:
+        groups.append(f"replicate group of {holder.replicate.world_size}")
+    groups.append(f"tensor-parallel group of {holder.tp.world_size}" if holder.tp is not None
+                  else "no tensor-parallel parameters")
+    return f"fully_shard({names or '?'}) [{', '.join(groups)}]"
+
+
+def mixed_holders_message(what: str, params: list, unheld) -> str:
+    """The refusal of a total norm over gradients that no single collective can measure: ``what``
+    (the function and the problem), then which owners hold which of them, and what to do.
+    ``unheld``: whether some of ``params`` have no gradient holder."""
+    groups: dict = {}
+    plain = []
+    for i, p in enumerate(params):
+        holder = gradient_holder(p)
+        if holder is not None:
+            groups.setdefault(id(holder), (holder, []))[1].append(p)
+        elif p.requires_grad:
+            plain.append(f"parameter {i} of shape {tuple(p.shape)}")
+    sides = [_describe_holder(h, ps) for h, ps in groups.values()]
+    if unheld:
+        shown = f" ({', '.join(plain[:2])}{', ...' if len(plain) > 2 else ''})" if plain else ""
+        sides.append(f"parameters whose gradients are not sharded by fully_shard or a ZeRO optimizer{shown}")
+    return (
+        f"{what}: no single global norm covers these gradients. They are held by "
+        + "; ".join(sides) + ". A norm over them would mix one rank's local values with global ones, "
+        "or units whose data-parallel groups differ. Shard every trainable module with fully_shard on the same "
+        "data-parallel mesh (a module left out of the tensor-parallel plan may be sharded beside it on that "
+        "mesh), or clip each owner's parameters on their own (e.g. optimizer.clip_grad_norm_ for a "
+        "ZeroRedundancyOptimizer). torch's FSDP2 refuses DTensors of different meshes, or mixed with plain "
+        "tensors, too.")
 
 
 def _pieces_by_holder(grads: list) -> tuple[dict, bool]:
@@ -147,14 +207,17 @@ def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach
     found, unheld = _pieces_by_holder(tensors)
     if not found:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-    if len(found) > 1 or unheld:
-        raise ValueError(
+    joint = None if unheld or len(found) == 1 else joint_fully_shard_holder(list(found.values()))
+    if joint is not None:  # Note [plain units beside tensor-parallel ones] in fusedist/fsdp/holder.py
+        holder, params = joint
+    elif len(found) > 1 or unheld:
+        held = [p for _, ps in found.values() for p in ps]
+        raise ValueError(mixed_holders_message(
             "torch.nn.utils.get_total_norm / clip_grad_norm_: some of these gradients are pieces of "
-            "fusedist.fully_shard parameters and some are not, or they belong to units of different "
-            "process groups: the total norm would mix this rank's local values with global ones. "
-            "Measure each group's gradients on their own (torch's FSDP2 refuses DTensors mixed with "
-            "plain tensors too)")
-    holder, params = next(iter(found.values()))
+            "fusedist.fully_shard parameters and some are not, or they belong to units whose groups differ",
+            held, unheld))
+    else:
+        holder, params = next(iter(found.values()))
     materialize_unscales(params)  # lazily unscaled gradients: torch's values first
     total = holder.grad_norm(params, norm_type)
     _check_finite(total, norm_type, error_if_nonfinite)
@@ -228,11 +291,19 @@ def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfin
 
 def _one_fully_shard_holder(params: list, holders: list):
     """The ``fully_shard`` gradient holder of every trainable parameter in ``params`` (whose
-    holders are ``holders``), or None (a stage-2 optimizer's parameters, several holders, or
-    pieces mixed with plain parameters: fusedist's clip handles or refuses those)."""
+    holders are ``holders``) -- for plain units beside tensor-parallel ones, one measuring them
+    together -- or None (a stage-2 optimizer's parameters, holders that do not combine, or pieces
+    mixed with plain parameters: fusedist's clip handles or refuses those)."""
     distinct = {id(h): h for h in holders if h is not None}
-    if len(distinct) != 1 or any(h is None and p.requires_grad for p, h in zip(params, holders)):
+    if not distinct or any(h is None and p.requires_grad for p, h in zip(params, holders)):
         return None
+    if len(distinct) > 1:  # Note [plain units beside tensor-parallel ones] in fusedist/fsdp/holder.py
+        groups = {i: (h, []) for i, h in distinct.items()}
+        for p, h in zip(params, holders):
+            if h is not None:
+                groups[id(h)][1].append(p)
+        joint = joint_fully_shard_holder(list(groups.values()))
+        return joint[0] if joint is not None else None
     holder = next(iter(distinct.values()))
     return holder if hasattr(holder, "grad_norm") else None
 

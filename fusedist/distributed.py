@@ -2,7 +2,7 @@
 
 fusedist never ships a launcher or rendezvous of its own: ``torchrun`` sets the environment,
 ``torch.distributed`` does the rest. This module only adds the checks and defaults a user
-would otherwise get wrong (device binding, a finite timeout, a readable error when the
+would otherwise get wrong (device binding, a finite default timeout, a readable error when the
 environment is incomplete).
 """
 
@@ -36,8 +36,8 @@ if dist.is_available():
 #: ``FUSEDIST_TIMEOUT_S`` or ``init_distributed(timeout=...)``.
 DEFAULT_TIMEOUT_S = 600.0
 
-#: Longest timeout kept as a deadline (about 31.7 years); a longer one -- ``datetime.timedelta.max``,
-#: which programs pass for "no timeout" -- is used as this, i.e. no deadline in practice (Note
+#: Longest timeout kept as a deadline (about 31.7 years); a longer one -- ``datetime.timedelta.max`` or
+#: ``inf``, which programs pass for "no timeout" -- is used as this, i.e. no deadline in practice (Note
 #: [unbounded timeouts]). The same bound as the CUDA extension's waits (Note [wait timeouts] in
 #: csrc/cuda/wait_deadline.h).
 LONGEST_TIMEOUT_S = 1e9
@@ -53,6 +53,9 @@ LONGEST_TIMEOUT_S = 1e9
 # ``wait(timeout=timedelta.max)`` raises "Operation timed out!" at once. So a timeout longer than
 # LONGEST_TIMEOUT_S is replaced by LONGEST_TIMEOUT_S where it enters fusedist (here, and a
 # communicator's ``timeout``), and everything downstream computes with a value every layer takes.
+# ``inf`` means the same wherever a timeout is taken -- ``FUSEDIST_TIMEOUT_S=inf``,
+# ``init_distributed(timeout=float("inf"))``, a communicator's ``timeout``, ``handle.wait(float("inf"))``
+# and the CUDA extension's wait -- so no spelling of "no deadline" works in one place and fails in another.
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,21 +91,25 @@ def collective_timeout() -> datetime.timedelta:
 
 
 def bounded_timeout(value, name: str) -> datetime.timedelta:
-    """``value`` (seconds or a timedelta) as a positive timedelta of at most LONGEST_TIMEOUT_S (Note
-    [unbounded timeouts]: ``timedelta.max`` is no deadline); else a ValueError naming ``name``. A
-    number must fit a timedelta: ``inf`` is refused, as it always was here."""
+    """``value`` (seconds or a timedelta) as a positive timedelta of at most LONGEST_TIMEOUT_S: ``inf``,
+    ``timedelta.max`` and anything longer mean no deadline and are stored as the bound (Note [unbounded
+    timeouts]), the same as ``handle.wait(float("inf"))``. NaN, zero (or under a microsecond), negative
+    values and non-numbers raise a ValueError naming ``name``."""
+    longest = datetime.timedelta(seconds=LONGEST_TIMEOUT_S)
     if isinstance(value, datetime.timedelta):
-        timeout = value
+        timeout = min(value, longest)
     else:
         try:
             seconds = float(value)
-            timeout = datetime.timedelta(seconds=seconds) if math.isfinite(seconds) else None
-        except (TypeError, ValueError, OverflowError):
-            timeout = None
-    if timeout is None or timeout <= datetime.timedelta(0):
-        raise ValueError(f"{name} must be a positive, finite number of seconds or a datetime.timedelta "
-                         f"(timedelta.max: no deadline), got {value!r}")
-    return min(timeout, datetime.timedelta(seconds=LONGEST_TIMEOUT_S))
+        except OverflowError:  # an int (or Fraction) past float's range: its sign still says which
+            seconds = math.inf if value > 0 else -math.inf
+        except (TypeError, ValueError):
+            seconds = math.nan
+        timeout = datetime.timedelta(seconds=min(seconds, LONGEST_TIMEOUT_S)) if seconds > 0 else None
+    if timeout is None or timeout <= datetime.timedelta(0):  # (NaN compares False: None here)
+        raise ValueError(f"{name} must be a positive number of seconds or a datetime.timedelta (inf, "
+                         f"timedelta.max or anything over {LONGEST_TIMEOUT_S:g} s: no deadline), got {value!r}")
+    return timeout
 
 
 def wait_timeout(timeout, default: datetime.timedelta, what) -> datetime.timedelta:
@@ -194,8 +201,8 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     """Initialize ``torch.distributed`` from the environment ``torchrun`` provides.
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds this process to GPU
-    ``LOCAL_RANK``, and applies a finite ``timeout`` (seconds or timedelta; default
-    :func:`collective_timeout`; ``datetime.timedelta.max`` or anything over :data:`LONGEST_TIMEOUT_S`
+    ``LOCAL_RANK``, and applies ``timeout`` (seconds or timedelta; default
+    :func:`collective_timeout`; ``inf``, ``datetime.timedelta.max`` or anything over :data:`LONGEST_TIMEOUT_S`
     is no deadline: the group and fusedist's collectives get LONGEST_TIMEOUT_S, as gloo refuses
     timedelta.max itself). Calling it again, or after ``torch.distributed`` was initialized
     elsewhere, returns the existing setup; a ``timeout`` given then bounds fusedist's collectives

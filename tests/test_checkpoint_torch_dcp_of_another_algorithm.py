@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fusedist import checkpoint
 from fusedist.checkpoint import CheckpointError
-from fusedist.optim import FusedAdamW
+from fusedist.optim import FusedAdam, FusedAdamW
 
 
 def _net(seed: int = 0) -> nn.Sequential:
@@ -32,9 +32,10 @@ def _groups(model, **kw) -> list:
     return [{"params": model[0].parameters(), "lr": 3e-3, **kw}, {"params": model[2].parameters(), "lr": 1e-3, **kw}]
 
 
-def _saved(tmp_path, make_optimizer):
+def _saved(tmp_path, make_optimizer, drop=()):
     """A torch DCP checkpoint of a model and ``make_optimizer(model)`` after two steps on random
-    inputs, under an LR scheduler (whose ``initial_lr`` joins the saved groups)."""
+    inputs, under an LR scheduler (whose ``initial_lr`` joins the saved groups); the group keys
+    ``drop`` are left out, as a torch that did not have them saved it."""
     model = _net()
     opt = make_optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -45,6 +46,9 @@ def _saved(tmp_path, make_optimizer):
         opt.step()
         sched.step()
     msd, osd = get_state_dict(model, opt)
+    for group in osd["param_groups"]:
+        for key in drop:
+            del group[key]
     path = str(tmp_path / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (no process group: DCP warns that it saves alone)
@@ -94,3 +98,49 @@ def test_the_same_algorithms_state_loads_with_a_schedulers_keys(tmp_path, loaded
     for saved, group in zip(reference["param_groups"], loaded["param_groups"]):
         assert (group["lr"], group["weight_decay"], group["initial_lr"]) == \
             (saved["lr"], saved["weight_decay"], saved["initial_lr"])
+
+
+_DECOUPLED = {"weight_decay": 0.1, "decoupled_weight_decay": True}
+_WITHOUT_KEY = {"Adam(decoupled)": lambda m: torch.optim.Adam(_groups(m), **_DECOUPLED),
+                "FusedAdam(decoupled)": lambda m: FusedAdam(_groups(m), **_DECOUPLED),
+                "AdamW": lambda m: torch.optim.AdamW(_groups(m), weight_decay=0.1),
+                "FusedAdamW": lambda m: FusedAdamW(_groups(m), weight_decay=0.1),
+                "Adam": lambda m: torch.optim.Adam(_groups(m), weight_decay=0.1)}
+
+
+@pytest.mark.parametrize("loaded_into", list(_WITHOUT_KEY))
+def test_groups_saved_without_decoupled_weight_decay(tmp_path, loaded_into):
+    """Groups saved without ``decoupled_weight_decay`` (a torch older than the setting): torch's
+    ``load_state_dict`` fills it from the class -- False for Adam and FusedAdam, True for AdamW and
+    FusedAdamW -- so ``Adam(decoupled_weight_decay=True)`` silently switched to L2 decay. That is
+    refused naming the group, before anything changes; where the setting stays, the state loads
+    exactly and the groups are what torch's own ``load_state_dict`` of the same state makes."""
+    path, model, saved_opt = _saved(tmp_path, lambda m: torch.optim.AdamW(_groups(m), weight_decay=0.1),
+                                    drop=("decoupled_weight_decay",))
+    fresh = _net(1)
+    opt = _WITHOUT_KEY[loaded_into](fresh)
+    built = [g["decoupled_weight_decay"] for g in opt.param_groups]
+    if loaded_into.endswith("(decoupled)"):
+        before = [p.detach().clone() for p in fresh.parameters()]
+        name = type(opt).__name__
+        with pytest.raises(CheckpointError, match=rf"param group 0 was saved without decoupled_weight_decay .*"
+                                                  rf"{name}.load_state_dict fills it with False.*"
+                                                  rf"decoupled_weight_decay=True: from then on it would run Adam's"):
+            checkpoint.load(path, fresh, opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+        assert [g["decoupled_weight_decay"] for g in opt.param_groups] == built and not opt.state
+        return
+    checkpoint.load(path, fresh, opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    reference = saved_opt.state_dict()
+    loaded = opt.state_dict()
+    for index, state in reference["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(loaded["state"][index][key]), torch.as_tensor(value)), (index, key)
+    # torch's own loader on the same groups without the key: the setting each class fills
+    torch_made = _WITHOUT_KEY[loaded_into](_net(1))
+    keyless = {**reference, "param_groups": [{k: v for k, v in g.items() if k != "decoupled_weight_decay"}
+                                             for g in reference["param_groups"]]}
+    torch_made.load_state_dict(keyless)
+    assert [g["decoupled_weight_decay"] for g in opt.param_groups] == \
+        [g["decoupled_weight_decay"] for g in torch_made.param_groups] == built

@@ -91,8 +91,9 @@ def _collectives(comm, group, rank: int, seed: int) -> list:
 
 
 def _unbounded_communicators(rank, world):
-    """``TorchCommunicator(timeout=timedelta.max)`` and ``comm.timeout = timedelta.max``, on both
-    gloo paths, on the whole group and on a one-rank group."""
+    """``TorchCommunicator(timeout=timedelta.max)``, ``comm.timeout = timedelta.max`` and
+    ``TorchCommunicator(timeout=float("inf"))``, on both gloo paths, on the whole group and on a
+    one-rank group."""
     import torch.distributed as dist
 
     from fusedist.comm.torch_comm import TorchCommunicator
@@ -101,9 +102,10 @@ def _unbounded_communicators(rank, world):
     out = {}
     for group, name in ((None, "world"), (singles[rank], "alone")):
         for mode in ("p2p", "builtin"):
-            for how in ("constructor", "attribute"):
-                if how == "constructor":
-                    comm = TorchCommunicator(group, timeout=LONG, gloo_collectives=mode)
+            for how in ("constructor", "attribute", "inf"):
+                if how != "attribute":
+                    comm = TorchCommunicator(group, timeout=LONG if how == "constructor" else float("inf"),
+                                             gloo_collectives=mode)
                 else:
                     comm = TorchCommunicator(group, timeout=datetime.timedelta(seconds=30), gloo_collectives=mode)
                     comm.timeout = LONG
@@ -253,12 +255,12 @@ def test_init_distributed_takes_timedelta_max(launched):
 
 def test_communicators_take_timedelta_max(launched):
     """Every wait of a communicator with timeout timedelta.max raised OverflowError (deadline
-    arithmetic in timedelta); the timeout is kept as LONGEST_TIMEOUT_S, and every collective
-    matches torch's."""
+    arithmetic in timedelta), and ``timeout=float("inf")`` was refused; either is kept as
+    LONGEST_TIMEOUT_S, and every collective matches torch's."""
     from fusedist.distributed import LONGEST_TIMEOUT_S
 
     for per_rank in results_of(launched, "unbounded"):
-        assert len(per_rank) == 8
+        assert len(per_rank) == 12
         for key, (timeout, checks) in per_rank.items():
             assert timeout == datetime.timedelta(seconds=LONGEST_TIMEOUT_S), key
             assert isinstance(checks, list), f"{key}: {checks}"
@@ -307,8 +309,11 @@ def test_timeout_values_are_checked_and_bounded():
     longest = datetime.timedelta(seconds=LONGEST_TIMEOUT_S)
     assert bounded_timeout(LONG, "t") == longest
     assert bounded_timeout(5e13, "t") == longest
+    for unbounded in (float("inf"), "inf", "1e20", 10 ** 400, LONGEST_TIMEOUT_S):  # as wait(float("inf")) takes it
+        assert bounded_timeout(unbounded, "t") == longest, unbounded
     assert bounded_timeout(datetime.timedelta(seconds=3), "t") == datetime.timedelta(seconds=3)
-    for bad in (float("inf"), float("nan"), -1, 0, datetime.timedelta(seconds=-2), "x"):
+    assert bounded_timeout("2.5", "t") == datetime.timedelta(seconds=2.5)
+    for bad in (float("nan"), "nan", -1, 0, -float("inf"), -10 ** 400, datetime.timedelta(seconds=-2), "x", None):
         with pytest.raises(ValueError, match="t must be a positive"):
             bounded_timeout(bad, "t")
     default = datetime.timedelta(seconds=9)

@@ -64,24 +64,30 @@ def _timeout_after_torch_init(rank, world_size):
     before = collective_timeout()
     with pytest.raises(ValueError, match=r"init_distributed\(timeout=...\) must be a positive"):
         fusedist.init_distributed(timeout=-1)
+    fusedist.init_distributed(timeout=float("inf"))  # no deadline: kept as the bound
+    unbounded = collective_timeout()
     fusedist.init_distributed(timeout=3)  # torch.distributed is already initialized (by the harness)
-    return before, collective_timeout()
+    return before, unbounded, collective_timeout()
 
 
 def test_init_distributed_timeout_applies_to_a_group_torch_made():
     """A timeout passed once torch.distributed is initialized (by Lightning, accelerate, the
-    user's own init_process_group) bounds fusedist's collectives: it was silently ignored."""
-    for before, after in run_distributed(_timeout_after_torch_init, 2, timeout=60):
+    user's own init_process_group) bounds fusedist's collectives: it was silently ignored.
+    ``float("inf")`` is no deadline (LONGEST_TIMEOUT_S), as for ``timedelta.max``: it was refused."""
+    from fusedist.distributed import LONGEST_TIMEOUT_S
+
+    for before, unbounded, after in run_distributed(_timeout_after_torch_init, 2, timeout=60):
         assert before != after == datetime.timedelta(seconds=3)
+        assert unbounded == datetime.timedelta(seconds=LONGEST_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("value", ["abc", "inf", "1e20", "", "1e-9", "-3"])
+@pytest.mark.parametrize("value", ["abc", "nan", "", "1e-9", "-3", "0", "-inf"])
 def test_timeout_setting_bad_values_name_the_variable(monkeypatch, value):
     import fusedist
     from fusedist.distributed import collective_timeout
 
     monkeypatch.setenv("FUSEDIST_TIMEOUT_S", value)
-    with pytest.raises(ValueError, match="FUSEDIST_TIMEOUT_S must be a positive, finite number"):
+    with pytest.raises(ValueError, match="FUSEDIST_TIMEOUT_S must be a positive number of seconds"):
         collective_timeout()
     monkeypatch.setenv("FUSEDIST_TIMEOUT_S", "30")
     assert collective_timeout() == datetime.timedelta(seconds=30)
@@ -89,9 +95,19 @@ def test_timeout_setting_bad_values_name_the_variable(monkeypatch, value):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
-    for bad in (-1, 0, float("inf"), datetime.timedelta(0)):  # refused before any connection
+    for bad in (-1, 0, float("nan"), "soon", datetime.timedelta(0)):  # refused before any connection
         with pytest.raises(ValueError, match=r"init_distributed\(timeout=...\) must be a positive"):
             fusedist.init_distributed(timeout=bad)
+
+
+@pytest.mark.parametrize("value", ["inf", "Infinity", "1e20", "1e9"])
+def test_timeout_setting_inf_is_no_deadline(monkeypatch, value):
+    """FUSEDIST_TIMEOUT_S=inf (or over the bound) is no deadline, kept as LONGEST_TIMEOUT_S -- what
+    ``wait(float("inf"))`` and ``init_distributed(timeout=timedelta.max)`` take -- where it was refused."""
+    from fusedist.distributed import LONGEST_TIMEOUT_S, collective_timeout
+
+    monkeypatch.setenv("FUSEDIST_TIMEOUT_S", value)
+    assert collective_timeout() == datetime.timedelta(seconds=LONGEST_TIMEOUT_S)
 
 
 def _init_with_backend_spelling(rank, world_size):

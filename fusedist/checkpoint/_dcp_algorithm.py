@@ -14,6 +14,18 @@ Note [the algorithm of a torch distributed checkpoint's optimizer]
     how a step runs (``foreach``, ``fused``, ...) are left out, as are settings the optimizer
     has and the checkpoint lacks (an older torch saved fewer). ``decoupled_weight_decay`` is a
     setting of one class but two algorithms (Adam and AdamW), and is compared by value.
+
+Note [a checkpoint without decoupled_weight_decay]
+    A torch older than that setting saved Adam's and AdamW's groups without it, the same keys
+    either way. torch's loaders then decide: ``Adam.__setstate__`` (and NAdam's, RAdam's, fusedist's
+    FusedAdam's) fills it with False, ``AdamW``'s (and FusedAdamW's) with True (torch 2.13). So
+    ``Adam(decoupled_weight_decay=True)`` loading such a group silently ran Adam's L2 decay from then
+    on, where AdamW loads it as AdamW. (torch's own DCP load refuses the checkpoint outright, "Missing
+    key in checkpoint state_dict", as the live optimizer's groups have the key; with
+    ``allow_partial_load`` the optimizer keeps its own setting.) So a group saved without the key is
+    refused only where the optimizer's loader would change the setting the group has: what the
+    loader does is read from a probe instance of the optimizer's class, so that a subclass is judged
+    by its own ``__setstate__``; a class that cannot be probed is not refused.
 """
 
 from __future__ import annotations
@@ -61,6 +73,55 @@ def _settings_of(optimizer) -> tuple[set, list]:
     return own, groups
 
 
+_DECOUPLED = "decoupled_weight_decay"
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded_without_key(cls: type, value: bool) -> Optional[bool]:
+    """The ``decoupled_weight_decay`` a group of ``cls`` that has ``value`` is left with after
+    ``load_state_dict`` of a saved group without the key (Note [a checkpoint without
+    decoupled_weight_decay]); None where no class of its MRO can be probed over one parameter."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    for klass in cls.__mro__:
+        if not issubclass(klass, torch.optim.Optimizer) or klass is torch.optim.Optimizer:
+            break
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                try:
+                    probe = klass([param], **{_DECOUPLED: value})
+                except Exception:  # noqa: BLE001 - a class that does not take it (torch's AdamW)
+                    probe = klass([param])
+                probe.param_groups[0][_DECOUPLED] = value
+                saved = probe.state_dict()
+                saved["param_groups"][0].pop(_DECOUPLED, None)
+                probe.load_state_dict(saved)
+                return bool(probe.param_groups[0].get(_DECOUPLED, value))
+            except Exception:  # noqa: BLE001 - one that needs more arguments: try its base
+                continue
+    return None
+
+
+def _switched_without_key(saved_groups: list, optimizer) -> Optional[str]:
+    """The problem, where loading a group saved without ``decoupled_weight_decay`` would change the
+    optimizer's setting (Note [a checkpoint without decoupled_weight_decay]); else None."""
+    for i, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        if _DECOUPLED in saved or _DECOUPLED not in group:
+            continue
+        value = bool(group[_DECOUPLED])
+        loaded = _loaded_without_key(type(optimizer), value)
+        if loaded is not None and loaded != value:
+            name = type(optimizer).__name__
+            return (f"param group {i} was saved without {_DECOUPLED} (by a torch older than that setting: Adam's "
+                    f"and AdamW's groups look alike there), and {name}.load_state_dict fills it with {loaded}, "
+                    f"where the optimizer here has {_DECOUPLED}={group[_DECOUPLED]!r}: from then on it would run "
+                    f"{'AdamW' if loaded else 'Adam'}'s weight decay instead of "
+                    f"{'AdamW' if value else 'Adam'}'s. If the checkpoint is AdamW's, load it into torch.optim.AdamW "
+                    f"or fusedist.optim.FusedAdamW, which keep decoupled weight decay; if Adam's, build the optimizer "
+                    f"with {_DECOUPLED}={loaded}")
+    return None
+
+
 def check(saved_groups: list, optimizer, directory: str) -> None:
     """Refuse a torch DCP checkpoint's optimizer state whose param groups hold another algorithm's
     settings (Note [the algorithm of a torch distributed checkpoint's optimizer])."""
@@ -78,6 +139,8 @@ def check(saved_groups: list, optimizer, directory: str) -> None:
                            f"{'AdamW' if saved[key] else 'Adam'}'s weight decay), the optimizer here has "
                            f"{key}={group[key]!r}")
                 break
+        else:
+            problem = _switched_without_key(saved_groups, optimizer)
     if problem is not None:
         raise CheckpointError(
             f"fusedist.checkpoint: the optimizer state in {directory} (torch's distributed checkpoint) is another "

@@ -265,23 +265,44 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     if "device_id" in kwargs and not isinstance(kwargs["device_id"], (int, torch.device, type(None))):
         raise TypeError(f"fusedist.replicate: device_id must be an int or a torch.device, got "
                         f"{type(kwargs['device_id']).__name__}")
-    from torch.distributed.tensor import DTensor
-
-    dtensors = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]  # (fully_shard's pieces are not)
-    if dtensors:
-        raise NotImplementedError(
-            f"fusedist.replicate: parameters {dtensors[:4]} are DTensors (tensor parallelism); fusedist's data "
-            "parallelism takes plain parameters. Use torch's replicate for DDP over tensor-parallel modules")
+    ignored_modules = set(ignored_modules or ())
+    _refuse_dtensors(module, ignored_modules)
     if not dist.is_initialized():
         raise RuntimeError("fusedist.replicate: torch.distributed is not initialized; call fusedist.init_distributed() "
                            "(under torchrun) before replicating the model")
     _refuse_engine_over(module)
-    module.__dict__[_STATE] = _ReplicateState(module, set(ignored_modules or ()), kwargs)
+    module.__dict__[_STATE] = _ReplicateState(module, ignored_modules, kwargs)
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.register_forward_hook(_after_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))
     _PENDING.add(module)
     return module
+
+
+def _refuse_dtensors(module: nn.Module, ignored_modules: set) -> None:
+    """DTensor parameters (a tensor-parallel module) are refused by name at ``replicate``, not at the
+    first forward in the engine's words (Note [DDP over a tensor-parallel model] in arguments.py):
+    the flat buckets carry no placements. Those of ``ignored_modules`` are the user's to reduce, as
+    with torch's replicate; fully_shard's own pieces are plain tensors, not DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from .._rank import this_rank
+
+    left_out = {id(p) for m in ignored_modules for p in m.parameters()}
+    found = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in left_out]
+    if not found:
+        return
+    name, t = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    dims = t.device_mesh.mesh_dim_names or tuple(range(t.device_mesh.ndim))
+    raise NotImplementedError(
+        f"fusedist.replicate({type(module).__name__}) (rank {this_rank()}): parameter '{name}'{more} is a DTensor "
+        f"(placements {tuple(t.placements)} over mesh dims {dims}, local shape {tuple(t.to_local().shape)}): the "
+        "module is tensor-parallel, and fusedist's data-parallel engine takes plain parameters. For data "
+        "parallelism over a tensor-parallel model use fusedist.fully_shard(model, mesh=mesh['dp']) (it composes "
+        "with tensor parallelism), or torch's replicate(model, device_mesh=mesh['dp']) (build the optimizer "
+        "before its first forward: the module's parameters() and state_dict() are empty after it, on torch 2.13)."
+    )
 
 
 def _refuse_engine_over(module: nn.Module) -> None:

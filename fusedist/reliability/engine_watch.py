@@ -116,14 +116,16 @@ class WatchBase:
 class StepWatch(WatchBase, EngineObserver):
     """Counters, the step check and the stall-report context of one DDP engine."""
 
-    owner_name = "DistributedDataParallel model"
-    no_backward_advice = ("so there are no averaged gradients to apply. Call loss.backward() (outside no_sync()) "
-                          "before optimizer.step().")
-    unsynced_advice = ("that was not synchronized -- its forward ran under no_sync(), or it did not go through a "
-                       "forward of the wrapper (a backward through model.module): the gradients are this rank's "
-                       "local sums, not averaged across ranks, so the ranks would diverge. Run the last "
-                       "micro-batch's forward (through the wrapper, outside no_sync()) and backward before "
-                       "stepping." + PIPELINE_HINT)
+    #: The wrapper's words; a ``fusedist.replicate`` module's are built by :meth:`_words`.
+    WRAPPER_WORDS = (
+        "DistributedDataParallel model",
+        "so there are no averaged gradients to apply. Call loss.backward() (outside no_sync()) "
+        "before optimizer.step().",
+        "that was not synchronized -- its forward ran under no_sync(), or it did not go through a "
+        "forward of the wrapper (a backward through model.module): the gradients are this rank's "
+        "local sums, not averaged across ranks, so the ranks would diverge. Run the last "
+        "micro-batch's forward (through the wrapper, outside no_sync()) and backward before "
+        "stepping." + PIPELINE_HINT)
 
     def __init__(self, engine):
         self._engine = engine  # (before the base registers position() with the monitor)
@@ -132,6 +134,41 @@ class StepWatch(WatchBase, EngineObserver):
         self._sparse_flags: list = []  # requires_grad of the sparse-gradient weights at the last forward
         super().__init__(engine.comm)
         self.param_every = param_check_every() if self.step_check is not None else 0
+
+    # The step guard's words (WatchBase), read only when it refuses a step.
+    @property
+    def owner_name(self) -> str:
+        return self._words()[0]
+
+    @property
+    def no_backward_advice(self) -> str:
+        return self._words()[1]
+
+    @property
+    def unsynced_advice(self) -> str:
+        return self._words()[2]
+
+    def _words(self) -> tuple:
+        """(name, no-backward advice, unsynced advice). A ``fusedist.replicate`` module is no wrapper:
+        it has no ``no_sync()`` and no ``.module``, so its user is told of the module they replicated
+        and of ``set_requires_gradient_sync``, named as the guard's other refusals name it."""
+        from ..ddp.replicate import ReplicatedModule
+        from .optimizer_guard import _model_words
+
+        owner = _wrapper_of(self._engine)
+        if owner is None or not isinstance(owner.module, ReplicatedModule):
+            return self.WRAPPER_WORDS
+        words = _model_words(owner)
+        return (
+            words["model"],
+            f"so there are no averaged gradients to apply. Run forward and backward through {words['forward']} "
+            "before optimizer.step().",
+            f"through the {words['model']} that was not synchronized -- its forward ran under "
+            "set_requires_gradient_sync(False), or it did not go through a forward of the replicated module (a "
+            "backward through a submodule called on its own): "
+            "the gradients are this rank's local sums, not averaged across ranks, so the ranks would diverge. "
+            f"Run the last micro-batch's forward through {words['forward']} and its backward before stepping."
+            + PIPELINE_HINT)
 
     def backward_count(self) -> int:
         return self._engine.iteration  # every backward, synchronized or not
@@ -293,11 +330,15 @@ def _sparse_params(engine) -> dict:
     return getattr(tracker, "sparse", None) or {}
 
 
+def _wrapper_of(engine):
+    """The DistributedDataParallel built over the engine (None once it is gone)."""
+    return getattr(getattr(engine, "tracker", None), "owner", lambda: None)()
+
+
 def _wait_for_parameters(engine) -> None:
     """Wait for the wrapper's parameters to be final: after a step of a ZeroRedundancyOptimizer
     with ``overlap_param_gather=True`` their all-gathers may still be in flight until the next
     forward (Note [overlapped parameter gathers] in fusedist/zero/gather.py)."""
-    owner = getattr(getattr(engine, "tracker", None), "owner", lambda: None)()
-    wait = getattr(owner, "_wait_for_params", None)
+    wait = getattr(_wrapper_of(engine), "_wait_for_params", None)
     if wait is not None:
         wait(True)  # (as before a traced forward: every gather)

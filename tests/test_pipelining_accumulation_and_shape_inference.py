@@ -28,6 +28,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeline_stage_kinds import largest_difference, set_gradient_sync, stages_of_each_kind
 from shared_rank_launch import launch_for_selected, results_of
 
 WIDTH, MICRO_BATCHES = 8, 4
@@ -46,36 +47,12 @@ def _accumulation_worker(rank, world_size, seed, pattern):
     """pp 1 x dp 2 under GPipe: per stage kind, the weights' largest difference from torch's SGD
     on the global batches after two optimizer steps, each after the steps of ``pattern`` (True:
     synchronized, False: under the user's switch)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import ScheduleGPipe
-
-    import fusedist
-    from fusedist.pipelining import PipelineStage
-
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
-    group = mesh["dp"].get_group()
     out = {}
-    for kind in ("fully_shard", "DistributedDataParallel", "replicate", "ZeRO-2"):
-        ours, theirs = _mlp(seed), _mlp(seed)
-        if kind == "fully_shard":
-            wrapped = fusedist.fully_shard(ours, mesh=mesh["dp"])
-        elif kind == "replicate":
-            wrapped = fusedist.replicate(ours, device_mesh=mesh["dp"])
-        else:
-            wrapped = fusedist.DistributedDataParallel(ours, process_group=group)
-        opt = (fusedist.ZeroRedundancyOptimizer(list(ours.parameters()), torch.optim.SGD, process_group=group,
-                                                stage=2, lr=0.1)
-               if kind == "ZeRO-2" else torch.optim.SGD(ours.parameters(), lr=0.1))
-        ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
-        stage = PipelineStage(wrapped, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
-        schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+    for kind, ours, theirs, wrapped, schedule, opt, ref_opt in stages_of_each_kind(_mlp, seed, MICRO_BATCHES, _mse):
         g = torch.Generator().manual_seed(seed)
         for _ in range(2):
             for synchronize in pattern:
-                if kind in ("DistributedDataParallel", "ZeRO-2"):
-                    wrapped.require_backward_grad_sync = synchronize
-                else:
-                    wrapped.set_requires_gradient_sync(synchronize)
+                set_gradient_sync(kind, wrapped, synchronize)
                 xs = [torch.randn(8, WIDTH, generator=g) for _ in range(world_size)]
                 ys = [torch.randn(8, WIDTH, generator=g) for _ in range(world_size)]
                 schedule.step(xs[rank], target=ys[rank])
@@ -83,8 +60,7 @@ def _accumulation_worker(rank, world_size, seed, pattern):
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        whole = fusedist.fsdp.full_state_dict(wrapped) if kind == "fully_shard" else ours.state_dict()
-        out[kind] = max(float((whole[k] - v).abs().max()) for k, v in theirs.state_dict().items())
+        out[kind] = largest_difference(kind, wrapped, ours, theirs)
     return out
 
 

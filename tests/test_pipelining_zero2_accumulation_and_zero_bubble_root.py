@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from pipeline_stage_kinds import largest_difference, set_gradient_sync, stages_of_each_kind
 
 WIDTH, MICRO_BATCHES, STEPS = 8, 4, 3
 
@@ -80,47 +81,22 @@ def _accumulating_worker(rank, world_size, seed):
     """Each fusedist stage kind (pp 1 x dp 2, GPipe) accumulating over two steps under the
     user's own switch, then synchronizing, beside torch's SGD on the global batch: the weights'
     largest difference per kind."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import ScheduleGPipe
-
-    import fusedist
-    from fusedist.pipelining import PipelineStage
-
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
-    group = mesh["dp"].get_group()
     out = {}
-    for kind in ("fully_shard", "DistributedDataParallel", "replicate", "ZeRO-2"):
-        ours, theirs = _model(seed), _model(seed)
-        if kind == "fully_shard":
-            wrapped = fusedist.fully_shard(ours, mesh=mesh["dp"])
-        elif kind == "replicate":
-            wrapped = fusedist.replicate(ours, device_mesh=mesh["dp"])
-        else:
-            wrapped = fusedist.DistributedDataParallel(ours, process_group=group)
-        opt = (fusedist.ZeroRedundancyOptimizer(list(ours.parameters()), torch.optim.SGD, process_group=group,
-                                                stage=2, lr=0.1)
-               if kind == "ZeRO-2" else torch.optim.SGD(ours.parameters(), lr=0.1))
-        ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
-        pipeline = PipelineStage(wrapped, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
-        schedule = ScheduleGPipe(pipeline, n_microbatches=MICRO_BATCHES,
-                                 loss_fn=lambda o, t: (o - t).square().mean())
+    for kind, ours, theirs, wrapped, schedule, opt, ref_opt in stages_of_each_kind(
+            _model, seed, MICRO_BATCHES, lambda o, t: (o - t).square().mean()):
         g = torch.Generator().manual_seed(seed)
         for step in range(4):
             xs = [torch.randn(8, WIDTH, generator=g) for _ in range(world_size)]
             ys = [torch.randn(8, WIDTH, generator=g) for _ in range(world_size)]
             synchronize = step % 2 == 1  # two steps' gradients per optimizer step
-            if kind in ("DistributedDataParallel", "ZeRO-2"):
-                wrapped.require_backward_grad_sync = synchronize
-            else:
-                wrapped.set_requires_gradient_sync(synchronize)
+            set_gradient_sync(kind, wrapped, synchronize)
             schedule.step(xs[rank], target=ys[rank])
             (theirs(torch.cat(xs)) - torch.cat(ys)).square().mean().backward()
             if synchronize:
                 for o in (opt, ref_opt):
                     o.step()
                     o.zero_grad()
-        whole = fusedist.fsdp.full_state_dict(wrapped) if kind == "fully_shard" else ours.state_dict()
-        out[kind] = max(float((whole[k] - v).abs().max()) for k, v in theirs.state_dict().items())
+        out[kind] = largest_difference(kind, wrapped, ours, theirs)
     return out
 
 

@@ -3,17 +3,19 @@
 Note [ending after given-up collectives]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 When a communicator gives up -- the divergence probe found ranks waiting in collectives that can
-never pair (Note [divergence probe] in fusedist/reliability/divergence.py), or an exchange failed --
-the collectives left pending on gloo still run until their deadline (``FUSEDIST_TIMEOUT_S``, 600 s
-by default): a gloo transfer cannot be cancelled (``ProcessGroup.abort()`` does not end a pending
-receive, and torch binds no abort for a single receive). The error and its stall report came at
-once, but the process did not end: the exit drain waited for the pending exchanges (up to
-``DRAIN_TIMEOUT_S``, Note [draining at exit] in ``__init__.py``), the step check's exit read for
-its all-reduce (5 s), and a helper thread still blocked when the interpreter's shutdown began
-could abort the process there ("terminate called without an active exception"). Measured with two
-ranks, a skipped backward and a 60 s timeout: the error 0.6 s after the divergence, the exit 33 s
-after the error (one rank of two aborted). A job under torchrun should end, non-zero, soon after
-the error, so that the agent restarts it (as the direct-NCCL watchdog ends its process at once).
+never pair (Note [divergence probe] in fusedist/reliability/divergence.py), an exchange failed, or
+a wait for one of gloo's own collectives did (Note [no collectives after a failed builtin collective]
+in torch_comm.py) -- the collectives left pending on gloo still run until their deadline
+(``FUSEDIST_TIMEOUT_S``, 600 s by default): a gloo transfer cannot be cancelled
+(``ProcessGroup.abort()`` does not end a pending receive, and torch binds no abort for a single
+receive). The error and its stall report came at once, but the process did not end: the exit drain
+waited for the pending exchanges (up to ``DRAIN_TIMEOUT_S``, Note [draining at exit] in
+``__init__.py``), the step check's exit read for its all-reduce (5 s), and a helper thread still
+blocked when the interpreter's shutdown began could abort the process there ("terminate called
+without an active exception"). Measured with two ranks, a skipped backward and a 60 s timeout: the
+error 0.6 s after the divergence, the exit 33 s after the error (one rank of two aborted). A job
+under torchrun should end, non-zero, soon after the error, so that the agent restarts it (as the
+direct-NCCL watchdog ends its process at once).
 
 So, when such an error reaches the top of the program (an uncaught exception while a cached
 communicator has given up):
@@ -111,7 +113,8 @@ def on_uncaught(exc_type, exc, tb) -> None:
 def watch_exit_requests() -> None:
     """Make ``sys.exit`` note its argument from now on (Note [ending after given-up collectives]);
     called where a communicator gives up: the divergence probe's verdict (sliced_wait.py), a failed
-    gloo exchange (exchange_progress.py). Once per process; removed by ``_process_hooks.uninstall``."""
+    gloo exchange (exchange_progress.py), a failed wait for one of gloo's own collectives
+    (torch_comm.py). Once per process; removed by ``_process_hooks.uninstall``."""
     from .._process_hooks import chain_sys_exit
 
     chain_sys_exit("end a process whose collectives were given up, by sys.exit", on_exit_request)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .._dtypes import real_pairs
-from . import gloo_exchange
-from .base import CollectiveError, Communicator, _row_numel, describe_collective
+from . import given_up_exit, gloo_exchange
+from .base import CollectiveError, CommHandle, Communicator, _row_numel, describe_collective
 
 #: All-reduces up to this size go through the gloo exchange when their result does not depend
 #: on the summation order (Note [small all-reduces through the exchange]).
@@ -67,6 +67,9 @@ class TorchCommunicator(Communicator):
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
         self._seq = _SequenceCounter()
+        #: The first of gloo's own collectives whose wait failed, and why (Note [no collectives after
+        #: a failed builtin collective]); None while none did.
+        self.builtin_failure: Optional[str] = None
         #: Point-to-point reduce-scatter / all-gather for CPU tensors on gloo (None: builtin).
         self.exchange = None
         mode = gloo_exchange.mode_from_env() if gloo_collectives is None else gloo_collectives
@@ -104,13 +107,23 @@ class TorchCommunicator(Communicator):
 
     def _launch(self, op, tag, async_op, start, label=None, part=None):
         self._check_group_alive(op, tag)
-        self._check_exchange_usable(op, tag)
+        try:
+            self._check_exchange_usable(op, tag)
+        except CollectiveError as refused:
+            if self.builtin_failure is None:
+                raise
+            # Reported like a launch failure (a stall report where a monitor watches): a caller may
+            # launch again before raising the failure it found -- DDP finishes buckets during backward
+            # and raises a failed one's error at the end of backward, after launching its step check.
+            failed = CommHandle(self, None, op=op, tag=tag, seq=self.last_seq + 1, timeout=self.timeout)
+            raise self._on_failure(failed, refused) or refused from None
         return super()._launch(op, tag, async_op, start, label, part)
 
     def _check_exchange_usable(self, op: str, tag: str) -> None:
         """Refuse a collective once an exchange of this group failed (Note [no collectives after
-        a failed exchange] in gloo_exchange.py), or a wait was given up because the ranks diverged
-        (Note [divergence probe] in fusedist/reliability/divergence.py)."""
+        a failed exchange] in gloo_exchange.py), or one of gloo's own (Note [no collectives after a
+        failed builtin collective]), or a wait was given up because the ranks diverged (Note
+        [divergence probe] in fusedist/reliability/divergence.py)."""
         if not self.aborted:
             return
         raise CollectiveError(
@@ -124,12 +137,37 @@ class TorchCommunicator(Communicator):
 
     @property
     def aborted(self) -> bool:
-        return self.gave_up is not None or (self.exchange is not None and self.exchange.failure() is not None)
+        return (self.gave_up is not None or self.builtin_failure is not None
+                or (self.exchange is not None and self.exchange.failure() is not None))
 
     @property
     def abort_reason(self) -> str:
         failed = self.exchange.failure() if self.exchange is not None else None
-        return failed or self.gave_up or ""
+        return failed or self.builtin_failure or self.gave_up or ""
+
+    # Note [no collectives after a failed builtin collective]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # What Note [no collectives after a failed exchange] (gloo_exchange.py) says of the exchange
+    # holds for gloo's own collectives too (all-reduces over SMALL_ALL_REDUCE_BYTES -- a DDP
+    # bucket --, and every collective under FUSEDIST_GLOO_COLLECTIVES=builtin): when a wait for one
+    # fails -- its deadline passed, or gloo closed the connection to a peer -- gloo has closed that
+    # connection (or will, at its own timeout, with the collective still queued), and the ranks no
+    # longer agree on which collective comes next. Before, nothing recorded it: the next collective
+    # failed with gloo's bare "pair closure" or waited out its deadline, and the exit paths for a
+    # given-up communicator did not apply (Note [ending after given-up collectives]), so a process
+    # with probe off ended through the interpreter's shutdown, waiting on gloo's threads. So the
+    # first such failure is recorded here, where the handle reports it -- on the failure path only:
+    # a successful wait costs nothing more --, later launches are refused naming it, and the exit
+    # paths apply. A wait that ran out before the collective's deadline (``wait(timeout)`` shorter
+    # than the communicator's, a slice of a probed wait) is not a failure: the collective goes on.
+    def _on_failure(self, handle, error: BaseException) -> Optional[BaseException]:
+        work = handle._work
+        if (work is not None and "gloo" in str(self.backend) and not isinstance(work, gloo_exchange.ExchangeWork)
+                and not self.aborted):
+            self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
+            # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
+            given_up_exit.watch_exit_requests()
+        return super()._on_failure(handle, error)
 
     def _sliced_waits(self, work, async_op: bool) -> bool:
         # gloo's own works wait on a condition (a slice that runs out leaves them running); an

@@ -15,9 +15,10 @@ import torch
 
 from ..zero import state as zstate
 from . import _checks, _files, _load_plan, _names, _owner, api, layout, resume, stage3
-from . import _preload, _visibility
+from . import _optimizer_list, _preload, _visibility
 from . import pipeline as pipelined
 from ._files import CheckpointError
+from ._writer import stage_group
 from ._params import optimizer_params, param_names
 from ._schedule import step_count
 from ._persist import _sampler_epoch
@@ -53,6 +54,8 @@ class RestoreMixin:
         if step is not None:
             step = step_count(step, "restore")
         _refuse_stateless_sampler(sampler, self.rank)
+        if not self.pipeline and _optimizer_list.is_list(optimizer) and len(optimizer) > 1:
+            model = self._optimizer_parts(model, optimizer)
         if self.pipeline:  # Note [pipelined checkpoints] in pipeline.py
             for j, (module, opt) in enumerate(pipelined.parts(model, optimizer)):
                 self._stage_world(module, opt, j)
@@ -113,10 +116,21 @@ class RestoreMixin:
                                   f"{self.directory} could be loaded: " + "; ".join(failures))
         return 0
 
+    def _optimizer_parts(self, model, optimizers) -> list:
+        """The model's views, one per optimizer, saved and restored from now on as the parts of a
+        pipelined checkpoint of the whole job (Note [several optimizers over one model])."""
+        parts = _optimizer_list.views(model, optimizers, "Checkpointer.restore")
+        self._stage_ranks, self._stage_group = stage_group(None)
+        if len(self._stage_ranks) != self.world_size:  # (the Checkpointer's process_group: not the whole job)
+            raise ValueError("fusedist.checkpoint.Checkpointer.restore: a list of optimizers is checkpointed by the "
+                             "whole job: create the Checkpointer without a process_group of fewer ranks")
+        self.pipeline, self._optimizer_list = True, _optimizer_list.classes(optimizers)
+        return parts
+
     def _check_saving_world(self, model, optimizer) -> None:
         """The model must be saved by the Checkpointer's ranks (Note [a Checkpointer per pipeline
         stage] in ``_writer.py``)."""
-        api._refuse_parts(model)
+        _optimizer_list.refuse_parts(model)
         saving = api._World(optimizer, model, self._coord.group).size
         if saving != self.world_size:
             who = ("the ZeroRedundancyOptimizer shards over" if is_zero(optimizer)
@@ -374,6 +388,8 @@ class RestoreMixin:
         try:
             # (the optimizers of a pipelined Checkpointer or checkpoint, per part, are checked by
             # the load; the parts' shapes, and their LR scheduler states, from the stages' files here)
+            if self._optimizer_list is not None:  # Note [several optimizers over one model]
+                _optimizer_list.check_load(manifest, self._state["optimizer"], path)
             if not self.pipeline and "pipeline" not in manifest:
                 self._check_objects(path, manifest, common, trusted, strict)
             else:

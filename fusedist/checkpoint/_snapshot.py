@@ -12,6 +12,7 @@ from . import _checks, _load_plan, _names, _root_checks, _safe_values, _sampler_
 from . import _preload
 from . import pipeline as pipelined
 from ._files import CheckpointError
+from ._optimizer_list import MANIFEST_KEY
 from ._persist import _sampler_epoch
 from .sampler import ElasticDistributedSampler
 
@@ -372,7 +373,9 @@ class SnapshotMixin:
                                    for j, content in snapshot["stage_commons"].items()}
         if self.rank == 0:
             entries = {order.index((stages[j], j)): entry for stages, of_rank in infos for j, entry in of_rank.items()}
-            snapshot["manifest"] = dict(pipelined.manifest(entries, self.world_size), checkpointer={"step": step})
+            listed = {} if self._optimizer_list is None else {MANIFEST_KEY: self._optimizer_list}
+            snapshot["manifest"] = dict(pipelined.manifest(entries, self.world_size), checkpointer={"step": step},
+                                        **listed)  # Note [several optimizers over one model] in _optimizer_list.py
 
     @staticmethod
     def _refuse_unreadable(sections: dict, common: Optional[dict], stage_commons: Optional[dict] = None) -> None:

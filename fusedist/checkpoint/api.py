@@ -41,7 +41,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _failed_save, _files, _given_up, _load_plan, _names, _sections, _writer, stage3
+from . import _checks, _failed_save, _files, _given_up, _load_plan, _names, _optimizer_list, _sections, _writer, stage3
 from ._files import CheckpointError
 
 
@@ -175,7 +175,9 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     replicated state, and rank 0 writes the manifest last (Note [checkpoint atomicity]);
     the call returns on every rank once the checkpoint is complete. ``extra`` is a dict
     (step counters, configuration) returned by :func:`load`; keep it to tensors, numbers,
-    strings and containers of them, or loading it will need ``trusted=True``.
+    strings and containers of them, or loading it will need ``trusted=True``. ``optimizer`` may be a
+    list of optimizers over disjoint parameters of the model (Note [several optimizers over one
+    model] in ``_optimizer_list.py``), which :func:`load` restores into such a list.
 
     ``per_rank`` (exact resume, see :mod:`.resume`): a picklable dict of *this rank's* state
     (RNG states, data position), written into this rank's own file and read back with
@@ -200,12 +202,14 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     directories, or one that not every rank sees, fail the save instead of leaving a
     checkpoint that cannot be loaded.
     """
+    if not pipeline and _optimizer_list.is_list(optimizer):  # Note [several optimizers over one model]
+        return _optimizer_list.save(directory, model, optimizer, scaler, extra, per_rank, process_group)
     if pipeline:
         from . import pipeline as pipelined
 
         return pipelined.save(directory, model, optimizer, scaler, extra, per_rank=per_rank,
                               process_group=process_group)
-    _refuse_parts(model)
+    _optimizer_list.refuse_parts(model)
     _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     started = time.time()  # temporaries older than this save are abandoned once it completes
     _check_ranks_agree(model, optimizer)
@@ -243,12 +247,6 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     finish_save(world, directory, started, save_id, calls, claim, (mine, error, None),
                 lambda infos: _sections.manifest_base(model, optimizer, scaler, world.size),
                 lambda: _sections.common_sections(model, optimizer, scaler, extra, sharded_keys))
-
-
-def _refuse_parts(model) -> None:
-    if isinstance(model, (list, tuple)):
-        raise TypeError("fusedist.checkpoint: a list of model parts is the parts of a pipeline stage's ranks: pass "
-                        "pipeline=True (Note [pipelined checkpoints])")
 
 
 def start_save(world: "_World", directory: str, call: dict, info=None, check=None,
@@ -538,8 +536,9 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     """
     from . import pipeline as pipelined
 
-    if not pipeline:
-        _refuse_parts(model)
+    if not pipeline and _optimizer_list.is_list(optimizer):  # Note [several optimizers over one model]
+        return _optimizer_list.load(directory, model, optimizer, scaler, trusted, strict, process_group)
+    _optimizer_list.refuse_parts(model, pipeline)
     _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     world = pipelined.job_world() if pipeline else _World(optimizer, model, process_group)
     by_stage = pipeline
@@ -579,6 +578,7 @@ def _prepared(directory: str, model, optimizer, scaler, trusted: bool, strict: b
         except Exception:  # noqa: BLE001 - reported by the reader that follows (or a DCP checkpoint)
             manifest, digest = {}, None
         by_stage = pipeline or "pipeline" in manifest
+        _optimizer_list.refuse_single(manifest, None if pipeline else optimizer, directory)
         try:
             plan = (pipelined.prepare if by_stage else _load_plan.prepare)(directory, model, optimizer, scaler,
                                                                            trusted, strict)

@@ -111,6 +111,7 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         self.pipeline = bool(pipeline)  # Note [pipelined checkpoints] in pipeline.py
         self._coord = Coordinator(None if self.pipeline else process_group, peer_silence_s)
         self._stage_ranks, self._stage_group = stage_group(process_group) if self.pipeline else (None, None)
+        self._optimizer_list: Optional[list] = None  # the classes of a list of optimizers restore() registered
         self.rank, self.world_size = self._coord.rank, self._coord.size
         self._staging = StagingBuffers()
         self._writer = BackgroundWriter(f"fusedist.checkpoint.Checkpointer({directory!r}) on rank {self.rank}")

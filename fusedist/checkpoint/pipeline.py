@@ -48,6 +48,7 @@ from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
 from . import _checks, _dcp_algorithm, _files, _from_dcp, _given_up, _load_plan, _names, _sections, api, stage3
 from ._files import CheckpointError
+from ._optimizer_list import MANIFEST_KEY
 from ._params import optimizer_params, param_names
 
 
@@ -154,8 +155,10 @@ def manifest(entries: dict, world_size: int) -> dict:
 
 
 def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dict] = None, *,
-         per_rank: Optional[dict] = None, process_group=None) -> None:
-    """``fusedist.checkpoint.save(..., pipeline=True)`` (Note [pipelined checkpoints])."""
+         per_rank: Optional[dict] = None, process_group=None, optimizer_list: Optional[list] = None) -> None:
+    """``fusedist.checkpoint.save(..., pipeline=True)`` (Note [pipelined checkpoints]); ``optimizer_list``:
+    the classes of a list of optimizers over one model, recorded in the manifest (Note [several
+    optimizers over one model] in ``_optimizer_list.py``)."""
     _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     started = time.time()
     held = parts(model, optimizer)
@@ -229,7 +232,8 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
         raise
 
     api.finish_save(job, directory, started, save_id, calls, claim, (mine, error, entries),
-                    lambda infos: manifest({k: e for info in infos for k, e in info.items()}, job.size),
+                    lambda infos: dict(manifest({k: e for info in infos for k, e in info.items()}, job.size),
+                                       **({} if optimizer_list is None else {MANIFEST_KEY: optimizer_list})),
                     lambda: {"model": {}, "optimizer": None, "scaler": None, "extra": extra})
 
 

@@ -94,7 +94,8 @@ def bounded_timeout(value, name: str) -> datetime.timedelta:
     """``value`` (seconds or a timedelta) as a positive timedelta of at most LONGEST_TIMEOUT_S: ``inf``,
     ``timedelta.max`` and anything longer mean no deadline and are stored as the bound (Note [unbounded
     timeouts]), the same as ``handle.wait(float("inf"))``. NaN, zero (or under a microsecond), negative
-    values and non-numbers raise a ValueError naming ``name``."""
+    values and non-numbers raise a ValueError naming ``name``; a bool, a TypeError (Note [bool timeouts])."""
+    _refuse_bool(value, name)
     longest = datetime.timedelta(seconds=LONGEST_TIMEOUT_S)
     if isinstance(value, datetime.timedelta):
         timeout = min(value, longest)
@@ -110,6 +111,19 @@ def bounded_timeout(value, name: str) -> datetime.timedelta:
         raise ValueError(f"{name} must be a positive number of seconds or a datetime.timedelta (inf, "
                          f"timedelta.max or anything over {LONGEST_TIMEOUT_S:g} s: no deadline), got {value!r}")
     return timeout
+
+
+# Note [bool timeouts]
+# ~~~~~~~~~~~~~~~~~~~~
+# A bool is a number to Python (``True == 1``), so ``init_distributed(timeout=True)`` meant a one-second
+# deadline on every collective and ``timeout=False`` the "must be positive" error. Neither is what a caller
+# writing a bool means ("use a timeout", "no timeout"?), and torch's ``init_process_group`` takes only a
+# timedelta (a bool is a TypeError there). So a bool is refused wherever fusedist takes a timeout, naming
+# the argument, before it becomes a deadline.
+def _refuse_bool(value, name: str) -> None:
+    if isinstance(value, bool):
+        raise TypeError(f"fusedist: {name} must be a number of seconds or a datetime.timedelta, got the bool "
+                        f"{value!r}; pass e.g. 600 or datetime.timedelta(minutes=10) (inf for no deadline)")
 
 
 def wait_timeout(timeout, default: datetime.timedelta, what) -> datetime.timedelta:
@@ -128,6 +142,8 @@ def wait_timeout(timeout, default: datetime.timedelta, what) -> datetime.timedel
         moved its watchdog's deadline into the past, failing a collective that was running fine
         (with FUSEDIST_NCCL_WATCHDOG=exit, ending the process). The CUDA extension's own wait
         refuses it the same way (Note [wait timeouts] in csrc/cuda/wait_deadline.h)."""
+    if isinstance(timeout, bool):
+        _refuse_bool(timeout, f"{what()}: wait(timeout)")
     if isinstance(timeout, numbers.Real):
         seconds = float(timeout)
         got = f"{seconds:g} s"

@@ -72,7 +72,7 @@ except Exception as exc:
         try:
             model.comm.all_reduce(torch.ones(1), tag="after")
         except Exception as refused:
-            print(f"REFUSED: {type(refused).__name__}", flush=True)
+            print(f"REFUSED: {type(refused).__name__}: {refused}", flush=True)
         print(f"WENT ON: {float(torch.ones(3).sum()):g}", flush=True)
         raise SystemExit(0)  # (not sys.exit: nothing notes its status, the interpreter ends it)
     raise
@@ -153,7 +153,12 @@ def test_a_rank_that_catches_the_error_goes_on_and_exits_as_the_interpreter_make
     runs = _runs()
     status, text, ended, _ = runs["caught", 1]
     assert status == 0, (status, text)
-    assert "REFUSED: CollectiveError" in text and "WENT ON: 3" in text, text
+    # The refusal goes through the monitor, as the probe's verdict did: a StallError with the report
+    # (a bare CollectiveError before), naming the refused collective without a number of its own
+    assert "REFUSED: StallError: fusedist: refused on rank 1 of 2: all_reduce [after] was not launched" in text, text
+    # (its own probe's verdict, or -- when rank 0 got its verdict first and ended -- the closed connection)
+    assert "found by the divergence probe" in text or "Connection closed by peer" in text, text
+    assert "Stall report" in text and "WENT ON: 3" in text, text
     assert "LAST EXIT HANDLER RAN" in text and "INTERPRETER SHUTDOWN RAN" in text, text
     # (it ends once rank 0 has ended, which closes their connections: its exit waited for its helper)
     assert ended - _error_at(text) < 20.0, (f"ended {ended - _error_at(text):.1f} s after its error", text)

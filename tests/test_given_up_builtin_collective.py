@@ -123,9 +123,12 @@ def test_a_collective_after_a_failed_builtin_all_reduce_is_refused_naming_that_f
     assert refused is not None, ("the next all-reduce was not refused", text)
     # Before: gloo's bare "pair closure" error (or a wait to the deadline), naming neither the failure nor
     # what to do.
-    assert ("CollectiveError: fusedist all_reduce [after] (collective #2) on rank 0 of 2: this process group can "
-            "no longer run collectives, because an earlier one failed (all_reduce (tag '', collective #1) failed on "
-            "rank 0 of 2: timed out") in refused, text
+    # (no monitor watches this communicator: a CollectiveError, naming the refused all-reduce without a
+    # number of its own -- "collective #2" before, one it never used)
+    assert ("CollectiveError: fusedist: refused on rank 0 of 2: all_reduce [after] was not launched: this process "
+            "group can no longer run collectives, because an earlier one failed (all_reduce (tag '', collective #1) "
+            "failed on rank 0 of 2: timed out") in refused, text
+    assert "collective #2" not in refused, text
     assert "Destroy and re-create the process group on every rank" in refused, text
     assert float(refused.split()[2]) < 1.0, ("the refusal waited", text)  # (refused at the launch)
 

@@ -104,7 +104,7 @@ def test_ddp_rank_that_skipped_its_last_backward_is_named_in_the_stall_report_lo
     _assert_rank_1_named(results, forwards=3, backwards=2)
     for rank, (_, text, seconds, after) in enumerate(results):
         assert "found by the divergence probe" in text, (rank, text)
-        assert after.startswith("CollectiveError") and "can no longer run collectives" in after \
+        assert after.startswith("StallError") and "can no longer run collectives" in after \
             and "found by the divergence probe" in after, (rank, after)
         assert "ranks [1] wait in check_consistency()'s collective, ranks [0] in a collective outside it" in text, \
             (rank, text)

@@ -236,8 +236,9 @@ class Communicator(abc.ABC):
         self.world_size = world_size
         self.timeout = timeout or collective_timeout()  # (the property below checks and bounds it)
         self._seq = itertools.count()
-        #: Sequence number and tag of the last collective issued (-1: none yet).
+        #: Sequence number, op and tag of the last collective issued (-1: none yet).
         self.last_seq = -1
+        self.last_op = ""
         self.last_tag = ""
         #: What the last collective's messages are matched by where the transport tags them
         #: (the gloo exchange, Note [exchange tags] in exchange_tags.py): its tag unless the caller chose another.
@@ -493,7 +494,7 @@ class Communicator(abc.ABC):
     def _launch(self, op: str, tag: str, async_op: bool, start, label: Optional[str] = None,
                 part: Optional[torch.Tensor] = None) -> CommHandle:
         seq = self.last_seq = next(self._seq)
-        self.last_tag = tag
+        self.last_op, self.last_tag = op, tag
         self.last_label = tag if label is None else label
         # A profiler range only while a profiler records: entering and leaving one costs more
         # than posting a small message, on every collective.

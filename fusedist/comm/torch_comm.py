@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .._dtypes import real_pairs
 from . import given_up_exit, gloo_exchange
-from .base import CollectiveError, CommHandle, Communicator, _row_numel, describe_collective
+from .base import CollectiveError, CommHandle, Communicator, _row_numel, _tag
 
 #: All-reduces up to this size go through the gloo exchange when their result does not depend
 #: on the summation order (Note [small all-reduces through the exchange]).
@@ -70,6 +70,11 @@ class TorchCommunicator(Communicator):
         #: The first of gloo's own collectives whose wait failed, and why (Note [no collectives after
         #: a failed builtin collective]); None while none did.
         self.builtin_failure: Optional[str] = None
+        #: (op, tag, seq) of the collective whose failure gave this communicator up, once one did (Note
+        #: [refusing collectives of a given-up communicator]).
+        self._stopped_at: Optional[tuple] = None
+        #: What the observer made of that failure (a StallError with its report), if anything.
+        self._stopped_reported: Optional[BaseException] = None
         #: Point-to-point reduce-scatter / all-gather for CPU tensors on gloo (None: builtin).
         self.exchange = None
         mode = gloo_exchange.mode_from_env() if gloo_collectives is None else gloo_collectives
@@ -107,33 +112,49 @@ class TorchCommunicator(Communicator):
 
     def _launch(self, op, tag, async_op, start, label=None, part=None):
         self._check_group_alive(op, tag)
-        try:
-            self._check_exchange_usable(op, tag)
-        except CollectiveError as refused:
-            if self.builtin_failure is None:
-                raise
-            # Reported like a launch failure (a stall report where a monitor watches): a caller may
-            # launch again before raising the failure it found -- DDP finishes buckets during backward
-            # and raises a failed one's error at the end of backward, after launching its step check.
-            failed = CommHandle(self, None, op=op, tag=tag, seq=self.last_seq + 1, timeout=self.timeout)
-            raise self._on_failure(failed, refused) or refused from None
+        if self.aborted:
+            raise self._refusal(op, tag)
         return super()._launch(op, tag, async_op, start, label, part)
 
-    def _check_exchange_usable(self, op: str, tag: str) -> None:
-        """Refuse a collective once an exchange of this group failed (Note [no collectives after
-        a failed exchange] in gloo_exchange.py), or one of gloo's own (Note [no collectives after a
-        failed builtin collective]), or a wait was given up because the ranks diverged (Note
-        [divergence probe] in fusedist/reliability/divergence.py)."""
-        if not self.aborted:
-            return
-        raise CollectiveError(
-            f"fusedist {describe_collective(op, tag, self.last_seq + 1)} on rank {self.rank} of "
-            f"{self.world_size}: this process group can no longer run collectives, because an earlier "
-            f"one failed ({self.abort_reason}); gloo closes its connection to a peer after a failed "
+    # Note [refusing collectives of a given-up communicator]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Once a collective of this group failed -- an exchange (Note [no collectives after a failed
+    # exchange] in gloo_exchange.py), one of gloo's own (Note [no collectives after a failed builtin
+    # collective]) or a wait the divergence probe ended (Note [divergence probe] in
+    # fusedist/reliability/divergence.py) -- every later launch is refused, all three alike: passed
+    # through the observer, so where a monitor watches the refusal is a StallError with the report, as
+    # the failure was. (Before, only the builtin path went through it; the other two were a bare
+    # CollectiveError under DDP.) A caller may launch again before raising the failure it found: DDP
+    # finishes buckets during backward and raises a failed one's error at the end of backward, after
+    # launching its step check -- so the refusal may be the first error the user sees.
+    # The refused collective was never launched and has no sequence number: the error names it by op
+    # and tag (``seq`` -1), and the report's "waiting_on" names the collective this rank stopped at --
+    # the one whose failure gave the group up, else the last one launched -- a number it used, which
+    # the other ranks' entries and the divergence probe can be compared with. (Before, the refusal was
+    # numbered ``last_seq + 1``, a collective that never existed.) Where the observer already reported
+    # that failure, the refusal carries the same report (a StallError of the observer's type) without
+    # publishing again: a second entry would overwrite the first in the store, and the peers' reports
+    # built later would read where this rank went after catching the error, not where it stopped.
+    def _refusal(self, op: str, tag: str) -> BaseException:
+        """The error refusing ``op`` (tag ``tag``) on a given-up communicator, through the observer."""
+        refused = CollectiveError(
+            f"fusedist: refused on rank {self.rank} of {self.world_size}{self._global_note([self.rank])}: "
+            f"{op}{_tag(tag)} was not launched: this process group can no longer run collectives, because an "
+            f"earlier one failed ({self.abort_reason}); gloo closes its connection to a peer after a failed "
             "transfer, and the ranks are out of step. Destroy and re-create the process group on every rank "
             "(torch.distributed.destroy_process_group() + init_process_group(), or a new "
             "torch.distributed.new_group()), or restart the job (torchrun --max-restarts)",
             op=op, tag=tag, rank=self.rank)
+        at_op, at_tag, at_seq = self._stopped_at or (self.last_op, self.last_tag, self.last_seq)
+        earlier = self._stopped_reported
+        if getattr(earlier, "report", None) is not None:
+            # The observer reported the failure that gave the group up: its report, not a new one. A new
+            # one would replace this rank's entry in the store -- where it stopped, and in what (inside
+            # check_consistency()) -- with where the program went after catching the error.
+            return type(earlier)(f"{refused}\n{earlier.report}", report=earlier.report, cause=refused,
+                                 op=at_op, tag=at_tag, rank=self.rank, seq=at_seq)
+        stopped = CommHandle(self, None, op=at_op, tag=at_tag, seq=at_seq, timeout=self.timeout)
+        return self._on_failure(stopped, refused) or refused
 
     @property
     def aborted(self) -> bool:
@@ -167,7 +188,14 @@ class TorchCommunicator(Communicator):
             self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
             # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
             given_up_exit.watch_exit_requests()
-        return super()._on_failure(handle, error)
+        first = self.aborted and self._stopped_at is None  # (Note [refusing collectives of a given-up communicator])
+        if first:
+            named = isinstance(error, CollectiveError) and error.seq >= 0
+            self._stopped_at = (error.op, error.tag, error.seq) if named else (handle.op, handle.tag, handle.seq)
+        reported = super()._on_failure(handle, error)
+        if first:
+            self._stopped_reported = reported
+        return reported
 
     def _sliced_waits(self, work, async_op: bool) -> bool:
         # gloo's own works wait on a condition (a slice that runs out leaves them running); an
@@ -184,8 +212,8 @@ class TorchCommunicator(Communicator):
             return
         what = "default process group" if self.group is None else "process group"
         raise RuntimeError(
-            f"fusedist {describe_collective(op, tag, self.last_seq + 1)} on rank {self.rank} of "
-            f"{self.world_size}: the {what} of this communicator was destroyed "
+            f"fusedist {op}{_tag(tag)} on rank {self.rank} of {self.world_size}: not launched, the {what} of "
+            "this communicator was destroyed "
             "(torch.distributed.destroy_process_group()); get a communicator for a live group "
             "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
 

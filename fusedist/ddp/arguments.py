@@ -75,9 +75,16 @@ def group_of(process_group, device_mesh):
     return device_mesh.get_group(mesh_dim=0)
 
 
-def refuse_dtensors(named_params: list, named_buffers: list) -> None:
+_DDP_WHY = ("the module is tensor-parallel (or sharded by torch's fully_shard), and fusedist's "
+            "DistributedDataParallel takes plain tensors")
+_DDP_TORCH_WAY = "torch.nn.parallel.DistributedDataParallel(model, device_mesh=mesh['dp'])"
+
+
+def refuse_dtensors(named_params: list, named_buffers: list, *, who: str = "fusedist.DistributedDataParallel",
+                    why: str = _DDP_WHY, torch_way: str = _DDP_TORCH_WAY) -> None:
     """Note [DDP over a tensor-parallel model]: DTensor parameters or buffers are refused, by name,
-    before any collective."""
+    before any collective. ``who``, ``why`` and ``torch_way`` word it for the caller (the wrapper,
+    or ``fusedist.replicate``)."""
     from torch.distributed.tensor import DTensor
 
     found = [("parameter", n, t) for n, t in named_params if isinstance(t, DTensor)]
@@ -88,13 +95,11 @@ def refuse_dtensors(named_params: list, named_buffers: list) -> None:
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     dims = t.device_mesh.mesh_dim_names or tuple(range(t.device_mesh.ndim))
     raise NotImplementedError(
-        f"fusedist.DistributedDataParallel (rank {this_rank()}): {kind} '{name}'{more} is a "
-        f"DTensor (placements {tuple(t.placements)} over mesh dims {dims}, local shape "
-        f"{tuple(t.to_local().shape)}): the module is tensor-parallel (or sharded by torch's fully_shard), and "
-        "fusedist's DistributedDataParallel takes plain tensors. For data parallelism over a tensor-parallel "
-        "model use fusedist.fully_shard(model, mesh=mesh['dp']) (it composes with tensor parallelism), or "
-        "torch.nn.parallel.DistributedDataParallel(model, device_mesh=mesh['dp']) (build the optimizer before "
-        "its first forward: the module's parameters() and state_dict() are empty after it, on torch 2.13)."
+        f"{who} (rank {this_rank()}): {kind} '{name}'{more} is a DTensor (placements {tuple(t.placements)} over "
+        f"mesh dims {dims}, local shape {tuple(t.to_local().shape)}): {why}. For data parallelism over a "
+        "tensor-parallel model use fusedist.fully_shard(model, mesh=mesh['dp']) (it composes with tensor "
+        f"parallelism), or {torch_way} (build the optimizer before its first forward: the module's parameters() "
+        "and state_dict() are empty after it, on torch 2.13)."
     )
 
 

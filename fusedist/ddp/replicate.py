@@ -284,25 +284,13 @@ def _refuse_dtensors(module: nn.Module, ignored_modules: set) -> None:
     first forward in the engine's words (Note [DDP over a tensor-parallel model] in arguments.py):
     the flat buckets carry no placements. Those of ``ignored_modules`` are the user's to reduce, as
     with torch's replicate; fully_shard's own pieces are plain tensors, not DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    from .._rank import this_rank
+    from .arguments import refuse_dtensors
 
     left_out = {id(p) for m in ignored_modules for p in m.parameters()}
-    found = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in left_out]
-    if not found:
-        return
-    name, t = found[0]
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    dims = t.device_mesh.mesh_dim_names or tuple(range(t.device_mesh.ndim))
-    raise NotImplementedError(
-        f"fusedist.replicate({type(module).__name__}) (rank {this_rank()}): parameter '{name}'{more} is a DTensor "
-        f"(placements {tuple(t.placements)} over mesh dims {dims}, local shape {tuple(t.to_local().shape)}): the "
-        "module is tensor-parallel, and fusedist's data-parallel engine takes plain parameters. For data "
-        "parallelism over a tensor-parallel model use fusedist.fully_shard(model, mesh=mesh['dp']) (it composes "
-        "with tensor parallelism), or torch's replicate(model, device_mesh=mesh['dp']) (build the optimizer "
-        "before its first forward: the module's parameters() and state_dict() are empty after it, on torch 2.13)."
-    )
+    refuse_dtensors([(n, p) for n, p in module.named_parameters() if id(p) not in left_out], [],
+                    who=f"fusedist.replicate({type(module).__name__})",
+                    why="the module is tensor-parallel, and fusedist's data-parallel engine takes plain parameters",
+                    torch_way="torch's replicate(model, device_mesh=mesh['dp'])")
 
 
 def _refuse_engine_over(module: nn.Module) -> None:

@@ -237,7 +237,7 @@ def _assert_same_snapshot(a, b):
 
 
 @pytest.mark.parametrize("damage,message", [
-    (lambda sd: sd["param_groups"][0].update(capturable=True), "capturable=True is not supported"),
+    (lambda sd: sd["param_groups"][0].update(eps=-1.0), "invalid epsilon"),
     (lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.5)), "invalid betas"),
     (lambda sd: sd["state"][1].update(exp_avg=torch.zeros(9)),
      r"state 'exp_avg' of param 1 of param group 0 has shape \(9,\)"),

@@ -74,7 +74,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .._rank import this_rank
-from ..optim._scaler_protocol import FlagOfAnother, follows_protocol, looked_up_once, protocol_owner
+from ..optim._scaler_protocol import FlagOfAnother, follows_protocol, looked_up_once, protocol_owner, stepped_optimizer
 from . import unscale
 
 
@@ -104,9 +104,10 @@ class FoundInfGroupMixin:
         if self._group() is None or self.__dict__.get("_agreed") is not None:
             return
         known = self.__dict__.setdefault("_group_optimizers", {})
-        ref = known.get(id(optimizer))
-        if ref is None or ref() is not optimizer:
-            known[id(optimizer)] = weakref.ref(optimizer)
+        stepped = stepped_optimizer(optimizer)  # (keyed by it: Note [one scaler state per stepped optimizer])
+        ref = known.get(id(stepped))
+        if ref is None or ref() is None or stepped_optimizer(ref()) is not stepped:
+            known[id(stepped)] = weakref.ref(optimizer)
 
     def _flag_in_iteration(self, optimizer, found_inf: torch.Tensor) -> torch.Tensor:
         """``found_inf`` (measured on this rank), combined in place with the iteration's agreed
@@ -118,7 +119,7 @@ class FoundInfGroupMixin:
             self._remember(optimizer)
             return found_inf
         flag, included = agreed
-        if id(optimizer) not in included:
+        if id(stepped_optimizer(optimizer)) not in included:
             raise RuntimeError(self._late_message(optimizer))
         torch.maximum(found_inf, flag.reshape(found_inf.shape).to(found_inf.device), out=found_inf)
         return found_inf
@@ -144,7 +145,8 @@ class FoundInfGroupMixin:
         return self.__dict__.setdefault("_pending_steps", [])
 
     def _is_pending(self, optimizer) -> bool:
-        return any(entry[0] is optimizer for entry in self._pending())
+        stepped = stepped_optimizer(optimizer)  # (any of its names: Note [one scaler state per stepped optimizer])
+        return any(stepped_optimizer(entry[0]) is stepped for entry in self._pending())
 
     def _defer_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         """``step()`` before the scaler knows the rank's optimizers: torch's checks now, the step
@@ -152,7 +154,7 @@ class FoundInfGroupMixin:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
-        if self._is_pending(optimizer) or self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
+        if self._is_pending(optimizer) or self._record_of(optimizer)["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         self._remember(optimizer)
         self._pending().append((optimizer, args, kwargs, _grads_now(optimizer), _hyperparameters_now(optimizer),

@@ -80,7 +80,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ..optim._scaler_protocol import follows_protocol, looked_up_once, protocol_owner
+from ..optim._scaler_protocol import follows_protocol, looked_up_once, protocol_owner, stepped_optimizer
 from ..optim.step_context import inverse_scale, mark_pending
 from . import skipped_step, unscale
 from .found_inf_group import FoundInfGroupMixin
@@ -252,6 +252,27 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     def _record_found_inf(self, found_inf: torch.Tensor) -> None:
         self._last_skipped, self._last_found_inf = None, found_inf
 
+    # -- the record of each optimizer (Note [one scaler state per stepped optimizer]) ------------
+
+    def _record_of(self, optimizer) -> dict:
+        """This iteration's record of ``optimizer``, shared by every name of the optimizer that steps."""
+        return self._per_optimizer_states[id(stepped_optimizer(optimizer))]
+
+    @contextlib.contextmanager
+    def _record_under_given_name(self, optimizer):
+        """Within the block, ``id(optimizer)`` -- what torch's ``unscale_`` and ``step`` look the record
+        up by -- names the shared record too; the alias goes after the outermost block (torch's
+        ``step`` calls ``unscale_``), so ``update()`` sees each record once."""
+        states, given, key = self._per_optimizer_states, id(optimizer), id(stepped_optimizer(optimizer))
+        if given == key or (given in states and states[given] is states[key]):
+            yield
+            return
+        states[given] = states[key]
+        try:
+            yield
+        finally:
+            states.pop(given, None)
+
     # -- fused protocol ------------------------------------------------------------------------
 
     # Disabled for dynamo: in a compiled training step it traced into the fused kernels' launches
@@ -263,10 +284,13 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
             self._scale_for_stage(optimizer)  # Note [a stage without a loss]
             if self._is_pending(optimizer):  # Note [the first iteration's steps wait for update()]
                 raise RuntimeError("unscale_() is being called after step().")
-        if not self._enabled or not is_fused(optimizer):
+        if not self._enabled:
             return super().unscale_(optimizer)
+        if not is_fused(optimizer):
+            with self._record_under_given_name(optimizer):  # Note [one scaler state per stepped optimizer]
+                return super().unscale_(optimizer)
         self._check_scale_growth_tracker("unscale_")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        optimizer_state = self._record_of(optimizer)
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if optimizer_state["stage"] is OptState.STEPPED:
@@ -311,14 +335,17 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
                 if not (args and args[0] is not None):
                     return self._defer_step(optimizer, args, kwargs)
                 self._agree_for_closure(optimizer)  # Note [a closure in the first iteration]
-        if not self._enabled or not is_fused(optimizer):
-            if self._enabled and self._scale is not None:
-                self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]
+        if not self._enabled:
             return super().step(optimizer, *args, **kwargs)
+        if not is_fused(optimizer):
+            if self._scale is not None:
+                self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]
+            with self._record_under_given_name(optimizer):  # Note [one scaler state per stepped optimizer]
+                return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        optimizer_state = self._record_of(optimizer)
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         self._agree_iteration(optimizer)  # Note [found_inf over the pipeline stages]

@@ -141,6 +141,40 @@ def follows_protocol(optimizer) -> bool:
     return False
 
 
+# Note [one scaler state per stepped optimizer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's GradScaler keeps an iteration's record of an optimizer (unscaled yet? stepped? its
+# inf/nan flags) under ``id(optimizer)``. A framework gives a program several objects that step
+# the same parameters: Fabric's and Lightning's wrappers, which forward to the strategy's
+# optimizer, and the optimizer the program built, handed over to the fused or sharded one the
+# strategy made (Note [the protocol of a handed-over optimizer]). A loop that unscaled through
+# one (``fabric.clip_gradients(model, optimizer_it_kept, max_norm)``) and stepped through another
+# (the wrapper's ``step``) had two records: the step found its own "not unscaled" and unscaled the
+# gradients again (divided twice by the scale: SGD's updates ``scale`` times too small), and a
+# second ``unscale_`` through the other name was not refused. The scaler therefore keys its
+# record by the optimizer that all the names lead to (:func:`stepped_optimizer`).
+def stepped_optimizer(optimizer):
+    """The optimizer that steps when ``optimizer`` is stepped, which the scaler's record of an
+    iteration is kept under (Note [one scaler state per stepped optimizer]): following hand-overs,
+    and wrappers that hold one optimizer and share its param groups (the same list object, as
+    Fabric's, Lightning's and accelerate's forward them). Anything else is its own."""
+    obj = optimizer
+    for _ in range(8):  # (wrappers of wrappers; bounded against cycles)
+        state = getattr(obj, "__dict__", None)
+        if state is None:
+            return obj
+        handed = state.get(_HANDED_TO)
+        successor = None if handed is None else handed()
+        if successor is None:
+            groups = getattr(obj, "param_groups", None)
+            successor = next((v for v in state.values() if isinstance(v, torch.optim.Optimizer) and v is not obj
+                              and groups is not None and getattr(v, "param_groups", None) is groups), None)
+        if successor is None:
+            return obj
+        obj = successor
+    return obj
+
+
 class FlagOfAnother:
     """A value of an optimizer's ``_opt_called`` (torch's LR schedulers' step-order flag) that
     says whether *another* optimizer has stepped, decided when read: the optimizer handed its

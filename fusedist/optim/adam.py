@@ -22,7 +22,8 @@ class FusedAdam(FusedOptimizerBase):
     fused pass on the GPU (on the CPU it takes the PyTorch path: the C++ kernel has no
     AMSGrad). ``capturable`` and ``differentiable`` are not supported (True raises);
     ``foreach``/``fused`` are accepted as hints (``fused=False`` raises, and both True
-    as in torch).
+    as in torch). A state dict saved with ``capturable=True`` loads, and its groups keep the
+    flag, as torch's Adam loads one (Note [a capturable state dict]).
 
     Two things torch's Adam refuses are taken, with torch's numerics where it has them: a
     gradient of another floating dtype than its parameter (its ``grad_dtype`` lifted, e.g. fp32
@@ -83,10 +84,20 @@ class FusedAdam(FusedOptimizerBase):
             raise ValueError(f"{name}: invalid epsilon {eps}")
         if wd < 0:
             raise ValueError(f"{name}: invalid weight_decay {wd}")
-        if group.get("capturable"):  # e.g. from a loaded torch state dict
-            raise ValueError(f"{name}: capturable=True is not supported. A state dict of torch's optimizer made with "
-                             "capturable=True loads once its param groups' 'capturable' is set to False (the fused "
-                             "step keeps its step counts on the parameters' device and never waits for them).")
+        # (a group's ``capturable``, loaded or added, is kept and read by nothing: Note [a capturable state dict])
+
+    # Note [a capturable state dict]
+    # torch's Adam/AdamW made with ``capturable=True`` (to capture the step in a CUDA graph) save it
+    # in their param groups, with each step count an fp32 tensor on the parameter's device. torch's
+    # non-capturable optimizers load such a state dict -- the loaded groups keep the flag, the step
+    # counts go to the parameters' device -- and this optimizer refused it, so a run resumed with
+    # the fused drop-in from a checkpoint of a CUDA-graph run needed the file edited. The flag says
+    # how the saving optimizer ran its step, not what it computes, and the fused step already keeps
+    # its step counts where a capturable one does (fp32 tensors on the parameters' device), so the
+    # state loads as torch's does: the flag kept in the groups, so that a state dict saved again
+    # gives it back to a torch optimizer, and changing nothing in the fused step. The
+    # constructor still refuses ``capturable=True``: a request for a step that can be captured in
+    # a CUDA graph, which the fused step does not promise.
 
     def _reads_betas(self, betas) -> bool:
         """Whether validation reads the betas' values: always for numbers and host tensors;

@@ -13,6 +13,13 @@
   torch's registration hook) is refused at the next forward, naming it (torch's DDP leaves its
   gradients unaveraged, so the ranks drift apart); a module without parameters inserted trains on as
   torch's DDP does (Note [submodules inserted into a container] in fusedist/ddp/trainable.py).
+* A submodule written into a module's ``_modules`` directly (``model._modules[name] = sub``, into the
+  root, into a leaf, replacing an entry) is refused at the next forward naming its path, for the wrapper
+  and for ``fusedist.replicate`` in its own words (torch's DDP leaves its gradients local); a
+  parameterless one trains as torch's DDP does (Note [submodules written without the registration
+  hook] in fusedist/ddp/module_tree.py).
+* After a parameterless entry is inserted into or deleted from a ModuleList, messages name the later
+  entries' parameters by their current paths, not by those they were wrapped under.
 * A forward output whose tensors sit in a plain object, with ``find_unused_parameters=True``: the
   error says which containers the wrapper searches.
 """
@@ -247,6 +254,107 @@ def _inserted_submodules(rank, world):
     return out
 
 
+class Adapted(Net):
+    """``Net`` that also runs an adapter written into ``a``'s ``_modules`` and an activation and a layer
+    written into its own, when present."""
+
+    def forward(self, x):
+        adapter = self.a._modules.get("adapter")
+        act, extra = self._modules.get("act"), self._modules.get("extra")
+        x = self.a(x) if adapter is None else adapter(self.a(x))
+        x = x if act is None else act(x)
+        x = x if extra is None else extra(x)
+        return self.fc(x)
+
+
+def _write(parent, name, make):
+    def change(module):
+        target = module if parent is None else getattr(module, parent)
+        target._modules[name] = make()  # (no registration hook runs)
+    return change
+
+
+def _written_submodules(rank, world):
+    """Submodules written into a module's ``_modules`` directly after wrapping."""
+    import fusedist
+
+    out = {}
+    linear = lambda: nn.Linear(4, 4)  # noqa: E731
+    cases = {"into the root": _write(None, "extra", linear), "into a leaf": _write("a", "adapter", linear),
+             "replacing": _write(None, "fc", lambda: nn.Linear(4, 2)), "parameterless": _write(None, "act", nn.ReLU)}
+    for case, change in cases.items():
+        ddp = fusedist.DistributedDataParallel(Adapted(), find_unused_parameters=case == "replacing")
+        torch.manual_seed(100 + rank)
+        out[case] = _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, change)
+    torch_ddp = nn.parallel.DistributedDataParallel(Adapted())
+    torch.manual_seed(100 + rank)
+    out["parameterless", "torch"] = _steps(torch_ddp, torch.optim.SGD(torch_ddp.parameters(), lr=0.1), rank,
+                                           cases["parameterless"])
+    # a replicated module, after its first forward (its engine is built there)
+    model = fusedist.replicate(Adapted())
+    model(torch.randn(3, 4)).sum().backward()
+    _write(None, "extra", linear)(model)
+    try:
+        model(torch.randn(3, 4))
+        out["replicated"] = None
+    except RuntimeError as exc:
+        out["replicated"] = str(exc)
+    # the reference's behaviour: torch's DDP leaves the written layer's gradient local
+    torch_ddp = nn.parallel.DistributedDataParallel(Adapted())
+    torch_ddp.module._modules["extra"] = nn.Linear(4, 4)
+    out["torch spread"] = _local_grad_spread(rank, world, torch_ddp, torch_ddp.module.extra.weight)
+    return out
+
+
+class Skipping(nn.Module):
+    """Layers in a ModuleList, one of them skipped by index (an unused parameter's error names it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+        self.skip = None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i != self.skip:
+                x = layer(x)
+        return self.head(x)
+
+
+def _current_names(rank, world):
+    """After a parameterless entry is inserted into, or deleted from, a ModuleList, the wrapper's
+    messages name the later entries' parameters by their current paths: the unused-parameter error
+    for the layer skipped, which was ``layers.2`` when wrapped, against the module's own names; and
+    a Parameter assigned into it after the insertion, before a forward."""
+    import fusedist
+
+    def inserted(module):
+        module.layers.insert(0, nn.Tanh())
+        module.skip = 3
+
+    def deleted(module):
+        del module.layers[0]
+        module.skip = 1
+
+    out = {}
+    for case, change in (("inserted", inserted), ("deleted", deleted)):
+        ddp = fusedist.DistributedDataParallel(Skipping())
+        skipped = ddp.module.layers[2]
+        message = _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, change)
+        names = [n for n, p in ddp.module.named_parameters() if any(p is q for q in skipped.parameters())]
+        out[case] = (message, names)
+
+    def assigned(module):  # before any forward sees the insertion: noted under the current path
+        module.layers.insert(0, nn.Tanh())
+        module.layers[3].weight = nn.Parameter(torch.randn(4, 4))
+
+    ddp = fusedist.DistributedDataParallel(Skipping())
+    out["assigned"] = _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, assigned)
+    return out
+
+
 class Box:
     """A forward's output in an object DDP does not look into (neither torch's nor fusedist's)."""
 
@@ -281,6 +389,9 @@ def shared_launch(request):
         "test_step_over_parameter_added_after_wrapping_says_so": {"added": (_added_after_wrapping, ())},
         "test_output_in_an_unsearched_object_says_where_tensors_are_found": {"boxed": (_boxed_output, ())},
         "test_submodule_inserted_into_a_container_is_refused_naming_it": {"inserted": (_inserted_submodules, ())},
+        "test_submodule_written_into_modules_directly_is_refused_naming_it": {
+            "written": (_written_submodules, ())},
+        "test_messages_name_parameters_by_their_current_paths": {"current names": (_current_names, ())},
     }, world=2, timeout=180)
 
 
@@ -340,9 +451,41 @@ def test_submodule_inserted_into_a_container_is_refused_naming_it(shared_launch)
         for case, (module, params) in expected.items():
             msg = out[case]
             assert isinstance(msg, str), (case, "trained without an error")
-            assert f"['{module}'] inserted into a ModuleList or Sequential" in msg and params in msg, (case, msg)
+            assert f"['{module}'] registered without torch's registration hook" in msg and params in msg, (case, msg)
             assert "replaced by new Parameter objects" not in msg, (case, msg)
         ours, reference = out["parameterless"], out["parameterless", "torch"]
         assert not isinstance(ours, str), ours
         for a, b in zip(ours, reference):  # fp32, 3 SGD steps of the same averaged gradients
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_submodule_written_into_modules_directly_is_refused_naming_it(shared_launch):
+    for out in results_of(shared_launch, "written"):
+        assert out["torch spread"] > 0  # torch's DDP: the written layer trains on local gradients
+        expected = {"into the root": ("extra (Linear)", "'extra.weight', 'extra.bias'"),
+                    "into a leaf": ("a.adapter (Linear)", "'a.adapter.weight', 'a.adapter.bias'"),
+                    "replacing": ("fc (Linear)", "'fc.weight', 'fc.bias'")}
+        for case, (module, params) in expected.items():
+            msg = out[case]
+            assert isinstance(msg, str), (case, "trained without an error")
+            assert f"['{module}'] registered without torch's registration hook" in msg and params in msg, (case, msg)
+            assert "module._modules[name] = ..." in msg and "before wrapping" in msg, (case, msg)
+        msg = out["replicated"]
+        assert isinstance(msg, str) and "fusedist.replicate(Adapted)" in msg, msg
+        assert "['extra (Linear)'] registered without" in msg and "'extra.weight', 'extra.bias'" in msg, msg
+        assert "before the first forward of the replicated Adapted" in msg and "Distributed" not in msg, msg
+        ours, reference = out["parameterless"], out["parameterless", "torch"]
+        assert not isinstance(ours, str), ours
+        for a, b in zip(ours, reference):  # fp32, 3 SGD steps of the same averaged gradients
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_messages_name_parameters_by_their_current_paths(shared_launch):
+    for out in results_of(shared_launch, "current names"):
+        msg = out.pop("assigned")
+        assert "replaced by new Parameter objects: ['layers.3.weight']" in msg, msg
+        for case, (msg, names) in out.items():
+            assert isinstance(msg, str), (case, "trained without an error")
+            assert names == [f"layers.{3 if case == 'inserted' else 1}.{n}" for n in ("weight", "bias")], names
+            assert all(f"'{n}'" in msg for n in names), (case, msg)
+            assert "layers.2" not in msg, (case, msg)  # the skipped layer's name when wrapped

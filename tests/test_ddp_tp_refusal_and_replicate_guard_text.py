@@ -19,6 +19,11 @@ optimizer guard's words for a ``fusedist.replicate`` module; one 2-rank launch o
 * A step before any backward, or after a backward under ``set_requires_gradient_sync(False)``, is
   refused naming the replicated module and its setting (not ``no_sync()`` of a wrapper the user
   never made); the wrapper's words stay as they were.
+* A DTensor buffer is refused in replicate's words, at ``replicate`` and at the first forward.
+* A step before a replicated module's first forward (its engine is built there) is refused: without
+  gradients, and with the local ones of a submodule called on its own, which torch's replicate steps
+  on silently; also for a module replicated on the meta device and materialized after
+  (Note [a step before the first forward] in fusedist/ddp/replicate.py).
 """
 
 from __future__ import annotations
@@ -223,6 +228,82 @@ def _step_words(rank: int, world: int) -> dict:
     return out
 
 
+def _replicate_dtensor_buffer_refused(rank: int, world: int) -> dict:
+    """A DTensor buffer (of a module whose parameters are plain) is refused in replicate's words, at
+    ``replicate`` and, for one registered after it, at the first forward (where the engine is built)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import fusedist
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for when in ("at replicate", "at the first forward"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        scale = distribute_tensor(torch.ones(4), mesh["tp"], [Replicate()])
+        if when == "at replicate":
+            net[1].register_buffer("scale", scale)
+        try:
+            model = fusedist.replicate(net, device_mesh=mesh["dp"])
+            if when != "at replicate":
+                net[1].register_buffer("scale", scale)
+                model(torch.randn(2, 4))
+            out[when] = None
+        except NotImplementedError as e:
+            out[when] = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["alive"] = t.item()
+    return out
+
+
+def _step_before_the_first_forward(rank: int, world: int) -> dict:
+    """Steps before a replicated module's first forward (its engine is built there): refused, where
+    torch's replicate steps on each rank's local gradients; then training as torch.optim.SGD on the
+    global batch."""
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+
+    import fusedist
+
+    def net():
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    out = {}
+    x_all, y_all, x, y = _batch(40, rank, world)
+    # torch's replicate: a submodule called on its own before the first forward, then a step
+    theirs = torch_replicate(net())
+    theirs[0](x).pow(2).sum().backward()
+    grad = theirs[0].weight.grad.clone()
+    grads = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(grads, grad)
+    out["torch_spread"] = max((g - grads[0]).abs().max().item() for g in grads)
+
+    model, ref = fusedist.replicate(net()), net()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    out["no_backward"], out["no_backward_unchanged"] = _refused_step(opt, params)
+    model[0](x).pow(2).sum().backward()
+    out["local"], out["local_unchanged"] = _refused_step(opt, params)
+    opt.zero_grad()
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+    (ref(x_all) - y_all).pow(2).mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    out["diff"] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), params))
+
+    # a module replicated on the meta device, materialized after (new Parameters): watched too
+    with torch.device("meta"):
+        meta = fusedist.replicate(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    meta.to_empty(device="cpu")
+    opt = torch.optim.SGD(meta.parameters(), lr=0.1)
+    meta[2](torch.randn(2, 5)).sum().backward()
+    out["meta"], _ = _refused_step(opt, list(meta.parameters()))
+    return out
+
+
 _SCENARIOS = {
     "test_ddp_over_a_tensor_parallel_model_is_refused_by_name": {"dtensor": (_dtensor_refused, ())},
     "test_guard_names_the_replicated_module": {"guard": (_guard_words, ())},
@@ -231,6 +312,10 @@ _SCENARIOS = {
     "test_replicate_leaves_ignored_tensor_parallel_modules_to_the_user": {
         "replicate_ignored_tp": (_replicate_ignores_tensor_parallel, ())},
     "test_step_refusals_name_the_replicated_module": {"step_words": (_step_words, ())},
+    "test_replicate_refuses_dtensor_buffers_in_its_own_words": {
+        "replicate_dtensor_buffer": (_replicate_dtensor_buffer_refused, ())},
+    "test_step_before_the_first_forward_of_a_replicated_module_is_refused": {
+        "before_first_forward": (_step_before_the_first_forward, ())},
 }
 
 
@@ -303,3 +388,29 @@ def test_step_refusals_name_the_replicated_module(launched):
         assert "through the DistributedDataParallel model" in wrapper and "outside no_sync()" in wrapper, wrapper
         wrapper = out["wrapper_unsynced"]
         assert "its forward ran under no_sync()" in wrapper and "through the wrapper" in wrapper, wrapper
+
+
+def test_replicate_refuses_dtensor_buffers_in_its_own_words(launched):
+    for rank, out in enumerate(results_of(launched, "replicate_dtensor_buffer")):
+        for when in ("at replicate", "at the first forward"):
+            msg = out[when]
+            assert msg is not None, f"rank {rank}: a DTensor buffer was taken {when}"
+            assert f"fusedist.replicate(Sequential) (rank {rank})" in msg and "buffer '1.scale'" in msg, (when, msg)
+            assert "DistributedDataParallel" not in msg and "plain parameters and buffers" in msg, (when, msg)
+        assert out["alive"] == 2.0, out
+
+
+def test_step_before_the_first_forward_of_a_replicated_module_is_refused(launched):
+    for rank, out in enumerate(results_of(launched, "before_first_forward")):
+        assert out["torch_spread"] > 0  # torch's replicate: local gradients, stepped on silently
+        msg = out["no_backward"]
+        assert msg is not None and f"rank {rank}" in msg and "before any backward pass" in msg, msg
+        assert "replicated Sequential (fusedist.replicate)" in msg and "built at its first forward" in msg, msg
+        for key in ("local", "meta"):
+            msg = out[key]
+            assert msg is not None, f"rank {rank}: the {key} step was not refused"
+            assert "before the first forward of the replicated Sequential" in msg, (key, msg)
+            assert "this rank's own, not averaged" in msg and "DistributedDataParallel" not in msg, (key, msg)
+        assert out["no_backward_unchanged"] and out["local_unchanged"]
+        # fp32, a batch of 8 summed in another order across the ranks' halves: a few ulps
+        assert out["diff"] < 1e-6, out["diff"]

@@ -54,6 +54,8 @@ from torch import nn
 import weakref
 
 from . import join as _join
+from ..ownership import register_step_watch, release
+from ..reliability import checks_enabled, optimizer_guard
 from .prepared import arm_again_through
 
 __all__ = ["replicate", "ReplicatedModule", "wrapper_of", "build_pending"]
@@ -75,6 +77,17 @@ class _ReplicateState:
         self.ddp = None
         self.requires_gradient_sync = True
         self.comm_hooks: list = []
+        self.pending_watch = _PendingWatch(self)
+        self.watch_pending()
+
+    def watch_pending(self) -> None:
+        """Have the optimizer step guard refuse steps over the parameters while the engine is not
+        built (Note [a step before the first forward]); again after ``_apply`` (``to_empty`` makes
+        new Parameters)."""
+        if self.ddp is None:
+            left = self.ignored_modules | _fully_shard_submodules(self.module) | _replicated_submodules(self.module)
+            left_ids = {id(p) for m in left for p in m.parameters()}
+            register_step_watch([p for p in self.module.parameters() if id(p) not in left_ids], self.pending_watch)
 
     def build(self):
         return self.ddp if self.ddp is not None else self._build()
@@ -87,7 +100,7 @@ class _ReplicateState:
         on_meta = [n for n, p in module.named_parameters() if p.is_meta]
         if on_meta:
             raise RuntimeError(
-                f"fusedist.replicate({type(module).__name__}): parameters {on_meta[:4]} are still on the meta "
+                f"fusedist.replicate({_class_name(module)}): parameters {on_meta[:4]} are still on the meta "
                 "device; materialize them (module.to_empty(device=...) and their initialization) before the "
                 "first forward or the ZeroRedundancyOptimizer")
         kwargs = dict(self.kwargs)
@@ -99,6 +112,7 @@ class _ReplicateState:
                                                   f"cuda:{device_id}").type != "cpu":
             kwargs["device_ids"] = [device_id]
         left_out = self.ignored_modules | _fully_shard_submodules(module) | _replicated_submodules(module)
+        _refuse_dtensors(module, left_out)
         # By identity, under the names the engine knows them by: a parameter tied between a left-out
         # module and another one is left out (torch's), whichever name named_parameters() keeps.
         left = {id(t) for m in left_out for t in [*m.parameters(), *m.buffers()]}
@@ -111,10 +125,78 @@ class _ReplicateState:
             ddp._broadcast_state(tag="replicate initial parameters", buffers=False)
         self.ddp = ddp
         _PENDING.discard(module)
+        release(list(module.parameters()), [self.pending_watch])  # the engine's watches take over
         for args, hook_kwargs in self.comm_hooks:
             ddp.register_comm_hook(*args, **hook_kwargs)
         self.comm_hooks.clear()
         return ddp
+
+
+# Note [a step before the first forward]
+#     The engine of a replicated module is built at its first forward (Note [replicate without a
+#     wrapper]); before it the parameters have no gradient hooks. A backward through a submodule
+#     called on its own (``model.encoder(x)``) then leaves each rank its local gradients, and
+#     torch's replicate, built likewise, steps on them silently: the replicas diverge. So the
+#     parameters are watched from ``replicate`` on by a stand-in for the engine's watch, which the
+#     optimizer step guard reads as it reads the engine's: a step before the first forward is
+#     refused, with local gradients or without any (as the wrapper refuses a step before any
+#     backward). ``torch.distributed.checkpoint``'s state-creating step (zero gradients, lr 0)
+#     passes, as for the wrapper. The engine's own watch replaces it when the engine is built.
+
+
+class _PendingWatch:
+    """What the optimizer step guard reads of a model's watch (``WatchBase``'s surface), for a
+    replicated module whose engine is not built yet (Note [a step before the first forward])."""
+
+    def __init__(self, state: "_ReplicateState"):
+        self.state = weakref.ref(state)
+        self.rank = dist.get_rank()
+        self.optimizer_steps = 0
+
+    def averaging(self) -> bool:
+        return False  # (no engine, no reduction under way)
+
+    def _grads(self) -> bool:
+        state = self.state()
+        return state is not None and state.ddp is None and any(
+            p.grad is not None for p in state.module.parameters())
+
+    def backward_count(self) -> int:
+        state = self.state()
+        return 1 if state is None or state.ddp is not None or self._grads() else 0
+
+    @property
+    def last_backward_synced(self) -> bool:
+        return not self._grads()
+
+    def _name(self) -> str:
+        state = self.state()
+        return _class_name(state.module) if state is not None else "module"
+
+    @property
+    def owner_name(self) -> str:
+        return f"replicated {self._name()} (fusedist.replicate)"
+
+    @property
+    def no_backward_advice(self) -> str:
+        return (f"whose data-parallel engine is built at its first forward, and none has run: run forward and "
+                f"backward through the replicated {self._name()} itself (model(x)) before optimizer.step().")
+
+    @property
+    def unsynced_advice(self) -> str:
+        name = self._name()
+        return (f"before the first forward of the replicated {name} (fusedist.replicate): its data-parallel "
+                "engine is built at that forward, so these gradients -- from a submodule called on its own "
+                "(model.layer(x)) or from the module called through another path -- are this rank's own, not "
+                "averaged across ranks, and the replicas would diverge (torch's replicate steps on them). Run "
+                f"the forward through the replicated {name} itself (model(x)), zero the gradients, and step "
+                "after its backward.")
+
+
+def _class_name(module: nn.Module) -> str:
+    """The class the user replicated (not the ``DDP<class>`` subclass it became)."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if issubclass(cls, ReplicatedModule) else cls.__name__
 
 
 def _fully_shard_submodules(module: nn.Module) -> set:
@@ -227,6 +309,15 @@ class ReplicatedModule:
         if ddp is not None:
             ddp.check_consistency()
 
+    def _apply(self, fn, *args, **kwargs):
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``half``); before the engine is built, the
+        new Parameters are watched (Note [a step before the first forward])."""
+        out = super()._apply(fn, *args, **kwargs)
+        state = self.__dict__.get(_STATE)
+        if state is not None:
+            state.watch_pending()
+        return out
+
     def __deepcopy__(self, memo):
         raise AssertionError(
             "fusedist.replicate: a replicated module cannot be deep-copied (as with torch's replicate); copy "
@@ -256,7 +347,7 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     if not isinstance(module, nn.Module):
         raise TypeError(f"fusedist.replicate expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, ReplicatedModule):
-        raise ValueError(f"fusedist.replicate: {type(module).__name__} is already replicated")
+        raise ValueError(f"fusedist.replicate: {_class_name(module)} is already replicated")
     if isinstance(module, FullyShardedModule):
         raise ValueError(
             f"fusedist.replicate: {type(module).__name__} is sharded by fully_shard (as torch's replicate, it takes "
@@ -272,6 +363,8 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
                            "(under torchrun) before replicating the model")
     _refuse_engine_over(module)
     module.__dict__[_STATE] = _ReplicateState(module, ignored_modules, kwargs)
+    if checks_enabled():
+        optimizer_guard.install()  # Note [a step before the first forward]
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.register_forward_hook(_after_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))
@@ -280,16 +373,19 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
 
 
 def _refuse_dtensors(module: nn.Module, ignored_modules: set) -> None:
-    """DTensor parameters (a tensor-parallel module) are refused by name at ``replicate``, not at the
-    first forward in the engine's words (Note [DDP over a tensor-parallel model] in arguments.py):
-    the flat buckets carry no placements. Those of ``ignored_modules`` are the user's to reduce, as
-    with torch's replicate; fully_shard's own pieces are plain tensors, not DTensors."""
+    """DTensor parameters or buffers (a tensor-parallel module) are refused by name at ``replicate``
+    and again when the engine is built (a module converted in between), in replicate's words, not in
+    the wrapper's (Note [DDP over a tensor-parallel model] in arguments.py): the flat buckets carry
+    no placements. Those of ``ignored_modules`` are the user's to reduce, as with torch's replicate;
+    fully_shard's own pieces are plain tensors, not DTensors."""
     from .arguments import refuse_dtensors
 
-    left_out = {id(p) for m in ignored_modules for p in m.parameters()}
-    refuse_dtensors([(n, p) for n, p in module.named_parameters() if id(p) not in left_out], [],
-                    who=f"fusedist.replicate({type(module).__name__})",
-                    why="the module is tensor-parallel, and fusedist's data-parallel engine takes plain parameters",
+    left_out = {id(t) for m in ignored_modules for t in [*m.parameters(), *m.buffers()]}
+    refuse_dtensors([(n, p) for n, p in module.named_parameters() if id(p) not in left_out],
+                    [(n, b) for n, b in module.named_buffers() if id(b) not in left_out],
+                    who=f"fusedist.replicate({_class_name(module)})",
+                    why="the module is tensor-parallel, and fusedist's data-parallel engine takes plain parameters "
+                        "and buffers",
                     torch_way="torch's replicate(model, device_mesh=mesh['dp'])")
 
 

@@ -77,13 +77,14 @@ Note [submodules inserted into a container]
     ``nn.ModuleList.insert`` and ``nn.Sequential.insert`` write the container's ``_modules``
     directly (to shift the later entries' names), so torch's registration hook never sees the
     inserted submodule: its Parameters would train on each rank's gradient alone, silently (torch's
-    DDP does so). The tracker keeps, for each such container in the module, its ``_modules`` dict
-    and its length; every forward compares them (one comparison per container, not per
-    submodule), and a container changed without the hook (a length that grew, or a dict replaced:
-    a ``del`` renumbers into a new one) is read once for the submodules this wrapper does not
-    follow yet. Each is then handled as an added submodule -- its buffers found, its tree followed
-    -- and one with parameters is refused at the next training forward, naming it. The entries
-    after the insertion point keep the names they were wrapped under in the wrapper's messages.
+    DDP does so); so would those of a submodule written into any module's ``_modules`` by other
+    code. Every forward compares the module tree with the one last seen (Note [submodules written
+    without the registration hook] in module_tree.py), and on a change reads it once for the
+    submodules this wrapper does not follow yet. Each is then handled as an added submodule -- its
+    buffers found, its tree followed -- and one with parameters is refused at that training
+    forward, naming it by its current path. The followed parameters are renamed to their current
+    paths then (Note [names follow the module]): the entries after an insertion or a deletion are
+    named as they are now, not as they were wrapped.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ import torch
 from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
 from ..ownership import register_data_parallel
 from .memory_format import check_memory_format
+from .module_tree import ModuleTree, rename_followed
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
 from .._dtypes import real_pairs
 from .strategy import bucket_divide_factors, from_wire, to_wire
@@ -127,12 +129,12 @@ class TrainableTracker:
         self.removed: list[str] = []
         self.removed_modules: list[str] = []
         self._held_ids: "frozenset[int] | None" = None  # the followed Parameters' ids, built when needed
-        # Note [submodules inserted into a container]: the ModuleList/Sequential containers followed,
-        # and the parameters (and submodules) found inserted into them since the last training forward.
-        self.containers: list[_Container] = []
+        # Note [submodules inserted into a container]: the parameters (and submodules) found registered
+        # without the registration hook since the last training forward.
         self.inserted: list[str] = []
         self.inserted_modules: list[str] = []
         follow_assignments(module, self)
+        self.tree = ModuleTree(module)  # Note [submodules written without the registration hook]
         self.layout_flags = [p.requires_grad for p in self.params]
         self.layout_crc = flags_crc(self.layout_flags)
         self.target = None  # flags seen at a training forward that the layout does not follow yet
@@ -144,9 +146,11 @@ class TrainableTracker:
         """The flags of the last training forward (the step check's ``trainable`` field)."""
         return self.target_crc
 
-    def observe(self, reducer) -> None:
-        """Called by every training forward; cheap unless the flags changed."""
-        self.find_inserted()
+    def observe(self, reducer, tree_checked: bool = False) -> None:
+        """Called by every training forward; cheap unless the flags changed. ``tree_checked``: the
+        forward compared the module tree already (before its buffer broadcast)."""
+        if not tree_checked:
+            self.find_inserted()
         if self.replaced_modules:
             self._find_removed()
         if self.assigned or self.removed or self.inserted:
@@ -171,21 +175,23 @@ class TrainableTracker:
                 reducer.ensure_hook(p)
         _thaw_into_hook_buckets(reducer, {p for p, f in zip(self.params, flags) if f})
 
-    def watch(self, container, prefix: str) -> None:
-        """Follow a ModuleList or Sequential at ``prefix`` (Note [submodules inserted into a container])."""
-        if not any(c.module is container for c in self.containers):
-            self.containers.append(_Container(container, prefix))
-
     def find_inserted(self) -> None:
-        """Handle the submodules inserted into the followed containers without a registration
-        (Note [submodules inserted into a container]); one comparison per container when none was."""
-        for container in self.containers:
-            if container.module._modules is container.modules and len(container.modules) == container.count:
-                continue
-            container.snapshot()
-            for name, sub in list(container.modules.items()):
+        """Handle the submodules registered without torch's registration hook, and rename the
+        parameters after any change of the tree (Note [submodules written without the registration
+        hook], Note [names follow the module] in module_tree.py); one flat comparison when none was."""
+        if self.tree.unchanged():
+            return
+        owner = self.owner()
+        if owner is None:
+            return
+        for path, parent in owner.module.named_modules():
+            for name, sub in list(parent._modules.items()):
                 if sub is not None and not _follows(sub, self):
-                    self._note_inserted(container.module, container.prefix, name, sub)
+                    self._note_inserted(parent, f"{path}." if path else "", name, sub)
+        owner.submodules_changed()  # (a submodule deleted: its buffers are no longer broadcast)
+        self.tree.snapshot(owner.module)
+        _follow_tree(owner.module, weakref.ref(self), "")  # assignments noted under the current paths
+        rename_followed(owner, self)
 
     def _note_inserted(self, parent, prefix: str, name: str, submodule) -> None:
         before = len(self.assigned)
@@ -246,19 +252,18 @@ class TrainableTracker:
         known = [n for n in self.assigned if n in self.position or n in self.sparse]
         groups = (("replaced by new Parameter objects", known),
                   ("added", [n for n in self.assigned if n not in known]),
-                  (f"added with the submodule(s) {self.inserted_modules} inserted into a ModuleList or Sequential "
-                   "(insert() registers them without torch's registration hook)", self.inserted),
+                  (f"added with the submodule(s) {self.inserted_modules} registered without torch's registration "
+                   "hook (inserted into a ModuleList or Sequential by insert(), or written into a module's _modules "
+                   "directly: module._modules[name] = ...)", self.inserted),
                   (f"removed with the submodule(s) {self.removed_modules} replaced or set to None", self.removed))
         what = [f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}" for label, names in groups if names]
+        who, module, when, redo = _words(self.owner(), reducer.comm.rank)
         return RuntimeError(
-            f"fusedist.DistributedDataParallel (rank {reducer.comm.rank}): parameters of the wrapped module "
-            f"were assigned after it was wrapped, or removed ({'; '.join(what)}), e.g. by "
+            f"{who}: parameters of the {module} were assigned {when}, or removed ({'; '.join(what)}), e.g. by "
             "load_state_dict(..., assign=True), module.weight = nn.Parameter(...), a submodule added "
-            "(module.extra = nn.Linear(...)) or replaced (module.fc = nn.Identity()). The wrapper synchronizes "
-            "the gradients of the Parameters "
-            "it was built with: new ones would train on this rank's gradients alone, and removed ones are "
-            "still reduced (and checked) as parts of the model. Make such changes before wrapping, or wrap "
-            "the module again"
+            "(module.extra = nn.Linear(...)) or replaced (module.fc = nn.Identity()). The engine synchronizes "
+            "the gradients of the Parameters it was built with: new ones would train on this rank's gradients "
+            f"alone, and removed ones are still reduced (and checked) as parts of the model. {redo}"
         )
 
     def describe_mismatch(self, comm) -> list[str]:
@@ -279,6 +284,20 @@ class TrainableTracker:
         return lines[:10] + (["  ..."] if len(lines) > 10 else [])
 
 
+def _words(owner, rank: int) -> tuple:
+    """(who, the module, since when, what to do) for the refusal of changed parameters: a
+    ``fusedist.replicate`` module is no wrapper, and its engine is built at its first forward."""
+    from .replicate import ReplicatedModule, _class_name
+
+    if owner is not None and isinstance(owner.module, ReplicatedModule):
+        name = _class_name(owner.module)
+        return (f"fusedist.replicate({name}) (rank {rank})", f"replicated {name}",
+                "after its first forward (when its data-parallel engine was built)",
+                f"Make such changes before the first forward of the replicated {name}")
+    return (f"fusedist.DistributedDataParallel (rank {rank})", "wrapped module", "after it was wrapped",
+            "Make such changes before wrapping, or wrap the module again")
+
+
 # Note [parameters replaced after wrapping]: module -> [(tracker, qualified-name prefix)].
 _followed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -291,50 +310,42 @@ def follow_assignments(module, tracker: TrainableTracker) -> None:
     _follow_tree(module, weakref.ref(tracker), "")
 
 
-class _Container:
-    """A ModuleList or Sequential in the wrapped module as last seen (Note [submodules inserted
-    into a container]): its ``_modules`` dict and that dict's length."""
-
-    __slots__ = ("module", "prefix", "modules", "count")
-
-    def __init__(self, module, prefix: str):
-        self.module, self.prefix = module, prefix
-        self.snapshot()
-
-    def snapshot(self) -> None:
-        self.modules = self.module._modules
-        self.count = len(self.modules)
-
-
 def _follow_tree(module, ref, prefix: str) -> None:
+    """Follow ``module``'s tree for ``ref``'s tracker under the paths it has now (one entry per
+    tracker: a module followed again, after the tree changed, takes its current path)."""
     tracker = ref()
     for name, sub in module.named_modules():
         # (dropping the entries of wrappers that are gone: a module wrapped again and again)
-        live = [entry for entry in _followed.get(sub, ()) if entry[0]() is not None]
+        live = [entry for entry in _followed.get(sub, ()) if entry[0]() not in (None, tracker)]
         _followed[sub] = live + [(ref, prefix + name + "." if name else prefix)]
-        if tracker is not None and isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
-            tracker.watch(sub, prefix + name + "." if name else prefix)
 
 
 def _follows(module, tracker) -> bool:
     return any(ref() is tracker for ref, _ in _followed.get(module, ()))
 
 
-def _parameter_registered(module, name: str, param):
-    for ref, prefix in _followed.get(module, ()):
+def _current_entries(module) -> list:
+    """The (tracker, path prefix) entries of ``module``, with the paths brought up to date first
+    where the tree changed since the last forward (Note [names follow the module] in
+    module_tree.py: an entry inserted before it renumbered it); one tree comparison per tracker."""
+    for ref, _ in list(_followed.get(module, ())):
         tracker = ref()
         if tracker is not None:
-            tracker.note_assignment(prefix + name, param)
+            tracker.find_inserted()
+    return [(ref(), prefix) for ref, prefix in _followed.get(module, ()) if ref() is not None]
+
+
+def _parameter_registered(module, name: str, param):
+    for tracker, prefix in _current_entries(module):
+        tracker.note_assignment(prefix + name, param)
     return None  # the Parameter is registered unchanged
 
 
 def _module_registered(module, name: str, submodule):
     """A submodule registered into a followed module: its Parameters are noted as assigned
     (those followed already under another name excepted) and its tree is followed."""
-    for ref, prefix in _followed.get(module, ()):
-        tracker = ref()
-        if tracker is not None:
-            _registered_into(tracker, module, prefix, name, submodule)
+    for tracker, prefix in _current_entries(module):
+        _registered_into(tracker, module, prefix, name, submodule)
     return None  # the submodule is registered unchanged
 
 

@@ -363,13 +363,14 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             # Before this step's first collective (observers read the last step's checks).
             self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
-        if sync_buffers and self.config.broadcast_buffers:
+        tree_checked = sync_buffers and self.config.broadcast_buffers
+        if tree_checked:
             self.reducer.tracker.find_inserted()  # their buffers too (Note [submodules inserted into a container])
             buffers = self._module_buffers()
             if buffers:
                 self._broadcast_coalesced(buffers, tag="ddp buffers")
         if grad:
-            self.reducer.tracker.observe(self.reducer)  # Note [trainable set changes]
+            self.reducer.tracker.observe(self.reducer, tree_checked)  # Note [trainable set changes]
         self._wait_for_params(traced)
         return False
 

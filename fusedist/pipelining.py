@@ -55,35 +55,6 @@ Note [a stage whose inputs need no gradient]
     (Note [zero-bubble passes of fusedist stages] in _pipeline_passes.py). The stage gives up
     overlap of its weight gradients with the bubbles, not correctness.
 
-Note [micro-batches of another shape]
-    torch's stages receive each micro-batch's activations into buffers allocated once, at the
-    first step, from micro-batch 0's shapes. A batch that ``n_microbatches`` does not divide
-    (``tensor_split`` makes micro-batches of 3, 3, 2, 2 rows), or a later batch of another
-    size, then failed far from its cause: gloo aborted the receiving process ("Received data
-    size doesn't match expected size"), or a smaller micro-batch landed in the first rows of a
-    larger buffer and the last stage's loss failed ("size of tensor a (3) must match b (2)")
-    -- or, with a loss that broadcasts, trained on the stale rows silently. Only the sender
-    can see the mismatch: the first stage checks each micro-batch's inputs (it is given them),
-    and any stage whose next stage is on another rank checks its outputs against the buffers
-    there, before they are sent. Later stages see only their fixed buffers; they learn of the
-    error when the first stage's process ends (gloo: "Connection closed by peer"), or at the
-    group's timeout. In a first step the buffers are sized from micro-batch 0, the largest of an
-    uneven split: the first smaller micro-batch is refused, the ones before it already sent.
-
-Note [uneven micro-batches on one rank]
-    A pipeline whose stages are all on one rank passes tensors as they are, so a later batch of
-    another size (another sequence length) is right there and left alone. A batch that
-    ``n_microbatches`` does not divide is not: torch's schedules ran it, and divided the sum of
-    the micro-batches' gradients by ``n_microbatches``, weighting each micro-batch's loss alike
-    -- with a mean loss the rows of the smaller micro-batches counted more than the others', a
-    gradient the unpipelined model on that batch does not give (by ~lr-sized amounts), and a
-    batch the same pipeline over several ranks refuses. The first stage of such a pipeline
-    refuses, in a step with backward, a micro-batch whose inputs differ in shape from the
-    step's micro-batch 0 (a forward-only step computes no gradient and is left alone). It can
-    only see one micro-batch at a time, so the micro-batches before it have run; torch's
-    schedule keeps their losses after any error in a step (and hands them to the next step's
-    backwards): the message says to make a new schedule.
-
 Note [pipeline stages of DDP modules]
     A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
     module) is treated alike, through its engine's switch for the next backward: torch's
@@ -132,24 +103,58 @@ Note [accumulating over synchronized pipeline steps]
     pipelining. Under the user's own switch (Note [accumulating across pipeline steps]) the
     copy waits for the next synchronized step, whose division is then undone for it alone.
     The copy costs one gradient-sized buffer in a step that starts with gradients held; none
-    when they were zeroed to None. A tensor no longer the gradient at the division (the user
-    set the gradients to None meanwhile) gets nothing back; a step that raised before its
-    division drops its copy (the next step sets aside anew). (A DDP stage's accumulating step
+    when they were zeroed, to None or (``set_to_none=False``) to zeros: a gradient all zeros
+    has nothing to give back, and one pass reading the gradients (their largest magnitudes, one
+    synchronization) finds those, where a copy would write them and the give-back read them
+    twice. A tensor no longer the gradient at the division (the user set the gradients to None
+    meanwhile) gets nothing back; a step that raised before its division drops its copy, or
+    puts the gradients back from it (Note [a step that raised]). (A DDP stage's accumulating step
     after a synchronized one adds its undivided sum to the divided ``p.grad``: the copy taken
     before the accumulating step is what keeps the two apart.)
+
+Note [a step that raised]
+    torch's schedules keep the losses of a step that raised (the last stage's ``loss_fn`` failing
+    on micro-batch 2's target, say) and hand them to the next step's backwards in place of its
+    own: the gradient came out wrong by ~lr-sized amounts, silently, torch's own stage alike. A
+    stage counts what its step did (forwards, backward passes; a training step ends when the
+    schedule reduces the gradients, a forward-only one with its last forward). At the next step's
+    beginning -- torch's schedules call ``clear_runtime_states`` from their ``step``, where the
+    stage finds the schedule -- a step that ended leaves nothing; one that raised before its end:
+    - on a pipeline whose stages are all on this rank, the schedule's leftover losses are
+      dropped, the gradients put back as the step found them (from the set-aside of Note
+      [accumulating over synchronized pipeline steps]; those it found None set to None again),
+      and the step runs, as a fresh schedule's would. A stage module fusedist or torch reduces
+      keeps unreduced sums this cannot put back, as does a step accumulating under the user's
+      own switch: after backward passes such a stage refuses every later step instead.
+      (Buffers the forwards updated, a BatchNorm's statistics, keep the update.)
+    - on a pipeline over several ranks, the other ranks were in the step too: waiting for this
+      rank's messages, or having sent some it never received (gloo's sends wait for their
+      receive), and no rank can tell the others (the exception may come from the schedule's own
+      code, and a peer blocked in a receive sees nothing else). A new step would pair its
+      messages with theirs -- activations and gradients of other micro-batches, another step's
+      targets -- silently. So the rank refuses this and every later step, naming what it had
+      done; the peers' steps end at the process group's timeout (or at once when this process
+      ends), and refuse theirs in turn.
+    A step whose shape inference failed on every rank at once left nothing unmatched (Note [a
+    shape inference that fails on one rank] in _pipeline_inference.py): it counts as ended.
+    A step driven by hand (no schedule's ``step``) is not tracked. The leftover losses of a step
+    that ended (an ``eval`` whose ``loss_fn`` raised on the last micro-batch) are dropped too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from typing import Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
-from ._pipeline_inference import over_copied_buffers
+from ._pipeline_inference import (
+    InferenceFailed, PeerInferenceFailed, check_even_split, check_shapes, check_stage_outputs, failing_inference,
+    next_on_another_rank, over_copied_buffers)
 from ._pipeline_passes import _input_pass, _plain_weight_pass, _weight_pass, _weights
 
 __all__ = ["PipelineStage"]
@@ -165,9 +170,10 @@ class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard`` or
     wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
     fully_shard modules], Note [pipeline stages of DDP modules]); it refuses a micro-batch of another shape
-    than the first (Note [micro-batches of another shape]); it also trains a stage whose
+    than the first (Note [micro-batches of another shape] in _pipeline_inference.py); it also trains a stage whose
     inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient]),
     refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
+    leaves no trace of a step that raised, or refuses the next (Note [a step that raised]),
     and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
     as it was] in _pipeline_inference.py)."""
@@ -176,29 +182,67 @@ class PipelineStage(_TorchPipelineStage):
         super().__init__(*args, **kwargs)
         _stages[next(_made)] = self
 
-    def _forward_metadata_inference(self, *args, **kwargs):
+    def _forward_metadata_inference(self, args, kwargs=None, has_backward: bool = False):
         with over_copied_buffers(self.submod):  # Note [shape inference leaves the stage as it was]
-            return super()._forward_metadata_inference(*args, **kwargs)
+            # Note [a shape inference that fails on one rank] (_pipeline_inference.py)
+            return failing_inference(self, lambda: super(PipelineStage, self)._forward_metadata_inference(
+                args, kwargs, has_backward), backward=False, has_backward=has_backward, told=self._told)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        return failing_inference(self, lambda: super(PipelineStage, self)._backward_metadata_inference(
+            *args, **kwargs), backward=True, has_backward=True, told=self._told)
+
+    def _told(self) -> None:
+        """Every rank learned of the step's failed shape inference, before any of the step's own
+        messages: the step left nothing unmatched (Note [a step that raised])."""
+        schedule = self._stepping() if getattr(self, "_stepping", None) is not None else None
+        for stage in [getattr(schedule, "_stage", None), *getattr(schedule, "_stages", ())]:
+            if getattr(stage, "_step", None) is not None:
+                stage._step.ended = True
+
+    def _compute_outputs(self, *args, module, **kwargs):
+        outputs = super()._compute_outputs(*args, module=module, **kwargs)
+        check_stage_outputs(self, outputs)
+        return outputs
+
+    def _recv_meta(self, src_stage: int):
+        meta = super()._recv_meta(src_stage)
+        if isinstance(meta, InferenceFailed):
+            raise PeerInferenceFailed(meta)
+        return meta
+
+    def _send_meta(self, meta, dst_stage: int) -> None:
+        self._fusedist_meta_sent = True
+        super()._send_meta(meta, dst_stage)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
+        step = getattr(self, "_step", None)  # Note [a step that raised]
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
             if self.has_backward:  # Note [accumulating over synchronized pipeline steps]
-                if not getattr(self, "_held_over", False):  # (nor after a step that raised: set aside anew)
+                held_over = getattr(self, "_held_over", False)
+                if not held_over:
                     self._held_before = _set_aside(self.submod)
                 self._held_over = False
+                if step is not None:
+                    step.began(self.submod, held_over)
         # Note [micro-batches of another shape] (torch releases without the buffers' metadata: not checked)
         meta = getattr(self, "_stage_meta", None)
         if meta is not None and self.is_first and self.group_size > 1:
-            _check_shapes(self, fwd_chunk_id, "input", meta.inputs, args)
+            check_shapes(self, fwd_chunk_id, "input", meta.inputs, args)
         elif self.is_first and self.has_backward:  # Note [uneven micro-batches on one rank] (or no buffer metadata)
-            _check_even_split(self, fwd_chunk_id, args)
+            check_even_split(self, fwd_chunk_id, args)
         output = super().forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
-        if meta is not None and not self.is_last and _next_on_another_rank(self):
-            _check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
+        if meta is not None and not self.is_last and next_on_another_rank(self):
+            check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
+        if step is not None:
+            step.forwards += 1
+            step.ended = not self.has_backward and step.forwards >= (self.chunks or 0)
         return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if getattr(self, "_step", None) is not None:  # Note [a step that raised]
+            self._step.backwards += 1
         sync_only_if = _sync_switch(self.submod)
         if sync_only_if is None and backward_type != "full" and not getattr(self, "_root_checked", False):
             _check_root_sharded(self.submod, self.stage_index)
@@ -229,6 +273,21 @@ class PipelineStage(_TorchPipelineStage):
             grads, _ = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last)
         return grads, None
 
+    def clear_runtime_states(self) -> None:
+        """torch's clearing at a step's beginning; after a step that raised before its end, the
+        stage is put back as that step found it, or every later step is refused (Note [a step
+        that raised])."""
+        schedule = _schedule_stepping(self)
+        if schedule is not None:
+            _after_the_last_step(self, schedule)
+            self._step, self._stepping = _Step(), weakref.ref(schedule)
+        super().clear_runtime_states()
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
+            self._step.ended = True
+        super().perform_reduce_grad(grad_scale_factor)
+
     def scale_grads(self, grad_scale_factor: int) -> None:
         """torch's division of the step's gradients by the micro-batch count, also of those a
         sharded optimizer holds outside ``p.grad`` (Note [gradients held outside p.grad]); none
@@ -256,10 +315,25 @@ def _divided(module) -> list:
 
 
 def _set_aside(module) -> list:
-    """Each gradient held before a step, with a copy of its value (Note [accumulating over
+    """Each gradient held before a step, with a copy of its value, or None where it is all zeros
+    (``zero_grad(set_to_none=False)``: nothing to keep, no copy) (Note [accumulating over
     synchronized pipeline steps])."""
+    grads = _divided(module)
     with torch.no_grad():
-        return [(grad, grad.clone()) for grad in _divided(module)]
+        return [(grad, None if zero else grad.clone()) for grad, zero in zip(grads, _all_zero(grads))]
+
+
+def _all_zero(grads: list) -> list:
+    """Whether each gradient is all zeros (NaN is not), in one pass over them and one
+    synchronization; a tensor of another kind (sparse, a subclass) counts as not."""
+    flags = [g.numel() == 0 for g in grads]  # (an empty shard holds nothing)
+    dense = [i for i, g in enumerate(grads) if not flags[i]
+             and type(g) is torch.Tensor and g.layout == torch.strided and g.is_floating_point()]
+    if dense:
+        norms = torch._foreach_norm([grads[i] for i in dense], float("inf"))
+        for i, zero in zip(dense, (torch.stack([n.float() for n in norms]) == 0).tolist()):
+            flags[i] = zero
+    return flags
 
 
 def _give_back(module, held: list, factor: int) -> None:
@@ -268,60 +342,85 @@ def _give_back(module, held: list, factor: int) -> None:
     current = {id(grad) for grad in _divided(module)}
     with torch.no_grad():
         for grad, before in held:
-            if id(grad) in current:
+            if before is not None and id(grad) in current:
                 grad.add_(before, alpha=1 - 1 / factor)
 
 
-def _next_on_another_rank(stage) -> bool:
-    ranks = getattr(stage, "stage_index_to_group_rank", None)
-    return ranks is not None and ranks.get(stage.stage_index + 1, stage.group_rank) != stage.group_rank
+class _Step:
+    """What a stage did in the step it last began (Note [a step that raised])."""
+
+    def __init__(self):
+        self.forwards, self.backwards, self.ended = 0, 0, False
+        self.held_over, self.unset = False, []
+
+    def began(self, module, held_over: bool) -> None:
+        """At the step's first forward: whether the set-aside was an earlier step's, and the
+        parameters without a gradient."""
+        self.held_over = held_over
+        self.unset = [p for p in module.parameters() if p.grad is None]
 
 
-def _check_shapes(stage, chunk: int, kind: str, metas, values) -> None:
-    """Refuse a micro-batch whose tensors differ from the shapes the receive buffers were made
-    for (Note [micro-batches of another shape]), naming the stage, the micro-batch and both shapes."""
-    if metas is None:
-        return
-    values = values if isinstance(values, (tuple, list)) else (values,)
-    for i, (meta, value) in enumerate(zip(metas, values)):
-        if meta is None or not isinstance(value, torch.Tensor):
-            continue
-        local = getattr(value, "_local_tensor", value)  # a DTensor's metadata is its local shard's
-        if tuple(local.shape) == tuple(meta.shape) and local.dtype == meta.dtype:
-            continue
-        if kind == "input":
-            fix = (f"Give each step a batch of the same size, divisible by n_microbatches ({stage.chunks}) (with a "
-                   "DataLoader: drop_last=True, so the last batch is not smaller)")
+def _schedule_stepping(stage):
+    """The schedule whose ``step`` is beginning, clearing ``stage`` (None when the stage is
+    driven by hand): torch's schedules call ``clear_runtime_states`` from their ``step``."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, _PipelineSchedule):
+            stages = [getattr(caller, "_stage", None), *getattr(caller, "_stages", ())]
+            return caller if any(s is stage for s in stages) else None
+        frame = frame.f_back
+    return None
+
+
+def _after_the_last_step(stage, schedule) -> None:
+    """Drop what the stage's last step left if it raised (Note [a step that raised]), or refuse."""
+    refusal = getattr(stage, "_refusal", None)
+    step = getattr(stage, "_step", None)
+    if refusal is None and step is not None and not step.ended:
+        plain = _sync_switch(stage.submod) is None and not _torch_data_parallel(stage.submod)
+        if stage.group_size > 1 or (step.backwards and (step.held_over or not plain)):
+            refusal = stage._refusal = _refusal(stage, step, plain)
         else:
-            fix = "Make the stage's outputs keep their shapes from micro-batch to micro-batch (pad or trim them)"
-        raise RuntimeError(
-            f"fusedist.pipelining.PipelineStage: stage {stage.stage_index}, micro-batch {chunk}: {kind} {i} has "
-            f"shape {tuple(local.shape)} ({local.dtype}), expected {tuple(meta.shape)} ({meta.dtype}): the "
-            "pipeline's stages receive into buffers sized from micro-batch 0 of its first step, so every "
-            f"micro-batch of every step must have that shape. {fix}")
+            if step.backwards:  # put the gradients back as the step found them
+                with torch.no_grad():
+                    for grad, before in getattr(stage, "_held_before", None) or []:
+                        grad.zero_() if before is None else grad.copy_(before)
+                for p in step.unset:
+                    p.grad = None
+            if not step.held_over:
+                stage._held_before = None
+            stage._held_over = step.held_over
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    schedule._internal_losses.clear()  # the losses of a step that raised; none otherwise
 
 
-def _check_even_split(stage, chunk: int, args) -> None:
-    """Refuse a micro-batch of another shape than the step's micro-batch 0 (Note [uneven
-    micro-batches on one rank]), naming the stage, the micro-batch and both shapes."""
-    args = args if isinstance(args, (tuple, list)) else (args,)
-    shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
-    if chunk == 0:
-        stage._first_shapes = shapes
-        return
-    first = getattr(stage, "_first_shapes", None)
-    for i, (shape, expected) in enumerate(zip(shapes, first or ())):
-        if shape is None or expected is None or shape == expected:
-            continue
-        raise RuntimeError(
-            f"fusedist.pipelining.PipelineStage: stage {stage.stage_index}, micro-batch {chunk}: input {i} has shape "
-            f"{shape}, micro-batch 0 of this step {expected}: the step's batch does not split into {stage.chunks} "
-            "equal micro-batches. torch's schedules divide the micro-batches' summed gradients by n_microbatches, "
-            "weighting every micro-batch's loss alike, so with a mean loss the rows of the smaller micro-batches "
-            "would count more than the others' and the gradient would not be the batch's. Give each step a batch "
-            f"divisible by n_microbatches ({stage.chunks}) (with a DataLoader: drop_last=True). The micro-batches "
-            "before this one may have been backpropagated and torch's schedule keeps their losses: to train on, zero "
-            "the gradients and make a new schedule over the stages")
+def _refusal(stage, step, plain: bool) -> str:
+    head = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {torch.distributed.get_rank()}): "
+            f"the previous step raised before its end, after {step.forwards} of its {stage.chunks} forwards and "
+            f"{step.backwards} backward passes")
+    if stage.group_size > 1:
+        return (
+            f"{head}. The pipeline's other ranks were left waiting on that step's messages (or sent ones "
+            "this stage never received): a new step would pair its activations and gradients with other "
+            "micro-batches' and another step's targets, silently. So this rank refuses every later step, and "
+            "the other ranks' steps fail too (at once if this process ends, else at the process group's "
+            "timeout). Fix what raised and restart every rank from the last checkpoint")
+    if plain:
+        why, fix = ("an earlier step's gradients set aside under the user's own gradient-sync switch",
+                    "zero the gradients and build the stages and the schedule anew (or restart from the last "
+                    "checkpoint)")
+    else:
+        why, fix = (f"the unreduced sums a {type(stage.submod).__name__} stage module keeps",
+                    "restart from the last checkpoint (the sums stay with the module)")
+    return (
+        f"{head}: its backward passes accumulated part of that step's gradients, and {why} cannot be put back "
+        f"as the step found them. So every later step is refused: {fix}")
 
 
 def stage_holders_outside_grad() -> list:

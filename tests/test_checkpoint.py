@@ -104,6 +104,8 @@ def _save_worker(rank, world_size, directory):
             damage(copy)
     dist.barrier()
     before = _snapshot(model, opt)
+    # (a listed file that is not there may be late: a load waits this long for it to show)
+    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "0.5"
     for name in variants:
         try:
             fusedist.checkpoint.load(directory + "-" + name.replace(" ", "_"), model, opt)

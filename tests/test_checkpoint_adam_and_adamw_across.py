@@ -38,12 +38,12 @@ def _net(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
-def _groups(model, decoupled=None) -> list:
+def _groups(model, decoupled=None, decay: float = 0.3) -> list:
     """Two param groups with weight decay (large enough that L2 and decoupled decay part ways);
     ``decoupled``: each group's ``decoupled_weight_decay`` (None: the class's default)."""
     out = []
     for i, (layer, lr) in enumerate(zip((model[0], model[2]), _LRS)):
-        group = {"params": list(layer.parameters()), "lr": lr, "weight_decay": 0.3}
+        group = {"params": list(layer.parameters()), "lr": lr, "weight_decay": decay}
         if decoupled is not None:
             group["decoupled_weight_decay"] = decoupled[i]
         out.append(group)
@@ -62,6 +62,9 @@ _MAKE = {
     "FusedAdamW": lambda m: FusedAdamW(_groups(m)),
     "ZeRO(AdamW)": lambda m: fusedist.ZeroRedundancyOptimizer(_groups(m), torch.optim.AdamW),
     "ZeRO(Adam(decoupled))": lambda m: fusedist.ZeroRedundancyOptimizer(_groups(m, (True, True)), torch.optim.Adam),
+    # without weight decay, Adam's steps are AdamW's (Note [Adam without weight decay is AdamW without it])
+    "Adam(no decay)": lambda m: torch.optim.Adam(_groups(m, decay=0.0)),
+    "ZeRO(Adam(no decay))": lambda m: fusedist.ZeroRedundancyOptimizer(_groups(m, decay=0.0), torch.optim.Adam),
 }
 # the torch optimizer each kind runs as (the reference)
 _TORCH = {"AdamW": "AdamW", "FusedAdamW": "AdamW", "ZeRO(AdamW)": "AdamW",
@@ -171,6 +174,53 @@ def test_adam_with_l2_decay_into_adamw_is_refused(tmp_path, saved_with, loaded_i
     assert not opt.state and [g["lr"] for g in opt.param_groups] == list(_LRS)
 
 
+@pytest.mark.parametrize("saved_with,loaded_into,how", [
+    ("Adam(no decay)", "AdamW", "save"),
+    ("Adam(no decay)", "FusedAdamW", "save"),
+    ("Adam(no decay)", "ZeRO(AdamW)", "save"),
+    ("ZeRO(Adam(no decay))", "ZeRO(AdamW)", "save"),
+    ("ZeRO(Adam(no decay))", "AdamW", "save"),
+    ("Adam(no decay)", "AdamW", "checkpointer"),
+    ("Adam(no decay)", "AdamW", "pipeline"),
+    ("Adam(no decay)", "AdamW", "dcp"),
+    ("Adam(no decay)", "AdamW", "older manifest"),
+])
+def test_adam_without_weight_decay_continues_as_adamw(tmp_path, saved_with, loaded_into, how):
+    """Adam with ``weight_decay=0`` is AdamW with it: its state loads into AdamW (it was refused
+    as another algorithm's) and continues as torch's AdamW given Adam's state by
+    ``load_state_dict``; the loaded groups keep AdamW's decoupled decay (torch's loader takes
+    Adam's setting, so an AdamW given a weight decay later ran L2 decay). "older manifest": one
+    written before the groups' weight decays were recorded reads them from the saved groups."""
+    path = str(tmp_path / "ckpt")
+    saved_model, saved_opt, saved_state = _save(saved_with, path, "save" if how == "older manifest" else how)
+    if how == "older manifest":
+        _without_recorded(path, "group_weight_decay")
+    model = _net(1)
+    opt = _MAKE[loaded_into](model)
+    _load(path, model, opt, "save" if how == "older manifest" else how)
+    assert [g["decoupled_weight_decay"] for g in opt.param_groups] == [True, True]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0]  # (the saved hyperparameters, as torch's)
+
+    reference = _net(1)
+    reference.load_state_dict(saved_model.state_dict())
+    torch_opt = torch.optim.AdamW(_groups(reference))
+    torch_opt.load_state_dict(saved_state)
+    for net, optimizer in ((model, opt), (reference, torch_opt), (saved_model, saved_opt)):
+        _steps(net, optimizer, (3, 4))
+    torch.testing.assert_close(_flat(model), _flat(reference), atol=1e-6, rtol=0)
+    torch.testing.assert_close(_flat(model), _flat(saved_model), atol=1e-6, rtol=0)
+
+
+def _without_recorded(path: str, key: str) -> None:
+    """The manifest as a fusedist that did not record the optimizer's ``key`` wrote it."""
+    name = os.path.join(path, "manifest.json")
+    with open(name) as f:
+        manifest = json.load(f)
+    assert manifest["optimizer"].pop(key) is not None
+    with open(name, "w") as f:
+        json.dump(manifest, f)
+
+
 def _without_group_algorithms(path: str) -> None:
     """The manifest as a fusedist that did not record the per-group algorithms wrote it."""
     name = os.path.join(path, "manifest.json")
@@ -239,3 +289,39 @@ def test_a_pipelined_checkpoint_regrouped_into_one_part(tmp_path):
     _steps(loaded, opt, (3, 4))
     _steps(reference, torch_opt, (3, 4))
     torch.testing.assert_close(_flat(loaded), _flat(reference), atol=1e-6, rtol=0)
+
+
+def test_a_list_with_adam_without_weight_decay_loads_into_adamw(tmp_path):
+    """A list of optimizers (Note [several optimizers over one model]): Adam without weight decay
+    at a position loads into AdamW there, as a single optimizer's state does."""
+    path = str(tmp_path / "ckpt")
+
+    def make(model, first):
+        return [first(model[0].parameters(), lr=_LRS[0], weight_decay=0.0),
+                torch.optim.SGD(model[2].parameters(), lr=_LRS[1], momentum=0.9)]
+
+    def steps(model, opts, seeds):
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(seed)
+            for opt in opts:
+                opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(6, 5, generator=gen)), torch.randn(6, 3, generator=gen)).backward()
+            for opt in opts:
+                opt.step()
+
+    saved_model = _net(0)
+    saved_opts = make(saved_model, torch.optim.Adam)
+    steps(saved_model, saved_opts, (1, 2))
+    checkpoint.save(path, saved_model, saved_opts)
+    model = _net(1)
+    opts = make(model, torch.optim.AdamW)
+    checkpoint.load(path, model, opts)
+    assert opts[0].param_groups[0]["decoupled_weight_decay"] is True
+    reference = _net(1)
+    reference.load_state_dict(saved_model.state_dict())
+    torch_opts = make(reference, torch.optim.AdamW)
+    for torch_opt, saved_opt in zip(torch_opts, saved_opts):
+        torch_opt.load_state_dict(copy.deepcopy(saved_opt.state_dict()))
+    steps(model, opts, (3, 4))
+    steps(reference, torch_opts, (3, 4))
+    torch.testing.assert_close(_flat(model), _flat(reference), atol=1e-6, rtol=0)

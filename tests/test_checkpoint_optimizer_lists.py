@@ -15,6 +15,7 @@ optimizers over one model] in fusedist/checkpoint/_optimizer_list.py), against t
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -153,7 +154,34 @@ def _checkpointer(rank: int, world: int, kind: str, directory: str) -> dict:
             "step": step}
 
 
+def _diverged(rank: int, world: int, kind: str, directory: str) -> dict:
+    """A weight changed on rank 1 after the last step: the Checkpointer's save of the list and a
+    plain save of it each raise on every rank, writing nothing (the earlier checkpoint stays)."""
+    model = _ddp(0)
+    opts = _optimizers(model, kind)
+    cp = ckpt.Checkpointer(directory, async_save=False)
+    cp.restore(model, opts)
+    _train(model, opts, range(2), rank, world)
+    cp.save(2)
+    _train(model, opts, range(2, 3), rank, world)
+    if rank == 1:
+        with torch.no_grad():
+            model.module[3].weight[0, 0] += 1e-3
+    out = {}
+    for name, save in (("checkpointer", lambda: cp.save(3)), ("save", lambda: ckpt.save(directory + "-plain", model,
+                                                                                         opts))):
+        try:
+            save()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - compared across ranks by the test
+            out[name] = (type(exc).__name__, str(exc))
+    out["written"] = sorted(os.listdir(directory)), os.path.exists(directory + "-plain")
+    cp.close()
+    return out
+
+
 SCENARIOS = {
+    "test_a_save_of_a_list_refuses_diverged_ranks": {"diverged": (_diverged, ("torch", None))},
     "test_a_checkpointer_of_a_list_resumes_like_an_uninterrupted_run": {
         f"checkpointer {kind}": (_checkpointer, (kind, None)) for kind in ("torch", "zero")},
     "test_a_list_resumes_like_an_uninterrupted_run": {
@@ -200,6 +228,21 @@ def test_a_list_resumes_like_an_uninterrupted_run(launched, kind):
         # its half's mean, the global loss their mean): fp32 rounding only
         halves = [out["ref_losses"] for out in results_of(launched, "zero")]
         torch.testing.assert_close(losses, [(a + b) / 2 for a, b in zip(*halves)], rtol=1e-5, atol=1e-6)
+
+
+def test_a_save_of_a_list_refuses_diverged_ranks(launched):
+    """A Checkpointer of a list of optimizers ran no DDP step check (its views of the model are
+    bare modules) and wrote the diverged replicas; now it raises plain save's error, on every
+    rank alike, and writes nothing."""
+    outs = results_of(launched, "diverged")
+    for out in outs:
+        assert out["checkpointer"] is not None and out["checkpointer"][0] == "RankMismatchError", out
+        assert out["save"] is not None and out["save"][0] == "RankMismatchError", out
+        steps, plain = out["written"]
+        assert not plain and not [n for n in steps if "00000003" in n], out["written"]
+        assert [n for n in steps if "00000002" in n], steps  # the earlier checkpoint is kept
+    same = [re.sub(r"this is rank \d", "", out["checkpointer"][1]) for out in outs]
+    assert same[0] == same[1] and "hold different values" in same[0], same
 
 
 # ----------------------------------------------------------------------------- refusals (one process)

@@ -3,7 +3,8 @@ showing another host's new files late): on another rank or on rank 0 itself (the
 before a file it lists), restore waits for the files and, when they do not show, fails naming
 them instead of restoring an older checkpoint; a save whose rank 0 sees another rank's file late
 waits for it instead of failing (Note [a checkpoint another rank does not see yet] in
-fusedist/checkpoint/_visibility.py). 2 gloo ranks, one launch."""
+fusedist/checkpoint/_visibility.py), and so does a plain load (Note [a plain load waits for lagging
+files]). 2 gloo ranks, one launch."""
 
 import os
 import time
@@ -72,6 +73,18 @@ def _lagging_worker(rank, world_size, root):
         again.close()
         out[case] = (step, torch.equal(models.flat_params(fresh.module), saved[2]),
                      torch.equal(models.flat_params(fresh.module), saved[1]), [str(w.message) for w in caught])
+    # A plain load where rank 1's host shows a rank file late: it waits too (it failed the load as
+    # a lost file: Note [a plain load waits for lagging files]).
+    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "30"
+    undo = _hide(lagging, 1.0) if rank == 1 else (lambda: None)
+    fresh, fresh_opt = zero_model(1)
+    try:
+        fusedist.checkpoint.load(layout.step_dir(root, 2), fresh, fresh_opt)
+        outcome = "loaded"
+    except Exception as exc:  # noqa: BLE001 - what the test checks
+        outcome = f"{type(exc).__name__}: {exc}"
+    undo()
+    out["plain load"] = (outcome, torch.equal(models.flat_params(fresh.module), saved[2]))
     # Rank 0's host sees a rank file late when its save is about to list it: the save waits for
     # it (it failed, naming a misconfigured directory) -- a Checkpointer's and a plain one.
     os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "30"
@@ -121,6 +134,7 @@ def test_restore_and_save_wait_for_a_lagging_rank_file_and_never_fall_back_past_
         assert "FUSEDIST_CHECKPOINT_VISIBLE_S" in step and not is_step1, (rank, step)
         assert out["checkpointer save"] == ("saved", True), (rank, out["checkpointer save"])
         assert out["plain save"] == ("saved", True), (rank, out["plain save"])
+        assert out["plain load"] == ("loaded", True), (rank, out["plain load"])
     assert time.perf_counter() - t0 < 60
 
 

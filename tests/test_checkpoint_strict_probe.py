@@ -1,5 +1,5 @@
 """fusedist.checkpoint.load(..., strict=False) against torch's load_state_dict(strict=False)
-(Note [a load that is not strict] in fusedist/checkpoint/api.py).
+(Note [a load that is not strict] in fusedist/checkpoint/_load.py).
 
 A checkpoint whose model since gained, lost or renamed a parameter could only be refused:
 ``load`` had no ``strict`` argument, so a saved backbone could not be loaded under a new head
@@ -85,8 +85,10 @@ def _job(rank, world_size, root):
     # torch's non-strict load of the same saved state into the same fresh model
     reference = copy.deepcopy(new.module)
     result = reference.load_state_dict(saved, strict=False)
-    out["torch keys"] = (sorted(result.missing_keys), sorted(result.unexpected_keys))
-    out["loose"] = _outcome(lambda: checkpoint.load(root, new, strict=False))
+    out["torch keys"] = (result.missing_keys, result.unexpected_keys)
+    loaded = []
+    out["loose"] = _outcome(lambda: loaded.append(checkpoint.load(root, new, strict=False)))
+    out["fusedist keys"] = (loaded[0].missing_keys, loaded[0].unexpected_keys, loaded[0].extra) if loaded else None
     out["like torch"] = {k: torch.equal(v, reference.state_dict()[k]) for k, v in _state(new.module).items()}
 
     new_opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
@@ -109,6 +111,7 @@ def _job(rank, world_size, root):
         grown_opt = fusedist.ZeroRedundancyOptimizer(grown.parameters(), fusedist.optim.FusedAdamW, stage=2, lr=1e-2)
         with checkpoint.Checkpointer(os.path.join(os.path.dirname(root), "periodic"), every_steps=1) as ckpt:
             out[f"restore strict={strict}"] = _outcome(lambda: ckpt.restore(grown, grown_opt, strict=strict))
+            out[f"left out strict={strict}"] = None if ckpt.incompatible_keys is None else tuple(ckpt.incompatible_keys)
         out[f"restored strict={strict}"] = all(torch.equal(v, saved[k]) for k, v in _state(grown.module).items()
                                                if k in saved) and bool(grown.module.temperature.eq(2.0).all())
     return out
@@ -124,9 +127,11 @@ def test_non_strict_load_is_torchs_and_refusals_name_the_keys(tmp_path):
         assert "load(..., strict=False) loads the keys both have" in strict, strict
         assert out["strict unchanged"]
 
-        assert out["torch keys"] == (["classifier.bias", "classifier.weight", "temperature"],
-                                     ["head.bias", "head.weight"])
+        assert out["torch keys"] == (["temperature", "classifier.weight", "classifier.bias"],
+                                     ["head.weight", "head.bias"])
         assert out["loose"] == "loaded"
+        # the keys it left out, as torch's load_state_dict names them (it returned extra alone)
+        assert out["fusedist keys"] == (*out["torch keys"], None), out["fusedist keys"]
         assert all(out["like torch"].values()), out["like torch"]
 
         assert "the optimizer's parameters do not match" in out["optimizer"], out["optimizer"]
@@ -139,6 +144,7 @@ def test_non_strict_load_is_torchs_and_refusals_name_the_keys(tmp_path):
         assert "is refused" in refused and "missing keys (in the model, not in the checkpoint) [temperature" \
             in refused, refused
         assert out["restore strict=False"] == "loaded" and out["restored strict=False"]
+        assert out["left out strict=False"] == (["temperature"], []) and out["left out strict=True"] is None
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -154,3 +160,33 @@ def test_single_process_load_matches_torch(tmp_path, strict):
     fresh = _Net()
     checkpoint.load(str(tmp_path), fresh, strict=strict)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("how", ["plain", "pipeline"])
+def test_a_load_that_is_not_strict_returns_torchs_keys_and_the_extra(tmp_path, how):
+    """``strict=False`` returns torch's ``_IncompatibleKeys`` (a subclass of it, with the
+    checkpoint's ``extra`` as ``.extra``): the same keys in the same order as torch's
+    ``load_state_dict(strict=False)`` of the saved state dict; the default still returns ``extra``."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from fusedist import checkpoint
+
+    torch.manual_seed(0)
+    model = _Net()
+    model(torch.randn(4, 6)).sum().backward()
+    checkpoint.save(str(tmp_path), model, extra={"step": 7})
+    torch.manual_seed(3)
+    fresh = _Net(head="classifier", out=5, extra_buffer=True)
+    reference = copy.deepcopy(fresh)
+    expected = reference.load_state_dict(model.state_dict(), strict=False)
+    args = ([fresh], None) if how == "pipeline" else (fresh, None)
+    result = checkpoint.load(str(tmp_path), *args, strict=False, pipeline=how == "pipeline")
+    assert isinstance(result, _IncompatibleKeys) and isinstance(result, checkpoint.LoadResult)
+    assert (result.missing_keys, result.unexpected_keys) == (expected.missing_keys, expected.unexpected_keys)
+    missing, unexpected = result  # (a named tuple, as torch's)
+    assert missing == ["temperature", "classifier.weight", "classifier.bias"] and result.extra == {"step": 7}
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in fresh.state_dict().items())
+    same = _Net()
+    assert checkpoint.load(str(tmp_path), same) == {"step": 7}  # (strict: extra, as documented)
+    everything = checkpoint.load(str(tmp_path), same, strict=False)
+    assert tuple(everything) == ([], []) and repr(everything) == repr(same.load_state_dict(model.state_dict()))

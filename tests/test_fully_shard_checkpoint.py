@@ -239,7 +239,9 @@ def _world2(rank, ws, root):
         _steps(model, opt, SAVE_AT, STEPS, rank, ws)
         out[name] = _final(model)
 
-    # A checkpoint missing a rank's file: refused on every rank, nothing changed.
+    # A checkpoint missing a rank's file: refused on every rank, nothing changed (after a short wait
+    # for the file to show: the load waits for lagging files on a shared filesystem).
+    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "0.5"
     if rank == 0:
         shutil.copytree(s3, s3 + "-missing")
         os.unlink(os.path.join(s3 + "-missing", "rank-00001.pt"))

@@ -1,7 +1,8 @@
 """Checkpoints: per-rank atomic files, a manifest written last, resharding at load.
 
 ``save(directory, model, optimizer=None, scaler=None, extra=None)`` and
-``load(directory, model, optimizer=None, scaler=None) -> extra``; see :mod:`.api` (and
+``load(directory, model, optimizer=None, scaler=None) -> extra`` (with ``strict=False`` a
+``LoadResult``: torch's missing/unexpected keys, and ``.extra``); see :mod:`.api` (and
 :mod:`._checks` for what both verify before anything is written or changed).
 ``Checkpointer`` (:mod:`.periodic`): periodic asynchronous saves, retention, automatic resume.
 ``FusedOptimizerLoadPlanner`` (:mod:`.dcp_planner`): torch's distributed checkpoint of torch's
@@ -9,10 +10,10 @@ optimizer into a fused optimizer with master weights.
 """
 
 from ._files import CheckpointError
-from .api import load, load_per_rank, save
+from .api import LoadResult, load, load_per_rank, save
 from .dcp_planner import FusedOptimizerLoadPlanner
 from .periodic import Checkpointer
 from .sampler import ElasticDistributedSampler
 
-__all__ = ["save", "load", "load_per_rank", "CheckpointError", "Checkpointer", "ElasticDistributedSampler",
-           "FusedOptimizerLoadPlanner"]  # [resume] load_per_rank
+__all__ = ["save", "load", "load_per_rank", "LoadResult", "CheckpointError", "Checkpointer",
+           "ElasticDistributedSampler", "FusedOptimizerLoadPlanner"]  # [resume] load_per_rank

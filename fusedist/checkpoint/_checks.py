@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero.sharded_state import algorithm_difference, class_algorithm, group_algorithms, inner_class
-from . import _files, _visibility
+from . import _adam_family, _files, _visibility
 from ._files import CheckpointError
 
 
@@ -250,7 +250,7 @@ def _class_name(optimizer) -> str:
     return type(optimizer).__name__
 
 
-def check_algorithm(meta: dict, optimizer, directory: str) -> None:
+def check_algorithm(meta: dict, optimizer, directory: str, saved_param_groups: Optional[list] = None) -> None:
     """Refuse the state of another algorithm (SGD's momentum into AdamW, Adam's into AdamW):
     torch's loaders take it, hyperparameters included, and the optimizer then steps with the
     saved algorithm's settings (AdamW turned into Adam by the saved group's
@@ -259,19 +259,30 @@ def check_algorithm(meta: dict, optimizer, directory: str) -> None:
     ``Adam(decoupled_weight_decay=True)`` and back, Adam's L2 decay into AdamW stays refused.
     Checkpoints written before the algorithm was recorded are checked only when their class is
     one of torch's or fusedist's; before the per-group algorithms were, a class of the optimizer's
-    own algorithm loads as it did."""
-    cls, groups = optimizer_class(optimizer), optimizer.param_groups
-    saved_groups = _saved_groups(meta, len(groups))
-    if saved_groups is None and algorithm_difference(meta["class"], meta.get("algorithm"), cls) is None:
-        return  # (an older manifest: which groups decayed how was not recorded)
-    difference = algorithm_difference(meta["class"], meta.get("algorithm"), cls,
-                                      saved_groups=saved_groups, groups=groups)
+    own algorithm loads as it did. A group saved without weight decay runs either (Note [Adam
+    without weight decay is AdamW without it] in ``_adam_family.py``): its weight decay is the
+    manifest's record, else that of ``saved_param_groups`` (the saved groups, where read)."""
+    difference = algorithm_problem(meta, optimizer, saved_param_groups)
     if difference is None:
         return
     raise CheckpointError(
         f"fusedist.checkpoint: {directory} cannot be loaded into {_class_name(optimizer)}: {difference}. "
         "Load the model alone (optimizer=None) to start a new optimizer from it"
     )
+
+
+def algorithm_problem(meta: dict, optimizer, saved_param_groups: Optional[list] = None) -> Optional[str]:
+    """Why the optimizer state ``meta`` describes cannot load into ``optimizer``
+    (:func:`check_algorithm`), or None."""
+    cls, groups = optimizer_class(optimizer), optimizer.param_groups
+    decays = meta.get("group_weight_decay")
+    if decays is None and saved_param_groups is not None:
+        decays = _adam_family.recorded(saved_param_groups)
+    saved_groups = _adam_family.read_as_loading(_saved_groups(meta, len(groups)), decays,
+                                                list(group_algorithms(class_algorithm(cls), groups)))
+    if saved_groups is None and algorithm_difference(meta["class"], meta.get("algorithm"), cls) is None:
+        return None  # (an older manifest: which groups decayed how was not recorded)
+    return algorithm_difference(meta["class"], meta.get("algorithm"), cls, saved_groups=saved_groups, groups=groups)
 
 
 def _saved_groups(meta: dict, count: int) -> Optional[list]:

@@ -13,7 +13,9 @@ Note [the algorithm of a torch distributed checkpoint's optimizer]
     defines (an LR scheduler's ``initial_lr``, a user's group name) and the ones that only say
     how a step runs (``foreach``, ``fused``, ...) are left out, as are settings the optimizer
     has and the checkpoint lacks (an older torch saved fewer). ``decoupled_weight_decay`` is a
-    setting of one class but two algorithms (Adam and AdamW), and is compared by value.
+    setting of one class but two algorithms (Adam and AdamW), and is compared by value, except in
+    a group saved without weight decay (Note [Adam without weight decay is AdamW without it] in
+    ``_adam_family.py``).
 
 Note [a checkpoint without decoupled_weight_decay]
     A torch older than that setting saved Adam's and AdamW's groups without it, the same keys
@@ -36,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from ._adam_family import without_decay
 from ._files import CheckpointError
 
 # How a step runs, not what it computes: states load across them (torch's loaders keep the saved ones).
@@ -106,8 +109,8 @@ def _switched_without_key(saved_groups: list, optimizer) -> Optional[str]:
     """The problem, where loading a group saved without ``decoupled_weight_decay`` would change the
     optimizer's setting (Note [a checkpoint without decoupled_weight_decay]); else None."""
     for i, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
-        if _DECOUPLED in saved or _DECOUPLED not in group:
-            continue
+        if _DECOUPLED in saved or _DECOUPLED not in group or without_decay(saved):
+            continue  # (no weight decay: either setting runs the same steps)
         value = bool(group[_DECOUPLED])
         loaded = _loaded_without_key(type(optimizer), value)
         if loaded is not None and loaded != value:
@@ -134,7 +137,7 @@ def check(saved_groups: list, optimizer, directory: str) -> None:
     else:
         for i, (saved, group) in enumerate(zip(saved_groups, groups)):
             key = "decoupled_weight_decay"
-            if key in saved and key in group and bool(saved[key]) != bool(group[key]):
+            if key in saved and key in group and bool(saved[key]) != bool(group[key]) and not without_decay(saved):
                 problem = (f"param group {i} was saved with {key}={saved[key]!r} ("
                            f"{'AdamW' if saved[key] else 'Adam'}'s weight decay), the optimizer here has "
                            f"{key}={group[key]!r}")

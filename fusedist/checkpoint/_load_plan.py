@@ -13,7 +13,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _dcp_algorithm, _files, _from_dcp, _names, stage3
+from . import _adam_family, _checks, _dcp_algorithm, _files, _from_dcp, _names, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -55,6 +55,12 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
                 f"is {_shown(shape)}"
             )
     return saved
+
+
+def _unmatched(saved: dict, expected: dict) -> dict:
+    """The model keys a load that is not strict leaves out, as torch's ``load_state_dict`` names
+    them: ``missing`` (the model's, not in the checkpoint) and ``unexpected`` (the reverse)."""
+    return {"missing": [k for k in expected if k not in saved], "unexpected": [k for k in saved if k not in expected]}
 
 
 def _cross_packed(saved: dict, target, sharded_target: bool, directory, layouts=None) -> dict:
@@ -182,8 +188,8 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trust
     expected, sharded_target = _expected_model(target)
     saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
     saved = _cross_packed(saved, target, sharded_target, directory)  # Note [quantized storage across run kinds]
-    saved = _check_model(saved, expected, directory, strict)
-    plan: dict = {"extra": None, "model": saved, "model_sharded": sharded_target, "strict": strict,
+    plan: dict = {"extra": None, "model": _check_model(saved, expected, directory, strict),
+                  "model_sharded": sharded_target, "strict": strict, **_unmatched(saved, expected),
                   "read": {"manifest": digest, "strict": strict,
                            **_checks.objects_passed(directory, optimizer, scaler)}}
     if optimizer is not None:
@@ -235,6 +241,7 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: 
     saved = _cross_packed(saved, target, sharded_target, directory, layouts)
     plan["model"] = _check_model(saved, expected, directory, strict)
     plan["model_sharded"] = sharded_target
+    plan.update(_unmatched(saved, expected))
 
     if optimizer is not None:
         plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, sections)
@@ -272,10 +279,12 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
             detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
                        "gained during training (add_param_group) must be added again before loading")
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
-    _checks.check_algorithm(meta, optimizer, directory)
+    shards = sections("optimizer_shard") if meta["kind"] == "zero" else None
+    saved_groups = (shards[0] if shards else common.get("optimizer") or {}).get("param_groups")
+    _checks.check_algorithm(meta, optimizer, directory, saved_groups)
     source = f"optimizer state in {directory}"
     if meta["kind"] == "zero":
-        shards = sections("optimizer_shard")
+        shards = [_adam_family.keep_own_setting(s, optimizer) for s in shards]  # (as _prepare_full's groups)
         if order is not None:
             shards = [_renumber_shard(s, order) for s in shards]
         if crossed:
@@ -295,7 +304,8 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         merged = zstate.merge_fragments(shards)
         assembled = zstate.assemble(merged, params, range(len(params)), source=source, keep_empty=True)
         zstate.relayout(assembled, params, shards[0]["param_meta"])
-        full = zstate.to_torch_format(assembled, params, shards[0]["param_groups"])
+        full = _adam_family.keep_own_setting(zstate.to_torch_format(assembled, params, shards[0]["param_groups"]),
+                                             optimizer)  # Note [Adam without weight decay is AdamW without it]
         zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
         _checks.check_loadable(optimizer, full, directory)
         return full
@@ -400,6 +410,7 @@ def _prepare_full(full: dict, directory, target, sharding: tuple, optimizer, par
     """What :func:`apply` loads from ``full``, an unsharded optimizer's state in torch's format
     (``sharding``: :func:`_sharding` of the bare module ``target``)."""
     sharded_target, where = sharding
+    full = _adam_family.keep_own_setting(full, optimizer)  # Note [Adam without weight decay is AdamW without it]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.prepare_load(full, source=source)
     if sharded_target:

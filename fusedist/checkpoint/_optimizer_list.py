@@ -95,8 +95,7 @@ def check_load(manifest: Optional[dict], optimizers, directory: str) -> None:
     metas = {e.get("part"): e.get("optimizer") for e in manifest.get("pipeline", [])}
     differences = [] if len(saved) != len(here) else [
         (i, difference) for i, o in enumerate(optimizers) if metas.get(i) is not None
-        for difference in [_checks.algorithm_difference(metas[i]["class"], metas[i].get("algorithm"),
-                                                        _checks.optimizer_class(o))] if difference is not None]
+        for difference in [_checks.algorithm_problem(metas[i], o)] if difference is not None]
     if len(saved) != len(here) or differences:
         which = "".join(f"; optimizer {i}: {d}" for i, d in differences[:2])
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds the state of {len(saved)} optimizers {saved}, "

@@ -10,7 +10,7 @@ import torch
 
 from .._tensor_tree import to_cpu
 from ..zero import ZeroRedundancyOptimizer
-from . import _checks, _files, _load_plan, _names, stage3
+from . import _adam_family, _checks, _files, _load_plan, _names, stage3
 from ._params import optimizer_params, param_names
 
 
@@ -42,6 +42,8 @@ def manifest_base(model: torch.nn.Module, optimizer, scaler, world_size: int) ->
             "algorithm": _checks.optimizer_algorithm(optimizer),  # what load compares (check_algorithm)
             # per param group: Adam or AdamW (Note [Adam and AdamW are one class in torch])
             "group_algorithms": _checks.optimizer_group_algorithms(optimizer),
+            # and their weight decays (Note [Adam without weight decay is AdamW without it])
+            "group_weight_decay": _adam_family.recorded(optimizer.param_groups),
             "stage": optimizer.stage if zero else (3 if sharded else None),
             "param_names": param_names(model, params),
             "param_shapes": [list(stage3.full_shape(p, where)) for p in params],

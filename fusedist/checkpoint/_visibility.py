@@ -157,3 +157,72 @@ def wait_seen(directory: str, files: dict) -> list[str]:
         if not missing or time.monotonic() - started >= limit:
             return missing
         time.sleep(_POLL_S)
+
+
+# Note [a plain load waits for lagging files]
+#     ``load`` read every file at once: a file its host did not show yet (missing, or short
+#     at its final name) failed the load as lost or truncated, where a Checkpointer's restore
+#     waits for it (Note [a checkpoint another rank does not see yet]). So ``load`` too waits,
+#     up to ``FUSEDIST_CHECKPOINT_VISIBLE_S``, until every rank reads the manifest rank 0 reads
+#     and sees every file it lists at its size -- rank 0 included: the manifest is written
+#     last, so a listed file it does not see is late, not lost. One exchange per try. A short
+#     file not older than the manifest was changed after the save (truncated, overwritten): it
+#     is damaged, not late, so it is not waited for and the load's checks name it (a
+#     Checkpointer's rank 0 tells the two apart alike: ``layout.py``). Nothing is waited for
+#     where rank 0 reads no manifest (torch's distributed checkpoint, or none: the load says
+#     which), or where the ranks were given different directories (the load refuses that).
+def await_loadable(world, directory: str) -> None:
+    """Wait until every rank of ``world`` (``api._World``) sees the checkpoint in ``directory``
+    whole, as rank 0's manifest lists it (Note [a plain load waits for lagging files]); raise
+    CheckpointError, on every rank alike, if some rank does not after the wait."""
+    limit = wait_limit()
+    started = time.monotonic()
+    while True:
+        view = _own_view(directory)
+        everyone = world.all_gather((directory, view, time.monotonic() - started >= limit), "load: files seen")
+        first = everyone[0][1]
+        if first is None or any(d != everyone[0][0] for d, _, _ in everyone):
+            return
+        lagging = [(rank, _behind(v, first[0])) for rank, (_, v, _) in zip(world.ranks(), everyone)]
+        lagging = [(rank, seen) for rank, seen in lagging if seen]
+        if not lagging:
+            return
+        if any(out for _, _, out in everyone):
+            break
+        time.sleep(_POLL_S)
+    where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
+    raise CheckpointError(
+        f"fusedist.checkpoint: cannot load {directory}: {where}, after waiting {limit:g} s ({WAIT_ENV}). Its manifest "
+        f"is written only after every file it lists, so the files are not lost in a save: a host's view of the "
+        f"directory lags (a network filesystem's attribute cache), the directory is being copied, or files were "
+        f"removed since. Nothing was loaded: load again once every host shows them (raise {WAIT_ENV} to wait longer)")
+
+
+def _own_view(directory: str) -> Optional[tuple]:
+    """This rank's view of the checkpoint in ``directory``: the digest of the manifest it reads
+    and what of the files listed there it does not see yet, in words; None without a manifest."""
+    try:
+        manifest, digest = _files.read_manifest_and_digest(directory)
+        listed = {info.get("file", name): info["bytes"] for name, info in manifest["files"].items()}
+        written = os.stat(os.path.join(directory, _files.MANIFEST)).st_mtime
+    except Exception:  # noqa: BLE001 - the load's checks say why
+        return None
+    late = []
+    for name, size in sorted(listed.items()):
+        try:
+            found = os.stat(os.path.join(directory, name))
+        except OSError:
+            late.append(f"{name} (missing)")
+            continue
+        if found.st_size != size and found.st_mtime < written:  # (changed since the manifest: damaged)
+            late.append(f"{name} ({found.st_size} of its {size} bytes)")
+    return digest, late
+
+
+def _behind(view: Optional[tuple], digest: str) -> list[str]:
+    """What a rank with ``view`` (:func:`_own_view`) lacks of the checkpoint rank 0 reads."""
+    if view is None:
+        return [f"{_files.MANIFEST} (not there, or unreadable)"]
+    if view[0] != digest:
+        return [f"{_files.MANIFEST} (another one than rank 0 reads: of another save)"]
+    return view[1]

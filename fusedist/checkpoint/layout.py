@@ -64,9 +64,10 @@ class Entry:
     # The manifest's format version when a newer fusedist wrote it (Note [checkpoints of a
     # newer fusedist]): not complete here, and never removed by this fusedist.
     newer_format: Optional[int] = None
-    # Set where its manifest is whole but a file it lists is not there: not an interrupted save
-    # (the manifest is written last) but one this host does not see yet, or a copy still under way
-    # (Note [a checkpoint another rank does not see yet] in ``_visibility.py``).
+    # Set where its manifest is whole but a file it lists is not there (or shorter, and not
+    # changed since): not an interrupted save (the manifest is written last) but one this host
+    # does not see yet, or a copy still under way (Note [a checkpoint another rank does not see
+    # yet] in ``_visibility.py``).
     unseen: bool = False
 
 
@@ -89,8 +90,12 @@ def _check(step: int, path: str) -> Entry:
         if not os.path.isfile(file):
             return Entry(step, path, False, f"{name} listed in the manifest is missing", unseen=True)
         if os.path.getsize(file) != info.get("bytes"):
+            # not changed since the manifest was written: shown short, not truncated (Note [a plain
+            # load waits for lagging files] in _visibility.py); changed after it: damaged
+            late = os.path.getmtime(file) < os.path.getmtime(os.path.join(path, _files.MANIFEST))
             return Entry(step, path, False, f"{name} has {os.path.getsize(file)} bytes, the manifest says "
-                                            f"{info.get('bytes')} (truncated)")
+                                            f"{info.get('bytes')} ({'shown short' if late else 'truncated'})",
+                         unseen=late)
     try:
         leftovers = tuple(_files.unlisted(path, listed))
     except OSError:  # cannot list it: nothing to warn about or remove, the checkpoint loads or not

@@ -112,6 +112,7 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         self._coord = Coordinator(None if self.pipeline else process_group, peer_silence_s)
         self._stage_ranks, self._stage_group = stage_group(process_group) if self.pipeline else (None, None)
         self._optimizer_list: Optional[list] = None  # the classes of a list of optimizers restore() registered
+        self._whole_model = None  # the model cut into that list's views (Note [several optimizers over one model])
         self.rank, self.world_size = self._coord.rank, self._coord.size
         self._staging = StagingBuffers()
         self._writer = BackgroundWriter(f"fusedist.checkpoint.Checkpointer({directory!r}) on rank {self.rank}")
@@ -125,6 +126,7 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         self.restored_step: Optional[int] = None
         self.restored_world_size: Optional[int] = None
         self.extra: Optional[dict] = None  # the user `extra` of the restored checkpoint
+        self.incompatible_keys = None  # restore(strict=False): the model keys it left out (a LoadResult)
         self.stats: list[dict] = []  # per save: step, wait_s, stall_s, bytes (and persist_s once known)
         # Note [one job per checkpoint root]: rank 0's run and, once a save took it, the root's lease.
         self._run, self._run_source = _owner.run_identity(run_id)
@@ -156,6 +158,8 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         # Once the save before is known to have completed or failed: only a completed one counts.
         step = self._check_step(step, "save")
         t1 = time.perf_counter()
+        if self._whole_model is not None:  # as a plain save of the list checks it: the views find no DDP
+            api._check_ranks_agree(self._whole_model, None)
         for module, optimizer in self._parts():
             api._check_ranks_agree(module, optimizer)
         snapshot = self._agreed_snapshot(step, extra)

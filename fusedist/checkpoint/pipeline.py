@@ -379,7 +379,7 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool
         mine = _load_plan._cross_packed(mine, target, sharded_target, directory)  # (an NF4 weight's other form)
         plan = {"model": _load_plan._check_model(mine, expected, directory, strict), "model_sharded": sharded_target,
                 "strict": strict, "extra": None, "params": []}
-        plan["keys"] = [saved_key[k] for k in plan["model"]]
+        plan["keys"], plan["missing"] = [saved_key[k] for k in plan["model"]], [k for k in expected if k not in mine]
         if optimizer is not None:
             if optim is None:
                 raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -460,7 +460,8 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
     # (an NF4 weight saved in its other form: Note [quantized storage across run kinds] in _load_plan.py)
     saved = _load_plan._cross_packed(saved, target, sharded_target, directory, reader.layouts)
     plan: dict = {"model": _load_plan._check_model(saved, expected, directory, strict),
-                  "model_sharded": sharded_target, "strict": strict, "extra": None, "params": [], "keys": taken}
+                  "model_sharded": sharded_target, "strict": strict, "extra": None, "params": [], "keys": taken,
+                  "missing": [k for k in expected if k not in saved]}
     if optimizer is not None:
         plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer)
     # the stages' LR schedulers, saved by a Checkpointer (Note [an LR scheduler per pipeline part])
@@ -508,8 +509,8 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
     for stage in with_state:
         meta = stage["optimizer"]
-        _checks.check_algorithm(meta, optimizer, directory)
         full = reader.optimizer(stage)
+        _checks.check_algorithm(meta, optimizer, directory, full.get("param_groups"))
         saved = {i: n if n in wanted else _names.legacy_key(n) for i, n in enumerate(meta["param_names"])}
         saved = {i: n for i, n in saved.items() if n in wanted}
         shapes.update((n, meta["param_shapes"][i]) for i, n in saved.items())

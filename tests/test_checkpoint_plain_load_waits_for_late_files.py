@@ -1,0 +1,168 @@
+"""``fusedist.checkpoint.load`` where a file the manifest lists shows late (a network
+filesystem's lagging view, a checkpoint still being copied in): it waits up to
+``FUSEDIST_CHECKPOINT_VISIBLE_S``, as a Checkpointer's restore does, instead of failing the load
+as a lost or truncated file (Note [a plain load waits for lagging files] in
+fusedist/checkpoint/_visibility.py). A file changed after the manifest is damaged and still
+refused at once. A Checkpointer's restore whose rank 0 sees a file short likewise waits instead of
+restoring the previous checkpoint. Single process: rank 0's own view lags; the 2-rank case
+(another rank's view) is in test_checkpoint_restore_lagging_files.py.
+
+Reference: torch's ``load_state_dict`` of the saved model and optimizer state, stepped on the
+same inputs: fp32, the same arithmetic on the same values, so exactly equal.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist import checkpoint
+from fusedist.checkpoint import CheckpointError
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _steps(model, opt, seeds) -> None:
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(5, 4, generator=gen)), torch.randn(5, 2, generator=gen)).backward()
+        opt.step()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = _net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, (1, 2))
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(path, model, opt)
+    return path, model.state_dict(), opt.state_dict()
+
+
+def _late(path: str, short: bool) -> str:
+    """Hide common.pt (or leave a short copy of it, written before the manifest, at its name);
+    returns where the whole file waits."""
+    name = os.path.join(path, "common.pt")
+    aside = name + ".arriving"
+    os.rename(name, aside)
+    if short:
+        with open(aside, "rb") as f, open(name, "wb") as out:
+            out.write(f.read()[:100])
+        written = os.stat(os.path.join(path, "manifest.json")).st_mtime
+        os.utime(name, (written - 5, written - 5))
+    return aside
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["missing", "short"])
+def test_a_plain_load_waits_for_a_file_that_shows_late(saved, monkeypatch, short):
+    path, model_state, opt_state = saved
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "30")
+    aside = _late(path, short)
+    arrives = threading.Timer(0.8, os.replace, (aside, os.path.join(path, "common.pt")))
+    arrives.start()
+    model = _net(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    t0 = time.monotonic()
+    try:
+        checkpoint.load(path, model, opt)
+    finally:
+        arrives.join()
+    assert time.monotonic() - t0 >= 0.7  # (it did wait for the file)
+
+    reference = _net(1)
+    reference.load_state_dict(model_state)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(opt_state)
+    assert torch.equal(_flat(model), _flat(reference))
+    _steps(model, opt, (3, 4))
+    _steps(reference, torch_opt, (3, 4))
+    assert torch.equal(_flat(model), _flat(reference))
+
+
+def test_a_file_that_never_shows_fails_after_the_wait_and_a_damaged_one_at_once(saved, monkeypatch):
+    path, _, _ = saved
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "0.3")
+    damaged = path + "-damaged"
+    shutil.copytree(path, damaged)
+    _late(path, short=False)
+    model = _net(1)
+    before = _flat(model).clone()
+    with pytest.raises(CheckpointError, match=r"rank 0 does not see common\.pt \(missing\), after waiting 0\.3 s "
+                                              r"\(FUSEDIST_CHECKPOINT_VISIBLE_S\).*Nothing was loaded"):
+        checkpoint.load(path, model)
+    assert torch.equal(before, _flat(model))
+    # truncated after the checkpoint was complete: not late, so not waited for
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "30")
+    with open(os.path.join(damaged, "common.pt"), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(damaged, "common.pt")) - 10)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"common\.pt has \d+ bytes, the manifest says \d+ \(truncated"):
+        checkpoint.load(damaged, model)
+    assert time.monotonic() - t0 < 10 and torch.equal(before, _flat(model))
+
+
+def test_a_checkpointer_waits_for_a_file_rank_0_sees_short(tmp_path, monkeypatch):
+    """Rank 0 of a restore sees a listed file short, not changed since the manifest: a file still
+    arriving, which restore waits for (it was taken as truncated and the previous checkpoint
+    restored in its place, undoing a step)."""
+    from fusedist.checkpoint import Checkpointer, layout
+
+    root = str(tmp_path / "run")
+    model = _net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(root, every_steps=1, keep=None, async_save=False) as ckpt:
+        assert ckpt.restore(model, opt) == 0
+        for step in (1, 2):
+            _steps(model, opt, (step,))
+            ckpt.save(step)
+    model_state, opt_state = model.state_dict(), opt.state_dict()
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "30")
+    path = layout.step_dir(root, 2)
+    aside = _late(path, short=True)
+    arrives = threading.Timer(0.8, os.replace, (aside, os.path.join(path, "common.pt")))
+    arrives.start()
+    fresh = _net(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    try:
+        with _no_skip_warning():
+            with Checkpointer(root, every_steps=1, keep=None, async_save=False) as again:
+                assert again.restore(fresh, fresh_opt) == 2
+    finally:
+        arrives.join()
+    reference = _net(1)
+    reference.load_state_dict(model_state)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(opt_state)
+    _steps(fresh, fresh_opt, (3,))
+    _steps(reference, torch_opt, (3,))
+    assert torch.equal(_flat(fresh), _flat(reference))
+
+
+class _no_skip_warning:
+    """Fails where restore warned that it skipped a checkpoint."""
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        skipped = [str(w.message) for w in self._caught if "skipping" in str(w.message)]
+        assert not skipped, skipped

@@ -19,8 +19,10 @@ fusedist's own full state dict round trip into a model built on the meta device,
 on such a model equal to the unsharded model's initialization, per-parameter gradient norms (the
 Lightning helper's) equal to FSDP2's DTensor gradients' norms, the GradScaler skipping on every rank when one rank's
 piece holds an inf (only the tensor-parallel reduction of the flag reaches two of the four
-ranks), and the refusals. fusedist's own checkpoint format: tests/test_checkpoint_tensor_parallel.py
-(and the HSDP test below).
+ranks), and the refusals. A plain unit beside the tensor-parallel ones (a head left out of the plan):
+norms and clip as FSDP2's, also built on the meta device, the scaler's skip on every rank, and the
+clip's refusal of gradients the tensor-parallel ranks should hold alike that differ. fusedist's own
+checkpoint format: tests/test_checkpoint_tensor_parallel.py (and the HSDP test below).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from torch import nn
 from fusedist.testing import run_distributed
 
 VOCAB, HIDDEN = 13, 8  # 13: local tensors of unequal sizes (7 and 6 rows of the embedding)
-PINNED_SEED = 3418  # Note [one norm on every tensor-parallel rank]: see the test that pins it
+# Note [one norm on every tensor-parallel rank]: gradients of a parameter held alike whose pieces'
+# sums of squares round apart where the two tensor-parallel ranks' layouts cut it (see the test)
+PINNED_GRADIENT = (0.5186367630958557, -1.3125219345092773, 0.1919950693845749, 0.5427713394165039,
+                   -2.2187793254852295)
 
 
 class _FeedForward(nn.Module):
@@ -158,6 +163,35 @@ def _against_fsdp2(mesh, seed, root, dp=None, dp_rank=None) -> tuple:
     return out, ours, model_ours
 
 
+class _Cut(nn.Module):
+    """A ColwiseParallel linear of 3 output rows (2 and 1 on the tensor-parallel ranks) beside a
+    plain parameter of 5 in one unit: the unit's layout cuts the plain parameter 5 | 0 on one
+    tensor-parallel rank, 4 | 1 on the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 3)
+        self.scale = nn.Parameter(torch.ones(len(PINNED_GRADIENT)))
+
+    def forward(self, x):
+        return self.lin(x).sum() + (self.scale * torch.tensor(PINNED_GRADIENT)).sum()
+
+
+def _pinned(mesh) -> list:
+    """The clip's norms over ``_Cut``, whose plain parameter's gradient is ``PINNED_GRADIENT``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fusedist
+
+    model = _Cut()
+    parallelize_module(model, mesh["tp"], {"lin": ColwiseParallel(output_layouts=Replicate())})
+    fusedist.fully_shard(model, mesh=mesh["dp"])
+    model(torch.ones(2, 1)).backward()
+    return [float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
+            float(fusedist.clip_grad_norm_(model.parameters(), 1.0))]
+
+
 def _worker(rank, world_size, seed, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
@@ -248,9 +282,10 @@ def _worker(rank, world_size, seed, root):
     model = _build(mesh, fusedist.fully_shard, seed)
     opt, out["scaler"] = _scaler_step_with_inf_on(3, rank, model, seed)
     out["refusals"] = _refusals(mesh)
-    # the pinned seed of the test below, on the same mesh (one launch of the 4 ranks for both)
-    pinned, _, _ = _against_fsdp2(mesh, PINNED_SEED, os.path.join(root, "pinned"))
-    out["pinned"] = pinned["dcp ours->torch"], pinned["dcp torch->ours"]
+    # the pinned gradients of the test below, on the same mesh (one launch of the 4 ranks for both)
+    out["pinned"] = _pinned(mesh)
+    # a plain unit beside the tensor-parallel ones (the tests below), on the same mesh
+    out["plain"] = _plain_scenarios(mesh, rank, seed)
     return out
 
 
@@ -423,13 +458,16 @@ def test_checkpoints_interchange_with_fsdp2(results):
 
 
 def test_held_alike_parameters_stay_bit_identical_across_tensor_parallel_ranks(results):
-    """Note [one norm on every tensor-parallel rank] (fusedist/fsdp/holder.py): with this seed
-    the clip's total norm came out an ulp apart on the two tensor-parallel ranks, so the copies
-    of the replicated parameters drifted apart and the checkpoint written from the first rank's
-    copies loaded 7e-9 off on the second (the random seed of ``results`` finds such a case only
-    now and then)."""
-    for ours_to_torch, torch_to_ours in (out["pinned"] for out in results[1]):
-        assert ours_to_torch == 0.0 and torch_to_ours == 0.0, (ours_to_torch, torch_to_ours)
+    """Note [one norm on every tensor-parallel rank] (fusedist/fsdp/holder.py): the clip's norm
+    has the same bits on every rank, so every copy of a parameter the tensor-parallel ranks hold
+    alike is scaled by the same coefficient. With ``PINNED_GRADIENT`` the sums of squares of the
+    plain parameter's pieces, cut differently on the two tensor-parallel ranks, round an ulp
+    apart (each rank taking its own figure: 5.5898247 and 5.5898252): the copies drifted apart
+    and a checkpoint written from the first rank's copies loaded 7e-9 off on the second. Also
+    the clip's norms of the random-seed training."""
+    per_rank = results[1]
+    for norms in ([out["pinned"] for out in per_rank], [out["fp32"][0][1] for out in per_rank]):
+        assert all(n == norms[0] for n in norms), norms
 
 
 def test_grad_scaler_skips_on_every_rank(results):
@@ -441,6 +479,225 @@ def test_refusals_name_the_parameter(results):
     out = results[1][0]["refusals"]
     assert "parameter 'ffn.w1.weight' is tensor-parallel and shard_placement_fn gave Shard(1)" in out["placement"]
     assert "overlap the data-parallel group's" in out["same mesh"]
+
+
+# ------------------------------------------------ a plain unit beside tensor-parallel ones
+# A head left out of the plan with a fully_shard unit of its own on mesh["dp"] (Note [plain units
+# beside tensor-parallel ones] in fusedist/fsdp/holder.py, Note [checking what is held alike] in
+# fusedist/fsdp/held_alike.py). The reference is torch's FSDP2 on the same model, its head made a
+# DTensor replicated over the tensor-parallel mesh (``distribute_module``) so that FSDP2's own
+# ``clip_grad_norm_`` can take the whole model: with the head on mesh["dp"] alone its DTensors are
+# on another mesh than the rest's, which FSDP2's clip refuses. Run in the launch of ``results``.
+IN, HID, OUT = 6, 8, 5  # (a plain unit beside tensor-parallel ones, below)
+MAX_NORM = 0.05  # below every norm these models have: the clip scales
+ORDERS = (2.0, float("inf"), 1.0)
+
+
+def _plain_net():
+    return nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, IN), nn.Linear(IN, OUT))
+
+
+def _build_plain(mesh, seed: int, fsdp2: bool = False, meta: bool = False, one_by_one: bool = False):
+    """m[0] ColwiseParallel, m[2] RowwiseParallel (a Replicate() bias), m[3] the head: a plain
+    Linear with a unit of its own on mesh["dp"] (FSDP2: replicated over mesh["tp"] first), the
+    root a unit of the rest; ``one_by_one``: a unit for each linear and none at the root."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fusedist
+
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        model = _plain_net()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if fsdp2:
+        distribute_module(model[3], mesh["tp"],
+                          input_fn=lambda m, inputs, tp: tuple(DTensor.from_local(x, tp, [Replicate()], run_check=False)
+                                                               for x in inputs),
+                          output_fn=lambda m, out, tp: out.to_local())
+    shard = torch_fully_shard if fsdp2 else fusedist.fully_shard
+    for module in (model[0], model[2], model[3]) if one_by_one else (model[3], model):
+        shard(module, mesh=mesh["dp"])
+    return model
+
+
+def _plain_backward(model, mesh, seed: int, scale=None) -> None:
+    """A backward on this data-parallel rank's batch (the tensor-parallel ranks of a group see the same one)."""
+    g = torch.Generator().manual_seed(seed * 10 + mesh["dp"].get_local_rank())
+    x, y = torch.randn(3, IN, generator=g), torch.randn(3, OUT, generator=g)
+    loss = nn.functional.mse_loss(model(x), y)
+    (loss if scale is None else scale(loss)).backward()
+
+
+def _plain_whole(value) -> float:
+    return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
+
+
+def _plain_full_state(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _plain_norms(model, mesh, seed: int, clip, norm_type: float) -> dict:
+    """Per-parameter gradient norms (Lightning's helper for ours, each DTensor gradient's for
+    FSDP2), torch's ``get_total_norm`` of the gradients, the clip's norm, and the parameters
+    after one clipped SGD step (lr 1: their change is the clipped gradient itself)."""
+    from fusedist.integrations.lightning_grad_norm import grad_norm
+
+    _plain_backward(model, mesh, seed)
+    out = {}
+    if hasattr(next(model.parameters()).grad, "full_tensor"):
+        out["per parameter"] = {n: float(q.grad.full_tensor().norm(norm_type)) for n, q in model.named_parameters()}
+    else:
+        out["per parameter"] = {key.split("/", 1)[1]: float(v) for key, v in grad_norm(model, norm_type).items()
+                                if "/" in key}
+    out["total"] = _plain_whole(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type))
+    out["clip"] = _plain_whole(clip(model.parameters(), MAX_NORM, norm_type))
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    out["state"] = _plain_full_state(model)
+    return out
+
+
+def _plain_against_fsdp2(mesh, rank, seed):
+    """For each norm order: FSDP2's figures, then ours by torch's clip, by fusedist's clip, by
+    torch's clip with a unit for each linear and none at the root (no call sees the units
+    together: the clip measures their holders jointly), and by torch's clip on our model built on
+    the meta device (``to_empty``, then FSDP2's initial values loaded)."""
+    import fusedist
+
+    out = {}
+    for norm_type in ORDERS:
+        theirs = _build_plain(mesh, seed, fsdp2=True)
+        initial = _plain_full_state(theirs)
+        runs = [_plain_norms(theirs, mesh, seed, torch.nn.utils.clip_grad_norm_, norm_type)]
+        for clip in (torch.nn.utils.clip_grad_norm_, fusedist.clip_grad_norm_):
+            runs.append(_plain_norms(_build_plain(mesh, seed), mesh, seed, clip, norm_type))
+        one_by_one = _build_plain(mesh, seed, one_by_one=True)
+        runs.append(_plain_norms(one_by_one, mesh, seed, torch.nn.utils.clip_grad_norm_, norm_type))
+        meta = _build_plain(mesh, seed + 1, meta=True)
+        meta.to_empty(device="cpu")
+        fusedist.fsdp.load_full_state_dict(meta, initial)
+        runs.append(_plain_norms(meta, mesh, seed, torch.nn.utils.clip_grad_norm_, norm_type))
+        out[norm_type] = runs
+    return out
+
+
+def _plain_scaler_skips(mesh, rank, seed, which):
+    """Two optimizers, one over the plain head's parameters only, and an inf in rank 3's piece
+    of the head's gradient: (whether this rank's head stayed as it was, whether its body moved,
+    the scale after the update)."""
+    import fusedist
+
+    model = _build_plain(mesh, seed)
+    head = list(model[3].parameters())
+    body = [p for p in model.parameters() if all(p is not q for q in head)]
+    if which == "torch":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        opts = [torch.optim.SGD(body, lr=0.1), torch.optim.SGD(head, lr=0.1)]
+    else:
+        scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        opts = [fusedist.optim.FusedAdamW(body, lr=0.1), fusedist.optim.FusedAdamW(head, lr=0.1)]
+    before = [p.detach().clone() for p in model.parameters()]
+    _plain_backward(model, mesh, seed, scale=scaler.scale)
+    if rank == 3:
+        head[0].grad.view(-1)[0] = float("inf")
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    same = [torch.equal(b, p) for b, p in zip(before, model.parameters())]
+    head_ids = {id(p) for p in head}
+    moved = [not s for s, p in zip(same, model.parameters()) if id(p) not in head_ids and p.numel()]
+    return (all(s for s, p in zip(same, model.parameters()) if id(p) in head_ids),
+            any(moved) or not moved,  # (this rank's pieces of the body: some may be empty)
+            scaler.get_scale())
+
+
+def _plain_refused(mesh, rank, seed, where):
+    """Gradients of pieces held alike made to differ on tensor-parallel rank 1 (``where``: the
+    plain head's weight or the Replicate() bias of the tensor-parallel unit): each clip's error."""
+    import fusedist
+
+    out = {}
+    for name, clip in (("torch", torch.nn.utils.clip_grad_norm_), ("fusedist", fusedist.clip_grad_norm_)):
+        model = _build_plain(mesh, seed)
+        _plain_backward(model, mesh, seed)
+        if mesh["tp"].get_local_rank() == 1:
+            (model[3].weight if where == "head" else model[2].bias).grad.mul_(1.5)
+        try:
+            clip(model.parameters(), MAX_NORM)
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = str(e)
+    return out
+
+# name: (function, seed offset, more arguments), each called as fn(mesh, rank, seed + offset, *more)
+_PLAIN_SCENARIOS = {
+    "fsdp2": (_plain_against_fsdp2, 0, ()),
+    **{f"scaler {which}": (_plain_scaler_skips, 1, (which,)) for which in ("torch", "fusedist")},
+    **{f"refused {where}": (_plain_refused, 2, (where,)) for where in ("head", "bias")},
+}
+
+
+def _plain_scenarios(mesh, rank, seed) -> dict:
+    """Each scenario's result, or its traceback (a failure fails its own test only)."""
+    out = {}
+    for name, (fn, offset, more) in _PLAIN_SCENARIOS.items():
+        try:
+            out[name] = (True, fn(mesh, rank, seed + offset, *more))
+        except Exception:  # noqa: BLE001
+            out[name] = (False, f"rank {rank}: {traceback.format_exc()}")
+    return out
+
+
+def _plain_results(results, name: str) -> list:
+    per_rank = [out["plain"][name] for out in results[1]]
+    for passed, value in per_rank:
+        assert passed, value
+    return [value for _, value in per_rank]
+
+
+def test_plain_unit_norms_and_clip_match_fsdp2(results):
+    """Per-parameter norms, ``get_total_norm`` and the clip's norm as FSDP2's, and the clipped
+    step's parameters as FSDP2's (fp32, summed in another order over the groups: 1e-5 relative on
+    the norms, 1e-6 on the parameters), for norms of order 2, inf and 1; also for our model
+    built on the meta device, whose ``to_empty`` replaced the pieces (they used to lose their
+    mark of being held alike: the head's and the Replicate() bias's gradients were counted on
+    both tensor-parallel ranks)."""
+    for rank, out in enumerate(_plain_results(results, "fsdp2")):
+        for norm_type, (ref, *ours) in out.items():
+            for how, got in zip(("torch's clip", "fusedist's clip", "one by one", "built on meta"), ours):
+                where = (results[0], rank, norm_type, how)
+                assert got["per parameter"].keys() == ref["per parameter"].keys(), where
+                for name, want in ref["per parameter"].items():
+                    assert got["per parameter"][name] == pytest.approx(want, rel=1e-5), (where, name)
+                assert got["total"] == pytest.approx(ref["total"], rel=1e-5), (where, got["total"], ref["total"])
+                assert got["clip"] == pytest.approx(ref["clip"], rel=1e-5), (where, got["clip"], ref["clip"])
+                for name, want in ref["state"].items():
+                    torch.testing.assert_close(got["state"][name], want, rtol=1e-6, atol=1e-6, msg=f"{where} {name}")
+
+
+def test_an_inf_in_a_plain_unit_on_one_tensor_parallel_rank_skips_everywhere(results):
+    """The head's optimizer skips on every rank (ranks 0 and 2 learn of rank 3's inf only over
+    the tensor-parallel group), the body's steps everywhere, and every rank halves its scale --
+    torch's GradScaler and fusedist's."""
+    for which in ("torch", "fusedist"):
+        assert _plain_results(results, f"scaler {which}") == [(True, True, 128.0)] * 4, which
+
+
+def test_gradients_held_alike_that_differ_are_refused_by_the_clip(results):
+    """Every rank raises (the same figures everywhere: no rank is left waiting), naming the
+    parameter, its unit and the ranks' figures, with what to do."""
+    for where, named in (("head", "'3.weight' of fully_shard(Linear), a unit with no tensor-parallel parameters ("),
+                         ("bias", "'2.bias' of fully_shard(Sequential) (")):
+        for rank, out in enumerate(_plain_results(results, f"refused {where}")):
+            for name in ("torch", "fusedist"):
+                msg = out[name]
+                assert "differ between the ranks of a tensor-parallel group" in msg, (where, rank, name, msg)
+                assert named in msg and "on tensor-parallel rank 1)" in msg and msg.count(" of fully_shard(") == 1, \
+                    (where, rank, name, msg)
+                assert "the same batch" in msg, (where, rank, name, msg)
 
 
 # ------------------------------------------------------------- HSDP with tensor parallelism

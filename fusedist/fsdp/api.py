@@ -16,6 +16,7 @@ from ..comm import get_communicator
 from . import recovery
 from .state_dict_hooks import install_state_dict_hooks
 from .grads import UnitGrads
+from .held_alike import share_tensor_parallel_holder
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
@@ -168,6 +169,8 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         for owner in {id(o): o for o, _, _ in unit.borrowed}.values():
             owner.lent_to.append(unit)  # Note [lent parameters] in unit.py
     FullyShardState(modules, unit, grads, mp_policy, auto)
+    # Note [plain units beside tensor-parallel ones] in holder.py
+    share_tensor_parallel_holder(modules)
     for m in modules:
         if unit is not None:
             install_state_dict_hooks(m)  # Note [pieces in torch's distributed checkpoint]

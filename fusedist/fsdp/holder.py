@@ -16,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, unflag_nan
 from ..optim.step_context import materialize_unscales
 from ..ownership import register_gradient_holder
+from .held_alike import check_held_alike
 
 __all__ = ["ShardedGradHolder", "holder_for", "joint_holder"]
 
@@ -65,7 +66,9 @@ class ShardedGradHolder:
         """The norm of all ranks' pieces of these parameters' gradients (a collective: every
         rank calls it with the same parameters, also a rank whose pieces are empty). In float32,
         float64 where a gradient is float64: torch's norm of float64 gradients is not rounded to
-        float32, nor is the clip coefficient taken from it (complex128 ones alike)."""
+        float32, nor is the clip coefficient taken from it (complex128 ones alike). With tensor
+        parallelism it raises, on every rank, where gradients the tensor-parallel ranks should hold
+        alike differ (Note [checking what is held alike] in held_alike.py)."""
         norm_type = float(norm_type)
         with_grad = [p for p in params if p.grad is not None]
         grads = [p.grad for p in with_grad]
@@ -86,20 +89,32 @@ class ShardedGradHolder:
             if self.tp is not None:
                 all_reduce_on_comm_device(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
             return unflag_nan(local)[0]
-        # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike
-        local = torch.zeros(2, dtype=acc, device=device)
+        alike = [self.tp is not None and p in self._tp_replicated for p in with_grad]
+        k = sum(alike)
+        # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike;
+        # [2:]: each of those alone (Note [checking what is held alike] in held_alike.py)
+        local = torch.zeros(2 + k, dtype=acc, device=device)
         if grads:
-            norms = tensor_norms([g.detach() for g in grads], norm_type).to(acc)
-            alike = torch.tensor([p in self._tp_replicated for p in with_grad], device=device)
-            powered = norms.pow(norm_type)
-            local[0] += powered[~alike].sum()
-            local[1] += powered[alike].sum()
+            powered = tensor_norms([g.detach() for g in grads], norm_type).to(acc).pow(norm_type)
+            mask = torch.tensor(alike, dtype=torch.bool, device=device)
+            local[0] += powered[~mask].sum()
+            local[1] += powered[mask].sum()
+            local[2:] = powered[mask]
         all_reduce_on_comm_device(self.comm, local, "sum", "fully_shard grad norm")
-        if self.tp is not None:  # Note [one norm on every tensor-parallel rank]
-            if self.tp.rank != 0:
-                local[1] = 0.0
-            all_reduce_on_comm_device(self.tp, local, "sum", "fully_shard grad norm (tensor-parallel)")
-        return local.sum().pow(1.0 / norm_type)
+        if self.tp is None:
+            return local.sum().pow(1.0 / norm_type)
+        # Note [one norm on every tensor-parallel rank]: the first tensor-parallel rank's figure of
+        # the pieces held alike; every rank's figures of each in slots of its own, to check them
+        size, rank = self.tp.world_size, self.tp.rank
+        slots = torch.zeros(2 + size * k, dtype=acc, device=device)
+        slots[0] = local[0]
+        if rank == 0:
+            slots[1] = local[1]
+        slots[2 + rank * k:2 + (rank + 1) * k] = local[2:]
+        all_reduce_on_comm_device(self.tp, slots, "sum", "fully_shard grad norm (tensor-parallel)")
+        total = slots[:2].sum()
+        check_held_alike(slots[2:].view(size, k), [p for p, a in zip(with_grad, alike) if a], norm_type, total)
+        return total.pow(1.0 / norm_type)
 
     @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     @torch.no_grad()
@@ -220,13 +235,24 @@ def holder_for(comm, replicate=None, tp=None) -> ShardedGradHolder:
 
 # Note [plain units beside tensor-parallel ones]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# In a tensor-parallel model, a unit with no tensor-parallel parameter (``fully_shard(m.head)`` on a
-# plain module left out of the plan) knows nothing of the tensor-parallel group: its holder is the
-# data-parallel communicator's alone, beside the tensor-parallel units' holder on the same
-# communicator. Its parameters are held alike by the tensor-parallel ranks (they see the same
-# inputs), like a ``Replicate()`` parameter of a tensor-parallel unit. So a clip over the whole
-# model is one norm: the tensor-parallel holder's collectives, with the plain units' pieces counted
-# as held alike (once over the tensor-parallel group, Note [one norm on every tensor-parallel rank]).
+# In a tensor-parallel model a unit with no tensor-parallel parameter (``fully_shard(m.head)`` on a
+# plain module left out of the plan, on ``mesh["dp"]``) knows nothing of the tensor-parallel group
+# by itself. Its parameters are held alike by the tensor-parallel ranks (they see the same
+# inputs), like a ``Replicate()`` parameter of a tensor-parallel unit, and what is global about its
+# gradients spans that group too: a clip over the whole model is one norm, its pieces counted
+# once over the tensor-parallel ranks (Note [one norm on every tensor-parallel rank]), and an inf
+# in its gradient on one tensor-parallel rank must skip the step on all of them -- else the ranks
+# that stepped and those that skipped hold different copies from then on, and different scales
+# (an optimizer over the plain unit alone reduced its flag over the data-parallel group only; so
+# does torch's GradScaler over FSDP2 for a gradient replicated over the tensor-parallel mesh,
+# whose found-inf it reduces over its sharded mesh dims only: FSDP2's ranks part there). So
+# a ``fully_shard`` call whose modules hold the units of one tensor-parallel holder (the root's
+# call, made last, sees them all) moves the plain units on the same data-parallel and replicate
+# communicators to that holder (``share_tensor_parallel_holder`` in held_alike.py): the same
+# decision on every rank, as it follows the model's structure. Units sharded without such a
+# common call are measured together by the clip all the same (``joint_holder``). Whether those
+# pieces really are alike is checked by the clip (Note [checking what is held alike] in
+# held_alike.py).
 def joint_holder(groups: list):
     """One holder measuring every ``(holder, params)`` of ``groups`` together, with ``params``
     concatenated: ``(holder, params)``, or None where their norms do not combine (other

@@ -10,6 +10,7 @@ from typing import Optional
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ownership import register_step_watch
+from .held_alike import held_alike_flags
 
 # Every parameter a unit took over -- the original and its piece -- maps to (weak reference to
 # the unit, index). Weak both ways: the unit holds the parameter, so a strong value would keep
@@ -46,7 +47,9 @@ def register_pieces(state, adopted: list) -> None:
     for i, piece in adopted:
         record_owner(unit, i, piece)
     pieces = [piece for _, piece in adopted]
-    unit.holder.register(pieces)
+    # (a tensor-parallel holder's pieces held alike stay counted once: Note [one norm on every
+    # tensor-parallel rank] in holder.py)
+    unit.holder.register(pieces, held_alike_flags(unit, [i for i, _ in adopted]))
     watch = state.ctx.watch if state.ctx is not None else None
     if watch is not None:
         register_step_watch(pieces, watch)

@@ -20,7 +20,9 @@ reduce-scatters and pieces are those of plain parameters of the local shapes. Wh
 * Global gradient quantities span both groups (``holder.py``): a norm sums each piece's share
   over the data-parallel group and then the tensor-parallel one, a parameter replicated across
   the tensor-parallel ranks (a ``Replicate()`` bias) counted once; the found-inf flag is the
-  maximum over both.
+  maximum over both. A plain unit sharded beside tensor-parallel ones joins their holder (Note
+  [plain units beside tensor-parallel ones] in holder.py), and the clip checks that what the
+  ranks hold alike is alike (Note [checking what is held alike] in held_alike.py).
 * State dicts give each piece's region of the *global* parameter (``offsets``): its region of
   the local tensor moved by where the local tensor sits in the global one -- the chunks torch's
   distributed checkpoint reads and writes, interchangeable with FSDP2's 2-D DTensors; full

@@ -122,10 +122,36 @@ def test_step_hooks_of_a_handed_over_optimizer_run_as_torch(original_cls):
 
 # -- multi-rank scenarios, one launch -------------------------------------------------------------
 
-def _zero2_handed_over(rank, world, original_name, unscale_first, seed):
+class _Strategy:
+    """What Fabric's and Lightning's strategies do with their wrapper's step at 32-bit precision:
+    step the optimizer (Lightning's passes a closure to run first)."""
+
+    def optimizer_step(self, optimizer, closure=None, **kwargs):
+        if closure is not None:
+            closure()
+        return optimizer.step(**kwargs)
+
+
+def _wrapped(optimizer, through):
+    """``optimizer`` as the scaler is given it: itself, or Fabric's or Lightning's wrapper of it."""
+    if through == "fabric":
+        from lightning.fabric.wrappers import _FabricOptimizer
+
+        return _FabricOptimizer(optimizer, _Strategy())
+    if through == "lightning":
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        wrapper = LightningOptimizer(optimizer)
+        wrapper._strategy = _Strategy()
+        return wrapper
+    return optimizer
+
+
+def _zero2_handed_over(rank, world, original_name, unscale_first, seed, through="kept"):
     """A strategy's ZeRO stage 2 behind the user's AdamW or FusedAdamW, stepped by the scaler
-    through the user's optimizer, against torch DDP + AdamW + torch's scaler (an overflow on
-    rank 1 only). Returns the largest weight difference and both scales."""
+    through the user's optimizer (``through``: itself, or Fabric's or Lightning's wrapper of it),
+    against torch DDP + AdamW + torch's scaler (an overflow on rank 1 only). Returns the largest
+    weight difference and both scales."""
     import copy
 
     import fusedist
@@ -140,7 +166,7 @@ def _zero2_handed_over(rank, world, original_name, unscale_first, seed):
                             strategy="test", fresh_from="test")
     hand_over(original, new, [])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    sides = ((model, original, GradScaler("cpu", init_scale=2.0**8)),
+    sides = ((model, _wrapped(original, through), GradScaler("cpu", init_scale=2.0**8)),
              (ref, ref_opt, torch.amp.GradScaler("cpu", init_scale=2.0**8)))
     for step in range(4):
         x = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed + 10 * step + rank))
@@ -205,6 +231,10 @@ _BY_TEST = {
     "test_zero2_behind_a_handed_over_optimizer_matches_torch": {
         f"zero2 {name} {'unscale_' if first else 'step'}": (_zero2_handed_over, (name, first, _SEED))
         for name in ("AdamW", "FusedAdamW") for first in (False, True)},
+    "test_zero2_behind_a_wrapper_of_the_handed_over_optimizer_matches_torch": {
+        f"zero2 AdamW {through} {'unscale_' if first else 'step'}": (_zero2_handed_over,
+                                                                     ("AdamW", first, _SEED, through))
+        for through in ("fabric", "lightning") for first in (False, True)},
     "test_a_deferred_first_step_keeps_the_handed_over_flag": {
         f"flag {name} {overflow} {before}": (_deferred_step_flag, (name, overflow, before, _SEED))
         for name in ("AdamW", "FusedAdamW") for overflow in (False, True) for before in (False, True)
@@ -224,6 +254,16 @@ def test_zero2_behind_a_handed_over_optimizer_matches_torch(launched):
     with the user's AdamW torch's path unscaled ``p.grad``, which stage 2 leaves None, and raised
     "No inf checks were recorded for this optimizer"."""
     for scenario in _BY_TEST["test_zero2_behind_a_handed_over_optimizer_matches_torch"]:
+        for rank, (diff, ours, theirs) in enumerate(results_of(launched, scenario)):
+            assert diff < 1e-6 and ours == theirs == 2.0**7, (scenario, _SEED, rank, diff, ours, theirs)
+
+
+def test_zero2_behind_a_wrapper_of_the_handed_over_optimizer_matches_torch(launched):
+    """Fabric's or Lightning's wrapper of the user's AdamW, handed over to a ZeRO stage 2 optimizer:
+    the scaler kept its record under the ZeRO optimizer but took torch's path, which unscaled
+    ``p.grad`` (None under stage 2) and raised "No inf checks were recorded for this optimizer"
+    (Note [one chain of names] in fusedist/optim/_scaler_protocol.py)."""
+    for scenario in _BY_TEST["test_zero2_behind_a_wrapper_of_the_handed_over_optimizer_matches_torch"]:
         for rank, (diff, ours, theirs) in enumerate(results_of(launched, scenario)):
             assert diff < 1e-6 and ours == theirs == 2.0**7, (scenario, _SEED, rank, diff, ours, theirs)
 

@@ -87,8 +87,9 @@ class looked_up_once:
 def protocol_owner(optimizer):
     """The object that owns the scaler protocol of ``optimizer`` (itself, the fused optimizer
     a forwarding wrapper holds, Note [the protocol's owner behind a wrapper], or the one it was
-    handed over to, Note [the protocol of a handed-over optimizer]); else ``optimizer`` itself
-    (or the one it was handed over to: a ZeroRedundancyOptimizer makes its step context lazily)."""
+    handed over to, Note [the protocol of a handed-over optimizer], also behind a wrapper of the
+    one handed over); else ``optimizer`` itself (or the one it was handed over to: a
+    ZeroRedundancyOptimizer makes its step context lazily)."""
     obj = found = optimizer
     for _ in range(8):  # (wrappers of wrappers; bounded against cycles)
         state = getattr(obj, "__dict__", None)
@@ -102,6 +103,8 @@ def protocol_owner(optimizer):
         if "step_context" in state:
             return obj
         inner = next((v for v in state.values() if isinstance(v, ScalerProtocol) and v is not obj), None)
+        if inner is None:  # (a wrapper of an optimizer that was handed over: the chain of stepped_optimizer)
+            inner = _held_optimizer(obj, state)
         if inner is None:
             return found
         obj = inner
@@ -129,13 +132,14 @@ def hand_protocol_over(old, new) -> None:
 
 def follows_protocol(optimizer) -> bool:
     """Whether the scaler steps ``optimizer`` through the protocol (Note [scaler protocol]): it
-    is (or forwards to) a fused or sharded optimizer, or was handed over to one. Only a hand-over
-    is followed here: an object merely holding fused optimizers may step several of them."""
+    is (or forwards to) a fused or sharded optimizer, or was handed over to one, or wraps one that
+    was (the chain of :func:`stepped_optimizer`). Only hand-overs and wrappers sharing the param
+    groups of the one they hold are followed: an object merely holding fused optimizers may step
+    several of them."""
     for _ in range(8):  # (bounded against cycles)
         if getattr(optimizer, "_fusedist_fused", False):
             return True
-        handed = getattr(optimizer, "__dict__", {}).get(_HANDED_TO)
-        optimizer = None if handed is None else handed()
+        optimizer = _next_stepped(optimizer)
         if optimizer is None:
             return False
     return False
@@ -160,19 +164,41 @@ def stepped_optimizer(optimizer):
     Fabric's, Lightning's and accelerate's forward them). Anything else is its own."""
     obj = optimizer
     for _ in range(8):  # (wrappers of wrappers; bounded against cycles)
-        state = getattr(obj, "__dict__", None)
-        if state is None:
-            return obj
-        handed = state.get(_HANDED_TO)
-        successor = None if handed is None else handed()
-        if successor is None:
-            groups = getattr(obj, "param_groups", None)
-            successor = next((v for v in state.values() if isinstance(v, torch.optim.Optimizer) and v is not obj
-                              and groups is not None and getattr(v, "param_groups", None) is groups), None)
+        successor = _next_stepped(obj)
         if successor is None:
             return obj
         obj = successor
     return obj
+
+
+# Note [one chain of names]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The scaler asks three things of what it is given: where its record of the iteration is kept
+# (:func:`stepped_optimizer`), whether it steps through the protocol (:func:`follows_protocol`) and
+# where the protocol's attributes are written (:func:`protocol_owner`). All three follow the same
+# links -- a hand-over, and a wrapper sharing the param groups of the optimizer it holds -- so no
+# name leads one of them elsewhere. A Fabric or Lightning wrapper of the optimizer a program kept,
+# which a strategy handed over to its fused or sharded one, found the record of the new one but
+# went through torch's path: it unscaled ``p.grad`` (which a ZeRO stage-2 optimizer leaves None:
+# "No inf checks were recorded for this optimizer") and wrote nothing the new one reads.
+def _next_stepped(obj):
+    """The next link of :func:`stepped_optimizer`'s chain from ``obj``, or None at its end."""
+    state = getattr(obj, "__dict__", None)
+    if state is None:
+        return None
+    handed = state.get(_HANDED_TO)
+    successor = None if handed is None else handed()
+    return successor if successor is not None else _held_optimizer(obj, state)
+
+
+def _held_optimizer(obj, state: dict):
+    """The optimizer ``obj`` wraps and steps: one it holds that shares its param groups (the same
+    list object, as Fabric's, Lightning's and accelerate's wrappers forward them); else None."""
+    groups = getattr(obj, "param_groups", None)
+    if groups is None:
+        return None
+    return next((v for v in state.values() if isinstance(v, torch.optim.Optimizer) and v is not obj
+                 and getattr(v, "param_groups", None) is groups), None)
 
 
 class FlagOfAnother:

@@ -20,7 +20,8 @@ class FusedAdam(FusedOptimizerBase):
     dtype (fp64 for fp64 parameters). ``decoupled_weight_decay=True`` gives AdamW, as in
     torch. ``amsgrad=True`` keeps torch's ``max_exp_avg_sq`` state (fp32) and runs in the same
     fused pass on the GPU (on the CPU it takes the PyTorch path: the C++ kernel has no
-    AMSGrad). ``capturable`` and ``differentiable`` are not supported (True raises);
+    AMSGrad). ``capturable`` and ``differentiable`` are not supported (True raises; a group
+    loaded or added with ``differentiable=True`` steps as torch's: Note [a differentiable group]);
     ``foreach``/``fused`` are accepted as hints (``fused=False`` raises, and both True
     as in torch). A state dict saved with ``capturable=True`` loads, and its groups keep the
     flag, as torch's Adam loads one (Note [a capturable state dict]).
@@ -107,12 +108,35 @@ class FusedAdam(FusedOptimizerBase):
         return not (on_device and self._fusedist_in_step)
 
     def _collect_group(self, group, gi):
-        """torch's step-time refusal of a tensor lr in a ``foreach`` group (Note [a tensor
-        learning rate]), before anything is written."""
+        """torch's step-time refusals of a tensor lr in a ``foreach`` group (Note [a tensor
+        learning rate]) and of a differentiable group run ``foreach``/``fused`` (Note [a
+        differentiable group]), before anything is written."""
         if group.get("foreach") and isinstance(group["lr"], torch.Tensor):
             raise RuntimeError(f"{type(self).__name__} (param group {gi}): lr as a Tensor is not supported "
                                "for capturable=False and foreach=True")
-        return super()._collect_group(group, gi)
+        collected = super()._collect_group(group, gi)
+        implementation = next((k for k in ("fused", "foreach") if group.get(k)), None)
+        if group.get("differentiable") and implementation and collected[0]:
+            raise RuntimeError(
+                f"{type(self).__name__} (param group {gi}): the group has differentiable=True and "
+                f"{implementation}=True, which torch's {self._torch_counterpart.__name__} refuses at its step "
+                f"(its {implementation} implementation has no differentiable form); nothing was updated. Set the "
+                f"group's {implementation} to None (or differentiable to False: the step runs without "
+                "autograd either way, as torch's does)")
+        return collected
+
+    # Note [a differentiable group]
+    # torch's optimizers record ``differentiable`` in every group, and a group loaded from a state
+    # dict or added with ``add_param_group`` may say True while the optimizer was built without it.
+    # torch's step then still runs without autograd (it enables gradients by the optimizer's
+    # defaults, not by the group) and computes the ordinary update; the group keeps the flag, and a
+    # state dict saved again gives it back. The fused step does the same. What torch refuses of
+    # such a group is refused here too, before any group is stepped (torch raises in that group's
+    # step, after the groups before it were updated): Adam/AdamW with ``foreach=True``
+    # (AssertionError "_foreach ops don't support autograd") or ``fused=True`` ("Adam with
+    # fused=True does not support differentiable=True"). The constructor refuses
+    # ``differentiable=True``: a request for a step that autograd records, which the fused step
+    # does not give.
 
     def _init_state(self, group, p, state):
         super()._init_state(group, p, state)

@@ -113,13 +113,26 @@ def check_offload_config(optimizer_class, params: dict) -> None:
 def check_offload_group(group: dict, index: int) -> None:
     """Options of Adam that the host kernel does not implement raise instead of being ignored.
     (``foreach``/``fused`` only pick one of torch's implementations of the same math; with
-    offload the host kernel replaces all of them.)"""
-    for flag in ("amsgrad", "capturable", "differentiable"):
+    offload the host kernel replaces all of them. ``capturable`` says the same: Note [a
+    capturable group offloaded].)"""
+    for flag in ("amsgrad", "differentiable"):
         if group.get(flag):
             raise ValueError(
                 f"ZeroRedundancyOptimizer(offload='cpu'), param group {index}: {flag}=True is not "
                 "supported by the host Adam"
             )
+
+
+# Note [a capturable group offloaded]
+#     A state dict of torch's Adam/AdamW made with ``capturable=True`` (a CUDA-graph run) keeps
+#     the flag in its groups and its step counts as fp32 tensors. It was refused here ("not
+#     supported by the host Adam"), where torch's non-capturable optimizer and FusedAdam/
+#     FusedAdamW load it (Note [a capturable state dict] in fusedist/optim/adam.py). The flag
+#     says how the saving optimizer ran its step, not what it computes: the host Adam computes
+#     that update, reading the step count once per piece. The groups keep the flag, so a state
+#     dict saved again gives it back to a torch optimizer. A ZeRO optimizer over torch's class
+#     built with ``capturable=True`` is taken alike: its step runs on the host, which no CUDA
+#     graph captures, whatever the flag (FusedAdam/FusedAdamW refuse it when built).
 
 
 def _adamw(optimizer_class, group: dict) -> bool:

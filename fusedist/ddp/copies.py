@@ -33,6 +33,8 @@ def copy_wrapper(wrapper, memo: dict):
         if shared is not None:
             memo[id(shared)] = shared  # the same group, not a copy of it
     module = copy.deepcopy(wrapper.module, memo)
+    if wrapper._ignored_slots:  # the same slots, at their paths now (Note [ignored entries followed by identity])
+        module._ddp_params_and_buffers_to_ignore = wrapper.ignored_names()
     config = wrapper.config
     group = dict(device_mesh=wrapper.device_mesh) if wrapper.device_mesh is not None else dict(
         process_group=wrapper.process_group)

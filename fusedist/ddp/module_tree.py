@@ -26,6 +26,14 @@ Note [names follow the module]
     registered through torch's hooks is named under the current path too: the hook compares the
     tree first (``_current_entries`` in trainable.py), so one assigned after an insertion, before
     any forward saw it, is not named by the entry it displaced.
+
+Note [modules that left the tree]
+    The wrapper follows each module of the tree (a weak entry per module: it keeps no module
+    alive) to hear of Parameters and submodules assigned into it. When a change of the tree is
+    found, the modules that left it are no longer followed: a Parameter assigned into a head
+    swapped out, or into a layer deleted, is not the model's and is not noted under the path
+    the module had, and a fine-tuning run that swaps submodules in and out leaves no entries
+    behind. A module that comes back is handled as an added one.
 """
 
 from __future__ import annotations
@@ -55,6 +63,15 @@ class ModuleTree:
 
     def _now(self) -> list:
         return list(chain.from_iterable(map(dict.values, map(_CHILDREN, self.parents))))
+
+    def modules(self) -> list:
+        """The modules of the tree when last seen."""
+        return self.parents + self.leaves
+
+    def left(self, before: list) -> list:
+        """Those of ``before`` that are not in the tree as last seen (by identity)."""
+        present = set(map(id, self.parents)) | set(map(id, self.leaves))
+        return [m for m in before if id(m) not in present]
 
     def unchanged(self) -> bool:
         """Whether no ``_modules`` dict of the tree changed (flat comparisons, by identity)."""

@@ -54,6 +54,7 @@ from torch import nn
 import weakref
 
 from . import join as _join
+from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
 from ..ownership import register_step_watch, release
 from ..reliability import checks_enabled, optimizer_guard
 from .prepared import arm_again_through
@@ -78,6 +79,7 @@ class _ReplicateState:
         self.requires_gradient_sync = True
         self.comm_hooks: list = []
         self.pending_watch = _PendingWatch(self)
+        self._members: "weakref.WeakSet | None" = None  # the modules watch_assigned follows
         self.watch_pending()
 
     def watch_pending(self) -> None:
@@ -85,9 +87,32 @@ class _ReplicateState:
         built (Note [a step before the first forward]); again after ``_apply`` (``to_empty`` makes
         new Parameters)."""
         if self.ddp is None:
+            register_step_watch(self._engine_params(self.module), self.pending_watch)
+            self._members = None
+
+    def _engine_params(self, root: nn.Module) -> list:
+        """The parameters under ``root`` that the engine will reduce (the left-out modules' excepted)."""
+        left = self.ignored_modules | _fully_shard_submodules(root) | _replicated_submodules(root)
+        left_ids = {id(p) for m in left for p in m.parameters()}
+        return [p for p in root.parameters() if id(p) not in left_ids]
+
+    def watch_assigned(self, module: nn.Module, param=None, submodule=None) -> None:
+        """``param`` or ``submodule`` is being registered into ``module``: watched when ``module``
+        is one whose parameters the engine will reduce (Note [assigned before the first forward])."""
+        if self.ddp is not None:
+            return
+        if self._members is None:
             left = self.ignored_modules | _fully_shard_submodules(self.module) | _replicated_submodules(self.module)
-            left_ids = {id(p) for m in left for p in m.parameters()}
-            register_step_watch([p for p in self.module.parameters() if id(p) not in left_ids], self.pending_watch)
+            left_ids = {id(m) for top in left for m in top.modules()}
+            self._members = weakref.WeakSet(m for m in self.module.modules() if id(m) not in left_ids)
+        if module not in self._members:
+            return
+        if param is not None:
+            register_step_watch([param], self.pending_watch)
+        if submodule is not None:
+            self._members = None  # (found again with the submodule's tree, once it is registered)
+            if not isinstance(submodule, ReplicatedModule):
+                register_step_watch(self._engine_params(submodule), self.pending_watch)
 
     def build(self):
         return self.ddp if self.ddp is not None else self._build()
@@ -142,6 +167,32 @@ class _ReplicateState:
 #     refused, with local gradients or without any (as the wrapper refuses a step before any
 #     backward). ``torch.distributed.checkpoint``'s state-creating step (zero gradients, lr 0)
 #     passes, as for the wrapper. The engine's own watch replaces it when the engine is built.
+
+
+# Note [assigned before the first forward]
+#     The common way to load a checkpoint into a model built on the meta device: replicate it,
+#     then ``load_state_dict(sd, assign=True)`` (or ``module.w = nn.Parameter(...)``), make the
+#     optimizer over ``model.parameters()``, train. Those Parameters are new objects, registered
+#     without ``_apply``; so torch's global registration hooks watch them too (each one tested by
+#     identity against the modules of the replicated tree, found once and again after a submodule
+#     is registered): a step over them before the first forward is refused as over the ones
+#     replicated. The engine, built at that forward, takes the module's Parameters as they are then.
+
+
+def _parameter_assigned(module: nn.Module, name: str, param):
+    for root in list(_PENDING):
+        state = root.__dict__.get(_STATE)
+        if state is not None and param is not None:
+            state.watch_assigned(module, param=param)
+    return None  # registered unchanged
+
+
+def _submodule_assigned(module: nn.Module, name: str, submodule):
+    for root in list(_PENDING):
+        state = root.__dict__.get(_STATE)
+        if state is not None and submodule is not None:
+            state.watch_assigned(module, submodule=submodule)
+    return None  # registered unchanged
 
 
 class _PendingWatch:
@@ -365,6 +416,10 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
     module.__dict__[_STATE] = _ReplicateState(module, ignored_modules, kwargs)
     if checks_enabled():
         optimizer_guard.install()  # Note [a step before the first forward]
+        install_parameter_registration_hook("replicate parameters assigned before the first forward",
+                                            _parameter_assigned)  # Note [assigned before the first forward]
+        install_module_registration_hook("replicate submodules assigned before the first forward",
+                                         _submodule_assigned)
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.register_forward_hook(_after_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))

@@ -19,11 +19,22 @@ Note [parameters and buffers DDP ignores]
     the wrapper reads the same ``module._ddp_params_and_buffers_to_ignore`` and leaves those
     tensors out of the buckets, the construction broadcast and check, the buffer sync at
     forwards and the trainable-set tracking. The list itself must be the same on every rank.
+
+Note [ignored entries followed by identity]
+    The names are resolved once, at construction, into (submodule, attribute) slots, and the
+    slots are what stays ignored: a ``ModuleList.insert`` or a deletion that renumbers the
+    ignored entry keeps its parameters and buffers rank-local (not broadcast at join or at a
+    forward, a Parameter assigned into it not refused), and the entry now under its old name
+    is not ignored. torch's DDP resolves the parameters once too, but its buffer broadcast
+    matches the names at every forward: after such a renumbering it broadcasts the ignored
+    entry's buffers and leaves those now under the old names out. A copy of the wrapper
+    (``copy.deepcopy``) ignores the copies of the same slots.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -44,6 +55,7 @@ class TorchDDPSurface:
         self.output_device = self.device_ids[0] if self.device_ids else None
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
+        self._ignored_slots = ignored_slots(module, self.parameters_to_ignore)
 
     # ------------------------------------------------------------ Note [inputs moved to the module's device]
     def _inputs_on_device(self, args, kwargs) -> tuple:
@@ -79,24 +91,69 @@ class TorchDDPSurface:
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             module, params_and_buffers_to_ignore)
 
+    def ignores(self, module: nn.Module, key: str) -> bool:
+        """Whether ``module``'s parameter or buffer ``key`` is rank-local (Note [ignored entries
+        followed by identity])."""
+        keys = self._ignored_slots.get(module) if self._ignored_slots and module is not None else None
+        return keys is not None and key in keys
+
     def synced_parameters(self) -> list:
         """``(name, parameter)`` of the module's parameters DDP synchronizes."""
-        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+        return self._named("_parameters", ignored=False)
 
     def synced_buffers(self) -> list:
         """``(name, buffer)`` of the module's buffers DDP synchronizes."""
-        return [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+        return self._named("_buffers", ignored=False)
 
     def ignored_parameters(self) -> list:
         """``(name, parameter)`` of the rank-local parameters."""
-        if not self.parameters_to_ignore:
-            return []
-        return [(n, p) for n, p in self.module.named_parameters() if n in self.parameters_to_ignore]
+        return self._named("_parameters", ignored=True) if self._ignored_slots else []
 
-    def _ignored_keys(self, prefix: str) -> frozenset:
-        """The attribute names under the submodule at ``prefix`` that DDP ignores."""
-        if not self.parameters_to_ignore:
-            return frozenset()
-        head = f"{prefix}." if prefix else ""
-        return frozenset(n[len(head):] for n in self.parameters_to_ignore
-                         if n.startswith(head) and "." not in n[len(head):])
+    def ignored_names(self) -> list:
+        """The current paths of the ignored slots (a copy of the wrapper resolves these: Note
+        [ignored entries followed by identity])."""
+        if not self._ignored_slots:
+            return []
+        return [f"{prefix}.{key}" if prefix else key for prefix, m in self.module.named_modules()
+                for key in sorted(self._ignored_slots.get(m, ()))]
+
+    def _ignored_keys(self, module: nn.Module) -> frozenset:
+        """The attribute names of ``module`` that DDP ignores."""
+        return self._ignored_slots.get(module, frozenset()) if self._ignored_slots else frozenset()
+
+    def _named(self, kind: str, ignored: bool) -> list:
+        """``(current name, tensor)`` of the ``kind`` (``_parameters`` or ``_buffers``) tensors
+        whose slot is (or is not) ignored; each tensor once, under its first name, as
+        ``named_parameters()`` gives it (so a tied tensor is ignored as torch's DDP decides)."""
+        slots = self._ignored_slots
+        if not slots:
+            named = self.module.named_parameters() if kind == "_parameters" else self.module.named_buffers()
+            return [] if ignored else list(named)
+        out, seen = [], set()
+        for prefix, m in self.module.named_modules():
+            keys = slots.get(m, ())
+            for key, t in getattr(m, kind).items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if (key in keys) == ignored:
+                    out.append((f"{prefix}.{key}" if prefix else key, t))
+        return out
+
+
+def ignored_slots(module: nn.Module, names) -> "weakref.WeakKeyDictionary":
+    """{submodule: the attribute names ignored in it} for ``names`` (paths in ``module``, a
+    submodule reached by several paths under any of them); weak: a submodule removed from the
+    model later is not kept alive (Note [ignored entries followed by identity])."""
+    slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    if not names:
+        return slots
+    by_parent: dict = {}
+    for name in names:
+        parent, _, key = name.rpartition(".")
+        by_parent.setdefault(parent, set()).add(key)
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        keys = by_parent.get(prefix)
+        if keys:
+            slots[m] = frozenset(keys) | slots.get(m, frozenset())
+    return slots

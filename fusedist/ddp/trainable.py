@@ -113,7 +113,6 @@ class TrainableTracker:
     """The module's parameters and the flags the reducer's layout was built from."""
 
     def __init__(self, module, owner):
-        self.ignore = owner.parameters_to_ignore  # Note [parameters and buffers DDP ignores]
         # The weights with sparse gradients are the wrapper's, never the buckets' (Note [sparse
         # gradients] in sparse.py): their flags change no layout; only their assignment is followed.
         sparse = dict(zip(owner._sparse.names, owner._sparse.params))
@@ -189,7 +188,9 @@ class TrainableTracker:
                 if sub is not None and not _follows(sub, self):
                     self._note_inserted(parent, f"{path}." if path else "", name, sub)
         owner.submodules_changed()  # (a submodule deleted: its buffers are no longer broadcast)
+        before = self.tree.modules()
         self.tree.snapshot(owner.module)
+        _unfollow(self.tree.left(before), self)
         _follow_tree(owner.module, weakref.ref(self), "")  # assignments noted under the current paths
         rename_followed(owner, self)
 
@@ -203,10 +204,12 @@ class TrainableTracker:
             self.inserted += [n for n in added if n not in self.inserted]
             self.inserted_modules.append(f"{prefix}{name} ({type(submodule).__name__})")
 
-    def note_assignment(self, name: str, param) -> None:
-        """A Parameter was registered under ``name`` (Note [parameters replaced after wrapping])."""
-        if name in self.ignore:  # rank-local: not DDP's to follow
-            return
+    def note_assignment(self, name: str, param, module=None, key: str = "") -> None:
+        """A Parameter was registered under ``name``, as ``module``'s ``key`` (Note [parameters
+        replaced after wrapping])."""
+        owner = self.owner()
+        if owner is not None and owner.ignores(module, key):
+            return  # rank-local: not DDP's to follow (Note [ignored entries followed by identity])
         index = self.position.get(name)
         held = self.params[index] if index is not None else self.sparse.get(name)
         if held is param or name in self.assigned:
@@ -320,6 +323,17 @@ def _follow_tree(module, ref, prefix: str) -> None:
         _followed[sub] = live + [(ref, prefix + name + "." if name else prefix)]
 
 
+def _unfollow(modules, tracker) -> None:
+    """Drop ``tracker``'s entries of ``modules``, which left its module: an assignment into one
+    is not the model's (Note [modules that left the tree] in module_tree.py)."""
+    for module in modules:
+        live = [entry for entry in _followed.get(module, ()) if entry[0]() not in (None, tracker)]
+        if live:
+            _followed[module] = live
+        else:
+            _followed.pop(module, None)
+
+
 def _follows(module, tracker) -> bool:
     return any(ref() is tracker for ref, _ in _followed.get(module, ()))
 
@@ -337,7 +351,7 @@ def _current_entries(module) -> list:
 
 def _parameter_registered(module, name: str, param):
     for tracker, prefix in _current_entries(module):
-        tracker.note_assignment(prefix + name, param)
+        tracker.note_assignment(prefix + name, param, module, name)
     return None  # the Parameter is registered unchanged
 
 
@@ -360,8 +374,12 @@ def _registered_into(tracker: TrainableTracker, module, prefix: str, name: str, 
         tracker.replaced_modules.append(f"{prefix}{name}")  # Note [submodules removed]
     if submodule is None:
         return
-    for param_name, param in submodule.named_parameters():
-        tracker.note_assignment(f"{prefix}{name}.{param_name}", param)
+    seen: set = set()  # (each Parameter once, under its first name: named_parameters())
+    for path, sub in submodule.named_modules(prefix=f"{prefix}{name}"):
+        for key, param in sub._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                tracker.note_assignment(f"{path}.{key}", param, sub, key)
     _follow_tree(submodule, weakref.ref(tracker), f"{prefix}{name}.")
 
 

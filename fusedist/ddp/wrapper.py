@@ -276,7 +276,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         return list(unique.values())
 
     def _find_buffer_dicts(self) -> list:
-        return [(m._buffers, self._ignored_keys(prefix)) for prefix, m in self.module.named_modules()]
+        return [(m._buffers, self._ignored_keys(m)) for m in self.module.modules()]
 
     def submodules_changed(self) -> None:
         """A submodule was registered into the wrapped module: find its buffers at the next broadcast."""

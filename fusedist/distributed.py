@@ -130,8 +130,10 @@ def wait_timeout(timeout, default: datetime.timedelta, what) -> datetime.timedel
     """A collective handle's ``wait(timeout)`` (a timedelta, seconds or None) as torch's works read it:
     they count whole milliseconds and take 0 for "no timeout", so None, zero and anything under a
     millisecond wait ``default``, the collective's own timeout (waiting that out is a handle's "no
-    timeout"), where the gloo exchange would otherwise give up at once on what torch's gloo work
-    waits for. ``what()``: the collective, for an error.
+    timeout"; bounded already: a communicator's ``timeout``), where the gloo exchange would otherwise
+    give up at once on what torch's gloo work waits for. What it returns is at most LONGEST_TIMEOUT_S
+    (Note [unbounded timeouts]), a number or a timedelta alike, so callers compute with it as it is.
+    ``what()``: the collective, for an error.
 
     Note [negative wait timeouts]
         A negative (or NaN) timeout is refused with a ValueError before anything is waited for, on
@@ -158,7 +160,7 @@ def wait_timeout(timeout, default: datetime.timedelta, what) -> datetime.timedel
                          "up to the communicator's timeout. The collective goes on: wait() again for its result")
     if timeout is None or timeout < datetime.timedelta(milliseconds=1):
         return default
-    return timeout
+    return min(timeout, datetime.timedelta(seconds=LONGEST_TIMEOUT_S))
 
 
 def _as_timedelta(timeout) -> datetime.timedelta:

@@ -29,22 +29,35 @@ def _late_peer(rank, world_size):
     from fusedist.comm.torch_comm import TorchCommunicator
 
     timeout = datetime.timedelta(seconds=2)
-    # One group per path: the exchange's timeout closes its group's connections.
+    # One group per path: the exchange's timeout closes its group's connections. The groups' own
+    # timeout is the launch's (20 s): longer than fusedist's. The reference: torch's own all-reduce on a
+    # group whose timeout is fusedist's.
     exchange = TorchCommunicator(dist.new_group([0, 1]), timeout=timeout, gloo_collectives="p2p")
     builtin = TorchCommunicator(dist.new_group([0, 1]), timeout=timeout, gloo_collectives="builtin")
+    reference = dist.new_group([0, 1], timeout=timeout)
     dist.barrier()
-    small, large = torch.ones(4), torch.ones(1000)
+    torch.manual_seed(rank)
+    small, large, plain = torch.randn(4), torch.randn(1000), torch.randn(1000)
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
-        # joins once rank 0's waits have ended (its deadline passed): the exchange is gone by then
+        # joins once rank 0's waits have ended (its deadline passed) and it reused its buffer
         store.wait(["rank 0 waited"], datetime.timedelta(seconds=60))
-        with pytest.raises(CollectiveError):
-            exchange.all_reduce(small, tag="late small")
-        builtin.all_reduce(large, tag="late large")
-        return {}
+        sent, out = large.clone(), {}
+        for path, late in (("exchange", lambda: exchange.all_reduce(small, tag="late small")),
+                           ("builtin", lambda: builtin.all_reduce(large, tag="late large")),
+                           ("torch", lambda: dist.all_reduce(plain, group=reference))):
+            try:
+                late()
+                out[path] = "completed"
+            except Exception as exc:  # noqa: BLE001 - torch's error is a RuntimeError
+                out[path] = f"failed: {type(exc).__name__}: {exc}"
+        out["large unchanged"] = torch.equal(large, sent)
+        store.set("rank 1 tried", "yes")
+        return out
     start = time.monotonic()
     handles = {"exchange": exchange.all_reduce(small, async_op=True, tag="late small"),
                "builtin": builtin.all_reduce(large, async_op=True, tag="late large")}
+    ref_work = dist.all_reduce(plain, group=reference, async_op=True)
     out = {}
     for path, handle in handles.items():
         try:
@@ -52,13 +65,25 @@ def _late_peer(rank, world_size):
             out[path] = ("completed", time.monotonic() - start, "")
         except CollectiveError as exc:
             out[path] = ("failed", time.monotonic() - start, str(exc))
+    with pytest.raises(RuntimeError):
+        ref_work.wait()
+    # Told the collective failed, the program reuses its buffer: nothing may write it from now on.
+    large.fill_(7.0)
     store.set("rank 0 waited", "yes")
+    store.wait(["rank 1 tried"], datetime.timedelta(seconds=60))
+    out["large kept"] = bool((large == 7.0).all())
     return out
 
 
 def test_wait_longer_than_the_timeout_ends_at_the_deadline_on_every_cpu_path():
     """Note [one deadline per collective]: the exchange and gloo's own all-reduce both give up
-    at launch + the communicator's timeout, whatever longer timeout the wait names."""
+    at launch + the communicator's timeout, whatever longer timeout the wait names. After that a late
+    peer's collective fails on every path, as torch's own does past its group's timeout: it neither
+    pairs with the abandoned collective nor sums what this rank's reused buffer holds, and the
+    abandoned collective never writes that buffer (Note [closing the connections of an abandoned
+    collective] in fusedist/comm/torch_comm.py). Before, gloo's own all-reduce, queued until the
+    group's longer timeout, paired with the late peer's: both ended "successfully" with rank 0's
+    reused buffer in the sum."""
     results = run_distributed(_late_peer, 2, pg_timeout=20)
     for path, tag in (("exchange", "late small"), ("builtin", "late large")):
         state, elapsed, message = results[0][path]
@@ -68,6 +93,13 @@ def test_wait_longer_than_the_timeout_ends_at_the_deadline_on_every_cpu_path():
                       "collective timeout, 2 s", "[1]"):
             assert words in message, (path, words, message)
         assert "goes on" not in message, message  # the deadline has passed: a failure, not a short wait
+    late = results[1]
+    assert late["torch"].startswith("failed: "), late  # the reference
+    for path in ("exchange", "builtin"):
+        assert late[path].startswith("failed: CollectiveError: fusedist: "), (path, late)
+    assert "all_reduce (tag 'late large', collective #0) failed on rank 1 of 2" in late["builtin"], late
+    assert "Connection closed by peer" in late["builtin"], late
+    assert late["large unchanged"] and results[0]["large kept"], (late, results[0])
 
 
 def _group_timeout_first(rank, world_size):

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 
-from script_runs import run_at_once
+import pytest
+from script_runs import EXIT_MARKERS, run_at_once, run_ended_at_once
 
 # One rank of a two-rank DDP job. argv: rank, rendezvous file, scenario.
 #   skip:   rank 1 computes a loss and skips its backward, every rank calls check_consistency();
@@ -27,19 +24,8 @@ from script_runs import run_at_once
 #           and ends by ``raise SystemExit(0)`` (rank 0 leaves the error uncaught); ``sys.exit(n)``
 #           instead ends at once (tests/test_given_up_exit_status.py)
 #   clean:  every rank runs its backward; the check passes and the program ends normally
-_RANK = r'''
-import atexit, datetime, os, sys, time
-
-def last_handler():  # registered first, so the interpreter runs it last
-    os.write(1, b"LAST EXIT HANDLER RAN\n")
-
-atexit.register(last_handler)
-
-class Shutdown:  # collected only by the interpreter's own shutdown
-    def __del__(self, write=os.write):  # (os may be gone from the module by then)
-        write(1, b"INTERPRETER SHUTDOWN RAN\n")
-
-_shutdown = Shutdown()
+_RANK = EXIT_MARKERS + r'''
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -83,39 +69,15 @@ dist.destroy_process_group()
 _ENV = {"FUSEDIST_TIMEOUT_S": "60", "FUSEDIST_DIVERGENCE_PROBE_S": "0.3", "FUSEDIST_STALL_REPORT_S": "0.5"}
 
 
-@functools.lru_cache(maxsize=None)
-def _runs() -> dict:
+@pytest.fixture(scope="module")
+def runs() -> dict:
     """Every scenario's two ranks, all started at once: (scenario, rank) -> (exit status, output,
     ``time.time()`` at its end, what it wrote to its log file or None)."""
-    folder = tempfile.mkdtemp(prefix="fusedist-given-up-")
-    env = {**os.environ, **_ENV}
-    procs = {}
-    for scenario in ("skip", "caught", "clean"):
-        init = os.path.join(folder, f"{scenario}.rdzv")
-        for rank in (0, 1):
-            out = open(os.path.join(folder, f"{scenario}.{rank}.out"), "w+")
-            procs[scenario, rank] = (subprocess.Popen([sys.executable, "-c", _RANK, str(rank), init, scenario],
-                                                      stdout=out, stderr=subprocess.STDOUT, env=env), out)
-    ended = {}
-    deadline = time.monotonic() + 150
-    try:
-        while len(ended) < len(procs) and time.monotonic() < deadline:
-            for key, (proc, _) in procs.items():
-                if key not in ended and proc.poll() is not None:
-                    ended[key] = time.time()
-            time.sleep(0.05)
-    finally:
-        runs = {}
-        for key, (proc, out) in procs.items():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            out.seek(0)
-            log = os.path.join(folder, f"{key[0]}.rdzv.{key[1]}.log")
-            runs[key] = (proc.returncode, out.read(), ended.get(key), _read(log))
-            out.close()
-        shutil.rmtree(folder, ignore_errors=True)
-    return runs
+    with tempfile.TemporaryDirectory(prefix="fusedist-given-up-") as folder:
+        inits = {scenario: os.path.join(folder, f"{scenario}.rdzv") for scenario in ("skip", "caught", "clean")}
+        ran = run_ended_at_once({(scenario, rank): (_RANK, (str(rank), init, scenario), _ENV)
+                                 for scenario, init in inits.items() for rank in (0, 1)}, timeout=150)
+        return {key: (*run, _read(f"{inits[key[0]]}.{key[1]}.log")) for key, run in ran.items()}
 
 
 def _read(path: str):
@@ -130,11 +92,10 @@ def _error_at(text: str) -> float:
     return float(line.split()[2].rstrip(":"))
 
 
-def test_ranks_that_diverged_end_non_zero_with_the_report_soon_after_the_error():
+def test_ranks_that_diverged_end_non_zero_with_the_report_soon_after_the_error(runs):
     # rank 1 skipped its backward; the probe's verdict (about a second after 0.3 s) is uncaught on
     # both ranks. Before, each waited for its pending collectives at exit (the drain, up to 30 s, the
     # step check's read, 5 s): it ended about 33 s after its error.
-    runs = _runs()
     for rank in (0, 1):
         status, text, ended, log = runs["skip", rank]
         assert ended is not None, (rank, "still running after 150 s", text)
@@ -149,8 +110,7 @@ def test_ranks_that_diverged_end_non_zero_with_the_report_soon_after_the_error()
     assert any("found by the divergence probe" in runs["skip", rank][1] for rank in (0, 1)), runs
 
 
-def test_a_rank_that_catches_the_error_goes_on_and_exits_as_the_interpreter_makes_it():
-    runs = _runs()
+def test_a_rank_that_catches_the_error_goes_on_and_exits_as_the_interpreter_makes_it(runs):
     status, text, ended, _ = runs["caught", 1]
     assert status == 0, (status, text)
     # The refusal goes through the monitor, as the probe's verdict did: a StallError with the report
@@ -166,9 +126,9 @@ def test_a_rank_that_catches_the_error_goes_on_and_exits_as_the_interpreter_make
     assert status == 1 and "StallError" in text and ended - _error_at(text) < 15.0, (status, text)
 
 
-def test_a_clean_run_exits_through_the_interpreters_shutdown():
+def test_a_clean_run_exits_through_the_interpreters_shutdown(runs):
     for rank in (0, 1):
-        status, text, _, _ = _runs()["clean", rank]
+        status, text, _, _ = runs["clean", rank]
         assert status == 0, (rank, status, text)
         assert "NO ERROR" in text and "ERROR AT" not in text, (rank, text)
         assert "LAST EXIT HANDLER RAN" in text and "INTERPRETER SHUTDOWN RAN" in text, (rank, text)
@@ -178,17 +138,7 @@ def test_a_clean_run_exits_through_the_interpreters_shutdown():
 # one) and fusedist's excepthook in place, as get_communicator() installs it. argv: scenario.
 #   by-hand:   the program passes a caught error to sys.excepthook itself (to log it) and goes on
 #   interrupt: a KeyboardInterrupt reaches the top
-_STAND_IN = r'''
-import atexit, os, sys
-
-atexit.register(lambda: os.write(1, b"LAST EXIT HANDLER RAN\n"))
-
-class Shutdown:
-    def __del__(self, write=os.write):
-        write(1, b"INTERPRETER SHUTDOWN RAN\n")
-
-_shutdown = Shutdown()
-
+_STAND_IN = EXIT_MARKERS + r'''
 from fusedist import comm
 from fusedist._process_hooks import chain_excepthook
 

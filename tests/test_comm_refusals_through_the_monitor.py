@@ -82,6 +82,24 @@ def _three_paths(rank: int, world: int) -> dict:
         time.sleep(_TIMEOUT_S + 1.0)  # (its deadline passes in the progress thread)
         out["background"] = (pending.seq, _refusal(comm))
     dist.barrier()
+    # 5. Note [one entry per rank] in fusedist/reliability/monitor.py: rank 0 waits for three buckets rank 1
+    # never launches; each wait fails, the first one's entry stays in the store. Rank 1 arrives later, and its
+    # report reads rank 0's entry.
+    comm = _group_comm()
+    if rank == 0:
+        buckets = [comm.all_reduce(torch.ones(_BUILTIN_NUMEL), tag=f"bucket {i}", async_op=True) for i in range(3)]
+        failed = []
+        for handle in buckets:
+            with pytest.raises(Exception) as info:
+                handle.wait()
+            failed.append((handle.seq, type(info.value).__name__))
+        out["first entry"] = failed
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(Exception) as info:
+            comm.all_reduce(torch.ones(_BUILTIN_NUMEL), tag="late")
+        out["first entry"] = (type(info.value).__name__, str(info.value))
+    dist.barrier()
     # a destroyed group's communicator refuses by op and tag too (it numbered the refused collective)
     comm = _group_comm()
     comm.all_reduce(torch.ones(1), tag="before")
@@ -123,3 +141,17 @@ def test_a_destroyed_groups_refusal_names_the_collective_without_a_number(result
         assert f"fusedist all_reduce [after] on rank {rank} of 2: not launched, the process group of this " \
             "communicator was destroyed" in refused["text"], (rank, refused)
         assert "collective #" not in refused["text"], (rank, refused)  # before: "(collective #1)", never used
+
+
+def test_a_ranks_later_failures_keep_its_first_entry_which_the_peers_report_names(results):
+    """Note [one entry per rank] in fusedist/reliability/monitor.py. Before, each failed bucket replaced
+    the rank's entry: the peer's report said rank 0 had failed waiting on the last bucket."""
+    failed = results[0]["first entry"]
+    assert [name for _, name in failed] == ["StallError"] * 3, failed
+    first, last = failed[0][0], failed[-1][0]
+    kind, text = results[1]["first entry"]
+    assert kind == "StallError" and "Stall report" in text, (kind, text)
+    rank0 = next(line for line in text.splitlines() if line.startswith("  rank 0 "))
+    assert f"failed waiting on all_reduce [bucket 0] (collective #{first})" in rank0, text
+    assert "reached all_reduce [bucket 0]" in text and "waiting on all_reduce [bucket 2]" not in text, text
+    assert f"reached all_reduce [bucket 2] (collective #{last})" not in text, text

@@ -323,7 +323,9 @@ def test_timeout_values_are_checked_and_bounded():
     assert wait_timeout(datetime.timedelta(microseconds=10), default, what) == default
     assert wait_timeout(float("inf"), default, what) == longest
     assert wait_timeout(2.5, default, what) == datetime.timedelta(seconds=2.5)
-    assert wait_timeout(LONG, default, what) == LONG
+    # bounded where it is read, as a number is (before: timedelta.max came back, and each caller bounded it)
+    assert wait_timeout(LONG, default, what) == longest
+    assert wait_timeout(datetime.timedelta(seconds=LONGEST_TIMEOUT_S * 2), default, what) == longest
     for bad in (-1e-9, float("nan"), datetime.timedelta(microseconds=-1)):
         with pytest.raises(ValueError, match=r"all_reduce \(tag 'x', collective #3\) on rank 0: wait\(timeout\)"):
             wait_timeout(bad, default, what)

@@ -131,6 +131,53 @@ def test_tightened_deadline_fires_first(no_thread):
     assert reason is not None and "(collective #1) did not complete within 2 s" in reason
 
 
+def test_nccl_waits_tighten_the_watchdogs_deadline_only_when_they_move_it(monkeypatch, no_thread):
+    """The direct-NCCL communicator's waits, over stand-ins for the extension's stream and communicator:
+    a wait without a timeout, or with one longer than what is left of the deadline, leaves the watchdog
+    alone; a shorter one tightens its collective's deadline, once. Before, nearly every wait called
+    ``tighten`` (it is handed what is left of the deadline, which is shorter than the communicator's
+    timeout), to move nothing."""
+    import datetime
+    import types
+
+    import torch
+
+    from fusedist.comm import nccl_comm
+
+    class Stream:  # the comm stream: orders the waiting stream after the collective's done event
+        def make_wait(self, consumer, done):
+            pass
+
+    class StandIn:  # the extension's NcclComm, as far as a non-blocking wait uses it
+        aborted = False
+
+        def check_async_error(self, what):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    comm = object.__new__(nccl_comm.NcclCommunicator)
+    Communicator.__init__(comm, 0, 2, timeout=datetime.timedelta(seconds=60))
+    comm._comm, comm._stream, comm._device, comm.blocking_wait = StandIn(), Stream(), 0, False
+    comm.on_watchdog_failure, comm._failure_raised, comm.closed = "raise", False, False
+    comm.watchdog = dog = CollectiveWatchdog(lambda reason, failed: None, lambda: None, name="t")
+    tightened = []
+    tighten = dog.tighten
+    monkeypatch.setattr(dog, "tighten", lambda entry, seconds: tightened.append(entry.seq) or tighten(entry, seconds))
+
+    def wait(seq, timeout=None):
+        watched = dog.begin("all_reduce", f"bucket {seq}", seq, comm.timeout.total_seconds())
+        dog.launched(watched, FakeEvent())
+        work = nccl_comm._Work(watched.done, "all_reduce", (), watched)
+        CommHandle(comm, work, op="all_reduce", tag=f"bucket {seq}", seq=seq, timeout=comm.timeout).wait(timeout)
+        return watched
+
+    launched = [wait(seq, timeout) for seq, timeout in enumerate((None, None, 120.0, 60.0, 0))]
+    assert tightened == [] and all(w.timeout_s == 60.0 for w in launched), tightened
+    shortened = wait(5, datetime.timedelta(seconds=2))
+    assert tightened == [5] and shortened.timeout_s == 2.0, tightened
+    assert shortened.deadline - time.monotonic() <= 2.0
+
+
 def test_async_error_and_failed_event_abort(no_thread):
     dog, rec, _ = _watchdog()
     _launch(dog, seq=7)

@@ -9,34 +9,19 @@ The ranks are real top-level programs (as torchrun starts them): the exit path i
 
 from __future__ import annotations
 
-import functools
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
-import time
+
+import pytest
+from script_runs import EXIT_MARKERS, run_ended_at_once
 
 # One rank of a two-rank job, divergence probe off, 2 s timeouts (fusedist's and the group's). Both
 # all-reduce a tensor over SMALL_ALL_REDUCE_BYTES in step (checked against torch's all_reduce); then
 # rank 0 all-reduces another, which rank 1 skips: rank 0's wait fails at 2 s. Rank 0 tries one more
 # all-reduce, then leaves an error uncaught. Rank 1 waits past rank 0's failure, all-reduces on the
 # connection rank 0's gloo closed, catches that failure and ends by sys.exit(4). argv: rank, rendezvous file.
-_RANK = r'''
-import atexit, os, sys, time
-
+_RANK = EXIT_MARKERS + r'''
 os.environ.update(FUSEDIST_TIMEOUT_S="2", FUSEDIST_DIVERGENCE_PROBE_S="0")
-
-def last_handler():  # registered first, so the interpreter runs it last
-    os.write(1, f"LAST EXIT HANDLER RAN AT {time.time():.3f}\n".encode())
-
-atexit.register(last_handler)
-
-class Shutdown:  # collected only by the interpreter's own shutdown
-    def __del__(self, write=os.write):
-        write(1, b"INTERPRETER SHUTDOWN RAN\n")
-
-_shutdown = Shutdown()
 
 import datetime
 import torch
@@ -79,35 +64,12 @@ print("NO ERROR", flush=True)
 '''
 
 
-@functools.lru_cache(maxsize=None)
-def _runs() -> dict:
+@pytest.fixture(scope="module")
+def runs() -> dict:
     """rank -> (exit status, output, ``time.time()`` at its end); both started at once."""
-    folder = tempfile.mkdtemp(prefix="fusedist-given-up-builtin-")
-    init = os.path.join(folder, "rdzv")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs, ended = {}, {}
-    for rank in (0, 1):
-        out = open(os.path.join(folder, f"{rank}.out"), "w+")
-        procs[rank] = (subprocess.Popen([sys.executable, "-c", _RANK, str(rank), init], stdout=out,
-                                        stderr=subprocess.STDOUT, env=env), out)
-    deadline = time.monotonic() + 120
-    try:
-        while len(ended) < len(procs) and time.monotonic() < deadline:
-            for rank, (proc, _) in procs.items():
-                if rank not in ended and proc.poll() is not None:
-                    ended[rank] = time.time()
-            time.sleep(0.05)
-    finally:
-        runs = {}
-        for rank, (proc, out) in procs.items():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            out.seek(0)
-            runs[rank] = (proc.returncode, out.read(), ended.get(rank))
-            out.close()
-        shutil.rmtree(folder, ignore_errors=True)
-    return runs
+    with tempfile.TemporaryDirectory(prefix="fusedist-given-up-builtin-") as folder:
+        return run_ended_at_once({rank: (_RANK, (str(rank), os.path.join(folder, "rdzv")), None) for rank in (0, 1)},
+                                 timeout=120)
 
 
 def _stamp(text: str, prefix: str) -> float:
@@ -115,8 +77,8 @@ def _stamp(text: str, prefix: str) -> float:
     return float(line[len(prefix):].split()[0].rstrip(":"))
 
 
-def test_a_collective_after_a_failed_builtin_all_reduce_is_refused_naming_that_failure():
-    status, text, _ = _runs()[0]
+def test_a_collective_after_a_failed_builtin_all_reduce_is_refused_naming_that_failure(runs):
+    status, text, _ = runs[0]
     assert "IN STEP True" in text, text  # (the same sum as torch's all_reduce, bit for bit: gloo's own)
     assert "ERROR AT" in text and "CollectiveError" in text, text
     refused = next((line for line in text.splitlines() if line.startswith("REFUSED IN ")), None)
@@ -133,11 +95,11 @@ def test_a_collective_after_a_failed_builtin_all_reduce_is_refused_naming_that_f
     assert float(refused.split()[2]) < 1.0, ("the refusal waited", text)  # (refused at the launch)
 
 
-def test_ranks_whose_builtin_all_reduce_failed_end_after_their_exit_handlers_without_the_interpreters_shutdown():
+def test_ranks_whose_builtin_all_reduce_failed_end_after_their_exit_handlers_without_the_interpreters_shutdown(runs):
     # The status Python gives an uncaught error (rank 0) and sys.exit(4) (rank 1), every exit handler
     # run, then the process ends at once. Before: it ended through the interpreter's shutdown.
     for rank, expected in ((0, 1), (1, 4)):
-        status, text, ended = _runs()[rank]
+        status, text, ended = runs[rank]
         assert ended is not None, (rank, "still running after 120 s", text)
         assert status == expected, (rank, status, text)
         assert "ERROR AT" in text and "CollectiveError" in text, (rank, text)
@@ -147,4 +109,4 @@ def test_ranks_whose_builtin_all_reduce_failed_end_after_their_exit_handlers_wit
         waited = last - _stamp(text, "ERROR AT ")
         assert waited < 10.0, (rank, f"the exit handlers ended {waited:.1f} s after the error", text)
         assert ended - last < 3.0, (rank, f"ended {ended - last:.1f} s after its last exit handler", text)
-    assert "left uncaught after the failed all-reduce" in _runs()[0][1], _runs()[0][1]
+    assert "left uncaught after the failed all-reduce" in runs[0][1], runs[0][1]

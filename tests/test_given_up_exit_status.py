@@ -9,24 +9,17 @@ The ranks are real top-level programs (as torchrun starts them): the exit path i
 
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 
-from script_runs import run_at_once
+import pytest
+from script_runs import EXIT_MARKERS, run_at_once, run_ended_at_once
 
 # One rank of a two-rank DDP job; rank 1 skips a backward, both call check_consistency(), which the
 # divergence probe fails on both; each catches the error, logs it and calls sys.exit(status).
 # argv: rank, rendezvous file, status ("none" for sys.exit(None), "text" for sys.exit("message")).
-_RANK = r'''
-import atexit, os, sys, time
-
+_RANK = EXIT_MARKERS + r'''
 os.environ.update(FUSEDIST_TIMEOUT_S="60", FUSEDIST_DIVERGENCE_PROBE_S="0.3", FUSEDIST_STALL_REPORT_S="0.5")
-
-def last_handler():  # registered first, so the interpreter runs it last
-    os.write(1, f"LAST EXIT HANDLER RAN AT {time.time():.3f}\n".encode())
-
-atexit.register(last_handler)
 
 import datetime
 import torch
@@ -61,21 +54,8 @@ print("NO ERROR", flush=True)
 # all-reduces 4 values, rank 1 5, so their messages never pair and the exchange fails on both at
 # fusedist's timeout (3 s); a second all-reduce of the same tensor, launched meanwhile, waited for it.
 # Each catches the error, logs it and calls sys.exit(status). argv as above.
-_EXCHANGE_RANK = r'''
-import atexit, os, sys, time
-
+_EXCHANGE_RANK = EXIT_MARKERS + r'''
 os.environ.update(FUSEDIST_TIMEOUT_S="3")
-
-def last_handler():  # registered first, so the interpreter runs it last
-    os.write(1, f"LAST EXIT HANDLER RAN AT {time.time():.3f}\n".encode())
-
-atexit.register(last_handler)
-
-class Shutdown:  # collected only by the interpreter's own shutdown
-    def __del__(self, write=os.write):
-        write(1, b"INTERPRETER SHUTDOWN RAN\n")
-
-_shutdown = Shutdown()
 
 import datetime
 import torch
@@ -108,18 +88,21 @@ _SCENARIOS = {("probe", 0): (_RANK, "3"), ("probe", 1): (_RANK, "text"),
               ("exchange", 0): (_EXCHANGE_RANK, "5"), ("exchange", 1): (_EXCHANGE_RANK, "none")}
 
 
-@functools.lru_cache(maxsize=None)
-def _runs() -> dict:
-    """(scenario, rank) -> (exit status, output, log file text); every process started at once."""
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """(scenario, rank) -> (exit status, output, log file text or None); every process started at once."""
     with tempfile.TemporaryDirectory(prefix="fusedist-given-up-status-") as folder:
         inits = {key: os.path.join(folder, f"{key[0]}.rdzv") for key in _SCENARIOS}
-        runs = run_at_once({key: (script, str(key[1]), inits[key], status)
-                            for key, (script, status) in _SCENARIOS.items()}, timeout=150, merge_stderr=True)
-        out = {}
-        for key, run in runs.items():
-            log = f"{inits[key]}.{key[1]}.log"
-            out[key] = (run.returncode, run.stdout, open(log).read() if os.path.exists(log) else None)
-        return out
+        ran = run_ended_at_once({key: (script, (str(key[1]), inits[key], status), None)
+                                 for key, (script, status) in _SCENARIOS.items()}, timeout=150)
+        return {key: (run.status, run.output, _read(f"{inits[key]}.{key[1]}.log")) for key, run in ran.items()}
+
+
+def _read(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
 
 
 def _seconds_from_error_to_last_handler(text: str) -> float:
@@ -129,9 +112,9 @@ def _seconds_from_error_to_last_handler(text: str) -> float:
     return last - error
 
 
-def test_ranks_that_catch_the_error_and_call_sys_exit_end_at_once_with_that_status():
-    runs = {rank: _runs()["probe", rank] for rank in (0, 1)}
-    for rank, (status, text, log) in runs.items():
+def test_ranks_that_catch_the_error_and_call_sys_exit_end_at_once_with_that_status(runs):
+    probe = {rank: runs["probe", rank] for rank in (0, 1)}
+    for rank, (status, text, log) in probe.items():
         assert "ERROR AT" in text and "StallError" in text, (rank, text)
         assert "LAST EXIT HANDLER RAN AT" in text, (rank, "the exit handlers were cut short", text)
         # (before: about 30 s, the drain's bound, on both ranks, each waiting for the other's exit)
@@ -139,17 +122,17 @@ def test_ranks_that_catch_the_error_and_call_sys_exit_end_at_once_with_that_stat
         assert waited < 12.0, (rank, f"the exit handlers ended {waited:.1f} s after the error", text)
         assert log == f"rank {rank} logged StallError\n", (rank, log)
     # the reference: the status Python gives sys.exit(n), and sys.exit(message) after printing it
-    assert runs[0][0] == 3, runs[0]
-    assert runs[1][0] == 1 and "leaving: the job diverged" in runs[1][1], runs[1]
+    assert probe[0][0] == 3, probe[0]
+    assert probe[1][0] == 1 and "leaving: the job diverged" in probe[1][1], probe[1]
 
 
-def test_ranks_whose_gloo_exchange_failed_and_call_sys_exit_end_after_the_exit_handlers_with_that_status():
+def test_ranks_whose_gloo_exchange_failed_and_call_sys_exit_end_after_the_exit_handlers_with_that_status(runs):
     # A failed exchange leaves the group refusing collectives, as the probe's verdict does; the
     # process ends as its uncaught error would: every exit handler, the files flushed, then the status
     # sys.exit asked for, without the interpreter's shutdown (1.5-4 s more here, with the failed
     # group's gloo threads still live). Before, it went through that shutdown.
     for rank, expected in ((0, 5), (1, 0)):  # what Python gives sys.exit(5) and sys.exit(None)
-        status, text, log = _runs()["exchange", rank]
+        status, text, log = runs["exchange", rank]
         assert "PAIRED [3.0, 3.0, 3.0]" in text, (rank, text)  # (rank 0's 1 + rank 1's 2)
         assert "ERROR AT" in text and "CollectiveError" in text, (rank, text)
         assert status == expected, (rank, status, text)
@@ -160,13 +143,13 @@ def test_ranks_whose_gloo_exchange_failed_and_call_sys_exit_end_after_the_exit_h
         assert log == f"rank {rank} logged CollectiveError\n", (rank, log)
 
 
-def test_a_launch_that_waited_for_a_failed_exchange_is_refused_naming_that_failure():
+def test_a_launch_that_waited_for_a_failed_exchange_is_refused_naming_that_failure(runs):
     # Note [one buffer, issue order] in fusedist/comm/gloo_exchange.py: the second all-reduce of a
     # tensor waits for the first, which fails. Before, it then posted its messages on the connection
     # gloo had closed and failed with gloo's bare "Application timeout caused pair closure", naming
     # neither the failure nor what to do (Note [no collectives after a failed exchange]).
     for rank in (0, 1):
-        _, text, _ = _runs()["exchange", rank]
+        _, text, _ = runs["exchange", rank]
         error = next(line for line in text.splitlines() if line.startswith("ERROR AT "))
         assert (f"CollectiveError: fusedist: launching all_reduce (collective #2) failed on rank {rank} of 2: this "
                 "process group can no longer run collectives: an earlier exchange of it failed "
@@ -189,8 +172,6 @@ def test_the_status_of_an_early_end_is_the_one_python_gives_sys_exit():
 
 def test_sys_exit_is_pythons_own_until_a_communicator_gives_up_and_again_after_uninstall():
     import sys
-
-    import pytest
 
     from fusedist import _process_hooks
     from fusedist.comm import given_up_exit

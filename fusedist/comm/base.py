@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..distributed import LONGEST_TIMEOUT_S, bounded_timeout, collective_timeout, wait_timeout
+from ..distributed import bounded_timeout, collective_timeout, wait_timeout
 from .sliced_wait import wait_probed
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -173,8 +173,8 @@ class CommHandle:
     def _left(self) -> datetime.timedelta:
         """What is left of the collective's deadline (at least a millisecond: torch's works
         read a zero timeout as "no timeout")."""
-        # in float seconds, bounded: timedelta arithmetic overflows on timedelta.max (Note [unbounded timeouts])
-        left = self._launched + min(self._timeout.total_seconds(), LONGEST_TIMEOUT_S) - time.monotonic()
+        # in float seconds: the timeout, a communicator's, is bounded (Note [unbounded timeouts])
+        left = self._launched + self._timeout.total_seconds() - time.monotonic()
         return datetime.timedelta(seconds=max(left, 1e-3))
 
     def _why(self, exc: Exception, wait_timeout: Optional[datetime.timedelta]) -> str:

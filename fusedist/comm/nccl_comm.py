@@ -27,6 +27,7 @@ import datetime
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Optional
 
@@ -228,7 +229,9 @@ class NcclCommunicator(Communicator):
         # Ordering 2 of Note [comm stream ordering]: whoever waits reads the result next.
         consumer = torch.cuda.current_stream(self._device).cuda_stream
         self._stream.make_wait(consumer, work.done)
-        if timeout < self.timeout:
+        # Only a wait(timeout) shorter than what is left of the deadline moves it. Every other wait is
+        # handed that remainder (Note [one deadline per collective] in base.py), which ends no sooner.
+        if time.monotonic() + timeout.total_seconds() < work.watched.deadline:
             self.watchdog.tighten(work.watched, timeout.total_seconds())
         self._raise_watchdog_failure(work.op)
         try:

@@ -172,7 +172,8 @@ class TorchCommunicator(Communicator):
     # holds for gloo's own collectives too (all-reduces over SMALL_ALL_REDUCE_BYTES -- a DDP
     # bucket --, and every collective under FUSEDIST_GLOO_COLLECTIVES=builtin): when a wait for one
     # fails -- its deadline passed, or gloo closed the connection to a peer -- gloo has closed that
-    # connection (or will, at its own timeout, with the collective still queued), and the ranks no
+    # connection (or, where fusedist's deadline came first, the communicator closes it: Note [closing the
+    # connections of an abandoned collective]), and the ranks no
     # longer agree on which collective comes next. Before, nothing recorded it: the next collective
     # failed with gloo's bare "pair closure" or waited out its deadline, and the exit paths for a
     # given-up communicator did not apply (Note [ending after given-up collectives]), so a process
@@ -186,6 +187,8 @@ class TorchCommunicator(Communicator):
         if (work is not None and "gloo" in str(self.backend) and not isinstance(work, gloo_exchange.ExchangeWork)
                 and not self.aborted):
             self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
+            if not work.is_completed():  # Note [closing the connections of an abandoned collective]
+                _close_connections(self.group, self.rank, self.world_size)
             # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
             given_up_exit.watch_exit_requests()
         first = self.aborted and self._stopped_at is None  # (Note [refusing collectives of a given-up communicator])
@@ -197,6 +200,20 @@ class TorchCommunicator(Communicator):
             self._stopped_reported = reported
         return reported
 
+    # Note [closing the connections of an abandoned collective]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # fusedist's timeout may be shorter than the process group's (FUSEDIST_TIMEOUT_S, a communicator's
+    # ``timeout``). When a wait for one of gloo's own collectives fails at fusedist's deadline, gloo keeps
+    # the collective queued until the group's timeout, and a peer that arrives late pairs with it: its
+    # all-reduce returned "successfully" with whatever this rank's buffer held by then (a buffer the
+    # program, told the collective failed, had already reused), and that buffer was overwritten with the
+    # result after the error had been raised. With torch's own timeout the late peer gets an error (gloo
+    # closes the connections when its collective times out), and so does a late peer of a failed exchange
+    # (a receive whose wait times out closes them). So the collective abandoned at fusedist's deadline
+    # closes them too: a receive no peer will ever send, waited for a millisecond, which gloo answers by
+    # closing the group's connections. The abandoned collective then fails at once without touching the
+    # buffer again, and a late peer's collective fails with gloo's "Connection closed by peer" instead of
+    # pairing with it. (Once, at the failure; the group refuses collectives from then on anyway.)
     def _sliced_waits(self, work, async_op: bool) -> bool:
         # gloo's own works wait on a condition (a slice that runs out leaves them running); an
         # exchange is sliced only once its progress thread drives it (a synchronous one is driven
@@ -363,6 +380,30 @@ class _GlooReduceScatter:
         self.work.wait(timeout=timeout)
         self.output.view(-1).copy_(self.buffer.view(-1).chunk(self.world_size)[self.rank])  # (any shapes: flat)
         self.buffer = None
+
+
+#: The tag of the receive that closes an abandoned collective's connections: below the exchange's tags
+#: (Note [exchange tags] in exchange_tags.py), far from user point-to-point tags; never sent.
+_CLOSING_TAG = (1 << 30) - 1
+
+
+def _close_connections(group, rank: int, world_size: int) -> None:
+    """Close ``group``'s gloo connections (Note [closing the connections of an abandoned collective]);
+    never raises."""
+    works = []
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        try:
+            works.append(dist.irecv(torch.empty(1), group=group, tag=_CLOSING_TAG,
+                                    **({"group_src": peer} if group is not None else {"src": peer})))
+        except Exception:  # noqa: BLE001 - a connection closed already
+            pass
+    for work in works:
+        try:
+            work.wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the timeout that closes the connections
+            pass
 
 
 def _is_alive(group) -> bool:

@@ -74,8 +74,8 @@ class WaitProbe:
     def check(self) -> Optional[str]:
         """Publish this rank's place (once), read the others'; the verdict once confirmed, else None."""
         monitor = self.monitor
-        if monitor.store is None or len(monitor.reports) != self._reports_before:
-            return None
+        if monitor.store is None or monitor.reports:
+            return None  # (a rank that failed keeps its failure entry: Note [one entry per rank] in monitor.py)
         comm = monitor.comm
         if self._published is None:
             kind = "checking" if monitor.check_announced else "waiting"

@@ -81,13 +81,37 @@ class CollectiveMonitor:
         self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic())
 
     def on_failure(self, comm: Communicator, handle: CommHandle, error: BaseException) -> BaseException:
-        """Publish this rank's state, gather the others', return the error to raise."""
+        """Publish this rank's state (its first failure only: Note [one entry per rank]), gather the others',
+        return the error to raise."""
         if isinstance(error, StallError):
             return error
         # The collective that failed: the error's own, when it names one (a failure the
         # NCCL watchdog found after that collective's wait had returned), else the handle's.
         named = isinstance(error, CollectiveError) and error.seq >= 0
         op, tag, seq = (error.op, error.tag, error.seq) if named else (handle.op, handle.tag, handle.seq)
+        store = self.store or stall_report.default_store()
+        if self.reports:
+            # Note [one entry per rank]: a later failure (the remaining buckets of the same backward)
+            # reads what the store holds, this rank's first entry included, and writes nothing.
+            report = stall_report.read_report(store, self.group_name, self.generation, comm.rank, comm.world_size,
+                                              0.0, global_ranks(comm))
+        else:
+            report = stall_report.exchange(
+                store, self.group_name, self.generation, comm.rank, comm.world_size,
+                self._failure_entry(comm, error, op, tag, seq),
+                stall_report.report_window_s(comm.timeout.total_seconds(), stall_report.peer_gone(error)),
+                global_ranks(comm),
+            )
+        if report is None:
+            report = "Stall report unavailable: the torch.distributed store could not be reached."
+        self.reports.append(report)
+        return StallError(
+            f"{error}\n{report}", report=report, cause=error,
+            op=op, tag=tag, rank=comm.rank, seq=seq,
+        )
+
+    def _failure_entry(self, comm: Communicator, error: BaseException, op: str, tag: str, seq: int) -> dict:
+        """This rank's entry for its first failure: the backend's reason, and the collective it waited on."""
         started = self.launched_at(seq)
         # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
         reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
@@ -98,21 +122,7 @@ class CollectiveMonitor:
             "seq": seq,
             "age_s": (time.monotonic() - started) if started is not None else None,
         }
-        # Only the first failure of a communicator waits for the others: later ones (the
-        # remaining buckets of the same backward) reuse what the store already holds.
-        window = (stall_report.report_window_s(comm.timeout.total_seconds(), stall_report.peer_gone(error))
-                  if not self.reports else 0.0)
-        report = stall_report.exchange(
-            self.store or stall_report.default_store(), self.group_name, self.generation, comm.rank,
-            comm.world_size, entry, window, global_ranks(comm),
-        )
-        if report is None:
-            report = "Stall report unavailable: the torch.distributed store could not be reached."
-        self.reports.append(report)
-        return StallError(
-            f"{error}\n{report}", report=report, cause=error,
-            op=op, tag=tag, rank=comm.rank, seq=seq,
-        )
+        return entry
 
     def launched_at(self, seq: int) -> Optional[float]:
         """When collective ``seq`` was launched (``time.monotonic()``); None once HISTORY later
@@ -219,6 +229,15 @@ class CollectiveMonitor:
         return stall_report.await_entries(self.store, self.group_name, self.generation, self.comm.rank,
                                           self.comm.world_size, bound)
 
+
+# Note [one entry per rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank leaves one entry per group in the store, at its first failure: which collective it waited on,
+# after how long, at which training position. The failures that follow on the same communicator -- the
+# remaining buckets of the same backward, each failing in turn -- used to publish an entry each, every one
+# overwriting the one before, so a peer's report (built later, or waiting for this rank's entry) named the
+# last bucket and its shorter wait, not the collective where this rank stopped. They now read the store and
+# write nothing, as a refusal and a crash entry already did (``publish`` keeps a rank's failure entry).
 
 # Note [several models on one communicator]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -397,5 +397,15 @@ def exchange(
     ``named``: the group positions' global ranks on a subgroup (``comm.base.global_ranks``)."""
     if store is None or not publish(store, group, generation, rank, entry):
         return None
-    others = collect(store, group, generation, list(range(world_size)), window_s)
-    return render(others, world_size, window_s, rank, named)
+    return read_report(store, group, generation, rank, world_size, window_s, named)
+
+
+def read_report(store, group: str, generation: int, rank: int, world_size: int, window_s: float,
+                named: Optional[list] = None) -> Optional[str]:
+    """The report rendered from the entries the store holds (waiting up to ``window_s`` for the missing),
+    publishing nothing: a rank's later failures keep its first entry (Note [one entry per rank] in
+    monitor.py). None without a store."""
+    if store is None:
+        return None
+    entries = collect(store, group, generation, list(range(world_size)), window_s)
+    return render(entries, world_size, window_s, rank, named)

@@ -133,7 +133,6 @@ def _against_fsdp2(mesh, seed, root, dp=None, dp_rank=None) -> tuple:
     """fusedist and FSDP2 trained alike (fp32 AdamW with the clip), their full model and
     optimizer state dicts compared, and each side's checkpoint (torch's distributed checkpoint)
     loaded into a fresh model of the other: (results, our model, our full state dict)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -151,16 +150,32 @@ def _against_fsdp2(mesh, seed, root, dp=None, dp_rank=None) -> tuple:
     a, b = (get_optimizer_state_dict(ours, opt_ours, options=full)["state"],
             get_optimizer_state_dict(theirs, opt_theirs, options=full)["state"])
     out["optimizer state"] = max(_max_diff(a[k], b[k]) for k in b)
-    for name, saved, whole, shard in (("ours->torch", ours, model_ours, torch_fully_shard),
-                                      ("torch->ours", theirs, model_theirs, fusedist.fully_shard)):
+    out.update(_dcp_both_ways(mesh, seed, root, (ours, model_ours), (theirs, model_theirs), dp=dp))
+    return out, ours, model_ours
+
+
+def _dcp_both_ways(mesh, seed, root, ours: tuple, theirs: tuple, dp=None) -> dict:
+    """Each side's model (``(model, its full state dict)``) saved by torch's distributed
+    checkpoint and loaded into a fresh model of the other side, built from another seed (every
+    value overwritten by the load): ``{"dcp ours->torch": max difference, "dcp torch->ours": ...}``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    out = {}
+    for name, (saved, whole), shard in (("ours->torch", ours, torch_fully_shard),
+                                        ("torch->ours", theirs, fusedist.fully_shard)):
         where = os.path.join(root, name)
         dcp.save(saved.state_dict(), checkpoint_id=where)
-        fresh = _build(mesh, shard, seed + 1, dp=dp)  # other initial values, all overwritten by the load
+        fresh = _build(mesh, shard, seed + 1, dp=dp)
         sd = fresh.state_dict()
         dcp.load(sd, checkpoint_id=where)
         fresh.load_state_dict(sd)
-        out[f"dcp {name}"] = _max_diff(get_model_state_dict(fresh, options=full), whole)
-    return out, ours, model_ours
+        out[f"dcp {name}"] = _max_diff(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)),
+                                       whole)
+    return out
 
 
 class _Cut(nn.Module):
@@ -328,6 +343,37 @@ def _dtensor_mismatch(ours: dict, theirs: dict, tol: float) -> list:
     return bad
 
 
+def _parameters_as_dtensors(model) -> dict:
+    """What torchtitan-style code reads of each parameter as a DTensor (Note [parameters read as
+    DTensors] in fusedist/fsdp/param_view.py): placements, mesh, ``full_tensor()`` and
+    ``to_local()`` -- or, for ours, its refusal where the piece is not FSDP2's shard."""
+    out = {}
+    for name, p in model.named_parameters():
+        try:
+            local = p.to_local().detach().clone()
+        except RuntimeError as e:
+            local = str(e)
+        out[name] = (repr(tuple(p.placements)), p.device_mesh.mesh.tolist(), p.full_tensor().detach(), local)
+    return out
+
+
+def _parameter_mismatch(ours: dict, theirs: dict, tol: float) -> tuple:
+    """(names whose placements, mesh, whole values or local shard differ, names whose to_local() was refused)."""
+    bad, refused = [], []
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    for k, (placements, mesh, whole, local) in theirs.items():
+        p, m, w, lo = ours[k]
+        if (p, m) != (placements, mesh) or float((w - whole).abs().max()) > tol:
+            bad.append((k, p, placements, m, mesh))
+        elif isinstance(lo, str):
+            # (named by its path, or before the root's first forward by its name in its unit)
+            named = f"'{k}'" in lo or f"{k.split('.', 2)[-1]}' of fully_shard(" in lo
+            refused.append(k) if named and "not the shard FSDP2 gives it" in lo else bad.append((k, lo))
+        elif lo.shape != local.shape or (local.numel() and float((lo - local).abs().max()) > tol):
+            bad.append((k, tuple(lo.shape), tuple(local.shape)))
+    return bad, refused
+
+
 def _entries_made_whole(mesh, seed, rank) -> dict:
     """``full_tensor()`` of ``model.state_dict()``'s entries (Note [whole entries] in
     fusedist/fsdp/whole_entry.py) against FSDP2's DTensor entries: tensor-parallel ones, entries
@@ -353,6 +399,14 @@ def _entries_made_whole(mesh, seed, rank) -> dict:
         opt.step()
         state = get_optimizer_state_dict(model, opt)["state"]
         moments.append(_whole_entries({f"{k}.{n}": v for k, st in state.items() for n, v in st.items() if v.dim()}))
+    try:  # (a failure before any collective, alike on every rank: its own test reports it)
+        out["tp parameters"] = _parameter_mismatch(_parameters_as_dtensors(ours), _parameters_as_dtensors(theirs),
+                                                   1e-6)
+    except Exception:  # noqa: BLE001
+        out["tp parameters"] = traceback.format_exc()
+    plain = nn.Linear(2, 2)  # (not sharded: none of the names, as before)
+    out["plain parameter"] = [hasattr(plain.weight, n)
+                              for n in ("placements", "device_mesh", "full_tensor", "to_local")]
     out["tp cloned"] = _max_diff(_whole_entries(kept[0]), _whole_entries(kept[1]))
     out["tp as dtensors"] = _dtensor_mismatch(*reads, tol=1e-6)  # (_StridedShard where both shard dim 0)
     out["tp now"] = _max_diff(_whole_entries(ours.state_dict()), _whole_entries(theirs.state_dict()))
@@ -364,7 +418,13 @@ def _entries_made_whole(mesh, seed, rank) -> dict:
         model = _Net()
         for m in (*model.blocks, model):
             shard(m, mesh=hsdp, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
-        models.append((_whole_entries(model.state_dict()), _as_dtensors(model.state_dict())))
+        try:
+            read = _parameters_as_dtensors(model)
+        except Exception:  # noqa: BLE001
+            read = traceback.format_exc()
+        models.append((_whole_entries(model.state_dict()), _as_dtensors(model.state_dict()), read))
+    out["hsdp parameters"] = models[0][2] if isinstance(models[0][2], str) else \
+        _parameter_mismatch(models[0][2], models[1][2], 0.0)
     out["hsdp dim 1"] = _max_diff(models[0][0], models[1][0])
     out["hsdp as dtensors"] = _dtensor_mismatch(models[0][1], models[1][1], tol=0.0)
     return out
@@ -445,6 +505,28 @@ def test_state_dict_entries_full_tensor_as_fsdp2(results):
         assert got["hsdp dim 1"] == 0.0, (seed, rank, got)
         # to_local(), placements and device_mesh as FSDP2's DTensor entries
         assert got["tp as dtensors"] == [] and got["hsdp as dtensors"] == [], (seed, rank, got)
+
+
+def test_parameters_answer_as_fsdp2_dtensor_parameters(results):
+    """``p.placements``, ``p.device_mesh`` and ``p.full_tensor()`` of ``model.parameters()`` as FSDP2's
+    DTensor parameters (they raised AttributeError): tensor-parallel after an fp32 step (a few ulps,
+    as above), HSDP with 2-D weights on dim 1 bit for bit. ``p.to_local()`` is FSDP2's shard where
+    the piece is that shard -- every 2-D weight of the dim-1 model -- and elsewhere refused on
+    every rank, naming the parameter; a parameter no unit holds has none of the names."""
+    seed, per_rank = results
+    for rank, out in enumerate(per_rank):
+        got = out["full_tensor"]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert isinstance(got["tp parameters"], tuple), f"rank {rank}: {got['tp parameters']}"
+        assert isinstance(got["hsdp parameters"], tuple), f"rank {rank}: {got['hsdp parameters']}"
+        bad, refused = got["tp parameters"]
+        assert bad == [], (seed, rank, bad)
+        assert refused == per_rank[0]["full_tensor"]["tp parameters"][1], (seed, rank, refused)
+        bad, refused = got["hsdp parameters"]
+        assert bad == [], (seed, rank, bad)
+        # (1-D parameters stay on dim 0, cut by the flat layout: refused where not FSDP2's chunk)
+        assert all("bias" in k or "norm" in k for k in refused), (seed, rank, refused)
+        assert got["plain parameter"] == [False] * 4, (rank, got["plain parameter"])
 
 
 def test_checkpoints_interchange_with_fsdp2(results):
@@ -614,19 +696,31 @@ def _plain_scaler_skips(mesh, rank, seed, which):
             scaler.get_scale())
 
 
+def _norm_readers() -> dict:
+    """Each way of reading the gradients' norms, by name: f(model), a collective."""
+    import fusedist
+    from fusedist.integrations.lightning_grad_norm import grad_norm
+
+    readers = {}
+    for suffix, order in (("", 2.0), (" inf", float("inf"))):
+        readers["torch" + suffix] = lambda m, p=order: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM, p)
+        readers["fusedist" + suffix] = lambda m, p=order: fusedist.clip_grad_norm_(m.parameters(), MAX_NORM, p)
+        readers[f"grad_norm {order}"] = lambda m, p=order: grad_norm(m, p)  # (per-parameter norms: Lightning's)
+    return readers
+
+
 def _plain_refused(mesh, rank, seed, where):
     """Gradients of pieces held alike made to differ on tensor-parallel rank 1 (``where``: the
-    plain head's weight or the Replicate() bias of the tensor-parallel unit): each clip's error."""
-    import fusedist
-
+    plain head's weight or the Replicate() bias of the tensor-parallel unit): the error of each
+    clip, of order 2 and inf, and of the per-parameter norms."""
     out = {}
-    for name, clip in (("torch", torch.nn.utils.clip_grad_norm_), ("fusedist", fusedist.clip_grad_norm_)):
+    for name, read in _norm_readers().items():
         model = _build_plain(mesh, seed)
         _plain_backward(model, mesh, seed)
         if mesh["tp"].get_local_rank() == 1:
             (model[3].weight if where == "head" else model[2].bias).grad.mul_(1.5)
         try:
-            clip(model.parameters(), MAX_NORM)
+            read(model)
             out[name] = "no error"
         except RuntimeError as e:
             out[name] = str(e)
@@ -688,12 +782,14 @@ def test_an_inf_in_a_plain_unit_on_one_tensor_parallel_rank_skips_everywhere(res
 
 def test_gradients_held_alike_that_differ_are_refused_by_the_clip(results):
     """Every rank raises (the same figures everywhere: no rank is left waiting), naming the
-    parameter, its unit and the ranks' figures, with what to do."""
+    parameter, its unit and the ranks' figures, with what to do -- the clip of order 2 and of
+    order inf, and the per-parameter norms Lightning's ``grad_norm`` logs (these two took the
+    first tensor-parallel rank's figure unchecked)."""
     for where, named in (("head", "'3.weight' of fully_shard(Linear), a unit with no tensor-parallel parameters ("),
                          ("bias", "'2.bias' of fully_shard(Sequential) (")):
         for rank, out in enumerate(_plain_results(results, f"refused {where}")):
-            for name in ("torch", "fusedist"):
-                msg = out[name]
+            assert out.keys() == {"torch", "fusedist", "torch inf", "fusedist inf", "grad_norm 2.0", "grad_norm inf"}
+            for name, msg in out.items():
                 assert "differ between the ranks of a tensor-parallel group" in msg, (where, rank, name, msg)
                 assert named in msg and "on tensor-parallel rank 1)" in msg and msg.count(" of fully_shard(") == 1, \
                     (where, rank, name, msg)
@@ -731,7 +827,6 @@ def _hsdp_worker(rank, world_size, seed, root):
     batch (in each rank's process: FSDP2's DTensor training on 8 ranks of 2 cores cost most of
     the launch; training parity with FSDP2 under tensor parallelism is the 4-rank test's), and
     the checkpoints against FSDP2 models on the same mesh."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -763,16 +858,8 @@ def _hsdp_worker(rank, world_size, seed, root):
     # the 3-D mesh, as FSDP2's (Note [entries read as DTensors] in fusedist/fsdp/dtensor_view.py)
     twin = _build(mesh, fusedist.fully_shard, seed + 2, dp=dp)
     out["as dtensors"] = _dtensor_mismatch(_as_dtensors(twin.state_dict()), _as_dtensors(theirs.state_dict()), 0.0)
-    for name, saved, want, shard in (("ours->torch", ours, whole, torch_fully_shard),
-                                     ("torch->ours", theirs, get_model_state_dict(theirs, options=full),
-                                      fusedist.fully_shard)):
-        where = os.path.join(root, name)
-        dcp.save(saved.state_dict(), checkpoint_id=where)
-        fresh = _build(mesh, shard, seed + 1, dp=dp)  # other initial values, all overwritten by the load
-        sd = fresh.state_dict()
-        dcp.load(sd, checkpoint_id=where)
-        fresh.load_state_dict(sd)
-        out[f"dcp {name}"] = _max_diff(get_model_state_dict(fresh, options=full), want)
+    out.update(_dcp_both_ways(mesh, seed, root, (ours, whole), (theirs, get_model_state_dict(theirs, options=full)),
+                              dp=dp))
 
     # fusedist.checkpoint (Note [tensor-parallel checkpoints]): one replica's pieces, a parameter
     # the tensor-parallel ranks hold alike written by the first of them; loaded exactly

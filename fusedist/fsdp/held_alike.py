@@ -11,10 +11,14 @@ does not check it: each rank clips by a norm of its own copy's gradient and the 
 apart silently. The clip carries each tensor-parallel rank's figure of each such piece in slots
 of its own in the all-reduce it makes anyway (no extra collective), and raises on every rank --
 all see the same figures -- naming the parameters whose figures disagree beyond what summation
-order explains. Layouts that cut a ``Replicate()`` parameter differently on each rank, or a
-GPU's non-deterministic kernels, differ by rounding: a few ulps, or for a bf16 gradient with
-every element one ulp off at most 2^-6 of the sum of squares (under 2%); a different batch, a
-dropout mask or a partial sum differ by far more. A gradient that is rounding noise (the bias of
+order explains. The clip of order inf carries each rank's max of each such piece in its max
+all-reduce alike, and the per-parameter norms (``parameter_grad_norms``, Lightning's
+``grad_norm``; the clip of order 0 or below, which is taken from them) each rank's figure of
+each in theirs: every path that reads these gradients' norms checks them the same way.
+Layouts that cut a ``Replicate()`` parameter differently on each rank, or a GPU's
+non-deterministic kernels, differ by rounding: a few ulps, or for a bf16 gradient with every
+element one ulp off at most 2^-6 of the sum of squares (under 2%); a different batch, a dropout
+mask or a partial sum differ by far more. A gradient that is rounding noise (the bias of
 a layer before a normalization) may differ in any digit, and moves no norm: a disagreement below
 a millionth of the norm's sum of ``|g|^p`` is none. The check reads the figures on the host: one
 synchronization per clip, as torch's ``error_if_nonfinite`` costs.
@@ -63,11 +67,22 @@ def share_tensor_parallel_holder(modules: list) -> None:
         u.holder = holder
 
 
+def _figure_words(norm_type: float) -> str:
+    """What a figure of ``check_held_alike`` is, for the message."""
+    norm_type = float(norm_type)
+    if norm_type == float("inf"):
+        return "max |g|"
+    if norm_type == -float("inf"):
+        return "min |g| (negated)"
+    return "counts of nonzero elements" if norm_type == 0.0 else "sums of |g|^p"
+
+
 def check_held_alike(figures: torch.Tensor, params: list, norm_type: float, total: torch.Tensor) -> None:
     """Raise where the tensor-parallel ranks' figures (row r: rank r's sums of ``|g|^p`` over the
-    data-parallel group, one column per piece of ``params``, pieces they should hold alike)
-    disagree by a share of ``total`` (the sum of ``|g|^p`` the norm is taken from) that moves the
-    norm (Note [checking what is held alike]); the same figures, so the same verdict, on every
+    data-parallel group -- the max of ``|g|`` for ``p = inf``, the count of nonzeros for ``p = 0`` --
+    one column per piece of ``params``, pieces they should hold alike) disagree by a share of
+    ``total`` (the sum, or max, the norm is taken from) that moves the norm (Note [checking
+    what is held alike]); the same figures, so the same verdict, on every
     rank."""
     if figures.numel() == 0:
         return
@@ -99,7 +114,8 @@ def check_held_alike(figures: torch.Tensor, params: list, norm_type: float, tota
     raise RuntimeError(
         f"gradient norm of order {float(norm_type)}: the gradients of parameters every tensor-parallel rank "
         "should hold alike (a plain module or a Replicate() parameter) differ between the ranks of a "
-        f"tensor-parallel group; their sums of |g|^p over the data-parallel group: {'; '.join(named)}{more}. "
+        f"tensor-parallel group; their {_figure_words(norm_type)} over the data-parallel group: "
+        f"{'; '.join(named)}{more}. "
         "Each rank would clip and update its own copy by its own gradient and the copies would drift apart. "
         "Give every rank of a tensor-parallel group the same batch (seed the data by the data-parallel rank), "
         "give a module outside the tensor-parallel plan replicated inputs (a norm on a sequence-sharded "

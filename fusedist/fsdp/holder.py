@@ -79,17 +79,9 @@ class ShardedGradHolder:
             if not norms:  # (torch's norm of no gradients)
                 return torch.zeros((), dtype=acc, device=device)
             return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(device=device, dtype=acc)
-        if norm_type == float("inf"):
-            local = torch.zeros(1, dtype=acc, device=device)
-            for g in grads:
-                if g.numel():
-                    local = torch.maximum(local, g.detach().abs().max().to(acc).reshape(1))
-            local = flag_nan(local)  # Note [a NaN through a max all-reduce] in optim/grad_norms.py
-            all_reduce_on_comm_device(self.comm, local, "max", "fully_shard grad norm (inf)")
-            if self.tp is not None:
-                all_reduce_on_comm_device(self.tp, local, "max", "fully_shard grad norm (inf, tensor-parallel)")
-            return unflag_nan(local)[0]
         alike = [self.tp is not None and p in self._tp_replicated for p in with_grad]
+        if norm_type == float("inf"):
+            return self._inf_norm(with_grad, alike, acc, device)
         k = sum(alike)
         # [0]: pieces each tensor-parallel rank holds its own part of; [1]: pieces they hold alike;
         # [2:]: each of those alone (Note [checking what is held alike] in held_alike.py)
@@ -116,6 +108,34 @@ class ShardedGradHolder:
         check_held_alike(slots[2:].view(size, k), [p for p, a in zip(with_grad, alike) if a], norm_type, total)
         return total.pow(1.0 / norm_type)
 
+    def _inf_norm(self, with_grad: list, alike: list, acc, device) -> torch.Tensor:
+        """``grad_norm`` of order inf: the max over the pieces, by the max all-reduces the
+        groups make anyway; with tensor parallelism each rank's max of each piece held alike
+        rides in slots of its own for the check (Note [checking what is held alike])."""
+        k = sum(alike)
+        local = torch.zeros(1 + k, dtype=acc, device=device)  # [0]: every piece; [1:]: each held alike
+        j = 1
+        for p, same in zip(with_grad, alike):
+            m = p.grad.detach().abs().max().to(acc) if p.grad.numel() else local.new_zeros(())
+            local[0] = torch.maximum(local[0], m)
+            if same:
+                local[j] = m
+                j += 1
+        local = flag_nan(local)  # Note [a NaN through a max all-reduce] in optim/grad_norms.py
+        all_reduce_on_comm_device(self.comm, local, "max", "fully_shard grad norm (inf)")
+        local = unflag_nan(local)
+        if self.tp is None:
+            return local[0]
+        size, rank = self.tp.world_size, self.tp.rank
+        # (the other ranks' slots add nothing to a max; a NaN in a slot leaves it non-finite, unchecked)
+        slots = torch.full((size, k), -float("inf"), dtype=acc, device=device)
+        slots[rank] = local[1:]
+        packed = torch.cat([flag_nan(local[:1]), slots.view(-1)])
+        all_reduce_on_comm_device(self.tp, packed, "max", "fully_shard grad norm (inf, tensor-parallel)")
+        total = unflag_nan(packed[:2])[0]
+        check_held_alike(packed[2:].view(size, k), [p for p, a in zip(with_grad, alike) if a], float("inf"), total)
+        return total
+
     @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)
     @torch.no_grad()
     def parameter_grad_norms(self, params, norm_type: float = 2.0) -> list:
@@ -124,7 +144,8 @@ class ShardedGradHolder:
         grads.py): one all-reduce of one number per parameter over the shard group, which
         holds the whole gradient (HSDP replicas hold copies); with tensor parallelism one more
         over the tensor-parallel group, for the parameters whose local tensors are parts of the
-        global one (those the tensor-parallel ranks hold alike keep the shard group's figure).
+        global one (those the tensor-parallel ranks hold alike keep the first one's figure, and
+        every rank's rides beside it for the check of Note [checking what is held alike]).
         A collective: every rank of the groups calls it with the same parameters in the same
         order. The norms are in float64, for the caller to cast."""
         params = list(params)
@@ -144,29 +165,45 @@ class ShardedGradHolder:
         (float64), None where it has no ``.grad``. A collective."""
         norm_type = float(norm_type)
         device = self.comm.device
-        alike = torch.tensor([p in self._tp_replicated for p in params], dtype=torch.bool, device=device)
+        held = [self.tp is not None and p in self._tp_replicated for p in params]
+        alike = torch.tensor(held, dtype=torch.bool, device=device)
+        k, n = sum(held), len(params)
+        checked = {}  # the tensor-parallel ranks' figures of the pieces held alike, and the reduced values
 
-        def reduce(t: torch.Tensor, alike: torch.Tensor, op: str) -> None:
+        def reduce(t: torch.Tensor, op: str) -> None:
             all_reduce_on_comm_device(self.comm, t, op, "fully_shard per-parameter grad norms")
-            if self.tp is not None:  # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike
-                # (the others add nothing: 0 to a sum, -inf to a max, whose values may be negative)
-                nothing = -float("inf") if op == "max" else 0.0
-                over_tp = t.masked_fill(alike, nothing) if self.tp.rank != 0 else t.clone()
-                all_reduce_on_comm_device(self.tp, over_tp, op,
-                                          "fully_shard per-parameter grad norms (tensor-parallel)")
-                t.copy_(over_tp)
+            if self.tp is None:
+                return
+            # Note [one norm on every tensor-parallel rank]: rank 0's for those held alike (the others
+            # add nothing: 0 to a sum, -inf to a max, whose values may be negative); every rank's
+            # figures of those in slots of their own, for the check (Note [checking what is held alike])
+            nothing = -float("inf") if op == "max" else 0.0
+            size, rank = self.tp.world_size, self.tp.rank
+            mask = alike.repeat(t.numel() // max(n, 1))  # (with NaN flags beside the values: both)
+            slots = torch.full((size, k), nothing, dtype=t.dtype, device=t.device)
+            slots[rank] = t[:n][alike]
+            packed = torch.cat([t.masked_fill(mask, nothing) if rank != 0 else t, slots.view(-1)])
+            all_reduce_on_comm_device(self.tp, packed, op, "fully_shard per-parameter grad norms (tensor-parallel)")
+            t.copy_(packed[:t.numel()])
+            checked["figures"] = packed[t.numel():].view(size, k)
 
         def all_reduce(t: torch.Tensor, op: str) -> None:
             if op != "max":
-                reduce(t, alike, op)
+                reduce(t, op)
+                checked["values"] = t.clone()
                 return
             # NaN flags beside the values (Note [a NaN through a max all-reduce] in optim/grad_norms.py)
             packed = flag_nan(t)
-            reduce(packed, torch.cat([alike, alike]), op)
+            reduce(packed, op)
             t.copy_(unflag_nan(packed))
+            checked["values"] = t.clone()
 
         norms = per_tensor_global_norms(
             [p.grad.detach() if p.grad is not None else None for p in params], norm_type, device, all_reduce)
+        if k:
+            values = checked["values"].abs()
+            total = values.max() if abs(norm_type) == float("inf") else values.sum()
+            check_held_alike(checked["figures"], [p for p, a in zip(params, held) if a], norm_type, total)
         return [norms[i] if p.grad is not None else None for i, p in enumerate(params)]
 
     @torch.compiler.disable  # a collective: eager in a compiled step (Note [a compiled step runs eagerly] in zero)

@@ -73,25 +73,38 @@ def _check_held(zero, params, names) -> None:
 
 
 def add_param_group(zero, param_group: dict) -> None:
-    """torch's ``add_param_group``: the group's trainable parameters join the partition."""
+    """torch's ``add_param_group``: the group's trainable parameters join the partition. Every
+    rank adds the group, and the ranks compare it before it joins (Note [the same parameters on
+    every rank]); a group refused on some ranks only (torch's checks, a parameter given twice) is
+    refused on every rank, not left for the others to wait on."""
     zero.wait_for_params()
-    Optimizer.add_param_group(zero, param_group)  # torch's checks (duplicates) and defaults
-    gi = len(zero.param_groups) - 1
-    zero._fill_group_defaults()
-    new = list(zero.param_groups[gi]["params"])
-    combined = zero._params + new
+    refusal, appended, gi = None, False, len(zero.param_groups)
     try:
+        Optimizer.add_param_group(zero, param_group)  # torch's checks (duplicates) and defaults
+        appended = True
+        zero._fill_group_defaults()
+        new = list(zero.param_groups[gi]["params"])
+        combined = zero._params + new
         param_checks.check_distinct(combined, zero._group_of + [gi] * len(new),
                                     lambda i: f"parameter {i} (shape {tuple(combined[i].shape)})",
                                     first=len(zero._params))
-    except ValueError:
-        zero.param_groups.pop()
-        raise
-    for p in new:
-        if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
+        for p in new:
+            if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
+                raise TypeError(f"ZeroRedundancyOptimizer.add_param_group: a parameter has dtype {p.dtype}; only "
+                                "floating-point and complex parameters can be sharded")
+    except (ValueError, TypeError) as exc:
+        refusal = exc  # raised after the ranks compared their groups, on every rank alike
+        if not appended:  # (torch's check normalizes the list in place before refusing it)
+            given = param_group.get("params") if isinstance(param_group, dict) else None
+            new = [p for p in given if isinstance(p, torch.Tensor)] if isinstance(given, list) else []
+    try:
+        # Note [the same parameters on every rank]: a collective, as every rank adds the group
+        param_checks.check_same_params_on_every_rank(zero, new, [gi] * len(new), first=len(zero._params),
+                                                     refusal=refusal)
+    except Exception:
+        if appended:
             zero.param_groups.pop()
-            raise TypeError(f"ZeroRedundancyOptimizer.add_param_group: a parameter has dtype {p.dtype}; only "
-                            "floating-point and complex parameters can be sharded")
+        raise
     start = len(zero._params)
     zero._params.extend(new)
     zero._group_of.extend([gi] * len(new))

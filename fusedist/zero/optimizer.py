@@ -269,11 +269,11 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             for gi, group in enumerate(self.param_groups):
                 check_offload_group(group, gi)
         self._offload: Optional[HostShardOffload] = None
-        self.ddp, self.comm, self.process_group = wiring.connect(
+        self.ddp, self.comm, self.process_group, refusal = wiring.connect(
             self._trainable_params(), self._params, process_group, self._device, stage)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
-        param_checks.check_same_params_on_every_rank(self)  # Note [the same parameters on every rank]
+        param_checks.check_same_params_on_every_rank(self, refusal=refusal)  # Note [the same parameters ...]
         if self.offload:
             check_offload_isa(self)
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)

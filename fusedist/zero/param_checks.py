@@ -16,12 +16,17 @@ Note [the same parameters on every rank]
     constructor exchanges one small description per parameter (a collective: every rank
     constructs the optimizer, as every rank wraps the model) and every rank raises the same
     :class:`fusedist.RankMismatchError` naming the first parameter that differs and the ranks.
+    ``add_param_group`` compares the group it adds the same way, before the group joins, and a
+    refusal of a rank's own list (a subset of a DDP model's parameters in stage 2) is raised only
+    after the comparison, so that a list differing on one rank fails on every rank alike.
     Hyperparameters are not compared: LR schedulers change them at every step. The memory
     format is: a parameter channels_last on one rank only lies in another element order in
     that rank's flat buffer (``shaped_like``), and the ranks would exchange unrelated elements.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -60,21 +65,40 @@ def check_distinct(params: list, group_of: list, describe, first: int = 0) -> No
             )
 
 
-def check_same_params_on_every_rank(zero) -> None:
-    """Note [the same parameters on every rank]."""
+def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int = 0, refusal=None) -> None:
+    """Note [the same parameters on every rank]: ``params`` (default: the optimizer's), whose
+    indices start at ``first``. ``add_param_group`` checks the group it adds (before the group
+    joins): ranks adding different parameters grew different buckets, and the next step's
+    all-gathers silently exchanged unrelated elements (without DDP) or left the ranks whose
+    group missed a parameter DDP reduces raising alone while the others waited. ``refusal``: an
+    error of this rank's own list, raised after the comparison (:func:`wiring.find_ddp`)."""
     if zero.comm is None or zero.world_size == 1:
+        if refusal is not None:
+            raise refusal
         return
-    entries = [(i, zero._group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad),
-                slot_order(p)) for i, p in enumerate(zero._params)]
+    params = zero._params if params is None else params
+    group_of = zero._group_of if group_of is None else group_of
+    entries = [(first + i, group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad),
+                slot_order(p)) for i, p in enumerate(params)]
+    if refusal is not None:  # refused on some ranks only: the difference to name first (without the rank)
+        reason = re.sub(r"\s*\(rank \d+\)", "", str(refusal)).split(";")[0][:160]
+        entries.insert(0, ("refused", type(refusal).__name__, reason))
 
     def label(e):
+        if e[0] == "refused":
+            return f"this rank's own refusal of its list ({e[1]}: {e[2]})"
         return (f"parameter {e[0]} (param group {e[1]}) shape {e[2]} {e[3]}"
                 + (f" in the memory order of strides {e[5]}" if e[5] else "")
                 + ("" if e[4] else " requires_grad=False"))
 
+    adding = first > 0
     check_same_across_ranks(
-        entries, "the parameter list given to ZeroRedundancyOptimizer", label, comm=zero.comm,
-        op="ZeroRedundancyOptimizer construction: parameter check",
-        hint="Every rank must pass the same parameters, in the same param groups and order "
-             "(e.g. model.parameters() of the same model on every rank).",
+        entries, "the param group given to ZeroRedundancyOptimizer.add_param_group" if adding
+        else "the parameter list given to ZeroRedundancyOptimizer", label, comm=zero.comm,
+        op="ZeroRedundancyOptimizer" + (".add_param_group" if adding else " construction") + ": parameter check",
+        hint=("Every rank must add the same parameters, in the same order; the group was not added."
+              if adding else "Every rank must pass the same parameters, in the same param groups and order "
+              "(e.g. model.parameters() of the same model on every rank)."),
     )
+    if refusal is not None:
+        raise refusal

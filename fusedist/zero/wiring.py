@@ -34,11 +34,14 @@ from .grad_sync import DEFAULT_MAX_BUCKETS_IN_FLIGHT, ReduceScatterToShard
 #     refused for a subset: the model's backward reduce-scatters its buckets into one
 #     optimizer's shards, and a bucket holding both optimizers' parameters has no one shard.
 def find_ddp(trainable: list, params: list, stage: int = 1):
-    """``(ddp, whole)``: the fusedist DDP model owning the ``trainable`` parameters (None without
-    one) and whether they are all its trainable parameters (else a subset: Note [a subset of a
-    DDP model's parameters]). Parameters the model does not reduce yet are accepted if they are
-    the model's: trainable since it was wrapped, it takes them on at its next training forward.
-    Frozen parameters are not DDP's (it reduces only trainable ones) and never communicated."""
+    """``(ddp, whole, refusal)``: the fusedist DDP model owning the ``trainable`` parameters (None
+    without one), whether they are all its trainable parameters (else a subset: Note [a subset of
+    a DDP model's parameters]) and, for a subset in stage 2, the error to raise -- after the
+    ranks have compared their parameter lists (Note [the same parameters on every rank]): a rank
+    whose list alone is a subset raised it alone, and the others waited in that comparison.
+    Parameters the model does not reduce yet are accepted if they are the model's: trainable
+    since it was wrapped, it takes them on at its next training forward. Frozen parameters are
+    not DDP's (it reduces only trainable ones) and never communicated."""
     build_pending(trainable)  # a replicated module still waiting for its first forward
     found = [data_parallel_owner(p) for p in trainable]
     if not trainable:  # a model frozen whole: its DDP takes the parameters on once they train
@@ -53,18 +56,19 @@ def find_ddp(trainable: list, params: list, stage: int = 1):
             "models (or some to none); give one optimizer the parameters of one DDP model"
         )
     if ddp is None:
-        return None, True
+        return None, True, None
     _refuse_rank_local(ddp, params)
     held = set(params)
     missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in held]
+    refusal = None
     if missing and stage == 2:
-        raise ValueError(
+        refusal = ValueError(
             f"ZeroRedundancyOptimizer(stage=2) (rank {ddp.rank}): the optimizer holds a subset of its DDP model's "
             f"trainable parameters (missing: {missing[:10]}); stage 2 reduce-scatters the model's gradient buckets "
             "into one optimizer's shards, so it needs all of them. Use stage=1 for a subset (torch's algorithm: "
             "DDP all-reduces, each optimizer shards its own parameters), or one stage-2 optimizer with a param "
             "group per part (each group its own hyperparameters)")
-    return ddp, not missing
+    return ddp, not missing, refusal
 
 
 def _refuse_rank_local(ddp, params: list) -> None:
@@ -82,25 +86,26 @@ def _refuse_rank_local(ddp, params: list) -> None:
 
 
 def connect(trainable: list, params: list, process_group, device, stage: int = 1):
-    """``(ddp, comm, process_group)``: the DDP model of the parameters (None without one, or for a
-    subset of its parameters: Note [a subset of a DDP model's parameters]) and the communicator
-    to use -- DDP's, else one for ``process_group`` when torch.distributed is initialized, else
-    None (a single process)."""
-    ddp, whole = find_ddp(trainable, params, stage)
+    """``(ddp, comm, process_group, refusal)``: the DDP model of the parameters (None without one,
+    or for a subset of its parameters: Note [a subset of a DDP model's parameters]), the
+    communicator to use -- DDP's, else one for ``process_group`` when torch.distributed is
+    initialized, else None (a single process) -- and the error the constructor raises once the
+    ranks have compared their parameter lists (None: none; see :func:`find_ddp`)."""
+    ddp, whole, refusal = find_ddp(trainable, params, stage)
     if ddp is not None and not whole:  # its communicator and group; the optimizer's own buckets
         _check_same_group(process_group, ddp.process_group)
-        return None, ddp.comm, ddp.process_group
+        return None, ddp.comm, ddp.process_group, refusal
     if ddp is not None:
         # The shards follow its buckets: fixed from now on, grown only by appending.
         ddp.reducer.fix_layout()
         _check_same_group(process_group, ddp.process_group)
-        return ddp, ddp.comm, ddp.process_group
+        return ddp, ddp.comm, ddp.process_group, None
     if dist.is_available() and dist.is_initialized():
         comm = get_communicator(process_group, device)
         attach_monitor(comm)  # [reliability] stall reports without a DDP model too
         # As torch's ZeroRedundancyOptimizer: the default group itself, not None.
-        return None, comm, process_group if process_group is not None else dist.group.WORLD
-    return None, None, process_group  # a single process without torch.distributed
+        return None, comm, process_group if process_group is not None else dist.group.WORLD, None
+    return None, None, process_group, None  # a single process without torch.distributed
 
 
 def _group_ranks(group) -> Optional[list]:

@@ -1,0 +1,439 @@
+"""fusedist.ZeroRedundancyOptimizer (stages 1 and 2, with and without fusedist DDP) driven the
+way a demanding user drives torch's, against torch.optim / torch's ZeroRedundancyOptimizer on
+the global batch, at 3 ranks (odd: padded shards; a model of one element leaves two ranks
+owning nothing), in one launch of the ranks.
+
+* Training: fp32 and fp64 parameters, a 0-element one and a 1-element one in a param group of
+  its own; ``lr`` / ``weight_decay`` edited in ``param_groups`` mid-run, a StepLR whose
+  state dict is round-tripped into a new scheduler mid-run, ``zero_grad(set_to_none=False)``,
+  ``fusedist.clip_grad_norm_`` vs torch's (norms and parameters), torch's
+  ``parameters_as_bucket_view`` argument.
+* ``consolidate_state_dict(to=1)``: the state dict on rank 1 equals torch's AdamW state, and a
+  plain torch AdamW loaded from it trains on as the reference.
+* State dicts traded with torch's ZeroRedundancyOptimizer both ways (its consolidated dict from
+  rank 2; param groups added after construction).
+* ``add_param_group`` given different parameters on different ranks: without DDP the ranks
+  grew different buckets and the next steps silently all-gathered unrelated elements; with
+  DDP the ranks whose group missed a parameter raised alone in backward while the other waited
+  in its all-gather until the timeout. Now every rank raises the same RankMismatchError naming
+  the parameter, the group is not added, and adding the right group trains as torch. So is a
+  group that torch's own check refuses on one rank only (a parameter already held there).
+* A stage-2 optimizer given a subset of the DDP model's parameters on one rank only: that rank
+  raised its own refusal alone and the others waited in the comparison of the lists; now every
+  rank raises the same RankMismatchError, and the optimizer built right afterwards trains as torch.
+
+Tolerance: at most 8 AdamW/SGD steps on parameters of magnitude ~0.5, fp32: the two sides
+differ only in gradient summation order and batching of elementwise updates (measured <= 1e-7);
+1e-5 absolute. AdamW's eps is 1e-3 so that a gradient element near zero does not amplify those
+ulps (its update's slope at 0 is lr/eps). Every defect checked moves a parameter by ~lr >= 1e-2
+or raises.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from shared_rank_launch import launch_for_selected, results_of
+
+TOL = 1e-5
+WORLD = 3
+SEED = 20261206
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 9)
+        self.b = nn.Linear(9, 4).double()
+        self.tiny = nn.Parameter(torch.randn(1))
+        self.empty = nn.Parameter(torch.zeros(0, 2))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).double()).float() * self.tiny + self.empty.sum()
+
+
+class Flat(nn.Module):
+    """fp32 only: torch's ZeroRedundancyOptimizer refuses mixed dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 9)
+        self.b = nn.Linear(9, 4)
+        self.c = nn.Linear(4, 4)
+        self.tiny = nn.Parameter(torch.randn(1))
+        self.empty = nn.Parameter(torch.zeros(0, 2))
+
+    def forward(self, x):
+        return self.c(self.b(torch.tanh(self.a(x)))) * self.tiny + self.empty.sum()
+
+
+def _batch(seed, step, rank, world, n=3):
+    g = torch.Generator().manual_seed(seed * 97 + step)
+    x, y = torch.randn(world * n, 6, generator=g), torch.randn(world * n, 4, generator=g)
+    return x, y, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _groups(m):
+    return [{"params": [m.tiny], "lr": 0.02, "weight_decay": 0.0},
+            {"params": [m.a.weight, m.a.bias, m.b.weight, m.b.bias, m.empty], "weight_decay": 0.1}]
+
+
+@torch.no_grad()
+def _maxdiff(m1, m2):
+    return max((float((p - q).abs().max()) for p, q in zip(m1.parameters(), m2.parameters()) if p.numel()),
+               default=0.0)
+
+
+def _average_grads(model, world):
+    """What torch's DDP would leave in ``p.grad``: the sharded optimizer without a DDP model takes
+    synchronized gradients."""
+    for p in model.parameters():
+        if p.grad is not None:
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world
+
+
+def _training(rank, world, seed, stage, with_ddp):
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(_groups(ref), lr=0.01, eps=1e-3)
+    run = fusedist.DistributedDataParallel(model) if with_ddp else model
+    zopt = fusedist.ZeroRedundancyOptimizer(_groups(model), optimizer_class=torch.optim.AdamW, stage=stage,
+                                           lr=0.01, eps=1e-3, parameters_as_bucket_view=False)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, 2, 0.5)
+    zsched = torch.optim.lr_scheduler.StepLR(zopt, 2, 0.5)
+    out = []
+    for step in range(6):
+        x, y, lx, ly = _batch(seed, step, rank, world)
+        ropt.zero_grad(set_to_none=False)
+        zopt.zero_grad(set_to_none=False)
+        nn.functional.mse_loss(ref(x), y).backward()
+        nn.functional.mse_loss(run(lx), ly).backward()
+        if not with_ddp:
+            _average_grads(model, world)
+        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+        got = float(fusedist.clip_grad_norm_(model.parameters(), 0.5))
+        ropt.step()
+        zopt.step()
+        rsched.step()
+        zsched.step()
+        if step == 2:  # hyperparameters edited mid-run, and a scheduler resumed from its state dict
+            for opt in (ropt, zopt):
+                opt.param_groups[1]["lr"] = 0.03
+                opt.param_groups[1]["weight_decay"] = 0.3
+                opt.param_groups[0]["weight_decay"] = 0.05
+            state = zsched.state_dict()
+            zsched = torch.optim.lr_scheduler.StepLR(zopt, 2, 0.5)
+            zsched.load_state_dict(state)
+        out.append((step, want, got, _maxdiff(ref, model)))
+    return out
+
+
+def _consolidate_to_one(rank, world, seed):
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(_groups(ref), lr=0.01, eps=1e-3)
+    run = fusedist.DistributedDataParallel(model)
+    zopt = fusedist.ZeroRedundancyOptimizer(_groups(model), optimizer_class=torch.optim.AdamW, stage=2,
+                                           lr=0.01, eps=1e-3)
+    for step in range(3):
+        x, y, lx, ly = _batch(seed, step, rank, world)
+        for m, o, xx, yy in ((ref, ropt, x, y), (run, zopt, lx, ly)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(xx), yy).backward()
+            o.step()
+    returned = zopt.consolidate_state_dict(to=1)
+    if rank != 1:
+        return {"returned": returned is not None}
+    full, want = zopt.state_dict(), ropt.state_dict()
+    state_diff = max((float((v.double() - full["state"][k][n].double()).abs().max())
+                      for k, st in want["state"].items() for n, v in st.items() if v.numel()), default=0.0)
+    plain_model = copy.deepcopy(model)
+    plain = torch.optim.AdamW(_groups(plain_model), lr=0.01, eps=1e-3)
+    plain.load_state_dict(full)
+    for step in range(3, 5):
+        x, y, _, _ = _batch(seed, step, rank, world)
+        for m, o in ((ref, ropt), (plain_model, plain)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    strip = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in want["param_groups"]]
+    return {"returned": True, "keys": (sorted(full["state"]), sorted(want["state"])),
+            "groups": (full["param_groups"], strip), "state_diff": state_diff,
+            "after_load": _maxdiff(ref, plain_model)}
+
+
+def _flat_groups(m):
+    return ([m.a.weight, m.a.bias, m.b.weight, m.b.bias, m.c.weight, m.c.bias, m.empty],
+            {"params": [m.tiny], "lr": 0.03, "weight_decay": 0.2})
+
+
+def _with_torch_zero(rank, world, seed):
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.manual_seed(seed)
+    tmodel = Flat()
+    fmodel = copy.deepcopy(tmodel)
+    tddp = TorchDDP(tmodel)
+    first, added = _flat_groups(tmodel)
+    topt = TorchZero(first, optimizer_class=torch.optim.AdamW, lr=0.01, eps=1e-3, weight_decay=0.1)
+    topt.add_param_group(added)
+    diffs = []
+
+    def train(steps, pairs):
+        for step in steps:
+            _, _, lx, ly = _batch(seed, step, rank, world)
+            for run, opt in pairs:
+                opt.zero_grad()
+                nn.functional.mse_loss(run(lx), ly).backward()
+                opt.step()
+            if len(pairs) > 1:
+                diffs.append(_maxdiff(tmodel, fmodel))
+
+    def consolidated(opt, to):
+        opt.consolidate_state_dict(to=to)
+        box = [opt.state_dict() if rank == to else None]
+        torch.distributed.broadcast_object_list(box, to)
+        return box[0]
+
+    train(range(3), [(tddp, topt)])
+    saved = consolidated(topt, world - 1)
+    fmodel.load_state_dict(tmodel.state_dict())
+    fddp = fusedist.DistributedDataParallel(fmodel)
+    first, added = _flat_groups(fmodel)
+    fopt = fusedist.ZeroRedundancyOptimizer(first, optimizer_class=torch.optim.AdamW, lr=0.01, eps=1e-3,
+                                            weight_decay=0.1)
+    fopt.add_param_group(added)
+    fopt.load_state_dict(saved)
+    train(range(3, 5), [(tddp, topt), (fddp, fopt)])
+    topt.load_state_dict(consolidated(fopt, 0))
+    train(range(5, 7), [(tddp, topt), (fddp, fopt)])
+    return diffs
+
+
+class Tiny(nn.Module):
+    """One element: with 3 ranks two own no slice of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1))
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return x * self.w + self.empty.sum()
+
+
+def _ranks_owning_nothing(rank, world, seed, stage):
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = Tiny()
+    model = copy.deepcopy(ref)
+    run = fusedist.DistributedDataParallel(model)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1)
+    ropt = sgd(ref.parameters())
+    zopt = fusedist.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, stage=stage,
+                                           lr=0.1, momentum=0.9, weight_decay=0.1)
+    out = []
+    for step in range(4):
+        x = torch.randn(world * 2, generator=torch.Generator().manual_seed(seed + step))
+        ropt.zero_grad(set_to_none=False)
+        zopt.zero_grad(set_to_none=False)
+        (ref(x) ** 2).mean().backward()
+        (run(x[rank * 2:(rank + 1) * 2]) ** 2).mean().backward()
+        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+        got = float(fusedist.clip_grad_norm_(model.parameters(), 0.05))
+        ropt.step()
+        zopt.step()
+        out.append((step, want, got, _maxdiff(ref, model)))
+    zopt.consolidate_state_dict(to=world - 1)
+    if rank == world - 1:
+        full, want_state = zopt.state_dict()["state"], ropt.state_dict()["state"]
+        out.append(("state", {k: {n: v.tolist() for n, v in s.items()} for k, s in full.items()},
+                    {k: {n: v.tolist() for n, v in s.items()} for k, s in want_state.items()}))
+    return out
+
+
+def _added_group_differs(rank, world, seed, with_ddp):
+    """Rank 0 adds [c.weight, c.bias], the others a different list; then every rank adds the
+    right group and trains on against torch's AdamW on the global batch. The refused group's
+    parameters are trainable already (the user unfroze them), as when a rank's list is wrong."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = Flat()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m.c.requires_grad_(False)
+    run = fusedist.DistributedDataParallel(model) if with_ddp else model
+    first = [p for p in model.parameters() if p.requires_grad]
+    zopt = fusedist.ZeroRedundancyOptimizer(first, optimizer_class=torch.optim.AdamW, lr=0.01, eps=1e-3)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.01, eps=1e-3)
+
+    def train(step):
+        x, y, lx, ly = _batch(seed, step, rank, world)
+        for m, o, xx, yy in ((ref, ropt, x, y), (run, zopt, lx, ly)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(xx), yy).backward()
+        if not with_ddp:
+            _average_grads(model, world)
+        ropt.step()
+        zopt.step()
+
+    train(0)
+    for m in (ref, model):
+        m.c.requires_grad_(True)
+    # the others: one parameter short (with DDP, which reduces both), or the two in another order
+    others = [model.c.weight] if with_ddp else [model.c.bias, model.c.weight]
+    wrong = [model.c.weight, model.c.bias] if rank == 0 else others
+    error = None
+    try:
+        zopt.add_param_group({"params": wrong, "lr": 0.02})
+        train(1)  # the step that silently mixed the ranks' elements, or stalled
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        error = f"{type(exc).__name__}: {exc}"
+    groups_after = len(zopt.param_groups)
+    if error is None:
+        return {"error": None}
+    # Refused by torch's own check on rank 1 only (a.weight is in group 0 already): rank 1
+    # raised alone and the others added the group and waited.
+    refused_alone = None
+    try:
+        zopt.add_param_group({"params": [model.a.weight] if rank == 1 else [model.c.weight, model.c.bias]})
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        refused_alone = f"{type(exc).__name__}: {exc}"
+    zopt.add_param_group({"params": [model.c.weight, model.c.bias], "lr": 0.02})
+    ropt.add_param_group({"params": [ref.c.weight, ref.c.bias], "lr": 0.02})
+    diffs = []
+    for step in range(1, 4):
+        train(step)
+        diffs.append(_maxdiff(ref, model))
+    return {"error": error, "groups_after": groups_after, "refused_alone": refused_alone, "diffs": diffs}
+
+
+def _stage2_subset_on_one_rank(rank, world, seed):
+    """Stage 2 over a DDP model: first every rank passes the same subset (refused on every rank,
+    as before), then only rank 1 does -- it raised alone while the others waited in the
+    comparison of the lists. Then every rank builds the optimizer right and trains as torch."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = Flat()
+    model = copy.deepcopy(ref)
+    run = fusedist.DistributedDataParallel(model)
+    params = list(model.parameters())
+    errors = []
+    for subset_on in (range(world), [1]):
+        try:
+            fusedist.ZeroRedundancyOptimizer(params[:-2] if rank in subset_on else params,
+                                             optimizer_class=torch.optim.AdamW, stage=2, lr=0.01)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            errors.append(f"{type(exc).__name__}: {exc}")
+    zopt = fusedist.ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, stage=2, lr=0.01, eps=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-3)
+    diffs = []
+    for step in range(2):
+        x, y, lx, ly = _batch(seed, step, rank, world)
+        for m, o, xx, yy in ((ref, ropt, x, y), (run, zopt, lx, ly)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(xx), yy).backward()
+            o.step()
+        diffs.append(_maxdiff(ref, model))
+    return {"errors": errors, "diffs": diffs}
+
+
+SCENARIOS = {
+    "test_training_matches_torch_with_schedulers_edits_and_clipping": {
+        f"train stage {stage} ddp {ddp}": (_training, (SEED, stage, ddp)) for stage, ddp in ((2, True), (1, False))},
+    "test_consolidated_to_rank_one_loads_into_plain_adamw": {"consolidate": (_consolidate_to_one, (SEED + 1,))},
+    "test_state_dicts_traded_with_torch_zero": {"torch zero": (_with_torch_zero, (SEED + 2,))},
+    "test_ranks_owning_nothing": {
+        f"owning nothing stage {stage}": (_ranks_owning_nothing, (SEED + 3, stage)) for stage in (1, 2)},
+    # last: a regression here desynchronizes the ranks for whatever would follow
+    "test_added_group_differing_across_ranks_is_refused_on_every_rank": {
+        f"added group differs ddp {ddp}": (_added_group_differs, (SEED + 4, ddp)) for ddp in (False, True)},
+    "test_stage2_subset_on_one_rank_is_refused_on_every_rank": {
+        "stage 2 subset on one rank": (_stage2_subset_on_one_rank, (SEED + 5,))},
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, SCENARIOS, WORLD, timeout=240)
+
+
+def _close(rows, what):
+    for row in rows:
+        step, want, got, diff = row
+        assert abs(want - got) <= 1e-5 * max(1.0, abs(want)), f"{what} seed {SEED} step {step}: norm {got} vs {want}"
+        assert diff <= TOL, f"{what} seed {SEED} step {step}: parameters {diff} from torch's"
+
+
+def test_training_matches_torch_with_schedulers_edits_and_clipping(launched):
+    for name in SCENARIOS["test_training_matches_torch_with_schedulers_edits_and_clipping"]:
+        for rank, rows in enumerate(results_of(launched, name)):
+            _close(rows, f"{name} rank {rank}")
+
+
+def test_consolidated_to_rank_one_loads_into_plain_adamw(launched):
+    per_rank = results_of(launched, "consolidate")
+    assert [r["returned"] for r in per_rank] == [False, True, False]
+    got = per_rank[1]
+    assert got["keys"][0] == got["keys"][1]
+    full, want = got["groups"]
+    assert [g["params"] for g in full] == [g["params"] for g in want]
+    assert [(g["lr"], g["weight_decay"]) for g in full] == [(g["lr"], g["weight_decay"]) for g in want]
+    assert got["state_diff"] <= 1e-6, got["state_diff"]
+    assert got["after_load"] <= TOL, got["after_load"]
+
+
+def test_state_dicts_traded_with_torch_zero(launched):
+    for rank, diffs in enumerate(results_of(launched, "torch zero")):
+        assert len(diffs) == 4 and max(diffs) <= TOL, f"rank {rank} seed {SEED + 2}: {diffs}"
+
+
+def test_ranks_owning_nothing(launched):
+    for stage in (1, 2):
+        per_rank = results_of(launched, f"owning nothing stage {stage}")
+        for rank, rows in enumerate(per_rank):
+            _close(rows[:4], f"stage {stage} rank {rank}")
+        _, full, want = per_rank[-1][4]
+        assert full.keys() == want.keys()
+        for k in want:
+            for n, v in want[k].items():
+                assert torch.allclose(torch.tensor(full[k][n]), torch.tensor(v), atol=1e-6), (stage, k, n)
+
+
+def test_added_group_differing_across_ranks_is_refused_on_every_rank(launched):
+    for ddp in (False, True):
+        for rank, got in enumerate(results_of(launched, f"added group differs ddp {ddp}")):
+            error = got["error"]
+            assert error is not None, f"ddp {ddp} rank {rank}: different groups were added without an error"
+            assert error.startswith("RankMismatchError") and "add_param_group" in error, (ddp, rank, error)
+            assert f"this is rank {rank}" in error and "ranks [0]" in error, error
+            assert got["groups_after"] == 1, "the refused group stayed in param_groups"
+            alone = got["refused_alone"]
+            assert alone is not None and alone.startswith("RankMismatchError"), f"ddp {ddp} rank {rank}: {alone}"
+            assert "own refusal" in alone and "more than one parameter group" in alone, alone
+            assert max(got["diffs"]) <= TOL, f"ddp {ddp} rank {rank} seed {SEED + 4}: {got['diffs']}"
+
+
+def test_stage2_subset_on_one_rank_is_refused_on_every_rank(launched):
+    for rank, got in enumerate(results_of(launched, "stage 2 subset on one rank")):
+        same, one = got["errors"]
+        assert same is not None and same.startswith("ValueError") and "subset" in same, (rank, same)
+        assert one is not None and one.startswith("RankMismatchError"), f"rank {rank}: {one}"
+        assert f"this is rank {rank}" in one and "ranks [1]: this rank's own refusal" in one and "subset" in one, one
+        assert max(got["diffs"]) <= TOL, f"rank {rank} seed {SEED + 5}: {got['diffs']}"

@@ -291,13 +291,27 @@ def test_a_pipelined_checkpoint_regrouped_into_one_part(tmp_path):
     torch.testing.assert_close(_flat(loaded), _flat(reference), atol=1e-6, rtol=0)
 
 
-def test_a_list_with_adam_without_weight_decay_loads_into_adamw(tmp_path):
+def _list_without_recorded_decays(path: str) -> None:
+    """The manifest of a list as a fusedist that did not record the groups' weight decays wrote it."""
+    name = os.path.join(path, "manifest.json")
+    with open(name) as f:
+        manifest = json.load(f)
+    for entry in manifest["pipeline"]:
+        assert entry["optimizer"].pop("group_weight_decay") is not None
+    with open(name, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("older_manifest", [False, True])
+def test_a_list_with_adam_without_weight_decay_loads_into_adamw(tmp_path, older_manifest):
     """A list of optimizers (Note [several optimizers over one model]): Adam without weight decay
-    at a position loads into AdamW there, as a single optimizer's state does."""
+    at a position loads into AdamW there, as a single optimizer's state does. A manifest written
+    before the weight decays were recorded is read by the saved groups' weight decay (it was
+    refused by class), as a single optimizer's is."""
     path = str(tmp_path / "ckpt")
 
-    def make(model, first):
-        return [first(model[0].parameters(), lr=_LRS[0], weight_decay=0.0),
+    def make(model, first, decay=0.0):
+        return [first(model[0].parameters(), lr=_LRS[0], weight_decay=decay),
                 torch.optim.SGD(model[2].parameters(), lr=_LRS[1], momentum=0.9)]
 
     def steps(model, opts, seeds):
@@ -313,6 +327,8 @@ def test_a_list_with_adam_without_weight_decay_loads_into_adamw(tmp_path):
     saved_opts = make(saved_model, torch.optim.Adam)
     steps(saved_model, saved_opts, (1, 2))
     checkpoint.save(path, saved_model, saved_opts)
+    if older_manifest:
+        _list_without_recorded_decays(path)
     model = _net(1)
     opts = make(model, torch.optim.AdamW)
     checkpoint.load(path, model, opts)
@@ -325,3 +341,74 @@ def test_a_list_with_adam_without_weight_decay_loads_into_adamw(tmp_path):
     steps(model, opts, (3, 4))
     steps(reference, torch_opts, (3, 4))
     torch.testing.assert_close(_flat(model), _flat(reference), atol=1e-6, rtol=0)
+
+
+def _zero_shards_into_zero_adamw(rank: int, world: int) -> dict:
+    """Each rank's ZeroRedundancyOptimizer(Adam, weight_decay=0) shard, gathered and passed to
+    ``load_state_dict`` of a ZeroRedundancyOptimizer over AdamW; then two more steps. The
+    reference: torch's Adam over the same steps, its state loaded into torch's AdamW. Every rank
+    steps the same batches (ZeRO alone, no data parallelism), so the ranks agree."""
+    import torch.distributed as dist
+
+    from fusedist.zero.state import StateDictError
+
+    saved_model, reference = _net(0), _net(0)
+    saved = fusedist.ZeroRedundancyOptimizer(_groups(saved_model, decay=0.0), torch.optim.Adam)
+    torch_adam = torch.optim.Adam(_groups(reference, decay=0.0))
+    _steps(saved_model, saved, (1, 2))
+    _steps(reference, torch_adam, (1, 2))
+    shards = [None] * world
+    dist.all_gather_object(shards, saved.state_dict())
+
+    model = _net(1)
+    model.load_state_dict(saved_model.state_dict())
+    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW)
+    opt.load_state_dict(shards)
+    torch_adamw = torch.optim.AdamW(_groups(reference))
+    torch_adamw.load_state_dict(copy.deepcopy(torch_adam.state_dict()))
+    _steps(model, opt, (3, 4))
+    _steps(reference, torch_adamw, (3, 4))
+
+    decayed = fusedist.ZeroRedundancyOptimizer(_groups(_net(0)), torch.optim.Adam)  # (Adam's L2 decay)
+    l2_shards = [None] * world
+    dist.all_gather_object(l2_shards, decayed.state_dict())
+    refused = None
+    try:
+        fusedist.ZeroRedundancyOptimizer(_groups(_net(1)), torch.optim.AdamW).load_state_dict(l2_shards)
+    except StateDictError as exc:
+        refused = str(exc)
+    return {"loaded": _flat(model), "reference": _flat(reference), "refused": refused,
+            "decoupled": [g["decoupled_weight_decay"] for g in opt.param_groups],
+            "decay": [g["weight_decay"] for g in opt.param_groups]}
+
+
+def test_zero_load_state_dict_takes_adam_without_weight_decay_into_adamw():
+    """``ZeroRedundancyOptimizer.load_state_dict`` reads a shard's groups by the checkpoint's
+    rule: Adam without weight decay continues as torch's AdamW given its state (it was refused
+    as another algorithm's), keeping AdamW's decoupled decay; Adam's L2 decay stays refused.
+    World 2: each rank's shard holds part of the state."""
+    from fusedist.testing import run_distributed
+
+    for out in run_distributed(_zero_shards_into_zero_adamw, 2, timeout=120):
+        torch.testing.assert_close(out["loaded"], out["reference"], atol=1e-6, rtol=0)
+        assert out["decoupled"] == [True, True] and out["decay"] == [0.0, 0.0]
+        assert out["refused"] is not None and "holds the state of Adam (Adam)" in out["refused"]
+
+
+def test_a_list_with_adam_l2_decay_and_an_older_manifest_is_refused(tmp_path):
+    """The other side of the older manifest's rule: a position saved with Adam's L2 decay is still
+    refused for AdamW (by its saved groups), before anything changes."""
+    path = str(tmp_path / "ckpt")
+    saved_model = _net(0)
+    saved_opts = [torch.optim.Adam(saved_model[0].parameters(), lr=_LRS[0], weight_decay=0.3),
+                  torch.optim.SGD(saved_model[2].parameters(), lr=_LRS[1])]
+    _steps(saved_model, saved_opts[0], (1,))
+    checkpoint.save(path, saved_model, saved_opts)
+    _list_without_recorded_decays(path)
+    model = _net(1)
+    opts = [torch.optim.AdamW(model[0].parameters(), lr=_LRS[0], weight_decay=0.3),
+            torch.optim.SGD(model[2].parameters(), lr=_LRS[1])]
+    before = _flat(model).clone()
+    with pytest.raises(CheckpointError, match=r"holds the state of Adam \(Adam\).*AdamW"):
+        checkpoint.load(path, model, opts)
+    assert torch.equal(before, _flat(model)) and not opts[0].state

@@ -15,7 +15,8 @@ a parameter-free loss head, activations and their gradients sent between the sta
 - the ranks of ONE stage passing different optimizers are still refused, at save (nothing
   written) and at load (nothing loaded), naming the stage;
 - a strict load where a stage with saved optimizer state passes no optimizer is refused on every
-  rank alike; ``strict=False`` loads the model.
+  rank alike; ``strict=False`` loads the model, and lists the keys of torch's distributed
+  checkpoint no part loads on the stateless stage's ranks too.
 """
 
 from __future__ import annotations
@@ -199,6 +200,14 @@ def _refusal_worker(rank, world_size, seed, root):
     box = [whole]
     dist.broadcast_object_list(box, src=0)
     out["split differ"] = _differ(split.state_dict(), {k: v for k, v in box[0].items() if k in split.state_dict()})
+
+    # torch's distributed checkpoint, not strict, into stage 0 holding layer 0 alone and stage 1
+    # without state: the keys no part loads, on every rank as torch's load_state_dict of the whole
+    # model (layer 0) lists them (stage 1's ranks listed none)
+    part = _Body(seed + 4, ids=[0]) if pp == 0 else _Loss()
+    left = load(os.path.join(root, "dcp"), part, None, process_group=group, pipeline=True, strict=False)
+    out["dcp not strict"] = (left.missing_keys, left.unexpected_keys)
+    out["torch not strict"] = tuple(_Body(seed + 4, ids=[0]).load_state_dict(box[0], strict=False))
     return out
 
 
@@ -217,6 +226,10 @@ def test_stage_optimizers_are_compared_within_each_stage(tmp_path):
                "with pipeline=True, each part holding parameters with its optimizer" in out["strict"], (rank, out)
         assert out["strict changed"] == [], (rank, out)
         assert out["not strict"] == "" and out["split differ"] == [], (rank, out)
+        # (in the order torch's distributed checkpoint reads them back, not the model's)
+        missing, unexpected = out["dcp not strict"]
+        assert (missing, sorted(unexpected)) == tuple(map(sorted, out["torch not strict"])) \
+            == ([], ["layers.1.bias", "layers.1.weight"]), (rank, out)
 
 
 class _Wrapped(nn.Module):

@@ -115,6 +115,78 @@ def test_a_file_that_never_shows_fails_after_the_wait_and_a_damaged_one_at_once(
     assert time.monotonic() - t0 < 10 and torch.equal(before, _flat(model))
 
 
+def _old_manifest(monkeypatch) -> None:
+    """The manifest as a load sees it an hour after it was written (its inode change time
+    cannot be back-dated, so the load's clock is moved on instead)."""
+    from fusedist.checkpoint import _visibility
+
+    monkeypatch.setattr(_visibility, "_wall_clock", lambda: time.time() + 3600)
+
+
+def test_a_file_that_is_not_arriving_fails_without_the_whole_wait(saved, monkeypatch):
+    """Note [a file that is not arriving]: the manifest older than the wait limit and nothing in
+    the directory changing, a missing file is not waited for the whole limit."""
+    from fusedist.checkpoint._visibility import QUIET_S
+
+    path, _, _ = saved
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "30")
+    _old_manifest(monkeypatch)
+    _late(path, short=False)
+    model = _net(1)
+    before = _flat(model).clone()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"rank 0 does not see common\.pt \(missing\)\. Its manifest was "
+                                              r"written more than 30 s ago.*not arriving.*Nothing was loaded"):
+        checkpoint.load(path, model)
+    assert QUIET_S <= time.monotonic() - t0 < 15 and torch.equal(before, _flat(model))
+
+
+def _copied_in(aside: str, path: str, seconds: float) -> None:
+    """Copy ``aside`` to ``path`` over ``seconds``, as a copy tool does: growing under a temporary
+    name, renamed at the end."""
+    with open(aside, "rb") as f:
+        data = f.read()
+    part, chunks = path + ".part", 10
+    with open(part, "wb") as out:
+        for i in range(chunks):
+            out.write(data[i * len(data) // chunks:(i + 1) * len(data) // chunks])
+            out.flush()
+            time.sleep(seconds / chunks)
+    os.replace(part, path)
+
+
+@pytest.mark.parametrize("how", ["copied in under an old manifest", "late under a recent manifest"])
+def test_a_file_still_arriving_is_waited_for_past_the_quiet_window(saved, monkeypatch, how):
+    """The other side of Note [a file that is not arriving]: a file still being copied in (the
+    directory changes) or a manifest not older than the limit (a host's view may lag) is waited
+    for past QUIET_S, and the load then matches torch's load_state_dict of the saved state."""
+    from fusedist.checkpoint._visibility import QUIET_S
+
+    path, model_state, opt_state = saved
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "30")
+    aside = _late(path, short=False)
+    target = os.path.join(path, "common.pt")
+    if how.startswith("copied"):
+        _old_manifest(monkeypatch)
+        arrives = threading.Thread(target=_copied_in, args=(aside, target, QUIET_S + 1.5))
+    else:
+        arrives = threading.Timer(QUIET_S + 1.5, os.replace, (aside, target))
+    arrives.start()
+    model = _net(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        checkpoint.load(path, model, opt)
+    finally:
+        arrives.join()
+    reference = _net(1)
+    reference.load_state_dict(model_state)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(opt_state)
+    _steps(model, opt, (3,))
+    _steps(reference, torch_opt, (3,))
+    assert torch.equal(_flat(model), _flat(reference))
+
+
 def test_a_checkpointer_waits_for_a_file_rank_0_sees_short(tmp_path, monkeypatch):
     """Rank 0 of a restore sees a listed file short, not changed since the manifest: a file still
     arriving, which restore waits for (it was taken as truncated and the previous checkpoint

@@ -95,12 +95,24 @@ def check_load(manifest: Optional[dict], optimizers, directory: str) -> None:
     metas = {e.get("part"): e.get("optimizer") for e in manifest.get("pipeline", [])}
     differences = [] if len(saved) != len(here) else [
         (i, difference) for i, o in enumerate(optimizers) if metas.get(i) is not None
-        for difference in [_checks.algorithm_problem(metas[i], o)] if difference is not None]
+        for difference in [_position_problem(metas[i], o)] if difference is not None]
     if len(saved) != len(here) or differences:
         which = "".join(f"; optimizer {i}: {d}" for i, d in differences[:2])
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds the state of {len(saved)} optimizers {saved}, "
                               f"not of {len(here)} {here}{which}. Pass the optimizers of the save, in its order (or "
                               "optimizer=None to load the model alone)")
+
+
+def _position_problem(meta: dict, optimizer) -> Optional[str]:
+    """Why the state of one position cannot load into ``optimizer``, or None. A manifest written
+    before the groups' weight decays were recorded (``group_weight_decay``) cannot tell Adam
+    without weight decay, which loads into AdamW (Note [Adam without weight decay is AdamW without
+    it] in ``_adam_family.py``), from Adam's L2 decay: where that alone decides, the part's load
+    decides it from the saved param groups (``pipeline._prepare_optimizer``), before anything changes."""
+    difference = _checks.algorithm_problem(meta, optimizer)
+    if difference is None or meta.get("group_weight_decay") is not None:
+        return difference
+    return None if _checks.algorithm_problem(dict(meta, group_weight_decay=[0.0]), optimizer) is None else difference
 
 
 def refuse_single(manifest: dict, optimizer, directory: str) -> None:

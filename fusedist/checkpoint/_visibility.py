@@ -171,24 +171,51 @@ def wait_seen(directory: str, files: dict) -> list[str]:
 #     Checkpointer's rank 0 tells the two apart alike: ``layout.py``). Nothing is waited for
 #     where rank 0 reads no manifest (torch's distributed checkpoint, or none: the load says
 #     which), or where the ranks were given different directories (the load refuses that).
+#
+# Note [a file that is not arriving]
+#     Waiting the whole ``FUSEDIST_CHECKPOINT_VISIBLE_S`` for a file that was removed (a partly
+#     deleted or partly copied checkpoint, the wrong directory) kept the user a minute from the
+#     error. The wait is cut short when nothing can still be arriving: (1) every rank's manifest
+#     was put in place (its inode change time, which copying tools do not back-date as they do
+#     the modification time) longer ago than the wait limit, so a file a save wrote before it
+#     shows on every host whose view lags by at most the limit -- the bound the variable states
+#     (NFS: ``acdirmax``); (2) what lags is only listed files, missing or short, each rank
+#     reading rank 0's manifest; and (3) no entry of the directory appeared, vanished or changed
+#     its size or time on any rank for :data:`QUIET_S` seconds (a copy still writing, under a
+#     temporary name too). Assumes the hosts' clocks agree with the file server's to well
+#     within the limit. Any other lag is waited for in full.
+QUIET_S = 3.0
+
+
 def await_loadable(world, directory: str) -> None:
     """Wait until every rank of ``world`` (``api._World``) sees the checkpoint in ``directory``
     whole, as rank 0's manifest lists it (Note [a plain load waits for lagging files]); raise
-    CheckpointError, on every rank alike, if some rank does not after the wait."""
+    CheckpointError, on every rank alike, if some rank does not after the wait, or as soon as
+    nothing can still be arriving (Note [a file that is not arriving])."""
     limit = wait_limit()
     started = time.monotonic()
+    quiet = _Quiet(directory, limit)
     while True:
         view = _own_view(directory)
-        everyone = world.all_gather((directory, view, time.monotonic() - started >= limit), "load: files seen")
+        out = time.monotonic() - started >= limit
+        everyone = world.all_gather((directory, view, out, quiet.settled()), "load: files seen")
         first = everyone[0][1]
-        if first is None or any(d != everyone[0][0] for d, _, _ in everyone):
+        if first is None or any(d != everyone[0][0] for d, _, _, _ in everyone):
             return
-        lagging = [(rank, _behind(v, first[0])) for rank, (_, v, _) in zip(world.ranks(), everyone)]
+        lagging = [(rank, _behind(v, first[0])) for rank, (_, v, _, _) in zip(world.ranks(), everyone)]
         lagging = [(rank, seen) for rank, seen in lagging if seen]
         if not lagging:
             return
-        if any(out for _, _, out in everyone):
+        if any(out for _, _, out, _ in everyone):
             break
+        if all(settled for _, _, _, settled in everyone) and all(v is not None and v[0] == first[0]
+                                                                  for _, v, _, _ in everyone):
+            where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
+            raise CheckpointError(
+                f"fusedist.checkpoint: cannot load {directory}: {where}. Its manifest was written more than "
+                f"{limit:g} s ago ({WAIT_ENV}) and nothing in the directory changed for {QUIET_S:g} s, so the "
+                f"files are not arriving (Note [a file that is not arriving]): they were removed, or never copied "
+                f"in. Nothing was loaded: check the directory, or copy the missing files in")
         time.sleep(_POLL_S)
     where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
     raise CheckpointError(
@@ -196,6 +223,37 @@ def await_loadable(world, directory: str) -> None:
         f"is written only after every file it lists, so the files are not lost in a save: a host's view of the "
         f"directory lags (a network filesystem's attribute cache), the directory is being copied, or files were "
         f"removed since. Nothing was loaded: load again once every host shows them (raise {WAIT_ENV} to wait longer)")
+
+
+def _wall_clock() -> float:
+    return time.time()
+
+
+class _Quiet:
+    """Whether this rank sees nothing of ``directory`` still arriving (Note [a file that is not
+    arriving]): its manifest older than the wait limit, its entries unchanged for QUIET_S."""
+
+    def __init__(self, directory: str, limit: float):
+        self.directory, self.limit = directory, limit
+        self.seen, self.since = None, time.monotonic()
+
+    def settled(self) -> bool:
+        now, seen = time.monotonic(), self._entries()
+        if seen != self.seen:
+            self.seen, self.since = seen, now
+        try:
+            placed = os.stat(os.path.join(self.directory, _files.MANIFEST)).st_ctime
+        except OSError:
+            return False
+        return seen is not None and now - self.since >= QUIET_S and _wall_clock() - placed >= self.limit
+
+    def _entries(self) -> Optional[frozenset]:
+        try:
+            with os.scandir(self.directory) as it:
+                return frozenset((e.name, e.stat(follow_symlinks=False).st_size,
+                                  e.stat(follow_symlinks=False).st_mtime_ns) for e in it)
+        except OSError:
+            return None
 
 
 def _own_view(directory: str) -> Optional[tuple]:

@@ -374,6 +374,7 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool
             saved, optim, saved_key = _dcp_split(tree, names, expected, directory)
         else:  # a part without state takes nothing, and a load that is not strict checks nothing more
             saved, optim, saved_key = {}, None, {}
+            every_key.update((key, 0) for key in _keys_of_the_model(tree, directory))
         every_key.update((saved_key[k], 0) for k in saved)
         mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
         mine = _load_plan._cross_packed(mine, target, sharded_target, directory)  # (an NF4 weight's other form)
@@ -410,6 +411,19 @@ def _dcp_split(tree: dict, names, expected: dict, directory: str) -> tuple:
         type(d)((key, (key, value)) for key, value in d.items()), expected), directory)
     saved = type(pairs)((name, value) for name, (_, value) in pairs.items())
     return saved, optim, {name: key for name, (key, _) in pairs.items()}
+
+
+def _keys_of_the_model(tree: dict, directory: str) -> list:
+    """The saved keys of the model's state in torch's distributed checkpoint ``tree``, for a load
+    that is not strict of a part without state: what the part does not load, listed by the
+    load's ``unexpected_keys`` unless another part takes it (Note [a load that is not strict] in
+    ``_load.py``; a rank holding only such parts listed none, where the whole model's
+    ``load_state_dict`` lists them). None are listed where the checkpoint holds several entries that could
+    be the model's: only a part with state tells them apart."""
+    try:
+        return list(_dcp_split(tree, _dcp_model_keys(tree, directory), {}, directory)[2].values())
+    except CheckpointError:
+        return []
 
 
 def _dcp_model_keys(tree: dict, directory: str) -> dict:

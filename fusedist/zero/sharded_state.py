@@ -223,6 +223,9 @@ class ShardedState(HeldByOptimizer):
             groups = sds[0]["param_groups"]
         else:
             raise zstate.StateDictError(f"{source}: not a ZeroRedundancyOptimizer or torch optimizer state dict")
+        from ..checkpoint._adam_family import keep_own_setting  # (the checkpoint package imports this one)
+
+        groups = keep_own_setting({"param_groups": groups}, z)["param_groups"]
         zstate.check_groups(groups, z.param_groups, source)
         # Every parameter is assembled (and so validated) now; the rank keeps its own ranges.
         assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source, keep_empty=True)
@@ -254,10 +257,18 @@ class ShardedState(HeldByOptimizer):
     def _check_algorithm(self, shard: dict, source: str) -> None:
         """A shard of another algorithm (SGD's momentum into AdamW) is refused by name: its
         state may even load, and the optimizer would then step with the other algorithm's
-        hyperparameters."""
+        hyperparameters. A group saved without weight decay runs Adam or AdamW alike (Note [Adam
+        without weight decay is AdamW without it] in ``checkpoint/_adam_family.py``), as a
+        checkpoint's load reads it."""
+        from ..checkpoint._adam_family import read_as_loading, recorded
+
         z = self.zero
-        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), inner_class(z),
-                                          saved_groups=shard.get("param_groups"), groups=z.param_groups)
+        cls, saved_groups = inner_class(z), shard.get("param_groups")
+        if saved_groups is not None:
+            saved_groups = read_as_loading(saved_groups, recorded(saved_groups),
+                                           list(group_algorithms(class_algorithm(cls), z.param_groups)))
+        difference = algorithm_difference(shard.get("optimizer_class", "?"), shard.get("algorithm"), cls,
+                                          saved_groups=saved_groups, groups=z.param_groups)
         if difference is not None:
             raise zstate.StateDictError(f"{source}: {difference}; nothing was changed")
 

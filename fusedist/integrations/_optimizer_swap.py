@@ -25,15 +25,27 @@ _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.opti
 
 def _refuse_unfusable_settings(optimizer: torch.optim.Optimizer, strategy: str) -> None:
     """The fused optimizers run no CUDA-graph-capturable or differentiable step: an optimizer
-    asking for one is refused at setup, with the strategy setting that keeps torch's (the fused
-    optimizer's own refusal would name a class the user never wrote)."""
+    built to run one is refused at setup, with the strategy setting that keeps torch's (the fused
+    optimizer's own refusal would name a class the user never wrote). Its ``defaults`` say so, as
+    torch reads them (Note [a group's capturable or differentiable flag])."""
     name = type(optimizer).__name__
     for flag in ("capturable", "differentiable"):
-        if optimizer.defaults.get(flag) or any(group.get(flag) for group in optimizer.param_groups):
+        if optimizer.defaults.get(flag):
             raise ValueError(
                 f"{strategy}: {name}({flag}=True) has no fused counterpart (fusedist's fused "
                 f"{name} does not support {flag}=True); pass {strategy}(fused_optimizer=False) "
                 f"to train with torch's {name}, or drop {flag}=True")
+
+
+# Note [a group's capturable or differentiable flag]
+# A param group may say capturable=True or differentiable=True while the optimizer was built without
+# them: torch's load_state_dict copies the saved groups' flags (a state dict of a CUDA-graph run, or
+# of one with a differentiable group), and add_param_group keeps what the group says. torch's step
+# then still runs without autograd (it reads ``defaults["differentiable"]``), and the fused drop-ins
+# load and step such groups as torch does (Note [a capturable state dict] and Note [a differentiable
+# group] in fusedist/optim/adam.py). The swap used to refuse them at setup, so a run that had
+# loaded such a state dict could not start with the strategy at all; only the optimizer's own
+# settings are refused now, and the groups pass to the fused optimizer with their flags.
 
 
 def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool, zero_stage: int,
@@ -68,8 +80,45 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
             settings.pop("foreach", None)
             settings.pop("fused", None)
     if zero_stage == 0:
-        return _named_as(target, cls)(groups, **defaults)
-    return _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=zero_stage, **defaults)
+        converted = _named_as(target, cls)(groups, **defaults)
+    else:
+        converted = _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=zero_stage, **defaults)
+    earlier = _stepping_for(optimizer)
+    if earlier is not None:  # Note [an optimizer given to a strategy again]
+        converted.load_state_dict(_whole_state(earlier))
+    return converted
+
+
+# Note [an optimizer given to a strategy again]
+# A module that builds its optimizer once and returns it from configure_optimizers on every fit (or
+# a loop handing it to a second Fabric) gives the strategy an optimizer it handed over before. With
+# Lightning's DDP the second fit steps that optimizer on, its moments and step counts kept; here its
+# state lived in the optimizer it was handed to, its own state stayed empty, and it was converted
+# afresh: the second fit restarted Adam's moments (4e-2 off Lightning's DDP after one epoch). The
+# new conversion now starts from the earlier one's whole state (gathered to every rank when it was
+# sharded: a collective, which every rank's setup runs alike), at any stage on either side.
+
+
+def _stepping_for(optimizer):
+    """The optimizer that stepped for ``optimizer`` after an earlier hand-over, or None (the link
+    is its ``_opt_called``; a fused optimizer keeps that under another key)."""
+    for key in ("_opt_called", "_fusedist_opt_called"):
+        flag = optimizer.__dict__.get(key)
+        if isinstance(flag, _SteppedThrough):
+            return flag.optimizer()
+    return None
+
+
+def _whole_state(optimizer) -> dict:
+    """``optimizer``'s state dict in torch's format, on every rank when it is sharded."""
+    if not isinstance(optimizer, fusedist.ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    import torch.distributed as dist
+
+    group = optimizer.process_group
+    whole = [optimizer.consolidate_state_dict(to=0)]
+    dist.broadcast_object_list(whole, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return whole[0]
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:

@@ -171,12 +171,14 @@ def _kept_module_class():
     return KeepsOne
 
 
-def _two_fits(side: str, zero_stage: int):
+def _two_fits(side: str, zero_stage: int, then: tuple = ()):
+    """Fits of one module: the first under ``side``, then one under each of ``then`` ("ddp" or
+    "fusedist"; one more under ``side`` when none is given)."""
     import lightning as L
 
     module = _kept_module_class()()
-    for _ in range(2):
-        if side == "ddp":
+    for fit_side in (side, *(then or (side,))):
+        if fit_side == "ddp":
             strategy = "ddp"
         else:
             from fusedist.integrations.lightning import FusedistStrategy
@@ -194,6 +196,12 @@ def _optimizer_given_again(rank, world, zero_stage):
     assert (ours - theirs).abs().max().item() <= TOL, (ours - theirs).abs().max().item()
 
 
+def _optimizer_given_to_ddp_after(rank, world, zero_stage, then):
+    _launched_env(rank, world)
+    ours, theirs = _two_fits("fusedist", zero_stage, then), _two_fits("ddp", zero_stage, ("ddp",) * len(then))
+    assert (ours - theirs).abs().max().item() <= TOL, (ours - theirs).abs().max().item()
+
+
 def _lightning_loaded_flag(rank, world, root):
     _launched_env(rank, world)
     ours = _lightning_run("fusedist", root)
@@ -206,6 +214,13 @@ def _lightning_loaded_flag(rank, world, root):
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_lightning_optimizer_returned_on_a_second_fit_keeps_its_state_as_lightnings_ddp(zero_stage, launched):
     results_of(launched, f"given again ZeRO {zero_stage}")
+
+
+@pytest.mark.parametrize("zero_stage, then", [(1, "ddp"), (2, "ddp"), (2, "ddp, fusedist")])
+def test_lightning_optimizer_kept_from_a_zero_fit_trains_later_fits_as_lightnings_ddp(zero_stage, then, launched):
+    """The sharded optimizer retired with the first fit: the kept optimizer steps on from its whole
+    state under "ddp", and a later ZeRO fit converts it from that state again."""
+    results_of(launched, f"ZeRO {zero_stage} then {then}")
 
 
 @pytest.mark.parametrize("flag, zero_stage", [("differentiable", 0), ("capturable", 2)])
@@ -223,6 +238,9 @@ def launched(request, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("resumed"))
     jobs = {"test_lightning_optimizer_returned_on_a_second_fit_keeps_its_state_as_lightnings_ddp": {
                 f"given again ZeRO {stage}": (_optimizer_given_again, (stage,)) for stage in (0, 2)},
+            "test_lightning_optimizer_kept_from_a_zero_fit_trains_later_fits_as_lightnings_ddp": {
+                f"ZeRO {stage} then {then}": (_optimizer_given_to_ddp_after, (stage, tuple(then.split(", "))))
+                for stage, then in ((1, "ddp"), (2, "ddp"), (2, "ddp, fusedist"))},
             "test_fabric_optimizer_with_loaded_group_flags_trains_as_fabrics_ddp": {
                 f"fabric {flag} ZeRO {stage}": (_fabric_loaded_flags, (flag, stage))
                 for flag, stage in (("differentiable", 0), ("capturable", 2))},

@@ -15,9 +15,9 @@ import torch
 
 import fusedist
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
-from fusedist.optim._scaler_protocol import FlagOfAnother, hand_protocol_over
+from fusedist.optim._scaler_protocol import _HANDED_TO, FlagOfAnother, hand_protocol_over
 
-__all__ = ["convert_optimizer", "hand_over"]
+__all__ = ["convert_optimizer", "hand_over", "retire_successor"]
 
 # torch optimizer -> its fused drop-in (same constructor keywords).
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
@@ -64,7 +64,8 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
     fused = _FUSED.get(cls) if fused_optimizer else None
     if fused is None and zero_stage == 0:
         return optimizer
-    if _has_stepped(optimizer):
+    taken_back = optimizer.__dict__.get(_TAKEN_BACK, False)  # (Note [a kept optimizer after its sharded ...])
+    if _has_stepped(optimizer) and not taken_back:
         raise RuntimeError(f"{strategy}: {cls.__name__} already has state; it must be converted "
                            f"before its first step ({fresh_from})")
     if fused is not None:
@@ -83,7 +84,7 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
         converted = _named_as(target, cls)(groups, **defaults)
     else:
         converted = _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=zero_stage, **defaults)
-    earlier = _stepping_for(optimizer)
+    earlier = _stepping_for(optimizer) or (optimizer if taken_back else None)
     if earlier is not None:  # Note [an optimizer given to a strategy again]
         converted.load_state_dict(_whole_state(earlier))
     return converted
@@ -220,6 +221,8 @@ def hand_over(old, new, schedulers) -> None:
     scheduled = hasattr(old.step, "_wrapped_by_lr_sched")
     # Note [a scheduler built on the returned optimizer]: one built on it before, or after, now
     _track_step_calls(new)
+    old.__dict__.pop(_PENDING, None)  # (Note [a kept optimizer after its sharded successor retires])
+    old.__dict__.pop(_TAKEN_BACK, None)
     old._opt_called = _SteppedThrough(new)
     hand_protocol_over(old, new)  # (a GradScaler given old tells new: Note [the returned optimizer])
     old.step, old.zero_grad = _step_of(new, old, scheduled), new.zero_grad
@@ -229,6 +232,82 @@ def hand_over(old, new, schedulers) -> None:
     if hasattr(new, "consolidate_state_dict"):  # a ZeroRedundancyOptimizer (Note [the returned optimizer])
         old.consolidate_state_dict = new.consolidate_state_dict
     new.register_load_state_dict_post_hook(functools.partial(_share_loaded_groups, weakref.ref(old)))
+    _KEPT[new] = weakref.ref(old)
+
+
+# Note [a kept optimizer after its sharded successor retires]
+# A module that builds its optimizer once and fits first with zero_stage=1/2, then with Lightning's
+# "ddp" (or a plain loop), steps the kept optimizer again -- which still forwarded to the
+# ZeroRedundancyOptimizer retired at teardown (Note [the wrapper retires at teardown] in
+# lightning.py). At stage 2 that one reads gradients from the retired wrapper's buckets, never from
+# p.grad: the second fit trained 3.7e-2 off "ddp" run twice, without a word. At the retirement the
+# kept optimizer's forwarding methods become ones that take the whole state back first -- its
+# moments and step counts, its param groups with what was set on them -- and then run the kept
+# optimizer's own method: every later step is torch's, on the gradients the new fit synchronized.
+# Taking the state back gathers the shards (a collective on the sharded optimizer's process group,
+# bounded by its timeout), so it runs lazily at the kept optimizer's next step, zero_grad,
+# state_dict or add_param_group, which every rank reaches alike, never at teardown (which a rank
+# may reach through an exception while the others train on). A load_state_dict replaces the state
+# anyway and gathers nothing. Given to a fusedist strategy again before that, the kept optimizer is
+# converted from its retired successor's state as before (Note [an optimizer given to a strategy
+# again]); after it, from its own.
+
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # successor -> the kept optimizer
+_FORWARDED = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+_PENDING, _TAKEN_BACK = "_fusedist_takes_back_from", "_fusedist_took_back"
+
+
+def retire_successor(new) -> None:
+    """``new``, a sharded optimizer, stops stepping for the optimizer it was handed (Note [a kept
+    optimizer after its sharded successor retires])."""
+    ref = _KEPT.pop(new, None)
+    old = None if ref is None else ref()
+    if old is None or not isinstance(new, fusedist.ZeroRedundancyOptimizer) or _stepping_for(old) is not new:
+        return
+    scheduled = hasattr(old.step, "_wrapped_by_lr_sched")
+    old.__dict__.pop("consolidate_state_dict", None)
+    installed = {}
+    for name in _FORWARDED:
+        func = functools.partial(_taking_back, name)
+        if name == "step" and scheduled:  # (torch's schedulers wrap a step once: it stays marked)
+            func = _marked(func)
+        installed[name] = old.__dict__[name] = types.MethodType(func, old)
+    old.__dict__[_PENDING] = (new, installed)
+
+
+def _marked(func):
+    def step(self, *args, **kwargs):
+        return func(self, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
+def _taking_back(name, old, *args, **kwargs):
+    """``old``'s own ``name``, once ``old`` has taken its whole state back from its retired
+    successor (a collective, except for a load, which replaces the state)."""
+    pending = old.__dict__.pop(_PENDING, None)
+    if pending is not None:
+        new, installed = pending
+        try:
+            whole = None if name == "load_state_dict" else _whole_state(new)
+        except BaseException:
+            old.__dict__[_PENDING] = pending
+            raise
+        scheduled = hasattr(old.step, "_wrapped_by_lr_sched")
+        for method, ours in installed.items():
+            if old.__dict__.get(method) is ours:
+                del old.__dict__[method]
+        for key in ("_opt_called", "_fusedist_opt_called"):
+            if isinstance(old.__dict__.get(key), _SteppedThrough):
+                old.__dict__[key] = bool(old.__dict__[key])
+        old.__dict__.pop(_HANDED_TO, None)
+        old.__dict__[_TAKEN_BACK] = True
+        if whole is not None:
+            type(old).load_state_dict(old, whole)
+        if scheduled and "step" not in old.__dict__:
+            _track_step_calls(old)
+    return getattr(type(old), name)(old, *args, **kwargs)
 
 
 def _step_of(new, old, scheduled: bool):

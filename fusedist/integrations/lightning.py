@@ -47,7 +47,7 @@ import fusedist
 from fusedist.ddp import DistributedDataParallel
 
 from . import _optimizer_swap
-from ._optimizer_swap import convert_optimizer, hand_over
+from ._optimizer_swap import convert_optimizer, hand_over, retire_successor
 from ._strategy_options import check_zero_stage, register_names
 from .lightning_precision import RoutesPrecision
 
@@ -208,6 +208,8 @@ def _retire(ddp: DistributedDataParallel, optimizers) -> None:
     ddp.reducer.remove_hooks()
     ownership.release(ddp.module.parameters(),
                       [ddp, ddp.watch, *(getattr(o, "_optimizer", o) for o in optimizers)])
+    for optimizer in optimizers:  # Note [a kept optimizer after its sharded successor retires] (_optimizer_swap.py)
+        retire_successor(getattr(optimizer, "_optimizer", optimizer))
 
 
 # Note [a load through self.optimizers()]

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ddp_step_overhead.py              # ms/step of each, same run, rotating order
     python benchmarks/bench_ddp_step_overhead.py --profile    # and cProfile of fusedist's steps on rank 0
+    python benchmarks/bench_ddp_step_overhead.py --stack 100  # 100 Linear(4, 4): 200 parameters
 
 A 3-layer MLP of width 32 at batch 8: the arithmetic and the bytes are negligible, so the time
 of ``zero_grad + forward + backward + SGD step`` is the wrapper's bookkeeping and the
@@ -10,7 +11,8 @@ collectives' latency. Contenders: torch DDP, fusedist DDP, and fusedist DDP buil
 collective a step). Each round times a block of steps of each contender in turn (the order
 rotating between rounds); the figures are the medians over rounds of each block's ms/step:
 wall time, and the training thread's CPU time, which leaves out the waits for the other rank
-and so shows the host's own work even on a loaded machine.
+and so shows the host's own work even on a loaded machine. ``--stack N`` replaces the MLP by
+N tiny linear layers, where the per-parameter cost (gradient hooks, bucket bookkeeping) shows.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _model() -> nn.Module:
+def _model(stack: int = 0) -> nn.Module:
     torch.manual_seed(0)
+    if stack:
+        return nn.Sequential(nn.Linear(16, 4), *[nn.Linear(4, 4) for _ in range(stack - 2)], nn.Linear(4, 4))
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
@@ -46,16 +50,16 @@ def _block(model, opt, x, y, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3 / steps, (time.thread_time() - c0) * 1e3 / steps
 
 
-def _worker(rank, world, rounds, steps, profile):
+def _worker(rank, world, rounds, steps, profile, stack=0):
     import fusedist
 
     torch.set_num_threads(1)
-    models = {"torch": nn.parallel.DistributedDataParallel(_model()),
-              "fusedist": fusedist.DistributedDataParallel(_model())}
+    models = {"torch": nn.parallel.DistributedDataParallel(_model(stack)),
+              "fusedist": fusedist.DistributedDataParallel(_model(stack))}
     # The same without its per-step cross-rank check (read when a model is built; the collective
     # monitor and the optimizer-step guard, process-wide, stay on for all three).
     os.environ["FUSEDIST_CHECKS"] = "0"
-    models["fusedist, FUSEDIST_CHECKS=0"] = fusedist.DistributedDataParallel(_model())
+    models["fusedist, FUSEDIST_CHECKS=0"] = fusedist.DistributedDataParallel(_model(stack))
     del os.environ["FUSEDIST_CHECKS"]
     opts = {n: torch.optim.SGD(m.parameters(), lr=0.01) for n, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
@@ -84,11 +88,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--stack", type=int, default=0, help="N >= 2 tiny linear layers instead of the MLP")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from fusedist.testing import run_distributed
 
-    results = run_distributed(_worker, 2, args.rounds, args.steps, args.profile, timeout=600)
+    results = run_distributed(_worker, 2, args.rounds, args.steps, args.profile, args.stack, timeout=600)
     for rank, (ms, _) in enumerate(results):
         tw, tc = ms["torch"]
         for name, (wall, cpu) in ms.items():

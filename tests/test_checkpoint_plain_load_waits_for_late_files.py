@@ -43,6 +43,19 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _continues_as_torch(model, opt, model_state, opt_state, seeds) -> None:
+    """The loaded model and optimizer equal torch's AdamW given the saved state, now and after
+    further steps (the same fp32 operations: bitwise)."""
+    reference = _net(1)
+    reference.load_state_dict(model_state)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(opt_state)
+    assert torch.equal(_flat(model), _flat(reference))
+    _steps(model, opt, seeds)
+    _steps(reference, torch_opt, seeds)
+    assert torch.equal(_flat(model), _flat(reference))
+
+
 @pytest.fixture
 def saved(tmp_path):
     model = _net(0)
@@ -83,14 +96,7 @@ def test_a_plain_load_waits_for_a_file_that_shows_late(saved, monkeypatch, short
         arrives.join()
     assert time.monotonic() - t0 >= 0.7  # (it did wait for the file)
 
-    reference = _net(1)
-    reference.load_state_dict(model_state)
-    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch_opt.load_state_dict(opt_state)
-    assert torch.equal(_flat(model), _flat(reference))
-    _steps(model, opt, (3, 4))
-    _steps(reference, torch_opt, (3, 4))
-    assert torch.equal(_flat(model), _flat(reference))
+    _continues_as_torch(model, opt, model_state, opt_state, (3, 4))
 
 
 def test_a_file_that_never_shows_fails_after_the_wait_and_a_damaged_one_at_once(saved, monkeypatch):
@@ -178,13 +184,7 @@ def test_a_file_still_arriving_is_waited_for_past_the_quiet_window(saved, monkey
         checkpoint.load(path, model, opt)
     finally:
         arrives.join()
-    reference = _net(1)
-    reference.load_state_dict(model_state)
-    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch_opt.load_state_dict(opt_state)
-    _steps(model, opt, (3,))
-    _steps(reference, torch_opt, (3,))
-    assert torch.equal(_flat(model), _flat(reference))
+    _continues_as_torch(model, opt, model_state, opt_state, (3,))
 
 
 def test_a_checkpointer_waits_for_a_file_rank_0_sees_short(tmp_path, monkeypatch):
@@ -215,13 +215,7 @@ def test_a_checkpointer_waits_for_a_file_rank_0_sees_short(tmp_path, monkeypatch
                 assert again.restore(fresh, fresh_opt) == 2
     finally:
         arrives.join()
-    reference = _net(1)
-    reference.load_state_dict(model_state)
-    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch_opt.load_state_dict(opt_state)
-    _steps(fresh, fresh_opt, (3,))
-    _steps(reference, torch_opt, (3,))
-    assert torch.equal(_flat(fresh), _flat(reference))
+    _continues_as_torch(fresh, fresh_opt, model_state, opt_state, (3,))
 
 
 class _no_skip_warning:

@@ -1,61 +1,89 @@
 """The benchmark scripts that only run for real on a GPU still run, on CPU, in CI: a script that
-first meets Python when the GPU is lent wastes the GPU's time."""
+first meets Python when the GPU is lent wastes the GPU's time.
+
+Only the scripts' output is checked, never their figures, so the selected tests' scripts all
+start at once (``script_runs``) and each test reads its own: their interpreter starts, rank
+launches and single-threaded loops overlap instead of adding up on a 2-core machine.
+"""
 
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: {test: the benchmark script's command line (after the interpreter)}
+_SCRIPTS = {
+    "test_gpt_step_benchmark_runs_on_cpu": ("bench_gpt_step.py", "--device", "cpu", "--repeats", "1", "--no-write"),
+    "test_ddp_benchmark_runs_both_rows": ("bench_ddp.py", "--quick", "--no-write"),
+    "test_cpu_sgd_benchmark_runs": ("bench_sgd_cpu.py", "--quick", "--no-write"),
+    "test_pipeline_benchmark_runs": ("bench_pipeline.py", "--quick", "--no-write", "--microbatches", "4"),
+    "test_amp_step_host_benchmark_runs": ("bench_amp_step_host.py", "--quick", "--no-write", "--counts", "4"),
+}
 
-def test_gpt_step_benchmark_runs_on_cpu():
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpt_step.py"), "--device", "cpu",
-         "--repeats", "1", "--no-write"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+def _finish(proc) -> subprocess.CompletedProcess:
+    # 600 s: five scripts share the cores (each took under 300 s alone); only a hang comes near it
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def script_runs(request):
+    """{test: future of its script's CompletedProcess}; each script's output is read on its own
+    thread, so that none blocks on a full pipe while another is waited for."""
+    wanted = {getattr(item, "originalname", item.name) for item in request.session.items
+              if item.module is request.module}
+    procs = {test: subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for test, (script, *args) in _SCRIPTS.items() if test in wanted}
+    with ThreadPoolExecutor(max(len(procs), 1)) as pool:
+        yield {test: pool.submit(_finish, proc) for test, proc in procs.items()}
+
+
+def _output(script_runs, test) -> str:
+    out = script_runs[test].result()
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_gpt_step_benchmark_runs_on_cpu(script_runs):
+    stdout = _output(script_runs, "test_gpt_step_benchmark_runs_on_cpu")
     for row in ("'row': 'ddp'", "'row': 'zero2'", "'row': 'zero2, gathers inside step'", "'row': 'zero3'",
                 "worst ratio against torch"):
-        assert row in out.stdout, out.stdout
+        assert row in stdout, stdout
 
 
-def test_ddp_benchmark_runs_both_rows():
+def test_ddp_benchmark_runs_both_rows(script_runs):
     """bench_ddp's rows (the MLP with every contender launched alone, and many-params) at
     their --quick sizes: the script that reports fusedist DDP's step-time ratio keeps working."""
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp.py"), "--quick", "--no-write"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    stdout = _output(script_runs, "test_ddp_benchmark_runs_both_rows")
     for line in ("fusedist / torch step time", "launched alone", "fusedist / torch: **"):
-        assert line in out.stdout, out.stdout
+        assert line in stdout, stdout
 
 
-def test_cpu_sgd_benchmark_runs():
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_sgd_cpu.py"), "--quick", "--no-write"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("torch_over_fusedist=") == 3, out.stdout
+def test_cpu_sgd_benchmark_runs(script_runs):
+    stdout = _output(script_runs, "test_cpu_sgd_benchmark_runs")
+    assert stdout.count("torch_over_fusedist=") == 3, stdout
 
 
-def test_pipeline_benchmark_runs():
+def test_pipeline_benchmark_runs(script_runs):
     """bench_pipeline's three contenders at --quick size (4 ranks): fusedist's stage issues one
     reduce-scatter per unit and step, torch's stage one per micro-batch."""
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_pipeline.py"), "--quick", "--no-write",
-         "--microbatches", "4"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "fusedist stage / torch FSDP2 stage:" in out.stdout, out.stdout
-    assert "'reduce_scatters_per_step': 2}" in out.stdout and "'reduce_scatters_per_step': 8}" in out.stdout, out.stdout
+    stdout = _output(script_runs, "test_pipeline_benchmark_runs")
+    assert "fusedist stage / torch FSDP2 stage:" in stdout, stdout
+    assert "'reduce_scatters_per_step': 2}" in stdout and "'reduce_scatters_per_step': 8}" in stdout, stdout
 
 
-def test_amp_step_host_benchmark_runs():
+def test_amp_step_host_benchmark_runs(script_runs):
     """bench_amp_step_host at --quick size: it times the Triton path's host code (it refuses to
     time another path), one row per dtype and unscale mode."""
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_amp_step_host.py"), "--quick", "--no-write",
-         "--counts", "4"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count(" total ") == 4, out.stdout
+    stdout = _output(script_runs, "test_amp_step_host_benchmark_runs")
+    assert stdout.count(" total ") == 4, stdout

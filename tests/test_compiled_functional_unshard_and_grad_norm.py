@@ -15,7 +15,8 @@
   communicator and failed on every rank, where torch's FSDP2 runs it. Compared with FSDP2.
 
 Backend ``eager`` (the failure was in dynamo's tracing); a recompile past dynamo's limit is an
-error, and the number of graphs stays the same from step to step.
+error, and the number of graphs stays the same from step to step. The two multi-rank checks
+share one launch of the ranks (tests/shared_rank_launch.py), each compiling from fresh caches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of, with_fresh_compiler
 
 SHAPES = [(3, 4), (5,), (2, 3, 2), (7,), (1,), (4, 4)]
 STEPS = 4
@@ -190,9 +191,9 @@ def _grad_norm_worker(rank, ws):
     return norm_diff, param_diff, graphs
 
 
-def test_lightning_grad_norm_under_zero2_inside_compiled_step_matches_torch():
+def test_lightning_grad_norm_under_zero2_inside_compiled_step_matches_torch(shared_launch):
     pytest.importorskip("lightning")
-    for rank, (norm_diff, param_diff, graphs) in enumerate(run_distributed(_grad_norm_worker, 2, timeout=120)):
+    for rank, (norm_diff, param_diff, graphs) in enumerate(results_of(shared_launch, "grad_norm")):
         assert norm_diff < 1e-5, f"rank {rank}: max |torch DDP's grad_norm - fusedist ZeRO-2's| = {norm_diff}"
         assert param_diff < 1e-5, f"rank {rank}: max |torch DDP - fusedist ZeRO-2| = {param_diff}"
         assert graphs[-1] == graphs[0], f"rank {rank}: recompiled, graphs after each step {graphs}"
@@ -242,8 +243,16 @@ def _unshard_worker(rank, ws):
     return out
 
 
-def test_fully_shard_unshard_inside_compiled_step_matches_fsdp2():
-    for rank, out in enumerate(run_distributed(_unshard_worker, 2, timeout=120)):
+def test_fully_shard_unshard_inside_compiled_step_matches_fsdp2(shared_launch):
+    for rank, out in enumerate(results_of(shared_launch, "unshard")):
         for how, (diff, graphs) in out.items():
             assert diff < 1e-6, f"rank {rank}, {how}: max |torch FSDP2 - fusedist| = {diff}"
             assert graphs[-1] == graphs[0], f"rank {rank}, {how}: recompiled, graphs after each step {graphs}"
+
+
+@pytest.fixture(scope="module")
+def shared_launch(request):
+    return launch_for_selected(request, with_fresh_compiler({
+        "test_lightning_grad_norm_under_zero2_inside_compiled_step_matches_torch": {"grad_norm": (_grad_norm_worker,)},
+        "test_fully_shard_unshard_inside_compiled_step_matches_fsdp2": {"unshard": (_unshard_worker,)},
+    }), 2, timeout=180)

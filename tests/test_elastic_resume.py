@@ -41,21 +41,53 @@ def _final(out: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- under torchrun
+#: the torchrun jobs of each test, all started by the first test that asks (``torchrun_jobs``)
+_JOBS = {"test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run": ("clean", "failing"),
+         "test_relaunch_at_another_rank_count_reshards_and_resplits_the_epoch": ("clean", "failing"),
+         "test_zero3_demo_restarts_and_matches_ddp_bitwise": ("ddp", "zero3")}
+
+
 @pytest.fixture(scope="module")
-def restarted_job(tmp_path_factory):
-    """A job whose rank 1 dies at step 35 of 40, restarted by torchrun, and an uninterrupted
-    run beside it: (exit codes, outputs, its checkpoint directory as the job left it). Shared
-    by the restart test and the relaunch at 3 ranks, which goes on from a copy (a shorter suite)."""
-    ckpt = str(tmp_path_factory.mktemp("restarted") / "ckpt")
-    clean = launch(SCRIPT, "--steps", "40", *TINY, env=RESTART_ENV)
-    failing = launch(SCRIPT, "--steps", "40", *TINY, "--checkpoint-dir", ckpt, "--checkpoint-every", "10",
-                     "--fail-at-step", "35", env=RESTART_ENV, torchrun_args=("--max-restarts=1",))
-    rc_clean, out_clean = finish(clean, timeout=150)
-    rc, out = finish(failing, timeout=150)
-    return rc_clean, out_clean, rc, out, ckpt
+def torchrun_jobs(request, tmp_path_factory):
+    """({job: future of ``finish``}, {job: checkpoint directory}) of the selected tests' torchrun
+    jobs, started at once and each waited for on its own thread: they spend much of their time
+    starting up, rendezvousing and restarting, which then overlaps instead of adding up.
+
+    * ``failing``: rank 1 dies at step 35 of 40; torchrun restarts both ranks, which resume from
+      the periodic checkpoint. ``clean``: the same job uninterrupted, never checkpointing.
+    * ``zero3``: the same failure under ``--zero 3 --optimizer torch``; ``ddp``: its
+      uninterrupted reference under ``--zero 0``."""
+    wanted = {getattr(item, "originalname", item.name) for item in request.session.items
+              if item.module is request.module}
+    jobs = {job for test, names in _JOBS.items() if test in wanted for job in names}
+    ckpt = {job: str(tmp_path_factory.mktemp(job) / "ckpt") for job in ("failing", "zero3")}
+    restart = ("--checkpoint-every", "10", "--fail-at-step", "35")
+    args = {"clean": ("--steps", "40", *TINY),
+            "failing": ("--steps", "40", *TINY, "--checkpoint-dir", ckpt["failing"], *restart),
+            "ddp": ("--steps", "40", *TINY, "--zero", "0", "--optimizer", "torch"),
+            "zero3": ("--steps", "40", *TINY, "--zero", "3", "--optimizer", "torch", "--checkpoint-dir",
+                      ckpt["zero3"], *restart)}
+    procs = {job: launch(SCRIPT, *args[job], env=RESTART_ENV,
+                         torchrun_args=("--max-restarts=1",) if job in ckpt else ())
+             for job in args if job in jobs}
+    # (240 s: four jobs, eight ranks, share the cores; only a hang comes near it)
+    with ThreadPoolExecutor(max(len(procs), 1)) as pool:
+        yield {job: pool.submit(finish, proc, timeout=240) for job, proc in procs.items()}, ckpt
 
 
-def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(restarted_job, killed_async_save_run):
+@pytest.fixture(scope="module")
+def restarted_job(torchrun_jobs):
+    """The ``failing`` job and the ``clean`` one beside it: (exit codes, outputs, the failing job's
+    checkpoint directory as it left it). Shared by the restart test and the relaunch at 3 ranks,
+    which goes on from a copy (a shorter suite)."""
+    futures, ckpt = torchrun_jobs
+    rc_clean, out_clean = futures["clean"].result()
+    rc, out = futures["failing"].result()
+    return rc_clean, out_clean, rc, out, ckpt["failing"]
+
+
+def test_restart_after_a_rank_dies_is_bitwise_identical_to_an_uninterrupted_run(killed_async_save_run, torchrun_jobs,
+                                                                                restarted_job):
     rc_clean, out_clean, rc, out, ckpt = restarted_job
     assert rc_clean == 0, out_clean[-3000:]
     assert rc == 0, out[-3000:]
@@ -85,18 +117,14 @@ def test_relaunch_at_another_rank_count_reshards_and_resplits_the_epoch(restarte
     assert layout.latest_complete(ckpt).step == 50
 
 
-def test_zero3_demo_restarts_and_matches_ddp_bitwise(tmp_path):
+def test_zero3_demo_restarts_and_matches_ddp_bitwise(torchrun_jobs):
     """The demo under ``--zero 3`` (fully_shard per block and root): a rank dies at step 35,
     torchrun restarts both ranks, the periodic Checkpointer's stage-3 checkpoint resumes them,
     and the final parameters equal those of an uninterrupted DDP run bit for bit (world 2,
     fp32: a reduce-scatter of two ranks sums exactly as the all-reduce does)."""
-    ckpt = str(tmp_path / "ckpt")
-    ddp = launch(SCRIPT, "--steps", "40", *TINY, "--zero", "0", "--optimizer", "torch", env=RESTART_ENV)
-    zero3 = launch(SCRIPT, "--steps", "40", *TINY, "--zero", "3", "--optimizer", "torch", "--checkpoint-dir", ckpt,
-                   "--checkpoint-every", "10", "--fail-at-step", "35", env=RESTART_ENV,
-                   torchrun_args=("--max-restarts=1",))
-    rc_ddp, out_ddp = finish(ddp, timeout=150)
-    rc, out = finish(zero3, timeout=150)
+    futures = torchrun_jobs[0]
+    rc_ddp, out_ddp = futures["ddp"].result()
+    rc, out = futures["zero3"].result()
     assert rc_ddp == 0, out_ddp[-3000:]
     assert rc == 0, out[-3000:]
     assert "(ZeRO-3)" in out and "rank 1: failing at step 35" in out, out[-3000:]

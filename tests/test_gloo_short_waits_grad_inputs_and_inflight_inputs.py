@@ -7,12 +7,17 @@ wait failed the exchange for good and gloo closed the connection, so every later
 of the group failed too.) Also: outputs written outside autograd and inference mode (a
 parameter's reduce-scatter, an inference tensor's small all-reduce), an all-gather that sends
 its launch-time input, and a gather of complex tensors.
+
+The 2-rank scenarios share one launch of the ranks and the 3-rank ones another
+(tests/shared_rank_launch.py): starting the ranks costs more than the scenarios do.
 """
 
 import datetime
 import time
 
+import pytest
 import torch
+from shared_rank_launch import _run_in_turn, results_of
 
 from fusedist.testing import run_distributed
 
@@ -80,9 +85,9 @@ def _short_waits(rank, world_size, seed):
     return short, errors
 
 
-def test_short_wait_leaves_collective_going_as_torch_gloo():
-    seed = int(time.time()) % 1000
-    results = run_distributed(_short_waits, 2, seed, timeout=60, env={"FUSEDIST_TIMEOUT_S": "20"})
+def test_short_wait_leaves_collective_going_as_torch_gloo(two_ranks):
+    launched, seed = two_ranks
+    results = results_of(launched, "short_waits")
     for rank, (short, errors) in enumerate(results):
         assert not errors, (rank, seed, errors)
     short = results[0][0]
@@ -125,12 +130,11 @@ def _grad_inputs(rank, world_size, seed):
     return errors
 
 
-def test_reduce_scatter_of_a_parameter_matches_torch():
+def test_reduce_scatter_of_a_parameter_matches_torch(three_ranks):
     """A collective records no autograd history: reducing a tensor that requires grad (a
     parameter) works for every op, in place or not, as torch's gloo reduce-scatter does."""
-    seed = int(time.time()) % 1000
-    results = run_distributed(_grad_inputs, 3, seed, timeout=60, env={"FUSEDIST_TIMEOUT_S": "5"})
-    for rank, errors in enumerate(results):
+    launched, seed = three_ranks
+    for rank, errors in enumerate(results_of(launched, "grad_inputs")):
         assert not errors, (rank, seed, errors)
 
 
@@ -161,13 +165,12 @@ def _inference_tensors(rank, world_size, seed):
     return errors
 
 
-def test_all_reduce_of_an_inference_tensor_matches_torch():
+def test_all_reduce_of_an_inference_tensor_matches_torch(two_ranks):
     """A tensor made under torch.inference_mode() is all-reduced outside it as torch's
     all_reduce does, whatever its size (small ones go through the exchange) and whichever
     thread drives the collective."""
-    seed = int(time.time()) % 1000
-    results = run_distributed(_inference_tensors, 2, seed, timeout=60, env={"FUSEDIST_TIMEOUT_S": "5"})
-    for rank, errors in enumerate(results):
+    launched, seed = two_ranks
+    for rank, errors in enumerate(results_of(launched, "inference_tensors")):
         assert not errors, (rank, seed, errors)
 
 
@@ -198,10 +201,9 @@ def _same_tensor_in_flight(rank, world_size, seed):
     return everyone
 
 
-def test_same_tensor_in_two_collectives_in_flight_stays_consistent_across_ranks():
-    seed = int(time.time()) % 1000
-    results = run_distributed(_same_tensor_in_flight, 2, seed, timeout=60, env={"FUSEDIST_TIMEOUT_S": "10"})
-    everyone = results[0]
+def test_same_tensor_in_two_collectives_in_flight_stays_consistent_across_ranks(two_ranks):
+    launched, seed = two_ranks
+    everyone = results_of(launched, "same_tensor_in_flight")[0]
     for step, (mine, other) in enumerate(zip(*everyone)):
         assert mine == other, (seed, step, mine, other)
 
@@ -221,11 +223,11 @@ def _two_all_reduces_one_late_rank(rank, world_size):
     return x.tolist(), (world_size * total).tolist()
 
 
-def test_collectives_on_one_tensor_take_effect_in_issue_order():
+def test_collectives_on_one_tensor_take_effect_in_issue_order(two_ranks):
     """Note [one buffer, issue order]: the second all-reduce of a tensor reads the first's
     result on every rank -- also on a rank that launched it only after the first had landed
     there, where the others had read the tensor before (the ranks ended with different values)."""
-    for rank, (got, want) in enumerate(run_distributed(_two_all_reduces_one_late_rank, 2, timeout=60)):
+    for rank, (got, want) in enumerate(results_of(two_ranks[0], "issue_order")):
         assert got == want, (rank, got, want)
 
 
@@ -241,7 +243,44 @@ def _gather_complex(rank, world_size):
     return out is None or torch.equal(out, torch.cat(everyone))
 
 
-def test_gather_of_complex_tensors():
+def test_gather_of_complex_tensors(three_ranks):
     """torch's gloo gather refuses complex dtypes ("Invalid scalar type"), which fusedist's
     all-gather and all-reduce carry: the gather sends their real pairs."""
-    assert run_distributed(_gather_complex, 3, timeout=60) == [True, True, True]
+    assert results_of(three_ranks[0], "gather_complex") == [True, True, True]
+
+
+# ---------------------------------------------------------------- shared launches
+#: {test: {scenario: (fn, takes the seed)}}, by world size, in the order the ranks run them
+_BY_WORLD = {
+    2: {"test_short_wait_leaves_collective_going_as_torch_gloo": {"short_waits": (_short_waits, True)},
+        "test_all_reduce_of_an_inference_tensor_matches_torch": {"inference_tensors": (_inference_tensors, True)},
+        "test_same_tensor_in_two_collectives_in_flight_stays_consistent_across_ranks": {
+            "same_tensor_in_flight": (_same_tensor_in_flight, True)},
+        "test_collectives_on_one_tensor_take_effect_in_issue_order": {
+            "issue_order": (_two_all_reduces_one_late_rank, False)}},
+    3: {"test_reduce_scatter_of_a_parameter_matches_torch": {"grad_inputs": (_grad_inputs, True)},
+        "test_gather_of_complex_tensors": {"gather_complex": (_gather_complex, False)}},
+}
+
+
+def _launch(request, world):
+    """({scenario: per-rank (passed, result)}, seed) of the selected tests of ``world`` ranks.
+    FUSEDIST_TIMEOUT_S: 20 s, far past the short waits (0.3 s) and the late rank (1.5 s) the
+    short-wait scenario needs, and a bound on a scenario that hangs well under ``timeout``."""
+    seed = int(time.time()) % 1000
+    wanted = {getattr(item, "originalname", item.name) for item in request.session.items
+              if item.module is request.module}
+    todo = [(name, fn, (seed,) if seeded else ()) for test, scenarios in _BY_WORLD[world].items() if test in wanted
+            for name, (fn, seeded) in scenarios.items()]
+    per_rank = run_distributed(_run_in_turn, world, todo, timeout=120, env={"FUSEDIST_TIMEOUT_S": "20"})
+    return {name: [results[name] for results in per_rank] for name, _, _ in todo}, seed
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request):
+    return _launch(request, 2)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(request):
+    return _launch(request, 3)

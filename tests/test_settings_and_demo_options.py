@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from shared_rank_launch import launch_for_selected, results_of
 
 from fusedist.testing import run_distributed
 
@@ -70,13 +71,13 @@ def _timeout_after_torch_init(rank, world_size):
     return before, unbounded, collective_timeout()
 
 
-def test_init_distributed_timeout_applies_to_a_group_torch_made():
+def test_init_distributed_timeout_applies_to_a_group_torch_made(harness_group):
     """A timeout passed once torch.distributed is initialized (by Lightning, accelerate, the
     user's own init_process_group) bounds fusedist's collectives: it was silently ignored.
     ``float("inf")`` is no deadline (LONGEST_TIMEOUT_S), as for ``timedelta.max``: it was refused."""
     from fusedist.distributed import LONGEST_TIMEOUT_S
 
-    for before, unbounded, after in run_distributed(_timeout_after_torch_init, 2, timeout=60):
+    for before, unbounded, after in results_of(harness_group, "torch_init_timeout"):
         assert before != after == datetime.timedelta(seconds=3)
         assert unbounded == datetime.timedelta(seconds=LONGEST_TIMEOUT_S)
 
@@ -138,18 +139,23 @@ def test_malformed_launch_environment_names_the_variable(monkeypatch):
     assert out == [("gloo", True)]
 
 
-def _ddp_construction(rank, world_size):
+def _ddp_construction(rank, world_size, stall_report_s):
+    """DDP construction under ``FUSEDIST_STALL_REPORT_S=stall_report_s``, which is read there (a
+    rank's environment as a launch would set it; put back after, for the scenarios that follow)."""
     import fusedist
 
+    os.environ["FUSEDIST_STALL_REPORT_S"] = stall_report_s
     try:
         fusedist.DistributedDataParallel(torch.nn.Linear(4, 4))
         return "constructed"
     except ValueError as exc:
         return str(exc)
+    finally:
+        del os.environ["FUSEDIST_STALL_REPORT_S"]
 
 
 @pytest.mark.parametrize("value", ["3s", "inf"])
-def test_stall_report_setting_is_refused_before_training(monkeypatch, value):
+def test_stall_report_setting_is_refused_before_training(monkeypatch, value, harness_group):
     """Documented: a bad FUSEDIST_STALL_REPORT_S is a ValueError naming it. It was read only when
     a collective failed, so a typo replaced the StallError by `could not convert string to
     float`, and `inf` made the failing rank wait forever for a dead peer's entry."""
@@ -158,8 +164,25 @@ def test_stall_report_setting_is_refused_before_training(monkeypatch, value):
     monkeypatch.setenv("FUSEDIST_STALL_REPORT_S", value)
     with pytest.raises(ValueError, match="FUSEDIST_STALL_REPORT_S must be a finite number"):
         report_window_s(600)
-    out = run_distributed(_ddp_construction, 2, env={"FUSEDIST_STALL_REPORT_S": value}, timeout=60)
-    assert all("FUSEDIST_STALL_REPORT_S" in o for o in out), out
+    out = results_of(harness_group, f"stall_report {value}")
+    # (the value named too: each construction refused its own value, in the ranks' one process)
+    assert all("FUSEDIST_STALL_REPORT_S" in o and f"got {value!r}" in o for o in out), out
+
+
+#: {test: {scenario: (fn, args)}} that ``harness_group`` runs in one launch, in this order
+_HARNESS_GROUP = {
+    "test_stall_report_setting_is_refused_before_training": {
+        f"stall_report {value}": (_ddp_construction, (value,)) for value in ("3s", "inf")},
+    "test_init_distributed_timeout_applies_to_a_group_torch_made": {
+        "torch_init_timeout": (_timeout_after_torch_init, ())},
+}
+
+
+@pytest.fixture(scope="module")
+def harness_group(request):
+    """The scenarios of the selected tests that run on the harness's own process group, in one
+    launch of 2 ranks (tests/shared_rank_launch.py): starting ranks costs more than they do."""
+    return launch_for_selected(request, _HARNESS_GROUP, 2, timeout=90)
 
 
 def _two_models_traced(rank, world_size, prefix):

@@ -26,15 +26,16 @@ def _run_in_turn(rank: int, world: int, scenarios: list) -> dict:
     return results
 
 
-def launch_for_selected(request, by_test: dict, world: int, timeout: float) -> dict:
+def launch_for_selected(request, by_test: dict, world: int, timeout: float, **launch) -> dict:
     """``by_test``: {test function name: {scenario name: (fn, args)}}, in the order to run.
-    Runs the scenarios of the tests of ``request.module`` that were collected; returns
-    {scenario name: per-rank (passed, result or traceback)}."""
+    Runs the scenarios of the tests of ``request.module`` that were collected (``launch``: more
+    of ``run_distributed``'s keywords, e.g. ``env``); returns {scenario name: per-rank (passed,
+    result or traceback)}."""
     wanted = {getattr(item, "originalname", item.name) for item in request.session.items
               if item.module is request.module}
     todo = [(name, fn, args) for test, scenarios in by_test.items() if test in wanted
             for name, (fn, args) in scenarios.items()]
-    per_rank = run_distributed(_run_in_turn, world, todo, timeout=timeout)
+    per_rank = run_distributed(_run_in_turn, world, todo, timeout=timeout, **launch)
     return {name: [results[name] for results in per_rank] for name, _, _ in todo}
 
 

@@ -17,9 +17,8 @@ import time
 
 import pytest
 import torch
-from shared_rank_launch import _run_in_turn, results_of
+from shared_rank_launch import launch_for_selected, results_of
 
-from fusedist.testing import run_distributed
 
 LATE_S = 1.5
 SHORT = datetime.timedelta(seconds=0.3)
@@ -268,12 +267,9 @@ def _launch(request, world):
     FUSEDIST_TIMEOUT_S: 20 s, far past the short waits (0.3 s) and the late rank (1.5 s) the
     short-wait scenario needs, and a bound on a scenario that hangs well under ``timeout``."""
     seed = int(time.time()) % 1000
-    wanted = {getattr(item, "originalname", item.name) for item in request.session.items
-              if item.module is request.module}
-    todo = [(name, fn, (seed,) if seeded else ()) for test, scenarios in _BY_WORLD[world].items() if test in wanted
-            for name, (fn, seeded) in scenarios.items()]
-    per_rank = run_distributed(_run_in_turn, world, todo, timeout=120, env={"FUSEDIST_TIMEOUT_S": "20"})
-    return {name: [results[name] for results in per_rank] for name, _, _ in todo}, seed
+    by_test = {test: {name: (fn, (seed,) if seeded else ()) for name, (fn, seeded) in scenarios.items()}
+               for test, scenarios in _BY_WORLD[world].items()}
+    return launch_for_selected(request, by_test, world, 120, env={"FUSEDIST_TIMEOUT_S": "20"}), seed
 
 
 @pytest.fixture(scope="module")

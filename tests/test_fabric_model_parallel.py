@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _launched_env
 
 TOL = 1e-6
@@ -104,9 +104,12 @@ def _compare(rank, world, precision, directory):
         assert torch.equal(ours[2][k], ours[1][k]), k  # the resumed run retraces the straight one
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_fabric_fully_shard_loop_saves_loads_and_trains_as_fsdp2(precision, tmp_path):
-    run_distributed(_compare, 2, precision, str(tmp_path), timeout=240)
+PRECISIONS = ["32-true", "16-mixed"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fabric_fully_shard_loop_saves_loads_and_trains_as_fsdp2(precision, launched):
+    results_of(launched, f"compare {precision}")
 
 
 def _meta_init(rank, world):
@@ -126,5 +129,18 @@ def _meta_init(rank, world):
         assert torch.equal(state[k], v), k
 
 
-def test_fabric_fully_shard_module_built_on_meta_gets_the_unsharded_initial_values():
-    run_distributed(_meta_init, 2, timeout=180)
+def test_fabric_fully_shard_module_built_on_meta_gets_the_unsharded_initial_values(launched):
+    results_of(launched, "meta init")
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The selected tests' cases in one launch of 2 ranks (each sets up its own Fabrics and
+    models, each precision writes to its own directory)."""
+    return launch_for_selected(request, {
+        "test_fabric_fully_shard_loop_saves_loads_and_trains_as_fsdp2": {
+            f"compare {precision}": (_compare, (precision, str(tmp_path_factory.mktemp("fabric_mp"))))
+            for precision in PRECISIONS},
+        "test_fabric_fully_shard_module_built_on_meta_gets_the_unsharded_initial_values": {
+            "meta init": (_meta_init, ())},
+    }, 2, timeout=480)

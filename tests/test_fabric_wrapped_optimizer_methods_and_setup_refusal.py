@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _launched_env
 
 TOL = 1e-5
@@ -93,9 +93,12 @@ def _gan_loop(rank, world, zero_stage):
     assert torch.allclose(before - _flat(module), 0.1 * expected, atol=TOL), (before - _flat(module), expected)
 
 
-@pytest.mark.parametrize("zero_stage", [2])
-def test_gan_loop_with_two_zero_optimizers_trains_as_fabrics_ddp(zero_stage):
-    run_distributed(_gan_loop, 2, zero_stage, timeout=180)
+GAN_STAGES = [2]
+
+
+@pytest.mark.parametrize("zero_stage", GAN_STAGES)
+def test_gan_loop_with_two_zero_optimizers_trains_as_fabrics_ddp(zero_stage, launched):
+    results_of(launched, f"gan {zero_stage}")
 
 
 def _separate_setup_refusal(rank, world):
@@ -116,5 +119,16 @@ def _separate_setup_refusal(rank, world):
     fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
-def test_setup_optimizers_refuses_several_zero_optimizers_for_one_module_by_name():
-    run_distributed(_separate_setup_refusal, 2, timeout=180)
+def test_setup_optimizers_refuses_several_zero_optimizers_for_one_module_by_name(launched):
+    results_of(launched, "separate setup")
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Both tests' cases in one launch of 2 ranks (each sets up its own Fabrics and models)."""
+    return launch_for_selected(request, {
+        "test_gan_loop_with_two_zero_optimizers_trains_as_fabrics_ddp": {
+            f"gan {stage}": (_gan_loop, (stage,)) for stage in GAN_STAGES},
+        "test_setup_optimizers_refuses_several_zero_optimizers_for_one_module_by_name": {
+            "separate setup": (_separate_setup_refusal, ())},
+    }, 2, timeout=300)

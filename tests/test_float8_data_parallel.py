@@ -19,11 +19,12 @@ weights. A stale weight is off by the whole first update (lr 1e-2).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import fusedist
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 
@@ -79,8 +80,8 @@ def _worker(rank, world):
     return sorted(variants)
 
 
-def test_float8_weights_train_as_under_torch_ddp():
-    assert len(run_distributed(_worker, 2)[0]) == 7
+def test_float8_weights_train_as_under_torch_ddp(launched):
+    assert len(results_of(launched, "train")[0]) == 7
 
 
 def _checkpoint_worker(rank, world, path):
@@ -120,7 +121,17 @@ def _checkpoint_worker(rank, world, path):
     return type(ddp.module[0].weight).__name__
 
 
-def test_float8_checkpoints_cross_strategies(tmp_path):
+def test_float8_checkpoints_cross_strategies(launched):
     """fusedist.checkpoint with float8 weights (it failed on the wrapper's missing storage):
     the files hold their fp32 values, which load into any strategy's float8 weights."""
-    assert run_distributed(_checkpoint_worker, 2, str(tmp_path)) == ["WeightWithDynamicFloat8CastTensor"] * 2
+    assert results_of(launched, "checkpoints") == ["WeightWithDynamicFloat8CastTensor"] * 2
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Both tests' 2-rank cases in one launch (each builds its own models)."""
+    return launch_for_selected(request, {
+        "test_float8_weights_train_as_under_torch_ddp": {"train": (_worker, ())},
+        "test_float8_checkpoints_cross_strategies": {
+            "checkpoints": (_checkpoint_worker, (str(tmp_path_factory.mktemp("float8")),))},
+    }, 2, timeout=240)

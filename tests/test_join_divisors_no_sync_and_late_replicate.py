@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class _Net(nn.Module):
@@ -61,9 +63,8 @@ def _late_replicate_case(rank, world, seed):
     return _max_diff(theirs.parameters(), ours.parameters()), error
 
 
-def test_replicate_of_a_submodule_after_the_parents_first_forward_is_refused():
-    seed = int(torch.randint(0, 10_000, ()))
-    for rank, (diff, error) in enumerate(run_distributed(_late_replicate_case, 2, seed, timeout=120)):
+def test_replicate_of_a_submodule_after_the_parents_first_forward_is_refused(launched):
+    for rank, (diff, error) in enumerate(results_of(launched, "late replicate")):
         assert error is not None and "already reduced by the data-parallel engine of" in error, error
         assert "'1.weight'" in error, error
         assert diff < 1e-6, f"rank {rank}: {diff} off torch's replicate (the parent still reduces every parameter)"
@@ -99,10 +100,11 @@ def _unfrozen_under_join_case(rank, world, seed, divide):
     return _max_diff(theirs.module.parameters(), ours.module.parameters())
 
 
-def test_parameters_unfrozen_under_join_are_divided_by_the_active_ranks():
-    seed = int(torch.randint(0, 10_000, ()))
-    for rank, diff in enumerate(run_distributed(_unfrozen_under_join_case, 2, seed, False, timeout=120)):
-        assert diff < 1e-5, f"rank {rank}: {diff} off torch DDP under Join(divide_by_initial_world_size=False)"
+def test_parameters_unfrozen_under_join_are_divided_by_the_active_ranks(launched):
+    seed = launched["seed"]
+    for rank, diff in enumerate(results_of(launched, "unfrozen under join")):
+        assert diff < 1e-5, \
+            f"rank {rank} (seed {seed}): {diff} off torch DDP under Join(divide_by_initial_world_size=False)"
 
 
 def _mixed_no_sync_case(rank, world, seed):
@@ -160,7 +162,22 @@ def _hook_under_join_case(rank, world, seed, hook_name):
     return _max_diff(theirs.parameters(), ours.parameters())
 
 
-def test_torch_averaging_hooks_under_join_divide_as_torchs():
+def test_torch_averaging_hooks_under_join_divide_as_torchs(launched):
+    seed = launched["seed"]
+    for rank, diff in enumerate(results_of(launched, "hook under join")):
+        assert diff < 1e-5, f"rank {rank} (seed {seed}): {diff} off torch DDP + allreduce_hook under Join(divide=False)"
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The selected 2-rank cases in one launch, on a fresh random seed (each builds its own
+    models; the 3-rank case, which needs a short collective timeout, has its own launch)."""
     seed = int(torch.randint(0, 10_000, ()))
-    for rank, diff in enumerate(run_distributed(_hook_under_join_case, 2, seed, "allreduce_hook", timeout=120)):
-        assert diff < 1e-5, f"rank {rank}: {diff} off torch DDP + allreduce_hook under Join(divide=False)"
+    return {"seed": seed, **launch_for_selected(request, {
+        "test_replicate_of_a_submodule_after_the_parents_first_forward_is_refused": {
+            "late replicate": (_late_replicate_case, (seed,))},
+        "test_parameters_unfrozen_under_join_are_divided_by_the_active_ranks": {
+            "unfrozen under join": (_unfrozen_under_join_case, (seed, False))},
+        "test_torch_averaging_hooks_under_join_divide_as_torchs": {
+            "hook under join": (_hook_under_join_case, (seed, "allreduce_hook"))},
+    }, 2, timeout=300)}

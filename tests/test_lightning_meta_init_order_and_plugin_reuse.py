@@ -22,10 +22,11 @@ import os
 import random
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _launched_env
 
 WORLD = 2
@@ -120,9 +121,9 @@ def _materialization_order_worker(rank, world, seed, port):
     return {name: float((ours[name] - ref).abs().max()) for name, ref in reference.net.state_dict().items()}
 
 
-def test_meta_device_build_is_materialized_in_lightnings_order():
-    seed, port = random.randrange(2**20), random.randrange(20000, 60000)
-    results = run_distributed(_materialization_order_worker, WORLD, seed, port, timeout=120)
+def test_meta_device_build_is_materialized_in_lightnings_order(launched):
+    seed = launched["seeds"]["materialization"]
+    results = results_of(launched, "materialization")
     failures = [f"rank {rank}: {name}: max |fusedist - Lightning| = {err:.3g}"
                 for rank, errors in enumerate(results) for name, err in errors.items() if err != 0]
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)
@@ -174,10 +175,9 @@ def _plugin_reuse_worker(rank, world, seed, port):
     return [float((a - b).abs().max()) for a, b in zip(ours, ref)], (our_scale, ref_scale)
 
 
-def test_a_plugin_given_to_two_trainers_keeps_its_scale_as_under_ddp():
-    seed, port = random.randrange(2**20), random.randrange(20000, 60000)
-    for rank, (errors, (ours, ref)) in enumerate(run_distributed(_plugin_reuse_worker, WORLD, seed, port,
-                                                                 timeout=120)):
+def test_a_plugin_given_to_two_trainers_keeps_its_scale_as_under_ddp(launched):
+    seed = launched["seeds"]["plugin reuse"]
+    for rank, (errors, (ours, ref)) in enumerate(results_of(launched, "plugin reuse")):
         assert max(errors) <= 1e-3, f"seed {seed}, rank {rank}: max |fusedist - ddp| after each fit: {errors}"
         assert ours == ref, f"seed {seed}, rank {rank}: the plugin's scale {ours}, under ddp {ref}"
 
@@ -208,9 +208,8 @@ def _counting_plugin_worker(rank, world, port):
     return out
 
 
-def test_a_plugin_subclass_records_in_the_users_object_as_under_ddp():
-    port = random.randrange(20000, 60000)
-    for rank, out in enumerate(run_distributed(_counting_plugin_worker, WORLD, port, timeout=120)):
+def test_a_plugin_subclass_records_in_the_users_object_as_under_ddp(launched):
+    for rank, out in enumerate(results_of(launched, "counting plugin")):
         assert out["fusedist"] == out["ddp"] and out["ddp"][0] > 0, \
             f"rank {rank}: (steps counted, scale) in the user's plugin: {out}"
 
@@ -245,9 +244,27 @@ def _modules_order_worker(rank, world, seed):
     return {name: float((ours[name] - ref).abs().max()) for name, ref in reference.state_dict().items()}
 
 
-def test_init_parameters_in_modules_order_equals_the_unsharded_loop():
+def test_init_parameters_in_modules_order_equals_the_unsharded_loop(launched):
     """``init_parameters(model, init_fn, order="modules")`` gives what ``for m in
     model.modules(): init_fn(m)`` gives the unsharded model (parents first), bit for bit."""
-    seed = random.randrange(2**20)
-    for rank, errors in enumerate(run_distributed(_modules_order_worker, WORLD, seed, timeout=60)):
+    seed = launched["seeds"]["modules order"]
+    for rank, errors in enumerate(results_of(launched, "modules order")):
         assert all(err == 0 for err in errors.values()), f"seed {seed}, rank {rank}: {errors}"
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The selected tests' cases in one launch of the ranks, each on a fresh random seed (each
+    builds its own Trainers, plugins and models)."""
+    seeds = {name: random.randrange(2**20) for name in ("materialization", "plugin reuse", "modules order")}
+    port = random.randrange(20000, 60000)
+    return {"seeds": seeds, **launch_for_selected(request, {
+        "test_meta_device_build_is_materialized_in_lightnings_order": {
+            "materialization": (_materialization_order_worker, (seeds["materialization"], port))},
+        "test_a_plugin_given_to_two_trainers_keeps_its_scale_as_under_ddp": {
+            "plugin reuse": (_plugin_reuse_worker, (seeds["plugin reuse"], port))},
+        "test_a_plugin_subclass_records_in_the_users_object_as_under_ddp": {
+            "counting plugin": (_counting_plugin_worker, (port,))},
+        "test_init_parameters_in_modules_order_equals_the_unsharded_loop": {
+            "modules order": (_modules_order_worker, (seeds["modules order"],))},
+    }, WORLD, timeout=360)}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 WIDTH, STAGES = 8, 2
 
@@ -111,12 +111,14 @@ def _titan_clip_worker(rank, world_size, seed, kinds, norm_types):
     return out
 
 
-def test_torchtitans_clip_across_stages_matches_torch_for_every_stage_kind():
+TITAN_KINDS, TITAN_NORM_TYPES = ("zero2", "ddp", "zero1", "fully_shard"), (2.0, float("inf"))
+
+
+def test_torchtitans_clip_across_stages_matches_torch_for_every_stage_kind(launched4):
     """torchtitan's clip over the pipeline group gives torch's whole-model norm and clipped
     step on every stage kind; ZeRO-2 stages (no ``p.grad``) clipped by their own norm before."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    kinds, norm_types = ("zero2", "ddp", "zero1", "fully_shard"), (2.0, float("inf"))
-    per_rank = run_distributed(_titan_clip_worker, 4, seed, kinds, norm_types, timeout=180)
+    seed = launched4["seed"]
+    per_rank = results_of(launched4, "titan clip")
     for rank, out in enumerate(per_rank):
         for (kind, norm_type), (norm, weights) in out.items():
             assert norm < 1e-6 and weights < 1e-6, (seed, rank, kind, norm_type, norm, weights)
@@ -146,13 +148,15 @@ def _titan_refused_worker(rank, world_size, seed, case):
     return None
 
 
-@pytest.mark.parametrize("case, expected", [("some parameters", "exactly the parameters"),
-                                            ("torch's stage", "fusedist.pipelining.PipelineStage")])
-def test_torchtitans_clip_a_zero2_stage_cannot_measure_is_refused(case, expected):
+REFUSED = [("some parameters", "exactly the parameters"), ("torch's stage", "fusedist.pipelining.PipelineStage")]
+
+
+@pytest.mark.parametrize("case, expected", REFUSED)
+def test_torchtitans_clip_a_zero2_stage_cannot_measure_is_refused(case, expected, launched4):
     """The norm of an empty ``p.grad`` list is the stage-2 optimizers' of fusedist's stages:
     clipping only some of their parameters by it, or a stage it did not measure, would not be
     torch's clip (before: each stage clipped by its own norm), so it is refused, naming the fix."""
-    for message in run_distributed(_titan_refused_worker, 4, 5, case, timeout=120):
+    for message in results_of(launched4, f"titan refused {case}"):
         assert message is not None and "stage=2" in message and expected in message, message
 
 
@@ -201,14 +205,40 @@ def _scaler_worker(rank, world_size, seed, kind, lazy):
     return weights, scales, skipped
 
 
-@pytest.mark.parametrize("kind", ["fused", "torch", "zero2"])
-def test_scaler_found_inf_group_skips_every_stage(kind):
+SCALER_KINDS = ["fused", "torch", "zero2"]
+
+
+@pytest.mark.parametrize("kind", SCALER_KINDS)
+def test_scaler_found_inf_group_skips_every_stage(kind, launched2):
     """An overflow in one stage skips the step of every stage and lowers the scale on every
     rank alike (torch's scaler over the whole model); before, only that stage skipped, and the
     other stage's scale grew away from it."""
-    seed = int(torch.randint(0, 10_000, ()).item())
+    seed = launched2["seed"]
     for lazy in (False, True):
-        for rank, (weights, scales, skipped) in enumerate(run_distributed(_scaler_worker, 2, seed, kind, lazy)):
+        for rank, (weights, scales, skipped) in enumerate(results_of(launched2, f"scaler {kind} {lazy}")):
             assert skipped == [False, True, False, True], (seed, kind, lazy, rank, skipped)
             assert all(ours == theirs for ours, theirs in scales), (seed, kind, lazy, rank, scales)
             assert weights < 1e-6, (seed, kind, lazy, rank, weights)
+
+
+# One launch per world size for the selected tests' cases, each on a fresh random seed; every
+# case builds its own meshes, stages and optimizers, and frees them before the next.
+@pytest.fixture(scope="module")
+def launched4(request):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    return {"seed": seed, **launch_for_selected(request, {
+        "test_torchtitans_clip_across_stages_matches_torch_for_every_stage_kind": {
+            "titan clip": (_titan_clip_worker, (seed, TITAN_KINDS, TITAN_NORM_TYPES))},
+        "test_torchtitans_clip_a_zero2_stage_cannot_measure_is_refused": {
+            f"titan refused {case}": (_titan_refused_worker, (5, case)) for case, _ in REFUSED},
+    }, 4, timeout=300)}
+
+
+@pytest.fixture(scope="module")
+def launched2(request):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    return {"seed": seed, **launch_for_selected(request, {
+        "test_scaler_found_inf_group_skips_every_stage": {
+            f"scaler {kind} {lazy}": (_scaler_worker, (seed, kind, lazy)) for kind in SCALER_KINDS
+            for lazy in (False, True)},
+    }, 2, timeout=300)}

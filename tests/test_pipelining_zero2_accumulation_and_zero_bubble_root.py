@@ -10,11 +10,12 @@ gradient ``n_microbatches`` times too large moves an SGD step by ~1e-2.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
 from pipeline_stage_kinds import largest_difference, set_gradient_sync, stages_of_each_kind
+from shared_rank_launch import launch_for_selected, results_of
 
 WIDTH, MICRO_BATCHES, STEPS = 8, 4, 3
 
@@ -66,13 +67,16 @@ def _zero2_stage_worker(rank, world_size, seed, variant):
     return weights, max(norms, default=0.0)
 
 
-def test_a_zero2_stage_takes_the_division_by_the_micro_batch_count():
+ZERO2_VARIANTS = ("stage 1", "stage 2", "offloaded")
+
+
+def test_a_zero2_stage_takes_the_division_by_the_micro_batch_count(launched):
     """torch's schedules divide ``p.grad`` by ``n_microbatches`` after the step's backwards;
     ZeRO-2 leaves ``p.grad`` None and holds the reduced gradients in its shards, which must be
     divided too (stage 1, whose gradients are ``p.grad``, is the control)."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    for variant in ("stage 1", "stage 2", "offloaded"):
-        per_rank = run_distributed(_zero2_stage_worker, 2, seed, variant, timeout=120)
+    seed = launched["seed"]
+    for variant in ZERO2_VARIANTS:
+        per_rank = results_of(launched, f"zero2 {variant}")
         for rank, (weights, norms) in enumerate(per_rank):
             assert weights < 1e-6 and norms < 1e-5, (seed, variant, rank, weights, norms)
 
@@ -100,12 +104,12 @@ def _accumulating_worker(rank, world_size, seed):
     return out
 
 
-def test_accumulating_across_pipeline_steps_divides_the_sum_once():
+def test_accumulating_across_pipeline_steps_divides_the_sum_once(launched):
     """Note [accumulating across pipeline steps]: two steps that accumulate under the user's
     switch give the gradient of both steps' losses, ``(g1 + g2) / n``, on every fusedist stage
     kind (torch's per-step division of ``p.grad`` gave a DDP stage ``g1 / n**2 + g2 / n``)."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    for rank, out in enumerate(run_distributed(_accumulating_worker, 2, seed, timeout=120)):
+    seed = launched["seed"]
+    for rank, out in enumerate(results_of(launched, "accumulating")):
         for kind, diff in out.items():
             assert diff < 1e-6, (seed, rank, kind, out)
 
@@ -136,11 +140,25 @@ def _blocks_only_worker(rank, world_size, seed):
     return "no error"
 
 
-def test_a_zero_bubble_stage_with_a_plain_root_over_sharded_blocks_is_refused_naming_the_fix():
+def test_a_zero_bubble_stage_with_a_plain_root_over_sharded_blocks_is_refused_naming_the_fix(launched):
     """Only a stage module sharded itself has its zero-bubble passes run over the gathered
     parameters (Note [zero-bubble passes of fusedist stages]); with its blocks sharded and its
     root plain, the pass failed inside torch with a KeyError of an AccumulateGrad node."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    for rank, raised in enumerate(run_distributed(_blocks_only_worker, 2, seed, timeout=120)):
+    for rank, raised in enumerate(results_of(launched, "blocks only")):
         assert "stage 1's module is not a fully_shard module itself, but holds one ('0')" in raised, (rank, raised)
         assert "fully_shard(stage_module, mesh=...)" in raised, (rank, raised)
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The selected tests' cases in one launch of 2 ranks, on a fresh random seed (each case
+    builds its own meshes, stages and schedules; the refused step runs last)."""
+    seed = int(torch.randint(0, 10_000, ()).item())
+    return {"seed": seed, **launch_for_selected(request, {
+        "test_a_zero2_stage_takes_the_division_by_the_micro_batch_count": {
+            f"zero2 {variant}": (_zero2_stage_worker, (seed, variant)) for variant in ZERO2_VARIANTS},
+        "test_accumulating_across_pipeline_steps_divides_the_sum_once": {
+            "accumulating": (_accumulating_worker, (seed,))},
+        "test_a_zero_bubble_stage_with_a_plain_root_over_sharded_blocks_is_refused_naming_the_fix": {
+            "blocks only": (_blocks_only_worker, (seed,))},
+    }, 2, timeout=300)}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import io
 import os
-import tempfile
 import weakref
 
 import pytest
@@ -28,6 +27,7 @@ from torch import nn
 import fusedist
 from fusedist.testing import run_distributed
 from fusedist.testing.fsdp_compare import full_state as full_of, square_loss_steps, unsettled
+from shared_rank_launch import fresh_compiler, launch_for_selected, results_of
 
 pytest.importorskip("torchao")
 
@@ -164,8 +164,8 @@ def _training_worker(rank, world):
     torch.testing.assert_close(after["0.lora_a"], before["0.lora_a"].double(), **EXACT)
 
 
-def test_qlora_training_matches_fsdp2():
-    run_distributed(_training_worker, 2)
+def test_qlora_training_matches_fsdp2(launched):
+    results_of(launched, "training")
 
 
 def _compiled_worker(rank, world):
@@ -186,8 +186,8 @@ def _compiled_worker(rank, world):
         torch.testing.assert_close(losses[0], losses[1], **EXACT, msg=how)
 
 
-def test_qlora_compiled_and_checkpointed_layers_match_fsdp2():
-    run_distributed(_compiled_worker, 2, timeout=300)
+def test_qlora_compiled_and_checkpointed_layers_match_fsdp2(launched):
+    results_of(launched, "compiled")
 
 
 def _hsdp_worker(rank, world):
@@ -303,9 +303,8 @@ def _state_worker(rank, world, path):
     torch.testing.assert_close(loaded["0.lora_a"], whole["0.lora_a"], **EXACT)
 
 
-def test_qlora_state_dicts_and_checkpoints():
-    with tempfile.TemporaryDirectory() as path:
-        run_distributed(_state_worker, 2, path)
+def test_qlora_state_dicts_and_checkpoints(launched):
+    results_of(launched, "state")
 
 
 def _refusal_worker(rank, world):
@@ -329,8 +328,8 @@ def _refusal_worker(rank, world):
     return errors
 
 
-def test_quantized_storage_refusals():
-    assert len(run_distributed(_refusal_worker, 2)[0]) == 3
+def test_quantized_storage_refusals(launched):
+    assert len(results_of(launched, "refusals")[0]) == 3
 
 
 def _ddp_worker(rank, world):
@@ -361,8 +360,23 @@ def _ddp_worker(rank, world):
         assert same_nf4(module[0].weight, plain[0].weight) and same_nf4(module[2].weight, plain[2].weight)
 
 
-def test_qlora_ddp_replicate_and_zero_match_the_global_batch():
-    run_distributed(_ddp_worker, 2)
+def test_qlora_ddp_replicate_and_zero_match_the_global_batch(launched):
+    results_of(launched, "ddp")
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The selected 2-rank tests in one launch (each builds its own models; the compiled one
+    starts from a reset compiler, as in a process of its own)."""
+    return launch_for_selected(request, {
+        "test_qlora_training_matches_fsdp2": {"training": (_training_worker, ())},
+        "test_qlora_compiled_and_checkpointed_layers_match_fsdp2": {
+            "compiled": (fresh_compiler, (_compiled_worker,))},
+        "test_qlora_state_dicts_and_checkpoints": {
+            "state": (_state_worker, (str(tmp_path_factory.mktemp("qlora_state")),))},
+        "test_quantized_storage_refusals": {"refusals": (_refusal_worker, ())},
+        "test_qlora_ddp_replicate_and_zero_match_the_global_batch": {"ddp": (_ddp_worker, ())},
+    }, 2, timeout=600)
 
 
 @settings(max_examples=12, deadline=None)

@@ -20,6 +20,7 @@ from conftest import rank_slot_count, requires_rank_slots
 
 from fusedist.nn import SyncBatchNorm
 from fusedist.testing import device_for_rank, run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 # fp32 against fp32 BatchNorm: both are exact up to fp32 rounding of sums over ~100 values.
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -268,8 +269,8 @@ WORLD3_CASES = [
 
 
 @pytest.mark.parametrize("world_size,cases", [(2, WORLD2_CASES), (3, WORLD3_CASES)], ids=["ws2", "ws3"])
-def test_matches_batchnorm_on_global_batch(world_size, cases):
-    results = run_distributed(_cases_rank, world_size, cases, timeout=240)
+def test_matches_batchnorm_on_global_batch(world_size, cases, request):
+    results = results_of(request.getfixturevalue(f"launched{world_size}"), "cases")
     _assert_identical_running_stats(results)
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels really ran (interpreted)
         used = [r[2]["backend"] for r in results[0]]
@@ -321,9 +322,9 @@ def _protocol_rank(rank, world_size):
     return _collective_counts_rank(rank, world_size), _mismatch_rank(rank, world_size)
 
 
-def test_collectives_and_cross_rank_errors():
+def test_collectives_and_cross_rank_errors(launched2):
     """One collective per pass, and errors that involve other ranks raised on every rank."""
-    for counts, errors in run_distributed(_protocol_rank, 2):
+    for counts, errors in results_of(launched2, "protocol"):
         _check_counts(counts)
         _check_errors(errors)
 
@@ -483,8 +484,26 @@ def _converted_model_check(rank, sizes, layout):
     return True
 
 
-def test_converted_model_trains_like_global_batch():
-    assert run_distributed(_converted_model_rank, 2, (3, 5)) == [[True, True]] * 2
+def test_converted_model_trains_like_global_batch(launched2):
+    assert results_of(launched2, "converted") == [[True, True]] * 2
+
+
+# The 2-rank checks share one launch, the one that raises errors involving both ranks last
+# (the group works on after them, which it checks itself); the 3-rank cases have their own.
+@pytest.fixture(scope="module")
+def launched2(request):
+    return launch_for_selected(request, {
+        "test_matches_batchnorm_on_global_batch": {"cases": (_cases_rank, (WORLD2_CASES,))},
+        "test_converted_model_trains_like_global_batch": {"converted": (_converted_model_rank, ((3, 5),))},
+        "test_collectives_and_cross_rank_errors": {"protocol": (_protocol_rank, ())},
+    }, 2, timeout=360)
+
+
+@pytest.fixture(scope="module")
+def launched3(request):
+    return launch_for_selected(request, {
+        "test_matches_batchnorm_on_global_batch": {"cases": (_cases_rank, (WORLD3_CASES,))},
+    }, 3, timeout=240)
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _net(bn_cls):
@@ -88,8 +88,8 @@ def _traced_training_worker(rank, world):
     return worst
 
 
-def test_fx_traced_model_still_synchronizes_in_training():
-    worst = run_distributed(_traced_training_worker, 2, timeout=120)
+def test_fx_traced_model_still_synchronizes_in_training(launched):
+    worst = results_of(launched, "traced training")
     assert max(worst) < 1e-5, worst
 
 
@@ -154,5 +154,14 @@ def _wrap_both(rank, world):
     fusedist.DistributedDataParallel(model)(torch.randn(4, 3, 5, 5)).sum().backward()
 
 
-def test_torchs_ddp_refuses_it_on_cpu_as_its_own_and_fusedists_runs_it():
-    run_distributed(_wrap_both, 2, timeout=120)
+def test_torchs_ddp_refuses_it_on_cpu_as_its_own_and_fusedists_runs_it(launched):
+    results_of(launched, "wrap both")
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Both 2-rank checks in one launch (each builds its own model)."""
+    return launch_for_selected(request, {
+        "test_fx_traced_model_still_synchronizes_in_training": {"traced training": (_traced_training_worker, ())},
+        "test_torchs_ddp_refuses_it_on_cpu_as_its_own_and_fusedists_runs_it": {"wrap both": (_wrap_both, ())},
+    }, 2, timeout=240)

@@ -13,12 +13,13 @@ each weight by ~1e-2 per step, far above the tolerances (fp32 1e-5; bf16 one rou
 import copy
 import os
 
+import pytest
 import torch
 from torch import nn
 
 import models
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 STEPS = 4
 TOL = 1e-5
@@ -142,8 +143,8 @@ def _mixed_worker(rank, world_size, bf16=True):
     return out
 
 
-def test_mixed_dtypes_scaler_clip():
-    _assert_no_mismatch(run_distributed(_mixed_worker, 2))
+def test_mixed_dtypes_scaler_clip(launched2):
+    _assert_no_mismatch(results_of(launched2, "mixed"))
 
 
 def _half_grad(step, model):
@@ -206,8 +207,8 @@ def _edits_worker(rank, world_size):
     return out
 
 
-def test_gradient_and_parameter_edits():
-    _assert_no_mismatch(run_distributed(_edits_worker, 2))
+def test_gradient_and_parameter_edits(launched2):
+    _assert_no_mismatch(results_of(launched2, "edits"))
 
 
 def _reference(steps, bf16=False):
@@ -258,11 +259,10 @@ def _resume_worker(rank, world_size, directory, stage):
     return out
 
 
-def test_checkpoint_resume_other_world_size(tmp_path):
+def test_checkpoint_resume_other_world_size(launched2, launched3):
     for stage in (1, 2):
-        d = str(tmp_path / f"ckpt{stage}")
-        run_distributed(_save_worker, 2, d, stage)
-        for r in run_distributed(_resume_worker, 3, d, stage):
+        results_of(launched2, f"save {stage}")  # saved by 2 ranks, resumed by 3
+        for r in results_of(launched3, f"resume {stage}"):
             assert r["stage 1 master_bytes"] == 0 and r["stage 2 master_bytes"] == 0, r
             assert r["stage 1 grad shard bytes"] == 0, r
             _assert_no_mismatch([r], ignore="bytes")
@@ -304,8 +304,8 @@ def _unfreeze_worker(rank, world_size):
     return out
 
 
-def test_unfreeze_stage1_mixed():
-    _assert_no_mismatch(run_distributed(_unfreeze_worker, 2))
+def test_unfreeze_stage1_mixed(launched2):
+    _assert_no_mismatch(results_of(launched2, "unfreeze"))
 
 
 def _roundtrip_worker(rank, world_size, path):
@@ -353,8 +353,8 @@ def _roundtrip_worker(rank, world_size, path):
     return out
 
 
-def test_state_dict_roundtrip_fresh_optimizer(tmp_path):
-    for r in run_distributed(_roundtrip_worker, 2, str(tmp_path / "full.pt")):
+def test_state_dict_roundtrip_fresh_optimizer(launched2):
+    for r in results_of(launched2, "roundtrip"):
         _assert_no_mismatch([r], ignore="bytes")
         # Masters: copies for bf16 always, for fp32 only when offloaded (aliased otherwise).
         on_device = r["stage=1 offload=None shards master bytes"]
@@ -385,8 +385,8 @@ def _fp64_worker(rank, world_size):
     return out
 
 
-def test_fp64_next_to_fp32():
-    _assert_no_mismatch(run_distributed(_fp64_worker, 3))
+def test_fp64_next_to_fp32(launched3):
+    _assert_no_mismatch(results_of(launched3, "fp64"))
 
 
 def _optimizer_only_load_worker(rank, world_size):
@@ -429,9 +429,40 @@ def _optimizer_only_load_worker(rank, world_size):
     return out
 
 
-def test_optimizer_only_load_keeps_ranks_identical():
+def test_optimizer_only_load_keeps_ranks_identical(launched2):
     """Defect: loaded fp32 masters were written into this rank's slices of the parameters
     only (they alias them), so the ranks' parameters differed until the next step; and stale
     loaded masters rolled the parameters back to the optimizer's step."""
-    for r in run_distributed(_optimizer_only_load_worker, 2):
+    for r in results_of(launched2, "optimizer only load"):
         assert all(not v for v in r.values()), r
+
+
+# The probes share two launches (every worker builds its own models and optimizers and selects
+# the same kernel backend): one of 2 ranks, then one of 3 that resumes the 2-rank checkpoints.
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("aliasing")
+
+
+@pytest.fixture(scope="module")
+def launched2(request, ckpt_root):
+    return launch_for_selected(request, {
+        "test_mixed_dtypes_scaler_clip": {"mixed": (_mixed_worker, ())},
+        "test_gradient_and_parameter_edits": {"edits": (_edits_worker, ())},
+        "test_checkpoint_resume_other_world_size": {
+            f"save {stage}": (_save_worker, (str(ckpt_root / f"ckpt{stage}"), stage)) for stage in (1, 2)},
+        "test_unfreeze_stage1_mixed": {"unfreeze": (_unfreeze_worker, ())},
+        "test_state_dict_roundtrip_fresh_optimizer": {
+            "roundtrip": (_roundtrip_worker, (str(ckpt_root / "full.pt"),))},
+        "test_optimizer_only_load_keeps_ranks_identical": {
+            "optimizer only load": (_optimizer_only_load_worker, ())},
+    }, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def launched3(request, ckpt_root, launched2):
+    return launch_for_selected(request, {
+        "test_checkpoint_resume_other_world_size": {
+            f"resume {stage}": (_resume_worker, (str(ckpt_root / f"ckpt{stage}"), stage)) for stage in (1, 2)},
+        "test_fp64_next_to_fp32": {"fp64": (_fp64_worker, ())},
+    }, 3, timeout=300)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 INF = float("inf")
 ORDERS = [0.0, -INF, -1.5]
@@ -82,8 +82,8 @@ def _every_order_worker(rank, ws, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_clip_takes_every_norm_order_torch_takes(stage):
-    run_distributed(_every_order_worker, 2, stage, timeout=120)
+def test_zero_clip_takes_every_norm_order_torch_takes(stage, launched):
+    results_of(launched, f"every order {stage}")
 
 
 def _float64_worker(rank, ws):
@@ -103,8 +103,18 @@ def _float64_worker(rank, ws):
         assert _diff(ours, theirs) < 1e-13, (step, _diff(ours, theirs))
 
 
-def test_zero_stage2_float64_clip_matches_torch_to_float64_precision():
-    run_distributed(_float64_worker, 2, timeout=120)
+def test_zero_stage2_float64_clip_matches_torch_to_float64_precision(launched):
+    results_of(launched, "float64")
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The selected 2-rank cases in one launch (each builds its own models and optimizers)."""
+    return launch_for_selected(request, {
+        "test_zero_clip_takes_every_norm_order_torch_takes": {
+            f"every order {stage}": (_every_order_worker, (stage,)) for stage in (1, 2)},
+        "test_zero_stage2_float64_clip_matches_torch_to_float64_precision": {"float64": (_float64_worker, ())},
+    }, 2, timeout=300)
 
 
 def test_fused_sgd_tensor_dampening_is_torchs_in_float64():

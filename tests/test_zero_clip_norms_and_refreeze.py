@@ -1,4 +1,4 @@
-"""ZeroRedundancyOptimizer probes against torch (2-3 gloo ranks):
+"""ZeroRedundancyOptimizer probes against torch (2-3 gloo ranks, one launch per world size):
 
 * ``clip_grad_norm_`` with ``norm_type=inf`` (and other p-norms) in both stages, called as the
   optimizer's method, as ``fusedist.clip_grad_norm_`` and as torch's clip (stage 2 hands its
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 INF = float("inf")
 
@@ -81,10 +81,13 @@ def _clip_worker(rank, ws, stage, norm_type):
     return worst, _diff(ours, theirs), nan_norm
 
 
+NORM_TYPES = [INF, 1.0]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("norm_type", [INF, 1.0])
-def test_clip_grad_norm_with_inf_and_p_norms_matches_torch(stage, norm_type):
-    for norm_err, param_err, nan_norm in run_distributed(_clip_worker, 3, stage, norm_type, timeout=180):
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_clip_grad_norm_with_inf_and_p_norms_matches_torch(stage, norm_type, launched3):
+    for norm_err, param_err, nan_norm in results_of(launched3, f"clip {stage} {norm_type}"):
         assert norm_err < 1e-6, norm_err
         assert param_err < 1e-6, param_err
         assert nan_norm != nan_norm, nan_norm
@@ -115,7 +118,27 @@ def _refreeze_worker(rank, ws, stage, set_to_none):
     return _diff(ours, theirs)
 
 
-@pytest.mark.parametrize("stage,set_to_none", [(2, True), (2, False), (1, True)])
-def test_layer_frozen_then_unfrozen_again_trains_as_torch(stage, set_to_none):
-    for diff in run_distributed(_refreeze_worker, 2, stage, set_to_none, timeout=180):
+REFREEZE = [(2, True), (2, False), (1, True)]
+
+
+@pytest.mark.parametrize("stage,set_to_none", REFREEZE)
+def test_layer_frozen_then_unfrozen_again_trains_as_torch(stage, set_to_none, launched2):
+    for diff in results_of(launched2, f"refreeze {stage} {set_to_none}"):
         assert diff < 1e-6, diff
+
+
+# One launch per world size for the selected tests' cases (each builds its own models and
+# optimizers).
+@pytest.fixture(scope="module")
+def launched3(request):
+    return launch_for_selected(request, {"test_clip_grad_norm_with_inf_and_p_norms_matches_torch": {
+        f"clip {stage} {norm_type}": (_clip_worker, (stage, norm_type))
+        for stage in (1, 2) for norm_type in NORM_TYPES},
+    }, 3, timeout=360)
+
+
+@pytest.fixture(scope="module")
+def launched2(request):
+    return launch_for_selected(request, {"test_layer_frozen_then_unfrozen_again_trains_as_torch": {
+        f"refreeze {stage} {none}": (_refreeze_worker, (stage, none)) for stage, none in REFREEZE},
+    }, 2, timeout=300)

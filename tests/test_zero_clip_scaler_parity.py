@@ -1,6 +1,6 @@
 """ZeroRedundancyOptimizer with fusedist's GradScaler and clip where a user departs from the
 plain loop, against torch DDP + torch's optimizer, GradScaler and clip on the same data (2 gloo
-ranks; fp32, within 1e-6; loss scales are powers of two, so unscaling is exact):
+ranks, one launch for all; fp32, within 1e-6; loss scales are powers of two, so unscaling is exact):
 
 * gradients replaced after the clip (stage 1): torch's clip scaled the old tensors only;
 * gradients accumulated after the clip (a second backward; an in-place write in stage 1):
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 1e-6
 
@@ -69,8 +69,8 @@ def _replaced_after_clip_worker(rank, ws):
     return _diff(ours, theirs)
 
 
-def test_stage1_gradient_replaced_after_the_clip_steps_unclipped_as_torch():
-    for diff in run_distributed(_replaced_after_clip_worker, 2, timeout=180):
+def test_stage1_gradient_replaced_after_the_clip_steps_unclipped_as_torch(launched):
+    for diff in results_of(launched, "replaced"):
         assert diff < TOL, diff
 
 
@@ -95,11 +95,14 @@ def _accumulated_after_clip_worker(rank, ws, stage, scaled):
         return str(exc), unchanged
 
 
-@pytest.mark.parametrize("stage,scaled,says", [(1, True, "after fusedist.clip_grad_norm_"),
-                                                (2, False, "a backward accumulated gradients after the clip"),
-                                                (2, True, "changed after GradScaler.unscale_ (a backward")])
-def test_gradients_accumulated_after_the_clip_are_refused_before_any_change(stage, scaled, says):
-    for out in run_distributed(_accumulated_after_clip_worker, 2, stage, scaled, timeout=180):
+ACCUMULATED = [(1, True, "after fusedist.clip_grad_norm_"),
+               (2, False, "a backward accumulated gradients after the clip"),
+               (2, True, "changed after GradScaler.unscale_ (a backward")]
+
+
+@pytest.mark.parametrize("stage,scaled,says", ACCUMULATED)
+def test_gradients_accumulated_after_the_clip_are_refused_before_any_change(stage, scaled, says, launched):
+    for out in results_of(launched, f"accumulated {stage} {scaled}"):
         assert out is not None, "the step used the clip coefficient on gradients written after the clip"
         message, unchanged = out
         assert says in message, message
@@ -125,8 +128,8 @@ def _no_backward_worker(rank, ws, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_step_without_a_backward_raises_as_torch(stage):
-    for out in run_distributed(_no_backward_worker, 2, stage, timeout=180):
+def test_a_step_without_a_backward_raises_as_torch(stage, launched):
+    for out in results_of(launched, f"no backward {stage}"):
         assert out["torch"] == "No inf checks were recorded for this optimizer."
         assert out["ours"] == out["torch"], out
 
@@ -152,8 +155,8 @@ def _sgd_overflow_worker(rank, ws, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_fused_sgd_inside_zero_after_an_overflowed_first_step(stage):
-    results = run_distributed(_sgd_overflow_worker, 2, stage, timeout=180)
+def test_fused_sgd_inside_zero_after_an_overflowed_first_step(stage, launched):
+    results = results_of(launched, f"sgd overflow {stage}")
     for diff, _, _ in results:
         assert diff < TOL, diff
     consolidated, torch_state = results[0][1], results[0][2]
@@ -196,10 +199,32 @@ def _clip_before_unscale_worker(rank, ws, kind):
     return _diff(ours, theirs), norms
 
 
-@pytest.mark.parametrize("kind", ["FusedAdamW", "stage 1", "stage 2"])
-def test_a_clip_before_unscale_clips_the_scaled_gradients_as_torch(kind):
-    for diff, norms in run_distributed(_clip_before_unscale_worker, 2, kind, timeout=180):
+CLIP_KINDS = ["FusedAdamW", "stage 1", "stage 2"]
+
+
+@pytest.mark.parametrize("kind", CLIP_KINDS)
+def test_a_clip_before_unscale_clips_the_scaled_gradients_as_torch(kind, launched):
+    for diff, norms in results_of(launched, f"clip before unscale {kind}"):
         ours, theirs = norms[0::2], norms[1::2]
         assert all(t > 2.0 for t in theirs), theirs  # the clip is active at every step
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
         assert diff < TOL, (kind, diff)
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Every selected test's scenarios in one launch of 2 ranks: each builds its own models,
+    optimizers and scalers, so the scenarios are independent of their order."""
+    return launch_for_selected(request, {
+        "test_stage1_gradient_replaced_after_the_clip_steps_unclipped_as_torch": {
+            "replaced": (_replaced_after_clip_worker, ())},
+        "test_gradients_accumulated_after_the_clip_are_refused_before_any_change": {
+            f"accumulated {stage} {scaled}": (_accumulated_after_clip_worker, (stage, scaled))
+            for stage, scaled, _ in ACCUMULATED},
+        "test_a_step_without_a_backward_raises_as_torch": {
+            f"no backward {stage}": (_no_backward_worker, (stage,)) for stage in (1, 2)},
+        "test_fused_sgd_inside_zero_after_an_overflowed_first_step": {
+            f"sgd overflow {stage}": (_sgd_overflow_worker, (stage,)) for stage in (1, 2)},
+        "test_a_clip_before_unscale_clips_the_scaled_gradients_as_torch": {
+            f"clip before unscale {kind}": (_clip_before_unscale_worker, (kind,)) for kind in CLIP_KINDS},
+    }, 2, timeout=300)

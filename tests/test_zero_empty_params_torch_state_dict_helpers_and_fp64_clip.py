@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _batch(rank, step, dtype=torch.float32):
@@ -68,9 +68,12 @@ def _torch_helpers_worker(rank, world, stage, keep_grads):
         assert k == k2 and torch.equal(m, m2) and torch.equal(s, s2), k
 
 
-@pytest.mark.parametrize("stage,keep_grads", [(1, False), (2, True)])
-def test_torch_state_dict_helpers_refused_without_changing_the_state(stage, keep_grads):
-    run_distributed(_torch_helpers_worker, 2, stage, keep_grads, timeout=120)
+HELPERS = [(1, False), (2, True)]
+
+
+@pytest.mark.parametrize("stage,keep_grads", HELPERS)
+def test_torch_state_dict_helpers_refused_without_changing_the_state(stage, keep_grads, launched):
+    results_of(launched, f"helpers {stage} {keep_grads}")
 
 
 def _fp64_clip_worker(rank, world, stage, name):
@@ -99,9 +102,12 @@ def _fp64_clip_worker(rank, world, stage, name):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("stage,name", [(1, "FusedAdamW"), (2, "FusedSGD")])
-def test_fp64_clip_under_a_fused_inner_optimizer_is_torchs(stage, name):
-    run_distributed(_fp64_clip_worker, 2, stage, name, timeout=120)
+FP64_CLIP = [(1, "FusedAdamW"), (2, "FusedSGD")]
+
+
+@pytest.mark.parametrize("stage,name", FP64_CLIP)
+def test_fp64_clip_under_a_fused_inner_optimizer_is_torchs(stage, name, launched):
+    results_of(launched, f"fp64 clip {stage} {name}")
 
 
 class _WithEmpty(nn.Module):
@@ -187,6 +193,23 @@ def _empty_params_worker(rank, world, stage, name):
         _assert_same_state_dict(opt.state_dict(), ref_opt.state_dict())
 
 
-@pytest.mark.parametrize("stage,name", [(1, "AdamW"), (2, "FusedSGD")])
-def test_parameters_with_no_elements_in_state_dicts_as_torchs(stage, name):
-    run_distributed(_empty_params_worker, 2, stage, name, timeout=120)
+EMPTY = [(1, "AdamW"), (2, "FusedSGD")]
+
+
+@pytest.mark.parametrize("stage,name", EMPTY)
+def test_parameters_with_no_elements_in_state_dicts_as_torchs(stage, name, launched):
+    results_of(launched, f"empty {stage} {name}")
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The selected tests' scenarios in one launch of 2 ranks (each builds its own models and
+    optimizers); a scenario's assertion fails its own test."""
+    return launch_for_selected(request, {
+        "test_torch_state_dict_helpers_refused_without_changing_the_state": {
+            f"helpers {stage} {keep}": (_torch_helpers_worker, (stage, keep)) for stage, keep in HELPERS},
+        "test_fp64_clip_under_a_fused_inner_optimizer_is_torchs": {
+            f"fp64 clip {stage} {name}": (_fp64_clip_worker, (stage, name)) for stage, name in FP64_CLIP},
+        "test_parameters_with_no_elements_in_state_dicts_as_torchs": {
+            f"empty {stage} {name}": (_empty_params_worker, (stage, name)) for stage, name in EMPTY},
+    }, 2, timeout=300)

@@ -12,11 +12,12 @@ refreshes only the written one, and across parameters joining the partition afte
 import copy
 import os
 
+import pytest
 import torch
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 TINY_BUCKETS = dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)  # several buckets
 
@@ -102,8 +103,8 @@ def _masters_worker(rank, world_size):
     return out
 
 
-def test_refresh_takes_only_the_written_parameter():
-    results = run_distributed(_masters_worker, 2)
+def test_refresh_takes_only_the_written_parameter(launched):
+    results = results_of(launched, "masters")
     for r in results:
         assert all(v for k, v in r.items() if k.endswith("masters finer than bf16")), r
         bad = {k: v for k, v in r.items() if not k.endswith(("bf16", "here")) and v}
@@ -158,8 +159,8 @@ def _oracle_worker(rank, world_size):
     return out
 
 
-def test_refresh_against_an_oracle():
-    for r in run_distributed(_oracle_worker, 2):
+def test_refresh_against_an_oracle(launched):
+    for r in results_of(launched, "oracle"):
         for name, diffs in r.items():
             assert diffs and max(diffs.values()) <= 2e-6, (name, diffs)
 
@@ -207,8 +208,19 @@ def _grow_worker(rank, world_size):
     }
 
 
-def test_refresh_after_parameters_joined():
-    results = run_distributed(_grow_worker, 2)
+def test_refresh_after_parameters_joined(launched):
+    results = results_of(launched, "grow")
     for r in results:
         assert r["write kept"] and not r["masters not their parameter"] and not r["other masters changed"], r
     assert sorted({i for r in results for i in r["owned"]}) == list(range(6))  # every parameter, joined too
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The three checks in one launch of 2 ranks. The last one selects the torch kernel
+    backend for its process (FUSEDIST_KERNEL_BACKEND), so it runs after the others."""
+    return launch_for_selected(request, {
+        "test_refresh_takes_only_the_written_parameter": {"masters": (_masters_worker, ())},
+        "test_refresh_against_an_oracle": {"oracle": (_oracle_worker, ())},
+        "test_refresh_after_parameters_joined": {"grow": (_grow_worker, ())},
+    }, 2, timeout=300)

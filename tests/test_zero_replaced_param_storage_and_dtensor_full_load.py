@@ -10,11 +10,12 @@ given to ``fusedist.fsdp.load_full_state_dict``, against torch, world size 2 on 
   [DTensor entries loaded] in fusedist/fsdp/state_dict_hooks.py).
 """
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
 from models import TwoLinearTanh
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _replace(kind: str, model: TwoLinearTanh) -> None:
@@ -74,8 +75,8 @@ def _replaced_worker(rank, world_size):
     return errors, refusal
 
 
-def test_replaced_parameter_storage_is_stepped_as_torch():
-    for errors, refusal in run_distributed(_replaced_worker, 2, timeout=120):
+def test_replaced_parameter_storage_is_stepped_as_torch(launched):
+    for errors, refusal in results_of(launched, "replaced"):
         for case, err in errors.items():
             assert err < 1e-5, (case, err)
         assert refusal is not None and "'out.bias'" in refusal and "(1,)" in refusal, refusal
@@ -101,5 +102,14 @@ def _dtensor_worker(rank, world_size):
     return max((got[k] - v.full_tensor()).abs().max().item() for k, v in sd.items())
 
 
-def test_load_full_state_dict_takes_dtensor_entries():
-    assert run_distributed(_dtensor_worker, 2, timeout=120) == [0.0, 0.0]
+def test_load_full_state_dict_takes_dtensor_entries(launched):
+    assert results_of(launched, "dtensor") == [0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Both tests' cases in one launch of 2 ranks (each builds its own models)."""
+    return launch_for_selected(request, {
+        "test_replaced_parameter_storage_is_stepped_as_torch": {"replaced": (_replaced_worker, ())},
+        "test_load_full_state_dict_takes_dtensor_entries": {"dtensor": (_dtensor_worker, ())},
+    }, 2, timeout=240)

@@ -20,7 +20,7 @@ And a ZeroRedundancyOptimizer the user built, given to ``FusedistFabricStrategy(
 was sharded again (one inside the other) instead of kept.
 
 Each case is a user-built ``fusedist.ZeroRedundancyOptimizer`` of a fusedist DDP model, compared
-with torch's DDP and torch's optimizer on the same batches (2 ranks, gloo).
+with torch's DDP and torch's optimizer on the same batches (2 ranks, gloo, one launch for all).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedist.testing import run_distributed
 from models import flat_params
+from shared_rank_launch import launch_for_selected, results_of
 from test_e2e_lightning_recipe import _launched_env
 
 TOL = 1e-5
@@ -139,8 +139,8 @@ def _zero_grad_through_wrappers(rank, world):
                     assert set(vars(wrapped)) == {"_optimizer"}, sorted(vars(wrapped))
 
 
-def test_zero_grad_and_optim_through_framework_wrappers_act_on_the_optimizer():
-    run_distributed(_zero_grad_through_wrappers, 2, timeout=180)
+def test_zero_grad_and_optim_through_framework_wrappers_act_on_the_optimizer(launched):
+    results_of(launched, "zero_grad")
 
 
 def _scaled_steps(rank, model, optimizer, scaler, clip, sync) -> tuple:
@@ -191,8 +191,8 @@ def _grad_scaler_through_a_wrapper(rank, world, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_grad_scaler_and_clip_through_a_wrapper_skip_the_overflowing_step_as_torch(stage):
-    run_distributed(_grad_scaler_through_a_wrapper, 2, stage, timeout=120)
+def test_grad_scaler_and_clip_through_a_wrapper_skip_the_overflowing_step_as_torch(stage, launched):
+    results_of(launched, f"grad scaler {stage}")
 
 
 def _join_through_a_wrapper(rank, world):
@@ -225,10 +225,10 @@ def _join_through_a_wrapper(rank, world):
         assert set(vars(wrapped)) == {"_optimizer"}, sorted(vars(wrapped))
 
 
-def test_join_given_the_wrapper_steps_the_ranks_out_of_batches_as_torch():
+def test_join_given_the_wrapper_steps_the_ranks_out_of_batches_as_torch(launched):
     # (the join context's settings used to land on the wrapper: the optimizer's step never
     # took part in the join, and the ranks waited on each other until the timeout)
-    run_distributed(_join_through_a_wrapper, 2, timeout=90)
+    results_of(launched, "join")
 
 
 def _user_built_zero_under_the_strategy(rank, world):
@@ -261,8 +261,23 @@ def _user_built_zero_under_the_strategy(rank, world):
         assert err <= TOL, (strategy_stage, user_stage, err)
 
 
-def test_a_zero_optimizer_the_user_built_is_kept_by_the_zero_strategy():
+def test_a_zero_optimizer_the_user_built_is_kept_by_the_zero_strategy(launched):
     # (the strategy sharded it again, one ZeroRedundancyOptimizer inside another: the first step
     # failed naming a parameter "not sharded", construction failed on a model "already
     # synchronized by ZeRO stage 2", or training went 3e-2 off torch)
-    run_distributed(_user_built_zero_under_the_strategy, 2, timeout=120)
+    results_of(launched, "user built")
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The selected tests' cases in one launch of 2 ranks: each case builds its own models,
+    optimizers and Fabrics (a hang in the join case ends at the process group's timeout)."""
+    return launch_for_selected(request, {
+        "test_zero_grad_and_optim_through_framework_wrappers_act_on_the_optimizer": {
+            "zero_grad": (_zero_grad_through_wrappers, ())},
+        "test_grad_scaler_and_clip_through_a_wrapper_skip_the_overflowing_step_as_torch": {
+            f"grad scaler {stage}": (_grad_scaler_through_a_wrapper, (stage,)) for stage in (1, 2)},
+        "test_join_given_the_wrapper_steps_the_ranks_out_of_batches_as_torch": {"join": (_join_through_a_wrapper, ())},
+        "test_a_zero_optimizer_the_user_built_is_kept_by_the_zero_strategy": {
+            "user built": (_user_built_zero_under_the_strategy, ())},
+    }, 2, timeout=360)

@@ -19,7 +19,7 @@ from torch import nn
 
 import models
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3
 STEPS = 7
@@ -88,8 +88,8 @@ def _memory_format_worker(rank, world_size):
     return out
 
 
-def test_zero_keeps_channels_last_and_matches_adamw():
-    for per_rank in run_distributed(_memory_format_worker, 2, timeout=240):
+def test_zero_keeps_channels_last_and_matches_adamw(launched2):
+    for per_rank in results_of(launched2, "memory format"):
         for key, item in per_rank.items():
             assert item["channels_last"] == [True, True], (key, item)
             assert item["diff"] < TOL, (key, item)
@@ -199,10 +199,27 @@ def _grow_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
-def test_parameters_joining_after_construction_match_unsharded(world_size):
-    for per_rank in run_distributed(_grow_worker, world_size, timeout=400):
+def test_parameters_joining_after_construction_match_unsharded(world_size, request):
+    for per_rank in results_of(request.getfixturevalue(f"launched{world_size}"), "grow"):
         for item in per_rank:
             assert item["diff"] < TOL, item
             if "groups" in item:
                 assert item["groups"] and item["state_keys"], item
                 assert item["state_diff"] < TOL, item
+
+
+# The 2-rank cases share one launch (both workers select the torch kernel backend and build
+# their own models); the 3-rank one has its own.
+@pytest.fixture(scope="module")
+def launched2(request):
+    return launch_for_selected(request, {
+        "test_zero_keeps_channels_last_and_matches_adamw": {"memory format": (_memory_format_worker, ())},
+        "test_parameters_joining_after_construction_match_unsharded": {"grow": (_grow_worker, ())},
+    }, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def launched3(request):
+    return launch_for_selected(request, {
+        "test_parameters_joining_after_construction_match_unsharded": {"grow": (_grow_worker, ())},
+    }, 3, timeout=400)

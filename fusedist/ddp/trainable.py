@@ -193,6 +193,7 @@ class TrainableTracker:
         _unfollow(self.tree.left(before), self)
         _follow_tree(owner.module, weakref.ref(self), "")  # assignments noted under the current paths
         rename_followed(owner, self)
+        owner.watch.names_changed()  # (the parameter check names them as they are now)
 
     def _note_inserted(self, parent, prefix: str, name: str, submodule) -> None:
         before = len(self.assigned)

@@ -292,6 +292,11 @@ class StepWatch(WatchBase, EngineObserver):
             return False
         return checked_now or self.sync_steps % self.param_every == 0
 
+    def names_changed(self) -> None:
+        """The engine's parameters were renamed (a renumbering of the module's tree): the parameter
+        check's digest is rebuilt under the new names when next due, so its messages name them."""
+        self._digest = None
+
     def _param_digest(self, engine) -> torch.Tensor:
         if self._digest is None:
             tracker = engine.tracker

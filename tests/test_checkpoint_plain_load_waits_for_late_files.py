@@ -4,8 +4,10 @@ filesystem's lagging view, a checkpoint still being copied in): it waits up to
 as a lost or truncated file (Note [a plain load waits for lagging files] in
 fusedist/checkpoint/_visibility.py). A file changed after the manifest is damaged and still
 refused at once. A Checkpointer's restore whose rank 0 sees a file short likewise waits instead of
-restoring the previous checkpoint. Single process: rank 0's own view lags; the 2-rank case
-(another rank's view) is in test_checkpoint_restore_lagging_files.py.
+restoring the previous checkpoint. A file that is not arriving (removed long ago) fails a load and
+a restore well under the limit (Note [a file that is not arriving]). Single process: rank 0's own
+view lags; the 2-rank cases (another rank's view) are in test_checkpoint_restore_lagging_files.py
+and, for a restore of a file not arriving, here (one launch).
 
 Reference: torch's ``load_state_dict`` of the saved model and optimizer state, stepped on the
 same inputs: fp32, the same arithmetic on the same values, so exactly equal.
@@ -232,3 +234,89 @@ class _no_skip_warning:
         self._catch.__exit__(*exc)
         skipped = [str(w.message) for w in self._caught if "skipping" in str(w.message)]
         assert not skipped, skipped
+
+
+def test_a_checkpointer_restore_stops_for_a_file_that_is_not_arriving(tmp_path, monkeypatch):
+    """Note [a file that is not arriving] in a Checkpointer's restore: its newest checkpoint lost a
+    listed file long ago (the manifest an hour old, nothing changing), so the restore fails well
+    under the wait limit, naming the file, and restores nothing -- not the previous checkpoint
+    either, which would undo a step (it waited the whole limit, 60 s by default)."""
+    from fusedist.checkpoint import Checkpointer, layout
+    from fusedist.checkpoint._visibility import QUIET_S
+
+    root = str(tmp_path / "run")
+    model = _net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(root, every_steps=1, keep=None, async_save=False) as ckpt:
+        assert ckpt.restore(model, opt) == 0
+        for step in (1, 2):
+            _steps(model, opt, (step,))
+            ckpt.save(step)
+    monkeypatch.setenv("FUSEDIST_CHECKPOINT_VISIBLE_S", "30")
+    _old_manifest(monkeypatch)
+    os.remove(os.path.join(layout.step_dir(root, 2), "common.pt"))
+    fresh = _net(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    before = _flat(fresh).clone()
+    t0 = time.monotonic()
+    with _no_skip_warning(), pytest.raises(CheckpointError, match=r"cannot restore step 2 .*common\.pt listed in "
+                                                                  r"the manifest is missing.*not arriving"):
+        with Checkpointer(root, every_steps=1, keep=None, async_save=False) as again:
+            again.restore(fresh, fresh_opt)
+    assert QUIET_S <= time.monotonic() - t0 < 15
+    assert torch.equal(before, _flat(fresh)) and not fresh_opt.state
+
+
+def _restore_on_a_lost_view_worker(rank, world_size, root):
+    """Rank 1's host lost sight of rank-00001.pt of the newest checkpoint long ago (every stat of
+    it fails; the manifest an hour old), rank 0 sees it whole: the restore's wait for every rank
+    (``await_visible``) stops once nothing is arriving."""
+    import fusedist
+    from fusedist.checkpoint import Checkpointer, _visibility, layout
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = fusedist.DistributedDataParallel(_net(seed))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = fresh(0)
+    with Checkpointer(root, every_steps=1, keep=None, async_save=False) as ckpt:
+        ckpt.restore(model, opt)
+        for step in (1, 2):
+            _steps(model, opt, (step,))
+            ckpt.save(step)
+    torch.distributed.barrier()
+    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "20"
+    _visibility._wall_clock = lambda: time.time() + 3600
+    lost, real_stat = os.path.abspath(os.path.join(layout.step_dir(root, 2), "rank-00001.pt")), os.stat
+
+    def stat(p, *args, **kwargs):
+        if rank == 1 and isinstance(p, str) and os.path.abspath(p) == lost:
+            raise FileNotFoundError(2, "No such file or directory", p)
+        return real_stat(p, *args, **kwargs)
+
+    os.stat = stat
+    again_model, again_opt = fresh(1)
+    before = _flat(again_model.module).clone()
+    t0 = time.monotonic()
+    try:
+        with Checkpointer(root, every_steps=1, keep=None, async_save=False) as again:
+            again.restore(again_model, again_opt)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        os.stat = real_stat
+    return error, time.monotonic() - t0, torch.equal(before, _flat(again_model.module)), bool(again_opt.state)
+
+
+def test_a_checkpointer_restore_stops_for_a_file_a_rank_lost_sight_of(tmp_path):
+    from fusedist.checkpoint._visibility import QUIET_S
+    from fusedist.testing import run_distributed
+
+    results = run_distributed(_restore_on_a_lost_view_worker, 2, str(tmp_path), timeout=120)
+    for rank, (error, took, untouched, has_state) in enumerate(results):
+        assert error is not None and "rank 1 does not see rank-00001.pt (not there)" in error, (rank, error)
+        assert "not arriving" in error and "cannot restore step 2" in error, (rank, error)
+        assert QUIET_S <= took < 12, (rank, took)
+        assert untouched and not has_state, rank

@@ -94,14 +94,20 @@ def await_visible(coord, path: str, step: int) -> Optional[str]:
         return None
     limit = wait_limit()
     started = time.monotonic()
+    quiet = _Quiet(path, limit)
     while True:
         mine = _unseen(path, *want)
-        everyone = coord.all_gather((mine, time.monotonic() - started >= limit), "checkpoint every rank sees")
-        lagging = [(coord.ranks[i], seen) for i, (seen, _) in enumerate(everyone) if seen]
+        everyone = coord.all_gather((mine, time.monotonic() - started >= limit, quiet.settled()),
+                                    "checkpoint every rank sees")
+        lagging = [(coord.ranks[i], seen) for i, (seen, _, _) in enumerate(everyone) if seen]
         if not lagging or everyone[0][0]:
             return None
-        if any(out for _, out in everyone):
+        if any(out for _, out, _ in everyone):
             break
+        only_files = not any(s.startswith(_files.MANIFEST) for _, seen in lagging for s in seen)
+        if only_files and all(settled for _, _, settled in everyone):
+            where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
+            return _not_arriving(path, step, where, limit)
         time.sleep(_POLL_S)
     where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
     return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: rank 0 sees it complete, "
@@ -119,18 +125,21 @@ def await_listed(coord, path: str, step: int, reason: str) -> Optional[str]:
     every rank, when the file has not shown after the wait."""
     limit = wait_limit()
     started = time.monotonic()
+    quiet = _Quiet(path, limit) if coord.rank == 0 else None
     while True:
         state = None
         if coord.rank == 0:
             entry = layout.entry_at(path, step)
             state = ((False, False, "its directory is gone") if entry is None
                      else (entry.complete, entry.unseen, entry.reason))
-            state += (time.monotonic() - started >= limit,)
-        complete, unseen, now, out = coord.broadcast(state, "checkpoint files rank 0 sees")
+            state += (time.monotonic() - started >= limit, quiet.settled())
+        complete, unseen, now, out, settled = coord.broadcast(state, "checkpoint files rank 0 sees")
         if complete:
             return None
         if not unseen:
             return now or reason
+        if settled and not out:
+            raise CheckpointError(_not_arriving(path, step, f"its manifest is whole but {now}", limit))
         if out:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: "
@@ -141,6 +150,15 @@ def await_listed(coord, path: str, step: int, reason: str) -> Optional[str]:
                 f"since: restore again once the file shows (raise {WAIT_ENV} to wait longer), or pass step= to "
                 f"restore an older one")
         time.sleep(_POLL_S)
+
+
+def _not_arriving(path: str, step: int, where: str, limit: float) -> str:
+    """Why a restore stops before the wait limit (Note [a file that is not arriving])."""
+    return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: {where}. Its manifest was "
+            f"written more than {limit:g} s ago ({WAIT_ENV}) and nothing in the directory changed for {QUIET_S:g} s, "
+            f"so the files are not arriving (Note [a file that is not arriving]): they were removed, or never "
+            f"copied in. No older checkpoint was restored in its place, which would undo the steps since: copy the "
+            f"missing files in, or pass step= to restore an older one")
 
 
 def wait_seen(directory: str, files: dict) -> list[str]:
@@ -183,7 +201,9 @@ def wait_seen(directory: str, files: dict) -> list[str]:
 #     reading rank 0's manifest; and (3) no entry of the directory appeared, vanished or changed
 #     its size or time on any rank for :data:`QUIET_S` seconds (a copy still writing, under a
 #     temporary name too). Assumes the hosts' clocks agree with the file server's to well
-#     within the limit. Any other lag is waited for in full.
+#     within the limit. Any other lag is waited for in full. A Checkpointer's restore cuts its
+#     waits short alike (:func:`await_listed` on rank 0's view, :func:`await_visible` on every
+#     rank's): it waited the whole limit for a file of its newest checkpoint removed long ago.
 QUIET_S = 3.0
 
 

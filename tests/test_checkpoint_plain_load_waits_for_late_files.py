@@ -19,6 +19,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -267,56 +268,146 @@ def test_a_checkpointer_restore_stops_for_a_file_that_is_not_arriving(tmp_path, 
     assert torch.equal(before, _flat(fresh)) and not fresh_opt.state
 
 
-def _restore_on_a_lost_view_worker(rank, world_size, root):
-    """Rank 1's host lost sight of rank-00001.pt of the newest checkpoint long ago (every stat of
-    it fails; the manifest an hour old), rank 0 sees it whole: the restore's wait for every rank
-    (``await_visible``) stops once nothing is arriving."""
-    import fusedist
-    from fusedist.checkpoint import Checkpointer, _visibility, layout
+def _trained_run(root: str):
+    """Steps 1 and 2 of a 2-rank DDP + AdamW run saved under ``root``; the model and optimizer
+    state after step 1 (torch's own state dicts: the reference a fallback must restore)."""
+    import copy
 
-    def fresh(seed):
-        torch.manual_seed(seed)
-        model = fusedist.DistributedDataParallel(_net(seed))
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from fusedist.checkpoint import Checkpointer
 
-    model, opt = fresh(0)
+    model, opt = _ddp_run(0)
     with Checkpointer(root, every_steps=1, keep=None, async_save=False) as ckpt:
         ckpt.restore(model, opt)
         for step in (1, 2):
             _steps(model, opt, (step,))
             ckpt.save(step)
+            if step == 1:
+                first = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
     torch.distributed.barrier()
-    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "20"
-    _visibility._wall_clock = lambda: time.time() + 3600
-    lost, real_stat = os.path.abspath(os.path.join(layout.step_dir(root, 2), "rank-00001.pt")), os.stat
+    return first
+
+
+def _ddp_run(seed: int):
+    import fusedist
+
+    torch.manual_seed(seed)
+    model = fusedist.DistributedDataParallel(_net(seed))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+class _Shown:
+    """A file's stat as a host shows it: another size and modification time, the rest as it is."""
+
+    def __init__(self, real, size: int, mtime: float):
+        self._real, self.st_size, self.st_mtime, self.st_mtime_ns = real, size, mtime, int(mtime * 1e9)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _restore_with_rank_1_seeing(root: str, rank: int, shown):
+    """Restore ``root``'s run on fresh objects while rank 1's ``os.stat`` of rank-00001.pt of step
+    2 goes through ``shown(real stat)``; returns (restored step or the error, seconds, warnings,
+    the fresh model and optimizer)."""
+    from fusedist.checkpoint import Checkpointer, layout
+
+    target, real_stat = os.path.abspath(os.path.join(layout.step_dir(root, 2), "rank-00001.pt")), os.stat
 
     def stat(p, *args, **kwargs):
-        if rank == 1 and isinstance(p, str) and os.path.abspath(p) == lost:
-            raise FileNotFoundError(2, "No such file or directory", p)
+        if rank == 1 and isinstance(p, str) and os.path.abspath(p) == target:
+            return shown(p, real_stat)
         return real_stat(p, *args, **kwargs)
 
+    model, opt = _ddp_run(1)
     os.stat = stat
-    again_model, again_opt = fresh(1)
-    before = _flat(again_model.module).clone()
     t0 = time.monotonic()
     try:
-        with Checkpointer(root, every_steps=1, keep=None, async_save=False) as again:
-            again.restore(again_model, again_opt)
-        error = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Checkpointer(root, every_steps=1, keep=None, async_save=False) as again:
+                outcome = again.restore(model, opt)
     except CheckpointError as exc:
-        error = str(exc)
+        outcome = str(exc)
     finally:
         os.stat = real_stat
-    return error, time.monotonic() - t0, torch.equal(before, _flat(again_model.module)), bool(again_opt.state)
+    return outcome, time.monotonic() - t0, [str(w.message) for w in caught], model, opt
 
 
-def test_a_checkpointer_restore_stops_for_a_file_a_rank_lost_sight_of(tmp_path):
+def _restore_on_a_damaged_view(rank, world_size, root):
+    """Rank 1's host shows rank-00001.pt of the newest checkpoint 10 bytes short and modified now,
+    after its manifest (truncated or replaced there since the save); rank 0 sees it whole. The
+    manifest is recent and the wait limit 20 s: the restore waited the whole limit for a file that
+    no lagging view explains, then refused. Damaged, it is a corrupt checkpoint: the previous one
+    is restored at once, with a warning naming the rank and the file."""
+    first = _trained_run(root)
+    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "20"
+
+    def shown(p, real_stat):
+        real = real_stat(p)
+        return _Shown(real, real.st_size - 10, time.time())
+
+    outcome, took, caught, model, opt = _restore_with_rank_1_seeing(root, rank, shown)
+    same_model = all(torch.equal(v, first[0][k]) for k, v in model.module.state_dict().items())
+    saved_state, state = first[1]["state"], opt.state_dict()["state"]
+    same_opt = saved_state.keys() == state.keys() and all(
+        torch.equal(state[i][k], saved_state[i][k]) for i in saved_state for k in saved_state[i])
+    return outcome, took, caught, same_model, same_opt
+
+
+def _restore_on_a_lost_view(rank, world_size, root):
+    """Rank 1's host lost sight of rank-00001.pt of the newest checkpoint long ago (every stat of
+    it fails; the manifest an hour old), rank 0 sees it whole: the restore's wait for every rank
+    (``await_visible``) stops once nothing is arriving."""
+    from fusedist.checkpoint import _visibility
+
+    _trained_run(root)
+    os.environ["FUSEDIST_CHECKPOINT_VISIBLE_S"] = "20"
+    _visibility._wall_clock = lambda: time.time() + 3600
+
+    def shown(p, real_stat):
+        raise FileNotFoundError(2, "No such file or directory", p)
+
+    before = _flat(_ddp_run(1)[0].module).clone()
+    error, took, _, model, opt = _restore_with_rank_1_seeing(root, rank, shown)
+    return error, took, torch.equal(before, _flat(model.module)), bool(opt.state)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    from shared_rank_launch import launch_for_selected
+
+    root = str(tmp_path_factory.mktemp("views"))
+    # (the damaged view first: the lost view's scenario moves the clock on for the rest of the launch)
+    return launch_for_selected(request, {
+        "test_a_checkpointer_restore_takes_a_file_a_rank_sees_changed_since_the_save_for_corrupt":
+            {"damaged": (_restore_on_a_damaged_view, (os.path.join(root, "damaged"),))},
+        "test_a_checkpointer_restore_stops_for_a_file_a_rank_lost_sight_of":
+            {"lost": (_restore_on_a_lost_view, (os.path.join(root, "lost"),))},
+    }, 2, timeout=150)
+
+
+def test_a_checkpointer_restore_takes_a_file_a_rank_sees_changed_since_the_save_for_corrupt(two_ranks):
+    from shared_rank_launch import results_of
+
     from fusedist.checkpoint._visibility import QUIET_S
-    from fusedist.testing import run_distributed
 
-    results = run_distributed(_restore_on_a_lost_view_worker, 2, str(tmp_path), timeout=120)
-    for rank, (error, took, untouched, has_state) in enumerate(results):
-        assert error is not None and "rank 1 does not see rank-00001.pt (not there)" in error, (rank, error)
+    for rank, (outcome, took, caught, same_model, same_opt) in enumerate(results_of(two_ranks, "damaged")):
+        assert outcome == 1, (rank, outcome)
+        assert took < QUIET_S, (rank, took)  # (not waited for)
+        assert same_model and same_opt, rank  # torch's state after step 1, exactly
+        if rank == 0:
+            assert any("checkpoint of step 2" in w and "rank 1 sees rank-00001.pt (" in w
+                       and "changed after it was written" in w and "trying the previous one" in w
+                       for w in caught), caught
+
+
+def test_a_checkpointer_restore_stops_for_a_file_a_rank_lost_sight_of(two_ranks):
+    from shared_rank_launch import results_of
+
+    from fusedist.checkpoint._visibility import QUIET_S
+
+    for rank, (error, took, untouched, has_state) in enumerate(results_of(two_ranks, "lost")):
+        assert isinstance(error, str) and "rank 1 does not see rank-00001.pt (not there)" in error, (rank, error)
         assert "not arriving" in error and "cannot restore step 2" in error, (rank, error)
         assert QUIET_S <= took < 12, (rank, took)
         assert untouched and not has_state, rank

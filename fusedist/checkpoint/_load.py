@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..zero import state as zstate
-from . import _checks, _files, _given_up, _load_plan, _optimizer_list, _visibility
+from . import _checks, _files, _given_up, _load_plan, _names, _optimizer_list, _visibility
 from ._files import CheckpointError
 
 
@@ -45,7 +45,8 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     the very parameters that saved it: pass ``optimizer=None`` to start a new one. It returns
     what torch's returns, the keys it left out -- ``missing_keys`` (the model's, not in the
     checkpoint) and ``unexpected_keys`` (the checkpoint's, not in the model), by their names
-    without wrapper prefixes, as the checkpoint keeps them -- in a :class:`LoadResult`, a
+    without wrapper prefixes, as the checkpoint keeps them, in torch's order (Note [the order
+    of unexpected keys] in ``_names.py``) -- in a :class:`LoadResult`, a
     subclass of torch's named tuple whose ``.extra`` is the checkpoint's ``extra``. (It
     returned ``extra`` alone, which left the keys it skipped unknown.) Loading pipeline parts,
     the unexpected keys are the ones no part of the job loads.
@@ -91,7 +92,8 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
         extra = pipelined.apply(plan, model, optimizer, scaler)
     else:
         extra = _load_plan.apply(plan, model, optimizer, scaler)
-    return extra if strict else _unmatched(plan, [r for _, r in everyone], extra)
+    return extra if strict else _unmatched(plan, [r for _, r in everyone], extra,
+                                           None if pipeline else _names.unwrap(model))
 
 
 class LoadResult(_IncompatibleKeys):
@@ -107,15 +109,18 @@ class LoadResult(_IncompatibleKeys):
         return LoadResult, (self.missing_keys, self.unexpected_keys, self.extra)
 
 
-def _unmatched(plan: dict, reads: list, extra) -> LoadResult:
+def _unmatched(plan: dict, reads: list, extra, whole=None) -> LoadResult:
     """The keys a load that is not strict left out (Note [a load that is not strict]): the
     model's keys the checkpoint lacks (of every part here, by the part's names) and the
-    checkpoint's keys no model loads (for parts, none of the job's, by the saved names)."""
+    checkpoint's keys no model loads (for parts, none of the job's, by the saved names; in
+    torch's order where one model, ``whole``, takes a pipelined checkpoint: Note [the order of
+    unexpected keys] in ``_names.py``)."""
     if "parts" not in plan:
         return LoadResult(list(plan["missing"]), list(plan["unexpected"]), extra)
     taken = set().union(*(r["keys"] for r in reads))
+    unexpected = [k for k in plan["all_keys"] if k not in taken]
     return LoadResult([k for p in plan["parts"] for k in p["missing"]],
-                      [k for k in plan["all_keys"] if k not in taken], extra)
+                      unexpected if whole is None else _names.unexpected_order(whole, unexpected), extra)
 
 
 def _prepared(directory: str, model, optimizer, scaler, trusted: bool, strict: bool, pipeline: bool) -> tuple:

@@ -57,10 +57,12 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
     return saved
 
 
-def _unmatched(saved: dict, expected: dict) -> dict:
-    """The model keys a load that is not strict leaves out, as torch's ``load_state_dict`` names
-    them: ``missing`` (the model's, not in the checkpoint) and ``unexpected`` (the reverse)."""
-    return {"missing": [k for k in expected if k not in saved], "unexpected": [k for k in saved if k not in expected]}
+def _unmatched(saved: dict, expected: dict, target) -> dict:
+    """The model keys a load that is not strict leaves out, as torch's ``load_state_dict`` of
+    ``target`` names them, in its order: ``missing`` (the model's, not in the checkpoint) and
+    ``unexpected`` (the reverse: Note [the order of unexpected keys] in ``_names.py``)."""
+    return {"missing": [k for k in expected if k not in saved],
+            "unexpected": _names.unexpected_order(target, [k for k in saved if k not in expected])}
 
 
 def _cross_packed(saved: dict, target, sharded_target: bool, directory, layouts=None) -> dict:
@@ -189,7 +191,7 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trust
     saved, optim = _from_dcp.split(tree, expected, lambda d: _names.strip_prefix(d, expected), directory)
     saved = _cross_packed(saved, target, sharded_target, directory)  # Note [quantized storage across run kinds]
     plan: dict = {"extra": None, "model": _check_model(saved, expected, directory, strict),
-                  "model_sharded": sharded_target, "strict": strict, **_unmatched(saved, expected),
+                  "model_sharded": sharded_target, "strict": strict, **_unmatched(saved, expected, target),
                   "read": {"manifest": digest, "strict": strict,
                            **_checks.objects_passed(directory, optimizer, scaler)}}
     if optimizer is not None:
@@ -241,7 +243,7 @@ def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: 
     saved = _cross_packed(saved, target, sharded_target, directory, layouts)
     plan["model"] = _check_model(saved, expected, directory, strict)
     plan["model_sharded"] = sharded_target
-    plan.update(_unmatched(saved, expected))
+    plan.update(_unmatched(saved, expected, target))
 
     if optimizer is not None:
         plan["optimizer"] = _prepare_optimizer(directory, manifest, common, model, optimizer, sections)

@@ -117,3 +117,45 @@ def has_ddp_prefix(names: list, expected) -> bool:
     of ``expected`` as it is (a model whose only child is called ``module``; ``expected`` may
     hold some of ``names`` only: a pipeline stage of that model, a load that is not strict)."""
     return bool(names) and all(n.startswith(DDP_PREFIX) for n in names) and not any(n in expected for n in names)
+
+
+def unexpected_order(root: torch.nn.Module, keys: list) -> list:
+    """``keys`` (canonical names ``root`` does not hold) in the order torch's
+    ``load_state_dict(strict=False)`` of ``root`` lists them as ``unexpected_keys``.
+
+    Note [the order of unexpected keys]
+        torch walks the module tree depth first, and each module lists, in the state dict's
+        order, the keys under its prefix whose next segment names none of its own entries
+        (first an own ``_extra_state`` it has no ``set_extra_state`` for): a key is listed by
+        the deepest module of ``root`` along its name, and a module's unexpected keys come
+        before its submodules', whatever the saved order. Within one module the state dict's order is
+        the checkpoint's, taken as a state dict orders a module tree: a module's own entries
+        before its submodules', each submodule's together, in the order they first appear. A
+        torch distributed checkpoint saved by several ranks does not keep the saved order (its
+        entries come back spread over the ranks' files), so there the entries of one missing
+        module may come in another order than torch's (``bias`` before ``weight``)."""
+    first: dict = {}
+    for i, key in enumerate(keys):
+        parts = key.split(".")
+        for j in range(1, len(parts) + 1):
+            first.setdefault(tuple(parts[:j]), i)
+
+    def place(key: str) -> tuple:
+        obj, path, parts = _bare(root), [], key.split(".")
+        while len(parts) > len(path) + 1 and isinstance(obj._modules.get(parts[len(path)]), torch.nn.Module):
+            path.append(list(obj._modules).index(parts[len(path)]))
+            obj = _bare(obj._modules[parts[len(path) - 1]])
+        below = range(len(path) + 1, len(parts) + 1)
+        return tuple(path), parts[len(path):] != [_EXTRA_STATE], tuple((j < len(parts), first[tuple(parts[:j])])
+                                                                     for j in below)
+
+    return sorted(keys, key=place)
+
+
+def _bare(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` without the wrappers whose segments canonical names leave out."""
+    while True:
+        inner = _inner(module, _ORIG_MOD) or _inner(module, "module") or _inner(module, _CHECKPOINT_WRAPPED)
+        if inner is None:
+            return module
+        module = inner

@@ -193,7 +193,21 @@ def load(directory: str, model, optimizers, scaler, trusted: bool, strict: bool,
     except Exception:  # noqa: BLE001 - no manifest: torch's checkpoint, or the load below says why
         manifest = None
     check_load(manifest, optimizers, directory)
-    return api.load(directory, parts, list(optimizers), scaler, trusted=trusted, strict=strict, pipeline=True)
+    result = api.load(directory, parts, list(optimizers), scaler, trusted=trusted, strict=strict, pipeline=True)
+    return result if strict else in_torch_order(result, model)
+
+
+def in_torch_order(result, model: torch.nn.Module):
+    """A load's result by parts (the optimizers' views) with its keys in the order torch's
+    ``load_state_dict(strict=False)`` of the whole ``model`` lists them: the missing ones in its
+    state dict's order, the unexpected ones as Note [the order of unexpected keys] in
+    ``_names.py`` says (they came part by part, in the checkpoint's order)."""
+    from ._load import LoadResult
+
+    model = _names.unwrap(model)
+    order = {k: i for i, k in enumerate(_names.canonical_state(model, model.state_dict()))}
+    missing = sorted(result.missing_keys, key=lambda k: order.get(k, len(order)))
+    return LoadResult(missing, _names.unexpected_order(model, result.unexpected_keys), result.extra)
 
 
 def _refuse_group(process_group, where: str) -> None:

@@ -79,17 +79,17 @@ class RestoreMixin:
                                   f"(step {saved_step}): {incomplete}", stacklevel=2)
                 continue
             tried = True
-            lagging = _visibility.await_visible(self._coord, path, saved_step)
-            if lagging is not None:  # (not corrupt: an older checkpoint would undo the steps since)
-                raise CheckpointError(lagging)
+            # (raises where a rank's view lags: not corrupt, and an older checkpoint would undo the steps since)
+            error = _visibility.await_visible(self._coord, path, saved_step)  # (a damaged file: corrupt)
             # The rank files are read first, on every rank, and the objects loaded only when
             # every rank could read its own: a file that fails after the model and optimizer
             # were loaded left them changed behind the CheckpointError that says nothing was.
-            error = manifest = per_rank = epoch = None
+            manifest = per_rank = epoch = None
             try:
-                manifest = _files.read_manifest(path)  # (once: every check below reads this one)
-                per_rank = api.per_rank_of(path, manifest, self.rank, self.world_size, trusted)
-                epoch = self._saved_epoch(path, manifest, trusted)
+                if error is None:
+                    manifest = _files.read_manifest(path)  # (once: every check below reads this one)
+                    per_rank = api.per_rank_of(path, manifest, self.rank, self.world_size, trusted)
+                    epoch = self._saved_epoch(path, manifest, trusted)
             except CheckpointError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - e.g. an unreadable file: every rank must learn of it
@@ -106,6 +106,8 @@ class RestoreMixin:
                     error = str(exc)
             if error is None:
                 if not strict:  # the model keys it left out (Note [a load that is not strict] in _load.py)
+                    if self._optimizer_list is not None:  # (by the optimizers' views: in the whole model's order)
+                        extra = _optimizer_list.in_torch_order(extra, self._whole_model)
                     self.incompatible_keys, extra = extra, extra.extra
                 self._apply_agreed(saved_step, path, extra, per_rank, epoch, manifest)
                 return saved_step

@@ -15,7 +15,11 @@ Note [a checkpoint another rank does not see yet]
     unseen then fails the restore on every rank, naming the ranks and files: it is not corrupt,
     and falling back to an older checkpoint would undo the steps since without a word. Where
     rank 0 itself no longer sees it (removed since it listed it), nothing is waited for: the
-    ordinary checks report it and the previous checkpoint is tried, as for a corrupt file.
+    ordinary checks report it and the previous checkpoint is tried, as for a corrupt file. A
+    listed file a rank sees at another size and modified after the manifest is damaged, not
+    late (a lagging view shows an older state of a file, never a newer one; the manifest is
+    written after every file it lists): the checkpoint is corrupt, as when rank 0 sees it so,
+    and the previous one is tried at once with a warning naming the rank and file.
 
     Rank 0's own view may lag too (a restarted job's rank 0 on another host, a checkpoint
     still being copied in): a manifest listing a file that is not there is never an
@@ -65,30 +69,44 @@ def _expected(path: str) -> Optional[tuple]:
         return None
 
 
-def _unseen(path: str, digest: str, files: dict) -> list[str]:
-    """What of rank 0's view of ``path`` this rank does not see, in words ([] when it sees it all)."""
-    missing = []
+def _unseen(path: str, digest: str, files: dict) -> tuple[list, list]:
+    """What of rank 0's view of ``path`` this rank does not see, in words: ``(late, damaged)``,
+    both [] when it sees it all. A listed file of another size changed after the manifest was
+    written is damaged, not late (as ``layout`` and :func:`_own_view` tell them apart): no
+    filesystem's lagging view makes a file newer than the manifest the save wrote after it."""
+    late, damaged = [], []
     try:
         with open(os.path.join(path, _files.MANIFEST), "rb") as f:
             if hashlib.sha256(f.read()).hexdigest() != digest:
-                missing.append(f"{_files.MANIFEST} (another one than rank 0 read: of another save of the step)")
+                late.append(f"{_files.MANIFEST} (another one than rank 0 read: of another save of the step)")
+        written = os.stat(os.path.join(path, _files.MANIFEST)).st_mtime
     except OSError:
-        missing.append(f"{_files.MANIFEST} (not there)")
+        late.append(f"{_files.MANIFEST} (not there)")
+    if late:  # (the files of another save, or none: nothing to tell a damaged file by)
+        written = math.inf
     for name, size in sorted(files.items()):
         try:
-            seen = os.path.getsize(os.path.join(path, name))
+            found = os.stat(os.path.join(path, name))
         except OSError:
-            missing.append(f"{name} (not there)")
+            late.append(f"{name} (not there)")
             continue
-        if seen != size:
-            missing.append(f"{name} ({seen} of its {size} bytes)")
-    return missing
+        if found.st_size == size:
+            continue
+        if found.st_mtime < written:
+            late.append(f"{name} ({found.st_size} of its {size} bytes)")
+        else:
+            damaged.append(f"{name} ({found.st_size} bytes where the manifest says {size}, changed after it "
+                           "was written)")
+    return late, damaged
 
 
 def await_visible(coord, path: str, step: int) -> Optional[str]:
     """Wait until every rank of ``coord`` sees the checkpoint in ``path`` as rank 0 does (Note [a
     checkpoint another rank does not see yet]). A collective; None once they do (or where rank 0
-    itself no longer does), else the error, the same on every rank."""
+    itself no longer does). Why the checkpoint is damaged where a rank sees a listed file changed
+    since the save (truncated, replaced): a corrupt checkpoint, at once, the same on every rank.
+    Raises CheckpointError, on every rank, where a rank's view lags past the wait, or as soon as
+    nothing can still be arriving (Note [a file that is not arriving])."""
     want = coord.broadcast(_expected(path) if coord.rank == 0 else None, "checkpoint rank 0 sees")
     if want is None:
         return None
@@ -96,25 +114,44 @@ def await_visible(coord, path: str, step: int) -> Optional[str]:
     started = time.monotonic()
     quiet = _Quiet(path, limit)
     while True:
-        mine = _unseen(path, *want)
-        everyone = coord.all_gather((mine, time.monotonic() - started >= limit, quiet.settled()),
+        late, damaged = _unseen(path, *want)
+        everyone = coord.all_gather((late, damaged, time.monotonic() - started >= limit, quiet.settled()),
                                     "checkpoint every rank sees")
-        lagging = [(coord.ranks[i], seen) for i, (seen, _, _) in enumerate(everyone) if seen]
-        if not lagging or everyone[0][0]:
+        if everyone[0][0]:  # (rank 0 no longer sees it whole: the ordinary checks say why)
             return None
-        if any(out for _, out, _ in everyone):
+        broken = [(coord.ranks[i], seen) for i, (_, seen, _, _) in enumerate(everyone) if seen]
+        if broken:
+            return (f"{_lacking(broken, 'sees')}: damaged since the save, as that host shows {path} (rank 0 sees "
+                    "it whole), not a file shown late, so it is not waited for")
+        lagging = [(coord.ranks[i], seen) for i, (seen, _, _, _) in enumerate(everyone) if seen]
+        if not lagging:
+            return None
+        if any(out for _, _, out, _ in everyone):
             break
         only_files = not any(s.startswith(_files.MANIFEST) for _, seen in lagging for s in seen)
-        if only_files and all(settled for _, _, settled in everyone):
-            where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
-            return _not_arriving(path, step, where, limit)
+        if only_files and all(settled for _, _, _, settled in everyone):
+            raise CheckpointError(_not_arriving(_restore_subject(path, step), _lacking(lagging), limit,
+                                                _RESTORE_NOTHING_OLDER))
         time.sleep(_POLL_S)
-    where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
-    return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: rank 0 sees it complete, "
-            f"but {where}, after waiting {limit:g} s ({WAIT_ENV}). The directory is not on a filesystem every "
-            f"rank sees alike, or another host's view of it lags (a network filesystem's attribute cache): the "
-            f"files are not corrupt, so no older checkpoint was restored in its place. Restore again once every "
-            f"host shows them (raise {WAIT_ENV} to wait longer), or pass step= to restore an older one")
+    raise CheckpointError(
+        f"{_restore_subject(path, step)}: rank 0 sees it complete, but {_lacking(lagging)}, after waiting {limit:g} s "
+        f"({WAIT_ENV}). The directory is not on a filesystem every rank sees alike, or another host's view of it "
+        f"lags (a network filesystem's attribute cache): the files are not corrupt, so no older checkpoint was "
+        f"restored in its place. Restore again once every host shows them (raise {WAIT_ENV} to wait longer), or "
+        f"pass step= to restore an older one")
+
+
+def _lacking(lagging: list, verb: str = "does not see") -> str:
+    """``[(rank, [what, ...]), ...]`` in words, one clause per rank."""
+    return "; ".join(f"rank {rank} {verb} {', '.join(seen)}" for rank, seen in lagging)
+
+
+def _restore_subject(path: str, step: int) -> str:
+    return f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}"
+
+
+_RESTORE_NOTHING_OLDER = ("No older checkpoint was restored in its place, which would undo the steps since: copy the "
+                          "missing files in, or pass step= to restore an older one")
 
 
 def await_listed(coord, path: str, step: int, reason: str) -> Optional[str]:
@@ -139,7 +176,8 @@ def await_listed(coord, path: str, step: int, reason: str) -> Optional[str]:
         if not unseen:
             return now or reason
         if settled and not out:
-            raise CheckpointError(_not_arriving(path, step, f"its manifest is whole but {now}", limit))
+            raise CheckpointError(_not_arriving(_restore_subject(path, step), f"its manifest is whole but {now}",
+                                                limit, _RESTORE_NOTHING_OLDER))
         if out:
             raise CheckpointError(
                 f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: "
@@ -152,13 +190,11 @@ def await_listed(coord, path: str, step: int, reason: str) -> Optional[str]:
         time.sleep(_POLL_S)
 
 
-def _not_arriving(path: str, step: int, where: str, limit: float) -> str:
-    """Why a restore stops before the wait limit (Note [a file that is not arriving])."""
-    return (f"fusedist.checkpoint.Checkpointer: cannot restore step {step} from {path}: {where}. Its manifest was "
-            f"written more than {limit:g} s ago ({WAIT_ENV}) and nothing in the directory changed for {QUIET_S:g} s, "
-            f"so the files are not arriving (Note [a file that is not arriving]): they were removed, or never "
-            f"copied in. No older checkpoint was restored in its place, which would undo the steps since: copy the "
-            f"missing files in, or pass step= to restore an older one")
+def _not_arriving(subject: str, where: str, limit: float, then: str) -> str:
+    """Why a restore or load stops before the wait limit (Note [a file that is not arriving])."""
+    return (f"{subject}: {where}. Its manifest was written more than {limit:g} s ago ({WAIT_ENV}) and nothing in the "
+            f"directory changed for {QUIET_S:g} s, so the files are not arriving (Note [a file that is not "
+            f"arriving]): they were removed, cut short, or never copied in. {then}")
 
 
 def wait_seen(directory: str, files: dict) -> list[str]:
@@ -230,19 +266,16 @@ def await_loadable(world, directory: str) -> None:
             break
         if all(settled for _, _, _, settled in everyone) and all(v is not None and v[0] == first[0]
                                                                   for _, v, _, _ in everyone):
-            where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
-            raise CheckpointError(
-                f"fusedist.checkpoint: cannot load {directory}: {where}. Its manifest was written more than "
-                f"{limit:g} s ago ({WAIT_ENV}) and nothing in the directory changed for {QUIET_S:g} s, so the "
-                f"files are not arriving (Note [a file that is not arriving]): they were removed, or never copied "
-                f"in. Nothing was loaded: check the directory, or copy the missing files in")
+            raise CheckpointError(_not_arriving(f"fusedist.checkpoint: cannot load {directory}", _lacking(lagging),
+                                                limit, "Nothing was loaded: check the directory, or copy the "
+                                                       "missing files in"))
         time.sleep(_POLL_S)
-    where = "; ".join(f"rank {rank} does not see {', '.join(seen)}" for rank, seen in lagging)
     raise CheckpointError(
-        f"fusedist.checkpoint: cannot load {directory}: {where}, after waiting {limit:g} s ({WAIT_ENV}). Its manifest "
-        f"is written only after every file it lists, so the files are not lost in a save: a host's view of the "
-        f"directory lags (a network filesystem's attribute cache), the directory is being copied, or files were "
-        f"removed since. Nothing was loaded: load again once every host shows them (raise {WAIT_ENV} to wait longer)")
+        f"fusedist.checkpoint: cannot load {directory}: {_lacking(lagging)}, after waiting {limit:g} s ({WAIT_ENV}). "
+        f"Its manifest is written only after every file it lists, so the files are not lost in a save: a host's "
+        f"view of the directory lags (a network filesystem's attribute cache), the directory is being copied, or "
+        f"files were removed since. Nothing was loaded: load again once every host shows them (raise {WAIT_ENV} to "
+        f"wait longer)")
 
 
 def _wall_clock() -> float:

@@ -373,8 +373,9 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool
             names = expected or _dcp_model_keys(tree, directory)
             saved, optim, saved_key = _dcp_split(tree, names, expected, directory)
         else:  # a part without state takes nothing, and a load that is not strict checks nothing more
-            saved, optim, saved_key = {}, None, {}
-            every_key.update((key, 0) for key in _keys_of_the_model(tree, directory))
+            keys, optim = _stateless_view(tree, directory)
+            saved, saved_key = {}, {}
+            every_key.update((key, 0) for key in keys)
         every_key.update((saved_key[k], 0) for k in saved)
         mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
         mine = _load_plan._cross_packed(mine, target, sharded_target, directory)  # (an NF4 weight's other form)
@@ -382,12 +383,12 @@ def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool
                 "strict": strict, "extra": None, "params": []}
         plan["keys"], plan["missing"] = [saved_key[k] for k in plan["model"]], [k for k in expected if k not in mine]
         if optimizer is not None:
-            if optim is None:
+            params = optimizer_params(optimizer)
+            if optim is None and params:  # (one over no parameters takes nothing: as from fusedist's own)
                 raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
             source = f"optimizer state in {directory}"
-            params = optimizer_params(optimizer)
             plan["params"] = param_names(module, params)
-            full = _from_dcp.to_torch_format(optim, plan["params"], optimizer.param_groups, source, others=True)
+            full = _from_dcp.to_torch_format(optim or {}, plan["params"], optimizer.param_groups, source, others=True)
             _dcp_algorithm.check(full["param_groups"], optimizer, directory)
             plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
                                                          optimizer, params, source)
@@ -413,17 +414,21 @@ def _dcp_split(tree: dict, names, expected: dict, directory: str) -> tuple:
     return saved, optim, {name: key for name, (key, _) in pairs.items()}
 
 
-def _keys_of_the_model(tree: dict, directory: str) -> list:
-    """The saved keys of the model's state in torch's distributed checkpoint ``tree``, for a load
-    that is not strict of a part without state: what the part does not load, listed by the
-    load's ``unexpected_keys`` unless another part takes it (Note [a load that is not strict] in
-    ``_load.py``; a rank holding only such parts listed none, where the whole model's
-    ``load_state_dict`` lists them). None are listed where the checkpoint holds several entries that could
-    be the model's: only a part with state tells them apart."""
+def _stateless_view(tree: dict, directory: str) -> tuple:
+    """The saved keys of the model's state in torch's distributed checkpoint ``tree``, and its
+    optimizer state (None if it holds none), for a load that is not strict of a part without
+    state. The keys are what the part does not load, listed by the load's ``unexpected_keys``
+    unless another part takes it (Note [a load that is not strict] in ``_load.py``; a rank
+    holding only such parts listed none, where the whole model's ``load_state_dict`` lists them).
+    None are listed where the checkpoint holds several entries that could be the model's: only a
+    part with state tells them apart. The optimizer state is what the part's optimizer (one over
+    no parameters of the part) takes nothing from, though the checkpoint holds the other parts'."""
     try:
-        return list(_dcp_split(tree, _dcp_model_keys(tree, directory), {}, directory)[2].values())
+        _, optim, saved_key = _dcp_split(tree, _dcp_model_keys(tree, directory), {}, directory)
+        return list(saved_key.values()), optim
     except CheckpointError:
-        return []
+        optims = [d for _, d in _from_dcp._dicts(tree) if _from_dcp._is_optimizer(d)]
+        return [], (optims[0] if len(optims) == 1 else None)
 
 
 def _dcp_model_keys(tree: dict, directory: str) -> dict:
@@ -519,7 +524,7 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
     wanted = set(names)
     state, groups, shapes, taken = {}, [], {}, []  # by name; the saved groups with their parameters' names
     with_state = [s for _, s in chosen if s.get("optimizer") is not None]
-    if not with_state:
+    if not with_state and names:  # (one over no parameters, a part without state's, takes nothing)
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
     for stage in with_state:
         meta = stage["optimizer"]

@@ -1,5 +1,7 @@
 """The shape inference torch's schedules run through a pipeline stage, kept from leaving a trace and
-failing on every rank at once; and the checks of micro-batches against the shapes it inferred.
+failing on every rank at once; the checks of micro-batches against the shapes it inferred (or the user
+gave), a first send that cannot be made failing on the receiving rank too; and the copy of a stage's
+buffers a step that raised puts back.
 
 Note [shape inference leaves the stage as it was]
     torch's schedules learn the shapes a stage sends and receives by running its module once
@@ -63,13 +65,45 @@ Note [a shape inference that fails on one rank]
     last such stage. Each rank waits for one message, from one rank. A rank all of whose stages
     are before ``k`` in a forward-only step (or after it, failing backward) does not wait in the
     inference: it waits in the step, and that step counts as one that raised, on every rank.
+
+Note [a first send that cannot be made]
+    With shapes given to the stages (``input_args``/``output_args`` on every stage: torch's
+    schedules then skip the shape inference), a stage module returning something a stage cannot
+    send -- a dict, None, a tuple holding a non-tensor, more or fewer tensors than its
+    ``output_args`` -- failed at its first forward on its own rank only (torch's stage: an
+    ``AttributeError`` of ``detach`` from inside the send), while the next stage's rank waited for
+    the activations until the process group's timeout. Here the stage checks what it is about to
+    send against its ``output_args``, and in the first step after the schedule sets the stages up
+    (its first, or the first after a switch between training steps and ``eval``), micro-batch 0's
+    activations across each rank boundary travel behind a small status message (one per
+    boundary and set-up, ``NOTICE_BYTES``). A stage whose forward of that micro-batch raised
+    sends, in their place, the failure's message and zeros of the shapes the receiver expects, so
+    that the receive completes (waiting up to ``NOTICE_WAIT_S`` for it to be taken: a process
+    ending right after the error would drop them unsent); the receiving rank raises the same
+    message, naming the stage and what it returned against what was expected, and passes it on
+    the same way to the next rank boundary. The step counts as one that raised (Note [a step that
+    raised] in pipelining.py): other messages of the step may be left unmatched, so every later
+    step is refused and the fix is a restart. Later micro-batches and steps are checked on the
+    sender only (as after a shape inference): a module whose output changes kind after its first
+    micro-batch still leaves the receiver waiting for the timeout. A rank holding only stages
+    before the failing one (rank 0 when stage 1 of a three-rank pipeline fails) waits for
+    gradients, and learns of it at the timeout too (or when the failing rank's process ends).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 
 import torch
+import torch.distributed as dist
+
+# The status message ahead of a first send (Note [a first send that cannot be made]): one status
+# byte, then the failure's message, UTF-8, cut to fit.
+NOTICE_BYTES = 2048
+_SENT, _FAILED = 1, 2
+# How long a failing stage waits for the receiver to take its notice before raising anyway.
+NOTICE_WAIT_S = 10.0
 
 
 @contextlib.contextmanager
@@ -87,6 +121,22 @@ def over_copied_buffers(module: torch.nn.Module):
     finally:
         for owner, name, buf in saved:
             owner._buffers[name] = buf
+
+
+def copied_buffers(module: torch.nn.Module) -> list:
+    """A copy of the module's buffers, for a step that raised to put them back (Note [a step that
+    raised] in pipelining.py)."""
+    with torch.no_grad():
+        return [(owner, name, buf, buf.detach().clone()) for owner in module.modules()
+                for name, buf in owner._buffers.items() if buf is not None]
+
+
+def put_back_buffers(copies) -> None:
+    """The module's buffers as :func:`copied_buffers` found them (the same tensors, their values)."""
+    with torch.no_grad():
+        for owner, name, buf, value in copies or ():
+            owner._buffers[name] = buf
+            buf.copy_(value)
 
 
 class InferenceFailed:
@@ -116,6 +166,113 @@ def check_stage_outputs(stage, outputs) -> None:
             f"fusedist.pipelining.PipelineStage: stage {stage.stage_index}'s module returned {what}, not a tensor: "
             "pipeline stages pass tensors only (a tensor, or a tuple or list of tensors) to the next stage. Return "
             "tensors; pass other values as keyword arguments of schedule.step(...)")
+
+
+def check_sent_outputs(stage, chunk: int, outputs) -> None:
+    """Refuse outputs a stage cannot send to the next stage (Note [a first send that cannot be
+    made]), naming the stage, the micro-batch, what the module returned and what was expected."""
+    meta = getattr(stage, "_stage_meta", None)
+    expected = None if meta is None else meta.outputs
+    values = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    bad = next(((i, v) for i, v in enumerate(values) if not isinstance(v, torch.Tensor)), None)
+    if bad is None and (expected is None or len(values) == len(expected)):
+        return
+    if bad is not None and not isinstance(outputs, (tuple, list)):
+        got = f"its module returned {_kind(outputs)}"
+    elif bad is not None:
+        got = f"output {bad[0]} of the {type(outputs).__name__} its module returned is {_kind(bad[1])}"
+    else:
+        got = f"its module returned {len(values)} tensors"
+    source = ("the stage's output_args" if getattr(getattr(stage, "_inference_mode", None), "value", None) == "static"
+              else "as inferred")
+    wanted = ("tensors" if expected is None else
+              f"{len(expected)} tensor{'s' if len(expected) != 1 else ''} ("
+              + ", ".join(f"{tuple(m.shape)} {m.dtype}" for m in expected) + f", {source})")
+    raise RuntimeError(
+        f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the pipeline's "
+        f"group), micro-batch {chunk}: {got}, expected {wanted} to send to stage {stage.stage_index + 1}: pipeline "
+        "stages pass tensors only (a tensor, or a tuple or list of tensors) to the next stage. Return those "
+        "tensors; pass other values as keyword arguments of schedule.step(...)")
+
+
+def _kind(value) -> str:
+    name = type(value).__name__
+    return "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+class PeerFailedFirstSend(Exception):
+    """A failure notice received in place of a previous stage's first activations."""
+
+
+def arm_first_sends(stage) -> None:
+    """After the schedule set the stage up: whether its next first send, and first receive, across
+    a rank boundary carry a status message (shapes given by the user: no inference ran)."""
+    mode = getattr(stage, "_inference_mode", None)
+    static = getattr(mode, "value", None) == "static"
+    ranks = getattr(stage, "stage_index_to_group_rank", None) or {}
+    here = stage.group_rank
+    stage._notice_to = static and not stage.is_last and ranks.get(stage.stage_index + 1, here) != here
+    stage._notice_from = static and not stage.is_first and ranks.get(stage.stage_index - 1, here) != here
+    stage._notice_buffer = None
+
+
+def notice_recv_ops(stage, chunk: int) -> list:
+    """The receive of the status ahead of micro-batch 0's activations, when armed."""
+    if chunk != 0 or not getattr(stage, "_notice_from", False):
+        return []
+    stage._notice_buffer = torch.zeros(NOTICE_BYTES, dtype=torch.uint8, device=stage.device)
+    peer = stage._resolve_peer_global_rank(stage.stage_index - 1)
+    return [dist.P2POp(dist.irecv, stage._notice_buffer, peer, stage.group)]
+
+
+def notice_send_ops(stage, chunk: int) -> list:
+    """The status ahead of micro-batch 0's activations, when armed: sent."""
+    if chunk != 0 or not getattr(stage, "_notice_to", False):
+        return []
+    stage._notice_to = False
+    peer = stage._resolve_peer_global_rank(stage.stage_index + 1)
+    return [dist.P2POp(dist.isend, _notice(stage, _SENT, ""), peer, stage.group)]
+
+
+def read_notice(stage, chunk: int) -> None:
+    """Raise the failure a previous stage's rank sent in place of micro-batch 0's activations."""
+    buffer = getattr(stage, "_notice_buffer", None) if chunk == 0 else None
+    if buffer is None or not getattr(stage, "_notice_from", False):
+        return
+    stage._notice_from, stage._notice_buffer = False, None
+    data = buffer.cpu()
+    if int(data[0]) == _FAILED:
+        raise PeerFailedFirstSend(bytes(data[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace"))
+
+
+def send_failure(stage, chunk: int, error: Exception) -> str:
+    """After the stage's forward of micro-batch 0 raised: tell the next stage's rank (the message and
+    zeros of the shapes it receives into) when its receive waits on this send; the message."""
+    message = str(error)
+    if isinstance(error, PeerFailedFirstSend) or not message.startswith("fusedist.pipelining.PipelineStage: "):
+        message = message if isinstance(error, PeerFailedFirstSend) else (
+            f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
+            f"pipeline's group) failed at micro-batch {chunk}: {type(error).__name__}: {message}")
+    if chunk != 0 or not getattr(stage, "_notice_to", False):
+        return message
+    stage._notice_to = False
+    peer = stage._resolve_peer_global_rank(stage.stage_index + 1)
+    zeros = [torch.zeros(m.shape, dtype=m.dtype, device=stage.device) for m in stage._stage_meta.outputs or ()]
+    works = [dist.isend(t, peer, group=stage.group) for t in [_notice(stage, _FAILED, message), *zeros]]
+    try:  # (a process ending at once would drop them unsent); bounded: a receiver elsewhere never takes them
+        for work in works:
+            work.wait(timeout=datetime.timedelta(seconds=NOTICE_WAIT_S))
+    except Exception:  # noqa: BLE001 - the failure being told of is the error to raise
+        stage._notice_works = works  # (kept alive with their tensors until taken)
+    return message
+
+
+def _notice(stage, status: int, message: str) -> torch.Tensor:
+    text = message.encode("utf-8")[:NOTICE_BYTES - 1]
+    data = torch.zeros(NOTICE_BYTES, dtype=torch.uint8)
+    data[0] = status
+    data[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    return data.to(stage.device)
 
 
 def notify_waiting_ranks(stage, notice: InferenceFailed) -> bool:

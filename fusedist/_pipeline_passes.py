@@ -170,3 +170,28 @@ def _weight_pass(module, param_groups) -> None:
 
 def _sum(a, b):
     return b if a is None else a if b is None else a + b
+
+
+def _check_root_sharded(module, stage_index: int) -> None:
+    """A zero-bubble pass over a plain stage module holding ``fully_shard`` units would be
+    torch's, over the units' pieces the graph never saw (Note [pipeline stages of fully_shard
+    modules]): it failed inside torch with a KeyError of an ``AccumulateGrad`` node. Refuse it
+    naming the fix instead."""
+    from .fsdp import FullyShardedModule
+
+    inner = next((name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)), None)
+    if inner is not None:
+        raise RuntimeError(
+            f"fusedist.pipelining.PipelineStage: stage {stage_index}'s module is not a fully_shard module itself, "
+            f"but holds one ('{inner}'); zero-bubble schedules split its backward over the gathered parameters of "
+            "a fully_shard stage only: shard the stage module too, fully_shard(stage_module, mesh=...) after its "
+            "blocks (or use a schedule without weight passes)")
+
+
+def _as_full(bwd_kwargs: dict) -> dict:
+    """An input pass's arguments as a full pass's: torch wraps the last stage's loss in a tuple
+    for the input pass, and a full pass skips a tuple without output gradients."""
+    output = bwd_kwargs["stage_output"]
+    if bwd_kwargs["output_grads"] is None and isinstance(output, tuple) and len(output) == 1:
+        return {**bwd_kwargs, "stage_output": output[0]}
+    return bwd_kwargs

@@ -104,10 +104,13 @@ Note [accumulating over synchronized pipeline steps]
     copy waits for the next synchronized step, whose division is then undone for it alone.
     The copy costs one gradient-sized buffer in a step that starts with gradients held; none
     when they were zeroed, to None or (``set_to_none=False``) to zeros: a gradient all zeros
-    has nothing to give back, and one pass reading the gradients (their largest magnitudes, one
-    synchronization) finds those, where a copy would write them and the give-back read them
-    twice. A tensor no longer the gradient at the division (the user set the gradients to None
-    meanwhile) gets nothing back; a step that raised before its division drops its copy, or
+    has nothing to give back, and one pass reading the gradients (their largest magnitudes)
+    finds those, where a copy would write them and the give-back read them twice. That pass runs
+    at the step's first forward, and its result is read, and the copies taken, at the step's first
+    backward, the first pass that changes the gradients (a read at the forward made the host wait
+    for the device there, every step); a step that raised before any backward reads nothing. A
+    tensor no longer the gradient at the division (the user set the gradients to None meanwhile)
+    gets nothing back; a step that raised before its division drops its copy, or
     puts the gradients back from it (Note [a step that raised]). (A DDP stage's accumulating step
     after a synchronized one adds its undivided sum to the divided ``p.grad``: the copy taken
     before the accumulating step is what keeps the two apart.)
@@ -126,7 +129,11 @@ Note [a step that raised]
       and the step runs, as a fresh schedule's would. A stage module fusedist or torch reduces
       keeps unreduced sums this cannot put back, as does a step accumulating under the user's
       own switch: after backward passes such a stage refuses every later step instead.
-      (Buffers the forwards updated, a BatchNorm's statistics, keep the update.)
+      The buffers the step's forwards updated (a BatchNorm's running statistics and batch count)
+      are put back too, from a copy of the stage module's buffers taken at each step's first
+      forward on such a pipeline (and released at the step's end): torch's stage kept the failed
+      step's update, so an ``eval()`` afterwards normalized by statistics that counted batches no
+      training step took.
     - on a pipeline over several ranks, the other ranks were in the step too: waiting for this
       rank's messages, or having sent some it never received (gloo's sends wait for their
       receive), and no rank can tell the others (the exception may come from the schedule's own
@@ -153,9 +160,10 @@ import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from ._pipeline_inference import (
-    InferenceFailed, PeerInferenceFailed, check_even_split, check_shapes, check_stage_outputs, failing_inference,
-    next_on_another_rank, over_copied_buffers)
-from ._pipeline_passes import _input_pass, _plain_weight_pass, _weight_pass, _weights
+    InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, arm_first_sends, check_even_split, check_sent_outputs,
+    check_shapes, check_stage_outputs, copied_buffers, failing_inference, next_on_another_rank, notice_recv_ops,
+    notice_send_ops, over_copied_buffers, put_back_buffers, read_notice, send_failure)
+from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 
 __all__ = ["PipelineStage"]
 
@@ -173,7 +181,8 @@ class PipelineStage(_TorchPipelineStage):
     than the first (Note [micro-batches of another shape] in _pipeline_inference.py); it also trains a stage whose
     inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient]),
     refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
-    leaves no trace of a step that raised, or refuses the next (Note [a step that raised]),
+    leaves no trace of a step that raised, or refuses the next (Note [a step that raised]), fails a first send it
+    cannot make on the receiving rank too (Note [a first send that cannot be made] in _pipeline_inference.py),
     and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
     as it was] in _pipeline_inference.py)."""
@@ -215,14 +224,37 @@ class PipelineStage(_TorchPipelineStage):
         self._fusedist_meta_sent = True
         super()._send_meta(meta, dst_stage)
 
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        arm_first_sends(self)  # Note [a first send that cannot be made] (_pipeline_inference.py)
+        return out
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        return notice_recv_ops(self, fwd_chunk_id) + super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return notice_send_ops(self, fwd_chunk_id) + super().get_fwd_send_ops(fwd_chunk_id)
+
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
+        try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
+            read_notice(self, fwd_chunk_id)
+            return self._forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
+        except Exception as e:
+            message = send_failure(self, fwd_chunk_id, e)
+            if isinstance(e, PeerFailedFirstSend):
+                raise RuntimeError(message) from None
+            raise
+
+    def _forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         step = getattr(self, "_step", None)  # Note [a step that raised]
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
+            if step is not None and self.group_size == 1:  # what a step that raised puts back
+                step.buffers = copied_buffers(self.submod)
             if self.has_backward:  # Note [accumulating over synchronized pipeline steps]
                 held_over = getattr(self, "_held_over", False)
                 if not held_over:
-                    self._held_before = _set_aside(self.submod)
+                    self._held_before = _SetAside(_divided(self.submod))
                 self._held_over = False
                 if step is not None:
                     step.began(self.submod, held_over)
@@ -234,15 +266,19 @@ class PipelineStage(_TorchPipelineStage):
             check_even_split(self, fwd_chunk_id, args)
         output = super().forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
         if meta is not None and not self.is_last and next_on_another_rank(self):
+            check_sent_outputs(self, fwd_chunk_id, output)
             check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
         if step is not None:
             step.forwards += 1
             step.ended = not self.has_backward and step.forwards >= (self.chunks or 0)
+            step.buffers = None if step.ended else step.buffers
         return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if getattr(self, "_step", None) is not None:  # Note [a step that raised]
             self._step.backwards += 1
+        if getattr(self, "_held_before", None) is not None:  # copied before the step's passes change them
+            self._held_before.pairs()
         sync_only_if = _sync_switch(self.submod)
         if sync_only_if is None and backward_type != "full" and not getattr(self, "_root_checked", False):
             _check_root_sharded(self.submod, self.stage_index)
@@ -285,7 +321,7 @@ class PipelineStage(_TorchPipelineStage):
 
     def perform_reduce_grad(self, grad_scale_factor: int):
         if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
-            self._step.ended = True
+            self._step.ended, self._step.buffers = True, None
         super().perform_reduce_grad(grad_scale_factor)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
@@ -304,7 +340,7 @@ class PipelineStage(_TorchPipelineStage):
         if grad_scale_factor != 1:
             for holder in _holders_outside_grad(self.submod):
                 torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
-            _give_back(self.submod, held or [], grad_scale_factor)
+            _give_back(self.submod, held.pairs() if held is not None else [], grad_scale_factor)
 
 
 def _divided(module) -> list:
@@ -314,26 +350,47 @@ def _divided(module) -> list:
     return grads + [g for holder in _holders_outside_grad(module) for g in holder._fusedist_unscale_targets()]
 
 
-def _set_aside(module) -> list:
-    """Each gradient held before a step, with a copy of its value, or None where it is all zeros
-    (``zero_grad(set_to_none=False)``: nothing to keep, no copy) (Note [accumulating over
-    synchronized pipeline steps])."""
-    grads = _divided(module)
-    with torch.no_grad():
-        return [(grad, None if zero else grad.clone()) for grad, zero in zip(grads, _all_zero(grads))]
+class _SetAside:
+    """Gradients held at a step's first forward; which are all zeros (``zero_grad(set_to_none=False)``:
+    nothing to keep, no copy) is measured there but read, and the others copied, only at the step's
+    first backward, the first pass that changes them: a read at the forward waited for the device
+    there, once per step."""
+
+    def __init__(self, grads: list):
+        self.grads, self._pairs = grads, None
+        self._zero, self._pending = _zero_flags(grads)
+
+    def pairs(self) -> list:
+        """Each gradient with a copy of its value at the step's beginning, or None where all zeros."""
+        if self._pairs is None:
+            zero = list(self._zero)
+            if self._pending is not None:
+                flags, ready = self._pending
+                if ready is not None:
+                    ready.synchronize()  # (the measurement only: recorded right after it)
+                for i, flag in zip([i for i, z in enumerate(zero) if z is None], flags.tolist()):
+                    zero[i] = flag
+            with torch.no_grad():
+                self._pairs = [(g, None if z else g.clone()) for g, z in zip(self.grads, zero)]
+        return self._pairs
 
 
-def _all_zero(grads: list) -> list:
-    """Whether each gradient is all zeros (NaN is not), in one pass over them and one
-    synchronization; a tensor of another kind (sparse, a subclass) counts as not."""
-    flags = [g.numel() == 0 for g in grads]  # (an empty shard holds nothing)
-    dense = [i for i, g in enumerate(grads) if not flags[i]
-             and type(g) is torch.Tensor and g.layout == torch.strided and g.is_floating_point()]
-    if dense:
-        norms = torch._foreach_norm([grads[i] for i in dense], float("inf"))
-        for i, zero in zip(dense, (torch.stack([n.float() for n in norms]) == 0).tolist()):
-            flags[i] = zero
-    return flags
+def _zero_flags(grads: list):
+    """Whether each gradient is all zeros (NaN is not) -- None where measured on the device -- and
+    the measurement (flags copied towards the host without waiting, an event marking them there),
+    one pass over the gradients; a tensor of another kind (sparse, a subclass) counts as not."""
+    zero = [True if g.numel() == 0 else None if type(g) is torch.Tensor and g.layout == torch.strided
+            and g.is_floating_point() else False for g in grads]  # (an empty shard holds nothing)
+    dense = [g for g, z in zip(grads, zero) if z is None]
+    if not dense:
+        return zero, None
+    flags = torch.stack([n.float() for n in torch._foreach_norm(dense, float("inf"))]) == 0
+    if flags.device.type != "cuda":
+        return zero, (flags.cpu(), None)
+    host, ready = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event()
+    host.copy_(flags, non_blocking=True)
+    ready.record(torch.cuda.current_stream(flags.device))
+    return zero, (host, ready)
 
 
 def _give_back(module, held: list, factor: int) -> None:
@@ -351,7 +408,7 @@ class _Step:
 
     def __init__(self):
         self.forwards, self.backwards, self.ended = 0, 0, False
-        self.held_over, self.unset = False, []
+        self.held_over, self.unset, self.buffers = False, [], None
 
     def began(self, module, held_over: bool) -> None:
         """At the step's first forward: whether the set-aside was an earlier step's, and the
@@ -361,19 +418,25 @@ class _Step:
 
 
 def _schedule_stepping(stage):
-    """The schedule whose ``step`` is beginning, clearing ``stage`` (None when the stage is
-    driven by hand): torch's schedules call ``clear_runtime_states`` from their ``step``."""
+    """The schedule whose ``step`` is beginning, clearing ``stage`` (None when the stage is driven
+    by hand): torch's schedules call ``clear_runtime_states`` from their ``step``. The walk passes
+    the stage's own frames (subclasses' overrides, however many) and frames of no method (wrappers,
+    comprehensions); the first method of another object decides. A fixed depth lost the schedule
+    under a third override, and the next step then backpropagated the failed step's losses."""
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-    frame = sys._getframe(2)
-    for _ in range(3):
+    frame = sys._getframe(1)
+    for _ in range(32):
+        frame = frame.f_back
         if frame is None:
             return None
         caller = frame.f_locals.get("self")
-        if isinstance(caller, _PipelineSchedule):
-            stages = [getattr(caller, "_stage", None), *getattr(caller, "_stages", ())]
-            return caller if any(s is stage for s in stages) else None
-        frame = frame.f_back
+        if caller is None or caller is stage:
+            continue
+        if not isinstance(caller, _PipelineSchedule):
+            return None
+        stages = [getattr(caller, "_stage", None), *getattr(caller, "_stages", ())]
+        return caller if any(s is stage for s in stages) else None
     return None
 
 
@@ -388,10 +451,12 @@ def _after_the_last_step(stage, schedule) -> None:
         else:
             if step.backwards:  # put the gradients back as the step found them
                 with torch.no_grad():
-                    for grad, before in getattr(stage, "_held_before", None) or []:
+                    held = getattr(stage, "_held_before", None)
+                    for grad, before in held.pairs() if held is not None else []:
                         grad.zero_() if before is None else grad.copy_(before)
                 for p in step.unset:
                     p.grad = None
+            put_back_buffers(step.buffers)  # a BatchNorm's statistics, as the step found them
             if not step.held_over:
                 stage._held_before = None
             stage._held_over = step.held_over
@@ -431,31 +496,6 @@ def stage_holders_outside_grad() -> list:
         for holder in _holders_outside_grad(stage.submod):
             found.setdefault(id(holder), holder)
     return list(found.values())
-
-
-def _check_root_sharded(module, stage_index: int) -> None:
-    """A zero-bubble pass over a plain stage module holding ``fully_shard`` units would be
-    torch's, over the units' pieces the graph never saw (Note [pipeline stages of fully_shard
-    modules]): it failed inside torch with a KeyError of an ``AccumulateGrad`` node. Refuse it
-    naming the fix instead."""
-    from .fsdp import FullyShardedModule
-
-    inner = next((name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)), None)
-    if inner is not None:
-        raise RuntimeError(
-            f"fusedist.pipelining.PipelineStage: stage {stage_index}'s module is not a fully_shard module itself, "
-            f"but holds one ('{inner}'); zero-bubble schedules split its backward over the gathered parameters of "
-            "a fully_shard stage only: shard the stage module too, fully_shard(stage_module, mesh=...) after its "
-            "blocks (or use a schedule without weight passes)")
-
-
-def _as_full(bwd_kwargs: dict) -> dict:
-    """An input pass's arguments as a full pass's: torch wraps the last stage's loss in a tuple
-    for the input pass, and a full pass skips a tuple without output gradients."""
-    output = bwd_kwargs["stage_output"]
-    if bwd_kwargs["output_grads"] is None and isinstance(output, tuple) and len(output) == 1:
-        return {**bwd_kwargs, "stage_output": output[0]}
-    return bwd_kwargs
 
 
 def _weights_miss_the_inputs(module, input_values) -> bool:

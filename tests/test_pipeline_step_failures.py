@@ -13,7 +13,14 @@ fusedist/_pipeline_inference.py), on gloo:
   group's timeout. Both ranks now raise at once, with the same message naming the stage (and
   the type), the process group stays usable, and the next good step trains.
 - Note [accumulating over synchronized pipeline steps]: after ``zero_grad(set_to_none=False)``
-  nothing is copied (counted), and the weights still follow torch's SGD on the unpipelined model.
+  nothing is copied (counted), which gradients are zeros is read at the step's first backward,
+  not its first forward, and the weights still follow torch's SGD on the unpipelined model.
+- Note [a first send that cannot be made]: with user-given shapes, a stage returning what it
+  cannot send fails both ranks at once (the receiver waited for the group's timeout), and the
+  status message ahead of the first activations leaves training and eval as unpipelined.
+- Note [a step that raised], one rank: the BatchNorm statistics are put back too (torch's stage
+  kept the failed step's update), and the schedule is still found under a stage class with three
+  ``clear_runtime_states`` overrides and with a second schedule over the same stage.
 
 Tolerances: fp32 gradients of the same terms summed in another order (micro-batch means), 1e-6;
 the defects move them by 1e-2 or more.
@@ -21,6 +28,8 @@ the defects move them by 1e-2 or more.
 
 from __future__ import annotations
 
+import copy
+import sys
 import time
 
 import pytest
@@ -187,37 +196,212 @@ def _sharded_stage_after_a_failed_step_worker(rank, world_size, seed):
 
 def _zeroed_gradients_worker(rank, world_size, seed):
     """pp 1 x dp 2 under GPipe, per stage kind: two optimizer steps, each after a step that
-    starts from gradients zeroed in place and a second step accumulating; the number of
-    gradients copied by each step's set-aside, and the weights' difference from torch's SGD."""
+    starts from gradients zeroed in place and a second step accumulating; per step, the number of
+    gradients its set-aside copied and the stage's forwards before the host first read tensor
+    values in the step; and the weights' difference from torch's SGD."""
     import fusedist.pipelining as pipelining
 
-    copies = []
-    set_aside = pipelining._set_aside
+    taken, reads = [], []
+    pairs, tolist = pipelining._SetAside.pairs, torch.Tensor.tolist
 
-    def counted(module):
-        held = set_aside(module)
-        copies.append(sum(before is not None for _, before in held))
-        return held
+    def counted(self):
+        first = self._pairs is None
+        out = pairs(self)
+        if first:
+            taken.append(sum(before is not None for _, before in out))
+        return out
 
-    pipelining._set_aside = counted
+    def read(tensor):  # a host read of tensor values by the pipeline stage's own code
+        stage = current[0]
+        if stage is not None and stage._step is not None and sys._getframe(1).f_code.co_filename == pipelining.__file__:
+            reads.append(stage._step.forwards)
+        return tolist(tensor)
+
+    current = [None]
+    pipelining._SetAside.pairs, torch.Tensor.tolist = counted, read
     out = {}
     try:
         for kind, ours, theirs, wrapped, schedule, opt, ref_opt in stages_of_each_kind(
                 _model, seed, MICRO_BATCHES, _mse):
             g = torch.Generator().manual_seed(seed)
-            copies.clear()
+            taken.clear()
+            first_reads = []
+            current[0] = schedule._stage
             for _ in range(2):
                 for _ in range(2):
                     xs = [torch.randn(8, WIDTH, generator=g) for _ in range(world_size)]
                     ys = [torch.randn(8, WIDTH, generator=g) for _ in range(world_size)]
+                    reads.clear()
                     schedule.step(xs[rank], target=ys[rank])
+                    first_reads.append(min(reads, default=None))
                     _mse(theirs(torch.cat(xs)), torch.cat(ys)).backward()
                 for o in (opt, ref_opt):
                     o.step()
                     o.zero_grad(set_to_none=False)
-            out[kind] = (list(copies), largest_difference(kind, wrapped, ours, theirs))
+            current[0] = None
+            out[kind] = (list(taken), first_reads, largest_difference(kind, wrapped, ours, theirs))
     finally:
-        pipelining._set_aside = set_aside
+        pipelining._SetAside.pairs, torch.Tensor.tolist = pairs, tolist
+    return out
+
+
+class _Returns(nn.Module):
+    """A linear layer whose forward returns the kind of value ``wrong`` names (a tensor if None)."""
+
+    def __init__(self, wrong=None):
+        super().__init__()
+        self.lin, self.wrong = nn.Linear(WIDTH, WIDTH), wrong
+
+    def forward(self, x):
+        h = self.lin(x)
+        return {"dict": {"hidden": h}, "none": None, "tuple": (h, 3), "two": (h, h)}.get(self.wrong, h)
+
+
+def _user_shapes_schedule(rank, schedule_name, modules):
+    """A 2-rank pipeline of ``modules`` (stage ``i`` on rank ``i % 2``), every stage given its shapes."""
+    from torch.distributed import pipelining
+
+    from fusedist.pipelining import PipelineStage
+
+    def example(i):  # (torch takes from it whether a gradient is sent back for the tensor)
+        return torch.zeros(8 // MICRO_BATCHES, WIDTH, requires_grad=i > 0)
+
+    stages = [PipelineStage(modules[i], i, len(modules), torch.device("cpu"), input_args=(example(i),),
+                            output_args=(example(1),)) for i in range(rank, len(modules), 2)]
+    return getattr(pipelining, schedule_name)(stages if len(stages) > 1 else stages[0],
+                                              n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+
+
+def _first_send_fails_worker(rank, world_size, schedule_name, wrong):
+    """Note [a first send that cannot be made]: stage 0 of a 2-rank pipeline with user-given shapes
+    returns what ``wrong`` names; what each rank raised, in how many seconds, and whether an
+    all_reduce afterwards still works."""
+    schedule = _user_shapes_schedule(rank, schedule_name, [_Returns(wrong), _Returns()])
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    began = time.monotonic()
+    raised = _refused(lambda: schedule.step(x) if rank == 0 else schedule.step(target=y))
+    seconds = time.monotonic() - began
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    return raised, seconds, float(total)
+
+
+def _user_shapes_train_worker(rank, world_size, seed, schedule_name):
+    """A 2-rank pipeline with user-given shapes (no inference): a training step, an eval step (the
+    stages set up anew) and a training step; the gradients' and the eval outputs' largest differences
+    from the unpipelined model's on the same batches."""
+    n = 4 if schedule_name == "ScheduleInterleaved1F1B" else 2
+    torch.manual_seed(seed)
+    whole = nn.Sequential(*[_Returns() for _ in range(n)])
+    modules = [copy.deepcopy(whole[i]) for i in range(n)]
+    schedule = _user_shapes_schedule(rank, schedule_name, modules)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for _ in range(2)]
+    out = []
+    for i, (x, y) in enumerate(batches):
+        schedule.step(x) if rank == 0 else schedule.step(target=y)
+        _mse(whole(x), y).backward()
+        if i == 0:
+            evaluated = schedule.eval(x) if rank == 0 else schedule.eval(target=y)
+            if rank == 1:
+                with torch.no_grad():
+                    out.append(float((evaluated - whole(x)).abs().max()))
+    out.append(max(float((modules[i].lin.weight.grad - whole[i].lin.weight.grad).abs().max())
+                   for i in range(rank, n, 2)))
+    return out
+
+
+def _batch_norm_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh())
+
+
+def _batch_norm_after_a_failed_step_worker(rank, world_size, seed, schedule_name):
+    """Each rank a pipeline of its own (a one-rank group) of a model with BatchNorm, per stage class:
+    a step whose micro-batch 2 has a target out of range, then a good step; the largest differences
+    of the running statistics (and batch counts) and of the gradients from the unpipelined model's
+    on the good step's micro-batches alone."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    from fusedist.pipelining import PipelineStage
+
+    group = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    g = torch.Generator().manual_seed(seed + rank)
+    x, y = torch.randn(8, WIDTH, generator=g), torch.randint(0, WIDTH, (8,), generator=g)
+    bad_x, bad_y = torch.randn(8, WIDTH, generator=g) * 3 + 1, torch.randint(0, WIDTH, (8,), generator=g)
+    bad_y[5] = WIDTH  # micro-batch 2 (rows 4, 5): its loss raises after the forwards ran
+    reference = _batch_norm_model(seed)
+    for xm, ym in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+        (_cross_entropy(reference(xm), ym) / MICRO_BATCHES).backward()
+    out = {}
+    for name, cls in (("torch", TorchStage), ("fusedist", PipelineStage)):
+        model = _batch_norm_model(seed)
+        if schedule_name == "ScheduleGPipe":
+            schedule = pipelining.ScheduleGPipe(cls(model, 0, 1, torch.device("cpu"), group=group),
+                                                n_microbatches=MICRO_BATCHES, loss_fn=_cross_entropy)
+        else:
+            stages = [cls(model[3 * i:3 * i + 3], i, 2, torch.device("cpu"), group=group) for i in range(2)]
+            schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
+                                                          loss_fn=_cross_entropy)
+        raised = _refused(lambda: schedule.step(bad_x, target=bad_y))
+        assert raised is not None and "out of bounds" in raised, raised
+        good = _refused(lambda: schedule.step(x, target=y))
+        if good is not None:  # (torch's stage may backpropagate a kept loss twice: that raises)
+            assert name == "torch", good
+            out[name] = (float("inf"), float("inf"))
+            continue
+        stats = max(float((a.double() - b.double()).abs().max())
+                    for a, b in zip(model.buffers(), reference.buffers()))
+        grads = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+        out[name] = (stats, grads)
+    return out
+
+
+def _overridden_clearing_worker(rank, world_size, seed):
+    """A one-rank pipeline (Schedule1F1B) whose stage class overrides ``clear_runtime_states`` three
+    times over fusedist's (a user's subclass of two mixins, each calling ``super()``), and a second
+    schedule over the same stage: per schedule order, a step whose micro-batch 2's loss raises, an
+    eval step of the other schedule, then a good step; the gradients' largest difference from the
+    unpipelined model's on the good batch."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from fusedist.pipelining import PipelineStage
+
+    class Logging(PipelineStage):
+        def clear_runtime_states(self):
+            self.cleared = getattr(self, "cleared", 0) + 1
+            super().clear_runtime_states()
+
+    class Timing(Logging):
+        def clear_runtime_states(self):
+            super().clear_runtime_states()
+
+    class UserStage(Timing):
+        def clear_runtime_states(self):
+            super().clear_runtime_states()
+
+    group = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    g = torch.Generator().manual_seed(seed + rank)
+    x, y = torch.randn(8, WIDTH, generator=g), torch.randint(0, WIDTH, (8,), generator=g)
+    bad = y.clone()
+    bad[5] = WIDTH
+    reference = _model(seed)
+    _cross_entropy(reference(x), y).backward()
+    out = []
+    for train_first in (True, False):
+        model = _model(seed)
+        stage = UserStage(model, 0, 1, torch.device("cpu"), group=group)
+        train = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=_cross_entropy)
+        other = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=_cross_entropy)
+        failing, evaluating = (train, other) if train_first else (other, train)
+        raised = _refused(lambda: failing.step(x, target=bad))
+        assert raised is not None and "out of bounds" in raised, raised
+        evaluating.eval(x, target=y)
+        train.step(x, target=y)
+        out.append(max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(),
+                                                                          reference.parameters())))
     return out
 
 
@@ -279,18 +463,86 @@ def test_a_sharded_stage_after_a_failed_step_with_backwards_is_refused(launched)
 def test_zeroed_gradients_are_not_copied_at_a_step(launched):
     """Note [accumulating over synchronized pipeline steps]: a step starting from gradients
     zeroed in place copies none; the next step, accumulating, copies each gradient it reaches
-    (so the count is of something); the weights follow torch's SGD on the unpipelined model."""
+    (so the count is of something); the weights follow torch's SGD on the unpipelined model.
+    Which gradients are zeros is read at the step's first backward (GPipe: after its 4 forwards),
+    not at its first forward, where the read made the host wait for the device every step
+    (counted: host reads of tensor values by fusedist/pipelining.py's code)."""
     seed = launched["seed"]
     for rank, out in enumerate(results_of(launched, "zeroed gradients")):
-        for kind, (copies, diff) in out.items():
+        for kind, (copies, first_reads, diff) in out.items():
             assert diff < 1e-6, (seed, rank, kind, diff)
             assert copies[0] == copies[2] == 0 and copies[1] > 0 and copies[3] > 0, (rank, kind, copies)
+            # (None: a step with no gradients to read -- the first; ZeRO-2's zero_grad drops its shards)
+            assert set(first_reads) <= {None, MICRO_BATCHES} and MICRO_BATCHES in first_reads, (rank, kind, first_reads)
+
+
+@pytest.mark.parametrize("schedule_name,wrong,got", [
+    ("ScheduleGPipe", "dict", "its module returned a dict"), ("Schedule1F1B", "none", "its module returned None"),
+    ("ScheduleGPipe", "tuple", "output 1 of the tuple its module returned is an int"),
+    ("Schedule1F1B", "two", "its module returned 2 tensors")])
+def test_a_first_send_that_cannot_be_made_fails_every_rank_at_once(schedule_name, wrong, got, launched):
+    """Note [a first send that cannot be made]: with shapes given to the stages (no inference),
+    stage 0 returning something it cannot send raised on its own rank only (torch's stage: an
+    AttributeError from inside the send), and the next rank waited for the activations until the
+    group's timeout (30 s). Both ranks now raise at once the same message, naming the stage, what
+    it returned and the output_args expected; the process group still works."""
+    results = results_of(launched, f"first send {schedule_name} {wrong}")
+    for rank, (raised, seconds, total) in enumerate(results):
+        assert raised is not None and "stage 0 (rank 0 of the pipeline's group), micro-batch 0: " in raised, raised
+        assert got in raised and "expected 1 tensor ((2, 8) torch.float32, the stage's output_args)" in raised, raised
+        assert seconds < 10 and total == 2, (rank, seconds, total)
+    assert results[0][0] == results[1][0], results
+
+
+@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_user_given_shapes_train_and_evaluate_as_the_unpipelined_model(schedule_name, launched):
+    """Note [a first send that cannot be made]: the status message ahead of the first activations
+    of each set-up (a training step, then an eval step, which sets the stages up anew) leaves the
+    results the unpipelined model's: gradients of two steps accumulated, the eval's outputs
+    (fp32, micro-batch means summed in another order: 1e-6)."""
+    for rank, out in enumerate(results_of(launched, f"user shapes {schedule_name}")):
+        assert max(out) < 1e-6, (launched["seed"], rank, out)
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "ScheduleInterleaved1F1B"])
+def test_a_failed_step_leaves_the_batch_norm_statistics_as_before(schedule_name, launched):
+    """Note [a step that raised]: the failed step's forwards updated the BatchNorm running statistics
+    (and batch counts), and torch's stage keeps that update; the step after it now starts from the
+    statistics the failed step found, as the gradients do: the good step's statistics and gradients
+    are the unpipelined model's over the same micro-batches (fp32: 1e-6; the failed step's batch is
+    drawn from another distribution, moving the statistics by ~0.1 or more)."""
+    seed = launched["seed"]
+    for rank, out in enumerate(results_of(launched, f"batch norm after a failed step {schedule_name}")):
+        assert max(out["fusedist"]) < 1e-6, (seed, rank, out)
+        assert out["torch"][0] > 1e-2, (seed, rank, out)
+
+
+def test_a_step_after_a_failed_one_is_found_through_overrides_and_a_second_schedule(launched):
+    """Note [a step that raised]: the stage finds the schedule whose step begins by walking out of
+    ``clear_runtime_states``; a fixed depth lost it under a stage class with three overrides, and
+    the good step after a failed one then backpropagated the failed step's kept losses (off by
+    ~0.1, or an error). Now the good step gives the unpipelined model's gradients (fp32: 1e-6),
+    also with a second schedule over the same stage stepping in between (either one failing)."""
+    for rank, out in enumerate(results_of(launched, "overridden clearing")):
+        assert max(out) < 1e-6, (launched["seed"], rank, out)
 
 
 @pytest.fixture(scope="module")
 def launched(request):
     seed = int(torch.randint(0, 10_000, ()).item())
     jobs = {
+        "test_a_step_after_a_failed_one_is_found_through_overrides_and_a_second_schedule": {
+            "overridden clearing": (_overridden_clearing_worker, (seed,))},
+        "test_a_failed_step_leaves_the_batch_norm_statistics_as_before": {
+            f"batch norm after a failed step {name}": (_batch_norm_after_a_failed_step_worker, (seed, name))
+            for name in ("ScheduleGPipe", "ScheduleInterleaved1F1B")},
+        "test_a_first_send_that_cannot_be_made_fails_every_rank_at_once": {
+            f"first send {name} {wrong}": (_first_send_fails_worker, (name, wrong))
+            for name, wrong in (("ScheduleGPipe", "dict"), ("Schedule1F1B", "none"), ("ScheduleGPipe", "tuple"),
+                                ("Schedule1F1B", "two"))},
+        "test_user_given_shapes_train_and_evaluate_as_the_unpipelined_model": {
+            f"user shapes {name}": (_user_shapes_train_worker, (seed, name))
+            for name in ("Schedule1F1B", "ScheduleInterleaved1F1B")},
         "test_a_stage_output_that_is_not_a_tensor_fails_every_rank_at_once": {
             f"not a tensor {name}": (_fails_on_every_rank_worker, (name, bad))
             for name, bad in (("ScheduleGPipe", 0), ("ScheduleInterleaved1F1B", 2))},

@@ -156,14 +156,17 @@ def _refusals_and_names(rank, world):
     with pytest.raises(ValueError, match="shards one optimizer over all the module's trainable parameters"):
         fabric.setup(module, first, second)
 
-    # an optimizer that has stepped cannot be converted without losing its state
+    # an optimizer that has stepped carries its state over (Note [an optimizer that stepped
+    # before the strategy] in _optimizer_swap.py; trained against Fabric's DDP in
+    # test_fabric_strategy_setup_again_teardown_and_prewarmed.py)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy="fusedist")
     fabric.launch()
     module, stepped = _model_and_optimizer()[:2]
     module(torch.randn(2, 8)).sum().backward()
     stepped.step()
-    with pytest.raises(RuntimeError, match="already has state.*pass a fresh optimizer to fabric.setup"):
-        fabric.setup(module, stepped)
+    moments = [stepped.state[p]["exp_avg"].clone() for p in module.parameters()]
+    wrapped, optimizer = fabric.setup(module, stepped)
+    assert all(torch.equal(optimizer.optimizer.state[p]["exp_avg"], m) for p, m in zip(module.parameters(), moments))
 
     # Fabric's DDP takes fabric.setup_optimizers before fabric.setup_module; stage 2 is built on
     # the module's wrapper, so that order is refused naming the calls to make (ZeRO's own refusal

@@ -1,8 +1,8 @@
 """FusedistStrategy against Lightning's ``strategy="ddp"`` where a fit meets what the strategy
 does not convert, and what a module is after a fit:
 
-* an optimizer that fills its state when it is built (torch's Adagrad) sharded with ZeRO: it
-  was refused as an optimizer "that already has state";
+* an optimizer that fills its state when it is built (torch's Adagrad) sharded with ZeRO, and one
+  that stepped before the strategy, whose state the conversion carries over;
 * a module trained by FusedistStrategy and then by anything else (a second Trainer with
   ``strategy="ddp"``, a plain loop): the fusedist wrapper stayed registered on its parameters,
   so torch's optimizers were refused as stepping unsynchronized gradients and torch's clip
@@ -15,6 +15,8 @@ more, or raise.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -77,17 +79,25 @@ def test_adagrad_is_sharded_as_ddp_trains_it(launched):
 
 
 @pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                                  lambda p: torch.optim.Adagrad(p, lr=0.1)], ids=["SGD momentum", "Adagrad"])
-def test_an_optimizer_that_stepped_is_still_refused(make):
-    """The conversion would drop state a step made (a momentum buffer, Adagrad's sums)."""
+                                  lambda p: torch.optim.AdamW(p, lr=0.1)], ids=["SGD momentum", "AdamW"])
+def test_an_optimizer_that_stepped_carries_its_state(make):
+    """The conversion takes the state a step made (a momentum buffer, Adam's moments and step;
+    an optimizer the strategy keeps, Adagrad without ZeRO, is not converted)."""
     from fusedist.integrations.lightning import FusedistStrategy
 
     params = [nn.Parameter(torch.randn(4, 3))]
     optimizer = make(params)
     params[0].grad = torch.randn(4, 3)
     optimizer.step()
-    with pytest.raises(RuntimeError, match="already has state"):
-        FusedistStrategy(zero_stage=1)._convert_optimizer(optimizer, master_weights=False)
+    expected = copy.deepcopy(optimizer.state_dict()["state"])
+    new = FusedistStrategy()._convert_optimizer(optimizer, master_weights=False)
+    assert new is not optimizer
+    got = new.state_dict()["state"]
+    assert got.keys() == expected.keys()
+    for i in expected:
+        assert expected[i].keys() == got[i].keys()
+        for key, value in expected[i].items():
+            assert torch.equal(torch.as_tensor(got[i][key]).float(), torch.as_tensor(value).float()), key
 
 
 def _after_fit_worker(rank, world):

@@ -17,7 +17,7 @@ import fusedist
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
 from fusedist.optim._scaler_protocol import _HANDED_TO, FlagOfAnother, hand_protocol_over
 
-__all__ = ["convert_optimizer", "hand_over", "retire_successor"]
+__all__ = ["convert_optimizer", "hand_over", "kept_for", "retire_successor", "stepping_for"]
 
 # torch optimizer -> its fused drop-in (same constructor keywords).
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
@@ -64,10 +64,9 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
     fused = _FUSED.get(cls) if fused_optimizer else None
     if fused is None and zero_stage == 0:
         return optimizer
-    taken_back = optimizer.__dict__.get(_TAKEN_BACK, False)  # (Note [a kept optimizer after its sharded ...])
-    if _has_stepped(optimizer) and not taken_back:
-        raise RuntimeError(f"{strategy}: {cls.__name__} already has state; it must be converted "
-                           f"before its first step ({fresh_from})")
+    earlier = stepping_for(optimizer)  # Note [an optimizer given to a strategy again]
+    if earlier is None and (optimizer.__dict__.get(_TAKEN_BACK, False) or _has_stepped(optimizer)):
+        earlier = optimizer  # Note [an optimizer that stepped before the strategy]
     if fused is not None:
         _refuse_unfusable_settings(optimizer, strategy)
     target = fused or cls
@@ -84,10 +83,37 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
         converted = _named_as(target, cls)(groups, **defaults)
     else:
         converted = _named_as(fusedist.ZeroRedundancyOptimizer, cls)(groups, target, stage=zero_stage, **defaults)
-    earlier = _stepping_for(optimizer) or (optimizer if taken_back else None)
-    if earlier is not None:  # Note [an optimizer given to a strategy again]
-        converted.load_state_dict(_whole_state(earlier))
+    if earlier is not None:
+        _carry_state(earlier, converted, strategy, fresh_from)
+        if earlier is optimizer:  # (its moments now live in the converted one, which it forwards to)
+            optimizer.state.clear()
     return converted
+
+
+def _carry_state(earlier, converted, strategy: str, fresh_from: str) -> None:
+    """``converted`` takes ``earlier``'s whole state, or the conversion is refused saying why
+    (Note [an optimizer that stepped before the strategy])."""
+    whole = _whole_state(earlier)
+    try:
+        converted.load_state_dict(whole)
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise RuntimeError(
+            f"{strategy}: {type(earlier).__name__} has state from earlier steps, which its replacement "
+            f"{type(converted).__name__} cannot take over ({error}); {fresh_from}, or keep this optimizer "
+            "as it is with fused_optimizer=False and zero_stage=0") from error
+
+
+# Note [an optimizer that stepped before the strategy]
+# A run that warms an optimizer up alone (plain torch steps, a pre-training phase, a resume that
+# loaded a state dict by hand) and then hands it to fabric.setup or returns it from
+# configure_optimizers continues from that state under Fabric's and Lightning's DDP: the same
+# optimizer object steps on. The swap used to refuse such an optimizer ("already has state").
+# The converted optimizer now loads its state dict -- Adam's moments and step counts, SGD's
+# momentum buffers, anything torch's format holds -- as a load_state_dict into the converted
+# optimizer would (sharded, at stage 1/2, from each rank's own copy, as torch's
+# ZeroRedundancyOptimizer loads a whole state dict), and the kept optimizer drops its own copy:
+# it forwards to the converted one (Note [the returned optimizer]). A state the replacement cannot
+# load is refused naming the reason and the setting that keeps torch's optimizer.
 
 
 # Note [an optimizer given to a strategy again]
@@ -100,7 +126,7 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
 # sharded: a collective, which every rank's setup runs alike), at any stage on either side.
 
 
-def _stepping_for(optimizer):
+def stepping_for(optimizer):
     """The optimizer that stepped for ``optimizer`` after an earlier hand-over, or None (the link
     is its ``_opt_called``; a fused optimizer keeps that under another key)."""
     for key in ("_opt_called", "_fusedist_opt_called"):
@@ -213,6 +239,12 @@ def _new_named(implementation: type, returned: type):
 def hand_over(old, new, schedulers) -> None:
     """``new`` takes ``old``'s place for the LR ``schedulers`` (and those they hold) and for whoever kept ``old``
     (Note [the returned optimizer]); ``new``'s groups carry the schedulers' ``initial_lr``."""
+    earlier = stepping_for(old)
+    if earlier is not None and earlier is not new:  # Note [an earlier successor forwards to the new one]
+        from fusedist import ownership
+
+        ownership.release([p for group in earlier.param_groups for p in group["params"]], [earlier])
+        hand_over(earlier, new, ())
     for top in schedulers:
         for scheduler in _scheduler_tree(top):
             if getattr(scheduler, "optimizer", None) is old:
@@ -233,6 +265,22 @@ def hand_over(old, new, schedulers) -> None:
         old.consolidate_state_dict = new.consolidate_state_dict
     new.register_load_state_dict_post_hook(functools.partial(_share_loaded_groups, weakref.ref(old)))
     _KEPT[new] = weakref.ref(old)
+
+
+# Note [an earlier successor forwards to the new one]
+# Fabric's DDP steps the very optimizer it was given, so a program that sets up its model and
+# optimizer again (a second fabric.setup of the same objects: a new phase, another precision) may
+# step either returned optimizer: both are the one torch optimizer. Here each setup swaps in a new
+# optimizer, loaded with the earlier one's whole state (Note [an optimizer given to a strategy
+# again]); the optimizer the first setup returned kept stepping its own, stale state -- and at
+# ZeRO stage 2 gradients the new wrapper never reduced into it -- 2e-2 off Fabric's DDP in two
+# steps. The earlier successor now forwards to the new one as the kept optimizer does (its step,
+# zero_grad, param groups and state dicts; a clip through it measures the new one's gradients,
+# clip_by_norm in _strategy_options.py), so every optimizer the program holds steps one state.
+# The earlier one also gives up what it was registered for: a ZeRO stage-2 optimizer stays the
+# parameters' gradient holder otherwise, and a second Fabric with zero_stage=0 over the same
+# objects had its new wrapper reduce into the stage-2 shards nobody stepped (2e-2 off Fabric's
+# DDP in three steps).
 
 
 # Note [a kept optimizer after its sharded successor retires]
@@ -257,12 +305,19 @@ _FORWARDED = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_g
 _PENDING, _TAKEN_BACK = "_fusedist_takes_back_from", "_fusedist_took_back"
 
 
+def kept_for(new):
+    """The optimizer ``new`` was handed over from and still steps for, or None."""
+    ref = _KEPT.get(new)
+    old = None if ref is None else ref()
+    return old if old is not None and stepping_for(old) is new else None
+
+
 def retire_successor(new) -> None:
     """``new``, a sharded optimizer, stops stepping for the optimizer it was handed (Note [a kept
     optimizer after its sharded successor retires])."""
     ref = _KEPT.pop(new, None)
     old = None if ref is None else ref()
-    if old is None or not isinstance(new, fusedist.ZeroRedundancyOptimizer) or _stepping_for(old) is not new:
+    if old is None or not isinstance(new, fusedist.ZeroRedundancyOptimizer) or stepping_for(old) is not new:
         return
     scheduled = hasattr(old.step, "_wrapped_by_lr_sched")
     old.__dict__.pop("consolidate_state_dict", None)

@@ -8,6 +8,8 @@ import torch
 
 import fusedist
 
+from ._optimizer_swap import stepping_for
+
 _NAMES = (("fusedist", {}, "fused optimizers"),
           ("fusedist_zero1", {"zero_stage": 1}, "ZeRO stage 1"),
           ("fusedist_zero2", {"zero_stage": 2}, "ZeRO stage 2"),
@@ -32,6 +34,9 @@ def clip_by_norm(optimizer, max_norm: float, norm_type: float = 2.0, error_if_no
     over its parameters, which torch's clip over ``p.grad`` would miss on stage 2 (Note [Lightning
     precision] in ``lightning_precision.py``)."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+    # (one that forwards to a newer successor: Note [an earlier successor forwards to the new one])
+    while (successor := stepping_for(optimizer)) is not None:
+        optimizer = successor
     if isinstance(optimizer, fusedist.ZeroRedundancyOptimizer):
         return optimizer.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
     params = [p for group in optimizer.param_groups for p in group["params"]]

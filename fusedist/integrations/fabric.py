@@ -35,6 +35,13 @@ Note [Fabric's steps on a fused or sharded optimizer]
     consolidates a ZeRO optimizer's state on rank 0, as Fabric does for torch's
     ``ZeroRedundancyOptimizer``; ``fabric.load`` loads it on every rank.
 
+    One torch optimizer may outlive one setup, as under Fabric's DDP: an optimizer that stepped
+    before ``fabric.setup`` is converted with its state; set up again, it is converted from the
+    state of the one swapped in before, which then forwards to the new one; and
+    ``fabric.strategy.teardown()`` retires the wrappers and swapped-in optimizers, so another
+    strategy (or a plain loop) trains the module and optimizer on from their state (Note
+    [teardown]).
+
 Importing this module registers the strategy under Fabric's strategy names: ``"fusedist"``,
 ``"fusedist_zero1"``, ``"fusedist_zero2"`` and ``"fusedist_find_unused_parameters_true"``.
 """
@@ -53,7 +60,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 import fusedist
 from fusedist.ddp import DistributedDataParallel
 
-from ._optimizer_swap import convert_optimizer, hand_over
+from ._optimizer_swap import convert_optimizer, hand_over, kept_for, retire_successor, stepping_for
+from ._retirement import retire
 from ._scaler_swap import fusedist_scaler
 from ._strategy_options import check_zero_stage, clip_by_norm, register_names
 
@@ -82,6 +90,7 @@ class FusedistFabricStrategy(DDPStrategy):
         self.fused_optimizer = bool(fused_optimizer)
         self._backward_sync_control = _FusedistBackwardSyncControl()
         self._set_up_modules: list = []  # weak references to the DDP modules setup_module made
+        self._swapped_in: list = []  # weak references to the optimizers it swapped in (Note [teardown])
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -101,10 +110,24 @@ class FusedistFabricStrategy(DDPStrategy):
 
     # -- module and optimizers ------------------------------------------------------------------
 
-    def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
+    def setup_module(self, module: torch.nn.Module, _converting: tuple = ()) -> DistributedDataParallel:
         ddp = DistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
         self._set_up_modules.append(weakref.ref(ddp))
+        self._rebuild_stage2_over(ddp, _converting)
         return ddp
+
+    def _rebuild_stage2_over(self, ddp: DistributedDataParallel, converting) -> None:
+        """Note [a module set up again under stage 2]. ``converting``: optimizers that the same
+        ``fabric.setup`` converts next (from the current state, on ``ddp``)."""
+        params = {id(p) for p in ddp.module.parameters()}
+        for zero in [ref() for ref in self._swapped_in]:
+            if not (isinstance(zero, fusedist.ZeroRedundancyOptimizer) and zero.stage == 2
+                    and stepping_for(zero) is None
+                    and any(id(p) in params for group in zero.param_groups for p in group["params"])):
+                continue
+            kept = kept_for(zero)
+            if kept is not None and not any(kept is opt for opt in converting):
+                self._converted(kept, None)  # (zero forwards to the new one: hand_over)
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list, scheduler=None):
         if self.zero_stage and len(optimizers) > 1:
@@ -114,7 +137,7 @@ class FusedistFabricStrategy(DDPStrategy):
                 f"{_NAME}(zero_stage={self.zero_stage}) shards one optimizer over all the module's trainable "
                 f"parameters, but fabric.setup was given {len(optimizers)}; use zero_stage=0 (fused, unsharded "
                 "optimizers), or one optimizer with a param group per part of the module")
-        module = self.setup_module(module)
+        module = self.setup_module(module, tuple(optimizers))
         return module, [self._converted(opt, scheduler) for opt in optimizers], scheduler
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -163,7 +186,20 @@ class FusedistFabricStrategy(DDPStrategy):
                                 fresh_from="pass a fresh optimizer to fabric.setup")
         if new is not optimizer:
             hand_over(optimizer, new, [] if scheduler is None else [scheduler])
+            self._swapped_in.append(weakref.ref(new))
         return new
+
+    def teardown(self) -> None:
+        """Fabric's teardown, with the module and the optimizer given to ``fabric.setup`` left as
+        Fabric's DDP leaves them (Note [teardown])."""
+        optimizers = [opt for opt in (ref() for ref in self._swapped_in) if opt is not None]
+        for ddp in (ref() for ref in self._set_up_modules):
+            if ddp is not None:
+                retire(ddp, optimizers)
+        for optimizer in optimizers:  # (also when no wrapper is alive any more)
+            retire_successor(optimizer)
+        self._set_up_modules, self._swapped_in = [], []
+        super().teardown()
 
     def get_module_state_dict(self, module: torch.nn.Module) -> dict:
         return super().get_module_state_dict(module.module if isinstance(module, DistributedDataParallel) else module)
@@ -186,6 +222,31 @@ class FusedistFabricStrategy(DDPStrategy):
                              "which keeps only this rank's shard of the gradients and no p.grad; clip by norm "
                              "(max_norm=...) or use zero_stage=1")
         super().clip_gradients_value(module, optimizer, clip_val)
+
+
+# Note [teardown]
+# strategy.teardown() ends the strategy's part: Fabric's DDP leaves torch's wrapper, which dies
+# with its last reference, and the torch optimizer that stepped. fusedist's wrapper outlives its
+# references (its gradient hooks hold it) and stays the parameters' data-parallel owner, and the
+# optimizer given to fabric.setup kept forwarding to the one swapped in: a later Fabric with
+# strategy="ddp" over the same model and optimizer (or a plain loop) was refused at its first step
+# as "not synchronized", and at ZeRO stage 2 would have stepped gradients nothing reduced any more.
+# As Lightning's strategy does at the end of a fit (Note [the wrapper retires at teardown] in
+# lightning.py), teardown removes the wrappers' hooks and registrations and retires the swapped-in
+# optimizers: the kept optimizer takes its whole state back at its next use and steps as torch's.
+
+
+# Note [a module set up again under stage 2]
+# A ZeroRedundancyOptimizer at stage 2 steps the gradients that the wrapper it was built on
+# reduces into its shards. Setting the module up again (fabric.setup_module(model) a second time,
+# as Fabric's DDP allows: the newer wrapper trains it) retires the first wrapper (Note [a module
+# wrapped again] in fusedist/ddp/wrapper.py), and the stage-2 optimizer swapped in with it went
+# on stepping gradients no wrapper reduced any more: 2.4e-2 off Fabric's DDP in three steps,
+# without a word. The strategy now rebuilds such an optimizer on the new wrapper from its whole
+# state (a collective, which every rank's setup_module runs alike), and the earlier one forwards
+# to it (Note [an earlier successor forwards to the new one] in _optimizer_swap.py), so the
+# optimizer the program holds steps on. Stage 1 and the unsharded optimizers read p.grad, which
+# the newest wrapper synchronizes, and need nothing.
 
 
 # Note [stage 2 needs its module set up first]

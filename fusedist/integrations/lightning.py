@@ -47,7 +47,8 @@ import fusedist
 from fusedist.ddp import DistributedDataParallel
 
 from . import _optimizer_swap
-from ._optimizer_swap import convert_optimizer, hand_over, retire_successor
+from ._optimizer_swap import convert_optimizer, hand_over
+from ._retirement import retire
 from ._strategy_options import check_zero_stage, register_names
 from .lightning_precision import RoutesPrecision
 
@@ -182,7 +183,7 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
-            _retire(self.model, self.optimizers)  # Note [the wrapper retires at teardown]
+            retire(self.model, self.optimizers)  # Note [the wrapper retires at teardown]
             self.model = self.lightning_module  # unwrap, as Lightning does for torch's DDP
         super().teardown()
 
@@ -198,18 +199,6 @@ class FusedistStrategy(RoutesPrecision, DDPStrategy):
 # torch's clip_grad_norm_ asked the retired stage-2 shards for the norm (0: nothing clipped).
 # At teardown the strategy removes the wrapper's hooks and the registrations that name it or
 # its optimizers, leaving the module as Lightning's DDP leaves it; a later fit wraps it again.
-
-
-def _retire(ddp: DistributedDataParallel, optimizers) -> None:
-    """``ddp`` and the strategy's ``optimizers`` stop acting on the module's parameters (Note
-    [the wrapper retires at teardown])."""
-    from fusedist import ownership
-
-    ddp.reducer.remove_hooks()
-    ownership.release(ddp.module.parameters(),
-                      [ddp, ddp.watch, *(getattr(o, "_optimizer", o) for o in optimizers)])
-    for optimizer in optimizers:  # Note [a kept optimizer after its sharded successor retires] (_optimizer_swap.py)
-        retire_successor(getattr(optimizer, "_optimizer", optimizer))
 
 
 # Note [a load through self.optimizers()]

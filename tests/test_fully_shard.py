@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fusedist
 import models
@@ -195,7 +196,7 @@ def _poison_one_rank(model, rank):
         return
     for p in model.parameters():
         g = p.grad
-        local = g.to_local() if hasattr(g, "to_local") else g
+        local = g.to_local() if isinstance(g, DTensor) else g  # (FSDP2's; ours: this rank's piece)
         if local is not None and local.numel():
             local.view(-1)[0] = float("inf")
             return
@@ -618,7 +619,7 @@ def _divide_factor_on_one_rank_shards(rank, ws, seed):
                 mod.set_gradient_divide_factor(3.0)
                 mod.set_force_sum_reduction_for_comms(forced)
             F.mse_loss(m(x[rank]), y[rank]).backward()
-            got = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in m.parameters()]
+            got = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in m.parameters()]
             ratios = []
             for a, b, s in zip(got, want, scale):  # the ratio when the gradient is b scaled, else nan
                 r = float((a * b).sum() / (b * b).sum())

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fusedist
 from fusedist.testing import run_distributed
@@ -367,7 +368,7 @@ def _variations(rank, ws):
         x, y = _batch(rank, 0)
         F.mse_loss(model(x), y).backward()
         tiny = float(clip(model.parameters(), 1e-8))
-        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
         if rank == 0:
             next(g for g in local if g.numel()).view(-1)[0] = float("inf")
         norms.append((tiny, float(clip(model.parameters(), 1.0))))

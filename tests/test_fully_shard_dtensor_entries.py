@@ -133,9 +133,72 @@ def _entries_outlive_model(rank: int, world: int, seed: int) -> dict:
     return dict(freed=alive[0]() is None, compared=_compare(reads[0], reads[1]))
 
 
+def _read_grad(g, fsdp2: bool) -> dict:
+    """What code written for FSDP2 reads of a sharded gradient: placements, mesh, the whole
+    gradient, this rank's shard (or, for ours, the refusal where the piece is not that shard)."""
+    out = dict(placements=repr(tuple(g.placements)), mesh=(g.device_mesh.mesh.tolist(), g.device_mesh.device_type),
+               full=g.full_tensor().clone())
+    try:
+        out["local"] = g.to_local().clone()
+    except RuntimeError as e:
+        if fsdp2:
+            raise
+        out["local"] = str(e)
+    return out
+
+
+def _grads_as_fsdp2(rank: int, world: int, seed: int) -> dict:
+    """Each mesh kind: ``p.grad`` of every parameter read as FSDP2's DTensor gradient after a
+    backward, after a second one accumulated into it, and after ``zero_grad()`` and a third
+    (fresh gradients); a clone of a gradient, or a tensor assigned as ``.grad`` by the user, does
+    not answer (as a plain tensor)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    out = {}
+    for name in ("mesh", "process_group", "hsdp"):
+        ours_kw, theirs_kw = _meshes(name)
+        reads = []
+        for shard, kw in ((fusedist.fully_shard, ours_kw), (torch_fully_shard, theirs_kw)):
+            model = _build(shard, seed, **kw)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(seed + rank)
+            seen = {}  # what a gradient hook reads (the optimizer-in-backward recipe's place)
+            for n, p in model.named_parameters():
+                p.register_post_accumulate_grad_hook(lambda q, n=n: seen.setdefault(n, repr(tuple(q.grad.placements))))
+            read = [seen]
+            for step in range(3):
+                if step == 2:
+                    opt.zero_grad()
+                model(torch.randn(3, 5, generator=gen)).square().mean().backward()
+                if step:
+                    read.append({n: _read_grad(p.grad, shard is torch_fully_shard)
+                                 for n, p in model.named_parameters()})
+            reads.append(read)
+            if shard is fusedist.fully_shard:
+                p = model.c.weight  # the one piece that is FSDP2's chunk: to_local() is the gradient's storage
+                out[f"{name} aliased"] = p.grad.to_local().data_ptr() == p.grad.data_ptr()
+                out[f"{name} clone answers"] = hasattr(p.grad.clone(), "to_local")
+                p.grad = torch.zeros_like(p)
+                out[f"{name} assigned answers"] = hasattr(p.grad, "placements")
+        out[f"{name} hooks"] = (reads[0][0], reads[1][0])
+        for step in range(2):
+            ours, theirs = reads[0][step + 1], reads[1][step + 1]
+            out[f"{name} {step}"] = {
+                k: dict(placements=(ours[k]["placements"], t["placements"]), mesh=ours[k]["mesh"] == t["mesh"],
+                        full=float((ours[k]["full"] - t["full"]).abs().max()),
+                        local=(ours[k]["local"] if isinstance(ours[k]["local"], str) else
+                               float((ours[k]["local"] - t["local"]).abs().max())
+                               if ours[k]["local"].shape == t["local"].shape else "shape"))
+                for k, t in theirs.items()}
+    return out
+
+
 JOBS = {
     "test_entries_read_as_fsdp2_dtensors": {"entries": (_entries_as_fsdp2, (1234,))},
     "test_entries_outlive_their_model": {"outlive": (_entries_outlive_model, (4321,))},
+    "test_grads_read_as_fsdp2_dtensor_grads": {"grads": (_grads_as_fsdp2, (2468,))},
 }
 
 
@@ -171,6 +234,33 @@ def test_entries_outlive_their_model(launched):
     for rank, out in enumerate(results_of(launched, "outlive")):
         assert out["freed"], rank  # the entries do not keep the model alive
         _check(out["compared"], f"rank {rank}", 0.0)
+
+
+def test_grads_read_as_fsdp2_dtensor_grads(launched):
+    """``p.grad.placements`` / ``device_mesh`` are FSDP2's, ``p.grad.full_tensor()`` is FSDP2's
+    whole gradient (fp32 sums of two ranks' gradients in another order: a few ulps of values
+    ~1e-1), ``p.grad.to_local()`` FSDP2's shard where the piece is that shard (``c.weight``, dim-1
+    sharded: the gradient's own storage) and a refusal naming the parameter elsewhere -- after an
+    accumulation and after ``zero_grad()`` too, and in a gradient hook, on a 1-D mesh, a process
+    group and an HSDP mesh."""
+    for rank, out in enumerate(results_of(launched, "grads")):
+        for name in ("mesh", "process_group", "hsdp"):
+            for step in range(2):
+                for key, c in out[f"{name} {step}"].items():
+                    what = (name, step, key, rank, c)
+                    assert c["placements"][0] == c["placements"][1] and c["mesh"], what
+                    assert c["full"] <= 1e-6, what
+                    if isinstance(c["local"], str):
+                        assert key != "c.weight", what
+                        assert f"p.grad.to_local() of parameter '{key}'" in c["local"], what
+                    else:
+                        assert c["local"] <= 1e-6, what
+            assert out[f"{name} aliased"], (name, rank)
+            hooks = out[f"{name} hooks"]
+            assert hooks[0] == hooks[1] and len(hooks[0]) == 7, (name, rank, hooks)
+            assert not out[f"{name} clone answers"] and not out[f"{name} assigned answers"], (name, rank)
+        assert out["hsdp 0"]["a.weight"]["placements"][0] == "(Replicate(), Shard(dim=0))"
+        assert out["mesh 1"]["c.weight"]["placements"][0] == "(Shard(dim=1),)"
 
 
 def test_a_piece_made_outside_a_state_dict_names_itself():

@@ -1,15 +1,18 @@
 """fully_shard's per-step cross-rank check and optimizer-step guard (Note [stage-3 step check]
 in fusedist/reliability/sharded_watch.py): ranks that fall out of step are told so on every
 rank, one step later at the latest; misuse of ``optimizer.step()`` is refused on the rank
-that makes it, before any parameter changes."""
+that makes it, before any parameter changes; the checks name parameters by their current paths
+after the model's blocks were renumbered. The 2-rank scenarios share one launch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _model(seed: int = 0):
@@ -79,9 +82,8 @@ def _worker(rank, ws):
     return out
 
 
-def test_out_of_step_ranks_and_step_misuse_are_reported():
-    results = run_distributed(_worker, 2, timeout=180)
-    for rank, out in enumerate(results):
+def test_out_of_step_ranks_and_step_misuse_are_reported(launched):
+    for rank, out in enumerate(results_of(launched, "out of step")):
         assert out["next_step"] == "ok", out["next_step"]
         skipped = out["skipped_step"]
         assert skipped.startswith("mismatch:"), (rank, skipped)
@@ -121,11 +123,11 @@ def _guard_worker(rank, ws):
     return out
 
 
-def test_step_guard_applies_at_world_size_one_as_at_two():
+def test_step_guard_applies_at_world_size_one_as_at_two(launched):
     """As DDP's StepWatch: the guard refuses the same misuse with the same message at world
     size 1; only the cross-rank check is off there."""
     one = run_distributed(_guard_worker, 1, timeout=120)[0]
-    two = run_distributed(_guard_worker, 2, timeout=120)
+    two = results_of(launched, "guard")
     for out in [one, *two]:
         assert out["before_backward"] is not None and "before any backward" in out["before_backward"], out
         assert out["unsynced"] is not None and "set_requires_gradient_sync(False)" in out["unsynced"], out
@@ -186,12 +188,105 @@ def _branchy_worker(rank, ws):
     return out
 
 
-def test_rank_dependent_gradients_are_reported():
-    per_rank = run_distributed(_branchy_worker, 2, timeout=120)
-    for rank, out in enumerate(per_rank):
+def test_rank_dependent_gradients_are_reported(launched):
+    for rank, out in enumerate(results_of(launched, "branchy")):
         side = out["side branch on rank 0 only"]
         assert side.startswith("mismatch") and "unused" in side, side
         assert "branch of a unit ran on some ranks only" in side, side
         if rank == 1:  # the rank the branch's gradients did not reach names them
             assert "parameters without a gradient on rank 1: ['side.weight', 'side.bias']" in side, side
         assert out["same on every rank"] == "ok", out["same on every rank"]
+
+
+# ------------------------------------------------ names after a renumbering of the blocks
+# After a ModuleList insert or del renumbers the blocks, the replica check names a parameter
+# whose replicas differ by its current path (torch's ``named_parameters()``), not by the one it
+# had when the check's digest was built, and the units take their current paths (Note [unit
+# paths follow the module] in fusedist/fsdp/tree_names.py). torch's FSDP2 keeps the names of its
+# first forward (``_init_fqns``) and has no replica check to compare with.
+class _Stack(nn.Module):
+    def __init__(self, head=()):
+        super().__init__()
+        self.layers = nn.ModuleList([*head, nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _diverge_after(change, rank, head=(), step_after=True):
+    """On a (2 replicas, 1 shard) mesh: train, check (the digest is built under the first
+    forward's paths), ``change`` the model's blocks, train (or not), make rank 1's replica of the
+    middle Linear's weight differ, check again: (its current path, its unit's path, the message)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusedist.fsdp.owners import owner_of
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    net = _Stack(head)
+    for layer in net.layers:
+        if isinstance(layer, nn.Linear):
+            fusedist.fully_shard(layer, mesh=mesh)
+    fusedist.fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10 + rank)
+
+    def step():
+        net(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    net.check_consistency()
+    target = net.layers[len(head) + 1].weight
+    change(net.layers)
+    if step_after:
+        step()
+    current = next(n for n, p in net.named_parameters() if p is target)
+    if rank == 1:
+        with torch.no_grad():
+            target.add_(torch.randn(target.shape, generator=gen))
+    message = None
+    try:
+        net.check_consistency()
+    except fusedist.RankMismatchError as e:
+        message = str(e)
+    return current, owner_of(target)[0].path, message
+
+
+def _renumbered(rank, ws):
+    return {
+        # every Linear moves up one index: the middle one was 'layers.1', is 'layers.2' now
+        "insert": _diverge_after(lambda layers: layers.insert(0, nn.Identity()), rank),
+        # every Linear moves down one index: the middle one was 'layers.2', is 'layers.1' now;
+        # no forward since: check_consistency() itself sees the change
+        "del": _diverge_after(lambda layers: layers.__delitem__(0), rank, head=[nn.ReLU()], step_after=False),
+    }
+
+
+def test_replica_check_names_current_path_after_renumbering(launched):
+    for rank, out in enumerate(results_of(launched, "renumbered")):
+        for case, expected, stale in (("insert", "layers.2.weight", "layers.1.weight"),
+                                      ("del", "layers.1.weight", "layers.2.weight")):
+            current, unit_path, message = out[case]
+            assert current == expected, (case, out)
+            assert unit_path == expected.rsplit(".", 1)[0], (rank, case, unit_path)  # (its collective tags' name)
+            assert message is not None, f"rank {rank}, {case}: a weight changed on rank 1 went unnoticed"
+            assert f"parameter '{current}' (shape (6, 6)) differs across ranks" in message, (rank, case, message)
+            assert f"'{stale}'" not in message, (rank, case, message)  # the first forward's path: another Linear now
+
+
+JOBS = {
+    "test_out_of_step_ranks_and_step_misuse_are_reported": {"out of step": (_worker, ())},
+    "test_step_guard_applies_at_world_size_one_as_at_two": {"guard": (_guard_worker, ())},
+    "test_rank_dependent_gradients_are_reported": {"branchy": (_branchy_worker, ())},
+    "test_replica_check_names_current_path_after_renumbering": {"renumbered": (_renumbered, ())},
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The 2-rank scenarios of the selected tests, in one launch."""
+    return launch_for_selected(request, JOBS, 2, timeout=240)

@@ -27,12 +27,15 @@ checkpoint format: tests/test_checkpoint_tensor_parallel.py (and the HSDP test b
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import traceback
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fusedist.testing import run_distributed
 
@@ -630,7 +633,7 @@ def _plain_norms(model, mesh, seed: int, clip, norm_type: float) -> dict:
 
     _plain_backward(model, mesh, seed)
     out = {}
-    if hasattr(next(model.parameters()).grad, "full_tensor"):
+    if isinstance(next(model.parameters()).grad, DTensor):  # (FSDP2's; ours: Lightning's helper)
         out["per parameter"] = {n: float(q.grad.full_tensor().norm(norm_type)) for n, q in model.named_parameters()}
     else:
         out["per parameter"] = {key.split("/", 1)[1]: float(v) for key, v in grad_norm(model, norm_type).items()
@@ -726,8 +729,83 @@ def _plain_refused(mesh, rank, seed, where):
             out[name] = str(e)
     return out
 
+def _kind(x) -> str:
+    x = float(x)
+    return "nan" if math.isnan(x) else "inf" if math.isinf(x) else "finite"
+
+
+@contextlib.contextmanager
+def _max_like_fmax():
+    """fusedist's communicator's float max all-reduces drop NaN while inside, as NCCL's ``fmax``
+    does (gloo's keeps it), so that the NaN flags are what carries a NaN."""
+    from fusedist.comm.torch_comm import TorchCommunicator
+
+    plain = TorchCommunicator._all_reduce
+
+    def fmax(self, tensor, op):
+        if op == "max" and tensor.is_floating_point():
+            tensor.nan_to_num_(nan=-float("inf"), posinf=float("inf"), neginf=-float("inf"))
+        return plain(self, tensor, op)
+
+    TorchCommunicator._all_reduce = fmax
+    try:
+        yield
+    finally:
+        TorchCommunicator._all_reduce = plain
+
+
+def _plain_nonfinite(mesh, rank, seed):
+    """An inf or a NaN written into a gradient held alike (the plain head's weight, the Replicate()
+    bias of the tensor-parallel unit) on tensor-parallel rank 1 only: per (value, where), what
+    each norm reads -- FSDP2's clip, torch's and fusedist's clips of order 2 and inf (their
+    totals' kinds), the per-parameter norms (the kind of each parameter's), and torch's clip with
+    ``error_if_nonfinite`` (its error or "no error"). A NaN also where a max all-reduce drops
+    it (NCCL's), for ours."""
+
+    def damaged(value, where, fsdp2=False):
+        model = _build_plain(mesh, seed, fsdp2=fsdp2)
+        _plain_backward(model, mesh, seed)
+        if mesh["tp"].get_local_rank() == 1:
+            g = (model[3].weight if where == "head" else model[2].bias).grad
+            g = g.to_local() if fsdp2 else g
+            if g.numel():  # (a data-parallel rank's piece may be empty; the other's is not)
+                g.view(-1)[0] = value
+        return model
+
+    out = {}
+    for value, where, fmax in ((float("inf"), "head", False), (float("inf"), "bias", False),
+                               (float("nan"), "head", False), (float("nan"), "head", True)):
+        read = {}
+        for order in (2.0, float("inf")) if not fmax else ():  # (FSDP2's collectives are torch's own)
+            read[f"fsdp2 {order}"] = _kind(_plain_whole(torch.nn.utils.clip_grad_norm_(
+                damaged(value, where, fsdp2=True).parameters(), MAX_NORM, order)))
+        with _max_like_fmax() if fmax else contextlib.nullcontext():
+            _ours_nonfinite(read, damaged, value, where)
+        out[f"{value} {where}" + (" fmax" if fmax else "")] = read
+    return out
+
+
+def _ours_nonfinite(read: dict, damaged, value: float, where: str) -> None:
+    """Into ``read``: what each of our norms reads of ``damaged(value, where)``'s gradients."""
+    import fusedist
+    from fusedist.integrations.lightning_grad_norm import grad_norm
+
+    for order in (2.0, float("inf")):
+        model = damaged(value, where)  # (the per-parameter norms leave the gradients as they are)
+        read[f"per parameter {order}"] = {key.split("/", 1)[1]: _kind(v)
+                                          for key, v in grad_norm(model, order).items() if "/" in key}
+        read[f"torch {order}"] = _kind(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, order))
+        read[f"fusedist {order}"] = _kind(fusedist.clip_grad_norm_(damaged(value, where).parameters(), MAX_NORM, order))
+    try:
+        torch.nn.utils.clip_grad_norm_(damaged(value, where).parameters(), MAX_NORM, error_if_nonfinite=True)
+        read["raises"] = "no error"
+    except RuntimeError as e:
+        read["raises"] = str(e)
+
+
 # name: (function, seed offset, more arguments), each called as fn(mesh, rank, seed + offset, *more)
 _PLAIN_SCENARIOS = {
+    "nonfinite": (_plain_nonfinite, 3, ()),
     "fsdp2": (_plain_against_fsdp2, 0, ()),
     **{f"scaler {which}": (_plain_scaler_skips, 1, (which,)) for which in ("torch", "fusedist")},
     **{f"refused {where}": (_plain_refused, 2, (where,)) for where in ("head", "bias")},
@@ -794,6 +872,30 @@ def test_gradients_held_alike_that_differ_are_refused_by_the_clip(results):
                 assert named in msg and "on tensor-parallel rank 1)" in msg and msg.count(" of fully_shard(") == 1, \
                     (where, rank, name, msg)
                 assert "the same batch" in msg, (where, rank, name, msg)
+
+
+def test_a_nonfinite_gradient_held_alike_on_one_tensor_parallel_rank_is_seen_everywhere(results):
+    """An inf or NaN in a gradient held alike on one tensor-parallel rank makes every rank's norm
+    non-finite, of the same kind -- the clips' totals of order 2 (as over FSDP2's DTensor
+    gradients) and inf, that parameter's own norm -- and torch's clip with ``error_if_nonfinite``
+    raises on every rank, as over FSDP2's (Note [a non-finite gradient held alike on one rank] in
+    fusedist/fsdp/held_alike.py). The norms took the first tensor-parallel rank's figure: finite
+    everywhere, the clip scaled the inf by a finite coefficient. FSDP2's clip of order inf drops a
+    NaN (gloo's max all-reduce), where the unsharded model's norm is NaN: ours keeps it, also
+    where the max all-reduce drops NaN (NCCL's), by the NaN flags of every rank."""
+    for rank, out in enumerate(_plain_results(results, "nonfinite")):
+        for case, read in out.items():
+            kind, where = case.split()[:2]
+            name = "3.weight" if where == "head" else "2.bias"
+            what = (rank, case, read)
+            if "fsdp2 2.0" in read:  # the reference: FSDP2's norm on every rank
+                assert read["fsdp2 2.0"] == kind, what
+                assert read["fsdp2 inf"] == (kind if kind == "inf" else "finite"), what
+            for order in ("2.0", "inf"):
+                assert read[f"torch {order}"] == read[f"fusedist {order}"] == kind, (order, what)
+                per = read[f"per parameter {order}"]
+                assert per[name] == kind and all(v == "finite" for n, v in per.items() if n != name), (order, what)
+            assert "non-finite" in read["raises"], what
 
 
 # ------------------------------------------------------------- HSDP with tensor parallelism

@@ -4,6 +4,7 @@ FSDP2's: the norm is returned, and the coefficient applied, in the gradients' dt
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fusedist.testing import run_distributed
 
@@ -49,7 +50,7 @@ def _bf16_clip_worker(rank, world, max_norm):
         shard(model)
         loss = nn.functional.cross_entropy(model(idx).float().reshape(-1, VOCAB), tgt.reshape(-1))
         loss.backward()
-        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
         before = [gr.clone() for gr in local]
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

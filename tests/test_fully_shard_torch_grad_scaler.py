@@ -12,13 +12,14 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fusedist.testing import run_distributed
 from fusedist.testing.fsdp_compare import full_state
 
 
 def _local(grad):
-    return grad.to_local() if hasattr(grad, "to_local") else grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad  # (FSDP2's; ours: this rank's piece)
 
 
 def _train(base, rank, ours):

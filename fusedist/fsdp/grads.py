@@ -112,6 +112,7 @@ import torch
 
 from .._dtypes import fp16_divisors
 from .._dtypes import real_pairs
+from .grad_view import note_reduced
 from .memory import COUNTERS
 from .replicate import start_across_replicas
 
@@ -416,6 +417,7 @@ def finish(p: PendingReduce) -> None:
     if out.dtype != dtype or out.device != unit.shard_device:
         out = _to_shard_device(unit, out, dtype)
     base = unit.layout.sections[p.section].shard_base
+    note_reduced(unit)  # Note [gradients read as DTensors] in grad_view.py
     for i in p.with_grad:
         # (a parameter frozen since unsynchronized backwards gave it gradients is one of them:
         # those gradients become its .grad, as FSDP2's and an unsharded model's keep them)
@@ -447,6 +449,7 @@ def _run_grad_hooks(unit, sp) -> None:
     if not hooks:
         return
     wait_host_copies(unit)  # the hook reads .grad on the host
+    note_reduced(unit)  # (a gradient stored since the reduction began: the hook may read it as a DTensor's)
     for hook in list(hooks.values()):
         hook(sp)
 

@@ -22,6 +22,22 @@ mask or a partial sum differ by far more. A gradient that is rounding noise (the
 a layer before a normalization) may differ in any digit, and moves no norm: a disagreement below
 a millionth of the norm's sum of ``|g|^p`` is none. The check reads the figures on the host: one
 synchronization per clip, as torch's ``error_if_nonfinite`` costs.
+
+Note [a non-finite gradient held alike on one rank]
+---------------------------------------------------
+The check leaves non-finite figures alone: an overflow is for the scaler to skip and for
+``error_if_nonfinite`` to refuse. But the norm takes the first tensor-parallel rank's figure of
+the pieces held alike (Note [one norm on every tensor-parallel rank] in holder.py), so an inf or a
+NaN in such a gradient on another tensor-parallel rank only was dropped from the norm: the clip's
+total and the per-parameter norms stayed finite on every rank, ``error_if_nonfinite`` raised
+nowhere, and the rank clipped its inf by a finite coefficient. Over FSDP2's DTensor gradients the
+same clip finds the total non-finite on every rank (it raises on all of them under
+``error_if_nonfinite``). So where some tensor-parallel rank's figure of a piece held alike is NaN,
+the norm (the total, or that parameter's norm) is NaN on every rank; where one is +inf (and none
+NaN), +inf -- what the rank holding that gradient measures -- from the figures every rank holds
+after the all-reduce (no collective more). A NaN of a max all-reduce travels by its flag (Note [a
+NaN through a max all-reduce] in optim/grad_norms.py), which every rank's figure of a piece held
+alike sets.
 """
 
 from __future__ import annotations
@@ -30,7 +46,7 @@ import math
 
 import torch
 
-__all__ = ["check_held_alike", "held_alike_flags", "share_tensor_parallel_holder"]
+__all__ = ["check_held_alike", "held_alike_flags", "share_tensor_parallel_holder", "with_nonfinite_figures"]
 
 #: relative disagreement of the tensor-parallel ranks' figures taken for different gradients
 #: (Note [checking what is held alike]): rounding stays well below it
@@ -75,6 +91,17 @@ def _figure_words(norm_type: float) -> str:
     if norm_type == -float("inf"):
         return "min |g| (negated)"
     return "counts of nonzero elements" if norm_type == 0.0 else "sums of |g|^p"
+
+
+def with_nonfinite_figures(values: torch.Tensor, figures: torch.Tensor, dim=None) -> torch.Tensor:
+    """``values`` (taken from the first tensor-parallel rank's figures), NaN where some rank's
+    figure (of ``figures``, reduced over ``dim``: all of them by default) is NaN, else +inf where
+    one is +inf (Note [a non-finite gradient held alike on one rank]); the same on every rank."""
+    if figures.numel() == 0:
+        return values
+    nan = figures.isnan().any() if dim is None else figures.isnan().any(dim)
+    inf = (figures == float("inf")).any() if dim is None else (figures == float("inf")).any(dim)
+    return torch.where(nan, float("nan"), torch.where(inf, float("inf"), values))
 
 
 def check_held_alike(figures: torch.Tensor, params: list, norm_type: float, total: torch.Tensor) -> None:

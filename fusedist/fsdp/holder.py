@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..optim.grad_norms import flag_nan, per_tensor_global_norms, tensor_norms, unflag_nan
 from ..optim.step_context import materialize_unscales
 from ..ownership import register_gradient_holder
-from .held_alike import check_held_alike
+from .held_alike import check_held_alike, with_nonfinite_figures
 
 __all__ = ["ShardedGradHolder", "holder_for", "joint_holder"]
 
@@ -106,7 +106,8 @@ class ShardedGradHolder:
         all_reduce_on_comm_device(self.tp, slots, "sum", "fully_shard grad norm (tensor-parallel)")
         total = slots[:2].sum()
         check_held_alike(slots[2:].view(size, k), [p for p, a in zip(with_grad, alike) if a], norm_type, total)
-        return total.pow(1.0 / norm_type)
+        # Note [a non-finite gradient held alike on one rank] in held_alike.py
+        return with_nonfinite_figures(total, slots[2:]).pow(1.0 / norm_type)
 
     def _inf_norm(self, with_grad: list, alike: list, acc, device) -> torch.Tensor:
         """``grad_norm`` of order inf: the max over the pieces, by the max all-reduces the
@@ -179,13 +180,18 @@ class ShardedGradHolder:
             # figures of those in slots of their own, for the check (Note [checking what is held alike])
             nothing = -float("inf") if op == "max" else 0.0
             size, rank = self.tp.world_size, self.tp.rank
-            mask = alike.repeat(t.numel() // max(n, 1))  # (with NaN flags beside the values: both)
+            # (the values only: NaN flags beside them are every rank's, Note [a non-finite gradient
+            # held alike on one rank] in held_alike.py)
+            mask = torch.cat([alike, alike.new_zeros(t.numel() - n)])
             slots = torch.full((size, k), nothing, dtype=t.dtype, device=t.device)
             slots[rank] = t[:n][alike]
             packed = torch.cat([t.masked_fill(mask, nothing) if rank != 0 else t, slots.view(-1)])
             all_reduce_on_comm_device(self.tp, packed, op, "fully_shard per-parameter grad norms (tensor-parallel)")
             t.copy_(packed[:t.numel()])
-            checked["figures"] = packed[t.numel():].view(size, k)
+            checked["figures"] = figures = packed[t.numel():].view(size, k)
+            if k:
+                held_at = alike.nonzero().view(-1)
+                t[held_at] = with_nonfinite_figures(t[held_at], figures, dim=0)
 
         def all_reduce(t: torch.Tensor, op: str) -> None:
             if op != "max":

@@ -12,6 +12,7 @@ from torch.autograd import Variable
 
 from . import grads as grads_mod
 from . import stale
+from .tree_names import RootTree
 
 if TYPE_CHECKING:
     from .state import FullyShardState
@@ -22,8 +23,9 @@ __all__ = ["IterationContext"]
 class IterationContext:
     """Shared by the states under one root: their order, the reduce-scatters in flight."""
 
-    def __init__(self, states: list):
+    def __init__(self, states: list, root_modules: list = ()):
         self.states = states
+        self.tree = RootTree(root_modules)  # Note [unit paths follow the module] in tree_names.py
         self.forward_order: list = []  # states in pre-forward order, last forward
         self._current_order: list = []
         self._pos = 0
@@ -45,9 +47,15 @@ class IterationContext:
 
     # ---- forward
     def begin_forward(self, frame=None) -> None:
+        self.follow_tree()
         self.in_forward = True
         self._current_order, self._pos = [], 0
         self._forward_frame = frame
+
+    def follow_tree(self) -> None:
+        """The units' paths and the watch's names as the root's tree is now (Note [unit paths
+        follow the module] in tree_names.py)."""
+        self.tree.refresh(self.states, self.watch)
 
     def next_in_forward(self, state) -> Optional["FullyShardState"]:
         """The state that followed ``state`` in the last forward (None once the order differs)."""

@@ -27,10 +27,10 @@ Note [parameters read as DTensors]
     What still differs: ``isinstance(p, DTensor)`` is False; ``p.shape``, ``p.numel()`` and
     ``p.size()`` are the piece's (FSDP2's are the whole parameter's: count parameters as
     ``sum(p.full_tensor().numel() ...)``, or by ``fusedist.fsdp.full_state_dict``'s shapes);
-    ``p.grad`` is the piece's gradient, a plain tensor without these names (the clip and
-    ``get_total_norm`` measure the global norm all the same: Note [torch's clip on sharded
-    gradients] in optim/torch_clip.py); ``DTensor.from_local(p.to_local(), p.device_mesh,
-    p.placements)`` works where ``to_local()`` does.
+    ``p.grad`` is the piece's gradient, a plain tensor that answers the same names (Note
+    [gradients read as DTensors] in grad_view.py; the clip and ``get_total_norm`` measure the
+    global norm: Note [torch's clip on sharded gradients] in optim/torch_clip.py);
+    ``DTensor.from_local(p.to_local(), p.device_mesh, p.placements)`` works where ``to_local()`` does.
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["install"]
+__all__ = ["install", "piece_view", "param_name", "is_fsdp2_shard"]
 
 _NAMES = ("placements", "device_mesh", "full_tensor", "to_local")
 
 
-def _owned(p: torch.Tensor, what: str) -> tuple:
-    """``(unit, index, its description)`` of the piece ``p``; AttributeError for any other
-    parameter (an original parameter a unit replaced, a plain model's), as before."""
+def piece_view(p: torch.Tensor):
+    """``(unit, index, its description)`` of ``p`` if it is a live unit's piece, else None."""
     from .dtensor_view import describe_entry
     from .owners import owner_of
 
@@ -56,7 +55,24 @@ def _owned(p: torch.Tensor, what: str) -> tuple:
             view = describe_entry(unit, index)
             if view is not None:
                 return unit, index, view
-    raise AttributeError(f"'{type(p).__name__}' object has no attribute '{what}'")
+    return None
+
+
+def _owned(p: torch.Tensor, what: str) -> tuple:
+    """``(unit, index, its description)`` of the piece ``p``; AttributeError for any other
+    parameter (an original parameter a unit replaced, a plain model's), as before."""
+    found = piece_view(p)
+    if found is None:
+        raise AttributeError(f"'{type(p).__name__}' object has no attribute '{what}'")
+    return found
+
+
+def param_name(unit, index: int) -> str:
+    """Parameter ``index`` of ``unit`` for messages: its path under the root once the root ran
+    forward, else its name in the unit."""
+    if unit.path is None:
+        return f"'{unit.fqns[index]}' of fully_shard({unit.name or 'root'})"
+    return f"'{unit.path + '.' if unit.path else ''}{unit.fqns[index]}'"
 
 
 def _placements(self) -> tuple:
@@ -85,12 +101,9 @@ def _to_local(self):
 
     def to_local() -> torch.Tensor:
         """This rank's FSDP2 shard: a view of the piece, where the piece is that shard."""
-        if not _is_fsdp2_shard(unit, index, view):
-            # (the unit's path under the root is known from the root's first forward)
-            name = (f"'{unit.fqns[index]}' of fully_shard({unit.name or 'root'})" if unit.path is None
-                    else f"'{unit.path + '.' if unit.path else ''}{unit.fqns[index]}'")
+        if not is_fsdp2_shard(unit, index, view):
             raise RuntimeError(
-                f"fusedist.fully_shard: to_local() of parameter {name} (shape "
+                f"fusedist.fully_shard: to_local() of parameter {param_name(unit, index)} (shape "
                 f"{tuple(view.local_shape)}): this rank's piece, shape {tuple(self.shape)}, is not the "
                 f"shard FSDP2 gives it (torch.chunk on dim {view.dim}, shape {view.chunk_shape()}) on every "
                 "rank -- the unit's flat layout cut it elsewhere -- and to_local() takes no collective. Use the piece "
@@ -102,7 +115,7 @@ def _to_local(self):
     return to_local
 
 
-def _is_fsdp2_shard(unit, index: int, view) -> bool:
+def is_fsdp2_shard(unit, index: int, view) -> bool:
     """Whether the piece is FSDP2's shard on every rank of the mesh: a unit's layout is the same on
     the ranks of its shard and replicate groups, but under tensor parallelism each tensor-parallel
     rank lays out its own local tensors (13 vocabulary rows: 7 and 6), so a piece cut as
@@ -115,11 +128,17 @@ def _is_fsdp2_shard(unit, index: int, view) -> bool:
 
 
 def install() -> None:
-    """Give ``nn.Parameter`` the names (Note [parameters read as DTensors]); idempotent, and
-    nothing where torch already defines one of them."""
+    """Give ``nn.Parameter`` the names (Note [parameters read as DTensors]) and ``torch.Tensor``
+    the same for the pieces' gradients (Note [gradients read as DTensors] in grad_view.py);
+    idempotent, and nothing where torch already defines one of them."""
     if getattr(nn.Parameter, "_fusedist_dtensor_names", False):
         return
-    for name, getter in zip(_NAMES, (_placements, _device_mesh, _full_tensor, _to_local)):
-        if name not in vars(nn.Parameter) and not hasattr(torch.Tensor, name):
-            setattr(nn.Parameter, name, property(getter))
+    from . import grad_view
+
+    # (decided before either class gets one: the gradients' names on torch.Tensor are inherited)
+    names = [n for n in _NAMES if n not in vars(nn.Parameter) and not hasattr(torch.Tensor, n)]
+    getters = dict(zip(_NAMES, (_placements, _device_mesh, _full_tensor, _to_local)))
+    for name in names:
+        setattr(nn.Parameter, name, property(getters[name]))
+    grad_view.install(names)
     nn.Parameter._fusedist_dtensor_names = True

@@ -316,7 +316,7 @@ class FullyShardState:
                         "forward of the outermost fully_shard module first")
                 st.is_root = False
             states.append(st)
-        self.ctx = IterationContext(states)
+        self.ctx = IterationContext(states, self.modules)
         for st in states:
             st.ctx = self.ctx
         # as FSDP2: the root's context becomes the shared one, so only the root's event is kept

@@ -127,6 +127,7 @@ class ShardedStepWatch(WatchBase):
         self._replicas: Optional[ParamDigest] = None  # the digests of this rank's pieces, built when first due
         self._replica_table: Optional[torch.Tensor] = None  # the last exchange with the replicas (digest, counters)
         self._units_of = units
+        self._names: dict = {}  # piece -> its current path (weak keys), once the module's tree changed
         from . import optimizer_guard
 
         if checks_enabled():  # FUSEDIST_CHECKS=0 turns the guard off, as for a DDP model
@@ -220,8 +221,16 @@ class ShardedStepWatch(WatchBase):
 
     def _pieces(self) -> ParamDigest:
         if self._replicas is None:
-            self._replicas = ParamDigest(_named_pieces(self._units_of))
+            self._replicas = ParamDigest(_named_pieces(self._units_of, self._names))
         return self._replicas
+
+    def names_changed(self, current: dict) -> None:
+        """The module's tree changed (Note [unit paths follow the module] in fusedist/fsdp/tree_names.py):
+        ``current`` maps a parameter (by identity) to its path now; the replica check's messages name the
+        pieces so, not by the paths they had when its digest was built (those may be other blocks')."""
+        self._names = current
+        if self._replicas is not None:
+            self._replicas.names = [n for n, _ in _named_pieces(self._units_of, current)]
 
     def _describe_replicas(self, comm, skip=()) -> list:
         """The lines naming the pieces whose replicas differ (a collective over the replicate
@@ -290,12 +299,13 @@ REPLICAS_DIFFER = ("the replicas of a shard (the ranks holding the same pieces a
 REPLICA_COUNTERS = ("synchronized backwards", "training forwards", "backwards", "optimizer steps")
 
 
-def _named_pieces(units) -> list:
-    """(name under the root, piece) of every parameter the units shard, for the replica check."""
+def _named_pieces(units, current: dict) -> list:
+    """(name under the root, piece) of every parameter the units shard, for the replica check:
+    its path in ``current`` (by identity), else its unit's path and its name in the unit."""
     named = []
     for u in units:
         for fqn, piece in zip(u.fqns, u.sharded):
-            named.append((f"{u.path}.{fqn}" if u.path else fqn, piece))
+            named.append((current.get(piece) or (f"{u.path}.{fqn}" if u.path else fqn), piece))
     return named
 
 

@@ -9,9 +9,12 @@ def checks_enabled() -> bool:
     """Whether the always-on checks run (``FUSEDIST_CHECKS=0`` turns them off).
 
     On by default: the collective monitor, the per-step cross-rank check of DDP and the
-    optimizer-step guard together cost well under 1% of a step (measured in
-    ``benchmarks/bench_reliability.py``). The switch exists to measure exactly that, and as
-    an escape hatch; the construction-time consistency checks are not affected by it.
+    optimizer-step guard. Their cost is fixed per step -- above all the check's one small
+    collective -- so it is a small share of a model's step that does real work
+    (``benchmarks/bench_reliability.py``) and a large one of a tiny model's, whose step is
+    the collectives' latency (``benchmarks/bench_ddp_step_overhead.py --phases`` shows where
+    it goes). The switch exists to measure exactly that, and as an escape hatch; the
+    construction-time consistency checks are not affected by it.
     """
     value = os.environ.get("FUSEDIST_CHECKS", "1").strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):

@@ -30,9 +30,12 @@ Note [step check]
     Nothing here touches the gradients, so the numerics of the default path are unchanged.
 
     The verdict is read lazily, at the next training forward (or right away when this rank
-    is about to raise its own unused-parameter error): by then the tiny all-reduce has long
-    completed behind the optimizer step, so the check adds no exposed latency to a step and,
-    on CUDA (a pinned host copy behind an event), no host synchronization. The price: a
+    is about to raise its own unused-parameter error): the tiny all-reduce runs behind the
+    optimizer step, so it adds no exposed latency to a step whose optimizer step and
+    forward bookkeeping outlast it, and on CUDA (a pinned host copy behind an event) no host
+    synchronization. On the host (gloo) it is a point-to-point exchange driven by the
+    communicator's progress thread; on a tiny model the forward still waits for it
+    (``benchmarks/bench_ddp_step_overhead.py --phases`` shows the wait). The price: a
     divergence is reported at the start of the step after it happened, and one in the very
     last step of a run has no next forward: ``DistributedDataParallel.check_consistency()``
     reads the pending verdict and checks the counters once more, at once (and

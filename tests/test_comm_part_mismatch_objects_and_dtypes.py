@@ -71,11 +71,17 @@ def test_small_all_reduces_with_different_ops_across_ranks_time_out_instead_of_d
     different results, silently (rank 0 the max, rank 1 the sum; torch's gloo pairs them too)."""
     results = run_distributed(_parts_that_differ, 2, "all_reduce_op", env={"FUSEDIST_TIMEOUT_S": "2"},
                               expect_failure=True)
+    timed_out = []
     for rank, (status, value) in enumerate(results):
         assert status == "ok", value
         message, elapsed = value
-        assert "all_reduce (tag 'ops differ', collective #1)" in message and "timed out" in message, (rank, message)
+        assert "all_reduce (tag 'ops differ', collective #1)" in message, (rank, message)
         assert f"rank {rank} of 2" in message and elapsed < 15
+        # The rank whose deadline passes first closes the connections; a peer still waiting then reads
+        # gloo's "Connection closed by peer" instead of its own timeout (whichever comes first: a race).
+        assert "timed out" in message or "Connection closed by peer" in message, (rank, message)
+        timed_out.append("timed out" in message)
+    assert any(timed_out), results
 
 
 def _unpicklable_on_one_rank(rank, world_size):

@@ -23,9 +23,9 @@ from typing import Callable, Optional
 import torch
 
 from ..distributed import bounded_timeout, collective_timeout, wait_timeout
+from .checks import _overlaps, _row_numel, _tag, check_flat, check_in_place, check_op
 from .sliced_wait import wait_probed
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
 _uids = itertools.count()
 
 
@@ -234,7 +234,8 @@ class Communicator(abc.ABC):
         self.uid = next(_uids)
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timeout or collective_timeout()  # (the property below checks and bounds it)
+        # (None: the default; a zero or negative one is refused by the property below, as when set later)
+        self.timeout = collective_timeout() if timeout is None else timeout
         self._seq = itertools.count()
         #: Sequence number, op and tag of the last collective issued (-1: none yet).
         self.last_seq = -1
@@ -368,14 +369,14 @@ class Communicator(abc.ABC):
 
     # ---- public wrappers: validation, sequence numbers, handles
     def all_reduce(self, tensor, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
-        self._check_op(op, "all_reduce", tensor.dtype, tag)
-        self._check_flat("all_reduce", tensor)
+        check_op(op, "all_reduce", tensor.dtype, tag)
+        check_flat("all_reduce", tag, self.rank, tensor=tensor)
         return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op), part=tensor)
 
     def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "",
                        label: Optional[str] = None) -> CommHandle:
-        self._check_op(op, "reduce_scatter", input.dtype, tag)
-        self._check_flat("reduce_scatter", output, input)
+        check_op(op, "reduce_scatter", input.dtype, tag)
+        check_flat("reduce_scatter", tag, self.rank, output=output, input=input)
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(
                 f"fusedist reduce_scatter{_tag(tag)}: input has {input.numel()} elements, expected "
@@ -390,7 +391,7 @@ class Communicator(abc.ABC):
         """``label``: what the messages are matched by where the transport tags them (default
         ``tag``; Note [exchange tags] in exchange_tags.py) -- one label for calls that must
         pair although their tags differ (the object exchanges' headers)."""
-        self._check_flat("all_gather", output, input)
+        check_flat("all_gather", tag, self.rank, output=output, input=input)
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"fusedist all_gather{_tag(tag)}: output has {output.numel()} elements, expected "
@@ -402,7 +403,7 @@ class Communicator(abc.ABC):
     def broadcast(self, tensor, src: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         if not 0 <= src < self.world_size:
             raise ValueError(f"fusedist broadcast{_tag(tag)}: src={src} {self._outside_group()}")
-        self._check_flat("broadcast", tensor)
+        check_flat("broadcast", tag, self.rank, tensor=tensor)
         return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src), part=tensor)
 
     def gather(self, output, input, dst: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
@@ -414,7 +415,7 @@ class Communicator(abc.ABC):
         if (output is not None) != (self.rank == dst):
             raise ValueError(f"fusedist gather{_tag(tag)}: pass an output on rank dst={dst} only "
                              f"(this is rank {self.rank})")
-        self._check_flat("gather", input, *([] if output is None else [output]))
+        check_flat("gather", tag, self.rank, input=input, **({} if output is None else {"output": output}))
         if output is not None and output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"fusedist gather{_tag(tag)}: output has {output.numel()} elements, expected "
@@ -430,7 +431,7 @@ class Communicator(abc.ABC):
         expert exchange of a mixture-of-experts layer. Ranks whose splits disagree (rank i
         sends rank j other than j expects) time out, naming the pair, where gloo's own
         all-to-all terminates the process (Note [exchange tags] in exchange_tags.py)."""
-        self._check_flat("all_to_all_single", output, input)
+        check_flat("all_to_all_single", tag, self.rank, output=output, input=input)
         out_splits = self._splits("output", output, output_split_sizes, tag)
         in_splits = self._splits("input", input, input_split_sizes, tag)
         if _row_numel(output) != _row_numel(input):
@@ -536,64 +537,3 @@ class Communicator(abc.ABC):
         if self.observer is not None:
             return self.observer.on_failure(self, handle, error)
         return None
-
-    @staticmethod
-    def _check_op(op: str, name: str, dtype: torch.dtype, tag: str) -> None:
-        """Refused before any launch, so on every rank alike: an unknown op, and avg of an
-        integer tensor (gloo fails it inside the collective with a cast error; a mean of
-        integers has no integer result on every backend)."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"fusedist: reduce op must be one of {REDUCE_OPS}, got {op!r}")
-        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-            raise ValueError(f"fusedist {name}{_tag(tag)}: op='avg' needs a floating-point tensor, got {dtype}; "
-                             "reduce with 'sum' and divide, or convert to a floating-point dtype")
-
-    @staticmethod
-    def _check_flat(name: str, *tensors: torch.Tensor) -> None:
-        for t in tensors:
-            if not t.is_contiguous():
-                raise ValueError(f"fusedist {name}: tensors must be contiguous (got strides {t.stride()})")
-        if len({t.dtype for t in tensors}) > 1:
-            raise ValueError(f"fusedist {name}: dtype mismatch {[t.dtype for t in tensors]}")
-
-
-def check_in_place(kind: str, output: torch.Tensor, input: torch.Tensor, rank: int, world_size: int) -> None:
-    """Raise ``ValueError`` when a reduce-scatter's output (an all-gather's input) overlaps the
-    other tensor anywhere but at exactly this rank's slice: the one in-place form NCCL, gloo
-    and the gloo exchange define. Any other overlap overwrites data still being sent, and
-    the result would be silently wrong. Shapes are the caller's to check first."""
-    whole, part = (input, output) if kind == "reduce_scatter" else (output, input)
-    m = part.numel()
-    if m == 0 or whole.numel() != m * world_size or not _overlaps(whole, part):
-        return
-    if part.data_ptr() != whole.data_ptr() + rank * m * whole.element_size():
-        name = "output" if kind == "reduce_scatter" else "input"
-        other = "input" if kind == "reduce_scatter" else "output"
-        raise ValueError(
-            f"fusedist {kind}: {name} overlaps {other} other than at this rank's own slice (rank "
-            f"{rank}); pass a separate {name}, or exactly {other}.view(-1)[{rank * m}:{(rank + 1) * m}]"
-        )
-
-
-def _row_numel(t: torch.Tensor) -> int:
-    """Elements per row (dim 0) of ``t``."""
-    n = 1
-    for d in t.shape[1:]:
-        n *= d
-    return n
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _tag(tag: str) -> str:
-    return f" [{tag}]" if tag else ""
-
-
-def describe_collective(op: str, tag: str, seq: int) -> str:
-    """How messages name one collective: ``all_reduce [bucket 3] (collective #17)``."""
-    return f"{op}{_tag(tag)} (collective #{seq})"

@@ -52,7 +52,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .base import _overlaps
+from .checks import _overlaps
 from .exchange_fold import ChunkFold, LandingPool, unrecorded
 from .exchange_progress import ExchangeWork, ProgressThread
 from .exchange_tags import message_tag

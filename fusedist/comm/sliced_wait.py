@@ -40,7 +40,8 @@ def wait_probed(handle, waited: datetime.timedelta) -> None:
             verdict = probe.check()
             if verdict is not None:
                 from . import given_up_exit
-                from .base import CollectiveError, describe_collective
+                from .base import CollectiveError
+                from .checks import describe_collective
 
                 comm.gave_up = f"{describe_collective(handle.op, handle.tag, handle.seq)}: {verdict}"
                 # (a program that catches the error below and ends by sys.exit(n) ends at once, with n)

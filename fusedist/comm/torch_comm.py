@@ -2,12 +2,14 @@
 
 On gloo, reduce-scatter, all-gather, broadcast, gather and all-to-all of CPU tensors (and small
 all-reduces) go through the point-to-point exchange of :mod:`.gloo_exchange`
-(``FUSEDIST_GLOO_COLLECTIVES=builtin`` keeps gloo's own).
+(``FUSEDIST_GLOO_COLLECTIVES=builtin`` keeps gloo's own). gloo's own all-reduces of CPU tensors compare
+the ranks' parts (:mod:`.part_agreement`).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 from typing import Optional
 
@@ -16,7 +18,10 @@ import torch.distributed as dist
 
 from .._dtypes import real_pairs
 from . import given_up_exit, gloo_exchange
-from .base import CollectiveError, CommHandle, Communicator, _row_numel, _tag
+from . import part_agreement
+from .part_agreement import AgreedAllReduce
+from .base import CollectiveError, CommHandle, Communicator
+from .checks import _row_numel, _tag
 
 #: All-reduces up to this size go through the gloo exchange when their result does not depend
 #: on the summation order (Note [small all-reduces through the exchange]).
@@ -67,6 +72,10 @@ class TorchCommunicator(Communicator):
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
         self._seq = _SequenceCounter()
+        self._launching_async = False
+        #: Whether synchronous gloo all-reduces agree on their parts first (Note [parts agreed before gloo's own
+        #: all-reduce] in part_agreement.py).
+        self.agree_parts = part_agreement.enabled()
         #: The first of gloo's own collectives whose wait failed, and why (Note [no collectives after
         #: a failed builtin collective]); None while none did.
         self.builtin_failure: Optional[str] = None
@@ -114,6 +123,7 @@ class TorchCommunicator(Communicator):
         self._check_group_alive(op, tag)
         if self.aborted:
             raise self._refusal(op, tag)
+        self._launching_async = async_op  # (read by _all_reduce: Note [parts agreed before gloo's own all-reduce])
         return super()._launch(op, tag, async_op, start, label, part)
 
     # Note [refusing collectives of a given-up communicator]
@@ -184,8 +194,9 @@ class TorchCommunicator(Communicator):
     # than the communicator's, a slice of a probed wait) is not a failure: the collective goes on.
     def _on_failure(self, handle, error: BaseException) -> Optional[BaseException]:
         work = handle._work
+        # (parts that differed fail on every rank alike: the ranks are still in step)
         if (work is not None and "gloo" in str(self.backend) and not isinstance(work, gloo_exchange.ExchangeWork)
-                and not self.aborted):
+                and not getattr(work, "mismatched", False) and not self.aborted):
             self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
             if not work.is_completed():  # Note [closing the connections of an abandoned collective]
                 _close_connections(self.group, self.rank, self.world_size)
@@ -218,6 +229,10 @@ class TorchCommunicator(Communicator):
         # gloo's own works wait on a condition (a slice that runs out leaves them running); an
         # exchange is sliced only once its progress thread drives it (a synchronous one is driven
         # by its caller, with one deadline: Note [exchange progress] in exchange_progress.py).
+        # A synchronous all-reduce whose parts are agreed first neither (Note [parts agreed before gloo's own
+        # all-reduce] in part_agreement.py).
+        if isinstance(work, AgreedAllReduce):
+            return work.launched_first
         return "gloo" in str(self.backend) and (async_op or not isinstance(work, gloo_exchange.ExchangeWork))
 
     def _check_group_alive(self, op: str, tag: str) -> None:
@@ -247,7 +262,14 @@ class TorchCommunicator(Communicator):
             # with different ops they must not (each rank would fold with its own: results differ).
             return self.exchange.all_reduce(tensor, op, seq=self._seq.last,
                                             label=f"{tensor.numel()} {tensor.dtype} {op}")
-        return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        start = functools.partial(dist.all_reduce, tensor, op=_OPS[op], group=self.group, async_op=True)
+        if not self.agree_parts or "gloo" not in str(self.backend) or tensor.device.type != "cpu":
+            return start()
+        # Note [parts agreed before gloo's own all-reduce] in part_agreement.py
+        group = self._group_timeout()
+        limit = min(self.timeout.total_seconds(), group if group is not None else float("inf"))
+        return AgreedAllReduce(tensor, op, self._seq.last, self.group, self.rank, self.world_size, start,
+                               launch_now=self._launching_async, limit_s=limit)
 
     # Note [small all-reduces through the exchange]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -48,7 +48,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .base import describe_collective
+from .checks import describe_collective
 
 __all__ = ["CollectiveWatchdog", "POLL_INTERVAL_S", "WatchedCollective"]
 

@@ -88,3 +88,52 @@ def test_offload_loads_a_capturable_state_dict_and_trains_as_torch(torch_cls, in
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(saved["state"][index][key], state[key], rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"seed {seed}, state {index} {key}: {m}")
+
+
+@pytest.mark.parametrize("how", ["defaults", "group", "partial"])
+@pytest.mark.parametrize("torch_cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_offload_refuses_capturable_at_construction_and_loads_it(torch_cls, how):
+    """``capturable=True`` given to the constructor asks for a step a CUDA graph can capture, which
+    the host step is not (Note [a capturable group offloaded]): it was taken silently and failed
+    later, inside the user's capture. torch's own optimizer over parameters it cannot capture
+    refuses the flag as well (at its first step). The same flag in a loaded state dict still loads
+    and trains as torch's (the test above); here a fresh optimizer built right after the refusal
+    loads one and steps as torch's non-capturable optimizer does."""
+    import functools
+
+    seed = random.randrange(2**31)
+    trained, state_dict = _capturable_state_dict(torch_cls, {}, seed)
+    probe = copy.deepcopy(trained)
+    ref = torch_cls(probe.parameters(), lr=1e-2, capturable=True)  # torch's reference: refused at its step
+    probe(torch.randn(2, 5)).sum().backward()
+    with pytest.raises(AssertionError, match="capturable=True"):
+        ref.step()
+
+    ours = copy.deepcopy(trained)
+    params = list(ours.parameters())
+    kwargs = dict(lr=1e-2, offload="cpu", bucket_cap_mb=0.0005)
+    if how == "defaults":
+        args, kwargs["capturable"] = (params, torch_cls), True
+    elif how == "group":
+        args = ([{"params": params[:2]}, {"params": params[2:], "capturable": True}], torch_cls)
+    else:
+        args = (params, functools.partial(torch_cls, capturable=True))
+    with pytest.raises(ValueError) as refused:
+        fusedist.ZeroRedundancyOptimizer(*args, **kwargs)
+    message = str(refused.value)
+    assert "offload='cpu'" in message and "capturable=True" in message and "CUDA graph" in message, message
+    assert f"param group {1 if how == 'group' else 0}" in message, message
+
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch_cls, lr=1e-2, offload="cpu",
+                                           bucket_cap_mb=0.0005)
+    opt.load_state_dict(copy.deepcopy(state_dict))
+    assert [g["capturable"] for g in opt.param_groups] == [True], f"seed {seed}"
+    theirs = copy.deepcopy(trained)
+    ref = torch_cls(theirs.parameters(), lr=1e-2)
+    ref.load_state_dict(copy.deepcopy(state_dict))
+    for group in ref.param_groups:
+        group["capturable"] = False
+    _train(theirs, ref, torch.Generator().manual_seed(seed + 1), 2)
+    _train(ours, opt, torch.Generator().manual_seed(seed + 1), 2)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m: f"seed {seed}, {name}: {m}")

@@ -21,6 +21,9 @@ owning nothing), in one launch of the ranks.
 * A stage-2 optimizer given a subset of the DDP model's parameters on one rank only: that rank
   raised its own refusal alone and the others waited in the comparison of the lists; now every
   rank raises the same RankMismatchError, and the optimizer built right afterwards trains as torch.
+  The refusal of a stage-2 subset names torch's two-call recipe (a subset, then ``add_param_group``
+  with the rest), which stage 2 cannot take, and says to pass the parts as param groups to the
+  constructor; the optimizer built that way trains as torch's AdamW with the same two groups.
 
 Tolerance: at most 8 AdamW/SGD steps on parameters of magnitude ~0.5, fp32: the two sides
 differ only in gradient summation order and batching of elementwise updates (measured <= 1e-7);
@@ -341,8 +344,11 @@ def _stage2_subset_on_one_rank(rank, world, seed):
             errors.append(None)
         except Exception as exc:  # noqa: BLE001 - the test reads the message
             errors.append(f"{type(exc).__name__}: {exc}")
-    zopt = fusedist.ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, stage=2, lr=0.01, eps=1e-3)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-3)
+    # what the refusal advises for torch's two-call recipe: the parts as param groups of one optimizer
+    zopt = fusedist.ZeroRedundancyOptimizer([{"params": params[:-2]}, {"params": params[-2:], "lr": 0.03}],
+                                            optimizer_class=torch.optim.AdamW, stage=2, lr=0.01, eps=1e-3)
+    rparams = list(ref.parameters())
+    ropt = torch.optim.AdamW([{"params": rparams[:-2]}, {"params": rparams[-2:], "lr": 0.03}], lr=0.01, eps=1e-3)
     diffs = []
     for step in range(2):
         x, y, lx, ly = _batch(seed, step, rank, world)
@@ -434,6 +440,8 @@ def test_stage2_subset_on_one_rank_is_refused_on_every_rank(launched):
     for rank, got in enumerate(results_of(launched, "stage 2 subset on one rank")):
         same, one = got["errors"]
         assert same is not None and same.startswith("ValueError") and "subset" in same, (rank, same)
+        # torch's two-call recipe is named, with what to do instead
+        assert "add_param_group with the rest" in same and "as a param group to the constructor" in same, same
         assert one is not None and one.startswith("RankMismatchError"), f"rank {rank}: {one}"
         assert f"this is rank {rank}" in one and "ranks [1]: this rank's own refusal" in one and "subset" in one, one
         assert max(got["diffs"]) <= TOL, f"rank {rank} seed {SEED + 5}: {got['diffs']}"

@@ -110,17 +110,25 @@ def check_offload_config(optimizer_class, params: dict) -> None:
     _extension.require("_cpu_ops")  # raises the build failure and how to rebuild
 
 
-def check_offload_group(group: dict, index: int) -> None:
+def check_offload_group(group: dict, index: int, constructing: bool = False) -> None:
     """Options of Adam that the host kernel does not implement raise instead of being ignored.
     (``foreach``/``fused`` only pick one of torch's implementations of the same math; with
-    offload the host kernel replaces all of them. ``capturable`` says the same: Note [a
-    capturable group offloaded].)"""
+    offload the host kernel replaces all of them.) ``capturable``: refused when the optimizer is
+    ``constructing`` (asked for), taken in a loaded group (Note [a capturable group offloaded])."""
     for flag in ("amsgrad", "differentiable"):
         if group.get(flag):
             raise ValueError(
                 f"ZeroRedundancyOptimizer(offload='cpu'), param group {index}: {flag}=True is not "
                 "supported by the host Adam"
             )
+    if constructing and group.get("capturable"):
+        raise ValueError(
+            f"ZeroRedundancyOptimizer(offload='cpu'), param group {index}: capturable=True asks for a step that "
+            "can be captured in a CUDA graph; the offloaded step runs on the host (the C++ CPU Adam, which reads "
+            "the GradScaler's found-inf flag there), which no CUDA graph captures. Build it with capturable=False "
+            "(the same update; a state dict saved with capturable=True still loads), or use offload=None to keep "
+            "the step on the device"
+        )
 
 
 # Note [a capturable group offloaded]
@@ -130,9 +138,14 @@ def check_offload_group(group: dict, index: int) -> None:
 #     FusedAdamW load it (Note [a capturable state dict] in fusedist/optim/adam.py). The flag
 #     says how the saving optimizer ran its step, not what it computes: the host Adam computes
 #     that update, reading the step count once per piece. The groups keep the flag, so a state
-#     dict saved again gives it back to a torch optimizer. A ZeRO optimizer over torch's class
-#     built with ``capturable=True`` is taken alike: its step runs on the host, which no CUDA
-#     graph captures, whatever the flag (FusedAdam/FusedAdamW refuse it when built).
+#     dict saved again gives it back to a torch optimizer.
+#     Construction is another matter: ``capturable=True`` there (in the defaults, a group, or a
+#     ``functools.partial``) asks for a step that a CUDA graph can capture, and the offloaded step
+#     cannot be captured (a host kernel, a host read of the overflow flag). It was taken
+#     silently, and the failure came later, inside the user's graph capture, far from the cause;
+#     torch's Adam over parameters it cannot capture refuses the flag too (at its first step,
+#     naming the devices it supports). So the constructor refuses it, naming the group, as
+#     FusedAdam/FusedAdamW refuse it when built; the load path keeps taking it.
 
 
 def _adamw(optimizer_class, group: dict) -> bool:

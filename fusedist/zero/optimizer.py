@@ -5,8 +5,10 @@ concerns live in their own modules, as mixins where they are a few methods over 
 (the partition, gradient shards, masters, pieces and inner optimizer) and as helper objects
 where they keep state of their own:
 
+* ``factory.py`` -- the optimizer class behind ``optimizer_class`` (a class, a partial, a lambda);
 * ``param_checks.py`` -- parameter lists refused before anything is built (a parameter given
-  twice, lists that differ between ranks);
+  twice, lists that differ between ranks); ``hyper_checks.py`` -- hyperparameters that differ
+  between ranks;
 * ``wiring.py`` -- finding the DDP model and communicator, installing stage 2;
 * ``shards.py`` (mixin) -- building the shards, masters kept in step with the parameters;
 * ``grads.py`` (mixin) -- which gradients the rank has, stage-1 collection;
@@ -22,7 +24,6 @@ where they keep state of their own:
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
@@ -33,6 +34,7 @@ from ..optim.elementwise import check_elementwise
 from . import copies, grad_sync, grow, param_checks, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
+from .factory import default_optimizer_class, optimizer_type
 from .gather import ParamGatherer
 from .grads import GradientsMixin
 from .join import JoinableOptimizer
@@ -46,39 +48,6 @@ from .sharded_state import ShardedState
 from .shards import ShardsMixin
 
 MiB = 1024 * 1024
-
-
-def _default_optimizer_class():
-    try:
-        from ..optim import FusedAdamW
-    except ImportError as exc:  # fusedist.optim not built into this installation
-        raise TypeError(
-            "ZeroRedundancyOptimizer: optimizer_class not given and fusedist.optim.FusedAdamW is "
-            f"unavailable ({exc}); pass optimizer_class=torch.optim.AdamW (or another optimizer)"
-        ) from exc
-    return FusedAdamW
-
-
-def _optimizer_type(factory, defaults: dict):
-    """The optimizer class behind ``optimizer_class``: itself, the class a ``functools.partial``
-    wraps (nested partials included), or the class of what any other factory (a lambda, a
-    function) builds, probed over one element with ``defaults``. torch's
-    ZeroRedundancyOptimizer only calls what it is given, so a factory works there; here the
-    class is also what the elementwise check, the offload check, state-dict metadata and error
-    messages read, so it must be the class, not the factory (a partial has no ``__name__``:
-    consolidate_state_dict failed on it; a lambda building AdamW was warned about as an
-    optimizer of unknown kind, and refused by ``offload="cpu"``). A factory that cannot be
-    probed this way stays itself (the elementwise check then warns about it)."""
-    inner = factory
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    if isinstance(inner, type) or not callable(factory):
-        return inner
-    try:
-        built = factory([{"params": [torch.zeros(1, requires_grad=True)]}], **defaults)
-    except Exception:  # noqa: BLE001 - a factory of its own kind: the checks take it as it is
-        return inner
-    return type(built) if isinstance(built, Optimizer) else inner
 
 
 # Note [torch's state-dict helpers on a sharded optimizer]
@@ -239,8 +208,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self.offload = "cpu" if offload == "cpu" else None
         # What constructs the inner optimizer (and the probes of it), and the class behind it:
         # optimizer_class may be a functools.partial (Hydra's `_partial_: true` configs make them).
-        self._optimizer_factory = optimizer_class or _default_optimizer_class()
-        self.optimizer_class = _optimizer_type(self._optimizer_factory, defaults)
+        self._optimizer_factory = optimizer_class or default_optimizer_class()
+        self.optimizer_class = optimizer_type(self._optimizer_factory, defaults)
         # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
         check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
         self.stage = stage
@@ -267,7 +236,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         if self.offload:
             check_offload_config(self.optimizer_class, {i: self._params[i] for i in self._trainable})
             for gi, group in enumerate(self.param_groups):
-                check_offload_group(group, gi)
+                check_offload_group(group, gi, constructing=True)
         self._offload: Optional[HostShardOffload] = None
         self.ddp, self.comm, self.process_group, refusal = wiring.connect(
             self._trainable_params(), self._params, process_group, self._device, stage)

@@ -19,7 +19,8 @@ Note [the same parameters on every rank]
     ``add_param_group`` compares the group it adds the same way, before the group joins, and a
     refusal of a rank's own list (a subset of a DDP model's parameters in stage 2) is raised only
     after the comparison, so that a list differing on one rank fails on every rank alike.
-    Hyperparameters are not compared: LR schedulers change them at every step. The memory
+    The same exchange carries every param group's hyperparameters (Note [the same
+    hyperparameters on every rank] in ``hyper_checks.py``), after the parameters. The memory
     format is: a parameter channels_last on one rank only lies in another element order in
     that rank's flat buffer (``shaped_like``), and the ranks would exchange unrelated elements.
 """
@@ -30,8 +31,9 @@ import re
 
 import torch
 
-from .._consistency import check_same_across_ranks
+from .._consistency import RankMismatchError, describe_difference, describe_unshared, gather_objects
 from ..ddp.layout import slot_order
+from . import hyper_checks
 
 
 def check_param_groups_given(params) -> list:
@@ -92,13 +94,40 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
                 + ("" if e[4] else " requires_grad=False"))
 
     adding = first > 0
-    check_same_across_ranks(
-        entries, "the param group given to ZeroRedundancyOptimizer.add_param_group" if adding
-        else "the parameter list given to ZeroRedundancyOptimizer", label, comm=zero.comm,
-        op="ZeroRedundancyOptimizer" + (".add_param_group" if adding else " construction") + ": parameter check",
-        hint=("Every rank must add the same parameters, in the same order; the group was not added."
-              if adding else "Every rank must pass the same parameters, in the same param groups and order "
-              "(e.g. model.parameters() of the same model on every rank)."),
-    )
+    op = "ZeroRedundancyOptimizer" + (".add_param_group" if adding else " construction") + ": parameter check"
+    # One exchange for both (Note [the same hyperparameters on every rank] in hyper_checks.py),
+    # compared apart: a parameter list one entry short must not pair its hyperparameters with
+    # the others' parameters.
+    hyper = hyper_checks.hyperparameter_entries(zero.param_groups)
+    everyone = gather_objects((entries, hyper), zero.comm, op)
+    _raise_if_different(
+        [e[0] for e in everyone], zero.comm.rank, label,
+        "the param group given to ZeroRedundancyOptimizer.add_param_group" if adding
+        else "the parameter list given to ZeroRedundancyOptimizer",
+        "Every rank must add the same parameters, in the same order; the group was not added." if adding
+        else "Every rank must pass the same parameters, in the same param groups and order "
+        "(e.g. model.parameters() of the same model on every rank).")
+    _raise_if_different(
+        [e[1] for e in everyone], zero.comm.rank, hyper_checks.label,
+        "the param groups' hyperparameters given to ZeroRedundancyOptimizer"
+        + (".add_param_group (the new group's, or the groups' before it)" if adding else ""),
+        ("Every rank must add the group with the same hyperparameters; the group was not added. " if adding
+         else "") + hyper_checks.HINT)
     if refusal is not None:
         raise refusal
+
+
+def _raise_if_different(entries_by_rank: list, rank: int, label, what: str, hint: str) -> None:
+    """The :class:`fusedist.RankMismatchError` of ``check_same_across_ranks`` for one part of an
+    exchange that carried several."""
+    difference = describe_difference(entries_by_rank, label)
+    if difference is None:
+        return
+    counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(entries_by_rank))
+    try:  # (an extra to the message: it must never replace the error itself)
+        unshared = describe_unshared(entries_by_rank, label) if len(set(map(len, entries_by_rank))) > 1 else None
+    except Exception:  # noqa: BLE001
+        unshared = None
+    raise RankMismatchError(
+        f"fusedist: {what} differs across ranks (this is rank {rank}); {difference}. Entry counts: {counts}. {hint}"
+        + (f" Not on every rank: {unshared}." if unshared else ""))

@@ -24,6 +24,7 @@ from ..comm.objects import gather_object
 from ..ddp.layout import flat_like, shaped_like
 from . import state as zstate
 from .owner_ref import HeldByOptimizer
+from .hyper_checks import check_loaded_hyperparameters
 from .offload import check_offload_group
 
 
@@ -198,8 +199,19 @@ class ShardedState(HeldByOptimizer):
                                       without_step=self._without_step())
 
     def load(self, state_dict) -> None:
-        """``ZeroRedundancyOptimizer.load_state_dict``: validate everything, then apply."""
-        self.apply(*self.prepare_load(state_dict))
+        """``ZeroRedundancyOptimizer.load_state_dict``: validate everything, compare the
+        hyperparameters it would install across ranks (Note [the same hyperparameters on every
+        rank] in ``hyper_checks.py``), then apply. A refusal on some ranks only is raised on every
+        rank, after the comparison, instead of leaving the others waiting in it."""
+        z = self.zero
+        prepared, refusal = None, None
+        try:
+            prepared = self.prepare_load(state_dict)
+        except Exception as exc:  # noqa: BLE001 - raised as it is, once the ranks have compared
+            refusal = exc
+        groups = z.param_groups if prepared is None else [{**g, **h} for g, h in zip(z.param_groups, prepared[1])]
+        check_loaded_hyperparameters(z, groups, refusal)
+        self.apply(*prepared)
 
     def prepare_load(self, state_dict, source: str = "state dict"):
         """Validate ``state_dict`` and return ``(assembled, hyperparameters)`` for :meth:`apply`;
@@ -485,7 +497,7 @@ class ShardedState(HeldByOptimizer):
 # ---------------------------------------------------------------------------- algorithms
 def inner_class(zero) -> type:
     """The class of the optimizer ``zero`` steps its shard with: ``optimizer_class``, which the
-    construction resolved to the class a factory builds (``_optimizer_type`` in optimizer.py),
+    construction resolved to the class a factory builds (``optimizer_type`` in factory.py),
     else -- a factory that could not be probed there -- the class of the inner optimizer it built.
     Why: ``optimizer_class=lambda groups, **kw: AdamW(groups, **kw)`` trains, but a lambda names
     no class, and ``fusedist.checkpoint.save`` failed on it reading the algorithm it records (and

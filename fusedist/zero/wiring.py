@@ -33,6 +33,11 @@ from .grad_sync import DEFAULT_MAX_BUCKETS_IN_FLIGHT, ReduceScatterToShard
 #     ``p.grad`` and all-gathered over the model's communicator, torch's algorithm. Stage 2 is
 #     refused for a subset: the model's backward reduce-scatters its buckets into one
 #     optimizer's shards, and a bucket holding both optimizers' parameters has no one shard.
+#     That includes torch's two-call recipe (the body given to the constructor, the head added
+#     with its own lr by ``add_param_group``): the shards are cut along the model's buckets when
+#     the optimizer is built and only grow by appending buckets (Note [growing the partition] in
+#     ``grow.py``), so the refusal names that recipe and says to pass the parts as param groups
+#     to the constructor -- the same optimizer.
 def find_ddp(trainable: list, params: list, stage: int = 1):
     """``(ddp, whole, refusal)``: the fusedist DDP model owning the ``trainable`` parameters (None
     without one), whether they are all its trainable parameters (else a subset: Note [a subset of
@@ -65,9 +70,12 @@ def find_ddp(trainable: list, params: list, stage: int = 1):
         refusal = ValueError(
             f"ZeroRedundancyOptimizer(stage=2) (rank {ddp.rank}): the optimizer holds a subset of its DDP model's "
             f"trainable parameters (missing: {missing[:10]}); stage 2 reduce-scatters the model's gradient buckets "
-            "into one optimizer's shards, so it needs all of them. Use stage=1 for a subset (torch's algorithm: "
-            "DDP all-reduces, each optimizer shards its own parameters), or one stage-2 optimizer with a param "
-            "group per part (each group its own hyperparameters)")
+            "into one optimizer's shards, so it needs all of them when it is built (the constructor cuts the shards "
+            "along the model's buckets and installs the reduce-scatter: torch's two-call recipe, a subset and then "
+            "add_param_group with the rest, cannot be cut that way). Pass every part as a param group to the "
+            "constructor, each with its own hyperparameters -- e.g. ZeroRedundancyOptimizer([{'params': body}, "
+            "{'params': head, 'lr': 10 * lr}], stage=2) -- or use stage=1 for a subset (torch's algorithm: DDP "
+            "all-reduces, each optimizer shards its own parameters, and add_param_group works as in torch)")
     return ddp, not missing, refusal
 
 

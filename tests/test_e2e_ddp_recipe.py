@@ -361,17 +361,23 @@ CASES = {
 
 
 # One launch of 2 ranks runs the side-by-side work of the recipe cases and of the compile checks
-# above that pytest runs (a shorter suite: each launch costs a process group, and dynamo's first
-# compile in a process costs more than the next), each job after torch._dynamo.reset().
+# above that pytest runs, and the uninterrupted runs the resume tests below continue (a shorter
+# suite: each launch costs a process group, and dynamo's first compile in a process costs more
+# than the next), each job after torch._dynamo.reset().
 _FOCUSED = {"compiled SyncBN": ("test_sync_batch_norm_in_a_compiled_module_synchronizes_as_eager",
                                 _compiled_sync_bn_worker),
             "compiled wrapper frames": ("test_compiled_wrapper_compiles_once_not_every_step",
                                         _compiled_wrapper_frames_worker)}
 
 
-def _jobs_worker(rank, world, jobs):
-    """Each job in turn (a recipe case or a focused check), dynamo's caches reset before each; a
-    job that raises gives its traceback, and the next one runs."""
+_UNINTERRUPTED = "uninterrupted runs"
+_RESUME_TESTS = ("test_resume_in_fresh_processes_continues_the_uninterrupted_run",
+                 "test_resume_at_another_world_size_reshards_zero_and_the_sampler")
+
+
+def _jobs_worker(rank, world, jobs, runs):
+    """Each job in turn (a recipe case, a focused check, or the uninterrupted ``runs``), dynamo's
+    caches reset before each; a job that raises gives its traceback, and the next one runs."""
     import traceback
 
     out = {}
@@ -380,6 +386,8 @@ def _jobs_worker(rank, world, jobs):
         try:
             if job in CASES:
                 out[job] = _side_by_side_worker(rank, world, CASES[job][0])
+            elif job == _UNINTERRUPTED:
+                out[job] = _uninterrupted_runs_worker(rank, world, runs)
             else:
                 out[job] = _FOCUSED[job][1](rank, world)
         except Exception:  # noqa: BLE001 - reported by the job's test
@@ -391,16 +399,24 @@ def _job_of(item):
     """The shared launch's job of a collected test of this file, or None."""
     if getattr(item, "originalname", None) == "test_recipe_matches_torch":
         return item.callspec.params["case"]
+    if item.name in _RESUME_TESTS:
+        return _UNINTERRUPTED
     return next((job for job, (test, _) in _FOCUSED.items() if item.name == test), None)
 
 
 @pytest.fixture(scope="module")
-def shared_launch(request):
-    """{job: per-rank results} for the jobs of the tests of this file that pytest runs."""
+def shared_launch(request, tmp_path_factory):
+    """{job: per-rank results} for the jobs of the tests of this file that pytest runs, and
+    {"resume" / "elastic": (periodic checkpoints, saved step RESUME_AT, config)} of the
+    uninterrupted runs under ``"runs"``."""
     jobs = [_job_of(item) for item in request.session.items if item.module is request.module]
-    jobs = [job for job in jobs if job is not None]
-    per_rank = run_distributed(_jobs_worker, 2, jobs, timeout=600)
-    return {job: [results[job] for results in per_rank] for job in jobs}
+    jobs = list(dict.fromkeys(job for job in jobs if job is not None))
+    runs = {}
+    for name, cfg in (("resume", RESUME_CFG), ("elastic", ELASTIC_CFG)):
+        root = tmp_path_factory.mktemp(name)
+        runs[name] = (str(root / "periodic"), str(root / "saved"), cfg)
+    per_rank = run_distributed(_jobs_worker, 2, jobs, list(runs.values()), timeout=900)
+    return dict({job: [results[job] for results in per_rank] for job in jobs}, runs=runs)
 
 
 def _outcome(shared: dict, job: str) -> list:
@@ -507,14 +523,11 @@ def _uninterrupted_runs_worker(rank, world, runs):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(shared_launch):
     """{"resume" / "elastic": (per-rank results, periodic checkpoints, saved step RESUME_AT)} of
-    the uninterrupted runs of RESUME_CFG and ELASTIC_CFG at world size 2."""
-    runs = {}
-    for name, cfg in (("resume", RESUME_CFG), ("elastic", ELASTIC_CFG)):
-        root = tmp_path_factory.mktemp(name)
-        runs[name] = (str(root / "periodic"), str(root / "saved"), cfg)
-    per_rank = run_distributed(_uninterrupted_runs_worker, 2, list(runs.values()), timeout=300)
+    the uninterrupted runs of RESUME_CFG and ELASTIC_CFG at world size 2 (in the shared launch:
+    the resumes below start fresh processes of their own)."""
+    per_rank, runs = _outcome(shared_launch, _UNINTERRUPTED), shared_launch["runs"]
     return {name: ([results[i] for results in per_rank], *runs[name][:2]) for i, name in enumerate(runs)}
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class SignDescent(torch.optim.Optimizer):
@@ -37,8 +38,10 @@ class SignDescent(torch.optim.Optimizer):
                 p.add_(m.sign(), alpha=-group["lr"])
 
 
-class Undeclared(SignDescent):
-    _fusedist_elementwise = None
+def _undeclared():
+    """An optimizer of unknown kind, a class of its own for each scenario: the warning comes once
+    per class in a process, and the scenarios of this file share their processes."""
+    return type("Undeclared", (SignDescent,), {"_fusedist_elementwise": None})
 
 
 def _worker(rank, world):
@@ -46,6 +49,7 @@ def _worker(rank, world):
     from fusedist.optim import FusedLAMB
 
     out = {}
+    Undeclared = _undeclared()
     model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
     for name, cls in (("lamb", FusedLAMB), ("lbfgs", torch.optim.LBFGS), ("adafactor", torch.optim.Adafactor),
                       ("muon", torch.optim.Muon)):
@@ -79,8 +83,17 @@ def _worker(rank, world):
     return out
 
 
-def test_zero_takes_elementwise_optimizers_only():
-    for out in run_distributed(_worker, 2, timeout=120):
+@pytest.fixture(scope="module")
+def launched(request):
+    """The 2-rank scenarios of the tests below that pytest runs, in one launch of the ranks."""
+    return launch_for_selected(request, {
+        "test_zero_takes_elementwise_optimizers_only": {"zero": (_worker, ())},
+        "test_fully_shard_refuses_lamb_at_its_first_step": {"fully_shard": (_fully_shard_worker, ())},
+    }, world=2, timeout=180)
+
+
+def test_zero_takes_elementwise_optimizers_only(launched):
+    for out in results_of(launched, "zero"):
         assert "ZeroRedundancyOptimizer: FusedLAMB cannot step flat slices of each rank's shard: LAMB's trust ratio" \
             in out["lamb"], out["lamb"]
         assert "without sharding" in out["lamb"]
@@ -128,6 +141,7 @@ def _fully_shard_worker(rank, world):
     fusedist.fully_shard(model[0])
     fusedist.fully_shard(model)
     out = {}
+    Undeclared = _undeclared()
     model(torch.randn(4, 8)).sum().backward()
     lamb = FusedLAMB(model.parameters(), lr=1e-2)
     try:
@@ -143,8 +157,8 @@ def _fully_shard_worker(rank, world):
     return out
 
 
-def test_fully_shard_refuses_lamb_at_its_first_step():
-    for out in run_distributed(_fully_shard_worker, 2, timeout=120):
+def test_fully_shard_refuses_lamb_at_its_first_step(launched):
+    for out in results_of(launched, "fully_shard"):
         assert "fully_shard: FusedLAMB cannot step this rank's pieces of the parameters" in out["lamb"], out["lamb"]
         assert len(out["warnings"]) == 1 and "Undeclared steps this rank's pieces" in out["warnings"][0], \
             out["warnings"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 2e-5
 
@@ -68,13 +68,17 @@ def _worker(rank, world, seed, counts):
     return out
 
 
-@pytest.mark.parametrize("world,counts", [(2, [0, 3]), (3, [0, 1, 3])])
-def test_clip_under_join_with_a_rank_without_batches_matches_torch(world, counts):
-    seed = int(torch.randint(0, 2**30, ()))
-    results = run_distributed(_worker, world, seed, counts, timeout=200, env={"FUSEDIST_TIMEOUT_S": "15"})
-    for rank, out in enumerate(results):
+# Batches per rank, by world size: rank 0 has none at all.
+COUNTS = {2: [0, 3], 3: [0, 1, 3]}
+
+
+@pytest.mark.parametrize("world,counts", list(COUNTS.items()))
+def test_clip_under_join_with_a_rank_without_batches_matches_torch(request, world, counts):
+    launched = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[world])
+    seed = launched["seed"]
+    for rank, out in enumerate(results_of(launched, "clip")):
         for key, value in out.items():
-            assert value < TOL, f"rank {rank} (seed {seed}): {key}: max difference {value}"
+            assert value < TOL, f"rank {rank}, batches per rank {counts} (seed {seed}): {key}: max difference {value}"
 
 
 def _torch_clip_worker(rank, world, seed, counts):
@@ -82,12 +86,11 @@ def _torch_clip_worker(rank, world, seed, counts):
     return {f"norm {n}": _case(rank, seed, counts, 1, n, *sgd, torch_clip=True) for n in (2.0, float("inf"))}
 
 
-def test_stage1_torch_clip_of_grads_in_place_under_join_matches_torch():
+def test_stage1_torch_clip_of_grads_in_place_under_join_matches_torch(three_ranks):
     """Stage 1 steps with p.grad, which torch's clip_grad_norm_ on the model's parameters scales in
     place on the ranks still training: a joined rank's shard must be stepped with those gradients."""
-    seed = int(torch.randint(0, 2**30, ()))
-    results = run_distributed(_torch_clip_worker, 3, seed, [0, 1, 3], timeout=200, env={"FUSEDIST_TIMEOUT_S": "15"})
-    for rank, out in enumerate(results):
+    seed = three_ranks["seed"]
+    for rank, out in enumerate(results_of(three_ranks, "torch clip")):
         for key, value in out.items():
             assert value < TOL, f"rank {rank} (seed {seed}): {key}: max difference {value}"
 
@@ -118,10 +121,38 @@ def _scaler_worker(rank, world, seed):
     return out
 
 
-def test_grad_scaler_after_unscale_is_refused_under_join_on_every_rank():
-    seed = int(torch.randint(0, 2**30, ()))
-    results = run_distributed(_scaler_worker, 2, seed, timeout=120, env={"FUSEDIST_TIMEOUT_S": "15"})
-    for rank, out in enumerate(results):
+def test_grad_scaler_after_unscale_is_refused_under_join_on_every_rank(two_ranks):
+    for rank, out in enumerate(results_of(two_ranks, "scaler")):
         for counts, refusal in out.items():
             assert refusal is not None and "a GradScaler is not supported yet" in refusal, \
                 f"rank {rank}, batches per rank {counts}: trained on (the joined rank steps with scaled gradients)"
+
+
+# ----------------------------------------------------------------------------- one launch per world size
+# The 2-rank work of the tests above runs in one launch of the ranks, the 3-rank work in another
+# (each launch costs a process group and the imports of torch in every rank); fresh seeds per launch.
+_ENV = {"FUSEDIST_TIMEOUT_S": "15"}
+
+
+def _launch(request, world: int, by_test) -> dict:
+    seed = int(torch.randint(0, 2**30, ()))
+    scenarios = {test: {name: (fn, (seed, *args)) for name, (fn, args) in jobs.items()}
+                 for test, jobs in by_test.items()}
+    return dict(launch_for_selected(request, scenarios, world=world, timeout=300, env=_ENV), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request):
+    return _launch(request, 2, {
+        "test_clip_under_join_with_a_rank_without_batches_matches_torch": {"clip": (_worker, (COUNTS[2],))},
+        "test_grad_scaler_after_unscale_is_refused_under_join_on_every_rank": {"scaler": (_scaler_worker, ())},
+    })
+
+
+@pytest.fixture(scope="module")
+def three_ranks(request):
+    return _launch(request, 3, {
+        "test_clip_under_join_with_a_rank_without_batches_matches_torch": {"clip": (_worker, (COUNTS[3],))},
+        "test_stage1_torch_clip_of_grads_in_place_under_join_matches_torch": {
+            "torch clip": (_torch_clip_worker, (COUNTS[3],))},
+    })

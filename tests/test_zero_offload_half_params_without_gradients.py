@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _model(dtype):
@@ -64,14 +64,30 @@ def _worker(rank, world, dtype, no_grad_steps, reload_at):
                 ref_kept=ref_kept, kept=got_kept)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("no_grad_steps,reload_at", [((0,), None), ((3,), 3)],
+DTYPES = [torch.bfloat16, torch.float16]
+SKIPS = [((0,), None), ((3,), 3)]
+
+
+def _scenario(dtype, no_grad_steps, reload_at) -> str:
+    return f"{dtype}, no gradient in steps {no_grad_steps}, model reloaded at step {reload_at}"
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Every dtype and skip of the test below in one launch of 2 ranks (each launch costs a
+    process group and the imports of torch in every rank)."""
+    return launch_for_selected(request, {"test_half_precision_parameter_without_gradient_keeps_its_value": {
+        _scenario(dtype, *skip): (_worker, (dtype, *skip)) for dtype in DTYPES for skip in SKIPS}}, 2, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("no_grad_steps,reload_at", SKIPS,
                          ids=["no-gradient-in-the-first-step", "no-gradient-after-model-load_state_dict"])
-def test_half_precision_parameter_without_gradient_keeps_its_value(dtype, no_grad_steps, reload_at):
+def test_half_precision_parameter_without_gradient_keeps_its_value(dtype, no_grad_steps, reload_at, launched):
     """A first step without the parameter's gradient sent uninitialized staging up (NaN
     weights); a step without it after ``model.load_state_dict`` sent the value from before the
     load up (the weight silently went back). Both now keep the parameter, as torch does."""
-    results = run_distributed(_worker, 2, dtype, no_grad_steps, reload_at, timeout=90)
+    results = results_of(launched, _scenario(dtype, no_grad_steps, reload_at))
     for r in results:
         assert r["ref_kept"] == [True] * len(no_grad_steps)
         assert r["finite"]

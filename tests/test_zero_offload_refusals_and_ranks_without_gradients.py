@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _model():
@@ -68,14 +68,18 @@ def _refused_then_retried(rank, world_size, key, bad):
     return out
 
 
-@pytest.mark.parametrize("key,bad,message", [
-    ("betas", (0.9, 1.0), r"betas must lie in \[0, 1\)"),
-    ("lr", float("nan"), "lr and weight_decay must be finite"),
+BAD = {"betas": (0.9, 1.0), "lr": float("nan")}
+
+
+@pytest.mark.parametrize("key,message", [
+    ("betas", r"betas must lie in \[0, 1\)"),
+    ("lr", "lr and weight_decay must be finite"),
 ], ids=["betas", "lr"])
-def test_a_bad_hyperparameter_is_refused_on_every_rank_before_any_update(key, bad, message):
+def test_a_bad_hyperparameter_is_refused_on_every_rank_before_any_update(key, message, launched):
     import re
 
-    for rank, out in enumerate(run_distributed(_refused_then_retried, 2, key, bad, timeout=90)):
+    bad = BAD[key]
+    for rank, out in enumerate(results_of(launched, f"refused {key}")):
         assert out["error"] is not None, f"rank {rank} stepped with {key}={bad}"
         assert "param group 1" in out["error"] and re.search(message, out["error"]), out["error"]
         assert out["changed"] == 0, f"rank {rank}: {out['changed']} parameter elements changed by a refused step"
@@ -98,13 +102,26 @@ def _rank_without_gradients(rank, world_size, offload):
     return _flat(model)
 
 
-def test_a_rank_without_gradients_joins_the_offloaded_gathers():
+def test_a_rank_without_gradients_joins_the_offloaded_gathers(launched):
     """Without a DDP model a rank with no gradient returned from step() at once under offload,
     and the rank that stepped waited in its all-gather until the timeout; without offload it
     all-gathers its slices as they are. Both now agree (the host Adam within fp32 rounding of
     torch's AdamW), and every rank ends with the same parameters."""
-    env = {"FUSEDIST_TIMEOUT_S": "20"}
-    offloaded = run_distributed(_rank_without_gradients, 2, "cpu", timeout=120, env=env)
-    on_device = run_distributed(_rank_without_gradients, 2, None, timeout=120, env=env)
+    offloaded = results_of(launched, "without gradients, offloaded")
+    on_device = results_of(launched, "without gradients, on device")
     assert torch.equal(offloaded[0], offloaded[1])
     torch.testing.assert_close(offloaded[0], on_device[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The scenarios of the tests above in one launch of 2 ranks (each launch costs a process
+    group and the imports of torch in every rank). A rank left waiting in an all-gather the
+    other never joins fails after FUSEDIST_TIMEOUT_S, not at the launch's limit."""
+    return launch_for_selected(request, {
+        "test_a_bad_hyperparameter_is_refused_on_every_rank_before_any_update": {
+            f"refused {key}": (_refused_then_retried, (key, bad)) for key, bad in BAD.items()},
+        "test_a_rank_without_gradients_joins_the_offloaded_gathers": {
+            "without gradients, offloaded": (_rank_without_gradients, ("cpu",)),
+            "without gradients, on device": (_rank_without_gradients, (None,))},
+    }, 2, timeout=300, env={"FUSEDIST_TIMEOUT_S": "20"})

@@ -14,12 +14,10 @@ import copy
 import pytest
 import torch
 
-from fusedist.testing import run_distributed
 from models import LogitScaled
+from shared_rank_launch import launch_for_selected, results_of
 
 ATOL = 1e-6
-
-
 
 
 def _loss(model, x):
@@ -79,6 +77,14 @@ def _worker(rank, world, stage):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=ATOL)
 
 
+@pytest.fixture(scope="module")
+def launched(request):
+    """Both stages' scenarios in one launch of 2 ranks (each launch costs a process group and the
+    imports of torch in every rank)."""
+    return launch_for_selected(request, {"test_a_zero_dim_parameter_state_interchanges_with_torch": {
+        f"stage {stage}": (_worker, (stage,)) for stage in (1, 2)}}, 2, timeout=180)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_zero_dim_parameter_state_interchanges_with_torch(stage):
-    run_distributed(_worker, 2, stage, timeout=120)
+def test_a_zero_dim_parameter_state_interchanges_with_torch(stage, launched):
+    results_of(launched, f"stage {stage}")  # (the checks are in the ranks: one that fails raises there)

@@ -1,7 +1,6 @@
 """The shape inference torch's schedules run through a pipeline stage, kept from leaving a trace and
 failing on every rank at once; the checks of micro-batches against the shapes it inferred (or the user
-gave), a first send that cannot be made failing on the receiving rank too; and the copy of a stage's
-buffers a step that raised puts back.
+gave), and a first send that cannot be made failing on the receiving rank too.
 
 Note [shape inference leaves the stage as it was]
     torch's schedules learn the shapes a stage sends and receives by running its module once
@@ -30,7 +29,7 @@ Note [micro-batches of another shape]
     group's timeout. In a first step the buffers are sized from micro-batch 0, the largest of an
     uneven split: the first smaller micro-batch is refused, the ones before it already sent.
     Either way the step raised before its end with the other ranks in it: the next step on the
-    refusing rank is refused too (Note [a step that raised] in pipelining.py).
+    refusing rank is refused too (Note [a step that raised] in _pipeline_step_failures.py).
 
 Note [uneven micro-batches on one rank]
     A pipeline whose stages are all on one rank passes tensors as they are, so a later batch of
@@ -43,7 +42,7 @@ Note [uneven micro-batches on one rank]
     refuses, in a step with backward, a micro-batch whose inputs differ in shape from the
     step's micro-batch 0 (a forward-only step computes no gradient and is left alone). It can
     only see one micro-batch at a time, so the micro-batches before it have run: the next step
-    drops what they left (Note [a step that raised] in pipelining.py).
+    drops what they left (Note [a step that raised] in _pipeline_step_failures.py).
 
 Note [a shape inference that fails on one rank]
     torch's shape inference passes each stage's output metadata to the next stage's rank
@@ -56,7 +55,7 @@ Note [a shape inference that fails on one rank]
     same message, naming the stage where it began, and passes it on the same way: every rank
     of the pipeline fails at once, and no message is left unmatched (the process group stays
     usable, and the next step -- on a batch the module takes, say -- runs the inference again:
-    Note [a step that raised] in pipelining.py does not count it as a step that raised). Who
+    Note [a step that raised] in _pipeline_step_failures.py does not count it as a step that raised). Who
     waits is known from the stages' placement: the ranks process their stages in ascending
     order (backward inference in descending order), so after stage ``k`` fails a rank holding a
     stage at or after ``k`` waits at its first such stage for the stage before it, and any other
@@ -82,17 +81,34 @@ Note [a first send that cannot be made]
     ending right after the error would drop them unsent); the receiving rank raises the same
     message, naming the stage and what it returned against what was expected, and passes it on
     the same way to the next rank boundary. The step counts as one that raised (Note [a step that
-    raised] in pipelining.py): other messages of the step may be left unmatched, so every later
+    raised] in _pipeline_step_failures.py): other messages of the step may be left unmatched, so every later
     step is refused and the fix is a restart. Later micro-batches and steps are checked on the
     sender only (as after a shape inference): a module whose output changes kind after its first
     micro-batch still leaves the receiver waiting for the timeout. A rank holding only stages
     before the failing one (rank 0 when stage 1 of a three-rank pipeline fails) waits for
     gradients, and learns of it at the timeout too (or when the failing rank's process ends).
+
+Note [examples that need no gradient]
+    torch's stage given its shapes (``input_args`` and ``output_args``: no shape inference) takes
+    from each example whether a gradient crosses the stage boundary for that tensor: an
+    ``output_args`` example that does not require a gradient made the stage expect none back, a
+    later stage's ``input_args`` example like it made that stage send none. Examples made the usual
+    way (``torch.zeros(shape)``) thus broke the first training step: the stage's backward failed on
+    its rank ("grad can be implicitly created only for scalar outputs") while the next stage's rank
+    waited for its activations -- or, the two sides' examples disagreeing, a rank waited for a
+    gradient never sent until the group's timeout. torch's shape inference makes every
+    floating-point activation between stages carry a gradient in a training step; with shapes given
+    the stage does the same, on both sides of every boundary (the examples' shapes and dtypes are
+    kept), so the two sides agree and training gives the unpipelined model's gradients. An
+    activation its stage makes without a gradient (a frozen stage's output) still works, as under
+    shape inference: the gradient sent back for it is dropped. Gradient examples given too
+    (``output_grads``/``input_grads``, which DTensors need) decide for their side, as in torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 
 import torch
@@ -104,6 +120,23 @@ NOTICE_BYTES = 2048
 _SENT, _FAILED = 1, 2
 # How long a failing stage waits for the receiver to take its notice before raising anyway.
 NOTICE_WAIT_S = 10.0
+
+
+def activations_carry_gradients(stage) -> None:
+    """With shapes given (static set-up): every floating-point example crossing a stage boundary needs a
+    gradient, as torch's shape inference decides (Note [examples that need no gradient]); eval steps
+    still receive without one (torch reads ``has_backward`` at each receive)."""
+    from torch.distributed.pipelining._utils import _TensorMeta
+
+    def needing(metas):
+        return tuple(dataclasses.replace(m, requires_grad=True) if type(m) is _TensorMeta and not m.requires_grad
+                     and m.dtype.is_floating_point else m for m in metas)
+
+    meta = stage._user_meta
+    if not stage.is_last and meta.outputs is not None and meta.output_grads is None:
+        meta.outputs = needing(meta.outputs)
+    if not stage.is_first and meta.inputs is not None and meta.input_grads is None:
+        meta.inputs = needing(meta.inputs)
 
 
 @contextlib.contextmanager
@@ -121,22 +154,6 @@ def over_copied_buffers(module: torch.nn.Module):
     finally:
         for owner, name, buf in saved:
             owner._buffers[name] = buf
-
-
-def copied_buffers(module: torch.nn.Module) -> list:
-    """A copy of the module's buffers, for a step that raised to put them back (Note [a step that
-    raised] in pipelining.py)."""
-    with torch.no_grad():
-        return [(owner, name, buf, buf.detach().clone()) for owner in module.modules()
-                for name, buf in owner._buffers.items() if buf is not None]
-
-
-def put_back_buffers(copies) -> None:
-    """The module's buffers as :func:`copied_buffers` found them (the same tensors, their values)."""
-    with torch.no_grad():
-        for owner, name, buf, value in copies or ():
-            owner._buffers[name] = buf
-            buf.copy_(value)
 
 
 class InferenceFailed:

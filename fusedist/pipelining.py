@@ -116,43 +116,14 @@ Note [accumulating over synchronized pipeline steps]
     before the accumulating step is what keeps the two apart.)
 
 Note [a step that raised]
-    torch's schedules keep the losses of a step that raised (the last stage's ``loss_fn`` failing
-    on micro-batch 2's target, say) and hand them to the next step's backwards in place of its
-    own: the gradient came out wrong by ~lr-sized amounts, silently, torch's own stage alike. A
-    stage counts what its step did (forwards, backward passes; a training step ends when the
-    schedule reduces the gradients, a forward-only one with its last forward). At the next step's
-    beginning -- torch's schedules call ``clear_runtime_states`` from their ``step``, where the
-    stage finds the schedule -- a step that ended leaves nothing; one that raised before its end:
-    - on a pipeline whose stages are all on this rank, the schedule's leftover losses are
-      dropped, the gradients put back as the step found them (from the set-aside of Note
-      [accumulating over synchronized pipeline steps]; those it found None set to None again),
-      and the step runs, as a fresh schedule's would. A stage module fusedist or torch reduces
-      keeps unreduced sums this cannot put back, as does a step accumulating under the user's
-      own switch: after backward passes such a stage refuses every later step instead.
-      The buffers the step's forwards updated (a BatchNorm's running statistics and batch count)
-      are put back too, from a copy of the stage module's buffers taken at each step's first
-      forward on such a pipeline (and released at the step's end): torch's stage kept the failed
-      step's update, so an ``eval()`` afterwards normalized by statistics that counted batches no
-      training step took.
-    - on a pipeline over several ranks, the other ranks were in the step too: waiting for this
-      rank's messages, or having sent some it never received (gloo's sends wait for their
-      receive), and no rank can tell the others (the exception may come from the schedule's own
-      code, and a peer blocked in a receive sees nothing else). A new step would pair its
-      messages with theirs -- activations and gradients of other micro-batches, another step's
-      targets -- silently. So the rank refuses this and every later step, naming what it had
-      done; the peers' steps end at the process group's timeout (or at once when this process
-      ends), and refuse theirs in turn.
-    A step whose shape inference failed on every rank at once left nothing unmatched (Note [a
-    shape inference that fails on one rank] in _pipeline_inference.py): it counts as ended.
-    A step driven by hand (no schedule's ``step``) is not tracked. The leftover losses of a step
-    that ended (an ``eval`` whose ``loss_fn`` raised on the last micro-batch) are dropped too.
+    In _pipeline_step_failures.py: after a step that raised before its end, the next step on a
+    one-rank pipeline drops what it left (losses, gradients, buffers), and on several ranks is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import weakref
 from typing import Optional
 
@@ -160,10 +131,11 @@ import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from ._pipeline_inference import (
-    InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, arm_first_sends, check_even_split, check_sent_outputs,
-    check_shapes, check_stage_outputs, copied_buffers, failing_inference, next_on_another_rank, notice_recv_ops,
-    notice_send_ops, over_copied_buffers, put_back_buffers, read_notice, send_failure)
+    InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, activations_carry_gradients, arm_first_sends,
+    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, next_on_another_rank,
+    notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
+from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, schedule_stepping
 
 __all__ = ["PipelineStage"]
 
@@ -225,6 +197,8 @@ class PipelineStage(_TorchPipelineStage):
         super()._send_meta(meta, dst_stage)
 
     def _prepare_forward_infra(self, *args, **kwargs):
+        if getattr(getattr(self, "_inference_mode", None), "value", None) == "static":
+            activations_carry_gradients(self)  # Note [examples that need no gradient] (_pipeline_inference.py)
         out = super()._prepare_forward_infra(*args, **kwargs)
         arm_first_sends(self)  # Note [a first send that cannot be made] (_pipeline_inference.py)
         return out
@@ -250,7 +224,7 @@ class PipelineStage(_TorchPipelineStage):
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
             if step is not None and self.group_size == 1:  # what a step that raised puts back
-                step.buffers = copied_buffers(self.submod)
+                step.buffers = kept_buffers(self).began(self.submod)
             if self.has_backward:  # Note [accumulating over synchronized pipeline steps]
                 held_over = getattr(self, "_held_over", False)
                 if not held_over:
@@ -270,8 +244,8 @@ class PipelineStage(_TorchPipelineStage):
             check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
         if step is not None:
             step.forwards += 1
-            step.ended = not self.has_backward and step.forwards >= (self.chunks or 0)
-            step.buffers = None if step.ended else step.buffers
+            if not self.has_backward and step.forwards >= (self.chunks or 0):
+                step.end()
         return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
@@ -313,15 +287,16 @@ class PipelineStage(_TorchPipelineStage):
         """torch's clearing at a step's beginning; after a step that raised before its end, the
         stage is put back as that step found it, or every later step is refused (Note [a step
         that raised])."""
-        schedule = _schedule_stepping(self)
+        schedule = schedule_stepping(self)
         if schedule is not None:
-            _after_the_last_step(self, schedule)
-            self._step, self._stepping = _Step(), weakref.ref(schedule)
+            plain = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
+            after_the_last_step(self, schedule, plain)
+            self._step, self._stepping = Step(), weakref.ref(schedule)
         super().clear_runtime_states()
 
     def perform_reduce_grad(self, grad_scale_factor: int):
         if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
-            self._step.ended, self._step.buffers = True, None
+            self._step.end()
         super().perform_reduce_grad(grad_scale_factor)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
@@ -401,91 +376,6 @@ def _give_back(module, held: list, factor: int) -> None:
         for grad, before in held:
             if before is not None and id(grad) in current:
                 grad.add_(before, alpha=1 - 1 / factor)
-
-
-class _Step:
-    """What a stage did in the step it last began (Note [a step that raised])."""
-
-    def __init__(self):
-        self.forwards, self.backwards, self.ended = 0, 0, False
-        self.held_over, self.unset, self.buffers = False, [], None
-
-    def began(self, module, held_over: bool) -> None:
-        """At the step's first forward: whether the set-aside was an earlier step's, and the
-        parameters without a gradient."""
-        self.held_over = held_over
-        self.unset = [p for p in module.parameters() if p.grad is None]
-
-
-def _schedule_stepping(stage):
-    """The schedule whose ``step`` is beginning, clearing ``stage`` (None when the stage is driven
-    by hand): torch's schedules call ``clear_runtime_states`` from their ``step``. The walk passes
-    the stage's own frames (subclasses' overrides, however many) and frames of no method (wrappers,
-    comprehensions); the first method of another object decides. A fixed depth lost the schedule
-    under a third override, and the next step then backpropagated the failed step's losses."""
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
-
-    frame = sys._getframe(1)
-    for _ in range(32):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        caller = frame.f_locals.get("self")
-        if caller is None or caller is stage:
-            continue
-        if not isinstance(caller, _PipelineSchedule):
-            return None
-        stages = [getattr(caller, "_stage", None), *getattr(caller, "_stages", ())]
-        return caller if any(s is stage for s in stages) else None
-    return None
-
-
-def _after_the_last_step(stage, schedule) -> None:
-    """Drop what the stage's last step left if it raised (Note [a step that raised]), or refuse."""
-    refusal = getattr(stage, "_refusal", None)
-    step = getattr(stage, "_step", None)
-    if refusal is None and step is not None and not step.ended:
-        plain = _sync_switch(stage.submod) is None and not _torch_data_parallel(stage.submod)
-        if stage.group_size > 1 or (step.backwards and (step.held_over or not plain)):
-            refusal = stage._refusal = _refusal(stage, step, plain)
-        else:
-            if step.backwards:  # put the gradients back as the step found them
-                with torch.no_grad():
-                    held = getattr(stage, "_held_before", None)
-                    for grad, before in held.pairs() if held is not None else []:
-                        grad.zero_() if before is None else grad.copy_(before)
-                for p in step.unset:
-                    p.grad = None
-            put_back_buffers(step.buffers)  # a BatchNorm's statistics, as the step found them
-            if not step.held_over:
-                stage._held_before = None
-            stage._held_over = step.held_over
-    if refusal is not None:
-        raise RuntimeError(refusal)
-    schedule._internal_losses.clear()  # the losses of a step that raised; none otherwise
-
-
-def _refusal(stage, step, plain: bool) -> str:
-    head = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {torch.distributed.get_rank()}): "
-            f"the previous step raised before its end, after {step.forwards} of its {stage.chunks} forwards and "
-            f"{step.backwards} backward passes")
-    if stage.group_size > 1:
-        return (
-            f"{head}. The pipeline's other ranks were left waiting on that step's messages (or sent ones "
-            "this stage never received): a new step would pair its activations and gradients with other "
-            "micro-batches' and another step's targets, silently. So this rank refuses every later step, and "
-            "the other ranks' steps fail too (at once if this process ends, else at the process group's "
-            "timeout). Fix what raised and restart every rank from the last checkpoint")
-    if plain:
-        why, fix = ("an earlier step's gradients set aside under the user's own gradient-sync switch",
-                    "zero the gradients and build the stages and the schedule anew (or restart from the last "
-                    "checkpoint)")
-    else:
-        why, fix = (f"the unreduced sums a {type(stage.submod).__name__} stage module keeps",
-                    "restart from the last checkpoint (the sums stay with the module)")
-    return (
-        f"{head}: its backward passes accumulated part of that step's gradients, and {why} cannot be put back "
-        f"as the step found them. So every later step is refused: {fix}")
 
 
 def stage_holders_outside_grad() -> list:

@@ -1,5 +1,5 @@
 """Pipeline steps that fail, and the set-aside of a step's gradients (fusedist/pipelining.py,
-fusedist/_pipeline_inference.py), on gloo:
+fusedist/_pipeline_inference.py, fusedist/_pipeline_step_failures.py), on gloo:
 
 - Note [a step that raised]: torch's schedules keep the losses of a step that raised and hand
   them to the next step's backwards. On a pipeline whose stages are all on one rank the next
@@ -21,6 +21,11 @@ fusedist/_pipeline_inference.py), on gloo:
 - Note [a step that raised], one rank: the BatchNorm statistics are put back too (torch's stage
   kept the failed step's update), and the schedule is still found under a stage class with three
   ``clear_runtime_states`` overrides and with a second schedule over the same stage.
+- Note [the buffers a failed step puts back]: a large fixed buffer is no longer copied at every step, and a
+  buffer first updated in the failing step is put back too (from its snapshot), BatchNorm statistics alike.
+- Note [examples that need no gradient] (fusedist/_pipeline_inference.py): user-given examples made without
+  ``requires_grad`` broke the first training step (a backward error on one rank, the other waiting); the
+  pipeline now trains and evaluates as the unpipelined model.
 
 Tolerances: fp32 gradients of the same terms summed in another order (micro-batch means), 1e-6;
 the defects move them by 1e-2 or more.
@@ -257,17 +262,18 @@ class _Returns(nn.Module):
         return {"dict": {"hidden": h}, "none": None, "tuple": (h, 3), "two": (h, h)}.get(self.wrong, h)
 
 
-def _user_shapes_schedule(rank, schedule_name, modules):
-    """A 2-rank pipeline of ``modules`` (stage ``i`` on rank ``i % 2``), every stage given its shapes."""
+def _user_shapes_schedule(rank, schedule_name, modules, grads_in=True, grads_out=True):
+    """A 2-rank pipeline of ``modules`` (stage ``i`` on rank ``i % 2``), every stage given its shapes: the
+    examples of later stages' inputs require a gradient if ``grads_in``, of the outputs if ``grads_out``."""
     from torch.distributed import pipelining
 
     from fusedist.pipelining import PipelineStage
 
-    def example(i):  # (torch takes from it whether a gradient is sent back for the tensor)
-        return torch.zeros(8 // MICRO_BATCHES, WIDTH, requires_grad=i > 0)
+    def example(requires_grad):  # (torch took from it whether a gradient is sent back for the tensor)
+        return torch.zeros(8 // MICRO_BATCHES, WIDTH, requires_grad=requires_grad)
 
-    stages = [PipelineStage(modules[i], i, len(modules), torch.device("cpu"), input_args=(example(i),),
-                            output_args=(example(1),)) for i in range(rank, len(modules), 2)]
+    stages = [PipelineStage(modules[i], i, len(modules), torch.device("cpu"), input_args=(example(i > 0 and grads_in),),
+                            output_args=(example(grads_out),)) for i in range(rank, len(modules), 2)]
     return getattr(pipelining, schedule_name)(stages if len(stages) > 1 else stages[0],
                                               n_microbatches=MICRO_BATCHES, loss_fn=_mse)
 
@@ -286,15 +292,17 @@ def _first_send_fails_worker(rank, world_size, schedule_name, wrong):
     return raised, seconds, float(total)
 
 
-def _user_shapes_train_worker(rank, world_size, seed, schedule_name):
-    """A 2-rank pipeline with user-given shapes (no inference): a training step, an eval step (the
-    stages set up anew) and a training step; the gradients' and the eval outputs' largest differences
-    from the unpipelined model's on the same batches."""
+def _user_shapes_train_worker(rank, world_size, seed, schedule_name, grads_in=True, grads_out=True, frozen=False):
+    """A 2-rank pipeline with user-given shapes (no inference; the examples needing a gradient as
+    ``grads_in``/``grads_out`` say; stage 0 frozen if ``frozen``): a training step, an eval step (the stages
+    set up anew) and a training step; the gradients' and the eval outputs' largest differences from the
+    unpipelined model's on the same batches."""
     n = 4 if schedule_name == "ScheduleInterleaved1F1B" else 2
     torch.manual_seed(seed)
     whole = nn.Sequential(*[_Returns() for _ in range(n)])
+    whole[0].requires_grad_(not frozen)
     modules = [copy.deepcopy(whole[i]) for i in range(n)]
-    schedule = _user_shapes_schedule(rank, schedule_name, modules)
+    schedule = _user_shapes_schedule(rank, schedule_name, modules, grads_in, grads_out)
     g = torch.Generator().manual_seed(seed)
     batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for _ in range(2)]
     out = []
@@ -307,6 +315,7 @@ def _user_shapes_train_worker(rank, world_size, seed, schedule_name):
                 with torch.no_grad():
                     out.append(float((evaluated - whole(x)).abs().max()))
     out.append(max(float((modules[i].lin.weight.grad - whole[i].lin.weight.grad).abs().max())
+                   if whole[i].lin.weight.requires_grad else float(modules[i].lin.weight.grad is not None)
                    for i in range(rank, n, 2)))
     return out
 
@@ -357,6 +366,74 @@ def _batch_norm_after_a_failed_step_worker(rank, world_size, seed, schedule_name
         grads = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
         out[name] = (stats, grads)
     return out
+
+
+class _Counting(nn.Module):
+    """A linear layer scaled by a large fixed buffer it only reads (a rotary-like cache), and a count it
+    updates in place only while ``counting`` is set (from the failing step on: a buffer first updated there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.counting = nn.Linear(WIDTH, WIDTH), False
+        self.register_buffer("cache", torch.rand(64, WIDTH) + 0.5)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.counting:
+            self.count.add_(1)
+        return self.lin(x) * self.cache[: x.shape[0]]
+
+
+def _counting_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(_Counting(), nn.BatchNorm1d(WIDTH), nn.Tanh(), _Counting(), nn.BatchNorm1d(WIDTH), nn.Tanh())
+
+
+def _buffers_after_a_failed_step_worker(rank, world_size, seed, schedule_name):
+    """Note [the buffers a failed step puts back]: each rank a pipeline of its own of ``_counting_model``: a
+    good step, the counts switched on, a step whose micro-batch 2 has a target out of range, then a good step
+    (gradients zeroed after the first); the largest differences of the buffers and gradients from the
+    unpipelined model's on the good steps' micro-batches, and the copies of the fixed caches taken in the
+    last two steps."""
+    from torch.distributed import pipelining
+
+    from fusedist.pipelining import PipelineStage
+
+    group = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    g = torch.Generator().manual_seed(seed + rank)
+    batches = [(torch.randn(8, WIDTH, generator=g), torch.randint(0, WIDTH, (8,), generator=g)) for _ in range(3)]
+    batches[1][1][5] = WIDTH  # micro-batch 2 (rows 4, 5): its loss raises after the forwards ran
+    model, reference = _counting_model(seed), _counting_model(seed)
+    if schedule_name == "ScheduleGPipe":
+        schedule = pipelining.ScheduleGPipe(PipelineStage(model, 0, 1, torch.device("cpu"), group=group),
+                                            n_microbatches=MICRO_BATCHES, loss_fn=_cross_entropy)
+    else:
+        stages = [PipelineStage(model[3 * i:3 * i + 3], i, 2, torch.device("cpu"), group=group) for i in range(2)]
+        schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=_cross_entropy)
+    clone, cache_copies = torch.Tensor.clone, []
+
+    def counted(tensor, *args, **kwargs):
+        if tensor.shape == (64, WIDTH):
+            cache_copies.append(tuple(tensor.shape))
+        return clone(tensor, *args, **kwargs)
+
+    try:
+        for i, (x, y) in enumerate(batches):
+            if i == 1:
+                for m in (model, reference):
+                    m.zero_grad(set_to_none=True)
+                    m[0].counting = m[3].counting = True
+                torch.Tensor.clone = counted
+            raised = _refused(lambda: schedule.step(x, target=y))
+            assert (raised is None) == (i != 1) and (i != 1 or "out of bounds" in raised), (i, raised)
+            if i != 1:
+                for xm, ym in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+                    (_cross_entropy(reference(xm), ym) / MICRO_BATCHES).backward()
+    finally:
+        torch.Tensor.clone = clone
+    stats = max(float((a.double() - b.double()).abs().max()) for a, b in zip(model.buffers(), reference.buffers()))
+    grads = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+    return stats, grads, len(cache_copies), int(model[0].count)
 
 
 def _overridden_clearing_worker(rank, world_size, seed):
@@ -504,6 +581,23 @@ def test_user_given_shapes_train_and_evaluate_as_the_unpipelined_model(schedule_
         assert max(out) < 1e-6, (launched["seed"], rank, out)
 
 
+@pytest.mark.parametrize("schedule_name,grads_in,grads_out,frozen", [
+    ("Schedule1F1B", False, False, False), ("ScheduleInterleaved1F1B", False, False, False),
+    ("Schedule1F1B", False, True, False), ("ScheduleGPipe", True, False, False), ("Schedule1F1B", False, False, True)])
+def test_user_given_examples_that_need_no_gradient_train_as_the_unpipelined_model(
+        schedule_name, grads_in, grads_out, frozen, launched):
+    """Note [examples that need no gradient]: with ``output_args`` (and later stages' ``input_args``)
+    examples made by ``torch.zeros(shape)``, torch's stage expected no gradient back: the stage's backward
+    failed ("grad can be implicitly created only for scalar outputs") and the next rank waited (or, the two
+    sides disagreeing, a rank waited for a gradient never sent, until the group's timeout). Now a training
+    step, an eval step and a training step give the unpipelined model's gradients and outputs (fp32,
+    micro-batch means summed in another order: 1e-6); with stage 0 frozen too (which worked before: its
+    output needs no gradient, and the one now sent back is dropped)."""
+    scenario = f"no-gradient examples {schedule_name} {grads_in} {grads_out} {frozen}"
+    for rank, out in enumerate(results_of(launched, scenario)):
+        assert max(out) < 1e-6, (launched["seed"], rank, out)
+
+
 @pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "ScheduleInterleaved1F1B"])
 def test_a_failed_step_leaves_the_batch_norm_statistics_as_before(schedule_name, launched):
     """Note [a step that raised]: the failed step's forwards updated the BatchNorm running statistics
@@ -515,6 +609,20 @@ def test_a_failed_step_leaves_the_batch_norm_statistics_as_before(schedule_name,
     for rank, out in enumerate(results_of(launched, f"batch norm after a failed step {schedule_name}")):
         assert max(out["fusedist"]) < 1e-6, (seed, rank, out)
         assert out["torch"][0] > 1e-2, (seed, rank, out)
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "ScheduleInterleaved1F1B"])
+def test_a_failed_step_puts_back_buffers_without_copying_fixed_ones_each_step(schedule_name, launched):
+    """Note [the buffers a failed step puts back]: every buffer was copied at each step's first forward, a
+    large fixed cache too (4 copies of the two caches in the last two steps). Now a cache no step
+    updates is not copied again, and the guarantee holds: after a failed step that updated BatchNorm
+    statistics and, first there, a count, the next good step's buffers and gradients are the unpipelined
+    model's on the good steps' micro-batches (fp32: 1e-6; the count exact)."""
+    seed = launched["seed"]
+    for rank, out in enumerate(results_of(launched, f"buffers after a failed step {schedule_name}")):
+        stats, grads, cache_copies, count = out
+        assert stats < 1e-6 and grads < 1e-6 and count == MICRO_BATCHES, (seed, rank, out)
+        assert cache_copies == 0, (rank, out)
 
 
 def test_a_step_after_a_failed_one_is_found_through_overrides_and_a_second_schedule(launched):
@@ -533,6 +641,9 @@ def launched(request):
     jobs = {
         "test_a_step_after_a_failed_one_is_found_through_overrides_and_a_second_schedule": {
             "overridden clearing": (_overridden_clearing_worker, (seed,))},
+        "test_a_failed_step_puts_back_buffers_without_copying_fixed_ones_each_step": {
+            f"buffers after a failed step {name}": (_buffers_after_a_failed_step_worker, (seed, name))
+            for name in ("ScheduleGPipe", "ScheduleInterleaved1F1B")},
         "test_a_failed_step_leaves_the_batch_norm_statistics_as_before": {
             f"batch norm after a failed step {name}": (_batch_norm_after_a_failed_step_worker, (seed, name))
             for name in ("ScheduleGPipe", "ScheduleInterleaved1F1B")},
@@ -543,6 +654,13 @@ def launched(request):
         "test_user_given_shapes_train_and_evaluate_as_the_unpipelined_model": {
             f"user shapes {name}": (_user_shapes_train_worker, (seed, name))
             for name in ("Schedule1F1B", "ScheduleInterleaved1F1B")},
+        "test_user_given_examples_that_need_no_gradient_train_as_the_unpipelined_model": {
+            f"no-gradient examples {name} {grads_in} {grads_out} {frozen}": (
+                _user_shapes_train_worker, (seed, name, grads_in, grads_out, frozen))
+            for name, grads_in, grads_out, frozen in (
+                ("Schedule1F1B", False, False, False), ("ScheduleInterleaved1F1B", False, False, False),
+                ("Schedule1F1B", False, True, False), ("ScheduleGPipe", True, False, False),
+                ("Schedule1F1B", False, False, True))},
         "test_a_stage_output_that_is_not_a_tensor_fails_every_rank_at_once": {
             f"not a tensor {name}": (_fails_on_every_rank_worker, (name, bad))
             for name, bad in (("ScheduleGPipe", 0), ("ScheduleInterleaved1F1B", 2))},

@@ -146,8 +146,26 @@ def release(params: Iterable, owners: Iterable) -> None:
     treat them as plain parameters again (Lightning's teardown: Note [the wrapper retires at
     teardown] in fusedist/integrations/lightning.py)."""
     retired = {id(owner) for owner in owners if owner is not None}
+    params = list(params)
+    _return_gradients(params, retired)
     for p in params:
         for table in (_data_parallel, _wrapping, _step_watch, _gradient_holder):
             owner = _lookup(table, p)
             if owner is not None and id(owner) in retired:
                 del table[p]
+
+
+def _return_gradients(params: list, retired: set) -> None:
+    """A data-parallel owner that reduces into a retired gradient holder (a stage-2 optimizer
+    swapped out: its wrapper retired, or taken over by a newer wrapper, Note [an optimizer over a
+    module wrapped again] in fusedist/ddp/succession.py) averages into ``p.grad`` again, as it
+    does for plain parameters."""
+    seen = set()
+    for p in params:
+        holder, owner = _lookup(_gradient_holder, p), _lookup(_data_parallel, p)
+        if holder is None or owner is None or id(holder) not in retired or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        release_holder = getattr(owner, "_release_gradient_holder", None)
+        if release_holder is not None:
+            release_holder(holder)

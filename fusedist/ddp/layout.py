@@ -73,6 +73,15 @@ class Bucket:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    def copy_for(self, names: dict) -> "Bucket":
+        """The same range and parameters, no storage, under ``names`` (parameter -> name): the
+        bucket of a newer wrapper that takes this one over (Note [an optimizer over a module
+        wrapped again] in succession.py)."""
+        return dataclasses.replace(self, params=list(self.params), names=[names.get(p, n) for p, n in
+                                                                           zip(self.params, self.names)],
+                                   offsets=list(self.offsets), data=None, fold=None, unfolded=[],
+                                   orders=list(self.orders))
+
     def shard(self, rank: int, world_size: int) -> tuple[int, int]:
         """``[lo, hi)`` offsets (relative to the bucket) of rank's reduce-scatter shard."""
         size = self.numel // world_size

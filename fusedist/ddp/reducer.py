@@ -276,6 +276,16 @@ class Reducer:
         """Whether any bucket holds gradients (e.g. a no_sync backward's, never reduced)."""
         return self.layout.allocated_bytes > 0
 
+    def adopt_layout(self, layout: GradLayout, fixed: bool) -> None:
+        """Take ``layout`` (the buckets of a wrapper this one retires, Note [an optimizer over a
+        module wrapped again] in succession.py) in place of the one built at construction, fixed
+        from now on when the consumers following it fixed it there."""
+        switch_layout(self, layout, notify=False)
+        if fixed:
+            self.append_only = True  # (its slot orders were recorded when the older one was fixed)
+            self.layout_final = True
+            self._observed_order = None
+
     def fix_layout(self) -> None:
         """Note [layout fixed by a sharded consumer] (rebucket.py): no re-bucketing from now on; the
         layout grows only by appending."""

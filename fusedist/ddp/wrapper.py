@@ -30,6 +30,7 @@ from .prepared import arm_again_through, refuse_compiled_autograd
 from .reducer import Reducer
 from .sparse import SparseGradients, sparse_parameter_ids
 from .static_graph import ArrivalCounts
+from . import succession
 from .torch_surface import TorchDDPSurface
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
@@ -51,22 +52,28 @@ from ..reliability import engine_watch  # (the module: it imports ddp.events, se
 #     one becomes a plain pass-through to its module (``_nested``): the outer reduces every
 #     gradient once, with the same result. Over another group the averages would differ, and
 #     that stays refused.
+#
+#     A sharded optimizer built over the older wrapper follows the newer one when it can (Note
+#     [an optimizer over a module wrapped again] in succession.py).
 
 
-def _supersede_owners(params, newer) -> None:
+def _supersede_owners(params, newer) -> list:
+    """Retire the older wrappers over ``params`` (Note [a module wrapped again]); returns them,
+    nested ones included, for :func:`succession.take_over` once ``newer``'s reducer exists."""
     older = {id(o): o for o in map(data_parallel_owner, params) if o is not None and o is not newer}
     inside = {id(m) for m in newer.module.modules()}
     for wrapper in older.values():
-        wrapper.reducer.remove_hooks()
         if id(wrapper) in inside and wrapper.process_group is newer.process_group:
+            wrapper.reducer.remove_hooks()
             wrapper._nested = True
             continue
-        wrapper._superseded_by = (
+        wrapper._retire(
             f"fusedist.DistributedDataParallel (rank {wrapper.rank}): this wrapper no longer reduces "
             f"gradients: its module's parameters were wrapped again by a newer DistributedDataParallel "
             f"(of a module of type {type(newer.module).__name__}), which now owns them. Use the newer "
             "wrapper (a wrapper nested inside another one must use the same process group)"
         )
+    return list(older.values())
 
 
 class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
@@ -203,7 +210,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.timeline = Timeline.from_env(self.rank)
         self._superseded_by: Optional[str] = None
         self._nested = False  # inside a newer wrapper that reduces for it (Note [a module wrapped again])
-        _supersede_owners([p for _, p in named], self)  # Note [a module wrapped again]
+        older = _supersede_owners([p for _, p in named], self)  # Note [a module wrapped again]
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
         )
@@ -227,6 +234,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._param_waiters: list = []  # Note [hooks inside compiled modules]
         self._join_config = _join.DISABLED  # set by a join context (Note [joined ranks] in join.py)
         self._join_state = None
+        succession.take_over(older, self)  # Note [an optimizer over a module wrapped again] in succession.py
         # [reliability] bucket layouts compared across ranks when built and when rebuilt;
         # optimizer.step() misuse caught on the rank that makes it.
         if checks:
@@ -234,6 +242,18 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self.reducer.layout_listeners.append(self._check_layout_agrees)
         if checks_enabled():
             optimizer_guard.install()
+
+    def _retire(self, reason: str) -> None:
+        """Stop reducing gradients for good: the hooks come off and a forward through this
+        wrapper raises ``reason`` (the first one given stays). For whoever retires a wrapper --
+        a newer wrapper over its parameters (Note [a module wrapped again]), a framework's
+        teardown -- instead of reaching into the engine."""
+        succession.retire(self, reason)
+
+    def _release_gradient_holder(self, holder) -> None:
+        """``holder`` (a stage-2 optimizer) was retired: average into ``p.grad`` again if this
+        wrapper reduced into it (``fusedist.ownership.release``)."""
+        succession.release_holder(self, holder)
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):

@@ -18,13 +18,11 @@ def retire(ddp, optimizers) -> None:
     from fusedist import ownership
 
     inner = [getattr(o, "_optimizer", o) for o in optimizers]
-    ddp.reducer.remove_hooks()
-    if ddp._superseded_by is None:  # Note [a forward through a retired wrapper]
-        ddp._superseded_by = (
-            f"fusedist.DistributedDataParallel (rank {ddp.rank}): this wrapper was retired when its strategy was "
-            "torn down (strategy.teardown(), or the end of trainer.fit): it no longer synchronizes its module's "
-            "gradients, so the ranks would diverge. Set the module up again (fabric.setup(model, optimizer)) to "
-            "train it data-parallel, or train the unwrapped module")
+    ddp._retire(  # Note [a forward through a retired wrapper]
+        f"fusedist.DistributedDataParallel (rank {ddp.rank}): this wrapper was retired when its strategy was "
+        "torn down (strategy.teardown(), or the end of trainer.fit): it no longer synchronizes its module's "
+        "gradients, so the ranks would diverge. Set the module up again (fabric.setup(model, optimizer)) to "
+        "train it data-parallel, or train the unwrapped module")
     ownership.release(ddp.module.parameters(), [ddp, ddp.watch, *inner])
     for optimizer in inner:
         retire_successor(optimizer)

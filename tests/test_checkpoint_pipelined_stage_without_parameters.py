@@ -16,7 +16,9 @@ a parameter-free loss head, activations and their gradients sent between the sta
   written) and at load (nothing loaded), naming the stage;
 - a strict load where a stage with saved optimizer state passes no optimizer is refused on every
   rank alike; ``strict=False`` loads the model, and lists the keys of torch's distributed
-  checkpoint no part loads on the stateless stage's ranks too.
+  checkpoint no part loads on the stateless stage's ranks too, in the order torch's
+  ``load_state_dict`` of the whole model lists them (they came in the order the checkpoint read
+  them back: ``bias`` first).
 """
 
 from __future__ import annotations
@@ -226,10 +228,9 @@ def test_stage_optimizers_are_compared_within_each_stage(tmp_path):
                "with pipeline=True, each part holding parameters with its optimizer" in out["strict"], (rank, out)
         assert out["strict changed"] == [], (rank, out)
         assert out["not strict"] == "" and out["split differ"] == [], (rank, out)
-        # (in the order torch's distributed checkpoint reads them back, not the model's)
-        missing, unexpected = out["dcp not strict"]
-        assert (missing, sorted(unexpected)) == tuple(map(sorted, out["torch not strict"])) \
-            == ([], ["layers.1.bias", "layers.1.weight"]), (rank, out)
+        # in torch's order: the checkpoint reads them back bias first (each from another saving rank's file)
+        assert out["dcp not strict"] == out["torch not strict"] == ([], ["layers.1.weight", "layers.1.bias"]), \
+            (rank, out)
 
 
 class _Wrapped(nn.Module):
@@ -245,6 +246,14 @@ class _Wrapped(nn.Module):
         for layer in self.module.values():
             x = torch.tanh(layer(x))
         return x
+
+
+class _Biasless(nn.Module):
+    """``_Wrapped``'s layers without biases, registered in the order of ``ids``."""
+
+    def __init__(self, ids):
+        super().__init__()
+        self.module = nn.ModuleDict({str(i): nn.Linear(WIDTH, WIDTH, bias=False) for i in ids})
 
 
 def _resplit_worker(rank, world_size, seed, root):
@@ -274,7 +283,13 @@ def _resplit_worker(rank, world_size, seed, root):
         warnings.simplefilter("always")
         save(root + "-numpy", model, opt, process_group=group, pipeline=True)
     warned = [str(w.message) for w in caught if "cannot be read back by load() without trusted=True" in str(w.message)]
-    return error, _differ(got, _by_name(model, opt)), warned
+
+    # not strict, into layers without biases, rank 1's part holding layers 3 and 2 in that order:
+    # the biases no part loads in torch's order of the whole model, which rank 0 learns from rank 1
+    left = load(root, _Biasless([0, 1] if rank == 0 else [3, 2]), None, process_group=group, pipeline=True,
+                strict=False)
+    torch_left = _Biasless([0, 1, 3, 2]).load_state_dict(_Wrapped(seed, range(4)).state_dict(), strict=False)
+    return error, _differ(got, _by_name(model, opt)), warned, (tuple(left), tuple(torch_left))
 
 
 def _by_name(model, opt) -> dict:
@@ -290,7 +305,12 @@ def test_stages_of_module_keys_load_into_another_split_and_each_stages_groups_ar
     """A stage whose only child is ``module``: its keys lost their ``module.`` segment, normalized
     against a part holding some of them ("missing keys [module.0.weight ...]" on every load into
     another split). And a NumPy learning rate in the second stage's param groups, which a load
-    reads only with trusted=True, was written without the warning an ordinary save gives."""
-    for rank, (error, differ, warned) in enumerate(run_distributed(_resplit_worker, 2, 3, str(tmp_path / "c"))):
+    reads only with trusted=True, was written without the warning an ordinary save gives. And a load
+    that is not strict listed the keys no part loads in the checkpoint's order on the rank whose
+    part did not tell torch's (one registering its layers in another order)."""
+    for rank, (error, differ, warned, keys) in enumerate(run_distributed(_resplit_worker, 2, 3,
+                                                                          str(tmp_path / "c"))):
         assert error == "" and differ == [], (rank, error, differ)
         assert len(warned) == rank and all("param_groups" in w for w in warned), (rank, warned)
+        left, torch_left = keys
+        assert left == torch_left == ([], [f"module.{i}.bias" for i in (0, 1, 3, 2)]), (rank, keys)

@@ -75,6 +75,7 @@ def _restricted_planner(trusted: bool):
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
             super().set_up_planner(state_dict, metadata, is_coordinator)
             _tag_layouts(self.state_dict, metadata)
+            self.metadata = metadata
 
         def resolve_tensor(self, read_item):  # Note [quantized storage in a torch distributed checkpoint]
             target = super().resolve_tensor(read_item).as_subclass(_Receiver)
@@ -159,9 +160,9 @@ def read(directory: str, trusted: bool = False) -> tuple[str, dict]:
     with open(os.path.join(directory, METADATA), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     tree: dict = {}
+    planner = _restricted_planner(trusted)
     try:  # every rank reads all of it, on its own (what torch's dcp_to_torch_save does)
-        _load_state_dict(tree, storage_reader=FileSystemReader(directory), planner=_restricted_planner(trusted),
-                         no_dist=True)
+        _load_state_dict(tree, storage_reader=FileSystemReader(directory), planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -170,7 +171,44 @@ def read(directory: str, trusted: bool = False) -> tuple[str, dict]:
             raise CheckpointError(str(refusal)) from exc
         raise CheckpointError(f"fusedist.checkpoint: reading torch's distributed checkpoint {directory} failed: "
                               f"{type(exc).__name__}: {exc}") from exc
-    return digest, tree
+    return digest, _in_saved_order(tree, getattr(planner, "metadata", None))
+
+
+def _in_saved_order(tree: dict, metadata) -> dict:
+    """``tree`` with each dict's entries in the order they were saved, as far as the checkpoint
+    tells (Note [the order of unexpected keys] in ``_names.py``). The entries come back in the
+    order of its metadata, where each rank's come together (the lowest rank's first), though of
+    one module's entries saved alike by several ranks each may come from another rank (``bias``
+    before ``weight``); a flattened save also records each rank's state dict in its order (its
+    planner data, the highest rank's first). So subtrees (modules) keep the metadata's order,
+    and the entries of one module take the planner data's."""
+    mappings = getattr(metadata, "planner_data", None)
+    if not isinstance(mappings, dict) or not mappings:
+        return tree
+    listed = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}
+    module_at: dict = {}  # each module prefix's first entry in the metadata
+    for fqn, i in listed.items():
+        parts = fqn.split(".")
+        for j in range(1, len(parts)):
+            module_at.setdefault(tuple(parts[:j]), i)
+    rank = {fqn: tuple((True, module_at[tuple(fqn.split(".")[:j])]) for j in range(1, fqn.count(".") + 1))
+            + ((False, i),) for i, fqn in enumerate(mappings) if fqn in listed}
+    first: dict = {}
+    for fqn, path in mappings.items():
+        for j in range(1, len(path) + 1 if fqn in rank else 0):
+            below = first.get(tuple(path[:j]))
+            if below is None or rank[fqn] < below:
+                first[tuple(path[:j])] = rank[fqn]
+    inner = {tuple(path[:j]) for path in mappings.values() for j in range(len(path))}  # (not a saved value)
+    last = ((True, len(listed) + len(mappings)),)
+
+    def ordered(obj, path: tuple):
+        if type(obj) is not dict or path not in inner:
+            return obj
+        items = sorted(obj.items(), key=lambda kv: first.get(path + (kv[0],), last))
+        return {k: ordered(v, path + (k,)) for k, v in items}
+
+    return ordered(tree, ())
 
 
 def _dicts(tree: dict) -> list:

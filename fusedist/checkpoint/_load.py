@@ -112,15 +112,18 @@ class LoadResult(_IncompatibleKeys):
 def _unmatched(plan: dict, reads: list, extra, whole=None) -> LoadResult:
     """The keys a load that is not strict left out (Note [a load that is not strict]): the
     model's keys the checkpoint lacks (of every part here, by the part's names) and the
-    checkpoint's keys no model loads (for parts, none of the job's, by the saved names; in
-    torch's order where one model, ``whole``, takes a pipelined checkpoint: Note [the order of
-    unexpected keys] in ``_names.py``)."""
+    checkpoint's keys no model loads (for parts, none of the job's, by the saved names), in the
+    order torch's ``load_state_dict`` of the whole model lists them: of ``whole`` where one model
+    takes a pipelined checkpoint, else of the tree every rank's parts make together (Note [the
+    order of unexpected keys] in ``_names.py``)."""
     if "parts" not in plan:
         return LoadResult(list(plan["missing"]), list(plan["unexpected"]), extra)
     taken = set().union(*(r["keys"] for r in reads))
     unexpected = [k for k in plan["all_keys"] if k not in taken]
-    return LoadResult([k for p in plan["parts"] for k in p["missing"]],
-                      unexpected if whole is None else _names.unexpected_order(whole, unexpected), extra)
+    if whole is None:  # the parts' trees, from every rank (Note [the order of unexpected keys])
+        whole = _names.merged_trees([t for r in reads for t in r.get("tree", ())], list(plan["all_keys"]))
+    return LoadResult([k for p in plan["parts"] for k in p["missing"]], _names.unexpected_order(whole, unexpected),
+                      extra)
 
 
 def _prepared(directory: str, model, optimizer, scaler, trusted: bool, strict: bool, pipeline: bool) -> tuple:

@@ -16,6 +16,7 @@ Note [canonical names]
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterable, Optional
 
 import torch
@@ -119,9 +120,10 @@ def has_ddp_prefix(names: list, expected) -> bool:
     return bool(names) and all(n.startswith(DDP_PREFIX) for n in names) and not any(n in expected for n in names)
 
 
-def unexpected_order(root: torch.nn.Module, keys: list) -> list:
+def unexpected_order(root, keys: list) -> list:
     """``keys`` (canonical names ``root`` does not hold) in the order torch's
-    ``load_state_dict(strict=False)`` of ``root`` lists them as ``unexpected_keys``.
+    ``load_state_dict(strict=False)`` of ``root`` lists them as ``unexpected_keys``; ``root``: a
+    module, or the module tree of one (:func:`module_tree`, :func:`merged_trees`).
 
     Note [the order of unexpected keys]
         torch walks the module tree depth first, and each module lists, in the state dict's
@@ -131,9 +133,16 @@ def unexpected_order(root: torch.nn.Module, keys: list) -> list:
         before its submodules', whatever the saved order. Within one module the state dict's order is
         the checkpoint's, taken as a state dict orders a module tree: a module's own entries
         before its submodules', each submodule's together, in the order they first appear. A
-        torch distributed checkpoint saved by several ranks does not keep the saved order (its
-        entries come back spread over the ranks' files), so there the entries of one missing
-        module may come in another order than torch's (``bias`` before ``weight``)."""
+        torch distributed checkpoint saved by several ranks reads its entries back spread over
+        the ranks' files; its record of each rank's state dict (the planner data of a flattened
+        save) gives them back in a rank's saved order (``_from_dcp.read``).
+        Pipeline parts: no rank holds the whole model, so each rank sends the tree of its parts
+        along the keys it does not load (:func:`module_tree`), and the trees of every part of the
+        job are merged (:func:`merged_trees`): each part keeps the whole model's order of the
+        modules it holds; modules of different parts under one parent (layers of two stages)
+        come in the checkpoint's order. What no part tells -- the order of modules none holds,
+        within one parent, saved by different stages -- is the checkpoint's."""
+    tree = root if isinstance(root, dict) else module_tree(root, keys)
     first: dict = {}
     for i, key in enumerate(keys):
         parts = key.split(".")
@@ -141,15 +150,75 @@ def unexpected_order(root: torch.nn.Module, keys: list) -> list:
             first.setdefault(tuple(parts[:j]), i)
 
     def place(key: str) -> tuple:
-        obj, path, parts = _bare(root), [], key.split(".")
-        while len(parts) > len(path) + 1 and isinstance(obj._modules.get(parts[len(path)]), torch.nn.Module):
-            path.append(list(obj._modules).index(parts[len(path)]))
-            obj = _bare(obj._modules[parts[len(path) - 1]])
+        path, parts = [], key.split(".")
+        while len(parts) > len(path) + 1 and parts[len(path)] in tree.get(tuple(parts[:len(path)]), ()):
+            path.append(tree[tuple(parts[:len(path)])].index(parts[len(path)]))
         below = range(len(path) + 1, len(parts) + 1)
         return tuple(path), parts[len(path):] != [_EXTRA_STATE], tuple((j < len(parts), first[tuple(parts[:j])])
                                                                      for j in below)
 
     return sorted(keys, key=place)
+
+
+def module_tree(root: torch.nn.Module, keys: Iterable[str]) -> dict:
+    """The modules of ``root`` along the names ``keys`` (canonical): ``{path: names of its
+    submodules in order}``, the path a tuple of canonical segments (``()``: ``root``). Small and
+    picklable: what a rank sends of its pipeline parts (Note [the order of unexpected keys])."""
+    tree: dict = {}
+    for key in keys:
+        obj, parts = _bare(root), key.split(".")
+        for depth in range(len(parts)):
+            path = tuple(parts[:depth])
+            if path not in tree:
+                tree[path] = [name for name, child in obj._modules.items() if isinstance(child, torch.nn.Module)]
+            child = obj._modules.get(parts[depth]) if depth + 1 < len(parts) else None
+            if not isinstance(child, torch.nn.Module):
+                break
+            obj = _bare(child)
+    return tree
+
+
+def merged_trees(trees: list, keys: list) -> dict:
+    """One module tree of the :func:`module_tree` of several parts of a model, each cut from the
+    whole with the other layers removed: every part's order of the modules it holds is kept,
+    and modules of different parts come in the order of ``keys`` (the checkpoint's; modules no
+    key names last, by part)."""
+    first: dict = {}
+    for i, key in enumerate(keys):
+        parts = key.split(".")
+        for j in range(1, len(parts) + 1):
+            first.setdefault(tuple(parts[:j]), i)
+    out: dict = {}
+    for path in dict.fromkeys(path for tree in trees for path in tree):
+        orders = [tree[path] for tree in trees if path in tree]
+        out[path] = _merged_order(orders, lambda name: first.get(path + (name,), len(keys)))
+    return out
+
+
+def _merged_order(orders: list, rank) -> list:
+    """One order of the names of ``orders`` keeping each one's (a topological sort, ties by
+    ``rank``, then by first sight); where they disagree the rest by ``rank``."""
+    seen = list(dict.fromkeys(name for order in orders for name in order))
+    position = {name: i for i, name in enumerate(seen)}
+    waits = dict.fromkeys(seen, 0)
+    follows: dict = {name: set() for name in seen}
+    for order in orders:
+        for before, name in zip(order, order[1:]):
+            if name not in follows[before]:
+                follows[before].add(name)
+                waits[name] += 1
+    ready = [(rank(n), position[n], n) for n in seen if not waits[n]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        name = heapq.heappop(ready)[2]
+        out.append(name)
+        for other in follows[name]:
+            waits[other] -= 1
+            if not waits[other]:
+                heapq.heappush(ready, (rank(other), position[other], other))
+    done = set(out)
+    return out + sorted((n for n in seen if n not in done), key=lambda n: (rank(n), position[n]))
 
 
 def _bare(module: torch.nn.Module) -> torch.nn.Module:

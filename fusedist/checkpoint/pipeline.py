@@ -22,7 +22,9 @@ layers removed (torchtitan's split) keeps the whole model's names, and that is w
 checkpoint load into another split: at load, each part takes from the stages holding any of
 its keys the model entries it has, its optimizer parameters' state by parameter name, and each
 param group's hyperparameters from the saved group its parameters were in (parameters of one
-group here must come from groups with the same hyperparameters). A strict load also checks
+group here must come from groups with the same hyperparameters; a part without state, whose
+optimizer holds no parameters, takes the groups of the stage saved without state, as torch's
+``Optimizer.load_state_dict`` sets an empty group's). A strict load also checks
 across the job that the parts together take every model key and every parameter's optimizer
 state of the checkpoint: a part left without its ``pipeline=True`` (or a model a key short) is
 refused on every rank before any rank loads anything, as every load is.
@@ -46,7 +48,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _dcp_algorithm, _files, _from_dcp, _given_up, _load_plan, _names, _sections, api, stage3
+from . import _checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _sections, api, stage3
 from ._files import CheckpointError
 from ._optimizer_list import MANIFEST_KEY
 from ._params import optimizer_params, param_names
@@ -322,7 +324,7 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     part's :func:`_load_plan.prepare`-style plan, read and checked without modifying anything."""
     held = parts(model, optimizer)
     if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
-        return _prepare_dcp(directory, held, scaler, strict, trusted)
+        return _pipeline_dcp.prepare(directory, held, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)
     read = loaded_objects(directory, digest, strict, held, scaler)
@@ -333,11 +335,21 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     all_keys = {key: i for i, s in enumerate(stages) for key, _ in reader.model(i, s, {}).values()}
     all_params = {n: i for i, s in enumerate(stages) if s.get("optimizer") is not None
                   for n in s["optimizer"]["param_names"]}
+    if not strict:
+        read["tree"] = part_trees(held, all_keys, read["keys"])
     extra = reader.file(_files.COMMON).get("extra")
     if any("lr_scheduler" in p for p in plans):  # a Checkpointer's (Note [an LR scheduler per pipeline part])
         extra = dict(extra or {}, **{PART_LR_SCHEDULERS: [p.pop("lr_scheduler", None) for p in plans]})
     return {"parts": plans, "extra": extra, "read": read, "strict": strict,
             "stages": stages, "all_keys": all_keys, "all_params": all_params}
+
+
+def part_trees(held: list, every_key: dict, taken: list) -> list:
+    """The module tree of each part along the saved keys this rank's parts do not load, which
+    every rank sends for the order of a load's unexpected keys (Note [the order of unexpected
+    keys] in ``_names.py``: no rank holds the whole model)."""
+    left = [k for k in every_key if k not in set(taken)]
+    return [_names.module_tree(_names.unwrap(module), left) for module, _ in held]
 
 
 def loaded_objects(directory: str, digest: str, strict: bool, held: list, scaler) -> dict:
@@ -353,98 +365,6 @@ def loaded_objects(directory: str, digest: str, strict: bool, held: list, scaler
         label = f"the part holding '{min(shapes)}'" if shapes else "the parts holding no state"
         read["optimizers"].append((_checks.keys_digest(shapes), label, _checks.optimizer_passed(opt)))
     return read
-
-
-def _prepare_dcp(directory: str, held: list, scaler, strict: bool, trusted: bool) -> dict:
-    """:func:`prepare` for a checkpoint of torch's distributed checkpoint holding the whole
-    model (Note [torch's distributed checkpoints in load] in ``_from_dcp.py``): torchtitan's
-    save of a pipeline-parallel job, every part's state by its names, the optimizer's
-    flattened by name (``flatten_optimizer_state_dict=True``). Each part takes its entries."""
-    if scaler is not None:
-        raise CheckpointError(f"fusedist.checkpoint: {directory} is a checkpoint of torch's distributed checkpoint, "
-                              "which holds no GradScaler state fusedist reads; pass scaler=None")
-    digest, tree = _from_dcp.read(directory, trusted)
-    read = loaded_objects(directory, digest, strict, held, scaler)
-    plans, every_key, every_param = [], {}, {}
-    for module, optimizer in held:
-        target = _names.unwrap(module)
-        expected, sharded_target = _load_plan._expected_model(target)
-        if expected or strict:
-            names = expected or _dcp_model_keys(tree, directory)
-            saved, optim, saved_key = _dcp_split(tree, names, expected, directory)
-        else:  # a part without state takes nothing, and a load that is not strict checks nothing more
-            keys, optim = _stateless_view(tree, directory)
-            saved, saved_key = {}, {}
-            every_key.update((key, 0) for key in keys)
-        every_key.update((saved_key[k], 0) for k in saved)
-        mine = type(saved)((k, v) for k, v in saved.items() if k in expected)
-        mine = _load_plan._cross_packed(mine, target, sharded_target, directory)  # (an NF4 weight's other form)
-        plan = {"model": _load_plan._check_model(mine, expected, directory, strict), "model_sharded": sharded_target,
-                "strict": strict, "extra": None, "params": []}
-        plan["keys"], plan["missing"] = [saved_key[k] for k in plan["model"]], [k for k in expected if k not in mine]
-        if optimizer is not None:
-            params = optimizer_params(optimizer)
-            if optim is None and params:  # (one over no parameters takes nothing: as from fusedist's own)
-                raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
-            source = f"optimizer state in {directory}"
-            plan["params"] = param_names(module, params)
-            full = _from_dcp.to_torch_format(optim or {}, plan["params"], optimizer.param_groups, source, others=True)
-            _dcp_algorithm.check(full["param_groups"], optimizer, directory)
-            plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
-                                                         optimizer, params, source)
-        if optim is not None:  # (what a strict load takes when a rank passes an optimizer: check_taken)
-            every_param.update((n, 0) for n in _from_dcp.state_names(optim))
-        plans.append(plan)
-    read["keys"] = sorted({k for p in plans for k in p.pop("keys")})
-    read["params"] = sorted({n for p in plans for n in p.pop("params")})
-    return {"parts": plans, "extra": None, "read": read, "strict": strict, "stages": [{"ranks": None}],
-            "all_keys": every_key, "all_params": every_param}
-
-
-def _dcp_split(tree: dict, names, expected: dict, directory: str) -> tuple:
-    """``_from_dcp.split`` of ``tree`` for a part expecting ``expected``, and the saved key of
-    each model entry by its name here. The names are normalized against the part, so they
-    differ by part (a part of a model whose only child is ``module`` keeps that segment, a part
-    without state strips it); the saved keys are what :func:`check_taken` compares, alike on
-    every rank (as :meth:`_Reader.model`'s)."""
-    # (each value carries its saved key through the renaming)
-    pairs, optim = _from_dcp.split(tree, names, lambda d: _names.strip_prefix(
-        type(d)((key, (key, value)) for key, value in d.items()), expected), directory)
-    saved = type(pairs)((name, value) for name, (_, value) in pairs.items())
-    return saved, optim, {name: key for name, (key, _) in pairs.items()}
-
-
-def _stateless_view(tree: dict, directory: str) -> tuple:
-    """The saved keys of the model's state in torch's distributed checkpoint ``tree``, and its
-    optimizer state (None if it holds none), for a load that is not strict of a part without
-    state. The keys are what the part does not load, listed by the load's ``unexpected_keys``
-    unless another part takes it (Note [a load that is not strict] in ``_load.py``; a rank
-    holding only such parts listed none, where the whole model's ``load_state_dict`` lists them).
-    None are listed where the checkpoint holds several entries that could be the model's: only a
-    part with state tells them apart. The optimizer state is what the part's optimizer (one over
-    no parameters of the part) takes nothing from, though the checkpoint holds the other parts'."""
-    try:
-        _, optim, saved_key = _dcp_split(tree, _dcp_model_keys(tree, directory), {}, directory)
-        return list(saved_key.values()), optim
-    except CheckpointError:
-        optims = [d for _, d in _from_dcp._dicts(tree) if _from_dcp._is_optimizer(d)]
-        return [], (optims[0] if len(optims) == 1 else None)
-
-
-def _dcp_model_keys(tree: dict, directory: str) -> dict:
-    """The model keys of torch's distributed checkpoint ``tree``, for a part without state (a
-    pipeline stage without parameters, Note [an optimizer per pipeline stage] in ``_checks.py``),
-    which has no names to find the model's state by: it takes nothing, but must know every key
-    and parameter the checkpoint holds, as the other ranks do, for a strict load's check that
-    the parts took all of it (:func:`check_taken`, alike on every rank). The model's state is
-    then the one entry holding tensors that is not an optimizer's."""
-    found = [d for _, d in _from_dcp._dicts(tree) if not _from_dcp._is_optimizer(d)
-             and any(isinstance(v, torch.Tensor) for v in d.values())]
-    if len(found) != 1:
-        raise CheckpointError(f"fusedist.checkpoint: torch's distributed checkpoint {directory} holds {len(found)} "
-                              "entries of tensors besides an optimizer's: a model part without state cannot tell "
-                              "which is the model's state (load with strict=False)")
-    return _names.strip_prefix({k: v for k, v in found[0].items() if isinstance(v, torch.Tensor)}, {})
 
 
 def _chosen(stages: list, expected: dict) -> list:
@@ -482,7 +402,8 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
                   "model_sharded": sharded_target, "strict": strict, "extra": None, "params": [], "keys": taken,
                   "missing": [k for k in expected if k not in saved]}
     if optimizer is not None:
-        plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer)
+        plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer,
+                                                               [] if chosen else _stateless_first(stages, *where))
     # the stages' LR schedulers, saved by a Checkpointer (Note [an LR scheduler per pipeline part])
     plan.update(_part_lr_scheduler([reader.file(s["common"]) for _, s in chosen]))
     if scaler is not None:
@@ -510,13 +431,15 @@ def _stateless_first(stages: list, rank: int, slot: int) -> list:
     return sorted(enumerate(stages), key=order)
 
 
-def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer) -> tuple:
+def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer, stateless: list) -> tuple:
     """The part's optimizer state in torch's format, from the stages holding its parameters:
     their state and param groups by parameter name, put in the optimizer's order as a torch
     distributed checkpoint's are (``_from_dcp.to_torch_format``), then checked and converted
     by :func:`_load_plan._prepare_full`; and the names taken, as saved (what :func:`check_taken`
     compares with the stages' ``param_names``: an older checkpoint's ``_orig_mod.`` names,
-    taken by their names now, were reported as state no part loads)."""
+    taken by their names now, were reported as state no part loads). ``stateless``: the stages
+    in :func:`_stateless_first`'s order for a part holding no state, whose optimizer over no
+    parameters takes its groups' settings from :func:`_saved_without_state`."""
     params = optimizer_params(optimizer)
     names = param_names(model, params)
     target = _names.unwrap(model)
@@ -524,8 +447,10 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
     wanted = set(names)
     state, groups, shapes, taken = {}, [], {}, []  # by name; the saved groups with their parameters' names
     with_state = [s for _, s in chosen if s.get("optimizer") is not None]
-    if not with_state and names:  # (one over no parameters, a part without state's, takes nothing)
+    if not with_state and names:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
+    if not chosen and not names:  # (one over no parameters, a part without state's: its groups' settings)
+        with_state = _saved_without_state(directory, stateless, reader, optimizer)
     for stage in with_state:
         meta = stage["optimizer"]
         full = reader.optimizer(stage)
@@ -553,6 +478,27 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
     source = f"optimizer state in {directory}"
     full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source)
     return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), taken
+
+
+def _saved_without_state(directory: str, stages: list, reader: _Reader, optimizer) -> list:
+    """The stage whose param groups the optimizer over no parameters of a part without state
+    takes (the first saved without state of ``stages``, in :func:`_stateless_first`'s order: the
+    one this rank saved in this slot first), as torch's ``Optimizer.load_state_dict`` restores
+    an empty group's settings (lr, weight decay) too: the part kept its own. None (``[]``) where
+    that stage was saved without an optimizer: it keeps its own, as there is nothing to take.
+    Its groups must be as many as the optimizer's, as torch requires."""
+    saved = next((s for _, s in stages if s["keys"] == []), None)
+    if saved is None or saved.get("optimizer") is None:
+        return []
+    count = len(reader.optimizer(saved)["param_groups"])
+    if count != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"fusedist.checkpoint: the optimizer of a model part without state has {len(optimizer.param_groups)} "
+            f"param group(s) (of no parameters); the one its stage without state (ranks {saved['ranks']}, part "
+            f"{saved['part']}) saved in {directory} has {count}, whose settings it takes, as torch's "
+            "Optimizer.load_state_dict does (it refuses another number of groups): pass one with as many; nothing "
+            "was loaded")
+    return [saved]
 
 
 def check_taken(plan: dict, reads: list, directory: str) -> None:

@@ -368,10 +368,31 @@ class Communicator(abc.ABC):
         return torch.device("cpu")
 
     # ---- public wrappers: validation, sequence numbers, handles
-    def all_reduce(self, tensor, *, op: str = "sum", async_op: bool = False, tag: str = "") -> CommHandle:
+    def all_reduce(self, tensor, *, op: str = "sum", async_op: bool = False, tag: str = "",
+                   parts_checked: bool = False) -> CommHandle:
+        """``parts_checked``: the caller already made sure every rank passes a tensor of this size and
+        dtype, with this op (a DDP bucket: Note [parts a caller checked]). Pass the same value on
+        every rank for one collective."""
         check_op(op, "all_reduce", tensor.dtype, tag)
         check_flat("all_reduce", tag, self.rank, tensor=tensor)
-        return self._launch("all_reduce", tag, async_op, lambda: self._all_reduce(tensor, op), part=tensor)
+        reduce = self._all_reduce_checked if parts_checked else self._all_reduce
+        return self._launch("all_reduce", tag, async_op, lambda: reduce(tensor, op), part=tensor)
+
+    # Note [parts a caller checked]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # An implementation may compare the ranks' parts of an all-reduce before trusting the transport
+    # with them (gloo's own all-reduces post a fingerprint to every peer: Note [parts agreed before
+    # gloo's own all-reduce] in part_agreement.py). A caller whose parts are already checked across
+    # ranks -- DDP's buckets, whose layout is compared at construction and at every synchronized step
+    # (Note [step check] in fusedist/reliability/step_check.py) and whose op is fixed -- says so with
+    # ``parts_checked=True`` and pays for no comparison. Every rank must pass the same value for one
+    # collective: a rank that compares waits for a fingerprint its peer never posts and times out
+    # (DDP passes it from the one place that launches a bucket, for the active ranks' buckets and a
+    # joined rank's shadows alike). Implementations that compare nothing ignore it.
+    def _all_reduce_checked(self, tensor: torch.Tensor, op: str):
+        """``_all_reduce`` of parts the caller checked across ranks (Note [parts a caller checked]):
+        the same by default."""
+        return self._all_reduce(tensor, op)
 
     def reduce_scatter(self, output, input, *, op: str = "sum", async_op: bool = False, tag: str = "",
                        label: Optional[str] = None) -> CommHandle:

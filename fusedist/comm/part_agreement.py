@@ -18,7 +18,7 @@ Note [parts agreed before gloo's own all-reduce]
       group stays usable. Its wait is one deadline, never sliced (as a synchronous exchange's):
       gloo's receive works report completion only through a wait, and one whose wait times out
       closes the group's connections.
-    * launched with ``async_op=True`` (DDP's buckets, a replicate group's gradients), gloo's
+    * launched with ``async_op=True`` (a fully_shard replicate group's gradients, user code), gloo's
       all-reduce is launched at once -- a launch that waited for the peers would stall the
       backward that launches it -- and the fingerprints are read once it completed: a part of
       another dtype or op is an error naming each part instead of garbage taken for a result
@@ -27,8 +27,11 @@ Note [parts agreed before gloo's own all-reduce]
       fusedist/reliability/step_check.py). Its wait is sliced like any gloo work's.
 
     A rank may launch the collective either way, whatever the others do: each posts its
-    fingerprint at launch. The price is a small message to and from every peer per all-reduce, and
-    for a synchronous one a message latency before the launch (the figures are in the README).
+    fingerprint at launch. A caller whose parts are checked otherwise passes ``parts_checked=True``
+    on every rank and posts none (DDP's buckets, a replicated module's, a joined rank's shadows of
+    them: Note [parts a caller checked] in base.py). The price is a small message to and from every
+    peer per all-reduce, and for a synchronous one a message latency before the launch (the figures
+    are in the README).
     ``FUSEDIST_AGREE_PARTS=0`` on every rank turns it off.
 """
 

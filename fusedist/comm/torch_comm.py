@@ -256,6 +256,13 @@ class TorchCommunicator(Communicator):
         return torch.device("cpu")
 
     def _all_reduce(self, tensor, op):
+        return self._reduce(tensor, op, agree=self.agree_parts)
+
+    def _all_reduce_checked(self, tensor, op):
+        # no fingerprints: the caller checked the parts (Note [parts a caller checked] in base.py)
+        return self._reduce(tensor, op, agree=False)
+
+    def _reduce(self, tensor, op, agree: bool):
         if self._small_all_reduce(tensor, op):
             # Labelled by size and op, not tag: all-reduces of one size pair whatever their tags, as
             # on gloo's own (a joined rank's shadow of an active rank's all-reduce has another tag);
@@ -263,7 +270,7 @@ class TorchCommunicator(Communicator):
             return self.exchange.all_reduce(tensor, op, seq=self._seq.last,
                                             label=f"{tensor.numel()} {tensor.dtype} {op}")
         start = functools.partial(dist.all_reduce, tensor, op=_OPS[op], group=self.group, async_op=True)
-        if not self.agree_parts or "gloo" not in str(self.backend) or tensor.device.type != "cpu":
+        if not agree or "gloo" not in str(self.backend) or tensor.device.type != "cpu":
             return start()
         # Note [parts agreed before gloo's own all-reduce] in part_agreement.py
         group = self._group_timeout()

@@ -160,7 +160,10 @@ class AllReduceAverage(GradSyncStrategy):
         wire = to_wire(data, reduce_dtype)
         divide_before_sum(bucket, wire, pre)
         reducer.bucket_scratch[bucket.index] = wire
-        return reducer.comm.all_reduce(real_pairs(wire), async_op=True, tag=f"ddp bucket {bucket.index}")
+        # The buckets' layout is checked across ranks and their op is fixed: no fingerprints (Note [parts a
+        # caller checked] in fusedist/comm/base.py). A joined rank's shadow of a bucket comes through here too.
+        return reducer.comm.all_reduce(real_pairs(wire), async_op=True, tag=f"ddp bucket {bucket.index}",
+                                       parts_checked=True)
 
     def fold_factor(self, reducer, bucket):
         return pre_division_fold(reducer, bucket)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 from test_fully_shard_api_parity import _count_gathers
 
 VOCAB, DIM, SEQ, N_BLOCKS, BATCH = 40, 16, 6, 2, 3
@@ -222,8 +224,65 @@ def _aborted_group_call(rank, world, seed):
     return (out - plain(tokens)).abs().max().item(), unit.is_unsharded
 
 
-def test_a_group_call_ended_by_an_exception_starts_afresh():
-    seed = random.randrange(2**31)
-    for diff, gathered in run_distributed(_aborted_group_call, 2, seed, timeout=120):
-        assert diff <= FP32_TOL, f"seed {seed}: {diff}"
-        assert not gathered, f"seed {seed}: the group's unit stayed gathered after backward"
+class _Parent(nn.Module):
+    """A plain parent calling a group's members one after the other: the group is the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _group_as_root(rank, world, seed):
+    """``fully_shard([body, head])`` under a plain parent, two iterations: the head's call
+    continues the group call the body began -- no aborted-forward warning, one gather per
+    iteration -- and the accumulated gradients are the unsharded model's on the global batch."""
+    import warnings
+
+    import fusedist
+
+    torch.manual_seed(seed)
+    net = _Parent()
+    plain = copy.deepcopy(net)
+    fusedist.fully_shard([net.body, net.head])
+    gathers = _count_gathers(net.body)
+    x = torch.randn(world, 5, DIM, generator=torch.Generator().manual_seed(seed + 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net(x[rank]).square().mean().backward()
+    plain(x.reshape(-1, DIM)).square().mean().backward()  # (the mean over both ranks' rows)
+    diffs = {n: (p.grad.full_tensor() - 2 * q.grad).abs().max().item()
+             for (n, p), (_, q) in zip(net.named_parameters(), plain.named_parameters())}
+    return [str(w.message) for w in caught], len(gathers), diffs
+
+
+JOBS = {
+    "test_a_group_call_ended_by_an_exception_starts_afresh": {"aborted": (_aborted_group_call, ())},
+    "test_a_group_as_the_root_runs_its_members_as_one_call": {"group root": (_group_as_root, ())},
+}
+_SEED = random.randrange(2**31)
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The 2-rank group-call scenarios of the selected tests, in one launch (one seed)."""
+    jobs = {test: {name: (fn, (_SEED,)) for name, (fn, _) in scenarios.items()} for test, scenarios in JOBS.items()}
+    return launch_for_selected(request, jobs, 2, timeout=180)
+
+
+def test_a_group_call_ended_by_an_exception_starts_afresh(launched):
+    for diff, gathered in results_of(launched, "aborted"):
+        assert diff <= FP32_TOL, f"seed {_SEED}: {diff}"
+        assert not gathered, f"seed {_SEED}: the group's unit stayed gathered after backward"
+
+
+def test_a_group_as_the_root_runs_its_members_as_one_call(launched):
+    for rank, (warned, gathers, diffs) in enumerate(results_of(launched, "group root")):
+        assert warned == [], (rank, warned)  # each later member took itself for an aborted forward's successor
+        assert gathers == 2, (rank, gathers)  # one per iteration: the root keeps its unit gathered until backward
+        for name, diff in diffs.items():
+            assert diff <= FP32_TOL, f"seed {_SEED}, rank {rank}, {name}: {diff}"

@@ -278,11 +278,48 @@ def test_replica_check_names_current_path_after_renumbering(launched):
             assert f"'{stale}'" not in message, (rank, case, message)  # the first forward's path: another Linear now
 
 
+# A renumbering inside one unit: the unit's messages name a parameter by its current name too,
+# as torch's ``named_parameters()`` does, not by the one ``fully_shard`` took at wrapping (which
+# now names its neighbour).
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _renumbered_inside_a_unit(rank, ws):
+    torch.manual_seed(0)
+    net = fusedist.fully_shard(_Body())
+    net(torch.randn(3, 6)).sum().backward()
+    target = net.body[1].weight  # 'body.1.weight' until the insert, then the first Linear's name
+    net.body.insert(0, nn.Identity())
+    current = next(n for n, p in net.named_parameters() if p is target)
+    target.data = torch.zeros(5, 7)  # no rank's piece has 35 elements: refused on every rank
+    try:
+        net(torch.randn(3, 6))
+    except ValueError as e:
+        return current, str(e)
+    return current, None
+
+
+def test_unit_messages_name_current_parameter_after_renumbering_inside_the_unit(launched):
+    for rank, (current, message) in enumerate(results_of(launched, "renumbered inside")):
+        assert current == "body.2.weight", (rank, current)
+        assert message is not None, f"rank {rank}: a piece replaced by the whole weight was not refused"
+        assert f"parameter '{current}' of unit" in message, (rank, message)
+        assert "'body.1.weight'" not in message, (rank, message)  # the name at wrapping: the other Linear's now
+
+
 JOBS = {
     "test_out_of_step_ranks_and_step_misuse_are_reported": {"out of step": (_worker, ())},
     "test_step_guard_applies_at_world_size_one_as_at_two": {"guard": (_guard_worker, ())},
     "test_rank_dependent_gradients_are_reported": {"branchy": (_branchy_worker, ())},
     "test_replica_check_names_current_path_after_renumbering": {"renumbered": (_renumbered, ())},
+    "test_unit_messages_name_current_parameter_after_renumbering_inside_the_unit": {
+        "renumbered inside": (_renumbered_inside_a_unit, ())},
 }
 
 

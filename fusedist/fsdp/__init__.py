@@ -1,8 +1,9 @@
 """ZeRO stage 3 as ``fully_shard``, with torch FSDP2's signature (``from fusedist import fully_shard``).
 
 Modules, one job each: ``policy`` (MixedPrecisionPolicy, CPUOffloadPolicy), ``layout`` (where
-a parameter lives in its unit's flat buffer), ``unit`` (the buffers and the parameter swap),
-``grads`` (gradients to shards), ``mesh`` (the shard and replicate groups of a mesh),
+a parameter lives in its unit's flat buffer), ``unit`` (the parameter swap and its schedule),
+``buffers`` (the flat shard and gathered buffer behind it), ``grads`` (gradients to shards),
+``mesh`` (the shard and replicate groups of a mesh),
 ``replicate`` (HSDP's all-reduce across replicas), ``tensor_parallel`` (DTensor parameters of a
 tensor-parallel mesh: their local tensors sharded), ``extension`` (parameters that choose
 what is gathered: FSDP2's all-gather extension, torchao's float8 weights), ``packed`` (frozen

@@ -24,8 +24,8 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
 from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .dtensor_view import record_mesh
 from .mesh import groups_of, shard_mesh_of
-from .owners import Held, owner_of, record_owner, register_pieces
-from .members import check_params, describe, managed_modules_of, members_of, sharded_by_parent
+from .owners import Held, record_owner, register_pieces
+from .members import check_params, describe, members_of, take_params
 from .state import FullyShardState, state_of
 from .tensor_parallel import tensor_parallel_specs
 from .unit import ShardedUnit
@@ -109,34 +109,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
                                                                         device)
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
 
-    params, regs, fqns, borrowed = [], [], [], []
-    index_of: dict[int, int] = {}
-    for mod_name, sub in managed_modules_of(modules):
-        for attr, p in sub._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            fqn = f"{mod_name}.{attr}" if mod_name else attr
-            owned = owner_of(p)  # (None also where a dropped model's unit is gone)
-            if owned is not None:  # tied with a parameter another unit holds
-                owner, idx = owned
-                if any(m is sub and a == attr for m, a in owner.registrations[idx]):
-                    raise sharded_by_parent(module, fqn, owner, idx)
-                borrowed.append((owner, idx, (sub, attr), fqn))
-            elif id(p) in index_of:
-                regs[index_of[id(p)]].append((sub, attr))
-            else:
-                index_of[id(p)] = len(params)
-                params.append(p)
-                regs.append([(sub, attr)])
-                fqns.append(fqn)
-    if borrowed and not params:
-        owner, idx, _, fqn = borrowed[0]
-        raise NotImplementedError(
-            f"fusedist.fully_shard({describe(modules)}): every parameter of this module is tied to a parameter "
-            f"another unit holds ('{fqn}' is '{owner.fqns[idx]}' of fully_shard({owner.name or 'root'})), and a unit "
-            "needs a parameter of its own. Leave this module to a parent's fully_shard call, or do not shard "
-            f"{owner.name} on its own, so that this call takes the tied weight with the rest (torch's FSDP2 refuses "
-            "weights tied across units).")
+    params, regs, fqns, borrowed = take_params(module, modules, ignored)
     for owner, idx, (sub, attr), _ in borrowed:
         sub._parameters[attr] = owner.sharded[idx]
     unit = grads = None

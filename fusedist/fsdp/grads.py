@@ -291,7 +291,7 @@ class UnitGrads:
             flat, present = self._into_flat(k, grads)
             with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present).union(self._unused(k)))
             log.append((unit.label, k, tuple(with_grad),
-                        [unit.fqns[i] for i in unit.layout.sections[k].indices
+                        [unit.names[i] for i in unit.layout.sections[k].indices
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
             out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=flat.dtype, device=unit.device)
             COUNTERS.add_scratch(out.numel() * out.element_size())

@@ -127,14 +127,15 @@ def check_held_alike(figures: torch.Tensor, params: list, norm_type: float, tota
     if not bad:
         return
     from .owners import owner_of
+    from .param_view import param_name
 
     named = []
     for j in bad[:3]:
         owned = owner_of(params[j])
         unit = owned[0] if owned is not None else None
-        where = "?" if unit is None else (
-            f"'{unit.path + '.' if unit.path else ''}{unit.fqns[owned[1]]}' of fully_shard({unit.name or 'root'})"
-            + (", a unit with no tensor-parallel parameters" if unit.tp_comm is None else ""))
+        where = "?" if unit is None else param_name(unit, owned[1], with_unit=True)
+        if unit is not None and unit.tp_comm is None:
+            where += ", a unit with no tensor-parallel parameters"
         figures_j = ", ".join(f"{row[j]:.6g} on tensor-parallel rank {r}" for r, row in enumerate(rows))
         named.append(f"{where} ({figures_j})")
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""

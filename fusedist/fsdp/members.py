@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from .extension import has_extension
+from .owners import owner_of
 from .state import state_of
 
 
@@ -126,13 +127,50 @@ def _subclass_refusal(module_name: str, fqn: str, p, how: str = "") -> str:
             "(ignored_params).")
 
 
+def take_params(module, modules: list, ignored: set) -> tuple:
+    """The parameters one ``fully_shard`` call shards: ``(params, registrations, names, borrowed)``
+    -- each parameter once, with every ``(module, attribute)`` holding it and its first name
+    under ``modules``; and ``(owner, index, (module, attribute), name)`` for each one tied to a
+    parameter another unit holds (Note [lent parameters] in unit.py). Refuses a module sharded
+    after one containing it, and a unit every parameter of which another unit holds."""
+    params, regs, fqns, borrowed = [], [], [], []
+    index_of: dict[int, int] = {}
+    for mod_name, sub in managed_modules_of(modules):
+        for attr, p in sub._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            owned = owner_of(p)  # (None also where a dropped model's unit is gone)
+            if owned is not None:  # tied with a parameter another unit holds
+                owner, idx = owned
+                if any(m is sub and a == attr for m, a in owner.registrations[idx]):
+                    raise sharded_by_parent(module, fqn, owner, idx)
+                borrowed.append((owner, idx, (sub, attr), fqn))
+            elif id(p) in index_of:
+                regs[index_of[id(p)]].append((sub, attr))
+            else:
+                index_of[id(p)] = len(params)
+                params.append(p)
+                regs.append([(sub, attr)])
+                fqns.append(fqn)
+    if borrowed and not params:
+        owner, idx, _, fqn = borrowed[0]
+        raise NotImplementedError(
+            f"fusedist.fully_shard({describe(modules)}): every parameter of this module is tied to a parameter "
+            f"another unit holds ('{fqn}' is '{owner.names[idx]}' of fully_shard({owner.name or 'root'})), and a unit "
+            "needs a parameter of its own. Leave this module to a parent's fully_shard call, or do not shard "
+            f"{owner.name} on its own, so that this call takes the tied weight with the rest (torch's FSDP2 refuses "
+            "weights tied across units).")
+    return params, regs, fqns, borrowed
+
+
 def sharded_by_parent(module, fqn, owner, idx) -> ValueError:
     """The error for a module sharded after a module containing it. Why not borrow, as for a
     weight tied across units: here the parent's unit swaps this very attribute, and two units
     swapping one slot would each put back their own tensor."""
     return ValueError(
         f"fusedist.fully_shard({type(module).__name__}): its parameter '{fqn}' is already sharded by "
-        f"fully_shard({owner.name or 'root'}) (as '{owner.fqns[idx]}'), called earlier on a module containing "
+        f"fully_shard({owner.name or 'root'}) (as '{owner.names[idx]}'), called earlier on a module containing "
         "this one. Apply fully_shard bottom-up: each submodule before the modules that contain it.")
 
 

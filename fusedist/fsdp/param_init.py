@@ -309,6 +309,6 @@ def _shape_error(unit, index: int, module: nn.Module, attr: str, held: torch.Ten
     if tuple(held.shape) != shape:
         return ValueError(
             f"fusedist.fsdp.init_parameters: after init_fn, {type(module).__name__}.{attr} "
-            f"('{unit.fqns[index]}' of unit {unit.name or 'root'}) has shape {tuple(held.shape)}; "
+            f"('{unit.names[index]}' of unit {unit.name or 'root'}) has shape {tuple(held.shape)}; "
             f"expected the whole parameter's {shape}")
     return None

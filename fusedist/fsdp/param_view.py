@@ -67,12 +67,14 @@ def _owned(p: torch.Tensor, what: str) -> tuple:
     return found
 
 
-def param_name(unit, index: int) -> str:
+def param_name(unit, index: int, with_unit: bool = False) -> str:
     """Parameter ``index`` of ``unit`` for messages: its path under the root once the root ran
-    forward, else its name in the unit."""
+    forward (with its unit's class too if ``with_unit``), else its name in the unit; current
+    after a renumbering (Note [unit paths follow the module] in tree_names.py)."""
     if unit.path is None:
-        return f"'{unit.fqns[index]}' of fully_shard({unit.name or 'root'})"
-    return f"'{unit.path + '.' if unit.path else ''}{unit.fqns[index]}'"
+        return f"'{unit.names[index]}' of fully_shard({unit.name or 'root'})"
+    named = f"'{unit.path + '.' if unit.path else ''}{unit.names[index]}'"
+    return f"{named} of fully_shard({unit.name or 'root'})" if with_unit else named
 
 
 def _placements(self) -> tuple:

@@ -103,7 +103,7 @@ class PieceMixin:
             return self.layout.element_range(index, self.rank if rank is None else rank)
         except DimShardedError as e:
             raise NotImplementedError(
-                f"fusedist.fully_shard: parameter '{self.fqns[index]}' of unit {self.label} (shape "
+                f"fusedist.fully_shard: parameter '{self.names[index]}' of unit {self.label} (shape "
                 f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
                 f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
                 "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "
@@ -164,7 +164,7 @@ class PieceMixin:
             data, want = self.piece_data(i), self.layout.piece(i, self.rank)
             if data.numel() != want.numel:
                 raise ValueError(
-                    f"fusedist.fully_shard: parameter '{self.fqns[i]}' of unit {self.label} now holds a tensor "
+                    f"fusedist.fully_shard: parameter '{self.names[i]}' of unit {self.label} now holds a tensor "
                     f"of shape {tuple(data.shape)} where this rank's piece (rank {self.rank}) has shape "
                     f"{tuple(want.shape)}: its data was replaced by a tensor of another size (param.data = ..., "
                     "param.set_(...), or module.weight = value on a parametrized module, which calls set_). "
@@ -180,7 +180,7 @@ class PieceMixin:
         for indices, what in [(g, "dtype") for g in groups] + [(range(n), "device")]:
             kinds: dict = {}
             for i in indices:
-                kinds.setdefault(getattr(data[i], what), self.fqns[i])
+                kinds.setdefault(getattr(data[i], what), self.names[i])
             if len(kinds) > 1:
                 found = ", ".join(f"'{fqn}' {kind}" for kind, fqn in kinds.items())
                 return (f"fusedist.fully_shard({self.name or 'root'}): a conversion changed the {what} of some "

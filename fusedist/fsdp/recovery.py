@@ -37,6 +37,12 @@ Note [aborted forward]
     running (``is_running``), so a step in between reshards what the aborted forward left
     gathered (Note [gathered copies and the optimizer step]).
 
+    A group of modules as the root (``fully_shard([body, head])`` called from a plain parent)
+    begins its forward at its first member's call, whose frame is gone when the parent calls
+    the next member: that member continues the group call (``later_group_member``), it
+    follows no aborted forward. Taken for one, each later member warned, dropped the group's
+    bookkeeping and gathered the unit again; FSDP2 runs such a group without a word.
+
 Note [aborted standalone call]
     A unit called on its own, outside the root's forward (an encoder run alone, a layer probed
     in evaluation), whose forward raises never runs its post-hook either: it stayed gathered,
@@ -100,6 +106,14 @@ def forward_is_live(ctx) -> bool:
             return True
         f = f.f_back
     return frame is None
+
+
+def later_group_member(state, module) -> bool:
+    """Whether ``module`` continues ``state``'s group call in progress: a member not run yet of a
+    call some member has finished (Note [a list of modules as one unit] in members.py; Note
+    [aborted forward])."""
+    pending = state._group_pending
+    return id(module) in pending and len(pending) < len(state.modules)
 
 
 def is_running(ctx) -> bool:

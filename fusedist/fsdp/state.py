@@ -184,6 +184,7 @@ from .containers import map_tensors as _map_tensors
 from .iteration import IterationContext
 from .owners import register_pieces
 from .tensor_parallel import drop_pending_grads, settle_pending_grads
+from .tree_names import name_units
 from .wrapping_check import check_one_mesh, check_wrapping
 
 # a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
@@ -326,9 +327,7 @@ class FullyShardState:
         units = [st.unit for st in states if st.unit is not None]
         if units:
             names = {id(m): n for member in self.modules for n, m in member.named_modules()}
-            for st in states:
-                if st.unit is not None:
-                    st.unit.path = st.path_in(names)
+            name_units(states, names)  # Note [unit paths follow the module] in tree_names.py
             check_one_mesh(units)
             # (the root's path is "": named '<root>' by the check's messages)
             paths = [(st.path_in(names), st.unit) for st in states if st.unit is not None]
@@ -376,7 +375,8 @@ class FullyShardState:
                     if not all(sp.requires_grad for sp in unit.sharded):  # Note [frozen parameters in backward]
                         args, kwargs = self._route_inputs(args, kwargs, recompute=True)
             return _cast(self.mp_policy.param_dtype if self.mp_policy.cast_forward_inputs else None, (args, kwargs))
-        if self.is_root and ctx.in_forward and not recovery.forward_is_live(ctx):
+        if self.is_root and ctx.in_forward and not recovery.forward_is_live(ctx) \
+                and not recovery.later_group_member(self, module):
             recovery.recover_aborted_forward(ctx, module)  # Note [aborted forward]
         if self.is_root and torch.is_grad_enabled():
             refuse_compiled_autograd("fully_shard", _WITH_COMPILED_AUTOGRAD)  # Note [compiled autograd refused]

@@ -16,7 +16,12 @@ Note [unit paths follow the module]
     ``check_consistency()``; when it changed, each unit takes its current path and the step
     watch its parameters' current names -- a parameter's first path in ``named_parameters()``,
     by identity, so a renumbering inside a unit is followed too. A unit or parameter no longer
-    in the tree keeps the name it had.
+    in the tree keeps the name it had. Each unit's parameters' names in the unit (``names``:
+    what its messages say after its path -- a piece of another size, a mixed conversion, a
+    refused tie, the held-alike check, ``to_local()``) are taken again then too, from its
+    modules' tree as ``fully_shard`` took them at wrapping (``fqns``, kept as they were), so a
+    module inserted into or deleted from a Sequential inside a unit does not leave a message
+    naming its neighbour.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ddp.module_tree import ModuleTree
 
-__all__ = ["RootTree"]
+__all__ = ["RootTree", "name_units"]
 
 
 class RootTree:
@@ -44,12 +49,7 @@ class RootTree:
             return False
         for tree, module in zip(self.trees, self.modules):
             tree.snapshot(module)
-        names = {id(m): n for member in self.modules for n, m in member.named_modules()}
-        for st in states:
-            if st.unit is not None:
-                path = st.path_in(names)
-                if path is not None:
-                    st.unit.path = path
+        name_units(states, {id(m): n for member in self.modules for n, m in member.named_modules()})
         if watch is not None:
             params = WeakIdKeyDictionary()  # (weak: a parameter that leaves the tree is not kept alive)
             for member in self.modules:
@@ -58,3 +58,33 @@ class RootTree:
                         params[p] = n
             watch.names_changed(params)
         return True
+
+
+def name_units(states: list, names: dict) -> None:
+    """Give the units of ``states`` their paths in ``names`` (module id -> path under the root)
+    and their parameters' current names in the unit; a unit not found keeps its path."""
+    for st in states:
+        if st.unit is not None:
+            path = st.path_in(names)
+            if path is not None:
+                st.unit.path = path
+            st.unit.names = _names_in_unit(st.unit, st.modules)
+
+
+def _names_in_unit(unit, modules: list) -> list:
+    """Each parameter's name under ``modules`` (the unit's) as ``fully_shard`` names it: the first
+    module holding it, in the order it walks them; its old name where no module holding it is left."""
+    from .members import managed_modules_of
+
+    where: dict = {}
+    for k, (name, sub) in enumerate(managed_modules_of(modules)):
+        where.setdefault(id(sub), (k, name))
+    current = []
+    for old, regs in zip(unit.names, unit.registrations):
+        held = [(where[id(m)], attr) for m, attr in regs if id(m) in where]
+        if not held:
+            current.append(old)
+            continue
+        (_, name), attr = min(held, key=lambda h: h[0][0])
+        current.append(f"{name}.{attr}" if name else attr)
+    return current

@@ -5,7 +5,8 @@ sharded parameters the optimizer steps, Note [sharded parameters]), the unsharde
 (with the full parameters forward and backward use), and the swap between the two on the
 modules that hold them. When to gather and reshard is the module state's decision
 (``state.py``); the gradient side is ``grads.py``; where each piece lies in the shard, and
-putting pieces back after a conversion, ``pieces.py``.
+putting pieces back after a conversion, ``pieces.py``; allocating, resizing and gathering the
+buffers themselves, ``buffers.py``.
 
 Note [sharded parameters]
     At rest every parameter of a unit is replaced on its module by an ``nn.Parameter`` that
@@ -91,14 +92,15 @@ from torch import nn
 
 from .extension import ExtensionGathers
 from .._dtypes import real_pairs
-from .layout import SplitLayout, alias
+from .layout import SplitLayout
 from .memory import COUNTERS
+from .buffers import BufferMixin
 from .pieces import PieceMixin
 from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
 
-class ShardedUnit(PieceMixin):
+class ShardedUnit(BufferMixin, PieceMixin):
     """The flat buffers and parameter swap of one ``fully_shard`` call (Note [sharded
     parameters]). ``params[i]`` is held by the modules ``registrations[i]`` as ``(module,
     attribute)`` pairs (several for a parameter shared inside the unit)."""
@@ -108,6 +110,10 @@ class ShardedUnit(PieceMixin):
                  replicate_comm=None, dims: Optional[list] = None, tp: Optional[list] = None,
                  ext: Optional[list] = None, shard_mesh=None):
         self.name, self.fqns, self.registrations = name, fqns, registrations
+        #: each parameter's name in the unit as the module's tree is now, for messages (``fqns``: as
+        #: at wrapping); renamed when the root sees its tree changed (Note [unit paths follow the
+        #: module] in tree_names.py)
+        self.names = list(fqns)
         #: each parameter's TensorParallelSpec, None for a plain one (Note [tensor-parallel
         #: parameters] in tensor_parallel.py): the unit holds the local tensors
         self.tp = list(tp) if tp is not None else [None] * len(params)
@@ -204,23 +210,6 @@ class ShardedUnit(PieceMixin):
         if self.on_grad:
             self.on_grad(index)
 
-    def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The gathered (compute) dtype of parameters of ``dtype``: ``mp_policy.param_dtype`` for
-        floating ones when set (FSDP2 casts every floating parameter), else their own."""
-        return self.mp_param_dtype if self.mp_param_dtype is not None and dtype.is_floating_point else dtype
-
-    def section_dtype(self, k: int) -> torch.dtype:
-        """The dtype of section ``k``'s shard (its parameters' dtype)."""
-        return self.shards[k].dtype
-
-    def section_param_dtype(self, k: int) -> torch.dtype:
-        """The dtype section ``k`` is gathered in."""
-        return self.gather_dtype(self.shards[k].dtype) if self.layout.mixed else self.param_dtype
-
-    def section_index(self, index: int) -> int:
-        """The section holding parameter ``index``."""
-        return self.layout._where[index][0]
-
     @torch.no_grad()
     def _build(self, params: list, offload_policy) -> None:
         layout, rank = self.layout, self.rank
@@ -239,63 +228,6 @@ class ShardedUnit(PieceMixin):
         self._new_full()
         self.unsharded = [nn.Parameter(u, requires_grad=p.requires_grad) for u, p in zip(self.unsharded, params)]
         self.mark_pieces()
-
-    def _new_shard(self, dtypes: list, device: torch.device) -> None:
-        """Zeroed shard storage: one tensor ``shard`` whose sections ``shards`` are slices, or in a
-        mixed-dtype unit one tensor per section of its dtype (``shard`` None; Note [dtype
-        sections])."""
-        pin = self.pin and device.type == "cpu"
-        make = torch.empty if device.type == "meta" else torch.zeros
-        secs = self.layout.sections
-        kw = {} if device.type == "meta" else {"pin_memory": pin}
-        if not self.layout.mixed:
-            self.shard = make(self.layout.shard_numel, dtype=dtypes[0], device=device, **kw)
-            self.shards = [self.shard[a:b] for a, b in (sec.shard_range for sec in secs)]
-        else:
-            self.shard = None
-            self.shards = [make(sec.layout.shard_numel, dtype=dt, device=device, **kw) for sec, dt in zip(secs, dtypes)]
-
-    def _new_full(self) -> None:
-        """The gathered buffer (one tensor, or one per section of a mixed-dtype unit), built
-        allocated then freed; the unsharded parameters' data set (or made) on it."""
-        secs, layout = self.layout.sections, self.layout
-        if not layout.mixed:
-            self.full = torch.empty(layout.total_numel, dtype=self.param_dtype, device=self.device)
-            self.fulls = [self.full[a:b] for a, b in (sec.full_range for sec in secs)]
-        else:
-            self.full = None
-            # (an extension section's: the bytes its gather brings, sized at the gather; Note
-            # [all-gather extension] in extension.py)
-            self.fulls = [torch.empty(0, dtype=torch.uint8, device=self.device) if sec.extension else
-                          torch.empty(sec.layout.total_numel, dtype=self.section_param_dtype(k), device=self.device)
-                          for k, sec in enumerate(secs)]
-        # Note [dim-sharded sections]: a dim-sharded section's whole parameters are copied out of
-        # its gathered chunks into a buffer of their own (None for a row-aligned section)
-        self.outs = [torch.empty(sec.layout.whole_numel, dtype=self.section_param_dtype(k), device=self.device)
-                     if sec.chunked else None for k, sec in enumerate(secs)]
-        for i in range(len(layout.slots)):
-            k = self.section_index(i)
-            sec, slot = secs[k], layout.slots[i]
-            if sec.chunked:
-                view = alias(self.outs[k], sec.layout.whole_offsets[layout.section_of(i)[1]], slot.shape)
-            else:
-                view = alias(self.fulls[k], slot.offset - sec.full_base, slot.shape)
-            if self.unsharded[i] is None:
-                self.unsharded[i] = view
-            elif self.ext[i] is not None:
-                # until its first gather, a placeholder of the parameter's shape, never allocated
-                self.ext_gathers.forget(i)
-                self.unsharded[i] = self.visible[i] = nn.Parameter(view, requires_grad=self.unsharded[i].requires_grad)
-                self._make_visible(i)
-            else:
-                self.unsharded[i].data = view
-                if self.tp[i] is not None:  # a DTensor over the new storage (and dtype, device)
-                    self._make_visible(i)
-        fulls = [self.full] if self.full is not None else self.fulls
-        self._full_nbytes = sum(f.untyped_storage().nbytes() for f in fulls)
-        self._full_nbytes += sum(o.untyped_storage().nbytes() for o, sec in zip(self.outs, secs)
-                                 if o is not None and not sec.extension)
-        self._resize_full(False)
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, async_op: bool = True) -> None:
@@ -370,32 +302,6 @@ class ShardedUnit(PieceMixin):
         self.reshard()
         self._new_full()
 
-    def _gather_source(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if src.device != self.device:
-            src = src.to(self.device, non_blocking=True)
-        if src.dtype != dtype:
-            src = src.to(dtype)
-        return src
-
-    def _resize_full(self, allocate: bool) -> None:
-        """Allocate (or free) the gathered buffer's storage (one, or one per section), and the
-        copy-out buffers of dim-sharded sections (Note [dim-sharded sections])."""
-        secs = self.layout.sections
-        for o, sec in zip(self.outs, secs):
-            if o is not None and not (allocate and sec.extension):
-                o.untyped_storage().resize_(o.numel() * o.element_size() if allocate else 0)
-        if self.full is not None:
-            self.full.untyped_storage().resize_(self._full_nbytes if allocate else 0)
-            return
-        for f, sec in zip(self.fulls, secs):
-            if not sec.extension:
-                f.untyped_storage().resize_(f.numel() * f.element_size() if allocate else 0)
-        if not allocate:  # an extension section's bytes and outputs (allocated by its gather)
-            for f, sec in zip(self.fulls, secs):
-                if sec.extension:
-                    f.untyped_storage().resize_(0)
-            self.ext_gathers.free()
-
     def wait_for_unshard(self) -> None:
         """Block until the gathers have landed; the modules then hold the unsharded parameters."""
         if not self.is_unsharded:
@@ -416,18 +322,6 @@ class ShardedUnit(PieceMixin):
             owner.wait_for_unshard()
             for module, attr in regs:
                 module._parameters[attr] = owner.visible[index]
-
-    @torch.no_grad()
-    def _copy_out(self) -> None:
-        """The whole dim-sharded parameters from their gathered chunks (Note [dim-sharded
-        sections] in chunk_layout.py); nothing for row-aligned sections, whose parameters are
-        views of the gathered buffer."""
-        for k, sec in enumerate(self.layout.sections):
-            if sec.extension:
-                self.ext_gathers.finish(k)
-            elif sec.chunked:
-                for j, i in enumerate(sec.indices):
-                    sec.layout.copy_out(self.fulls[k], j, self.unsharded[i].data)
 
     def reshard(self) -> None:
         """Free the unsharded buffer; the modules hold the sharded parameters again. A gather
@@ -512,31 +406,12 @@ class ShardedUnit(PieceMixin):
         group after forward and not gathered since)."""
         return self._post_forward_bytes if self._post_forward_parts is not None else 0
 
-    def gather_into(self, full, shard, tag: str) -> list:
-        """Start the all-gathers of ``shard`` (laid out like the unit's shard) into ``full``
-        (like its gathered buffer): one per section (Note [trainable section]); the handles.
-        Either may instead be a list of one tensor per section (Note [dtype sections])."""
-        handles = []
-        for k, sec in enumerate(self.layout.sections):
-            (a, b), (c, d) = sec.full_range, sec.shard_range
-            out = full[k] if isinstance(full, (list, tuple)) else full[a:b]
-            src = shard[k] if isinstance(shard, (list, tuple)) else shard[c:d]
-            if src is None:
-                continue  # (an extension section's gather: ExtensionGathers.start)
-            handles.append(self.comm.all_gather(real_pairs(out), real_pairs(src), async_op=True, tag=tag))
-        return handles
-
-    @property
-    def is_meta(self) -> bool:
-        """Whether the shard is on the meta device (Note [units built on the meta device])."""
-        return self.shards[0].is_meta
-
     def check_materialized(self) -> None:
         """Raise unless the unit's shard holds data: a unit built on meta is gathered only
         after ``to_empty``."""
         if self.is_meta:
             raise RuntimeError(
-                f"fusedist.fully_shard({self.name or 'root'}): the unit's parameters ({_first_names(self.fqns)}) "
+                f"fusedist.fully_shard({self.name or 'root'}): the unit's parameters ({_first_names(self.names)}) "
                 "are still on the meta device. Call model.to_empty(device=...) on the model, then initialize it "
                 "(fusedist.fsdp.init_parameters(model), or load a checkpoint), before running it.")
 
@@ -552,16 +427,6 @@ class ShardedUnit(PieceMixin):
     def gather_in_flight(self) -> bool:
         return self._gather is not None
 
-    # ------------------------------------------------------------------ sizes
-    @property
-    def sharded_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in ([self.shard] if self.shard is not None else self.shards))
-
-    @property
-    def unsharded_bytes(self) -> int:
-        """The gathered unit's bytes; an extension parameter's (its outputs) once it has been
-        gathered (Note [all-gather extension] in extension.py)."""
-        return self._full_nbytes + self.ext_gathers.output_bytes
 
 def _on_meta(name: str, params: list, fqns: list) -> bool:
     """Whether the unit is built on meta: all its parameters are (Note [units built on the meta

@@ -144,7 +144,7 @@ def _describe_holder(holder, params: list) -> str:
     for p in params:
         owned = owner_of(p)
         if owned is not None:
-            units.setdefault(id(owned[0]), (owned[0].name or "root", []))[1].append(owned[0].fqns[owned[1]])
+            units.setdefault(id(owned[0]), (owned[0].name or "root", []))[1].append(owned[0].names[owned[1]])
     names = ", ".join(f"{name} ({', '.join(fqns[:2])}{', ...' if len(fqns) > 2 else ''})"
                       for name, fqns in units.values())
     groups = [f"data-parallel group of {holder.comm.world_size}"]

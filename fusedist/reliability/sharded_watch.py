@@ -304,7 +304,7 @@ def _named_pieces(units, current: dict) -> list:
     its path in ``current`` (by identity), else its unit's path and its name in the unit."""
     named = []
     for u in units:
-        for fqn, piece in zip(u.fqns, u.sharded):
+        for fqn, piece in zip(u.names, u.sharded):
             named.append((current.get(piece) or (f"{u.path}.{fqn}" if u.path else fqn), piece))
     return named
 

@@ -82,16 +82,11 @@ def add_param_group(zero, param_group: dict) -> None:
     try:
         Optimizer.add_param_group(zero, param_group)  # torch's checks (duplicates) and defaults
         appended = True
-        zero._fill_group_defaults()
         new = list(zero.param_groups[gi]["params"])
-        combined = zero._params + new
-        param_checks.check_distinct(combined, zero._group_of + [gi] * len(new),
-                                    lambda i: f"parameter {i} (shape {tuple(combined[i].shape)})",
-                                    first=len(zero._params))
-        for p in new:
-            if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
-                raise TypeError(f"ZeroRedundancyOptimizer.add_param_group: a parameter has dtype {p.dtype}; only "
-                                "floating-point and complex parameters can be sharded")
+        # Note [refusals of one rank's own arguments]: a parameter given twice, a dtype, the
+        # defaults filled in, and with offload what the host Adam cannot run -- as the constructor
+        refusal = param_checks.own_refusal(zero, groups=[gi], params=new, first=len(zero._params),
+                                           op="ZeroRedundancyOptimizer.add_param_group")
     except (ValueError, TypeError) as exc:
         refusal = exc  # raised after the ranks compared their groups, on every rank alike
         if not appended:  # (torch's check normalizes the list in place before refusing it)

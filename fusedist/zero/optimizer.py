@@ -40,7 +40,7 @@ from .grads import GradientsMixin
 from .join import JoinableOptimizer
 from .shard_store import ShardStore
 from .shared_state import MutableState, share_with_wrappers
-from .offload import OFFLOAD_CHOICES, HostShardOffload, check_offload_config, check_offload_group, check_offload_isa
+from .offload import HostShardOffload, check_offload_isa
 from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
 from .scaling import ZeroScalerProtocol
@@ -196,22 +196,21 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                  offload: Optional[str] = None,
                  max_buckets_in_flight: Optional[int] = grad_sync.DEFAULT_MAX_BUCKETS_IN_FLIGHT, **defaults):
         self._zero_mutable = MutableState()  # Note [state shared with wrappers] in shared_state.py
-        if defaults.pop("overlap_with_ddp", False):
-            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
-                             "a fusedist DistributedDataParallel model instead")
+        overlap_with_ddp = defaults.pop("overlap_with_ddp", False)
         defaults.pop("parameters_as_bucket_view", None)  # always true here
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
-        grad_sync.check_max_buckets_in_flight(max_buckets_in_flight)
-        if offload not in OFFLOAD_CHOICES:
-            raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
         self.offload = "cpu" if offload == "cpu" else None
         # What constructs the inner optimizer (and the probes of it), and the class behind it:
         # optimizer_class may be a functools.partial (Hydra's `_partial_: true` configs make them).
         self._optimizer_factory = optimizer_class or default_optimizer_class()
-        self.optimizer_class = optimizer_type(self._optimizer_factory, defaults)
-        # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
-        check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
+        self.optimizer_class = None
+        try:  # Note [refusals of one rank's own arguments] in param_checks.py: raised after the comparison
+            param_checks.check_arguments(stage, offload, max_buckets_in_flight, overlap_with_ddp)
+            self.optimizer_class = optimizer_type(self._optimizer_factory, defaults)
+            # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
+            check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
+            refusal = None
+        except (ValueError, TypeError) as exc:
+            refusal = exc
         self.stage = stage
         # Stage 2 keeps no p.grad, which torch.amp.GradScaler unscales and checks: with this
         # flag torch's scaler hands itself to step() (its custom-optimizer protocol) instead of
@@ -223,29 +222,21 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # (requires_grad=False now) are kept there but never sharded, stepped or given state.
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        param_checks.check_distinct(self._params, self._group_of, self._param_shape)
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
-        for i in self._trainable:
-            p = self._params[i]
-            if not (p.is_floating_point() or p.is_complex()):
-                raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; only "
-                                "floating-point and complex parameters can be sharded")
         self._device = self._params[self._trainable[0] if self._trainable else 0].device
-        self._fill_group_defaults()
-        if self.offload:
-            check_offload_config(self.optimizer_class, {i: self._params[i] for i in self._trainable})
-            for gi, group in enumerate(self.param_groups):
-                check_offload_group(group, gi, constructing=True)
+        # Note [refusals of one rank's own arguments] in param_checks.py: raised after the comparison
+        refusal = refusal or param_checks.own_refusal(self)
         self._offload: Optional[HostShardOffload] = None
-        self.ddp, self.comm, self.process_group, refusal = wiring.connect(
+        self.ddp, self.comm, self.process_group, subset_refusal = wiring.connect(
             self._trainable_params(), self._params, process_group, self._device, stage)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
-        param_checks.check_same_params_on_every_rank(self, refusal=refusal)  # Note [the same parameters ...]
+        self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
+        param_checks.check_same_params_on_every_rank(  # Note [the same parameters on every rank]
+            self, refusal=refusal or subset_refusal)
         if self.offload:
             check_offload_isa(self)
-        self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
         self.overlap_param_gather = overlap_param_gather and self.ddp is not None
         self._gatherer = ParamGatherer(self.comm, self.world_size, self.overlap_param_gather)
         self._grads_present = False

@@ -20,9 +20,14 @@ Note [the same parameters on every rank]
     refusal of a rank's own list (a subset of a DDP model's parameters in stage 2) is raised only
     after the comparison, so that a list differing on one rank fails on every rank alike.
     The same exchange carries every param group's hyperparameters (Note [the same
-    hyperparameters on every rank] in ``hyper_checks.py``), after the parameters. The memory
-    format is: a parameter channels_last on one rank only lies in another element order in
-    that rank's flat buffer (``shaped_like``), and the ranks would exchange unrelated elements.
+    hyperparameters on every rank] in ``hyper_checks.py``), after the parameters, and the
+    settings that decide the collectives and the shards (offload, stage, optimizer_class, and
+    without DDP bucket_cap_mb: offload on one rank only ran the offload's own collective there
+    alone). The memory format is compared: a parameter channels_last on one rank only lies in
+    another element order in that rank's flat buffer (``shaped_like``), and the ranks would
+    exchange unrelated elements; so is the device type (a layer left on the meta device on one
+    rank). A refusal of a rank's own arguments is an entry of the exchange too (Note [refusals of
+    one rank's own arguments]).
 """
 
 from __future__ import annotations
@@ -34,6 +39,76 @@ import torch
 from .._consistency import RankMismatchError, describe_difference, describe_unshared, gather_objects
 from ..ddp.layout import slot_order
 from . import hyper_checks
+
+
+# Note [refusals of one rank's own arguments]
+#     What the constructor refuses from one rank's own arguments alone -- its options (stage,
+#     offload, an optimizer_class that is not elementwise), a parameter given twice or on another
+#     device, a hyperparameter the inner optimizer refuses (a negative lr), and with ``offload="cpu"`` a
+#     dtype or a group option the host Adam cannot run (amsgrad, differentiable, capturable) --
+#     was raised before the comparison of the parameter lists, a collective. Where it differed
+#     across ranks (a config read per host: offload or amsgrad on one rank, a model cast to
+#     float64 on one rank) the refusing rank raised alone and the others waited in the comparison
+#     until the stall timeout. So the constructor collects this rank's refusal first, the ranks
+#     compare (the refusal is an entry of the exchange), and then every rank raises: the same
+#     RankMismatchError naming the refusing rank and its reason where the ranks differ, each its
+#     own error where all refuse alike. ``add_param_group`` does the same with its group.
+def check_arguments(stage, offload, max_buckets_in_flight, overlap_with_ddp) -> None:
+    """The constructor's own arguments, refused by name (Note [refusals of one rank's own arguments])."""
+    from .grad_sync import check_max_buckets_in_flight
+    from .offload import OFFLOAD_CHOICES
+
+    if overlap_with_ddp:
+        raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
+                         "a fusedist DistributedDataParallel model instead")
+    if stage not in (1, 2):
+        raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
+    check_max_buckets_in_flight(max_buckets_in_flight)
+    if offload not in OFFLOAD_CHOICES:
+        raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
+
+
+def own_refusal(zero, groups=None, params=None, first: int = 0, op: str = "ZeroRedundancyOptimizer"):
+    """This rank's refusal of its own arguments (Note [refusals of one rank's own arguments]), or
+    None: ``params`` (default: the optimizer's), indexed from ``first``, and ``groups`` (default:
+    every param group, by index; given, the groups ``add_param_group`` adds) after their defaults
+    are filled in."""
+    from .offload import check_offload_config, check_offload_group
+
+    try:
+        everything = zero._params if params is None else zero._params + list(params)
+        check_distinct(everything, zero._group_of + [len(zero.param_groups) - 1] * (len(everything) - len(
+            zero._group_of)), lambda i: f"parameter {i} (shape {tuple(everything[i].shape)})", first=first)
+        trainable = {i: p for i, p in enumerate(everything) if i >= first and p.requires_grad}
+        for i, p in trainable.items():
+            if not (p.is_floating_point() or p.is_complex()):
+                raise TypeError(f"{op}: parameter {i} has dtype {p.dtype}; only floating-point and complex "
+                                "parameters can be sharded")
+        _check_one_device(zero, trainable, op)
+        zero._fill_group_defaults()
+        if zero.offload:
+            if groups is None:  # (a joining parameter's dtype is checked when it joins, Note [growing ...])
+                check_offload_config(zero.optimizer_class, trainable)
+            for gi in range(len(zero.param_groups)) if groups is None else groups:
+                check_offload_group(zero.param_groups[gi], gi, constructing=True)
+    except Exception as exc:  # noqa: BLE001 - raised as it is, once the ranks have compared
+        return exc
+    return None
+
+
+def _check_one_device(zero, trainable: dict, op: str) -> None:
+    """The flat buffers, masters and collectives of one optimizer are on one device
+    (``zero._device``): a trainable parameter elsewhere (a layer left on the meta device, or on
+    another GPU) failed at the first step with a bare copy error, on that rank alone."""
+    for i, p in trainable.items():
+        if p.device != zero._device:
+            j = next((k for k, q in enumerate(zero._params) if q.requires_grad and q.device == zero._device), None)
+            raise ValueError(
+                f"{op}: parameter {i} (shape {tuple(p.shape)}) is on {p.device}, "
+                + (f"parameter {j} on {zero._device}" if j is not None else f"the optimizer's on {zero._device}")
+                + "; one optimizer shards the parameters of one device (its flat buffers and collectives are "
+                "there). Move the model to one device before building it; a parameter on the meta device must be "
+                "materialized first (module.to_empty(device=...) and its initialization)")
 
 
 def check_param_groups_given(params) -> list:
@@ -73,7 +148,8 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
     joins): ranks adding different parameters grew different buckets, and the next step's
     all-gathers silently exchanged unrelated elements (without DDP) or left the ranks whose
     group missed a parameter DDP reduces raising alone while the others waited. ``refusal``: an
-    error of this rank's own list, raised after the comparison (:func:`wiring.find_ddp`)."""
+    error of this rank's own arguments, raised after the comparison (:func:`own_refusal`,
+    :func:`wiring.find_ddp`). The exchange carries the settings too (:func:`_settings`)."""
     if zero.comm is None or zero.world_size == 1:
         if refusal is not None:
             raise refusal
@@ -81,17 +157,17 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
     params = zero._params if params is None else params
     group_of = zero._group_of if group_of is None else group_of
     entries = [(first + i, group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad),
-                slot_order(p)) for i, p in enumerate(params)]
+                slot_order(p), p.device.type) for i, p in enumerate(params)]
     if refusal is not None:  # refused on some ranks only: the difference to name first (without the rank)
         reason = re.sub(r"\s*\(rank \d+\)", "", str(refusal)).split(";")[0][:160]
         entries.insert(0, ("refused", type(refusal).__name__, reason))
 
     def label(e):
         if e[0] == "refused":
-            return f"this rank's own refusal of its list ({e[1]}: {e[2]})"
+            return f"this rank's own refusal of its arguments ({e[1]}: {e[2]})"
         return (f"parameter {e[0]} (param group {e[1]}) shape {e[2]} {e[3]}"
                 + (f" in the memory order of strides {e[5]}" if e[5] else "")
-                + ("" if e[4] else " requires_grad=False"))
+                + ("" if e[4] else " requires_grad=False") + f" on {e[6]}")
 
     adding = first > 0
     op = "ZeroRedundancyOptimizer" + (".add_param_group" if adding else " construction") + ": parameter check"
@@ -99,7 +175,7 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
     # compared apart: a parameter list one entry short must not pair its hyperparameters with
     # the others' parameters.
     hyper = hyper_checks.hyperparameter_entries(zero.param_groups)
-    everyone = gather_objects((entries, hyper), zero.comm, op)
+    everyone = gather_objects((entries, hyper, _settings(zero)), zero.comm, op)
     _raise_if_different(
         [e[0] for e in everyone], zero.comm.rank, label,
         "the param group given to ZeroRedundancyOptimizer.add_param_group" if adding
@@ -108,6 +184,11 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
         else "Every rank must pass the same parameters, in the same param groups and order "
         "(e.g. model.parameters() of the same model on every rank).")
     _raise_if_different(
+        [e[2] for e in everyone], zero.comm.rank, lambda e: f"{e[0]}={e[1]}",
+        "the settings given to ZeroRedundancyOptimizer",
+        "Every rank must build the optimizer with the same offload, stage, optimizer_class (and, without a DDP "
+        "model, bucket_cap_mb): each rank runs its part of the same collectives on the same shards.")
+    _raise_if_different(
         [e[1] for e in everyone], zero.comm.rank, hyper_checks.label,
         "the param groups' hyperparameters given to ZeroRedundancyOptimizer"
         + (".add_param_group (the new group's, or the groups' before it)" if adding else ""),
@@ -115,6 +196,21 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
          else "") + hyper_checks.HINT)
     if refusal is not None:
         raise refusal
+
+
+def _settings(zero) -> list:
+    """The constructor's settings that decide the collectives and the shards: ranks that differ
+    in one (offload on one rank only, read from a per-host config) ran different collectives
+    (the offload's ISA check on one rank, the others on into their first step) or cut other shards."""
+    cls = zero.optimizer_class
+    settings = [("offload", zero.offload), ("stage", zero.stage),
+                ("optimizer_class", f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}")]
+    if zero.ddp is None:  # (with DDP its buckets are the shards' and bucket_cap_mb is not read)
+        settings.append(("bucket_cap_mb", zero.bucket_cap_bytes / MIB))
+    return settings
+
+
+MIB = 1024 * 1024
 
 
 def _raise_if_different(entries_by_rank: list, rank: int, label, what: str, hint: str) -> None:

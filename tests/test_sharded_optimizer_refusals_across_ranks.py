@@ -1,0 +1,188 @@
+"""fusedist.ZeroRedundancyOptimizer refusals of one rank's own arguments reach every rank (Note
+[refusals of one rank's own arguments] in fusedist/zero/param_checks.py), world 2, one launch.
+
+A config read per host can give one rank alone ``offload="cpu"``, ``amsgrad=True``,
+``capturable=True``, a negative lr, float64 parameters, a layer left on the meta device or an
+invalid option (stage=3). The constructor refused these before the ranks' parameter comparison (a
+collective): the refusing rank raised alone and the other waited in the comparison until the stall
+timeout (``FUSEDIST_TIMEOUT_S``, 15 s here). Now every rank raises the same RankMismatchError naming
+rank 1 and its reason, at once (each refusal is timed: well under the timeout). ``offload`` on one
+rank only (nothing refused locally) is a difference in the settings, named. ``add_param_group`` with
+offload refuses amsgrad / differentiable / capturable in the added group when it is added (they were
+refused only at ``step()``, or taken), on every rank alike, and adds nothing. An optimizer built
+(and a group added) alike trains as torch's AdamW on the global batch. Parameters on several devices
+(a layer left on the meta device) are refused at construction, naming the parameter and both
+devices, as fusedist DDP refuses them.
+
+Tolerance 1e-5 absolute: 3 AdamW steps (lr 0.01, eps 1e-3) in fp32 on parameters of magnitude
+~0.5; the host Adam and torch's differ in summation order and fused arithmetic (~1e-7).
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from shared_rank_launch import launch_for_selected, results_of
+
+TOL = 1e-5
+WORLD = 2
+SEED = 20261207
+TIMEOUT_S = 15
+# Each refusal must come well before the stall timeout a waiting rank would run into.
+PROMPT_S = TIMEOUT_S / 2
+
+
+def _net():
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _timed_error(fn):
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def _train_against_torch(rank, world, seed, model, ref, zopt, ropt):
+    """Three steps of both on the global batch (gradients averaged by hand: no DDP model)."""
+    diffs = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(seed * 31 + step)
+        x, y = torch.randn(world * 2, 5, generator=g), torch.randn(world * 2, 3, generator=g)
+        for m, o, xx, yy in ((ref, ropt, x, y), (model, zopt, x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])):
+            o.zero_grad()
+            nn.functional.mse_loss(m(xx), yy).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+        ropt.step()
+        zopt.step()
+        diffs.append(max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters())))
+    return diffs
+
+
+def _constructed_on_one_rank(rank, world, seed):
+    """Rank 1 alone asks for what it is refused (or, for offload alone, what differs); the
+    optimizer both built alike with offload before trains as torch's AdamW after the refusals."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _net()
+    model = copy.deepcopy(ref)
+    one = rank == 1
+
+    def build(params=None, offload="cpu", **kw):
+        return fusedist.ZeroRedundancyOptimizer(list(model.parameters()) if params is None else params,
+                                               optimizer_class=torch.optim.AdamW, offload=offload,
+                                               **{"lr": 0.01, "eps": 1e-3, **kw})
+
+    doubled = copy.deepcopy(model).double()
+    on_meta = nn.Linear(7, 3, device="meta")  # a layer left unmaterialized
+    cases = {
+        "amsgrad": lambda: build(amsgrad=one),
+        "capturable": lambda: build([{"params": list(model[0].parameters())},
+                                     {"params": list(model[2].parameters()), "capturable": one}]),
+        "offload": lambda: build(offload="cpu" if one else None),
+        "lr": lambda: build(lr=-1.0 if one else 0.01),
+        "float64": lambda: build(list((doubled if one else model).parameters())),
+        "twice": lambda: build(list(model.parameters()) + ([model[0].weight] if one else [])),
+        "stage": lambda: build(stage=3 if one else 1),
+        "meta": lambda: build(list(model[0].parameters()) + list((on_meta if one else model[2]).parameters())),
+    }
+    zopt = build()  # (first: loads the host Adam's extension, which a timed case must not wait for)
+    errors = {name: _timed_error(fn) for name, fn in cases.items()}
+    # Left on the meta device on every rank: refused alike at construction, each rank's own error
+    # (it failed at the first step with a bare "Cannot copy out of meta tensor").
+    errors["meta everywhere"] = _timed_error(lambda: build(list(model[0].parameters()) + list(on_meta.parameters())))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-3)
+    return {"errors": errors, "diffs": _train_against_torch(rank, world, seed, model, ref, zopt, ropt)}
+
+
+def _added_with_offload(rank, world, seed):
+    """With offload, a group added with amsgrad / differentiable / capturable on rank 1 only, then
+    amsgrad on both: refused when added, on every rank, nothing added; then the group added alike
+    trains as torch's."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _net()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m[2].requires_grad_(False)
+    zopt = fusedist.ZeroRedundancyOptimizer(model[0].parameters(), optimizer_class=torch.optim.AdamW,
+                                           offload="cpu", lr=0.01, eps=1e-3)
+    ropt = torch.optim.AdamW(ref[0].parameters(), lr=0.01, eps=1e-3)
+    for m in (ref, model):
+        m[2].requires_grad_(True)
+    head = list(model[2].parameters())
+    errors = {flag: _timed_error(lambda: zopt.add_param_group({"params": head, flag: rank == 1}))
+              for flag in ("amsgrad", "differentiable", "capturable")}
+    errors["amsgrad everywhere"] = _timed_error(lambda: zopt.add_param_group({"params": head, "amsgrad": True}))
+    groups_after = len(zopt.param_groups)
+    zopt.add_param_group({"params": head, "lr": 0.02})
+    ropt.add_param_group({"params": list(ref[2].parameters()), "lr": 0.02})
+    return {"errors": errors, "groups_after": groups_after,
+            "diffs": _train_against_torch(rank, world, seed, model, ref, zopt, ropt)}
+
+
+SCENARIOS = {
+    "test_construction_refused_on_one_rank_fails_every_rank_at_once": {
+        "constructed": (_constructed_on_one_rank, (SEED,))},
+    "test_offloaded_group_refused_when_added_on_every_rank": {
+        "added": (_added_with_offload, (SEED + 1,))},
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, SCENARIOS, WORLD, timeout=240, env={"FUSEDIST_TIMEOUT_S": str(TIMEOUT_S)})
+
+
+REASONS = {
+    "amsgrad": "amsgrad=True is not supported by the host Adam",
+    "capturable": "param group 1: capturable=True asks for a step",
+    "lr": "Invalid learning rate: -1",
+    "float64": "parameter 0 has dtype torch.float64",
+    "twice": "parameter 4 (shape (7, 5)) in param group 0 is the same tensor as parameter 0",
+    "meta": "parameter 2 (shape (3, 7)) is on meta, parameter 0 on cpu",
+    "stage": "stage must be 1 or 2, got 3",
+}
+
+
+def test_construction_refused_on_one_rank_fails_every_rank_at_once(launched):
+    per_rank = results_of(launched, "constructed")
+    for rank, result in enumerate(per_rank):
+        for name, (error, seconds) in result["errors"].items():
+            assert seconds < PROMPT_S, (rank, name, seconds, error)
+            if name == "meta everywhere":
+                assert error is not None and error.startswith("ValueError") and REASONS["meta"] in error, error
+                continue
+            assert error is not None and error.startswith("RankMismatchError"), (rank, name, error)
+            assert f"this is rank {rank}" in error, error
+            if name == "offload":
+                assert "settings" in error and "ranks [0]: offload=None; ranks [1]: offload=cpu" in error, error
+            else:
+                assert "ranks [1]: this rank's own refusal of its arguments" in error, error
+                assert REASONS[name] in error, (name, error)
+        assert max(result["diffs"]) < TOL, result["diffs"]
+
+
+def test_offloaded_group_refused_when_added_on_every_rank(launched):
+    per_rank = results_of(launched, "added")
+    for rank, result in enumerate(per_rank):
+        for flag, (error, seconds) in result["errors"].items():
+            assert seconds < PROMPT_S, (rank, flag, seconds, error)
+            if flag == "amsgrad everywhere":  # refused alike: each rank's own error, at add time
+                assert error.startswith("ValueError") and "param group 1: amsgrad=True" in error, error
+                continue
+            name = flag if flag != "capturable" else "capturable=True asks for a step"
+            assert error is not None and error.startswith("RankMismatchError"), (rank, flag, error)
+            assert "ranks [1]: this rank's own refusal of its arguments" in error and name in error, error
+        assert result["groups_after"] == 1
+        assert max(result["diffs"]) < TOL, result["diffs"]

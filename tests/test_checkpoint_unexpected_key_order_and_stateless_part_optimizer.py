@@ -113,7 +113,7 @@ class _PlainLoaded(nn.Module):
 
 def _reversed_optimizers(model: nn.Module) -> list:
     """One optimizer per layer of the body, in the opposite order to the layers."""
-    return [torch.optim.AdamW(model.body[1].parameters()), torch.optim.AdamW(model.body[0].parameters())]
+    return [torch.optim.AdamW(model.body[1][0].parameters()), torch.optim.AdamW(model.body[0].parameters())]
 
 
 @pytest.mark.parametrize("how", ["load", "Checkpointer.restore"])

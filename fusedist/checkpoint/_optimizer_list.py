@@ -14,7 +14,8 @@ which already keys every entry and every optimizer state by name, reshards ZeRO 
 another world size, and checks each part's algorithm. The manifest records the classes of the
 saved list: a list loads only a checkpoint of a list of the same length whose optimizer at each
 position ran the algorithm of the one here (torch's and fusedist's fused class of one algorithm
-interchange), or torch's distributed checkpoint of ``get_state_dict``'s list; one optimizer
+interchange) over the same parameters, by name, in as many param groups, strict or not (Note [one
+position, one set of parameters]), or torch's distributed checkpoint of ``get_state_dict``'s list; one optimizer
 is refused a checkpoint of several (its state would merge two algorithms). A list of one
 optimizer is that optimizer, as a Checkpointer has always taken it. A Checkpointer given a list
 at ``restore`` saves and restores it this way from then on, one LR scheduler per optimizer.
@@ -27,6 +28,7 @@ the job.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -34,10 +36,14 @@ import torch.distributed as dist
 
 from . import _checks, _files, _names
 from ._files import CheckpointError
-from ._params import optimizer_params
+from ._params import optimizer_params, param_names
 
 #: the manifest key recording the classes of a saved list of optimizers, in order
 MANIFEST_KEY = "optimizer_list"
+
+#: the model each optimizer of a list was last cut from (by :func:`views`): what names its parameters
+#: when a load compares them with the ones that saved its position (Note [one position, one set of parameters])
+_MODEL_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def is_list(optimizer) -> bool:
@@ -71,6 +77,11 @@ def views(model: torch.nn.Module, optimizers, where: str) -> list:
                                  f"{owner[p]} and {i}; the optimizers of one checkpoint must step disjoint "
                                  "parameters (each parameter's state belongs to one optimizer)")
     _check_whole_job(model, optimizers, where)
+    for opt in optimizers:
+        try:
+            _MODEL_OF[opt] = weakref.ref(model)
+        except TypeError:  # (an optimizer that takes no weak reference is not checked by name)
+            pass
     shells = [torch.nn.Module() for _ in optimizers]
     for p, keys in names.items():
         for key in keys:
@@ -101,6 +112,42 @@ def check_load(manifest: Optional[dict], optimizers, directory: str) -> None:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds the state of {len(saved)} optimizers {saved}, "
                               f"not of {len(here)} {here}{which}. Pass the optimizers of the save, in its order (or "
                               "optimizer=None to load the model alone)")
+    for i, o in enumerate(optimizers):
+        if metas.get(i) is not None:
+            _check_same_params(metas[i], i, o, directory)
+
+
+def _check_same_params(meta: dict, position: int, optimizer, directory: str) -> None:
+    """Note [one position, one set of parameters]
+        Optimizer state belongs to a list of parameters: torch's ``Optimizer.load_state_dict``
+        refuses groups of other sizes, and ``load`` promises an optimizer is loaded only into
+        the very parameters that saved it, strict or not (``strict=False`` is about model keys).
+        A position's view is cut from the model by the optimizer's parameters, so a load that is
+        not strict took the state of the parameters both had and dropped the rest: an
+        optimizer saved over two layers loaded over one without a word. So each position's
+        parameters, by name, and its number of param groups must be the saved ones."""
+    model = _MODEL_OF.get(optimizer)
+    model = model() if model is not None else None
+    saved_names = meta.get("param_names")
+    if model is None or saved_names is None:
+        return
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    here = param_names(model, optimizer_params(optimizer))
+    wanted = set(here)
+    saved = [n if n in wanted else _names.legacy_key(n) for n in saved_names]
+    left, lacking = [n for n in saved if n not in wanted], [n for n in here if n not in set(saved)]
+    saved_groups = meta.get("group_algorithms")
+    if not left and not lacking and (saved_groups is None or len(saved_groups) == len(groups)):
+        return
+    what = type(optimizer).__name__
+    detail = "".join(f"; {label} {names[:4]}{' ...' if len(names) > 4 else ''}" for label, names in (
+        ("saved but not stepped here", left), ("stepped here but not saved", lacking)) if names)
+    in_groups = f" in {len(saved_groups)} param group(s)" if saved_groups is not None else ""
+    raise CheckpointError(f"fusedist.checkpoint: optimizer {position} ({what}) of {directory} was saved over "
+                          f"{len(saved)} parameters{in_groups}; here it steps {len(here)} in {len(groups)} param "
+                          f"group(s) of sizes {groups}{detail}. An optimizer's state loads only into the parameters "
+                          "that saved it, as torch's Optimizer.load_state_dict requires: pass the optimizers over "
+                          "the parameters of the save (or optimizer=None to load the model alone and start new ones)")
 
 
 def _position_problem(meta: dict, optimizer) -> Optional[str]:

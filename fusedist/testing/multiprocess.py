@@ -6,7 +6,9 @@ process group in each through a ``file://`` rendezvous on a fresh temp file (no 
 
 Failures are never silent and never hang the test run: a rank that raises is reported with
 its traceback (and the others' fate), and if any rank does not finish within ``timeout``
-seconds all are killed and the report says which ranks were still running.
+seconds all are killed and the report says which ranks were still running; once a rank has
+failed, the others have the process group's timeout and 10 s more (Note [a failed rank ends
+the run]; not with ``backend=None``, where ``fn`` makes the group).
 
 ``fn`` must be importable by name (a module-level function), because children are spawned.
 
@@ -71,7 +73,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .shared_gpu import rank_environment, ranks_per_gpu_setting
 
@@ -246,6 +248,64 @@ def _rank_env(rank: int, per_gpu: int | None, env: dict[str, str] | None) -> dic
     return {**os.environ, **shared, **(env or {})}
 
 
+def _grace_after_failure(pg_timeout: float) -> float:
+    """How long the other ranks may run on once one rank failed (Note [a failed rank ends the run])."""
+    return pg_timeout + 10.0
+
+
+def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Optional[float]):
+    """Fill ``outcome`` with each rank's answer until all answered, ``timeout`` passed, or the
+    others ran ``grace`` seconds past a rank's failure (None: no such limit, as when ``fn`` makes
+    its own group, whose timeout the harness does not know); return None, or ``(failed rank,
+    grace)`` when that ended the wait.
+
+    Note [a failed rank ends the run]
+        The wait wakes on whichever comes first, an answer or a rank's process ending (its
+        sentinel), rather than polling: a rank that died without reporting (``os._exit``, a
+        signal) is recorded as soon as it died, not half a second and a second poll later --
+        a rank's answer is in the pipe before its process ends (it joins the queue's feeder
+        thread first), so what is not there by then never comes. Once a rank has failed, the
+        others have the group's timeout and 10 s more to end on their own, as a survivor does
+        that sees the failure (gloo fails its collectives at once; the store's waits and
+        fusedist's own within the group's timeout); one still running then is killed and
+        reported so, as torchrun's agent ends every worker once one failed, instead of holding
+        the run to its whole ``timeout`` (120 s by default)."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout
+    failed = None  # (rank, when) of the first failure
+    while len(outcome) < len(procs):
+        limit = deadline if failed is None or grace is None else min(deadline, failed[1] + grace)
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            return None if failed is None or limit == deadline else (failed[0], grace)
+        # (every rank without an answer, the ended ones too: one that ended since the last look
+        # wakes the wait at once, rather than being missed until the deadline)
+        wait([results._reader] + [p.sentinel for r, p in enumerate(procs) if r not in outcome], timeout=remaining)
+        _take_answers(results, outcome, 0.0)
+        for rank, p in enumerate(procs):
+            if rank not in outcome and not p.is_alive():
+                _take_answers(results, outcome, 0.05)  # (a last look: its answer cannot still be on the way)
+                if rank not in outcome:
+                    outcome[rank] = (False, f"rank {rank} {_describe_exit(p.exitcode)} without reporting")
+        if failed is None:
+            first = [r for r, (ok, _) in outcome.items() if not ok]
+            if first:
+                failed = (min(first), time.monotonic())
+    return None
+
+
+def _take_answers(results, outcome: dict, wait_s: float) -> None:
+    """Every answer already in the queue (the first waited for up to ``wait_s`` seconds)."""
+    while True:
+        try:
+            rank, ok, value = results.get(timeout=wait_s) if wait_s else results.get_nowait()
+        except queue_mod.Empty:
+            return
+        outcome[rank] = _decoded(rank, ok, value)
+        wait_s = 0.0
+
+
 #: ``FUSEDIST_TEST_START``'s values (the first is the default)
 START_METHODS = ("forkserver", "spawn")
 
@@ -300,7 +360,8 @@ def run_distributed(
     Args:
         backend: process-group backend, or None to leave initialization to ``fn``.
         timeout: wall-clock limit for the whole run; ranks still running are killed.
-        pg_timeout: the process group's collective timeout (seconds).
+        pg_timeout: the process group's collective timeout (seconds); once a rank has failed, the
+            others have this and 10 s more to end, then are killed (Note [a failed rank ends the run]).
         threads: torch intra-op threads per rank (1 keeps the ranks from oversubscribing the cores).
         env: extra environment variables for the children.
         expect_failure: return a list of ``("error", traceback)`` / ``("ok", value)`` pairs
@@ -323,6 +384,7 @@ def run_distributed(
     os.unlink(init_file)  # the file store creates it
     procs = []
     outcome: dict[int, tuple[bool, Any]] = {}
+    ended = None
     try:
         for rank in range(world_size):
             p = ctx.Process(
@@ -334,34 +396,17 @@ def run_distributed(
             )
             p.start()
             procs.append(p)
-        deadline = time.monotonic() + timeout
-        while len(outcome) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 0.5))
-                outcome[rank] = _decoded(rank, ok, value)
-                continue
-            except queue_mod.Empty:
-                pass
-            # A child that died without reporting (segfault, os._exit, SIGKILL) will never
-            # put a result: record it instead of waiting for the deadline.
-            for rank, p in enumerate(procs):
-                if rank not in outcome and not p.is_alive() and p.exitcode is not None:
-                    try:  # its result may still be in flight in the queue
-                        r, ok, value = results.get(timeout=0.5)
-                        outcome[r] = _decoded(r, ok, value)
-                    except queue_mod.Empty:
-                        outcome[rank] = (False, f"rank {rank} {_describe_exit(p.exitcode)} without reporting")
+        grace = _grace_after_failure(pg_timeout) if backend is not None else None  # (else not the group's timeout)
+        ended = _wait_for_answers(procs, results, outcome, timeout, grace)
     finally:
         killed = set()
         for rank, p in enumerate(procs):
             if rank not in outcome and p.is_alive():  # past the deadline: nothing more will come
                 p.kill()
                 killed.add(rank)
+        last = time.monotonic() + 5  # (one wait for all: each rank tears down at the same time)
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, last - time.monotonic()))
         for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
@@ -386,7 +431,9 @@ def run_distributed(
             sys.stderr.write(f"--- rank {r}: faulthandler ---\n{words[r]}\n")
             failures[r] += f"\nits faulthandler report:\n{words[r]}"
     for r in hung:
-        failures[r] = f"rank {r} did not finish within {timeout:.0f} s (killed)"
+        failures[r] = (f"rank {r} did not finish within {timeout:.0f} s (killed)" if ended is None else
+                       f"rank {r} was still running {ended[1]:.0f} s after rank {ended[0]} failed (killed: a failed "
+                       f"rank ends the run, as torchrun ends a job; the group's timeout was {pg_timeout:.0f} s)")
     if expect_failure:
         return [("error", failures[r]) if r in failures else ("ok", outcome[r][1])
                 for r in range(world_size)]

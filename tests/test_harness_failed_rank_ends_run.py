@@ -1,0 +1,46 @@
+"""Once a rank has failed, ``run_distributed`` gives the others the process group's timeout and
+10 s more, then kills them and says so (Note [a failed rank ends the run] in
+fusedist/testing/multiprocess.py), as torchrun's agent ends a job's workers once one failed:
+a survivor stuck on its dead peer no longer holds the run to its whole ``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch.distributed as dist
+
+from fusedist.testing import DistributedRunError, run_distributed
+
+PG_TIMEOUT = 1.0
+TIMEOUT = 90.0
+
+
+def _peer_dies_survivor_stuck(rank, world_size):
+    dist.barrier()  # (both past the group's set-up)
+    if rank == 1:
+        os._exit(3)
+    time.sleep(3 * TIMEOUT)  # stuck on the dead peer in a wait that has no timeout of its own
+    return rank
+
+
+def test_a_survivor_stuck_after_a_peer_died_is_killed_after_the_groups_timeout_and_named():
+    # Both modes at once, each launch waited for on its own thread (one wait, not two). The
+    # bound is generous: the grace is 11 s here, the run's timeout 90 s.
+    start = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        lenient = pool.submit(run_distributed, _peer_dies_survivor_stuck, 2, timeout=TIMEOUT, pg_timeout=PG_TIMEOUT,
+                              expect_failure=True)
+        strict = pool.submit(run_distributed, _peer_dies_survivor_stuck, 2, timeout=TIMEOUT, pg_timeout=PG_TIMEOUT)
+        results = lenient.result()
+        with pytest.raises(DistributedRunError, match=r"2 of 2 ranks failed; hung: \[0\]") as info:
+            strict.result()
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT - 30, elapsed
+    killed = ("rank 0 was still running 11 s after rank 1 failed (killed: a failed rank ends the run, as torchrun "
+              "ends a job; the group's timeout was 1 s)")
+    assert results == [("error", killed), ("error", "rank 1 exited with code 3 without reporting")], results
+    assert info.value.failures == dict(enumerate(r for _, r in results)), info.value.failures

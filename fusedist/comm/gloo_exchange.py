@@ -111,6 +111,10 @@ def validate_reduce_op(op: str, dtype: torch.dtype) -> None:
 
 
 def _chunk_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
+    """Element ranges of the messages of one part; an empty part is one empty message (Note
+    [empty parts are messages too])."""
+    if numel == 0:
+        return [(0, 0)]
     step = max(1, CHUNK_BYTES // element_size)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
 
@@ -194,7 +198,7 @@ class GlooExchange:
         """Start a small ``tensor = reduce(tensor over ranks)`` (Note [small all-reduces through
         the exchange]): every rank's tensor is gathered, then folded in rank order, in place."""
         n = self.world_size
-        if n == 1 or tensor.numel() == 0:
+        if n == 1:
             return None  # nothing to exchange: the tensor is the result
         gathered = torch.empty(n * tensor.numel(), dtype=tensor.dtype)
 
@@ -250,7 +254,7 @@ class GlooExchange:
         """Start ``tensor = tensor of rank src`` (Note [broadcasts through the exchange]): rank
         ``src`` sends its tensor to every peer, chunk by chunk; None when already done."""
         flat = tensor.view(-1)
-        if self.world_size == 1 or flat.numel() == 0:
+        if self.world_size == 1:
             return None
         self._after_writes_to(flat)
         # Labelled by size, dtype and source, not by tag (as the small all-reduces): ranks whose
@@ -401,12 +405,13 @@ class GlooExchange:
     def _rows(self, kind: str, whole: torch.Tensor, part: torch.Tensor):
         """View ``whole`` (reduce-scatter input / all-gather output) as one row per rank; returns
         (rows or None when nothing is left to exchange, flat ``part``, in place?). A single
-        rank, or empty slices, finish here: the slice is copied across if needed."""
+        rank finishes here: the slice is copied across if needed. Empty slices are exchanged
+        (Note [empty parts are messages too])."""
         n, r, m = self.world_size, self.rank, part.numel()
         rows, part = whole.view(n, m), part.view(-1)  # any contiguous shape, flat slices
         in_place = m > 0 and part.data_ptr() == whole.data_ptr() + r * m * whole.element_size()
-        if n == 1 or m == 0:
-            if m and not in_place:
+        if n == 1:
+            if not in_place:
                 with unrecorded(whole if kind == "all_gather" else part):
                     if kind == "reduce_scatter":
                         part.copy_(rows[0])
@@ -480,6 +485,20 @@ class GlooExchange:
 # CPU (medians of 7): the same from 1K to 1M fp32 elements at 2 and 4 ranks (0.6-1.1x), 1.27x
 # at 8M elements on 2 ranks (16 vs 12.5 ms), equal at 4; the broadcasts of a training loop
 # (buffers at each forward, objects at checkpoints) are small, a model's first one is large.
+
+
+# Note [empty parts are messages too]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank whose part is empty still posts one empty message per peer, labelled "[0 x dtype]" like
+# any part (Note [exchange tags]). Before, an empty part was "done" without messages: where one
+# rank's part was empty and another's was not (a shape that depends on the rank), the empty rank
+# returned as if the collective had succeeded -- and went on out of step -- while the other
+# waited out its whole timeout for messages that never came. Now neither pairs and both fail
+# alike at the timeout, each naming its own part, as for any other size mismatch. Whether a part
+# is empty can differ across ranks, so even a collective empty on every rank costs its empty
+# messages (one message latency, ~0.35 ms on 2 ranks where it cost nothing), and so does each
+# pair of an all-to-all that exchanges no rows (whose splits may disagree too); a non-empty
+# part's messages are unchanged (same launch and completion times, measured interleaved).
 
 
 # Note [one buffer, issue order]

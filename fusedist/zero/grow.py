@@ -56,6 +56,7 @@ def _set_sharded(zero, sharded) -> None:
     chosen = set(sharded)
     zero._trainable = sorted(chosen)
     zero._frozen = [i for i in range(len(zero._params)) if i not in chosen]
+    zero._may_grow = getattr(zero, "_may_grow", False) or bool(zero._frozen)  # (Note [parameters unfrozen ...])
     if zero.stage == 2:  # fusedist.clip_grad_norm_ finds the shards
         register_gradient_holder([zero._params[i] for i in zero._trainable], zero)
 
@@ -104,24 +105,67 @@ def add_param_group(zero, param_group: dict) -> None:
     zero._params.extend(new)
     zero._group_of.extend([gi] * len(new))
     zero._frozen.extend(range(start, start + len(new)))
+    zero._may_grow = True  # (every rank adds alike: Note [parameters unfrozen on some ranks only])
     zero._sharded_state.invalidate()
     if zero.inner is not None:
         zero.inner.add_param_group(dict(zstate.hyperparameters(zero.param_groups[gi]), params=[]))
-    join_pending(zero)
+    join_pending(zero, compare=True)
 
 
-def join_pending(zero) -> None:
-    """Shard what should be sharded now and is not (Note [growing the partition])."""
+def join_pending(zero, compare: bool = False) -> None:
+    """Shard what should be sharded now and is not (Note [growing the partition]). ``compare``:
+    called where every rank calls it, compare the sharded parameters across ranks first (Note
+    [parameters unfrozen on some ranks only])."""
     if zero.ddp is not None:
         return  # DDP's layout listener (on_layout_change) took them on when DDP appended them
     part = zero._partition
     joining = [i for i in zero._frozen if zero._params[i].requires_grad]
+    if compare:
+        _check_same_sharded(zero, sorted(zero._trainable + joining))
     if not joining:
         return
     params = [zero._params[i] for i in reversed(joining)]  # bucketed like bucketize: reverse order
     buckets = append_buckets(part.buckets, params, [f"param {i}" for i in reversed(joining)],
                              bucket_cap_bytes=zero.bucket_cap_bytes, world_size=zero.world_size)
     _grow(zero, buckets)
+
+
+# Note [parameters unfrozen on some ranks only]
+#     Without DDP nothing compared which parameters are trainable after construction: a
+#     parameter unfrozen on one rank only (a schedule read per host, a rank that missed the
+#     epoch that unfreezes) joined there alone, that rank's flat space grew, and its next
+#     all-gather met the others' of another size -- they waited until the stall timeout. So
+#     where every rank calls ``join_pending`` (``step()``, the scaler's and the clip's norm, which
+#     all-reduce anyway, and ``add_param_group``) the ranks compare the parameters they shard once
+#     the pending ones joined: one all-reduce (max) of their count and fingerprint and of the
+#     negations (the minimum), a few int64; only where they differ do the ranks exchange the
+#     lists, to raise the same RankMismatchError naming the parameters and ranks on every rank.
+#     The sharded set, not the joiners, is compared: a rank may have taken a parameter on already
+#     in a call that compares nothing (a local gradient read). Under ``Join`` (uneven inputs) a
+#     joined rank shadows only the step's own collectives, so nothing is compared there. Nor where
+#     no parameter of the optimizer was ever frozen (``_may_grow``: set at construction and by
+#     ``add_param_group``, both compared across ranks, and never cleared, so it is the same on every
+#     rank): nothing can join there, and the step pays no collective or host synchronization.
+def _check_same_sharded(zero, sharded: list) -> None:
+    """Note [parameters unfrozen on some ranks only]."""
+    if zero.comm is None or zero.world_size == 1 or zero._join_config.enable or not zero._may_grow:
+        return
+    key = [len(sharded), hash(tuple(sharded)) % (1 << 61)]
+    mark = torch.tensor(key + [-k for k in key], dtype=torch.int64, device=zero.comm.device)
+    op = "ZeroRedundancyOptimizer: trainable parameter check"
+    zero.comm.all_reduce(mark, op="max", tag=op)
+    values = mark.tolist()
+    if values[:2] == [-k for k in values[2:]]:
+        return
+    from .._consistency import RankMismatchError, describe_difference, gather_objects
+
+    everyone = gather_objects([(i, tuple(zero._params[i].shape)) for i in sharded], zero.comm, op)
+    difference = describe_difference(everyone, lambda e: f"parameter {e[0]} (shape {e[1]}) trainable")
+    raise RankMismatchError(
+        f"fusedist: the trainable parameters of ZeroRedundancyOptimizer differ across ranks (this is rank "
+        f"{zero.rank}); {difference}. Without a DDP model a parameter made trainable after construction joins the "
+        "shards at the first step (or unscale_/clip before it) that sees it trainable, and every rank must shard "
+        "the same parameters: set requires_grad=True on the same parameters on every rank before the same step.")
 
 
 def on_layout_change(zero, layout) -> None:

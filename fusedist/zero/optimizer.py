@@ -224,6 +224,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
+        self._may_grow = bool(self._frozen)  # Note [parameters unfrozen on some ranks only] in grow.py
         self._device = self._params[self._trainable[0] if self._trainable else 0].device
         # Note [refusals of one rank's own arguments] in param_checks.py: raised after the comparison
         refusal = refusal or param_checks.own_refusal(self)
@@ -362,7 +363,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                     "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
                     "gradients were never reduced; run the last micro-batch's backward outside no_sync()"
                 )
-            grow.join_pending(self)  # Note [growing the partition]
+            grow.join_pending(self, compare=True)  # Note [growing the partition]
             self._check_frozen_grads()
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2]
@@ -529,14 +530,18 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         with ``register_load_state_dict_pre_hook`` see the state dict first (a return value
         replaces it; a dict is shallow-copied before, so a hook's edits stay out of the caller's)
         and those of ``register_load_state_dict_post_hook`` run after the load."""
-        _refuse_torch_helpers("load_state_dict", "_load_optim_state_dict")  # (as in step())
-        if isinstance(state_dict, dict):
-            state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._sharded_state.load(state_dict)
+        refusal = None
+        try:  # raised after the ranks compared (Note [refusals of one rank's own arguments] in param_checks.py)
+            _refuse_torch_helpers("load_state_dict", "_load_optim_state_dict")  # (as in step())
+            if isinstance(state_dict, dict):
+                state_dict = state_dict.copy()
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+        except Exception as exc:  # noqa: BLE001 - a hook's error on one rank only fails every rank alike
+            refusal = exc
+        self._sharded_state.load(state_dict, refusal)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -176,6 +176,10 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
     # the others' parameters.
     hyper = hyper_checks.hyperparameter_entries(zero.param_groups)
     everyone = gather_objects((entries, hyper, _settings(zero)), zero.comm, op)
+    if refusal is not None and all(e[0][:1] == entries[:1] for e in everyone):
+        # Refused alike on every rank: each raises its own error, whatever else differs (rank-local
+        # parameters a DDP model ignores may differ in shape across ranks).
+        raise refusal
     _raise_if_different(
         [e[0] for e in everyone], zero.comm.rank, label,
         "the param group given to ZeroRedundancyOptimizer.add_param_group" if adding

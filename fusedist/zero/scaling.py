@@ -38,7 +38,8 @@ class ZeroScalerProtocol(ScalerProtocol):
         # Without DDP, parameters unfrozen since the last step join at their first use: join
         # now, or the norm, the found-inf check and the unscale before the step would miss
         # their gradients (Note [growing the partition]; with DDP they joined in backward).
-        grow.join_pending(self)
+        # Every rank comes here (its all-reduce below): Note [parameters unfrozen on some ranks only].
+        grow.join_pending(self, compare=True)
         self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2] in grads.py
         grads = self._local_grads()
         device, dtype = self._device, self._norm_dtype()

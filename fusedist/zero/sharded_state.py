@@ -198,15 +198,17 @@ class ShardedState(HeldByOptimizer):
         return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts(),
                                       without_step=self._without_step())
 
-    def load(self, state_dict) -> None:
+    def load(self, state_dict, refusal=None) -> None:
         """``ZeroRedundancyOptimizer.load_state_dict``: validate everything, compare the
         hyperparameters it would install across ranks (Note [the same hyperparameters on every
-        rank] in ``hyper_checks.py``), then apply. A refusal on some ranks only is raised on every
-        rank, after the comparison, instead of leaving the others waiting in it."""
+        rank] in ``hyper_checks.py``), then apply. A refusal on some ranks only (``refusal``: one
+        raised before, by a user's pre-hook) is raised on every rank, after the comparison, instead
+        of leaving the others waiting in it."""
         z = self.zero
-        prepared, refusal = None, None
+        prepared = None
         try:
-            prepared = self.prepare_load(state_dict)
+            if refusal is None:
+                prepared = self.prepare_load(state_dict)
         except Exception as exc:  # noqa: BLE001 - raised as it is, once the ranks have compared
             refusal = exc
         groups = z.param_groups if prepared is None else [{**g, **h} for g, h in zip(z.param_groups, prepared[1])]

@@ -46,7 +46,7 @@ _MUTABLE_ATTRIBUTES = (
     "_trainable", "_frozen", "_partition", "_grad_shards", "_grad_store", "_flat_params", "_masters",
     "_piece_grads", "_pieces", "_offload", "inner", "_param_versions",
     "_join_config", "_join_shadowing", "_join_clip", "_fusedist_join_config",
-    "grad_scale", "found_inf", "step_context", "_replaced",
+    "grad_scale", "found_inf", "step_context", "_replaced", "_may_grow",
 )
 
 

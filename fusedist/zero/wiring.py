@@ -56,17 +56,17 @@ def find_ddp(trainable: list, params: list, stage: int = 1):
     module_params = set(ddp.module.parameters()) if ddp is not None else set()
     if len(owners) > 1 or any(d is None and p not in module_params
                               for d, p in zip(found, trainable)) and ddp is not None:
-        raise ValueError(
-            "ZeroRedundancyOptimizer: the parameters belong to several fusedist DistributedDataParallel "
-            "models (or some to none); give one optimizer the parameters of one DDP model"
-        )
+        # (refused after the comparison, over the first model's communicator: Note [refusals of one
+        # rank's own arguments] in param_checks.py -- a model wrapped twice on one rank only)
+        return ddp, False, ValueError(
+            f"ZeroRedundancyOptimizer (rank {ddp.rank}): the parameters belong to several fusedist "
+            "DistributedDataParallel models (or some to none); give one optimizer the parameters of one DDP model")
     if ddp is None:
         return None, True, None
-    _refuse_rank_local(ddp, params)
     held = set(params)
     missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in held]
-    refusal = None
-    if missing and stage == 2:
+    refusal = _refuse_rank_local(ddp, params)
+    if refusal is None and missing and stage == 2:
         refusal = ValueError(
             f"ZeroRedundancyOptimizer(stage=2) (rank {ddp.rank}): the optimizer holds a subset of its DDP model's "
             f"trainable parameters (missing: {missing[:10]}); stage 2 reduce-scatters the model's gradient buckets "
@@ -79,18 +79,20 @@ def find_ddp(trainable: list, params: list, stage: int = 1):
     return ddp, not missing, refusal
 
 
-def _refuse_rank_local(ddp, params: list) -> None:
-    """Parameters the DDP model ignores are rank-local (Note [parameters and buffers DDP
-    ignores] in ``fusedist/ddp/wrapper.py``): sharding one would overwrite every rank's value
-    with its owner's after each step (or fail on a shape that differs between ranks)."""
+def _refuse_rank_local(ddp, params: list) -> Optional[ValueError]:
+    """The refusal of parameters the DDP model ignores, or None: they are rank-local (Note
+    [parameters and buffers DDP ignores] in ``fusedist/ddp/wrapper.py``), and sharding one would
+    overwrite every rank's value with its owner's after each step (or fail on a shape that differs
+    between ranks). Returned, to be raised after the ranks compared (a list ignored on one rank only)."""
     ignored = {id(p): n for n, p in ddp.ignored_parameters()}
     names = [ignored[id(p)] for p in params if id(p) in ignored]
     if names:
-        raise ValueError(
+        return ValueError(
             f"ZeroRedundancyOptimizer (rank {ddp.rank}): parameters {names[:10]} are ignored by their "
             "DistributedDataParallel model (rank-local, _set_params_and_buffers_to_ignore_for_model); the "
             "optimizer shards parameters over the ranks and sends each rank's updated slice to all, which would "
             "overwrite their rank-local values. Step them with a separate, local optimizer.")
+    return None
 
 
 def connect(trainable: list, params: list, process_group, device, stage: int = 1):
@@ -100,13 +102,13 @@ def connect(trainable: list, params: list, process_group, device, stage: int = 1
     initialized, else None (a single process) -- and the error the constructor raises once the
     ranks have compared their parameter lists (None: none; see :func:`find_ddp`)."""
     ddp, whole, refusal = find_ddp(trainable, params, stage)
-    if ddp is not None and not whole:  # its communicator and group; the optimizer's own buckets
-        _check_same_group(process_group, ddp.process_group)
+    if ddp is not None:  # (a group refused here is refused after the comparison, as find_ddp's refusals)
+        refusal = refusal or _check_same_group(process_group, ddp.process_group)
+    if ddp is not None and (refusal is not None or not whole):  # its communicator; the optimizer's own buckets
         return None, ddp.comm, ddp.process_group, refusal
     if ddp is not None:
         # The shards follow its buckets: fixed from now on, grown only by appending.
         ddp.reducer.fix_layout()
-        _check_same_group(process_group, ddp.process_group)
         return ddp, ddp.comm, ddp.process_group, None
     if dist.is_available() and dist.is_initialized():
         comm = get_communicator(process_group, device)
@@ -125,20 +127,23 @@ def _group_ranks(group) -> Optional[list]:
         return None
 
 
-def _check_same_group(process_group, ddp_group) -> None:
-    """Refuse a ``process_group`` over other ranks than the DDP model's: the shards follow the
+def _check_same_group(process_group, ddp_group) -> Optional[ValueError]:
+    """The refusal of a ``process_group`` over other ranks than the DDP model's, or None (raised
+    after the ranks compared, as :func:`find_ddp`'s refusals): the shards follow the
     model's gradient buckets, reduce-scattered over its group. A group of the same ranks (another
     ``new_group`` of them, one of another backend) is that group, as it is to torch's
     ZeroRedundancyOptimizer, whose results do not depend on which object names the ranks."""
     if process_group is None or process_group is ddp_group:
-        return
+        return None
     mine, theirs = _group_ranks(process_group), _group_ranks(ddp_group)
     if mine is not None and mine == theirs:
-        return
+        return None
     spans = f"spans global ranks {mine}" if mine is not None else "does not include this rank"
-    raise ValueError(
-        f"ZeroRedundancyOptimizer (rank {dist.get_rank()}): process_group {spans}, but the parameters' "
-        f"DistributedDataParallel model averages over global ranks {theirs}; the optimizer shards over the "
+    return ValueError(
+        # (the first clause is the same on every refusing rank: Note [refusals of one rank's own arguments])
+        f"ZeroRedundancyOptimizer (rank {dist.get_rank()}): process_group is not the group of the parameters' "
+        f"DistributedDataParallel model; it {spans}, but the model averages over global ranks {theirs}; the "
+        "optimizer shards over the "
         "model's group, whose gradient buckets it reduce-scatters. Omit process_group (or pass "
         "model.process_group): sharding over other ranks than the model's is not supported. For a subgroup of "
         "the model's ranks (torch's ZeroRedundancyOptimizer sharded within a node) the model's group gives the "

@@ -1,10 +1,8 @@
 """Modules under ``torch.nn.utils.parametrize`` (weight_norm, spectral_norm) and
 ``torch.nn.utils.prune`` in a ``fusedist.fully_shard`` model, against torch's FSDP2 on the same
 model, world size 2 on gloo: training steps and whole weights (``parametrizations.weight.original0``,
-spectral norm's power-iteration buffers, prune's ``weight_orig`` / ``weight_mask``), and a
-parametrization's setter (``module.weight = value``, which calls ``original.set_(value)``) on a
-sharded model, which FSDP2 refuses too: refused with an error naming the parameter and shapes,
-where the shard rebuild failed on a bare reshape.
+spectral norm's power-iteration buffers, prune's ``weight_orig`` / ``weight_mask``) (a
+parametrization's setter on a sharded model is in tests/test_fsdp_one_rank_refusals.py).
 """
 
 from __future__ import annotations
@@ -67,17 +65,11 @@ def _parametrized_worker(rank, world):
     for key in want:
         torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}")
 
-    # the setter replaces the sharded piece's data with the whole weight
-    model = models["fusedist"]
-    model.conv.weight = torch.randn(3, 2, 3, 3, generator=torch.Generator().manual_seed(5))
-    try:
-        model(torch.randn(2, 2, 4, 4))
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return len(want)
 
 
-def test_parametrized_and_pruned_modules_train_as_under_fsdp2_and_a_setter_is_refused_by_name():
-    for text in run_distributed(_parametrized_worker, 2, timeout=90):
-        assert text is not None and "parametrizations.weight.original" in text, text
-        assert "this rank's piece" in text and "before calling fully_shard" in text, text
+def test_parametrized_and_pruned_modules_train_as_under_fsdp2():
+    # (a parametrization's setter given the whole weight is taken as torch's setter takes it:
+    # tests/test_fsdp_one_rank_refusals.py)
+    for compared in run_distributed(_parametrized_worker, 2, timeout=90):
+        assert compared > 0

@@ -25,6 +25,7 @@ from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .dtensor_view import record_mesh
 from .mesh import groups_of, shard_mesh_of
 from .owners import Held, record_owner, register_pieces
+from .child_calls import guard_child_calls
 from .members import check_params, describe, members_of, take_params
 from .state import FullyShardState, state_of
 from .tensor_parallel import tensor_parallel_specs
@@ -142,6 +143,8 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         for owner in {id(o): o for o, _, _ in unit.borrowed}.values():
             owner.lent_to.append(unit)  # Note [lent parameters] in unit.py
     FullyShardState(modules, unit, grads, mp_policy, auto)
+    if unit is not None:
+        guard_child_calls(unit, modules)  # Note [a unit's module called on its own] in child_calls.py
     # Note [plain units beside tensor-parallel ones] in holder.py
     share_tensor_parallel_holder(modules)
     for m in modules:

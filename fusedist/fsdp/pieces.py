@@ -155,21 +155,29 @@ class PieceMixin:
             raise ValueError(problem)
 
     def _check_piece_sizes(self) -> None:
-        """Refuse a piece whose data was replaced by a tensor of another size -- ``param.data =``,
-        ``param.set_()``, or a parametrization's setter (``module.weight = value`` under
-        ``torch.nn.utils.parametrize`` calls ``original.set_(value)``) given the whole parameter
-        -- naming it, before the shard is rebuilt: the copy into the piece's place failed on a bare
-        reshape. FSDP2 refuses it too (its DTensor cannot be swapped for a plain tensor)."""
+        """Take a piece whose data was replaced -- ``param.data =``, ``param.set_()``, or a
+        parametrization's setter (``module.weight = value`` calls ``original.set_(value)``) --
+        as its new values: the piece's shape as it is, the whole parameter's shape cut to this
+        rank's piece. Anything else is refused, naming it, before the shard is rebuilt. The rule
+        reads only shapes the layout gives every rank alike: a rank whose piece is the whole
+        parameter cannot tell the whole value from its piece, so refusing the whole on the
+        others would leave it waiting in the gather (Note [replaced piece data])."""
         for i in range(len(self.sharded)):
             data, want = self.piece_data(i), self.layout.piece(i, self.rank)
-            if data.numel() != want.numel:
-                raise ValueError(
-                    f"fusedist.fully_shard: parameter '{self.names[i]}' of unit {self.label} now holds a tensor "
-                    f"of shape {tuple(data.shape)} where this rank's piece (rank {self.rank}) has shape "
-                    f"{tuple(want.shape)}: its data was replaced by a tensor of another size (param.data = ..., "
-                    "param.set_(...), or module.weight = value on a parametrized module, which calls set_). "
-                    "Set a sharded model's values through its state dict (fusedist.fsdp.load_full_state_dict, "
-                    "load_state_dict), or before calling fully_shard.")
+            if data.numel() == want.numel:
+                continue
+            whole = self.whole_shape(i)
+            if tuple(data.shape) == whole and self.ext[i] is None and self.tp[i] is None:
+                self._point_piece(i, self.piece_of_whole(i, data))
+                continue
+            pieces = ", ".join(f"rank {r}: {tuple(self.layout.piece(i, r).shape)}" for r in range(self.world_size))
+            raise ValueError(
+                f"fusedist.fully_shard: parameter '{self.names[i]}' of unit {self.label} (shape {whole}) now "
+                f"holds a tensor of shape {tuple(data.shape)}, neither the whole parameter nor this rank's piece "
+                f"(pieces: {pieces}): its data was replaced by a tensor of another size (param.data = ..., "
+                "param.set_(...), or module.weight = value on a parametrized module, which calls set_). "
+                "Assign the whole parameter's shape, or set a sharded model's values through its state dict "
+                "(fusedist.fsdp.load_full_state_dict, load_state_dict), or before calling fully_shard.")
 
     def mixed_conversion(self):
         """Why the pieces cannot be packed in the unit's shards again -- a conversion left them in
@@ -217,3 +225,15 @@ class PieceMixin:
 def _mark(t: torch.Tensor) -> tuple:
     """Where a tensor's data lies: a conversion gives a piece a new pointer, dtype or device."""
     return t.data_ptr(), t.dtype, t.device
+
+
+# Note [replaced piece data]
+#     A parameter's data replaced by the user (``param.data = w``, ``set_``, a parametrization's
+#     setter) is seen at the next forward or conversion, on each rank from its own piece. Under the
+#     row-aligned layout a parameter may lie wholly on one rank: there the whole value has the
+#     piece's shape and is taken, while a rank holding an empty piece sees a tensor of another size.
+#     Refusing it there alone left the first rank waiting in the all-gather until the stall report.
+#     So every rank takes a whole-shaped value, cut to its piece: the parameter then holds what was
+#     assigned. FSDP2 keeps its old local shard instead (the assignment is silently lost), so no
+#     refusal is matched here. Values of any other shape are refused with the same message on
+#     every rank (it names every rank's piece, not this rank's alone).

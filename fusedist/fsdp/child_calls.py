@@ -1,0 +1,64 @@
+"""Refuse a module inside a unit called on its own while the unit holds only this rank's pieces.
+
+Note [a unit's module called on its own]
+    The unit gathers its parameters in the pre-forward of the modules given to ``fully_shard``
+    (each member of a list). A module under them -- ``net.tail[0](x)`` after
+    ``fully_shard([net.body, net.tail])`` -- runs no such hook: it computed on this rank's pieces,
+    a wrong output of another shape (empty where its weight lies on another rank), and its
+    backward failed far away (``setStorage ... storage of size 0``) or not at all. FSDP2 fails
+    too (its pieces are DTensors mixed with plain inputs). So each module holding the unit's
+    parameters, other than the members, refuses a forward while the unit is not gathered, naming
+    itself, the unit and what to call. Inside the unit's own forward (and its backward's
+    recomputation, which regathers first) the unit is gathered: the hook is one flag check.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+
+def guard_child_calls(unit, members: list) -> None:
+    """Give each module holding ``unit``'s parameters, other than ``members``, the check."""
+    member_ids = {id(m) for m in members}
+    seen: dict = {}
+    for regs in unit.registrations:
+        for module, attr in regs:
+            if id(module) not in member_ids and id(module) not in seen:
+                seen[id(module)] = (module, attr)
+    # weak: the unit holds these modules, so a strong reference back would keep a dropped model alive
+    unit_ref, member_refs = weakref.ref(unit), [weakref.ref(m) for m in members]
+    for module, attr in seen.values():
+        module.register_forward_pre_hook(functools.partial(_refuse_ungathered, unit_ref, member_refs, attr))
+
+
+def _refuse_ungathered(unit_ref, member_refs: list, attr: str, module, args) -> None:
+    unit = unit_ref()
+    if unit is None or unit.is_unsharded:
+        return
+    members = [m for m in (r() for r in member_refs) if m is not None]
+    member, path = _paths(unit.path, members, module)
+    raise RuntimeError(
+        f"fusedist.fully_shard: module '{path}' ({type(module).__name__}) was called on its own, outside the "
+        f"forward of unit {unit.label}, which holds its parameter '{attr}' sharded: it would compute on rank "
+        f"{unit.rank}'s pieces alone (a wrong result, then a failing backward). Call {member} or the "
+        "model instead; a module that must run on its own needs its "
+        "own fully_shard call, made before its parent's.")
+
+
+def _paths(unit_path, members: list, module) -> tuple:
+    """How to name the member holding ``module``, and ``module``'s path: under the root where the
+    root named the unit, else under the member."""
+    names = unit_path[1:-1].split(", ") if unit_path and len(members) > 1 else [unit_path]
+    for k, m in enumerate(members):
+        sub = next((n for n, s in m.named_modules() if s is module), None)
+        if sub is None:
+            continue
+        name = names[k] if k < len(names) and names[k] not in (None, "?") else None
+        if name is None:
+            item = f", item {k} of the list" if len(members) > 1 else ""
+            cls = next(c.__name__ for c in type(m).__mro__ if not c.__name__.startswith("FullyShard"))
+            return f"the {cls} given to fully_shard{item}, which holds it,", f"<{cls}{item}>.{sub}"
+        member = f"'{name}' (the module given to fully_shard that holds it)" if name else "the root module"
+        return member, (f"{name}.{sub}" if name else sub)
+    return "the module given to fully_shard", "?"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of
 
 STEPS_BEFORE, STEPS_AFTER = 2, 3
 

@@ -49,19 +49,27 @@ def check_same_across_ranks(entries: Sequence[Any], what: str, label=str, *, com
                             hint: str = "") -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks pass equal ``entries``.
     ``op`` names the exchange in errors and stall reports (e.g. "... construction: model check")."""
-    everyone = gather_objects(list(entries), comm, op)
-    difference = describe_difference(everyone, label)
-    if difference is not None:
-        counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
-        try:  # (an extra to the message: it must never replace the error itself)
-            unshared = describe_unshared(everyone, label) if len(set(map(len, everyone))) > 1 else None
-        except Exception:  # noqa: BLE001
-            unshared = None
-        raise RankMismatchError(
-            f"fusedist: {what} differs across ranks (this is rank {comm.rank}); "
-            f"{difference}. Entry counts: {counts}.{(' ' + hint) if hint else ''}"
-            f"{(' Not on every rank: ' + unshared + '.') if unshared else ''}"
-        )
+    raise_if_different(gather_objects(list(entries), comm, op), comm.rank, what, label, hint)
+
+
+def raise_if_different(entries_by_rank: Sequence[Sequence[Any]], rank: int, what: str, label=str,
+                       hint: str = "") -> None:
+    """The :class:`RankMismatchError` of :func:`check_same_across_ranks`, raised on ``rank`` unless
+    every rank's entries (already exchanged, e.g. one part of an exchange that carried several)
+    are equal."""
+    difference = describe_difference(entries_by_rank, label)
+    if difference is None:
+        return
+    counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(entries_by_rank))
+    try:  # (an extra to the message: it must never replace the error itself)
+        unshared = describe_unshared(entries_by_rank, label) if len(set(map(len, entries_by_rank))) > 1 else None
+    except Exception:  # noqa: BLE001
+        unshared = None
+    raise RankMismatchError(
+        f"fusedist: {what} differs across ranks (this is rank {rank}); "
+        f"{difference}. Entry counts: {counts}.{(' ' + hint) if hint else ''}"
+        f"{(' Not on every rank: ' + unshared + '.') if unshared else ''}"
+    )
 
 
 def describe_unshared(entries_by_rank: Sequence[Sequence[Any]], label, limit: int = 3) -> str | None:

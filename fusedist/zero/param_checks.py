@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from .._consistency import RankMismatchError, describe_difference, describe_unshared, gather_objects
+from .._consistency import gather_objects, raise_if_different
 from ..ddp.layout import slot_order
 from . import hyper_checks
 
@@ -180,22 +180,22 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
         # Refused alike on every rank: each raises its own error, whatever else differs (rank-local
         # parameters a DDP model ignores may differ in shape across ranks).
         raise refusal
-    _raise_if_different(
-        [e[0] for e in everyone], zero.comm.rank, label,
+    rank = zero.comm.rank
+    raise_if_different(
+        [e[0] for e in everyone], rank,
         "the param group given to ZeroRedundancyOptimizer.add_param_group" if adding
-        else "the parameter list given to ZeroRedundancyOptimizer",
+        else "the parameter list given to ZeroRedundancyOptimizer", label,
         "Every rank must add the same parameters, in the same order; the group was not added." if adding
         else "Every rank must pass the same parameters, in the same param groups and order "
         "(e.g. model.parameters() of the same model on every rank).")
-    _raise_if_different(
-        [e[2] for e in everyone], zero.comm.rank, lambda e: f"{e[0]}={e[1]}",
-        "the settings given to ZeroRedundancyOptimizer",
+    raise_if_different(
+        [e[2] for e in everyone], rank, "the settings given to ZeroRedundancyOptimizer", lambda e: f"{e[0]}={e[1]}",
         "Every rank must build the optimizer with the same offload, stage, optimizer_class (and, without a DDP "
         "model, bucket_cap_mb): each rank runs its part of the same collectives on the same shards.")
-    _raise_if_different(
-        [e[1] for e in everyone], zero.comm.rank, hyper_checks.label,
+    raise_if_different(
+        [e[1] for e in everyone], rank,
         "the param groups' hyperparameters given to ZeroRedundancyOptimizer"
-        + (".add_param_group (the new group's, or the groups' before it)" if adding else ""),
+        + (".add_param_group (the new group's, or the groups' before it)" if adding else ""), hyper_checks.label,
         ("Every rank must add the group with the same hyperparameters; the group was not added. " if adding
          else "") + hyper_checks.HINT)
     if refusal is not None:
@@ -216,18 +216,3 @@ def _settings(zero) -> list:
 
 MIB = 1024 * 1024
 
-
-def _raise_if_different(entries_by_rank: list, rank: int, label, what: str, hint: str) -> None:
-    """The :class:`fusedist.RankMismatchError` of ``check_same_across_ranks`` for one part of an
-    exchange that carried several."""
-    difference = describe_difference(entries_by_rank, label)
-    if difference is None:
-        return
-    counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(entries_by_rank))
-    try:  # (an extra to the message: it must never replace the error itself)
-        unshared = describe_unshared(entries_by_rank, label) if len(set(map(len, entries_by_rank))) > 1 else None
-    except Exception:  # noqa: BLE001
-        unshared = None
-    raise RankMismatchError(
-        f"fusedist: {what} differs across ranks (this is rank {rank}); {difference}. Entry counts: {counts}. {hint}"
-        + (f" Not on every rank: {unshared}." if unshared else ""))

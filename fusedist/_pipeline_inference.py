@@ -86,7 +86,8 @@ Note [a first send that cannot be made]
     sender only (as after a shape inference): a module whose output changes kind after its first
     micro-batch still leaves the receiver waiting for the timeout. A rank holding only stages
     before the failing one (rank 0 when stage 1 of a three-rank pipeline fails) waits for
-    gradients, and learns of it at the timeout too (or when the failing rank's process ends).
+    gradients: it is told in place of micro-batch 0's gradient (Note [a first send that cannot be
+    made, told upstream] in _pipeline_notice_back.py).
 
 Note [examples that need no gradient]
     torch's stage given its shapes (``input_args`` and ``output_args``: no shape inference) takes
@@ -269,7 +270,7 @@ def send_failure(stage, chunk: int, error: Exception) -> str:
     if isinstance(error, PeerFailedFirstSend) or not message.startswith("fusedist.pipelining.PipelineStage: "):
         message = message if isinstance(error, PeerFailedFirstSend) else (
             f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
-            f"pipeline's group) failed at micro-batch {chunk}: {type(error).__name__}: {message}")
+            f"pipeline's group) failed at micro-batch {chunk}: {_root_cause(error)}")
     if chunk != 0 or not getattr(stage, "_notice_to", False):
         return message
     stage._notice_to = False
@@ -282,6 +283,15 @@ def send_failure(stage, chunk: int, error: Exception) -> str:
     except Exception:  # noqa: BLE001 - the failure being told of is the error to raise
         stage._notice_works = works  # (kept alive with their tensors until taken)
     return message
+
+
+def _root_cause(error: Exception) -> str:
+    """The exception that began it: torch's stage wraps a module's exception in a RuntimeError listing
+    the arguments' shapes, whose own message does not say what failed."""
+    root = error
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    return f"{type(root).__name__}: {root}"
 
 
 def _notice(stage, status: int, message: str) -> torch.Tensor:

@@ -118,6 +118,14 @@ Note [accumulating over synchronized pipeline steps]
 Note [a step that raised]
     In _pipeline_step_failures.py: after a step that raised before its end, the next step on a
     one-rank pipeline drops what it left (losses, gradients, buffers), and on several ranks is refused.
+
+Note [several devices in one stage]
+    The gradients a stage holds may live on several devices (a layer kept on the host, the others on an
+    accelerator). The set-aside's one pass finding the gradients that are all zeros stacked every norm into
+    one tensor, which raised at the step's first forward with norms on two devices; the norms are now
+    stacked, compared and sent towards the host per device (an event per device where it is an
+    accelerator), and read at the first backward as before (``_zero_flags``). A gradient with no values
+    to read (``meta``) counts as one to copy.
 """
 
 from __future__ import annotations
@@ -134,8 +142,12 @@ from ._pipeline_inference import (
     InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, activations_carry_gradients, arm_first_sends,
     check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, next_on_another_rank,
     notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
+from ._pipeline_notice_back import (
+    PeerFailedFirstSendAfter, arm_back, back_recv_ops, back_send_ops, guard_first_loss, read_back_notice,
+    tell_upstream)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, schedule_stepping
+from ._pipeline_vote import backward_result, forward_vote
 
 __all__ = ["PipelineStage"]
 
@@ -155,6 +167,9 @@ class PipelineStage(_TorchPipelineStage):
     refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
     leaves no trace of a step that raised, or refuses the next (Note [a step that raised]), fails a first send it
     cannot make on the receiving rank too (Note [a first send that cannot be made] in _pipeline_inference.py),
+    and on the ranks before it (Note [a first send that cannot be made, told upstream] in
+    _pipeline_notice_back.py), refuses schedules of different micro-batch counts on every rank at once (Note
+    [micro-batch counts that differ across ranks] in _pipeline_vote.py),
     and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
     as it was] in _pipeline_inference.py)."""
@@ -196,27 +211,59 @@ class PipelineStage(_TorchPipelineStage):
         self._fusedist_meta_sent = True
         super()._send_meta(meta, dst_stage)
 
+    def _warmup_forward_vote(self, has_backward: bool, received_acc=None):
+        return forward_vote(self, has_backward, received_acc)  # Note [micro-batch counts that differ across ranks]
+
+    def _warmup_backward_result(self, received_result=None):
+        return backward_result(self, received_result)  # (_pipeline_vote.py)
+
     def _prepare_forward_infra(self, *args, **kwargs):
+        refusal, self._counts_differ = getattr(self, "_counts_differ", None), None
+        if refusal is not None:  # every rank raises here, before the step's first message
+            self._told()
+            raise RuntimeError(refusal)
         if getattr(getattr(self, "_inference_mode", None), "value", None) == "static":
             activations_carry_gradients(self)  # Note [examples that need no gradient] (_pipeline_inference.py)
         out = super()._prepare_forward_infra(*args, **kwargs)
         arm_first_sends(self)  # Note [a first send that cannot be made] (_pipeline_inference.py)
+        # Note [a first send that cannot be made, told upstream] (_pipeline_notice_back.py)
+        arm_back(self, kwargs.get("has_backward", args[3] if len(args) > 3 else False))
         return out
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        getattr(self, "_fwd_recvs_made", set()).add(fwd_chunk_id)
         return notice_recv_ops(self, fwd_chunk_id) + super().get_fwd_recv_ops(fwd_chunk_id)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        getattr(self, "_fwd_sends_made", set()).add(fwd_chunk_id)
         return notice_send_ops(self, fwd_chunk_id) + super().get_fwd_send_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        return back_recv_ops(self, bwd_chunk_id) + super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return back_send_ops(self, bwd_chunk_id) + super().get_bwd_send_ops(bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        try:  # Note [a first send that cannot be made, told upstream] (_pipeline_notice_back.py)
+            read_back_notice(self, bwd_chunk_id)
+        except PeerFailedFirstSendAfter as e:
+            tell_upstream(self, bwd_chunk_id, str(e), told=True)
+            raise RuntimeError(str(e)) from None
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
             read_notice(self, fwd_chunk_id)
             return self._forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
         except Exception as e:
+            told = fwd_chunk_id == 0 and (getattr(self, "_notice_to", False) or getattr(self, "_back_notice_to", False))
             message = send_failure(self, fwd_chunk_id, e)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None
+            tell_upstream(self, fwd_chunk_id, message, told=False)  # (_pipeline_notice_back.py)
+            if told and message != str(e):  # the message the other ranks raise, naming the stage and the cause
+                raise RuntimeError(message) from e
             raise
 
     def _forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
@@ -292,6 +339,8 @@ class PipelineStage(_TorchPipelineStage):
             plain = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
             after_the_last_step(self, schedule, plain)
             self._step, self._stepping = Step(), weakref.ref(schedule)
+            if self.is_last:
+                guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
         super().clear_runtime_states()
 
     def perform_reduce_grad(self, grad_scale_factor: int):
@@ -339,11 +388,10 @@ class _SetAside:
         """Each gradient with a copy of its value at the step's beginning, or None where all zeros."""
         if self._pairs is None:
             zero = list(self._zero)
-            if self._pending is not None:
-                flags, ready = self._pending
+            for where, flags, ready in self._pending:  # one measurement per device
                 if ready is not None:
                     ready.synchronize()  # (the measurement only: recorded right after it)
-                for i, flag in zip([i for i, z in enumerate(zero) if z is None], flags.tolist()):
+                for i, flag in zip(where, flags.tolist()):
                     zero[i] = flag
             with torch.no_grad():
                 self._pairs = [(g, None if z else g.clone()) for g, z in zip(self.grads, zero)]
@@ -351,21 +399,29 @@ class _SetAside:
 
 
 def _zero_flags(grads: list):
-    """Whether each gradient is all zeros (NaN is not) -- None where measured on the device -- and
-    the measurement (flags copied towards the host without waiting, an event marking them there),
-    one pass over the gradients; a tensor of another kind (sparse, a subclass) counts as not."""
-    zero = [True if g.numel() == 0 else None if type(g) is torch.Tensor and g.layout == torch.strided
-            and g.is_floating_point() else False for g in grads]  # (an empty shard holds nothing)
-    dense = [g for g, z in zip(grads, zero) if z is None]
-    if not dense:
-        return zero, None
+    """Whether each gradient is all zeros (NaN is not) -- None where measured on its device -- and the
+    measurements: per device (Note [several devices in one stage]), the gradients' indices, their flags
+    copied towards the host without waiting, and an event marking them there. One pass over the
+    gradients, of any floating dtypes; a tensor of another kind (sparse, a subclass) counts as not all
+    zeros, as does one with no values to read (meta)."""
+    zero = [True if g.numel() == 0 else None if type(g) is torch.Tensor and g.layout == torch.strided  # (an empty
+            and g.is_floating_point() and g.device.type != "meta" else False for g in grads]  # shard holds nothing)
+    by_device: dict = {}
+    for i, (g, z) in enumerate(zip(grads, zero)):
+        if z is None:
+            by_device.setdefault(g.device, []).append(i)
+    return zero, [_measured(where, [grads[i] for i in where]) for where in by_device.values()]
+
+
+def _measured(where: list, dense: list) -> tuple:
+    """Whether each of ``dense`` (tensors on one device) is all zeros: the flags on the way to the host."""
     flags = torch.stack([n.float() for n in torch._foreach_norm(dense, float("inf"))]) == 0
     if flags.device.type != "cuda":
-        return zero, (flags.cpu(), None)
+        return where, flags.cpu(), None
     host, ready = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event()
     host.copy_(flags, non_blocking=True)
     ready.record(torch.cuda.current_stream(flags.device))
-    return zero, (host, ready)
+    return where, host, ready
 
 
 def _give_back(module, held: list, factor: int) -> None:

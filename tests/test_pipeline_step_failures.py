@@ -718,3 +718,27 @@ def test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank():
             in second, (seed, rank, second)
         assert "refuses every later step" in second and same, (seed, rank, second, same)
     assert "out of bounds" in results[1][0], results[1][0]
+
+
+def test_the_set_aside_measures_gradients_of_several_devices_and_dtypes():
+    """Note [accumulating over synchronized pipeline steps]: which gradients held at a step's first forward
+    are all zeros (nothing to copy) was measured by stacking every gradient's norm into one tensor: with a
+    stage's gradients on several devices that stack raised at the step's first forward. The norms are now
+    stacked per device; a gradient with no values to read (meta) counts as not all zeros (copied, never
+    read); dtypes mix. Reference: each gradient's own count of nonzeros (NaN is nonzero)."""
+    from fusedist.pipelining import _SetAside
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
+    grads = [torch.zeros(3), torch.randn(4, generator=g).to(torch.bfloat16), torch.zeros(5, device="meta"),
+             torch.zeros(2, 3, dtype=torch.float16), torch.tensor([0.0, float("nan")], dtype=torch.float64),
+             torch.randn(3, generator=g).to(torch.float16), torch.zeros(0)]
+    pairs = _SetAside(grads).pairs()
+    assert [grad is held for grad, (held, _) in zip(grads, pairs)] == [True] * len(grads)
+    for grad, (_, copy_) in zip(grads, pairs):
+        if grad.device.type == "meta":
+            assert copy_ is not None and copy_.device.type == "meta"
+            continue
+        assert (copy_ is None) == (int(torch.count_nonzero(grad)) == 0), (grad, copy_)
+        if copy_ is not None:
+            assert copy_ is not grad and copy_.dtype == grad.dtype
+            assert torch.equal(copy_.nan_to_num(), grad.nan_to_num()), (grad, copy_)

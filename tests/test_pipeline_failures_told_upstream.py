@@ -1,0 +1,186 @@
+"""Pipeline failures every rank learns of at once, on three gloo ranks (one stage each):
+
+- Note [a first send that cannot be made, told upstream] (fusedist/_pipeline_notice_back.py): with shapes
+  given to the stages, a stage whose forward of micro-batch 0 raised told the ranks after it, but a rank
+  holding only stages before it waited for micro-batch 0's gradient (or for its later activations to be
+  taken) until the process group's timeout; so did every rank but the last when the last stage's loss_fn
+  raised on micro-batch 0. Now every rank raises at once, naming the failing stage, its rank and its
+  exception; the gradients stay untouched (None), the next step is refused, and a fresh pipeline on the
+  same process group trains as the unpipelined model (no message of the failed step was left unmatched).
+- Note [micro-batch counts that differ across ranks] (fusedist/_pipeline_vote.py): one rank's schedule
+  with another ``n_microbatches`` failed the shape inference with a size mismatch in the loss on one
+  rank (the others then waited), or with shapes given left ranks waiting until the timeout. Now every
+  rank raises at once at the set-up, naming both counts, and a schedule with the right count then trains
+  the same stages as the unpipelined model.
+
+Tolerances: fp32 gradients of micro-batch means summed in another order, 1e-6; a mispairing moves them by
+1e-2 or more. The process group's timeout is 10 s here; prompt means under 5 s.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from shared_rank_launch import launch_for_selected, results_of
+
+WIDTH, MICRO_BATCHES, BATCH = 8, 4, 8
+
+
+class _Stage(nn.Module):
+    """A linear layer whose forward raises while ``broken``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.broken = nn.Linear(WIDTH, WIDTH), False
+
+    def forward(self, x):
+        if self.broken:
+            raise ValueError("the stage module broke")
+        return torch.tanh(self.lin(x))
+
+
+def _mse(out, target):
+    return (out - target).square().mean()
+
+
+def _refused(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _pipeline(rank, world, module, schedule_name, n_microbatches, static, loss_fn=_mse):
+    from torch.distributed import pipelining
+
+    from fusedist.pipelining import PipelineStage
+
+    shapes = {}
+    if static:
+        example = torch.zeros(BATCH // MICRO_BATCHES, WIDTH)
+        shapes = {"input_args": (example,), "output_args": (example,)}
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), **shapes)
+    return stage, getattr(pipelining, schedule_name)(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def _step(schedule, rank, world, x, y):
+    return schedule.step(x) if rank == 0 else schedule.step(target=y) if rank == world - 1 else schedule.step()
+
+
+def _good_step_difference(rank, world, seed, schedule_name, static):
+    """A fresh pipeline of a fresh model: one step; its gradients' largest difference from the unpipelined
+    model's on the same batch."""
+    torch.manual_seed(seed)
+    whole = nn.Sequential(*[_Stage() for _ in range(world)])
+    part = copy.deepcopy(whole[rank])
+    _, schedule = _pipeline(rank, world, part, schedule_name, MICRO_BATCHES, static)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    _step(schedule, rank, world, x, y)
+    _mse(whole(x), y).backward()
+    return max(float((p.grad - q.grad).abs().max()) for p, q in zip(part.parameters(), whole[rank].parameters()))
+
+
+def _told_upstream_worker(rank, world, seed, schedule_name, bad_stage):
+    """Stage ``bad_stage``'s module raises at micro-batch 0 (shapes given; ``bad_stage`` None: the loss_fn
+    raises there): what each rank raised and in how many seconds, whether its gradients are still None,
+    whether an all_reduce works, what the next step raised, and a fresh pipeline's difference from the
+    unpipelined model."""
+    torch.manual_seed(seed)
+    module = _Stage()
+    module.broken = rank == bad_stage
+
+    def loss_fn(out, target):
+        if bad_stage is None and module.broken is None:
+            raise ValueError("the loss broke")
+        return _mse(out, target)
+
+    if bad_stage is None:
+        module.broken = None
+    _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, True, loss_fn)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    began = time.monotonic()
+    raised = _refused(lambda: _step(schedule, rank, world, x, y))
+    seconds = time.monotonic() - began
+    untouched = all(p.grad is None for p in module.parameters())
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    module.broken = False
+    again = _refused(lambda: _step(schedule, rank, world, x, y))
+    return raised, seconds, untouched, float(total), again, _good_step_difference(rank, world, seed, schedule_name,
+                                                                                   True)
+
+
+def _counts_worker(rank, world, seed, schedule_name, static):
+    """The last rank's schedule splits the batch into 8 micro-batches, the others' into 4: what each rank
+    raised and in how many seconds; then a schedule of 4 over the same stages: its gradients' largest
+    difference from the unpipelined model's."""
+    torch.manual_seed(seed)
+    whole = nn.Sequential(*[_Stage() for _ in range(world)])
+    part = copy.deepcopy(whole[rank])
+    count = 2 * MICRO_BATCHES if rank == world - 1 else MICRO_BATCHES
+    stage, schedule = _pipeline(rank, world, part, schedule_name, count, static)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    began = time.monotonic()
+    raised = _refused(lambda: _step(schedule, rank, world, x, y))
+    seconds = time.monotonic() - began
+    schedule = type(schedule)(stage, n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+    _step(schedule, rank, world, x, y)
+    _mse(whole(x), y).backward()
+    return raised, seconds, max(float((p.grad - q.grad).abs().max())
+                                for p, q in zip(part.parameters(), whole[rank].parameters()))
+
+
+@pytest.mark.parametrize("schedule_name,bad_stage", [
+    ("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("Schedule1F1B", 2), ("ScheduleGPipe", 2), ("Schedule1F1B", None)])
+def test_a_failed_first_forward_fails_the_ranks_before_it_at_once(schedule_name, bad_stage, launched):
+    """Note [a first send that cannot be made, told upstream]: every rank (those before the failing stage
+    too: they waited for the group's timeout) raises within 5 s the same message, naming the stage, its
+    rank and the module's exception (or the loss_fn's, on the last stage); nothing was applied (gradients
+    None); the group works; the next step is refused; a fresh pipeline on the group gives the unpipelined
+    model's gradients (fp32: 1e-6)."""
+    results = results_of(launched, f"upstream {schedule_name} {bad_stage}")
+    told = (f"stage {bad_stage} (rank {bad_stage} of the pipeline's group) failed at micro-batch 0: "
+            "ValueError: the stage module broke" if bad_stage is not None else
+            "stage 2 (rank 2 of the pipeline's group) failed at micro-batch 0's loss: ValueError: the loss broke")
+    assert len({raised for raised, *_ in results}) == 1, results
+    for rank, (raised, seconds, untouched, total, again, diff) in enumerate(results):
+        assert raised is not None and told in raised, (rank, raised)
+        assert seconds < 5 and untouched and total == 3, (rank, seconds, untouched, total)
+        assert again is not None and "the previous step raised before its end" in again, (rank, again)
+        assert diff < 1e-6, (launched["seed"], rank, diff)
+
+
+@pytest.mark.parametrize("schedule_name,static", [("ScheduleGPipe", False), ("Schedule1F1B", True)])
+def test_schedules_with_different_micro_batch_counts_fail_every_rank_at_once(schedule_name, static, launched):
+    """Note [micro-batch counts that differ across ranks]: every rank raises the same message within 5 s,
+    naming both counts and the stage; the same stages under a schedule with the right count then give the
+    unpipelined model's gradients (fp32: 1e-6)."""
+    results = results_of(launched, f"counts {schedule_name} {static}")
+    for rank, (raised, seconds, diff) in enumerate(results):
+        assert raised is not None and "n_microbatches=4 at stage 0 (rank 0" in raised, (rank, raised)
+        assert "n_microbatches=8 at stage 2 (rank 2)" in raised, (rank, raised)
+        assert seconds < 5 and diff < 1e-6, (launched["seed"], rank, seconds, diff)
+    assert len({raised for raised, _, _ in results}) == 1, results
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    jobs = {  # (the counts first: a scenario that fails may leave messages unmatched for those after it)
+        "test_schedules_with_different_micro_batch_counts_fail_every_rank_at_once": {
+            f"counts {name} {static}": (_counts_worker, (seed, name, static))
+            for name, static in (("ScheduleGPipe", False), ("Schedule1F1B", True))},
+        "test_a_failed_first_forward_fails_the_ranks_before_it_at_once": {
+            f"upstream {name} {bad}": (_told_upstream_worker, (seed, name, bad))
+            for name, bad in (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("Schedule1F1B", 2), ("ScheduleGPipe", 2),
+                              ("Schedule1F1B", None))},
+    }
+    return {"seed": seed, **launch_for_selected(request, jobs, 3, timeout=300, pg_timeout=10)}

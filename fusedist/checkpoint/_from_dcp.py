@@ -159,10 +159,12 @@ def read(directory: str, trusted: bool = False) -> tuple[str, dict]:
 
     with open(os.path.join(directory, METADATA), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
+    reader = FileSystemReader(directory)
+    _check_files(directory, reader)
     tree: dict = {}
     planner = _restricted_planner(trusted)
     try:  # every rank reads all of it, on its own (what torch's dcp_to_torch_save does)
-        _load_state_dict(tree, storage_reader=FileSystemReader(directory), planner=planner, no_dist=True)
+        _load_state_dict(tree, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -172,6 +174,35 @@ def read(directory: str, trusted: bool = False) -> tuple[str, dict]:
         raise CheckpointError(f"fusedist.checkpoint: reading torch's distributed checkpoint {directory} failed: "
                               f"{type(exc).__name__}: {exc}") from exc
     return digest, _in_saved_order(tree, getattr(planner, "metadata", None))
+
+
+def _check_files(directory: str, reader) -> None:
+    """The checkpoint's metadata readable, and every data file it lists present and as long as
+    the data it records there: a file cut short (a copy or upload interrupted, a disk that
+    filled) failed inside torch's reader with a traceback per rank and an unzip or unpickling
+    error that named no file."""
+    try:
+        storage = reader.read_metadata().storage_data or {}
+    except Exception as exc:  # noqa: BLE001 - torch's reader logged tracebacks, and raised one naming no file
+        raise CheckpointError(
+            f"fusedist.checkpoint: the metadata file {METADATA} of torch's distributed checkpoint {directory} cannot "
+            f"be read ({type(exc).__name__}: {exc}): it was cut short (a copy or upload interrupted) or damaged. "
+            "Copy it again from the source, or load another checkpoint; nothing was loaded") from exc
+    ends: dict = {}
+    for info in storage.values():
+        path, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if isinstance(path, str) and isinstance(offset, int) and isinstance(length, int):
+            ends[path] = max(ends.get(path, 0), offset + length)
+    for path, end in sorted(ends.items()):
+        full = os.path.join(directory, path)
+        size = os.path.getsize(full) if os.path.isfile(full) else None
+        if size is None or size < end:
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise CheckpointError(
+                f"fusedist.checkpoint: file {path} of torch's distributed checkpoint {directory} {found}, and its "
+                f"metadata records data up to byte {end}: the file was cut short (a copy, upload or write "
+                "interrupted) or removed. Copy it again from the source, or load another checkpoint; nothing was "
+                "loaded")
 
 
 def _in_saved_order(tree: dict, metadata) -> dict:
@@ -290,13 +321,19 @@ def _nested(optim: dict, names: list, source: str, others: bool = False) -> tupl
     return state, groups
 
 
-def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: str, others: bool = False) -> dict:
+def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: str, others: bool = False,
+                    one_saved: bool = True) -> dict:
     """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
     optimizer whose parameters are named ``names``, in its param groups ``optimizer_groups``
     (each takes the saved settings of its parameters; an empty one keeps its own), ``others``:
-    as in :func:`_nested`."""
+    as in :func:`_nested`. ``one_saved``: ``optim``'s groups are one saved optimizer's, in its
+    order (not several pipeline stages' put together), so a parameter in another group than
+    the one it was saved in is refused (Note [parameters moved between param groups])."""
     group_sizes = [len(g["params"]) for g in optimizer_groups]
+    nested = "state" in optim and "param_groups" in optim
     state, groups = _nested(_without_ddp_prefix(optim, names), names, source, others)
+    if not names and groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
+        return _over_no_parameters(state, groups, optimizer_groups, source)
     if groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         return _by_index(state, groups, group_sizes, source)
     group_of = {}
@@ -307,6 +344,8 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
     if missing:
         raise CheckpointError(f"fusedist.checkpoint: {source} has no parameter {missing[0]!r} of the optimizer "
                               f"({len(missing)} of {len(names)} missing)")
+    if nested and one_saved and len(groups) == len(group_sizes):
+        _refuse_moved(groups, group_of, names, group_sizes, source)
     out_groups, out_state, start = [], {}, 0
     for size, own in zip(group_sizes, optimizer_groups):
         members = names[start:start + size]
@@ -351,11 +390,64 @@ def _without_ddp_prefix(optim: dict, names: list) -> dict:
     return {kind + "." + strip(rest): v for (kind, rest), v in ((k.split(".", 1), v) for k, v in optim.items())}
 
 
+def by_index(optim: Optional[dict]) -> bool:
+    """Whether ``optim`` is an optimizer's own ``state_dict()`` (parameters by index), whose
+    state's keys DCP saved as the strings of the indices."""
+    groups = (optim or {}).get("param_groups") if "state" in (optim or {}) else None
+    return bool(groups) and all(isinstance(i, int) for g in groups for i in g.get("params", []))
+
+
 def state_names(optim: dict) -> list:
     """The names of the parameters with state in ``optim`` (nested or flattened by name)."""
     if "state" in optim and "param_groups" in optim:
         return [k for k, v in optim["state"].items() if isinstance(k, str) and v]
     return sorted({key.split(".", 1)[1].rpartition(".")[0] for key in optim if key.startswith("state.")})
+
+
+# Note [parameters moved between param groups]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An optimizer state saved by parameter name records which parameters each param group held.
+# A parameter the loading optimizer puts in another group of as many (a decay/no-decay rule
+# changed, groups built in another order) was regrouped by name and loaded whenever the groups'
+# settings were equal. torch's set_optimizer_state_dict maps each saved group to the
+# optimizer's group of its parameters, so a saved group whose parameters went to two groups
+# leaves one of them without settings (its next step fails on a KeyError 'lr'), and elsewhere
+# it takes one saved group's settings for parameters saved in several, unchecked. torch's
+# Optimizer.load_state_dict pairs groups by position and parameters by index. What a group's
+# index carries besides its settings -- an LR scheduler's state (its base_lrs, its lambdas),
+# a per-group rule the training code applies by index -- would then act on other parameters
+# than in the saved run, silently. So the groups must hold the parameters they were saved
+# with, by index; the refusal names the parameter and both groups. A state saved flattened
+# (one entry per parameter) records no group, and groups of another number keep the check of
+# their settings.
+def _refuse_moved(groups: list, group_of: dict, names: list, group_sizes: list, source: str) -> None:
+    start = 0
+    for index, size in enumerate(group_sizes):
+        for name in names[start:start + size]:
+            saved = group_of[name]
+            if saved != index:
+                with_it = [n for n in groups[saved].get("params", []) if n != name][:2]
+                beside = f" with {', '.join(map(repr, with_it))}" if with_it else ""
+                raise CheckpointError(
+                    f"fusedist.checkpoint: {source}: parameter {name!r} is in param group {index} of the optimizer "
+                    f"but was saved in param group {saved}{beside}: the groups must hold the saved optimizer's "
+                    "parameters in its order of groups (what a group's index carries, an LR scheduler's state among "
+                    "it, would act on other parameters). Build the groups as the saved job did, or pass "
+                    "optimizer=None to start a new one; nothing was loaded")
+        start += size
+
+
+def _over_no_parameters(state: dict, groups: list, optimizer_groups: list, source: str) -> dict:
+    """The saved groups' settings for an optimizer over no parameters (a pipeline part without
+    state steps one with the others): as torch's ``Optimizer.load_state_dict`` restores an
+    empty group's settings, and refuses another number of groups."""
+    if len(groups) != len(optimizer_groups):
+        raise CheckpointError(
+            f"fusedist.checkpoint: {source}: the optimizer over no parameters (a model part without state's) has "
+            f"{len(optimizer_groups)} param group(s); the saved optimizer whose settings it takes has {len(groups)}, "
+            "and torch's Optimizer.load_state_dict refuses another number of groups: pass one with "
+            f"{len(groups)} param group(s), or optimizer None for this part; nothing was loaded")
+    return {"state": {}, "param_groups": [dict(g, params=[]) for g in groups]}
 
 
 def _by_index(state: dict, groups: list, group_sizes: list, source: str) -> dict:

@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..zero import state as zstate
-from . import _checks, _files, _given_up, _load_plan, _names, _optimizer_list, _visibility
+from . import _checks, _files, _given_up, _load_plan, _names, _optimizer_list, _same_hyperparameters, _visibility
 from ._files import CheckpointError
 
 
@@ -80,19 +80,22 @@ def load(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, *,
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
         plan, error = None, f"fusedist.checkpoint: reading {directory} failed: {type(exc).__name__}: {exc}"
     read = plan["read"] if plan is not None else None
-    everyone = world.all_gather((error, read), "load: files checked")
-    failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
+    hyper = None if by_stage else _same_hyperparameters.entries(plan, optimizer, world)
+    everyone = world.all_gather((error, read, hyper), "load: files checked")
+    failed = [(r, e) for r, (e, _, _) in enumerate(everyone) if e is not None]
     if failed:
         rank, message = failed[0]
         prefix = "" if rank == world.rank else f"rank {rank} could not load the checkpoint: "
         raise CheckpointError(prefix + message)
-    _checks.check_same_load([r for _, r in everyone])
+    _checks.check_same_load([r for _, r, _ in everyone])
+    # Note [the same hyperparameters after a load] in _same_hyperparameters.py
+    _same_hyperparameters.check([h for _, _, h in everyone], world.ranks(), directory)
     if by_stage:
-        pipelined.check_taken(plan, [r for _, r in everyone], directory)
+        pipelined.check_taken(plan, [r for _, r, _ in everyone], directory)
         extra = pipelined.apply(plan, model, optimizer, scaler)
     else:
         extra = _load_plan.apply(plan, model, optimizer, scaler)
-    return extra if strict else _unmatched(plan, [r for _, r in everyone], extra,
+    return extra if strict else _unmatched(plan, [r for _, r, _ in everyone], extra,
                                            None if pipeline else _names.unwrap(model))
 
 
@@ -111,7 +114,7 @@ class LoadResult(_IncompatibleKeys):
 
 def _unmatched(plan: dict, reads: list, extra, whole=None) -> LoadResult:
     """The keys a load that is not strict left out (Note [a load that is not strict]): the
-    model's keys the checkpoint lacks (of every part here, by the part's names) and the
+    model's keys the checkpoint lacks (of every part of the job, once, by the parts' names) and the
     checkpoint's keys no model loads (for parts, none of the job's, by the saved names), in the
     order torch's ``load_state_dict`` of the whole model lists them: of ``whole`` where one model
     takes a pipelined checkpoint, else of the tree every rank's parts make together (Note [the
@@ -120,10 +123,12 @@ def _unmatched(plan: dict, reads: list, extra, whole=None) -> LoadResult:
         return LoadResult(list(plan["missing"]), list(plan["unexpected"]), extra)
     taken = set().union(*(r["keys"] for r in reads))
     unexpected = [k for k in plan["all_keys"] if k not in taken]
+    missing = list(dict.fromkeys(k for r in reads for k in r.get("missing", ())))  # every part of the job's, once
+    ordered = _names.missing_order(whole if whole is not None else _names.merged_trees(
+        [t for r in reads for t in r.get("missing_tree", ())], missing), missing)
     if whole is None:  # the parts' trees, from every rank (Note [the order of unexpected keys])
         whole = _names.merged_trees([t for r in reads for t in r.get("tree", ())], list(plan["all_keys"]))
-    return LoadResult([k for p in plan["parts"] for k in p["missing"]], _names.unexpected_order(whole, unexpected),
-                      extra)
+    return LoadResult(ordered, _names.unexpected_order(whole, unexpected), extra)
 
 
 def _prepared(directory: str, model, optimizer, scaler, trusted: bool, strict: bool, pipeline: bool) -> tuple:

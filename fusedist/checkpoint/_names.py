@@ -160,6 +160,21 @@ def unexpected_order(root, keys: list) -> list:
     return sorted(keys, key=place)
 
 
+def missing_order(root, keys: list) -> list:
+    """``keys`` (names the model holds) in the order torch's ``load_state_dict`` lists them as
+    ``missing_keys``: depth first, a module's own before its submodules', each module's own in
+    the order given (its state dict's); ``root`` as in :func:`unexpected_order`."""
+    tree = root if isinstance(root, dict) else module_tree(root, keys)
+
+    def place(item) -> tuple:
+        path, parts = [], item[1].split(".")
+        while len(parts) > len(path) + 1 and parts[len(path)] in tree.get(tuple(parts[:len(path)]), ()):
+            path.append(tree[tuple(parts[:len(path)])].index(parts[len(path)]))
+        return tuple(path), item[0]
+
+    return [key for _, key in sorted(enumerate(keys), key=place)]
+
+
 def module_tree(root: torch.nn.Module, keys: Iterable[str]) -> dict:
     """The modules of ``root`` along the names ``keys`` (canonical): ``{path: names of its
     submodules in order}``, the path a tuple of canonical segments (``()``: ``root``). Small and

@@ -48,6 +48,8 @@ def prepare(directory: str, held: list, scaler, strict: bool, trusted: bool) -> 
             source = f"optimizer state in {directory}"
             plan["params"] = param_names(module, params)
             full = _from_dcp.to_torch_format(optim or {}, plan["params"], optimizer.param_groups, source, others=True)
+            if params and _from_dcp.by_index(optim):  # (what check_taken compares: the saved indices)
+                plan["params"] = [str(i) for i in range(len(params))]
             _dcp_algorithm.check(full["param_groups"], optimizer, directory)
             plan["optimizer"] = _load_plan._prepare_full(full, directory, target, _load_plan._sharding(target),
                                                          optimizer, params, source)
@@ -58,6 +60,7 @@ def prepare(directory: str, held: list, scaler, strict: bool, trusted: bool) -> 
     read["params"] = sorted({n for p in plans for n in p.pop("params")})
     if not strict:
         read["tree"] = pipeline.part_trees(held, every_key, read["keys"])
+        read.update(pipeline.missing_of(held, plans))
     return {"parts": plans, "extra": None, "read": read, "strict": strict, "stages": [{"ranks": None}],
             "all_keys": every_key, "all_params": every_param}
 

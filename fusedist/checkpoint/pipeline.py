@@ -337,6 +337,7 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
                   for n in s["optimizer"]["param_names"]}
     if not strict:
         read["tree"] = part_trees(held, all_keys, read["keys"])
+        read.update(missing_of(held, plans))
     extra = reader.file(_files.COMMON).get("extra")
     if any("lr_scheduler" in p for p in plans):  # a Checkpointer's (Note [an LR scheduler per pipeline part])
         extra = dict(extra or {}, **{PART_LR_SCHEDULERS: [p.pop("lr_scheduler", None) for p in plans]})
@@ -350,6 +351,16 @@ def part_trees(held: list, every_key: dict, taken: list) -> list:
     keys] in ``_names.py``: no rank holds the whole model)."""
     left = [k for k in every_key if k not in set(taken)]
     return [_names.module_tree(_names.unwrap(module), left) for module, _ in held]
+
+
+def missing_of(held: list, plans: list) -> dict:
+    """The model keys this rank's parts miss, and each part's module tree along them, which
+    every rank sends: a load that is not strict lists every part's of the job once, in the
+    whole model's order, as torch's ``load_state_dict`` of the whole model lists them (a rank
+    listed its own parts', and a key every part holds, a root buffer, once per part)."""
+    return {"missing": list(dict.fromkeys(k for p in plans for k in p["missing"])),
+            "missing_tree": [_names.module_tree(_names.unwrap(module), p["missing"])
+                             for (module, _), p in zip(held, plans)]}
 
 
 def loaded_objects(directory: str, digest: str, strict: bool, held: list, scaler) -> dict:
@@ -476,7 +487,8 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
             raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameter '{name}' has shape {tuple(shape)}, "
                                   f"its state in {directory} shape {tuple(shapes[name])}")
     source = f"optimizer state in {directory}"
-    full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source)
+    full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source,
+                                     one_saved=len(with_state) == 1)
     return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), taken
 
 

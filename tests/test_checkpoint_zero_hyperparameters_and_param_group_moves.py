@@ -1,0 +1,312 @@
+"""Param groups at ``fusedist.checkpoint.load``, checked against torch:
+
+- ranks of a ZeroRedundancyOptimizer whose param groups differ in a setting the checkpoint does
+  not hold loaded silently, each keeping its own: here ``initial_lr``, which an LR scheduler
+  built after a rank-local change of ``lr`` (a per-host config applied after construction) set
+  apart, and which a checkpoint saved without a scheduler lacks; the scheduler then stepped each
+  rank's slices at its own rate. ``load_state_dict`` of the same state compares the groups across
+  ranks and refuses (Note [the same hyperparameters after a load] in
+  fusedist/checkpoint/_same_hyperparameters.py). Both ranks now refuse, naming the group, the
+  setting and each rank's value, and nothing changes; ranks built alike load and continue as
+  torch's AdamW given the saved state (fp32, the same operations on every slice: exactly equal).
+  Two ranks, one launch.
+- a parameter the loading optimizer holds in another param group (of as many) than the one it
+  was saved in was regrouped by name and loaded when the groups' settings were equal; torch's
+  ``set_optimizer_state_dict`` leaves a group without settings (its next step fails: Note
+  [parameters moved between param groups] in fusedist/checkpoint/_from_dcp.py). Refused before
+  anything changes, naming the parameter and both groups, for torch's
+  distributed checkpoint and a pipelined fusedist one. The saved grouping loads as torch's
+  ``set_state_dict`` loads it (copies: exactly equal).
+- a pipeline part without state whose optimizer over no parameters has another number of
+  groups than the checkpoint's optimizer (an ordinary fusedist checkpoint, or torch's
+  ``optimizer.state_dict()`` saved by DCP) was told the groups "of [0] parameters" differ from
+  "[0, 0]": it now names both counts and what to pass, as torch's ``load_state_dict`` refuses.
+  With as many it takes the saved settings; from torch's ``optimizer.state_dict()`` saved by DCP
+  a strict load was refused besides, the saved indices taken for parameters no part loads.
+- a pipelined load that is not strict listed each rank's parts' missing keys, a key every part
+  holds once per part: every rank now lists the job's, once, in the order torch's
+  ``load_state_dict(strict=False)`` of the whole model lists them (two ranks, same launch).
+- a data file of torch's distributed checkpoint cut short (a copy interrupted) or removed, or
+  its metadata cut short, failed inside torch's reader with its traceback and an unzip or
+  unpickling error naming no file: the file is named, with its size and the size its metadata
+  records (torch's ``dcp.load`` refuses it too).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from fusedist import checkpoint
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _steps(model, opt, seeds) -> None:
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(5, 4, generator=gen)), torch.randn(5, 3, generator=gen)).backward()
+        opt.step()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _dcp_saved(path: str, seed: int, lr: float) -> tuple:
+    """A torch DCP checkpoint of a model and AdamW(lr) after two steps, and its state dicts."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _net(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    _steps(model, opt, [seed, seed + 1])
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (one process: DCP warns that it saves alone)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return model.state_dict(), opt.state_dict()
+
+
+def _zero_with_rank_local_initial_lr(rank: int, world: int, path: str, seed: int) -> dict:
+    from fusedist import ZeroRedundancyOptimizer
+
+    model = _net(seed + 7)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    zero.param_groups[0]["lr"] = 1e-3 * (rank + 1)  # (after construction: its check saw the same lr)
+    torch.optim.lr_scheduler.LambdaLR(zero, lambda step: 1.0)  # (records initial_lr in the group)
+    before = _flat(model).clone()
+    try:
+        checkpoint.load(path, model, zero)
+        refusal = None
+    except checkpoint.CheckpointError as exc:
+        refusal = str(exc)
+    unchanged = torch.equal(_flat(model), before) and zero.param_groups[0]["lr"] == 1e-3 * (rank + 1)
+    zero.param_groups[0]["initial_lr"] = 1e-3  # (built alike: loads)
+    checkpoint.load(path, model, zero)
+    _steps(model, zero, [seed + 2, seed + 3])
+    return {"refusal": refusal, "unchanged": unchanged, "after": _flat(model), "lr": zero.param_groups[0]["lr"]}
+
+
+class _Block(nn.Module):
+    def __init__(self, gated: bool):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        if gated:  # (the loaded model's layers have a gate the saved ones lack)
+            self.gate = nn.Linear(3, 1)
+
+
+def _whole(new: bool) -> nn.Module:
+    """The saved model (``new=False``), or the loaded one: a root buffer and gates added since."""
+    model = nn.Module()
+    if new:
+        model.register_buffer("rope", torch.ones(2))
+    model.emb = nn.Linear(2, 3)
+    model.layers = nn.ModuleDict({str(i): _Block(new) for i in range(4)})
+    model.head = nn.Linear(3, 2)
+    return model
+
+
+def _cut(whole: nn.Module, keep: set, layers: set) -> nn.Module:
+    """A pipeline part as torchtitan cuts one: the other layers removed, the names kept."""
+    import copy
+
+    part = copy.deepcopy(whole)
+    for name in [n for n in part._modules if n not in keep]:
+        delattr(part, name)
+    for i in [i for i in part.layers if int(i) not in layers]:
+        del part.layers[i]
+    return part
+
+
+def _parts_list_missing_keys(rank: int, world: int, path: str, seed: int) -> list:
+    torch.manual_seed(seed + 1)
+    loaded = _whole(True)
+    part = _cut(loaded, {"emb", "layers"}, {0, 1}) if rank == 0 else _cut(loaded, {"layers", "head"}, {2, 3})
+    return list(checkpoint.load(path, [part], [None], pipeline=True, strict=False).missing_keys)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    from shared_rank_launch import launch_for_selected
+
+    root = tmp_path_factory.mktemp("zero_hyper")
+    seed = int.from_bytes(os.urandom(2), "little")
+    state = _dcp_saved(str(root / "dcp"), seed, 1e-2)
+    torch.manual_seed(seed)
+    saved_whole = _whole(False)
+    checkpoint.save(str(root / "whole"), saved_whole)
+    launched = launch_for_selected(request, {
+        "test_every_rank_lists_the_jobs_missing_keys_once_in_torchs_order": {
+            "missing keys": (_parts_list_missing_keys, (str(root / "whole"), seed))},
+        "test_ranks_whose_groups_differ_in_a_setting_the_checkpoint_lacks_refuse_naming_it": {
+            "rank-local initial_lr": (_zero_with_rank_local_initial_lr, (str(root / "dcp"), seed))},
+    }, world=2, timeout=120)
+    return launched, state, seed, saved_whole
+
+
+def test_ranks_whose_groups_differ_in_a_setting_the_checkpoint_lacks_refuse_naming_it(two_ranks):
+    from shared_rank_launch import results_of
+
+    launched, (model_state, opt_state), seed, _ = two_ranks
+    assert "initial_lr" not in opt_state["param_groups"][0]  # (the case: the checkpoint does not set it)
+    results = results_of(launched, "rank-local initial_lr")
+    for result in results:
+        assert result["refusal"] is not None, "ranks with different groups loaded silently"
+        assert ("param group 0: initial_lr=0.001 on ranks [0]; param group 0: initial_lr=0.002 on ranks [1]"
+                in result["refusal"]), result["refusal"]
+        assert "nothing was loaded" in result["refusal"]
+        assert result["unchanged"]
+    reference = _net(seed + 7)
+    reference.load_state_dict(model_state)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    torch_opt.load_state_dict(opt_state)
+    _steps(reference, torch_opt, [seed + 2, seed + 3])
+    for result in results:
+        assert result["lr"] == 1e-2
+        assert torch.equal(result["after"], _flat(reference))
+
+
+def test_every_rank_lists_the_jobs_missing_keys_once_in_torchs_order(two_ranks):
+    from shared_rank_launch import results_of
+
+    launched, _, seed, saved_whole = two_ranks
+    torch.manual_seed(seed + 1)
+    expected = _whole(True).load_state_dict(saved_whole.state_dict(), strict=False)
+    assert expected.missing_keys[0] == "rope" and len(expected.missing_keys) == 9  # (the case is torch's)
+    assert results_of(launched, "missing keys") == [expected.missing_keys] * 2
+
+
+def _grouped(model: nn.Module, layout: list, lr: float = 1e-2):
+    named = dict(model.named_parameters())
+    return torch.optim.AdamW([{"params": [named[n] for n in group]} for group in layout], lr=lr)
+
+
+_SAVED = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+_MOVED = [["0.weight", "2.weight"], ["0.bias", "2.bias"]]
+
+
+@pytest.mark.parametrize("kind", ["torch dcp", "fusedist pipelined"])
+def test_a_parameter_moved_to_another_param_group_is_refused_naming_both_groups(tmp_path, kind):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    model = _net(seed)
+    opt = _grouped(model, _SAVED)
+    _steps(model, opt, [seed])
+    path = str(tmp_path / "ckpt")
+    msd, osd = get_state_dict(model, opt)
+    if kind == "torch dcp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    else:
+        checkpoint.save(path, [model], [opt], pipeline=True)
+    torch_moved = _net(seed + 1)
+    torch_opt = _grouped(torch_moved, _MOVED)
+    set_state_dict(torch_moved, torch_opt, model_state_dict=msd, optim_state_dict=osd)
+    assert "lr" not in torch_opt.param_groups[0]  # torch's: a group left without settings (its step fails)
+    with pytest.raises(KeyError):
+        torch_opt.step()
+
+    fresh = _net(seed + 1)
+    moved = _grouped(fresh, _MOVED, lr=5e-3)
+    before = _flat(fresh).clone()
+    with pytest.raises(checkpoint.CheckpointError, match=r"parameter '2\.weight' is in param group 0 of the optimizer "
+                       r"but was saved in param group 1 with '2\.bias'.*nothing was loaded"):
+        checkpoint.load(path, [fresh] if kind != "torch dcp" else fresh, [moved] if kind != "torch dcp" else moved,
+                        pipeline=kind != "torch dcp")
+    assert torch.equal(_flat(fresh), before) and not moved.state and moved.param_groups[0]["lr"] == 5e-3
+
+    # the saved grouping: as torch's set_state_dict loads it
+    reference = _net(seed + 1)
+    reference_opt = _grouped(reference, _SAVED)
+    set_state_dict(reference, reference_opt, model_state_dict=msd, optim_state_dict=osd)
+    same = _grouped(fresh, _SAVED, lr=5e-3)
+    checkpoint.load(path, [fresh] if kind != "torch dcp" else fresh, [same] if kind != "torch dcp" else same,
+                    pipeline=kind != "torch dcp")
+    _steps(fresh, same, [seed + 1])
+    _steps(reference, reference_opt, [seed + 1])
+    assert torch.equal(_flat(fresh), _flat(reference))
+
+
+class _Loss(nn.Module):
+    """A part without parameters or buffers (a pipeline's last stage holding only the loss)."""
+
+    def forward(self, x):
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("kind", ["fusedist", "torch dcp of state_dict()"])
+def test_a_stateless_parts_optimizer_of_another_group_count_is_told_both_counts(tmp_path, kind):
+    import torch.distributed.checkpoint as dcp
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    model = _net(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.25)
+    _steps(model, opt, [seed])
+    path = str(tmp_path / "ckpt")
+    if kind == "fusedist":
+        checkpoint.save(path, model, opt)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # (torch's refusal)
+        torch.optim.AdamW([{"params": []}, {"params": []}]).load_state_dict(
+            dict(opt.state_dict(), param_groups=[dict(g, params=[]) for g in opt.state_dict()["param_groups"]]))
+    fresh = _net(seed + 1)
+    two = torch.optim.AdamW([{"params": []}, {"params": []}], lr=1e-3)
+    before = _flat(fresh).clone()
+    with pytest.raises(checkpoint.CheckpointError, match=r"the optimizer over no parameters \(a model part without "
+                       r"state's\) has 2 param group\(s\); the saved optimizer whose settings it takes has 1.*"
+                       r"pass one with 1 param group\(s\)"):
+        checkpoint.load(path, [fresh, _Loss()], [torch.optim.AdamW(fresh.parameters()), two], pipeline=True)
+    assert torch.equal(_flat(fresh), before) and [g["lr"] for g in two.param_groups] == [1e-3, 1e-3]
+    one = torch.optim.AdamW([{"params": []}], lr=1e-3)  # (as many: takes the saved group's settings)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    checkpoint.load(path, [fresh, _Loss()], [fresh_opt, one], pipeline=True)
+    assert one.param_groups[0]["lr"] == 0.25
+    reference = _net(seed + 1)  # (and the part with state as torch's load_state_dict of the saved state)
+    reference.load_state_dict(model.state_dict())
+    reference_opt = torch.optim.AdamW(reference.parameters())
+    reference_opt.load_state_dict(opt.state_dict())
+    _steps(fresh, fresh_opt, [seed + 1])
+    _steps(reference, reference_opt, [seed + 1])
+    assert torch.equal(_flat(fresh), _flat(reference))
+
+
+@pytest.mark.parametrize("how", ["cut short", "removed", "metadata cut short"])
+def test_a_torch_dcp_data_file_cut_short_is_named(tmp_path, how):
+    import torch.distributed.checkpoint as dcp
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    path = str(tmp_path / "dcp")
+    _dcp_saved(path, seed, 1e-2)
+    data = ".metadata" if how.startswith("metadata") else next(n for n in os.listdir(path) if n.endswith(".distcp"))
+    size = os.path.getsize(os.path.join(path, data))
+    if how == "removed":
+        os.remove(os.path.join(path, data))
+    else:
+        os.truncate(os.path.join(path, data), size // 2)
+    with pytest.raises(BaseException), warnings.catch_warnings():  # (torch's reader refuses it too)
+        warnings.simplefilter("ignore")
+        dcp.load({"model": _net(seed).state_dict()}, checkpoint_id=path)
+    fresh = _net(seed + 1)
+    before = _flat(fresh).clone()
+    found = "is missing" if how == "removed" else f"has {size // 2} bytes"
+    named = (r"the metadata file \.metadata of torch's distributed checkpoint .* cannot be read \(UnpicklingError: "
+             r".*\): it was cut short" if how.startswith("metadata") else
+             rf"file {data} of torch's distributed checkpoint .* {found}, and its metadata records data up to byte \d+")
+    with pytest.raises(checkpoint.CheckpointError, match=named + ".*nothing was loaded"):
+        checkpoint.load(path, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert torch.equal(_flat(fresh), before)

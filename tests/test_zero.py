@@ -584,9 +584,13 @@ def _misuse_worker(rank, world_size):
     except ValueError as exc:
         errors["stage2 without DDP"] = str(exc)
     try:
-        # (stage 1 takes a subset, as torch's: tests/test_zero_subset_copies_and_state_refusals.py)
-        fusedist.ZeroRedundancyOptimizer(list(model.parameters())[:2], torch.optim.AdamW, stage=2)
-    except ValueError as exc:
+        # (stage 1 takes a subset, as torch's: tests/test_zero_subset_copies_and_state_refusals.py; stage 2
+        # once add_param_group completes it: tests/test_sharded_optimizer_stage2_recipe_and_rank_checks.py)
+        part = fusedist.ZeroRedundancyOptimizer(list(model.parameters())[:2], torch.optim.AdamW, stage=2)
+        x, y = models.MLP.batch(torch.Generator().manual_seed(rank))
+        nn.functional.mse_loss(model(x), y).backward()
+        part.step()
+    except RuntimeError as exc:
         errors["subset"] = str(exc)
     # A second stage-2 optimizer takes the model over; the first refuses to step.
     opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2)

@@ -228,8 +228,10 @@ class GradientsMixin:
         [per-parameter gradient slices]). Read-only views: stage 2's of the gradient shards
         (scaled while a GradScaler's unscale is pending: ``step_context.inv_scale``), stage
         1's of ``p.grad``. The same parameters in the same order on every rank, so a caller
-        can all-reduce one number per pair."""
-        grow.join_pending(self)  # as the scaler's check does, before reading the shards
+        can all-reduce one number per pair; a collective where parameters may have joined
+        since the last step (Note [parameters unfrozen on some ranks only] in grow.py)."""
+        # As the scaler's check: every rank calls it (Note [one comparison a step] in grow.py).
+        grow.join_pending(self, compare=True)
         self._zero_fill_without_backward()
         if self.stage == 2:
             if not self._grads_present:

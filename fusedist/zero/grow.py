@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
-from . import param_checks
+from . import deferred_stage2, param_checks
 from . import state as zstate
 from .offload import check_offload_config
 from .shard_store import ShardStore, bucket_grad_slice
@@ -57,7 +57,7 @@ def _set_sharded(zero, sharded) -> None:
     zero._trainable = sorted(chosen)
     zero._frozen = [i for i in range(len(zero._params)) if i not in chosen]
     zero._may_grow = getattr(zero, "_may_grow", False) or bool(zero._frozen)  # (Note [parameters unfrozen ...])
-    if zero.stage == 2:  # fusedist.clip_grad_norm_ finds the shards
+    if zero.stage == 2 and zero.ddp is not None:  # fusedist.clip_grad_norm_ finds the shards (not while pending)
         register_gradient_holder([zero._params[i] for i in zero._trainable], zero)
 
 
@@ -88,6 +88,7 @@ def add_param_group(zero, param_group: dict) -> None:
         # defaults filled in, and with offload what the host Adam cannot run -- as the constructor
         refusal = param_checks.own_refusal(zero, groups=[gi], params=new, first=len(zero._params),
                                            op="ZeroRedundancyOptimizer.add_param_group")
+        refusal = refusal or deferred_stage2.refusal_to_complete(zero, new)
     except (ValueError, TypeError) as exc:
         refusal = exc  # raised after the ranks compared their groups, on every rank alike
         if not appended:  # (torch's check normalizes the list in place before refusing it)
@@ -109,23 +110,30 @@ def add_param_group(zero, param_group: dict) -> None:
     zero._sharded_state.invalidate()
     if zero.inner is not None:
         zero.inner.add_param_group(dict(zstate.hyperparameters(zero.param_groups[gi]), params=[]))
-    join_pending(zero, compare=True)
+    if not deferred_stage2.complete_if_whole(zero):  # Note [stage 2 completed by add_param_group]
+        join_pending(zero, force=True)
 
 
-def join_pending(zero, compare: bool = False) -> None:
+def join_pending(zero, compare: bool = False, force: bool = False) -> None:
     """Shard what should be sharded now and is not (Note [growing the partition]). ``compare``:
     called where every rank calls it, compare the sharded parameters across ranks first (Note
-    [parameters unfrozen on some ranks only])."""
+    [parameters unfrozen on some ranks only]) -- unless they were compared in this step already
+    (Note [one comparison a step]), in which case nothing joins until the next step.
+    ``force``: join and compare whatever was compared before (``add_param_group``)."""
     if zero.ddp is not None:
         return  # DDP's layout listener (on_layout_change) took them on when DDP appended them
-    part = zero._partition
+    if zero._sharded_compared and not force:
+        return  # Note [one comparison a step]: what is unfrozen since joins at the next step
     joining = [i for i in zero._frozen if zero._params[i].requires_grad]
-    if compare:
+    if compare or force:
         _check_same_sharded(zero, sorted(zero._trainable + joining))
-    if not joining:
-        return
+    if joining:
+        _join(zero, joining)
+
+
+def _join(zero, joining: list) -> None:
     params = [zero._params[i] for i in reversed(joining)]  # bucketed like bucketize: reverse order
-    buckets = append_buckets(part.buckets, params, [f"param {i}" for i in reversed(joining)],
+    buckets = append_buckets(zero._partition.buckets, params, [f"param {i}" for i in reversed(joining)],
                              bucket_cap_bytes=zero.bucket_cap_bytes, world_size=zero.world_size)
     _grow(zero, buckets)
 
@@ -136,36 +144,91 @@ def join_pending(zero, compare: bool = False) -> None:
 #     epoch that unfreezes) joined there alone, that rank's flat space grew, and its next
 #     all-gather met the others' of another size -- they waited until the stall timeout. So
 #     where every rank calls ``join_pending`` (``step()``, the scaler's and the clip's norm, which
-#     all-reduce anyway, and ``add_param_group``) the ranks compare the parameters they shard once
-#     the pending ones joined: one all-reduce (max) of their count and fingerprint and of the
-#     negations (the minimum), a few int64; only where they differ do the ranks exchange the
-#     lists, to raise the same RankMismatchError naming the parameters and ranks on every rank.
-#     The sharded set, not the joiners, is compared: a rank may have taken a parameter on already
-#     in a call that compares nothing (a local gradient read). Under ``Join`` (uneven inputs) a
-#     joined rank shadows only the step's own collectives, so nothing is compared there. Nor where
-#     no parameter of the optimizer was ever frozen (``_may_grow``: set at construction and by
-#     ``add_param_group``, both compared across ranks, and never cleared, so it is the same on every
-#     rank): nothing can join there, and the step pays no collective or host synchronization.
-def _check_same_sharded(zero, sharded: list) -> None:
-    """Note [parameters unfrozen on some ranks only]."""
-    if zero.comm is None or zero.world_size == 1 or zero._join_config.enable or not zero._may_grow:
-        return
-    key = [len(sharded), hash(tuple(sharded)) % (1 << 61)]
-    mark = torch.tensor(key + [-k for k in key], dtype=torch.int64, device=zero.comm.device)
-    op = "ZeroRedundancyOptimizer: trainable parameter check"
-    zero.comm.all_reduce(mark, op="max", tag=op)
-    values = mark.tolist()
-    if values[:2] == [-k for k in values[2:]]:
-        return
-    from .._consistency import RankMismatchError, describe_difference, gather_objects
+#     all-reduce anyway, ``gradient_slices()`` and ``add_param_group``) the ranks compare the
+#     parameters they shard once the pending ones joined, a fingerprint (their count and hash)
+#     per rank; only where they differ do the ranks exchange the lists, to raise the same
+#     RankMismatchError naming the parameters and ranks on every rank. The sharded set, not the
+#     joiners, is compared: a rank may have taken a parameter on already in a call that compares
+#     nothing (a local gradient read). Under ``Join`` (uneven inputs) a joined rank shadows only
+#     the step's own collectives, so nothing is compared there. Nor where no parameter of the
+#     optimizer was ever frozen (``_may_grow``: set at construction and by ``add_param_group``,
+#     both compared across ranks, and never cleared, so it is the same on every rank): nothing
+#     can join there, and the step pays no collective or host synchronization.
+#
+# Note [one comparison a step]
+#     The comparison costs a collective and a host read of its result. The scaler's found-inf
+#     check and the clip's norm all-reduce two numbers anyway: the fingerprint rides in that
+#     all-reduce (:func:`fingerprint_entries`, read back by :func:`check_fingerprint_sums`), and
+#     once the ranks compared in a step, the later points of the same step (``gradient_slices()``,
+#     ``step()`` itself) compare nothing and join nothing: parameters unfrozen after the comparison
+#     join at the next step's first point (they have no gradient in this one: the backward ran
+#     before). Whether a step compared is the same on every rank (every rank calls the scaler,
+#     clip and step alike), so the ranks issue the same collectives. A step without a scaler, a
+#     clip or a gradient-norm read compares in ``step()`` with a small all-reduce of its own.
+def _compares(zero) -> bool:
+    """Whether the ranks compare their sharded parameters (Note [parameters unfrozen on some ranks only])."""
+    return zero.comm is not None and zero.world_size > 1 and not zero._join_config.enable and zero._may_grow
 
-    everyone = gather_objects([(i, tuple(zero._params[i].shape)) for i in sharded], zero.comm, op)
-    difference = describe_difference(everyone, lambda e: f"parameter {e[0]} (shape {e[1]}) trainable")
-    raise RankMismatchError(
-        f"fusedist: the trainable parameters of ZeroRedundancyOptimizer differ across ranks (this is rank "
-        f"{zero.rank}); {difference}. Without a DDP model a parameter made trainable after construction joins the "
-        "shards at the first step (or unscale_/clip before it) that sees it trainable, and every rank must shard "
-        "the same parameters: set requires_grad=True on the same parameters on every rank before the same step.")
+
+_OP = "ZeroRedundancyOptimizer: trainable parameter check"
+_KEY_BITS = 20  # each key and its square summed over up to 8192 ranks stay exact in float64
+
+
+def _keys(sharded: list) -> list:
+    """The fingerprint of the sharded set: its count and a 60-bit hash, as keys of 20 bits."""
+    h = hash(tuple(sharded)) % (1 << 60)
+    mask = (1 << _KEY_BITS) - 1
+    return [len(sharded) & mask] + [(h >> (_KEY_BITS * k)) & mask for k in range(3)]
+
+
+def fingerprint_entries(zero) -> list:
+    """Join the pending parameters; the numbers this rank adds to the found-inf and norm
+    all-reduce (a sum) so that it compares the sharded parameters too, or [] where nothing is
+    compared (Note [one comparison a step])."""
+    if zero.ddp is not None:
+        return []
+    join_pending(zero)
+    if zero._sharded_compared or not _compares(zero):
+        return []
+    keys = _keys(list(zero._trainable))
+    return [float(k) for k in keys] + [float(k * k) for k in keys]
+
+
+def check_fingerprint_sums(zero, sums: list) -> None:
+    """After the all-reduce that carried :func:`fingerprint_entries`: every rank's keys are equal
+    iff, for each, ``world * sum(k^2) == sum(k)^2``; else raise on every rank."""
+    n = len(sums) // 2
+    totals, squares = [int(v) for v in sums[:n]], [int(v) for v in sums[n:]]
+    if any(zero.world_size * q != t * t for t, q in zip(totals, squares)):
+        _raise_different(zero, list(zero._trainable))
+    zero._sharded_compared = True
+
+
+def _check_same_sharded(zero, sharded: list) -> None:
+    """Note [parameters unfrozen on some ranks only], with a small all-reduce of its own: the
+    keys and their negations (the maximum and the minimum)."""
+    if not _compares(zero):
+        return
+    key = _keys(sharded)
+    mark = torch.tensor(key + [-k for k in key], dtype=torch.int64, device=zero.comm.device)
+    zero.comm.all_reduce(mark, op="max", tag=_OP)
+    values = mark.tolist()
+    if values[:len(key)] != [-k for k in values[len(key):]]:
+        _raise_different(zero, sharded)
+    zero._sharded_compared = True
+
+
+def _raise_different(zero, sharded: list) -> None:
+    """The ranks shard different parameters: exchange the lists and raise the same error on every rank."""
+    from .._consistency import gather_objects, raise_if_different
+
+    everyone = gather_objects([(i, tuple(zero._params[i].shape)) for i in sharded], zero.comm, _OP)
+    raise_if_different(
+        everyone, zero.rank, "the trainable parameters of ZeroRedundancyOptimizer",
+        lambda e: f"parameter {e[0]} (shape {e[1]}) trainable",
+        "Without a DDP model a parameter made trainable after construction joins the shards at the first step "
+        "(or unscale_/clip before it) that sees it trainable, and every rank must shard the same parameters: set "
+        "requires_grad=True on the same parameters on every rank before the same step.")
 
 
 def on_layout_change(zero, layout) -> None:

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import copies, grad_sync, grow, param_checks, wiring
+from . import copies, deferred_stage2, grad_sync, grow, param_checks, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
 from .factory import default_optimizer_class, optimizer_type
@@ -170,7 +170,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       through ``p.data``, call :meth:`sync_master_from_params`.
 
     Args:
-        params: parameters or param groups (of one fusedist DDP model, a subset in stage 1, or none).
+        params: parameters or param groups (of one fusedist DDP model, a subset in stage 1 -- in stage 2
+            one that ``add_param_group`` completes before the first step --, or none).
         optimizer_class: the per-shard optimizer class, or a factory of one (a ``functools.partial``,
             a lambda; default ``fusedist.optim.FusedAdamW``); the ``optimizer_class`` attribute is
             the class (for a factory, the class of what it builds).
@@ -195,7 +196,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                  bucket_cap_mb: float = 25.0, overlap_param_gather: bool = False,
                  offload: Optional[str] = None,
                  max_buckets_in_flight: Optional[int] = grad_sync.DEFAULT_MAX_BUCKETS_IN_FLIGHT, **defaults):
-        self._zero_mutable = MutableState()  # Note [state shared with wrappers] in shared_state.py
+        self._zero_mutable = MutableState(self)  # Note [state shared with wrappers] in shared_state.py
         overlap_with_ddp = defaults.pop("overlap_with_ddp", False)
         defaults.pop("parameters_as_bucket_view", None)  # always true here
         self.offload = "cpu" if offload == "cpu" else None
@@ -217,7 +218,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # failing with "No inf checks were recorded", and step() says what to use instead.
         self._step_supports_amp_scaling = stage == 2
         self._inner_defaults = dict(defaults)
-        super().__init__(param_checks.check_param_groups_given(params), defaults)
+        try:
+            super().__init__(param_checks.check_param_groups_given(params), defaults)
+        except (ValueError, TypeError) as exc:  # Note [torch's refusals before the communicator is known]
+            param_checks.refuse_with_every_rank(self, exc, process_group, int(bucket_cap_mb * MiB))
         # Every parameter, in torch's order (state dicts index into it); frozen ones
         # (requires_grad=False now) are kept there but never sharded, stepped or given state.
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
@@ -229,8 +233,11 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # Note [refusals of one rank's own arguments] in param_checks.py: raised after the comparison
         refusal = refusal or param_checks.own_refusal(self)
         self._offload: Optional[HostShardOffload] = None
-        self.ddp, self.comm, self.process_group, subset_refusal = wiring.connect(
-            self._trainable_params(), self._params, process_group, self._device, stage)
+        self.ddp, self.comm, self.process_group, subset_refusal, subset_of = wiring.connect(
+            self._trainable_params(), self._params, process_group, self._device)
+        # Note [stage 2 completed by add_param_group] in deferred_stage2.py
+        self._stage2_pending = None if stage != 2 or subset_of is None else deferred_stage2.PendingStage2(
+            subset_of, max_buckets_in_flight, overlap_param_gather)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
@@ -244,7 +251,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._partition: FlatPartition = self._build_partition()
         if self.ddp is not None:  # Note [growing the partition]: parameters DDP appends join at once
             wiring.listen_to_layout(self)
-        if stage == 2:
+        if stage == 2 and self._stage2_pending is None:
             wiring.install_stage2(self, max_buckets_in_flight)
         self._flat_params: Optional[FlatParams] = None
         self._masters: Optional[ShardStore] = None  # Note [shards aliasing the parameters and gradients]
@@ -339,6 +346,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         wiring.check_not_replaced(self)  # Note [an optimizer built again] in wiring.py
+        deferred_stage2.check_complete(self)  # Note [stage 2 completed by add_param_group]
         if grad_scaler is not None:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(stage=2) cannot be stepped by torch.amp.GradScaler: stage 2 keeps "
@@ -363,6 +371,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                     "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
                     "gradients were never reduced; run the last micro-batch's backward outside no_sync()"
                 )
+            self._follow_model_buckets()  # Note [the buckets of a newer wrapper] in shards.py
             grow.join_pending(self, compare=True)  # Note [growing the partition]
             self._check_frozen_grads()
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
@@ -431,9 +440,11 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's: the group's trainable parameters are sharded and stepped like the others
-        (progressive unfreezing; Note [growing the partition] in ``grow.py``)."""
+        (progressive unfreezing; Note [growing the partition] in ``grow.py``). Stage 2 over a
+        subset of a DDP model's parameters starts once a group completes them (Note [stage 2
+        completed by add_param_group] in ``deferred_stage2.py``)."""
         if hasattr(self, "_params"):
-            return grow.add_param_group(self, param_group)
+            return grow.add_param_group(self._zero_mutable.owner() or self, param_group)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

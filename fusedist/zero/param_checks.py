@@ -111,6 +111,41 @@ def _check_one_device(zero, trainable: dict, op: str) -> None:
                 "materialized first (module.to_empty(device=...) and its initialization)")
 
 
+# Note [torch's refusals before the communicator is known]
+#     torch's ``Optimizer.__init__`` refuses some parameter lists itself -- an empty one, a single
+#     tensor, a non-leaf tensor, a parameter in two groups -- and it runs before this optimizer knows
+#     its parameters' DDP model or device. Where one rank alone was refused (an empty list on the
+#     rank whose pipeline stage or expert owns nothing, a per-host config), it raised alone and the
+#     others waited in the parameter comparison (Note [the same parameters on every rank]) until the
+#     stall timeout. So a refused rank still takes part in that comparison, with the refusal as its
+#     one entry, over the communicator of ``process_group`` (the default group when None), and every
+#     rank raises at once: the same RankMismatchError naming the refused rank and torch's message, or,
+#     where every rank was refused alike, torch's own error. (Ranks whose parameters belong to a DDP
+#     model over another group than the one given compare over the model's communicator: pass that
+#     group as ``process_group`` for the refused rank to meet them.)
+def refuse_with_every_rank(zero, refusal: Exception, process_group, bucket_cap_bytes: int) -> None:
+    """Raise ``refusal`` of torch's ``Optimizer.__init__`` after the parameter comparison, on
+    every rank alike (Note [torch's refusals before the communicator is known])."""
+    import torch.distributed as dist
+
+    from ..comm import get_communicator
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise refusal
+    group = process_group if process_group is not None else dist.group.WORLD
+    try:
+        nccl = "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        comm = get_communicator(process_group, device)
+    except (RuntimeError, ValueError):
+        raise refusal from None  # (not a member of the group: no comparison to meet)
+    zero.ddp, zero.comm, zero.world_size = None, comm, comm.world_size
+    zero._params, zero._group_of, zero.param_groups = [], [], []
+    zero.bucket_cap_bytes = bucket_cap_bytes
+    check_same_params_on_every_rank(zero, refusal=refusal)
+    raise refusal
+
+
 def check_param_groups_given(params) -> list:
     """``params`` as a list; a group dict without ``"params"`` is refused as torch's
     ZeroRedundancyOptimizer refuses it (torch's ``Optimizer`` fails with a bare KeyError)."""

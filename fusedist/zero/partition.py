@@ -113,10 +113,11 @@ class Piece:
     end: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class BucketShard:
     """Where this rank's slice of a bucket lives: ``[start + lo, start + hi)`` in the flat
-    parameter/gradient space, ``[pos, pos + hi - lo)`` in the flat shard."""
+    parameter/gradient space, ``[pos, pos + hi - lo)`` in the flat shard. ``bucket`` alone
+    changes, to the same bucket of a newer DDP wrapper (:meth:`FlatPartition.follow_buckets`)."""
 
     bucket: Bucket
     lo: int
@@ -266,6 +267,23 @@ class FlatPartition:
         pieces = list(old.pieces) + self._pieces_of(self.bucket_shards[len(old.bucket_shards):])
         self.pieces = pieces
         self._index_pieces()
+
+    def follow_buckets(self, buckets: Sequence[Bucket]) -> bool:
+        """Refer to ``buckets`` -- the same ranges of the same parameters, held by a newer DDP
+        wrapper that took this partition's buckets over (Note [an optimizer over a module wrapped
+        again] in ``fusedist/ddp/succession.py``) -- instead of the retired wrapper's, whose
+        gradient storage they would keep alive. Returns whether any bucket changed."""
+        changed = False
+        for k, (bs, bucket) in enumerate(zip(self.bucket_shards, buckets)):
+            if bs.bucket is bucket:
+                continue
+            old = bs.bucket
+            if (old.dtype, old.start, old.end, old.numel) != (bucket.dtype, bucket.start, bucket.end, bucket.numel):
+                raise AssertionError(f"bucket {k} of the followed DDP model is not the partition's bucket {k}")
+            bs.bucket = bucket
+            self.buckets[k] = bucket
+            changed = True
+        return changed
 
     def padding_elements(self) -> int:
         """Elements of this rank's flat shards that belong to no parameter."""

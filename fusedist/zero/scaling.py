@@ -11,7 +11,7 @@ protocol can change in one place.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,8 +38,9 @@ class ZeroScalerProtocol(ScalerProtocol):
         # Without DDP, parameters unfrozen since the last step join at their first use: join
         # now, or the norm, the found-inf check and the unscale before the step would miss
         # their gradients (Note [growing the partition]; with DDP they joined in backward).
-        # Every rank comes here (its all-reduce below): Note [parameters unfrozen on some ranks only].
-        grow.join_pending(self, compare=True)
+        # Every rank comes here (its all-reduce below), which compares the sharded parameters too:
+        # Note [parameters unfrozen on some ranks only], Note [one comparison a step] in grow.py.
+        fingerprint = grow.fingerprint_entries(self)
         self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2] in grads.py
         grads = self._local_grads()
         device, dtype = self._device, self._norm_dtype()
@@ -55,7 +56,7 @@ class ZeroScalerProtocol(ScalerProtocol):
         else:
             sumsq = torch.zeros(1, device=device, dtype=dtype)
             found = torch.zeros(1, device=device)
-        return self._fusedist_reduce_found_inf_and_norm(found, sumsq)
+        return self._fusedist_reduce_found_inf_and_norm(found, sumsq, fingerprint)
 
     def _norm_dtype(self) -> torch.dtype:
         """The dtype the global norms are taken and all-reduced in, the same on every rank: fp32,
@@ -64,17 +65,31 @@ class ZeroScalerProtocol(ScalerProtocol):
         wide = (torch.float64, torch.complex128)
         return torch.float64 if any(p.dtype in wide for p in self._trainable_params()) else torch.float32
 
-    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor):
+    def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor,
+                                            fingerprint: Sequence[float] = ()):
         """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
-        inf/nan) and so are the shards' sums of squares."""
+        inf/nan) and so are the shards' sums of squares -- and the ``fingerprint`` of the sharded
+        parameters where one is compared (Note [one comparison a step] in grow.py): in float64
+        then, where its sums are exact."""
         if self.comm is None or self.world_size == 1:
             return found_inf.reshape(1), sumsq.reshape(1)
         dtype = self._norm_dtype()
-        packed = torch.cat([found_inf.reshape(1).to(dtype), sumsq.reshape(1).to(dtype)]).to(self.comm.device)
+        wire = torch.float64 if fingerprint else dtype
+        parts = [found_inf.reshape(1).to(wire), sumsq.reshape(1).to(wire)]
+        if fingerprint:
+            parts.append(torch.tensor(list(fingerprint), dtype=wire, device=sumsq.device))
+        packed = torch.cat(parts).to(self.comm.device)
         self._join_announce()  # under join (Note [the announce] in join.py)
         self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
+        if fingerprint:
+            grow.check_fingerprint_sums(self, packed[2:].tolist())  # (a host read, as the own check's)
         packed = packed.to(sumsq.device)
-        return (packed[0:1] > 0).float(), packed[1:2]
+        return (packed[0:1] > 0).float(), packed[1:2].to(dtype)
+
+    def _fusedist_clear_protocol(self) -> None:
+        """After a step: the next one compares the sharded parameters again (Note [one comparison a step])."""
+        super()._fusedist_clear_protocol()
+        self._sharded_compared = False
 
     def _fusedist_has_grads(self) -> bool:
         # Stage 2: whether a synchronized backward left shards (the same on every rank).

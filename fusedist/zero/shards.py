@@ -55,6 +55,23 @@ class ShardsMixin:
         self._partition = part
         return part
 
+    # Note [the buckets of a newer wrapper]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # When the module is wrapped again, the newer wrapper takes the buckets over (Note [an
+    # optimizer over a module wrapped again] in fusedist/ddp/succession.py): new bucket objects
+    # over the same ranges, with the newer wrapper's storage. The partition still referred to the
+    # retired wrapper's, and in stage 1 (gradients aliased to the buckets: Note [shards aliasing
+    # the parameters and gradients]) each step copied the averaged ``p.grad`` into the retired
+    # storage, which the inner optimizer's pieces stepped from: a second copy of every gradient,
+    # held until the optimizer was rebuilt. So the step first takes up the buckets of the model it
+    # follows now and re-cuts the pieces' gradient views from them.
+    def _follow_model_buckets(self) -> None:
+        """Note [the buckets of a newer wrapper]."""
+        if self.ddp is None or not self._partition.follow_buckets(self.ddp.reducer.layout.buckets):
+            return
+        if self.inner is not None:
+            self._restore_piece_grads(self._pieces)
+
     # Masters and gradient shards: fp64 stays fp64, every other real dtype is fp32.
     _master_dtype = staticmethod(master_dtype)
 

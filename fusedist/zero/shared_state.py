@@ -4,6 +4,8 @@ with wrappers])."""
 
 from __future__ import annotations
 
+import weakref
+
 from .join import JoinableOptimizer
 
 
@@ -31,22 +33,31 @@ class MutableState:
     """The attributes of a ZeroRedundancyOptimizer that change after construction (Note [state
     shared with wrappers]); the class attributes are the values before the first assignment."""
 
+    def __init__(self, owner):
+        self.owner = weakref.ref(owner)  # the optimizer itself, for what must act on it, not a wrapper
+
     _join_config = JoinableOptimizer._join_config
     _join_shadowing = JoinableOptimizer._join_shadowing
     _join_clip = JoinableOptimizer._join_clip
     _replaced = None  # why a stage-2 optimizer may not step any more (Note [an optimizer built again])
+    _sharded_compared = False  # Note [one comparison a step] in grow.py
+    _stage2_pending = None  # Note [stage 2 completed by add_param_group] in deferred_stage2.py
+    overlap_param_gather = False
+    ddp = None  # the DDP model followed (a newer wrapper of the module takes over: fusedist/ddp/succession.py)
 
 
 # What the optimizer, its mixins and helpers, DDP's join and the GradScaler assign after
 # construction: the gradient bookkeeping (grads.py), the shards and the inner optimizer
 # (shards.py, grow.py, pieces.py), the join state (join.py, fusedist/ddp/join.py) and the
-# scaler protocol's attributes.
+# scaler protocol's attributes, and the DDP model, which a newer wrapper of the module replaces
+# (Note [an optimizer over a module wrapped again] in fusedist/ddp/succession.py).
 _MUTABLE_ATTRIBUTES = (
     "_grads_present", "_stage2_with_grad", "_stage2_zero_filled", "_stage2_stepped",
     "_trainable", "_frozen", "_partition", "_grad_shards", "_grad_store", "_flat_params", "_masters",
     "_piece_grads", "_pieces", "_offload", "inner", "_param_versions",
     "_join_config", "_join_shadowing", "_join_clip", "_fusedist_join_config",
     "grad_scale", "found_inf", "step_context", "_replaced", "_may_grow",
+    "_sharded_compared", "ddp", "_stage2_pending", "overlap_param_gather",
 )
 
 

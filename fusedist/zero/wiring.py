@@ -31,19 +31,17 @@ from .grad_sync import DEFAULT_MAX_BUCKETS_IN_FLIGHT, ReduceScatterToShard
 #     DDP all-reduces every gradient whole, so the optimizer takes the subset as it takes the
 #     parameters of torch's DDP model -- its own buckets, its slices stepped from the averaged
 #     ``p.grad`` and all-gathered over the model's communicator, torch's algorithm. Stage 2 is
-#     refused for a subset: the model's backward reduce-scatters its buckets into one
-#     optimizer's shards, and a bucket holding both optimizers' parameters has no one shard.
-#     That includes torch's two-call recipe (the body given to the constructor, the head added
-#     with its own lr by ``add_param_group``): the shards are cut along the model's buckets when
-#     the optimizer is built and only grow by appending buckets (Note [growing the partition] in
-#     ``grow.py``), so the refusal names that recipe and says to pass the parts as param groups
-#     to the constructor -- the same optimizer.
-def find_ddp(trainable: list, params: list, stage: int = 1):
+#     started over a subset: the model's backward reduce-scatters its buckets into one optimizer's
+#     shards, and a bucket holding both optimizers' parameters has no one shard. torch's two-call
+#     recipe (the body given to the constructor, the head added with its own lr by
+#     ``add_param_group``) completes the set before the first step: stage 2 starts then (Note
+#     [stage 2 completed by add_param_group] in ``deferred_stage2.py``).
+def find_ddp(trainable: list, params: list):
     """``(ddp, whole, refusal)``: the fusedist DDP model owning the ``trainable`` parameters (None
     without one), whether they are all its trainable parameters (else a subset: Note [a subset of
-    a DDP model's parameters]) and, for a subset in stage 2, the error to raise -- after the
-    ranks have compared their parameter lists (Note [the same parameters on every rank]): a rank
-    whose list alone is a subset raised it alone, and the others waited in that comparison.
+    a DDP model's parameters]) and the error to raise -- after the ranks have compared their
+    parameter lists (Note [the same parameters on every rank]): a rank whose list alone was
+    refused raised alone, and the others waited in that comparison.
     Parameters the model does not reduce yet are accepted if they are the model's: trainable
     since it was wrapped, it takes them on at its next training forward. Frozen parameters are
     not DDP's (it reduces only trainable ones) and never communicated."""
@@ -66,16 +64,6 @@ def find_ddp(trainable: list, params: list, stage: int = 1):
     held = set(params)
     missing = [name for p, name in zip(ddp.reducer.params, ddp.reducer.names) if p not in held]
     refusal = _refuse_rank_local(ddp, params)
-    if refusal is None and missing and stage == 2:
-        refusal = ValueError(
-            f"ZeroRedundancyOptimizer(stage=2) (rank {ddp.rank}): the optimizer holds a subset of its DDP model's "
-            f"trainable parameters (missing: {missing[:10]}); stage 2 reduce-scatters the model's gradient buckets "
-            "into one optimizer's shards, so it needs all of them when it is built (the constructor cuts the shards "
-            "along the model's buckets and installs the reduce-scatter: torch's two-call recipe, a subset and then "
-            "add_param_group with the rest, cannot be cut that way). Pass every part as a param group to the "
-            "constructor, each with its own hyperparameters -- e.g. ZeroRedundancyOptimizer([{'params': body}, "
-            "{'params': head, 'lr': 10 * lr}], stage=2) -- or use stage=1 for a subset (torch's algorithm: DDP "
-            "all-reduces, each optimizer shards its own parameters, and add_param_group works as in torch)")
     return ddp, not missing, refusal
 
 
@@ -95,27 +83,28 @@ def _refuse_rank_local(ddp, params: list) -> Optional[ValueError]:
     return None
 
 
-def connect(trainable: list, params: list, process_group, device, stage: int = 1):
-    """``(ddp, comm, process_group, refusal)``: the DDP model of the parameters (None without one,
-    or for a subset of its parameters: Note [a subset of a DDP model's parameters]), the
-    communicator to use -- DDP's, else one for ``process_group`` when torch.distributed is
-    initialized, else None (a single process) -- and the error the constructor raises once the
-    ranks have compared their parameter lists (None: none; see :func:`find_ddp`)."""
-    ddp, whole, refusal = find_ddp(trainable, params, stage)
+def connect(trainable: list, params: list, process_group, device):
+    """``(ddp, comm, process_group, refusal, subset_of)``: the DDP model of the parameters (None
+    without one, or for a subset of its parameters: Note [a subset of a DDP model's parameters]),
+    the communicator to use -- DDP's, else one for ``process_group`` when torch.distributed is
+    initialized, else None (a single process) --, the error the constructor raises once the
+    ranks have compared their parameter lists (None: none; see :func:`find_ddp`) and, for a
+    subset, the DDP model it is a subset of."""
+    ddp, whole, refusal = find_ddp(trainable, params)
     if ddp is not None:  # (a group refused here is refused after the comparison, as find_ddp's refusals)
         refusal = refusal or _check_same_group(process_group, ddp.process_group)
     if ddp is not None and (refusal is not None or not whole):  # its communicator; the optimizer's own buckets
-        return None, ddp.comm, ddp.process_group, refusal
+        return None, ddp.comm, ddp.process_group, refusal, (ddp if refusal is None else None)
     if ddp is not None:
         # The shards follow its buckets: fixed from now on, grown only by appending.
         ddp.reducer.fix_layout()
-        return ddp, ddp.comm, ddp.process_group, None
+        return ddp, ddp.comm, ddp.process_group, None, None
     if dist.is_available() and dist.is_initialized():
         comm = get_communicator(process_group, device)
         attach_monitor(comm)  # [reliability] stall reports without a DDP model too
         # As torch's ZeroRedundancyOptimizer: the default group itself, not None.
-        return None, comm, process_group if process_group is not None else dist.group.WORLD, None
-    return None, None, process_group, None  # a single process without torch.distributed
+        return None, comm, process_group if process_group is not None else dist.group.WORLD, None, None
+    return None, None, process_group, None, None  # a single process without torch.distributed
 
 
 def _group_ranks(group) -> Optional[list]:

@@ -4,7 +4,8 @@
   with ``add_param_group`` -- works in stage 2 (Note [stage 2 completed by add_param_group] in
   fusedist/zero/deferred_stage2.py): the added group's gradients are reduce-scattered into the
   shards like the others', the weights follow torch's DDP + AdamW with the same two param groups
-  (what torch's ZeroRedundancyOptimizer built by the recipe steps), and a shard checkpoint loads into a second optimizer built so, which steps as the first.
+  (what torch's ZeroRedundancyOptimizer built by the recipe steps), and a shard checkpoint loads
+  into a second optimizer built so, which steps as the first.
   It was refused at construction.
 * An empty parameter list on one rank (torch's own refusal in ``Optimizer.__init__``) fails
   every rank at once, naming the rank and torch's message (Note [torch's refusals before the

@@ -17,7 +17,7 @@ import fusedist
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
 from fusedist.optim._scaler_protocol import _HANDED_TO, FlagOfAnother, hand_protocol_over
 
-__all__ = ["convert_optimizer", "hand_over", "kept_for", "retire_successor", "stepping_for"]
+__all__ = ["convert_optimizer", "hand_over", "kept_for", "retire_successor", "stepping_for", "successors_over"]
 
 # torch optimizer -> its fused drop-in (same constructor keywords).
 _FUSED = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD}
@@ -73,7 +73,8 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
     defaults = {k: v for k, v in optimizer.defaults.items() if k in _keywords(target)}
     groups = [dict(group) for group in optimizer.param_groups]
     if fused is not None:
-        defaults["master_weights"] = master_weights
+        if master_weights:  # (only then: Note [no default settings in a sharded optimizer's groups])
+            defaults["master_weights"] = True
         # which of torch's implementations to run (foreach=, fused=False): the conversion
         # replaces the implementation, so they say nothing here (fused=False was refused)
         for settings in (defaults, *groups):
@@ -88,6 +89,17 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
         if earlier is optimizer:  # (its moments now live in the converted one, which it forwards to)
             optimizer.state.clear()
     return converted
+
+
+# Note [no default settings in a sharded optimizer's groups]
+# A fused optimizer keeps its groups in torch's keys, storing a setting of its own only where it
+# differs from the default (Note [param groups in torch's keys] in fusedist/optim/_base.py); a
+# ZeroRedundancyOptimizer keeps every keyword it is given in its groups. Given master_weights=False
+# outright, the sharded optimizer's checkpoints (fabric.save, the Trainer's) carried a
+# "master_weights" group key that Lightning's DDP does not write: a "ddp" run resumed from one kept
+# it in every checkpoint it saved after, and a load by the target's keys (torch's distributed
+# checkpoint: Note [param groups in torch's keys]) would look for it in a "ddp" checkpoint. The
+# setting is passed only when it is on, as the fused optimizers store it.
 
 
 def _carry_state(earlier, converted, strategy: str, fresh_from: str) -> None:
@@ -261,10 +273,57 @@ def hand_over(old, new, schedulers) -> None:
     old.param_groups = new.param_groups
     old.add_param_group = new.add_param_group
     old.state_dict, old.load_state_dict = new.state_dict, new.load_state_dict
+    old.state = _state_of(new, old)
     if hasattr(new, "consolidate_state_dict"):  # a ZeroRedundancyOptimizer (Note [the returned optimizer])
         old.consolidate_state_dict = new.consolidate_state_dict
     new.register_load_state_dict_post_hook(functools.partial(_share_loaded_groups, weakref.ref(old)))
     _KEPT[new] = weakref.ref(old)
+
+
+def _state_of(new, old):
+    """What ``old.state`` reads after the hand-over (Note [the returned optimizer's state])."""
+    if not isinstance(new, fusedist.ZeroRedundancyOptimizer):
+        return new.state
+    return ShardedStateNote(f"{type(old).__name__}.state: the state of this optimizer lives in the "
+                            f"ZeroRedundancyOptimizer (stage {new.stage}) that steps for it, sharded across "
+                            f"{new.world_size} ranks, and no rank holds a parameter's whole state")
+
+
+class ShardedStateNote(dict):
+    """An empty, read-only ``state`` whose lookups say where the sharded state is (Note [the
+    returned optimizer's state]). A dict, so iterating it (moving state between devices) finds
+    nothing to do, and it pickles."""
+
+    def __init__(self, what: str = "") -> None:
+        super().__init__()
+        self.what = what
+
+    def __reduce__(self):
+        return ShardedStateNote, (self.what,)
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f"{self.what}; it is read-only here: load a state dict into the optimizer instead")
+
+    __setitem__ = __delitem__ = update = setdefault = _refuse
+
+    def __missing__(self, key):
+        raise KeyError(
+            f"{self.what}. Gather it with optimizer.consolidate_state_dict(to=0) (a collective every rank calls; "
+            "rank 0 then reads optimizer.state_dict()['state']), or read this rank's shard with the "
+            "ZeroRedundancyOptimizer's shard_state_dict(); zero_stage=0 keeps each parameter's whole state in "
+            "optimizer.state")
+
+
+# Note [the returned optimizer's state]
+# Callbacks and loops read the optimizer's state by parameter (optimizer.state[p]["exp_avg"]: logging
+# the moments, checking an LR finder's warm-up) on the optimizer they were given -- under Fabric's and
+# Lightning's DDP the torch optimizer that steps. Here that one forwards to the optimizer swapped in,
+# and its own .state was empty: such reads found nothing, without a word. Its state is now the swapped-in
+# optimizer's own per-parameter state (the fused drop-ins keep torch's keys, plus "master_param", the
+# FP32 master, under master weights); a write into it reaches the optimizer that steps. A ZeRO
+# optimizer keeps no whole per-parameter state on any rank: a lookup raises a KeyError naming the
+# calls that read the sharded state, and iterating it finds nothing. A take-back (Note [a kept
+# optimizer after its sharded successor retires]) loads the kept optimizer's own state again.
 
 
 # Note [an earlier successor forwards to the new one]
@@ -310,6 +369,13 @@ def kept_for(new):
     ref = _KEPT.get(new)
     old = None if ref is None else ref()
     return old if old is not None and stepping_for(old) is new else None
+
+
+def successors_over(params) -> list:
+    """The swapped-in optimizers alive that hold one of ``params``, whichever strategy made them."""
+    ids = {id(p) for p in params}
+    return [new for new in list(_KEPT.keys())
+            if any(id(p) in ids for group in new.param_groups for p in group["params"])]
 
 
 def retire_successor(new) -> None:

@@ -40,7 +40,11 @@ Note [Fabric's steps on a fused or sharded optimizer]
     state of the one swapped in before, which then forwards to the new one; and
     ``fabric.strategy.teardown()`` retires the wrappers and swapped-in optimizers, so another
     strategy (or a plain loop) trains the module and optimizer on from their state (Note
-    [teardown]).
+    [teardown]); a later Fabric with ``strategy="ddp"`` (or torch's DDP) over them retires them at
+    its first forward, torn down or not (Note [a torch DDP over a module set up before] in
+    ``_retirement.py``). The optimizer given to ``setup`` reads the swapped-in one's state by
+    parameter (``optimizer.state[p]["exp_avg"]``); a ZeRO one's is sharded, and a lookup says
+    where to read it (Note [the returned optimizer's state] in ``_optimizer_swap.py``).
 
 Importing this module registers the strategy under Fabric's strategy names: ``"fusedist"``,
 ``"fusedist_zero1"``, ``"fusedist_zero2"`` and ``"fusedist_find_unused_parameters_true"``.
@@ -61,7 +65,7 @@ import fusedist
 from fusedist.ddp import DistributedDataParallel
 
 from ._optimizer_swap import convert_optimizer, hand_over, kept_for, retire_successor, stepping_for
-from ._retirement import retire
+from ._retirement import retire, retire_when_torch_wraps
 from ._scaler_swap import fusedist_scaler
 from ._strategy_options import check_zero_stage, clip_by_norm, register_names
 
@@ -113,6 +117,7 @@ class FusedistFabricStrategy(DDPStrategy):
     def setup_module(self, module: torch.nn.Module, _converting: tuple = ()) -> DistributedDataParallel:
         ddp = DistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
         self._set_up_modules.append(weakref.ref(ddp))
+        retire_when_torch_wraps(ddp)  # (Fabric never tears down: Note [a torch DDP over a module set up before])
         self._rebuild_stage2_over(ddp, _converting)
         return ddp
 

@@ -2,11 +2,18 @@
 ``placements``, ``device_mesh``, ``full_tensor()`` -- and entries that outlive their model (Note
 [entries read as DTensors] in fusedist/fsdp/dtensor_view.py), against torch's FSDP2 on the same
 model and mesh, 2 gloo ranks in one launch. Tensor-parallel entries: tests/test_fully_shard_tensor_parallel.py.
+Sharing that launch: the pieces' gradients answer FSDP2's names as a tensor subclass, not through
+``torch.Tensor`` (Note [gradients read as DTensors] in fusedist/fsdp/grad_view.py); a group unit's
+parameters named from the root; the root's tree compared by a fingerprint (Note [the tree's
+fingerprint] in tree_names.py); a module inside a gathered unit called on its own, resharded before
+its backward (Note [a unit's module called on its own while gathered] in child_calls.py).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
 import weakref
 
 import pytest
@@ -195,16 +202,225 @@ def _grads_as_fsdp2(rank: int, world: int, seed: int) -> dict:
     return out
 
 
+_NAMES = ("placements", "device_mesh", "full_tensor", "to_local")
+
+
+class _Net3(nn.Module):
+    """Odd sizes: the root unit's flat layout cuts ``a``/``b`` elsewhere than FSDP2's chunks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 7), nn.Linear(7, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _whole(model) -> dict:
+    from fusedist.fsdp import full_state_dict
+
+    return {k: v.clone() for k, v in full_state_dict(model).items()}
+
+
+def _train(shard, seed: int, rank: int, foreach: bool, **kw):
+    """Two AdamW steps with torch's clip (a small max norm: it clips) on ``shard``'s model."""
+    torch.manual_seed(seed)
+    model = _Net3()
+    shard(model.b, **kw)
+    shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    gen = torch.Generator().manual_seed(seed + rank)
+    norms = []
+    for _ in range(2):
+        model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    return model, opt, norms
+
+
+def _grads_are_local(rank: int, world: int, seed: int, where: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    import fusedist
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for foreach in (True, False):
+        ours, opt, norms = _train(fusedist.fully_shard, seed, rank, foreach)
+        theirs, _, their_norms = _train(torch_fully_shard, seed, rank, foreach, mesh=mesh)
+        whole = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+        out[f"foreach={foreach}"] = (max(float((v - whole[k]).abs().max()) for k, v in _whole(ours).items()),
+                                     max(abs(a - b) for a, b in zip(norms, their_norms)))
+    ours(torch.randn(2, 5)).sum().backward()
+    grad = ours.a.weight.grad
+    out["grad"] = (type(grad).__name__, all(hasattr(grad, n) for n in _NAMES),
+                   type(grad * 2) is torch.Tensor, not hasattr(grad.clone(), "to_local"),
+                   _has_foreach_support([grad], grad.device))  # (torch's clip scales it with a foreach kernel)
+    buffer = io.BytesIO()
+    torch.save({"g": grad}, buffer)
+    buffer.seek(0)
+    saved, copied = torch.load(buffer, weights_only=True)["g"], copy.deepcopy(grad)
+    out["copies"] = [(type(t) is torch.Tensor, torch.equal(t, grad)) for t in (saved, copied)]
+    out["torch.Tensor"] = [n for n in _NAMES if n in vars(torch.Tensor) or hasattr(torch.Tensor, n)]
+    out["plain"] = [n for n in _NAMES if hasattr(torch.zeros(2), n)]
+    # torch's distributed checkpoint: save with gradients held, load into a fresh model and optimizer
+    dcp.save({"model": get_model_state_dict(ours), "optim": get_optimizer_state_dict(ours, opt)},
+             checkpoint_id=where)
+    fresh, fresh_opt, _ = _train(fusedist.fully_shard, seed + 1, rank, True)
+    sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=where)
+    set_model_state_dict(fresh, sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+    mine = _whole(ours)
+    out["dcp"] = max(float((v - mine[k]).abs().max()) for k, v in _whole(fresh).items())
+    return out
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _tree_fingerprint(rank: int, world: int, seed: int) -> dict:
+    """Unit paths after each change of the tree, and how many full comparisons ran."""
+    import fusedist
+    from fusedist.fsdp.state import state_of
+
+    torch.manual_seed(seed)
+    model = _Stack()
+    blocks = list(model.layers)
+    for block in blocks:
+        fusedist.fully_shard(block)
+    fusedist.fully_shard(model)
+    x = torch.randn(2, 4)
+
+    def seen() -> tuple:
+        names = {id(m): n for n, m in model.named_modules()}
+        ok = all(state_of(b).unit.path == names.get(id(b), state_of(b).unit.path) for b in blocks)
+        return ok, [state_of(b).unit.path for b in blocks], state_of(model).ctx.tree.full_compares
+
+    out = {}
+    for _ in range(3):
+        model(x).sum().backward()
+    out["unchanged"] = seen()
+    model.layers.insert(0, nn.Identity())  # (no hook sees it: the dict's length does)
+    model(x).sum().backward()
+    out["insert"] = seen()
+    del model.layers[0]
+    model(x).sum().backward()
+    out["del"] = seen()
+    model.layers[1] = model.layers[1]  # (a registration: the hook counts it, the full comparison finds no change)
+    model(x).sum().backward()
+    out["same"] = seen()
+    d = model.layers._modules  # same length, no hook: followed at the next full comparison
+    d["0"], d["1"] = d["1"], d["0"]
+    model(x).sum().backward()
+    out["swap forward"] = seen()
+    model.check_consistency()
+    out["swap checked"] = seen()
+    return out
+
+
+def _group_names(rank: int, world: int, seed: int) -> dict:
+    """Every parameter of a group unit named from the root, as ``named_parameters()`` (and FSDP2)."""
+    import fusedist
+    from fusedist.fsdp.owners import owner_of
+    from fusedist.fsdp.tree_names import param_path
+
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Linear(5, 2))
+    fusedist.fully_shard([net[1], net[2]])
+    fusedist.fully_shard(net)
+    net(torch.randn(3, 4)).sum().backward()
+    out = {"paths": [(n, param_path(*owner_of(p))) for n, p in net.named_parameters()], "messages": []}
+    for n, p in net.named_parameters():
+        for what in (p, p.grad):
+            try:
+                what.to_local()
+            except RuntimeError as e:
+                out["messages"].append((n, str(e)))
+    return out
+
+
+def _build_chain():
+    return nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5)),
+                         nn.Linear(5, 2))
+
+
+def _child_alone_while_gathered(rank: int, world: int, seed: int) -> dict:
+    """A gathered unit's module called on its own under grad, the unit resharded before that
+    call's backward: the input's gradient and the stepped parameters against the unsharded model
+    (the ranks' inputs differ: the mean of their gradients)."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _build_chain()
+    torch.manual_seed(seed)
+    net = _build_chain()
+    fusedist.fully_shard(net[1], reshard_after_forward=False)
+    fusedist.fully_shard(net)
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(seed + r)) for r in range(world)]
+    with torch.no_grad():
+        net(torch.randn(3, 4))  # an evaluation forward: net[1] stays gathered
+    x = xs[rank].clone().requires_grad_(True)
+    loss = net[1][0](x).square().sum()
+    net[1].reshard()
+    loss.backward()
+    opt.step()
+    ref_grads = []
+    for r, xr in enumerate(xs):
+        xr = xr.clone().requires_grad_(True)
+        ref[1][0](xr).square().sum().backward()
+        ref_grads.append(xr.grad)
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad /= world
+    ref_opt.step()
+    whole, mine = ref.state_dict(), _whole(net)
+    return {"x grad": float((x.grad - ref_grads[rank]).abs().max()),
+            "params": max(float((v - whole[k]).abs().max()) for k, v in mine.items()),
+            "resharded": not net[1]._fs_state().unit.is_unsharded}
+
+
 JOBS = {
     "test_entries_read_as_fsdp2_dtensors": {"entries": (_entries_as_fsdp2, (1234,))},
     "test_entries_outlive_their_model": {"outlive": (_entries_outlive_model, (4321,))},
     "test_grads_read_as_fsdp2_dtensor_grads": {"grads": (_grads_as_fsdp2, (2468,))},
+    "test_tree_compared_by_fingerprint": {"tree": (_tree_fingerprint, (97,))},
+    "test_group_unit_parameters_named_from_the_root": {"group": (_group_names, (11,))},
+    "test_module_called_alone_while_gathered_then_resharded": {"alone": (_child_alone_while_gathered, (5,))},
 }
 
 
 @pytest.fixture(scope="module")
-def launched(request):
-    return launch_for_selected(request, JOBS, 2, timeout=240)
+def launched(request, tmp_path_factory):
+    where = str(tmp_path_factory.mktemp("ck"))  # (torch DCP's checkpoint of the gradients' scenario)
+    jobs = dict(JOBS, test_grads_answer_as_a_subclass_and_train_as_fsdp2={"grads local": (_grads_are_local,
+                                                                                           (1357, where))})
+    return launch_for_selected(request, jobs, 2, timeout=240)
 
 
 def _check(compared: dict, what: str, tol: float) -> None:
@@ -290,3 +506,49 @@ def test_chunks_are_fsdp2s_at_any_world_size():
             for rank in range(world):
                 start, size = _chunk((n, 3), 0, world, rank)
                 assert torch.equal(torch.arange(n)[start:start + size], theirs[rank]), (n, world, rank)
+
+
+def test_grads_answer_as_a_subclass_and_train_as_fsdp2(launched):
+    """No name is added to ``torch.Tensor``; a piece's ``.grad`` is a ``ShardGrad`` that answers the
+    four names, ops on it give plain tensors; AdamW (foreach and not) with torch's clip trains as
+    FSDP2 (fp32, sums in another order: a few ulps of values ~1e-1); torch DCP round-trips."""
+    for rank, out in enumerate(results_of(launched, "grads local")):
+        for foreach in (True, False):
+            params, norms = out[f"foreach={foreach}"]
+            assert params <= 1e-5 and norms <= 1e-5, (rank, foreach, params, norms)
+        assert out["grad"] == ("ShardGrad", True, True, True, True), (rank, out["grad"])
+        assert out["torch.Tensor"] == [] and out["plain"] == [], (rank, out)
+        assert out["copies"] == [(True, True), (True, True)], (rank, out["copies"])  # torch.save, deepcopy: plain
+        assert out["dcp"] == 0.0, rank
+
+
+def test_tree_compared_by_fingerprint(launched):
+    """Forwards over an unchanged tree run no full comparison; an insert, a delete and an assignment
+    (torch's registration hook) are followed at the next forward, a same-length direct write of the
+    dict at ``check_consistency()``."""
+    for rank, out in enumerate(results_of(launched, "tree")):
+        assert out["unchanged"] == (True, ["layers.0", "layers.1", "layers.2"], 0), (rank, out)
+        assert out["insert"] == (True, ["layers.1", "layers.2", "layers.3"], 1), (rank, out)
+        assert out["del"] == (True, ["layers.0", "layers.1", "layers.2"], 2), (rank, out)
+        assert out["same"] == (True, ["layers.0", "layers.1", "layers.2"], 3), (rank, out)
+        assert out["swap forward"] == (False, ["layers.0", "layers.1", "layers.2"], 3), (rank, out)
+        assert out["swap checked"] == (True, ["layers.1", "layers.0", "layers.2"], 4), (rank, out)
+
+
+def test_group_unit_parameters_named_from_the_root(launched):
+    """``fully_shard([net[1], net[2]])``: its parameters are ``1.0.weight`` ... in messages (were
+    ``[1, 2].[0].0.weight``), as ``named_parameters()`` names them."""
+    for rank, out in enumerate(results_of(launched, "group")):
+        assert all(name == path for name, path in out["paths"]), (rank, out["paths"])
+        assert out["messages"], rank
+        for name, message in out["messages"]:
+            assert f"of parameter '{name}'" in message and "[" not in message.split("(shape")[0], (rank, message)
+
+
+def test_module_called_alone_while_gathered_then_resharded(launched):
+    """The call's backward gathers the unit again (it read freed storage: "setStorage ... size 0",
+    as FSDP2's does): the input's gradient and the stepped parameters are the unsharded model's
+    (fp32, a mean of 2 in another order: 1e-6), and the unit is resharded after."""
+    for rank, out in enumerate(results_of(launched, "alone")):
+        assert isinstance(out, dict), (rank, out)
+        assert out["x grad"] <= 1e-6 and out["params"] <= 1e-6 and out["resharded"], (rank, out)

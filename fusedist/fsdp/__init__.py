@@ -10,7 +10,7 @@ what is gathered: FSDP2's all-gather extension, torchao's float8 weights), ``pac
 quantized storage, QLoRA's NF4 weights, held as bytes), ``float8`` (their
 scales for the next gathers in one all-reduce), ``post_forward`` (an int
 ``reshard_after_forward``: the smaller groups units reshard to after forward), ``state`` (when
-to gather, reshard and reduce),
+to gather, reshard and reduce), ``root_setup`` (a root's set-up at its first forward),
 ``recovery`` (forwards and backwards an exception ended midway),
 ``containers`` (the tensors in a unit's inputs and outputs), ``stale`` (gathered copies
 an optimizer step outdated), ``holder``

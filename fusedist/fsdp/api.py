@@ -493,7 +493,7 @@ class FullyShardedModule:
         st = self._fs_state()
         watch = st.ctx.watch if st.ctx is not None else None
         if watch is not None:
-            st.ctx.follow_tree()  # (its messages name parameters by their current paths)
+            st.ctx.follow_tree(full=True)  # (its messages name parameters by their current paths)
             watch.check_now()
 
     def memory_stats(self) -> dict:

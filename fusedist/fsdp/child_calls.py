@@ -10,6 +10,18 @@ Note [a unit's module called on its own]
     parameters, other than the members, refuses a forward while the unit is not gathered, naming
     itself, the unit and what to call. Inside the unit's own forward (and its backward's
     recomputation, which regathers first) the unit is gathered: the hook is one flag check.
+
+Note [a unit's module called on its own while gathered]
+    A unit kept gathered (``reshard_after_forward=False`` after an evaluation forward, ``unshard()``)
+    holds the whole parameters: such a call computes the right output, and its backward gives the
+    unit's parameters their gradients, which the unit reduces (the end-of-backward callback) into
+    its pieces' ``.grad`` -- as FSDP2's. But nothing held the unit gathered until that backward:
+    resharded in between (``reshard()``, the end of another backward, an optimizer step's reshard,
+    a state-dict save), the backward read the freed parameters and failed far away ("setStorage:
+    ... storage of size 0"; FSDP2 fails so too). So the outputs of such a call, under grad, get a
+    hook that gathers the unit again before the call's backward reads the parameters (a collective,
+    as the unit's own backward pre-hook: every rank runs that backward), and the backward's end
+    reduces and reshards it as after any backward of the unit.
 """
 
 from __future__ import annotations
@@ -17,9 +29,15 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
+
+from .containers import grad_tensors
+
 
 def guard_child_calls(unit, members: list) -> None:
-    """Give each module holding ``unit``'s parameters, other than ``members``, the check."""
+    """Give each module holding ``unit``'s parameters, other than ``members``, the checks."""
+    from .state import state_of
+
     member_ids = {id(m) for m in members}
     seen: dict = {}
     for regs in unit.registrations:
@@ -28,13 +46,21 @@ def guard_child_calls(unit, members: list) -> None:
                 seen[id(module)] = (module, attr)
     # weak: the unit holds these modules, so a strong reference back would keep a dropped model alive
     unit_ref, member_refs = weakref.ref(unit), [weakref.ref(m) for m in members]
+    state_ref = weakref.ref(state_of(members[0]))
     for module, attr in seen.values():
-        module.register_forward_pre_hook(functools.partial(_refuse_ungathered, unit_ref, member_refs, attr))
+        module.register_forward_pre_hook(functools.partial(_refuse_ungathered, unit_ref, member_refs, state_ref, attr))
 
 
-def _refuse_ungathered(unit_ref, member_refs: list, attr: str, module, args) -> None:
+def _refuse_ungathered(unit_ref, member_refs: list, state_ref, attr: str, module, args) -> None:
     unit = unit_ref()
-    if unit is None or unit.is_unsharded:
+    if unit is None:
+        return
+    if unit.is_unsharded:
+        if torch.is_grad_enabled() and _on_its_own(state_ref()):
+            # Note [a unit's module called on its own while gathered]: a one-shot hook on this call's outputs
+            handle = []
+            handle.append(module.register_forward_hook(functools.partial(_hold_for_backward, unit_ref, state_ref,
+                                                                         handle)))
         return
     members = [m for m in (r() for r in member_refs) if m is not None]
     member, path = _paths(unit.path, members, module)
@@ -44,6 +70,34 @@ def _refuse_ungathered(unit_ref, member_refs: list, attr: str, module, args) -> 
         f"{unit.rank}'s pieces alone (a wrong result, then a failing backward). Call {member} or the "
         "model instead; a module that must run on its own needs its "
         "own fully_shard call, made before its parent's.")
+
+
+def _on_its_own(st) -> bool:
+    """Whether a call now is outside the unit's own forward and its backward's recomputation."""
+    return not (st is None or st.forward_running or st._in_backward or st.ctx is None or st.ctx.backward_running)
+
+
+def _hold_for_backward(unit_ref, state_ref, handle: list, module, args, output) -> None:
+    """The outputs of a call on its own while the unit is gathered, under grad: their backward
+    gathers the unit again if it was resharded since (Note [a unit's module called on its own
+    while gathered]). Removed once it ran."""
+    handle.pop().remove()
+    if not torch.is_grad_enabled() or not _on_its_own(state_ref()):
+        return  # (a call an exception ended left it: this is another call)
+    hook = functools.partial(_regather, unit_ref, state_ref)
+    for t in grad_tensors(output, []):
+        t.register_hook(hook)
+
+
+@torch.compiler.disable  # (a collective: Note [hooks outside compiled graphs] in state.py)
+def _regather(unit_ref, state_ref, grad):
+    unit, st = unit_ref(), state_ref()
+    if unit is not None and st is not None:
+        st.ctx.ensure_final_callback()  # (the backward's end reduces and reshards the unit)
+        st.backward_pending = True
+        if not unit.is_unsharded:
+            unit.unshard(async_op=False)
+    return grad
 
 
 def _paths(unit_path, members: list, module) -> tuple:

@@ -14,22 +14,31 @@ Note [gradients read as DTensors]
     the gradient where the piece is FSDP2's shard, else a refusal on every rank alike, naming
     the parameter.
 
-    The names live on ``torch.Tensor`` (a gradient is a plain tensor), and answer only for a
-    tensor that is now the ``.grad`` of a live unit's piece (one a reduction stored, or grew in
-    place since: accumulation, a clip, ``zero_grad(set_to_none=False)``). Nothing is recorded per
-    gradient when it is made -- a table kept per parameter would cost every step, also for code
-    that never reads these names -- only a count of the reductions that stored gradients (one per
-    unit's reduction). A read looks the tensor up in a table of the pieces' gradients, by
+    The names live on a tensor subclass, ``ShardGrad``, not on ``torch.Tensor``: a reduction stores
+    each piece's gradient as one (an alias of its slice of the reduced shard, ~1 us per gradient per
+    step), so no other tensor of the process gains them (they used to be properties added to
+    ``torch.Tensor`` at the first ``fully_shard``: every tensor answered ``hasattr(t, "to_local")`` by a
+    lookup). The subclass disables ``__torch_function__``: every op -- autograd, torch.optim's foreach
+    and fused kernels, the clip, a GradScaler's unscale, DCP -- sees a plain tensor, at a plain
+    tensor's cost, and returns plain tensors. It answers only while it is the ``.grad`` of a live
+    unit's piece (it grows in place through accumulation, a clip, ``zero_grad(set_to_none=False)``):
+    nothing is recorded per gradient -- only a count of the reductions that stored gradients (one
+    per unit's reduction) -- and a read looks the tensor up in a table of the pieces' gradients, by
     identity, made afresh when a reduction stored gradients since it was made (so ``for p in
     model.parameters(): p.grad.full_tensor()`` makes it once) and checked against the piece's
-    ``.grad``. Any other tensor -- one the user assigned as ``.grad``, a clone of a gradient, a
-    model's plain tensors -- still raises AttributeError, so ``hasattr(t, "to_local")`` stays
-    False for it. Tensor subclasses that define the names (DTensor, the state-dict entries) keep
-    their own.
+    ``.grad``. A ``ShardGrad`` that is no longer such a gradient (a piece's ``.grad`` replaced, its
+    model dropped), and any other tensor -- one the user assigned as ``.grad``, a clone -- raise
+    AttributeError, so ``hasattr(t, "to_local")`` is False for them.
+
+    torch's foreach paths (the clip's scaling, ``_has_foreach_support``) take only the types in
+    ``torch.utils._foreach_utils._foreach_supported_types``; ``ShardGrad``, a plain tensor to every
+    kernel, is added to that list when the first one is made, as torch adds DTensor (else the clip
+    scaled each gradient in a kernel launch of its own).
 
     What differs from FSDP2: ``isinstance(p.grad, DTensor)`` is False, its shape is the
     piece's, ``full_tensor()`` is a copy outside autograd, and ``p.grad.clone()`` (or any
-    result of an op on it) is a plain tensor without these names.
+    result of an op on it, ``copy.deepcopy`` and ``torch.save`` of it) is a plain tensor without
+    these names; ``type(p.grad)`` is ``ShardGrad``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["note_reduced", "install"]
+__all__ = ["ShardGrad", "as_shard_grad", "note_reduced"]
 
 
 class _GradTable:
@@ -114,24 +123,10 @@ def _full_tensor(self):
 
 
 def _to_local(self):
+    from .param_view import local_getter
+
     _, unit, index, view = _owned(self, "to_local")
-
-    def to_local() -> torch.Tensor:
-        """This rank's FSDP2 shard of the gradient: a view of it, where the piece is that shard."""
-        from .param_view import is_fsdp2_shard
-
-        if not is_fsdp2_shard(unit, index, view):
-            raise RuntimeError(
-                f"fusedist.fully_shard: p.grad.to_local() of parameter {_name(unit, index)} (shape "
-                f"{tuple(view.local_shape)}): this rank's piece of the gradient, shape {tuple(self.shape)}, is not the "
-                f"shard FSDP2 gives it (torch.chunk on dim {view.dim}, shape {view.chunk_shape()}) on every rank -- "
-                "the unit's flat layout cut it elsewhere -- and to_local() takes no collective. Use p.grad itself "
-                "for this rank's part (its norm, summed over the ranks, is the global one), or p.grad.full_tensor() "
-                "(on every rank) for the whole gradient; shard_placement_fn=lambda p: Shard(1) lays 2-D weights out "
-                "as FSDP2's chunks.")
-        return self.view(view.chunk_shape())
-
-    return to_local
+    return local_getter(self, unit, index, view, "gradient")
 
 
 def _name(unit, index: int) -> str:
@@ -140,11 +135,41 @@ def _name(unit, index: int) -> str:
     return param_name(unit, index)
 
 
-GETTERS = {"placements": _placements, "device_mesh": _device_mesh, "full_tensor": _full_tensor,
-           "to_local": _to_local}
+class ShardGrad(torch.Tensor):
+    """The ``.grad`` a reduction stores on a piece: a plain tensor to every op, that answers FSDP2's
+    DTensor names while it is that piece's gradient (Note [gradients read as DTensors])."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    placements = property(_placements)
+    device_mesh = property(_device_mesh)
+    full_tensor = property(_full_tensor)
+    to_local = property(_to_local)
+
+    def __reduce_ex__(self, protocol):
+        # saved as the plain tensor it is to every op: ``torch.load(weights_only=True)`` knows no ShardGrad
+        return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
+
+    def __deepcopy__(self, memo):
+        # a plain copy, as a clone: no longer the piece's gradient (torch's own refuses this subclass)
+        if id(self) not in memo:
+            memo[id(self)] = self.as_subclass(torch.Tensor).__deepcopy__({})
+        return memo[id(self)]
 
 
-def install(names) -> None:
-    """Give ``torch.Tensor`` the getters of ``names`` (those torch defines on neither class)."""
-    for name in names:
-        setattr(torch.Tensor, name, property(GETTERS[name]))
+def as_shard_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a slice of a reduced shard) as the gradient a piece stores: an alias of it."""
+    if not _FOREACH[0]:
+        _foreach_capable()
+    return t.as_subclass(ShardGrad)
+
+
+_FOREACH = [False]
+
+
+def _foreach_capable() -> None:
+    """torch's foreach paths take a ``ShardGrad`` as the plain tensor it is to the kernels."""
+    from torch.utils import _foreach_utils
+
+    if ShardGrad not in _foreach_utils._foreach_supported_types:
+        _foreach_utils._foreach_supported_types.append(ShardGrad)
+    _FOREACH[0] = True

@@ -112,9 +112,10 @@ import torch
 
 from .._dtypes import fp16_divisors
 from .._dtypes import real_pairs
-from .grad_view import note_reduced
+from .grad_view import as_shard_grad, note_reduced
 from .memory import COUNTERS
 from .replicate import start_across_replicas
+from .tree_names import param_path
 
 #: Reduce-scatters pending at once before the oldest is waited for (bounds the gradient
 #: buffers alive during backward to this many units).
@@ -291,7 +292,7 @@ class UnitGrads:
             flat, present = self._into_flat(k, grads)
             with_grad = sorted(self._acc_with_grad.pop(k, set()).union(present).union(self._unused(k)))
             log.append((unit.label, k, tuple(with_grad),
-                        [unit.names[i] for i in unit.layout.sections[k].indices
+                        [param_path(unit, i) for i in unit.layout.sections[k].indices
                          if unit.unsharded[i].requires_grad and i not in with_grad]))
             out = torch.empty(unit.layout.sections[k].layout.shard_numel, dtype=flat.dtype, device=unit.device)
             COUNTERS.add_scratch(out.numel() * out.element_size())
@@ -426,7 +427,7 @@ def finish(p: PendingReduce) -> None:
         a = piece.shard_offset - base
         view = out[a:a + piece.numel].view(piece.shape)
         if sp.grad is None:
-            sp.grad = view
+            sp.grad = as_shard_grad(view)  # Note [gradients read as DTensors] in grad_view.py
         else:
             wait_host_copies(unit)  # the host adds: the copy must have landed
             sp.grad.add_(view)

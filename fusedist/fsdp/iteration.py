@@ -52,10 +52,11 @@ class IterationContext:
         self._current_order, self._pos = [], 0
         self._forward_frame = frame
 
-    def follow_tree(self) -> None:
+    def follow_tree(self, full: bool = False) -> None:
         """The units' paths and the watch's names as the root's tree is now (Note [unit paths
-        follow the module] in tree_names.py)."""
-        self.tree.refresh(self.states, self.watch)
+        follow the module] in tree_names.py); compared in full only where ``full`` or the tree's
+        fingerprint changed (Note [the tree's fingerprint] there)."""
+        self.tree.refresh(self.states, self.watch, full)
 
     def next_in_forward(self, state) -> Optional["FullyShardState"]:
         """The state that followed ``state`` in the last forward (None once the order differs)."""

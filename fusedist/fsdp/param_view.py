@@ -27,7 +27,7 @@ Note [parameters read as DTensors]
     What still differs: ``isinstance(p, DTensor)`` is False; ``p.shape``, ``p.numel()`` and
     ``p.size()`` are the piece's (FSDP2's are the whole parameter's: count parameters as
     ``sum(p.full_tensor().numel() ...)``, or by ``fusedist.fsdp.full_state_dict``'s shapes);
-    ``p.grad`` is the piece's gradient, a plain tensor that answers the same names (Note
+    ``p.grad`` is the piece's gradient, a ``ShardGrad`` (a tensor subclass) answering the same names (Note
     [gradients read as DTensors] in grad_view.py; the clip and ``get_total_norm`` measure the
     global norm: Note [torch's clip on sharded gradients] in optim/torch_clip.py);
     ``DTensor.from_local(p.to_local(), p.device_mesh, p.placements)`` works where ``to_local()`` does.
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["install", "piece_view", "param_name", "is_fsdp2_shard"]
+__all__ = ["install", "piece_view", "param_name", "is_fsdp2_shard", "local_getter"]
 
 _NAMES = ("placements", "device_mesh", "full_tensor", "to_local")
 
@@ -68,12 +68,14 @@ def _owned(p: torch.Tensor, what: str) -> tuple:
 
 
 def param_name(unit, index: int, with_unit: bool = False) -> str:
-    """Parameter ``index`` of ``unit`` for messages: its path under the root once the root ran
+    """Parameter ``index`` of ``unit`` for messages: its path from the root once the root ran
     forward (with its unit's class too if ``with_unit``), else its name in the unit; current
     after a renumbering (Note [unit paths follow the module] in tree_names.py)."""
+    from .tree_names import param_path
+
     if unit.path is None:
         return f"'{unit.names[index]}' of fully_shard({unit.name or 'root'})"
-    named = f"'{unit.path + '.' if unit.path else ''}{unit.names[index]}'"
+    named = f"'{param_path(unit, index)}'"
     return f"{named} of fully_shard({unit.name or 'root'})" if with_unit else named
 
 
@@ -100,19 +102,35 @@ def _full_tensor(self):
 
 def _to_local(self):
     unit, index, view = _owned(self, "to_local")
+    return local_getter(self, unit, index, view, "parameter")
+
+
+# what ``to_local()`` is called on, what its piece is, what to use instead: per noun
+_LOCAL_WORDS = {
+    "parameter": ("to_local()", "this rank's piece",
+                  "Use the piece itself (the parameter) for this rank's values, p.full_tensor() (on every rank) for "
+                  "the whole parameter, or model.state_dict()[name].to_local() (on every rank) for FSDP2's shard"),
+    "gradient": ("p.grad.to_local()", "this rank's piece of the gradient",
+                 "Use p.grad itself for this rank's part (its norm, summed over the ranks, is the global one), or "
+                 "p.grad.full_tensor() (on every rank) for the whole gradient"),
+}
+
+
+def local_getter(t: torch.Tensor, unit, index: int, view, noun: str):
+    """``to_local`` of ``t``, the piece of parameter ``index`` of ``unit`` or its gradient (``noun``):
+    FSDP2's shard, a view of ``t`` where ``t`` is that shard, else a refusal naming the parameter."""
+    call, piece, instead = _LOCAL_WORDS[noun]
 
     def to_local() -> torch.Tensor:
         """This rank's FSDP2 shard: a view of the piece, where the piece is that shard."""
         if not is_fsdp2_shard(unit, index, view):
             raise RuntimeError(
-                f"fusedist.fully_shard: to_local() of parameter {param_name(unit, index)} (shape "
-                f"{tuple(view.local_shape)}): this rank's piece, shape {tuple(self.shape)}, is not the "
-                f"shard FSDP2 gives it (torch.chunk on dim {view.dim}, shape {view.chunk_shape()}) on every "
-                "rank -- the unit's flat layout cut it elsewhere -- and to_local() takes no collective. Use the piece "
-                "itself (the parameter) for this rank's values, p.full_tensor() (on every rank) for the whole "
-                "parameter, or model.state_dict()[name].to_local() (on every rank) for FSDP2's shard; "
+                f"fusedist.fully_shard: {call} of parameter {param_name(unit, index)} (shape "
+                f"{tuple(view.local_shape)}): {piece}, shape {tuple(t.shape)}, is not the shard FSDP2 gives it "
+                f"(torch.chunk on dim {view.dim}, shape {view.chunk_shape()}) on every rank -- the unit's flat "
+                f"layout cut it elsewhere -- and to_local() takes no collective. {instead}; "
                 "shard_placement_fn=lambda p: Shard(1) lays 2-D weights out as FSDP2's chunks.")
-        return self.view(view.chunk_shape())
+        return t.view(view.chunk_shape())
 
     return to_local
 
@@ -130,17 +148,13 @@ def is_fsdp2_shard(unit, index: int, view) -> bool:
 
 
 def install() -> None:
-    """Give ``nn.Parameter`` the names (Note [parameters read as DTensors]) and ``torch.Tensor``
-    the same for the pieces' gradients (Note [gradients read as DTensors] in grad_view.py);
-    idempotent, and nothing where torch already defines one of them."""
+    """Give ``nn.Parameter`` the names (Note [parameters read as DTensors]); idempotent, and nothing
+    where torch already defines one of them. (The pieces' gradients answer them as ``ShardGrad``s:
+    Note [gradients read as DTensors] in grad_view.py.)"""
     if getattr(nn.Parameter, "_fusedist_dtensor_names", False):
         return
-    from . import grad_view
-
-    # (decided before either class gets one: the gradients' names on torch.Tensor are inherited)
     names = [n for n in _NAMES if n not in vars(nn.Parameter) and not hasattr(torch.Tensor, n)]
     getters = dict(zip(_NAMES, (_placements, _device_mesh, _full_tensor, _to_local)))
     for name in names:
         setattr(nn.Parameter, name, property(getters[name]))
-    grad_view.install(names)
     nn.Parameter._fusedist_dtensor_names = True

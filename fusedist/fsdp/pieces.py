@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .layout import DimShardedError, alias
+from .tree_names import param_path
 
 
 class PieceMixin:
@@ -103,7 +104,7 @@ class PieceMixin:
             return self.layout.element_range(index, self.rank if rank is None else rank)
         except DimShardedError as e:
             raise NotImplementedError(
-                f"fusedist.fully_shard: parameter '{self.names[index]}' of unit {self.label} (shape "
+                f"fusedist.fully_shard: parameter '{param_path(self, index)}' of unit {self.label} (shape "
                 f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
                 f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
                 "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "
@@ -172,7 +173,7 @@ class PieceMixin:
                 continue
             pieces = ", ".join(f"rank {r}: {tuple(self.layout.piece(i, r).shape)}" for r in range(self.world_size))
             raise ValueError(
-                f"fusedist.fully_shard: parameter '{self.names[i]}' of unit {self.label} (shape {whole}) now "
+                f"fusedist.fully_shard: parameter '{param_path(self, i)}' of unit {self.label} (shape {whole}) now "
                 f"holds a tensor of shape {tuple(data.shape)}, neither the whole parameter nor this rank's piece "
                 f"(pieces: {pieces}): its data was replaced by a tensor of another size (param.data = ..., "
                 "param.set_(...), or module.weight = value on a parametrized module, which calls set_). "
@@ -188,7 +189,7 @@ class PieceMixin:
         for indices, what in [(g, "dtype") for g in groups] + [(range(n), "device")]:
             kinds: dict = {}
             for i in indices:
-                kinds.setdefault(getattr(data[i], what), self.names[i])
+                kinds.setdefault(getattr(data[i], what), param_path(self, i))
             if len(kinds) > 1:
                 found = ", ".join(f"'{fqn}' {kind}" for kind, fqn in kinds.items())
                 return (f"fusedist.fully_shard({self.name or 'root'}): a conversion changed the {what} of some "

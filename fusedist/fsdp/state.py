@@ -177,15 +177,13 @@ from typing import Optional
 import torch
 
 from ..ddp.prepared import refuse_compiled_autograd
-from ..reliability.sharded_watch import ShardedStepWatch
 from . import recovery
 from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
 from .iteration import IterationContext
 from .owners import register_pieces
+from .root_setup import check_materialized, set_up_root
 from .tensor_parallel import drop_pending_grads, settle_pending_grads
-from .tree_names import name_units
-from .wrapping_check import check_one_mesh, check_wrapping
 
 # a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
 # strong value would keep both alive for good
@@ -301,56 +299,9 @@ class FullyShardState:
 
     # ------------------------------------------------------------------ root
     def lazy_init(self) -> None:
-        """The first state to run forward is the root of the states below it (as torch)."""
-        if self.ctx is not None:
-            return
-        self.is_root = True
-        states = []
-        for name, m in (item for member in self.modules for item in member.named_modules()):
-            st = state_of(m)
-            if st is None or st in states:
-                continue
-            if st is not self:
-                if st.ctx is not None:
-                    raise RuntimeError(
-                        f"fusedist.fully_shard: '{name}' already ran forward as a root of its own; run the "
-                        "forward of the outermost fully_shard module first")
-                st.is_root = False
-            states.append(st)
-        self.ctx = IterationContext(states, self.modules)
-        for st in states:
-            st.ctx = self.ctx
-        # as FSDP2: the root's context becomes the shared one, so only the root's event is kept
-        self.ctx.post_optim_event, self.post_optim_event = self.post_optim_event, None
-        if self.auto_reshard and self.unit is not None:
-            self.unit.reshard_after_forward = False  # None: the root keeps its parameters gathered
-        units = [st.unit for st in states if st.unit is not None]
-        if units:
-            names = {id(m): n for member in self.modules for n, m in member.named_modules()}
-            name_units(states, names)  # Note [unit paths follow the module] in tree_names.py
-            check_one_mesh(units)
-            # (the root's path is "": named '<root>' by the check's messages)
-            paths = [(st.path_in(names), st.unit) for st in states if st.unit is not None]
-            signature = check_wrapping([("?" if path is None else path, unit) for path, unit in paths])
-            # the runs' process groups, now that the ranks agree on them, in the same order on every rank
-            for u in units:
-                if u.post_forward is not None:
-                    u.post_forward.connect()
-            # At world size 1 too, as DDP's StepWatch: the counters and the optimizer step guard
-            # apply; its cross-rank check is off there (WatchBase), so no collective is issued.
-            # Its buffers live across steps: made outside inference mode even when the first
-            # forward runs under torch.inference_mode() (an evaluation before training).
-            with torch.inference_mode(False):
-                self.ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded],
-                                                  units)
-
-    def _check_materialized(self) -> None:
-        """Before the first forward sets up the root: every unit below holds data (a unit built
-        on meta raises, naming itself, before any bookkeeping or collective)."""
-        for m in (sub for member in self.modules for sub in member.modules()):
-            st = state_of(m)
-            if st is not None and st.unit is not None:
-                st.unit.check_materialized()
+        """The first state to run forward is the root of the states below it (root_setup.py)."""
+        if self.ctx is None:
+            set_up_root(self)
 
     def path_in(self, names: dict) -> Optional[str]:
         """This state's module path in ``names`` (module id -> path); a group's is its members'."""
@@ -362,8 +313,8 @@ class FullyShardState:
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _pre_forward(self, module, args, kwargs):
         if self.ctx is None:
-            self._check_materialized()
-        self.lazy_init()
+            check_materialized(self)
+            set_up_root(self)
         ctx, unit = self.ctx, self.unit
         if (self._in_backward or ctx.backward_running) and not recovery.in_autograd_backward():
             recovery.recover_aborted_backward(ctx, module)  # Note [aborted backward]

@@ -11,8 +11,8 @@ Note [unit paths follow the module]
     once too (``_init_fqns`` at its lazy init: its profiler labels keep the old ones), and
     fusedist's DDP follows the tree (Note [names follow the module] in
     fusedist/ddp/module_tree.py). So the root keeps its modules' tree as last seen
-    (``ModuleTree``: flat comparisons by identity, about 0.1 ms for a 1,200-module stack on a
-    loaded 2-core CPU) and compares it when a forward of the root begins and at
+    (``ModuleTree``: flat comparisons by identity) and compares it when a forward of the root
+    begins -- first by a fingerprint (Note [the tree's fingerprint]) -- and, in full, at
     ``check_consistency()``; when it changed, each unit takes its current path and the step
     watch its parameters' current names -- a parameter's first path in ``named_parameters()``,
     by identity, so a renumbering inside a unit is followed too. A unit or parameter no longer
@@ -22,33 +22,82 @@ Note [unit paths follow the module]
     modules' tree as ``fully_shard`` took them at wrapping (``fqns``, kept as they were), so a
     module inserted into or deleted from a Sequential inside a unit does not leave a message
     naming its neighbour.
+
+Note [the tree's fingerprint]
+    The full comparison reads every module's ``_modules`` and every submodule: 0.3-1.8 ms per
+    forward for 1,200-4,800 modules on a loaded 2-core CPU. A root forward compares a fingerprint
+    instead (about a tenth of that): the count of submodule registrations in the process (torch's
+    global module-registration hook, installed once through ``fusedist/_process_hooks.py``: every
+    ``setattr`` / ``add_module`` of a submodule, ``append``, ``ModuleList.__setitem__``) and the
+    length of each ``_modules`` dict of the tree as last seen. That hook does not see
+    ``ModuleList.insert`` / ``Sequential.insert`` nor a deletion (``del layers[1]``, ``pop``),
+    which write the dict directly -- but each changes that dict's length. The full comparison runs
+    only when the fingerprint changed (a registration anywhere in the process is enough). What
+    the fingerprint does not see: a direct write of a module under a key already present
+    (``parent._modules["1"] = other``, no hook, same length) or a ``_modules`` dict replaced
+    without its old one changing; they are followed at the next full comparison -- the next
+    fingerprint change or ``check_consistency()``.
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._process_hooks import install_module_registration_hook
 from ..ddp.module_tree import ModuleTree
 
-__all__ = ["RootTree", "name_units"]
+__all__ = ["RootTree", "name_units", "param_path"]
+
+
+_CHILDREN = attrgetter("_modules")
+_REGISTRATIONS = [0]  # submodule registrations in the process (Note [the tree's fingerprint])
+
+
+def _registered(module, name, submodule) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+class _Fingerprint:
+    """The registrations count and each ``_modules`` dict's length, when last seen."""
+
+    __slots__ = ("registrations", "dicts", "lengths")
+
+    def __init__(self, trees: list):
+        install_module_registration_hook("fully_shard module trees", _registered)
+        self.registrations = _REGISTRATIONS[0]
+        self.dicts = [d for tree in trees for d in map(_CHILDREN, tree.modules())]
+        self.lengths = list(map(len, self.dicts))
+
+    def same(self) -> bool:
+        return self.registrations == _REGISTRATIONS[0] and list(map(len, self.dicts)) == self.lengths
 
 
 class RootTree:
     """The root's modules' trees as last seen (Note [unit paths follow the module])."""
 
-    __slots__ = ("modules", "trees")
+    __slots__ = ("modules", "trees", "fingerprint", "full_compares")
 
     def __init__(self, modules: list):
         self.modules = list(modules)
         self.trees = [ModuleTree(m) for m in self.modules]
+        self.fingerprint = _Fingerprint(self.trees)
+        self.full_compares = 0  # (how often the fingerprint sent it to the full comparison)
 
-    def refresh(self, states: list, watch=None) -> bool:
+    def refresh(self, states: list, watch=None, full: bool = False) -> bool:
         """Rename the units of ``states`` and ``watch``'s parameters if the tree changed since
-        last seen; whether it did."""
+        last seen; whether it did. Compared in full only where ``full`` or the fingerprint
+        changed (Note [the tree's fingerprint])."""
+        if not full and self.fingerprint.same():
+            return False
+        self.full_compares += 1
         if all(tree.unchanged() for tree in self.trees):
+            self.fingerprint = _Fingerprint(self.trees)
             return False
         for tree, module in zip(self.trees, self.modules):
             tree.snapshot(module)
+        self.fingerprint = _Fingerprint(self.trees)
         name_units(states, {id(m): n for member in self.modules for n, m in member.named_modules()})
         if watch is not None:
             params = WeakIdKeyDictionary()  # (weak: a parameter that leaves the tree is not kept alive)
@@ -68,7 +117,26 @@ def name_units(states: list, names: dict) -> None:
             path = st.path_in(names)
             if path is not None:
                 st.unit.path = path
+            if len(st.modules) > 1:  # Note [a list of modules as one unit] in members.py
+                old = st.unit.member_paths or [None] * len(st.modules)
+                st.unit.member_paths = [names.get(id(m), o) for m, o in zip(st.modules, old)]
             st.unit.names = _names_in_unit(st.unit, st.modules)
+
+
+def param_path(unit, index: int) -> str:
+    """Parameter ``index`` of ``unit`` named from the root, as FSDP2 and ``named_parameters()`` name
+    it, once the root named the unit; its name in the unit before. A group unit's names in the unit
+    start with the member's index (``[1].0.weight``): the member's path replaces it."""
+    name = unit.names[index]
+    if len(unit.member_paths or ()) > 1:
+        k, sep, rest = name.partition("].")
+        paths = unit.member_paths
+        if sep and k.startswith("[") and k[1:].isdigit() and int(k[1:]) < len(paths) and paths[int(k[1:])]:
+            return f"{paths[int(k[1:])]}.{rest}"
+        return name
+    if unit.path is None:
+        return name
+    return f"{unit.path}.{name}" if unit.path else name
 
 
 def _names_in_unit(unit, modules: list) -> list:

@@ -128,6 +128,7 @@ class ShardedUnit(BufferMixin, PieceMixin):
         #: the gathers of the extension sections (Note [all-gather extension] in extension.py)
         self.ext_gathers = ExtensionGathers(self, shard_mesh, mp_policy)
         self.path: Optional[str] = None  # the module's path under its root, known at the root's first forward
+        self.member_paths: Optional[list] = None  # a group unit's: each member's path (as ``path``)
         self.comm, self.device = comm, device
         #: HSDP: the replicate group's communicator (Note [replicate all-reduce] in replicate.py), else None
         self.replicate_comm = replicate_comm

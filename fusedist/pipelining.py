@@ -148,6 +148,7 @@ from ._pipeline_notice_back import (
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, schedule_stepping
 from ._pipeline_vote import backward_result, forward_vote
+from .fsdp.grad_view import ShardGrad
 
 __all__ = ["PipelineStage"]
 
@@ -398,13 +399,17 @@ class _SetAside:
         return self._pairs
 
 
+_PLAIN = (torch.Tensor, ShardGrad)  # gradients measured as plain tensors
+
+
 def _zero_flags(grads: list):
     """Whether each gradient is all zeros (NaN is not) -- None where measured on its device -- and the
     measurements: per device (Note [several devices in one stage]), the gradients' indices, their flags
     copied towards the host without waiting, and an event marking them there. One pass over the
-    gradients, of any floating dtypes; a tensor of another kind (sparse, a subclass) counts as not all
-    zeros, as does one with no values to read (meta)."""
-    zero = [True if g.numel() == 0 else None if type(g) is torch.Tensor and g.layout == torch.strided  # (an empty
+    gradients, of any floating dtypes; a tensor of another kind (sparse, a subclass other than a
+    ``fully_shard`` piece's ``ShardGrad``, a plain tensor to every op) counts as not all zeros, as does
+    one with no values to read (meta)."""
+    zero = [True if g.numel() == 0 else None if type(g) in _PLAIN and g.layout == torch.strided  # (an empty
             and g.is_floating_point() and g.device.type != "meta" else False for g in grads]  # shard holds nothing)
     by_device: dict = {}
     for i, (g, z) in enumerate(zip(grads, zero)):

@@ -17,7 +17,7 @@ N tiny linear layers, where the per-parameter cost (gradient hooks, bucket bookk
 
 ``--phases`` splits the check's cost on rank 0 (Note [step check] in
 fusedist/reliability/step_check.py): per step, the wall and training-thread CPU time of
-assembling its vector and launching its all-reduce (and of that launch alone), of reading
+assembling its vector (and of writing it into the last bucket's message), of reading
 the verdict at the next forward (the wait for the all-reduce included), and of the parameter
 digest (once every ``FUSEDIST_PARAM_CHECK_EVERY`` steps: per call and per step);
 then, for each contender, the CPU time per step of every thread of the process (training
@@ -68,6 +68,11 @@ def _worker(rank, world, rounds, steps, profile, stack=0, phases=False):
     torch.set_num_threads(1)
     models = {"torch": nn.parallel.DistributedDataParallel(_model(stack)),
               "fusedist": fusedist.DistributedDataParallel(_model(stack))}
+    # The check through its own small all-reduce, as before it rode on the last bucket (Note [the
+    # check carried by the last bucket] in fusedist/reliability/carried_check.py; identical where
+    # the last bucket cannot carry it).
+    own = models["fusedist, check's own all-reduce"] = fusedist.DistributedDataParallel(_model(stack))
+    own.reducer.check_carrier = None
     # The same without its per-step cross-rank check (read when a model is built; the collective
     # monitor and the optimizer-step guard, process-wide, stay on for all three).
     os.environ["FUSEDIST_CHECKS"] = "0"
@@ -124,13 +129,18 @@ def _phases(rank, models, opts, x, y, steps: int) -> str:
 
     comm = model.watch.step_check.comm
     order = ["assemble the vector + launch the all-reduce", "  of which the all-reduce's launch",
+             "assemble the vector (carried by the last bucket)", "  the tail's copy into the bucket's message",
              "read the verdict (next forward)", "parameter digest (when due)"]
     patched = [(engine_watch.StepWatch, "launch_check",
                 timed(engine_watch.StepWatch, "launch_check", order[0])),
+               (engine_watch.StepWatch, "prepare_carry",
+                timed(engine_watch.StepWatch, "prepare_carry", order[2])),
+               (engine_watch.StepWatch, "carry_tail",
+                timed(engine_watch.StepWatch, "carry_tail", order[3])),
                (step_check.StepCheck, "settle",
-                timed(step_check.StepCheck, "settle", order[2])),
+                timed(step_check.StepCheck, "settle", order[4])),
                (param_check.ParamDigest, "compute",
-                timed(param_check.ParamDigest, "compute", order[3]))]
+                timed(param_check.ParamDigest, "compute", order[5]))]
     timed(comm, "all_reduce", order[1],
           when=lambda *a, **k: k.get("tag") == model.watch.step_check.tag)
     try:
@@ -154,7 +164,7 @@ def _phases(rank, models, opts, x, y, steps: int) -> str:
         for tid, (label, ticks) in after.items():
             by_thread[label] = by_thread.get(label, 0.0) + (ticks - before.get(tid, (label, 0))[1])
         tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        lines.append(f"  {name:28s} " + "  ".join(f"{label} {t / tick / steps * 1e3:.3f}"
+        lines.append(f"  {name:34s} " + "  ".join(f"{label} {t / tick / steps * 1e3:.3f}"
                                                    for label, t in sorted(by_thread.items()) if t))
     return "\n".join(lines)
 
@@ -198,7 +208,7 @@ def main() -> None:
     for rank, (ms, _) in enumerate(results):
         tw, tc = ms["torch"]
         for name, (wall, cpu) in ms.items():
-            print(f"rank {rank}: {name:28s} wall {wall:5.2f} ms/step ({wall / tw:.2f}x torch), "
+            print(f"rank {rank}: {name:34s} wall {wall:5.2f} ms/step ({wall / tw:.2f}x torch), "
                   f"training-thread CPU {cpu:5.2f} ms/step ({cpu / tc:.2f}x)")
     if results[0][1]:
         print(results[0][1])

@@ -77,11 +77,18 @@ from .._timeline import now_us
 from .layout import Bucket
 
 
-def launch_in_order(reducer, in_hook: bool = True) -> None:
-    """Launch the ready buckets that come next in bucket order (none past one still pending)."""
+def launch_in_order(reducer, in_hook: bool = True, final: bool = False) -> None:
+    """Launch the ready buckets that come next in bucket order (none past one still pending).
+    ``final``: at the end of the backward; before it, a last bucket that carries the step check
+    is held back (Note [the check carried by the last bucket] in
+    fusedist/reliability/carried_check.py)."""
     buckets = reducer.layout.buckets
     limit = reducer.strategy.max_buckets_in_flight  # Note [buckets in flight]
     while reducer.next_launch < len(buckets) and reducer.pending[reducer.next_launch] == 0:
+        if (not final and reducer.next_launch == len(buckets) - 1 and reducer.check_carrier is not None
+                and reducer.check_carrier.carries(reducer)):
+            reducer.holding_last = True
+            return
         if limit is not None and reducer.next_launch - reducer.next_finish >= limit:
             finish_oldest(reducer, in_hook)
         if reducer._early_finish_stopped:

@@ -137,6 +137,9 @@ class Reducer:
 
         # Watchers of the engine's events (events.py): the reliability layer's StepWatch.
         self.observers: list[EngineObserver] = []
+        # What carries its values in the last bucket's message (the StepWatch), or None (Note [the
+        # check carried by the last bucket] in fusedist/reliability/carried_check.py).
+        self.check_carrier = None
 
     # ------------------------------------------------------------------ layout
     def build_in_order(self, order: list[int], bucket_storage: bool = False) -> GradLayout:
@@ -366,6 +369,7 @@ class Reducer:
         self.handles = [None] * len(self.layout.buckets)
         self.generation += 1  # entries stamped with it received their gradient in this backward
         self.next_launch = 0
+        self.holding_last = False  # the last bucket is ready, held back for the check's values (in_flight.py)
         self.next_finish = 0  # Note [finishing buckets during backward]
         self.finished_in_hooks = 0
         self._early_finish_stopped = False
@@ -510,7 +514,11 @@ class Reducer:
         # Parameters whose grad stays None after this backward (refined by settle_unused).
         self.params_without_grad = ([] if shadow else [p for p in unused if not had_grad[p]]) + list(
             self.inactive) + list(frozen)
-        if missing or self.defer_launch:
+        carrier = self.check_carrier
+        if carrier is not None and carrier.carries(self):  # the last bucket carries the step check
+            carrier.prepare_carry(self, unused)
+            self._launch_in_order(in_hook=False, final=True)
+        elif missing or self.defer_launch:
             self._launch_in_order(in_hook=False)
         if self._early_finish_stopped and self.next_launch < len(self.layout.buckets):
             self.handles[self.next_finish].wait()  # the failed collective's own error (it raises)

@@ -179,20 +179,20 @@ class _ReplicateState:
 #     replicated. The engine, built at that forward, takes the module's Parameters as they are then.
 
 
-def _parameter_assigned(module: nn.Module, name: str, param):
-    for root in list(_PENDING):
-        state = root.__dict__.get(_STATE)
-        if state is not None and param is not None:
-            state.watch_assigned(module, param=param)
-    return None  # registered unchanged
+def _assigned(keyword: str):
+    """A registration hook (torch's global parameter or submodule one) that hands what is being
+    registered, as ``keyword``, to every replicated module still waiting for its first forward."""
+    def hook(module: nn.Module, name: str, value):
+        for root in list(_PENDING):
+            state = root.__dict__.get(_STATE)
+            if state is not None and value is not None:
+                state.watch_assigned(module, **{keyword: value})
+        return None  # registered unchanged
+    return hook
 
 
-def _submodule_assigned(module: nn.Module, name: str, submodule):
-    for root in list(_PENDING):
-        state = root.__dict__.get(_STATE)
-        if state is not None and submodule is not None:
-            state.watch_assigned(module, submodule=submodule)
-    return None  # registered unchanged
+_parameter_assigned = _assigned("param")
+_submodule_assigned = _assigned("submodule")
 
 
 class _PendingWatch:

@@ -54,6 +54,7 @@ Note [sparse gradients through the communicator]
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch
 from torch import nn
@@ -84,6 +85,33 @@ def _size_of(grad) -> tuple:
     if grad is None:
         return _NONE, 0
     return (_SPARSE, grad._nnz()) if grad.is_sparse else (_DENSE, grad.numel())
+
+
+def _shape_of(p) -> tuple:
+    """(elements, dtype code) of a weight, for the size exchange: what a dense all-reduce of its
+    gradient sends (a gradient has its weight's shape and dtype)."""
+    return p.numel(), _dtype_code(p.dtype)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+
+
+def _refuse_different_weights(name: str, shapes: list) -> None:
+    """Raise on every rank (each has every rank's entry) where the ranks' copies of a weight
+    differ in size or dtype: a dense all-reduce of them would not pair (gloo ends the processes)."""
+    if len(set(shapes)) == 1:
+        return
+    dtypes = {_dtype_code(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    by_shape: dict = {}
+    for r, shape in enumerate(shapes):
+        by_shape.setdefault(shape, []).append(r)
+    listed = "; ".join(f"ranks {ranks}: {numel} x {dtypes.get(code, 'an unknown dtype')}"
+                       for (numel, code), ranks in by_shape.items())
+    raise RuntimeError(
+        f"fusedist.DistributedDataParallel: parameter '{name}' (sparse gradients, averaged dense this step) differs "
+        f"across ranks ({listed}): it was replaced or converted on some ranks after wrapping, so the ranks cannot "
+        "average its gradient. Change parameters on every rank alike (or before wrapping)")
 
 
 def _empty_sparse(p) -> torch.Tensor:
@@ -143,18 +171,22 @@ class SparseGradients:
         if self.world_size == 1 or not self.params:
             return
         local = [_local_gradient(p) for p in self.params]
-        sizes = torch.tensor([_size_of(g) for g in local], dtype=torch.long, device=self.comm.device).view(-1)
+        sizes = torch.tensor([_size_of(g) + _shape_of(p) for p, g in zip(self.params, local)], dtype=torch.long,
+                             device=self.comm.device).view(-1)
         gathered = torch.empty(self.world_size * sizes.numel(), dtype=torch.long, device=self.comm.device)
         self.comm.all_gather(gathered, sizes, tag="ddp sparse gradient sizes")
-        every = gathered.view(self.world_size, len(self.params), 2).tolist()
+        every = gathered.view(self.world_size, len(self.params), 4).tolist()
         for i, (p, name, grad) in enumerate(zip(self.params, self.names, local)):
             kinds, nnz = [r[i][0] for r in every], [r[i][1] for r in every]
             if max(kinds) == _NONE:
                 continue  # no rank had a gradient: it stays None
             if max(kinds) == _DENSE:  # (a dense gradient somewhere: every rank reduces it dense)
+                _refuse_different_weights(name, [tuple(r[i][2:]) for r in every])
                 dense = (torch.zeros_like(p, memory_format=torch.contiguous_format) if grad is None
                          else grad.to_dense() if grad.is_sparse else grad.clone(memory_format=torch.contiguous_format))
-                self.comm.all_reduce(dense, tag=f"ddp sparse gradient {name} (dense)")
+                # Every rank's weight has this size and dtype (just compared): no fingerprints (Note
+                # [parts a caller checked] in fusedist/comm/base.py).
+                self.comm.all_reduce(dense, tag=f"ddp sparse gradient {name} (dense)", parts_checked=True)
                 p.grad = dense.div_(self.world_size)
             else:
                 p.grad = self._gather_sparse(p, name, grad, nnz).div_(self.world_size)

@@ -159,11 +159,23 @@ class AllReduceAverage(GradSyncStrategy):
         pre, _ = bucket_divide_factors(reducer, reduce_dtype)
         wire = to_wire(data, reduce_dtype)
         divide_before_sum(bucket, wire, pre)
+        carrier = reducer.check_carrier
+        tail = None
+        if bucket.index == len(reducer.layout.buckets) - 1 and carrier is not None and carrier.carries(reducer):
+            # Note [the check carried by the last bucket] in fusedist/reliability/carried_check.py
+            tail = carrier.carry_tail(reducer, wire.dtype)
+            message = torch.empty(wire.numel() + tail.numel(), dtype=wire.dtype, device=wire.device)
+            message[:wire.numel()].copy_(wire.view(-1))
+            message[wire.numel():].copy_(tail)
+            wire, tail = message[:wire.numel()], message[wire.numel():]
         reducer.bucket_scratch[bucket.index] = wire
         # The buckets' layout is checked across ranks and their op is fixed: no fingerprints (Note [parts a
         # caller checked] in fusedist/comm/base.py). A joined rank's shadow of a bucket comes through here too.
-        return reducer.comm.all_reduce(real_pairs(wire), async_op=True, tag=f"ddp bucket {bucket.index}",
-                                       parts_checked=True)
+        handle = reducer.comm.all_reduce(real_pairs(wire) if tail is None else message, async_op=True,
+                                         tag=f"ddp bucket {bucket.index}", parts_checked=True)
+        if tail is not None:
+            carrier.carried(reducer, handle, tail)
+        return handle
 
     def fold_factor(self, reducer, bucket):
         return pre_division_fold(reducer, bucket)

@@ -438,10 +438,16 @@ def _average(reducer, params: list, names: dict) -> None:
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise sparse_gradient_error(comm.rank, names[p])
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm.device)
+    # The used map, and each parameter's size and dtype as [v, -v] (MAX gives every rank max and min):
+    # the averages below then carry parts every rank has compared, so they post no fingerprints.
+    shapes = [v for p in params for v in (p.numel(), _dtype_code(p.dtype))]
+    has = torch.tensor([p.grad is not None for p in params] + shapes + [-v for v in shapes], dtype=torch.int64,
+                       device=comm.device)
     if world > 1:
         comm.all_reduce(has, op="max", tag="ddp unfrozen used-map")
-    used = [bool(v) for v in has.tolist()]
+    reduced = has.tolist()
+    used = [bool(v) for v in reduced[:len(params)]]
+    _refuse_different_parameters(params, names, reduced[len(params):], comm.rank)
     by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
     for p, u in zip(params, used):
         if u:
@@ -454,8 +460,8 @@ def _average(reducer, params: list, names: dict) -> None:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
         flat = flat.to(comm.device)  # a fresh tensor: reduced in place unless converted
         wire = to_wire(flat, reduce_dtype).div_(pre)  # (Note [complex buckets] in strategy.py)
-        if world > 1:
-            comm.all_reduce(real_pairs(wire), tag=f"ddp unfrozen gradients {dtype}")
+        if world > 1:  # (sizes and dtypes compared above: Note [parts a caller checked] in fusedist/comm/base.py)
+            comm.all_reduce(real_pairs(wire), tag=f"ddp unfrozen gradients {dtype}", parts_checked=True)
         if post != 1.0:
             wire.div_(post)
         from_wire(flat, wire)
@@ -463,6 +469,29 @@ def _average(reducer, params: list, names: dict) -> None:
         for p in group:
             p.grad = flat[offset:offset + p.numel()].view(p.shape).to(device=p.device, copy=True)
             offset += p.numel()
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+
+
+def _refuse_different_parameters(params: list, names: dict, bounds: list, rank: int) -> None:
+    """Raise on every rank (each holds the same bounds) where the ranks' newly trainable parameters
+    differ in size or dtype: their averages would not pair (gloo ends the processes on another size)."""
+    half = len(bounds) // 2
+    differ = []
+    for j, p in enumerate(params):
+        high, low = bounds[2 * j:2 * j + 2], [-v for v in bounds[half + 2 * j:half + 2 * j + 2]]
+        if high[0] != low[0]:
+            differ.append(f"'{names[p]}' ({p.numel()} elements here, {low[0]}..{high[0]} across ranks)")
+        elif high[1] != low[1]:
+            differ.append(f"'{names[p]}' ({p.dtype} here, another dtype on some ranks)")
+    if differ:
+        raise RuntimeError(
+            f"fusedist.DistributedDataParallel (rank {rank}): the parameters that became trainable differ in size or "
+            f"dtype across ranks: {', '.join(differ[:10])}: different parameters were unfrozen on different ranks "
+            "(with FUSEDIST_CHECKS=0 the step check that names them is off), or they were replaced on some ranks. "
+            "Change requires_grad of the same parameters on every rank")
 
 
 def _carry(reducer, old, new, params) -> None:

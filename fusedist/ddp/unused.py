@@ -216,7 +216,8 @@ def late_arrival(reducer: "Reducer", entry, p) -> bool:
     not see. Its count is taken already (returns False); a bucket not launched yet holds the
     gradient (the hook copied it), one launched without it is reported by every rank at the end."""
     reducer.marked_unused.discard(p)
-    if entry.slot.bucket.index < reducer.next_launch:
+    # (a last bucket held back for the step check counts as launched: Note [the check carried by the last bucket])
+    if entry.slot.bucket.index < reducer.next_launch + reducer.holding_last:
         reducer.late_arrivals.append(p)
     return False
 

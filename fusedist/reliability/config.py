@@ -10,11 +10,13 @@ def checks_enabled() -> bool:
 
     On by default: the collective monitor, the per-step cross-rank check of DDP and the
     optimizer-step guard. Their cost is fixed per step -- above all the check's one small
-    collective -- so it is a small share of a model's step that does real work
-    (``benchmarks/bench_reliability.py``) and a large one of a tiny model's, whose step is
-    the collectives' latency (``benchmarks/bench_ddp_step_overhead.py --phases`` shows where
-    it goes). The switch exists to measure exactly that, and as an escape hatch; the
-    construction-time consistency checks are not affected by it.
+    collective, which on the host rides on the last gradient bucket's all-reduce where it can
+    (Note [the check carried by the last bucket] in ``carried_check.py``) -- so it is a small
+    share of a model's step that does real work (``benchmarks/bench_reliability.py``) and a
+    larger one of a tiny model's, whose step is the collectives' latency
+    (``benchmarks/bench_ddp_step_overhead.py --phases`` shows where it goes). The switch exists
+    to measure exactly that, and as an escape hatch; the construction-time consistency checks
+    are not affected by it.
     """
     value = os.environ.get("FUSEDIST_CHECKS", "1").strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):

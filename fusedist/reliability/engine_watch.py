@@ -9,6 +9,8 @@ this: it only announces events (``fusedist/ddp/events.py``).
 
 from __future__ import annotations
 
+import functools
+import weakref
 import zlib
 from typing import Optional
 
@@ -18,7 +20,8 @@ from ..ddp.events import EngineObserver
 from .config import checks_enabled, param_check_every
 from .monitor import attach_monitor
 from .param_check import ParamDigest, replicates
-from .step_check import StepCheck, layout_crc
+from . import carried_check
+from .step_check import FIELDS, JOINED, StepCheck, layout_crc
 
 #: The other way to an unsynchronized step: a pipeline schedule's step synchronizes a stage's
 #: gradients at its last micro-batch's backward only.
@@ -132,8 +135,15 @@ class StepWatch(WatchBase, EngineObserver):
         self._layout_crc: Optional[tuple] = None
         self._digest: Optional[ParamDigest] = None  # built at the first check that needs it
         self._sparse_flags: list = []  # requires_grad of the sparse-gradient weights at the last forward
+        # Note [the check carried by the last bucket]: (layout, strategy, whether it carries), this
+        # step's (values, detail, digest) before the launch, and (handle, tail) once launched.
+        self._carries: Optional[tuple] = None
+        self._carry: Optional[tuple] = None
+        self._carried: Optional[tuple] = None
         super().__init__(engine.comm)
         self.param_every = param_check_every() if self.step_check is not None else 0
+        if self.step_check is not None:
+            engine.check_carrier = self  # Note [the check carried by the last bucket] in carried_check.py
 
     # The step guard's words (WatchBase), read only when it refuses a step.
     @property
@@ -189,7 +199,13 @@ class StepWatch(WatchBase, EngineObserver):
 
     def buckets_launched(self, engine, unused: list) -> None:
         if self.step_check is not None:
-            self.launch_check(engine, unused)
+            carried, self._carried = self._carried, None
+            if carried is not None:  # Note [the check carried by the last bucket]
+                values, detail, _ = self._carry
+                self._carry = None
+                self.step_check.carried(carried[0], carried[1], values, detail)
+            else:
+                self.launch_check(engine, unused)
             if _sparse_params(engine):
                 # Note [sparse weights in the step check]: read the verdict before the
                 # sparse gradients' collectives, which ranks that differ would not pair.
@@ -212,9 +228,15 @@ class StepWatch(WatchBase, EngineObserver):
         self._check_now(lambda: self.launch_check(engine, [], checked_now=True, joined=joined))
 
     def launch_check(self, engine, unused: list, checked_now: bool = False, joined: bool = False) -> None:
+        values, detail, digest = self._check_values(engine, unused, checked_now, joined)
+        self.step_check.launch(values, detail(), digest=digest)
+
+    def _check_values(self, engine, unused: list, checked_now: bool, joined: bool) -> tuple:
+        """(values or None for a joined rank, a function that builds the detail, the parameter digest
+        or None) of this rank's check."""
         if joined or engine.joined:  # Note [joined ranks]: neutral in the comparison
-            self.step_check.launch(None, {"buckets": len(engine.layout.buckets), "checked_now": checked_now})
-            return
+            detail = {"buckets": len(engine.layout.buckets), "checked_now": checked_now}
+            return None, lambda: detail, None
         handles = engine.handles
         last_seq = handles[-1].seq if handles and handles[-1] is not None else -1
         if self._layout_crc is None or self._layout_crc[0] is not engine.layout:
@@ -226,7 +248,7 @@ class StepWatch(WatchBase, EngineObserver):
             if checked_now:
                 _wait_for_parameters(engine)
             digest = self._param_digest(engine)
-        self.step_check.launch([
+        return [
             self.sync_steps,
             self.forwards,
             engine.iteration,  # every backward, synchronized or not
@@ -237,14 +259,48 @@ class StepWatch(WatchBase, EngineObserver):
             self._trainable_crc(tracker),
             0,  # the parameter digest, when due, is written on the device
             0,  # replicas: fully_shard's (Note [replica check] in sharded_watch.py)
-        ], {"buckets": len(engine.layout.buckets),
-            "unused_names": [engine.names[engine.index_of[p]] for p in unused],
-            "checked_now": checked_now,
-            "describe_trainable": lambda comm: self._describe_trainable(engine, comm),
-            "describe_params": self._digest.describe if digest is not None else None,
-            # Note [sparse weights in the step check]
-            "reported_at": "the end of that backward" if _sparse_params(engine) else "the next training forward",
-        }, digest=digest)
+        ], functools.partial(self._detail, engine, len(engine.layout.buckets), unused, checked_now,
+                             self._digest.describe if digest is not None else None,
+                             bool(_sparse_params(engine))), digest
+
+    def _detail(self, engine, buckets: int, unused: list, checked_now: bool, describe_params, sparse: bool) -> dict:
+        """What an error of this check says besides the values: built only when one is raised."""
+        return {"buckets": buckets,
+                "unused_names": [engine.names[engine.index_of[p]] for p in unused],
+                "checked_now": checked_now,
+                "describe_trainable": lambda comm: self._describe_trainable(engine, comm),
+                "describe_params": describe_params,
+                # Note [sparse weights in the step check]
+                "reported_at": "the end of that backward" if sparse else "the next training forward"}
+
+    # ------------------------------------------------------------------ the check carried by the last bucket
+    # Note [the check carried by the last bucket] in carried_check.py; the engine asks these.
+    def carries(self, engine) -> bool:
+        """Whether the engine's last bucket carries the step check (cached per layout and strategy)."""
+        cached = self._carries  # (weakly: a strategy taken over, and its optimizer, must be freed at once)
+        if cached is None or cached[0]() is not engine.layout or cached[1]() is not engine.strategy:
+            yes = self.step_check is not None and carried_check.can_carry(engine, self.step_check.comm)
+            cached = self._carries = (weakref.ref(engine.layout), weakref.ref(engine.strategy), yes)
+        return cached[2]
+
+    def prepare_carry(self, engine, unused: list) -> None:
+        """This step's values, before the last bucket is launched with them."""
+        self._carry = self._check_values(engine, unused, False, False)
+
+    def carry_tail(self, engine, dtype: torch.dtype) -> torch.Tensor:
+        """The tail of the last bucket's message: this rank's values in its row."""
+        values, detail, digest = self._carry
+        comm = self.step_check.comm
+        if values is not None:
+            values[FIELDS.index("collective_seq")] = comm.last_seq + 1  # the bucket's, launched next
+            if digest is not None:
+                values[FIELDS.index("params")] = int(digest)
+        row = values if values is not None else [JOINED] * len(FIELDS)
+        return carried_check.encode(row, comm.rank, comm.world_size, dtype)
+
+    def carried(self, engine, handle, tail: torch.Tensor) -> None:
+        """The last bucket was launched with the tail (``tail``: its part of the reduced message)."""
+        self._carried = (handle, tail)
 
     # Note [sparse weights in the step check]
     #     The weights with sparse gradients (nn.Embedding(sparse=True)) are averaged outside the

@@ -35,7 +35,10 @@ Note [step check]
     forward bookkeeping outlast it, and on CUDA (a pinned host copy behind an event) no host
     synchronization. On the host (gloo) it is a point-to-point exchange driven by the
     communicator's progress thread; on a tiny model the forward still waits for it
-    (``benchmarks/bench_ddp_step_overhead.py --phases`` shows the wait). The price: a
+    (``benchmarks/bench_ddp_step_overhead.py --phases`` shows the wait) -- so where it can, DDP
+    sends the values in the last bucket's all-reduce instead, and the verdict is read from
+    there at the same points (Note [the check carried by the last bucket] in
+    carried_check.py). The price: a
     divergence is reported at the start of the step after it happened, and one in the very
     last step of a run has no next forward: ``DistributedDataParallel.check_consistency()``
     reads the pending verdict and checks the counters once more, at once (and
@@ -55,7 +58,7 @@ import sys
 import time
 import weakref
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,6 +66,7 @@ from .._consistency import RankMismatchError
 from ..comm import Communicator, given_up_exit
 from ..comm.base import CollectiveError, global_ranks
 from .._process_hooks import at_exit
+from . import carried_check
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
@@ -114,6 +118,9 @@ class StepCheck:
         # kernels never wait for the check (Note [the check off the step's stream]).
         self._stream = torch.cuda.Stream(comm.device) if self.on_cuda else None
         self._pending: Optional[tuple] = None  # (handle, host copy, event, values, detail)
+        #: The pending verdict's summed rows when the last bucket carried it (Note [the check carried
+        #: by the last bucket] in carried_check.py), else None.
+        self._tail: Optional[torch.Tensor] = None
         _checks.add(self)
         at_exit("report unread step-check verdicts", _report_unread_at_exit)  # Note [verdicts unread at exit]
 
@@ -160,6 +167,19 @@ class StepCheck:
                 event.record(self._stream)
         self._pending = (handle, host, event, values, detail)
 
+    def carried(self, handle, tail: torch.Tensor, values: Optional[list[int]], detail: Callable[[], dict]) -> None:
+        """This step's check went out with the last bucket's all-reduce (``handle``), ``tail`` its
+        rows (Note [the check carried by the last bucket] in carried_check.py); read by :meth:`settle`.
+        ``values`` as for :meth:`launch` (the parameter digest, if due, in place); ``detail``: a
+        function that builds :meth:`launch`'s detail, called only for an error."""
+        self.settle()
+        self._pending = (handle, None, None, values if values is not None else [JOINED] * self.k, detail)
+        self._tail = tail
+
+    def _carried_bounds(self) -> list[int]:
+        """``[max(v), max(-v)]`` from the pending verdict's summed rows."""
+        return carried_check.bounds(carried_check.decode(self._tail, self.comm.world_size, self.k), JOINED)
+
     def settle(self) -> None:
         """Read the pending verdict (if any); raise :class:`RankMismatchError` on every rank
         if the ranks disagreed. Called at the next training forward, by which time the tiny
@@ -167,6 +187,19 @@ class StepCheck:
         if self._pending is None:
             return
         handle, host, event, values, detail = self._pending
+        if self._tail is not None:
+            try:
+                handle.wait()  # (the last bucket's: finished by the backward already, or about to be)
+            except CollectiveError:
+                # The bucket's own failure, raised by the backward that finishes it: no verdict.
+                self._pending = self._tail = None
+                return
+            agreed = carried_check.agree(self._tail, self.comm.world_size)
+            reduced = None if agreed else self._carried_bounds()
+            self._pending = self._tail = None
+            if reduced is not None:
+                self._verdict(reduced, values, detail())
+            return
         self._pending = None
         handle.wait()
         if event is not None:
@@ -187,10 +220,12 @@ class StepCheck:
         handle, host, event, values, detail = self._pending
         if event is not None or not handle.is_completed() or not _succeeded(handle):
             return None  # (a CUDA copy, a collective still open or failed: never block, never guess)
-        reduced = self.buf.tolist()
+        reduced = self._carried_bounds() if self._tail is not None else self.buf.tolist()
         k = self.k
         if all(reduced[i] == -reduced[k + i] for i in range(k)):
             return None
+        if self._tail is not None:
+            detail = detail()
         lines = render_bounds(reduced, _with_digest(values, detail), self.comm.rank, detail, None).replace(
             "detected on every rank that took part; ", "").splitlines()
         lines[0] = (f"{lines[0]} [found at exit: the verdict of this rank's last synchronized backward was "

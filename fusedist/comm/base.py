@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..distributed import bounded_timeout, collective_timeout, wait_timeout
+from .closed_connections import PeerClosedConnection
 from .checks import _overlaps, _row_numel, _tag, check_flat, check_in_place, check_op
 from .sliced_wait import wait_probed
 
@@ -182,9 +183,12 @@ class CommHandle:
         not say (gloo's reads "Operation timed out!"): how long the collective had been
         running, which timeout ended it and the peers it involves (Note [one deadline per
         collective])."""
+        elapsed = time.monotonic() - self._launched
+        ended = self._comm._ended_under_collective()
+        if ended:  # (whatever the backend says: a timeout, a closed connection)
+            return f"{ended}; it ended {elapsed:.1f} s after its launch: {exc}"
         if not _is_timeout(exc):
             return str(exc)
-        elapsed = time.monotonic() - self._launched
         comm, limit = self._comm, self._timeout.total_seconds()
         group_limit = comm._transport_timeout(self._work) if self._work is not None else None
         if wait_timeout is not None:
@@ -213,7 +217,10 @@ class CommHandle:
 
 def _is_timeout(exc: BaseException) -> bool:
     """Whether a backend's error is a timeout (gloo: "Timed out waiting 2000ms for recv
-    operation", "Operation timed out!"; the exchange's TimeoutError)."""
+    operation", "Operation timed out!"; the exchange's TimeoutError). A connection a peer closed is
+    not, even where the peer's error it quotes was (Note [connections a peer closed])."""
+    if isinstance(exc, PeerClosedConnection):
+        return False
     return isinstance(exc, TimeoutError) or re.search(r"timed out", str(exc), re.IGNORECASE) is not None
 
 
@@ -552,6 +559,11 @@ class Communicator(abc.ABC):
         sequence number), passed through the observer like a failed wait (a stall report)."""
         failed = CommHandle(self, None, op=error.op, tag=error.tag, seq=error.seq, timeout=self.timeout)
         return self._on_failure(failed, error) or error
+
+    def _ended_under_collective(self) -> str:
+        """Why the process group ended while a collective was in flight, when it was not the
+        collective's fault ('' otherwise): a failed wait's error says so rather than timing out."""
+        return ""
 
     def _on_failure(self, handle: CommHandle, error: BaseException) -> Optional[BaseException]:
         """Tell the observer; it may return the error to raise instead (a stall report)."""

@@ -20,6 +20,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .closed_connections import PeerClosedConnection, explained
+
 __all__ = ["ExchangeWork", "ProgressThread"]
 
 
@@ -84,6 +86,9 @@ class ExchangeWork:
         self._runner = threading.Lock()  # held by whichever thread drives the exchange
         self._error: Optional[BaseException] = None
         self._waiting_for = "not started"  # what the progress thread waits for (for errors)
+        #: Publishes this exchange's failure and explains a connection a peer closed (Note
+        #: [connections a peer closed] in closed_connections.py); None: neither.
+        self.closing = None
 
     def is_completed(self) -> bool:
         return self._finished.is_set()
@@ -131,6 +136,8 @@ class ExchangeWork:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             _drop_frame_locals(exc)
             self._error = exc
+            if self.closing is not None:
+                self.closing.publish(str(exc))
             # The group refuses collectives from now on (Note [no collectives after a failed exchange]
             # in gloo_exchange.py): its communicator gave up, so a program that catches the error and
             # ends by sys.exit(n) ends at once with n (Note [ending after given-up collectives]).
@@ -168,7 +175,9 @@ class ExchangeWork:
                 raise TimeoutError(f"timed out after {self._timeout_s - (self._deadline - deadline):g} s")
             work.wait(timeout=_remaining(deadline))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; say what we waited on
-            raise RuntimeError(f"{self.op} exchange: {self._waiting_for} did not complete: {exc}") from exc
+            why = explained(self.closing, exc, where, global_peer)
+            failed = RuntimeError if why is None else PeerClosedConnection
+            raise failed(f"{self.op} exchange: {self._waiting_for} did not complete: {why or exc}") from exc
 
 
 # Note [work references]

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import _overlaps
+from .closed_connections import ClosedConnections
 from .exchange_fold import ChunkFold, LandingPool, unrecorded
 from .exchange_progress import ExchangeWork, ProgressThread
 from .exchange_tags import message_tag
@@ -160,6 +161,7 @@ class GlooExchange:
         self._landing = LandingPool()
         self._writing: list = []  # (work in flight, tensor it writes): Note [one buffer, issue order]
         self._failed: Optional[str] = None  # Note [no collectives after a failed exchange]
+        self._closing = ClosedConnections(self.group, self.global_ranks[rank])
 
     # ---- public
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int,
@@ -308,10 +310,10 @@ class GlooExchange:
                    input_counts: list[int], seq: int, label: str = "") -> Optional[ExchangeWork]:
         """Start ``output[part from rank j] = input of rank j[part for this rank]`` for every
         rank j (``all_to_all_single``; counts in elements, per rank); None when already done.
-        Each pair's messages are labelled by the count the sender sends and the receiver
-        expects (Note [exchange tags]): ranks whose splits disagree never pair, and each
-        waits out the timeout naming that peer, where gloo's own all-to-all pairs them and
-        terminates the process whose receive is smaller."""
+        Each pair's messages are labelled by the counts of both its directions, as this rank
+        sees them (Note [all-to-all pairs without rows]): ranks whose splits disagree never
+        pair, and each waits out the timeout naming that peer, where gloo's own all-to-all
+        pairs them and terminates the process whose receive is smaller."""
         out, inp = output.view(-1), input.view(-1)
         n, r = self.world_size, self.rank
         out_at, in_at = _offsets(output_counts), _offsets(input_counts)
@@ -320,16 +322,20 @@ class GlooExchange:
         receives: list = []
         for k in range(1, n):
             dst, src = (r + k) % n, (r - k) % n
-            sent = f"all_to_all {label} [{input_counts[dst]} x {inp.dtype}] {r}->{dst}"
-            for chunk, (lo, hi) in enumerate(_chunk_bounds(input_counts[dst], inp.element_size())):
-                part = inp[in_at[dst] + lo:in_at[dst] + hi]
-                tag = message_tag("all_gather", seq, chunk, sent)
-                sends.append((self._send_later(part, dst, tag), dst, self.global_ranks[dst], chunk))
-            expected = f"all_to_all {label} [{output_counts[src]} x {out.dtype}] {src}->{r}"
-            for chunk, (lo, hi) in enumerate(_chunk_bounds(output_counts[src], out.element_size())):
-                part = out[out_at[src] + lo:out_at[src] + hi]
-                tag = message_tag("all_gather", seq, chunk, expected)
-                receives.append((self._irecv(part, src, tag), src, self.global_ranks[src], chunk, None))
+            # this rank -> dst, and back (dst -> this rank): what this rank sends, what it expects
+            sent = _pair_label(label, inp.dtype, r, dst, input_counts[dst], output_counts[dst])
+            if _carries_pair(r, dst, input_counts[dst], output_counts[dst]):
+                for chunk, (lo, hi) in enumerate(_chunk_bounds(input_counts[dst], inp.element_size())):
+                    part = inp[in_at[dst] + lo:in_at[dst] + hi]
+                    tag = message_tag("all_gather", seq, chunk, sent)
+                    sends.append((self._send_later(part, dst, tag), dst, self.global_ranks[dst], chunk))
+            # src -> this rank, and back
+            expected = _pair_label(label, out.dtype, src, r, output_counts[src], input_counts[src])
+            if _carries_pair(src, r, output_counts[src], input_counts[src]):
+                for chunk, (lo, hi) in enumerate(_chunk_bounds(output_counts[src], out.element_size())):
+                    part = out[out_at[src] + lo:out_at[src] + hi]
+                    tag = message_tag("all_gather", seq, chunk, expected)
+                    receives.append((self._irecv(part, src, tag), src, self.global_ranks[src], chunk, None))
         with unrecorded(out):
             out[out_at[r]:out_at[r] + output_counts[r]].copy_(inp[in_at[r]:in_at[r] + input_counts[r]])
         if not sends and not receives:
@@ -381,6 +387,7 @@ class GlooExchange:
 
     def _writes(self, written: torch.Tensor, work: Optional[ExchangeWork]) -> Optional[ExchangeWork]:
         if work is not None:
+            work.closing = self._closing  # (Note [connections a peer closed])
             self._writing.append((work, written))
         return work
 
@@ -494,11 +501,43 @@ class GlooExchange:
 # rank's part was empty and another's was not (a shape that depends on the rank), the empty rank
 # returned as if the collective had succeeded -- and went on out of step -- while the other
 # waited out its whole timeout for messages that never came. Now neither pairs and both fail
-# alike at the timeout, each naming its own part, as for any other size mismatch. Whether a part
+# alike at the timeout, each naming its own part, as for any other size mismatch. (Not sooner: the
+# non-empty rank would have to post a receive for the empty rank's news -- a message on every
+# collective -- or poll its receives, and a gloo wait that runs out closes the connection. Where
+# the ranks' timeouts differ, the later one learns at the first one's: Note [connections a peer
+# closed] in closed_connections.py.) Whether a part
 # is empty can differ across ranks, so even a collective empty on every rank costs its empty
-# messages (one message latency, ~0.35 ms on 2 ranks where it cost nothing), and so does each
-# pair of an all-to-all that exchanges no rows (whose splits may disagree too); a non-empty
+# messages (one message latency, ~0.35 ms on 2 ranks where it cost nothing), and so does a pair
+# of an all-to-all that exchanges no rows either way (Note [all-to-all pairs without rows]); a non-empty
 # part's messages are unchanged (same launch and completion times, measured interleaved).
+
+
+def _pair_label(label: str, dtype: torch.dtype, sender: int, receiver: int, rows: int, back: int) -> str:
+    """The label of the messages ``sender -> receiver`` of an all-to-all: ``rows`` elements that
+    way, ``back`` elements the other way (Note [all-to-all pairs without rows])."""
+    return f"all_to_all {label} [{rows} x {dtype}] {sender}->{receiver} [{back} back]"
+
+
+def _carries_pair(sender: int, receiver: int, rows: int, back: int) -> bool:
+    """Whether the direction ``sender -> receiver`` of a pair has messages: when it has rows, or
+    when neither direction has any and it goes from the lower rank (Note [all-to-all pairs
+    without rows])."""
+    return rows > 0 or (back == 0 and sender < receiver)
+
+
+# Note [all-to-all pairs without rows]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each pair of ranks in an all-to-all has two directions. Every message of a direction is
+# labelled by the counts of *both* directions as its side sees them (``_pair_label``), so a
+# direction that has rows checks the pair's agreement on its own, and the other direction sends
+# no empty message (before, each empty direction sent one: Note [empty parts are messages
+# too]). A pair where neither direction has rows sends one empty message, from the lower rank.
+# Every rank posts at least one message per pair, labelled by its own view of both counts: where
+# two ranks' splits disagree on either direction, none of their messages pair, and both wait out
+# the timeout naming the peer, as before. The saving is where a pair has rows one way only --
+# an idle expert of a mixture of experts receives none but sends its tokens on -- which now costs
+# only the rows' messages, and an all-to-all with no rows anywhere costs one message per pair
+# where it cost two.
 
 
 # Note [one buffer, issue order]

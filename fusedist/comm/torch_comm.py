@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -86,6 +87,8 @@ class TorchCommunicator(Communicator):
         self._stopped_reported: Optional[BaseException] = None
         #: Point-to-point reduce-scatter / all-gather for CPU tensors on gloo (None: builtin).
         self.exchange = None
+        #: The first failure of any communicator of this group (Note [one failure per process group]).
+        self._group_failed = _GROUP_FAILURES.setdefault(self._group_obj, _GroupFailure())
         mode = gloo_exchange.mode_from_env() if gloo_collectives is None else gloo_collectives
         if mode not in gloo_exchange.MODES:
             raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
@@ -168,11 +171,22 @@ class TorchCommunicator(Communicator):
 
     @property
     def aborted(self) -> bool:
-        return (self.gave_up is not None or self.builtin_failure is not None
-                or (self.exchange is not None and self.exchange.failure() is not None))
+        if (self.gave_up is not None or self.builtin_failure is not None
+                or (self.exchange is not None and self.exchange.failure() is not None)):
+            if self._group_failed.reason is None:  # (the first failure of the group: the others learn it)
+                self._group_failed.reason = self._own_failure()
+            return True
+        return self._group_failed.reason is not None
 
     @property
     def abort_reason(self) -> str:
+        own = self._own_failure()
+        if own or self._group_failed.reason is None:
+            return own
+        return (f"{self._group_failed.reason}, in another communicator of this process group, whose gloo "
+                "connections this one shares")
+
+    def _own_failure(self) -> str:
         failed = self.exchange.failure() if self.exchange is not None else None
         return failed or self.builtin_failure or self.gave_up or ""
 
@@ -248,6 +262,16 @@ class TorchCommunicator(Communicator):
             "this communicator was destroyed "
             "(torch.distributed.destroy_process_group()); get a communicator for a live group "
             "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
+
+    def _ended_under_collective(self) -> str:
+        # A group destroyed from another thread while a collective waits (a signal handler, a watchdog
+        # that tears the job down): its wait ends at the timeout or on a closed connection, which alone
+        # would read as a peer that never joined.
+        if _is_alive(self._group_obj):
+            return ""
+        what = "default process group" if self.group is None else "process group"
+        return (f"the {what} was destroyed (torch.distributed.destroy_process_group()) while this collective was "
+                "in flight, so it could not complete; destroy a group only once its collectives have finished")
 
     @property
     def device(self) -> torch.device:
@@ -409,6 +433,28 @@ class _GlooReduceScatter:
         self.work.wait(timeout=timeout)
         self.output.view(-1).copy_(self.buffer.view(-1).chunk(self.world_size)[self.rank])  # (any shapes: flat)
         self.buffer = None
+
+
+# Note [one failure per process group]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Several TorchCommunicators may serve one process group (one made directly besides the one
+# ``get_communicator`` caches; a fallback of the direct-NCCL communicator). They share the group's
+# gloo connections, which a failed collective closes, and its order of collectives, which a failed
+# collective breaks (Note [refusing collectives of a given-up communicator]). Before, each kept its
+# own failure: after one gave up, the other went on launching collectives that failed with gloo's
+# bare "pair closure" or waited out their timeouts. So the first failure of any of them is recorded
+# for the group (keyed weakly by the group object: a destroyed group's record goes with it), and
+# every communicator of the group refuses collectives from then on, naming it.
+class _GroupFailure:
+    """The first failure of a process group's communicators (None while none failed)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self):
+        self.reason: Optional[str] = None
+
+
+_GROUP_FAILURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 #: The tag of the receive that closes an abandoned collective's connections: below the exchange's tags

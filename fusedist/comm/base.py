@@ -391,7 +391,9 @@ class Communicator(abc.ABC):
     # with them (gloo's own all-reduces post a fingerprint to every peer: Note [parts agreed before
     # gloo's own all-reduce] in part_agreement.py). A caller whose parts are already checked across
     # ranks -- DDP's buckets, whose layout is compared at construction and at every synchronized step
-    # (Note [step check] in fusedist/reliability/step_check.py) and whose op is fixed -- says so with
+    # (Note [step check] in fusedist/reliability/step_check.py) and whose op is fixed; DDP's dense
+    # average of a sparse-gradient weight and of parameters unfrozen after wrapping, whose sizes and
+    # dtypes ride in an exchange they make anyway (fusedist/ddp/sparse.py, trainable.py) -- says so with
     # ``parts_checked=True`` and pays for no comparison. Every rank must pass the same value for one
     # collective: a rank that compares waits for a fingerprint its peer never posts and times out
     # (DDP passes it from the one place that launches a bucket, for the active ranks' buckets and a

@@ -82,7 +82,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..optim._scaler_protocol import follows_protocol, looked_up_once, protocol_owner, stepped_optimizer
 from ..optim.step_context import inverse_scale, mark_pending
-from . import skipped_step, unscale
+from . import added_params, skipped_step, unscale
 from .found_inf_group import FoundInfGroupMixin
 from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
 
@@ -286,9 +286,12 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
                 raise RuntimeError("unscale_() is being called after step().")
         if not self._enabled:
             return super().unscale_(optimizer)
+        counts = added_params.param_counts(optimizer)  # Note [a param group added after unscale_]
         if not is_fused(optimizer):
             with self._record_under_given_name(optimizer):  # Note [one scaler state per stepped optimizer]
-                return super().unscale_(optimizer)
+                super().unscale_(optimizer)
+            self._record_of(optimizer)[added_params.RECORD_KEY] = counts
+            return None
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._record_of(optimizer)
         if optimizer_state["stage"] is OptState.UNSCALED:
@@ -300,9 +303,11 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
             self._remember(optimizer)  # Note [found_inf over the pipeline stages]
             optimizer_state["found_inf_per_device"] = {}
             optimizer_state["stage"] = OptState.UNSCALED
+            optimizer_state[added_params.RECORD_KEY] = counts
             return
         with looked_up_once(owner):  # Note [gradients looked up once a call]
             self._unscale_fused(owner, optimizer_state, optimizer)
+        optimizer_state[added_params.RECORD_KEY] = counts
 
     def _unscale_fused(self, optimizer, optimizer_state: dict, given) -> None:
         """unscale_ of the protocol's owner ``optimizer``; ``given`` is what the program passed."""
@@ -331,6 +336,8 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         if self._enabled:
             self._scale_for_stage(optimizer)  # Note [a stage without a loss]
+            recorded = self._per_optimizer_states.get(id(stepped_optimizer(optimizer)), {})
+            added_params.check_none_added(optimizer, recorded.get(added_params.RECORD_KEY))
             if self._defers_steps():  # Note [the first iteration's steps wait for update()]
                 if not (args and args[0] is not None):
                     return self._defer_step(optimizer, args, kwargs)

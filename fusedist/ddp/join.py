@@ -330,7 +330,10 @@ def _shadow_sync_bn(ddp, trace: list) -> None:
     for (layer, channels, dtype), reduce in reversed(list(zip(trace, reduces))):
         if reduce:
             comm = layer._communicator(ddp.device)
-            comm.all_reduce(torch.zeros(2 * channels, dtype=compute_dtype(dtype), device=comm.device), tag=GRAD_TAG)
+            # in the reverse order of the gathers, as the active ranks' backwards: Note [the backward's parts
+            # agreed in the forward] in nn/_grad_order.py
+            comm.all_reduce(torch.zeros(2 * channels, dtype=compute_dtype(dtype), device=comm.device), tag=GRAD_TAG,
+                            parts_checked=True)
 
 
 def _track_running_stats(layer, stats) -> None:

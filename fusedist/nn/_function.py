@@ -22,6 +22,7 @@ from torch._C import _functions as _autograd_functions
 from .._dtypes import compute_dtype
 from ..comm import Communicator
 from . import _bn_ops as ops
+from . import _grad_order
 from ._bn_reference import _per_channel
 from ._layout import NCSLayout, as_ncs, like_layout, torch_output_format
 from ._sync_stats import GRAD_TAG, IDENTITY_LEN, combine, gather_messages, read_gather, write_layer_identity
@@ -202,6 +203,8 @@ class BatchStatsNorm(torch.autograd.Function):
             y = _normalize(x, layout, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.layout, ctx.count, ctx.comm, ctx.eps = layout, total, comm, eps
+        # Note [the backward's parts agreed in the forward] in _grad_order.py
+        ctx.order_token = _grad_order.forwarded(comm) if comm is not None and ctx.reduces_grads else None
         return y.contiguous(memory_format=output_format)
 
     @staticmethod
@@ -215,7 +218,9 @@ class BatchStatsNorm(torch.autograd.Function):
         # on every rank alike, one that wants no input gradient included: its dy is part of the
         # global sums (Note [one backward decision for all ranks] in _sync_stats.py)
         if ctx.comm is not None and ctx.reduces_grads:
-            ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG)
+            # no part fingerprints where the forward agreed on them: Note [the backward's parts agreed in the forward]
+            agreed = _grad_order.in_forward_order(ctx.comm, ctx.order_token)
+            ctx.comm.all_reduce(sums.view(-1), tag=GRAD_TAG, parts_checked=agreed)
         if ctx.needs_input_grad[0]:
             # Note [the backward's factors in the kernel]: on the Triton path the per-channel
             # factors below (six small device ops, each a launch on a GPU) are made by the

@@ -226,12 +226,15 @@ def _check_same_layer(identities: list, num_features: int) -> None:
         f"their layers' running statistics differ ({shown}). Every rank must call the SyncBatchNorm "
         "layers in the same order and the same number of times per training forward (a layer skipped, "
         "repeated or called in another order on some ranks pairs its statistics with another layer's); "
-        "or the running statistics were changed on some ranks only (loaded or reset there)."
+        "or the running statistics were changed on some ranks only (loaded or reset there); or the layer's "
+        "momentum differs between ranks (each rank blends the same batch statistics with its own momentum)."
     )
 
 
-def check_channels_agree(comm: Communicator, num_features: int, device: torch.device) -> None:
-    """Raise on every rank if the ranks' layers disagree on the channel count.
+def check_channels_agree(comm: Communicator, num_features: int, device: torch.device,
+                         path: Optional[str] = None) -> None:
+    """Raise on every rank if the ranks' layers disagree on the channel count; ``path``: the
+    layer's name in the converted model, where known, for the message.
 
     The stats payload's length depends on C, and a collective whose sizes differ between
     ranks aborts the process (gloo) or is undefined (NCCL). So each layer, on its first
@@ -244,7 +247,8 @@ def check_channels_agree(comm: Communicator, num_features: int, device: torch.de
     channels = everyone.tolist()
     if any(c != num_features for c in channels):
         raise ValueError(
-            f"SyncBatchNorm: ranks disagree on the number of channels (per rank: {channels}; "
+            f"SyncBatchNorm{'' if not path else f' {path!r}'}: ranks disagree on the number of channels "
+            f"(per rank: {channels}; "
             f"rank {comm.rank} has {num_features}). Every rank must run the same layers in the "
             "same order with the same num_features."
         )

@@ -239,7 +239,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         key = (_PROCESS_TOKEN, comm.uid)  # Note [checks that a pickle does not carry]
         if key not in self._channels_checked:
             attach_monitor(comm)  # [reliability] a missing rank is named in a stall report
-            check_channels_agree(comm, self.num_features, device)
+            check_channels_agree(comm, self.num_features, device, outside_group.path_of(self))
             self._channels_checked.add(key)
         return comm
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._process_hooks import install_module_registration_hook
@@ -56,7 +57,11 @@ _REGISTRATIONS = [0]  # submodule registrations in the process (Note [the tree's
 
 
 def _registered(module, name, submodule) -> None:
-    _REGISTRATIONS[0] += 1
+    # Not while dynamo traces: a compiled forward that slices a ModuleList (``self.layers[:-1]`` builds
+    # a new one, registering its members) would guard on the count it bumps and recompile every step;
+    # what a compiled region registers is a traced stand-in, and a real change still moves a length.
+    if not torch.compiler.is_compiling():
+        _REGISTRATIONS[0] += 1
 
 
 class _Fingerprint:

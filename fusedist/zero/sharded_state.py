@@ -211,7 +211,8 @@ class ShardedState(HeldByOptimizer):
                 prepared = self.prepare_load(state_dict)
         except Exception as exc:  # noqa: BLE001 - raised as it is, once the ranks have compared
             refusal = exc
-        groups = z.param_groups if prepared is None else [{**g, **h} for g, h in zip(z.param_groups, prepared[1])]
+        groups = z.param_groups if prepared is None else [{**h, "params": g["params"]}
+                                                           for g, h in zip(z.param_groups, prepared[1])]
         check_loaded_hyperparameters(z, groups, refusal)
         self.apply(*prepared)
 
@@ -245,8 +246,7 @@ class ShardedState(HeldByOptimizer):
         assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source, keep_empty=True)
         if sds[0].get("format") == zstate.FORMAT:
             zstate.relayout(assembled, z._params, sds[0]["param_meta"])
-        hyper = [zstate.hyperparameters(g) for g in groups]
-        self._check_inner_accepts(assembled, hyper, source)
+        hyper = self._check_inner_accepts(assembled, [zstate.hyperparameters(g) for g in groups], source)
         return assembled, hyper
 
     def _check_shard_set(self, sds: list, source: str) -> None:
@@ -286,13 +286,22 @@ class ShardedState(HeldByOptimizer):
         if difference is not None:
             raise zstate.StateDictError(f"{source}: {difference}; nothing was changed")
 
-    def _check_inner_accepts(self, assembled: dict, hyper: list[dict], source: str) -> None:
-        """Run what :meth:`apply` hands the inner optimizer -- each group's hyperparameters
-        merged as ``apply`` merges them, one element of every state -- through a probe of the
-        inner class: its construction, its own ``load_state_dict`` and, with offload, the host
-        Adam's group check. These refusals (a tensor learning rate in a fused optimizer,
-        another algorithm's state, amsgrad under offload) came after ``apply`` had changed the
-        groups, the masters and the pieces, or at every later step.
+    def _check_inner_accepts(self, assembled: dict, hyper: list[dict], source: str) -> list[dict]:
+        """Run what :meth:`apply` hands the inner optimizer -- the saved groups' hyperparameters,
+        one element of every state -- through a probe of the inner class: its construction, its
+        own ``load_state_dict`` and, with offload, the host Adam's group check. These refusals (a
+        tensor learning rate in a fused optimizer, another algorithm's state, amsgrad under
+        offload) came after ``apply`` had changed the groups, the masters and the pieces, or at
+        every later step. Returns each group's hyperparameters as the load installs them (Note
+        [loaded groups replace the optimizer's]).
+
+        Note [loaded groups replace the optimizer's]
+            torch's ``Optimizer.load_state_dict`` takes each saved group as it is: a setting the
+            saved group lacks (``initial_lr``, set by an LR scheduler built after the save) is
+            gone after the load, and the class's ``__setstate__`` fills in its own defaults
+            (AdamW: ``foreach``, ``differentiable``, ...). Merging the saved group into the
+            rank's own kept such settings. The probe loads the saved groups as the inner class
+            does, so its groups after the load are torch's result for that class.
 
         Note [probing the inner optimizer]
             The probe's parameters have one element (none for an empty parameter), so the
@@ -302,12 +311,7 @@ class ShardedState(HeldByOptimizer):
         z = self.zero
         params, groups, state = [], [], {}
         for gi, group in enumerate(z.param_groups):
-            merged = {**zstate.hyperparameters(group), **hyper[gi]}
-            if z.offload:
-                try:
-                    check_offload_group(merged, gi)
-                except (TypeError, ValueError) as exc:
-                    raise zstate.StateDictError(f"{source}: {exc}; nothing was changed") from exc
+            merged = {**zstate.hyperparameters(group), **hyper[gi]}  # (to build the probe with)
             ids = []
             for index in [i for i in z._trainable if z._group_of[i] == gi] or [None]:
                 ids.append(len(params))
@@ -323,12 +327,19 @@ class ShardedState(HeldByOptimizer):
             probe = z._optimizer_factory([{**merged, "params": [params[i] for i in ids]} for merged, ids in groups],
                                          **z._inner_defaults)
             probe.load_state_dict({"state": state,
-                                   "param_groups": [{**merged, "params": ids} for merged, ids in groups]})
+                                   "param_groups": [{**h, "params": ids} for h, (_, ids) in zip(hyper, groups)]})
         except Exception as exc:  # noqa: BLE001 - whatever the inner loader raises, before anything changes
             raise zstate.StateDictError(
                 f"{source}: the inner {inner_class(z).__name__} refuses it ({type(exc).__name__}: {exc}): "
                 f"hyperparameters it cannot run, or the state of another algorithm than "
                 f"{class_algorithm(inner_class(z))}'s; nothing was changed") from exc
+        loaded = [zstate.hyperparameters(g) for g in probe.param_groups]
+        for gi, h in enumerate(loaded if z.offload else ()):
+            try:
+                check_offload_group(h, gi)
+            except (TypeError, ValueError) as exc:
+                raise zstate.StateDictError(f"{source}: {exc}; nothing was changed") from exc
+        return loaded
 
     @classmethod
     def _probe_value(cls, v, probe: torch.Tensor):
@@ -343,7 +354,10 @@ class ShardedState(HeldByOptimizer):
         this rank's ranges (the optimizer state is created first if no step has run yet)."""
         z = self.zero
         self.invalidate()
-        for group, h in zip(z.param_groups, hyper):
+        for group, h in zip(z.param_groups, hyper):  # Note [loaded groups replace the optimizer's]
+            params = group["params"]
+            group.clear()
+            group["params"] = params
             group.update(h)
         z._ensure_state()
         z.wait_for_params()
@@ -357,16 +371,14 @@ class ShardedState(HeldByOptimizer):
         new_state = self._fill_pieces(assembled)
         # Through the inner optimizer's own load_state_dict, so it places each state tensor
         # where it wants it (e.g. torch keeps a non-capturable Adam's ``step`` on the CPU).
-        for group, inner_group in zip(z.param_groups, z.inner.param_groups):
-            inner_group.update(zstate.hyperparameters(group))
         index_of = {}
         groups = []
-        for inner_group in z.inner.param_groups:
+        for group, inner_group in zip(z.param_groups, z.inner.param_groups):
             ids = []
             for t in inner_group["params"]:
                 index_of[t] = len(index_of)
                 ids.append(index_of[t])
-            groups.append(dict(zstate.hyperparameters(inner_group), params=ids))
+            groups.append(dict(zstate.hyperparameters(group), params=ids))
         z.inner.state.clear()
         z.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})

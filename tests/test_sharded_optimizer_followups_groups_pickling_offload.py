@@ -1,0 +1,322 @@
+"""fusedist.ZeroRedundancyOptimizer against torch (DDP + AdamW on the global batch), world 2, one
+launch of the ranks:
+
+- ``load_state_dict`` takes each saved param group as it is, as torch's ``Optimizer.load_state_dict``
+  does (Note [loaded groups replace the optimizer's] in fusedist/zero/sharded_state.py): a setting the
+  saved groups lack (``initial_lr`` of an LR scheduler built after the save, a ``foreach`` set on the
+  live optimizer) is gone after the load and AdamW's own defaults fill in what ``__setstate__`` fills;
+  the rank's own values were kept.
+- pickling the optimizer (``pickle.dumps``, ``torch.save(optimizer)``) is refused, naming the state
+  dicts to save, as deepcopy is (Note [copies of a sharded optimizer] in fusedist/zero/copies.py): it
+  unpickled into a hollow optimizer. Its state dicts survive deepcopy and ``torch.save``/``torch.load``
+  whole: a fresh optimizer loading them trains on as the original.
+- ``offload="cpu"`` at stage 1 over a module wrapped again trains on through the newer wrapper's
+  buckets as torch DDP + AdamW.
+- stage 2 over a subset completed by ``add_param_group`` (torch's recipe, Note [stage 2 completed by
+  add_param_group] in fusedist/zero/deferred_stage2.py), with an LR scheduler built before the
+  group was added, a GradScaler, a clip, a checkpoint saved and loaded mid-run, and under Join with
+  uneven inputs, trains as torch DDP + AdamW with the same groups.
+
+Tolerance 1e-5 absolute: at most 7 AdamW steps (lr 0.02) on fp32 parameters of magnitude ~0.5; the
+sides differ in gradient summation order only (measured ~1e-7); a group stepping with another lr, or
+a step missed, moves a parameter by ~1e-2.
+"""
+
+import copy
+import io
+import pickle
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from shared_rank_launch import launch_for_selected, results_of
+
+TOL = 1e-5
+LR = 0.02
+
+
+def _net():
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _batch(seed, step, rank, world, n=3):
+    g = torch.Generator().manual_seed(seed * 101 + step)
+    x, y = torch.randn(world * n, 5, generator=g), torch.randn(world * n, 3, generator=g)
+    return x, y, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _groups(m):
+    return [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters()), "lr": LR / 2}]
+
+
+def _step(seed, step, rank, world, ref, ref_opt, run, opt):
+    x, y, xr, yr = _batch(seed, step, rank, world)
+    ref_opt.zero_grad()
+    nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    opt.zero_grad()
+    nn.functional.mse_loss(run(xr), yr).backward()
+    opt.step()
+
+
+@torch.no_grad()
+def _maxdiff(m1, m2):
+    return max(float((p - q).abs().max()) for p, q in zip(m1.parameters(), m2.parameters()))
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _settings(opt):
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _full_state(opt, rank):
+    """The consolidated state dict, on every rank."""
+    import torch.distributed as dist
+
+    opt.consolidate_state_dict(to=0)
+    box = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _loaded_groups(rank, world, seed, directory):
+    """A state dict saved before an LR scheduler and a ``foreach`` setting existed, loaded (as torch's
+    full format, and as the list of shards) into the optimizer that has them: its groups against
+    torch's AdamW loading the same dict, then training on against torch's AdamW."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _net()
+    model = copy.deepcopy(ref)
+    run = fusedist.DistributedDataParallel(model)
+    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=LR)
+    for step in range(2):
+        _step(seed, step, rank, world, ref, ref_opt, run, opt)
+    full, shard = _full_state(opt, rank), opt.shard_state_dict()
+    import torch.distributed as dist
+
+    shards = [None] * world
+    dist.all_gather_object(shards, shard)
+    out = {}
+    for kind, saved in (("full", full), ("shards", shards)):
+        for o in (opt, ref_opt):  # settings the saved groups lack
+            torch.optim.lr_scheduler.StepLR(o, step_size=10)  # adds initial_lr
+            o.param_groups[1]["foreach"] = False
+        ref_saved = copy.deepcopy(full)
+        for g in ref_saved["param_groups"]:
+            del g["differentiable"]  # (AdamW's __setstate__ gives it back)
+        ours_saved = copy.deepcopy(saved)
+        for sd in ours_saved if kind == "shards" else [ours_saved]:
+            for g in sd["param_groups"]:
+                g.pop("differentiable", None)
+        ref_opt.load_state_dict(ref_saved)
+        opt.load_state_dict(ours_saved)
+        out[f"{kind} ours"], out[f"{kind} torch"] = _settings(opt), _settings(ref_opt)
+        out[f"{kind} inner"] = _settings(opt.inner)
+    for step in range(2, 5):
+        _step(seed, step, rank, world, ref, ref_opt, run, opt)
+    out["trained"] = _maxdiff(ref, model)
+    return out
+
+
+def _pickled(rank, world, seed, directory):
+    """Pickling the optimizer is refused; its state dicts deep-copied or saved and loaded resume it."""
+    import torch.distributed as dist
+
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _net()
+    model = copy.deepcopy(ref)
+    run = fusedist.DistributedDataParallel(model)
+    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=LR)
+    for step in range(2):
+        _step(seed, step, rank, world, ref, ref_opt, run, opt)
+    out = {"pickle": _error(lambda: pickle.dumps(opt)),
+           "torch.save": _error(lambda: torch.save(opt, io.BytesIO()))}
+    from fusedist.integrations._optimizer_swap import _named_as
+
+    swapped = copy.copy(opt.__dict__)  # (the optimizer as Lightning's strategy names it: its own __reduce_ex__)
+    renamed = object.__new__(_named_as(fusedist.ZeroRedundancyOptimizer, torch.optim.AdamW))
+    renamed.__dict__.update(swapped)
+    out["renamed pickle"] = _error(lambda: pickle.dumps(renamed))
+    full = copy.deepcopy(_full_state(opt, rank))
+    buf = io.BytesIO()
+    torch.save(opt.shard_state_dict(), buf)
+    blobs = [None] * world
+    dist.all_gather_object(blobs, buf.getvalue())
+    shards = [torch.load(io.BytesIO(b)) for b in blobs]  # (weights_only, torch's default)
+    out["one shard"] = _error(lambda: opt.load_state_dict(copy.deepcopy(shards[rank])))
+    for kind, saved in (("saved shards", shards), ("deepcopied full", full)):
+        fresh_model = copy.deepcopy(model)
+        fresh_run = fusedist.DistributedDataParallel(fresh_model)
+        fresh = fusedist.ZeroRedundancyOptimizer(_groups(fresh_model), torch.optim.AdamW, lr=LR)
+        fresh.load_state_dict(saved)
+        twin = copy.deepcopy(ref)
+        twin_opt = torch.optim.AdamW(_groups(twin), lr=LR)
+        twin_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # (torch keeps the tensors it is given)
+        for step in range(2, 4):
+            _step(seed, step, rank, world, twin, twin_opt, fresh_run, fresh)
+        out[kind] = _maxdiff(twin, fresh_model)
+    return out
+
+
+def _offload_rewrapped(rank, world, seed, directory):
+    """offload="cpu", stage 1: two steps, the module wrapped again (other buckets), three more;
+    against torch DDP + AdamW."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _net()
+    model = copy.deepcopy(ref)
+    run = fusedist.DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
+    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, stage=1, lr=LR, offload="cpu")
+    ref_run = torch.nn.parallel.DistributedDataParallel(ref)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=LR)
+    out = {}
+    for step in range(5):
+        if step == 2:
+            run = fusedist.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+            out["before"] = _maxdiff(ref, model)
+        x, y, xr, yr = _batch(seed, step, rank, world)
+        for r, o in ((ref_run, ref_opt), (run, opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(r(xr), yr).backward()
+            o.step()
+    out["followed"] = all(bs.bucket is b for bs, b in zip(opt._partition.bucket_shards,
+                                                           run.reducer.layout.buckets))
+    out["after"] = _maxdiff(ref, model)
+    return out
+
+
+def _stage2_parts(fusedist, model, ours):
+    """The model's first layer in the constructor, its last added after a scheduler was built."""
+    if ours:
+        run = fusedist.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        opt = fusedist.ZeroRedundancyOptimizer(model[0].parameters(), torch.optim.AdamW, stage=2, lr=LR)
+        scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    else:
+        run = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model[0].parameters(), lr=LR)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
+    opt.add_param_group({"params": list(model[2].parameters()), "lr": LR / 2})
+    return run, opt, scaler, sched
+
+
+def _stage2_train(parts, seed, steps, rank, world, ours):
+    run, opt, scaler, sched = parts
+    for step in steps:
+        _, _, x, y = _batch(seed, step, rank, world)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(run(x), y)).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(0.05) if ours else nn.utils.clip_grad_norm_(run.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+
+def _stage2_subset(rank, world, seed, directory):
+    """Three steps, a checkpoint loaded into a new model and optimizer built alike, two more; then
+    Join with rank 1 running two batches more than rank 0."""
+    from torch.distributed.algorithms import Join as TorchJoin
+
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _net()
+    model, other = copy.deepcopy(ref), _net()
+    theirs, ours = _stage2_parts(fusedist, ref, False), _stage2_parts(fusedist, model, True)
+    _stage2_train(theirs, seed, range(3), rank, world, False)
+    _stage2_train(ours, seed, range(3), rank, world, True)
+    out = {"trained": _maxdiff(ref, model)}
+    fusedist.checkpoint.save(directory, model, ours[1], ours[2])
+    resumed = _stage2_parts(fusedist, other, True)
+    fusedist.checkpoint.load(directory, other, resumed[1], resumed[2])
+    resumed[3].load_state_dict(ours[3].state_dict())
+    _stage2_train(theirs, seed, range(3, 5), rank, world, False)
+    _stage2_train(resumed, seed, range(3, 5), rank, world, True)
+    out["resumed"] = _maxdiff(ref, other)
+    torch.manual_seed(seed + 1)
+    ref = _net()
+    model = copy.deepcopy(ref)
+    for parts, join in ((_stage2_parts(fusedist, ref, False), TorchJoin), (_stage2_parts(fusedist, model, True), None)):
+        run, opt = parts[:2]
+        with join([run]) if join else fusedist.Join([run, opt]):
+            for step in range(3 + 2 * rank):
+                _, _, x, y = _batch(seed, step, rank, world)
+                opt.zero_grad()
+                nn.functional.mse_loss(run(x), y).backward()
+                opt.step()
+    out["joined"] = _maxdiff(ref, model)
+    return out
+
+
+BY_TEST = {
+    "test_load_takes_the_saved_groups_as_torch_adamw_does": {"groups": _loaded_groups},
+    "test_pickling_refused_and_state_dicts_survive_copies_and_saves": {"pickled": _pickled},
+    "test_offload_stage1_trains_as_torch_after_the_module_is_wrapped_again": {"offload": _offload_rewrapped},
+    "test_stage2_over_a_subset_with_scheduler_scaler_clip_checkpoint_and_join": {"stage 2": _stage2_subset},
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    seed = random.randrange(2**20)
+    by_test = {t: {n: (fn, (seed, str(tmp_path_factory.mktemp("checkpoint") / n.replace(" ", "_"))))
+                   for n, fn in s.items()} for t, s in BY_TEST.items()}
+    return seed, launch_for_selected(request, by_test, 2, timeout=180)
+
+
+def test_load_takes_the_saved_groups_as_torch_adamw_does(launched):
+    seed, results = launched
+    for rank, out in enumerate(results_of(results, "groups")):
+        where = f"seed {seed}, rank {rank}: {out}"
+        for kind in ("full", "shards"):
+            assert out[f"{kind} ours"] == out[f"{kind} torch"], where
+            assert out[f"{kind} inner"] == out[f"{kind} torch"], where
+            assert all("initial_lr" not in g and "differentiable" in g for g in out[f"{kind} ours"]), where
+        assert out["trained"] <= TOL, where
+
+
+def test_pickling_refused_and_state_dicts_survive_copies_and_saves(launched):
+    seed, results = launched
+    for rank, out in enumerate(results_of(results, "pickled")):
+        where = f"seed {seed}, rank {rank}: {out}"
+        for kind in ("pickle", "torch.save", "renamed pickle"):
+            assert out[kind] is not None and out[kind].startswith("TypeError"), where
+            assert f"(rank {rank} of 2) cannot be copied or pickled" in out[kind], where
+            assert "shard_state_dict()" in out[kind] and "consolidate_state_dict" in out[kind], where
+        assert out["one shard"] is not None and "StateDictError" in out["one shard"], where
+        assert out["deepcopied full"] <= TOL, where
+        assert out["saved shards"] <= TOL, where
+
+
+def test_offload_stage1_trains_as_torch_after_the_module_is_wrapped_again(launched):
+    seed, results = launched
+    for rank, out in enumerate(results_of(results, "offload")):
+        where = f"seed {seed}, rank {rank}: {out}"
+        assert out["before"] <= TOL, where
+        assert out["followed"], where
+        assert out["after"] <= TOL, where
+
+
+def test_stage2_over_a_subset_with_scheduler_scaler_clip_checkpoint_and_join(launched):
+    seed, results = launched
+    for rank, out in enumerate(results_of(results, "stage 2")):
+        where = f"seed {seed}, rank {rank}: {out}"
+        assert out["trained"] <= TOL, where
+        assert out["resumed"] <= TOL, where
+        assert out["joined"] <= TOL, where

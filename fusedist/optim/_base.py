@@ -16,6 +16,7 @@ from .. import _extension
 from .._wrapper import PLAIN_TYPES, values_of, wrapped_name
 from . import _complex, _scaler_protocol, functional
 from ._complex import state_dtype_of
+from ._eager import STEP_REASON, eager_under_compile
 from .functional import _device_of, _dtype_of, _layout_of, _shape_of
 from ._hyperparameters import check_lr
 from ._loaded_state import LoadedStateMixin, step_device
@@ -219,8 +220,9 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
     # Disabled for dynamo: ``torch.compile(optimizer.step)`` (or a compiled training step) traced
     # into the launches of the fused kernels (the step is one fused pass already; compiling it
     # gains nothing): the step runs eagerly between graphs (Note [a compiled step runs eagerly]
-    # in fusedist/zero/optimizer.py).
-    @torch.compiler.disable
+    # in fusedist/zero/optimizer.py), with the reason dynamo shows where ``fullgraph=True`` meets
+    # it (Note [a fused step under fullgraph=True] in _eager.py).
+    @eager_under_compile(STEP_REASON)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = None

@@ -19,6 +19,7 @@ from typing import Iterable, Union
 import torch
 
 from ..ownership import any_gradient_holder, gradient_holder
+from ._eager import CLIP_REASON, eager_under_compile
 from ._scaler_protocol import _grad_of, looked_up_once, without_none
 from .functional import _dtype_of
 from .grad_norms import norm_result_dtype
@@ -51,7 +52,9 @@ def _looked_up_once_each(optimizers: list):
     return stack
 
 
-@torch.compiler.disable  # eager in a compiled step: a holder lookup per parameter, and all-reduces
+# eager in a compiled step: a holder lookup per parameter, and all-reduces (Note [a fused step under
+# fullgraph=True] in _eager.py)
+@eager_under_compile(CLIP_REASON)
 def clip_grad_norm_(
     parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
     max_norm: float,

@@ -45,6 +45,7 @@ import torch
 from .. import _extension
 from ..backend import select_backend
 from . import _cpu_sgd, _reference
+from ._eager import FUNCTIONAL_REASON, eager_under_compile
 from ._negated import memory_views as _memory_views, read_resolved as _read_resolved
 from ._negated import refuse_negated as _refuse_negated, scalar_resolved as _scalar_resolved
 from .._memory_layout import is_dense, walks_like
@@ -286,8 +287,9 @@ def _backend_for(op: str, device: torch.device, eligible: bool, has_cpu_ext: boo
 # data pointers (under the interpreter their pointer arithmetic ran on fake tensors and failed
 # at the first step), and the host paths recompiled on each new step count. The entry points
 # run eagerly instead, as the fused optimizers' steps do; the updates are in place, so the
-# caller's graph sees the result.
-_eager_in_compiled_code = torch.compiler.disable
+# caller's graph sees the result. (With fullgraph=True, dynamo's error gives the reason: Note [a
+# fused step under fullgraph=True] in _eager.py.)
+_eager_in_compiled_code = eager_under_compile(FUNCTIONAL_REASON)
 
 
 @_eager_in_compiled_code  # Note [the functional API under torch.compile]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from . import functional
 from ._base import FusedOptimizerBase, masters_of, state_values
+from ._eager import STEP_REASON, eager_under_compile
 from ._hyperparameters import check_finite_hyper, hyper_number
 
 _PENDING = object()  # the global gradient norm of the step under way, not computed yet
@@ -60,7 +59,7 @@ class FusedLAMB(FusedOptimizerBase):
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"{name}: invalid betas {group['betas']} (each must be in [0, 1))")
 
-    @torch.compiler.disable  # as the base class's step
+    @eager_under_compile(STEP_REASON)  # as the base class's step
     def step(self, closure=None):
         # apex clips with the norm over every parameter of every group: computed once, at the
         # first group's update, of the gradients the step uses -- after the base class has

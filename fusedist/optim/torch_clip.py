@@ -95,6 +95,7 @@ import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
 from ..ownership import gradient_holder, held_parameters
+from ._eager import TORCH_CLIP_REASON, eager_under_compile
 from .grad_norms import norm_result_dtype
 from .step_context import materialize_unscales
 
@@ -115,8 +116,9 @@ _empty_norm = threading.local()
 # The replacements look up each parameter's gradient holder and all-reduce: traced in a compiled
 # training step, the lookup recompiled once per parameter shape (up to dynamo's limit) and the
 # collectives failed. They run eagerly between the graphs, one graph break per call (a lookup
-# disabled one by one would cost each parameter's lookup its own eager frame).
-_eager_in_compiled_code = torch.compiler.disable
+# disabled one by one would cost each parameter's lookup its own eager frame). With fullgraph=True,
+# dynamo's error says so (Note [a fused step under fullgraph=True] in _eager.py).
+_eager_in_compiled_code = eager_under_compile(TORCH_CLIP_REASON)
 
 
 def torch_clip_grad_norm_(*args, **kwargs) -> torch.Tensor:

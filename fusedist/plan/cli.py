@@ -15,7 +15,7 @@ from typing import Optional
 
 from . import hardware, memory, timing
 from .errors import PlanError
-from .hf_config import HF_MODEL_TYPES, MAX_LAYERS, from_hf_config
+from .hf_config import HF_MODEL_TYPES, MAX_LAYERS, config_key, from_hf_config
 from .model import ARCHS, ModelSpec, count_params, validate
 from .plan import Job, build_plan, check_expert_parallel
 
@@ -214,7 +214,8 @@ def _within_bounds(spec: ModelSpec, source: Optional[str]) -> ModelSpec:
             continue
         value = getattr(spec, name)
         if isinstance(value, int):
-            _bounded(source or _flag(name), value, limit, named=name.replace("_", " "))
+            named = repr(config_key(spec, name)) if source else name.replace("_", " ")
+            _bounded(source or _flag(name), value, limit, named=named)
     return spec
 
 

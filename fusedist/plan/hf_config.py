@@ -8,8 +8,10 @@ looks right and is not (Falcon-7B read as llama blocks: 11.16B instead of 6.92B)
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
+from .encoders import ENCODER_TYPES, refuse_encoder
 from .errors import PlanError
 from .model import ModelSpec, validate
 
@@ -91,21 +93,19 @@ def from_hf_config(path: str) -> ModelSpec:
     if raw_type is None:
         raise PlanError("--hf-config", f"{path} has no 'model_type' (the planner counts "
                                        f"{', '.join(HF_MODEL_TYPES)})")
+    if model_type in ENCODER_TYPES:
+        refuse_encoder(cfg, path, raw_type, _positive_int)
     if family is None:
         raise PlanError("--hf-config", f"{path}: 'model_type' {raw_type!r} is not one the planner counts "
                                        f"({', '.join(HF_MODEL_TYPES)}); if its blocks are exactly llama's, "
                                        "give the shape instead (--arch llama --layers --hidden --heads "
                                        "--kv-heads --ffn-hidden --vocab --seq)")
     if model_type == "falcon":
-        return _checked(ModelSpec(**_falcon(cfg, path)), path)
+        return _checked(ModelSpec(**_falcon(cfg, path)), path, _FALCON_KEYS)
     if model_type == "gpt2":
-        keys = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions",
-                "vocab": "vocab_size"}
-        arch, ffn_key, kv_key = "gpt", "n_inner", None
+        keys, arch, ffn_key, kv_key = _GPT2_KEYS, "gpt", "n_inner", None
     else:
-        keys = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-                "seq": "max_position_embeddings", "vocab": "vocab_size"}
-        arch, ffn_key, kv_key = "llama", "intermediate_size", "num_key_value_heads"
+        keys, arch, ffn_key, kv_key = _LLAMA_KEYS, "llama", "intermediate_size", "num_key_value_heads"
     values = {}
     for field, key in keys.items():
         values[field] = _positive_int(cfg, key, path, required=True)
@@ -134,7 +134,45 @@ def from_hf_config(path: str) -> ModelSpec:
                      out_bias=attention_bias, mlp_bias=mlp_bias, qk_norm=family.get("qk_norm", False),
                      sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
                      **values)
-    return _checked(spec, path)
+    return _checked(spec, path, dict({f"--{k.replace('_', '-')}": v for k, v in keys.items()},
+                                     **{"--ffn-hidden": ffn_key, "--kv-heads": kv_key},
+                                     **_EXPERT_KEYS.get(family.get("moe"), {})))
+
+
+# ModelSpec fields -> the keys they are read from (the required ones; ffn and kv besides)
+_GPT2_KEYS = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "seq": "n_positions", "vocab": "vocab_size"}
+_LLAMA_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+               "seq": "max_position_embeddings", "vocab": "vocab_size"}
+# validate()'s flags and fields -> the config keys they were read from, for its refusals
+_COMMON_KEYS = {"--head-dim": "head_dim", "sliding_window": "sliding_window"}
+_FALCON_KEYS = {"--layers": "num_hidden_layers", "--hidden": "hidden_size", "--heads": "num_attention_heads",
+                "--vocab": "vocab_size", "--seq": "max_position_embeddings", "--ffn-hidden": "ffn_hidden_size",
+                "--kv-heads": "num_kv_heads"}
+_EXPERT_KEYS = {"mixtral": {"experts": "num_local_experts", "experts_per_token": "num_experts_per_tok",
+                            "expert_ffn": "intermediate_size"},
+                "qwen2_moe": {"experts": "num_experts", "experts_per_token": "num_experts_per_tok",
+                              "expert_ffn": "moe_intermediate_size"},
+                "qwen3_moe": {"experts": "num_experts", "experts_per_token": "num_experts_per_tok",
+                              "expert_ffn": "moe_intermediate_size"},
+                "deepseek": {"experts": "n_routed_experts", "experts_per_token": "num_experts_per_tok",
+                             "expert_ffn": "moe_intermediate_size"}}
+
+
+def config_key(spec: ModelSpec, field: str) -> str:
+    """The config.json key a field of a spec read by :func:`from_hf_config` came from, for the
+    refusals that name it (``field`` itself where the spec did not come from a config)."""
+    model_type = spec.source[len("hf-config ("):-1] if spec.source.startswith("hf-config (") else None
+    if model_type is None:
+        return field
+    if model_type == "falcon":
+        keys = _FALCON_KEYS
+    else:
+        gpt2 = model_type == "gpt2"
+        keys = {f"--{k}": v for k, v in (_GPT2_KEYS if gpt2 else _LLAMA_KEYS).items()}
+        keys.update({"--ffn-hidden": "n_inner" if gpt2 else "intermediate_size",
+                     "--kv-heads": None if gpt2 else "num_key_value_heads"})
+    keys = dict(_COMMON_KEYS, **keys, **_EXPERT_KEYS.get(HF_MODEL_TYPES.get(model_type, {}).get("moe"), {}))
+    return keys.get(f"--{field.replace('_', '-')}") or keys.get(field) or field
 
 
 def _layers_within_bounds(layers: int) -> None:
@@ -143,11 +181,18 @@ def _layers_within_bounds(layers: int) -> None:
         raise PlanError("--hf-config", f"layers {layers} is beyond what the planner models (at most {MAX_LAYERS})")
 
 
-def _checked(spec: ModelSpec, path: str) -> ModelSpec:
+def _checked(spec: ModelSpec, path: str, keys: dict) -> ModelSpec:
+    """``spec`` unless :func:`validate` refuses it; the refusal names the config's keys
+    (``keys``: validate's flag or field -> the key), not the flags of a shape the user never
+    typed ("--kv-heads: 5 key/value heads do not divide --heads 32" for num_key_value_heads)."""
     try:
         validate(spec)
     except PlanError as exc:
-        raise PlanError("--hf-config", f"{path}: {exc}") from None
+        keys = dict(_COMMON_KEYS, **{k: v for k, v in keys.items() if v})
+        body = str(exc)[len(exc.flag) + 2:] if exc.flag else str(exc)
+        body = re.sub(r"--[a-z-]+", lambda m: repr(keys[m.group()]) if m.group() in keys else m.group(), body)
+        field = repr(keys[exc.flag]) if exc.flag in keys else exc.flag
+        raise PlanError("--hf-config", f"{path}: {field}: {body}; correct it in the config") from None
     return spec
 
 

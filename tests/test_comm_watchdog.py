@@ -334,7 +334,10 @@ comm._failure_raised, comm.closed = False, False
 comm.watchdog = CollectiveWatchdog(comm._watchdog_failed, comm._poll_async_error, name="t", interval_s=0.01)
 comm.watchdog.launched(comm.watchdog.begin("all_reduce", "ddp bucket 0", 7, 0.2), Pending())
 if where == "running":
-    time.sleep(2)  # the deadline (0.2 s) passes, the watchdog acts (exits, or aborts for 1 s)
+    # the deadline (0.2 s) passes, the watchdog acts: exits (the loop does not end), or aborts
+    give_up = time.monotonic() + 30
+    while not (comm._comm.aborted and comm.watchdog.failure is not None) and time.monotonic() < give_up:
+        time.sleep(0.01)
     try:
         comm.raise_if_failed("the step check")
     except Exception as exc:

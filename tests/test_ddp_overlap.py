@@ -329,7 +329,9 @@ def _zero_parity(rank, world_size):
         (1, "stage 1 scaler+overflow+clip", dict(scaler_kind="fused", clip=0.05, inject_at=3)),
     ):
         torch.manual_seed(1234)
-        base = SlowMLP(layers=6, delay_s=0.005)
+        # (2 ms a layer: the parity needs only some buckets finished in backward, summed over the
+        # ranks, cases and steps below; 5 ms slept ~1.5 s more per launch)
+        base = SlowMLP(layers=6, delay_s=0.002)
         ref = fusedist.DistributedDataParallel(copy.deepcopy(base), **PER_LAYER_BUCKETS)
         ours = fusedist.DistributedDataParallel(copy.deepcopy(base), **PER_LAYER_BUCKETS)
         opt_ref = torch.optim.AdamW(tz._groups(ref.module), lr=1e-2)

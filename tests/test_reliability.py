@@ -42,7 +42,7 @@ def _train(model, opt, gen, steps, hook=None):
 
 
 # ---------------------------------------------------------------- stall reports
-def _stuck_outside_worker(rank, world_size):
+def _stuck_outside_worker(rank, world_size, directory):
     import fusedist
     from fusedist.reliability import StallError
 
@@ -50,10 +50,14 @@ def _stuck_outside_worker(rank, world_size):
     model = fusedist.DistributedDataParallel(models.MLP())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
+    # (a store of its own: the group's store goes with the peers)
+    reported = torch.distributed.FileStore(os.path.join(directory, "stuck-outside-reported"), world_size)
 
     def hook(step, loss):
         if rank == 2 and step == 2:
-            time.sleep(9)  # e.g. a stalled data loader: alive, but in no collective
+            # e.g. a stalled data loader: alive, but in no collective, until both peers have
+            # their reports (a fixed sleep of 9 s outlasted their timeout and report window, 6 s)
+            reported.wait(["rank 0", "rank 1"], datetime.timedelta(seconds=60))
 
     try:
         _train(model, opt, gen, 4, hook)
@@ -61,12 +65,15 @@ def _stuck_outside_worker(rank, world_size):
         return ("stall", str(exc), exc.report)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return ("other", f"{type(exc).__name__}: {exc}", None)
+    finally:
+        if rank != 2:
+            reported.set(f"rank {rank}", "1")
     return ("finished", "", None)
 
 
-def test_stall_report_names_rank_stuck_outside_collectives():
+def test_stall_report_names_rank_stuck_outside_collectives(tmp_path):
     start = time.monotonic()
-    results = run_distributed(_stuck_outside_worker, 3, env=FAST_FAILURE, timeout=90)
+    results = run_distributed(_stuck_outside_worker, 3, str(tmp_path), env=FAST_FAILURE, timeout=90)
     elapsed = time.monotonic() - start
     for rank in (0, 1):
         kind, text, report = results[rank]

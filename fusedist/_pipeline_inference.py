@@ -258,9 +258,15 @@ def read_notice(stage, chunk: int) -> None:
     if buffer is None or not getattr(stage, "_notice_from", False):
         return
     stage._notice_from, stage._notice_buffer = False, None
+    failure = notice_failure(buffer)
+    if failure is not None:
+        raise PeerFailedFirstSend(failure)
+
+
+def notice_failure(buffer: torch.Tensor):
+    """The failure message a received status notice carries, or None where it says "sent"."""
     data = buffer.cpu()
-    if int(data[0]) == _FAILED:
-        raise PeerFailedFirstSend(bytes(data[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace"))
+    return bytes(data[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace") if int(data[0]) == _FAILED else None
 
 
 def send_failure(stage, chunk: int, error: Exception) -> str:

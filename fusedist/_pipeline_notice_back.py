@@ -32,7 +32,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ._pipeline_inference import _FAILED, _SENT, NOTICE_BYTES, NOTICE_WAIT_S, _notice, _root_cause
+from ._pipeline_inference import (
+    _FAILED, _SENT, NOTICE_BYTES, NOTICE_WAIT_S, _notice, _root_cause, notice_failure)
 
 
 class PeerFailedFirstSendAfter(Exception):
@@ -77,9 +78,9 @@ def read_back_notice(stage, chunk: int) -> None:
     if buffer is None or not getattr(stage, "_back_notice_from", False):
         return
     stage._back_notice_from, stage._back_notice_buffer = False, None
-    data = buffer.cpu()
-    if int(data[0]) == _FAILED:
-        raise PeerFailedFirstSendAfter(bytes(data[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace"))
+    failure = notice_failure(buffer)
+    if failure is not None:
+        raise PeerFailedFirstSendAfter(failure)
 
 
 def tell_upstream(stage, chunk: int, message: str, told: bool) -> None:

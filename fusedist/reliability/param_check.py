@@ -2,11 +2,12 @@
 
 Note [parameter check]
     The step check (Note [step check] in ``step_check.py``) compares where the ranks are, not
-    what they hold: a rank that changes a weight in place between steps, loads a checkpoint
-    or steps its optimizer on its own (outside the step guard), or a model wrapped with
-    ``init_sync=False`` from different values, trains on with replicas that differ -- torch's
-    DDP averages the gradients and never looks at the parameters, so nothing fails, the
-    ranks just train different models. Replicated parameters are bit-identical on every rank
+    what they hold: a rank that changes its gradients after they were averaged (Note [parameters
+    that differ after the same steps] in ``step_check.py``), changes a weight in place between
+    steps, loads a checkpoint or steps its optimizer on its own (outside the step guard), or a
+    model wrapped with ``init_sync=False`` from different values, trains on with replicas that
+    differ -- torch's DDP averages the gradients and never looks at the parameters, so nothing
+    fails, the ranks just train different models. Replicated parameters are bit-identical on every rank
     (every rank applies the same averaged gradients with the same optimizer), so a digest of
     each parameter's bits must be equal on every rank.
 

@@ -290,9 +290,10 @@ class ShardedStepWatch(WatchBase):
 
 #: The ``params`` field's explanation on a (replicate, shard) mesh (Note [replica check]).
 REPLICAS_DIFFER = ("the replicas of a shard (the ranks holding the same pieces along the mesh's replicate "
-                   "dimension) hold different values: a rank changed weights in place, loaded a checkpoint, or "
-                   "stepped an optimizer or a learning-rate scheduler on its own; the replicas now train different "
-                   "models (load or change weights on every rank alike)")
+                   "dimension) hold different values: a rank changed its gradients after they were reduced (code "
+                   "between backward() and optimizer.step() that writes p.grad on some ranks only), changed weights "
+                   "in place, loaded a checkpoint, or stepped an optimizer or a learning-rate scheduler on its own; "
+                   "the replicas now train different models (change gradients and weights on every rank alike)")
 
 
 #: The counters the replicas compare at the parameter-check period (Note [replica check]).

@@ -88,10 +88,11 @@ _EXPLAIN = {
     "ranks (pass find_unused_parameters=True if that is intended)",
     "trainable": "ranks changed requires_grad of different parameters after wrapping the model (frozen or "
     "unfrozen on some ranks only); change the same parameters on every rank, before the same forward",
-    "params": "the replicated parameters' values differ across ranks: a rank changed weights in place, loaded "
-    "a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the model was wrapped with "
-    "init_sync=False from different values; the ranks now train different models (load or change weights "
-    "on every rank alike, before wrapping)",
+    "params": "the replicated parameters' values differ across ranks: a rank changed its gradients after they "
+    "were averaged (code between backward() and optimizer.step() that writes p.grad on some ranks only), changed "
+    "weights in place, loaded a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the "
+    "model was wrapped with init_sync=False from different values; the ranks now train different models (change "
+    "gradients and weights on every rank alike; load weights before wrapping)",
     "replicas": "the replicas of a shard (the ranks holding the same pieces along the mesh's replicate dimension) "
     "ran different steps: a whole shard group skipped or added a forward, a backward or an optimizer step, so "
     "the replicate all-reduce averaged gradients of different steps",
@@ -361,6 +362,9 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         with what the reduction tells, and the failure (with its stall report) is attached.
     """
     k = len(FIELDS)
+    high_low = [reduced[i] != -reduced[k + i] for i in range(k)]  # (which fields differ)
+    if reduced[0] != -reduced[k]:
+        high_low[FIELDS.index("params")] = False  # (digests of different steps: a consequence, not a cause)
     step = values[0] if values[0] != JOINED else reduced[0]
     what = detail.get("subject", "DDP")
     when = ("found by check_consistency()" if detail.get("checked_now") else
@@ -390,11 +394,7 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         )
         if report:
             lines.append(report)
-    lines.append(
-        "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
-        f"{detail.get('model', 'DistributedDataParallel model')}; look for rank-dependent control flow "
-        "around the step named above."
-    )
+    lines.append(_advice([f for i, f in enumerate(FIELDS) if high_low[i]], detail))
     return "\n".join(lines)
 
 
@@ -456,9 +456,43 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
     if unused:
         more = " ..." if len(unused) > 10 else ""
         lines.append(f"  parameters without a gradient on rank {rank}: {unused[:10]}{more}")
-    lines.append(
-        "Every rank must run the same sequence of forward/backward/optimizer.step() calls on its "
-        f"{detail.get('model', 'DistributedDataParallel model')}; look for rank-dependent control flow "
-        "around the step named above."
-    )
+    lines.append(_advice([f for i, f in enumerate(FIELDS) if _differs(table, i)], detail))
     return "\n".join(lines)
+
+
+# Note [parameters that differ after the same steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When only the parameter digest differs, every counter the check compares agrees: the ranks
+# ran the same forwards, backwards, optimizer steps and collectives, so each bucket averaged
+# gradients of the same step and every rank received the same averages. Rank-dependent control
+# flow around the step is then ruled out as the cause (it would show in a counter); what is
+# left is a change made on some ranks only after the reduce -- most often user code between
+# backward() and optimizer.step() that writes p.grad (a rank-local clip, scale or inf/NaN
+# fix-up, a gradient edit), or weights changed, loaded or stepped outside the step. The advice
+# says that, instead of pointing at control flow.
+#
+# Limit: the counters cannot see such a change at all, with a torch optimizer or a fused one
+# alike -- nothing the check carries describes the gradients after the reduce, and a digest of
+# them would be a pass over every gradient at every step. It shows only through the parameter
+# digest, at its period (FUSEDIST_PARAM_CHECK_EVERY, default 100) and at check_consistency():
+# the ranks may train apart for up to that many steps before the error. (An inf written on one
+# rank usually turns the parameters NaN on every rank after the next average: the ranks then
+# agree again, on NaN, and there is nothing to report across ranks.)
+
+
+def _advice(differing: list[str], detail: dict) -> str:
+    """The error's closing advice, by what differs (Note [parameters that differ after the same steps])."""
+    model = detail.get("model", "DistributedDataParallel model")
+    if differing == ["params"]:
+        return (
+            f"The ranks ran the same forwards, backwards, optimizer steps and collectives on their {model}, so "
+            "they averaged the same gradients: the values drifted apart after the reduce. Look for code that "
+            "writes p.grad or the weights on some ranks only -- between backward() and optimizer.step() (a "
+            "rank-local clip or scale, an inf/NaN fix-up, a gradient edit) or around the step -- and make it act "
+            "on every rank alike (decide from the averaged gradients, or from a flag all-reduced across ranks). "
+            "FUSEDIST_PARAM_CHECK_EVERY=1 compares the parameters at every step, to find the first one."
+        )
+    return (
+        f"Every rank must run the same sequence of forward/backward/optimizer.step() calls on its {model}; "
+        "look for rank-dependent control flow around the step named above."
+    )

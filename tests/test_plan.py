@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fusedist.plan import ModelSpec, activation_bytes, count_params, from_hf_config, model_states
+from fusedist.plan.model import recomputed_layer_bytes
 from fusedist.plan import cli, comm, suggest
 from fusedist.plan.memory import STRATEGIES
 
@@ -59,7 +60,10 @@ def test_activations_gpt3_layer():
     assert by_hand == 2_868_903_936
     assert activation_bytes(one_layer, b, s, "bf16", "none") - outside == by_hand
     assert activation_bytes(one_layer, b, s, "bf16", "selective") - outside == 34 * s * b * h == 855_638_016
-    assert activation_bytes(one_layer, b, s, "bf16", "full") - outside == 2 * s * b * h == 50_331_648
+    # full: the paper's stored input 2·sbh, plus the one layer backward recomputes at a time,
+    # held in full beside it (114·sbh here): the peak, not just what is stored
+    assert recomputed_layer_bytes(one_layer, b, s, "bf16", "full") == by_hand
+    assert activation_bytes(one_layer, b, s, "bf16", "full") - outside == 2 * s * b * h + by_hand == 2_919_235_584
     # tensor + sequence parallelism divides everything by t
     assert activation_bytes(one_layer, b, s, "bf16", "none", tp=8) == (by_hand + outside) // 8
 
@@ -79,7 +83,9 @@ def test_activations_llama_layer_gqa_swiglu():
     assert per_token == 176_128
     assert activation_bytes(spec, b, s, "bf16", "selective") - outside == per_token * s * b
     assert activation_bytes(spec, b, s, "bf16", "none") - outside == per_token * s * b + 5 * a * s * s * b
-    assert activation_bytes(spec, b, s, "bf16", "full") - outside == 2 * s * b * h
+    # full: the stored layer input plus the recomputed layer's working set (the "none" figure)
+    assert (activation_bytes(spec, b, s, "bf16", "full") - outside
+            == 2 * s * b * h + per_token * s * b + 5 * a * s * s * b)
     # fp32: the 2-byte tensors double, the masks stay
     assert (activation_bytes(spec, b, s, "fp32", "selective") - (s * b * h + 8 * s * b * h + 4 * s * b)
             == (2 * (per_token - 2 * h) + 2 * h) * s * b)
@@ -343,7 +349,13 @@ def test_a_config_past_the_bounds_is_refused(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA2_7B, "num_hidden_layers": 10 ** 9}))
     code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
-    assert code == 2 and "--hf-config: layers 1000000000 is beyond what the planner models" in err
+    # the refusal names the config's key, as the other bounds on a config do ('hidden_size' ...)
+    assert code == 2 and ("--hf-config: 'num_hidden_layers' 1000000000 is beyond what the planner models "
+                          "(at most 100000)") in err
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 10 ** 9, "n_head": 12,
+                                "n_positions": 1024, "vocab_size": 50257}))
+    code, _, err = run_cli(capsys, "--hf-config", str(path), "--gpus", "8")
+    assert code == 2 and "--hf-config: 'n_layer' 1000000000 is beyond" in err
 
 
 def test_measure_with_a_world_size_that_is_not_a_number(capsys, monkeypatch):

@@ -90,7 +90,8 @@ datasheet's (80 GB = 80e9 bytes, below what the driver reports, which leaves roo
 CUDA context and NCCL's buffers); --scratch-gb (1) for workspaces; model states of
 mixed-precision Adam, 16 bytes per parameter before sharding (ZeRO paper); activations per
 Korthikanti et al. 2022 with unfused attention (flash attention needs about the selective
-figure), sequence parallelism wherever tensor parallelism is suggested; compute 6 x the
+figure), sequence parallelism wherever tensor parallelism is suggested, under --recompute full
+the stored block inputs plus the one block backward recomputes at a time; compute 6 x the
 parameters in matrix products (not the embedding lookups) + attention FLOPs per token at
 --mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query;
 --precision fp32 at the TF32 tensor-core peak, which fp32 matmuls reach only with

@@ -109,7 +109,7 @@ def from_hf_config(path: str) -> ModelSpec:
     values = {}
     for field, key in keys.items():
         values[field] = _positive_int(cfg, key, path, required=True)
-    _layers_within_bounds(values["layers"])
+    _layers_within_bounds(values["layers"], keys["layers"])
     optional = family["keys"]
     values["ffn_hidden"] = _positive_int(cfg, ffn_key, path, required=arch == "llama")
     values["kv_heads"] = _positive_int(cfg, kv_key, path) if kv_key else None
@@ -175,10 +175,11 @@ def config_key(spec: ModelSpec, field: str) -> str:
     return keys.get(f"--{field.replace('_', '-')}") or keys.get(field) or field
 
 
-def _layers_within_bounds(layers: int) -> None:
-    """Refuse more blocks than :data:`MAX_LAYERS` before anything walks them."""
+def _layers_within_bounds(layers: int, key: str) -> None:
+    """Refuse more blocks than :data:`MAX_LAYERS` before anything walks them, naming the
+    config's ``key`` as the planner's other bounds on a config do."""
     if layers > MAX_LAYERS:
-        raise PlanError("--hf-config", f"layers {layers} is beyond what the planner models (at most {MAX_LAYERS})")
+        raise PlanError("--hf-config", f"{key!r} {layers} is beyond what the planner models (at most {MAX_LAYERS})")
 
 
 def _checked(spec: ModelSpec, path: str, keys: dict) -> ModelSpec:

@@ -56,6 +56,18 @@ Note [latent attention]
     a trained parameter, and its multi-token-prediction layer is not part of the model
     transformers builds: neither is counted.
 
+Note [the recomputed layer]
+    Full recomputation (Korthikanti et al., Section 4.2; torch.utils.checkpoint around each
+    block) stores only each block's input, ``2·s·b·h`` a layer -- the paper's figure, which
+    is the stored part. Backward then reruns one block's forward and holds everything that
+    block saves, as if it had not been checkpointed, beside the stored inputs, until its
+    backward frees it; blocks are recomputed one at a time, so the peak adds the largest
+    block's working set once. With the planner's unfused attention this is large: Llama-3-8B
+    at s = 8192, b = 1 stores 2.1 GB of inputs and recomputes a 12 GB layer (about 1.4 GB
+    with flash attention, which keeps no s x s tensor). The recomputed block's input is
+    counted twice (stored and saved again); the same 2·s·b·h stands for the gradient of
+    its output that backward holds meanwhile.
+
 Note [sliding windows]
     A windowed block lets query ``i`` attend keys ``i - w < j <= i`` (transformers'
     ``sliding_window_overlay`` and causal mask in masking_utils.py; Mistral 7B,
@@ -425,7 +437,9 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     blocks trained without dropout.
 
     Selective recomputation (Section 4.2) drops the ``5·a·s²·b`` attention term; full
-    recomputation keeps the layer's input, ``2·s·b·h``. Output side (Section 4.3): the input
+    recomputation stores the layer's input, ``2·s·b·h``, and at its peak also holds the one
+    layer being recomputed, the largest block's figure without recomputation (Note [the
+    recomputed layer]; :func:`recomputed_layer_bytes`). Output side (Section 4.3): the input
     embedding's dropout mask ``s·b·h``, the final norm's and output layer's inputs
     ``4·s·b·h``, fp32 logits ``4·s·b·v``. Everything divided by ``t`` under tensor parallelism
     *with* sequence parallelism (eq. 5; without it the norms' and dropouts' ``10·s·b·h``
@@ -438,10 +452,30 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     """
     if not spec.has_shape:
         return None
-    s, b, h, a, v = seq, micro_batch, spec.hidden, spec.heads, spec.vocab
+    s, b, h, v = seq, micro_batch, spec.hidden, spec.vocab
     sb = s * b
     word = 4 if precision == "fp32" else 2
-    f = spec.ffn
+    dense, moe = _block_bytes(spec, b, s, precision, recompute)
+    layers = spec.layers * dense + (spec.moe_layers * (moe - dense) if spec.moe else 0)
+    outside = sb * h + 2 * word * sb * h + 4 * sb * v
+    return (layers + outside) // tp + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+
+
+def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
+                           tp: int = 1) -> int:
+    """The part of :func:`activation_bytes` that is not stored: under full recomputation the
+    working set of the one layer backward recomputes, the largest block's tensors as it
+    keeps them without recomputation (Note [the recomputed layer]); 0 otherwise."""
+    if recompute != "full" or not spec.has_shape:
+        return 0
+    return max(n for n in _block_bytes(spec, micro_batch, seq, precision, "none") if n is not None) // tp
+
+
+def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> tuple:
+    """Bytes one dense block and one mixture-of-experts block (None in a dense model) keep
+    for backward with recomputation ``kept``; :func:`activation_bytes` says which tensors."""
+    sb, h, a = s * b, spec.hidden, spec.heads
+    word = 4 if precision == "fp32" else 2
     v_dim = spec.o_dim if spec.kv_lora_rank is not None else spec.kv_dim  # latent attention: V per head
     attn = h + spec.q_dim + spec.kv_dim + v_dim + spec.o_dim  # q/k/v input, Q, K, V and o's input
     attn += (spec.q_dim + spec.kv_dim) * spec.qk_norm  # the q/k norms' inputs
@@ -449,19 +483,17 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
 
     def per_layer(mlp):
-        if recompute == "full":
+        if kept == "full":
             return word * sb * h
         n = word * sb * (attn + mlp + norms) + sb * masks
-        if recompute != "selective":
+        if kept != "selective":
             # softmax output, dropout output (2 bytes each in 16-bit), dropout mask (1 byte)
             n += (2 * word + 1) * a * s * s * b
         return n
 
-    dense = per_layer(h + (4 if spec.arch == "llama" else 2) * f)  # SwiGLU keeps four, GELU two
-    layers = spec.layers * dense
-    if spec.moe:  # router logits; per routed expert its copy of the token and its SwiGLU's four
-        moe = per_layer(h + spec.experts + spec.experts_per_token * (h + 4 * spec.expert_ffn)
-                        + 4 * spec.shared_ffn)
-        layers += spec.moe_layers * (moe - dense)
-    outside = sb * h + 2 * word * sb * h + 4 * sb * v
-    return (layers + outside) // tp
+    dense = per_layer(h + (4 if spec.arch == "llama" else 2) * spec.ffn)  # SwiGLU keeps four, GELU two
+    if not spec.moe:
+        return dense, None
+    # router logits; per routed expert its copy of the token and its SwiGLU's four
+    return dense, per_layer(h + spec.experts + spec.experts_per_token * (h + 4 * spec.expert_ffn)
+                            + 4 * spec.shared_ffn)

@@ -11,7 +11,8 @@ from . import comm, memory, suggest, timing
 from .errors import PlanError
 from .hardware import PRESETS, Hardware
 from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
-                    count_params, embedding_params, expert_params, matmul_params, param_tensors)
+                    count_params, embedding_params, expert_params, matmul_params, param_tensors,
+                    recomputed_layer_bytes)
 from .memory import STRATEGIES
 
 GB = 10**9
@@ -73,6 +74,10 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     return {
         "model_states_bytes": int(round(states.device)),
         "activation_bytes": act,
+        # of which the one layer full recomputation reruns in backward (Note [the recomputed layer])
+        "activation_recompute_bytes": (None if act is None else
+                                       recomputed_layer_bytes(spec, job.micro_batch, job.seq, job.precision,
+                                                              job.recompute, tp)),
         "temp_bytes": int(round(temp)),
         "temp_min_bytes": int(round(temp_min)),
         "total_bytes": int(round(total)),
@@ -260,6 +265,13 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                             "suggested tensor parallelism"),
         },
     }
+    if job.recompute == "full" and spec.has_shape:  # Note [the recomputed layer] in model.py
+        layer = recomputed_layer_bytes(spec, job.micro_batch, job.seq, job.precision, "full")
+        stored = activation_bytes(spec, job.micro_batch, job.seq, job.precision, "full") - layer
+        inputs["assumptions"]["activations"] += (
+            f"; full recomputation peaks at {stored / GB:.2f} GB stored (the layers' inputs, the output "
+            f"layer's) plus {layer / GB:.2f} GB for the one layer backward recomputes at a time "
+            "(without tensor parallelism)")
     if spec.windowed_layers(job.seq):
         inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
                                                  "softmax is s x s whatever the mask)")

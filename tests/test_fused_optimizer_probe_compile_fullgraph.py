@@ -66,11 +66,12 @@ def test_fullgraph_names_the_fused_step_and_the_way_out():
 
 def test_fullgraph_names_the_eager_clips():
     """fusedist's clip, and the replacement of torch's that fusedist installs once sharded
-    gradients exist (called here directly: installing it would change torch for this process),
-    refused under fullgraph=True with "reason: None" too. Compiled without fullgraph, fusedist's
+    gradients exist (its eager path, the one sharded parameters take, called here directly:
+    installing it would change torch for this process), refused under fullgraph=True with
+    "reason: None" too. Compiled without fullgraph, fusedist's
     clip gives torch's norm and clipped gradients (fp32, same reductions: 1e-6)."""
     from fusedist.optim import clip_grad_norm_
-    from fusedist.optim.torch_clip import _global_clip_grad_norm_
+    from fusedist.optim.torch_clip import _global_clip_grad_norm_eager as _global_clip_grad_norm_
 
     ours = _with_grads(_params(2), 3)
     grads = [p.grad.clone() for p in ours]

@@ -39,10 +39,12 @@ CLIP_REASON = (
 )
 TORCH_CLIP_REASON = (
     "torch.nn.utils' gradient clipping is replaced by fusedist once a fully_shard unit or a stage-2 "
-    "ZeroRedundancyOptimizer exists (so that it clips their sharded gradients by the global norm); the "
-    "replacement runs eagerly under torch.compile (it looks up each parameter's gradient holder and may "
-    "all-reduce), so fullgraph=True and torch.export cannot capture it; clip outside the compiled "
-    "function, or compile without fullgraph=True"
+    "ZeroRedundancyOptimizer exists (so that it clips their sharded gradients by the global norm); over "
+    "parameters they shard, or gradients given without their parameters (get_total_norm), the replacement "
+    "runs eagerly under torch.compile (it looks up each parameter's gradient holder and may all-reduce), so "
+    "fullgraph=True and torch.export cannot capture it; clip outside the compiled function, or compile "
+    "without fullgraph=True (torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over parameters nothing "
+    "shards are torch's, captured whole)"
 )
 
 _TAKES_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters

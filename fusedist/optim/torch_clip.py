@@ -106,7 +106,6 @@ _TORCH_CLIP = clip_grad_module.clip_grad_norm_
 _TORCH_TOTAL_NORM = clip_grad_module._get_total_norm
 _TORCH_CLIP_WITH_NORM = clip_grad_module._clip_grads_with_norm_
 _TORCH_CLIP_VALUE = clip_grad_module.clip_grad_value_
-_installed = False
 # this thread's last norm of an empty gradient list: (the tensor returned, norm_type,
 # error_if_nonfinite, its value and version then, the stage-2 optimizers measured or None) -- what
 # torch's clip_grad_norm_ hands on to _clip_grads_with_norm_
@@ -117,7 +116,8 @@ _empty_norm = threading.local()
 # training step, the lookup recompiled once per parameter shape (up to dynamo's limit) and the
 # collectives failed. They run eagerly between the graphs, one graph break per call (a lookup
 # disabled one by one would cost each parameter's lookup its own eager frame). With fullgraph=True,
-# dynamo's error says so (Note [a fused step under fullgraph=True] in _eager.py).
+# dynamo's error says so (Note [a fused step under fullgraph=True] in _eager.py). Parameters that no
+# holder holds are torch's, traced (Note [torch's clip on plain parameters under torch.compile]).
 _eager_in_compiled_code = eager_under_compile(TORCH_CLIP_REASON)
 
 
@@ -198,7 +198,7 @@ def _pieces_by_holder(grads: list) -> tuple[dict, bool]:
 
 @_eager_in_compiled_code
 @torch.no_grad()
-def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+def _global_total_norm_eager(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     tensors = list(tensors)
@@ -271,7 +271,7 @@ def _stage2_holders_with_grads() -> list:
 
 @_eager_in_compiled_code
 @torch.no_grad()
-def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def _global_clip_grad_norm_eager(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     if isinstance(parameters, torch.Tensor):
         params = [parameters]
     else:
@@ -347,7 +347,7 @@ def _held_by_stage2(p) -> bool:
 
 @_eager_in_compiled_code
 @torch.no_grad()
-def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None) -> None:
+def _clip_grads_with_norm_eager(parameters, max_norm, total_norm, foreach=None) -> None:
     last = getattr(_empty_norm, "last", None)
     _empty_norm.last = None
     if last is not None and last[0] is total_norm:
@@ -415,7 +415,7 @@ def _clip_stage2_by(max_norm, total_norm: torch.Tensor, holders: list) -> None:
 
 
 @_eager_in_compiled_code
-def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> None:
+def _clip_grad_value_eager(parameters, clip_value, foreach=None) -> None:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     for i, p in enumerate(params):
         if _held_by_stage2(p):
@@ -427,6 +427,79 @@ def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> No
     _TORCH_CLIP_VALUE(params, clip_value, foreach)
 
 
+# Note [torch's clip on plain parameters under torch.compile]
+# The replacements are installed process-wide, so a compiled step clipping parameters that no
+# fully_shard unit or stage-2 optimizer holds would meet them too: run eagerly, they broke that
+# graph, and fullgraph=True, which captures torch's clip whole, refused the step as soon as any
+# sharded object existed anywhere in the process. Traced, the replacements ask first whether
+# any given parameter has a gradient holder -- once, when dynamo traces the call, by identity
+# (the parameters are guarded by identity, and ``_generation``, counting the registrations, is
+# guarded too: a new holder traces the call again) -- and with none, dynamo captures torch's
+# own function, its inner norm and scaling included; only the sharded path runs eagerly.
+
+_installed = False
+_generation = 0
+# while torch's clip_grad_norm_ over parameters without a holder is traced: its calls to the
+# replaced _get_total_norm / _clip_grads_with_norm_ are torch's, traced with it
+_tracing_torch_clip = False
+
+
+@torch.compiler.assume_constant_result
+def _ids_held(generation: int, ids: tuple) -> bool:
+    """Whether a gradient holder holds any of the parameters whose ``id`` is in ``ids``
+    (evaluated when dynamo traces the call; ``generation`` keys the answer to the registrations)."""
+    del generation
+    held = {id(p) for p, _ in held_parameters()}
+    return any(i in held for i in ids)
+
+
+def _traced_plain(params: list) -> bool:
+    """Whether this call is being traced by dynamo over parameters without a gradient holder."""
+    return torch.compiler.is_compiling() and not _ids_held(_generation, tuple(id(p) for p in params))
+
+
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _global_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    if _tracing_torch_clip and torch.compiler.is_compiling():
+        return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    return _global_total_norm_eager(tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grads_with_norm_stage2(parameters, max_norm, total_norm, foreach=None) -> None:
+    if torch.compiler.is_compiling():
+        params = _as_list(parameters)
+        if _tracing_torch_clip or _traced_plain(params):
+            return _TORCH_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
+        parameters = params
+    return _clip_grads_with_norm_eager(parameters, max_norm, total_norm, foreach)
+
+
+def _global_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    global _tracing_torch_clip
+    if torch.compiler.is_compiling():
+        params = _as_list(parameters)
+        if _traced_plain(params):
+            _tracing_torch_clip = True
+            try:
+                return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+            finally:
+                _tracing_torch_clip = False
+        parameters = params
+    return _global_clip_grad_norm_eager(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grad_value_refusing_stage2(parameters, clip_value, foreach=None) -> None:
+    if torch.compiler.is_compiling():
+        params = _as_list(parameters)
+        if _traced_plain(params):
+            return _TORCH_CLIP_VALUE(params, clip_value, foreach)
+        parameters = params
+    return _clip_grad_value_eager(parameters, clip_value, foreach)
+
+
 functools.update_wrapper(_global_total_norm, _TORCH_TOTAL_NORM)
 functools.update_wrapper(_public_total_norm, _TORCH_TOTAL_NORM)
 functools.update_wrapper(_clip_grad_value_refusing_stage2, _TORCH_CLIP_VALUE)
@@ -436,7 +509,8 @@ functools.update_wrapper(_global_clip_grad_norm_, _TORCH_CLIP)
 
 def install() -> None:
     """Install the replacements (once; Note [torch's clip on sharded gradients])."""
-    global _installed
+    global _installed, _generation
+    _generation += 1  # (called at every registration: compiled plain clips are traced again)
     if _installed:
         return
     _installed = True

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ddp.py                 # 2 ranks, gloo, CPU: both rows below
     python benchmarks/bench_ddp.py --quick         # smaller, for a smoke run
+    python benchmarks/bench_ddp.py --quick --width 256   # --quick's other sizes, this width
     python benchmarks/bench_ddp.py --rows many-params
 
 Rows:
@@ -287,7 +288,7 @@ def run_many_params(args, write: bool) -> str:
     return text
 
 
-def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int) -> None:
+def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int, quick_help: str | None = None) -> None:
     """The MLP / world / bucket options shared by the DDP benchmarks."""
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--width", type=int, default=1536)
@@ -296,12 +297,29 @@ def add_model_args(p: argparse.ArgumentParser, rounds: int, steps: int) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+
+
+#: what ``--quick`` sets, unless the option is given too
+_QUICK = {"width": 512, "layers": 4, "rounds": 2, "steps": 2, "warmup": 2, "stack_iters": 12}
+
+
+def _parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The options, ``--quick``'s sizes standing in for the defaults: parsed again with them as
+    defaults, so an option given explicitly wins over ``--quick`` whichever comes first (as a
+    user who adds ``--width`` to a smoke run means), the abbreviations argparse accepts included."""
+    args = p.parse_args(argv)
+    if not args.quick:
+        return args
+    p.set_defaults(**_QUICK)
+    return p.parse_args(argv)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, rounds=8, steps=12)
+    add_model_args(p, rounds=8, steps=12, quick_help=(
+        "smoke-run sizes: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in _QUICK.items())
+        + "; an option given explicitly keeps its value (--quick --width 256: width 256, the rest as above)"))
     p.add_argument("--warmup", type=int, default=10, help="mlp row, process isolation: untimed steps per launch")
     p.add_argument("--rows", choices=("all", "mlp", "many-params"), default="all")
     p.add_argument("--allocator", choices=("default", "thp"), default="default",
@@ -316,10 +334,7 @@ def main(argv=None):
     p.add_argument("--stack-batch", type=int, default=8)
     p.add_argument("--stack-iters", type=int, default=120, help="many-params row: timed iterations")
     p.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.width, args.layers, args.rounds, args.steps, args.warmup = 512, 4, 2, 2, 2
-        args.stack_iters = 12
+    args = _parse(p, argv)
     if args.rows in ("all", "mlp"):
         run_mlp(args)
     if args.rows in ("all", "many-params"):

@@ -236,7 +236,7 @@ def _worker(rank, world_size, device_type, repeats, args):
     for n, (m, o, ns) in contenders.items():
         fns[f"fwd+bwd {n}"] = lambda m=m, o=o: synced(m, o)
         fns[f"fwd+bwd local {n}"] = lambda m=m, o=o, ns=ns: local(m, o, ns)
-    res = time_interleaved(fns, device, comm, warmup=2, repeats=repeats)
+    res = time_interleaved(fns, device, comm, warmup=args.warmup, repeats=repeats)
     samples = res.pop("_samples")
 
     def paired(a, b):
@@ -272,6 +272,14 @@ def _worker(rank, world_size, device_type, repeats, args):
     return rows
 
 
+def _untimed_rounds(text: str) -> int:
+    """``--warmup``'s value: a count, 0 included (every contender then meets its first, slow step timed)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a count of rounds, 0 or more")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -281,6 +289,9 @@ def main():
     parser.add_argument("--layers", type=int, default=0, help="blocks (default: 12 on cuda, 2 on cpu)")
     parser.add_argument("--width", type=int, default=0, help="model width (default: 768 on cuda, 64 on cpu)")
     parser.add_argument("--repeats", type=int, default=0, help="timed repetitions (default: 5 on cuda, 3 on cpu)")
+    parser.add_argument("--warmup", type=_untimed_rounds, default=2,
+                        help="untimed rounds of every contender before the timed ones (default: 2; a smoke run "
+                             "that reads no figures can use 1)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

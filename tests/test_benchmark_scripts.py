@@ -17,12 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: {test: the benchmark script's command line (after the interpreter)}
 _SCRIPTS = {
-    # (width 32, not the CPU default 64: the rows are all this checks; two blocks still gather in turn)
+    # (width 32, not the CPU default 64, and one untimed round: the rows are all this checks; two
+    # blocks still gather in turn)
     "test_gpt_step_benchmark_runs_on_cpu": ("bench_gpt_step.py", "--device", "cpu", "--repeats", "1", "--no-write",
-                                            "--width", "32"),
-    # (--quick's settings, a narrower MLP and a shorter stack: each contender is still launched alone)
-    "test_ddp_benchmark_runs_both_rows": ("bench_ddp.py", "--no-write", "--width", "256", "--layers", "4", "--rounds",
-                                          "2", "--steps", "2", "--warmup", "2", "--stack-iters", "12",
+                                            "--width", "32", "--warmup", "1"),
+    # (--quick's sizes but a narrower MLP and a shorter stack, given explicitly: they win over
+    # --quick; each contender is still launched alone)
+    "test_ddp_benchmark_runs_both_rows": ("bench_ddp.py", "--no-write", "--quick", "--width", "256",
                                           "--stack-layers", "200"),
     "test_cpu_sgd_benchmark_runs": ("bench_sgd_cpu.py", "--quick", "--no-write"),
     "test_pipeline_benchmark_runs": ("bench_pipeline.py", "--quick", "--no-write", "--microbatches", "4"),
@@ -70,7 +71,9 @@ def test_ddp_benchmark_runs_both_rows(script_runs):
     """bench_ddp's rows (the MLP with every contender launched alone, and many-params) at
     smoke-test sizes: the script that reports fusedist DDP's step-time ratio keeps working."""
     stdout = _output(script_runs, "test_ddp_benchmark_runs_both_rows")
-    for line in ("fusedist / torch step time", "launched alone", "fusedist / torch: **"):
+    # (the sizes given with --quick, and --quick's for the rest)
+    for line in ("fusedist / torch step time", "launched alone", "fusedist / torch: **",
+                 "Model: 4x Linear(256,256) MLP", "2 rounds x 2 steps", "Model: 200x (Linear(16,16) + Tanh)"):
         assert line in stdout, stdout
 
 

@@ -7,8 +7,8 @@ process group in each through a ``file://`` rendezvous on a fresh temp file (no 
 Failures are never silent and never hang the test run: a rank that raises is reported with
 its traceback (and the others' fate), and if any rank does not finish within ``timeout``
 seconds all are killed and the report says which ranks were still running; once a rank has
-failed, the others have the process group's timeout and 10 s more (Note [a failed rank ends
-the run]; not with ``backend=None``, where ``fn`` makes the group).
+failed, the others have the process group's timeout and ``grace_after_failure`` (10 s) more
+(Note [a failed rank ends the run]; not with ``backend=None``, where ``fn`` makes the group).
 
 ``fn`` must be importable by name (a module-level function), because children are spawned.
 
@@ -248,9 +248,12 @@ def _rank_env(rank: int, per_gpu: int | None, env: dict[str, str] | None) -> dic
     return {**os.environ, **shared, **(env or {})}
 
 
-def _grace_after_failure(pg_timeout: float) -> float:
+def _grace_after_failure(pg_timeout: float, grace: float) -> float:
     """How long the other ranks may run on once one rank failed (Note [a failed rank ends the run])."""
-    return pg_timeout + 10.0
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ValueError(f"run_distributed(grace_after_failure={grace!r}): give the seconds (a number >= 0) the "
+                         f"other ranks may run past the group's timeout once a rank has failed; default 10.0")
+    return pg_timeout + grace
 
 
 def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Optional[float]):
@@ -265,8 +268,9 @@ def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Opti
         signal) is recorded as soon as it died, not half a second and a second poll later --
         a rank's answer is in the pipe before its process ends (it joins the queue's feeder
         thread first), so what is not there by then never comes. Once a rank has failed, the
-        others have the group's timeout and 10 s more to end on their own, as a survivor does
-        that sees the failure (gloo fails its collectives at once; the store's waits and
+        others have the group's timeout and ``grace_after_failure`` more (10 s by default: a
+        survivor's report and teardown on a loaded machine) to end on their own, as a survivor
+        does that sees the failure (gloo fails its collectives at once; the store's waits and
         fusedist's own within the group's timeout); one still running then is killed and
         reported so, as torchrun's agent ends every worker once one failed, instead of holding
         the run to its whole ``timeout`` (120 s by default)."""
@@ -349,6 +353,7 @@ def run_distributed(
     backend: str | None = "gloo",
     timeout: float = 120.0,
     pg_timeout: float = 30.0,
+    grace_after_failure: float = 10.0,
     threads: int = 1,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
@@ -361,7 +366,11 @@ def run_distributed(
         backend: process-group backend, or None to leave initialization to ``fn``.
         timeout: wall-clock limit for the whole run; ranks still running are killed.
         pg_timeout: the process group's collective timeout (seconds); once a rank has failed, the
-            others have this and 10 s more to end, then are killed (Note [a failed rank ends the run]).
+            others have this and ``grace_after_failure`` more to end, then are killed (Note [a failed
+            rank ends the run]).
+        grace_after_failure: seconds past ``pg_timeout`` the other ranks have once a rank has failed
+            (default 10, room for a survivor to report and tear down on a loaded machine); a test
+            of that very kill can make it small. Unused with ``backend=None``.
         threads: torch intra-op threads per rank (1 keeps the ranks from oversubscribing the cores).
         env: extra environment variables for the children.
         expect_failure: return a list of ``("error", traceback)`` / ``("ok", value)`` pairs
@@ -377,6 +386,9 @@ def run_distributed(
     fails the run naming the rank and the code (Note [a rank that calls sys.exit]).
     """
     per_gpu = ranks_per_gpu if ranks_per_gpu is not None else ranks_per_gpu_setting()
+    grace = _grace_after_failure(pg_timeout, grace_after_failure)  # (checked before any rank starts)
+    if backend is None:
+        grace = None  # (``fn`` makes the group: its timeout is not ``pg_timeout``)
     ctx = _start_context()
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="fusedist-rdzv-")
@@ -396,7 +408,6 @@ def run_distributed(
             )
             p.start()
             procs.append(p)
-        grace = _grace_after_failure(pg_timeout) if backend is not None else None  # (else not the group's timeout)
         ended = _wait_for_answers(procs, results, outcome, timeout, grace)
     finally:
         killed = set()

@@ -73,8 +73,7 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
     defaults = {k: v for k, v in optimizer.defaults.items() if k in _keywords(target)}
     groups = [dict(group) for group in optimizer.param_groups]
     if fused is not None:
-        if master_weights:  # (only then: Note [no default settings in a sharded optimizer's groups])
-            defaults["master_weights"] = True
+        defaults["master_weights"] = master_weights
         # which of torch's implementations to run (foreach=, fused=False): the conversion
         # replaces the implementation, so they say nothing here (fused=False was refused)
         for settings in (defaults, *groups):
@@ -89,17 +88,6 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, *, fused_optimizer: bool
         if earlier is optimizer:  # (its moments now live in the converted one, which it forwards to)
             optimizer.state.clear()
     return converted
-
-
-# Note [no default settings in a sharded optimizer's groups]
-# A fused optimizer keeps its groups in torch's keys, storing a setting of its own only where it
-# differs from the default (Note [param groups in torch's keys] in fusedist/optim/_base.py); a
-# ZeroRedundancyOptimizer keeps every keyword it is given in its groups. Given master_weights=False
-# outright, the sharded optimizer's checkpoints (fabric.save, the Trainer's) carried a
-# "master_weights" group key that Lightning's DDP does not write: a "ddp" run resumed from one kept
-# it in every checkpoint it saved after, and a load by the target's keys (torch's distributed
-# checkpoint: Note [param groups in torch's keys]) would look for it in a "ddp" checkpoint. The
-# setting is passed only when it is on, as the fused optimizers store it.
 
 
 def _carry_state(earlier, converted, strategy: str, fresh_from: str) -> None:

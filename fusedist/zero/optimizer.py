@@ -291,16 +291,30 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         return self.inner
 
     # ------------------------------------------------------------------ construction
+    # Note [a sharded optimizer's groups in its inner optimizer's keys]
+    #     torch's ZeroRedundancyOptimizer(params, AdamW, lr=...) gives its param groups (and so its
+    #     state dict's) the inner optimizer's keys and values. Here the groups kept every keyword
+    #     given, so ``FusedAdamW, master_weights=False`` wrote a ``master_weights`` group key that
+    #     the inner FusedAdamW leaves out at its default (Note [param groups in torch's keys] in
+    #     fusedist/optim/_base.py): a checkpoint saved from it did not load by the target's keys
+    #     into torch's AdamW / ZeroRedundancyOptimizer (torch's distributed checkpoint), and one
+    #     loaded from theirs wrote the key on in every save after. Each group now holds the keys
+    #     an inner optimizer built from it holds, with its values.
     def _fill_group_defaults(self) -> None:
         """Fill each group's missing hyperparameters, and ``self.defaults``, with the inner
         optimizer's defaults now, so LR schedulers can read them before the (lazy) inner
         optimizer exists: OneCycleLR and CyclicLR look for ``betas`` / ``momentum`` in
-        ``optimizer.defaults`` and cycle them in every group."""
+        ``optimizer.defaults`` and cycle them in every group. Each group keeps the inner
+        optimizer's keys, as torch's ZeroRedundancyOptimizer's do (Note [a sharded optimizer's
+        groups in its inner optimizer's keys])."""
         for group in self.param_groups:
             probe_group = {k: v for k, v in group.items() if k != "params"}
             probe = self._optimizer_factory([{"params": [torch.zeros(1, requires_grad=True)], **probe_group}],
                                             **self._inner_defaults)
-            for k, v in probe.param_groups[0].items():
+            kept = probe.param_groups[0]
+            for k in [k for k in group if k not in kept]:
+                del group[k]
+            for k, v in kept.items():
                 if k != "params":
                     group.setdefault(k, v)
             for k, v in probe.defaults.items():
